@@ -1,0 +1,161 @@
+"""Typed messages exchanged between the device runtime and the verifier (DESIGN.md "Wire protocol").
+
+These dataclasses are the in-memory form; `hycoc.wire` turns them into binary frames and back, and
+validates every field on arrival. numpy only: the device runtime imports this module on the phone.
+
+Positions count from 0 (paper App. C): committed tokens sit at positions [0, t), the tree root
+x_{t+1} at position t.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: Acceptance modes a session can ask for (paper Table 5 "Acceptance" column).
+#: ``exact`` is lossless (Alg. 4 with epsilon = 1); ``epsilon`` is epsilon-threshold acceptance (§3.5).
+ACCEPTANCE_MODES = ("exact", "epsilon")
+
+#: Who drafts the chain each round (paper Table 5 "Place" column).
+#: ``device``: the device sends whole trees (HyCo, SpecEdge-style);
+#: ``server-head``: the server runs the BF16 head over the keep set and W window after each round and returns
+#: its chain in the reply (no siblings), the device adds SLM alternatives;
+#: ``cloud-mtp``: the server drafts a K-chain with the full-precision head over the whole prefix and full
+#: vocabulary and verifies it itself; the device sends only the root each round.
+DRAFT_PLACES = ("device", "server-head", "cloud-mtp")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The verifier's sampling distribution p~ (Alg. 4 line 5): temperature, then top-k, then top-p.
+
+    temperature: > 0 (0 means greedy: p~ puts all mass on the arg-max, ties to the lowest id).
+    top_k: number of largest logits kept, >= 1. top_p: nucleus mass in (0, 1].
+    """
+
+    temperature: float = 1.0
+    top_k: int = 64
+    top_p: float = 0.95
+
+
+@dataclass(frozen=True)
+class OpenRequest:
+    """Start a request: the verifier prefills ``prompt_ids[:-1]``; ``prompt_ids[-1]`` is the first tree's root.
+
+    prompt_ids: int32, shape (T,), T >= 1, every id < vocabulary size.
+    epsilon: threshold of epsilon-threshold acceptance in (0, 1]; 1.0 reduces to exact (App. C).
+    acceptance: one of ACCEPTANCE_MODES. draft_place: one of DRAFT_PLACES.
+    max_new_tokens: output cap; the verifier reports ``finished`` once it is reached or an EOS is committed.
+    """
+
+    prompt_ids: np.ndarray
+    sampling: Sampling = Sampling()
+    seed: int = 0
+    acceptance: str = "epsilon"
+    epsilon: float = 0.005
+    draft_place: str = "device"
+    max_new_tokens: int = 1024
+
+
+@dataclass(frozen=True)
+class Opened:
+    """Reply to OpenRequest once the prefill is done.
+
+    session_id: server-assigned id. t: position of the first root (= len(prompt) - 1).
+    prefill_ms: verifier time of the prefill in milliseconds. max_context: positions the verifier can hold.
+    tree_rows: rows every DraftTree of this session must have (B + 1; 1 for ``cloud-mtp``).
+    vocab_size, hidden_size, kv_dim_sliding, kv_dim_full: the verifier's sizes, so the device can check every
+    hand-off's lengths (kv_dim = kv_heads * head_dim of the last sliding / last full-attention layer).
+    """
+
+    session_id: int
+    t: int
+    prefill_ms: float
+    max_context: int
+    tree_rows: int
+    vocab_size: int
+    hidden_size: int
+    kv_dim_sliding: int
+    kv_dim_full: int
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """One round's hybrid draft tree (Alg. 3 line 17), rows in insertion order.
+
+    seq: round sequence number, 0 for the first round of a request, +1 each round.
+    tokens: int32, shape (R,), R = B + 1 rows; row 0 is the root x_{t+1}.
+    parents: int32, shape (R,); parents[0] == -1, 0 <= parents[j] < j for j >= 1. Padding repeats the last row
+    (same token and parent), which the verifier treats as a duplicate sibling of that row.
+    """
+
+    seq: int
+    tokens: np.ndarray
+    parents: np.ndarray
+
+
+@dataclass(frozen=True)
+class HandOff:
+    """The MTP Drafter's inputs for the next round (Alg. 4 line 14), all at 8 bits with fixed scales.
+
+    t_prime: position of the new root b (= t + 1 + |P|). a: first position whose KV rows are carried,
+    a = max(t, t' - W), or max(0, t' - W) in a request's first round. bonus: the new root token b.
+    x_hat: int8, shape (2 * H,): [e(b); h_{v*}], h taken before the verifier's final norm.
+    k_sliding, v_sliding: int8, shape (t' - a, kv_heads_sliding * head_dim_sliding): last sliding-window layer.
+    k_full, v_full: int8, shape (t' - a, kv_heads_full * head_dim_full): last full-attention layer.
+    Keys arrive with their rotary embedding applied. Dequantize as ``int8 * scale``.
+    scales: (e, h, k_sliding, v_sliding, k_full, v_full), the recipe's fixed per-tensor scales.
+    """
+
+    t_prime: int
+    a: int
+    bonus: int
+    x_hat: np.ndarray
+    k_sliding: np.ndarray
+    v_sliding: np.ndarray
+    k_full: np.ndarray
+    v_full: np.ndarray
+    scales: tuple[float, float, float, float, float, float]
+
+    @property
+    def n_positions(self) -> int:
+        return int(self.t_prime - self.a)
+
+
+@dataclass(frozen=True)
+class RoundReply:
+    """The verifier's answer to one DraftTree (Alg. 4 line 15).
+
+    seq: echoes DraftTree.seq. samples: int32, shape (R,), y^_j per row, rewritten along the chosen path
+    (Alg. 4 line 11) so that walking "child == sample" from the root ends at v*.
+    path_rows: int32, shape (|P|,), tree rows of the accepted path below the root, root excluded.
+    bonus: token b sampled at v*. handoff: the head's inputs, or None when the session's draft place is not
+    ``device``. chain: int32, shape (K,), the server head's chain for the next round (``server-head`` only),
+    else empty. server_ms: verifier time of this round in milliseconds (forward + sampling + compaction +
+    hand-off packing). finished: True once EOS is committed or max_new_tokens is reached.
+    """
+
+    seq: int
+    samples: np.ndarray
+    path_rows: np.ndarray
+    bonus: int
+    server_ms: float
+    finished: bool = False
+    handoff: HandOff | None = None
+    chain: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+
+
+@dataclass(frozen=True)
+class Close:
+    """End a session; the verifier frees its KV."""
+
+    session_id: int = 0
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """An error frame. code: a stable machine-readable kind (e.g. ``bad_parent``); message: what and how to fix."""
+
+    code: str
+    message: str
