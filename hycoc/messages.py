@@ -30,7 +30,7 @@ DRAFT_PLACES = ("device", "server-head", "cloud-mtp")
 class Sampling:
     """The verifier's sampling distribution p~ (Alg. 4 line 5): temperature, then top-k, then top-p.
 
-    temperature: > 0 (0 means greedy: p~ puts all mass on the arg-max, ties to the lowest id).
+    temperature: >= 0 (0 means greedy: p~ puts all mass on the arg-max, ties to the lowest id).
     top_k: number of largest logits kept, >= 1. top_p: nucleus mass in (0, 1].
     """
 
@@ -47,6 +47,7 @@ class OpenRequest:
     epsilon: threshold of epsilon-threshold acceptance in (0, 1]; 1.0 reduces to exact (App. C).
     acceptance: one of ACCEPTANCE_MODES. draft_place: one of DRAFT_PLACES.
     max_new_tokens: output cap; the verifier reports ``finished`` once it is reached or an EOS is committed.
+    auth_token: the server's shared secret when it runs with ``--auth-token``, else None (never empty).
     """
 
     prompt_ids: np.ndarray
@@ -56,6 +57,7 @@ class OpenRequest:
     epsilon: float = 0.005
     draft_place: str = "device"
     max_new_tokens: int = 1024
+    auth_token: str | None = None
 
 
 @dataclass(frozen=True)

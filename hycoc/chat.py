@@ -1,0 +1,39 @@
+"""Gemma-style chat template shared by the toy family and the real Gemma 4 checkpoints.
+
+``<bos><start_of_turn>user\\n{text}<end_of_turn>\\n<start_of_turn>model\\n`` opens a model turn; the model ends
+its turn with ``<end_of_turn>``. numpy-free and torch-free: the device runtime uses it too.
+"""
+
+from __future__ import annotations
+
+BOS = "<bos>"
+EOS = "<eos>"
+PAD = "<pad>"
+UNK = "<unk>"
+MASK = "<mask>"
+START_OF_TURN = "<start_of_turn>"
+END_OF_TURN = "<end_of_turn>"
+#: Special tokens in id order (ids 0..len-1 in the toy tokenizer).
+SPECIAL_TOKENS = [PAD, EOS, BOS, UNK, MASK, START_OF_TURN, END_OF_TURN,
+                  "<start_of_image>", "<end_of_image>", "<tool_call>", "<tool_response>", "<think>"]
+
+
+def user_turn(text: str) -> str:
+    """The prompt string for one user message, ending where the model's answer begins."""
+    return f"{BOS}{START_OF_TURN}user\n{text}{END_OF_TURN}\n{START_OF_TURN}model\n"
+
+
+def conversation(user: str, model: str) -> str:
+    """A whole single-turn conversation as training text (the model turn closed by ``<end_of_turn>``)."""
+    return f"{user_turn(user)}{model}{END_OF_TURN}\n"
+
+
+def format_prompt(tokenizer, user_text: str) -> list[int]:
+    """Token ids of `user_turn(user_text)`. tokenizer: a `tokenizers.Tokenizer`. Returns a list of int ids."""
+    return tokenizer.encode(user_turn(user_text), add_special_tokens=False).ids
+
+
+def stop_token_ids(tokenizer) -> set[int]:
+    """Ids that end a model turn: ``<end_of_turn>`` and ``<eos>`` (those the tokenizer has)."""
+    ids = {tokenizer.token_to_id(t) for t in (END_OF_TURN, EOS)}
+    return {i for i in ids if i is not None}

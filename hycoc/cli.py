@@ -1,0 +1,340 @@
+"""The ``hycoc`` command line (typer). Commands are thin: they check their arguments and the recipe, then call
+library functions. torch and transformers are imported inside command bodies only, so ``hycoc --help`` is fast
+and the device-runtime install (no torch) can run ``hycoc run``.
+
+Exit codes: 0 done; 1 bad input (recipe, dataset, missing model); 2 bad usage or a command that is not
+available yet (its message names the issue that brings it).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(
+    name="hycoc",
+    help="HyCo hybrid drafting: compile drafters into bundles, run the device runtime, serve the verifier.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+#: Repository root of an editable install; the shared Spec-Bench file lies beside the repository.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DATASET = REPO_ROOT.parent / "shared" / "data" / "spec_bench_question.jsonl"
+
+#: Commands that later issues fill in: command -> (issue number, title).
+PENDING = {
+    "build": (4, "The compiler: hycoc build RECIPE --target htp-v81|cpu|qai-hub"),
+    "run": (5, "Device runtime: hycoc run BUNDLE --server URL"),
+    "verify-server": (3, "Verifier engine and hycoc verify-server"),
+    "bench": (6, "hycoc bench: the paper's Table 2 on real prompts"),
+    "inspect-bundle": (4, "The compiler: hycoc build RECIPE --target htp-v81|cpu|qai-hub"),
+    "inspect-recipe": (7, "The paper's deployment: recipes/gemma4.toml end to end on real shapes"),
+}
+
+#: Configurations of `hycoc bench` (paper Table 5).
+BENCH_CONFIGS = ("cloud-mtp", "specedge", "specedge-eps", "hyco", "hyco-2p", "hyco-exact", "server-head", "slm-alone")
+
+
+class TargetName(str, Enum):
+    htp_v81 = "htp-v81"
+    cpu = "cpu"
+    qai_hub = "qai-hub"
+
+
+class RunMode(str, Enum):
+    hyco = "hyco"
+    hyco_exact = "hyco-exact"
+    hyco_2p = "hyco-2p"
+    specedge = "specedge"
+    server_head = "server-head"
+    slm_alone = "slm-alone"
+
+
+class Backend(str, Enum):
+    htp = "htp"
+    cpu = "cpu"
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+def _fail(command: str, message: str, code: int = 1) -> typer.Exit:
+    typer.echo(f"hycoc {command}: {message}", err=True)
+    return typer.Exit(code)
+
+
+def _pending(command: str, key: str | None = None) -> typer.Exit:
+    number, title = PENDING[key or command]
+    return _fail(command, f"not available yet (issue {number}: {title})", code=2)
+
+
+def _recipe(command: str, path: Path):
+    from hycoc.recipe import RecipeError, load_recipe
+
+    try:
+        return load_recipe(path)
+    except RecipeError as e:
+        raise _fail(command, f"bad recipe\n{e}") from None
+
+
+RECIPE_ARG = typer.Argument(..., help="recipe TOML file (e.g. recipes/toy.toml, recipes/gemma4.toml)",
+                            show_default=False)
+
+
+@app.command()
+def build(
+    recipe: Path = RECIPE_ARG,
+    target: Optional[TargetName] = typer.Option(
+        None, help="compile target: htp-v81 = QNN HTP context binaries, cpu = QDQ ONNX for onnxruntime's CPU EP, "
+        "qai-hub = Qualcomm AI Hub compile job (default: the recipe's target.name)", show_default=False),
+    out: Optional[Path] = typer.Option(
+        None, help="bundle folder to write (written to a temporary folder, renamed when complete) "
+        "(default: bundles/<recipe name>-<target>)", show_default=False),
+    list_passes: bool = typer.Option(False, "--list-passes", help="print the pass pipeline for the recipe and exit"),
+    until: Optional[str] = typer.Option(
+        None, metavar="PASS", help="stop after this pass and keep its artifact for inspection", show_default=False),
+    cache_dir: Optional[Path] = typer.Option(
+        None, help="cache of intermediate artifacts, keyed by content hash (default: .hycoc-cache in the cwd)",
+        show_default=False),
+) -> None:
+    """Compile the recipe's MTP head and SLM into a bundle of static, quantized graphs (paper §3.2-3.4)."""
+    _recipe("build", recipe)
+    raise _pending("build")
+
+
+@app.command()
+def run(
+    bundle: Path = typer.Argument(..., help="bundle folder made by `hycoc build`", show_default=False),
+    server: str = typer.Option(..., metavar="URL", help="verifier address, ws://HOST:PORT", show_default=False),
+    prompt: Optional[str] = typer.Option(None, help="user message (wrapped in the chat template)", show_default=False),
+    prompt_file: Optional[Path] = typer.Option(None, help="read the user message from this file", show_default=False),
+    max_new_tokens: Optional[int] = typer.Option(
+        None, min=1, help="output cap in tokens (default: the bundle's sampling.max_new_tokens)", show_default=False),
+    mode: RunMode = typer.Option(
+        RunMode.hyco, help="drafting and acceptance: hyco (epsilon), hyco-exact, hyco-2p (two SLM passes), "
+        "specedge (SLM-only tree), server-head, slm-alone (paper Table 5)"),
+    backend: Backend = typer.Option(Backend.htp, help="htp = QNN EP context binaries (simulator on x86), cpu = CPU EP"),
+    seed: Optional[int] = typer.Option(None, min=0, help="sampling seed (default: the bundle's)", show_default=False),
+    json_out: bool = typer.Option(False, "--json", help="print the metrics as one JSON object after the text"),
+    raw: bool = typer.Option(False, "--raw", help="send the prompt as is, without the chat template"),
+    auth_token: Optional[str] = typer.Option(
+        None, envvar="HYCOC_AUTH_TOKEN", help="token the server requires", show_default=False),
+) -> None:
+    """Device runtime: draft hybrid trees against a verifier server and stream the answer (Alg. 1-3)."""
+    if (prompt is None) == (prompt_file is None):
+        raise _fail("run", "give exactly one of --prompt and --prompt-file", code=2)
+    if prompt_file is not None and not prompt_file.is_file():
+        raise _fail("run", f"--prompt-file {prompt_file}: no such file", code=2)
+    if not bundle.is_dir():
+        raise _fail("run", f"bundle {bundle}: no such folder", code=2)
+    if not server.startswith(("ws://", "wss://")):
+        raise _fail("run", f"--server {server!r}: expected ws://HOST:PORT", code=2)
+    raise _pending("run")
+
+
+@app.command("verify-server")
+def verify_server(
+    recipe: Path = RECIPE_ARG,
+    host: Optional[str] = typer.Option(None, help="listen address (default: the recipe's verifier.host, 127.0.0.1)",
+                                       show_default=False),
+    port: Optional[int] = typer.Option(None, min=1, max=65535,
+                                       help="TCP port (default: the recipe's verifier.port, 8765)", show_default=False),
+    device: Optional[Device] = typer.Option(None, help="torch device (default: the recipe's verifier.device)",
+                                            show_default=False),
+    auth_token: Optional[str] = typer.Option(
+        None, envvar="HYCOC_AUTH_TOKEN", help="require this token from clients (default: none)",
+        show_default=False),
+) -> None:
+    """Serve the verifier: prefill, one-forward tree verification, acceptance, KV compaction, hand-off (Alg. 4)."""
+    _recipe("verify-server", recipe)
+    raise _pending("verify-server")
+
+
+@app.command()
+def bench(
+    recipe: Path = RECIPE_ARG,
+    dataset: Optional[Path] = typer.Option(
+        None, help="Spec-Bench question JSONL (default: the recipe's bench.dataset, else "
+        "../shared/data/spec_bench_question.jsonl beside the repository)", show_default=False),
+    limit: Optional[int] = typer.Option(None, min=1, help="use the first N questions (default: all 480)",
+                                        show_default=False),
+    configs: str = typer.Option(",".join(BENCH_CONFIGS), help="comma-separated configurations (paper Table 5)"),
+    link: Optional[str] = typer.Option(
+        None, help="link model per frame: lte, 5g, none or RTT_MS:MBPS (round trip ms : megabit/s) "
+        "(default: the recipe's bench.link)", show_default=False),
+    runs: Optional[int] = typer.Option(None, min=1, help="repetitions per configuration (default: the recipe's)",
+                                       show_default=False),
+    out: Path = typer.Option(Path("runs/bench"), help="folder for results.json and plots"),
+    resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
+) -> None:
+    """Benchmark every configuration on the same prompts, verifier and seed (paper Table 2, App. G)."""
+    from hycoc.datasets import DatasetError, load_spec_bench
+    from hycoc.recipe import check_link
+
+    cfg = _recipe("bench", recipe)
+    unknown = [c for c in configs.split(",") if c not in BENCH_CONFIGS]
+    if unknown:
+        raise _fail("bench", f"--configs: unknown {', '.join(unknown)}; allowed: {', '.join(BENCH_CONFIGS)}", code=2)
+    if link is not None:
+        try:  # the recipe's own check, so the CLI and the recipe accept the same strings
+            check_link(link)
+        except ValueError:
+            raise _fail("bench", f"--link {link!r}: allowed: lte, 5g, none or RTT_MS:MBPS such as 45:50",
+                        code=2) from None
+    path = dataset or cfg.resolve_path(cfg.bench.dataset) or DEFAULT_DATASET
+    try:
+        load_spec_bench(path)
+    except DatasetError as e:
+        raise _fail("bench", str(e)) from None
+    raise _pending("bench")
+
+
+@app.command()
+def inspect(
+    target: Path = typer.Argument(..., help="a bundle folder, or a recipe TOML (real-shape plan, no weights needed)",
+                                  show_default=False),
+    json_out: bool = typer.Option(False, "--json", help="emit JSON instead of tables"),
+) -> None:
+    """Print a bundle's manifest, or a recipe's graphs, sizes and hand-off bytes on real shapes."""
+    if target.suffix == ".toml":
+        _recipe("inspect", target)
+        raise _pending("inspect", "inspect-recipe")
+    if not target.is_dir():
+        raise _fail("inspect", f"{target}: neither a bundle folder nor a recipe .toml", code=2)
+    raise _pending("inspect", "inspect-bundle")
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of Python and the packages hycoc uses, "not installed" for those missing (nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": sys.version.split()[0]}
+    for name in ("hycoc", "numpy", "torch", "transformers", "tokenizers", "onnx", "onnxscript", "onnx-ir",
+                 "onnxruntime", "onnxruntime-qnn"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+@app.command()
+def doctor() -> None:
+    """Report the versions of Python, torch, transformers, onnx, onnxruntime and onnxruntime-qnn."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="hycoc doctor")
+    table.add_column("package")
+    table.add_column("version")
+    for name, ver in package_versions().items():
+        table.add_row(name, ver if ver != "not installed" else "[yellow]not installed[/yellow]")
+    Console().print(table)
+
+
+class _TextStream:
+    """A `model.generate` streamer that prints decoded text as tokens arrive.
+
+    transformers calls ``put`` first with the prompt ids (skipped), then with each new token, and ``end`` once.
+    Text is decoded from all new ids each time and only the new suffix printed; a trailing U+FFFD (an
+    incomplete UTF-8 byte sequence of a byte-level tokenizer) is held back until it completes.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.shown, self.prompt_seen = tokenizer, [], 0, False
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.ids.extend(int(i) for i in value.reshape(-1).tolist())
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            sys.stdout.write(text[self.shown:])
+            sys.stdout.flush()
+            self.shown = len(text)
+
+    def end(self) -> None:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        sys.stdout.write(text[self.shown:] + "\n")
+        sys.stdout.flush()
+
+
+@app.command()
+def generate(
+    recipe: Path = RECIPE_ARG,
+    dataset: Optional[Path] = typer.Option(
+        None, help="Spec-Bench question JSONL (default: ../shared/data/spec_bench_question.jsonl beside the "
+        "repository)", show_default=False),
+    question_id: Optional[int] = typer.Option(
+        None, help="Spec-Bench question_id whose first turn is the prompt (default: 81 unless --prompt)",
+        show_default=False),
+    prompt: Optional[str] = typer.Option(None, help="user message instead of a dataset question", show_default=False),
+    max_new_tokens: Optional[int] = typer.Option(
+        None, min=1, help="output cap in tokens (default: the recipe's sampling.max_new_tokens)", show_default=False),
+    seed: Optional[int] = typer.Option(None, min=0, help="torch seed (default: the recipe's sampling.seed)",
+                                       show_default=False),
+    temperature: Optional[float] = typer.Option(
+        None, min=0.0, help="sampling temperature, 0 = greedy (default: the recipe's sampling.temperature)",
+        show_default=False),
+) -> None:
+    """Answer one question with the verifier alone (transformers generate, the recipe's sampling), streaming text.
+
+    The question is wrapped in the chat template; top-k and top-p come from the recipe's sampling table.
+    """
+    from hycoc.datasets import DatasetError, find_question, load_spec_bench
+
+    if prompt is not None and question_id is not None:
+        raise _fail("generate", "give at most one of --prompt and --question-id", code=2)
+    cfg = _recipe("generate", recipe)
+    if prompt is None:
+        try:
+            prompt = find_question(load_spec_bench(dataset or DEFAULT_DATASET), 81 if question_id is None else question_id).turns[0]
+        except DatasetError as e:
+            raise _fail("generate", str(e)) from None
+
+    import torch
+
+    from hycoc.chat import format_prompt, stop_token_ids
+    from hycoc.models import ModelNotFoundError, load_tokenizer, load_verifier
+
+    sampling = cfg.sampling
+    temperature = sampling.temperature if temperature is None else temperature
+    from hycoc.recipe import RecipeError
+
+    try:
+        tokenizer_path, verifier_path = cfg.model_path("tokenizer"), cfg.model_path("verifier")
+        tokenizer = load_tokenizer(tokenizer_path)
+        model = load_verifier(verifier_path, dtype=cfg.verifier.dtype, device=cfg.verifier.device)
+    except (RecipeError, ModelNotFoundError) as e:
+        raise _fail("generate", str(e)) from None
+
+    torch.manual_seed(sampling.seed if seed is None else seed)
+    ids = torch.tensor([format_prompt(tokenizer, prompt)], device=cfg.verifier.device)  # (1, T)
+    stops = sorted(stop_token_ids(tokenizer))
+    start = time.perf_counter()
+    # p~ of Alg. 4 line 5 (temperature, top-k, top-p); temperature 0 = greedy.
+    knobs = dict(do_sample=True, temperature=temperature, top_k=sampling.top_k, top_p=sampling.top_p) \
+        if temperature > 0 else dict(do_sample=False)
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens or sampling.max_new_tokens,
+            eos_token_id=stops, pad_token_id=stops[0], streamer=_TextStream(tokenizer), **knobs,
+        )
+    seconds = time.perf_counter() - start
+    new = out.shape[1] - ids.shape[1]
+    typer.echo(f"[{new} tokens in {seconds:.2f} s, {new / seconds:.1f} tok/s; prompt {ids.shape[1]} tokens]",
+               err=True)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,73 @@
+"""Load the three models of a recipe: verifier, MTP head, SLM (and the tokenizer), from local folders.
+
+Model hubs are not reachable from build machines, so every loader takes a local path (or an offline HF cache
+entry) and says exactly what is missing and how to provide it. torch/transformers are imported lazily so the
+device runtime can import hycoc without them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A recipe names a model that is not on this machine. The message says which and how to provide it."""
+
+
+def _require_dir(path: str | Path, role: str) -> Path:
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"{role} model not found at '{p}': no config.json there. Download it on a machine with hub access "
+            f"(`huggingface-cli download <id> --local-dir {p}`) and copy the folder here, or point the recipe's "
+            f"[models].{role} at a local folder."
+        )
+    return p
+
+
+def load_tokenizer(path: str | Path):
+    """A `tokenizers.Tokenizer` from ``tokenizer.json`` (a file, or a folder holding one).
+
+    Raises ModelNotFoundError if there is none.
+    """
+    from tokenizers import Tokenizer
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise ModelNotFoundError(f"tokenizer not found at '{p}': point [models].tokenizer at a tokenizer.json")
+    return Tokenizer.from_file(str(p))
+
+
+def load_verifier(path: str | Path, *, dtype: str = "float32", device: str = "cpu"):
+    """The verifier, a transformers ``Gemma4ForCausalLM`` in eval mode (sdpa attention)."""
+    import torch
+    from transformers import Gemma4ForCausalLM
+
+    p = _require_dir(path, "verifier")
+    model = Gemma4ForCausalLM.from_pretrained(p, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+def load_head(path: str | Path, *, dtype: str = "float32", device: str = "cpu"):
+    """The MTP head, a transformers ``Gemma4AssistantForCausalLM`` in eval mode."""
+    import torch
+    from transformers import Gemma4AssistantForCausalLM
+
+    p = _require_dir(path, "head")
+    model = Gemma4AssistantForCausalLM.from_pretrained(p, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+def load_slm(path: str | Path, *, device: str = "cpu"):
+    """The SLM, a pre-quantized ``Gemma4ForCausalLM`` read through transformers' Gemma quantizer.
+
+    The checkpoint's ``quantization_config`` (quant_method "gemma") makes transformers replace every Linear with
+    ``QuantizedLinear`` (packed int2/int4/int8 + per-channel scales) before loading the weights.
+    """
+    from transformers import Gemma4ForCausalLM
+
+    p = _require_dir(path, "slm")
+    model = Gemma4ForCausalLM.from_pretrained(p, attn_implementation="sdpa")
+    return model.to(device).eval()

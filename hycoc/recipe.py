@@ -1,0 +1,669 @@
+"""Recipes: one TOML file holds every knob of a HyCo deployment, loaded into strict, typed config objects.
+
+A recipe is read with ``tomllib`` and validated by the pydantic models below. Each section is one model with
+``extra="forbid"`` and strict types: an unknown key, a wrong type (``"4"`` for ``4``, ``1`` for ``true``) or an
+out-of-range value is an error, never a warning and never a silent coercion. Every field carries the paper's
+default and a one-line description with its unit; the paper is "HyCo: Hybrid Drafting for Cost-Efficient
+Mobile-Cloud Speculative Decoding" (App. C Algorithms 1-4 and Table 5 for the round, Table 4 for the head's QAT,
+Table 3 and App. A for the integer formats).
+
+`load_recipe` turns every problem into one `RecipeError` whose message names the dotted key, the file, the line
+(found by scanning the TOML text for the key inside its table, best effort), the bad value and what is allowed.
+
+Model paths (``[models]``) are either local paths, resolved against the recipe file's folder, or hub ids such as
+``google/gemma-4-26B-A4B-it``: a string that does not start with ``.``, ``/`` or ``~``, does not end in ``.json``,
+names nothing on disk and has the form ``owner/name`` is taken as a hub id (write ``./owner/name`` to force a
+local path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import annotated_types
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError,
+                      model_validator)
+from pydantic.fields import FieldInfo
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used. ``problems`` lists each one; ``str(err)`` is one line per problem.
+
+    Each problem names the dotted key (``tree.sibling_depth``), the file and line (when found), the bad value
+    and the allowed values or range.
+    """
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("\n".join(p.message for p in problems))
+
+    @property
+    def key(self) -> str | None:
+        """Dotted key of the first problem (None for file-level problems such as a missing file)."""
+        return self.problems[0].key
+
+    @property
+    def line(self) -> int | None:
+        """1-based line of the first problem in the recipe file, None when unknown."""
+        return self.problems[0].line
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a recipe: dotted ``key``, 1-based ``line`` (None if unknown), full ``message``."""
+
+    key: str | None
+    line: int | None
+    message: str
+
+
+class CrossFieldError(ValueError):
+    """Raised inside validators when two fields disagree; ``key`` is the field to blame, relative to the model
+    that raises it (``"sibling_depth"`` in `Tree`, ``"tree.slm_candidates"`` in `Recipe`)."""
+
+    def __init__(self, key: str, value: Any, problem: str, allowed: str):
+        self.key, self.value, self.problem, self.allowed = key, value, problem, allowed
+        super().__init__(problem)
+
+
+class Section(BaseModel):
+    """Base of every recipe table: unknown keys are errors, types are strict, defaults are validated too."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=True)
+
+
+def _allowed(text: str) -> dict[str, str]:
+    """Field extra that spells out the allowed values where the type and bounds do not say it all."""
+    return {"allowed": text}
+
+
+# ---- value formats ------------------------------------------------------------------------------------------
+
+_RANGE = re.compile(r"^U\+([0-9A-Fa-f]{4,6})-U\+([0-9A-Fa-f]{4,6})$")
+_LINK = re.compile(r"^(lte|5g|none|\d+(\.\d+)?:\d+(\.\d+)?)$")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def parse_code_point_range(text: str) -> tuple[int, int]:
+    """``"U+AC00-U+D7A3"`` -> ``(0xAC00, 0xD7A3)``, both ends inclusive. Raises ValueError on any other form,
+    on an end above U+10FFFF and on a range whose start exceeds its end."""
+    m = _RANGE.match(text)
+    if m is None:
+        raise ValueError(f"{text!r} is not a code point range like \"U+AC00-U+D7A3\"")
+    lo, hi = int(m[1], 16), int(m[2], 16)
+    if hi > 0x10FFFF:
+        raise ValueError(f"{text!r} ends above U+10FFFF")
+    if lo > hi:
+        raise ValueError(f"{text!r} starts after it ends")
+    return lo, hi
+
+
+def _check_range(text: str) -> str:
+    parse_code_point_range(text)
+    return text
+
+
+def check_link(text: str) -> str:
+    """Return ``text`` if it names a link model ("lte", "5g", "none" or "RTT_MS:MBPS"), else raise ValueError."""
+    if _LINK.match(text) is None:
+        raise ValueError(f"{text!r} is not a link model")
+    return text
+
+
+def _list_to_tuple(value: Any) -> Any:
+    # TOML arrays arrive as lists; strict mode would refuse them for a fixed-length tuple.
+    return tuple(value) if isinstance(value, list) else value
+
+
+_Beta = Annotated[float, Field(ge=0, lt=1)]
+CodePointRange = Annotated[str, AfterValidator(_check_range)]
+Link = Annotated[str, AfterValidator(check_link)]
+
+#: The Hangul blocks the paper forces into the keep set (App. A: "all 4,678 Hangul tokens"): Hangul Jamo,
+#: Hangul Compatibility Jamo, Hangul Syllables.
+HANGUL_RANGES = ["U+1100-U+11FF", "U+3130-U+318F", "U+AC00-U+D7A3"]
+
+
+# ---- sections -----------------------------------------------------------------------------------------------
+
+
+class RecipeInfo(Section):
+    """``[recipe]``: what this recipe is."""
+
+    name: str = Field("hyco", min_length=1, description="short name of the recipe, used in bundle and run names")
+    description: str = Field("", description="one line on what the recipe deploys")
+
+
+class Models(Section):
+    """``[models]``: the four artifacts, each a local path (relative to the recipe's folder) or a hub id."""
+
+    verifier: str = Field(
+        "google/gemma-4-26B-A4B-it", min_length=1,
+        description="the verifier LLM (paper: Gemma 4 26B-A4B-it), a folder with config.json + safetensors or a hub id",
+    )
+    head: str = Field(
+        "google/gemma-4-26B-A4B-it-assistant", min_length=1,
+        description="the verifier's MTP head, the assistant model (paper: 420M parameters, BF16 release)",
+    )
+    slm: str = Field(
+        "google/gemma-4-E2B-it-qat-mobile-transformers", min_length=1,
+        description="the SLM drafter, pre-quantized Gemma checkpoint with 2/4/8-bit weights (paper: Gemma 4 E2B-it)",
+    )
+    tokenizer: str = Field(
+        "google/gemma-4-26B-A4B-it", min_length=1,
+        description="tokenizer shared by all three models: a tokenizer.json, a folder holding one, or a hub id",
+    )
+    head_config_assumed: bool = Field(
+        False,
+        description="true while the head's config is assumed (real-shape planning without its config.json); "
+        "reports mark every number derived from it as assumed",
+    )
+
+
+class KeepSet(Section):
+    """``[keep_set]``: the restricted output vocabulary of both drafters (§3.3, App. A)."""
+
+    size: int = Field(86089, ge=1, description="tokens in the keep set, always-kept classes included (paper: 86,089)")
+    corpus: str = Field(
+        "", description="JSONL of conversations whose assistant turns are counted (path; empty = none given)"
+    )
+    corpus_conversations: int = Field(
+        20000, ge=1, description="conversations of the corpus read for token counts (paper: 20,000 UC-tr)"
+    )
+    always_special: bool = Field(True, description="keep every special token regardless of frequency (paper: 24)")
+    always_bytes: bool = Field(True, description="keep the 256 byte tokens, which spell any string")
+    forced_ranges: list[CodePointRange] = Field(
+        default_factory=lambda: list(HANGUL_RANGES),
+        description="Unicode ranges whose tokens are always kept, 'U+XXXX-U+YYYY' inclusive (paper: the Hangul blocks)",
+        json_schema_extra=_allowed('strings like "U+AC00-U+D7A3" (4-6 hex digits, start <= end <= U+10FFFF)'),
+    )
+
+    def code_point_ranges(self) -> list[tuple[int, int]]:
+        """The forced ranges as inclusive ``(first, last)`` code points."""
+        return [parse_code_point_range(r) for r in self.forced_ranges]
+
+    @model_validator(mode="after")
+    def _room_for_bytes(self) -> KeepSet:
+        if self.always_bytes and self.size < 256:
+            raise CrossFieldError("size", self.size, "too small to hold the 256 byte tokens (always_bytes = true)",
+                                  "an integer >= 256 while keep_set.always_bytes is true")
+        return self
+
+
+class Tree(Section):
+    """``[tree]``: the hybrid draft tree (Alg. 2-3, App. C, Table 5)."""
+
+    chain_length: int = Field(4, ge=1, le=16, description="K, the MTP head's chain length in tokens per round")
+    sibling_depth: int = Field(
+        2, ge=0, description="D, runner-up siblings are planted at chain depths 1..D (0 = none; Alg. 2 line 11)"
+    )
+    node_budget: int = Field(32, ge=1, description="B, draft nodes kept after the trim; the verifier sees B+1 rows")
+    depth_cost: float = Field(
+        0.66, gt=0, lt=1, description="lambda; every tree edge adds ln(lambda) to a node's score (Alg. 3)"
+    )
+    slm_candidates: int = Field(32, ge=1, description="SLM candidates per expanded row (Alg. 3 line 12)")
+    slm_passes: Literal[1, 2] = Field(1, description="SLM forwards per round: 1 = HyCo, 2 = HyCo-2P (Alg. 3 line 15)")
+    specedge_passes: int = Field(
+        4, ge=1, description="sequential SLM passes of the SLM-only SpecEdge-style tree (Table 5)"
+    )
+    specedge_nodes: int = Field(32, ge=1, description="draft nodes of the SpecEdge-style tree (Table 5)")
+
+    @model_validator(mode="after")
+    def _siblings_on_chain(self) -> Tree:
+        if self.sibling_depth > self.chain_length:
+            raise CrossFieldError(
+                "sibling_depth", self.sibling_depth,
+                f"siblings can only be planted beside chain tokens, and tree.chain_length = {self.chain_length}",
+                f"an integer in [0, tree.chain_length = {self.chain_length}]",
+            )
+        return self
+
+
+class Window(Section):
+    """``[window]``: the drafters' context windows (§3.4, Alg. 2)."""
+
+    head_window: int = Field(1024, ge=1, description="W, verifier KV positions the MTP head reads, in tokens")
+    slm_window: int = Field(1024, ge=1, description="committed positions in the SLM's ring KV, in tokens")
+    slm_sliding_window: int = Field(
+        512, ge=1, description="ring length of the SLM's sliding-window layers, in tokens (paper: W/2 = 512)"
+    )
+    head_query_position_offset: Literal[-1, 0] = Field(
+        -1,
+        description="the head's query rotary position relative to the root position t: -1 = t-1 as the paper fixes "
+        "(Alg. 2 line 6); 0 = t as transformers' SinglePositionMultiTokenCandidateGenerator",
+    )
+
+    @model_validator(mode="after")
+    def _sliding_inside_ring(self) -> Window:
+        if self.slm_sliding_window > self.slm_window:
+            raise CrossFieldError(
+                "slm_sliding_window", self.slm_sliding_window,
+                f"the sliding layers' ring cannot be longer than the SLM ring (window.slm_window = {self.slm_window})",
+                f"an integer in [1, window.slm_window = {self.slm_window}]",
+            )
+        return self
+
+
+class Acceptance(Section):
+    """``[acceptance]``: the verifier's acceptance rule (§3.5, Alg. 4 line 6)."""
+
+    epsilon: float = Field(
+        0.005, gt=0, le=1, description="accept a drafted child c of v when p~(c|v) >= epsilon; 1 = exact"
+    )
+    mode: Literal["epsilon", "exact"] = Field(
+        "epsilon", description="'epsilon' = epsilon-threshold acceptance; 'exact' = lossless (epsilon taken as 1)"
+    )
+
+    @property
+    def effective_epsilon(self) -> float:
+        """The threshold the verifier applies: 1.0 under exact acceptance (App. C), else ``epsilon``."""
+        return 1.0 if self.mode == "exact" else self.epsilon
+
+
+class Sampling(Section):
+    """``[sampling]``: the verifier's sampling distribution p~ (Alg. 4 line 5) and the output cap."""
+
+    temperature: float = Field(1.0, ge=0, description="softmax temperature; 0 = greedy (arg-max, ties to lowest id)")
+    top_k: int = Field(64, ge=1, description="largest logits kept before the nucleus cut")
+    top_p: float = Field(0.95, gt=0, le=1, description="nucleus mass kept after top-k, then renormalized")
+    max_new_tokens: int = Field(1024, ge=1, description="output cap per request, in tokens (paper: 1,024 on SB)")
+    seed: int = Field(0, ge=0, description="seed of the verifier's per-session sampler and of the device runtime")
+
+
+class HeadQat(Section):
+    """``[head_qat]``: KL-based 4-bit QAT of the MTP head (App. A Table 4)."""
+
+    weight_bits: Literal[2, 4, 8] = Field(4, description="bits of every linear weight, output layer included")
+    steps: int = Field(100, ge=0, description="optimizer steps (0 = post-training quantization only)")
+    lr: float = Field(1e-5, gt=0, description="peak AdamW learning rate")
+    warmup_steps: int = Field(50, ge=0, description="linear warm-up steps before the schedule")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="learning-rate decay after warm-up")
+    grad_accum: int = Field(2, ge=1, description="sequences accumulated per step (batch 1 sequence)")
+    grad_clip: float = Field(1.0, gt=0, description="gradient-norm clip")
+    betas: Annotated[tuple[_Beta, _Beta], BeforeValidator(_list_to_tuple)] = Field(
+        (0.9, 0.95), description="AdamW (beta1, beta2)",
+        json_schema_extra=_allowed("two numbers, each in [0, 1)"),
+    )
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (paper: none)")
+    clip_search_max: float = Field(1.0, gt=0, le=1, description="largest clip ratio of the per-channel MSE search")
+    clip_search_min: float = Field(0.6, gt=0, le=1, description="smallest clip ratio of the per-channel MSE search")
+    clip_search_points: int = Field(9, ge=1, description="clip ratios tried, evenly spaced from max to min")
+    calibration_prompts: int = Field(60, ge=1, description="training prompts (paper: 60 UC-tr first turns)")
+    calibration_max_new_tokens: int = Field(
+        1024, ge=1, description="cap on the verifier's greedy answers to training prompts, in tokens"
+    )
+    eval_prompts: int = Field(60, ge=1, description="held-out prompts for top-1 agreement (paper: 60 UC-val)")
+    eval_max_new_tokens: int = Field(512, ge=1, description="cap on the verifier's greedy answers to eval prompts")
+    max_seq_len: int = Field(2048, ge=2, description="longest training sequence, prompt + answer, in tokens")
+    input_range_percentile: float = Field(
+        99.99, gt=0, le=100, description="percentile of the captured inputs that fixes the head's input ranges"
+    )
+    calibration_data: str = Field(
+        "", description="JSONL of prompts for training and evaluation (path; empty = the keep-set corpus)"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> HeadQat:
+        if self.clip_search_min >= self.clip_search_max:
+            raise CrossFieldError(
+                "clip_search_min", self.clip_search_min,
+                f"must be below head_qat.clip_search_max = {self.clip_search_max}",
+                f"a number in (0, head_qat.clip_search_max = {self.clip_search_max})",
+            )
+        if self.warmup_steps > self.steps:
+            raise CrossFieldError("warmup_steps", self.warmup_steps, f"exceeds head_qat.steps = {self.steps}",
+                                  f"an integer in [0, head_qat.steps = {self.steps}]")
+        for key in ("calibration_max_new_tokens", "eval_max_new_tokens"):
+            if getattr(self, key) >= self.max_seq_len:
+                raise CrossFieldError(key, getattr(self, key),
+                                      f"leaves no room for the prompt in head_qat.max_seq_len = {self.max_seq_len}",
+                                      f"an integer in [1, head_qat.max_seq_len = {self.max_seq_len})")
+        return self
+
+
+class SlmCalibration(Section):
+    """``[slm_calibration]``: activation calibration of the SLM drafter (App. A)."""
+
+    prompts: int = Field(60, ge=1, description="calibration prompts, answered greedily by the verifier")
+    percentile: float = Field(99.9, gt=0, le=100, description="percentile of |activation| that sets a range")
+    range_scale: float = Field(1.2, gt=0, description="factor on the percentile; the range is percentile x scale")
+    activation_bits: Literal[8, 16] = Field(16, description="bits of activations in the graph")
+    kv_bits: Literal[8, 16] = Field(8, description="bits of the SLM's KV ring inputs")
+
+
+class Handoff(Section):
+    """``[handoff]``: the hand-off H the verifier sends each round (§3.1, Alg. 4 line 14, App. A).
+
+    The six scales are fixed int8 scales (real value = scale x integer); they are calibrated per verifier and
+    unset (None) until then.
+    """
+
+    bits: Literal[8] = Field(8, description="integer width of every hand-off value on the wire (paper: 8)")
+    hidden: Literal["pre_norm", "post_norm"] = Field(
+        "pre_norm", description="h is taken before ('pre_norm', App. A) or after the verifier's final norm"
+    )
+    scale_embedding: float | None = Field(None, gt=0, description="int8 scale of e(b), the bonus token's embedding")
+    scale_hidden: float | None = Field(None, gt=0, description="int8 scale of h, the verifier's last hidden state")
+    scale_k_sliding: float | None = Field(None, gt=0, description="int8 scale of K of the last sliding layer")
+    scale_v_sliding: float | None = Field(None, gt=0, description="int8 scale of V of the last sliding layer")
+    scale_k_full: float | None = Field(None, gt=0, description="int8 scale of K of the last full-attention layer")
+    scale_v_full: float | None = Field(None, gt=0, description="int8 scale of V of the last full-attention layer")
+
+    def scales(self) -> dict[str, float]:
+        """All six scales by key (``"embedding"``, ``"hidden"``, ``"k_sliding"``, ...).
+
+        Raises RecipeError naming every unset ``handoff.scale_*`` key.
+        """
+        values = {name.removeprefix("scale_"): getattr(self, name) for name in type(self).model_fields
+                  if name.startswith("scale_")}
+        missing = [f"handoff.scale_{k}" for k, v in values.items() if v is None]
+        if missing:
+            raise RecipeError([Problem(k, None, f"{k} is not set; the hand-off needs a fixed int8 scale "
+                                                f"(allowed: a number > 0)") for k in missing])
+        return values
+
+
+class Target(Section):
+    """``[target]``: the compile target of `hycoc build` (DESIGN.md "Targets")."""
+
+    name: Literal["htp-v81", "cpu", "qai-hub"] = Field(
+        "htp-v81", description="htp-v81 = QNN HTP context binaries; cpu = QDQ ONNX; qai-hub = AI Hub compile job"
+    )
+    htp_arch: Literal[68, 69, 73, 75, 79, 81] = Field(81, description="Hexagon HTP architecture version")
+    soc_model: str = Field("SM8850", min_length=1, description="SoC of the phone (paper: SM8850, Galaxy S26 Ultra)")
+    context_size_limit_mb: int = Field(3500, ge=1, description="largest QNN context binary the phone loads, in MB")
+    disable_cpu_fallback: bool = Field(True, description="fail the compile if any node would fall back to the CPU")
+
+    @model_validator(mode="after")
+    def _arch_matches_name(self) -> Target:
+        if self.name == "htp-v81" and self.htp_arch != 81:
+            raise CrossFieldError("htp_arch", self.htp_arch, 'disagrees with target.name = "htp-v81"',
+                                  '81 while target.name is "htp-v81"')
+        return self
+
+
+class Verifier(Section):
+    """``[verifier]``: how `hycoc verify-server` (and `hycoc generate`) run the verifier."""
+
+    device: Literal["cpu", "cuda"] = Field("cuda", description="torch device of the verifier (paper: one GPU)")
+    dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="weight and activation dtype")
+    max_context: int = Field(0, ge=0, description="longest prompt + output in tokens (0 = the model's own limit)")
+    host: str = Field("127.0.0.1", min_length=1, description="address the server listens on")
+    port: int = Field(8765, ge=1, le=65535, description="TCP port the server listens on")
+    max_frame_bytes: int = Field(
+        8 * 1024 * 1024, ge=4096, description="largest accepted wire frame, in bytes (default 8 MiB)"
+    )
+
+
+class Bench(Section):
+    """``[bench]``: `hycoc bench` defaults (§4, App. G)."""
+
+    dataset: str = Field("", description="Spec-Bench question JSONL (path; empty = the CLI's default)")
+    output_cap: int = Field(1024, ge=1, description="new tokens per request, in tokens (paper: 1,024)")
+    link: Link = Field(
+        "lte", description="link model per frame: lte, 5g, none, or 'RTT_MS:MBPS' (round trip ms : megabit/s)",
+        json_schema_extra=_allowed('"lte", "5g", "none" or "RTT_MS:MBPS" such as "45:50"'),
+    )
+    runs: int = Field(1, ge=1, description="repetitions of every configuration (paper: 3 for HyCo, SpecEdge-eps)")
+
+
+class Recipe(Section):
+    """A whole recipe. Build it with `load_recipe`; ``source_path`` is the file it came from."""
+
+    recipe: RecipeInfo = Field(default_factory=RecipeInfo, description="[recipe]")
+    models: Models = Field(default_factory=Models, description="[models]")
+    keep_set: KeepSet = Field(default_factory=KeepSet, description="[keep_set]")
+    tree: Tree = Field(default_factory=Tree, description="[tree]")
+    window: Window = Field(default_factory=Window, description="[window]")
+    acceptance: Acceptance = Field(default_factory=Acceptance, description="[acceptance]")
+    sampling: Sampling = Field(default_factory=Sampling, description="[sampling]")
+    head_qat: HeadQat = Field(default_factory=HeadQat, description="[head_qat]")
+    slm_calibration: SlmCalibration = Field(default_factory=SlmCalibration, description="[slm_calibration]")
+    handoff: Handoff = Field(default_factory=Handoff, description="[handoff]")
+    target: Target = Field(default_factory=Target, description="[target]")
+    verifier: Verifier = Field(default_factory=Verifier, description="[verifier]")
+    bench: Bench = Field(default_factory=Bench, description="[bench]")
+
+    _source_path: Path | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _across_sections(self) -> Recipe:
+        if self.tree.slm_candidates > self.keep_set.size:
+            raise CrossFieldError("tree.slm_candidates", self.tree.slm_candidates,
+                                  f"exceeds keep_set.size = {self.keep_set.size}",
+                                  f"an integer in [1, keep_set.size = {self.keep_set.size}]")
+        return self
+
+    @property
+    def source_path(self) -> Path | None:
+        """Absolute path of the recipe file, None for a recipe built in memory."""
+        return self._source_path
+
+    @property
+    def base_dir(self) -> Path:
+        """Folder that relative paths in the recipe are resolved against (the recipe's folder, else the cwd)."""
+        return self._source_path.parent if self._source_path is not None else Path.cwd()
+
+    def resolve_path(self, value: str) -> Path | None:
+        """A path written in the recipe, made absolute against `base_dir`; None for the empty string."""
+        if not value:
+            return None
+        path = Path(value).expanduser()
+        return path if path.is_absolute() else (self.base_dir / path).resolve()
+
+    def is_hub_id(self, role: str) -> bool:
+        """True when ``[models].<role>`` names a hub repository rather than a local path (see module docstring)."""
+        spec = getattr(self.models, role)
+        if spec.startswith((".", "/", "~")) or spec.endswith(".json") or (self.base_dir / spec).exists():
+            return False
+        return _HUB_ID.match(spec) is not None
+
+    def model_path(self, role: str) -> Path:
+        """The resolved local path of ``[models].<role>`` (role: verifier, head, slm, tokenizer).
+
+        Raises RecipeError when the entry is a hub id or the path does not exist, saying how to provide it.
+        """
+        spec = getattr(self.models, role)
+        where = f"{self._source_path}" if self._source_path else "recipe"
+        if self.is_hub_id(role):
+            raise RecipeError([Problem(f"models.{role}", None, (
+                f"{where}: models.{role} = {spec!r} is a hub id, not a local path; download it "
+                f"(huggingface-cli download {spec} --local-dir DIR) and set models.{role} to DIR"))])
+        path = self.resolve_path(spec)
+        assert path is not None  # min_length=1
+        if not path.exists():
+            raise RecipeError([Problem(f"models.{role}", None, (
+                f"{where}: models.{role} = {spec!r}: {path} does not exist; "
+                f"allowed: an existing local path (relative to the recipe's folder) or a hub id 'owner/name'"))])
+        return path
+
+    def model_source(self, role: str) -> Path | str:
+        """What ``from_pretrained`` takes for ``[models].<role>``: the resolved local Path, or the hub id string."""
+        return getattr(self.models, role) if self.is_hub_id(role) else self.resolve_path(getattr(self.models, role))
+
+    def content_hash(self) -> str:
+        """sha256 (hex) of the canonical JSON of every field, as written (paths unresolved), for caching."""
+        text = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+# ---- loading and error reporting ----------------------------------------------------------------------------
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe file. Raises RecipeError on a missing file, a TOML syntax error, an unknown
+    key, a wrong type, an out-of-range value or two fields that disagree."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError([Problem(None, None, f"{path}: recipe file not found")]) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError([Problem(None, None, f"{path}: cannot read the recipe: {e}")]) from None
+    return parse_recipe(text, path)
+
+
+def parse_recipe(text: str, path: str | Path) -> Recipe:
+    """Validate recipe ``text``; ``path`` is where it came from (for messages and relative paths)."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        line = getattr(e, "lineno", None)
+        if line is None:
+            m = re.search(r"at line (\d+)", str(e))
+            line = int(m[1]) if m else None
+        where = f"{path}:{line}" if line else f"{path}"
+        raise RecipeError([Problem(None, line, f"{where}: TOML syntax error: {e}")]) from None
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError([_problem(err, text, path) for err in e.errors()]) from None
+    recipe._source_path = path.resolve()
+    return recipe
+
+
+def _problem(err: dict, text: str, path: Path) -> Problem:
+    """Turn one pydantic error into a Problem naming key, file, line, value and what is allowed."""
+    loc = tuple(err["loc"])
+    cross = (err.get("ctx") or {}).get("error")
+    if isinstance(cross, CrossFieldError):
+        loc = loc + tuple(cross.key.split("."))
+    key = _dotted(loc)
+    line = find_line(text, loc)
+    if line is not None and loc and isinstance(loc[-1], int) and isinstance(err.get("input"), str):
+        line = _item_line(text, line, err["input"])
+    where = f"{path}:{line}" if line else f"{path}"
+    kind = err["type"]
+
+    if kind == "extra_forbidden":
+        owner = _model_at(loc[:-1])
+        allowed = ", ".join(owner.model_fields)
+        table = f"[{_dotted(loc[:-1])}]" if len(loc) > 1 else "the recipe"
+        what = "key" if len(loc) > 1 else "table"
+        return Problem(key, line, f"{where}: unknown {what} {key}; allowed {what}s of {table}: {allowed}")
+    if isinstance(cross, CrossFieldError):
+        return Problem(key, line, f"{where}: {key} = {_show(cross.value)}: {cross.problem}; allowed: {cross.allowed}")
+    if kind == "model_type" and len(loc) == 1:
+        return Problem(key, line, f"{where}: {key} = {_show(err['input'])} must be a table [{key}]; "
+                                  f"allowed keys: {', '.join(_model_at(loc).model_fields)}")
+    allowed = _allowed_for(loc)
+    problem = err["msg"].removeprefix("Value error, ")
+    return Problem(key, line, f"{where}: {key} = {_show(err['input'])}: {problem}; allowed: {allowed}")
+
+
+def _dotted(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _show(value: Any) -> str:
+    """A value as it would be written in TOML (strings quoted), for messages."""
+    try:
+        return json.dumps(value)
+    except TypeError:
+        return repr(value)
+
+
+def _model_at(loc: tuple) -> type[BaseModel]:
+    """The model class that owns the keys at ``loc`` (``()`` -> Recipe, ``("tree",)`` -> Tree)."""
+    model: type[BaseModel] = Recipe
+    for part in loc:
+        if isinstance(part, str) and part in model.model_fields:
+            annotation = model.model_fields[part].annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                model = annotation
+    return model
+
+
+def _allowed_for(loc: tuple) -> str:
+    names = [p for p in loc if isinstance(p, str)]
+    if not names:
+        return "see the recipe reference"
+    owner = _model_at(tuple(names[:-1]))
+    field = owner.model_fields.get(names[-1])
+    return describe_allowed(field) if field is not None else "see the recipe reference"
+
+
+def describe_allowed(field: FieldInfo) -> str:
+    """Human text of what a field accepts: its literal values, or its type and bounds."""
+    extra = field.json_schema_extra
+    if isinstance(extra, dict) and "allowed" in extra:
+        return str(extra["allowed"])
+    annotation = field.annotation
+    args = getattr(annotation, "__args__", ())
+    if getattr(annotation, "__origin__", None) is Literal:
+        return "one of " + ", ".join(_show(a) for a in args)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), annotation) if optional else annotation
+    noun = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(base, str(base))
+    bounds = []
+    for m in field.metadata:
+        if isinstance(m, annotated_types.Gt):
+            bounds.append(f"> {m.gt}")
+        elif isinstance(m, annotated_types.Ge):
+            bounds.append(f">= {m.ge}")
+        elif isinstance(m, annotated_types.Lt):
+            bounds.append(f"< {m.lt}")
+        elif isinstance(m, annotated_types.Le):
+            bounds.append(f"<= {m.le}")
+        elif isinstance(m, annotated_types.MinLen) and m.min_length > 0:
+            noun = f"a non-empty {noun.removeprefix('a ')}"
+    text = f"{noun} {' and '.join(bounds)}" if bounds else noun
+    return text + " (or leave the key out)" if optional else text
+
+
+def _item_line(text: str, start: int, item: str) -> int:
+    """Line of the array item ``item`` at or after line ``start`` (multi-line arrays), else ``start``."""
+    lines = text.splitlines()
+    for number in range(start, len(lines) + 1):
+        if json.dumps(item) in lines[number - 1] or f"'{item}'" in lines[number - 1]:
+            return number
+        if "]" in lines[number - 1].split("#")[0]:
+            break
+    return start
+
+
+_HEADER = re.compile(r"^\s*\[\[?\s*([^\[\]]+?)\s*\]\]?\s*(#.*)?$")
+
+
+def _key_name(raw: str) -> str:
+    return ".".join(p.strip().strip("\"'") for p in raw.split("."))
+
+
+def find_line(text: str, loc: tuple) -> int | None:
+    """1-based line of the key at ``loc`` (strings: table, key; ints are list indices, ignored) in TOML ``text``.
+
+    Best effort: finds ``[table]`` and then ``key =`` inside it, or a dotted ``table.key =`` at the top level;
+    with only a table name, its header line. None when nothing matches (e.g. a key left at its default).
+    """
+    names = [p for p in loc if isinstance(p, str)]
+    if not names:
+        return None
+    table, key = names[0], (names[1] if len(names) > 1 else None)
+    current = ""
+    for number, line in enumerate(text.splitlines(), start=1):
+        header = _HEADER.match(line)
+        if header:
+            current = _key_name(header[1])
+            if key is None and current == table:
+                return number
+            continue
+        m = re.match(r"^\s*([A-Za-z0-9_\-.\"' ]+?)\s*=", line)
+        if m is None:
+            continue
+        name = _key_name(m[1])
+        full = f"{current}.{name}" if current else name
+        if key is None and (full == table or full.startswith(table + ".")):
+            return number
+        if key is not None and full == f"{table}.{key}":
+            return number
+    return None

@@ -1,0 +1,212 @@
+"""The ``hycoc`` command line: help, argument and recipe checks, the not-yet-available commands, doctor, generate."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from hycoc.cli import BENCH_CONFIGS, app
+
+ROOT = Path(__file__).resolve().parents[1]
+TOY = ROOT / "recipes" / "toy.toml"
+GEMMA4 = ROOT / "recipes" / "gemma4.toml"
+SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench_question.jsonl"
+runner = CliRunner()
+
+COMMANDS = ["build", "run", "verify-server", "bench", "inspect", "doctor", "generate"]
+
+
+def invoke(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_help_lists_every_command():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for command in COMMANDS:
+        assert command in result.stdout
+
+
+def test_importing_the_cli_loads_neither_torch_nor_transformers():
+    code = "import sys, hycoc.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("command,options", [
+    ("build", ["--target", "--out", "--list-passes", "--until", "--cache-dir"]),
+    ("run", ["--server", "--prompt", "--prompt-file", "--max-new-tokens", "--mode", "--backend", "--seed", "--json",
+             "--raw", "--auth-token"]),
+    ("verify-server", ["--host", "--port", "--device", "--auth-token"]),
+    ("bench", ["--dataset", "--limit", "--configs", "--link", "--runs", "--out", "--resume"]),
+    ("inspect", ["--json"]),
+    ("generate", ["--dataset", "--question-id", "--prompt", "--max-new-tokens", "--seed", "--temperature"]),
+])
+def test_each_command_documents_its_options(command, options):
+    result = runner.invoke(app, [command, "--help"], terminal_width=200)
+    assert result.exit_code == 0
+    for option in options:
+        assert option in result.stdout, option
+
+
+PENDING = [
+    (["build", TOY], "hycoc build: not available yet (issue 4: The compiler: hycoc build RECIPE --target "
+                     "htp-v81|cpu|qai-hub)"),
+    (["build", GEMMA4, "--target", "cpu"], "hycoc build: not available yet (issue 4: The compiler"),
+    (["verify-server", TOY, "--port", "9000"], "hycoc verify-server: not available yet (issue 3: Verifier engine "
+                                               "and hycoc verify-server)"),
+    (["inspect", GEMMA4, "--json"], "hycoc inspect: not available yet (issue 7: The paper's deployment"),
+    (["inspect", ROOT], "hycoc inspect: not available yet (issue 4: The compiler"),
+    (["run", ROOT, "--server", "ws://127.0.0.1:8765", "--prompt", "hi"],
+     "hycoc run: not available yet (issue 5: Device runtime: hycoc run BUNDLE --server URL)"),
+]
+
+
+@pytest.mark.parametrize("args,message", PENDING, ids=[" ".join(map(str, a[:1] + a[2:])) for a, _ in PENDING])
+def test_pending_commands_exit_2_with_their_issue(args, message):
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert result.stderr.startswith(message)
+    assert result.stdout == ""
+
+
+@pytest.mark.skipif(not SPEC_BENCH.is_file(), reason=f"{SPEC_BENCH} is not on this machine")
+def test_bench_checks_its_arguments_then_says_it_is_pending():
+    result = invoke("bench", TOY, "--limit", "3", "--link", "45:50", "--configs", "hyco,cloud-mtp")
+    assert (result.exit_code, result.stderr.strip()) == (
+        2, "hycoc bench: not available yet (issue 6: hycoc bench: the paper's Table 2 on real prompts)")
+
+
+def test_bench_refuses_unknown_configs_and_links():
+    result = invoke("bench", TOY, "--configs", "hyco,hyco-3p")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"hycoc bench: --configs: unknown hyco-3p; allowed: {', '.join(BENCH_CONFIGS)}"
+    result = invoke("bench", TOY, "--link", "wifi")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "hycoc bench: --link 'wifi': allowed: lte, 5g, none or RTT_MS:MBPS such as 45:50"
+
+
+def test_bench_names_a_missing_dataset(tmp_path):
+    result = invoke("bench", TOY, "--dataset", tmp_path / "none.jsonl")
+    assert result.exit_code == 1
+    assert result.stderr.strip() == f"hycoc bench: {tmp_path / 'none.jsonl'}: dataset file not found"
+
+
+def test_a_bad_recipe_exits_1_naming_key_file_and_line(tmp_path):
+    recipe = tmp_path / "bad.toml"
+    recipe.write_text("[tree]\nchain_length = 4\nsibling_depth = 9\n")
+    for command in (["build"], ["verify-server"], ["bench"], ["inspect"], ["generate"]):
+        result = invoke(*command, recipe)
+        assert result.exit_code == 1, command
+        assert result.stderr.splitlines()[0] == f"hycoc {command[0]}: bad recipe"
+        assert result.stderr.splitlines()[1].startswith(f"{recipe}:3: tree.sibling_depth = 9: ")
+
+
+def test_a_missing_recipe_exits_1():
+    result = invoke("build", "nope.toml")
+    assert result.exit_code == 1
+    assert "nope.toml: recipe file not found" in result.stderr
+
+
+def test_run_checks_its_arguments(tmp_path):
+    def err(*args):
+        result = invoke("run", *args)
+        assert result.exit_code == 2
+        return result.stderr.strip()
+
+    assert err(tmp_path, "--server", "ws://h:1") == "hycoc run: give exactly one of --prompt and --prompt-file"
+    assert err(tmp_path, "--server", "ws://h:1", "--prompt", "a", "--prompt-file", "f") == (
+        "hycoc run: give exactly one of --prompt and --prompt-file")
+    assert err(tmp_path, "--server", "ws://h:1", "--prompt-file", tmp_path / "f") == (
+        f"hycoc run: --prompt-file {tmp_path / 'f'}: no such file")
+    assert err(tmp_path / "b", "--server", "ws://h:1", "--prompt", "a") == f"hycoc run: bundle {tmp_path / 'b'}: no such folder"
+    assert err(tmp_path, "--server", "http://h:1", "--prompt", "a") == (
+        "hycoc run: --server 'http://h:1': expected ws://HOST:PORT")
+    assert "Invalid value for '--mode'" in err(tmp_path, "--server", "ws://h:1", "--prompt", "a", "--mode", "fast")
+
+
+def test_doctor_reports_versions():
+    import torch
+    import transformers
+
+    result = runner.invoke(app, ["doctor"], terminal_width=200)
+    assert result.exit_code == 0
+    lines = {line.split("│")[1].strip(): line.split("│")[2].strip()
+             for line in result.stdout.splitlines() if line.count("│") == 3}
+    assert lines["torch"] == torch.__version__
+    assert lines["transformers"] == transformers.__version__
+    assert lines["python"] == sys.version.split()[0]
+    for name in ("onnx", "onnxruntime", "onnxruntime-qnn"):
+        assert lines[name]  # a version or "not installed"
+
+
+def test_generate_refuses_prompt_with_question_id():
+    result = invoke("generate", TOY, "--prompt", "hi", "--question-id", "81")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "hycoc generate: give at most one of --prompt and --question-id"
+
+
+def test_generate_names_an_unknown_question(tmp_path):
+    data = tmp_path / "q.jsonl"
+    data.write_text('{"question_id": 1, "category": "qa", "turns": ["Why?"]}\n')
+    result = invoke("generate", TOY, "--dataset", data, "--question-id", "7")
+    assert result.exit_code == 1
+    assert result.stderr.strip() == "hycoc generate: no question with id 7; ids run from 1 to 1"
+
+
+def test_generate_names_a_missing_model(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[models]\ntokenizer = "missing/tokenizer.json"\n[verifier]\ndevice = "cpu"\n')
+    result = invoke("generate", recipe, "--prompt", "hi")
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"hycoc generate: {recipe}: models.tokenizer = 'missing/tokenizer.json': "
+                                    f"{tmp_path / 'missing/tokenizer.json'} does not exist")
+    (tmp_path / "missing").mkdir()
+    (tmp_path / "missing/tokenizer.json").write_text("{}")
+    result = invoke("generate", recipe, "--prompt", "hi")  # the verifier is a hub id in the defaults
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"hycoc generate: {recipe}: models.verifier = 'google/gemma-4-26B-A4B-it' is a "
+                                    "hub id, not a local path")
+
+
+@pytest.fixture(scope="module")
+def tiny_family(tmp_path_factory):
+    """A random tiny verifier (tests/tiny_models.py) and a 300-id toy tokenizer, saved as a recipe would name them."""
+    from tiny_models import tiny_verifier
+
+    from hycoc.toy.tokenizer import train_tokenizer
+
+    folder = tmp_path_factory.mktemp("family")
+    words = [f"word{i} token{i % 7} text{i % 13}" for i in range(400)]
+    train_tokenizer(words, vocab_size=300).save(str(folder / "tokenizer.json"))
+    tiny_verifier(vocab_size=300).save_pretrained(folder / "verifier")
+    recipe = folder / "tiny.toml"
+    recipe.write_text('[models]\nverifier = "verifier"\ntokenizer = "tokenizer.json"\n'
+                      '[verifier]\ndevice = "cpu"\ndtype = "float32"\n[sampling]\nmax_new_tokens = 6\n')
+    return recipe
+
+
+def test_generate_streams_an_answer_from_the_verifier(tiny_family):
+    first = invoke("generate", tiny_family, "--prompt", "word1 token2", "--seed", "3")
+    assert first.exit_code == 0, first.output
+    stats = first.stderr.splitlines()[-1]  # after transformers' weight-loading progress bar
+    assert stats.startswith("[6 tokens in ") and stats.endswith("prompt 20 tokens]")
+    assert first.stdout.endswith("\n") and first.stdout.strip()
+    again = invoke("generate", tiny_family, "--prompt", "word1 token2", "--seed", "3")
+    assert again.stdout == first.stdout  # seeded sampling
+    greedy = invoke("generate", tiny_family, "--prompt", "word1 token2", "--temperature", "0", "--max-new-tokens", "3")
+    assert greedy.exit_code == 0 and greedy.stderr.splitlines()[-1].startswith("[3 tokens in ")
+
+
+@pytest.mark.skipif(not (ROOT / "recipes/toy/models/verifier/config.json").is_file()
+                    or not SPEC_BENCH.is_file(),
+                    reason="toy family not trained yet (python -m hycoc.toy.train) or Spec-Bench absent")
+def test_generate_on_the_toy_family_answers_question_81():
+    result = invoke("generate", TOY, "--question-id", "81", "--max-new-tokens", "16", "--seed", "0")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip()
+    assert "tokens in" in result.stderr

@@ -1,0 +1,590 @@
+"""Frame codec: round trips, exact byte counts, and one test per validation failure (code + named field)."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from hycoc import wire
+from hycoc.messages import Close, DraftTree, ErrorReply, HandOff, Opened, OpenRequest, RoundReply, Sampling
+
+VOCAB = 1000
+# Gemma 4 26B-A4B: hidden 2816; last sliding layer 8 KV heads x 256; last full-attention layer 2 KV heads x 512.
+GEMMA_H, GEMMA_DS, GEMMA_DF = 2816, 8 * 256, 2 * 512
+# A small verifier for the hand-off tests.
+H, DS, DF = 4, 6, 2
+SCALES = (0.5, 0.25, 0.125, 1.0, 2.0, 0.0625)
+rng = np.random.default_rng(0)
+
+
+# ------------------------------------------------------------------------------------------------ builders
+
+
+def chain_tree(rows: int, seq: int = 0) -> DraftTree:
+    tokens = rng.integers(0, VOCAB, rows).astype(np.int32)
+    parents = np.arange(-1, rows - 1, dtype=np.int32)
+    return DraftTree(seq, tokens, parents)
+
+
+def handoff(t_prime: int, a: int, bonus: int, h=H, ds=DS, df=DF) -> HandOff:
+    n = t_prime - a
+    i8 = lambda *shape: rng.integers(-128, 128, shape, dtype=np.int8)  # noqa: E731
+    return HandOff(t_prime, a, bonus, i8(2 * h), i8(n, ds), i8(n, ds), i8(n, df), i8(n, df), SCALES)
+
+
+def reply(rows: int = 5, path=(1, 3), with_handoff: bool = True, chain=(), n_positions: int = 3) -> RoundReply:
+    samples = rng.integers(0, VOCAB, rows).astype(np.int32)
+    bonus = int(samples[path[-1] if path else 0])
+    t_prime = 10 + 1 + len(path)
+    ho = handoff(t_prime, t_prime - n_positions, bonus) if with_handoff else None
+    return RoundReply(
+        seq=7, samples=samples, path_rows=np.array(path, np.int32), bonus=bonus, server_ms=21.5,
+        finished=False, handoff=ho, chain=np.array(chain, np.int32),
+    )
+
+
+def open_request(**kw) -> OpenRequest:
+    args = dict(prompt_ids=np.array([2, 10, 999, 0], np.int32), sampling=Sampling(0.5, 64, 0.75), seed=2**63 + 5,
+                acceptance="epsilon", epsilon=0.25, draft_place="device", max_new_tokens=256)
+    args.update(kw)
+    return OpenRequest(**args)
+
+
+OPENED = Opened(session_id=2**40 + 3, t=3, prefill_ms=12.5, max_context=4096, tree_rows=33, vocab_size=VOCAB,
+                hidden_size=H, kv_dim_sliding=DS, kv_dim_full=DF)
+LIMITS = wire.Limits(vocab_size=VOCAB, tree_rows=5, max_context=4096, hidden_size=H, kv_dim_sliding=DS,
+                     kv_dim_full=DF)
+
+
+def frame(mtype: int, payload: bytes, *, version: int = wire.PROTOCOL_VERSION, flags: int = 0,
+          magic: bytes = wire.MAGIC, length: int | None = None) -> bytes:
+    """A raw frame, bypassing encode's validation."""
+    length = len(payload) if length is None else length
+    return wire.HEADER.pack(magic, version, mtype, flags, length, zlib.crc32(payload)) + payload
+
+
+def patch(data: bytes, offset: int, fmt: str, *values) -> bytes:
+    """Overwrite payload bytes at ``offset`` and fix the header crc, so only the field itself is wrong."""
+    buf = bytearray(data)
+    struct.pack_into("<" + fmt, buf, wire.HEADER.size + offset, *values)
+    return refresh_crc(buf)
+
+
+def refresh_crc(buf) -> bytes:
+    buf = bytearray(buf)
+    struct.pack_into("<I", buf, 12, zlib.crc32(buf[wire.HEADER.size:]))
+    return bytes(buf)
+
+
+def raw_tree(tokens, parents, seq: int = 0) -> bytes:
+    tokens, parents = np.asarray(tokens, "<i4"), np.asarray(parents, "<i2")
+    payload = struct.pack("<IH", seq, len(tokens)) + tokens.tobytes() + parents.tobytes()
+    return frame(wire.MessageType.ROUND, payload)
+
+
+def fails(code: str, data: bytes, limits: wire.Limits | None = None, *needles: str) -> wire.WireError:
+    with pytest.raises(wire.WireError) as info:
+        wire.decode(data, limits)
+    err = info.value
+    assert err.code == code, err
+    assert type(err) is wire.ERROR_CLASSES[code]
+    for needle in needles:
+        assert needle in err.message, (needle, err.message)
+    return err
+
+
+# Payload offsets of the fields patched below.
+OPEN_AT = dict(temperature=0, top_k=4, top_p=8, seed=12, epsilon=20, acceptance=24, draft_place=25, auth_len=26,
+               max_new_tokens=28, n_prompt=32, prompt=36)
+REPLY_AT = dict(seq=0, bonus=4, server_ms=8, finished=12, has_handoff=13, rows=14, n_path=16, n_chain=18,
+                samples=20)
+
+
+def handoff_at(m: RoundReply) -> int:
+    """Payload offset of the hand-off block (after its 12 bytes of sizes)."""
+    return wire._REPLY.size + 4 * m.samples.size + 2 * m.path_rows.size + 4 * m.chain.size + 12
+
+
+# ------------------------------------------------------------------------------------------------ round trips
+
+
+def assert_same_array(got: np.ndarray, want: np.ndarray, dtype) -> None:
+    assert got.dtype == dtype and got.shape == np.shape(want)
+    assert got.tobytes() == np.asarray(want, dtype).tobytes()
+
+
+@pytest.mark.parametrize("auth", [None, "s3cret", "clé-🔑"])
+def test_open_round_trip(auth):
+    m = open_request(auth_token=auth)
+    got = wire.decode(wire.encode(m), wire.Limits(vocab_size=VOCAB, max_context=16))
+    assert_same_array(got.prompt_ids, m.prompt_ids, np.int32)
+    assert got.sampling == m.sampling  # values exact in float32
+    assert (got.seed, got.acceptance, got.epsilon, got.draft_place, got.max_new_tokens, got.auth_token) == (
+        m.seed, m.acceptance, m.epsilon, m.draft_place, m.max_new_tokens, auth)
+
+
+@pytest.mark.parametrize("acceptance", ["exact", "epsilon"])
+@pytest.mark.parametrize("place", ["device", "server-head", "cloud-mtp"])
+def test_open_enums_round_trip(acceptance, place):
+    m = open_request(acceptance=acceptance, draft_place=place, sampling=Sampling(0.0, 1, 1.0), epsilon=1.0)
+    got = wire.decode(wire.encode(m))
+    assert (got.acceptance, got.draft_place, got.sampling) == (acceptance, place, Sampling(0.0, 1, 1.0))
+
+
+def test_float_fields_travel_as_float32():
+    got = wire.decode(wire.encode(open_request(epsilon=0.005)))
+    assert got.epsilon == float(np.float32(0.005))
+
+
+def test_opened_round_trip():
+    assert wire.decode(wire.encode(OPENED)) == OPENED
+
+
+def test_round_round_trip():
+    m = DraftTree(seq=4_000_000_000, tokens=np.array([5, 7, 7, 999, 0], np.int32),
+                  parents=np.array([-1, 0, 0, 1, 3], np.int32))
+    got = wire.decode(wire.encode(m), LIMITS)
+    assert got.seq == m.seq
+    assert_same_array(got.tokens, m.tokens, np.int32)
+    assert_same_array(got.parents, m.parents, np.int32)
+
+
+def test_round_at_the_int16_parent_limit():
+    m = chain_tree(wire.MAX_TREE_ROWS)
+    got = wire.decode(wire.encode(m))
+    assert got.parents[-1] == 32766
+    assert_same_array(got.parents, m.parents, np.int32)
+
+
+@pytest.mark.parametrize("with_handoff", [True, False])
+@pytest.mark.parametrize("path", [(), (1,), (1, 3, 4)])
+def test_reply_round_trip(with_handoff, path):
+    m = reply(path=path, with_handoff=with_handoff, chain=(3, 4, 999, 0))
+    got = wire.decode(wire.encode(m), LIMITS)
+    assert (got.seq, got.bonus, got.server_ms, got.finished) == (m.seq, m.bonus, m.server_ms, m.finished)
+    assert_same_array(got.samples, m.samples, np.int32)
+    assert_same_array(got.path_rows, m.path_rows, np.int32)
+    assert_same_array(got.chain, m.chain, np.int32)
+    if not with_handoff:
+        assert got.handoff is None
+        return
+    h, g = m.handoff, got.handoff
+    assert (g.t_prime, g.a, g.bonus, g.scales, g.n_positions) == (h.t_prime, h.a, h.bonus, h.scales, 3)
+    for name in ("x_hat", "k_sliding", "v_sliding", "k_full", "v_full"):
+        assert_same_array(getattr(g, name), getattr(h, name), np.int8)
+
+
+def test_reply_finished_and_empty_handoff_window():
+    m = reply(n_positions=0)
+    m = RoundReply(m.seq, m.samples, m.path_rows, m.bonus, 0.0, True, m.handoff, m.chain)
+    got = wire.decode(wire.encode(m), LIMITS)
+    assert got.finished and got.handoff.k_full.shape == (0, DF) and got.handoff.k_sliding.shape == (0, DS)
+
+
+def test_close_and_error_round_trip():
+    assert wire.decode(wire.encode(Close(2**64 - 1))) == Close(2**64 - 1)
+    e = ErrorReply("bad_parent", "DraftTree.parents[3] = 5: in [0, 3) — fix the tree")
+    assert wire.decode(wire.encode(e)) == e
+
+
+def test_decoded_arrays_do_not_alias_the_frame():
+    buf = bytearray(wire.encode(reply()))
+    got = wire.decode(buf, LIMITS)
+    samples, x_hat = got.samples.copy(), got.handoff.x_hat.copy()
+    buf[wire.HEADER.size:] = bytes(len(buf) - wire.HEADER.size)
+    assert_same_array(got.samples, samples, np.int32)
+    assert_same_array(got.handoff.x_hat, x_hat, np.int8)
+
+
+# ------------------------------------------------------------------------------------------------ byte counts
+
+
+def test_header_and_handoff_fixed_sizes():
+    assert wire.HEADER.size == 16
+    assert wire.HANDOFF_FIXED.size == 44 and wire.HANDOFF_FIXED.format == "<IIIIffffffI"
+
+
+def test_round_bytes_at_b32():
+    # 16 header + 6 (seq, rows) + 33 * 4 token ids + 33 * 2 parents
+    assert wire.tree_nbytes(33) == 220
+    assert len(wire.encode(chain_tree(33))) == 220
+    assert len(wire.encode(chain_tree(1))) == 28  # cloud-mtp: the root alone
+
+
+def test_gemma4_handoff_bytes():
+    per_round = wire.handoff_nbytes(GEMMA_H, GEMMA_DS, GEMMA_DF, 0)
+    assert per_round == 44 + 5632
+    assert wire.handoff_nbytes(GEMMA_H, GEMMA_DS, GEMMA_DF, 1) - per_round == 6144
+    assert wire.handoff_nbytes(GEMMA_H, GEMMA_DS, GEMMA_DF, 4) == 44 + 5632 + 4 * 6144 == 30_252
+    assert wire.handoff_nbytes(GEMMA_H, GEMMA_DS, GEMMA_DF, 1024) == 6_297_132  # first reply, W = 1024
+
+
+def test_gemma4_first_reply_frame():
+    samples = np.arange(33, dtype=np.int32)
+    ho = handoff(t_prime=2000, a=2000 - 1024, bonus=0, h=GEMMA_H, ds=GEMMA_DS, df=GEMMA_DF)
+    m = RoundReply(0, samples, np.zeros(0, np.int32), 0, 850.0, handoff=ho)
+    data = wire.encode(m)
+    ho_bytes = wire.handoff_nbytes(GEMMA_H, GEMMA_DS, GEMMA_DF, 1024)
+    assert len(data) == wire.reply_nbytes(33, 0, 0, ho_bytes) == 16 + 20 + 132 + 12 + 6_297_132
+    limits = wire.Limits(vocab_size=262_144, tree_rows=33, max_context=262_144, hidden_size=GEMMA_H,
+                         kv_dim_sliding=GEMMA_DS, kv_dim_full=GEMMA_DF)
+    got = wire.decode(data, limits)
+    assert_same_array(got.handoff.v_full, ho.v_full, np.int8)
+
+
+def test_handoff_block_layout_is_exact():
+    m = reply(path=(1, 2))
+    data = wire.encode(m)
+    h = m.handoff
+    start = wire.HEADER.size + handoff_at(m)
+    assert struct.unpack_from("<III", data, start - 12) == (H, DS, DF)
+    body = b"".join(a.tobytes() for a in (h.x_hat, h.k_sliding, h.v_sliding, h.k_full, h.v_full))
+    fixed = struct.pack("<IIIIffffffI", h.t_prime, h.a, h.bonus, 3, *SCALES, zlib.crc32(body))
+    assert data[start:] == fixed + body
+    assert len(data) == wire.reply_nbytes(5, 2, 0, wire.handoff_nbytes(H, DS, DF, 3))
+
+
+def test_reply_bytes_without_handoff():
+    m = reply(rows=33, path=(1, 2, 3), with_handoff=False, chain=(1, 2, 3, 4))
+    assert len(wire.encode(m)) == wire.reply_nbytes(33, 3, 4) == 16 + 20 + 132 + 6 + 16
+
+
+# ------------------------------------------------------------------------------------------------ header checks
+
+
+def test_bad_magic():
+    fails("bad_magic", frame(wire.MessageType.CLOSE, bytes(8), magic=b"HTTP"), None, "b'HTTP'", "b'HYCO'")
+
+
+def test_unsupported_version_names_both():
+    data = frame(wire.MessageType.CLOSE, bytes(8), version=2)
+    fails("unsupported_version", data, None, "version 2", "version 1")
+
+
+@pytest.mark.parametrize("mtype", [0, 7, 255])
+def test_unknown_message_type(mtype):
+    fails("unknown_message_type", frame(mtype, bytes(8)), None, f"message type = {mtype}", "6 (ERROR)")
+
+
+def test_bad_flags():
+    fails("bad_flags", frame(wire.MessageType.CLOSE, bytes(8), flags=1), None, "flags", "must be 0")
+
+
+def test_frame_too_large_is_refused_from_the_header_alone():
+    header = frame(wire.MessageType.ROUND, b"", length=10_000_000)  # no payload follows
+    err = fails("frame_too_large", header, wire.Limits(max_frame_bytes=4096), "10000016", "max_frame_bytes = 4096")
+    assert "ROUND" in err.message
+    with pytest.raises(wire.FrameTooLarge):
+        wire.decode_header(header[:16], wire.Limits(max_frame_bytes=4096))
+
+
+def test_truncated_header():
+    fails("truncated", wire.encode(Close(1))[:10], None, "10 bytes", "16")
+
+
+def test_truncated_payload():
+    data = wire.encode(chain_tree(33))
+    fails("truncated", data[:-5], None, "ROUND", "215 bytes", "220")
+
+
+def test_trailing_bytes_are_a_length_mismatch():
+    fails("length_mismatch", wire.encode(Close(1)) + b"\0", None, "25 bytes", "24")
+
+
+def test_count_larger_than_payload_is_a_length_mismatch():
+    data = patch(wire.encode(chain_tree(5)), 4, "H", 6)  # says 6 rows, carries 5
+    fails("length_mismatch", data, None, "parents")
+
+
+def test_payload_with_extra_bytes_is_a_length_mismatch():
+    data = refresh_crc(wire.encode(Close(1)) + b"\0\0")
+    data = bytearray(data)
+    struct.pack_into("<I", data, 8, 10)
+    fails("length_mismatch", refresh_crc(data), None, "CLOSE", "2 bytes after")
+
+
+def test_crc_mismatch():
+    data = bytearray(wire.encode(chain_tree(33)))
+    data[30] ^= 0x01
+    fails("crc_mismatch", bytes(data), None, "ROUND payload crc32")
+
+
+# ------------------------------------------------------------------------------------------------ ROUND checks
+
+
+def test_token_outside_vocabulary_names_row_and_id():
+    fails("token_out_of_vocab", raw_tree([1, 2, 1000], [-1, 0, 1]), wire.Limits(vocab_size=VOCAB),
+          "tokens[2] = 1000", "[0, 1000)")
+
+
+def test_negative_token_id():
+    fails("token_out_of_vocab", raw_tree([1, -3], [-1, 0]), None, "tokens[1] = -3")
+
+
+def test_wrong_row_count_names_expected_and_got():
+    fails("wrong_row_count", wire.encode(chain_tree(4)), LIMITS, "4 rows", "expected 5")
+
+
+def test_empty_tree():
+    fails("wrong_row_count", raw_tree([], []), None, "0 rows")
+
+
+def test_root_parent_must_be_minus_one():
+    fails("bad_parent", raw_tree([1, 2], [0, 0]), None, "parents[0] = 0", "-1")
+
+
+@pytest.mark.parametrize(
+    "parents, row",
+    [
+        ([-1, 0, 2], 2),  # self loop
+        ([-1, 0, 3, 1], 2),  # later row
+        ([-1, 2, 1], 1),  # cycle 1 -> 2 -> 1
+        ([-1, 0, -1], 2),  # a second root
+        ([-1, 0, -7], 2),
+    ],
+)
+def test_parent_out_of_range_or_not_earlier(parents, row):
+    fails("bad_parent", raw_tree([1] * len(parents), parents), None, f"parents[{row}] = {parents[row]}",
+          f"in [0, {row})")
+
+
+def test_encode_refuses_what_decode_refuses():
+    with pytest.raises(wire.BadParent):
+        wire.encode(DraftTree(0, np.array([1, 2], np.int32), np.array([-1, 1], np.int32)))
+    with pytest.raises(wire.WrongRowCount):
+        wire.encode(chain_tree(wire.MAX_TREE_ROWS + 1))
+    with pytest.raises(wire.TokenOutOfVocab):
+        wire.encode(DraftTree(0, np.array([2**31], np.int64), np.array([-1], np.int32)))
+    with pytest.raises(wire.BadShape):
+        wire.encode(DraftTree(0, np.array([1.0]), np.array([-1], np.int32)))
+
+
+# ------------------------------------------------------------------------------------------------ OPEN checks
+
+
+def open_frame(**kw) -> bytes:
+    return wire.encode(open_request(**kw))
+
+
+@pytest.mark.parametrize("field, value", [("temperature", float("nan")), ("top_p", float("inf")),
+                                          ("epsilon", float("-inf"))])
+def test_open_non_finite(field, value):
+    fails("not_finite", patch(open_frame(), OPEN_AT[field], "f", value), None, field, "finite")
+
+
+@pytest.mark.parametrize(
+    "field, fmt, value, code, needle",
+    [
+        ("temperature", "f", -0.5, "bad_temperature", ">= 0"),
+        ("top_k", "I", 0, "bad_top_k", ">= 1"),
+        ("top_p", "f", 0.0, "bad_top_p", "(0, 1]"),
+        ("top_p", "f", 1.5, "bad_top_p", "(0, 1]"),
+        ("epsilon", "f", 0.0, "bad_epsilon", "(0, 1]"),
+        ("epsilon", "f", 2.0, "bad_epsilon", "(0, 1]"),
+        ("acceptance", "B", 2, "bad_enum", "0 (exact), 1 (epsilon)"),
+        ("draft_place", "B", 9, "bad_enum", "2 (cloud-mtp)"),
+        ("max_new_tokens", "I", 0, "out_of_range", "[1, "),
+    ],
+)
+def test_open_field_out_of_range(field, fmt, value, code, needle):
+    fails(code, patch(open_frame(), OPEN_AT[field], fmt, value), None, field, needle)
+
+
+def test_open_prompt_longer_than_context():
+    fails("context_overflow", open_frame(), wire.Limits(max_context=3), "4 tokens", "max_context = 3")
+
+
+def test_open_prompt_token_outside_vocabulary():
+    fails("token_out_of_vocab", open_frame(), wire.Limits(vocab_size=999), "prompt_ids[2] = 999", "[0, 999)")
+
+
+def test_open_empty_prompt():
+    data = bytearray(open_frame(prompt_ids=np.array([5], np.int32))[:-4])  # drop the one prompt id
+    struct.pack_into("<I", data, 8, len(data) - wire.HEADER.size)
+    fails("out_of_range", patch(refresh_crc(data), OPEN_AT["n_prompt"], "I", 0), None, "prompt_ids is empty")
+    with pytest.raises(wire.OutOfRange):
+        wire.encode(open_request(prompt_ids=np.zeros(0, np.int32)))
+
+
+def test_open_auth_token_not_utf8():
+    data = open_frame(auth_token="ab")
+    data = refresh_crc(data[:-2] + b"\xff\xfe")
+    fails("bad_text", data, None, "auth_token", "utf-8")
+
+
+def test_encode_refuses_empty_auth_token():
+    with pytest.raises(wire.BadText):
+        wire.encode(open_request(auth_token=""))
+
+
+# ------------------------------------------------------------------------------------------------ OPENED checks
+
+
+def test_opened_config_mismatch():
+    fails("config_mismatch", wire.encode(OPENED), wire.Limits(hidden_size=2816), "hidden_size = 4", "2816")
+
+
+def test_opened_nan_prefill():
+    fails("not_finite", patch(wire.encode(OPENED), 12, "f", float("nan")), None, "prefill_ms")
+
+
+def test_limits_from_opened():
+    lim = wire.Limits.from_opened(OPENED)
+    assert (lim.vocab_size, lim.tree_rows, lim.max_context, lim.hidden_size, lim.kv_dim_sliding,
+            lim.kv_dim_full) == (VOCAB, 33, 4096, H, DS, DF)
+
+
+# ------------------------------------------------------------------------------------------------ REPLY checks
+
+
+def test_reply_server_ms_nan():
+    fails("not_finite", patch(wire.encode(reply()), REPLY_AT["server_ms"], "f", float("nan")), LIMITS, "server_ms")
+
+
+def test_reply_negative_server_ms():
+    data = patch(wire.encode(reply()), REPLY_AT["server_ms"], "f", -1.0)
+    fails("out_of_range", data, LIMITS, "server_ms", ">= 0")
+
+
+def test_reply_finished_flag_not_boolean():
+    fails("bad_enum", patch(wire.encode(reply()), REPLY_AT["finished"], "B", 2), LIMITS, "finished", "0 or 1")
+
+
+def test_reply_wrong_sample_rows():
+    fails("wrong_row_count", wire.encode(reply(rows=6)), LIMITS, "6 rows", "expected 5")
+
+
+def test_reply_sample_outside_vocabulary():
+    data = patch(wire.encode(reply(path=(1,))), REPLY_AT["samples"] + 4 * 3, "i", VOCAB + 5)
+    fails("token_out_of_vocab", data, LIMITS, f"samples[3] = {VOCAB + 5}")
+
+
+@pytest.mark.parametrize("path, index", [((0,), 0), ((2, 2), 1), ((3, 1), 1), ((5,), 0)])
+def test_reply_bad_path_rows(path, index):
+    m = reply(path=(1, 2)[: len(path)], with_handoff=False)
+    data = wire.encode(m)
+    at = REPLY_AT["samples"] + 4 * 5
+    for i, row in enumerate(path):
+        data = patch(data, at + 2 * i, "h", row)
+    # keep bonus == samples[end] so only the path is wrong
+    end = path[-1] if 0 < path[-1] < 5 else 0
+    data = patch(data, REPLY_AT["bonus"], "i", int(m.samples[end]))
+    fails("bad_path", data, LIMITS, f"path_rows[{index}] = {path[index]}", "[1, 5)")
+
+
+def test_reply_bonus_must_be_the_sample_at_the_endpoint():
+    m = reply(path=(1, 3))
+    data = patch(wire.encode(m), REPLY_AT["bonus"], "i", (m.bonus + 1) % VOCAB)
+    fails("bonus_mismatch", data, LIMITS, "RoundReply.bonus", "samples[3]")
+
+
+def test_handoff_bonus_must_be_the_reply_bonus():
+    m = reply()
+    data = patch(wire.encode(m), handoff_at(m) + 8, "I", (m.bonus + 1) % VOCAB)
+    fails("bonus_mismatch", data, LIMITS, "HandOff.bonus")
+
+
+@pytest.mark.parametrize("index, name", [(0, "e"), (3, "v_sliding"), (5, "v_full")])
+def test_handoff_scale_not_finite(index, name):
+    m = reply()
+    fails("not_finite", patch(wire.encode(m), handoff_at(m) + 16 + 4 * index, "f", float("inf")), LIMITS,
+          f"scales[{name}]")
+
+
+def test_handoff_scale_not_positive():
+    m = reply()
+    fails("out_of_range", patch(wire.encode(m), handoff_at(m) + 20, "f", 0.0), LIMITS, "scales[h]", "> 0")
+
+
+@pytest.mark.parametrize("name, limit", [("hidden_size", "hidden_size"), ("kv_dim_sliding", "kv_dim_sliding"),
+                                         ("kv_dim_full", "kv_dim_full")])
+def test_handoff_sizes_must_match_limits(name, limit):
+    kw = dict(hidden_size=H, kv_dim_sliding=DS, kv_dim_full=DF)
+    kw[limit] += 1
+    lim = wire.Limits(vocab_size=VOCAB, tree_rows=5, **kw)
+    fails("handoff_size_mismatch", wire.encode(reply()), lim, name, f"must be {kw[limit]}")
+
+
+def test_handoff_positions_beyond_context():
+    fails("context_overflow", wire.encode(reply(n_positions=3)), wire.Limits(max_context=2), "n_positions = 3",
+          "max_context = 2")
+
+
+def test_handoff_a_after_t_prime():
+    m = reply()
+    fails("bad_handoff_range", patch(wire.encode(m), handoff_at(m) + 4, "I", m.handoff.t_prime + 1), LIMITS,
+          "HandOff.a", "a <= t_prime")
+
+
+def test_handoff_n_positions_disagrees_with_t_prime_minus_a():
+    m = reply()
+    fails("bad_handoff_range", patch(wire.encode(m), handoff_at(m) + 12, "I", 2), LIMITS, "n_positions = 2",
+          "t_prime - a = 3")
+
+
+def test_handoff_body_crc():
+    m = reply()
+    data = bytearray(wire.encode(m))
+    data[-1] ^= 0x80
+    fails("crc_mismatch", refresh_crc(data), LIMITS, "hand-off body crc32")
+
+
+def test_handoff_body_short():
+    m = reply()
+    data = bytearray(wire.encode(m)[:-6])
+    struct.pack_into("<I", data, 8, len(data) - 16)
+    fails("length_mismatch", refresh_crc(data), LIMITS, "hand-off body")
+
+
+def test_encode_refuses_mismatched_handoff_arrays():
+    m = reply()
+    bad = HandOff(m.handoff.t_prime, m.handoff.a, m.bonus, m.handoff.x_hat, m.handoff.k_sliding[:2],
+                  m.handoff.v_sliding[:2], m.handoff.k_full, m.handoff.v_full, SCALES)
+    with pytest.raises(wire.HandoffSizeMismatch, match="k_sliding has 2 rows"):
+        wire.encode(RoundReply(m.seq, m.samples, m.path_rows, m.bonus, 1.0, handoff=bad))
+
+
+# ------------------------------------------------------------------------------------------------ error frames
+
+
+def test_error_frame_carries_code_and_message():
+    err = wire.BadParent("DraftTree.parents[3] = 9: must be in [0, 3)")
+    got = wire.decode(wire.error_frame(err))
+    assert got == ErrorReply("bad_parent", err.message)
+    back = wire.error_from_reply(got)
+    assert type(back) is wire.BadParent and back.message == err.message
+
+
+def test_error_frame_for_a_foreign_exception_leaks_nothing():
+    got = wire.decode(wire.error_frame(KeyError("/secret/path")))
+    assert got.code == "internal_error" and "secret" not in got.message and "KeyError" in got.message
+
+
+def test_error_frame_cuts_long_messages_and_keeps_unknown_codes():
+    got = wire.decode(wire.error_frame(wire.WireError("auth_failed", "é" * 40_000)))
+    assert got.code == "auth_failed" and len(got.message.encode()) <= 65535
+    back = wire.error_from_reply(got)
+    assert type(back) is wire.WireError and back.code == "auth_failed"
+
+
+def test_error_frame_keeps_the_code_of_a_peer_facing_exception():
+    class SequenceError(ValueError):  # the shape of verifier/errors.py's classes
+        code = "bad_seq"
+
+    got = wire.decode(wire.error_frame(SequenceError("round 5 after round 3: send round 4")))
+    assert got == ErrorReply("bad_seq", "round 5 after round 3: send round 4")
+
+
+def test_error_frame_bad_utf8():
+    data = wire.encode(ErrorReply("bad_enum", "ab"))
+    fails("bad_text", refresh_crc(data[:-1] + b"\xc3"), None, "message", "utf-8")
+
+
+def test_every_code_is_distinct_and_valid():
+    codes = [cls.code for cls in wire.ERROR_CLASSES.values()]
+    assert len(codes) == len(set(codes))
+    for code in codes:
+        assert wire.decode(wire.error_frame(wire.ERROR_CLASSES[code]("x"))).code == code
