@@ -1,0 +1,10 @@
+"""hycoc.verifier: the reference verifier (paper Algorithm 4) -- engine here, network server in ``server``."""
+
+from .engine import Session, VerifierEngine
+from .errors import (BadRequest, ContextOverflow, NotPrefilled, RootMismatch, SequenceError, SessionFinished,
+                     TreeError, VerifierError)
+
+__all__ = [
+    "VerifierEngine", "Session", "VerifierError", "BadRequest", "TreeError", "RootMismatch", "SequenceError",
+    "ContextOverflow", "SessionFinished", "NotPrefilled",
+]

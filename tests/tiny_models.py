@@ -1,0 +1,93 @@
+"""Tiny random Gemma 4 models for the verifier tests (a few hundred thousand parameters, milliseconds a forward).
+
+The verifier has every feature the engine must handle: sliding and full-attention layers, global layers with a
+different head dim and KV-head count (``global_head_dim``, ``num_global_key_value_heads``, ``attention_k_eq_v``),
+the MoE block and the final logit soft-cap. The head is a matching ``Gemma4AssistantForCausalLM`` (all its layers
+KV-shared, reading the verifier's last sliding and last full-attention layer).
+
+``sharpen`` scales the verifier's output layer so that p~ has few tokens of mass (fast chi-square tests).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
+
+VOCAB = 300
+HIDDEN = 64
+SLIDING_WINDOW = 8
+LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+_HEADS = dict(
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+)
+
+
+def verifier_config(*, vocab_size: int = VOCAB, sliding_window: int = SLIDING_WINDOW, layer_types=None):
+    return Gemma4TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=len(layer_types or LAYER_TYPES),
+        layer_types=list(layer_types or LAYER_TYPES),
+        sliding_window=sliding_window,
+        final_logit_softcapping=30.0,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=1,
+        **_HEADS,
+    )
+
+
+def tiny_verifier(seed: int = 0, *, sharpen: float = 1.0, attn: str = "sdpa", **config_kwargs) -> Gemma4ForCausalLM:
+    """A random verifier in float32 eval mode. sharpen > 1 multiplies the output layer (peakier p~)."""
+    torch.manual_seed(seed)
+    config = verifier_config(**config_kwargs)
+    config._attn_implementation = attn
+    model = Gemma4ForCausalLM(config).eval()
+    with torch.no_grad():
+        # transformers' init (std 0.02) gives near-uniform logits; these give a logit std of about 2.4 and
+        # outputs that depend on the context (a few tokens carry most of p~'s mass).
+        model.model.embed_tokens.weight.normal_(0.0, 0.3)
+        model.lm_head.weight.normal_(0.0, 0.3 * sharpen)
+    return model
+
+
+def tiny_head(verifier: Gemma4ForCausalLM, seed: int = 1, *, sliding_window: int | None = None,
+              attn: str = "sdpa") -> Gemma4AssistantForCausalLM:
+    """A random MTP head matching ``verifier``'s heads, head dims and rotary settings."""
+    torch.manual_seed(seed)
+    vc = verifier.config
+    text = Gemma4TextConfig(
+        vocab_size=vc.vocab_size,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=sliding_window or vc.sliding_window,
+        rope_parameters=vc.rope_parameters,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        max_position_embeddings=vc.max_position_embeddings,
+        **_HEADS,
+    )
+    config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=vc.hidden_size)
+    config._attn_implementation = attn
+    config.text_config._attn_implementation = attn
+    head = Gemma4AssistantForCausalLM(config).eval()
+    with torch.no_grad():
+        head.lm_head.weight.normal_(0.0, 0.5)
+    return head

@@ -1,0 +1,550 @@
+"""The verifier engine: prefill, then one round per draft tree (paper Algorithm 4, §3.5, App. B, Table 5).
+
+The model is transformers' ``Gemma4ForCausalLM``, called with explicit 4-D tree masks (a dict, which
+``Gemma4TextModel`` takes as is) and explicit position ids; nothing of Gemma is re-implemented. A round reads as
+its algorithm lines:
+
+    verify_tree    (lines 1-3)   one forward over the R = B + 1 rows, row j at position t + depth(j)
+    sampling_probs (line 5)      p~ per row; sample_rows draws y^_j from the session's seeded generator
+    select_path    (lines 6-12)  exact or epsilon-threshold acceptance, v*, bonus b
+    compact_kv     (line 13)     keep [0, t) + root + path at positions t .. t + |P|, drop the other rows
+    pack_handoff   (line 14)     H = (t', a, [e(b); h_v*], KV rows [a, t') of two layers), int8, fixed scales
+
+The cache is a ``DynamicCache()`` built WITHOUT a config: transformers 5.24 then gives every layer a plain
+``DynamicLayer`` that keeps all positions (with a config, sliding layers would keep only their last window and
+could not be compacted by position). Sliding-window correctness comes from the masks alone.
+
+h, "the last hidden state before the final norm" (Alg. 4 line 3): transformers' ``hidden_states[-1]`` is NOT that
+tensor -- ``capture_outputs(tie_last_hidden_states=True)`` overwrites it with the post-norm ``last_hidden_state``.
+`NormTap` therefore hooks ``model.model.norm`` and keeps its input (pre-norm, ``hidden="pre_norm"``, the paper's
+choice) and its output (post-norm, ``hidden="post_norm"``, what transformers' own MTP generator feeds the head).
+
+Server-side baselines (Table 5): ``cloud-mtp`` drafts a K-chain with the head itself each round (`draft_cloud_chain`)
+and verifies root + chain exactly; ``server-head`` runs the head over the keep set and a W window after each round
+(`draft_server_chain`) and returns that chain instead of a hand-off.
+
+Not thread-safe: run one call at a time per engine (one worker thread for all its sessions).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from hycoc.messages import ACCEPTANCE_MODES, DRAFT_PLACES, HandOff, RoundReply, Sampling
+from hycoc.mtp import FULL, SLIDING, head_step
+
+from .acceptance import select_exact, select_path
+from .errors import (BadRequest, ContextOverflow, NotPrefilled, RootMismatch, SequenceError, SessionFinished,
+                     TreeError)
+from .sampling import sample_rows, sampling_probs
+from .tree import additive_masks, ancestor_matrix, tree_depths, validate_tree
+
+HIDDEN_CHOICES = ("pre_norm", "post_norm")
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+
+
+class NormTap:
+    """Keeps the input (pre-norm) and output (post-norm) of ``model.model.norm`` from the last forward.
+
+    A forward hook on the final RMSNorm: its input is the residual stream after the last decoder layer, the
+    paper's h (Alg. 4 line 3). pre, post: (1, N, H) in the model's dtype.
+    """
+
+    def __init__(self, model):
+        self.pre: torch.Tensor | None = None
+        self.post: torch.Tensor | None = None
+        self._handle = model.model.norm.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        self.pre, self.post = args[0], output
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+class _Timer:
+    """Milliseconds of a block: CUDA events on a CUDA device (synchronized at exit), perf_counter otherwise."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.ms = 0.0
+
+    def __enter__(self):
+        if self.cuda:
+            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self._end.record()
+            self._end.synchronize()
+            self.ms = float(self._start.elapsed_time(self._end))
+        else:
+            self.ms = (time.perf_counter() - self._t0) * 1e3
+        return False
+
+
+def producer_layers(config) -> dict[str, int]:
+    """{SLIDING: i, FULL: j}: the last layer of each attention type that computes its own KV (not KV-shared).
+
+    These are the layers whose KV transformers hands to the MTP head (``kv_sharing_modes`` "store") and whose rows
+    the hand-off carries (Alg. 4 line 14). Raises BadRequest if the model lacks one of the two types.
+    """
+    modes = config.kv_sharing_modes
+    out = {}
+    for kind in (SLIDING, FULL):
+        idx = [i for i, (lt, m) in enumerate(zip(config.layer_types, modes)) if lt == kind and m != "reuse"]
+        if not idx:
+            raise BadRequest(f"the verifier has no {kind} layer computing its own KV; the hand-off needs one")
+        out[kind] = idx[-1]
+    return out
+
+
+def quantize_int8(x: torch.Tensor, scale: float) -> np.ndarray:
+    """Symmetric int8 with a fixed scale: round-to-nearest (ties to even), clamp to [-127, 127]. Dequantize as
+    ``q * scale``."""
+    return torch.clamp(torch.round(x.float() / scale), -127, 127).to(torch.int8).cpu().numpy()
+
+
+def layer_rows(cache: DynamicCache, layer: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV rows of positions [start, stop) of one layer, heads flattened: two (stop - start, kv_heads * head_dim)."""
+    k, v = cache.layers[layer].keys, cache.layers[layer].values  # (1, kv_heads, L, head_dim)
+
+    def flat(x):
+        return x[0, :, start:stop].transpose(0, 1).reshape(stop - start, -1)
+
+    return flat(k), flat(v)
+
+
+@torch.inference_mode()
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Drop every position >= length in every layer (undo a forward that did not complete a round)."""
+    for layer in cache.layers:
+        if layer.is_initialized and layer.keys.numel():
+            layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+
+
+# --------------------------------------------------------------------------------------- the round, step by step
+
+
+@torch.inference_mode()
+def prefill(model, cache: DynamicCache, tap: NormTap, ids: torch.Tensor, chunk: int,
+            dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Fill the cache with ``ids`` (int64 (T,), positions 0 .. T-1) in causal chunks of ``chunk`` positions.
+
+    Each chunk uses the same explicit masks as the tree rounds (a chain is a tree), so prefill and rounds share
+    one mask convention. Returns the final norm's (pre, post) rows of position T-1, each (H,), or None if T == 0.
+    """
+    t, n_total = 0, len(ids)
+    while t < n_total:
+        n = min(chunk, n_total - t)
+        pos = torch.arange(t, t + n, device=ids.device)
+        causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+        masks = additive_masks(pos, causal, t, model.config.sliding_window, dtype)
+        model(input_ids=ids[None, t:t + n], position_ids=pos[None], attention_mask=masks, cache=cache,
+              use_cache=True, logits_to_keep=1)
+        t += n
+    if n_total == 0:
+        return None
+    return tap.pre[0, -1], tap.post[0, -1]
+
+
+@torch.inference_mode()
+def verify_tree(model, cache: DynamicCache, tap: NormTap, tokens: torch.Tensor, parents: np.ndarray, t: int,
+                dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Alg. 4 lines 1-3: one forward over the R tree rows after the t cached positions.
+
+    tokens: int64 (R,) on the model's device; parents: int (R,), a valid tree. Row j takes position
+    t + depth(j) and attends to [0, t), its ancestor rows and itself (sliding layers: within their window).
+    Appends the R rows' KV to every cache layer (at storage positions t .. t+R-1). Returns float32 logits (R, V)
+    (soft-capped, as transformers computes them) and the final norm's input and output rows, each (R, H).
+    """
+    device = tokens.device
+    pos = torch.as_tensor(t + tree_depths(parents), device=device)
+    visible = torch.as_tensor(ancestor_matrix(parents), device=device)
+    masks = additive_masks(pos, visible, t, model.config.sliding_window, dtype)
+    out = model(input_ids=tokens[None], position_ids=pos[None], attention_mask=masks, cache=cache, use_cache=True)
+    return out.logits[0].float(), tap.pre[0], tap.post[0]
+
+
+@torch.inference_mode()
+def compact_kv(cache: DynamicCache, t: int, path_rows: np.ndarray) -> None:
+    """Alg. 4 line 13: keep positions [0, t), then the root row and the path rows at t .. t + |P|.
+
+    The cache holds [0, t) followed by the R tree rows. One gather per layer and tensor moves the kept rows
+    (root row 0 and path_rows, which are increasing) into place; the rest is cut off. Every layer's length
+    becomes t + 1 + |P|.
+    """
+    keep = torch.as_tensor(np.concatenate([[0], path_rows]), dtype=torch.long)
+    n = len(keep)
+    for layer in cache.layers:
+        if not (layer.is_initialized and layer.keys.numel()):
+            continue  # KV-shared layers store nothing
+        idx = (t + keep).to(layer.keys.device)
+        for name in ("keys", "values"):
+            x = getattr(layer, name)
+            x[..., t:t + n, :] = x.index_select(-2, idx)  # the gather copies first: no overlap hazard
+            setattr(layer, name, x[..., :t + n, :])
+
+
+@torch.inference_mode()
+def pack_handoff(model, cache: DynamicCache, layers: dict[str, int], bonus: int, h: torch.Tensor, t: int,
+                 t_prime: int, window: int, first_round: bool, scales) -> HandOff:
+    """Alg. 4 line 14: H = (t', a, [e(b); h_v*], R) at 8 bits with fixed scales.
+
+    a = max(t, t' - W), or max(0, t' - W) in the request's first round (its H carries up to W prompt rows).
+    e is the verifier's scaled input embedding; h is the row of v* from `NormTap` (pre- or post-norm per the
+    engine's ``hidden``). R: the KV rows [a, t') of the last sliding and last full-attention layer, heads
+    flattened, keys rotated as cached. scales: (e, h, k_sliding, v_sliding, k_full, v_full).
+    """
+    a = max(0 if first_round else t, t_prime - window)
+    e = model.model.embed_tokens(torch.tensor([bonus], device=h.device))[0]
+    k_s, v_s = layer_rows(cache, layers[SLIDING], a, t_prime)
+    k_f, v_f = layer_rows(cache, layers[FULL], a, t_prime)
+    x_hat = np.concatenate([quantize_int8(e, scales[0]), quantize_int8(h, scales[1])])
+    return HandOff(
+        t_prime=t_prime, a=a, bonus=int(bonus), x_hat=x_hat,
+        k_sliding=quantize_int8(k_s, scales[2]), v_sliding=quantize_int8(v_s, scales[3]),
+        k_full=quantize_int8(k_f, scales[4]), v_full=quantize_int8(v_f, scales[5]),
+        scales=tuple(float(s) for s in scales),
+    )
+
+
+@torch.inference_mode()
+def draft_cloud_chain(model, head, cache: DynamicCache, layers: dict[str, int], root: int, h: torch.Tensor, t: int,
+                      k: int, position_offset: int) -> list[int]:
+    """Cloud+MTP drafting (Table 5): a greedy K-chain by the full-precision head over the full vocabulary.
+
+    As transformers' ``SinglePositionMultiTokenCandidateGenerator``: input [e(root); h_{t-1}], a constant query
+    position (t + position_offset; transformers uses offset 0, the paper -1), the head's own forward and masks
+    (full layer: every key given; sliding layer: its own window), then [e(y_k); h'_k] fed back. Unlike it, the
+    shared KV is exactly the committed positions [0, t) -- never a rejected tree row. Returns K token ids.
+    """
+    if t == 0 or k == 0:
+        return []
+    shared = {}
+    for kind, i in layers.items():
+        layer = cache.layers[i]
+        shared[kind] = (layer.keys[..., :t, :].to(head.dtype), layer.values[..., :t, :].to(head.dtype))
+    pos = torch.tensor([[t + position_offset]], device=h.device)
+    x = torch.cat([model.model.embed_tokens(torch.tensor([root], device=h.device))[0], h])
+    chain = []
+    for _ in range(k):
+        out = head(inputs_embeds=x[None, None].to(head.dtype), position_ids=pos, shared_kv_states=shared,
+                   use_cache=False)
+        y = int(out.logits[0, -1].argmax())  # greedy, first among equals
+        chain.append(y)
+        x = torch.cat([model.model.embed_tokens(torch.tensor([y], device=h.device))[0],
+                       out.last_hidden_state[0, -1].to(h.dtype)])
+    return chain
+
+
+@torch.inference_mode()
+def draft_server_chain(model, head, cache: DynamicCache, layers: dict[str, int], root: int, h: torch.Tensor,
+                       t: int, k: int, window: int, keep_set: torch.Tensor | None, position_offset: int) -> list[int]:
+    """The server-head variant (Table 5): the head drafts a greedy K-chain for the root at position t as the
+    device's Drafter would (Alg. 2) but in full precision: both layers read the W-window [max(0, t - W), t),
+    constant query position t + position_offset, logits restricted to the keep set (first among equals).
+    keep_set: int64 (|V|,) token ids, or None for the full vocabulary. Returns K token ids."""
+    lo = max(0, t - window)
+    shared = {}
+    for kind, i in layers.items():
+        layer = cache.layers[i]
+        shared[kind] = (layer.keys[..., lo:t, :].to(head.dtype), layer.values[..., lo:t, :].to(head.dtype))
+    visible = torch.zeros(1, 1, 1, t - lo, dtype=head.dtype, device=h.device)
+    masks = {SLIDING: visible, FULL: visible}
+    pos = torch.tensor([[t + position_offset]], device=h.device)
+    x = torch.cat([model.model.embed_tokens(torch.tensor([root], device=h.device))[0], h])
+    chain = []
+    for _ in range(k):
+        logits, h_next = head_step(head, x[None, None].to(head.dtype), shared, masks, pos)
+        logits = logits[0, 0]
+        if keep_set is not None:
+            y = int(keep_set[int(logits[keep_set].argmax())])  # Alg. 2 lines 10-11: o over V, y = V[i]
+        else:
+            y = int(logits.argmax())
+        chain.append(y)
+        x = torch.cat([model.model.embed_tokens(torch.tensor([y], device=h.device))[0], h_next[0, 0].to(h.dtype)])
+    return chain
+
+
+# -------------------------------------------------------------------------------------------- engine, session
+
+
+class VerifierEngine:
+    """One verifier model (and optionally its MTP head) serving many sessions.
+
+    model: transformers ``Gemma4ForCausalLM`` (eval mode; its dtype and device are used as they are).
+    head: ``Gemma4AssistantForCausalLM`` for the ``cloud-mtp`` and ``server-head`` baselines, else None.
+    keep_set: int64 (|V|,) token ids the server head may propose (None: full vocabulary).
+    head_window: W, positions of hand-off windows and of the server head's window (paper: 1,024).
+    chain_length: K of the server-side chains (paper: 4).
+    handoff_scales: 6 fixed int8 scales (e, h, k_sliding, v_sliding, k_full, v_full) of the hand-off.
+    hidden: "pre_norm" (paper, Alg. 4 line 3) or "post_norm" (transformers' MTP generator) -- which h the
+        hand-off and the server-side heads read. head_query_position_offset: the head's query position is the
+        root position plus this (paper Alg. 2 line 6: -1; transformers' generator: 0).
+    eos_token_ids: committing any of them finishes the request. max_context: positions the verifier holds
+        (default: config.max_position_embeddings). prefill_chunk: prompt positions per prefill forward.
+    device: where token tensors are created (the model's device).
+
+    Attributes for the server's Opened reply: max_context, vocab_size, hidden_size, kv_dim_sliding, kv_dim_full.
+    """
+
+    def __init__(self, model, *, head=None, keep_set: torch.Tensor | None = None, head_window: int,
+                 chain_length: int = 4, handoff_scales: tuple[float, ...], hidden: str = "pre_norm",
+                 head_query_position_offset: int = -1, eos_token_ids=(), max_context: int | None = None,
+                 device: torch.device | str = "cpu", prefill_chunk: int = 512):
+        if hidden not in HIDDEN_CHOICES:
+            raise BadRequest(f"hidden must be one of {HIDDEN_CHOICES}, got {hidden!r}")
+        if len(handoff_scales) != 6 or any(s <= 0 for s in handoff_scales):
+            raise BadRequest(f"handoff_scales needs 6 positive floats (e, h, k_s, v_s, k_f, v_f), got {handoff_scales}")
+        if head_window < 1 or chain_length < 0 or prefill_chunk < 1:
+            raise BadRequest("head_window and prefill_chunk must be >= 1, chain_length >= 0")
+        self.model = model.eval()
+        self.head = head.eval() if head is not None else None
+        self.device = torch.device(device)
+        self.keep_set = None if keep_set is None else torch.as_tensor(keep_set, dtype=torch.long, device=self.device)
+        self.head_window = int(head_window)
+        self.chain_length = int(chain_length)
+        self.handoff_scales = tuple(float(s) for s in handoff_scales)
+        self.hidden = hidden
+        self.head_query_position_offset = int(head_query_position_offset)
+        self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
+        self.prefill_chunk = int(prefill_chunk)
+        cfg = model.config
+        self.max_context = int(max_context or cfg.max_position_embeddings)
+        self.vocab_size = int(cfg.vocab_size)
+        self.hidden_size = int(cfg.hidden_size)
+        self.dtype = model.dtype
+        self.layers = producer_layers(cfg)
+        attn = model.model.layers
+        self.kv_dim_sliding = int(attn[self.layers[SLIDING]].self_attn.k_proj.out_features)
+        self.kv_dim_full = int(attn[self.layers[FULL]].self_attn.k_proj.out_features)
+        self.tap = NormTap(model)
+
+    def open(self, prompt_ids, sampling: Sampling = Sampling(), seed: int = 0, acceptance: str = "epsilon",
+             epsilon: float = 0.005, draft_place: str = "device", max_new_tokens: int = 1024) -> "Session":
+        """A new request (nothing runs yet: call ``Session.prefill``). Raises BadRequest for an invalid field,
+        ContextOverflow if the root position len(prompt) - 1 is >= max_context."""
+        prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        if len(prompt) == 0:
+            raise BadRequest("prompt_ids is empty; it needs at least the first root token")
+        if prompt.min() < 0 or prompt.max() >= self.vocab_size:
+            raise BadRequest(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(prompt) > self.max_context:
+            raise ContextOverflow(f"prompt of {len(prompt)} tokens exceeds the verifier's context of "
+                                  f"{self.max_context} positions; shorten it")
+        if acceptance not in ACCEPTANCE_MODES:
+            raise BadRequest(f"acceptance must be one of {ACCEPTANCE_MODES}, got {acceptance!r}")
+        if draft_place not in DRAFT_PLACES:
+            raise BadRequest(f"draft_place must be one of {DRAFT_PLACES}, got {draft_place!r}")
+        if not 0.0 < epsilon <= 1.0:
+            raise BadRequest(f"epsilon must be in (0, 1], got {epsilon}")
+        if sampling.temperature < 0 or sampling.top_k < 1 or not 0.0 < sampling.top_p <= 1.0:
+            raise BadRequest(f"invalid sampling {sampling}: need temperature >= 0, top_k >= 1, 0 < top_p <= 1")
+        if max_new_tokens < 1:
+            raise BadRequest(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if draft_place != "device" and self.head is None:
+            raise BadRequest(f"draft_place {draft_place!r} needs the verifier's MTP head, and none is loaded")
+        return Session(self, prompt, sampling, int(seed), acceptance, float(epsilon), draft_place,
+                       int(max_new_tokens))
+
+    def close(self) -> None:
+        """Remove the engine's hook from the model."""
+        self.tap.remove()
+
+
+@dataclass
+class _Retry:
+    seq: int
+    tokens: np.ndarray
+    parents: np.ndarray
+    reply: RoundReply
+
+
+@dataclass
+class Session:
+    """One request's state: the KV cache of [0, t), the committed tokens and the seeded sampler.
+
+    tokens: prompt + committed output; its last entry is the next root x_{t+1}, at position t (len == t + 1
+    until the request finishes: the final round's output is then cut after the EOS / at max_new_tokens).
+    accepted: |P| of every round (MAT = mean(accepted) + 1). rounds: completed rounds. server_ms: per round.
+    """
+
+    engine: VerifierEngine = field(repr=False)
+    prompt: np.ndarray = field(repr=False)
+    sampling: Sampling
+    seed: int
+    acceptance: str
+    epsilon: float
+    draft_place: str
+    max_new_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    t: int = 0
+    rounds: int = 0
+    accepted: list[int] = field(default_factory=list)
+    server_ms: list[float] = field(default_factory=list)
+    prefill_ms: float | None = None
+    finished: bool = False
+
+    def __post_init__(self):
+        self.tokens = [int(x) for x in self.prompt]
+        self.generator = torch.Generator().manual_seed(self.seed)
+        self.cache: DynamicCache | None = None
+        self._h: torch.Tensor | None = None  # h of position t - 1 (pre- or post-norm per engine.hidden)
+        self._last: _Retry | None = None
+
+    @property
+    def output(self) -> list[int]:
+        """Committed tokens after the prompt."""
+        return self.tokens[len(self.prompt):]
+
+    @property
+    def root(self) -> int:
+        return self.tokens[-1]
+
+    def prefill(self) -> tuple[float, int]:
+        """Prefill prompt[:-1] (positions [0, t)); the last prompt token is the first root at position t.
+
+        Returns (prefill_ms, t). Idempotent: a second call returns the first result.
+        """
+        if self.prefill_ms is not None:
+            return self.prefill_ms, self.t
+        eng = self.engine
+        ids = torch.as_tensor(self.prompt[:-1], device=eng.device)
+        cache = DynamicCache()  # no config: sliding layers keep every position (see module docstring)
+        with _Timer(eng.device) as timer:
+            last = prefill(eng.model, cache, eng.tap, ids, eng.prefill_chunk, eng.dtype)
+        self.cache, self.t = cache, len(ids)
+        self._h = None if last is None else last[0 if eng.hidden == "pre_norm" else 1]
+        self.prefill_ms = timer.ms
+        return self.prefill_ms, self.t
+
+    def close(self) -> None:
+        """Free the KV cache."""
+        self.cache = None
+        self.finished = True
+
+    # ------------------------------------------------------------------------------------------------ a round
+
+    def verify(self, tokens, parents, seq: int) -> RoundReply:
+        """Alg. 4, entire: verify one draft tree and commit its accepted path and bonus token.
+
+        tokens, parents: int (R,), row 0 the root x_{t+1} (must equal the session's root), parents[0] == -1,
+        0 <= parents[j] < j; ``cloud-mtp`` sessions send the root alone (R == 1) and the engine drafts and
+        verifies root + K-chain itself (the reply's rows then refer to that chain: committed tokens are
+        samples[:|P| + 1]). seq: 0 in the first round, +1 each round; resending the last seq with the same tree
+        returns the same reply (idempotent retry).
+
+        Raises (before any state changes): NotPrefilled, SessionFinished, SequenceError, TreeError, RootMismatch,
+        ContextOverflow. On finishing (EOS committed, or max_new_tokens reached) the committed output is cut
+        after the first EOS / at max_new_tokens, ``finished`` is True and no hand-off or chain is sent.
+        """
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        parents = np.asarray(parents, dtype=np.int64).reshape(-1)
+        last = self._last
+        if last is not None and seq == last.seq:
+            if np.array_equal(tokens, last.tokens) and np.array_equal(parents, last.parents):
+                return last.reply
+            raise SequenceError(f"round {seq} was already verified with a different tree; send round {seq + 1}")
+        if self.prefill_ms is None:
+            raise NotPrefilled("call prefill before the first round")
+        if self.finished:
+            raise SessionFinished("this request has finished (EOS, max_new_tokens or closed); open a new one")
+        expected = 0 if last is None else last.seq + 1
+        if seq != expected:
+            raise SequenceError(f"round seq {seq} out of order; expected {expected}")
+        eng = self.engine
+        validate_tree(tokens, parents, eng.vocab_size)
+        if self.draft_place == "cloud-mtp" and len(tokens) != 1:
+            raise TreeError(f"cloud-mtp rounds carry only the root, got {len(tokens)} rows")
+        if tokens[0] != self.root:
+            raise RootMismatch(f"tree root {tokens[0]} is not the session's root {self.root} at position {self.t}")
+        depth = int(tree_depths(parents).max())
+        if self.t + depth >= eng.max_context:
+            raise ContextOverflow(f"a tree row at position {self.t + depth} exceeds the verifier's context of "
+                                  f"{eng.max_context} positions; the request must end")
+
+        t, rng_state = self.t, self.generator.get_state()
+        try:
+            with _Timer(eng.device) as timer:
+                reply, commit = self._round(tokens, parents, seq)
+        except BaseException:
+            crop_cache(self.cache, t)  # compaction keeps [0, t) intact: this restores the cache exactly
+            self.generator.set_state(rng_state)
+            raise
+        new, t_prime, h, n_accepted = commit
+        self.tokens.extend(new)
+        self.t, self._h, self.finished = t_prime, h, reply.finished
+        self.rounds += 1
+        self.accepted.append(n_accepted)
+        self.server_ms.append(timer.ms)
+        reply = replace(reply, server_ms=timer.ms)
+        self._last = _Retry(seq, tokens, parents, reply)
+        return reply
+
+    def _round(self, tokens: np.ndarray, parents: np.ndarray, seq: int):
+        """The work of one round; changes only the cache (which `verify` restores on failure).
+
+        Returns (reply with server_ms unset, (new committed tokens, t', h of v*, |P|)).
+        """
+        eng, t = self.engine, self.t
+        if self.draft_place == "cloud-mtp":
+            room = min(eng.chain_length, eng.max_context - 1 - t)
+            chain = draft_cloud_chain(eng.model, eng.head, self.cache, eng.layers, self.root, self._h, t, room,
+                                      eng.head_query_position_offset) if self._h is not None else []
+            tokens = np.asarray([self.root] + chain, dtype=np.int64)
+            parents = np.arange(-1, len(chain), dtype=np.int64)
+
+        # Lines 1-3: one forward over the tree rows.
+        ids = torch.as_tensor(tokens, device=eng.device)
+        logits, h_pre, h_post = verify_tree(eng.model, self.cache, eng.tap, ids, parents, t, eng.dtype)
+        h_rows = h_pre if eng.hidden == "pre_norm" else h_post
+        # Line 5: p~ per row and y^_j ~ p~(.|j) from the session's generator.
+        probs = sampling_probs(logits, self.sampling)
+        samples = sample_rows(probs, self.generator)
+        # Lines 6-12: choose v*, rewrite samples along the path, b = y^_v*.
+        if self.acceptance == "exact" or self.draft_place == "cloud-mtp":
+            v_star, path, samples = select_exact(tokens, parents, samples)
+        else:
+            v_star, path, samples = select_path(tokens, parents, samples, probs, self.epsilon)
+        bonus = int(samples[v_star])
+        # Line 13: keep the root and the path at t .. t + |P|.
+        compact_kv(self.cache, t, path)
+        t_prime = t + 1 + len(path)
+
+        # Commit the path and b (Alg. 1 line 9), cut after an EOS and at max_new_tokens.
+        new = [int(x) for x in tokens[path]] + [bonus]
+        finished = False
+        for i, tok in enumerate(new):
+            if tok in eng.eos_token_ids:
+                new, finished = new[:i + 1], True
+                break
+        room = self.max_new_tokens - len(self.output)
+        if len(new) >= room:
+            new, finished = new[:room], True
+
+        h = h_rows[v_star]
+        handoff, chain = None, np.zeros(0, np.int32)
+        if not finished and self.draft_place == "device":
+            # Line 14: the hand-off for the device's MTP Drafter.
+            handoff = pack_handoff(eng.model, self.cache, eng.layers, bonus, h, t, t_prime, eng.head_window,
+                                   seq == 0, eng.handoff_scales)
+        elif not finished and self.draft_place == "server-head":
+            room = min(eng.chain_length, eng.max_context - 1 - t_prime)
+            chain = np.asarray(draft_server_chain(eng.model, eng.head, self.cache, eng.layers, bonus, h, t_prime,
+                                                  room, eng.head_window, eng.keep_set,
+                                                  eng.head_query_position_offset), dtype=np.int32)
+        reply = RoundReply(seq=seq, samples=samples.astype(np.int32), path_rows=path.astype(np.int32), bonus=bonus,
+                           server_ms=0.0, finished=finished, handoff=handoff, chain=chain)
+        return reply, (new, t_prime, h, len(path))

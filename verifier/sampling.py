@@ -1,0 +1,63 @@
+"""The verifier's sampling distribution p~ and seeded per-row sampling (paper Alg. 4 line 5).
+
+p~(. | j) is the softmax of row j's logits divided by the temperature, over its top-k largest entries (k = 64 in
+the paper), cut to the top-p nucleus (p = 0.95) and renormalized. Temperature 0 is greedy: p~ is one-hot on the
+arg-max. Ties are broken toward the lowest token id everywhere (top-k membership, nucleus order, greedy arg-max),
+so p~ is a deterministic function of the logits.
+
+Samples are drawn by inverse CDF from uniforms of a per-session CPU ``torch.Generator``: the same seed gives the
+same samples whatever device the logits live on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hycoc.messages import Sampling
+
+
+def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """p~ per row (Alg. 4 line 5).
+
+    logits: float (R, V), the verifier's (soft-capped) output logits. sampling: temperature >= 0, top_k >= 1,
+    top_p in (0, 1]. Returns float32 (R, V), each row summing to 1, zero outside the kept tokens.
+    Raises ValueError for an out-of-range temperature, top_k or top_p.
+    """
+    if sampling.temperature < 0 or sampling.top_k < 1 or not 0.0 < sampling.top_p <= 1.0:
+        raise ValueError(f"invalid sampling parameters {sampling}: need temperature >= 0, top_k >= 1, 0 < top_p <= 1")
+    logits = logits.float()
+    rows, vocab = logits.shape
+    if sampling.temperature == 0:
+        # Greedy: all mass on the arg-max; torch.argmax returns the first (lowest-id) maximum.
+        probs = torch.zeros_like(logits)
+        probs[torch.arange(rows, device=logits.device), logits.argmax(-1)] = 1.0
+        return probs
+    k = min(sampling.top_k, vocab)
+    # Stable descending sort: equal logits keep ascending id order, so top-k ties go to the lowest id.
+    sorted_logits, sorted_ids = torch.sort(logits, dim=-1, descending=True, stable=True)
+    top_logits, top_ids = sorted_logits[:, :k], sorted_ids[:, :k]  # (R, k)
+    top_probs = torch.softmax(top_logits / sampling.temperature, dim=-1)
+    if sampling.top_p < 1.0:
+        # Nucleus: the smallest prefix whose mass reaches top_p, i.e. keep i while the mass before i is < top_p.
+        mass_before = torch.cumsum(top_probs, dim=-1) - top_probs
+        top_probs = torch.where(mass_before < sampling.top_p, top_probs, 0.0)
+        top_probs = top_probs / top_probs.sum(-1, keepdim=True)
+    probs = torch.zeros_like(logits)
+    probs.scatter_(1, top_ids, top_probs)
+    return probs
+
+
+def sample_rows(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One sample per row, y^_j ~ p~(. | j) (Alg. 4 line 5).
+
+    probs: float (R, V), rows summing to 1. generator: a CPU ``torch.Generator`` (the session's); it draws R
+    uniforms. Returns int64 (R,) on probs' device. A token of zero probability is never drawn.
+    """
+    rows = probs.shape[0]
+    u = torch.rand(rows, generator=generator, dtype=torch.float64).to(probs.device)
+    cdf = torch.cumsum(probs.double(), dim=-1)  # (R, V)
+    # First id whose CDF exceeds u * total; zero-mass ids repeat the previous CDF value and are skipped.
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    # u * total can round up to the total: fall back to the last id with mass.
+    last_nonzero = (probs.shape[1] - 1) - torch.argmax((probs.flip(-1) > 0).int(), dim=-1)
+    return torch.minimum(idx, last_nonzero)
