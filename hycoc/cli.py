@@ -32,7 +32,6 @@ DEFAULT_DATASET = REPO_ROOT.parent / "shared" / "data" / "spec_bench_question.js
 PENDING = {
     "build": (4, "The compiler: hycoc build RECIPE --target htp-v81|cpu|qai-hub"),
     "run": (5, "Device runtime: hycoc run BUNDLE --server URL"),
-    "verify-server": (3, "Verifier engine and hycoc verify-server"),
     "bench": (6, "hycoc bench: the paper's Table 2 on real prompts"),
     "inspect-bundle": (4, "The compiler: hycoc build RECIPE --target htp-v81|cpu|qai-hub"),
     "inspect-recipe": (7, "The paper's deployment: recipes/gemma4.toml end to end on real shapes"),
@@ -146,17 +145,49 @@ def verify_server(
     recipe: Path = RECIPE_ARG,
     host: Optional[str] = typer.Option(None, help="listen address (default: the recipe's verifier.host, 127.0.0.1)",
                                        show_default=False),
-    port: Optional[int] = typer.Option(None, min=1, max=65535,
-                                       help="TCP port (default: the recipe's verifier.port, 8765)", show_default=False),
+    port: Optional[int] = typer.Option(
+        None, min=0, max=65535, help="TCP port; 0 = any free port, named in the printed URL "
+        "(default: the recipe's verifier.port, 8765)", show_default=False),
     device: Optional[Device] = typer.Option(None, help="torch device (default: the recipe's verifier.device)",
                                             show_default=False),
     auth_token: Optional[str] = typer.Option(
-        None, envvar="HYCOC_AUTH_TOKEN", help="require this token from clients (default: none)",
-        show_default=False),
+        None, envvar="HYCOC_AUTH_TOKEN", help="require this token from clients, in OPEN or as 'Authorization: "
+        "Bearer TOKEN' (default: none, an open server)", show_default=False),
 ) -> None:
-    """Serve the verifier: prefill, one-forward tree verification, acceptance, KV compaction, hand-off (Alg. 4)."""
-    _recipe("verify-server", recipe)
-    raise _pending("verify-server")
+    """Serve the verifier: prefill, one-forward tree verification, acceptance, KV compaction, hand-off (Alg. 4).
+
+    WebSocket sessions at ws://HOST:PORT/, GET /healthz (JSON) and GET /metrics (Prometheus) on the same port.
+
+    Prints one line with the URL once listening; stops on Ctrl-C or SIGTERM.
+
+    Trees have the recipe's tree.node_budget + 1 rows; frames above its verifier.max_frame_bytes (bytes) are refused.
+    """
+    cfg = _recipe("verify-server", recipe)
+    if auth_token == "":
+        raise _fail("verify-server", "--auth-token is empty: give a token, or leave the option out", code=2)
+    from hycoc.models import ModelNotFoundError
+    from hycoc.recipe import RecipeError
+    from hycoc.verifier.loading import DeviceUnavailable, engine_from_recipe, server_options
+    from hycoc.verifier.server import serve
+
+    try:
+        engine = engine_from_recipe(cfg, device.value if device is not None else None)
+    except RecipeError as e:
+        raise _fail("verify-server", f"bad recipe\n{e}") from None
+    except (ModelNotFoundError, DeviceUnavailable) as e:
+        raise _fail("verify-server", str(e)) from None
+    host = host or cfg.verifier.host
+    port = cfg.verifier.port if port is None else port
+
+    def listening(url: str) -> None:
+        typer.echo(f"hycoc verify-server: listening on {url} (model {cfg.models.verifier}, "
+                   f"{engine.device.type}, health {url.replace('ws://', 'http://', 1)}/healthz)")
+        sys.stdout.flush()
+
+    try:
+        serve(engine, host, port, auth_token=auth_token, on_listening=listening, **server_options(cfg))
+    except OSError as e:
+        raise _fail("verify-server", f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 @app.command()
@@ -229,7 +260,7 @@ def package_versions() -> dict[str, str]:
 
 @app.command()
 def doctor() -> None:
-    """Report the versions of Python, torch, transformers, onnx, onnxruntime and onnxruntime-qnn."""
+    """Report package versions, whether the QNN EP loads, and which HTP archs it compiles for."""
     from rich.console import Console
     from rich.table import Table
 
@@ -238,6 +269,21 @@ def doctor() -> None:
     table.add_column("version")
     for name, ver in package_versions().items():
         table.add_row(name, ver if ver != "not installed" else "[yellow]not installed[/yellow]")
+
+    from hycoc.targets.qnn_ep import qnn_status
+
+    st = qnn_status()  # loads the plugin EP and compiles a trivial 16-bit graph per HTP arch (child process)
+    if st["loads"]:
+        sdk = st["versions"].get("qnn_sdk")
+        table.add_row("QNN EP loads", f"yes (QNN SDK {sdk})" if sdk else "yes")
+        archs = st.get("archs") or {}
+        ok = [f"v{a}" for a in st.get("compilable_archs", [])]
+        bad = [f"v{a}" for a, r in archs.items() if not r["ok"]]
+        table.add_row("HTP archs", (", ".join(ok) or "[red]none[/red]") + (f" [red](fail: {', '.join(bad)})[/red]"
+                                                                            if bad else ""))
+    else:
+        table.add_row("QNN EP loads", f"[yellow]no[/yellow]: {st['error']}")
+        table.add_row("HTP archs", "[yellow]none (no QNN EP)[/yellow]")
     Console().print(table)
 
 

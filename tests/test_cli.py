@@ -57,8 +57,6 @@ PENDING = [
     (["build", TOY], "hycoc build: not available yet (issue 4: The compiler: hycoc build RECIPE --target "
                      "htp-v81|cpu|qai-hub)"),
     (["build", GEMMA4, "--target", "cpu"], "hycoc build: not available yet (issue 4: The compiler"),
-    (["verify-server", TOY, "--port", "9000"], "hycoc verify-server: not available yet (issue 3: Verifier engine "
-                                               "and hycoc verify-server)"),
     (["inspect", GEMMA4, "--json"], "hycoc inspect: not available yet (issue 7: The paper's deployment"),
     (["inspect", ROOT], "hycoc inspect: not available yet (issue 4: The compiler"),
     (["run", ROOT, "--server", "ws://127.0.0.1:8765", "--prompt", "hi"],

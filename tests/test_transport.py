@@ -1,0 +1,281 @@
+"""The device's transport (runtime/transport.py) against scripted WebSocket peers: no torch, no verifier.
+
+A `FakeVerifier` answers frames the way a test tells it to (canned OPENED / REPLY frames, an error frame, another
+protocol version, a dropped connection, silence, an HTTP 401), so every failure path of `VerifierClient` is hit
+with the exact bytes that cause it. The real server is exercised in test_server.py.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import zlib
+
+import numpy as np
+import pytest
+from websockets.datastructures import Headers
+from websockets.http11 import Response
+from websockets.sync.server import serve
+
+from hycoc import wire
+from hycoc.messages import DraftTree, ErrorReply, HandOff, Opened, OpenRequest, RoundReply
+from hycoc.runtime.transport import (LINK_PRESETS, AuthRefused, BadReply, ConnectionDropped, LinkModel,
+                                     ProtocolMismatch, RequestTimeout, ServerError, ServerUnreachable,
+                                     VerifierClient, parse_link)
+
+OPENED = Opened(session_id=7, t=4, prefill_ms=1.5, max_context=64, tree_rows=3, vocab_size=100, hidden_size=4,
+                kv_dim_sliding=2, kv_dim_full=2)
+PROMPT = np.array([5, 6, 7, 8, 9], dtype=np.int32)
+TREE = DraftTree(seq=0, tokens=np.array([9, 10, 11], np.int32), parents=np.array([-1, 0, 1], np.int32))
+
+
+def handoff(t_prime: int, a: int, bonus: int) -> HandOff:
+    n = t_prime - a
+    return HandOff(t_prime=t_prime, a=a, bonus=bonus, x_hat=np.arange(8, dtype=np.int8),
+                   k_sliding=np.ones((n, 2), np.int8), v_sliding=np.full((n, 2), 2, np.int8),
+                   k_full=np.full((n, 2), 3, np.int8), v_full=np.full((n, 2), 4, np.int8),
+                   scales=(0.1, 0.1, 0.05, 0.05, 0.05, 0.05))
+
+
+#: Round 0 accepts row 1 (token 10); the bonus 12 is sampled at row 1; hand-off rows [0, 6) (first round: from 0).
+REPLY = RoundReply(seq=0, samples=np.array([10, 12, 13], np.int32), path_rows=np.array([1], np.int32), bonus=12,
+                   server_ms=2.25, handoff=handoff(6, 0, 12))
+
+
+class FakeVerifier:
+    """A scripted peer: ``answer(frame) -> bytes | None`` for each received frame (None: close the connection;
+    the string "silent": never answer). Records the frames and the upgrade's headers."""
+
+    def __init__(self, answer=None, process_request=None):
+        self.answer = answer or self.protocol
+        self.frames: list[bytes] = []
+        self.headers: list[Headers] = []
+        self._server = serve(self._handle, "127.0.0.1", 0, compression=None, process_request=process_request)
+        self.url = f"ws://127.0.0.1:{self._server.socket.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @staticmethod
+    def protocol(frame: bytes) -> bytes:
+        msg = wire.decode(frame)
+        return wire.encode(OPENED if isinstance(msg, OpenRequest) else REPLY)
+
+    def _handle(self, ws) -> None:
+        self.headers.append(ws.request.headers)
+        for frame in ws:
+            self.frames.append(frame)
+            out = self.answer(frame)
+            if out is None:
+                return  # the handler returning closes the connection
+            if out == "silent":
+                continue
+            ws.send(out)
+
+    def __enter__(self) -> "FakeVerifier":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._thread.join(5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------------ link model
+
+
+def test_link_presets_and_parsing():
+    assert LINK_PRESETS["lte"] == LinkModel(rtt_ms=58.0, mbps=20.0)
+    assert LINK_PRESETS["5g"] == LinkModel(rtt_ms=40.0, mbps=50.0)
+    assert parse_link("lte") is LINK_PRESETS["lte"] and parse_link("5g") is LINK_PRESETS["5g"]
+    assert parse_link("none") is None
+    assert parse_link("45:50") == LinkModel(45.0, 50.0)
+    assert parse_link("12.5:0.5") == LinkModel(12.5, 0.5)
+    # 220 B (a B = 32 tree) on LTE: 29 ms + 220 * 8 / 20e6 s = 29.088 ms.
+    assert LINK_PRESETS["lte"].one_way_s(220) == pytest.approx(0.029088, abs=1e-12)
+    for bad in ("wifi", "45", "45:0", "-1:5", "45:50:1", "", "LTE"):
+        with pytest.raises(ValueError, match="allowed: lte, 5g, none or RTT_MS:MBPS"):
+            parse_link(bad)
+    with pytest.raises(ValueError):
+        LinkModel(rtt_ms=10, mbps=0)
+
+
+def test_link_model_sleeps_half_the_rtt_plus_serialization_each_way():
+    link = LinkModel(rtt_ms=40.0, mbps=8.0)  # 8 Mbit/s: 1 us per byte
+    sleeps: list[float] = []
+    request = OpenRequest(prompt_ids=PROMPT, auth_token="tok")
+    with FakeVerifier() as peer, VerifierClient(peer.url, auth_token="tok", link=link, sleep=sleeps.append) as c:
+        c.open(OpenRequest(prompt_ids=PROMPT))
+        reply = c.round(TREE)
+    up_open = len(wire.encode(request))  # 16 + 36 + 4 * 5 + 3 = 75
+    down_open = 16 + 40
+    up_round = wire.tree_nbytes(3)  # 22 + 6 * 3 = 40
+    down_round = wire.reply_nbytes(3, 1, 0, wire.handoff_nbytes(4, 2, 2, 6))  # 36 + 14 + 12 + 44 + 8 + 48
+    assert (up_open, down_open, up_round, down_round) == (75, 56, 40, 162)
+    assert sleeps == pytest.approx([0.020 + n * 1e-6 for n in (up_open, down_open, up_round, down_round)], abs=1e-12)
+    assert c.link_s == pytest.approx(sum(sleeps))
+    assert (c.last_up, c.last_down) == (up_round, down_round)
+    assert c.round_bytes == [(up_round, down_round)]
+    assert c.bytes_up == up_open + up_round + 24 and c.bytes_down == down_open + down_round  # + CLOSE (16 + 8)
+    assert reply.bonus == 12 and reply.handoff.n_positions == 6
+
+
+def test_no_link_means_no_sleep():
+    sleeps: list[float] = []
+    with FakeVerifier() as peer, VerifierClient(peer.url, sleep=sleeps.append) as c:
+        c.open(OpenRequest(prompt_ids=PROMPT))
+        c.round(TREE)
+    assert sleeps == [] and c.link_s == 0.0
+
+
+# ------------------------------------------------------------------------------------------------ protocol
+
+
+def test_open_round_close_frames_and_auth_travel_as_specified():
+    with FakeVerifier() as peer:
+        with VerifierClient(peer.url, auth_token="s3cret") as c:
+            opened = c.open(OpenRequest(prompt_ids=PROMPT, seed=3))
+            reply = c.round(TREE)
+        assert opened == OPENED
+        np.testing.assert_array_equal(reply.samples, REPLY.samples)
+        np.testing.assert_array_equal(reply.handoff.k_full, REPLY.handoff.k_full)
+        assert peer.headers[0]["Authorization"] == "Bearer s3cret"
+        sent = [wire.decode(f) for f in peer.frames]
+        assert [type(m).__name__ for m in sent] == ["OpenRequest", "DraftTree", "Close"]
+        assert sent[0].auth_token == "s3cret" and sent[0].seed == 3
+        assert sent[2].session_id == 7
+
+
+def test_no_token_sends_no_header():
+    with FakeVerifier() as peer, VerifierClient(peer.url) as c:
+        c.open(OpenRequest(prompt_ids=PROMPT))
+    assert "Authorization" not in peer.headers[0]
+    assert wire.decode(peer.frames[0]).auth_token is None
+
+
+# ------------------------------------------------------------------------------------------------ failures
+
+
+def test_unreachable_server():
+    port = free_port()
+    with pytest.raises(ServerUnreachable) as e:
+        VerifierClient(f"ws://127.0.0.1:{port}", timeout_s=5).open(OpenRequest(prompt_ids=PROMPT))
+    assert str(e.value).startswith(f"cannot reach the verifier at ws://127.0.0.1:{port}: ")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ServerUnreachable, match="is not a WebSocket URL"):
+        VerifierClient("http://127.0.0.1:1").connect()
+
+
+def test_http_status_refusals():
+    def deny(connection, request):
+        return connection.respond(401, "no\n")
+
+    def missing(connection, request):
+        return connection.respond(404, "no\n")
+
+    with FakeVerifier(process_request=deny) as peer:
+        with pytest.raises(AuthRefused, match=r"refused the connection \(HTTP 401\)"):
+            VerifierClient(peer.url).connect()
+    with FakeVerifier(process_request=missing) as peer:
+        with pytest.raises(ServerUnreachable, match="answered HTTP 404, not a WebSocket"):
+            VerifierClient(peer.url).connect()
+
+
+@pytest.mark.parametrize("code", ["auth_required", "auth_refused"])
+def test_auth_error_frames_become_auth_refused(code):
+    answer = lambda frame: wire.encode(ErrorReply(code, "the auth token does not match"))  # noqa: E731
+    with FakeVerifier(answer) as peer:
+        c = VerifierClient(peer.url, auth_token="wrong")
+        with pytest.raises(AuthRefused) as e:
+            c.open(OpenRequest(prompt_ids=PROMPT))
+    assert str(e.value) == f"the verifier at {peer.url} refused the session: {code}: the auth token does not match"
+    assert c.opened is None
+
+
+def test_server_error_frame_keeps_its_code_and_the_session():
+    def answer(frame):
+        msg = wire.decode(frame)
+        if isinstance(msg, OpenRequest):
+            return wire.encode(OPENED)
+        if msg.seq == 0:
+            return wire.encode(ErrorReply("bad_parent", "DraftTree.parents[2] = 5: row 2's parent must be an "
+                                                        "earlier row, in [0, 2)"))
+        return wire.encode(RoundReply(seq=1, samples=np.array([9, 1, 2], np.int32),
+                                      path_rows=np.zeros(0, np.int32), bonus=9, server_ms=1.0))
+
+    with FakeVerifier(answer) as peer, VerifierClient(peer.url) as c:
+        c.open(OpenRequest(prompt_ids=PROMPT))
+        with pytest.raises(ServerError) as e:
+            c.round(TREE)
+        assert e.value.code == "bad_parent"
+        assert str(e.value) == ("the verifier refused the round 0: bad_parent: DraftTree.parents[2] = 5: row 2's "
+                                "parent must be an earlier row, in [0, 2)")
+        assert c.round(DraftTree(1, TREE.tokens, TREE.parents)).bonus == 9  # the connection still serves
+
+
+def test_protocol_version_mismatch():
+    def version_2(frame):
+        payload = wire.encode(OPENED)[16:]
+        return struct.pack("<4sHBBII", b"HYCO", 2, 2, 0, len(payload), zlib.crc32(payload)) + payload
+
+    with FakeVerifier(version_2) as peer:
+        with pytest.raises(ProtocolMismatch) as e:
+            VerifierClient(peer.url).open(OpenRequest(prompt_ids=PROMPT))
+    assert str(e.value) == (f"the verifier at {peer.url} speaks another protocol: frame speaks protocol version 2: "
+                            "this side speaks version 1")
+    answer = lambda frame: wire.encode(ErrorReply("unsupported_version", "frame speaks protocol version 1"))  # noqa
+    with FakeVerifier(answer) as peer:
+        with pytest.raises(ProtocolMismatch, match="speaks another protocol: frame speaks protocol version 1"):
+            VerifierClient(peer.url).open(OpenRequest(prompt_ids=PROMPT))
+
+
+def test_connection_dropped_mid_request():
+    def drop_rounds(frame):
+        return None if isinstance(wire.decode(frame), DraftTree) else wire.encode(OPENED)
+
+    with FakeVerifier(drop_rounds) as peer:
+        c = VerifierClient(peer.url)
+        c.open(OpenRequest(prompt_ids=PROMPT))
+        with pytest.raises(ConnectionDropped, match=rf"the connection to {peer.url} closed during the round 0 "):
+            c.round(TREE)
+    assert c.opened is None
+
+
+def test_timeout_waiting_for_an_answer():
+    with FakeVerifier(lambda frame: "silent") as peer:
+        c = VerifierClient(peer.url, timeout_s=0.3)
+        with pytest.raises(RequestTimeout, match=rf"no answer to the open request from {peer.url} within 0.3 s"):
+            c.open(OpenRequest(prompt_ids=PROMPT))
+
+
+@pytest.mark.parametrize("reply,match", [
+    (RoundReply(seq=5, samples=np.array([9, 1, 2], np.int32), path_rows=np.zeros(0, np.int32), bonus=9,
+                server_ms=1.0), "answered round 5 to round 0"),
+    (RoundReply(seq=0, samples=np.array([9, 1, 200], np.int32), path_rows=np.zeros(0, np.int32), bonus=9,
+                server_ms=1.0), r"invalid: token_out_of_vocab: RoundReply.samples\[2\] = 200"),
+    (RoundReply(seq=0, samples=np.array([9, 1], np.int32), path_rows=np.zeros(0, np.int32), bonus=9,
+                server_ms=1.0), "invalid: wrong_row_count"),
+    (OPENED, "answered the round 0 with Opened, expected RoundReply"),
+])
+def test_replies_are_validated_against_the_session(reply, match):
+    def answer(frame):
+        return wire.encode(OPENED if isinstance(wire.decode(frame), OpenRequest) else reply)
+
+    with FakeVerifier(answer) as peer, VerifierClient(peer.url) as c:
+        c.open(OpenRequest(prompt_ids=PROMPT))
+        with pytest.raises(BadReply, match=match):
+            c.round(TREE)
+
+
+def test_the_transport_imports_no_torch_aiohttp_or_verifier():
+    code = ("import sys, hycoc.runtime.transport; print(sorted(m for m in ('torch', 'transformers', 'aiohttp', "
+            "'hycoc.verifier', 'hycoc.recipe', 'pydantic') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,94 @@
+"""Build the verifier engine and its server settings from a recipe (issue 3, DESIGN.md "verify-server").
+
+Everything the engine takes comes from one place in the recipe:
+
+    model, dtype              [models].verifier, [verifier].dtype       (hycoc.models.load_verifier)
+    MTP head                  [models].head                             (cloud-mtp and server-head baselines, Table 5)
+    EOS ids                   [models].tokenizer: <end_of_turn>, <eos>  (hycoc.chat.stop_token_ids, as `hycoc generate`)
+    W                         [window].head_window                      (hand-off window, server head's window)
+    K                         [tree].chain_length                       (server-side chains)
+    hand-off scales, h        [handoff].scale_*, [handoff].hidden       (Alg. 4 line 14)
+    head query position       [window].head_query_position_offset       (Alg. 2 line 6)
+    max context               [verifier].max_context (0 = the model's own max_position_embeddings)
+    device                    [verifier].device unless overridden
+
+Sampling is per session (each OPEN carries temperature, top-k, top-p, seed); the recipe's ``[sampling]`` are the
+device's defaults, not the server's. The keep set of ``server-head`` sessions is made by the compiler (issue 4)
+and is not built yet: engines come without one unless the caller passes it, and the server then answers
+``server-head`` OPENs with the ``no_keep_set`` error.
+"""
+
+from __future__ import annotations
+
+from hycoc.chat import stop_token_ids
+from hycoc.models import ModelNotFoundError, load_head, load_tokenizer, load_verifier
+from hycoc.recipe import Recipe, RecipeError
+
+from .engine import VerifierEngine
+
+
+class DeviceUnavailable(RuntimeError):
+    """The recipe or the command line asks for a torch device this machine does not have."""
+
+
+def model_dir(recipe: Recipe, role: str):
+    """The local folder (or file) of ``[models].<role>``. Raises ModelNotFoundError naming the model, the recipe
+    key and how to provide it (a hub id must be downloaded; a path must exist)."""
+    try:
+        return recipe.model_path(role)
+    except RecipeError as e:
+        raise ModelNotFoundError(f"the {role} model is not on this machine: {e}") from None
+
+
+def check_device(device: str) -> None:
+    """Raise DeviceUnavailable when ``device`` is "cuda" and torch sees no CUDA device."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DeviceUnavailable("device 'cuda' requested, but torch sees no CUDA device on this machine "
+                                f"(torch {torch.__version__}); use --device cpu or set [verifier].device = \"cpu\"")
+
+
+def engine_from_recipe(recipe: Recipe, device: str | None = None, *, keep_set=None) -> VerifierEngine:
+    """The verifier engine a recipe describes, with its MTP head loaded (see the module docstring for the keys).
+
+    device: "cpu" or "cuda" (None: the recipe's ``[verifier].device``). keep_set: int token ids the server head may
+    propose (None: no keep set yet; ``server-head`` sessions are then refused by the server).
+
+    Raises ModelNotFoundError (verifier, head or tokenizer missing; the message names it and how to provide it),
+    RecipeError (a ``[handoff].scale_*`` not set), DeviceUnavailable (cuda without CUDA).
+    """
+    device = device or recipe.verifier.device
+    check_device(device)
+    scales = recipe.handoff.scales()  # raises RecipeError naming every unset scale
+    verifier_dir, head_dir = model_dir(recipe, "verifier"), model_dir(recipe, "head")
+    tokenizer = load_tokenizer(model_dir(recipe, "tokenizer"))
+
+    dtype = recipe.verifier.dtype
+    model = load_verifier(verifier_dir, dtype=dtype, device=device)
+    head = load_head(head_dir, dtype=dtype, device=device)
+    return VerifierEngine(
+        model,
+        head=head,
+        keep_set=keep_set,
+        head_window=recipe.window.head_window,
+        chain_length=recipe.tree.chain_length,
+        handoff_scales=tuple(scales[k] for k in ("embedding", "hidden", "k_sliding", "v_sliding", "k_full",
+                                                 "v_full")),
+        hidden=recipe.handoff.hidden,
+        head_query_position_offset=recipe.window.head_query_position_offset,
+        eos_token_ids=stop_token_ids(tokenizer),
+        max_context=recipe.verifier.max_context or None,
+        device=device,
+    )
+
+
+def server_options(recipe: Recipe) -> dict:
+    """Keyword arguments of `hycoc.verifier.server.serve` / `VerifierServer` that come from the recipe:
+    ``tree_rows`` = B + 1 ([tree].node_budget + 1; the device pads smaller trees to it), ``max_frame_bytes``
+    ([verifier].max_frame_bytes) and ``model_name`` ([models].verifier as written)."""
+    return {
+        "tree_rows": recipe.tree.node_budget + 1,
+        "max_frame_bytes": recipe.verifier.max_frame_bytes,
+        "model_name": recipe.models.verifier,
+    }

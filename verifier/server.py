@@ -1,0 +1,544 @@
+"""The verifier's network server: the wire protocol over WebSocket, plus ``/healthz`` and ``/metrics`` (issue 3).
+
+One aiohttp application on one port (DESIGN.md "Wire protocol"; the device connects with ``--server ws://HOST:PORT``):
+
+    GET /  (WebSocket)  one session per connection, binary frames of `hycoc.wire`:
+                        OPEN -> prefill -> OPENED; ROUND -> REPLY, one per round; CLOSE (or a disconnect) frees the KV
+    GET /healthz        JSON: status, model, sessions, protocol_version and the limits a client must respect
+    GET /metrics        Prometheus text exposition (format 0.0.4), counters over the server's lifetime
+
+Validation. Every frame is decoded with `hycoc.wire.decode` against the session's `Limits` (vocabulary, tree rows,
+max context, max frame bytes), so a bad parent, a cycle, a token outside the vocabulary, a wrong row count, an
+oversize frame, a prompt longer than the context, an unknown message type or a wrong protocol version each gets an
+ERROR frame with the wire's code (``bad_parent``, ``token_out_of_vocab``, ``wrong_row_count``, ``frame_too_large``,
+``context_overflow``, ``unknown_message_type``, ``unsupported_version``, ...). The engine's own checks add
+``bad_seq``, ``bad_root``, ``finished`` (`hycoc.verifier.errors`); this module adds the session-level codes of
+`ServerError`'s subclasses. A failed frame changes nothing: decoding happens before the engine is called, and the
+engine restores its cache and sampler when a round fails (`Session.verify`). Errors never touch other connections.
+
+Auth. With ``auth_token`` set, an OPEN must present it, in the frame's ``auth_token`` or in the WebSocket upgrade's
+``Authorization: Bearer T`` header; every token presented must match (compared in constant time). A missing token
+gets ``auth_required``, a wrong one ``auth_refused``; both close the connection (WebSocket code 1008).
+``/healthz`` and ``/metrics`` carry no secrets and need no token.
+
+Retries. Rounds carry a sequence number. The same frame again with the seq of the last answered round gets the same
+reply bytes again without touching the engine (idempotent retry); any other seq gets ``bad_seq``.
+
+Concurrency. The model is shared by all sessions and the engine is not thread-safe, so every engine call (prefill,
+verify, free) runs on ONE worker thread (a single-thread executor: the lock the model needs, kept even when the
+awaiting connection goes away), while the event loop keeps accepting frames, answering health checks and
+validating. A client that disconnects mid-round: its round finishes on the worker, the reply is dropped, and the
+session's KV is freed right after (the free is queued on the same worker, so it runs after the round).
+
+Frame size. aiohttp's own WebSocket limit is set to twice ``max_frame_bytes`` so that a frame above the wire limit
+still reaches `hycoc.wire.decode_header` and gets a ``frame_too_large`` ERROR frame; only frames above twice the
+limit are cut by aiohttp (WebSocket close code 1009, no frame).
+
+Entry points: `serve` (blocking, for ``hycoc verify-server``), `VerifierServer.start` / ``stop`` (inside a running
+loop), `ServerThread` (in-process on an ephemeral port, for tests and ``hycoc bench``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import math
+import signal
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from hycoc import wire
+from hycoc.messages import Close, DraftTree, Opened, OpenRequest
+
+from .engine import Session, VerifierEngine
+
+log = logging.getLogger("hycoc.verifier.server")
+
+#: Prometheus text exposition format served at /metrics.
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+# --------------------------------------------------------------------------------------------------- errors
+
+
+class ServerError(Exception):
+    """A frame that is well formed but not acceptable in this connection's state. ``code`` goes into the ERROR
+    frame (`hycoc.wire.error_reply` reads the class attribute); the message says what to do instead."""
+
+    code = "server_error"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class AuthRequired(ServerError):
+    """The server runs with an auth token and the OPEN presented none (neither frame nor header)."""
+
+    code = "auth_required"
+
+
+class AuthRefused(ServerError):
+    """A presented auth token does not match the server's."""
+
+    code = "auth_refused"
+
+
+class NotOpened(ServerError):
+    """A ROUND before the connection's OPEN was answered."""
+
+    code = "not_opened"
+
+
+class AlreadyOpen(ServerError):
+    """A second OPEN on a connection: one session per connection; open another connection."""
+
+    code = "already_open"
+
+
+class UnexpectedMessage(ServerError):
+    """A frame the server never receives (OPENED, REPLY, ERROR) or a WebSocket text message."""
+
+    code = "unexpected_message"
+
+
+class BadSessionId(ServerError):
+    """A CLOSE naming another session than this connection's (0 means "this one")."""
+
+    code = "bad_session_id"
+
+
+class KeepSetMissing(ServerError):
+    """A ``server-head`` session on an engine without a keep set (Table 5: the head drafts over the keep set)."""
+
+    code = "no_keep_set"
+
+
+_AUTH_ERRORS = (AuthRequired, AuthRefused)
+
+
+# --------------------------------------------------------------------------------------------------- metrics
+
+
+@dataclass
+class Metrics:
+    """Counters over the server's lifetime (all sessions, all draft places), rendered by `exposition`.
+
+    MAT = tokens_committed / rounds counts the bonus token (paper App. G, as vLLM / SGLang / Spec-Bench).
+    g = (server_ms + prefill_ms) / tokens_committed, the verifier's milliseconds per output token incl. prefill.
+    """
+
+    rounds: int = 0
+    retries: int = 0
+    sessions_total: int = 0
+    sessions_active: int = 0
+    tokens_committed: int = 0
+    server_ms: float = 0.0
+    prefill_ms: float = 0.0
+    errors: Counter = field(default_factory=Counter)
+
+    def exposition(self) -> str:
+        """The Prometheus text format (0.0.4): HELP and TYPE lines, then one sample per series."""
+        mat = self.tokens_committed / self.rounds if self.rounds else math.nan
+        g = (self.server_ms + self.prefill_ms) / self.tokens_committed if self.tokens_committed else math.nan
+        families = [
+            ("hycoc_rounds_total", "counter", "rounds verified (one tree forward each; retries not counted)",
+             [("", self.rounds)]),
+            ("hycoc_retries_total", "counter", "rounds answered again from the last reply (idempotent retry)",
+             [("", self.retries)]),
+            ("hycoc_sessions_active", "gauge", "sessions open now (each holds a KV cache)",
+             [("", self.sessions_active)]),
+            ("hycoc_sessions_total", "counter", "sessions opened (prefill done, OPENED sent)",
+             [("", self.sessions_total)]),
+            ("hycoc_tokens_committed_total", "counter", "output tokens committed, accepted path plus bonus",
+             [("", self.tokens_committed)]),
+            ("hycoc_mat", "gauge", "mean tokens committed per round, bonus included (NaN before the first round)",
+             [("", mat)]),
+            ("hycoc_server_ms_total", "counter", "verifier milliseconds spent in rounds",
+             [("", self.server_ms)]),
+            ("hycoc_prefill_ms_total", "counter", "verifier milliseconds spent in prefills",
+             [("", self.prefill_ms)]),
+            ("hycoc_g_ms_per_token", "gauge",
+             "verifier milliseconds per committed token, prefill included (NaN before the first token)", [("", g)]),
+            ("hycoc_errors_total", "counter", "ERROR frames sent, by code",
+             [(f'{{kind="{kind}"}}', n) for kind, n in sorted(self.errors.items())]),
+        ]
+        lines = []
+        for name, kind, text, samples in families:
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+            lines += [f"{name}{labels} {_number(value)}" for labels, value in samples]
+        return "\n".join(lines) + "\n"
+
+
+def _number(value: float | int) -> str:
+    if isinstance(value, int):
+        return str(value)
+    return "NaN" if math.isnan(value) else repr(float(value))
+
+
+# --------------------------------------------------------------------------------------------------- server
+
+
+@dataclass
+class _Connection:
+    """One WebSocket connection's state; ``session`` is None until its OPEN is answered."""
+
+    header_token: str | None
+    session: Session | None = None
+    session_id: int = 0
+    limits: wire.Limits | None = None
+    last_seq: int | None = None
+    last_request: bytes = b""
+    last_reply: bytes = b""
+
+
+def _bearer(headers) -> str | None:
+    """The token of an ``Authorization: Bearer T`` header; None without the header, "" for another scheme (which
+    then never matches: a client that sends credentials must send the right ones)."""
+    value = headers.get("Authorization")
+    if value is None:
+        return None
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+class VerifierServer:
+    """The verifier engine behind the wire protocol (see the module docstring for the routes and the rules).
+
+    engine: the shared `VerifierEngine` (its model, head, keep set, W, K and hand-off scales).
+    tree_rows: rows of every ROUND of ``device`` and ``server-head`` sessions, B + 1 (recipe: tree.node_budget + 1);
+        ``cloud-mtp`` sessions send the root alone (1 row). Sent in OPENED.
+    auth_token: shared secret clients must present (None: open server). Never empty.
+    max_frame_bytes: largest accepted incoming frame, header included, in bytes (recipe: verifier.max_frame_bytes).
+    model_name: what /healthz reports as the model (recipe: models.verifier as written).
+    """
+
+    def __init__(self, engine: VerifierEngine, *, tree_rows: int, auth_token: str | None = None,
+                 max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES, model_name: str = "verifier"):
+        if not 1 <= tree_rows <= wire.MAX_TREE_ROWS:
+            raise ValueError(f"tree_rows = {tree_rows}: must lie in [1, {wire.MAX_TREE_ROWS}] (B + 1)")
+        if auth_token is not None and not auth_token:
+            raise ValueError("auth_token is empty: give a non-empty token, or None for an open server")
+        if max_frame_bytes < wire.HEADER.size:
+            raise ValueError(f"max_frame_bytes = {max_frame_bytes}: must hold at least the "
+                             f"{wire.HEADER.size}-byte header")
+        self.engine = engine
+        self.tree_rows = int(tree_rows)
+        self.auth_token = auth_token
+        self.max_frame_bytes = int(max_frame_bytes)
+        self.model_name = model_name
+        self.metrics = Metrics()
+        #: Live sessions by id (each holds a KV cache until its connection ends).
+        self.sessions: dict[int, Session] = {}
+        self._next_id = 1
+        self._worker: ThreadPoolExecutor | None = None
+        self._runner: web.AppRunner | None = None
+        self._sockets: set[web.WebSocketResponse] = set()
+        # Before OPEN only the frame itself is checked; the OPEN's fields are checked after its auth token.
+        self._bare_limits = wire.Limits(max_frame_bytes=self.max_frame_bytes)
+        self._open_limits = wire.Limits(max_frame_bytes=self.max_frame_bytes, vocab_size=engine.vocab_size,
+                                        max_context=engine.max_context)
+        self.url: str | None = None
+
+    # ----------------------------------------------------------------------------------------- lifecycle
+
+    def app(self) -> web.Application:
+        """The aiohttp application: ``/`` (WebSocket), ``/healthz``, ``/metrics``."""
+        app = web.Application()
+        app.router.add_get("/", self._websocket)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self._metrics)
+        app.on_shutdown.append(self._close_sockets)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Listen on host:port (0 = a free port) and return the ``ws://HOST:PORT`` URL. Raises OSError if the
+        address cannot be bound."""
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hycoc-verifier")
+        self._runner = web.AppRunner(self.app(), handle_signals=False, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        try:
+            await site.start()
+        except BaseException:
+            await self.stop()
+            raise
+        bound = self._runner.addresses[0]
+        url_host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        self.url = f"ws://{url_host}:{bound[1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        """Close every connection (their sessions are freed), stop listening, finish the worker's queue."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._worker is not None:
+            worker, self._worker = self._worker, None
+            await asyncio.get_running_loop().run_in_executor(None, worker.shutdown)
+
+    async def _close_sockets(self, app) -> None:
+        for ws in list(self._sockets):
+            await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
+
+    async def _work(self, fn: Callable, *args):
+        """Run ``fn(*args)`` on the engine's worker thread (one at a time, in submission order)."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    # ----------------------------------------------------------------------------------------- HTTP routes
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        eng = self.engine
+        return web.json_response({
+            "status": "ok",
+            "model": self.model_name,
+            "protocol_version": wire.PROTOCOL_VERSION,
+            "sessions": self.metrics.sessions_active,
+            "tree_rows": self.tree_rows,
+            "max_context": eng.max_context,
+            "vocab_size": eng.vocab_size,
+            "max_frame_bytes": self.max_frame_bytes,
+            "auth": self.auth_token is not None,
+        })
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.exposition().encode("utf-8"),
+                            headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    # ----------------------------------------------------------------------------------------- WebSocket
+
+    async def _websocket(self, request: web.Request) -> web.StreamResponse:
+        ws = web.WebSocketResponse(max_msg_size=2 * self.max_frame_bytes, compress=False)
+        await ws.prepare(request)
+        conn = _Connection(header_token=_bearer(request.headers))
+        self._sockets.add(ws)
+        try:
+            async for msg in ws:
+                if msg.type == WSMsgType.BINARY:
+                    reply, keep_open = await self._frame(conn, msg.data)
+                elif msg.type == WSMsgType.TEXT:
+                    reply, keep_open = self._error(UnexpectedMessage(
+                        "a text WebSocket message: the wire protocol uses binary frames only")), True
+                else:  # ERROR (e.g. a message over aiohttp's limit); CLOSE ends the iteration by itself
+                    break
+                if reply is not None:
+                    try:
+                        await ws.send_bytes(reply)
+                    except ConnectionError:  # the client left mid-round: drop the reply
+                        break
+                if not keep_open:
+                    await ws.close(code=WSCloseCode.OK if reply is None else WSCloseCode.POLICY_VIOLATION)
+                    break
+        finally:
+            self._sockets.discard(ws)
+            self._end_session(conn)
+        return ws
+
+    def _error(self, exc: BaseException) -> bytes:
+        reply = wire.error_reply(exc)
+        self.metrics.errors[reply.code] += 1
+        if reply.code == "internal_error":
+            log.error("internal error on a frame", exc_info=exc)
+        return wire.encode(reply)
+
+    async def _frame(self, conn: _Connection, data: bytes) -> tuple[bytes | None, bool]:
+        """Answer one binary frame: (reply frame or None, keep the connection open)."""
+        try:
+            if conn.session is None:
+                msg = wire.decode(data, self._bare_limits)
+                if isinstance(msg, OpenRequest):
+                    return await self._open(conn, msg), True
+                if isinstance(msg, Close):
+                    return None, False
+                if isinstance(msg, DraftTree):
+                    raise NotOpened("ROUND before OPEN: open a session first")
+            else:
+                msg = wire.decode(data, conn.limits)
+                if isinstance(msg, DraftTree):
+                    return await self._round(conn, msg, bytes(data)), True
+                if isinstance(msg, Close):
+                    if msg.session_id not in (0, conn.session_id):
+                        raise BadSessionId(f"CLOSE names session {msg.session_id}; this connection holds session "
+                                           f"{conn.session_id} (or send 0)")
+                    return None, False
+                if isinstance(msg, OpenRequest):
+                    raise AlreadyOpen(f"this connection already holds session {conn.session_id}: one session per "
+                                      "connection; CLOSE it or open another connection")
+            raise UnexpectedMessage(f"{type(msg).__name__} frames go from the verifier to the device; "
+                                    "send OPEN, ROUND or CLOSE")
+        except _AUTH_ERRORS as e:
+            return self._error(e), False
+        except Exception as e:  # noqa: BLE001 -- every failure becomes an ERROR frame (internal ones are logged)
+            return self._error(e), True
+
+    def _check_auth(self, conn: _Connection, frame_token: str | None) -> None:
+        if self.auth_token is None:
+            return
+        presented = [t for t in (frame_token, conn.header_token) if t is not None]
+        if not presented:
+            raise AuthRequired("this verifier requires an auth token: send it in OPEN's auth_token or as "
+                               "'Authorization: Bearer TOKEN'")
+        expected = self.auth_token.encode("utf-8")
+        if not all(hmac.compare_digest(t.encode("utf-8"), expected) for t in presented):
+            raise AuthRefused("the auth token does not match the verifier's (--auth-token)")
+
+    async def _open(self, conn: _Connection, req: OpenRequest) -> bytes:
+        self._check_auth(conn, req.auth_token)
+        wire.validate(req, self._open_limits)  # vocabulary and context, now that the client may know them
+        if req.draft_place == "server-head" and self.engine.keep_set is None:
+            raise KeepSetMissing("draft_place 'server-head' needs the keep set (Table 5), and this verifier has "
+                                 "none: build the bundle (hycoc build) and give the server its keep set, or use "
+                                 "'device' or 'cloud-mtp'")
+        session, prefill_ms, t = await self._work(self._open_session, req)
+        session_id, self._next_id = self._next_id, self._next_id + 1
+        tree_rows = 1 if req.draft_place == "cloud-mtp" else self.tree_rows
+        eng = self.engine
+        opened = Opened(session_id=session_id, t=t, prefill_ms=prefill_ms, max_context=eng.max_context,
+                        tree_rows=tree_rows, vocab_size=eng.vocab_size, hidden_size=eng.hidden_size,
+                        kv_dim_sliding=eng.kv_dim_sliding, kv_dim_full=eng.kv_dim_full)
+        conn.session, conn.session_id = session, session_id
+        conn.limits = wire.Limits(max_frame_bytes=self.max_frame_bytes, vocab_size=eng.vocab_size,
+                                  tree_rows=tree_rows, max_context=eng.max_context)
+        self.sessions[session_id] = session
+        self.metrics.sessions_total += 1
+        self.metrics.sessions_active += 1
+        self.metrics.prefill_ms += prefill_ms
+        return wire.encode(opened)
+
+    def _open_session(self, req: OpenRequest) -> tuple[Session, float, int]:
+        """Worker thread: a new engine session, prefilled."""
+        session = self.engine.open(req.prompt_ids, req.sampling, req.seed, req.acceptance, req.epsilon,
+                                   req.draft_place, req.max_new_tokens)
+        prefill_ms, t = session.prefill()
+        return session, prefill_ms, t
+
+    async def _round(self, conn: _Connection, tree: DraftTree, data: bytes) -> bytes:
+        if tree.seq == conn.last_seq and data == conn.last_request:
+            self.metrics.retries += 1
+            return conn.last_reply  # idempotent retry: the same bytes, the engine untouched
+        reply, frame, committed, verified = await self._work(self._verify, conn.session, tree)
+        if verified:
+            conn.last_seq, conn.last_request, conn.last_reply = tree.seq, data, frame
+            self.metrics.rounds += 1
+            self.metrics.tokens_committed += committed
+            self.metrics.server_ms += reply.server_ms
+        return frame
+
+    @staticmethod
+    def _verify(session: Session, tree: DraftTree):
+        """Worker thread: one round (Alg. 4) and its reply frame. Returns (reply, frame, tokens committed,
+        whether a round ran)."""
+        rounds, before = session.rounds, len(session.tokens)
+        reply = session.verify(tree.tokens, tree.parents, tree.seq)
+        return reply, wire.encode(reply), len(session.tokens) - before, session.rounds > rounds
+
+    def _end_session(self, conn: _Connection) -> None:
+        """Free the connection's session: drop it now, free its KV on the worker after any round in flight."""
+        if conn.session is None:
+            return
+        session, conn.session = conn.session, None
+        self.sessions.pop(conn.session_id, None)
+        self.metrics.sessions_active -= 1
+        if self._worker is not None:
+            self._worker.submit(session.close)
+        else:
+            session.close()
+
+
+# --------------------------------------------------------------------------------------------------- running
+
+
+def serve(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 8765, *, auth_token: str | None = None,
+          tree_rows: int, max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES, model_name: str = "verifier",
+          on_listening: Callable[[str], None] | None = None) -> None:
+    """Run the server until SIGINT or SIGTERM (blocking). ``on_listening(url)`` is called once the port is bound.
+
+    port 0 picks a free port (the URL names it). Raises OSError when the address cannot be bound.
+    """
+    server = VerifierServer(engine, tree_rows=tree_rows, auth_token=auth_token, max_frame_bytes=max_frame_bytes,
+                            model_name=model_name)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
+                pass
+        url = await server.start(host, port)
+        try:
+            if on_listening is not None:
+                on_listening(url)
+            await stop.wait()
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+class ServerThread:
+    """A `VerifierServer` on its own event loop in a background thread (tests, ``hycoc bench``).
+
+    ``with ServerThread(engine, tree_rows=33) as srv: ... srv.url ...`` listens on 127.0.0.1 and a free port by
+    default. ``url`` is ``ws://HOST:PORT``, ``http_url`` the same with ``http://``. ``server`` is the
+    `VerifierServer` (its ``metrics`` and ``sessions`` may be read from other threads between requests).
+    """
+
+    def __init__(self, engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0, **server_kwargs):
+        self.server = VerifierServer(engine, **server_kwargs)
+        self._host, self._port = host, port
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self.url: str | None = None
+
+    @property
+    def http_url(self) -> str:
+        return "http" + self.url.removeprefix("ws")
+
+    def start(self) -> "ServerThread":
+        """Start listening; returns once the port is bound (raises what binding raised)."""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="hycoc-verify-server", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._failure is not None:
+            self._thread.join()
+            raise self._failure
+        return self
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self.url = self._loop.run_until_complete(self.server.start(self._host, self._port))
+        except BaseException as e:  # noqa: BLE001 -- handed to the starting thread
+            self._failure = e
+            self._ready.set()
+            self._loop.close()
+            return
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(self.server.stop())
+        self._loop.close()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Close every connection, stop listening and join the thread."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout_s)
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
