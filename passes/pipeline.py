@@ -1,0 +1,320 @@
+"""The pass manager of `hycoc build` (DESIGN.md "The pass pipeline"; issue 4 "Pass manager").
+
+A `Pass` is a small class that names the recipe table it reads (``section``), the artifact kinds it consumes and
+produces (each with its `Artifact` class), and a ``run(inputs, recipe)`` that returns its outputs and a
+`PassReport` of what it did, in numbers. A `Pipeline` is an ordered list of passes:
+
+* ``validate`` checks the chain before anything runs: every consumed kind is given as input or produced by an
+  earlier pass, with the class the consumer expects; pass names are unique; sections exist in the recipe.
+* ``run`` runs the passes in order and caches each pass's outputs under ``cache_dir/<pass>/<key>``, where the key
+  is the sha256 of the pass's name and version, the canonical JSON of the recipe tables it reads, its own
+  parameters and outside inputs (`Pass.key_material`, e.g. a corpus file's hash), the content hashes of the
+  artifacts it consumes, and the versions of the tools that shape artifacts (torch, transformers, onnx,
+  onnxruntime, onnxruntime-qnn, ...; those installed). A rebuild after a recipe edit reruns only the passes whose
+  key changed, and a pass whose inputs come out bit-identical stays cached after it.
+* Outputs are written to ``cache_dir/<pass>/.tmp-<key>-*`` and renamed to ``<key>`` when complete: a pass that
+  raises (or a build that is killed) leaves no half entry, only a ``.tmp-`` folder a later run ignores.
+* ``run(until=NAME)`` stops after that pass; its artifacts stay in its cache entry (``PassReport.location``).
+* Progress is shown with ``rich`` and the run ends with a table of every pass's report (`summary_table`).
+
+Olive's engine (``olive/engine``) is the counter-example this avoids: there passes declare no input or output
+types, state travels in a free-form dict, and the cache key ignores tool versions (shared/FIELD-NOTES.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from hycoc.passes.artifacts import Artifact
+from hycoc.recipe import Recipe
+
+#: Packages whose versions enter every cache key: a new exporter, optimizer or runtime can change an artifact.
+KEYED_PACKAGES = ("torch", "transformers", "tokenizers", "numpy", "onnx", "onnxscript", "onnx-ir", "onnxruntime",
+                  "onnxruntime-qnn")
+
+
+class PipelineError(ValueError):
+    """A pipeline that cannot run as built (a broken chain, an unknown pass or section), or a pass that broke
+    its contract (returned other kinds than it declared). The message names the pass and the kind."""
+
+
+@dataclass
+class PassReport:
+    """What one pass did, in numbers.
+
+    ``summary`` is one line for the build table ("kept 2048 ids, 97.1% of assistant tokens covered");
+    ``numbers`` holds the figures behind it (JSON values). The pipeline fills ``seconds`` (wall time of this run:
+    the pass's own time, or the cache load time when ``cached``), ``cached``, ``key`` and ``location`` (the
+    cache entry holding the outputs).
+    """
+
+    summary: str
+    numbers: dict[str, Any] = field(default_factory=dict)
+    pass_name: str = ""
+    seconds: float = 0.0
+    cached: bool = False
+    key: str = ""
+    location: Path | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"summary": self.summary, "numbers": self.numbers, "pass_name": self.pass_name,
+                "seconds": self.seconds}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PassReport:
+        return cls(summary=data["summary"], numbers=data["numbers"], pass_name=data["pass_name"],
+                   seconds=data["seconds"])
+
+
+class Pass:
+    """One compiler step. Subclasses set the class attributes and implement `run`.
+
+    ``name``: unique within a pipeline; the cache folder and ``--until`` use it. ``version``: bump it whenever the
+    pass's code changes what it produces (old cache entries then miss). ``section``: the recipe table it reads
+    (``"keep_set"``), None for none; ``also_reads``: further tables whose values it uses. ``consumes`` /
+    ``produces``: kind -> `Artifact` class.
+    """
+
+    name: str = ""
+    version: int = 1
+    section: str | None = None
+    also_reads: tuple[str, ...] = ()
+    consumes: Mapping[str, type[Artifact]] = MappingProxyType({})
+    produces: Mapping[str, type[Artifact]] = MappingProxyType({})
+
+    def key_material(self, recipe: Recipe) -> dict[str, Any]:
+        """JSON values that enter the cache key besides the recipe tables and input hashes: the pass's own
+        constructor parameters and anything read from outside the pipeline (e.g. a corpus file's sha256)."""
+        return {}
+
+    def run(self, inputs: dict[str, Artifact], recipe: Recipe) -> tuple[dict[str, Artifact], PassReport]:
+        """Make the ``produces`` artifacts from the ``consumes`` ones. Must not mutate the inputs."""
+        raise NotImplementedError
+
+    def reads(self) -> tuple[str, ...]:
+        """Every recipe table this pass reads, ``section`` first."""
+        return ((self.section,) if self.section else ()) + tuple(self.also_reads)
+
+
+def tool_versions() -> dict[str, str]:
+    """Installed versions of `KEYED_PACKAGES` (those not installed are left out)."""
+    out = {}
+    for package in KEYED_PACKAGES:
+        try:
+            out[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+@dataclass
+class PipelineResult:
+    """``artifacts``: every artifact by kind after the last pass run (later producers replace earlier ones);
+    ``reports``: one per pass run, in order; ``stopped_after``: the ``until`` pass, None for a full run."""
+
+    artifacts: dict[str, Artifact]
+    reports: list[PassReport]
+    stopped_after: str | None = None
+
+
+class Pipeline:
+    """An ordered chain of passes with a content-addressed cache (see the module docstring)."""
+
+    def __init__(self, passes: Sequence[Pass], cache_dir: str | Path, *, console: Console | None = None):
+        self.passes = list(passes)
+        self.cache_dir = Path(cache_dir)
+        self.console = console if console is not None else Console(stderr=True)
+        self._versions = tool_versions()
+        names = [p.name for p in self.passes]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise PipelineError(f"pass names must be unique; repeated: {', '.join(duplicates)}")
+
+    # ---- plan ---------------------------------------------------------------------------------------------
+
+    def validate(self, given: Mapping[str, type[Artifact]]) -> None:
+        """Check the chain for inputs of the given kinds and classes, before running anything.
+
+        Raises PipelineError naming the first pass that consumes a kind nobody provides (or provides with another
+        class), or that reads a recipe table that does not exist.
+        """
+        available: dict[str, tuple[type[Artifact], str]] = {k: (cls, "the given inputs") for k, cls in given.items()}
+        for index, p in enumerate(self.passes, start=1):
+            for table in p.reads():
+                if table not in Recipe.model_fields:
+                    raise PipelineError(f"pass {index} '{p.name}' reads recipe table [{table}], which does not "
+                                        f"exist; tables: {', '.join(Recipe.model_fields)}")
+            for kind, wanted in p.consumes.items():
+                if kind not in available:
+                    have = ", ".join(sorted(available)) or "nothing"
+                    raise PipelineError(
+                        f"pass {index} '{p.name}' consumes '{kind}', which no earlier pass produces and which is not "
+                        f"given as input (available before it: {have})")
+                cls, source = available[kind]
+                if not issubclass(cls, wanted):
+                    raise PipelineError(
+                        f"pass {index} '{p.name}' consumes '{kind}' as {wanted.__name__}, but {source} provide "
+                        f"it as {cls.__name__}")
+            for kind, cls in p.produces.items():
+                available[kind] = (cls, f"pass '{p.name}'")
+
+    def describe(self) -> str:
+        """The plan, one line per pass (for ``hycoc build --list-passes``)."""
+        lines = []
+        for index, p in enumerate(self.passes, start=1):
+            reads = ", ".join(f"[{t}]" for t in p.reads()) or "no recipe table"
+            consumes = ", ".join(p.consumes) or "nothing"
+            produces = ", ".join(p.produces) or "nothing"
+            lines.append(f"{index}. {p.name} (v{p.version}): reads {reads}; consumes {consumes}; produces {produces}")
+        return "\n".join(lines)
+
+    def cache_key(self, p: Pass, inputs: Mapping[str, Artifact], recipe: Recipe) -> str:
+        """sha256 hex of everything that determines the pass's outputs (module docstring)."""
+        material = {
+            "pass": p.name,
+            "version": p.version,
+            "sections": {t: getattr(recipe, t).model_dump(mode="json") for t in p.reads()},
+            "params": p.key_material(recipe),
+            "inputs": {kind: inputs[kind].content_hash() for kind in sorted(p.consumes)},
+            "tools": self._versions,
+        }
+        return hashlib.sha256(canonical_json(material).encode()).hexdigest()
+
+    # ---- run ----------------------------------------------------------------------------------------------
+
+    def run(self, recipe: Recipe, inputs: Mapping[str, Artifact] | None = None, *,
+            until: str | None = None) -> PipelineResult:
+        """Run the passes in order (up to and including ``until``), reusing cached outputs.
+
+        ``inputs``: artifacts given from outside, by kind (e.g. the tokenizer). Raises PipelineError before any
+        pass runs when the chain is broken or ``until`` names no pass; a pass's own exception propagates after
+        its temporary cache folder is removed.
+        """
+        given = dict(inputs or {})
+        for kind, artifact in given.items():
+            if artifact.kind != kind:
+                raise PipelineError(f"input '{kind}' holds an artifact of kind '{artifact.kind}'")
+        self.validate({k: type(a) for k, a in given.items()})
+        names = [p.name for p in self.passes]
+        if until is not None and until not in names:
+            raise PipelineError(f"--until {until}: no such pass; passes: {', '.join(names)}")
+        todo = self.passes[: names.index(until) + 1] if until is not None else self.passes
+
+        artifacts = dict(given)
+        reports: list[PassReport] = []
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                      console=self.console, transient=True) as progress:
+            for index, p in enumerate(todo, start=1):
+                task = progress.add_task(f"[{index}/{len(todo)}] {p.name}", total=None)
+                outputs, report = self._run_one(p, artifacts, recipe)
+                artifacts.update(outputs)
+                reports.append(report)
+                progress.update(task, completed=1, total=1,
+                                description=f"[{index}/{len(todo)}] {p.name}: {report.summary}")
+        self.console.print(summary_table(reports))
+        return PipelineResult(artifacts, reports, until)
+
+    def _run_one(self, p: Pass, artifacts: Mapping[str, Artifact],
+                 recipe: Recipe) -> tuple[dict[str, Artifact], PassReport]:
+        inputs = {kind: artifacts[kind] for kind in p.consumes}
+        key = self.cache_key(p, inputs, recipe)
+        entry = self.cache_dir / p.name / key
+        start = time.perf_counter()
+        cached = self._load(p, entry)
+        if cached is None and entry.exists():
+            shutil.rmtree(entry)  # incomplete or damaged: replaced below
+        if cached is not None:
+            outputs, report = cached
+            report.cached = True
+        else:
+            outputs, report = p.run(inputs, recipe)
+            self._check_outputs(p, outputs)
+            report.pass_name = p.name
+            report.seconds = time.perf_counter() - start
+            self._store(p, entry, outputs, report)
+        report.seconds = time.perf_counter() - start
+        report.key, report.location = key, entry
+        return outputs, report
+
+    def _check_outputs(self, p: Pass, outputs: Mapping[str, Artifact]) -> None:
+        if set(outputs) != set(p.produces):
+            raise PipelineError(f"pass '{p.name}' returned kinds {sorted(outputs)}, but declares it produces "
+                                f"{sorted(p.produces)}")
+        for kind, artifact in outputs.items():
+            if not isinstance(artifact, p.produces[kind]) or artifact.kind != kind:
+                raise PipelineError(f"pass '{p.name}' returned a {type(artifact).__name__} of kind "
+                                    f"'{artifact.kind}' as '{kind}'; it declares {p.produces[kind].__name__}")
+
+    def _store(self, p: Pass, entry: Path, outputs: Mapping[str, Artifact], report: PassReport) -> None:
+        """Write the outputs to a temporary folder beside ``entry`` and rename it to ``entry`` when complete."""
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=entry.parent))
+        try:
+            meta = {"pass": p.name, "version": p.version, "outputs": {}}
+            for kind, artifact in outputs.items():
+                (tmp / kind).mkdir()
+                artifact.save(tmp / kind)
+                meta["outputs"][kind] = {"class": type(artifact).__name__, "hash": artifact.content_hash()}
+            (tmp / "report.json").write_text(json.dumps(report.to_json(), indent=1), encoding="utf-8")
+            # meta.json last: an entry without it is never read.
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+            try:
+                os.rename(tmp, entry)
+            except OSError:
+                if not (entry / "meta.json").exists():  # not a concurrent build that finished first
+                    raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def _load(self, p: Pass, entry: Path) -> tuple[dict[str, Artifact], PassReport] | None:
+        """The cached outputs and report, or None when there is no complete entry or it fails its hashes."""
+        meta_path = entry / "meta.json"
+        if not meta_path.exists():
+            return None
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+            if set(meta["outputs"]) != set(p.produces):
+                return None
+            outputs = {}
+            for kind, info in meta["outputs"].items():
+                artifact = p.produces[kind].load(kind, entry / kind)
+                if artifact.content_hash() != info["hash"]:
+                    return None  # edited on disk: rerun the pass
+                outputs[kind] = artifact
+            report = PassReport.from_json(json.loads((entry / "report.json").read_text(encoding="utf-8")))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # damaged on disk: rerun the pass
+        return outputs, report
+
+
+def summary_table(reports: Sequence[PassReport]) -> Table:
+    """The build summary: one row per pass with its report line, time and whether it came from the cache."""
+    table = Table(title="hycoc build: passes")
+    table.add_column("#", justify="right")
+    table.add_column("pass")
+    table.add_column("result")
+    table.add_column("time", justify="right")
+    table.add_column("cached")
+    for index, r in enumerate(reports, start=1):
+        table.add_row(str(index), r.pass_name, r.summary, f"{r.seconds:.2f} s", "yes" if r.cached else "no")
+    return table
