@@ -3,6 +3,7 @@ the key, the file, the line, the bad value and what is allowed."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -82,11 +83,15 @@ def test_toy_recipe_scales_only_the_sizes():
     assert (toy.window.head_window, toy.window.slm_window, toy.window.slm_sliding_window) == (256, 256, 128)
     assert toy.sampling.max_new_tokens == 256
     assert (toy.verifier.device, toy.verifier.dtype) == ("cpu", "float32")
-    assert toy.handoff.scales() == dict.fromkeys(
-        ["embedding", "hidden", "k_sliding", "v_sliding", "k_full", "v_full"], 0.05)
+    # the trainer's calibration (recipes/toy/models/report.json)
+    report = json.loads((RECIPES / "toy" / "models" / "report.json").read_text())["handoff_scales"]
+    assert toy.handoff.scales() == {"embedding": report["e"], "hidden": report["h"], **{
+        k: report[k] for k in ("k_sliding", "v_sliding", "k_full", "v_full")}}
     for section in ("tree", "acceptance", "head_qat", "slm_calibration", "target"):
         assert getattr(toy, section) == getattr(paper, section), section
-    assert (toy.sampling.temperature, toy.sampling.top_k, toy.sampling.top_p) == (1.0, 64, 0.95)
+    # T = 0.5 on the toy, stated in the recipe with the MAT at both temperatures; top-k/top-p as the paper
+    assert (toy.sampling.temperature, toy.sampling.top_k, toy.sampling.top_p) == (0.5, 64, 0.95)
+    assert (paper.sampling.temperature, paper.sampling.top_k, paper.sampling.top_p) == (1.0, 64, 0.95)
 
 
 def test_toy_model_paths_resolve_against_the_recipe_folder(tmp_path, monkeypatch):
