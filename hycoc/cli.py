@@ -153,6 +153,9 @@ def verify_server(
     auth_token: Optional[str] = typer.Option(
         None, envvar="HYCOC_AUTH_TOKEN", help="require this token from clients, in OPEN or as 'Authorization: "
         "Bearer TOKEN' (default: none, an open server)", show_default=False),
+    keep_set: Optional[Path] = typer.Option(
+        None, help="keep set for server-head sessions: a .npy of int token ids (the keep-set pass writes "
+        "keep_set.npy); without it server-head sessions are refused with error no_keep_set", show_default=False),
 ) -> None:
     """Serve the verifier: prefill, one-forward tree verification, acceptance, KV compaction, hand-off (Alg. 4).
 
@@ -170,12 +173,29 @@ def verify_server(
     from hycoc.verifier.loading import DeviceUnavailable, engine_from_recipe, server_options
     from hycoc.verifier.server import serve
 
+    ids = None
+    if keep_set is not None:
+        import numpy as np
+
+        try:
+            ids = np.load(keep_set)
+        except (OSError, ValueError) as e:
+            raise _fail("verify-server", f"--keep-set {keep_set}: cannot read a .npy array: {e}") from None
+        if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) == 0:
+            raise _fail("verify-server", f"--keep-set {keep_set}: expected a non-empty 1-D array of int token ids, "
+                        f"got shape {ids.shape} dtype {ids.dtype}")
     try:
-        engine = engine_from_recipe(cfg, device.value if device is not None else None)
+        import torch
+
+        engine = engine_from_recipe(cfg, device.value if device is not None else None,
+                                    keep_set=None if ids is None else torch.as_tensor(ids, dtype=torch.long))
     except RecipeError as e:
         raise _fail("verify-server", f"bad recipe\n{e}") from None
     except (ModelNotFoundError, DeviceUnavailable) as e:
         raise _fail("verify-server", str(e)) from None
+    if ids is not None and int(ids.max()) >= engine.vocab_size:
+        raise _fail("verify-server", f"--keep-set {keep_set}: token id {int(ids.max())} is outside the verifier's "
+                    f"vocabulary of {engine.vocab_size}: was the keep set built for another tokenizer?")
     host = host or cfg.verifier.host
     port = cfg.verifier.port if port is None else port
 

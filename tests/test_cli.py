@@ -208,3 +208,23 @@ def test_generate_on_the_toy_family_answers_question_81():
     assert result.exit_code == 0, result.output
     assert result.stdout.strip()
     assert "tokens in" in result.stderr
+
+
+def test_verify_server_refuses_a_bad_keep_set_before_listening(tmp_path):
+    import numpy as np
+
+    not_npy = tmp_path / "keep.txt"
+    not_npy.write_text("1 2 3")
+    result = invoke("verify-server", TOY, "--keep-set", not_npy)
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"hycoc verify-server: --keep-set {not_npy}: cannot read a .npy array")
+    two_d = tmp_path / "keep2d.npy"
+    np.save(two_d, np.zeros((2, 2), np.int64))
+    result = invoke("verify-server", TOY, "--keep-set", two_d)
+    assert result.exit_code == 1
+    assert "expected a non-empty 1-D array of int token ids, got shape (2, 2) dtype int64" in result.stderr
+    too_big = tmp_path / "keep_big.npy"
+    np.save(too_big, np.array([0, 5, 4096], np.int64))
+    result = invoke("verify-server", TOY, "--keep-set", too_big)
+    assert result.exit_code == 1
+    assert "token id 4096 is outside the verifier's vocabulary of 4096" in result.stderr
