@@ -25,7 +25,7 @@ def main(argv=None) -> None:
                     / "spec_bench_question.jsonl")
     ap.add_argument("--limit", type=int, default=10, help="first N questions (default %(default)s)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the recipe's")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the recipe's verifier.threads)")
     args = ap.parse_args(argv)
 
     import torch
@@ -39,8 +39,8 @@ def main(argv=None) -> None:
     from hycoc.recipe import load_recipe
     from hycoc.verifier.loading import engine_from_recipe
 
-    torch.set_num_threads(args.threads)
     recipe = load_recipe(args.recipe)
+    torch.set_num_threads(args.threads or recipe.verifier.threads or torch.get_num_threads())
     tok = load_tokenizer(recipe.model_path("tokenizer"))
     engine = engine_from_recipe(recipe, "cpu")
     s = recipe.sampling

@@ -19,7 +19,7 @@ def _require_dir(path: str | Path, role: str) -> Path:
     if not (p / "config.json").is_file():
         raise ModelNotFoundError(
             f"{role} model not found at '{p}': no config.json there. Download it on a machine with hub access "
-            f"(`huggingface-cli download <id> --local-dir {p}`) and copy the folder here, or point the recipe's "
+            f"(`hf download <id> --local-dir {p}`) and copy the folder here, or point the recipe's "
             f"[models].{role} at a local folder."
         )
     return p
@@ -40,12 +40,28 @@ def load_tokenizer(path: str | Path):
     return Tokenizer.from_file(str(p))
 
 
+def _quiet_transformers() -> None:
+    """No per-tensor "Loading weights" progress bars: hycoc prints its own progress."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def set_threads(threads: int) -> None:
+    """Set torch's CPU thread count when `threads` > 0 (recipe ``[verifier].threads``); 0 keeps torch's default."""
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def load_verifier(path: str | Path, *, dtype: str = "float32", device: str = "cpu"):
     """The verifier, a transformers ``Gemma4ForCausalLM`` in eval mode (sdpa attention)."""
     import torch
     from transformers import Gemma4ForCausalLM
 
     p = _require_dir(path, "verifier")
+    _quiet_transformers()
     model = Gemma4ForCausalLM.from_pretrained(p, dtype=getattr(torch, dtype), attn_implementation="sdpa")
     return model.to(device).eval()
 
@@ -56,6 +72,7 @@ def load_head(path: str | Path, *, dtype: str = "float32", device: str = "cpu"):
     from transformers import Gemma4AssistantForCausalLM
 
     p = _require_dir(path, "head")
+    _quiet_transformers()
     model = Gemma4AssistantForCausalLM.from_pretrained(p, dtype=getattr(torch, dtype), attn_implementation="sdpa")
     return model.to(device).eval()
 
@@ -69,5 +86,6 @@ def load_slm(path: str | Path, *, device: str = "cpu"):
     from transformers import Gemma4ForCausalLM
 
     p = _require_dir(path, "slm")
+    _quiet_transformers()
     model = Gemma4ForCausalLM.from_pretrained(p, attn_implementation="sdpa")
     return model.to(device).eval()

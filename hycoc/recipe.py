@@ -394,6 +394,8 @@ class Verifier(Section):
     device: Literal["cpu", "cuda"] = Field("cuda", description="torch device of the verifier (paper: one GPU)")
     dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="weight and activation dtype")
     max_context: int = Field(0, ge=0, description="longest prompt + output in tokens (0 = the model's own limit)")
+    threads: int = Field(0, ge=0, description="torch CPU threads for the verifier (0 = torch's default); small "
+                         "models run fastest on 1, as thread start-up costs more than their matrix products")
     host: str = Field("127.0.0.1", min_length=1, description="address the server listens on")
     port: int = Field(8765, ge=1, le=65535, description="TCP port the server listens on")
     max_frame_bytes: int = Field(
@@ -474,7 +476,7 @@ class Recipe(Section):
         if self.is_hub_id(role):
             raise RecipeError([Problem(f"models.{role}", None, (
                 f"{where}: models.{role} = {spec!r} is a hub id, not a local path; download it "
-                f"(huggingface-cli download {spec} --local-dir DIR) and set models.{role} to DIR"))])
+                f"(hf download {spec} --local-dir DIR) and set models.{role} to DIR"))])
         path = self.resolve_path(spec)
         assert path is not None  # min_length=1
         if not path.exists():

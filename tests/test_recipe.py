@@ -126,7 +126,7 @@ def test_hub_ids_and_local_folders(tmp_path):
     with pytest.raises(RecipeError) as info:
         r.model_path("slm")
     assert info.value.key == "models.slm"
-    assert "hub id" in str(info.value) and "huggingface-cli download" in str(info.value)
+    assert "hub id" in str(info.value) and "hf download" in str(info.value)
     (tmp_path / "google/gemma-4-26B-A4B-it").mkdir(parents=True)  # a folder of that name wins over the hub id
     local = load_recipe(write(tmp_path, '[models]\nverifier = "google/gemma-4-26B-A4B-it"\n'))
     assert local.is_hub_id("verifier") is False
