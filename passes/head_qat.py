@@ -1,0 +1,698 @@
+"""KL-based 4-bit QAT of the MTP head (paper §3.2, App. A Table 4; issue 4 "KL-based 4-bit QAT of the head").
+
+    restrict_output_layer    the head with an untied output layer over the keep set (§3.3, App. A)
+    capture_sequences        the verifier answers the calibration prompts greedily; one verifier pass per answer
+                             captures the head's inputs: e (input embedding), h (last hidden state, before the final
+                             norm as the hand-off carries it), K/V of the last sliding and last full layer (App. A)
+    search_clip              per-output-channel MSE clip-ratio search (Table 4 "Weight clipping", ratio 1.0-0.6)
+    quantize_head            every Linear fake-quantized at its scale with a straight-through estimator (`QuantLinear`)
+    unroll                   the K drafting steps (Alg. 2 lines 7-12) at every response anchor of a sequence
+    train_qat                KL to the full-precision head on response tokens; AdamW beta (0.9, 0.95), no weight
+                             decay, grad-norm clip 1.0, lr 1e-5, 50 warm-up steps, cosine, 100 steps, batch 1
+                             sequence, 2 accumulation steps (Table 4); norms and embeddings frozen
+    export_head              the trained integers and per-channel scales (`QuantizedHead`), bit-exact what the QDQ
+                             export must use: weight == qweight * scale in float32, exactly as trained
+
+Quantization: symmetric, per output channel, zero point 0: q = clamp(round(w / s), -qmax, qmax), qmax = 2**(b-1) - 1
+(7 at 4 bits, so q lies in [-7, 7], inside int4's [-8, 7]); s = ratio * max|w_row| / qmax with the ratio of the
+search. The scales are fixed after the search (Table 4: search, then fake-quantize); the float32 master weights
+train under them. Biases: Gemma has none, and a Linear with one is refused.
+
+The unroll (as `hycoc.toy.train.head_unroll`, which trained the head): for root position t (the root token x_t
+sits at t, its KV does not exist yet), step k = 1..K reads [e(x_{t+k-1}); z] with z = h_{t-1} at k = 1 and the
+head's own projected state after, queries at the fixed rotary position t + ``window.head_query_position_offset``
+(paper: t - 1, Alg. 2 line 6), and sees the full layer's KV over [t - W, t) and the sliding layer's over
+[t - min(W, sliding window), t) (Alg. 2 line 5). The tokens fed at k >= 2 are the verifier's greedy answer, which
+is what the chain drafts whenever it is right, embedded by the verifier's float embedding (the device reads the
+8-bit table E instead, Alg. 2 line 12; its rounding, at most half a row's step, is not trained on). Anchors are
+the response positions t in [prompt_len, L - K], so every predicted token t + 1 .. t + K is a response token
+("KL on response tokens", Table 4).
+
+Top-1 agreement (the numbers of §3.2): on the held-out prompts, answered the same way, both heads run this unroll
+on the same tokens, each with its own state z; depth k's agreement is the share of anchors whose arg-max over the
+keep set (first among equals) is the same for the quantized and the full-precision head.
+
+Precision: float32 master weights; on a CUDA device the forward runs under bfloat16 autocast (Table 4), on a CPU in
+float32. Everything runs on the verifier's device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hycoc.chat import format_prompt, stop_token_ids
+from hycoc.mtp import FULL, SLIDING, head_step, window_mask
+from hycoc.passes.artifacts import (KeepSetArtifact, QuantizedHead, QuantizedHeadArtifact, TokenizerArtifact,
+                                    TorchModelArtifact)
+from hycoc.passes.pipeline import Pass, PassReport
+from hycoc.recipe import HeadQat, Recipe
+from hycoc.toy.gemma_format import qmax
+
+
+class HeadQatError(ValueError):
+    """QAT that cannot run: too few calibration or evaluation prompts, a prompt file that is Spec-Bench or
+    malformed, a head with a biased Linear, no response anchors. The message names the recipe key involved."""
+
+
+# ---- quantization -------------------------------------------------------------------------------------------
+
+
+def clip_ratios(config: HeadQat) -> list[float]:
+    """The ``clip_search_points`` ratios evenly spaced from ``clip_search_max`` down to ``clip_search_min``."""
+    hi, lo, n = config.clip_search_max, config.clip_search_min, config.clip_search_points
+    return [hi] if n == 1 else [hi - i * (hi - lo) / (n - 1) for i in range(n)]
+
+
+def search_clip(w: torch.Tensor, bits: int, ratios: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-output-channel MSE clip search (Table 4): for each row of ``w`` [out, in], the ratio r of ``ratios``
+    whose scale s = r * max|row| / qmax gives the lowest sum of (clamp(round(row / s)) * s - row)**2; ties go to
+    the earlier ratio. Returns (q int8 [out, in], scale float32 [out, 1], ratio float32 [out]).
+
+    The same rule as `hycoc.toy.gemma_format.quantize_per_channel`, which quantized the toy SLM.
+    """
+    w = w.detach().float()
+    amax = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-8)
+    m = qmax(bits)
+    best = None
+    for r in ratios:
+        s = amax * r / m
+        q = torch.clamp(torch.round(w / s), -m, m)
+        err = ((q * s - w) ** 2).sum(dim=1, keepdim=True)
+        ratio = torch.full_like(err, float(r))
+        if best is None:
+            best = [q, s, err, ratio]
+            continue
+        better = err < best[2]
+        best = [torch.where(better, new, old) for new, old in zip((q, s, err, ratio), best)]
+    q, s, _, ratio = best
+    return q.to(torch.int8), s.float(), ratio[:, 0]
+
+
+class FakeQuantSTE(torch.autograd.Function):
+    """w -> clamp(round(w / s), -m, m) * s, with the straight-through estimator (Bengio et al., 2013): the
+    gradient passes to w unchanged, clipped entries included. w float32 [out, in], s float32 [out, 1]."""
+
+    @staticmethod
+    def forward(ctx, w, scale, m):
+        return torch.clamp(torch.round(w / scale), -m, m) * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class QuantLinear(nn.Module):
+    """A bias-free Linear computing with its fake-quantized weight (Table 4: "every linear layer").
+
+    ``weight``: float32 master weight [out, in] (trainable); ``scale``: float32 [out, 1] buffer, fixed by the clip
+    search; ``bits``: the integer width. ``integers()`` is the int8 tensor the export writes: ``integers() *
+    scale`` equals the weight the forward uses, bit for bit.
+    """
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bits: int):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().float().clone())
+        self.register_buffer("scale", scale.detach().float().clone())
+        self.bits = bits
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    def quantized_weight(self) -> torch.Tensor:
+        return FakeQuantSTE.apply(self.weight, self.scale, qmax(self.bits))
+
+    def integers(self) -> torch.Tensor:
+        m = qmax(self.bits)
+        return torch.clamp(torch.round(self.weight.detach() / self.scale), -m, m).to(torch.int8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.quantized_weight())
+
+
+def restrict_output_layer(head, keep_set) -> nn.Module:
+    """A float32 copy of ``head`` (``Gemma4AssistantForCausalLM``) whose ``lm_head`` is untied from the embedding
+    and holds only the keep-set rows: row i scores token ``keep_set[i]`` (§3.3, App. A "output layer untied and
+    restricted to the keep set"). keep_set: int ids [|V|]. `hycoc.mtp.head_step` on the copy returns logits
+    [.., |V|]. The head's ordered-embedding output (``masked_embedding``), if it has one, is bypassed: the drafter
+    scores the whole keep set densely."""
+    ids = torch.as_tensor(keep_set, dtype=torch.long)
+    out = copy.deepcopy(head).float().eval()
+    weight = out.lm_head.weight.detach()[ids.to(out.lm_head.weight.device)].clone()
+    out.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
+    out.lm_head.weight = nn.Parameter(weight)
+    return out
+
+
+def drafting_linears(head) -> list[str]:
+    """Names of the Linear layers the drafting path computes with (all of them but the unused ordered-embedding
+    centroids), in module order. Raises HeadQatError for a Linear with a bias."""
+    names = []
+    for name, module in head.named_modules():
+        if isinstance(module, (nn.Linear, QuantLinear)) and not name.startswith("masked_embedding"):
+            if getattr(module, "bias", None) is not None:
+                raise HeadQatError(f"head layer {name} has a bias; the integer export covers bias-free Linear layers")
+            names.append(name)
+    return names
+
+
+def quantize_head(head, bits: int, ratios: Sequence[float]) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A copy of ``head`` (output layer already restricted) with every drafting Linear replaced by a `QuantLinear`
+    at ``bits``, scales from `search_clip`. Only the QuantLinear weights require grad (norms, embeddings frozen).
+    Returns (quantized head, chosen clip ratio per layer: float32 [out])."""
+    out = copy.deepcopy(head).float().eval()
+    out.requires_grad_(False)
+    chosen = {}
+    for name in drafting_linears(out):
+        parent_name, _, attr = name.rpartition(".")
+        parent = out.get_submodule(parent_name) if parent_name else out
+        linear = getattr(parent, attr)
+        _, scale, ratio = search_clip(linear.weight, bits, ratios)
+        setattr(parent, attr, QuantLinear(linear.weight, scale, bits))
+        chosen[name] = ratio
+    return out, chosen
+
+
+# ---- calibration data ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Capture:
+    """One calibration sequence and the verifier's states over it (what the hand-off carries, App. A).
+
+    ids: int64 [L] prompt + greedy answer; prompt_len: its prompt's length. e: [1, L, H] the verifier's scaled input
+    embeddings; h: [1, L, H] its last hidden state (pre- or post-norm, as ``handoff.hidden``); kv: {SLIDING: (k, v),
+    FULL: (k, v)}, each [1, kv_heads, L, head_dim], keys rotated. Tensors in the verifier's dtype and device.
+    """
+
+    ids: torch.Tensor
+    prompt_len: int
+    e: torch.Tensor
+    h: torch.Tensor
+    kv: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+
+@torch.no_grad()
+def greedy_answer(verifier, prompt: Sequence[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    """The verifier's greedy answer (arg-max, first among equals) to ``prompt``, cut after the first stop id;
+    at most ``max_new_tokens`` ids."""
+    device = verifier.device
+    ids = torch.tensor([list(prompt)], device=device)
+    out = verifier.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                            max_new_tokens=max_new_tokens, pad_token_id=verifier.config.pad_token_id or 0,
+                            eos_token_id=sorted(stop_ids) or None, top_k=None, top_p=None, temperature=None)
+    answer = []
+    for token in out[0, ids.shape[1]:].tolist():
+        answer.append(token)
+        if token in stop_ids:
+            break
+    return answer
+
+
+@torch.no_grad()
+def verifier_capture(verifier, ids: torch.Tensor, hidden: str = "pre_norm") -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """One verifier pass over ids int64 [L] (no output layer). Returns e [1, L, H] (scaled input embedding), h
+    [1, L, H] (the final norm's input for ``hidden="pre_norm"``, its output for ``"post_norm"``) and the shared KV
+    {SLIDING: (k, v), FULL: (k, v)} of the last sliding and last full layer, each [1, kv_heads, L, head_dim]."""
+    tap = {}
+    handle = verifier.model.norm.register_forward_hook(lambda m, a, o: tap.update(pre=a[0], post=o))
+    try:
+        x = ids[None].to(verifier.device)
+        out = verifier.model(input_ids=x, return_shared_kv_states=True, use_cache=False)
+        e = verifier.model.embed_tokens(x)
+    finally:
+        handle.remove()
+    kv = {kind: (k, v) for kind, (k, v) in out.shared_kv_states.items()}
+    return e, tap["pre" if hidden == "pre_norm" else "post"], kv
+
+
+def capture_sequences(verifier, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
+                      hidden: str = "pre_norm", progress=None) -> list[Capture]:
+    """Answer each prompt (token ids) greedily and capture the head's inputs over prompt + answer (App. A)."""
+    caps = []
+    for prompt in prompts:
+        answer = greedy_answer(verifier, prompt, max_new_tokens, stop_ids)
+        ids = torch.tensor(list(prompt) + answer, dtype=torch.long)
+        e, h, kv = verifier_capture(verifier, ids, hidden)
+        caps.append(Capture(ids, len(prompt), e, h, kv))
+        if progress is not None:
+            progress()
+    return caps
+
+
+# ---- the unrolled drafting steps ----------------------------------------------------------------------------
+
+
+@dataclass
+class Unroll:
+    """The K-step setting of one sequence (module docstring): anchors t int64 [n] (root positions, response
+    only), masks {SLIDING, FULL} float [1, 1, n, L] (finite -1e4 outside the window), pos int64 [1, n]
+    (the query's rotary position), k_steps K."""
+
+    anchors: torch.Tensor
+    masks: dict[str, torch.Tensor]
+    pos: torch.Tensor
+    k_steps: int
+
+
+def plan_unroll(cap: Capture, k_steps: int, window: int, sliding_window: int, position_offset: int) -> Unroll | None:
+    """Anchors t in [max(prompt_len, 1), L - K] with their masks and positions, None when there are none."""
+    L = cap.length
+    first, last = max(cap.prompt_len, 1), L - k_steps
+    if last < first:
+        return None
+    device = cap.e.device
+    t = torch.arange(first, last + 1, device=device)[None]
+    masks = {FULL: window_mask(t, L, window), SLIDING: window_mask(t, L, min(window, sliding_window))}
+    return Unroll(t[0], masks, t + position_offset, k_steps)
+
+
+def unroll(head, cap: Capture, plan: Unroll, dtype=torch.float32) -> list[torch.Tensor]:
+    """Alg. 2 lines 7-12 at every anchor of ``plan`` at once: K logits tensors [1, n, |V|] (entry k-1 scores the
+    token at t + k) from inputs [e(x_{t+k-1}); z], z = h_{t-1} then the head's own projected state."""
+    t = plan.anchors
+    kv = {kind: (k.to(dtype), v.to(dtype)) for kind, (k, v) in cap.kv.items()}
+    masks = {kind: m.to(dtype) for kind, m in plan.masks.items()}
+    z = cap.h[:, t - 1].to(dtype)
+    outs = []
+    for k in range(plan.k_steps):
+        x_hat = torch.cat([cap.e[:, t + k].to(dtype), z], dim=-1)
+        logits, z = head_step(head, x_hat, kv, masks, plan.pos)
+        outs.append(logits)
+    return outs
+
+
+def kl_to_teacher(student: Sequence[torch.Tensor], teacher: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Mean over depths and anchors of KL(teacher || student) over the keep set (Table 4 "Loss: KL")."""
+    total = 0.0
+    for s, t in zip(student, teacher):
+        log_t = F.log_softmax(t.float(), -1)
+        total = total + (log_t.exp() * (log_t - F.log_softmax(s.float(), -1))).sum(-1).mean()
+    return total / len(student)
+
+
+@torch.no_grad()
+def top1_agreement(student, teacher, plans: Sequence[tuple[Capture, Unroll]]) -> tuple[list[float], int]:
+    """Per depth 1..K: the share of anchors where the two heads' keep-set arg-max agree (module docstring).
+    Returns (shares, anchors counted)."""
+    hits, n = None, 0
+    for cap, plan in plans:
+        s_out, t_out = unroll(student, cap, plan), unroll(teacher, cap, plan)
+        h = torch.stack([(s.argmax(-1) == t.argmax(-1)).sum() for s, t in zip(s_out, t_out)]).cpu()
+        hits = h if hits is None else hits + h
+        n += len(plan.anchors)
+    if not n:
+        raise HeadQatError("no response anchors to measure agreement on: every answer is shorter than K tokens")
+    return [round(float(x) / n, 6) for x in hits], n
+
+
+@torch.no_grad()
+def mean_kl(student, teacher, plans: Sequence[tuple[Capture, Unroll]]) -> float:
+    """`kl_to_teacher` averaged over every anchor of ``plans`` (anchor-weighted), float."""
+    total, n = 0.0, 0
+    for cap, plan in plans:
+        total += float(kl_to_teacher(unroll(student, cap, plan), unroll(teacher, cap, plan))) * len(plan.anchors)
+        n += len(plan.anchors)
+    return total / max(n, 1)
+
+
+# ---- training -----------------------------------------------------------------------------------------------
+
+
+def lr_factor(step: int, config: HeadQat) -> float:
+    """Multiplier of ``lr`` at optimizer step ``step`` (0-based): linear warm-up (step + 1) / warmup_steps, then
+    ``schedule`` over the remaining steps (cosine and linear decay to 0 at step ``steps``, constant 1)."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    p = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    if config.schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * p))
+    if config.schedule == "linear":
+        return 1.0 - p
+    return 1.0
+
+
+@dataclass
+class TrainResult:
+    """losses: mean loss of each optimizer step (over its accumulated sequences); seconds_per_step."""
+
+    losses: list[float]
+    seconds_per_step: float
+
+
+def train_qat(student, teacher, plans: Sequence[tuple[Capture, Unroll]], config: HeadQat,
+              on_step=None) -> TrainResult:
+    """Table 4's loop: ``steps`` AdamW steps of ``grad_accum`` sequences each (batch 1 sequence, taken in order,
+    cycling), loss `kl_to_teacher`, gradient-norm clip, `lr_factor` schedule. Trains ``student``'s QuantLinear
+    weights in place. ``on_step(step, loss)`` is called after each step (progress)."""
+    params = [p for p in student.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+    device = params[0].device
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    losses = []
+    start = time.perf_counter()
+    for step in range(config.steps):
+        for group in opt.param_groups:
+            group["lr"] = config.lr * lr_factor(step, config)
+        total = 0.0
+        for micro in range(config.grad_accum):
+            cap, plan = plans[(step * config.grad_accum + micro) % len(plans)]
+            with torch.no_grad(), autocast:
+                target = unroll(teacher, cap, plan)
+            with autocast:
+                loss = kl_to_teacher(unroll(student, cap, plan), target)
+            (loss / config.grad_accum).backward()
+            total += loss.item() / config.grad_accum
+        torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+        if on_step is not None:
+            on_step(step, total)
+    seconds = (time.perf_counter() - start) / max(1, config.steps)
+    return TrainResult(losses, seconds)
+
+
+# ---- export -------------------------------------------------------------------------------------------------
+
+
+def percentile_abs(tensors: Sequence[torch.Tensor], percentile: float) -> float:
+    """The ``percentile`` of |x| over all entries of ``tensors``: the value of rank ceil(p/100 * n) (1-based) in
+    ascending order, exact (no sampling)."""
+    x = torch.cat([t.detach().float().abs().reshape(-1).cpu() for t in tensors])
+    rank = min(len(x), max(1, math.ceil(percentile / 100 * len(x))))
+    return float(torch.kthvalue(x, rank).values)
+
+
+def export_head(student, keep_set, input_ranges: dict[str, float]) -> QuantizedHead:
+    """The integers and scales of every `QuantLinear` of ``student`` plus the float tensors the graph reads
+    (norm weights, ``layer_scalar``; not the embedding table, which the head never reads: its inputs arrive
+    embedded). Each ``qweight * scale`` equals the weight the student computes with, bit for bit."""
+    qweight, scale, bits = {}, {}, set()
+    for name, module in student.named_modules():
+        if isinstance(module, QuantLinear):
+            qweight[name], scale[name] = module.integers().cpu(), module.scale.detach().float().cpu().clone()
+            bits.add(module.bits)
+    if len(bits) != 1:
+        raise HeadQatError(f"the head's linear layers have mixed widths {sorted(bits)}; expected one weight_bits")
+    skip = tuple(f"{n}." for n in qweight) + ("model.embed_tokens.", "masked_embedding.")
+    floats = {name: t.detach().float().cpu().clone() for name, t in student.state_dict().items()
+              if not name.startswith(skip)}
+    config = student.config.to_dict()
+    return QuantizedHead(config=config, keep_set=torch.as_tensor(keep_set, dtype=torch.long).cpu().numpy(),
+                         bits=bits.pop(), qweight=qweight, scale=scale, floats=floats, input_ranges=input_ranges)
+
+
+def dequantized_head(head: QuantizedHead) -> nn.Module:
+    """A float32 ``Gemma4AssistantForCausalLM`` (eval, sdpa) computing exactly what the QAT head computed: every
+    drafting Linear holds ``qweight * scale``, ``lm_head`` has |V| rows over ``head.keep_set``. Its token embedding
+    table is left at its initialization (the head never reads it). Raises HeadQatError when a tensor of the
+    artifact has no place in the model."""
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    config = Gemma4AssistantConfig.from_dict(head.config)
+    config._attn_implementation = "sdpa"
+    config.get_text_config()._attn_implementation = "sdpa"
+    model = Gemma4AssistantForCausalLM(config).float().eval()
+    hidden = model.lm_head.in_features
+    model.lm_head = nn.Linear(hidden, len(head.keep_set), bias=False)
+    state = dict(head.floats)
+    for name in head.qweight:
+        state[f"{name}.weight"] = head.qweight[name].float() * head.scale[name]
+    result = model.load_state_dict(state, strict=False)
+    if result.unexpected_keys:
+        raise HeadQatError(f"the quantized head holds tensors the model has no place for: {result.unexpected_keys}")
+    missing = [k for k in result.missing_keys if not k.startswith(("model.embed_tokens.", "masked_embedding."))]
+    if missing:
+        raise HeadQatError(f"the quantized head lacks tensors the model needs: {missing}")
+    return model
+
+
+# ---- prompts ------------------------------------------------------------------------------------------------
+
+
+def _first_user_turn(record: Any, where: str) -> str:
+    if not isinstance(record, dict):
+        raise HeadQatError(f"{where}: a prompt line must be a JSON object")
+    if "question_id" in record and "turns" in record:
+        raise HeadQatError(f"{where}: this is a Spec-Bench question; head_qat.calibration_data must never hold "
+                           "benchmark prompts (paper App. A: no SB prompt is used in calibration or QAT)")
+    if isinstance(record.get("messages"), list):
+        for message in record["messages"]:
+            if isinstance(message, dict) and message.get("role") == "user":
+                content = message.get("content")
+                if isinstance(content, list):
+                    content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                if isinstance(content, str):
+                    return content
+    for key in ("prompt", "user"):
+        if isinstance(record.get(key), str):
+            return record[key]
+    raise HeadQatError(f"{where}: no user turn: give 'prompt', 'user' or 'messages' with a user message")
+
+
+def read_prompts(path: Path, skip: int = 0) -> list[str]:
+    """First user turns of a JSONL file, one conversation or prompt per line, after the first ``skip`` lines.
+
+    Raises HeadQatError for a missing file, a line that is not JSON or has no user turn, or a Spec-Bench line.
+    """
+    if not path.is_file():
+        raise HeadQatError(f"head_qat.calibration_data: {path} does not exist")
+    out = []
+    with path.open(encoding="utf-8") as f:
+        lines = [(n, line) for n, line in enumerate(f, start=1) if line.strip()]
+    for number, line in lines[skip:]:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise HeadQatError(f"{path}:{number}: not JSON ({e.msg})") from None
+        out.append(_first_user_turn(record, f"{path}:{number}"))
+    return out
+
+
+def prompt_sources(recipe: Recipe, seed: int) -> tuple[list[str], list[str], str]:
+    """(training candidates, evaluation candidates, description), both in the order they are taken.
+
+    * ``head_qat.calibration_data`` set: its lines in order; training takes from the front, evaluation from the
+      lines after the training ones (give a shuffled file; the paper: 60 UC-tr + 60 UC-val first turns).
+    * empty, ``keep_set.corpus`` set: that corpus's lines after the ``keep_set.corpus_conversations`` the keep set
+      counted (App. A: prompts from conversations the keep set's counts never read), split the same way.
+    * both empty: the toy corpus -- training user turns (train split) and held-out user turns, each shuffled with
+      ``seed``.
+    """
+    config = recipe.head_qat
+    path = recipe.resolve_path(config.calibration_data)
+    if path is not None:
+        texts = read_prompts(path)
+        return texts, texts, str(path)
+    corpus = recipe.resolve_path(recipe.keep_set.corpus)
+    if corpus is not None:
+        texts = read_prompts(corpus, skip=recipe.keep_set.corpus_conversations)
+        return texts, texts, f"{corpus} after line {recipe.keep_set.corpus_conversations}"
+    from hycoc.toy.corpus import build_corpus
+
+    train, held = build_corpus()
+    rng = random.Random(seed)
+    return ([c.user for c in rng.sample(train, len(train))], [c.user for c in rng.sample(held, len(held))],
+            "toy corpus (train / held-out user turns)")
+
+
+def pick_prompts(tokenizer, candidates: Sequence[str], count: int, budget: int, key: str,
+                 exclude: int = 0) -> tuple[list[list[int]], int]:
+    """The first ``count`` of ``candidates[exclude:]`` whose chat-formatted ids fit ``budget`` tokens, as id lists,
+    and how many were skipped as too long. Raises HeadQatError naming ``key`` when fewer fit."""
+    picked, skipped = [], 0
+    for text in candidates[exclude:]:
+        if len(picked) == count:
+            break
+        ids = format_prompt(tokenizer, text)
+        if len(ids) > budget:
+            skipped += 1
+            continue
+        picked.append(ids)
+    if len(picked) < count:
+        raise HeadQatError(f"{key} = {count}, but only {len(picked)} prompts of the source fit "
+                           f"head_qat.max_seq_len minus the answer cap ({budget} tokens; {skipped} longer skipped)")
+    return picked, skipped
+
+
+# ---- the pass -----------------------------------------------------------------------------------------------
+
+
+def _head_sliding_window(head) -> int:
+    return int(head.config.get_text_config().sliding_window)
+
+
+def _plans(caps: Sequence[Capture], k_steps: int, window: int, sliding_window: int,
+           offset: int) -> list[tuple[Capture, Unroll]]:
+    plans = [(c, plan_unroll(c, k_steps, window, sliding_window, offset)) for c in caps]
+    return [(c, p) for c, p in plans if p is not None]
+
+
+def _stats(caps: Sequence[Capture], plans) -> dict[str, int]:
+    return {"sequences": len(caps), "prompt_tokens": sum(c.prompt_len for c in caps),
+            "response_tokens": sum(c.length - c.prompt_len for c in caps),
+            "anchors": sum(len(p.anchors) for _, p in plans)}
+
+
+class HeadQatPass(Pass):
+    """torch_verifier + torch_head + keep_set + tokenizer -> quantized_head, reading ``[head_qat]`` (Table 4) and
+    ``[window]`` (W, query offset), ``[tree]`` (K), ``[handoff]`` (pre/post-norm h), ``[keep_set]`` (the prompt
+    source when ``head_qat.calibration_data`` is empty). Module docstring for the method and its numbers.
+
+    ``seed``: shuffles the toy corpus's prompts and seeds torch. ``console``: where the progress bar goes.
+    """
+
+    name = "head_qat"
+    section = "head_qat"
+    also_reads = ("window", "tree", "handoff", "keep_set")
+    consumes = {"torch_verifier": TorchModelArtifact, "torch_head": TorchModelArtifact,
+                "keep_set": KeepSetArtifact, "tokenizer": TokenizerArtifact}
+    produces = {"quantized_head": QuantizedHeadArtifact}
+
+    def __init__(self, *, seed: int = 0, console=None):
+        self.seed = seed
+        self.console = console
+
+    def key_material(self, recipe: Recipe) -> dict[str, Any]:
+        from hycoc.passes.keep_set import _sha256_file
+
+        material: dict[str, Any] = {"seed": self.seed}
+        for key, value in (("head_qat.calibration_data", recipe.head_qat.calibration_data),
+                           ("keep_set.corpus", recipe.keep_set.corpus)):
+            path = recipe.resolve_path(value)
+            if path is not None:
+                if not path.is_file():
+                    raise HeadQatError(f"{key}: {path} does not exist")
+                material[key] = _sha256_file(path)
+                return material
+        import hycoc.toy.corpus as toy
+
+        material["toy_corpus_code"] = _sha256_file(Path(toy.__file__))
+        return material
+
+    def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, QuantizedHeadArtifact], PassReport]:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        config = recipe.head_qat
+        torch.manual_seed(self.seed)
+        verifier = inputs["torch_verifier"].payload  # eval mode by the artifact's contract; never modified
+        tokenizer = inputs["tokenizer"].payload
+        keep = torch.as_tensor(inputs["keep_set"].payload, dtype=torch.long)
+        device = verifier.device
+        teacher = restrict_output_layer(inputs["torch_head"].payload, keep).to(device)
+        k_steps, window = recipe.tree.chain_length, recipe.window.head_window
+        offset, sw = recipe.window.head_query_position_offset, _head_sliding_window(teacher)
+        stops = stop_token_ids(tokenizer)
+
+        train_texts, eval_texts, source = prompt_sources(recipe, self.seed)
+        train_ids, skipped = pick_prompts(tokenizer, train_texts, config.calibration_prompts,
+                                          config.max_seq_len - config.calibration_max_new_tokens,
+                                          "head_qat.calibration_prompts")
+        same_source = train_texts is eval_texts
+        used = config.calibration_prompts + skipped if same_source else 0
+        eval_ids, _ = pick_prompts(tokenizer, eval_texts, config.eval_prompts,
+                                   config.max_seq_len - config.eval_max_new_tokens, "head_qat.eval_prompts",
+                                   exclude=used)
+
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+        console = self.console if self.console is not None else Console(stderr=True)
+        with Progress(*columns, console=console, transient=True) as progress:
+            task = progress.add_task("head QAT: verifier answers", total=len(train_ids) + len(eval_ids))
+            tick = (lambda: progress.advance(task))
+            t0 = time.perf_counter()
+            train_caps = capture_sequences(verifier, train_ids, config.calibration_max_new_tokens, stops,
+                                           recipe.handoff.hidden, tick)
+            eval_caps = capture_sequences(verifier, eval_ids, config.eval_max_new_tokens, stops,
+                                          recipe.handoff.hidden, tick)
+            capture_s = time.perf_counter() - t0
+            train_plans = _plans(train_caps, k_steps, window, sw, offset)
+            eval_plans = _plans(eval_caps, k_steps, window, sw, offset)
+            if not train_plans:
+                raise HeadQatError("no calibration answer is longer than tree.chain_length tokens: raise "
+                                   "head_qat.calibration_max_new_tokens")
+
+            ratios = clip_ratios(config)
+            agreement = {}
+            ptq8, _ = quantize_head(teacher, 8, ratios)
+            agreement["w8_ptq"], n_eval = top1_agreement(ptq8, teacher, eval_plans)
+            del ptq8
+            student, chosen = quantize_head(teacher, config.weight_bits, ratios)
+            label = f"w{config.weight_bits}"
+            agreement[f"{label}_ptq"], _ = top1_agreement(student, teacher, eval_plans)
+            kl = {"train_ptq": mean_kl(student, teacher, train_plans),
+                  "eval_ptq": mean_kl(student, teacher, eval_plans)}
+
+            task = progress.add_task("head QAT: training", total=config.steps)
+
+            def on_step(step, loss):
+                progress.update(task, advance=1, description=f"head QAT: step {step + 1}, KL {loss:.4f}")
+
+            result = train_qat(student, teacher, train_plans, config, on_step)
+            agreement[f"{label}_qat"], _ = top1_agreement(student, teacher, eval_plans)
+            kl.update(train_qat=mean_kl(student, teacher, train_plans), eval_qat=mean_kl(student, teacher, eval_plans))
+
+        ranges = self._input_ranges(teacher, train_plans, config.input_range_percentile)
+        head = export_head(student, keep, ranges)
+        ratio_all = torch.cat(list(chosen.values()))
+        tail = min(10, len(result.losses))
+        numbers = {
+            "bits": config.weight_bits, "steps": config.steps, "k": k_steps, "window": window,
+            "prompt_source": source,
+            "calibration": {**_stats(train_caps, train_plans), "skipped_long_prompts": skipped},
+            "eval": {**_stats(eval_caps, eval_plans), "anchors_measured": n_eval},
+            "agreement": agreement,
+            "agreement_mean": {k: round(sum(v) / len(v), 6) for k, v in agreement.items()},
+            "kl": {k: round(v, 6) for k, v in kl.items()},
+            "loss_first": round(sum(result.losses[:tail]) / tail, 6) if tail else None,
+            "loss_last": round(sum(result.losses[-tail:]) / tail, 6) if tail else None,
+            "seconds_per_step": round(result.seconds_per_step, 4),
+            "capture_seconds": round(capture_s, 2),
+            "linears": len(head.qweight),
+            "weights": sum(q.numel() for q in head.qweight.values()),
+            "weight_bytes_packed": sum(q.numel() for q in head.qweight.values()) * config.weight_bits // 8,
+            "clip_ratio_mean": round(float(ratio_all.mean()), 4),
+            "clip_ratio_below_max": round(float((ratio_all < config.clip_search_max).float().mean()), 4),
+            "input_ranges": ranges,
+        }
+        d1 = {k: v[0] for k, v in agreement.items()}
+        summary = (f"{label.upper()} top-1 agreement d1 {d1[f'{label}_ptq']:.1%} (PTQ) -> {d1[f'{label}_qat']:.1%} "
+                   f"(QAT, {config.steps} steps, {result.seconds_per_step:.2f} s/step); W8 PTQ {d1['w8_ptq']:.1%}")
+        return {"quantized_head": QuantizedHeadArtifact("quantized_head", head)}, PassReport(summary, numbers)
+
+    @staticmethod
+    @torch.no_grad()
+    def _input_ranges(teacher, plans, percentile: float) -> dict[str, float]:
+        """Fixed graph input ranges (App. A: the 99.99th percentiles of the captures): |e|, |h| (the verifier's),
+        |h_head| (the head's own projected states, the second half of x_hat from step 2 on), and the four KV
+        tensors, over every position of the calibration sequences (h_head: at their response anchors)."""
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("e", "h", "h_head", "k_sliding", "v_sliding",
+                                                                 "k_full", "v_full")}
+        for cap, plan in plans:
+            parts["e"].append(cap.e)
+            parts["h"].append(cap.h)
+            for kind, name in ((SLIDING, "sliding"), (FULL, "full")):
+                parts[f"k_{name}"].append(cap.kv[kind][0])
+                parts[f"v_{name}"].append(cap.kv[kind][1])
+            t = plan.anchors
+            z = cap.h[:, t - 1].float()
+            kv = {kind: (k.float(), v.float()) for kind, (k, v) in cap.kv.items()}
+            for k in range(plan.k_steps - 1):  # states fed back at steps 2..K
+                _, z = head_step(teacher, torch.cat([cap.e[:, t + k].float(), z], -1), kv, plan.masks, plan.pos)
+                parts["h_head"].append(z)
+        return {k: round(percentile_abs(v, percentile), 6) for k, v in parts.items() if v}
