@@ -431,7 +431,10 @@ def test_cloud_mtp_chain_equals_transformers_generator_and_reads_only_committed_
 
 def test_server_head_chain_uses_the_keep_set_and_window(verifier, head):
     keep = torch.tensor(sorted(np.random.default_rng(4).choice(np.arange(3, 300), 120, replace=False).tolist()))
-    engine = make_engine(verifier, head=head, keep_set=keep, head_window=6, head_query_position_offset=-1)
+    # W = 10 > the head's sliding window: the sliding layer must read only its own window of the W columns
+    sw = head.config.get_text_config().sliding_window
+    assert sw < 10
+    engine = make_engine(verifier, head=head, keep_set=keep, head_window=10, head_query_position_offset=-1)
     session = engine.open(list(range(100, 114)), seed=8, draft_place="server-head")
     session.prefill()
     for seq in range(3):
@@ -445,8 +448,8 @@ def test_server_head_chain_uses_the_keep_set_and_window(verifier, head):
         pre, _ = pre_norm_hidden(verifier, committed)
         shared = {"sliding_attention": (ref.layers[2].keys, ref.layers[2].values),
                   "full_attention": (ref.layers[3].keys, ref.layers[3].values)}
-        mask = window_mask(torch.tensor([[t_prime]]), t_prime, 6)
-        masks = {"sliding_attention": mask, "full_attention": mask}
+        masks = {"sliding_attention": window_mask(torch.tensor([[t_prime]]), t_prime, sw),
+                 "full_attention": window_mask(torch.tensor([[t_prime]]), t_prime, 10)}
         allowed = torch.full((verifier.config.vocab_size,), float("-inf"))
         allowed[keep] = 0.0
         x = torch.cat([verifier.model.embed_tokens(torch.tensor([session.root]))[0], pre[-1]])

@@ -36,7 +36,7 @@ import torch
 from transformers import DynamicCache
 
 from hycoc.messages import ACCEPTANCE_MODES, DRAFT_PLACES, HandOff, RoundReply, Sampling
-from hycoc.mtp import FULL, SLIDING, head_step
+from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 
 from .acceptance import select_exact, select_path
 from .errors import (BadRequest, ContextOverflow, NotPrefilled, RootMismatch, SequenceError, SessionFinished,
@@ -253,16 +253,20 @@ def draft_cloud_chain(model, head, cache: DynamicCache, layers: dict[str, int], 
 def draft_server_chain(model, head, cache: DynamicCache, layers: dict[str, int], root: int, h: torch.Tensor,
                        t: int, k: int, window: int, keep_set: torch.Tensor | None, position_offset: int) -> list[int]:
     """The server-head variant (Table 5): the head drafts a greedy K-chain for the root at position t as the
-    device's Drafter would (Alg. 2) but in full precision: both layers read the W-window [max(0, t - W), t),
-    constant query position t + position_offset, logits restricted to the keep set (first among equals).
+    device's Drafter would (Alg. 2) but in full precision: the full-attention layer reads the W-window
+    [max(0, t - W), t), the sliding layer the last min(W, head sliding window) of it (as the device ring and the
+    head's training), constant query position t + position_offset, logits restricted to the keep set (first among
+    equals).
     keep_set: int64 (|V|,) token ids, or None for the full vocabulary. Returns K token ids."""
     lo = max(0, t - window)
     shared = {}
     for kind, i in layers.items():
         layer = cache.layers[i]
         shared[kind] = (layer.keys[..., lo:t, :].to(head.dtype), layer.values[..., lo:t, :].to(head.dtype))
-    visible = torch.zeros(1, 1, 1, t - lo, dtype=head.dtype, device=h.device)
-    masks = {SLIDING: visible, FULL: visible}
+    n = t - lo  # column c holds position lo + c; the query sits just after the last one
+    q = torch.tensor([[n]], device=h.device)
+    sliding = min(window, head.config.get_text_config().sliding_window)
+    masks = {SLIDING: window_mask(q, n, sliding, dtype=head.dtype), FULL: window_mask(q, n, None, dtype=head.dtype)}
     pos = torch.tensor([[t + position_offset]], device=h.device)
     x = torch.cat([model.model.embed_tokens(torch.tensor([root], device=h.device))[0], h])
     chain = []
