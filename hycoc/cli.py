@@ -33,7 +33,6 @@ PENDING = {
     "build": (4, "The compiler: hycoc build RECIPE --target htp-v81|cpu|qai-hub"),
     "run": (5, "Device runtime: hycoc run BUNDLE --server URL"),
     "bench": (6, "hycoc bench: the paper's Table 2 on real prompts"),
-    "inspect-bundle": (4, "The compiler: hycoc build RECIPE --target htp-v81|cpu|qai-hub"),
     "inspect-recipe": (7, "The paper's deployment: recipes/gemma4.toml end to end on real shapes"),
 }
 
@@ -184,6 +183,9 @@ def verify_server(
         if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) == 0:
             raise _fail("verify-server", f"--keep-set {keep_set}: expected a non-empty 1-D array of int token ids, "
                         f"got shape {ids.shape} dtype {ids.dtype}")
+    from hycoc.models import set_threads
+
+    set_threads(cfg.verifier.threads)
     try:
         import torch
 
@@ -261,7 +263,84 @@ def inspect(
         raise _pending("inspect", "inspect-recipe")
     if not target.is_dir():
         raise _fail("inspect", f"{target}: neither a bundle folder nor a recipe .toml", code=2)
-    raise _pending("inspect", "inspect-bundle")
+    from hycoc.bundle import BundleError, load_manifest
+
+    try:
+        manifest = load_manifest(target, verify=True)
+    except BundleError as e:
+        raise _fail("inspect", str(e)) from None
+    if json_out:
+        typer.echo(manifest.to_json(), nl=False)
+        return
+    _print_manifest(manifest)
+
+
+def _print_manifest(manifest) -> None:
+    """`hycoc inspect BUNDLE` tables: summary, files, graphs (IO with encodings, weights, ops), round, hand-off."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 120))
+    t = manifest.target
+    where = f"HTP v{t.htp_arch} {t.soc_model} (soc id {t.soc_id})" if t.backend == "htp" else "onnxruntime CPU EP"
+    tools = ", ".join(f"{k} {v}" for k, v in (("onnxruntime", t.onnxruntime), ("onnxruntime-qnn", t.onnxruntime_qnn),
+                                              ("QNN SDK", t.qnn_sdk)) if v)
+    total = sum(f.bytes for f in manifest.files)
+    console.print(f"bundle of recipe {manifest.recipe.name} (sha256 {manifest.recipe.sha256[:12]}), target {t.name}: "
+                  f"{where}")
+    console.print(f"built with {tools or 'tool versions unknown'}")
+    console.print(f"schema {manifest.schema_version}, created {manifest.created_at}, {len(manifest.files)} files, "
+                  f"{total / 1e6:.3f} MB, keep set {manifest.keep_set_size} tokens")
+
+    files = Table(title="files")
+    for col in ("path", "role", "MB", "sha256"):
+        files.add_column(col, justify="right" if col == "MB" else "left")
+    for f in manifest.files:
+        files.add_row(f.path, f.role, f"{f.bytes / 1e6:.3f}", f.sha256[:16])
+    console.print(files)
+
+    for g in manifest.graphs:
+        io = Table(title=f"graph {g.name} ({g.role}): {g.file}"
+                   + (f" -> {g.context_binary}" if g.context_binary else ""))
+        for col in ("", "name", "shape", "dtype", "encoding"):
+            io.add_column(col)
+        for kind, specs in (("in", g.inputs), ("out", g.outputs)):
+            for s in specs:
+                e = s.encoding
+                enc = f"{e.dtype} scale {e.scale:.6g} zp {e.zero_point}" if e else "-"
+                io.add_row(kind, s.name, "x".join(map(str, s.shape)) or "scalar", s.dtype, enc)
+        console.print(io)
+        bits = ", ".join(f"{k}: {w.tensors} tensors / {w.elements:,} weights" for k, w in g.weight_bits.items())
+        console.print(f"  weights: {bits or 'none quantized'}")
+        console.print("  ops: " + ", ".join(f"{k} {n}" for k, n in g.op_counts.items()))
+
+    r = manifest.round
+    rounds = Table(title="round constants")
+    rounds.add_column("constant")
+    rounds.add_column("value", justify="right")
+    for name, value in (("K (chain_length)", r.chain_length), ("D (sibling_depth)", r.sibling_depth),
+                        ("B (node_budget)", r.node_budget), ("W (head_window)", r.head_window),
+                        ("slm_window", r.slm_window), ("slm_sliding_window", r.slm_sliding_window),
+                        ("head_query_position_offset", r.head_query_position_offset),
+                        ("lambda (depth_cost)", r.depth_cost), ("epsilon", r.epsilon),
+                        ("acceptance", r.acceptance_mode), ("slm_candidates", r.slm_candidates),
+                        ("slm_passes", r.slm_passes), ("specedge passes / nodes", f"{r.specedge_passes} / "
+                                                                                  f"{r.specedge_nodes}"),
+                        ("temperature", r.temperature), ("top_k", r.top_k), ("top_p", r.top_p),
+                        ("max_new_tokens", r.max_new_tokens), ("seed", r.seed)):
+        rounds.add_row(name, str(value))
+    q = manifest.quantization
+    rounds.add_row("head weight bits / SLM activation bits / KV bits",
+                   f"{q.head_weight_bits} / {q.slm_activation_bits} / {q.kv_bits}")
+    console.print(rounds)
+
+    h = manifest.handoff
+    hand = Table(title=f"hand-off: int{h.bits} ({h.hidden})")
+    hand.add_column("scale")
+    hand.add_column("value", justify="right")
+    for name in ("embedding", "hidden", "k_sliding", "v_sliding", "k_full", "v_full"):
+        hand.add_row(name, f"{getattr(h, 'scale_' + name):.6g}")
+    console.print(hand)
 
 
 def package_versions() -> dict[str, str]:
@@ -371,8 +450,9 @@ def generate(
     import torch
 
     from hycoc.chat import format_prompt, stop_token_ids
-    from hycoc.models import ModelNotFoundError, load_tokenizer, load_verifier
+    from hycoc.models import ModelNotFoundError, load_tokenizer, load_verifier, set_threads
 
+    set_threads(cfg.verifier.threads)
     sampling = cfg.sampling
     temperature = sampling.temperature if temperature is None else temperature
     from hycoc.recipe import RecipeError
@@ -384,6 +464,7 @@ def generate(
     except (RecipeError, ModelNotFoundError) as e:
         raise _fail("generate", str(e)) from None
 
+    typer.echo(f"[question] {prompt}", err=True)
     torch.manual_seed(sampling.seed if seed is None else seed)
     ids = torch.tensor([format_prompt(tokenizer, prompt)], device=cfg.verifier.device)  # (1, T)
     stops = sorted(stop_token_ids(tokenizer))

@@ -58,7 +58,6 @@ PENDING = [
                      "htp-v81|cpu|qai-hub)"),
     (["build", GEMMA4, "--target", "cpu"], "hycoc build: not available yet (issue 4: The compiler"),
     (["inspect", GEMMA4, "--json"], "hycoc inspect: not available yet (issue 7: The paper's deployment"),
-    (["inspect", ROOT], "hycoc inspect: not available yet (issue 4: The compiler"),
     (["run", ROOT, "--server", "ws://127.0.0.1:8765", "--prompt", "hi"],
      "hycoc run: not available yet (issue 5: Device runtime: hycoc run BUNDLE --server URL)"),
 ]
@@ -69,6 +68,14 @@ def test_pending_commands_exit_2_with_their_issue(args, message):
     result = invoke(*args)
     assert result.exit_code == 2
     assert result.stderr.startswith(message)
+    assert result.stdout == ""
+
+
+def test_inspect_refuses_a_folder_that_is_no_bundle():
+    result = invoke("inspect", ROOT)
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (f"hycoc inspect: bundle {ROOT}: not a bundle (no manifest.json); build one "
+                                     "with `hycoc build RECIPE --out DIR`")
     assert result.stdout == ""
 
 
