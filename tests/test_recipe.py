@@ -79,7 +79,7 @@ def test_gemma4_recipe_equals_the_schema_defaults():
 def test_toy_recipe_scales_only_the_sizes():
     toy = load_recipe(RECIPES / "toy.toml")
     paper = load_recipe(RECIPES / "gemma4.toml")
-    assert toy.keep_set.size == 2048
+    assert toy.keep_set.size == 3072
     assert (toy.window.head_window, toy.window.slm_window, toy.window.slm_sliding_window) == (256, 256, 128)
     assert toy.sampling.max_new_tokens == 256
     assert (toy.verifier.device, toy.verifier.dtype) == ("cpu", "float32")
