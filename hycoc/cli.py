@@ -33,7 +33,6 @@ PENDING = {
     "build": (4, "The compiler: hycoc build RECIPE --target htp-v81|cpu|qai-hub"),
     "run": (5, "Device runtime: hycoc run BUNDLE --server URL"),
     "bench": (6, "hycoc bench: the paper's Table 2 on real prompts"),
-    "inspect-recipe": (7, "The paper's deployment: recipes/gemma4.toml end to end on real shapes"),
 }
 
 #: Configurations of `hycoc bench` (paper Table 5).
@@ -105,8 +104,59 @@ def build(
         show_default=False),
 ) -> None:
     """Compile the recipe's MTP head and SLM into a bundle of static, quantized graphs (paper §3.2-3.4)."""
-    _recipe("build", recipe)
-    raise _pending("build")
+    from rich.console import Console
+
+    from hycoc.models import ModelNotFoundError
+    from hycoc.passes.build import BuildError, BuildNotReady, build_bundle, build_pipeline
+    from hycoc.passes.calibration import CalibrationError
+    from hycoc.passes.export import ExportError
+    from hycoc.passes.head_qat import HeadQatError
+    from hycoc.passes.keep_set import KeepSetError
+    from hycoc.passes.pipeline import PipelineError
+    from hycoc.passes.qdq import QdqError
+    from hycoc.passes.slm_graph import SlmGraphError
+    from hycoc.passes.slm_surgery import SurgeryError
+    from hycoc.recipe import RecipeError
+    from hycoc.targets.cpu import CpuTargetError
+    from hycoc.targets.htp import HtpTargetError
+    from hycoc.targets.profiles import UnknownTargetError
+    from hycoc.targets.qai_hub import QaiHubJobError, QaiHubSetupError
+
+    errors = (BuildError, PipelineError, RecipeError, ModelNotFoundError, KeepSetError, HeadQatError, ExportError,
+              SurgeryError, SlmGraphError, CalibrationError, QdqError, CpuTargetError, HtpTargetError,
+              UnknownTargetError, QaiHubSetupError, QaiHubJobError)
+
+    config = _recipe("build", recipe)
+    name = target.value if target is not None else config.target.name
+    cache = cache_dir if cache_dir is not None else Path(".hycoc-cache")
+    console = Console(stderr=True)
+    if list_passes:
+        typer.echo(build_pipeline(config, name, cache_dir=cache, console=console).describe())
+        return
+    out_dir = out if out is not None else Path("bundles") / f"{config.recipe.name}-{name}"
+    try:
+        result = build_bundle(config, name, None if until else out_dir, cache, until=until, console=console)
+    except BuildNotReady as e:
+        number, title = PENDING["build"]
+        raise _fail("build", f"not available yet (issue {number}: {title}): {e}", code=2) from None
+    except errors as e:  # each names what is wrong and what to do; the CLI says it in one line
+        raise _fail("build", "; ".join(line.strip() for line in str(e).splitlines() if line.strip())) from None
+    if until is not None:
+        typer.echo(f"stopped after {until}; its artifacts are in {result.stopped_at}")
+        return
+    from rich.table import Table
+
+    manifest = result.manifest
+    table = Table(title=f"bundle {result.out_dir} ({manifest.target.name})")
+    for column in ("graph", "file", "inputs", "outputs", "weights"):
+        table.add_column(column)
+    for g in manifest.graphs:
+        weights = ", ".join(f"{w.tensors} {dtype}" for dtype, w in g.weight_bits.items())
+        table.add_row(g.name, g.file, str(len(g.inputs)), str(len(g.outputs)), weights)
+    Console().print(table)
+    total = sum(f.bytes for f in manifest.files)
+    typer.echo(f"wrote {result.out_dir}: {len(manifest.files)} files, {total / 1e6:.2f} MB, keep set "
+               f"{manifest.keep_set_size}")
 
 
 @app.command()
@@ -259,8 +309,18 @@ def inspect(
 ) -> None:
     """Print a bundle's manifest, or a recipe's graphs, sizes and hand-off bytes on real shapes."""
     if target.suffix == ".toml":
-        _recipe("inspect", target)
-        raise _pending("inspect", "inspect-recipe")
+        config = _recipe("inspect", target)
+        from hycoc.passes.plan import PlanError, plan_json, real_shape_plan
+
+        try:
+            plan = real_shape_plan(config)
+        except PlanError as e:
+            raise _fail("inspect", str(e)) from None
+        if json_out:
+            typer.echo(plan_json(plan), nl=False)
+            return
+        _print_plan(plan)
+        return
     if not target.is_dir():
         raise _fail("inspect", f"{target}: neither a bundle folder nor a recipe .toml", code=2)
     from hycoc.bundle import BundleError, load_manifest
@@ -273,6 +333,65 @@ def inspect(
         typer.echo(manifest.to_json(), nl=False)
         return
     _print_manifest(manifest)
+
+
+def _print_plan(plan: dict) -> None:
+    """`hycoc inspect RECIPE` tables: sources and assumptions, graph IO, sizes vs the paper, hand-off bytes."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 120))
+    r = plan["round"]
+    console.print(f"real-shape plan of recipe {plan['recipe']} (no weights read): keep set {r['keep_set']:,}, "
+                  f"W {r['head_window']:,}, B {r['node_budget']} ({r['tree_rows']} tree rows, SLM graph "
+                  f"{r['slm_rows']} rows)")
+    models = Table(title="models")
+    for col in ("role", "parameters", "hidden", "layers", "config from"):
+        models.add_column(col, justify="right" if col in ("parameters", "hidden", "layers") else "left")
+    for role, m in plan["models"].items():
+        models.add_row(role, f"{m['params']:,}", str(m["hidden_size"]), str(m["layers"]), escape(plan["sources"][role]))
+    console.print(models)
+    for name, g in plan["graphs"].items():
+        io = Table(title=f"{name} graph: inputs and outputs")
+        for col in ("", "name", "shape", "dtype", "note"):
+            io.add_column(col)
+        for kind in ("inputs", "outputs"):
+            for s in g[kind]:
+                io.add_row(kind[:-4], s["name"], "x".join(map(str, s["shape"])),
+                           s["dtype"], escape(s.get("note", "")))
+        console.print(io)
+        w = g["weights"]
+        bits = ", ".join(f"{k}: {v['tensors']} tensors / {v['weights']:,} weights / {v['bytes'] / 1e6:.1f} MB"
+                         for k, v in w["by_bits"].items())
+        console.print(f"  weights: {bits}; scales {w['scale_bytes'] / 1e6:.2f} MB, other "
+                      f"{w['other_param_bytes'] / 1e6:.2f} MB; total {w['total_bytes'] / 1e6:.1f} MB")
+    device = Table(title="device bytes")
+    device.add_column("item")
+    device.add_column("MB", justify="right")
+    for key, value in plan["device_bytes"].items():
+        device.add_row(key, f"{value / 1e6:.2f}")
+    console.print(device)
+    h = plan["handoff"]
+    wire_t = Table(title=f"wire (verifier layers {h['verifier_layers']['sliding']} sliding / "
+                         f"{h['verifier_layers']['full']} full, kv dims {h['kv_dim_sliding']} / {h['kv_dim_full']})")
+    wire_t.add_column("item")
+    wire_t.add_column("bytes", justify="right")
+    for key in ("handoff_bytes_per_round", "handoff_bytes_per_position", "first_handoff_bytes", "first_reply_bytes",
+                "tree_bytes_per_round"):
+        wire_t.add_row(key, f"{h[key]:,}")
+    console.print(wire_t)
+    paper = Table(title="plan vs paper")
+    for col in ("quantity", "paper", "plan", "difference", "%", "paper source"):
+        paper.add_column(col, justify="left" if col in ("quantity", "paper source") else "right")
+    for key, p in plan["paper"].items():
+        paper.add_row(key, f"{p['paper']:,}", f"{p['plan']:,}", f"{p['diff']:+,}", f"{p['diff_pct']:+.2f}",
+                      escape(p["source"] + (f" ({p['note']})" if "note" in p else "")))
+    console.print(paper)
+    if plan["assumptions"]:
+        console.print("assumed:")
+        for a in plan["assumptions"]:
+            console.print(f"  - {escape(a)}")
 
 
 def _print_manifest(manifest) -> None:

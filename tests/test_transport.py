@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import zlib
 
 import numpy as np
@@ -147,6 +148,10 @@ def test_open_round_close_frames_and_auth_travel_as_specified():
         np.testing.assert_array_equal(reply.samples, REPLY.samples)
         np.testing.assert_array_equal(reply.handoff.k_full, REPLY.handoff.k_full)
         assert peer.headers[0]["Authorization"] == "Bearer s3cret"
+        # the CLOSE frame is sent as the client exits; the peer's thread records it a moment later
+        deadline = time.monotonic() + 5
+        while len(peer.frames) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         sent = [wire.decode(f) for f in peer.frames]
         assert [type(m).__name__ for m in sent] == ["OpenRequest", "DraftTree", "Close"]
         assert sent[0].auth_token == "s3cret" and sent[0].seed == 3

@@ -1,0 +1,327 @@
+"""`hycoc build`: the whole compiler as one pipeline, and the bundle it writes (DESIGN.md "The pass pipeline",
+"Bundle", "Targets"; issue 4).
+
+`build_pipeline(recipe, target)` assembles, in order (inputs: ``tokenizer``, ``torch_verifier``, ``torch_head``
+from the recipe's ``[models]``, loaded by `build_inputs`):
+
+    keep_set -> head_qat -> head_export -> qdq_head -> slm_surgery -> slm_tree_graph -> qdq_slm -> target_<name>
+
+``qdq_head`` is `hycoc.passes.qdq.QdqQuantize("onnx_head", "qdq_head")` once that pass takes the head; until
+then `hycoc.passes.head_export.HeadQdq` (`head_qdq_pass`).
+
+The target step (`TargetPass`) turns the QDQ graphs into what the bundle holds: ``cpu`` the QDQ ONNX itself
+(`hycoc.targets.cpu.package_cpu`), ``htp-v81`` EPContext models + QNN context binaries
+(`hycoc.targets.htp.compile_context`, CPU fallback disabled, size planner on, the recipe's ``[target]`` profile),
+``qai-hub`` a Qualcomm AI Hub compile job (`hycoc.targets.qai_hub`; its bundle layout is not written yet:
+`BuildNotReady` after the setup check). Its output is cached like any pass.
+
+`build_bundle` runs the pipeline and writes the bundle with `BundleWriter` (a temporary folder renamed when
+complete): tokenizer.json, keep_set.npy, the host LUTs (head E table; SLM token and per-layer embeddings in the
+checkpoint's packed storage), rotary tables, the graphs, and report.json (every pass's numbers: QAT agreement,
+SQNR, export errors).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+from rich.console import Console
+
+from hycoc.passes.artifacts import Artifact, OnnxArtifact, TokenizerArtifact, TorchModelArtifact, hash_folder
+from hycoc.passes.pipeline import Pass, PassReport, Pipeline, PipelineError, PipelineResult
+from hycoc.recipe import Recipe
+
+TARGETS = ("htp-v81", "cpu", "qai-hub")
+
+
+class BuildError(RuntimeError):
+    """A build that cannot go on: an unknown target, a missing artifact. The message says what to do."""
+
+
+class BuildNotReady(BuildError):
+    """A pass the bundle needs is not implemented yet (the message names it)."""
+
+
+# ---- the target step --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TargetFilesArtifact(Artifact):
+    """kind ``"target_files"``: a folder (payload: its Path) holding what the target made for each graph, plus
+    ``graphs.json``: graph name -> {"model": file, "context_binary": file or null, "extra": [files]}.
+    Saved by copying the folder; hashed over its files (`hash_folder`)."""
+
+    type_name: ClassVar[str] = "target_files"
+    INDEX: ClassVar[str] = "graphs.json"
+
+    def index(self) -> dict[str, dict[str, Any]]:
+        return json.loads((Path(self.payload) / self.INDEX).read_text(encoding="utf-8"))
+
+    def save(self, folder: Path) -> None:
+        shutil.copytree(self.payload, folder, dirs_exist_ok=True)
+
+    @classmethod
+    def load(cls, kind: str, folder: Path) -> TargetFilesArtifact:
+        return cls(kind, Path(folder))
+
+    def _compute_hash(self) -> str:
+        return hash_folder(Path(self.payload))
+
+
+class TargetPass(Pass):
+    """qdq_head + qdq_slm -> target_files for one target (module docstring), reading ``[target]``.
+
+    ``work_dir``: where the made files wait until the pipeline copies them into its cache (under the cache
+    folder, so a finished build leaves nothing in /tmp)."""
+
+    section = "target"
+
+    def __init__(self, target: str, graphs: dict[str, str], work_dir: Path):
+        if target not in TARGETS:
+            raise BuildError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
+        self.target, self.graphs, self.work_dir = target, dict(graphs), Path(work_dir)
+        self.name = f"target_{target.replace('-', '_')}"
+        self.consumes = {kind: OnnxArtifact for kind in self.graphs.values()}
+        self.produces = {"target_files": TargetFilesArtifact}
+
+    def key_material(self, recipe: Recipe) -> dict[str, Any]:
+        return {"target": self.target, "graphs": self.graphs}
+
+    def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, Artifact], PassReport]:
+        import onnx_ir as ir
+
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        out = Path(tempfile.mkdtemp(prefix=f"{self.name}-", dir=self.work_dir))
+        src = out / "qdq"
+        index: dict[str, dict[str, Any]] = {}
+        numbers: dict[str, Any] = {"target": self.target, "graphs": {}}
+        start = time.perf_counter()
+        qdq_paths = {}
+        for graph, kind in self.graphs.items():
+            path = src / graph / f"{graph}.onnx"  # data file named after the graph: graphs share one folder
+            path.parent.mkdir(parents=True)
+            ir.save(inputs[kind].payload, path, external_data=f"{graph}.onnx.data")
+            qdq_paths[graph] = path
+        if self.target == "cpu":
+            from hycoc.targets.cpu import package_cpu
+
+            for graph, path in qdq_paths.items():
+                g = package_cpu(path, out / "graphs", graph_name=graph)
+                index[graph] = {"model": f"graphs/{g.model.name}", "context_binary": None,
+                                "extra": [f"graphs/{p.name}" for p in g.extra_files]}
+                numbers["graphs"][graph] = {"bytes": g.bytes + sum(p.stat().st_size for p in g.extra_files)}
+        elif self.target == "htp-v81":
+            from hycoc.targets.htp import compile_context
+            from hycoc.targets.profiles import profile_for
+
+            t = recipe.target
+            if not t.disable_cpu_fallback:
+                raise BuildError("target.disable_cpu_fallback = false: htp-v81 bundles are compiled with CPU "
+                                 "fallback disabled (every node on the HTP); set it to true")
+            profile = profile_for(t.htp_arch, t.soc_model, t.context_size_limit_mb)
+            for graph, path in qdq_paths.items():
+                cg = compile_context(path, out / "graphs", profile, graph_name=graph)
+                index[graph] = {"model": f"graphs/{cg.ctx_model.name}",
+                                "context_binary": f"graphs/{cg.context_binary.name}", "extra": [],
+                                "qnn_sdk": cg.qnn_sdk}
+                numbers["graphs"][graph] = {"binary_bytes": cg.binary_bytes, "weight_bytes": cg.weight_bytes,
+                                            "compile_seconds": round(cg.compile_seconds, 2)}
+        else:
+            from hycoc.targets.qai_hub import compile_on_hub
+
+            for graph, path in qdq_paths.items():
+                got = compile_on_hub(path, out / "graphs", recipe.target, graph_name=graph)
+                index[graph] = {"model": f"graphs/{got.model.name}", "context_binary": None, "extra": [],
+                                "job": got.job_id}
+                numbers["graphs"][graph] = {"bytes": got.model.stat().st_size, "job": got.job_id}
+        # the QDQ sources stay beside the compiled graphs: graph_io_from_onnx reads encodings from them
+        for graph in index:
+            index[graph]["qdq_source"] = f"qdq/{graph}/{graph}.onnx"
+        (out / TargetFilesArtifact.INDEX).write_text(json.dumps(index, indent=1, sort_keys=True), encoding="utf-8")
+        seconds = time.perf_counter() - start
+        sizes = ", ".join(f"{g} {sum(v for k, v in n.items() if k.endswith('bytes')) / 1e6:.2f} MB"
+                          for g, n in numbers["graphs"].items())
+        summary = f"{self.target}: {len(index)} graphs ({sizes}) in {seconds:.1f} s"
+        return {"target_files": TargetFilesArtifact("target_files", out)}, PassReport(summary, numbers)
+
+
+# ---- the pipeline ----------------------------------------------------------------------------------------------
+
+
+def head_qdq_pass(seed: int = 0) -> Pass:
+    """The head's QDQ pass: `hycoc.passes.qdq.QdqQuantize("onnx_head", "qdq_head")` once it takes the head,
+    until then `hycoc.passes.head_export.HeadQdq` (the same `quantize_graph` with the QAT integers)."""
+    from hycoc.passes.head_export import HeadQdq
+    from hycoc.passes.qdq import QdqQuantize
+
+    try:
+        shared = QdqQuantize("onnx_head", "qdq_head", seed=seed)
+    except ValueError:
+        return HeadQdq(seed=seed)
+    # taken only when the pipeline before it makes everything it reads
+    made = {"tokenizer", "torch_verifier", "torch_head", "keep_set", "quantized_head", "onnx_head", "head_host"}
+    return shared if set(shared.consumes) <= made else HeadQdq(seed=seed)
+
+
+def build_pipeline(recipe: Recipe, target: str, *, cache_dir: str | Path, console: Console | None = None,
+                   seed: int = 0) -> Pipeline:
+    """The pipeline of `hycoc build` for ``target`` (module docstring). Raises BuildError for an unknown target."""
+    from hycoc.passes.head_export import HeadExport
+    from hycoc.passes.head_qat import HeadQatPass
+    from hycoc.passes.keep_set import KeepSetPass
+    from hycoc.passes.qdq import QdqQuantize
+    from hycoc.passes.slm_graph import SlmTreeGraphExport
+    from hycoc.passes.slm_surgery import SlmGraphSurgery
+
+    if target not in TARGETS:
+        raise BuildError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
+    passes: list[Pass] = [KeepSetPass(), HeadQatPass(seed=seed, console=console), HeadExport(seed=seed),
+                          head_qdq_pass(seed)]
+    graphs = {"head": "qdq_head"}
+    passes += [SlmGraphSurgery(), SlmTreeGraphExport(), QdqQuantize("onnx_slm", "qdq_slm", seed=seed)]
+    graphs["slm"] = "qdq_slm"
+    passes.append(TargetPass(target, graphs, Path(cache_dir) / "work"))
+    return Pipeline(passes, cache_dir, console=console)
+
+
+def build_inputs(recipe: Recipe) -> dict[str, Artifact]:
+    """The pipeline's outside inputs from ``[models]``: tokenizer, verifier and head (local folders).
+    Raises ModelNotFoundError naming the recipe key when one is missing."""
+    def where(value: str) -> str:
+        path = recipe.resolve_path(value)
+        return str(path) if path is not None else value
+
+    from hycoc.models import _quiet_transformers
+
+    _quiet_transformers()
+    models = recipe.models
+    return {"tokenizer": TokenizerArtifact.from_file(where(models.tokenizer)),
+            "torch_verifier": TorchModelArtifact.from_pretrained(where(models.verifier), "torch_verifier"),
+            "torch_head": TorchModelArtifact.from_pretrained(where(models.head), "torch_head")}
+
+
+# ---- the bundle ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BuildResult:
+    """What `build_bundle` did: the pipeline result, the bundle folder (None after ``until``) and its manifest."""
+
+    pipeline: PipelineResult
+    out_dir: Path | None
+    manifest: Any = None
+    stopped_at: Path | None = None  # the cache entry of the ``until`` pass
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
+    return buf.getvalue()
+
+
+def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: str | Path):
+    """Write the bundle of a finished pipeline run to ``out_dir`` (atomically); returns the manifest."""
+    from hycoc.bundle import BundleWriter
+    from hycoc.passes.bundle_io import graph_io_from_onnx, manifest_sections
+    from hycoc.targets.profiles import get_profile, profile_for
+
+    a = result.artifacts
+    keep = np.asarray(a["keep_set"].payload, dtype=np.int64)
+    host = a["head_host"].payload
+    slm = a["slm_integer"].payload
+    files = a["target_files"]
+    root, index = Path(files.payload), files.index()
+    if target == "cpu":
+        profile = get_profile("cpu")
+    else:
+        t = recipe.target
+        profile = profile_for(t.htp_arch, t.soc_model, t.context_size_limit_mb)
+    qnn_sdk = next((g.get("qnn_sdk") for g in index.values() if g.get("qnn_sdk")), None)
+    numbers = {r.pass_name: r.numbers for r in result.reports}
+    report = {"target": target,
+              "qat_agreement": numbers.get("head_qat", {}).get("agreement"),
+              "sqnr": {g: {"calibration": numbers.get(f"qdq_{g}", {}).get("sqnr"),
+                           "held_out": numbers.get(f"qdq_{g}", {}).get("sqnr_held_out")} for g in ("head", "slm")},
+              "passes": [r.to_json() | {"cached": r.cached} for r in result.reports]}
+    with BundleWriter(out_dir, overwrite=True) as w:
+        w.add_file(a["tokenizer"].payload.to_str().encode(), "tokenizer.json", "tokenizer")
+        w.add_file(_npy(keep), "keep_set.npy", "keep_set")
+        w.add_file(_npy(host["embedding_q"]), "luts/head_embedding_q.npy", "lut")
+        w.add_file(_npy(host["embedding_scale"]), "luts/head_embedding_scale.npy", "lut")
+        for name, lut in slm.luts.items():
+            w.add_file(_npy(lut.packed), f"luts/slm_{name}_packed.npy", "lut")
+            w.add_file(_npy(lut.scale), f"luts/slm_{name}_scale.npy", "lut")
+        for stem in sorted(host):
+            if stem.startswith("rotary_"):
+                w.add_file(_npy(host[stem]), f"rotary/head_{stem.removeprefix('rotary_')}.npy", "rotary")
+        for layer_type, table in slm.rotary.items():
+            w.add_file(_npy(table.inv_freq), f"rotary/slm_{layer_type}_inv_freq.npy", "rotary")
+            w.add_file(_npy(np.asarray(table.attention_scaling, np.float32)),
+                       f"rotary/slm_{layer_type}_scaling.npy", "rotary")
+        for graph, entry in sorted(index.items()):
+            model = root / entry["model"]
+            qdq = root / entry["qdq_source"]
+            binary = entry.get("context_binary")
+            if binary:
+                w.add_file(root / binary, Path(binary).name, "context_binary")
+            for extra in entry.get("extra", []):
+                w.add_file(root / extra, Path(extra).name, "external_data")
+            io_ = graph_io_from_onnx(model, qdq_source=qdq if binary else None)
+            w.add_graph(graph, graph, model, model.name, io=io_,
+                        context_binary=Path(binary).name if binary else None)
+        w.add_file(json.dumps(report, indent=1).encode(), "report.json", "report")
+        return w.commit(**manifest_sections(recipe, profile, keep_set_size=len(keep), qnn_sdk=qnn_sdk))
+
+
+def run_pipeline(recipe: Recipe, target: str, cache_dir: str | Path, *, until: str | None = None,
+                 console: Console | None = None, seed: int = 0) -> PipelineResult:
+    """Run `build_pipeline` on `build_inputs` (up to ``until``). The target's files are then read from the
+    pipeline's cache entry, and the pass's work folder is removed."""
+    if target == "qai-hub":
+        from hycoc.targets.qai_hub import check_setup
+
+        check_setup()  # fail at once, not after QAT
+    pipeline = build_pipeline(recipe, target, cache_dir=cache_dir, console=console, seed=seed)
+    names = [p.name for p in pipeline.passes]
+    if until is not None and until not in names:  # before loading any model
+        raise PipelineError(f"--until {until}: no such pass; passes: {', '.join(names)}")
+    result = pipeline.run(recipe, build_inputs(recipe), until=until)
+    if "target_files" in result.artifacts:
+        entry = result.reports[-1].location
+        result.artifacts["target_files"] = TargetFilesArtifact("target_files", entry / "target_files")
+    shutil.rmtree(Path(cache_dir) / "work", ignore_errors=True)
+    return result
+
+
+def build_bundle(recipe: Recipe, target: str, out_dir: str | Path | None, cache_dir: str | Path, *,
+                 until: str | None = None, console: Console | None = None, seed: int = 0) -> BuildResult:
+    """Run the pipeline (`run_pipeline`) and write the bundle to ``out_dir`` (module docstring).
+
+    ``until``: stop after that pass and write no bundle (`BuildResult.stopped_at` is its cache entry).
+    Raises BuildNotReady when a pass the bundle needs is not implemented yet, BuildError for a bad target or a
+    missing ``out_dir``, PipelineError for an unknown ``until``, and whatever a pass raises (RecipeError,
+    ModelNotFoundError, CapabilityError, FallbackError, ContextTooLargeError, QaiHubSetupError, ...).
+    """
+    if target not in TARGETS:
+        raise BuildError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
+    if target == "qai-hub" and until is None:
+        from hycoc.targets.qai_hub import check_setup
+
+        check_setup()
+        raise BuildNotReady("target qai-hub: compile jobs are submitted (targets/qai_hub.py), but the bundle layout "
+                            "of AI Hub's downloaded context binaries is not written yet; use --target htp-v81")
+    if out_dir is None and until is None:
+        raise BuildError("--out DIR is required for a full build")
+    result = run_pipeline(recipe, target, cache_dir, until=until, console=console, seed=seed)
+    if until is not None:
+        return BuildResult(result, None, stopped_at=result.reports[-1].location)
+    manifest = write_bundle(result, recipe, target, out_dir)
+    return BuildResult(result, Path(out_dir).absolute(), manifest)

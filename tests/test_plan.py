@@ -1,0 +1,161 @@
+"""`hycoc inspect RECIPE`: the real-shape plan (issue 7), with no checkpoint present."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from hycoc import wire
+from hycoc.cli import app
+from hycoc.passes.head_graph import INPUT_NAMES as HEAD_INPUTS
+from hycoc.passes.head_graph import OUTPUT_NAMES as HEAD_OUTPUTS
+from hycoc.passes.plan import real_shape_plan
+from hycoc.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+GEMMA4 = ROOT / "recipes" / "gemma4.toml"
+TOY = ROOT / "recipes" / "toy.toml"
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def gemma4():
+    result = runner.invoke(app, ["inspect", str(GEMMA4), "--json"])
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return real_shape_plan(load_recipe(TOY))
+
+
+def shapes(specs):
+    return {s["name"]: tuple(s["shape"]) for s in specs}
+
+
+def test_gemma4_handoff_bytes(gemma4):
+    h = gemma4["handoff"]
+    assert h["handoff_bytes_per_round"] == 44 + 5632
+    assert h["handoff_bytes_per_position"] == 6144
+    assert (h["hidden_size"], h["kv_dim_sliding"], h["kv_dim_full"]) == (2816, 8 * 256, 2 * 512)
+    assert h["verifier_layers"] == {"sliding": 28, "full": 29}
+    assert h["first_handoff_bytes"] == 44 + 5632 + 1024 * 6144 == 6_297_132
+    assert h["first_reply_bytes"] == wire.reply_nbytes(33, 0, 0, 6_297_132)
+
+
+def test_gemma4_tree_bytes_at_b32(gemma4):
+    assert gemma4["handoff"]["tree_rows"] == 33
+    assert gemma4["handoff"]["tree_bytes_per_round"] == 220
+    p = gemma4["paper"]["tree_bytes_per_round"]
+    assert (p["paper"], p["plan"], p["diff"]) == (2200, 220, -1980)
+
+
+def test_gemma4_head_lut_is_keep_set_times_verifier_hidden(gemma4):
+    lut = gemma4["graphs"]["head"]["lut"]
+    assert lut["bytes"] == 86_089 * 2816 == 242_426_624
+    p = gemma4["paper"]["head_lut_bytes"]
+    assert p["paper"] == 242_000_000 and p["plan"] == 242_426_624 and abs(p["diff_pct"]) < 0.5
+
+
+def test_gemma4_head_graph_io(gemma4):
+    g = gemma4["graphs"]["head"]
+    assert [s["name"] for s in g["inputs"]] == list(HEAD_INPUTS)
+    assert [s["name"] for s in g["outputs"]] == list(HEAD_OUTPUTS)
+    io = shapes(g["inputs"]) | shapes(g["outputs"])
+    assert io["x_hat"] == (1, 1, 5632)
+    assert io["k_sliding"] == io["v_sliding"] == (1, 8, 1024, 256)
+    assert io["k_full"] == io["v_full"] == (1, 2, 1024, 512)
+    assert io["mask_sliding"] == io["mask_full"] == (1, 1, 1, 1024)
+    assert io["cos_full"] == (1, 1, 512) and io["sin_sliding"] == (1, 1, 256)
+    assert io["logits"] == (1, 1, 86_089) and io["h_next"] == (1, 1, 2816)
+    assert g["ring_kv"]["bytes_stored_8bit"] == 1024 * (2048 + 1024) * 2
+    assert g["ring_kv"]["bytes_in_graph_16bit"] == 2 * g["ring_kv"]["bytes_stored_8bit"]
+    # W4 on every linear, the keep-set output layer included: within a few % of the paper's 123 MB
+    assert list(g["weights"]["by_bits"]) == ["int4"]
+    assert abs(gemma4["paper"]["head_graph_bytes"]["diff_pct"]) < 5
+
+
+def test_gemma4_slm_graph_io(gemma4):
+    g = gemma4["graphs"]["slm"]
+    io = shapes(g["inputs"]) | shapes(g["outputs"])
+    assert io["inputs_embeds"] == (1, 32, 1536)
+    assert io["per_layer_inputs"] == (1, 32, 35, 256)
+    assert io["mask_sliding"] == (1, 1, 32, 512 + 32) and io["mask_full"] == (1, 1, 32, 1024 + 32)
+    assert io["logits"] == (1, 32, 86_089)
+    assert g["ring_kv"]["layers"] == list(range(15))  # 35 layers, the last 20 KV-shared
+    assert io["k_ring_0"] == (1, 1, 512, 256) and io["k_ring_4"] == (1, 1, 1024, 512)
+    assert io["v_new_14"] == (1, 1, 32, 512)
+    assert "k_ring_15" not in io
+    assert g["bit_map"]["source"] == "ASSUMED"
+
+
+def test_gemma4_plan_marks_what_is_assumed(gemma4):
+    assert gemma4["models"]["head"]["assumed"] is True
+    assert any(a.startswith("head config ASSUMED") for a in gemma4["assumptions"])
+    assert any("bit map ASSUMED" in a for a in gemma4["assumptions"])
+    assert set(gemma4["paper"]) == {"slm_graph_bytes", "head_graph_bytes", "head_lut_bytes",
+                                    "handoff_bytes_per_round", "handoff_bytes_per_position", "tree_bytes_per_round"}
+    for p in gemma4["paper"].values():
+        assert p["diff"] == p["plan"] - p["paper"]
+    assert gemma4["models"]["head"]["params"] == 419_711_232  # the paper: 420M
+
+
+def test_inspect_recipe_tables_run():
+    result = runner.invoke(app, ["inspect", str(GEMMA4)], terminal_width=160)
+    assert result.exit_code == 0, result.stderr
+    for text in ("plan vs paper", "head_lut_bytes", "assumed:", "k_ring_14", "6,144"):
+        assert text in result.stdout
+
+
+def test_toy_plan_counts_the_real_toy_models(toy):
+    from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM
+
+    models = ROOT / "recipes" / "toy" / "models"
+    verifier = Gemma4ForCausalLM.from_pretrained(models / "verifier")
+    head = Gemma4AssistantForCausalLM.from_pretrained(models / "head")
+    assert toy["models"]["verifier"]["params"] == sum(p.numel() for p in verifier.parameters()) == 3_912_592
+    assert toy["models"]["head"]["params"] == sum(p.numel() for p in head.parameters()) == 1_213_760
+    assert toy["models"]["head"]["assumed"] is False
+    assert toy["graphs"]["slm"]["bit_map"]["source"] == "the checkpoint's quantization_config"
+    assert toy["handoff"]["handoff_bytes_per_round"] == wire.handoff_nbytes(256, 2 * 64, 128, 0)
+
+
+def test_toy_plan_matches_the_head_graph_the_compiler_builds(toy):
+    import torch
+    from transformers import Gemma4AssistantForCausalLM
+
+    from hycoc.passes.head_graph import HeadGraph
+
+    head = Gemma4AssistantForCausalLM.from_pretrained(ROOT / "recipes" / "toy" / "models" / "head")
+    graph = HeadGraph(head)
+    io = shapes(toy["graphs"]["head"]["inputs"])
+    out = graph(*(torch.zeros(io[n]) for n in HEAD_INPUTS))
+    keep = load_recipe(TOY).keep_set.size
+    assert tuple(out[0].shape[:2]) == (1, 1) and tuple(out[1].shape) == shapes(toy["graphs"]["head"]["outputs"])[
+        "h_next"]
+    assert shapes(toy["graphs"]["head"]["outputs"])["logits"] == (1, 1, keep)
+
+
+def test_a_head_for_another_verifier_is_refused(tmp_path):
+    import shutil
+
+    from hycoc.passes.plan import PlanError
+
+    models = ROOT / "recipes" / "toy" / "models"
+    for role in ("verifier", "head", "slm"):
+        shutil.copytree(models / role, tmp_path / role, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    config["backbone_hidden_size"] = 512
+    (tmp_path / "head" / "config.json").write_text(json.dumps(config))
+    text = TOY.read_text().replace('"toy/models/verifier"', f'"{tmp_path / "verifier"}"').replace(
+        '"toy/models/head"', f'"{tmp_path / "head"}"').replace('"toy/models/slm"', f'"{tmp_path / "slm"}"')
+    (tmp_path / "toy.toml").write_text(text.replace('"toy/models/tokenizer.json"',
+                                                    f'"{models / "tokenizer.json"}"'))
+    with pytest.raises(PlanError, match="backbone_hidden_size 512"):
+        real_shape_plan(load_recipe(tmp_path / "toy.toml"))
+    result = runner.invoke(app, ["inspect", str(tmp_path / "toy.toml"), "--json"])
+    assert result.exit_code == 1 and "backbone_hidden_size 512" in result.stderr
