@@ -166,6 +166,37 @@ class HandoffInfo(_Model):
     scale_v_full: float = Field(gt=0)
 
 
+class LutInfo(_Model):
+    """How to read one host embedding LUT (``hycoc.host.EmbeddingLut``): storage width, row width, multiplier."""
+
+    bits: int = Field(description="storage bits per value: 2, 4 or 8")
+    dim: int = Field(ge=1, description="values per row")
+    embed_scale: float = Field(gt=0, description="Gemma's multiplier applied after dequantization")
+
+
+class HeadHostInfo(_Model):
+    """What the device runtime needs beside the head graph (Alg. 2)."""
+
+    sliding_window: int = Field(ge=1, description="the head's sliding layer reads min(W, this) ring positions")
+
+
+class SlmHostInfo(_Model):
+    """What the device runtime needs beside the SLM tree graph (Alg. 3 line 8)."""
+
+    layer_types: list[str] = Field(description="per decoder layer: sliding_attention or full_attention")
+    kv_layers: list[int] = Field(description="layers with a ring (the others share their producer's KV)")
+    sliding_window: int = Field(ge=1, description="transformers' sliding_window of the SLM, tokens")
+    per_layer_dim: int = Field(ge=0, description="per-layer input width P (0: no per-layer inputs)")
+    luts: dict[str, LutInfo] = Field(description="embed_tokens and (with P > 0) embed_tokens_per_layer")
+
+
+class HostInfo(_Model):
+    """The host-side constants of both drafters (model config values the graphs' shapes do not carry)."""
+
+    head: HeadHostInfo
+    slm: SlmHostInfo
+
+
 class FileEntry(_Model):
     """One file of the bundle: path relative to the bundle folder (posix), size in bytes, sha256 hex, role."""
 
@@ -240,6 +271,7 @@ class Manifest(_Model):
     quantization: Quantization
     keep_set_size: int = Field(ge=1, description="tokens in the drafters' restricted vocabulary")
     handoff: HandoffInfo
+    host: HostInfo | None = Field(None, description="host-side constants; needed by `hycoc run`")
     files: list[FileEntry]
     graphs: list[GraphEntry]
 
@@ -371,7 +403,7 @@ class BundleWriter:
         return dst
 
     def commit(self, *, recipe: RecipeRef, target: TargetInfo, round: RoundConstants, quantization: Quantization,
-               keep_set_size: int, handoff: HandoffInfo) -> Manifest:
+               keep_set_size: int, handoff: HandoffInfo, host: HostInfo | None = None) -> Manifest:
         """Hash every file, write ``manifest.json`` last and rename the folder to ``out_dir``; returns the manifest.
 
         Raises ManifestInvalid when the entries disagree (a graph's context binary not added, ...); the temporary
@@ -385,7 +417,7 @@ class BundleWriter:
             manifest = Manifest(
                 schema_version=SCHEMA_VERSION, created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 recipe=recipe, target=target, round=round, quantization=quantization, keep_set_size=keep_set_size,
-                handoff=handoff, files=files, graphs=graphs)
+                handoff=handoff, host=host, files=files, graphs=graphs)
         except ValidationError as e:
             raise ManifestInvalid(f"bundle {self.out_dir}: cannot write the manifest: {_first_error(e)}") from None
         with open(self.tmp / MANIFEST, "w", encoding="utf-8") as f:

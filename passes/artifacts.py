@@ -22,6 +22,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from hycoc.host import EmbeddingLut, RotaryTable, unpack_signed  # noqa: F401  (re-exported)
+
 
 def hash_folder(folder: Path) -> str:
     """sha256 (hex) over every file under ``folder``: relative paths in sorted order, each with its bytes."""
@@ -348,77 +350,6 @@ class IntegerWeight:
     def dequantize(self) -> np.ndarray:
         """float32 (out, in): q * scale, the weight transformers' QuantizedLinear computes with."""
         return self.q.astype(np.float32) * self.scale
-
-
-def unpack_signed(packed: np.ndarray, bits: int, width: int) -> np.ndarray:
-    """transformers' Gemma storage -> signed int8 values (rows..., width).
-
-    int8: as is. int4: two per byte, low nibble first, stored as value + 8. int2: four per byte, bits [1:0] first,
-    stored as value + 2 (``transformers/integrations/gemma_quant.py``). Raises ValueError for another width.
-    """
-    if bits == 8:
-        return np.ascontiguousarray(packed.view(np.int8) if packed.dtype == np.uint8 else packed.astype(np.int8))
-    if bits not in (2, 4):
-        raise ValueError(f"unsupported bit width {bits}: the Gemma format stores 2, 4 or 8 bits")
-    per = 8 // bits
-    u = packed.astype(np.uint8)
-    shifts = (np.arange(per, dtype=np.uint8) * bits).astype(np.uint8)
-    values = (u[..., None] >> shifts) & np.uint8((1 << bits) - 1)
-    values = values.reshape(*u.shape[:-1], -1)[..., :width]
-    return (values.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
-
-
-@dataclass
-class EmbeddingLut:
-    """An embedding table kept on the host as a lookup table, in the checkpoint's own quantized storage.
-
-    ``packed``: the checkpoint's bytes unchanged -- int8 (rows, dim) at 8 bits, uint8 (rows, ceil(dim*bits/8)) at
-    4 and 2 bits (`unpack_signed` layout). ``scale``: float32 (rows, blocks), per-row (blocks = 1) or per-block
-    dequantization scales. ``embed_scale``: Gemma's architectural multiplier (sqrt(hidden) for the token table,
-    sqrt(per-layer dim) for the per-layer table), applied after dequantization as transformers does.
-    """
-
-    packed: np.ndarray
-    scale: np.ndarray
-    bits: int
-    dim: int
-    embed_scale: float
-
-    @property
-    def rows(self) -> int:
-        return int(self.packed.shape[0])
-
-    def lookup(self, ids) -> np.ndarray:
-        """float32 (*ids.shape, dim): the rows of ``ids``, equal to ``QuantizedEmbedding(ids)`` (float32 model).
-
-        Raises IndexError for an id outside [0, rows)."""
-        ids = np.asarray(ids, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.rows):
-            raise IndexError(f"token id outside the LUT's {self.rows} rows: {ids.min()}..{ids.max()}")
-        q = unpack_signed(self.packed[ids], self.bits, self.dim).astype(np.float32)
-        block = self.dim // self.scale.shape[-1]
-        scale = np.repeat(self.scale[ids], block, axis=-1).astype(np.float32)
-        return (q * scale) * np.float32(self.embed_scale)
-
-
-@dataclass
-class RotaryTable:
-    """Rotary embedding of one attention layer type, computed on the host (App. A): the graph takes cos/sin rows.
-
-    ``inv_freq``: float32 (head_dim/2,), transformers' ``<type>_inv_freq`` (zeros for the unrotated part of
-    partial/proportional RoPE); ``attention_scaling``: the factor transformers multiplies cos and sin by.
-    """
-
-    inv_freq: np.ndarray
-    attention_scaling: float
-    head_dim: int
-
-    def rows(self, positions) -> tuple[np.ndarray, np.ndarray]:
-        """(cos, sin), each float32 (*positions.shape, head_dim), for absolute token positions (int, >= 0)."""
-        freqs = np.asarray(positions, dtype=np.int64).astype(np.float32)[..., None] * self.inv_freq
-        emb = np.concatenate([freqs, freqs], axis=-1)
-        scaling = np.float32(self.attention_scaling)
-        return (np.cos(emb) * scaling).astype(np.float32), (np.sin(emb) * scaling).astype(np.float32)
 
 
 @dataclass

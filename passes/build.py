@@ -227,6 +227,24 @@ def _npy(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def host_info(head_config: dict, slm) -> Any:
+    """The manifest's ``host`` section from the head's config dict and the SLM surgery output."""
+    from hycoc.bundle import HeadHostInfo, HostInfo, LutInfo, SlmHostInfo
+
+    from hycoc.passes.slm_graph import text_config
+
+    text = head_config.get("text_config") or head_config
+    c = text_config(slm)  # transformers' Gemma4TextConfig: kv_sharing_modes is derived, not stored
+    return HostInfo(
+        head=HeadHostInfo(sliding_window=int(text["sliding_window"])),
+        slm=SlmHostInfo(layer_types=list(c.layer_types),
+                        kv_layers=[i for i, m in enumerate(c.kv_sharing_modes) if m != "reuse"],
+                        sliding_window=int(c.sliding_window),
+                        per_layer_dim=int(c.hidden_size_per_layer_input or 0),
+                        luts={name: LutInfo(bits=int(lut.bits), dim=int(lut.dim), embed_scale=float(lut.embed_scale))
+                              for name, lut in slm.luts.items()}))
+
+
 def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: str | Path):
     """Write the bundle of a finished pipeline run to ``out_dir`` (atomically); returns the manifest."""
     from hycoc.bundle import BundleWriter
@@ -278,7 +296,8 @@ def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: s
             w.add_graph(graph, graph, model, model.name, io=io_,
                         context_binary=Path(binary).name if binary else None)
         w.add_file(json.dumps(report, indent=1).encode(), "report.json", "report")
-        return w.commit(**manifest_sections(recipe, profile, keep_set_size=len(keep), qnn_sdk=qnn_sdk))
+        return w.commit(**manifest_sections(recipe, profile, keep_set_size=len(keep), qnn_sdk=qnn_sdk),
+                        host=host_info(a["quantized_head"].payload.config, slm))
 
 
 def run_pipeline(recipe: Recipe, target: str, cache_dir: str | Path, *, until: str | None = None,

@@ -3,7 +3,8 @@
 `export_static` runs torch's dynamo exporter (``torch.onnx.export(..., dynamo=True)``) on fixed example inputs --
 every shape static, no ``dynamic_shapes`` -- optionally rewrites each RMSNorm into the HTP's elementwise form
 (`hycoc.passes.rmsnorm_decomposition`), saves the graph with its weights as external data (no 2 GB protobuf
-limit) and runs the ONNX checker on the saved file. `compare_with_torch` runs the saved graph on onnxruntime's
+limit) and runs the ONNX checker on the saved file. Before saving, `hycoc.passes.static_shape_check` refuses a
+graph with data-dependent KV slicing or a fused attention op. `compare_with_torch` runs the saved graph on onnxruntime's
 CPU EP and measures it against the torch module on the same inputs (max absolute error per output, top-1
 agreement of a logits output). Both are used by the SLM's tree graph (`hycoc.passes.slm_graph`); the head's graph
 can use them the same way.
@@ -72,15 +73,20 @@ def export_static(module, example_inputs: Sequence[Any], path: str | Path, *, in
     """Export ``module(*example_inputs)`` at the inputs' static shapes to ``path`` (+ ``path.data``).
 
     example_inputs: torch tensors, in ``input_names`` order. Returns (onnx_ir.Model in memory, `ExportReport`).
-    Raises ExportError when the exporter fails or the checker rejects the saved graph, and
-    RmsNormDecompositionError when ``decompose_rms_norm`` is set and the graph has no RMSNorm to rewrite.
+    Raises ExportError when the exporter fails, an RMSNorm over a rank-4 input survives the decomposition
+    (`hycoc.passes.rewrite.rms_norm.rank4_rms_inputs`) or the checker rejects the saved graph,
+    RmsNormDecompositionError when ``decompose_rms_norm`` is set and the graph has no RMSNorm to rewrite, and
+    StaticGraphError (`hycoc.passes.static_shape_check`) when the graph slices KV at data-dependent positions or
+    holds a fused attention op (nothing is saved then).
     """
     import onnx
     import onnx_ir as ir
     import torch
     from onnxscript import optimizer
 
+    from hycoc.passes.rewrite.rms_norm import rank4_rms_inputs
     from hycoc.passes.rmsnorm_decomposition import RmsNormDecompositionPass
+    from hycoc.passes.static_shape_check import check_static_graph
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,6 +108,14 @@ def export_static(module, example_inputs: Sequence[Any], path: str | Path, *, in
         rms = RmsNormDecompositionPass(require_match=True)
         rms(model)
         rewritten = rms.rewritten
+        left = rank4_rms_inputs(model)
+        if left:
+            raise ExportError(
+                f"{type(module).__name__}: {len(left)} RMSNorm(s) still reduce a rank-4 input after the decomposition "
+                f"({', '.join(f'{n} (rank {r})' for n, r in left)}); the HTP computes rank-4 RMSNorm wrongly. "
+                f"Fix: extend passes/rewrite/rms_norm.py so the norm matches (see "
+                f"hycoc.passes.rmsnorm_decomposition.explain), which reshapes x to [B, -1, head_dim] first")
+    check_static_graph(model, what=f"{type(module).__name__} exported to {path.name}")
     data = path.with_name(path.name + ".data")
     ir.save(model, path, external_data=data.name)
     try:

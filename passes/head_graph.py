@@ -38,10 +38,8 @@ import torch
 from torch import nn
 
 from hycoc.mtp import FULL, SLIDING
-from hycoc.passes.artifacts import RotaryTable
+from hycoc.host import MASK_VALUE, RotaryTable, ring_masks  # noqa: F401  (ring_masks re-exported)
 
-#: Additive mask value of an invisible ring column: finite, sized for a 16-bit quantized mask input.
-MASK_VALUE = -1e4
 
 #: The graph's inputs and outputs in call order (names for the ONNX export and the bundle manifest).
 INPUT_NAMES = ("x_hat", "k_sliding", "v_sliding", "k_full", "v_full", "mask_sliding", "mask_full",
@@ -126,22 +124,6 @@ def rotary_tables(config) -> dict[str, RotaryTable]:
         inv_freq = getattr(rotary, f"{kind}_inv_freq").numpy().astype(np.float32)
         out[kind] = RotaryTable(inv_freq, float(getattr(rotary, f"{kind}_attention_scaling")), 2 * len(inv_freq))
     return out
-
-
-def ring_masks(t: int, live_start: int, window: int, sliding_window: int) -> dict[str, np.ndarray]:
-    """Alg. 2 lines 2-5: the additive masks of a W-column ring for root position t (float32 [1, 1, 1, W] each).
-
-    Column c holds position p_c = (t - 1) - ((t - 1 - c) mod W), the latest position before t written there
-    (line 4: row p goes to column p mod W). The full layer sees p_c in [max(live_start, t - W), t); the sliding
-    layer also needs p_c >= t - min(W, sliding_window). live_start: the first position the ring holds for this
-    request (line 3, ``a`` of its first hand-off). Other columns get `MASK_VALUE`.
-    """
-    c = np.arange(window)
-    p = (t - 1) - np.mod(t - 1 - c, window)
-    full = (p >= max(live_start, t - window, 0)) & (p < t)
-    sliding = full & (p >= t - min(window, sliding_window))
-    return {kind: np.where(ok, 0.0, MASK_VALUE).astype(np.float32)[None, None, None]
-            for kind, ok in ((SLIDING, sliding), (FULL, full))}
 
 
 @torch.no_grad()

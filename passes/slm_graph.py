@@ -56,6 +56,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from hycoc import host
 from hycoc.passes.artifacts import (IntegerWeight, KeepSetArtifact, OnnxArtifact, SlmIntegerArtifact,
                                     SlmIntegerModel)
 from hycoc.passes.export import compare_with_torch, export_static
@@ -63,7 +64,7 @@ from hycoc.passes.pipeline import Pass, PassReport
 from hycoc.recipe import Recipe
 
 #: Additive mask value for hidden columns: finite, sized for a 16-bit quantized mask (same as hycoc.mtp).
-MASK_NEG = -1e4
+MASK_NEG = host.MASK_VALUE
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
@@ -91,56 +92,22 @@ def text_config(slm: SlmIntegerModel):
 # ---- host side: masks and inputs (numpy only; the device runtime does the same) --------------------------------
 
 
-def tree_depths(parents: Sequence[int]) -> np.ndarray:
-    """depth(j) of every row (0 for row 0). int64 (R,). Raises SlmGraphError unless parents[0] == -1 and
-    0 <= parents[j] < j."""
-    parents = np.asarray(parents, dtype=np.int64)
-    if len(parents) == 0 or parents[0] != -1:
-        raise SlmGraphError("row 0 must have parent -1")
-    depth = np.zeros(len(parents), dtype=np.int64)
-    for j in range(1, len(parents)):
-        if not 0 <= parents[j] < j:
-            raise SlmGraphError(f"row {j} has parent {parents[j]}: a parent must be an earlier row")
-        depth[j] = depth[parents[j]] + 1
-    return depth
+def _host(fn):
+    """``fn`` of `hycoc.host` raising SlmGraphError (this module's error) instead of TreeShapeError."""
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except host.TreeShapeError as e:
+            raise SlmGraphError(str(e)) from None
+    wrapped.__doc__, wrapped.__name__ = fn.__doc__, fn.__name__
+    return wrapped
 
 
-def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
-    """bool (R, R): [j, i] iff row i is row j or one of its ancestors."""
-    tree_depths(parents)  # validates
-    anc = np.eye(len(parents), dtype=bool)
-    for j in range(1, len(parents)):
-        anc[j] |= anc[parents[j]]
-    return anc
-
-
-def ring_positions(first_position: int, ring: int) -> np.ndarray:
-    """int64 (ring,): the committed position column c holds, c = p mod ring, p in [first_position - ring,
-    first_position) (negative where no such position exists yet)."""
-    p = np.arange(first_position - ring, first_position, dtype=np.int64)
-    out = np.empty(ring, dtype=np.int64)
-    out[p % ring] = p
-    return out
-
-
-def tree_ring_mask(parents: Sequence[int], first_position: int, live_start: int, ring: int,
-                   sliding_window: int | None) -> np.ndarray:
-    """Additive mask float32 (1, 1, R, ring + R) of one layer type (module docstring, "Masks").
-
-    live_start: the oldest committed position with a valid ring entry (clipped up to first_position - ring).
-    sliding_window: transformers' ``sliding_window`` for sliding layers, None for full attention.
-    """
-    if live_start > first_position:
-        raise SlmGraphError(f"live_start {live_start} is after the first row's position {first_position}")
-    q = first_position + tree_depths(parents)                      # (R,) row positions
-    p = ring_positions(first_position, ring)                        # (ring,) column positions
-    ring_ok = np.broadcast_to((p >= max(live_start, 0))[None, :], (len(q), ring))
-    rows_ok = ancestor_matrix(parents)
-    if sliding_window is not None:
-        ring_ok = ring_ok & (q[:, None] - p[None, :] < sliding_window)
-        rows_ok = rows_ok & (q[:, None] - q[None, :] < sliding_window)
-    visible = np.concatenate([ring_ok, rows_ok], axis=1)
-    return np.where(visible, 0.0, MASK_NEG).astype(np.float32)[None, None]
+#: `hycoc.host`'s tree helpers (shared with the device runtime), raising SlmGraphError.
+tree_depths = _host(host.tree_depths)
+ancestor_matrix = _host(host.ancestor_matrix)
+ring_positions = host.ring_positions
+tree_ring_mask = _host(host.tree_ring_mask)
 
 
 # ---- the module ------------------------------------------------------------------------------------------------

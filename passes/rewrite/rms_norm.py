@@ -202,3 +202,39 @@ WITH_SCALE = pattern.RewriteRuleSet(_rules(scaled=True), commute=True)
 #: Applied second: decomposed forms without a scale (``with_scale=False``, or a scale that is not a constant).
 WITHOUT_SCALE = pattern.RewriteRuleSet(_rules(scaled=False), commute=True)
 RULE_SETS = (WITH_SCALE, WITHOUT_SCALE)
+
+
+def _squared(value: ir.Value | None) -> ir.Value | None:
+    """x when ``value`` is ``Pow(x, 2)`` or ``Mul(x, x)``, else None."""
+    node = value.producer() if value is not None else None
+    if node is None or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+        return None
+    if node.op_type == "Mul" and node.inputs[0] is node.inputs[1]:
+        return node.inputs[0]
+    if node.op_type == "Pow":
+        exponent = _ir_utils.get_singleton_value(node.inputs[1])
+        return node.inputs[0] if exponent is not None and float(exponent) == 2.0 else None
+    return None
+
+
+def rank4_rms_inputs(model: ir.Model) -> list[tuple[str, int]]:
+    """RMSNorm-shaped reductions of ``model`` whose input has rank 4 or more: ``ReduceMean(Pow(x, 2))`` or
+    ``ReduceMean(Mul(x, x))``, and ``RMSNormalization`` ops, as (node name or op type, rank of x).
+
+    After `hycoc.passes.rmsnorm_decomposition.RmsNormDecompositionPass` this must be empty: every per-head q/k norm
+    ([B, S, H, head_dim]) is reshaped to rank 3 first (the HTP computes rank-4 RMSNorm wrongly without an error,
+    shared/FIELD-NOTES.md). Reads the shapes already in the model (run onnx-ir's ShapeInferencePass first; the
+    decomposition pass does); an x of unknown rank is not reported."""
+    found = []
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        x = None
+        if node.op_type == "ReduceMean" and node.inputs:
+            x = _squared(node.inputs[0])
+        elif node.op_type == "RMSNormalization" and node.inputs:
+            x = node.inputs[0]
+        rank = x.shape.rank() if x is not None and x.shape is not None else None
+        if rank is not None and rank >= 4:
+            found.append((node.name or node.op_type, rank))
+    return found

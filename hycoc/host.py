@@ -1,0 +1,182 @@
+"""Host-side computations of the drafters' graphs, in numpy only (paper App. A, Alg. 2 lines 2-6, Alg. 3 line 8).
+
+What the device runtime computes around each graph call, and what the compiler uses to feed the same graphs
+while it builds and checks them -- one implementation for both, so a bundle's graphs and its runtime agree by
+construction. No torch, no transformers: this module ships to the phone (DESIGN.md "runtime/ must not import torch").
+
+- `EmbeddingLut`: embedding tables kept on the host in the checkpoint's own quantized storage (App. A: "the
+  embeddings stay on the CPU as LUTs"), `unpack_signed` for its 2/4/8-bit layouts;
+- `RotaryTable`: cos/sin rows at absolute positions (keys enter the rings rotated, queries get rows as inputs);
+- `ring_masks`: the MTP head's W-column ring masks (Alg. 2 lines 2-5);
+- `tree_depths`, `ancestor_matrix`, `ring_positions`, `tree_ring_mask`: the SLM tree graph's rows and its
+  ring + ancestor mask (Alg. 3 line 8).
+
+Masks are additive float32 with a finite hidden value (`MASK_VALUE` = -1e4), sized for a 16-bit quantized mask
+input: never -inf, never a min-float stand-in (issue 4 "Numerics by construction").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Additive mask value of a hidden column: finite, sized for a 16-bit quantized mask input.
+MASK_VALUE = -1e4
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+class TreeShapeError(ValueError):
+    """Rows that are not a tree in topological order, or a ring/live range that cannot hold them."""
+
+
+def unpack_signed(packed: np.ndarray, bits: int, width: int) -> np.ndarray:
+    """transformers' Gemma storage -> signed int8 values (rows..., width).
+
+    int8: as is. int4: two per byte, low nibble first, stored as value + 8. int2: four per byte, bits [1:0] first,
+    stored as value + 2 (``transformers/integrations/gemma_quant.py``). Raises ValueError for another width.
+    """
+    if bits == 8:
+        return np.ascontiguousarray(packed.view(np.int8) if packed.dtype == np.uint8 else packed.astype(np.int8))
+    if bits not in (2, 4):
+        raise ValueError(f"unsupported bit width {bits}: the Gemma format stores 2, 4 or 8 bits")
+    per = 8 // bits
+    u = packed.astype(np.uint8)
+    shifts = (np.arange(per, dtype=np.uint8) * bits).astype(np.uint8)
+    values = (u[..., None] >> shifts) & np.uint8((1 << bits) - 1)
+    values = values.reshape(*u.shape[:-1], -1)[..., :width]
+    return (values.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
+
+
+@dataclass
+class EmbeddingLut:
+    """An embedding table kept on the host as a lookup table, in the checkpoint's own quantized storage.
+
+    ``packed``: the checkpoint's bytes unchanged -- int8 (rows, dim) at 8 bits, uint8 (rows, ceil(dim*bits/8)) at
+    4 and 2 bits (`unpack_signed` layout). ``scale``: float32 (rows, blocks), per-row (blocks = 1) or per-block
+    dequantization scales. ``embed_scale``: Gemma's architectural multiplier (sqrt(hidden) for the token table,
+    sqrt(per-layer dim) for the per-layer table), applied after dequantization as transformers does.
+    """
+
+    packed: np.ndarray
+    scale: np.ndarray
+    bits: int
+    dim: int
+    embed_scale: float
+
+    @property
+    def rows(self) -> int:
+        return int(self.packed.shape[0])
+
+    def lookup(self, ids) -> np.ndarray:
+        """float32 (*ids.shape, dim): the rows of ``ids``, equal to ``QuantizedEmbedding(ids)`` (float32 model).
+
+        Raises IndexError for an id outside [0, rows)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.rows):
+            raise IndexError(f"token id outside the LUT's {self.rows} rows: {ids.min()}..{ids.max()}")
+        q = unpack_signed(self.packed[ids], self.bits, self.dim).astype(np.float32)
+        block = self.dim // self.scale.shape[-1]
+        scale = np.repeat(self.scale[ids], block, axis=-1).astype(np.float32)
+        return (q * scale) * np.float32(self.embed_scale)
+
+
+@dataclass
+class RotaryTable:
+    """Rotary embedding of one attention layer type, computed on the host (App. A): the graph takes cos/sin rows.
+
+    ``inv_freq``: float32 (head_dim/2,), transformers' ``<type>_inv_freq`` (zeros for the unrotated part of
+    partial/proportional RoPE); ``attention_scaling``: the factor transformers multiplies cos and sin by.
+    """
+
+    inv_freq: np.ndarray
+    attention_scaling: float
+    head_dim: int
+
+    def rows(self, positions) -> tuple[np.ndarray, np.ndarray]:
+        """(cos, sin), each float32 (*positions.shape, head_dim), for absolute token positions (int, >= 0)."""
+        freqs = np.asarray(positions, dtype=np.int64).astype(np.float32)[..., None] * self.inv_freq
+        emb = np.concatenate([freqs, freqs], axis=-1)
+        scaling = np.float32(self.attention_scaling)
+        return (np.cos(emb) * scaling).astype(np.float32), (np.sin(emb) * scaling).astype(np.float32)
+
+
+# ---- the MTP head's ring (Alg. 2 lines 2-5) ---------------------------------------------------------------------
+
+
+def ring_masks(t: int, live_start: int, window: int, sliding_window: int) -> dict[str, np.ndarray]:
+    """Alg. 2 lines 2-5: the additive masks of a W-column ring for root position t (float32 [1, 1, 1, W] each).
+
+    Column c holds position p_c = (t - 1) - ((t - 1 - c) mod W), the latest position before t written there
+    (line 4: row p goes to column p mod W). The full layer sees p_c in [max(live_start, t - W), t); the sliding
+    layer also needs p_c >= t - min(W, sliding_window). live_start: the first position the ring holds for this
+    request (line 3, ``a`` of its first hand-off). Other columns get `MASK_VALUE`. Keys {SLIDING, FULL}.
+    """
+    c = np.arange(window)
+    p = (t - 1) - np.mod(t - 1 - c, window)
+    full = (p >= max(live_start, t - window, 0)) & (p < t)
+    sliding = full & (p >= t - min(window, sliding_window))
+    return {kind: np.where(ok, 0.0, MASK_VALUE).astype(np.float32)[None, None, None]
+            for kind, ok in ((SLIDING, sliding), (FULL, full))}
+
+
+# ---- the SLM tree graph's rows and masks (Alg. 3 line 8) ------------------------------------------------------
+
+
+def tree_depths(parents: Sequence[int]) -> np.ndarray:
+    """depth(j) of every row (0 for row 0). int64 (R,). Raises TreeShapeError unless parents[0] == -1 and
+    0 <= parents[j] < j."""
+    parents = np.asarray(parents, dtype=np.int64)
+    if len(parents) == 0 or parents[0] != -1:
+        raise TreeShapeError("row 0 must have parent -1")
+    depth = np.zeros(len(parents), dtype=np.int64)
+    for j in range(1, len(parents)):
+        if not 0 <= parents[j] < j:
+            raise TreeShapeError(f"row {j} has parent {parents[j]}: a parent must be an earlier row")
+        depth[j] = depth[parents[j]] + 1
+    return depth
+
+
+def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
+    """bool (R, R): [j, i] iff row i is row j or one of its ancestors. Raises TreeShapeError as `tree_depths`."""
+    tree_depths(parents)  # validates
+    anc = np.eye(len(parents), dtype=bool)
+    for j in range(1, len(parents)):
+        anc[j] |= anc[parents[j]]
+    return anc
+
+
+def ring_positions(first_position: int, ring: int) -> np.ndarray:
+    """int64 (ring,): the committed position column c holds, c = p mod ring, p in [first_position - ring,
+    first_position) (negative where no such position exists yet)."""
+    p = np.arange(first_position - ring, first_position, dtype=np.int64)
+    out = np.empty(ring, dtype=np.int64)
+    out[p % ring] = p
+    return out
+
+
+def tree_ring_mask(parents: Sequence[int], first_position: int, live_start: int, ring: int,
+                   sliding_window: int | None) -> np.ndarray:
+    """Additive mask float32 (1, 1, R, ring + R) of one layer type of the SLM tree graph, columns [ring | rows].
+
+    Row j sits at position q_j = first_position + depth(j). It sees ring column c (position p, `ring_positions`)
+    iff p >= max(live_start, 0) and, in sliding layers, q_j - p < sliding_window; it sees row i iff i is j or an
+    ancestor of j and, in sliding layers, q_j - q_i < sliding_window (transformers' ``sliding_window_overlay``:
+    kv_idx > q_idx - sliding_window), so a window boundary may fall inside the tree rows.
+    live_start: the oldest committed position with a valid ring entry. sliding_window: transformers'
+    ``sliding_window`` for sliding layers, None for full attention. Raises TreeShapeError when live_start is after
+    first_position or the rows are not a tree.
+    """
+    if live_start > first_position:
+        raise TreeShapeError(f"live_start {live_start} is after the first row's position {first_position}")
+    q = first_position + tree_depths(parents)                      # (R,) row positions
+    p = ring_positions(first_position, ring)                        # (ring,) column positions
+    ring_ok = np.broadcast_to((p >= max(live_start, 0))[None, :], (len(q), ring))
+    rows_ok = ancestor_matrix(parents)
+    if sliding_window is not None:
+        ring_ok = ring_ok & (q[:, None] - p[None, :] < sliding_window)
+        rows_ok = rows_ok & (q[:, None] - q[None, :] < sliding_window)
+    visible = np.concatenate([ring_ok, rows_ok], axis=1)
+    return np.where(visible, 0.0, MASK_VALUE).astype(np.float32)[None, None]

@@ -1,0 +1,340 @@
+"""The device's request loop (paper Alg. 1; App. C; App. G metric definitions) and its modes (Table 5).
+
+`DeviceRuntime` holds a bundle's two graph sessions, the MTP Drafter, the SLM Drafter and the tree builders;
+`DeviceRuntime.generate` runs one request against a verifier (`hycoc.runtime.transport.VerifierClient`):
+
+1. request start: the SLM ring is filled with the prompt's last W tokens and the first tree is drafted by the
+   SLM alone while the server prefills (the OPEN request runs in a worker thread meanwhile);
+2. each round sends the tree, walks the reply to the deepest matching path (ties to the lowest row; it must agree
+   with the verifier's ``path_rows``), commits it plus the bonus token (cut after an end-of-turn token and at the
+   output cap, as the verifier does), moves the SLM rows of the path behind the root's, streams the new text;
+3. the reply's hand-off feeds the MTP Drafter (Alg. 2), whose chain and runner-ups seed the next tree (Alg. 3).
+
+Modes (Table 5; constants from the bundle's round section):
+
+==============  ===========  ==========  =====================================  =============================
+mode            draft place  acceptance  tree                                   SLM forwards per round
+==============  ===========  ==========  =====================================  =============================
+hyco            device       epsilon     K-chain + D siblings + SLM, B nodes    1
+hyco-exact      device       exact       same                                   1
+hyco-2p         device       epsilon     same, second SLM pass                  2
+specedge        device       exact       SLM only, ``specedge_nodes``           ``specedge_passes`` (4)
+specedge-eps    device       epsilon     same                                   same
+server-head     server-head  exact       server head's chain (reply) + SLM      1
+cloud-mtp       cloud-mtp    exact       root only (the server drafts)          0
+slm-alone       (none)       --          greedy SLM decoding on the device      1 per token
+==============  ===========  ==========  =====================================  =============================
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hycoc.messages import DraftTree, OpenRequest, Sampling
+from hycoc.runtime.mtp_drafter import MtpDrafter
+from hycoc.runtime.slm_drafter import SlmDrafter
+from hycoc.runtime.transport import BadReply
+from hycoc.runtime.tree_builder import BuiltTree, TreeBuilder, walk_reply
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One configuration of Table 5 as the device runs it."""
+
+    name: str
+    draft_place: str | None       # None: no server (slm-alone)
+    acceptance: str | None        # "exact" / "epsilon" / None (slm-alone)
+    chain: str                    # "device" (MTP Drafter), "server" (reply.chain), "none"
+    passes: str                   # "slm" (round.slm_passes), "two", "specedge", "none"
+
+
+MODES = {m.name: m for m in (
+    Mode("hyco", "device", "epsilon", "device", "slm"),
+    Mode("hyco-exact", "device", "exact", "device", "slm"),
+    Mode("hyco-2p", "device", "epsilon", "device", "two"),
+    Mode("specedge", "device", "exact", "none", "specedge"),
+    Mode("specedge-eps", "device", "epsilon", "none", "specedge"),
+    Mode("server-head", "server-head", "exact", "server", "slm"),
+    Mode("cloud-mtp", "cloud-mtp", "exact", "none", "none"),
+    Mode("slm-alone", None, None, "none", "slm"),
+)}
+#: Modes `hycoc run --mode` offers (cloud-mtp drafts nothing on the device; `hycoc bench` runs it).
+RUN_MODES = ("hyco", "hyco-exact", "hyco-2p", "specedge", "server-head", "slm-alone")
+
+
+class RuntimeProtocolError(RuntimeError):
+    """The verifier's reply contradicts the tree it answers (e.g. its path does not follow its samples)."""
+
+
+@dataclass
+class RequestResult:
+    """One request's output and metrics (App. G definitions; `to_json` gives the ``--json`` keys).
+
+    tokens: output token ids (bonus tokens included). rounds: verification rounds. accepted: |P| per round.
+    seconds: request start to last token. first_token_s: request start to the first streamed token.
+    draft_s: device drafting time in rounds (MTP Drafter + tree + SLM forwards; waits and the SLM's request-start
+    fill excluded). slm_prefill_s: that fill. prefill_ms / server_ms: the verifier's times (from its replies).
+    round_bytes: (up, down) frame bytes per round. rows: tree rows per round; context: root position per round.
+    outside_keep: bonus tokens outside the keep set.
+    """
+
+    mode: str
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    rounds: int = 0
+    accepted: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    first_token_s: float | None = None
+    draft_s: float = 0.0
+    slm_prefill_s: float = 0.0
+    prefill_ms: float = 0.0
+    server_ms: list[float] = field(default_factory=list)
+    round_bytes: list[tuple[int, int]] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    context: list[int] = field(default_factory=list)
+    bonus_outside_keep: int = 0
+    link_s: float = 0.0
+    finished: bool = False
+
+    @property
+    def mat(self) -> float:
+        """Mean accepted tokens per round, bonus included (App. G)."""
+        return len(self.tokens) / self.rounds if self.rounds else 0.0
+
+    def to_json(self) -> dict:
+        n = max(len(self.tokens), 1)
+        r = max(len(self.round_bytes), 1)
+        return {
+            "text": self.text, "tokens": len(self.tokens), "rounds": self.rounds, "mat": round(self.mat, 4),
+            "tok_per_s": round(len(self.tokens) / self.seconds, 3) if self.seconds > 0 else 0.0,
+            "draft_ms_per_token": round(1000 * self.draft_s / n, 3),
+            "server_ms_per_token": round((self.prefill_ms + sum(self.server_ms)) / n, 3),
+            "first_token_ms": round(1000 * self.first_token_s, 2) if self.first_token_s is not None else None,
+            "bytes_up_per_round": round(sum(u for u, _ in self.round_bytes) / r, 1),
+            "bytes_down_per_round": round(sum(d for _, d in self.round_bytes) / r, 1),
+        }
+
+
+class TextStream:
+    """Incremental detokenization: `push` returns the new text since the last call, holding back a trailing
+    partial UTF-8 character (byte tokens decode to U+FFFD until complete)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.sent = tokenizer, [], ""
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def push(self, ids) -> str:
+        self.ids.extend(int(i) for i in ids)
+        text = self.text()
+        stable = text.rstrip("\ufffd")
+        delta = stable[len(self.sent):] if stable.startswith(self.sent) else ""
+        self.sent = stable if stable.startswith(self.sent) else self.sent
+        return delta
+
+
+def cut_commit(new: list[int], stop_ids, room: int) -> tuple[list[int], bool]:
+    """The verifier's commit rule: cut after the first stop token and at ``room`` tokens; (tokens, finished)."""
+    for i, tok in enumerate(new):
+        if tok in stop_ids:
+            return new[:min(i + 1, room)], True
+    if len(new) >= room:
+        return new[:room], True
+    return new, False
+
+
+class DeviceRuntime:
+    """A bundle loaded for drafting (module docstring).
+
+    bundle: `hycoc.runtime.device_bundle.DeviceBundle`; head / slm: graph runners (`GraphRunner`).
+    """
+
+    def __init__(self, bundle, head, slm):
+        self.bundle = bundle
+        self.mtp = MtpDrafter(head, bundle)
+        self.slm = SlmDrafter(slm, bundle)
+        self.stop_ids = bundle.stop_token_ids()
+
+    def builder(self, mode: Mode, tree_rows: int) -> TreeBuilder:
+        """The tree builder of ``mode`` for trees of ``tree_rows`` rows (the verifier's B + 1)."""
+        r = self.bundle.round
+        budget = r.specedge_nodes if mode.passes == "specedge" else r.node_budget
+        passes = {"slm": r.slm_passes, "two": 2, "specedge": r.specedge_passes, "none": 0}[mode.passes]
+        if budget + 1 > tree_rows:
+            raise ValueError(f"mode {mode.name} drafts {budget} nodes, the verifier takes {tree_rows} rows per tree "
+                             "(node_budget + 1); use matching recipes for the bundle and the server")
+        return TreeBuilder(ln_lambda=math.log(r.depth_cost), budget=budget, rows=tree_rows,
+                           candidates=r.slm_candidates, passes=passes, keep_set=self.bundle.keep_set,
+                           stop_ids=self.stop_ids)
+
+    def open_request(self, prompt_ids, mode: Mode, *, max_new_tokens: int, seed: int,
+                     sampling: Sampling, epsilon: float) -> OpenRequest:
+        return OpenRequest(prompt_ids=np.asarray(prompt_ids, np.int32), sampling=sampling, seed=seed,
+                           acceptance=mode.acceptance, epsilon=epsilon if mode.acceptance == "epsilon" else 1.0,
+                           draft_place=mode.draft_place, max_new_tokens=max_new_tokens)
+
+    def generate(self, client, prompt_ids, *, mode: str = "hyco", max_new_tokens: int | None = None,
+                 seed: int | None = None, sampling: Sampling | None = None, epsilon: float | None = None,
+                 on_text: Callable[[str], None] | None = None) -> RequestResult:
+        """Run one request (Alg. 1 each round) and return its `RequestResult`.
+
+        client: an unopened `VerifierClient` (None for ``slm-alone``); it is closed at the end. on_text: called
+        with each new piece of text as it is committed. Raises TransportError subclasses (server unreachable,
+        auth refused, connection dropped, protocol mismatch), HandoffError, RuntimeProtocolError; text already
+        passed to ``on_text`` stays delivered.
+        """
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        m = MODES[mode]
+        r = self.bundle.round
+        max_new = r.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        seed = r.seed if seed is None else int(seed)
+        sampling = sampling or Sampling(r.temperature, r.top_k, r.top_p)
+        epsilon = r.epsilon if epsilon is None else float(epsilon)
+        prompt = [int(x) for x in prompt_ids]
+        res = RequestResult(mode=mode)
+        stream = TextStream(self.bundle.tokenizer)
+        start = time.perf_counter()
+
+        def emit(new: list[int]) -> None:
+            if new and res.first_token_s is None:
+                res.first_token_s = time.perf_counter() - start
+            res.tokens.extend(new)
+            piece = stream.push(new)
+            if piece and on_text is not None:
+                on_text(piece)
+
+        if m.draft_place is None:
+            self._slm_alone(prompt, max_new, res, emit)
+        else:
+            try:
+                self._verified(client, prompt, m, max_new, seed, sampling, epsilon, res, emit)
+            finally:
+                res.link_s = getattr(client, "link_s", 0.0)
+                client.close()
+        res.seconds = time.perf_counter() - start
+        res.text = stream.text()
+        return res
+
+    # ---- the modes ---------------------------------------------------------------------------------------------
+
+    def _slm_alone(self, prompt, max_new, res: RequestResult, emit) -> None:
+        slm = self.slm
+        slm.start(prompt)
+        t0 = time.perf_counter()
+        slm.prefill(reserve=1)
+        res.slm_prefill_s = time.perf_counter() - t0
+        while len(res.tokens) < max_new:
+            t0 = time.perf_counter()
+            token = slm.greedy_next()
+            slm.commit([], [token])
+            res.draft_s += time.perf_counter() - t0
+            res.rounds += 1
+            res.accepted.append(0)
+            emit([token])
+            if token in self.stop_ids:
+                res.finished = True
+                break
+        res.finished = True
+
+    def _tree(self, m: Mode, builder: TreeBuilder, chain: list[int], runner_ups: list[int]) -> BuiltTree:
+        expand = self.slm.expand if builder.passes > 0 else None
+        return builder.build(self.slm.tokens[-1], chain, runner_ups, expand)
+
+    def _verified(self, client, prompt, m: Mode, max_new, seed, sampling, epsilon, res: RequestResult,
+                  emit) -> None:
+        request = self.open_request(prompt, m, max_new_tokens=max_new, seed=seed, sampling=sampling, epsilon=epsilon)
+        uses_slm = m.passes != "none"
+        self.mtp.reset()
+        with ThreadPoolExecutor(1, thread_name_prefix="hycoc-open") as pool:
+            opened_f = pool.submit(client.open, request)   # the server prefills meanwhile
+            built = None
+            if uses_slm:
+                self.slm.start(prompt)
+                t0 = time.perf_counter()
+                self.slm.prefill()
+                res.slm_prefill_s = time.perf_counter() - t0
+            opened = opened_f.result()
+        res.prefill_ms = opened.prefill_ms
+        if m.draft_place == "cloud-mtp":
+            builder = None
+        else:
+            builder = self.builder(m, opened.tree_rows)
+            t0 = time.perf_counter()
+            built = self._tree(m, builder, [], [])          # the first tree: SLM alone
+            res.draft_s += time.perf_counter() - t0
+        root = prompt[-1]
+        seq = 0
+        while True:
+            if built is None:                                # cloud-mtp: the root alone
+                tokens, parents = np.asarray([root], np.int32), np.asarray([-1], np.int32)
+            else:
+                tokens, parents = built.tokens, built.parents
+            res.rows.append(len(tokens))
+            res.context.append(len(prompt) - 1 + len(res.tokens))
+            reply = client.round(DraftTree(seq, tokens, parents))
+            res.server_ms.append(reply.server_ms)
+            res.round_bytes.append(client.round_bytes[-1])
+            res.rounds += 1
+            if built is None:
+                n = len(reply.path_rows)
+                new = [int(x) for x in reply.samples[:n + 1]]
+                path_nodes: list[int] = []
+            else:
+                path = walk_reply(tokens, parents, reply.samples)
+                if path != [int(x) for x in reply.path_rows]:
+                    raise RuntimeProtocolError(f"round {seq}: the verifier's path rows {list(reply.path_rows)} do not "
+                                               f"follow its samples (walk gives {path})")
+                if reply.samples[path[-1] if path else 0] != reply.bonus:
+                    raise RuntimeProtocolError(f"round {seq}: bonus {reply.bonus} is not the sample at the path's end")
+                new = [int(tokens[j]) for j in path] + [int(reply.bonus)]
+                path_nodes = [built.row_node[j] for j in path]
+            res.accepted.append(len(new) - 1)
+            keep_index = self.bundle.keep_index
+            if reply.bonus >= len(keep_index) or keep_index[reply.bonus] < 0:
+                res.bonus_outside_keep += 1
+            new, cut = cut_commit(new, self.stop_ids, max_new - len(res.tokens))
+            if uses_slm:
+                self.slm.commit(path_nodes, new)
+            emit(new)
+            if reply.finished or cut:
+                res.finished = True
+                return
+            root = new[-1]
+            seq += 1
+            if built is None:
+                continue
+            t0 = time.perf_counter()
+            chain, runner_ups = [], []
+            if m.chain == "device":
+                if reply.handoff is None:
+                    raise BadReply(f"round {seq - 1}: the verifier sent no hand-off to a device-drafting session")
+                self.mtp.ingest(reply.handoff)
+                d = self.mtp.draft()
+                chain, runner_ups = d.chain, d.runner_ups
+            elif m.chain == "server":
+                chain = [int(x) for x in reply.chain]
+            built = self._tree(m, builder, chain, runner_ups)
+            res.draft_s += time.perf_counter() - t0
+
+
+def load_runtime(bundle_dir, backend: str = "cpu", *, threads: int | None = None) -> DeviceRuntime:
+    """Open a bundle (hash- and target-checked, `open_bundle`) and its two graphs on ``backend``."""
+    from hycoc.runtime.device_bundle import open_bundle
+    from hycoc.runtime.graphs import GraphRunner
+
+    bundle = open_bundle(bundle_dir, backend)
+    head = GraphRunner(bundle.path, bundle.manifest, "head", backend, threads)
+    slm = GraphRunner(bundle.path, bundle.manifest, "slm", backend, threads)
+    return DeviceRuntime(bundle, head, slm)
+
+
+__all__ = ["MODES", "RUN_MODES", "DeviceRuntime", "Mode", "RequestResult", "RuntimeProtocolError", "cut_commit",
+           "load_runtime"]

@@ -1,0 +1,148 @@
+"""A bundle opened for the device runtime (DESIGN.md "Bundle"; issue 5 "Loads a bundle ... Bundle compatibility").
+
+`open_bundle` reads ``manifest.json``, verifies every file's size and sha256 and the schema version
+(`hycoc.bundle.load_manifest`), checks the manifest's target against the device (`check_device`), and loads the
+host side: tokenizer, keep set, the head's 8-bit E table, the SLM's embedding LUTs and both drafters' rotary
+tables. Graph sessions are opened separately (`hycoc.runtime.graphs.GraphRunner`), after these checks pass.
+
+numpy + tokenizers + onnxruntime only: this module ships to the phone.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hycoc.bundle import (BundleError, HostInfo, Manifest, ManifestInvalid, TargetMismatch, check_target,
+                          load_manifest)
+from hycoc.host import FULL, SLIDING, EmbeddingLut, RotaryTable
+
+BACKENDS = ("htp", "cpu")
+
+
+@dataclass
+class DeviceBundle:
+    """What the runtime holds of a bundle besides its graph sessions.
+
+    path: the bundle folder. manifest: its validated manifest (``round`` = the round constants K, D, B, W, λ,
+    ε, sampling). host: the manifest's host section. tokenizer: a ``tokenizers.Tokenizer``. keep_set: int64
+    (|V|,) sorted token ids (drafter output index i -> token ``keep_set[i]``). keep_index: int64 (vocab,) token id
+    -> keep-set index, -1 outside. head_embedding: (q int8 (|V|, H), scale float32 (|V|, 1)), the E table of
+    Alg. 2 line 12. head_rotary / slm_rotary: layer type -> `RotaryTable`. slm_luts: name -> `EmbeddingLut`.
+    """
+
+    path: Path
+    manifest: Manifest
+    host: HostInfo
+    tokenizer: object
+    keep_set: np.ndarray
+    keep_index: np.ndarray
+    head_embedding: tuple[np.ndarray, np.ndarray]
+    head_rotary: dict[str, RotaryTable]
+    slm_rotary: dict[str, RotaryTable]
+    slm_luts: dict[str, EmbeddingLut]
+
+    @property
+    def round(self):
+        return self.manifest.round
+
+    def embed_keep(self, index: int) -> np.ndarray:
+        """E[index] dequantized: float32 (H,) (Alg. 2 line 12)."""
+        q, scale = self.head_embedding
+        return q[index].astype(np.float32) * scale[index, 0]
+
+    def stop_token_ids(self) -> set[int]:
+        """Ids that end a model turn (``hycoc.chat.stop_token_ids``)."""
+        from hycoc.chat import stop_token_ids
+
+        return stop_token_ids(self.tokenizer)
+
+
+def _npy(folder: Path, rel: str) -> np.ndarray:
+    return np.load(folder / rel, allow_pickle=False)
+
+
+def local_qnn() -> dict[str, str | None]:
+    """What the local onnxruntime-qnn reports: ``onnxruntime-qnn`` and ``qnn_sdk`` versions (None if absent)."""
+    from hycoc.targets.qnn_ep import versions
+
+    return versions()
+
+
+def check_device(manifest: Manifest, backend: str, *, qnn: dict[str, str | None] | None = None,
+                 htp_arch: int | None = None, soc_model: str | None = None) -> None:
+    """Refuse a bundle this device cannot run, before any session is created (issue 5 "Bundle compatibility").
+
+    backend: ``htp`` (QNN EP context binaries) or ``cpu`` (QDQ ONNX on onnxruntime's CPU EP). For htp, the
+    bundle's QNN SDK must equal the local onnxruntime-qnn's (``qnn``: `local_qnn` output, read when None);
+    htp_arch / soc_model: the device's, when known (None on the x86 simulator, which runs any arch).
+    Raises TargetMismatch naming the field, the bundle's value and the device's, or ValueError for a bad backend.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    if backend == "htp":
+        qnn = local_qnn() if qnn is None else qnn
+        if manifest.target.backend == "htp" and qnn.get("onnxruntime-qnn") is None:
+            raise TargetMismatch("bundle built for the QNN HTP backend, and onnxruntime-qnn is not installed here; "
+                                 "install it (pip install -e '.[qnn]') or build a bundle with --target cpu")
+        check_target(manifest, backend="htp", htp_arch=htp_arch, soc_model=soc_model, qnn_sdk=qnn.get("qnn_sdk"))
+    else:
+        check_target(manifest, backend="cpu")
+
+
+def open_bundle(path: str | os.PathLike, backend: str = "cpu", *, verify: bool = True,
+                qnn: dict[str, str | None] | None = None) -> DeviceBundle:
+    """Open a bundle folder for ``backend`` (module docstring).
+
+    Raises a ``hycoc.bundle.BundleError`` subclass: BundleNotFound, SchemaVersionMismatch, FileMissing,
+    HashMismatch, ... (from `load_manifest`), TargetMismatch (`check_device`), ManifestInvalid when the manifest
+    has no host section (a bundle from an older hycoc) or a graph the runtime needs is missing.
+    """
+    from tokenizers import Tokenizer
+
+    folder = Path(path)
+    manifest = load_manifest(folder, verify=verify)
+    check_device(manifest, backend, qnn=qnn)
+    if manifest.host is None:
+        raise ManifestInvalid(f"bundle {folder}: its manifest has no host section (built by an older hycoc); "
+                              "rebuild it with `hycoc build RECIPE --target ... --out DIR`")
+    names = {g.name for g in manifest.graphs}
+    missing = {"head", "slm"} - names
+    if missing:
+        raise ManifestInvalid(f"bundle {folder}: no {', '.join(sorted(missing))} graph; rebuild it with hycoc build")
+    keep = _npy(folder, "keep_set.npy").astype(np.int64)
+    if len(keep) != manifest.keep_set_size:
+        raise ManifestInvalid(f"bundle {folder}: keep_set.npy has {len(keep)} ids, the manifest says "
+                              f"{manifest.keep_set_size}")
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    vocab = max(int(tokenizer.get_vocab_size()), int(keep.max()) + 1)
+    keep_index = np.full(vocab, -1, dtype=np.int64)
+    keep_index[keep] = np.arange(len(keep))
+    head_rotary = {}
+    for kind, short in ((SLIDING, "sliding"), (FULL, "full")):
+        inv = _npy(folder, f"rotary/head_{short}_inv_freq.npy").astype(np.float32)
+        head_rotary[kind] = RotaryTable(inv, float(_npy(folder, f"rotary/head_{short}_scaling.npy")), 2 * len(inv))
+    host = manifest.host
+    slm_rotary = {}
+    for kind in sorted(set(host.slm.layer_types)):
+        inv = _npy(folder, f"rotary/slm_{kind}_inv_freq.npy").astype(np.float32)
+        slm_rotary[kind] = RotaryTable(inv, float(_npy(folder, f"rotary/slm_{kind}_scaling.npy")), 2 * len(inv))
+    luts = {}
+    for name, info in host.slm.luts.items():
+        luts[name] = EmbeddingLut(packed=_npy(folder, f"luts/slm_{name}_packed.npy"),
+                                  scale=_npy(folder, f"luts/slm_{name}_scale.npy").astype(np.float32),
+                                  bits=info.bits, dim=info.dim, embed_scale=info.embed_scale)
+    q = _npy(folder, "luts/head_embedding_q.npy")
+    scale = _npy(folder, "luts/head_embedding_scale.npy").astype(np.float32)
+    if q.shape[0] != len(keep) or scale.shape != (len(keep), 1):
+        raise ManifestInvalid(f"bundle {folder}: the head's E table is {list(q.shape)} with scales "
+                              f"{list(scale.shape)}, expected {len(keep)} rows; rebuild the bundle")
+    return DeviceBundle(path=folder, manifest=manifest, host=host, tokenizer=tokenizer, keep_set=keep,
+                        keep_index=keep_index, head_embedding=(q, scale), head_rotary=head_rotary,
+                        slm_rotary=slm_rotary, slm_luts=luts)
+
+
+__all__ = ["BACKENDS", "BundleError", "DeviceBundle", "check_device", "local_qnn", "open_bundle"]

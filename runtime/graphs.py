@@ -1,0 +1,126 @@
+"""onnxruntime sessions of a bundle's graphs, on the backend the user asked for (issue 5 "opens onnxruntime
+sessions on the requested backend").
+
+``--backend cpu``: the bundle's QDQ ONNX on onnxruntime's CPU EP. ``--backend htp``: the bundle's EPContext model
+on the QNN EP (``onnxruntime-qnn``, a plugin EP registered with ``register_execution_provider_library``; on an x86
+host its HTP backend runs the context binary on the HTP simulator), CPU fallback disabled, the provider options
+of the manifest's target (``htp_arch``, ``soc_model``).
+
+`GraphRunner` checks the session's inputs and outputs against the manifest before the first run
+(`hycoc.bundle.check_graph_io`) and converts between the runtime's float32 arrays and the graph's IO dtype: a
+graph input declared as an integer type with an encoding is quantized with it (real = scale x (q - zero_point)),
+an integer output is dequantized. The toy graphs take float32 IO (their Q/DQ sit inside the graph).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from hycoc.bundle import Encoding, GraphEntry, GraphIOMismatch, Manifest, TensorSpec, check_graph_io
+
+_ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(uint16)": "uint16",
+               "tensor(int16)": "int16", "tensor(uint8)": "uint8", "tensor(int8)": "int8", "tensor(int32)": "int32",
+               "tensor(int64)": "int64"}
+
+
+class GraphRunError(RuntimeError):
+    """A graph could not be loaded or run on the backend; the message names the graph and the cause."""
+
+
+def quantize(x: np.ndarray, enc: Encoding) -> np.ndarray:
+    """float -> the encoding's integer dtype: clip(round(x / scale) + zero_point) (ONNX QuantizeLinear)."""
+    dtype = np.dtype(enc.dtype)
+    info = np.iinfo(dtype)
+    q = np.rint(np.asarray(x, np.float32) / np.float32(enc.scale)) + enc.zero_point
+    return np.clip(q, info.min, info.max).astype(dtype)
+
+
+def dequantize(q: np.ndarray, enc: Encoding) -> np.ndarray:
+    """integer -> float32: (q - zero_point) x scale (ONNX DequantizeLinear)."""
+    return ((q.astype(np.int32) - enc.zero_point).astype(np.float32) * np.float32(enc.scale))
+
+
+def _session(path: Path, backend: str, manifest: Manifest, threads: int | None):
+    import onnxruntime as ort
+
+    if backend == "cpu":
+        so = ort.SessionOptions()
+        if threads:
+            so.intra_op_num_threads = int(threads)
+        so.log_severity_level = 3
+        return ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
+    from hycoc.targets.profiles import profile_for
+    from hycoc.targets.qnn_ep import session_options
+
+    t = manifest.target
+    profile = profile_for(t.htp_arch, t.soc_model, None)
+    so = session_options(profile.provider_options(), {"session.disable_cpu_ep_fallback": "1"}, log_severity=3)
+    return ort.InferenceSession(str(path), sess_options=so)
+
+
+class GraphRunner:
+    """One graph of a bundle, loaded on ``backend`` (module docstring).
+
+    ``run(feeds)`` takes float32 arrays by input name (every declared input, at its declared shape) and returns
+    float32 arrays by output name. ``calls`` / ``seconds`` count the runs and their wall time.
+    Raises GraphRunError (load or run failure), GraphIOMismatch (the session disagrees with the manifest, or a
+    feed has the wrong shape).
+    """
+
+    def __init__(self, bundle_dir: str | Path, manifest: Manifest, name: str, backend: str,
+                 threads: int | None = None):
+        self.entry: GraphEntry = manifest.graph(name)
+        self.name = name
+        path = Path(bundle_dir) / self.entry.file
+        t0 = time.perf_counter()
+        try:
+            self.session = _session(path, backend, manifest, threads)
+        except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
+            raise GraphRunError(f"graph {name} ({self.entry.file}) did not load on the {backend} backend: "
+                                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        self.load_seconds = time.perf_counter() - t0
+        io = [[(a.name, list(a.shape), _ORT_DTYPES.get(a.type, a.type)) for a in side]
+              for side in (self.session.get_inputs(), self.session.get_outputs())]
+        check_graph_io(self.entry, io[0], io[1])
+        self.inputs: dict[str, TensorSpec] = {t.name: t for t in self.entry.inputs}
+        self.outputs: dict[str, TensorSpec] = {t.name: t for t in self.entry.outputs}
+        self.output_names = [t.name for t in self.entry.outputs]
+        self.calls, self.seconds = 0, 0.0
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Declared shape of input or output ``name``."""
+        spec = self.inputs.get(name) or self.outputs[name]
+        return tuple(spec.shape)
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        ort_feeds = {}
+        for name, spec in self.inputs.items():
+            if name not in feeds:
+                raise GraphIOMismatch(f"graph {self.name}: no feed for input {name}")
+            x = feeds[name]
+            if list(x.shape) != spec.shape:
+                raise GraphIOMismatch(f"graph {self.name}: input {name} has shape {list(x.shape)}, the graph takes "
+                                      f"{spec.shape}")
+            if spec.dtype == "float32":
+                ort_feeds[name] = np.ascontiguousarray(x, dtype=np.float32)
+            elif spec.encoding is not None:
+                ort_feeds[name] = quantize(x, spec.encoding)
+            else:
+                raise GraphIOMismatch(f"graph {self.name}: input {name} is {spec.dtype} without an encoding")
+        t0 = time.perf_counter()
+        try:
+            outs = self.session.run(self.output_names, ort_feeds)
+        except Exception as e:  # noqa: BLE001
+            raise GraphRunError(f"graph {self.name} failed to run: {str(e).splitlines()[0]}") from None
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        result = {}
+        for name, y in zip(self.output_names, outs):
+            spec = self.outputs[name]
+            result[name] = y if y.dtype == np.float32 else (dequantize(y, spec.encoding) if spec.encoding
+                                                             else y.astype(np.float32))
+        return result

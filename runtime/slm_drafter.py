@@ -1,0 +1,223 @@
+"""The SLM Drafter on the device: its ring KV, its tree forwards and the commit of a reply (paper Alg. 3 lines
+7-8, Alg. 1 line 10, §3.4, App. A).
+
+State: the committed tokens (position = index; the last one is the root r at position t), and per ring layer i
+(``host.slm.kv_layers``) a ring of W_i columns, ``[1, kv_heads, W_i, head_dim]`` (W_i = ``slm_window`` for
+full-attention layers, ``slm_sliding_window`` for sliding ones), holding the SLM's K (rotated) and V of committed
+positions [live_start, n_kv): **position p lives in column p mod W_i**, the tree graph's convention
+(`hycoc.host.tree_ring_mask`).
+
+Request start (Alg. 1, App. C): the ring is filled with the prompt's last W tokens: live_start = n_kv =
+max(0, t - W). Committed positions [n_kv, t) still need SLM KV; the first forward of each round runs them as a
+chain of rows ending with r (Alg. 3 line 7 "committed tokens without SLM KV, ending with r"), after as many
+R-row chunks of committed tokens as needed to leave room for the tree (`prefill`, timed separately: it overlaps
+the server's prefill).
+
+`expand(tree, nodes)` is one SLM forward (line 8): rows = [committed rows without KV, in the first forward of a
+round] + r + for each node, in the order given, its not-yet-included ancestors and itself, while they fit the
+graph's R rows (the rest are left out and reported as not expanded). Rows are padded to R by repeating the last
+row (as a child of row 0 when the last row is row 0); padding rows' outputs are ignored. Committed rows are written into the ring at once; the KV of r and of tree nodes is kept for the commit.
+Row j attends to the ring and its ancestor rows (`tree_ring_mask`), so a node's KV equals what a causal forward
+over its path would give.
+
+`commit(path_nodes, new_tokens)` is Alg. 1 line 10: r's KV is written at t, then the path's nodes at t + 1, ...
+for as long as each has SLM KV from this round; n_kv moves past them; the bonus token and the path's nodes
+without KV become the next round's committed rows without KV.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from hycoc.host import tree_depths, tree_ring_mask
+from hycoc.runtime.tree_builder import DraftTreeNodes
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """float64 log-softmax over the last axis."""
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def _short(layer_type: str) -> str:
+    return layer_type.removesuffix("_attention")
+
+
+class SlmDrafter:
+    """The SLM Drafter (module docstring) around the SLM tree graph's runner.
+
+    runner: a `hycoc.runtime.graphs.GraphRunner` for the ``slm`` graph (``run``, ``shape``); bundle: the
+    `hycoc.runtime.device_bundle.DeviceBundle` (LUTs, rotary tables, host constants, round constants).
+    Attributes: ``forwards`` (graph calls), ``prefill_seconds`` (request-start fill time).
+    """
+
+    def __init__(self, runner, bundle):
+        self.runner, self.bundle = runner, bundle
+        host = bundle.host.slm
+        self.layer_types = list(host.layer_types)
+        self.kv_layers = list(host.kv_layers)
+        self.sliding_window = host.sliding_window
+        self.ple = host.per_layer_dim
+        self.rows = runner.shape("inputs_embeds")[1]
+        self.types = sorted(set(self.layer_types))
+        self.ring_len = {}
+        for t in self.types:
+            self.ring_len[t] = runner.shape(f"mask_{_short(t)}")[-1] - self.rows
+        self.rings = {i: (np.zeros(runner.shape(f"k_ring_{i}"), np.float32),
+                          np.zeros(runner.shape(f"v_ring_{i}"), np.float32)) for i in self.kv_layers}
+        self.window = max(self.ring_len.values())
+        self.tokens: list[int] = []
+        self.live_start = self.n_kv = 0
+        self.pending: dict[int, tuple[int, int]] = {}     # tree node -> (forward index, row) this round
+        self.outputs: list[dict[str, np.ndarray]] = []    # this round's forward outputs
+        self.round_forwards = 0
+        self.forwards = 0
+        self.prefill_seconds = 0.0
+
+    # ---- request start -----------------------------------------------------------------------------------------
+
+    @property
+    def t(self) -> int:
+        """Position of the root r (the last committed token)."""
+        return len(self.tokens) - 1
+
+    def start(self, prompt_ids: Sequence[int]) -> None:
+        """A new request: committed = the prompt (its last token is the first root); the ring will hold the
+        prompt's last W positions (W = the longest ring). Raises ValueError for an empty prompt."""
+        if len(prompt_ids) == 0:
+            raise ValueError("the prompt is empty: it needs at least the first root token")
+        self.tokens = [int(x) for x in prompt_ids]
+        self.live_start = self.n_kv = max(0, self.t - self.window)
+        for k, v in self.rings.values():
+            k[:] = 0
+            v[:] = 0
+        self._new_round()
+
+    def prefill(self, reserve: int = 8) -> int:
+        """Run R-row chunks of committed tokens until at most R - reserve rows (r included) remain without KV.
+        Returns the number of forwards run (their time goes to ``prefill_seconds``)."""
+        t0, n = time.perf_counter(), 0
+        while self.t - self.n_kv + 1 > self.rows - reserve:
+            rows = list(range(self.n_kv, self.n_kv + self.rows))
+            out = self._forward([self.tokens[p] for p in rows], [-1] + list(range(len(rows) - 1)), self.n_kv)
+            for j, p in enumerate(rows):
+                self._write(out, j, p)
+            self.n_kv += self.rows
+            n += 1
+        self.prefill_seconds += time.perf_counter() - t0
+        return n
+
+    def _new_round(self) -> None:
+        self.pending, self.outputs, self.round_forwards = {}, [], 0
+
+    # ---- one forward -------------------------------------------------------------------------------------------
+
+    def feeds(self, tokens: Sequence[int], parents: Sequence[int], first_position: int) -> dict[str, np.ndarray]:
+        """The graph's inputs for R rows at ``first_position`` (`hycoc.passes.slm_graph.host_inputs`'s rules)."""
+        tokens = np.asarray(tokens, np.int64)
+        positions = first_position + tree_depths(parents)
+        b = self.bundle
+        out = {"inputs_embeds": b.slm_luts["embed_tokens"].lookup(tokens)[None]}
+        if self.ple:
+            rows = b.slm_luts["embed_tokens_per_layer"].lookup(tokens)
+            out["per_layer_inputs"] = rows.reshape(1, len(tokens), len(self.layer_types), self.ple)
+        for t in self.types:
+            cos, sin = b.slm_rotary[t].rows(positions)
+            out[f"cos_{_short(t)}"], out[f"sin_{_short(t)}"] = cos[None], sin[None]
+            sw = self.sliding_window if t == "sliding_attention" else None
+            out[f"mask_{_short(t)}"] = tree_ring_mask(parents, first_position, self.live_start, self.ring_len[t], sw)
+        for i in self.kv_layers:
+            out[f"k_ring_{i}"], out[f"v_ring_{i}"] = self.rings[i]
+        return out
+
+    def _forward(self, tokens: list[int], parents: list[int], first_position: int) -> dict[str, np.ndarray]:
+        tokens, parents = list(tokens), list(parents)
+        if len(tokens) > self.rows:
+            raise ValueError(f"{len(tokens)} rows do not fit the SLM graph's {self.rows}")
+        pad_parent = max(parents[-1], 0)                 # padding: the last row again (under row 0 if it is row 0)
+        while len(tokens) < self.rows:
+            tokens.append(tokens[-1])
+            parents.append(pad_parent)
+        out = self.runner.run(self.feeds(tokens, parents, first_position))
+        self.forwards += 1
+        return out
+
+    def _write(self, out: dict[str, np.ndarray], row: int, position: int) -> None:
+        """Copy row ``row`` of a forward's new K/V into column position mod W_i of every ring."""
+        for i in self.kv_layers:
+            w = self.ring_len[self.layer_types[i]]
+            k_ring, v_ring = self.rings[i]
+            k_ring[0, :, position % w, :] = out[f"k_new_{i}"][0, :, row, :]
+            v_ring[0, :, position % w, :] = out[f"v_new_{i}"][0, :, row, :]
+
+    def expand(self, tree: DraftTreeNodes, nodes: list[int]) -> dict[int, np.ndarray]:
+        """One SLM forward for ``nodes`` of ``tree`` (module docstring); returns {node: log q (|V|,)} for the
+        root and the nodes that fit. The tree's node 0 must be the root r (``self.tokens[-1]``)."""
+        if tree.nodes[0].token != self.tokens[-1]:
+            raise ValueError(f"tree root {tree.nodes[0].token} is not the committed root {self.tokens[-1]}")
+        first = self.round_forwards == 0
+        prefix = list(range(self.n_kv, self.t)) if first else []
+        if len(prefix) + 1 > self.rows:
+            self.prefill(reserve=1)
+            prefix = list(range(self.n_kv, self.t))
+        tokens = [self.tokens[p] for p in prefix] + [self.tokens[-1]]
+        parents = list(range(-1, len(tokens) - 1))
+        row_of = {0: len(tokens) - 1}
+        for v in nodes:
+            if v in row_of:
+                continue
+            need = [a for a in [*tree.ancestors(v), v] if a not in row_of]
+            if len(tokens) + len(need) > self.rows:
+                continue
+            for a in need:
+                row_of[a] = len(tokens)
+                tokens.append(tree.nodes[a].token)
+                parents.append(row_of[tree.nodes[a].parent])
+        first_position = self.n_kv if first else self.t
+        out = self._forward(tokens, parents, first_position)
+        idx = len(self.outputs)
+        self.outputs.append(out)
+        self.round_forwards += 1
+        for j, p in enumerate(prefix):                   # committed rows: into the ring now
+            self._write(out, j, p)
+        if first:
+            self.n_kv = self.t
+        for node, row in row_of.items():
+            self.pending.setdefault(node, (idx, row))
+        logits = out["logits"][0]
+        return {node: log_softmax(logits[row]) for node, row in row_of.items() if node == 0 or node in nodes}
+
+    def greedy_next(self) -> int:
+        """SLM-alone decoding: one forward over the committed rows without KV (ending with r); returns the
+        arg-max token of r's row (keep set; first among equals) and leaves r's KV pending for `commit`."""
+        tree = DraftTreeNodes()
+        tree.add(self.tokens[-1], -1, 0.0, "root")
+        logq = self.expand(tree, [])
+        return int(self.bundle.keep_set[int(np.argmax(logq[0]))])
+
+    # ---- Alg. 1 line 10 ----------------------------------------------------------------------------------------
+
+    def commit(self, path_nodes: Sequence[int], new_tokens: Sequence[int]) -> int:
+        """Write r's KV at t and the path's nodes' KV at t + 1, ... while each has one (module docstring); then
+        commit ``new_tokens`` (the path's tokens and the bonus, as cut by EOS / the output cap). Returns how many
+        path nodes' KV were moved. Without a forward this round (nothing pending) only the tokens are committed."""
+        t = self.t
+        moved = 0
+        if 0 in self.pending and self.n_kv == t:
+            idx, row = self.pending[0]
+            self._write(self.outputs[idx], row, t)
+            self.n_kv = t + 1
+            for d, node in enumerate(path_nodes, start=1):
+                if node not in self.pending or d > len(new_tokens):
+                    break
+                idx, row = self.pending[node]
+                self._write(self.outputs[idx], row, t + d)
+                self.n_kv = t + 1 + d
+                moved += 1
+        self.tokens.extend(int(x) for x in new_tokens)
+        self._new_round()
+        return moved

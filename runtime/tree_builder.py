@@ -1,0 +1,208 @@
+"""The hybrid draft tree on the device (paper Alg. 3, BuildTree; Table 5 for the SpecEdge-style and HyCo-2P
+variants).
+
+Scores are log-weights: the root has s(r) = 0; chain node y_k gets s(u_{k-1}) + ln λ (line 4); a runner-up
+sibling y'_k != y_k gets s(u_{k-1}) + 2 ln λ on its edge (line 6); an SLM candidate c under node v gets
+s(v) + ln q(c|v) + ln λ (line 13), q the SLM's softmax over the keep set. Since ln λ < 0 and ln q <= 0, a child
+always scores below its parent, so the B best nodes are closed under ancestors.
+
+One SLM pass (lines 7-14): F = the root and the nodes planted so far (the committed tokens without SLM KV are
+the SLM Drafter's business: `hycoc.runtime.slm_drafter.SlmDrafter.expand` puts them before the root), by
+descending s (ties: insertion order); one forward gives q(.|v) for every v in F; for each, its 32 most likely
+tokens c become candidates (v, c) unless v already has a child c; θ = the B-th highest s over the tree's nodes
+(root excluded) and the candidates (-inf if fewer); every candidate with s >= θ joins the tree. HyCo-2P runs the
+pass again with F = the nodes just added (line 15); the SpecEdge-style tree is this builder with no chain and 4
+passes (Table 5). Line 16 keeps the B highest-scoring nodes, ties to the earlier one, and their ancestors;
+line 17 returns the root and the kept nodes in insertion order as (token, parent row), padded to the verifier's
+row count by repeating the last row.
+
+A node whose token ends the turn (EOS) is never expanded and ends the chain: nothing after it can be committed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ROOT, CHAIN, SIBLING, SLM = "root", "chain", "sibling", "slm"
+
+
+@dataclass
+class TreeNode:
+    """A draft-tree node: token id, parent node index (-1 for the root), score s, depth, where it came from."""
+
+    token: int
+    parent: int
+    score: float
+    depth: int
+    source: str
+
+
+@dataclass
+class DraftTreeNodes:
+    """The tree under construction: nodes in insertion order (node 0 is the root)."""
+
+    nodes: list[TreeNode] = field(default_factory=list)
+
+    def add(self, token: int, parent: int, score: float, source: str) -> int:
+        depth = 0 if parent < 0 else self.nodes[parent].depth + 1
+        self.nodes.append(TreeNode(int(token), int(parent), float(score), depth, source))
+        return len(self.nodes) - 1
+
+    def has_child(self, parent: int, token: int) -> bool:
+        return any(n.parent == parent and n.token == token for n in self.nodes)
+
+    def ancestors(self, node: int) -> list[int]:
+        """Ancestors of ``node`` from the root's child down to its parent (root excluded)."""
+        out = []
+        p = self.nodes[node].parent
+        while p > 0:
+            out.append(p)
+            p = self.nodes[p].parent
+        return out[::-1]
+
+    def path_tokens(self, node: int) -> list[int]:
+        return [self.nodes[i].token for i in [*self.ancestors(node), node]] if node > 0 else []
+
+
+@dataclass
+class BuiltTree:
+    """Alg. 3 line 17: ``tokens`` / ``parents`` int32 (rows,), row 0 the root, padded by repeating the last row;
+    ``row_node``: tree node index of each unpadded row; ``tree``: every node considered (kept or not);
+    ``kept``: kept node indices in insertion order (root first); ``slm_passes``: forwards run."""
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    row_node: list[int]
+    tree: DraftTreeNodes
+    kept: list[int]
+    slm_passes: int
+
+
+#: expand(tree, nodes) -> {node: log q over the keep set, float (|V|,)} for the nodes it could fit in one
+#: SLM forward (in the order given, which is descending score).
+Expand = Callable[[DraftTreeNodes, list[int]], dict[int, np.ndarray]]
+
+
+class TreeBuilder:
+    """Alg. 3 with its constants (module docstring).
+
+    ln_lambda: ln λ < 0 (Table 5: λ = 0.66). budget: B, nodes kept besides the root. rows: rows of the tree sent
+    (the verifier's B + 1; >= budget + 1). candidates: SLM candidates per expanded row (32). passes: SLM forwards
+    per tree (1: HyCo, 2: HyCo-2P, 4: SpecEdge-style). keep_set: int64 (|V|,), SLM output index -> token id.
+    stop_ids: tokens that are never expanded. Raises ValueError for constants out of range.
+    """
+
+    def __init__(self, *, ln_lambda: float, budget: int, rows: int, candidates: int, passes: int,
+                 keep_set: np.ndarray, stop_ids: Sequence[int] = ()):
+        if not ln_lambda < 0:
+            raise ValueError(f"ln λ must be < 0 (0 < λ < 1), got {ln_lambda}")
+        if budget < 1 or rows < budget + 1:
+            raise ValueError(f"the tree needs rows >= budget + 1, got budget {budget} and rows {rows}")
+        if candidates < 1 or passes < 0:
+            raise ValueError("candidates must be >= 1 and passes >= 0")
+        self.ln_lambda, self.budget, self.rows = float(ln_lambda), int(budget), int(rows)
+        self.candidates, self.passes = int(candidates), int(passes)
+        self.keep_set = np.asarray(keep_set, dtype=np.int64)
+        self.stop_ids = frozenset(int(s) for s in stop_ids)
+
+    # ---- lines 2-6: the root, the chain and the runner-up siblings --------------------------------------------
+
+    def plant(self, root: int, chain: Sequence[int], runner_ups: Sequence[int]) -> DraftTreeNodes:
+        """Lines 2-6. The chain stops after an EOS token; runner-ups exist for the planted depths only."""
+        tree = DraftTreeNodes()
+        tree.add(root, -1, 0.0, ROOT)
+        u = [0]
+        for y in chain:                                   # lines 3-4
+            if tree.nodes[u[-1]].token in self.stop_ids:
+                break
+            u.append(tree.add(y, u[-1], tree.nodes[u[-1]].score + self.ln_lambda, CHAIN))
+        for k, y2 in enumerate(runner_ups, start=1):      # lines 5-6
+            if k >= len(u):
+                break
+            parent = u[k - 1]
+            if y2 != tree.nodes[u[k]].token and tree.nodes[parent].token not in self.stop_ids:
+                tree.add(y2, parent, tree.nodes[parent].score + 2 * self.ln_lambda, SIBLING)
+        return tree
+
+    # ---- lines 7-14: one SLM pass -------------------------------------------------------------------------------
+
+    def slm_pass(self, tree: DraftTreeNodes, frontier: list[int], expand: Expand) -> list[int]:
+        """Lines 7-14 with F = ``frontier``; returns the nodes added (insertion order)."""
+        order = sorted((v for v in frontier if tree.nodes[v].token not in self.stop_ids),
+                       key=lambda v: (-tree.nodes[v].score, v))  # line 7: descending s, ties to the earlier
+        if not order:
+            return []
+        logq = expand(tree, order)                        # line 8
+        cands: list[tuple[float, int, int]] = []          # (s, v, token) in C order
+        for v in order:                                   # lines 10-13
+            if v not in logq:
+                continue
+            lq = np.asarray(logq[v], dtype=np.float64)
+            k = min(self.candidates, len(lq))
+            top = np.argsort(-lq, kind="stable")[:k]      # the 32 largest q, ties to the lower index
+            for i in top:
+                token = int(self.keep_set[i])
+                if not tree.has_child(v, token):
+                    cands.append((tree.nodes[v].score + float(lq[i]) + self.ln_lambda, v, token))
+        scores = sorted([n.score for n in tree.nodes[1:]] + [c[0] for c in cands], reverse=True)
+        theta = scores[self.budget - 1] if len(scores) >= self.budget else -np.inf  # line 14
+        return [tree.add(token, v, s, SLM) for s, v, token in cands if s >= theta]
+
+    # ---- lines 16-17 -------------------------------------------------------------------------------------------
+
+    def trim(self, tree: DraftTreeNodes) -> list[int]:
+        """Line 16: the root and the B highest-scoring nodes (ties to the earlier one) with their ancestors,
+        in insertion order."""
+        best = sorted(range(1, len(tree.nodes)), key=lambda i: (-tree.nodes[i].score, i))[:self.budget]
+        keep = set(best)
+        for i in best:
+            keep.update(tree.ancestors(i))
+        return [0, *sorted(keep)]
+
+    def rows_of(self, tree: DraftTreeNodes, kept: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Line 17: (tokens, parents) int32 (rows,), padded by repeating the last row."""
+        row = {node: j for j, node in enumerate(kept)}
+        tokens = [tree.nodes[n].token for n in kept]
+        parents = [-1] + [row[tree.nodes[n].parent] for n in kept[1:]]
+        while len(tokens) < self.rows:
+            tokens.append(tokens[-1])
+            parents.append(parents[-1])
+        return np.asarray(tokens, np.int32), np.asarray(parents, np.int32)
+
+    def build(self, root: int, chain: Sequence[int], runner_ups: Sequence[int], expand: Expand | None,
+              passes: int | None = None) -> BuiltTree:
+        """Alg. 3, entire. expand: the SLM forward (None or passes == 0: the tree is the planted nodes only)."""
+        passes = self.passes if passes is None else passes
+        tree = self.plant(root, chain, runner_ups)
+        frontier = list(range(len(tree.nodes)))
+        done = 0
+        for _ in range(passes if expand is not None else 0):
+            added = self.slm_pass(tree, frontier, expand)
+            done += 1
+            if not added:
+                break
+            frontier = added                               # line 15: F = the nodes just added
+        kept = self.trim(tree)
+        tokens, parents = self.rows_of(tree, kept)
+        return BuiltTree(tokens, parents, kept, tree, kept, done)
+
+
+def walk_reply(tokens: Sequence[int], parents: Sequence[int], samples: Sequence[int]) -> list[int]:
+    """Alg. 1 line 8: the deepest path below the root whose every row c with parent v has token c == ŷ_v,
+    ties to the lowest row. Returns the path's rows (root excluded), root to leaf; [] when nothing matches.
+    Duplicate (padding) rows never win over the first row with the same token and parent."""
+    tokens, parents, samples = (np.asarray(a, np.int64) for a in (tokens, parents, samples))
+    best: list[int] = []
+    stack: list[tuple[int, list[int]]] = [(0, [])]
+    while stack:
+        v, path = stack.pop()
+        if len(path) > len(best):
+            best = path
+        kids = [j for j in range(1, len(tokens)) if parents[j] == v and tokens[j] == samples[v]]
+        if kids:
+            j = min(kids)                                 # duplicates: the lowest row
+            stack.append((j, path + [j]))
+    return best
