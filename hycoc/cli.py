@@ -31,7 +31,6 @@ DEFAULT_DATASET = REPO_ROOT.parent / "shared" / "data" / "spec_bench_question.js
 #: Commands that later issues fill in: command -> (issue number, title).
 PENDING = {
     "build": (4, "The compiler: hycoc build RECIPE --target htp-v81|cpu|qai-hub"),
-    "run": (5, "Device runtime: hycoc run BUNDLE --server URL"),
     "bench": (6, "hycoc bench: the paper's Table 2 on real prompts"),
 }
 
@@ -162,7 +161,8 @@ def build(
 @app.command()
 def run(
     bundle: Path = typer.Argument(..., help="bundle folder made by `hycoc build`", show_default=False),
-    server: str = typer.Option(..., metavar="URL", help="verifier address, ws://HOST:PORT", show_default=False),
+    server: Optional[str] = typer.Option(None, metavar="URL", help="verifier address, ws://HOST:PORT (not needed "
+                                         "for --mode slm-alone)", show_default=False),
     prompt: Optional[str] = typer.Option(None, help="user message (wrapped in the chat template)", show_default=False),
     prompt_file: Optional[Path] = typer.Option(None, help="read the user message from this file", show_default=False),
     max_new_tokens: Optional[int] = typer.Option(
@@ -172,21 +172,77 @@ def run(
         "specedge (SLM-only tree), server-head, slm-alone (paper Table 5)"),
     backend: Backend = typer.Option(Backend.htp, help="htp = QNN EP context binaries (simulator on x86), cpu = CPU EP"),
     seed: Optional[int] = typer.Option(None, min=0, help="sampling seed (default: the bundle's)", show_default=False),
+    temperature: Optional[float] = typer.Option(
+        None, min=0.0, help="verifier sampling temperature, 0 = greedy (default: the bundle's)", show_default=False),
+    epsilon: Optional[float] = typer.Option(
+        None, min=0.0, max=1.0, help="epsilon of epsilon-threshold acceptance (default: the bundle's)",
+        show_default=False),
     json_out: bool = typer.Option(False, "--json", help="print the metrics as one JSON object after the text"),
     raw: bool = typer.Option(False, "--raw", help="send the prompt as is, without the chat template"),
+    threads: Optional[int] = typer.Option(None, min=1, help="CPU threads per graph session (cpu backend)",
+                                          show_default=False),
     auth_token: Optional[str] = typer.Option(
         None, envvar="HYCOC_AUTH_TOKEN", help="token the server requires", show_default=False),
+    timeout: float = typer.Option(120.0, min=1.0, help="seconds to wait for the server's answers"),
 ) -> None:
-    """Device runtime: draft hybrid trees against a verifier server and stream the answer (Alg. 1-3)."""
+    """Device runtime: draft hybrid trees against a verifier server and stream the answer (Alg. 1-3).
+
+    The text streams to stdout as it is committed; a one-line summary goes to stderr (--json: the metrics as one
+    JSON object on stdout after the text: text, tokens, rounds, mat, tok_per_s, draft_ms_per_token,
+    server_ms_per_token, first_token_ms, bytes_up_per_round, bytes_down_per_round).
+    """
     if (prompt is None) == (prompt_file is None):
         raise _fail("run", "give exactly one of --prompt and --prompt-file", code=2)
     if prompt_file is not None and not prompt_file.is_file():
         raise _fail("run", f"--prompt-file {prompt_file}: no such file", code=2)
     if not bundle.is_dir():
         raise _fail("run", f"bundle {bundle}: no such folder", code=2)
-    if not server.startswith(("ws://", "wss://")):
+    if mode != RunMode.slm_alone and (server is None or not server.startswith(("ws://", "wss://"))):
         raise _fail("run", f"--server {server!r}: expected ws://HOST:PORT", code=2)
-    raise _pending("run")
+    import json
+
+    from hycoc.bundle import BundleError
+    from hycoc.messages import Sampling
+    from hycoc.runtime.client import RuntimeProtocolError, load_runtime
+    from hycoc.runtime.graphs import GraphRunError
+    from hycoc.runtime.mtp_drafter import HandoffError
+    from hycoc.runtime.transport import TransportError, VerifierClient
+    from hycoc.targets.qnn_ep import QnnUnavailableError
+
+    text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
+    try:
+        rt = load_runtime(bundle, backend.value, threads=threads)
+    except (BundleError, GraphRunError, QnnUnavailableError, ValueError) as e:
+        raise _fail("run", str(e)) from None
+    from hycoc.chat import format_prompt
+
+    tok = rt.bundle.tokenizer
+    ids = tok.encode(text, add_special_tokens=False).ids if raw else format_prompt(tok, text)
+    if not ids:
+        raise _fail("run", "the prompt encodes to no tokens", code=2)
+    r = rt.bundle.round
+    sampling = Sampling(r.temperature if temperature is None else temperature, r.top_k, r.top_p)
+    client = None if mode == RunMode.slm_alone else VerifierClient(server, auth_token, timeout_s=timeout)
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    try:
+        res = rt.generate(client, ids, mode=mode.value, max_new_tokens=max_new_tokens, seed=seed, sampling=sampling,
+                          epsilon=epsilon, on_text=show)
+    except (TransportError, HandoffError, RuntimeProtocolError, GraphRunError, BundleError) as e:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        raise _fail("run", str(e)) from None
+    sys.stdout.write("\n")
+    m = res.to_json()
+    if json_out:
+        sys.stdout.write(json.dumps(m) + "\n")
+    sys.stdout.flush()
+    typer.echo(f"[{mode.value}: {m['tokens']} tokens, {m['rounds']} rounds, MAT {m['mat']:.2f}, "
+               f"{m['tok_per_s']:.1f} tok/s, draft {m['draft_ms_per_token']:.1f} ms/token, server "
+               f"{m['server_ms_per_token']:.1f} ms/token, first token {m['first_token_ms']} ms]", err=True)
 
 
 @app.command("verify-server")

@@ -259,7 +259,7 @@ class DeviceRuntime:
             if uses_slm:
                 self.slm.start(prompt)
                 t0 = time.perf_counter()
-                self.slm.prefill()
+                self.slm.prefill(reserve=self.bundle.round.chain_length + self.bundle.round.sibling_depth)
                 res.slm_prefill_s = time.perf_counter() - t0
             opened = opened_f.result()
         res.prefill_ms = opened.prefill_ms

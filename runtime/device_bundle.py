@@ -124,12 +124,12 @@ def open_bundle(path: str | os.PathLike, backend: str = "cpu", *, verify: bool =
     head_rotary = {}
     for kind, short in ((SLIDING, "sliding"), (FULL, "full")):
         inv = _npy(folder, f"rotary/head_{short}_inv_freq.npy").astype(np.float32)
-        head_rotary[kind] = RotaryTable(inv, float(_npy(folder, f"rotary/head_{short}_scaling.npy")), 2 * len(inv))
+        head_rotary[kind] = RotaryTable(inv, float(_npy(folder, f"rotary/head_{short}_scaling.npy").reshape(-1)[0]), 2 * len(inv))
     host = manifest.host
     slm_rotary = {}
     for kind in sorted(set(host.slm.layer_types)):
         inv = _npy(folder, f"rotary/slm_{kind}_inv_freq.npy").astype(np.float32)
-        slm_rotary[kind] = RotaryTable(inv, float(_npy(folder, f"rotary/slm_{kind}_scaling.npy")), 2 * len(inv))
+        slm_rotary[kind] = RotaryTable(inv, float(_npy(folder, f"rotary/slm_{kind}_scaling.npy").reshape(-1)[0]), 2 * len(inv))
     luts = {}
     for name, info in host.slm.luts.items():
         luts[name] = EmbeddingLut(packed=_npy(folder, f"luts/slm_{name}_packed.npy"),

@@ -98,15 +98,16 @@ class SlmDrafter:
         self._new_round()
 
     def prefill(self, reserve: int = 8) -> int:
-        """Run R-row chunks of committed tokens until at most R - reserve rows (r included) remain without KV.
-        Returns the number of forwards run (their time goes to ``prefill_seconds``)."""
+        """Run chunks of up to R committed tokens (never r) until at most max(1, R - reserve) rows, r included,
+        remain without KV, leaving ``reserve`` rows for the tree. Returns the number of forwards run (their time
+        goes to ``prefill_seconds``)."""
         t0, n = time.perf_counter(), 0
-        while self.t - self.n_kv + 1 > self.rows - reserve:
-            rows = list(range(self.n_kv, self.n_kv + self.rows))
+        while self.t - self.n_kv + 1 > max(1, self.rows - reserve):
+            rows = list(range(self.n_kv, min(self.n_kv + self.rows, self.t)))
             out = self._forward([self.tokens[p] for p in rows], [-1] + list(range(len(rows) - 1)), self.n_kv)
             for j, p in enumerate(rows):
                 self._write(out, j, p)
-            self.n_kv += self.rows
+            self.n_kv += len(rows)
             n += 1
         self.prefill_seconds += time.perf_counter() - t0
         return n

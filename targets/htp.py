@@ -10,7 +10,10 @@ What :func:`compile_context` does, in order, before the EP sees the model:
 3. host-only patterns (``profile.host_only``): an embedding lookup (Gather on a constant table indexed by an
    integer graph input) is refused with :class:`HostOnlyError` naming the nodes — hycoc keeps embeddings as host
    LUTs (DESIGN.md);
-4. size planner (:func:`plan_context_size`): weight bytes vs ``profile.max_context_bytes`` →
+4. static-graph check (:func:`hycoc.passes.static_shape_check.check_static_graph`): data-dependent KV slicing
+   (a Slice/Gather whose starts/indices come from a graph input) or a fused attention op (ONNX ``Attention``,
+   ``com.microsoft`` ``MultiHeadAttention``/``GroupQueryAttention``...) → ``StaticGraphError`` listing the nodes;
+5. size planner (:func:`plan_context_size`): weight bytes vs ``profile.max_context_bytes`` →
    :class:`ContextTooLargeError`;
 
 then compiles in a child process with ``ep.context_enable=1``, ``ep.context_embed_mode=0`` (separate ``.bin``) and
@@ -185,8 +188,11 @@ def _is_16bit(elem_type: int) -> bool:
 
 def check_capabilities(model, profile: TargetProfile) -> None:
     """Refuse, with :class:`CapabilityError`, a graph the profile cannot run: dynamic input shapes, 16-bit
-    quantized tensors on a profile without ``supports_16bit_ops``, 4-bit weights without
-    ``supports_int4_weights``, op types outside ``supported_op_types``."""
+    tensors on a profile without ``supports_16bit_ops`` (a Q/DQ with a uint16/int16 zero point or
+    ``output_dtype``, a DequantizeLinear of a 16-bit constant without a zero point, 16-bit graph inputs,
+    float16 initializers or Casts; constants from initializers or Constant nodes alike), 4-bit weights without
+    ``supports_int4_weights``, op types outside ``supported_op_types``. The message names every 16-bit
+    node or tensor (up to 8) and the fix."""
     import onnx
 
     model = _load(model)
@@ -198,20 +204,33 @@ def check_capabilities(model, profile: TargetProfile) -> None:
                               f"(HTP graphs are static; export at fixed shapes)")
     inits = {t.name: t for t in g.initializer}
     if not profile.supports_16bit_ops:
+        # dtype of every constant: initializers and Constant nodes' value tensors
+        const_type = {name: t.data_type for name, t in inits.items()}
+        for n in g.node:
+            if n.op_type == "Constant":
+                for a in n.attribute:
+                    if a.name == "value":
+                        const_type[n.output[0]] = a.t.data_type
+        fp16 = onnx.TensorProto.FLOAT16
         found = []
         for n in g.node:
-            if n.op_type not in _QDQ_OPS:
-                continue
-            zp16 = len(n.input) > 2 and n.input[2] in inits and _is_16bit(inits[n.input[2]].data_type)
-            out16 = any(a.name == "output_dtype" and _is_16bit(a.i) for a in n.attribute)
-            if zp16 or out16:
-                found.append(f"{n.name or n.output[0]} ({n.op_type})")
-        found += [f"{i.name} (graph input)" for i in g.input if _is_16bit(i.type.tensor_type.elem_type)]
+            label = f"{n.name or n.output[0]} ({n.op_type})"
+            if n.op_type in _QDQ_OPS:
+                zp16 = len(n.input) > 2 and _is_16bit(const_type.get(n.input[2], 0))
+                out16 = any(a.name == "output_dtype" and _is_16bit(a.i) for a in n.attribute)
+                x16 = n.op_type == "DequantizeLinear" and _is_16bit(const_type.get(n.input[0], 0))
+                if zp16 or out16 or x16:
+                    found.append(label)
+            elif n.op_type == "Cast" and any(a.name == "to" and (_is_16bit(a.i) or a.i == fp16) for a in n.attribute):
+                found.append(label)
+        found += [f"{i.name} (graph input)" for i in g.input
+                  if _is_16bit(i.type.tensor_type.elem_type) or i.type.tensor_type.elem_type == fp16]
+        found += [f"{t.name} (float16 initializer)" for t in g.initializer if t.data_type == fp16]
         if found:
             more = f" and {len(found) - 8} more" if len(found) > 8 else ""
             raise CapabilityError(
                 f"{profile.name} (HTP v{profile.htp_arch}) cannot run 16-bit ops, and this graph has {len(found)} "
-                f"16-bit quantized tensors: {', '.join(found[:8])}{more}. Quantize activations to 8 bits for this "
+                f"16-bit tensors or ops: {', '.join(found[:8])}{more}. Quantize activations to 8 bits for this "
                 f"target, or compile for a profile with 16-bit support (e.g. htp-v81).")
     if not profile.supports_int4_weights:
         int4 = [t.name for t in g.initializer if t.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4)]
@@ -345,12 +364,15 @@ def _ctx_paths(out_dir: Path, graph_name: str) -> tuple[Path, Path]:
 
 
 def _precheck(model_path: Path, profile: TargetProfile) -> None:
+    from hycoc.passes.static_shape_check import check_static_graph
+
     model = _load(model_path)
     check_capabilities(model, profile)
     host = find_host_only_nodes(model, profile)
     if host:
         raise HostOnlyError(f"{model_path.name}: {len(host)} node(s) belong on the host, not in an HTP graph "
                             f"({profile.name})", host)
+    check_static_graph(model, what=f"{model_path.name} ({profile.name})")
 
 
 def compile_shared(graphs: Sequence[tuple[str | os.PathLike, str]], out_dir: str | os.PathLike,
@@ -360,7 +382,7 @@ def compile_shared(graphs: Sequence[tuple[str | os.PathLike, str]], out_dir: str
 
     Files: ``NAME_ctx.onnx`` per graph and ``FIRST_ctx_qnn.bin`` (shared) or ``NAME_ctx_qnn.bin`` each; existing
     files of the same names are replaced only after the whole compile succeeded.
-    Raises CapabilityError, HostOnlyError, ContextTooLargeError (before compiling), FallbackError,
+    Raises CapabilityError, HostOnlyError, StaticGraphError, ContextTooLargeError (before compiling), FallbackError,
     HtpCompileError, ArchMismatchError (after). Compile time is in ``CompiledGraph.compile_seconds``.
     """
     import onnx

@@ -93,7 +93,11 @@ def make_slm(path):
 
 @pytest.fixture(scope="module")
 def recipe_path(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_recipe")
+    return write_tiny_recipe(tmp_path_factory.mktemp("tiny_recipe"))
+
+
+def write_tiny_recipe(root):
+    """The tiny recipe and its random models under ``root``; returns the recipe's path."""
     verifier = tiny_verifier()
     verifier.save_pretrained(root / "verifier")
     tiny_head(verifier).save_pretrained(root / "head")

@@ -53,17 +53,10 @@ def test_each_command_documents_its_options(command, options):
         assert option in result.stdout, option
 
 
-PENDING = [
-    (["run", ROOT, "--server", "ws://127.0.0.1:8765", "--prompt", "hi"],
-     "hycoc run: not available yet (issue 5: Device runtime: hycoc run BUNDLE --server URL)"),
-]
-
-
-@pytest.mark.parametrize("args,message", PENDING, ids=[" ".join(map(str, a[:1] + a[2:])) for a, _ in PENDING])
-def test_pending_commands_exit_2_with_their_issue(args, message):
-    result = invoke(*args)
-    assert result.exit_code == 2
-    assert result.stderr.startswith(message)
+def test_run_on_a_folder_that_is_not_a_bundle_exits_1_naming_the_manifest():
+    result = invoke("run", ROOT, "--server", "ws://127.0.0.1:8765", "--prompt", "hi", "--backend", "cpu")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("hycoc run: ") and "manifest.json" in result.stderr
     assert result.stdout == ""
 
 

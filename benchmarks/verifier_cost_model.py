@@ -1,0 +1,309 @@
+"""Measure a verifier cost model: ms of one tree-verification forward per (rows, context) (issues 6 and 7).
+
+    python benchmarks/verifier_cost_model.py --device cuda --out runs/cost-h200.json
+    python benchmarks/verifier_cost_model.py --device cpu --recipe recipes/toy.toml --out runs/cost-toy-cpu.json
+
+``--device cuda`` without ``--recipe``: the Gemma 4 26B-A4B verifier shape (`hycoc.passes.plan.VERIFIER_26B_A4B`,
+DESIGN.md "Reference shapes": 30 layers, hidden 2816, MoE 128 experts top-8, vocab 262,144; 25.2e9 parameters,
+50.5 GB in bf16) built by transformers' ``Gemma4ForCausalLM`` with RANDOM weights in ``--dtype`` (bfloat16) on one
+GPU. Random weights change no shape and no kernel, so the timing is the real model's -- except MoE routing: a
+random router spreads tokens nearly uniformly, so 33 rows x top-8 touch about 112 of the 128 experts per layer
+(128 (1 - (127/128)^264)); trained routing is likely more concentrated, so on a weight-bandwidth-bound GPU the
+multi-row points are, if anything, an upper bound (not measured against real weights).
+``--recipe`` loads the recipe's verifier with its real weights instead (`hycoc.models.load_verifier`); that is the
+``--device cpu`` mode for the toy. Without CUDA, ``--device cuda`` prints one line saying why and exits 0.
+
+For every context t in ``--contexts`` the KV cache is filled with random keys and values of the right shape (one
+real 1-token forward creates every layer's cache entry, then each layer's keys/values are replaced by
+(1, kv_heads, t, head_dim) standard-normal tensors -- the scale of k_norm/v_norm outputs), which costs nothing next
+to a real prefill of t tokens. Then, for every rows value R in ``--rows``, the engine's own
+`hycoc.verifier.engine.verify_tree` runs one forward over a tree of R rows (root, a chain of up to K = 4, the rest
+as siblings; the cost does not depend on the tree's shape, only on R and t), with the engine's explicit 4-D masks,
+and `crop_cache` takes the R rows back off. Timing: CUDA events on a GPU (synchronized), perf_counter on the CPU
+(`hycoc.verifier.engine._Timer`, the clock the server's server_ms uses); ``--warmup`` untimed passes, then the
+median of ``--repeats`` timed passes, each pass visiting every grid point once (interleaved, so load drift on a busy
+machine spreads over the whole grid). What is timed is Alg. 4 lines 1-3 (mask build, forward, logits of all R
+rows); sampling, acceptance, compaction and the hand-off are not (see `hycoc.cost_model`).
+
+Writes the cost model JSON atomically (`hycoc.cost_model.CostModel.save`) and prints a table (ms, and ms per row).
+Exit codes: 0 done or skipped (no CUDA), 1 bad input (recipe, model missing, out of memory), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(REPO))
+
+from hycoc.cost_model import CostModel, CostModelError, CostPoint  # noqa: E402  (numpy + pydantic only)
+
+DEFAULTS = {"cuda": dict(contexts="1024,4096,16384", dtype="bfloat16"),
+            "cpu": dict(contexts="32,64,128,256", dtype=None)}
+
+
+def _ints(text: str, name: str, minimum: int) -> list[int]:
+    try:
+        vals = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise SystemExit(_usage(f"{name} {text!r}: give comma-separated integers, e.g. 1,5,33")) from None
+    if not vals or vals[0] < minimum:
+        raise SystemExit(_usage(f"{name} {text!r}: need at least one value, each >= {minimum}"))
+    return vals
+
+
+def _usage(msg: str) -> int:
+    print(f"verifier_cost_model: {msg}", file=sys.stderr)
+    return 2
+
+
+def demo_parents(rows: int, chain_length: int = 4):
+    """Parent rows of an R-row tree: root, a chain of min(K, R - 1), the other rows as siblings hung on the root
+    and the chain rows in turn (each row's parent is an earlier row). int64 (R,)."""
+    import numpy as np
+
+    parents = np.full(rows, -1, dtype=np.int64)
+    chain = min(chain_length, rows - 1)
+    for j in range(1, chain + 1):
+        parents[j] = j - 1
+    for j in range(chain + 1, rows):
+        parents[j] = (j - chain - 1) % (chain + 1) if chain else 0
+    return parents
+
+
+def build_random_verifier(config_dict: dict, device: str, dtype: str):
+    """transformers ``Gemma4ForCausalLM`` of ``config_dict`` with random weights (the model's own initializer),
+    created directly on ``device`` in ``dtype`` (no float32 copy: 26B-A4B in float32 would not fit beside its
+    bf16 copy), sdpa attention, eval mode."""
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    config = Gemma4TextConfig.from_dict(dict(config_dict))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Gemma4ForCausalLM._from_config(config, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    return model.eval()
+
+
+def random_cache(model, context: int, device):
+    """A ``DynamicCache`` (no config: every layer keeps all positions, as the engine's) holding ``context`` random
+    positions in every layer that stores KV. One 1-token forward creates the layers; their keys and values are then
+    replaced by standard-normal (1, kv_heads, context, head_dim) tensors in the model's dtype."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+              position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), cache=cache, use_cache=True,
+              logits_to_keep=1)
+        gen = torch.Generator(device=device).manual_seed(context)
+        for layer in cache.layers:
+            if not (layer.is_initialized and layer.keys.numel()):
+                continue  # KV-shared layers store nothing
+            b, h, _, d = layer.keys.shape
+            layer.keys = torch.randn(b, h, context, d, generator=gen, device=device, dtype=layer.keys.dtype)
+            layer.values = torch.randn(b, h, context, d, generator=gen, device=device, dtype=layer.values.dtype)
+    return cache
+
+
+def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, device, chain_length: int = 4,
+                 log=print) -> list[CostPoint]:
+    """Median ms of `verify_tree` for every (rows, context) of the grid (module docstring). Returns CostPoints in
+    (context, rows) order.
+
+    The passes are interleaved: every repetition visits every grid point once (one random cache per context, all
+    alive together), so a machine whose load drifts during the run spreads that drift over the whole grid instead
+    of biasing the points measured last. log(rows, context, median_ms, times) is called per point at the end.
+    """
+    import numpy as np
+    import torch
+
+    from hycoc.verifier.engine import NormTap, _Timer, crop_cache, verify_tree
+
+    dev = torch.device(device)
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(0)
+    grid = [(t, rows) for t in contexts for rows in rows_list]
+    parents = {rows: demo_parents(rows, chain_length) for rows in rows_list}
+    times: dict[tuple[int, int], list[float]] = {key: [] for key in grid}
+    tap = NormTap(model)
+    caches = {}
+    try:
+        caches = {t: random_cache(model, t, dev) for t in contexts}
+        for i in range(warmup + repeats):
+            for t, rows in grid:
+                tokens = torch.as_tensor(rng.integers(0, vocab, rows), device=dev)
+                with _Timer(dev) as timer:
+                    verify_tree(model, caches[t], tap, tokens, parents[rows], t, model.dtype)
+                crop_cache(caches[t], t)
+                if i >= warmup:
+                    times[(t, rows)].append(timer.ms)
+    finally:
+        tap.remove()
+        caches.clear()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    points = []
+    for t, rows in grid:
+        ms = statistics.median(times[(t, rows)])
+        log(rows, t, ms, times[(t, rows)])
+        points.append(CostPoint(rows=rows, context=t, ms=ms))
+    return points
+
+
+def shape_of(config) -> dict:
+    """The numbers of a Gemma 4 text config that set a forward's cost."""
+    keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "global_head_dim", "num_global_key_value_heads", "sliding_window", "enable_moe_block",
+            "num_experts", "top_k_experts", "moe_intermediate_size", "vocab_size", "num_kv_shared_layers")
+    d = config.to_dict()  # plain values (per-layer attributes cannot be read from a heterogeneous config)
+    out = {k: d[k] for k in keys if d.get(k) is not None}
+    out["full_attention_layers"] = sum(lt == "full_attention" for lt in d["layer_types"])
+    if d.get("per_layer_config"):
+        out["per_layer_config"] = d["per_layer_config"]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cuda", "cpu"), required=True, help="torch device to measure on")
+    ap.add_argument("--recipe", type=Path, default=None,
+                    help="load this recipe's verifier with its real weights (default: Gemma 4 26B-A4B shape with "
+                    "random weights; needs --device cuda)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="cost model JSON to write (default: runs/cost-model-<device>.json)")
+    ap.add_argument("--rows", default="1,5,33", help="tree rows per forward, comma-separated (default %(default)s)")
+    ap.add_argument("--contexts", default=None,
+                    help="cached positions before the forward, comma-separated (default: cuda 1024,4096,16384; "
+                    "cpu 32,64,128,256)")
+    ap.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                    help="weights and activations (default: bfloat16 for random weights, else the recipe's "
+                    "verifier.dtype)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed forwards per point (default %(default)s)")
+    ap.add_argument("--repeats", type=int, default=10, help="timed forwards per point; the median is kept "
+                    "(default %(default)s)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="random-weight mode only: keep the first N of the 30 layers (a smoke test; the JSON says "
+                    "so)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: the recipe's verifier.threads, else torch's)")
+    args = ap.parse_args(argv)
+    if args.warmup < 0 or args.repeats < 1:
+        return _usage("--warmup must be >= 0 and --repeats >= 1")
+    rows_list = _ints(args.rows, "--rows", 1)
+    contexts = _ints(args.contexts or DEFAULTS[args.device]["contexts"], "--contexts", 1)
+
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"verifier_cost_model: skipped: --device cuda, but torch {torch.__version__} sees no CUDA device on "
+              "this machine; nothing measured, nothing written")
+        return 0
+    if args.recipe is None and args.device == "cpu":
+        return _usage("--device cpu needs --recipe (random Gemma 4 26B-A4B weights take 50.5 GB in bf16 and "
+                      "minutes per forward on a CPU); e.g. --device cpu --recipe recipes/toy.toml")
+    if args.recipe is not None and args.layers is not None:
+        return _usage("--layers applies to the random-weight 26B-A4B shape only, not to --recipe")
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    t_start = time.perf_counter()
+    meta = {"warmup": args.warmup, "repeats": args.repeats, "statistic": "median",
+            "timed": "hycoc.verifier.engine.verify_tree: 4-D tree masks + one forward + logits of all rows "
+                     "(Alg. 4 lines 1-3); KV cache filled with random keys/values",
+            "torch": torch.__version__, "python": platform.python_version(),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    try:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+        if args.recipe is None:
+            from hycoc.passes.plan import VERIFIER_26B_A4B
+
+            cfg = dict(VERIFIER_26B_A4B)
+            name = "Gemma 4 26B-A4B shape (hycoc.passes.plan.VERIFIER_26B_A4B), random weights"
+            if args.layers is not None:
+                if not 1 <= args.layers <= cfg["num_hidden_layers"]:
+                    return _usage(f"--layers {args.layers}: allowed 1..{cfg['num_hidden_layers']}")
+                cfg["num_hidden_layers"], cfg["layer_types"] = args.layers, cfg["layer_types"][:args.layers]
+                name += f", first {args.layers} of 30 layers only (smoke test, NOT the model's cost)"
+            dtype = args.dtype or DEFAULTS["cuda"]["dtype"]
+            console.print(f"building {name} in {dtype} on {args.device} ...")
+            model = build_random_verifier(cfg, args.device, dtype)
+            meta["weights"] = "random (transformers' initializer, seed 0)"
+        else:
+            from hycoc.models import load_verifier
+            from hycoc.recipe import load_recipe
+
+            recipe = load_recipe(args.recipe)
+            dtype = args.dtype or recipe.verifier.dtype
+            threads = args.threads or recipe.verifier.threads
+            if threads:
+                torch.set_num_threads(threads)
+            model = load_verifier(recipe.model_path("verifier"), dtype=dtype, device=args.device)
+            name = f"{recipe.models.verifier} (recipe {args.recipe}), real weights"
+            meta["weights"] = "real"
+            meta["recipe"] = str(args.recipe)
+        meta["experts_implementation"] = getattr(model.config, "_experts_implementation", None)
+        meta["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
+        params = sum(p.numel() for p in model.parameters())
+        meta["parameters"] = params
+        meta["build_s"] = round(time.perf_counter() - t_start, 1)
+        if args.device == "cuda":
+            device_name = torch.cuda.get_device_name(0)
+        else:
+            device_name = f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s)"
+        console.print(f"{params / 1e9:.3f}e9 parameters, built in {meta['build_s']} s; measuring rows "
+                      f"{rows_list} x contexts {contexts}, {args.warmup} warm-up + median of {args.repeats}")
+
+        def log(rows, t, ms, times):
+            console.print(f"  rows {rows:>3}  context {t:>6}  {ms:9.2f} ms  (min {min(times):.2f}, "
+                          f"max {max(times):.2f})  [{time.perf_counter() - t_start:.0f} s]")
+
+        points = measure_grid(model, rows_list, contexts, warmup=args.warmup, repeats=args.repeats,
+                              device=args.device, log=log)
+        if args.device == "cuda":
+            meta["max_memory_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    except torch.OutOfMemoryError as e:
+        print(f"verifier_cost_model: out of memory on {args.device}: {e}; use fewer/shorter --contexts",
+              file=sys.stderr)
+        return 1
+    except (FileNotFoundError, ValueError, OSError) as e:  # RecipeError, ModelNotFoundError are ValueError/OSError
+        print(f"verifier_cost_model: {e}", file=sys.stderr)
+        return 1
+
+    meta["total_s"] = round(time.perf_counter() - t_start, 1)
+    cm = CostModel(device=device_name, dtype=dtype, model=name, shape=shape_of(model.config), points=points,
+                   source="measured", meta=meta)
+    out = args.out or REPO / "runs" / f"cost-model-{args.device}.json"
+    try:
+        cm.save(out)
+    except (OSError, CostModelError) as e:
+        print(f"verifier_cost_model: cannot write {out}: {e}", file=sys.stderr)
+        return 1
+
+    table = Table(title=f"verification forward, ms (median of {args.repeats})",
+                  caption=f"{name}; {dtype}; {device_name}")
+    table.add_column("rows", justify="right")
+    for t in contexts:
+        table.add_column(f"t = {t:,}", justify="right")
+    grid = cm.table()
+    for i, rows in enumerate(cm.rows_grid):
+        table.add_row(str(rows), *(f"{ms:.2f} ({ms / rows:.2f}/row)" for ms in grid[i]))
+    console.print(table)
+    console.print(f"wrote {out} in {meta['total_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

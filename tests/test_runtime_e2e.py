@@ -1,0 +1,148 @@
+"""`hycoc run` end to end on loopback (issue 5 acceptance): the tiny recipe of tests/test_build.py built into a cpu
+bundle, its verifier served by `ServerThread`, the device runtime talking to it through the real wire protocol.
+
+At temperature 0 the verifier's p~ is one-hot, so every acceptance rule (exact, epsilon, any tree) must commit
+exactly the verifier's greedy continuation: the runtime's text equals the verifier's own greedy generation token
+for token, whatever its drafters propose.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from rich.console import Console
+from test_build import write_tiny_recipe
+from typer.testing import CliRunner
+
+from hycoc.chat import stop_token_ids
+from hycoc.cli import app
+from hycoc.messages import Sampling
+from hycoc.passes import build as b
+from hycoc.recipe import load_recipe
+from hycoc.runtime import transport
+from hycoc.runtime.client import load_runtime
+from hycoc.verifier.loading import engine_from_recipe, server_options
+from hycoc.verifier.server import ServerThread
+
+torch.set_num_threads(1)
+GREEDY = Sampling(0.0, 64, 0.95)
+LONG = " ".join(f"w{i}" for i in range(3, 60, 2))
+MAX_NEW = 40          # > the tiny recipe's windows (16 / 8): the rings wrap around several times
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rt")
+    recipe = load_recipe(write_tiny_recipe(root))
+    out = root / "bundle"
+    b.build_bundle(recipe, "cpu", out, root / "cache", console=Console(file=io.StringIO()))
+    return recipe, out
+
+
+@pytest.fixture(scope="module")
+def server(built):
+    recipe, out = built
+    keep = torch.as_tensor(np.load(out / "keep_set.npy"))
+    engine = engine_from_recipe(recipe, device="cpu", keep_set=keep)
+    with ServerThread(engine, **server_options(recipe)) as srv:
+        yield srv, engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def runtime(built):
+    return load_runtime(built[1], "cpu", threads=1)
+
+
+def prompt_ids(runtime, text="w1 w2 w3 w4 w5"):
+    from hycoc.chat import format_prompt
+
+    return format_prompt(runtime.bundle.tokenizer, text)
+
+
+def greedy_reference(engine, ids, max_new, stops):
+    """The verifier's own greedy generation: one causal forward per token, cut as the verifier commits."""
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(max_new):
+            logits = engine.model(torch.tensor([out])).logits[0, -1]
+            tok = int(torch.argmax(logits))
+            out.append(tok)
+            if tok in stops:
+                break
+    return out[len(ids):]
+
+
+@pytest.mark.parametrize("mode", ["hyco-exact", "hyco", "specedge", "hyco-2p", "server-head", "cloud-mtp"])
+def test_greedy_output_equals_the_verifiers_greedy_generation(server, runtime, mode):
+    srv, engine = server
+    ids = prompt_ids(runtime, LONG)   # longer than every ring: chunked SLM fill, hand-off windows of W rows
+    assert len(ids) > 16
+    want = greedy_reference(engine, ids, MAX_NEW, stop_token_ids(runtime.bundle.tokenizer))
+    pieces = []
+    res = runtime.generate(transport.VerifierClient(srv.url), ids, mode=mode, max_new_tokens=MAX_NEW,
+                           sampling=GREEDY, on_text=pieces.append)
+    assert res.tokens == want
+    assert 1 <= res.rounds <= len(want)      # random tiny drafters: acceptance is not the point here, exactness is
+    assert "".join(pieces) == res.text
+    m = res.to_json()
+    assert m["tokens"] == len(want) and m["mat"] == pytest.approx(len(want) / res.rounds, abs=1e-4)
+    rows = 1 if mode == "cloud-mtp" else 5
+    assert m["bytes_up_per_round"] == 22 + 6 * rows          # ROUND frame: 16-B header + 6 + 6 per row
+    print(f"{mode:12s} tokens {m['tokens']} rounds {m['rounds']} MAT {m['mat']:.2f}")
+
+
+def test_sampled_hyco_runs_and_reports_every_metric(server, runtime):
+    srv, _ = server
+    res = runtime.generate(transport.VerifierClient(srv.url), prompt_ids(runtime), mode="hyco", max_new_tokens=24,
+                           sampling=Sampling(1.0, 64, 0.95), seed=3)
+    m = res.to_json()
+    assert set(m) == {"text", "tokens", "rounds", "mat", "tok_per_s", "draft_ms_per_token", "server_ms_per_token",
+                      "first_token_ms", "bytes_up_per_round", "bytes_down_per_round"}
+    assert 1 <= m["tokens"] <= 24 and m["rounds"] >= 1 and m["server_ms_per_token"] > 0
+    assert m["draft_ms_per_token"] > 0 and m["first_token_ms"] > 0 and m["bytes_down_per_round"] > 44
+
+
+def test_slm_alone_needs_no_server(runtime):
+    res = runtime.generate(None, prompt_ids(runtime), mode="slm-alone", max_new_tokens=12)
+    assert 1 <= len(res.tokens) <= 12 and res.rounds == len(res.tokens)
+    assert all(runtime.bundle.keep_index[t] >= 0 for t in res.tokens)   # the SLM graph drafts over the keep set
+
+
+def test_cli_run_streams_text_and_prints_json(server, built):
+    srv, _ = server
+    result = CliRunner().invoke(app, ["run", str(built[1]), "--server", srv.url, "--prompt", "w1 w2 w3",
+                                      "--backend", "cpu", "--mode", "hyco-exact", "--temperature", "0",
+                                      "--max-new-tokens", "16", "--json"])
+    assert result.exit_code == 0, result.stderr
+    last = json.loads(result.stdout.strip().splitlines()[-1])
+    assert last["tokens"] <= 16 and result.stdout.startswith(last["text"])
+    assert result.stderr.startswith("[hyco-exact: ")
+
+
+def test_cli_run_errors_are_one_line_with_a_nonzero_exit(built, tmp_path):
+    bundle = built[1]
+    runner = CliRunner()
+    result = runner.invoke(app, ["run", str(bundle), "--server", "ws://127.0.0.1:9", "--prompt", "w1",
+                                 "--backend", "cpu", "--timeout", "2"])
+    assert result.exit_code == 1
+    assert result.stderr.strip().startswith("hycoc run: cannot reach the verifier at ws://127.0.0.1:9")
+    # a corrupt bundle: one flipped byte in a LUT is refused before any session opens
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(bundle, bad)
+    lut = bad / "luts" / "head_embedding_q.npy"
+    data = bytearray(lut.read_bytes())
+    data[-1] ^= 1
+    lut.write_bytes(bytes(data))
+    result = runner.invoke(app, ["run", str(bad), "--server", "ws://127.0.0.1:9", "--prompt", "w1", "--backend", "cpu"])
+    assert result.exit_code == 1 and "sha256" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    # a cpu bundle on the htp backend: refused naming both values
+    result = runner.invoke(app, ["run", str(bundle), "--server", "ws://127.0.0.1:9", "--prompt", "w1",
+                                 "--backend", "htp"])
+    assert result.exit_code == 1 and "bundle built for target backend cpu, this device has htp" in result.stderr
