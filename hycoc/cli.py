@@ -332,10 +332,23 @@ def bench(
         "(default: the recipe's bench.link)", show_default=False),
     runs: Optional[int] = typer.Option(None, min=1, help="repetitions per configuration (default: the recipe's)",
                                        show_default=False),
-    out: Path = typer.Option(Path("runs/bench"), help="folder for results.json and plots"),
+    out: Path = typer.Option(Path("runs/bench"), help="folder for records.jsonl, results.json and plots"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
+    bundle: Optional[Path] = typer.Option(
+        None, help="device bundle (default: bundles/<recipe name>-cpu, built first when missing)", show_default=False),
+    backend: Backend = typer.Option(Backend.cpu, help="device backend of the bundle's graphs"),
+    cost_model: Optional[Path] = typer.Option(
+        None, help="cost-model JSON for g projected (benchmarks/verifier_cost_model.py); default: measured here",
+        show_default=False),
+    max_new_tokens: Optional[int] = typer.Option(
+        None, min=1, help="output cap per request (default: the recipe's bench.output_cap)", show_default=False),
 ) -> None:
-    """Benchmark every configuration on the same prompts, verifier and seed (paper Table 2, App. G)."""
+    """Benchmark every configuration on the same prompts, verifier and seed (paper Table 2, App. G).
+
+    The verifier runs as a separate `hycoc verify-server` process on loopback; the device runtime runs here and
+    talks to it through the wire protocol. Writes OUT/records.jsonl (one line per finished request; --resume
+    continues), OUT/results.json (summary + records) and PNG plots, and prints the table.
+    """
     from hycoc.datasets import DatasetError, load_spec_bench
     from hycoc.recipe import check_link
 
@@ -351,10 +364,34 @@ def bench(
                         code=2) from None
     path = dataset or cfg.resolve_path(cfg.bench.dataset) or DEFAULT_DATASET
     try:
-        load_spec_bench(path)
+        questions = load_spec_bench(path)
     except DatasetError as e:
         raise _fail("bench", str(e)) from None
-    raise _pending("bench")
+    if cost_model is not None and not cost_model.is_file():
+        raise _fail("bench", f"--cost-model {cost_model}: no such file", code=2)
+    from hycoc.bench import BenchError, BenchPlan, default_bundle_dir, run_bench
+    from hycoc.bundle import BundleError
+    from hycoc.cost_model import CostModelError
+    from hycoc.runtime.transport import TransportError
+
+    bundle_dir = bundle or default_bundle_dir(cfg, REPO_ROOT)
+    if not (bundle_dir / "manifest.json").is_file():
+        if bundle is not None:
+            raise _fail("bench", f"--bundle {bundle}: no manifest.json there; build one with hycoc build")
+        typer.echo(f"hycoc bench: no bundle at {bundle_dir}; building it (hycoc build {recipe} --target cpu)", err=True)
+        from hycoc.passes.build import build_bundle
+
+        build_bundle(cfg, "cpu", bundle_dir, REPO_ROOT / ".hycoc-cache")
+    plan = BenchPlan(questions=questions[:limit] if limit else questions,
+                     configs=[c for c in BENCH_CONFIGS if c in configs.split(",")], runs=runs or cfg.bench.runs,
+                     link=link or cfg.bench.link, output_cap=max_new_tokens or cfg.bench.output_cap, out=out)
+    try:
+        run_bench(cfg, recipe, plan, bundle_dir=bundle_dir, backend=backend.value, resume=resume,
+                  cost_model_path=cost_model)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    except (BenchError, BundleError, TransportError, CostModelError) as e:
+        raise _fail("bench", str(e)) from None
 
 
 @app.command()

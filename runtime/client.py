@@ -80,8 +80,10 @@ class RequestResult:
     seconds: request start to last token. first_token_s: request start to the first streamed token.
     draft_s: device drafting time in rounds (MTP Drafter + tree + SLM forwards; waits and the SLM's request-start
     fill excluded). slm_prefill_s: that fill. prefill_ms / server_ms: the verifier's times (from its replies).
-    round_bytes: (up, down) frame bytes per round. rows: tree rows per round; context: root position per round.
-    outside_keep: bonus tokens outside the keep set.
+    round_bytes: (up, down) frame bytes per round. rows: rows of the verifier's forward per round; context: root
+    position per round. bonus_outside_keep: bonus tokens outside the keep set. link_s: link-model time of the
+    request (slept, or only counted when the client's sleep is a no-op); first_token_link_s: its part before the
+    first token.
     """
 
     mode: str
@@ -100,6 +102,7 @@ class RequestResult:
     context: list[int] = field(default_factory=list)
     bonus_outside_keep: int = 0
     link_s: float = 0.0
+    first_token_link_s: float = 0.0
     finished: bool = False
 
     @property
@@ -206,6 +209,7 @@ class DeviceRuntime:
         def emit(new: list[int]) -> None:
             if new and res.first_token_s is None:
                 res.first_token_s = time.perf_counter() - start
+                res.first_token_link_s = getattr(client, "link_s", 0.0)
             res.tokens.extend(new)
             piece = stream.push(new)
             if piece and on_text is not None:
@@ -277,9 +281,9 @@ class DeviceRuntime:
                 tokens, parents = np.asarray([root], np.int32), np.asarray([-1], np.int32)
             else:
                 tokens, parents = built.tokens, built.parents
-            res.rows.append(len(tokens))
             res.context.append(len(prompt) - 1 + len(res.tokens))
             reply = client.round(DraftTree(seq, tokens, parents))
+            res.rows.append(len(reply.samples))      # rows of the verifier's forward (cloud-mtp: root + its chain)
             res.server_ms.append(reply.server_ms)
             res.round_bytes.append(client.round_bytes[-1])
             res.rounds += 1

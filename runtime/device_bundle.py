@@ -72,13 +72,20 @@ def local_qnn() -> dict[str, str | None]:
     return versions()
 
 
+def sdk_release(version: str) -> tuple[int, ...]:
+    """``"v2.51.0.260929181845"`` (a context binary's) and ``"2.51.0"`` (onnxruntime-qnn's) -> (2, 51, 0)."""
+    parts = version.strip().lstrip("vV").split(".")
+    return tuple(int(p) for p in parts[:3] if p.isdigit())
+
+
 def check_device(manifest: Manifest, backend: str, *, qnn: dict[str, str | None] | None = None,
                  htp_arch: int | None = None, soc_model: str | None = None) -> None:
     """Refuse a bundle this device cannot run, before any session is created (issue 5 "Bundle compatibility").
 
     backend: ``htp`` (QNN EP context binaries) or ``cpu`` (QDQ ONNX on onnxruntime's CPU EP). For htp, the
     bundle's QNN SDK must equal the local onnxruntime-qnn's (``qnn``: `local_qnn` output, read when None);
-    htp_arch / soc_model: the device's, when known (None on the x86 simulator, which runs any arch).
+    htp_arch / soc_model: the device's, when known (None on the x86 simulator, which runs any arch). SDK versions
+    are compared by release (major.minor.patch; the binary adds a build stamp).
     Raises TargetMismatch naming the field, the bundle's value and the device's, or ValueError for a bad backend.
     """
     if backend not in BACKENDS:
@@ -88,7 +95,11 @@ def check_device(manifest: Manifest, backend: str, *, qnn: dict[str, str | None]
         if manifest.target.backend == "htp" and qnn.get("onnxruntime-qnn") is None:
             raise TargetMismatch("bundle built for the QNN HTP backend, and onnxruntime-qnn is not installed here; "
                                  "install it (pip install -e '.[qnn]') or build a bundle with --target cpu")
-        check_target(manifest, backend="htp", htp_arch=htp_arch, soc_model=soc_model, qnn_sdk=qnn.get("qnn_sdk"))
+        check_target(manifest, backend="htp", htp_arch=htp_arch, soc_model=soc_model)
+        built, here = manifest.target.qnn_sdk, qnn.get("qnn_sdk")
+        if built and here and sdk_release(built) != sdk_release(here):
+            raise TargetMismatch(f"bundle built for QNN SDK {built}, this device has {here}; rebuild it with "
+                                 "`hycoc build RECIPE --target ...` for this device")
     else:
         check_target(manifest, backend="cpu")
 

@@ -146,3 +146,38 @@ def test_cli_run_errors_are_one_line_with_a_nonzero_exit(built, tmp_path):
     result = runner.invoke(app, ["run", str(bundle), "--server", "ws://127.0.0.1:9", "--prompt", "w1",
                                  "--backend", "htp"])
     assert result.exit_code == 1 and "bundle built for target backend cpu, this device has htp" in result.stderr
+
+
+def test_htp_bundle_on_the_simulator_gives_the_verifiers_greedy_text(built, server, tmp_path):
+    """The same recipe built for htp-v81 (QNN context binaries, CPU fallback disabled) and run with --backend htp:
+    on this x86 host the QNN EP's HTP backend runs the binaries on its simulator."""
+    from hycoc.targets.qnn_ep import versions
+
+    if versions().get("onnxruntime-qnn") is None:
+        pytest.skip("onnxruntime-qnn is not installed")
+    recipe, out = built
+    htp = out.parent / "bundle-htp"
+    b.build_bundle(recipe, "htp-v81", htp, out.parent / "cache", console=Console(file=io.StringIO()))
+    rt = load_runtime(htp, "htp")
+    assert rt.bundle.manifest.target.htp_arch == 81 and rt.mtp.runner.entry.context_binary
+    srv, engine = server
+    ids = prompt_ids(rt, LONG)
+    want = greedy_reference(engine, ids, 12, stop_token_ids(rt.bundle.tokenizer))
+    res = rt.generate(transport.VerifierClient(srv.url), ids, mode="hyco-exact", max_new_tokens=12, sampling=GREEDY)
+    assert res.tokens == want
+    assert rt.slm.runner.calls >= res.rounds and rt.mtp.runner.calls >= 1   # both graphs ran on the simulator
+
+
+def test_qnn_sdk_versions_compare_by_release(built):
+    from hycoc.bundle import TargetMismatch, load_manifest
+    from hycoc.runtime.device_bundle import check_device, sdk_release
+
+    assert sdk_release("v2.51.0.260929181845") == sdk_release("2.51.0") == (2, 51, 0)
+    manifest = load_manifest(built[1])
+    htp = manifest.model_copy(update={"target": manifest.target.model_copy(
+        update={"backend": "htp", "htp_arch": 81, "qnn_sdk": "v2.51.0.1"})})
+    check_device(htp, "htp", qnn={"onnxruntime-qnn": "2.7.0", "qnn_sdk": "2.51.0"})
+    with pytest.raises(TargetMismatch, match="bundle built for QNN SDK v2.51.0.1, this device has 2.50.0"):
+        check_device(htp, "htp", qnn={"onnxruntime-qnn": "2.6.0", "qnn_sdk": "2.50.0"})
+    with pytest.raises(TargetMismatch, match="onnxruntime-qnn is not installed"):
+        check_device(htp, "htp", qnn={"onnxruntime-qnn": None, "qnn_sdk": None})

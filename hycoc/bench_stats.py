@@ -1,0 +1,650 @@
+"""Statistics, terminal tables, results.json summary and plots of `hycoc bench` (issue 6; paper §4, App. G).
+
+`hycoc.bench` runs the requests and produces one *record* per request; this module turns the records into the
+paper's metrics. Core module: numpy only at import time (rich and matplotlib are imported inside the functions
+that draw), no torch.
+
+Record (one dict per request; times in milliseconds unless the name says seconds)::
+
+    config            "hyco" | "hyco-exact" | "hyco-2p" | "specedge" | "specedge-eps" | "server-head"
+                      | "cloud-mtp" | "slm-alone"
+    run, question_id  int; a request is identified by (config, run, question_id)
+    category          str (Spec-Bench category)
+    tokens            output tokens, bonus tokens included
+    rounds            verification rounds (slm-alone: one per token, no verifier)
+    accepted          [int] |P| per round (tokens committed per round = accepted + 1)
+    prefill_ms        verifier prefill ms (0 for slm-alone)
+    server_ms         [float] verifier ms per round (empty for slm-alone)
+    rows              [int] rows of the verifier forward per round (B + 1 = 33 for device trees, 1 + K for cloud-mtp)
+    context           [int] root position (context length) per round
+    seconds           delivery time in seconds: request start to last token, link delays included
+    first_token_ms    float | None;  draft_ms, slm_prefill_ms: device ms
+    bytes_up, bytes_down   [int] frame bytes per round
+    bonus_outside_keep     int, bonus tokens outside the drafters' keep set
+    verifier_logprob  float | None, the verifier's mean log-prob per output token of the answer (quality proxy)
+    reference_match   bool | None, exact-match proxy (`reference_match`) where the dataset has a reference
+
+Definitions (App. G; "pooled" = numerators and denominators summed over requests before dividing; with several
+runs the pooled ratio is taken per run and the runs' ratios are averaged, as App. G does):
+
+* g [ms / output token] = sum over requests of (prefill_ms + sum server_ms) / sum tokens. Verifier time on the
+  hardware that ran it, prefill included. None for slm-alone (no verifier).
+* g_rounds [ms / output token] = sum server_ms / sum tokens: measured g over rounds only (prefill excluded), the
+  figure to hold against g projected.
+* g projected [ms / output token] = sum over rounds of cost_model.predict(rows, context) / sum tokens: the rounds
+  replayed through a cost model measured on another device (`hycoc.cost_model`). Rounds only, PREFILL EXCLUDED
+  (the cost model does not project prefill). None without a cost model and for slm-alone.
+* Δg [%] = 100 * (g / g_baseline - 1), paired: computed on the requests of the configuration and of the baseline
+  (cloud-mtp) matched by (question_id, run) -- or by question_id alone where the baseline ran that question in
+  one run only -- each side pooled over the matched requests. Its 95% CI is a paired bootstrap over questions:
+  resample question ids with replacement (the same ids for both sides), pooled ratio each time, 2.5/97.5
+  percentiles. Negative is better (less verifier time per token than the baseline).
+* MAT [tokens / round] = sum tokens / sum rounds (mean accepted tokens per verification round, bonus included).
+* verifier forwards per token = sum rounds / sum tokens (prefill forward not counted). None for slm-alone.
+* rows per forward = mean rows over rounds; mean context = mean root position over rounds.
+* tok/s = sum tokens / sum seconds (delivery speed, link delays included).
+* draft ms per token = sum draft_ms / sum tokens (device drafting time, waits and SLM prefill excluded).
+* first token p50/p90 [ms] = median / 90th percentile (linear interpolation) over requests.
+* bytes up/down per round = sum frame bytes / number of rounds with a frame.
+* bonus outside keep share = sum bonus_outside_keep / sum rounds (one bonus token per round).
+
+Quality proxies (per configuration and per category): the mean over answers of `verifier_logprob`, its paired
+difference vs the baseline (mean over matched requests of config - baseline, bootstrap CI over questions), and
+the reference-match rate over answers that have a reference. These are cheap proxies, not a judge.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+import unicodedata
+import zlib
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+#: Table 5 order of the configurations; configurations not listed follow, sorted by name.
+TABLE5_ORDER = ("cloud-mtp", "specedge", "specedge-eps", "hyco", "hyco-2p", "hyco-exact", "server-head", "slm-alone")
+#: Configurations without a verifier: no g, no forwards, no bytes.
+NO_VERIFIER = frozenset({"slm-alone"})
+DEFAULT_BASELINE = "cloud-mtp"
+
+Record = Mapping[str, Any]
+
+
+# ---- small helpers ------------------------------------------------------------------------------------------
+
+
+def _num(x: Any) -> float | None:
+    """A finite Python float, or None (None, NaN, inf)."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _div(a: float, b: float) -> float | None:
+    return _num(a / b) if b else None
+
+
+def _tokens(r: Record) -> float:
+    return float(r.get("tokens") or 0)
+
+
+def _rounds(r: Record) -> float:
+    return float(r.get("rounds") or 0)
+
+
+def _server_cost(r: Record) -> float:
+    """prefill_ms + sum server_ms: the verifier's time for one request (App. G)."""
+    return float(r.get("prefill_ms") or 0.0) + float(sum(r.get("server_ms") or ()))
+
+
+def _rounds_cost(r: Record) -> float:
+    return float(sum(r.get("server_ms") or ()))
+
+
+def _seed_for(seed: int, *names: str) -> int:
+    """A deterministic per-(config, metric, category) seed, independent of dict order."""
+    return (seed * 1_000_003 + zlib.crc32("\x1f".join(names).encode())) % (2**32)
+
+
+def _order(names: Iterable[str]) -> list[str]:
+    names = set(names)
+    return [n for n in TABLE5_ORDER if n in names] + sorted(names - set(TABLE5_ORDER))
+
+
+def _pooled(recs: Sequence[Record], num: Callable[[Record], float], den: Callable[[Record], float]) -> float | None:
+    """App. G pooling: sum(num) / sum(den) per run, then the mean over runs with a non-zero denominator."""
+    by_run: dict[Any, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for r in recs:
+        acc = by_run[r.get("run", 0)]
+        acc[0] += num(r)
+        acc[1] += den(r)
+    ratios = [n / d for n, d in by_run.values() if d]
+    return _num(float(np.mean(ratios))) if ratios else None
+
+
+def _percentile(values: Iterable[Any], q: float) -> float | None:
+    v = [float(x) for x in values if _num(x) is not None]
+    return _num(float(np.percentile(v, q))) if v else None
+
+
+def _mean(values: Iterable[Any]) -> float | None:
+    v = [float(x) for x in values if _num(x) is not None]
+    return _num(float(np.mean(v))) if v else None
+
+
+def _has_verifier(name: str, recs: Sequence[Record]) -> bool:
+    return name not in NO_VERIFIER
+
+
+# ---- pairing and the paired bootstrap ---------------------------------------------------------------------
+
+
+def pair_records(recs: Sequence[Record], base: Sequence[Record]) -> list[tuple[Record, Record]]:
+    """Match each request of a configuration with the baseline's request on the same question.
+
+    Key (question_id, run); where the baseline has no request in that run but ran the question in exactly one run,
+    that request is used (the paper's Cloud+ ran once, HyCo three times). Unmatched requests are left out.
+    """
+    by_key = {(b.get("question_id"), b.get("run", 0)): b for b in base}
+    by_q: dict[Any, list[Record]] = defaultdict(list)
+    for b in base:
+        by_q[b.get("question_id")].append(b)
+    pairs = []
+    for r in recs:
+        q = r.get("question_id")
+        b = by_key.get((q, r.get("run", 0)))
+        if b is None and len(by_q.get(q, ())) == 1:
+            b = by_q[q][0]
+        if b is not None:
+            pairs.append((r, b))
+    return pairs
+
+
+def _per_question(pairs: Sequence[tuple[Record, Record]], fns: Sequence[Callable[[Record, Record], float]]
+                  ) -> np.ndarray:
+    """(questions, len(fns)) sums of fn(record, baseline record) over each question's matched pairs."""
+    rows: dict[Any, np.ndarray] = {}
+    for r, b in pairs:
+        acc = rows.setdefault(r.get("question_id"), np.zeros(len(fns)))
+        acc += [f(r, b) for f in fns]
+    return np.array(list(rows.values()), dtype=np.float64).reshape(len(rows), len(fns))
+
+
+def _bootstrap_sums(table: np.ndarray, bootstrap: int, seed: int) -> np.ndarray | None:
+    """(bootstrap, columns) column sums over questions resampled with replacement (same ids for every column)."""
+    if bootstrap <= 0 or len(table) == 0:
+        return None
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((bootstrap, len(table)))
+    idx = rng.integers(0, len(table), size=(bootstrap, len(table)))
+    np.add.at(counts, (np.arange(bootstrap)[:, None], idx), 1.0)
+    return counts @ table
+
+
+def _ci(samples: np.ndarray) -> list[float] | None:
+    samples = samples[np.isfinite(samples)]
+    if samples.size == 0:
+        return None
+    lo, hi = np.percentile(samples, [2.5, 97.5])
+    return [float(lo), float(hi)]
+
+
+def paired_ratio_delta(pairs: Sequence[tuple[Record, Record]], cost: Callable[[Record], float],
+                       tokens: Callable[[Record], float] = _tokens, *, bootstrap: int = 1000, seed: int = 0
+                       ) -> tuple[float | None, list[float] | None]:
+    """Δ% = 100 * ((Σ cost / Σ tokens) / (Σ cost_b / Σ tokens_b) - 1) over matched pairs, with a paired
+    bootstrap 95% CI over questions (None where the point estimate is undefined or bootstrap == 0)."""
+    if not pairs:
+        return None, None
+    fns = [lambda r, b: cost(r), lambda r, b: tokens(r), lambda r, b: cost(b), lambda r, b: tokens(b)]
+    t = _per_question(pairs, fns)
+
+    def delta(s: np.ndarray) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return 100.0 * ((s[..., 0] / s[..., 1]) / (s[..., 2] / s[..., 3]) - 1.0)
+
+    point = _num(float(delta(t.sum(axis=0))))
+    if point is None:
+        return None, None
+    sums = _bootstrap_sums(t, bootstrap, seed)
+    return point, (None if sums is None else _ci(delta(sums)))
+
+
+def paired_mean_difference(pairs: Sequence[tuple[Record, Record]], value: Callable[[Record], Any], *,
+                           bootstrap: int = 1000, seed: int = 0) -> tuple[float | None, list[float] | None]:
+    """Mean over matched pairs of value(config) - value(baseline) (pairs where either is None are left out),
+    with a paired bootstrap 95% CI over questions."""
+    pairs = [(r, b) for r, b in pairs if _num(value(r)) is not None and _num(value(b)) is not None]
+    if not pairs:
+        return None, None
+    t = _per_question(pairs, [lambda r, b: float(value(r)) - float(value(b)), lambda r, b: 1.0])
+    point = _num(float(t[:, 0].sum() / t[:, 1].sum()))
+    sums = _bootstrap_sums(t, bootstrap, seed)
+    return point, (None if sums is None else _ci(sums[:, 0] / sums[:, 1]))
+
+
+# ---- summary ------------------------------------------------------------------------------------------------
+
+
+def _projected_cost_fn(cost_model: Any) -> Callable[[Record], float]:
+    cache: dict[tuple[int, int], float] = {}
+
+    def cost(r: Record) -> float:
+        total = 0.0
+        for rows, ctx in zip(r.get("rows") or (), r.get("context") or ()):
+            key = (int(rows), int(ctx))
+            if key not in cache:
+                cache[key] = float(cost_model.predict(*key))
+            total += cache[key]
+        return total
+
+    return cost
+
+
+def _reference_rate(recs: Sequence[Record]) -> tuple[float | None, int]:
+    v = [bool(r["reference_match"]) for r in recs if r.get("reference_match") is not None]
+    return (_num(sum(v) / len(v)) if v else None), len(v)
+
+
+def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, cost_model: Any = None,
+              bootstrap: int = 1000, seed: int = 0) -> dict[str, dict[str, Any]]:
+    """The summary of a bench run: configuration name -> metrics (definitions and units in the module docstring).
+
+    records: per-request records (module docstring). baseline: the configuration Δ figures are paired against
+    (cloud-mtp); absent -> every delta field is None. cost_model: an object with ``predict(rows, context) -> ms``
+    (`hycoc.cost_model.CostModel`) or None; a prediction error (rows outside its grid) leaves the projected
+    fields None and puts the message in ``g_projected_error``. bootstrap: resamples for the CIs (0: no CI).
+    seed: bootstrap seed (each configuration/metric/category gets its own stream derived from it).
+
+    Keys per configuration (None where undefined):
+      requests, runs, unfinished, tokens, rounds;
+      g_ms_per_token, g_runs (per-run g), g_rounds_ms_per_token, g_projected_ms_per_token (rounds only, prefill
+      excluded), g_projected_error;
+      delta_g_pct, delta_g_ci95 [lo, hi], delta_g_projected_pct, delta_g_projected_ci95, delta_pairs,
+      delta_questions (matched requests / questions behind the Δ figures);
+      mat, verifier_forwards_per_token, rows_per_forward, mean_context, tok_per_s, draft_ms_per_token,
+      first_token_ms_p50, first_token_ms_p90, bytes_up_per_round, bytes_down_per_round, bonus_outside_keep_share;
+      per_category {category: {requests, mat, g_ms_per_token, delta_g_pct, delta_g_ci95, verifier_logprob,
+      verifier_logprob_delta, reference_match_rate}};
+      quality {verifier_logprob, verifier_logprob_delta, verifier_logprob_delta_ci95, reference_match_rate,
+      reference_match_n, reference_match_delta, pairs}.
+    Every value is a plain int/float/str/list/dict/None, ready for json.dumps.
+    """
+    groups: dict[str, list[Record]] = defaultdict(list)
+    for r in records:
+        groups[str(r["config"])].append(r)
+    base = groups.get(baseline) or []
+    projected = _projected_cost_fn(cost_model) if cost_model is not None else None
+
+    out: dict[str, dict[str, Any]] = {}
+    for name in _order(groups):
+        recs = groups[name]
+        verifier = _has_verifier(name, recs)
+        s: dict[str, Any] = {"requests": len(recs), "runs": len({r.get("run", 0) for r in recs}),
+                             "unfinished": sum(1 for r in recs if r.get("finished") is False),
+                             "tokens": int(sum(_tokens(r) for r in recs)),
+                             "rounds": int(sum(_rounds(r) for r in recs))}
+
+        # verifier cost
+        s["g_ms_per_token"] = _pooled(recs, _server_cost, _tokens) if verifier else None
+        runs = sorted({r.get("run", 0) for r in recs})
+        s["g_runs"] = ([_pooled([r for r in recs if r.get("run", 0) == k], _server_cost, _tokens) for k in runs]
+                       if verifier else None)
+        s["g_rounds_ms_per_token"] = _pooled(recs, _rounds_cost, _tokens) if verifier else None
+        s["g_projected_ms_per_token"], s["g_projected_error"] = None, None
+        proj_ok = False
+        if verifier and projected is not None:
+            try:
+                s["g_projected_ms_per_token"] = _pooled(recs, projected, _tokens)
+                if base:
+                    for b in base:
+                        projected(b)  # the baseline must be projectable too before pairing on it
+                proj_ok = True
+            except Exception as e:  # noqa: BLE001 -- a cost model outside its grid must not lose a finished run
+                s["g_projected_error"] = f"{type(e).__name__}: {e}"
+
+        # Δg vs the baseline, paired by question
+        base_ok = bool(base) and verifier and _has_verifier(baseline, base)
+        pairs = pair_records(recs, base) if base_ok else []
+        s["delta_g_pct"], s["delta_g_ci95"] = paired_ratio_delta(
+            pairs, _server_cost, bootstrap=bootstrap, seed=_seed_for(seed, name, "g"))
+        s["delta_g_projected_pct"], s["delta_g_projected_ci95"] = (paired_ratio_delta(
+            pairs, projected, bootstrap=bootstrap, seed=_seed_for(seed, name, "g_projected"))
+            if proj_ok and projected is not None else (None, None))
+        s["delta_pairs"] = len(pairs) if base_ok else None
+        s["delta_questions"] = len({r.get("question_id") for r, _ in pairs}) if base_ok else None
+
+        # acceptance and forwards
+        s["mat"] = _pooled(recs, _tokens, _rounds)
+        s["verifier_forwards_per_token"] = _pooled(recs, _rounds, _tokens) if verifier else None
+        rows_n = lambda r: float(len(r.get("rows") or ()))  # noqa: E731
+        ctx_n = lambda r: float(len(r.get("context") or ()))  # noqa: E731
+        s["rows_per_forward"] = _pooled(recs, lambda r: float(sum(r.get("rows") or ())), rows_n) if verifier else None
+        s["mean_context"] = _pooled(recs, lambda r: float(sum(r.get("context") or ())), ctx_n) if verifier else None
+
+        # delivery and device
+        s["tok_per_s"] = _pooled(recs, _tokens, lambda r: float(r.get("seconds") or 0.0))
+        s["draft_ms_per_token"] = _pooled(recs, lambda r: float(r.get("draft_ms") or 0.0), _tokens)
+        s["first_token_ms_p50"] = _percentile((r.get("first_token_ms") for r in recs), 50)
+        s["first_token_ms_p90"] = _percentile((r.get("first_token_ms") for r in recs), 90)
+        for side in ("up", "down"):
+            key = f"bytes_{side}"
+            s[f"bytes_{side}_per_round"] = (_pooled(recs, lambda r, k=key: float(sum(r.get(k) or ())),
+                                                    lambda r, k=key: float(len(r.get(k) or ())))
+                                            if verifier else None)
+        s["bonus_outside_keep_share"] = (_pooled(recs, lambda r: float(r.get("bonus_outside_keep") or 0), _rounds)
+                                         if verifier else None)
+
+        # quality
+        lp = lambda r: r.get("verifier_logprob")  # noqa: E731
+        rm = lambda r: None if r.get("reference_match") is None else float(bool(r["reference_match"]))  # noqa: E731
+        qpairs = pair_records(recs, base) if base else []
+        lp_d, lp_ci = paired_mean_difference(qpairs, lp, bootstrap=bootstrap, seed=_seed_for(seed, name, "lp"))
+        rate, n_ref = _reference_rate(recs)
+        s["quality"] = {"verifier_logprob": _mean(lp(r) for r in recs),
+                        "verifier_logprob_delta": lp_d, "verifier_logprob_delta_ci95": lp_ci,
+                        "reference_match_rate": rate, "reference_match_n": n_ref,
+                        "reference_match_delta": paired_mean_difference(qpairs, rm, bootstrap=0)[0],
+                        "pairs": len(qpairs) if base else None}
+
+        # per category
+        cats: dict[str, dict[str, Any]] = {}
+        for cat in sorted({str(r.get("category")) for r in recs}):
+            crecs = [r for r in recs if str(r.get("category")) == cat]
+            cpairs = [(r, b) for r, b in pairs if str(r.get("category")) == cat]
+            cq = [(r, b) for r, b in qpairs if str(r.get("category")) == cat]
+            d, ci = paired_ratio_delta(cpairs, _server_cost, bootstrap=bootstrap,
+                                       seed=_seed_for(seed, name, "g", cat))
+            cats[cat] = {"requests": len(crecs), "mat": _pooled(crecs, _tokens, _rounds),
+                         "g_ms_per_token": _pooled(crecs, _server_cost, _tokens) if verifier else None,
+                         "delta_g_pct": d, "delta_g_ci95": ci,
+                         "verifier_logprob": _mean(lp(r) for r in crecs),
+                         "verifier_logprob_delta": paired_mean_difference(cq, lp, bootstrap=0)[0],
+                         "reference_match_rate": _reference_rate(crecs)[0]}
+        s["per_category"] = cats
+        out[name] = s
+    return out
+
+
+# ---- terminal tables --------------------------------------------------------------------------------------
+
+
+def _fmt(x: Any, spec: str = ".2f", dash: str = "–") -> str:
+    return dash if _num(x) is None else format(float(x), spec)
+
+
+def _fmt_delta(d: Any, ci: Any) -> str:
+    if _num(d) is None:
+        return "–"
+    text = f"{float(d):+.1f}"
+    if ci:
+        text += f" [{float(ci[0]):+.1f}, {float(ci[1]):+.1f}]"
+    return text
+
+
+def render_table(summary: Mapping[str, Mapping[str, Any]], console: Any, *, title: str = "hycoc bench",
+                 baseline: str = DEFAULT_BASELINE, caption: str | None = None) -> None:
+    """Print the main table (one row per configuration, Table 5 order) on a rich Console.
+
+    Columns: g (measured verifier ms per output token, prefill included), g proj. (cost-model ms per token over
+    rounds, prefill excluded), Δg % [95% CI] vs the baseline (and Δg proj. % when present), MAT, verifier
+    forwards per token, delivery tok/s, device draft ms per token, first-token p50 ms, bytes up/down per round,
+    share of bonus tokens outside the keep set. A `caption` (e.g. the cost model's device) is appended to the
+    legend.
+    """
+    from rich.table import Table
+
+    names = _order(summary)
+    has_proj = any(_num(summary[n].get("g_projected_ms_per_token")) is not None for n in names)
+    has_dproj = any(_num(summary[n].get("delta_g_projected_pct")) is not None for n in names)
+    legend = (f"g: measured verifier ms per output token incl. prefill (App. G, pooled). "
+              f"g proj.: cost-model ms per token over rounds, prefill excluded. "
+              f"Δg: paired vs {baseline}, 95% CI by bootstrap over questions; lower is better.")
+    if caption:
+        legend += " " + caption
+    table = Table(title=title, caption=legend, caption_justify="left")
+    table.add_column("config", style="bold")
+    table.add_column("n", justify="right")
+    table.add_column("g ms/tok", justify="right")
+    table.add_column("g proj. ms/tok", justify="right")
+    table.add_column("Δg % [95% CI]", justify="right")
+    if has_dproj:
+        table.add_column("Δg proj. %", justify="right")
+    for head in ("MAT", "fwd/tok", "tok/s", "draft ms/tok", "1st tok p50 ms", "B up/down per round",
+                 "outside keep %"):
+        table.add_column(head, justify="right")
+    for n in names:
+        s = summary[n]
+        delta = "ref" if n == baseline and _num(s.get("g_ms_per_token")) is not None else \
+            _fmt_delta(s.get("delta_g_pct"), s.get("delta_g_ci95"))
+        up, down = s.get("bytes_up_per_round"), s.get("bytes_down_per_round")
+        row = [n, str(s.get("requests", "")), _fmt(s.get("g_ms_per_token")),
+               _fmt(s.get("g_projected_ms_per_token")) if has_proj else "–", delta]
+        if has_dproj:
+            row.append("ref" if n == baseline and _num(s.get("g_projected_ms_per_token")) is not None else
+                       _fmt_delta(s.get("delta_g_projected_pct"), s.get("delta_g_projected_ci95")))
+        share = s.get("bonus_outside_keep_share")
+        row += [_fmt(s.get("mat")), _fmt(s.get("verifier_forwards_per_token"), ".3f"), _fmt(s.get("tok_per_s"), ".1f"),
+                _fmt(s.get("draft_ms_per_token"), ".1f"), _fmt(s.get("first_token_ms_p50"), ".0f"),
+                "–" if _num(up) is None and _num(down) is None else f"{_fmt(up, ',.0f')} / {_fmt(down, ',.0f')}",
+                _fmt(None if _num(share) is None else 100.0 * float(share), ".1f")]
+        table.add_row(*row)
+    console.print(table)
+
+
+def render_categories(summary: Mapping[str, Mapping[str, Any]], console: Any, *,
+                      baseline: str = DEFAULT_BASELINE, title: str = "per category: MAT · Δg %") -> None:
+    """Print a per-category table: one row per category, one column per configuration with its MAT and its
+    paired Δg % vs the baseline on that category's questions ("ref" for the baseline itself)."""
+    from rich.table import Table
+
+    names = _order(summary)
+    cats = sorted({c for n in names for c in (summary[n].get("per_category") or {})})
+    table = Table(title=title, caption=f"MAT tokens/round · Δg % paired vs {baseline} (lower is better)",
+                  caption_justify="left")
+    table.add_column("category", style="bold")
+    for n in names:
+        table.add_column(n, justify="right")
+    for c in cats:
+        row = [c]
+        for n in names:
+            pc = (summary[n].get("per_category") or {}).get(c)
+            if not pc:
+                row.append("")
+                continue
+            d = "ref" if n == baseline and _num(pc.get("g_ms_per_token")) is not None else \
+                (f"{float(pc['delta_g_pct']):+.1f}%" if _num(pc.get("delta_g_pct")) is not None else "–")
+            row.append(f"{_fmt(pc.get('mat'))} · {d}")
+        table.add_row(*row)
+    console.print(table)
+
+
+# ---- plots --------------------------------------------------------------------------------------------------
+
+
+def _save(fig: Any, path: Path) -> Path:
+    """Write a figure atomically: temporary name in the same folder, then rename."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_plots(summary: Mapping[str, Mapping[str, Any]], out_dir: str | Path, *,
+                baseline: str = DEFAULT_BASELINE) -> list[Path]:
+    """Write ``mat_vs_g.png`` (MAT vs g, one labeled point per configuration: filled = g measured incl. prefill,
+    hollow = g projected over rounds, prefill excluded) and ``category_delta_g.png`` (grouped bars of paired Δg %
+    per category per configuration) into out_dir (created if needed). Uses matplotlib's Agg canvas, no pyplot
+    state; each file is written to a temporary name and renamed. Returns the two paths."""
+    from matplotlib.figure import Figure
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = _order(summary)
+
+    fig = Figure(figsize=(7, 5))
+    ax = fig.add_subplot()
+    plotted = False
+    for i, n in enumerate(names):
+        s = summary[n]
+        mat, g, gp = _num(s.get("mat")), _num(s.get("g_ms_per_token")), _num(s.get("g_projected_ms_per_token"))
+        if mat is None or (g is None and gp is None):
+            continue
+        color = f"C{i % 10}"
+        if g is not None:
+            ax.scatter([g], [mat], color=color, marker="o", s=50, zorder=3)
+            ax.annotate(n, (g, mat), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        if gp is not None:
+            ax.scatter([gp], [mat], facecolors="none", edgecolors=color, marker="s", s=50, zorder=3)
+            if g is not None:
+                ax.plot([g, gp], [mat, mat], color=color, lw=0.8, ls=":")
+            else:
+                ax.annotate(n, (gp, mat), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        plotted = True
+    if not plotted:
+        ax.text(0.5, 0.5, "no configuration with a verifier", ha="center", va="center", transform=ax.transAxes)
+    ax.scatter([], [], color="gray", marker="o", label="g measured (incl. prefill)")
+    ax.scatter([], [], facecolors="none", edgecolors="gray", marker="s", label="g projected (rounds, no prefill)")
+    ax.legend(loc="best", fontsize=8)
+    ax.set_xlabel("g: verifier ms per output token (lower is better)")
+    ax.set_ylabel("MAT: tokens per verification round")
+    ax.set_title("MAT vs g per configuration")
+    ax.grid(True, alpha=0.3)
+    paths = [_save(fig, out / "mat_vs_g.png")]
+
+    cfgs = [n for n in names if n != baseline
+            and any(_num(pc.get("delta_g_pct")) is not None for pc in (summary[n].get("per_category") or {}).values())]
+    cats = sorted({c for n in cfgs for c in summary[n]["per_category"]})
+    fig = Figure(figsize=(max(7.0, 0.9 * len(cats) * max(1, len(cfgs)) ** 0.5 + 3), 5))
+    ax = fig.add_subplot()
+    if cfgs and cats:
+        width = 0.8 / len(cfgs)
+        x = np.arange(len(cats))
+        for j, n in enumerate(cfgs):
+            pcs = summary[n]["per_category"]
+            vals = [(_num((pcs.get(c) or {}).get("delta_g_pct"))) for c in cats]
+            ax.bar(x + (j - (len(cfgs) - 1) / 2) * width, [np.nan if v is None else v for v in vals], width,
+                   label=n, color=f"C{names.index(n) % 10}")
+        ax.set_xticks(x)
+        ax.set_xticklabels(cats, rotation=30, ha="right")
+        ax.axhline(0.0, color="black", lw=0.8)
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, f"no paired Δg (baseline {baseline} absent?)", ha="center", va="center",
+                transform=ax.transAxes)
+    ax.set_ylabel(f"Δg % vs {baseline} (lower is better)")
+    ax.set_title("Paired Δg per category")
+    ax.grid(True, axis="y", alpha=0.3)
+    paths.append(_save(fig, out / "category_delta_g.png"))
+    return paths
+
+
+# ---- reference match ---------------------------------------------------------------------------------------
+
+_NUM = re.compile(r"(?:(?<![\w.])-)?(?<![\d.])\d+(?:,\d{3})*(?:\.\d+)?(?!\d|,\d{3}|\.\d)")
+_FRAC = re.compile(r"(?<![\d./])(-?\d+)\s*/\s*(\d+)(?![\d/])")
+_GSM = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
+
+
+def _to_float(s: str) -> float | None:
+    try:
+        return float(s.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def _numbers(text: str) -> list[float]:
+    return [v for v in (_to_float(m.group(0)) for m in _NUM.finditer(text)) if v is not None]
+
+
+def _has_number(text: str, value: float) -> bool:
+    return any(abs(v - value) <= 1e-9 * max(1.0, abs(value)) for v in _numbers(text))
+
+
+def _norm(s: str) -> str:
+    """Case/space normalization for phrase matching: NFKC, lower case, curly quotes straightened, whitespace
+    collapsed, no space before , . ; : ! ? ' ) ] or after ( [ (references are often tokenized: "UNICEF 's")."""
+    s = unicodedata.normalize("NFKC", s).lower().replace("\u2019", "'").replace("\u2018", "'")
+    s = re.sub(r"\s+", " ", s)
+    s = re.sub(r"\s+([,.;:!?')\]])", r"\1", s)
+    s = re.sub(r"([(\[])\s+", r"\1", s)
+    return s.strip()
+
+
+def _contains_phrase(text: str, phrase: str) -> bool:
+    """phrase (normalized, outer punctuation stripped) occurs in text (normalized) not inside a longer word."""
+    p = _norm(phrase).strip(" ,.;:!?\"'")
+    if not p:
+        return False
+    return re.search(rf"(?<!\w){re.escape(p)}(?!\w)", _norm(text)) is not None
+
+
+def _flatten(ref: Any) -> list[str]:
+    if ref is None:
+        return []
+    if isinstance(ref, str):
+        return [ref]
+    return [s for r in ref for s in _flatten(r)]
+
+
+def reference_match(category: str, text: str, reference: Any) -> bool | None:
+    """Exact-match proxy of an answer against the dataset's reference (Spec-Bench formats); None where the
+    category has no usable reference.
+
+    * math_reasoning (GSM8K: ``[solution ... "#### 1000"]``): the final number after ``####`` appears in the text
+      as a standalone number (``1,000`` and ``1000.0`` count; ``10000``, ``21000`` and ``1000.5`` do not).
+    * math (MT-bench: ``["Area is 3", "5pi"]``, one entry per turn; first turn scored): the answer is the first line
+      of reference[0] with parenthesized asides removed (``"19 integers (-14, ..., 4)"`` -> 19,
+      ``"f(2) = 0"`` -> 0); its last fraction (``35/36``) or number (``19%`` -> 19) must appear in the text as a
+      standalone number / fraction; with no number, the line itself must appear as a phrase.
+    * rag and qa (lists of acceptable strings, possibly nested: ``[["James Ray", "George Harrison"]]``): any of
+      them, case/space-normalized, is a substring of the normalized text at word boundaries.
+    * anything else (translation, summarization, coding, ...): None.
+    """
+    text = text or ""
+    if category == "math_reasoning":
+        refs = _flatten(reference)
+        m = _GSM.search(refs[0]) if refs else None
+        value = _to_float(m.group(1)) if m else None
+        return None if value is None else _has_number(text, value)
+    if category == "math":
+        refs = _flatten(reference)
+        if not refs or not refs[0].strip():
+            return None
+        line = refs[0].strip().splitlines()[0]
+        core = line
+        while True:  # remove parenthesized asides, innermost first
+            stripped = re.sub(r"\([^()]*\)", " ", core)
+            if stripped == core:
+                break
+            core = stripped
+        fracs = list(_FRAC.finditer(core))
+        nums = list(_NUM.finditer(core))
+        if fracs and (not nums or fracs[-1].end() >= nums[-1].end()):
+            a, b = fracs[-1].group(1), fracs[-1].group(2)
+            return any(m.group(1) == a and m.group(2) == b for m in _FRAC.finditer(text))
+        if nums:
+            value = _to_float(nums[-1].group(0))
+            return None if value is None else _has_number(text, value)
+        return _contains_phrase(text, line)
+    if category in ("rag", "qa"):
+        refs = [r for r in _flatten(reference) if _norm(r).strip(" ,.;:!?\"'")]
+        if not refs:
+            return None
+        return any(_contains_phrase(text, r) for r in refs)
+    return None

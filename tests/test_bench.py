@@ -1,0 +1,79 @@
+"""`hycoc bench` end to end on the tiny recipe (hycoc/bench.py): a real `hycoc verify-server` child process, the
+device runtime in this process, records appended per request, --resume, results.json and plots."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from rich.console import Console
+from test_build import write_tiny_recipe
+from typer.testing import CliRunner
+
+from hycoc.bench import BenchError, BenchPlan, read_records, run_bench
+from hycoc.cli import DEFAULT_DATASET, app
+from hycoc.cost_model import CostModel, CostPoint
+from hycoc.datasets import load_spec_bench
+from hycoc.passes import build as b
+from hycoc.recipe import load_recipe
+
+CONFIGS = ["cloud-mtp", "specedge", "hyco", "hyco-exact", "slm-alone"]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    path = write_tiny_recipe(root)
+    recipe = load_recipe(path)
+    b.build_bundle(recipe, "cpu", root / "bundle", root / "cache", console=Console(file=io.StringIO()))
+    cost = CostModel(device="fake", dtype="float32", model="tiny", shape={},
+                     points=[CostPoint(rows=r, context=c, ms=ms) for r, ms in ((1, 10.0), (5, 10.0), (33, 11.0))
+                             for c in (0, 1000)])
+    cost.save(root / "cost.json")
+    return recipe, path, root
+
+
+def test_bench_runs_every_config_and_resumes(built, tmp_path):
+    recipe, path, root = built
+    questions = [q for q in load_spec_bench(DEFAULT_DATASET) if q.category in ("math_reasoning", "translation")][:2]
+    plan = BenchPlan(questions=questions, configs=CONFIGS, runs=1, link="lte", output_cap=6, out=tmp_path / "out")
+    console = Console(file=io.StringIO(), width=200)
+    first = BenchPlan(**{**plan.__dict__, "configs": CONFIGS[:2]})
+    run_bench(recipe, path, first, bundle_dir=root / "bundle", cost_model_path=root / "cost.json", console=console)
+    assert len(read_records(plan.out / "records.jsonl")) == 4
+    with pytest.raises(BenchError, match="pass --resume"):
+        run_bench(recipe, path, plan, bundle_dir=root / "bundle", console=console)
+    results = run_bench(recipe, path, plan, bundle_dir=root / "bundle", resume=True,
+                        cost_model_path=root / "cost.json", console=console)
+    records = read_records(plan.out / "records.jsonl")
+    assert len(records) == 10 and sorted({r["config"] for r in records}) == sorted(CONFIGS)
+    saved = json.loads((plan.out / "results.json").read_text())
+    assert saved["summary"] == json.loads(json.dumps(results["summary"]))
+    for rec in records:
+        assert 1 <= rec["tokens"] <= 6 and rec["verifier_logprob"] is not None and rec["verifier_logprob"] < 0
+        if rec["config"] == "slm-alone":
+            assert rec["server_ms"] == [] and rec["prefill_ms"] == 0
+        else:
+            assert len(rec["server_ms"]) == rec["rounds"] and rec["link_ms"] > 0
+            # the link is counted: 58 ms round trip per frame pair (open + every round) at least
+            assert rec["seconds"] * 1000 >= 58 * (rec["rounds"] + 1)
+        if rec["config"] in ("specedge", "hyco", "hyco-exact"):
+            assert set(rec["rows"]) == {5}          # B + 1 rows of the tiny recipe
+    s = results["summary"]
+    for config in CONFIGS:
+        assert s[config]["requests"] == 2
+    cloud = [r for r in records if r["config"] == "cloud-mtp"]
+    g = sum(r["prefill_ms"] + sum(r["server_ms"]) for r in cloud) / sum(r["tokens"] for r in cloud)
+    assert s["cloud-mtp"]["g_ms_per_token"] == pytest.approx(g)
+    assert s["cloud-mtp"]["delta_g_pct"] == pytest.approx(0.0)
+    assert s["slm-alone"]["g_ms_per_token"] is None
+    assert (plan.out / "mat_vs_g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "hyco-exact" in console.file.getvalue()
+
+
+def test_cli_bench_checks_its_arguments(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "recipes/toy.toml", "--configs", "hyco,fast"])
+    assert result.exit_code == 2 and "--configs: unknown fast" in result.stderr
+    result = CliRunner().invoke(app, ["bench", "recipes/toy.toml", "--cost-model", str(tmp_path / "nope.json")])
+    assert result.exit_code == 2 and "no such file" in result.stderr
