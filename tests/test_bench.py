@@ -46,7 +46,8 @@ def test_bench_runs_every_config_and_resumes(built, tmp_path):
         run_bench(recipe, path, plan, bundle_dir=root / "bundle", console=console)
     results = run_bench(recipe, path, plan, bundle_dir=root / "bundle", resume=True,
                         cost_model_path=root / "cost.json", console=console)
-    records = read_records(plan.out / "records.jsonl")
+    assert len(read_records(plan.out / "records.jsonl")) == 10
+    records = results["records"]
     assert len(records) == 10 and sorted({r["config"] for r in records}) == sorted(CONFIGS)
     saved = json.loads((plan.out / "results.json").read_text())
     assert saved["summary"] == json.loads(json.dumps(results["summary"]))

@@ -72,6 +72,10 @@ scale_k_full = 0.03
 scale_v_full = 0.03
 [target]
 name = "cpu"
+[verifier]
+device = "cpu"
+dtype = "float32"
+threads = 1
 """
 
 
