@@ -318,6 +318,30 @@ def verify_server(
         raise _fail("verify-server", f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
+@app.command("calibrate-handoff")
+def calibrate_handoff(
+    recipe: Path = RECIPE_ARG,
+    prompts: int = typer.Option(16, min=1, help="calibration prompts (the head QAT's prompt source)"),
+    max_new_tokens: int = typer.Option(256, min=1, help="greedy answer tokens per prompt"),
+    percentile: float = typer.Option(99.99, min=50.0, max=100.0, help="percentile of |x| that maps to int8 127"),
+) -> None:
+    """Measure the hand-off's six fixed int8 scales on the verifier's own answers; prints the [handoff] lines.
+
+    Needs the recipe's verifier and tokenizer (and its head_qat.calibration_data or keep-set corpus for prompts).
+    """
+    cfg = _recipe("calibrate-handoff", recipe)
+    from hycoc.models import ModelNotFoundError
+    from hycoc.recipe import RecipeError
+    from hycoc.verifier.handoff_scales import measure_handoff_scales, toml_lines
+
+    try:
+        scales = measure_handoff_scales(cfg, prompts=prompts, max_new_tokens=max_new_tokens, percentile=percentile)
+    except (RecipeError, ModelNotFoundError, ValueError) as e:
+        raise _fail("calibrate-handoff", str(e)) from None
+    typer.echo("[handoff]")
+    typer.echo(toml_lines(scales, percentile, prompts))
+
+
 @app.command()
 def bench(
     recipe: Path = RECIPE_ARG,

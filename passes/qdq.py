@@ -608,30 +608,64 @@ def slm_calibration_samples(graph, slm, count: int, seed: int = 0) -> list[dict[
 class QdqQuantize(Pass):
     """The QDQ pass of one graph kind: ``QdqQuantize("onnx_slm", "qdq_slm")`` (module docstring).
 
-    Only the SLM is wired: it consumes ``onnx_slm`` + ``slm_integer`` + ``keep_set`` (to rebuild the host
-    inputs, `slm_calibration_samples`) and reads ``[slm_calibration]`` (percentile x range_scale, prompts = number
-    of samples, activation_bits), ``[window]`` and ``[tree]``. The head (``onnx_head`` + ``quantized_head``, ranges
-    at ``head_qat.input_range_percentile``, integers via `weights_from_arrays`) is refused until its graph and
-    calibration captures land. ``seed``: the calibration samples' RNG.
+    Only the SLM is wired: it consumes ``onnx_slm`` + ``slm_integer`` + ``keep_set`` + ``torch_verifier`` +
+    ``tokenizer`` and reads ``[slm_calibration]`` (percentile x range_scale; ``prompts`` calibration prompts,
+    `hycoc.passes.slm_calibration.SAMPLES_PER_PROMPT` graph calls kept from each), ``[window]``, ``[tree]`` and,
+    for the prompt source and the answer cap, ``[head_qat]`` and ``[keep_set]``. Calibration inputs
+    (``calibration="real"``, the build's): the verifier's greedy answers to the calibration prompts driven
+    through the device runtime's SLM drafter and tree builder on the float torch graph
+    (`hycoc.passes.slm_calibration`); the held-out SQNR report uses ``max(2, prompts // 4)`` other prompts.
+    ``calibration="synthetic"``: `slm_calibration_samples` (``prompts`` random samples, held-out ``prompts // 4``),
+    for unit tests without a verifier; it consumes neither the verifier nor the tokenizer. The head
+    (``onnx_head`` + ``quantized_head``, ranges at ``head_qat.input_range_percentile``, integers via
+    `weights_from_arrays`) is refused until its graph and calibration captures land. ``seed``: the prompt order
+    (toy corpus), runner-up tokens and accepted-length offsets, or the synthetic samples' RNG.
     """
 
-    version = 1
+    version = 2
     section = "slm_calibration"
-    also_reads = ("window", "tree")
 
-    def __init__(self, kind_in: str = "onnx_slm", kind_out: str = "qdq_slm", *, seed: int = 0):
-        from hycoc.passes.artifacts import KeepSetArtifact, OnnxArtifact, SlmIntegerArtifact
+    def __init__(self, kind_in: str = "onnx_slm", kind_out: str = "qdq_slm", *, seed: int = 0,
+                 calibration: str = "real"):
+        from hycoc.passes.artifacts import (KeepSetArtifact, OnnxArtifact, SlmIntegerArtifact, TokenizerArtifact,
+                                            TorchModelArtifact)
 
         if kind_in != "onnx_slm":
             raise ValueError(f"QdqQuantize({kind_in!r}): only 'onnx_slm' is wired; the head's QDQ pass needs its "
                              f"calibration captures (passes/head_qat.py) and is not done yet")
+        if calibration not in ("real", "synthetic"):
+            raise ValueError(f"QdqQuantize(calibration={calibration!r}): choose 'real' or 'synthetic'")
         self.name = f"qdq_{kind_in.removeprefix('onnx_')}"
-        self.kind_out, self.seed = kind_out, seed
+        self.kind_out, self.seed, self.calibration = kind_out, seed, calibration
         self.consumes = {kind_in: OnnxArtifact, "slm_integer": SlmIntegerArtifact, "keep_set": KeepSetArtifact}
+        self.also_reads = ("window", "tree")
+        if calibration == "real":
+            self.consumes |= {"torch_verifier": TorchModelArtifact, "tokenizer": TokenizerArtifact}
+            self.also_reads = ("window", "tree", "head_qat", "keep_set")
         self.produces = {kind_out: OnnxArtifact}
 
     def key_material(self, recipe: Recipe) -> dict[str, Any]:
-        return {"seed": self.seed, "kind_out": self.kind_out}
+        material: dict[str, Any] = {"seed": self.seed, "kind_out": self.kind_out, "calibration": self.calibration}
+        if self.calibration == "real":
+            from hycoc.passes.head_qat import HeadQatPass
+
+            # the prompt source's file hash (or the toy corpus code), as the head QAT keys it
+            material["prompt_source"] = HeadQatPass(seed=self.seed).key_material(recipe)
+        return material
+
+    def _samples(self, graph, slm, keep, inputs, recipe):
+        cal = recipe.slm_calibration
+        if self.calibration == "synthetic":
+            return (slm_calibration_samples(graph, slm, cal.prompts, self.seed),
+                    slm_calibration_samples(graph, slm, max(2, cal.prompts // 4), self.seed + 1),
+                    {"source": "synthetic (random trees, tokens and rings)"})
+        from hycoc.passes.slm_calibration import real_calibration
+
+        real, held, numbers = real_calibration(graph, slm, keep, inputs["torch_verifier"].payload,
+                                               inputs["tokenizer"].payload, recipe, self.seed)
+        if not real.samples or not held.samples:
+            raise CalibrationError("the calibration prompts gave no SLM graph calls to calibrate on")
+        return real.samples, held.samples, numbers
 
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, Any], PassReport]:
         import onnx
@@ -645,29 +679,31 @@ class QdqQuantize(Pass):
             raise QdqError(f"slm_calibration.activation_bits = {cal.activation_bits}: only 16-bit (A16) activations "
                            f"are implemented")
         slm = inputs["slm_integer"].payload
+        keep = inputs["keep_set"].payload
         ring = {FULL: recipe.window.slm_window, SLIDING: recipe.window.slm_sliding_window}
-        graph = SlmTreeGraph(slm, inputs["keep_set"].payload, rows=recipe.tree.node_budget, ring=ring)
-        samples = slm_calibration_samples(graph, slm, cal.prompts, self.seed)
+        graph = SlmTreeGraph(slm, keep, rows=recipe.tree.node_budget, ring=ring)
+        samples, held_out, source = self._samples(graph, slm, keep, inputs, recipe)
         with tempfile.TemporaryDirectory(prefix="hycoc-qdq-") as tmp:
             src = Path(tmp) / "float" / "model.onnx"
             src.parent.mkdir()
             ir.save(inputs["onnx_slm"].payload, src, external_data="model.onnx.data")
             result = quantize_graph(src, samples, Path(tmp) / "qdq", percentile=cal.percentile,
                                     range_scale=cal.range_scale)
-            # held-out inputs too: the calibration inputs flatter the ranges (tiny SLM: 35 dB logits on 8
-            # calibration inputs, 17 dB on 8 held-out ones; 29 dB held-out after 32 calibration inputs)
-            held_out = slm_calibration_samples(graph, slm, max(2, cal.prompts // 4), self.seed + 1)
+            # held-out inputs (other prompts): the calibration inputs flatter the ranges
             fmodel = onnx.load(str(result.float_path), load_external_data=False)
             held = sqnr_report(result.float_path, result.path, held_out, layers=layer_outputs(fmodel))
             model = ir.serde.deserialize_model(onnx.load(str(result.path)))  # weights read into memory
         numbers = result.numbers() | {"samples": len(samples), "percentile": cal.percentile,
                                       "range_scale": cal.range_scale, "kv_bits_on_wire": cal.kv_bits,
-                                      "sqnr_held_out": held}
+                                      "calibration_inputs": source, "sqnr_held_out": held}
         s = result.sqnr
         worst = min(s["layers"].values()) if s["layers"] else float("nan")
+        fills = source.get("calibration", {}).get("coverage", {})
+        fill = (f"; ring fills {fills['min']}-{fills['max']} of {fills['ring']} columns"
+                if "min" in fills else "")
         summary = (f"A16 W{'/'.join(numbers['weight_bits'])} QDQ: {numbers['quantize_linear']} Q / "
                    f"{numbers['dequantize_linear']} DQ, {len(result.weights)} weights bit-exact; SQNR logits "
                    f"{s['outputs']['logits']:.1f} dB, worst layer {worst:.1f} dB, top-1 {s['top1_agreement']:.1%} "
-                   f"on {len(samples)} calibration samples (held-out: logits {held['outputs']['logits']:.1f} dB, "
-                   f"top-1 {held['top1_agreement']:.1%})")
+                   f"on {len(samples)} {self.calibration} calibration samples{fill} (held-out: logits "
+                   f"{held['outputs']['logits']:.1f} dB, top-1 {held['top1_agreement']:.1%})")
         return {self.kind_out: OnnxArtifact(self.kind_out, model)}, PassReport(summary, numbers)

@@ -8,25 +8,19 @@ import json
 
 import pytest
 from rich.console import Console
-from test_build import write_tiny_recipe
 from typer.testing import CliRunner
 
 from hycoc.bench import BenchError, BenchPlan, read_records, run_bench
 from hycoc.cli import DEFAULT_DATASET, app
 from hycoc.cost_model import CostModel, CostPoint
 from hycoc.datasets import load_spec_bench
-from hycoc.passes import build as b
-from hycoc.recipe import load_recipe
 
 CONFIGS = ["cloud-mtp", "specedge", "hyco", "hyco-exact", "slm-alone"]
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bench")
-    path = write_tiny_recipe(root)
-    recipe = load_recipe(path)
-    b.build_bundle(recipe, "cpu", root / "bundle", root / "cache", console=Console(file=io.StringIO()))
+def built(tiny_bundle):
+    recipe, path, root = tiny_bundle.recipe, tiny_bundle.path, tiny_bundle.root
     cost = CostModel(device="fake", dtype="float32", model="tiny", shape={},
                      points=[CostPoint(rows=r, context=c, ms=ms) for r, ms in ((1, 10.0), (5, 10.0), (33, 11.0))
                              for c in (0, 1000)])
@@ -78,3 +72,15 @@ def test_cli_bench_checks_its_arguments(tmp_path):
     assert result.exit_code == 2 and "--configs: unknown fast" in result.stderr
     result = CliRunner().invoke(app, ["bench", "recipes/toy.toml", "--cost-model", str(tmp_path / "nope.json")])
     assert result.exit_code == 2 and "no such file" in result.stderr
+
+
+def test_calibrate_handoff_prints_six_scales_for_the_recipe(built):
+    from hycoc.verifier.handoff_scales import KINDS
+
+    _, path, _ = built
+    result = CliRunner().invoke(app, ["calibrate-handoff", str(path), "--prompts", "2", "--max-new-tokens", "4"])
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "[handoff]" and lines[1].startswith("# measured by `hycoc calibrate-handoff`")
+    values = dict(line.split(" = ") for line in lines[2:])
+    assert list(values) == [f"scale_{k}" for k in KINDS] and all(float(v) > 0 for v in values.values())

@@ -170,7 +170,9 @@ def test_pipeline_pass(tmp_path):
     recipe = Recipe.model_validate({"models": {"slm": str(path)}, "tree": {"node_budget": 6},
                                     "window": {"slm_window": 16, "slm_sliding_window": 8},
                                     "slm_calibration": {"prompts": 4}})
-    pipeline = Pipeline([SlmGraphSurgery(), SlmTreeGraphExport(), QdqQuantize("onnx_slm", "qdq_slm")],
+    # no verifier here: the synthetic fallback (the build's real calibration: tests/test_slm_calibration.py)
+    pipeline = Pipeline([SlmGraphSurgery(), SlmTreeGraphExport(),
+                         QdqQuantize("onnx_slm", "qdq_slm", calibration="synthetic")],
                         tmp_path / "cache", console=Console(file=io.StringIO()))
     result = pipeline.run(recipe, {"keep_set": KeepSetArtifact("keep_set", KEEP)})
     report = result.reports[-1]
@@ -181,6 +183,9 @@ def test_pipeline_pass(tmp_path):
     assert {"QuantizeLinear", "DequantizeLinear"} <= ops and "Cast" not in ops
     with pytest.raises(ValueError, match="only 'onnx_slm'"):
         QdqQuantize("onnx_head", "qdq_head")
+    with pytest.raises(ValueError, match="'real' or 'synthetic'"):
+        QdqQuantize("onnx_slm", "qdq_slm", calibration="random")
+    assert {"torch_verifier", "tokenizer"} <= set(QdqQuantize("onnx_slm", "qdq_slm").consumes)
 
 
 # Measured (onnxruntime-qnn 2.7.0, QNN 2.51, x86 simulator, 4 held-out samples): simulator vs CPU-EP QDQ logits

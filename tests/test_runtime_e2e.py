@@ -15,14 +15,12 @@ import numpy as np
 import pytest
 import torch
 from rich.console import Console
-from test_build import write_tiny_recipe
 from typer.testing import CliRunner
 
 from hycoc.chat import stop_token_ids
 from hycoc.cli import app
 from hycoc.messages import Sampling
 from hycoc.passes import build as b
-from hycoc.recipe import load_recipe
 from hycoc.runtime import transport
 from hycoc.runtime.client import load_runtime
 from hycoc.verifier.loading import engine_from_recipe, server_options
@@ -35,12 +33,8 @@ MAX_NEW = 40          # > the tiny recipe's windows (16 / 8): the rings wrap aro
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rt")
-    recipe = load_recipe(write_tiny_recipe(root))
-    out = root / "bundle"
-    b.build_bundle(recipe, "cpu", out, root / "cache", console=Console(file=io.StringIO()))
-    return recipe, out
+def built(tiny_bundle):
+    return tiny_bundle.recipe, tiny_bundle.bundle
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +151,8 @@ def test_htp_bundle_on_the_simulator_gives_the_verifiers_greedy_text(built, serv
         pytest.skip("onnxruntime-qnn is not installed")
     recipe, out = built
     htp = out.parent / "bundle-htp"
-    b.build_bundle(recipe, "htp-v81", htp, out.parent / "cache", console=Console(file=io.StringIO()))
+    if not htp.exists():
+        b.build_bundle(recipe, "htp-v81", htp, out.parent / "cache", console=Console(file=io.StringIO()))
     rt = load_runtime(htp, "htp")
     assert rt.bundle.manifest.target.htp_arch == 81 and rt.mtp.runner.entry.context_binary
     srv, engine = server
