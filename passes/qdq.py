@@ -409,7 +409,8 @@ def sqnr_db(ref: np.ndarray, x: np.ndarray) -> float:
 
 
 def layer_outputs(model) -> dict[str, str]:
-    """``model.layers.i`` -> the tensor its last node writes (from the exporter's ``name_scopes`` metadata)."""
+    """``model.layers.i`` (the SLM graph) or ``layers.i`` (the head graph) -> the tensor its last node writes (from
+    the exporter's ``name_scopes`` metadata)."""
     import ast
 
     last: dict[str, str] = {}
@@ -424,7 +425,8 @@ def layer_outputs(model) -> dict[str, str]:
             parts = ast.literal_eval(scopes)
         except (ValueError, SyntaxError):
             continue
-        layer = next((p for p in parts if p.count(".") == 2 and p.startswith("model.layers.")), None)
+        layer = next((p for p in parts if (p.count(".") == 2 and p.startswith("model.layers."))
+                      or (p.count(".") == 1 and p.startswith("layers."))), None)
         if layer is not None:
             last[layer] = n.output[0]
     return dict(sorted(last.items(), key=lambda kv: int(kv[0].rsplit(".", 1)[1])))
