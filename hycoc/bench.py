@@ -199,7 +199,10 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
     from hycoc.runtime.client import load_runtime
     from hycoc.runtime.transport import VerifierClient, parse_link
 
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # a log file: room for the whole table
+            console = Console(width=200)
     out = plan.out
     out.mkdir(parents=True, exist_ok=True)
     records_path = out / RECORDS
@@ -231,7 +234,8 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
             with Progress(*columns, console=console, transient=False) as progress, \
                     open(records_path, "a", encoding="utf-8") as sink:
                 task = progress.add_task("requests", total=len(todo))
-                for run, q, config in todo:
+                t_start = time.perf_counter()
+                for n, (run, q, config) in enumerate(todo, start=1):
                     progress.update(task, description=f"q{q.question_id} {config:12s}")
                     client = None
                     if config != "slm-alone":
@@ -242,6 +246,10 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
                     sink.write(json.dumps(rec) + "\n")
                     sink.flush()
                     progress.advance(task)
+                    if not console.is_terminal and (n % 10 == 0 or n == len(todo)):  # logs get plain lines
+                        spent = time.perf_counter() - t_start
+                        console.print(f"  {n}/{len(todo)} requests, {spent / 60:.1f} min, eta "
+                                      f"{spent / n * (len(todo) - n) / 60:.1f} min")
         except KeyboardInterrupt:
             console.print(f"[yellow]interrupted: {len(read_records(records_path))} requests kept in {records_path}; "
                           "rerun with --resume to continue[/]")

@@ -14,6 +14,9 @@ an integer output is dequantized. The toy graphs take float32 IO (their Q/DQ sit
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,6 +47,21 @@ def dequantize(q: np.ndarray, enc: Encoding) -> np.ndarray:
     return ((q.astype(np.int32) - enc.zero_point).astype(np.float32) * np.float32(enc.scale))
 
 
+@contextlib.contextmanager
+def _native_stdout_to_stderr():
+    """Send what native libraries print on file descriptor 1 to stderr meanwhile: the QNN HTP libraries print a
+    banner on stdout when they load, and stdout carries the answer text (and ``--json``)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _session(path: Path, backend: str, manifest: Manifest, threads: int | None):
     import onnxruntime as ort
 
@@ -58,8 +76,9 @@ def _session(path: Path, backend: str, manifest: Manifest, threads: int | None):
 
     t = manifest.target
     profile = profile_for(t.htp_arch, t.soc_model, None)
-    so = session_options(profile.provider_options(), {"session.disable_cpu_ep_fallback": "1"}, log_severity=3)
-    return ort.InferenceSession(str(path), sess_options=so)
+    with _native_stdout_to_stderr():
+        so = session_options(profile.provider_options(), {"session.disable_cpu_ep_fallback": "1"}, log_severity=3)
+        return ort.InferenceSession(str(path), sess_options=so)
 
 
 class GraphRunner:

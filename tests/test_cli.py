@@ -89,10 +89,11 @@ def test_inspect_refuses_a_folder_that_is_no_bundle():
 
 
 @pytest.mark.skipif(not SPEC_BENCH.is_file(), reason=f"{SPEC_BENCH} is not on this machine")
-def test_bench_checks_its_arguments_then_says_it_is_pending():
-    result = invoke("bench", TOY, "--limit", "3", "--link", "45:50", "--configs", "hyco,cloud-mtp")
+def test_bench_with_a_bundle_folder_that_is_not_a_bundle_exits_1(tmp_path):
+    result = invoke("bench", TOY, "--limit", "3", "--link", "45:50", "--configs", "hyco,cloud-mtp",
+                    "--bundle", tmp_path, "--out", tmp_path / "out")
     assert (result.exit_code, result.stderr.strip()) == (
-        2, "hycoc bench: not available yet (issue 6: hycoc bench: the paper's Table 2 on real prompts)")
+        1, f"hycoc bench: --bundle {tmp_path}: no manifest.json there; build one with hycoc build")
 
 
 def test_bench_refuses_unknown_configs_and_links():

@@ -87,8 +87,11 @@ def test_toy_recipe_scales_only_the_sizes():
     report = json.loads((RECIPES / "toy" / "models" / "report.json").read_text())["handoff_scales"]
     assert toy.handoff.scales() == {"embedding": report["e"], "hidden": report["h"], **{
         k: report[k] for k in ("k_sliding", "v_sliding", "k_full", "v_full")}}
-    for section in ("tree", "acceptance", "head_qat", "slm_calibration", "target"):
+    for section in ("tree", "acceptance", "head_qat", "target"):
         assert getattr(toy, section) == getattr(paper, section), section
+    # the SLM's calibration prompts are scaled (24 of the paper's 60: the CPU writes each answer), nothing else
+    assert (toy.slm_calibration.prompts, paper.slm_calibration.prompts) == (24, 60)
+    assert toy.slm_calibration.model_copy(update={"prompts": 60}) == paper.slm_calibration
     # T = 0.5 on the toy, stated in the recipe with the MAT at both temperatures; top-k/top-p as the paper
     assert (toy.sampling.temperature, toy.sampling.top_k, toy.sampling.top_p) == (0.5, 64, 0.95)
     assert (paper.sampling.temperature, paper.sampling.top_k, paper.sampling.top_p) == (1.0, 64, 0.95)
