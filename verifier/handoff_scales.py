@@ -44,7 +44,7 @@ def measure_handoff_scales(recipe, *, prompts: int = 16, max_new_tokens: int = 2
             x = torch.tensor([seq], device=model.device)
             cache = DynamicCache()  # no config: every layer keeps every position, as the engine's
             with torch.inference_mode():
-                model(input_ids=x, past_key_values=cache, use_cache=True)
+                model(input_ids=x, cache=cache, use_cache=True)
             with torch.inference_mode():
                 e = model.model.embed_tokens(x)
             values["embedding"].append(e.float().abs().flatten().cpu().numpy())
