@@ -41,6 +41,7 @@ from hycoc.datasets import Question
 #: Table 5 order.
 CONFIGS = ("cloud-mtp", "specedge", "specedge-eps", "hyco", "hyco-2p", "hyco-exact", "server-head", "slm-alone")
 RECORDS = "records.jsonl"
+SETTINGS = "settings.json"
 RESULTS = "results.json"
 
 
@@ -208,6 +209,16 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
     records_path = out / RECORDS
     if records_path.exists() and not resume:
         raise BenchError(f"{records_path} exists: pass --resume to continue that run, or choose another --out")
+    settings = run_settings(recipe, plan, bundle_dir, backend)
+    settings_path = out / SETTINGS
+    if records_path.exists() and settings_path.is_file():
+        saved = json.loads(settings_path.read_text(encoding="utf-8"))
+        changed = [k for k in settings if saved.get(k) != settings[k]]
+        if changed:
+            raise BenchError(f"--resume: {out} was run with other settings ("
+                             + ", ".join(f"{k}: {saved.get(k)!r} there, {settings[k]!r} now" for k in changed)
+                             + "); use the same ones, or another --out")
+    _atomic_write(settings_path, json.dumps(settings, indent=1))
     done = {(r["config"], r["run"], r["question_id"]) for r in read_records(records_path)}
     todo = [(run, q, c) for run in range(plan.runs) for q in plan.questions for c in plan.configs
             if (c, run, q.question_id) not in done]
@@ -291,6 +302,16 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
                   "rounds only. Delivery and first-token times include the link model.")
     console.print(f"wrote {out / RESULTS}, {', '.join(str(p) for p in plots)}")
     return results
+
+
+def run_settings(recipe, plan: BenchPlan, bundle_dir: Path, backend: str) -> dict:
+    """What makes two benches' records comparable; ``--resume`` refuses to mix records made with other values."""
+    from hycoc.bundle import sha256_file
+
+    s = recipe.sampling
+    return {"recipe_sha256": recipe.content_hash(), "bundle_manifest_sha256": sha256_file(bundle_dir / "manifest.json"),
+            "backend": backend, "output_cap": plan.output_cap, "link": plan.link, "temperature": s.temperature,
+            "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed}
 
 
 def default_bundle_dir(recipe, repo_root: Path) -> Path:

@@ -68,6 +68,28 @@ def _fail(command: str, message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _bundle_backend(bundle: Path, backend) -> str:
+    """``--backend`` if given, else the backend the bundle was built for (its manifest's target)."""
+    if backend is not None:
+        return backend.value
+    import json
+
+    try:
+        return json.loads((Path(bundle) / "manifest.json").read_text(encoding="utf-8"))["target"]["backend"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "cpu"  # the bundle loader then names what is wrong with the manifest
+
+
+def _need_full(command: str) -> None:
+    """Exit 1 with the install step when torch/transformers (the ``full`` extra) are missing."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise _fail(command, f"needs {' and '.join(missing)} (the compiler/verifier install): "
+                    "pip install torch==2.13.0 && pip install -e '.[full]'")
+
+
 def _pending(command: str, key: str | None = None) -> typer.Exit:
     number, title = PENDING[key or command]
     return _fail(command, f"not available yet (issue {number}: {title})", code=2)
@@ -126,6 +148,7 @@ def build(
               UnknownTargetError, QaiHubSetupError, QaiHubJobError)
 
     config = _recipe("build", recipe)
+    _need_full("build")
     name = target.value if target is not None else config.target.name
     cache = cache_dir if cache_dir is not None else Path(".hycoc-cache")
     console = Console(stderr=True)
@@ -170,7 +193,9 @@ def run(
     mode: RunMode = typer.Option(
         RunMode.hyco, help="drafting and acceptance: hyco (epsilon), hyco-exact, hyco-2p (two SLM passes), "
         "specedge (SLM-only tree), server-head, slm-alone (paper Table 5)"),
-    backend: Backend = typer.Option(Backend.htp, help="htp = QNN EP context binaries (simulator on x86), cpu = CPU EP"),
+    backend: Optional[Backend] = typer.Option(
+        None, help="htp = QNN EP context binaries (simulator on x86), cpu = CPU EP (default: the bundle's target)",
+        show_default=False),
     seed: Optional[int] = typer.Option(None, min=0, help="sampling seed (default: the bundle's)", show_default=False),
     temperature: Optional[float] = typer.Option(
         None, min=0.0, help="verifier sampling temperature, 0 = greedy (default: the bundle's)", show_default=False),
@@ -196,8 +221,11 @@ def run(
     if prompt_file is not None and not prompt_file.is_file():
         raise _fail("run", f"--prompt-file {prompt_file}: no such file", code=2)
     if not bundle.is_dir():
-        raise _fail("run", f"bundle {bundle}: no such folder", code=2)
-    if mode != RunMode.slm_alone and (server is None or not server.startswith(("ws://", "wss://"))):
+        what = "is a file, not a bundle folder" if bundle.exists() else "no such folder"
+        raise _fail("run", f"bundle {bundle}: {what} (make one with `hycoc build RECIPE --target cpu --out DIR`)")
+    if mode != RunMode.slm_alone and server is None:
+        raise _fail("run", "--server ws://HOST:PORT is required (except with --mode slm-alone)", code=2)
+    if mode != RunMode.slm_alone and not server.startswith(("ws://", "wss://")):
         raise _fail("run", f"--server {server!r}: expected ws://HOST:PORT", code=2)
     import json
 
@@ -211,7 +239,7 @@ def run(
 
     text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
     try:
-        rt = load_runtime(bundle, backend.value, threads=threads)
+        rt = load_runtime(bundle, _bundle_backend(bundle, backend), threads=threads)
     except (BundleError, GraphRunError, QnnUnavailableError, ValueError) as e:
         raise _fail("run", str(e)) from None
     from hycoc.chat import format_prompt
@@ -224,7 +252,10 @@ def run(
     sampling = Sampling(r.temperature if temperature is None else temperature, r.top_k, r.top_p)
     client = None if mode == RunMode.slm_alone else VerifierClient(server, auth_token, timeout_s=timeout)
 
+    streamed = []
+
     def show(piece: str) -> None:
+        streamed.append(piece)
         sys.stdout.write(piece)
         sys.stdout.flush()
 
@@ -232,9 +263,13 @@ def run(
         res = rt.generate(client, ids, mode=mode.value, max_new_tokens=max_new_tokens, seed=seed, sampling=sampling,
                           epsilon=epsilon, on_text=show)
     except (TransportError, HandoffError, RuntimeProtocolError, GraphRunError, BundleError) as e:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-        raise _fail("run", str(e)) from None
+        if streamed:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        message = str(e)
+        if "auth_required" in message or "auth_refused" in message:
+            message += " (hycoc run: pass --auth-token TOKEN or set HYCOC_AUTH_TOKEN)"
+        raise _fail("run", message) from None
     sys.stdout.write("\n")
     m = res.to_json()
     if json_out:
@@ -271,6 +306,7 @@ def verify_server(
     Trees have the recipe's tree.node_budget + 1 rows; frames above its verifier.max_frame_bytes (bytes) are refused.
     """
     cfg = _recipe("verify-server", recipe)
+    _need_full("verify-server")
     if auth_token == "":
         raise _fail("verify-server", "--auth-token is empty: give a token, or leave the option out", code=2)
     from hycoc.models import ModelNotFoundError
@@ -283,9 +319,10 @@ def verify_server(
         import numpy as np
 
         try:
-            ids = np.load(keep_set)
-        except (OSError, ValueError) as e:
-            raise _fail("verify-server", f"--keep-set {keep_set}: cannot read a .npy array: {e}") from None
+            ids = np.load(keep_set, allow_pickle=False)
+        except (OSError, ValueError):
+            raise _fail("verify-server", f"--keep-set {keep_set}: not a .npy array file; give the bundle's "
+                        "keep_set.npy (written by hycoc build)") from None
         if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) == 0:
             raise _fail("verify-server", f"--keep-set {keep_set}: expected a non-empty 1-D array of int token ids, "
                         f"got shape {ids.shape} dtype {ids.dtype}")
@@ -325,11 +362,13 @@ def calibrate_handoff(
     max_new_tokens: int = typer.Option(256, min=1, help="greedy answer tokens per prompt"),
     percentile: float = typer.Option(99.99, min=50.0, max=100.0, help="percentile of |x| that maps to int8 127"),
 ) -> None:
-    """Measure the hand-off's six fixed int8 scales on the verifier's own answers; prints the [handoff] lines.
+    """Measure the hand-off's six fixed int8 scales on the verifier's own answers; prints the scale_* lines.
 
-    Needs the recipe's verifier and tokenizer (and its head_qat.calibration_data or keep-set corpus for prompts).
+    Replace the scale_* keys of the recipe's handoff table with them. Needs the recipe's verifier and tokenizer
+    (and its head_qat.calibration_data or keep-set corpus for prompts).
     """
     cfg = _recipe("calibrate-handoff", recipe)
+    _need_full("calibrate-handoff")
     from hycoc.models import ModelNotFoundError
     from hycoc.recipe import RecipeError
     from hycoc.verifier.handoff_scales import measure_handoff_scales, toml_lines
@@ -338,7 +377,6 @@ def calibrate_handoff(
         scales = measure_handoff_scales(cfg, prompts=prompts, max_new_tokens=max_new_tokens, percentile=percentile)
     except (RecipeError, ModelNotFoundError, ValueError) as e:
         raise _fail("calibrate-handoff", str(e)) from None
-    typer.echo("[handoff]")
     typer.echo(toml_lines(scales, percentile, prompts))
 
 
@@ -360,7 +398,8 @@ def bench(
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
     bundle: Optional[Path] = typer.Option(
         None, help="device bundle (default: bundles/<recipe name>-cpu, built first when missing)", show_default=False),
-    backend: Backend = typer.Option(Backend.cpu, help="device backend of the bundle's graphs"),
+    backend: Optional[Backend] = typer.Option(
+        None, help="device backend of the bundle's graphs (default: the bundle's target)", show_default=False),
     cost_model: Optional[Path] = typer.Option(
         None, help="cost-model JSON for g projected (benchmarks/verifier_cost_model.py); default: measured here",
         show_default=False),
@@ -381,8 +420,11 @@ def bench(
     if unknown:
         raise _fail("bench", f"--configs: unknown {', '.join(unknown)}; allowed: {', '.join(BENCH_CONFIGS)}", code=2)
     if link is not None:
+        from hycoc.runtime.transport import parse_link
+
         try:  # the recipe's own check, so the CLI and the recipe accept the same strings
             check_link(link)
+            parse_link(link)
         except ValueError:
             raise _fail("bench", f"--link {link!r}: allowed: lte, 5g, none or RTT_MS:MBPS such as 45:50",
                         code=2) from None
@@ -392,7 +434,8 @@ def bench(
     except DatasetError as e:
         raise _fail("bench", str(e)) from None
     if cost_model is not None and not cost_model.is_file():
-        raise _fail("bench", f"--cost-model {cost_model}: no such file", code=2)
+        raise _fail("bench", f"--cost-model {cost_model}: no such file")
+    _need_full("bench")
     from hycoc.bench import BenchError, BenchPlan, default_bundle_dir, run_bench
     from hycoc.bundle import BundleError
     from hycoc.cost_model import CostModelError
@@ -401,7 +444,8 @@ def bench(
     bundle_dir = bundle or default_bundle_dir(cfg, REPO_ROOT)
     if not (bundle_dir / "manifest.json").is_file():
         if bundle is not None:
-            raise _fail("bench", f"--bundle {bundle}: no manifest.json there; build one with hycoc build")
+            what = "no manifest.json there" if bundle.is_dir() else "no such folder"
+            raise _fail("bench", f"--bundle {bundle}: {what}; build one with hycoc build")
         typer.echo(f"hycoc bench: no bundle at {bundle_dir}; building it (hycoc build {recipe} --target cpu)", err=True)
         from hycoc.passes.build import build_bundle
 
@@ -410,8 +454,8 @@ def bench(
                      configs=[c for c in BENCH_CONFIGS if c in configs.split(",")], runs=runs or cfg.bench.runs,
                      link=link or cfg.bench.link, output_cap=max_new_tokens or cfg.bench.output_cap, out=out)
     try:
-        run_bench(cfg, recipe, plan, bundle_dir=bundle_dir, backend=backend.value, resume=resume,
-                  cost_model_path=cost_model)
+        run_bench(cfg, recipe, plan, bundle_dir=bundle_dir, backend=_bundle_backend(bundle_dir, backend),
+                  resume=resume, cost_model_path=cost_model)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     except (BenchError, BundleError, TransportError, CostModelError) as e:
@@ -677,6 +721,7 @@ def generate(
     if prompt is not None and question_id is not None:
         raise _fail("generate", "give at most one of --prompt and --question-id", code=2)
     cfg = _recipe("generate", recipe)
+    _need_full("generate")
     if prompt is None:
         try:
             prompt = find_question(load_spec_bench(dataset or DEFAULT_DATASET), 81 if question_id is None else question_id).turns[0]

@@ -90,6 +90,10 @@ def check_device(manifest: Manifest, backend: str, *, qnn: dict[str, str | None]
     """
     if backend not in BACKENDS:
         raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    if manifest.target.backend != backend:
+        raise TargetMismatch(f"bundle built for target backend {manifest.target.backend} ({manifest.target.name}), "
+                             f"asked to run on {backend}: pass --backend {manifest.target.backend}, or build a "
+                             f"bundle with --target {'cpu' if backend == 'cpu' else 'htp-v81'}")
     if backend == "htp":
         qnn = local_qnn() if qnn is None else qnn
         if manifest.target.backend == "htp" and qnn.get("onnxruntime-qnn") is None:

@@ -49,12 +49,15 @@ def dequantize(q: np.ndarray, enc: Encoding) -> np.ndarray:
 
 @contextlib.contextmanager
 def _native_stdout_to_stderr():
-    """Send what native libraries print on file descriptor 1 to stderr meanwhile: the QNN HTP libraries print a
-    banner on stdout when they load, and stdout carries the answer text (and ``--json``)."""
+    """Silence what native libraries print on file descriptor 1 meanwhile: the QNN HTP libraries print a banner on
+    stdout when they load, and stdout carries the answer text (and ``--json``). Their errors reach onnxruntime's
+    exceptions and log (stderr), not fd 1."""
     sys.stdout.flush()
     saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(2, 1)
+        os.dup2(devnull, 1)
+        os.close(devnull)
         yield
     finally:
         sys.stdout.flush()

@@ -71,7 +71,9 @@ def test_cli_bench_checks_its_arguments(tmp_path):
     result = CliRunner().invoke(app, ["bench", "recipes/toy.toml", "--configs", "hyco,fast"])
     assert result.exit_code == 2 and "--configs: unknown fast" in result.stderr
     result = CliRunner().invoke(app, ["bench", "recipes/toy.toml", "--cost-model", str(tmp_path / "nope.json")])
-    assert result.exit_code == 2 and "no such file" in result.stderr
+    assert result.exit_code == 1 and "no such file" in result.stderr
+    result = CliRunner().invoke(app, ["bench", "recipes/toy.toml", "--link", "50:0"])
+    assert result.exit_code == 2 and "--link '50:0': allowed" in result.stderr
 
 
 def test_calibrate_handoff_prints_six_scales_for_the_recipe(built):
@@ -81,6 +83,17 @@ def test_calibrate_handoff_prints_six_scales_for_the_recipe(built):
     result = CliRunner().invoke(app, ["calibrate-handoff", str(path), "--prompts", "2", "--max-new-tokens", "4"])
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.strip().splitlines()
-    assert lines[0] == "[handoff]" and lines[1].startswith("# measured by `hycoc calibrate-handoff`")
-    values = dict(line.split(" = ") for line in lines[2:])
+    assert lines[0].startswith("# [handoff] scales measured by `hycoc calibrate-handoff`")
+    values = dict(line.split(" = ") for line in lines[1:])
     assert list(values) == [f"scale_{k}" for k in KINDS] and all(float(v) > 0 for v in values.values())
+
+
+def test_resume_refuses_records_made_with_other_settings(built, tmp_path):
+    recipe, path, root = built
+    questions = load_spec_bench(DEFAULT_DATASET)[:1]
+    console = Console(file=io.StringIO(), width=200)
+    plan = BenchPlan(questions=questions, configs=["slm-alone"], runs=1, link="none", output_cap=4, out=tmp_path / "o")
+    run_bench(recipe, path, plan, bundle_dir=root / "bundle", cost_model_path=root / "cost.json", console=console)
+    other = BenchPlan(**{**plan.__dict__, "output_cap": 8, "link": "lte"})
+    with pytest.raises(BenchError, match="output_cap: 4 there, 8 now, link: 'none' there, 'lte' now"):
+        run_bench(recipe, path, other, bundle_dir=root / "bundle", resume=True, console=console)

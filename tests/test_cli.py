@@ -138,7 +138,8 @@ def test_run_checks_its_arguments(tmp_path):
         "hycoc run: give exactly one of --prompt and --prompt-file")
     assert err(tmp_path, "--server", "ws://h:1", "--prompt-file", tmp_path / "f") == (
         f"hycoc run: --prompt-file {tmp_path / 'f'}: no such file")
-    assert err(tmp_path / "b", "--server", "ws://h:1", "--prompt", "a") == f"hycoc run: bundle {tmp_path / 'b'}: no such folder"
+    missing = invoke("run", tmp_path / "b", "--server", "ws://h:1", "--prompt", "a")
+    assert missing.exit_code == 1 and missing.stderr.startswith(f"hycoc run: bundle {tmp_path / 'b'}: no such folder")
     assert err(tmp_path, "--server", "http://h:1", "--prompt", "a") == (
         "hycoc run: --server 'http://h:1': expected ws://HOST:PORT")
     assert "Invalid value for '--mode'" in err(tmp_path, "--server", "ws://h:1", "--prompt", "a", "--mode", "fast")
@@ -234,7 +235,7 @@ def test_verify_server_refuses_a_bad_keep_set_before_listening(tmp_path):
     not_npy.write_text("1 2 3")
     result = invoke("verify-server", TOY, "--keep-set", not_npy)
     assert result.exit_code == 1
-    assert result.stderr.startswith(f"hycoc verify-server: --keep-set {not_npy}: cannot read a .npy array")
+    assert result.stderr.startswith(f"hycoc verify-server: --keep-set {not_npy}: not a .npy array file")
     two_d = tmp_path / "keep2d.npy"
     np.save(two_d, np.zeros((2, 2), np.int64))
     result = invoke("verify-server", TOY, "--keep-set", two_d)

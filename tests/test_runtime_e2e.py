@@ -139,7 +139,7 @@ def test_cli_run_errors_are_one_line_with_a_nonzero_exit(built, tmp_path):
     # a cpu bundle on the htp backend: refused naming both values
     result = runner.invoke(app, ["run", str(bundle), "--server", "ws://127.0.0.1:9", "--prompt", "w1",
                                  "--backend", "htp"])
-    assert result.exit_code == 1 and "bundle built for target backend cpu, this device has htp" in result.stderr
+    assert result.exit_code == 1 and "bundle built for target backend cpu (cpu), asked to run on htp: pass --backend cpu" in result.stderr
 
 
 def test_htp_bundle_on_the_simulator_gives_the_verifiers_greedy_text(built, server, tmp_path):

@@ -67,7 +67,7 @@ def measure_handoff_scales(recipe, *, prompts: int = 16, max_new_tokens: int = 2
 
 def toml_lines(scales: dict[str, float], percentile: float, prompts: int) -> str:
     """The ``[handoff]`` scale lines for a recipe, with a comment saying how they were measured."""
-    lines = [f"# measured by `hycoc calibrate-handoff`: {percentile}th percentile of |x| / 127 over the verifier's "
-             f"own answers to {prompts} calibration prompts"]
+    lines = [f"# [handoff] scales measured by `hycoc calibrate-handoff`: {percentile}th percentile of |x| / 127 over "
+             f"the verifier's own answers to {prompts} calibration prompts (replace the scale_* keys with these)"]
     lines += [f"scale_{k} = {scales[k]:.6g}" for k in KINDS]
     return "\n".join(lines)

@@ -393,7 +393,7 @@ class VerifierServer:
         wire.validate(req, self._open_limits)  # vocabulary and context, now that the client may know them
         if req.draft_place == "server-head" and self.engine.keep_set is None:
             raise KeepSetMissing("draft_place 'server-head' needs the keep set (Table 5), and this verifier has "
-                                 "none: build the bundle (hycoc build) and give the server its keep set, or use "
+                                 "none: start it with `hycoc verify-server RECIPE --keep-set BUNDLE/keep_set.npy`, or use "
                                  "'device' or 'cloud-mtp'")
         session, prefill_ms, t = await self._work(self._open_session, req)
         session_id, self._next_id = self._next_id, self._next_id + 1
