@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from hycoc.mtp import FULL, SLIDING
-from hycoc.passes.artifacts import Artifact, OnnxArtifact, QuantizedHeadArtifact, TorchModelArtifact
+from hycoc.passes.artifacts import (Artifact, OnnxArtifact, QuantizedHeadArtifact, TokenizerArtifact,
+                                    TorchModelArtifact)
 from hycoc.passes.head_graph import INPUT_NAMES, OUTPUT_NAMES, HeadGraph, embedding_table, ring_masks, rotary_rows
 from hycoc.passes.head_graph import rotary_tables as head_rotary_tables
 from hycoc.passes.pipeline import Pass, PassReport
@@ -195,23 +196,33 @@ class HeadQdq(Pass):
     integers as bit-exact per-channel int4 weights (`hycoc.passes.qdq.quantize_graph`, weights via
     `head_weight_arrays`), reading ``[head_qat]`` (``input_range_percentile``) and ``[window]``.
 
-    Calibration: `CALIBRATION_SAMPLES` queries at the first drafting step (x_hat = [e; h]) from one verifier pass
-    over keep-set tokens; ranges at the ``input_range_percentile`` percentile, x 1. SQNR and top-1 against the
-    float graph are reported on those and on as many held-out queries (another seed).
+    Calibration (v2): the head graph's feeds as the device runtime makes them from real hand-offs
+    (`hycoc.passes.head_calibration.real_head_calibration`: the verifier engine answers calibration prompts of the
+    head QAT's source greedily, the runtime's `MtpDrafter` ingests every hand-off and drafts K steps over the
+    float head graph); ranges at the ``input_range_percentile`` percentile, x 1. SQNR and top-1 against the float
+    graph are reported on those and on held-out prompts' feeds. Fallback, only when no tokenizer is given (unit
+    tests of the pass alone): `CALIBRATION_SAMPLES` first-step queries from one verifier pass over keep-set tokens
+    (`comparison_inputs`), held-out with another seed.
     """
 
     name = "qdq_head"
+    version = 2  # v2: calibrated on the runtime's feeds from real hand-offs (head_calibration)
     section = "head_qat"
-    also_reads = ("window",)
+    also_reads = ("window", "tree", "handoff", "keep_set")
     consumes = {"onnx_head": OnnxArtifact, "quantized_head": QuantizedHeadArtifact,
-                "torch_verifier": TorchModelArtifact}
+                "torch_verifier": TorchModelArtifact, "tokenizer": TokenizerArtifact}
     produces = {"qdq_head": OnnxArtifact}
 
     def __init__(self, *, seed: int = 0, samples: int = CALIBRATION_SAMPLES):
         self.seed, self.samples = seed, samples
 
     def key_material(self, recipe: Recipe) -> dict[str, Any]:
-        return {"seed": self.seed, "samples": self.samples}
+        from hycoc.passes import head_calibration as hc
+        from hycoc.passes.head_qat import HeadQatPass
+
+        prompts = HeadQatPass(seed=self.seed).key_material(recipe)  # the prompt source's file hashes
+        return {"seed": self.seed, "samples": self.samples, "prompt_source": prompts,
+                "calibration": [hc.CALIBRATION_PROMPTS, hc.HELD_OUT_PROMPTS, hc.DRAFTS_PER_PROMPT]}
 
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, Artifact], PassReport]:
         import onnx
@@ -231,7 +242,17 @@ class HeadQdq(Pass):
                     for s in comparison_inputs(verifier, config, quantized.keep_set, window, sliding_window,
                                                self.samples, seed)]
 
-        samples, held_out = feeds(self.seed + 100), feeds(self.seed + 101)
+        tokenizer = inputs.get("tokenizer")
+        if tokenizer is not None:
+            from hycoc.passes.head_calibration import real_head_calibration
+
+            shapes = {v.name: tuple(int(d) for d in v.shape) for v in inputs["onnx_head"].payload.graph.inputs}
+            cal, held_cal, calibration = real_head_calibration(verifier, quantized, shapes, tokenizer.payload,
+                                                               recipe, self.seed)
+            samples, held_out = cal.samples, held_cal.samples
+        else:  # unit tests of the pass without a tokenizer: keep-set queries of one verifier pass
+            samples, held_out = feeds(self.seed + 100), feeds(self.seed + 101)
+            calibration = {"source": "keep-set queries (fallback)"}
         with tempfile.TemporaryDirectory(prefix="hycoc-head-qdq-") as tmp:
             src = Path(tmp) / "float" / "model.onnx"
             src.parent.mkdir()
@@ -242,11 +263,12 @@ class HeadQdq(Pass):
             fmodel = onnx.load(str(result.float_path), load_external_data=False)
             held = sqnr_report(result.float_path, result.path, held_out, layers=layer_outputs(fmodel))
             model = ir.serde.deserialize_model(onnx.load(str(result.path)))
-        numbers = result.numbers() | {"samples": len(samples), "sqnr_held_out": held,
+        numbers = result.numbers() | {"samples": len(samples), "held_out_samples": len(held_out),
+                                      "sqnr_held_out": held, "calibration_inputs": calibration,
                                       "percentile": recipe.head_qat.input_range_percentile}
         s = result.sqnr
         summary = (f"A16 W{quantized.bits} QDQ: {numbers['quantize_linear']} Q / {numbers['dequantize_linear']} DQ, "
                    f"{len(result.weights)} weights bit-exact; SQNR logits {s['outputs']['logits']:.1f} dB, top-1 "
-                   f"{s['top1_agreement']:.0%} on {len(samples)} calibration queries (held-out: "
-                   f"{held['outputs']['logits']:.1f} dB, top-1 {held['top1_agreement']:.0%})")
+                   f"{s['top1_agreement']:.0%} on {len(samples)} calibration queries (held-out "
+                   f"{len(held_out)}: {held['outputs']['logits']:.1f} dB, top-1 {held['top1_agreement']:.0%})")
         return {"qdq_head": OnnxArtifact("qdq_head", model)}, PassReport(summary, numbers)
