@@ -1,0 +1,154 @@
+"""The head's QDQ calibration from real hand-offs (passes/head_calibration.py, passes/head_export.py `HeadQdq`).
+
+The tiny recipe of tests/test_build.py is built up to ``head_export`` once (2 QAT steps); the tests drive its
+verifier engine and the runtime's `MtpDrafter` over the float head graph and run the QDQ pass."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from rich.console import Console
+from test_build import write_tiny_recipe
+
+from hycoc.host import FULL, SLIDING, ring_masks
+from hycoc.messages import Sampling
+from hycoc.passes import build as b
+from hycoc.passes import head_calibration as hc
+from hycoc.recipe import load_recipe
+from hycoc.runtime.mtp_drafter import MtpDrafter
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    recipe_path = write_tiny_recipe(tmp_path_factory.mktemp("tiny_recipe"))
+    recipe = load_recipe(recipe_path)
+    result = b.run_pipeline(recipe, "cpu", tmp_path_factory.mktemp("cache"), until="head_export",
+                            console=Console(file=io.StringIO()))
+    return recipe, result.artifacts
+
+
+def parts(recipe, artifacts):
+    """(engine, graph, shapes, bundle, tokenizer) for the tiny build."""
+    from hycoc.chat import stop_token_ids
+    from hycoc.passes.head_graph import HeadGraph, embedding_table, rotary_tables
+    from hycoc.passes.head_qat import dequantized_head
+    from hycoc.verifier.engine import VerifierEngine
+
+    verifier = artifacts["torch_verifier"].payload
+    quantized = artifacts["quantized_head"].payload
+    tokenizer = artifacts["tokenizer"].payload
+    rebuilt = dequantized_head(quantized)
+    q, scale = embedding_table(verifier, quantized.keep_set)
+    bundle = hc.runtime_bundle(recipe, quantized.keep_set, (q.numpy(), scale.numpy()), rotary_tables(rebuilt.config),
+                               rebuilt.config.get_text_config().sliding_window)
+    shapes = {v.name: tuple(v.shape) for v in artifacts["onnx_head"].payload.graph.inputs}
+    engine = VerifierEngine(verifier, head_window=recipe.window.head_window, chain_length=recipe.tree.chain_length,
+                            handoff_scales=hc.handoff_scales(recipe), hidden=recipe.handoff.hidden,
+                            eos_token_ids=stop_token_ids(tokenizer))
+    return engine, HeadGraph(rebuilt).eval(), shapes, bundle, tokenizer
+
+
+def test_recorded_feeds_are_the_runtime_feeds_of_real_handoffs(tiny):
+    recipe, artifacts = tiny
+    engine, graph, shapes, bundle, tokenizer = parts(recipe, artifacts)
+    W, K = recipe.window.head_window, recipe.tree.chain_length
+    sw = bundle.host.head.sliding_window
+    cal, _, _ = hc.pick_calibration_prompts(recipe, tokenizer)
+    runner = hc.TorchHeadRunner(graph, shapes)
+    drafter = MtpDrafter(runner, bundle)
+    # a prompt plus its answer long enough to wrap the W-column ring
+    prompt = cal[0] + cal[1] + cal[2]
+    session = engine.open(prompt, Sampling(temperature=0.0, top_k=1, top_p=1.0), acceptance="exact",
+                          max_new_tokens=W + 4)
+    session.prefill()
+    try:
+        seq, wrapped = 0, False
+        while not session.finished and seq < W + 4:
+            h = session.verify([session.root], [-1], seq).handoff
+            seq += 1
+            if h is None:
+                break
+            assert h.a == (max(0, h.t_prime - W) if seq == 1 else h.t_prime - 1)
+            drafter.ingest(h)
+            n0 = len(runner.records)
+            want = {k: np.array(v, copy=True) for k, v in drafter.feeds(drafter.x_hat).items()}
+            drafter.draft()
+            assert len(runner.records) == n0 + K
+            got = runner.records[n0]
+            assert got.keys() == want.keys()
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+            # x_hat: the dequantized hand-off; masks: ring_masks of the live range [max(0, t' - W), t')
+            s = np.asarray(h.scales, np.float32)
+            H = len(h.x_hat) // 2
+            x = np.concatenate([h.x_hat[:H] * s[0], h.x_hat[H:] * s[1]]).astype(np.float32)
+            np.testing.assert_array_equal(got["x_hat"].reshape(-1), x)
+            masks = ring_masks(h.t_prime, max(0, h.t_prime - W), W, sw)
+            np.testing.assert_array_equal(got["mask_sliding"], masks[SLIDING])
+            np.testing.assert_array_equal(got["mask_full"], masks[FULL])
+            # the ring columns p mod W hold the hand-off's rows
+            for short, ks, vs in (("sliding", s[2], s[3]), ("full", s[4], s[5])):
+                _, kv, _, d = got[f"k_{short}"].shape
+                for p in range(h.a, h.t_prime):
+                    col = p % W
+                    np.testing.assert_array_equal(got[f"k_{short}"][0, :, col],
+                                                  (getattr(h, f"k_{short}")[p - h.a] * ks).reshape(kv, d))
+                    np.testing.assert_array_equal(got[f"v_{short}"][0, :, col],
+                                                  (getattr(h, f"v_{short}")[p - h.a] * vs).reshape(kv, d))
+            # later steps query [E[i]; h_next]: the embedding half is a row of E
+            i = int(np.argmax(graph(*[torch.from_numpy(got[n]) for n in runner.input_names])[0].numpy()))
+            np.testing.assert_array_equal(runner.records[n0 + 1]["x_hat"].reshape(-1)[:H], bundle.embed_keep(i))
+            wrapped |= h.t_prime > W
+        assert seq > 2 and wrapped
+    finally:
+        session.close()
+        engine.close()
+
+
+def test_record_requests_drafts_on_the_chosen_rounds(tiny):
+    recipe, artifacts = tiny
+    engine, graph, shapes, bundle, tokenizer = parts(recipe, artifacts)
+    cal, held, source = hc.pick_calibration_prompts(recipe, tokenizer)
+    assert source.endswith("prompts.jsonl") and (len(cal), len(held)) == (5, 1)  # 6 prompts in the source
+    from hycoc.chat import stop_token_ids
+    from hycoc.passes.head_qat import greedy_answer
+
+    verifier = artifacts["torch_verifier"].payload
+    answers = [greedy_answer(verifier, p, 8, stop_token_ids(tokenizer)) for p in cal[:2]]
+    try:
+        out = hc.record_requests(engine, graph, shapes, bundle, cal[:2], cap=8, answers=answers, per_prompt=3)
+        root_only = hc.record_requests(engine, graph, shapes, bundle, cal[:2], cap=8, per_prompt=3)
+    finally:
+        engine.close()
+    K = recipe.tree.chain_length
+    st, ro = out.stats, root_only.stats
+    # exact acceptance at T = 0 follows the greedy answer: same tokens, fewer rounds with chains
+    assert st["answer_tokens"] == ro["answer_tokens"] == sum(len(a) for a in answers)
+    assert st["rounds"] < ro["rounds"] == ro["answer_tokens"]
+    assert 2 <= st["drafts"] <= 6 and st["samples"] == st["drafts"] * K == len(out.samples)
+    assert ro["drafts"] == 6 and ro["samples"] == 6 * K
+    assert hc.draft_rounds(12, 0.0, 4) == {0, 3, 6, 9} and hc.draft_rounds(3, 0.5, 8) == {0, 1, 2}
+
+
+def test_qdq_pass_calibrates_on_real_handoffs(tiny):
+    from hycoc.passes.head_export import HeadQdq
+
+    recipe, artifacts = tiny
+    step = HeadQdq()
+    assert step.version == 2 and "tokenizer" in step.consumes
+    inputs = {k: artifacts[k] for k in step.consumes}
+    _, report = step.run(inputs, recipe)
+    n = report.numbers
+    cal = n["calibration_inputs"]
+    assert cal["source"].endswith("prompts.jsonl") and cal["calibration"]["samples"] == n["samples"] > 0
+    assert cal["held_out"]["samples"] == n["held_out_samples"] > 0
+    assert n["sqnr"]["outputs"]["logits"] > 20 and n["sqnr_held_out"]["outputs"]["logits"] > 15
+    # the fallback (no tokenizer: unit tests only) still runs
+    _, old = step.run({k: v for k, v in inputs.items() if k != "tokenizer"}, recipe)
+    assert old.numbers["calibration_inputs"]["source"].startswith("keep-set")
+    print(f"real hand-offs: {report.summary}\nfallback: {old.summary}")
