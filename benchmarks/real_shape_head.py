@@ -79,15 +79,20 @@ PERCENTILE_DEFAULT = 99.99
 # ---- measuring ---------------------------------------------------------------------------------------------
 
 
-def _status_kib(field: str, pid: int | str = "self") -> int:
+def _proc_kib(path: str, field: str) -> int:
+    """``field`` (kB) of a /proc file such as /proc/self/status or /proc/meminfo; 0 when unreadable."""
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1])
     except OSError:
         pass
     return 0
+
+
+def _status_kib(field: str, pid: int | str = "self") -> int:
+    return _proc_kib(f"/proc/{pid}/status", field)
 
 
 def _children(pid: int) -> list[int]:
@@ -746,14 +751,7 @@ def _shapes(args, text: dict | None) -> dict[str, Any]:
 
 
 def _meminfo_kib(field: str) -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+    return _proc_kib("/proc/meminfo", field)
 
 
 def _versions() -> dict[str, str]:

@@ -148,9 +148,11 @@ class MtpDrafter:
         D = self.D if siblings is None else siblings
         keep = self.bundle.keep_set
         z = self.x_hat
+        feeds = self.feeds(z)       # ring, masks and rotary rows stay fixed over the K steps (lines 6, 9)
         out = MtpDraft([], [], [], [])
         for k in range(1, K + 1):
-            res = self.runner.run(self.feeds(z))
+            feeds["x_hat"] = z.reshape(1, 1, -1).astype(np.float32)
+            res = self.runner.run(feeds)
             i, i2 = top2(res["logits"])
             out.chain.append(int(keep[i]))
             out.chain_index.append(i)

@@ -45,14 +45,16 @@ class DraftTreeNodes:
     """The tree under construction: nodes in insertion order (node 0 is the root)."""
 
     nodes: list[TreeNode] = field(default_factory=list)
+    edges: set[tuple[int, int]] = field(default_factory=set)   # (parent, token) of every node
 
     def add(self, token: int, parent: int, score: float, source: str) -> int:
         depth = 0 if parent < 0 else self.nodes[parent].depth + 1
         self.nodes.append(TreeNode(int(token), int(parent), float(score), depth, source))
+        self.edges.add((int(parent), int(token)))
         return len(self.nodes) - 1
 
     def has_child(self, parent: int, token: int) -> bool:
-        return any(n.parent == parent and n.token == token for n in self.nodes)
+        return (int(parent), int(token)) in self.edges
 
     def ancestors(self, node: int) -> list[int]:
         """Ancestors of ``node`` from the root's child down to its parent (root excluded)."""
@@ -195,14 +197,12 @@ def walk_reply(tokens: Sequence[int], parents: Sequence[int], samples: Sequence[
     ties to the lowest row. Returns the path's rows (root excluded), root to leaf; [] when nothing matches.
     Duplicate (padding) rows never win over the first row with the same token and parent."""
     tokens, parents, samples = (np.asarray(a, np.int64) for a in (tokens, parents, samples))
-    best: list[int] = []
-    stack: list[tuple[int, list[int]]] = [(0, [])]
-    while stack:
-        v, path = stack.pop()
-        if len(path) > len(best):
-            best = path
-        kids = [j for j in range(1, len(tokens)) if parents[j] == v and tokens[j] == samples[v]]
-        if kids:
-            j = min(kids)                                 # duplicates: the lowest row
-            stack.append((j, path + [j]))
-    return best
+    path: list[int] = []
+    v = 0
+    while True:  # every row has one sampled token, so at most one child (the lowest duplicate row) continues
+        kids = np.nonzero((parents == v) & (tokens == samples[v]))[0]
+        kids = kids[kids > 0]
+        if not len(kids):
+            return path
+        v = int(kids[0])
+        path.append(v)

@@ -15,14 +15,12 @@ import pytest
 import torch
 from rich.console import Console
 from test_head_qat import word_tokenizer
-from test_slm_surgery import tiny_slm_config
+from test_slm_surgery import make_tiny_slm
 
 from hycoc.passes import build as b
 from hycoc.passes.head_export import HeadExport, HostTablesArtifact
 from hycoc.recipe import load_recipe
 from hycoc.targets import qai_hub
-from hycoc.toy.configs import SLM_BIT_MAP, SLM_DEFAULT_BITS
-from hycoc.toy.gemma_format import save_prequantized
 from tiny_models import tiny_head, tiny_verifier
 
 torch.set_num_threads(1)
@@ -80,19 +78,8 @@ threads = 1
 
 
 def make_slm(path):
-    from transformers import Gemma4ForCausalLM
-
-    config = tiny_slm_config()
-    config.vocab_size = config.vocab_size_per_layer_input = 300
-    torch.manual_seed(0)
-    model = Gemma4ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.3 if "embed" in name or "lm_head" in name else 0.15)
-            elif "norm" in name:
-                p.uniform_(0.5, 1.5)
-    save_prequantized(model, path, SLM_BIT_MAP, SLM_DEFAULT_BITS, 8)
+    """The tiny SLM of tests/test_slm_surgery.py with the verifier's 300-id vocabulary."""
+    make_tiny_slm(path, vocab_size=300)
 
 
 @pytest.fixture(scope="module")

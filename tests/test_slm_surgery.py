@@ -42,14 +42,18 @@ def tiny_slm_config(sliding_window: int = SLIDING_WINDOW):
     )
 
 
-def make_tiny_slm(path, *, embedding_bits: int = 8, seed: int = 0):
+def make_tiny_slm(path, *, embedding_bits: int = 8, seed: int = 0, vocab_size: int | None = None):
     """Write a random tiny SLM in the pre-quantized Gemma format (the toy bit map: int8 attention and output
     layer, int4 MLPs, int2 per-layer projections) and return the folder. Weights get a spread that makes the
-    logits depend on the context (transformers' init std 0.02 gives near-uniform ones)."""
+    logits depend on the context (transformers' init std 0.02 gives near-uniform ones). ``vocab_size``: another
+    vocabulary (token and per-layer tables)."""
     from transformers import Gemma4ForCausalLM
 
+    config = tiny_slm_config()
+    if vocab_size is not None:
+        config.vocab_size = config.vocab_size_per_layer_input = vocab_size
     torch.manual_seed(seed)
-    model = Gemma4ForCausalLM(tiny_slm_config()).eval()
+    model = Gemma4ForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hycoc import host
+
 from .errors import TreeError
 
 
@@ -43,23 +45,10 @@ def validate_tree(tokens, parents, vocab_size: int) -> None:
         raise TreeError(f"row {j} has token id {tokens[j]} outside the vocabulary [0, {vocab_size})")
 
 
-def tree_depths(parents) -> np.ndarray:
-    """depth(j) of every row: 0 for the root, depth(parent) + 1 otherwise. int64 (R,). Assumes a valid tree."""
-    parents = np.asarray(parents, dtype=np.int64)
-    depth = np.zeros(len(parents), dtype=np.int64)
-    for j in range(1, len(parents)):
-        depth[j] = depth[parents[j]] + 1
-    return depth
-
-
-def ancestor_matrix(parents) -> np.ndarray:
-    """bool (R, R): [j, i] is True iff row i is row j itself or one of its ancestors. Assumes a valid tree."""
-    parents = np.asarray(parents, dtype=np.int64)
-    rows = len(parents)
-    anc = np.eye(rows, dtype=bool)
-    for j in range(1, rows):
-        anc[j] |= anc[parents[j]]
-    return anc
+#: depth(j) per row and the [row, ancestor-or-self] matrix: `hycoc.host`'s (shared with the device runtime and the
+#: compiler; they raise TreeShapeError on rows that are not a tree, which `validate_tree` rules out first).
+tree_depths = host.tree_depths
+ancestor_matrix = host.ancestor_matrix
 
 
 def path_to(parents, row: int) -> list[int]:
