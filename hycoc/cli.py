@@ -24,9 +24,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-#: Repository root of an editable install; the shared Spec-Bench file lies beside the repository.
+#: Repository root of an editable install.
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATASET = REPO_ROOT.parent / "shared" / "data" / "spec_bench_question.jsonl"
+#: Spec-Bench's questions, shipped in the repository (benchmarks/data/NOTICE.md).
+DEFAULT_DATASET = REPO_ROOT / "benchmarks" / "data" / "spec_bench_question.jsonl"
 
 #: Commands that later issues fill in: command -> (issue number, title).
 PENDING = {
@@ -385,7 +386,7 @@ def bench(
     recipe: Path = RECIPE_ARG,
     dataset: Optional[Path] = typer.Option(
         None, help="Spec-Bench question JSONL (default: the recipe's bench.dataset, else "
-        "../shared/data/spec_bench_question.jsonl beside the repository)", show_default=False),
+        "benchmarks/data/spec_bench_question.jsonl in the repository)", show_default=False),
     limit: Optional[int] = typer.Option(None, min=1, help="use the first N questions (default: all 480)",
                                         show_default=False),
     configs: str = typer.Option(",".join(BENCH_CONFIGS), help="comma-separated configurations (paper Table 5)"),

@@ -12,6 +12,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+#: Spec-Bench's 480 questions as shipped in the repository (benchmarks/data/NOTICE.md: source and license).
+#: The default of ``hycoc bench``/``hycoc generate --dataset`` and of the recipes' ``bench.dataset``.
+SPEC_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "spec_bench_question.jsonl"
+
 
 class DatasetError(ValueError):
     """A dataset file that is missing or malformed; the message names the file and, for a bad row, its line."""

@@ -14,7 +14,6 @@ from hycoc.cli import BENCH_CONFIGS, app
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "recipes" / "toy.toml"
 GEMMA4 = ROOT / "recipes" / "gemma4.toml"
-SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench_question.jsonl"
 runner = CliRunner()
 
 COMMANDS = ["build", "run", "verify-server", "bench", "inspect", "doctor", "generate"]
@@ -88,7 +87,6 @@ def test_inspect_refuses_a_folder_that_is_no_bundle():
     assert result.stdout == ""
 
 
-@pytest.mark.skipif(not SPEC_BENCH.is_file(), reason=f"{SPEC_BENCH} is not on this machine")
 def test_bench_with_a_bundle_folder_that_is_not_a_bundle_exits_1(tmp_path):
     result = invoke("bench", TOY, "--limit", "3", "--link", "45:50", "--configs", "hyco,cloud-mtp",
                     "--bundle", tmp_path, "--out", tmp_path / "out")
@@ -218,9 +216,6 @@ def test_generate_streams_an_answer_from_the_verifier(tiny_family):
     assert greedy.exit_code == 0 and greedy.stderr.splitlines()[-1].startswith("[3 tokens in ")
 
 
-@pytest.mark.skipif(not (ROOT / "recipes/toy/models/verifier/config.json").is_file()
-                    or not SPEC_BENCH.is_file(),
-                    reason="toy family not trained yet (python -m hycoc.toy.train) or Spec-Bench absent")
 def test_generate_on_the_toy_family_answers_question_81():
     result = invoke("generate", TOY, "--question-id", "81", "--max-new-tokens", "16", "--seed", "0")
     assert result.exit_code == 0, result.output

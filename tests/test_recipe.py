@@ -105,7 +105,7 @@ def test_toy_model_paths_resolve_against_the_recipe_folder(tmp_path, monkeypatch
                       ("tokenizer", "toy/models/tokenizer.json")]:
         assert toy.is_hub_id(role) is False
         assert toy.model_source(role) == RECIPES / rel
-    assert toy.resolve_path(toy.bench.dataset) == RECIPES.parent.parent / "shared/data/spec_bench_question.jsonl"
+    assert toy.resolve_path(toy.bench.dataset) == RECIPES.parent / "benchmarks/data/spec_bench_question.jsonl"
 
 
 def test_relative_paths_follow_a_moved_recipe(tmp_path, monkeypatch):
