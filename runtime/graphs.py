@@ -105,6 +105,18 @@ class GraphRunner:
             raise GraphRunError(f"graph {name} ({self.entry.file}) did not load on the {backend} backend: "
                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
         self.load_seconds = time.perf_counter() - t0
+        self._attach()
+
+    @classmethod
+    def from_session(cls, entry: GraphEntry, session) -> GraphRunner:
+        """A runner around an already open onnxruntime ``session`` whose IO is ``entry``'s (benchmarks and tests
+        with stand-in graphs). Raises GraphIOMismatch as the constructor."""
+        runner = cls.__new__(cls)
+        runner.entry, runner.name, runner.session, runner.load_seconds = entry, entry.name, session, 0.0
+        runner._attach()
+        return runner
+
+    def _attach(self) -> None:
         io = [[(a.name, list(a.shape), _ORT_DTYPES.get(a.type, a.type)) for a in side]
               for side in (self.session.get_inputs(), self.session.get_outputs())]
         check_graph_io(self.entry, io[0], io[1])
