@@ -751,9 +751,11 @@ def generate(
     ids = torch.tensor([format_prompt(tokenizer, prompt)], device=cfg.verifier.device)  # (1, T)
     stops = sorted(stop_token_ids(tokenizer))
     start = time.perf_counter()
-    # p~ of Alg. 4 line 5 (temperature, top-k, top-p); temperature 0 = greedy.
+    # p~ of Alg. 4 line 5 (temperature, top-k, top-p); below GREEDY_BELOW (1e-4) greedy, as the verifier.
+    from hycoc.verifier.sampling import GREEDY_BELOW
+
     knobs = dict(do_sample=True, temperature=temperature, top_k=sampling.top_k, top_p=sampling.top_p) \
-        if temperature > 0 else dict(do_sample=False)
+        if temperature >= GREEDY_BELOW else dict(do_sample=False)
     with torch.inference_mode():
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens or sampling.max_new_tokens,

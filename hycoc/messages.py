@@ -25,6 +25,32 @@ ACCEPTANCE_MODES = ("exact", "epsilon")
 #: vocabulary and verifies it itself; the device sends only the root each round.
 DRAFT_PLACES = ("device", "server-head", "cloud-mtp")
 
+#: Why a request finished (RoundReply.finish_reason): ``stop`` an end-of-turn / EOS token was committed,
+#: ``max_new_tokens`` the request's output cap was reached, ``length`` the verifier's context is full (prompt and
+#: output together hold max_context positions). The text committed so far is the answer in every case.
+FINISH_REASONS = ("stop", "max_new_tokens", "length")
+
+
+def commit_cut(new: list[int], stop_ids, new_room: int, context_room: int) -> tuple[list[int], str | None]:
+    """The commit rule of a round (Alg. 1 line 9 / Alg. 4 with the request's limits): cut ``new`` (path tokens,
+    then the bonus) after its first stop token, then at ``new_room`` (tokens left under max_new_tokens), then at
+    ``context_room`` (positions left under max_context). Returns (tokens committed, finish reason or None), the
+    reason being "stop", "max_new_tokens" or "length" (`hycoc.messages.FINISH_REASONS`), the first that applies.
+
+    Hand-worked: commit_cut([7, 1, 9], {1}, 10, 10) == ([7, 1], "stop");
+    commit_cut([7, 8, 9], set(), 2, 10) == ([7, 8], "max_new_tokens"); commit_cut([7, 8, 9], set(), 5, 3) ==
+    ([7, 8, 9], "length").
+    """
+    reason = None
+    for i, tok in enumerate(new):
+        if tok in stop_ids:
+            new, reason = new[:i + 1], "stop"
+            break
+    for room, why in ((new_room, "max_new_tokens"), (context_room, "length")):
+        if len(new) > room or (len(new) == room and reason is None):
+            new, reason = new[:room], why
+    return new, reason
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -135,7 +161,8 @@ class RoundReply:
     bonus: token b sampled at v*. handoff: the head's inputs, or None when the session's draft place is not
     ``device``. chain: int32, shape (K,), the server head's chain for the next round (``server-head`` only),
     else empty. server_ms: verifier time of this round in milliseconds (forward + sampling + compaction +
-    hand-off packing). finished: True once EOS is committed or max_new_tokens is reached.
+    hand-off packing). finished: True once EOS is committed, max_new_tokens is reached or the context is full;
+    finish_reason: then one of FINISH_REASONS, else None.
     """
 
     seq: int
@@ -146,6 +173,7 @@ class RoundReply:
     finished: bool = False
     handoff: HandOff | None = None
     chain: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ Payloads (R = tree rows = B + 1, P = accepted path length, K = chain length, T =
             u32 hidden_size, u32 kv_dim_sliding, u32 kv_dim_full.
     ROUND   6 B: u32 seq, u16 R; then i32[R] tokens, i16[R] parents.
             Total frame: `tree_nbytes(R)` = 22 + 6 R bytes; 220 B at B = 32 (SpecEdge: ~135 KB per round).
-    REPLY   20 B: u32 seq, i32 bonus, f32 server_ms, u8 finished (0/1), u8 has_handoff (0/1), u16 R, u16 P,
+    REPLY   20 B: u32 seq, i32 bonus, f32 server_ms, u8 finished (0 = no, else 1 + index into FINISH_REASONS:
+            1 stop, 2 max_new_tokens, 3 length), u8 has_handoff (0/1), u16 R, u16 P,
             u16 K; then i32[R] samples, i16[P] path_rows, i32[K] chain; then, when has_handoff, 12 B of sizes
             (u32 hidden_size, u32 kv_dim_sliding, u32 kv_dim_full) and the hand-off block below.
             Total frame: `reply_nbytes(R, P, K, handoff)`.
@@ -53,7 +54,8 @@ subclasses bad_temperature (< 0), bad_top_k (< 1), bad_top_p / bad_epsilon (outs
 token_out_of_vocab (names the row and id), wrong_row_count (expected vs got), bad_parent (parents[0] != -1 or
 not 0 <= parents[j] < j, which also excludes cycles; names the row), bad_path (path rows not increasing in
 [1, R)), bonus_mismatch (bonus != samples at the path's end, or != the hand-off's bonus), handoff_size_mismatch,
-bad_handoff_range (a > t', n_positions != t' - a), context_overflow (prompt, t', n_positions > max_context),
+bad_handoff_range (a > t', n_positions != t' - a), context_overflow (prompt >= max_context: no room for output;
+t', n_positions > max_context),
 config_mismatch (OPENED vs what the device was built for). Anything else becomes ``internal_error``.
 """
 
@@ -72,6 +74,7 @@ import numpy as np
 from hycoc.messages import (
     ACCEPTANCE_MODES,
     DRAFT_PLACES,
+    FINISH_REASONS,
     Close,
     DraftTree,
     ErrorReply,
@@ -385,10 +388,11 @@ def _check_open(m: OpenRequest, limits: Limits) -> None:
     prompt = _int_array(m.prompt_ids, "OpenRequest.prompt_ids")
     if prompt.size == 0:
         raise OutOfRange("OpenRequest.prompt_ids is empty: a request needs at least one token (the first root)")
-    if limits.max_context is not None and prompt.size > limits.max_context:
+    if limits.max_context is not None and prompt.size >= limits.max_context:
         raise ContextOverflow(
-            f"OpenRequest.prompt_ids has {prompt.size} tokens: the verifier holds at most "
-            f"max_context = {limits.max_context} positions"
+            f"OpenRequest.prompt_ids has {prompt.size} tokens: the verifier holds max_context = "
+            f"{limits.max_context} positions, prompt and output together, so a prompt may have at most "
+            f"{limits.max_context - 1} tokens"
         )
     _uint(prompt.size, "OpenRequest.prompt_ids length", 32)
     _check_tokens(prompt, "OpenRequest.prompt_ids", limits.vocab_size)
@@ -518,6 +522,9 @@ def _check_reply(m: RoundReply, limits: Limits) -> None:
         raise BonusMismatch(
             f"RoundReply.bonus = {m.bonus}: must equal samples[{end}] = {int(samples[end])}, the sample at v*"
         )
+    if m.finish_reason is not None and (not m.finished or m.finish_reason not in FINISH_REASONS):
+        raise BadEnum(f"RoundReply.finish_reason = {m.finish_reason!r}: must be None, or one of "
+                      f"{', '.join(FINISH_REASONS)} on a finished reply")
     if m.handoff is not None:
         _check_handoff(m.handoff, limits, int(m.bonus))
 
@@ -592,7 +599,7 @@ def _pack_reply(m: RoundReply) -> bytes:
     path = np.asarray(m.path_rows).astype("<i2")
     chain = np.asarray(m.chain).astype("<i4")
     fixed = _REPLY.pack(
-        m.seq, m.bonus, m.server_ms, bool(m.finished), m.handoff is not None, samples.size, path.size, chain.size
+        m.seq, m.bonus, m.server_ms, _finish_code(m), m.handoff is not None, samples.size, path.size, chain.size
     )
     handoff = b"" if m.handoff is None else _pack_handoff(m.handoff)
     return fixed + samples.tobytes() + path.tobytes() + chain.tobytes() + handoff
@@ -710,6 +717,14 @@ def _enum(index: int, names: tuple[str, ...], field: str) -> str:
     return names[index]
 
 
+def _finish_code(m: RoundReply) -> int:
+    """REPLY's finished byte: 0 = not finished, 1 + index of the reason in FINISH_REASONS (a finished reply
+    without a reason counts as ``stop``)."""
+    if not m.finished:
+        return 0
+    return 1 + FINISH_REASONS.index(m.finish_reason or "stop")
+
+
 def _flag(value: int, field: str) -> bool:
     if value > 1:
         raise BadEnum(f"{field} = {value}: must be 0 or 1")
@@ -773,13 +788,13 @@ def _unpack_handoff(r: _Reader, limits: Limits) -> HandOff:
 def _unpack_reply(r: _Reader, limits: Limits) -> RoundReply:
     seq, bonus, server_ms, finished, has_handoff, rows, n_path, n_chain = r.fields(_REPLY, "fixed part")
     _check_rows(rows, "REPLY samples", limits)
-    finished = _flag(finished, "REPLY finished")
+    reason = None if finished == 0 else _enum(finished - 1, FINISH_REASONS, "REPLY finished (minus 1)")
     has_handoff = _flag(has_handoff, "REPLY has_handoff")
     samples = r.array("<i4", rows, "samples")
     path = r.array("<i2", n_path, "path_rows")
     chain = r.array("<i4", n_chain, "chain")
     handoff = _unpack_handoff(r, limits) if has_handoff else None
-    return RoundReply(seq, samples, path, bonus, server_ms, finished, handoff, chain)
+    return RoundReply(seq, samples, path, bonus, server_ms, reason is not None, handoff, chain, reason)
 
 
 def _unpack_close(r: _Reader, limits: Limits) -> Close:

@@ -83,7 +83,8 @@ class RequestResult:
     round_bytes: (up, down) frame bytes per round. rows: rows of the verifier's forward per round; context: root
     position per round. bonus_outside_keep: bonus tokens outside the keep set. link_s: link-model time of the
     request (slept, or only counted when the client's sleep is a no-op); first_token_link_s: its part before the
-    first token.
+    first token. accepted: tokens committed per round minus one (after the stop / cap / context cut), so MAT =
+    tokens / rounds. finish_reason: "stop", "max_new_tokens" or "length" (`hycoc.messages.FINISH_REASONS`).
     """
 
     mode: str
@@ -104,6 +105,7 @@ class RequestResult:
     link_s: float = 0.0
     first_token_link_s: float = 0.0
     finished: bool = False
+    finish_reason: str | None = None
 
     @property
     def mat(self) -> float:
@@ -121,12 +123,14 @@ class RequestResult:
             "first_token_ms": round(1000 * self.first_token_s, 2) if self.first_token_s is not None else None,
             "bytes_up_per_round": round(sum(u for u, _ in self.round_bytes) / r, 1),
             "bytes_down_per_round": round(sum(d for _, d in self.round_bytes) / r, 1),
+            "finish_reason": self.finish_reason,
         }
 
 
 class TextStream:
     """Incremental detokenization: `push` returns the new text since the last call, holding back a trailing
-    partial UTF-8 character (byte tokens decode to U+FFFD until complete)."""
+    partial UTF-8 character (byte tokens decode to U+FFFD until complete); `flush` returns what is held back at
+    the end of a request (a real trailing U+FFFD included), so the pieces always add up to `text`."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.ids, self.sent = tokenizer, [], ""
@@ -142,15 +146,12 @@ class TextStream:
         self.sent = stable if stable.startswith(self.sent) else self.sent
         return delta
 
-
-def cut_commit(new: list[int], stop_ids, room: int) -> tuple[list[int], bool]:
-    """The verifier's commit rule: cut after the first stop token and at ``room`` tokens; (tokens, finished)."""
-    for i, tok in enumerate(new):
-        if tok in stop_ids:
-            return new[:min(i + 1, room)], True
-    if len(new) >= room:
-        return new[:room], True
-    return new, False
+    def flush(self) -> str:
+        """The text not yet returned by `push`: the end of the request, where nothing more can complete it."""
+        text = self.text()
+        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+        self.sent = text if text.startswith(self.sent) else self.sent
+        return delta
 
 
 class DeviceRuntime:
@@ -225,6 +226,9 @@ class DeviceRuntime:
                 client.close()
         res.seconds = time.perf_counter() - start
         res.text = stream.text()
+        tail = stream.flush()
+        if tail and on_text is not None:
+            on_text(tail)
         return res
 
     # ---- the modes ---------------------------------------------------------------------------------------------
@@ -244,13 +248,15 @@ class DeviceRuntime:
             res.accepted.append(0)
             emit([token])
             if token in self.stop_ids:
-                res.finished = True
+                res.finish_reason = "stop"
                 break
         res.finished = True
+        res.finish_reason = res.finish_reason or "max_new_tokens"
 
-    def _tree(self, m: Mode, builder: TreeBuilder, chain: list[int], runner_ups: list[int]) -> BuiltTree:
+    def _tree(self, m: Mode, builder: TreeBuilder, chain: list[int], runner_ups: list[int],
+              max_depth: int | None = None) -> BuiltTree:
         expand = self.slm.expand if builder.passes > 0 else None
-        return builder.build(self.slm.tokens[-1], chain, runner_ups, expand)
+        return builder.build(self.slm.tokens[-1], chain, runner_ups, expand, max_depth=max_depth)
 
     def _verified(self, client, prompt, m: Mode, max_new, seed, sampling, epsilon, res: RequestResult,
                   emit) -> None:
@@ -267,12 +273,18 @@ class DeviceRuntime:
                 res.slm_prefill_s = time.perf_counter() - t0
             opened = opened_f.result()
         res.prefill_ms = opened.prefill_ms
+
+        def room() -> tuple[int, int]:
+            """(tokens left under max_new_tokens, tokens left in the verifier's context: prompt and output
+            together hold opened.max_context positions)."""
+            return max_new - len(res.tokens), opened.max_context - len(prompt) - len(res.tokens)
+
         if m.draft_place == "cloud-mtp":
             builder = None
         else:
             builder = self.builder(m, opened.tree_rows)
             t0 = time.perf_counter()
-            built = self._tree(m, builder, [], [])          # the first tree: SLM alone
+            built = self._tree(m, builder, [], [], min(room()))  # the first tree: SLM alone, trimmed to the room
             res.draft_s += time.perf_counter() - t0
         root = prompt[-1]
         seq = 0
@@ -300,16 +312,16 @@ class DeviceRuntime:
                     raise RuntimeProtocolError(f"round {seq}: bonus {reply.bonus} is not the sample at the path's end")
                 new = [int(tokens[j]) for j in path] + [int(reply.bonus)]
                 path_nodes = [built.row_node[j] for j in path]
-            res.accepted.append(len(new) - 1)
             keep_index = self.bundle.keep_index
             if reply.bonus >= len(keep_index) or keep_index[reply.bonus] < 0:
                 res.bonus_outside_keep += 1
-            new, cut = cut_commit(new, self.stop_ids, max_new - len(res.tokens))
+            new, reason = commit_cut(new, self.stop_ids, *room())
+            res.accepted.append(len(new) - 1)
             if uses_slm:
                 self.slm.commit(path_nodes, new)
             emit(new)
-            if reply.finished or cut:
-                res.finished = True
+            if reply.finished or reason is not None:
+                res.finished, res.finish_reason = True, reply.finish_reason or reason
                 return
             root = new[-1]
             seq += 1
@@ -325,7 +337,7 @@ class DeviceRuntime:
                 chain, runner_ups = d.chain, d.runner_ups
             elif m.chain == "server":
                 chain = [int(x) for x in reply.chain]
-            built = self._tree(m, builder, chain, runner_ups)
+            built = self._tree(m, builder, chain, runner_ups, min(room()))
             res.draft_s += time.perf_counter() - t0
 
 
@@ -340,5 +352,4 @@ def load_runtime(bundle_dir, backend: str = "cpu", *, threads: int | None = None
     return DeviceRuntime(bundle, head, slm)
 
 
-__all__ = ["MODES", "RUN_MODES", "DeviceRuntime", "Mode", "RequestResult", "RuntimeProtocolError", "cut_commit",
-           "load_runtime"]
+__all__ = ["MODES", "RUN_MODES", "DeviceRuntime", "Mode", "RequestResult", "RuntimeProtocolError", "load_runtime"]

@@ -155,10 +155,12 @@ class TreeBuilder:
 
     # ---- lines 16-17 -------------------------------------------------------------------------------------------
 
-    def trim(self, tree: DraftTreeNodes) -> list[int]:
+    def trim(self, tree: DraftTreeNodes, max_depth: int | None = None) -> list[int]:
         """Line 16: the root and the B highest-scoring nodes (ties to the earlier one) with their ancestors,
-        in insertion order."""
-        best = sorted(range(1, len(tree.nodes)), key=lambda i: (-tree.nodes[i].score, i))[:self.budget]
+        in insertion order. max_depth: nodes deeper than this are left out first (the room the verifier's
+        context has left: a node at depth d sits at position t + d); None = no limit."""
+        fits = [i for i in range(1, len(tree.nodes)) if max_depth is None or tree.nodes[i].depth <= max_depth]
+        best = sorted(fits, key=lambda i: (-tree.nodes[i].score, i))[:self.budget]
         keep = set(best)
         for i in best:
             keep.update(tree.ancestors(i))
@@ -175,8 +177,9 @@ class TreeBuilder:
         return np.asarray(tokens, np.int32), np.asarray(parents, np.int32)
 
     def build(self, root: int, chain: Sequence[int], runner_ups: Sequence[int], expand: Expand | None,
-              passes: int | None = None) -> BuiltTree:
-        """Alg. 3, entire. expand: the SLM forward (None or passes == 0: the tree is the planted nodes only)."""
+              passes: int | None = None, max_depth: int | None = None) -> BuiltTree:
+        """Alg. 3, entire. expand: the SLM forward (None or passes == 0: the tree is the planted nodes only).
+        max_depth: deepest node sent (the tokens the request has room for; `trim`), None = no limit."""
         passes = self.passes if passes is None else passes
         tree = self.plant(root, chain, runner_ups)
         frontier = list(range(len(tree.nodes)))
@@ -187,7 +190,7 @@ class TreeBuilder:
             if not added:
                 break
             frontier = added                               # line 15: F = the nodes just added
-        kept = self.trim(tree)
+        kept = self.trim(tree, max_depth)
         tokens, parents = self.rows_of(tree, kept)
         return BuiltTree(tokens, parents, kept, tree, kept, done)
 

@@ -1,4 +1,4 @@
-"""Alg. 3 (runtime/tree_builder.py) and Alg. 1 lines 8-9 (walk_reply, cut_commit) on hand-built inputs.
+"""Alg. 3 (runtime/tree_builder.py) and Alg. 1 lines 8-9 (walk_reply, commit_cut) on hand-built inputs.
 
 Scores are written in units of L = ln λ with λ = 0.5 (L < 0): doubling is exact in float, so equal scores are
 equal bit for bit and tie rules are exercised, not floating-point noise.
@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from hycoc.runtime.client import cut_commit
+from hycoc.messages import commit_cut
 from hycoc.runtime.tree_builder import CHAIN, SIBLING, SLM, TreeBuilder, walk_reply
 
 L = math.log(0.5)
@@ -122,7 +122,27 @@ def test_walk_ties_go_to_the_lowest_row():
 
 
 def test_commit_cuts_after_an_end_of_turn_token_and_at_the_cap():
-    assert cut_commit([5, EOS, 7], {EOS}, 10) == ([5, EOS], True)
-    assert cut_commit([5, EOS, 7], {EOS}, 1) == ([5], True)
-    assert cut_commit([5, 6, 7], {EOS}, 10) == ([5, 6, 7], False)
-    assert cut_commit([5, 6, 7], {EOS}, 3) == ([5, 6, 7], True)
+    assert commit_cut([5, EOS, 7], {EOS}, 10, 100) == ([5, EOS], "stop")
+    assert commit_cut([5, EOS, 7], {EOS}, 1, 100) == ([5], "max_new_tokens")
+    assert commit_cut([5, 6, 7], {EOS}, 10, 100) == ([5, 6, 7], None)
+    assert commit_cut([5, 6, 7], {EOS}, 3, 100) == ([5, 6, 7], "max_new_tokens")
+    assert commit_cut([5, EOS], {EOS}, 2, 100) == ([5, EOS], "stop")          # the cap and a stop: stop
+
+
+def test_commit_cuts_at_the_context_room_with_reason_length():
+    assert commit_cut([5, 6, 7], {EOS}, 10, 2) == ([5, 6], "length")
+    assert commit_cut([5, 6, 7], {EOS}, 10, 3) == ([5, 6, 7], "length")       # exactly full: no next root fits
+    assert commit_cut([5, 6, 7], {EOS}, 3, 3) == ([5, 6, 7], "max_new_tokens")  # both at once: the cap first
+    assert commit_cut([EOS, 6, 7], {EOS}, 10, 1) == ([EOS], "stop")
+
+
+def test_trim_keeps_no_node_deeper_than_the_room_left():
+    # A chain of 4 with a sibling at depth 1 and a leaf under it: with room for 2 levels only depths 1-2 stay.
+    b = TreeBuilder(ln_lambda=math.log(0.66), budget=6, rows=7, candidates=2, passes=0, keep_set=np.arange(64))
+    full = b.build(10, [11, 12, 13, 14], [21], None)
+    assert [int(x) for x in full.tokens[:6]] == [10, 11, 12, 13, 14, 21]
+    cut = b.build(10, [11, 12, 13, 14], [21], None, max_depth=2)
+    assert [int(x) for x in cut.tokens] == [10, 11, 12, 21, 21, 21, 21]
+    assert [int(x) for x in cut.parents] == [-1, 0, 1, 0, 0, 0, 0]
+    root_only = b.build(10, [11, 12, 13, 14], [21], None, max_depth=0)
+    assert [int(x) for x in root_only.tokens] == [10] * 7

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from hycoc.messages import ACCEPTANCE_MODES, DRAFT_PLACES, HandOff, RoundReply, Sampling
+from hycoc.messages import ACCEPTANCE_MODES, DRAFT_PLACES, HandOff, RoundReply, Sampling, commit_cut
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 
 from .acceptance import select_exact, select_path
@@ -132,6 +132,31 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
     for layer in cache.layers:
         if layer.is_initialized and layer.keys.numel():
             layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+
+
+def fitting_rows(parents: np.ndarray, room: int) -> np.ndarray:
+    """Rows of a tree that can still commit a token: depth <= room, where room >= 1 is the number of tokens the
+    context has left (a path to depth d commits d tokens before its bonus). Rows deeper than that would sit at a
+    position >= max_context. Returns the kept row indices (increasing; row 0 always; closed under ancestors, as
+    depth grows along every path). Hand-worked: a depth-5 chain at t = 9 of max_context 14 has room
+    14 - 10 = 4 and keeps rows 0..4."""
+    return np.nonzero(tree_depths(parents) <= room)[0]
+
+
+def remap_parents(parents: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """Parents of the sub-tree made of rows ``kept`` (increasing, closed under ancestors), renumbered."""
+    index = np.full(len(parents), -1, dtype=np.int64)
+    index[kept] = np.arange(len(kept))
+    sub = parents[kept]
+    return np.where(sub < 0, -1, index[np.maximum(sub, 0)])
+
+
+def widen_reply(reply: RoundReply, tokens: np.ndarray, kept: np.ndarray) -> RoundReply:
+    """A sub-tree's reply in the rows of the whole tree: samples of the rows left out echo their own tokens,
+    path rows are renumbered."""
+    samples = tokens.astype(np.int32).copy()
+    samples[kept] = reply.samples
+    return replace(reply, samples=samples, path_rows=kept[reply.path_rows].astype(np.int32))
 
 
 # --------------------------------------------------------------------------------------- the round, step by step
@@ -339,15 +364,17 @@ class VerifierEngine:
     def open(self, prompt_ids, sampling: Sampling = Sampling(), seed: int = 0, acceptance: str = "epsilon",
              epsilon: float = 0.005, draft_place: str = "device", max_new_tokens: int = 1024) -> "Session":
         """A new request (nothing runs yet: call ``Session.prefill``). Raises BadRequest for an invalid field,
-        ContextOverflow if the root position len(prompt) - 1 is >= max_context."""
+        ContextOverflow if the prompt leaves no room for one output token (len(prompt) >= max_context: every token,
+        prompt or output, holds one of the verifier's max_context positions)."""
         prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
         if len(prompt) == 0:
             raise BadRequest("prompt_ids is empty; it needs at least the first root token")
         if prompt.min() < 0 or prompt.max() >= self.vocab_size:
             raise BadRequest(f"prompt token ids must be in [0, {self.vocab_size})")
-        if len(prompt) > self.max_context:
-            raise ContextOverflow(f"prompt of {len(prompt)} tokens exceeds the verifier's context of "
-                                  f"{self.max_context} positions; shorten it")
+        if len(prompt) >= self.max_context:
+            raise ContextOverflow(f"prompt of {len(prompt)} tokens leaves no room for output in the verifier's "
+                                  f"context of {self.max_context} positions; shorten it to at most "
+                                  f"{self.max_context - 1} tokens")
         if acceptance not in ACCEPTANCE_MODES:
             raise BadRequest(f"acceptance must be one of {ACCEPTANCE_MODES}, got {acceptance!r}")
         if draft_place not in DRAFT_PLACES:
@@ -381,8 +408,10 @@ class Session:
     """One request's state: the KV cache of [0, t), the committed tokens and the seeded sampler.
 
     tokens: prompt + committed output; its last entry is the next root x_{t+1}, at position t (len == t + 1
-    until the request finishes: the final round's output is then cut after the EOS / at max_new_tokens).
-    accepted: |P| of every round (MAT = mean(accepted) + 1). rounds: completed rounds. server_ms: per round.
+    until the request finishes: the final round's output is then cut after the EOS / at max_new_tokens / at
+    max_context). accepted: tokens committed per round minus one, i.e. |P| after that cut (MAT = mean(accepted)
+    + 1 = committed tokens / rounds). rounds: completed rounds. server_ms: per round. finish_reason: one of
+    FINISH_REASONS once finished.
     """
 
     engine: VerifierEngine = field(repr=False)
@@ -400,6 +429,7 @@ class Session:
     server_ms: list[float] = field(default_factory=list)
     prefill_ms: float | None = None
     finished: bool = False
+    finish_reason: str | None = None
 
     def __post_init__(self):
         self.tokens = [int(x) for x in self.prompt]
@@ -450,9 +480,14 @@ class Session:
         samples[:|P| + 1]). seq: 0 in the first round, +1 each round; resending the last seq with the same tree
         returns the same reply (idempotent retry).
 
-        Raises (before any state changes): NotPrefilled, SessionFinished, SequenceError, TreeError, RootMismatch,
-        ContextOverflow. On finishing (EOS committed, or max_new_tokens reached) the committed output is cut
-        after the first EOS / at max_new_tokens, ``finished`` is True and no hand-off or chain is sent.
+        Context limit: prompt and output together hold at most max_context positions, so with n = max_context -
+        len(tokens) tokens of room, rows deeper than n are left out of the forward (`fitting_rows`; their reply
+        samples echo their own tokens) and the commit is cut at n.
+
+        Raises (before any state changes): NotPrefilled, SessionFinished, SequenceError, TreeError, RootMismatch.
+        On finishing the committed output is cut after the first EOS / at max_new_tokens / at the context, and
+        the reply says ``finished`` with ``finish_reason`` "stop" / "max_new_tokens" / "length"; no hand-off or
+        chain is sent. ``accepted`` records the path tokens committed after that cut.
         """
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         parents = np.asarray(parents, dtype=np.int64).reshape(-1)
@@ -474,22 +509,25 @@ class Session:
             raise TreeError(f"cloud-mtp rounds carry only the root, got {len(tokens)} rows")
         if tokens[0] != self.root:
             raise RootMismatch(f"tree root {tokens[0]} is not the session's root {self.root} at position {self.t}")
-        depth = int(tree_depths(parents).max())
-        if self.t + depth >= eng.max_context:
-            raise ContextOverflow(f"a tree row at position {self.t + depth} exceeds the verifier's context of "
-                                  f"{eng.max_context} positions; the request must end")
+        # Rows deeper than the room left would commit tokens past the context: they are not verified (their
+        # samples echo their own tokens), and the path stays among the rows that fit (see `fitting_rows`).
+        kept = fitting_rows(parents, eng.max_context - len(self.tokens))
 
         t, rng_state = self.t, self.generator.get_state()
         try:
             with _Timer(eng.device) as timer:
-                reply, commit = self._round(tokens, parents, seq)
+                if len(kept) == len(tokens):
+                    reply, commit = self._round(tokens, parents, seq)
+                else:
+                    reply, commit = self._round(tokens[kept], remap_parents(parents, kept), seq)
+                    reply = widen_reply(reply, tokens, kept)
         except BaseException:
             crop_cache(self.cache, t)  # compaction keeps [0, t) intact: this restores the cache exactly
             self.generator.set_state(rng_state)
             raise
         new, t_prime, h, n_accepted = commit
         self.tokens.extend(new)
-        self.t, self._h, self.finished = t_prime, h, reply.finished
+        self.t, self._h, self.finished, self.finish_reason = t_prime, h, reply.finished, reply.finish_reason
         self.rounds += 1
         self.accepted.append(n_accepted)
         self.server_ms.append(timer.ms)
@@ -528,15 +566,9 @@ class Session:
         t_prime = t + 1 + len(path)
 
         # Commit the path and b (Alg. 1 line 9), cut after an EOS and at max_new_tokens.
-        new = [int(x) for x in tokens[path]] + [bonus]
-        finished = False
-        for i, tok in enumerate(new):
-            if tok in eng.eos_token_ids:
-                new, finished = new[:i + 1], True
-                break
-        room = self.max_new_tokens - len(self.output)
-        if len(new) >= room:
-            new, finished = new[:room], True
+        new, reason = commit_cut([int(x) for x in tokens[path]] + [bonus], eng.eos_token_ids,
+                                 self.max_new_tokens - len(self.output), eng.max_context - len(self.tokens))
+        finished = reason is not None
 
         h = h_rows[v_star]
         handoff, chain = None, np.zeros(0, np.int32)
@@ -550,5 +582,5 @@ class Session:
                                                   room, eng.head_window, eng.keep_set,
                                                   eng.head_query_position_offset), dtype=np.int32)
         reply = RoundReply(seq=seq, samples=samples.astype(np.int32), path_rows=path.astype(np.int32), bonus=bonus,
-                           server_ms=0.0, finished=finished, handoff=handoff, chain=chain)
-        return reply, (new, t_prime, h, len(path))
+                           server_ms=0.0, finished=finished, handoff=handoff, chain=chain, finish_reason=reason)
+        return reply, (new, t_prime, h, len(new) - 1)

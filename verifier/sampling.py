@@ -2,7 +2,10 @@
 
 p~(. | j) is the softmax of row j's logits divided by the temperature, over its top-k largest entries (k = 64 in
 the paper), cut to the top-p nucleus (p = 0.95) and renormalized. Temperature 0 is greedy: p~ is one-hot on the
-arg-max. Ties are broken toward the lowest token id everywhere (top-k membership, nucleus order, greedy arg-max),
+arg-max, and so is every temperature below ``GREEDY_BELOW`` = 1e-4 (logits / T would overflow float32 near
+T = 1e-37, and any T below 1e-4 already puts all of float32's mass on the arg-max for the soft-capped logits of
+Gemma, whose gaps are >= ~1e-3 between distinct values). The top-k softmax and the nucleus's cumulative sum run in
+float64, so a row whose nucleus mass lands within float32 rounding (~1e-7) of top_p is cut exactly. Ties are broken toward the lowest token id everywhere (top-k membership, nucleus order, greedy arg-max),
 so p~ is a deterministic function of the logits.
 
 Samples are drawn by inverse CDF from uniforms of a per-session CPU ``torch.Generator``: the same seed gives the
@@ -15,19 +18,23 @@ import torch
 
 from hycoc.messages import Sampling
 
+#: Temperatures below this are greedy (module docstring); the device's own drafting is greedy at any temperature.
+GREEDY_BELOW = 1e-4
+
 
 def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """p~ per row (Alg. 4 line 5).
 
     logits: float (R, V), the verifier's (soft-capped) output logits. sampling: temperature >= 0, top_k >= 1,
-    top_p in (0, 1]. Returns float32 (R, V), each row summing to 1, zero outside the kept tokens.
+    top_p in (0, 1]; 0 <= temperature < GREEDY_BELOW is greedy. Returns float32 (R, V), each row summing to 1,
+    zero outside the kept tokens (top-k softmax and nucleus cut computed in float64).
     Raises ValueError for an out-of-range temperature, top_k or top_p.
     """
     if sampling.temperature < 0 or sampling.top_k < 1 or not 0.0 < sampling.top_p <= 1.0:
         raise ValueError(f"invalid sampling parameters {sampling}: need temperature >= 0, top_k >= 1, 0 < top_p <= 1")
     logits = logits.float()
     rows, vocab = logits.shape
-    if sampling.temperature == 0:
+    if sampling.temperature < GREEDY_BELOW:
         # Greedy: all mass on the arg-max; torch.argmax returns the first (lowest-id) maximum.
         probs = torch.zeros_like(logits)
         probs[torch.arange(rows, device=logits.device), logits.argmax(-1)] = 1.0
@@ -36,14 +43,14 @@ def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     # Stable descending sort: equal logits keep ascending id order, so top-k ties go to the lowest id.
     sorted_logits, sorted_ids = torch.sort(logits, dim=-1, descending=True, stable=True)
     top_logits, top_ids = sorted_logits[:, :k], sorted_ids[:, :k]  # (R, k)
-    top_probs = torch.softmax(top_logits / sampling.temperature, dim=-1)
+    top_probs = torch.softmax(top_logits.double() / sampling.temperature, dim=-1)  # float64: see module docstring
     if sampling.top_p < 1.0:
         # Nucleus: the smallest prefix whose mass reaches top_p, i.e. keep i while the mass before i is < top_p.
         mass_before = torch.cumsum(top_probs, dim=-1) - top_probs
         top_probs = torch.where(mass_before < sampling.top_p, top_probs, 0.0)
         top_probs = top_probs / top_probs.sum(-1, keepdim=True)
     probs = torch.zeros_like(logits)
-    probs.scatter_(1, top_ids, top_probs)
+    probs.scatter_(1, top_ids, top_probs.float())
     return probs
 
 
