@@ -21,8 +21,12 @@ Record (one dict per request; times in milliseconds unless the name says seconds
     first_token_ms    float | None;  draft_ms, slm_prefill_ms: device ms
     bytes_up, bytes_down   [int] frame bytes per round
     bonus_outside_keep     int, bonus tokens outside the drafters' keep set
-    verifier_logprob  float | None, the verifier's mean log-prob per output token of the answer (quality proxy)
-    reference_match   bool | None, exact-match proxy (`reference_match`) where the dataset has a reference
+    verifier_logprob  float | None, the verifier's mean log-prob per output token of the answer: its own
+                      likelihood of the text, which repetition raises (issue 13); never the quality figure alone
+    reference_match   bool | None, containment proxy (`hycoc.quality.reference_match`) where there is a reference
+    quality           {key: value} the answer's text metrics (`hycoc.quality.answer_metrics` and
+                      `reference_metrics`: compression_ratio, repeated_4gram_share, distinct_1/2, longest_run,
+                      rouge_l, chrf, bleu, final_number_match; None where undefined); absent in old records
 
 Definitions (App. G; "pooled" = numerators and denominators summed over requests before dividing; with several
 runs the pooled ratio is taken per run and the runs' ratios are averaged, as App. G does):
@@ -48,24 +52,27 @@ runs the pooled ratio is taken per run and the runs' ratios are averaged, as App
 * bytes up/down per round = sum frame bytes / number of rounds with a frame.
 * bonus outside keep share = sum bonus_outside_keep / sum rounds (one bonus token per round).
 
-Quality proxies (per configuration and per category): the mean over answers of `verifier_logprob`, its paired
-difference vs the baseline (mean over matched requests of config - baseline, bootstrap CI over questions), and
-the reference-match rate over answers that have a reference. These are cheap proxies, not a judge.
+Quality (per configuration; means per category): every metric of `hycoc.quality.METRICS` (repetition of the
+text itself, and ROUGE-L / chrF / BLEU / final-number exact match where Spec-Bench has references), its mean over
+answers and its paired difference vs the baseline (mean over matched requests of config - baseline, paired
+bootstrap 95% CI over questions, as for Δg); a configuration is flagged for a metric when that whole CI lies on
+the metric's worse side (`quality_metrics`). The verifier's mean log-prob is kept under its own label (what it
+measures is `LOGPROB_NOTE`), and the reference-match rate over answers that have a reference. No judge runs here.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
 import tempfile
-import unicodedata
 import zlib
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
+
+from hycoc.quality import METRIC_BY_KEY, METRICS, metric_value, reference_match
 
 #: Table 5 order of the configurations; configurations not listed follow, sorted by name.
 TABLE5_ORDER = ("cloud-mtp", "specedge", "specedge-eps", "hyco", "hyco-2p", "hyco-exact", "server-head", "slm-alone")
@@ -253,6 +260,30 @@ def _reference_rate(recs: Sequence[Record]) -> tuple[float | None, int]:
     return (_num(sum(v) / len(v)) if v else None), len(v)
 
 
+#: What the verifier's mean log-prob of an answer measures (issue 13): repetition raises it, so it is reported
+#: under this label and never as the quality figure on its own.
+LOGPROB_NOTE = "the verifier's own likelihood of the answer (repetitive text scores higher); not a quality measure"
+
+
+def quality_metrics(recs: Sequence[Record], pairs: Sequence[tuple[Record, Record]], *, bootstrap: int = 1000,
+                    seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Per `hycoc.quality.METRICS` key: ``{mean, n, delta, delta_ci95, worse_than_baseline}``.
+
+    mean: over the answers of ``recs`` that have the metric (``record["quality"][key]``, bools as 0/1), n of them.
+    delta, delta_ci95: `paired_mean_difference` over ``pairs`` (config - baseline), paired bootstrap 95% CI over
+    questions. worse_than_baseline: True when the whole CI lies on the metric's worse side (below 0 for a metric
+    where higher is better, above 0 where lower is better), i.e. worse beyond its CI; False otherwise (no CI
+    included)."""
+    out: dict[str, dict[str, Any]] = {}
+    for m in METRICS:
+        value = lambda r, k=m.key: metric_value(r.get("quality"), k)  # noqa: E731
+        vals = [value(r) for r in recs]
+        d, ci = paired_mean_difference(pairs, value, bootstrap=bootstrap, seed=_seed_for(seed, m.key))
+        out[m.key] = {"mean": _mean(vals), "n": sum(v is not None for v in vals), "delta": d, "delta_ci95": ci,
+                      "worse_than_baseline": bool(ci) and m.worse(ci[0]) > 0 and m.worse(ci[1]) > 0}
+    return out
+
+
 def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, cost_model: Any = None,
               bootstrap: int = 1000, seed: int = 0) -> dict[str, dict[str, Any]]:
     """The summary of a bench run: configuration name -> metrics (definitions and units in the module docstring).
@@ -272,9 +303,10 @@ def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, co
       mat, verifier_forwards_per_token, rows_per_forward, mean_context, tok_per_s, draft_ms_per_token,
       first_token_ms_p50, first_token_ms_p90, bytes_up_per_round, bytes_down_per_round, bonus_outside_keep_share;
       per_category {category: {requests, mat, g_ms_per_token, delta_g_pct, delta_g_ci95, verifier_logprob,
-      verifier_logprob_delta, reference_match_rate}};
-      quality {verifier_logprob, verifier_logprob_delta, verifier_logprob_delta_ci95, reference_match_rate,
-      reference_match_n, reference_match_delta, pairs}.
+      verifier_logprob_delta, reference_match_rate, quality {metric key: mean}}};
+      quality {metrics (`quality_metrics`), worse_than_baseline [metric keys flagged], verifier_logprob,
+      verifier_logprob_delta, verifier_logprob_delta_ci95, verifier_logprob_is (`LOGPROB_NOTE`),
+      reference_match_rate, reference_match_n, reference_match_delta, pairs}.
     Every value is a plain int/float/str/list/dict/None, ready for json.dumps.
     """
     groups: dict[str, list[Record]] = defaultdict(list)
@@ -342,14 +374,18 @@ def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, co
         s["bonus_outside_keep_share"] = (_pooled(recs, lambda r: float(r.get("bonus_outside_keep") or 0), _rounds)
                                          if verifier else None)
 
-        # quality
+        # quality: the text metrics of hycoc.quality, paired vs the baseline; the verifier's own log-prob
         lp = lambda r: r.get("verifier_logprob")  # noqa: E731
         rm = lambda r: None if r.get("reference_match") is None else float(bool(r["reference_match"]))  # noqa: E731
         qpairs = pair_records(recs, base) if base else []
         lp_d, lp_ci = paired_mean_difference(qpairs, lp, bootstrap=bootstrap, seed=_seed_for(seed, name, "lp"))
         rate, n_ref = _reference_rate(recs)
-        s["quality"] = {"verifier_logprob": _mean(lp(r) for r in recs),
+        metrics = quality_metrics(recs, qpairs, bootstrap=bootstrap, seed=_seed_for(seed, name, "quality"))
+        s["quality"] = {"metrics": metrics,
+                        "worse_than_baseline": [k for k, v in metrics.items() if v["worse_than_baseline"]],
+                        "verifier_logprob": _mean(lp(r) for r in recs),
                         "verifier_logprob_delta": lp_d, "verifier_logprob_delta_ci95": lp_ci,
+                        "verifier_logprob_is": LOGPROB_NOTE,
                         "reference_match_rate": rate, "reference_match_n": n_ref,
                         "reference_match_delta": paired_mean_difference(qpairs, rm, bootstrap=0)[0],
                         "pairs": len(qpairs) if base else None}
@@ -367,7 +403,9 @@ def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, co
                          "delta_g_pct": d, "delta_g_ci95": ci,
                          "verifier_logprob": _mean(lp(r) for r in crecs),
                          "verifier_logprob_delta": paired_mean_difference(cq, lp, bootstrap=0)[0],
-                         "reference_match_rate": _reference_rate(crecs)[0]}
+                         "reference_match_rate": _reference_rate(crecs)[0],
+                         "quality": {m.key: _mean(metric_value(r.get("quality"), m.key) for r in crecs)
+                                     for m in METRICS}}
         s["per_category"] = cats
         out[name] = s
     return out
@@ -396,8 +434,10 @@ def render_table(summary: Mapping[str, Mapping[str, Any]], console: Any, *, titl
     Columns: g (measured verifier ms per output token, prefill included), g proj. (cost-model ms per token over
     rounds, prefill excluded), Δg % [95% CI] vs the baseline (and Δg proj. % when present), MAT, verifier
     forwards per token, delivery tok/s, device draft ms per token, first-token p50 ms, bytes up/down per round,
-    share of bonus tokens outside the keep set. A `caption` (e.g. the cost model's device) is appended to the
-    legend.
+    share of bonus tokens outside the keep set, the answers' zlib compressed/raw ratio with its paired Δ (the
+    headline repetition metric, `hycoc.quality`), and the quality flag: the metrics on which the configuration is
+    worse than the baseline beyond their 95% CI (`quality_metrics`), "–" when none. A `caption` (e.g. the cost
+    model's device) is appended to the legend.
     """
     from rich.table import Table
 
@@ -406,7 +446,9 @@ def render_table(summary: Mapping[str, Mapping[str, Any]], console: Any, *, titl
     has_dproj = any(_num(summary[n].get("delta_g_projected_pct")) is not None for n in names)
     legend = (f"g: measured verifier ms per output token incl. prefill (App. G, pooled). "
               f"g proj.: cost-model ms per token over rounds, prefill excluded. "
-              f"Δg: paired vs {baseline}, 95% CI by bootstrap over questions; lower is better.")
+              f"Δg: paired vs {baseline}, 95% CI by bootstrap over questions; lower is better. "
+              f"zlib ratio: compressed/raw bytes of the answers (lower = more repetitive), paired Δ vs {baseline}. "
+              f"worse than {baseline}: quality metrics whose paired 95% CI lies wholly on the worse side.")
     if caption:
         legend += " " + caption
     table = Table(title=title, caption=legend, caption_justify="left")
@@ -418,8 +460,9 @@ def render_table(summary: Mapping[str, Mapping[str, Any]], console: Any, *, titl
     if has_dproj:
         table.add_column("Δg proj. %", justify="right")
     for head in ("MAT", "fwd/tok", "tok/s", "draft ms/tok", "1st tok p50 ms", "B up/down per round",
-                 "outside keep %"):
+                 "outside keep %", "zlib ratio (Δ)"):
         table.add_column(head, justify="right")
+    table.add_column(f"worse than {baseline}", style="red")
     for n in names:
         s = summary[n]
         delta = "ref" if n == baseline and _num(s.get("g_ms_per_token")) is not None else \
@@ -434,7 +477,56 @@ def render_table(summary: Mapping[str, Mapping[str, Any]], console: Any, *, titl
         row += [_fmt(s.get("mat")), _fmt(s.get("verifier_forwards_per_token"), ".3f"), _fmt(s.get("tok_per_s"), ".1f"),
                 _fmt(s.get("draft_ms_per_token"), ".1f"), _fmt(s.get("first_token_ms_p50"), ".0f"),
                 "–" if _num(up) is None and _num(down) is None else f"{_fmt(up, ',.0f')} / {_fmt(down, ',.0f')}",
-                _fmt(None if _num(share) is None else 100.0 * float(share), ".1f")]
+                _fmt(None if _num(share) is None else 100.0 * float(share), ".1f"),
+                _quality_cell(s, "compression_ratio", n == baseline), _quality_flags(s)]
+        table.add_row(*row)
+    console.print(table)
+
+
+def _quality_cell(s: Mapping[str, Any], key: str, is_baseline: bool) -> str:
+    """``mean (Δ)`` of one quality metric of a summary entry; the baseline shows its mean only."""
+    m = ((s.get("quality") or {}).get("metrics") or {}).get(key) or {}
+    mean = _fmt(m.get("mean"), METRIC_BY_KEY[key].fmt)
+    if is_baseline or _num(m.get("delta")) is None:
+        return mean
+    return f"{mean} ({float(m['delta']):+{METRIC_BY_KEY[key].fmt}})"
+
+
+def _quality_flags(s: Mapping[str, Any]) -> str:
+    keys = (s.get("quality") or {}).get("worse_than_baseline") or []
+    return ", ".join(METRIC_BY_KEY[k].label for k in keys if k in METRIC_BY_KEY) or "–"
+
+
+def render_quality(summary: Mapping[str, Mapping[str, Any]], console: Any, *, baseline: str = DEFAULT_BASELINE,
+                   title: str = "answer quality") -> None:
+    """Print the quality table: one row per configuration, one column per `hycoc.quality.METRICS` metric that
+    any configuration has (``mean (Δ vs baseline)``, a metric worse beyond its CI marked ``!``), the verifier's
+    mean log-prob under its own label (`LOGPROB_NOTE`), and the flag column of `render_table`."""
+    from rich.table import Table
+
+    names = _order(summary)
+    present = [m for m in METRICS if any(_num((((summary[n].get("quality") or {}).get("metrics") or {})
+                                                .get(m.key) or {}).get("mean")) is not None for n in names)]
+    table = Table(title=title, caption_justify="left", caption=(
+        f"mean over answers (paired Δ vs {baseline}); ! = worse than {baseline} beyond the paired 95% CI. "
+        "zlib ratio, distinct-n: lower = more repetitive; rep. 4-gram: share of words inside a repeated word "
+        "4-gram; longest run: most identical tokens in a row; ROUGE-L (summarization), chrF/BLEU (translation), "
+        f"final-number EM (math) against Spec-Bench's references. verifier log-prob: {LOGPROB_NOTE}."))
+    table.add_column("config", style="bold")
+    for m in present:
+        table.add_column(m.label + (" ↑" if m.better == "higher" else " ↓"), justify="right")
+    table.add_column("verifier log-prob (Δ)", justify="right")
+    table.add_column(f"worse than {baseline}", style="red")
+    for n in names:
+        s = summary[n]
+        q = s.get("quality") or {}
+        row = [n]
+        for m in present:
+            cell = _quality_cell(s, m.key, n == baseline)
+            row.append(cell + ("!" if ((q.get("metrics") or {}).get(m.key) or {}).get("worse_than_baseline") else ""))
+        lp, lpd = q.get("verifier_logprob"), q.get("verifier_logprob_delta")
+        row.append(_fmt(lp, ".3f") + ("" if n == baseline or _num(lpd) is None else f" ({float(lpd):+.3f})"))
+        row.append(_quality_flags(s))
         table.add_row(*row)
     console.print(table)
 
@@ -552,99 +644,3 @@ def write_plots(summary: Mapping[str, Mapping[str, Any]], out_dir: str | Path, *
     ax.grid(True, axis="y", alpha=0.3)
     paths.append(_save(fig, out / "category_delta_g.png"))
     return paths
-
-
-# ---- reference match ---------------------------------------------------------------------------------------
-
-_NUM = re.compile(r"(?:(?<![\w.])-)?(?<![\d.])\d+(?:,\d{3})*(?:\.\d+)?(?!\d|,\d{3}|\.\d)")
-_FRAC = re.compile(r"(?<![\d./])(-?\d+)\s*/\s*(\d+)(?![\d/])")
-_GSM = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
-
-
-def _to_float(s: str) -> float | None:
-    try:
-        return float(s.replace(",", ""))
-    except ValueError:
-        return None
-
-
-def _numbers(text: str) -> list[float]:
-    return [v for v in (_to_float(m.group(0)) for m in _NUM.finditer(text)) if v is not None]
-
-
-def _has_number(text: str, value: float) -> bool:
-    return any(abs(v - value) <= 1e-9 * max(1.0, abs(value)) for v in _numbers(text))
-
-
-def _norm(s: str) -> str:
-    """Case/space normalization for phrase matching: NFKC, lower case, curly quotes straightened, whitespace
-    collapsed, no space before , . ; : ! ? ' ) ] or after ( [ (references are often tokenized: "UNICEF 's")."""
-    s = unicodedata.normalize("NFKC", s).lower().replace("\u2019", "'").replace("\u2018", "'")
-    s = re.sub(r"\s+", " ", s)
-    s = re.sub(r"\s+([,.;:!?')\]])", r"\1", s)
-    s = re.sub(r"([(\[])\s+", r"\1", s)
-    return s.strip()
-
-
-def _contains_phrase(text: str, phrase: str) -> bool:
-    """phrase (normalized, outer punctuation stripped) occurs in text (normalized) not inside a longer word."""
-    p = _norm(phrase).strip(" ,.;:!?\"'")
-    if not p:
-        return False
-    return re.search(rf"(?<!\w){re.escape(p)}(?!\w)", _norm(text)) is not None
-
-
-def _flatten(ref: Any) -> list[str]:
-    if ref is None:
-        return []
-    if isinstance(ref, str):
-        return [ref]
-    return [s for r in ref for s in _flatten(r)]
-
-
-def reference_match(category: str, text: str, reference: Any) -> bool | None:
-    """Exact-match proxy of an answer against the dataset's reference (Spec-Bench formats); None where the
-    category has no usable reference.
-
-    * math_reasoning (GSM8K: ``[solution ... "#### 1000"]``): the final number after ``####`` appears in the text
-      as a standalone number (``1,000`` and ``1000.0`` count; ``10000``, ``21000`` and ``1000.5`` do not).
-    * math (MT-bench: ``["Area is 3", "5pi"]``, one entry per turn; first turn scored): the answer is the first line
-      of reference[0] with parenthesized asides removed (``"19 integers (-14, ..., 4)"`` -> 19,
-      ``"f(2) = 0"`` -> 0); its last fraction (``35/36``) or number (``19%`` -> 19) must appear in the text as a
-      standalone number / fraction; with no number, the line itself must appear as a phrase.
-    * rag and qa (lists of acceptable strings, possibly nested: ``[["James Ray", "George Harrison"]]``): any of
-      them, case/space-normalized, is a substring of the normalized text at word boundaries.
-    * anything else (translation, summarization, coding, ...): None.
-    """
-    text = text or ""
-    if category == "math_reasoning":
-        refs = _flatten(reference)
-        m = _GSM.search(refs[0]) if refs else None
-        value = _to_float(m.group(1)) if m else None
-        return None if value is None else _has_number(text, value)
-    if category == "math":
-        refs = _flatten(reference)
-        if not refs or not refs[0].strip():
-            return None
-        line = refs[0].strip().splitlines()[0]
-        core = line
-        while True:  # remove parenthesized asides, innermost first
-            stripped = re.sub(r"\([^()]*\)", " ", core)
-            if stripped == core:
-                break
-            core = stripped
-        fracs = list(_FRAC.finditer(core))
-        nums = list(_NUM.finditer(core))
-        if fracs and (not nums or fracs[-1].end() >= nums[-1].end()):
-            a, b = fracs[-1].group(1), fracs[-1].group(2)
-            return any(m.group(1) == a and m.group(2) == b for m in _FRAC.finditer(text))
-        if nums:
-            value = _to_float(nums[-1].group(0))
-            return None if value is None else _has_number(text, value)
-        return _contains_phrase(text, line)
-    if category in ("rag", "qa"):
-        refs = [r for r in _flatten(reference) if _norm(r).strip(" ,.;:!?\"'")]
-        if not refs:
-            return None
-        return any(_contains_phrase(text, r) for r in refs)
-    return None
