@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -397,6 +398,11 @@ def test_open_prompt_longer_than_context():
     fails("context_overflow", open_frame(), wire.Limits(max_context=3), "4 tokens", "max_context = 3")
 
 
+def test_open_prompt_filling_the_context_leaves_no_room():
+    fails("context_overflow", open_frame(), wire.Limits(max_context=4), "4 tokens", "at most 3 tokens")
+    assert wire.decode(open_frame(), wire.Limits(max_context=5)).prompt_ids.size == 4
+
+
 def test_open_prompt_token_outside_vocabulary():
     fails("token_out_of_vocab", open_frame(), wire.Limits(vocab_size=999), "prompt_ids[2] = 999", "[0, 999)")
 
@@ -449,8 +455,22 @@ def test_reply_negative_server_ms():
     fails("out_of_range", data, LIMITS, "server_ms", ">= 0")
 
 
-def test_reply_finished_flag_not_boolean():
-    fails("bad_enum", patch(wire.encode(reply()), REPLY_AT["finished"], "B", 2), LIMITS, "finished", "0 or 1")
+def test_reply_finished_byte_beyond_the_finish_reasons():
+    fails("bad_enum", patch(wire.encode(reply()), REPLY_AT["finished"], "B", 4), LIMITS, "finished", "2 (length)")
+
+
+@pytest.mark.parametrize("code, reason", [(0, None), (1, "stop"), (2, "max_new_tokens"), (3, "length")])
+def test_reply_finish_reason_round_trip(code, reason):
+    m = replace(reply(with_handoff=False), finished=reason is not None, finish_reason=reason)
+    data = wire.encode(m)
+    assert data[wire.HEADER.size + REPLY_AT["finished"]] == code
+    got = wire.decode(data, LIMITS)
+    assert (got.finished, got.finish_reason) == (reason is not None, reason)
+
+
+def test_reply_finish_reason_without_finished_is_refused():
+    with pytest.raises(wire.WireError, match="finish_reason"):
+        wire.encode(replace(reply(), finish_reason="length"))
 
 
 def test_reply_wrong_sample_rows():
