@@ -129,8 +129,8 @@ def instrument(timer: StepTimer) -> None:
         for name in names:
             if hasattr(module, name):
                 timer.wrap(module, name, "masks")
-    for module, name in ((mtp_drafter, "top2"), (slm_drafter, "log_softmax"), (slm_drafter, "row_candidates"),
-                         (slm_drafter, "graph_candidates"), (tree_builder, "top_candidates")):
+    for module, name in ((mtp_drafter, "top2"), (slm_drafter, "logits_candidates"),
+                         (slm_drafter, "graph_candidates"), (tree_builder, "logq_candidates")):
         if hasattr(module, name):
             timer.wrap(module, name, "top-k")
     timer.wrap(tree_builder.TreeBuilder, "slm_pass", "top-k")
@@ -248,7 +248,7 @@ def standin_runner(name: str, inputs, outputs, timer: StepTimer, seed: int):
     """A `GraphRunner` over the stand-in session of graph ``name`` (one intra-op thread)."""
     import onnxruntime as ort
 
-    from hycoc.runtime.graphs import GraphRunner
+    from hycoc.runtime.graphs import GraphRunner, runtime_outputs
 
     model = standin_model(inputs, outputs, seed)
     so = ort.SessionOptions()
@@ -257,7 +257,7 @@ def standin_runner(name: str, inputs, outputs, timer: StepTimer, seed: int):
     session = ort.InferenceSession(model.SerializeToString(), sess_options=so, providers=["CPUExecutionProvider"])
     spec = lambda side: [TensorSpec(name=n, shape=list(s), dtype=t) for n, s, t in side]  # noqa: E731
     entry = GraphEntry(name=name, role=name, file=f"{name}.onnx", inputs=spec(inputs), outputs=spec(outputs))
-    return GraphRunner.from_session(entry, TimedSession(session, timer))
+    return GraphRunner.from_session(entry, TimedSession(session, timer), outputs=runtime_outputs(entry))
 
 
 class ModuloLut(EmbeddingLut):
@@ -379,7 +379,7 @@ def run(rounds: int, warmup: int, *, top_k_outputs: bool, seed: int = 0) -> dict
 
 
 def table(results: list[dict]) -> str:
-    heads = [("before" if not r["top_k_outputs"] else "after") for r in results]
+    heads = [("host top-k (logits out)" if not r["top_k_outputs"] else "graph top-k") for r in results]
     lines = ["| step (host ms per round) | " + " | ".join(heads) + " |", "|---|" + "---|" * len(results)]
     for s in STEPS:
         lines.append(f"| {s} | " + " | ".join(f"{r['steps_ms'][s]:.2f}" for r in results) + " |")

@@ -42,12 +42,19 @@ def unpack_signed(packed: np.ndarray, bits: int, width: int) -> np.ndarray:
         return np.ascontiguousarray(packed.view(np.int8) if packed.dtype == np.uint8 else packed.astype(np.int8))
     if bits not in (2, 4):
         raise ValueError(f"unsupported bit width {bits}: the Gemma format stores 2, 4 or 8 bits")
-    per = 8 // bits
-    u = packed.astype(np.uint8)
-    shifts = (np.arange(per, dtype=np.uint8) * bits).astype(np.uint8)
-    values = (u[..., None] >> shifts) & np.uint8((1 << bits) - 1)
-    values = values.reshape(*u.shape[:-1], -1)[..., :width]
-    return (values.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
+    u = packed.astype(np.uint8, copy=False)
+    values = _unpack_table(bits)[u]                      # (..., bytes, 8 // bits): one gather, no shifts
+    return values.reshape(*u.shape[:-1], -1)[..., :width]
+
+
+def _unpack_table(bits: int, _cache: dict[int, np.ndarray] = {}) -> np.ndarray:  # noqa: B006 - a memo
+    """int8 (256, 8 // bits): the signed values byte b holds, low bits first (`unpack_signed`'s layout)."""
+    if bits not in _cache:
+        per = 8 // bits
+        b = np.arange(256, dtype=np.uint16)[:, None]
+        shifts = (np.arange(per, dtype=np.uint16) * bits)[None, :]
+        _cache[bits] = (((b >> shifts) & ((1 << bits) - 1)).astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
+    return _cache[bits]
 
 
 @dataclass
@@ -78,9 +85,12 @@ class EmbeddingLut:
         if ids.size and (ids.min() < 0 or ids.max() >= self.rows):
             raise IndexError(f"token id outside the LUT's {self.rows} rows: {ids.min()}..{ids.max()}")
         q = unpack_signed(self.packed[ids], self.bits, self.dim).astype(np.float32)
-        block = self.dim // self.scale.shape[-1]
-        scale = np.repeat(self.scale[ids], block, axis=-1).astype(np.float32)
-        return (q * scale) * np.float32(self.embed_scale)
+        blocks = self.scale.shape[-1]
+        scale = self.scale[ids].astype(np.float32, copy=False)[..., None]       # (*ids, blocks, 1): broadcast
+        out = q.reshape(*ids.shape, blocks, self.dim // blocks)
+        out *= scale
+        out *= np.float32(self.embed_scale)
+        return out.reshape(*ids.shape, self.dim)
 
 
 @dataclass

@@ -202,11 +202,12 @@ class HeadQdq(Pass):
     float head graph); ranges at the ``input_range_percentile`` percentile, x 1. SQNR and top-1 against the float
     graph are reported on those and on held-out prompts' feeds. Fallback, only when no tokenizer is given (unit
     tests of the pass alone): `CALIBRATION_SAMPLES` first-step queries from one verifier pass over keep-set tokens
-    (`comparison_inputs`), held-out with another seed.
+    (`comparison_inputs`), held-out with another seed. The QDQ graph then gets the output ``top_index`` (its two
+    best keep-set indices, `hycoc.passes.topk_outputs.append_topk`), which the device runtime reads.
     """
 
     name = "qdq_head"
-    version = 2  # v2: calibrated on the runtime's feeds from real hand-offs (head_calibration)
+    version = 3  # v2: calibrated on the runtime's feeds from real hand-offs (head_calibration); v3: top_index output
     section = "head_qat"
     also_reads = ("window", "tree", "handoff", "keep_set")
     consumes = {"onnx_head": OnnxArtifact, "quantized_head": QuantizedHeadArtifact,
@@ -230,6 +231,7 @@ class HeadQdq(Pass):
 
         from hycoc.passes.head_qat import dequantized_head
         from hycoc.passes.qdq import layer_outputs, quantize_graph, sqnr_report
+        from hycoc.passes.topk_outputs import append_topk
 
         quantized = inputs["quantized_head"].payload
         verifier = inputs["torch_verifier"].payload
@@ -262,8 +264,9 @@ class HeadQdq(Pass):
                                     percentile=recipe.head_qat.input_range_percentile, weight_arrays=arrays)
             fmodel = onnx.load(str(result.float_path), load_external_data=False)
             held = sqnr_report(result.float_path, result.path, held_out, layers=layer_outputs(fmodel))
-            model = ir.serde.deserialize_model(onnx.load(str(result.path)))
-        numbers = result.numbers() | {"samples": len(samples), "held_out_samples": len(held_out),
+            # the runtime reads the graph's top-2 (Alg. 2 line 10), not its logits
+            model = ir.serde.deserialize_model(append_topk(onnx.load(str(result.path)), 2, with_logq=False))
+        numbers = result.numbers() | {"top_k_outputs": 2, "samples": len(samples), "held_out_samples": len(held_out),
                                       "sqnr_held_out": held, "calibration_inputs": calibration,
                                       "percentile": recipe.head_qat.input_range_percentile}
         s = result.sqnr

@@ -613,7 +613,9 @@ class QdqQuantize(Pass):
     Only the SLM is wired: it consumes ``onnx_slm`` + ``slm_integer`` + ``keep_set`` + ``torch_verifier`` +
     ``tokenizer`` and reads ``[slm_calibration]`` (percentile x range_scale; ``prompts`` calibration prompts,
     `hycoc.passes.slm_calibration.SAMPLES_PER_PROMPT` graph calls kept from each), ``[window]``, ``[tree]`` and,
-    for the prompt source and the answer cap, ``[head_qat]`` and ``[keep_set]``. Calibration inputs
+    for the prompt source and the answer cap, ``[head_qat]`` and ``[keep_set]``. The QDQ graph then gets the
+    outputs ``top_index`` / ``top_logq`` of its ``tree.slm_candidates`` best tokens per row
+    (`hycoc.passes.topk_outputs.append_topk`), which the device runtime reads instead of the logits. Calibration inputs
     (``calibration="real"``, the build's): the verifier's greedy answers to the calibration prompts driven
     through the device runtime's SLM drafter and tree builder on the float torch graph
     (`hycoc.passes.slm_calibration`); the held-out SQNR report uses ``max(2, prompts // 4)`` other prompts.
@@ -624,7 +626,7 @@ class QdqQuantize(Pass):
     (toy corpus), runner-up tokens and accepted-length offsets, or the synthetic samples' RNG.
     """
 
-    version = 2
+    version = 3  # v3: the graph also emits its top-k candidates (passes/topk_outputs.py)
     section = "slm_calibration"
 
     def __init__(self, kind_in: str = "onnx_slm", kind_out: str = "qdq_slm", *, seed: int = 0,
@@ -675,6 +677,7 @@ class QdqQuantize(Pass):
 
         from hycoc.passes.artifacts import OnnxArtifact
         from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph
+        from hycoc.passes.topk_outputs import append_topk
 
         cal = recipe.slm_calibration
         if cal.activation_bits != 16:
@@ -694,8 +697,9 @@ class QdqQuantize(Pass):
             # held-out inputs (other prompts): the calibration inputs flatter the ranges
             fmodel = onnx.load(str(result.float_path), load_external_data=False)
             held = sqnr_report(result.float_path, result.path, held_out, layers=layer_outputs(fmodel))
-            model = ir.serde.deserialize_model(onnx.load(str(result.path)))  # weights read into memory
-        numbers = result.numbers() | {"samples": len(samples), "percentile": cal.percentile,
+            qmodel = append_topk(onnx.load(str(result.path)), recipe.tree.slm_candidates, with_logq=True)
+            model = ir.serde.deserialize_model(qmodel)  # weights read into memory
+        numbers = result.numbers() | {"top_k_outputs": recipe.tree.slm_candidates, "samples": len(samples), "percentile": cal.percentile,
                                       "range_scale": cal.range_scale, "kv_bits_on_wire": cal.kv_bits,
                                       "calibration_inputs": source, "sqnr_held_out": held}
         s = result.sqnr

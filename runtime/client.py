@@ -163,7 +163,7 @@ class DeviceRuntime:
     def __init__(self, bundle, head, slm):
         self.bundle = bundle
         self.mtp = MtpDrafter(head, bundle)
-        self.slm = SlmDrafter(slm, bundle)
+        self.slm = SlmDrafter(slm, bundle, candidates=bundle.round.slm_candidates)
         self.stop_ids = bundle.stop_token_ids()
 
     def builder(self, mode: Mode, tree_rows: int) -> TreeBuilder:
@@ -344,11 +344,12 @@ class DeviceRuntime:
 def load_runtime(bundle_dir, backend: str = "cpu", *, threads: int | None = None) -> DeviceRuntime:
     """Open a bundle (hash- and target-checked, `open_bundle`) and its two graphs on ``backend``."""
     from hycoc.runtime.device_bundle import open_bundle
-    from hycoc.runtime.graphs import GraphRunner
+    from hycoc.runtime.graphs import GraphRunner, runtime_outputs
 
     bundle = open_bundle(bundle_dir, backend)
-    head = GraphRunner(bundle.path, bundle.manifest, "head", backend, threads)
-    slm = GraphRunner(bundle.path, bundle.manifest, "slm", backend, threads)
+    m = bundle.manifest
+    head = GraphRunner(bundle.path, m, "head", backend, threads, outputs=runtime_outputs(m.graph("head")))
+    slm = GraphRunner(bundle.path, m, "slm", backend, threads, outputs=runtime_outputs(m.graph("slm")))
     return DeviceRuntime(bundle, head, slm)
 
 

@@ -114,7 +114,8 @@ def open_bundle(path: str | os.PathLike, backend: str = "cpu", *, verify: bool =
 
     Raises a ``hycoc.bundle.BundleError`` subclass: BundleNotFound, SchemaVersionMismatch, FileMissing,
     HashMismatch, ... (from `load_manifest`), TargetMismatch (`check_device`), ManifestInvalid when the manifest
-    has no host section (a bundle from an older hycoc) or a graph the runtime needs is missing.
+    has no host section (a bundle from an older hycoc), a graph the runtime needs is missing, or a graph lacks the
+    top-k outputs (``top_index``, and ``top_logq`` for the SLM) an older hycoc did not write.
     """
     from tokenizers import Tokenizer
 
@@ -128,6 +129,12 @@ def open_bundle(path: str | os.PathLike, backend: str = "cpu", *, verify: bool =
     missing = {"head", "slm"} - names
     if missing:
         raise ManifestInvalid(f"bundle {folder}: no {', '.join(sorted(missing))} graph; rebuild it with hycoc build")
+    for name, wanted in (("head", {"top_index"}), ("slm", {"top_index", "top_logq"})):
+        missing = wanted - {t.name for t in manifest.graph(name).outputs}
+        if missing:   # graphs emit their top-k since issue 16; the runtime no longer ranks a keep-set-wide row
+            raise ManifestInvalid(f"bundle {folder}: its {name} graph has no {', '.join(sorted(missing))} output "
+                                  "(built by an older hycoc); rebuild it with `hycoc build RECIPE --target ... "
+                                  "--out DIR`")
     keep = _npy(folder, "keep_set.npy").astype(np.int64)
     if len(keep) != manifest.keep_set_size:
         raise ManifestInvalid(f"bundle {folder}: keep_set.npy has {len(keep)} ids, the manifest says "

@@ -18,7 +18,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -84,18 +84,28 @@ def _session(path: Path, backend: str, manifest: Manifest, threads: int | None):
         return ort.InferenceSession(str(path), sess_options=so)
 
 
+def runtime_outputs(entry: GraphEntry) -> list[str]:
+    """The outputs the device runtime reads from a graph: all but ``logits`` when the graph emits its own top-k
+    (``top_index``, `hycoc.passes.topk_outputs`), so the vocabulary-wide row is never copied out."""
+    names = [t.name for t in entry.outputs]
+    return [n for n in names if n != "logits"] if "top_index" in names else names
+
+
 class GraphRunner:
     """One graph of a bundle, loaded on ``backend`` (module docstring).
 
     ``run(feeds)`` takes float32 arrays by input name (every declared input, at its declared shape) and returns
-    float32 arrays by output name. ``calls`` / ``seconds`` count the runs and their wall time.
+    float32 arrays by output name (integer outputs without an encoding, such as ``top_index``, as they come).
+    ``outputs``: the outputs to fetch (default all; onnxruntime then copies out only these, `runtime_outputs`).
+    ``calls`` / ``seconds`` count the runs and their wall time.
     Raises GraphRunError (load or run failure), GraphIOMismatch (the session disagrees with the manifest, or a
     feed has the wrong shape).
     """
 
     def __init__(self, bundle_dir: str | Path, manifest: Manifest, name: str, backend: str,
-                 threads: int | None = None):
+                 threads: int | None = None, outputs: Sequence[str] | None = None):
         self.entry: GraphEntry = manifest.graph(name)
+        self._wanted = outputs
         self.name = name
         path = Path(bundle_dir) / self.entry.file
         t0 = time.perf_counter()
@@ -108,11 +118,12 @@ class GraphRunner:
         self._attach()
 
     @classmethod
-    def from_session(cls, entry: GraphEntry, session) -> GraphRunner:
+    def from_session(cls, entry: GraphEntry, session, outputs: Sequence[str] | None = None) -> GraphRunner:
         """A runner around an already open onnxruntime ``session`` whose IO is ``entry``'s (benchmarks and tests
         with stand-in graphs). Raises GraphIOMismatch as the constructor."""
         runner = cls.__new__(cls)
         runner.entry, runner.name, runner.session, runner.load_seconds = entry, entry.name, session, 0.0
+        runner._wanted = outputs
         runner._attach()
         return runner
 
@@ -123,6 +134,12 @@ class GraphRunner:
         self.inputs: dict[str, TensorSpec] = {t.name: t for t in self.entry.inputs}
         self.outputs: dict[str, TensorSpec] = {t.name: t for t in self.entry.outputs}
         self.output_names = [t.name for t in self.entry.outputs]
+        if self._wanted is not None:
+            unknown = sorted(set(self._wanted) - set(self.output_names))
+            if unknown:
+                raise GraphIOMismatch(f"graph {self.name} has no output {', '.join(unknown)}; it has "
+                                      f"{', '.join(self.output_names)}")
+            self.output_names = [n for n in self.output_names if n in self._wanted]
         self.calls, self.seconds = 0, 0.0
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -155,6 +172,9 @@ class GraphRunner:
         result = {}
         for name, y in zip(self.output_names, outs):
             spec = self.outputs[name]
-            result[name] = y if y.dtype == np.float32 else (dequantize(y, spec.encoding) if spec.encoding
-                                                             else y.astype(np.float32))
+            if spec.encoding is not None and y.dtype != np.float32:
+                y = dequantize(y, spec.encoding)
+            elif y.dtype.kind == "f" and y.dtype != np.float32:
+                y = y.astype(np.float32)
+            result[name] = y                   # integer outputs without an encoding (top-k indices) stay integers
         return result

@@ -13,7 +13,8 @@ State (line 2): per verifier layer type (last sliding, last full-attention) a ri
 - line 6: the query's rotary rows fixed at position t - 1 (``head_query_position_offset``); keys arrive rotated.
 
 `MtpDrafter.draft` is lines 7-13: z = x̂; K calls of the head graph over the ring (which it does not extend);
-i, i' = the largest and second-largest logit, first among equals; y_k = V[i], y'_k = V[i'] for k <= D;
+i, i' = the largest and second-largest logit, first among equals (the graph's ``top_index`` output where it has
+one, `top2` of its ``logits`` otherwise); y_k = V[i], y'_k = V[i'] for k <= D;
 z = [E[i]; h]. A hand-off with NaN/inf, a non-positive scale, or rows whose sizes do not match the graph is
 rejected with `HandoffError` before anything is written; drafting before any hand-off raises `NoHandoff`.
 """
@@ -60,8 +61,8 @@ class MtpDraft:
 class MtpDrafter:
     """Alg. 2 (module docstring) around a head graph runner.
 
-    runner: a `hycoc.runtime.graphs.GraphRunner` (or anything with ``run(feeds) -> {"logits", "h_next"}`` and
-    ``shape(name)``) for the head graph; bundle: the `hycoc.runtime.device_bundle.DeviceBundle` (keep set, E
+    runner: a `hycoc.runtime.graphs.GraphRunner` (or anything with ``run(feeds) -> {"logits" or "top_index",
+    "h_next"}`` and ``shape(name)``) for the head graph; bundle: the `hycoc.runtime.device_bundle.DeviceBundle` (keep set, E
     table, head rotary tables, hand-off scales, round constants K, D, W).
     """
 
@@ -153,7 +154,8 @@ class MtpDrafter:
         for k in range(1, K + 1):
             feeds["x_hat"] = z.reshape(1, 1, -1).astype(np.float32)
             res = self.runner.run(feeds)
-            i, i2 = top2(res["logits"])
+            # the graph's own top-2 (ONNX TopK: ties to the lower index) when it emits one, else the host's
+            i, i2 = (int(x) for x in res["top_index"].reshape(-1)[:2]) if "top_index" in res else top2(res["logits"])
             out.chain.append(int(keep[i]))
             out.chain_index.append(i)
             if k <= D:

@@ -13,7 +13,7 @@ chain of rows ending with r (Alg. 3 line 7 "committed tokens without SLM KV, end
 R-row chunks of committed tokens as needed to leave room for the tree (`prefill`, timed separately: it overlaps
 the server's prefill).
 
-`expand(tree, nodes)` is one SLM forward (line 8): rows = [committed rows without KV, in the first forward of a
+`expand(tree, nodes)` is one SLM forward (line 8), returning each node's candidates (`hycoc.runtime.candidates`): rows = [committed rows without KV, in the first forward of a
 round] + r + for each node, in the order given, its not-yet-included ancestors and itself, while they fit the
 graph's R rows (the rest are left out and reported as not expanded). Rows are padded to R by repeating the last
 row (as a child of row 0 when the last row is row 0); padding rows' outputs are ignored. Committed rows are written into the ring at once; the KV of r and of tree nodes is kept for the commit.
@@ -33,14 +33,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from hycoc.host import tree_depths, tree_ring_mask
+from hycoc.runtime.candidates import Candidates, graph_candidates, logits_candidates
 from hycoc.runtime.tree_builder import DraftTreeNodes
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    """float64 log-softmax over the last axis."""
-    x = np.asarray(x, dtype=np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
 def _short(layer_type: str) -> str:
@@ -52,11 +46,15 @@ class SlmDrafter:
 
     runner: a `hycoc.runtime.graphs.GraphRunner` for the ``slm`` graph (``run``, ``shape``); bundle: the
     `hycoc.runtime.device_bundle.DeviceBundle` (LUTs, rotary tables, host constants, round constants).
-    Attributes: ``forwards`` (graph calls), ``prefill_seconds`` (request-start fill time).
+    candidates: k, the candidates `expand` returns per node (Alg. 3 line 10: 32), read from the graph's
+    ``top_index`` / ``top_logq`` outputs when its runner gives them, else taken from its ``logits`` on the host
+    (`hycoc.runtime.candidates`). Attributes: ``forwards`` (graph calls), ``prefill_seconds`` (request-start
+    fill time).
     """
 
-    def __init__(self, runner, bundle):
+    def __init__(self, runner, bundle, candidates: int = 32):
         self.runner, self.bundle = runner, bundle
+        self.candidates = int(candidates)
         host = bundle.host.slm
         self.layer_types = list(host.layer_types)
         self.kv_layers = list(host.kv_layers)
@@ -155,8 +153,9 @@ class SlmDrafter:
             k_ring[0, :, position % w, :] = out[f"k_new_{i}"][0, :, row, :]
             v_ring[0, :, position % w, :] = out[f"v_new_{i}"][0, :, row, :]
 
-    def expand(self, tree: DraftTreeNodes, nodes: list[int]) -> dict[int, np.ndarray]:
-        """One SLM forward for ``nodes`` of ``tree`` (module docstring); returns {node: log q (|V|,)} for the
+    def expand(self, tree: DraftTreeNodes, nodes: list[int]) -> dict[int, Candidates]:
+        """One SLM forward for ``nodes`` of ``tree`` (module docstring); returns {node: its `Candidates` (the k =
+        ``candidates`` most likely keep-set indices, best first, ties to the lower index, with log q)} for the
         root and the nodes that fit. The tree's node 0 must be the root r (``self.tokens[-1]``)."""
         if tree.nodes[0].token != self.tokens[-1]:
             raise ValueError(f"tree root {tree.nodes[0].token} is not the committed root {self.tokens[-1]}")
@@ -189,16 +188,21 @@ class SlmDrafter:
             self.n_kv = self.t
         for node, row in row_of.items():
             self.pending.setdefault(node, (idx, row))
-        logits = out["logits"][0]
-        return {node: log_softmax(logits[row]) for node, row in row_of.items() if node == 0 or node in nodes}
+        wanted = [(node, row) for node, row in row_of.items() if node == 0 or node in nodes]
+        rows = [row for _, row in wanted]
+        if "top_index" in out:                           # the graph's own top-k (Alg. 3 line 10)
+            cands = graph_candidates(out["top_index"], out["top_logq"], rows, self.candidates)
+        else:
+            cands = logits_candidates(out["logits"][0, rows], self.candidates)
+        return {node: c for (node, _), c in zip(wanted, cands)}
 
     def greedy_next(self) -> int:
         """SLM-alone decoding: one forward over the committed rows without KV (ending with r); returns the
         arg-max token of r's row (keep set; first among equals) and leaves r's KV pending for `commit`."""
         tree = DraftTreeNodes()
         tree.add(self.tokens[-1], -1, 0.0, "root")
-        logq = self.expand(tree, [])
-        return int(self.bundle.keep_set[int(np.argmax(logq[0]))])
+        cands = self.expand(tree, [])
+        return int(self.bundle.keep_set[int(cands[0].index[0])])
 
     # ---- Alg. 1 line 10 ----------------------------------------------------------------------------------------
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hycoc.runtime.candidates import Candidates, logq_candidates
+
 ROOT, CHAIN, SIBLING, SLM = "root", "chain", "sibling", "slm"
 
 
@@ -83,9 +85,10 @@ class BuiltTree:
     slm_passes: int
 
 
-#: expand(tree, nodes) -> {node: log q over the keep set, float (|V|,)} for the nodes it could fit in one
-#: SLM forward (in the order given, which is descending score).
-Expand = Callable[[DraftTreeNodes, list[int]], dict[int, np.ndarray]]
+#: expand(tree, nodes) -> {node: its candidates} for the nodes it could fit in one SLM forward (in the order
+#: given, which is descending score): a `hycoc.runtime.candidates.Candidates` (the SLM Drafter's: the graph's top-k),
+#: or log q over the whole keep set, float (|V|,), of which the builder takes the top-k itself.
+Expand = Callable[[DraftTreeNodes, list[int]], dict[int, "Candidates | np.ndarray"]]
 
 
 class TreeBuilder:
@@ -142,13 +145,12 @@ class TreeBuilder:
         for v in order:                                   # lines 10-13
             if v not in logq:
                 continue
-            lq = np.asarray(logq[v], dtype=np.float64)
-            k = min(self.candidates, len(lq))
-            top = np.argsort(-lq, kind="stable")[:k]      # the 32 largest q, ties to the lower index
-            for i in top:
-                token = int(self.keep_set[i])
+            c = logq[v]                                   # the 32 largest q, ties to the lower index
+            c = c.head(self.candidates) if isinstance(c, Candidates) else logq_candidates(c, self.candidates)
+            s_v = tree.nodes[v].score
+            for token, lq in zip(self.keep_set[c.index].tolist(), c.logq.tolist()):
                 if not tree.has_child(v, token):
-                    cands.append((tree.nodes[v].score + float(lq[i]) + self.ln_lambda, v, token))
+                    cands.append((s_v + lq + self.ln_lambda, v, token))
         scores = sorted([n.score for n in tree.nodes[1:]] + [c[0] for c in cands], reverse=True)
         theta = scores[self.budget - 1] if len(scores) >= self.budget else -np.inf  # line 14
         return [tree.add(token, v, s, SLM) for s, v, token in cands if s >= theta]

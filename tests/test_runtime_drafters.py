@@ -182,7 +182,7 @@ def test_first_forward_runs_committed_rows_then_root_then_nodes_and_commit_moves
     feeds = slm.runner.feeds[-1]
     assert feeds["inputs_embeds"][0, :, 0].tolist() == [3, 4, 2, 1, 4, 4]       # padded by repeating the last
     assert feeds["cos_full"][0, :, 0].tolist() == [0, 1, 2, 3, 4, 4]
-    assert set(logq) == {0, 1, 2} and np.argmax(logq[1]) == 1                   # row of node 1 (token 1)
+    assert set(logq) == {0, 1, 2} and logq[1].index[0] == 1                    # row of node 1 (token 1)
     # committed rows are in the ring at once, for every KV head and layer; the root is not yet
     assert [ring(slm, 0, 0, h) for h in (0, 1)] == [k_value(3, 0, 0), k_value(3, 0, 1)]
     assert ring(slm, 1, 1, 1) == k_value(4, 1, 1, 1) and slm.n_kv == 2 and ring(slm, 1, 2) == 0
