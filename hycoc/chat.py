@@ -28,9 +28,34 @@ def conversation(user: str, model: str) -> str:
     return f"{user_turn(user)}{model}{END_OF_TURN}\n"
 
 
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` read as plain text: a control-token string inside it (``<end_of_turn>``, ``<bos>``,
+    ...) is spelled with ordinary tokens, never turned into the control token (tokenizers'
+    ``encode_special_tokens``). tokenizer: a `tokenizers.Tokenizer`."""
+    before = tokenizer.encode_special_tokens
+    tokenizer.encode_special_tokens = True
+    try:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+    finally:
+        tokenizer.encode_special_tokens = before
+
+
+def _control(tokenizer, token: str) -> int:
+    i = tokenizer.token_to_id(token)
+    if i is None:
+        raise ValueError(f"the tokenizer has no {token} token; the chat template needs it")
+    return i
+
+
 def format_prompt(tokenizer, user_text: str) -> list[int]:
-    """Token ids of `user_turn(user_text)`. tokenizer: a `tokenizers.Tokenizer`. Returns a list of int ids."""
-    return tokenizer.encode(user_turn(user_text), add_special_tokens=False).ids
+    """Token ids of `user_turn(user_text)`, in which only the template adds control tokens: the user's text is
+    encoded as text (`encode_text`), so a message containing ``<end_of_turn>`` or ``<start_of_turn>model`` cannot
+    open or close a turn. For text without control-token strings the ids equal encoding the template string
+    whole. tokenizer: a `tokenizers.Tokenizer`. Returns a list of int ids. Raises ValueError if the tokenizer
+    lacks a control token of the template."""
+    bos, sot, eot = (_control(tokenizer, t) for t in (BOS, START_OF_TURN, END_OF_TURN))
+    return [bos, sot, *encode_text(tokenizer, f"user\n{user_text}"), eot, *encode_text(tokenizer, "\n"), sot,
+            *encode_text(tokenizer, "model\n")]
 
 
 def stop_token_ids(tokenizer) -> set[int]:
