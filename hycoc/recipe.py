@@ -169,12 +169,12 @@ class Models(Section):
 class KeepSet(Section):
     """``[keep_set]``: the restricted output vocabulary of both drafters (§3.3, App. A)."""
 
-    size: int = Field(86089, ge=1, description="tokens in the keep set, always-kept classes included (paper: 86,089)")
+    size: int = Field(86089, ge=1, le=1_048_576, description="tokens in the keep set, always-kept classes included (paper: 86,089)")
     corpus: str = Field(
         "", description="JSONL of conversations whose assistant turns are counted (path; empty = none given)"
     )
     corpus_conversations: int = Field(
-        20000, ge=1, description="conversations of the corpus read for token counts (paper: 20,000 UC-tr)"
+        20000, ge=1, le=10_000_000, description="conversations of the corpus read for token counts (paper: 20,000 UC-tr)"
     )
     always_special: bool = Field(True, description="keep every special token regardless of frequency (paper: 24)")
     always_bytes: bool = Field(True, description="keep the 256 byte tokens, which spell any string")
@@ -201,18 +201,18 @@ class Tree(Section):
 
     chain_length: int = Field(4, ge=1, le=16, description="K, the MTP head's chain length in tokens per round")
     sibling_depth: int = Field(
-        2, ge=0, description="D, runner-up siblings are planted at chain depths 1..D (0 = none; Alg. 2 line 11)"
+        2, ge=0, le=16, description="D, runner-up siblings are planted at chain depths 1..D (0 = none; Alg. 2 line 11)"
     )
-    node_budget: int = Field(32, ge=1, description="B, draft nodes kept after the trim; the verifier sees B+1 rows")
+    node_budget: int = Field(32, ge=1, le=1024, description="B, draft nodes kept after the trim; the verifier sees B+1 rows")
     depth_cost: float = Field(
         0.66, gt=0, lt=1, description="lambda; every tree edge adds ln(lambda) to a node's score (Alg. 3)"
     )
-    slm_candidates: int = Field(32, ge=1, description="SLM candidates per expanded row (Alg. 3 line 12)")
+    slm_candidates: int = Field(32, ge=1, le=1024, description="SLM candidates per expanded row (Alg. 3 line 12)")
     slm_passes: Literal[1, 2] = Field(1, description="SLM forwards per round: 1 = HyCo, 2 = HyCo-2P (Alg. 3 line 15)")
     specedge_passes: int = Field(
-        4, ge=1, description="sequential SLM passes of the SLM-only SpecEdge-style tree (Table 5)"
+        4, ge=1, le=16, description="sequential SLM passes of the SLM-only SpecEdge-style tree (Table 5)"
     )
-    specedge_nodes: int = Field(32, ge=1, description="draft nodes of the SpecEdge-style tree (Table 5)")
+    specedge_nodes: int = Field(32, ge=1, le=1024, description="draft nodes of the SpecEdge-style tree (Table 5)")
 
     @model_validator(mode="after")
     def _siblings_on_chain(self) -> Tree:
@@ -228,10 +228,10 @@ class Tree(Section):
 class Window(Section):
     """``[window]``: the drafters' context windows (§3.4, Alg. 2)."""
 
-    head_window: int = Field(1024, ge=1, description="W, verifier KV positions the MTP head reads, in tokens")
-    slm_window: int = Field(1024, ge=1, description="committed positions in the SLM's ring KV, in tokens")
+    head_window: int = Field(1024, ge=1, le=65536, description="W, verifier KV positions the MTP head reads, in tokens")
+    slm_window: int = Field(1024, ge=1, le=65536, description="committed positions in the SLM's ring KV, in tokens")
     slm_sliding_window: int = Field(
-        512, ge=1, description="ring length of the SLM's sliding-window layers, in tokens (paper: W/2 = 512)"
+        512, ge=1, le=65536, description="ring length of the SLM's sliding-window layers, in tokens (paper: W/2 = 512)"
     )
     head_query_position_offset: Literal[-1, 0] = Field(
         -1,
@@ -269,38 +269,38 @@ class Acceptance(Section):
 class Sampling(Section):
     """``[sampling]``: the verifier's sampling distribution p~ (Alg. 4 line 5) and the output cap."""
 
-    temperature: float = Field(1.0, ge=0, description="softmax temperature; 0 = greedy (arg-max, ties to lowest id)")
-    top_k: int = Field(64, ge=1, description="largest logits kept before the nucleus cut")
+    temperature: float = Field(1.0, ge=0, le=100, description="softmax temperature; 0 = greedy (arg-max, ties to lowest id)")
+    top_k: int = Field(64, ge=1, le=1_048_576, description="largest logits kept before the nucleus cut")
     top_p: float = Field(0.95, gt=0, le=1, description="nucleus mass kept after top-k, then renormalized")
-    max_new_tokens: int = Field(1024, ge=1, description="output cap per request, in tokens (paper: 1,024 on SB)")
-    seed: int = Field(0, ge=0, description="seed of the verifier's per-session sampler and of the device runtime")
+    max_new_tokens: int = Field(1024, ge=1, le=1_048_576, description="output cap per request, in tokens (paper: 1,024 on SB)")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="seed of the verifier's per-session sampler and of the device runtime")
 
 
 class HeadQat(Section):
     """``[head_qat]``: KL-based 4-bit QAT of the MTP head (App. A Table 4)."""
 
     weight_bits: Literal[2, 4, 8] = Field(4, description="bits of every linear weight, output layer included")
-    steps: int = Field(100, ge=0, description="optimizer steps (0 = post-training quantization only)")
-    lr: float = Field(1e-5, gt=0, description="peak AdamW learning rate")
-    warmup_steps: int = Field(50, ge=0, description="linear warm-up steps before the schedule")
+    steps: int = Field(100, ge=0, le=1_000_000, description="optimizer steps (0 = post-training quantization only)")
+    lr: float = Field(1e-5, gt=0, le=1, description="peak AdamW learning rate")
+    warmup_steps: int = Field(50, ge=0, le=1_000_000, description="linear warm-up steps before the schedule")
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="learning-rate decay after warm-up")
-    grad_accum: int = Field(2, ge=1, description="sequences accumulated per step (batch 1 sequence)")
-    grad_clip: float = Field(1.0, gt=0, description="gradient-norm clip")
+    grad_accum: int = Field(2, ge=1, le=1024, description="sequences accumulated per step (batch 1 sequence)")
+    grad_clip: float = Field(1.0, gt=0, le=1e6, description="gradient-norm clip")
     betas: Annotated[tuple[_Beta, _Beta], BeforeValidator(_list_to_tuple)] = Field(
         (0.9, 0.95), description="AdamW (beta1, beta2)",
         json_schema_extra=_allowed("two numbers, each in [0, 1)"),
     )
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (paper: none)")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay (paper: none)")
     clip_search_max: float = Field(1.0, gt=0, le=1, description="largest clip ratio of the per-channel MSE search")
     clip_search_min: float = Field(0.6, gt=0, le=1, description="smallest clip ratio of the per-channel MSE search")
-    clip_search_points: int = Field(9, ge=1, description="clip ratios tried, evenly spaced from max to min")
-    calibration_prompts: int = Field(60, ge=1, description="training prompts (paper: 60 UC-tr first turns)")
+    clip_search_points: int = Field(9, ge=1, le=1000, description="clip ratios tried, evenly spaced from max to min")
+    calibration_prompts: int = Field(60, ge=1, le=100_000, description="training prompts (paper: 60 UC-tr first turns)")
     calibration_max_new_tokens: int = Field(
-        1024, ge=1, description="cap on the verifier's greedy answers to training prompts, in tokens"
+        1024, ge=1, le=1_048_576, description="cap on the verifier's greedy answers to training prompts, in tokens"
     )
-    eval_prompts: int = Field(60, ge=1, description="held-out prompts for top-1 agreement (paper: 60 UC-val)")
-    eval_max_new_tokens: int = Field(512, ge=1, description="cap on the verifier's greedy answers to eval prompts")
-    max_seq_len: int = Field(2048, ge=2, description="longest training sequence, prompt + answer, in tokens")
+    eval_prompts: int = Field(60, ge=1, le=100_000, description="held-out prompts for top-1 agreement (paper: 60 UC-val)")
+    eval_max_new_tokens: int = Field(512, ge=1, le=1_048_576, description="cap on the verifier's greedy answers to eval prompts")
+    max_seq_len: int = Field(2048, ge=2, le=1_048_576, description="longest training sequence, prompt + answer, in tokens")
     input_range_percentile: float = Field(
         99.99, gt=0, le=100, description="percentile of the captured inputs that fixes the head's input ranges"
     )
@@ -330,9 +330,9 @@ class HeadQat(Section):
 class SlmCalibration(Section):
     """``[slm_calibration]``: activation calibration of the SLM drafter (App. A)."""
 
-    prompts: int = Field(60, ge=1, description="calibration prompts, answered greedily by the verifier")
+    prompts: int = Field(60, ge=1, le=100_000, description="calibration prompts, answered greedily by the verifier")
     percentile: float = Field(99.9, gt=0, le=100, description="percentile of |activation| that sets a range")
-    range_scale: float = Field(1.2, gt=0, description="factor on the percentile; the range is percentile x scale")
+    range_scale: float = Field(1.2, gt=0, le=100, description="factor on the percentile; the range is percentile x scale")
     activation_bits: Literal[8, 16] = Field(16, description="bits of activations in the graph")
     kv_bits: Literal[8, 16] = Field(8, description="bits of the SLM's KV ring inputs")
 
@@ -377,7 +377,7 @@ class Target(Section):
     )
     htp_arch: Literal[68, 69, 73, 75, 79, 81] = Field(81, description="Hexagon HTP architecture version")
     soc_model: str = Field("SM8850", min_length=1, description="SoC of the phone (paper: SM8850, Galaxy S26 Ultra)")
-    context_size_limit_mb: int = Field(3500, ge=1, description="largest QNN context binary the phone loads, in MB")
+    context_size_limit_mb: int = Field(3500, ge=1, le=1_048_576, description="largest QNN context binary the phone loads, in MB")
     disable_cpu_fallback: bool = Field(True, description="fail the compile if any node would fall back to the CPU")
 
     @model_validator(mode="after")
@@ -393,26 +393,47 @@ class Verifier(Section):
 
     device: Literal["cpu", "cuda"] = Field("cuda", description="torch device of the verifier (paper: one GPU)")
     dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="weight and activation dtype")
-    max_context: int = Field(0, ge=0, description="longest prompt + output in tokens (0 = the model's own limit)")
-    threads: int = Field(0, ge=0, description="torch CPU threads for the verifier (0 = torch's default); small "
+    max_context: int = Field(0, ge=0, le=16_777_216, description="longest prompt + output in tokens (0 = the model's own limit)")
+    threads: int = Field(0, ge=0, le=1024, description="torch CPU threads for the verifier (0 = torch's default); small "
                          "models run fastest on 1, as thread start-up costs more than their matrix products")
     host: str = Field("127.0.0.1", min_length=1, description="address the server listens on")
     port: int = Field(8765, ge=1, le=65535, description="TCP port the server listens on")
     max_frame_bytes: int = Field(
-        8 * 1024 * 1024, ge=4096, description="largest accepted wire frame, in bytes (default 8 MiB)"
+        8 * 1024 * 1024, ge=4096, le=1 << 30, description="largest accepted wire frame, in bytes (default 8 MiB)"
     )
+    # Server limits (DESIGN.md "Limits"): each refusal has an error code and a /metrics counter
+    # (hycoc_refusals_total{kind=...}); see hycoc.verifier.server.ServerLimits.
+    handshake_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="seconds from TCP connect to a WebSocket's first frame (OPEN); slower "
+        "connections (silent TCP, trickled headers) are closed")
+    frame_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="seconds a frame may take to arrive once its first bytes came")
+    idle_timeout_s: float = Field(
+        300.0, gt=0, le=86400, description="seconds an open session may go without a frame; then its KV is freed "
+        "and the client gets ERROR idle_timeout")
+    max_connections: int = Field(256, ge=1, le=65536, description="TCP connections at once (HTTP and WebSocket); "
+                                 "more get HTTP 503 with Retry-After")
+    max_sessions: int = Field(64, ge=1, le=65536, description="open sessions at once; an OPEN over it gets ERROR "
+                              "too_many_sessions")
+    max_kv_bytes: int = Field(8 << 30, ge=1 << 20, le=1 << 50, description="verifier KV bytes all sessions may "
+                              "reserve (prompt + output cap, up to max_context, per session); an OPEN over it gets "
+                              "ERROR kv_budget_exhausted (default 8 GiB)")
+    auth_failures_per_minute: int = Field(10, ge=1, le=100000, description="refused auth attempts per peer address "
+                                          "and minute; more get ERROR auth_rate_limited (HTTP 429 at the upgrade)")
+    retry_after_s: float = Field(5.0, gt=0, le=3600, description="the retry hint, in seconds, sent with "
+                                 "refusals for max_connections, max_sessions and max_kv_bytes")
 
 
 class Bench(Section):
     """``[bench]``: `hycoc bench` defaults (§4, App. G)."""
 
     dataset: str = Field("", description="Spec-Bench question JSONL (path; empty = the CLI's default)")
-    output_cap: int = Field(1024, ge=1, description="new tokens per request, in tokens (paper: 1,024)")
+    output_cap: int = Field(1024, ge=1, le=1_048_576, description="new tokens per request, in tokens (paper: 1,024)")
     link: Link = Field(
         "lte", description="link model per frame: lte, 5g, none, or 'RTT_MS:MBPS' (round trip ms : megabit/s)",
         json_schema_extra=_allowed('"lte", "5g", "none" or "RTT_MS:MBPS" such as "45:50"'),
     )
-    runs: int = Field(1, ge=1, description="repetitions of every configuration (paper: 3 for HyCo, SpecEdge-eps)")
+    runs: int = Field(1, ge=1, le=100, description="repetitions of every configuration (paper: 3 for HyCo, SpecEdge-eps)")
 
 
 class Recipe(Section):
@@ -523,6 +544,10 @@ def parse_recipe(text: str, path: str | Path) -> Recipe:
             line = int(m[1]) if m else None
         where = f"{path}:{line}" if line else f"{path}"
         raise RecipeError([Problem(None, line, f"{where}: TOML syntax error: {e}")]) from None
+    if not data:
+        raise RecipeError([Problem(None, None, f"{path}: the recipe is empty: a recipe names at least its [models] "
+                                               "(verifier, head, slm, tokenizer); start from a copy of "
+                                               "recipes/toy.toml or recipes/gemma4.toml")])
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hycoc.messages import DraftTree, OpenRequest, Sampling
+from hycoc.messages import DraftTree, OpenRequest, Sampling, commit_cut
 from hycoc.runtime.mtp_drafter import MtpDrafter
 from hycoc.runtime.slm_drafter import SlmDrafter
 from hycoc.runtime.transport import BadReply

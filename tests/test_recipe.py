@@ -187,7 +187,19 @@ BAD = {
         ['tree.chain_length = "4"', "valid integer", "allowed: an integer >= 1 and <= 16"]),
     "float for int": (
         "[tree]\n\nnode_budget = 32.0\n", "tree.node_budget", 3,
-        ["tree.node_budget = 32.0", "valid integer", "allowed: an integer >= 1"]),
+        ["tree.node_budget = 32.0", "valid integer", "allowed: an integer >= 1 and <= 1024"]),
+    "node budget beyond the wire and graphs": (
+        "[tree]\nnode_budget = 40000\n", "tree.node_budget", 2,
+        ["tree.node_budget = 40000", "allowed: an integer >= 1 and <= 1024"]),
+    "node budget 1e20": (
+        "[tree]\nnode_budget = 100000000000000000000.0\n", "tree.node_budget", 2,
+        ["tree.node_budget = 1e+20", "allowed: an integer >= 1 and <= 1024"]),
+    "max_new_tokens beyond u32": (
+        "[sampling]\nmax_new_tokens = 5000000000\n", "sampling.max_new_tokens", 2,
+        ["sampling.max_new_tokens = 5000000000", "<= 1048576"]),
+    "server limit": (
+        "[verifier]\nmax_sessions = 0\n", "verifier.max_sessions", 2,
+        ["verifier.max_sessions = 0", "allowed: an integer >= 1 and <= 65536"]),
     "int for bool": (
         "[keep_set]\nalways_bytes = 1\n", "keep_set.always_bytes", 2,
         ["keep_set.always_bytes = 1", "allowed: true or false"]),
@@ -283,3 +295,28 @@ def test_toml_syntax_error_names_the_line(tmp_path):
 def test_repeated_key_is_a_syntax_error(tmp_path):
     err, path = error_of(tmp_path, "[tree]\nchain_length = 4\nchain_length = 5\n")
     assert err.line == 3 and "TOML syntax error" in str(err)
+
+
+@pytest.mark.parametrize("text", ["", "# nothing but a comment\n", "\n\n"])
+def test_an_empty_recipe_is_refused_naming_a_starting_point(tmp_path, text):
+    err, path = error_of(tmp_path, text)
+    assert str(err) == (f"{path}: the recipe is empty: a recipe names at least its [models] (verifier, head, slm, "
+                        "tokenizer); start from a copy of recipes/toy.toml or recipes/gemma4.toml")
+
+
+def test_every_numeric_knob_has_an_upper_bound():
+    """Every int / float key of every table is bounded above (issue 12 fault 9), so no value can outgrow the wire,
+    the graphs or memory; Literal / bool / str keys are bounded by their type."""
+    import annotated_types
+
+    from hycoc.recipe import Recipe
+
+    unbounded = []
+    for table, section in Recipe.model_fields.items():
+        if table == "tune":  # issue 13's table, bounded by its owner
+            continue
+        for key, field in section.annotation.model_fields.items():
+            if field.annotation in (int, float):
+                if not any(isinstance(m, (annotated_types.Le, annotated_types.Lt)) for m in field.metadata):
+                    unbounded.append(f"{table}.{key}")
+    assert unbounded == []

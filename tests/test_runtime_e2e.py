@@ -96,9 +96,47 @@ def test_sampled_hyco_runs_and_reports_every_metric(server, runtime):
                            sampling=Sampling(1.0, 64, 0.95), seed=3)
     m = res.to_json()
     assert set(m) == {"text", "tokens", "rounds", "mat", "tok_per_s", "draft_ms_per_token", "server_ms_per_token",
-                      "first_token_ms", "bytes_up_per_round", "bytes_down_per_round"}
+                      "first_token_ms", "bytes_up_per_round", "bytes_down_per_round", "finish_reason"}
+    assert m["finish_reason"] in ("stop", "max_new_tokens")
     assert 1 <= m["tokens"] <= 24 and m["rounds"] >= 1 and m["server_ms_per_token"] > 0
     assert m["draft_ms_per_token"] > 0 and m["first_token_ms"] > 0 and m["bytes_down_per_round"] > 44
+
+
+@pytest.fixture(scope="module")
+def short_server(built, runtime):
+    """A verifier whose context holds the test prompt plus 6 tokens (issue 12 fault 1)."""
+    recipe, out = built
+    engine = engine_from_recipe(recipe, device="cpu", keep_set=torch.as_tensor(np.load(out / "keep_set.npy")))
+    engine.max_context = len(prompt_ids(runtime, LONG)) + 6
+    with ServerThread(engine, **server_options(recipe)) as srv:
+        yield srv, engine
+    engine.close()
+
+
+@pytest.mark.parametrize("mode", ["hyco-exact", "specedge", "cloud-mtp", "server-head"])
+def test_the_context_limit_ends_the_request_with_every_committed_token(short_server, runtime, mode):
+    srv, engine = short_server
+    ids = prompt_ids(runtime, LONG)
+    want = greedy_reference(engine, ids, 6, stop_token_ids(runtime.bundle.tokenizer))
+    pieces = []
+    res = runtime.generate(transport.VerifierClient(srv.url), ids, mode=mode, max_new_tokens=40, sampling=GREEDY,
+                           on_text=pieces.append)
+    assert res.tokens == want and "".join(pieces) == res.text
+    assert res.finish_reason == ("length" if len(want) == 6 else "stop")
+    assert sum(res.accepted) + res.rounds == len(res.tokens)          # per-round counts are what was committed
+    with pytest.raises(transport.ServerError, match="context_overflow"):   # no room left: refused at OPEN
+        runtime.generate(transport.VerifierClient(srv.url), ids + [ids[-1]] * 6, mode=mode, sampling=GREEDY)
+
+
+def test_cli_run_at_the_context_limit_exits_0_with_the_text(short_server, built, runtime):
+    srv, _ = short_server
+    result = CliRunner().invoke(app, ["run", str(built[1]), "--server", srv.url, "--prompt", LONG, "--backend", "cpu",
+                                      "--mode", "hyco-exact", "--temperature", "0", "--max-new-tokens", "40",
+                                      "--json"])
+    assert result.exit_code == 0, result.stderr
+    last = json.loads(result.stdout.strip().splitlines()[-1])
+    assert last["tokens"] <= 6 and last["finish_reason"] in ("length", "stop")
+    assert result.stdout.startswith(last["text"])
 
 
 def test_slm_alone_needs_no_server(runtime):

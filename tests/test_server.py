@@ -36,7 +36,7 @@ from hycoc.recipe import load_recipe
 from hycoc.runtime.transport import AuthRefused, ServerError, VerifierClient
 from hycoc.verifier import VerifierEngine
 from hycoc.verifier.loading import DeviceUnavailable, engine_from_recipe, server_options
-from hycoc.verifier.server import METRICS_CONTENT_TYPE, ServerThread
+from hycoc.verifier.server import METRICS_CONTENT_TYPE, ServerLimits, ServerThread
 from tiny_models import VOCAB, tiny_head, tiny_verifier
 
 torch.set_num_threads(1)
@@ -372,7 +372,7 @@ def test_errors_before_open_and_a_text_message(server, reference):
     cases = [
         ("not_opened", round_frame(0, [1, 2], [-1, 0]), "ROUND before OPEN"),
         ("context_overflow", wire.encode(open_request(np.full(MAX_CONTEXT + 1, 3), auth_token=TOKEN)),
-         f"has {MAX_CONTEXT + 1} tokens: the verifier holds at most max_context = {MAX_CONTEXT}"),
+         f"has {MAX_CONTEXT + 1} tokens: the verifier holds max_context = {MAX_CONTEXT} positions"),
         ("token_out_of_vocab", wire.encode(open_request([3, 4, VOCAB + 5], auth_token=TOKEN)),
          f"OpenRequest.prompt_ids[2] = {VOCAB + 5}"),
         ("bad_top_p", frame(wire.MessageType.OPEN, wire.encode(open_request([3, 4], auth_token=TOKEN))[16:]
@@ -496,7 +496,11 @@ def test_healthz(server):
     assert content_type.startswith("application/json")
     assert json.loads(body) == {"status": "ok", "model": "tiny-gemma4", "protocol_version": 1, "sessions": 0,
                                 "tree_rows": ROWS, "max_context": MAX_CONTEXT, "vocab_size": VOCAB,
-                                "max_frame_bytes": MAX_FRAME, "auth": True}
+                                "max_frame_bytes": MAX_FRAME, "auth": True,
+                                "limits": {"handshake_timeout_s": 10.0, "frame_timeout_s": 30.0,
+                                           "idle_timeout_s": 300.0, "max_connections": 256, "max_sessions": 64,
+                                           "max_kv_bytes": 8 << 30, "auth_failures_per_minute": 10,
+                                           "retry_after_s": 5.0}}
     with VerifierClient(server.url, auth_token=TOKEN) as c:
         c.open(open_request([3, 4, 5]))
         assert json.loads(http_get(server.http_url + "/healthz")[1])["sessions"] == 1
@@ -510,7 +514,9 @@ def test_metrics_count_exactly(server, reference):
                      "hycoc_sessions_active": "gauge", "hycoc_sessions_total": "counter",
                      "hycoc_tokens_committed_total": "counter", "hycoc_mat": "gauge",
                      "hycoc_server_ms_total": "counter", "hycoc_prefill_ms_total": "counter",
-                     "hycoc_g_ms_per_token": "gauge", "hycoc_errors_total": "counter"}
+                     "hycoc_g_ms_per_token": "gauge", "hycoc_errors_total": "counter",
+                     "hycoc_refusals_total": "counter", "hycoc_connections_active": "gauge",
+                     "hycoc_kv_bytes_reserved": "gauge"}
     assert values["hycoc_rounds_total"] == 0 and np.isnan(values["hycoc_mat"])
 
     s = Alongside(server.url, reference)
@@ -595,7 +601,8 @@ def test_engine_from_recipe_takes_every_setting_from_the_recipe(tmp_path, saved_
     assert engine.eos_token_ids == {1, 6}  # <eos>, <end_of_turn> of the toy tokenizer
     assert engine.head is not None and engine.vocab_size == VOCAB
     assert server_options(recipe) == {"tree_rows": 7, "max_frame_bytes": 8192, "model_name": str(saved_models /
-                                                                                                  "verifier")}
+                                                                                                  "verifier"),
+                                      "limits": ServerLimits()}
     engine.close()
 
 

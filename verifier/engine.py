@@ -326,7 +326,9 @@ class VerifierEngine:
         (default: config.max_position_embeddings). prefill_chunk: prompt positions per prefill forward.
     device: where token tensors are created (the model's device).
 
-    Attributes for the server's Opened reply: max_context, vocab_size, hidden_size, kv_dim_sliding, kv_dim_full.
+    Attributes for the server's Opened reply: max_context, vocab_size, hidden_size, kv_dim_sliding, kv_dim_full;
+    kv_bytes_per_position: bytes of K and V one position holds over all layers that store KV (the server's KV
+    budget reserves it per session).
     """
 
     def __init__(self, model, *, head=None, keep_set: torch.Tensor | None = None, head_window: int,
@@ -359,6 +361,10 @@ class VerifierEngine:
         attn = model.model.layers
         self.kv_dim_sliding = int(attn[self.layers[SLIDING]].self_attn.k_proj.out_features)
         self.kv_dim_full = int(attn[self.layers[FULL]].self_attn.k_proj.out_features)
+        # K and V of every layer that stores its own KV (KV-shared layers store nothing), in the model's dtype.
+        stored = [layer.self_attn.k_proj.out_features for layer, mode in zip(attn, cfg.kv_sharing_modes)
+                  if mode != "reuse"]
+        self.kv_bytes_per_position = 2 * int(sum(stored)) * torch.finfo(self.dtype).bits // 8
         self.tap = NormTap(model)
 
     def open(self, prompt_ids, sampling: Sampling = Sampling(), seed: int = 0, acceptance: str = "epsilon",

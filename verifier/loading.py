@@ -86,9 +86,13 @@ def engine_from_recipe(recipe: Recipe, device: str | None = None, *, keep_set=No
 def server_options(recipe: Recipe) -> dict:
     """Keyword arguments of `hycoc.verifier.server.serve` / `VerifierServer` that come from the recipe:
     ``tree_rows`` = B + 1 ([tree].node_budget + 1; the device pads smaller trees to it), ``max_frame_bytes``
-    ([verifier].max_frame_bytes) and ``model_name`` ([models].verifier as written)."""
+    ([verifier].max_frame_bytes), ``model_name`` ([models].verifier as written) and ``limits`` (the server limits
+    of [verifier], `hycoc.verifier.server.ServerLimits`)."""
+    from hycoc.verifier.server import ServerLimits
+
     return {
         "tree_rows": recipe.tree.node_budget + 1,
         "max_frame_bytes": recipe.verifier.max_frame_bytes,
         "model_name": recipe.models.verifier,
+        "limits": ServerLimits.from_recipe(recipe.verifier),
     }

@@ -30,9 +30,28 @@ awaiting connection goes away), while the event loop keeps accepting frames, ans
 validating. A client that disconnects mid-round: its round finishes on the worker, the reply is dropped, and the
 session's KV is freed right after (the free is queued on the same worker, so it runs after the round).
 
-Frame size. aiohttp's own WebSocket limit is set to twice ``max_frame_bytes`` so that a frame above the wire limit
-still reaches `hycoc.wire.decode_header` and gets a ``frame_too_large`` ERROR frame; only frames above twice the
-limit are cut by aiohttp (WebSocket close code 1009, no frame).
+Frame size. aiohttp's own WebSocket limit is set to twice the incoming frame limit so that a frame above the wire
+limit still reaches `hycoc.wire.decode_header` and gets a ``frame_too_large`` ERROR frame; only frames above twice
+the limit are cut by aiohttp (WebSocket close code 1009, no frame).
+
+Limits (DESIGN.md "Limits"; `ServerLimits`, each a recipe key in ``[verifier]`` with a default). Every refusal
+is counted in ``hycoc_refusals_total{kind=...}`` on /metrics, kind = the limit's name:
+
+    handshake_timeout   10 s   TCP connect -> the WebSocket's first frame (OPEN); silent TCP, trickled headers and a
+                               silent upgraded socket are closed (ERROR handshake_timeout when a WebSocket is up)
+    frame_timeout       30 s   a frame must complete once its first bytes arrived (ERROR frame_timeout, close)
+    idle_timeout       300 s   an open session without a frame: KV freed, ERROR idle_timeout, close
+    max_connections     256    TCP connections at once; more get ``HTTP 503`` with ``Retry-After`` and are closed
+    max_sessions         64    open (or opening) sessions; an OPEN over it gets ERROR too_many_sessions
+    max_kv_bytes      8 GiB    KV reserved by sessions: (prompt + max_new_tokens + B + 1, up to max_context) x the
+                               engine's kv_bytes_per_position; an OPEN over it gets ERROR kv_budget_exhausted
+    auth_failures_per_minute 10  refused auth attempts per peer address; more get ``HTTP 429`` at the upgrade and
+                               ERROR auth_rate_limited on OPEN, before any token is compared
+    retry_after_s        5 s   the hint in ``Retry-After`` and in the message of the three capacity refusals
+
+Incoming frames are never larger than an OPEN with a max_context prompt and the longest auth token, so that is
+the frame limit this server reads with (`open_frame_bytes`), whatever ``max_frame_bytes`` (which bounds replies)
+says: an unauthenticated client cannot make it buffer more than twice that per connection.
 
 Entry points: `serve` (blocking, for ``hycoc verify-server``), `VerifierServer.start` / ``stop`` (inside a running
 loop), `ServerThread` (in-process on an ephemeral port, for tests and ``hycoc bench``).
@@ -46,9 +65,10 @@ import logging
 import math
 import signal
 import threading
-from collections import Counter
+import time
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -120,7 +140,86 @@ class KeepSetMissing(ServerError):
     code = "no_keep_set"
 
 
-_AUTH_ERRORS = (AuthRequired, AuthRefused)
+class TooManySessions(ServerError):
+    """An OPEN while ``max_sessions`` sessions are open; the message says when to retry."""
+
+    code = "too_many_sessions"
+
+
+class KvBudgetExhausted(ServerError):
+    """An OPEN whose KV reservation would take the sessions' total past ``max_kv_bytes``."""
+
+    code = "kv_budget_exhausted"
+
+
+class AuthRateLimited(ServerError):
+    """A peer that failed auth ``auth_failures_per_minute`` times within the last minute."""
+
+    code = "auth_rate_limited"
+
+
+class IdleTimeout(ServerError):
+    """An open session that sent no frame for ``idle_timeout_s``: its KV was freed."""
+
+    code = "idle_timeout"
+
+
+class HandshakeTimeout(ServerError):
+    """No first frame (OPEN) within ``handshake_timeout_s`` of connecting."""
+
+    code = "handshake_timeout"
+
+
+class FrameTimeout(ServerError):
+    """A frame that did not complete within ``frame_timeout_s`` of its first bytes."""
+
+    code = "frame_timeout"
+
+
+_AUTH_ERRORS = (AuthRequired, AuthRefused, AuthRateLimited)
+_CLOSING_ERRORS = _AUTH_ERRORS + (TooManySessions, KvBudgetExhausted)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """The server's limits (module docstring "Limits"; recipe ``[verifier]`` keys of the same names).
+
+    handshake_timeout_s, frame_timeout_s, idle_timeout_s, retry_after_s: seconds, > 0. max_connections,
+    max_sessions: counts >= 1. max_kv_bytes: bytes >= 1. auth_failures_per_minute: refused attempts per peer
+    address within 60 s, >= 1. Raises ValueError naming the field for a value out of range.
+    """
+
+    handshake_timeout_s: float = 10.0
+    frame_timeout_s: float = 30.0
+    idle_timeout_s: float = 300.0
+    max_connections: int = 256
+    max_sessions: int = 64
+    max_kv_bytes: int = 8 << 30
+    auth_failures_per_minute: int = 10
+    retry_after_s: float = 5.0
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"ServerLimits.{f.name} = {value!r}: must be a finite number > 0 "
+                                 "(recipe [verifier] key of the same name)")
+
+    @classmethod
+    def from_recipe(cls, verifier) -> "ServerLimits":
+        """The limits of a recipe's ``[verifier]`` section (`hycoc.recipe.Verifier`)."""
+        return cls(**{f.name: getattr(verifier, f.name) for f in fields(cls)})
+
+
+#: Refusal kinds counted in hycoc_refusals_total (the names of the limits).
+REFUSAL_KINDS = ("handshake_timeout", "frame_timeout", "idle_timeout", "max_connections", "max_sessions",
+                 "max_kv_bytes", "auth_failures_per_minute")
+
+
+def open_frame_bytes(max_context: int) -> int:
+    """Bytes of the largest OPEN frame a server with ``max_context`` positions accepts: header, fixed part, a
+    prompt of max_context - 1 int32 ids and a 65,535-byte auth token (the largest frame a client ever sends)."""
+    return wire.HEADER.size + 36 + 4 * max(max_context - 1, 1) + 65535
 
 
 # --------------------------------------------------------------------------------------------------- metrics
@@ -142,6 +241,9 @@ class Metrics:
     server_ms: float = 0.0
     prefill_ms: float = 0.0
     errors: Counter = field(default_factory=Counter)
+    refusals: Counter = field(default_factory=Counter)
+    connections_active: int = 0
+    kv_bytes_reserved: int = 0
 
     def exposition(self) -> str:
         """The Prometheus text format (0.0.4): HELP and TYPE lines, then one sample per series."""
@@ -168,6 +270,12 @@ class Metrics:
              "verifier milliseconds per committed token, prefill included (NaN before the first token)", [("", g)]),
             ("hycoc_errors_total", "counter", "ERROR frames sent, by code",
              [(f'{{kind="{kind}"}}', n) for kind, n in sorted(self.errors.items())]),
+            ("hycoc_refusals_total", "counter", "connections, sessions or frames refused by a server limit, by limit",
+             [(f'{{kind="{kind}"}}', self.refusals[kind]) for kind in REFUSAL_KINDS]),
+            ("hycoc_connections_active", "gauge", "TCP connections open now (HTTP and WebSocket)",
+             [("", self.connections_active)]),
+            ("hycoc_kv_bytes_reserved", "gauge", "KV bytes reserved by the open sessions (max_kv_bytes budget)",
+             [("", self.kv_bytes_reserved)]),
         ]
         lines = []
         for name, kind, text, samples in families:
@@ -190,12 +298,80 @@ class _Connection:
     """One WebSocket connection's state; ``session`` is None until its OPEN is answered."""
 
     header_token: str | None
+    peer: str = ""
+    link: "_Link | None" = None
+    kv_bytes: int = 0
     session: Session | None = None
     session_id: int = 0
     limits: wire.Limits | None = None
     last_seq: int | None = None
     last_request: bytes = b""
     last_reply: bytes = b""
+
+
+class _Link:
+    """One TCP connection as the limits see it (module docstring "Limits"). Times from time.monotonic()."""
+
+    def __init__(self, transport: asyncio.Transport):
+        self.transport = transport
+        self.connected = time.monotonic()
+        self.opened = False                      # an OPEN frame arrived: the handshake timeout no longer applies
+        self.upgraded = False                    # a WebSocket: bytes arriving now belong to a frame
+        self.frame_since: float | None = None    # when the bytes of a frame not yet delivered began to arrive
+        self.ws: web.WebSocketResponse | None = None
+        self.kicked = False
+
+
+class _GuardedProtocol(asyncio.Protocol):
+    """aiohttp's request handler for one TCP connection, behind the server's connection limits: a connection over
+    ``max_connections`` gets HTTP 503 with Retry-After and never reaches aiohttp; the others are tracked as a
+    `_Link` for the handshake and frame timeouts (the server's sweeper closes them)."""
+
+    def __init__(self, server: "VerifierServer", handler: asyncio.Protocol):
+        self.server, self.handler, self.link = server, handler, None
+
+    def connection_made(self, transport) -> None:
+        self.link = self.server._admit(transport)
+        if self.link is not None:
+            self.handler.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.link is None:
+            return
+        if self.link.upgraded and self.link.frame_since is None:
+            self.link.frame_since = time.monotonic()
+        self.handler.data_received(data)
+
+    def eof_received(self):
+        return self.handler.eof_received() if self.link is not None else None
+
+    def connection_lost(self, exc) -> None:
+        if self.link is not None:
+            self.server._release(self.link)
+            self.handler.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.link is not None:
+            self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.link is not None:
+            self.handler.resume_writing()
+
+
+class _GuardedRunner(web.AppRunner):
+    """An AppRunner whose sites accept connections through `_GuardedProtocol`."""
+
+    def __init__(self, app: web.Application, server: "VerifierServer", **kwargs):
+        super().__init__(app, **kwargs)
+        self._guard = server
+
+    @property
+    def server(self):
+        inner = super().server
+        if inner is None:
+            return None
+        return lambda: _GuardedProtocol(self._guard, inner())
 
 
 def _bearer(headers) -> str | None:
@@ -215,12 +391,15 @@ class VerifierServer:
     tree_rows: rows of every ROUND of ``device`` and ``server-head`` sessions, B + 1 (recipe: tree.node_budget + 1);
         ``cloud-mtp`` sessions send the root alone (1 row). Sent in OPENED.
     auth_token: shared secret clients must present (None: open server). Never empty.
-    max_frame_bytes: largest accepted incoming frame, header included, in bytes (recipe: verifier.max_frame_bytes).
+    max_frame_bytes: largest frame, header included, in bytes (recipe: verifier.max_frame_bytes); incoming frames
+        are further bounded by `open_frame_bytes` (module docstring "Limits").
     model_name: what /healthz reports as the model (recipe: models.verifier as written).
+    limits: `ServerLimits` (recipe: the [verifier] keys of the same names).
     """
 
     def __init__(self, engine: VerifierEngine, *, tree_rows: int, auth_token: str | None = None,
-                 max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES, model_name: str = "verifier"):
+                 max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES, model_name: str = "verifier",
+                 limits: ServerLimits = ServerLimits()):
         if not 1 <= tree_rows <= wire.MAX_TREE_ROWS:
             raise ValueError(f"tree_rows = {tree_rows}: must lie in [1, {wire.MAX_TREE_ROWS}] (B + 1)")
         if auth_token is not None and not auth_token:
@@ -240,9 +419,16 @@ class VerifierServer:
         self._worker: ThreadPoolExecutor | None = None
         self._runner: web.AppRunner | None = None
         self._sockets: set[web.WebSocketResponse] = set()
+        self.limits = limits
+        self._links: dict[asyncio.Transport, _Link] = {}
+        self._opening = 0                                   # OPENs admitted whose prefill has not finished
+        self._auth_failures: dict[str, deque] = {}          # peer -> monotonic times of refused auth, last 60 s
+        self._sweeper: asyncio.Task | None = None
+        #: Largest incoming frame: an OPEN with the longest prompt and auth token (ROUND and CLOSE are smaller).
+        self.in_frame_bytes = min(self.max_frame_bytes, open_frame_bytes(engine.max_context))
         # Before OPEN only the frame itself is checked; the OPEN's fields are checked after its auth token.
-        self._bare_limits = wire.Limits(max_frame_bytes=self.max_frame_bytes)
-        self._open_limits = wire.Limits(max_frame_bytes=self.max_frame_bytes, vocab_size=engine.vocab_size,
+        self._bare_limits = wire.Limits(max_frame_bytes=self.in_frame_bytes)
+        self._open_limits = wire.Limits(max_frame_bytes=self.in_frame_bytes, vocab_size=engine.vocab_size,
                                         max_context=engine.max_context)
         self.url: str | None = None
 
@@ -261,7 +447,7 @@ class VerifierServer:
         """Listen on host:port (0 = a free port) and return the ``ws://HOST:PORT`` URL. Raises OSError if the
         address cannot be bound."""
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hycoc-verifier")
-        self._runner = web.AppRunner(self.app(), handle_signals=False, access_log=None)
+        self._runner = _GuardedRunner(self.app(), self, handle_signals=False, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         try:
@@ -272,10 +458,14 @@ class VerifierServer:
         bound = self._runner.addresses[0]
         url_host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
         self.url = f"ws://{url_host}:{bound[1]}"
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         return self.url
 
     async def stop(self) -> None:
         """Close every connection (their sessions are freed), stop listening, finish the worker's queue."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -286,6 +476,98 @@ class VerifierServer:
     async def _close_sockets(self, app) -> None:
         for ws in list(self._sockets):
             await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
+
+    # ----------------------------------------------------------------------------------------- limits
+
+    def _admit(self, transport: asyncio.Transport) -> _Link | None:
+        """A new TCP connection: its `_Link`, or None after answering HTTP 503 when max_connections are open."""
+        if len(self._links) >= self.limits.max_connections:
+            self.metrics.refusals["max_connections"] += 1
+            retry = math.ceil(self.limits.retry_after_s)
+            body = (f"max_connections = {self.limits.max_connections} reached; retry after {retry} s\n").encode()
+            transport.write(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: %d\r\nContent-Type: text/plain\r\n"
+                            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (retry, len(body), body))
+            transport.close()
+            return None
+        link = self._links[transport] = _Link(transport)
+        self.metrics.connections_active = len(self._links)
+        return link
+
+    def _release(self, link: _Link) -> None:
+        self._links.pop(link.transport, None)
+        self.metrics.connections_active = len(self._links)
+
+    async def _sweep(self) -> None:
+        """Close connections past the handshake timeout (no OPEN yet) or the frame timeout (a frame begun and not
+        finished), several times per second."""
+        lim = self.limits
+        tick = max(0.05, min(1.0, lim.handshake_timeout_s / 4, lim.frame_timeout_s / 4))
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for link in list(self._links.values()):
+                if link.kicked:
+                    continue
+                if not link.opened and now - link.connected > lim.handshake_timeout_s:
+                    self._kick(link, "handshake_timeout", HandshakeTimeout(
+                        f"no OPEN within handshake_timeout_s = {lim.handshake_timeout_s:g} s of connecting"))
+                elif link.frame_since is not None and now - link.frame_since > lim.frame_timeout_s:
+                    self._kick(link, "frame_timeout", FrameTimeout(
+                        f"a frame took longer than frame_timeout_s = {lim.frame_timeout_s:g} s to arrive"))
+
+    def _kick(self, link: _Link, kind: str, exc: ServerError) -> None:
+        """Refuse a connection for a limit: count it, send an ERROR frame when a WebSocket is up, close."""
+        link.kicked = True
+        self.metrics.refusals[kind] += 1
+        frame = self._error(exc)
+
+        async def close() -> None:
+            try:
+                if link.ws is not None and not link.ws.closed:
+                    await asyncio.wait_for(link.ws.send_bytes(frame), 1.0)
+            except (ConnectionError, asyncio.TimeoutError, RuntimeError):
+                pass
+            finally:
+                link.transport.close()
+
+        asyncio.get_running_loop().create_task(close())
+
+    def _auth_wait(self, peer: str) -> float:
+        """Seconds until ``peer`` may try auth again (0 when it may now): auth_failures_per_minute per 60 s."""
+        times = self._auth_failures.get(peer)
+        if not times:
+            return 0.0
+        now = time.monotonic()
+        while times and now - times[0] > 60.0:
+            times.popleft()
+        if not times:
+            del self._auth_failures[peer]
+            return 0.0
+        if len(times) < self.limits.auth_failures_per_minute:
+            return 0.0
+        return 60.0 - (now - times[0])
+
+    def _auth_failed(self, peer: str) -> None:
+        self._auth_failures.setdefault(peer, deque()).append(time.monotonic())
+
+    def _reserve(self, req: OpenRequest) -> int:
+        """Admit an OPEN under max_sessions and max_kv_bytes; returns the KV bytes reserved for it. Raises
+        TooManySessions or KvBudgetExhausted (counted) with the retry hint."""
+        lim, eng = self.limits, self.engine
+        retry = f"retry after {lim.retry_after_s:g} s"
+        if len(self.sessions) + self._opening >= lim.max_sessions:
+            self.metrics.refusals["max_sessions"] += 1
+            raise TooManySessions(f"{len(self.sessions) + self._opening} sessions are open, max_sessions = "
+                                  f"{lim.max_sessions}; {retry}")
+        positions = min(eng.max_context, len(req.prompt_ids) + int(req.max_new_tokens) + self.tree_rows)
+        need = positions * eng.kv_bytes_per_position
+        if self.metrics.kv_bytes_reserved + need > lim.max_kv_bytes:
+            self.metrics.refusals["max_kv_bytes"] += 1
+            raise KvBudgetExhausted(f"this request needs {need} KV bytes ({positions} positions), "
+                                    f"{self.metrics.kv_bytes_reserved} of max_kv_bytes = {lim.max_kv_bytes} are "
+                                    f"reserved; {retry}, or ask for fewer max_new_tokens")
+        self.metrics.kv_bytes_reserved += need
+        return need
 
     async def _work(self, fn: Callable, *args):
         """Run ``fn(*args)`` on the engine's worker thread (one at a time, in submission order)."""
@@ -305,6 +587,7 @@ class VerifierServer:
             "vocab_size": eng.vocab_size,
             "max_frame_bytes": self.max_frame_bytes,
             "auth": self.auth_token is not None,
+            "limits": {f.name: getattr(self.limits, f.name) for f in fields(self.limits)},
         })
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -314,18 +597,51 @@ class VerifierServer:
     # ----------------------------------------------------------------------------------------- WebSocket
 
     async def _websocket(self, request: web.Request) -> web.StreamResponse:
-        ws = web.WebSocketResponse(max_msg_size=2 * self.max_frame_bytes, compress=False)
+        peer = request.remote or ""
+        wait = self._auth_wait(peer) if self.auth_token is not None else 0.0
+        if wait > 0:
+            self.metrics.refusals["auth_failures_per_minute"] += 1
+            return web.Response(status=429, headers={"Retry-After": str(math.ceil(wait))},
+                                text=f"too many refused auth attempts from {peer}; retry after {math.ceil(wait)} s\n")
+        # autoping off: pings reach the loop below, so every frame that arrives ends the frame timeout's watch.
+        ws = web.WebSocketResponse(max_msg_size=2 * self.in_frame_bytes, compress=False, autoping=False)
         await ws.prepare(request)
-        conn = _Connection(header_token=_bearer(request.headers))
+        link = self._links.get(request.transport)
+        conn = _Connection(header_token=_bearer(request.headers), peer=peer, link=link)
+        if link is not None:
+            link.ws, link.upgraded = ws, True
         self._sockets.add(ws)
         try:
-            async for msg in ws:
+            while True:
+                idle = self.limits.idle_timeout_s if conn.session is not None else None
+                try:
+                    msg = await ws.receive(timeout=idle)
+                except asyncio.TimeoutError:
+                    self.metrics.refusals["idle_timeout"] += 1
+                    self._end_session(conn)   # the KV is freed before the client hears why
+                    try:
+                        await ws.send_bytes(self._error(IdleTimeout(
+                            f"no frame for idle_timeout_s = {idle:g} s: the session's KV was freed; open a new "
+                            "session")))
+                        await ws.close(code=WSCloseCode.POLICY_VIOLATION)
+                    except ConnectionError:
+                        pass
+                    break
+                if link is not None:
+                    link.frame_since = None
+                if msg.type == WSMsgType.PING:
+                    await ws.pong(msg.data)
+                    continue
+                if msg.type == WSMsgType.PONG:
+                    continue
+                if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
+                    break
                 if msg.type == WSMsgType.BINARY:
                     reply, keep_open = await self._frame(conn, msg.data)
                 elif msg.type == WSMsgType.TEXT:
                     reply, keep_open = self._error(UnexpectedMessage(
                         "a text WebSocket message: the wire protocol uses binary frames only")), True
-                else:  # ERROR (e.g. a message over aiohttp's limit); CLOSE ends the iteration by itself
+                else:  # ERROR (e.g. a message over aiohttp's limit)
                     break
                 if reply is not None:
                     try:
@@ -372,7 +688,7 @@ class VerifierServer:
                                       "connection; CLOSE it or open another connection")
             raise UnexpectedMessage(f"{type(msg).__name__} frames go from the verifier to the device; "
                                     "send OPEN, ROUND or CLOSE")
-        except _AUTH_ERRORS as e:
+        except _CLOSING_ERRORS as e:
             return self._error(e), False
         except Exception as e:  # noqa: BLE001 -- every failure becomes an ERROR frame (internal ones are logged)
             return self._error(e), True
@@ -380,22 +696,40 @@ class VerifierServer:
     def _check_auth(self, conn: _Connection, frame_token: str | None) -> None:
         if self.auth_token is None:
             return
+        wait = self._auth_wait(conn.peer)
+        if wait > 0:
+            self.metrics.refusals["auth_failures_per_minute"] += 1
+            raise AuthRateLimited(f"{self.limits.auth_failures_per_minute} refused auth attempts from this address "
+                                  f"within a minute; retry after {math.ceil(wait)} s")
         presented = [t for t in (frame_token, conn.header_token) if t is not None]
         if not presented:
+            self._auth_failed(conn.peer)
             raise AuthRequired("this verifier requires an auth token: send it in OPEN's auth_token or as "
                                "'Authorization: Bearer TOKEN'")
         expected = self.auth_token.encode("utf-8")
         if not all(hmac.compare_digest(t.encode("utf-8"), expected) for t in presented):
+            self._auth_failed(conn.peer)
             raise AuthRefused("the auth token does not match the verifier's (--auth-token)")
 
     async def _open(self, conn: _Connection, req: OpenRequest) -> bytes:
+        if conn.link is not None:
+            conn.link.opened = True  # an OPEN arrived: the handshake is over, whatever its answer
         self._check_auth(conn, req.auth_token)
         wire.validate(req, self._open_limits)  # vocabulary and context, now that the client may know them
         if req.draft_place == "server-head" and self.engine.keep_set is None:
             raise KeepSetMissing("draft_place 'server-head' needs the keep set (Table 5), and this verifier has "
                                  "none: start it with `hycoc verify-server RECIPE --keep-set BUNDLE/keep_set.npy`, or use "
                                  "'device' or 'cloud-mtp'")
-        session, prefill_ms, t = await self._work(self._open_session, req)
+        kv_bytes = self._reserve(req)
+        self._opening += 1
+        try:
+            session, prefill_ms, t = await self._work(self._open_session, req)
+        except BaseException:
+            self.metrics.kv_bytes_reserved -= kv_bytes
+            raise
+        finally:
+            self._opening -= 1
+        conn.kv_bytes = kv_bytes
         session_id, self._next_id = self._next_id, self._next_id + 1
         tree_rows = 1 if req.draft_place == "cloud-mtp" else self.tree_rows
         eng = self.engine
@@ -445,6 +779,8 @@ class VerifierServer:
         session, conn.session = conn.session, None
         self.sessions.pop(conn.session_id, None)
         self.metrics.sessions_active -= 1
+        self.metrics.kv_bytes_reserved -= conn.kv_bytes
+        conn.kv_bytes = 0
         if self._worker is not None:
             self._worker.submit(session.close)
         else:
@@ -456,13 +792,13 @@ class VerifierServer:
 
 def serve(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 8765, *, auth_token: str | None = None,
           tree_rows: int, max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES, model_name: str = "verifier",
-          on_listening: Callable[[str], None] | None = None) -> None:
+          limits: ServerLimits = ServerLimits(), on_listening: Callable[[str], None] | None = None) -> None:
     """Run the server until SIGINT or SIGTERM (blocking). ``on_listening(url)`` is called once the port is bound.
 
     port 0 picks a free port (the URL names it). Raises OSError when the address cannot be bound.
     """
     server = VerifierServer(engine, tree_rows=tree_rows, auth_token=auth_token, max_frame_bytes=max_frame_bytes,
-                            model_name=model_name)
+                            model_name=model_name, limits=limits)
 
     async def main() -> None:
         stop = asyncio.Event()
