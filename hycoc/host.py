@@ -43,7 +43,9 @@ def unpack_signed(packed: np.ndarray, bits: int, width: int) -> np.ndarray:
     if bits not in (2, 4):
         raise ValueError(f"unsupported bit width {bits}: the Gemma format stores 2, 4 or 8 bits")
     u = packed.astype(np.uint8, copy=False)
-    values = _unpack_table(bits)[u]                      # (..., bytes, 8 // bits): one gather, no shifts
+    # one gather of a byte's 8 // bits values packed as one 16/32-bit word, viewed back as int8: no shifts
+    words = _unpack_table(bits).view(np.uint16 if bits == 4 else np.uint32).reshape(256)
+    values = words[u].view(np.int8)
     return values.reshape(*u.shape[:-1], -1)[..., :width]
 
 
@@ -168,7 +170,8 @@ def ring_positions(first_position: int, ring: int) -> np.ndarray:
 
 
 def tree_ring_mask(parents: Sequence[int], first_position: int, live_start: int, ring: int,
-                   sliding_window: int | None) -> np.ndarray:
+                   sliding_window: int | None, *, depths: np.ndarray | None = None,
+                   ancestors: np.ndarray | None = None) -> np.ndarray:
     """Additive mask float32 (1, 1, R, ring + R) of one layer type of the SLM tree graph, columns [ring | rows].
 
     Row j sits at position q_j = first_position + depth(j). It sees ring column c (position p, `ring_positions`)
@@ -177,14 +180,15 @@ def tree_ring_mask(parents: Sequence[int], first_position: int, live_start: int,
     kv_idx > q_idx - sliding_window), so a window boundary may fall inside the tree rows.
     live_start: the oldest committed position with a valid ring entry. sliding_window: transformers'
     ``sliding_window`` for sliding layers, None for full attention. Raises TreeShapeError when live_start is after
-    first_position or the rows are not a tree.
+    first_position or the rows are not a tree. depths / ancestors: `tree_depths` / `ancestor_matrix` of
+    ``parents`` when the caller has them already (one forward's masks share them); not re-validated then.
     """
     if live_start > first_position:
         raise TreeShapeError(f"live_start {live_start} is after the first row's position {first_position}")
-    q = first_position + tree_depths(parents)                      # (R,) row positions
+    q = first_position + (tree_depths(parents) if depths is None else depths)      # (R,) row positions
     p = ring_positions(first_position, ring)                        # (ring,) column positions
     ring_ok = np.broadcast_to((p >= max(live_start, 0))[None, :], (len(q), ring))
-    rows_ok = ancestor_matrix(parents)
+    rows_ok = ancestor_matrix(parents) if ancestors is None else ancestors
     if sliding_window is not None:
         ring_ok = ring_ok & (q[:, None] - p[None, :] < sliding_window)
         rows_ok = rows_ok & (q[:, None] - q[None, :] < sliding_window)

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hycoc.host import tree_depths, tree_ring_mask
+from hycoc.host import ancestor_matrix, tree_depths, tree_ring_mask
 from hycoc.runtime.candidates import Candidates, graph_candidates, logits_candidates
 from hycoc.runtime.tree_builder import DraftTreeNodes
 
@@ -103,8 +103,7 @@ class SlmDrafter:
         while self.t - self.n_kv + 1 > max(1, self.rows - reserve):
             rows = list(range(self.n_kv, min(self.n_kv + self.rows, self.t)))
             out = self._forward([self.tokens[p] for p in rows], [-1] + list(range(len(rows) - 1)), self.n_kv)
-            for j, p in enumerate(rows):
-                self._write(out, j, p)
+            self._write(out, range(len(rows)), rows)
             self.n_kv += len(rows)
             n += 1
         self.prefill_seconds += time.perf_counter() - t0
@@ -118,17 +117,23 @@ class SlmDrafter:
     def feeds(self, tokens: Sequence[int], parents: Sequence[int], first_position: int) -> dict[str, np.ndarray]:
         """The graph's inputs for R rows at ``first_position`` (`hycoc.passes.slm_graph.host_inputs`'s rules)."""
         tokens = np.asarray(tokens, np.int64)
-        positions = first_position + tree_depths(parents)
+        depths = tree_depths(parents)
+        ancestors = ancestor_matrix(parents)
+        positions = first_position + depths
         b = self.bundle
-        out = {"inputs_embeds": b.slm_luts["embed_tokens"].lookup(tokens)[None]}
+        # padding repeats the last row: look each distinct token up once
+        unique, inverse = np.unique(tokens, return_inverse=True)
+        out = {"inputs_embeds": b.slm_luts["embed_tokens"].lookup(unique)[inverse][None]}
         if self.ple:
-            rows = b.slm_luts["embed_tokens_per_layer"].lookup(tokens)
+            rows = b.slm_luts["embed_tokens_per_layer"].lookup(unique)[inverse]
             out["per_layer_inputs"] = rows.reshape(1, len(tokens), len(self.layer_types), self.ple)
+        at, where = np.unique(positions, return_inverse=True)      # a tree has few distinct depths
         for t in self.types:
-            cos, sin = b.slm_rotary[t].rows(positions)
-            out[f"cos_{_short(t)}"], out[f"sin_{_short(t)}"] = cos[None], sin[None]
+            cos, sin = b.slm_rotary[t].rows(at)
+            out[f"cos_{_short(t)}"], out[f"sin_{_short(t)}"] = cos[where][None], sin[where][None]
             sw = self.sliding_window if t == "sliding_attention" else None
-            out[f"mask_{_short(t)}"] = tree_ring_mask(parents, first_position, self.live_start, self.ring_len[t], sw)
+            out[f"mask_{_short(t)}"] = tree_ring_mask(parents, first_position, self.live_start, self.ring_len[t], sw,
+                                                      depths=depths, ancestors=ancestors)
         for i in self.kv_layers:
             out[f"k_ring_{i}"], out[f"v_ring_{i}"] = self.rings[i]
         return out
@@ -145,13 +150,17 @@ class SlmDrafter:
         self.forwards += 1
         return out
 
-    def _write(self, out: dict[str, np.ndarray], row: int, position: int) -> None:
-        """Copy row ``row`` of a forward's new K/V into column position mod W_i of every ring."""
+    def _write(self, out: dict[str, np.ndarray], rows: Sequence[int], positions: Sequence[int]) -> None:
+        """Copy rows ``rows`` of a forward's new K/V into columns ``positions`` mod W_i of every ring (one copy
+        per ring; positions distinct and at most W_i of them)."""
+        if len(rows) == 0:
+            return
+        rows, positions = np.asarray(rows, np.int64), np.asarray(positions, np.int64)
         for i in self.kv_layers:
-            w = self.ring_len[self.layer_types[i]]
+            cols = positions % self.ring_len[self.layer_types[i]]
             k_ring, v_ring = self.rings[i]
-            k_ring[0, :, position % w, :] = out[f"k_new_{i}"][0, :, row, :]
-            v_ring[0, :, position % w, :] = out[f"v_new_{i}"][0, :, row, :]
+            k_ring[0][:, cols, :] = out[f"k_new_{i}"][0][:, rows, :]
+            v_ring[0][:, cols, :] = out[f"v_new_{i}"][0][:, rows, :]
 
     def expand(self, tree: DraftTreeNodes, nodes: list[int]) -> dict[int, Candidates]:
         """One SLM forward for ``nodes`` of ``tree`` (module docstring); returns {node: its `Candidates` (the k =
@@ -182,8 +191,7 @@ class SlmDrafter:
         idx = len(self.outputs)
         self.outputs.append(out)
         self.round_forwards += 1
-        for j, p in enumerate(prefix):                   # committed rows: into the ring now
-            self._write(out, j, p)
+        self._write(out, range(len(prefix)), prefix)     # committed rows: into the ring now
         if first:
             self.n_kv = self.t
         for node, row in row_of.items():
@@ -213,16 +221,16 @@ class SlmDrafter:
         t = self.t
         moved = 0
         if 0 in self.pending and self.n_kv == t:
-            idx, row = self.pending[0]
-            self._write(self.outputs[idx], row, t)
-            self.n_kv = t + 1
+            writes = [(*self.pending[0], t)]              # (forward index, row, position)
             for d, node in enumerate(path_nodes, start=1):
                 if node not in self.pending or d > len(new_tokens):
                     break
-                idx, row = self.pending[node]
-                self._write(self.outputs[idx], row, t + d)
-                self.n_kv = t + 1 + d
+                writes.append((*self.pending[node], t + d))
                 moved += 1
+            for idx in sorted({w[0] for w in writes}):    # one ring copy per forward the rows come from
+                mine = [w for w in writes if w[0] == idx]
+                self._write(self.outputs[idx], [w[1] for w in mine], [w[2] for w in mine])
+            self.n_kv = t + 1 + moved
         self.tokens.extend(int(x) for x in new_tokens)
         self._new_round()
         return moved
