@@ -15,8 +15,10 @@ What runs where:
 
 Order: for each run, for each question, every configuration in turn (interleaved, so load drift on a shared
 machine spreads over all configurations). Each finished request is appended to ``OUT/records.jsonl`` at once;
-an interrupted bench keeps them and ``--resume`` skips what is there. At the end: the verifier's mean log-prob of
-every answer (the quality proxy; the verifier loaded in this process after the server stopped), the summary
+an interrupted bench keeps them and ``--resume`` skips what is there. At the end: every answer's text quality
+metrics (`score_quality`: repetition, and reference metrics where Spec-Bench has references), the verifier's mean
+log-prob of every answer (its own likelihood of the text, labelled as such; the verifier loaded in this process
+after the server stopped), the summary
 (`hycoc.bench_stats.summarize`), ``OUT/results.json`` (``summary`` + per-request ``records``), the plots and the
 table.
 
@@ -104,7 +106,7 @@ class VerifierProcess:
 
 def record_of(config: str, run: int, q: Question, prompt_tokens: int, res, virtual_link: bool) -> dict:
     """One request as a `hycoc.bench_stats` record (its module docstring lists the keys and units)."""
-    from hycoc.bench_stats import reference_match
+    from hycoc.quality import reference_match
 
     link = res.link_s if virtual_link else 0.0
     first_link = res.first_token_link_s if virtual_link else 0.0
@@ -136,19 +138,37 @@ def read_records(path: Path) -> list[dict]:
     return out
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` through a temporary name in the same folder and a rename."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
 
-# ---- quality proxy -----------------------------------------------------------------------------------------------
+# ---- quality ------------------------------------------------------------------------------------------------------
+
+
+def score_quality(records: list[dict], questions: dict[int, Question]) -> None:
+    """Fill every record's ``quality`` that is missing (records of an older bench lack it): the answer's
+    repetition metrics (`hycoc.quality.answer_metrics` over its text and output ids) and its reference metrics
+    against the question's reference (`hycoc.quality.reference_metrics`). questions: question_id -> Question."""
+    from hycoc.quality import answer_metrics, reference_metrics
+
+    for rec in records:
+        if rec.get("quality") is not None:
+            continue
+        q = questions[rec["question_id"]]
+        text = rec.get("text") or ""
+        rec["quality"] = {**answer_metrics(text, rec.get("output_ids")),
+                          **reference_metrics(q.category, text, q.reference)}
+
 
 
 def score_answers(recipe, records: list[dict], prompts: dict[int, list[int]], console=None) -> None:
     """Fill every record's ``verifier_logprob``: the verifier's mean log-probability (natural log, temperature 1,
-    full vocabulary) of the answer's tokens given the prompt -- a cheap proxy of how much the answer stays in the
-    verifier's distribution (issue 6 "Quality side"). Runs the recipe's verifier in this process."""
+    full vocabulary) of the answer's tokens given the prompt. It measures how likely the verifier finds the text,
+    which repetition raises (issue 13), so it is reported under that label beside `score_quality`'s metrics, never
+    as the quality figure on its own. Runs the recipe's verifier in this process."""
     import torch
 
     from hycoc.models import load_verifier, set_threads
@@ -189,103 +209,40 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
     Raises BenchError (server, bundle), BundleError, TransportError from a request that fails for a reason other
     than the request itself; KeyboardInterrupt leaves ``records.jsonl`` for ``--resume``.
     """
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
-
-    from hycoc.bench_stats import render_categories, render_table, summarize, write_plots
+    from hycoc.bench_stats import render_categories, render_quality, render_table, summarize, write_plots
     from hycoc.chat import format_prompt
-    from hycoc.cost_model import load_cost_model
     from hycoc.messages import Sampling
     from hycoc.runtime.client import load_runtime
-    from hycoc.runtime.transport import VerifierClient, parse_link
 
-    if console is None:
-        console = Console()
-        if not console.is_terminal:  # a log file: room for the whole table
-            console = Console(width=200)
+    console = make_console(console)
     out = plan.out
-    out.mkdir(parents=True, exist_ok=True)
     records_path = out / RECORDS
-    if records_path.exists() and not resume:
-        raise BenchError(f"{records_path} exists: pass --resume to continue that run, or choose another --out")
-    settings = run_settings(recipe, plan, bundle_dir, backend)
-    settings_path = out / SETTINGS
-    if records_path.exists() and settings_path.is_file():
-        saved = json.loads(settings_path.read_text(encoding="utf-8"))
-        changed = [k for k in settings if saved.get(k) != settings[k]]
-        if changed:
-            raise BenchError(f"--resume: {out} was run with other settings ("
-                             + ", ".join(f"{k}: {saved.get(k)!r} there, {settings[k]!r} now" for k in changed)
-                             + "); use the same ones, or another --out")
-    _atomic_write(settings_path, json.dumps(settings, indent=1))
-    done = {(r["config"], r["run"], r["question_id"]) for r in read_records(records_path)}
-    todo = [(run, q, c) for run in range(plan.runs) for q in plan.questions for c in plan.configs
-            if (c, run, q.question_id) not in done]
-
+    done = open_out(out, run_settings(recipe, plan, bundle_dir, backend), resume)
     rt = load_runtime(bundle_dir, backend, threads=threads)
     if rt.bundle.manifest.recipe.sha256 != recipe.content_hash():
         console.print(f"[yellow]note: bundle {bundle_dir} was built from another version of recipe "
-                      f"{rt.bundle.manifest.recipe.name!r}; its round constants are the bundle's[/]")
+                      f"{rt.bundle.manifest.recipe.name!r}; its round constants are the bundle's, sampling and ε "
+                      "the recipe's[/]")
     tok = rt.bundle.tokenizer
     prompts = {q.question_id: format_prompt(tok, q.turns[0]) for q in plan.questions}
     r = rt.bundle.round
     sampling = Sampling(recipe.sampling.temperature, recipe.sampling.top_k, recipe.sampling.top_p)
-    link = parse_link(plan.link)
+    epsilon = recipe.acceptance.epsilon  # the recipe's, like its sampling: `hycoc tune-epsilon` writes it there
+    todo = [Request(c, c, epsilon, run, q) for run in range(plan.runs) for q in plan.questions
+            for c in plan.configs if (c, run, q.question_id) not in done]
     console.print(f"bench: {len(plan.questions)} questions x {len(plan.configs)} configurations x {plan.runs} run(s) "
                   f"= {len(plan.questions) * len(plan.configs) * plan.runs} requests ({len(todo)} to run), output cap "
-                  f"{plan.output_cap}, T={sampling.temperature}, link {plan.link} (counted, not slept), "
-                  f"backend {backend}")
-    if todo:
-        needs_server = any(c != "slm-alone" for _, _, c in todo)
-        server = VerifierProcess(recipe_path, bundle_dir / "keep_set.npy") if needs_server else None
-        try:
-            columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                       TextColumn("eta"), TimeRemainingColumn())
-            with Progress(*columns, console=console, transient=False) as progress, \
-                    open(records_path, "a", encoding="utf-8") as sink:
-                task = progress.add_task("requests", total=len(todo))
-                t_start = time.perf_counter()
-                for n, (run, q, config) in enumerate(todo, start=1):
-                    progress.update(task, description=f"q{q.question_id} {config:12s}")
-                    client = None
-                    if config != "slm-alone":
-                        client = VerifierClient(server.url, timeout_s=600, link=link, sleep=lambda s: None)
-                    res = rt.generate(client, prompts[q.question_id], mode=config, max_new_tokens=plan.output_cap,
-                                      seed=r.seed + run, sampling=sampling, epsilon=r.epsilon)
-                    rec = record_of(config, run, q, len(prompts[q.question_id]), res, virtual_link=True)
-                    sink.write(json.dumps(rec) + "\n")
-                    sink.flush()
-                    progress.advance(task)
-                    if not console.is_terminal and (n % 10 == 0 or n == len(todo)):  # logs get plain lines
-                        spent = time.perf_counter() - t_start
-                        console.print(f"  {n}/{len(todo)} requests, {spent / 60:.1f} min, eta "
-                                      f"{spent / n * (len(todo) - n) / 60:.1f} min")
-        except KeyboardInterrupt:
-            console.print(f"[yellow]interrupted: {len(read_records(records_path))} requests kept in {records_path}; "
-                          "rerun with --resume to continue[/]")
-            raise
-        finally:
-            if server is not None:
-                server.stop()
+                  f"{plan.output_cap}, T={sampling.temperature}, ε={epsilon:g}, link {plan.link} (counted, not "
+                  f"slept), backend {backend}")
+    run_requests(rt, recipe_path, bundle_dir, todo, prompts, records_path, link=plan.link,
+                 output_cap=plan.output_cap, sampling=sampling, seed=r.seed, console=console)
 
     records = [rec for rec in read_records(records_path)
                if rec["config"] in plan.configs and rec["question_id"] in prompts and rec["run"] < plan.runs]
-    console.print("scoring answers with the verifier (quality proxy) ...")
+    score_quality(records, {q.question_id: q for q in plan.questions})
+    console.print("scoring answers with the verifier (its own log-prob of each answer) ...")
     score_answers(recipe, records, prompts)
-    if cost_model_path is not None:
-        cost = load_cost_model(cost_model_path)
-        cost_note = f"g projected through {cost_model_path} ({cost.device}, {cost.model})"
-    else:
-        from hycoc.verifier.cost_measure import measure_recipe_verifier
-
-        console.print("measuring the verifier cost model on this machine (no --cost-model given) ...")
-        contexts = sorted({64, 128, 256, 512, max(64, int(max((max(x["context"], default=0) for x in records),
-                                                                  default=64)))})
-        cost = measure_recipe_verifier(recipe, contexts=contexts)
-        cost.save(out / "cost_model.json")
-        cost_note = (f"g projected through a cost model measured here ({cost.device}, {cost.dtype}): "
-                     f"{out / 'cost_model.json'}")
+    cost, cost_note = cost_model_for(recipe, records, cost_model_path, out, console)
     summary = summarize(records, cost_model=cost)
     results = {"meta": {"recipe": str(recipe_path), "bundle": str(bundle_dir), "backend": backend,
                         "questions": len(plan.questions), "configs": plan.configs, "runs": plan.runs,
@@ -294,14 +251,128 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
                         "cost_model_points": [p.model_dump() for p in cost.points],
                         "machine": f"{os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d %H:%M:%S")},
                "summary": summary, "records": records}
-    _atomic_write(out / RESULTS, json.dumps(results, indent=1))
+    atomic_write(out / RESULTS, json.dumps(results, indent=1))
     plots = write_plots(summary, out)
     render_table(summary, console, title=f"hycoc bench: {len(plan.questions)} Spec-Bench questions, link {plan.link}")
+    render_quality(summary, console)
     render_categories(summary, console)
     console.print(f"g = verifier ms per output token measured on this machine (prefill included); {cost_note}, "
                   "rounds only. Delivery and first-token times include the link model.")
     console.print(f"wrote {out / RESULTS}, {', '.join(str(p) for p in plots)}")
     return results
+
+
+def make_console(console=None):
+    """The given rich Console, else one on stdout (200 columns wide when stdout is a log file, not a terminal)."""
+    from rich.console import Console
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # a log file: room for the whole table
+            console = Console(width=200)
+    return console
+
+
+def open_out(out: Path, settings: dict, resume: bool) -> set[tuple[str, int, int]]:
+    """Make the output folder ready: refuse an existing ``records.jsonl`` without ``resume``, and with it refuse
+    records made with other ``settings`` (`run_settings`); write ``settings.json``. Returns the (config, run,
+    question_id) of the requests already recorded. Raises BenchError saying which flag or setting to change."""
+    out.mkdir(parents=True, exist_ok=True)
+    records_path = out / RECORDS
+    if records_path.exists() and not resume:
+        raise BenchError(f"{records_path} exists: pass --resume to continue that run, or choose another --out")
+    settings_path = out / SETTINGS
+    if records_path.exists() and settings_path.is_file():
+        saved = json.loads(settings_path.read_text(encoding="utf-8"))
+        changed = [k for k in settings if saved.get(k) != settings[k]]
+        if changed:
+            raise BenchError(f"--resume: {out} was run with other settings ("
+                             + ", ".join(f"{k}: {saved.get(k)!r} there, {settings[k]!r} now" for k in changed)
+                             + "); use the same ones, or another --out")
+    atomic_write(settings_path, json.dumps(settings, indent=1))
+    return {(r["config"], r["run"], r["question_id"]) for r in read_records(records_path)}
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of a run: the record's ``config`` label, the runtime ``mode`` (`hycoc.runtime.client.MODES`),
+    the acceptance threshold ``epsilon`` sent to the verifier (used by the ε modes), the run index (seed = recipe
+    seed + run) and the question (its first turn is the prompt)."""
+
+    config: str
+    mode: str
+    epsilon: float
+    run: int
+    question: Question
+
+
+def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], prompts: dict[int, list[int]],
+                 records_path: Path, *, link: str, output_cap: int, sampling, seed: int, console) -> None:
+    """Run ``todo`` in order on the device runtime ``rt``, each against a ``hycoc verify-server`` child process
+    (`VerifierProcess`, started only when a request needs a verifier), and append each finished request's record
+    (`record_of`) to ``records_path`` at once. ``prompts``: question_id -> prompt token ids. ``link``: link model
+    name, counted, not slept. Ctrl-C keeps the records written and re-raises KeyboardInterrupt. Raises
+    BenchError (server), TransportError from a request that fails."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    from hycoc.runtime.transport import VerifierClient, parse_link
+
+    if not todo:
+        return
+    link_model = parse_link(link)
+    needs_server = any(req.mode != "slm-alone" for req in todo)
+    server = VerifierProcess(recipe_path, bundle_dir / "keep_set.npy") if needs_server else None
+    try:
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("eta"), TimeRemainingColumn())
+        with Progress(*columns, console=console, transient=False) as progress, \
+                open(records_path, "a", encoding="utf-8") as sink:
+            task = progress.add_task("requests", total=len(todo))
+            t_start = time.perf_counter()
+            for n, req in enumerate(todo, start=1):
+                q = req.question
+                progress.update(task, description=f"q{q.question_id} {req.config:12s}")
+                client = None
+                if req.mode != "slm-alone":
+                    client = VerifierClient(server.url, timeout_s=600, link=link_model, sleep=lambda s: None)
+                res = rt.generate(client, prompts[q.question_id], mode=req.mode, max_new_tokens=output_cap,
+                                  seed=seed + req.run, sampling=sampling, epsilon=req.epsilon)
+                rec = record_of(req.config, req.run, q, len(prompts[q.question_id]), res, virtual_link=True)
+                sink.write(json.dumps(rec) + "\n")
+                sink.flush()
+                progress.advance(task)
+                if not console.is_terminal and (n % 10 == 0 or n == len(todo)):  # logs get plain lines
+                    spent = time.perf_counter() - t_start
+                    console.print(f"  {n}/{len(todo)} requests, {spent / 60:.1f} min, eta "
+                                  f"{spent / n * (len(todo) - n) / 60:.1f} min")
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted: {len(read_records(records_path))} requests kept in {records_path}; "
+                      "rerun with --resume to continue[/]")
+        raise
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def cost_model_for(recipe, records: list[dict], cost_model_path: Path | None, out: Path, console):
+    """The cost model of g projected and a sentence saying where it came from: ``cost_model_path`` loaded
+    (`hycoc.cost_model.load_cost_model`), else measured here on the recipe's verifier at contexts covering the
+    records' (`hycoc.verifier.cost_measure.measure_recipe_verifier`) and saved as ``OUT/cost_model.json``.
+    Raises CostModelError for a bad file."""
+    from hycoc.cost_model import load_cost_model
+
+    if cost_model_path is not None:
+        cost = load_cost_model(cost_model_path)
+        return cost, f"g projected through {cost_model_path} ({cost.device}, {cost.model})"
+    from hycoc.verifier.cost_measure import measure_recipe_verifier
+
+    console.print("measuring the verifier cost model on this machine (no --cost-model given) ...")
+    longest = max((max(x["context"], default=0) for x in records), default=64)
+    cost = measure_recipe_verifier(recipe, contexts=sorted({64, 128, 256, 512, max(64, int(longest))}))
+    cost.save(out / "cost_model.json")
+    return cost, (f"g projected through a cost model measured here ({cost.device}, {cost.dtype}): "
+                  f"{out / 'cost_model.json'}")
 
 
 def run_settings(recipe, plan: BenchPlan, bundle_dir: Path, backend: str) -> dict:
@@ -319,5 +390,6 @@ def default_bundle_dir(recipe, repo_root: Path) -> Path:
     return repo_root / "bundles" / f"{recipe.recipe.name}-cpu"
 
 
-__all__ = ["CONFIGS", "BenchError", "BenchPlan", "VerifierProcess", "default_bundle_dir", "read_records",
-           "record_of", "run_bench", "score_answers"]
+__all__ = ["CONFIGS", "BenchError", "BenchPlan", "Request", "VerifierProcess", "atomic_write", "cost_model_for",
+           "default_bundle_dir", "make_console", "open_out", "read_records", "record_of", "run_bench", "run_requests",
+           "score_answers", "score_quality"]

@@ -437,20 +437,12 @@ def bench(
     if cost_model is not None and not cost_model.is_file():
         raise _fail("bench", f"--cost-model {cost_model}: no such file")
     _need_full("bench")
-    from hycoc.bench import BenchError, BenchPlan, default_bundle_dir, run_bench
+    from hycoc.bench import BenchError, BenchPlan, run_bench
     from hycoc.bundle import BundleError
     from hycoc.cost_model import CostModelError
     from hycoc.runtime.transport import TransportError
 
-    bundle_dir = bundle or default_bundle_dir(cfg, REPO_ROOT)
-    if not (bundle_dir / "manifest.json").is_file():
-        if bundle is not None:
-            what = "no manifest.json there" if bundle.is_dir() else "no such folder"
-            raise _fail("bench", f"--bundle {bundle}: {what}; build one with hycoc build")
-        typer.echo(f"hycoc bench: no bundle at {bundle_dir}; building it (hycoc build {recipe} --target cpu)", err=True)
-        from hycoc.passes.build import build_bundle
-
-        build_bundle(cfg, "cpu", bundle_dir, REPO_ROOT / ".hycoc-cache")
+    bundle_dir = _bench_bundle("bench", cfg, recipe, bundle)
     plan = BenchPlan(questions=questions[:limit] if limit else questions,
                      configs=[c for c in BENCH_CONFIGS if c in configs.split(",")], runs=runs or cfg.bench.runs,
                      link=link or cfg.bench.link, output_cap=max_new_tokens or cfg.bench.output_cap, out=out)
@@ -461,6 +453,114 @@ def bench(
         raise typer.Exit(130) from None
     except (BenchError, BundleError, TransportError, CostModelError) as e:
         raise _fail("bench", str(e)) from None
+
+
+def _bench_bundle(command: str, cfg, recipe: Path, bundle: Optional[Path]) -> Path:
+    """``--bundle``, else bundles/<recipe name>-cpu, built there first when it has no manifest."""
+    from hycoc.bench import default_bundle_dir
+
+    bundle_dir = bundle or default_bundle_dir(cfg, REPO_ROOT)
+    if not (bundle_dir / "manifest.json").is_file():
+        if bundle is not None:
+            what = "no manifest.json there" if bundle.is_dir() else "no such folder"
+            raise _fail(command, f"--bundle {bundle}: {what}; build one with hycoc build")
+        typer.echo(f"hycoc {command}: no bundle at {bundle_dir}; building it (hycoc build {recipe} --target cpu)",
+                   err=True)
+        from hycoc.passes.build import build_bundle
+
+        build_bundle(cfg, "cpu", bundle_dir, REPO_ROOT / ".hycoc-cache")
+    return bundle_dir
+
+
+class TuneMode(str, Enum):
+    hyco = "hyco"
+    specedge_eps = "specedge-eps"
+
+
+@app.command("tune-epsilon")
+def tune_epsilon(
+    recipe: Path = RECIPE_ARG,
+    validation_data: Optional[Path] = typer.Option(
+        None, help="held-out conversations JSONL (default: the recipe's tune.validation_data)", show_default=False),
+    prompts: Optional[int] = typer.Option(None, min=1, help="validation prompts (default: the recipe's tune.prompts)",
+                                          show_default=False),
+    epsilons: Optional[str] = typer.Option(
+        None, help="comma-separated thresholds in (0, 1) (default: the recipe's tune.epsilons); exact (1) always runs",
+        show_default=False),
+    mode: Optional[TuneMode] = typer.Option(None, help="configuration swept (default: the recipe's tune.mode)",
+                                            show_default=False),
+    temperature: Optional[float] = typer.Option(
+        None, min=0.0, help="sampling temperature (default: the recipe's sampling.temperature)", show_default=False),
+    max_new_tokens: Optional[int] = typer.Option(
+        None, min=1, help="output cap per request (default: the recipe's tune.max_new_tokens)", show_default=False),
+    out: Path = typer.Option(Path("runs/tune-epsilon"), help="folder for records.jsonl and tune.json"),
+    resume: bool = typer.Option(False, "--resume", help="continue an interrupted sweep in --out"),
+    bundle: Optional[Path] = typer.Option(
+        None, help="device bundle (default: bundles/<recipe name>-cpu, built first when missing)", show_default=False),
+    backend: Optional[Backend] = typer.Option(
+        None, help="device backend of the bundle's graphs (default: the bundle's target)", show_default=False),
+    cost_model: Optional[Path] = typer.Option(
+        None, help="cost-model JSON for g projected (benchmarks/verifier_cost_model.py); default: measured here",
+        show_default=False),
+) -> None:
+    """Choose epsilon of epsilon-threshold acceptance on a validation set (paper §3, App. D), guarded by quality.
+
+    Runs every threshold and exact acceptance on the same held-out prompts and seeds (verifier in its own process,
+    as hycoc bench), then reports per epsilon: MAT, projected g and the answers' text metrics paired against exact.
+    Rule: an epsilon is admissible when, against exact, the mean zlib compressed/raw ratio falls by at most
+    tune.max_compression_drop, the share of words in repeated 4-grams rises by at most tune.max_repetition_rise and
+    distinct-2 falls by at most tune.max_distinct2_drop (exact always is); the choice is the admissible epsilon with
+    the lowest projected g, a g within tune.g_tie_pct % of it counting as a tie won by the larger epsilon.
+    Writes OUT/records.jsonl and OUT/tune.json and prints the line to put in the recipe's acceptance table.
+    """
+    from hycoc.datasets import DatasetError, load_spec_bench
+
+    cfg = _recipe("tune-epsilon", recipe)
+    eps_list = list(cfg.tune.epsilons)
+    if epsilons is not None:
+        try:
+            eps_list = [float(x) for x in epsilons.split(",") if x.strip()]
+        except ValueError:
+            eps_list = []
+        if not eps_list or not all(0 < e < 1 for e in eps_list):
+            raise _fail("tune-epsilon", f"--epsilons {epsilons!r}: allowed: comma-separated numbers in (0, 1), "
+                        "such as 0.005,0.02", code=2)
+    path = validation_data or cfg.resolve_path(cfg.tune.validation_data)
+    if path is None:
+        raise _fail("tune-epsilon", f"{recipe}: tune.validation_data is empty; set it to a JSONL of held-out "
+                    "conversations (or pass --validation-data)")
+    if cost_model is not None and not cost_model.is_file():
+        raise _fail("tune-epsilon", f"--cost-model {cost_model}: no such file")
+    bench_path = cfg.resolve_path(cfg.bench.dataset) or DEFAULT_DATASET
+    try:
+        benchmark_turns = {q.turns[0] for q in load_spec_bench(bench_path)} if bench_path.is_file() else set()
+    except DatasetError as e:
+        raise _fail("tune-epsilon", str(e)) from None
+    from hycoc.tune_epsilon import Tolerance, TuneError, TunePlan, load_validation, run_tune
+
+    try:
+        questions = load_validation(path, prompts or cfg.tune.prompts, benchmark_turns=benchmark_turns,
+                                    keep_set_corpus=cfg.resolve_path(cfg.keep_set.corpus))
+    except TuneError as e:
+        raise _fail("tune-epsilon", str(e)) from None
+    _need_full("tune-epsilon")
+    from hycoc.bench import BenchError
+    from hycoc.bundle import BundleError
+    from hycoc.cost_model import CostModelError
+    from hycoc.runtime.transport import TransportError
+
+    bundle_dir = _bench_bundle("tune-epsilon", cfg, recipe, bundle)
+    plan = TunePlan(questions=questions, epsilons=eps_list, mode=(mode.value if mode else cfg.tune.mode),
+                    output_cap=max_new_tokens or cfg.tune.max_new_tokens,
+                    temperature=cfg.sampling.temperature if temperature is None else temperature,
+                    tolerance=Tolerance.from_recipe(cfg.tune), out=out)
+    try:
+        run_tune(cfg, recipe, plan, bundle_dir=bundle_dir, backend=_bundle_backend(bundle_dir, backend),
+                 resume=resume, cost_model_path=cost_model)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    except (TuneError, BenchError, BundleError, TransportError, CostModelError) as e:
+        raise _fail("tune-epsilon", str(e)) from None
 
 
 @app.command()

@@ -436,6 +436,49 @@ class Bench(Section):
     runs: int = Field(1, ge=1, le=100, description="repetitions of every configuration (paper: 3 for HyCo, SpecEdge-eps)")
 
 
+_Epsilon = Annotated[float, Field(gt=0, lt=1)]
+
+
+class Tune(Section):
+    """``[tune]``: `hycoc tune-epsilon`, which chooses ε on a validation set as the paper did on UC-val (§3,
+    App. D), with quality guards measured against exact acceptance (issue 13; the rule is in
+    `hycoc.tune_epsilon.choose_epsilon`)."""
+
+    validation_data: str = Field(
+        "", description="JSONL of held-out conversations, one a line ({\"messages\": [user, assistant]}): the "
+        "first user turn is the prompt; must be disjoint from Spec-Bench and from keep_set.corpus (path; empty = "
+        "none, tune-epsilon then asks for it)"
+    )
+    prompts: int = Field(
+        60, ge=1, le=100_000, description="validation prompts swept, the file's first ones (paper: 60 UC-val)"
+    )
+    max_new_tokens: int = Field(
+        512, ge=1, le=1_048_576, description="output cap per validation request, in tokens (paper: 512)"
+    )
+    epsilons: list[_Epsilon] = Field(
+        default_factory=lambda: [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5], min_length=1, max_length=64,
+        description="thresholds swept, each in (0, 1); exact acceptance (epsilon = 1) is always run as the reference",
+        json_schema_extra=_allowed("a non-empty list of numbers, each in (0, 1)"),
+    )
+    mode: Literal["hyco", "specedge-eps"] = Field(
+        "hyco", description="the configuration swept; its exact counterpart (hyco-exact, specedge) is the reference"
+    )
+    max_compression_drop: float = Field(
+        0.03, ge=0, le=1, description="largest allowed fall of the mean zlib compressed/raw ratio vs exact (paired)"
+    )
+    max_repetition_rise: float = Field(
+        0.05, ge=0, le=1, description="largest allowed rise of the mean share of words in repeated 4-grams vs exact"
+    )
+    max_distinct2_drop: float = Field(
+        0.05, ge=0, le=1, description="largest allowed fall of the mean distinct-2 (distinct / all word bigrams) "
+        "vs exact"
+    )
+    g_tie_pct: float = Field(
+        2.0, ge=0, le=100, description="projected g within this % of the lowest counts as a tie, won by the "
+        "larger epsilon (paper App. D: ~2% validation variation)"
+    )
+
+
 class Recipe(Section):
     """A whole recipe. Build it with `load_recipe`; ``source_path`` is the file it came from."""
 
@@ -452,6 +495,7 @@ class Recipe(Section):
     target: Target = Field(default_factory=Target, description="[target]")
     verifier: Verifier = Field(default_factory=Verifier, description="[verifier]")
     bench: Bench = Field(default_factory=Bench, description="[bench]")
+    tune: Tune = Field(default_factory=Tune, description="[tune]")
 
     _source_path: Path | None = PrivateAttr(None)
 

@@ -55,9 +55,16 @@ def test_bench_runs_every_config_and_resumes(built, tmp_path):
             assert rec["seconds"] * 1000 >= 58 * (rec["rounds"] + 1)
         if rec["config"] in ("specedge", "hyco", "hyco-exact"):
             assert set(rec["rows"]) == {5}          # B + 1 rows of the tiny recipe
+        q = rec["quality"]   # hycoc.quality: repetition of every answer, reference metrics by category
+        assert q["words"] >= 0 and q["longest_run"] >= 1 and q["rouge_l"] is None
+        assert rec["category"] == "translation"   # the first two of the two categories are translations
+        assert 0 <= q["chrf"] <= 100 and 0 <= q["bleu"] <= 100 and q["final_number_match"] is None
     s = results["summary"]
     for config in CONFIGS:
         assert s[config]["requests"] == 2
+        assert s[config]["quality"]["metrics"]["longest_run"]["n"] == 2
+        assert s[config]["quality"]["metrics"]["chrf"]["n"] == 2
+    assert s["cloud-mtp"]["quality"]["metrics"]["longest_run"]["delta"] == 0.0
     cloud = [r for r in records if r["config"] == "cloud-mtp"]
     g = sum(r["prefill_ms"] + sum(r["server_ms"]) for r in cloud) / sum(r["tokens"] for r in cloud)
     assert s["cloud-mtp"]["g_ms_per_token"] == pytest.approx(g)
