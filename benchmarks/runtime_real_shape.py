@@ -247,7 +247,7 @@ def standin_model(inputs, outputs, seed: int):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
 
 
-def standin_runner(name: str, inputs, outputs, timer: StepTimer, seed: int):
+def standin_runner(name: str, inputs, outputs, timer: StepTimer, seed: int, io_binding: bool = False):
     """A `GraphRunner` over the stand-in session of graph ``name`` (one intra-op thread)."""
     import onnxruntime as ort
 
@@ -260,7 +260,8 @@ def standin_runner(name: str, inputs, outputs, timer: StepTimer, seed: int):
     session = ort.InferenceSession(model.SerializeToString(), sess_options=so, providers=["CPUExecutionProvider"])
     spec = lambda side: [TensorSpec(name=n, shape=list(s), dtype=t) for n, s, t in side]  # noqa: E731
     entry = GraphEntry(name=name, role=name, file=f"{name}.onnx", inputs=spec(inputs), outputs=spec(outputs))
-    return GraphRunner.from_session(entry, TimedSession(session, timer), outputs=runtime_outputs(entry))
+    return GraphRunner.from_session(entry, TimedSession(session, timer), outputs=runtime_outputs(entry),
+                                    io_binding=io_binding, output_sets=4)
 
 
 class ModuloLut(EmbeddingLut):
@@ -320,7 +321,8 @@ def handoff(rng, t_prime: int, a: int) -> HandOff:
 # ---- the loop ---------------------------------------------------------------------------------------------------
 
 
-def run(rounds: int, warmup: int, *, top_k_outputs: bool, seed: int = 0, clock: str = "cpu") -> dict:
+def run(rounds: int, warmup: int, *, top_k_outputs: bool, seed: int = 0, clock: str = "cpu",
+        io_binding: bool = False) -> dict:
     """Run ``warmup + rounds`` HyCo rounds; returns per-step host ms per round (module docstring). clock:
     ``cpu`` (this thread's CPU time: what one core spends, robust to other jobs on the machine) or ``wall``."""
     from hycoc.runtime.client import DeviceRuntime, MODES
@@ -331,8 +333,8 @@ def run(rounds: int, warmup: int, *, top_k_outputs: bool, seed: int = 0, clock: 
     instrument(timer)
     specs = graph_specs(top_k_outputs)
     bundle = standin_bundle()
-    head = standin_runner("head", *specs["head"], timer, seed=1)
-    slm = standin_runner("slm", *specs["slm"], timer, seed=2)
+    head = standin_runner("head", *specs["head"], timer, seed=1, io_binding=io_binding)
+    slm = standin_runner("slm", *specs["slm"], timer, seed=2, io_binding=io_binding)
     rt = DeviceRuntime(bundle, head, slm)
     builder = rt.builder(MODES["hyco"], B + 1)
     rng = np.random.default_rng(seed)
@@ -379,7 +381,7 @@ def run(rounds: int, warmup: int, *, top_k_outputs: bool, seed: int = 0, clock: 
     steps = {s: 1000 * timer.seconds.get(s, 0.0) / rounds for s in STEPS}
     ort_ms = 1000 * timer.seconds.get("ORT call", 0.0) / rounds
     host = 1000 * float(np.mean(per_round))
-    return {"top_k_outputs": top_k_outputs, "clock": clock, "rounds": rounds,
+    return {"top_k_outputs": top_k_outputs, "io_binding": io_binding, "clock": clock, "rounds": rounds,
             "steps_ms": {k: round(v, 3) for k, v in steps.items()},
             "other_ms": round(host - sum(steps.values()), 3), "host_ms_per_round": round(host, 3),
             "host_ms_p90": round(1000 * float(np.percentile(per_round, 90)), 3),
@@ -387,7 +389,8 @@ def run(rounds: int, warmup: int, *, top_k_outputs: bool, seed: int = 0, clock: 
 
 
 def table(results: list[dict]) -> str:
-    heads = [("host top-k (logits out)" if not r["top_k_outputs"] else "graph top-k") for r in results]
+    heads = [("graph top-k" if r["top_k_outputs"] else "host top-k (logits out)")
+             + (" + IOBinding" if r["io_binding"] else "") for r in results]
     lines = ["| step (host ms per round) | " + " | ".join(heads) + " |", "|---|" + "---|" * len(results)]
     for s in STEPS:
         lines.append(f"| {s} | " + " | ".join(f"{r['steps_ms'][s]:.2f}" for r in results) + " |")
@@ -403,16 +406,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=60, help="timed HyCo rounds (default 60)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed rounds first (default 5)")
-    ap.add_argument("--variant", choices=("both", "host-topk", "graph-topk"), default="both",
+    ap.add_argument("--variant", choices=("all", "host-topk", "graph-topk", "graph-topk-iobinding"), default="all",
                     help="host-topk: graphs emit logits only (the host takes the top-k); graph-topk: the graphs "
-                         "emit their top-k too and the runtime reads those")
+                         "emit their top-k too and the runtime reads those; graph-topk-iobinding: and the graphs "
+                         "run through IOBindings (rings bound once, preallocated outputs)")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                     help="cpu: this thread's CPU time (default; other jobs on the machine do not inflate it); "
                          "wall: elapsed time")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
-    variants = {"both": (False, True), "host-topk": (False,), "graph-topk": (True,)}[args.variant]
-    results = [run(args.rounds, args.warmup, top_k_outputs=v, clock=args.clock) for v in variants]
+    variants = {"all": ((False, False), (True, False), (True, True)), "host-topk": ((False, False),),
+                "graph-topk": ((True, False),), "graph-topk-iobinding": ((True, True),)}[args.variant]
+    results = [run(args.rounds, args.warmup, top_k_outputs=v, io_binding=b, clock=args.clock) for v, b in variants]
     print(table(results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -57,12 +57,12 @@ def append_topk(model, k: int, *, with_logq: bool, logits: str = "logits"):
     if _opset(model) < 18:
         raise TopKError(f"opset {_opset(model)}: append_topk writes ReduceMax/ReduceSum with axes inputs (opset 18)")
     p = "topk_"
-    g.initializer.extend([numpy_helper.from_array(np.array([k], np.int64), f"{p}k"),
-                          numpy_helper.from_array(np.array([-1], np.int64), f"{p}axes")])
+    g.initializer.append(numpy_helper.from_array(np.array([k], np.int64), f"{p}k"))
     nodes = [helper.make_node("TopK", [logits, f"{p}k"], [f"{p}values", TOP_INDEX], name=f"{p}TopK", axis=-1,
                               largest=1, sorted=1)]
     new_outputs = [helper.make_tensor_value_info(TOP_INDEX, TensorProto.INT64, [dims[0], dims[1], k])]
     if with_logq:
+        g.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), f"{p}axes"))
         nodes += [
             helper.make_node("ReduceMax", [logits, f"{p}axes"], [f"{p}max"], name=f"{p}ReduceMax", keepdims=1),
             helper.make_node("Sub", [logits, f"{p}max"], [f"{p}shifted"], name=f"{p}Shift"),

@@ -341,15 +341,21 @@ class DeviceRuntime:
             res.draft_s += time.perf_counter() - t0
 
 
-def load_runtime(bundle_dir, backend: str = "cpu", *, threads: int | None = None) -> DeviceRuntime:
-    """Open a bundle (hash- and target-checked, `open_bundle`) and its two graphs on ``backend``."""
+def load_runtime(bundle_dir, backend: str = "cpu", *, threads: int | None = None,
+                 io_binding: bool = False) -> DeviceRuntime:
+    """Open a bundle (hash- and target-checked, `open_bundle`) and its two graphs on ``backend``. io_binding: run
+    the graphs through onnxruntime IOBindings (`GraphRunner`): rings bound once, outputs in preallocated buffers
+    (the SLM's: one set per forward a round keeps until its commit, at most ``specedge_passes``)."""
     from hycoc.runtime.device_bundle import open_bundle
     from hycoc.runtime.graphs import GraphRunner, runtime_outputs
 
     bundle = open_bundle(bundle_dir, backend)
     m = bundle.manifest
-    head = GraphRunner(bundle.path, m, "head", backend, threads, outputs=runtime_outputs(m.graph("head")))
-    slm = GraphRunner(bundle.path, m, "slm", backend, threads, outputs=runtime_outputs(m.graph("slm")))
+    sets = max(2, bundle.round.specedge_passes, bundle.round.slm_passes)
+    head = GraphRunner(bundle.path, m, "head", backend, threads, outputs=runtime_outputs(m.graph("head")),
+                       io_binding=io_binding)
+    slm = GraphRunner(bundle.path, m, "slm", backend, threads, outputs=runtime_outputs(m.graph("slm")),
+                      io_binding=io_binding, output_sets=sets)
     return DeviceRuntime(bundle, head, slm)
 
 

@@ -97,15 +97,21 @@ class GraphRunner:
     ``run(feeds)`` takes float32 arrays by input name (every declared input, at its declared shape) and returns
     float32 arrays by output name (integer outputs without an encoding, such as ``top_index``, as they come).
     ``outputs``: the outputs to fetch (default all; onnxruntime then copies out only these, `runtime_outputs`).
+    ``io_binding``: run through an onnxruntime IOBinding: an input array that is the same object as at the last
+    call (the drafters' rings, updated in place) stays bound, not re-bound; outputs are written into
+    ``output_sets`` preallocated sets of buffers used in turn, so a result stays valid for the next
+    ``output_sets - 1`` calls (the SLM Drafter keeps a round's forwards until its commit). On the CPU EP a bound
+    numpy input is read in place either way (measured: ``benchmarks/runtime_real_shape.py``).
     ``calls`` / ``seconds`` count the runs and their wall time.
     Raises GraphRunError (load or run failure), GraphIOMismatch (the session disagrees with the manifest, or a
     feed has the wrong shape).
     """
 
     def __init__(self, bundle_dir: str | Path, manifest: Manifest, name: str, backend: str,
-                 threads: int | None = None, outputs: Sequence[str] | None = None):
+                 threads: int | None = None, outputs: Sequence[str] | None = None, *, io_binding: bool = False,
+                 output_sets: int = 1):
         self.entry: GraphEntry = manifest.graph(name)
-        self._wanted = outputs
+        self._wanted, self._binding_sets = outputs, (output_sets if io_binding else 0)
         self.name = name
         path = Path(bundle_dir) / self.entry.file
         t0 = time.perf_counter()
@@ -118,12 +124,13 @@ class GraphRunner:
         self._attach()
 
     @classmethod
-    def from_session(cls, entry: GraphEntry, session, outputs: Sequence[str] | None = None) -> GraphRunner:
+    def from_session(cls, entry: GraphEntry, session, outputs: Sequence[str] | None = None, *,
+                     io_binding: bool = False, output_sets: int = 1) -> GraphRunner:
         """A runner around an already open onnxruntime ``session`` whose IO is ``entry``'s (benchmarks and tests
         with stand-in graphs). Raises GraphIOMismatch as the constructor."""
         runner = cls.__new__(cls)
         runner.entry, runner.name, runner.session, runner.load_seconds = entry, entry.name, session, 0.0
-        runner._wanted = outputs
+        runner._wanted, runner._binding_sets = outputs, (output_sets if io_binding else 0)
         runner._attach()
         return runner
 
@@ -141,6 +148,32 @@ class GraphRunner:
                                       f"{', '.join(self.output_names)}")
             self.output_names = [n for n in self.output_names if n in self._wanted]
         self.calls, self.seconds = 0, 0.0
+        self._binding = None
+        if self._binding_sets:
+            if self._binding_sets < 1:
+                raise ValueError(f"graph {self.name}: output_sets must be >= 1, got {self._binding_sets}")
+            types = {a.name: np.dtype(_ORT_DTYPES[a.type]) for a in self.session.get_outputs()}
+            # one binding per output set, its outputs bound once to that set's buffers
+            self._binding = []
+            for _ in range(self._binding_sets):
+                b = self.session.io_binding()
+                bufs = {n: np.empty(self.outputs[n].shape, types[n]) for n in self.output_names}
+                for n, buf in bufs.items():
+                    b.bind_output(n, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
+                self._binding.append((b, bufs, {}))
+            self._next_set = 0
+
+    def _run_bound(self, ort_feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """One run through the next IOBinding (class docstring): re-bind only inputs that are new objects; the
+        outputs land in that binding's preallocated buffers."""
+        b, bufs, bound = self._binding[self._next_set]
+        self._next_set = (self._next_set + 1) % len(self._binding)
+        for name, x in ort_feeds.items():
+            if bound.get(name) is not x:
+                b.bind_cpu_input(name, x)
+                bound[name] = x
+        self.session.run_with_iobinding(b)
+        return [bufs[n] for n in self.output_names]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Declared shape of input or output ``name``."""
@@ -164,7 +197,8 @@ class GraphRunner:
                 raise GraphIOMismatch(f"graph {self.name}: input {name} is {spec.dtype} without an encoding")
         t0 = time.perf_counter()
         try:
-            outs = self.session.run(self.output_names, ort_feeds)
+            outs = (self._run_bound(ort_feeds) if self._binding is not None
+                    else self.session.run(self.output_names, ort_feeds))
         except Exception as e:  # noqa: BLE001
             raise GraphRunError(f"graph {self.name} failed to run: {str(e).splitlines()[0]}") from None
         self.seconds += time.perf_counter() - t0

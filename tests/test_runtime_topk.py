@@ -153,3 +153,29 @@ def test_old_bundle_without_top_k_outputs_is_refused(tiny_bundle, tmp_path):
 def test_candidates_head_keeps_order():
     c = Candidates(np.array([4, 1, 7]), np.array([-0.1, -0.2, -0.2]))
     assert c.head(2).index.tolist() == [4, 1] and c.head(5).logq.tolist() == [-0.1, -0.2, -0.2]
+
+
+def test_io_binding_runs_equal_the_plain_runs_on_the_tiny_bundle(tiny_bundle):
+    from hycoc.runtime.client import MODES, load_runtime
+
+    plain = load_runtime(tiny_bundle.bundle, "cpu", threads=1)
+    bound = load_runtime(tiny_bundle.bundle, "cpu", threads=1, io_binding=True)
+    assert bound.slm.runner._binding is not None and plain.slm.runner._binding is None
+    prompt = plain.bundle.tokenizer.encode("Explain list comprehensions with an example, please.").ids
+    for rt in (plain, bound):
+        rt.slm.start(prompt)
+        rt.slm.prefill(reserve=6)
+    for _ in range(4):                       # SpecEdge-style trees: several forwards kept until the commit
+        built = [rt.builder(MODES["specedge"], plain.bundle.round.node_budget + 1).build(
+            rt.slm.tokens[-1], [], [], rt.slm.expand) for rt in (plain, bound)]
+        np.testing.assert_array_equal(built[0].tokens, built[1].tokens)
+        np.testing.assert_array_equal(built[0].parents, built[1].parents)
+        assert built[0].slm_passes >= 2
+        path = [j for j in range(1, 4) if built[0].parents[j] == j - 1]
+        new = [int(built[0].tokens[j]) for j in path] + [int(plain.bundle.keep_set[7])]
+        for rt, b in zip((plain, bound), built):
+            rt.slm.commit([b.row_node[j] for j in path], new)
+    for i in plain.slm.kv_layers:             # the rings hold the same committed KV, bit for bit
+        for a, b in zip(plain.slm.rings[i], bound.slm.rings[i]):
+            np.testing.assert_array_equal(a, b)
+    assert bound.slm.runner.calls == plain.slm.runner.calls > 4
