@@ -184,10 +184,20 @@ class VerifierClient:
             status = e.response.status_code
             if status in (401, 403):
                 raise AuthRefused(f"{where} refused the connection (HTTP {status}): check the auth token") from None
+            retry = e.response.headers.get("Retry-After")
+            if status == 429:
+                raise AuthRefused(f"{where} refused the connection (HTTP 429): too many refused auth attempts from "
+                                  f"this address; retry after {retry} s with the right token") from None
+            if status == 503:
+                raise ServerUnreachable(f"{where} is at its connection limit (HTTP 503); retry after {retry} s") \
+                    from None
             raise ServerUnreachable(f"{where} answered HTTP {status}, not a WebSocket: is it a hycoc "
                                     "verify-server?") from None
         except InvalidHandshake as e:
             raise ServerUnreachable(f"{where} did not complete a WebSocket handshake: {e}") from None
+        except ConnectionClosed as e:
+            raise ServerUnreachable(f"{where} closed the connection during the WebSocket handshake "
+                                    f"({_close_reason(e)})") from None
         except TimeoutError:
             raise ServerUnreachable(f"{where} did not answer within {self.timeout_s:g} s") from None
         except OSError as e:
@@ -259,7 +269,10 @@ class VerifierClient:
             self._abandon()
             raise RequestTimeout(f"no answer to the {what} from {self.url} within {self.timeout_s:g} s") from None
         except ConnectionClosed as e:
+            told = self._last_words()
             self._abandon()
+            if told is not None:  # the server said why before closing (idle_timeout, a limit, ...)
+                raise self._error(told, what) from None
             raise ConnectionDropped(f"the connection to {self.url} closed during the {what} "
                                     f"({_close_reason(e)})") from None
         self.last_up, self.last_down = len(frame), len(data)
@@ -280,6 +293,14 @@ class VerifierClient:
             raise BadReply(f"the verifier answered the {what} with {type(msg).__name__}, expected "
                            f"{expected.__name__}")
         return msg
+
+    def _last_words(self) -> ErrorReply | None:
+        """An ERROR frame the server sent before closing the connection (still buffered here), else None."""
+        try:
+            msg = wire.decode(self._ws.recv(timeout=0), self._limits)
+        except Exception:  # noqa: BLE001 -- nothing buffered, or not a frame: there were no last words
+            return None
+        return msg if isinstance(msg, ErrorReply) else None
 
     def _error(self, reply: ErrorReply, what: str) -> TransportError:
         if reply.code in _AUTH_CODES:

@@ -329,14 +329,19 @@ class _GuardedProtocol(asyncio.Protocol):
 
     def __init__(self, server: "VerifierServer", handler: asyncio.Protocol):
         self.server, self.handler, self.link = server, handler, None
+        self.transport, self.answered = None, False
 
     def connection_made(self, transport) -> None:
+        self.transport = transport
         self.link = self.server._admit(transport)
         if self.link is not None:
             self.handler.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        if self.link is None:
+        if self.link is None:              # refused: answer 503 once, discard the rest
+            if not self.answered:
+                self.answered = True
+                self.server._busy(self.transport)
             return
         if self.link.upgraded and self.link.frame_since is None:
             self.link.frame_since = time.monotonic()
@@ -483,15 +488,21 @@ class VerifierServer:
         """A new TCP connection: its `_Link`, or None after answering HTTP 503 when max_connections are open."""
         if len(self._links) >= self.limits.max_connections:
             self.metrics.refusals["max_connections"] += 1
-            retry = math.ceil(self.limits.retry_after_s)
-            body = (f"max_connections = {self.limits.max_connections} reached; retry after {retry} s\n").encode()
-            transport.write(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: %d\r\nContent-Type: text/plain\r\n"
-                            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (retry, len(body), body))
-            transport.close()
+            asyncio.get_running_loop().call_later(self.limits.handshake_timeout_s, transport.close)
             return None
         link = self._links[transport] = _Link(transport)
         self.metrics.connections_active = len(self._links)
         return link
+
+    def _busy(self, transport: asyncio.Transport) -> None:
+        """Answer a connection refused by `_admit` once its request arrives (a response sent before the request
+        confuses clients): HTTP 503 with Retry-After, then close after a second of discarding its bytes (closing
+        with them unread would reset the connection before the client reads the answer)."""
+        retry = math.ceil(self.limits.retry_after_s)
+        body = (f"max_connections = {self.limits.max_connections} reached; retry after {retry} s\n").encode()
+        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: %d\r\nContent-Type: text/plain\r\n"
+                        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (retry, len(body), body))
+        asyncio.get_running_loop().call_later(1.0, transport.close)
 
     def _release(self, link: _Link) -> None:
         self._links.pop(link.transport, None)

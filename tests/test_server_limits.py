@@ -1,0 +1,217 @@
+"""The verifier server's limits (issue 12 fault 7; DESIGN.md "Limits"): every limit refuses with its code and
+counts in hycoc_refusals_total{kind}. Small limits (fractions of a second, a few connections) on the tiny models.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
+
+from hycoc import wire
+from hycoc.messages import DraftTree, ErrorReply, OpenRequest, Sampling
+from hycoc.runtime.transport import AuthRefused, ServerError, ServerUnreachable, VerifierClient
+from hycoc.verifier import VerifierEngine
+from hycoc.verifier.server import ServerLimits, ServerThread, open_frame_bytes
+from tiny_models import tiny_verifier
+
+torch.set_num_threads(1)
+SCALES = (0.1, 0.1, 0.05, 0.05, 0.05, 0.05)
+ROWS = 7
+MAX_CONTEXT = 128
+TOKEN = "s3cret"
+QUICK = dict(handshake_timeout_s=0.5, frame_timeout_s=0.5, idle_timeout_s=0.6, retry_after_s=2.0)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = VerifierEngine(tiny_verifier(), head_window=6, handoff_scales=SCALES, max_context=MAX_CONTEXT)
+    yield eng
+    eng.close()
+
+
+@contextmanager
+def serving(engine, **limits):
+    with ServerThread(engine, tree_rows=ROWS, auth_token=TOKEN, limits=ServerLimits(**limits)) as srv:
+        yield srv
+
+
+def request(n=10, max_new=200, token=TOKEN) -> OpenRequest:
+    return OpenRequest(prompt_ids=np.arange(20, 20 + n, dtype=np.int32), sampling=Sampling(0.0, 64, 0.95),
+                       max_new_tokens=max_new, auth_token=token)
+
+
+def refusals(srv) -> dict:
+    return dict(srv.server.metrics.refusals)
+
+
+def tcp(srv) -> socket.socket:
+    host, port = srv.url.removeprefix("ws://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
+    """(whether the server closed the socket within ``seconds``, bytes it sent before)."""
+    sock.settimeout(seconds)
+    got = b""
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+        return True, got
+    except (TimeoutError, socket.timeout):
+        return False, got
+    except ConnectionResetError:
+        return True, got
+
+
+def upgrade(sock: socket.socket) -> None:
+    sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(1)
+    assert head.startswith(b"HTTP/1.1 101"), head
+
+
+def ws_frame_header(length: int) -> bytes:
+    """A client's binary WebSocket frame header announcing ``length`` payload bytes (masked, 64-bit length)."""
+    return bytes([0x82, 0x80 | 127]) + struct.pack(">Q", length) + b"\x00\x00\x00\x00"
+
+
+def metric(srv, series: str) -> float:
+    from urllib.request import urlopen
+
+    text = urlopen(srv.http_url + "/metrics", timeout=10).read().decode()
+    return float(next(line.rsplit(" ", 1)[1] for line in text.splitlines() if line.startswith(series + " ")))
+
+
+def test_limits_are_checked_and_incoming_frames_bounded_by_the_largest_open():
+    with pytest.raises(ValueError, match="ServerLimits.max_sessions = 0"):
+        ServerLimits(max_sessions=0)
+    assert open_frame_bytes(128) == 16 + 36 + 4 * 127 + 65535 == 66095
+
+
+def test_silent_tcp_and_trickled_headers_are_closed_after_the_handshake_timeout(engine):
+    with serving(engine, **QUICK) as srv:
+        silent, trickle = tcp(srv), tcp(srv)
+        t0 = time.monotonic()
+        for byte in b"GET / HTTP/1.1\r\nHost: x\r\n":
+            try:
+                trickle.sendall(bytes([byte]))
+            except OSError:
+                break
+            time.sleep(0.05)
+        assert closed_within(silent, 3)[0] and closed_within(trickle, 3)[0]
+        assert time.monotonic() - t0 < 3
+        assert refusals(srv)["handshake_timeout"] == 2
+        assert metric(srv, 'hycoc_refusals_total{kind="handshake_timeout"}') == 2
+
+
+def test_an_upgraded_socket_without_open_gets_error_handshake_timeout(engine):
+    with serving(engine, **QUICK) as srv:
+        ws = connect(srv.url, compression=None, proxy=None, legacy=True)
+        msg = wire.decode(ws.recv(timeout=5))
+        assert isinstance(msg, ErrorReply) and msg.code == "handshake_timeout"
+        ws.close()
+
+
+def test_a_partial_frame_is_dropped_after_the_frame_timeout(engine):
+    with serving(engine, **{**QUICK, "handshake_timeout_s": 30.0}) as srv:
+        sock = tcp(srv)
+        upgrade(sock)
+        sock.sendall(ws_frame_header(1000) + b"x" * 999)       # all but the last byte
+        t0 = time.monotonic()
+        closed, got = closed_within(sock, 5)
+        assert closed and 0.4 < time.monotonic() - t0 < 3
+        assert b"frame_timeout" in got                           # the ERROR frame came first
+        assert refusals(srv)["frame_timeout"] == 1
+
+
+def test_an_announced_16_mb_frame_is_cut_at_twice_the_largest_open(engine):
+    with serving(engine, **{**QUICK, "handshake_timeout_s": 30.0, "frame_timeout_s": 30.0}) as srv:
+        sock = tcp(srv)
+        upgrade(sock)
+        sock.sendall(ws_frame_header(16 * 2**20) + b"x" * 4096)
+        closed, _ = closed_within(sock, 5)                       # aiohttp refuses it at once (close 1009)
+        assert closed and srv.server.in_frame_bytes == 66095
+
+
+def test_an_idle_session_is_freed_and_told_why(engine):
+    with serving(engine, **QUICK) as srv:
+        client = VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10)
+        opened = client.open(request())
+        assert srv.server.metrics.kv_bytes_reserved == MAX_CONTEXT * engine.kv_bytes_per_position  # 217 capped
+        time.sleep(1.5)
+        assert srv.server.sessions == {} and srv.server.metrics.kv_bytes_reserved == 0
+        with pytest.raises(ServerError) as info:
+            client.round(DraftTree(0, np.full(ROWS, 29, np.int32), np.arange(-1, ROWS - 1, dtype=np.int32)))
+        assert info.value.code == "idle_timeout" and opened.session_id == 1
+        assert refusals(srv)["idle_timeout"] == 1
+
+
+def test_connections_over_the_limit_get_503_with_retry_after(engine):
+    with serving(engine, **{**QUICK, "handshake_timeout_s": 30.0, "max_connections": 3}) as srv:
+        held = [tcp(srv) for _ in range(3)]
+        time.sleep(0.2)
+        probe = tcp(srv)
+        probe.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        closed, got = closed_within(probe, 5)
+        assert closed and got.startswith(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 2\r\n")
+        assert refusals(srv)["max_connections"] == 1 and srv.server.metrics.connections_active == 3
+        with pytest.raises(ServerUnreachable, match="connection limit .HTTP 503.; retry after 2 s"):
+            VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10).open(request())
+        for s in held:
+            s.close()
+
+
+def test_sessions_over_the_limit_get_too_many_sessions(engine):
+    with serving(engine, **{**QUICK, "idle_timeout_s": 30.0, "max_sessions": 1}) as srv:
+        first = VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10)
+        first.open(request())
+        with pytest.raises(ServerError) as info:
+            VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10).open(request())
+        assert info.value.code == "too_many_sessions"
+        assert "1 sessions are open, max_sessions = 1; retry after 2 s" in str(info.value)
+        first.close()
+        deadline = time.monotonic() + 5
+        while srv.server.sessions and time.monotonic() < deadline:
+            time.sleep(0.05)
+        VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10).open(request())   # room again
+        assert refusals(srv)["max_sessions"] == 1
+
+
+def test_the_kv_budget_refuses_an_open_that_would_pass_it(engine):
+    per = engine.kv_bytes_per_position                  # 1,024 B: 4 layers x (32 K + 32 V) x 4 B
+    assert per == 1024
+    with serving(engine, **{**QUICK, "idle_timeout_s": 30.0, "max_kv_bytes": 200_000}) as srv:
+        a = VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10)
+        a.open(request())                               # min(10 + 200 + 7, max_context 128) x 1,024 = 131,072 B
+        with pytest.raises(ServerError) as info:
+            VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10).open(request())
+        assert info.value.code == "kv_budget_exhausted"
+        assert "needs 131072 KV bytes (128 positions), 131072 of max_kv_bytes = 200000" in str(info.value)
+        VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10).open(request(max_new=50))  # 67 x 1,024 fits
+        assert srv.server.metrics.kv_bytes_reserved == 131072 + 68608
+        assert refusals(srv)["max_kv_bytes"] == 1
+
+
+def test_auth_failures_are_rate_limited_per_peer(engine):
+    with serving(engine, **{**QUICK, "auth_failures_per_minute": 3}) as srv:
+        for _ in range(3):
+            with pytest.raises(AuthRefused):
+                VerifierClient(srv.url, auth_token="wrong", timeout_s=10).open(request(token="wrong"))
+        with pytest.raises(InvalidStatus) as info:     # the 4th is refused at the upgrade, before any token
+            connect(srv.url, compression=None, proxy=None, legacy=True)
+        assert info.value.response.status_code == 429
+        assert 55 <= int(info.value.response.headers["Retry-After"]) <= 60
+        with pytest.raises(AuthRefused, match="HTTP 429"):   # even with the right token, until the minute passes
+            VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10).open(request())
+        assert refusals(srv)["auth_failures_per_minute"] == 2
+        assert srv.server.metrics.errors["auth_refused"] == 3
