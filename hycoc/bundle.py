@@ -18,7 +18,9 @@ is either the old bundle, or absent, or complete. A process killed outright can 
 sibling behind (never the bundle itself); delete it by hand.
 
 Loading (`load_manifest`): every refusal is a `BundleError` subclass with a one-line message naming the bundle,
-the file or key, both values where two disagree, and what to do.
+the file or key, both values where two disagree, and what to do. The manifest covers itself: ``digest`` is the
+sha256 of its canonical JSON (every other key), so an edited value (``round.chain_length``, a hand-off scale, the
+recipe hash) is refused like an edited file. It catches edits and corruption, not a forger who recomputes it.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-SCHEMA_VERSION = 1
+#: 2: the manifest carries ``digest``, the sha256 of its own canonical content (issue 12 fault 8).
+SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
 
 #: Suffixes of files a graph loader would open; one of these in the folder but not in the manifest is refused.
@@ -274,6 +277,14 @@ class Manifest(_Model):
     host: HostInfo | None = Field(None, description="host-side constants; needed by `hycoc run`")
     files: list[FileEntry]
     graphs: list[GraphEntry]
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the canonical JSON of every other key "
+                        "(`content_digest`): an edit of the manifest itself is refused at load")
+
+    def content_digest(self) -> str:
+        """sha256 hex of the manifest's canonical JSON without ``digest``: keys sorted, no whitespace, UTF-8."""
+        body = json.dumps(self.model_dump(mode="json", exclude={"digest"}), sort_keys=True, separators=(",", ":"),
+                          ensure_ascii=False)
+        return hashlib.sha256(body.encode("utf-8")).hexdigest()
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
@@ -417,9 +428,10 @@ class BundleWriter:
             manifest = Manifest(
                 schema_version=SCHEMA_VERSION, created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 recipe=recipe, target=target, round=round, quantization=quantization, keep_set_size=keep_set_size,
-                handoff=handoff, host=host, files=files, graphs=graphs)
+                handoff=handoff, host=host, files=files, graphs=graphs, digest="0" * 64)
         except ValidationError as e:
             raise ManifestInvalid(f"bundle {self.out_dir}: cannot write the manifest: {_first_error(e)}") from None
+        manifest = manifest.model_copy(update={"digest": manifest.content_digest()})
         with open(self.tmp / MANIFEST, "w", encoding="utf-8") as f:
             f.write(manifest.to_json())
             f.flush()
@@ -481,6 +493,10 @@ def load_manifest(bundle_dir: str | os.PathLike, verify: bool = True) -> Manifes
         manifest = Manifest.model_validate_json(path.read_bytes())
     except ValidationError as e:
         raise ManifestInvalid(f"{where}: {MANIFEST}: {_first_error(e)}; {_REBUILD}") from None
+    actual = manifest.content_digest()
+    if actual != manifest.digest:
+        raise ManifestInvalid(f"{where}: {MANIFEST} was edited after the build: its content has sha256 {actual}, "
+                              f"its digest says {manifest.digest}; {_REBUILD}")
     if verify:
         verify_files(folder, manifest)
     return manifest

@@ -191,10 +191,36 @@ def test_overwrite_keeps_the_old_bundle_when_the_new_one_fails(bundle):
 # ---- refusals ----------------------------------------------------------------------------------------------
 
 
-def edit_manifest(bundle: Path, change) -> None:
+def edit_manifest(bundle: Path, change, redigest: bool = True) -> None:
+    """Edit manifest.json; ``redigest`` recomputes its digest so that the edit itself is what gets checked."""
     data = json.loads((bundle / "manifest.json").read_text())
     change(data)
+    if redigest and "digest" in data:
+        body = {k: v for k, v in data.items() if k != "digest"}
+        data["digest"] = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"),
+                                                   ensure_ascii=False).encode()).hexdigest()
     (bundle / "manifest.json").write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("change", [
+    lambda d: d["round"].update(chain_length=d["round"]["chain_length"] + 1),
+    lambda d: d["handoff"].update(scale_hidden=d["handoff"]["scale_hidden"] * 2),
+    lambda d: d["recipe"].update(sha256="0" * 64),
+])
+def test_an_edited_manifest_value_is_refused_by_its_digest(bundle, change):
+    digest = load_manifest(bundle).digest
+    edit_manifest(bundle, change, redigest=False)
+    with pytest.raises(ManifestInvalid) as e:
+        load_manifest(bundle, verify=False)
+    assert "manifest.json was edited after the build: its content has sha256 " in str(e.value)
+    assert f"its digest says {digest}; rebuild the bundle with `hycoc build`" in str(e.value)
+
+
+def test_the_digest_is_the_sha256_of_the_canonical_manifest(bundle):
+    data = json.loads((bundle / "manifest.json").read_text())
+    body = json.dumps({k: v for k, v in data.items() if k != "digest"}, sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=False)
+    assert data["digest"] == hashlib.sha256(body.encode()).hexdigest() == load_manifest(bundle).content_digest()
 
 
 def test_a_tampered_file_is_refused_naming_both_hashes(bundle):
@@ -228,7 +254,7 @@ def test_an_unlisted_graph_file_is_refused(bundle, name):
         load_manifest(bundle)
 
 
-@pytest.mark.parametrize("version,hint", [(2, "; upgrade hycoc on this device, or rebuild"), (0, "; rebuild")])
+@pytest.mark.parametrize("version,hint", [(3, "; upgrade hycoc on this device, or rebuild"), (1, "; rebuild")])
 def test_another_schema_version_is_refused_naming_both(bundle, version, hint):
     edit_manifest(bundle, lambda d: d.update(schema_version=version, field_of_the_future=1))
     with pytest.raises(SchemaVersionMismatch) as e:
