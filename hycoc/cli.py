@@ -64,6 +64,36 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+AUTH_TOKEN_HELP = ("prefer the HYCOC_AUTH_TOKEN environment variable or --auth-token-file: a token given as "
+                   "--auth-token is visible to every local user (ps, /proc/PID/cmdline)")
+
+
+def _auth_token(command: str, ctx: typer.Context, token: str | None, token_file: Path | None) -> str | None:
+    """The auth token from --auth-token-file, HYCOC_AUTH_TOKEN or --auth-token (in that order of preference).
+
+    A token typed as --auth-token gets a warning on stderr (issue 12 fault 10: /proc/PID/cmdline shows it to every
+    local user). Raises typer.Exit (code 2) for an empty token, an unreadable or empty file, or both a file and
+    a command-line token."""
+    source = ctx.get_parameter_source("auth_token")  # typer's own click: compare by name, not identity
+    on_command_line = token is not None and getattr(source, "name", None) == "COMMANDLINE"
+    if token_file is not None:
+        if on_command_line:
+            raise _fail(command, "give one of --auth-token and --auth-token-file", code=2)
+        try:
+            token = token_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise _fail(command, f"--auth-token-file {token_file}: cannot read it ({e})", code=2) from None
+        if not token:
+            raise _fail(command, f"--auth-token-file {token_file}: the file is empty", code=2)
+        return token
+    if token == "":
+        raise _fail(command, "--auth-token is empty: give a token, or leave the option out", code=2)
+    if on_command_line:
+        typer.echo(f"hycoc {command}: warning: --auth-token on the command line is visible to every local user "
+                   "(ps, /proc/PID/cmdline); set HYCOC_AUTH_TOKEN or use --auth-token-file FILE instead", err=True)
+    return token
+
+
 def _fail(command: str, message: str, code: int = 1) -> typer.Exit:
     typer.echo(f"hycoc {command}: {message}", err=True)
     return typer.Exit(code)
@@ -184,6 +214,7 @@ def build(
 
 @app.command()
 def run(
+    ctx: typer.Context,
     bundle: Path = typer.Argument(..., help="bundle folder made by `hycoc build`", show_default=False),
     server: Optional[str] = typer.Option(None, metavar="URL", help="verifier address, ws://HOST:PORT (not needed "
                                          "for --mode slm-alone)", show_default=False),
@@ -208,7 +239,9 @@ def run(
     threads: Optional[int] = typer.Option(None, min=1, help="CPU threads per graph session (cpu backend)",
                                           show_default=False),
     auth_token: Optional[str] = typer.Option(
-        None, envvar="HYCOC_AUTH_TOKEN", help="token the server requires", show_default=False),
+        None, envvar="HYCOC_AUTH_TOKEN", help=f"token the server requires; {AUTH_TOKEN_HELP}", show_default=False),
+    auth_token_file: Optional[Path] = typer.Option(
+        None, help="read the token the server requires from this file (one line)", show_default=False),
     timeout: float = typer.Option(120.0, min=1.0, help="seconds to wait for the server's answers"),
 ) -> None:
     """Device runtime: draft hybrid trees against a verifier server and stream the answer (Alg. 1-3).
@@ -251,6 +284,7 @@ def run(
         raise _fail("run", "the prompt encodes to no tokens", code=2)
     r = rt.bundle.round
     sampling = Sampling(r.temperature if temperature is None else temperature, r.top_k, r.top_p)
+    auth_token = _auth_token("run", ctx, auth_token, auth_token_file)
     client = None if mode == RunMode.slm_alone else VerifierClient(server, auth_token, timeout_s=timeout)
 
     streamed = []
@@ -269,7 +303,7 @@ def run(
             sys.stdout.flush()
         message = str(e)
         if "auth_required" in message or "auth_refused" in message:
-            message += " (hycoc run: pass --auth-token TOKEN or set HYCOC_AUTH_TOKEN)"
+            message += " (hycoc run: set HYCOC_AUTH_TOKEN or pass --auth-token-file FILE)"
         raise _fail("run", message) from None
     sys.stdout.write("\n")
     m = res.to_json()
@@ -283,6 +317,7 @@ def run(
 
 @app.command("verify-server")
 def verify_server(
+    ctx: typer.Context,
     recipe: Path = RECIPE_ARG,
     host: Optional[str] = typer.Option(None, help="listen address (default: the recipe's verifier.host, 127.0.0.1)",
                                        show_default=False),
@@ -293,7 +328,9 @@ def verify_server(
                                             show_default=False),
     auth_token: Optional[str] = typer.Option(
         None, envvar="HYCOC_AUTH_TOKEN", help="require this token from clients, in OPEN or as 'Authorization: "
-        "Bearer TOKEN' (default: none, an open server)", show_default=False),
+        f"Bearer TOKEN' (default: none, an open server); {AUTH_TOKEN_HELP}", show_default=False),
+    auth_token_file: Optional[Path] = typer.Option(
+        None, help="read the token clients must present from this file (one line)", show_default=False),
     keep_set: Optional[Path] = typer.Option(
         None, help="keep set for server-head sessions: a .npy of int token ids (the keep-set pass writes "
         "keep_set.npy); without it server-head sessions are refused with error no_keep_set", show_default=False),
@@ -308,8 +345,7 @@ def verify_server(
     """
     cfg = _recipe("verify-server", recipe)
     _need_full("verify-server")
-    if auth_token == "":
-        raise _fail("verify-server", "--auth-token is empty: give a token, or leave the option out", code=2)
+    auth_token = _auth_token("verify-server", ctx, auth_token, auth_token_file)
     from hycoc.models import ModelNotFoundError
     from hycoc.recipe import RecipeError
     from hycoc.verifier.loading import DeviceUnavailable, engine_from_recipe, server_options

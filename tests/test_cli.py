@@ -5,8 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from hycoc.cli import BENCH_CONFIGS, app
@@ -241,3 +243,39 @@ def test_verify_server_refuses_a_bad_keep_set_before_listening(tmp_path):
     result = invoke("verify-server", TOY, "--keep-set", too_big)
     assert result.exit_code == 1
     assert "token id 4096 is outside the verifier's vocabulary of 4096" in result.stderr
+
+
+# ---- the auth token (issue 12 fault 10) ----------------------------------------------------------------------
+
+
+def _token_app():
+    """A one-command app with run's two auth options, printing the token `_auth_token` settles on."""
+    from hycoc.cli import _auth_token
+
+    app = typer.Typer()
+
+    @app.command()
+    def main(ctx: typer.Context,
+             auth_token: Optional[str] = typer.Option(None, envvar="HYCOC_AUTH_TOKEN"),
+             auth_token_file: Optional[Path] = typer.Option(None)) -> None:
+        typer.echo(f"token={_auth_token('run', ctx, auth_token, auth_token_file)}")
+
+    return app
+
+
+def test_auth_token_on_the_command_line_is_warned_about(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(_token_app(), ["--auth-token", "s3cret"])
+    assert result.exit_code == 0 and result.stdout == "token=s3cret\n"
+    assert result.stderr == ("hycoc run: warning: --auth-token on the command line is visible to every local user "
+                             "(ps, /proc/PID/cmdline); set HYCOC_AUTH_TOKEN or use --auth-token-file FILE instead\n")
+    result = runner.invoke(_token_app(), [], env={"HYCOC_AUTH_TOKEN": "s3cret"})
+    assert result.stdout == "token=s3cret\n" and result.stderr == ""            # the environment: no warning
+    (tmp_path / "token").write_text("from-file\n")
+    result = runner.invoke(_token_app(), ["--auth-token-file", str(tmp_path / "token")])
+    assert result.stdout == "token=from-file\n" and result.stderr == ""
+    result = runner.invoke(_token_app(), ["--auth-token-file", str(tmp_path / "token"), "--auth-token", "x"])
+    assert result.exit_code == 2 and "give one of --auth-token and --auth-token-file" in result.stderr
+    (tmp_path / "empty").write_text("\n")
+    result = runner.invoke(_token_app(), ["--auth-token-file", str(tmp_path / "empty")])
+    assert result.exit_code == 2 and "the file is empty" in result.stderr
