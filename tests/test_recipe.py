@@ -313,8 +313,6 @@ def test_every_numeric_knob_has_an_upper_bound():
 
     unbounded = []
     for table, section in Recipe.model_fields.items():
-        if table == "tune":  # issue 13's table, bounded by its owner
-            continue
         for key, field in section.annotation.model_fields.items():
             if field.annotation in (int, float):
                 if not any(isinstance(m, (annotated_types.Le, annotated_types.Lt)) for m in field.metadata):
