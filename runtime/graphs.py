@@ -140,6 +140,7 @@ class GraphRunner:
         check_graph_io(self.entry, io[0], io[1])
         self.inputs: dict[str, TensorSpec] = {t.name: t for t in self.entry.inputs}
         self.outputs: dict[str, TensorSpec] = {t.name: t for t in self.entry.outputs}
+        self._input_specs = [(t.name, t, tuple(t.shape)) for t in self.entry.inputs]
         self.output_names = [t.name for t in self.entry.outputs]
         if self._wanted is not None:
             unknown = sorted(set(self._wanted) - set(self.output_names))
@@ -182,11 +183,11 @@ class GraphRunner:
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         ort_feeds = {}
-        for name, spec in self.inputs.items():
+        for name, spec, shape in self._input_specs:
             if name not in feeds:
                 raise GraphIOMismatch(f"graph {self.name}: no feed for input {name}")
             x = feeds[name]
-            if list(x.shape) != spec.shape:
+            if x.shape != shape:
                 raise GraphIOMismatch(f"graph {self.name}: input {name} has shape {list(x.shape)}, the graph takes "
                                       f"{spec.shape}")
             if spec.dtype == "float32":

@@ -141,19 +141,30 @@ class TreeBuilder:
         if not order:
             return []
         logq = expand(tree, order)                        # line 8
-        cands: list[tuple[float, int, int]] = []          # (s, v, token) in C order
+        c_s, c_v, c_tok = [], [], []                      # candidates (s, v, token) in C order, as arrays
         for v in order:                                   # lines 10-13
             if v not in logq:
                 continue
             c = logq[v]                                   # the 32 largest q, ties to the lower index
             c = c.head(self.candidates) if isinstance(c, Candidates) else logq_candidates(c, self.candidates)
-            s_v = tree.nodes[v].score
-            for token, lq in zip(self.keep_set[c.index].tolist(), c.logq.tolist()):
-                if not tree.has_child(v, token):
-                    cands.append((s_v + lq + self.ln_lambda, v, token))
-        scores = sorted([n.score for n in tree.nodes[1:]] + [c[0] for c in cands], reverse=True)
-        theta = scores[self.budget - 1] if len(scores) >= self.budget else -np.inf  # line 14
-        return [tree.add(token, v, s, SLM) for s, v, token in cands if s >= theta]
+            tokens = self.keep_set[c.index]
+            s = tree.nodes[v].score + c.logq + self.ln_lambda  # float64, summed in the order of line 13
+            kids = [tok for parent, tok in tree.edges if parent == v]
+            if kids:                                      # (v, c) only when v has no child c yet
+                new = ~np.isin(tokens, kids)
+                tokens, s = tokens[new], s[new]
+            c_s.append(s)
+            c_tok.append(tokens)
+            c_v.append(np.full(len(tokens), v, np.int64))
+        cand_s = np.concatenate(c_s) if c_s else np.zeros(0)
+        scores = np.concatenate([np.array([n.score for n in tree.nodes[1:]], np.float64), cand_s])
+        # line 14: θ = the B-th highest score over the tree's nodes and the candidates
+        theta = -np.partition(-scores, self.budget - 1)[self.budget - 1] if len(scores) >= self.budget else -np.inf
+        if not c_s:
+            return []
+        cand_v, cand_tok = np.concatenate(c_v), np.concatenate(c_tok)
+        return [tree.add(int(cand_tok[i]), int(cand_v[i]), float(cand_s[i]), SLM)
+                for i in np.flatnonzero(cand_s >= theta)]
 
     # ---- lines 16-17 -------------------------------------------------------------------------------------------
 

@@ -134,18 +134,18 @@ def test_trees_from_graph_top_k_equal_the_host_path_on_the_tiny_bundle(tiny_bund
 
 
 def test_old_bundle_without_top_k_outputs_is_refused(tiny_bundle, tmp_path):
-    import json
     import shutil
 
-    from hycoc.bundle import ManifestInvalid
+    from hycoc.bundle import Manifest, ManifestInvalid
     from hycoc.runtime.device_bundle import open_bundle
 
     copy = tmp_path / "old"
     shutil.copytree(tiny_bundle.bundle, copy)
-    manifest = json.loads((copy / "manifest.json").read_text())
-    for g in manifest["graphs"]:
-        g["outputs"] = [o for o in g["outputs"] if not o["name"].startswith("top_")]
-    (copy / "manifest.json").write_text(json.dumps(manifest))
+    m = Manifest.model_validate_json((copy / "manifest.json").read_text())
+    graphs = [g.model_copy(update={"outputs": [o for o in g.outputs if not o.name.startswith("top_")]})
+              for g in m.graphs]                          # what an older hycoc wrote: logits only
+    m = m.model_copy(update={"graphs": graphs})
+    (copy / "manifest.json").write_text(m.model_copy(update={"digest": m.content_digest()}).to_json())
     with pytest.raises(ManifestInvalid, match="no top_index output .*rebuild it"):
         open_bundle(copy, "cpu")
 
