@@ -151,7 +151,9 @@ class TreeBuilder:
             s = tree.nodes[v].score + c.logq + self.ln_lambda  # float64, summed in the order of line 13
             kids = [tok for parent, tok in tree.edges if parent == v]
             if kids:                                      # (v, c) only when v has no child c yet
-                new = ~np.isin(tokens, kids)
+                new = tokens != kids[0]
+                for tok in kids[1:]:                      # a node has few children: a compare each
+                    new &= tokens != tok
                 tokens, s = tokens[new], s[new]
             c_s.append(s)
             c_tok.append(tokens)
