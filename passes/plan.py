@@ -322,7 +322,9 @@ def real_shape_plan(recipe: Recipe) -> dict:
         _io("cos_sliding", (1, 1, d_s)), _io("sin_sliding", (1, 1, d_s)),
         _io("cos_full", (1, 1, d_f)), _io("sin_full", (1, 1, d_f)),
     ]
-    head_outputs = [_io("logits", (1, 1, keep), note="over the keep set"), _io("h_next", (1, 1, H))]
+    head_outputs = [_io("logits", (1, 1, keep), note="over the keep set; compiler checks only, the runtime reads "
+                        "top_index"), _io("h_next", (1, 1, H)),
+                    _io("top_index", (1, 1, 2), "int64", note="TopK in the graph (passes/topk_outputs.py)")]
     head_lin = (_linear_weights(head.pre_projection, "pre_projection")
                 + _linear_weights(head.model.layers, "model.layers.")
                 + [("lm_head", keep, Hh)]
@@ -361,7 +363,7 @@ def real_shape_plan(recipe: Recipe) -> dict:
         s = t.removesuffix("_attention")
         slm_inputs += [_io(f"cos_{s}", (1, slm_rows, d)), _io(f"sin_{s}", (1, slm_rows, d)),
                        _io(f"mask_{s}", (1, 1, slm_rows, ring[t] + slm_rows))]
-    slm_outputs = [_io("logits", (1, slm_rows, keep), note="over the keep set, soft-capped")]
+    slm_outputs = [_io("logits", (1, slm_rows, keep), note="over the keep set, soft-capped; compiler checks only")]
     kv_bits = int(recipe.slm_calibration.kv_bits)
     slm_ring_values = 0
     for i in kv_layers:
@@ -371,6 +373,9 @@ def real_shape_plan(recipe: Recipe) -> dict:
             slm_inputs.append(_io(f"{kvn}_ring_{i}", (1, kv, ring[t], d), note=f"{kv_bits}-bit"))
         slm_outputs += [_io(f"k_new_{i}", (1, kv, slm_rows, d)), _io(f"v_new_{i}", (1, kv, slm_rows, d))]
         slm_ring_values += 2 * kv * ring[t] * d
+    cands = recipe.tree.slm_candidates
+    slm_outputs += [_io("top_index", (1, slm_rows, cands), "int64", note="TopK in the graph (passes/topk_outputs.py)"),
+                    _io("top_logq", (1, slm_rows, cands), note="log q of top_index: TopK - logsumexp in the graph")]
     slm_lin = _linear_weights(slm.model.layers, "model.layers.")
     if P:
         slm_lin += _linear_weights(slm.model.per_layer_model_projection, "model.per_layer_model_projection")

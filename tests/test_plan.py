@@ -64,7 +64,7 @@ def test_gemma4_head_lut_is_keep_set_times_verifier_hidden(gemma4):
 def test_gemma4_head_graph_io(gemma4):
     g = gemma4["graphs"]["head"]
     assert [s["name"] for s in g["inputs"]] == list(HEAD_INPUTS)
-    assert [s["name"] for s in g["outputs"]] == list(HEAD_OUTPUTS)
+    assert [s["name"] for s in g["outputs"]] == [*HEAD_OUTPUTS, "top_index"]      # + the graph's top-2
     io = shapes(g["inputs"]) | shapes(g["outputs"])
     assert io["x_hat"] == (1, 1, 5632)
     assert io["k_sliding"] == io["v_sliding"] == (1, 8, 1024, 256)
@@ -86,6 +86,7 @@ def test_gemma4_slm_graph_io(gemma4):
     assert io["per_layer_inputs"] == (1, 32, 35, 256)
     assert io["mask_sliding"] == (1, 1, 32, 512 + 32) and io["mask_full"] == (1, 1, 32, 1024 + 32)
     assert io["logits"] == (1, 32, 86_089)
+    assert io["top_index"] == io["top_logq"] == (1, 32, 32)          # the graph's 32 candidates per row
     assert g["ring_kv"]["layers"] == list(range(15))  # 35 layers, the last 20 KV-shared
     assert io["k_ring_0"] == (1, 1, 512, 256) and io["k_ring_4"] == (1, 1, 1024, 512)
     assert io["v_new_14"] == (1, 1, 32, 512)
