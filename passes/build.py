@@ -4,7 +4,11 @@
 `build_pipeline(recipe, target)` assembles, in order (inputs: ``tokenizer``, ``torch_verifier``, ``torch_head``
 from the recipe's ``[models]``, loaded by `build_inputs`):
 
-    keep_set -> head_qat -> head_export -> qdq_head -> slm_surgery -> slm_tree_graph -> qdq_slm -> target_<name>
+    keep_set -> calibration_answers -> head_qat -> head_export -> qdq_head -> slm_surgery -> slm_tree_graph
+             -> qdq_slm -> target_<name>
+
+``calibration_answers`` has the verifier answer the calibration prompts once, in batches; the head QAT, the head's
+QDQ calibration and the SLM's read its answers (App. A: both calibrations use the same prompts and greedy answers).
 
 ``qdq_head`` is `hycoc.passes.qdq.QdqQuantize("onnx_head", "qdq_head")` once that pass takes the head; until
 then `hycoc.passes.head_export.HeadQdq` (`head_qdq_pass`).
@@ -167,13 +171,15 @@ def head_qdq_pass(seed: int = 0) -> Pass:
     except ValueError:
         return HeadQdq(seed=seed)
     # taken only when the pipeline before it makes everything it reads
-    made = {"tokenizer", "torch_verifier", "torch_head", "keep_set", "quantized_head", "onnx_head", "head_host"}
+    made = {"tokenizer", "torch_verifier", "torch_head", "keep_set", "calibration_answers", "quantized_head",
+            "onnx_head", "head_host"}
     return shared if set(shared.consumes) <= made else HeadQdq(seed=seed)
 
 
 def build_pipeline(recipe: Recipe, target: str, *, cache_dir: str | Path, console: Console | None = None,
                    seed: int = 0) -> Pipeline:
     """The pipeline of `hycoc build` for ``target`` (module docstring). Raises BuildError for an unknown target."""
+    from hycoc.passes.calibration_answers import CalibrationAnswersPass
     from hycoc.passes.head_export import HeadExport
     from hycoc.passes.head_qat import HeadQatPass
     from hycoc.passes.keep_set import KeepSetPass
@@ -183,8 +189,8 @@ def build_pipeline(recipe: Recipe, target: str, *, cache_dir: str | Path, consol
 
     if target not in TARGETS:
         raise BuildError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
-    passes: list[Pass] = [KeepSetPass(), HeadQatPass(seed=seed, console=console), HeadExport(seed=seed),
-                          head_qdq_pass(seed)]
+    passes: list[Pass] = [KeepSetPass(), CalibrationAnswersPass(), HeadQatPass(seed=seed),
+                          HeadExport(seed=seed), head_qdq_pass(seed)]
     graphs = {"head": "qdq_head"}
     passes += [SlmGraphSurgery(), SlmTreeGraphExport(), QdqQuantize("onnx_slm", "qdq_slm", seed=seed)]
     graphs["slm"] = "qdq_slm"

@@ -4,7 +4,7 @@ calibration": A16 ranges and the head's fixed input ranges "from calibration pro
 The hand-offs are real: the verifier engine (`hycoc.verifier.engine.VerifierEngine` over the pipeline's torch
 verifier, the recipe's hand-off scales, W, K, pre/post-norm h) opens a session on each calibration prompt,
 ``prefill``\\s it, and verifies one tree per round at temperature 0 with exact acceptance: the root and a chain of
-the next c tokens of the verifier's own greedy answer (`hycoc.passes.head_qat.greedy_answer`, cut at its stop
+the next c tokens of the verifier's own greedy answer (`hycoc.passes.calibration_answers`, cut at its stop
 tokens and at `answer_cap`), c cycling through 0..K, so the request follows the greedy answer and the hand-offs
 carry 1..K+1 committed rows as on the device. Every ``RoundReply.handoff`` is a real int8
 `hycoc.messages.HandOff` (the first one carries up to W prompt rows).
@@ -18,9 +18,10 @@ runner and records every feeds dict. So the samples hold what the device gives t
 values (outliers included), partly and fully filled rings, masks from `hycoc.host.ring_masks`, rotary rows at the
 fixed query position, and the later drafting steps' queries.
 
-Prompts: the head QAT's prompt source (`hycoc.passes.head_qat.prompt_sources`), chat-formatted, at most
-`CALIBRATION_PROMPTS` for the ranges and `HELD_OUT_PROMPTS` other ones for the held-out SQNR (fewer when the source
-is small: `pick_calibration_prompts`). The counts are constants of this module, not recipe keys.
+Prompts and answers: the build's calibration answers (`hycoc.passes.calibration_answers`: the verifier's greedy
+answers, made once for the head QAT and both calibrations), at most `CALIBRATION_PROMPTS` training prompts for the
+ranges and `HELD_OUT_PROMPTS` evaluation prompts for the held-out SQNR (fewer when the source is small). The counts
+are constants of this module, not recipe keys.
 
 Import direction: this pass imports ``hycoc.runtime`` (numpy only), never the reverse.
 """
@@ -159,41 +160,6 @@ def drive_request(engine, drafter: MtpDrafter, prompt: Sequence[int], cap: int, 
     return out
 
 
-def pick_calibration_prompts(recipe, tokenizer, seed: int = 0, calibration: int = CALIBRATION_PROMPTS,
-                             held_out: int = HELD_OUT_PROMPTS) -> tuple[list[list[int]], list[list[int]], str]:
-    """(calibration prompts, held-out prompts, source) as chat-formatted ids from the head QAT's prompt source,
-    skipping prompts longer than head_qat.max_seq_len minus `answer_cap`. One list for both (a JSONL file or a
-    corpus): the first fitting ones calibrate, the next are held out, and a small source is split about
-    calibration : held_out (at least one each). Raises HeadQatError when fewer than two prompts fit."""
-    from hycoc.chat import format_prompt
-    from hycoc.passes.head_qat import HeadQatError, prompt_sources
-
-    budget = recipe.head_qat.max_seq_len - answer_cap(recipe)
-    train_texts, eval_texts, source = prompt_sources(recipe, seed)
-
-    def fitting(texts, count):
-        out = []
-        for text in texts:
-            if len(out) == count:
-                break
-            ids = format_prompt(tokenizer, text)
-            if 1 <= len(ids) <= budget:
-                out.append(ids)
-        return out
-
-    if train_texts is eval_texts:
-        pool = fitting(train_texts, calibration + held_out)
-        if len(pool) < 2:
-            raise HeadQatError(f"head calibration: only {len(pool)} prompts of {source} fit {budget} tokens")
-        n_held = max(1, min(held_out, len(pool) * held_out // (calibration + held_out)))
-        return pool[:len(pool) - n_held], pool[len(pool) - n_held:], source
-    cal, held = fitting(train_texts, calibration), fitting(eval_texts, held_out)
-    if not cal or not held:
-        raise HeadQatError(f"head calibration: {len(cal)} calibration / {len(held)} held-out prompts of {source} "
-                           f"fit {budget} tokens")
-    return cal, held, source
-
-
 @dataclass
 class HeadCalibration:
     """Recorded head feeds (graph input dicts) and what made them (``stats``, JSON-ready)."""
@@ -234,12 +200,17 @@ def record_requests(engine, graph, shapes, bundle, prompts: Sequence[Sequence[in
 
 
 def real_head_calibration(verifier, quantized, onnx_inputs: Mapping[str, Sequence[int]], tokenizer, recipe,
-                          seed: int = 0) -> tuple[HeadCalibration, HeadCalibration, dict[str, Any]]:
+                          seed: int = 0, answers=None) -> tuple[HeadCalibration, HeadCalibration, dict[str, Any]]:
     """(calibration, held-out, numbers) for the QAT head ``quantized`` (module docstring). onnx_inputs: the head
-    graph's input name -> static shape. Raises RecipeError (hand-off scales unset), HeadQatError (prompts)."""
+    graph's input name -> static shape. ``answers``: the build's `hycoc.passes.calibration_answers.CalibrationAnswers`
+    (its first `CALIBRATION_PROMPTS` train and `HELD_OUT_PROMPTS` eval pairs, or all when fewer, answers cut at
+    `answer_cap`); None makes them here (`make_answers`). Raises RecipeError (hand-off scales unset), HeadQatError
+    (prompts)."""
     from hycoc.chat import stop_token_ids
+    from hycoc.passes.calibration_answers import make_answers
     from hycoc.passes.head_graph import HeadGraph, embedding_table, rotary_tables
-    from hycoc.passes.head_qat import dequantized_head, greedy_answer
+    from hycoc.passes.head_qat import dequantized_head
+    from hycoc.progress import step
     from hycoc.verifier.engine import VerifierEngine
 
     rebuilt = dequantized_head(quantized)
@@ -248,21 +219,24 @@ def real_head_calibration(verifier, quantized, onnx_inputs: Mapping[str, Sequenc
     q, scale = embedding_table(verifier, quantized.keep_set)
     bundle = runtime_bundle(recipe, quantized.keep_set, (q.numpy(), scale.numpy()), rotary_tables(rebuilt.config),
                             sliding_window)
-    cal_prompts, held_prompts, source = pick_calibration_prompts(recipe, tokenizer, seed)
     cap = answer_cap(recipe)
+    t0 = time.perf_counter()
+    if answers is None:
+        answers = make_answers(verifier, tokenizer, recipe)
+    answer_s = time.perf_counter() - t0
+    source = answers.source
+    cal_prompts, cal_answers = answers.take("train", min(CALIBRATION_PROMPTS, len(answers.train)), cap)
+    held_prompts, held_answers = answers.take("eval", min(HELD_OUT_PROMPTS, len(answers.eval)), cap)
     engine = VerifierEngine(verifier, head_window=recipe.window.head_window, chain_length=recipe.tree.chain_length,
                             handoff_scales=handoff_scales(recipe), hidden=recipe.handoff.hidden,
                             head_query_position_offset=recipe.window.head_query_position_offset,
                             eos_token_ids=stop_token_ids(tokenizer), device=verifier.device)
-    stops = stop_token_ids(tokenizer)
-    t0 = time.perf_counter()
-    answers = [greedy_answer(verifier, p, cap, stops) for p in [*cal_prompts, *held_prompts]]
-    answer_s = time.perf_counter() - t0
-    n = len(cal_prompts)
     try:
-        cal = record_requests(engine, graph, onnx_inputs, bundle, cal_prompts, cap, answers=answers[:n], seed=seed)
-        held = record_requests(engine, graph, onnx_inputs, bundle, held_prompts, cap, answers=answers[n:],
-                               seed=seed + 1000)
+        with step("hand-offs through the MTP Drafter", total=None):
+            cal = record_requests(engine, graph, onnx_inputs, bundle, cal_prompts, cap, answers=cal_answers,
+                                  seed=seed)
+            held = record_requests(engine, graph, onnx_inputs, bundle, held_prompts, cap, answers=held_answers,
+                                   seed=seed + 1000)
     finally:
         engine.close()  # removes the engine's hook from the shared verifier
     numbers = {"source": source, "answer_cap": cap, "answer_seconds": round(answer_s, 2),
@@ -273,4 +247,4 @@ def real_head_calibration(verifier, quantized, onnx_inputs: Mapping[str, Sequenc
 
 __all__ = ["CALIBRATION_PROMPTS", "DRAFTS_PER_PROMPT", "HELD_OUT_PROMPTS", "HeadCalibration", "HeadDrive",
            "TorchHeadRunner", "answer_cap", "draft_rounds", "drive_request", "handoff_scales",
-           "pick_calibration_prompts", "real_head_calibration", "record_requests", "runtime_bundle"]
+           "real_head_calibration", "record_requests", "runtime_bundle"]

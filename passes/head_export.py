@@ -31,6 +31,7 @@ import torch
 from hycoc.mtp import FULL, SLIDING
 from hycoc.passes.artifacts import (Artifact, OnnxArtifact, QuantizedHeadArtifact, TokenizerArtifact,
                                     TorchModelArtifact)
+from hycoc.passes.calibration_answers import CalibrationAnswersArtifact
 from hycoc.passes.head_graph import INPUT_NAMES, OUTPUT_NAMES, HeadGraph, embedding_table, ring_masks, rotary_rows
 from hycoc.passes.head_graph import rotary_tables as head_rotary_tables
 from hycoc.passes.pipeline import Pass, PassReport
@@ -197,21 +198,23 @@ class HeadQdq(Pass):
     `head_weight_arrays`), reading ``[head_qat]`` (``input_range_percentile``) and ``[window]``.
 
     Calibration (v2): the head graph's feeds as the device runtime makes them from real hand-offs
-    (`hycoc.passes.head_calibration.real_head_calibration`: the verifier engine answers calibration prompts of the
-    head QAT's source greedily, the runtime's `MtpDrafter` ingests every hand-off and drafts K steps over the
-    float head graph); ranges at the ``input_range_percentile`` percentile, x 1. SQNR and top-1 against the float
-    graph are reported on those and on held-out prompts' feeds. Fallback, only when no tokenizer is given (unit
+    (`hycoc.passes.head_calibration.real_head_calibration`: the verifier engine follows the build's greedy
+    calibration answers (`hycoc.passes.calibration_answers`), the runtime's `MtpDrafter` ingests every hand-off
+    and drafts K steps over the float head graph); ranges at the ``input_range_percentile`` percentile, x 1. SQNR
+    and top-1 against the float graph are reported on those and on held-out prompts' feeds. Fallback, only when no tokenizer is given (unit
     tests of the pass alone): `CALIBRATION_SAMPLES` first-step queries from one verifier pass over keep-set tokens
     (`comparison_inputs`), held-out with another seed. The QDQ graph then gets the output ``top_index`` (its two
     best keep-set indices, `hycoc.passes.topk_outputs.append_topk`), which the device runtime reads.
     """
 
     name = "qdq_head"
-    version = 3  # v2: calibrated on the runtime's feeds from real hand-offs (head_calibration); v3: top_index output
+    version = 4  # v2: calibrated on the runtime's feeds from real hand-offs (head_calibration); v3: top_index output;
+    # v4: prompts and answers from the calibration_answers pass
     section = "head_qat"
-    also_reads = ("window", "tree", "handoff", "keep_set")
+    also_reads = ("window", "tree", "handoff")
     consumes = {"onnx_head": OnnxArtifact, "quantized_head": QuantizedHeadArtifact,
-                "torch_verifier": TorchModelArtifact, "tokenizer": TokenizerArtifact}
+                "torch_verifier": TorchModelArtifact, "tokenizer": TokenizerArtifact,
+                "calibration_answers": CalibrationAnswersArtifact}
     produces = {"qdq_head": OnnxArtifact}
 
     def __init__(self, *, seed: int = 0, samples: int = CALIBRATION_SAMPLES):
@@ -219,10 +222,9 @@ class HeadQdq(Pass):
 
     def key_material(self, recipe: Recipe) -> dict[str, Any]:
         from hycoc.passes import head_calibration as hc
-        from hycoc.passes.head_qat import HeadQatPass
 
-        prompts = HeadQatPass(seed=self.seed).key_material(recipe)  # the prompt source's file hashes
-        return {"seed": self.seed, "samples": self.samples, "prompt_source": prompts,
+        # the prompts and answers arrive as the calibration_answers artifact (its hash is in the key)
+        return {"seed": self.seed, "samples": self.samples,
                 "calibration": [hc.CALIBRATION_PROMPTS, hc.HELD_OUT_PROMPTS, hc.DRAFTS_PER_PROMPT]}
 
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, Artifact], PassReport]:
@@ -249,8 +251,10 @@ class HeadQdq(Pass):
             from hycoc.passes.head_calibration import real_head_calibration
 
             shapes = {v.name: tuple(int(d) for d in v.shape) for v in inputs["onnx_head"].payload.graph.inputs}
+            answers = inputs.get("calibration_answers")
             cal, held_cal, calibration = real_head_calibration(verifier, quantized, shapes, tokenizer.payload,
-                                                               recipe, self.seed)
+                                                               recipe, self.seed,
+                                                               answers=answers.payload if answers else None)
             samples, held_out = cal.samples, held_cal.samples
         else:  # unit tests of the pass without a tokenizer: keep-set queries of one verifier pass
             samples, held_out = feeds(self.seed + 100), feeds(self.seed + 101)

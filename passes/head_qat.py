@@ -42,7 +42,6 @@ import contextlib
 import copy
 import json
 import math
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,8 +54,8 @@ from torch import nn
 
 from hycoc.chat import format_prompt, stop_token_ids
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
-from hycoc.passes.artifacts import (KeepSetArtifact, QuantizedHead, QuantizedHeadArtifact, TokenizerArtifact,
-                                    TorchModelArtifact)
+from hycoc.passes.artifacts import KeepSetArtifact, QuantizedHead, QuantizedHeadArtifact, TorchModelArtifact
+from hycoc.passes.calibration_answers import CalibrationAnswersArtifact
 from hycoc.passes.pipeline import Pass, PassReport
 from hycoc.recipe import HeadQat, Recipe
 from hycoc.toy.gemma_format import qmax
@@ -240,18 +239,25 @@ def verifier_capture(verifier, ids: torch.Tensor, hidden: str = "pre_norm") -> t
     return e, tap["pre" if hidden == "pre_norm" else "post"], kv
 
 
-def capture_sequences(verifier, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
-                      hidden: str = "pre_norm", progress=None) -> list[Capture]:
-    """Answer each prompt (token ids) greedily and capture the head's inputs over prompt + answer (App. A)."""
+def capture_answers(verifier, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
+                    hidden: str = "pre_norm", progress=None) -> list[Capture]:
+    """Capture the head's inputs over each prompt + its answer (token ids; App. A), one verifier pass each."""
     caps = []
-    for prompt in prompts:
-        answer = greedy_answer(verifier, prompt, max_new_tokens, stop_ids)
-        ids = torch.tensor(list(prompt) + answer, dtype=torch.long)
+    for prompt, answer in zip(prompts, answers, strict=True):
+        ids = torch.tensor(list(prompt) + list(answer), dtype=torch.long)
         e, h, kv = verifier_capture(verifier, ids, hidden)
         caps.append(Capture(ids, len(prompt), e, h, kv))
         if progress is not None:
             progress()
     return caps
+
+
+def capture_sequences(verifier, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
+                      hidden: str = "pre_norm", progress=None) -> list[Capture]:
+    """Answer each prompt (token ids) greedily, one at a time (`greedy_answer`), and capture the head's inputs over
+    prompt + answer (App. A). The build answers in batches instead (`hycoc.passes.calibration_answers`)."""
+    answers = [greedy_answer(verifier, prompt, max_new_tokens, stop_ids) for prompt in prompts]
+    return capture_answers(verifier, prompts, answers, hidden, progress)
 
 
 # ---- the unrolled drafting steps ----------------------------------------------------------------------------
@@ -318,6 +324,29 @@ def top1_agreement(student, teacher, plans: Sequence[tuple[Capture, Unroll]]) ->
     if not n:
         raise HeadQatError("no response anchors to measure agreement on: every answer is shorter than K tokens")
     return [round(float(x) / n, 6) for x in hits], n
+
+
+@torch.no_grad()
+def evaluate_students(students: dict[str, nn.Module], teacher,
+                      plans: Sequence[tuple[Capture, Unroll]]) -> tuple[dict[str, list[float]], dict[str, float], int]:
+    """`top1_agreement` and `mean_kl` of every student against ``teacher`` with one teacher unroll per sequence
+    (the teacher's outputs are the same for all students). Returns ({name: per-depth shares}, {name: KL}, anchors);
+    each value equals what the two functions return for that student alone."""
+    hits = {name: torch.zeros(plans[0][1].k_steps if plans else 0, dtype=torch.long) for name in students}
+    kl = dict.fromkeys(students, 0.0)
+    n = 0
+    for cap, plan in plans:
+        t_out = unroll(teacher, cap, plan)
+        t_top = [t.argmax(-1) for t in t_out]
+        for name, student in students.items():
+            s_out = unroll(student, cap, plan)
+            hits[name] += torch.stack([(s.argmax(-1) == t).sum() for s, t in zip(s_out, t_top)]).cpu()
+            kl[name] += float(kl_to_teacher(s_out, t_out)) * len(plan.anchors)
+        n += len(plan.anchors)
+    if not n:
+        raise HeadQatError("no response anchors to measure agreement on: every answer is shorter than K tokens")
+    return ({name: [round(float(x) / n, 6) for x in h] for name, h in hits.items()},
+            {name: v / n for name, v in kl.items()}, n)
 
 
 @torch.no_grad()
@@ -484,18 +513,18 @@ def read_prompts(path: Path, skip: int = 0) -> list[str]:
     return out
 
 
-def prompt_sources(recipe: Recipe, seed: int) -> tuple[list[str], list[str], str]:
+def prompt_sources(recipe: Recipe) -> tuple[list[str], list[str], str]:
     """(training candidates, evaluation candidates, description), both in the order they are taken.
 
     * ``head_qat.calibration_data`` set: its lines in order; training takes from the front, evaluation from the
       lines after the training ones (give a shuffled file; the paper: 60 UC-tr + 60 UC-val first turns).
     * empty, ``keep_set.corpus`` set: that corpus's lines after the ``keep_set.corpus_conversations`` the keep set
       counted (App. A: prompts from conversations the keep set's counts never read), split the same way.
-    * both empty: the toy corpus -- training user turns (train split) and held-out user turns, each shuffled with
-      ``seed``.
+
+    Both lists are the same object (callers test ``train is eval``); the files fix the order. Raises HeadQatError
+    when both keys are empty or a file is missing.
     """
-    config = recipe.head_qat
-    path = recipe.resolve_path(config.calibration_data)
+    path = recipe.resolve_path(recipe.head_qat.calibration_data)
     if path is not None:
         texts = read_prompts(path)
         return texts, texts, str(path)
@@ -503,12 +532,24 @@ def prompt_sources(recipe: Recipe, seed: int) -> tuple[list[str], list[str], str
     if corpus is not None:
         texts = read_prompts(corpus, skip=recipe.keep_set.corpus_conversations)
         return texts, texts, f"{corpus} after line {recipe.keep_set.corpus_conversations}"
-    from hycoc.toy.corpus import build_corpus
+    raise HeadQatError("head_qat.calibration_data and keep_set.corpus are both empty: the calibration prompts come "
+                       "from one of them (the paper: UltraChat 200k train_sft first turns)")
 
-    train, held = build_corpus()
-    rng = random.Random(seed)
-    return ([c.user for c in rng.sample(train, len(train))], [c.user for c in rng.sample(held, len(held))],
-            "toy corpus (train / held-out user turns)")
+
+def prompt_source_key(recipe: Recipe) -> dict[str, Any]:
+    """What identifies `prompt_sources`'s text for cache keys: the sha256 of ``head_qat.calibration_data`` or of
+    ``keep_set.corpus`` (the first one set). Raises HeadQatError for a missing file or when both are empty."""
+    from hycoc.passes.keep_set import _sha256_file
+
+    for key, value in (("head_qat.calibration_data", recipe.head_qat.calibration_data),
+                       ("keep_set.corpus", recipe.keep_set.corpus)):
+        path = recipe.resolve_path(value)
+        if path is not None:
+            if not path.is_file():
+                raise HeadQatError(f"{key}: {path} does not exist")
+            return {key: _sha256_file(path)}
+    raise HeadQatError("head_qat.calibration_data and keep_set.corpus are both empty: the calibration prompts come "
+                       "from one of them (the paper: UltraChat 200k train_sft first turns)")
 
 
 def pick_prompts(tokenizer, candidates: Sequence[str], count: int, budget: int, key: str,
@@ -550,102 +591,75 @@ def _stats(caps: Sequence[Capture], plans) -> dict[str, int]:
 
 
 class HeadQatPass(Pass):
-    """torch_verifier + torch_head + keep_set + tokenizer -> quantized_head, reading ``[head_qat]`` (Table 4) and
-    ``[window]`` (W, query offset), ``[tree]`` (K), ``[handoff]`` (pre/post-norm h), ``[keep_set]`` (the prompt
-    source when ``head_qat.calibration_data`` is empty). Module docstring for the method and its numbers.
+    """torch_verifier + torch_head + keep_set + calibration_answers -> quantized_head, reading ``[head_qat]``
+    (Table 4) and ``[window]`` (W, query offset), ``[tree]`` (K), ``[handoff]`` (pre/post-norm h). The first
+    ``calibration_prompts`` training and ``eval_prompts`` evaluation answers of `hycoc.passes.calibration_answers`,
+    cut at ``calibration_max_new_tokens`` / ``eval_max_new_tokens``, are the data. Module docstring for the method
+    and its numbers; progress goes through `hycoc.progress`.
 
-    ``seed``: shuffles the toy corpus's prompts and seeds torch. ``console``: where the progress bar goes.
+    ``seed``: seeds torch.
     """
 
     name = "head_qat"
     section = "head_qat"
-    also_reads = ("window", "tree", "handoff", "keep_set")
+    also_reads = ("window", "tree", "handoff")
     consumes = {"torch_verifier": TorchModelArtifact, "torch_head": TorchModelArtifact,
-                "keep_set": KeepSetArtifact, "tokenizer": TokenizerArtifact}
+                "keep_set": KeepSetArtifact, "calibration_answers": CalibrationAnswersArtifact}
     produces = {"quantized_head": QuantizedHeadArtifact}
+    version = 2  # v2: prompts and greedy answers from the calibration_answers pass; one teacher pass per evaluation
 
-    def __init__(self, *, seed: int = 0, console=None):
+    def __init__(self, *, seed: int = 0):
         self.seed = seed
-        self.console = console
 
     def key_material(self, recipe: Recipe) -> dict[str, Any]:
-        from hycoc.passes.keep_set import _sha256_file
-
-        material: dict[str, Any] = {"seed": self.seed}
-        for key, value in (("head_qat.calibration_data", recipe.head_qat.calibration_data),
-                           ("keep_set.corpus", recipe.keep_set.corpus)):
-            path = recipe.resolve_path(value)
-            if path is not None:
-                if not path.is_file():
-                    raise HeadQatError(f"{key}: {path} does not exist")
-                material[key] = _sha256_file(path)
-                return material
-        import hycoc.toy.corpus as toy
-
-        material["toy_corpus_code"] = _sha256_file(Path(toy.__file__))
-        return material
+        # The prompts and answers arrive as the calibration_answers artifact (its hash keys this pass).
+        return {"seed": self.seed}
 
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, QuantizedHeadArtifact], PassReport]:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from hycoc.progress import step
 
         config = recipe.head_qat
         torch.manual_seed(self.seed)
         verifier = inputs["torch_verifier"].payload  # eval mode by the artifact's contract; never modified
-        tokenizer = inputs["tokenizer"].payload
         keep = torch.as_tensor(inputs["keep_set"].payload, dtype=torch.long)
         device = verifier.device
         teacher = restrict_output_layer(inputs["torch_head"].payload, keep).to(device)
         k_steps, window = recipe.tree.chain_length, recipe.window.head_window
         offset, sw = recipe.window.head_query_position_offset, _head_sliding_window(teacher)
-        stops = stop_token_ids(tokenizer)
 
-        train_texts, eval_texts, source = prompt_sources(recipe, self.seed)
-        train_ids, skipped = pick_prompts(tokenizer, train_texts, config.calibration_prompts,
-                                          config.max_seq_len - config.calibration_max_new_tokens,
-                                          "head_qat.calibration_prompts")
-        same_source = train_texts is eval_texts
-        used = config.calibration_prompts + skipped if same_source else 0
-        eval_ids, _ = pick_prompts(tokenizer, eval_texts, config.eval_prompts,
-                                   config.max_seq_len - config.eval_max_new_tokens, "head_qat.eval_prompts",
-                                   exclude=used)
+        answers = inputs["calibration_answers"].payload
+        source = answers.source
+        train_ids, train_answers = answers.take("train", config.calibration_prompts, config.calibration_max_new_tokens)
+        eval_ids, eval_answers = answers.take("eval", config.eval_prompts, config.eval_max_new_tokens)
 
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-        console = self.console if self.console is not None else Console(stderr=True)
-        with Progress(*columns, console=console, transient=True) as progress:
-            task = progress.add_task("head QAT: verifier answers", total=len(train_ids) + len(eval_ids))
-            tick = (lambda: progress.advance(task))
-            t0 = time.perf_counter()
-            train_caps = capture_sequences(verifier, train_ids, config.calibration_max_new_tokens, stops,
-                                           recipe.handoff.hidden, tick)
-            eval_caps = capture_sequences(verifier, eval_ids, config.eval_max_new_tokens, stops,
-                                          recipe.handoff.hidden, tick)
-            capture_s = time.perf_counter() - t0
-            train_plans = _plans(train_caps, k_steps, window, sw, offset)
-            eval_plans = _plans(eval_caps, k_steps, window, sw, offset)
-            if not train_plans:
-                raise HeadQatError("no calibration answer is longer than tree.chain_length tokens: raise "
-                                   "head_qat.calibration_max_new_tokens")
+        t0 = time.perf_counter()
+        with step("verifier captures", total=len(train_ids) + len(eval_ids)) as s:
+            train_caps = capture_answers(verifier, train_ids, train_answers, recipe.handoff.hidden, s.advance)
+            eval_caps = capture_answers(verifier, eval_ids, eval_answers, recipe.handoff.hidden, s.advance)
+        capture_s = time.perf_counter() - t0
+        train_plans = _plans(train_caps, k_steps, window, sw, offset)
+        eval_plans = _plans(eval_caps, k_steps, window, sw, offset)
+        if not train_plans:
+            raise HeadQatError("no calibration answer is longer than tree.chain_length tokens: raise "
+                               "head_qat.calibration_max_new_tokens")
 
-            ratios = clip_ratios(config)
-            agreement = {}
-            ptq8, _ = quantize_head(teacher, 8, ratios)
-            agreement["w8_ptq"], n_eval = top1_agreement(ptq8, teacher, eval_plans)
-            del ptq8
-            student, chosen = quantize_head(teacher, config.weight_bits, ratios)
-            label = f"w{config.weight_bits}"
-            agreement[f"{label}_ptq"], _ = top1_agreement(student, teacher, eval_plans)
-            kl = {"train_ptq": mean_kl(student, teacher, train_plans),
-                  "eval_ptq": mean_kl(student, teacher, eval_plans)}
+        ratios = clip_ratios(config)
+        label = f"w{config.weight_bits}"
+        ptq8, _ = quantize_head(teacher, 8, ratios)
+        student, chosen = quantize_head(teacher, config.weight_bits, ratios)
+        with step("PTQ agreement (W8, W4) on the evaluation answers", total=None):
+            agreement, eval_kl, n_eval = evaluate_students({"w8_ptq": ptq8, f"{label}_ptq": student}, teacher,
+                                                          eval_plans)
+        del ptq8
+        kl = {"eval_ptq": eval_kl[f"{label}_ptq"]}
 
-            task = progress.add_task("head QAT: training", total=config.steps)
-
-            def on_step(step, loss):
-                progress.update(task, advance=1, description=f"head QAT: step {step + 1}, KL {loss:.4f}")
-
-            result = train_qat(student, teacher, train_plans, config, on_step)
-            agreement[f"{label}_qat"], _ = top1_agreement(student, teacher, eval_plans)
-            kl.update(train_qat=mean_kl(student, teacher, train_plans), eval_qat=mean_kl(student, teacher, eval_plans))
+        with step("QAT steps", total=config.steps) as s:
+            result = train_qat(student, teacher, train_plans, config,
+                               lambda i, loss: s.advance(note=f"KL {loss:.4f}"))
+        with step("QAT agreement on the evaluation answers", total=None):
+            after, after_kl, _ = evaluate_students({f"{label}_qat": student}, teacher, eval_plans)
+        agreement.update(after)
+        kl["eval_qat"] = after_kl[f"{label}_qat"]
 
         ranges = self._input_ranges(teacher, train_plans, config.input_range_percentile)
         head = export_head(student, keep, ranges)
@@ -654,7 +668,7 @@ class HeadQatPass(Pass):
         numbers = {
             "bits": config.weight_bits, "steps": config.steps, "k": k_steps, "window": window,
             "prompt_source": source,
-            "calibration": {**_stats(train_caps, train_plans), "skipped_long_prompts": skipped},
+            "calibration": _stats(train_caps, train_plans),
             "eval": {**_stats(eval_caps, eval_plans), "anchors_measured": n_eval},
             "agreement": agreement,
             "agreement_mean": {k: round(sum(v) / len(v), 6) for k, v in agreement.items()},

@@ -21,14 +21,15 @@ Corpus: ``keep_set.corpus``, a JSONL file, one conversation a line, either
 ``{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ...]}`` (role
 ``assistant`` or ``model``; content a string or a list of ``{"type": "text", "text": ...}`` parts) or
 ``{"user": ..., "model": ...}`` (or ``"assistant"``); the first ``keep_set.corpus_conversations`` lines are read.
-Empty: the model turns of the toy family's training conversations (`hycoc.toy.corpus.build_corpus`, train split).
+The corpus is a file the recipe names (the toy recipe: ``recipes/toy/data/conversations.jsonl``, the toy verifier's
+answers to training prompts, made by ``python -m hycoc.toy.train --stages conversations``); the pass reads nothing
+else, and an empty ``keep_set.corpus`` is an error.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,6 @@ from hycoc.passes.artifacts import KeepSetArtifact, KeepSetStats, TokenizerArtif
 from hycoc.passes.pipeline import Pass, PassReport
 from hycoc.recipe import KeepSet, Recipe
 
-TOY_CORPUS = "toy training corpus (hycoc.toy.corpus, train split)"
 _ENCODE_CHUNK = 1024  # turns per encode_batch call, to bound memory
 
 
@@ -97,15 +97,6 @@ def read_corpus(path: Path, conversations: int) -> tuple[list[str], int]:
             turns.extend(assistant_turns(conversation, where))
             read += 1
     return turns, read
-
-
-def toy_corpus(conversations: int) -> tuple[list[str], int]:
-    """Model turns of the first ``conversations`` toy training conversations -> (turns, conversations read)."""
-    from hycoc.toy.corpus import build_corpus
-
-    train, _ = build_corpus()
-    train = train[:conversations]
-    return [c.model for c in train], len(train)
 
 
 # ---- token classes ------------------------------------------------------------------------------------------
@@ -211,6 +202,18 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def corpus_path(recipe: Recipe) -> Path:
+    """The recipe's ``keep_set.corpus`` as a path. Raises KeepSetError when it is empty or missing."""
+    path = recipe.resolve_path(recipe.keep_set.corpus)
+    if path is None:
+        raise KeepSetError("keep_set.corpus is empty: give a JSONL file of conversations whose assistant turns the "
+                           "keep set counts (the paper: 20,000 UltraChat 200k train_sft conversations; the toy "
+                           "recipe ships toy/data/conversations.jsonl)")
+    if not path.is_file():
+        raise KeepSetError(f"keep_set.corpus: {path} does not exist")
+    return path
+
+
 class KeepSetPass(Pass):
     """tokenizer -> keep_set, reading ``[keep_set]`` (module docstring)."""
 
@@ -220,26 +223,14 @@ class KeepSetPass(Pass):
     produces = {"keep_set": KeepSetArtifact}
 
     def key_material(self, recipe: Recipe) -> dict[str, Any]:
-        # The corpus is read from outside the pipeline: its bytes (or the toy corpus's code) enter the key.
-        path = recipe.resolve_path(recipe.keep_set.corpus)
-        if path is None:
-            import hycoc.toy.corpus as toy
-
-            return {"corpus": "toy", "python": sys.version, "code": _sha256_file(Path(toy.__file__))}
-        if not path.is_file():
-            raise KeepSetError(f"keep_set.corpus: {path} does not exist")
-        return {"corpus_sha256": _sha256_file(path)}
+        # The corpus is read from outside the pipeline: its bytes enter the key.
+        return {"corpus_sha256": _sha256_file(corpus_path(recipe))}
 
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, KeepSetArtifact], PassReport]:
         config = recipe.keep_set
-        path = recipe.resolve_path(config.corpus)
-        if path is None:
-            turns, read = toy_corpus(config.corpus_conversations)
-            corpus = TOY_CORPUS
-        else:
-            turns, read = read_corpus(path, config.corpus_conversations)
-            corpus = str(path)
-        keep = select_keep_set(inputs["tokenizer"].payload, turns, config, conversations=read, corpus=corpus)
+        path = corpus_path(recipe)
+        turns, read = read_corpus(path, config.corpus_conversations)
+        keep = select_keep_set(inputs["tokenizer"].payload, turns, config, conversations=read, corpus=str(path))
         s = keep.stats
         assert s is not None
         report = PassReport(

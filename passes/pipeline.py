@@ -15,7 +15,9 @@ produces (each with its `Artifact` class), and a ``run(inputs, recipe)`` that re
 * Outputs are written to ``cache_dir/<pass>/.tmp-<key>-*`` and renamed to ``<key>`` when complete: a pass that
   raises (or a build that is killed) leaves no half entry, only a ``.tmp-`` folder a later run ignores.
 * ``run(until=NAME)`` stops after that pass; its artifacts stay in its cache entry (``PassReport.location``).
-* Progress is shown with ``rich`` and the run ends with a table of every pass's report (`summary_table`).
+* Progress is shown with ``rich`` on a terminal and as plain timestamped lines in a log (`hycoc.progress`: each
+  pass's start and end, and the steps inside a pass), and the run ends with a table of every pass's report, time
+  and cache hit (`summary_table`).
 
 Olive's engine (``olive/engine``) is the counter-example this avoids: there passes declare no input or output
 types, state travels in a free-form dict, and the cache key ignores tool versions (shared/FIELD-NOTES.md).
@@ -41,6 +43,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from hycoc.passes.artifacts import Artifact
+from hycoc.progress import current_pass, plain_line
 from hycoc.recipe import Recipe
 
 #: Packages whose versions enter every cache key: a new exporter, optimizer or runtime can change an artifact.
@@ -221,15 +224,25 @@ class Pipeline:
 
         artifacts = dict(given)
         reports: list[PassReport] = []
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                      console=self.console, transient=True) as progress:
+        if self.console.is_terminal:
+            with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                          console=self.console, transient=True) as progress:
+                for index, p in enumerate(todo, start=1):
+                    task = progress.add_task(f"[{index}/{len(todo)}] {p.name}", total=None)
+                    outputs, report = self._run_one(p, artifacts, recipe)
+                    artifacts.update(outputs)
+                    reports.append(report)
+                    progress.update(task, completed=1, total=1,
+                                    description=f"[{index}/{len(todo)}] {p.name}: {report.summary}")
+        else:  # a log: one line when a pass starts and one when it ends (hycoc.progress)
             for index, p in enumerate(todo, start=1):
-                task = progress.add_task(f"[{index}/{len(todo)}] {p.name}", total=None)
+                plain_line(f"[{index}/{len(todo)}] {p.name}: started", self.console)
                 outputs, report = self._run_one(p, artifacts, recipe)
                 artifacts.update(outputs)
                 reports.append(report)
-                progress.update(task, completed=1, total=1,
-                                description=f"[{index}/{len(todo)}] {p.name}: {report.summary}")
+                how = "cached" if report.cached else "ran"
+                plain_line(f"[{index}/{len(todo)}] {p.name}: {how}, {report.seconds:.1f} s: {report.summary}",
+                           self.console)
         self.console.print(summary_table(reports))
         return PipelineResult(artifacts, reports, until)
 
@@ -246,7 +259,8 @@ class Pipeline:
             outputs, report = cached
             report.cached = True
         else:
-            outputs, report = p.run(inputs, recipe)
+            with current_pass(p.name, self.console):
+                outputs, report = p.run(inputs, recipe)
             self._check_outputs(p, outputs)
             report.pass_name = p.name
             report.seconds = time.perf_counter() - start
@@ -309,11 +323,12 @@ class Pipeline:
 
 def summary_table(reports: Sequence[PassReport]) -> Table:
     """The build summary: one row per pass with its report line, time and whether it came from the cache."""
-    table = Table(title="hycoc build: passes")
+    table = Table(title="hycoc build: passes", show_footer=bool(reports))
+    ran = [r for r in reports if not r.cached]
     table.add_column("#", justify="right")
-    table.add_column("pass")
-    table.add_column("result")
-    table.add_column("time", justify="right")
+    table.add_column("pass", footer="total")
+    table.add_column("result", footer=f"{len(ran)} ran, {len(reports) - len(ran)} cached")
+    table.add_column("time", justify="right", footer=f"{sum(r.seconds for r in reports):.2f} s")
     table.add_column("cached")
     for index, r in enumerate(reports, start=1):
         table.add_row(str(index), r.pass_name, r.summary, f"{r.seconds:.2f} s", "yes" if r.cached else "no")

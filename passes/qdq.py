@@ -611,9 +611,9 @@ class QdqQuantize(Pass):
     """The QDQ pass of one graph kind: ``QdqQuantize("onnx_slm", "qdq_slm")`` (module docstring).
 
     Only the SLM is wired: it consumes ``onnx_slm`` + ``slm_integer`` + ``keep_set`` + ``torch_verifier`` +
-    ``tokenizer`` and reads ``[slm_calibration]`` (percentile x range_scale; ``prompts`` calibration prompts,
-    `hycoc.passes.slm_calibration.SAMPLES_PER_PROMPT` graph calls kept from each), ``[window]``, ``[tree]`` and,
-    for the prompt source and the answer cap, ``[head_qat]`` and ``[keep_set]``. The QDQ graph then gets the
+    ``tokenizer`` + ``calibration_answers`` and reads ``[slm_calibration]`` (percentile x range_scale; ``prompts``
+    calibration prompts, `hycoc.passes.slm_calibration.SAMPLES_PER_PROMPT` graph calls kept from each),
+    ``[window]``, ``[tree]`` and, for the answer cap, ``[head_qat]``. The QDQ graph then gets the
     outputs ``top_index`` / ``top_logq`` of its ``tree.slm_candidates`` best tokens per row
     (`hycoc.passes.topk_outputs.append_topk`), which the device runtime reads instead of the logits. Calibration inputs
     (``calibration="real"``, the build's): the verifier's greedy answers to the calibration prompts driven
@@ -626,7 +626,7 @@ class QdqQuantize(Pass):
     (toy corpus), runner-up tokens and accepted-length offsets, or the synthetic samples' RNG.
     """
 
-    version = 3  # v3: the graph also emits its top-k candidates (passes/topk_outputs.py)
+    version = 4  # v3: the graph also emits its top-k candidates (passes/topk_outputs.py); v4: calibration_answers
     section = "slm_calibration"
 
     def __init__(self, kind_in: str = "onnx_slm", kind_out: str = "qdq_slm", *, seed: int = 0,
@@ -644,18 +644,16 @@ class QdqQuantize(Pass):
         self.consumes = {kind_in: OnnxArtifact, "slm_integer": SlmIntegerArtifact, "keep_set": KeepSetArtifact}
         self.also_reads = ("window", "tree")
         if calibration == "real":
-            self.consumes |= {"torch_verifier": TorchModelArtifact, "tokenizer": TokenizerArtifact}
-            self.also_reads = ("window", "tree", "head_qat", "keep_set")
+            from hycoc.passes.calibration_answers import CalibrationAnswersArtifact
+
+            self.consumes |= {"torch_verifier": TorchModelArtifact, "tokenizer": TokenizerArtifact,
+                              "calibration_answers": CalibrationAnswersArtifact}
+            self.also_reads = ("window", "tree", "head_qat")
         self.produces = {kind_out: OnnxArtifact}
 
     def key_material(self, recipe: Recipe) -> dict[str, Any]:
-        material: dict[str, Any] = {"seed": self.seed, "kind_out": self.kind_out, "calibration": self.calibration}
-        if self.calibration == "real":
-            from hycoc.passes.head_qat import HeadQatPass
-
-            # the prompt source's file hash (or the toy corpus code), as the head QAT keys it
-            material["prompt_source"] = HeadQatPass(seed=self.seed).key_material(recipe)
-        return material
+        # real calibration: the prompts and answers arrive as the calibration_answers artifact (hash in the key)
+        return {"seed": self.seed, "kind_out": self.kind_out, "calibration": self.calibration}
 
     def _samples(self, graph, slm, keep, inputs, recipe):
         cal = recipe.slm_calibration
@@ -666,7 +664,8 @@ class QdqQuantize(Pass):
         from hycoc.passes.slm_calibration import real_calibration
 
         real, held, numbers = real_calibration(graph, slm, keep, inputs["torch_verifier"].payload,
-                                               inputs["tokenizer"].payload, recipe, self.seed)
+                                               inputs["tokenizer"].payload, recipe, self.seed,
+                                               answers=inputs["calibration_answers"].payload)
         if not real.samples or not held.samples:
             raise CalibrationError("the calibration prompts gave no SLM graph calls to calibrate on")
         return real.samples, held.samples, numbers

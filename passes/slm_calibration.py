@@ -1,11 +1,11 @@
 """Calibration inputs of the SLM tree graph from real text, fed exactly as the device runtime feeds it (issue 4,
 "Activation calibration": A16 ranges "from calibration prompts").
 
-The text: the verifier's greedy answers (`hycoc.passes.head_qat.greedy_answer`) to chat-formatted prompts taken
-from the head QAT's prompt source (`hycoc.passes.head_qat.prompt_sources`: ``head_qat.calibration_data``, else the
-keep-set corpus after the conversations the keep set counted, else the toy corpus). ``slm_calibration.prompts``
-prompts calibrate; the next ``max(2, prompts // 4)`` (different prompts; the evaluation candidates when the source
-has a held-out split) give the held-out samples for the SQNR report. Answers are capped at
+The text: the verifier's greedy answers to chat-formatted prompts, made once per build by
+`hycoc.passes.calibration_answers` from the head QAT's prompt source (`hycoc.passes.head_qat.prompt_sources`:
+``head_qat.calibration_data``, else the keep-set corpus after the conversations the keep set counted, else the toy
+corpus). The first ``slm_calibration.prompts`` training prompts calibrate; the first ``max(2, prompts // 4)``
+evaluation prompts (other prompts) give the held-out samples for the SQNR report. Answers are capped at
 ``min(head_qat.calibration_max_new_tokens, 2 * window.slm_window)`` tokens: enough to wrap the ring once.
 
 The inputs: the device runtime's own SLM side (`hycoc.runtime.slm_drafter.SlmDrafter` and
@@ -277,51 +277,40 @@ def answer_cap(recipe) -> int:
     return max(1, min(recipe.head_qat.calibration_max_new_tokens, 2 * recipe.window.slm_window))
 
 
-def calibration_prompts(recipe, tokenizer, seed: int = 0) -> tuple[list[list[int]], list[list[int]], str]:
-    """(calibration prompts, held-out prompts, source) as chat-formatted ids: ``slm_calibration.prompts`` from the
-    head QAT's training candidates, ``max(2, prompts // 4)`` held-out ones from its evaluation candidates (after
-    the calibration ones when both come from one list). Raises HeadQatError when the source has too few."""
-    from hycoc.passes.head_qat import pick_prompts, prompt_sources
-
-    count = recipe.slm_calibration.prompts
-    held = max(2, count // 4)
-    budget = recipe.head_qat.max_seq_len - answer_cap(recipe)
-    train_texts, eval_texts, source = prompt_sources(recipe, seed)
-    cal, skipped = pick_prompts(tokenizer, train_texts, count, budget, "slm_calibration.prompts")
-    used = count + skipped if train_texts is eval_texts else 0
-    out, _ = pick_prompts(tokenizer, eval_texts, held, budget, "slm_calibration.prompts (held-out: prompts // 4)",
-                          exclude=used)
-    return cal, out, source
+def held_out_count(recipe) -> int:
+    """Held-out prompts for the SQNR report: max(2, slm_calibration.prompts // 4)."""
+    return max(2, recipe.slm_calibration.prompts // 4)
 
 
 def real_calibration(graph, slm, keep_set, verifier, tokenizer, recipe, seed: int = 0,
-                     progress=None) -> tuple[RealCalibration, RealCalibration, dict[str, Any]]:
-    """(calibration, held-out, numbers): the verifier answers the recipe's calibration and held-out prompts
-    greedily (`greedy_answer`), and each sequence is driven through the runtime's SLM side (module docstring)."""
+                     answers=None) -> tuple[RealCalibration, RealCalibration, dict[str, Any]]:
+    """(calibration, held-out, numbers): the first ``slm_calibration.prompts`` training and `held_out_count`
+    evaluation pairs of the build's calibration answers (``answers``, a
+    `hycoc.passes.calibration_answers.CalibrationAnswers`; None makes them here), cut at `answer_cap`, each driven
+    through the runtime's SLM side (module docstring). Raises ValueError when ``answers`` holds too few."""
     from hycoc.chat import stop_token_ids
-    from hycoc.passes.head_qat import greedy_answer
+    from hycoc.passes.calibration_answers import make_answers
+    from hycoc.progress import step
 
     stops = stop_token_ids(tokenizer)
-    cal_prompts, held_prompts, source = calibration_prompts(recipe, tokenizer, seed)
     cap = answer_cap(recipe)
     t0 = time.perf_counter()
-    answers = []
-    for p in [*cal_prompts, *held_prompts]:
-        answers.append(greedy_answer(verifier, p, cap, stops))
-        if progress is not None:
-            progress()
+    if answers is None:
+        answers = make_answers(verifier, tokenizer, recipe)
     answer_s = time.perf_counter() - t0
+    cal_prompts, cal_answers = answers.take("train", recipe.slm_calibration.prompts, cap)
+    held_prompts, held_answers = answers.take("eval", held_out_count(recipe), cap)
     tree = recipe.tree
     kw = dict(chain_length=tree.chain_length, sibling_depth=tree.sibling_depth, ln_lambda=math.log(tree.depth_cost),
               candidates=tree.slm_candidates, passes=tree.slm_passes, stop_ids=stops)
-    n = len(cal_prompts)
-    cal = record_sequences(graph, slm, keep_set, cal_prompts, answers[:n], seed=seed, **kw)
-    held = record_sequences(graph, slm, keep_set, held_prompts, answers[n:], seed=seed + 1, **kw)
-    numbers = {"source": source, "answer_cap": cap, "answer_seconds": round(answer_s, 2),
+    with step("answers through the SLM Drafter", total=None):
+        cal = record_sequences(graph, slm, keep_set, cal_prompts, cal_answers, seed=seed, **kw)
+        held = record_sequences(graph, slm, keep_set, held_prompts, held_answers, seed=seed + 1, **kw)
+    numbers = {"source": answers.source, "answer_cap": cap, "answer_seconds": round(answer_s, 2),
                "samples_per_prompt": SAMPLES_PER_PROMPT, "calibration": cal.stats, "held_out": held.stats}
     return cal, held, numbers
 
 
 __all__ = ["SAMPLES_PER_PROMPT", "RealCalibration", "SequenceDrive", "TorchSlmRunner", "accepted_path",
-           "answer_cap", "calibration_prompts", "coverage", "drive_sequence", "live_columns", "real_calibration",
+           "answer_cap", "coverage", "drive_sequence", "held_out_count", "live_columns", "real_calibration",
            "record_sequences", "runtime_bundle"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -115,9 +116,11 @@ def test_list_passes_describes_the_chain(recipe_path, tmp_path):
     pipe = b.build_pipeline(load_recipe(recipe_path), "cpu", cache_dir=tmp_path, console=quiet())
     text = pipe.describe()
     names = [p.name for p in pipe.passes]
-    assert names[:3] == ["keep_set", "head_qat", "head_export"]
-    assert names[3] == "qdq_head" and names[-4:] == ["slm_surgery", "slm_tree_graph", "qdq_slm", "target_cpu"]
-    assert "3. head_export (v1): reads [window]; consumes quantized_head, torch_verifier; produces onnx_head, " \
+    assert names[:4] == ["keep_set", "calibration_answers", "head_qat", "head_export"]
+    assert names[4] == "qdq_head" and names[-4:] == ["slm_surgery", "slm_tree_graph", "qdq_slm", "target_cpu"]
+    assert "2. calibration_answers (v1): reads [head_qat], [slm_calibration], [window], [keep_set]; consumes " \
+           "torch_verifier, tokenizer; produces calibration_answers" in text
+    assert "4. head_export (v1): reads [window]; consumes quantized_head, torch_verifier; produces onnx_head, " \
            "head_host" in text
     assert text.splitlines()[-1].endswith("produces target_files")
     with pytest.raises(b.BuildError, match="unknown target 'gpu'"):
@@ -296,11 +299,18 @@ def test_cli_list_passes_until_and_full_build(recipe_path, tmp_path, monkeypatch
 
     result = runner.invoke(app, ["build", str(recipe_path), "--until", "nope", "--cache-dir", "c"])
     assert result.exit_code == 1
-    assert result.stderr.strip().startswith("hycoc build: --until nope: no such pass; passes: keep_set, head_qat")
+    assert result.stderr.strip().startswith(
+        "hycoc build: --until nope: no such pass; passes: keep_set, calibration_answers, head_qat")
 
     result = runner.invoke(app, ["build", str(recipe_path), "--cache-dir", "c", "--out", "b"])
     assert result.exit_code == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1].startswith(f"wrote {tmp_path / 'b'}: ")
+    # stderr is not a terminal here: progress comes as plain lines, each pass's start and end and its long steps
+    log = result.stderr.splitlines()
+    assert any(re.fullmatch(r"\[hycoc \d\d:\d\d:\d\d\] \[1/9\] keep_set: cached, [\d.]+ s: kept 64 ids.*", x) for x in log)
+    assert any(re.fullmatch(r"\[hycoc [\d:]+\] \[3/9\] head_qat: ran, [\d.]+ s: W4 top-1 agreement.*", x) for x in log)
+    assert any(re.fullmatch(r"\[hycoc [\d:]+\] head_qat: QAT steps: done 2/2 in [\d.]+ s \(KL [\d.]+\)", x) for x in log)
+    assert any(x.endswith("calibration_answers: verifier greedy answers: started (6 to do)") for x in log)
     assert "keep set 64" in result.stdout and (tmp_path / "b" / "manifest.json").is_file()
 
 

@@ -17,6 +17,7 @@ from hycoc.host import FULL, SLIDING, ring_masks
 from hycoc.messages import Sampling
 from hycoc.passes import build as b
 from hycoc.passes import head_calibration as hc
+from hycoc.passes.calibration_answers import select_prompts
 from hycoc.recipe import load_recipe
 from hycoc.runtime.mtp_drafter import MtpDrafter
 
@@ -58,7 +59,7 @@ def test_recorded_feeds_are_the_runtime_feeds_of_real_handoffs(tiny):
     engine, graph, shapes, bundle, tokenizer = parts(recipe, artifacts)
     W, K = recipe.window.head_window, recipe.tree.chain_length
     sw = bundle.host.head.sliding_window
-    cal, _, _ = hc.pick_calibration_prompts(recipe, tokenizer)
+    cal, _, _ = select_prompts(recipe, tokenizer)
     runner = hc.TorchHeadRunner(graph, shapes)
     drafter = MtpDrafter(runner, bundle)
     # a prompt plus its answer long enough to wrap the W-column ring
@@ -113,13 +114,10 @@ def test_recorded_feeds_are_the_runtime_feeds_of_real_handoffs(tiny):
 def test_record_requests_drafts_on_the_chosen_rounds(tiny):
     recipe, artifacts = tiny
     engine, graph, shapes, bundle, tokenizer = parts(recipe, artifacts)
-    cal, held, source = hc.pick_calibration_prompts(recipe, tokenizer)
-    assert source.endswith("prompts.jsonl") and (len(cal), len(held)) == (5, 1)  # 6 prompts in the source
-    from hycoc.chat import stop_token_ids
-    from hycoc.passes.head_qat import greedy_answer
-
-    verifier = artifacts["torch_verifier"].payload
-    answers = [greedy_answer(verifier, p, 8, stop_token_ids(tokenizer)) for p in cal[:2]]
+    cal, held, source = select_prompts(recipe, tokenizer)
+    # 6 prompts in the source: 4 for the SLM's calibration (the most any reader takes), the next 2 evaluate
+    assert source.endswith("prompts.jsonl") and (len(cal), len(held)) == (4, 2)
+    answers = artifacts["calibration_answers"].payload.take("train", 2, 8)[1]
     try:
         out = hc.record_requests(engine, graph, shapes, bundle, cal[:2], cap=8, answers=answers, per_prompt=3)
         root_only = hc.record_requests(engine, graph, shapes, bundle, cal[:2], cap=8, per_prompt=3)
@@ -140,7 +138,7 @@ def test_qdq_pass_calibrates_on_real_handoffs(tiny):
 
     recipe, artifacts = tiny
     step = HeadQdq()
-    assert step.version == 2 and "tokenizer" in step.consumes
+    assert step.version == 4 and {"tokenizer", "calibration_answers"} <= set(step.consumes)
     inputs = {k: artifacts[k] for k in step.consumes}
     _, report = step.run(inputs, recipe)
     n = report.numbers

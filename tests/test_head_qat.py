@@ -27,6 +27,7 @@ from hycoc.mtp import head_step
 from hycoc.passes import head_qat as hq
 from hycoc.passes.artifacts import (KeepSetArtifact, QuantizedHeadArtifact, TokenizerArtifact,
                                     TorchModelArtifact)
+from hycoc.passes.calibration_answers import CalibrationAnswersPass
 from hycoc.passes.head_graph import HeadGraph, ring_masks, rotary_rows
 from hycoc.passes.pipeline import Pipeline
 from hycoc.recipe import HeadQat, Recipe
@@ -210,6 +211,7 @@ def qat_recipe(path) -> Recipe:
         "head_qat": {"steps": 6, "warmup_steps": 2, "lr": 1e-4, "calibration_prompts": 3, "eval_prompts": 2,
                      "calibration_max_new_tokens": 20, "eval_max_new_tokens": 20, "max_seq_len": 40,
                      "calibration_data": str(path)},
+        "slm_calibration": {"prompts": 2},
     })
 
 
@@ -226,12 +228,14 @@ def test_pass_in_a_pipeline_reports_and_caches(tmp_path, setup):
               "keep_set": KeepSetArtifact("keep_set", keep.numpy()),
               "tokenizer": TokenizerArtifact("tokenizer", word_tokenizer())}
     console = Console(file=io.StringIO())
-    pipe = Pipeline([hq.HeadQatPass(console=console)], tmp_path / "cache", console=console)
+    pipe = Pipeline([CalibrationAnswersPass(), hq.HeadQatPass()], tmp_path / "cache", console=console)
 
     result = pipe.run(qat_recipe(path), inputs)
-    report = result.reports[0]
+    answers, report = result.reports
+    assert (answers.numbers["train"], answers.numbers["eval"]) == (3, 2)  # the 40-word prompt is skipped
+    assert answers.numbers["train_cap"] == answers.numbers["eval_cap"] == 20
     numbers = report.numbers
-    assert numbers["calibration"]["sequences"] == 3 and numbers["calibration"]["skipped_long_prompts"] == 1
+    assert numbers["calibration"]["sequences"] == 3
     assert numbers["eval"]["sequences"] == 2 and numbers["calibration"]["prompt_tokens"] == 3 * 11
     assert 3 * K < numbers["calibration"]["response_tokens"] <= 3 * 20  # greedy answers, cut after a stop id
     assert set(numbers["agreement"]) == {"w8_ptq", "w4_ptq", "w4_qat"}
@@ -243,7 +247,7 @@ def test_pass_in_a_pipeline_reports_and_caches(tmp_path, setup):
     assert isinstance(head_out, QuantizedHeadArtifact) and head_out.payload.keep_set.tolist() == keep.tolist()
 
     again = pipe.run(qat_recipe(path), inputs)  # cache hit: reloaded from disk with the same content hash
-    assert again.reports[0].cached
+    assert again.reports[0].cached and again.reports[1].cached
     loaded = again.artifacts["quantized_head"].payload
     assert all(torch.equal(loaded.qweight[n], head_out.payload.qweight[n]) for n in loaded.qweight)
     assert loaded.input_ranges == head_out.payload.input_ranges

@@ -17,7 +17,7 @@ from rich.console import Console
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from hycoc.passes.artifacts import KeepSetArtifact, TokenizerArtifact
-from hycoc.passes.keep_set import (TOY_CORPUS, KeepSetError, KeepSetPass, byte_token_ids, forced_range_ids,
+from hycoc.passes.keep_set import (KeepSetError, KeepSetPass, byte_token_ids, forced_range_ids,
                                    read_corpus, select_keep_set)
 from hycoc.passes.pipeline import Pipeline
 from hycoc.recipe import KeepSet, Recipe
@@ -140,17 +140,12 @@ def test_pass_in_a_pipeline_reports_and_caches(tmp_path):
     assert not changed.reports[0].cached and changed.artifacts["keep_set"].stats.assistant_tokens == 9
 
 
-def test_empty_corpus_setting_counts_the_toy_conversations(tmp_path, monkeypatch):
-    import hycoc.toy.corpus as toy
-
-    train = [toy.Conversation("docs", "mat mat", "cat on"), toy.Conversation("code", "on", "cat")]
-    monkeypatch.setattr(toy, "build_corpus", lambda: (train, []))
-    outputs, report = KeepSetPass().run({"tokenizer": TokenizerArtifact("tokenizer", tokenizer())},
-                                        recipe_for("", size=261))
-    keep = outputs["keep_set"]
-    assert keep.payload.tolist() == ALWAYS + [264]  # cat (2) beats on (1)
-    assert keep.stats.corpus == TOY_CORPUS and keep.stats.conversations == 2
-    assert report.summary == "kept 261 ids, 66.7% of assistant tokens covered"
+def test_an_empty_or_missing_corpus_is_refused_naming_the_key(tmp_path):
+    tok = {"tokenizer": TokenizerArtifact("tokenizer", tokenizer())}
+    with pytest.raises(KeepSetError, match=r"^keep_set.corpus is empty: give a JSONL file"):
+        KeepSetPass().run(tok, recipe_for("", size=261))
+    with pytest.raises(KeepSetError, match=r"^keep_set.corpus: .*none.jsonl does not exist$"):
+        KeepSetPass().key_material(recipe_for(str(tmp_path / "none.jsonl"), size=261))
 
 
 def test_byte_level_tokenizer_of_the_toy_family():

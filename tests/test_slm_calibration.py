@@ -22,12 +22,11 @@ from test_build import write_tiny_recipe
 from hycoc import host
 from hycoc.chat import stop_token_ids
 from hycoc.passes import build as b
-from hycoc.passes.head_qat import greedy_answer
+from hycoc.passes.calibration_answers import CalibrationAnswersPass, make_answers
 from hycoc.passes.keep_set import KeepSetPass
 from hycoc.passes.pipeline import Pipeline
 from hycoc.passes.qdq import QdqQuantize
-from hycoc.passes.slm_calibration import (SAMPLES_PER_PROMPT, TorchSlmRunner, answer_cap, calibration_prompts,
-                                          record_sequences)
+from hycoc.passes.slm_calibration import SAMPLES_PER_PROMPT, TorchSlmRunner, answer_cap, record_sequences
 from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph, SlmTreeGraphExport, host_inputs, short
 from hycoc.passes.slm_surgery import SlmGraphSurgery
 from hycoc.recipe import load_recipe
@@ -49,9 +48,10 @@ def tiny(tmp_path_factory):
     ring = {FULL: recipe.window.slm_window, SLIDING: recipe.window.slm_sliding_window}
     graph = SlmTreeGraph(slm, keep, rows=recipe.tree.node_budget, ring=ring)
     tokenizer, verifier = inputs["tokenizer"].payload, inputs["torch_verifier"].payload
-    prompts, held, source = calibration_prompts(recipe, tokenizer)
+    made = make_answers(verifier, tokenizer, recipe)
+    prompts, answers = made.take("train", recipe.slm_calibration.prompts, answer_cap(recipe))
+    held, source = made.take("eval", 2, answer_cap(recipe))[0], made.source
     stops = stop_token_ids(tokenizer)
-    answers = [greedy_answer(verifier, p, answer_cap(recipe), stops) for p in prompts]
     # the tiny random verifier answers mostly outside the 64-id keep set, where the head drafts no chain: one
     # more sequence answered in keep-set tokens plants chains and siblings (for the "every call" checks only)
     extra = [int(x) for x in np.random.default_rng(3).choice(keep, answer_cap(recipe))]
@@ -166,7 +166,8 @@ def test_live_columns_vary(tiny):
 def test_qdq_pass_calibrates_on_real_inputs(tiny):
     recipe, root = tiny["recipe"], tiny["root"]
     qdq = QdqQuantize("onnx_slm", "qdq_slm")
-    pipeline = Pipeline([KeepSetPass(), SlmGraphSurgery(), SlmTreeGraphExport(), qdq], root / "cache",
+    pipeline = Pipeline([KeepSetPass(), CalibrationAnswersPass(), SlmGraphSurgery(), SlmTreeGraphExport(), qdq],
+                        root / "cache",
                         console=quiet())
     result = pipeline.run(recipe, tiny["inputs"])
     report = result.reports[-1]
@@ -179,9 +180,10 @@ def test_qdq_pass_calibrates_on_real_inputs(tiny):
     assert "real calibration samples" in report.summary and "ring fills" in report.summary
     assert n["sqnr"]["outputs"]["logits"] > 20 and n["sqnr"]["top1_agreement"] >= 0.9
     assert n["weights_bit_exact"] == 34
-    assert qdq.version == 2
+    assert qdq.version == 4
     # cached: the second run reads the entry
-    again = Pipeline([KeepSetPass(), SlmGraphSurgery(), SlmTreeGraphExport(), QdqQuantize("onnx_slm", "qdq_slm")],
+    again = Pipeline([KeepSetPass(), CalibrationAnswersPass(), SlmGraphSurgery(), SlmTreeGraphExport(),
+                      QdqQuantize("onnx_slm", "qdq_slm")],
                      root / "cache", console=quiet()).run(recipe, tiny["inputs"])
     assert again.reports[-1].cached
 

@@ -32,7 +32,7 @@ def measure_handoff_scales(recipe, *, prompts: int = 16, max_new_tokens: int = 2
     set_threads(recipe.verifier.threads)
     tok = load_tokenizer(recipe.model_path("tokenizer"))
     model = load_verifier(recipe.model_path("verifier"), dtype=recipe.verifier.dtype, device=recipe.verifier.device)
-    texts = prompt_sources(recipe, seed)[0][:prompts]
+    texts = prompt_sources(recipe)[0][:prompts]
     stops = stop_token_ids(tok)
     layers = producer_layers(model.config)
     values: dict[str, list[np.ndarray]] = {k: [] for k in KINDS}

@@ -13,6 +13,13 @@ Stages (each saves its result, so a later stage can be rerun alone with ``--stag
 5. ``slm``: Gemma4ForCausalLM with per-layer inputs and KV sharing, distilled from the verifier (KL), then
    fake-quantized fine-tuning at its bit map and saved in transformers' pre-quantized Gemma format.
 6. ``eval``: the numbers of the README table (`hycoc.toy.evaluate`).
+7. ``conversations``: the toy recipe's conversation files (`hycoc.toy.conversations`): the verifier answers
+   training prompts (keep-set counts and calibration prompts) and held-out prompts (validation), written to
+   ``recipes/toy/data/``.
+
+Only this trainer reads outside the repository: its corpus is the Python 3.11 documentation sources of Debian's
+``python3.11-doc`` package (``apt-get install -y python3.11-doc``) and the interpreter's standard library.
+`hycoc build` and `hycoc bench` read the files this trainer wrote into the repository and nothing else.
 
 Deterministic for a seed on one machine (CPU, fixed thread count, fixed step counts).
 """
@@ -302,7 +309,9 @@ def main(argv=None) -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/hycoc-toy-work"), help="scratch folder for caches")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (fix it for reproducibility)")
-    ap.add_argument("--stages", default="tokenizer,verifier,selfgen,head,slm,eval")
+    ap.add_argument("--stages", default="tokenizer,verifier,selfgen,head,slm,eval,conversations")
+    ap.add_argument("--data-out", type=Path, default=None,
+                    help="folder of the conversation files (default: recipes/toy/data in the repository)")
     # Fixed step counts keep a rerun bit-identical; on 2 cores they take about 33 / 16 / 11 / 3 minutes.
     ap.add_argument("--verifier-steps", type=int, default=500, help="batches of 16 x 512 tokens")
     ap.add_argument("--head-steps", type=int, default=600, help="batches of 8 x 384 tokens, K=4 unrolled")
@@ -318,6 +327,12 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
 
+    from hycoc.toy.corpus import DOCS_DIR
+
+    if not DOCS_DIR.is_dir():
+        raise SystemExit(f"hycoc.toy.train: the toy corpus needs {DOCS_DIR}: install Debian's python3.11-doc "
+                         "(`apt-get install -y python3.11-doc`). Only this trainer needs it: hycoc build and "
+                         "hycoc bench read the files it wrote into recipes/toy/.")
     train, held = build_corpus()
     log(f"corpus: {len(train)} train / {len(held)} held-out conversations")
     from hycoc.models import load_tokenizer, load_verifier
@@ -361,6 +376,11 @@ def main(argv=None) -> None:
         from hycoc.toy.evaluate import evaluate_family
 
         evaluate_family(out, held, selfgen_seed=args.seed + 7)
+    if "conversations" in stages:
+        from hycoc.toy.conversations import DATA_DIR, make_conversation_files
+
+        sizes = make_conversation_files(verifier, tok, train, held, args.seed, args.data_out or DATA_DIR, log=log)
+        log("conversations: " + ", ".join(f"{name} {size / 1e6:.2f} MB" for name, size in sizes.items()))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,125 @@
+"""Progress of long steps on stderr: a rich bar on a terminal, plain lines in a log.
+
+Every step of a build or benchmark that can take more than a few seconds (verifier answers, QAT steps,
+calibration drives, compiles) reports through `step`: on a terminal it shows a ``rich`` progress bar with elapsed
+time and ETA (transient: the pass's summary line replaces it); when stderr is not a terminal (a CI log, ``2>
+build.log``) it prints plain lines ``[hycoc HH:MM:SS] PASS: STEP done/total, elapsed E s, ETA R s``: one when the
+step starts, then at most one every `LINE_EVERY` seconds, and one when it ends, so a log of a first run says where
+the time went.
+
+The pass manager (`hycoc.passes.pipeline.Pipeline`) names the running pass with `current_pass`; a step outside a
+pass is labelled by its own description only. torch-free and numpy-free (the device runtime may use it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import time
+from collections.abc import Callable, Iterator
+
+from rich.console import Console
+
+#: Seconds between two plain progress lines of one step (non-terminal stderr).
+LINE_EVERY = 10.0
+
+_pass_name: contextvars.ContextVar[str | None] = contextvars.ContextVar("hycoc_pass", default=None)
+_pass_console: contextvars.ContextVar[Console | None] = contextvars.ContextVar("hycoc_console", default=None)
+_console: Console | None = None
+
+
+def console() -> Console:
+    """The console progress writes to: the running pass's (`current_pass`), else one on stderr."""
+    global _console
+    c = _pass_console.get()
+    if c is not None:
+        return c
+    if _console is None:
+        _console = Console(stderr=True)
+    return _console
+
+
+def plain_line(text: str, c: Console | None = None) -> None:
+    """One timestamped progress line (``[hycoc HH:MM:SS] text``) on the progress console, no markup."""
+    (c or console()).print(f"[hycoc {time.strftime('%H:%M:%S')}] {text}", markup=False, highlight=False,
+                           soft_wrap=True)
+
+
+@contextlib.contextmanager
+def current_pass(name: str, c: Console | None = None) -> Iterator[None]:
+    """Label the steps reported inside the block with the pass ``name`` (and send them to ``c`` if given)."""
+    tokens = (_pass_name.set(name), _pass_console.set(c) if c is not None else None)
+    try:
+        yield
+    finally:
+        _pass_name.reset(tokens[0])
+        if tokens[1] is not None:
+            _pass_console.reset(tokens[1])
+
+
+def _fmt(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+
+
+class Step:
+    """A running step: call ``advance(n=1, note=None)`` as work completes; ``note`` replaces the step's trailing
+    text (for example the current QAT loss). Made by `step`."""
+
+    def __init__(self, label: str, total: int | None, c: Console, live):
+        self.label, self.total, self.console, self._live = label, total, c, live
+        self.done = 0
+        self.note = ""
+        self.start = time.perf_counter()
+        self._last_line = self.start
+        self._task = live.add_task(label, total=total) if live is not None else None
+
+    def advance(self, n: int = 1, note: str | None = None) -> None:
+        self.done += n
+        if note is not None:
+            self.note = note
+        if self._live is not None:
+            description = f"{self.label} {self.note}".rstrip()
+            self._live.update(self._task, advance=n, description=description)
+            return
+        now = time.perf_counter()
+        if now - self._last_line >= LINE_EVERY:
+            self._last_line = now
+            plain_line(self._status(now), self.console)
+
+    def _status(self, now: float) -> str:
+        elapsed = now - self.start
+        count = f"{self.done}/{self.total}" if self.total else f"{self.done}"
+        eta = ""
+        if self.total and 0 < self.done < self.total:
+            eta = f", ETA {_fmt(elapsed / self.done * (self.total - self.done))}"
+        note = f" {self.note}" if self.note else ""
+        return f"{self.label} {count}, elapsed {_fmt(elapsed)}{eta}{note}"
+
+
+@contextlib.contextmanager
+def step(description: str, total: int | None = None, c: Console | None = None) -> Iterator[Step]:
+    """Report the progress of one step (module docstring). ``total``: units of work, None when unknown.
+
+    Yields a `Step`; its plain-line form prints a start line, periodic lines and an end line with the elapsed time.
+    """
+    c = c or console()
+    name = _pass_name.get()
+    label = f"{name}: {description}" if name else description
+    if c.is_terminal:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import TimeRemainingColumn
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TextColumn("ETA"), TimeRemainingColumn(), console=c, transient=True) as live:
+            yield Step(label, total, c, live)
+        return
+    plain_line(f"{label}: started" + (f" ({total} to do)" if total else ""), c)
+    s = Step(label, total, c, None)
+    yield s
+    plain_line(f"{label}: done {s.done}" + (f"/{total}" if total else "") + f" in {_fmt(time.perf_counter() - s.start)}"
+               + (f" ({s.note})" if s.note else ""), c)
+
+
+def ticker(s: Step) -> Callable[[], None]:
+    """``s.advance`` as a no-argument callback (for functions that take ``progress=``)."""
+    return lambda: s.advance()
