@@ -1,7 +1,8 @@
 """Gemma-style chat template shared by the toy family and the real Gemma 4 checkpoints.
 
 ``<bos><start_of_turn>user\\n{text}<end_of_turn>\\n<start_of_turn>model\\n`` opens a model turn; the model ends
-its turn with ``<end_of_turn>``. numpy-free and torch-free: the device runtime uses it too.
+its turn with ``<end_of_turn>``; a later user turn follows as ``\\n<start_of_turn>user\\n{text}<end_of_turn>\\n
+<start_of_turn>model\\n`` (one ``<bos>`` per conversation). numpy-free and torch-free: the device runtime uses it too.
 """
 
 from __future__ import annotations
@@ -62,3 +63,15 @@ def stop_token_ids(tokenizer) -> set[int]:
     """Ids that end a model turn: ``<end_of_turn>`` and ``<eos>`` (those the tokenizer has)."""
     ids = {tokenizer.token_to_id(t) for t in (END_OF_TURN, EOS)}
     return {i for i in ids if i is not None}
+
+
+def next_user_turn(tokenizer, user_text: str, answer_closed: bool) -> list[int]:
+    """Token ids that continue a conversation after the model's answer with the next user message, up to where
+    the model's next answer begins: ``[<end_of_turn>]\\n<start_of_turn>user\\n{text}<end_of_turn>\\n<start_of_turn>
+    model\\n``. answer_closed: whether the answer already ends with ``<end_of_turn>`` (else it is added: an answer
+    cut by the output cap). The user's text is encoded as text (`encode_text`). tokenizer: a
+    `tokenizers.Tokenizer`. Raises ValueError if the tokenizer lacks a control token of the template."""
+    sot, eot = (_control(tokenizer, t) for t in (START_OF_TURN, END_OF_TURN))
+    return [*([] if answer_closed else [eot]), *encode_text(tokenizer, "\n"), sot,
+            *encode_text(tokenizer, f"user\n{user_text}"), eot, *encode_text(tokenizer, "\n"), sot,
+            *encode_text(tokenizer, "model\n")]

@@ -177,6 +177,21 @@ class RoundReply:
 
 
 @dataclass(frozen=True)
+class AppendTurn:
+    """Continue a finished turn with the next one on the same session (paper §4.1: MT-bench's second turns).
+
+    tokens: int32, shape (T,), T >= 1: what follows the committed text, e.g. the end of the model's turn and the
+    next user turn up to the model's turn opening; the verifier prefills all but the last (with the KV of the
+    conversation so far kept: nothing is prefilled again), and tokens[-1] is the next tree's root. Sent only after
+    a reply that said ``finished``. max_new_tokens: the new turn's output cap. Answered with `Opened` (same
+    session_id; t = the new root's position; prefill_ms = the appended prefill only).
+    """
+
+    tokens: np.ndarray
+    max_new_tokens: int = 1024
+
+
+@dataclass(frozen=True)
 class Close:
     """End a session; the verifier frees its KV."""
 

@@ -30,6 +30,7 @@ Payloads (R = tree rows = B + 1, P = accepted path length, K = chain length, T =
             (u32 hidden_size, u32 kv_dim_sliding, u32 kv_dim_full) and the hand-off block below.
             Total frame: `reply_nbytes(R, P, K, handoff)`.
     CLOSE   8 B: u64 session_id.
+    APPEND  8 B: u32 max_new_tokens, u32 T; then i32[T] tokens (the next turn, after a finished reply).
     ERROR   3 B: u8 code_len, u16 message_len; then the code (ascii, [a-z][a-z0-9_]*), the message (utf-8).
 
 Hand-off block (Alg. 4 line 14), n = t' - a positions, H hidden size, d_s / d_f the kv_dim (kv_heads * head_dim)
@@ -75,6 +76,7 @@ from hycoc.messages import (
     ACCEPTANCE_MODES,
     DRAFT_PLACES,
     FINISH_REASONS,
+    AppendTurn,
     Close,
     DraftTree,
     ErrorReply,
@@ -100,6 +102,7 @@ _REPLY = struct.Struct("<IifBBHHH")
 _HANDOFF_SIZES = struct.Struct("<III")
 HANDOFF_FIXED = struct.Struct("<IIIIffffffI")
 _CLOSE = struct.Struct("<Q")
+_APPEND = struct.Struct("<II")
 _ERROR = struct.Struct("<BH")
 
 _SCALE_NAMES = ("e", "h", "k_sliding", "v_sliding", "k_full", "v_full")
@@ -113,6 +116,7 @@ class MessageType(enum.IntEnum):
     REPLY = 4
     CLOSE = 5
     ERROR = 6
+    APPEND = 7
 
 
 # --------------------------------------------------------------------------------------------------- errors
@@ -533,6 +537,19 @@ def _check_close(m: Close, limits: Limits) -> None:
     _uint(m.session_id, "Close.session_id", 64)
 
 
+def _check_append(m: AppendTurn, limits: Limits) -> None:
+    tokens = _int_array(m.tokens, "AppendTurn.tokens")
+    if tokens.size == 0:
+        raise OutOfRange("AppendTurn.tokens is empty: a turn needs at least one token (the next root)")
+    if limits.max_context is not None and tokens.size >= limits.max_context:
+        raise ContextOverflow(f"AppendTurn.tokens has {tokens.size} tokens: the verifier holds max_context = "
+                              f"{limits.max_context} positions")
+    _uint(tokens.size, "AppendTurn.tokens length", 32)
+    _check_tokens(tokens, "AppendTurn.tokens", limits.vocab_size)
+    if not 1 <= int(m.max_new_tokens) <= 2**32 - 1:
+        raise OutOfRange(f"AppendTurn.max_new_tokens = {m.max_new_tokens}: must be >= 1 (u32)")
+
+
 def _check_error(m: ErrorReply, limits: Limits) -> None:
     if not isinstance(m.code, str) or not _ERROR_CODE.fullmatch(m.code) or len(m.code) > 255:
         raise BadText(f"ErrorReply.code = {m.code!r}: must match [a-z][a-z0-9_]* and be at most 255 bytes")
@@ -547,6 +564,7 @@ _CHECKS = {
     RoundReply: _check_reply,
     Close: _check_close,
     ErrorReply: _check_error,
+    AppendTurn: _check_append,
 }
 
 
@@ -614,6 +632,11 @@ def _pack_error(m: ErrorReply) -> bytes:
     return _ERROR.pack(len(code), len(message)) + code + message
 
 
+def _pack_append(m: AppendTurn) -> bytes:
+    tokens = np.asarray(m.tokens).astype("<i4")
+    return _APPEND.pack(m.max_new_tokens, tokens.size) + tokens.tobytes()
+
+
 _PACKERS = {
     OpenRequest: (MessageType.OPEN, _pack_open),
     Opened: (MessageType.OPENED, _pack_opened),
@@ -621,6 +644,7 @@ _PACKERS = {
     RoundReply: (MessageType.REPLY, _pack_reply),
     Close: (MessageType.CLOSE, _pack_close),
     ErrorReply: (MessageType.ERROR, _pack_error),
+    AppendTurn: (MessageType.APPEND, _pack_append),
 }
 
 
@@ -806,6 +830,11 @@ def _unpack_error(r: _Reader, limits: Limits) -> ErrorReply:
     return ErrorReply(r.text(code_len, "code"), r.text(message_len, "message"))
 
 
+def _unpack_append(r: _Reader, limits: Limits) -> AppendTurn:
+    max_new, n = r.fields(_APPEND, "fixed part")
+    return AppendTurn(r.array("<i4", n, "tokens"), max_new)
+
+
 _UNPACKERS = {
     MessageType.OPEN: _unpack_open,
     MessageType.OPENED: _unpack_opened,
@@ -813,6 +842,7 @@ _UNPACKERS = {
     MessageType.REPLY: _unpack_reply,
     MessageType.CLOSE: _unpack_close,
     MessageType.ERROR: _unpack_error,
+    MessageType.APPEND: _unpack_append,
 }
 
 

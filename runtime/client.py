@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hycoc.messages import DraftTree, OpenRequest, Sampling, commit_cut
+from hycoc.messages import AppendTurn, DraftTree, OpenRequest, Sampling, commit_cut
 from hycoc.runtime.mtp_drafter import MtpDrafter
 from hycoc.runtime.slm_drafter import SlmDrafter
 from hycoc.runtime.transport import BadReply
@@ -165,6 +165,8 @@ class DeviceRuntime:
         self.mtp = MtpDrafter(head, bundle)
         self.slm = SlmDrafter(slm, bundle, candidates=bundle.round.slm_candidates)
         self.stop_ids = bundle.stop_token_ids()
+        #: (committed conversation tokens, mode) after generate(..., keep_open=True); None otherwise.
+        self._conversation: tuple[list[int], str] | None = None
 
     def builder(self, mode: Mode, tree_rows: int) -> TreeBuilder:
         """The tree builder of ``mode`` for trees of ``tree_rows`` rows (the verifier's B + 1)."""
@@ -186,14 +188,36 @@ class DeviceRuntime:
 
     def generate(self, client, prompt_ids, *, mode: str = "hyco", max_new_tokens: int | None = None,
                  seed: int | None = None, sampling: Sampling | None = None, epsilon: float | None = None,
-                 on_text: Callable[[str], None] | None = None) -> RequestResult:
+                 on_text: Callable[[str], None] | None = None, keep_open: bool = False) -> RequestResult:
         """Run one request (Alg. 1 each round) and return its `RequestResult`.
 
-        client: an unopened `VerifierClient` (None for ``slm-alone``); it is closed at the end. on_text: called
-        with each new piece of text as it is committed. Raises TransportError subclasses (server unreachable,
-        auth refused, connection dropped, protocol mismatch), HandoffError, RuntimeProtocolError; text already
-        passed to ``on_text`` stays delivered.
+        client: an unopened `VerifierClient` (None for ``slm-alone``); it is closed at the end unless
+        ``keep_open`` (then `next_turn` continues the conversation on it, and the caller closes it). on_text:
+        called with each new piece of text as it is committed. Raises TransportError subclasses (server
+        unreachable, auth refused, connection dropped, protocol mismatch), HandoffError, RuntimeProtocolError;
+        text already passed to ``on_text`` stays delivered.
         """
+        return self._request(client, [int(x) for x in prompt_ids], None, mode, max_new_tokens, seed, sampling,
+                             epsilon, on_text, keep_open)
+
+    def next_turn(self, client, turn_ids, *, max_new_tokens: int | None = None,
+                  on_text: Callable[[str], None] | None = None, keep_open: bool = True) -> RequestResult:
+        """The next turn of a conversation (paper §4.1, MT-bench's second turns) on the session `generate(...,
+        keep_open=True)` opened: the verifier keeps the conversation's KV and prefills only ``turn_ids`` (an
+        APPEND frame), the SLM ring continues from the committed tokens (only the new ones are run), and the MTP
+        Drafter starts again from the turn's first hand-off (W positions). turn_ids: what follows the committed
+        answer (`hycoc.chat.next_user_turn`). The mode, sampling, seed and epsilon stay the session's. Returns the
+        turn's `RequestResult` (prefill_ms: the append's prefill). Raises ValueError without an open conversation,
+        and what `generate` raises.
+        """
+        if self._conversation is None or client is None or client.opened is None:
+            raise ValueError("no open conversation: call generate(..., keep_open=True) first, with a server mode")
+        history, mode = self._conversation
+        return self._request(client, history, [int(x) for x in turn_ids], mode, max_new_tokens, None, None, None,
+                             on_text, keep_open)
+
+    def _request(self, client, prompt: list[int], appended: list[int] | None, mode: str, max_new_tokens, seed,
+                 sampling, epsilon, on_text, keep_open: bool) -> RequestResult:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         m = MODES[mode]
@@ -202,27 +226,36 @@ class DeviceRuntime:
         seed = r.seed if seed is None else int(seed)
         sampling = sampling or Sampling(r.temperature, r.top_k, r.top_p)
         epsilon = r.epsilon if epsilon is None else float(epsilon)
-        prompt = [int(x) for x in prompt_ids]
+        if appended is not None:
+            prompt = prompt + appended                    # the conversation so far, then the new turn
         res = RequestResult(mode=mode)
         stream = TextStream(self.bundle.tokenizer)
         start = time.perf_counter()
+        link0 = getattr(client, "link_s", 0.0)             # the client's link time is counted per connection
 
         def emit(new: list[int]) -> None:
             if new and res.first_token_s is None:
                 res.first_token_s = time.perf_counter() - start
-                res.first_token_link_s = getattr(client, "link_s", 0.0)
+                res.first_token_link_s = getattr(client, "link_s", 0.0) - link0
             res.tokens.extend(new)
             piece = stream.push(new)
             if piece and on_text is not None:
                 on_text(piece)
 
+        self._conversation = None
         if m.draft_place is None:
             self._slm_alone(prompt, max_new, res, emit)
         else:
             try:
-                self._verified(client, prompt, m, max_new, seed, sampling, epsilon, res, emit)
+                self._verified(client, prompt, m, max_new, seed, sampling, epsilon, res, emit, appended)
+            except BaseException:
+                client.close()
+                raise
             finally:
-                res.link_s = getattr(client, "link_s", 0.0)
+                res.link_s = getattr(client, "link_s", 0.0) - link0
+            if keep_open:
+                self._conversation = (prompt + res.tokens, mode)
+            else:
                 client.close()
         res.seconds = time.perf_counter() - start
         res.text = stream.text()
@@ -259,15 +292,22 @@ class DeviceRuntime:
         return builder.build(self.slm.tokens[-1], chain, runner_ups, expand, max_depth=max_depth)
 
     def _verified(self, client, prompt, m: Mode, max_new, seed, sampling, epsilon, res: RequestResult,
-                  emit) -> None:
-        request = self.open_request(prompt, m, max_new_tokens=max_new, seed=seed, sampling=sampling, epsilon=epsilon)
+                  emit, appended: list[int] | None = None) -> None:
         uses_slm = m.passes != "none"
         self.mtp.reset()
         with ThreadPoolExecutor(1, thread_name_prefix="hycoc-open") as pool:
-            opened_f = pool.submit(client.open, request)   # the server prefills meanwhile
+            if appended is None:                           # a new session: the server prefills the prompt
+                request = self.open_request(prompt, m, max_new_tokens=max_new, seed=seed, sampling=sampling,
+                                            epsilon=epsilon)
+                opened_f = pool.submit(client.open, request)
+            else:                                          # the next turn: the server prefills the new tokens only
+                opened_f = pool.submit(client.append, AppendTurn(np.asarray(appended, np.int32), max_new))
             built = None
             if uses_slm:
-                self.slm.start(prompt)
+                if appended is None:
+                    self.slm.start(prompt)
+                else:
+                    self.slm.commit([], appended)          # the ring keeps the conversation; run the new tokens
                 t0 = time.perf_counter()
                 self.slm.prefill(reserve=self.bundle.round.chain_length + self.bundle.round.sibling_depth)
                 res.slm_prefill_s = time.perf_counter() - t0

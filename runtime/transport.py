@@ -2,7 +2,8 @@
 
 Ships on the phone: numpy + websockets + `hycoc.wire` / `hycoc.messages` only (no torch, no aiohttp, nothing of
 the verifier). `VerifierClient` speaks the protocol of DESIGN.md "Wire protocol" with ``websockets.sync``:
-``open(OpenRequest) -> Opened``, ``round(DraftTree) -> RoundReply``, ``close()``. Every reply is decoded and
+``open(OpenRequest) -> Opened``, ``round(DraftTree) -> RoundReply``, ``append(AppendTurn) -> Opened`` (the
+next turn of a conversation on the same session), ``close()``. Every reply is decoded and
 validated against the session's sizes (`hycoc.wire.Limits.from_opened`) before it is returned.
 
 Every failure ends in a `TransportError` subclass whose message is one line naming the cause:
@@ -39,7 +40,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.sync.client import ClientConnection, connect
 
 from hycoc import wire
-from hycoc.messages import Close, DraftTree, ErrorReply, Opened, OpenRequest, RoundReply
+from hycoc.messages import AppendTurn, Close, DraftTree, ErrorReply, Opened, OpenRequest, RoundReply
 
 # --------------------------------------------------------------------------------------------------- link model
 
@@ -244,6 +245,18 @@ class VerifierClient:
             # The device sends the root alone (tree_rows = 1), but the verifier drafts and verifies root + K rows
             # itself, so its replies carry up to 1 + K samples: their count is not pinned.
             self._limits = replace(self._limits, tree_rows=None)
+        return opened
+
+    def append(self, turn: AppendTurn) -> Opened:
+        """The next turn on the open session, after a reply that said finished: the verifier keeps the
+        conversation's KV and prefills only the new tokens. Returns its OPENED (same session id, the new root's
+        t, the append's prefill_ms). Raises a TransportError."""
+        if self.opened is None:
+            raise TransportError("append() before open(): open a session first")
+        opened = self._request(wire.encode(turn), Opened, "appended turn")
+        if opened.session_id != self.opened.session_id:
+            raise BadReply(f"the verifier answered the appended turn for session {opened.session_id}, this client "
+                           f"holds {self.opened.session_id}")
         return opened
 
     def round(self, tree: DraftTree) -> RoundReply:

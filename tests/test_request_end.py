@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from transformers import DynamicCache
 
 from hycoc.messages import RoundReply, Sampling
 from hycoc.verifier import ContextOverflow, VerifierEngine
@@ -206,3 +207,45 @@ def test_the_stream_flushes_a_real_trailing_replacement_character():
     pieces.append(stream.flush())
     assert "".join(pieces) == stream.text() == "bad byte \ufffd"    # the request ended: stdout == text
     assert stream.flush() == ""
+
+
+# ------------------------------------------------------------------------------- two-turn conversations
+
+
+def test_an_appended_turn_keeps_the_kv_and_continues_greedily(verifier):
+    prompt = list(range(110, 120))
+    engine = make_engine(verifier)
+    session = engine.open(prompt, sampling=Sampling(temperature=0.0), acceptance="exact", max_new_tokens=3)
+    session.prefill()
+    g = greedy(verifier, prompt, 5)
+    reply = session.verify(*chain(prompt[-1], g[:4]), 0)        # the cap cuts the path: KV of g[3] is dropped
+    assert reply.finish_reason == "max_new_tokens" and session.output == g[:3]
+    turn = [7, 8, 9]
+    ms, t = session.append(turn, max_new_tokens=4)
+    conversation = prompt + g[:3] + turn
+    assert t == len(conversation) - 1 and ms > 0 and session.turns_prefill_ms == [ms]
+    assert all(layer.keys.shape[2] == t for layer in session.cache.layers)   # 12 kept + 3 prefilled
+    fresh = DynamicCache()
+    with torch.inference_mode():
+        verifier(input_ids=torch.tensor([conversation[:-1]]), cache=fresh, use_cache=True)
+    for mine, theirs in zip(session.cache.layers, fresh.layers):
+        torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=0)
+    g2 = greedy(verifier, conversation, 4)
+    reply = session.verify(*chain(turn[-1], g2), 0)             # seq starts at 0 again
+    assert session.tokens[len(conversation):] == g2 and reply.finish_reason == "max_new_tokens"
+    assert reply.handoff is None
+
+
+def test_append_is_refused_before_the_turn_finishes_and_past_the_context(verifier):
+    from hycoc.verifier import BadRequest, SessionFinished
+
+    engine = make_engine(verifier, max_context=20)
+    session = engine.open(list(range(110, 120)), sampling=Sampling(temperature=0.0))
+    session.prefill()
+    with pytest.raises(SessionFinished, match="has not finished"):
+        session.append([5], 4)
+    session.finished = True
+    with pytest.raises(ContextOverflow, match="leave no room"):
+        session.append(list(range(10)), 4)                     # 10 + 10 = 20 = max_context
+    with pytest.raises(BadRequest):
+        session.append([], 4)

@@ -139,6 +139,28 @@ def test_cli_run_at_the_context_limit_exits_0_with_the_text(short_server, built,
     assert result.stdout.startswith(last["text"])
 
 
+@pytest.mark.parametrize("mode", ["hyco-exact", "specedge", "cloud-mtp"])
+def test_a_second_turn_continues_the_session_with_the_verifiers_greedy_text(server, runtime, mode):
+    from hycoc.chat import next_user_turn
+
+    srv, engine = server
+    tok, stops = runtime.bundle.tokenizer, stop_token_ids(runtime.bundle.tokenizer)
+    ids = prompt_ids(runtime, LONG)
+    client = transport.VerifierClient(srv.url)
+    first = runtime.generate(client, ids, mode=mode, max_new_tokens=12, sampling=GREEDY, keep_open=True)
+    assert first.tokens == greedy_reference(engine, ids, 12, stops)
+    turn = next_user_turn(tok, "w7 w8 w9", answer_closed=first.finish_reason == "stop")
+    pieces = []
+    second = runtime.next_turn(client, turn, max_new_tokens=12, on_text=pieces.append)
+    conversation = ids + first.tokens + turn
+    assert second.tokens == greedy_reference(engine, conversation, 12, stops)
+    assert "".join(pieces) == second.text and second.finish_reason in ("stop", "max_new_tokens")
+    session = next(iter(srv.server.sessions.values()))
+    assert session.tokens[:len(conversation)] == conversation
+    assert session.turns_prefill_ms == [pytest.approx(second.prefill_ms, rel=1e-6)]   # float32 on the wire
+    client.close()
+
+
 def test_slm_alone_needs_no_server(runtime):
     res = runtime.generate(None, prompt_ids(runtime), mode="slm-alone", max_new_tokens=12)
     assert 1 <= len(res.tokens) <= 12 and res.rounds == len(res.tokens)

@@ -608,3 +608,28 @@ def test_every_code_is_distinct_and_valid():
     assert len(codes) == len(set(codes))
     for code in codes:
         assert wire.decode(wire.error_frame(wire.ERROR_CLASSES[code]("x"))).code == code
+
+
+def test_append_round_trip_and_bytes():
+    from hycoc.messages import AppendTurn
+
+    m = AppendTurn(np.array([5, 6, 999], np.int32), max_new_tokens=64)
+    data = wire.encode(m)
+    assert len(data) == 16 + 8 + 4 * 3 and data[6] == wire.MessageType.APPEND == 7
+    got = wire.decode(data, wire.Limits(vocab_size=VOCAB, max_context=16))
+    assert got.max_new_tokens == 64
+    assert_same_array(got.tokens, m.tokens, np.int32)
+
+
+@pytest.mark.parametrize("tokens, max_new, limits, code", [
+    ([], 4, None, "out_of_range"),
+    ([1, 2, 3], 0, None, "out_of_range"),
+    ([1, VOCAB], 4, wire.Limits(vocab_size=VOCAB), "token_out_of_vocab"),
+    ([1, 2, 3], 4, wire.Limits(max_context=3), "context_overflow"),
+])
+def test_append_refusals(tokens, max_new, limits, code):
+    from hycoc.messages import AppendTurn
+
+    with pytest.raises(wire.WireError) as info:
+        wire.validate(AppendTurn(np.array(tokens, np.int32), max_new), limits)
+    assert info.value.code == code

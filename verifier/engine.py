@@ -164,20 +164,23 @@ def widen_reply(reply: RoundReply, tokens: np.ndarray, kept: np.ndarray) -> Roun
 
 @torch.inference_mode()
 def prefill(model, cache: DynamicCache, tap: NormTap, ids: torch.Tensor, chunk: int,
-            dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Fill the cache with ``ids`` (int64 (T,), positions 0 .. T-1) in causal chunks of ``chunk`` positions.
+            dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Fill the cache with ``ids`` (int64 (T,), positions start .. start+T-1) in causal chunks of ``chunk``
+    positions, after the ``start`` positions the cache holds (0: a new request; > 0: a turn appended to a kept
+    conversation, `Session.append`).
 
     Each chunk uses the same explicit masks as the tree rounds (a chain is a tree), so prefill and rounds share
-    one mask convention. Returns the final norm's (pre, post) rows of position T-1, each (H,), or None if T == 0.
+    one mask convention. Returns the final norm's (pre, post) rows of the last position, each (H,), or None if
+    T == 0.
     """
-    t, n_total = 0, len(ids)
+    t, n_total = start, start + len(ids)
     while t < n_total:
         n = min(chunk, n_total - t)
         pos = torch.arange(t, t + n, device=ids.device)
         causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
         masks = additive_masks(pos, causal, t, model.config.sliding_window, dtype)
-        model(input_ids=ids[None, t:t + n], position_ids=pos[None], attention_mask=masks, cache=cache,
-              use_cache=True, logits_to_keep=1)
+        model(input_ids=ids[None, t - start:t - start + n], position_ids=pos[None], attention_mask=masks,
+              cache=cache, use_cache=True, logits_to_keep=1)
         t += n
     if n_total == 0:
         return None
@@ -439,6 +442,8 @@ class Session:
 
     def __post_init__(self):
         self.tokens = [int(x) for x in self.prompt]
+        self.turn_start = len(self.tokens)                # where the current turn's output begins
+        self.turns_prefill_ms: list[float] = []           # prefill ms of each appended turn (`append`)
         self.generator = torch.Generator().manual_seed(self.seed)
         self.cache: DynamicCache | None = None
         self._h: torch.Tensor | None = None  # h of position t - 1 (pre- or post-norm per engine.hidden)
@@ -469,6 +474,48 @@ class Session:
         self._h = None if last is None else last[0 if eng.hidden == "pre_norm" else 1]
         self.prefill_ms = timer.ms
         return self.prefill_ms, self.t
+
+    def append(self, turn_ids, max_new_tokens: int) -> tuple[float, int]:
+        """Continue the conversation with the next turn (paper §4.1, MT-bench's second turns), keeping the KV.
+
+        turn_ids: int (T,), T >= 1, what follows the committed text (the rest of the chat template and the next
+        user message); the committed tokens' KV stays, so only the last committed token and turn_ids[:-1] are
+        prefilled, and turn_ids[-1] becomes the next root. The cache is first cut to exactly the committed
+        positions (a finished round may hold KV of path rows after a cut EOS). max_new_tokens: the new turn's
+        output cap. Rounds count seq from 0 again (its first hand-off carries the W-window, like a new request's).
+        Returns (prefill_ms of this append, t). Raises SessionFinished if the session is closed or its turn has
+        not finished, BadRequest for an empty turn, an id outside the vocabulary or max_new_tokens < 1,
+        ContextOverflow when the conversation and the turn leave no room for one output token.
+        """
+        turn = np.asarray(turn_ids, dtype=np.int64).reshape(-1)
+        eng = self.engine
+        if self.cache is None or self.prefill_ms is None:
+            raise SessionFinished("this session is closed (or was never prefilled): open a new one")
+        if not self.finished:
+            raise SessionFinished("the current turn has not finished: send rounds until a reply says finished, "
+                                  "then append the next turn")
+        if len(turn) == 0:
+            raise BadRequest("the appended turn is empty; it needs at least the next root token")
+        if turn.min() < 0 or turn.max() >= eng.vocab_size:
+            raise BadRequest(f"appended token ids must be in [0, {eng.vocab_size})")
+        if max_new_tokens < 1:
+            raise BadRequest(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(self.tokens) + len(turn) >= eng.max_context:
+            raise ContextOverflow(f"the conversation ({len(self.tokens)} tokens) and the appended turn "
+                                  f"({len(turn)}) leave no room for output in the verifier's context of "
+                                  f"{eng.max_context} positions")
+        start = len(self.tokens) - 1                      # the last committed token has no KV yet
+        crop_cache(self.cache, start)
+        ids = torch.as_tensor(np.concatenate([[self.tokens[-1]], turn[:-1]]), device=eng.device)
+        with _Timer(eng.device) as timer:
+            last = prefill(eng.model, self.cache, eng.tap, ids, eng.prefill_chunk, eng.dtype, start=start)
+        self.tokens.extend(int(x) for x in turn)
+        self.t = len(self.tokens) - 1
+        self._h = last[0 if eng.hidden == "pre_norm" else 1]
+        self.turn_start, self.max_new_tokens = len(self.tokens), int(max_new_tokens)
+        self.finished, self.finish_reason, self._last = False, None, None
+        self.turns_prefill_ms.append(timer.ms)
+        return timer.ms, self.t
 
     def close(self) -> None:
         """Free the KV cache."""
@@ -505,7 +552,8 @@ class Session:
         if self.prefill_ms is None:
             raise NotPrefilled("call prefill before the first round")
         if self.finished:
-            raise SessionFinished("this request has finished (EOS, max_new_tokens or closed); open a new one")
+            raise SessionFinished("this turn has finished (EOS, max_new_tokens, the context or closed); append the "
+                                  "next turn or open a new session")
         expected = 0 if last is None else last.seq + 1
         if seq != expected:
             raise SequenceError(f"round seq {seq} out of order; expected {expected}")
@@ -573,7 +621,8 @@ class Session:
 
         # Commit the path and b (Alg. 1 line 9), cut after an EOS and at max_new_tokens.
         new, reason = commit_cut([int(x) for x in tokens[path]] + [bonus], eng.eos_token_ids,
-                                 self.max_new_tokens - len(self.output), eng.max_context - len(self.tokens))
+                                 self.max_new_tokens - (len(self.tokens) - self.turn_start),
+                                 eng.max_context - len(self.tokens))
         finished = reason is not None
 
         h = h_rows[v_star]

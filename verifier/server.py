@@ -3,7 +3,8 @@
 One aiohttp application on one port (DESIGN.md "Wire protocol"; the device connects with ``--server ws://HOST:PORT``):
 
     GET /  (WebSocket)  one session per connection, binary frames of `hycoc.wire`:
-                        OPEN -> prefill -> OPENED; ROUND -> REPLY, one per round; CLOSE (or a disconnect) frees the KV
+                        OPEN -> prefill -> OPENED; ROUND -> REPLY, one per round; after a finished reply, APPEND (the
+                        next turn, KV kept) -> OPENED; CLOSE (or a disconnect) frees the KV
     GET /healthz        JSON: status, model, sessions, protocol_version and the limits a client must respect
     GET /metrics        Prometheus text exposition (format 0.0.4), counters over the server's lifetime
 
@@ -68,13 +69,13 @@ import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from hycoc import wire
-from hycoc.messages import Close, DraftTree, Opened, OpenRequest
+from hycoc.messages import AppendTurn, Close, DraftTree, Opened, OpenRequest
 
 from .engine import Session, VerifierEngine
 
@@ -301,6 +302,7 @@ class _Connection:
     peer: str = ""
     link: "_Link | None" = None
     kv_bytes: int = 0
+    opened: Opened | None = None
     session: Session | None = None
     session_id: int = 0
     limits: wire.Limits | None = None
@@ -683,8 +685,8 @@ class VerifierServer:
                     return await self._open(conn, msg), True
                 if isinstance(msg, Close):
                     return None, False
-                if isinstance(msg, DraftTree):
-                    raise NotOpened("ROUND before OPEN: open a session first")
+                if isinstance(msg, (DraftTree, AppendTurn)):
+                    raise NotOpened(f"{type(msg).__name__} before OPEN: open a session first")
             else:
                 msg = wire.decode(data, conn.limits)
                 if isinstance(msg, DraftTree):
@@ -694,6 +696,8 @@ class VerifierServer:
                         raise BadSessionId(f"CLOSE names session {msg.session_id}; this connection holds session "
                                            f"{conn.session_id} (or send 0)")
                     return None, False
+                if isinstance(msg, AppendTurn):
+                    return await self._append(conn, msg), True
                 if isinstance(msg, OpenRequest):
                     raise AlreadyOpen(f"this connection already holds session {conn.session_id}: one session per "
                                       "connection; CLOSE it or open another connection")
@@ -747,7 +751,7 @@ class VerifierServer:
         opened = Opened(session_id=session_id, t=t, prefill_ms=prefill_ms, max_context=eng.max_context,
                         tree_rows=tree_rows, vocab_size=eng.vocab_size, hidden_size=eng.hidden_size,
                         kv_dim_sliding=eng.kv_dim_sliding, kv_dim_full=eng.kv_dim_full)
-        conn.session, conn.session_id = session, session_id
+        conn.session, conn.session_id, conn.opened = session, session_id, opened
         conn.limits = wire.Limits(max_frame_bytes=self.max_frame_bytes, vocab_size=eng.vocab_size,
                                   tree_rows=tree_rows, max_context=eng.max_context)
         self.sessions[session_id] = session
@@ -755,6 +759,28 @@ class VerifierServer:
         self.metrics.sessions_active += 1
         self.metrics.prefill_ms += prefill_ms
         return wire.encode(opened)
+
+    async def _append(self, conn: _Connection, msg: AppendTurn) -> bytes:
+        """The next turn on the open session (`Session.append`): its KV stays, only the new tokens are prefilled;
+        answered with OPENED (same session id, the new root's t, this prefill's ms). The KV reservation grows to
+        the conversation plus the new turn's cap (refused with kv_budget_exhausted when that does not fit)."""
+        eng, lim = self.engine, self.limits
+        session = conn.session
+        positions = min(eng.max_context, len(session.tokens) + len(msg.tokens) + int(msg.max_new_tokens)
+                        + self.tree_rows)
+        need = positions * eng.kv_bytes_per_position - conn.kv_bytes
+        if need > 0 and self.metrics.kv_bytes_reserved + need > lim.max_kv_bytes:
+            self.metrics.refusals["max_kv_bytes"] += 1
+            raise KvBudgetExhausted(f"the next turn needs {need} more KV bytes, {self.metrics.kv_bytes_reserved} of "
+                                    f"max_kv_bytes = {lim.max_kv_bytes} are reserved; retry after "
+                                    f"{lim.retry_after_s:g} s, or ask for fewer max_new_tokens")
+        prefill_ms, t = await self._work(session.append, msg.tokens, int(msg.max_new_tokens))
+        if need > 0:
+            conn.kv_bytes += need
+            self.metrics.kv_bytes_reserved += need
+        conn.last_seq, conn.last_request, conn.last_reply = None, b"", b""
+        self.metrics.prefill_ms += prefill_ms
+        return wire.encode(replace(conn.opened, t=t, prefill_ms=prefill_ms))
 
     def _open_session(self, req: OpenRequest) -> tuple[Session, float, int]:
         """Worker thread: a new engine session, prefilled."""
