@@ -236,6 +236,10 @@ def run(
         show_default=False),
     json_out: bool = typer.Option(False, "--json", help="print the metrics as one JSON object after the text"),
     raw: bool = typer.Option(False, "--raw", help="send the prompt as is, without the chat template"),
+    chat: bool = typer.Option(
+        False, "--chat", help="a conversation on one session: after the first answer, every line on stdin is the "
+        "next user turn (the verifier keeps the KV, the SLM ring continues); an empty line or end of input ends "
+        "it. Without --prompt / --prompt-file the first turn is read from stdin too"),
     threads: Optional[int] = typer.Option(None, min=1, help="CPU threads per graph session (cpu backend)",
                                           show_default=False),
     auth_token: Optional[str] = typer.Option(
@@ -250,8 +254,11 @@ def run(
     JSON object on stdout after the text: text, tokens, rounds, mat, tok_per_s, draft_ms_per_token,
     server_ms_per_token, first_token_ms, bytes_up_per_round, bytes_down_per_round).
     """
-    if (prompt is None) == (prompt_file is None):
+    if (prompt is not None and prompt_file is not None) or (not chat and prompt is None and prompt_file is None):
         raise _fail("run", "give exactly one of --prompt and --prompt-file", code=2)
+    if chat and (mode == RunMode.slm_alone or raw):
+        raise _fail("run", "--chat needs a verifier and the chat template: not with --mode slm-alone or --raw",
+                    code=2)
     if prompt_file is not None and not prompt_file.is_file():
         raise _fail("run", f"--prompt-file {prompt_file}: no such file", code=2)
     if not bundle.is_dir():
@@ -271,12 +278,21 @@ def run(
     from hycoc.runtime.transport import TransportError, VerifierClient
     from hycoc.targets.qnn_ep import QnnUnavailableError
 
-    text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
+    def ask() -> str | None:
+        """The next user turn from stdin; None at an empty line or the end of input."""
+        sys.stderr.write("> ")
+        sys.stderr.flush()
+        line = sys.stdin.readline()
+        return line.rstrip("\n") if line.strip() else None
+
+    text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8") if prompt_file else None
+    if text is None and (text := ask()) is None:
+        raise _fail("run", "no user message on stdin", code=2)
     try:
         rt = load_runtime(bundle, _bundle_backend(bundle, backend), threads=threads)
     except (BundleError, GraphRunError, QnnUnavailableError, ValueError) as e:
         raise _fail("run", str(e)) from None
-    from hycoc.chat import format_prompt
+    from hycoc.chat import format_prompt, next_user_turn
 
     tok = rt.bundle.tokenizer
     ids = tok.encode(text, add_special_tokens=False).ids if raw else format_prompt(tok, text)
@@ -294,25 +310,41 @@ def run(
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    try:
-        res = rt.generate(client, ids, mode=mode.value, max_new_tokens=max_new_tokens, seed=seed, sampling=sampling,
-                          epsilon=epsilon, on_text=show)
-    except (TransportError, HandoffError, RuntimeProtocolError, GraphRunError, BundleError) as e:
-        if streamed:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-        message = str(e)
-        if "auth_required" in message or "auth_refused" in message:
-            message += " (hycoc run: set HYCOC_AUTH_TOKEN or pass --auth-token-file FILE)"
-        raise _fail("run", message) from None
-    sys.stdout.write("\n")
-    m = res.to_json()
-    if json_out:
-        sys.stdout.write(json.dumps(m) + "\n")
-    sys.stdout.flush()
-    typer.echo(f"[{mode.value}: {m['tokens']} tokens, {m['rounds']} rounds, MAT {m['mat']:.2f}, "
-               f"{m['tok_per_s']:.1f} tok/s, draft {m['draft_ms_per_token']:.1f} ms/token, server "
-               f"{m['server_ms_per_token']:.1f} ms/token, first token {m['first_token_ms']} ms]", err=True)
+    def turn(first: bool, text: str | None = None, closed: bool = True):
+        """One turn: the request (first) or the next user turn on the same session; prints its metrics."""
+        try:
+            if first:
+                res = rt.generate(client, ids, mode=mode.value, max_new_tokens=max_new_tokens, seed=seed,
+                                  sampling=sampling, epsilon=epsilon, on_text=show, keep_open=chat)
+            else:
+                res = rt.next_turn(client, next_user_turn(tok, text, answer_closed=closed),
+                                   max_new_tokens=max_new_tokens, on_text=show)
+        except (TransportError, HandoffError, RuntimeProtocolError, GraphRunError, BundleError) as e:
+            if streamed:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            if client is not None:
+                client.close()
+            message = str(e)
+            if "auth_required" in message or "auth_refused" in message:
+                message += " (hycoc run: set HYCOC_AUTH_TOKEN or pass --auth-token-file FILE)"
+            raise _fail("run", message) from None
+        sys.stdout.write("\n")
+        m = res.to_json()
+        if json_out:
+            sys.stdout.write(json.dumps(m) + "\n")
+        sys.stdout.flush()
+        typer.echo(f"[{mode.value}: {m['tokens']} tokens, {m['rounds']} rounds, MAT {m['mat']:.2f}, "
+                   f"{m['tok_per_s']:.1f} tok/s, draft {m['draft_ms_per_token']:.1f} ms/token, server "
+                   f"{m['server_ms_per_token']:.1f} ms/token, first token {m['first_token_ms']} ms, prefill "
+                   f"{res.prefill_ms:.1f} ms, {res.finish_reason}]", err=True)
+        return res
+
+    res = turn(True)
+    while chat and (text := ask()) is not None:
+        res = turn(False, text, closed=res.finish_reason == "stop")
+    if chat:
+        client.close()
 
 
 @app.command("verify-server")

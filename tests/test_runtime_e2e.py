@@ -161,6 +161,21 @@ def test_a_second_turn_continues_the_session_with_the_verifiers_greedy_text(serv
     client.close()
 
 
+def test_cli_run_chat_answers_every_turn_on_one_session(server, built):
+    srv, _ = server
+    before = srv.server.metrics.sessions_total
+    result = CliRunner().invoke(app, ["run", str(built[1]), "--server", srv.url, "--prompt", "w1 w2 w3",
+                                      "--backend", "cpu", "--mode", "hyco-exact", "--temperature", "0",
+                                      "--max-new-tokens", "8", "--json", "--chat"], input="w4 w5\nw6\n\n")
+    assert result.exit_code == 0, result.stderr
+    turns = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(turns) == 3 and all(1 <= t["tokens"] <= 8 for t in turns)
+    assert srv.server.metrics.sessions_total == before + 1          # one session for the whole conversation
+    assert result.stderr.count("[hyco-exact: ") == 3 and result.stderr.count("> ") == 3
+    result = CliRunner().invoke(app, ["run", str(built[1]), "--server", srv.url, "--mode", "slm-alone", "--chat"])
+    assert result.exit_code == 2 and "--chat needs a verifier" in result.stderr
+
+
 def test_slm_alone_needs_no_server(runtime):
     res = runtime.generate(None, prompt_ids(runtime), mode="slm-alone", max_new_tokens=12)
     assert 1 <= len(res.tokens) <= 12 and res.rounds == len(res.tokens)
