@@ -104,14 +104,16 @@ class VerifierProcess:
 # ---- records -----------------------------------------------------------------------------------------------------
 
 
-def record_of(config: str, run: int, q: Question, prompt_tokens: int, res, virtual_link: bool) -> dict:
-    """One request as a `hycoc.bench_stats` record (its module docstring lists the keys and units)."""
+def record_of(config: str, run: int, q: Question, prompt_tokens: int, res, virtual_link: bool,
+              turn: int = 1) -> dict:
+    """One request as a `hycoc.bench_stats` record (its module docstring lists the keys and units); ``turn``:
+    1 for a question's first turn, 2 for its second (same session, `run_requests`)."""
     from hycoc.quality import reference_match
 
     link = res.link_s if virtual_link else 0.0
     first_link = res.first_token_link_s if virtual_link else 0.0
     return {
-        "config": config, "run": run, "question_id": q.question_id, "category": q.category,
+        "config": config, "run": run, "question_id": q.question_id, "category": q.category, "turn": turn,
         "prompt_tokens": prompt_tokens, "tokens": len(res.tokens), "rounds": res.rounds,
         "accepted": list(res.accepted), "prefill_ms": float(res.prefill_ms),
         "server_ms": [float(x) for x in res.server_ms], "rows": list(res.rows), "context": list(res.context),
@@ -200,6 +202,7 @@ class BenchPlan:
     link: str
     output_cap: int
     out: Path
+    turns: int = 1      # 2: questions with a second turn (MT-bench) continue on the same session (paper §4.1)
 
 
 def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, backend: str = "cpu",
@@ -235,10 +238,11 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
                   f"{plan.output_cap}, T={sampling.temperature}, ε={epsilon:g}, link {plan.link} (counted, not "
                   f"slept), backend {backend}")
     run_requests(rt, recipe_path, bundle_dir, todo, prompts, records_path, link=plan.link,
-                 output_cap=plan.output_cap, sampling=sampling, seed=r.seed, console=console)
+                 output_cap=plan.output_cap, sampling=sampling, seed=r.seed, console=console, turns=plan.turns)
 
     records = [rec for rec in read_records(records_path)
                if rec["config"] in plan.configs and rec["question_id"] in prompts and rec["run"] < plan.runs]
+    turns = turn_summary(records)
     score_quality(records, {q.question_id: q for q in plan.questions})
     console.print("scoring answers with the verifier (its own log-prob of each answer) ...")
     score_answers(recipe, records, prompts)
@@ -250,12 +254,14 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
                         "temperature": sampling.temperature, "cost_model": cost_note,
                         "cost_model_points": [p.model_dump() for p in cost.points],
                         "machine": f"{os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d %H:%M:%S")},
-               "summary": summary, "records": records}
+               "summary": summary, "turns": turns, "records": records}
     atomic_write(out / RESULTS, json.dumps(results, indent=1))
     plots = write_plots(summary, out)
     render_table(summary, console, title=f"hycoc bench: {len(plan.questions)} Spec-Bench questions, link {plan.link}")
     render_quality(summary, console)
     render_categories(summary, console)
+    if plan.turns > 1:
+        render_turns(turns, console)
     console.print(f"g = verifier ms per output token measured on this machine (prefill included); {cost_note}, "
                   "rounds only. Delivery and first-token times include the link model.")
     console.print(f"wrote {out / RESULTS}, {', '.join(str(p) for p in plots)}")
@@ -307,12 +313,14 @@ class Request:
 
 
 def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], prompts: dict[int, list[int]],
-                 records_path: Path, *, link: str, output_cap: int, sampling, seed: int, console) -> None:
+                 records_path: Path, *, link: str, output_cap: int, sampling, seed: int, console,
+                 turns: int = 1) -> None:
     """Run ``todo`` in order on the device runtime ``rt``, each against a ``hycoc verify-server`` child process
     (`VerifierProcess`, started only when a request needs a verifier), and append each finished request's record
     (`record_of`) to ``records_path`` at once. ``prompts``: question_id -> prompt token ids. ``link``: link model
-    name, counted, not slept. Ctrl-C keeps the records written and re-raises KeyboardInterrupt. Raises
-    BenchError (server), TransportError from a request that fails."""
+    name, counted, not slept. turns: 2 continues every question that has a second turn on the same session
+    (`second_turn`; slm-alone answers first turns only). Ctrl-C keeps the records written and re-raises
+    KeyboardInterrupt. Raises BenchError (server), TransportError from a request that fails."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
 
@@ -336,10 +344,14 @@ def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], p
                 client = None
                 if req.mode != "slm-alone":
                     client = VerifierClient(server.url, timeout_s=600, link=link_model, sleep=lambda s: None)
+                two = turns > 1 and len(q.turns) > 1 and client is not None
                 res = rt.generate(client, prompts[q.question_id], mode=req.mode, max_new_tokens=output_cap,
-                                  seed=seed + req.run, sampling=sampling, epsilon=req.epsilon)
-                rec = record_of(req.config, req.run, q, len(prompts[q.question_id]), res, virtual_link=True)
-                sink.write(json.dumps(rec) + "\n")
+                                  seed=seed + req.run, sampling=sampling, epsilon=req.epsilon, keep_open=two)
+                recs = [record_of(req.config, req.run, q, len(prompts[q.question_id]), res, virtual_link=True)]
+                if two:
+                    recs.append(second_turn(rt, client, server.url, req, prompts[q.question_id], res, output_cap,
+                                            sampling))
+                sink.write("".join(json.dumps(rec) + "\n" for rec in recs))   # both turns, or neither
                 sink.flush()
                 progress.advance(task)
                 if not console.is_terminal and (n % 10 == 0 or n == len(todo)):  # logs get plain lines
@@ -353,6 +365,80 @@ def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], p
     finally:
         if server is not None:
             server.stop()
+
+
+def second_turn(rt, client, url: str, req: Request, prompt: list[int], first, output_cap: int, sampling) -> dict:
+    """A question's second turn on the session its first turn left open (paper §4.1: MT-bench's second turns;
+    the prompt is the conversation so far: first question, this configuration's own first answer, second
+    question). The verifier keeps the conversation's KV and prefills only the new tokens; to show what that
+    saves, the same conversation is also prefilled cold on a new session (opened and closed at once, no rounds).
+    Returns the turn's record (``turn`` 2, ``prefill_ms`` the append's, ``prefill_ms_cold`` the cold one's).
+    The client is closed."""
+    import numpy as np
+
+    from hycoc.chat import next_user_turn
+    from hycoc.messages import OpenRequest
+    from hycoc.runtime.transport import VerifierClient
+
+    q = req.question
+    turn = next_user_turn(rt.bundle.tokenizer, q.turns[1], answer_closed=first.finish_reason == "stop")
+    try:
+        res = rt.next_turn(client, turn, max_new_tokens=output_cap)
+    finally:
+        client.close()
+    conversation = prompt + list(first.tokens) + turn
+    cold = VerifierClient(url, timeout_s=600)
+    try:
+        cold_ms = cold.open(OpenRequest(prompt_ids=np.asarray(conversation, np.int32), sampling=sampling,
+                                        max_new_tokens=1)).prefill_ms
+    finally:
+        cold.close()
+    rec = record_of(req.config, req.run, q, len(conversation), res, virtual_link=True, turn=2)
+    rec["prefill_ms_cold"] = float(cold_ms)
+    return rec
+
+
+def turn_summary(records: list[dict]) -> dict:
+    """Per configuration and turn: requests, mean prefill ms (the second turn's: the appended tokens only), mean
+    prefill ms saved by keeping the KV (cold prefill of the whole conversation minus the append's; second turns),
+    g = (prefill + server ms) / committed tokens pooled, MAT = committed tokens / rounds pooled.
+    Records without ``turn`` are first turns; slm-alone records (no verifier) are left out."""
+    out: dict[str, dict[str, dict]] = {}
+    for (config, turn), rs in _groups(records).items():
+        tokens, rounds = sum(r["tokens"] for r in rs), sum(r["rounds"] for r in rs)
+        verifier_ms = sum(r["prefill_ms"] + sum(r["server_ms"]) for r in rs)
+        saved = [r["prefill_ms_cold"] - r["prefill_ms"] for r in rs if "prefill_ms_cold" in r]
+        out.setdefault(config, {})[str(turn)] = {
+            "requests": len(rs), "prefill_ms": sum(r["prefill_ms"] for r in rs) / len(rs),
+            "prefill_ms_saved": sum(saved) / len(saved) if saved else None,
+            "g_ms_per_token": verifier_ms / tokens if tokens else None, "mat": tokens / rounds if rounds else None}
+    return out
+
+
+def _groups(records: list[dict]) -> dict[tuple[str, int], list[dict]]:
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in records:
+        if r["config"] != "slm-alone":
+            groups.setdefault((r["config"], r.get("turn", 1)), []).append(r)
+    return dict(sorted(groups.items()))
+
+
+def render_turns(turns: dict, console) -> None:
+    """The per-turn table of `turn_summary`."""
+    from rich.table import Table
+
+    table = Table(title="per turn (second turns continue the session: KV kept, only the new tokens prefilled)")
+    for col in ("config", "turn", "requests", "prefill ms", "prefill ms saved", "g ms/tok", "MAT"):
+        table.add_column(col, justify="left" if col == "config" else "right")
+
+    def num(x, digits=2):
+        return "–" if x is None else f"{x:.{digits}f}"
+
+    for config, by_turn in turns.items():
+        for turn, t in by_turn.items():
+            table.add_row(config, turn, str(t["requests"]), num(t["prefill_ms"], 1), num(t["prefill_ms_saved"], 1),
+                          num(t["g_ms_per_token"]), num(t["mat"]))
+    console.print(table)
 
 
 def cost_model_for(recipe, records: list[dict], cost_model_path: Path | None, out: Path, console):
@@ -382,7 +468,7 @@ def run_settings(recipe, plan: BenchPlan, bundle_dir: Path, backend: str) -> dic
     s = recipe.sampling
     return {"recipe_sha256": recipe.content_hash(), "bundle_manifest_sha256": sha256_file(bundle_dir / "manifest.json"),
             "backend": backend, "output_cap": plan.output_cap, "link": plan.link, "temperature": s.temperature,
-            "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed}
+            "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed, "turns": plan.turns}
 
 
 def default_bundle_dir(recipe, repo_root: Path) -> Path:

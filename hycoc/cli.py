@@ -474,6 +474,10 @@ def bench(
         show_default=False),
     max_new_tokens: Optional[int] = typer.Option(
         None, min=1, help="output cap per request (default: the recipe's bench.output_cap)", show_default=False),
+    turns: int = typer.Option(
+        2, min=1, max=2, help="2: questions with a second turn (MT-bench) continue on the same session with the "
+        "configuration's own first answer in the conversation, as the paper's SB-480 (KV kept; per-turn table of "
+        "prefill ms saved, g, MAT); 1: first turns only"),
 ) -> None:
     """Benchmark every configuration on the same prompts, verifier and seed (paper Table 2, App. G).
 
@@ -513,7 +517,8 @@ def bench(
     bundle_dir = _bench_bundle("bench", cfg, recipe, bundle)
     plan = BenchPlan(questions=questions[:limit] if limit else questions,
                      configs=[c for c in BENCH_CONFIGS if c in configs.split(",")], runs=runs or cfg.bench.runs,
-                     link=link or cfg.bench.link, output_cap=max_new_tokens or cfg.bench.output_cap, out=out)
+                     link=link or cfg.bench.link, output_cap=max_new_tokens or cfg.bench.output_cap, out=out,
+                     turns=turns)
     try:
         run_bench(cfg, recipe, plan, bundle_dir=bundle_dir, backend=_bundle_backend(bundle_dir, backend),
                   resume=resume, cost_model_path=cost_model)

@@ -104,3 +104,36 @@ def test_resume_refuses_records_made_with_other_settings(built, tmp_path):
     other = BenchPlan(**{**plan.__dict__, "output_cap": 8, "link": "lte"})
     with pytest.raises(BenchError, match="output_cap: 4 there, 8 now, link: 'none' there, 'lte' now"):
         run_bench(recipe, path, other, bundle_dir=root / "bundle", resume=True, console=console)
+
+
+def test_turn_summary_hand_worked():
+    from hycoc.bench import turn_summary
+
+    recs = [
+        {"config": "hyco", "turn": 1, "tokens": 10, "rounds": 4, "prefill_ms": 20.0, "server_ms": [5.0] * 4},
+        {"config": "hyco", "turn": 2, "tokens": 6, "rounds": 2, "prefill_ms": 4.0, "server_ms": [6.0, 6.0],
+         "prefill_ms_cold": 30.0},
+        {"config": "hyco", "turn": 2, "tokens": 4, "rounds": 2, "prefill_ms": 6.0, "server_ms": [5.0, 5.0],
+         "prefill_ms_cold": 40.0},
+        {"config": "slm-alone", "turn": 1, "tokens": 5, "rounds": 5, "prefill_ms": 0.0, "server_ms": []},
+    ]
+    assert turn_summary(recs) == {"hyco": {
+        "1": {"requests": 1, "prefill_ms": 20.0, "prefill_ms_saved": None, "g_ms_per_token": 4.0, "mat": 2.5},
+        "2": {"requests": 2, "prefill_ms": 5.0, "prefill_ms_saved": 30.0, "g_ms_per_token": 3.2, "mat": 2.5}}}
+
+
+def test_bench_second_turns_continue_the_session(built, tmp_path):
+    recipe, path, root = built
+    questions = [q for q in load_spec_bench(DEFAULT_DATASET) if len(q.turns) == 2][:1]
+    plan = BenchPlan(questions=questions, configs=["hyco-exact", "slm-alone"], runs=1, link="none", output_cap=6,
+                     out=tmp_path / "two", turns=2)
+    results = run_bench(recipe, path, plan, bundle_dir=root / "bundle", cost_model_path=root / "cost.json",
+                        console=Console(file=io.StringIO(), width=200))
+    recs = {(r["config"], r["turn"]): r for r in results["records"]}
+    assert sorted(recs) == [("hyco-exact", 1), ("hyco-exact", 2), ("slm-alone", 1)]
+    first, second = recs["hyco-exact", 1], recs["hyco-exact", 2]
+    assert second["prompt_tokens"] > first["prompt_tokens"] + first["tokens"]   # + the second question
+    assert second["prefill_ms_cold"] > 0 and 1 <= second["tokens"] <= 6
+    t = results["turns"]["hyco-exact"]
+    assert t["2"]["prefill_ms_saved"] == pytest.approx(second["prefill_ms_cold"] - second["prefill_ms"])
+    assert t["1"]["mat"] == pytest.approx(first["tokens"] / first["rounds"])
