@@ -265,9 +265,9 @@ def test_unsupported_version_names_both():
     fails("unsupported_version", data, None, "version 2", "version 1")
 
 
-@pytest.mark.parametrize("mtype", [0, 7, 255])
+@pytest.mark.parametrize("mtype", [0, 8, 255])
 def test_unknown_message_type(mtype):
-    fails("unknown_message_type", frame(mtype, bytes(8)), None, f"message type = {mtype}", "6 (ERROR)")
+    fails("unknown_message_type", frame(mtype, bytes(8)), None, f"message type = {mtype}", "7 (APPEND)")
 
 
 def test_bad_flags():
