@@ -140,24 +140,38 @@ def ring_masks(t: int, live_start: int, window: int, sliding_window: int) -> dic
 def tree_depths(parents: Sequence[int]) -> np.ndarray:
     """depth(j) of every row (0 for row 0). int64 (R,). Raises TreeShapeError unless parents[0] == -1 and
     0 <= parents[j] < j."""
-    parents = np.asarray(parents, dtype=np.int64)
-    if len(parents) == 0 or parents[0] != -1:
+    p = _parent_list(parents)
+    depth = [0] * len(p)
+    for j in range(1, len(p)):                 # plain ints: the device runs this every forward
+        depth[j] = depth[p[j]] + 1
+    return np.asarray(depth, dtype=np.int64)
+
+
+def _parent_list(parents: Sequence[int]) -> list[int]:
+    """``parents`` as a list of ints, validated (`tree_depths`' rules)."""
+    p = np.asarray(parents, dtype=np.int64).reshape(-1).tolist()
+    if not p or p[0] != -1:
         raise TreeShapeError("row 0 must have parent -1")
-    depth = np.zeros(len(parents), dtype=np.int64)
-    for j in range(1, len(parents)):
-        if not 0 <= parents[j] < j:
-            raise TreeShapeError(f"row {j} has parent {parents[j]}: a parent must be an earlier row")
-        depth[j] = depth[parents[j]] + 1
-    return depth
+    for j in range(1, len(p)):
+        if not 0 <= p[j] < j:
+            raise TreeShapeError(f"row {j} has parent {p[j]}: a parent must be an earlier row")
+    return p
 
 
 def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
     """bool (R, R): [j, i] iff row i is row j or one of its ancestors. Raises TreeShapeError as `tree_depths`."""
-    tree_depths(parents)  # validates
-    anc = np.eye(len(parents), dtype=bool)
-    for j in range(1, len(parents)):
-        anc[j] |= anc[parents[j]]
-    return anc
+    p = _parent_list(parents)
+    n = len(p)
+    if n > 64:
+        anc = np.eye(n, dtype=bool)
+        for j in range(1, n):
+            anc[j] |= anc[p[j]]
+        return anc
+    bits = [1] + [0] * (n - 1)                 # row j's ancestors (and itself) as the set bits of one int
+    for j in range(1, n):
+        bits[j] = bits[p[j]] | (1 << j)
+    words = np.asarray(bits, dtype=np.uint64)
+    return ((words[:, None] >> np.arange(n, dtype=np.uint64)) & np.uint64(1)).astype(bool)
 
 
 def ring_positions(first_position: int, ring: int) -> np.ndarray:
