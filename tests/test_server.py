@@ -659,7 +659,7 @@ def test_verify_server_names_a_busy_port(tmp_path, saved_models):
 
 
 def test_verify_server_help_documents_units_and_defaults():
-    result = CliRunner().invoke(app, ["verify-server", "--help"], terminal_width=200)
+    result = CliRunner().invoke(app, ["verify-server", "--help"], terminal_width=200, env={"COLUMNS": "200"})
     assert result.exit_code == 0
     for text in ("verifier.host, 127.0.0.1", "0 = any free port", "verifier.port, 8765", "verifier.device",
                  "Authorization: Bearer TOKEN", "max_frame_bytes (bytes)", "/healthz", "/metrics"):

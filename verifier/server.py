@@ -686,7 +686,8 @@ class VerifierServer:
                 if isinstance(msg, Close):
                     return None, False
                 if isinstance(msg, (DraftTree, AppendTurn)):
-                    raise NotOpened(f"{type(msg).__name__} before OPEN: open a session first")
+                    what = "ROUND" if isinstance(msg, DraftTree) else "APPEND"
+                    raise NotOpened(f"{what} before OPEN: open a session first")
             else:
                 msg = wire.decode(data, conn.limits)
                 if isinstance(msg, DraftTree):
