@@ -348,7 +348,9 @@ def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], p
                 res = rt.generate(client, prompts[q.question_id], mode=req.mode, max_new_tokens=output_cap,
                                   seed=seed + req.run, sampling=sampling, epsilon=req.epsilon, keep_open=two)
                 recs = [record_of(req.config, req.run, q, len(prompts[q.question_id]), res, virtual_link=True)]
-                if two:
+                if two and res.finish_reason == "length":   # the context is full: no room for a second turn
+                    client.close()
+                elif two:
                     recs.append(second_turn(rt, client, server.url, req, prompts[q.question_id], res, output_cap,
                                             sampling))
                 sink.write("".join(json.dumps(rec) + "\n" for rec in recs))   # both turns, or neither
