@@ -872,7 +872,7 @@ class _TextStream:
 def generate(
     recipe: Path = RECIPE_ARG,
     dataset: Optional[Path] = typer.Option(
-        None, help="Spec-Bench question JSONL (default: ../shared/data/spec_bench_question.jsonl beside the "
+        None, help="Spec-Bench question JSONL (default: benchmarks/data/spec_bench_question.jsonl in the "
         "repository)", show_default=False),
     question_id: Optional[int] = typer.Option(
         None, help="Spec-Bench question_id whose first turn is the prompt (default: 81 unless --prompt)",

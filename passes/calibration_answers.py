@@ -105,6 +105,27 @@ class CalibrationAnswersArtifact(Artifact):
 # ---- greedy answers ---------------------------------------------------------------------------------------------
 
 
+class _DecodeSteps:
+    """A transformers streamer (``put``/``end``, `transformers.generation.streamers.BaseStreamer`'s interface) that
+    reports each decoding step of a batch to ``progress(1)``; the first ``put`` (the prompt) is not a step."""
+
+    def __init__(self, progress: Callable[[int], None]):
+        self.progress, self.calls = progress, 0
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            self.progress(1)
+
+    def end(self) -> None:
+        pass
+
+
+def decode_steps(prompt_count: int, max_new_tokens: int, batch: int = BATCH) -> int:
+    """Decoding steps `greedy_answers` reports for ``prompt_count`` prompts: ``max_new_tokens`` per batch."""
+    return -(-prompt_count // batch) * max_new_tokens
+
+
 @torch.no_grad()
 def greedy_answers(verifier, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int], *,
                    batch: int = BATCH, progress: Callable[[int], None] | None = None) -> list[list[int]]:
@@ -112,7 +133,8 @@ def greedy_answers(verifier, prompts: Sequence[Sequence[int]], max_new_tokens: i
 
     prompts: token id lists (non-empty); returns id lists of at most ``max_new_tokens``, each cut after its first
     stop id. Prompts are answered in batches of ``batch`` grouped by length (less padding), left-padded with the
-    model's pad id under an attention mask. ``progress(n)`` is called with the number of answers finished.
+    model's pad id under an attention mask. ``progress(n)`` is called as decoding steps finish: `decode_steps`
+    in all (a batch that stops early reports its remaining steps at its end).
     """
     if any(len(p) == 0 for p in prompts):
         raise ValueError("greedy_answers: an empty prompt")
@@ -125,9 +147,10 @@ def greedy_answers(verifier, prompts: Sequence[Sequence[int]], max_new_tokens: i
         width = max(len(prompts[i]) for i in rows)
         ids = torch.tensor([[pad] * (width - len(prompts[i])) + list(prompts[i]) for i in rows], device=device)
         mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in rows], device=device)
+        steps = _DecodeSteps(progress) if progress is not None else None
         gen = verifier.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
                                 pad_token_id=pad, eos_token_id=sorted(stop_ids) or None, top_k=None, top_p=None,
-                                temperature=None)
+                                temperature=None, streamer=steps)
         for i, row in zip(rows, gen[:, width:].tolist()):
             answer = []
             for token in row:
@@ -135,8 +158,8 @@ def greedy_answers(verifier, prompts: Sequence[Sequence[int]], max_new_tokens: i
                 if token in stop_ids:
                     break
             out[i] = answer
-        if progress is not None:
-            progress(len(rows))
+        if steps is not None:
+            progress(max(0, max_new_tokens - (steps.calls - 1)))
     return out
 
 
@@ -175,7 +198,8 @@ def select_prompts(recipe: Recipe, tokenizer) -> tuple[list[list[int]], list[lis
 def make_answers(verifier, tokenizer, recipe: Recipe,
                  progress: Callable[[int], None] | None = None) -> CalibrationAnswers:
     """The `CalibrationAnswers` of ``recipe`` (module docstring): `select_prompts`, then `greedy_answers` of the
-    train prompts to ``train_cap`` and of the eval prompts to ``eval_cap`` tokens. ``progress(n)``: answers done."""
+    train prompts to ``train_cap`` and of the eval prompts to ``eval_cap`` tokens. ``progress(n)``: decoding steps
+    done (`decode_steps` of both lists in all)."""
     from hycoc.chat import stop_token_ids
 
     need = reader_needs(recipe)
@@ -209,7 +233,9 @@ class CalibrationAnswersPass(Pass):
 
         need = reader_needs(recipe)
         t0 = time.perf_counter()
-        with step("verifier greedy answers", total=need["train_count"] + need["eval_count"]) as s:
+        total = (decode_steps(need["train_count"], need["train_cap"]) +
+                 decode_steps(need["eval_count"], need["eval_cap"]))
+        with step("verifier greedy answers, decoding steps", total=total) as s:
             answers = make_answers(inputs["torch_verifier"].payload, inputs["tokenizer"].payload, recipe,
                                    progress=s.advance)
         seconds = time.perf_counter() - t0
@@ -224,5 +250,6 @@ class CalibrationAnswersPass(Pass):
             summary, numbers)
 
 
-__all__ = ["BATCH", "CalibrationAnswers", "CalibrationAnswersArtifact", "CalibrationAnswersPass", "greedy_answers",
+__all__ = ["BATCH", "CalibrationAnswers", "CalibrationAnswersArtifact", "CalibrationAnswersPass", "decode_steps",
+           "greedy_answers",
            "make_answers", "reader_needs", "select_prompts"]

@@ -327,11 +327,11 @@ def top1_agreement(student, teacher, plans: Sequence[tuple[Capture, Unroll]]) ->
 
 
 @torch.no_grad()
-def evaluate_students(students: dict[str, nn.Module], teacher,
-                      plans: Sequence[tuple[Capture, Unroll]]) -> tuple[dict[str, list[float]], dict[str, float], int]:
+def evaluate_students(students: dict[str, nn.Module], teacher, plans: Sequence[tuple[Capture, Unroll]],
+                      progress=None) -> tuple[dict[str, list[float]], dict[str, float], int]:
     """`top1_agreement` and `mean_kl` of every student against ``teacher`` with one teacher unroll per sequence
     (the teacher's outputs are the same for all students). Returns ({name: per-depth shares}, {name: KL}, anchors);
-    each value equals what the two functions return for that student alone."""
+    each value equals what the two functions return for that student alone. ``progress()``: after each sequence."""
     hits = {name: torch.zeros(plans[0][1].k_steps if plans else 0, dtype=torch.long) for name in students}
     kl = dict.fromkeys(students, 0.0)
     n = 0
@@ -343,6 +343,8 @@ def evaluate_students(students: dict[str, nn.Module], teacher,
             hits[name] += torch.stack([(s.argmax(-1) == t).sum() for s, t in zip(s_out, t_top)]).cpu()
             kl[name] += float(kl_to_teacher(s_out, t_out)) * len(plan.anchors)
         n += len(plan.anchors)
+        if progress is not None:
+            progress()
     if not n:
         raise HeadQatError("no response anchors to measure agreement on: every answer is shorter than K tokens")
     return ({name: [round(float(x) / n, 6) for x in h] for name, h in hits.items()},
@@ -647,17 +649,17 @@ class HeadQatPass(Pass):
         label = f"w{config.weight_bits}"
         ptq8, _ = quantize_head(teacher, 8, ratios)
         student, chosen = quantize_head(teacher, config.weight_bits, ratios)
-        with step("PTQ agreement (W8, W4) on the evaluation answers", total=None):
+        with step("PTQ agreement (W8, W4) on the evaluation answers", total=len(eval_plans)) as s:
             agreement, eval_kl, n_eval = evaluate_students({"w8_ptq": ptq8, f"{label}_ptq": student}, teacher,
-                                                          eval_plans)
+                                                          eval_plans, s.advance)
         del ptq8
         kl = {"eval_ptq": eval_kl[f"{label}_ptq"]}
 
         with step("QAT steps", total=config.steps) as s:
             result = train_qat(student, teacher, train_plans, config,
                                lambda i, loss: s.advance(note=f"KL {loss:.4f}"))
-        with step("QAT agreement on the evaluation answers", total=None):
-            after, after_kl, _ = evaluate_students({f"{label}_qat": student}, teacher, eval_plans)
+        with step("QAT agreement on the evaluation answers", total=len(eval_plans)) as s:
+            after, after_kl, _ = evaluate_students({f"{label}_qat": student}, teacher, eval_plans, s.advance)
         agreement.update(after)
         kl["eval_qat"] = after_kl[f"{label}_qat"]
 

@@ -62,26 +62,29 @@ class PassReport:
 
     ``summary`` is one line for the build table ("kept 2048 ids, 97.1% of assistant tokens covered");
     ``numbers`` holds the figures behind it (JSON values). The pipeline fills ``seconds`` (wall time of this run:
-    the pass's own time, or the cache load time when ``cached``), ``cached``, ``key`` and ``location`` (the
-    cache entry holding the outputs).
+    the pass's own time, or the cache load time when ``cached``), ``cpu_seconds`` (this process's CPU time over
+    the same span, all threads: on an idle machine cpu / wall is the threads kept busy, on a shared one it shows
+    what the pass cost whatever else ran), ``cached``, ``key`` and ``location`` (the cache entry holding the
+    outputs).
     """
 
     summary: str
     numbers: dict[str, Any] = field(default_factory=dict)
     pass_name: str = ""
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     cached: bool = False
     key: str = ""
     location: Path | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"summary": self.summary, "numbers": self.numbers, "pass_name": self.pass_name,
-                "seconds": self.seconds}
+                "seconds": self.seconds, "cpu_seconds": self.cpu_seconds}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PassReport:
         return cls(summary=data["summary"], numbers=data["numbers"], pass_name=data["pass_name"],
-                   seconds=data["seconds"])
+                   seconds=data["seconds"], cpu_seconds=data.get("cpu_seconds", 0.0))
 
 
 class Pass:
@@ -241,8 +244,8 @@ class Pipeline:
                 artifacts.update(outputs)
                 reports.append(report)
                 how = "cached" if report.cached else "ran"
-                plain_line(f"[{index}/{len(todo)}] {p.name}: {how}, {report.seconds:.1f} s: {report.summary}",
-                           self.console)
+                plain_line(f"[{index}/{len(todo)}] {p.name}: {how}, {report.seconds:.1f} s "
+                           f"(CPU {report.cpu_seconds:.1f} s): {report.summary}", self.console)
         self.console.print(summary_table(reports))
         return PipelineResult(artifacts, reports, until)
 
@@ -251,7 +254,7 @@ class Pipeline:
         inputs = {kind: artifacts[kind] for kind in p.consumes}
         key = self.cache_key(p, inputs, recipe)
         entry = self.cache_dir / p.name / key
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         cached = self._load(p, entry)
         if cached is None and entry.exists():
             shutil.rmtree(entry)  # incomplete or damaged: replaced below
@@ -264,8 +267,10 @@ class Pipeline:
             self._check_outputs(p, outputs)
             report.pass_name = p.name
             report.seconds = time.perf_counter() - start
+            report.cpu_seconds = time.process_time() - cpu
             self._store(p, entry, outputs, report)
         report.seconds = time.perf_counter() - start
+        report.cpu_seconds = time.process_time() - cpu
         report.key, report.location = key, entry
         return outputs, report
 
@@ -329,7 +334,9 @@ def summary_table(reports: Sequence[PassReport]) -> Table:
     table.add_column("pass", footer="total")
     table.add_column("result", footer=f"{len(ran)} ran, {len(reports) - len(ran)} cached")
     table.add_column("time", justify="right", footer=f"{sum(r.seconds for r in reports):.2f} s")
+    table.add_column("CPU", justify="right", footer=f"{sum(r.cpu_seconds for r in reports):.1f} s")
     table.add_column("cached")
     for index, r in enumerate(reports, start=1):
-        table.add_row(str(index), r.pass_name, r.summary, f"{r.seconds:.2f} s", "yes" if r.cached else "no")
+        table.add_row(str(index), r.pass_name, r.summary, f"{r.seconds:.2f} s", f"{r.cpu_seconds:.1f} s",
+                      "yes" if r.cached else "no")
     return table

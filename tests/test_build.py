@@ -307,10 +307,13 @@ def test_cli_list_passes_until_and_full_build(recipe_path, tmp_path, monkeypatch
     assert result.stdout.strip().splitlines()[-1].startswith(f"wrote {tmp_path / 'b'}: ")
     # stderr is not a terminal here: progress comes as plain lines, each pass's start and end and its long steps
     log = result.stderr.splitlines()
-    assert any(re.fullmatch(r"\[hycoc \d\d:\d\d:\d\d\] \[1/9\] keep_set: cached, [\d.]+ s: kept 64 ids.*", x) for x in log)
-    assert any(re.fullmatch(r"\[hycoc [\d:]+\] \[3/9\] head_qat: ran, [\d.]+ s: W4 top-1 agreement.*", x) for x in log)
+    assert any(re.fullmatch(r"\[hycoc \d\d:\d\d:\d\d\] \[1/9\] keep_set: cached, [\d.]+ s \(CPU [\d.]+ s\): kept 64 ids.*", x) for x in log)
+    assert any(re.fullmatch(r"\[hycoc [\d:]+\] \[3/9\] head_qat: ran, [\d.]+ s \(CPU [\d.]+ s\): W4 top-1 agreement.*", x) for x in log)
     assert any(re.fullmatch(r"\[hycoc [\d:]+\] head_qat: QAT steps: done 2/2 in [\d.]+ s \(KL [\d.]+\)", x) for x in log)
-    assert any(x.endswith("calibration_answers: verifier greedy answers: started (6 to do)") for x in log)
+    # 4 + 2 prompts in one batch each, 12 decoding steps each
+    assert any(x.endswith("calibration_answers: verifier greedy answers, decoding steps: started (24 to do)")
+               for x in log)
+    assert any(re.search(r"calibration_answers: verifier greedy answers, decoding steps: done 24/24 in", x) for x in log)
     assert "keep set 64" in result.stdout and (tmp_path / "b" / "manifest.json").is_file()
 
 

@@ -79,7 +79,8 @@ def test_gemma4_recipe_equals_the_schema_defaults():
 def test_toy_recipe_scales_only_the_sizes():
     toy = load_recipe(RECIPES / "toy.toml")
     paper = load_recipe(RECIPES / "gemma4.toml")
-    assert toy.keep_set.size == 3072
+    assert toy.keep_set.size == 1024
+    assert (toy.keep_set.corpus, toy.keep_set.corpus_conversations) == ("toy/data/conversations.jsonl", 2000)
     assert (toy.window.head_window, toy.window.slm_window, toy.window.slm_sliding_window) == (256, 256, 128)
     assert toy.sampling.max_new_tokens == 256
     assert (toy.verifier.device, toy.verifier.dtype) == ("cpu", "float32")
@@ -87,8 +88,12 @@ def test_toy_recipe_scales_only_the_sizes():
     report = json.loads((RECIPES / "toy" / "models" / "report.json").read_text())["handoff_scales"]
     assert toy.handoff.scales() == {"embedding": report["e"], "hidden": report["h"], **{
         k: report[k] for k in ("k_sliding", "v_sliding", "k_full", "v_full")}}
-    for section in ("tree", "acceptance", "head_qat", "target"):
+    for section in ("tree", "target"):
         assert getattr(toy, section) == getattr(paper, section), section
+    # Table 4 as the paper, the answer caps scaled to the toy's 256-token output cap
+    assert (toy.head_qat.calibration_max_new_tokens, toy.head_qat.eval_max_new_tokens) == (256, 256)
+    assert toy.head_qat.model_copy(update={"calibration_max_new_tokens": 1024, "eval_max_new_tokens": 512}) == \
+        paper.head_qat
     # the SLM's calibration prompts are scaled (24 of the paper's 60: the CPU writes each answer), nothing else
     assert (toy.slm_calibration.prompts, paper.slm_calibration.prompts) == (24, 60)
     assert toy.slm_calibration.model_copy(update={"prompts": 60}) == paper.slm_calibration

@@ -93,6 +93,7 @@ def write_conversations(path: Path, verifier, tokenizer, users: Sequence[str], *
                     f.write(conversation_line(tokenizer, user, answer) + "\n")
                 log(f"conversations: {path.name} {min(start + batch, len(users))}/{len(users)} "
                     f"({time.perf_counter() - t0:.0f} s)")
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; these are repository files
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
