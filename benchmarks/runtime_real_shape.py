@@ -1,7 +1,11 @@
 """The device runtime's host work per HyCo round at the paper's shapes (issue 16).
 
-    python benchmarks/runtime_real_shape.py                      # 60 rounds after 5 warm-up rounds
-    python benchmarks/runtime_real_shape.py --rounds 200 --json runs/runtime-real-shape.json
+    python benchmarks/runtime_real_shape.py                      # 60 rounds after 5 warm-up rounds, 3 variants
+    python benchmarks/runtime_real_shape.py --rounds 200 --variant graph-topk --json runs/runtime-real-shape.json
+
+Variants (``--variant``): ``host-topk`` -- the graphs emit logits only and the host ranks the keep set;
+``graph-topk`` -- the graphs also emit their top-k (`hycoc.passes.topk_outputs`) and the runtime fetches only
+those; ``graph-topk-iobinding`` -- the same through onnxruntime IOBindings (`GraphRunner` ``io_binding``).
 
 Runs the round loop of `hycoc.runtime.client.DeviceRuntime` in mode ``hyco`` -- hand-off ingest and K head calls
 (`MtpDrafter`, Alg. 2), one SLM forward and the tree (`TreeBuilder` + `SlmDrafter.expand`, Alg. 3), the reply walk
@@ -27,14 +31,15 @@ carries that many new positions of random int8 K/V rows; making them is not time
 LUT rows and the head's E table: the LUTs have the real widths but 4,096 rows (token ids are looked up modulo the
 row count; a lookup's cost depends on the rows it reads, not the table's height), so the check fits in memory.
 
-Host time is split by step, as exclusive wall time of the runtime functions that do each step (a function's
-time minus that of the timed functions it calls):
+Host time is split by step, as exclusive time of the runtime functions that do each step (a function's time
+minus that of the timed functions it calls):
 
     ingest       MtpDrafter.ingest (dequantize + validate the hand-off, ring column writes)
     masks        hycoc.host.ring_masks (head), tree_ring_mask (SLM)
     rotary+LUT   RotaryTable.rows, EmbeddingLut.lookup, SlmDrafter.feeds / MtpDrafter.feeds assembly
     ring writes  SlmDrafter._write
-    top-k        top-2 of the head's logits, the SLM rows' candidates (log-softmax + 32 best) and their scoring
+    top-k        the head's top-2, the SLM rows' candidates (read from the graph, or log-softmax + 32 best of the
+                 logits on the host) and their scoring (TreeBuilder.slm_pass)
     tree         TreeBuilder.build / plant / trim / rows_of, SlmDrafter.expand's row layout, walk_reply
     commit       SlmDrafter.commit
     io copies    GraphRunner.run around the session call (dtype/shape checks, quantize/dequantize)
