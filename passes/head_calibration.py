@@ -46,6 +46,8 @@ CALIBRATION_PROMPTS = 16
 HELD_OUT_PROMPTS = 4
 #: Rounds per request at which the drafter drafts (K recorded head calls each), spread over the answer.
 DRAFTS_PER_PROMPT = 8
+#: Most answer tokens one skip-ahead round commits (`drive_request`): a chain as long as the toy's node budget.
+SKIP_ROWS = 32
 
 
 class TorchHeadRunner:
@@ -129,7 +131,10 @@ def drive_request(engine, drafter: MtpDrafter, prompt: Sequence[int], cap: int, 
     c answer tokens, c cycling through 0..``chain_length`` (accepted lengths as the device sees them; exact
     acceptance keeps the request on the greedy answer either way); without it the root alone. Each hand-off is
     ingested; ``draft()`` runs after a hand-off whose t' reaches the next of ``targets`` (answer offsets, sorted;
-    every hand-off when None)."""
+    every hand-off when None). Skip-ahead: with ``answer`` and ``targets``, while the next target is more than
+    2 (K + 1) tokens away a round's chain is the next ``min(SKIP_ROWS, distance - 2 (K + 1))`` answer tokens, so
+    the ring fills as before (every committed row reaches the drafter through the hand-offs) in far fewer
+    verifier rounds, and the rounds before each draft still carry 1..K+1 rows."""
     from hycoc.messages import Sampling
 
     out = HeadDrive()
@@ -139,9 +144,14 @@ def drive_request(engine, drafter: MtpDrafter, prompt: Sequence[int], cap: int, 
     pending = list(targets) if targets is not None else None
     try:
         session.prefill()
+        near = 2 * (chain_length + 1)
         while not session.finished:
             pos = len(session.output)
             c = out.rounds % (chain_length + 1) if answer is not None else 0
+            if answer is not None and pending:
+                ahead = pending[0] + 1 - pos  # tokens to commit before the hand-off that drafts
+                if ahead > near:
+                    c = min(SKIP_ROWS, ahead - near)
             chain = [int(x) for x in (answer or [])[pos:pos + c]]
             reply = session.verify([session.root, *chain], list(range(-1, len(chain))), out.rounds)
             out.rounds += 1

@@ -138,7 +138,7 @@ def test_qdq_pass_calibrates_on_real_handoffs(tiny):
 
     recipe, artifacts = tiny
     step = HeadQdq()
-    assert step.version == 4 and {"tokenizer", "calibration_answers"} <= set(step.consumes)
+    assert step.version == 5 and {"tokenizer", "calibration_answers"} <= set(step.consumes)
     inputs = {k: artifacts[k] for k in step.consumes}
     _, report = step.run(inputs, recipe)
     n = report.numbers
@@ -150,3 +150,40 @@ def test_qdq_pass_calibrates_on_real_handoffs(tiny):
     _, old = step.run({k: v for k, v in inputs.items() if k != "tokenizer"}, recipe)
     assert old.numbers["calibration_inputs"]["source"].startswith("keep-set")
     print(f"real hand-offs: {report.summary}\nfallback: {old.summary}")
+
+
+def test_skip_ahead_reaches_the_same_ring_in_fewer_rounds(tiny):
+    """Far from a draft target, one round commits a long stretch of the answer; the request still follows the greedy
+    answer, the ring holds the same rows (int8 hand-off rows computed in other forwards: within one step of the
+    fixed scale) and the draft sees the same live columns."""
+    from hycoc.chat import stop_token_ids
+    from hycoc.passes.head_qat import greedy_answer
+
+    recipe, artifacts = tiny
+    engine, graph, shapes, bundle, tokenizer = parts(recipe, artifacts)
+    verifier = artifacts["torch_verifier"].payload
+    prompt = select_prompts(recipe, tokenizer)[0][0]
+    answer = greedy_answer(verifier, prompt, 30, set())  # no stop: 30 tokens
+    K, W = recipe.tree.chain_length, recipe.window.head_window
+    drives, rings = [], []
+    try:
+        for skip in (True, False):
+            runner = hc.TorchHeadRunner(graph, shapes)
+            drafter = MtpDrafter(runner, bundle)
+            drives.append(hc.drive_request(engine, drafter, prompt, 30, answer if skip else None, targets=[24],
+                                           chain_length=K))
+            rings.append(runner.records[0])
+    finally:
+        engine.close()
+    skip, plain = drives
+    assert skip.answer_tokens == plain.answer_tokens == 30 and skip.drafts == plain.drafts == 1
+    assert skip.rounds == 6 and plain.rounds == 30  # an 18-token stretch, then chains of 0..K near the target
+    a, b = rings
+    live_a, live_b = (int((r["mask_full"] == 0).sum()) for r in rings)
+    print(f"rounds {skip.rounds} vs {plain.rounds}; live columns {live_a} vs {live_b}")
+    assert live_a == live_b == W  # the prompt and 24+ answer tokens wrap the 16-column ring either way
+    s = np.asarray(hc.handoff_scales(recipe), np.float32)
+    for name, scale in (("k_full", s[4]), ("v_full", s[5])):
+        cols = [c for c in range(W) if a["mask_full"].reshape(-1)[c] == 0 and b["mask_full"].reshape(-1)[c] == 0]
+        assert len(cols) >= W // 2
+        np.testing.assert_allclose(a[name][0, :, cols], b[name][0, :, cols], atol=1.01 * scale)
