@@ -25,6 +25,7 @@ LINE_EVERY = 10.0
 
 _pass_name: contextvars.ContextVar[str | None] = contextvars.ContextVar("hycoc_pass", default=None)
 _pass_console: contextvars.ContextVar[Console | None] = contextvars.ContextVar("hycoc_console", default=None)
+_pass_live: contextvars.ContextVar[object | None] = contextvars.ContextVar("hycoc_live", default=None)
 _console: Console | None = None
 
 
@@ -45,16 +46,26 @@ def plain_line(text: str, c: Console | None = None) -> None:
                            soft_wrap=True)
 
 
+def bar_columns() -> tuple:
+    """The columns of every progress display: spinner, description, bar, done/total, elapsed, ETA."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, SpinnerColumn, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    return (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+
+
 @contextlib.contextmanager
-def current_pass(name: str, c: Console | None = None) -> Iterator[None]:
-    """Label the steps reported inside the block with the pass ``name`` (and send them to ``c`` if given)."""
-    tokens = (_pass_name.set(name), _pass_console.set(c) if c is not None else None)
+def current_pass(name: str, c: Console | None = None, live=None) -> Iterator[None]:
+    """Label the steps reported inside the block with the pass ``name``, send them to ``c`` if given, and show
+    them as tasks of ``live`` (a running ``rich.progress.Progress``: rich allows one live display per console)."""
+    tokens = (_pass_name.set(name), _pass_console.set(c), _pass_live.set(live))
     try:
         yield
     finally:
         _pass_name.reset(tokens[0])
-        if tokens[1] is not None:
-            _pass_console.reset(tokens[1])
+        _pass_console.reset(tokens[1])
+        _pass_live.reset(tokens[2])
 
 
 def _fmt(seconds: float) -> str:
@@ -71,14 +82,14 @@ class Step:
         self.note = ""
         self.start = time.perf_counter()
         self._last_line = self.start
-        self._task = live.add_task(label, total=total) if live is not None else None
+        self._task = live.add_task(f"  {label}", total=total) if live is not None else None
 
     def advance(self, n: int = 1, note: str | None = None) -> None:
         self.done += n
         if note is not None:
             self.note = note
         if self._live is not None:
-            description = f"{self.label} {self.note}".rstrip()
+            description = f"  {self.label} {self.note}".rstrip()
             self._live.update(self._task, advance=n, description=description)
             return
         now = time.perf_counter()
@@ -105,13 +116,19 @@ def step(description: str, total: int | None = None, c: Console | None = None) -
     c = c or console()
     name = _pass_name.get()
     label = f"{name}: {description}" if name else description
+    live = _pass_live.get()
+    if live is not None:  # a task of the pass manager's display, removed when the step ends
+        s = Step(label, total, c, live)
+        try:
+            yield s
+        finally:
+            live.remove_task(s._task)
+        return
     if c.is_terminal:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-        from rich.progress import TimeRemainingColumn
+        from rich.progress import Progress
 
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      TextColumn("ETA"), TimeRemainingColumn(), console=c, transient=True) as live:
-            yield Step(label, total, c, live)
+        with Progress(*bar_columns(), console=c, transient=True) as own:
+            yield Step(label, total, c, own)
         return
     plain_line(f"{label}: started" + (f" ({total} to do)" if total else ""), c)
     s = Step(label, total, c, None)

@@ -39,11 +39,11 @@ from types import MappingProxyType
 from typing import Any
 
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 
 from hycoc.passes.artifacts import Artifact
-from hycoc.progress import current_pass, plain_line
+from hycoc.progress import bar_columns, current_pass, plain_line
 from hycoc.recipe import Recipe
 
 #: Packages whose versions enter every cache key: a new exporter, optimizer or runtime can change an artifact.
@@ -228,11 +228,10 @@ class Pipeline:
         artifacts = dict(given)
         reports: list[PassReport] = []
         if self.console.is_terminal:
-            with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                          console=self.console, transient=True) as progress:
+            with Progress(*bar_columns(), console=self.console, transient=True) as progress:
                 for index, p in enumerate(todo, start=1):
                     task = progress.add_task(f"[{index}/{len(todo)}] {p.name}", total=None)
-                    outputs, report = self._run_one(p, artifacts, recipe)
+                    outputs, report = self._run_one(p, artifacts, recipe, progress)
                     artifacts.update(outputs)
                     reports.append(report)
                     progress.update(task, completed=1, total=1,
@@ -249,8 +248,8 @@ class Pipeline:
         self.console.print(summary_table(reports))
         return PipelineResult(artifacts, reports, until)
 
-    def _run_one(self, p: Pass, artifacts: Mapping[str, Artifact],
-                 recipe: Recipe) -> tuple[dict[str, Artifact], PassReport]:
+    def _run_one(self, p: Pass, artifacts: Mapping[str, Artifact], recipe: Recipe,
+                 live=None) -> tuple[dict[str, Artifact], PassReport]:
         inputs = {kind: artifacts[kind] for kind in p.consumes}
         key = self.cache_key(p, inputs, recipe)
         entry = self.cache_dir / p.name / key
@@ -262,7 +261,7 @@ class Pipeline:
             outputs, report = cached
             report.cached = True
         else:
-            with current_pass(p.name, self.console):
+            with current_pass(p.name, self.console, live):
                 outputs, report = p.run(inputs, recipe)
             self._check_outputs(p, outputs)
             report.pass_name = p.name
