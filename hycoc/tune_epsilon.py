@@ -236,7 +236,8 @@ class TunePlan:
 def run_tune(recipe, recipe_path: Path, plan: TunePlan, *, bundle_dir: Path, backend: str = "cpu",
              resume: bool = False, cost_model_path: Path | None = None, console=None, threads: int = 1) -> dict:
     """Run the sweep (module docstring) and return what ``OUT/tune.json`` holds: ``{"meta", "rule", "tolerance",
-    "rows": [SweepRow as dict], "chosen_epsilon", "recipe_line"}``; prints the sweep table.
+    "rows": [SweepRow as dict], "chosen_epsilon", "recipe_line"}`` (``epsilon = 1`` when exact acceptance wins:
+    ε = 1 reduces the rule to exact, paper §3.5); prints the sweep table.
 
     Raises TuneError (bad plan, nothing admissible), BenchError (server, output folder), BundleError,
     TransportError, CostModelError; KeyboardInterrupt keeps ``records.jsonl`` for ``resume``."""
@@ -293,12 +294,13 @@ def run_tune(recipe, recipe_path: Path, plan: TunePlan, *, bundle_dir: Path, bac
         "rule": choose_epsilon.__doc__.split("Rule:", 1)[1].split("Sets each row", 1)[0].strip(),
         "tolerance": asdict(plan.tolerance), "rows": [asdict(r) for r in rows],
         "chosen_epsilon": chosen.epsilon,
-        "recipe_line": ('mode = "exact"' if chosen.epsilon >= 1.0 else f"epsilon = {chosen.epsilon:g}"),
+        "recipe_line": f"epsilon = {chosen.epsilon:g}",   # 1 = exact acceptance (§3.5)
     }
     atomic_write(plan.out / TUNE_JSON, json.dumps(result, indent=1))
     render_sweep(rows, chosen, plan.tolerance, console)
-    console.print(f"{cost_note}. Chosen: {label_of(chosen.epsilon)}; in the recipe's [acceptance]: "
-                  f"{result['recipe_line']}. Wrote {plan.out / TUNE_JSON}")
+    console.print(f"{cost_note}. Chosen: {label_of(chosen.epsilon)}; in the recipe's acceptance table: "
+                  f"{result['recipe_line']}" + (" (exact acceptance)" if chosen.epsilon >= 1.0 else "")
+                  + f". Wrote {plan.out / TUNE_JSON}", markup=False)
     return result
 
 

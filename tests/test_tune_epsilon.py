@@ -125,4 +125,4 @@ def test_sweep_end_to_end_matches_a_hand_computation(tiny_bundle, tmp_path):
     for eps, (gv, ok) in hand.items():
         assert rows[eps]["g"] == pytest.approx(gv) and rows[eps]["admissible"] is ok
     assert rows[0.01]["deltas"]["compression_ratio"] == pytest.approx(delta("eps=0.01", "compression_ratio"))
-    assert result["recipe_line"] == ('mode = "exact"' if expected == 1.0 else f"epsilon = {expected:g}")
+    assert result["recipe_line"] == f"epsilon = {expected:g}"
