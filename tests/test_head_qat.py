@@ -130,6 +130,24 @@ def test_unroll_plan_covers_response_tokens_only(setup):
     assert torch.nonzero(row == 0).flatten().tolist() == list(range(12, 20))
 
 
+def test_one_teacher_pass_evaluates_every_student_as_alone(setup):
+    """The pass evaluates W8 PTQ, W4 PTQ (and later W4 QAT) against one teacher unroll per sequence: each result
+    equals `top1_agreement` and `mean_kl` of that student alone."""
+    _, head, keep, _, held = setup
+    teacher = hq.restrict_output_layer(head, keep)
+    ratios = hq.clip_ratios(HeadQat())
+    w8, _ = hq.quantize_head(teacher, 8, ratios)
+    w4, _ = hq.quantize_head(teacher, 4, ratios)
+    ticks = []
+    agreement, kl, n = hq.evaluate_students({"w8": w8, "w4": w4}, teacher, held, lambda: ticks.append(1))
+    assert len(ticks) == len(held) == 4
+    for name, student in (("w8", w8), ("w4", w4)):
+        alone, n_alone = hq.top1_agreement(student, teacher, held)
+        assert agreement[name] == alone and n == n_alone
+        assert kl[name] == pytest.approx(hq.mean_kl(student, teacher, held), rel=1e-6)
+    assert agreement["w8"][0] > agreement["w4"][0] and kl["w8"] < kl["w4"]
+
+
 def test_qat_lowers_kl_and_exports_bit_exact(setup):
     _, head, keep, train, held = setup
     torch.manual_seed(0)
