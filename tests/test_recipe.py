@@ -94,9 +94,8 @@ def test_toy_recipe_scales_only_the_sizes():
     assert (toy.head_qat.calibration_max_new_tokens, toy.head_qat.eval_max_new_tokens) == (256, 256)
     assert toy.head_qat.model_copy(update={"calibration_max_new_tokens": 1024, "eval_max_new_tokens": 512}) == \
         paper.head_qat
-    # the SLM's calibration prompts are scaled (24 of the paper's 60: the CPU writes each answer), nothing else
-    assert (toy.slm_calibration.prompts, paper.slm_calibration.prompts) == (24, 60)
-    assert toy.slm_calibration.model_copy(update={"prompts": 60}) == paper.slm_calibration
+    # the SLM's calibration as the paper's: 60 prompts, the head QAT's greedy answers
+    assert toy.slm_calibration == paper.slm_calibration
     # T = 0.5 on the toy, stated in the recipe with the MAT at both temperatures; top-k/top-p as the paper
     assert (toy.sampling.temperature, toy.sampling.top_k, toy.sampling.top_p) == (0.5, 64, 0.95)
     assert (paper.sampling.temperature, paper.sampling.top_k, paper.sampling.top_p) == (1.0, 64, 0.95)
