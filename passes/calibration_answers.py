@@ -22,9 +22,10 @@ one list) that fit ``max_seq_len - eval_cap``. The counts and caps cover every r
 Greedy (`greedy_answers`): arg-max decoding with transformers ``generate`` (``do_sample=False``) over left-padded
 batches of `BATCH` prompts, cut after the first stop id. A greedy answer to a cap c is the first c tokens of the
 answer to a larger cap (cut at the stop), so one answer serves every cap. Batching changes only the shapes of the
-matrix products, not the arithmetic each row sees, up to float rounding: on the toy family the batched answers are
-token-identical to the one-at-a-time ones (`tests/test_calibration_answers.py`); an arg-max tie broken the other
-way by rounding would change an answer, not its role as the verifier's own text.
+matrix products, not the arithmetic each row sees, up to float rounding: the toy verifier's batched answers to the
+first 8 calibration prompts (<= 256 tokens, 1,843 in all) are token-identical to its one-at-a-time answers, and
+the tiny test models' are too (`tests/test_calibration_answers.py`); an arg-max tie broken the other way by
+rounding would change an answer, not its role as the verifier's own text.
 """
 
 from __future__ import annotations
