@@ -385,15 +385,25 @@ class TrainResult:
     seconds_per_step: float
 
 
+#: Bytes of teacher logits `train_qat` keeps between the steps that revisit a sequence (toy: 60 sequences x ~250
+#: anchors x K x 1,024 keep-set logits ~ 60 MB; the paper's 86,089-wide head does not fit and recomputes).
+TEACHER_CACHE_BYTES = 1 << 30
+
+
 def train_qat(student, teacher, plans: Sequence[tuple[Capture, Unroll]], config: HeadQat,
-              on_step=None) -> TrainResult:
+              on_step=None, cache_bytes: int = TEACHER_CACHE_BYTES) -> TrainResult:
     """Table 4's loop: ``steps`` AdamW steps of ``grad_accum`` sequences each (batch 1 sequence, taken in order,
     cycling), loss `kl_to_teacher`, gradient-norm clip, `lr_factor` schedule. Trains ``student``'s QuantLinear
-    weights in place. ``on_step(step, loss)`` is called after each step (progress)."""
+    weights in place. ``on_step(step, loss)`` is called after each step (progress).
+
+    The teacher is frozen, so its unroll of a sequence is the same every time the loop comes back to it: up to
+    ``cache_bytes`` of those logits are kept and reused (the same tensors, so the result is bit-identical)."""
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
     device = params[0].device
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    targets: dict[int, list[torch.Tensor]] = {}
+    kept = 0
     losses = []
     start = time.perf_counter()
     for step in range(config.steps):
@@ -401,9 +411,15 @@ def train_qat(student, teacher, plans: Sequence[tuple[Capture, Unroll]], config:
             group["lr"] = config.lr * lr_factor(step, config)
         total = 0.0
         for micro in range(config.grad_accum):
-            cap, plan = plans[(step * config.grad_accum + micro) % len(plans)]
-            with torch.no_grad(), autocast:
-                target = unroll(teacher, cap, plan)
+            index = (step * config.grad_accum + micro) % len(plans)
+            cap, plan = plans[index]
+            target = targets.get(index)
+            if target is None:
+                with torch.no_grad(), autocast:
+                    target = unroll(teacher, cap, plan)
+                size = sum(t.numel() * t.element_size() for t in target)
+                if kept + size <= cache_bytes:
+                    targets[index], kept = target, kept + size
             with autocast:
                 loss = kl_to_teacher(unroll(student, cap, plan), target)
             (loss / config.grad_accum).backward()

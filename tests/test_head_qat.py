@@ -148,6 +148,23 @@ def test_one_teacher_pass_evaluates_every_student_as_alone(setup):
     assert agreement["w8"][0] > agreement["w4"][0] and kl["w8"] < kl["w4"]
 
 
+def test_teacher_cache_leaves_training_bit_identical(setup):
+    """train_qat reuses the frozen teacher's logits when it comes back to a sequence: the same losses and weights,
+    bit for bit, as recomputing them (cache_bytes=0)."""
+    _, head, keep, train, _ = setup
+    config = HeadQat(steps=6, warmup_steps=2, lr=1e-4)
+    teacher = hq.restrict_output_layer(head, keep)
+    runs = []
+    for cache_bytes in (hq.TEACHER_CACHE_BYTES, 0):
+        torch.manual_seed(0)
+        student, _ = hq.quantize_head(teacher, 4, hq.clip_ratios(config))
+        result = hq.train_qat(student, teacher, train[:3], config, cache_bytes=cache_bytes)  # 12 visits of 3
+        runs.append((result.losses, {k: v.clone() for k, v in student.state_dict().items()}))
+    (losses_a, state_a), (losses_b, state_b) = runs
+    assert losses_a == losses_b
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+
+
 def test_qat_lowers_kl_and_exports_bit_exact(setup):
     _, head, keep, train, held = setup
     torch.manual_seed(0)
