@@ -156,17 +156,18 @@ def _has_verifier(name: str, recs: Sequence[Record]) -> bool:
 def pair_records(recs: Sequence[Record], base: Sequence[Record]) -> list[tuple[Record, Record]]:
     """Match each request of a configuration with the baseline's request on the same question.
 
-    Key (question_id, run); where the baseline has no request in that run but ran the question in exactly one run,
+    Key (question_id, turn, run) (turn 1 where a record has none; a second turn pairs with the baseline's second
+    turn); where the baseline has no request in that run but ran the question's turn in exactly one run,
     that request is used (the paper's Cloud+ ran once, HyCo three times). Unmatched requests are left out.
     """
-    by_key = {(b.get("question_id"), b.get("run", 0)): b for b in base}
+    by_key = {(b.get("question_id"), b.get("turn", 1), b.get("run", 0)): b for b in base}
     by_q: dict[Any, list[Record]] = defaultdict(list)
     for b in base:
-        by_q[b.get("question_id")].append(b)
+        by_q[(b.get("question_id"), b.get("turn", 1))].append(b)
     pairs = []
     for r in recs:
-        q = r.get("question_id")
-        b = by_key.get((q, r.get("run", 0)))
+        q = (r.get("question_id"), r.get("turn", 1))
+        b = by_key.get((*q, r.get("run", 0)))
         if b is None and len(by_q.get(q, ())) == 1:
             b = by_q[q][0]
         if b is not None:

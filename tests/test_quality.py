@@ -92,3 +92,12 @@ def test_summary_flags_a_config_worse_than_the_baseline_beyond_its_ci():
     render_quality(s, console)
     text = console.file.getvalue()
     assert "0.315 (-0.185)" in text and "zlib ratio" in text and "0.315 (-0.185)!" in text
+
+
+def test_second_turns_pair_with_the_baselines_second_turns():
+    from hycoc.bench_stats import pair_records
+
+    base = [{"question_id": 1, "run": 0, "turn": t, "tag": f"b{t}"} for t in (1, 2)]
+    recs = [{"question_id": 1, "run": 0, "turn": t, "tag": f"c{t}"} for t in (1, 2)] + [{"question_id": 1, "run": 0}]
+    assert [(r["tag"] if "tag" in r else "-", b["tag"]) for r, b in pair_records(recs, base)] == \
+        [("c1", "b1"), ("c2", "b2"), ("-", "b1")]
