@@ -5,7 +5,7 @@ of drafting time <= 10%").
     python benchmarks/runtime_host_share.py bundles/toy-cpu --questions 8 --json runs/host-share.json
 
 Runs `DeviceRuntime.generate` (mode ``hyco`` by default, the recipe's sampling and seed) on the first Spec-Bench
-questions against the recipe's verifier in a child process (`hycoc.bench.VerifierProcess`: ``hycoc verify-server``
+questions against the recipe's verifier in a child process (`hycoc.bench.runner.VerifierProcess`: ``hycoc verify-server``
 on loopback, as ``hycoc bench`` runs it, so the verifier never competes with the runtime for this process), the
 bundle's graphs on onnxruntime's CPU EP with one intra-op thread, and splits the drafting time (``draft_s``: the
 MTP Drafter, the tree and the SLM forwards of every round; the SLM's request-start fill excluded) into the time
@@ -140,10 +140,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
-    from hycoc.bench import VerifierProcess
+    from hycoc.bench.runner import VerifierProcess
     from hycoc.chat import format_prompt
     from hycoc.cli import DEFAULT_DATASET
-    from hycoc.datasets import load_spec_bench
+    from hycoc.bench.datasets import load_spec_bench
     from hycoc.recipe import load_recipe
     from hycoc.runtime import transport
 

@@ -69,7 +69,7 @@ import numpy as np  # noqa: E402
 
 from hycoc.bundle import GraphEntry, TensorSpec  # noqa: E402
 from hycoc.host import FULL, SLIDING, EmbeddingLut, RotaryTable  # noqa: E402
-from hycoc.messages import HandOff  # noqa: E402
+from hycoc.protocol.messages import HandOff  # noqa: E402
 
 KEEP, VOCAB, W, K_CHAIN, D_SIB, B, CANDIDATES, LAMBDA = 86_089, 262_144, 1024, 4, 2, 32, 32, 0.66
 VERIFIER_HIDDEN = 2816

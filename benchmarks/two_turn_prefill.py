@@ -34,8 +34,8 @@ def main(argv=None) -> None:
     from rich.table import Table
 
     from hycoc.chat import format_prompt, next_user_turn
-    from hycoc.datasets import load_spec_bench
-    from hycoc.messages import Sampling
+    from hycoc.bench.datasets import load_spec_bench
+    from hycoc.protocol.messages import Sampling
     from hycoc.models import load_tokenizer
     from hycoc.recipe import load_recipe
     from hycoc.verifier.loading import engine_from_recipe

@@ -23,9 +23,9 @@ and `crop_cache` takes the R rows back off. Timing: CUDA events on a GPU (synchr
 (`hycoc.verifier.engine._Timer`, the clock the server's server_ms uses); ``--warmup`` untimed passes, then the
 median of ``--repeats`` timed passes, each pass visiting every grid point once (interleaved, so load drift on a busy
 machine spreads over the whole grid). What is timed is Alg. 4 lines 1-3 (mask build, forward, logits of all R
-rows); sampling, acceptance, compaction and the hand-off are not (see `hycoc.cost_model`).
+rows); sampling, acceptance, compaction and the hand-off are not (see `hycoc.bench.cost_model`).
 
-Writes the cost model JSON atomically (`hycoc.cost_model.CostModel.save`) and prints a table (ms, and ms per row).
+Writes the cost model JSON atomically (`hycoc.bench.cost_model.CostModel.save`) and prints a table (ms, and ms per row).
 Exit codes: 0 done or skipped (no CUDA), 1 bad input (recipe, model missing, out of memory), 2 usage error.
 """
 
@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO))
 
-from hycoc.cost_model import CostModel, CostModelError, CostPoint  # noqa: E402,F401  (numpy + pydantic only)
+from hycoc.bench.cost_model import CostModel, CostModelError, CostPoint  # noqa: E402,F401  (numpy + pydantic only)
 from hycoc.verifier.cost_measure import (build_random_verifier, demo_parents, measure_grid,  # noqa: E402,F401
                                          random_cache, shape_of)
 

@@ -271,7 +271,7 @@ def run(
     import json
 
     from hycoc.bundle import BundleError
-    from hycoc.messages import Sampling
+    from hycoc.protocol.messages import Sampling
     from hycoc.runtime.client import RuntimeProtocolError, load_runtime
     from hycoc.runtime.graphs import GraphRunError
     from hycoc.runtime.mtp_drafter import HandoffError
@@ -485,7 +485,7 @@ def bench(
     talks to it through the wire protocol. Writes OUT/records.jsonl (one line per finished request; --resume
     continues), OUT/results.json (summary + records) and PNG plots, and prints the table.
     """
-    from hycoc.datasets import DatasetError, load_spec_bench
+    from hycoc.bench.datasets import DatasetError, load_spec_bench
     from hycoc.recipe import check_link
 
     cfg = _recipe("bench", recipe)
@@ -509,9 +509,9 @@ def bench(
     if cost_model is not None and not cost_model.is_file():
         raise _fail("bench", f"--cost-model {cost_model}: no such file")
     _need_full("bench")
-    from hycoc.bench import BenchError, BenchPlan, run_bench
+    from hycoc.bench.runner import BenchError, BenchPlan, run_bench
     from hycoc.bundle import BundleError
-    from hycoc.cost_model import CostModelError
+    from hycoc.bench.cost_model import CostModelError
     from hycoc.runtime.transport import TransportError
 
     bundle_dir = _bench_bundle("bench", cfg, recipe, bundle)
@@ -530,7 +530,7 @@ def bench(
 
 def _bench_bundle(command: str, cfg, recipe: Path, bundle: Optional[Path]) -> Path:
     """``--bundle``, else bundles/<recipe name>-cpu, built there first when it has no manifest."""
-    from hycoc.bench import default_bundle_dir
+    from hycoc.bench.runner import default_bundle_dir
 
     bundle_dir = bundle or default_bundle_dir(cfg, REPO_ROOT)
     if not (bundle_dir / "manifest.json").is_file():
@@ -586,7 +586,7 @@ def tune_epsilon(
     the lowest projected g, a g within tune.g_tie_pct % of it counting as a tie won by the larger epsilon.
     Writes OUT/records.jsonl and OUT/tune.json and prints the line to put in the recipe's acceptance table.
     """
-    from hycoc.datasets import DatasetError, load_spec_bench
+    from hycoc.bench.datasets import DatasetError, load_spec_bench
 
     cfg = _recipe("tune-epsilon", recipe)
     eps_list = list(cfg.tune.epsilons)
@@ -609,7 +609,7 @@ def tune_epsilon(
         benchmark_turns = {q.turns[0] for q in load_spec_bench(bench_path)} if bench_path.is_file() else set()
     except DatasetError as e:
         raise _fail("tune-epsilon", str(e)) from None
-    from hycoc.tune_epsilon import Tolerance, TuneError, TunePlan, load_validation, run_tune
+    from hycoc.bench.tune_epsilon import Tolerance, TuneError, TunePlan, load_validation, run_tune
 
     try:
         questions = load_validation(path, prompts or cfg.tune.prompts, benchmark_turns=benchmark_turns,
@@ -617,9 +617,9 @@ def tune_epsilon(
     except TuneError as e:
         raise _fail("tune-epsilon", str(e)) from None
     _need_full("tune-epsilon")
-    from hycoc.bench import BenchError
+    from hycoc.bench.runner import BenchError
     from hycoc.bundle import BundleError
-    from hycoc.cost_model import CostModelError
+    from hycoc.bench.cost_model import CostModelError
     from hycoc.runtime.transport import TransportError
 
     bundle_dir = _bench_bundle("tune-epsilon", cfg, recipe, bundle)
@@ -890,7 +890,7 @@ def generate(
 
     The question is wrapped in the chat template; top-k and top-p come from the recipe's sampling table.
     """
-    from hycoc.datasets import DatasetError, find_question, load_spec_bench
+    from hycoc.bench.datasets import DatasetError, find_question, load_spec_bench
 
     if prompt is not None and question_id is not None:
         raise _fail("generate", "give at most one of --prompt and --question-id", code=2)

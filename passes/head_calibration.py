@@ -7,7 +7,7 @@ verifier, the recipe's hand-off scales, W, K, pre/post-norm h) opens a session o
 the next c tokens of the verifier's own greedy answer (`hycoc.passes.calibration_answers`, cut at its stop
 tokens and at `answer_cap`), c cycling through 0..K, so the request follows the greedy answer and the hand-offs
 carry 1..K+1 committed rows as on the device. Every ``RoundReply.handoff`` is a real int8
-`hycoc.messages.HandOff` (the first one carries up to W prompt rows).
+`hycoc.protocol.messages.HandOff` (the first one carries up to W prompt rows).
 
 The feeds are the runtime's: each hand-off goes to the device runtime's own `hycoc.runtime.mtp_drafter.MtpDrafter`
 (``ingest``: ring columns p mod W, live range, dequantized x_hat), and after the hand-offs that reach the answer offsets
@@ -135,7 +135,7 @@ def drive_request(engine, drafter: MtpDrafter, prompt: Sequence[int], cap: int, 
     2 (K + 1) tokens away a round's chain is the next ``min(SKIP_ROWS, distance - 2 (K + 1))`` answer tokens, so
     the ring fills as before (every committed row reaches the drafter through the hand-offs) in far fewer
     verifier rounds, and the rounds before each draft still carry 1..K+1 rows."""
-    from hycoc.messages import Sampling
+    from hycoc.protocol.messages import Sampling
 
     out = HeadDrive()
     session = engine.open(prompt, Sampling(temperature=0.0, top_k=1, top_p=1.0), seed=seed, acceptance="exact",

@@ -9,7 +9,7 @@ reports what the compiler will make of them and what the wire will carry:
 * each drafter graph's inputs and outputs (names, shapes and dtypes exactly as `hycoc.passes.head_graph.HeadGraph`
   and `hycoc.passes.slm_graph.SlmTreeGraph` declare them), parameter counts, weight bytes at the recipe's bit maps,
   LUT sizes, ring-KV bytes on the device;
-* hand-off and tree bytes from `hycoc.wire` (the same functions the frames are sized with);
+* hand-off and tree bytes from `hycoc.protocol.wire` (the same functions the frames are sized with);
 * a ``paper`` block: the paper's numbers (App. A Table 3, §3.1) beside ours, with the difference.
 
 Byte conventions: MB = 10**6 bytes (the paper's 242 MB is 86,089 x 2,816 = 242.4e6 bytes); an n-bit weight
@@ -24,7 +24,7 @@ import json
 import math
 from typing import Any
 
-from hycoc import wire
+from hycoc.protocol import wire
 from hycoc.recipe import Recipe
 
 SLIDING = "sliding_attention"

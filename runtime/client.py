@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hycoc.messages import AppendTurn, DraftTree, OpenRequest, Sampling, commit_cut
+from hycoc.protocol.messages import AppendTurn, DraftTree, OpenRequest, Sampling, commit_cut
 from hycoc.runtime.mtp_drafter import MtpDrafter
 from hycoc.runtime.slm_drafter import SlmDrafter
 from hycoc.runtime.transport import BadReply
@@ -84,7 +84,7 @@ class RequestResult:
     position per round. bonus_outside_keep: bonus tokens outside the keep set. link_s: link-model time of the
     request (slept, or only counted when the client's sleep is a no-op); first_token_link_s: its part before the
     first token. accepted: tokens committed per round minus one (after the stop / cap / context cut), so MAT =
-    tokens / rounds. finish_reason: "stop", "max_new_tokens" or "length" (`hycoc.messages.FINISH_REASONS`).
+    tokens / rounds. finish_reason: "stop", "max_new_tokens" or "length" (`hycoc.protocol.messages.FINISH_REASONS`).
     """
 
     mode: str

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hycoc.host import FULL, SLIDING, ring_masks
-from hycoc.messages import HandOff
+from hycoc.protocol.messages import HandOff
 
 
 class HandoffError(ValueError):

@@ -1,10 +1,10 @@
 """The device's connection to the verifier: wire frames over one WebSocket, and a link model (issues 5 and 6).
 
-Ships on the phone: numpy + websockets + `hycoc.wire` / `hycoc.messages` only (no torch, no aiohttp, nothing of
+Ships on the phone: numpy + websockets + `hycoc.protocol.wire` / `hycoc.protocol.messages` only (no torch, no aiohttp, nothing of
 the verifier). `VerifierClient` speaks the protocol of DESIGN.md "Wire protocol" with ``websockets.sync``:
 ``open(OpenRequest) -> Opened``, ``round(DraftTree) -> RoundReply``, ``append(AppendTurn) -> Opened`` (the
 next turn of a conversation on the same session), ``close()``. Every reply is decoded and
-validated against the session's sizes (`hycoc.wire.Limits.from_opened`) before it is returned.
+validated against the session's sizes (`hycoc.protocol.wire.Limits.from_opened`) before it is returned.
 
 Every failure ends in a `TransportError` subclass whose message is one line naming the cause:
 
@@ -39,8 +39,8 @@ from typing import Callable
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.sync.client import ClientConnection, connect
 
-from hycoc import wire
-from hycoc.messages import AppendTurn, Close, DraftTree, ErrorReply, Opened, OpenRequest, RoundReply
+from hycoc.protocol import wire
+from hycoc.protocol.messages import AppendTurn, Close, DraftTree, ErrorReply, Opened, OpenRequest, RoundReply
 
 # --------------------------------------------------------------------------------------------------- link model
 

@@ -1,4 +1,4 @@
-"""hycoc.bench_stats: App. G metrics on hand-built records, paired bootstrap, cost-model projection, tables, plots,
+"""hycoc.bench.stats: App. G metrics on hand-built records, paired bootstrap, cost-model projection, tables, plots,
 reference matching on Spec-Bench's real reference formats."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import pytest
 from rich.console import Console
 
-from hycoc.bench_stats import render_categories, render_table, reference_match, summarize, write_plots
+from hycoc.bench.stats import render_categories, render_table, reference_match, summarize, write_plots
 
 
 def rec(config, qid, *, tokens, server, prefill, rows, context, category="math", run=0, seconds=1.0,

@@ -1,4 +1,4 @@
-"""Verifier cost model (hycoc.cost_model) and its measuring script (benchmarks/verifier_cost_model.py)."""
+"""Verifier cost model (hycoc.bench.cost_model) and its measuring script (benchmarks/verifier_cost_model.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hycoc.cost_model import (CostModel, CostModelError, CostPoint, load_cost_model, projected_g,
+from hycoc.bench.cost_model import (CostModel, CostModelError, CostPoint, load_cost_model, projected_g,
                               projected_server_ms)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,7 +122,7 @@ def test_missing_and_non_json_files(tmp_path):
 
 
 def test_cost_model_module_does_not_import_torch():
-    code = "import sys, hycoc.cost_model; print('torch' in sys.modules)"
+    code = "import sys, hycoc.bench.cost_model; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hycoc.datasets import SPEC_BENCH, DatasetError, Question, find_question, load_spec_bench
+from hycoc.bench.datasets import SPEC_BENCH, DatasetError, Question, find_question, load_spec_bench
 
 
 def test_spec_bench_ships_in_the_repository_unchanged():

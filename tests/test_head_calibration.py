@@ -14,7 +14,7 @@ from rich.console import Console
 from test_build import write_tiny_recipe
 
 from hycoc.host import FULL, SLIDING, ring_masks
-from hycoc.messages import Sampling
+from hycoc.protocol.messages import Sampling
 from hycoc.passes import build as b
 from hycoc.passes import head_calibration as hc
 from hycoc.passes.calibration_answers import select_prompts

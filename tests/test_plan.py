@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from hycoc import wire
+from hycoc.protocol import wire
 from hycoc.cli import app
 from hycoc.passes.head_graph import INPUT_NAMES as HEAD_INPUTS
 from hycoc.passes.head_graph import OUTPUT_NAMES as HEAD_OUTPUTS

@@ -1,5 +1,5 @@
-"""Text quality metrics (hycoc/quality.py) on hand-made texts with hand-worked values, and their pairing and flag
-in the bench summary (hycoc/bench_stats.py)."""
+"""Text quality metrics (hycoc/bench/quality.py) on hand-made texts with hand-worked values, and their pairing and flag
+in the bench summary (hycoc/bench/stats.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import io
 import pytest
 from rich.console import Console
 
-from hycoc.bench_stats import render_quality, render_table, summarize
-from hycoc.quality import (answer_metrics, distinct_n, final_number_match, longest_run, reference_match,
+from hycoc.bench.stats import render_quality, render_table, summarize
+from hycoc.bench.quality import (answer_metrics, distinct_n, final_number_match, longest_run, reference_match,
                            reference_metrics, repeated_ngram_share, rouge_l, words)
 
 
@@ -95,7 +95,7 @@ def test_summary_flags_a_config_worse_than_the_baseline_beyond_its_ci():
 
 
 def test_second_turns_pair_with_the_baselines_second_turns():
-    from hycoc.bench_stats import pair_records
+    from hycoc.bench.stats import pair_records
 
     base = [{"question_id": 1, "run": 0, "turn": t, "tag": f"b{t}"} for t in (1, 2)]
     recs = [{"question_id": 1, "run": 0, "turn": t, "tag": f"c{t}"} for t in (1, 2)] + [{"question_id": 1, "run": 0}]

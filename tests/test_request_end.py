@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hycoc.messages import Sampling
+from hycoc.protocol.messages import Sampling
 from hycoc.verifier import ContextOverflow, VerifierEngine
 from hycoc.verifier.engine import fitting_rows, remap_parents
 from hycoc.verifier.sampling import GREEDY_BELOW, sample_rows, sampling_probs

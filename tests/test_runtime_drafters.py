@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hycoc.host import FULL, MASK_VALUE, SLIDING, RotaryTable
-from hycoc.messages import HandOff
+from hycoc.protocol.messages import HandOff
 from hycoc.runtime.mtp_drafter import HandoffError, MtpDrafter, NoHandoff, top2
 from hycoc.runtime.slm_drafter import SlmDrafter
 from hycoc.runtime.tree_builder import DraftTreeNodes

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from hycoc.chat import stop_token_ids
 from hycoc.cli import app
-from hycoc.messages import Sampling
+from hycoc.protocol.messages import Sampling
 from hycoc.passes import build as b
 from hycoc.runtime import transport
 from hycoc.runtime.client import load_runtime

@@ -91,7 +91,7 @@ def _runners(tiny_bundle):
 
 
 def test_trees_from_graph_top_k_equal_the_host_path_on_the_tiny_bundle(tiny_bundle):
-    from hycoc.messages import HandOff
+    from hycoc.protocol.messages import HandOff
     from hycoc.runtime.client import MODES, DeviceRuntime
 
     bundle, runners = _runners(tiny_bundle)

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from hycoc.messages import commit_cut
+from hycoc.protocol.messages import commit_cut
 from hycoc.runtime.tree_builder import CHAIN, SIBLING, SLM, TreeBuilder, walk_reply
 
 L = math.log(0.5)

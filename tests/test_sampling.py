@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from hycoc.messages import Sampling
+from hycoc.protocol.messages import Sampling
 from hycoc.verifier.sampling import sample_rows, sampling_probs
 
 torch.set_num_threads(1)

@@ -43,7 +43,7 @@ def no_toy_corpus(monkeypatch):
 
 
 def test_toy_recipe_inputs_come_from_the_repository(no_toy_corpus):
-    from hycoc.datasets import load_spec_bench
+    from hycoc.bench.datasets import load_spec_bench
     from hycoc.models import load_tokenizer
     from hycoc.passes.artifacts import TokenizerArtifact
     from hycoc.passes.calibration_answers import select_prompts

@@ -28,9 +28,9 @@ from typer.testing import CliRunner
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from hycoc import wire
+from hycoc.protocol import wire
 from hycoc.cli import app
-from hycoc.messages import Close, DraftTree, ErrorReply, Opened, OpenRequest, RoundReply, Sampling
+from hycoc.protocol.messages import Close, DraftTree, ErrorReply, Opened, OpenRequest, RoundReply, Sampling
 from hycoc.models import ModelNotFoundError
 from hycoc.recipe import load_recipe
 from hycoc.runtime.transport import AuthRefused, ServerError, VerifierClient

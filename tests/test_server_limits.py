@@ -15,8 +15,8 @@ import torch
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from hycoc import wire
-from hycoc.messages import DraftTree, ErrorReply, OpenRequest, Sampling
+from hycoc.protocol import wire
+from hycoc.protocol.messages import DraftTree, ErrorReply, OpenRequest, Sampling
 from hycoc.runtime.transport import AuthRefused, ServerError, ServerUnreachable, VerifierClient
 from hycoc.verifier import VerifierEngine
 from hycoc.verifier.server import ServerLimits, ServerThread, open_frame_bytes

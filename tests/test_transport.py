@@ -21,8 +21,8 @@ from websockets.datastructures import Headers
 from websockets.http11 import Response
 from websockets.sync.server import serve
 
-from hycoc import wire
-from hycoc.messages import DraftTree, ErrorReply, HandOff, Opened, OpenRequest, RoundReply
+from hycoc.protocol import wire
+from hycoc.protocol.messages import DraftTree, ErrorReply, HandOff, Opened, OpenRequest, RoundReply
 from hycoc.runtime.transport import (LINK_PRESETS, AuthRefused, BadReply, ConnectionDropped, LinkModel,
                                      ProtocolMismatch, RequestTimeout, ServerError, ServerUnreachable,
                                      VerifierClient, parse_link)

@@ -1,4 +1,4 @@
-"""`hycoc tune-epsilon` (hycoc/tune_epsilon.py): the selection rule on a hand-made sweep table, the validation set's
+"""`hycoc tune-epsilon` (hycoc/bench/tune_epsilon.py): the selection rule on a hand-made sweep table, the validation set's
 checks, and one small sweep end to end on the tiny recipe (verifier child process, device runtime here), whose
 choice is recomputed by hand from its records."""
 
@@ -12,10 +12,10 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from hycoc.cli import app
-from hycoc.cost_model import CostModel, CostPoint
-from hycoc.quality import answer_metrics
+from hycoc.bench.cost_model import CostModel, CostPoint
+from hycoc.bench.quality import answer_metrics
 from hycoc.recipe import RecipeError, parse_recipe
-from hycoc.tune_epsilon import (SweepRow, Tolerance, TuneError, TunePlan, check_row, choose_epsilon, load_validation,
+from hycoc.bench.tune_epsilon import (SweepRow, Tolerance, TuneError, TunePlan, check_row, choose_epsilon, load_validation,
                                 run_tune)
 
 TOL = Tolerance(compression_drop=0.03, repetition_rise=0.05, distinct2_drop=0.05, g_tie_pct=2.0)

@@ -17,7 +17,7 @@ from transformers import DynamicCache, Gemma4ForCausalLM, Gemma4TextConfig, Gene
 from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
 
 import hycoc.verifier.engine as engine_mod
-from hycoc.messages import Sampling
+from hycoc.protocol.messages import Sampling
 from hycoc.mtp import head_step, window_mask
 from hycoc.verifier import (BadRequest, ContextOverflow, RootMismatch, SequenceError, SessionFinished, TreeError,
                             VerifierEngine)

@@ -9,8 +9,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from hycoc import wire
-from hycoc.messages import Close, DraftTree, ErrorReply, HandOff, Opened, OpenRequest, RoundReply, Sampling
+from hycoc.protocol import wire
+from hycoc.protocol.messages import Close, DraftTree, ErrorReply, HandOff, Opened, OpenRequest, RoundReply, Sampling
 
 VOCAB = 1000
 # Gemma 4 26B-A4B: hidden 2816; last sliding layer 8 KV heads x 256; last full-attention layer 2 KV heads x 512.
@@ -611,7 +611,7 @@ def test_every_code_is_distinct_and_valid():
 
 
 def test_append_round_trip_and_bytes():
-    from hycoc.messages import AppendTurn
+    from hycoc.protocol.messages import AppendTurn
 
     m = AppendTurn(np.array([5, 6, 999], np.int32), max_new_tokens=64)
     data = wire.encode(m)
@@ -628,7 +628,7 @@ def test_append_round_trip_and_bytes():
     ([1, 2, 3], 4, wire.Limits(max_context=3), "context_overflow"),
 ])
 def test_append_refusals(tokens, max_new, limits, code):
-    from hycoc.messages import AppendTurn
+    from hycoc.protocol.messages import AppendTurn
 
     with pytest.raises(wire.WireError) as info:
         wire.validate(AppendTurn(np.array(tokens, np.int32), max_new), limits)

@@ -1,5 +1,5 @@
 """Measuring a verifier cost model: ms of one tree-verification forward per (rows, context) on the device the model
-is on (issues 6 and 7; `hycoc.cost_model` holds the model and its projection).
+is on (issues 6 and 7; `hycoc.bench.cost_model` holds the model and its projection).
 
 Used by ``benchmarks/verifier_cost_model.py`` (the 26B-A4B shape on a GPU, or a recipe's verifier) and by
 ``hycoc bench`` (the recipe's verifier on the device in use, when no cost-model file is given). What is timed is
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 
-from hycoc.cost_model import CostModel, CostPoint
+from hycoc.bench.cost_model import CostModel, CostPoint
 
 
 def demo_parents(rows: int, chain_length: int = 4):

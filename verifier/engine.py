@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from hycoc.messages import ACCEPTANCE_MODES, DRAFT_PLACES, HandOff, RoundReply, Sampling, commit_cut
+from hycoc.protocol.messages import ACCEPTANCE_MODES, DRAFT_PLACES, HandOff, RoundReply, Sampling, commit_cut
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 
 from .acceptance import select_exact, select_path

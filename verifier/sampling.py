@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from hycoc.messages import Sampling
+from hycoc.protocol.messages import Sampling
 
 #: Temperatures below this are greedy (module docstring); the device's own drafting is greedy at any temperature.
 GREEDY_BELOW = 1e-4

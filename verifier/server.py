@@ -2,13 +2,13 @@
 
 One aiohttp application on one port (DESIGN.md "Wire protocol"; the device connects with ``--server ws://HOST:PORT``):
 
-    GET /  (WebSocket)  one session per connection, binary frames of `hycoc.wire`:
+    GET /  (WebSocket)  one session per connection, binary frames of `hycoc.protocol.wire`:
                         OPEN -> prefill -> OPENED; ROUND -> REPLY, one per round; after a finished reply, APPEND (the
                         next turn, KV kept) -> OPENED; CLOSE (or a disconnect) frees the KV
     GET /healthz        JSON: status, model, sessions, protocol_version and the limits a client must respect
     GET /metrics        Prometheus text exposition (format 0.0.4), counters over the server's lifetime
 
-Validation. Every frame is decoded with `hycoc.wire.decode` against the session's `Limits` (vocabulary, tree rows,
+Validation. Every frame is decoded with `hycoc.protocol.wire.decode` against the session's `Limits` (vocabulary, tree rows,
 max context, max frame bytes), so a bad parent, a cycle, a token outside the vocabulary, a wrong row count, an
 oversize frame, a prompt longer than the context, an unknown message type or a wrong protocol version each gets an
 ERROR frame with the wire's code (``bad_parent``, ``token_out_of_vocab``, ``wrong_row_count``, ``frame_too_large``,
@@ -32,7 +32,7 @@ validating. A client that disconnects mid-round: its round finishes on the worke
 session's KV is freed right after (the free is queued on the same worker, so it runs after the round).
 
 Frame size. aiohttp's own WebSocket limit is set to twice the incoming frame limit so that a frame above the wire
-limit still reaches `hycoc.wire.decode_header` and gets a ``frame_too_large`` ERROR frame; only frames above twice
+limit still reaches `hycoc.protocol.wire.decode_header` and gets a ``frame_too_large`` ERROR frame; only frames above twice
 the limit are cut by aiohttp (WebSocket close code 1009, no frame).
 
 Limits (DESIGN.md "Limits"; `ServerLimits`, each a recipe key in ``[verifier]`` with a default). Every refusal
@@ -74,8 +74,8 @@ from typing import Callable
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from hycoc import wire
-from hycoc.messages import AppendTurn, Close, DraftTree, Opened, OpenRequest
+from hycoc.protocol import wire
+from hycoc.protocol.messages import AppendTurn, Close, DraftTree, Opened, OpenRequest
 
 from .engine import Session, VerifierEngine
 
@@ -90,7 +90,7 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 class ServerError(Exception):
     """A frame that is well formed but not acceptable in this connection's state. ``code`` goes into the ERROR
-    frame (`hycoc.wire.error_reply` reads the class attribute); the message says what to do instead."""
+    frame (`hycoc.protocol.wire.error_reply` reads the class attribute); the message says what to do instead."""
 
     code = "server_error"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 #: Spec-Bench's 480 questions as shipped in the repository (benchmarks/data/NOTICE.md: source and license).
 #: The default of ``hycoc bench``/``hycoc generate --dataset`` and of the recipes' ``bench.dataset``.
-SPEC_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "spec_bench_question.jsonl"
+SPEC_BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "spec_bench_question.jsonl"
 
 
 class DatasetError(ValueError):

@@ -1,6 +1,6 @@
 """Typed messages exchanged between the device runtime and the verifier (DESIGN.md "Wire protocol").
 
-These dataclasses are the in-memory form; `hycoc.wire` turns them into binary frames and back, and
+These dataclasses are the in-memory form; `hycoc.protocol.wire` turns them into binary frames and back, and
 validates every field on arrival. numpy only: the device runtime imports this module on the phone.
 
 Positions count from 0 (paper App. C): committed tokens sit at positions [0, t), the tree root
@@ -35,7 +35,7 @@ def commit_cut(new: list[int], stop_ids, new_room: int, context_room: int) -> tu
     """The commit rule of a round (Alg. 1 line 9 / Alg. 4 with the request's limits): cut ``new`` (path tokens,
     then the bonus) after its first stop token, then at ``new_room`` (tokens left under max_new_tokens), then at
     ``context_room`` (positions left under max_context). Returns (tokens committed, finish reason or None), the
-    reason being "stop", "max_new_tokens" or "length" (`hycoc.messages.FINISH_REASONS`), the first that applies.
+    reason being "stop", "max_new_tokens" or "length" (`hycoc.protocol.messages.FINISH_REASONS`), the first that applies.
 
     Hand-worked: commit_cut([7, 1, 9], {1}, 10, 10) == ([7, 1], "stop");
     commit_cut([7, 8, 9], set(), 2, 10) == ([7, 8], "max_new_tokens"); commit_cut([7, 8, 9], set(), 5, 3) ==

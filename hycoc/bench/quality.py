@@ -20,7 +20,7 @@ lower-cased text (`words`), so the figures do not depend on a tokenizer:
   "uuuuuuuu" is one token id repeated), else words. Higher = more repetitive.
 
 Reference metrics (`reference_metrics`; None where the category has no usable reference). Spec-Bench rows carry
-their own formats (`hycoc.datasets.Question.reference`):
+their own formats (`hycoc.bench.datasets.Question.reference`):
 
 * summarization: ``rouge_l``, ROUGE-L F1 x 100 against reference[0] (``rouge-score``, Porter stemming; Lin, 2004);
 * translation: ``chrf`` (chrF, β = 2) and ``bleu`` (sentence BLEU, exponential smoothing) x 100 against

@@ -19,7 +19,7 @@ an interrupted bench keeps them and ``--resume`` skips what is there. At the end
 metrics (`score_quality`: repetition, and reference metrics where Spec-Bench has references), the verifier's mean
 log-prob of every answer (its own likelihood of the text, labelled as such; the verifier loaded in this process
 after the server stopped), the summary
-(`hycoc.bench_stats.summarize`), ``OUT/results.json`` (``summary`` + per-request ``records``), the plots and the
+(`hycoc.bench.stats.summarize`), ``OUT/results.json`` (``summary`` + per-request ``records``), the plots and the
 table.
 
 Cost model (g projected): ``--cost-model FILE`` (e.g. made on a GPU by ``benchmarks/verifier_cost_model.py
@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hycoc.datasets import Question
+from hycoc.bench.datasets import Question
 
 #: Table 5 order.
 CONFIGS = ("cloud-mtp", "specedge", "specedge-eps", "hyco", "hyco-2p", "hyco-exact", "server-head", "slm-alone")
@@ -106,9 +106,9 @@ class VerifierProcess:
 
 def record_of(config: str, run: int, q: Question, prompt_tokens: int, res, virtual_link: bool,
               turn: int = 1) -> dict:
-    """One request as a `hycoc.bench_stats` record (its module docstring lists the keys and units); ``turn``:
+    """One request as a `hycoc.bench.stats` record (its module docstring lists the keys and units); ``turn``:
     1 for a question's first turn, 2 for its second (same session, `run_requests`)."""
-    from hycoc.quality import reference_match
+    from hycoc.bench.quality import reference_match
 
     link = res.link_s if virtual_link else 0.0
     first_link = res.first_token_link_s if virtual_link else 0.0
@@ -152,9 +152,9 @@ def atomic_write(path: Path, text: str) -> None:
 
 def score_quality(records: list[dict], questions: dict[int, Question]) -> None:
     """Fill every record's ``quality`` that is missing (records of an older bench lack it): the answer's
-    repetition metrics (`hycoc.quality.answer_metrics` over its text and output ids) and its reference metrics
-    against the question's reference (`hycoc.quality.reference_metrics`). questions: question_id -> Question."""
-    from hycoc.quality import answer_metrics, reference_metrics
+    repetition metrics (`hycoc.bench.quality.answer_metrics` over its text and output ids) and its reference metrics
+    against the question's reference (`hycoc.bench.quality.reference_metrics`). questions: question_id -> Question."""
+    from hycoc.bench.quality import answer_metrics, reference_metrics
 
     for rec in records:
         if rec.get("quality") is not None:
@@ -212,9 +212,9 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
     Raises BenchError (server, bundle), BundleError, TransportError from a request that fails for a reason other
     than the request itself; KeyboardInterrupt leaves ``records.jsonl`` for ``--resume``.
     """
-    from hycoc.bench_stats import render_categories, render_quality, render_table, summarize, write_plots
+    from hycoc.bench.stats import render_categories, render_quality, render_table, summarize, write_plots
     from hycoc.chat import format_prompt
-    from hycoc.messages import Sampling
+    from hycoc.protocol.messages import Sampling
     from hycoc.runtime.client import load_runtime
 
     console = make_console(console)
@@ -379,7 +379,7 @@ def second_turn(rt, client, url: str, req: Request, prompt: list[int], first, ou
     import numpy as np
 
     from hycoc.chat import next_user_turn
-    from hycoc.messages import OpenRequest
+    from hycoc.protocol.messages import OpenRequest
     from hycoc.runtime.transport import VerifierClient
 
     q = req.question
@@ -445,10 +445,10 @@ def render_turns(turns: dict, console) -> None:
 
 def cost_model_for(recipe, records: list[dict], cost_model_path: Path | None, out: Path, console):
     """The cost model of g projected and a sentence saying where it came from: ``cost_model_path`` loaded
-    (`hycoc.cost_model.load_cost_model`), else measured here on the recipe's verifier at contexts covering the
+    (`hycoc.bench.cost_model.load_cost_model`), else measured here on the recipe's verifier at contexts covering the
     records' (`hycoc.verifier.cost_measure.measure_recipe_verifier`) and saved as ``OUT/cost_model.json``.
     Raises CostModelError for a bad file."""
-    from hycoc.cost_model import load_cost_model
+    from hycoc.bench.cost_model import load_cost_model
 
     if cost_model_path is not None:
         cost = load_cost_model(cost_model_path)

@@ -1,6 +1,6 @@
 """Statistics, terminal tables, results.json summary and plots of `hycoc bench` (issue 6; paper §4, App. G).
 
-`hycoc.bench` runs the requests and produces one *record* per request; this module turns the records into the
+`hycoc.bench.runner` runs the requests and produces one *record* per request; this module turns the records into the
 paper's metrics. Core module: numpy only at import time (rich and matplotlib are imported inside the functions
 that draw), no torch.
 
@@ -23,8 +23,8 @@ Record (one dict per request; times in milliseconds unless the name says seconds
     bonus_outside_keep     int, bonus tokens outside the drafters' keep set
     verifier_logprob  float | None, the verifier's mean log-prob per output token of the answer: its own
                       likelihood of the text, which repetition raises (issue 13); never the quality figure alone
-    reference_match   bool | None, containment proxy (`hycoc.quality.reference_match`) where there is a reference
-    quality           {key: value} the answer's text metrics (`hycoc.quality.answer_metrics` and
+    reference_match   bool | None, containment proxy (`hycoc.bench.quality.reference_match`) where there is a reference
+    quality           {key: value} the answer's text metrics (`hycoc.bench.quality.answer_metrics` and
                       `reference_metrics`: compression_ratio, repeated_4gram_share, distinct_1/2, longest_run,
                       rouge_l, chrf, bleu, final_number_match; None where undefined); absent in old records
 
@@ -36,7 +36,7 @@ runs the pooled ratio is taken per run and the runs' ratios are averaged, as App
 * g_rounds [ms / output token] = sum server_ms / sum tokens: measured g over rounds only (prefill excluded), the
   figure to hold against g projected.
 * g projected [ms / output token] = sum over rounds of cost_model.predict(rows, context) / sum tokens: the rounds
-  replayed through a cost model measured on another device (`hycoc.cost_model`). Rounds only, PREFILL EXCLUDED
+  replayed through a cost model measured on another device (`hycoc.bench.cost_model`). Rounds only, PREFILL EXCLUDED
   (the cost model does not project prefill). None without a cost model and for slm-alone.
 * Δg [%] = 100 * (g / g_baseline - 1), paired: computed on the requests of the configuration and of the baseline
   (cloud-mtp) matched by (question_id, run) -- or by question_id alone where the baseline ran that question in
@@ -52,7 +52,7 @@ runs the pooled ratio is taken per run and the runs' ratios are averaged, as App
 * bytes up/down per round = sum frame bytes / number of rounds with a frame.
 * bonus outside keep share = sum bonus_outside_keep / sum rounds (one bonus token per round).
 
-Quality (per configuration; means per category): every metric of `hycoc.quality.METRICS` (repetition of the
+Quality (per configuration; means per category): every metric of `hycoc.bench.quality.METRICS` (repetition of the
 text itself, and ROUGE-L / chrF / BLEU / final-number exact match where Spec-Bench has references), its mean over
 answers and its paired difference vs the baseline (mean over matched requests of config - baseline, paired
 bootstrap 95% CI over questions, as for Δg); a configuration is flagged for a metric when that whole CI lies on
@@ -72,7 +72,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from hycoc.quality import METRIC_BY_KEY, METRICS, metric_value, reference_match
+from hycoc.bench.quality import METRIC_BY_KEY, METRICS, metric_value, reference_match
 
 #: Table 5 order of the configurations; configurations not listed follow, sorted by name.
 TABLE5_ORDER = ("cloud-mtp", "specedge", "specedge-eps", "hyco", "hyco-2p", "hyco-exact", "server-head", "slm-alone")
@@ -268,7 +268,7 @@ LOGPROB_NOTE = "the verifier's own likelihood of the answer (repetitive text sco
 
 def quality_metrics(recs: Sequence[Record], pairs: Sequence[tuple[Record, Record]], *, bootstrap: int = 1000,
                     seed: int = 0) -> dict[str, dict[str, Any]]:
-    """Per `hycoc.quality.METRICS` key: ``{mean, n, delta, delta_ci95, worse_than_baseline}``.
+    """Per `hycoc.bench.quality.METRICS` key: ``{mean, n, delta, delta_ci95, worse_than_baseline}``.
 
     mean: over the answers of ``recs`` that have the metric (``record["quality"][key]``, bools as 0/1), n of them.
     delta, delta_ci95: `paired_mean_difference` over ``pairs`` (config - baseline), paired bootstrap 95% CI over
@@ -291,7 +291,7 @@ def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, co
 
     records: per-request records (module docstring). baseline: the configuration Δ figures are paired against
     (cloud-mtp); absent -> every delta field is None. cost_model: an object with ``predict(rows, context) -> ms``
-    (`hycoc.cost_model.CostModel`) or None; a prediction error (rows outside its grid) leaves the projected
+    (`hycoc.bench.cost_model.CostModel`) or None; a prediction error (rows outside its grid) leaves the projected
     fields None and puts the message in ``g_projected_error``. bootstrap: resamples for the CIs (0: no CI).
     seed: bootstrap seed (each configuration/metric/category gets its own stream derived from it).
 
@@ -375,7 +375,7 @@ def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, co
         s["bonus_outside_keep_share"] = (_pooled(recs, lambda r: float(r.get("bonus_outside_keep") or 0), _rounds)
                                          if verifier else None)
 
-        # quality: the text metrics of hycoc.quality, paired vs the baseline; the verifier's own log-prob
+        # quality: the text metrics of hycoc.bench.quality, paired vs the baseline; the verifier's own log-prob
         lp = lambda r: r.get("verifier_logprob")  # noqa: E731
         rm = lambda r: None if r.get("reference_match") is None else float(bool(r["reference_match"]))  # noqa: E731
         qpairs = pair_records(recs, base) if base else []
@@ -436,7 +436,7 @@ def render_table(summary: Mapping[str, Mapping[str, Any]], console: Any, *, titl
     rounds, prefill excluded), Δg % [95% CI] vs the baseline (and Δg proj. % when present), MAT, verifier
     forwards per token, delivery tok/s, device draft ms per token, first-token p50 ms, bytes up/down per round,
     share of bonus tokens outside the keep set, the answers' zlib compressed/raw ratio with its paired Δ (the
-    headline repetition metric, `hycoc.quality`), and the quality flag: the metrics on which the configuration is
+    headline repetition metric, `hycoc.bench.quality`), and the quality flag: the metrics on which the configuration is
     worse than the baseline beyond their 95% CI (`quality_metrics`), "–" when none. A `caption` (e.g. the cost
     model's device) is appended to the legend.
     """
@@ -500,7 +500,7 @@ def _quality_flags(s: Mapping[str, Any]) -> str:
 
 def render_quality(summary: Mapping[str, Mapping[str, Any]], console: Any, *, baseline: str = DEFAULT_BASELINE,
                    title: str = "answer quality") -> None:
-    """Print the quality table: one row per configuration, one column per `hycoc.quality.METRICS` metric that
+    """Print the quality table: one row per configuration, one column per `hycoc.bench.quality.METRICS` metric that
     any configuration has (``mean (Δ vs baseline)``, a metric worse beyond its CI marked ``!``), the verifier's
     mean log-prob under its own label (`LOGPROB_NOTE`), and the flag column of `render_table`."""
     from rich.table import Table

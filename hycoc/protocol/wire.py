@@ -1,7 +1,7 @@
 """Binary frames between the device runtime and the verifier (DESIGN.md "Wire protocol").
 
 numpy + stdlib only: the device runtime imports this module on the phone. `encode` turns a message of
-`hycoc.messages` into one frame, `decode` turns a frame back into a message and validates every field against
+`hycoc.protocol.messages` into one frame, `decode` turns a frame back into a message and validates every field against
 what the receiver knows (`Limits`). A malformed frame raises a `WireError` subclass whose ``code`` is stable;
 the receiver answers it with `error_frame(exc)`.
 
@@ -72,7 +72,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hycoc.messages import (
+from hycoc.protocol.messages import (
     ACCEPTANCE_MODES,
     DRAFT_PLACES,
     FINISH_REASONS,

@@ -5,13 +5,13 @@ The paper screens settings on 60 held-out UltraChat prompts (UC-val, 512-token o
 settings whose LLM-judge score falls within the observed lossless-run range" (§3); "when g differs by less than the
 approximately 2% variation observed in validation", it takes the safer setting (App. D). No judge runs here, and a
 small verifier on flat distributions degrades in a way a judge would see first as repetition, so the guard is the
-text's repetition measured against exact acceptance on the same prompts and seeds (`hycoc.quality`).
+text's repetition measured against exact acceptance on the same prompts and seeds (`hycoc.bench.quality`).
 
-What runs (the bench's machinery, `hycoc.bench`): the verifier as a ``hycoc verify-server`` child process, the
+What runs (the bench's machinery, `hycoc.bench.runner`): the verifier as a ``hycoc verify-server`` child process, the
 device runtime in this process over loopback, one request per (validation prompt, ε), ε values interleaved per
 prompt; records appended to ``OUT/records.jsonl`` (``--resume`` continues); ``config`` labels are ``eps=VALUE``
 and ``exact``. Then the text metrics of every answer, the cost model (``--cost-model`` or measured here), and
-`hycoc.bench_stats.summarize` with ``exact`` as the paired baseline: per ε, MAT, g measured, g projected and every
+`hycoc.bench.stats.summarize` with ``exact`` as the paired baseline: per ε, MAT, g measured, g projected and every
 quality metric's paired difference from exact with its bootstrap CI. The selection rule is `choose_epsilon`;
 ``OUT/tune.json`` holds the sweep table, the rule's tolerances and the choice.
 
@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from hycoc.datasets import Question
+from hycoc.bench.datasets import Question
 
 #: The ε mode swept -> its exact-acceptance counterpart (Table 5), the reference of every paired difference.
 EXACT_MODE = {"hyco": "hyco-exact", "specedge-eps": "specedge"}
@@ -193,7 +193,7 @@ def choose_epsilon(rows: Sequence[SweepRow], tol: Tolerance) -> SweepRow:
 
 
 def rows_from_summary(summary: dict[str, dict[str, Any]], labels: dict[str, float]) -> list[SweepRow]:
-    """Sweep rows (ascending ε, exact last) from a `hycoc.bench_stats.summarize` summary made with ``exact`` as
+    """Sweep rows (ascending ε, exact last) from a `hycoc.bench.stats.summarize` summary made with ``exact`` as
     the baseline. labels: config label -> ε (``{"eps=0.005": 0.005, "exact": 1.0}``)."""
     rows = []
     for label, eps in sorted(labels.items(), key=lambda kv: kv[1]):
@@ -241,13 +241,13 @@ def run_tune(recipe, recipe_path: Path, plan: TunePlan, *, bundle_dir: Path, bac
 
     Raises TuneError (bad plan, nothing admissible), BenchError (server, output folder), BundleError,
     TransportError, CostModelError; KeyboardInterrupt keeps ``records.jsonl`` for ``resume``."""
-    from hycoc.bench import (Request, atomic_write, cost_model_for, make_console, open_out, read_records,
+    from hycoc.bench.runner import (Request, atomic_write, cost_model_for, make_console, open_out, read_records,
                              run_requests, score_quality)
-    from hycoc.bench_stats import summarize
+    from hycoc.bench.stats import summarize
     from hycoc.bundle import sha256_file
     from hycoc.chat import format_prompt
-    from hycoc.messages import Sampling
-    from hycoc.quality import rouge_l
+    from hycoc.protocol.messages import Sampling
+    from hycoc.bench.quality import rouge_l
     from hycoc.runtime.client import load_runtime
 
     if plan.mode not in EXACT_MODE:
