@@ -340,7 +340,7 @@ def test_each_bad_round_gets_its_error_and_the_session_alongside_keeps_going(ser
         ("frame_too_large", round_frame(0, np.full(700, 11), np.arange(-1, 699)),
          f"frame of {16 + 6 + 6 * 700} bytes: this receiver accepts at most max_frame_bytes = {MAX_FRAME}"),
         ("unknown_message_type", frame(9, b""), "message type = 9"),
-        ("unsupported_version", round_frame(0, tokens, chain, version=2), "frame speaks protocol version 2"),
+        ("unsupported_version", round_frame(0, tokens, chain, version=1), "frame speaks protocol version 1"),
         ("crc_mismatch", round_frame(0, tokens, chain, crc=1), "its header says 0x00000001"),
         ("unexpected_message", wire.encode(opened), "Opened frames go from the verifier to the device"),
         ("already_open", wire.encode(open_request(range(5), auth_token=TOKEN)), "already holds session 2"),
@@ -494,7 +494,7 @@ def test_disconnect_mid_round_frees_the_session(server, reference):
 def test_healthz(server):
     content_type, body = http_get(server.http_url + "/healthz")
     assert content_type.startswith("application/json")
-    assert json.loads(body) == {"status": "ok", "model": "tiny-gemma4", "protocol_version": 1, "sessions": 0,
+    assert json.loads(body) == {"status": "ok", "model": "tiny-gemma4", "protocol_version": 2, "sessions": 0,
                                 "tree_rows": ROWS, "max_context": MAX_CONTEXT, "vocab_size": VOCAB,
                                 "max_frame_bytes": MAX_FRAME, "auth": True,
                                 "limits": {"handshake_timeout_s": 10.0, "frame_timeout_s": 30.0,

@@ -226,18 +226,18 @@ def test_server_error_frame_keeps_its_code_and_the_session():
 
 
 def test_protocol_version_mismatch():
-    def version_2(frame):
+    def version_3(frame):
         payload = wire.encode(OPENED)[16:]
-        return struct.pack("<4sHBBII", b"HYCO", 2, 2, 0, len(payload), zlib.crc32(payload)) + payload
+        return struct.pack("<4sHBBII", b"HYCO", 3, 2, 0, len(payload), zlib.crc32(payload)) + payload
 
-    with FakeVerifier(version_2) as peer:
+    with FakeVerifier(version_3) as peer:
         with pytest.raises(ProtocolMismatch) as e:
             VerifierClient(peer.url).open(OpenRequest(prompt_ids=PROMPT))
-    assert str(e.value) == (f"the verifier at {peer.url} speaks another protocol: frame speaks protocol version 2: "
-                            "this side speaks version 1")
-    answer = lambda frame: wire.encode(ErrorReply("unsupported_version", "frame speaks protocol version 1"))  # noqa
+    assert str(e.value) == (f"the verifier at {peer.url} speaks another protocol: frame speaks protocol version 3: "
+                            "this side speaks version 2")
+    answer = lambda frame: wire.encode(ErrorReply("unsupported_version", "frame speaks protocol version 2"))  # noqa
     with FakeVerifier(answer) as peer:
-        with pytest.raises(ProtocolMismatch, match="speaks another protocol: frame speaks protocol version 1"):
+        with pytest.raises(ProtocolMismatch, match="speaks another protocol: frame speaks protocol version 2"):
             VerifierClient(peer.url).open(OpenRequest(prompt_ids=PROMPT))
 
 

@@ -261,8 +261,10 @@ def test_bad_magic():
 
 
 def test_unsupported_version_names_both():
-    data = frame(wire.MessageType.CLOSE, bytes(8), version=2)
-    fails("unsupported_version", data, None, "version 2", "version 1")
+    assert wire.PROTOCOL_VERSION == 2  # finish reasons in REPLY and APPEND (session 3)
+    for other in (1, 3):
+        data = frame(wire.MessageType.CLOSE, bytes(8), version=other)
+        fails("unsupported_version", data, None, f"version {other}", "version 2")
 
 
 @pytest.mark.parametrize("mtype", [0, 8, 255])

@@ -87,7 +87,9 @@ from hycoc.protocol.messages import (
     Sampling,
 )
 
-PROTOCOL_VERSION = 1
+#: 2: REPLY's ``finished`` byte carries the finish reason (1 stop, 2 max_new_tokens, 3 length) and APPEND (type 7)
+#: continues a finished session; a version-1 peer would misread both, so it is refused at the first frame.
+PROTOCOL_VERSION = 2
 MAGIC = b"HYCO"
 HEADER = struct.Struct("<4sHBBII")
 #: parents travel as int16: row 32767 is the last one that can be a parent, so R <= 32768 (B <= 32767).
