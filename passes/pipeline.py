@@ -234,8 +234,10 @@ class Pipeline:
                     outputs, report = self._run_one(p, artifacts, recipe, progress)
                     artifacts.update(outputs)
                     reports.append(report)
-                    progress.update(task, completed=1, total=1,
-                                    description=f"[{index}/{len(todo)}] {p.name}: {report.summary}")
+                    how = "cached" if report.cached else f"{report.seconds:.1f} s"
+                    # short: the live display's widest description sets every row's width (the summary is in the
+                    # table at the end)
+                    progress.update(task, completed=1, total=1, description=f"[{index}/{len(todo)}] {p.name}: {how}")
         else:  # a log: one line when a pass starts and one when it ends (hycoc.progress)
             for index, p in enumerate(todo, start=1):
                 plain_line(f"[{index}/{len(todo)}] {p.name}: started", self.console)
