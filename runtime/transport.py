@@ -202,7 +202,8 @@ class VerifierClient:
         except TimeoutError:
             raise ServerUnreachable(f"{where} did not answer within {self.timeout_s:g} s") from None
         except OSError as e:
-            raise ServerUnreachable(f"cannot reach {where}: {e.strerror or e}") from None
+            raise ServerUnreachable(f"cannot reach {where}: {e.strerror or e}; is a verifier running there? start "
+                                    "one with `hycoc verify-server RECIPE --port N`") from None
 
     def close(self) -> None:
         """Send CLOSE (the verifier frees the session's KV) and close the connection. Never raises."""

@@ -173,6 +173,7 @@ def test_unreachable_server():
     with pytest.raises(ServerUnreachable) as e:
         VerifierClient(f"ws://127.0.0.1:{port}", timeout_s=5).open(OpenRequest(prompt_ids=PROMPT))
     assert str(e.value).startswith(f"cannot reach the verifier at ws://127.0.0.1:{port}: ")
+    assert str(e.value).endswith("; is a verifier running there? start one with `hycoc verify-server RECIPE --port N`")
     assert "\n" not in str(e.value)
     with pytest.raises(ServerUnreachable, match="is not a WebSocket URL"):
         VerifierClient("http://127.0.0.1:1").connect()
