@@ -17,12 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
+from hycoc.bench.datasets import SPEC_BENCH
+
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipe", type=Path)
-    ap.add_argument("--dataset", type=Path, default=Path(__file__).resolve().parent / "data"
-                    / "spec_bench_question.jsonl")
+    ap.add_argument("--dataset", type=Path, default=SPEC_BENCH, help="default: %(default)s")
     ap.add_argument("--limit", type=int, default=10, help="first N questions (default %(default)s)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the recipe's")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the recipe's verifier.threads)")
