@@ -404,6 +404,76 @@ class VerifierEngine:
         self.tap.remove()
 
 
+class PrefillJob:
+    """A prefill (or an appended turn's) split into chunks of ``engine.prefill_chunk`` positions, so that a
+    scheduler can run other sessions' rounds between them (issue 14: a long prompt must not stall them).
+
+    Made by `Session.prefill_job` / `Session.append_job`. `step` runs the next chunk (the same forwards, masks and
+    positions as `prefill`'s loop); `done` says whether all ran; the last `step` commits the result to the session
+    and returns it, (prefill_ms, t). ``ms`` accumulates the chunks' milliseconds. `run` runs every chunk.
+    """
+
+    def __init__(self, engine: "VerifierEngine", cache: DynamicCache, ids: torch.Tensor, start: int, done):
+        self.engine, self.cache, self.ids, self.start = engine, cache, ids, start
+        self.next = 0                      # ids consumed so far
+        self.ms = 0.0
+        self.result: tuple[float, int] | None = None
+        self._done = done
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    @property
+    def remaining(self) -> int:
+        """Positions still to prefill."""
+        return len(self.ids) - self.next
+
+    def step(self) -> tuple[float, int] | None:
+        """Run the next chunk; returns (prefill_ms, t) after the last one (also for an empty prompt), else None."""
+        if self.result is not None:
+            return self.result
+        eng = self.engine
+        n = min(eng.prefill_chunk, len(self.ids) - self.next)
+        last = None
+        if n > 0:
+            with _Timer(eng.device) as timer:
+                last = prefill(eng.model, self.cache, eng.tap, self.ids[self.next:self.next + n], n, eng.dtype,
+                               start=self.start + self.next)
+            self.ms += timer.ms
+            self.next += n
+        if self.next == len(self.ids):
+            self.result = self._done(last, self.ms)
+        return self.result
+
+    def run(self) -> tuple[float, int]:
+        """Every remaining chunk; returns (prefill_ms, t)."""
+        while self.step() is None:
+            pass
+        return self.result
+
+
+@dataclass
+class PendingRound:
+    """A round between `Session.begin_round` and `Session.finish_round` (what the forward and the finish need).
+
+    sent_tokens, sent_parents: int64 (R,), the tree as sent (the retry record). tokens, parents: the rows to
+    verify (the rows that fit the context, renumbered; for cloud-mtp root + K-chain). kept: the sent rows kept
+    (None: all). t: cached positions before the round. rng_state: the session generator's state before it.
+    started: time.perf_counter() at `begin_round` (server_ms of a batched round counts from here).
+    """
+
+    seq: int
+    sent_tokens: np.ndarray
+    sent_parents: np.ndarray
+    tokens: np.ndarray
+    parents: np.ndarray
+    kept: np.ndarray | None
+    t: int
+    rng_state: torch.Tensor
+    started: float
+
+
 @dataclass
 class _Retry:
     seq: int
@@ -465,15 +535,24 @@ class Session:
         """
         if self.prefill_ms is not None:
             return self.prefill_ms, self.t
+        return self.prefill_job().run()
+
+    def prefill_job(self) -> "PrefillJob":
+        """The prefill of `prefill` as a `PrefillJob` a scheduler can run one chunk at a time between other
+        sessions' rounds (its chunks are exactly `prefill`'s). Raises SessionFinished if already prefilled."""
+        if self.prefill_ms is not None or self.cache is not None:
+            raise SessionFinished("this session is already prefilled (or being prefilled)")
         eng = self.engine
+        self.cache = DynamicCache()  # no config: sliding layers keep every position (see module docstring)
         ids = torch.as_tensor(self.prompt[:-1], device=eng.device)
-        cache = DynamicCache()  # no config: sliding layers keep every position (see module docstring)
-        with _Timer(eng.device) as timer:
-            last = prefill(eng.model, cache, eng.tap, ids, eng.prefill_chunk, eng.dtype)
-        self.cache, self.t = cache, len(ids)
-        self._h = None if last is None else last[0 if eng.hidden == "pre_norm" else 1]
-        self.prefill_ms = timer.ms
-        return self.prefill_ms, self.t
+
+        def done(last, ms: float) -> tuple[float, int]:
+            self.t = len(ids)
+            self._h = None if last is None else last[0 if eng.hidden == "pre_norm" else 1]
+            self.prefill_ms = ms
+            return self.prefill_ms, self.t
+
+        return PrefillJob(eng, self.cache, ids, 0, done)
 
     def append(self, turn_ids, max_new_tokens: int) -> tuple[float, int]:
         """Continue the conversation with the next turn (paper §4.1, MT-bench's second turns), keeping the KV.
@@ -487,6 +566,11 @@ class Session:
         not finished, BadRequest for an empty turn, an id outside the vocabulary or max_new_tokens < 1,
         ContextOverflow when the conversation and the turn leave no room for one output token.
         """
+        return self.append_job(turn_ids, max_new_tokens).run()
+
+    def append_job(self, turn_ids, max_new_tokens: int) -> "PrefillJob":
+        """`append` as a `PrefillJob` (every check of `append` runs here, before any state changes; the turn is
+        committed when the job's last chunk has run)."""
         turn = np.asarray(turn_ids, dtype=np.int64).reshape(-1)
         eng = self.engine
         if self.cache is None or self.prefill_ms is None:
@@ -507,15 +591,17 @@ class Session:
         start = len(self.tokens) - 1                      # the last committed token has no KV yet
         crop_cache(self.cache, start)
         ids = torch.as_tensor(np.concatenate([[self.tokens[-1]], turn[:-1]]), device=eng.device)
-        with _Timer(eng.device) as timer:
-            last = prefill(eng.model, self.cache, eng.tap, ids, eng.prefill_chunk, eng.dtype, start=start)
-        self.tokens.extend(int(x) for x in turn)
-        self.t = len(self.tokens) - 1
-        self._h = last[0 if eng.hidden == "pre_norm" else 1]
-        self.turn_start, self.max_new_tokens = len(self.tokens), int(max_new_tokens)
-        self.finished, self.finish_reason, self._last = False, None, None
-        self.turns_prefill_ms.append(timer.ms)
-        return timer.ms, self.t
+
+        def done(last, ms: float) -> tuple[float, int]:
+            self.tokens.extend(int(x) for x in turn)
+            self.t = len(self.tokens) - 1
+            self._h = last[0 if eng.hidden == "pre_norm" else 1]
+            self.turn_start, self.max_new_tokens = len(self.tokens), int(max_new_tokens)
+            self.finished, self.finish_reason, self._last = False, None, None
+            self.turns_prefill_ms.append(ms)
+            return ms, self.t
+
+        return PrefillJob(eng, self.cache, ids, start, done)
 
     def close(self) -> None:
         """Free the KV cache."""
@@ -542,6 +628,28 @@ class Session:
         the reply says ``finished`` with ``finish_reason`` "stop" / "max_new_tokens" / "length"; no hand-off or
         chain is sent. ``accepted`` records the path tokens committed after that cut.
         """
+        eng = self.engine
+        with _Timer(eng.device) as timer:
+            pending = self.begin_round(tokens, parents, seq)
+            if isinstance(pending, RoundReply):
+                return pending  # idempotent retry
+            try:
+                ids = torch.as_tensor(pending.tokens, device=eng.device)
+                rows = verify_tree(eng.model, self.cache, eng.tap, ids, pending.parents, pending.t, eng.dtype)
+                reply = self.finish_round(pending, *rows, timed=False)
+            except BaseException:
+                self.abort_round(pending)
+                raise
+        return self._stamp(reply, timer.ms)
+
+    def begin_round(self, tokens, parents, seq: int) -> "RoundReply | PendingRound":
+        """The part of `verify` before the forward (batched verification runs it per session, `hycoc.verifier.batch`).
+
+        Returns the last reply for an idempotent retry, else a `PendingRound`: the rows to verify (the rows that fit
+        the context; for ``cloud-mtp`` the root and the head's K-chain, drafted here from the session's h) and what
+        `finish_round` needs. Raises, with the session unchanged, what `verify` raises. After it the caller must
+        append the rows' KV to ``self.cache`` (a forward) and call `finish_round`, or call `abort_round`.
+        """
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         parents = np.asarray(parents, dtype=np.int64).reshape(-1)
         last = self._last
@@ -566,45 +674,63 @@ class Session:
         # Rows deeper than the room left would commit tokens past the context: they are not verified (their
         # samples echo their own tokens), and the path stays among the rows that fit (see `fitting_rows`).
         kept = fitting_rows(parents, eng.max_context - len(self.tokens))
+        pending = PendingRound(seq=seq, sent_tokens=tokens, sent_parents=parents, tokens=tokens, parents=parents,
+                               kept=None, t=self.t, rng_state=self.generator.get_state(), started=time.perf_counter())
+        if len(kept) != len(tokens):
+            pending.tokens, pending.parents, pending.kept = tokens[kept], remap_parents(parents, kept), kept
+        if self.draft_place == "cloud-mtp":
+            t = self.t
+            room = min(eng.chain_length, eng.max_context - 1 - t)
+            chain = draft_cloud_chain(eng.model, eng.head, self.cache, eng.layers, self.root, self._h, t, room,
+                                      eng.head_query_position_offset) if self._h is not None else []
+            pending.tokens = np.asarray([self.root] + chain, dtype=np.int64)
+            pending.parents = np.arange(-1, len(chain), dtype=np.int64)
+        return pending
 
-        t, rng_state = self.t, self.generator.get_state()
-        try:
-            with _Timer(eng.device) as timer:
-                if len(kept) == len(tokens):
-                    reply, commit = self._round(tokens, parents, seq)
-                else:
-                    reply, commit = self._round(tokens[kept], remap_parents(parents, kept), seq)
-                    reply = widen_reply(reply, tokens, kept)
-        except BaseException:
-            crop_cache(self.cache, t)  # compaction keeps [0, t) intact: this restores the cache exactly
-            self.generator.set_state(rng_state)
-            raise
+    def abort_round(self, pending: "PendingRound") -> None:
+        """Undo a begun round: cut the cache back to its t positions and restore the sampler (compaction keeps
+        [0, t) intact, so this restores the session exactly)."""
+        if self.cache is not None:
+            crop_cache(self.cache, pending.t)
+        self.generator.set_state(pending.rng_state)
+
+    def finish_round(self, pending: "PendingRound", logits: torch.Tensor, h_pre: torch.Tensor,
+                     h_post: torch.Tensor, *, timed: bool = True) -> RoundReply:
+        """Alg. 4 lines 5-14 after the forward, and the commit: the cache holds [0, t) then the R rows' KV.
+
+        logits: float32 (R, V); h_pre, h_post: (R, H), the final norm's input and output rows (`verify_tree`'s
+        return, or one session's slice of a batched forward). Returns the reply; with ``timed`` its server_ms is
+        the milliseconds since `begin_round` (else 0, for the caller to stamp). On an exception the caller calls
+        `abort_round`.
+        """
+        reply, commit = self._round(pending.tokens, pending.parents, pending.seq, logits, h_pre, h_post)
+        if pending.kept is not None:
+            reply = widen_reply(reply, pending.sent_tokens, pending.kept)
         new, t_prime, h, n_accepted = commit
         self.tokens.extend(new)
         self.t, self._h, self.finished, self.finish_reason = t_prime, h, reply.finished, reply.finish_reason
         self.rounds += 1
         self.accepted.append(n_accepted)
-        self.server_ms.append(timer.ms)
-        reply = replace(reply, server_ms=timer.ms)
-        self._last = _Retry(seq, tokens, parents, reply)
+        self._last = _Retry(pending.seq, pending.sent_tokens, pending.sent_parents, reply)
+        if timed:
+            return self._stamp(reply, (time.perf_counter() - pending.started) * 1e3)
         return reply
 
-    def _round(self, tokens: np.ndarray, parents: np.ndarray, seq: int):
-        """The work of one round; changes only the cache (which `verify` restores on failure).
+    def _stamp(self, reply: RoundReply, ms: float) -> RoundReply:
+        """Set the finished round's server_ms (in the reply, the retry record and ``server_ms``)."""
+        reply = replace(reply, server_ms=ms)
+        self.server_ms.append(ms)
+        self._last.reply = reply
+        return reply
+
+    def _round(self, tokens: np.ndarray, parents: np.ndarray, seq: int, logits: torch.Tensor, h_pre: torch.Tensor,
+               h_post: torch.Tensor):
+        """The work of one round after its forward (lines 5-14); changes only the cache (which `abort_round`
+        restores on failure).
 
         Returns (reply with server_ms unset, (new committed tokens, t', h of v*, |P|)).
         """
         eng, t = self.engine, self.t
-        if self.draft_place == "cloud-mtp":
-            room = min(eng.chain_length, eng.max_context - 1 - t)
-            chain = draft_cloud_chain(eng.model, eng.head, self.cache, eng.layers, self.root, self._h, t, room,
-                                      eng.head_query_position_offset) if self._h is not None else []
-            tokens = np.asarray([self.root] + chain, dtype=np.int64)
-            parents = np.arange(-1, len(chain), dtype=np.int64)
-
-        # Lines 1-3: one forward over the tree rows.
-        ids = torch.as_tensor(tokens, device=eng.device)
-        logits, h_pre, h_post = verify_tree(eng.model, self.cache, eng.tap, ids, parents, t, eng.dtype)
         h_rows = h_pre if eng.hidden == "pre_norm" else h_post
         # Line 5: p~ per row and y^_j ~ p~(.|j) from the session's generator.
         probs = sampling_probs(logits, self.sampling)
