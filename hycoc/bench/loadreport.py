@@ -1,0 +1,228 @@
+"""What a `hycoc loadtest` run measured, per (batching mode, sessions): numbers, a GPU projection, the table,
+``results.json`` and the latency-vs-sessions plot (issue 14).
+
+`summarize_run` turns one run's client samples (`hycoc.bench.loadtest.RunStats`) and the server's /metrics before
+and after it into one row:
+
+* ``tok_per_s``: output tokens committed by rounds answered within the window / the window (s);
+* ``verifier_ms_per_token``: sum of the replies' server_ms / those tokens (the verifier's own accounting per
+  round; prefill not included; under batching a reply's server_ms is whatever that server reports per round);
+* ``latency_ms``: round latency send -> reply on the client, mean and p50 / p90 / p99 / max (`percentile`);
+* ``rows_per_forward`` / ``sessions_per_forward`` / ``queue_wait_ms``: means over the run from the server's
+  histograms ``hycoc_batch_rows``, ``hycoc_batch_sessions``, ``hycoc_queue_wait_seconds`` (their ``_sum`` and
+  ``_count`` differences); None ("n/a") when the server has no such histogram (today's serial server);
+* ``errors``: code -> count (`hycoc.bench.loadtest` module docstring lists the codes), and ``rounds``.
+
+Projection (`project`), labelled as such everywhere: what the measured batching would be worth on a GPU, where a
+forward's cost hardly depends on its rows until it is compute-bound. Trees per forward = sessions per forward
+(else rows per forward / rows per tree; a server without batch histograms verifies one tree per forward). With a
+cost model (`hycoc.bench.cost_model.CostModel`, e.g. measured on a GPU by ``benchmarks/verifier_cost_model.py
+--device cuda --rows ...``) the speed-up over one tree per forward is predict(rows per tree, context) x trees per
+forward / predict(rows per forward, context); without one, the ASSUMED flat-then-linear GPU model
+cost(R) = max(1, R / GPU_FLAT_ROWS) x cost(one tree) gives trees per forward / max(1, rows per forward /
+GPU_FLAT_ROWS).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+#: Rows up to which the assumed GPU forward costs the same as a one-tree forward: the bf16 ridge point of an
+#: NVIDIA H200 (989 TFLOP/s dense bf16 / 4.8 TB/s HBM3e = 206 FLOP per byte). A bf16 weight (2 bytes) does one
+#: multiply-add (2 FLOP) per row, i.e. 1 FLOP per byte per row, so a forward stays weight-bandwidth-bound up to
+#: about 206 rows. An assumption from the datasheet, not a measurement: pass a measured cost model to replace it.
+GPU_FLAT_ROWS = 206
+
+RESULTS_SCHEMA = 1
+#: Keys of every row of results.json's ``runs`` (the test of the schema reads this).
+RUN_KEYS = ("mode", "sessions", "duration_s", "rounds", "committed_tokens", "tok_per_s", "verifier_ms_per_token",
+            "mat", "latency_ms", "open_ms_p50", "rows_per_tree", "rows_per_forward", "sessions_per_forward",
+            "queue_wait_ms", "context_mean", "errors", "errors_total", "requests_finished", "requests_truncated",
+            "server_rounds", "server_tokens", "client_cpu_pct", "loadavg", "projection")
+
+
+def percentile(values, q: float) -> float:
+    """The q-th percentile (0 <= q <= 100) of ``values`` by linear interpolation between closest ranks (numpy's
+    default ``method="linear"``, Hyndman & Fan type 7): of 1..100, p50 = 50.5, p90 = 90.1, p99 = 99.01.
+    NaN for no values."""
+    a = np.asarray(values, dtype=np.float64)
+    return float(np.percentile(a, q)) if a.size else math.nan
+
+
+def _hist_mean(before: dict, after: dict, name: str, scale: float = 1.0) -> float | None:
+    """Mean of a Prometheus histogram over a run: (sum after - sum before) / (count after - count before) x scale;
+    None when the server has no such histogram or it saw nothing."""
+    s, c = f"{name}_sum", f"{name}_count"
+    if s not in after or c not in after:
+        return None
+    n = after[c] - before.get(c, 0.0)
+    return (after[s] - before.get(s, 0.0)) / n * scale if n > 0 else None
+
+
+def summarize_run(mode: str, sessions: int, duration_s: float, stats, metrics_before: dict | None = None,
+                  metrics_after: dict | None = None, loadavg: tuple | None = None) -> dict:
+    """One row of the report (module docstring) from a run's `RunStats`; only rounds answered within
+    ``duration_s`` of the start count. Returns a dict with the keys `RUN_KEYS` (``projection`` None: see
+    `project`)."""
+    before, after = metrics_before or {}, metrics_after or {}
+    rounds = [r for r in stats.rounds if r.t_done <= duration_s]
+    tokens = sum(r.committed for r in rounds)
+    lat = [r.latency_ms for r in rounds]
+
+    def diff(name: str) -> int | None:
+        return int(after[name] - before.get(name, 0.0)) if name in after else None
+
+    return {
+        "mode": mode, "sessions": int(sessions), "duration_s": float(duration_s), "rounds": len(rounds),
+        "committed_tokens": tokens, "tok_per_s": tokens / duration_s,
+        "verifier_ms_per_token": sum(r.server_ms for r in rounds) / tokens if tokens else None,
+        "mat": tokens / len(rounds) if rounds else None,
+        "latency_ms": {"mean": float(np.mean(lat)) if lat else math.nan, "p50": percentile(lat, 50),
+                       "p90": percentile(lat, 90), "p99": percentile(lat, 99),
+                       "max": float(np.max(lat)) if lat else math.nan},
+        "open_ms_p50": percentile(stats.opens_ms, 50),
+        "rows_per_tree": float(np.mean([r.rows for r in rounds])) if rounds else None,
+        "rows_per_forward": _hist_mean(before, after, "hycoc_batch_rows"),
+        "sessions_per_forward": _hist_mean(before, after, "hycoc_batch_sessions"),
+        "queue_wait_ms": _hist_mean(before, after, "hycoc_queue_wait_seconds", 1000.0),
+        "context_mean": float(np.mean([r.context for r in rounds])) if rounds else None,
+        "errors": dict(sorted(stats.errors.items())), "errors_total": int(sum(stats.errors.values())),
+        "requests_finished": stats.requests_finished, "requests_truncated": stats.requests_truncated,
+        "server_rounds": diff("hycoc_rounds_total"), "server_tokens": diff("hycoc_tokens_committed_total"),
+        "client_cpu_pct": 100.0 * stats.client_cpu_s / stats.wall_s if stats.wall_s > 0 else None,
+        "loadavg": list(loadavg) if loadavg is not None else None,
+        "projection": None,
+    }
+
+
+def project(row: dict, cost_model=None) -> dict | None:
+    """The GPU projection of a report row (module docstring), or None when the row has no rounds.
+
+    Returns {"trees_per_forward", "rows_per_forward", "speedup", "basis"}: speedup = verifier work per committed
+    token with one tree per forward / with the measured batching, on the projected GPU; basis names the cost
+    model or the assumption. A cost model that lacks the rows gives speedup None and says which rows to
+    measure."""
+    from hycoc.bench.cost_model import CostModelError
+
+    per_tree = row.get("rows_per_tree")
+    if not per_tree:
+        return None
+    if row.get("sessions_per_forward"):
+        trees = float(row["sessions_per_forward"])
+    elif row.get("rows_per_forward"):
+        trees = float(row["rows_per_forward"]) / per_tree
+    else:
+        trees = 1.0  # no batch histograms: today's serial server, one tree per forward
+    rows = float(row["rows_per_forward"]) if row.get("rows_per_forward") else trees * per_tree
+    if cost_model is None:
+        speedup = trees / max(1.0, rows / GPU_FLAT_ROWS)
+        basis = (f"assumed GPU: a forward of up to {GPU_FLAT_ROWS} rows costs one tree's, linear beyond "
+                 "(H200 bf16 ridge point)")
+    else:
+        ctx = int(round(row.get("context_mean") or 0))
+        basis = f"cost model {cost_model.model} on {cost_model.device}"
+        try:
+            speedup = cost_model.predict(int(round(per_tree)), ctx) * trees / cost_model.predict(int(round(rows)),
+                                                                                               ctx)
+        except CostModelError as e:
+            speedup, basis = None, f"{basis}: {e}"
+    return {"trees_per_forward": trees, "rows_per_forward": rows, "speedup": speedup, "basis": basis}
+
+
+def results_document(rows: list[dict], meta: dict) -> dict:
+    """results.json's content: {"schema": RESULTS_SCHEMA, "meta": meta, "runs": rows} (rows as `summarize_run`
+    made them, projections filled). NaN becomes null so the file is strict JSON."""
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    return clean({"schema": RESULTS_SCHEMA, "meta": meta, "runs": rows})
+
+
+def write_results(path: Path, document: dict) -> Path:
+    """Write ``document`` as indented JSON to ``path`` through a temporary name and a rename. Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def write_plot(rows: list[dict], path: Path) -> Path:
+    """The PNG: round latency (p50 solid, p90 dashed, p99 dotted, ms, log scale) against sessions on the left,
+    committed tok/s against sessions on the right, one colour per batching mode. Written through a temporary name
+    and a rename. Returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig, (ax_lat, ax_tps) = plt.subplots(1, 2, figsize=(11, 4.2))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    for i, mode in enumerate(modes):
+        rs = sorted((r for r in rows if r["mode"] == mode and r["rounds"]), key=lambda r: r["sessions"])
+        if not rs:
+            continue
+        x = [r["sessions"] for r in rs]
+        colour = f"C{i}"
+        for q, style in (("p50", "-"), ("p90", "--"), ("p99", ":")):
+            ax_lat.plot(x, [r["latency_ms"][q] for r in rs], style, marker="o", color=colour, label=f"{mode} {q}")
+        ax_tps.plot(x, [r["tok_per_s"] for r in rs], "-", marker="o", color=colour, label=mode)
+    for ax in (ax_lat, ax_tps):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent sessions")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_lat.set_yscale("log")
+    ax_lat.set_ylabel("round latency, send -> reply (ms)")
+    ax_lat.set_title("round latency vs sessions")
+    ax_tps.set_ylabel("committed tokens / s (all sessions)")
+    ax_tps.set_title("throughput vs sessions")
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def _num(x, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "n/a"
+    return f"{x:,.{digits}f}"
+
+
+def render_table(rows: list[dict], console, title: str) -> None:
+    """The summary table (rich): per (mode, sessions) the measured columns, then the projection's two, headed as
+    a projection."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("mode", "sessions", "rounds", "tok/s", "verifier ms/tok", "p50 ms", "p90 ms", "p99 ms", "rows/fwd",
+                "errors", "proj.: trees/fwd", "proj.: GPU speed-up"):
+        table.add_column(col, justify="left" if col in ("mode", "errors") else "right")
+    for r in rows:
+        lat, p = r["latency_ms"], r.get("projection") or {}
+        errors = ", ".join(f"{k} {v}" for k, v in r["errors"].items()) or "0"
+        speedup = p.get("speedup")
+        table.add_row(r["mode"], str(r["sessions"]), f"{r['rounds']:,}", _num(r["tok_per_s"]),
+                      _num(r["verifier_ms_per_token"], 2), _num(lat["p50"]), _num(lat["p90"]), _num(lat["p99"]),
+                      _num(r["rows_per_forward"]), errors, _num(p.get("trees_per_forward"), 2),
+                      "n/a" if speedup is None else f"{speedup:.2f}x")
+    console.print(table)
+
+
+__all__ = ["GPU_FLAT_ROWS", "RESULTS_SCHEMA", "RUN_KEYS", "percentile", "project", "render_table",
+           "results_document", "summarize_run", "write_plot", "write_results"]

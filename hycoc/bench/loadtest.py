@@ -1,0 +1,451 @@
+"""`hycoc loadtest`: many simulated devices against one verifier, and what the verifier delivers (issue 14).
+
+Each simulated device replays recorded rounds (`hycoc.bench.loadtrace`): it opens a session with a recorded
+prompt, then per round waits the recorded device time (the phone drafting; or a fixed ``device_ms``), sends the
+recorded tree with its root replaced by the session's actual root (`patch_root`), and waits for the reply; it
+loops over its config's recorded prompts until the run's duration is over. All devices are asyncio tasks of ONE
+process (`run_sessions`), speaking the wire protocol (`hycoc.protocol.wire`, `hycoc.protocol.messages`) over the
+websockets asyncio client exactly as the device's `hycoc.runtime.transport.VerifierClient` does over the sync one
+(compression off, one session per connection, replies decoded against `wire.Limits.from_opened`). A round costs the
+client one frame encode and one decode (about 0.1 ms), so the client's share of the CPU stays small (reported).
+
+Per round the client records (`RoundSample`): latency = send -> reply, client side, ms; the reply's server_ms; the
+tokens it committed (path + bonus, cut by `commit_cut` as the device does); its rows and context. Every failure
+is counted by code (`RunStats.errors`): the ERROR frame's wire code (``bad_root``, ``too_many_sessions``, ...),
+``invalid_reply:CODE`` for a reply that fails validation here, ``bad_trace:CODE`` for a recorded tree the
+wire refuses to encode, ``connection_dropped``, ``timeout``, ``unreachable``. A session that got an error ends
+(the next device request starts a new one); a refused OPEN waits ``REFUSED_BACKOFF_S`` before the device tries
+again.
+
+Timing of a run: all devices start at once, or with ``rate`` their arrivals form a Poisson process of ``rate``
+devices per second (seeded, `arrival_delays`); no round starts after ``duration_s``; a round in flight then
+completes but only rounds answered within the window count (`hycoc.bench.loadreport.summarize_run`).
+
+The server side: `ServerProcess` starts ``hycoc verify-server RECIPE --port 0`` in its own process (so client and
+server never share a GIL), passes ``--batching MODE`` when that server has the option
+(`server_batching_support`), and waits for its ``/healthz``; `scrape_metrics` reads ``/metrics`` before and after
+each run so the report can take rows per forward from the server's histograms where it has them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from hycoc.bench.loadtrace import RequestTrace, patch_root
+from hycoc.protocol import wire
+from hycoc.protocol.messages import Close, DraftTree, ErrorReply, Opened, commit_cut
+
+#: Seconds a device waits after an OPEN refused for capacity (too_many_sessions, kv_budget_exhausted) before its
+#: next request: the server's retry hint is 5 s by default, but a load test wants the pressure to stay on.
+REFUSED_BACKOFF_S = 0.5
+#: Seconds to wait for any one answer (an OPEN's prefill included) before counting ``timeout``.
+ANSWER_TIMEOUT_S = 120.0
+#: Server codes that refuse an OPEN for capacity (the device tries again after REFUSED_BACKOFF_S).
+CAPACITY_CODES = ("too_many_sessions", "kv_budget_exhausted")
+
+
+class LoadTestError(RuntimeError):
+    """The load test cannot start or go on (the server did not start, a mode it does not have, ...). The message
+    says what to do."""
+
+
+# ---- what the client measures --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoundSample:
+    """One answered round. t_done: seconds from the run's start to the reply; latency_ms: send -> reply (client
+    side); server_ms: the reply's; committed: tokens committed (path + bonus after the cut); rows: tree rows sent;
+    context: the root's position (tokens already in the verifier's KV)."""
+
+    t_done: float
+    latency_ms: float
+    server_ms: float
+    committed: int
+    rows: int
+    context: int
+
+
+@dataclass
+class RunStats:
+    """Everything one run measured on the client (`run_sessions`). rounds: `RoundSample` per answered round;
+    opens_ms: OPEN -> OPENED per opened session (prefill included), ms; errors: code -> count; requests_finished /
+    requests_truncated: sessions that ended with a finished reply / ran out of recorded rounds first;
+    client_cpu_s: this process's CPU seconds during the run (time.process_time); wall_s: the run's wall seconds."""
+
+    rounds: list[RoundSample] = field(default_factory=list)
+    opens_ms: list[float] = field(default_factory=list)
+    errors: Counter = field(default_factory=Counter)
+    requests_finished: int = 0
+    requests_truncated: int = 0
+    client_cpu_s: float = 0.0
+    wall_s: float = 0.0
+
+
+def arrival_delays(sessions: int, rate: float | None, seed: int = 0) -> np.ndarray:
+    """Start delays in seconds, float64 (sessions,): all zeros without ``rate``; else a Poisson process of ``rate``
+    arrivals per second (exponential gaps, numpy's default_rng(seed)), the first device at 0. Raises ValueError
+    for rate <= 0."""
+    if rate is None:
+        return np.zeros(sessions)
+    if not rate > 0:
+        raise ValueError(f"rate = {rate}: session arrivals per second must be > 0")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, sessions)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+# ---- one simulated device ------------------------------------------------------------------------------------
+
+
+def committed_tokens(tokens: np.ndarray, reply, stop_ids, new_room: int, context_room: int,
+                     cloud_mtp: bool) -> tuple[list[int], str | None]:
+    """What the device commits from ``reply`` to the tree ``tokens`` (runtime/client.py `_verified`): the accepted
+    path's tokens and the bonus (cloud-mtp: the first |P| + 1 samples), cut by `commit_cut` after a stop id and at
+    the rooms left (new tokens, context). Returns (tokens, finish reason or None)."""
+    if cloud_mtp:
+        new = [int(x) for x in reply.samples[:len(reply.path_rows) + 1]]
+    else:
+        new = [int(tokens[j]) for j in reply.path_rows] + [int(reply.bonus)]
+    return commit_cut(new, set(stop_ids), new_room, context_room)
+
+
+async def replay_request(url: str, req: RequestTrace, stop_ids, stats: RunStats, t0: float, deadline: float, *,
+                         device_ms: float | None = None, max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES) -> None:
+    """One simulated device request on its own connection (module docstring): OPEN, rounds until the reply says
+    finished, the recording runs out or ``deadline`` (loop time, s) has passed, then CLOSE. Results go to
+    ``stats`` (times relative to ``t0``, loop time). Never raises for a server or network failure: it is counted."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed, InvalidHandshake
+
+    loop = asyncio.get_running_loop()
+    limits = wire.Limits(max_frame_bytes=max_frame_bytes)
+    try:
+        async with connect(url, compression=None, max_size=2 * max_frame_bytes, proxy=None,
+                           open_timeout=ANSWER_TIMEOUT_S, ping_interval=None) as ws:
+            async def ask(frame: bytes):
+                await ws.send(frame)
+                return wire.decode(await asyncio.wait_for(ws.recv(), ANSWER_TIMEOUT_S), limits)
+
+            sent = loop.time()
+            opened = await ask(wire.encode(req.open_request()))
+            if isinstance(opened, ErrorReply):
+                stats.errors[opened.code] += 1
+                if opened.code in CAPACITY_CODES:
+                    await asyncio.sleep(REFUSED_BACKOFF_S)
+                return
+            if not isinstance(opened, Opened):
+                stats.errors["unexpected_message"] += 1
+                return
+            stats.opens_ms.append(1000.0 * (loop.time() - sent))
+            limits = wire.Limits.from_opened(opened, max_frame_bytes)
+            cloud_mtp = req.draft_place == "cloud-mtp"
+            if cloud_mtp:  # root-only trees; the verifier's own chain makes its replies 1 + K rows
+                limits = replace(limits, tree_rows=None)
+            root, produced, prompt_len = req.prompt[-1], 0, len(req.prompt)
+            for seq, rt in enumerate(req.rounds):
+                wait = rt.device_ms / 1000.0 if device_ms is None else device_ms / 1000.0
+                if loop.time() + wait >= deadline:
+                    break
+                await asyncio.sleep(wait)
+                tokens = patch_root(rt.tokens, root)
+                try:
+                    frame = wire.encode(DraftTree(seq, tokens, np.asarray(rt.parents, np.int32)))
+                except wire.WireError as e:   # a tree the wire itself refuses: the trace is bad, not the server
+                    stats.errors[f"bad_trace:{e.code}"] += 1
+                    break
+                sent = loop.time()
+                reply = await ask(frame)
+                done = loop.time()
+                if isinstance(reply, ErrorReply):
+                    stats.errors[reply.code] += 1
+                    break
+                new, reason = committed_tokens(tokens, reply, stop_ids, req.max_new_tokens - produced,
+                                               opened.max_context - prompt_len - produced, cloud_mtp)
+                stats.rounds.append(RoundSample(done - t0, 1000.0 * (done - sent), float(reply.server_ms), len(new),
+                                                len(tokens), prompt_len - 1 + produced))
+                produced += len(new)
+                if reply.finished or reason is not None:
+                    stats.requests_finished += 1
+                    break
+                root = new[-1]
+            else:
+                stats.requests_truncated += 1
+            await ws.send(wire.encode(Close(opened.session_id)))
+    except wire.WireError as e:
+        stats.errors[f"invalid_reply:{e.code}"] += 1
+    except (asyncio.TimeoutError, TimeoutError):
+        stats.errors["timeout"] += 1
+    except ConnectionClosed:
+        stats.errors["connection_dropped"] += 1
+    except (OSError, InvalidHandshake):
+        stats.errors["unreachable"] += 1
+        await asyncio.sleep(REFUSED_BACKOFF_S)
+
+
+async def _device(index: int, url: str, requests: list[RequestTrace], stop_ids, stats: RunStats, t0: float,
+                  deadline: float, start_delay: float, device_ms: float | None) -> None:
+    """One simulated device: after ``start_delay`` s, its config's recorded requests in turn (device ``index``
+    starts at request ``index``, so devices of one config do not all replay the same prompt) until the deadline."""
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(start_delay)
+    k = index
+    while loop.time() < deadline:
+        await replay_request(url, requests[k % len(requests)], stop_ids, stats, t0, deadline, device_ms=device_ms)
+        k += 1
+
+
+async def _ticker(t0: float, deadline: float, stats: RunStats, tick: Callable[[RunStats], None] | None) -> None:
+    while tick is not None and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(1.0)
+        tick(stats)
+
+
+def run_sessions(url: str, per_device: list[list[RequestTrace]], stop_ids, duration_s: float, *,
+                 rate: float | None = None, device_ms: float | None = None, seed: int = 0,
+                 tick: Callable[[RunStats], None] | None = None) -> RunStats:
+    """Run ``len(per_device)`` simulated devices against the verifier at ``url`` for ``duration_s`` seconds
+    (module docstring) and return what they measured.
+
+    per_device: for each device, the recorded requests it loops over (its config's). stop_ids: the trace's stop
+    ids. rate: device arrivals per second (None: all at once). device_ms: fixed device time per round instead of
+    the recorded one, ms. tick: called about once a second with the stats so far (progress). Raises ValueError
+    for an empty device list or request list, or duration_s <= 0."""
+    if not per_device or any(not reqs for reqs in per_device):
+        raise ValueError("per_device: every simulated device needs at least one recorded request")
+    if not duration_s > 0:
+        raise ValueError(f"duration_s = {duration_s}: must be > 0 seconds")
+    delays = arrival_delays(len(per_device), rate, seed)
+    stats = RunStats()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        deadline = t0 + duration_s
+        ticker = asyncio.create_task(_ticker(t0, deadline, stats, tick))
+        await asyncio.gather(*(_device(i, url, reqs, stop_ids, stats, t0, deadline, float(delays[i]), device_ms)
+                               for i, reqs in enumerate(per_device)))
+        ticker.cancel()
+
+    cpu, wall = time.process_time(), time.perf_counter()
+    asyncio.run(main())
+    stats.client_cpu_s, stats.wall_s = time.process_time() - cpu, time.perf_counter() - wall
+    return stats
+
+
+# ---- the server ----------------------------------------------------------------------------------------------
+
+
+def server_batching_support() -> bool:
+    """Whether this hycoc's ``verify-server`` has ``--batching`` (cross-session batched verification, issue 14):
+    its ``--help`` names the option."""
+    out = subprocess.run([sys.executable, "-m", "hycoc.cli", "verify-server", "--help"], capture_output=True,
+                         text=True, env=dict(os.environ, COLUMNS="200"), timeout=120)
+    return "--batching" in out.stdout
+
+
+class ServerProcess:
+    """``hycoc verify-server RECIPE --host 127.0.0.1 --port 0 [--batching MODE] [--keep-set F]`` in a child
+    process, ready once it printed its URL and ``GET /healthz`` answered status ok. ``url``: ``ws://HOST:PORT``.
+
+    batching: passed as ``--batching`` when not None (the caller checks `server_batching_support`). Raises
+    LoadTestError with the server's stderr when it exits or is not healthy within ``timeout_s``."""
+
+    def __init__(self, recipe_path: Path, *, batching: str | None = None, keep_set: Path | None = None,
+                 timeout_s: float = 300.0):
+        cmd = [sys.executable, "-m", "hycoc.cli", "verify-server", str(recipe_path), "--host", "127.0.0.1",
+               "--port", "0"]
+        if batching is not None:
+            cmd += ["--batching", batching]
+        if keep_set is not None:
+            cmd += ["--keep-set", str(keep_set)]
+        self._err = tempfile.TemporaryFile(mode="w+")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._err, text=True, env=env)
+        self.url: str | None = None
+        deadline = time.monotonic() + timeout_s
+        while self.url is None:
+            line = self.proc.stdout.readline()
+            if not line:
+                self.stop()
+                raise LoadTestError(f"the verifier server exited before listening: {self.stderr_tail()}")
+            if "listening on " in line:
+                self.url = line.split("listening on ", 1)[1].split()[0]
+            if time.monotonic() > deadline:
+                self.stop()
+                raise LoadTestError(f"the verifier server did not listen within {timeout_s:g} s")
+        while True:
+            try:
+                if healthz(self.url).get("status") == "ok":
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.stop()
+                raise LoadTestError(f"the verifier at {self.url} did not answer /healthz: {self.stderr_tail()}")
+            time.sleep(0.2)
+
+    def stderr_tail(self, lines: int = 5) -> str:
+        self._err.seek(0)
+        return " | ".join(self._err.read().strip().splitlines()[-lines:]) or "(no output)"
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 20 s."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _http(url: str) -> str:
+    return "http" + url.removeprefix("ws")
+
+
+def healthz(url: str, timeout_s: float = 5.0) -> dict:
+    """The server's ``GET /healthz`` JSON (url: ``ws://HOST:PORT``). Raises OSError when it does not answer."""
+    with urllib.request.urlopen(_http(url) + "/healthz", timeout=timeout_s) as r:
+        return json.loads(r.read().decode("utf-8"))
+
+
+def scrape_metrics(url: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """The unlabelled samples of the server's ``GET /metrics`` (Prometheus text format 0.0.4): name -> value, e.g.
+    ``hycoc_rounds_total``, ``hycoc_batch_rows_sum``, ``hycoc_batch_rows_count``. Labelled samples
+    (``name{...}``) are left out. Returns {} when the server does not answer."""
+    try:
+        with urllib.request.urlopen(_http(url) + "/metrics", timeout=timeout_s) as r:
+            text = r.read().decode("utf-8")
+    except OSError:
+        return {}
+    return parse_metrics(text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Unlabelled samples of a Prometheus text exposition: name -> float (NaN for ``NaN``). Comments, blank lines
+    and labelled samples are skipped."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#") or "{" in line:
+            continue
+        parts = line.split()
+        if len(parts) >= 2:
+            try:
+                out[parts[0]] = float(parts[1])
+            except ValueError:
+                continue
+    return out
+
+
+# ---- the whole load test --------------------------------------------------------------------------------------
+
+
+def devices_for(trace, configs: list[str], sessions: int) -> list[list[RequestTrace]]:
+    """The recorded requests of each of ``sessions`` devices: device i replays config configs[i % len(configs)]
+    (mixed configs share the server, as phones would). Raises TraceError for a config the trace lacks."""
+    by_config = {c: trace.for_config(c) for c in configs}
+    return [by_config[configs[i % len(configs)]] for i in range(sessions)]
+
+
+def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: float, modes: list[str], out: Path, *,
+                 recipe_path: Path | None = None, keep_set: Path | None = None, server_url: str | None = None,
+                 rate: float | None = None, device_ms: float | None = None, cost_model=None, console=None,
+                 meta: dict | None = None, warmup_s: float = 2.0) -> dict:
+    """Every (batching mode, sessions) run, then the report: the table, ``OUT/results.json`` and
+    ``OUT/latency_vs_sessions.png`` (`hycoc.bench.loadreport`). Returns the results document.
+
+    Without ``server_url`` each mode gets its own `ServerProcess` of ``recipe_path`` (``--batching MODE`` when that
+    server has the option; "serial" on a server without it is today's behaviour and runs without the flag); with
+    it, the one server there is used and ``modes`` must be one label for it. Each server first serves one device
+    for ``warmup_s`` seconds, not measured. Raises LoadTestError (server, mode), TraceError (config)."""
+    from hycoc import progress
+    from hycoc.bench.loadreport import project, render_table, results_document, summarize_run, write_plot, \
+        write_results
+
+    if console is None:
+        from hycoc.bench.runner import make_console
+        console = make_console()
+    if server_url is not None and len(modes) != 1:
+        raise LoadTestError(f"--batching {','.join(modes)} with --server: a running server has one mode; give one "
+                            "label for it, or leave --server out so each mode gets its own server")
+    pass_flag = False
+    if server_url is None and recipe_path is not None:
+        pass_flag = server_batching_support()
+        if not pass_flag and any(m != "serial" for m in modes):
+            raise LoadTestError(f"--batching {','.join(modes)}: this hycoc verify-server has no --batching option "
+                                "(it verifies one session at a time); use --batching serial")
+    rows = []
+    for mode in modes:
+        server = None
+        if server_url is None:
+            console.print(f"loadtest: starting hycoc verify-server {recipe_path}"
+                          + (f" --batching {mode}" if pass_flag else " (serial)"))
+            server = ServerProcess(recipe_path, batching=mode if pass_flag else None, keep_set=keep_set)
+        url = server_url or server.url
+        try:
+            if warmup_s > 0:
+                run_sessions(url, devices_for(trace, configs, 1), trace.stop_ids, warmup_s, device_ms=device_ms)
+            for n in sessions:
+                before, load = scrape_metrics(url), os.getloadavg()
+                with progress.step(f"{mode}: {n} sessions", total=int(math.ceil(duration_s))) as s:
+                    def tick(st: RunStats) -> None:
+                        s.advance(note=f"{len(st.rounds):,} rounds, {sum(st.errors.values())} errors")
+                    stats = run_sessions(url, devices_for(trace, configs, n), trace.stop_ids, duration_s, rate=rate,
+                                         device_ms=device_ms, tick=tick)
+                after = scrape_metrics(url)
+                load = tuple(round(x, 2) for x in load + os.getloadavg())
+                row = summarize_run(mode, n, duration_s, stats, before, after, load)
+                row["projection"] = project(row, cost_model)
+                rows.append(row)
+                lat = row["latency_ms"]
+                console.print(f"  {mode} {n:>3} sessions: {row['tok_per_s']:.1f} tok/s, p50 {lat['p50']:.0f} ms, "
+                              f"p90 {lat['p90']:.0f} ms, {row['errors_total']} errors, client CPU "
+                              f"{row['client_cpu_pct'] or 0:.0f}% of a core, load {load[0]:.1f} -> {load[3]:.1f}")
+        finally:
+            if server is not None:
+                server.stop()
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(meta or {}, configs=list(configs), sessions=list(sessions), duration_s=duration_s, modes=list(modes),
+                rate=rate, device_ms=device_ms, server=server_url or "own verify-server process per mode",
+                machine=f"{os.cpu_count()} CPUs", date=time.strftime("%Y-%m-%d %H:%M:%S"),
+                projection="labelled projection, not a measurement: see hycoc/bench/loadreport.py")
+    doc = results_document(rows, meta)
+    results = write_results(out / "results.json", doc)
+    plot = write_plot(rows, out / "latency_vs_sessions.png")
+    render_table(rows, console, title=f"hycoc loadtest: {', '.join(configs)}, {duration_s:g} s per run"
+                 + (f", {rate:g} arrivals/s" if rate else ""))
+    basis = next((r["projection"]["basis"] for r in rows if r.get("projection")), None)
+    console.print("tok/s: tokens committed by rounds answered in the window / window; verifier ms/tok: the replies' "
+                  "server_ms per committed token (prefill excluded); p50/p90/p99: round latency send -> reply on "
+                  "the client; rows/fwd: the server's hycoc_batch_rows histogram (n/a: the server has none).")
+    if basis:
+        console.print(f"proj. (a projection, not a measurement): trees verified per forward and the verifier work "
+                      f"per token it saves against one tree per forward, {basis}.")
+    console.print(f"wrote {results}, {plot}")
+    return doc
+
+
+__all__ = ["ANSWER_TIMEOUT_S", "CAPACITY_CODES", "LoadTestError", "REFUSED_BACKOFF_S", "RoundSample", "RunStats",
+           "ServerProcess", "arrival_delays", "committed_tokens", "devices_for", "healthz", "parse_metrics", "replay_request",
+           "run_loadtest", "run_sessions", "scrape_metrics", "server_batching_support"]

@@ -1,0 +1,218 @@
+"""`hycoc loadtest` (issue 14, "A load test"): recorded rounds replayed by many asyncio devices against a tiny
+verifier served in-process (`ServerThread`), the statistics on known inputs, the projection, results.json.
+
+The recording is made here the way `record_trace` makes it, with the device's `VerifierClient` wrapped in a
+`RecordingClient`, but the trees come from a fixed filler instead of the drafters (no bundle needed). Replayed on a
+second server with the same weights, a session must commit exactly what the recording committed, round by round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hycoc.bench.cost_model import CostModel, CostPoint
+from hycoc.bench.loadreport import GPU_FLAT_ROWS, RUN_KEYS, percentile, project, results_document, summarize_run, \
+    write_results
+from hycoc.bench.loadtest import RoundSample, RunStats, arrival_delays, committed_tokens, parse_metrics, \
+    replay_request, run_loadtest, run_sessions
+from hycoc.bench.loadtrace import RecordingClient, RequestTrace, RoundTrace, Trace, TraceError, load_trace, \
+    patch_root, request_trace, save_trace, trace_key
+from hycoc.protocol import wire
+from hycoc.protocol.messages import DraftTree, OpenRequest, Sampling
+from hycoc.runtime.transport import VerifierClient
+from hycoc.verifier import VerifierEngine
+from hycoc.verifier.server import ServerThread
+from tiny_models import VOCAB, tiny_head, tiny_verifier
+
+torch.set_num_threads(1)
+ROWS = 7
+PARENTS = np.array([-1, 0, 0, 1, 1, 2, 3], np.int32)
+MAX_NEW = 10
+
+
+def make_engine() -> VerifierEngine:
+    model = tiny_verifier(sharpen=3.0)
+    return VerifierEngine(model, head=tiny_head(model), head_window=6, handoff_scales=(0.1, 0.1, 0.05, 0.05, 0.05, 0.05),
+                          eos_token_ids=set(), max_context=128)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = make_engine()
+    yield eng
+    eng.close()
+
+
+def serve(engine):
+    return ServerThread(engine, tree_rows=ROWS)
+
+
+@pytest.fixture(scope="module")
+def recorded(engine):
+    """Two requests recorded through a RecordingClient (fixed filler trees, rooted at the real root), each with the
+    tokens it committed per round."""
+    rng = np.random.default_rng(0)
+    out = []
+    with serve(engine) as srv:
+        for i in range(2):
+            fill = rng.integers(3, VOCAB, ROWS - 1).astype(np.int32)
+            req = OpenRequest(prompt_ids=np.arange(20 + i, 32 + i, dtype=np.int32), sampling=Sampling(1.0, 64, 0.95),
+                              seed=7 + i, acceptance="exact", epsilon=1.0, max_new_tokens=MAX_NEW)
+            client = RecordingClient(VerifierClient(srv.url))
+            opened = client.open(req)
+            root, produced, per_round, reason = int(req.prompt_ids[-1]), 0, [], None
+            while reason is None:
+                tokens = np.concatenate([[root], fill]).astype(np.int32)
+                reply = client.round(DraftTree(len(per_round), tokens, PARENTS))
+                new, reason = committed_tokens(tokens, reply, (), MAX_NEW - produced,
+                                               opened.max_context - len(req.prompt_ids) - produced, False)
+                reason = reason or reply.finish_reason
+                per_round.append(len(new))
+                produced += len(new)
+                root = new[-1]
+            client.close()
+            out.append((request_trace("hyco", 81 + i, req, client.rounds, produced, reason), per_round))
+    return out
+
+
+def test_trace_round_trip_and_bad_files(tmp_path, recorded):
+    trace = Trace(key=trace_key("r" * 64, "b" * 64, ["hyco"], [81, 82], MAX_NEW), stop_ids=(1, 6),
+                  requests=tuple(r for r, _ in recorded), meta={"recipe": "tiny"})
+    path = save_trace(trace, tmp_path / "t" / "trace.json")
+    assert load_trace(path) == trace
+    assert [p.name for p in path.parent.iterdir()] == ["trace.json"]   # no temporary file left
+    assert len(trace.key) == 16 and trace.key != trace_key("r" * 64, "b" * 64, ["hyco"], [81, 82], MAX_NEW + 1)
+    first = trace.requests[0]
+    assert first.rounds[0].tokens[0] == first.prompt[-1] and first.rounds[0].parents == tuple(PARENTS)
+    assert all(r.device_ms >= 0 for r in first.rounds) and first.committed == MAX_NEW
+    with pytest.raises(TraceError, match="has no requests of config 'specedge'"):
+        trace.for_config("specedge")
+    data = json.loads(path.read_text())
+    data["requests"][0]["rounds"][1]["parents"] = [0] * ROWS
+    path.write_text(json.dumps(data))
+    with pytest.raises(TraceError, match=r"requests\[0\]\.rounds\[1\]: .*parents\[0\] = -1"):
+        load_trace(path)
+    path.write_text(json.dumps({**data, "schema": 99}))
+    with pytest.raises(TraceError, match="schema 99, this hycoc reads 1; delete it to re-record"):
+        load_trace(path)
+
+
+def test_patch_root_keeps_the_tree_valid():
+    tokens = np.array([5, 9, 11, 12, 13, 14, 15], np.int32)
+    patched = patch_root(tokens, 250)
+    assert patched.tolist() == [250, 9, 11, 12, 13, 14, 15] and tokens[0] == 5   # a copy
+    limits = wire.Limits(vocab_size=VOCAB, tree_rows=ROWS)
+    back = wire.decode(wire.encode(DraftTree(3, patched, PARENTS)), limits)
+    assert back.tokens.tolist() == patched.tolist() and back.parents.tolist() == PARENTS.tolist()
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        patch_root([], 1)
+
+
+def test_replay_commits_what_the_recording_committed(engine, recorded):
+    """Same weights, same seed, same trees (root patched to the replay's own root): the same tokens per round."""
+    for req, per_round in recorded:
+        stats = RunStats()
+        with serve(engine) as srv:
+            async def go():
+                t0 = asyncio.get_running_loop().time()
+                await replay_request(srv.url, req, (), stats, t0, t0 + 60, device_ms=0.0)
+            asyncio.run(go())
+        assert [r.committed for r in stats.rounds] == per_round
+        assert (stats.requests_finished, stats.requests_truncated, dict(stats.errors)) == (1, 0, {})
+        assert [r.rows for r in stats.rounds] == [ROWS] * len(per_round)
+        assert [r.context for r in stats.rounds] == list(len(req.prompt) - 1 + np.cumsum([0] + per_round[:-1]))
+
+
+def test_short_load_test_commits_tokens_without_errors(engine, recorded):
+    reqs = [r for r, _ in recorded]
+    with serve(engine) as srv:
+        stats = run_sessions(srv.url, [reqs] * 3, (), 2.0, device_ms=5.0)
+        committed = sum(r.committed for r in stats.rounds)
+        assert committed > 0 and dict(stats.errors) == {}
+        assert committed == srv.server.metrics.tokens_committed   # the server counted every token the client did
+        assert len(stats.rounds) == srv.server.metrics.rounds
+        assert stats.requests_finished >= 3 and len(stats.opens_ms) >= 3
+
+
+def test_server_error_codes_are_counted(engine, recorded):
+    req = recorded[0][0]
+    bad = RoundTrace(tokens=(0, VOCAB + 5, 3, 3, 3, 3, 3), parents=tuple(PARENTS), device_ms=0.0)
+    broken = RequestTrace(**{**req.__dict__, "rounds": (bad,)})
+    with serve(engine) as srv:
+        stats = run_sessions(srv.url, [[broken]], (), 1.0, device_ms=0.0)
+        assert set(stats.errors) == {"token_out_of_vocab"} and stats.errors["token_out_of_vocab"] >= 1
+        assert stats.rounds == [] and srv.server.metrics.errors["token_out_of_vocab"] == stats.errors[
+            "token_out_of_vocab"]
+
+
+def test_percentiles_and_arrivals():
+    values = list(range(1, 101))
+    assert (percentile(values, 50), percentile(values, 90), percentile(values, 99)) == pytest.approx(
+        (50.5, 90.1, 99.01), abs=1e-12)
+    assert percentile([7.0], 99) == 7.0 and math.isnan(percentile([], 50))
+    assert arrival_delays(3, None).tolist() == [0.0, 0.0, 0.0]
+    d = arrival_delays(2000, 50.0, seed=1)
+    assert d[0] == 0.0 and np.all(np.diff(d) >= 0) and np.mean(np.diff(d)) == pytest.approx(1 / 50, rel=0.05)
+
+
+def test_summary_counts_the_window_and_the_server_histograms():
+    stats = RunStats(rounds=[RoundSample(0.5, 10.0, 4.0, 3, 33, 100), RoundSample(1.0, 20.0, 6.0, 5, 33, 104),
+                             RoundSample(1.9, 30.0, 8.0, 2, 33, 110), RoundSample(2.1, 99.0, 9.0, 7, 33, 112)],
+                     opens_ms=[50.0, 70.0], errors=Counter({"bad_root": 2}), requests_finished=1, client_cpu_s=0.5,
+                     wall_s=2.5)
+    before = parse_metrics("# HELP x\nhycoc_batch_rows_sum 100\nhycoc_batch_rows_count 4\nhycoc_rounds_total 9\n"
+                           'hycoc_errors_total{kind="bad_root"} 1\n')
+    after = parse_metrics("hycoc_batch_rows_sum 298\nhycoc_batch_rows_count 7\nhycoc_rounds_total 13\n"
+                          "hycoc_batch_sessions_sum 6\nhycoc_batch_sessions_count 3\n")
+    row = summarize_run("batched", 4, 2.0, stats, before, after, (1.0, 1.0, 1.0))
+    assert set(row) == set(RUN_KEYS)
+    assert (row["rounds"], row["committed_tokens"], row["tok_per_s"]) == (3, 10, 5.0)   # 2.1 s is past the window
+    assert row["verifier_ms_per_token"] == pytest.approx(18.0 / 10) and row["mat"] == pytest.approx(10 / 3)
+    assert row["latency_ms"]["p50"] == 20.0 and row["latency_ms"]["max"] == 30.0
+    assert row["rows_per_forward"] == pytest.approx(198 / 3) and row["sessions_per_forward"] == 2.0
+    assert row["queue_wait_ms"] is None and row["server_rounds"] == 4 and row["server_tokens"] is None
+    assert (row["errors"], row["errors_total"], row["client_cpu_pct"]) == ({"bad_root": 2}, 2, 20.0)
+    assert row["open_ms_p50"] == 60.0 and row["context_mean"] == pytest.approx(314 / 3)
+
+
+def test_projection_flat_gpu_and_cost_model():
+    serial = {"rows_per_tree": 33.0, "rows_per_forward": None, "sessions_per_forward": None, "context_mean": 100}
+    assert project(serial)["trees_per_forward"] == 1.0 and project(serial)["speedup"] == 1.0
+    batched = dict(serial, rows_per_forward=528.0, sessions_per_forward=16.0)
+    p = project(batched)
+    assert p["speedup"] == pytest.approx(16 / (528 / GPU_FLAT_ROWS)) and "assumed GPU" in p["basis"]
+    assert project(dict(serial, rows_per_forward=132.0))["speedup"] == pytest.approx(4.0)   # under the flat rows
+    cost = CostModel(device="gpu", dtype="bfloat16", model="m", points=[
+        CostPoint(rows=r, context=c, ms=ms) for r, c, ms in ((33, 0, 10.0), (33, 200, 12.0), (528, 0, 20.0),
+                                                             (528, 200, 30.0))])
+    assert project(batched, cost)["speedup"] == pytest.approx(11.0 * 16 / 25.0)   # context 100: 11 ms vs 25 ms
+    gone = project(dict(batched, rows_per_forward=1056.0, sessions_per_forward=32.0), cost)
+    assert gone["speedup"] is None and "rows = 1056 is outside" in gone["basis"]
+    assert project({"rows_per_tree": None}) is None
+
+
+def test_run_loadtest_writes_results_and_plot(tmp_path, engine, recorded):
+    trace = Trace(key="k", stop_ids=(), requests=tuple(r for r, _ in recorded))
+    with serve(engine) as srv:
+        doc = run_loadtest(trace, ["hyco"], [2], 1.0, ["serial"], tmp_path, server_url=srv.url, device_ms=5.0,
+                           warmup_s=0.0, meta={"recipe": "tiny"})
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved == doc and saved["schema"] == 1 and saved["meta"]["recipe"] == "tiny"
+    (row,) = saved["runs"]
+    assert set(row) == set(RUN_KEYS) and (row["mode"], row["sessions"], row["errors_total"]) == ("serial", 2, 0)
+    assert row["committed_tokens"] > 0 and row["rows_per_forward"] is None   # today's server has no histogram
+    assert row["projection"]["trees_per_forward"] == 1.0
+    assert (tmp_path / "latency_vs_sessions.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latency_vs_sessions.png", "results.json"]
+    nan = results_document([{"x": math.nan, "y": [1.0, math.inf]}], {})
+    assert nan["runs"] == [{"x": None, "y": [1.0, None]}]
+    write_results(tmp_path / "r.json", nan)
+    assert json.loads((tmp_path / "r.json").read_text())["runs"][0]["x"] is None
