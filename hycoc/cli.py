@@ -24,6 +24,21 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+def _print_version(value: bool) -> None:
+    """``hycoc --version``: the installed package's version (importlib.metadata), then exit 0."""
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"hycoc {version('hycoc')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="print hycoc's version and exit")) -> None:
+    """HyCo hybrid drafting: compile drafters into bundles, run the device runtime, serve the verifier."""
+
+
 #: Repository root of an editable install.
 REPO_ROOT = Path(__file__).resolve().parents[1]
 #: Spec-Bench's questions, shipped in the repository (benchmarks/data/NOTICE.md).
@@ -723,6 +738,29 @@ def _print_plan(plan: dict) -> None:
         paper.add_row(key, f"{p['paper']:,}", f"{p['plan']:,}", f"{p['diff']:+,}", f"{p['diff_pct']:+.2f}",
                       escape(p["source"] + (f" ({p['note']})" if "note" in p else "")))
     console.print(paper)
+    bm = plan.get("bit_maps")
+    if bm:
+        maps = Table(title=f"SLM bit map (in use: {bm['source']}) vs the paper's 754 MB graph")
+        for col in ("map", "SLM graph MB", "paper MB", "%", "int2 / int4 / int8 MB", "rules"):
+            maps.add_column(col, justify="left" if col in ("map", "rules") else "right")
+        for r in bm["maps"]:
+            b = r["by_bits"]
+            maps.add_row(escape(r["map"]), f"{r['slm_graph_bytes'] / 1e6:.1f}", f"{r['paper_bytes'] / 1e6:.0f}",
+                         f"{r['diff_pct']:+.2f}", " / ".join(f"{b.get(k, 0) / 1e6:.1f}" for k in ("int2", "int4", "int8")),
+                         escape(r["text"]))
+        hs = bm["head_side"]
+        maps.add_row("head side (graph + E)", f"{hs['total_bytes'] / 1e6:.1f}", f"{hs['paper_bytes'] / 1e6:.0f}",
+                     f"{hs['diff_pct']:+.2f}", "", escape(hs["note"]))
+        console.print(maps)
+        s = bm["search"]
+        console.print(f"  {s['maps_within']} of {s['maps_tried']} group-wise maps land within "
+                      f"{100 * s['tolerance']:.0f} % of {s['target_bytes'] / 1e6:.0f} MB: the size alone does not fix "
+                      "the map; a checkpoint's own quantization_config replaces the assumed one")
+    budget = plan.get("context_budget") or {}
+    if budget.get("graphs"):
+        console.print(f"context budget ({budget['profile']}, {budget['limit_bytes']:,} bytes): " + ", ".join(
+            f"{n} {g['bytes'] / 1e6:.1f} MB {'fits' if g['fits'] else 'OVER: ' + str(g['shards_needed']) + ' shards'}"
+            for n, g in budget["graphs"].items()))
     if plan["assumptions"]:
         console.print("assumed:")
         for a in plan["assumptions"]:
@@ -938,6 +976,117 @@ def generate(
     new = out.shape[1] - ids.shape[1]
     typer.echo(f"[{new} tokens in {seconds:.2f} s, {new / seconds:.1f} tok/s; prompt {ids.shape[1]} tokens]",
                err=True)
+
+
+#: Configurations `hycoc loadtest` can record and replay (a verifier in every round: not slm-alone).
+LOADTEST_CONFIGS = tuple(c for c in BENCH_CONFIGS if c != "slm-alone")
+#: `hycoc loadtest --batching` values: serial = one session per forward (today's server), batched = issue 14.
+LOADTEST_BATCHING = ("serial", "batched")
+
+
+@app.command()
+def loadtest(
+    recipe: Path = RECIPE_ARG,
+    sessions: str = typer.Option("1,4,16,64", help="comma-separated concurrent session counts, one run each"),
+    duration: float = typer.Option(20.0, min=0.5, help="seconds per run (per batching mode and session count)"),
+    rate: Optional[float] = typer.Option(
+        None, min=0.001, help="session arrivals per second, a seeded Poisson process (open loop); default: all "
+        "sessions start at once", show_default=False),
+    configs: str = typer.Option("hyco", help="comma-separated configurations (paper Table 5) the devices replay; "
+                                "device i replays the i-th modulo their number"),
+    server: Optional[str] = typer.Option(
+        None, metavar="URL", help="a running verifier, ws://HOST:PORT (default: start `hycoc verify-server RECIPE` "
+        "in a child process per --batching mode)", show_default=False),
+    batching: str = typer.Option(
+        "serial", help="comma-separated batching modes of the server: serial (one session per forward, today's "
+        "server) and/or batched; with --server, one label for that server's mode"),
+    device_ms: Optional[float] = typer.Option(
+        None, min=0.0, help="device drafting time between rounds, ms (default: each round's recorded time)",
+        show_default=False),
+    prompts: int = typer.Option(4, min=1, help="Spec-Bench questions (first turns) recorded per configuration"),
+    out: Path = typer.Option(Path("runs/loadtest"), help="folder for results.json and latency_vs_sessions.png"),
+    bundle: Optional[Path] = typer.Option(
+        None, help="device bundle whose runtime records the rounds (default: bundles/<recipe name>-cpu, built "
+        "first when missing)", show_default=False),
+    cost_model: Optional[Path] = typer.Option(
+        None, help="cost-model JSON for the GPU projection (its rows must cover the batches); default: an "
+        "assumed H200-like GPU, flat up to 206 rows per forward", show_default=False),
+    max_new_tokens: Optional[int] = typer.Option(
+        None, min=1, help="output cap of each recorded request (default: the recipe's bench.output_cap)",
+        show_default=False),
+) -> None:
+    """Load-test a verifier with many simulated devices: total tok/s, verifier ms per token, round latency
+    p50/p90/p99, rows per forward and errors per session count (issue 14).
+
+    The real device runtime first records its rounds on a few Spec-Bench prompts per configuration (cached in
+    .hycoc-cache/loadtest/ by recipe, bundle, configurations, prompts and cap); then asyncio devices in this one
+    process replay them over the wire protocol, waiting the recorded drafting time between rounds. Writes
+    OUT/results.json and OUT/latency_vs_sessions.png and prints the table; the GPU columns are a projection.
+    """
+    from hycoc.bench.datasets import DatasetError, load_spec_bench
+
+    cfg = _recipe("loadtest", recipe)
+    try:
+        counts = [int(x) for x in sessions.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise _fail("loadtest", f"--sessions {sessions!r}: give comma-separated positive integers such as 1,4,16,64",
+                    code=2)
+    chosen = configs.split(",")
+    unknown = [c for c in chosen if c not in LOADTEST_CONFIGS]
+    if unknown:
+        raise _fail("loadtest", f"--configs: unknown or without a verifier: {', '.join(unknown)}; allowed: "
+                    f"{', '.join(LOADTEST_CONFIGS)}", code=2)
+    modes = batching.split(",")
+    if server is None and any(m not in LOADTEST_BATCHING for m in modes):
+        raise _fail("loadtest", f"--batching {batching!r}: allowed: {', '.join(LOADTEST_BATCHING)} (comma-separated)",
+                    code=2)
+    if server is not None and len(modes) != 1:
+        raise _fail("loadtest", f"--batching {batching!r} with --server: a running server has one mode; give one "
+                    "label, or leave --server out so each mode gets its own server", code=2)
+    if cost_model is not None and not cost_model.is_file():
+        raise _fail("loadtest", f"--cost-model {cost_model}: no such file")
+    try:
+        questions = load_spec_bench(cfg.resolve_path(cfg.bench.dataset) or DEFAULT_DATASET)[:prompts]
+    except DatasetError as e:
+        raise _fail("loadtest", str(e)) from None
+    _need_full("loadtest")
+    from hycoc import progress
+    from hycoc.bench.cost_model import CostModelError, load_cost_model
+    from hycoc.bench.loadtest import LoadTestError, run_loadtest
+    from hycoc.bench.loadtrace import TraceError, load_trace, record_trace, save_trace, trace_key
+    from hycoc.bundle import BundleError, sha256_file
+    from hycoc.runtime.transport import TransportError
+
+    try:
+        cost = load_cost_model(cost_model) if cost_model is not None else None
+    except CostModelError as e:
+        raise _fail("loadtest", str(e)) from None
+    bundle_dir = _bench_bundle("loadtest", cfg, recipe, bundle)
+    cap = max_new_tokens or cfg.bench.output_cap
+    key = trace_key(cfg.content_hash(), sha256_file(bundle_dir / "manifest.json"), chosen,
+                    [q.question_id for q in questions], cap)
+    trace_path = REPO_ROOT / ".hycoc-cache" / "loadtest" / f"trace-{key}.json"
+    try:
+        if trace_path.is_file():
+            trace = load_trace(trace_path)
+            typer.echo(f"hycoc loadtest: recorded rounds from {trace_path}", err=True)
+        else:
+            with progress.step("recording device rounds", total=len(chosen) * len(questions)) as s:
+                trace = record_trace(cfg, bundle_dir, chosen, questions, cap, key=key,
+                                     progress=lambda note: s.advance(note=note))
+            save_trace(trace, trace_path)
+            typer.echo(f"hycoc loadtest: recorded {len(trace.requests)} requests, "
+                       f"{sum(len(r.rounds) for r in trace.requests)} rounds -> {trace_path}", err=True)
+        run_loadtest(trace, chosen, counts, duration, modes, out, recipe_path=recipe,
+                     keep_set=bundle_dir / "keep_set.npy", server_url=server, rate=rate, device_ms=device_ms,
+                     cost_model=cost, meta={"recipe": str(recipe), "bundle": str(bundle_dir),
+                                            "trace": str(trace_path)})
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    except (LoadTestError, TraceError, BundleError, TransportError) as e:
+        raise _fail("loadtest", str(e)) from None
 
 
 if __name__ == "__main__":

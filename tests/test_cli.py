@@ -32,6 +32,14 @@ def test_help_lists_every_command():
         assert command in result.stdout
 
 
+def test_version_prints_the_installed_package_version():
+    from importlib.metadata import version
+
+    result = invoke("--version")
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"hycoc {version('hycoc')}"
+
+
 def test_importing_the_cli_loads_neither_torch_nor_transformers():
     code = "import sys, hycoc.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
