@@ -1,4 +1,6 @@
-"""Measure a verifier cost model: ms of one tree-verification forward per (rows, context) (issues 6 and 7).
+"""Measure a verifier cost model: ms of every forward the server runs per (rows, context) (issues 6, 7 and 15):
+the tree verification (kind ``verify``), one step of the server-side MTP head (``head_step``) and one prefill chunk
+(``prefill``); see `hycoc.bench.cost_model` for the kinds.
 
     python benchmarks/verifier_cost_model.py --device cuda --out runs/cost-h200.json
     python benchmarks/verifier_cost_model.py --device cpu --recipe recipes/toy.toml --out runs/cost-toy-cpu.json
@@ -19,13 +21,20 @@ real 1-token forward creates every layer's cache entry, then each layer's keys/v
 to a real prefill of t tokens. Then, for every rows value R in ``--rows``, the engine's own
 `hycoc.verifier.engine.verify_tree` runs one forward over a tree of R rows (root, a chain of up to K = 4, the rest
 as siblings; the cost does not depend on the tree's shape, only on R and t), with the engine's explicit 4-D masks,
-and `crop_cache` takes the R rows back off. Timing: CUDA events on a GPU (synchronized), perf_counter on the CPU
+and `crop_cache` takes the R rows back off. With the MTP head (``--recipe``: its real head; random mode: the ASSUMED
+head shape `hycoc.passes.plan.HEAD_ASSUMED`, random weights): one step of `hycoc.verifier.engine.draft_cloud_chain`
+reading the t cached positions (the Cloud+MTP head step; server-head steps read min(W, t) and are replayed through
+the same points). For every n in ``--prefill-rows``: one `hycoc.verifier.engine.prefill` chunk of n positions after
+the t cached ones (logits of the last row only). Timing: CUDA events on a GPU (synchronized), perf_counter on the CPU
 (`hycoc.verifier.engine._Timer`, the clock the server's server_ms uses); ``--warmup`` untimed passes, then the
 median of ``--repeats`` timed passes, each pass visiting every grid point once (interleaved, so load drift on a busy
 machine spreads over the whole grid). What is timed is Alg. 4 lines 1-3 (mask build, forward, logits of all R
 rows); sampling, acceptance, compaction and the hand-off are not (see `hycoc.bench.cost_model`).
 
-Writes the cost model JSON atomically (`hycoc.bench.cost_model.CostModel.save`) and prints a table (ms, and ms per row).
+Writes the cost model JSON atomically (`hycoc.bench.cost_model.CostModel.save`) and prints a table per kind, then
+the per-round server ms it projects at each context beside the paper's (§3.1, one RTX PRO 6000): a HyCo round (one
+33-row verification; paper 21.7 ms) and a Cloud+MTP round (K head steps, then a (K + 1)-row verification; paper
+26.8 ms).
 Exit codes: 0 done or skipped (no CUDA), 1 bad input (recipe, model missing, out of memory), 2 usage error.
 """
 
@@ -43,9 +52,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO))
 
-from hycoc.bench.cost_model import CostModel, CostModelError, CostPoint  # noqa: E402,F401  (numpy + pydantic only)
-from hycoc.verifier.cost_measure import (build_random_verifier, demo_parents, measure_grid,  # noqa: E402,F401
-                                         random_cache, shape_of)
+from hycoc.bench.cost_model import (PAPER_ROUND_MS, CostModel, CostModelError, CostPoint,  # noqa: E402,F401
+                                    round_forwards)  # numpy + pydantic only
+from hycoc.verifier.cost_measure import (PREFILL_ROWS, build_random_head, build_random_verifier,  # noqa: E402,F401
+                                         demo_parents, measure_grid, random_cache, shape_of)
 
 DEFAULTS = {"cuda": dict(contexts="1024,4096,16384", dtype="bfloat16"),
             "cpu": dict(contexts="32,64,128,256", dtype=None)}
@@ -66,6 +76,33 @@ def _usage(msg: str) -> int:
     return 2
 
 
+def round_table(cm: CostModel, chain_length: int = 4):
+    """A rich Table of the per-round server ms ``cm`` projects at each of its contexts
+    (`hycoc.bench.cost_model.round_forwards`): a HyCo round (the largest measured rows, B + 1 = 33 by default) and a
+    Cloud+MTP round (``chain_length`` head steps + a (K + 1)-row verification), beside the paper's 21.7 / 26.8 ms
+    (§3.1). Rounds the model cannot replay (rows outside its grid, no head points) show their error."""
+    from rich.table import Table
+
+    rows_hyco = int(cm.rows_grid[-1])
+    table = Table(title="projected server ms per round (verification + server-side head steps)",
+                  caption="paper §3.1 (Gemma 4 26B-A4B on one RTX PRO 6000, median round): HyCo "
+                          f"{PAPER_ROUND_MS['hyco']} ms, Cloud+MTP {PAPER_ROUND_MS['cloud-mtp']} ms")
+    for col in ("context", f"HyCo ({rows_hyco} rows)", f"Cloud+MTP ({chain_length} steps + {chain_length + 1} rows)",
+                "of which head steps", "Cloud+MTP / HyCo"):
+        table.add_column(col, justify="right")
+    for t in cm.context_grid:
+        try:
+            hyco = cm.forwards_ms(round_forwards("device", rows_hyco, int(t)))
+            cloud = cm.forwards_ms(round_forwards("cloud-mtp", chain_length + 1, int(t), head_steps=chain_length))
+            steps = cloud - cm.predict(chain_length + 1, int(t))
+            table.add_row(f"{int(t):,}", f"{hyco:.2f}", f"{cloud:.2f}", f"{steps:.2f}", f"{cloud / hyco:.2f}")
+        except CostModelError as e:
+            table.add_row(f"{int(t):,}", str(e), "", "", "")
+    table.add_row("paper", f"{PAPER_ROUND_MS['hyco']:.1f}", f"{PAPER_ROUND_MS['cloud-mtp']:.1f}", "",
+                  f"{PAPER_ROUND_MS['cloud-mtp'] / PAPER_ROUND_MS['hyco']:.2f}")
+    return table
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), required=True, help="torch device to measure on")
@@ -75,6 +112,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None,
                     help="cost model JSON to write (default: runs/cost-model-<device>.json)")
     ap.add_argument("--rows", default="1,5,33", help="tree rows per forward, comma-separated (default %(default)s)")
+    ap.add_argument("--prefill-rows", default=",".join(map(str, PREFILL_ROWS)),
+                    help="prefill chunk widths, comma-separated; the largest should be the engine's chunk, 512 "
+                    "(default %(default)s)")
+    ap.add_argument("--no-head", action="store_true",
+                    help="do not time the server-side MTP head step (the cost model then cannot replay cloud-mtp "
+                    "or server-head rounds)")
+    ap.add_argument("--chain-length", type=int, default=None,
+                    help="K of the per-round table's Cloud+MTP round (default: the recipe's, else 4)")
     ap.add_argument("--contexts", default=None,
                     help="cached positions before the forward, comma-separated (default: cuda 1024,4096,16384; "
                     "cpu 32,64,128,256)")
@@ -93,6 +138,7 @@ def main(argv=None) -> int:
     if args.warmup < 0 or args.repeats < 1:
         return _usage("--warmup must be >= 0 and --repeats >= 1")
     rows_list = _ints(args.rows, "--rows", 1)
+    prefill_rows = _ints(args.prefill_rows, "--prefill-rows", 1)
     contexts = _ints(args.contexts or DEFAULTS[args.device]["contexts"], "--contexts", 1)
 
     import torch
@@ -135,6 +181,13 @@ def main(argv=None) -> int:
             console.print(f"building {name} in {dtype} on {args.device} ...")
             model = build_random_verifier(cfg, args.device, dtype)
             meta["weights"] = "random (transformers' initializer, seed 0)"
+            head = None
+            if not args.no_head:
+                from hycoc.passes.plan import HEAD_ASSUMED
+
+                head = build_random_head(HEAD_ASSUMED, cfg["hidden_size"], args.device, dtype)
+                meta["head"] = "ASSUMED shape (hycoc.passes.plan.HEAD_ASSUMED), random weights"
+            chain_length, offset = args.chain_length or 4, -1
         else:
             from hycoc.models import load_verifier
             from hycoc.recipe import load_recipe
@@ -145,6 +198,14 @@ def main(argv=None) -> int:
             if threads:
                 torch.set_num_threads(threads)
             model = load_verifier(recipe.model_path("verifier"), dtype=dtype, device=args.device)
+            head = None
+            if not args.no_head:
+                from hycoc.models import load_head
+
+                head = load_head(recipe.model_path("head"), dtype=dtype, device=args.device)
+                meta["head"] = f"{recipe.models.head}, real weights"
+            chain_length = args.chain_length or recipe.tree.chain_length
+            offset = recipe.window.head_query_position_offset
             name = f"{recipe.models.verifier} (recipe {args.recipe}), real weights"
             meta["weights"] = "real"
             meta["recipe"] = str(args.recipe)
@@ -152,20 +213,24 @@ def main(argv=None) -> int:
         meta["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
         params = sum(p.numel() for p in model.parameters())
         meta["parameters"] = params
+        if head is not None:
+            meta["head_parameters"] = sum(p.numel() for p in head.parameters())
         meta["build_s"] = round(time.perf_counter() - t_start, 1)
         if args.device == "cuda":
             device_name = torch.cuda.get_device_name(0)
         else:
             device_name = f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s)"
-        console.print(f"{params / 1e9:.3f}e9 parameters, built in {meta['build_s']} s; measuring rows "
-                      f"{rows_list} x contexts {contexts}, {args.warmup} warm-up + median of {args.repeats}")
+        console.print(f"{params / 1e9:.3f}e9 parameters, built in {meta['build_s']} s; measuring verify rows "
+                      f"{rows_list}, {'a head step, ' if head is not None else ''}prefill rows {prefill_rows} x "
+                      f"contexts {contexts}, {args.warmup} warm-up + median of {args.repeats}")
 
-        def log(rows, t, ms, times):
-            console.print(f"  rows {rows:>3}  context {t:>6}  {ms:9.2f} ms  (min {min(times):.2f}, "
+        def log(kind, rows, t, ms, times):
+            console.print(f"  {kind:<9} rows {rows:>3}  context {t:>6}  {ms:9.2f} ms  (min {min(times):.2f}, "
                           f"max {max(times):.2f})  [{time.perf_counter() - t_start:.0f} s]")
 
         points = measure_grid(model, rows_list, contexts, warmup=args.warmup, repeats=args.repeats,
-                              device=args.device, log=log)
+                              device=args.device, log=log, head=head, prefill_rows=prefill_rows,
+                              chain_length=chain_length, head_position_offset=offset)
         if args.device == "cuda":
             meta["max_memory_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
     except torch.OutOfMemoryError as e:
@@ -186,15 +251,16 @@ def main(argv=None) -> int:
         print(f"verifier_cost_model: cannot write {out}: {e}", file=sys.stderr)
         return 1
 
-    table = Table(title=f"verification forward, ms (median of {args.repeats})",
-                  caption=f"{name}; {dtype}; {device_name}")
-    table.add_column("rows", justify="right")
-    for t in contexts:
-        table.add_column(f"t = {t:,}", justify="right")
-    grid = cm.table()
-    for i, rows in enumerate(cm.rows_grid):
-        table.add_row(str(rows), *(f"{ms:.2f} ({ms / rows:.2f}/row)" for ms in grid[i]))
-    console.print(table)
+    for kind in cm.kinds:
+        table = Table(title=f"{kind} forward, ms (median of {args.repeats})", caption=f"{name}; {dtype}; {device_name}")
+        table.add_column("rows", justify="right")
+        for t in cm.contexts_of(kind):
+            table.add_column(f"t = {t:,}", justify="right")
+        grid = cm.table(kind)
+        for i, rows in enumerate(cm.rows_of(kind)):
+            table.add_row(str(rows), *(f"{ms:.2f} ({ms / rows:.2f}/row)" for ms in grid[i]))
+        console.print(table)
+    console.print(round_table(cm, chain_length))
     console.print(f"wrote {out} in {meta['total_s']} s")
     return 0
 

@@ -110,23 +110,31 @@ def test_bootstrap_ci_degenerate_when_every_question_has_the_same_ratio():
 
 
 class FakeCost:
-    def predict(self, rows: int, context: int) -> float:
-        if rows > 33:
+    def predict(self, rows: int, context: int, kind: str = "verify") -> float:
+        if rows > 33 and kind != "prefill":
             raise ValueError(f"rows = {rows} outside the grid")
-        return rows + context / 10
+        return {"verify": rows + context / 10, "head_step": 0.5 + context / 100, "prefill": rows / 10}[kind]
 
 
-def test_cost_model_projection_rounds_only():
+def test_cost_model_projection_counts_every_server_forward():
+    """Issue 15: the prefill chunks ([0, first root): 10 and 100 positions, one chunk each) and cloud-mtp's K = 4
+    head steps per round (at the round's context) are projected beside the verification forwards."""
     s = summarize(records(), cost_model=FakeCost(), bootstrap=50)
     h, c = s["hyco"], s["cloud-mtp"]
-    hyco_ms = (33 + 1) + (33 + 2) + 5 * 33 + (10 + 11 + 12 + 13 + 14)  # 294: prefill not projected
-    cloud_ms = 4 * 5 + (1 + 1.3 + 1.6 + 1.9) + 10 * 5 + sum(range(100, 110)) / 10
+    prefill = 10 / 10 + 100 / 10
+    hyco_ms = (33 + 1) + (33 + 2) + 5 * 33 + (10 + 11 + 12 + 13 + 14) + prefill  # 294 + 11
+    cloud_verify = 4 * 5 + (1 + 1.3 + 1.6 + 1.9) + 10 * 5 + sum(range(100, 110)) / 10
+    cloud_heads = 4 * (4 * 0.5 + (10 + 13 + 16 + 19) / 100) + 4 * (10 * 0.5 + sum(range(100, 110)) / 100)
+    cloud_ms = cloud_verify + cloud_heads + prefill
     assert h["g_projected_ms_per_token"] == pytest.approx(hyco_ms / 40)
     assert c["g_projected_ms_per_token"] == pytest.approx(cloud_ms / 40)
+    assert c["g_projected_parts"] == pytest.approx({"verify": cloud_verify / 40, "head_step": cloud_heads / 40,
+                                                    "prefill": prefill / 40})
     assert h["delta_g_projected_pct"] == pytest.approx(100 * (hyco_ms / cloud_ms - 1))
     assert s["slm-alone"]["g_projected_ms_per_token"] is None
     bad = records() + [rec("server-head", 1, tokens=5, server=[1], prefill=0, rows=[64], context=[0])]
-    sh = summarize(bad, cost_model=FakeCost(), bootstrap=0)["server-head"]
+    sh = summarize(bad, cost_model=FakeCost(), bootstrap=0,
+                   server={"chain_length": 4, "head_window": 256})["server-head"]
     assert sh["g_projected_ms_per_token"] is None and "outside the grid" in sh["g_projected_error"]
     assert sh["g_ms_per_token"] == pytest.approx(0.2)
 
@@ -153,7 +161,7 @@ def test_tables_and_plots(tmp_path):
     render_categories(s, console)
     out = buf.getvalue()
     assert out.index("cloud-mtp") < out.index("hyco") < out.index("slm-alone")
-    assert "-30.0" in out and "ref" in out and "prefill excluded" in out and "-25.0%" in out
+    assert "-30.0" in out and "ref" in out and "every server forward" in out and "-25.0%" in out
     paths = write_plots(s, tmp_path / "plots")
     assert [p.name for p in paths] == ["mat_vs_g.png", "category_delta_g.png"]
     for p in paths:

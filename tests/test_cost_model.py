@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hycoc.bench.cost_model import (CostModel, CostModelError, CostPoint, load_cost_model, projected_g,
-                              projected_server_ms)
+from hycoc.bench.cost_model import (PAPER_ROUND_MS, PREFILL_CHUNK, CostModel, CostModelError, CostPoint, Forward,
+                                    load_cost_model, prefill_forwards, projected_g, projected_server_ms,
+                                    request_forwards, round_forwards)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "verifier_cost_model.py"
@@ -97,7 +98,8 @@ def test_save_load_round_trip(tmp_path):
     (lambda d: d["points"][0].update(ms=-3.0), r"field points\[0\]\.ms: .*greater than 0"),
     (lambda d: d["points"][0].update(rows="many"), r"field points\[0\]\.rows"),
     (lambda d: d.update(speed=1), r"field speed is not a cost model field"),
-    (lambda d: d.update(schema_version=2), r"schema_version = 2, this hycoc reads 1"),
+    (lambda d: d.update(schema_version=3), r"schema_version = 3, this hycoc reads 1 and 2"),
+    (lambda d: d["points"][0].update(kind="lm_head"), r"field points\[0\]\.kind"),
     (lambda d: d["points"].pop(), r"grid is incomplete"),
 ])
 def test_bad_files_name_the_field(tmp_path, mutate, match):
@@ -150,9 +152,139 @@ def test_measure_grid_on_a_tiny_random_verifier():
                per_layer_config={"1": cfg["per_layer_config"]["3"]})
     model = vcm.build_random_verifier(cfg, "cpu", "float32")
     assert list(vcm.demo_parents(8)) == [-1, 0, 1, 2, 3, 0, 1, 2]
-    points = vcm.measure_grid(model, [1, 5], [8, 24], warmup=0, repeats=1, device="cpu", log=lambda *a: None)
+    points = vcm.measure_grid(model, [1, 5], [8, 24], warmup=0, repeats=1, device="cpu", log=lambda *a: None,
+                              prefill_rows=[1, 4])
     cm = CostModel(device="cpu", dtype="float32", model="tiny", points=points)
-    assert {(p.rows, p.context) for p in points} == {(1, 8), (5, 8), (1, 24), (5, 24)}
+    assert {(p.kind, p.rows, p.context) for p in points} == {
+        ("verify", 1, 8), ("verify", 5, 8), ("verify", 1, 24), ("verify", 5, 24),
+        ("prefill", 1, 8), ("prefill", 4, 8), ("prefill", 1, 24), ("prefill", 4, 24)}
     assert all(p.ms > 0 for p in points)
-    assert cm.predict(3, 16) > 0
+    assert cm.predict(3, 16) > 0 and cm.predict(2, 16, "prefill") > 0
     assert torch.get_num_threads() >= 1
+
+
+# ---- every forward the server runs (issue 15) -------------------------------------------------------------------
+
+# The hand-built grid again, with head steps (rows 1) and prefill chunks (rows 1 and 512) at t = 100, 200:
+#   head_step: 2 at t=100, 3 at t=200;  prefill rows 1: 10, 12;  prefill rows 512: 60, 70.
+KINDED = ([CostPoint(rows=r, context=c, ms=ms) for (r, c), ms in GRID.items()]
+          + [CostPoint(kind="head_step", rows=1, context=100, ms=2.0),
+             CostPoint(kind="head_step", rows=1, context=200, ms=3.0)]
+          + [CostPoint(kind="prefill", rows=r, context=c, ms=ms)
+             for (r, c), ms in {(1, 100): 10.0, (1, 200): 12.0, (512, 100): 60.0, (512, 200): 70.0}.items()])
+
+
+def make_kinded() -> CostModel:
+    return CostModel(device="test device", dtype="float32", model="hand-built", points=KINDED)
+
+
+def test_each_kind_has_its_own_grid():
+    cm = make_kinded()
+    assert cm.kinds == ("verify", "head_step", "prefill")
+    assert cm.predict(1, 150, "head_step") == pytest.approx(2.5)
+    assert cm.predict(1, 400, "head_step") == pytest.approx(3.0 + 0.01 * 200)   # slope of the last two contexts
+    assert cm.predict(1, 150) == pytest.approx(11.0)                            # verify is the default kind
+    assert cm.predict(256, 100, "prefill") == pytest.approx(10.0 + 255 / 511 * 50.0)
+    with pytest.raises(CostModelError, match=r"rows = 2 is outside the cost model's measured head_step rows \[1, 1\]"):
+        cm.predict(2, 100, "head_step")
+    with pytest.raises(CostModelError, match=r"has no head_step points.*remeasure"):
+        make().predict(1, 100, "head_step")
+    with pytest.raises(CostModelError, match=r"kind = 'lm_head'"):
+        cm.predict(1, 100, "lm_head")
+    with pytest.raises(ValueError, match=r"the prefill grid is incomplete.*rows=512, context=200"):
+        CostModel(device="d", dtype="f", model="m", points=KINDED[:-1])
+
+
+def test_round_forwards_per_draft_place():
+    assert round_forwards("device", 33, 300) == [Forward("verify", 33, 300)]
+    assert round_forwards("cloud-mtp", 5, 300, head_steps=4) == [Forward("head_step", 1, 300)] * 4 + [
+        Forward("verify", 5, 300)]
+    assert round_forwards("server-head", 33, 300, head_steps=4, head_context=256) == [
+        Forward("verify", 33, 300)] + [Forward("head_step", 1, 256)] * 4
+    with pytest.raises(CostModelError, match="rows must be 5, got 33"):
+        round_forwards("cloud-mtp", 33, 300, head_steps=4)
+    with pytest.raises(CostModelError, match="runs no head step"):
+        round_forwards("device", 33, 300, head_steps=4)
+    with pytest.raises(CostModelError, match="draft_place = 'phone'"):
+        round_forwards("phone", 33, 300)
+
+
+def test_prefill_forwards_are_the_engines_chunks():
+    assert prefill_forwards(0, 1100) == [Forward("prefill", 512, 0), Forward("prefill", 512, 512),
+                                         Forward("prefill", 76, 1024)]
+    assert prefill_forwards(300, 340, chunk=16) == [Forward("prefill", 16, 300), Forward("prefill", 16, 316),
+                                                    Forward("prefill", 8, 332)]
+    assert prefill_forwards(50, 50) == []
+    import inspect
+
+    from hycoc.verifier.engine import VerifierEngine
+
+    assert inspect.signature(VerifierEngine).parameters["prefill_chunk"].default == PREFILL_CHUNK
+
+
+def test_request_replay_counts_head_steps_and_prefill_exactly():
+    """Hand-worked: the same 3 rounds as HyCo (33 rows), Cloud+MTP (5 rows) and server-head (33 rows, K = 4,
+    W = 150), after a 100-token prompt prefill (positions [0, 100): one chunk of 100 at t = 0)."""
+    cm = make_kinded()
+    prefill = 10.0 + 99 / 511 * 50.0                          # rows 100 at t = 0: held at t = 100
+    ctx = [100, 104, 200]
+    hyco = {"config": "hyco", "rows": [33, 33, 33], "context": ctx}
+    cloud = {"config": "cloud-mtp", "rows": [5, 5, 5], "context": ctx}
+    head = {"config": "server-head", "rows": [33, 33, 33], "context": ctx}
+    v33 = [30.0, 30.0 - 4 / 100 * 4.0, 26.0]                  # verify rows 33 at t = 100, 104, 200
+    v5 = [14.0, 14.0 + 0.04 * 4, 18.0]
+    step = [2.0, 2.04, 3.0]                                   # head step at t = 100, 104, 200
+    assert cm.forwards_ms(f for g in request_forwards(hyco) for f in g) == pytest.approx(prefill + sum(v33))
+    assert cm.forwards_ms(f for g in request_forwards(cloud) for f in g) == pytest.approx(
+        prefill + sum(v5) + 4 * sum(step))
+    groups = request_forwards(head, chain_length=4, head_window=150)
+    # after round 0 the head reads min(150, 104) = 104 columns, after round 1 min(150, 200) = 150; none after the last
+    assert groups[2] == [Forward("verify", 33, 104)] + [Forward("head_step", 1, 150)] * 4
+    assert groups[3] == [Forward("verify", 33, 200)]
+    assert cm.forwards_ms(f for g in groups for f in g) == pytest.approx(
+        prefill + sum(v33) + 4 * 2.04 + 4 * 2.5)
+    assert projected_server_ms(cm, groups[1:]) == pytest.approx(sum(v33) + 4 * 2.04 + 4 * 2.5)
+    with pytest.raises(CostModelError, match="needs the recipe's chain_length"):
+        request_forwards(head)
+    # a second turn prefills only the appended tokens [prefill_start, first root)
+    turn2 = {"config": "hyco", "rows": [33], "context": [700], "prefill_start": 600}
+    assert request_forwards(turn2)[0] == [Forward("prefill", 100, 600)]
+    assert request_forwards(turn2, prefill=False)[0] == []
+
+
+def test_bench_summary_projects_every_server_forward():
+    """stats.summarize through the hand-built model: g projected and its parts, per-round medians beside the
+    paper's 21.7 / 26.8 ms."""
+    from hycoc.bench.stats import summarize
+
+    common = dict(run=0, question_id=1, category="writing", prompt_tokens=101, prefill_ms=5.0)
+    recs = [dict(config="cloud-mtp", tokens=6, rounds=2, rows=[5, 5], context=[100, 200], server_ms=[40.0, 50.0],
+                 accepted=[2, 1], **common),
+            dict(config="hyco", tokens=6, rounds=2, rows=[33, 33], context=[100, 200], server_ms=[20.0, 30.0],
+                 accepted=[2, 1], **common)]
+    s = summarize(recs, cost_model=make_kinded(), bootstrap=0, server={"chain_length": 4, "head_window": 150})
+    prefill = 10.0 + 99 / 511 * 50.0
+    cloud_rounds = [14.0 + 4 * 2.0, 18.0 + 4 * 3.0]
+    assert s["cloud-mtp"]["g_projected_ms_per_token"] == pytest.approx((prefill + sum(cloud_rounds)) / 6)
+    assert s["cloud-mtp"]["g_projected_parts"] == pytest.approx(
+        {"verify": 32.0 / 6, "head_step": 20.0 / 6, "prefill": prefill / 6})
+    assert s["cloud-mtp"]["server_ms_per_round_projected_p50"] == pytest.approx(sum(cloud_rounds) / 2)
+    assert s["cloud-mtp"]["server_ms_per_round_p50"] == pytest.approx(45.0)
+    assert s["hyco"]["g_projected_parts"]["head_step"] == 0.0
+    assert s["hyco"]["server_ms_per_round_projected_p50"] == pytest.approx(28.0)
+    # verification alone charges cloud-mtp 32 of its 52 round ms (hyco's rounds 56 vs 32: +75%); with its head
+    # steps counted the rounds are 56 vs 52 (+7.7%), plus the same prefill on both sides
+    assert s["hyco"]["delta_g_projected_pct"] == pytest.approx(
+        100 * ((prefill + 56.0) / (prefill + 52.0) - 1))
+    assert PAPER_ROUND_MS == {"hyco": 21.7, "cloud-mtp": 26.8}
+
+
+def test_schema_1_files_still_load_as_verify_points(tmp_path):
+    d = json.loads(make().to_json())
+    d["schema_version"] = 1
+    for p in d["points"]:
+        p.pop("kind")
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(d))
+    cm = load_cost_model(path)
+    assert cm.kinds == ("verify",) and cm.predict(3, 150) == pytest.approx(13.5)

@@ -1,10 +1,13 @@
-"""Measuring a verifier cost model: ms of one tree-verification forward per (rows, context) on the device the model
-is on (issues 6 and 7; `hycoc.bench.cost_model` holds the model and its projection).
+"""Measuring a verifier cost model: ms of every kind of forward the server runs, per (rows, context), on the device
+the model is on (issues 6, 7 and 15; `hycoc.bench.cost_model` holds the model, its kinds and its replay).
 
 Used by ``benchmarks/verifier_cost_model.py`` (the 26B-A4B shape on a GPU, or a recipe's verifier) and by
-``hycoc bench`` (the recipe's verifier on the device in use, when no cost-model file is given). What is timed is
-the engine's own `hycoc.verifier.engine.verify_tree` (Alg. 4 lines 1-3) over a random KV cache of ``context``
-positions; see the script's docstring for the method.
+``hycoc bench`` (the recipe's verifier on the device in use, when no cost-model file is given). What is timed is the
+engine's own code over a random KV cache of ``context`` positions: `hycoc.verifier.engine.verify_tree` (Alg. 4
+lines 1-3; kind ``verify``), one step of `hycoc.verifier.engine.draft_cloud_chain` (the server-side head: forward,
+arg-max, next embedding; kind ``head_step``) and one chunk of `hycoc.verifier.engine.prefill` (kind ``prefill``);
+see the script's docstring for the method. `count_forwards` watches a live engine and lists the forwards it ran,
+in the cost model's terms, so tests can hold `hycoc.bench.cost_model.round_forwards` against the engine.
 """
 
 from __future__ import annotations
@@ -42,6 +45,24 @@ def build_random_verifier(config_dict: dict, device: str, dtype: str):
     return model.eval()
 
 
+def build_random_head(head_config_dict: dict, backbone_hidden_size: int, device: str, dtype: str):
+    """transformers ``Gemma4AssistantForCausalLM`` of ``head_config_dict`` (e.g. `hycoc.passes.plan.HEAD_ASSUMED`,
+    ASSUMED until the assistant's config.json is given) reading a verifier of hidden size ``backbone_hidden_size``,
+    random weights, created directly on ``device`` in ``dtype``, sdpa attention, eval mode."""
+    import copy
+
+    import torch
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    d = copy.deepcopy(head_config_dict)
+    d["backbone_hidden_size"] = int(backbone_hidden_size)
+    config = Gemma4AssistantConfig.from_dict(d)
+    torch.manual_seed(1)
+    with torch.device(device):
+        head = Gemma4AssistantForCausalLM._from_config(config, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    return head.eval()
+
+
 def random_cache(model, context: int, device):
     """A ``DynamicCache`` (no config: every layer keeps all positions, as the engine's) holding ``context`` random
     positions in every layer that stores KV. One 1-token forward creates the layers; their keys and values are then
@@ -65,48 +86,105 @@ def random_cache(model, context: int, device):
 
 
 def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, device, chain_length: int = 4,
-                 log=print) -> list[CostPoint]:
-    """Median ms of `verify_tree` for every (rows, context) of the grid (module docstring). Returns CostPoints in
-    (context, rows) order.
+                 log=print, head=None, prefill_rows=(), head_position_offset: int = -1) -> list[CostPoint]:
+    """Median ms of every forward kind for every (rows, context) of the grid (module docstring). Returns CostPoints:
+    ``verify`` at every rows_list x contexts, ``head_step`` (rows 1) at every context when ``head`` (the verifier's
+    MTP head, on the same device) is given, ``prefill`` at every prefill_rows x contexts.
 
     The passes are interleaved: every repetition visits every grid point once (one random cache per context, all
     alive together), so a machine whose load drifts during the run spreads that drift over the whole grid instead
-    of biasing the points measured last. log(rows, context, median_ms, times) is called per point at the end.
+    of biasing the points measured last. log(kind, rows, context, median_ms, times) is called per point at the end.
     """
     import numpy as np
     import torch
 
-    from hycoc.verifier.engine import NormTap, _Timer, crop_cache, verify_tree
+    from hycoc.verifier.engine import NormTap, _Timer, crop_cache, draft_cloud_chain, prefill, producer_layers, verify_tree
 
     dev = torch.device(device)
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
-    grid = [(t, rows) for t in contexts for rows in rows_list]
+    grid = [("verify", rows, t) for t in contexts for rows in rows_list]
+    if head is not None:
+        grid += [("head_step", 1, t) for t in contexts]
+    grid += [("prefill", n, t) for t in contexts for n in prefill_rows]
     parents = {rows: demo_parents(rows, chain_length) for rows in rows_list}
-    times: dict[tuple[int, int], list[float]] = {key: [] for key in grid}
+    times: dict[tuple[str, int, int], list[float]] = {key: [] for key in grid}
+    layers = producer_layers(model.config) if head is not None else None
+    h = torch.zeros(model.config.hidden_size, device=dev, dtype=model.dtype)  # h_{t-1}: its values cost nothing
     tap = NormTap(model)
     caches = {}
     try:
         caches = {t: random_cache(model, t, dev) for t in contexts}
         for i in range(warmup + repeats):
-            for t, rows in grid:
+            for kind, rows, t in grid:
                 tokens = torch.as_tensor(rng.integers(0, vocab, rows), device=dev)
                 with _Timer(dev) as timer:
-                    verify_tree(model, caches[t], tap, tokens, parents[rows], t, model.dtype)
+                    if kind == "verify":
+                        verify_tree(model, caches[t], tap, tokens, parents[rows], t, model.dtype)
+                    elif kind == "head_step":  # one step of the Cloud+MTP chain, as the engine runs it
+                        draft_cloud_chain(model, head, caches[t], layers, int(tokens[0]), h, t, 1,
+                                          head_position_offset)
+                    else:
+                        prefill(model, caches[t], tap, tokens, rows, model.dtype, start=t)
                 crop_cache(caches[t], t)
                 if i >= warmup:
-                    times[(t, rows)].append(timer.ms)
+                    times[(kind, rows, t)].append(timer.ms)
     finally:
         tap.remove()
         caches.clear()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     points = []
-    for t, rows in grid:
-        ms = statistics.median(times[(t, rows)])
-        log(rows, t, ms, times[(t, rows)])
-        points.append(CostPoint(rows=rows, context=t, ms=ms))
+    for kind, rows, t in grid:
+        ms = statistics.median(times[(kind, rows, t)])
+        log(kind, rows, t, ms, times[(kind, rows, t)])
+        points.append(CostPoint(kind=kind, rows=rows, context=t, ms=ms))
     return points
+
+
+def count_forwards(engine):
+    """Watch ``engine`` (`hycoc.verifier.engine.VerifierEngine`): a context manager yielding a list that gets one
+    `hycoc.bench.cost_model.Forward` per forward of the verifier or its head, in the cost model's terms:
+    ``verify`` (a verifier forward whose logits cover every row), ``prefill`` (a verifier forward that keeps the
+    last row's logits only, `hycoc.verifier.engine.prefill`), ``head_step`` (a head forward of one query row;
+    context = the shared KV positions it reads). rows and context are read from the call's own arguments
+    (``input_ids`` / ``inputs_embeds`` width, ``position_ids``, the shared KV length), so the list is what the
+    engine did, not what the cost model expects. Forward pre-hooks (`torch.nn.Module.register_forward_pre_hook`);
+    removed on exit."""
+    import contextlib
+
+    from hycoc.bench.cost_model import Forward
+
+    @contextlib.contextmanager
+    def watch():
+        seen: list[Forward] = []
+
+        def on_verifier(module, args, kwargs):
+            ids = kwargs["input_ids"]
+            rows = int(ids.shape[-1])
+            context = int(kwargs["position_ids"].min()) if kwargs.get("logits_to_keep") == 1 else None
+            if kwargs.get("logits_to_keep") == 1:
+                seen.append(Forward("prefill", rows, context))
+            else:
+                cache = kwargs["cache"]
+                seen.append(Forward("verify", rows, int(cache.get_seq_length())))
+
+        def on_head(module, args, kwargs):
+            x = kwargs["inputs_embeds"]
+            shared = kwargs["shared_kv_states"]
+            context = max(int(k.shape[-2]) for k, _ in shared.values())
+            seen.append(Forward("head_step", int(x.shape[1]), context))
+
+        handles = [engine.model.register_forward_pre_hook(on_verifier, with_kwargs=True)]
+        if engine.head is not None:
+            handles.append(engine.head.register_forward_pre_hook(on_head, with_kwargs=True))
+        try:
+            yield seen
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    return watch()
 
 
 def shape_of(config) -> dict:
@@ -122,18 +200,27 @@ def shape_of(config) -> dict:
     return out
 
 
+#: Prefill chunk widths a cost model measures by default: 1, a short prompt, the engine's whole chunk.
+PREFILL_ROWS = (1, 64, 512)
+
+
 def measure_recipe_verifier(recipe, rows_list=(1, 5, 33), contexts=(64, 128, 256, 512), *, warmup: int = 2,
-                            repeats: int = 7, threads: int | None = None) -> CostModel:
-    """A cost model of ``recipe``'s verifier (real weights, its [verifier] device and dtype) on this machine."""
+                            repeats: int = 7, threads: int | None = None, prefill_rows=PREFILL_ROWS,
+                            device: str | None = None) -> CostModel:
+    """A cost model of ``recipe``'s verifier and MTP head (real weights, its [verifier] dtype; ``device``, default
+    its [verifier] device) on this machine: every kind of forward (`measure_grid`)."""
     import torch
 
-    from hycoc.models import load_verifier, set_threads
+    from hycoc.models import load_head, load_verifier, set_threads
 
+    device = device or recipe.verifier.device
     set_threads(threads or recipe.verifier.threads)
-    model = load_verifier(recipe.model_path("verifier"), dtype=recipe.verifier.dtype, device=recipe.verifier.device)
+    model = load_verifier(recipe.model_path("verifier"), dtype=recipe.verifier.dtype, device=device)
+    head = load_head(recipe.model_path("head"), dtype=recipe.verifier.dtype, device=device)
     points = measure_grid(model, list(rows_list), list(contexts), warmup=warmup, repeats=repeats,
-                          device=recipe.verifier.device, chain_length=recipe.tree.chain_length,
-                          log=lambda *a: None)
-    name = f"{recipe.verifier.device} ({torch.get_num_threads()} threads)"
+                          device=device, chain_length=recipe.tree.chain_length, log=lambda *a: None,
+                          head=head, prefill_rows=prefill_rows,
+                          head_position_offset=recipe.window.head_query_position_offset)
+    name = f"{device} ({torch.get_num_threads()} threads)" if device == "cpu" else torch.cuda.get_device_name(0)
     return CostModel(device=name, dtype=recipe.verifier.dtype, model=str(recipe.models.verifier),
                      shape=shape_of(model.config), points=points, source="measured")

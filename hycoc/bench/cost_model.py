@@ -1,40 +1,53 @@
-"""Verifier cost model: server milliseconds of one verification round as a function of rows and context (issues 6, 7).
+"""Verifier cost model: server milliseconds of every forward the verifier runs, as a function of its rows and
+context (issues 6, 7, 15).
 
 `hycoc bench` measures g (server ms per output token, paper App. G) on whatever machine it runs on -- for the toy
-family that is a laptop CPU. To say what g would be on the paper's GPU, it replays the rounds it ran (how many tree
-rows each forward carried, and how long the KV cache was) through a cost model measured on that GPU:
+family that is a laptop CPU. To say what g would be on the paper's GPU, it replays the work the server did (every
+forward of every round, and the prefill chunks) through a cost model measured on that GPU:
 
-    CostModel.predict(rows, context) -> ms of one verification forward
+    CostModel.predict(rows, context, kind) -> ms of one forward of that kind
 
-A cost model is a grid of measured points {rows, context, ms}, written as JSON by
+A cost model is a grid of measured points {kind, rows, context, ms} per kind, written as JSON by
 ``benchmarks/verifier_cost_model.py`` (``--device cuda``: Gemma 4 26B-A4B shape, random bf16 weights, one GPU;
 ``--device cpu --recipe recipes/toy.toml``: the toy verifier with its real weights).
 
-Units and meaning of a point:
+The three kinds of forward (`KINDS`), what a point's ``rows`` and ``context`` mean for each, and who runs them:
 
-* ``rows``: R, the rows of the one forward that verifies a tree (paper Alg. 4 lines 1-3): B + 1 = 33 for a HyCo
-  tree (B = 32), K + 1 = 5 for a Cloud+MTP chain (K = 4), 1 for the verifier alone. int >= 1.
-* ``context``: t, the positions already in the verifier's KV cache when that forward runs (prompt without its
-  last token, plus every token committed so far). int >= 0.
-* ``ms``: milliseconds of that forward as the reference engine runs it (`hycoc.verifier.engine.verify_tree`:
-  explicit 4-D tree masks, a ``DynamicCache`` that keeps every position, logits of all R rows), median of
-  repeated runs after warm-up. The rest of a round (sampling, acceptance, KV compaction, hand-off packing;
-  Alg. 4 lines 5-14) is NOT in it: on a GPU it is a small, context-independent part of a round, and the bench
-  measures it on its own machine if it wants it.
+* ``verify``: one tree-verification forward (Alg. 4 lines 1-3), every round of every draft place. rows = R, the
+  tree's rows: B + 1 = 33 for a HyCo tree (B = 32), K + 1 = 5 for a Cloud+MTP chain (K = 4), 1 for the verifier
+  alone; context = t, positions already in the KV cache (the round's root position).
+* ``head_step``: one step of the MTP head on the server (one query row; `hycoc.verifier.engine.draft_cloud_chain`:
+  head forward, greedy arg-max, the next input's embedding). rows = 1; context = the verifier KV positions the head
+  reads. Cloud+MTP runs K of them BEFORE each verification, reading every committed position (context t);
+  server-head runs K AFTER each verification that does not finish the request, reading the W-window
+  (context min(W, t')). Device drafting (HyCo, SpecEdge) runs none on the server: that is the point of HyCo (§3.1:
+  moving the head to the device takes the server's median round from 26.8 to 21.7 ms).
+* ``prefill``: one causal prefill chunk (`hycoc.verifier.engine.prefill`, logits of the last row only). rows = the
+  chunk's positions n (at most the engine's chunk, `PREFILL_CHUNK`); context = the positions cached before it.
+  A request's prompt (all but its last token) and a second turn's appended tokens are prefilled in such chunks.
 
-Prediction (`CostModel.predict`): the points must form a full rectangular grid (every measured rows value at
-every measured context). Between grid lines the model is bilinear in (rows, context). Beyond the largest
+``ms``: milliseconds of that forward as the reference engine runs it (explicit 4-D masks, a ``DynamicCache`` that
+keeps every position), median of repeated runs after warm-up. The rest of a round (sampling, acceptance, KV
+compaction, hand-off packing; Alg. 4 lines 5-14) is NOT in it: on a GPU it is a small, context-independent part of
+a round, and the bench measures it on its own machine if it wants it.
+
+Prediction (`CostModel.predict`): each kind's points must form a full rectangular grid (every measured rows value
+at every measured context). Between grid lines the model is bilinear in (rows, context). Beyond the largest
 context it extrapolates linearly with the slope of the last two contexts at that rows value, with the slope
 clamped to >= 0 (so a prediction is never below the nearest measured point: attention work only grows with t).
 Below the smallest context it holds the value at the smallest context (no downward extrapolation: a short
-cache is dominated by weight reads, and holding is the conservative choice). Rows outside the measured range
-are an error (`CostModelError`): measure them (``--rows``) rather than guess; the device pads HyCo trees to
-B + 1 rows, so the default grid 1, 5, 33 covers every Table 5 configuration at the paper's K and B.
+cache is dominated by weight reads, and holding is the conservative choice). Rows outside the measured range, and
+a kind the model has no points of, are errors (`CostModelError`): measure them (``--rows``) rather than guess; the
+device pads HyCo trees to B + 1 rows, so the default grid 1, 5, 33 covers every Table 5 configuration at the
+paper's K and B.
 
-Prefill is NOT projected. `projected_server_ms` sums the rounds only; a bench that reports a projected g
-therefore reports "g over rounds, prefill excluded" and says so. (Scaling the measured prefill by the rounds'
-ratio would be wrong: prefill is compute-bound and a round is weight-bandwidth-bound, so the two do not move
-together from one machine to another.)
+Replay (`round_forwards`, `prefill_forwards`, `request_forwards`): the forwards the engine runs for one round of a
+draft place, or for one bench record (`hycoc.bench.stats` record), in the engine's order; `forwards_ms` sums their
+predictions. `tests/test_device_path.py` holds the account against the forwards the real engine runs.
+
+Files: schema_version 2 (points carry ``kind``). A schema 1 file (verification points only, from an older hycoc)
+still loads; its points are ``verify`` points, and replaying head steps or prefill through it is an error naming
+the fix (remeasure).
 
 Core module: numpy + pydantic only, no torch, so the bench and the tests can load a model anywhere.
 """
@@ -45,12 +58,25 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable, Literal, NamedTuple, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: Schema versions `load_cost_model` reads (1: verification points only, no ``kind``).
+READABLE_SCHEMAS = (1, 2)
+
+#: The kinds of forward a cost model times (module docstring).
+KINDS = ("verify", "head_step", "prefill")
+
+#: Prompt positions per prefill forward: `hycoc.verifier.engine.VerifierEngine`'s ``prefill_chunk`` default, which
+#: `hycoc verify-server` uses (a test holds the two equal).
+PREFILL_CHUNK = 512
+
+#: The paper's median server ms per round on one RTX PRO 6000 (§3.1): HyCo's (verification only, the head on the
+#: device) and Cloud+MTP's (K head steps + verification on the server).
+PAPER_ROUND_MS = {"hyco": 21.7, "cloud-mtp": 26.8}
 
 #: How to make a cost model file; named in every load error.
 MAKE_HINT = ("make one with `python benchmarks/verifier_cost_model.py --device cuda --out PATH` (GPU, Gemma 4 "
@@ -63,12 +89,13 @@ class CostModelError(ValueError):
 
 
 class CostPoint(BaseModel):
-    """One measured point: ``ms`` milliseconds for a verification forward of ``rows`` rows after ``context``
-    cached positions (see the module docstring)."""
+    """One measured point: ``ms`` milliseconds for one forward of ``kind`` with ``rows`` rows after ``context``
+    cached positions (see the module docstring for what rows and context mean per kind)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    rows: int = Field(ge=1, description="R, tree rows in the forward (B + 1 for a HyCo tree)")
+    kind: Literal["verify", "head_step", "prefill"] = Field("verify", description="which forward (KINDS)")
+    rows: int = Field(ge=1, description="rows of the forward: R tree rows, 1 head query, n prefill positions")
     context: int = Field(ge=0, description="t, positions already in the KV cache")
     ms: float = Field(gt=0, allow_inf_nan=False, description="median milliseconds of the forward")
 
@@ -77,19 +104,19 @@ class CostModel(BaseModel):
     """A measured grid of verification-forward costs on one device (see the module docstring for units).
 
     Fields:
-      schema_version: 1.
+      schema_version: 2 (1 is read: verification points only).
       device: the machine, in words (e.g. "NVIDIA H200", "cpu: 1 thread").
       dtype: the verifier's weight/activation dtype ("bfloat16", "float32").
       model: what was timed (e.g. "Gemma 4 26B-A4B shape, random weights").
       shape: the model's shape (layers, hidden size, heads, experts, vocabulary, ...), free-form numbers.
-      points: the grid; every rows value at every context, no duplicates (validated).
+      points: the grids, one per kind; per kind every rows value at every context, no duplicates (validated).
       source: "measured" (timed in this process) or "file" (read by `load_cost_model`).
       meta: how it was measured (warm-up, repeats, torch/transformers versions, date, ...), free-form.
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1, 2] = SCHEMA_VERSION
     device: str = Field(min_length=1)
     dtype: str = Field(min_length=1)
     model: str = Field(min_length=1)
@@ -100,45 +127,65 @@ class CostModel(BaseModel):
 
     @model_validator(mode="after")
     def _full_grid(self) -> "CostModel":
-        seen: dict[tuple[int, int], float] = {}
-        for p in self.points:
-            if (p.rows, p.context) in seen:
-                raise ValueError(f"points: rows={p.rows}, context={p.context} appears twice; keep one")
-            seen[(p.rows, p.context)] = p.ms
-        rows, ctxs = sorted({r for r, _ in seen}), sorted({c for _, c in seen})
-        missing = [(r, c) for r in rows for c in ctxs if (r, c) not in seen]
-        if missing:
-            r, c = missing[0]
-            raise ValueError(f"points: the grid is incomplete: {len(missing)} of {len(rows) * len(ctxs)} "
-                             f"(rows, context) pairs missing, first rows={r}, context={c}; every rows value "
-                             f"{rows} must be measured at every context {ctxs}")
+        for kind in KINDS:
+            seen: set[tuple[int, int]] = set()
+            for p in self.points:
+                if p.kind != kind:
+                    continue
+                if (p.rows, p.context) in seen:
+                    raise ValueError(f"points: {kind} rows={p.rows}, context={p.context} appears twice; keep one")
+                seen.add((p.rows, p.context))
+            rows, ctxs = sorted({r for r, _ in seen}), sorted({c for _, c in seen})
+            missing = [(r, c) for r in rows for c in ctxs if (r, c) not in seen]
+            if missing:
+                r, c = missing[0]
+                raise ValueError(f"points: the {kind} grid is incomplete: {len(missing)} of {len(rows) * len(ctxs)} "
+                                 f"(rows, context) pairs missing, first rows={r}, context={c}; every rows value "
+                                 f"{rows} must be measured at every context {ctxs}")
+        if not any(p.kind == "verify" for p in self.points):
+            raise ValueError("points: no verify points; every cost model times the verification forward")
         return self
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds this model has points of, in `KINDS` order."""
+        have = {p.kind for p in self.points}
+        return tuple(k for k in KINDS if k in have)
 
     # ---- the grid ------------------------------------------------------------------------------------------
 
     @property
     def rows_grid(self) -> np.ndarray:
-        """Measured rows values, ascending: int64 (nR,)."""
-        return np.array(sorted({p.rows for p in self.points}), dtype=np.int64)
+        """Measured rows values of the verify grid, ascending: int64 (nR,)."""
+        return self.rows_of("verify")
 
     @property
     def context_grid(self) -> np.ndarray:
-        """Measured contexts, ascending: int64 (nC,)."""
-        return np.array(sorted({p.context for p in self.points}), dtype=np.int64)
+        """Measured contexts of the verify grid, ascending: int64 (nC,)."""
+        return self.contexts_of("verify")
 
-    def table(self) -> np.ndarray:
-        """ms grid: float64 (nR, nC), [i, j] = ms at rows_grid[i], context_grid[j]."""
-        rows, ctxs = list(self.rows_grid), list(self.context_grid)
+    def rows_of(self, kind: str) -> np.ndarray:
+        """Measured rows values of ``kind``'s grid, ascending: int64 (nR,) (empty without such points)."""
+        return np.array(sorted({p.rows for p in self.points if p.kind == kind}), dtype=np.int64)
+
+    def contexts_of(self, kind: str) -> np.ndarray:
+        """Measured contexts of ``kind``'s grid, ascending: int64 (nC,) (empty without such points)."""
+        return np.array(sorted({p.context for p in self.points if p.kind == kind}), dtype=np.int64)
+
+    def table(self, kind: str = "verify") -> np.ndarray:
+        """ms grid of ``kind``: float64 (nR, nC), [i, j] = ms at rows_of(kind)[i], contexts_of(kind)[j]."""
+        rows, ctxs = list(self.rows_of(kind)), list(self.contexts_of(kind))
         out = np.empty((len(rows), len(ctxs)))
         for p in self.points:
-            out[rows.index(p.rows), ctxs.index(p.context)] = p.ms
+            if p.kind == kind:
+                out[rows.index(p.rows), ctxs.index(p.context)] = p.ms
         return out
 
     # ---- prediction ----------------------------------------------------------------------------------------
 
-    def _along_context(self, ms_row: np.ndarray, context: float) -> float:
-        """One rows line of the grid at ``context``: linear inside, held below, slope-clamped (>= 0) above."""
-        ctxs = self.context_grid.astype(np.float64)
+    def _along_context(self, ms_row: np.ndarray, context: float, kind: str = "verify") -> float:
+        """One rows line of ``kind``'s grid at ``context``: linear inside, held below, slope-clamped (>= 0) above."""
+        ctxs = self.contexts_of(kind).astype(np.float64)
         if len(ctxs) == 1 or context <= ctxs[0]:
             return float(ms_row[0])
         if context <= ctxs[-1]:
@@ -146,38 +193,51 @@ class CostModel(BaseModel):
         slope = max(0.0, (ms_row[-1] - ms_row[-2]) / (ctxs[-1] - ctxs[-2]))
         return float(ms_row[-1] + slope * (context - ctxs[-1]))
 
-    def predict(self, rows: int, context: int) -> float:
-        """Milliseconds of one verification forward of ``rows`` rows after ``context`` cached positions.
+    def predict(self, rows: int, context: int, kind: str = "verify") -> float:
+        """Milliseconds of one forward of ``kind`` (`KINDS`) with ``rows`` rows after ``context`` cached positions.
 
-        Bilinear inside the grid; linear in context above it (slope clamped to >= 0), held below it (module
-        docstring). Raises CostModelError if rows is outside [min, max] of the measured rows or context < 0.
+        Bilinear inside the kind's grid; linear in context above it (slope clamped to >= 0), held below it (module
+        docstring). Raises CostModelError if the model has no points of ``kind`` (a schema 1 file: remeasure), rows
+        is outside [min, max] of the kind's measured rows, or context < 0.
         """
-        grid = self.rows_grid
+        if kind not in KINDS:
+            raise CostModelError(f"kind = {kind!r}: a forward is one of {', '.join(KINDS)}")
+        grid = self.rows_of(kind)
+        if not len(grid):
+            raise CostModelError(f"the cost model ({self.model}, {self.device}) has no {kind} points, so the server's "
+                                 f"{kind} forwards cannot be replayed; remeasure it with this hycoc ({MAKE_HINT})")
         if not grid[0] <= rows <= grid[-1]:
-            raise CostModelError(f"rows = {rows} is outside the cost model's measured rows [{grid[0]}, {grid[-1]}] "
-                                 f"({self.model}, {self.device}); measure it: benchmarks/verifier_cost_model.py "
-                                 f"--rows {','.join(str(int(r)) for r in sorted(set(grid.tolist()) | {int(rows)}))}")
+            flag = {"verify": "--rows", "head_step": "--rows", "prefill": "--prefill-rows"}[kind]
+            raise CostModelError(f"rows = {rows} is outside the cost model's measured {kind} rows [{grid[0]}, "
+                                 f"{grid[-1]}] ({self.model}, {self.device}); measure it: "
+                                 f"benchmarks/verifier_cost_model.py {flag} "
+                                 f"{','.join(str(int(r)) for r in sorted(set(grid.tolist()) | {int(rows)}))}")
         if context < 0:
             raise CostModelError(f"context = {context}: a context is a count of cached positions, >= 0")
-        table = self.table()
+        table = self.table(kind)
         i = int(np.searchsorted(grid, rows, side="right")) - 1  # grid[i] <= rows
-        lo = self._along_context(table[i], float(context))
+        lo = self._along_context(table[i], float(context), kind)
         if grid[i] == rows:
             return lo
-        hi = self._along_context(table[i + 1], float(context))
+        hi = self._along_context(table[i + 1], float(context), kind)
         w = (rows - grid[i]) / (grid[i + 1] - grid[i])
         return float(lo + w * (hi - lo))
 
+    def forwards_ms(self, forwards: Iterable["Forward"]) -> float:
+        """Sum of `predict` over forwards (`Forward` or (kind, rows, context) tuples), ms."""
+        return float(sum(self.predict(int(f[1]), int(f[2]), str(f[0])) for f in forwards))
+
     def projected_server_ms(self, rounds: Iterable[tuple[int, int]]) -> float:
-        """Sum of `predict` over rounds, each (rows, context). Prefill is not included (module docstring)."""
+        """Sum of `predict` over verification rounds, each (rows, context): the verify forwards alone (head steps
+        and prefill are `forwards_ms` of `round_forwards` / `request_forwards`)."""
         return float(sum(self.predict(int(r), int(c)) for r, c in rounds))
 
     # ---- files ---------------------------------------------------------------------------------------------
 
     def to_json(self) -> str:
-        """The file form: indented JSON, points sorted by (rows, context)."""
+        """The file form: indented JSON, points sorted by (kind in `KINDS` order, rows, context)."""
         d = self.model_dump(mode="json")
-        d["points"] = sorted(d["points"], key=lambda p: (p["rows"], p["context"]))
+        d["points"] = sorted(d["points"], key=lambda p: (KINDS.index(p["kind"]), p["rows"], p["context"]))
         return json.dumps(d, indent=2) + "\n"
 
     def save(self, path: str | Path) -> Path:
@@ -198,16 +258,114 @@ class CostModel(BaseModel):
         return path
 
 
-def projected_server_ms(model: CostModel, rounds: Iterable[tuple[int, int]]) -> float:
-    """Projected server ms of a request's rounds on the cost model's device: sum of ``model.predict(rows, context)``
-    over ``rounds`` (an iterable of (rows, context), one per verification round, context = cached positions
-    when that round ran). Prefill is excluded (module docstring). Raises CostModelError as `CostModel.predict`."""
-    return model.projected_server_ms(rounds)
+class Forward(NamedTuple):
+    """One forward the server runs: ``kind`` (`KINDS`), ``rows`` and ``context`` as the module docstring defines
+    them per kind."""
+
+    kind: str
+    rows: int
+    context: int
 
 
-def projected_g(model: CostModel, rounds: Iterable[tuple[int, int]], output_tokens: int) -> float:
-    """Projected g over rounds: `projected_server_ms` / output_tokens, in ms per output token, prefill excluded.
-    Raises CostModelError if output_tokens < 1."""
+#: bench configuration (Table 5) -> the draft place its sessions use (`hycoc.runtime.client.MODES`).
+DRAFT_PLACE_OF = {"cloud-mtp": "cloud-mtp", "server-head": "server-head", "hyco": "device", "hyco-exact": "device",
+                  "hyco-2p": "device", "specedge": "device", "specedge-eps": "device"}
+
+
+def round_forwards(draft_place: str, rows: int, context: int, *, head_steps: int = 0,
+                   head_context: int = 0) -> list[Forward]:
+    """The forwards of one round (Alg. 4; Table 5's server-side baselines), in the order the engine runs them.
+
+    draft_place: "device" (HyCo, SpecEdge: verification only), "cloud-mtp" (``head_steps`` head steps reading
+    ``context`` positions, then verification of root + chain: rows = head_steps + 1) or "server-head"
+    (verification, then ``head_steps`` head steps reading ``head_context`` = min(W, t') positions). rows, context:
+    the verification forward's R and t. Raises CostModelError for an unknown place, rows < 1, negative counts, or
+    a cloud-mtp round whose rows are not head_steps + 1.
+    Example: round_forwards("cloud-mtp", 5, 300, head_steps=4) is four Forward("head_step", 1, 300), then
+    Forward("verify", 5, 300).
+    """
+    if rows < 1 or context < 0 or head_steps < 0 or head_context < 0:
+        raise CostModelError(f"round rows = {rows}, context = {context}, head_steps = {head_steps}, head_context = "
+                             f"{head_context}: need rows >= 1 and the rest >= 0")
+    verify = Forward("verify", int(rows), int(context))
+    if draft_place == "device":
+        if head_steps:
+            raise CostModelError(f"a device-drafted round runs no head step on the server, got head_steps = "
+                                 f"{head_steps}")
+        return [verify]
+    if draft_place == "cloud-mtp":
+        if rows != head_steps + 1:
+            raise CostModelError(f"a cloud-mtp round verifies the root and its {head_steps}-token chain: rows must "
+                                 f"be {head_steps + 1}, got {rows}")
+        return [Forward("head_step", 1, int(context))] * head_steps + [verify]
+    if draft_place == "server-head":
+        return [verify] + [Forward("head_step", 1, int(head_context))] * head_steps
+    raise CostModelError(f"draft_place = {draft_place!r}: one of device, cloud-mtp, server-head")
+
+
+def prefill_forwards(start: int, stop: int, chunk: int = PREFILL_CHUNK) -> list[Forward]:
+    """The prefill chunks that fill positions [start, stop) (`hycoc.verifier.engine.prefill`): Forward("prefill",
+    n, t) for t = start, start + chunk, ... with n = min(chunk, stop - t). Empty when stop <= start. Raises
+    CostModelError for chunk < 1 or start < 0."""
+    if chunk < 1 or start < 0:
+        raise CostModelError(f"prefill start = {start}, chunk = {chunk}: need start >= 0 and chunk >= 1")
+    return [Forward("prefill", min(chunk, stop - t), t) for t in range(start, stop, chunk)]
+
+
+def request_forwards(record: dict, *, chain_length: int | None = None, head_window: int | None = None,
+                     prefill_chunk: int = PREFILL_CHUNK, prefill: bool = True) -> list[list[Forward]]:
+    """Every forward the server ran for one bench record (`hycoc.bench.stats` record keys), grouped: the prefill
+    chunks first (one group, empty without ``prefill``), then one group per round (`round_forwards`).
+
+    Per configuration (`DRAFT_PLACE_OF`): cloud-mtp rounds run rows - 1 head steps at the round's context;
+    server-head rounds run ``chain_length`` head steps at min(``head_window``, next round's context) after every
+    round but the request's last (its reply ends the request: no chain is drafted); device rounds none. The
+    prefill covers [record["prefill_start"], first round's context): prefill_start is 0 for a first turn and the
+    kept conversation's last position for a second turn (records without it: 0 for turn 1, and a second turn is
+    counted as a cold prefill of the whole conversation, an upper bound).
+    Raises CostModelError when a server-head record is replayed without chain_length and head_window, or a
+    record's rows and context lists differ in length.
+    """
+    rows, ctx = list(record.get("rows") or ()), list(record.get("context") or ())
+    if len(rows) != len(ctx):
+        raise CostModelError(f"record {record.get('config')}/{record.get('question_id')}: {len(rows)} rows entries "
+                             f"but {len(ctx)} context entries")
+    place = DRAFT_PLACE_OF.get(str(record.get("config")), "device")
+    if place == "server-head" and (chain_length is None or head_window is None):
+        raise CostModelError("server-head rounds run the head on the server: replaying them needs the recipe's "
+                             "chain_length (K) and head_window (W)")
+    groups: list[list[Forward]] = [[]]
+    if prefill and ctx:
+        groups[0] = prefill_forwards(int(record.get("prefill_start") or 0), int(ctx[0]), prefill_chunk)
+    for i, (r, t) in enumerate(zip(rows, ctx)):
+        if place == "cloud-mtp":
+            groups.append(round_forwards(place, int(r), int(t), head_steps=int(r) - 1))
+        elif place == "server-head":
+            last = i == len(rows) - 1
+            t_next = int(ctx[i + 1]) if not last else int(t)
+            groups.append(round_forwards(place, int(r), int(t), head_steps=0 if last else int(chain_length),
+                                         head_context=min(int(head_window), t_next)))
+        else:
+            groups.append(round_forwards(place, int(r), int(t)))
+    return groups
+
+
+def projected_server_ms(model: CostModel, rounds: Iterable[tuple[int, int]] | Iterable[Sequence[Forward]]) -> float:
+    """Projected server ms on the cost model's device. ``rounds``: either (rows, context) pairs, one per
+    verification round (the verify forwards alone), or groups of `Forward` (`round_forwards`, `request_forwards`:
+    every forward the server ran). Raises CostModelError as `CostModel.predict`."""
+    total = 0.0
+    for r in rounds:
+        if len(r) and isinstance(r[0], (tuple, list)):  # a group of forwards
+            total += model.forwards_ms(r)
+        elif len(r):
+            total += model.predict(int(r[0]), int(r[1]))
+    return float(total)
+
+
+def projected_g(model: CostModel, rounds, output_tokens: int) -> float:
+    """Projected g: `projected_server_ms` of ``rounds`` / output_tokens, in ms per output token (prefill included
+    exactly when ``rounds`` holds its chunks). Raises CostModelError if output_tokens < 1."""
     if output_tokens < 1:
         raise CostModelError(f"output_tokens = {output_tokens}: g needs at least one output token")
     return projected_server_ms(model, rounds) / output_tokens
@@ -242,9 +400,9 @@ def load_cost_model(path: str | Path) -> CostModel:
     if not isinstance(data, dict):
         raise CostModelError(f"{path}: expected a JSON object with schema_version, device, dtype, model, points; "
                              f"got {type(data).__name__}")
-    if "schema_version" in data and data["schema_version"] != SCHEMA_VERSION:
+    if "schema_version" in data and data["schema_version"] not in READABLE_SCHEMAS:
         raise CostModelError(f"{path}: schema_version = {data['schema_version']!r}, this hycoc reads "
-                             f"{SCHEMA_VERSION}; remeasure with this hycoc ({MAKE_HINT})")
+                             f"{' and '.join(map(str, READABLE_SCHEMAS))}; remeasure with this hycoc ({MAKE_HINT})")
     data["source"] = "file"
     try:
         return CostModel.model_validate(data)
@@ -261,5 +419,6 @@ def load_cost_model(path: str | Path) -> CostModel:
         raise CostModelError(f"{path}: {msg}{more}; fix the file or {MAKE_HINT}") from None
 
 
-__all__ = ["SCHEMA_VERSION", "CostModelError", "CostPoint", "CostModel", "load_cost_model", "projected_server_ms",
-           "projected_g"]
+__all__ = ["DRAFT_PLACE_OF", "KINDS", "PAPER_ROUND_MS", "PREFILL_CHUNK", "SCHEMA_VERSION", "CostModelError",
+           "CostPoint", "CostModel", "Forward", "load_cost_model", "prefill_forwards", "projected_server_ms",
+           "projected_g", "request_forwards", "round_forwards"]

@@ -212,7 +212,8 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
     Raises BenchError (server, bundle), BundleError, TransportError from a request that fails for a reason other
     than the request itself; KeyboardInterrupt leaves ``records.jsonl`` for ``--resume``.
     """
-    from hycoc.bench.stats import render_categories, render_quality, render_table, summarize, write_plots
+    from hycoc.bench.stats import (render_categories, render_quality, render_rounds, render_table, summarize,
+                                   write_plots)
     from hycoc.chat import format_prompt
     from hycoc.protocol.messages import Sampling
     from hycoc.runtime.client import load_runtime
@@ -247,7 +248,7 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
     console.print("scoring answers with the verifier (its own log-prob of each answer) ...")
     score_answers(recipe, records, prompts)
     cost, cost_note = cost_model_for(recipe, records, cost_model_path, out, console)
-    summary = summarize(records, cost_model=cost)
+    summary = summarize(records, cost_model=cost, server=server_work(recipe))
     results = {"meta": {"recipe": str(recipe_path), "bundle": str(bundle_dir), "backend": backend,
                         "questions": len(plan.questions), "configs": plan.configs, "runs": plan.runs,
                         "link": plan.link, "link_applied": "counted, not slept", "output_cap": plan.output_cap,
@@ -260,10 +261,12 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
     render_table(summary, console, title=f"hycoc bench: {len(plan.questions)} Spec-Bench questions, link {plan.link}")
     render_quality(summary, console)
     render_categories(summary, console)
+    render_rounds(summary, console)
     if plan.turns > 1:
         render_turns(turns, console)
     console.print(f"g = verifier ms per output token measured on this machine (prefill included); {cost_note}, "
-                  "rounds only. Delivery and first-token times include the link model.")
+                  "every server forward (prefill, verification, server-side head steps). Delivery and first-token "
+                  "times include the link model.")
     console.print(f"wrote {out / RESULTS}, {', '.join(str(p) for p in plots)}")
     return results
 
@@ -397,6 +400,7 @@ def second_turn(rt, client, url: str, req: Request, prompt: list[int], first, ou
         cold.close()
     rec = record_of(req.config, req.run, q, len(conversation), res, virtual_link=True, turn=2)
     rec["prefill_ms_cold"] = float(cold_ms)
+    rec["prefill_start"] = len(prompt) + len(first.tokens) - 1  # the append prefills [this, root): cost-model replay
     return rec
 
 
@@ -463,6 +467,12 @@ def cost_model_for(recipe, records: list[dict], cost_model_path: Path | None, ou
                   f"{out / 'cost_model.json'}")
 
 
+def server_work(recipe) -> dict[str, int]:
+    """What the cost-model replay needs to know of the server (`hycoc.bench.cost_model.request_forwards`): the
+    recipe's K (``[tree] chain_length``, the server head's chain) and W (``[window] head_window``, its window)."""
+    return {"chain_length": recipe.tree.chain_length, "head_window": recipe.window.head_window}
+
+
 def run_settings(recipe, plan: BenchPlan, bundle_dir: Path, backend: str) -> dict:
     """What makes two benches' records comparable; ``--resume`` refuses to mix records made with other values."""
     from hycoc.bundle import sha256_file
@@ -480,4 +490,4 @@ def default_bundle_dir(recipe, repo_root: Path) -> Path:
 
 __all__ = ["CONFIGS", "BenchError", "BenchPlan", "Request", "VerifierProcess", "atomic_write", "cost_model_for",
            "default_bundle_dir", "make_console", "open_out", "read_records", "record_of", "run_bench", "run_requests",
-           "score_answers", "score_quality"]
+           "score_answers", "score_quality", "server_work"]

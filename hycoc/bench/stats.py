@@ -35,9 +35,14 @@ runs the pooled ratio is taken per run and the runs' ratios are averaged, as App
   hardware that ran it, prefill included. None for slm-alone (no verifier).
 * g_rounds [ms / output token] = sum server_ms / sum tokens: measured g over rounds only (prefill excluded), the
   figure to hold against g projected.
-* g projected [ms / output token] = sum over rounds of cost_model.predict(rows, context) / sum tokens: the rounds
-  replayed through a cost model measured on another device (`hycoc.bench.cost_model`). Rounds only, PREFILL EXCLUDED
-  (the cost model does not project prefill). None without a cost model and for slm-alone.
+* g projected [ms / output token] = sum over every forward the server ran of cost_model.predict / sum tokens: the
+  request replayed through a cost model measured on another device (`hycoc.bench.cost_model.request_forwards`):
+  the prefill chunks, each round's verification forward, and the server-side head steps of cloud-mtp (K before each
+  verification) and server-head (K after it). Prefill included, as in g, when the cost model has prefill points
+  (``g_projected_includes_prefill``; a schema 1 file has none). None without a cost model and for slm-alone. g_projected_parts splits it by kind of forward (verify, head_step, prefill), ms per output token.
+* server ms per round p50 = median over rounds of server_ms (measured; prefill excluded); its projected twin is the
+  median over rounds of the round's projected forwards (verification + head steps), the figure the paper quotes
+  per round (§3.1: 21.7 ms HyCo, 26.8 ms Cloud+MTP, `hycoc.bench.cost_model.PAPER_ROUND_MS`).
 * Δg [%] = 100 * (g / g_baseline - 1), paired: computed on the requests of the configuration and of the baseline
   (cloud-mtp) matched by (question_id, run) -- or by question_id alone where the baseline ran that question in
   one run only -- each side pooled over the matched requests. Its 95% CI is a paired bootstrap over questions:
@@ -241,19 +246,38 @@ def paired_mean_difference(pairs: Sequence[tuple[Record, Record]], value: Callab
 # ---- summary ------------------------------------------------------------------------------------------------
 
 
-def _projected_cost_fn(cost_model: Any) -> Callable[[Record], float]:
-    cache: dict[tuple[int, int], float] = {}
+class _Projection:
+    """A record's forwards (`hycoc.bench.cost_model.request_forwards`) through ``cost_model``: ``total(r)`` ms of
+    every forward, ``parts(r)`` {kind: ms}, ``rounds(r)`` [ms per round]. Predictions are cached per forward."""
 
-    def cost(r: Record) -> float:
-        total = 0.0
-        for rows, ctx in zip(r.get("rows") or (), r.get("context") or ()):
-            key = (int(rows), int(ctx))
-            if key not in cache:
-                cache[key] = float(cost_model.predict(*key))
-            total += cache[key]
-        return total
+    def __init__(self, cost_model: Any, server: dict[str, int] | None):
+        self.model, self.server, self._ms = cost_model, dict(server or {}), {}
+        # a model without prefill points (schema 1, or a hand-made stand-in) projects the rounds alone
+        self.prefill = "prefill" in getattr(cost_model, "kinds", ("prefill",))
+        self.server.setdefault("prefill", self.prefill)
 
-    return cost
+    def _cost(self, f) -> float:
+        if f not in self._ms:
+            self._ms[f] = float(self.model.predict(f.rows, f.context, f.kind))
+        return self._ms[f]
+
+    def groups(self, r: Record):
+        from hycoc.bench.cost_model import request_forwards
+
+        return request_forwards(r, **self.server)
+
+    def total(self, r: Record) -> float:
+        return float(sum(self._cost(f) for g in self.groups(r) for f in g))
+
+    def parts(self, r: Record) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for g in self.groups(r):
+            for f in g:
+                out[f.kind] += self._cost(f)
+        return out
+
+    def rounds(self, r: Record) -> list[float]:
+        return [float(sum(self._cost(f) for f in g)) for g in self.groups(r)[1:]]
 
 
 def _reference_rate(recs: Sequence[Record]) -> tuple[float | None, int]:
@@ -286,19 +310,23 @@ def quality_metrics(recs: Sequence[Record], pairs: Sequence[tuple[Record, Record
 
 
 def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, cost_model: Any = None,
-              bootstrap: int = 1000, seed: int = 0) -> dict[str, dict[str, Any]]:
+              bootstrap: int = 1000, seed: int = 0, server: dict[str, int] | None = None) -> dict[str, dict[str, Any]]:
     """The summary of a bench run: configuration name -> metrics (definitions and units in the module docstring).
 
     records: per-request records (module docstring). baseline: the configuration Δ figures are paired against
-    (cloud-mtp); absent -> every delta field is None. cost_model: an object with ``predict(rows, context) -> ms``
-    (`hycoc.bench.cost_model.CostModel`) or None; a prediction error (rows outside its grid) leaves the projected
-    fields None and puts the message in ``g_projected_error``. bootstrap: resamples for the CIs (0: no CI).
+    (cloud-mtp); absent -> every delta field is None. cost_model: an object with ``predict(rows, context, kind) ->
+    ms`` (`hycoc.bench.cost_model.CostModel`) or None; a prediction error (rows outside its grid, a kind it lacks)
+    leaves the projected fields None and puts the message in ``g_projected_error``. server: keyword arguments of
+    `hycoc.bench.cost_model.request_forwards` (``chain_length``, ``head_window``: the recipe's K and W, which the
+    server-head replay needs). bootstrap: resamples for the CIs (0: no CI).
     seed: bootstrap seed (each configuration/metric/category gets its own stream derived from it).
 
     Keys per configuration (None where undefined):
       requests, runs, unfinished, tokens, rounds;
-      g_ms_per_token, g_runs (per-run g), g_rounds_ms_per_token, g_projected_ms_per_token (rounds only, prefill
-      excluded), g_projected_error;
+      g_ms_per_token, g_runs (per-run g), g_rounds_ms_per_token, g_projected_ms_per_token (every server forward,
+      prefill included where the model has prefill points: g_projected_includes_prefill), g_projected_parts
+      {verify, head_step, prefill: ms per output token}, g_projected_error;
+      server_ms_per_round_p50, server_ms_per_round_projected_p50 (verification + head steps);
       delta_g_pct, delta_g_ci95 [lo, hi], delta_g_projected_pct, delta_g_projected_ci95, delta_pairs,
       delta_questions (matched requests / questions behind the Δ figures);
       mat, verifier_forwards_per_token, rows_per_forward, mean_context, tok_per_s, draft_ms_per_token,
@@ -314,7 +342,8 @@ def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, co
     for r in records:
         groups[str(r["config"])].append(r)
     base = groups.get(baseline) or []
-    projected = _projected_cost_fn(cost_model) if cost_model is not None else None
+    proj = _Projection(cost_model, server) if cost_model is not None else None
+    projected = proj.total if proj is not None else None
 
     out: dict[str, dict[str, Any]] = {}
     for name in _order(groups):
@@ -331,11 +360,21 @@ def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, co
         s["g_runs"] = ([_pooled([r for r in recs if r.get("run", 0) == k], _server_cost, _tokens) for k in runs]
                        if verifier else None)
         s["g_rounds_ms_per_token"] = _pooled(recs, _rounds_cost, _tokens) if verifier else None
-        s["g_projected_ms_per_token"], s["g_projected_error"] = None, None
+        s["g_projected_ms_per_token"], s["g_projected_parts"], s["g_projected_error"] = None, None, None
+        s["g_projected_includes_prefill"] = proj.prefill if verifier and proj is not None else None
+        round_ms = [float(x) for r in recs for x in (r.get("server_ms") or ())]
+        s["server_ms_per_round_p50"] = float(np.median(round_ms)) if verifier and round_ms else None
+        s["server_ms_per_round_projected_p50"] = None
         proj_ok = False
-        if verifier and projected is not None:
+        if verifier and proj is not None:
             try:
                 s["g_projected_ms_per_token"] = _pooled(recs, projected, _tokens)
+                parts = [proj.parts(r) for r in recs]
+                tokens = sum(_tokens(r) for r in recs)
+                s["g_projected_parts"] = {k: (sum(p.get(k, 0.0) for p in parts) / tokens if tokens else None)
+                                          for k in ("verify", "head_step", "prefill")}
+                per_round = [x for r in recs for x in proj.rounds(r)]
+                s["server_ms_per_round_projected_p50"] = float(np.median(per_round)) if per_round else None
                 if base:
                     for b in base:
                         projected(b)  # the baseline must be projectable too before pairing on it
@@ -433,7 +472,7 @@ def render_table(summary: Mapping[str, Mapping[str, Any]], console: Any, *, titl
     """Print the main table (one row per configuration, Table 5 order) on a rich Console.
 
     Columns: g (measured verifier ms per output token, prefill included), g proj. (cost-model ms per token over
-    rounds, prefill excluded), Δg % [95% CI] vs the baseline (and Δg proj. % when present), MAT, verifier
+    every server forward, prefill included), Δg % [95% CI] vs the baseline (and Δg proj. % when present), MAT, verifier
     forwards per token, delivery tok/s, device draft ms per token, first-token p50 ms, bytes up/down per round,
     share of bonus tokens outside the keep set, the answers' zlib compressed/raw ratio with its paired Δ (the
     headline repetition metric, `hycoc.bench.quality`), and the quality flag: the metrics on which the configuration is
@@ -446,7 +485,7 @@ def render_table(summary: Mapping[str, Mapping[str, Any]], console: Any, *, titl
     has_proj = any(_num(summary[n].get("g_projected_ms_per_token")) is not None for n in names)
     has_dproj = any(_num(summary[n].get("delta_g_projected_pct")) is not None for n in names)
     legend = (f"g: measured verifier ms per output token incl. prefill (App. G, pooled). "
-              f"g proj.: cost-model ms per token over rounds, prefill excluded. "
+              f"g proj.: cost-model ms per token over every server forward (prefill, verification, server-side head steps). "
               f"Δg: paired vs {baseline}, 95% CI by bootstrap over questions; lower is better. "
               f"zlib ratio: compressed/raw bytes of the answers (lower = more repetitive), paired Δ vs {baseline}. "
               f"worse than {baseline}: quality metrics whose paired 95% CI lies wholly on the worse side.")
@@ -532,6 +571,38 @@ def render_quality(summary: Mapping[str, Mapping[str, Any]], console: Any, *, ba
     console.print(table)
 
 
+def render_rounds(summary: Mapping[str, Mapping[str, Any]], console: Any = None) -> None:
+    """A table of server ms per round (median over rounds): measured here, projected through the cost model
+    (verification + the server-side head steps of that round), and the paper's figure for the same draft place
+    (§3.1, `hycoc.bench.cost_model.PAPER_ROUND_MS`: 21.7 ms with the head on the device, 26.8 ms with it on the
+    server), with g projected split by kind of forward (ms per output token). Prints nothing without a
+    projection."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from hycoc.bench.cost_model import DRAFT_PLACE_OF, PAPER_ROUND_MS
+
+    console = console or Console()
+    names = [n for n in _order(summary) if summary[n].get("server_ms_per_round_projected_p50") is not None]
+    if not names:
+        return
+    table = Table(title="server ms per round (median) and g projected by forward",
+                  caption="projected: verification + server-side head steps of each round, through the cost model; "
+                          "paper: §3.1, one RTX PRO 6000 (HyCo 21.7 ms: verification only; Cloud+MTP 26.8 ms: "
+                          "K head steps + verification). g proj. parts in ms per output token.")
+    for col in ("config", "measured ms", "projected ms", "paper ms", "g proj. verify", "g proj. head steps",
+                "g proj. prefill"):
+        table.add_column(col, justify="left" if col == "config" else "right")
+    for name in names:
+        s = summary[name]
+        place = DRAFT_PLACE_OF.get(name, "device")
+        paper = PAPER_ROUND_MS["hyco"] if place == "device" else PAPER_ROUND_MS["cloud-mtp"]
+        parts = s.get("g_projected_parts") or {}
+        table.add_row(name, _fmt(s.get("server_ms_per_round_p50")), _fmt(s.get("server_ms_per_round_projected_p50")),
+                      f"{paper:.1f}", *(_fmt(parts.get(k)) for k in ("verify", "head_step", "prefill")))
+    console.print(table)
+
+
 def render_categories(summary: Mapping[str, Mapping[str, Any]], console: Any, *,
                       baseline: str = DEFAULT_BASELINE, title: str = "per category: MAT · Δg %") -> None:
     """Print a per-category table: one row per category, one column per configuration with its MAT and its
@@ -581,7 +652,7 @@ def _save(fig: Any, path: Path) -> Path:
 def write_plots(summary: Mapping[str, Mapping[str, Any]], out_dir: str | Path, *,
                 baseline: str = DEFAULT_BASELINE) -> list[Path]:
     """Write ``mat_vs_g.png`` (MAT vs g, one labeled point per configuration: filled = g measured incl. prefill,
-    hollow = g projected over rounds, prefill excluded) and ``category_delta_g.png`` (grouped bars of paired Δg %
+    hollow = g projected over every server forward) and ``category_delta_g.png`` (grouped bars of paired Δg %
     per category per configuration) into out_dir (created if needed). Uses matplotlib's Agg canvas, no pyplot
     state; each file is written to a temporary name and renamed. Returns the two paths."""
     from matplotlib.figure import Figure
@@ -612,7 +683,7 @@ def write_plots(summary: Mapping[str, Mapping[str, Any]], out_dir: str | Path, *
     if not plotted:
         ax.text(0.5, 0.5, "no configuration with a verifier", ha="center", va="center", transform=ax.transAxes)
     ax.scatter([], [], color="gray", marker="o", label="g measured (incl. prefill)")
-    ax.scatter([], [], facecolors="none", edgecolors="gray", marker="s", label="g projected (rounds, no prefill)")
+    ax.scatter([], [], facecolors="none", edgecolors="gray", marker="s", label="g projected (every server forward)")
     ax.legend(loc="best", fontsize=8)
     ax.set_xlabel("g: verifier ms per output token (lower is better)")
     ax.set_ylabel("MAT: tokens per verification round")
