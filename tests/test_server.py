@@ -500,7 +500,8 @@ def test_healthz(server):
                                 "limits": {"handshake_timeout_s": 10.0, "frame_timeout_s": 30.0,
                                            "idle_timeout_s": 300.0, "max_connections": 256, "max_sessions": 64,
                                            "max_kv_bytes": 8 << 30, "auth_failures_per_minute": 10,
-                                           "retry_after_s": 5.0}}
+                                           "retry_after_s": 5.0},
+                                "batching": {"mode": "batched", "max_batch_rows": 528, "max_batch_wait_ms": 2.0}}
     with VerifierClient(server.url, auth_token=TOKEN) as c:
         c.open(open_request([3, 4, 5]))
         assert json.loads(http_get(server.http_url + "/healthz")[1])["sessions"] == 1
@@ -516,8 +517,10 @@ def test_metrics_count_exactly(server, reference):
                      "hycoc_server_ms_total": "counter", "hycoc_prefill_ms_total": "counter",
                      "hycoc_g_ms_per_token": "gauge", "hycoc_errors_total": "counter",
                      "hycoc_refusals_total": "counter", "hycoc_connections_active": "gauge",
-                     "hycoc_kv_bytes_reserved": "gauge"}
+                     "hycoc_kv_bytes_reserved": "gauge", "hycoc_batch_rows": "histogram",
+                     "hycoc_batch_sessions": "histogram", "hycoc_queue_wait_seconds": "histogram"}
     assert values["hycoc_rounds_total"] == 0 and np.isnan(values["hycoc_mat"])
+    assert values['hycoc_batch_rows_bucket{le="+Inf"}'] == 0 and values["hycoc_batch_rows_count"] == 0
 
     s = Alongside(server.url, reference)
     replies = [s.step() for _ in range(3)]
@@ -547,6 +550,13 @@ def test_metrics_count_exactly(server, reference):
     assert values["hycoc_g_ms_per_token"] == pytest.approx((server_ms + prefill_ms) / tokens, rel=1e-6)
     assert {k: v for k, v in values.items() if k.startswith("hycoc_errors_total")} == {
         'hycoc_errors_total{kind="auth_required"}': 1, 'hycoc_errors_total{kind="bad_seq"}': 1}
+    # One session alone: every forward holds its ROWS rows (buckets are cumulative: le=4 has none, le=8 all).
+    assert (values["hycoc_batch_rows_count"], values["hycoc_batch_rows_sum"]) == (3, 3 * ROWS)
+    assert (values['hycoc_batch_rows_bucket{le="4.0"}'], values['hycoc_batch_rows_bucket{le="8.0"}']) == (0, 3)
+    assert (values["hycoc_batch_sessions_count"], values["hycoc_batch_sessions_sum"]) == (3, 3)
+    assert values['hycoc_batch_sessions_bucket{le="1.0"}'] == 3
+    assert values["hycoc_queue_wait_seconds_count"] == 3
+    assert 0 <= values["hycoc_queue_wait_seconds_sum"] < 3 * 5.0
 
 
 # ---------------------------------------------------------------------------------------------- loading, CLI

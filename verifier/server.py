@@ -78,8 +78,15 @@ from hycoc.protocol import wire
 from hycoc.protocol.messages import AppendTurn, Close, DraftTree, Opened, OpenRequest
 
 from .engine import Session, VerifierEngine
+from .scheduler import BatchScheduler, StepReport
 
 log = logging.getLogger("hycoc.verifier.server")
+
+#: Verification modes of `VerifierServer` (recipe verifier.batching) and the batching defaults: 16 trees of 33 rows
+#: per forward, and 2 ms of waiting for others (a toy round is ~10-25 ms; a GPU round ~20 ms).
+BATCHING_MODES = ("batched", "serial")
+DEFAULT_MAX_BATCH_ROWS = 528
+DEFAULT_MAX_BATCH_WAIT_MS = 2.0
 
 #: Prometheus text exposition format served at /metrics.
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -227,6 +234,41 @@ def open_frame_bytes(max_context: int) -> int:
 
 
 @dataclass
+class Histogram:
+    """A Prometheus histogram (cumulative ``_bucket{le=...}`` series, ``_sum``, ``_count``) over fixed upper
+    bounds ``bounds`` (increasing; +Inf is added). `observe` adds one value."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self):
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        i = next((k for k, b in enumerate(self.bounds) if value <= b), len(self.bounds))
+        self.counts[i] += 1
+        self.total += value
+        self.count += 1
+
+    def samples(self) -> list[tuple[str, str, float | int]]:
+        """(suffix, labels, value) per series, cumulative buckets first."""
+        out, running = [], 0
+        for bound, n in zip(list(self.bounds) + [math.inf], self.counts):
+            running += n
+            le = "+Inf" if bound == math.inf else _number(float(bound))
+            out.append(("_bucket", f'{{le="{le}"}}', running))
+        return out + [("_sum", "", float(self.total)), ("_count", "", self.count)]
+
+
+#: Bucket bounds of the batching histograms (rows per forward, sessions per forward, queue wait in seconds).
+ROWS_BUCKETS = (1, 2, 4, 8, 16, 33, 66, 132, 264, 528, 1056, 2112)
+SESSIONS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+WAIT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+@dataclass
 class Metrics:
     """Counters over the server's lifetime (all sessions, all draft places), rendered by `exposition`.
 
@@ -245,6 +287,9 @@ class Metrics:
     refusals: Counter = field(default_factory=Counter)
     connections_active: int = 0
     kv_bytes_reserved: int = 0
+    batch_rows: Histogram = field(default_factory=lambda: Histogram(ROWS_BUCKETS))
+    batch_sessions: Histogram = field(default_factory=lambda: Histogram(SESSIONS_BUCKETS))
+    queue_wait: Histogram = field(default_factory=lambda: Histogram(WAIT_BUCKETS))
 
     def exposition(self) -> str:
         """The Prometheus text format (0.0.4): HELP and TYPE lines, then one sample per series."""
@@ -278,10 +323,20 @@ class Metrics:
             ("hycoc_kv_bytes_reserved", "gauge", "KV bytes reserved by the open sessions (max_kv_bytes budget)",
              [("", self.kv_bytes_reserved)]),
         ]
+        histograms = [
+            ("hycoc_batch_rows", "tree rows per verification forward (all its sessions' rows, cloud-mtp chains "
+             "included)", self.batch_rows),
+            ("hycoc_batch_sessions", "sessions per verification forward", self.batch_sessions),
+            ("hycoc_queue_wait_seconds", "seconds from a round's arrival to the start of its forward's step",
+             self.queue_wait),
+        ]
         lines = []
         for name, kind, text, samples in families:
             lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
             lines += [f"{name}{labels} {_number(value)}" for labels, value in samples]
+        for name, text, hist in histograms:
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} histogram"]
+            lines += [f"{name}{suffix}{labels} {_number(value)}" for suffix, labels, value in hist.samples()]
         return "\n".join(lines) + "\n"
 
 
@@ -402,15 +457,28 @@ class VerifierServer:
         are further bounded by `open_frame_bytes` (module docstring "Limits").
     model_name: what /healthz reports as the model (recipe: models.verifier as written).
     limits: `ServerLimits` (recipe: the [verifier] keys of the same names).
+    batching: "batched" (default): rounds of sessions ready together run in one forward and prefills run chunk
+        by chunk between them (`hycoc.verifier.scheduler`); "serial": one engine call at a time, in arrival order
+        (the server before issue 14). Recipe: verifier.batching.
+    max_batch_rows: most tree rows per batched forward (>= 1; recipe verifier.max_batch_rows).
+    max_batch_wait_ms: how long a round waits for others to join its forward, in ms (>= 0; recipe
+        verifier.max_batch_wait_ms); it never waits when every open session has a round queued.
     """
 
     def __init__(self, engine: VerifierEngine, *, tree_rows: int, auth_token: str | None = None,
                  max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES, model_name: str = "verifier",
-                 limits: ServerLimits = ServerLimits()):
+                 limits: ServerLimits = ServerLimits(), batching: str = "batched",
+                 max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS, max_batch_wait_ms: float = DEFAULT_MAX_BATCH_WAIT_MS):
         if not 1 <= tree_rows <= wire.MAX_TREE_ROWS:
             raise ValueError(f"tree_rows = {tree_rows}: must lie in [1, {wire.MAX_TREE_ROWS}] (B + 1)")
         if auth_token is not None and not auth_token:
             raise ValueError("auth_token is empty: give a non-empty token, or None for an open server")
+        if batching not in BATCHING_MODES:
+            raise ValueError(f"batching = {batching!r}: must be one of {BATCHING_MODES}")
+        if not (isinstance(max_batch_rows, int) and max_batch_rows >= 1):
+            raise ValueError(f"max_batch_rows = {max_batch_rows!r}: must be an integer >= 1")
+        if not (isinstance(max_batch_wait_ms, (int, float)) and 0 <= max_batch_wait_ms <= 10_000):
+            raise ValueError(f"max_batch_wait_ms = {max_batch_wait_ms!r}: must lie in [0, 10000] ms")
         if max_frame_bytes < wire.HEADER.size:
             raise ValueError(f"max_frame_bytes = {max_frame_bytes}: must hold at least the "
                              f"{wire.HEADER.size}-byte header")
@@ -419,6 +487,10 @@ class VerifierServer:
         self.auth_token = auth_token
         self.max_frame_bytes = int(max_frame_bytes)
         self.model_name = model_name
+        self.batching = batching
+        self.max_batch_rows = int(max_batch_rows)
+        self.max_batch_wait_ms = float(max_batch_wait_ms)
+        self._scheduler: BatchScheduler | None = None
         self.metrics = Metrics()
         #: Live sessions by id (each holds a KV cache until its connection ends).
         self.sessions: dict[int, Session] = {}
@@ -454,6 +526,12 @@ class VerifierServer:
         """Listen on host:port (0 = a free port) and return the ``ws://HOST:PORT`` URL. Raises OSError if the
         address cannot be bound."""
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hycoc-verifier")
+        if self.batching == "batched":
+            self._scheduler = BatchScheduler(self._work, max_batch_rows=self.max_batch_rows,
+                                             max_batch_wait_ms=self.max_batch_wait_ms,
+                                             open_sessions=lambda: len(self.sessions),
+                                             on_step=self._observe_step, chain_length=self.engine.chain_length)
+            self._scheduler.start()
         self._runner = _GuardedRunner(self.app(), self, handle_signals=False, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
@@ -476,6 +554,9 @@ class VerifierServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._scheduler is not None:
+            scheduler, self._scheduler = self._scheduler, None
+            await scheduler.stop()
         if self._worker is not None:
             worker, self._worker = self._worker, None
             await asyncio.get_running_loop().run_in_executor(None, worker.shutdown)
@@ -600,6 +681,8 @@ class VerifierServer:
             "vocab_size": eng.vocab_size,
             "max_frame_bytes": self.max_frame_bytes,
             "auth": self.auth_token is not None,
+            "batching": {"mode": self.batching, "max_batch_rows": self.max_batch_rows,
+                         "max_batch_wait_ms": self.max_batch_wait_ms},
             "limits": {f.name: getattr(self.limits, f.name) for f in fields(self.limits)},
         })
 
@@ -739,7 +822,12 @@ class VerifierServer:
         kv_bytes = self._reserve(req)
         self._opening += 1
         try:
-            session, prefill_ms, t = await self._work(self._open_session, req)
+            if self._scheduler is not None:
+                session = self.engine.open(req.prompt_ids, req.sampling, req.seed, req.acceptance, req.epsilon,
+                                           req.draft_place, req.max_new_tokens)   # checks only; nothing runs
+                prefill_ms, t = await self._scheduler.prefill(session.prefill_job)
+            else:
+                session, prefill_ms, t = await self._work(self._open_session, req)
         except BaseException:
             self.metrics.kv_bytes_reserved -= kv_bytes
             raise
@@ -775,7 +863,11 @@ class VerifierServer:
             raise KvBudgetExhausted(f"the next turn needs {need} more KV bytes, {self.metrics.kv_bytes_reserved} of "
                                     f"max_kv_bytes = {lim.max_kv_bytes} are reserved; retry after "
                                     f"{lim.retry_after_s:g} s, or ask for fewer max_new_tokens")
-        prefill_ms, t = await self._work(session.append, msg.tokens, int(msg.max_new_tokens))
+        if self._scheduler is not None:
+            prefill_ms, t = await self._scheduler.prefill(
+                lambda: session.append_job(msg.tokens, int(msg.max_new_tokens)))
+        else:
+            prefill_ms, t = await self._work(session.append, msg.tokens, int(msg.max_new_tokens))
         if need > 0:
             conn.kv_bytes += need
             self.metrics.kv_bytes_reserved += need
@@ -794,21 +886,40 @@ class VerifierServer:
         if tree.seq == conn.last_seq and data == conn.last_request:
             self.metrics.retries += 1
             return conn.last_reply  # idempotent retry: the same bytes, the engine untouched
-        reply, frame, committed, verified = await self._work(self._verify, conn.session, tree)
+        if self._scheduler is not None:
+            reply, frame, committed, verified = await self._scheduler.round(conn.session, tree)
+        else:
+            reply, frame, committed, verified, wait = await self._work(self._verify, conn.session, tree,
+                                                                        time.monotonic())
+            if verified:  # serial: every forward holds one session's rows
+                self.metrics.server_ms += reply.server_ms
+                self.metrics.queue_wait.observe(wait)
+                self.metrics.batch_sessions.observe(1)
+                self.metrics.batch_rows.observe(len(reply.samples))
         if verified:
             conn.last_seq, conn.last_request, conn.last_reply = tree.seq, data, frame
             self.metrics.rounds += 1
             self.metrics.tokens_committed += committed
-            self.metrics.server_ms += reply.server_ms
         return frame
 
     @staticmethod
-    def _verify(session: Session, tree: DraftTree):
-        """Worker thread: one round (Alg. 4) and its reply frame. Returns (reply, frame, tokens committed,
-        whether a round ran)."""
+    def _verify(session: Session, tree: DraftTree, arrived: float):
+        """Worker thread (serial mode): one round (Alg. 4) and its reply frame. Returns (reply, frame, tokens
+        committed, whether a round ran, seconds since ``arrived`` (time.monotonic()) when it started)."""
+        wait = time.monotonic() - arrived
         rounds, before = session.rounds, len(session.tokens)
         reply = session.verify(tree.tokens, tree.parents, tree.seq)
-        return reply, wire.encode(reply), len(session.tokens) - before, session.rounds > rounds
+        return reply, wire.encode(reply), len(session.tokens) - before, session.rounds > rounds, wait
+
+    def _observe_step(self, report: StepReport) -> None:
+        """Event loop (batched mode): one scheduler step in /metrics."""
+        m, stats = self.metrics, report.stats
+        if stats.sessions:
+            m.batch_rows.observe(stats.rows)
+            m.batch_sessions.observe(stats.sessions)
+            m.server_ms += stats.total_ms
+        for wait in report.waits:
+            m.queue_wait.observe(wait)
 
     def _end_session(self, conn: _Connection) -> None:
         """Free the connection's session: drop it now, free its KV on the worker after any round in flight."""

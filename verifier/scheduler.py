@@ -1,0 +1,240 @@
+"""Continuous batching of verification rounds and chunked prefills on the server's one worker thread (issue 14).
+
+The server's event loop hands every ROUND (and every prefill: an OPEN's prompt, an APPEND's turn) to a
+`BatchScheduler` and awaits its answer. One scheduler task forms steps from what is queued and runs each on the
+worker thread, where the model lives:
+
+    a step = the queued rounds, oldest first, up to max_batch_rows tree rows (at least one round, one per
+             session), verified in ONE forward (`hycoc.verifier.batch.verify_batch`)
+           + one chunk (engine.prefill_chunk positions) of the oldest queued prefill, if any
+
+Waiting: once a round is queued the scheduler waits at most ``max_batch_wait_ms`` from its arrival for more, and
+dispatches at once when the rows reach ``max_batch_rows`` or every open session has a round queued (nobody else
+can join). A round that arrives while a step runs joins the next step. A long prompt's prefill advances one chunk
+per step, so other sessions' rounds run between its chunks instead of waiting for the whole prompt.
+
+Errors stay per session: a session's bad round gets its own error (it is checked in `Session.begin_round` before
+the forward); only a failure of the shared forward reaches every round in it.
+
+`StepReport` tells the server what each step did (for /metrics): rows and sessions of its forward, and the queue
+wait of each round (arrival -> its step starting on the worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from hycoc.protocol import wire
+from hycoc.protocol.messages import DraftTree
+
+from .batch import BatchStats, verify_batch
+from .engine import PrefillJob, Session
+
+
+@dataclass
+class StepReport:
+    """One step: ``stats`` of its batched forward (rows, sessions, ms; rows == 0 without rounds), ``waits``: seconds
+    each round of the forward waited (arrival -> the step starting on the worker; rounds refused before the forward
+    and retries are not counted), ``prefill_chunks``: chunks run (0 or 1)."""
+
+    stats: BatchStats
+    waits: list[float] = field(default_factory=list)
+    prefill_chunks: int = 0
+
+
+@dataclass
+class _Round:
+    session: Session
+    tree: DraftTree
+    rows: int
+    arrived: float
+    future: asyncio.Future
+
+
+@dataclass
+class _Prefill:
+    make: Callable[[], PrefillJob]
+    future: asyncio.Future
+    job: PrefillJob | None = None
+    error: BaseException | None = None
+
+
+class BatchScheduler:
+    """Queues rounds and prefills, runs them as batched steps on the worker (module docstring).
+
+    run: ``await run(fn, *args)`` runs fn on the engine's worker thread (the server's single-thread executor).
+    max_batch_rows: most tree rows per forward (>= 1; one round is always taken even if larger).
+    max_batch_wait_ms: how long the first queued round waits for others (>= 0).
+    open_sessions: how many sessions are open now (when all have a round queued, no one else can join).
+    on_step: called on the event loop with each step's `StepReport` (metrics).
+    chain_length: K, the rows a cloud-mtp session's 1-row round grows to (root + K-chain) in the forward.
+    """
+
+    def __init__(self, run: Callable[..., Awaitable], *, max_batch_rows: int, max_batch_wait_ms: float,
+                 open_sessions: Callable[[], int], on_step: Callable[[StepReport], None], chain_length: int = 0):
+        if max_batch_rows < 1:
+            raise ValueError(f"max_batch_rows = {max_batch_rows}: must be >= 1")
+        if not max_batch_wait_ms >= 0:
+            raise ValueError(f"max_batch_wait_ms = {max_batch_wait_ms}: must be >= 0")
+        self._run = run
+        self.max_batch_rows = int(max_batch_rows)
+        self.max_batch_wait_s = float(max_batch_wait_ms) / 1e3
+        self._open_sessions = open_sessions
+        self._on_step = on_step
+        self._chain_length = int(chain_length)
+        self._rounds: deque[_Round] = deque()
+        self._prefills: deque[_Prefill] = deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start the scheduling task on the running loop."""
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        """Stop scheduling; queued requests get ConnectionAbortedError."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for item in list(self._rounds) + list(self._prefills):
+            if not item.future.done():
+                item.future.set_exception(ConnectionAbortedError("the verifier is shutting down"))
+        self._rounds.clear()
+        self._prefills.clear()
+
+    async def round(self, session: Session, tree: DraftTree):
+        """Verify one round in the next step. Returns (reply, reply frame bytes, tokens committed, whether a round
+        ran) as the serial server's `_verify`; raises the session's error."""
+        rows = len(tree.tokens) + (self._chain_length if session.draft_place == "cloud-mtp" else 0)
+        fut = asyncio.get_running_loop().create_future()
+        self._rounds.append(_Round(session, tree, rows, time.monotonic(), fut))
+        self._wake.set()
+        return await fut
+
+    async def prefill(self, make: Callable[[], PrefillJob]) -> tuple[float, int]:
+        """Run a prefill chunk by chunk between rounds. make: builds the job on the worker thread (the engine's
+        checks run there; their errors are raised here). Returns the job's (prefill_ms, t)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._prefills.append(_Prefill(make, fut))
+        self._wake.set()
+        return await fut
+
+    # ------------------------------------------------------------------------------------------------ the loop
+
+    def _queued_rows(self) -> int:
+        return sum(r.rows for r in self._rounds)
+
+    async def _loop(self) -> None:
+        while True:
+            if not self._rounds and not self._prefills:
+                self._wake.clear()
+                await self._wake.wait()
+            if self._rounds:
+                await self._gather()
+            batch = self._take()
+            prefill = self._prefills[0] if self._prefills else None
+            if prefill is not None and prefill.future.done():   # its client went away: drop it
+                self._prefills.popleft()
+                prefill = None
+            if not batch and prefill is None:
+                continue
+            try:
+                report, results = await self._run(_step, batch, prefill)
+            except BaseException as e:  # noqa: BLE001 -- cancelled, or a failure outside the engine's own handling
+                for item in batch + ([prefill] if prefill else []):
+                    if not item.future.done():
+                        item.future.set_exception(e if isinstance(e, Exception) else ConnectionAbortedError(str(e)))
+                if prefill is not None and self._prefills and self._prefills[0] is prefill:
+                    self._prefills.popleft()
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                continue
+            for item, result in zip(batch, results):
+                if not item.future.done():
+                    (item.future.set_exception if isinstance(result, BaseException) else item.future.set_result)(
+                        result)
+            if prefill is not None and (prefill.job is None or prefill.job.done):
+                self._prefills.popleft()          # finished, or failed to start (its future holds the error)
+                if not prefill.future.done():
+                    if prefill.job is None:
+                        prefill.future.set_exception(prefill.error)
+                    else:
+                        prefill.future.set_result(prefill.job.result)
+            self._on_step(report)
+
+    async def _gather(self) -> None:
+        """Wait for more rounds: until max_batch_wait_ms after the oldest arrived, the rows reach max_batch_rows,
+        or every open session has a round queued."""
+        deadline = self._rounds[0].arrived + self.max_batch_wait_s
+        while True:
+            if (self._queued_rows() >= self.max_batch_rows
+                    or len({id(r.session) for r in self._rounds}) >= self._open_sessions()):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
+    def _take(self) -> list[_Round]:
+        """The rounds of the next step: oldest first, up to max_batch_rows rows (at least one), one per session;
+        rounds whose client went away are dropped."""
+        batch, rows, seen, rest = [], 0, set(), deque()
+        while self._rounds:
+            r = self._rounds.popleft()
+            if r.future.done():
+                continue
+            if id(r.session) in seen or (batch and rows + r.rows > self.max_batch_rows):
+                rest.append(r)
+                continue
+            batch.append(r)
+            rows += r.rows
+            seen.add(id(r.session))
+        self._rounds = rest
+        return batch
+
+
+def _step(batch: list[_Round], prefill: _Prefill | None):
+    """Worker thread: the rounds of ``batch`` in one forward, then one chunk of ``prefill``. Returns (StepReport,
+    per round (reply, frame, committed, verified) or the exception)."""
+    start = time.monotonic()
+    stats = BatchStats()
+    report = StepReport(stats)
+    results: list = []
+    if batch:
+        before = [(len(r.session.tokens), r.session.rounds) for r in batch]
+        engine = batch[0].session.engine
+        replies = verify_batch(engine, [(r.session, r.tree.tokens, r.tree.parents, r.tree.seq) for r in batch], stats)
+        for r, reply, (n_tokens, n_rounds) in zip(batch, replies, before):
+            if isinstance(reply, BaseException):
+                results.append(reply)
+                continue
+            try:
+                frame = wire.encode(reply)
+            except Exception as e:  # noqa: BLE001 -- that session's failure only
+                results.append(e)
+                continue
+            verified = r.session.rounds > n_rounds
+            if verified:
+                report.waits.append(start - r.arrived)
+            results.append((reply, frame, len(r.session.tokens) - n_tokens, verified))
+    if prefill is not None:
+        try:
+            if prefill.job is None:
+                prefill.job = prefill.make()
+            prefill.job.step()
+            report.prefill_chunks = 1
+        except Exception as e:  # noqa: BLE001 -- that prefill's own error, reported to its OPEN / APPEND
+            prefill.job, prefill.error = None, e
+    return report, results
