@@ -381,6 +381,16 @@ def verify_server(
     keep_set: Optional[Path] = typer.Option(
         None, help="keep set for server-head sessions: a .npy of int token ids (the keep-set pass writes "
         "keep_set.npy); without it server-head sessions are refused with error no_keep_set", show_default=False),
+    batching: Optional[str] = typer.Option(
+        None, metavar="batched|serial", help="batched: rounds of sessions ready together share one forward, prompts "
+        "are prefilled chunk by chunk between them; serial: one engine call at a time (default: the recipe's "
+        "verifier.batching, batched)", show_default=False),
+    max_batch_rows: Optional[int] = typer.Option(
+        None, min=1, help="most tree rows per batched forward (default: the recipe's verifier.max_batch_rows, 528 = "
+        "16 trees of 33 rows)", show_default=False),
+    max_batch_wait_ms: Optional[float] = typer.Option(
+        None, min=0.0, max=10_000.0, help="ms a round waits for other sessions' rounds to join its forward "
+        "(default: the recipe's verifier.max_batch_wait_ms, 2.0)", show_default=False),
 ) -> None:
     """Serve the verifier: prefill, one-forward tree verification, acceptance, KV compaction, hand-off (Alg. 4).
 
@@ -393,6 +403,8 @@ def verify_server(
     cfg = _recipe("verify-server", recipe)
     _need_full("verify-server")
     auth_token = _auth_token("verify-server", ctx, auth_token, auth_token_file)
+    if batching is not None and batching not in ("batched", "serial"):
+        raise _fail("verify-server", f"--batching {batching!r}: allowed: batched, serial", code=2)
     from hycoc.models import ModelNotFoundError
     from hycoc.recipe import RecipeError
     from hycoc.verifier.loading import DeviceUnavailable, engine_from_recipe, server_options
@@ -430,11 +442,18 @@ def verify_server(
 
     def listening(url: str) -> None:
         typer.echo(f"hycoc verify-server: listening on {url} (model {cfg.models.verifier}, "
-                   f"{engine.device.type}, health {url.replace('ws://', 'http://', 1)}/healthz)")
+                   f"{engine.device.type}, {options['batching']}, health {url.replace('ws://', 'http://', 1)}/healthz)")
         sys.stdout.flush()
 
+    options = server_options(cfg)
+    if batching is not None:
+        options["batching"] = batching
+    if max_batch_rows is not None:
+        options["max_batch_rows"] = max_batch_rows
+    if max_batch_wait_ms is not None:
+        options["max_batch_wait_ms"] = max_batch_wait_ms
     try:
-        serve(engine, host, port, auth_token=auth_token, on_listening=listening, **server_options(cfg))
+        serve(engine, host, port, auth_token=auth_token, on_listening=listening, **options)
     except OSError as e:
         raise _fail("verify-server", f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
@@ -997,9 +1016,11 @@ def loadtest(
     server: Optional[str] = typer.Option(
         None, metavar="URL", help="a running verifier, ws://HOST:PORT (default: start `hycoc verify-server RECIPE` "
         "in a child process per --batching mode)", show_default=False),
-    batching: str = typer.Option(
-        "serial", help="comma-separated batching modes of the server: serial (one session per forward, today's "
-        "server) and/or batched; with --server, one label for that server's mode"),
+    batching: Optional[str] = typer.Option(
+        None, help="comma-separated batching modes, one server each: serial (one session per forward, the server "
+        "before issue 14) and/or batched (sessions' trees verified together); passed to verify-server as --batching "
+        "(default: serial; with --server: the mode the server reports in /healthz, checked when given)",
+        show_default=False),
     device_ms: Optional[float] = typer.Option(
         None, min=0.0, help="device drafting time between rounds, ms (default: each round's recorded time)",
         show_default=False),
@@ -1038,13 +1059,13 @@ def loadtest(
     if unknown:
         raise _fail("loadtest", f"--configs: unknown or without a verifier: {', '.join(unknown)}; allowed: "
                     f"{', '.join(LOADTEST_CONFIGS)}", code=2)
-    modes = batching.split(",")
-    if server is None and any(m not in LOADTEST_BATCHING for m in modes):
+    modes = batching.split(",") if batching else None
+    if modes is not None and any(m not in LOADTEST_BATCHING for m in modes):
         raise _fail("loadtest", f"--batching {batching!r}: allowed: {', '.join(LOADTEST_BATCHING)} (comma-separated)",
                     code=2)
-    if server is not None and len(modes) != 1:
-        raise _fail("loadtest", f"--batching {batching!r} with --server: a running server has one mode; give one "
-                    "label, or leave --server out so each mode gets its own server", code=2)
+    if server is not None and modes is not None and len(modes) != 1:
+        raise _fail("loadtest", f"--batching {batching!r} with --server: a running server has one mode; give that "
+                    "one, or leave --server out so each mode gets its own server", code=2)
     if cost_model is not None and not cost_model.is_file():
         raise _fail("loadtest", f"--cost-model {cost_model}: no such file")
     try:

@@ -9,6 +9,7 @@ second server with the same weights, a session must commit exactly what the reco
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import math
 from collections import Counter
@@ -21,7 +22,7 @@ import torch
 from hycoc.bench.cost_model import CostModel, CostPoint
 from hycoc.bench.loadreport import GPU_FLAT_ROWS, RUN_KEYS, percentile, project, results_document, summarize_run, \
     write_results
-from hycoc.bench.loadtest import RoundSample, RunStats, arrival_delays, committed_tokens, parse_metrics, \
+from hycoc.bench.loadtest import LoadTestError, RoundSample, RunStats, arrival_delays, committed_tokens, parse_metrics, \
     replay_request, run_loadtest, run_sessions
 from hycoc.bench.loadtrace import RecordingClient, RequestTrace, RoundTrace, Trace, TraceError, load_trace, \
     patch_root, request_trace, save_trace, trace_key
@@ -29,7 +30,7 @@ from hycoc.protocol import wire
 from hycoc.protocol.messages import DraftTree, OpenRequest, Sampling
 from hycoc.runtime.transport import VerifierClient
 from hycoc.verifier import VerifierEngine
-from hycoc.verifier.server import ServerThread
+from hycoc.verifier.server import ServerThread, VerifierServer
 from tiny_models import VOCAB, tiny_head, tiny_verifier
 
 torch.set_num_threads(1)
@@ -51,8 +52,12 @@ def engine():
     eng.close()
 
 
-def serve(engine):
-    return ServerThread(engine, tree_rows=ROWS)
+#: Batching modes this server has (issue 14 adds "batched" and the ``batching`` argument); serial is the default.
+MODES = ("serial", "batched") if "batching" in inspect.signature(VerifierServer.__init__).parameters else ("serial",)
+
+
+def serve(engine, mode: str = "serial"):
+    return ServerThread(engine, tree_rows=ROWS, **({"batching": mode} if len(MODES) > 1 else {}))
 
 
 @pytest.fixture(scope="module")
@@ -131,9 +136,10 @@ def test_replay_commits_what_the_recording_committed(engine, recorded):
         assert [r.context for r in stats.rounds] == list(len(req.prompt) - 1 + np.cumsum([0] + per_round[:-1]))
 
 
-def test_short_load_test_commits_tokens_without_errors(engine, recorded):
+@pytest.mark.parametrize("mode", MODES)
+def test_short_load_test_commits_tokens_without_errors(engine, recorded, mode):
     reqs = [r for r, _ in recorded]
-    with serve(engine) as srv:
+    with serve(engine, mode) as srv:
         stats = run_sessions(srv.url, [reqs] * 3, (), 2.0, device_ms=5.0)
         committed = sum(r.committed for r in stats.rounds)
         assert committed > 0 and dict(stats.errors) == {}
@@ -202,13 +208,18 @@ def test_projection_flat_gpu_and_cost_model():
 def test_run_loadtest_writes_results_and_plot(tmp_path, engine, recorded):
     trace = Trace(key="k", stop_ids=(), requests=tuple(r for r, _ in recorded))
     with serve(engine) as srv:
-        doc = run_loadtest(trace, ["hyco"], [2], 1.0, ["serial"], tmp_path, server_url=srv.url, device_ms=5.0,
+        with pytest.raises(LoadTestError, match="asked for batching 'batched', but the verify-server reports "
+                                                "'serial' in /healthz; use --batching serial"):
+            run_loadtest(trace, ["hyco"], [2], 1.0, ["batched"], tmp_path, server_url=srv.url, warmup_s=0.0)
+        doc = run_loadtest(trace, ["hyco"], [2], 0.5, None, tmp_path, server_url=srv.url, device_ms=5.0,
                            warmup_s=0.0, meta={"recipe": "tiny"})
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved == doc and saved["schema"] == 1 and saved["meta"]["recipe"] == "tiny"
     (row,) = saved["runs"]
     assert set(row) == set(RUN_KEYS) and (row["mode"], row["sessions"], row["errors_total"]) == ("serial", 2, 0)
-    assert row["committed_tokens"] > 0 and row["rows_per_forward"] is None   # today's server has no histogram
+    assert row["committed_tokens"] > 0 and saved["meta"]["servers"]["serial"]["mode"] == "serial"
+    if row["rows_per_forward"] is not None:   # a server with the batch histograms: serial forwards hold one tree
+        assert row["rows_per_forward"] == ROWS and row["sessions_per_forward"] == 1.0
     assert row["projection"]["trees_per_forward"] == 1.0
     assert (tmp_path / "latency_vs_sessions.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latency_vs_sessions.png", "results.json"]
@@ -216,3 +227,20 @@ def test_run_loadtest_writes_results_and_plot(tmp_path, engine, recorded):
     assert nan["runs"] == [{"x": None, "y": [1.0, None]}]
     write_results(tmp_path / "r.json", nan)
     assert json.loads((tmp_path / "r.json").read_text())["runs"][0]["x"] is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sessions", "4,0"], "--sessions '4,0': give comma-separated positive integers such as 1,4,16,64"),
+    (["--configs", "hyco,slm-alone"], "--configs: unknown or without a verifier: slm-alone; allowed: cloud-mtp,"),
+    (["--batching", "fast"], "--batching 'fast': allowed: serial, batched (comma-separated)"),
+    (["--batching", "serial,batched", "--server", "ws://127.0.0.1:1"],
+     "--batching 'serial,batched' with --server: a running server has one mode"),
+])
+def test_loadtest_command_names_a_bad_option(args, message):
+    from typer.testing import CliRunner
+
+    from hycoc.cli import app
+
+    result = CliRunner().invoke(app, ["loadtest", str(Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"),
+                                      *args])
+    assert result.exit_code == 2 and result.stderr.startswith(f"hycoc loadtest: {message}"), result.stderr

@@ -260,7 +260,8 @@ def server_batching_support() -> bool:
 
 class ServerProcess:
     """``hycoc verify-server RECIPE --host 127.0.0.1 --port 0 [--batching MODE] [--keep-set F]`` in a child
-    process, ready once it printed its URL and ``GET /healthz`` answered status ok. ``url``: ``ws://HOST:PORT``.
+    process, ready once it printed its URL and ``GET /healthz`` answered status ok. ``url``: ``ws://HOST:PORT``;
+    ``health``: that /healthz document.
 
     batching: passed as ``--batching`` when not None (the caller checks `server_batching_support`). Raises
     LoadTestError with the server's stderr when it exits or is not healthy within ``timeout_s``."""
@@ -288,9 +289,11 @@ class ServerProcess:
             if time.monotonic() > deadline:
                 self.stop()
                 raise LoadTestError(f"the verifier server did not listen within {timeout_s:g} s")
+        self.health: dict = {}
         while True:
             try:
-                if healthz(self.url).get("status") == "ok":
+                self.health = healthz(self.url)
+                if self.health.get("status") == "ok":
                     break
             except OSError:
                 pass
@@ -318,6 +321,13 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def server_mode(health: dict) -> str:
+    """The batching mode a server reports in /healthz (``"batching": {"mode": ...}``, issue 14); "serial" for a
+    server without that field (before issue 14 every server verified one session per forward)."""
+    batching = health.get("batching")
+    return str(batching.get("mode", "serial")) if isinstance(batching, dict) else "serial"
 
 
 def _http(url: str) -> str:
@@ -368,17 +378,19 @@ def devices_for(trace, configs: list[str], sessions: int) -> list[list[RequestTr
     return [by_config[configs[i % len(configs)]] for i in range(sessions)]
 
 
-def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: float, modes: list[str], out: Path, *,
+def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: float, modes: list[str] | None,
+                 out: Path, *,
                  recipe_path: Path | None = None, keep_set: Path | None = None, server_url: str | None = None,
                  rate: float | None = None, device_ms: float | None = None, cost_model=None, console=None,
                  meta: dict | None = None, warmup_s: float = 2.0) -> dict:
     """Every (batching mode, sessions) run, then the report: the table, ``OUT/results.json`` and
     ``OUT/latency_vs_sessions.png`` (`hycoc.bench.loadreport`). Returns the results document.
 
-    Without ``server_url`` each mode gets its own `ServerProcess` of ``recipe_path`` (``--batching MODE`` when that
-    server has the option; "serial" on a server without it is today's behaviour and runs without the flag); with
-    it, the one server there is used and ``modes`` must be one label for it. Each server first serves one device
-    for ``warmup_s`` seconds, not measured. Raises LoadTestError (server, mode), TraceError (config)."""
+    Without ``server_url`` each mode gets its own `ServerProcess` of ``recipe_path``, started with ``--batching
+    MODE`` when that server has the option; with it, the one server there is used. Either way the mode a row is
+    labelled with is the one the server reports in /healthz (`server_mode`), and a server that reports another
+    mode than asked is an error (modes None with ``server_url``: whatever it reports). Each server first serves
+    one device for ``warmup_s`` seconds, not measured. Raises LoadTestError (server, mode), TraceError (config)."""
     from hycoc import progress
     from hycoc.bench.loadreport import project, render_table, results_document, summarize_run, write_plot, \
         write_results
@@ -386,24 +398,35 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
     if console is None:
         from hycoc.bench.runner import make_console
         console = make_console()
-    if server_url is not None and len(modes) != 1:
-        raise LoadTestError(f"--batching {','.join(modes)} with --server: a running server has one mode; give one "
-                            "label for it, or leave --server out so each mode gets its own server")
-    pass_flag = False
-    if server_url is None and recipe_path is not None:
-        pass_flag = server_batching_support()
-        if not pass_flag and any(m != "serial" for m in modes):
-            raise LoadTestError(f"--batching {','.join(modes)}: this hycoc verify-server has no --batching option "
-                                "(it verifies one session at a time); use --batching serial")
-    rows = []
-    for mode in modes:
+    if server_url is not None and modes is not None and len(modes) != 1:
+        raise LoadTestError(f"--batching {','.join(modes)} with --server: a running server has one mode; give that "
+                            "one, or leave --server out so each mode gets its own server")
+    if server_url is None and not modes:
+        modes = ["serial"]
+    pass_flag = server_url is None and server_batching_support()
+    rows, servers = [], {}
+    for asked in (modes or [None]):
         server = None
         if server_url is None:
             console.print(f"loadtest: starting hycoc verify-server {recipe_path}"
-                          + (f" --batching {mode}" if pass_flag else " (serial)"))
-            server = ServerProcess(recipe_path, batching=mode if pass_flag else None, keep_set=keep_set)
-        url = server_url or server.url
+                          + (f" --batching {asked}" if pass_flag else " (this verify-server has no --batching)"))
+            server = ServerProcess(recipe_path, batching=asked if pass_flag else None, keep_set=keep_set)
+            url, health = server.url, server.health
+        else:
+            url = server_url
+            try:
+                health = healthz(url)
+            except OSError as e:
+                raise LoadTestError(f"the verifier at {url} did not answer /healthz ({e}); is it a hycoc "
+                                    "verify-server?") from None
+        mode = server_mode(health)
+        servers[mode] = health.get("batching") or {"mode": "serial", "note": "no batching field in /healthz"}
         try:
+            if asked is not None and mode != asked:
+                raise LoadTestError(f"asked for batching {asked!r}, but the verify-server reports {mode!r} in "
+                                    "/healthz" + ("" if pass_flag or server_url else
+                                                  " and has no --batching option to change it")
+                                    + f"; use --batching {mode}")
             if warmup_s > 0:
                 run_sessions(url, devices_for(trace, configs, 1), trace.stop_ids, warmup_s, device_ms=device_ms)
             for n in sessions:
@@ -426,7 +449,7 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
             if server is not None:
                 server.stop()
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(meta or {}, configs=list(configs), sessions=list(sessions), duration_s=duration_s, modes=list(modes),
+    meta = dict(meta or {}, configs=list(configs), sessions=list(sessions), duration_s=duration_s, servers=servers,
                 rate=rate, device_ms=device_ms, server=server_url or "own verify-server process per mode",
                 machine=f"{os.cpu_count()} CPUs", date=time.strftime("%Y-%m-%d %H:%M:%S"),
                 projection="labelled projection, not a measurement: see hycoc/bench/loadreport.py")
@@ -448,4 +471,4 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
 
 __all__ = ["ANSWER_TIMEOUT_S", "CAPACITY_CODES", "LoadTestError", "REFUSED_BACKOFF_S", "RoundSample", "RunStats",
            "ServerProcess", "arrival_delays", "committed_tokens", "devices_for", "healthz", "parse_metrics", "replay_request",
-           "run_loadtest", "run_sessions", "scrape_metrics", "server_batching_support"]
+           "run_loadtest", "run_sessions", "scrape_metrics", "server_mode", "server_batching_support"]
