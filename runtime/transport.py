@@ -288,7 +288,9 @@ class VerifierClient:
             if told is not None:  # the server said why before closing (idle_timeout, a limit, ...)
                 raise self._error(told, what) from None
             raise ConnectionDropped(f"the connection to {self.url} closed during the {what} "
-                                    f"({_close_reason(e)})") from None
+                                    f"({_close_reason(e)}); the session and its KV on the verifier are gone: "
+                                    "open a new session to continue (behind Ray Serve it goes to a live "
+                                    "replica)") from None
         self.last_up, self.last_down = len(frame), len(data)
         self.bytes_up += len(frame)
         self.bytes_down += len(data)
@@ -340,5 +342,6 @@ class VerifierClient:
 def _close_reason(e: ConnectionClosed) -> str:
     frame = e.rcvd or e.sent
     if frame is None:
-        return "no close frame: the peer went away"
+        return ("WebSocket code 1006, no close frame: the verifier's process, or a proxy or the network between, "
+                "went away")
     return f"code {frame.code}{': ' + frame.reason if frame.reason else ''}"

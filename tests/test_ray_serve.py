@@ -1,0 +1,204 @@
+"""The verifier as a Ray Serve deployment (verifier/ray_serve.py): two replicas of a tiny engine behind one WebSocket
+endpoint. Sessions spread over both replicas and stay there; every reply equals the engine's own (a reference copy of
+the same weights, called directly); killing one replica's process ends its sessions with a clear client error while
+the other replica's sessions go on and new sessions go to a live replica; /healthz and /metrics cover every replica.
+
+One Ray instance for the whole test (starting Ray and Serve costs most of its time); skipped without the ``serve``
+extra.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install -e '.[serve]' (ray[serve])")
+ray_serve = pytest.importorskip("hycoc.verifier.ray_serve")
+
+from hycoc.protocol.messages import DraftTree, OpenRequest, Sampling  # noqa: E402
+from hycoc.runtime.transport import ConnectionDropped, VerifierClient  # noqa: E402
+from hycoc.verifier.engine import VerifierEngine  # noqa: E402
+from hycoc.verifier.server import ServerLimits  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+SCALES = (0.1, 0.1, 0.05, 0.05, 0.05, 0.05)
+ROWS = 7
+
+
+class TinyEngine:
+    """A tiny verifier engine (tests/tiny_models.py, seed 0), built inside the replica (picklable by reference:
+    the replicas import this module, tests/ is on their PYTHONPATH)."""
+
+    def __call__(self) -> VerifierEngine:
+        import torch
+
+        from tiny_models import tiny_head, tiny_verifier
+
+        torch.set_num_threads(1)
+        model = tiny_verifier(sharpen=3.0)
+        return VerifierEngine(model, head=tiny_head(model), head_window=6, handoff_scales=SCALES,
+                              eos_token_ids=set(), max_context=128)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def request(i: int) -> OpenRequest:
+    """Session i's OPEN: a Cloud+MTP session (the server drafts; each ROUND is the root alone), greedy."""
+    return OpenRequest(prompt_ids=np.arange(20 + i, 32 + i, dtype=np.int32), sampling=Sampling(0.0, 64, 0.95),
+                       seed=i, acceptance="exact", epsilon=1.0, max_new_tokens=100, draft_place="cloud-mtp")
+
+
+class Pair:
+    """A session on the deployment and the same session on the reference engine; `step` runs one round on both
+    and checks the replies agree bit for bit."""
+
+    def __init__(self, url: str, reference: VerifierEngine, i: int):
+        req = request(i)
+        self.client = VerifierClient(url, timeout_s=30)
+        self.client.open(req)
+        self.ref = reference.open(req.prompt_ids, req.sampling, req.seed, req.acceptance, req.epsilon,
+                                  req.draft_place, req.max_new_tokens)
+        self.ref.prefill()
+        self.seq = 0
+
+    def step(self) -> None:
+        root = np.array([self.ref.root], np.int32)
+        got = self.client.round(DraftTree(self.seq, root, np.array([-1], np.int32)))
+        want = self.ref.verify(root, [-1], self.seq)
+        assert (got.seq, got.bonus) == (want.seq, want.bonus)
+        np.testing.assert_array_equal(got.chain, want.chain)
+        np.testing.assert_array_equal(got.samples, want.samples)
+        np.testing.assert_array_equal(got.path_rows, want.path_rows)
+        self.seq += 1
+
+
+def replica_sessions(http: str) -> dict[str, int]:
+    code, body = http_get(http + "/healthz")
+    assert code == 200, body
+    return {r["replica"]: r["sessions"] for r in json.loads(body)["replicas"] if r["status"] == "ok"}
+
+
+def metric(text: str, name: str, replica: str) -> float:
+    prefix = f'{name}{{replica="{replica}"}} '
+    values = [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
+    assert len(values) == 1, (name, replica, text)
+    return float(values[0])
+
+
+def test_merge_expositions_labels_every_sample_with_its_replica():
+    a = "# HELP x_total rounds\n# TYPE x_total counter\nx_total 3\n# HELP e_total errors\n# TYPE e_total counter\n" \
+        'e_total{kind="bad_root"} 2\n'
+    b = "# HELP x_total rounds\n# TYPE x_total counter\nx_total 5\n# HELP e_total errors\n# TYPE e_total counter\n"
+    assert ray_serve.merge_expositions({"r1": a, "r2": b, "r3": None}) == (
+        "# HELP hycoc_replicas verifier replicas by state (Ray Serve deployment HycocVerifier)\n"
+        "# TYPE hycoc_replicas gauge\n"
+        'hycoc_replicas{state="up"} 2\n'
+        'hycoc_replicas{state="unreachable"} 1\n'
+        "# HELP x_total rounds\n# TYPE x_total counter\n"
+        'x_total{replica="r1"} 3\nx_total{replica="r2"} 5\n'
+        "# HELP e_total errors\n# TYPE e_total counter\n"
+        'e_total{replica="r1",kind="bad_root"} 2\n')
+    with pytest.raises(ValueError, match="replica r1: not a Prometheus sample line: 'x_total'"):
+        ray_serve.merge_expositions({"r1": "x_total\n"})
+
+
+def test_health_summary_counts_live_replicas():
+    snap = {"replica": "r1", "pid": 7, "node": "10.0.0.1", "sessions": 3, "metrics": ""}
+    code, body = ray_serve.health_summary([snap, RuntimeError("actor died")], {"model": "m"})
+    assert code == 200
+    assert body == {"status": "degraded", "model": "m", "sessions": 3, "replicas_up": 1, "replicas": [
+        {"replica": "r1", "pid": 7, "node": "10.0.0.1", "sessions": 3, "status": "ok"},
+        {"replica": None, "status": "unreachable", "error": "RuntimeError: actor died"}]}
+    assert ray_serve.health_summary([RuntimeError("x")], {})[0] == 503
+
+
+@pytest.fixture(scope="module")
+def deployment():
+    """Two replicas of TinyEngine on a fresh local Ray instance; yields (ws url, http url)."""
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        port = free_port()
+        app = ray_serve.build_app(TinyEngine(), replicas=2, cpus_per_replica=1, server_kwargs={
+            "tree_rows": ROWS, "model_name": "tiny", "limits": ServerLimits(max_sessions=8)})
+        url = ray_serve.start(app, "127.0.0.1", port)
+        yield url, f"http://127.0.0.1:{port}"
+    finally:
+        ray.shutdown()
+
+
+def test_sessions_spread_stay_and_survive_a_replica_death(deployment):
+    url, http = deployment
+    sys.path.insert(0, str(TESTS))
+    reference = TinyEngine()()
+
+    code, body = http_get(http + "/healthz")
+    health = json.loads(body)
+    assert code == 200 and health["status"] == "ok" and health["replicas_up"] == 2 and health["sessions"] == 0
+    assert (health["tree_rows"], health["limits"]["max_sessions"], health["limits_apply"]) == (ROWS, 8, "per replica")
+    pids = {r["replica"]: r["pid"] for r in health["replicas"]}
+    assert len(set(pids.values())) == 2 and os.getpid() not in pids.values()
+
+    # Four sessions opened one after another: each goes to the replica with fewer open sessions.
+    pairs, home = [], {}
+    for i in range(4):
+        before = replica_sessions(http)
+        pairs.append(Pair(url, reference, i))
+        after = replica_sessions(http)
+        (gained,) = [r for r in after if after[r] == before.get(r, 0) + 1]
+        assert before[gained] == min(before.values())
+        home[i] = gained
+    assert sorted(replica_sessions(http).values()) == [2, 2]
+    for _ in range(2):
+        for p in pairs:
+            p.step()
+
+    metrics = http_get(http + "/metrics")[1]
+    for r in pids:
+        assert metric(metrics, "hycoc_sessions_active", r) == 2
+        assert metric(metrics, "hycoc_rounds_total", r) == 4
+    assert 'hycoc_replicas{state="up"} 2' in metrics
+
+    # Kill one replica's process: its sessions end with ConnectionDropped naming the code and what to do.
+    victim = home[0]
+    os.kill(pids[victim], signal.SIGKILL)
+    survivors = [p for i, p in enumerate(pairs) if home[i] != victim]
+    for i, p in enumerate(pairs):
+        if home[i] == victim:
+            with pytest.raises(ConnectionDropped, match=r"WebSocket code 1006.*open a new session to continue"):
+                p.step()
+    for p in survivors:
+        for _ in range(2):
+            p.step()
+
+    # A new session goes to a live replica (the survivor, or the replacement Ray starts) and is served exactly.
+    fresh = Pair(url, reference, 9)
+    fresh.step()
+    deadline = time.monotonic() + 30
+    while (sessions := replica_sessions(http)).get(victim) is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert victim not in sessions and sum(sessions.values()) == 3
+    for p in survivors + [fresh]:
+        p.client.close()
