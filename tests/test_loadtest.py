@@ -177,14 +177,18 @@ def test_summary_counts_the_window_and_the_server_histograms():
     before = parse_metrics("# HELP x\nhycoc_batch_rows_sum 100\nhycoc_batch_rows_count 4\nhycoc_rounds_total 9\n"
                            'hycoc_errors_total{kind="bad_root"} 1\n')
     after = parse_metrics("hycoc_batch_rows_sum 298\nhycoc_batch_rows_count 7\nhycoc_rounds_total 13\n"
-                          "hycoc_batch_sessions_sum 6\nhycoc_batch_sessions_count 3\n")
+                          "hycoc_batch_sessions_sum 6\nhycoc_batch_sessions_count 3\nhycoc_server_ms_total 42.5\n"
+                          "hycoc_tokens_committed_total 17\n")
     row = summarize_run("batched", 4, 2.0, stats, before, after, (1.0, 1.0, 1.0))
     assert set(row) == set(RUN_KEYS)
     assert (row["rounds"], row["committed_tokens"], row["tok_per_s"]) == (3, 10, 5.0)   # 2.1 s is past the window
-    assert row["verifier_ms_per_token"] == pytest.approx(18.0 / 10) and row["mat"] == pytest.approx(10 / 3)
+    assert row["reply_ms_per_token"] == pytest.approx(18.0 / 10) and row["mat"] == pytest.approx(10 / 3)
+    assert row["verifier_ms_per_token"] == pytest.approx(42.5 / 17)   # the server's worker time per token
+    assert summarize_run("serial", 1, 2.0, stats)["verifier_ms_per_token"] == pytest.approx(1.8)   # no /metrics
+
     assert row["latency_ms"]["p50"] == 20.0 and row["latency_ms"]["max"] == 30.0
     assert row["rows_per_forward"] == pytest.approx(198 / 3) and row["sessions_per_forward"] == 2.0
-    assert row["queue_wait_ms"] is None and row["server_rounds"] == 4 and row["server_tokens"] is None
+    assert row["queue_wait_ms"] is None and row["server_rounds"] == 4 and row["server_tokens"] == 17
     assert (row["errors"], row["errors_total"], row["client_cpu_pct"]) == ({"bad_root": 2}, 2, 20.0)
     assert row["open_ms_p50"] == 60.0 and row["context_mean"] == pytest.approx(314 / 3)
 

@@ -5,8 +5,12 @@
 and after it into one row:
 
 * ``tok_per_s``: output tokens committed by rounds answered within the window / the window (s);
-* ``verifier_ms_per_token``: sum of the replies' server_ms / those tokens (the verifier's own accounting per
-  round; prefill not included; under batching a reply's server_ms is whatever that server reports per round);
+* ``verifier_ms_per_token``: the verifier's worker milliseconds in rounds per committed token over the run, from
+  /metrics (``hycoc_server_ms_total`` / ``hycoc_tokens_committed_total`` differences; prefill not included);
+  ``reply_ms_per_token``: the replies' server_ms summed over the window's rounds / their tokens. The two agree on
+  a serial server; under batching each reply's server_ms counts the whole shared forward (`verify_batch`), so
+  the replies' sum counts a forward once per session in it, and only the first is the verifier's cost. Without
+  the /metrics counters ``verifier_ms_per_token`` falls back to the replies';
 * ``latency_ms``: round latency send -> reply on the client, mean and p50 / p90 / p99 / max (`percentile`);
 * ``rows_per_forward`` / ``sessions_per_forward`` / ``queue_wait_ms``: means over the run from the server's
   histograms ``hycoc_batch_rows``, ``hycoc_batch_sessions``, ``hycoc_queue_wait_seconds`` (their ``_sum`` and
@@ -41,7 +45,7 @@ GPU_FLAT_ROWS = 206
 RESULTS_SCHEMA = 1
 #: Keys of every row of results.json's ``runs`` (the test of the schema reads this).
 RUN_KEYS = ("mode", "sessions", "duration_s", "rounds", "committed_tokens", "tok_per_s", "verifier_ms_per_token",
-            "mat", "latency_ms", "open_ms_p50", "rows_per_tree", "rows_per_forward", "sessions_per_forward",
+            "reply_ms_per_token", "mat", "latency_ms", "open_ms_p50", "rows_per_tree", "rows_per_forward", "sessions_per_forward",
             "queue_wait_ms", "context_mean", "errors", "errors_total", "requests_finished", "requests_truncated",
             "server_rounds", "server_tokens", "client_cpu_pct", "loadavg", "projection")
 
@@ -77,10 +81,15 @@ def summarize_run(mode: str, sessions: int, duration_s: float, stats, metrics_be
     def diff(name: str) -> int | None:
         return int(after[name] - before.get(name, 0.0)) if name in after else None
 
+    reply_ms = sum(r.server_ms for r in rounds) / tokens if tokens else None
+    worker_ms, worker_tokens = (after.get(k, 0.0) - before.get(k, 0.0) for k in ("hycoc_server_ms_total",
+                                                                                 "hycoc_tokens_committed_total"))
+    has_counters = "hycoc_server_ms_total" in after and worker_tokens > 0
     return {
         "mode": mode, "sessions": int(sessions), "duration_s": float(duration_s), "rounds": len(rounds),
         "committed_tokens": tokens, "tok_per_s": tokens / duration_s,
-        "verifier_ms_per_token": sum(r.server_ms for r in rounds) / tokens if tokens else None,
+        "verifier_ms_per_token": worker_ms / worker_tokens if has_counters else reply_ms,
+        "reply_ms_per_token": reply_ms,
         "mat": tokens / len(rounds) if rounds else None,
         "latency_ms": {"mean": float(np.mean(lat)) if lat else math.nan, "p50": percentile(lat, 50),
                        "p90": percentile(lat, 90), "p99": percentile(lat, 99),

@@ -459,8 +459,8 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
     render_table(rows, console, title=f"hycoc loadtest: {', '.join(configs)}, {duration_s:g} s per run"
                  + (f", {rate:g} arrivals/s" if rate else ""))
     basis = next((r["projection"]["basis"] for r in rows if r.get("projection")), None)
-    console.print("tok/s: tokens committed by rounds answered in the window / window; verifier ms/tok: the replies' "
-                  "server_ms per committed token (prefill excluded); p50/p90/p99: round latency send -> reply on "
+    console.print("tok/s: tokens committed by rounds answered in the window / window; verifier ms/tok: the server's "
+                  "worker ms in rounds per committed token (/metrics; prefill excluded); p50/p90/p99: round latency send -> reply on "
                   "the client; rows/fwd: the server's hycoc_batch_rows histogram (n/a: the server has none).")
     if basis:
         console.print(f"proj. (a projection, not a measurement): trees verified per forward and the verifier work "
