@@ -169,6 +169,9 @@ def build(
     cache_dir: Optional[Path] = typer.Option(
         None, help="cache of intermediate artifacts, keyed by content hash (default: .hycoc-cache in the cwd)",
         show_default=False),
+    device: Device = typer.Option(
+        Device.cpu, help="where the verifier captures and the head's QAT run: cpu (models as saved) or cuda (the "
+        "verifier in bfloat16, QAT under bfloat16 autocast, paper Table 4); cached separately per device"),
 ) -> None:
     """Compile the recipe's MTP head and SLM into a bundle of static, quantized graphs (paper §3.2-3.4)."""
     from rich.console import Console
@@ -188,10 +191,11 @@ def build(
     from hycoc.targets.htp import HtpTargetError
     from hycoc.targets.profiles import UnknownTargetError
     from hycoc.targets.qai_hub import QaiHubJobError, QaiHubSetupError
+    from hycoc.verifier.loading import DeviceUnavailable
 
     errors = (BuildError, PipelineError, RecipeError, ModelNotFoundError, KeepSetError, HeadQatError, ExportError,
               SurgeryError, SlmGraphError, CalibrationError, QdqError, CpuTargetError, HtpTargetError,
-              UnknownTargetError, QaiHubSetupError, QaiHubJobError)
+              UnknownTargetError, QaiHubSetupError, QaiHubJobError, DeviceUnavailable)
 
     config = _recipe("build", recipe)
     _need_full("build")
@@ -199,11 +203,12 @@ def build(
     cache = cache_dir if cache_dir is not None else Path(".hycoc-cache")
     console = Console(stderr=True)
     if list_passes:
-        typer.echo(build_pipeline(config, name, cache_dir=cache, console=console).describe())
+        typer.echo(build_pipeline(config, name, cache_dir=cache, console=console, device=device.value).describe())
         return
     out_dir = out if out is not None else Path("bundles") / f"{config.recipe.name}-{name}"
     try:
-        result = build_bundle(config, name, None if until else out_dir, cache, until=until, console=console)
+        result = build_bundle(config, name, None if until else out_dir, cache, until=until, console=console,
+                              device=device.value)
     except BuildNotReady as e:
         number, title = PENDING["build"]
         raise _fail("build", f"not available yet (issue {number}: {title}): {e}", code=2) from None
@@ -456,6 +461,80 @@ def verify_server(
         serve(engine, host, port, auth_token=auth_token, on_listening=listening, **options)
     except OSError as e:
         raise _fail("verify-server", f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+@app.command("serve-ray")
+def serve_ray(
+    ctx: typer.Context,
+    recipe: Path = RECIPE_ARG,
+    replicas: int = typer.Option(2, min=1, help="verifier replicas (each loads the recipe's verifier and takes "
+                                 "[verifier].threads CPUs, or 1 GPU with --device cuda, from Ray)"),
+    host: Optional[str] = typer.Option(None, help="listen address of Ray Serve's proxy (default: the recipe's "
+                                       "verifier.host, 127.0.0.1)", show_default=False),
+    port: Optional[int] = typer.Option(None, min=1, max=65535, help="TCP port of the proxy (default: the recipe's "
+                                       "verifier.port, 8765)", show_default=False),
+    device: Optional[Device] = typer.Option(None, help="torch device of every replica (default: the recipe's "
+                                            "verifier.device)", show_default=False),
+    auth_token: Optional[str] = typer.Option(
+        None, envvar="HYCOC_AUTH_TOKEN", help="require this token from clients, in OPEN or as 'Authorization: "
+        f"Bearer TOKEN' (default: none, an open server); {AUTH_TOKEN_HELP}", show_default=False),
+    auth_token_file: Optional[Path] = typer.Option(
+        None, help="read the token clients must present from this file (one line)", show_default=False),
+    keep_set: Optional[Path] = typer.Option(
+        None, help="keep set for server-head sessions (the bundle's keep_set.npy); without it they are refused",
+        show_default=False),
+    ray_address: Optional[str] = typer.Option(
+        None, help="Ray cluster to join ('auto': the one `ray start` began on this node; ray://HOST:10001); "
+        "default: start a local Ray instance with one CPU per replica thread", show_default=False),
+) -> None:
+    """Serve the verifier as a Ray Serve deployment: N replicas behind one WebSocket endpoint (issue 14).
+
+    Same wire protocol, /healthz and /metrics as verify-server, at ws://HOST:PORT/; a session stays on the replica
+    that accepted it; new sessions go to the less loaded replica; /healthz and /metrics cover every replica (samples
+    labelled replica="ID"). Server limits apply per replica. Needs the serve extra: pip install -e '.[serve]'.
+
+    Prints one line with the URL once every replica is up; stops on Ctrl-C or SIGTERM.
+    """
+    import importlib.util
+
+    cfg = _recipe("serve-ray", recipe)
+    _need_full("serve-ray")
+    if importlib.util.find_spec("ray") is None:
+        raise _fail("serve-ray", "needs Ray Serve (the serve extra): pip install -e '.[serve]'")
+    auth_token = _auth_token("serve-ray", ctx, auth_token, auth_token_file)
+    from hycoc.models import ModelNotFoundError
+    from hycoc.verifier.loading import DeviceUnavailable, check_device, model_dir, server_options
+    from hycoc.verifier.ray_serve import RecipeEngine, build_app, check_keep_set, replica_cpus, run
+
+    dev = device.value if device is not None else cfg.verifier.device
+    try:  # what each replica will load, checked here once (a replica that fails is retried by Ray)
+        check_device(dev)
+        for role in ("verifier", "head", "tokenizer"):
+            model_dir(cfg, role)
+        if keep_set is not None:
+            check_keep_set(keep_set)
+    except (ModelNotFoundError, DeviceUnavailable, ValueError) as e:
+        raise _fail("serve-ray", str(e)) from None
+    host = host or cfg.verifier.host
+    port = cfg.verifier.port if port is None else port
+    options = server_options(cfg) | {"auth_token": auth_token}
+    app = build_app(RecipeEngine(str(recipe.resolve()), dev, None if keep_set is None else str(keep_set.resolve())),
+                    replicas=replicas, server_kwargs=options, cpus_per_replica=replica_cpus(cfg.verifier.threads),
+                    gpus_per_replica=1 if dev == "cuda" else 0)
+    typer.echo(f"hycoc serve-ray: starting Ray and {replicas} replica(s) of {cfg.models.verifier} "
+               "(each loads the verifier; about half a minute)", err=True)
+
+    def listening(url: str) -> None:
+        typer.echo(f"hycoc serve-ray: listening on {url} ({replicas} replicas of {cfg.models.verifier}, {dev}, "
+                   f"health {url.replace('ws://', 'http://', 1)}/healthz)")
+        sys.stdout.flush()
+
+    try:
+        run(app, host, port, ray_address=ray_address,
+            num_cpus=None if ray_address else replicas * replica_cpus(cfg.verifier.threads),
+            on_listening=listening)
+    except RuntimeError as e:  # a deployment that failed: Serve's message carries the replica's traceback
+        raise _fail("serve-ray", f"the deployment failed: {e}") from None
 
 
 @app.command("calibrate-handoff")

@@ -422,6 +422,16 @@ class Verifier(Section):
                                           "and minute; more get ERROR auth_rate_limited (HTTP 429 at the upgrade)")
     retry_after_s: float = Field(5.0, gt=0, le=3600, description="the retry hint, in seconds, sent with "
                                  "refusals for max_connections, max_sessions and max_kv_bytes")
+    # Cross-session batching (issue 14; hycoc.verifier.scheduler): rounds of sessions ready together share a forward.
+    batching: Literal["batched", "serial"] = Field(
+        "batched", description="batched: rounds of sessions ready at the same time are verified in one forward and "
+        "prompts are prefilled chunk by chunk between them; serial: one engine call at a time (the server before "
+        "batching)")
+    max_batch_rows: int = Field(528, ge=1, le=1_048_576, description="most tree rows per batched forward "
+                                "(default 528 = 16 trees of 33 rows); a single larger round still runs alone")
+    max_batch_wait_ms: float = Field(2.0, ge=0, le=10_000, description="milliseconds a round waits for other "
+                                     "sessions' rounds to join its forward (never when every open session has one "
+                                     "queued)")
 
 
 class Bench(Section):

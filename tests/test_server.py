@@ -588,6 +588,8 @@ device = "{device}"
 dtype = "float32"
 max_context = 96
 max_frame_bytes = 8192
+max_batch_rows = 64
+max_batch_wait_ms = 0.5
 """
     path = tmp_path / "recipe.toml"
     path.write_text(text)
@@ -612,7 +614,8 @@ def test_engine_from_recipe_takes_every_setting_from_the_recipe(tmp_path, saved_
     assert engine.head is not None and engine.vocab_size == VOCAB
     assert server_options(recipe) == {"tree_rows": 7, "max_frame_bytes": 8192, "model_name": str(saved_models /
                                                                                                   "verifier"),
-                                      "limits": ServerLimits()}
+                                      "limits": ServerLimits(), "batching": "batched", "max_batch_rows": 64,
+                                      "max_batch_wait_ms": 0.5}
     engine.close()
 
 
@@ -634,14 +637,16 @@ def test_verify_server_command_serves_until_sigterm(tmp_path, saved_models):
     recipe = write_recipe(tmp_path, saved_models)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "hycoc.cli", "verify-server", str(recipe), "--port", "0",
-                             "--auth-token", TOKEN], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+                             "--auth-token", TOKEN, "--batching", "serial", "--max-batch-rows", "32"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
         assert line.startswith("hycoc verify-server: listening on ws://127.0.0.1:"), (line, proc.stderr.read())
         url = line.split()[4]
         health = json.loads(http_get(url.replace("ws://", "http://") + "/healthz")[1])
         assert (health["tree_rows"], health["max_context"], health["auth"]) == (7, 96, True)
+        # the flags override the recipe's batching keys, the others stay the recipe's
+        assert health["batching"] == {"mode": "serial", "max_batch_rows": 32, "max_batch_wait_ms": 0.5}
         with VerifierClient(url, auth_token=TOKEN) as c:
             opened = c.open(open_request([3, 4, 5, 6]))
             assert (opened.tree_rows, opened.t) == (7, 3)
@@ -672,5 +677,6 @@ def test_verify_server_help_documents_units_and_defaults():
     result = CliRunner().invoke(app, ["verify-server", "--help"], terminal_width=200, env={"COLUMNS": "200"})
     assert result.exit_code == 0
     for text in ("verifier.host, 127.0.0.1", "0 = any free port", "verifier.port, 8765", "verifier.device",
-                 "Authorization: Bearer TOKEN", "max_frame_bytes (bytes)", "/healthz", "/metrics"):
+                 "Authorization: Bearer TOKEN", "max_frame_bytes (bytes)", "/healthz", "/metrics",
+                 "verifier.batching, batched", "verifier.max_batch_rows, 528", "verifier.max_batch_wait_ms, 2.0"):
         assert text in " ".join(result.stdout.replace("│", " ").split()), text  # rich wraps inside a box

@@ -86,8 +86,9 @@ def engine_from_recipe(recipe: Recipe, device: str | None = None, *, keep_set=No
 def server_options(recipe: Recipe) -> dict:
     """Keyword arguments of `hycoc.verifier.server.serve` / `VerifierServer` that come from the recipe:
     ``tree_rows`` = B + 1 ([tree].node_budget + 1; the device pads smaller trees to it), ``max_frame_bytes``
-    ([verifier].max_frame_bytes), ``model_name`` ([models].verifier as written) and ``limits`` (the server limits
-    of [verifier], `hycoc.verifier.server.ServerLimits`)."""
+    ([verifier].max_frame_bytes), ``model_name`` ([models].verifier as written), ``limits`` (the server limits
+    of [verifier], `hycoc.verifier.server.ServerLimits`) and the batching keys ``batching``, ``max_batch_rows``,
+    ``max_batch_wait_ms`` ([verifier] keys of the same names)."""
     from hycoc.verifier.server import ServerLimits
 
     return {
@@ -95,4 +96,7 @@ def server_options(recipe: Recipe) -> dict:
         "max_frame_bytes": recipe.verifier.max_frame_bytes,
         "model_name": recipe.models.verifier,
         "limits": ServerLimits.from_recipe(recipe.verifier),
+        "batching": recipe.verifier.batching,
+        "max_batch_rows": recipe.verifier.max_batch_rows,
+        "max_batch_wait_ms": recipe.verifier.max_batch_wait_ms,
     }
