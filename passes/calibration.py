@@ -123,11 +123,19 @@ def float_tensors(model) -> list[str]:
 
 def run_with_tensors(model_path: str | Path, tensors: Sequence[str],
                      samples: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-    """Run the graph on the CPU EP with ``tensors`` added as graph outputs (on a copy); one dict per sample."""
+    """Run the graph on the CPU EP with ``tensors`` added as graph outputs (on a copy); one dict per sample.
+
+    The copy is the graph's protobuf only (external data not loaded), written beside ``model_path`` so its external
+    data references resolve, and removed afterwards: a graph whose weights exceed protobuf's 2 GB limit never
+    passes through one serialized message (issue 15)."""
+    import os
+    import tempfile
+
     import onnx
     import onnxruntime as ort
 
-    model = onnx.load(str(model_path))
+    model_path = Path(model_path)
+    model = onnx.load(str(model_path), load_external_data=False)
     have = {o.name for o in model.graph.output}
     for name in tensors:
         if name not in have:
@@ -135,7 +143,13 @@ def run_with_tensors(model_path: str | Path, tensors: Sequence[str],
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # tensors keep their names
     so.intra_op_num_threads = 1
-    session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    fd, copy = tempfile.mkstemp(prefix=".outputs-", suffix=".onnx", dir=model_path.parent)
+    os.close(fd)
+    try:
+        onnx.save(model, copy)
+        session = ort.InferenceSession(copy, so, providers=["CPUExecutionProvider"])
+    finally:
+        os.unlink(copy)
     names = list(tensors)
     return [dict(zip(names, session.run(names, dict(s)))) for s in samples]
 

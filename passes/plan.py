@@ -24,6 +24,7 @@ import json
 import math
 from typing import Any
 
+from hycoc.passes import bit_map
 from hycoc.protocol import wire
 from hycoc.recipe import Recipe
 
@@ -58,19 +59,10 @@ SLM_E2B: dict[str, Any] = {
     "rope_parameters": VERIFIER_26B_A4B["rope_parameters"],
 }
 
-#: ASSUMED bit map of the E2B QAT mobile checkpoint (its config.json is not here): hycoc's toy SLM map
-#: (`hycoc.toy.configs.SLM_BIT_MAP`), 4-bit default; token embeddings 4-bit and per-layer embeddings 2-bit
-#: (paper Table 3: "2/4-bit LUT", which table gets which width is not stated).
-SLM_ASSUMED_BIT_MAP: dict[str, dict] = {
-    r"embed_tokens_per_layer": {"num_bits": 2},
-    r"embed_tokens": {"num_bits": 4},
-    r"self_attn\.(q|k|v|o)_proj": {"num_bits": 8},
-    r"lm_head": {"num_bits": 8},
-    r"per_layer_projection$|per_layer_input_gate": {"num_bits": 2},
-    r"per_layer_model_projection": {"num_bits": 8},
-    r"mlp\.(gate|up|down)_proj": {"num_bits": 4},
-}
-SLM_ASSUMED_DEFAULT_BITS = 4
+#: ASSUMED bit map of the E2B QAT mobile checkpoint (its config.json is not here): defined once, in
+#: `hycoc.passes.bit_map` (``E2B_ASSUMED``); these names are kept for older callers.
+SLM_ASSUMED_BIT_MAP: dict[str, dict] = bit_map.E2B_ASSUMED_MODULES
+SLM_ASSUMED_DEFAULT_BITS = bit_map.E2B_ASSUMED_DEFAULT_BITS
 
 #: ASSUMED config of google/gemma-4-26B-A4B-it-assistant until its config.json is given: 4 KV-shared layers
 #: (3 sliding + 1 full) of hidden 1,024, MLP 8,192, attention as the verifier's (16 query heads over the verifier's
@@ -95,6 +87,7 @@ PAPER = {
     "slm_graph_bytes": (754 * MB, "App. A Table 3: 754 MB NPU graph"),
     "head_graph_bytes": (123 * MB, "App. A Table 3: 123 MB NPU graph at W4"),
     "head_lut_bytes": (242 * MB, "App. A Table 3 / §3.3: 8-bit LUT, 242 MB"),
+    "head_side_bytes": (365 * MB, "§6: 'the device stores 365 MB for it' (head graph + E table)"),
     "handoff_bytes_per_round": (5_600, "§3.1: 5.6 KB per round (Alg. 4: 44 B + 5,632 B)"),
     "handoff_bytes_per_position": (6_100, "§3.1: 6.1 KB per output token (Alg. 4: 6,144 B per position)"),
     "tree_bytes_per_round": (2_200, "§3.1: 2.2 KB per round"),
@@ -164,13 +157,9 @@ def _producers(config) -> dict[str, int]:
 # ---- counting ---------------------------------------------------------------------------------------------
 
 
-def _bits_for(name: str, bit_map: dict[str, dict], default_bits: int) -> int:
-    import re
-
-    for pattern, opts in bit_map.items():
-        if re.search(pattern, name):
-            return int(opts.get("num_bits", default_bits))
-    return default_bits
+def _bits_for(name: str, modules: dict[str, dict], default_bits: int) -> int:
+    """transformers' width for module ``name`` (`hycoc.passes.bit_map.resolve_bits`)."""
+    return bit_map.resolve_bits(name, {"num_bits": default_bits, "module_quant_configs": modules})
 
 
 def _linear_weights(module, prefix: str = "") -> list[tuple[str, int, int]]:
@@ -256,21 +245,20 @@ def real_shape_plan(recipe: Recipe) -> dict:
                            "1 full layer pattern come from public copies of google/gemma-4-E2B-it's config.json "
                            "(not DESIGN.md)")
     else:
-        slm_quant = sd.get("quantization_config") or (sd.get("text_config") or {}).get("quantization_config")
+        try:
+            slm_quant = bit_map.checkpoint_quant_config(sd)
+        except bit_map.BitMapError as e:
+            raise PlanError(f"models.slm: {e}") from None
     sources["slm"] = where
     slm_cfg = _text_config(sd, "slm")
-    if slm_quant and slm_quant.get("module_quant_configs"):
-        slm_map = dict(slm_quant["module_quant_configs"])
-        slm_default = int(slm_quant.get("num_bits", 4))
-        slm_map_source = "the checkpoint's quantization_config"
+    if slm_quant is not None:
+        slm_qcfg, slm_map_source = slm_quant, "the checkpoint's quantization_config"
     else:
-        slm_map, slm_default = SLM_ASSUMED_BIT_MAP, SLM_ASSUMED_DEFAULT_BITS
-        slm_map_source = "ASSUMED"
-        assumptions.append(
-            "SLM weight bit map ASSUMED (the E2B QAT checkpoint's config.json is not here): attention q/k/v/o "
-            "8-bit, MLP 4-bit, per-layer input gate/projection 2-bit, per-layer model projection 8-bit, output "
-            "layer 8-bit, default 4-bit; token embedding LUT 4-bit, per-layer embedding LUT 2-bit (paper: "
-            "'2/4-bit LUT')")
+        slm_qcfg, slm_map_source = bit_map.slm_quant_config(None)
+        assumptions.append("SLM weight bit map ASSUMED (the E2B QAT checkpoint's config.json is not here; "
+                           "hycoc/passes/bit_map.py E2B_ASSUMED): " + bit_map.E2B_ASSUMED_TEXT)
+    slm_map = dict(slm_qcfg.get("module_quant_configs") or {})
+    slm_default = int(slm_qcfg.get("num_bits", 4))
 
     keep = int(recipe.keep_set.size)
     W = int(recipe.window.head_window)
@@ -383,7 +371,7 @@ def real_shape_plan(recipe: Recipe) -> dict:
     slm_other = (_numel(slm.model.layers) + _numel(slm.model.norm)
                  + (_numel(slm.model.per_layer_projection_norm) if P else 0)
                  - sum(o * i for n, o, i in slm_lin if n.startswith("model.layers.")))
-    slm_sizes = _sized(slm_lin, lambda n: _bits_for(n, slm_map, slm_default), slm_other)
+    slm_sizes = bit_map.graph_bytes(slm_lin, slm_qcfg, slm_other)
     emb_bits = _bits_for("model.embed_tokens", slm_map, slm_default)
     luts = {"embed_tokens": {"rows": int(slm_cfg.vocab_size), "cols": int(slm_cfg.hidden_size), "bits": emb_bits}}
     if P:
@@ -404,11 +392,15 @@ def real_shape_plan(recipe: Recipe) -> dict:
                     "bytes": slm_ring_values * kv_bits // 8},
     }
 
+    bit_maps = _bit_maps(slm_lin, slm_other, slm_cfg, slm_qcfg, slm_map_source, head_sizes["total_bytes"],
+                         head_lut)
+    budget = context_budget({"slm": slm_sizes["total_bytes"], "head": head_sizes["total_bytes"]}, recipe)
     params = {"verifier": _numel(verifier), "head": _numel(head), "slm": _numel(slm)}
     ours = {
         "slm_graph_bytes": slm_sizes["total_bytes"],
         "head_graph_bytes": head_sizes["total_bytes"],
         "head_lut_bytes": head_lut,
+        "head_side_bytes": head_sizes["total_bytes"] + head_lut,
         "handoff_bytes_per_round": per_round,
         "handoff_bytes_per_position": per_position,
         "tree_bytes_per_round": handoff["tree_bytes_per_round"],
@@ -448,7 +440,56 @@ def real_shape_plan(recipe: Recipe) -> dict:
                          "slm_ring_kv": slm_graph["ring_kv"]["bytes"]},
         "handoff": handoff,
         "paper": paper,
+        "bit_maps": bit_maps,
+        "context_budget": budget,
     }
+
+
+def _bit_maps(slm_lin, slm_other: int, slm_cfg, in_use: dict, source: str, head_graph: int, head_lut: int) -> dict:
+    """The SLM graph's bytes under the map in use, the assumed map and the paper-fit map (`hycoc.passes.bit_map`),
+    each beside the paper's 754 MB; the search for maps within 1 % of it; the head side beside the paper's 365 MB."""
+    shared = [i for i, m in enumerate(slm_cfg.kv_sharing_modes) if m == "reuse"]
+    fit = bit_map.e2b_paper_fit()
+    paper = bit_map.PAPER_SLM_GRAPH_BYTES
+    rows = []
+    for name, qcfg, text in (("in use (" + source + ")", in_use, ""),
+                             ("assumed", bit_map.E2B_ASSUMED, bit_map.E2B_ASSUMED_TEXT),
+                             ("paper fit", fit, bit_map.E2B_PAPER_FIT_TEXT)):
+        sizes = bit_map.graph_bytes(slm_lin, qcfg, slm_other)
+        rows.append({"map": name, "slm_graph_bytes": sizes["total_bytes"], "paper_bytes": paper,
+                     "diff_pct": round(100 * (sizes["total_bytes"] - paper) / paper, 2),
+                     "by_bits": {k: v["bytes"] for k, v in sizes["by_bits"].items()}, "text": text,
+                     "module_quant_configs": qcfg.get("module_quant_configs"), "num_bits": qcfg.get("num_bits")})
+    head_side = head_graph + head_lut
+    return {"source": source, "maps": rows,
+            "search": bit_map.search_maps(slm_lin, slm_other, shared),
+            "head_side": {"head_graph_bytes": head_graph, "head_lut_bytes": head_lut, "total_bytes": head_side,
+                          "paper_bytes": bit_map.PAPER_HEAD_SIDE_BYTES,
+                          "diff_pct": round(100 * (head_side - bit_map.PAPER_HEAD_SIDE_BYTES)
+                                            / bit_map.PAPER_HEAD_SIDE_BYTES, 2),
+                          "note": "W4 head graph + 8-bit E table over the keep set; independent of the SLM's map"}}
+
+
+def context_budget(graph_bytes: dict[str, int], recipe: Recipe) -> dict:
+    """Each drafter graph's planned weight bytes against the recipe target's context limit (the profile's
+    ``max_context_bytes``, lowered by ``target.context_size_limit_mb``), before anything is compiled.
+
+    Returns {"profile", "limit_bytes", "graphs": {name: {"bytes", "fits", "shards_needed"}}}: ``shards_needed`` is
+    how many layer shards (one context binary each, one EP context group) the graph needs at that limit. The
+    compile itself refuses a context over the limit before compiling (`hycoc.targets.htp.compile_shared`,
+    ContextTooLargeError naming the bytes)."""
+    from hycoc.targets.profiles import UnknownTargetError, profile_for
+
+    t = recipe.target
+    try:
+        profile = profile_for(int(t.htp_arch), str(t.soc_model), int(t.context_size_limit_mb))
+    except UnknownTargetError as e:
+        return {"profile": None, "limit_bytes": None, "error": str(e), "graphs": {}}
+    limit = profile.max_context_bytes
+    graphs = {name: {"bytes": int(n), "fits": limit is None or n <= limit,
+                     "shards_needed": 1 if limit is None else max(1, math.ceil(n / limit))}
+              for name, n in graph_bytes.items()}
+    return {"profile": profile.name, "limit_bytes": limit, "graphs": graphs}
 
 
 def plan_json(plan: dict) -> str:

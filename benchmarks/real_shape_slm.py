@@ -1,0 +1,538 @@
+"""The E2B SLM Drafter at real shape through every pass of the compiler, random weights (issue 15, first bullet).
+
+    python benchmarks/real_shape_slm.py                                  # E2B: 35 layers, |V| 86,089, B 32, W 1,024
+    python benchmarks/real_shape_slm.py --layers 5 --out runs/real-shape-slm-5.json     # real widths, 5 layers
+    python benchmarks/real_shape_slm.py --skip-compile --max-qdq-gib 11
+
+Steps, each timed, with its peak memory and the bytes it wrote (the head's equivalent is
+`benchmarks/real_shape_head.py`, whose measuring helpers this script reuses):
+
+1. ``checkpoint``: random integer weights written straight into transformers' pre-quantized Gemma format
+   (``quant_method: gemma``: packed int2/int4/int8 + per-channel float32 ``weight_scale``, embeddings as
+   ``embedding_quantized`` + per-row ``embedding_scale``; `hycoc.toy.gemma_format.pack`) at the bit map of
+   ``--bit-map`` (`hycoc.passes.bit_map`: ``assumed`` = E2B_ASSUMED, ``paper-fit`` = e2b_paper_fit). The model is
+   never materialized in float (5.1 G parameters would be 20 GB): the module names and shapes come from
+   ``Gemma4ForCausalLM`` on torch's meta device, each tensor is drawn, packed and written per safetensors shard
+   (about 1 GB each, with transformers' ``model.safetensors.index.json``). Integers are uniform in the width's
+   range, scales sqrt(3) / (qmax sqrt(in)) so each weight has RMS 1/sqrt(in). Shapes: ``hycoc.passes.plan.SLM_E2B``
+   with the output layer untied (the keep-set rows are cut from it, App. A); ``--layers N`` keeps the first N
+   layers of the E2B pattern (KV sharing scaled: the last 20/35 of them share).
+2. ``surgery``: `hycoc.passes.slm_surgery.operate` (transformers loads the checkpoint; every weight becomes an
+   `IntegerWeight` checked bit-exact against transformers' own dequantization; the embedding tables become host
+   LUTs). Details: bytes per width, LUT bytes.
+3. ``host_luts``: the per-layer-embedding and token LUTs stay on the host: looked up for 32 rows, and (after
+   export) no Gather on a constant table in the device graph (`hycoc.targets.htp.find_host_only_nodes`).
+4. ``graph``: `hycoc.passes.slm_graph.SlmTreeGraph` with B = 32 rows, rings 1,024 (full) / 512 (sliding) and a
+   SYNTHETIC keep set of ``--keep-set`` sorted ids (uniform, fixed seed): the output layer keeps those rows only.
+5. ``export``: `export_slm_graph` (torch.onnx dynamo, RMSNorms decomposed, external data, checker, onnxruntime CPU
+   vs torch on one input). Graph bytes on disk; whether the external data file is over 2 GB (protobuf's limit).
+6. ``qdq``: `hycoc.passes.qdq.quantize_graph` (bit-exact integer weights, A16 activations at the recipe's
+   ``slm_calibration`` percentile x range scale on ``--samples`` synthetic inputs, fixed encodings, SQNR on the
+   CPU EP). Refused up front, with the estimate in the message, when its estimated peak (the float fold of every
+   weight, about 3 x 4 bytes per weight, + the model) exceeds ``--max-qdq-gib``.
+7. ``budget_refusal``: the compile with the context limit lowered to one byte below the graph's weight bytes must
+   be refused BEFORE compiling (``ContextTooLargeError`` naming the size, no files written).
+8. ``compile`` / ``sim``: `hycoc.targets.htp.compile_context` for htp-v81 with CPU fallback disabled; one run on
+   the HTP simulator against the same QDQ graph on the CPU EP (SQNR of logits and the new KV).
+
+Memory: ``peak_rss_gib`` (VmHWM, reset per step) and ``peak_tree_rss_gib`` (this process + children, sampled).
+``--toy-dims`` (tests only): the same chain at toy widths; the report says ``"real_shapes": false``.
+Prints a table and writes JSON to ``--out`` (default runs/real-shape-slm.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import real_shape_head as rsh  # noqa: E402  (the measuring helpers: Steps, _du, _sqnr, _cpu_run, ...)
+
+GIB = 1024**3
+TWO_GB = 2**31
+
+#: ``--toy-dims`` (tests only): E2B's structure at toy widths. NOT real shapes.
+TOY_DIMS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 32, "global_head_dim": 64, "vocab_size": 4096, "vocab_size_per_layer_input": 4096,
+            "hidden_size_per_layer_input": 16}
+
+
+def slm_config(layers: int | None, toy_dims: bool = False) -> dict[str, Any]:
+    """E2B's text config (`hycoc.passes.plan.SLM_E2B`), output layer untied, cut to the first ``layers`` layers
+    (KV sharing scaled to 20/35 of them, at least the last producer of each type kept). Raises ValueError for a
+    layer count outside [2, 35]."""
+    from hycoc.passes.plan import SLM_E2B
+
+    d = copy.deepcopy(SLM_E2B)
+    d["tie_word_embeddings"] = False
+    if toy_dims:
+        d.update(TOY_DIMS)
+    n = len(d["layer_types"]) if layers is None else int(layers)
+    if not 2 <= n <= len(d["layer_types"]):
+        raise ValueError(f"--layers {n}: must lie in [2, {len(d['layer_types'])}]")
+    if n < len(d["layer_types"]):
+        types = d["layer_types"][:n]
+        if "full_attention" not in types:
+            types[-1] = "full_attention"
+        d["layer_types"] = types
+        d["num_hidden_layers"] = n
+        shared = (n * d["num_kv_shared_layers"]) // 35
+        # the shared layers need a producer of each type among the non-shared ones
+        while shared and {*d["layer_types"][:n - shared]} != {*types}:
+            shared -= 1
+        d["num_kv_shared_layers"] = shared
+    return d
+
+
+def _meta_model(cfg: dict[str, Any]):
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    with torch.device("meta"):
+        return Gemma4ForCausalLM(Gemma4TextConfig.from_dict(cfg))
+
+
+def write_random_checkpoint(cfg: dict[str, Any], quant_config: dict[str, Any], path: Path, *, seed: int = 0,
+                            shard_bytes: int = 1 << 30) -> dict[str, Any]:
+    """Random integer weights in transformers' pre-quantized Gemma format under ``path`` (module docstring, step 1).
+
+    cfg: Gemma 4 text config dict; quant_config: a validated ``quantization_config`` (`hycoc.passes.bit_map`).
+    Writes ``config.json`` (with ``quantization_config``), ``model-XXXXX.safetensors`` shards of about
+    ``shard_bytes`` and ``model.safetensors.index.json``, each to a temporary name renamed when complete.
+    Returns {"tensors", "bytes", "by_bits": {bits: {"modules", "values", "bytes"}}, "embeddings": {...}}.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from hycoc.passes.bit_map import resolve_bits, validate
+    from hycoc.toy.gemma_format import pack, qmax
+
+    qcfg = validate(quant_config)
+    path.mkdir(parents=True, exist_ok=True)
+    meta = _meta_model(cfg)
+    rng = np.random.default_rng(seed)
+    owned: set[str] = set()
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    by_bits: dict[str, dict[str, int]] = {}
+    embeddings: dict[str, dict[str, int]] = {}
+
+    def put(name: str, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        if sizes[-1] and sizes[-1] + nbytes > shard_bytes:
+            flush()
+        shards[-1][name] = t.contiguous()
+        sizes[-1] += nbytes
+
+    files: list[tuple[str, list[str]]] = []
+
+    def flush() -> None:
+        if not shards[-1]:
+            return
+        name = f"model-{len(files) + 1:05d}.safetensors"
+        tmp = path / (name + ".tmp")
+        save_file(shards[-1], str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path / name)
+        files.append((name, list(shards[-1])))
+        shards[-1] = {}
+        sizes[-1] = 0
+
+    for name, module in meta.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            bits = resolve_bits(name, qcfg)
+            qm = qmax(bits)
+            q = torch.from_numpy(rng.integers(-qm, qm + 1, size=(module.out_features, module.in_features),
+                                              dtype=np.int8))
+            scale = torch.full((module.out_features, 1), math.sqrt(3) / (qm * math.sqrt(module.in_features)))
+            scale *= torch.from_numpy(rng.uniform(0.8, 1.2, (module.out_features, 1)).astype(np.float32))
+            packed = pack(q, bits)
+            del q
+            put(f"{name}.weight", packed)
+            put(f"{name}.weight_scale", scale.float())
+            put(f"{name}.input_activation_scale", torch.tensor(0.0))
+            put(f"{name}.output_activation_scale", torch.tensor(0.0))
+            e = by_bits.setdefault(str(bits), {"modules": 0, "values": 0, "bytes": 0})
+            e["modules"] += 1
+            e["values"] += module.out_features * module.in_features
+            e["bytes"] += packed.numel() * packed.element_size() + 4 * module.out_features
+            owned.add(name)
+        elif isinstance(module, torch.nn.Embedding):
+            bits = resolve_bits(name, qcfg)
+            qm = qmax(bits)
+            rows, dim = module.num_embeddings, module.embedding_dim
+            packed_rows = []
+            for start in range(0, rows, 16384):          # in slices: the int8 rows of a 2.3 G-value table = 2.3 GB
+                stop = min(rows, start + 16384)
+                q = torch.from_numpy(rng.integers(-qm, qm + 1, size=(stop - start, dim), dtype=np.int8))
+                packed_rows.append(pack(q, bits))
+            packed = torch.cat(packed_rows)
+            del packed_rows
+            scale = torch.full((rows, 1), math.sqrt(3) / (qm * math.sqrt(dim)))
+            put(f"{name}.embedding_quantized", packed)
+            put(f"{name}.embedding_scale", scale.float())
+            embeddings[name] = {"rows": rows, "cols": dim, "bits": bits,
+                                "bytes": packed.numel() * packed.element_size() + 4 * rows}
+            del packed
+            owned.add(name)
+    for key, t in meta.state_dict().items():
+        if key.rsplit(".", 1)[0] in owned:
+            continue
+        put(key, torch.ones(tuple(t.shape), dtype=torch.float32))
+    flush()
+    index = {"metadata": {"total_size": int(sum((path / f).stat().st_size for f, _ in files))},
+             "weight_map": {k: f for f, keys in files for k in keys}}
+    tmp = path / "model.safetensors.index.json.tmp"
+    tmp.write_text(json.dumps(index, indent=1))
+    os.replace(tmp, path / "model.safetensors.index.json")
+    config = dict(cfg)
+    config["quantization_config"] = qcfg
+    config["architectures"] = ["Gemma4ForCausalLM"]
+    tmp = path / "config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=1))
+    os.replace(tmp, path / "config.json")
+    return {"tensors": len(index["weight_map"]), "files": len(files), "bytes": rsh._du(path),
+            "by_bits": by_bits, "embeddings": embeddings}
+
+
+def qdq_peak_estimate_gib(linear_values: int, lut_bytes: int) -> float:
+    """Estimated peak of `quantize_graph` on the whole graph: the float32 fold of every weight held about three
+    times (folded model, preprocessed copy, quantizer's copy + the CPU EP session of the calibration), plus the
+    int8 graph and the host LUTs. A planning figure, not a measurement."""
+    return (3 * 4 * linear_values + linear_values + lut_bytes) / GIB
+
+
+# ---- the check -------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=None, help="first N layers of E2B (default all 35)")
+    p.add_argument("--keep-set", type=int, default=86_089, help="keep-set size (default 86,089)")
+    p.add_argument("--rows", type=int, default=32, help="tree rows B (default 32)")
+    p.add_argument("--ring", type=int, default=1024, help="full-attention ring W (default 1,024)")
+    p.add_argument("--sliding-ring", type=int, default=512, help="sliding-layer ring (default 512)")
+    p.add_argument("--bit-map", choices=("assumed", "paper-fit"), default="assumed",
+                   help="hycoc.passes.bit_map map for the random checkpoint (default assumed)")
+    p.add_argument("--samples", type=int, default=4, help="calibration inputs (default 4)")
+    p.add_argument("--max-qdq-gib", type=float, default=11.0,
+                   help="refuse the QDQ step when its estimated peak exceeds this (default 11 GiB)")
+    p.add_argument("--skip-compile", action="store_true", help="stop after QDQ and the budget refusal")
+    p.add_argument("--compile-timeout", type=float, default=2400.0, help="seconds for the HTP compile")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(REPO / "runs" / "real-shape-slm.json"))
+    p.add_argument("--work", default=None, help="work folder (default: temporary, removed unless --keep-work)")
+    p.add_argument("--keep-work", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--toy-dims", action="store_true", help="tests only: toy widths; NOT real shapes")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict[str, Any]:
+    """Run the check; returns the report (also written to ``--out``)."""
+    args = parse_args(argv)
+    import torch
+    from rich.console import Console
+
+    from hycoc import progress
+    from hycoc.passes import bit_map
+    from hycoc.recipe import load_recipe
+    from hycoc.targets.profiles import get_profile
+
+    console = Console(stderr=True, quiet=args.quiet)
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    t_all = time.perf_counter()
+    work_tmp = None
+    if args.work:
+        work = Path(args.work)
+        work.mkdir(parents=True, exist_ok=True)
+    else:
+        work_tmp = Path(tempfile.mkdtemp(prefix="hycoc-real-shape-slm-"))
+        work = work_tmp
+    recipe = load_recipe(REPO / "recipes" / "gemma4.toml")
+    cal = recipe.slm_calibration
+    profile = get_profile("htp-v81")
+    cfg = slm_config(args.layers, args.toy_dims)
+    qcfg = bit_map.E2B_ASSUMED if args.bit_map == "assumed" else bit_map.e2b_paper_fit()
+    vocab = int(cfg["vocab_size"])
+    keep_n = min(args.keep_set, vocab)
+    steps = rsh.Steps(console if not args.quiet else None)
+    state: dict[str, Any] = {}
+
+    def say(text):
+        if not args.quiet:
+            progress.plain_line(text)
+
+    # 1. checkpoint
+    ckpt = work / "checkpoint"
+
+    def s_checkpoint():
+        info = write_random_checkpoint(cfg, qcfg, ckpt, seed=args.seed)
+        return True, info["bytes"], info
+
+    say(f"checkpoint: {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, bit map {args.bit_map}")
+    if steps.run("checkpoint", s_checkpoint, what="random integers in transformers' pre-quantized Gemma format") is None:
+        return _finish(args, steps, started, t_all, cfg, state, work_tmp)
+
+    # 2. surgery
+    def s_surgery():
+        from hycoc.passes.slm_surgery import operate
+
+        slm, numbers = operate(ckpt)
+        state["slm"] = slm
+        return slm, numbers["after_bytes"], numbers
+
+    say("surgery: transformers loads the checkpoint, integers checked bit-exact")
+    slm = steps.run("surgery", s_surgery, what="slm_surgery.operate: bit-exact integer weights, host LUTs")
+    if slm is None:
+        return _finish(args, steps, started, t_all, cfg, state, work_tmp)
+
+    # 3. host LUTs
+    def s_luts():
+        tokens = np.random.default_rng(args.seed).integers(0, vocab, args.rows)
+        out = {}
+        for name, lut in slm.luts.items():
+            t0 = time.perf_counter()
+            rows = lut.lookup(tokens)
+            out[name] = {"rows": int(lut.packed.shape[0]), "cols": int(lut.dim), "bits": int(lut.bits),
+                         "bytes": int(lut.packed.nbytes + lut.scale.nbytes), "lookup_shape": list(rows.shape),
+                         "lookup_ms": round(1000 * (time.perf_counter() - t0), 3)}
+        return True, 0, {"luts": out, "total_bytes": sum(v["bytes"] for v in out.values())}
+
+    steps.run("host_luts", s_luts, what="token + per-layer embedding LUTs looked up on the host (32 rows)")
+
+    # 4. graph
+    def s_graph():
+        from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph, example_inputs
+
+        keep = rsh.synthetic_keep_set(keep_n, vocab, args.seed)
+        graph = SlmTreeGraph(slm, keep, rows=args.rows, ring={FULL: args.ring, SLIDING: args.sliding_ring})
+        state["graph"], state["keep"] = graph, keep
+        state["example"] = example_inputs(graph, slm, args.seed)
+        head = slm.weights["lm_head"]
+        return graph, 0, {"rows": graph.rows, "ring": graph.ring, "kv_layers": graph.kv_layers,
+                          "keep_set": len(keep), "output_layer_rows_before": int(head.q.shape[0]),
+                          "output_layer_rows_after": int(graph.lm_head.q.shape[0]),
+                          "inputs": {n: list(s) for n, s in graph.input_shapes.items()}}
+
+    graph = steps.run("graph", s_graph, what="SlmTreeGraph: B rows over the ring, keep-set output layer")
+    if graph is None:
+        return _finish(args, steps, started, t_all, cfg, state, work_tmp)
+
+    # 5. export
+    export_path = work / "export" / "slm.onnx"
+
+    def s_export():
+        from hycoc.passes.slm_graph import export_slm_graph
+        from hycoc.targets.htp import find_host_only_nodes
+
+        _, rep = export_slm_graph(graph, state["example"], export_path)
+        import onnx
+
+        m = onnx.load(str(export_path), load_external_data=False)
+        host = find_host_only_nodes(m, profile)
+        d = rep.numbers()
+        d.update(model_bytes=rep.model_bytes, data_bytes=rep.data_bytes, over_2gb=rep.data_bytes > TWO_GB,
+                 host_only_nodes=[str(n) for n in host], initializer_bits=rsh._qdq_bitmap(export_path))
+        return True, rsh._du(*rsh._onnx_files(export_path)), d
+
+    say("export: torch.onnx dynamo, RMSNorm decomposition, checker, CPU EP vs torch")
+    if steps.run("export", s_export, what="export_slm_graph (external data, checker, ORT vs torch)") is None:
+        return _finish(args, steps, started, t_all, cfg, state, work_tmp)
+
+    # 6. QDQ
+    linear_values = sum(int(m.q.numel()) for m in graph.modules() if hasattr(m, "q") and hasattr(m, "bits"))
+    lut_bytes = sum(int(v.packed.nbytes) for v in slm.luts.values())
+    estimate = qdq_peak_estimate_gib(linear_values, lut_bytes)
+    qres = None
+    if estimate > args.max_qdq_gib:
+        steps.rows.append({"step": "qdq", "status": "refused", "seconds": 0, "output_bytes": 0,
+                           "peak_rss_gib": 0, "peak_tree_rss_gib": 0,
+                           "what": f"estimated peak {estimate:.1f} GiB > --max-qdq-gib {args.max_qdq_gib}",
+                           "details": {"estimate_gib": round(estimate, 2), "linear_values": linear_values}})
+        say(f"qdq refused: estimated {estimate:.1f} GiB > {args.max_qdq_gib} GiB")
+    else:
+        def s_qdq():
+            from hycoc.passes.qdq import quantize_graph, slm_calibration_samples
+
+            samples = slm_calibration_samples(graph, slm, args.samples, args.seed)
+            res = quantize_graph(export_path, samples, work / "qdq", percentile=cal.percentile,
+                                 range_scale=cal.range_scale)
+            import onnx
+
+            onnx.checker.check_model(str(res.path), full_check=True)
+            d = res.numbers()
+            d.pop("io_encodings", None)
+            d.update(checker="ok", estimate_gib=round(estimate, 2), initializer_bits=rsh._qdq_bitmap(res.path),
+                     data_bytes=rsh._du(*rsh._onnx_files(res.path)), over_2gb=rsh._du(*rsh._onnx_files(res.path))
+                     > TWO_GB)
+            state["feed"] = samples[0]
+            return res, rsh._du(work / "qdq"), d
+
+        say("qdq: fold integer weights, calibrate A16, quantize, verify bit-exact weights, SQNR")
+        qres = steps.run("qdq", s_qdq, what="quantize_graph: bit-exact integer weights, A16, SQNR on the CPU EP")
+
+    # 7. budget refusal (before compiling)
+    if qres is not None:
+        def s_budget():
+            from hycoc.targets.htp import ContextTooLargeError, compile_context, plan_context_size
+
+            plan = plan_context_size([qres.path], profile)
+            small = profile.with_limit(plan.weight_bytes - 1)
+            out = work / "refused"
+            t0 = time.perf_counter()
+            try:
+                compile_context(qres.path, out, small, graph_name="slm")
+            except ContextTooLargeError as e:
+                written = sorted(p.name for p in out.rglob("*") if p.is_file()) if out.exists() else []
+                return True, 0, {"refused": True, "message": str(e)[:600], "seconds_to_refuse":
+                                 round(time.perf_counter() - t0, 3), "weight_bytes": plan.weight_bytes,
+                                 "limit_bytes": small.max_context_bytes, "files_written": written,
+                                 "fits_real_limit": plan.weight_bytes <= profile.max_context_bytes,
+                                 "real_limit_bytes": profile.max_context_bytes}
+            raise AssertionError("a context over the lowered limit was not refused")
+
+        steps.run("budget_refusal", s_budget, what="limit lowered below the weights: refused before compiling")
+
+    # 8. compile + simulator
+    if qres is not None and not args.skip_compile:
+        def s_compile():
+            from hycoc.targets.htp import compile_context
+
+            with rsh._WorkerTimeout(args.compile_timeout):
+                cg = compile_context(qres.path, work / "htp", profile, graph_name="slm")
+            return cg, cg.binary_bytes + cg.ctx_model.stat().st_size, {
+                "profile": profile.name, "htp_arch": cg.htp_arch, "soc_type": cg.soc_type, "qnn_sdk": cg.qnn_sdk,
+                "binary_bytes": cg.binary_bytes, "weight_bytes": cg.weight_bytes,
+                "compile_seconds": round(cg.compile_seconds, 2), "cpu_fallback": "disabled"}
+
+        say("compile: htp-v81 context binary, CPU fallback disabled")
+        cg = steps.run("compile", s_compile, what=f"compile_context {profile.name}, CPU fallback disabled")
+        if cg is not None:
+            def s_sim():
+                from hycoc.targets.htp import HtpSession
+
+                feed = state["feed"]
+                t0 = time.perf_counter()
+                sess = HtpSession(cg.ctx_model, profile)
+                load_s = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                got = sess.run(feed)
+                run_s = time.perf_counter() - t1
+                cpu = rsh._cpu_run(qres.path, feed)
+                out = {"load_seconds": round(load_s, 2), "run_seconds": round(run_s, 2)}
+                for name in cpu:
+                    out[f"sqnr_htp_vs_cpu_qdq_db.{name}"] = rsh._sqnr(cpu[name], got[name])
+                lg, lc = got["logits"].reshape(-1, got["logits"].shape[-1]), cpu["logits"].reshape(
+                    -1, cpu["logits"].shape[-1])
+                out["top1_htp_eq_cpu_qdq"] = float(np.mean(lg.argmax(-1) == lc.argmax(-1)))
+                return True, 0, out
+
+            steps.run("sim", s_sim, what="HTP simulator vs the QDQ graph on the CPU EP (one input)")
+    return _finish(args, steps, started, t_all, cfg, state, work_tmp)
+
+
+def _finish(args, steps, started, t_all, cfg, state, work_tmp) -> dict[str, Any]:
+    import torch
+
+    report = {
+        "what": "real-shape E2B SLM build check (issue 15): random integer weights, synthetic keep set and "
+                "calibration",
+        "started": started,
+        "total_seconds": round(time.perf_counter() - t_all, 1),
+        "args": vars(args),
+        "shapes": {"real_shapes": not args.toy_dims, "layers": cfg["num_hidden_layers"],
+                   "kv_shared_layers": cfg["num_kv_shared_layers"], "hidden": cfg["hidden_size"],
+                   "intermediate": cfg["intermediate_size"], "vocab": cfg["vocab_size"],
+                   "per_layer_input": cfg["hidden_size_per_layer_input"], "keep_set": args.keep_set,
+                   "rows": args.rows, "ring": args.ring, "sliding_ring": args.sliding_ring,
+                   "bit_map": args.bit_map},
+        "assumptions": [
+            "E2B text config from hycoc.passes.plan.SLM_E2B with the output layer untied (keep-set rows cut from it)",
+            f"bit map {args.bit_map} (hycoc/passes/bit_map.py); the QAT checkpoint's own map is not here",
+            "random integers: timing, memory and sizes are the real shapes', numerics are not",
+            "keep set synthetic (sorted uniform ids); calibration synthetic (random trees, tokens, rings)",
+            "graph without the TopK outputs the bundle's SLM graph adds (passes/topk_outputs.py)",
+        ],
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "mem_total_gib": round(rsh._meminfo_kib("MemTotal") / 1024**2, 1),
+                    "loadavg": os.getloadavg(), "torch_threads": torch.get_num_threads()},
+        "versions": rsh._versions(),
+        "steps": steps.rows,
+        "peak_rss_gib": max((r.get("peak_tree_rss_gib", 0) for r in steps.rows), default=0),
+        "failed": [r["step"] for r in steps.rows if r.get("status") == "failed"],
+    }
+    report["needs"] = rsh._needs(report)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=rsh._json_default), encoding="utf-8")
+    os.replace(tmp, out)
+    if not args.quiet:
+        print_table(report)
+    state.clear()
+    gc.collect()
+    if work_tmp is not None and not args.keep_work:
+        shutil.rmtree(work_tmp, ignore_errors=True)
+    return report
+
+
+def print_table(report: dict) -> None:
+    """The summary table (one row per step) on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    s = report["shapes"]
+    table = Table(title=f"real-shape E2B SLM: {s['layers']} layers, |V| {s['keep_set']:,}, B {s['rows']}, "
+                        f"W {s['ring']:,}/{s['sliding_ring']}, map {s['bit_map']} -- {report['total_seconds']:.0f} s")
+    for col in ("step", "status", "seconds", "peak RSS GiB", "tree peak GiB", "output", "notes"):
+        table.add_column(col, justify="right" if col in ("seconds", "peak RSS GiB", "tree peak GiB", "output")
+                         else "left")
+    for r in report["steps"]:
+        d = r.get("details") or {}
+        note = ""
+        if r["step"] == "checkpoint":
+            note = ", ".join(f"int{b}: {v['modules']} x, {v['bytes'] / 1e6:.1f} MB" for b, v in d.get("by_bits", {}).items())
+        elif r["step"] == "surgery":
+            note = f"NPU weights {d.get('npu_weight_bytes', 0) / 1e6:.1f} MB; LUTs " + ", ".join(
+                f"{k} {v / 1e6:.1f} MB" for k, v in (d.get("luts") or {}).items())
+        elif r["step"] == "graph":
+            note = f"output layer {d.get('output_layer_rows_before')} -> {d.get('output_layer_rows_after')} rows"
+        elif r["step"] == "export":
+            note = f"{d.get('data_bytes', 0) / 1e6:.1f} MB data, >2GB {d.get('over_2gb')}, host-only nodes " \
+                   f"{len(d.get('host_only_nodes', []))}, top-1 {d.get('top1_agreement')}"
+        elif r["step"] == "qdq":
+            sq = (d.get("sqnr") or {}).get("outputs", {})
+            note = (f"bits {d.get('weight_bits')}; SQNR logits {sq.get('logits', float('nan')):.1f} dB"
+                    if r.get("status") == "ok" else r.get("what", ""))
+        elif r["step"] == "budget_refusal":
+            note = (d.get("message") or "")[:120]
+        elif r["step"] == "compile":
+            note = f"bin {d.get('binary_bytes', 0) / 1e6:.1f} MB, {d.get('soc_type')} v{d.get('htp_arch')}"
+        elif r["step"] == "sim":
+            note = ", ".join(f"{k.split('.')[-1]} {v}" for k, v in d.items() if "logits" in k or "top1" in k)
+        if r.get("status") == "failed":
+            note = (r.get("error") or "")[:160]
+        table.add_row(r["step"], r.get("status", ""), f"{r.get('seconds', 0):.1f}", f"{r.get('peak_rss_gib', 0):.2f}",
+                      f"{r.get('peak_tree_rss_gib', 0):.2f}", rsh._human(r.get("output_bytes", 0)), note)
+    Console(width=180).print(table)
+
+
+if __name__ == "__main__":
+    rep = main()
+    sys.exit(1 if rep["failed"] else 0)
