@@ -98,7 +98,7 @@ def test_gemma4_plan_marks_what_is_assumed(gemma4):
     assert gemma4["models"]["head"]["assumed"] is True
     assert any(a.startswith("head config ASSUMED") for a in gemma4["assumptions"])
     assert any("bit map ASSUMED" in a for a in gemma4["assumptions"])
-    assert set(gemma4["paper"]) == {"slm_graph_bytes", "head_graph_bytes", "head_lut_bytes",
+    assert set(gemma4["paper"]) == {"slm_graph_bytes", "head_graph_bytes", "head_lut_bytes", "head_side_bytes",
                                     "handoff_bytes_per_round", "handoff_bytes_per_position", "tree_bytes_per_round"}
     for p in gemma4["paper"].values():
         assert p["diff"] == p["plan"] - p["paper"]
@@ -160,3 +160,31 @@ def test_a_head_for_another_verifier_is_refused(tmp_path):
         real_shape_plan(load_recipe(tmp_path / "toy.toml"))
     result = runner.invoke(app, ["inspect", str(tmp_path / "toy.toml"), "--json"])
     assert result.exit_code == 1 and "backbone_hidden_size 512" in result.stderr
+
+
+def test_gemma4_bit_maps_beside_the_paper(gemma4):
+    """Issue 15: the assumed map gives 1,215.1 MB, the paper-fit map 752.8 MB (paper 754 MB); the head side
+    (W4 graph + 8-bit E table) 362.9 MB (paper 365 MB); the size alone admits 20 group-wise maps within 1 %."""
+    bm = gemma4["bit_maps"]
+    rows = {r["map"]: r for r in bm["maps"]}
+    assert bm["source"] == "ASSUMED"
+    assert rows["assumed"]["slm_graph_bytes"] == rows["in use (ASSUMED)"]["slm_graph_bytes"] == 1_215_130_404
+    assert rows["assumed"]["by_bits"] == {"int2": 6_881_280, "int4": 778_567_680, "int8": 424_392_192}
+    fit = rows["paper fit"]
+    assert fit["slm_graph_bytes"] == 752_848_932 and fit["diff_pct"] == -0.15
+    # attention 8-bit (278.4M weights), MLP + per-layer gate/projection 2-bit, output layer + model projection 4-bit
+    assert fit["by_bits"] == {"int2": (1_557_135_360 + 27_525_120) // 4, "int4": (86_089 * 1536 + 13_762_560) // 2,
+                              "int8": 278_396_928}
+    assert bm["head_side"]["total_bytes"] == 120_517_412 + 242_426_624 == gemma4["paper"]["head_side_bytes"]["plan"]
+    assert bm["head_side"]["paper_bytes"] == 365_000_000
+    assert bm["search"]["maps_tried"] == 3**7 and bm["search"]["maps_within"] == 20
+    assert bm["search"]["closest"][0]["total_bytes"] == 754_421_796
+    assert gemma4["context_budget"]["graphs"]["slm"] == {"bytes": 1_215_130_404, "fits": True, "shards_needed": 1}
+
+
+def test_inspect_shows_the_bit_maps_side_by_side():
+    result = runner.invoke(app, ["inspect", str(GEMMA4)], terminal_width=200)
+    assert result.exit_code == 0, result.stderr
+    for text in ("SLM bit map (in use: ASSUMED)", "paper fit", "752.8", "1215.1", "head side (graph + E)", "362.9",
+                 "20 of 2187 group-wise maps", "context budget (htp-v81"):
+        assert text in result.stdout, text
