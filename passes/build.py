@@ -177,8 +177,9 @@ def head_qdq_pass(seed: int = 0) -> Pass:
 
 
 def build_pipeline(recipe: Recipe, target: str, *, cache_dir: str | Path, console: Console | None = None,
-                   seed: int = 0) -> Pipeline:
-    """The pipeline of `hycoc build` for ``target`` (module docstring). Raises BuildError for an unknown target."""
+                   seed: int = 0, device: str = "cpu") -> Pipeline:
+    """The pipeline of `hycoc build` for ``target`` (module docstring); ``device``: where its torch-model passes run
+    (`Pipeline`). Raises BuildError for an unknown target."""
     from hycoc.passes.calibration_answers import CalibrationAnswersPass
     from hycoc.passes.head_export import HeadExport
     from hycoc.passes.head_qat import HeadQatPass
@@ -195,12 +196,22 @@ def build_pipeline(recipe: Recipe, target: str, *, cache_dir: str | Path, consol
     passes += [SlmGraphSurgery(), SlmTreeGraphExport(), QdqQuantize("onnx_slm", "qdq_slm", seed=seed)]
     graphs["slm"] = "qdq_slm"
     passes.append(TargetPass(target, graphs, Path(cache_dir) / "work"))
-    return Pipeline(passes, cache_dir, console=console)
+    return Pipeline(passes, cache_dir, console=console, device=device)
 
 
-def build_inputs(recipe: Recipe) -> dict[str, Artifact]:
+#: The verifier's dtype when the build runs it on a GPU: bf16, as the paper serves it (App. A: the verifier and the
+#: head's QAT in bf16; `hycoc.passes.head_qat.qat_autocast` keeps float32 master weights under bf16 autocast).
+GPU_VERIFIER_DTYPE = "bfloat16"
+
+
+def build_inputs(recipe: Recipe, device: str = "cpu") -> dict[str, Artifact]:
     """The pipeline's outside inputs from ``[models]``: tokenizer, verifier and head (local folders).
-    Raises ModelNotFoundError naming the recipe key when one is missing."""
+
+    device: "cpu" (the default: models as saved, float32 for the toy) or an accelerator ("cuda"): the verifier is
+    moved there in `GPU_VERIFIER_DTYPE` (its content hash is then the bf16 weights', so every pass reading it gets
+    a new key); the head stays on the CPU as saved and the passes move what they train (`hycoc.passes.head_qat`).
+    Raises ModelNotFoundError naming the recipe key when one is missing, DeviceUnavailable (from
+    `hycoc.verifier.loading.check_device`) when CUDA is asked for and torch sees none."""
     def where(value: str) -> str:
         path = recipe.resolve_path(value)
         return str(path) if path is not None else value
@@ -209,8 +220,18 @@ def build_inputs(recipe: Recipe) -> dict[str, Artifact]:
 
     _quiet_transformers()
     models = recipe.models
+    if device != "cpu":
+        from hycoc.verifier.loading import check_device
+
+        check_device(device)  # before loading anything
+    verifier = TorchModelArtifact.from_pretrained(where(models.verifier), "torch_verifier")
+    if device != "cpu":
+        import torch
+
+        verifier = TorchModelArtifact("torch_verifier",
+                                      verifier.payload.to(device=device, dtype=getattr(torch, GPU_VERIFIER_DTYPE)))
     return {"tokenizer": TokenizerArtifact.from_file(where(models.tokenizer)),
-            "torch_verifier": TorchModelArtifact.from_pretrained(where(models.verifier), "torch_verifier"),
+            "torch_verifier": verifier,
             "torch_head": TorchModelArtifact.from_pretrained(where(models.head), "torch_head")}
 
 
@@ -307,18 +328,18 @@ def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: s
 
 
 def run_pipeline(recipe: Recipe, target: str, cache_dir: str | Path, *, until: str | None = None,
-                 console: Console | None = None, seed: int = 0) -> PipelineResult:
-    """Run `build_pipeline` on `build_inputs` (up to ``until``). The target's files are then read from the
-    pipeline's cache entry, and the pass's work folder is removed."""
+                 console: Console | None = None, seed: int = 0, device: str = "cpu") -> PipelineResult:
+    """Run `build_pipeline` on `build_inputs` (up to ``until``; torch-model passes on ``device``). The target's files
+    are then read from the pipeline's cache entry, and the pass's work folder is removed."""
     if target == "qai-hub":
         from hycoc.targets.qai_hub import check_setup
 
         check_setup()  # fail at once, not after QAT
-    pipeline = build_pipeline(recipe, target, cache_dir=cache_dir, console=console, seed=seed)
+    pipeline = build_pipeline(recipe, target, cache_dir=cache_dir, console=console, seed=seed, device=device)
     names = [p.name for p in pipeline.passes]
     if until is not None and until not in names:  # before loading any model
         raise PipelineError(f"--until {until}: no such pass; passes: {', '.join(names)}")
-    result = pipeline.run(recipe, build_inputs(recipe), until=until)
+    result = pipeline.run(recipe, build_inputs(recipe, device), until=until)
     if "target_files" in result.artifacts:
         entry = result.reports[-1].location
         result.artifacts["target_files"] = TargetFilesArtifact("target_files", entry / "target_files")
@@ -327,8 +348,10 @@ def run_pipeline(recipe: Recipe, target: str, cache_dir: str | Path, *, until: s
 
 
 def build_bundle(recipe: Recipe, target: str, out_dir: str | Path | None, cache_dir: str | Path, *,
-                 until: str | None = None, console: Console | None = None, seed: int = 0) -> BuildResult:
-    """Run the pipeline (`run_pipeline`) and write the bundle to ``out_dir`` (module docstring).
+                 until: str | None = None, console: Console | None = None, seed: int = 0,
+                 device: str = "cpu") -> BuildResult:
+    """Run the pipeline (`run_pipeline`, torch-model passes on ``device``) and write the bundle to ``out_dir``
+    (module docstring).
 
     ``until``: stop after that pass and write no bundle (`BuildResult.stopped_at` is its cache entry).
     Raises BuildNotReady when a pass the bundle needs is not implemented yet, BuildError for a bad target or a
@@ -345,7 +368,7 @@ def build_bundle(recipe: Recipe, target: str, out_dir: str | Path | None, cache_
                             "of AI Hub's downloaded context binaries is not written yet; use --target htp-v81")
     if out_dir is None and until is None:
         raise BuildError("--out DIR is required for a full build")
-    result = run_pipeline(recipe, target, cache_dir, until=until, console=console, seed=seed)
+    result = run_pipeline(recipe, target, cache_dir, until=until, console=console, seed=seed, device=device)
     if until is not None:
         return BuildResult(result, None, stopped_at=result.reports[-1].location)
     manifest = write_bundle(result, recipe, target, out_dir)

@@ -108,7 +108,9 @@ def comparison_inputs(verifier, graph_config, keep_set, window: int, sliding_win
     rng = np.random.default_rng(seed)
     length = window + 2
     ids = torch.as_tensor(rng.choice(np.asarray(keep_set), length), dtype=torch.long)
-    cap = verifier_capture(verifier, ids)
+    e, h, kv = verifier_capture(verifier, ids)
+    # the graph runs on the CPU: bring the capture there (a GPU build's verifier is on its device, in bf16)
+    cap = (e.cpu(), h.cpu(), {kind: (k.cpu(), v.cpu()) for kind, (k, v) in kv.items()})
     roots = np.unique(np.linspace(1, length - 1, samples).round().astype(int))
     return [graph_inputs(cap, int(t), window, sliding_window, graph_config) for t in roots]
 

@@ -32,8 +32,10 @@ Top-1 agreement (the numbers of §3.2): on the held-out prompts, answered the sa
 on the same tokens, each with its own state z; depth k's agreement is the share of anchors whose arg-max over the
 keep set (first among equals) is the same for the quantized and the full-precision head.
 
-Precision: float32 master weights; on a CUDA device the forward runs under bfloat16 autocast (Table 4), on a CPU in
-float32. Everything runs on the verifier's device.
+Precision: float32 master weights; on a CUDA device the forward runs under bfloat16 autocast (Table 4,
+`qat_autocast`), on a CPU in float32. Everything runs on the verifier's device (`hycoc build --device cuda` puts the
+verifier on the GPU in bfloat16, `hycoc.passes.build.build_inputs`; the teacher head is moved there in its saved
+dtype and the student trains there).
 """
 
 from __future__ import annotations
@@ -385,6 +387,16 @@ class TrainResult:
     seconds_per_step: float
 
 
+def qat_autocast(device: torch.device):
+    """The precision context of the QAT forwards (paper App. A Table 4: bf16 mixed precision): on a CUDA device
+    ``torch.autocast("cuda", dtype=torch.bfloat16)`` over float32 master weights (matmuls in bf16, the KL in float32:
+    `kl_to_teacher` casts to float), on any other device a no-op context (float32 throughout: the CPU path, whose
+    results tests hold bit-identical)."""
+    if torch.device(device).type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 #: Bytes of teacher logits `train_qat` keeps between the steps that revisit a sequence (toy: 60 sequences x ~250
 #: anchors x K x 1,024 keep-set logits ~ 60 MB; the paper's 86,089-wide head does not fit and recomputes).
 TEACHER_CACHE_BYTES = 1 << 30
@@ -400,8 +412,7 @@ def train_qat(student, teacher, plans: Sequence[tuple[Capture, Unroll]], config:
     ``cache_bytes`` of those logits are kept and reused (the same tensors, so the result is bit-identical)."""
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
-    device = params[0].device
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    autocast = qat_autocast(params[0].device)
     targets: dict[int, list[torch.Tensor]] = {}
     kept = 0
     losses = []

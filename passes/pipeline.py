@@ -14,6 +14,9 @@ produces (each with its `Artifact` class), and a ``run(inputs, recipe)`` that re
   key changed, and a pass whose inputs come out bit-identical stays cached after it.
 * Outputs are written to ``cache_dir/<pass>/.tmp-<key>-*`` and renamed to ``<key>`` when complete: a pass that
   raises (or a build that is killed) leaves no half entry, only a ``.tmp-`` folder a later run ignores.
+* ``device``: where the passes that run a torch model (those consuming ``torch_verifier`` or ``torch_head``,
+  `TORCH_INPUTS`) run it ("cpu", the default, or "cuda": `hycoc.passes.build.build_inputs` places the verifier).
+  A device other than "cpu" enters those passes' keys; the default adds nothing, so CPU keys stay as they were.
 * ``run(until=NAME)`` stops after that pass; its artifacts stay in its cache entry (``PassReport.location``).
 * Progress is shown with ``rich`` on a terminal and as plain timestamped lines in a log (`hycoc.progress`: each
   pass's start and end, and the steps inside a pass), and the run ends with a table of every pass's report, time
@@ -142,11 +145,18 @@ class PipelineResult:
     stopped_after: str | None = None
 
 
-class Pipeline:
-    """An ordered chain of passes with a content-addressed cache (see the module docstring)."""
+#: Artifact kinds that are torch models: a pass consuming one runs it on the pipeline's ``device``.
+TORCH_INPUTS = frozenset({"torch_verifier", "torch_head"})
 
-    def __init__(self, passes: Sequence[Pass], cache_dir: str | Path, *, console: Console | None = None):
+
+class Pipeline:
+    """An ordered chain of passes with a content-addressed cache (see the module docstring). ``device``: where the
+    torch-model passes run ("cpu" default, "cuda"); it keys those passes when it is not "cpu"."""
+
+    def __init__(self, passes: Sequence[Pass], cache_dir: str | Path, *, console: Console | None = None,
+                 device: str = "cpu"):
         self.passes = list(passes)
+        self.device = str(device)
         self.cache_dir = Path(cache_dir)
         self.console = console if console is not None else Console(stderr=True)
         self._versions = tool_versions()
@@ -203,6 +213,8 @@ class Pipeline:
             "inputs": {kind: inputs[kind].content_hash() for kind in sorted(p.consumes)},
             "tools": self._versions,
         }
+        if self.device != "cpu" and TORCH_INPUTS & set(p.consumes):
+            material["device"] = self.device  # absent on the CPU: the default keys are unchanged
         return hashlib.sha256(canonical_json(material).encode()).hexdigest()
 
     # ---- run ----------------------------------------------------------------------------------------------

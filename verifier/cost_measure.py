@@ -177,7 +177,8 @@ def count_forwards(engine):
 
         handles = [engine.model.register_forward_pre_hook(on_verifier, with_kwargs=True)]
         if engine.head is not None:
-            handles.append(engine.head.register_forward_pre_hook(on_head, with_kwargs=True))
+            # the head's inner text model: both the Cloud+MTP call (the head's own forward) and `head_step` reach it
+            handles.append(engine.head.model.register_forward_pre_hook(on_head, with_kwargs=True))
         try:
             yield seen
         finally:

@@ -213,12 +213,15 @@ def compact_kv(cache: DynamicCache, t: int, path_rows: np.ndarray) -> None:
     (root row 0 and path_rows, which are increasing) into place; the rest is cut off. Every layer's length
     becomes t + 1 + |P|.
     """
-    keep = torch.as_tensor(np.concatenate([[0], path_rows]), dtype=torch.long)
+    keep = t + np.concatenate([[0], path_rows]).astype(np.int64)
     n = len(keep)
+    on_device: dict[torch.device, torch.Tensor] = {}  # one host-to-device copy of the rows per round, not per layer
     for layer in cache.layers:
         if not (layer.is_initialized and layer.keys.numel()):
             continue  # KV-shared layers store nothing
-        idx = (t + keep).to(layer.keys.device)
+        idx = on_device.get(layer.keys.device)
+        if idx is None:
+            idx = on_device[layer.keys.device] = torch.as_tensor(keep, device=layer.keys.device)
         for name in ("keys", "values"):
             x = getattr(layer, name)
             x[..., t:t + n, :] = x.index_select(-2, idx)  # the gather copies first: no overlap hazard
