@@ -11,7 +11,9 @@ proxy's port (Ray Serve docs, "Set Up FastAPI and HTTP": WebSockets):
 
 Placement. Each replica loads its own engine (``engine_factory()``; for a recipe `RecipeEngine`, which calls the
 same `hycoc.verifier.loading.engine_from_recipe` as ``hycoc verify-server``) and wraps it in a
-`hycoc.verifier.server.VerifierServer` that never listens itself: the replica feeds it the WebSocket's frames.
+`hycoc.verifier.server.VerifierServer` (its worker thread and, batched, its scheduler; the replica feeds it the
+WebSocket's frames through its transport-independent ``_frame``; the loopback port its ``start`` also opens is
+unused).
 A WebSocket is one ASGI call held by the replica that accepted it, so a session stays on its replica for its
 lifetime (its KV lives there). Ray's proxy picks the replica when the connection arrives: the default request
 router ("power of two choices", ``ray/serve/_private/request_router/pow_2_router.py``) samples two replicas and
@@ -41,21 +43,19 @@ for ``hycoc serve-ray``), `merge_expositions` and `health_summary` (what /metric
 # No ``from __future__ import annotations``: FastAPI reads the route handlers' annotations (``websocket: WebSocket``)
 # at decoration time, and Serve's ingress rebinds the methods where postponed (string) annotations do not resolve.
 import asyncio
+import json
 import logging
 import os
 import re
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from fastapi import FastAPI, WebSocket
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 from starlette.websockets import WebSocketDisconnect
-
-from hycoc.protocol import wire
 
 from .server import (METRICS_CONTENT_TYPE, HandshakeTimeout, IdleTimeout, ServerLimits, UnexpectedMessage,
                      VerifierServer, _bearer, _Connection)
@@ -105,6 +105,21 @@ class RecipeEngine:
         if self.keep_set is not None:
             ids = torch.as_tensor(np.load(self.keep_set, allow_pickle=False), dtype=torch.long)
         return engine_from_recipe(cfg, self.device, keep_set=ids)
+
+
+def check_keep_set(path) -> None:
+    """Raise ValueError naming ``--keep-set PATH`` unless it is a non-empty 1-D .npy of int token ids (what the
+    keep-set pass writes as ``keep_set.npy``); checked once before the replicas load it."""
+    import numpy as np
+
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError):
+        raise ValueError(f"--keep-set {path}: not a .npy array file; give the bundle's keep_set.npy (written by "
+                         "hycoc build)") from None
+    if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) == 0:
+        raise ValueError(f"--keep-set {path}: expected a non-empty 1-D array of int token ids, got shape "
+                         f"{ids.shape} dtype {ids.dtype}")
 
 
 # --------------------------------------------------------------------------------------------------- rendering
@@ -183,12 +198,6 @@ def health_summary(snapshots: list[dict | BaseException], static: dict) -> tuple
 # --------------------------------------------------------------------------------------------------- replica
 
 
-def _attach_worker(server: VerifierServer) -> None:
-    """Give a `VerifierServer` that never listens the single engine worker thread ``start`` would give it (every
-    engine call runs there, one at a time: server.py "Concurrency")."""
-    server._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hycoc-verifier")
-
-
 ingress = FastAPI(title="hycoc verifier (Ray Serve)")
 
 
@@ -202,9 +211,11 @@ class VerifierReplica:
     max_frame_bytes, model_name, limits: `hycoc.verifier.loading.server_options`).
     """
 
-    def __init__(self, engine_factory: Callable[[], Any], server_kwargs: dict):
+    async def __init__(self, engine_factory: Callable[[], Any], server_kwargs: dict):
         self.server = VerifierServer(engine_factory(), **server_kwargs)
-        _attach_worker(self.server)
+        # start() gives the server its engine worker (and, batched, its scheduler) on this replica's event loop; it
+        # also listens on a loopback port of its own, which nothing uses (a transport-free start is not public yet).
+        await self.server.start("127.0.0.1", 0)
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.app_name = context.app_name
@@ -213,6 +224,10 @@ class VerifierReplica:
 
         self.node = ray.util.get_node_ip_address()
         self._peers = None
+
+    async def __del__(self) -> None:
+        """Graceful replica shutdown (Ray awaits it): stop the server's loopback listener, worker and scheduler."""
+        await self.server.stop()
 
     # ----------------------------------------------------------------------------------------- sessions
 
@@ -291,18 +306,18 @@ class VerifierReplica:
         except TimeoutError as e:  # the whole broadcast: answer with this replica alone, marked
             return [await self.snapshot(), e]
 
-    def _static(self) -> dict:
-        server, eng = self.server, self.server.engine
-        return {"model": server.model_name, "protocol_version": wire.PROTOCOL_VERSION, "tree_rows": server.tree_rows,
-                "max_context": eng.max_context, "vocab_size": eng.vocab_size,
-                "max_frame_bytes": server.max_frame_bytes, "auth": server.auth_token is not None,
-                "limits": {f.name: getattr(server.limits, f.name) for f in fields(server.limits)},
-                "limits_apply": "per replica"}
+    async def _static(self) -> dict:
+        """This replica's own /healthz document (`VerifierServer`'s: model, protocol_version, tree_rows, limits,
+        ...) without its per-replica status and sessions, which `health_summary` replaces."""
+        doc = json.loads((await self.server._healthz(None)).text)
+        for key in ("status", "sessions"):
+            doc.pop(key, None)
+        return doc | {"limits_apply": "per replica"}
 
     @ingress.get("/healthz")
     async def healthz(self) -> JSONResponse:
         """Every replica's health (`health_summary`): HTTP 200 while one answers, else 503."""
-        code, body = health_summary(await self._snapshots(), self._static())
+        code, body = health_summary(await self._snapshots(), await self._static())
         return JSONResponse(body, status_code=code)
 
     @ingress.get("/metrics")
@@ -380,5 +395,5 @@ def replica_cpus(threads: int) -> float:
     return float(threads) if threads > 0 else 1.0
 
 
-__all__ = ["APP_NAME", "DEPLOYMENT_NAME", "RecipeEngine", "VerifierReplica", "build_app", "start", "run",
+__all__ = ["APP_NAME", "DEPLOYMENT_NAME", "RecipeEngine", "check_keep_set", "VerifierReplica", "build_app", "start", "run",
            "merge_expositions", "health_summary", "replica_cpus"]
