@@ -468,7 +468,7 @@ def serve_ray(
     ctx: typer.Context,
     recipe: Path = RECIPE_ARG,
     replicas: int = typer.Option(2, min=1, help="verifier replicas (each loads the recipe's verifier and takes "
-                                 "[verifier].threads CPUs, or 1 GPU with --device cuda, from Ray)"),
+                                 "verifier.threads CPUs, or 1 GPU with --device cuda, from Ray)"),
     host: Optional[str] = typer.Option(None, help="listen address of Ray Serve's proxy (default: the recipe's "
                                        "verifier.host, 127.0.0.1)", show_default=False),
     port: Optional[int] = typer.Option(None, min=1, max=65535, help="TCP port of the proxy (default: the recipe's "
@@ -491,7 +491,7 @@ def serve_ray(
 
     Same wire protocol, /healthz and /metrics as verify-server, at ws://HOST:PORT/; a session stays on the replica
     that accepted it; new sessions go to the less loaded replica; /healthz and /metrics cover every replica (samples
-    labelled replica="ID"). Server limits apply per replica. Needs the serve extra: pip install -e '.[serve]'.
+    labelled replica="ID"). Server limits apply per replica. Needs the serve extra: pip install -e '.\\[serve]'.
 
     Prints one line with the URL once every replica is up; stops on Ctrl-C or SIGTERM.
     """
