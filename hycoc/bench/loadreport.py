@@ -4,7 +4,11 @@
 `summarize_run` turns one run's client samples (`hycoc.bench.loadtest.RunStats`) and the server's /metrics before
 and after it into one row:
 
+* the window: from the end of the ramp (every device's first round answered: at the start all devices connect,
+  OPEN and queue their prefills together, which says nothing about serving rounds) to ``duration_s``; a run whose
+  ramp does not end before ``duration_s`` is measured from its start and marked ``steady: false``;
 * ``tok_per_s``: output tokens committed by rounds answered within the window / the window (s);
+  ``tok_per_s_whole``: the same over the whole run, ramp included;
 * ``verifier_ms_per_token``: the verifier's worker milliseconds in rounds per committed token over the run, from
   /metrics (``hycoc_server_ms_total`` / ``hycoc_tokens_committed_total`` differences; prefill not included);
   ``reply_ms_per_token``: the replies' server_ms summed over the window's rounds / their tokens. The two agree on
@@ -45,7 +49,7 @@ GPU_FLAT_ROWS = 206
 RESULTS_SCHEMA = 1
 #: Keys of every row of results.json's ``runs`` (the test of the schema reads this).
 RUN_KEYS = ("mode", "sessions", "duration_s", "rounds", "committed_tokens", "tok_per_s", "verifier_ms_per_token",
-            "reply_ms_per_token", "mat", "latency_ms", "open_ms_p50", "rows_per_tree", "rows_per_forward", "sessions_per_forward",
+            "reply_ms_per_token", "tok_per_s_whole", "ramp_s", "steady", "device_wait_ms", "mat", "latency_ms", "open_ms_p50", "rows_per_tree", "rows_per_forward", "sessions_per_forward",
             "queue_wait_ms", "context_mean", "errors", "errors_total", "requests_finished", "requests_truncated",
             "server_rounds", "server_tokens", "client_cpu_pct", "loadavg", "projection")
 
@@ -70,12 +74,17 @@ def _hist_mean(before: dict, after: dict, name: str, scale: float = 1.0) -> floa
 
 def summarize_run(mode: str, sessions: int, duration_s: float, stats, metrics_before: dict | None = None,
                   metrics_after: dict | None = None, loadavg: tuple | None = None) -> dict:
-    """One row of the report (module docstring) from a run's `RunStats`; only rounds answered within
-    ``duration_s`` of the start count. Returns a dict with the keys `RUN_KEYS` (``projection`` None: see
+    """One row of the report (module docstring) from a run's `RunStats` of ``sessions`` devices; only rounds
+    answered within the window (after the ramp, up to ``duration_s`` s from the start) count. Returns a dict with the keys `RUN_KEYS` (``projection`` None: see
     `project`)."""
     before, after = metrics_before or {}, metrics_after or {}
-    rounds = [r for r in stats.rounds if r.t_done <= duration_s]
+    ramp = max(stats.first_round_s.values()) if len(stats.first_round_s) >= sessions else None
+    steady = ramp is not None and ramp < duration_s
+    start = ramp if steady else 0.0
+    rounds = [r for r in stats.rounds if start < r.t_done <= duration_s]
     tokens = sum(r.committed for r in rounds)
+    whole = sum(r.committed for r in stats.rounds if r.t_done <= duration_s)
+    waits = np.asarray(stats.device_waits_ms, dtype=np.float64).reshape(-1, 2)
     lat = [r.latency_ms for r in rounds]
 
     def diff(name: str) -> int | None:
@@ -87,7 +96,10 @@ def summarize_run(mode: str, sessions: int, duration_s: float, stats, metrics_be
     has_counters = "hycoc_server_ms_total" in after and worker_tokens > 0
     return {
         "mode": mode, "sessions": int(sessions), "duration_s": float(duration_s), "rounds": len(rounds),
-        "committed_tokens": tokens, "tok_per_s": tokens / duration_s,
+        "committed_tokens": tokens, "tok_per_s": tokens / (duration_s - start),
+        "tok_per_s_whole": whole / duration_s, "ramp_s": ramp, "steady": steady,
+        "device_wait_ms": {"asked": float(waits[:, 0].mean()), "slept": float(waits[:, 1].mean())} if len(waits)
+        else None,
         "verifier_ms_per_token": worker_ms / worker_tokens if has_counters else reply_ms,
         "reply_ms_per_token": reply_ms,
         "mat": tokens / len(rounds) if rounds else None,

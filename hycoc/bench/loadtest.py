@@ -19,7 +19,9 @@ again.
 
 Timing of a run: all devices start at once, or with ``rate`` their arrivals form a Poisson process of ``rate``
 devices per second (seeded, `arrival_delays`); no round starts after ``duration_s``; a round in flight then
-completes but only rounds answered within the window count (`hycoc.bench.loadreport.summarize_run`).
+completes but only rounds answered within the window count, and the measured window starts once every device
+has had its first round answered (the ramp: connects, OPENs and prefills queue up at the start;
+`hycoc.bench.loadreport.summarize_run`).
 
 The server side: `ServerProcess` starts ``hycoc verify-server RECIPE --port 0`` in its own process (so client and
 server never share a GIL), passes ``--batching MODE`` when that server has the option
@@ -85,7 +87,10 @@ class RunStats:
     """Everything one run measured on the client (`run_sessions`). rounds: `RoundSample` per answered round;
     opens_ms: OPEN -> OPENED per opened session (prefill included), ms; errors: code -> count; requests_finished /
     requests_truncated: sessions that ended with a finished reply / ran out of recorded rounds first;
-    client_cpu_s: this process's CPU seconds during the run (time.process_time); wall_s: the run's wall seconds."""
+    client_cpu_s: this process's CPU seconds during the run (time.process_time); wall_s: the run's wall seconds;
+    first_round_s: device index -> seconds from the start to its first answered round (the end of its ramp-up);
+    device_waits_ms: (asked, slept) per device wait between rounds, ms (slept > asked: this process was starved of
+    CPU, so the simulated phones ran slower than recorded)."""
 
     rounds: list[RoundSample] = field(default_factory=list)
     opens_ms: list[float] = field(default_factory=list)
@@ -94,6 +99,8 @@ class RunStats:
     requests_truncated: int = 0
     client_cpu_s: float = 0.0
     wall_s: float = 0.0
+    first_round_s: dict[int, float] = field(default_factory=dict)
+    device_waits_ms: list[tuple[float, float]] = field(default_factory=list)
 
 
 def arrival_delays(sessions: int, rate: float | None, seed: int = 0) -> np.ndarray:
@@ -125,10 +132,12 @@ def committed_tokens(tokens: np.ndarray, reply, stop_ids, new_room: int, context
 
 
 async def replay_request(url: str, req: RequestTrace, stop_ids, stats: RunStats, t0: float, deadline: float, *,
-                         device_ms: float | None = None, max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES) -> None:
+                         device_ms: float | None = None, max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+                         device: int = 0) -> None:
     """One simulated device request on its own connection (module docstring): OPEN, rounds until the reply says
     finished, the recording runs out or ``deadline`` (loop time, s) has passed, then CLOSE. Results go to
-    ``stats`` (times relative to ``t0``, loop time). Never raises for a server or network failure: it is counted."""
+    ``stats`` (times relative to ``t0``, loop time; ``device``: the simulated device's index). Never raises for a
+    server or network failure: it is counted."""
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
@@ -161,7 +170,9 @@ async def replay_request(url: str, req: RequestTrace, stop_ids, stats: RunStats,
                 wait = rt.device_ms / 1000.0 if device_ms is None else device_ms / 1000.0
                 if loop.time() + wait >= deadline:
                     break
+                slept = loop.time()
                 await asyncio.sleep(wait)
+                stats.device_waits_ms.append((1000.0 * wait, 1000.0 * (loop.time() - slept)))
                 tokens = patch_root(rt.tokens, root)
                 try:
                     frame = wire.encode(DraftTree(seq, tokens, np.asarray(rt.parents, np.int32)))
@@ -178,6 +189,7 @@ async def replay_request(url: str, req: RequestTrace, stop_ids, stats: RunStats,
                                                opened.max_context - prompt_len - produced, cloud_mtp)
                 stats.rounds.append(RoundSample(done - t0, 1000.0 * (done - sent), float(reply.server_ms), len(new),
                                                 len(tokens), prompt_len - 1 + produced))
+                stats.first_round_s.setdefault(device, done - t0)
                 produced += len(new)
                 if reply.finished or reason is not None:
                     stats.requests_finished += 1
@@ -205,7 +217,8 @@ async def _device(index: int, url: str, requests: list[RequestTrace], stop_ids, 
     await asyncio.sleep(start_delay)
     k = index
     while loop.time() < deadline:
-        await replay_request(url, requests[k % len(requests)], stop_ids, stats, t0, deadline, device_ms=device_ms)
+        await replay_request(url, requests[k % len(requests)], stop_ids, stats, t0, deadline, device_ms=device_ms,
+                             device=index)
         k += 1
 
 
