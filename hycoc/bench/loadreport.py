@@ -226,19 +226,21 @@ def _num(x, digits: int = 1) -> str:
 
 
 def render_table(rows: list[dict], console, title: str) -> None:
-    """The summary table (rich): per (mode, sessions) the measured columns, then the projection's two, headed as
-    a projection."""
+    """The summary table (rich): per (mode, sessions) the measured columns (ramp s: seconds until every device had
+    its first round; "(no end)": the run is measured from its start), then the projection's two, headed as a
+    projection."""
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("mode", "sessions", "rounds", "tok/s", "verifier ms/tok", "p50 ms", "p90 ms", "p99 ms", "rows/fwd",
-                "errors", "proj.: trees/fwd", "proj.: GPU speed-up"):
+    for col in ("mode", "sessions", "ramp s", "rounds", "tok/s", "verifier ms/tok", "p50 ms", "p90 ms", "p99 ms",
+                "rows/fwd", "errors", "proj.: trees/fwd", "proj.: GPU speed-up"):
         table.add_column(col, justify="left" if col in ("mode", "errors") else "right")
     for r in rows:
         lat, p = r["latency_ms"], r.get("projection") or {}
         errors = ", ".join(f"{k} {v}" for k, v in r["errors"].items()) or "0"
         speedup = p.get("speedup")
-        table.add_row(r["mode"], str(r["sessions"]), f"{r['rounds']:,}", _num(r["tok_per_s"]),
+        ramp = _num(r["ramp_s"]) + ("" if r["steady"] else " (no end)")
+        table.add_row(r["mode"], str(r["sessions"]), ramp, f"{r['rounds']:,}", _num(r["tok_per_s"]),
                       _num(r["verifier_ms_per_token"], 2), _num(lat["p50"]), _num(lat["p90"]), _num(lat["p99"]),
                       _num(r["rows_per_forward"]), errors, _num(p.get("trees_per_forward"), 2),
                       "n/a" if speedup is None else f"{speedup:.2f}x")

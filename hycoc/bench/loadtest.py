@@ -455,9 +455,12 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
                 row["projection"] = project(row, cost_model)
                 rows.append(row)
                 lat = row["latency_ms"]
-                console.print(f"  {mode} {n:>3} sessions: {row['tok_per_s']:.1f} tok/s, p50 {lat['p50']:.0f} ms, "
-                              f"p90 {lat['p90']:.0f} ms, {row['errors_total']} errors, client CPU "
-                              f"{row['client_cpu_pct'] or 0:.0f}% of a core, load {load[0]:.1f} -> {load[3]:.1f}")
+                wait = row["device_wait_ms"] or {"asked": math.nan, "slept": math.nan}
+                console.print(f"  {mode} {n:>3} sessions: {row['tok_per_s']:.1f} tok/s after a {row['ramp_s'] or 0:.1f} s "
+                              f"ramp, p50 {lat['p50']:.0f} ms, p90 {lat['p90']:.0f} ms, {row['errors_total']} errors; "
+                              f"client CPU {row['client_cpu_pct'] or 0:.0f}% of a core, device waits "
+                              f"{wait['asked']:.0f} ms asked / {wait['slept']:.0f} ms slept; load {load[0]:.1f} -> "
+                              f"{load[3]:.1f}")
         finally:
             if server is not None:
                 server.stop()
@@ -472,9 +475,11 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
     render_table(rows, console, title=f"hycoc loadtest: {', '.join(configs)}, {duration_s:g} s per run"
                  + (f", {rate:g} arrivals/s" if rate else ""))
     basis = next((r["projection"]["basis"] for r in rows if r.get("projection")), None)
-    console.print("tok/s: tokens committed by rounds answered in the window / window; verifier ms/tok: the server's "
-                  "worker ms in rounds per committed token (/metrics; prefill excluded); p50/p90/p99: round latency send -> reply on "
-                  "the client; rows/fwd: the server's hycoc_batch_rows histogram (n/a: the server has none).")
+    console.print("ramp: seconds until every device had its first round answered (connects, OPENs and prefills "
+                  "queue up at the start); tok/s: tokens committed by rounds answered after the ramp / that window; "
+                  "verifier ms/tok: the server's worker ms in rounds per committed token (/metrics; prefill "
+                  "excluded); p50/p90/p99: round latency send -> reply on the client, after the ramp; rows/fwd: the "
+                  "server's hycoc_batch_rows histogram (n/a: the server has none).")
     if basis:
         console.print(f"proj. (a projection, not a measurement): trees verified per forward and the verifier work "
                       f"per token it saves against one tree per forward, {basis}.")
