@@ -18,15 +18,15 @@ only gets with its continuous-batching path -- not with explicit 4-D tree masks,
 "store" layers and the positional compaction the engine relies on. hycoc therefore keeps the per-session
 ``DynamicCache`` (compaction, the hand-off's KV rows and the head's shared KV read it as before) and builds, per
 batched forward, a right-padded batch cache: session b's [0, t_b) at columns [0, t_b) of a (n, kv_heads, L_max,
-head_dim) tensor per layer that stores KV (``DynamicCache(ddp_cache_data=...)``; KV-shared layers store nothing),
-the forward appends the R_max new rows at columns [L_max, L_max + R_max), and each session's first R_b of them
-are appended to its own cache. The mask is block-diagonal by construction (each batch entry is one session):
+head_dim) tensor per layer that stores KV (KV-shared layers store nothing), the forward writes the R_max new rows
+in place at columns [L_max, L_max + R_max) (`_SlotLayer`, preallocated: no concatenation of the stack), and each
+session's first R_b of them are appended to its own cache. The mask is block-diagonal by construction (each batch entry is one session):
 row j of session b sees columns [0, t_b), its ancestors and itself among the new rows (sliding layers: within
 the window); padding rows see only themselves, padding columns nobody. Position ids are t_b + depth(j).
 
-What it costs: per batched round a copy of every batched session's active KV into the padded stack (and the
-forward's concatenation of it with the new rows, and the new rows' copy back): O(sum_b t_b) bytes moved per
-round, plus attention over L_max columns for every session (padding columns are masked, not skipped). A paged
+What it costs: per batched round a copy of every batched session's active KV into the padded stack, and the
+append of its new rows to its own cache (a concatenation, as the single-session forward's): O(sum_b t_b) bytes
+moved per round, plus attention over L_max columns for every session (padding columns are masked, not skipped). A paged
 layout would avoid both; for the toy and for CPU serving that copy is small beside the forward (benchmarks/
 batched_verify.py prints it). n == 1 takes exactly the single-session path (`Session.verify`'s forward).
 
@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from hycoc.protocol.messages import RoundReply
 
@@ -138,33 +139,54 @@ def batch_forward(engine: VerifierEngine, caches: list[DynamicCache], ts: list[i
     masks = batch_masks(t, pos, visible, torch.as_tensor(counts, device=dev), length,
                         model.config.sliding_window, engine.dtype)
 
-    # The padded batch cache: session b's [0, t_b) at columns [0, t_b) of each stored layer, zeros after.
+    # The padded batch cache: session b's [0, t_b) at columns [0, t_b) of each stored layer, the R_max new rows
+    # written in place at [L_max, L_max + R_max) by the forward (`_SlotLayer`).
     stored = set(_stored_layers(engine))
-    data = []
+    batch_cache = DynamicCache()
     for i in range(model.config.num_hidden_layers):
         parts = [_layer_kv(c, i, tb) for c, tb in zip(caches, ts)] if i in stored else [None] * n
         shape = next((p[0].shape for p in parts if p is not None), None)
         if shape is None:
-            data.append((None, None))
+            batch_cache.layers.append(DynamicLayer())   # KV-shared, or nothing cached yet (all t_b == 0)
             continue
-        k = torch.zeros((n, shape[1], length, shape[3]), dtype=engine.dtype, device=dev)
+        k = torch.zeros((n, shape[1], length + r_max, shape[3]), dtype=engine.dtype, device=dev)
         v = torch.zeros_like(k)
         for b, p in enumerate(parts):
             if p is not None:
                 k[b, :, :ts[b]], v[b, :, :ts[b]] = p[0][0], p[1][0]
-        data.append((k, v))
-    batch_cache = DynamicCache(ddp_cache_data=data)
+        batch_cache.layers.append(_SlotLayer(k, v, length))
     out = model(input_ids=ids, position_ids=pos, attention_mask=masks, cache=batch_cache, use_cache=True)
 
     # Each session's new rows back into its own cache (storage positions t_b .. t_b + R_b - 1).
     for i, layer in enumerate(batch_cache.layers):
         if i not in stored or not (layer.is_initialized and layer.keys.numel()):
             continue
+        start = layer.length if isinstance(layer, _SlotLayer) else 0
         for b, cache in enumerate(caches):
-            _append(cache, i, layer.keys[b:b + 1, :, length:length + counts[b]],
-                    layer.values[b:b + 1, :, length:length + counts[b]], ts[b])
+            _append(cache, i, layer.keys[b:b + 1, :, start:start + counts[b]],
+                    layer.values[b:b + 1, :, start:start + counts[b]], ts[b])
     logits, pre, post = out.logits.float(), engine.tap.pre, engine.tap.post
     return [(logits[b, :counts[b]], pre[b, :counts[b]], post[b, :counts[b]]) for b in range(n)]
+
+
+class _SlotLayer(DynamicLayer):
+    """A batch-cache layer over preallocated (n, kv_heads, L + R, head_dim) keys and values whose first L columns
+    hold the sessions' KV: `update` writes the forward's R new rows at [L, L + R) in place and returns the whole
+    tensors (a ``DynamicLayer`` would concatenate, copying the stacked KV once more)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        super().__init__()
+        self.keys, self.values, self.length = keys, values, length
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        r = key_states.shape[-2]
+        if self.length + r != self.keys.shape[-2]:
+            raise ValueError(f"batch cache slot holds {self.keys.shape[-2] - self.length} new rows, the forward "
+                             f"wrote {r}")
+        self.keys[..., self.length:, :] = key_states
+        self.values[..., self.length:, :] = value_states
+        return self.keys, self.values
 
 
 def _append(cache: DynamicCache, i: int, keys: torch.Tensor, values: torch.Tensor, t: int) -> None:

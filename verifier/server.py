@@ -28,7 +28,13 @@ reply bytes again without touching the engine (idempotent retry); any other seq 
 Concurrency. The model is shared by all sessions and the engine is not thread-safe, so every engine call (prefill,
 verify, free) runs on ONE worker thread (a single-thread executor: the lock the model needs, kept even when the
 awaiting connection goes away), while the event loop keeps accepting frames, answering health checks and
-validating. A client that disconnects mid-round: its round finishes on the worker, the reply is dropped, and the
+validating. ``batching="batched"`` (the default; recipe ``verifier.batching``) puts rounds and prefills in the queue
+of a `hycoc.verifier.scheduler.BatchScheduler`: the rounds of sessions ready together (up to ``max_batch_rows``
+rows, waiting at most ``max_batch_wait_ms`` for others) run as ONE forward (`hycoc.verifier.batch.verify_batch`)
+and a long prompt is prefilled one ``prefill_chunk`` per step between them; ``batching="serial"`` runs one engine
+call at a time in arrival order (the server before issue 14). /metrics has the histograms
+``hycoc_batch_rows`` (rows per forward), ``hycoc_batch_sessions`` (sessions per forward) and
+``hycoc_queue_wait_seconds`` (a round's arrival -> the start of its forward's step), in both modes. A client that disconnects mid-round: its round finishes on the worker, the reply is dropped, and the
 session's KV is freed right after (the free is queued on the same worker, so it runs after the round).
 
 Frame size. aiohttp's own WebSocket limit is set to twice the incoming frame limit so that a frame above the wire
