@@ -152,14 +152,19 @@ def test_measure_grid_on_a_tiny_random_verifier():
                per_layer_config={"1": cfg["per_layer_config"]["3"]})
     model = vcm.build_random_verifier(cfg, "cpu", "float32")
     assert list(vcm.demo_parents(8)) == [-1, 0, 1, 2, 3, 0, 1, 2]
+    head_cfg = json.loads((REPO / "recipes" / "toy" / "models" / "head" / "config.json").read_text())
+    head = vcm.build_random_head(head_cfg, cfg["hidden_size"], "cpu", "float32")  # the random-weight mode's head
     points = vcm.measure_grid(model, [1, 5], [8, 24], warmup=0, repeats=1, device="cpu", log=lambda *a: None,
-                              prefill_rows=[1, 4])
+                              prefill_rows=[1, 4], head=head)
     cm = CostModel(device="cpu", dtype="float32", model="tiny", points=points)
     assert {(p.kind, p.rows, p.context) for p in points} == {
-        ("verify", 1, 8), ("verify", 5, 8), ("verify", 1, 24), ("verify", 5, 24),
-        ("prefill", 1, 8), ("prefill", 4, 8), ("prefill", 1, 24), ("prefill", 4, 24)}
+        ("verify", 1, 8), ("verify", 5, 8), ("verify", 1, 24), ("verify", 5, 24), ("head_step", 1, 8),
+        ("head_step", 1, 24), ("prefill", 1, 8), ("prefill", 4, 8), ("prefill", 1, 24), ("prefill", 4, 24)}
     assert all(p.ms > 0 for p in points)
-    assert cm.predict(3, 16) > 0 and cm.predict(2, 16, "prefill") > 0
+    assert cm.predict(3, 16) > 0 and cm.predict(2, 16, "prefill") > 0 and cm.predict(1, 16, "head_step") > 0
+    table = vcm.round_table(cm, chain_length=4)  # rows 5 is the largest measured here: HyCo's column uses it
+    assert [c.header for c in table.columns][:3] == ["context", "HyCo (5 rows)", "Cloud+MTP (4 steps + 5 rows)"]
+    assert table.row_count == 3  # contexts 8, 24 and the paper's row
     assert torch.get_num_threads() >= 1
 
 
