@@ -335,3 +335,44 @@ def test_concurrent_clients_are_batched_and_get_the_serial_servers_replies(model
             np.testing.assert_array_equal(tb, ts)
             np.testing.assert_array_equal(pb, ps)
             assert_replies_match(got, want)
+
+
+def test_a_long_prefill_runs_chunk_by_chunk_between_rounds(models):
+    """The scheduler's steps: a 61-token prompt (15 chunks of 4) queued with another session's round; the round is
+    answered in the first step, beside the prompt's first chunk, not after the whole prompt."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hycoc.verifier.scheduler import BatchScheduler
+
+    engine = make_engine(models, prefill_chunk=4)
+    ref = make_engine(models, prefill_chunk=4)
+    busy = open_session(engine, 0, "hyco", 6, 1.0)
+    tree = tree_for(models[0], "hyco", busy.tokens)
+    want = open_session(ref, 0, "hyco", 6, 1.0).verify(*tree, 0)
+    long = engine.open(list(range(10, 71)), Sampling(1.0, 64, 0.95), seed=3)
+    reports, done_at = [], {}
+    worker = ThreadPoolExecutor(max_workers=1)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        sched = BatchScheduler(lambda fn, *a: loop.run_in_executor(worker, fn, *a), max_batch_rows=64,
+                               max_batch_wait_ms=1000.0, open_sessions=lambda: 1, on_step=reports.append)
+        sched.start()
+        prefill = asyncio.ensure_future(sched.prefill(long.prefill_job))
+        answer = asyncio.ensure_future(sched.round(busy, DraftTree(0, tree[0], tree[1])))
+        answer.add_done_callback(lambda _: done_at.setdefault("round", len(reports)))
+        prefill.add_done_callback(lambda _: done_at.setdefault("prefill", len(reports)))
+        got = await answer
+        result = await prefill
+        await sched.stop()
+        return got, result
+
+    (reply, _, committed, verified), (prefill_ms, t) = asyncio.run(main())
+    worker.shutdown()
+    assert verified and committed == len(reply.path_rows) + 1 and t == 60 and prefill_ms > 0
+    assert_replies_match(reply, want)
+    assert [(r.stats.sessions, r.prefill_chunks) for r in reports] == [(1, 1)] + [(0, 1)] * 14
+    assert done_at == {"round": 1, "prefill": 15}     # answered with the 1st step's report; the prompt with the 15th
+    engine.close()
+    ref.close()
