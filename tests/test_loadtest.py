@@ -98,6 +98,8 @@ def test_trace_round_trip_and_bad_files(tmp_path, recorded):
     first = trace.requests[0]
     assert first.rounds[0].tokens[0] == first.prompt[-1] and first.rounds[0].parents == tuple(PARENTS)
     assert all(r.device_ms >= 0 for r in first.rounds) and first.committed == MAX_NEW
+    # rounds after the first: the drafting thread's CPU time, never more than the wall time between the rounds
+    assert all(r.device_wall_ms + 0.5 >= r.device_ms for r in first.rounds[1:])
     with pytest.raises(TraceError, match="has no requests of config 'specedge'"):
         trace.for_config("specedge")
     data = json.loads(path.read_text())
@@ -106,7 +108,7 @@ def test_trace_round_trip_and_bad_files(tmp_path, recorded):
     with pytest.raises(TraceError, match=r"requests\[0\]\.rounds\[1\]: .*parents\[0\] = -1"):
         load_trace(path)
     path.write_text(json.dumps({**data, "schema": 99}))
-    with pytest.raises(TraceError, match="schema 99, this hycoc reads 1; delete it to re-record"):
+    with pytest.raises(TraceError, match="schema 99, this hycoc reads 2; delete it to re-record"):
         load_trace(path)
 
 

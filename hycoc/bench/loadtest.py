@@ -13,9 +13,9 @@ Per round the client records (`RoundSample`): latency = send -> reply, client si
 tokens it committed (path + bonus, cut by `commit_cut` as the device does); its rows and context. Every failure
 is counted by code (`RunStats.errors`): the ERROR frame's wire code (``bad_root``, ``too_many_sessions``, ...),
 ``invalid_reply:CODE`` for a reply that fails validation here, ``bad_trace:CODE`` for a recorded tree the
-wire refuses to encode, ``connection_dropped``, ``timeout``, ``unreachable``. A session that got an error ends
-(the next device request starts a new one); a refused OPEN waits ``REFUSED_BACKOFF_S`` before the device tries
-again.
+wire refuses to encode, ``http_STATUS`` for a refused WebSocket upgrade (503 at ``max_connections``),
+``connection_dropped``, ``timeout``, ``unreachable``. A session that got an error ends (the next device request
+starts a new one); a refused OPEN waits ``REFUSED_BACKOFF_S`` before the device tries again.
 
 Timing of a run: all devices start at once, or with ``rate`` their arrivals form a Poisson process of ``rate``
 devices per second (seeded, `arrival_delays`); no round starts after ``duration_s``; a round in flight then
@@ -139,7 +139,7 @@ async def replay_request(url: str, req: RequestTrace, stop_ids, stats: RunStats,
     ``stats`` (times relative to ``t0``, loop time; ``device``: the simulated device's index). Never raises for a
     server or network failure: it is counted."""
     from websockets.asyncio.client import connect
-    from websockets.exceptions import ConnectionClosed, InvalidHandshake
+    from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
     loop = asyncio.get_running_loop()
     limits = wire.Limits(max_frame_bytes=max_frame_bytes)
@@ -204,6 +204,9 @@ async def replay_request(url: str, req: RequestTrace, stop_ids, stats: RunStats,
         stats.errors["timeout"] += 1
     except ConnectionClosed:
         stats.errors["connection_dropped"] += 1
+    except InvalidStatus as e:   # e.g. HTTP 503 at max_connections
+        stats.errors[f"http_{e.response.status_code}"] += 1
+        await asyncio.sleep(REFUSED_BACKOFF_S)
     except (OSError, InvalidHandshake):
         stats.errors["unreachable"] += 1
         await asyncio.sleep(REFUSED_BACKOFF_S)

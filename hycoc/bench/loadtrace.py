@@ -10,9 +10,13 @@ What a round records (`RoundTrace`):
 
 * ``tokens``: int32 (R,), the draft tree's rows as sent (row 0 the root x_{t+1}; DESIGN.md "Wire protocol");
 * ``parents``: int16-range ints (R,), parents[0] = -1, 0 <= parents[j] < j;
-* ``device_ms``: milliseconds the device spent between the previous answer arriving (the OPENED for round 0) and
-  this tree leaving: commit, MTP Drafter on the hand-off, SLM pass(es), tree build (Alg. 1 lines 3-7). Round 0's
-  tree is drafted while the server prefills, so its time is only what the drafting outlasted the prefill.
+* ``device_ms``: the device's own time between the previous answer arriving and this tree leaving: commit, MTP
+  Drafter on the hand-off, SLM pass(es), tree build (Alg. 1 lines 3-7), measured as the CPU time of the thread
+  that drafts (``time.thread_time``; the graphs run on it with one onnxruntime thread), so a recording on a busy
+  machine still gives the time a phone that has its cores to itself would take. Round 0's tree is drafted while
+  the server prefills, so its time is the wall time the drafting outlasted the prefill (usually 0);
+* ``device_wall_ms``: the same interval in wall-clock time (slower than ``device_ms`` when the recording
+  machine was loaded).
 
 Replaying a tree in another session: the tree's rows below the root depend on the recorded context only through
 their token values, and the wire checks only the structure (parents point to earlier rows, ids inside the
@@ -38,8 +42,9 @@ import numpy as np
 
 from hycoc.protocol.messages import DraftTree, OpenRequest, RoundReply, Sampling
 
-#: Bumped when the file layout changes; an older file is re-recorded, never misread.
-TRACE_SCHEMA = 1
+#: Bumped when the file layout or a field's meaning changes; an older file is re-recorded, never misread.
+#: 2: device_ms is the drafting thread's CPU time (was wall time), device_wall_ms added.
+TRACE_SCHEMA = 2
 
 
 class TraceError(ValueError):
@@ -50,11 +55,13 @@ class TraceError(ValueError):
 @dataclass(frozen=True)
 class RoundTrace:
     """One recorded round (module docstring). tokens: row ids, len R >= 1; parents: len R, parents[0] == -1;
-    device_ms: the device's time before sending it, milliseconds >= 0."""
+    device_ms: the device's time before sending it (drafting thread CPU), milliseconds >= 0; device_wall_ms: the
+    same in wall-clock milliseconds."""
 
     tokens: tuple[int, ...]
     parents: tuple[int, ...]
     device_ms: float
+    device_wall_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -162,7 +169,7 @@ def load_trace(path: str | Path) -> Trace:
         requests = []
         for i, r in enumerate(data["requests"]):
             rounds = tuple(RoundTrace(tuple(int(x) for x in rt["tokens"]), tuple(int(x) for x in rt["parents"]),
-                                      float(rt["device_ms"])) for rt in r["rounds"])
+                                      float(rt["device_ms"]), float(rt["device_wall_ms"])) for rt in r["rounds"])
             for j, rt in enumerate(rounds):
                 if len(rt.tokens) != len(rt.parents) or not rt.tokens or rt.parents[0] != -1 or rt.device_ms < 0:
                     raise TraceError(f"{path}: requests[{i}].rounds[{j}]: tokens and parents must have one entry per "
@@ -179,7 +186,8 @@ def load_trace(path: str | Path) -> Trace:
 
 class RecordingClient:
     """A `hycoc.runtime.transport.VerifierClient` that records what the device sends: every `round`'s tree and the
-    device time before it (module docstring). Everything else is the wrapped client's.
+    device time before it (module docstring: CPU time of the thread calling `round`, which must be the drafting
+    thread, as in `DeviceRuntime.generate`). Everything else is the wrapped client's.
 
     client: an unopened VerifierClient. After a request, ``request`` is its OpenRequest and ``rounds`` its
     `RoundTrace` list; ``replies`` are the RoundReplies received (to count what was committed)."""
@@ -190,6 +198,7 @@ class RecordingClient:
         self.rounds: list[RoundTrace] = []
         self.replies: list[RoundReply] = []
         self._since = time.perf_counter()
+        self._cpu_since: float | None = None
 
     def __getattr__(self, name):
         return getattr(self._client, name)
@@ -197,15 +206,17 @@ class RecordingClient:
     def open(self, request: OpenRequest):
         self.request, self.rounds, self.replies = request, [], []
         opened = self._client.open(request)
-        self._since = time.perf_counter()
+        self._since, self._cpu_since = time.perf_counter(), None
         return opened
 
     def round(self, tree: DraftTree) -> RoundReply:
-        device_ms = 1000.0 * (time.perf_counter() - self._since)
+        wall_ms = 1000.0 * (time.perf_counter() - self._since)
+        # round 0: the wall time the first tree's drafting outlasted the OPEN (which ran on another thread)
+        device_ms = wall_ms if self._cpu_since is None else 1000.0 * (time.thread_time() - self._cpu_since)
         reply = self._client.round(tree)
-        self._since = time.perf_counter()
+        self._since, self._cpu_since = time.perf_counter(), time.thread_time()
         self.rounds.append(RoundTrace(tuple(int(x) for x in tree.tokens), tuple(int(x) for x in tree.parents),
-                                      device_ms))
+                                      device_ms, wall_ms))
         self.replies.append(reply)
         return reply
 
