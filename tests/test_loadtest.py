@@ -186,6 +186,7 @@ def test_summary_counts_the_window_and_the_server_histograms():
     # 4 devices, 3 with a first round: no end of the ramp, the whole run is the window; 2.1 s is past it
     assert (row["rounds"], row["committed_tokens"], row["tok_per_s"], row["steady"]) == (3, 10, 5.0, False)
     assert row["device_wait_ms"] == {"asked": 15.0, "slept": 21.0} and row["tok_per_s_whole"] == 5.0
+    assert row["devices_served"] == 3
     steady = summarize_run("batched", 3, 2.0, stats)   # ramp ends at 1.0 s: only the round at 1.9 s counts
     assert (steady["ramp_s"], steady["steady"], steady["rounds"], steady["tok_per_s"]) == (1.0, True, 1, 2.0)
     assert steady["latency_ms"]["p50"] == 30.0 and steady["tok_per_s_whole"] == 5.0

@@ -6,7 +6,8 @@ and after it into one row:
 
 * the window: from the end of the ramp (every device's first round answered: at the start all devices connect,
   OPEN and queue their prefills together, which says nothing about serving rounds) to ``duration_s``; a run whose
-  ramp does not end before ``duration_s`` is measured from its start and marked ``steady: false``;
+  ramp does not end before ``duration_s`` is measured from its start and marked ``steady: false``
+  (``devices_served``: how many devices had a round answered at all);
 * ``tok_per_s``: output tokens committed by rounds answered within the window / the window (s);
   ``tok_per_s_whole``: the same over the whole run, ramp included;
 * ``verifier_ms_per_token``: the verifier's worker milliseconds in rounds per committed token over the run, from
@@ -49,7 +50,7 @@ GPU_FLAT_ROWS = 206
 RESULTS_SCHEMA = 1
 #: Keys of every row of results.json's ``runs`` (the test of the schema reads this).
 RUN_KEYS = ("mode", "sessions", "duration_s", "rounds", "committed_tokens", "tok_per_s", "verifier_ms_per_token",
-            "reply_ms_per_token", "tok_per_s_whole", "ramp_s", "steady", "device_wait_ms", "mat", "latency_ms", "open_ms_p50", "rows_per_tree", "rows_per_forward", "sessions_per_forward",
+            "reply_ms_per_token", "tok_per_s_whole", "ramp_s", "steady", "devices_served", "device_wait_ms", "mat", "latency_ms", "open_ms_p50", "rows_per_tree", "rows_per_forward", "sessions_per_forward",
             "queue_wait_ms", "context_mean", "errors", "errors_total", "requests_finished", "requests_truncated",
             "server_rounds", "server_tokens", "client_cpu_pct", "loadavg", "projection")
 
@@ -98,6 +99,7 @@ def summarize_run(mode: str, sessions: int, duration_s: float, stats, metrics_be
         "mode": mode, "sessions": int(sessions), "duration_s": float(duration_s), "rounds": len(rounds),
         "committed_tokens": tokens, "tok_per_s": tokens / (duration_s - start),
         "tok_per_s_whole": whole / duration_s, "ramp_s": ramp, "steady": steady,
+        "devices_served": len(stats.first_round_s),
         "device_wait_ms": {"asked": float(waits[:, 0].mean()), "slept": float(waits[:, 1].mean())} if len(waits)
         else None,
         "verifier_ms_per_token": worker_ms / worker_tokens if has_counters else reply_ms,
