@@ -35,7 +35,8 @@ Steps, each timed, with its peak memory and the bytes it wrote (the head's equiv
 8. ``compile`` / ``sim``: `hycoc.targets.htp.compile_context` for htp-v81 with CPU fallback disabled; one run on
    the HTP simulator against the same QDQ graph on the CPU EP (SQNR of logits and the new KV).
 
-Memory: ``peak_rss_gib`` (VmHWM, reset per step) and ``peak_tree_rss_gib`` (this process + children, sampled).
+Memory: ``peak_rss_gib`` (VmHWM, reset per step) and ``peak_tree_rss_gib`` (this process + children, sampled);
+``cpu_seconds``: CPU time of the step (this process + finished children), the figure to quote on a loaded machine.
 ``--toy-dims`` (tests only): the same chain at toy widths; the report says ``"real_shapes": false``.
 Prints a table and writes JSON to ``--out`` (default runs/real-shape-slm.json).
 """
@@ -70,6 +71,23 @@ TWO_GB = 2**31
 TOY_DIMS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
             "head_dim": 32, "global_head_dim": 64, "vocab_size": 4096, "vocab_size_per_layer_input": 4096,
             "hidden_size_per_layer_input": 16}
+
+
+class CpuSteps(rsh.Steps):
+    """`real_shape_head.Steps` that also records each step's CPU seconds (``cpu_seconds``: this process +
+    its finished children, ``resource.getrusage``): on a shared, loaded machine wall time alone misleads."""
+
+    def run(self, name: str, fn, *, what: str = ""):
+        import resource
+
+        def cpu() -> float:
+            me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+            return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+        c0 = cpu()
+        result = super().run(name, fn, what=what)
+        self.rows[-1]["cpu_seconds"] = round(cpu() - c0, 2)
+        return result
 
 
 def slm_config(layers: int | None, toy_dims: bool = False) -> dict[str, Any]:
@@ -271,7 +289,7 @@ def main(argv=None) -> dict[str, Any]:
     qcfg = bit_map.E2B_ASSUMED if args.bit_map == "assumed" else bit_map.e2b_paper_fit()
     vocab = int(cfg["vocab_size"])
     keep_n = min(args.keep_set, vocab)
-    steps = rsh.Steps(console if not args.quiet else None)
+    steps = CpuSteps(console if not args.quiet else None)
     state: dict[str, Any] = {}
 
     def say(text):
@@ -363,7 +381,9 @@ def main(argv=None) -> dict[str, Any]:
     if estimate > args.max_qdq_gib:
         steps.rows.append({"step": "qdq", "status": "refused", "seconds": 0, "output_bytes": 0,
                            "peak_rss_gib": 0, "peak_tree_rss_gib": 0,
-                           "what": f"estimated peak {estimate:.1f} GiB > --max-qdq-gib {args.max_qdq_gib}",
+                           "what": f"estimated peak {estimate:.1f} GiB > --max-qdq-gib {args.max_qdq_gib} "
+                                   f"({linear_values:,} graph weights folded to float32): run it where "
+                                   f"{estimate * 1.25:.0f} GiB are free, or shard the graph by layers",
                            "details": {"estimate_gib": round(estimate, 2), "linear_values": linear_values}})
         say(f"qdq refused: estimated {estimate:.1f} GiB > {args.max_qdq_gib} GiB")
     else:
@@ -500,9 +520,8 @@ def print_table(report: dict) -> None:
     s = report["shapes"]
     table = Table(title=f"real-shape E2B SLM: {s['layers']} layers, |V| {s['keep_set']:,}, B {s['rows']}, "
                         f"W {s['ring']:,}/{s['sliding_ring']}, map {s['bit_map']} -- {report['total_seconds']:.0f} s")
-    for col in ("step", "status", "seconds", "peak RSS GiB", "tree peak GiB", "output", "notes"):
-        table.add_column(col, justify="right" if col in ("seconds", "peak RSS GiB", "tree peak GiB", "output")
-                         else "left")
+    for col in ("step", "status", "seconds", "CPU s", "peak RSS GiB", "tree peak GiB", "output", "notes"):
+        table.add_column(col, justify="left" if col in ("step", "status", "notes") else "right")
     for r in report["steps"]:
         d = r.get("details") or {}
         note = ""
@@ -528,7 +547,8 @@ def print_table(report: dict) -> None:
             note = ", ".join(f"{k.split('.')[-1]} {v}" for k, v in d.items() if "logits" in k or "top1" in k)
         if r.get("status") == "failed":
             note = (r.get("error") or "")[:160]
-        table.add_row(r["step"], r.get("status", ""), f"{r.get('seconds', 0):.1f}", f"{r.get('peak_rss_gib', 0):.2f}",
+        table.add_row(r["step"], r.get("status", ""), f"{r.get('seconds', 0):.1f}", f"{r.get('cpu_seconds', 0):.1f}",
+                      f"{r.get('peak_rss_gib', 0):.2f}",
                       f"{r.get('peak_tree_rss_gib', 0):.2f}", rsh._human(r.get("output_bytes", 0)), note)
     Console(width=180).print(table)
 
