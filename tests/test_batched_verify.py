@@ -376,3 +376,18 @@ def test_a_long_prefill_runs_chunk_by_chunk_between_rounds(models):
     assert done_at == {"round": 1, "prefill": 15}     # answered with the 1st step's report; the prompt with the 15th
     engine.close()
     ref.close()
+
+
+@pytest.mark.parametrize("vocab, k, ties", [(300, 64, False), (300, 64, True), (50, 1, True), (4096, 64, False),
+                                            (40, 40, True)])
+def test_top_k_stable_is_the_full_stable_sorts_first_k(vocab, k, ties):
+    """p~'s top-k without a whole-row sort (issue 14's per-session work) keeps the full stable sort's exact order,
+    ties included (they go to the lowest id, as in every pinned sampling test)."""
+    from hycoc.verifier.sampling import top_k_stable
+
+    x = torch.randn(33, vocab, generator=torch.Generator().manual_seed(vocab + k))
+    if ties:
+        x = torch.round(x * 2) / 2          # a handful of distinct values: ties at every k-th boundary
+    values, ids = top_k_stable(x, k)
+    want_values, want_ids = torch.sort(x, dim=-1, descending=True, stable=True)
+    assert torch.equal(values, want_values[:, :k]) and torch.equal(ids, want_ids[:, :k])
