@@ -24,14 +24,18 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install -e '.[serve]' (ray[serve])")
 ray_serve = pytest.importorskip("hycoc.verifier.ray_serve")
 
-from hycoc.protocol.messages import DraftTree, OpenRequest, Sampling  # noqa: E402
-from hycoc.runtime.transport import ConnectionDropped, VerifierClient  # noqa: E402
+from websockets.sync.client import connect  # noqa: E402
+
+from hycoc.protocol import wire  # noqa: E402
+from hycoc.protocol.messages import DraftTree, ErrorReply, OpenRequest, Sampling  # noqa: E402
+from hycoc.runtime.transport import AuthRefused, ConnectionDropped, VerifierClient  # noqa: E402
 from hycoc.verifier.engine import VerifierEngine  # noqa: E402
 from hycoc.verifier.server import ServerLimits  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 SCALES = (0.1, 0.1, 0.05, 0.05, 0.05, 0.05)
 ROWS = 7
+TOKEN = "s3cret"  # clients send it as 'Authorization: Bearer', so the test also sees the proxy forward the header
 
 
 class TinyEngine:
@@ -75,7 +79,7 @@ class Pair:
 
     def __init__(self, url: str, reference: VerifierEngine, i: int):
         req = request(i)
-        self.client = VerifierClient(url, timeout_s=30)
+        self.client = VerifierClient(url, auth_token=TOKEN, timeout_s=30)
         self.client.open(req)
         self.ref = reference.open(req.prompt_ids, req.sampling, req.seed, req.acceptance, req.epsilon,
                                   req.draft_place, req.max_new_tokens)
@@ -99,8 +103,8 @@ def replica_sessions(http: str) -> dict[str, int]:
     return {r["replica"]: r["sessions"] for r in json.loads(body)["replicas"] if r["status"] == "ok"}
 
 
-def metric(text: str, name: str, replica: str) -> float:
-    prefix = f'{name}{{replica="{replica}"}} '
+def metric(text: str, name: str, replica: str, labels: str = "") -> float:
+    prefix = f'{name}{{replica="{replica}"{"," + labels if labels else ""}}} '
     values = [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
     assert len(values) == 1, (name, replica, text)
     return float(values[0])
@@ -142,7 +146,7 @@ def deployment():
     try:
         port = free_port()
         app = ray_serve.build_app(TinyEngine(), replicas=2, cpus_per_replica=1, server_kwargs={
-            "tree_rows": ROWS, "model_name": "tiny", "limits": ServerLimits(max_sessions=8)})
+            "tree_rows": ROWS, "model_name": "tiny", "auth_token": TOKEN, "limits": ServerLimits(max_sessions=8)})
         url = ray_serve.start(app, "127.0.0.1", port)
         yield url, f"http://127.0.0.1:{port}"
     finally:
@@ -158,40 +162,53 @@ def test_sessions_spread_stay_and_survive_a_replica_death(deployment):
     health = json.loads(body)
     assert code == 200 and health["status"] == "ok" and health["replicas_up"] == 2 and health["sessions"] == 0
     assert (health["tree_rows"], health["limits"]["max_sessions"], health["limits_apply"]) == (ROWS, 8, "per replica")
+    assert health["auth"] is True
     pids = {r["replica"]: r["pid"] for r in health["replicas"]}
     assert len(set(pids.values())) == 2 and os.getpid() not in pids.values()
 
-    # Four sessions opened one after another: each goes to the replica with fewer open sessions.
-    pairs, home = [], {}
-    for i in range(4):
-        before = replica_sessions(http)
-        pairs.append(Pair(url, reference, i))
-        after = replica_sessions(http)
-        (gained,) = [r for r in after if after[r] == before.get(r, 0) + 1]
-        assert before[gained] == min(before.values())
-        home[i] = gained
-    assert sorted(replica_sessions(http).values()) == [2, 2]
+    # Four sessions opened one after another: the proxy sends each to the replica with fewer ongoing requests (a
+    # WebSocket is one until it closes), so both replicas get sessions.
+    pairs = [Pair(url, reference, i) for i in range(4)]
+    spread = replica_sessions(http)
+    assert sum(spread.values()) == 4 and min(spread.values()) >= 1, spread
     for _ in range(2):
         for p in pairs:
             p.step()
 
     metrics = http_get(http + "/metrics")[1]
     for r in pids:
-        assert metric(metrics, "hycoc_sessions_active", r) == 2
-        assert metric(metrics, "hycoc_rounds_total", r) == 4
+        assert metric(metrics, "hycoc_sessions_active", r) == spread[r]
+        assert metric(metrics, "hycoc_rounds_total", r) == 2 * spread[r]
     assert 'hycoc_replicas{state="up"} 2' in metrics
 
-    # Kill one replica's process: its sessions end with ConnectionDropped naming the code and what to do.
-    victim = home[0]
+    # A text message gets the server's ERROR frame (the replica's own loop); a wrong token is refused (the proxy
+    # forwards the Authorization header).
+    with connect(url, compression=None, additional_headers={"Authorization": f"Bearer {TOKEN}"}) as raw:
+        raw.send("hello")
+        error = wire.decode(raw.recv(timeout=30))
+        assert isinstance(error, ErrorReply) and error.code == "unexpected_message"
+    with pytest.raises(AuthRefused, match="auth_refused"):
+        VerifierClient(url, auth_token="wrong", timeout_s=30).open(request(0))
+    metrics = http_get(http + "/metrics")[1]
+    for kind in ("unexpected_message", "auth_refused"):  # each counted once, by the replica that answered it
+        assert sum(metric(metrics, "hycoc_errors_total", r, f'kind="{kind}"') for r in pids
+                   if f'hycoc_errors_total{{replica="{r}",kind="{kind}"}}' in metrics) == 1
+
+    # Kill one replica's process: exactly its sessions end, each with ConnectionDropped naming the code and what to
+    # do; the other replica's sessions go on.
+    victim = min(spread, key=lambda r: pids[r])
     os.kill(pids[victim], signal.SIGKILL)
-    survivors = [p for i, p in enumerate(pairs) if home[i] != victim]
-    for i, p in enumerate(pairs):
-        if home[i] == victim:
-            with pytest.raises(ConnectionDropped, match=r"WebSocket code 1006.*open a new session to continue"):
-                p.step()
-    for p in survivors:
-        for _ in range(2):
+    survivors, dropped = [], 0
+    for p in pairs:
+        try:
             p.step()
+            survivors.append(p)
+        except ConnectionDropped as e:
+            assert "WebSocket code 1006" in str(e) and "open a new session to continue" in str(e)
+            dropped += 1
+    assert (dropped, len(survivors)) == (spread[victim], 4 - spread[victim])
+    for p in survivors:
+        p.step()
 
     # A new session goes to a live replica (the survivor, or the replacement Ray starts) and is served exactly.
     fresh = Pair(url, reference, 9)
@@ -199,6 +216,6 @@ def test_sessions_spread_stay_and_survive_a_replica_death(deployment):
     deadline = time.monotonic() + 30
     while (sessions := replica_sessions(http)).get(victim) is not None and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert victim not in sessions and sum(sessions.values()) == 3
+    assert victim not in sessions and sum(sessions.values()) == len(survivors) + 1
     for p in survivors + [fresh]:
         p.client.close()
