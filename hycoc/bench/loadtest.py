@@ -403,7 +403,9 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
     ``OUT/latency_vs_sessions.png`` (`hycoc.bench.loadreport`). Returns the results document.
 
     Without ``server_url`` each mode gets its own `ServerProcess` of ``recipe_path``, started with ``--batching
-    MODE`` when that server has the option; with it, the one server there is used. Either way the mode a row is
+    MODE`` when that server has the option, all of them up for the whole test, and for each session count the modes
+    run one after the other (on a shared machine the modes compared then see the same load); with it, the one
+    server there is used. Either way the mode a row is
     labelled with is the one the server reports in /healthz (`server_mode`), and a server that reports another
     mode than asked is an error (modes None with ``server_url``: whatever it reports). Each server first serves
     one device for ``warmup_s`` seconds, not measured. Raises LoadTestError (server, mode), TraceError (config)."""
@@ -420,32 +422,34 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
     if server_url is None and not modes:
         modes = ["serial"]
     pass_flag = server_url is None and server_batching_support()
-    rows, servers = [], {}
-    for asked in (modes or [None]):
-        server = None
-        if server_url is None:
-            console.print(f"loadtest: starting hycoc verify-server {recipe_path}"
-                          + (f" --batching {asked}" if pass_flag else " (this verify-server has no --batching)"))
-            server = ServerProcess(recipe_path, batching=asked if pass_flag else None, keep_set=keep_set)
-            url, health = server.url, server.health
-        else:
-            url = server_url
-            try:
-                health = healthz(url)
-            except OSError as e:
-                raise LoadTestError(f"the verifier at {url} did not answer /healthz ({e}); is it a hycoc "
-                                    "verify-server?") from None
-        mode = server_mode(health)
-        servers[mode] = health.get("batching") or {"mode": "serial", "note": "no batching field in /healthz"}
-        try:
+    rows, servers, procs, urls = [], {}, [], {}
+    try:
+        for asked in (modes or [None]):          # every server up first: the runs then alternate between them
+            if server_url is None:
+                console.print(f"loadtest: starting hycoc verify-server {recipe_path}"
+                              + (f" --batching {asked}" if pass_flag else " (this verify-server has no --batching)"))
+                procs.append(ServerProcess(recipe_path, batching=asked if pass_flag else None, keep_set=keep_set))
+                url, health = procs[-1].url, procs[-1].health
+            else:
+                url = server_url
+                try:
+                    health = healthz(url)
+                except OSError as e:
+                    raise LoadTestError(f"the verifier at {url} did not answer /healthz ({e}); is it a hycoc "
+                                        "verify-server?") from None
+            mode = server_mode(health)
             if asked is not None and mode != asked:
                 raise LoadTestError(f"asked for batching {asked!r}, but the verify-server reports {mode!r} in "
                                     "/healthz" + ("" if pass_flag or server_url else
                                                   " and has no --batching option to change it")
                                     + f"; use --batching {mode}")
+            servers[mode] = health.get("batching") or {"mode": "serial", "note": "no batching field in /healthz"}
+            urls[mode] = url
             if warmup_s > 0:
                 run_sessions(url, devices_for(trace, configs, 1), trace.stop_ids, warmup_s, device_ms=device_ms)
-            for n in sessions:
+        # Per session count every mode in turn, so on a shared machine the modes compared see the same load.
+        for n in sessions:
+            for mode, url in urls.items():
                 before, load = scrape_metrics(url), os.getloadavg()
                 with progress.step(f"{mode}: {n} sessions", total=int(math.ceil(duration_s))) as s:
                     def tick(st: RunStats) -> None:
@@ -459,14 +463,16 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
                 rows.append(row)
                 lat = row["latency_ms"]
                 wait = row["device_wait_ms"] or {"asked": math.nan, "slept": math.nan}
-                console.print(f"  {mode} {n:>3} sessions: {row['tok_per_s']:.1f} tok/s after a {row['ramp_s'] or 0:.1f} s "
-                              f"ramp, p50 {lat['p50']:.0f} ms, p90 {lat['p90']:.0f} ms, {row['errors_total']} errors; "
-                              f"client CPU {row['client_cpu_pct'] or 0:.0f}% of a core, device waits "
-                              f"{wait['asked']:.0f} ms asked / {wait['slept']:.0f} ms slept; load {load[0]:.1f} -> "
-                              f"{load[3]:.1f}")
-        finally:
-            if server is not None:
-                server.stop()
+                console.print(f"  {mode} {n:>3} sessions: {row['tok_per_s']:.1f} tok/s after a {row['ramp_s'] or 0:.1f} "
+                              f"s ramp ({row['devices_served']} of {n} devices served), p50 {lat['p50']:.0f} ms, p90 "
+                              f"{lat['p90']:.0f} ms, {row['errors_total']} errors; client CPU "
+                              f"{row['client_cpu_pct'] or 0:.0f}% of a core, device waits {wait['asked']:.0f} ms asked "
+                              f"/ {wait['slept']:.0f} ms slept; load {load[0]:.1f} -> {load[3]:.1f}")
+    finally:
+        for proc in procs:
+            proc.stop()
+    order = list(urls)
+    rows.sort(key=lambda r: (order.index(r["mode"]), r["sessions"]))
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(meta or {}, configs=list(configs), sessions=list(sessions), duration_s=duration_s, servers=servers,
                 rate=rate, device_ms=device_ms, server=server_url or "own verify-server process per mode",
