@@ -19,8 +19,11 @@ lifetime (its KV lives there). Ray's proxy picks the replica when the connection
 router ("power of two choices", ``ray/serve/_private/request_router/pow_2_router.py``) samples two replicas and
 takes the one with fewer ongoing requests among those below ``max_ongoing_requests``; an open WebSocket is an
 ongoing request until it closes, so a new session goes to the less loaded of two (with two replicas: the least
-loaded) healthy replica. A dead replica is dropped from the router's candidates as soon as a call to it fails or
-the controller reports it (Ray then starts a replacement).
+loaded) healthy replica. The counts are the proxy's own (``request_router.py``: a cache raised on every
+assignment, lowered when a call ends, corrected by each replica's accept/reject answer and re-probed after 10 s),
+and they include short HTTP calls such as /healthz, so "least loaded" is exact only between sessions; with
+several proxies (one per node) each routes by its own view. A dead replica is skipped as soon as a probe or
+call to it fails, and dropped when the controller reports it (Ray then starts a replacement).
 
 Limits. Every `ServerLimits` value applies per replica, as in one ``hycoc verify-server``, with these differences
 (the TCP connection belongs to Ray's proxy, not to the replica):
@@ -44,7 +47,6 @@ for ``hycoc serve-ray``), `merge_expositions` and `health_summary` (what /metric
 # at decoration time, and Serve's ingress rebinds the methods where postponed (string) annotations do not resolve.
 import asyncio
 import json
-import logging
 import os
 import re
 import signal
@@ -60,7 +62,6 @@ from starlette.websockets import WebSocketDisconnect
 from .server import (METRICS_CONTENT_TYPE, HandshakeTimeout, IdleTimeout, ServerLimits, UnexpectedMessage,
                      VerifierServer, _bearer, _Connection)
 
-log = logging.getLogger("hycoc.verifier.ray_serve")
 
 #: The Serve application and deployment names (``serve status`` shows them).
 APP_NAME = "hycoc"
@@ -395,5 +396,5 @@ def replica_cpus(threads: int) -> float:
     return float(threads) if threads > 0 else 1.0
 
 
-__all__ = ["APP_NAME", "DEPLOYMENT_NAME", "RecipeEngine", "check_keep_set", "VerifierReplica", "build_app", "start", "run",
-           "merge_expositions", "health_summary", "replica_cpus"]
+__all__ = ["APP_NAME", "DEPLOYMENT_NAME", "RecipeEngine", "check_keep_set", "VerifierReplica", "build_app", "start",
+           "run", "merge_expositions", "health_summary", "replica_cpus"]
