@@ -23,6 +23,11 @@ Server-side baselines (Table 5): ``cloud-mtp`` drafts a K-chain with the head it
 and verifies root + chain exactly; ``server-head`` runs the head over the keep set and a W window after each round
 (`draft_server_chain`) and returns that chain instead of a hand-off.
 
+Batched verification (issue 14, `hycoc.verifier.batch`) runs the same round in three parts per session:
+`Session.begin_round` (checks, the rows that fit, cloud-mtp's chain), one forward shared by several sessions, then
+`Session.finish_round` (lines 5-14 and the commit, unchanged); `Session.verify` is those three for one session.
+Prefills run as `PrefillJob` chunks so a scheduler can interleave them with rounds.
+
 Not thread-safe: run one call at a time per engine (one worker thread for all its sessions).
 """
 
