@@ -7,7 +7,8 @@ loops over its config's recorded prompts until the run's duration is over. All d
 process (`run_sessions`), speaking the wire protocol (`hycoc.protocol.wire`, `hycoc.protocol.messages`) over the
 websockets asyncio client exactly as the device's `hycoc.runtime.transport.VerifierClient` does over the sync one
 (compression off, one session per connection, replies decoded against `wire.Limits.from_opened`). A round costs the
-client one frame encode and one decode (about 0.1 ms), so the client's share of the CPU stays small (reported).
+client one frame encode and one decode, so its share of the CPU stays small: each run reports it (toy recipe, 1 to
+64 devices: 1-2% of one core).
 
 Per round the client records (`RoundSample`): latency = send -> reply, client side, ms; the reply's server_ms; the
 tokens it committed (path + bonus, cut by `commit_cut` as the device does); its rows and context. Every failure
