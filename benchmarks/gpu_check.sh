@@ -23,7 +23,8 @@
 # recipes/toy.toml --target cpu`; built there on the CPU, ~2-3 min, when missing).
 #
 # Environment: PY (default python3), STEPS (default "serve qat cost"), OUT, SKIP_WHEELS=1 (use PY's packages as they
-# are, e.g. a venv that has hycoc's dependencies).
+# are, e.g. a venv that has hycoc's dependencies), QAT_CPU_THREADS (8), QAT_TIMEOUT (420 s per build), COST_TIMEOUT
+# (360 s). On a busy 2-core machine the qat step's two toy builds take far longer than on the GPU host's 16 cores.
 #
 # Output: a summary table on stdout and $OUT/gpu_check.json (OUT defaults to runs/gpu-check), every step's log in
 # $OUT/gpu_check.log. Exit code: 0 when every step passed, 1 otherwise, 2 on a usage error.
@@ -102,8 +103,10 @@ fi
 # The CPU reference of step 2 needs no GPU: start it now, in the background.
 if [[ " $STEPS " == *" qat "* ]]; then
   say "qat: CPU reference build started in the background"
-  ( "${HYCOC[@]}" build recipes/toy.toml --target cpu --until head_qat --device cpu --cache-dir "$WORK/cache-cpu" \
-      > "$WORK/qat-cpu.log" 2>&1; echo $? > "$WORK/qat-cpu.rc" ) &
+  # a few threads: the toy's matrices are small, and the GPU build beside it needs CPU too
+  ( OMP_NUM_THREADS="${QAT_CPU_THREADS:-8}" timeout "${QAT_TIMEOUT:-420}" "${HYCOC[@]}" build recipes/toy.toml \
+      --target cpu --until head_qat --device cpu --cache-dir "$WORK/cache-cpu" > "$WORK/qat-cpu.log" 2>&1
+    echo $? > "$WORK/qat-cpu.rc" ) &
   PIDS+=($!)
 fi
 
@@ -143,7 +146,7 @@ serve() {
     url=$(start_server "$device")
     say "serve: $label server ($device) at $url"
     for mode in hyco-exact server-head; do
-      "${HYCOC[@]}" run bundles/toy-cpu --server "$url" --backend cpu --mode "$mode" --temperature 0 \
+      timeout 180 "${HYCOC[@]}" run bundles/toy-cpu --server "$url" --backend cpu --mode "$mode" --temperature 0 \
         --max-new-tokens 64 --prompt "How do I open a file in Python?" --json \
         > "$WORK/run-$label-$mode.out" 2>> "$LOG"
     done
@@ -177,7 +180,7 @@ EOF
 # ---- 2. qat -------------------------------------------------------------------------------------------------------
 qat() {
   local device=$DEV
-  "${HYCOC[@]}" build recipes/toy.toml --target cpu --until head_qat --device "$device" \
+  timeout "${QAT_TIMEOUT:-420}" "${HYCOC[@]}" build recipes/toy.toml --target cpu --until head_qat --device "$device" \
     --cache-dir "$WORK/cache-$device-qat" > "$WORK/qat-$device.log" 2>&1 \
     || { tail -20 "$WORK/qat-$device.log"; return 1; }
   say "qat: $device build done; waiting for the CPU reference"
@@ -215,8 +218,10 @@ EOF
 # ---- 3. cost ------------------------------------------------------------------------------------------------------
 cost() {
   if [ "$MODE" = cuda ]; then
-    "$PY" benchmarks/verifier_cost_model.py --device cuda --contexts 1024,4096 --warmup 2 --repeats 5 \
+    timeout "${COST_TIMEOUT:-360}" "$PY" benchmarks/verifier_cost_model.py --device cuda --contexts 1024,4096 \
+      --warmup 2 --repeats 5 \
       --out "$OUT/cost-model-26b-a4b.json" 2>&1 | tee -a "$LOG"
+    [ -f "$OUT/cost-model-26b-a4b.json" ] || { echo "gpu_check: no cost model written" >&2; return 1; }
   else  # the toy verifier and head with real weights: the same code, not the 26B-A4B shape
     "$PY" benchmarks/verifier_cost_model.py --device cpu --recipe recipes/toy.toml --contexts 64,256 --warmup 1 \
       --repeats 3 --out "$OUT/cost-model-toy-cpu.json" 2>&1 | tee -a "$LOG"
