@@ -342,7 +342,8 @@ def main(argv=None) -> dict[str, Any]:
         graph = SlmTreeGraph(slm, keep, rows=args.rows, ring={FULL: args.ring, SLIDING: args.sliding_ring})
         state["graph"], state["keep"] = graph, keep
         state["example"] = example_inputs(graph, slm, args.seed)
-        head = slm.weights["lm_head"]
+        # the full-vocabulary output layer is not needed past here (the graph holds its keep-set rows): 0.4 GB
+        head = slm.weights.pop("lm_head")
         return graph, 0, {"rows": graph.rows, "ring": graph.ring, "kv_layers": graph.kv_layers,
                           "keep_set": len(keep), "output_layer_rows_before": int(head.q.shape[0]),
                           "output_layer_rows_after": int(graph.lm_head.q.shape[0]),
