@@ -839,21 +839,22 @@ def _print_plan(plan: dict) -> None:
     bm = plan.get("bit_maps")
     if bm:
         maps = Table(title=f"SLM bit map (in use: {bm['source']}) vs the paper's 754 MB graph")
-        for col in ("map", "SLM graph MB", "paper MB", "%", "int2 / int4 / int8 MB", "rules"):
+        for col in ("map", "SLM graph MB", "paper MB", "%", "int2 / int4 / int8 MB", "as compiled MB", "rules"):
             maps.add_column(col, justify="left" if col in ("map", "rules") else "right")
         for r in bm["maps"]:
             b = r["by_bits"]
             maps.add_row(escape(r["map"]), f"{r['slm_graph_bytes'] / 1e6:.1f}", f"{r['paper_bytes'] / 1e6:.0f}",
                          f"{r['diff_pct']:+.2f}", " / ".join(f"{b.get(k, 0) / 1e6:.1f}" for k in ("int2", "int4", "int8")),
-                         escape(r["text"]))
+                         f"{r['htp_graph_bytes'] / 1e6:.1f}", escape(r["text"]))
         hs = bm["head_side"]
         maps.add_row("head side (graph + E)", f"{hs['total_bytes'] / 1e6:.1f}", f"{hs['paper_bytes'] / 1e6:.0f}",
-                     f"{hs['diff_pct']:+.2f}", "", escape(hs["note"]))
+                     f"{hs['diff_pct']:+.2f}", "", "", escape(hs["note"]))
         console.print(maps)
         s = bm["search"]
         console.print(f"  {s['maps_within']} of {s['maps_tried']} group-wise maps land within "
                       f"{100 * s['tolerance']:.0f} % of {s['target_bytes'] / 1e6:.0f} MB: the size alone does not fix "
-                      "the map; a checkpoint's own quantization_config replaces the assumed one")
+                      "the map; a checkpoint's own quantization_config replaces the assumed one. 'as compiled': "
+                      "2-bit weights stored as int4 in the QDQ graph (the HTP has no int2)")
     budget = plan.get("context_budget") or {}
     if budget.get("graphs"):
         console.print(f"context budget ({budget['profile']}, {budget['limit_bytes']:,} bytes): " + ", ".join(

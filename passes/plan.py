@@ -456,7 +456,10 @@ def _bit_maps(slm_lin, slm_other: int, slm_cfg, in_use: dict, source: str, head_
                              ("assumed", bit_map.E2B_ASSUMED, bit_map.E2B_ASSUMED_TEXT),
                              ("paper fit", fit, bit_map.E2B_PAPER_FIT_TEXT)):
         sizes = bit_map.graph_bytes(slm_lin, qcfg, slm_other)
+        int2 = sizes["by_bits"].get("int2", {"weights": 0, "bytes": 0})
         rows.append({"map": name, "slm_graph_bytes": sizes["total_bytes"], "paper_bytes": paper,
+                     # hycoc's QDQ stores 2-bit sources as int4 (the HTP has no int2; passes/qdq.py)
+                     "htp_graph_bytes": sizes["total_bytes"] - int2["bytes"] + math.ceil(int2["weights"] / 2),
                      "diff_pct": round(100 * (sizes["total_bytes"] - paper) / paper, 2),
                      "by_bits": {k: v["bytes"] for k, v in sizes["by_bits"].items()}, "text": text,
                      "module_quant_configs": qcfg.get("module_quant_configs"), "num_bits": qcfg.get("num_bits")})

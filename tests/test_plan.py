@@ -175,6 +175,9 @@ def test_gemma4_bit_maps_beside_the_paper(gemma4):
     # attention 8-bit (278.4M weights), MLP + per-layer gate/projection 2-bit, output layer + model projection 4-bit
     assert fit["by_bits"] == {"int2": (1_557_135_360 + 27_525_120) // 4, "int4": (86_089 * 1536 + 13_762_560) // 2,
                               "int8": 278_396_928}
+    # compiled, 2-bit weights take 4 bits (no int2 on the HTP): the paper-fit map's context holds 1,149 MB
+    assert fit["htp_graph_bytes"] == 752_848_932 + (1_557_135_360 + 27_525_120) // 4 == 1_149_014_052
+    assert rows["assumed"]["htp_graph_bytes"] == 1_215_130_404 + 6_881_280
     assert bm["head_side"]["total_bytes"] == 120_517_412 + 242_426_624 == gemma4["paper"]["head_side_bytes"]["plan"]
     assert bm["head_side"]["paper_bytes"] == 365_000_000
     assert bm["search"]["maps_tried"] == 3**7 and bm["search"]["maps_within"] == 20
@@ -185,6 +188,6 @@ def test_gemma4_bit_maps_beside_the_paper(gemma4):
 def test_inspect_shows_the_bit_maps_side_by_side():
     result = runner.invoke(app, ["inspect", str(GEMMA4)], terminal_width=200)
     assert result.exit_code == 0, result.stderr
-    for text in ("SLM bit map (in use: ASSUMED)", "paper fit", "752.8", "1215.1", "head side (graph + E)", "362.9",
+    for text in ("SLM bit map (in use: ASSUMED)", "paper fit", "752.8", "1215.1", "362.9", "1149.0",
                  "20 of 2187 group-wise maps", "context budget (htp-v81"):
         assert text in result.stdout, text
