@@ -11,7 +11,9 @@ One place for every SLM bit map hycoc uses at real shape:
 * `e2b_paper_fit()`: a map that reproduces the paper's 754 MB NPU graph, found by `search_maps`: attention 8-bit,
   MLP and per-layer input gate/projection 2-bit, everything else (output layer over the keep set, per-layer model
   projection) 4-bit: 752.8 MB (-0.16 %). The size alone does not pin the map down: of the 2,187 group-wise maps
-  (7 module groups x 2/4/8 bits) 20 land within 1 % of 754 MB; this one has the fewest distinct rules.
+  (7 module groups x 2/4/8 bits) 20 land within 1 % of 754 MB; this one has the fewest distinct rules. The paper's
+  figure counts 2-bit weights at 2 bits: hycoc's QDQ stores them as int4 (the HTP has no int2), so the same map
+  compiles to about 1,149 MB (`hycoc inspect`'s "as compiled" column).
 * `checkpoint_quant_config(config_dict)`: a real checkpoint's ``quantization_config`` (top level or under
   ``text_config``); when present it wins over both, with no code change.
 
