@@ -22,8 +22,8 @@ import torch
 from hycoc.bench.cost_model import CostModel, CostPoint
 from hycoc.bench.loadreport import GPU_FLAT_ROWS, RUN_KEYS, percentile, project, results_document, summarize_run, \
     write_results
-from hycoc.bench.loadtest import LoadTestError, RoundSample, RunStats, arrival_delays, committed_tokens, parse_metrics, \
-    replay_request, run_loadtest, run_sessions
+from hycoc.bench.loadtest import LoadTestError, RoundSample, RunStats, arrival_delays, committed_tokens, \
+    parse_metrics, replay_request, run_loadtest, run_sessions
 from hycoc.bench.loadtrace import RecordingClient, RequestTrace, RoundTrace, Trace, TraceError, load_trace, \
     patch_root, request_trace, save_trace, trace_key
 from hycoc.protocol import wire
@@ -41,8 +41,8 @@ MAX_NEW = 10
 
 def make_engine() -> VerifierEngine:
     model = tiny_verifier(sharpen=3.0)
-    return VerifierEngine(model, head=tiny_head(model), head_window=6, handoff_scales=(0.1, 0.1, 0.05, 0.05, 0.05, 0.05),
-                          eos_token_ids=set(), max_context=128)
+    return VerifierEngine(model, head=tiny_head(model), head_window=6,
+                          handoff_scales=(0.1, 0.1, 0.05, 0.05, 0.05, 0.05), eos_token_ids=set(), max_context=128)
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,8 @@ GPU_FLAT_ROWS = 206
 RESULTS_SCHEMA = 1
 #: Keys of every row of results.json's ``runs`` (the test of the schema reads this).
 RUN_KEYS = ("mode", "sessions", "duration_s", "rounds", "committed_tokens", "tok_per_s", "verifier_ms_per_token",
-            "reply_ms_per_token", "tok_per_s_whole", "ramp_s", "steady", "devices_served", "device_wait_ms", "mat", "latency_ms", "open_ms_p50", "rows_per_tree", "rows_per_forward", "sessions_per_forward",
+            "reply_ms_per_token", "tok_per_s_whole", "ramp_s", "steady", "devices_served", "device_wait_ms", "mat",
+            "latency_ms", "open_ms_p50", "rows_per_tree", "rows_per_forward", "sessions_per_forward",
             "queue_wait_ms", "context_mean", "errors", "errors_total", "requests_finished", "requests_truncated",
             "server_rounds", "server_tokens", "client_cpu_pct", "loadavg", "projection")
 
@@ -76,8 +77,8 @@ def _hist_mean(before: dict, after: dict, name: str, scale: float = 1.0) -> floa
 def summarize_run(mode: str, sessions: int, duration_s: float, stats, metrics_before: dict | None = None,
                   metrics_after: dict | None = None, loadavg: tuple | None = None) -> dict:
     """One row of the report (module docstring) from a run's `RunStats` of ``sessions`` devices; only rounds
-    answered within the window (after the ramp, up to ``duration_s`` s from the start) count. Returns a dict with the keys `RUN_KEYS` (``projection`` None: see
-    `project`)."""
+    answered within the window (after the ramp, up to ``duration_s`` s from the start) count. Returns a dict with
+    the keys `RUN_KEYS` (``projection`` None: see `project`)."""
     before, after = metrics_before or {}, metrics_after or {}
     ramp = max(stats.first_round_s.values()) if len(stats.first_round_s) >= sessions else None
     steady = ramp is not None and ramp < duration_s

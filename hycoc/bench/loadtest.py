@@ -464,9 +464,10 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
                 rows.append(row)
                 lat = row["latency_ms"]
                 wait = row["device_wait_ms"] or {"asked": math.nan, "slept": math.nan}
-                console.print(f"  {mode} {n:>3} sessions: {row['tok_per_s']:.1f} tok/s after a {row['ramp_s'] or 0:.1f} "
-                              f"s ramp ({row['devices_served']} of {n} devices served), p50 {lat['p50']:.0f} ms, p90 "
-                              f"{lat['p90']:.0f} ms, {row['errors_total']} errors; client CPU "
+                console.print(f"  {mode} {n:>3} sessions: {row['tok_per_s']:.1f} tok/s after a "
+                              f"{row['ramp_s'] or 0:.1f} s ramp ({row['devices_served']} of {n} devices served), "
+                              f"p50 {lat['p50']:.0f} ms, p90 {lat['p90']:.0f} ms, {row['errors_total']} errors; "
+                              f"client CPU "
                               f"{row['client_cpu_pct'] or 0:.0f}% of a core, device waits {wait['asked']:.0f} ms asked "
                               f"/ {wait['slept']:.0f} ms slept; load {load[0]:.1f} -> {load[3]:.1f}")
     finally:
@@ -498,5 +499,6 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
 
 
 __all__ = ["ANSWER_TIMEOUT_S", "CAPACITY_CODES", "LoadTestError", "REFUSED_BACKOFF_S", "RoundSample", "RunStats",
-           "ServerProcess", "arrival_delays", "committed_tokens", "devices_for", "healthz", "parse_metrics", "replay_request",
+           "ServerProcess", "arrival_delays", "committed_tokens", "devices_for", "healthz", "parse_metrics",
+           "replay_request",
            "run_loadtest", "run_sessions", "scrape_metrics", "server_mode", "server_batching_support"]

@@ -246,7 +246,6 @@ def record_trace(recipe, bundle_dir: Path, configs: list[str], questions, output
     the bundle's (as `hycoc bench`). Raises what loading the models or the bundle raises, TransportError."""
     import torch
 
-    from hycoc.bench.datasets import Question  # noqa: F401 -- the questions' type
     from hycoc.bundle import sha256_file
     from hycoc.chat import format_prompt
     from hycoc.models import set_threads
