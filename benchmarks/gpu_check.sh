@@ -9,9 +9,9 @@
 #   1. serve   the toy verifier (recipes/toy.toml, its float32) as `hycoc verify-server --device cuda`, and a
 #              `hycoc run` against it at T = 0 (modes hyco-exact and server-head, 64 tokens); the same against a
 #              CPU server: the texts must be equal.
-#   2. qat     `hycoc build recipes/toy.toml --target cpu --until head_qat` with --device cuda (verifier in bf16,
-#              QAT under bf16 autocast) and with --device cpu (run in the background from the start: it needs no
-#              GPU); W4 QAT top-1 agreement at depth 1 within 1 point of each other.
+#   2. qat     `hycoc build --target cpu --until head_qat` of the toy recipe at QAT_STEPS (40) steps, with --device
+#              cuda (verifier in bf16, QAT under bf16 autocast) and with --device cpu (run in the background from
+#              the start: it needs no GPU); W4 QAT top-1 agreement at depth 1 within 1 point of each other.
 #   3. cost    benchmarks/verifier_cost_model.py --device cuda: Gemma 4 26B-A4B shape, random bf16 weights (50.5
 #              GB), verification rows 1/5/33, the head step and prefill chunks at contexts 1,024 and 4,096: the
 #              33-row (HyCo) vs 5-row + 4 head steps (Cloud+MTP) round ms beside the paper's 21.7 / 26.8 ms.
@@ -23,8 +23,8 @@
 # recipes/toy.toml --target cpu`; built there on the CPU, ~2-3 min, when missing).
 #
 # Environment: PY (default python3), STEPS (default "serve qat cost"), OUT, SKIP_WHEELS=1 (use PY's packages as they
-# are, e.g. a venv that has hycoc's dependencies), QAT_CPU_THREADS (8), QAT_TIMEOUT (420 s per build), COST_TIMEOUT
-# (360 s). On a busy 2-core machine the qat step's two toy builds take far longer than on the GPU host's 16 cores.
+# are, e.g. a venv that has hycoc's dependencies), QAT_CPU_THREADS (8), QAT_STEPS (40), QAT_EVAL_PROMPTS (30),
+# QAT_TIMEOUT (420 s per build), COST_TIMEOUT (360 s), KEEP_WORK=1 (keep the /tmp work folder). On a busy 2-core machine the qat step's two toy builds take far longer than on the GPU host's 16 cores.
 #
 # Output: a summary table on stdout and $OUT/gpu_check.json (OUT defaults to runs/gpu-check), every step's log in
 # $OUT/gpu_check.log. Exit code: 0 when every step passed, 1 otherwise, 2 on a usage error.
@@ -59,7 +59,12 @@ LOG="$OUT/gpu_check.log"
 T0=$(date +%s)
 declare -A STATUS SECONDS_OF NOTE
 PIDS=()
-cleanup() { for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done; }
+QAT_RECIPE="$REPO/recipes/.gpu-check-toy.toml"   # beside toy.toml: its model paths are relative to recipes/
+cleanup() {
+  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done
+  rm -f "$QAT_RECIPE"
+  [ "${KEEP_WORK:-0}" = 1 ] || rm -rf "$WORK"
+}
 trap cleanup EXIT
 
 say() { echo "[gpu_check $(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
@@ -100,11 +105,17 @@ if [ ! -f bundles/toy-cpu/manifest.json ]; then
   "${HYCOC[@]}" build recipes/toy.toml --target cpu --out bundles/toy-cpu --cache-dir "$WORK/cache-bundle" >> "$LOG" 2>&1
 fi
 
-# The CPU reference of step 2 needs no GPU: start it now, in the background.
+# The CPU reference of step 2 needs no GPU: start it now, in the background. Both QAT runs use the toy recipe with
+# QAT_STEPS optimizer steps (default 40 of its 100, warm-up half of them) and QAT_EVAL_PROMPTS evaluation answers
+# (default 30 of 60), so the CPU run fits the 8 minutes; the comparison is like for like.
 if [[ " $STEPS " == *" qat "* ]]; then
+  QS="${QAT_STEPS:-40}"
+  sed -e "s/^steps = 100\b/steps = $QS/" -e "s/^warmup_steps = 50\b/warmup_steps = $(( QS / 2 ))/" \
+      -e "s/^eval_prompts = 60\b/eval_prompts = ${QAT_EVAL_PROMPTS:-30}/" recipes/toy.toml > "$QAT_RECIPE"
+  grep -q "^steps = $QS\b" "$QAT_RECIPE" || { say "FAILED: could not set [head_qat] steps in $QAT_RECIPE"; exit 1; }
   say "qat: CPU reference build started in the background"
   # a few threads: the toy's matrices are small, and the GPU build beside it needs CPU too
-  ( OMP_NUM_THREADS="${QAT_CPU_THREADS:-8}" timeout "${QAT_TIMEOUT:-420}" "${HYCOC[@]}" build recipes/toy.toml \
+  ( OMP_NUM_THREADS="${QAT_CPU_THREADS:-8}" timeout "${QAT_TIMEOUT:-420}" "${HYCOC[@]}" build "$QAT_RECIPE" \
       --target cpu --until head_qat --device cpu --cache-dir "$WORK/cache-cpu" > "$WORK/qat-cpu.log" 2>&1
     echo $? > "$WORK/qat-cpu.rc" ) &
   PIDS+=($!)
@@ -180,12 +191,12 @@ EOF
 # ---- 2. qat -------------------------------------------------------------------------------------------------------
 qat() {
   local device=$DEV
-  timeout "${QAT_TIMEOUT:-420}" "${HYCOC[@]}" build recipes/toy.toml --target cpu --until head_qat --device "$device" \
-    --cache-dir "$WORK/cache-$device-qat" > "$WORK/qat-$device.log" 2>&1 \
-    || { tail -20 "$WORK/qat-$device.log"; return 1; }
+  timeout "${QAT_TIMEOUT:-420}" "${HYCOC[@]}" build "$QAT_RECIPE" --target cpu --until head_qat --device "$device" \
+    --cache-dir "$WORK/cache-$device-qat" > "$WORK/qat-dut.log" 2>&1 \
+    || { tail -20 "$WORK/qat-dut.log"; return 1; }
   say "qat: $device build done; waiting for the CPU reference"
   while [ ! -f "$WORK/qat-cpu.rc" ]; do sleep 2; done
-  cat "$WORK/qat-cpu.log" "$WORK/qat-$device.log" >> "$LOG"
+  cat "$WORK/qat-cpu.log" "$WORK/qat-dut.log" >> "$LOG"
   [ "$(cat "$WORK/qat-cpu.rc")" = 0 ] || { tail -20 "$WORK/qat-cpu.log"; return 1; }
   "$PY" - "$WORK/cache-$device-qat" "$WORK/cache-cpu" "$OUT/qat.json" "$device" <<'EOF' 2>&1 | tee -a "$LOG"
 import json, sys
