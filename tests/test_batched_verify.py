@@ -391,3 +391,50 @@ def test_top_k_stable_is_the_full_stable_sorts_first_k(vocab, k, ties):
     values, ids = top_k_stable(x, k)
     want_values, want_ids = torch.sort(x, dim=-1, descending=True, stable=True)
     assert torch.equal(values, want_values[:, :k]) and torch.equal(ids, want_ids[:, :k])
+
+
+def test_short_prefills_share_a_step_up_to_the_prefill_budget(models):
+    """Four 5-token prompts (4 positions each) with a budget of 8 positions per step: two prefills per step, in
+    arrival order, each session's KV equal to its prefill run alone (64 sessions opening together were prefilled
+    one per step before the budget)."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hycoc.verifier.scheduler import BatchScheduler
+
+    engine = make_engine(models, prefill_chunk=4)
+    ref = make_engine(models, prefill_chunk=4)
+    prompts = [list(range(10 + 7 * i, 15 + 7 * i)) for i in range(4)]
+    sessions = [engine.open(p, Sampling(1.0, 64, 0.95), seed=i) for i, p in enumerate(prompts)]
+    reports, order = [], []
+    worker = ThreadPoolExecutor(max_workers=1)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        sched = BatchScheduler(lambda fn, *a: loop.run_in_executor(worker, fn, *a), max_batch_rows=64,
+                               max_batch_wait_ms=0.0, open_sessions=lambda: 4, on_step=reports.append,
+                               prefill_budget=8)
+        sched.start()
+        futures = [asyncio.ensure_future(sched.prefill(s.prefill_job)) for s in sessions]
+        for i, f in enumerate(futures):
+            f.add_done_callback(lambda _, i=i: order.append((i, len(reports))))
+        results = await asyncio.gather(*futures)
+        await sched.stop()
+        return results
+
+    results = asyncio.run(main())
+    worker.shutdown()
+    assert [t for _, t in results] == [4, 4, 4, 4]
+    assert [r.prefill_chunks for r in reports] == [2, 2]
+    assert sorted(order) == [(0, 1), (1, 1), (2, 2), (3, 2)]
+    for s, p in zip(sessions, prompts):
+        alone = ref.open(p, Sampling(1.0, 64, 0.95), seed=0)
+        alone.prefill()
+        for got, want in zip(s.cache.layers, alone.cache.layers):
+            if want.is_initialized and want.keys.numel():
+                torch.testing.assert_close(got.keys, want.keys, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="prefill_budget = 0"):
+        BatchScheduler(None, max_batch_rows=1, max_batch_wait_ms=0, open_sessions=lambda: 1, on_step=print,
+                       prefill_budget=0)
+    engine.close()
+    ref.close()

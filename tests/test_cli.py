@@ -85,7 +85,8 @@ def test_build_without_the_models_exits_1_in_one_line(tmp_path):
     # gemma4.toml names hub ids; with no checkpoint on disk the build stops before any pass runs
     result = invoke("build", GEMMA4, "--target", "cpu", "--cache-dir", tmp_path / "c", "--out", tmp_path / "b")
     assert result.exit_code == 1 and result.stdout == ""
-    assert result.stderr.startswith("hycoc build: tokenizer not found at ") and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("hycoc build: verifier model not found at ") and result.stderr.count("\n") == 1
+    assert "point the recipe's [models].verifier at a local folder" in result.stderr
     assert not (tmp_path / "c").exists() and not (tmp_path / "b").exists()
 
 

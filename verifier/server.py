@@ -536,7 +536,8 @@ class VerifierServer:
             self._scheduler = BatchScheduler(self._work, max_batch_rows=self.max_batch_rows,
                                              max_batch_wait_ms=self.max_batch_wait_ms,
                                              open_sessions=lambda: len(self.sessions),
-                                             on_step=self._observe_step, chain_length=self.engine.chain_length)
+                                             on_step=self._observe_step, chain_length=self.engine.chain_length,
+                                             prefill_budget=self.engine.prefill_chunk)
             self._scheduler.start()
         self._runner = _GuardedRunner(self.app(), self, handle_signals=False, access_log=None)
         await self._runner.setup()
