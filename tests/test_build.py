@@ -141,14 +141,11 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def built(recipe_path, tmp_path_factory):
-    """The whole pipeline (target_cpu last), run twice on one cache (the second must be all cache hits)."""
-    cache = tmp_path_factory.mktemp("cache")
-    recipe = load_recipe(recipe_path)
-    first = b.run_pipeline(recipe, "cpu", cache, console=quiet())
-    second = b.run_pipeline(recipe, "cpu", cache, console=quiet())
-    assert not (cache / "work").exists()
-    return recipe, Run(first), Run(second)
+def built(tiny_pipeline):
+    """The whole pipeline (target_cpu last), run twice on one cache (the second must be all cache hits): conftest's
+    session-wide run of the tiny recipe."""
+    assert not (tiny_pipeline.cache / "work").exists()
+    return tiny_pipeline.recipe, Run(tiny_pipeline.first), Run(tiny_pipeline.second)
 
 
 def test_pipeline_runs_to_the_target_and_caches(built):
@@ -187,9 +184,11 @@ def test_head_export_matches_torch_and_writes_host_tables(built):
     assert HeadExport().produces.keys() == {"onnx_head", "head_host"}
 
 
-def test_build_bundle_cpu_end_to_end(recipe_path, tmp_path):
+def test_build_bundle_cpu_end_to_end(tiny_pipeline, tmp_path):
     """`build_bundle --target cpu`: the manifest lists every file with its sha256 and each graph's IO; the head's
-    QDQ graph in the bundle agrees with the torch head graph (top-1) on the CPU EP; a rebuild is all cache hits."""
+    QDQ graph in the bundle agrees with the torch head graph (top-1) on the CPU EP; a rebuild is all cache hits.
+    Written from the session's pipeline cache (`tiny_pipeline`: the passes ran there once; a cold build through
+    the command is `test_cli_list_passes_until_and_full_build`)."""
     import onnxruntime as ort
 
     from hycoc.bundle import load_manifest, sha256_file
@@ -197,8 +196,8 @@ def test_build_bundle_cpu_end_to_end(recipe_path, tmp_path):
     from hycoc.passes.head_graph import INPUT_NAMES, HeadGraph
     from hycoc.passes.head_qat import dequantized_head
 
-    recipe = load_recipe(recipe_path)
-    out, cache = tmp_path / "bundle", tmp_path / "cache"
+    recipe = tiny_pipeline.recipe
+    out, cache = tmp_path / "bundle", tiny_pipeline.cache
     result = b.build_bundle(recipe, "cpu", out, cache, console=quiet())
     manifest = result.manifest
     assert load_manifest(out).to_json() == manifest.to_json()
