@@ -38,7 +38,6 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections import Counter
@@ -49,6 +48,7 @@ from typing import Callable
 import numpy as np
 
 from hycoc.bench.loadtrace import RequestTrace, patch_root
+from hycoc.bench.runner import VerifierProcess
 from hycoc.protocol import wire
 from hycoc.protocol.messages import Close, DraftTree, ErrorReply, Opened, commit_cut
 
@@ -275,37 +275,18 @@ def server_batching_support() -> bool:
     return "--batching" in out.stdout
 
 
-class ServerProcess:
+class ServerProcess(VerifierProcess):
     """``hycoc verify-server RECIPE --host 127.0.0.1 --port 0 [--batching MODE] [--keep-set F]`` in a child
-    process, ready once it printed its URL and ``GET /healthz`` answered status ok. ``url``: ``ws://HOST:PORT``;
-    ``health``: that /healthz document.
+    process (`hycoc.bench.runner.VerifierProcess`), ready once it printed its URL and ``GET /healthz`` answered
+    status ok. ``url``: ``ws://HOST:PORT``; ``health``: that /healthz document.
 
     batching: passed as ``--batching`` when not None (the caller checks `server_batching_support`). Raises
     LoadTestError with the server's stderr when it exits or is not healthy within ``timeout_s``."""
 
     def __init__(self, recipe_path: Path, *, batching: str | None = None, keep_set: Path | None = None,
                  timeout_s: float = 300.0):
-        cmd = [sys.executable, "-m", "hycoc.cli", "verify-server", str(recipe_path), "--host", "127.0.0.1",
-               "--port", "0"]
-        if batching is not None:
-            cmd += ["--batching", batching]
-        if keep_set is not None:
-            cmd += ["--keep-set", str(keep_set)]
-        self._err = tempfile.TemporaryFile(mode="w+")
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._err, text=True, env=env)
-        self.url: str | None = None
-        deadline = time.monotonic() + timeout_s
-        while self.url is None:
-            line = self.proc.stdout.readline()
-            if not line:
-                self.stop()
-                raise LoadTestError(f"the verifier server exited before listening: {self.stderr_tail()}")
-            if "listening on " in line:
-                self.url = line.split("listening on ", 1)[1].split()[0]
-            if time.monotonic() > deadline:
-                self.stop()
-                raise LoadTestError(f"the verifier server did not listen within {timeout_s:g} s")
+        super().__init__(recipe_path, keep_set, timeout_s,
+                         extra_args=["--batching", batching] if batching is not None else [], error=LoadTestError)
         self.health: dict = {}
         while True:
             try:
@@ -314,30 +295,10 @@ class ServerProcess:
                     break
             except OSError:
                 pass
-            if time.monotonic() > deadline or self.proc.poll() is not None:
+            if time.monotonic() > self.deadline or self.proc.poll() is not None:
                 self.stop()
                 raise LoadTestError(f"the verifier at {self.url} did not answer /healthz: {self.stderr_tail()}")
             time.sleep(0.2)
-
-    def stderr_tail(self, lines: int = 5) -> str:
-        self._err.seek(0)
-        return " | ".join(self._err.read().strip().splitlines()[-lines:]) or "(no output)"
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 20 s."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def __enter__(self) -> "ServerProcess":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def server_mode(health: dict) -> str:

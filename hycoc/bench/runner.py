@@ -58,11 +58,14 @@ class BenchError(RuntimeError):
 class VerifierProcess:
     """``hycoc verify-server`` in a child process on a free loopback port; ``url`` once listening.
 
-    Raises BenchError with the server's stderr when it exits or does not listen within ``timeout_s``."""
+    extra_args: more verify-server options (e.g. ``["--batching", "serial"]``). error: the exception class raised
+    (with the server's stderr) when it exits or does not listen within ``timeout_s`` (default BenchError)."""
 
-    def __init__(self, recipe_path: Path, keep_set: Path | None, timeout_s: float = 300.0):
+    def __init__(self, recipe_path: Path, keep_set: Path | None, timeout_s: float = 300.0,
+                 extra_args: list[str] = (), error: type[Exception] | None = None):
+        error = error or BenchError
         cmd = [sys.executable, "-m", "hycoc.cli", "verify-server", str(recipe_path), "--host", "127.0.0.1",
-               "--port", "0"]
+               "--port", "0", *extra_args]
         if keep_set is not None:
             cmd += ["--keep-set", str(keep_set)]
         self._err = tempfile.TemporaryFile(mode="w+")
@@ -74,12 +77,13 @@ class VerifierProcess:
             line = self.proc.stdout.readline()
             if not line:
                 self.stop()
-                raise BenchError(f"the verifier server exited before listening: {self.stderr_tail()}")
+                raise error(f"the verifier server exited before listening: {self.stderr_tail()}")
             if "listening on " in line:
                 self.url = line.split("listening on ", 1)[1].split()[0]
             if time.monotonic() > deadline:
                 self.stop()
-                raise BenchError(f"the verifier server did not listen within {timeout_s:g} s")
+                raise error(f"the verifier server did not listen within {timeout_s:g} s")
+        self.deadline = deadline
 
     def stderr_tail(self, lines: int = 5) -> str:
         self._err.seek(0)
