@@ -487,7 +487,7 @@ def serve_ray(
         None, help="Ray cluster to join ('auto': the one `ray start` began on this node; ray://HOST:10001); "
         "default: start a local Ray instance with one CPU per replica thread", show_default=False),
 ) -> None:
-    """Serve the verifier as a Ray Serve deployment: N replicas behind one WebSocket endpoint (issue 14).
+    """Serve the verifier as a Ray Serve deployment: N replicas behind one WebSocket endpoint.
 
     Same wire protocol, /healthz and /metrics as verify-server, at ws://HOST:PORT/; a session stays on the replica
     that accepted it; new sessions go to the less loaded replica; /healthz and /metrics cover every replica (samples
@@ -517,6 +517,14 @@ def serve_ray(
         raise _fail("serve-ray", str(e)) from None
     host = host or cfg.verifier.host
     port = cfg.verifier.port if port is None else port
+    import socket
+
+    with socket.socket() as probe:  # before Ray starts: a busy port would fail only after ~20 s, in a Ray traceback
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise _fail("serve-ray", f"cannot listen on {host}:{port}: {e.strerror} (a verify-server on the "
+                        "default port?): pass --port N") from None
     options = server_options(cfg) | {"auth_token": auth_token}
     app = build_app(RecipeEngine(str(recipe.resolve()), dev, None if keep_set is None else str(keep_set.resolve())),
                     replicas=replicas, server_kwargs=options, cpus_per_replica=replica_cpus(cfg.verifier.threads),
@@ -1079,7 +1087,7 @@ def generate(
 
 #: Configurations `hycoc loadtest` can record and replay (a verifier in every round: not slm-alone).
 LOADTEST_CONFIGS = tuple(c for c in BENCH_CONFIGS if c != "slm-alone")
-#: `hycoc loadtest --batching` values: serial = one session per forward (today's server), batched = issue 14.
+#: `hycoc loadtest --batching` values: serial = one session per forward, batched = sessions' trees in one forward.
 LOADTEST_BATCHING = ("serial", "batched")
 
 
@@ -1098,7 +1106,7 @@ def loadtest(
         "in a child process per --batching mode)", show_default=False),
     batching: Optional[str] = typer.Option(
         None, help="comma-separated batching modes, one server each: serial (one session per forward, the server "
-        "before issue 14) and/or batched (sessions' trees verified together); passed to verify-server as --batching "
+        "the server's old behaviour) and/or batched (sessions' trees verified together); passed to verify-server as --batching "
         "(default: serial; with --server: the mode the server reports in /healthz, checked when given)",
         show_default=False),
     device_ms: Optional[float] = typer.Option(
@@ -1117,7 +1125,7 @@ def loadtest(
         show_default=False),
 ) -> None:
     """Load-test a verifier with many simulated devices: total tok/s, verifier ms per token, round latency
-    p50/p90/p99, rows per forward and errors per session count (issue 14).
+    p50/p90/p99, rows per forward and errors per session count.
 
     The real device runtime first records its rounds on a few Spec-Bench prompts per configuration (cached in
     .hycoc-cache/loadtest/ by recipe, bundle, configurations, prompts and cap); then asyncio devices in this one

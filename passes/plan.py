@@ -213,7 +213,7 @@ def real_shape_plan(recipe: Recipe) -> dict:
     vd, where = _config_dict(recipe, "verifier")
     if vd is None:
         vd = VERIFIER_26B_A4B
-        where = f"reference shapes of Gemma 4 26B-A4B (DESIGN.md), {where}"
+        where = f"reference shapes of Gemma 4 26B-A4B (passes/plan.py), {where}"
     sources["verifier"] = where
     verifier_cfg = _text_config(vd, "verifier")
 
@@ -240,7 +240,7 @@ def real_shape_plan(recipe: Recipe) -> dict:
     slm_quant = None
     if sd is None:
         sd = SLM_E2B
-        where = f"reference shapes of Gemma 4 E2B (DESIGN.md), {where}"
+        where = f"reference shapes of Gemma 4 E2B (passes/plan.py), {where}"
         assumptions.append("SLM intermediate_size 6144 (12,288 on the 20 KV-shared layers) and its 4 sliding : "
                            "1 full layer pattern come from public copies of google/gemma-4-E2B-it's config.json "
                            "(not DESIGN.md)")

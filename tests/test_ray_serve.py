@@ -219,3 +219,23 @@ def test_sessions_spread_stay_and_survive_a_replica_death(deployment):
     assert victim not in sessions and sum(sessions.values()) == len(survivors) + 1
     for p in survivors + [fresh]:
         p.client.close()
+
+
+def test_serve_ray_refuses_a_busy_port_before_starting_ray():
+    """A port already taken is named in one line before Ray starts (it used to fail ~20 s later in a Ray traceback)."""
+    import socket
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from hycoc.cli import app
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = CliRunner().invoke(app, ["serve-ray", str(recipe), "--replicas", "1", "--port", str(port)])
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (f"hycoc serve-ray: cannot listen on 127.0.0.1:{port}: Address already in use "
+                                     "(a verify-server on the default port?): pass --port N")

@@ -824,8 +824,8 @@ class VerifierServer:
         wire.validate(req, self._open_limits)  # vocabulary and context, now that the client may know them
         if req.draft_place == "server-head" and self.engine.keep_set is None:
             raise KeepSetMissing("draft_place 'server-head' needs the keep set (Table 5), and this verifier has "
-                                 "none: start it with `hycoc verify-server RECIPE --keep-set BUNDLE/keep_set.npy`, or use "
-                                 "'device' or 'cloud-mtp'")
+                                 "none: start it with `hycoc verify-server RECIPE --keep-set BUNDLE/keep_set.npy`, or run "
+                                 "the device with another mode (hycoc run --mode hyco: device drafting)")
         kv_bytes = self._reserve(req)
         self._opening += 1
         try:
