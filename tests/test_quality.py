@@ -101,3 +101,22 @@ def test_second_turns_pair_with_the_baselines_second_turns():
     recs = [{"question_id": 1, "run": 0, "turn": t, "tag": f"c{t}"} for t in (1, 2)] + [{"question_id": 1, "run": 0}]
     assert [(r["tag"] if "tag" in r else "-", b["tag"]) for r, b in pair_records(recs, base)] == \
         [("c1", "b1"), ("c2", "b2"), ("-", "b1")]
+
+
+def test_a_second_turn_is_scored_against_the_second_reference():
+    """MT-bench math rows carry one reference per turn: turn 2's answer is scored against reference[1] (it was
+    scored against turn 1's answer), single-turn rows keep their whole reference list."""
+    from hycoc.bench.datasets import Question
+    from hycoc.bench.runner import score_quality
+
+    q = Question(111, "math", ("Area of the triangle?", "Area of the circle?"), ("Area is 3", "5pi"))
+    assert q.reference_for_turn(1) == ("Area is 3",) and q.reference_for_turn(2) == ("5pi",)
+    with pytest.raises(ValueError, match="question 111 has 2 turn"):
+        q.reference_for_turn(3)
+    rag = Question(7, "rag", ("Who?",), (("James Ray", "George Harrison"),))
+    assert rag.reference_for_turn(1) == rag.reference
+    recs = [{"question_id": 111, "turn": 1, "text": "The area is 3."},
+            {"question_id": 111, "turn": 2, "text": "So the answer is 5."},
+            {"question_id": 111, "turn": 2, "text": "The area is 3."}]
+    score_quality(recs, {111: q})
+    assert [r["quality"]["final_number_match"] for r in recs] == [True, True, False]

@@ -36,6 +36,19 @@ class Question:
     turns: tuple[str, ...]
     reference: tuple[str | tuple[str, ...], ...] | None = None
 
+    def reference_for_turn(self, turn: int) -> tuple[str | tuple[str, ...], ...] | None:
+        """The references that score the answer to user turn ``turn`` (1-based). MT-bench rows with references
+        carry one per turn (``reference[i]`` answers ``turns[i]``), so turn t gets ``(reference[t - 1],)``;
+        single-turn rows keep their whole list (rag's acceptable answers). Raises ValueError for a turn outside
+        [1, len(turns)]."""
+        if not 1 <= turn <= len(self.turns):
+            raise ValueError(f"question {self.question_id} has {len(self.turns)} turn(s), asked for turn {turn}")
+        if self.reference is None or len(self.turns) == 1:
+            return self.reference
+        if len(self.reference) != len(self.turns):
+            return self.reference if turn == 1 else None
+        return (self.reference[turn - 1],)
+
 
 def load_spec_bench(path: str | Path) -> list[Question]:
     """Read a Spec-Bench JSONL file into Questions, in file order. Blank lines are skipped.

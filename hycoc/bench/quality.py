@@ -267,7 +267,8 @@ def math_answer(category: str, reference: Any) -> tuple[str, Any] | None:
     ``("phrase", "line")``; None where there is none.
 
     * math_reasoning (GSM8K: ``[solution ... "#### 1000"]``): the number after ``####``.
-    * math (MT-bench: ``["Area is 3", "5pi"]``, one entry per turn; first turn scored): the first line of
+    * math (MT-bench: ``["Area is 3", "5pi"]``, one entry per turn; the bench passes the answered turn's entry
+      alone, `hycoc.bench.datasets.Question.reference_for_turn`): the first line of
       reference[0] with parenthesized asides removed (``"19 integers (-14, ..., 4)"`` -> 19, ``"f(2) = 0"`` -> 0);
       its last fraction (``35/36``) or number (``19%`` -> 19); with no number, the line itself as a phrase.
     """

@@ -157,7 +157,8 @@ def atomic_write(path: Path, text: str) -> None:
 def score_quality(records: list[dict], questions: dict[int, Question]) -> None:
     """Fill every record's ``quality`` that is missing (records of an older bench lack it): the answer's
     repetition metrics (`hycoc.bench.quality.answer_metrics` over its text and output ids) and its reference metrics
-    against the question's reference (`hycoc.bench.quality.reference_metrics`). questions: question_id -> Question."""
+    against the reference of the record's turn (`Question.reference_for_turn`: an MT-bench second answer against the
+    second reference, `hycoc.bench.quality.reference_metrics`). questions: question_id -> Question."""
     from hycoc.bench.quality import answer_metrics, reference_metrics
 
     for rec in records:
@@ -166,7 +167,7 @@ def score_quality(records: list[dict], questions: dict[int, Question]) -> None:
         q = questions[rec["question_id"]]
         text = rec.get("text") or ""
         rec["quality"] = {**answer_metrics(text, rec.get("output_ids")),
-                          **reference_metrics(q.category, text, q.reference)}
+                          **reference_metrics(q.category, text, q.reference_for_turn(int(rec.get("turn", 1))))}
 
 
 
