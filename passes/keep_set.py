@@ -29,13 +29,13 @@ else, and an empty ``keep_set.corpus`` is an error.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from hycoc.jsonl import iter_jsonl
 from hycoc.passes.artifacts import KeepSetArtifact, KeepSetStats, TokenizerArtifact
 from hycoc.passes.pipeline import Pass, PassReport
 from hycoc.recipe import KeepSet, Recipe
@@ -83,19 +83,9 @@ def read_corpus(path: Path, conversations: int) -> tuple[list[str], int]:
         raise KeepSetError(f"keep_set.corpus: {path} does not exist")
     turns: list[str] = []
     read = 0
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if read >= conversations:
-                break
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                conversation = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise KeepSetError(f"{where}: not JSON ({e.msg})") from None
-            turns.extend(assistant_turns(conversation, where))
-            read += 1
+    for where, _, conversation in iter_jsonl(path, KeepSetError, limit=conversations):
+        turns.extend(assistant_turns(conversation, where))
+        read += 1
     return turns, read
 
 

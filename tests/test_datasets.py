@@ -61,7 +61,7 @@ def test_small_file_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("bad,problem", [
-    ("{not json", "not a JSON object"),
+    ("{not json", "not JSON (Expecting property name"),
     ("[1, 2]", "expected a JSON object, got list"),
     (json.dumps({"category": "qa", "turns": ["x"]}), "question_id must be an integer, got None"),
     (json.dumps({"question_id": "7", "category": "qa", "turns": ["x"]}), "question_id must be an integer, got '7'"),

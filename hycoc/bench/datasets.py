@@ -8,9 +8,10 @@ No torch here: the device runtime and the bench client read this too.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from hycoc.jsonl import iter_jsonl
 
 #: Spec-Bench's 480 questions as shipped in the repository (benchmarks/data/NOTICE.md: source and license).
 #: The default of ``hycoc bench``/``hycoc generate --dataset`` and of the recipes' ``bench.dataset``.
@@ -59,23 +60,11 @@ def load_spec_bench(path: str | Path) -> list[Question]:
     or a repeated question_id; each message names ``FILE:LINE``.
     """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise DatasetError(f"{path}: dataset file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise DatasetError(f"{path}: cannot read the dataset: {e}") from None
-
+    if not path.is_file():
+        raise DatasetError(f"{path}: dataset file not found")
     questions: list[Question] = []
     seen: dict[int, int] = {}
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DatasetError(f"{where}: not a JSON object: {e.msg}") from None
+    for where, number, row in iter_jsonl(path, DatasetError):
         if not isinstance(row, dict):
             raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
         qid, category, turns, reference = (row.get(k) for k in ("question_id", "category", "turns", "reference"))

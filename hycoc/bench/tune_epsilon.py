@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hycoc.bench.datasets import Question
+from hycoc.jsonl import iter_jsonl
 
 #: The ε mode swept -> its exact-acceptance counterpart (Table 5), the reference of every paired difference.
 EXACT_MODE = {"hyco": "hyco-exact", "specedge-eps": "specedge"}
@@ -70,36 +71,26 @@ def load_validation(path: Path, count: int, *, benchmark_turns: set[str] = froze
     if not path.is_file():
         raise TuneError(f"tune.validation_data: {path} does not exist; give a JSONL of held-out conversations")
     out: list[Question] = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if len(out) == count:
-                break
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TuneError(f"{where}: not JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise TuneError(f"{where}: expected a JSON object with 'messages'")
-            if "question_id" in row and "turns" in row:
-                raise TuneError(f"{where}: a Spec-Bench question; the validation set must be disjoint from the "
-                                "benchmark (paper App. D)")
-            messages = row.get("messages")
-            if not isinstance(messages, list):
-                raise TuneError(f"{where}: no 'messages' list; expected {{\"messages\": [{{\"role\": \"user\", "
-                                "\"content\": ...}}, {{\"role\": \"assistant\", \"content\": ...}}]}}")
-            users = [_content(m) for m in messages if isinstance(m, dict) and m.get("role") == "user"]
-            answers = [_content(m) for m in messages
-                       if isinstance(m, dict) and m.get("role") in ("assistant", "model")]
-            if not users or users[0] is None:
-                raise TuneError(f"{where}: no user turn with text content")
-            if users[0] in benchmark_turns:
-                raise TuneError(f"{where}: this prompt is a benchmark question; the validation set must be disjoint "
-                                "from the benchmark (paper App. D)")
-            reference = (answers[0],) if answers and answers[0] is not None else None
-            out.append(Question(number, "validation", (users[0],), reference))
+    for where, number, row in iter_jsonl(path, TuneError, limit=count):
+        if not isinstance(row, dict):
+            raise TuneError(f"{where}: expected a JSON object with 'messages'")
+        if "question_id" in row and "turns" in row:
+            raise TuneError(f"{where}: a Spec-Bench question; the validation set must be disjoint from the "
+                            "benchmark (paper App. D)")
+        messages = row.get("messages")
+        if not isinstance(messages, list):
+            raise TuneError(f"{where}: no 'messages' list; expected {{\"messages\": [{{\"role\": \"user\", "
+                            "\"content\": ...}}, {{\"role\": \"assistant\", \"content\": ...}}]}}")
+        users = [_content(m) for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+        answers = [_content(m) for m in messages
+                   if isinstance(m, dict) and m.get("role") in ("assistant", "model")]
+        if not users or users[0] is None:
+            raise TuneError(f"{where}: no user turn with text content")
+        if users[0] in benchmark_turns:
+            raise TuneError(f"{where}: this prompt is a benchmark question; the validation set must be disjoint "
+                            "from the benchmark (paper App. D)")
+        reference = (answers[0],) if answers and answers[0] is not None else None
+        out.append(Question(number, "validation", (users[0],), reference))
     if len(out) < count:
         raise TuneError(f"{path}: {len(out)} conversations, tune.prompts = {count}; lower tune.prompts (or "
                         "--prompts) or give more conversations")
