@@ -14,47 +14,26 @@ output token, prefill included; App. G) and MAT (committed tokens per round, bon
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import numpy as np
 
-from hycoc.bench.datasets import SPEC_BENCH
+from engine_setup import add_engine_args, open_cloud_mtp, run_rounds, setup_engine
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("recipe", type=Path)
-    ap.add_argument("--dataset", type=Path, default=SPEC_BENCH, help="default: %(default)s")
-    ap.add_argument("--limit", type=int, default=10, help="first N two-turn questions (default %(default)s)")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="per turn (default: the recipe's)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the recipe's)")
+    add_engine_args(ap, limit_help="first N two-turn questions", cap_help="per turn (default: the recipe's)")
     args = ap.parse_args(argv)
 
-    import torch
     from rich.console import Console
     from rich.table import Table
 
-    from hycoc.chat import format_prompt, next_user_turn
     from hycoc.bench.datasets import load_spec_bench
-    from hycoc.protocol.messages import Sampling
-    from hycoc.models import load_tokenizer
-    from hycoc.recipe import load_recipe
-    from hycoc.verifier.loading import engine_from_recipe
+    from hycoc.chat import format_prompt, next_user_turn
 
-    recipe = load_recipe(args.recipe)
-    torch.set_num_threads(args.threads or recipe.verifier.threads or torch.get_num_threads())
-    tok = load_tokenizer(recipe.model_path("tokenizer"))
-    engine = engine_from_recipe(recipe, "cpu")
-    s = recipe.sampling
-    sampling = Sampling(s.temperature, s.top_k, s.top_p)
-    cap = args.max_new_tokens or s.max_new_tokens
+    setup = setup_engine(args)
+    tok, engine, cap = setup.tok, setup.engine, setup.cap
     eot = tok.token_to_id("<end_of_turn>")
-
-    def rounds(sess) -> None:
-        seq = 0
-        while not sess.finished:
-            sess.verify(np.array([sess.root], np.int32), np.array([-1], np.int32), seq)
-            seq += 1
 
     table = Table(title=f"two turns, Cloud+MTP on {args.recipe.name}: KV kept across turns vs a cold prefill")
     for col in ("qid", "turn", "prompt", "tokens", "MAT", "prefill ms", "cold prefill ms", "saved ms", "g ms/tok"):
@@ -63,16 +42,15 @@ def main(argv=None) -> None:
     questions = [q for q in load_spec_bench(args.dataset) if len(q.turns) > 1][: args.limit]
     for q in questions:
         ids = np.array(format_prompt(tok, q.turns[0]), dtype=np.int32)
-        sess = engine.open(ids, sampling=sampling, seed=s.seed, acceptance="exact", epsilon=1.0,
-                           draft_place="cloud-mtp", max_new_tokens=cap)
+        sess = open_cloud_mtp(setup, ids)
         prefill_ms, _ = sess.prefill()
-        rounds(sess)
+        run_rounds(sess)
         n1, r1, s1 = len(sess.output), sess.rounds, sum(sess.server_ms)
         turn = next_user_turn(tok, q.turns[1], answer_closed=sess.tokens[-1] == eot)
         append_ms, _ = sess.append(turn, cap)
         conversation = list(sess.tokens)
-        rounds(sess)
-        cold = engine.open(conversation, sampling=sampling, draft_place="cloud-mtp", max_new_tokens=1)
+        run_rounds(sess)
+        cold = engine.open(conversation, sampling=setup.sampling, draft_place="cloud-mtp", max_new_tokens=1)
         cold_ms, _ = cold.prefill()
         cold.close()
         n2, r2, s2 = len(sess.tokens) - len(conversation), sess.rounds - r1, sum(sess.server_ms) - s1
