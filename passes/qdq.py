@@ -519,13 +519,17 @@ class QdqResult:
 def quantize_graph(model_path: str | Path, samples: Sequence[Mapping[str, np.ndarray]], out_dir: str | Path, *,
                    percentile: float, range_scale: float = 1.0,
                    weight_arrays: Mapping[str, tuple[np.ndarray, np.ndarray, int]] | None = None,
-                   report_sqnr: bool = True, htp_rewrites: bool = True) -> QdqResult:
+                   report_sqnr: bool = True, htp_rewrites: bool = True,
+                   encodings: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> QdqResult:
     """Quantize the float graph at ``model_path`` (module docstring) into ``out_dir/model_qdq.onnx``.
 
     samples: calibration input dicts (numpy, by graph input name). weight_arrays: integer weights given as arrays
     (head QAT output), by float initializer name; without them the Cast(int8) -> Mul(scale) patterns are folded.
-    htp_rewrites: rewrite Reciprocal as Div first (`reciprocal_to_div`). Raises CalibrationError (bad samples,
-    e.g. a mask holding -inf) or QdqError (a check failed).
+    htp_rewrites: rewrite Reciprocal as Div first (`reciprocal_to_div`). encodings: activation tensor name ->
+    (scale float32, zero point uint16) scalars to give those tensors instead of calibrated ranges (steps 2-3
+    skipped; another graph's, `hycoc.passes.slm_decode.activation_encodings`); ``samples`` then only feed
+    onnxruntime's calibration run. Raises CalibrationError (bad samples, e.g. a mask holding -inf) or QdqError
+    (a check failed).
     """
     import onnx
     from onnxruntime.quantization import QuantType, quantize
@@ -546,9 +550,13 @@ def quantize_graph(model_path: str | Path, samples: Sequence[Mapping[str, np.nda
                                 external_data_location=float_path.name + ".data"):
         shutil.copy(folded, float_path)  # its external data stays in folded's data file, beside it
     feeds = check_samples(float_path, samples)
-    ranges = activation_ranges(float_path, feeds, percentile=percentile, range_scale=range_scale)
     fmodel = onnx.load(str(float_path), load_external_data=False)
-    overrides = fixed_overrides(fmodel, ranges)
+    if encodings is None:
+        ranges = activation_ranges(float_path, feeds, percentile=percentile, range_scale=range_scale)
+        overrides = fixed_overrides(fmodel, ranges)
+    else:
+        overrides = {name: [{"scale": np.array(s, np.float32), "zero_point": np.array(zp)}]
+                     for name, (s, zp) in encodings.items()}
     overrides.update(weight_overrides(specs))
     config = get_qnn_qdq_config(str(float_path), list_reader(feeds), activation_type=QuantType.QUInt16,
                                 weight_type=QuantType.QInt8, init_overrides=overrides)
