@@ -606,8 +606,8 @@ def slm_calibration_samples(graph, slm, count: int, seed: int = 0) -> list[dict[
         fill = 1 + (i * ring) // max(1, count - 1) if count > 1 else ring   # live columns, 1 .. ring
         live_start = max(0, first - min(fill, ring))
         rings = {}
-        for layer in graph.kv_layers:
-            shape = graph.input_shapes[f"k_ring_{layer}"]
+        for layer in graph.all_kv_layers:                 # the whole chain's rings (any shard: host feeds)
+            shape = graph.host_shapes[f"k_ring_{layer}"]
             rings[layer] = (rng.standard_normal(shape).astype(np.float32),
                             rng.standard_normal(shape).astype(np.float32))
         tokens = rng.integers(0, graph.config.vocab_size, r)

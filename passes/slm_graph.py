@@ -32,6 +32,18 @@ Outputs: ``logits`` (1, R, |keep set|), soft-capped, over the keep set only (the
 to the keep-set rows, §3.3), and ``k_new_i``, ``v_new_i`` (1, KV_i, R, D_T) for each non-shared layer: every row's
 new key (rotated) and value, so the runtime writes the committed rows into the ring (column p mod W_T).
 
+Shards (issue 15: a graph over one context's budget is split by layers, as ExecuTorch and Genie ship E2B-class
+models). ``bounds = (0, b_1, ..., L)`` and ``shard = k`` make the module shard k, layers [b_k, b_{k+1}). Shard 0
+takes the host inputs and projects the per-layer inputs; a later shard takes ``hidden_A`` (1, R, H), the hidden
+state entering its first layer A, and ``per_layer_A_B`` (1, R, B - A, P), its layers' projected per-layer inputs,
+both outputs of earlier shards (shard 0 outputs every later shard's ``per_layer_A_B``, each shard but the last its
+``hidden_B``). Only the last shard has the final norm, the keep-set output layer and the soft-cap (``logits``).
+Each shard takes ``cos_T``/``sin_T``/``mask_T`` for the layer types it has and the rings of its own non-shared
+layers, and outputs their ``k_new_i``/``v_new_i``. A KV-shared layer whose producer p sits in an earlier shard
+takes ``k_ring_p``, ``v_ring_p`` (host) and ``k_new_p``, ``v_new_p`` (p's shard's outputs). Every name is either a
+host feed or an earlier shard's output, so a runtime chains the shards by name (`run_shard_chain`). With
+``bounds=None`` the module is the monolithic graph, unchanged.
+
 KV sharing. transformers' KV-shared layers (``num_kv_shared_layers``) read the keys and values their producer
 layer (the last non-shared layer of the same type, ``kv_sharing_modes == "store"``) attends over -- here ring +
 new rows -- under the same mask; they own no ring.
@@ -198,12 +210,21 @@ class SlmTreeGraph(nn.Module):
     vocabulary, a ring length < 1, or a surgery output that does not fill every parameter of the graph.
     """
 
-    def __init__(self, slm: SlmIntegerModel, keep_ids: Sequence[int], *, rows: int, ring: Mapping[str, int]):
+    def __init__(self, slm: SlmIntegerModel, keep_ids: Sequence[int], *, rows: int, ring: Mapping[str, int],
+                 bounds: Sequence[int] | None = None, shard: int = 0):
         super().__init__()
         from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, Gemma4TextDecoderLayer
 
         config = text_config(slm)
         self.config = config
+        n_layers = config.num_hidden_layers
+        self.bounds = check_bounds(bounds, n_layers)
+        if not 0 <= shard < len(self.bounds) - 1:
+            raise SlmGraphError(f"shard {shard} outside [0, {len(self.bounds) - 1}) for bounds {self.bounds}")
+        self.shard = int(shard)
+        a, b = self.bounds[shard], self.bounds[shard + 1]
+        self.layer_range = (a, b)
+        self.first, self.last = a == 0, b == n_layers
         keep = np.asarray(keep_ids, dtype=np.int64)
         if keep.ndim != 1 or len(keep) == 0 or keep.min() < 0 or keep.max() >= config.vocab_size:
             raise SlmGraphError(f"keep set ids must be a non-empty list in [0, {config.vocab_size})")
@@ -216,17 +237,24 @@ class SlmTreeGraph(nn.Module):
             raise SlmGraphError(f"no ring length for layer types {missing}")
         self.ring = {t: int(ring[t]) for t in self.types}
         modes = config.kv_sharing_modes
-        self.kv_layers = [i for i, m in enumerate(modes) if m != "reuse"]
+        self.kv_layers = [i for i in range(a, b) if modes[i] != "reuse"]
         self.sliding_window = {t: (config.sliding_window if t == SLIDING else None) for t in self.types}
+        # producers in earlier shards whose ring + new KV a shared layer of this shard reads
+        producer = {self.layer_types[i]: i for i, m in enumerate(modes) if m == "store"}
+        self.borrowed = sorted({producer[self.layer_types[i]] for i in range(a, b) if modes[i] == "reuse"}
+                               - set(range(a, b)))
+        self.shard_types = sorted({self.layer_types[i] for i in range(a, b)})
 
         stack = _text_stack_class()()
         stack.config = config
         with torch.device("meta"):
-            stack.layers = nn.ModuleList(Gemma4TextDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-            stack.norm = Gemma4RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            stack.layers = nn.ModuleList(Gemma4TextDecoderLayer(config, i) if a <= i < b else nn.Identity()
+                                         for i in range(n_layers))
+            if self.last:
+                stack.norm = Gemma4RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.ple = int(config.hidden_size_per_layer_input or 0)
         stack.hidden_size_per_layer_input = self.ple
-        if self.ple:
+        if self.ple and self.first:
             with torch.device("meta"):
                 stack.per_layer_projection_norm = Gemma4RMSNorm(self.ple, eps=config.rms_norm_eps)
             stack.per_layer_model_projection = IntegerLinear(slm.weights["model.per_layer_model_projection"])
@@ -240,8 +268,9 @@ class SlmTreeGraph(nn.Module):
                     raise SlmGraphError(f"the surgery output has no integer weight for '{full}'")
                 self.model.set_submodule(name, IntegerLinear(slm.weights[full]))
         for name, value in slm.floats.items():
-            _assign(self, name, value)
-        self.lm_head = IntegerLinear(slm.weights["lm_head"], rows=keep)
+            if self._owns(name):
+                _assign(self, name, value)
+        self.lm_head = IntegerLinear(slm.weights["lm_head"], rows=keep) if self.last else None
         self.softcap = config.final_logit_softcapping
         empty = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t.is_meta]
         if empty:
@@ -249,53 +278,170 @@ class SlmTreeGraph(nn.Module):
         self.eval()
 
         self.input_names, self.input_shapes = [], {}
-        h = config.hidden_size
-        self._add_input("inputs_embeds", (1, self.rows, h))
+        self.output_names, self.output_shapes = [], {}
+        h, r = config.hidden_size, self.rows
+        if self.first:
+            self._add_input("inputs_embeds", (1, r, h))
+            if self.ple:
+                self._add_input("per_layer_inputs", (1, r, n_layers, self.ple))
+        else:
+            self._add_input(f"hidden_{a}", (1, r, h))
+            if self.ple:
+                self._add_input(per_layer_name(a, b), (1, r, b - a, self.ple))
+        for t in self.shard_types:
+            d = config.per_layer_config[self.layer_types.index(t)].head_dim
+            self._add_input(f"cos_{short(t)}", (1, r, d))
+            self._add_input(f"sin_{short(t)}", (1, r, d))
+            self._add_input(f"mask_{short(t)}", (1, 1, r, self.ring[t] + r))
+        if self.last:
+            self._add_output("logits", (1, r, len(keep)))
+        else:
+            self._add_output(f"hidden_{b}", (1, r, h))
+            if self.ple and self.first:
+                for lo, hi in zip(self.bounds[1:-1], self.bounds[2:]):
+                    self._add_output(per_layer_name(lo, hi), (1, r, hi - lo, self.ple))
+        for i in self.kv_layers:
+            for kv in ("k", "v"):
+                self._add_input(f"{kv}_ring_{i}", self._kv_shape(i, self.ring[self.layer_types[i]]))
+            for kv in ("k", "v"):
+                self._add_output(f"{kv}_new_{i}", self._kv_shape(i, r))
+        for p in self.borrowed:
+            for kind, width in (("ring", self.ring[self.layer_types[p]]), ("new", r)):
+                for kv in ("k", "v"):
+                    self._add_input(f"{kv}_{kind}_{p}", self._kv_shape(p, width))
+
+        # the host's feeds of the whole chain: the monolithic graph's inputs (`host_inputs`)
+        self.all_kv_layers = [i for i, m in enumerate(modes) if m != "reuse"]
+        self.host_shapes = {"inputs_embeds": (1, r, h)}
         if self.ple:
-            self._add_input("per_layer_inputs", (1, self.rows, config.num_hidden_layers, self.ple))
+            self.host_shapes["per_layer_inputs"] = (1, r, n_layers, self.ple)
         for t in self.types:
             d = config.per_layer_config[self.layer_types.index(t)].head_dim
-            self._add_input(f"cos_{short(t)}", (1, self.rows, d))
-            self._add_input(f"sin_{short(t)}", (1, self.rows, d))
-            self._add_input(f"mask_{short(t)}", (1, 1, self.rows, self.ring[t] + self.rows))
-        self.output_names = ["logits"]
-        for i in self.kv_layers:
-            t = self.layer_types[i]
-            lc = config.per_layer_config[i]
+            self.host_shapes |= {f"cos_{short(t)}": (1, r, d), f"sin_{short(t)}": (1, r, d),
+                                 f"mask_{short(t)}": (1, 1, r, self.ring[t] + r)}
+        for i in self.all_kv_layers:
             for kv in ("k", "v"):
-                self._add_input(f"{kv}_ring_{i}", (1, lc.num_key_value_heads, self.ring[t], lc.head_dim))
-            self.output_names += [f"k_new_{i}", f"v_new_{i}"]
+                self.host_shapes[f"{kv}_ring_{i}"] = self._kv_shape(i, self.ring[self.layer_types[i]])
+
+    def _kv_shape(self, layer: int, width: int) -> tuple[int, ...]:
+        lc = self.config.per_layer_config[layer]
+        return (1, lc.num_key_value_heads, width, lc.head_dim)
+
+    def _owns(self, name: str) -> bool:
+        """Whether float tensor ``name`` of the surgery output belongs to this shard (all do when unsharded)."""
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
+            return self.layer_range[0] <= int(parts[2]) < self.layer_range[1]
+        if parts[:2] == ["model", "norm"]:
+            return self.last
+        if parts[:2] == ["model", "per_layer_projection_norm"]:
+            return self.first
+        return True
 
     def _add_input(self, name: str, shape: tuple[int, ...]) -> None:
         self.input_names.append(name)
         self.input_shapes[name] = shape
 
+    def _add_output(self, name: str, shape: tuple[int, ...]) -> None:
+        self.output_names.append(name)
+        self.output_shapes[name] = shape
+
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x = dict(zip(self.input_names, inputs, strict=True))
-        h = x["inputs_embeds"]
-        # Gemma's per-layer inputs: the host's LUT rows + a projection of the input embeddings (in the graph).
-        ple = self.model.project_per_layer_inputs(h, x["per_layer_inputs"]) if self.ple else None
+        a, b = self.layer_range
+        if self.first:
+            h = x["inputs_embeds"]
+            # Gemma's per-layer inputs: the host's LUT rows + a projection of the input embeddings (in the graph).
+            ple = self.model.project_per_layer_inputs(h, x["per_layer_inputs"]) if self.ple else None
+            offset = 0
+        else:
+            h = x[f"hidden_{a}"]
+            ple = x[per_layer_name(a, b)] if self.ple else None
+            offset = a
         cache = _RingCache({i: (x[f"k_ring_{i}"], x[f"v_ring_{i}"]) for i in self.kv_layers})
         shared: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # producer layer type -> (ring + new) K, V
-        for i, layer in enumerate(self.model.layers):
+        for p in self.borrowed:                                    # producers in earlier shards
+            shared[self.layer_types[p]] = (torch.cat([x[f"k_ring_{p}"], x[f"k_new_{p}"]], dim=2),
+                                           torch.cat([x[f"v_ring_{p}"], x[f"v_new_{p}"]], dim=2))
+        for i in range(a, b):
             t = short(self.layer_types[i])
-            h = layer(h, ple[:, :, i, :] if ple is not None else None, shared_kv_states=shared,
-                      position_embeddings=(x[f"cos_{t}"], x[f"sin_{t}"]), attention_mask=x[f"mask_{t}"],
-                      cache=cache)
-        h = self.model.norm(h)
-        logits = self.lm_head(h)
-        if self.softcap is not None:  # as Gemma4ForCausalLM.forward
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        outputs = [logits]
+            h = self.model.layers[i](h, ple[:, :, i - offset, :] if ple is not None else None,
+                                     shared_kv_states=shared, position_embeddings=(x[f"cos_{t}"], x[f"sin_{t}"]),
+                                     attention_mask=x[f"mask_{t}"], cache=cache)
+        if self.last:
+            h = self.model.norm(h)
+            logits = self.lm_head(h)
+            if self.softcap is not None:  # as Gemma4ForCausalLM.forward
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+            outputs = [logits]
+        else:
+            outputs = [h]
+            if ple is not None and self.first:
+                outputs += [ple[:, :, lo:hi, :] for lo, hi in zip(self.bounds[1:-1], self.bounds[2:])]
         for i in self.kv_layers:
             outputs += list(cache.new[i])
         return tuple(outputs)
 
 
+def per_layer_name(a: int, b: int) -> str:
+    """Name of the projected per-layer inputs of layers [a, b) passed from shard 0 to the shard holding them."""
+    return f"per_layer_{a}_{b}"
+
+
+def check_bounds(bounds: Sequence[int] | None, layers: int) -> tuple[int, ...]:
+    """``bounds`` (shard k = layers [bounds[k], bounds[k+1])) as a tuple; None -> (0, layers). Raises SlmGraphError
+    unless they start at 0, end at ``layers`` and strictly increase."""
+    if bounds is None:
+        return (0, int(layers))
+    out = tuple(int(x) for x in bounds)
+    if len(out) < 2 or out[0] != 0 or out[-1] != layers or any(x >= y for x, y in zip(out, out[1:])):
+        raise SlmGraphError(f"shard bounds {list(out)} must rise strictly from 0 to the layer count {layers}, "
+                            f"e.g. [0, {layers // 2 or 1}, {layers}]")
+    return out
+
+
+def shard_graphs(slm: SlmIntegerModel, keep_ids: Sequence[int], *, rows: int, ring: Mapping[str, int],
+                 bounds: Sequence[int]) -> list[SlmTreeGraph]:
+    """One `SlmTreeGraph` per shard of ``bounds`` (module docstring, "Shards"), in chain order."""
+    n = len(check_bounds(bounds, text_config(slm).num_hidden_layers)) - 1
+    return [SlmTreeGraph(slm, keep_ids, rows=rows, ring=ring, bounds=bounds, shard=k) for k in range(n)]
+
+
+def chain_feeds(graph, feeds: Mapping[str, Any], produced: Mapping[str, Any]) -> dict[str, Any]:
+    """Inputs of shard ``graph`` by name: each from the host ``feeds`` or, failing that, from the earlier shards'
+    ``produced`` outputs. Raises SlmGraphError naming an input found in neither."""
+    out = {}
+    for name in graph.input_names:
+        if name in feeds:
+            out[name] = feeds[name]
+        elif name in produced:
+            out[name] = produced[name]
+        else:
+            raise SlmGraphError(f"shard {graph.shard}: input {name} is neither a host feed nor an earlier shard's "
+                                f"output")
+    return out
+
+
+def run_shard_chain(shards: Sequence[SlmTreeGraph], feeds: Mapping[str, np.ndarray]
+                    ) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]]:
+    """Run the torch shards in order on the monolithic graph's host ``feeds`` (float32 by name). Returns (every
+    shard's outputs by name, [each shard's input dict]) -- the latter are the per-shard calibration samples."""
+    produced: dict[str, np.ndarray] = {}
+    inputs = []
+    for g in shards:
+        x = chain_feeds(g, feeds, produced)
+        inputs.append(x)
+        with torch.no_grad():
+            outs = g(*[torch.from_numpy(np.ascontiguousarray(x[n], dtype=np.float32)) for n in g.input_names])
+        produced.update({n: o.numpy() for n, o in zip(g.output_names, outs)})
+    return produced, inputs
+
+
 def host_inputs(graph: SlmTreeGraph, slm: SlmIntegerModel, tokens: Sequence[int], parents: Sequence[int],
                 first_position: int, live_start: int,
                 rings: Mapping[int, tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
-    """The graph's inputs for one forward, as the host assembles them (module docstring), by input name.
+    """The graph's inputs for one forward, as the host assembles them (module docstring), by input name: the
+    monolithic graph's inputs (``graph.host_shapes``), also for a shard (the whole chain's host feeds).
 
     tokens, parents: R ids and parent rows. rings: non-shared layer -> (k, v) float32 (1, KV, W_T, D) in the
     column convention. Raises SlmGraphError when R differs from the graph's rows or a ring is missing.
@@ -313,30 +459,36 @@ def host_inputs(graph: SlmTreeGraph, slm: SlmIntegerModel, tokens: Sequence[int]
         out[f"cos_{short(t)}"], out[f"sin_{short(t)}"] = cos[None], sin[None]
         out[f"mask_{short(t)}"] = tree_ring_mask(parents, first_position, live_start, graph.ring[t],
                                                  graph.sliding_window[t])
-    for i in graph.kv_layers:
+    for i in graph.all_kv_layers:
         if i not in rings:
             raise SlmGraphError(f"no ring for layer {i}")
         out[f"k_ring_{i}"], out[f"v_ring_{i}"] = rings[i]
-    for name in graph.input_names:
-        if out[name].shape != graph.input_shapes[name]:
-            raise SlmGraphError(f"input {name} has shape {out[name].shape}, the graph takes {graph.input_shapes[name]}")
-    return {name: np.ascontiguousarray(out[name], dtype=np.float32) for name in graph.input_names}
+    for name, shape in graph.host_shapes.items():
+        if out[name].shape != shape:
+            raise SlmGraphError(f"input {name} has shape {out[name].shape}, the graph takes {shape}")
+    return {name: np.ascontiguousarray(out[name], dtype=np.float32) for name in graph.host_shapes}
 
 
-def example_inputs(graph: SlmTreeGraph, slm: SlmIntegerModel, seed: int = 0) -> list[torch.Tensor]:
-    """Inputs for export and its numeric check: a random tree (a committed chain then branches), random token
-    ids, LUT rows, rotary rows at positions past a full ring, and ring K/V drawn like normed keys/values (RMS 1).
-    Returns torch tensors in ``graph.input_names`` order."""
+def example_feeds(graph: SlmTreeGraph, slm: SlmIntegerModel, seed: int = 0) -> dict[str, np.ndarray]:
+    """Host feeds (`host_inputs`) for export and its numeric check: a random tree (a committed chain then
+    branches), random token ids, LUT rows, rotary rows at positions past a full ring, and ring K/V drawn like
+    normed keys/values (RMS 1). ``graph`` may be any shard: the feeds are the whole chain's."""
     rng = np.random.default_rng(seed)
     r = graph.rows
     parents = [-1] + [int(rng.integers(max(0, j - 3), j)) for j in range(1, r)]
     first_position = max(graph.ring.values()) + 3                   # the ring has wrapped
     rings = {}
-    for i in graph.kv_layers:
-        shape = graph.input_shapes[f"k_ring_{i}"]
+    for i in graph.all_kv_layers:
+        shape = graph.host_shapes[f"k_ring_{i}"]
         rings[i] = (rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32))
     tokens = rng.integers(0, graph.config.vocab_size, r)
-    feeds = host_inputs(graph, slm, tokens, parents, first_position, 0, rings)
+    return host_inputs(graph, slm, tokens, parents, first_position, 0, rings)
+
+
+def example_inputs(graph: SlmTreeGraph, slm: SlmIntegerModel, seed: int = 0) -> list[torch.Tensor]:
+    """Inputs for export and its numeric check (`example_feeds`) as torch tensors in ``graph.input_names`` order;
+    the monolithic graph only (a shard's inputs come from `run_shard_chain`)."""
+    feeds = example_feeds(graph, slm, seed)
     return [torch.from_numpy(feeds[n]) for n in graph.input_names]
 
 
@@ -345,13 +497,14 @@ def export_slm_graph(module: SlmTreeGraph, example: Sequence[torch.Tensor], path
     """Export the tree graph at its static shapes to ``path`` (external data beside it), check it, rewrite its
     RMSNorms (`hycoc.passes.rmsnorm_decomposition`) and compare onnxruntime's CPU EP with torch on ``example``.
 
-    Returns (onnx_ir.Model, `ExportReport` with max errors per output and top-1 agreement of the logits).
+    Returns (onnx_ir.Model, `ExportReport` with max errors per output and top-1 agreement of the logits, None for a
+    shard without them).
     Raises ExportError (export, checker, onnxruntime) or RmsNormDecompositionError.
     """
     model, report = export_static(module, example, path, input_names=module.input_names,
                                   output_names=module.output_names, decompose_rms_norm=decompose_rms_norm)
     compare_with_torch(path, module, example, input_names=module.input_names, output_names=module.output_names,
-                       report=report)
+                       logits="logits" if "logits" in module.output_names else None, report=report)
     return model, report
 
 
