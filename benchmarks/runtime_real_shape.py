@@ -35,7 +35,8 @@ Host time is split by step, as exclusive time of the runtime functions that do e
 minus that of the timed functions it calls):
 
     ingest       MtpDrafter.ingest (dequantize + validate the hand-off, ring column writes)
-    masks        hycoc.host.ring_masks (head), tree_ring_mask (SLM)
+    masks        hycoc.host.ring_masks (head), TreeRingMask.update (SLM; tree_ring_mask before issue 16's
+                 in-place masks)
     rotary+LUT   RotaryTable.rows, EmbeddingLut.lookup, SlmDrafter.feeds / MtpDrafter.feeds assembly
     ring writes  SlmDrafter._write
     top-k        the head's top-2, the SLM rows' candidates (read from the graph, or log-softmax + 32 best of the
@@ -121,7 +122,7 @@ def instrument(timer: StepTimer) -> None:
     """Wrap the runtime's functions by step (module docstring). Module-level names are wrapped where they are
     looked up (the drafter modules import them by name)."""
     from hycoc import host
-    from hycoc.runtime import graphs, mtp_drafter, slm_drafter, tree_builder
+    from hycoc.runtime import graphs, mtp_drafter, slm_drafter, tree_builder, tree_mask
 
     timer.wrap(mtp_drafter.MtpDrafter, "ingest", "ingest")
     timer.wrap(mtp_drafter.MtpDrafter, "feeds", "rotary+LUT")
@@ -137,6 +138,7 @@ def instrument(timer: StepTimer) -> None:
         for name in names:
             if hasattr(module, name):
                 timer.wrap(module, name, "masks")
+    timer.wrap(tree_mask.TreeRingMask, "update", "masks")
     for module, name in ((mtp_drafter, "top2"), (slm_drafter, "logits_candidates"),
                          (slm_drafter, "graph_candidates"), (tree_builder, "logq_candidates")):
         if hasattr(module, name):

@@ -32,8 +32,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hycoc.host import ancestor_matrix, tree_depths, tree_ring_mask
+from hycoc.host import ancestor_matrix, tree_depths
 from hycoc.runtime.candidates import Candidates, graph_candidates, logits_candidates
+from hycoc.runtime.tree_mask import TreeRingMask
 from hycoc.runtime.tree_builder import DraftTreeNodes
 
 
@@ -65,6 +66,10 @@ class SlmDrafter:
         self.ring_len = {}
         for t in self.types:
             self.ring_len[t] = runner.shape(f"mask_{_short(t)}")[-1] - self.rows
+        # each type's mask in one buffer, updated in place per forward (`TreeRingMask`: nothing per forward grows
+        # with W)
+        self.masks = {t: TreeRingMask(self.rows, self.ring_len[t],
+                                      self.sliding_window if t == "sliding_attention" else None) for t in self.types}
         self.rings = {i: (np.zeros(runner.shape(f"k_ring_{i}"), np.float32),
                           np.zeros(runner.shape(f"v_ring_{i}"), np.float32)) for i in self.kv_layers}
         self.window = max(self.ring_len.values())
@@ -93,6 +98,8 @@ class SlmDrafter:
         for k, v in self.rings.values():
             k[:] = 0
             v[:] = 0
+        for mask in self.masks.values():
+            mask.reset()
         self._new_round()
 
     def prefill(self, reserve: int = 8) -> int:
@@ -115,7 +122,8 @@ class SlmDrafter:
     # ---- one forward -------------------------------------------------------------------------------------------
 
     def feeds(self, tokens: Sequence[int], parents: Sequence[int], first_position: int) -> dict[str, np.ndarray]:
-        """The graph's inputs for R rows at ``first_position`` (`hycoc.passes.slm_graph.host_inputs`'s rules)."""
+        """The graph's inputs for R rows at ``first_position`` (`hycoc.passes.slm_graph.host_inputs`'s rules). The
+        masks and rings are the drafter's own buffers (updated in place: valid until the next forward)."""
         tokens = np.asarray(tokens, np.int64)
         depths = tree_depths(parents)
         ancestors = ancestor_matrix(parents)
@@ -131,9 +139,8 @@ class SlmDrafter:
         for t in self.types:
             cos, sin = b.slm_rotary[t].rows(at)
             out[f"cos_{_short(t)}"], out[f"sin_{_short(t)}"] = cos[where][None], sin[where][None]
-            sw = self.sliding_window if t == "sliding_attention" else None
-            out[f"mask_{_short(t)}"] = tree_ring_mask(parents, first_position, self.live_start, self.ring_len[t], sw,
-                                                      depths=depths, ancestors=ancestors)
+            out[f"mask_{_short(t)}"] = self.masks[t].update(parents, first_position, self.live_start,
+                                                            depths=depths, ancestors=ancestors)
         for i in self.kv_layers:
             out[f"k_ring_{i}"], out[f"v_ring_{i}"] = self.rings[i]
         return out
