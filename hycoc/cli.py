@@ -16,6 +16,27 @@ from typing import Optional
 
 import typer
 
+
+def _flags_show_no_type() -> None:
+    """typer 0.29 prints a ``<bool>`` type after every flag in --help (``--help`` itself included), as if a flag took a
+    value; a ``--x/--no-x`` pair gets it too. Print nothing there, as click's plain help does, by wrapping
+    ``typer.core.TyperOption.display_type_rich`` (the type column of typer's rich help). Feature-detected: a typer
+    without that method is left alone; options with their own metavar keep it."""
+    from typer.core import TyperOption
+
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "hycoc_flags_untyped", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag and self.metavar is None else shown(self, ctx)
+
+    display_type_rich.hycoc_flags_untyped = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_show_no_type()
+
 app = typer.Typer(
     name="hycoc",
     help="HyCo hybrid drafting: compile drafters into bundles, run the device runtime, serve the verifier.",
@@ -112,6 +133,18 @@ def _auth_token(command: str, ctx: typer.Context, token: str | None, token_file:
 def _fail(command: str, message: str, code: int = 1) -> typer.Exit:
     typer.echo(f"hycoc {command}: {message}", err=True)
     return typer.Exit(code)
+
+
+def _port_error(host: str, port: int, e: OSError, busy_hint: str) -> str:
+    """One line for an address a server cannot bind (`hycoc.verifier.server.check_port`): the port and
+    ``busy_hint`` when it is taken, else the address and what to give instead."""
+    import errno
+
+    if e.errno == errno.EADDRINUSE:
+        return (f"cannot listen on {host}:{port}: {e.strerror} ({busy_hint}): pass --port N, or --port 0 for any free "
+                "port")
+    return (f"cannot listen on {host}:{port}: {e.strerror or e}: pass --host with an address of this machine "
+            "(127.0.0.1, or 0.0.0.0 for every interface)")
 
 
 def _bundle_backend(bundle: Path, backend) -> str:
@@ -412,8 +445,8 @@ def verify_server(
         raise _fail("verify-server", f"--batching {batching!r}: allowed: batched, serial", code=2)
     from hycoc.models import ModelNotFoundError
     from hycoc.recipe import RecipeError
-    from hycoc.verifier.loading import DeviceUnavailable, engine_from_recipe, server_options
-    from hycoc.verifier.server import serve
+    from hycoc.verifier.loading import DeviceUnavailable, check_device, engine_from_recipe, model_dir, server_options
+    from hycoc.verifier.server import check_port, serve
 
     ids = None
     if keep_set is not None:
@@ -427,6 +460,18 @@ def verify_server(
         if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) == 0:
             raise _fail("verify-server", f"--keep-set {keep_set}: expected a non-empty 1-D array of int token ids, "
                         f"got shape {ids.shape} dtype {ids.dtype}")
+    try:  # the cheap checks of what loading needs, then the port: each named at once, before a ~12 s load
+        check_device(device.value if device is not None else cfg.verifier.device)
+        for role in ("verifier", "head", "tokenizer"):
+            model_dir(cfg, role)
+    except (ModelNotFoundError, DeviceUnavailable) as e:
+        raise _fail("verify-server", str(e)) from None
+    host = host or cfg.verifier.host
+    port = cfg.verifier.port if port is None else port
+    try:
+        check_port(host, port)
+    except OSError as e:
+        raise _fail("verify-server", _port_error(host, port, e, "another server on this port?")) from None
     from hycoc.models import set_threads
 
     set_threads(cfg.verifier.threads)
@@ -442,8 +487,6 @@ def verify_server(
     if ids is not None and int(ids.max()) >= engine.vocab_size:
         raise _fail("verify-server", f"--keep-set {keep_set}: token id {int(ids.max())} is outside the verifier's "
                     f"vocabulary of {engine.vocab_size}: was the keep set built for another tokenizer?")
-    host = host or cfg.verifier.host
-    port = cfg.verifier.port if port is None else port
 
     def listening(url: str) -> None:
         typer.echo(f"hycoc verify-server: listening on {url} (model {cfg.models.verifier}, "
@@ -471,8 +514,9 @@ def serve_ray(
                                  "verifier.threads CPUs, or 1 GPU with --device cuda, from Ray)"),
     host: Optional[str] = typer.Option(None, help="listen address of Ray Serve's proxy (default: the recipe's "
                                        "verifier.host, 127.0.0.1)", show_default=False),
-    port: Optional[int] = typer.Option(None, min=1, max=65535, help="TCP port of the proxy (default: the recipe's "
-                                       "verifier.port, 8765)", show_default=False),
+    port: Optional[int] = typer.Option(None, min=0, max=65535, help="TCP port of the proxy; 0 = any free port, "
+                                       "named in the printed URL (default: the recipe's verifier.port, 8765)",
+                                       show_default=False),
     device: Optional[Device] = typer.Option(None, help="torch device of every replica (default: the recipe's "
                                             "verifier.device)", show_default=False),
     auth_token: Optional[str] = typer.Option(
@@ -486,6 +530,9 @@ def serve_ray(
     ray_address: Optional[str] = typer.Option(
         None, help="Ray cluster to join ('auto': the one `ray start` began on this node; ray://HOST:10001); "
         "default: start a local Ray instance with one CPU per replica thread", show_default=False),
+    log_level: str = typer.Option(
+        "WARNING", metavar="DEBUG|INFO|WARNING|ERROR", help="least level of Ray's own log lines on stderr (INFO adds "
+        "Serve's per-request access log); Ray's full logs stay under /tmp/ray/session_latest/logs"),
 ) -> None:
     """Serve the verifier as a Ray Serve deployment: N replicas behind one WebSocket endpoint.
 
@@ -493,7 +540,8 @@ def serve_ray(
     that accepted it; new sessions go to the less loaded replica; /healthz and /metrics cover every replica (samples
     labelled replica="ID"). Server limits apply per replica. Needs the serve extra: pip install -e '.\\[serve]'.
 
-    Prints one line with the URL once every replica is up; stops on Ctrl-C or SIGTERM.
+    Prints one line with the URL once every replica is up (stdout has hycoc's lines only; Ray's go to stderr);
+    stops on Ctrl-C or SIGTERM.
     """
     import importlib.util
 
@@ -504,7 +552,13 @@ def serve_ray(
     auth_token = _auth_token("serve-ray", ctx, auth_token, auth_token_file)
     from hycoc.models import ModelNotFoundError
     from hycoc.verifier.loading import DeviceUnavailable, check_device, model_dir, server_options
-    from hycoc.verifier.ray_serve import RecipeEngine, build_app, check_keep_set, replica_cpus, run
+    from hycoc.verifier.ray_serve import RecipeEngine, build_app, check_keep_set, check_log_level, replica_cpus, run
+    from hycoc.verifier.server import check_port
+
+    try:
+        log_level = check_log_level(log_level)
+    except ValueError as e:
+        raise _fail("serve-ray", str(e), code=2) from None
 
     dev = device.value if device is not None else cfg.verifier.device
     try:  # what each replica will load, checked here once (a replica that fails is retried by Ray)
@@ -517,30 +571,28 @@ def serve_ray(
         raise _fail("serve-ray", str(e)) from None
     host = host or cfg.verifier.host
     port = cfg.verifier.port if port is None else port
-    import socket
-
-    with socket.socket() as probe:  # before Ray starts: a busy port would fail only after ~20 s, in a Ray traceback
-        try:
-            probe.bind((host, port))
-        except OSError as e:
-            raise _fail("serve-ray", f"cannot listen on {host}:{port}: {e.strerror} (a verify-server on the "
-                        "default port?): pass --port N") from None
+    try:  # before Ray starts: a busy port would fail only after ~20 s, in a Ray traceback
+        port = check_port(host, port, reuse_address=False)  # port 0: the free port picked here, given to Ray
+    except OSError as e:
+        raise _fail("serve-ray", _port_error(host, port, e, "a verify-server on the default port?")) from None
     options = server_options(cfg) | {"auth_token": auth_token}
     app = build_app(RecipeEngine(str(recipe.resolve()), dev, None if keep_set is None else str(keep_set.resolve())),
                     replicas=replicas, server_kwargs=options, cpus_per_replica=replica_cpus(cfg.verifier.threads),
-                    gpus_per_replica=1 if dev == "cuda" else 0)
+                    gpus_per_replica=1 if dev == "cuda" else 0, log_level=log_level)
     typer.echo(f"hycoc serve-ray: starting Ray and {replicas} replica(s) of {cfg.models.verifier} "
                "(each loads the verifier; about half a minute)", err=True)
 
+    out = sys.stdout  # run() sends Ray's console output to stderr by making sys.stdout stderr while Ray runs
+
     def listening(url: str) -> None:
         typer.echo(f"hycoc serve-ray: listening on {url} ({replicas} replicas of {cfg.models.verifier}, {dev}, "
-                   f"health {url.replace('ws://', 'http://', 1)}/healthz)")
-        sys.stdout.flush()
+                   f"health {url.replace('ws://', 'http://', 1)}/healthz)", file=out)
+        out.flush()
 
     try:
         run(app, host, port, ray_address=ray_address,
             num_cpus=None if ray_address else replicas * replica_cpus(cfg.verifier.threads),
-            on_listening=listening)
+            log_level=log_level, on_listening=listening)
     except RuntimeError as e:  # a deployment that failed: Serve's message carries the replica's traceback
         raise _fail("serve-ray", f"the deployment failed: {e}") from None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -24,6 +25,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install -e '.[serve]' (ray[serve])")
 ray_serve = pytest.importorskip("hycoc.verifier.ray_serve")
 
+from websockets.exceptions import ConnectionClosed  # noqa: E402
 from websockets.sync.client import connect  # noqa: E402
 
 from hycoc.protocol import wire  # noqa: E402
@@ -35,6 +37,7 @@ from hycoc.verifier.server import ServerLimits  # noqa: E402
 TESTS = Path(__file__).resolve().parent
 SCALES = (0.1, 0.1, 0.05, 0.05, 0.05, 0.05)
 ROWS = 7
+HANDSHAKE_S = 2.0
 TOKEN = "s3cret"  # clients send it as 'Authorization: Bearer', so the test also sees the proxy forward the header
 
 
@@ -110,6 +113,12 @@ def metric(text: str, name: str, replica: str, labels: str = "") -> float:
     return float(values[0])
 
 
+def errors(text: str, kind: str, replicas) -> float:
+    """hycoc_errors_total{kind} summed over the replicas (a replica without that error has no sample)."""
+    return sum(metric(text, "hycoc_errors_total", r, f'kind="{kind}"') for r in replicas
+               if f'hycoc_errors_total{{replica="{r}",kind="{kind}"}}' in text)
+
+
 def test_merge_expositions_labels_every_sample_with_its_replica():
     a = "# HELP x_total rounds\n# TYPE x_total counter\nx_total 3\n# HELP e_total errors\n# TYPE e_total counter\n" \
         'e_total{kind="bad_root"} 2\n'
@@ -142,19 +151,68 @@ def deployment():
     """Two replicas of TinyEngine on a fresh local Ray instance; yields (ws url, http url)."""
     os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    context = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         port = free_port()
-        app = ray_serve.build_app(TinyEngine(), replicas=2, cpus_per_replica=1, server_kwargs={
-            "tree_rows": ROWS, "model_name": "tiny", "auth_token": TOKEN, "limits": ServerLimits(max_sessions=8)})
-        url = ray_serve.start(app, "127.0.0.1", port)
-        yield url, f"http://127.0.0.1:{port}"
+        # INFO: the proxy writes an access-log line when a session ends (test_a_normal_session_end_logs_no_error).
+        app = ray_serve.build_app(TinyEngine(), replicas=2, cpus_per_replica=1, log_level="INFO", server_kwargs={
+            "tree_rows": ROWS, "model_name": "tiny", "auth_token": TOKEN,
+            "limits": ServerLimits(max_sessions=8, handshake_timeout_s=HANDSHAKE_S)})
+        url = ray_serve.start(app, "127.0.0.1", port, log_level="INFO")
+        yield url, f"http://127.0.0.1:{port}", Path(context.address_info["session_dir"]) / "logs" / "serve"
     finally:
         ray.shutdown()
 
 
+def proxy_log(logs: Path) -> list[str]:
+    return [line for f in sorted(logs.glob("proxy_*.log")) for line in f.read_text(errors="replace").splitlines()]
+
+
+def test_a_normal_session_end_logs_no_error(deployment):
+    """A session that ends as hycoc's client ends it (CLOSE, then the WebSocket's close at once) makes the proxy log
+    its access line and nothing at ERROR (the replica used to send its own close after the client's, which Ray's
+    proxy logged as an ERROR with a GeneratorExit traceback)."""
+    url, http, logs = deployment
+    sys.path.insert(0, str(TESTS))
+    reference = TinyEngine()()
+    before = sum(" WS / " in line for line in proxy_log(logs))
+    for i in range(3):
+        pair = Pair(url, reference, i)
+        pair.step()
+        pair.client.close()
+    deadline = time.monotonic() + 20
+    while sum(" WS / " in line for line in (lines := proxy_log(logs))) < before + 3 and not any(
+            " ERROR " in line for line in lines):
+        assert time.monotonic() < deadline, "the proxy logged no access line for a session:\n" + "\n".join(lines)
+        time.sleep(0.2)
+    assert [line for line in lines if " ERROR " in line or "Traceback" in line] == []
+    assert sum(re.search(r" WS / 1000 [0-9.]+ms", line) is not None for line in lines) >= before + 3
+
+
+def test_handshake_timeout_behind_ray_runs_until_an_open_and_the_api_docs_are_off(deployment):
+    url, http, _ = deployment
+    # A text message is answered and does not end the handshake: HANDSHAKE_S after the accept, the replica closes.
+    with connect(url, compression=None) as raw:
+        t0 = time.monotonic()
+        raw.send("hello")
+        assert wire.decode(raw.recv(timeout=30)).code == "unexpected_message"
+        error = wire.decode(raw.recv(timeout=30))
+        took = time.monotonic() - t0
+        assert isinstance(error, ErrorReply) and error.code == "handshake_timeout", error
+        assert error.message == f"no OPEN within handshake_timeout_s = {HANDSHAKE_S:g} s of connecting"
+        with pytest.raises(ConnectionClosed) as closed:
+            raw.recv(timeout=30)
+        assert closed.value.rcvd.code == 1008
+    assert HANDSHAKE_S - 0.5 < took < HANDSHAKE_S + 5
+    health = json.loads(http_get(http + "/healthz")[1])
+    assert health["limits"]["handshake_timeout_s"] == HANDSHAKE_S
+    assert list(health["limits_not_applied"]) == ["frame_timeout_s"]
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert http_get(http + path)[0] == 404, path
+
+
 def test_sessions_spread_stay_and_survive_a_replica_death(deployment):
-    url, http = deployment
+    url, http, _ = deployment
     sys.path.insert(0, str(TESTS))
     reference = TinyEngine()()
 
@@ -165,6 +223,8 @@ def test_sessions_spread_stay_and_survive_a_replica_death(deployment):
     assert health["auth"] is True
     pids = {r["replica"]: r["pid"] for r in health["replicas"]}
     assert len(set(pids.values())) == 2 and os.getpid() not in pids.values()
+    before = http_get(http + "/metrics")[1]  # the module's earlier tests ran rounds too
+    rounds = {r: metric(before, "hycoc_rounds_total", r) for r in pids}
 
     # Four sessions opened one after another: the proxy sends each to the replica with fewer ongoing requests (a
     # WebSocket is one until it closes), so both replicas get sessions.
@@ -178,7 +238,7 @@ def test_sessions_spread_stay_and_survive_a_replica_death(deployment):
     metrics = http_get(http + "/metrics")[1]
     for r in pids:
         assert metric(metrics, "hycoc_sessions_active", r) == spread[r]
-        assert metric(metrics, "hycoc_rounds_total", r) == 2 * spread[r]
+        assert metric(metrics, "hycoc_rounds_total", r) == rounds[r] + 2 * spread[r]
     assert 'hycoc_replicas{state="up"} 2' in metrics
 
     # A text message gets the server's ERROR frame (the replica's own loop); a wrong token is refused (the proxy
@@ -191,8 +251,7 @@ def test_sessions_spread_stay_and_survive_a_replica_death(deployment):
         VerifierClient(url, auth_token="wrong", timeout_s=30).open(request(0))
     metrics = http_get(http + "/metrics")[1]
     for kind in ("unexpected_message", "auth_refused"):  # each counted once, by the replica that answered it
-        assert sum(metric(metrics, "hycoc_errors_total", r, f'kind="{kind}"') for r in pids
-                   if f'hycoc_errors_total{{replica="{r}",kind="{kind}"}}' in metrics) == 1
+        assert errors(metrics, kind, pids) == errors(before, kind, pids) + 1
 
     # Kill one replica's process: exactly its sessions end, each with ConnectionDropped naming the code and what to
     # do; the other replica's sessions go on.
@@ -238,4 +297,21 @@ def test_serve_ray_refuses_a_busy_port_before_starting_ray():
         result = CliRunner().invoke(app, ["serve-ray", str(recipe), "--replicas", "1", "--port", str(port)])
     assert result.exit_code == 1
     assert result.stderr.strip() == (f"hycoc serve-ray: cannot listen on 127.0.0.1:{port}: Address already in use "
-                                     "(a verify-server on the default port?): pass --port N")
+                                     "(a verify-server on the default port?): pass --port N, or --port 0 for any "
+                                     "free port")
+
+
+def test_serve_ray_log_levels():
+    """Ray's logs at WARNING by default, without the per-request access log; INFO adds it; a bad level is named."""
+    from hycoc.cli import app
+    from typer.testing import CliRunner
+
+    assert ray_serve.serve_logging().model_dump(include={"log_level", "enable_access_log"}) == {
+        "log_level": "WARNING", "enable_access_log": False}
+    assert ray_serve.serve_logging("info").model_dump(include={"log_level", "enable_access_log"}) == {
+        "log_level": "INFO", "enable_access_log": True}
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"
+    result = CliRunner().invoke(app, ["serve-ray", str(recipe), "--log-level", "LOUD"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "hycoc serve-ray: --log-level LOUD: one of DEBUG, INFO, WARNING, ERROR (Ray's " \
+                                    "logs; default WARNING)"

@@ -9,11 +9,14 @@ proxy's port (Ray Serve docs, "Set Up FastAPI and HTTP": WebSockets):
     GET /metrics        Prometheus text: every replica's series, each sample labelled ``replica="ID"``, plus
                         ``hycoc_replicas{state=...}``
 
+No /docs, /redoc or /openapi.json (FastAPI's defaults): the wire protocol is binary frames, which OpenAPI does not
+describe.
+
 Placement. Each replica loads its own engine (``engine_factory()``; for a recipe `RecipeEngine`, which calls the
 same `hycoc.verifier.loading.engine_from_recipe` as ``hycoc verify-server``) and wraps it in a
-`hycoc.verifier.server.VerifierServer` (its worker thread and, batched, its scheduler; the replica feeds it the
-WebSocket's frames through its transport-independent ``_frame``; the loopback port its ``start`` also opens is
-unused).
+`hycoc.verifier.server.VerifierServer` started without a listener (``start_engine``: its worker thread and,
+batched, its scheduler); each accepted WebSocket goes through ``VerifierServer.serve_connection``, the session
+loop ``hycoc verify-server`` runs too.
 A WebSocket is one ASGI call held by the replica that accepted it, so a session stays on its replica for its
 lifetime (its KV lives there). Ray's proxy picks the replica when the connection arrives: the default request
 router ("power of two choices", ``ray/serve/_private/request_router/pow_2_router.py``) samples two replicas and
@@ -29,11 +32,22 @@ Limits. Every `ServerLimits` value applies per replica, as in one ``hycoc verify
 (the TCP connection belongs to Ray's proxy, not to the replica):
     max_connections       the deployment's ``max_ongoing_requests`` (+ HEALTH_HEADROOM for /healthz and
                           /metrics): connections above it wait in the proxy's queue for a replica with room
-    handshake_timeout_s   accept -> first frame (the replica cannot see a TCP connection before its upgrade)
-    frame_timeout_s       not applied: the proxy's uvicorn assembles frames (its ws_ping_interval/timeout drop
-                          dead peers)
+    handshake_timeout_s   accept -> an OPEN frame (the replica cannot see a TCP connection before its upgrade)
+    frame_timeout_s       not applied (/healthz lists it under limits_not_applied; its refusal counter stays 0): the
+                          proxy's uvicorn assembles each WebSocket message before Ray forwards it, so a replica
+                          never sees a frame in progress, and neither Ray Serve 2.60's http_options nor uvicorn
+                          have a per-message timeout. A trickled frame is cut by handshake_timeout_s before the
+                          OPEN and by idle_timeout_s after it (no complete frame for that long); uvicorn buffers
+                          at most its ws_max_size (16 MiB) per message, and its pings (20 s) drop dead peers.
     auth_failures_per_minute  per peer address as the proxy reports it, per replica
     idle_timeout_s, max_sessions, max_kv_bytes, max_frame_bytes, auth: exactly as the single server.
+
+Logs. Ray's own lines (driver, controller, proxies, replicas) reach the console on stderr, at WARNING and above by
+default (``run``'s ``log_level``, ``hycoc serve-ray --log-level``; Serve's per-request access log at INFO and
+below); every Ray process keeps its full log under Ray's session directory (/tmp/ray/session_latest/logs, Serve's
+in logs/serve/). stdout carries hycoc's lines only. A session that ends normally logs nothing at ERROR: after a
+CLOSE frame the replica lets the client close the WebSocket (`CLOSE_WAIT_S`) instead of racing it with its own
+close, which Ray 2.60's proxy logs as an ERROR with a GeneratorExit traceback.
 
 A replica's death. Its sessions end: the proxy closes their sockets without a close frame (WebSocket code 1006;
 the device client says the session is lost and to open a new one); the other replicas' sessions go on; new
@@ -46,10 +60,12 @@ for ``hycoc serve-ray``), `merge_expositions` and `health_summary` (what /metric
 # No ``from __future__ import annotations``: FastAPI reads the route handlers' annotations (``websocket: WebSocket``)
 # at decoration time, and Serve's ingress rebinds the methods where postponed (string) annotations do not resolve.
 import asyncio
-import json
+import contextlib
+import logging
 import os
 import re
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -59,8 +75,7 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from starlette.websockets import WebSocketDisconnect
 
-from .server import (METRICS_CONTENT_TYPE, HandshakeTimeout, IdleTimeout, ServerLimits, UnexpectedMessage,
-                     VerifierServer, _bearer, _Connection)
+from .server import METRICS_CONTENT_TYPE, Connection, ServerLimits, VerifierServer, bearer_token
 
 
 #: The Serve application and deployment names (``serve status`` shows them).
@@ -70,8 +85,13 @@ DEPLOYMENT_NAME = "HycocVerifier"
 HEALTH_HEADROOM = 4
 #: Seconds /healthz and /metrics wait for every replica's snapshot.
 SNAPSHOT_TIMEOUT_S = 5.0
-#: WebSocket close codes (RFC 6455 section 7.4.1): normal, policy violation.
-WS_NORMAL, WS_POLICY = 1000, 1008
+#: WebSocket close code (RFC 6455 section 7.4.1): normal closure.
+WS_NORMAL = 1000
+#: Seconds a replica waits, after a CLOSE frame, for the client to close the WebSocket before closing it itself.
+CLOSE_WAIT_S = 2.0
+#: Levels of `LOG_LEVELS` for Ray's own logs (driver, controller, proxy, replicas); hycoc's default: WARNING.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+DEFAULT_LOG_LEVEL = "WARNING"
 
 
 # --------------------------------------------------------------------------------------------------- engines
@@ -199,7 +219,52 @@ def health_summary(snapshots: list[dict | BaseException], static: dict) -> tuple
 # --------------------------------------------------------------------------------------------------- replica
 
 
-ingress = FastAPI(title="hycoc verifier (Ray Serve)")
+# No /docs, /redoc or /openapi.json: the wire protocol is binary WebSocket frames, which OpenAPI does not describe,
+# and /healthz and /metrics are the ones of ``hycoc verify-server`` (FastAPI docs, "Metadata and Docs URLs").
+ingress = FastAPI(title="hycoc verifier (Ray Serve)", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+class _StarletteChannel:
+    """`hycoc.verifier.server.Channel` over the replica's Starlette WebSocket (messages forwarded by Ray's proxy).
+
+    close(1000) after a CLOSE frame first waits up to CLOSE_WAIT_S for the client to close: hycoc's client closes
+    right after sending CLOSE, and a close sent after the client's reaches the proxy's uvicorn as a send on a
+    disconnected socket, which Ray's proxy logs at ERROR with a GeneratorExit traceback (Ray 2.60,
+    ``proxy.py`` ``send_request_to_replica``)."""
+
+    def __init__(self, websocket: WebSocket):
+        self.ws = websocket
+
+    async def receive(self, timeout: float | None) -> bytes | str | None:
+        try:
+            msg = await asyncio.wait_for(self.ws.receive(), timeout)
+        except (WebSocketDisconnect, RuntimeError, ConnectionError):
+            return None
+        if msg["type"] == "websocket.disconnect":
+            return None
+        if msg.get("bytes") is not None:
+            return msg["bytes"]
+        return msg.get("text") or ""
+
+    async def send(self, frame: bytes) -> None:
+        try:
+            await self.ws.send_bytes(frame)
+        except (WebSocketDisconnect, RuntimeError) as e:
+            raise ConnectionError(f"the client left: {e}") from e
+
+    async def close(self, code: int) -> None:
+        if code == WS_NORMAL:
+            deadline = time.monotonic() + CLOSE_WAIT_S
+            try:
+                while (await self.receive(max(0.0, deadline - time.monotonic()))) is not None:
+                    pass  # frames after CLOSE are ignored
+                return  # the client closed: nothing more to send
+            except asyncio.TimeoutError:
+                pass
+        try:
+            await self.ws.close(code=code)
+        except (WebSocketDisconnect, RuntimeError, ConnectionError):
+            pass
 
 
 @serve.deployment(name=DEPLOYMENT_NAME)
@@ -214,9 +279,8 @@ class VerifierReplica:
 
     async def __init__(self, engine_factory: Callable[[], Any], server_kwargs: dict):
         self.server = VerifierServer(engine_factory(), **server_kwargs)
-        # start() gives the server its engine worker (and, batched, its scheduler) on this replica's event loop; it
-        # also listens on a loopback port of its own, which nothing uses (a transport-free start is not public yet).
-        await self.server.start("127.0.0.1", 0)
+        # The engine's worker (and, batched, its scheduler) on this replica's event loop; the sockets are Ray's.
+        await self.server.start_engine()
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.app_name = context.app_name
@@ -227,68 +291,19 @@ class VerifierReplica:
         self._peers = None
 
     async def __del__(self) -> None:
-        """Graceful replica shutdown (Ray awaits it): stop the server's loopback listener, worker and scheduler."""
+        """Graceful replica shutdown (Ray awaits it): stop the server's worker and scheduler."""
         await self.server.stop()
 
     # ----------------------------------------------------------------------------------------- sessions
 
     @ingress.websocket("/")
     async def session(self, websocket: WebSocket) -> None:
-        """One session: the frames of one WebSocket through `VerifierServer` (server.py's ``_websocket`` loop with
-        the replica's limits: see the module docstring)."""
-        server, limits = self.server, self.server.limits
+        """One session: the WebSocket's frames through `VerifierServer.serve_connection` (the same loop as
+        ``hycoc verify-server``; its handshake timeout runs from the accept: see the module docstring "Limits")."""
         await websocket.accept()
         peer = websocket.client.host if websocket.client is not None else ""
-        conn = _Connection(header_token=_bearer(websocket.headers), peer=peer)
-        first_frame = True
-        try:
-            while True:
-                if conn.session is not None:
-                    timeout = limits.idle_timeout_s
-                elif first_frame:
-                    timeout = limits.handshake_timeout_s
-                else:
-                    timeout = None
-                try:
-                    msg = await asyncio.wait_for(websocket.receive(), timeout)
-                except asyncio.TimeoutError:
-                    await self._time_out(websocket, conn, first_frame)
-                    break
-                if msg["type"] == "websocket.disconnect":
-                    break
-                first_frame = False
-                if msg.get("bytes") is not None:
-                    reply, keep_open = await server._frame(conn, msg["bytes"])
-                else:
-                    reply, keep_open = server._error(UnexpectedMessage(
-                        "a text WebSocket message: the wire protocol uses binary frames only")), True
-                if reply is not None:
-                    await websocket.send_bytes(reply)
-                if not keep_open:
-                    await websocket.close(code=WS_NORMAL if reply is None else WS_POLICY)
-                    break
-        except (WebSocketDisconnect, RuntimeError, ConnectionError):
-            pass  # the client left (mid-round: the reply is dropped)
-        finally:
-            server._end_session(conn)
-
-    async def _time_out(self, websocket: WebSocket, conn: _Connection, handshake: bool) -> None:
-        """The handshake or idle timeout fired: count it, free the KV, send the ERROR frame, close (1008)."""
-        server, limits = self.server, self.server.limits
-        if handshake:
-            server.metrics.refusals["handshake_timeout"] += 1
-            exc = HandshakeTimeout(f"no OPEN within handshake_timeout_s = {limits.handshake_timeout_s:g} s of "
-                                   "connecting")
-        else:
-            server.metrics.refusals["idle_timeout"] += 1
-            server._end_session(conn)  # the KV is freed before the client hears why
-            exc = IdleTimeout(f"no frame for idle_timeout_s = {limits.idle_timeout_s:g} s: the session's KV was "
-                              "freed; open a new session")
-        try:
-            await websocket.send_bytes(server._error(exc))
-            await websocket.close(code=WS_POLICY)
-        except (WebSocketDisconnect, RuntimeError, ConnectionError):
-            pass
+        conn = Connection(header_token=bearer_token(websocket.headers), peer=peer)
+        await self.server.serve_connection(conn, _StarletteChannel(websocket))
 
     # ----------------------------------------------------------------------------------------- health, metrics
 
@@ -310,10 +325,11 @@ class VerifierReplica:
     async def _static(self) -> dict:
         """This replica's own /healthz document (`VerifierServer`'s: model, protocol_version, tree_rows, limits,
         ...) without its per-replica status and sessions, which `health_summary` replaces."""
-        doc = json.loads((await self.server._healthz(None)).text)
+        doc = self.server.health()
         for key in ("status", "sessions"):
             doc.pop(key, None)
-        return doc | {"limits_apply": "per replica"}
+        return doc | {"limits_apply": "per replica", "limits_not_applied": {
+            "frame_timeout_s": "Ray Serve's proxy assembles WebSocket messages: a replica sees whole frames only"}}
 
     @ingress.get("/healthz")
     async def healthz(self) -> JSONResponse:
@@ -336,14 +352,34 @@ class VerifierReplica:
 # --------------------------------------------------------------------------------------------------- running
 
 
+def serve_logging(log_level: str = DEFAULT_LOG_LEVEL):
+    """Ray Serve's `LoggingConfig` for hycoc (controller, proxies and replicas; Ray Serve docs, "Configure Ray
+    Serve logging"): records at ``log_level`` and above (one of LOG_LEVELS), text encoding, and the per-request
+    access log (``WS / 1000 12.3ms``) only at DEBUG or INFO. Each actor writes its log file under Ray's session
+    directory (``logs/serve/``) whatever the level. Raises ValueError naming --log-level for another level."""
+    from ray.serve.schema import LoggingConfig
+
+    level = check_log_level(log_level)
+    return LoggingConfig(log_level=level, encoding="TEXT", enable_access_log=level in ("DEBUG", "INFO"))
+
+
+def check_log_level(log_level: str) -> str:
+    """``log_level`` in upper case; ValueError naming --log-level unless it is one of LOG_LEVELS."""
+    level = str(log_level).upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"--log-level {log_level}: one of {', '.join(LOG_LEVELS)} (Ray's logs; default "
+                         f"{DEFAULT_LOG_LEVEL})")
+    return level
+
+
 def build_app(engine_factory: Callable[[], Any], *, replicas: int, server_kwargs: dict, cpus_per_replica: float = 1,
-              gpus_per_replica: float = 0):
+              gpus_per_replica: float = 0, log_level: str = DEFAULT_LOG_LEVEL):
     """The Serve application: `VerifierReplica` x ``replicas`` (a ``ray.serve.Application`` for `start`).
 
     cpus_per_replica / gpus_per_replica: Ray resources each replica reserves (the recipe's torch threads; 1 GPU
     per replica on CUDA), so Ray places no more replicas on a node than it has. max_ongoing_requests per replica
-    = the limits' max_connections + HEALTH_HEADROOM (module docstring "Limits"). Raises ValueError for
-    replicas < 1.
+    = the limits' max_connections + HEALTH_HEADROOM (module docstring "Limits"). log_level: the replicas' Serve
+    logs (`serve_logging`). Raises ValueError for replicas < 1 or an unknown log level.
     """
     if replicas < 1:
         raise ValueError(f"replicas = {replicas}: must be >= 1")
@@ -352,43 +388,55 @@ def build_app(engine_factory: Callable[[], Any], *, replicas: int, server_kwargs
         num_replicas=replicas,
         max_ongoing_requests=limits.max_connections + HEALTH_HEADROOM,
         ray_actor_options={"num_cpus": cpus_per_replica, "num_gpus": gpus_per_replica},
+        logging_config=serve_logging(log_level),
     ).bind(engine_factory, server_kwargs)
 
 
-def start(app, host: str = "127.0.0.1", port: int = 8765) -> str:
+def start(app, host: str = "127.0.0.1", port: int = 8765, *, log_level: str = DEFAULT_LOG_LEVEL) -> str:
     """Deploy ``app`` on the connected Ray instance (``ray.init`` first), its proxy on host:port; returns the
-    ``ws://HOST:PORT`` URL once every replica is up. Raises RuntimeError when the deployment fails (a replica's
-    constructor raised: the message has its traceback)."""
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(app, name=APP_NAME, route_prefix="/")
+    ``ws://HOST:PORT`` URL once every replica is up. log_level: the controller's and proxies' Serve logs
+    (`serve_logging`) and this process's ``ray.serve`` logger. Raises RuntimeError when the deployment fails (a
+    replica's constructor raised: the message has its traceback)."""
+    config = serve_logging(log_level)
+    logging.getLogger("ray.serve").setLevel(config.log_level)
+    serve.start(http_options={"host": host, "port": port}, logging_config=config)
+    serve.run(app, name=APP_NAME, route_prefix="/", logging_config=config)
     url_host = f"[{host}]" if ":" in host else host
     return f"ws://{url_host}:{port}"
 
 
 def run(app, host: str, port: int, *, ray_address: str | None = None, num_cpus: float | None = None,
-        on_listening: Callable[[str], None] | None = None) -> None:
+        log_level: str = DEFAULT_LOG_LEVEL, on_listening: Callable[[str], None] | None = None) -> None:
     """Start Ray (``ray_address``: None = a local instance; "auto" or ray://... joins a cluster), deploy ``app``
-    and block until SIGINT or SIGTERM, then shut Serve and Ray down. ``on_listening(url)`` runs once it serves."""
+    and block until SIGINT or SIGTERM, then shut Serve and Ray down. ``on_listening(url)`` runs once it serves.
+
+    Ray's own output goes to stderr, at ``log_level`` and above (default WARNING; `serve_logging`): while Ray
+    runs, ``sys.stdout`` is ``sys.stderr`` (the lines Ray prints for its workers and raylet go there), so
+    ``on_listening`` should write to a stream it captured before the call (``hycoc serve-ray`` does). Every Ray
+    process also keeps its full log under Ray's session directory (/tmp/ray/session_latest/logs).
+    """
     import ray
 
-    ray.init(address=ray_address, num_cpus=num_cpus if ray_address is None else None, include_dashboard=False,
-             log_to_driver=True)
-    try:
-        url = start(app, host, port)
-        if on_listening is not None:
-            on_listening(url)
-        stop = {"now": False}
+    level = check_log_level(log_level)
+    with contextlib.redirect_stdout(sys.stderr):
+        ray.init(address=ray_address, num_cpus=num_cpus if ray_address is None else None, include_dashboard=False,
+                 log_to_driver=True, logging_level=getattr(logging, level))
+        try:
+            url = start(app, host, port, log_level=level)
+            if on_listening is not None:
+                on_listening(url)
+            stop = {"now": False}
 
-        def stop_now(*_):
-            stop["now"] = True
+            def stop_now(*_):
+                stop["now"] = True
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, stop_now)
-        while not stop["now"]:
-            time.sleep(0.2)
-        serve.shutdown()
-    finally:
-        ray.shutdown()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, stop_now)
+            while not stop["now"]:
+                time.sleep(0.2)
+            serve.shutdown()
+        finally:
+            ray.shutdown()
 
 
 def replica_cpus(threads: int) -> float:
@@ -396,5 +444,6 @@ def replica_cpus(threads: int) -> float:
     return float(threads) if threads > 0 else 1.0
 
 
-__all__ = ["APP_NAME", "DEPLOYMENT_NAME", "RecipeEngine", "check_keep_set", "VerifierReplica", "build_app", "start",
-           "run", "merge_expositions", "health_summary", "replica_cpus"]
+__all__ = ["APP_NAME", "DEPLOYMENT_NAME", "LOG_LEVELS", "DEFAULT_LOG_LEVEL", "RecipeEngine", "check_keep_set",
+           "check_log_level", "serve_logging", "VerifierReplica", "build_app", "start", "run",
+           "merge_expositions", "health_summary", "replica_cpus"]

@@ -61,7 +61,11 @@ the frame limit this server reads with (`open_frame_bytes`), whatever ``max_fram
 says: an unauthenticated client cannot make it buffer more than twice that per connection.
 
 Entry points: `serve` (blocking, for ``hycoc verify-server``), `VerifierServer.start` / ``stop`` (inside a running
-loop), `ServerThread` (in-process on an ephemeral port, for tests and ``hycoc bench``).
+loop), `ServerThread` (in-process on an ephemeral port, for tests and ``hycoc bench``), `check_port` (is the port
+free, before loading a model). Front doors that own their sockets (Ray Serve's replicas) use
+`VerifierServer.start_engine` and feed each accepted WebSocket, as a `Channel`, to
+`VerifierServer.serve_connection`: the session loop, its idle and handshake timeouts and its close codes are this
+module's, whatever the transport.
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable
+from typing import Callable, Protocol
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
@@ -356,12 +360,21 @@ def _number(value: float | int) -> str:
 
 
 @dataclass
-class _Connection:
-    """One WebSocket connection's state; ``session`` is None until its OPEN is answered."""
+class Connection:
+    """One WebSocket connection's state (`VerifierServer.serve_connection`); ``session`` is None until its OPEN is
+    answered.
+
+    header_token: the upgrade's ``Authorization: Bearer`` token (`bearer_token`; None without the header).
+    peer: the client's address (the auth rate limit counts per peer). connected: when the WebSocket was accepted
+    (time.monotonic(); the handshake timeout runs from here when the front door cannot see the TCP connection).
+    open_seen: an OPEN frame arrived (whatever its answer): the handshake timeout no longer applies.
+    """
 
     header_token: str | None
     peer: str = ""
     link: "_Link | None" = None
+    connected: float = field(default_factory=time.monotonic)
+    open_seen: bool = False
     kv_bytes: int = 0
     opened: Opened | None = None
     session: Session | None = None
@@ -442,7 +455,7 @@ class _GuardedRunner(web.AppRunner):
         return lambda: _GuardedProtocol(self._guard, inner())
 
 
-def _bearer(headers) -> str | None:
+def bearer_token(headers) -> str | None:
     """The token of an ``Authorization: Bearer T`` header; None without the header, "" for another scheme (which
     then never matches: a client that sends credentials must send the right ones)."""
     value = headers.get("Authorization")
@@ -450,6 +463,52 @@ def _bearer(headers) -> str | None:
         return None
     scheme, _, token = value.partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
+
+
+class Channel(Protocol):
+    """One accepted WebSocket as `VerifierServer.serve_connection` uses it; each front door implements it over its
+    own socket (`_AiohttpChannel` here, Starlette's behind Ray Serve in `hycoc.verifier.ray_serve`)."""
+
+    async def receive(self, timeout: float | None) -> bytes | str | None:
+        """The next message: bytes (binary), str (text), or None once the peer closed or the socket failed.
+        Raises asyncio.TimeoutError when none arrived within ``timeout`` seconds (None: no limit)."""
+
+    async def send(self, frame: bytes) -> None:
+        """Send one binary message; raises ConnectionError when the peer is gone."""
+
+    async def close(self, code: int) -> None:
+        """End the connection with this WebSocket close code (RFC 6455 section 7.4.1); never raises."""
+
+
+class _AiohttpChannel:
+    """`Channel` over aiohttp's WebSocketResponse (autoping off: pings are answered here, and every message that
+    arrives ends the link's frame-timeout watch)."""
+
+    def __init__(self, ws: web.WebSocketResponse, link: _Link | None):
+        self.ws, self.link = ws, link
+
+    async def receive(self, timeout: float | None) -> bytes | str | None:
+        while True:
+            msg = await self.ws.receive(timeout=timeout)
+            if self.link is not None:
+                self.link.frame_since = None
+            if msg.type == WSMsgType.PING:
+                await self.ws.pong(msg.data)
+                continue
+            if msg.type == WSMsgType.PONG:
+                continue
+            if msg.type in (WSMsgType.BINARY, WSMsgType.TEXT):
+                return msg.data
+            return None  # CLOSE, CLOSING, CLOSED, or ERROR (e.g. a message over aiohttp's limit)
+
+    async def send(self, frame: bytes) -> None:
+        await self.ws.send_bytes(frame)
+
+    async def close(self, code: int) -> None:
+        try:
+            await self.ws.close(code=code)
+        except ConnectionError:
+            pass
 
 
 class VerifierServer:
@@ -528,9 +587,13 @@ class VerifierServer:
         app.on_shutdown.append(self._close_sockets)
         return app
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Listen on host:port (0 = a free port) and return the ``ws://HOST:PORT`` URL. Raises OSError if the
-        address cannot be bound."""
+    async def start_engine(self) -> None:
+        """Start the engine's worker thread and, batched, its scheduler on the running event loop, without
+        listening anywhere: for a front door that owns the sockets and feeds `serve_connection` (Ray Serve's
+        replicas, `hycoc.verifier.ray_serve`). `start` calls it; `stop` ends both. Raises RuntimeError if already
+        started."""
+        if self._worker is not None:
+            raise RuntimeError("VerifierServer.start_engine: already started; call stop() first")
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hycoc-verifier")
         if self.batching == "batched":
             self._scheduler = BatchScheduler(self._work, max_batch_rows=self.max_batch_rows,
@@ -539,6 +602,11 @@ class VerifierServer:
                                              on_step=self._observe_step, chain_length=self.engine.chain_length,
                                              prefill_budget=self.engine.prefill_chunk)
             self._scheduler.start()
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Start the engine (`start_engine`), listen on host:port (0 = a free port) and return the
+        ``ws://HOST:PORT`` URL. Raises OSError if the address cannot be bound."""
+        await self.start_engine()
         self._runner = _GuardedRunner(self.app(), self, handle_signals=False, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
@@ -610,17 +678,14 @@ class VerifierServer:
                 if link.kicked:
                     continue
                 if not link.opened and now - link.connected > lim.handshake_timeout_s:
-                    self._kick(link, "handshake_timeout", HandshakeTimeout(
-                        f"no OPEN within handshake_timeout_s = {lim.handshake_timeout_s:g} s of connecting"))
+                    self._kick(link, "handshake_timeout")
                 elif link.frame_since is not None and now - link.frame_since > lim.frame_timeout_s:
-                    self._kick(link, "frame_timeout", FrameTimeout(
-                        f"a frame took longer than frame_timeout_s = {lim.frame_timeout_s:g} s to arrive"))
+                    self._kick(link, "frame_timeout")
 
-    def _kick(self, link: _Link, kind: str, exc: ServerError) -> None:
-        """Refuse a connection for a limit: count it, send an ERROR frame when a WebSocket is up, close."""
+    def _kick(self, link: _Link, kind: str) -> None:
+        """Refuse a connection for a timeout: count it, send an ERROR frame when a WebSocket is up, close."""
         link.kicked = True
-        self.metrics.refusals[kind] += 1
-        frame = self._error(exc)
+        frame = self.time_out(None, kind)
 
         async def close() -> None:
             try:
@@ -676,9 +741,11 @@ class VerifierServer:
 
     # ----------------------------------------------------------------------------------------- HTTP routes
 
-    async def _healthz(self, request: web.Request) -> web.Response:
+    def health(self) -> dict:
+        """The /healthz document: status, model, protocol_version, open sessions, tree_rows, max_context,
+        vocab_size, max_frame_bytes, auth (bool), batching and limits (`ServerLimits` field -> value)."""
         eng = self.engine
-        return web.json_response({
+        return {
             "status": "ok",
             "model": self.model_name,
             "protocol_version": wire.PROTOCOL_VERSION,
@@ -691,7 +758,10 @@ class VerifierServer:
             "batching": {"mode": self.batching, "max_batch_rows": self.max_batch_rows,
                          "max_batch_wait_ms": self.max_batch_wait_ms},
             "limits": {f.name: getattr(self.limits, f.name) for f in fields(self.limits)},
-        })
+        }
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response(self.health())
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.exposition().encode("utf-8"),
@@ -706,68 +776,105 @@ class VerifierServer:
             self.metrics.refusals["auth_failures_per_minute"] += 1
             return web.Response(status=429, headers={"Retry-After": str(math.ceil(wait))},
                                 text=f"too many refused auth attempts from {peer}; retry after {math.ceil(wait)} s\n")
-        # autoping off: pings reach the loop below, so every frame that arrives ends the frame timeout's watch.
+        # autoping off: pings reach the channel, so every frame that arrives ends the frame timeout's watch.
         ws = web.WebSocketResponse(max_msg_size=2 * self.in_frame_bytes, compress=False, autoping=False)
         await ws.prepare(request)
         link = self._links.get(request.transport)
-        conn = _Connection(header_token=_bearer(request.headers), peer=peer, link=link)
+        conn = Connection(header_token=bearer_token(request.headers), peer=peer, link=link)
         if link is not None:
             link.ws, link.upgraded = ws, True
         self._sockets.add(ws)
         try:
-            while True:
-                idle = self.limits.idle_timeout_s if conn.session is not None else None
-                try:
-                    msg = await ws.receive(timeout=idle)
-                except asyncio.TimeoutError:
-                    self.metrics.refusals["idle_timeout"] += 1
-                    self._end_session(conn)   # the KV is freed before the client hears why
-                    try:
-                        await ws.send_bytes(self._error(IdleTimeout(
-                            f"no frame for idle_timeout_s = {idle:g} s: the session's KV was freed; open a new "
-                            "session")))
-                        await ws.close(code=WSCloseCode.POLICY_VIOLATION)
-                    except ConnectionError:
-                        pass
-                    break
-                if link is not None:
-                    link.frame_since = None
-                if msg.type == WSMsgType.PING:
-                    await ws.pong(msg.data)
-                    continue
-                if msg.type == WSMsgType.PONG:
-                    continue
-                if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
-                    break
-                if msg.type == WSMsgType.BINARY:
-                    reply, keep_open = await self._frame(conn, msg.data)
-                elif msg.type == WSMsgType.TEXT:
-                    reply, keep_open = self._error(UnexpectedMessage(
-                        "a text WebSocket message: the wire protocol uses binary frames only")), True
-                else:  # ERROR (e.g. a message over aiohttp's limit)
-                    break
-                if reply is not None:
-                    try:
-                        await ws.send_bytes(reply)
-                    except ConnectionError:  # the client left mid-round: drop the reply
-                        break
-                if not keep_open:
-                    await ws.close(code=WSCloseCode.OK if reply is None else WSCloseCode.POLICY_VIOLATION)
-                    break
+            # The handshake and frame timeouts are the sweeper's (it sees the TCP connection before the upgrade).
+            await self.serve_connection(conn, _AiohttpChannel(ws, link), handshake_timeout=False)
         finally:
             self._sockets.discard(ws)
-            self._end_session(conn)
         return ws
 
-    def _error(self, exc: BaseException) -> bytes:
+    async def serve_connection(self, conn: Connection, channel: "Channel", *, handshake_timeout: bool = True) -> None:
+        """One WebSocket session from its upgrade to its end, over any transport (this server's aiohttp socket,
+        a Ray Serve replica's Starlette socket): every frame through `frame`, its reply sent, the connection
+        closed as the reply says (1000 after a CLOSE, 1008 after a refusal), the session freed at the end.
+
+        Timeouts (module docstring "Limits"): an open session that sends nothing for idle_timeout_s, and, with
+        ``handshake_timeout`` (for front doors that cannot watch the TCP connection), a connection without an OPEN
+        handshake_timeout_s after ``conn.connected``, get the ERROR frame of `time_out` and a 1008 close. A text
+        message gets ERROR unexpected_message (binary frames only). Never raises for a client that goes away.
+        """
+        lim = self.limits
+        try:
+            while True:
+                if conn.session is not None:
+                    kind, timeout = "idle_timeout", lim.idle_timeout_s
+                elif handshake_timeout and not conn.open_seen:
+                    kind = "handshake_timeout"
+                    timeout = max(0.0, conn.connected + lim.handshake_timeout_s - time.monotonic())
+                else:
+                    kind, timeout = None, None
+                try:
+                    msg = await channel.receive(timeout)
+                except asyncio.TimeoutError:
+                    frame = self.time_out(conn, kind)
+                    try:
+                        await channel.send(frame)
+                    except ConnectionError:
+                        return
+                    await channel.close(WSCloseCode.POLICY_VIOLATION)
+                    return
+                if msg is None:
+                    return
+                if isinstance(msg, str):
+                    reply, keep_open = self.error_frame(UnexpectedMessage(
+                        "a text WebSocket message: the wire protocol uses binary frames only")), True
+                else:
+                    reply, keep_open = await self.frame(conn, msg)
+                if reply is not None:
+                    try:
+                        await channel.send(reply)
+                    except ConnectionError:  # the client left mid-round: drop the reply
+                        return
+                if not keep_open:
+                    await channel.close(WSCloseCode.OK if reply is None else WSCloseCode.POLICY_VIOLATION)
+                    return
+        finally:
+            self.end_session(conn)
+
+    def timeout_error(self, kind: str) -> ServerError:
+        """The error a timeout of this server's limits sends: kind "handshake_timeout" (HandshakeTimeout),
+        "frame_timeout" (FrameTimeout) or "idle_timeout" (IdleTimeout), its message naming the limit's value."""
+        lim = self.limits
+        if kind == "handshake_timeout":
+            return HandshakeTimeout(f"no OPEN within handshake_timeout_s = {lim.handshake_timeout_s:g} s of "
+                                    "connecting")
+        if kind == "frame_timeout":
+            return FrameTimeout(f"a frame took longer than frame_timeout_s = {lim.frame_timeout_s:g} s to arrive")
+        if kind == "idle_timeout":
+            return IdleTimeout(f"no frame for idle_timeout_s = {lim.idle_timeout_s:g} s: the session's KV was "
+                               "freed; open a new session")
+        raise ValueError(f"timeout kind {kind!r}: one of handshake_timeout, frame_timeout, idle_timeout")
+
+    def time_out(self, conn: Connection | None, kind: str) -> bytes:
+        """A timeout fired on ``conn`` (None: a connection with no WebSocket state yet): count it in
+        ``hycoc_refusals_total{kind=KIND}``, free the session's KV (before the client hears why) and return the
+        ERROR frame (`timeout_error`) to send before closing with 1008."""
+        exc = self.timeout_error(kind)
+        self.metrics.refusals[kind] += 1
+        if conn is not None:
+            self.end_session(conn)
+        return self.error_frame(exc)
+
+    def error_frame(self, exc: BaseException) -> bytes:
+        """The ERROR frame for ``exc`` (`hycoc.protocol.wire.error_reply`: a wire, engine or `ServerError` code;
+        anything else is internal_error, logged with its traceback), counted in ``hycoc_errors_total``."""
         reply = wire.error_reply(exc)
         self.metrics.errors[reply.code] += 1
         if reply.code == "internal_error":
             log.error("internal error on a frame", exc_info=exc)
         return wire.encode(reply)
 
-    async def _frame(self, conn: _Connection, data: bytes) -> tuple[bytes | None, bool]:
-        """Answer one binary frame: (reply frame or None, keep the connection open)."""
+    async def frame(self, conn: Connection, data: bytes) -> tuple[bytes | None, bool]:
+        """Answer one binary frame of ``conn``: (the reply frame, or None after a CLOSE; keep the connection
+        open). A bad frame gets its ERROR frame (never an exception); a refused OPEN (auth, capacity) closes."""
         try:
             if conn.session is None:
                 msg = wire.decode(data, self._bare_limits)
@@ -795,11 +902,11 @@ class VerifierServer:
             raise UnexpectedMessage(f"{type(msg).__name__} frames go from the verifier to the device; "
                                     "send OPEN, ROUND or CLOSE")
         except _CLOSING_ERRORS as e:
-            return self._error(e), False
+            return self.error_frame(e), False
         except Exception as e:  # noqa: BLE001 -- every failure becomes an ERROR frame (internal ones are logged)
-            return self._error(e), True
+            return self.error_frame(e), True
 
-    def _check_auth(self, conn: _Connection, frame_token: str | None) -> None:
+    def _check_auth(self, conn: Connection, frame_token: str | None) -> None:
         if self.auth_token is None:
             return
         wait = self._auth_wait(conn.peer)
@@ -817,9 +924,10 @@ class VerifierServer:
             self._auth_failed(conn.peer)
             raise AuthRefused("the auth token does not match the verifier's (--auth-token)")
 
-    async def _open(self, conn: _Connection, req: OpenRequest) -> bytes:
+    async def _open(self, conn: Connection, req: OpenRequest) -> bytes:
+        conn.open_seen = True  # an OPEN arrived: the handshake is over, whatever its answer
         if conn.link is not None:
-            conn.link.opened = True  # an OPEN arrived: the handshake is over, whatever its answer
+            conn.link.opened = True
         self._check_auth(conn, req.auth_token)
         wire.validate(req, self._open_limits)  # vocabulary and context, now that the client may know them
         if req.draft_place == "server-head" and self.engine.keep_set is None:
@@ -856,7 +964,7 @@ class VerifierServer:
         self.metrics.prefill_ms += prefill_ms
         return wire.encode(opened)
 
-    async def _append(self, conn: _Connection, msg: AppendTurn) -> bytes:
+    async def _append(self, conn: Connection, msg: AppendTurn) -> bytes:
         """The next turn on the open session (`Session.append`): its KV stays, only the new tokens are prefilled;
         answered with OPENED (same session id, the new root's t, this prefill's ms). The KV reservation grows to
         the conversation plus the new turn's cap (refused with kv_budget_exhausted when that does not fit)."""
@@ -889,7 +997,7 @@ class VerifierServer:
         prefill_ms, t = session.prefill()
         return session, prefill_ms, t
 
-    async def _round(self, conn: _Connection, tree: DraftTree, data: bytes) -> bytes:
+    async def _round(self, conn: Connection, tree: DraftTree, data: bytes) -> bytes:
         if tree.seq == conn.last_seq and data == conn.last_request:
             self.metrics.retries += 1
             return conn.last_reply  # idempotent retry: the same bytes, the engine untouched
@@ -928,8 +1036,9 @@ class VerifierServer:
         for wait in report.waits:
             m.queue_wait.observe(wait)
 
-    def _end_session(self, conn: _Connection) -> None:
-        """Free the connection's session: drop it now, free its KV on the worker after any round in flight."""
+    def end_session(self, conn: Connection) -> None:
+        """Free the connection's session (nothing without one): drop it now, free its KV on the worker after any
+        round in flight. Every front door calls it when a connection ends."""
         if conn.session is None:
             return
         session, conn.session = conn.session, None
@@ -944,6 +1053,23 @@ class VerifierServer:
 
 
 # --------------------------------------------------------------------------------------------------- running
+
+
+def check_port(host: str, port: int, *, reuse_address: bool = True) -> int:
+    """Bind host:port once and let it go: returns ``port``, or for port 0 the free port the OS picked. Raises OSError
+    (errno EADDRINUSE for a busy port, EADDRNOTAVAIL for an address not on this machine) so that a command can name
+    the port in one line before loading a model. reuse_address: set SO_REUSEADDR as the server that binds it next
+    does (aiohttp/asyncio on POSIX: yes, so a port in TIME_WAIT after a restart is not "busy"; Ray Serve's proxy:
+    no). The port is free when this returns, not reserved: another process may take it before the server binds."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        if reuse_address:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+        return probe.getsockname()[1]
+
 
 
 def serve(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 8765, *, auth_token: str | None = None,
