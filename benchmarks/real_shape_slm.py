@@ -250,6 +250,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=4, help="calibration inputs (default 4)")
     p.add_argument("--max-qdq-gib", type=float, default=11.0,
                    help="refuse the QDQ step when its estimated peak exceeds this (default 11 GiB)")
+    p.add_argument("--shards", default="1",
+                   help="layer shards: 1 = the monolithic graph (default), N, or auto (fewest that fit the "
+                        "profile's context budget); each shard is exported, quantized, compiled and simulated "
+                        "on its own and the chain's end-to-end SQNR reported")
+    p.add_argument("--bounds", default=None,
+                   help="shard bounds instead of the plan's, e.g. 0,4,6 (shard k = layers [b_k, b_k+1))")
     p.add_argument("--skip-compile", action="store_true", help="stop after QDQ and the budget refusal")
     p.add_argument("--compile-timeout", type=float, default=2400.0, help="seconds for the HTP compile")
     p.add_argument("--seed", type=int, default=0)
@@ -333,6 +339,10 @@ def main(argv=None) -> dict[str, Any]:
         return True, 0, {"luts": out, "total_bytes": sum(v["bytes"] for v in out.values())}
 
     steps.run("host_luts", s_luts, what="token + per-layer embedding LUTs looked up on the host (32 rows)")
+
+    if args.shards != "1" or args.bounds:
+        _sharded(args, steps, state, slm, cfg, keep_n, vocab, profile, cal, work, say)
+        return _finish(args, steps, started, t_all, cfg, state, work_tmp)
 
     # 4. graph
     def s_graph():
@@ -468,6 +478,204 @@ def main(argv=None) -> dict[str, Any]:
     return _finish(args, steps, started, t_all, cfg, state, work_tmp)
 
 
+def _sharded(args, steps, state, slm, cfg, keep_n, vocab, profile, cal, work: Path, say) -> None:
+    """``--shards``: the graph split by layers (`hycoc.passes.slm_shards.plan_shards` on the profile's context
+    budget, or ``--bounds``), then per shard k, in chain order: ``graph.sK`` (torch shard + the float chain on the
+    calibration samples: shard k's samples are the host feeds and the earlier shards' float outputs),
+    ``export.sK``, ``qdq.sK``, ``compile.sK`` (its own context binary), ``sim.sK`` (the HTP simulator chain: shard k
+    fed by the earlier shards' simulator outputs, against the CPU EP chain of the QDQ shards). ``budget_refusal``
+    on the largest shard; ``chain``: end-to-end SQNR of the simulator chain vs the CPU EP chain (logits, new KV)."""
+    from hycoc.passes.qdq import quantize_graph, slm_calibration_samples
+    from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph, chain_feeds, export_slm_graph
+    from hycoc.passes.slm_shards import layer_weight_bytes, plan_shards
+
+    ring = {FULL: args.ring, SLIDING: args.sliding_ring}
+    keep = rsh.synthetic_keep_set(keep_n, vocab, args.seed)
+
+    def s_plan():
+        per_layer, first, last = layer_weight_bytes(slm, keep_n)
+        if args.bounds:
+            bounds = tuple(int(x) for x in args.bounds.split(","))
+            plan = None
+        else:
+            plan = plan_shards(per_layer, budget=profile.max_context_bytes, first_extra=first, last_extra=last,
+                               shards=args.shards if args.shards == "auto" else int(args.shards))
+            bounds = plan.bounds
+        seg = [sum(per_layer[a:b]) + (first if a == 0 else 0) + (last if b == len(per_layer) else 0)
+               for a, b in zip(bounds, bounds[1:])]
+        state["bounds"] = bounds
+        return bounds, 0, {"bounds": list(bounds), "per_layer_bytes": per_layer, "first_extra_bytes": first,
+                           "last_extra_bytes": last, "estimated_shard_bytes": seg,
+                           "budget_bytes": profile.max_context_bytes, "from": "--bounds" if plan is None else
+                           f"plan_shards({args.shards})"}
+
+    bounds = steps.run("shard_plan", s_plan, what="layer_weight_bytes + plan_shards on the profile's budget")
+    if bounds is None:
+        return
+    n = len(bounds) - 1
+    say(f"shards: {n}, bounds {list(bounds)}")
+    host_samples = None
+    produced_float: list[dict[str, np.ndarray]] = []
+    produced_sim: dict[str, np.ndarray] = {}
+    produced_cpu: dict[str, np.ndarray] = {}
+    chain = {"shards": []}
+    for k in range(n):
+        tag = f"s{k}"
+        sh: dict[str, Any] = {}
+
+        def s_graph():
+            nonlocal host_samples
+            import torch
+
+            g = SlmTreeGraph(slm, keep, rows=args.rows, ring=ring, bounds=bounds, shard=k)
+            if host_samples is None:
+                host_samples = slm_calibration_samples(g, slm, args.samples, args.seed)
+                produced_float.extend({} for _ in host_samples)
+            samples = []
+            for host, made in zip(host_samples, produced_float):
+                x = chain_feeds(g, host, made)
+                samples.append(x)
+                with torch.no_grad():
+                    outs = g(*[torch.from_numpy(x[nm]) for nm in g.input_names])
+                made.update({nm: o.numpy() for nm, o in zip(g.output_names, outs)})
+            sh["graph"], sh["samples"] = g, samples
+            return g, 0, {"layers": list(g.layer_range), "kv_layers": g.kv_layers, "borrowed_producers": g.borrowed,
+                          "inputs": {nm: list(v) for nm, v in g.input_shapes.items()},
+                          "outputs": {nm: list(v) for nm, v in g.output_shapes.items()},
+                          "linear_values": sum(int(m.q.numel()) for m in g.modules() if hasattr(m, "bits"))}
+
+        say(f"shard {k}: layers [{bounds[k]}, {bounds[k + 1]})")
+        g = steps.run(f"graph.{tag}", s_graph, what=f"SlmTreeGraph shard {k} + the float chain on the samples")
+        if g is None:
+            return
+        path = work / f"export-{tag}" / f"slm_{tag}.onnx"
+
+        def s_export():
+            import torch
+
+            from hycoc.targets.htp import find_host_only_nodes
+
+            x = sh["samples"][0]
+            _, rep = export_slm_graph(g, [torch.from_numpy(x[nm]) for nm in g.input_names], path)
+            import onnx
+
+            m = onnx.load(str(path), load_external_data=False)
+            d = rep.numbers()
+            d.update(data_bytes=rep.data_bytes, over_2gb=rep.data_bytes > TWO_GB,
+                     host_only_nodes=[str(x) for x in find_host_only_nodes(m, profile)])
+            return True, rsh._du(*rsh._onnx_files(path)), d
+
+        if steps.run(f"export.{tag}", s_export, what=f"export_slm_graph shard {k}") is None:
+            return
+        estimate = qdq_peak_estimate_gib(steps.rows[-2]["details"]["linear_values"],
+                                         sum(int(v.packed.nbytes) for v in slm.luts.values()))
+        if estimate > args.max_qdq_gib:
+            steps.rows.append({"step": f"qdq.{tag}", "status": "refused", "seconds": 0, "output_bytes": 0,
+                               "peak_rss_gib": 0, "peak_tree_rss_gib": 0,
+                               "what": f"estimated peak {estimate:.1f} GiB > --max-qdq-gib {args.max_qdq_gib}"})
+            return
+
+        def s_qdq():
+            import onnx
+
+            res = quantize_graph(path, sh["samples"], work / f"qdq-{tag}", percentile=cal.percentile,
+                                 range_scale=cal.range_scale)
+            onnx.checker.check_model(str(res.path), full_check=True)
+            d = res.numbers()
+            d.pop("io_encodings", None)
+            d.update(checker="ok", estimate_gib=round(estimate, 2), data_bytes=rsh._du(*rsh._onnx_files(res.path)))
+            return res, rsh._du(work / f"qdq-{tag}"), d
+
+        sh["graph"] = g = None      # the torch shard is not needed past export and calibration
+        qres = steps.run(f"qdq.{tag}", s_qdq, what=f"quantize_graph shard {k} (calibrated on the float chain)")
+        if qres is None:
+            return
+        chain["shards"].append({"qdq": str(qres.path)})
+        if k == n - 1:
+            def s_budget():
+                from hycoc.targets.htp import ContextTooLargeError, compile_context, plan_context_size
+
+                plans = [plan_context_size([c["qdq"]], profile) for c in chain["shards"]]
+                biggest = max(range(len(plans)), key=lambda i: plans[i].weight_bytes)
+                small = profile.with_limit(plans[biggest].weight_bytes - 1)
+                out = work / "refused"
+                try:
+                    compile_context(chain["shards"][biggest]["qdq"], out, small, graph_name=f"slm_s{biggest}")
+                except ContextTooLargeError as e:
+                    written = sorted(p.name for p in out.rglob("*") if p.is_file()) if out.exists() else []
+                    return True, 0, {"refused": True, "shard": biggest, "message": str(e)[:600],
+                                     "shard_weight_bytes": [p.weight_bytes for p in plans],
+                                     "files_written": written, "limit_bytes": profile.max_context_bytes,
+                                     "every_shard_fits": all(p.weight_bytes <= profile.max_context_bytes
+                                                             for p in plans)}
+                raise AssertionError("a shard over the lowered limit was not refused")
+
+            steps.run("budget_refusal", s_budget, what="limit lowered below the largest shard: refused first")
+        if args.skip_compile:
+            continue
+
+        def s_compile():
+            from hycoc.targets.htp import compile_context
+
+            with rsh._WorkerTimeout(args.compile_timeout):
+                cg = compile_context(qres.path, work / "htp", profile, graph_name=f"slm_{tag}")
+            return cg, cg.binary_bytes + cg.ctx_model.stat().st_size, {
+                "binary": cg.context_binary.name, "binary_bytes": cg.binary_bytes, "weight_bytes": cg.weight_bytes,
+                "htp_arch": cg.htp_arch, "soc_type": cg.soc_type, "cpu_fallback": "disabled",
+                "under_budget": cg.binary_bytes <= profile.max_context_bytes}
+
+        cg = steps.run(f"compile.{tag}", s_compile, what=f"compile_context shard {k}: its own context binary")
+        if cg is None:
+            return
+
+        def s_sim():
+            from hycoc.targets.htp import HtpSession
+
+            host = host_samples[0]
+            t0 = time.perf_counter()
+            sess = HtpSession(cg.ctx_model, profile)
+            load_s = time.perf_counter() - t0
+            x_sim = chain_feeds(_io_names(sess.input_names), host, produced_sim)
+            t1 = time.perf_counter()
+            got = sess.run(x_sim)
+            run_s = time.perf_counter() - t1
+            x_cpu = chain_feeds(_io_names(sess.input_names), host, produced_cpu)
+            cpu = rsh._cpu_run(qres.path, x_cpu)
+            produced_sim.update(got)
+            produced_cpu.update(cpu)
+            out = {"load_seconds": round(load_s, 2), "run_seconds": round(run_s, 2)}
+            for name in cpu:
+                out[f"sqnr_htp_vs_cpu_qdq_db.{name}"] = rsh._sqnr(cpu[name], got[name])
+            return True, 0, out
+
+        if steps.run(f"sim.{tag}", s_sim, what=f"shard {k} on the HTP simulator, fed by the simulator chain") is None:
+            return
+        chain["shards"][-1]["sim"] = True
+    if args.skip_compile or len(chain["shards"]) < n:
+        return
+
+    def s_chain():
+        ref = produced_float[0]
+        names = ["logits"] + sorted(x for x in produced_cpu if x.startswith(("k_new_", "v_new_")))
+        out = {"bounds": list(bounds)}
+        for name in names:
+            out[f"sqnr_htp_chain_vs_cpu_qdq_chain_db.{name}"] = rsh._sqnr(produced_cpu[name], produced_sim[name])
+            out[f"sqnr_cpu_qdq_chain_vs_float_db.{name}"] = rsh._sqnr(ref[name], produced_cpu[name])
+        lg = produced_sim["logits"].reshape(-1, produced_sim["logits"].shape[-1])
+        lc = produced_cpu["logits"].reshape(-1, produced_cpu["logits"].shape[-1])
+        out["top1_htp_chain_eq_cpu_qdq_chain"] = float(np.mean(lg.argmax(-1) == lc.argmax(-1)))
+        return True, 0, out
+
+    steps.run("chain", s_chain, what="end to end: the simulator chain vs the CPU EP chain (and vs float)")
+
+
+def _io_names(names):
+    """A stand-in graph with ``input_names`` and ``shard`` for `chain_feeds`."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(input_names=list(names), shard="-")
+
+
 def _finish(args, steps, started, t_all, cfg, state, work_tmp) -> dict[str, Any]:
     import torch
 
@@ -526,26 +734,32 @@ def print_table(report: dict) -> None:
     for r in report["steps"]:
         d = r.get("details") or {}
         note = ""
-        if r["step"] == "checkpoint":
+        base = r["step"].split(".")[0]
+        if base == "checkpoint":
             note = ", ".join(f"int{b}: {v['modules']} x, {v['bytes'] / 1e6:.1f} MB" for b, v in d.get("by_bits", {}).items())
-        elif r["step"] == "surgery":
+        elif base == "surgery":
             note = f"NPU weights {d.get('npu_weight_bytes', 0) / 1e6:.1f} MB; LUTs " + ", ".join(
                 f"{k} {v / 1e6:.1f} MB" for k, v in (d.get("luts") or {}).items())
-        elif r["step"] == "graph":
+        elif base == "graph":
             note = f"output layer {d.get('output_layer_rows_before')} -> {d.get('output_layer_rows_after')} rows"
-        elif r["step"] == "export":
+        elif base == "export":
             note = f"{d.get('data_bytes', 0) / 1e6:.1f} MB data, >2GB {d.get('over_2gb')}, host-only nodes " \
                    f"{len(d.get('host_only_nodes', []))}, top-1 {d.get('top1_agreement')}"
-        elif r["step"] == "qdq":
+        elif base == "qdq":
             sq = (d.get("sqnr") or {}).get("outputs", {})
             note = (f"bits {d.get('weight_bits')}; SQNR logits {sq.get('logits', float('nan')):.1f} dB"
                     if r.get("status") == "ok" else r.get("what", ""))
-        elif r["step"] == "budget_refusal":
+        elif base == "budget_refusal":
             note = (d.get("message") or "")[:120]
-        elif r["step"] == "compile":
+        elif base == "compile":
             note = f"bin {d.get('binary_bytes', 0) / 1e6:.1f} MB, {d.get('soc_type')} v{d.get('htp_arch')}"
-        elif r["step"] == "sim":
+        elif base == "sim":
             note = ", ".join(f"{k.split('.')[-1]} {v}" for k, v in d.items() if "logits" in k or "top1" in k)
+        elif base == "shard_plan":
+            note = f"bounds {d.get('bounds')}, est. bytes {d.get('estimated_shard_bytes')}"
+        elif base == "chain":
+            note = ", ".join(f"{k.split('_db.')[0].replace('sqnr_', '')} {v}" for k, v in d.items()
+                             if k.endswith(".logits")) + f", top-1 {d.get('top1_htp_chain_eq_cpu_qdq_chain')}"
         if r.get("status") == "failed":
             note = (r.get("error") or "")[:160]
         table.add_row(r["step"], r.get("status", ""), f"{r.get('seconds', 0):.1f}", f"{r.get('cpu_seconds', 0):.1f}",
