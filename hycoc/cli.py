@@ -443,10 +443,8 @@ def verify_server(
     auth_token = _auth_token("verify-server", ctx, auth_token, auth_token_file)
     if batching is not None and batching not in ("batched", "serial"):
         raise _fail("verify-server", f"--batching {batching!r}: allowed: batched, serial", code=2)
-    from hycoc.models import ModelNotFoundError
-    from hycoc.recipe import RecipeError
-    from hycoc.verifier.loading import DeviceUnavailable, check_device, engine_from_recipe, model_dir, server_options
-    from hycoc.verifier.server import check_port, serve
+    from hycoc.models import ModelNotFoundError, model_dir
+    from hycoc.ports import check_port
 
     ids = None
     if keep_set is not None:
@@ -460,11 +458,10 @@ def verify_server(
         if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) == 0:
             raise _fail("verify-server", f"--keep-set {keep_set}: expected a non-empty 1-D array of int token ids, "
                         f"got shape {ids.shape} dtype {ids.dtype}")
-    try:  # the cheap checks of what loading needs, then the port: each named at once, before a ~12 s load
-        check_device(device.value if device is not None else cfg.verifier.device)
+    try:  # the models' folders, then the port: each named at once, before torch is imported and the model loaded
         for role in ("verifier", "head", "tokenizer"):
             model_dir(cfg, role)
-    except (ModelNotFoundError, DeviceUnavailable) as e:
+    except ModelNotFoundError as e:
         raise _fail("verify-server", str(e)) from None
     host = host or cfg.verifier.host
     port = cfg.verifier.port if port is None else port
@@ -473,6 +470,9 @@ def verify_server(
     except OSError as e:
         raise _fail("verify-server", _port_error(host, port, e, "another server on this port?")) from None
     from hycoc.models import set_threads
+    from hycoc.recipe import RecipeError
+    from hycoc.verifier.loading import DeviceUnavailable, engine_from_recipe, server_options
+    from hycoc.verifier.server import serve
 
     set_threads(cfg.verifier.threads)
     try:
@@ -552,8 +552,8 @@ def serve_ray(
     auth_token = _auth_token("serve-ray", ctx, auth_token, auth_token_file)
     from hycoc.models import ModelNotFoundError
     from hycoc.verifier.loading import DeviceUnavailable, check_device, model_dir, server_options
+    from hycoc.ports import check_port
     from hycoc.verifier.ray_serve import RecipeEngine, build_app, check_keep_set, check_log_level, replica_cpus, run
-    from hycoc.verifier.server import check_port
 
     try:
         log_level = check_log_level(log_level)

@@ -25,6 +25,18 @@ def _require_dir(path: str | Path, role: str) -> Path:
     return p
 
 
+def model_dir(recipe, role: str) -> Path:
+    """The local folder (or file) of a recipe's ``[models].<role>`` (`hycoc.recipe.Recipe.model_path`). Raises
+    ModelNotFoundError naming the model, the recipe key and how to provide it (a hub id must be downloaded; a path
+    must exist)."""
+    from hycoc.recipe import RecipeError
+
+    try:
+        return recipe.model_path(role)
+    except RecipeError as e:
+        raise ModelNotFoundError(f"the {role} model is not on this machine: {e}") from None
+
+
 def load_tokenizer(path: str | Path):
     """A `tokenizers.Tokenizer` from ``tokenizer.json`` (a file, or a folder holding one).
 

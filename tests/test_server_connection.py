@@ -21,7 +21,8 @@ from typer.testing import CliRunner
 from hycoc.protocol import wire
 from hycoc.protocol.messages import Close, ErrorReply, Opened, OpenRequest, Sampling
 from hycoc.verifier import VerifierEngine
-from hycoc.verifier.server import Connection, ServerLimits, VerifierServer, check_port
+from hycoc.ports import check_port
+from hycoc.verifier.server import Connection, ServerLimits, VerifierServer
 from tiny_models import tiny_verifier
 
 torch.set_num_threads(1)
@@ -129,9 +130,14 @@ def test_check_port_names_a_busy_port_and_picks_one_for_0():
     assert picked > 0 and check_port("127.0.0.1", picked) == picked  # it is free again once checked
 
 
-def test_verify_server_names_a_busy_port_before_loading_the_model():
+def test_verify_server_names_a_busy_port_before_loading_the_model(monkeypatch):
     from hycoc.cli import app
+    from hycoc.verifier import loading
 
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(loading, "engine_from_recipe", load)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -143,7 +149,7 @@ def test_verify_server_names_a_busy_port_before_loading_the_model():
     assert result.stderr.strip() == (f"hycoc verify-server: cannot listen on 127.0.0.1:{port}: Address already in "
                                      "use (another server on this port?): pass --port N, or --port 0 for any free "
                                      "port")
-    assert took < 5  # loading the toy verifier takes ~12 s
+    assert took < 5
 
 
 def test_no_flag_shows_a_type_in_help():

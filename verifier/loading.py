@@ -21,7 +21,7 @@ and is not built yet: engines come without one unless the caller passes it, and 
 from __future__ import annotations
 
 from hycoc.chat import stop_token_ids
-from hycoc.models import ModelNotFoundError, load_head, load_tokenizer, load_verifier
+from hycoc.models import ModelNotFoundError, load_head, load_tokenizer, load_verifier, model_dir  # noqa: F401
 from hycoc.recipe import Recipe, RecipeError
 
 from .engine import VerifierEngine
@@ -29,15 +29,6 @@ from .engine import VerifierEngine
 
 class DeviceUnavailable(RuntimeError):
     """The recipe or the command line asks for a torch device this machine does not have."""
-
-
-def model_dir(recipe: Recipe, role: str):
-    """The local folder (or file) of ``[models].<role>``. Raises ModelNotFoundError naming the model, the recipe
-    key and how to provide it (a hub id must be downloaded; a path must exist)."""
-    try:
-        return recipe.model_path(role)
-    except RecipeError as e:
-        raise ModelNotFoundError(f"the {role} model is not on this machine: {e}") from None
 
 
 def check_device(device: str) -> None:

@@ -61,8 +61,7 @@ the frame limit this server reads with (`open_frame_bytes`), whatever ``max_fram
 says: an unauthenticated client cannot make it buffer more than twice that per connection.
 
 Entry points: `serve` (blocking, for ``hycoc verify-server``), `VerifierServer.start` / ``stop`` (inside a running
-loop), `ServerThread` (in-process on an ephemeral port, for tests and ``hycoc bench``), `check_port` (is the port
-free, before loading a model). Front doors that own their sockets (Ray Serve's replicas) use
+loop), `ServerThread` (in-process on an ephemeral port, for tests and ``hycoc bench``). Front doors that own their sockets (Ray Serve's replicas) use
 `VerifierServer.start_engine` and feed each accepted WebSocket, as a `Channel`, to
 `VerifierServer.serve_connection`: the session loop, its idle and handshake timeouts and its close codes are this
 module's, whatever the transport.
@@ -1053,23 +1052,6 @@ class VerifierServer:
 
 
 # --------------------------------------------------------------------------------------------------- running
-
-
-def check_port(host: str, port: int, *, reuse_address: bool = True) -> int:
-    """Bind host:port once and let it go: returns ``port``, or for port 0 the free port the OS picked. Raises OSError
-    (errno EADDRINUSE for a busy port, EADDRNOTAVAIL for an address not on this machine) so that a command can name
-    the port in one line before loading a model. reuse_address: set SO_REUSEADDR as the server that binds it next
-    does (aiohttp/asyncio on POSIX: yes, so a port in TIME_WAIT after a restart is not "busy"; Ray Serve's proxy:
-    no). The port is free when this returns, not reserved: another process may take it before the server binds."""
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        if reuse_address:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((host, port))
-        return probe.getsockname()[1]
-
 
 
 def serve(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 8765, *, auth_token: str | None = None,
