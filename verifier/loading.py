@@ -21,7 +21,7 @@ and is not built yet: engines come without one unless the caller passes it, and 
 from __future__ import annotations
 
 from hycoc.chat import stop_token_ids
-from hycoc.models import ModelNotFoundError, load_head, load_tokenizer, load_verifier, model_dir  # noqa: F401 (re-exported)
+from hycoc.models import ModelNotFoundError, load_head, load_tokenizer, load_verifier, model_dir  # noqa: F401
 from hycoc.recipe import Recipe
 
 from .engine import VerifierEngine
