@@ -319,6 +319,29 @@ class Manifest(_Model):
                 return g
         raise KeyError(f"no graph {name!r} (graphs: {', '.join(g.name for g in self.graphs)})")
 
+    def graph_chain(self, name: str) -> list[GraphEntry]:
+        """The graphs that run as graph ``name``: ``[graph(name)]``, or its layer shards ``NAME.s0``, ``NAME.s1``,
+        ... in chain order (`shard_graph_name`; issue 15: one context binary per shard). KeyError naming the
+        graphs there are when neither exists; ManifestInvalid when the shard numbers have a gap."""
+        if any(g.name == name for g in self.graphs):
+            return [self.graph(name)]
+        pattern = re.compile(re.escape(name) + r"\.s(\d+)")
+        shards = sorted((int(m.group(1)), g) for g in self.graphs if (m := pattern.fullmatch(g.name)))
+        if not shards:
+            raise KeyError(f"no graph {name!r} (graphs: {', '.join(g.name for g in self.graphs)})")
+        if [k for k, _ in shards] != list(range(len(shards))):
+            raise ManifestInvalid(f"graph {name}: shards {[g.name for _, g in shards]} are not numbered 0, 1, ...; "
+                                  f"{_REBUILD}")
+        return [g for _, g in shards]
+
+    def chain_entry(self, name: str) -> GraphEntry:
+        """Graph ``name`` as one graph (`chain_io`): its entry, or its shards' chain as a stand-in entry."""
+        chain = self.graph_chain(name)
+        if len(chain) == 1 and chain[0].name == name:
+            return chain[0]
+        inputs, outputs = chain_io(chain)
+        return GraphEntry(name=name, role=chain[0].role, file=chain[0].file, inputs=inputs, outputs=outputs)
+
     def to_json(self) -> str:
         """``manifest.json`` text: indented JSON with a trailing newline."""
         return self.model_dump_json(indent=2) + "\n"
@@ -541,6 +564,33 @@ def check_target(manifest: Manifest, *, backend: str, htp_arch: int | None = Non
         if here is not None and built != here:
             raise TargetMismatch(f"bundle built for {what} {built}, this device has {here}; rebuild it with "
                                  f"`hycoc build RECIPE --target ...` for this device")
+
+
+#: Name prefixes of the tensors layer shards pass to later shards only (`hycoc.passes.slm_graph` "Shards").
+SHARD_PASSING = ("hidden_", "per_layer_")
+
+
+def shard_graph_name(name: str, shard: int) -> str:
+    """The bundle's name of layer shard ``shard`` of graph ``name``: ``NAME.sK`` (`Manifest.graph_chain`)."""
+    return f"{name}.s{int(shard)}"
+
+
+def chain_io(chain: list[GraphEntry]) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The inputs and outputs of shards run in order as one graph: inputs = every shard input no earlier shard
+    outputs (the host's feeds, first use first); outputs = the last shard's, then the earlier shards' except the
+    tensors only passed between shards (`SHARD_PASSING`: hidden state, projected per-layer inputs), so every
+    shard's new K/V rows are outputs even when a later shard also reads them. Raises ManifestInvalid when two
+    shards output the same name."""
+    inputs: dict[str, TensorSpec] = {}
+    made: set[str] = set()
+    for g in chain:
+        inputs.update((t.name, t) for t in g.inputs if t.name not in made and t.name not in inputs)
+        for t in g.outputs:
+            if t.name in made:
+                raise ManifestInvalid(f"graph {g.name}: output {t.name} is also an earlier shard's output; {_REBUILD}")
+            made.add(t.name)
+    rest = [t for g in chain[:-1] for t in g.outputs if not t.name.startswith(SHARD_PASSING)]
+    return list(inputs.values()), list(chain[-1].outputs) + rest
 
 
 def check_graph_io(graph: GraphEntry, inputs: list[tuple[str, list[int], str]],

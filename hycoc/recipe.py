@@ -379,6 +379,18 @@ class Target(Section):
     soc_model: str = Field("SM8850", min_length=1, description="SoC of the phone (paper: SM8850, Galaxy S26 Ultra)")
     context_size_limit_mb: int = Field(3500, ge=1, le=1_048_576, description="largest QNN context binary the phone loads, in MB")
     disable_cpu_fallback: bool = Field(True, description="fail the compile if any node would fall back to the CPU")
+    slm_shards: int | Literal["auto"] = Field(
+        1, exclude=True, description="the SLM tree graph split by layers into this many shards, one context binary "
+        "each, chained by the runtime (1 = one graph; \"auto\" = the fewest whose weights fit context_size_limit_mb); "
+        "left out of the table's cache-key dump, so an unsharded build keeps its keys")
+
+    @model_validator(mode="after")
+    def _shard_count(self) -> Target:
+        v = self.slm_shards
+        if v != "auto" and (isinstance(v, bool) or not 1 <= v <= 1024):
+            raise CrossFieldError("slm_shards", v, "is not a shard count", 'a count in [1, 1024] or "auto"')
+        return self
+
 
     @model_validator(mode="after")
     def _arch_matches_name(self) -> Target:

@@ -7,6 +7,11 @@ from the recipe's ``[models]``, loaded by `build_inputs`):
     keep_set -> calibration_answers -> head_qat -> head_export -> qdq_head -> slm_surgery -> slm_tree_graph
              -> qdq_slm -> target_<name>
 
+With ``[target] slm_shards`` != 1 the SLM is split by layers: ``slm_surgery -> slm_shards -> target_<name>``
+(`hycoc.passes.slm_shard_build`: per-shard export and QDQ calibrated on the float chain), the bundle's graphs
+``slm.s0``, ``slm.s1``, ... (on htp one context binary per shard), chained by the runtime
+(`hycoc.runtime.graphs.ShardChainRunner`); no ``slm_decode`` graph then.
+
 ``calibration_answers`` has the verifier answer the calibration prompts once, in batches; the head QAT, the head's
 QDQ calibration and the SLM's read its answers (App. A: both calibrations use the same prompts and greedy answers).
 
@@ -91,9 +96,12 @@ class TargetPass(Pass):
     def __init__(self, target: str, graphs: dict[str, str], work_dir: Path):
         if target not in TARGETS:
             raise BuildError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
+        from hycoc.passes.slm_shard_build import KIND as SHARDS, ShardedOnnxArtifact
+
         self.target, self.graphs, self.work_dir = target, dict(graphs), Path(work_dir)
         self.name = f"target_{target.replace('-', '_')}"
-        self.consumes = {kind: OnnxArtifact for kind in self.graphs.values()}
+        # the SLM as layer shards: one artifact, one graph (and on htp one context binary) per shard
+        self.consumes = {kind: ShardedOnnxArtifact if kind == SHARDS else OnnxArtifact for kind in self.graphs.values()}
         self.produces = {"target_files": TargetFilesArtifact}
 
     def key_material(self, recipe: Recipe) -> dict[str, Any]:
@@ -110,6 +118,11 @@ class TargetPass(Pass):
         start = time.perf_counter()
         qdq_paths = {}
         for graph, kind in self.graphs.items():
+            if hasattr(inputs[kind], "models"):         # layer shards (`hycoc.passes.slm_shard_build`): slm.s0, ...
+                for name, model in inputs[kind].models():
+                    shutil.copytree(model.parent, src / name)
+                    qdq_paths[name] = src / name / model.name
+                continue
             path = src / graph / f"{graph}.onnx"  # data file named after the graph: graphs share one folder
             path.parent.mkdir(parents=True)
             ir.save(inputs[kind].payload, path, external_data=f"{graph}.onnx.data")
@@ -193,6 +206,12 @@ def build_pipeline(recipe: Recipe, target: str, *, cache_dir: str | Path, consol
     passes: list[Pass] = [KeepSetPass(), CalibrationAnswersPass(), HeadQatPass(seed=seed),
                           HeadExport(seed=seed), head_qdq_pass(seed)]
     graphs = {"head": "qdq_head"}
+    if recipe.target.slm_shards != 1:       # the SLM split by layers (`hycoc.passes.slm_shard_build`)
+        from hycoc.passes.slm_shard_build import KIND, SlmShardsPass
+
+        passes += [SlmGraphSurgery(), SlmShardsPass(seed=seed, work_dir=Path(cache_dir) / "work")]
+        passes.append(TargetPass(target, graphs | {"slm": KIND}, Path(cache_dir) / "work"))
+        return Pipeline(passes, cache_dir, console=console, device=device)
     passes += [SlmGraphSurgery(), SlmTreeGraphExport(), QdqQuantize("onnx_slm", "qdq_slm", seed=seed)]
     graphs["slm"] = "qdq_slm"
     passes.append(TargetPass(target, graphs, Path(cache_dir) / "work"))

@@ -387,15 +387,16 @@ def load_runtime(bundle_dir, backend: str = "cpu", *, threads: int | None = None
     the graphs through onnxruntime IOBindings (`GraphRunner`): rings bound once, outputs in preallocated buffers
     (the SLM's: one set per forward a round keeps until its commit, at most ``specedge_passes``)."""
     from hycoc.runtime.device_bundle import open_bundle
-    from hycoc.runtime.graphs import GraphRunner, runtime_outputs
+    from hycoc.runtime.graphs import GraphRunner, open_graph, runtime_outputs
 
     bundle = open_bundle(bundle_dir, backend)
     m = bundle.manifest
     sets = max(2, bundle.round.specedge_passes, bundle.round.slm_passes)
     head = GraphRunner(bundle.path, m, "head", backend, threads, outputs=runtime_outputs(m.graph("head")),
                        io_binding=io_binding)
-    slm = GraphRunner(bundle.path, m, "slm", backend, threads, outputs=runtime_outputs(m.graph("slm")),
-                      io_binding=io_binding, output_sets=sets)
+    # open_graph: the SLM as layer shards (slm.s0, slm.s1, ...) runs as one chained graph (ShardChainRunner)
+    slm = open_graph(bundle.path, m, "slm", backend, threads, outputs=runtime_outputs(m.chain_entry("slm")),
+                     io_binding=io_binding, output_sets=sets)
     return DeviceRuntime(bundle, head, slm)
 
 

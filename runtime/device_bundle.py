@@ -126,11 +126,11 @@ def open_bundle(path: str | os.PathLike, backend: str = "cpu", *, verify: bool =
         raise ManifestInvalid(f"bundle {folder}: its manifest has no host section (built by an older hycoc); "
                               "rebuild it with `hycoc build RECIPE --target ... --out DIR`")
     names = {g.name for g in manifest.graphs}
-    missing = {"head", "slm"} - names
+    missing = {n for n in ("head", "slm") if n not in names and not any(x.startswith(f"{n}.s") for x in names)}
     if missing:
         raise ManifestInvalid(f"bundle {folder}: no {', '.join(sorted(missing))} graph; rebuild it with hycoc build")
     for name, wanted in (("head", {"top_index"}), ("slm", {"top_index", "top_logq"})):
-        missing = wanted - {t.name for t in manifest.graph(name).outputs}
+        missing = wanted - {t.name for t in manifest.chain_entry(name).outputs}   # layer shards: the chain's
         if missing:   # graphs emit their top-k since issue 16; the runtime no longer ranks a keep-set-wide row
             raise ManifestInvalid(f"bundle {folder}: its {name} graph has no {', '.join(sorted(missing))} output "
                                   "(built by an older hycoc); rebuild it with `hycoc build RECIPE --target ... "

@@ -6,6 +6,10 @@ on the QNN EP (``onnxruntime-qnn``, a plugin EP registered with ``register_execu
 host its HTP backend runs the context binary on the HTP simulator), CPU fallback disabled, the provider options
 of the manifest's target (``htp_arch``, ``soc_model``).
 
+A graph the bundle holds as layer shards (``slm.s0``, ``slm.s1``, ...; issue 15: one context binary per shard,
+each under the target's context budget) runs as `ShardChainRunner`, the shards chained by tensor name;
+`open_graph` picks the runner.
+
 `GraphRunner` checks the session's inputs and outputs against the manifest before the first run
 (`hycoc.bundle.check_graph_io`) and converts between the runtime's float32 arrays and the graph's IO dtype: a
 graph input declared as an integer type with an encoding is quantized with it (real = scale x (q - zero_point)),
@@ -213,3 +217,73 @@ class GraphRunner:
                 y = y.astype(np.float32)
             result[name] = y                   # integer outputs without an encoding (top-k indices) stay integers
         return result
+
+
+class ShardChainRunner:
+    """A graph built as layer shards (``NAME.s0``, ``NAME.s1``, ... in the manifest, `Manifest.graph_chain`; issue
+    15), presented as one graph with `GraphRunner`'s contract, so `SlmDrafter` runs it unchanged.
+
+    Each shard is a `GraphRunner` of its own (on htp: its own context binary); ``run(feeds)`` runs them in order,
+    each shard's inputs taken by name from ``feeds`` or from an earlier shard's outputs (`hycoc.passes.slm_graph`
+    "Shards"), and returns the chain's outputs (`hycoc.bundle.chain_io`: the last shard's, e.g. ``top_index`` /
+    ``top_logq`` / ``logits``, and every shard's ``k_new_i`` / ``v_new_i``). ``entry``: the chain as one stand-in
+    `GraphEntry`; ``outputs``: the chain outputs to return (default all); ``io_binding`` / ``output_sets`` as
+    `GraphRunner` (each shard keeps ``output_sets`` sets, so a returned K/V row stays valid as long as with one
+    graph). ``calls`` / ``seconds`` count chain runs and their wall time; ``shards`` are the runners.
+    Raises GraphRunError / GraphIOMismatch as `GraphRunner`, naming the shard.
+    """
+
+    def __init__(self, bundle_dir: str | Path, manifest: Manifest, name: str, backend: str,
+                 threads: int | None = None, outputs: Sequence[str] | None = None, *, io_binding: bool = False,
+                 output_sets: int = 1):
+        chain = manifest.graph_chain(name)
+        self.name = name
+        self.entry: GraphEntry = manifest.chain_entry(name)
+        self.inputs: dict[str, TensorSpec] = {t.name: t for t in self.entry.inputs}
+        self.outputs: dict[str, TensorSpec] = {t.name: t for t in self.entry.outputs}
+        names = [t.name for t in self.entry.outputs]
+        if outputs is not None:
+            unknown = sorted(set(outputs) - set(names))
+            if unknown:
+                raise GraphIOMismatch(f"graph {name} has no output {', '.join(unknown)}; it has {', '.join(names)}")
+            names = [n for n in names if n in outputs]
+        self.output_names = names
+        self.shards: list[GraphRunner] = []
+        for k, g in enumerate(chain):
+            later = {t.name for h in chain[k + 1:] for t in h.inputs}
+            wanted = [t.name for t in g.outputs if t.name in later or t.name in names]
+            self.shards.append(GraphRunner(bundle_dir, manifest, g.name, backend, threads, outputs=wanted,
+                                           io_binding=io_binding, output_sets=output_sets))
+        self.load_seconds = sum(r.load_seconds for r in self.shards)
+        self.calls, self.seconds = 0, 0.0
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Declared shape of chain input or output ``name``."""
+        spec = self.inputs.get(name) or self.outputs[name]
+        return tuple(spec.shape)
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        t0 = time.perf_counter()
+        made: dict[str, np.ndarray] = {}
+        for runner in self.shards:
+            x = {}
+            for n in runner.inputs:
+                if n in made:
+                    x[n] = made[n]
+                elif n in feeds:
+                    x[n] = feeds[n]
+                else:
+                    raise GraphIOMismatch(f"graph {runner.name}: no feed for input {n}")
+            made.update(runner.run(x))
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return {n: made[n] for n in self.output_names}
+
+
+def open_graph(bundle_dir: str | Path, manifest: Manifest, name: str, backend: str, threads: int | None = None,
+               outputs: Sequence[str] | None = None, *, io_binding: bool = False, output_sets: int = 1):
+    """Graph ``name`` of a bundle as one runner: a `GraphRunner`, or a `ShardChainRunner` when the bundle holds it
+    as layer shards (`Manifest.graph_chain`). Arguments and errors as `GraphRunner`."""
+    chain = manifest.graph_chain(name)
+    cls = GraphRunner if len(chain) == 1 and chain[0].name == name else ShardChainRunner
+    return cls(bundle_dir, manifest, name, backend, threads, outputs, io_binding=io_binding, output_sets=output_sets)
