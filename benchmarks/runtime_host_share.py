@@ -84,20 +84,26 @@ class CpuClock:
         return timed
 
     def session(self, session):
-        """``session`` with its ``run`` timed while inside the drafting region."""
+        """``session`` with its ``run`` and ``run_with_iobinding`` timed while inside the drafting region."""
         clock = self
 
         class Timed:
             def __getattr__(self, name):
                 return getattr(session, name)
 
-            def run(self, *args):
+            def _timed(self, fn, *args):
                 start = time.thread_time()
                 try:
-                    return session.run(*args)
+                    return fn(*args)
                 finally:
                     if clock._depth:
                         clock.graph_s += time.thread_time() - start
+
+            def run(self, *args):
+                return self._timed(session.run, *args)
+
+            def run_with_iobinding(self, *args):
+                return self._timed(session.run_with_iobinding, *args)
         return Timed()
 
 

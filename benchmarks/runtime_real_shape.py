@@ -37,7 +37,8 @@ minus that of the timed functions it calls):
     ingest       MtpDrafter.ingest (dequantize + validate the hand-off, ring column writes)
     masks        hycoc.host.ring_masks (head), TreeRingMask.update (SLM; tree_ring_mask before issue 16's
                  in-place masks)
-    rotary+LUT   RotaryTable.rows, EmbeddingLut.lookup, SlmDrafter.feeds / MtpDrafter.feeds assembly
+    rotary+LUT   RotaryTable.rows / RotaryBlock.rows, EmbeddingLut.lookup, SlmDrafter.feeds / MtpDrafter.feeds
+                 assembly
     ring writes  SlmDrafter._write
     top-k        the head's top-2, the SLM rows' candidates (read from the graph, or log-softmax + 32 best of the
                  logits on the host) and their scoring (TreeBuilder.slm_pass)
@@ -134,13 +135,16 @@ def instrument(timer: StepTimer) -> None:
     timer.wrap(slm_drafter.SlmDrafter, "commit", "commit")
     timer.wrap(host.EmbeddingLut, "lookup", "rotary+LUT")
     timer.wrap(host.RotaryTable, "rows", "rotary+LUT")
+    if hasattr(host, "RotaryBlock"):
+        timer.wrap(host.RotaryBlock, "rows", "rotary+LUT")
     for module, names in ((mtp_drafter, ("ring_masks",)), (slm_drafter, ("tree_ring_mask", "tree_depths"))):
         for name in names:
             if hasattr(module, name):
                 timer.wrap(module, name, "masks")
     timer.wrap(tree_mask.TreeRingMask, "update", "masks")
     for module, name in ((mtp_drafter, "top2"), (slm_drafter, "logits_candidates"),
-                         (slm_drafter, "graph_candidates"), (tree_builder, "logq_candidates")):
+                         (slm_drafter, "graph_candidates"), (slm_drafter, "graph_candidate_rows"),
+                         (tree_builder, "logq_candidates")):
         if hasattr(module, name):
             timer.wrap(module, name, "top-k")
     timer.wrap(tree_builder.TreeBuilder, "slm_pass", "top-k")

@@ -7,9 +7,10 @@ construction. No torch, no transformers: this module ships to the phone (DESIGN.
 - `EmbeddingLut`: embedding tables kept on the host in the checkpoint's own quantized storage (App. A: "the
   embeddings stay on the CPU as LUTs"), `unpack_signed` for its 2/4/8-bit layouts;
 - `RotaryTable`: cos/sin rows at absolute positions (keys enter the rings rotated, queries get rows as inputs);
+  `RotaryBlock`: the same rows of consecutive positions from a block computed once;
 - `ring_masks`: the MTP head's W-column ring masks (Alg. 2 lines 2-5);
 - `tree_depths`, `ancestor_matrix`, `ring_positions`, `tree_ring_mask`: the SLM tree graph's rows and its
-  ring + ancestor mask (Alg. 3 line 8).
+  ring + ancestor mask (Alg. 3 line 8); `ring_runs`: consecutive positions as runs of ring columns.
 
 Masks are additive float32 with a finite hidden value (`MASK_VALUE` = -1e4), sized for a 16-bit quantized mask
 input: never -inf, never a min-float stand-in (issue 4 "Numerics by construction").
@@ -115,6 +116,36 @@ class RotaryTable:
         return (np.cos(emb) * scaling).astype(np.float32), (np.sin(emb) * scaling).astype(np.float32)
 
 
+class RotaryBlock:
+    """`RotaryTable.rows` of consecutive positions served from a block of ``block`` rows computed at once, so a
+    drafter's forwards (a few positions after the last) mostly read rows already computed instead of evaluating
+    cos/sin each time. numpy's float32 cos/sin give each element the value it has alone (checked by
+    tests/test_rotary_block.py against `RotaryTable.rows` row by row), so the rows equal a fresh call's bit for bit.
+    Raises ValueError for block < 1.
+    """
+
+    def __init__(self, table: RotaryTable, block: int = 256):
+        if block < 1:
+            raise ValueError(f"a rotary block needs at least 1 row, got {block}")
+        self.table, self.block = table, int(block)
+        self._start = 0
+        self._cos = self._sin = None
+        self.computed = 0                                   # blocks computed so far
+
+    def rows(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(cos, sin) float32 (count, head_dim) of positions first .. first + count - 1 (>= 0): views of the block,
+        valid for as long as the caller holds them (a new block is a new array). Raises ValueError for count < 1
+        or first < 0."""
+        if count < 1 or first < 0:
+            raise ValueError(f"rotary rows of {count} positions from {first}: need count >= 1 and first >= 0")
+        lo = first - self._start
+        if self._cos is None or lo < 0 or lo + count > len(self._cos):
+            self._start, lo = first, 0
+            self._cos, self._sin = self.table.rows(np.arange(first, first + max(self.block, count)))
+            self.computed += 1
+        return self._cos[lo:lo + count], self._sin[lo:lo + count]
+
+
 # ---- the MTP head's ring (Alg. 2 lines 2-5) ---------------------------------------------------------------------
 
 
@@ -170,8 +201,9 @@ def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
     bits = [1] + [0] * (n - 1)                 # row j's ancestors (and itself) as the set bits of one int
     for j in range(1, n):
         bits[j] = bits[p[j]] | (1 << j)
-    words = np.asarray(bits, dtype=np.uint64)
-    return ((words[:, None] >> np.arange(n, dtype=np.uint64)) & np.uint64(1)).astype(bool)
+    words = np.asarray(bits, dtype="<u8")      # little-endian words: byte b holds bits 8b..8b+7, low bit first
+    return np.ascontiguousarray(np.unpackbits(words.view(np.uint8), bitorder="little").reshape(n, 64)[:, :n]
+                                .view(bool))
 
 
 def ring_positions(first_position: int, ring: int) -> np.ndarray:
@@ -181,6 +213,20 @@ def ring_positions(first_position: int, ring: int) -> np.ndarray:
     out = np.empty(ring, dtype=np.int64)
     out[p % ring] = p
     return out
+
+
+def ring_runs(first: int, count: int, ring: int) -> list[tuple[slice, slice]]:
+    """Positions [first, first + count) of a ring of ``ring`` columns (position p in column p mod ring) as at most
+    two runs of consecutive columns: [(column slice, slice of the count positions)], so a ring write is one or two
+    slice copies instead of a gather. Raises ValueError unless 0 <= count <= ring and first >= 0."""
+    if not 0 <= count <= ring or first < 0:
+        raise ValueError(f"{count} positions from {first} do not fit a ring of {ring} columns")
+    start = first % ring
+    head = min(count, ring - start)
+    runs = [(slice(start, start + head), slice(0, head))] if head else []
+    if count > head:
+        runs.append((slice(0, count - head), slice(head, count)))
+    return runs
 
 
 def tree_ring_mask(parents: Sequence[int], first_position: int, live_start: int, ring: int,

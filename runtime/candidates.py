@@ -16,6 +16,7 @@ numpy only: this module ships to the phone.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,17 +84,48 @@ def logits_candidates(logits: np.ndarray, k: int) -> list[Candidates]:
     return [Candidates(index[r], lq[r, index[r]]) for r in range(len(index))]
 
 
-def graph_candidates(top_index: np.ndarray, top_logq: np.ndarray, rows, k: int) -> list[Candidates]:
-    """The graph path (module docstring): `Candidates` of ``rows`` from the graph's ``top_index`` / ``top_logq``
-    ((1, R, k_graph) each), the first k of each. Raises ValueError when the graph emits fewer than k."""
+class CandidateRows(Mapping):
+    """Several nodes' candidates as two arrays, read-only mapping node -> `Candidates` (row views): ``index`` int64
+    (n, k) and ``logq`` float64 (n, k), row i for ``nodes[i]``. The tree builder scores all rows at once
+    (`hycoc.runtime.tree_builder.TreeBuilder.slm_pass`); a lookup by node gives the same `Candidates` the graph
+    path gives one by one."""
+
+    def __init__(self, nodes, index: np.ndarray, logq: np.ndarray):
+        self.nodes = [int(v) for v in nodes]
+        self.index, self.logq = index, logq
+        self.row = {v: i for i, v in enumerate(self.nodes)}
+
+    def __getitem__(self, node: int) -> Candidates:
+        i = self.row[node]
+        return Candidates(self.index[i], self.logq[i])
+
+    def __contains__(self, node) -> bool:
+        return node in self.row
+
+    def __iter__(self):
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+
+def graph_candidate_rows(top_index: np.ndarray, top_logq: np.ndarray, nodes, rows, k: int) -> CandidateRows:
+    """The graph path (module docstring) for ``nodes`` at graph ``rows``: their first k ``top_index`` /
+    ``top_logq`` ((1, R, k_graph) each) entries as one `CandidateRows`. Raises ValueError when the graph emits
+    fewer than k."""
     if top_index.shape[-1] < k:
         raise ValueError(f"the SLM graph emits its best {top_index.shape[-1]} tokens per row, the tree builder "
                          f"wants {k} candidates: rebuild the bundle with this recipe")
     rows = np.asarray(rows, dtype=np.int64)
-    index = top_index[0, rows, :k].astype(np.int64)
-    logq = top_logq[0, rows, :k].astype(np.float64)
-    return [Candidates(index[r], logq[r]) for r in range(len(rows))]
+    return CandidateRows(nodes, top_index[0, rows, :k].astype(np.int64), top_logq[0, rows, :k].astype(np.float64))
 
 
-__all__ = ["Candidates", "graph_candidates", "log_softmax", "logits_candidates", "logq_candidates",
+def graph_candidates(top_index: np.ndarray, top_logq: np.ndarray, rows, k: int) -> list[Candidates]:
+    """The graph path (module docstring): `Candidates` of ``rows`` from the graph's ``top_index`` / ``top_logq``
+    ((1, R, k_graph) each), the first k of each. Raises ValueError when the graph emits fewer than k."""
+    found = graph_candidate_rows(top_index, top_logq, range(len(rows)), rows, k)
+    return [found[i] for i in range(len(rows))]
+
+
+__all__ = ["CandidateRows", "Candidates", "graph_candidate_rows", "graph_candidates", "log_softmax", "logits_candidates", "logq_candidates",
            "top_k_indices"]

@@ -21,11 +21,12 @@ rejected with `HandoffError` before anything is written; drafting before any han
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from hycoc.host import FULL, SLIDING, ring_masks
+from hycoc.host import FULL, SLIDING, RotaryBlock, ring_masks, ring_runs
 from hycoc.protocol.messages import HandOff
 
 
@@ -35,6 +36,40 @@ class HandoffError(ValueError):
 
 class NoHandoff(RuntimeError):
     """The MTP Drafter was asked to draft before it received a hand-off (the first tree is SLM-only)."""
+
+
+_INT_BOUND: dict[np.dtype, float] = {}          # integer dtype -> its largest magnitude, as a float32 value
+_F32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103           # the smallest real that float32 rounds to inf
+
+
+class _Dequantized:
+    """A hand-off tensor and its scale: float32(raw) x float32(scale), checked for NaN/inf before it is written.
+    Integer rows (the wire's int8) cannot hold NaN: their products are all finite when the dtype's largest
+    magnitude times the scale is (rounding is monotonic), a check of one number; they are then multiplied straight
+    into their destination. Float rows are dequantized here and checked value by value."""
+
+    def __init__(self, raw: np.ndarray, scale: float):
+        self.raw, self.scale = raw, np.float32(scale)
+        self.integer = raw.dtype.kind in "iu"
+        self.value = None if self.integer else raw.astype(np.float32) * self.scale
+
+    def finite(self) -> bool:
+        if self.integer:
+            bound = _INT_BOUND.get(self.raw.dtype)
+            if bound is None:
+                info = np.iinfo(self.raw.dtype)
+                bound = _INT_BOUND[self.raw.dtype] = float(np.float32(max(-int(info.min), int(info.max))))
+            # two float32 values multiply exactly in float64; float32 rounds the product to inf from 2^128 - 2^103
+            # (half an ulp above the largest float32) up
+            return bound * float(self.scale) < _F32_OVERFLOW
+        return bool(np.all(np.isfinite(self.value)))
+
+    def into(self, out: np.ndarray, view=lambda a: a) -> None:
+        """Write ``view`` of the dequantized values into ``out`` (the same float32 products either way)."""
+        if self.integer:
+            np.multiply(view(self.raw), self.scale, out=out, dtype=np.float32)
+        else:
+            out[...] = view(self.value)
 
 
 def top2(logits: np.ndarray) -> tuple[int, int]:
@@ -73,6 +108,8 @@ class MtpDrafter:
         self.offset = r.head_query_position_offset
         self.sliding_window = bundle.host.head.sliding_window
         self.hidden = runner.shape("x_hat")[-1] // 2
+        self._query = np.zeros((1, 1, 2 * self.hidden), np.float32)    # the head's x_hat input, one buffer
+        self._rotary = {kind: RotaryBlock(bundle.head_rotary[kind]) for kind in (SLIDING, FULL)}
         self.ring = {}
         for kind, short in ((SLIDING, "sliding"), (FULL, "full")):
             shape = runner.shape(f"k_{short}")
@@ -92,8 +129,11 @@ class MtpDrafter:
 
     def ingest(self, h: HandOff) -> None:
         """Alg. 2 lines 1-5 for one hand-off (module docstring). Raises HandoffError (nothing written then)."""
-        scales = np.asarray(h.scales, dtype=np.float64)
-        if len(scales) != 6 or not np.all(np.isfinite(scales)) or np.any(scales <= 0):
+        try:
+            scales = [float(x) for x in h.scales]
+        except (TypeError, ValueError):
+            scales = []
+        if len(scales) != 6 or not all(math.isfinite(x) and x > 0 for x in scales):
             raise HandoffError(f"hand-off scales {h.scales}: need 6 finite positive values")
         if h.x_hat.shape != (2 * self.hidden,):
             raise HandoffError(f"hand-off x_hat has {h.x_hat.shape[0] if h.x_hat.ndim else 0} values, the head graph "
@@ -101,6 +141,7 @@ class MtpDrafter:
         n = h.t_prime - h.a
         if h.a < 0 or n < 0 or n > self.W:
             raise HandoffError(f"hand-off positions [{h.a}, {h.t_prime}) do not fit a {self.W}-column ring")
+        # every tensor dequantized (int8 x its fixed scale) and checked before anything is written
         rows = {}
         for kind, short, ks, vs in ((SLIDING, "sliding", scales[2], scales[3]), (FULL, "full", scales[4], scales[5])):
             _, kv, _, d = self.ring[kind][0].shape
@@ -108,36 +149,45 @@ class MtpDrafter:
             if k.shape != (n, kv * d) or v.shape != (n, kv * d):
                 raise HandoffError(f"hand-off {short} rows are {k.shape}/{v.shape}, expected ({n}, {kv * d}) "
                                    f"({kv} KV heads x {d})")
-            rows[kind] = (k.astype(np.float32) * np.float32(ks), v.astype(np.float32) * np.float32(vs))
-            if not (np.all(np.isfinite(rows[kind][0])) and np.all(np.isfinite(rows[kind][1]))):
+            rows[kind] = (_Dequantized(k, ks), _Dequantized(v, vs))
+            if not (rows[kind][0].finite() and rows[kind][1].finite()):
                 raise HandoffError(f"hand-off {short} rows hold NaN or inf")
-        x_hat = np.concatenate([h.x_hat[:self.hidden].astype(np.float32) * np.float32(scales[0]),
-                                h.x_hat[self.hidden:].astype(np.float32) * np.float32(scales[1])])
-        if not np.all(np.isfinite(x_hat)):
+        e, hh = _Dequantized(h.x_hat[:self.hidden], scales[0]), _Dequantized(h.x_hat[self.hidden:], scales[1])
+        if not (e.finite() and hh.finite()):
             raise HandoffError("hand-off x_hat holds NaN or inf")
         if self.t0 is None or h.a != self.t0:          # line 3: a new request
             self.reset()
             self.live = h.a
-        cols = np.arange(h.a, h.t_prime) % self.W      # line 4
+        runs = ring_runs(h.a, n, self.W)               # line 4: column p mod W, as one or two slices
         for kind, (k_rows, v_rows) in rows.items():
             k_ring, v_ring = self.ring[kind]
             _, kv, _, d = k_ring.shape
-            k_ring[0][:, cols, :] = k_rows.reshape(n, kv, d).transpose(1, 0, 2)
-            v_ring[0][:, cols, :] = v_rows.reshape(n, kv, d).transpose(1, 0, 2)
+            for ring, x in ((k_ring, k_rows), (v_ring, v_rows)):
+                for cols, src in runs:                 # (n, kv x d) rows -> [kv, n, d] columns
+                    x.into(ring[0, :, cols], lambda a, src=src: a.reshape(n, kv, d)[src].transpose(1, 0, 2))
+        x_hat = np.empty(2 * self.hidden, np.float32)
+        e.into(x_hat[:self.hidden])
+        hh.into(x_hat[self.hidden:])
         self.t0 = h.t_prime
         self.live = max(self.live, h.t_prime - self.W)  # line 5
         self.x_hat = x_hat
 
     def feeds(self, z: np.ndarray) -> dict[str, np.ndarray]:
-        """The head graph's inputs for query z (float32 (2H,)) at the current ring (lines 5-6, 9)."""
+        """The head graph's inputs for query z (float32 (2H,)) at the current ring (lines 5-6, 9). ``x_hat`` and
+        the rings are the drafter's own buffers (valid until the next call)."""
         t = self.t0
         masks = ring_masks(t, self.live, self.W, self.sliding_window)
         q = t + self.offset
-        out = {"x_hat": z.reshape(1, 1, -1).astype(np.float32)}
+        self._query[0, 0] = z
+        out = {"x_hat": self._query}
         for kind, short in ((SLIDING, "sliding"), (FULL, "full")):
             out[f"k_{short}"], out[f"v_{short}"] = self.ring[kind]
             out[f"mask_{short}"] = masks[kind]
-            cos, sin = self.bundle.head_rotary[kind].rows(np.asarray([[q]]))
+            if q >= 0:
+                cos, sin = self._rotary[kind].rows(q, 1)
+                cos, sin = cos[None], sin[None]
+            else:
+                cos, sin = self.bundle.head_rotary[kind].rows(np.asarray([[q]]))
             out[f"cos_{short}"], out[f"sin_{short}"] = cos, sin
         return out
 
@@ -148,18 +198,23 @@ class MtpDrafter:
         K = self.K if steps is None else steps
         D = self.D if siblings is None else siblings
         keep = self.bundle.keep_set
-        z = self.x_hat
-        feeds = self.feeds(z)       # ring, masks and rotary rows stay fixed over the K steps (lines 6, 9)
+        feeds = self.feeds(self.x_hat)  # ring, masks and rotary rows stay fixed over the K steps (lines 6, 9)
+        z = feeds["x_hat"][0, 0]        # the query buffer, rewritten in place each step: z = [E[i]; h]
         out = MtpDraft([], [], [], [])
         for k in range(1, K + 1):
-            feeds["x_hat"] = z.reshape(1, 1, -1).astype(np.float32)
             res = self.runner.run(feeds)
             # the graph's own top-2 (ONNX TopK: ties to the lower index) when it emits one, else the host's
-            i, i2 = (int(x) for x in res["top_index"].reshape(-1)[:2]) if "top_index" in res else top2(res["logits"])
+            if "top_index" in res:
+                top = res["top_index"].ravel()
+                i, i2 = int(top[0]), int(top[1])
+            else:
+                i, i2 = top2(res["logits"])
             out.chain.append(int(keep[i]))
             out.chain_index.append(i)
             if k <= D:
                 out.runner_ups.append(int(keep[i2]))
                 out.runner_up_index.append(i2)
-            z = np.concatenate([self.bundle.embed_keep(i), res["h_next"].reshape(-1)])
+            if k < K:
+                z[:self.hidden] = self.bundle.embed_keep(i)
+                z[self.hidden:] = res["h_next"].reshape(-1)
         return out

@@ -28,12 +28,12 @@ without KV become the next round's committed rows without KV.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from hycoc.host import ancestor_matrix, tree_depths
-from hycoc.runtime.candidates import Candidates, graph_candidates, logits_candidates
+from hycoc.host import MASK_VALUE, RotaryBlock, ancestor_matrix, ring_runs, tree_depths
+from hycoc.runtime.candidates import Candidates, graph_candidate_rows, logits_candidates
 from hycoc.runtime.tree_mask import TreeRingMask
 from hycoc.runtime.tree_builder import DraftTreeNodes
 
@@ -70,6 +70,7 @@ class SlmDrafter:
         # with W)
         self.masks = {t: TreeRingMask(self.rows, self.ring_len[t],
                                       self.sliding_window if t == "sliding_attention" else None) for t in self.types}
+        self._rotary = {t: RotaryBlock(bundle.slm_rotary[t]) for t in self.types}
         self.rings = {i: (np.zeros(runner.shape(f"k_ring_{i}"), np.float32),
                           np.zeros(runner.shape(f"v_ring_{i}"), np.float32)) for i in self.kv_layers}
         self.window = max(self.ring_len.values())
@@ -121,26 +122,30 @@ class SlmDrafter:
 
     # ---- one forward -------------------------------------------------------------------------------------------
 
-    def feeds(self, tokens: Sequence[int], parents: Sequence[int], first_position: int) -> dict[str, np.ndarray]:
+    def feeds(self, tokens: Sequence[int], parents: Sequence[int], first_position: int,
+              real_rows: int | None = None) -> dict[str, np.ndarray]:
         """The graph's inputs for R rows at ``first_position`` (`hycoc.passes.slm_graph.host_inputs`'s rules). The
-        masks and rings are the drafter's own buffers (updated in place: valid until the next forward)."""
+        masks and rings are the drafter's own buffers (updated in place: valid until the next forward).
+        real_rows: rows before the padding (which repeats row real_rows - 1's token): only they are looked up."""
         tokens = np.asarray(tokens, np.int64)
         depths = tree_depths(parents)
         ancestors = ancestor_matrix(parents)
-        positions = first_position + depths
         b = self.bundle
-        # padding repeats the last row: look each distinct token up once
-        unique, inverse = np.unique(tokens, return_inverse=True)
-        out = {"inputs_embeds": b.slm_luts["embed_tokens"].lookup(unique)[inverse][None]}
+        n = len(tokens)
+        real = n if real_rows is None else max(1, min(int(real_rows), n))
+        # the LUT rows of the real rows, the padding repeats the last (each row's lookup is its own: equal values)
+        pad = np.minimum(np.arange(n), real - 1) if real < n else slice(None)
+        out = {"inputs_embeds": b.slm_luts["embed_tokens"].lookup(tokens[:real])[pad][None]}
         if self.ple:
-            rows = b.slm_luts["embed_tokens_per_layer"].lookup(unique)[inverse]
-            out["per_layer_inputs"] = rows.reshape(1, len(tokens), len(self.layer_types), self.ple)
-        at, where = np.unique(positions, return_inverse=True)      # a tree has few distinct depths
+            rows = b.slm_luts["embed_tokens_per_layer"].lookup(tokens[:real])[pad]
+            out["per_layer_inputs"] = rows.reshape(1, n, len(self.layer_types), self.ple)
+        # rotary rows of positions first .. first + max depth (a tree's depths are 0..max), one per depth
+        block = np.where(ancestors, np.float32(0.0), np.float32(MASK_VALUE))    # the tree rows' block, shared
         for t in self.types:
-            cos, sin = b.slm_rotary[t].rows(at)
-            out[f"cos_{_short(t)}"], out[f"sin_{_short(t)}"] = cos[where][None], sin[where][None]
+            cos, sin = self._rotary[t].rows(first_position, int(depths.max()) + 1)
+            out[f"cos_{_short(t)}"], out[f"sin_{_short(t)}"] = cos[depths][None], sin[depths][None]
             out[f"mask_{_short(t)}"] = self.masks[t].update(parents, first_position, self.live_start,
-                                                            depths=depths, ancestors=ancestors)
+                                                            depths=depths, ancestors=ancestors, tree_block=block)
         for i in self.kv_layers:
             out[f"k_ring_{i}"], out[f"v_ring_{i}"] = self.rings[i]
         return out
@@ -149,30 +154,46 @@ class SlmDrafter:
         tokens, parents = list(tokens), list(parents)
         if len(tokens) > self.rows:
             raise ValueError(f"{len(tokens)} rows do not fit the SLM graph's {self.rows}")
+        real = len(tokens)
         pad_parent = max(parents[-1], 0)                 # padding: the last row again (under row 0 if it is row 0)
         while len(tokens) < self.rows:
             tokens.append(tokens[-1])
             parents.append(pad_parent)
-        out = self.runner.run(self.feeds(tokens, parents, first_position))
+        out = self.runner.run(self.feeds(tokens, parents, first_position, real))
         self.forwards += 1
         return out
 
     def _write(self, out: dict[str, np.ndarray], rows: Sequence[int], positions: Sequence[int]) -> None:
-        """Copy rows ``rows`` of a forward's new K/V into columns ``positions`` mod W_i of every ring (one copy
-        per ring; positions distinct and at most W_i of them)."""
-        if len(rows) == 0:
+        """Copy rows ``rows`` of a forward's new K/V into columns ``positions`` mod W_i of every ring (positions
+        distinct and at most W_i of them). Consecutive positions (the usual case) are one or two slice copies per
+        ring (`hycoc.host.ring_runs`), consecutive rows a slice of the output."""
+        n = len(rows)
+        if n == 0:
             return
-        rows, positions = np.asarray(rows, np.int64), np.asarray(positions, np.int64)
+        rows, positions = [int(r) for r in rows], [int(p) for p in positions]
+        row_sel = (slice(rows[0], rows[0] + n) if rows == list(range(rows[0], rows[0] + n))
+                   else np.asarray(rows, np.int64))
+        consecutive = positions == list(range(positions[0], positions[0] + n))
+        runs = {}
         for i in self.kv_layers:
-            cols = positions % self.ring_len[self.layer_types[i]]
+            ring = self.ring_len[self.layer_types[i]]
             k_ring, v_ring = self.rings[i]
-            k_ring[0][:, cols, :] = out[f"k_new_{i}"][0][:, rows, :]
-            v_ring[0][:, cols, :] = out[f"v_new_{i}"][0][:, rows, :]
+            k_new, v_new = out[f"k_new_{i}"][0][:, row_sel, :], out[f"v_new_{i}"][0][:, row_sel, :]
+            if consecutive and n <= ring:
+                if ring not in runs:
+                    runs[ring] = ring_runs(positions[0], n, ring)
+                for cols, src in runs[ring]:
+                    k_ring[0, :, cols] = k_new[:, src]
+                    v_ring[0, :, cols] = v_new[:, src]
+            else:
+                cols = np.asarray(positions, np.int64) % ring
+                k_ring[0][:, cols, :] = k_new
+                v_ring[0][:, cols, :] = v_new
 
-    def expand(self, tree: DraftTreeNodes, nodes: list[int]) -> dict[int, Candidates]:
+    def expand(self, tree: DraftTreeNodes, nodes: list[int]) -> Mapping[int, Candidates]:
         """One SLM forward for ``nodes`` of ``tree`` (module docstring); returns {node: its `Candidates` (the k =
         ``candidates`` most likely keep-set indices, best first, ties to the lower index, with log q)} for the
-        root and the nodes that fit. The tree's node 0 must be the root r (``self.tokens[-1]``)."""
+        root and the nodes that fit (a `hycoc.runtime.candidates.CandidateRows` from the graph's top-k). The tree's node 0 must be the root r (``self.tokens[-1]``)."""
         if tree.nodes[0].token != self.tokens[-1]:
             raise ValueError(f"tree root {tree.nodes[0].token} is not the committed root {self.tokens[-1]}")
         first = self.round_forwards == 0
@@ -206,7 +227,8 @@ class SlmDrafter:
         wanted = [(node, row) for node, row in row_of.items() if node == 0 or node in nodes]
         rows = [row for _, row in wanted]
         if "top_index" in out:                           # the graph's own top-k (Alg. 3 line 10)
-            cands = graph_candidates(out["top_index"], out["top_logq"], rows, self.candidates)
+            return graph_candidate_rows(out["top_index"], out["top_logq"], [node for node, _ in wanted], rows,
+                                        self.candidates)
         else:
             cands = logits_candidates(out["logits"][0, rows], self.candidates)
         return {node: c for (node, _), c in zip(wanted, cands)}

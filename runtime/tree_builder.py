@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hycoc.runtime.candidates import Candidates, logq_candidates
+from hycoc.runtime.candidates import CandidateRows, Candidates, logq_candidates
 
 ROOT, CHAIN, SIBLING, SLM = "root", "chain", "sibling", "slm"
 
@@ -141,32 +141,72 @@ class TreeBuilder:
         if not order:
             return []
         logq = expand(tree, order)                        # line 8
+        kids: dict[int, list[int]] = {}                   # the children's tokens of each node
+        for parent, tok in tree.edges:
+            kids.setdefault(parent, []).append(tok)
+        if isinstance(logq, CandidateRows):               # every row's candidates at once (same values, same order)
+            return self._join(tree, *self._scored_rows(tree, order, logq, kids))
         c_s, c_v, c_tok = [], [], []                      # candidates (s, v, token) in C order, as arrays
         for v in order:                                   # lines 10-13
             if v not in logq:
                 continue
             c = logq[v]                                   # the 32 largest q, ties to the lower index
-            c = c.head(self.candidates) if isinstance(c, Candidates) else logq_candidates(c, self.candidates)
+            if not isinstance(c, Candidates):
+                c = logq_candidates(c, self.candidates)
+            elif len(c) > self.candidates:
+                c = c.head(self.candidates)
             tokens = self.keep_set[c.index]
             s = tree.nodes[v].score + c.logq + self.ln_lambda  # float64, summed in the order of line 13
-            kids = [tok for parent, tok in tree.edges if parent == v]
-            if kids:                                      # (v, c) only when v has no child c yet
-                new = tokens != kids[0]
-                for tok in kids[1:]:                      # a node has few children: a compare each
+            if v in kids:                                 # (v, c) only when v has no child c yet
+                mine = kids[v]
+                new = tokens != mine[0]
+                for tok in mine[1:]:                      # a node has few children: a compare each
                     new &= tokens != tok
                 tokens, s = tokens[new], s[new]
             c_s.append(s)
             c_tok.append(tokens)
-            c_v.append(np.full(len(tokens), v, np.int64))
-        cand_s = np.concatenate(c_s) if c_s else np.zeros(0)
-        scores = np.concatenate([np.array([n.score for n in tree.nodes[1:]], np.float64), cand_s])
-        # line 14: θ = the B-th highest score over the tree's nodes and the candidates
-        theta = -np.partition(-scores, self.budget - 1)[self.budget - 1] if len(scores) >= self.budget else -np.inf
+            c_v.append(v)
         if not c_s:
+            return self._join(tree, np.zeros(0), None, None)
+        return self._join(tree, np.concatenate(c_s), np.repeat(np.asarray(c_v, np.int64), [len(t) for t in c_tok]),
+                          np.concatenate(c_tok))
+
+    def _scored_rows(self, tree: DraftTreeNodes, order: list[int], found: CandidateRows,
+                     kids: dict[int, list[int]]) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """Lines 10-13 for every node of ``order`` in ``found`` at once: (s, v, token) of the candidates, in the
+        order the one-node-at-a-time loop gives (nodes by ``order``, each row's candidates best first)."""
+        present = [v for v in order if v in found]
+        if not present:
+            return np.zeros(0), None, None
+        rows = [found.row[v] for v in present]
+        k = self.candidates
+        if rows == list(range(len(found.nodes))):
+            index, logq = found.index[:, :k], found.logq[:, :k]
+        else:
+            index, logq = found.index[rows, :k], found.logq[rows, :k]
+        tokens = self.keep_set[index]
+        node_s = np.array([tree.nodes[v].score for v in present], np.float64)
+        s = node_s[:, None] + logq + self.ln_lambda       # float64, summed in the order of line 13
+        v = np.broadcast_to(np.asarray(present, np.int64)[:, None], tokens.shape)
+        mine = [kids.get(u, ()) for u in present]         # (v, c) only when v has no child c yet
+        most = max(len(m) for m in mine)
+        if not most:
+            return s.ravel(), v.ravel(), tokens.ravel()
+        taken = np.array([list(m) + [-1] * (most - len(m)) for m in mine], np.int64)     # -1: no token
+        new = ~(tokens[:, :, None] == taken[:, None, :]).any(axis=-1)
+        return s[new], v[new], tokens[new]
+
+    def _join(self, tree: DraftTreeNodes, cand_s: np.ndarray, cand_v: np.ndarray | None,
+              cand_tok: np.ndarray | None) -> list[int]:
+        """Line 14: θ = the B-th highest score over the tree's nodes and the candidates; the candidates with
+        s >= θ join the tree in candidate order. Returns the nodes added."""
+        scores = np.concatenate([np.array([n.score for n in tree.nodes[1:]], np.float64), cand_s])
+        theta = -np.partition(-scores, self.budget - 1)[self.budget - 1] if len(scores) >= self.budget else -np.inf
+        if cand_v is None or not len(cand_s):
             return []
-        cand_v, cand_tok = np.concatenate(c_v), np.concatenate(c_tok)
-        return [tree.add(int(cand_tok[i]), int(cand_v[i]), float(cand_s[i]), SLM)
-                for i in np.flatnonzero(cand_s >= theta)]
+        joined = np.flatnonzero(cand_s >= theta)
+        return [tree.add(tok, v, s, SLM) for tok, v, s in zip(cand_tok[joined].tolist(), cand_v[joined].tolist(),
+                                                             cand_s[joined].tolist())]
 
     # ---- lines 16-17 -------------------------------------------------------------------------------------------
 
@@ -174,11 +214,15 @@ class TreeBuilder:
         """Line 16: the root and the B highest-scoring nodes (ties to the earlier one) with their ancestors,
         in insertion order. max_depth: nodes deeper than this are left out first (the room the verifier's
         context has left: a node at depth d sits at position t + d); None = no limit."""
-        fits = [i for i in range(1, len(tree.nodes)) if max_depth is None or tree.nodes[i].depth <= max_depth]
-        best = sorted(fits, key=lambda i: (-tree.nodes[i].score, i))[:self.budget]
+        nodes = tree.nodes
+        fits = [i for i in range(1, len(nodes)) if max_depth is None or nodes[i].depth <= max_depth]
+        best = sorted(fits, key=lambda i: (-nodes[i].score, i))[:self.budget]
         keep = set(best)
-        for i in best:
-            keep.update(tree.ancestors(i))
+        for i in best:                                    # ancestors, up to the first one already kept
+            p = nodes[i].parent
+            while p > 0 and p not in keep:
+                keep.add(p)
+                p = nodes[p].parent
         return [0, *sorted(keep)]
 
     def rows_of(self, tree: DraftTreeNodes, kept: list[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hycoc.host import MASK_VALUE, TreeShapeError, ancestor_matrix, ring_positions, tree_depths
+from hycoc.host import MASK_VALUE, TreeShapeError, ancestor_matrix, ring_positions, ring_runs, tree_depths
 
 _HIDDEN = np.float32(MASK_VALUE)
 
@@ -44,59 +44,83 @@ class TreeRingMask:
         self._base = np.empty(self.ring, np.float32)       # ring columns' value before the window (same per row)
         self._first: int | None = None                     # first_position and live_start of the last update
         self._live: int | None = None
-        self._window_cols: np.ndarray | None = None        # the ring columns the window hid cells of
+        self._window: tuple[int, int] | None = None        # (first column's position, count) the window hid in
+        self._step_table: np.ndarray | None = None
         self.full_rebuilds = 0                             # updates that rewrote every ring column
 
     def reset(self) -> None:
         """Forget the last update (the next one rewrites the whole buffer): a request restart."""
-        self._first = self._live = self._window_cols = None
+        self._first = self._live = self._window = None
 
     def update(self, parents: Sequence[int], first_position: int, live_start: int, *,
-               depths: np.ndarray | None = None, ancestors: np.ndarray | None = None) -> np.ndarray:
+               depths: np.ndarray | None = None, ancestors: np.ndarray | None = None,
+               tree_block: np.ndarray | None = None) -> np.ndarray:
         """The buffer holding ``tree_ring_mask(parents, first_position, live_start, ring, sliding_window)``
         (module docstring). parents: R parent rows (-1 first). depths / ancestors: `tree_depths` /
-        `ancestor_matrix` of ``parents`` when the caller has them (not re-validated then). Raises TreeShapeError
-        as `tree_ring_mask` (live_start after first_position, rows that are not a tree, a wrong row count)."""
+        `ancestor_matrix` of ``parents`` when the caller has them (not re-validated then). tree_block: float32
+        (R, R), ``where(ancestors, 0, MASK_VALUE)`` when the caller has it (one forward's layer types share it).
+        Raises TreeShapeError as `tree_ring_mask` (live_start after first_position, rows that are not a tree, a
+        wrong row count)."""
         if live_start > first_position:
             raise TreeShapeError(f"live_start {live_start} is after the first row's position {first_position}")
         d = tree_depths(parents) if depths is None else depths
         if len(d) != self.rows:
             raise TreeShapeError(f"{len(d)} rows given, the mask has {self.rows}")
         anc = ancestor_matrix(parents) if ancestors is None else ancestors
-        m = self.buffer[0, 0]
+        m, base = self.buffer[0, 0], self._base
         ring = self.ring
         live = max(int(live_start), 0)
         first = int(first_position)
         if self._first is None or live != self._live or abs(first - self._first) >= ring:
-            self._base[:] = np.where(ring_positions(first, ring) >= live, np.float32(0.0), _HIDDEN)
-            m[:, :ring] = self._base
+            base[:] = np.where(ring_positions(first, ring) >= live, np.float32(0.0), _HIDDEN)
+            m[:, :ring] = base
             self.full_rebuilds += 1
         else:
-            if self._window_cols is not None:                  # undo the last window: back to the columns' base
-                m[:, self._window_cols] = self._base[self._window_cols]
-            if first != self._first:                           # columns whose position changed
+            if self._window is not None:                       # undo the last window: back to the columns' base
+                for cols, _ in ring_runs(*self._window, ring):
+                    m[:, cols] = base[cols]
+            if first != self._first:                           # the columns whose position changed
                 lo, hi = min(first, self._first), max(first, self._first)
-                moved = np.arange(lo, hi, dtype=np.int64)
-                cols = moved % ring
-                held = moved if first > self._first else moved - ring    # the position each column holds now
-                self._base[cols] = np.where(held >= live, np.float32(0.0), _HIDDEN)
-                m[:, cols] = self._base[cols]
-        self._first, self._live, self._window_cols = first, live, None
-        if self.sliding_window is None:
-            m[:, ring:] = np.where(anc, np.float32(0.0), _HIDDEN)
-            return self.buffer
-        sw = int(self.sliding_window)
-        # ring: row j (position first + d_j) sees p > first + d_j - sw; the ring's oldest position is first - ring,
-        # so its oldest n_j = d_j + ring - sw + 1 columns (at most ring) are hidden: (first + k) mod ring, k < n_j
-        n = d + (ring - sw + 1)
-        most = min(int(d.max()) + ring - sw + 1, ring)
-        if most > 0:
-            k = np.arange(most)
-            cols = (first + k) % ring
-            m[:, cols] = np.where(k[None, :] < n[:, None], _HIDDEN, self._base[cols][None, :])
-            self._window_cols = cols
-        m[:, ring:] = np.where(anc & (d[:, None] - d[None, :] < sw), np.float32(0.0), _HIDDEN)
+                back = 0 if first > self._first else ring      # they hold positions [lo, hi) or [lo, hi) - ring
+                for cols, src in ring_runs(lo, hi - lo, ring):
+                    p0, p1 = lo + src.start - back, lo + src.stop - back
+                    if p0 >= live:
+                        base[cols] = 0.0
+                    elif p1 <= live:
+                        base[cols] = _HIDDEN
+                    else:
+                        base[cols] = np.where(np.arange(p0, p1) >= live, np.float32(0.0), _HIDDEN)
+                    m[:, cols] = base[cols]
+        self._first, self._live, self._window = first, live, None
+        deepest = int(d.max())
+        sw = self.sliding_window
+        if sw is not None:
+            # ring: row j (position first + d_j) sees p > first + d_j - sw; the ring's oldest position is
+            # first - ring, so its oldest e_j = d_j + ring - sw + 1 columns (at most ring) are hidden: the columns
+            # (first + k) mod ring, k < e_j
+            extra = ring - sw + 1
+            most = min(deepest + extra, ring)
+            if most > 0:
+                steps = self._steps(extra)
+                e = d + extra
+                if extra < 0 or deepest + extra >= len(steps):
+                    e = np.minimum(np.maximum(e, 0), len(steps) - 1)
+                hidden = steps[e, :most]                   # [j, k] = k < e_j
+                for cols, src in ring_runs(first, most, ring):
+                    m[:, cols] = np.where(hidden[:, src], _HIDDEN, base[cols])
+                self._window = (first, most)
+        if sw is None or deepest < sw:                     # rows see every ancestor: the block is the caller's
+            m[:, ring:] = np.where(anc, np.float32(0.0), _HIDDEN) if tree_block is None else tree_block
+        else:
+            m[:, ring:] = np.where(anc & (d[:, None] - d[None, :] < sw), np.float32(0.0), _HIDDEN)
         return self.buffer
+
+    def _steps(self, extra: int) -> np.ndarray:
+        """bool (cap + 1, cap), [e, k] = k < e, cap = the most ring columns a window can hide (`update`)."""
+        if self._step_table is None:
+            cap = max(1, min(self.rows - 1 + extra, self.ring))
+            self._step_table = np.arange(cap)[None, :] < np.arange(cap + 1)[:, None]
+        return self._step_table
 
 
 __all__ = ["TreeRingMask"]

@@ -92,7 +92,16 @@ def test_bad_handoffs_are_refused_before_anything_is_written():
         mtp.ingest(HandOff(**{**h.__dict__, "scales": (1, float("nan"), 1, 1, 1, 1)}))
     with pytest.raises(HandoffError, match="x_hat has 4 values"):
         mtp.ingest(HandOff(**{**h.__dict__, "x_hat": np.zeros(4, np.int8)}))
+    # int8 rows are checked by their largest magnitude x scale (127 x 3e36 overflows float32); float rows value by value
+    with pytest.raises(HandoffError, match="full rows hold NaN or inf"):
+        mtp.ingest(HandOff(**{**h.__dict__, "scales": (1, 2, 1, 1, 3e36, 1)}))
+    with pytest.raises(HandoffError, match="x_hat holds NaN or inf"):
+        mtp.ingest(HandOff(**{**h.__dict__, "scales": (1, 3e36, 1, 1, 1, 1)}))
+    with pytest.raises(HandoffError, match="sliding rows hold NaN or inf"):
+        mtp.ingest(HandOff(**{**h.__dict__, "v_sliding": np.where(h.v_sliding == 0, np.nan, h.v_sliding)}))
     assert mtp.t0 is None and not mtp.ring[FULL][0].any()
+    mtp.ingest(HandOff(**{**h.__dict__, "scales": (1, 2, 1, 1, 2e36, 1)}))   # 128 x 2e36 still fits float32
+    assert mtp.ring[FULL][0].max() == np.float32(h.k_full.max()) * np.float32(2e36)
 
 
 def test_draft_chain_runner_ups_and_next_input():
@@ -136,6 +145,7 @@ class FakeSlmGraph:
                 "v_ring_1": (1, 2, WF, 1)}[name]
 
     def run(self, feeds):
+        feeds = {k: v.copy() for k, v in feeds.items()}     # masks and rings are the drafter's buffers, reused
         self.feeds.append(feeds)
         tok = feeds["inputs_embeds"][0, :, 0]
         pos = feeds["cos_full"][0, :, 0]

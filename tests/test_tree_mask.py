@@ -1,13 +1,14 @@
 """`hycoc.runtime.tree_mask.TreeRingMask`: the SLM's ring + ancestor mask updated in place equals
 `hycoc.host.tree_ring_mask` built from scratch, bit for bit, over random sequences of forwards, commits, ring
-wraps and request restarts; in steady state no update rewrites the whole ring (issue 16)."""
+wraps and request restarts; in steady state no update rewrites the whole ring (issue 16). `ancestor_matrix`'s
+bit-packed path (up to 64 rows) equals its row-by-row path."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from hycoc.host import TreeShapeError, tree_ring_mask
+from hycoc.host import MASK_VALUE, TreeShapeError, ancestor_matrix, tree_depths, tree_ring_mask
 from hycoc.runtime.tree_mask import TreeRingMask
 
 ROWS = 6
@@ -40,7 +41,12 @@ def test_updates_equal_fresh_masks_over_rounds_commits_wraps_and_restarts(ring, 
         # a round: the first forward at n_kv (committed rows without KV first), later ones at t
         for first in [n_kv] + [t] * int(rng.integers(0, 3)):
             parents = random_parents(rng, ROWS)
-            got = mask.update(parents, first, live)
+            if rng.random() < 0.5:                        # the caller's depths, ancestors and tree block
+                anc = ancestor_matrix(parents)
+                got = mask.update(parents, first, live, depths=tree_depths(parents), ancestors=anc,
+                                  tree_block=np.where(anc, np.float32(0.0), np.float32(MASK_VALUE)))
+            else:
+                got = mask.update(parents, first, live)
             want = tree_ring_mask(parents, first, live, ring, sliding_window)
             assert got.shape == want.shape and got.tobytes() == want.tobytes(), (step, first, live, parents)
             checked += 1
@@ -77,3 +83,14 @@ def test_update_returns_one_buffer_and_refuses_what_tree_ring_mask_refuses():
         mask.update([-1, 0, 0, 0], 11, 0)
     with pytest.raises(ValueError, match="ring >= 1"):
         TreeRingMask(3, 0, None)
+
+
+def test_ancestor_matrix_bit_path_equals_the_row_by_row_path():
+    rng = np.random.default_rng(3)
+    for n in [1, 2, 3, 8, 31, 32, 33, 63, 64] * 20:
+        parents = [-1] + [int(rng.integers(0, j)) for j in range(1, n)]
+        want = np.eye(n, dtype=bool)                       # row j = row parent(j) + itself
+        for j in range(1, n):
+            want[j] |= want[parents[j]]
+        got = ancestor_matrix(parents)
+        assert got.dtype == bool and got.shape == (n, n) and (got == want).all(), parents
