@@ -382,21 +382,33 @@ class DeviceRuntime:
 
 
 def load_runtime(bundle_dir, backend: str = "cpu", *, threads: int | None = None,
-                 io_binding: bool = False) -> DeviceRuntime:
+                 io_binding: bool = False, htp_shared_memory: bool = False) -> DeviceRuntime:
     """Open a bundle (hash- and target-checked, `open_bundle`) and its two graphs on ``backend``. io_binding: run
     the graphs through onnxruntime IOBindings (`GraphRunner`): rings bound once, outputs in preallocated buffers
-    (the SLM's: one set per forward a round keeps until its commit, at most ``specedge_passes``)."""
+    (the SLM's: one set per forward a round keeps until its commit, at most ``specedge_passes``).
+    htp_shared_memory: the drafters' rings in the QNN EP's HTP shared memory (RPCMem), bound once through
+    IOBindings, so no call copies them (`GraphRunner` ``shared_memory``); htp backend only (ValueError otherwise),
+    and only where the platform has the allocator (a Snapdragon device's libcdsprpc.so): SharedMemoryUnavailable
+    (`hycoc.targets.qnn_ep`) on the x86 HTP simulator, before the bundle is opened."""
     from hycoc.runtime.device_bundle import open_bundle
     from hycoc.runtime.graphs import GraphRunner, open_graph, runtime_outputs
 
+    if htp_shared_memory:
+        if backend != "htp":
+            raise ValueError(f"htp_shared_memory is the QNN EP's HTP allocator: it needs backend 'htp', not "
+                             f"{backend!r} (drop htp_shared_memory, or load the htp bundle)")
+        from hycoc.targets.qnn_ep import htp_shared_memory_info
+
+        htp_shared_memory_info()                         # SharedMemoryUnavailable here, with what a device needs
+        io_binding = True
     bundle = open_bundle(bundle_dir, backend)
     m = bundle.manifest
     sets = max(2, bundle.round.specedge_passes, bundle.round.slm_passes)
     head = GraphRunner(bundle.path, m, "head", backend, threads, outputs=runtime_outputs(m.graph("head")),
-                       io_binding=io_binding)
+                       io_binding=io_binding, shared_memory=htp_shared_memory)
     # open_graph: the SLM as layer shards (slm.s0, slm.s1, ...) runs as one chained graph (ShardChainRunner)
     slm = open_graph(bundle.path, m, "slm", backend, threads, outputs=runtime_outputs(m.chain_entry("slm")),
-                     io_binding=io_binding, output_sets=sets)
+                     io_binding=io_binding, output_sets=sets, shared_memory=htp_shared_memory)
     return DeviceRuntime(bundle, head, slm)
 
 

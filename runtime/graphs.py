@@ -69,7 +69,7 @@ def _native_stdout_to_stderr():
         os.close(saved)
 
 
-def _session(path: Path, backend: str, manifest: Manifest, threads: int | None):
+def _session(path: Path, backend: str, manifest: Manifest, threads: int | None, shared_memory: bool = False):
     import onnxruntime as ort
 
     if backend == "cpu":
@@ -83,9 +83,19 @@ def _session(path: Path, backend: str, manifest: Manifest, threads: int | None):
 
     t = manifest.target
     profile = profile_for(t.htp_arch, t.soc_model, None)
+    options = profile.provider_options()
+    if shared_memory:                        # RPCMem buffers the HTP reads in place (`htp_shared_memory_info`)
+        options = {**options, "enable_htp_shared_memory_allocator": "1"}
     with _native_stdout_to_stderr():
-        so = session_options(profile.provider_options(), {"session.disable_cpu_ep_fallback": "1"}, log_severity=3)
+        so = session_options(options, {"session.disable_cpu_ep_fallback": "1"}, log_severity=3)
         return ort.InferenceSession(str(path), sess_options=so)
+
+
+def input_buffer(runner, name: str) -> np.ndarray:
+    """A float32 array of input ``name``'s shape for a drafter to keep and update in place (its rings): the
+    runner's `GraphRunner.input_buffer` when it has one (HTP shared memory), else zeros in host memory."""
+    make = getattr(runner, "input_buffer", None)
+    return make(name) if make is not None else np.zeros(runner.shape(name), np.float32)
 
 
 def runtime_outputs(entry: GraphEntry) -> list[str]:
@@ -106,6 +116,10 @@ class GraphRunner:
     ``output_sets`` preallocated sets of buffers used in turn, so a result stays valid for the next
     ``output_sets - 1`` calls (the SLM Drafter keeps a round's forwards until its commit). On the CPU EP a bound
     numpy input is read in place either way (measured: ``benchmarks/runtime_real_shape.py``).
+    ``shared_memory`` (htp backend, implies ``io_binding``): the session gets the QNN EP's HTP shared-memory
+    allocator, and `input_buffer` hands out inputs allocated from it (RPCMem the HTP reads without a copy), bound
+    once as OrtValues; it needs `hycoc.targets.qnn_ep.htp_shared_memory_info` (a Snapdragon device's
+    libcdsprpc.so), else SharedMemoryUnavailable.
     ``calls`` / ``seconds`` count the runs and their wall time.
     Raises GraphRunError (load or run failure), GraphIOMismatch (the session disagrees with the manifest, or a
     feed has the wrong shape).
@@ -113,14 +127,23 @@ class GraphRunner:
 
     def __init__(self, bundle_dir: str | Path, manifest: Manifest, name: str, backend: str,
                  threads: int | None = None, outputs: Sequence[str] | None = None, *, io_binding: bool = False,
-                 output_sets: int = 1):
+                 output_sets: int = 1, shared_memory: bool = False):
         self.entry: GraphEntry = manifest.graph(name)
+        self._shared_info = None
+        if shared_memory:
+            if backend != "htp":
+                raise ValueError(f"graph {name}: shared_memory is the QNN EP's HTP allocator, it needs the htp "
+                                 f"backend, not {backend}")
+            from hycoc.targets.qnn_ep import htp_shared_memory_info
+
+            self._shared_info = htp_shared_memory_info()       # raises SharedMemoryUnavailable
+            io_binding = True
         self._wanted, self._binding_sets = outputs, (output_sets if io_binding else 0)
         self.name = name
         path = Path(bundle_dir) / self.entry.file
         t0 = time.perf_counter()
         try:
-            self.session = _session(path, backend, manifest, threads)
+            self.session = _session(path, backend, manifest, threads, shared_memory)
         except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
             raise GraphRunError(f"graph {name} ({self.entry.file}) did not load on the {backend} backend: "
                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
@@ -134,6 +157,7 @@ class GraphRunner:
         with stand-in graphs). Raises GraphIOMismatch as the constructor."""
         runner = cls.__new__(cls)
         runner.entry, runner.name, runner.session, runner.load_seconds = entry, entry.name, session, 0.0
+        runner._shared_info = None
         runner._wanted, runner._binding_sets = outputs, (output_sets if io_binding else 0)
         runner._attach()
         return runner
@@ -153,6 +177,7 @@ class GraphRunner:
                                       f"{', '.join(self.output_names)}")
             self.output_names = [n for n in self.output_names if n in self._wanted]
         self.calls, self.seconds = 0, 0.0
+        self._shared: dict[int, object] = {}             # id(numpy view) -> its OrtValue in HTP shared memory
         self._binding = None
         if self._binding_sets:
             if self._binding_sets < 1:
@@ -175,7 +200,11 @@ class GraphRunner:
         self._next_set = (self._next_set + 1) % len(self._binding)
         for name, x in ort_feeds.items():
             if bound.get(name) is not x:
-                b.bind_cpu_input(name, x)
+                shared = self._shared.get(id(x))
+                if shared is not None and shared[1] is x:    # an `input_buffer`: its OrtValue, no copy
+                    b.bind_ortvalue_input(name, shared[0])
+                else:
+                    b.bind_cpu_input(name, x)
                 bound[name] = x
         self.session.run_with_iobinding(b)
         return [bufs[n] for n in self.output_names]
@@ -184,6 +213,27 @@ class GraphRunner:
         """Declared shape of input or output ``name``."""
         spec = self.inputs.get(name) or self.outputs[name]
         return tuple(spec.shape)
+
+    def input_buffer(self, name: str) -> np.ndarray:
+        """A zeroed float32 array of float32 input ``name``'s shape, for the caller to keep and update in place: in
+        HTP shared memory when the runner has ``shared_memory`` (a numpy view of an OrtValue the run binds
+        instead of copying), else in host memory. Raises GraphIOMismatch for an unknown or non-float32 input."""
+        spec = self.inputs.get(name)
+        if spec is None or spec.dtype != "float32":
+            raise GraphIOMismatch(f"graph {self.name}: no float32 input {name} to allocate")
+        if self._shared_info is None:
+            return np.zeros(spec.shape, np.float32)
+        import onnxruntime as ort
+
+        value = ort.OrtValue.ortvalue_from_shape_and_type(list(spec.shape), np.float32,
+                                                         memory_info=self._shared_info)
+        view = value.numpy()
+        if view.ctypes.data != value.data_ptr():               # a copy would never reach the graph
+            raise GraphRunError(f"graph {self.name}: onnxruntime gave a copy of the shared-memory input {name}, "
+                                "not a view; run without htp_shared_memory")
+        view[...] = 0.0
+        self._shared[id(view)] = (value, view)
+        return view
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         ort_feeds = {}
@@ -281,9 +331,14 @@ class ShardChainRunner:
 
 
 def open_graph(bundle_dir: str | Path, manifest: Manifest, name: str, backend: str, threads: int | None = None,
-               outputs: Sequence[str] | None = None, *, io_binding: bool = False, output_sets: int = 1):
+               outputs: Sequence[str] | None = None, *, io_binding: bool = False, output_sets: int = 1,
+               shared_memory: bool = False):
     """Graph ``name`` of a bundle as one runner: a `GraphRunner`, or a `ShardChainRunner` when the bundle holds it
-    as layer shards (`Manifest.graph_chain`). Arguments and errors as `GraphRunner`."""
+    as layer shards (`Manifest.graph_chain`). Arguments and errors as `GraphRunner`; shared_memory (HTP shared
+    memory) is the single graph's only: a sharded graph's buffers stay in host memory."""
     chain = manifest.graph_chain(name)
-    cls = GraphRunner if len(chain) == 1 and chain[0].name == name else ShardChainRunner
-    return cls(bundle_dir, manifest, name, backend, threads, outputs, io_binding=io_binding, output_sets=output_sets)
+    if len(chain) == 1 and chain[0].name == name:
+        return GraphRunner(bundle_dir, manifest, name, backend, threads, outputs, io_binding=io_binding,
+                           output_sets=output_sets, shared_memory=shared_memory)
+    return ShardChainRunner(bundle_dir, manifest, name, backend, threads, outputs, io_binding=io_binding,
+                            output_sets=output_sets)

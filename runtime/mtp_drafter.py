@@ -28,6 +28,7 @@ import numpy as np
 
 from hycoc.host import FULL, SLIDING, RotaryBlock, ring_masks, ring_runs
 from hycoc.protocol.messages import HandOff
+from hycoc.runtime.graphs import input_buffer
 
 
 class HandoffError(ValueError):
@@ -115,7 +116,7 @@ class MtpDrafter:
             shape = runner.shape(f"k_{short}")
             if shape[2] != self.W:
                 raise HandoffError(f"head graph ring k_{short} has {shape[2]} columns, the bundle's W is {self.W}")
-            self.ring[kind] = (np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+            self.ring[kind] = (input_buffer(runner, f"k_{short}"), input_buffer(runner, f"v_{short}"))
         self.t0: int | None = None          # root position of the last hand-off (line 4)
         self.live: int | None = None        # ℓ (lines 3, 5)
         self.x_hat: np.ndarray | None = None

@@ -34,6 +34,7 @@ import numpy as np
 
 from hycoc.host import MASK_VALUE, RotaryBlock, ancestor_matrix, ring_runs, tree_depths
 from hycoc.runtime.candidates import Candidates, graph_candidate_rows, logits_candidates
+from hycoc.runtime.graphs import input_buffer
 from hycoc.runtime.tree_mask import TreeRingMask
 from hycoc.runtime.tree_builder import DraftTreeNodes
 
@@ -71,8 +72,8 @@ class SlmDrafter:
         self.masks = {t: TreeRingMask(self.rows, self.ring_len[t],
                                       self.sliding_window if t == "sliding_attention" else None) for t in self.types}
         self._rotary = {t: RotaryBlock(bundle.slm_rotary[t]) for t in self.types}
-        self.rings = {i: (np.zeros(runner.shape(f"k_ring_{i}"), np.float32),
-                          np.zeros(runner.shape(f"v_ring_{i}"), np.float32)) for i in self.kv_layers}
+        self.rings = {i: (input_buffer(runner, f"k_ring_{i}"), input_buffer(runner, f"v_ring_{i}"))
+                      for i in self.kv_layers}           # HTP shared memory when the runner has it
         self.window = max(self.ring_len.values())
         self.tokens: list[int] = []
         self.live_start = self.n_kv = 0

@@ -120,6 +120,33 @@ def session_options(provider_options: dict[str, str], config: dict[str, str] | N
     return so
 
 
+class SharedMemoryUnavailable(QnnUnavailableError):
+    """The QNN EP on this platform has no HTP shared-memory allocator (`htp_shared_memory_info`)."""
+
+
+def htp_shared_memory_info():
+    """The ``OrtMemoryInfo`` of the QNN EP's HTP shared-memory allocator ("QnnHtpShared", host-accessible: numpy
+    reads and writes it in place, the HTP reads it without a copy), for ``OrtValue.ortvalue_from_shape_and_type(...,
+    memory_info=...)``; sessions that bind such values need the provider option
+    ``enable_htp_shared_memory_allocator=1`` (onnxruntime-qnn ``docs/execution_providers/QNN-ExecutionProvider.md``).
+
+    The allocator is RPCMem, from ``libcdsprpc.so`` (``.dll`` on Windows), the FastRPC library a Snapdragon device's
+    vendor image ships: on an x86 host (the HTP simulator) the EP lists no host-accessible memory and a session with
+    the option fails to create. Raises SharedMemoryUnavailable then (and QnnUnavailableError without the EP).
+    """
+    import onnxruntime as ort
+
+    for device in ensure_registered():
+        info = device.memory_info(ort.OrtDeviceMemoryType.HOST_ACCESSIBLE)
+        if info is not None:
+            return info
+    raise SharedMemoryUnavailable(
+        "the QNN EP here has no HTP shared-memory allocator (no host-accessible memory: libcdsprpc.so, the FastRPC "
+        "library of a Snapdragon device, is not on this platform; the x86 HTP simulator has none). Run without "
+        "htp_shared_memory (the graphs then read the host's buffers through a copy), or on a Snapdragon Android/"
+        "Windows device whose libcdsprpc.so (.dll) the QNN EP can load")
+
+
 @dataclass(frozen=True)
 class BinaryTarget:
     """What the HTP backend wrote into a context binary's config: SoC name, arch, memory limit (MiB)."""
