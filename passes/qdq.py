@@ -255,8 +255,10 @@ def fixed_overrides(model, ranges: Mapping[str, tuple[float, float]]) -> dict[st
         if "_ring_" not in name:
             continue
         out = name.replace("_ring_", "_new_")
-        if out not in outputs:
+        if out not in outputs and out not in inputs:
             raise QdqError(f"ring input '{name}' has no matching output '{out}' to tie its encoding to")
+        # a layer shard reading an earlier shard's producer takes its new rows as an input (slm_graph "Shards"):
+        # ring, new rows and their Concat tied the same way, on this shard's calibration of the same tensors
         tied = [name, out] + [n.output[0] for n in users.get(name, []) if n.op_type == "Concat"]
         # data-movement ops pass their input's encoding through (onnxruntime's QDQ rules): tie the chain back to
         # the op that computes the new rows

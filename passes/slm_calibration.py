@@ -221,10 +221,10 @@ def record_sequences(graph, slm, keep_set: Sequence[int], prompts: Sequence[Sequ
     slm_box.append(slm)
     feeds_of = slm.feeds
 
-    def feeds(tokens, parents, first_position):       # note the rows of each call for `meta`
+    def feeds(tokens, parents, first_position, *rest):  # note the rows of each call for `meta`
         state["call"] = {"tokens": [int(x) for x in tokens], "parents": [int(x) for x in parents],
                          "first_position": int(first_position), "live_start": int(slm.live_start)}
-        return feeds_of(tokens, parents, first_position)
+        return feeds_of(tokens, parents, first_position, *rest)   # rest: SlmDrafter.feeds' optional arguments
 
     slm.feeds = feeds
     builder = TreeBuilder(ln_lambda=ln_lambda, budget=graph.rows, rows=graph.rows + 1, candidates=candidates,
