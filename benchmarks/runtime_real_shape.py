@@ -35,8 +35,8 @@ Host time is split by step, as exclusive time of the runtime functions that do e
 minus that of the timed functions it calls):
 
     ingest       MtpDrafter.ingest (dequantize + validate the hand-off, ring column writes)
-    masks        hycoc.host.ring_masks (head), TreeRingMask.update (SLM; tree_ring_mask before issue 16's
-                 in-place masks)
+    masks        HeadRingMask.update (head), TreeRingMask.update (SLM) (ring_masks / tree_ring_mask before
+                 issue 16's in-place masks)
     rotary+LUT   RotaryTable.rows / RotaryBlock.rows, EmbeddingLut.lookup, SlmDrafter.feeds / MtpDrafter.feeds
                  assembly
     ring writes  SlmDrafter._write
@@ -142,6 +142,8 @@ def instrument(timer: StepTimer) -> None:
             if hasattr(module, name):
                 timer.wrap(module, name, "masks")
     timer.wrap(tree_mask.TreeRingMask, "update", "masks")
+    if hasattr(tree_mask, "HeadRingMask"):
+        timer.wrap(tree_mask.HeadRingMask, "update", "masks")
     for module, name in ((mtp_drafter, "top2"), (slm_drafter, "logits_candidates"),
                          (slm_drafter, "graph_candidates"), (slm_drafter, "graph_candidate_rows"),
                          (tree_builder, "logq_candidates")):

@@ -9,8 +9,8 @@ construction. No torch, no transformers: this module ships to the phone (DESIGN.
 - `RotaryTable`: cos/sin rows at absolute positions (keys enter the rings rotated, queries get rows as inputs);
   `RotaryBlock`: the same rows of consecutive positions from a block computed once;
 - `ring_masks`: the MTP head's W-column ring masks (Alg. 2 lines 2-5);
-- `tree_depths`, `ancestor_matrix`, `ring_positions`, `tree_ring_mask`: the SLM tree graph's rows and its
-  ring + ancestor mask (Alg. 3 line 8); `ring_runs`: consecutive positions as runs of ring columns.
+- `tree_depths`, `ancestor_matrix` (`tree_rows`: both), `ring_positions`, `tree_ring_mask`: the SLM tree graph's
+  rows and its ring + ancestor mask (Alg. 3 line 8); `ring_runs`: consecutive positions as runs of ring columns.
 
 Masks are additive float32 with a finite hidden value (`MASK_VALUE` = -1e4), sized for a 16-bit quantized mask
 input: never -inf, never a min-float stand-in (issue 4 "Numerics by construction").
@@ -189,6 +189,28 @@ def _parent_list(parents: Sequence[int]) -> list[int]:
     return p
 
 
+def tree_rows(parents: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(`tree_depths`, `ancestor_matrix`) of ``parents`` from one validation and one pass (a forward needs both).
+    Raises TreeShapeError as `tree_depths`."""
+    p = _parent_list(parents)
+    n = len(p)
+    if n > 64:
+        return tree_depths(p), ancestor_matrix(p)
+    depth = [0] * n
+    bits = [1] + [0] * (n - 1)
+    for j in range(1, n):
+        depth[j] = depth[p[j]] + 1
+        bits[j] = bits[p[j]] | (1 << j)
+    return np.asarray(depth, dtype=np.int64), _bit_rows(bits, n)
+
+
+def _bit_rows(bits: list[int], n: int) -> np.ndarray:
+    """bool (n, n) from n ints whose bit i is column i (n <= 64)."""
+    words = np.asarray(bits, dtype="<u8")      # little-endian words: byte b holds bits 8b..8b+7, low bit first
+    return np.ascontiguousarray(np.unpackbits(words.view(np.uint8), bitorder="little").reshape(n, 64)[:, :n]
+                                .view(bool))
+
+
 def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
     """bool (R, R): [j, i] iff row i is row j or one of its ancestors. Raises TreeShapeError as `tree_depths`."""
     p = _parent_list(parents)
@@ -201,9 +223,7 @@ def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
     bits = [1] + [0] * (n - 1)                 # row j's ancestors (and itself) as the set bits of one int
     for j in range(1, n):
         bits[j] = bits[p[j]] | (1 << j)
-    words = np.asarray(bits, dtype="<u8")      # little-endian words: byte b holds bits 8b..8b+7, low bit first
-    return np.ascontiguousarray(np.unpackbits(words.view(np.uint8), bitorder="little").reshape(n, 64)[:, :n]
-                                .view(bool))
+    return _bit_rows(bits, n)
 
 
 def ring_positions(first_position: int, ring: int) -> np.ndarray:

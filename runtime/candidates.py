@@ -127,5 +127,6 @@ def graph_candidates(top_index: np.ndarray, top_logq: np.ndarray, rows, k: int) 
     return [found[i] for i in range(len(rows))]
 
 
-__all__ = ["CandidateRows", "Candidates", "graph_candidate_rows", "graph_candidates", "log_softmax", "logits_candidates", "logq_candidates",
+__all__ = ["CandidateRows", "Candidates", "graph_candidate_rows", "graph_candidates", "log_softmax",
+           "logits_candidates", "logq_candidates",
            "top_k_indices"]

@@ -168,7 +168,8 @@ class GraphRunner:
         check_graph_io(self.entry, io[0], io[1])
         self.inputs: dict[str, TensorSpec] = {t.name: t for t in self.entry.inputs}
         self.outputs: dict[str, TensorSpec] = {t.name: t for t in self.entry.outputs}
-        self._input_specs = [(t.name, t, tuple(t.shape)) for t in self.entry.inputs]
+        # per input: (name, spec, shape, float32 as is?); per output: its encoding (the run's conversions)
+        self._input_specs = [(t.name, t, tuple(t.shape), t.dtype == "float32") for t in self.entry.inputs]
         self.output_names = [t.name for t in self.entry.outputs]
         if self._wanted is not None:
             unknown = sorted(set(self._wanted) - set(self.output_names))
@@ -176,6 +177,7 @@ class GraphRunner:
                 raise GraphIOMismatch(f"graph {self.name} has no output {', '.join(unknown)}; it has "
                                       f"{', '.join(self.output_names)}")
             self.output_names = [n for n in self.output_names if n in self._wanted]
+        self._output_encodings = [self.outputs[n].encoding for n in self.output_names]
         self.calls, self.seconds = 0, 0.0
         self._shared: dict[int, object] = {}             # id(numpy view) -> its OrtValue in HTP shared memory
         self._binding = None
@@ -237,14 +239,14 @@ class GraphRunner:
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         ort_feeds = {}
-        for name, spec, shape in self._input_specs:
-            if name not in feeds:
+        for name, spec, shape, plain in self._input_specs:
+            x = feeds.get(name)
+            if x is None:
                 raise GraphIOMismatch(f"graph {self.name}: no feed for input {name}")
-            x = feeds[name]
             if x.shape != shape:
                 raise GraphIOMismatch(f"graph {self.name}: input {name} has shape {list(x.shape)}, the graph takes "
                                       f"{spec.shape}")
-            if spec.dtype == "float32":
+            if plain:
                 ort_feeds[name] = np.ascontiguousarray(x, dtype=np.float32)
             elif spec.encoding is not None:
                 ort_feeds[name] = quantize(x, spec.encoding)
@@ -259,12 +261,13 @@ class GraphRunner:
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         result = {}
-        for name, y in zip(self.output_names, outs):
-            spec = self.outputs[name]
-            if spec.encoding is not None and y.dtype != np.float32:
-                y = dequantize(y, spec.encoding)
-            elif y.dtype.kind == "f" and y.dtype != np.float32:
-                y = y.astype(np.float32)
+        for name, enc, y in zip(self.output_names, self._output_encodings, outs):
+            kind = y.dtype.char
+            if kind != "f":                    # float32 comes as is
+                if enc is not None:
+                    y = dequantize(y, enc)
+                elif y.dtype.kind == "f":
+                    y = y.astype(np.float32)
             result[name] = y                   # integer outputs without an encoding (top-k indices) stay integers
         return result
 

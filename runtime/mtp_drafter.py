@@ -8,8 +8,9 @@ State (line 2): per verifier layer type (last sliding, last full-attention) a ri
 - line 3: ``a != t0`` means a new request: the ring is cleared and ℓ = a;
 - line 4: the row of position p (a <= p < t) goes to column p mod W, int8 x the hand-off's fixed scale (the graph's
   float input here; a quantized input is re-encoded by `hycoc.runtime.graphs.GraphRunner`); t0 = t;
-- line 5: ℓ = max(ℓ, t - W) and every column outside [ℓ, t) masked (`hycoc.host.ring_masks`; the sliding layer
-  sees only the last min(W, its sliding window) positions, as the head was trained);
+- line 5: ℓ = max(ℓ, t - W) and every column outside [ℓ, t) masked (`hycoc.host.ring_masks`, kept in place by
+  `hycoc.runtime.tree_mask.HeadRingMask`; the sliding layer sees only the last min(W, its sliding window)
+  positions, as the head was trained);
 - line 6: the query's rotary rows fixed at position t - 1 (``head_query_position_offset``); keys arrive rotated.
 
 `MtpDrafter.draft` is lines 7-13: z = x̂; K calls of the head graph over the ring (which it does not extend);
@@ -26,9 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hycoc.host import FULL, SLIDING, RotaryBlock, ring_masks, ring_runs
+from hycoc.host import FULL, SLIDING, RotaryBlock, ring_runs
 from hycoc.protocol.messages import HandOff
 from hycoc.runtime.graphs import input_buffer
+from hycoc.runtime.tree_mask import HeadRingMask
 
 
 class HandoffError(ValueError):
@@ -110,6 +112,8 @@ class MtpDrafter:
         self.sliding_window = bundle.host.head.sliding_window
         self.hidden = runner.shape("x_hat")[-1] // 2
         self._query = np.zeros((1, 1, 2 * self.hidden), np.float32)    # the head's x_hat input, one buffer
+        self._keep = [int(x) for x in np.asarray(bundle.keep_set).reshape(-1)]   # index -> token id, as ints
+        self._masks = HeadRingMask(self.W, self.sliding_window)
         self._rotary = {kind: RotaryBlock(bundle.head_rotary[kind]) for kind in (SLIDING, FULL)}
         self.ring = {}
         for kind, short in ((SLIDING, "sliding"), (FULL, "full")):
@@ -124,6 +128,7 @@ class MtpDrafter:
     def reset(self) -> None:
         """Forget the ring (the next hand-off starts a request)."""
         self.t0 = self.live = self.x_hat = None
+        self._masks.reset()
         for k, v in self.ring.values():
             k[:] = 0
             v[:] = 0
@@ -177,7 +182,7 @@ class MtpDrafter:
         """The head graph's inputs for query z (float32 (2H,)) at the current ring (lines 5-6, 9). ``x_hat`` and
         the rings are the drafter's own buffers (valid until the next call)."""
         t = self.t0
-        masks = ring_masks(t, self.live, self.W, self.sliding_window)
+        masks = self._masks.update(t, self.live)   # in place: only the columns the last hand-off changed
         q = t + self.offset
         self._query[0, 0] = z
         out = {"x_hat": self._query}
@@ -198,7 +203,7 @@ class MtpDrafter:
             raise NoHandoff("the MTP Drafter has no hand-off yet: the first tree of a request is SLM-only")
         K = self.K if steps is None else steps
         D = self.D if siblings is None else siblings
-        keep = self.bundle.keep_set
+        keep = self._keep
         feeds = self.feeds(self.x_hat)  # ring, masks and rotary rows stay fixed over the K steps (lines 6, 9)
         z = feeds["x_hat"][0, 0]        # the query buffer, rewritten in place each step: z = [E[i]; h]
         out = MtpDraft([], [], [], [])
@@ -210,10 +215,10 @@ class MtpDrafter:
                 i, i2 = int(top[0]), int(top[1])
             else:
                 i, i2 = top2(res["logits"])
-            out.chain.append(int(keep[i]))
+            out.chain.append(keep[i])
             out.chain_index.append(i)
             if k <= D:
-                out.runner_ups.append(int(keep[i2]))
+                out.runner_ups.append(keep[i2])
                 out.runner_up_index.append(i2)
             if k < K:
                 z[:self.hidden] = self.bundle.embed_keep(i)

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from hycoc.host import MASK_VALUE, RotaryBlock, ancestor_matrix, ring_runs, tree_depths
+from hycoc.host import MASK_VALUE, RotaryBlock, ring_runs, tree_rows
 from hycoc.runtime.candidates import Candidates, graph_candidate_rows, logits_candidates
 from hycoc.runtime.graphs import input_buffer
 from hycoc.runtime.tree_mask import TreeRingMask
@@ -129,8 +129,7 @@ class SlmDrafter:
         masks and rings are the drafter's own buffers (updated in place: valid until the next forward).
         real_rows: rows before the padding (which repeats row real_rows - 1's token): only they are looked up."""
         tokens = np.asarray(tokens, np.int64)
-        depths = tree_depths(parents)
-        ancestors = ancestor_matrix(parents)
+        depths, ancestors = tree_rows(parents)
         b = self.bundle
         n = len(tokens)
         real = n if real_rows is None else max(1, min(int(real_rows), n))
@@ -194,7 +193,8 @@ class SlmDrafter:
     def expand(self, tree: DraftTreeNodes, nodes: list[int]) -> Mapping[int, Candidates]:
         """One SLM forward for ``nodes`` of ``tree`` (module docstring); returns {node: its `Candidates` (the k =
         ``candidates`` most likely keep-set indices, best first, ties to the lower index, with log q)} for the
-        root and the nodes that fit (a `hycoc.runtime.candidates.CandidateRows` from the graph's top-k). The tree's node 0 must be the root r (``self.tokens[-1]``)."""
+        root and the nodes that fit (a `hycoc.runtime.candidates.CandidateRows` from the graph's top-k). The tree's
+        node 0 must be the root r (``self.tokens[-1]``)."""
         if tree.nodes[0].token != self.tokens[-1]:
             raise ValueError(f"tree root {tree.nodes[0].token} is not the committed root {self.tokens[-1]}")
         first = self.round_forwards == 0

@@ -31,7 +31,7 @@ from hycoc.runtime.candidates import CandidateRows, Candidates, logq_candidates
 ROOT, CHAIN, SIBLING, SLM = "root", "chain", "sibling", "slm"
 
 
-@dataclass
+@dataclass(slots=True)
 class TreeNode:
     """A draft-tree node: token id, parent node index (-1 for the root), score s, depth, where it came from."""
 

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hycoc.host import MASK_VALUE, TreeShapeError, ancestor_matrix, ring_positions, ring_runs, tree_depths
+from hycoc.host import (FULL, MASK_VALUE, SLIDING, TreeShapeError, ancestor_matrix, ring_masks, ring_positions,
+                        ring_runs, tree_depths)
 
 _HIDDEN = np.float32(MASK_VALUE)
 
@@ -123,4 +124,60 @@ class TreeRingMask:
         return self._step_table
 
 
-__all__ = ["TreeRingMask"]
+class HeadRingMask:
+    """The MTP head's two ring masks (Alg. 2 line 5, `hycoc.host.ring_masks`: float32 [1, 1, 1, W] for the sliding
+    and the full layer) in preallocated buffers updated in place.
+
+    Column c holds position p = c mod W of [t - W, t). When the root moves from t0 to t (0 <= t - t0 < W) only two
+    sets of columns change: those of the new positions [t0, t) (now visible, unless before the live start) and, in
+    the sliding layer, those of [t0 - S, t - S) that leave its window (S = min(W, sliding_window)); every other
+    column keeps its value (its position stays, and the live start only rises as far as t - W, below it). A new
+    request (`reset`), another live start than that rule gives, or a jump of W or more rewrites both buffers.
+    `update` returns {SLIDING, FULL} -> the buffers, equal to ``ring_masks(t, live_start, W, sliding_window)`` bit
+    for bit (tests/test_tree_mask.py). Raises ValueError for window or sliding_window < 1.
+    """
+
+    def __init__(self, window: int, sliding_window: int):
+        if window < 1 or sliding_window < 1:
+            raise ValueError(f"ring masks need window >= 1 and sliding_window >= 1, got {window}, {sliding_window}")
+        self.window, self.sliding = int(window), min(int(window), int(sliding_window))
+        self.sliding_window = int(sliding_window)
+        self.buffers = {SLIDING: np.empty((1, 1, 1, self.window), np.float32),
+                        FULL: np.empty((1, 1, 1, self.window), np.float32)}
+        self._t: int | None = None
+        self._live: int | None = None
+        self.full_rebuilds = 0
+
+    def reset(self) -> None:
+        """Forget the last update (a new request): the next one rewrites both buffers."""
+        self._t = self._live = None
+
+    def update(self, t: int, live_start: int) -> dict[str, np.ndarray]:
+        """The masks for root position ``t`` and the request's live start (class docstring)."""
+        t, live, w = int(t), int(live_start), self.window
+        last = self._t
+        if last is None or not 0 <= t - last < w or (live != self._live and live > t - w):
+            for kind, mask in ring_masks(t, live, w, self.sliding_window).items():
+                self.buffers[kind][...] = mask
+            self.full_rebuilds += 1
+        elif t != last:
+            seen = max(live, t - w, 0)                     # the full layer sees [seen, t)
+            sliding, full = self.buffers[SLIDING][0, 0, 0], self.buffers[FULL][0, 0, 0]
+            lo = max(last - self.sliding, t - w, 0)        # positions leaving the sliding window, still held
+            hi = max(t - self.sliding, lo)
+            for cols, _ in ring_runs(lo, hi - lo, w) if hi > lo else ():
+                sliding[cols] = _HIDDEN
+            for cols, src in ring_runs(last, t - last, w):  # the new positions, last .. t - 1
+                p0, p1 = last + src.start, last + src.stop
+                for mask, edge in ((full, seen), (sliding, max(seen, t - self.sliding))):
+                    if p0 >= edge:
+                        mask[cols] = 0.0
+                    elif p1 <= edge:
+                        mask[cols] = _HIDDEN
+                    else:
+                        mask[cols] = np.where(np.arange(p0, p1) >= edge, np.float32(0.0), _HIDDEN)
+        self._t, self._live = t, live
+        return self.buffers
+
+
+__all__ = ["HeadRingMask", "TreeRingMask"]

@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hycoc.host import MASK_VALUE, TreeShapeError, ancestor_matrix, tree_depths, tree_ring_mask
-from hycoc.runtime.tree_mask import TreeRingMask
+from hycoc.host import (FULL, MASK_VALUE, SLIDING, TreeShapeError, ancestor_matrix, ring_masks, tree_depths,
+                        tree_ring_mask, tree_rows)
+from hycoc.runtime.tree_mask import HeadRingMask, TreeRingMask
 
 ROWS = 6
 
@@ -94,3 +95,27 @@ def test_ancestor_matrix_bit_path_equals_the_row_by_row_path():
             want[j] |= want[parents[j]]
         got = ancestor_matrix(parents)
         assert got.dtype == bool and got.shape == (n, n) and (got == want).all(), parents
+        depths, both = tree_rows(parents)                  # one pass for both
+        assert (both == want).all() and depths.tolist() == tree_depths(parents).tolist()
+
+
+@pytest.mark.parametrize("window,sliding_window", [(8, 3), (8, 8), (8, 20), (5, 1)])
+def test_head_masks_updated_in_place_equal_ring_masks(window, sliding_window):
+    rng = np.random.default_rng(window * 10 + sliding_window)
+    masks = HeadRingMask(window, sliding_window)
+    checked = 0
+    t = live = 0
+    for step in range(400):
+        if step == 0 or rng.random() < 0.05:              # a new request: the MTP Drafter resets, live = a
+            t = int(rng.integers(1, 5 * window))
+            live = max(0, t - int(rng.integers(1, window + 1)))
+            masks.reset()
+        else:                                             # a reply: t' = t + 1 + |P| (sometimes a jump past W)
+            t += int(rng.integers(1, 7)) if rng.random() > 0.03 else int(rng.integers(window, 3 * window))
+            live = max(live, t - window)                  # Alg. 2 line 5
+        got = masks.update(t, live)
+        want = ring_masks(t, live, window, sliding_window)
+        for kind in (SLIDING, FULL):
+            assert got[kind].tobytes() == want[kind].tobytes(), (step, t, live, kind)
+        checked += 1
+    assert checked == 400 and masks.full_rebuilds < checked / 2   # most updates were incremental
