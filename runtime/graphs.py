@@ -69,7 +69,8 @@ def _native_stdout_to_stderr():
         os.close(saved)
 
 
-def _session(path: Path, backend: str, manifest: Manifest, threads: int | None, shared_memory: bool = False):
+def _session(path: Path, backend: str, manifest: Manifest, threads: int | None, shared_memory: bool = False,
+             context_group: bool = False):
     import onnxruntime as ort
 
     if backend == "cpu":
@@ -87,7 +88,10 @@ def _session(path: Path, backend: str, manifest: Manifest, threads: int | None, 
     if shared_memory:                        # RPCMem buffers the HTP reads in place (`htp_shared_memory_info`)
         options = {**options, "enable_htp_shared_memory_allocator": "1"}
     with _native_stdout_to_stderr():
-        so = session_options(options, {"session.disable_cpu_ep_fallback": "1"}, log_severity=3)
+        config = {"session.disable_cpu_ep_fallback": "1"}
+        if context_group:                    # layer shards: one EP context group (`ShardChainRunner`)
+            config["ep.share_ep_contexts"] = "1"
+        so = session_options(options, config, log_severity=3)
         return ort.InferenceSession(str(path), sess_options=so)
 
 
@@ -120,6 +124,8 @@ class GraphRunner:
     allocator, and `input_buffer` hands out inputs allocated from it (RPCMem the HTP reads without a copy), bound
     once as OrtValues; it needs `hycoc.targets.qnn_ep.htp_shared_memory_info` (a Snapdragon device's
     libcdsprpc.so), else SharedMemoryUnavailable.
+    ``context_group`` (htp): the session joins the process's EP context group (``ep.share_ep_contexts=1``), as
+    `ShardChainRunner`'s shards do.
     ``calls`` / ``seconds`` count the runs and their wall time.
     Raises GraphRunError (load or run failure), GraphIOMismatch (the session disagrees with the manifest, or a
     feed has the wrong shape).
@@ -127,7 +133,7 @@ class GraphRunner:
 
     def __init__(self, bundle_dir: str | Path, manifest: Manifest, name: str, backend: str,
                  threads: int | None = None, outputs: Sequence[str] | None = None, *, io_binding: bool = False,
-                 output_sets: int = 1, shared_memory: bool = False):
+                 output_sets: int = 1, shared_memory: bool = False, context_group: bool = False):
         self.entry: GraphEntry = manifest.graph(name)
         self._shared_info = None
         if shared_memory:
@@ -143,7 +149,7 @@ class GraphRunner:
         path = Path(bundle_dir) / self.entry.file
         t0 = time.perf_counter()
         try:
-            self.session = _session(path, backend, manifest, threads, shared_memory)
+            self.session = _session(path, backend, manifest, threads, shared_memory, context_group)
         except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
             raise GraphRunError(f"graph {name} ({self.entry.file}) did not load on the {backend} backend: "
                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
@@ -282,7 +288,10 @@ class ShardChainRunner:
     ``top_logq`` / ``logits``, and every shard's ``k_new_i`` / ``v_new_i``). ``entry``: the chain as one stand-in
     `GraphEntry`; ``outputs``: the chain outputs to return (default all); ``io_binding`` / ``output_sets`` as
     `GraphRunner` (each shard keeps ``output_sets`` sets, so a returned K/V row stays valid as long as with one
-    graph). ``calls`` / ``seconds`` count chain runs and their wall time; ``shards`` are the runners.
+    graph). On htp the shards' sessions are one EP context group (session config ``ep.share_ep_contexts=1``,
+    onnxruntime's EP-context sharing across sessions; measured on the x86 HTP simulator with two toy shard binaries:
+    they load and give bit-identical outputs with and without it). ``calls`` / ``seconds`` count chain runs and
+    their wall time; ``shards`` are the runners.
     Raises GraphRunError / GraphIOMismatch as `GraphRunner`, naming the shard.
     """
 
@@ -306,7 +315,7 @@ class ShardChainRunner:
             later = {t.name for h in chain[k + 1:] for t in h.inputs}
             wanted = [t.name for t in g.outputs if t.name in later or t.name in names]
             self.shards.append(GraphRunner(bundle_dir, manifest, g.name, backend, threads, outputs=wanted,
-                                           io_binding=io_binding, output_sets=output_sets))
+                                           io_binding=io_binding, output_sets=output_sets, context_group=True))
         self.load_seconds = sum(r.load_seconds for r in self.shards)
         self.calls, self.seconds = 0, 0.0
 
