@@ -740,6 +740,9 @@ def print_table(report: dict) -> None:
         elif base == "surgery":
             note = f"NPU weights {d.get('npu_weight_bytes', 0) / 1e6:.1f} MB; LUTs " + ", ".join(
                 f"{k} {v / 1e6:.1f} MB" for k, v in (d.get("luts") or {}).items())
+        elif base == "graph" and "layers" in d:          # a shard
+            note = (f"layers {d['layers']}, {d.get('linear_values', 0) / 1e6:.0f} M weights, reads producers "
+                    f"{d.get('borrowed_producers')} of earlier shards")
         elif base == "graph":
             note = f"output layer {d.get('output_layer_rows_before')} -> {d.get('output_layer_rows_after')} rows"
         elif base == "export":
@@ -747,7 +750,8 @@ def print_table(report: dict) -> None:
                    f"{len(d.get('host_only_nodes', []))}, top-1 {d.get('top1_agreement')}"
         elif base == "qdq":
             sq = (d.get("sqnr") or {}).get("outputs", {})
-            note = (f"bits {d.get('weight_bits')}; SQNR logits {sq.get('logits', float('nan')):.1f} dB"
+            first = "logits" if "logits" in sq else next((k for k in sq if k.startswith("hidden_")), "logits")
+            note = (f"bits {d.get('weight_bits')}; SQNR {first} {sq.get(first, float('nan')):.1f} dB"
                     if r.get("status") == "ok" else r.get("what", ""))
         elif base == "budget_refusal":
             note = (d.get("message") or "")[:120]
