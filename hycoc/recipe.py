@@ -379,6 +379,8 @@ class Target(Section):
     soc_model: str = Field("SM8850", min_length=1, description="SoC of the phone (paper: SM8850, Galaxy S26 Ultra)")
     context_size_limit_mb: int = Field(3500, ge=1, le=1_048_576, description="largest QNN context binary the phone loads, in MB")
     disable_cpu_fallback: bool = Field(True, description="fail the compile if any node would fall back to the CPU")
+    share_weights: bool = Field(True, description="htp: the SLM's tree and decode graphs in one weight-shared context "
+                                "binary (the x86 HTP simulator cannot load one: false to run a bundle there)")
     slm_shards: int | Literal["auto"] = Field(
         1, exclude=True, description="the SLM tree graph split by layers into this many shards, one context binary "
         "each, chained by the runtime (1 = one graph; \"auto\" = the fewest whose weights fit context_size_limit_mb); "

@@ -5,7 +5,11 @@
 from the recipe's ``[models]``, loaded by `build_inputs`):
 
     keep_set -> calibration_answers -> head_qat -> head_export -> qdq_head -> slm_surgery -> slm_tree_graph
-             -> qdq_slm -> target_<name>
+             -> qdq_slm -> slm_decode_graph -> target_<name>
+
+``slm_decode_graph`` is the SLM's 1-row decode graph for SLM-alone decoding (`hycoc.passes.slm_decode`), the bundle's
+graph ``slm_decode`` (role "slm"); on htp targets it shares one context binary with ``slm`` (`SHARED_CONTEXTS`,
+``target.share_weights``).
 
 With ``[target] slm_shards`` != 1 the SLM is split by layers: ``slm_surgery -> slm_shards -> target_<name>``
 (`hycoc.passes.slm_shard_build`: per-shard export and QDQ calibrated on the float chain), the bundle's graphs
@@ -85,6 +89,19 @@ class TargetFilesArtifact(Artifact):
         return hash_folder(Path(self.payload))
 
 
+#: Graphs compiled into one weight-shared QNN context binary on htp targets (``target.share_weights``): the SLM's
+#: decode graph holds the tree graph's weights under the same names (`hycoc.passes.slm_decode`).
+SHARED_CONTEXTS = (("slm", "slm_decode"),)
+
+
+def _context_groups(graphs: list[str], share: bool) -> list[list[str]]:
+    """``graphs`` split into compile groups: each `SHARED_CONTEXTS` group present (with ``share``), the rest alone."""
+    groups = [[g for g in group if g in graphs] for group in SHARED_CONTEXTS] if share else []
+    groups = [g for g in groups if len(g) > 1]
+    taken = {g for group in groups for g in group}
+    return groups + [[g] for g in graphs if g not in taken]
+
+
 class TargetPass(Pass):
     """qdq_head + qdq_slm -> target_files for one target (module docstring), reading ``[target]``.
 
@@ -136,7 +153,7 @@ class TargetPass(Pass):
                                 "extra": [f"graphs/{p.name}" for p in g.extra_files]}
                 numbers["graphs"][graph] = {"bytes": g.bytes + sum(p.stat().st_size for p in g.extra_files)}
         elif self.target == "htp-v81":
-            from hycoc.targets.htp import compile_context
+            from hycoc.targets.htp import compile_shared
             from hycoc.targets.profiles import profile_for
 
             t = recipe.target
@@ -144,13 +161,16 @@ class TargetPass(Pass):
                 raise BuildError("target.disable_cpu_fallback = false: htp-v81 bundles are compiled with CPU "
                                  "fallback disabled (every node on the HTP); set it to true")
             profile = profile_for(t.htp_arch, t.soc_model, t.context_size_limit_mb)
-            for graph, path in qdq_paths.items():
-                cg = compile_context(path, out / "graphs", profile, graph_name=graph)
-                index[graph] = {"model": f"graphs/{cg.ctx_model.name}",
-                                "context_binary": f"graphs/{cg.context_binary.name}", "extra": [],
-                                "qnn_sdk": cg.qnn_sdk}
-                numbers["graphs"][graph] = {"binary_bytes": cg.binary_bytes, "weight_bytes": cg.weight_bytes,
-                                            "compile_seconds": round(cg.compile_seconds, 2)}
+            groups = _context_groups(list(qdq_paths), t.share_weights)
+            for group in groups:
+                for cg in compile_shared([(qdq_paths[g], g) for g in group], out / "graphs", profile):
+                    index[cg.name] = {"model": f"graphs/{cg.ctx_model.name}",
+                                      "context_binary": f"graphs/{cg.context_binary.name}", "extra": [],
+                                      "qnn_sdk": cg.qnn_sdk}
+                    numbers["graphs"][cg.name] = {"binary_bytes": cg.binary_bytes if cg.name == group[0] else 0,
+                                                  "weight_bytes": cg.weight_bytes,
+                                                  "compile_seconds": round(cg.compile_seconds, 2),
+                                                  "shared_with": list(cg.shared_with)}
         else:
             from hycoc.targets.qai_hub import compile_on_hub
 
@@ -198,6 +218,7 @@ def build_pipeline(recipe: Recipe, target: str, *, cache_dir: str | Path, consol
     from hycoc.passes.head_qat import HeadQatPass
     from hycoc.passes.keep_set import KeepSetPass
     from hycoc.passes.qdq import QdqQuantize
+    from hycoc.passes.slm_decode import DECODE_GRAPH, DECODE_KIND, SlmDecodeGraph
     from hycoc.passes.slm_graph import SlmTreeGraphExport
     from hycoc.passes.slm_surgery import SlmGraphSurgery
 
@@ -212,8 +233,9 @@ def build_pipeline(recipe: Recipe, target: str, *, cache_dir: str | Path, consol
         passes += [SlmGraphSurgery(), SlmShardsPass(seed=seed, work_dir=Path(cache_dir) / "work")]
         passes.append(TargetPass(target, graphs | {"slm": KIND}, Path(cache_dir) / "work"))
         return Pipeline(passes, cache_dir, console=console, device=device)
-    passes += [SlmGraphSurgery(), SlmTreeGraphExport(), QdqQuantize("onnx_slm", "qdq_slm", seed=seed)]
-    graphs["slm"] = "qdq_slm"
+    passes += [SlmGraphSurgery(), SlmTreeGraphExport(), QdqQuantize("onnx_slm", "qdq_slm", seed=seed),
+               SlmDecodeGraph(seed=seed)]
+    graphs |= {"slm": "qdq_slm", DECODE_GRAPH: DECODE_KIND}
     passes.append(TargetPass(target, graphs, Path(cache_dir) / "work"))
     return Pipeline(passes, cache_dir, console=console, device=device)
 
@@ -330,16 +352,18 @@ def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: s
             w.add_file(_npy(table.inv_freq), f"rotary/slm_{layer_type}_inv_freq.npy", "rotary")
             w.add_file(_npy(np.asarray(table.attention_scaling, np.float32)),
                        f"rotary/slm_{layer_type}_scaling.npy", "rotary")
+        binaries = set()
         for graph, entry in sorted(index.items()):
             model = root / entry["model"]
             qdq = root / entry["qdq_source"]
             binary = entry.get("context_binary")
-            if binary:
+            if binary and binary not in binaries:      # a weight-shared binary is one file for its graphs
                 w.add_file(root / binary, Path(binary).name, "context_binary")
+                binaries.add(binary)
             for extra in entry.get("extra", []):
                 w.add_file(root / extra, Path(extra).name, "external_data")
             io_ = graph_io_from_onnx(model, qdq_source=qdq if binary else None)
-            w.add_graph(graph, graph, model, model.name, io=io_,
+            w.add_graph(graph, "slm" if graph.startswith("slm") else graph, model, model.name, io=io_,
                         context_binary=Path(binary).name if binary else None)
         w.add_file(json.dumps(report, indent=1).encode(), "report.json", "report")
         return w.commit(**manifest_sections(recipe, profile, keep_set_size=len(keep), qnn_sdk=qnn_sdk),

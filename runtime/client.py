@@ -157,13 +157,20 @@ class TextStream:
 class DeviceRuntime:
     """A bundle loaded for drafting (module docstring).
 
-    bundle: `hycoc.runtime.device_bundle.DeviceBundle`; head / slm: graph runners (`GraphRunner`).
+    bundle: `hycoc.runtime.device_bundle.DeviceBundle`; head / slm: graph runners (`GraphRunner`); slm_decode: the
+    runner of the bundle's 1-row ``slm_decode`` graph, which slm-alone then decodes with (None: a bundle without it
+    decodes on the tree graph, one token per R-row forward).
     """
 
-    def __init__(self, bundle, head, slm):
+    def __init__(self, bundle, head, slm, slm_decode=None):
         self.bundle = bundle
         self.mtp = MtpDrafter(head, bundle)
         self.slm = SlmDrafter(slm, bundle, candidates=bundle.round.slm_candidates)
+        if slm_decode is not None:                # slm-alone's 1-row graph (`hycoc.runtime.slm_decode`)
+            from hycoc.runtime.slm_decode import SlmDecoder
+
+            self.slm.decoder = SlmDecoder(slm_decode)
+            self.slm.decoder.check(self.slm)
         self.stop_ids = bundle.stop_token_ids()
         #: (committed conversation tokens, mode) after generate(..., keep_open=True); None otherwise.
         self._conversation: tuple[list[int], str] | None = None
@@ -383,7 +390,8 @@ class DeviceRuntime:
 
 def load_runtime(bundle_dir, backend: str = "cpu", *, threads: int | None = None,
                  io_binding: bool = False, htp_shared_memory: bool = False) -> DeviceRuntime:
-    """Open a bundle (hash- and target-checked, `open_bundle`) and its two graphs on ``backend``. io_binding: run
+    """Open a bundle (hash- and target-checked, `open_bundle`) and its graphs on ``backend`` (head, slm, and
+    slm_decode when the bundle has it: slm-alone's 1-row graph). io_binding: run
     the graphs through onnxruntime IOBindings (`GraphRunner`): rings bound once, outputs in preallocated buffers
     (the SLM's: one set per forward a round keeps until its commit, at most ``specedge_passes``).
     htp_shared_memory: the drafters' rings in the QNN EP's HTP shared memory (RPCMem), bound once through
@@ -409,7 +417,11 @@ def load_runtime(bundle_dir, backend: str = "cpu", *, threads: int | None = None
     # open_graph: the SLM as layer shards (slm.s0, slm.s1, ...) runs as one chained graph (ShardChainRunner)
     slm = open_graph(bundle.path, m, "slm", backend, threads, outputs=runtime_outputs(m.chain_entry("slm")),
                      io_binding=io_binding, output_sets=sets, shared_memory=htp_shared_memory)
-    return DeviceRuntime(bundle, head, slm)
+    decode = None
+    if any(g.name == "slm_decode" for g in m.graphs):   # bundles before issue 16's decode graph have none
+        decode = GraphRunner(bundle.path, m, "slm_decode", backend, threads,
+                             outputs=runtime_outputs(m.graph("slm_decode")), io_binding=io_binding)
+    return DeviceRuntime(bundle, head, slm, decode)
 
 
 __all__ = ["MODES", "RUN_MODES", "DeviceRuntime", "Mode", "RequestResult", "RuntimeProtocolError", "load_runtime"]

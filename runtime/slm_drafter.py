@@ -82,6 +82,7 @@ class SlmDrafter:
         self.round_forwards = 0
         self.forwards = 0
         self.prefill_seconds = 0.0
+        self.decoder = None   # a `hycoc.runtime.slm_decode.SlmDecoder` when the bundle has the 1-row decode graph
 
     # ---- request start -----------------------------------------------------------------------------------------
 
@@ -236,7 +237,11 @@ class SlmDrafter:
 
     def greedy_next(self) -> int:
         """SLM-alone decoding: one forward over the committed rows without KV (ending with r); returns the
-        arg-max token of r's row (keep set; first among equals) and leaves r's KV pending for `commit`."""
+        arg-max token of r's row (keep set; first among equals) and leaves r's KV pending for `commit`. When only r
+        lacks KV and a ``decoder`` is set, the forward is the 1-row decode graph's, which writes r's KV itself
+        (`hycoc.runtime.slm_decode.SlmDecoder.step`)."""
+        if self.decoder is not None and self.n_kv == self.t and self.round_forwards == 0:
+            return self.decoder.step(self)
         tree = DraftTreeNodes()
         tree.add(self.tokens[-1], -1, 0.0, "root")
         cands = self.expand(tree, [])

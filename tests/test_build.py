@@ -71,6 +71,7 @@ scale_k_full = 0.03
 scale_v_full = 0.03
 [target]
 name = "cpu"
+share_weights = false  # test_runtime_e2e runs this recipe's htp bundle on the x86 simulator (no shared binaries)
 [verifier]
 device = "cpu"
 dtype = "float32"
@@ -117,7 +118,8 @@ def test_list_passes_describes_the_chain(recipe_path, tmp_path):
     text = pipe.describe()
     names = [p.name for p in pipe.passes]
     assert names[:4] == ["keep_set", "calibration_answers", "head_qat", "head_export"]
-    assert names[4] == "qdq_head" and names[-4:] == ["slm_surgery", "slm_tree_graph", "qdq_slm", "target_cpu"]
+    assert names[4] == "qdq_head" and names[-5:] == ["slm_surgery", "slm_tree_graph", "qdq_slm", "slm_decode_graph",
+                                                     "target_cpu"]
     assert "2. calibration_answers (v1): reads [head_qat], [slm_calibration], [window], [keep_set]; consumes " \
            "torch_verifier, tokenizer; produces calibration_answers" in text
     assert "4. head_export (v1): reads [window]; consumes quantized_head, torch_verifier; produces onnx_head, " \
@@ -204,7 +206,7 @@ def test_build_bundle_cpu_end_to_end(tiny_pipeline, tmp_path):
     on_disk = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert on_disk == sorted([f.path for f in manifest.files] + ["manifest.json"])
     assert all(sha256_file(out / f.path) == f.sha256 for f in manifest.files)
-    assert {g.name for g in manifest.graphs} == {"head", "slm"} and manifest.keep_set_size == 64
+    assert {g.name for g in manifest.graphs} == {"head", "slm", "slm_decode"} and manifest.keep_set_size == 64
     head = manifest.graph("head")
     shapes = {t.name: t.shape for t in head.inputs}
     assert shapes["x_hat"] == [1, 1, 128] and shapes["k_sliding"] == [1, 2, 16, 16]
@@ -287,7 +289,7 @@ def test_cli_list_passes_until_and_full_build(recipe_path, tmp_path, monkeypatch
     assert result.exit_code == 0, result.stderr
     assert result.stdout.splitlines()[0] == "1. keep_set (v1): reads [keep_set]; consumes tokenizer; produces keep_set"
     assert result.stdout.splitlines()[-1].endswith("target_cpu (v1): reads [target]; consumes " +
-                                                   "qdq_head, qdq_slm" +
+                                                   "qdq_head, qdq_slm, qdq_slm_decode" +
                                                    "; produces target_files")
 
     result = runner.invoke(app, ["build", str(recipe_path), "--until", "keep_set", "--cache-dir", "c"])
@@ -306,8 +308,8 @@ def test_cli_list_passes_until_and_full_build(recipe_path, tmp_path, monkeypatch
     assert result.stdout.strip().splitlines()[-1].startswith(f"wrote {tmp_path / 'b'}: ")
     # stderr is not a terminal here: progress comes as plain lines, each pass's start and end and its long steps
     log = result.stderr.splitlines()
-    assert any(re.fullmatch(r"\[hycoc \d\d:\d\d:\d\d\] \[1/9\] keep_set: cached, [\d.]+ s \(CPU [\d.]+ s\): kept 64 ids.*", x) for x in log)
-    assert any(re.fullmatch(r"\[hycoc [\d:]+\] \[3/9\] head_qat: ran, [\d.]+ s \(CPU [\d.]+ s\): W4 top-1 agreement.*", x) for x in log)
+    assert any(re.fullmatch(r"\[hycoc \d\d:\d\d:\d\d\] \[1/10\] keep_set: cached, [\d.]+ s \(CPU [\d.]+ s\): kept 64 ids.*", x) for x in log)
+    assert any(re.fullmatch(r"\[hycoc [\d:]+\] \[3/10\] head_qat: ran, [\d.]+ s \(CPU [\d.]+ s\): W4 top-1 agreement.*", x) for x in log)
     assert any(re.fullmatch(r"\[hycoc [\d:]+\] head_qat: QAT steps: done 2/2 in [\d.]+ s \(KL [\d.]+\)", x) for x in log)
     # 4 + 2 prompts in one batch each, 12 decoding steps each
     assert any(x.endswith("calibration_answers: verifier greedy answers, decoding steps: started (24 to do)")
