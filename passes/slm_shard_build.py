@@ -122,7 +122,8 @@ class SlmShardsPass(Pass):
         start = time.perf_counter()
         slm, keep = inputs["slm_integer"].payload, inputs["keep_set"].payload
         bounds, numbers = resolve_bounds(slm, len(keep), recipe)
-        rows, ring = recipe.tree.node_budget, {FULL: recipe.window.slm_window, SLIDING: recipe.window.slm_sliding_window}
+        rows = recipe.tree.node_budget
+        ring = {FULL: recipe.window.slm_window, SLIDING: recipe.window.slm_sliding_window}
         graph = SlmTreeGraph(slm, keep, rows=rows, ring=ring)          # the calibration drives the whole model
         samples, _, source = self.qdq._samples(graph, slm, keep, inputs, recipe)
         del graph
