@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hycoc.host import tree_ring_mask
+from hycoc.runtime.tree_mask import TreeRingMask
 
 
 def _short(layer_type: str) -> str:
@@ -41,6 +41,10 @@ class SlmDecoder:
                              f"{runner.shape('inputs_embeds')[1]}")
         self.forwards = 0
         self._parents = [-1]
+        self._one = {"depths": np.zeros(1, np.int64), "ancestors": np.ones((1, 1), bool),
+                     "tree_block": np.zeros((1, 1), np.float32)}
+        self._masks: dict[str, TreeRingMask] = {}   # layer type -> 1-row mask buffer, updated in place
+        self._last_t = None
 
     def check(self, drafter) -> None:
         """ValueError unless the decode graph's ring inputs have ``drafter``'s ring shapes (one bundle)."""
@@ -51,7 +55,8 @@ class SlmDecoder:
 
     def feeds(self, drafter) -> dict[str, np.ndarray]:
         """The decode graph's inputs for r (``drafter.tokens[-1]``) at position ``drafter.t``: float32 arrays by
-        input name, the rings the drafter's own arrays."""
+        input name, the rings the drafter's own arrays, the masks (`hycoc.host.tree_ring_mask` of one row) this
+        decoder's buffers, updated in place (`hycoc.runtime.tree_mask.TreeRingMask`: valid until the next call)."""
         b, t = drafter.bundle, drafter.t
         token = np.asarray([drafter.tokens[-1]], np.int64)
         out = {"inputs_embeds": b.slm_luts["embed_tokens"].lookup(token)[None]}
@@ -59,11 +64,17 @@ class SlmDecoder:
             out["per_layer_inputs"] = b.slm_luts["embed_tokens_per_layer"].lookup(token).reshape(
                 1, 1, len(drafter.layer_types), drafter.ple)
         at = np.asarray([t], np.int64)
+        restart = self._last_t is None or t < self._last_t       # a new request: rewrite the masks
+        self._last_t = t
         for lt in drafter.types:
             cos, sin = b.slm_rotary[lt].rows(at)
             out[f"cos_{_short(lt)}"], out[f"sin_{_short(lt)}"] = cos[None], sin[None]
-            sw = drafter.sliding_window if lt == "sliding_attention" else None
-            out[f"mask_{_short(lt)}"] = tree_ring_mask(self._parents, t, drafter.live_start, drafter.ring_len[lt], sw)
+            if lt not in self._masks:
+                sw = drafter.sliding_window if lt == "sliding_attention" else None
+                self._masks[lt] = TreeRingMask(1, drafter.ring_len[lt], sw)
+            if restart:
+                self._masks[lt].reset()
+            out[f"mask_{_short(lt)}"] = self._masks[lt].update(self._parents, t, drafter.live_start, **self._one)
         for i in drafter.kv_layers:
             out[f"k_ring_{i}"], out[f"v_ring_{i}"] = drafter.rings[i]
         return out

@@ -148,3 +148,26 @@ def test_a_bundle_without_the_decode_graph_still_decodes_on_the_tree_graph(tiny_
     b = new.generate(None, ids, mode="slm-alone", max_new_tokens=8)
     assert a.tokens == b.tokens and len(a.tokens) == 8
     assert old.slm.forwards == new.slm.forwards + 7 and new.slm.decoder.forwards == 7   # 8 tree forwards vs 1
+
+
+def test_decode_masks_in_place_equal_tree_ring_mask_across_requests(tiny_bundle):
+    from hycoc.host import tree_ring_mask
+    from hycoc.runtime.client import load_runtime
+
+    rt = load_runtime(tiny_bundle.bundle, "cpu", threads=1)
+    slm, dec = rt.slm, rt.slm.decoder
+    feeds_of, checked = dec.feeds, []
+
+    def feeds(drafter):
+        out = feeds_of(drafter)
+        for lt in drafter.types:
+            sw = drafter.sliding_window if lt == "sliding_attention" else None
+            want = tree_ring_mask([-1], drafter.t, drafter.live_start, drafter.ring_len[lt], sw)
+            assert np.array_equal(out[f"mask_{lt.removesuffix('_attention')}"], want)
+        checked.append(drafter.t)
+        return out
+
+    dec.feeds = feeds
+    for prompt in (PROMPTS[3], PROMPTS[0], PROMPTS[3]):           # long, short (t goes back), long again
+        rt.generate(None, rt.bundle.tokenizer.encode(prompt).ids, mode="slm-alone", max_new_tokens=20)
+    assert len(checked) >= 30 and min(checked) < 8 and max(checked) > 2 * max(slm.ring_len.values())
