@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 
 import annotated_types
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError,
-                      model_validator)
+                      model_serializer, model_validator)
 from pydantic.fields import FieldInfo
 
 
@@ -382,9 +382,17 @@ class Target(Section):
     share_weights: bool = Field(True, description="htp: the SLM's tree and decode graphs in one weight-shared context "
                                 "binary (the x86 HTP simulator cannot load one: false to run a bundle there)")
     slm_shards: int | Literal["auto"] = Field(
-        1, exclude=True, description="the SLM tree graph split by layers into this many shards, one context binary "
-        "each, chained by the runtime (1 = one graph; \"auto\" = the fewest whose weights fit context_size_limit_mb); "
-        "left out of the table's cache-key dump, so an unsharded build keeps its keys")
+        1, description="the SLM tree graph split by layers into this many shards, one context binary "
+        "each, chained by the runtime (1 = one graph; \"auto\" = the fewest whose weights fit context_size_limit_mb)")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        """The table as dumped (cache keys, recipe hash), without ``slm_shards`` at its default of 1: a recipe that
+        does not shard keeps the keys it had before the knob existed; any other value is dumped and keyed."""
+        data = handler(self)
+        if self.slm_shards == 1:
+            data.pop("slm_shards", None)
+        return data
 
     @model_validator(mode="after")
     def _shard_count(self) -> Target:
@@ -392,7 +400,6 @@ class Target(Section):
         if v != "auto" and (isinstance(v, bool) or not 1 <= v <= 1024):
             raise CrossFieldError("slm_shards", v, "is not a shard count", 'a count in [1, 1024] or "auto"')
         return self
-
 
     @model_validator(mode="after")
     def _arch_matches_name(self) -> Target:

@@ -102,7 +102,7 @@ class SlmShardsPass(Pass):
         self.seed, self.calibration, self.work_dir = seed, calibration, work_dir
 
     def key_material(self, recipe: Recipe) -> dict[str, Any]:
-        # slm_shards is left out of the [target] table's dump (the unsharded build keeps its keys): named here
+        # slm_shards is in the [target] dump only when != 1 (hycoc.recipe.Target._dump); named here as well
         return {"seed": self.seed, "calibration": self.calibration, "slm_shards": recipe.target.slm_shards}
 
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, Artifact], PassReport]:
