@@ -171,3 +171,45 @@ def test_decode_masks_in_place_equal_tree_ring_mask_across_requests(tiny_bundle)
     for prompt in (PROMPTS[3], PROMPTS[0], PROMPTS[3]):           # long, short (t goes back), long again
         rt.generate(None, rt.bundle.tokenizer.encode(prompt).ids, mode="slm-alone", max_new_tokens=20)
     assert len(checked) >= 30 and min(checked) < 8 and max(checked) > 2 * max(slm.ring_len.values())
+
+
+def test_context_groups_put_the_decode_graph_with_the_tree_graph():
+    from hycoc.passes.build import _context_groups
+
+    assert _context_groups(["head", "slm", "slm_decode"], True) == [["slm", "slm_decode"], ["head"]]
+    assert _context_groups(["head", "slm", "slm_decode"], False) == [["head"], ["slm"], ["slm_decode"]]
+    assert _context_groups(["head", "slm"], True) == [["head"], ["slm"]]          # an older pipeline: nothing to share
+
+
+def test_htp_bundle_holds_one_shared_binary_for_both_slm_graphs(tiny_pipeline, tmp_path):
+    """target.share_weights: slm and slm_decode compiled into one weight-shared context binary, which the bundle
+    lists once and both graphs name; smaller than the two unshared binaries."""
+    from hycoc.passes import build as b
+    from hycoc.passes.pipeline import PipelineResult
+    from hycoc.targets.qnn_ep import versions
+
+    if versions().get("onnxruntime-qnn") is None:
+        pytest.skip("onnxruntime-qnn is not installed")
+    recipe = tiny_pipeline.recipe
+    recipe = recipe.model_copy(update={"target": recipe.target.model_copy(update={"share_weights": True})})
+    first = tiny_pipeline.first
+    kinds = {"slm": "qdq_slm", "slm_decode": "qdq_slm_decode"}
+    step = b.TargetPass("htp-v81", kinds, tmp_path / "work")
+    outputs, report = step.run({k: first.artifacts[k] for k in kinds.values()}, recipe)
+    graphs = report.numbers["graphs"]
+    assert graphs["slm"]["shared_with"] == ["slm_decode"] and graphs["slm_decode"]["shared_with"] == ["slm"]
+    assert graphs["slm_decode"]["binary_bytes"] == 0                                           # counted once
+    manifest = b.write_bundle(PipelineResult(first.artifacts | outputs, first.reports + [report]), recipe,
+                              "htp-v81", tmp_path / "bundle")
+    slm, dec = manifest.graph("slm"), manifest.graph("slm_decode")
+    assert slm.context_binary == dec.context_binary
+    binaries = [f for f in manifest.files if f.role == "context_binary"]
+    assert [f.path for f in binaries] == [slm.context_binary]                              # one file, listed once
+    shared = binaries[0].bytes
+    unshared = b.TargetPass("htp-v81", {"slm": "qdq_slm", "slm_decode": "qdq_slm_decode"}, tmp_path / "work2")
+    plain, rep2 = unshared.run({k: first.artifacts[k] for k in ("qdq_slm", "qdq_slm_decode")},
+                               recipe.model_copy(update={"target": recipe.target.model_copy(
+                                   update={"share_weights": False})}))
+    two = rep2.numbers["graphs"]["slm"]["binary_bytes"] + rep2.numbers["graphs"]["slm_decode"]["binary_bytes"]
+    print(f"tiny: shared {shared:,} B vs unshared {two:,} B (slm alone {rep2.numbers['graphs']['slm']['binary_bytes']:,})")
+    assert shared < two
