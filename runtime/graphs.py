@@ -109,6 +109,22 @@ def runtime_outputs(entry: GraphEntry) -> list[str]:
     return [n for n in names if n != "logits"] if "top_index" in names else names
 
 
+def _refuse_shared_binary_on_simulator(manifest: Manifest, entry: GraphEntry) -> None:
+    """Raise GraphRunError, before onnxruntime sees it, for a weight-shared context binary (one file named by
+    several graphs: ``[target] share_weights``) on an x86 host: the x86 HTP simulator cannot load one (onnxruntime-qnn's
+    x86_64 wheel segfaults in the session constructor, observed with 2.7.0 / QNN 2.51), so the bundle must be
+    rebuilt with ``share_weights = false`` to run there. Nothing on an Arm host (the phone) or for an own binary."""
+    import platform
+
+    if entry.context_binary is None or platform.machine().lower() not in ("x86_64", "amd64"):
+        return
+    others = [g.name for g in manifest.graphs if g.context_binary == entry.context_binary and g.name != entry.name]
+    if others:
+        raise GraphRunError(f"graph {entry.name}: its context binary {entry.context_binary} is weight-shared with "
+                            f"{', '.join(others)}, which the x86 HTP simulator cannot load: rebuild the bundle with "
+                            "[target] share_weights = false to run it here (keep true for a phone)")
+
+
 class GraphRunner:
     """One graph of a bundle, loaded on ``backend`` (module docstring).
 
@@ -147,6 +163,8 @@ class GraphRunner:
         self._wanted, self._binding_sets = outputs, (output_sets if io_binding else 0)
         self.name = name
         path = Path(bundle_dir) / self.entry.file
+        if backend == "htp":
+            _refuse_shared_binary_on_simulator(manifest, self.entry)
         t0 = time.perf_counter()
         try:
             self.session = _session(path, backend, manifest, threads, shared_memory, context_group)

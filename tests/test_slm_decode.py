@@ -213,3 +213,13 @@ def test_htp_bundle_holds_one_shared_binary_for_both_slm_graphs(tiny_pipeline, t
     two = rep2.numbers["graphs"]["slm"]["binary_bytes"] + rep2.numbers["graphs"]["slm_decode"]["binary_bytes"]
     print(f"tiny: shared {shared:,} B vs unshared {two:,} B (slm alone {rep2.numbers['graphs']['slm']['binary_bytes']:,})")
     assert shared < two
+    # On an x86 host the shared binary cannot load (the HTP simulator segfaults on one): refused first, naming the fix.
+    import platform
+
+    from hycoc.runtime.graphs import GraphRunError, GraphRunner
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return
+    with pytest.raises(GraphRunError, match=r"weight-shared with slm_decode, which the x86 HTP simulator cannot "
+                                            r"load: rebuild the bundle with \[target\] share_weights = false"):
+        GraphRunner(tmp_path / "bundle", manifest, "slm", "htp")
