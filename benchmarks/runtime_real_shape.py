@@ -283,6 +283,10 @@ class ModuloLut(EmbeddingLut):
     def lookup(self, ids) -> np.ndarray:
         return super().lookup(np.asarray(ids, dtype=np.int64) % self.rows)
 
+    def dense(self, max_bytes: int = 0) -> None:
+        """None: it stands in for a real vocabulary's table, which stays quantized (`EmbeddingLut.dense`)."""
+        return None
+
 
 def standin_bundle():
     """What the drafters read from a `DeviceBundle`, at real shape (module docstring)."""

@@ -19,12 +19,15 @@ input: never -inf, never a min-float stand-in (issue 4 "Numerics by construction
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 #: Additive mask value of a hidden column: finite, sized for a 16-bit quantized mask input.
 MASK_VALUE = -1e4
+#: Largest float32 table `EmbeddingLut.dense` dequantizes once and keeps (bytes): a toy's tables (4096 x 128: 2 MiB)
+#: fit, a real vocabulary's (262144 x 1536 floats: 1.5 GiB) stays in its quantized storage.
+DENSE_LUT_BYTES = 16 << 20
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
@@ -75,6 +78,7 @@ class EmbeddingLut:
     bits: int
     dim: int
     embed_scale: float
+    _dense: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def rows(self) -> int:
@@ -94,6 +98,17 @@ class EmbeddingLut:
         out *= scale
         out *= np.float32(self.embed_scale)
         return out.reshape(*ids.shape, self.dim)
+
+    def dense(self, max_bytes: int = DENSE_LUT_BYTES) -> np.ndarray | None:
+        """float32 (rows, dim): `lookup` of every row, dequantized once and kept (row r equals ``lookup([r])`` bit
+        for bit: the dequantization is elementwise per row), or None when it would take more than ``max_bytes``
+        bytes (the table then stays in its quantized storage, App. A). A runtime gathers rows from it with one
+        ``np.take`` instead of a lookup's dozen small numpy operations per forward."""
+        if self._dense is None:
+            if self.rows * self.dim * 4 > max_bytes:
+                return None
+            self._dense = self.lookup(np.arange(self.rows, dtype=np.int64))
+        return self._dense
 
 
 @dataclass

@@ -72,6 +72,10 @@ class SlmDrafter:
         self.masks = {t: TreeRingMask(self.rows, self.ring_len[t],
                                       self.sliding_window if t == "sliding_attention" else None) for t in self.types}
         self._rotary = {t: RotaryBlock(bundle.slm_rotary[t]) for t in self.types}
+        # name -> (LUT, its dense float32 table or None): a small table's rows are one gather per forward
+        # (a LUT without `dense`, such as a test's stand-in, is always looked up)
+        self._luts = {name: (lut, lut.dense() if hasattr(lut, "dense") else None)
+                      for name, lut in bundle.slm_luts.items()}
         self.rings = {i: (input_buffer(runner, f"k_ring_{i}"), input_buffer(runner, f"v_ring_{i}"))
                       for i in self.kv_layers}           # HTP shared memory when the runner has it
         self.window = max(self.ring_len.values())
@@ -129,16 +133,15 @@ class SlmDrafter:
         """The graph's inputs for R rows at ``first_position`` (`hycoc.passes.slm_graph.host_inputs`'s rules). The
         masks and rings are the drafter's own buffers (updated in place: valid until the next forward).
         real_rows: rows before the padding (which repeats row real_rows - 1's token): only they are looked up."""
-        tokens = np.asarray(tokens, np.int64)
+        ids = [int(x) for x in tokens]
         depths, ancestors = tree_rows(parents)
-        b = self.bundle
-        n = len(tokens)
+        n = len(ids)
         real = n if real_rows is None else max(1, min(int(real_rows), n))
-        # the LUT rows of the real rows, the padding repeats the last (each row's lookup is its own: equal values)
-        pad = np.minimum(np.arange(n), real - 1) if real < n else slice(None)
-        out = {"inputs_embeds": b.slm_luts["embed_tokens"].lookup(tokens[:real])[pad][None]}
+        if real < n:         # the padding repeats row real - 1's LUT row (each row's lookup is its own: equal values)
+            ids[real:] = [ids[real - 1]] * (n - real)
+        out = {"inputs_embeds": self._embed("embed_tokens", ids)[None]}
         if self.ple:
-            rows = b.slm_luts["embed_tokens_per_layer"].lookup(tokens[:real])[pad]
+            rows = self._embed("embed_tokens_per_layer", ids)
             out["per_layer_inputs"] = rows.reshape(1, n, len(self.layer_types), self.ple)
         # rotary rows of positions first .. first + max depth (a tree's depths are 0..max), one per depth
         block = np.where(ancestors, np.float32(0.0), np.float32(MASK_VALUE))    # the tree rows' block, shared
@@ -150,6 +153,17 @@ class SlmDrafter:
         for i in self.kv_layers:
             out[f"k_ring_{i}"], out[f"v_ring_{i}"] = self.rings[i]
         return out
+
+    def _embed(self, name: str, ids: list[int]) -> np.ndarray:
+        """float32 (len(ids), dim): LUT ``name``'s rows of ``ids``, gathered from its dense table when it has one
+        (`hycoc.host.EmbeddingLut.dense`), else looked up in its quantized storage. Raises IndexError for an id
+        outside the table."""
+        lut, dense = self._luts[name]
+        if dense is None:
+            return lut.lookup(np.asarray(ids, np.int64))
+        if min(ids) < 0 or max(ids) >= len(dense):
+            raise IndexError(f"token id outside the LUT's {len(dense)} rows: {min(ids)}..{max(ids)}")
+        return dense.take(ids, axis=0)
 
     def _forward(self, tokens: list[int], parents: list[int], first_position: int) -> dict[str, np.ndarray]:
         tokens, parents = list(tokens), list(parents)
