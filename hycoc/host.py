@@ -195,7 +195,7 @@ def tree_depths(parents: Sequence[int]) -> np.ndarray:
 
 def _parent_list(parents: Sequence[int]) -> list[int]:
     """``parents`` as a list of ints, validated (`tree_depths`' rules)."""
-    p = np.asarray(parents, dtype=np.int64).reshape(-1).tolist()
+    p = [int(x) for x in parents] if isinstance(parents, list) else np.asarray(parents, np.int64).reshape(-1).tolist()
     if not p or p[0] != -1:
         raise TreeShapeError("row 0 must have parent -1")
     for j in range(1, len(p)):

@@ -21,6 +21,8 @@ A node whose token ends the turn (EOS) is never expanded and ends the chain: not
 
 from __future__ import annotations
 
+import heapq
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -48,12 +50,34 @@ class DraftTreeNodes:
 
     nodes: list[TreeNode] = field(default_factory=list)
     edges: set[tuple[int, int]] = field(default_factory=set)   # (parent, token) of every node
+    children: dict[int, list[int]] = field(default_factory=dict)   # parent -> its children's tokens, in order
 
     def add(self, token: int, parent: int, score: float, source: str) -> int:
+        token, parent = int(token), int(parent)
         depth = 0 if parent < 0 else self.nodes[parent].depth + 1
-        self.nodes.append(TreeNode(int(token), int(parent), float(score), depth, source))
-        self.edges.add((int(parent), int(token)))
+        self.nodes.append(TreeNode(token, parent, float(score), depth, source))
+        self.edges.add((parent, token))
+        kids = self.children.get(parent)
+        if kids is None:
+            self.children[parent] = [token]
+        else:
+            kids.append(token)
         return len(self.nodes) - 1
+
+    def add_many(self, tokens: list[int], parents: list[int], scores: list[float], source: str) -> list[int]:
+        """`add` of each (token, parent, score) in order, parents already in the tree (>= 0), values as Python
+        ints / floats (``ndarray.tolist()``); returns the new nodes."""
+        nodes, edges, children = self.nodes, self.edges, self.children
+        start = len(nodes)
+        for token, parent, score in zip(tokens, parents, scores):
+            nodes.append(TreeNode(token, parent, score, nodes[parent].depth + 1, source))
+            edges.add((parent, token))
+            kids = children.get(parent)
+            if kids is None:
+                children[parent] = [token]
+            else:
+                kids.append(token)
+        return list(range(start, len(nodes)))
 
     def has_child(self, parent: int, token: int) -> bool:
         return (int(parent), int(token)) in self.edges
@@ -136,14 +160,12 @@ class TreeBuilder:
 
     def slm_pass(self, tree: DraftTreeNodes, frontier: list[int], expand: Expand) -> list[int]:
         """Lines 7-14 with F = ``frontier``; returns the nodes added (insertion order)."""
-        order = sorted((v for v in frontier if tree.nodes[v].token not in self.stop_ids),
-                       key=lambda v: (-tree.nodes[v].score, v))  # line 7: descending s, ties to the earlier
+        nodes, stop = tree.nodes, self.stop_ids           # line 7: descending s, ties to the earlier
+        order = [v for _, v in sorted([(-nodes[v].score, v) for v in frontier if nodes[v].token not in stop])]
         if not order:
             return []
         logq = expand(tree, order)                        # line 8
-        kids: dict[int, list[int]] = {}                   # the children's tokens of each node
-        for parent, tok in tree.edges:
-            kids.setdefault(parent, []).append(tok)
+        kids = tree.children                              # the children's tokens of each node (read only here)
         if isinstance(logq, CandidateRows):               # every row's candidates at once (same values, same order)
             return self._join(tree, *self._scored_rows(tree, order, logq, kids))
         c_s, c_v, c_tok = [], [], []                      # candidates (s, v, token) in C order, as arrays
@@ -205,8 +227,7 @@ class TreeBuilder:
         if cand_v is None or not len(cand_s):
             return []
         joined = np.flatnonzero(cand_s >= theta)
-        return [tree.add(tok, v, s, SLM) for tok, v, s in zip(cand_tok[joined].tolist(), cand_v[joined].tolist(),
-                                                             cand_s[joined].tolist())]
+        return tree.add_many(cand_tok[joined].tolist(), cand_v[joined].tolist(), cand_s[joined].tolist(), SLM)
 
     # ---- lines 16-17 -------------------------------------------------------------------------------------------
 
@@ -216,7 +237,7 @@ class TreeBuilder:
         context has left: a node at depth d sits at position t + d); None = no limit."""
         nodes = tree.nodes
         fits = [i for i in range(1, len(nodes)) if max_depth is None or nodes[i].depth <= max_depth]
-        best = sorted(fits, key=lambda i: (-nodes[i].score, i))[:self.budget]
+        best = [i for _, i in heapq.nsmallest(self.budget, [(-nodes[i].score, i) for i in fits])]   # = sorted[:B]
         keep = set(best)
         for i in best:                                    # ancestors, up to the first one already kept
             p = nodes[i].parent
