@@ -117,7 +117,9 @@ def graph_candidate_rows(top_index: np.ndarray, top_logq: np.ndarray, nodes, row
         raise ValueError(f"the SLM graph emits its best {top_index.shape[-1]} tokens per row, the tree builder "
                          f"wants {k} candidates: rebuild the bundle with this recipe")
     rows = np.asarray(rows, dtype=np.int64)
-    return CandidateRows(nodes, top_index[0, rows, :k].astype(np.int64), top_logq[0, rows, :k].astype(np.float64))
+    # the fancy index makes fresh arrays: int64 indices stay as they are (no second copy)
+    return CandidateRows(nodes, top_index[0, rows, :k].astype(np.int64, copy=False),
+                         top_logq[0, rows, :k].astype(np.float64))
 
 
 def graph_candidates(top_index: np.ndarray, top_logq: np.ndarray, rows, k: int) -> list[Candidates]:

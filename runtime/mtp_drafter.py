@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hycoc.host import FULL, SLIDING, RotaryBlock, ring_runs
+from hycoc.host import DENSE_LUT_BYTES, FULL, SLIDING, RotaryBlock, ring_runs
 from hycoc.protocol.messages import HandOff
 from hycoc.runtime.graphs import input_buffer
 from hycoc.runtime.tree_mask import HeadRingMask
@@ -113,6 +113,11 @@ class MtpDrafter:
         self.hidden = runner.shape("x_hat")[-1] // 2
         self._query = np.zeros((1, 1, 2 * self.hidden), np.float32)    # the head's x_hat input, one buffer
         self._keep = [int(x) for x in np.asarray(bundle.keep_set).reshape(-1)]   # index -> token id, as ints
+        # E[i] of every keep-set index as one float32 table (`bundle.embed_keep` row by row, so bit for bit its
+        # values) when it takes at most DENSE_LUT_BYTES; else each step dequantizes its row
+        fits = len(self._keep) * self.hidden * 4 <= DENSE_LUT_BYTES
+        self._embed = (np.stack([bundle.embed_keep(i) for i in range(len(self._keep))]).astype(np.float32, copy=False)
+                       if fits else None)
         self._masks = HeadRingMask(self.W, self.sliding_window)
         self._rotary = {kind: RotaryBlock(bundle.head_rotary[kind]) for kind in (SLIDING, FULL)}
         self.ring = {}
@@ -211,8 +216,7 @@ class MtpDrafter:
             res = self.runner.run(feeds)
             # the graph's own top-2 (ONNX TopK: ties to the lower index) when it emits one, else the host's
             if "top_index" in res:
-                top = res["top_index"].ravel()
-                i, i2 = int(top[0]), int(top[1])
+                i, i2 = res["top_index"].ravel().tolist()[:2]
             else:
                 i, i2 = top2(res["logits"])
             out.chain.append(keep[i])
@@ -221,6 +225,6 @@ class MtpDrafter:
                 out.runner_ups.append(keep[i2])
                 out.runner_up_index.append(i2)
             if k < K:
-                z[:self.hidden] = self.bundle.embed_keep(i)
+                z[:self.hidden] = self.bundle.embed_keep(i) if self._embed is None else self._embed[i]
                 z[self.hidden:] = res["h_next"].reshape(-1)
         return out

@@ -209,7 +209,7 @@ class TreeBuilder:
         tokens = self.keep_set[index]
         node_s = np.array([tree.nodes[v].score for v in present], np.float64)
         s = node_s[:, None] + logq + self.ln_lambda       # float64, summed in the order of line 13
-        v = np.broadcast_to(np.asarray(present, np.int64)[:, None], tokens.shape)
+        v = np.repeat(np.asarray(present, np.int64), tokens.shape[1]).reshape(tokens.shape)   # each row's node
         mine = [kids.get(u, ()) for u in present]         # (v, c) only when v has no child c yet
         most = max(len(m) for m in mine)
         if not most:
@@ -222,11 +222,16 @@ class TreeBuilder:
               cand_tok: np.ndarray | None) -> list[int]:
         """Line 14: θ = the B-th highest score over the tree's nodes and the candidates; the candidates with
         s >= θ join the tree in candidate order. Returns the nodes added."""
-        scores = np.concatenate([np.array([n.score for n in tree.nodes[1:]], np.float64), cand_s])
-        theta = -np.partition(-scores, self.budget - 1)[self.budget - 1] if len(scores) >= self.budget else -np.inf
         if cand_v is None or not len(cand_s):
             return []
-        joined = np.flatnonzero(cand_s >= theta)
+        scores = np.concatenate([np.array([n.score for n in tree.nodes[1:]], np.float64), cand_s])
+        if len(scores) >= self.budget:
+            neg = -scores
+            neg.partition(self.budget - 1)                # in place on the negated copy (np.partition's values)
+            theta = -neg[self.budget - 1]
+        else:
+            theta = -np.inf
+        joined = (cand_s >= theta).nonzero()[0]
         return tree.add_many(cand_tok[joined].tolist(), cand_v[joined].tolist(), cand_s[joined].tolist(), SLM)
 
     # ---- lines 16-17 -------------------------------------------------------------------------------------------
