@@ -79,6 +79,10 @@ class SlmDrafter:
         self.rings = {i: (input_buffer(runner, f"k_ring_{i}"), input_buffer(runner, f"v_ring_{i}"))
                       for i in self.kv_layers}           # HTP shared memory when the runner has it
         self.window = max(self.ring_len.values())
+        # the graph's input names, formatted once: per layer type (type, cos, sin, mask), and the rings' buffers
+        self._type_inputs = [(t, f"cos_{_short(t)}", f"sin_{_short(t)}", f"mask_{_short(t)}") for t in self.types]
+        self._ring_inputs = {name: buf for i in self.kv_layers
+                             for name, buf in zip((f"k_ring_{i}", f"v_ring_{i}"), self.rings[i])}
         self.tokens: list[int] = []
         self.live_start = self.n_kv = 0
         self.pending: dict[int, tuple[int, int]] = {}     # tree node -> (forward index, row) this round
@@ -145,13 +149,13 @@ class SlmDrafter:
             out["per_layer_inputs"] = rows.reshape(1, n, len(self.layer_types), self.ple)
         # rotary rows of positions first .. first + max depth (a tree's depths are 0..max), one per depth
         block = np.where(ancestors, np.float32(0.0), np.float32(MASK_VALUE))    # the tree rows' block, shared
-        for t in self.types:
-            cos, sin = self._rotary[t].rows(first_position, int(depths.max()) + 1)
-            out[f"cos_{_short(t)}"], out[f"sin_{_short(t)}"] = cos[depths][None], sin[depths][None]
-            out[f"mask_{_short(t)}"] = self.masks[t].update(parents, first_position, self.live_start,
-                                                            depths=depths, ancestors=ancestors, tree_block=block)
-        for i in self.kv_layers:
-            out[f"k_ring_{i}"], out[f"v_ring_{i}"] = self.rings[i]
+        count = int(depths.max()) + 1
+        for t, cos_name, sin_name, mask_name in self._type_inputs:
+            cos, sin = self._rotary[t].rows(first_position, count)
+            out[cos_name], out[sin_name] = cos[depths][None], sin[depths][None]
+            out[mask_name] = self.masks[t].update(parents, first_position, self.live_start,
+                                                  depths=depths, ancestors=ancestors, tree_block=block)
+        out.update(self._ring_inputs)
         return out
 
     def _embed(self, name: str, ids: list[int]) -> np.ndarray:
@@ -170,10 +174,10 @@ class SlmDrafter:
         if len(tokens) > self.rows:
             raise ValueError(f"{len(tokens)} rows do not fit the SLM graph's {self.rows}")
         real = len(tokens)
-        pad_parent = max(parents[-1], 0)                 # padding: the last row again (under row 0 if it is row 0)
-        while len(tokens) < self.rows:
-            tokens.append(tokens[-1])
-            parents.append(pad_parent)
+        pad = self.rows - real                           # padding: the last row again (under row 0 if it is row 0)
+        if pad > 0:
+            tokens += [tokens[-1]] * pad
+            parents += [max(parents[-1], 0)] * pad
         out = self.runner.run(self.feeds(tokens, parents, first_position, real))
         self.forwards += 1
         return out
