@@ -1,0 +1,171 @@
+"""Record a toy runtime run against the real verifier, then replay it without a server (issue 16 host work).
+
+    python benchmarks/runtime_replay.py record bundles/toy-cpu runs/replay-hyco.pkl            # needs the verifier
+    python benchmarks/runtime_replay.py replay bundles/toy-cpu runs/replay-hyco.pkl --reps 3   # no server
+    python benchmarks/runtime_replay.py replay bundles/toy-cpu runs/replay-hyco.pkl --steps    # + per-step times
+
+``record`` runs `DeviceRuntime.generate` (mode ``hyco`` by default, 4 Spec-Bench questions x 128 tokens, the
+bundle's graphs on onnxruntime's CPU EP with one thread) against ``hycoc verify-server`` in a child process
+(`hycoc.bench.runner.VerifierProcess`) and keeps, per question, the opened session, every round's tree (tokens,
+parents) and the verifier's reply, and the text (a pickle: trusted, local files only; written to a temporary name
+and renamed when complete). ``replay`` runs the same requests with a stand-in client that answers each round with
+the recorded reply and raises when the runtime's tree differs from the recorded one, checks the texts, and prints
+the drafting region's host time per round and the host share (thread CPU time, as
+``benchmarks/runtime_host_share.py`` counts it: `CpuClock`), without the verifier's process on the machine.
+``--steps``: also the exclusive CPU time per round of the runtime's main steps (`runtime_real_shape.StepTimer`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+
+class TreeMismatch(AssertionError):
+    """The replayed runtime built a tree that differs from the recorded one."""
+
+
+class Recorder:
+    """A verifier client that passes every call through and keeps the opened session, trees and replies."""
+
+    def __init__(self, inner):
+        self.inner, self.log = inner, {"opened": None, "rounds": []}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def open(self, request):
+        self.log["opened"] = self.inner.open(request)
+        return self.log["opened"]
+
+    def round(self, tree):
+        reply = self.inner.round(tree)
+        self.log["rounds"].append((np.array(tree.tokens), np.array(tree.parents), reply))
+        return reply
+
+
+class Replayer:
+    """A verifier client answering from a recording; raises TreeMismatch when a round's tree differs."""
+
+    def __init__(self, log):
+        self.log, self.i, self.opened, self.round_bytes, self.link_s = log, 0, None, [], 0.0
+
+    def open(self, request):
+        self.opened = self.log["opened"]
+        return self.opened
+
+    def round(self, tree):
+        tokens, parents, reply = self.log["rounds"][self.i]
+        if not (np.array_equal(tokens, tree.tokens) and np.array_equal(parents, tree.parents)):
+            raise TreeMismatch(f"round {self.i}: the tree differs from the recording")
+        self.i += 1
+        self.round_bytes.append((0, 0))
+        return reply
+
+    def close(self):
+        pass
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("cmd", choices=("record", "replay"))
+    ap.add_argument("bundle", type=Path, help="a cpu bundle")
+    ap.add_argument("file", type=Path, help="the recording")
+    ap.add_argument("--recipe", type=Path, default=REPO / "recipes" / "toy.toml", help="the bundle's recipe")
+    ap.add_argument("--questions", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--mode", default="hyco")
+    ap.add_argument("--reps", type=int, default=3, help="replays (default 3)")
+    ap.add_argument("--steps", action="store_true", help="also per-step exclusive CPU time")
+    args = ap.parse_args(argv)
+
+    from runtime_host_share import CpuClock
+
+    from hycoc.runtime.client import DeviceRuntime
+    from hycoc.runtime.device_bundle import open_bundle
+    from hycoc.runtime.graphs import GraphRunner, runtime_outputs
+
+    cpu = CpuClock()
+    timer = None
+    if args.steps:
+        from runtime_real_shape import StepTimer
+
+        from hycoc.runtime import graphs, mtp_drafter, slm_drafter, tree_builder
+
+        timer = StepTimer(time.thread_time)
+        for owner, attr in [(mtp_drafter.MtpDrafter, "ingest"), (mtp_drafter.MtpDrafter, "draft"),
+                            (slm_drafter.SlmDrafter, "feeds"), (slm_drafter.SlmDrafter, "expand"),
+                            (tree_builder.TreeBuilder, "slm_pass"), (tree_builder.TreeBuilder, "build"),
+                            (graphs.GraphRunner, "run"), (DeviceRuntime, "_tree")]:
+            timer.wrap(owner, attr, f"{owner.__name__}.{attr}")
+    bundle = open_bundle(args.bundle, "cpu")
+    runners = []
+    for name in ("head", "slm"):
+        runner = GraphRunner(bundle.path, bundle.manifest, name, "cpu", 1,
+                             outputs=runtime_outputs(bundle.manifest.graph(name)))
+        runner.session = cpu.session(runner.session)
+        if timer is not None:                     # the graph's own time as "ORT call", out of GraphRunner.run's
+            from runtime_real_shape import TimedSession
+
+            runner.session = TimedSession(runner.session, timer)
+        runners.append(runner)
+    rt = DeviceRuntime(bundle, *runners)
+
+    if args.cmd == "record":
+        from hycoc.bench.datasets import load_spec_bench
+        from hycoc.bench.runner import VerifierProcess
+        from hycoc.chat import format_prompt
+        from hycoc.cli import DEFAULT_DATASET
+        from hycoc.recipe import load_recipe
+        from hycoc.runtime import transport
+
+        recipe = load_recipe(args.recipe)
+        questions = load_spec_bench(recipe.resolve_path(recipe.bench.dataset) or DEFAULT_DATASET)[:args.questions]
+        logs, texts = [], []
+        with VerifierProcess(args.recipe, args.bundle / "keep_set.npy") as srv:
+            for q in questions:
+                ids = format_prompt(bundle.tokenizer, q.turns[0])
+                rec = Recorder(transport.VerifierClient(srv.url))
+                res = rt.generate(rec, ids, mode=args.mode, max_new_tokens=args.tokens)
+                logs.append((ids, rec.log))
+                texts.append(res.tokens)
+        args.file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.file.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump({"logs": logs, "texts": texts, "mode": args.mode, "tokens": args.tokens}, f)
+        tmp.replace(args.file)
+        print(f"recorded {len(texts)} requests, {sum(len(t) for t in texts)} tokens, "
+              f"{sum(len(log['rounds']) for _, log in logs)} rounds -> {args.file}")
+        return 0
+
+    with open(args.file, "rb") as f:
+        data = pickle.load(f)            # a recording this script wrote (trusted, local)
+    for rep in range(args.reps):
+        d0, g0, rounds = cpu.draft_s, cpu.graph_s, 0
+        for (ids, log), text in zip(data["logs"], data["texts"]):
+            res = rt.generate(Replayer(log), ids, mode=data["mode"], max_new_tokens=data["tokens"])
+            if res.tokens != text:
+                raise TreeMismatch("the text differs from the recording")
+            rounds += res.rounds
+        d, g = cpu.draft_s - d0, cpu.graph_s - g0
+        print(f"rep {rep}: drafting {1000 * d:.1f} ms CPU, in InferenceSession.run {1000 * g:.1f} ms, host "
+              f"{1000 * (d - g):.1f} ms = {1000 * (d - g) / max(rounds, 1):.3f} ms/round, host share "
+              f"{100 * (d - g) / d:.1f}% ({rounds} rounds)")
+        if timer is not None:
+            print("  per round (ms CPU, exclusive): " + " ".join(
+                f"{k}={1000 * v / max(rounds, 1):.3f}" for k, v in sorted(timer.seconds.items(), key=lambda kv: -kv[1])))
+            timer.seconds.clear()
+    print("trees and texts identical to the recording")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
