@@ -223,11 +223,17 @@ class SlmDrafter:
             prefix = list(range(self.n_kv, self.t))
         tokens = [self.tokens[p] for p in prefix] + [self.tokens[-1]]
         parents = list(range(-1, len(tokens) - 1))
-        row_of = {0: len(tokens) - 1}
+        row_of = {0: len(tokens) - 1}                   # ancestor-closed: a node joins with its missing ancestors
+        tree_nodes = tree.nodes
         for v in nodes:
             if v in row_of:
                 continue
-            need = [a for a in [*tree.ancestors(v), v] if a not in row_of]
+            need = [v]                                    # v and its ancestors up to the first one already in
+            a = tree_nodes[v].parent
+            while a not in row_of:
+                need.append(a)
+                a = tree_nodes[a].parent
+            need.reverse()                                # root side first, as tree.ancestors gives them
             if len(tokens) + len(need) > self.rows:
                 continue
             for a in need:
