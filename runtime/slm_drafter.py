@@ -79,6 +79,7 @@ class SlmDrafter:
         self.rings = {i: (input_buffer(runner, f"k_ring_{i}"), input_buffer(runner, f"v_ring_{i}"))
                       for i in self.kv_layers}           # HTP shared memory when the runner has it
         self.window = max(self.ring_len.values())
+        self._layouts: dict[tuple, tuple] = {}            # parent list -> `_rows_of`
         # the graph's input names, formatted once: per layer type (type, cos, sin, mask), and the rings' buffers
         self._type_inputs = [(t, f"cos_{_short(t)}", f"sin_{_short(t)}", f"mask_{_short(t)}") for t in self.types]
         self._ring_inputs = {name: buf for i in self.kv_layers
@@ -138,7 +139,7 @@ class SlmDrafter:
         masks and rings are the drafter's own buffers (updated in place: valid until the next forward).
         real_rows: rows before the padding (which repeats row real_rows - 1's token): only they are looked up."""
         ids = [int(x) for x in tokens]
-        depths, ancestors = tree_rows(parents)
+        depths, ancestors, block, count = self._rows_of(parents)
         n = len(ids)
         real = n if real_rows is None else max(1, min(int(real_rows), n))
         if real < n:         # the padding repeats row real - 1's LUT row (each row's lookup is its own: equal values)
@@ -148,8 +149,6 @@ class SlmDrafter:
             rows = self._embed("embed_tokens_per_layer", ids)
             out["per_layer_inputs"] = rows.reshape(1, n, len(self.layer_types), self.ple)
         # rotary rows of positions first .. first + max depth (a tree's depths are 0..max), one per depth
-        block = np.where(ancestors, np.float32(0.0), np.float32(MASK_VALUE))    # the tree rows' block, shared
-        count = int(depths.max()) + 1
         for t, cos_name, sin_name, mask_name in self._type_inputs:
             cos, sin = self._rotary[t].rows(first_position, count)
             out[cos_name], out[sin_name] = cos[depths][None], sin[depths][None]
@@ -157,6 +156,23 @@ class SlmDrafter:
                                                   depths=depths, ancestors=ancestors, tree_block=block)
         out.update(self._ring_inputs)
         return out
+
+    def _rows_of(self, parents: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """(depths int64 (R,), ancestors bool (R, R), the tree rows' mask block float32 (R, R) = where(ancestors,
+        0, MASK_VALUE), max depth + 1) of ``parents`` (`hycoc.host.tree_rows`; raises TreeShapeError as it does),
+        read-only arrays kept per parent list: a request's forwards repeat a few row layouts (toy, 4 Spec-Bench
+        questions: 101 forwards, 8 layouts), which then cost one dict lookup. At most 64 layouts are kept."""
+        key = tuple(parents)
+        found = self._layouts.get(key)
+        if found is None:
+            depths, ancestors = tree_rows(parents)
+            block = np.where(ancestors, np.float32(0.0), np.float32(MASK_VALUE))    # shared by the layer types
+            for a in (depths, ancestors, block):
+                a.setflags(write=False)
+            if len(self._layouts) >= 64:
+                self._layouts.clear()
+            found = self._layouts[key] = (depths, ancestors, block, int(depths.max()) + 1)
+        return found
 
     def _embed(self, name: str, ids: list[int]) -> np.ndarray:
         """float32 (len(ids), dim): LUT ``name``'s rows of ``ids``, gathered from its dense table when it has one

@@ -249,3 +249,18 @@ def test_long_prompt_fills_the_ring_in_chunks_of_r_rows():
     assert not (slm.runner.feeds[0]["mask_full"][0, 0, 0, :WF] == 0).any()
     first = slm.runner.feeds[1]["mask_full"][0, 0, 0, :WF] == 0
     assert first.tolist() == [False, False, True, True, True, True, True, True]
+
+
+def test_a_repeated_row_layout_is_served_from_the_kept_arrays():
+    from hycoc.host import MASK_VALUE, TreeShapeError, tree_rows
+
+    slm = slm_drafter()
+    parents = [-1, 0, 1, 1, 0, 4] + [4] * (slm.rows - 6)
+    depths, anc, block, count = slm._rows_of(parents)
+    want_d, want_anc = tree_rows(parents)
+    assert depths.tolist() == want_d.tolist() and np.array_equal(anc, want_anc) and count == 3
+    assert np.array_equal(block, np.where(want_anc, np.float32(0.0), np.float32(MASK_VALUE)))
+    again = slm._rows_of(list(parents))                  # an equal list: the same arrays, read-only
+    assert all(a is b for a, b in zip(again[:3], (depths, anc, block))) and not block.flags.writeable
+    with pytest.raises(TreeShapeError):
+        slm._rows_of([-1, 2] + [0] * (slm.rows - 2))
