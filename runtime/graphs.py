@@ -212,6 +212,7 @@ class GraphRunner:
         self._outputs_as_is = all(ort_types.get(n) == "float32" or (enc is None and "int" in str(ort_types.get(n)))
                                   for n, enc in zip(self.output_names, self._output_encodings))
         self._last_feeds: dict[str, np.ndarray] = {}     # input -> the array the last run took (validated then)
+        self._last_ort_feeds: dict[str, np.ndarray] | None = None   # the last run's session feeds (`run_again`)
         self.calls, self.seconds = 0, 0.0
         self._shared: dict[int, object] = {}             # id(numpy view) -> its OrtValue in HTP shared memory
         self._binding = None
@@ -292,6 +293,20 @@ class GraphRunner:
                 ort_feeds[name] = quantize(x, spec.encoding)
             else:
                 raise GraphIOMismatch(f"graph {self.name}: input {name} is {spec.dtype} without an encoding")
+        self._last_ort_feeds = ort_feeds
+        return self._call(ort_feeds)
+
+    def run_again(self) -> dict[str, np.ndarray]:
+        """`run` once more on the very arrays the last `run` passed (checked then), read as they are now: for a
+        caller that updates its input buffers in place between runs (the MTP Drafter's K steps, paper Alg. 2
+        lines 7-12), without going over the inputs again. Same outputs and errors as `run`; GraphIOMismatch
+        before any run."""
+        if self._last_ort_feeds is None:
+            raise GraphIOMismatch(f"graph {self.name}: run_again before any run")
+        return self._call(self._last_ort_feeds)
+
+    def _call(self, ort_feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One session run on checked inputs; counts it and converts the outputs (`run`)."""
         t0 = time.perf_counter()
         try:
             outs = (self._run_bound(ort_feeds) if self._binding is not None

@@ -212,8 +212,9 @@ class MtpDrafter:
         feeds = self.feeds(self.x_hat)  # ring, masks and rotary rows stay fixed over the K steps (lines 6, 9)
         z = feeds["x_hat"][0, 0]        # the query buffer, rewritten in place each step: z = [E[i]; h]
         out = MtpDraft([], [], [], [])
+        again = getattr(self.runner, "run_again", None)   # steps 2..K: the same buffers, updated in place
         for k in range(1, K + 1):
-            res = self.runner.run(feeds)
+            res = self.runner.run(feeds) if k == 1 or again is None else again()
             # the graph's own top-2 (ONNX TopK: ties to the lower index) when it emits one, else the host's
             if "top_index" in res:
                 i, i2 = res["top_index"].ravel().tolist()[:2]

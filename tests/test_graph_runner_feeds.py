@@ -60,3 +60,18 @@ def test_outputs_are_converted_only_where_their_type_needs_it():
     assert out["y"].dtype == np.float32 and out["y16"].dtype == np.float32
     assert out["y16"].tolist() == out["y"].astype(np.float16).astype(np.float32).tolist()
     assert plain.run(feeds)["y"].tolist() == out["y"].tolist()
+
+
+def test_run_again_reads_the_last_runs_buffers_as_they_are_now():
+    r = runner()
+    with pytest.raises(GraphIOMismatch, match="run_again before any run"):
+        r.run_again()
+    ring, x = np.zeros((1, 4), np.float32), np.ones((1, 4), np.float32)
+    assert r.run({"ring": ring, "x": x})["y"].tolist() == [[1, 1, 1, 1]]
+    x[0] = [4, 3, 2, 1]                              # the MTP Drafter's query buffer, rewritten in place
+    assert r.run_again()["y"].tolist() == [[4, 3, 2, 1]]
+    wide = np.full((1, 4), 0.5)                      # float64: run_again reads the float32 copy the run made
+    r.run({"ring": ring, "x": wide})
+    wide[0] = 2.0
+    assert r.run_again()["y"].tolist() == [[0.5, 0.5, 0.5, 0.5]]
+    assert r.calls == 4
