@@ -208,15 +208,16 @@ class TreeBuilder:
             index, logq = found.index[rows, :k], found.logq[rows, :k]
         tokens = self.keep_set[index]
         node_s = np.array([tree.nodes[v].score for v in present], np.float64)
-        s = node_s[:, None] + logq + self.ln_lambda       # float64, summed in the order of line 13
-        v = np.repeat(np.asarray(present, np.int64), tokens.shape[1]).reshape(tokens.shape)   # each row's node
+        s = node_s[:, None] + logq                        # float64, summed in the order of line 13:
+        s += self.ln_lambda                               # (s(v) + ln q) + ln λ
+        nodes = np.array(present, np.int64)
         mine = [kids.get(u, ()) for u in present]         # (v, c) only when v has no child c yet
         most = max(len(m) for m in mine)
         if not most:
-            return s.ravel(), v.ravel(), tokens.ravel()
+            return s.ravel(), nodes.repeat(tokens.shape[1]), tokens.ravel()
         taken = np.array([list(m) + [-1] * (most - len(m)) for m in mine], np.int64)     # -1: no token
-        new = ~(tokens[:, :, None] == taken[:, None, :]).any(axis=-1)
-        return s[new], v[new], tokens[new]
+        row, col = (tokens[:, :, None] != taken[:, None, :]).all(axis=-1).nonzero()   # row-major: C order
+        return s[row, col], nodes[row], tokens[row, col]
 
     def _join(self, tree: DraftTreeNodes, cand_s: np.ndarray, cand_v: np.ndarray | None,
               cand_tok: np.ndarray | None) -> list[int]:
