@@ -278,11 +278,20 @@ def test_qai_hub_without_package_or_token_fails_with_the_setup_steps(tmp_path):
 # ---- the command ---------------------------------------------------------------------------------------------
 
 
-def test_cli_list_passes_until_and_full_build(recipe_path, tmp_path, monkeypatch):
+def test_cli_list_passes_until_and_full_build(tiny_pipeline, tmp_path, monkeypatch):
+    """The command end to end on the tiny recipe. Its cache starts as a copy of the session's `tiny_pipeline` cache
+    without the calibration answers and the head QAT, so those two run (their progress lines are checked) and the
+    passes after them are cache hits when the rerun reproduces the same artifacts (a cold build costs ~50 s more)."""
+    import shutil
+
     from typer.testing import CliRunner
 
     from hycoc.cli import app
 
+    recipe_path = tiny_pipeline.path
+    shutil.copytree(tiny_pipeline.cache, tmp_path / "c")
+    for rerun in ("calibration_answers", "head_qat"):
+        shutil.rmtree(tmp_path / "c" / rerun)
     monkeypatch.chdir(tmp_path)
     runner = CliRunner()
     result = runner.invoke(app, ["build", str(recipe_path), "--list-passes"])
@@ -297,6 +306,7 @@ def test_cli_list_passes_until_and_full_build(recipe_path, tmp_path, monkeypatch
     line = result.stdout.strip().splitlines()[-1]
     assert line.startswith("stopped after keep_set; its artifacts are in ")
     assert (tmp_path / "c" / "keep_set").is_dir() and not (tmp_path / "bundles").exists()
+    assert not (tmp_path / "c" / "head_qat").exists()                      # --until stops before the next pass
 
     result = runner.invoke(app, ["build", str(recipe_path), "--until", "nope", "--cache-dir", "c"])
     assert result.exit_code == 1
