@@ -68,18 +68,11 @@ def layer_weight_bytes(slm, keep_size: int) -> tuple[list[int], int, int]:
             return "first", 0
         return "last", 0
 
-    for name, w in slm.weights.items():
-        size = _compiled_bytes(w.q.shape, w.bits, rows=keep_size if name == "lm_head" else None)
+    sizes = [(name, _compiled_bytes(w.q.shape, w.bits, rows=keep_size if name == "lm_head" else None))
+             for name, w in slm.weights.items()]
+    sizes += [(name, 4 * int(np.asarray(value).size)) for name, value in slm.floats.items()]
+    for name, size in sizes:
         kind, i = where(name)
-        if kind == "layer":
-            per_layer[i] += size
-        elif kind == "first":
-            first += size
-        else:
-            last += size
-    for name, value in slm.floats.items():
-        kind, i = where(name)
-        size = 4 * int(np.asarray(value).size)
         if kind == "layer":
             per_layer[i] += size
         elif kind == "first":
