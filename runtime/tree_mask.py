@@ -25,6 +25,17 @@ from hycoc.host import (FULL, MASK_VALUE, SLIDING, TreeShapeError, ancestor_matr
 _HIDDEN = np.float32(MASK_VALUE)
 
 
+
+def _fill_run(mask: np.ndarray, cols: slice, p0: int, p1: int, edge: int) -> None:
+    """Write one run of ring columns holding positions [p0, p1): visible (0) where the position is >= ``edge``,
+    hidden (``_HIDDEN``) below it."""
+    if p0 >= edge:
+        mask[cols] = 0.0
+    elif p1 <= edge:
+        mask[cols] = _HIDDEN
+    else:
+        mask[cols] = np.where(np.arange(p0, p1) >= edge, np.float32(0.0), _HIDDEN)
+
 class TreeRingMask:
     """One layer type's mask buffer, float32 (1, 1, rows, ring + rows), columns [ring | rows] as
     `hycoc.host.tree_ring_mask` lays them out.
@@ -84,13 +95,7 @@ class TreeRingMask:
                 lo, hi = min(first, self._first), max(first, self._first)
                 back = 0 if first > self._first else ring      # they hold positions [lo, hi) or [lo, hi) - ring
                 for cols, src in ring_runs(lo, hi - lo, ring):
-                    p0, p1 = lo + src.start - back, lo + src.stop - back
-                    if p0 >= live:
-                        base[cols] = 0.0
-                    elif p1 <= live:
-                        base[cols] = _HIDDEN
-                    else:
-                        base[cols] = np.where(np.arange(p0, p1) >= live, np.float32(0.0), _HIDDEN)
+                    _fill_run(base, cols, lo + src.start - back, lo + src.stop - back, live)
                     m[:, cols] = base[cols]
         self._first, self._live, self._window = first, live, None
         deepest = int(d.max())
@@ -170,12 +175,7 @@ class HeadRingMask:
             for cols, src in ring_runs(last, t - last, w):  # the new positions, last .. t - 1
                 p0, p1 = last + src.start, last + src.stop
                 for mask, edge in ((full, seen), (sliding, max(seen, t - self.sliding))):
-                    if p0 >= edge:
-                        mask[cols] = 0.0
-                    elif p1 <= edge:
-                        mask[cols] = _HIDDEN
-                    else:
-                        mask[cols] = np.where(np.arange(p0, p1) >= edge, np.float32(0.0), _HIDDEN)
+                    _fill_run(mask, cols, p0, p1, edge)
         self._t, self._live = t, live
         return self.buffers
 
