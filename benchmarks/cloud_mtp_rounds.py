@@ -26,7 +26,6 @@ def main(argv=None) -> None:
     from rich.table import Table
 
     from hycoc.bench.datasets import load_spec_bench
-    from hycoc.chat import format_prompt
 
     setup = setup_engine(args)
     tok, engine, cap = setup.tok, setup.engine, setup.cap
@@ -35,7 +34,7 @@ def main(argv=None) -> None:
         table.add_column(col, justify="right")
     pooled = dict(tokens=0, rounds=0, server=0.0, prefill=0.0)
     for q in load_spec_bench(args.dataset)[: args.limit]:
-        ids = np.array(format_prompt(tok, q.turns[0]), dtype=np.int32)
+        ids = np.array(setup.chat.prompt(q.turns[0]), dtype=np.int32)
         sess = open_cloud_mtp(setup, ids)
         prefill_ms, _ = sess.prefill()
         run_rounds(sess)

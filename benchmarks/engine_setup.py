@@ -27,20 +27,22 @@ def add_engine_args(ap: argparse.ArgumentParser, *, limit_help: str, cap_help: s
 @dataclass
 class EngineSetup:
     """What `setup_engine` returns: the recipe, its tokenizer (`tokenizers.Tokenizer`), a CPU verifier engine
-    (`hycoc.verifier.engine`), the recipe's `Sampling` and the output cap in tokens."""
+    (`hycoc.verifier.engine`), the recipe's `Sampling`, the output cap in tokens and the checkpoint's chat format
+    (`hycoc.chat.Chat`: prompts and next turns)."""
 
     recipe: Any
     tok: Any
     engine: Any
     sampling: Any
     cap: int
+    chat: Any = None
 
 
 def setup_engine(args: argparse.Namespace) -> EngineSetup:
     """Load the recipe of ``args`` (`add_engine_args`), set torch's threads, and build the engine on the CPU."""
     import torch
 
-    from hycoc.models import load_tokenizer
+    from hycoc.chat_template import chat_from_recipe
     from hycoc.protocol.messages import Sampling
     from hycoc.recipe import load_recipe
     from hycoc.verifier.loading import engine_from_recipe
@@ -48,8 +50,9 @@ def setup_engine(args: argparse.Namespace) -> EngineSetup:
     recipe = load_recipe(args.recipe)
     torch.set_num_threads(args.threads or recipe.verifier.threads or torch.get_num_threads())
     s = recipe.sampling
-    return EngineSetup(recipe, load_tokenizer(recipe.model_path("tokenizer")), engine_from_recipe(recipe, "cpu"),
-                       Sampling(s.temperature, s.top_k, s.top_p), args.max_new_tokens or s.max_new_tokens)
+    chat = chat_from_recipe(recipe)
+    return EngineSetup(recipe, chat.tokenizer, engine_from_recipe(recipe, "cpu"),
+                       Sampling(s.temperature, s.top_k, s.top_p), args.max_new_tokens or s.max_new_tokens, chat)
 
 
 def open_cloud_mtp(setup: EngineSetup, ids, *, cap: int | None = None):

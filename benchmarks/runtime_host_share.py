@@ -147,7 +147,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from hycoc.bench.runner import VerifierProcess
-    from hycoc.chat import format_prompt
     from hycoc.cli import DEFAULT_DATASET
     from hycoc.bench.datasets import load_spec_bench
     from hycoc.recipe import load_recipe
@@ -164,7 +163,7 @@ def main(argv=None) -> int:
     texts = {v: [] for v in rts}
     with VerifierProcess(args.recipe, args.bundle / "keep_set.npy") as srv:
         for q in questions:
-            ids = format_prompt(first.bundle.tokenizer, q.turns[0])
+            ids = first.bundle.chat.prompt(q.turns[0])
             for variant, rt in rts.items():
                 graph_before = rt.mtp.runner.seconds + rt.slm.runner.seconds
                 prefill_before = clock.seconds

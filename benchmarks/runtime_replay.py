@@ -122,7 +122,6 @@ def main(argv=None) -> int:
     if args.cmd == "record":
         from hycoc.bench.datasets import load_spec_bench
         from hycoc.bench.runner import VerifierProcess
-        from hycoc.chat import format_prompt
         from hycoc.cli import DEFAULT_DATASET
         from hycoc.recipe import load_recipe
         from hycoc.runtime import transport
@@ -132,7 +131,7 @@ def main(argv=None) -> int:
         logs, texts = [], []
         with VerifierProcess(args.recipe, args.bundle / "keep_set.npy") as srv:
             for q in questions:
-                ids = format_prompt(bundle.tokenizer, q.turns[0])
+                ids = bundle.chat.prompt(q.turns[0])
                 rec = Recorder(transport.VerifierClient(srv.url))
                 res = rt.generate(rec, ids, mode=args.mode, max_new_tokens=args.tokens)
                 logs.append((ids, rec.log))

@@ -29,11 +29,9 @@ def main(argv=None) -> None:
     from rich.table import Table
 
     from hycoc.bench.datasets import load_spec_bench
-    from hycoc.chat import format_prompt, next_user_turn
 
     setup = setup_engine(args)
     tok, engine, cap = setup.tok, setup.engine, setup.cap
-    eot = tok.token_to_id("<end_of_turn>")
 
     table = Table(title=f"two turns, Cloud+MTP on {args.recipe.name}: KV kept across turns vs a cold prefill")
     for col in ("qid", "turn", "prompt", "tokens", "MAT", "prefill ms", "cold prefill ms", "saved ms", "g ms/tok"):
@@ -41,12 +39,12 @@ def main(argv=None) -> None:
     pooled = {t: dict(tokens=0, rounds=0, server=0.0, prefill=0.0, cold=0.0, n=0) for t in (1, 2)}
     questions = [q for q in load_spec_bench(args.dataset) if len(q.turns) > 1][: args.limit]
     for q in questions:
-        ids = np.array(format_prompt(tok, q.turns[0]), dtype=np.int32)
+        ids = np.array(setup.chat.prompt(q.turns[0]), dtype=np.int32)
         sess = open_cloud_mtp(setup, ids)
         prefill_ms, _ = sess.prefill()
         run_rounds(sess)
         n1, r1, s1 = len(sess.output), sess.rounds, sum(sess.server_ms)
-        turn = next_user_turn(tok, q.turns[1], answer_closed=sess.tokens[-1] == eot)
+        turn = setup.chat.next_turn(q.turns[1])
         append_ms, _ = sess.append(turn, cap)
         conversation = list(sess.tokens)
         run_rounds(sess)

@@ -37,6 +37,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from hycoc.chat import ChatFormat
+
 #: 2: the manifest carries ``digest``, the sha256 of its own canonical content (issue 12 fault 8).
 SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
@@ -275,6 +277,8 @@ class Manifest(_Model):
     keep_set_size: int = Field(ge=1, description="tokens in the drafters' restricted vocabulary")
     handoff: HandoffInfo
     host: HostInfo | None = Field(None, description="host-side constants; needed by `hycoc run`")
+    chat: ChatFormat | None = Field(None, description="the checkpoint's chat format (`hycoc.chat.ChatFormat`): stop "
+                                    "ids, turn strings, reasoning channel; needed by `hycoc run`")
     files: list[FileEntry]
     graphs: list[GraphEntry]
     digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the canonical JSON of every other key "
@@ -437,7 +441,8 @@ class BundleWriter:
         return dst
 
     def commit(self, *, recipe: RecipeRef, target: TargetInfo, round: RoundConstants, quantization: Quantization,
-               keep_set_size: int, handoff: HandoffInfo, host: HostInfo | None = None) -> Manifest:
+               keep_set_size: int, handoff: HandoffInfo, host: HostInfo | None = None,
+               chat: ChatFormat | None = None) -> Manifest:
         """Hash every file, write ``manifest.json`` last and rename the folder to ``out_dir``; returns the manifest.
 
         Raises ManifestInvalid when the entries disagree (a graph's context binary not added, ...); the temporary
@@ -451,7 +456,7 @@ class BundleWriter:
             manifest = Manifest(
                 schema_version=SCHEMA_VERSION, created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 recipe=recipe, target=target, round=round, quantization=quantization, keep_set_size=keep_set_size,
-                handoff=handoff, host=host, files=files, graphs=graphs, digest="0" * 64)
+                handoff=handoff, host=host, chat=chat, files=files, graphs=graphs, digest="0" * 64)
         except ValidationError as e:
             raise ManifestInvalid(f"bundle {self.out_dir}: cannot write the manifest: {_first_error(e)}") from None
         manifest = manifest.model_copy(update={"digest": manifest.content_digest()})

@@ -293,6 +293,9 @@ def run(
         False, "--chat", help="a conversation on one session: after the first answer, every line on stdin is the "
         "next user turn (the verifier keeps the KV, the SLM ring continues); an empty line or end of input ends "
         "it. Without --prompt / --prompt-file the first turn is read from stdin too"),
+    thinking: bool = typer.Option(
+        False, "--thinking", help="let the model think first (the chat template's enable_thinking); the thought "
+        "streams to stderr, apart from the answer on stdout"),
     threads: Optional[int] = typer.Option(None, min=1, help="CPU threads per graph session (cpu backend)",
                                           show_default=False),
     auth_token: Optional[str] = typer.Option(
@@ -345,10 +348,13 @@ def run(
         rt = load_runtime(bundle, _bundle_backend(bundle, backend), threads=threads)
     except (BundleError, GraphRunError, QnnUnavailableError, ValueError) as e:
         raise _fail("run", str(e)) from None
-    from hycoc.chat import format_prompt, next_user_turn
+    from hycoc.chat import AnswerStream, ChatFormatError, ChatMismatch
 
-    tok = rt.bundle.tokenizer
-    ids = tok.encode(text, add_special_tokens=False).ids if raw else format_prompt(tok, text)
+    tok, chat_format = rt.bundle.tokenizer, rt.bundle.chat
+    try:
+        ids = tok.encode(text, add_special_tokens=False).ids if raw else chat_format.prompt(text, thinking)
+    except ChatFormatError as e:
+        raise _fail("run", f"bundle {bundle}: {e}", code=2) from None
     if not ids:
         raise _fail("run", "the prompt encodes to no tokens", code=2)
     r = rt.bundle.round
@@ -357,22 +363,34 @@ def run(
     client = None if mode == RunMode.slm_alone else VerifierClient(server, auth_token, timeout_s=timeout)
 
     streamed = []
+    answer = AnswerStream(chat_format)
 
-    def show(piece: str) -> None:
-        streamed.append(piece)
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    def show(pieces: tuple[str, str]) -> None:
+        """The thought to stderr (dimmed on a terminal), the answer to stdout."""
+        thought, text = pieces
+        if thought:
+            dim = sys.stderr.isatty()
+            sys.stderr.write(("\x1b[2m" if dim else "") + thought + ("\x1b[0m" if dim else ""))
+            sys.stderr.flush()
+        if text:
+            streamed.append(text)
+            sys.stdout.write(text)
+            sys.stdout.flush()
 
-    def turn(first: bool, text: str | None = None, closed: bool = True):
+    def turn(first: bool, text: str | None = None):
         """One turn: the request (first) or the next user turn on the same session; prints its metrics."""
+        nonlocal answer
+        answer = AnswerStream(chat_format)
+        on_tokens = lambda new: show(answer.push(new))  # noqa: E731
         try:
             if first:
                 res = rt.generate(client, ids, mode=mode.value, max_new_tokens=max_new_tokens, seed=seed,
-                                  sampling=sampling, epsilon=epsilon, on_text=show, keep_open=chat)
+                                  sampling=sampling, epsilon=epsilon, on_tokens=on_tokens, keep_open=chat)
             else:
-                res = rt.next_turn(client, next_user_turn(tok, text, answer_closed=closed),
-                                   max_new_tokens=max_new_tokens, on_text=show)
-        except (TransportError, HandoffError, RuntimeProtocolError, GraphRunError, BundleError) as e:
+                res = rt.next_turn(client, chat_format.next_turn(text, thinking), max_new_tokens=max_new_tokens,
+                                   on_tokens=on_tokens)
+            show(answer.flush())
+        except (TransportError, HandoffError, RuntimeProtocolError, GraphRunError, BundleError, ChatMismatch) as e:
             if streamed:
                 sys.stdout.write("\n")
                 sys.stdout.flush()
@@ -395,7 +413,7 @@ def run(
 
     res = turn(True)
     while chat and (text := ask()) is not None:
-        res = turn(False, text, closed=res.finish_reason == "stop")
+        res = turn(False, text)
     if chat:
         client.close()
 
@@ -1038,30 +1056,36 @@ def doctor() -> None:
 
 
 class _TextStream:
-    """A `model.generate` streamer that prints decoded text as tokens arrive.
+    """A `model.generate` streamer that prints the answer to stdout and its thought (the reasoning channel) to stderr
+    as tokens arrive (`hycoc.chat.AnswerStream`).
 
     transformers calls ``put`` first with the prompt ids (skipped), then with each new token, and ``end`` once.
-    Text is decoded from all new ids each time and only the new suffix printed; a trailing U+FFFD (an
-    incomplete UTF-8 byte sequence of a byte-level tokenizer) is held back until it completes.
     """
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.shown, self.prompt_seen = tokenizer, [], 0, False
+    def __init__(self, chat):
+        from hycoc.chat import AnswerStream
+
+        self.stream, self.prompt_seen = AnswerStream(chat), False
+
+    @staticmethod
+    def _show(pieces: tuple[str, str]) -> None:
+        thought, text = pieces
+        if thought:
+            sys.stderr.write(thought)
+            sys.stderr.flush()
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
 
     def put(self, value) -> None:
         if not self.prompt_seen:
             self.prompt_seen = True
             return
-        self.ids.extend(int(i) for i in value.reshape(-1).tolist())
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):
-            sys.stdout.write(text[self.shown:])
-            sys.stdout.flush()
-            self.shown = len(text)
+        self._show(self.stream.push(value.reshape(-1).tolist()))
 
     def end(self) -> None:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        sys.stdout.write(text[self.shown:] + "\n")
+        self._show(self.stream.flush())
+        sys.stdout.write("\n")
         sys.stdout.flush()
 
 
@@ -1082,6 +1106,9 @@ def generate(
     temperature: Optional[float] = typer.Option(
         None, min=0.0, help="sampling temperature, 0 = greedy (default: the recipe's sampling.temperature)",
         show_default=False),
+    thinking: bool = typer.Option(
+        False, "--thinking", help="let the model think first (the chat template's enable_thinking); the thought "
+        "goes to stderr"),
 ) -> None:
     """Answer one question with the verifier alone (transformers generate, the recipe's sampling), streaming text.
 
@@ -1101,8 +1128,9 @@ def generate(
 
     import torch
 
-    from hycoc.chat import format_prompt, stop_token_ids
-    from hycoc.models import ModelNotFoundError, load_tokenizer, load_verifier, set_threads
+    from hycoc.chat import ChatFormatError
+    from hycoc.chat_template import chat_from_recipe
+    from hycoc.models import ModelNotFoundError, load_verifier, set_threads
 
     set_threads(cfg.verifier.threads)
     sampling = cfg.sampling
@@ -1110,16 +1138,16 @@ def generate(
     from hycoc.recipe import RecipeError
 
     try:
-        tokenizer_path, verifier_path = cfg.model_path("tokenizer"), cfg.model_path("verifier")
-        tokenizer = load_tokenizer(tokenizer_path)
-        model = load_verifier(verifier_path, dtype=cfg.verifier.dtype, device=cfg.verifier.device)
-    except (RecipeError, ModelNotFoundError) as e:
+        chat = chat_from_recipe(cfg)      # the checkpoint's template and stop ids, before the weights
+        prompt_ids = chat.prompt(prompt, thinking)
+        model = load_verifier(cfg.model_path("verifier"), dtype=cfg.verifier.dtype, device=cfg.verifier.device)
+    except (RecipeError, ModelNotFoundError, ChatFormatError) as e:
         raise _fail("generate", str(e)) from None
 
     typer.echo(f"[question] {prompt}", err=True)
     torch.manual_seed(sampling.seed if seed is None else seed)
-    ids = torch.tensor([format_prompt(tokenizer, prompt)], device=cfg.verifier.device)  # (1, T)
-    stops = sorted(stop_token_ids(tokenizer))
+    ids = torch.tensor([prompt_ids], device=cfg.verifier.device)  # (1, T)
+    stops = list(chat.format.stop_ids)
     start = time.perf_counter()
     # p~ of Alg. 4 line 5 (temperature, top-k, top-p); below GREEDY_BELOW (1e-4) greedy, as the verifier.
     from hycoc.verifier.sampling import GREEDY_BELOW
@@ -1129,7 +1157,7 @@ def generate(
     with torch.inference_mode():
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens or sampling.max_new_tokens,
-            eos_token_id=stops, pad_token_id=stops[0], streamer=_TextStream(tokenizer), **knobs,
+            eos_token_id=stops, pad_token_id=stops[0], streamer=_TextStream(chat), **knobs,
         )
     seconds = time.perf_counter() - start
     new = out.shape[1] - ids.shape[1]

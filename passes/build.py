@@ -48,6 +48,7 @@ from typing import Any, ClassVar
 import numpy as np
 from rich.console import Console
 
+from hycoc.chat_template import chat_from_recipe
 from hycoc.passes.artifacts import Artifact, OnnxArtifact, TokenizerArtifact, TorchModelArtifact, hash_folder
 from hycoc.passes.pipeline import Pass, PassReport, Pipeline, PipelineError, PipelineResult
 from hycoc.recipe import Recipe
@@ -367,7 +368,7 @@ def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: s
                         context_binary=Path(binary).name if binary else None)
         w.add_file(json.dumps(report, indent=1).encode(), "report.json", "report")
         return w.commit(**manifest_sections(recipe, profile, keep_set_size=len(keep), qnn_sdk=qnn_sdk),
-                        host=host_info(a["quantized_head"].payload.config, slm))
+                        host=host_info(a["quantized_head"].payload.config, slm), chat=chat_from_recipe(recipe).format)
 
 
 def run_pipeline(recipe: Recipe, target: str, cache_dir: str | Path, *, until: str | None = None,
@@ -378,6 +379,7 @@ def run_pipeline(recipe: Recipe, target: str, cache_dir: str | Path, *, until: s
         from hycoc.targets.qai_hub import check_setup
 
         check_setup()  # fail at once, not after QAT
+    chat_from_recipe(recipe)  # the chat template and stop ids the bundle will carry: refused before any model loads
     pipeline = build_pipeline(recipe, target, cache_dir=cache_dir, console=console, seed=seed, device=device)
     names = [p.name for p in pipeline.passes]
     if until is not None and until not in names:  # before loading any model

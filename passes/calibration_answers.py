@@ -183,15 +183,17 @@ def reader_needs(recipe: Recipe) -> dict[str, int]:
 def select_prompts(recipe: Recipe, tokenizer) -> tuple[list[list[int]], list[list[int]], str]:
     """(train prompts, eval prompts, source) as chat-formatted ids (module docstring). Raises HeadQatError naming
     the recipe key when the source has too few prompts that fit."""
+    from hycoc.chat_template import chat_from_recipe
     from hycoc.passes.head_qat import pick_prompts, prompt_sources
 
+    chat = chat_from_recipe(recipe)
     need = reader_needs(recipe)
     max_len = recipe.head_qat.max_seq_len
     train_texts, eval_texts, source = prompt_sources(recipe)
-    train, skipped = pick_prompts(tokenizer, train_texts, need["train_count"], max_len - need["train_cap"],
+    train, skipped = pick_prompts(chat, train_texts, need["train_count"], max_len - need["train_cap"],
                                   "head_qat.calibration_prompts")
     used = need["train_count"] + skipped if train_texts is eval_texts else 0
-    evals, _ = pick_prompts(tokenizer, eval_texts, need["eval_count"], max_len - need["eval_cap"],
+    evals, _ = pick_prompts(chat, eval_texts, need["eval_count"], max_len - need["eval_cap"],
                             "head_qat.eval_prompts", exclude=used)
     return train, evals, source
 
@@ -201,11 +203,11 @@ def make_answers(verifier, tokenizer, recipe: Recipe,
     """The `CalibrationAnswers` of ``recipe`` (module docstring): `select_prompts`, then `greedy_answers` of the
     train prompts to ``train_cap`` and of the eval prompts to ``eval_cap`` tokens. ``progress(n)``: decoding steps
     done (`decode_steps` of both lists in all)."""
-    from hycoc.chat import stop_token_ids
+    from hycoc.chat_template import chat_from_recipe
 
     need = reader_needs(recipe)
     train, evals, source = select_prompts(recipe, tokenizer)
-    stops = stop_token_ids(tokenizer)
+    stops = chat_from_recipe(recipe).stop_ids
     train_answers = greedy_answers(verifier, train, need["train_cap"], stops, progress=progress)
     eval_answers = greedy_answers(verifier, evals, need["eval_cap"], stops, progress=progress)
     return CalibrationAnswers(list(zip(train, train_answers)), list(zip(evals, eval_answers)), need["train_cap"],

@@ -216,7 +216,7 @@ def real_head_calibration(verifier, quantized, onnx_inputs: Mapping[str, Sequenc
     (its first `CALIBRATION_PROMPTS` train and `HELD_OUT_PROMPTS` eval pairs, or all when fewer, answers cut at
     `answer_cap`); None makes them here (`make_answers`). Raises RecipeError (hand-off scales unset), HeadQatError
     (prompts)."""
-    from hycoc.chat import stop_token_ids
+    from hycoc.chat_template import chat_from_recipe
     from hycoc.passes.calibration_answers import make_answers
     from hycoc.passes.head_graph import HeadGraph, embedding_table, rotary_tables
     from hycoc.passes.head_qat import dequantized_head
@@ -240,7 +240,7 @@ def real_head_calibration(verifier, quantized, onnx_inputs: Mapping[str, Sequenc
     engine = VerifierEngine(verifier, head_window=recipe.window.head_window, chain_length=recipe.tree.chain_length,
                             handoff_scales=handoff_scales(recipe), hidden=recipe.handoff.hidden,
                             head_query_position_offset=recipe.window.head_query_position_offset,
-                            eos_token_ids=stop_token_ids(tokenizer), device=verifier.device)
+                            eos_token_ids=chat_from_recipe(recipe).stop_ids, device=verifier.device)
     try:
         with step("hand-offs through the MTP Drafter", total=None):
             cal = record_requests(engine, graph, onnx_inputs, bundle, cal_prompts, cap, answers=cal_answers,

@@ -54,7 +54,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hycoc.chat import format_prompt, stop_token_ids
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 from hycoc.passes.artifacts import KeepSetArtifact, QuantizedHead, QuantizedHeadArtifact, TorchModelArtifact
 from hycoc.passes.calibration_answers import CalibrationAnswersArtifact
@@ -581,15 +580,16 @@ def prompt_source_key(recipe: Recipe) -> dict[str, Any]:
                        "from one of them (the paper: UltraChat 200k train_sft first turns)")
 
 
-def pick_prompts(tokenizer, candidates: Sequence[str], count: int, budget: int, key: str,
+def pick_prompts(chat, candidates: Sequence[str], count: int, budget: int, key: str,
                  exclude: int = 0) -> tuple[list[list[int]], int]:
-    """The first ``count`` of ``candidates[exclude:]`` whose chat-formatted ids fit ``budget`` tokens, as id lists,
-    and how many were skipped as too long. Raises HeadQatError naming ``key`` when fewer fit."""
+    """The first ``count`` of ``candidates[exclude:]`` whose chat-formatted ids (``chat``: the checkpoint's
+    `hycoc.chat.Chat`) fit ``budget`` tokens, as id lists, and how many were skipped as too long. Raises
+    HeadQatError naming ``key`` when fewer fit."""
     picked, skipped = [], 0
     for text in candidates[exclude:]:
         if len(picked) == count:
             break
-        ids = format_prompt(tokenizer, text)
+        ids = chat.prompt(text)
         if len(ids) > budget:
             skipped += 1
             continue

@@ -288,11 +288,11 @@ def real_calibration(graph, slm, keep_set, verifier, tokenizer, recipe, seed: in
     evaluation pairs of the build's calibration answers (``answers``, a
     `hycoc.passes.calibration_answers.CalibrationAnswers`; None makes them here), cut at `answer_cap`, each driven
     through the runtime's SLM side (module docstring). Raises ValueError when ``answers`` holds too few."""
-    from hycoc.chat import stop_token_ids
+    from hycoc.chat_template import chat_from_recipe
     from hycoc.passes.calibration_answers import make_answers
     from hycoc.progress import step
 
-    stops = stop_token_ids(tokenizer)
+    stops = chat_from_recipe(recipe).stop_ids
     cap = answer_cap(recipe)
     t0 = time.perf_counter()
     if answers is None:

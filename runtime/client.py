@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hycoc.chat import ChatMismatch
 from hycoc.protocol.messages import AppendTurn, DraftTree, OpenRequest, Sampling, commit_cut
 from hycoc.runtime.mtp_drafter import MtpDrafter
 from hycoc.runtime.slm_drafter import SlmDrafter
@@ -191,40 +192,49 @@ class DeviceRuntime:
                      sampling: Sampling, epsilon: float) -> OpenRequest:
         return OpenRequest(prompt_ids=np.asarray(prompt_ids, np.int32), sampling=sampling, seed=seed,
                            acceptance=mode.acceptance, epsilon=epsilon if mode.acceptance == "epsilon" else 1.0,
-                           draft_place=mode.draft_place, max_new_tokens=max_new_tokens)
+                           draft_place=mode.draft_place, max_new_tokens=max_new_tokens,
+                           chat=self.bundle.chat.format.contract())
 
     def generate(self, client, prompt_ids, *, mode: str = "hyco", max_new_tokens: int | None = None,
                  seed: int | None = None, sampling: Sampling | None = None, epsilon: float | None = None,
-                 on_text: Callable[[str], None] | None = None, keep_open: bool = False) -> RequestResult:
+                 on_text: Callable[[str], None] | None = None, keep_open: bool = False,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> RequestResult:
         """Run one request (Alg. 1 each round) and return its `RequestResult`.
 
         client: an unopened `VerifierClient` (None for ``slm-alone``); it is closed at the end unless
         ``keep_open`` (then `next_turn` continues the conversation on it, and the caller closes it). on_text:
-        called with each new piece of text as it is committed. Raises TransportError subclasses (server
+        called with each new piece of text as it is committed; on_tokens: with each round's committed ids (for a
+        caller that splits the thought from the answer, `hycoc.chat.AnswerStream`). Raises TransportError subclasses (server
         unreachable, auth refused, connection dropped, protocol mismatch), HandoffError, RuntimeProtocolError;
         text already passed to ``on_text`` stays delivered.
         """
         return self._request(client, [int(x) for x in prompt_ids], None, mode, max_new_tokens, seed, sampling,
-                             epsilon, on_text, keep_open)
+                             epsilon, on_text, keep_open, on_tokens)
 
     def next_turn(self, client, turn_ids, *, max_new_tokens: int | None = None,
-                  on_text: Callable[[str], None] | None = None, keep_open: bool = True) -> RequestResult:
+                  on_text: Callable[[str], None] | None = None, keep_open: bool = True,
+                  on_tokens: Callable[[list[int]], None] | None = None) -> RequestResult:
         """The next turn of a conversation (paper §4.1, MT-bench's second turns) on the session `generate(...,
         keep_open=True)` opened: the verifier keeps the conversation's KV and prefills only ``turn_ids`` (an
         APPEND frame), the SLM ring continues from the committed tokens (only the new ones are run), and the MTP
         Drafter starts again from the turn's first hand-off (W positions). turn_ids: what follows the committed
-        answer (`hycoc.chat.next_user_turn`). The mode, sampling, seed and epsilon stay the session's. Returns the
+        answer (`hycoc.chat.Chat.next_turn`); an answer that ended on a stop id drops it first, as the verifier
+        does (the template closes the model turn). The mode, sampling, seed and epsilon stay the session's. Returns the
         turn's `RequestResult` (prefill_ms: the append's prefill). Raises ValueError without an open conversation,
         and what `generate` raises.
         """
         if self._conversation is None or client is None or client.opened is None:
             raise ValueError("no open conversation: call generate(..., keep_open=True) first, with a server mode")
         history, mode = self._conversation
+        if history[-1] in self.stop_ids:       # the verifier drops it too (`hycoc.chat.Chat.conversation_tokens`)
+            history = history[:-1]
+            if MODES[mode].passes != "none":
+                self.slm.drop_last()
         return self._request(client, history, [int(x) for x in turn_ids], mode, max_new_tokens, None, None, None,
-                             on_text, keep_open)
+                             on_text, keep_open, on_tokens)
 
     def _request(self, client, prompt: list[int], appended: list[int] | None, mode: str, max_new_tokens, seed,
-                 sampling, epsilon, on_text, keep_open: bool) -> RequestResult:
+                 sampling, epsilon, on_text, keep_open: bool, on_tokens=None) -> RequestResult:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         m = MODES[mode]
@@ -245,6 +255,8 @@ class DeviceRuntime:
                 res.first_token_s = time.perf_counter() - start
                 res.first_token_link_s = getattr(client, "link_s", 0.0) - link0
             res.tokens.extend(new)
+            if on_tokens is not None:
+                on_tokens(new)
             piece = stream.push(new)
             if piece and on_text is not None:
                 on_text(piece)
@@ -319,6 +331,9 @@ class DeviceRuntime:
                 self.slm.prefill(reserve=self.bundle.round.chain_length + self.bundle.round.sibling_depth)
                 res.slm_prefill_s = time.perf_counter() - t0
             opened = opened_f.result()
+        if set(opened.stop_ids) != self.stop_ids:      # a verifier that did not check the OPEN's chat contract
+            raise ChatMismatch(f"stop ids differ: this bundle stops on {sorted(self.stop_ids)}, the verifier on "
+                               f"{sorted(opened.stop_ids)}; build the bundle from the verifier's checkpoint")
         res.prefill_ms = opened.prefill_ms
 
         def room() -> tuple[int, int]:
@@ -364,8 +379,8 @@ class DeviceRuntime:
                 res.bonus_outside_keep += 1
             new, reason = commit_cut(new, self.stop_ids, *room())
             res.accepted.append(len(new) - 1)
-            if uses_slm:
-                self.slm.commit(path_nodes, new)
+            if uses_slm:   # a stop id that ends the turn gets no SLM KV: a next turn drops it (`SlmDrafter.drop_last`)
+                self.slm.commit(path_nodes[:len(new) - 1] if new[-1] in self.stop_ids else path_nodes, new)
             emit(new)
             if reply.finished or reason is not None:
                 res.finished, res.finish_reason = True, reply.finish_reason or reason

@@ -18,6 +18,7 @@ import numpy as np
 
 from hycoc.bundle import (BundleError, HostInfo, Manifest, ManifestInvalid, TargetMismatch, check_target,
                           load_manifest)
+from hycoc.chat import Chat
 from hycoc.host import FULL, SLIDING, EmbeddingLut, RotaryTable
 
 BACKENDS = ("htp", "cpu")
@@ -30,7 +31,8 @@ class DeviceBundle:
     path: the bundle folder. manifest: its validated manifest (``round`` = the round constants K, D, B, W, λ,
     ε, sampling). host: the manifest's host section. tokenizer: a ``tokenizers.Tokenizer``. keep_set: int64
     (|V|,) sorted token ids (drafter output index i -> token ``keep_set[i]``). keep_index: int64 (vocab,) token id
-    -> keep-set index, -1 outside. head_embedding: (q int8 (|V|, H), scale float32 (|V|, 1)), the E table of
+    -> keep-set index, -1 outside. chat: the checkpoint's chat format with this tokenizer (`hycoc.chat.Chat`:
+    turns, stop ids, thought split). head_embedding: (q int8 (|V|, H), scale float32 (|V|, 1)), the E table of
     Alg. 2 line 12. head_rotary / slm_rotary: layer type -> `RotaryTable`. slm_luts: name -> `EmbeddingLut`.
     """
 
@@ -44,6 +46,7 @@ class DeviceBundle:
     head_rotary: dict[str, RotaryTable]
     slm_rotary: dict[str, RotaryTable]
     slm_luts: dict[str, EmbeddingLut]
+    chat: Chat
 
     @property
     def round(self):
@@ -55,10 +58,8 @@ class DeviceBundle:
         return q[index].astype(np.float32) * scale[index, 0]
 
     def stop_token_ids(self) -> set[int]:
-        """Ids that end a model turn (``hycoc.chat.stop_token_ids``)."""
-        from hycoc.chat import stop_token_ids
-
-        return stop_token_ids(self.tokenizer)
+        """Ids that end a model turn: the checkpoint's ``eos_token_id`` as the manifest's ``chat`` records it."""
+        return set(self.chat.stop_ids)
 
 
 def _npy(folder: Path, rel: str) -> np.ndarray:
@@ -139,6 +140,10 @@ def open_bundle(path: str | os.PathLike, backend: str = "cpu", *, verify: bool =
     if len(keep) != manifest.keep_set_size:
         raise ManifestInvalid(f"bundle {folder}: keep_set.npy has {len(keep)} ids, the manifest says "
                               f"{manifest.keep_set_size}")
+    if manifest.chat is None:
+        raise ManifestInvalid(f"bundle {folder}: its manifest has no chat section (built before the checkpoint's chat "
+                              "format was recorded: stop ids, chat template); rebuild it with `hycoc build RECIPE "
+                              "--target ... --out DIR`")
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     vocab = max(int(tokenizer.get_vocab_size()), int(keep.max()) + 1)
     keep_index = np.full(vocab, -1, dtype=np.int64)
@@ -164,7 +169,7 @@ def open_bundle(path: str | os.PathLike, backend: str = "cpu", *, verify: bool =
                               f"{list(scale.shape)}, expected {len(keep)} rows; rebuild the bundle")
     return DeviceBundle(path=folder, manifest=manifest, host=host, tokenizer=tokenizer, keep_set=keep,
                         keep_index=keep_index, head_embedding=(q, scale), head_rotary=head_rotary,
-                        slm_rotary=slm_rotary, slm_luts=luts)
+                        slm_rotary=slm_rotary, slm_luts=luts, chat=Chat(manifest.chat, tokenizer))
 
 
 __all__ = ["BACKENDS", "BundleError", "DeviceBundle", "check_device", "local_qnn", "open_bundle"]

@@ -287,6 +287,15 @@ class SlmDrafter:
         cands = self.expand(tree, [])
         return int(self.bundle.keep_set[int(cands[0].index[0])])
 
+    def drop_last(self) -> None:
+        """Forget the last committed token (a finished turn's stop id, which the next turn's template text
+        replaces): the root goes back one position. The token must have no SLM KV (the client commits a stop id
+        without it), so no ring column holds it. Raises ValueError otherwise, or when nothing would remain."""
+        if len(self.tokens) < 2 or self.n_kv >= len(self.tokens):
+            raise ValueError("cannot drop the last committed token: it is the only one, or its SLM KV is written")
+        self.tokens.pop()
+        self._new_round()
+
     # ---- Alg. 1 line 10 ----------------------------------------------------------------------------------------
 
     def commit(self, path_nodes: Sequence[int], new_tokens: Sequence[int]) -> int:

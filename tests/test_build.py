@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 from rich.console import Console
-from test_head_qat import word_tokenizer
 from test_slm_surgery import make_tiny_slm
 
 from hycoc.passes import build as b
 from hycoc.passes.head_export import HeadExport, HostTablesArtifact
 from hycoc.recipe import load_recipe
 from hycoc.targets import qai_hub
+from gemma4_fixture import STOP_IDS, write_generation_config, write_tokenizer_folder
 from tiny_models import tiny_head, tiny_verifier
 
 torch.set_num_threads(1)
@@ -33,7 +33,7 @@ name = "tiny"
 verifier = "verifier"
 head = "head"
 slm = "slm"
-tokenizer = "tokenizer.json"
+tokenizer = "tokenizer"
 [keep_set]
 size = 64
 corpus = "corpus.jsonl"
@@ -95,7 +95,10 @@ def write_tiny_recipe(root):
     verifier.save_pretrained(root / "verifier")
     tiny_head(verifier).save_pretrained(root / "head")
     make_slm(root / "slm")
-    word_tokenizer().save(str(root / "tokenizer.json"))
+    # Gemma 4's special tokens at Gemma 4's ids and its chat template (tests/gemma4_fixture.py): every build and
+    # runtime test on this recipe runs the real format's path; the verifier's generation_config lists its stop ids
+    write_tokenizer_folder(root / "tokenizer", vocab_size=300, stop_ids=False)
+    write_generation_config(root / "verifier", STOP_IDS)
     rng = np.random.default_rng(0)
 
     def words(n):

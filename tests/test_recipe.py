@@ -108,7 +108,7 @@ def test_toy_model_paths_resolve_against_the_recipe_folder(tmp_path, monkeypatch
     toy = load_recipe(RECIPES / "toy.toml")
     assert toy.source_path == RECIPES / "toy.toml"
     for role, rel in [("verifier", "toy/models/verifier"), ("head", "toy/models/head"), ("slm", "toy/models/slm"),
-                      ("tokenizer", "toy/models/tokenizer.json")]:
+                      ("tokenizer", "toy/models/verifier")]:
         assert toy.is_hub_id(role) is False
         assert toy.model_source(role) == RECIPES / rel
     assert toy.resolve_path(toy.bench.dataset) == RECIPES.parent / "benchmarks/data/spec_bench_question.jsonl"

@@ -55,7 +55,7 @@ def open_request(**kw) -> OpenRequest:
 
 
 OPENED = Opened(session_id=2**40 + 3, t=3, prefill_ms=12.5, max_context=4096, tree_rows=33, vocab_size=VOCAB,
-                hidden_size=H, kv_dim_sliding=DS, kv_dim_full=DF)
+                hidden_size=H, kv_dim_sliding=DS, kv_dim_full=DF, stop_ids=(1, 106, 50))
 LIMITS = wire.Limits(vocab_size=VOCAB, tree_rows=5, max_context=4096, hidden_size=H, kv_dim_sliding=DS,
                      kv_dim_full=DF)
 
@@ -99,7 +99,7 @@ def fails(code: str, data: bytes, limits: wire.Limits | None = None, *needles: s
 
 # Payload offsets of the fields patched below.
 OPEN_AT = dict(temperature=0, top_k=4, top_p=8, seed=12, epsilon=20, acceptance=24, draft_place=25, auth_len=26,
-               max_new_tokens=28, n_prompt=32, prompt=36)
+               chat_len=28, max_new_tokens=30, n_prompt=34, prompt=38)
 REPLY_AT = dict(seq=0, bonus=4, server_ms=8, finished=12, has_handoff=13, rows=14, n_path=16, n_chain=18,
                 samples=20)
 
@@ -118,13 +118,16 @@ def assert_same_array(got: np.ndarray, want: np.ndarray, dtype) -> None:
 
 
 @pytest.mark.parametrize("auth", [None, "s3cret", "clé-🔑"])
-def test_open_round_trip(auth):
-    m = open_request(auth_token=auth)
-    got = wire.decode(wire.encode(m), wire.Limits(vocab_size=VOCAB, max_context=16))
+@pytest.mark.parametrize("chat", [None, '{"stop_ids":[1,50,106],"turns":{"default":{"first":"<bos><|turn>user\\n"}}}'])
+def test_open_round_trip(auth, chat):
+    m = open_request(auth_token=auth, chat=chat)
+    data = wire.encode(m)
+    assert len(data) == 16 + 38 + 4 * 4 + len((auth or "").encode()) + len((chat or "").encode())
+    got = wire.decode(data, wire.Limits(vocab_size=VOCAB, max_context=16))
     assert_same_array(got.prompt_ids, m.prompt_ids, np.int32)
     assert got.sampling == m.sampling  # values exact in float32
-    assert (got.seed, got.acceptance, got.epsilon, got.draft_place, got.max_new_tokens, got.auth_token) == (
-        m.seed, m.acceptance, m.epsilon, m.draft_place, m.max_new_tokens, auth)
+    assert (got.seed, got.acceptance, got.epsilon, got.draft_place, got.max_new_tokens, got.auth_token, got.chat) == (
+        m.seed, m.acceptance, m.epsilon, m.draft_place, m.max_new_tokens, auth, chat)
 
 
 @pytest.mark.parametrize("acceptance", ["exact", "epsilon"])
@@ -141,7 +144,16 @@ def test_float_fields_travel_as_float32():
 
 
 def test_opened_round_trip():
-    assert wire.decode(wire.encode(OPENED)) == OPENED
+    data = wire.encode(OPENED)
+    assert len(data) == 16 + 42 + 4 * 3                 # three stop ids
+    assert wire.decode(data) == OPENED
+
+
+def test_opened_stop_ids_checked():
+    with pytest.raises(wire.OutOfRange, match="stop_ids has 0 ids"):
+        wire.encode(replace(OPENED, stop_ids=()))
+    with pytest.raises(wire.TokenOutOfVocab, match="Opened.stop_ids"):
+        wire.validate(replace(OPENED, stop_ids=(1, VOCAB)), wire.Limits(vocab_size=VOCAB))
 
 
 def test_round_round_trip():
@@ -261,10 +273,10 @@ def test_bad_magic():
 
 
 def test_unsupported_version_names_both():
-    assert wire.PROTOCOL_VERSION == 2  # finish reasons in REPLY and APPEND (session 3)
-    for other in (1, 3):
+    assert wire.PROTOCOL_VERSION == 3  # OPEN's chat contract, OPENED's stop ids, APPEND after a stop
+    for other in (2, 4):
         data = frame(wire.MessageType.CLOSE, bytes(8), version=other)
-        fails("unsupported_version", data, None, f"version {other}", "version 2")
+        fails("unsupported_version", data, None, f"version {other}", "version 3")
 
 
 @pytest.mark.parametrize("mtype", [0, 8, 255])

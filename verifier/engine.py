@@ -333,7 +333,9 @@ class VerifierEngine:
     hidden: "pre_norm" (paper, Alg. 4 line 3) or "post_norm" (transformers' MTP generator) -- which h the
         hand-off and the server-side heads read. head_query_position_offset: the head's query position is the
         root position plus this (paper Alg. 2 line 6: -1; transformers' generator: 0).
-    eos_token_ids: committing any of them finishes the request. max_context: positions the verifier holds
+    eos_token_ids: committing any of them finishes the request. chat_format: the checkpoint's
+        `hycoc.chat.ChatFormat` (the server checks each OPEN's chat contract against it; None: unchecked).
+        max_context: positions the verifier holds
         (default: config.max_position_embeddings). prefill_chunk: prompt positions per prefill forward.
     device: where token tensors are created (the model's device).
 
@@ -345,7 +347,7 @@ class VerifierEngine:
     def __init__(self, model, *, head=None, keep_set: torch.Tensor | None = None, head_window: int,
                  chain_length: int = 4, handoff_scales: tuple[float, ...], hidden: str = "pre_norm",
                  head_query_position_offset: int = -1, eos_token_ids=(), max_context: int | None = None,
-                 device: torch.device | str = "cpu", prefill_chunk: int = 512):
+                 device: torch.device | str = "cpu", prefill_chunk: int = 512, chat_format=None):
         if hidden not in HIDDEN_CHOICES:
             raise BadRequest(f"hidden must be one of {HIDDEN_CHOICES}, got {hidden!r}")
         if len(handoff_scales) != 6 or any(s <= 0 for s in handoff_scales):
@@ -362,6 +364,7 @@ class VerifierEngine:
         self.hidden = hidden
         self.head_query_position_offset = int(head_query_position_offset)
         self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
+        self.chat_format = chat_format
         self.prefill_chunk = int(prefill_chunk)
         cfg = model.config
         self.max_context = int(max_context or cfg.max_position_embeddings)
@@ -565,8 +568,10 @@ class Session:
     def append(self, turn_ids, max_new_tokens: int) -> tuple[float, int]:
         """Continue the conversation with the next turn (paper §4.1, MT-bench's second turns), keeping the KV.
 
-        turn_ids: int (T,), T >= 1, what follows the committed text (the rest of the chat template and the next
-        user message); the committed tokens' KV stays, so only the last committed token and turn_ids[:-1] are
+        turn_ids: int (T,), T >= 1, what follows the committed text (`hycoc.chat.Chat.next_turn`: the template's
+        close of the model turn, the next user message, the generation prompt). A turn that ended on a stop id
+        drops it first (`hycoc.chat.Chat.conversation_tokens`: the template, not the stop id, closes a model turn,
+        so the conversation held equals the template's rendering). The committed tokens' KV stays, so only the last committed token and turn_ids[:-1] are
         prefilled, and turn_ids[-1] becomes the next root. The cache is first cut to exactly the committed
         positions (a finished round may hold KV of path rows after a cut EOS). max_new_tokens: the new turn's
         output cap. Rounds count seq from 0 again (its first hand-off carries the W-window, like a new request's).
@@ -596,11 +601,14 @@ class Session:
             raise ContextOverflow(f"the conversation ({len(self.tokens)} tokens) and the appended turn "
                                   f"({len(turn)}) leave no room for output in the verifier's context of "
                                   f"{eng.max_context} positions")
-        start = len(self.tokens) - 1                      # the last committed token has no KV yet
+        # the template closes the model turn itself (turn_ids), so a stop id that ended it is not kept
+        drop = int(self.finish_reason == "stop" and self.tokens[-1] in eng.eos_token_ids)
+        start = len(self.tokens) - 1 - drop               # the last kept token: its KV is (re)computed
         crop_cache(self.cache, start)
-        ids = torch.as_tensor(np.concatenate([[self.tokens[-1]], turn[:-1]]), device=eng.device)
+        ids = torch.as_tensor(np.concatenate([[self.tokens[start]], turn[:-1]]), device=eng.device)
 
         def done(last, ms: float) -> tuple[float, int]:
+            del self.tokens[start + 1:]
             self.tokens.extend(int(x) for x in turn)
             self.t = len(self.tokens) - 1
             self._h = last[0 if eng.hidden == "pre_norm" else 1]

@@ -22,24 +22,24 @@ def measure_handoff_scales(recipe, *, prompts: int = 16, max_new_tokens: int = 2
     import torch
     from transformers import DynamicCache
 
-    from hycoc.chat import format_prompt, stop_token_ids
-    from hycoc.models import load_tokenizer, load_verifier, set_threads
+    from hycoc.chat_template import chat_from_recipe
+    from hycoc.models import load_verifier, set_threads
     from hycoc.passes.head_qat import greedy_answer, prompt_sources
     from hycoc.verifier.engine import NormTap, producer_layers
 
     if not 0 < percentile <= 100:
         raise ValueError(f"percentile {percentile}: must be in (0, 100]")
     set_threads(recipe.verifier.threads)
-    tok = load_tokenizer(recipe.model_path("tokenizer"))
+    chat = chat_from_recipe(recipe)    # the checkpoint's template and stop ids, before the weights
     model = load_verifier(recipe.model_path("verifier"), dtype=recipe.verifier.dtype, device=recipe.verifier.device)
     texts = prompt_sources(recipe)[0][:prompts]
-    stops = stop_token_ids(tok)
+    stops = chat.stop_ids
     layers = producer_layers(model.config)
     values: dict[str, list[np.ndarray]] = {k: [] for k in KINDS}
     tap = NormTap(model)
     try:
         for text in texts:
-            ids = format_prompt(tok, text)
+            ids = chat.prompt(text)
             seq = ids + greedy_answer(model, ids, max_new_tokens, stops)
             x = torch.tensor([seq], device=model.device)
             cache = DynamicCache()  # no config: every layer keeps every position, as the engine's

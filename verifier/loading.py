@@ -4,7 +4,9 @@ Everything the engine takes comes from one place in the recipe:
 
     model, dtype              [models].verifier, [verifier].dtype       (hycoc.models.load_verifier)
     MTP head                  [models].head                             (cloud-mtp and server-head baselines, Table 5)
-    EOS ids                   [models].tokenizer: <end_of_turn>, <eos>  (hycoc.chat.stop_token_ids, as `hycoc generate`)
+    stop ids, chat format     [models].verifier generation_config.json eos_token_id, [models].tokenizer's chat
+                              template (hycoc.chat_template.chat_from_recipe, as `hycoc generate`): the engine
+                              stops on them and the server checks each OPEN's chat contract against them
     W                         [window].head_window                      (hand-off window, server head's window)
     K                         [tree].chain_length                       (server-side chains)
     hand-off scales, h        [handoff].scale_*, [handoff].hidden       (Alg. 4 line 14)
@@ -20,8 +22,9 @@ and is not built yet: engines come without one unless the caller passes it, and 
 
 from __future__ import annotations
 
-from hycoc.chat import stop_token_ids
-from hycoc.models import ModelNotFoundError, load_head, load_tokenizer, load_verifier, model_dir  # noqa: F401
+from hycoc.chat import ChatFormatError  # noqa: F401
+from hycoc.chat_template import chat_from_recipe
+from hycoc.models import ModelNotFoundError, load_head, load_verifier, model_dir  # noqa: F401
 from hycoc.recipe import Recipe
 
 from .engine import VerifierEngine
@@ -47,13 +50,13 @@ def engine_from_recipe(recipe: Recipe, device: str | None = None, *, keep_set=No
     propose (None: no keep set yet; ``server-head`` sessions are then refused by the server).
 
     Raises ModelNotFoundError (verifier, head or tokenizer missing; the message names it and how to provide it),
-    RecipeError (a ``[handoff].scale_*`` not set), DeviceUnavailable (cuda without CUDA).
+    ChatFormatError (no chat template, no stop ids: raised before any model is loaded), RecipeError (a ``[handoff].scale_*`` not set), DeviceUnavailable (cuda without CUDA).
     """
     device = device or recipe.verifier.device
     check_device(device)
     scales = recipe.handoff.scales()  # raises RecipeError naming every unset scale
     verifier_dir, head_dir = model_dir(recipe, "verifier"), model_dir(recipe, "head")
-    tokenizer = load_tokenizer(model_dir(recipe, "tokenizer"))
+    chat = chat_from_recipe(recipe)  # before any weights: a bad tokenizer folder fails fast
 
     dtype = recipe.verifier.dtype
     model = load_verifier(verifier_dir, dtype=dtype, device=device)
@@ -68,7 +71,8 @@ def engine_from_recipe(recipe: Recipe, device: str | None = None, *, keep_set=No
                                                  "v_full")),
         hidden=recipe.handoff.hidden,
         head_query_position_offset=recipe.window.head_query_position_offset,
-        eos_token_ids=stop_token_ids(tokenizer),
+        eos_token_ids=chat.stop_ids,
+        chat_format=chat.format,
         max_context=recipe.verifier.max_context or None,
         device=device,
     )

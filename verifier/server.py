@@ -127,6 +127,14 @@ class AuthRefused(ServerError):
     code = "auth_refused"
 
 
+def _stop_ids(engine) -> tuple[int, ...]:
+    """The verifier's stop ids for OPENED: the chat format's order, else sorted; (1,) for an engine with none."""
+    fmt = getattr(engine, "chat_format", None)
+    if fmt is not None:
+        return tuple(fmt.stop_ids)
+    return tuple(sorted(engine.eos_token_ids)) or (1,)
+
+
 class NotOpened(ServerError):
     """A ROUND before the connection's OPEN was answered."""
 
@@ -929,6 +937,9 @@ class VerifierServer:
             conn.link.opened = True
         self._check_auth(conn, req.auth_token)
         wire.validate(req, self._open_limits)  # vocabulary and context, now that the client may know them
+        fmt = getattr(self.engine, "chat_format", None)
+        if req.chat is not None and fmt is not None:
+            fmt.check_contract(req.chat)   # ChatMismatch (chat_mismatch) names both sides
         if req.draft_place == "server-head" and self.engine.keep_set is None:
             raise KeepSetMissing("draft_place 'server-head' needs the keep set (Table 5), and this verifier has "
                                  "none: start it with `hycoc verify-server RECIPE --keep-set BUNDLE/keep_set.npy`, or run "
@@ -953,7 +964,8 @@ class VerifierServer:
         eng = self.engine
         opened = Opened(session_id=session_id, t=t, prefill_ms=prefill_ms, max_context=eng.max_context,
                         tree_rows=tree_rows, vocab_size=eng.vocab_size, hidden_size=eng.hidden_size,
-                        kv_dim_sliding=eng.kv_dim_sliding, kv_dim_full=eng.kv_dim_full)
+                        kv_dim_sliding=eng.kv_dim_sliding, kv_dim_full=eng.kv_dim_full,
+                        stop_ids=_stop_ids(eng))
         conn.session, conn.session_id, conn.opened = session, session_id, opened
         conn.limits = wire.Limits(max_frame_bytes=self.max_frame_bytes, vocab_size=eng.vocab_size,
                                   tree_rows=tree_rows, max_context=eng.max_context)

@@ -247,7 +247,6 @@ def record_trace(recipe, bundle_dir: Path, configs: list[str], questions, output
     import torch
 
     from hycoc.bundle import sha256_file
-    from hycoc.chat import format_prompt
     from hycoc.models import set_threads
     from hycoc.runtime.client import load_runtime
     from hycoc.runtime.transport import VerifierClient
@@ -265,7 +264,7 @@ def record_trace(recipe, bundle_dir: Path, configs: list[str], questions, output
             for config in configs:
                 for q in questions:
                     client = RecordingClient(VerifierClient(srv.url, timeout_s=600))
-                    prompt = format_prompt(rt.bundle.tokenizer, q.turns[0])
+                    prompt = rt.bundle.chat.prompt(q.turns[0])
                     res = rt.generate(client, prompt, mode=config, max_new_tokens=output_cap, sampling=sampling,
                                       epsilon=recipe.acceptance.epsilon)
                     requests.append(request_trace(config, q.question_id, client.request, client.rounds,

@@ -109,11 +109,17 @@ class VerifierProcess:
 
 
 def record_of(config: str, run: int, q: Question, prompt_tokens: int, res, virtual_link: bool,
-              turn: int = 1) -> dict:
+              turn: int = 1, chat=None) -> dict:
     """One request as a `hycoc.bench.stats` record (its module docstring lists the keys and units); ``turn``:
-    1 for a question's first turn, 2 for its second (same session, `run_requests`)."""
+    1 for a question's first turn, 2 for its second (same session, `run_requests`). chat: the bundle's
+    `hycoc.chat.Chat`: ``text`` is then the final answer, without the reasoning channel (kept as ``thought``), so
+    quality scores what the user reads."""
     from hycoc.bench.quality import reference_match
 
+    thought, text = None, res.text
+    if chat is not None:
+        thought, answer = chat.split_thought(list(res.tokens))
+        text = chat.tokenizer.decode(answer, skip_special_tokens=True) if thought is not None else res.text
     link = res.link_s if virtual_link else 0.0
     first_link = res.first_token_link_s if virtual_link else 0.0
     return {
@@ -125,9 +131,10 @@ def record_of(config: str, run: int, q: Question, prompt_tokens: int, res, virtu
         "first_token_ms": None if res.first_token_s is None else 1000 * (res.first_token_s + first_link),
         "draft_ms": 1000 * res.draft_s, "slm_prefill_ms": 1000 * res.slm_prefill_s,
         "bytes_up": [u for u, _ in res.round_bytes], "bytes_down": [d for _, d in res.round_bytes],
-        "bonus_outside_keep": res.bonus_outside_keep, "link_ms": 1000 * res.link_s, "text": res.text,
-        "output_ids": list(res.tokens), "finished": res.finished, "verifier_logprob": None,
-        "reference_match": reference_match(q.category, res.text, q.reference),
+        "bonus_outside_keep": res.bonus_outside_keep, "link_ms": 1000 * res.link_s, "text": text,
+        "thought": thought, "output_ids": list(res.tokens), "finished": res.finished,
+        "finish_reason": res.finish_reason, "verifier_logprob": None,
+        "reference_match": reference_match(q.category, text, q.reference),
     }
 
 
@@ -208,6 +215,7 @@ class BenchPlan:
     output_cap: int
     out: Path
     turns: int = 1      # 2: questions with a second turn (MT-bench) continue on the same session (paper §4.1)
+    thinking: bool = False  # the chat template's enable_thinking (README "Chat format": off, as the recipe runs)
 
 
 def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, backend: str = "cpu",
@@ -219,7 +227,6 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
     """
     from hycoc.bench.stats import (render_categories, render_quality, render_rounds, render_table, summarize,
                                    write_plots)
-    from hycoc.chat import format_prompt
     from hycoc.protocol.messages import Sampling
     from hycoc.runtime.client import load_runtime
 
@@ -232,8 +239,7 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
         console.print(f"[yellow]note: bundle {bundle_dir} was built from another version of recipe "
                       f"{rt.bundle.manifest.recipe.name!r}; its round constants are the bundle's, sampling and ε "
                       "the recipe's[/]")
-    tok = rt.bundle.tokenizer
-    prompts = {q.question_id: format_prompt(tok, q.turns[0]) for q in plan.questions}
+    prompts = {q.question_id: rt.bundle.chat.prompt(q.turns[0], plan.thinking) for q in plan.questions}
     r = rt.bundle.round
     sampling = Sampling(recipe.sampling.temperature, recipe.sampling.top_k, recipe.sampling.top_p)
     epsilon = recipe.acceptance.epsilon  # the recipe's, like its sampling: `hycoc tune-epsilon` writes it there
@@ -244,7 +250,8 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
                   f"{plan.output_cap}, T={sampling.temperature}, ε={epsilon:g}, link {plan.link} (counted, not "
                   f"slept), backend {backend}")
     run_requests(rt, recipe_path, bundle_dir, todo, prompts, records_path, link=plan.link,
-                 output_cap=plan.output_cap, sampling=sampling, seed=r.seed, console=console, turns=plan.turns)
+                 output_cap=plan.output_cap, sampling=sampling, seed=r.seed, console=console, turns=plan.turns,
+                 thinking=plan.thinking)
 
     records = [rec for rec in read_records(records_path)
                if rec["config"] in plan.configs and rec["question_id"] in prompts and rec["run"] < plan.runs]
@@ -322,12 +329,13 @@ class Request:
 
 def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], prompts: dict[int, list[int]],
                  records_path: Path, *, link: str, output_cap: int, sampling, seed: int, console,
-                 turns: int = 1) -> None:
+                 turns: int = 1, thinking: bool = False) -> None:
     """Run ``todo`` in order on the device runtime ``rt``, each against a ``hycoc verify-server`` child process
     (`VerifierProcess`, started only when a request needs a verifier), and append each finished request's record
     (`record_of`) to ``records_path`` at once. ``prompts``: question_id -> prompt token ids. ``link``: link model
     name, counted, not slept. turns: 2 continues every question that has a second turn on the same session
-    (`second_turn`; slm-alone answers first turns only). Ctrl-C keeps the records written and re-raises
+    (`second_turn`; slm-alone answers first turns only); thinking: the second turn's template setting (the
+    prompts' is the caller's). Ctrl-C keeps the records written and re-raises
     KeyboardInterrupt. Raises BenchError (server), TransportError from a request that fails."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
@@ -355,12 +363,13 @@ def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], p
                 two = turns > 1 and len(q.turns) > 1 and client is not None
                 res = rt.generate(client, prompts[q.question_id], mode=req.mode, max_new_tokens=output_cap,
                                   seed=seed + req.run, sampling=sampling, epsilon=req.epsilon, keep_open=two)
-                recs = [record_of(req.config, req.run, q, len(prompts[q.question_id]), res, virtual_link=True)]
+                recs = [record_of(req.config, req.run, q, len(prompts[q.question_id]), res, virtual_link=True,
+                                  chat=rt.bundle.chat)]
                 if two and res.finish_reason == "length":   # the context is full: no room for a second turn
                     client.close()
                 elif two:
                     recs.append(second_turn(rt, client, server.url, req, prompts[q.question_id], res, output_cap,
-                                            sampling))
+                                            sampling, thinking))
                 sink.write("".join(json.dumps(rec) + "\n" for rec in recs))   # both turns, or neither
                 sink.flush()
                 progress.advance(task)
@@ -377,35 +386,37 @@ def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], p
             server.stop()
 
 
-def second_turn(rt, client, url: str, req: Request, prompt: list[int], first, output_cap: int, sampling) -> dict:
+def second_turn(rt, client, url: str, req: Request, prompt: list[int], first, output_cap: int, sampling,
+                thinking: bool = False) -> dict:
     """A question's second turn on the session its first turn left open (paper §4.1: MT-bench's second turns;
     the prompt is the conversation so far: first question, this configuration's own first answer, second
-    question). The verifier keeps the conversation's KV and prefills only the new tokens; to show what that
+    question, as the checkpoint's chat template renders it). The verifier keeps the conversation's KV and prefills only the new tokens; to show what that
     saves, the same conversation is also prefilled cold on a new session (opened and closed at once, no rounds).
     Returns the turn's record (``turn`` 2, ``prefill_ms`` the append's, ``prefill_ms_cold`` the cold one's).
     The client is closed."""
     import numpy as np
 
-    from hycoc.chat import next_user_turn
     from hycoc.protocol.messages import OpenRequest
     from hycoc.runtime.transport import VerifierClient
 
     q = req.question
-    turn = next_user_turn(rt.bundle.tokenizer, q.turns[1], answer_closed=first.finish_reason == "stop")
+    chat = rt.bundle.chat
+    turn = chat.next_turn(q.turns[1], thinking)
     try:
         res = rt.next_turn(client, turn, max_new_tokens=output_cap)
     finally:
         client.close()
-    conversation = prompt + list(first.tokens) + turn
+    kept = chat.conversation_tokens(list(first.tokens))   # a stop id is replaced by the template's close
+    conversation = prompt + kept + turn
     cold = VerifierClient(url, timeout_s=600)
     try:
         cold_ms = cold.open(OpenRequest(prompt_ids=np.asarray(conversation, np.int32), sampling=sampling,
                                         max_new_tokens=1)).prefill_ms
     finally:
         cold.close()
-    rec = record_of(req.config, req.run, q, len(conversation), res, virtual_link=True, turn=2)
+    rec = record_of(req.config, req.run, q, len(conversation), res, virtual_link=True, turn=2, chat=chat)
     rec["prefill_ms_cold"] = float(cold_ms)
-    rec["prefill_start"] = len(prompt) + len(first.tokens) - 1  # the append prefills [this, root): cost-model replay
+    rec["prefill_start"] = len(prompt) + len(kept) - 1  # the append prefills [this, root): cost-model replay
     return rec
 
 
@@ -485,7 +496,7 @@ def run_settings(recipe, plan: BenchPlan, bundle_dir: Path, backend: str) -> dic
     s = recipe.sampling
     return {"recipe_sha256": recipe.content_hash(), "bundle_manifest_sha256": sha256_file(bundle_dir / "manifest.json"),
             "backend": backend, "output_cap": plan.output_cap, "link": plan.link, "temperature": s.temperature,
-            "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed, "turns": plan.turns}
+            "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed, "turns": plan.turns, "thinking": plan.thinking}
 
 
 def default_bundle_dir(recipe, repo_root: Path) -> Path:

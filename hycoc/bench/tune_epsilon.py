@@ -236,7 +236,6 @@ def run_tune(recipe, recipe_path: Path, plan: TunePlan, *, bundle_dir: Path, bac
                              run_requests, score_quality)
     from hycoc.bench.stats import summarize
     from hycoc.bundle import sha256_file
-    from hycoc.chat import format_prompt
     from hycoc.protocol.messages import Sampling
     from hycoc.bench.quality import rouge_l
     from hycoc.runtime.client import load_runtime
@@ -252,7 +251,7 @@ def run_tune(recipe, recipe_path: Path, plan: TunePlan, *, bundle_dir: Path, bac
                 "top_p": s.top_p, "seed": s.seed, "mode": plan.mode, "link": plan.link}
     done = open_out(plan.out, settings, resume)
     rt = load_runtime(bundle_dir, backend, threads=threads)
-    prompts = {q.question_id: format_prompt(rt.bundle.tokenizer, q.turns[0]) for q in plan.questions}
+    prompts = {q.question_id: rt.bundle.chat.prompt(q.turns[0]) for q in plan.questions}
     sampling = Sampling(plan.temperature, s.top_k, s.top_p)
     todo = []
     for q in plan.questions:

@@ -74,6 +74,8 @@ class OpenRequest:
     acceptance: one of ACCEPTANCE_MODES. draft_place: one of DRAFT_PLACES.
     max_new_tokens: output cap; the verifier reports ``finished`` once it is reached or an EOS is committed.
     auth_token: the server's shared secret when it runs with ``--auth-token``, else None (never empty).
+    chat: the device bundle's chat contract (`hycoc.chat.ChatFormat.contract`: stop ids and turn strings, canonical
+    JSON); the verifier refuses the OPEN with ``chat_mismatch`` when its own differs. None: not checked (raw ids).
     """
 
     prompt_ids: np.ndarray
@@ -84,6 +86,7 @@ class OpenRequest:
     draft_place: str = "device"
     max_new_tokens: int = 1024
     auth_token: str | None = None
+    chat: str | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ class Opened:
     tree_rows: rows every DraftTree of this session must have (B + 1; 1 for ``cloud-mtp``).
     vocab_size, hidden_size, kv_dim_sliding, kv_dim_full: the verifier's sizes, so the device can check every
     hand-off's lengths (kv_dim = kv_heads * head_dim of the last sliding / last full-attention layer).
+    stop_ids: the ids that end the verifier's model turn (its checkpoint's ``eos_token_id``), at least one.
     """
 
     session_id: int
@@ -106,6 +110,7 @@ class Opened:
     hidden_size: int
     kv_dim_sliding: int
     kv_dim_full: int
+    stop_ids: tuple[int, ...] = (1,)
 
 
 @dataclass(frozen=True)

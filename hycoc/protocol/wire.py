@@ -17,11 +17,12 @@ Frame = 16-byte header + payload, every integer and float little-endian::
 
 Payloads (R = tree rows = B + 1, P = accepted path length, K = chain length, T = prompt length)::
 
-    OPEN    36 B: f32 temperature, u32 top_k, f32 top_p, u64 seed, f32 epsilon, u8 acceptance (index into
-            ACCEPTANCE_MODES), u8 draft_place (index into DRAFT_PLACES), u16 auth_len, u32 max_new_tokens,
-            u32 T; then i32[T] prompt_ids; then auth_len bytes of utf-8 auth token (auth_len 0 = no token).
-    OPENED  40 B: u64 session_id, u32 t, f32 prefill_ms, u32 max_context, u32 tree_rows, u32 vocab_size,
-            u32 hidden_size, u32 kv_dim_sliding, u32 kv_dim_full.
+    OPEN    38 B: f32 temperature, u32 top_k, f32 top_p, u64 seed, f32 epsilon, u8 acceptance (index into
+            ACCEPTANCE_MODES), u8 draft_place (index into DRAFT_PLACES), u16 auth_len, u16 chat_len,
+            u32 max_new_tokens, u32 T; then i32[T] prompt_ids; then auth_len bytes of utf-8 auth token (auth_len 0 =
+            no token); then chat_len bytes of the device's chat contract, utf-8 JSON (chat_len 0 = none).
+    OPENED  42 B: u64 session_id, u32 t, f32 prefill_ms, u32 max_context, u32 tree_rows, u32 vocab_size,
+            u32 hidden_size, u32 kv_dim_sliding, u32 kv_dim_full, u16 S; then i32[S] stop_ids (S >= 1).
     ROUND   6 B: u32 seq, u16 R; then i32[R] tokens, i16[R] parents.
             Total frame: `tree_nbytes(R)` = 22 + 6 R bytes; 220 B at B = 32 (SpecEdge: ~135 KB per round).
     REPLY   20 B: u32 seq, i32 bonus, f32 server_ms, u8 finished (0 = no, else 1 + index into FINISH_REASONS:
@@ -30,7 +31,8 @@ Payloads (R = tree rows = B + 1, P = accepted path length, K = chain length, T =
             (u32 hidden_size, u32 kv_dim_sliding, u32 kv_dim_full) and the hand-off block below.
             Total frame: `reply_nbytes(R, P, K, handoff)`.
     CLOSE   8 B: u64 session_id.
-    APPEND  8 B: u32 max_new_tokens, u32 T; then i32[T] tokens (the next turn, after a finished reply).
+    APPEND  8 B: u32 max_new_tokens, u32 T; then i32[T] tokens (the next turn, after a finished reply; a turn that
+            ended on a stop id drops it, and the tokens start with the template's close of the model turn).
     ERROR   3 B: u8 code_len, u16 message_len; then the code (ascii, [a-z][a-z0-9_]*), the message (utf-8).
 
 Hand-off block (Alg. 4 line 14), n = t' - a positions, H hidden size, d_s / d_f the kv_dim (kv_heads * head_dim)
@@ -89,7 +91,9 @@ from hycoc.protocol.messages import (
 
 #: 2: REPLY's ``finished`` byte carries the finish reason (1 stop, 2 max_new_tokens, 3 length) and APPEND (type 7)
 #: continues a finished session; a version-1 peer would misread both, so it is refused at the first frame.
-PROTOCOL_VERSION = 2
+#: 3: OPEN carries the device's chat contract, OPENED the verifier's stop ids, and APPEND after a stop drops the
+#: stop id (the template closes the turn): a version-2 peer would misread all three.
+PROTOCOL_VERSION = 3
 MAGIC = b"HYCO"
 HEADER = struct.Struct("<4sHBBII")
 #: parents travel as int16: row 32767 is the last one that can be a parent, so R <= 32768 (B <= 32767).
@@ -97,8 +101,8 @@ MAX_TREE_ROWS = 32768
 #: Large enough for a first reply of Gemma 4 26B-A4B (6.3 MB); servers may lower it for what they receive.
 DEFAULT_MAX_FRAME_BYTES = 16 * 2**20
 
-_OPEN = struct.Struct("<fIfQfBBHII")
-_OPENED = struct.Struct("<QIfIIIIII")
+_OPEN = struct.Struct("<fIfQfBBHHII")
+_OPENED = struct.Struct("<QIfIIIIIIH")
 _ROUND = struct.Struct("<IH")
 _REPLY = struct.Struct("<IifBBHHH")
 _HANDOFF_SIZES = struct.Struct("<III")
@@ -422,6 +426,9 @@ def _check_open(m: OpenRequest, limits: Limits) -> None:
             raise BadText(
                 "OpenRequest.auth_token: must be None or a non-empty string of at most 65,535 utf-8 bytes"
             )
+    if m.chat is not None:
+        if not isinstance(m.chat, str) or not 1 <= len(m.chat.encode("utf-8")) <= 65535:
+            raise BadText("OpenRequest.chat: must be None or a non-empty string of at most 65,535 utf-8 bytes")
 
 
 def _check_opened(m: Opened, limits: Limits) -> None:
@@ -432,6 +439,11 @@ def _check_opened(m: Opened, limits: Limits) -> None:
     if _f32(m.prefill_ms, "Opened.prefill_ms") < 0:
         raise OutOfRange(f"Opened.prefill_ms = {m.prefill_ms}: must be >= 0 (milliseconds)")
     _check_rows(int(m.tree_rows), "Opened.tree_rows", Limits())
+    stops = tuple(m.stop_ids)
+    if not 1 <= len(stops) <= 65535:
+        raise OutOfRange(f"Opened.stop_ids has {len(stops)} ids: the verifier stops on 1 to 65,535 ids")
+    for i in stops:
+        _check_token(int(i), "Opened.stop_ids", limits.vocab_size)
     for name in ("vocab_size", "hidden_size", "kv_dim_sliding", "kv_dim_full", "tree_rows"):
         got = _uint(getattr(m, name), f"Opened.{name}", 32, lo=1)
         want = getattr(limits, name)
@@ -585,19 +597,21 @@ def validate(msg, limits: Limits | None = None) -> None:
 def _pack_open(m: OpenRequest) -> bytes:
     prompt = np.asarray(m.prompt_ids).astype("<i4")
     auth = b"" if m.auth_token is None else m.auth_token.encode("utf-8")
+    chat = b"" if m.chat is None else m.chat.encode("utf-8")
     s = m.sampling
     fixed = _OPEN.pack(
         s.temperature, s.top_k, s.top_p, m.seed, m.epsilon, ACCEPTANCE_MODES.index(m.acceptance),
-        DRAFT_PLACES.index(m.draft_place), len(auth), m.max_new_tokens, prompt.size,
+        DRAFT_PLACES.index(m.draft_place), len(auth), len(chat), m.max_new_tokens, prompt.size,
     )
-    return fixed + prompt.tobytes() + auth
+    return fixed + prompt.tobytes() + auth + chat
 
 
 def _pack_opened(m: Opened) -> bytes:
+    stops = np.asarray(m.stop_ids).astype("<i4")
     return _OPENED.pack(
         m.session_id, m.t, m.prefill_ms, m.max_context, m.tree_rows, m.vocab_size, m.hidden_size,
-        m.kv_dim_sliding, m.kv_dim_full,
-    )
+        m.kv_dim_sliding, m.kv_dim_full, stops.size,
+    ) + stops.tobytes()
 
 
 def _pack_tree(m: DraftTree) -> bytes:
@@ -759,9 +773,10 @@ def _flag(value: int, field: str) -> bool:
 
 def _unpack_open(r: _Reader, limits: Limits) -> OpenRequest:
     fixed = r.fields(_OPEN, "fixed part")
-    temperature, top_k, top_p, seed, epsilon, acceptance, place, auth_len, max_new, n = fixed
+    temperature, top_k, top_p, seed, epsilon, acceptance, place, auth_len, chat_len, max_new, n = fixed
     prompt = r.array("<i4", n, "prompt_ids")
     auth = r.text(auth_len, "auth_token") if auth_len else None
+    chat = r.text(chat_len, "chat") if chat_len else None
     return OpenRequest(
         prompt_ids=prompt,
         sampling=Sampling(temperature, top_k, top_p),
@@ -771,11 +786,14 @@ def _unpack_open(r: _Reader, limits: Limits) -> OpenRequest:
         draft_place=_enum(place, DRAFT_PLACES, "OPEN draft_place"),
         max_new_tokens=max_new,
         auth_token=auth,
+        chat=chat,
     )
 
 
 def _unpack_opened(r: _Reader, limits: Limits) -> Opened:
-    return Opened(*r.fields(_OPENED, "fixed part"))
+    *fixed, n_stops = r.fields(_OPENED, "fixed part")
+    stops = r.array("<i4", n_stops, "stop_ids")
+    return Opened(*fixed, stop_ids=tuple(int(i) for i in stops))
 
 
 def _unpack_tree(r: _Reader, limits: Limits) -> DraftTree:

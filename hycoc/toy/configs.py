@@ -20,7 +20,7 @@ _COMMON = dict(
     final_logit_softcapping=30.0,
     rms_norm_eps=1e-6,
     pad_token_id=0,
-    eos_token_id=[1, 6],  # <eos>, <end_of_turn>
+    eos_token_id=[1, 6, 10],  # <eos>, <turn|>, <|tool_response> (Gemma 4: [1, 106, 50])
     bos_token_id=2,
     hidden_activation="gelu_pytorch_tanh",
 )

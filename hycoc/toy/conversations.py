@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 
-from hycoc.chat import format_prompt, stop_token_ids
 
 #: Where the toy recipe expects the files (relative to the repository).
 DATA_DIR = Path(__file__).resolve().parents[2] / "recipes" / "toy" / "data"
@@ -47,13 +46,14 @@ ANSWER_SAMPLING = {"temperature": 0.5, "top_k": 64, "top_p": 0.95}
 BATCH = 128
 
 
-def answer_batch(verifier, tokenizer, prompts: Sequence[str], max_new_tokens: int) -> list[list[int]]:
+def answer_batch(verifier, chat, prompts: Sequence[str], max_new_tokens: int) -> list[list[int]]:
     """Sampled answers (`ANSWER_SAMPLING`) to chat-formatted ``prompts``, one ``generate`` call, left padding.
 
-    Returns one id list per prompt, cut after the first stop id (`hycoc.chat.stop_token_ids`), stop id included.
+    chat: the toy checkpoint's `hycoc.chat.Chat`. Returns one id list per prompt, cut after the first stop id
+    (the checkpoint's eos_token_id), stop id included.
     """
-    stops = stop_token_ids(tokenizer)
-    ids = [format_prompt(tokenizer, p) for p in prompts]
+    stops = chat.stop_ids
+    ids = [chat.prompt(p) for p in prompts]
     width = max(map(len, ids))
     pad = verifier.config.pad_token_id or 0
     x = torch.tensor([[pad] * (width - len(p)) + p for p in ids])
@@ -79,9 +79,10 @@ def conversation_line(tokenizer, user: str, answer: Sequence[int]) -> str:
                       ensure_ascii=False)
 
 
-def write_conversations(path: Path, verifier, tokenizer, users: Sequence[str], *, max_new_tokens: int = ANSWER_TOKENS,
+def write_conversations(path: Path, verifier, chat, users: Sequence[str], *, max_new_tokens: int = ANSWER_TOKENS,
                         batch: int = BATCH, log: Callable[[str], None] = print) -> int:
-    """Answer ``users`` in batches and write ``path`` atomically (temp file + rename). Returns the bytes written."""
+    """Answer ``users`` in batches (``chat``: the toy checkpoint's `hycoc.chat.Chat`) and write ``path``
+    atomically (temp file + rename). Returns the bytes written."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     t0 = time.perf_counter()
@@ -89,8 +90,8 @@ def write_conversations(path: Path, verifier, tokenizer, users: Sequence[str], *
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             for start in range(0, len(users), batch):
                 chunk = users[start:start + batch]
-                for user, answer in zip(chunk, answer_batch(verifier, tokenizer, chunk, max_new_tokens)):
-                    f.write(conversation_line(tokenizer, user, answer) + "\n")
+                for user, answer in zip(chunk, answer_batch(verifier, chat, chunk, max_new_tokens)):
+                    f.write(conversation_line(chat.tokenizer, user, answer) + "\n")
                 log(f"conversations: {path.name} {min(start + batch, len(users))}/{len(users)} "
                     f"({time.perf_counter() - t0:.0f} s)")
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; these are repository files
@@ -101,11 +102,11 @@ def write_conversations(path: Path, verifier, tokenizer, users: Sequence[str], *
     return path.stat().st_size
 
 
-def make_conversation_files(verifier, tokenizer, train, held, seed: int, out_dir: Path = DATA_DIR,
+def make_conversation_files(verifier, chat, train, held, seed: int, out_dir: Path = DATA_DIR,
                             log: Callable[[str], None] = print) -> dict[str, int]:
     """Write ``conversations.jsonl`` (`TRAIN_CONVERSATIONS` training prompts) and ``validation.jsonl``
     (`VALIDATION_CONVERSATIONS` held-out prompts) into ``out_dir`` (module docstring). train/held: lists of
-    `hycoc.toy.corpus.Conversation`. Returns file name -> bytes. Raises ValueError when the corpus is too small."""
+    `hycoc.toy.corpus.Conversation`; chat: the toy checkpoint's `hycoc.chat.Chat`. Returns file name -> bytes. Raises ValueError when the corpus is too small."""
     if len(train) < TRAIN_CONVERSATIONS or len(held) < VALIDATION_CONVERSATIONS:
         raise ValueError(f"the toy corpus has {len(train)} train / {len(held)} held-out conversations; "
                          f"{TRAIN_CONVERSATIONS} / {VALIDATION_CONVERSATIONS} are needed")
@@ -115,5 +116,5 @@ def make_conversation_files(verifier, tokenizer, train, held, seed: int, out_dir
     for name, pool, count in (("conversations.jsonl", train, TRAIN_CONVERSATIONS),
                               ("validation.jsonl", held, VALIDATION_CONVERSATIONS)):
         users = [c.user for c in rng.sample(pool, count)]
-        sizes[name] = write_conversations(out_dir / name, verifier, tokenizer, users, log=log)
+        sizes[name] = write_conversations(out_dir / name, verifier, chat, users, log=log)
     return sizes

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hycoc.chat import conversation, user_turn
+from hycoc.toy.chat_files import prompt_text
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 
 REFERENCE_PROMPT = "What is a list comprehension?"
@@ -76,7 +76,7 @@ def evaluate_family(models_dir: Path, held, selfgen_seed: int, n_prompts: int = 
     from hycoc.toy.train import SEQ_LEN, encode_corpus, log, pack_sequences
 
     models_dir = Path(models_dir)
-    tok = load_tokenizer(models_dir / "tokenizer.json")
+    tok = load_tokenizer(models_dir / "verifier" / "tokenizer.json")
     verifier = load_verifier(models_dir / "verifier")
     head = load_head(models_dir / "head")
     slm = load_slm(models_dir / "slm")
@@ -105,7 +105,7 @@ def evaluate_family(models_dir: Path, held, selfgen_seed: int, n_prompts: int = 
     prompts = [c.user for c in rng.sample(held, min(n_prompts, len(held)))]
     seqs = []
     for p in prompts:
-        ids = torch.tensor([tok.encode(user_turn(p), add_special_tokens=False).ids])
+        ids = torch.tensor([tok.encode(prompt_text(p), add_special_tokens=False).ids])
         with torch.no_grad():
             g = verifier.generate(input_ids=ids, do_sample=True, temperature=1.0, top_k=64, top_p=0.95,
                                   max_new_tokens=max_new, pad_token_id=0)
@@ -159,7 +159,7 @@ def evaluate_family(models_dir: Path, held, selfgen_seed: int, n_prompts: int = 
     log(f"eval: {json.dumps(report)}")
 
     # 3. reference logits for a fixed input (tests reload the committed weights and compare)
-    ids = torch.tensor([tok.encode(user_turn(REFERENCE_PROMPT), add_special_tokens=False).ids])
+    ids = torch.tensor([tok.encode(prompt_text(REFERENCE_PROMPT), add_special_tokens=False).ids])
     logits, h, kv, e = _states(verifier, ids)
     t = ids.shape[1] - 1
     with torch.no_grad():

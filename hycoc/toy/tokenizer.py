@@ -1,6 +1,6 @@
-"""Byte-level BPE tokenizer of the toy family (HF ``tokenizers``), with Gemma-style special and turn tokens.
+"""Byte-level BPE tokenizer of the toy family (HF ``tokenizers``), with Gemma 4's special and turn tokens.
 
-Ids 0..11 are `hycoc.chat.SPECIAL_TOKENS`, then the 256 byte tokens of the byte-level alphabet (any string,
+Ids 0..11 are `hycoc.toy.chat_files.SPECIAL_TOKENS` (Gemma 4's names), then the 256 byte tokens of the byte-level alphabet (any string,
 Hangul or emoji included, encodes through them), then the learned merges, up to ``vocab_size``.
 """
 
@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from hycoc.chat import SPECIAL_TOKENS
+from hycoc.toy.chat_files import SPECIAL_TOKENS
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> Tokenizer:

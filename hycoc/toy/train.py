@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hycoc.chat import conversation, user_turn
+from hycoc.toy.chat_files import conversation_text, prompt_text, write_tokenizer_folder
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 from hycoc.toy import configs
 from hycoc.toy.corpus import build_corpus
@@ -62,7 +62,7 @@ def pack_sequences(token_lists: list[list[int]], seq_len: int, seed: int) -> tor
 
 
 def encode_corpus(tok, convs) -> list[list[int]]:
-    return [tok.encode(conversation(c.user, c.model), add_special_tokens=False).ids for c in convs]
+    return [tok.encode(conversation_text(c.user, c.model), add_special_tokens=False).ids for c in convs]
 
 
 class Schedule:
@@ -159,7 +159,7 @@ def self_generate(verifier, tok, convs, n_prompts: int, max_new: int, seed: int,
     out = []
     t0 = time.time()
     for b in range(0, len(chosen), batch):
-        prompts = [tok.encode(user_turn(c.user), add_special_tokens=False).ids[-200:] for c in chosen[b:b + batch]]
+        prompts = [tok.encode(prompt_text(c.user), add_special_tokens=False).ids[-200:] for c in chosen[b:b + batch]]
         width = max(map(len, prompts))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
         att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -340,10 +340,10 @@ def main(argv=None) -> None:
     if "tokenizer" in stages:
         from hycoc.toy.tokenizer import train_tokenizer
 
-        tok = train_tokenizer((conversation(c.user, c.model) for c in train), configs.VOCAB_SIZE)
-        tok.save(str(out / "tokenizer.json"))
+        tok = train_tokenizer((conversation_text(c.user, c.model) for c in train), configs.VOCAB_SIZE)
+        write_tokenizer_folder(tok, out / "verifier", configs.verifier_config().max_position_embeddings)
         log(f"tokenizer: {tok.get_vocab_size()} ids")
-    tok = load_tokenizer(out / "tokenizer.json")
+    tok = load_tokenizer(out / "verifier" / "tokenizer.json")
 
     corpus_data = pack_sequences(encode_corpus(tok, train), SEQ_LEN, args.seed)
     if "verifier" in stages:
@@ -379,7 +379,10 @@ def main(argv=None) -> None:
     if "conversations" in stages:
         from hycoc.toy.conversations import DATA_DIR, make_conversation_files
 
-        sizes = make_conversation_files(verifier, tok, train, held, args.seed, args.data_out or DATA_DIR, log=log)
+        from hycoc.chat_template import load_chat
+
+        chat = load_chat(out / "verifier", out / "verifier")   # the files written above, as every command reads them
+        sizes = make_conversation_files(verifier, chat, train, held, args.seed, args.data_out or DATA_DIR, log=log)
         log("conversations: " + ", ".join(f"{name} {size / 1e6:.2f} MB" for name, size in sizes.items()))
 
 

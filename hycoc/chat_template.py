@@ -1,0 +1,266 @@
+"""Read a checkpoint's chat format from its files (host side: transformers renders the template).
+
+What is read, in order (a real Gemma 4 folder and the toy's hold the same files):
+
+    template     <tokenizer folder>/chat_template.jinja, else tokenizer_config.json "chat_template" (a string, or a
+                 list of {name, template} whose "default" is taken), as transformers' tokenizer loading does
+    specials     tokenizer_config.json bos_token / eos_token / pad_token / unk_token (what the template sees)
+    stop ids     <verifier folder>/generation_config.json "eos_token_id" (an int or a list), else the tokenizer
+                 folder's generation_config.json
+    reasoning    tokenizer_config.json "response_template" fields.reasoning_content {open, close}, else
+                 transformers' response template for the verifier's model type (``cli/serving/utils.py``)
+
+The template is rendered by transformers (`transformers.utils.chat_template_utils.render_jinja_template`, the
+renderer of ``apply_chat_template``) with sentinel messages and cut into `hycoc.chat.TurnPieces`; the cut is checked:
+a two-turn conversation's rendering must equal the pieces put together, so the KV a verifier keeps across turns is
+what the template would render. Every refusal is a `ChatFormatError` naming the file and the fix, raised before any
+model is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hycoc.chat import Chat, ChatFormat, ChatFormatError, TurnPieces, template_digest
+
+_SENTINELS = ("hycocsentineluserone", "hycocsentinelanswerone", "hycocsentinelusertwo")
+_SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def tokenizer_folder(path: str | Path) -> Path:
+    """The folder of a ``[models].tokenizer`` path: the path itself, or the folder of a ``tokenizer.json`` file."""
+    p = Path(path)
+    return p.parent if p.is_file() else p
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ChatFormatError(f"{path}: not readable JSON ({e}); restore the checkpoint's file") from None
+    if not isinstance(data, dict):
+        raise ChatFormatError(f"{path}: expected a JSON object; restore the checkpoint's file")
+    return data
+
+
+def _config(folder: Path) -> dict:
+    path = folder / "tokenizer_config.json"
+    return _json(path) if path.is_file() else {}
+
+
+def read_template(folder: Path) -> tuple[str, str]:
+    """(template text, the file it came from) of a tokenizer folder. Raises ChatFormatError when none is given."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8"), str(jinja)
+    config_path = folder / "tokenizer_config.json"
+    template = _config(folder).get("chat_template")
+    if isinstance(template, list):       # transformers: a list of named templates, "default" used
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if not isinstance(template, str) or not template.strip():
+        raise ChatFormatError(f"{folder}: no chat template (neither chat_template.jinja nor a \"chat_template\" in "
+                              f"{config_path.name}); copy the checkpoint's tokenizer files into this folder, or "
+                              "give the template as chat_template.jinja")
+    return template, f"{config_path}:chat_template"
+
+
+def special_tokens(folder: Path) -> dict[str, str]:
+    """The special-token strings the template sees (``bos_token`` ...), from tokenizer_config.json."""
+    out = {}
+    for key, value in _config(folder).items():
+        if key in _SPECIAL_KEYS:
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                out[key] = value
+    return out
+
+
+def read_stop_ids(verifier: Path | None, folder: Path) -> tuple[list[int], str]:
+    """(``eos_token_id`` as a list, the file) from the verifier's generation_config.json, else the tokenizer
+    folder's. Raises ChatFormatError when neither has one."""
+    looked = []
+    for base in ([verifier] if verifier is not None else []) + [folder]:
+        path = base / "generation_config.json"
+        if str(path) in looked:
+            continue
+        looked.append(str(path))
+        if not path.is_file():
+            continue
+        eos = _json(path).get("eos_token_id")
+        if eos is None:
+            raise ChatFormatError(f"{path}: no eos_token_id; add the checkpoint's stop ids, e.g. "
+                                  "\"eos_token_id\": [1, 106, 50] for Gemma 4")
+        ids = [eos] if isinstance(eos, int) else eos
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+            raise ChatFormatError(f"{path}: eos_token_id = {eos!r}; expected a token id or a list of them")
+        return list(ids), str(path)
+    raise ChatFormatError(f"no generation_config.json with eos_token_id at {' or '.join(looked)}; copy the "
+                          "checkpoint's generation_config.json (it lists the stop ids)")
+
+
+def render(template: str, messages: list[dict], *, add_generation_prompt: bool, thinking: bool | None,
+           specials: dict[str, str], source: str) -> str:
+    """The template's rendering of ``messages`` (transformers' ``render_jinja_template``); ``thinking`` None leaves
+    ``enable_thinking`` unset (the template's default). Raises ChatFormatError naming ``source`` on a failure."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    kwargs = dict(specials)
+    if thinking is not None:
+        kwargs["enable_thinking"] = thinking
+    try:
+        rendered, _ = render_jinja_template([messages], chat_template=template,
+                                            add_generation_prompt=add_generation_prompt, **kwargs)
+    except Exception as e:   # jinja2 errors and the template's own raise_exception
+        roles = "/".join(m["role"] for m in messages)
+        raise ChatFormatError(f"{source}: the chat template fails to render a {roles} conversation "
+                              f"({type(e).__name__}: {e}); fix the template or give a working one as "
+                              "chat_template.jinja") from None
+    return rendered[0]
+
+
+def derive_pieces(template: str, specials: dict[str, str], thinking: bool | None, source: str) -> TurnPieces:
+    """Cut the template into `TurnPieces` with sentinel messages and check that a two-turn conversation renders
+    as the pieces put together. Raises ChatFormatError naming ``source`` when it does not."""
+    u1, a1, u2 = _SENTINELS
+    one = render(template, [{"role": "user", "content": u1}], add_generation_prompt=True, thinking=thinking,
+                 specials=specials, source=source)
+    if one.count(u1) != 1:
+        raise ChatFormatError(f"{source}: the chat template does not render the user's message verbatim once; "
+                              "hycoc needs the message text as given (no trim or escaping of plain words)")
+    i = one.index(u1)
+    first, user_end = one[:i], one[i + len(u1):]
+    two = render(template, [{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
+                            {"role": "user", "content": u2}], add_generation_prompt=True, thinking=thinking,
+                 specials=specials, source=source)
+    lead = first + u1 + user_end + a1
+    if not (two.startswith(lead) and u2 in two[len(lead):]):
+        raise ChatFormatError(f"{source}: the chat template renders a model turn in history differently from the "
+                              "generation prompt (or reorders turns), so a conversation cannot keep its KV across "
+                              "turns; give a template whose history repeats the generation prompt")
+    j = two.index(u2, len(lead))
+    nxt = two[len(lead):j]
+    if two[j + len(u2):] != user_end:
+        raise ChatFormatError(f"{source}: the chat template ends a later user turn differently from the first "
+                              f"({two[j + len(u2):]!r} vs {user_end!r}); hycoc needs one generation prompt")
+    return TurnPieces(first=first, user_end=user_end, next=nxt)
+
+
+def _control_tokens(tokenizer, template: str) -> list[str]:
+    """transformers' ``_get_control_tokens`` without ``chat_control_tokens``: special added tokens, plus added
+    tokens the template's text contains (whitespace tokens aside)."""
+    out = []
+    for _, tok in sorted(tokenizer.get_added_tokens_decoder().items()):
+        if tok.special or (tok.content in template and not tok.content.isspace()):
+            out.append(tok.content)
+    return out
+
+
+def _reasoning(folder: Path, model_type: str | None) -> tuple[list[str] | None, str | None]:
+    fields = (_config(folder).get("response_template") or {}).get("fields", {})
+    channel = fields.get("reasoning_content") if isinstance(fields, dict) else None
+    if isinstance(channel, dict) and isinstance(channel.get("open"), str) and isinstance(channel.get("close"), str):
+        return [channel["open"], channel["close"]], f"{folder / 'tokenizer_config.json'}:response_template"
+    if model_type is None:
+        return None, None
+    try:      # transformers' built-in response templates (the serving CLI's parser), by model type
+        import transformers
+        from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS
+    except Exception:
+        return None, None
+    for name in (model_type, model_type.removesuffix("_text")):
+        for types, tmpl in _RESPONSE_TEMPLATE_FALLBACKS.items():
+            channel = tmpl.get("fields", {}).get("reasoning_content") if name in types else None
+            if channel and isinstance(channel.get("open"), str) and isinstance(channel.get("close"), str):
+                return ([channel["open"], channel["close"]],
+                        f"transformers {transformers.__version__} response template for {name!r}")
+    return None, None
+
+
+def load_chat_format(tokenizer_path: str | Path, verifier_path: str | Path | None = None) -> ChatFormat:
+    """The `ChatFormat` of a checkpoint (module docstring). tokenizer_path: the tokenizer folder or its
+    tokenizer.json; verifier_path: the verifier's folder (its generation_config.json and config.json model_type)
+    or None. Raises ChatFormatError (file and fix) for a missing template, a template that fails to render or
+    cannot be cut into turns, no stop ids, a stop id outside the vocabulary."""
+    from tokenizers import Tokenizer
+
+    folder = tokenizer_folder(tokenizer_path)
+    tok_file = folder / "tokenizer.json"
+    if not tok_file.is_file():
+        raise ChatFormatError(f"{folder}: no tokenizer.json; point [models].tokenizer at the checkpoint's tokenizer "
+                              "folder")
+    verifier = Path(verifier_path) if verifier_path is not None else None
+    template, source = read_template(folder)
+    specials = special_tokens(folder)
+    turns = {"default": derive_pieces(template, specials, None, source)}
+    thinking = derive_pieces(template, specials, True, source)
+    if thinking != turns["default"]:
+        turns["thinking"] = thinking
+    stop_ids, stop_source = read_stop_ids(verifier, folder)
+    tokenizer = Tokenizer.from_file(str(tok_file))
+    stop_tokens = []
+    for i in stop_ids:
+        s = tokenizer.id_to_token(i)
+        if s is None:
+            raise ChatFormatError(f"{stop_source}: eos_token_id {i} is not in the tokenizer's vocabulary "
+                                  f"({tokenizer.get_vocab_size()} ids, {tok_file}); use the checkpoint's own files")
+        stop_tokens.append(s)
+    model_type = None
+    if verifier is not None and (verifier / "config.json").is_file():
+        model_type = _json(verifier / "config.json").get("model_type")
+    reasoning, reasoning_source = _reasoning(folder, model_type)
+    sources = {"template": source, "stop_ids": stop_source}
+    if reasoning_source is not None:
+        sources["reasoning"] = reasoning_source
+    return ChatFormat(stop_ids=stop_ids, stop_tokens=stop_tokens, control_tokens=_control_tokens(tokenizer, template),
+                      turns=turns, reasoning=reasoning, template_sha256=template_digest(template), sources=sources)
+
+
+def load_chat(tokenizer_path: str | Path, verifier_path: str | Path | None = None) -> Chat:
+    """`load_chat_format` with the folder's ``tokenizers.Tokenizer``: a ready `hycoc.chat.Chat`."""
+    from tokenizers import Tokenizer
+
+    fmt = load_chat_format(tokenizer_path, verifier_path)
+    return Chat(fmt, Tokenizer.from_file(str(tokenizer_folder(tokenizer_path) / "tokenizer.json")))
+
+
+def chat_from_recipe(recipe) -> Chat:
+    """The `Chat` of a recipe's ``[models].tokenizer`` folder, with the stop ids of ``[models].verifier`` when its
+    folder is here. Raises ModelNotFoundError (tokenizer not on this machine) or ChatFormatError."""
+    from hycoc.models import ModelNotFoundError, model_dir
+
+    folder = model_dir(recipe, "tokenizer")
+    try:
+        verifier = model_dir(recipe, "verifier")
+    except ModelNotFoundError:
+        verifier = None
+    return load_chat(folder, verifier if verifier is not None and Path(verifier).is_dir() else None)
+
+
+def sources_to_read(recipe) -> dict[str, str]:
+    """What `chat_from_recipe` will read for a recipe whose folders are not here yet (for ``hycoc inspect``)."""
+    t, v = recipe.models.tokenizer, recipe.models.verifier
+    return {"template": f"{t}/chat_template.jinja, else {t}/tokenizer_config.json \"chat_template\"",
+            "stop_ids": f"{v}/generation_config.json \"eos_token_id\", else {t}/generation_config.json",
+            "reasoning": f"{t}/tokenizer_config.json \"response_template\", else transformers' response template "
+                         "for the verifier's model type"}
+
+
+def apply_chat_template_ids(tokenizer_path: str | Path, messages: list[dict], *, thinking: bool | None = None,
+                            add_generation_prompt: bool = True) -> list[int]:
+    """The reference: transformers' own ``apply_chat_template(..., sanitize_control_tokens=True)`` on the folder's
+    tokenizer.json, template and special tokens (what the conformance tests compare `hycoc.chat.Chat` with)."""
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tokenizer_folder(tokenizer_path)
+    template, _ = read_template(folder)
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), chat_template=template,
+                                  **special_tokens(folder))
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    return list(tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        return_dict=False, sanitize_control_tokens=True, **kwargs))
+
+
+__all__ = ["apply_chat_template_ids", "chat_from_recipe", "derive_pieces", "load_chat", "load_chat_format",
+           "read_stop_ids", "read_template", "render", "sources_to_read", "special_tokens", "tokenizer_folder"]
