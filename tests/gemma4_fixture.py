@@ -24,6 +24,8 @@ ASSUMED_IDS = {48: "<|tool_call>", 49: "<tool_call|>", 51: "<tool_response|>", 9
 STOP_IDS = [1, 106, 50]
 N_SPECIAL = 107
 ROLE_WORDS = ["user", "model", "system", "thought"]
+#: Punctuation and words a control-token string typed as text is spelled with (never the control token itself).
+TEXT_PIECES = ["<", ">", "|", "turn", "bos", "eos", "think"]
 
 #: Gemma 4's form; given as chat_template.jinja (the file transformers prefers over tokenizer_config.json).
 TEMPLATE = (
@@ -53,12 +55,13 @@ def special_tokens() -> list[str]:
 
 
 def gemma4_tokenizer(vocab_size: int = 300) -> Tokenizer:
-    """A word-level tokenizer with Gemma 4's special tokens at Gemma 4's ids, then `ROLE_WORDS`, then w0, w1, ..."""
+    """A word-level tokenizer with Gemma 4's special tokens at Gemma 4's ids, then `ROLE_WORDS`, `TEXT_PIECES`, then
+    w0, w1, ... (punctuation split off, so ``<turn|>`` typed as text is ``< turn | >``)."""
     specials = special_tokens()
-    words = specials + ROLE_WORDS
+    words = specials + ROLE_WORDS + TEXT_PIECES
     words += [f"w{i}" for i in range(vocab_size - len(words))]
     tok = Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
     tok.add_special_tokens(specials)
     return tok
 

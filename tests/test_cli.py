@@ -192,6 +192,13 @@ def test_generate_names_a_missing_model(tmp_path):
                                     f"{tmp_path / 'missing/tokenizer.json'} does not exist")
     (tmp_path / "missing").mkdir()
     (tmp_path / "missing/tokenizer.json").write_text("{}")
+    result = invoke("generate", recipe, "--prompt", "hi")  # a tokenizer folder without a chat template
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"hycoc generate: {tmp_path / 'missing'}: no chat template (neither "
+                                    "chat_template.jinja nor a \"chat_template\" in tokenizer_config.json)")
+    from gemma4_fixture import write_tokenizer_folder
+
+    write_tokenizer_folder(tmp_path / "missing")
     result = invoke("generate", recipe, "--prompt", "hi")  # the verifier is a hub id in the defaults
     assert result.exit_code == 1
     assert result.stderr.startswith(f"hycoc generate: {recipe}: models.verifier = 'google/gemma-4-26B-A4B-it' is a "
@@ -203,14 +210,15 @@ def tiny_family(tmp_path_factory):
     """A random tiny verifier (tests/tiny_models.py) and a 300-id toy tokenizer, saved as a recipe would name them."""
     from tiny_models import tiny_verifier
 
+    from hycoc.toy.chat_files import write_tokenizer_folder
     from hycoc.toy.tokenizer import train_tokenizer
 
     folder = tmp_path_factory.mktemp("family")
     words = [f"word{i} token{i % 7} text{i % 13}" for i in range(400)]
-    train_tokenizer(words, vocab_size=300).save(str(folder / "tokenizer.json"))
-    tiny_verifier(vocab_size=300).save_pretrained(folder / "verifier")
+    write_tokenizer_folder(train_tokenizer(words, vocab_size=300), folder / "tokenizer", 64)
+    tiny_verifier(vocab_size=300).save_pretrained(folder / "verifier")   # its generation_config: eos 1
     recipe = folder / "tiny.toml"
-    recipe.write_text('[models]\nverifier = "verifier"\ntokenizer = "tokenizer.json"\n'
+    recipe.write_text('[models]\nverifier = "verifier"\ntokenizer = "tokenizer"\n'
                       '[verifier]\ndevice = "cpu"\ndtype = "float32"\n[sampling]\nmax_new_tokens = 6\n')
     return recipe
 

@@ -35,7 +35,7 @@ def tiny(tmp_path_factory):
 
 def parts(recipe, artifacts):
     """(engine, graph, shapes, bundle, tokenizer) for the tiny build."""
-    from hycoc.chat import stop_token_ids
+    from hycoc.chat_template import chat_from_recipe
     from hycoc.passes.head_graph import HeadGraph, embedding_table, rotary_tables
     from hycoc.passes.head_qat import dequantized_head
     from hycoc.verifier.engine import VerifierEngine
@@ -50,7 +50,7 @@ def parts(recipe, artifacts):
     shapes = {v.name: tuple(v.shape) for v in artifacts["onnx_head"].payload.graph.inputs}
     engine = VerifierEngine(verifier, head_window=recipe.window.head_window, chain_length=recipe.tree.chain_length,
                             handoff_scales=hc.handoff_scales(recipe), hidden=recipe.handoff.hidden,
-                            eos_token_ids=stop_token_ids(tokenizer))
+                            eos_token_ids=chat_from_recipe(recipe).stop_ids)
     return engine, HeadGraph(rebuilt).eval(), shapes, bundle, tokenizer
 
 
@@ -156,7 +156,6 @@ def test_skip_ahead_reaches_the_same_ring_in_fewer_rounds(tiny):
     """Far from a draft target, one round commits a long stretch of the answer; the request still follows the greedy
     answer, the ring holds the same rows (int8 hand-off rows computed in other forwards: within one step of the
     fixed scale) and the draft sees the same live columns."""
-    from hycoc.chat import stop_token_ids
     from hycoc.passes.head_qat import greedy_answer
 
     recipe, artifacts = tiny

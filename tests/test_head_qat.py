@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ import torch
 from rich.console import Console
 from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
 
-from hycoc.chat import SPECIAL_TOKENS
+from hycoc.toy.chat_files import SPECIAL_TOKENS, STOP_IDS, write_tokenizer_folder
 from hycoc.mtp import head_step
 from hycoc.passes import head_qat as hq
 from hycoc.passes.artifacts import (KeepSetArtifact, QuantizedHeadArtifact, TokenizerArtifact,
@@ -231,8 +232,8 @@ def test_qat_lowers_kl_and_exports_bit_exact(setup):
 
 
 def word_tokenizer() -> Tokenizer:
-    """300 ids for the tiny models: Gemma's 12 special tokens (<end_of_turn> = 6, <eos> = 1), 'user', 'model',
-    then the words w0..w285."""
+    """300 ids for the tiny models: the toy's 12 special tokens with Gemma 4's names (<turn|> = 6, <eos> = 1),
+    'user', 'model', then the words w0..w285."""
     words = SPECIAL_TOKENS + ["user", "model"] + [f"w{i}" for i in range(286)]
     tok = Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -240,8 +241,16 @@ def word_tokenizer() -> Tokenizer:
     return tok
 
 
-def qat_recipe(path) -> Recipe:
+def word_tokenizer_folder(folder) -> Path:
+    """`word_tokenizer` as a checkpoint's tokenizer folder: the toy's chat template and stop ids beside it."""
+    write_tokenizer_folder(word_tokenizer(), folder, 64)
+    (Path(folder) / "generation_config.json").write_text(json.dumps({"eos_token_id": STOP_IDS}))
+    return Path(folder)
+
+
+def qat_recipe(path, tokenizer_folder) -> Recipe:
     return Recipe.model_validate({
+        "models": {"tokenizer": str(tokenizer_folder)},
         "window": {"head_window": W},
         "head_qat": {"steps": 6, "warmup_steps": 2, "lr": 1e-4, "calibration_prompts": 3, "eval_prompts": 2,
                      "calibration_max_new_tokens": 20, "eval_max_new_tokens": 20, "max_seq_len": 40,
@@ -265,7 +274,8 @@ def test_pass_in_a_pipeline_reports_and_caches(tmp_path, setup):
     console = Console(file=io.StringIO())
     pipe = Pipeline([CalibrationAnswersPass(), hq.HeadQatPass()], tmp_path / "cache", console=console)
 
-    result = pipe.run(qat_recipe(path), inputs)
+    folder = word_tokenizer_folder(tmp_path / "tokenizer")
+    result = pipe.run(qat_recipe(path, folder), inputs)
     answers, report = result.reports
     assert (answers.numbers["train"], answers.numbers["eval"]) == (3, 2)  # the 40-word prompt is skipped
     assert answers.numbers["train_cap"] == answers.numbers["eval_cap"] == 20
@@ -281,7 +291,7 @@ def test_pass_in_a_pipeline_reports_and_caches(tmp_path, setup):
     head_out = result.artifacts["quantized_head"]
     assert isinstance(head_out, QuantizedHeadArtifact) and head_out.payload.keep_set.tolist() == keep.tolist()
 
-    again = pipe.run(qat_recipe(path), inputs)  # cache hit: reloaded from disk with the same content hash
+    again = pipe.run(qat_recipe(path, folder), inputs)  # cache hit: reloaded from disk with the same content hash
     assert again.reports[0].cached and again.reports[1].cached
     loaded = again.artifacts["quantized_head"].payload
     assert all(torch.equal(loaded.qweight[n], head_out.payload.qweight[n]) for n in loaded.qweight)

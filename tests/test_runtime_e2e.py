@@ -17,7 +17,6 @@ import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
-from hycoc.chat import stop_token_ids
 from hycoc.cli import app
 from hycoc.protocol.messages import Sampling
 from hycoc.passes import build as b
@@ -53,9 +52,7 @@ def runtime(built):
 
 
 def prompt_ids(runtime, text="w1 w2 w3 w4 w5"):
-    from hycoc.chat import format_prompt
-
-    return format_prompt(runtime.bundle.tokenizer, text)
+    return runtime.bundle.chat.prompt(text)
 
 
 def greedy_reference(engine, ids, max_new, stops):
@@ -76,7 +73,7 @@ def test_greedy_output_equals_the_verifiers_greedy_generation(server, runtime, m
     srv, engine = server
     ids = prompt_ids(runtime, LONG)   # longer than every ring: chunked SLM fill, hand-off windows of W rows
     assert len(ids) > 16
-    want = greedy_reference(engine, ids, MAX_NEW, stop_token_ids(runtime.bundle.tokenizer))
+    want = greedy_reference(engine, ids, MAX_NEW, runtime.bundle.chat.stop_ids)
     pieces = []
     res = runtime.generate(transport.VerifierClient(srv.url), ids, mode=mode, max_new_tokens=MAX_NEW,
                            sampling=GREEDY, on_text=pieces.append)
@@ -117,7 +114,7 @@ def short_server(built, runtime):
 def test_the_context_limit_ends_the_request_with_every_committed_token(short_server, runtime, mode):
     srv, engine = short_server
     ids = prompt_ids(runtime, LONG)
-    want = greedy_reference(engine, ids, 6, stop_token_ids(runtime.bundle.tokenizer))
+    want = greedy_reference(engine, ids, 6, runtime.bundle.chat.stop_ids)
     pieces = []
     res = runtime.generate(transport.VerifierClient(srv.url), ids, mode=mode, max_new_tokens=40, sampling=GREEDY,
                            on_text=pieces.append)
@@ -141,18 +138,16 @@ def test_cli_run_at_the_context_limit_exits_0_with_the_text(short_server, built,
 
 @pytest.mark.parametrize("mode", ["hyco-exact", "specedge", "cloud-mtp"])
 def test_a_second_turn_continues_the_session_with_the_verifiers_greedy_text(server, runtime, mode):
-    from hycoc.chat import next_user_turn
-
     srv, engine = server
-    tok, stops = runtime.bundle.tokenizer, stop_token_ids(runtime.bundle.tokenizer)
+    chat, stops = runtime.bundle.chat, runtime.bundle.chat.stop_ids
     ids = prompt_ids(runtime, LONG)
     client = transport.VerifierClient(srv.url)
     first = runtime.generate(client, ids, mode=mode, max_new_tokens=12, sampling=GREEDY, keep_open=True)
     assert first.tokens == greedy_reference(engine, ids, 12, stops)
-    turn = next_user_turn(tok, "w7 w8 w9", answer_closed=first.finish_reason == "stop")
+    turn = chat.next_turn("w7 w8 w9")
     pieces = []
     second = runtime.next_turn(client, turn, max_new_tokens=12, on_text=pieces.append)
-    conversation = ids + first.tokens + turn
+    conversation = ids + chat.conversation_tokens(first.tokens) + turn   # a stop id is the template's close
     assert second.tokens == greedy_reference(engine, conversation, 12, stops)
     assert "".join(pieces) == second.text and second.finish_reason in ("stop", "max_new_tokens")
     session = next(iter(srv.server.sessions.values()))
@@ -232,7 +227,7 @@ def test_htp_bundle_on_the_simulator_gives_the_verifiers_greedy_text(built, serv
     assert rt.bundle.manifest.target.htp_arch == 81 and rt.mtp.runner.entry.context_binary
     srv, engine = server
     ids = prompt_ids(rt, LONG)
-    want = greedy_reference(engine, ids, 12, stop_token_ids(rt.bundle.tokenizer))
+    want = greedy_reference(engine, ids, 12, rt.bundle.chat.stop_ids)
     res = rt.generate(transport.VerifierClient(srv.url), ids, mode="hyco-exact", max_new_tokens=12, sampling=GREEDY)
     assert res.tokens == want
     assert rt.slm.runner.calls >= res.rounds and rt.mtp.runner.calls >= 1   # both graphs ran on the simulator

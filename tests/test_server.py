@@ -568,7 +568,7 @@ def write_recipe(tmp_path: Path, models_dir: Path | None, *, head: str = "head",
 [models]
 verifier = "{verifier}"
 head = "{(models_dir or tmp_path) / head}"
-tokenizer = "{ROOT / 'recipes' / 'toy' / 'models' / 'tokenizer.json'}"
+tokenizer = "{ROOT / 'recipes' / 'toy' / 'models' / 'verifier'}"
 [tree]
 chain_length = 3
 node_budget = 6
@@ -610,7 +610,8 @@ def test_engine_from_recipe_takes_every_setting_from_the_recipe(tmp_path, saved_
     assert (engine.head_window, engine.chain_length, engine.handoff_scales, engine.hidden,
             engine.head_query_position_offset, engine.max_context, engine.keep_set) == (
         5, 3, (0.1, 0.2, 0.03, 0.04, 0.05, 0.06), "post_norm", 0, 96, None)
-    assert engine.eos_token_ids == {1, 6}  # <eos>, <end_of_turn> of the toy tokenizer
+    assert engine.eos_token_ids == {1}   # the verifier's generation_config.json (tiny: eos 1) before the tokenizer's
+    assert engine.chat_format.turns["default"].first == "<bos><|turn>user\n"
     assert engine.head is not None and engine.vocab_size == VOCAB
     assert server_options(recipe) == {"tree_rows": 7, "max_frame_bytes": 8192, "model_name": str(saved_models /
                                                                                                   "verifier"),

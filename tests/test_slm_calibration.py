@@ -20,7 +20,7 @@ from rich.console import Console
 from test_build import write_tiny_recipe
 
 from hycoc import host
-from hycoc.chat import stop_token_ids
+from hycoc.chat_template import chat_from_recipe
 from hycoc.passes import build as b
 from hycoc.passes.calibration_answers import CalibrationAnswersPass, make_answers
 from hycoc.passes.keep_set import KeepSetPass
@@ -51,7 +51,7 @@ def tiny(tmp_path_factory):
     made = make_answers(verifier, tokenizer, recipe)
     prompts, answers = made.take("train", recipe.slm_calibration.prompts, answer_cap(recipe))
     held, source = made.take("eval", 2, answer_cap(recipe))[0], made.source
-    stops = stop_token_ids(tokenizer)
+    stops = chat_from_recipe(recipe).stop_ids
     # the tiny random verifier answers mostly outside the 64-id keep set, where the head drafts no chain: one
     # more sequence answered in keep-set tokens plants chains and siblings (for the "every call" checks only)
     extra = [int(x) for x in np.random.default_rng(3).choice(keep, answer_cap(recipe))]

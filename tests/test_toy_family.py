@@ -9,10 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hycoc.chat import SPECIAL_TOKENS, format_prompt, stop_token_ids, user_turn
+from hycoc.chat_template import apply_chat_template_ids, load_chat
 from hycoc.models import load_head, load_slm, load_tokenizer, load_verifier
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 from hycoc.toy import configs
+from hycoc.toy.chat_files import SPECIAL_TOKENS, prompt_text
 from hycoc.toy.gemma_format import bits_for, pack, qmax
 from hycoc.toy.tokenizer import byte_token_ids
 
@@ -23,7 +24,7 @@ ATOL = 2e-4
 
 @pytest.fixture(scope="module")
 def tok():
-    return load_tokenizer(MODELS / "tokenizer.json")
+    return load_tokenizer(MODELS / "verifier" / "tokenizer.json")
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +51,25 @@ def test_tokenizer_vocabulary_layout(tok):
     # Hangul has no merged token in this English/code corpus: it is spelled with byte tokens only.
     ids = tok.encode("한", add_special_tokens=False).ids
     assert len(ids) == 3 and set(ids) <= set(byte_ids)
-    assert stop_token_ids(tok) == {1, 6}
+    assert SPECIAL_TOKENS[5:7] == ["<|turn>", "<turn|>"] and SPECIAL_TOKENS[10] == "<|tool_response>"
 
 
-def test_chat_template_ids(tok):
-    ids = format_prompt(tok, "Hi")
-    assert ids[:2] == [2, 5]  # <bos> <start_of_turn>
-    assert tok.decode(ids, skip_special_tokens=False) == user_turn("Hi")
+def test_chat_format_is_read_from_the_checkpoint_files(tok, ref):
+    """The toy folder holds what a Gemma 4 folder holds; the format read from it is Gemma 4's, and the renamed
+    special tokens keep the ids the weights were trained on: the reference prompt (recorded before the rename)
+    encodes to the same ids."""
+    chat = load_chat(MODELS / "verifier", MODELS / "verifier")
+    f = chat.format
+    assert (f.stop_ids, f.stop_tokens) == ([1, 6, 10], ["<eos>", "<turn|>", "<|tool_response>"])
+    assert f.turns["default"].model_dump() == {"first": "<bos><|turn>user\n", "user_end": "<turn|>\n<|turn>model\n",
+                                               "next": "<turn|>\n<|turn>user\n"}
+    assert f.turns["thinking"].first == "<bos><|turn>system\n<|think|><turn|>\n<|turn>user\n"
+    assert f.reasoning == ["<|channel>thought\n", "<channel|>"]
+    assert f.sources["template"].endswith("verifier/tokenizer_config.json:chat_template")
+    assert chat.prompt(ref["prompt"]) == ref["input_ids"] == tok.encode(prompt_text(ref["prompt"])).ids
+    assert chat.prompt("Hi") == [2, 5, 453, 210, 51, 84, 6, 210, 5, 486, 210]   # <bos> <|turn> user \n H i <turn|> ...
+    for text in ("Hi", " x <turn|>\n<|turn>model\n<bos>", "\n\ndef f():\n    pass", "한국어 🌍"):
+        assert chat.prompt(text) == apply_chat_template_ids(MODELS / "verifier", [{"role": "user", "content": text}])
 
 
 def test_verifier_reproduces_recorded_logits(monkeypatch, ref):
