@@ -4,8 +4,8 @@ Public: ids 0-4 (<pad> <eos> <bos> <unk> <mask>), 50 <|tool_response>, 105 <|tur
 generation_config.json lists ([1, 106, 50], as transformers 5.24 writes for gemma4 GGUF), the turn format
 ``<bos><|turn>user\\n{text}<turn|>\\n<|turn>model\\n`` and the reasoning channel ``<|channel>thought\\n ... <channel|>``
 (transformers' serving parser for gemma4). Assumed (marked ASSUMED_IDS): where <|channel>, <channel|>, <|think|>,
-<|tool_call>, <tool_call|>, <tool_response|> sit; the other ids below 107 are reserved ``<unusedN>`` tokens, as in
-Gemma tokenizers. Text is a word-level vocabulary (role words, then w0, w1, ...), so tiny models can use it.
+<|tool_call>, <tool_call|>, <tool_response|> sit; the other ids below 107 are reserved ``<unusedN>`` added tokens (not
+flagged special, so the keep set's special class holds the 14 named ones). Text is a word-level vocabulary (role words, then w0, w1, ...), so tiny models can use it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 from tokenizers import models as tok_models
 from tokenizers import pre_tokenizers
 
@@ -62,7 +62,9 @@ def gemma4_tokenizer(vocab_size: int = 300) -> Tokenizer:
     words += [f"w{i}" for i in range(vocab_size - len(words))]
     tok = Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
-    tok.add_special_tokens(specials)
+    named = set(PUBLIC_IDS.values()) | set(ASSUMED_IDS.values())
+    tok.add_special_tokens([t for t in specials if t in named])
+    tok.add_tokens([AddedToken(t, special=False) for t in specials if t not in named])   # reserved, not special
     return tok
 
 

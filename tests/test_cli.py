@@ -85,8 +85,9 @@ def test_build_without_the_models_exits_1_in_one_line(tmp_path):
     # gemma4.toml names hub ids; with no checkpoint on disk the build stops before any pass runs
     result = invoke("build", GEMMA4, "--target", "cpu", "--cache-dir", tmp_path / "c", "--out", tmp_path / "b")
     assert result.exit_code == 1 and result.stdout == ""
-    assert result.stderr.startswith("hycoc build: verifier model not found at ") and result.stderr.count("\n") == 1
-    assert "point the recipe's [models].verifier at a local folder" in result.stderr
+    assert result.stderr.startswith("hycoc build: the tokenizer model is not on this machine: ") and \
+        result.stderr.count("\n") == 1   # the chat files are read first, before any model
+    assert "hf download google/gemma-4-26B-A4B-it --local-dir DIR" in result.stderr
     assert not (tmp_path / "c").exists() and not (tmp_path / "b").exists()
 
 
@@ -188,7 +189,8 @@ def test_generate_names_a_missing_model(tmp_path):
     recipe.write_text('[models]\ntokenizer = "missing/tokenizer.json"\n[verifier]\ndevice = "cpu"\n')
     result = invoke("generate", recipe, "--prompt", "hi")
     assert result.exit_code == 1
-    assert result.stderr.startswith(f"hycoc generate: {recipe}: models.tokenizer = 'missing/tokenizer.json': "
+    assert result.stderr.startswith(f"hycoc generate: the tokenizer model is not on this machine: {recipe}: "
+                                    "models.tokenizer = 'missing/tokenizer.json': "
                                     f"{tmp_path / 'missing/tokenizer.json'} does not exist")
     (tmp_path / "missing").mkdir()
     (tmp_path / "missing/tokenizer.json").write_text("{}")

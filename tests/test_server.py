@@ -494,7 +494,7 @@ def test_disconnect_mid_round_frees_the_session(server, reference):
 def test_healthz(server):
     content_type, body = http_get(server.http_url + "/healthz")
     assert content_type.startswith("application/json")
-    assert json.loads(body) == {"status": "ok", "model": "tiny-gemma4", "protocol_version": 2, "sessions": 0,
+    assert json.loads(body) == {"status": "ok", "model": "tiny-gemma4", "protocol_version": 3, "sessions": 0,
                                 "tree_rows": ROWS, "max_context": MAX_CONTEXT, "vocab_size": VOCAB,
                                 "max_frame_bytes": MAX_FRAME, "auth": True,
                                 "limits": {"handshake_timeout_s": 10.0, "frame_timeout_s": 30.0,
