@@ -247,6 +247,25 @@ def sources_to_read(recipe) -> dict[str, str]:
                          "for the verifier's model type"}
 
 
+def chat_summary(recipe, user_text: str = "Hello") -> dict:
+    """What ``hycoc inspect RECIPE`` shows of the chat format: the first turn rendered for ``user_text`` (control
+    tokens as their strings), the stop tokens (id and string), the thinking switch, the reasoning channel and the
+    file each came from; when the tokenizer folder is not here (or its files are refused), ``available`` false with
+    ``reads`` (what will be read) and ``why``."""
+    from hycoc.models import ModelNotFoundError
+
+    try:
+        chat = chat_from_recipe(recipe)
+    except (ModelNotFoundError, ChatFormatError) as e:
+        return {"available": False, "reads": sources_to_read(recipe), "why": str(e)}
+    f = chat.format
+    return {"available": True, "prompt": chat.render(user_text), "prompt_ids": chat.prompt(user_text),
+            "stop": [{"id": i, "token": t} for i, t in zip(f.stop_ids, f.stop_tokens)],
+            "thinking": f.has_thinking, "thinking_prompt": chat.render(user_text, True) if f.has_thinking else None,
+            "reasoning": f.reasoning, "next_turn": f.turns["default"].next, "sources": f.sources,
+            "template_sha256": f.template_sha256}
+
+
 def apply_chat_template_ids(tokenizer_path: str | Path, messages: list[dict], *, thinking: bool | None = None,
                             add_generation_prompt: bool = True) -> list[int]:
     """The reference: transformers' own ``apply_chat_template(..., sanitize_control_tokens=True)`` on the folder's
@@ -262,5 +281,5 @@ def apply_chat_template_ids(tokenizer_path: str | Path, messages: list[dict], *,
                                         return_dict=False, sanitize_control_tokens=True, **kwargs))
 
 
-__all__ = ["apply_chat_template_ids", "chat_from_recipe", "derive_pieces", "load_chat", "load_chat_format",
+__all__ = ["apply_chat_template_ids", "chat_from_recipe", "chat_summary", "derive_pieces", "load_chat", "load_chat_format",
            "read_stop_ids", "read_template", "render", "sources_to_read", "special_tokens", "tokenizer_folder"]

@@ -476,10 +476,14 @@ def verify_server(
         if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) == 0:
             raise _fail("verify-server", f"--keep-set {keep_set}: expected a non-empty 1-D array of int token ids, "
                         f"got shape {ids.shape} dtype {ids.dtype}")
-    try:  # the models' folders, then the port: each named at once, before torch is imported and the model loaded
+    from hycoc.chat import ChatFormatError
+    from hycoc.chat_template import chat_from_recipe
+
+    try:  # the models' folders and chat files, then the port: each named at once, before the model is loaded
         for role in ("verifier", "head", "tokenizer"):
             model_dir(cfg, role)
-    except ModelNotFoundError as e:
+        chat_from_recipe(cfg)          # the checkpoint's template and stop ids: a bad folder is refused here
+    except (ModelNotFoundError, ChatFormatError) as e:
         raise _fail("verify-server", str(e)) from None
     host = host or cfg.verifier.host
     port = cfg.verifier.port if port is None else port
@@ -500,7 +504,7 @@ def verify_server(
                                     keep_set=None if ids is None else torch.as_tensor(ids, dtype=torch.long))
     except RecipeError as e:
         raise _fail("verify-server", f"bad recipe\n{e}") from None
-    except (ModelNotFoundError, DeviceUnavailable) as e:
+    except (ModelNotFoundError, DeviceUnavailable, ChatFormatError) as e:
         raise _fail("verify-server", str(e)) from None
     if ids is not None and int(ids.max()) >= engine.vocab_size:
         raise _fail("verify-server", f"--keep-set {keep_set}: token id {int(ids.max())} is outside the verifier's "
@@ -669,6 +673,9 @@ def bench(
         2, min=1, max=2, help="2: questions with a second turn (MT-bench) continue on the same session with the "
         "configuration's own first answer in the conversation, as the paper's SB-480 (KV kept; per-turn table of "
         "prefill ms saved, g, MAT); 1: first turns only"),
+    thinking: bool = typer.Option(
+        False, "--thinking", help="prompts with the chat template's thinking switch on; quality scores the final "
+        "answer, not the thought (default off, as the recipe runs: README \"Chat format\")"),
 ) -> None:
     """Benchmark every configuration on the same prompts, verifier and seed (paper Table 2, App. G).
 
@@ -703,19 +710,20 @@ def bench(
     from hycoc.bench.runner import BenchError, BenchPlan, run_bench
     from hycoc.bundle import BundleError
     from hycoc.bench.cost_model import CostModelError
+    from hycoc.chat import ChatFormatError
     from hycoc.runtime.transport import TransportError
 
     bundle_dir = _bench_bundle("bench", cfg, recipe, bundle)
     plan = BenchPlan(questions=questions[:limit] if limit else questions,
                      configs=[c for c in BENCH_CONFIGS if c in configs.split(",")], runs=runs or cfg.bench.runs,
                      link=link or cfg.bench.link, output_cap=max_new_tokens or cfg.bench.output_cap, out=out,
-                     turns=turns)
+                     turns=turns, thinking=thinking)
     try:
         run_bench(cfg, recipe, plan, bundle_dir=bundle_dir, backend=_bundle_backend(bundle_dir, backend),
                   resume=resume, cost_model_path=cost_model)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
-    except (BenchError, BundleError, TransportError, CostModelError) as e:
+    except (BenchError, BundleError, TransportError, CostModelError, ChatFormatError) as e:
         raise _fail("bench", str(e)) from None
 
 
@@ -838,14 +846,18 @@ def inspect(
         config = _recipe("inspect", target)
         from hycoc.passes.plan import PlanError, plan_json, real_shape_plan
 
+        from hycoc.chat_template import chat_summary
+
         try:
             plan = real_shape_plan(config)
         except PlanError as e:
             raise _fail("inspect", str(e)) from None
+        plan["chat"] = chat_summary(config)
         if json_out:
             typer.echo(plan_json(plan), nl=False)
             return
         _print_plan(plan)
+        _print_chat(plan["chat"])
         return
     if not target.is_dir():
         raise _fail("inspect", f"{target}: neither a bundle folder nor a recipe .toml", code=2)
@@ -859,6 +871,34 @@ def inspect(
         typer.echo(manifest.to_json(), nl=False)
         return
     _print_manifest(manifest)
+
+
+def _print_chat(chat: dict) -> None:
+    """The chat section of `hycoc inspect RECIPE` (`hycoc.chat_template.chat_summary`)."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 120))
+    if not chat["available"]:
+        console.print(f"chat format: not read ({escape(chat['why'])}); it will read:")
+        for what, where in chat["reads"].items():
+            console.print(f"  {what}: {escape(where)}")
+        return
+    console.print(f"chat format ({escape(chat['sources']['template'])}): the prompt for 'Hello' is "
+                  f"{escape(repr(chat['prompt']))}, {len(chat['prompt_ids'])} tokens; a next turn opens with "
+                  f"{escape(repr(chat['next_turn']))}")
+    stops = Table(title=f"stop tokens ({escape(chat['sources']['stop_ids'])})")
+    for col in ("id", "token"):
+        stops.add_column(col)
+    for s in chat["stop"]:
+        stops.add_row(str(s["id"]), escape(s["token"]))
+    console.print(stops)
+    thinking = (f"thinking: --thinking renders {escape(repr(chat['thinking_prompt']))}" if chat["thinking"]
+                else "thinking: the template has no switch (enable_thinking renders the same)")
+    reasoning = (f"reasoning channel {escape(repr(chat['reasoning'][0]))} ... {escape(repr(chat['reasoning'][1]))} "
+                 f"({escape(chat['sources']['reasoning'])})" if chat["reasoning"] else "no reasoning channel")
+    console.print(f"{thinking}; {reasoning}; default off (README \"Chat format\")")
 
 
 def _print_plan(plan: dict) -> None:
@@ -960,6 +1000,17 @@ def _print_manifest(manifest) -> None:
     console.print(f"built with {tools or 'tool versions unknown'}")
     console.print(f"schema {manifest.schema_version}, created {manifest.created_at}, {len(manifest.files)} files, "
                   f"{total / 1e6:.3f} MB, keep set {manifest.keep_set_size} tokens")
+    c = manifest.chat
+    if c is None:
+        console.print("chat: none recorded (built before the chat format was; `hycoc run` refuses it: rebuild)")
+    else:
+        from rich.markup import escape
+
+        stops = ", ".join(f"{i} {t}" for i, t in zip(c.stop_ids, c.stop_tokens))
+        turns = c.turns["default"]
+        console.print(escape(f"chat: stop ids {stops}; turns: first {turns.first!r}, user_end {turns.user_end!r}, "
+                             f"next {turns.next!r}; thinking {'yes' if c.has_thinking else 'no'}; template sha256 "
+                             f"{c.template_sha256[:12]}"))
 
     files = Table(title="files")
     for col in ("path", "role", "MB", "sha256"):

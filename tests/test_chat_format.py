@@ -182,3 +182,30 @@ def test_the_device_drops_the_stop_id_as_the_verifier_does(chat):
     assert chat.conversation_tokens([5, 6, 1]) == [5, 6]
     assert chat.conversation_tokens([5, 6, 7]) == [5, 6, 7]            # cut by the cap: nothing to drop
     assert np.array_equal(chat.next_turn("w6")[:3], [106, 105, 107])   # <turn|> <|turn> user: the template's close
+
+
+# ---- hycoc inspect ---------------------------------------------------------------------------------------------
+
+
+def test_inspect_gemma4_recipe_shows_the_chat_format(folder, tmp_path):
+    """recipes/gemma4.toml with its tokenizer pointed at a folder of Gemma 4's tokenizer files (the fixture)."""
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from hycoc.cli import app
+
+    gemma4 = Path(__file__).resolve().parents[1] / "recipes" / "gemma4.toml"
+    text = gemma4.read_text().replace('tokenizer = "google/gemma-4-26B-A4B-it"', f'tokenizer = "{folder}"')
+    (tmp_path / "gemma4.toml").write_text(text)
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path / "gemma4.toml"), "--json"])
+    assert result.exit_code == 0, result.output
+    chat = json.loads(result.stdout)["chat"]
+    assert chat["prompt"] == "<bos><|turn>user\nHello<turn|>\n<|turn>model\n"
+    assert chat["stop"] == [{"id": 1, "token": "<eos>"}, {"id": 106, "token": "<turn|>"},
+                            {"id": 50, "token": "<|tool_response>"}]
+    assert chat["sources"]["stop_ids"] == str(folder / "generation_config.json")   # no verifier folder here
+    absent = CliRunner().invoke(app, ["inspect", str(gemma4), "--json"])
+    missing = json.loads(absent.stdout)["chat"]
+    assert missing["available"] is False and "hub id" in missing["why"]
+    assert missing["reads"]["template"].startswith("google/gemma-4-26B-A4B-it/chat_template.jinja, else ")

@@ -246,3 +246,39 @@ def test_qnn_sdk_versions_compare_by_release(built):
         check_device(htp, "htp", qnn={"onnxruntime-qnn": "2.6.0", "qnn_sdk": "2.50.0"})
     with pytest.raises(TargetMismatch, match="onnxruntime-qnn is not installed"):
         check_device(htp, "htp", qnn={"onnxruntime-qnn": None, "qnn_sdk": None})
+
+
+def test_a_bundle_whose_chat_contract_differs_is_refused_at_open(server, runtime):
+    """The device's stop ids / turn strings travel in OPEN; the verifier refuses a mismatch naming both, and the
+    OPENED of a matching OPEN carries the verifier's stop ids (Gemma 4's, from the fixture's generation_config)."""
+    import json as _json
+
+    from hycoc.protocol.messages import OpenRequest
+
+    srv, _ = server
+    good = runtime.bundle.chat.format.contract()
+    client = transport.VerifierClient(srv.url)
+    opened = client.open(OpenRequest(prompt_ids=np.asarray(prompt_ids(runtime), np.int32), chat=good))
+    assert opened.stop_ids == (1, 106, 50)
+    client.close()
+    bad = _json.loads(good)
+    bad["stop_ids"] = [1, 6]
+    client = transport.VerifierClient(srv.url)
+    with pytest.raises(transport.TransportError, match=r"chat_mismatch.*stop ids differ: the device's bundle stops "
+                                                       r"on \[1, 6\], the verifier on \[1, 50, 106\]"):
+        client.open(OpenRequest(prompt_ids=np.asarray(prompt_ids(runtime), np.int32), chat=_json.dumps(bad)))
+    client.close()
+
+
+def test_a_bundle_built_before_the_chat_format_is_refused(built, tmp_path):
+    import shutil
+
+    from hycoc.bundle import Manifest, ManifestInvalid
+    from hycoc.runtime.device_bundle import open_bundle
+
+    old = tmp_path / "old"
+    shutil.copytree(built[1], old)
+    m = Manifest.model_validate_json((old / "manifest.json").read_text()).model_copy(update={"chat": None})
+    (old / "manifest.json").write_text(m.model_copy(update={"digest": m.content_digest()}).to_json())
+    with pytest.raises(ManifestInvalid, match=r"no chat section .*rebuild it with `hycoc build"):
+        open_bundle(old, "cpu")
