@@ -8,7 +8,7 @@ function of tokenizer, corpus and recipe.
 
 Classes, as counted here:
 
-* special: the tokenizer's added tokens flagged ``special`` (Gemma's ``<bos>``, ``<start_of_turn>``, ...);
+* special: the tokenizer's added tokens flagged ``special`` (Gemma 4's ``<bos>``, ``<|turn>``, ...);
 * byte: the 256 byte-fallback tokens ``<0x00>``..``<0xFF>`` (SentencePiece-style, Gemma) or, failing that, the
   256 characters of the byte-level alphabet (GPT-2 style, the toy tokenizer);
 * forced: ids whose single-token decoded text contains a code point inside ``keep_set.forced_ranges`` (a token
