@@ -21,7 +21,8 @@ from hycoc.passes import build as b
 from hycoc.passes.head_export import HeadExport, HostTablesArtifact
 from hycoc.recipe import load_recipe
 from hycoc.targets import qai_hub
-from gemma4_fixture import STOP_IDS, write_generation_config, write_tokenizer_folder
+from gemma4_fixture import write_generation_config
+from test_head_qat import word_tokenizer_folder
 from tiny_models import tiny_head, tiny_verifier
 
 torch.set_num_threads(1)
@@ -95,10 +96,10 @@ def write_tiny_recipe(root):
     verifier.save_pretrained(root / "verifier")
     tiny_head(verifier).save_pretrained(root / "head")
     make_slm(root / "slm")
-    # Gemma 4's special tokens at Gemma 4's ids and its chat template (tests/gemma4_fixture.py): every build and
-    # runtime test on this recipe runs the real format's path; the verifier's generation_config lists its stop ids
-    write_tokenizer_folder(root / "tokenizer", vocab_size=300, stop_ids=False)
-    write_generation_config(root / "verifier", STOP_IDS)
+    # a checkpoint's tokenizer folder: the word tokenizer with the toy's Gemma 4 names and chat template; the
+    # verifier's generation_config.json lists <eos> and <turn|> (ids 1 and 6, as the tests' tiny models were tuned)
+    word_tokenizer_folder(root / "tokenizer")
+    write_generation_config(root / "verifier", [1, 6])
     rng = np.random.default_rng(0)
 
     def words(n):

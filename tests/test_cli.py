@@ -209,16 +209,15 @@ def test_generate_names_a_missing_model(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_family(tmp_path_factory):
-    """A random tiny verifier (tests/tiny_models.py) and a 300-id toy tokenizer, saved as a recipe would name them."""
+    """A random tiny verifier (tests/tiny_models.py) and the 300-id Gemma 4 fixture tokenizer (its chat template,
+    Gemma 4's stop ids in the verifier's generation_config.json), saved as a recipe would name them."""
+    from gemma4_fixture import STOP_IDS, write_generation_config, write_tokenizer_folder
     from tiny_models import tiny_verifier
 
-    from hycoc.toy.chat_files import write_tokenizer_folder
-    from hycoc.toy.tokenizer import train_tokenizer
-
     folder = tmp_path_factory.mktemp("family")
-    words = [f"word{i} token{i % 7} text{i % 13}" for i in range(400)]
-    write_tokenizer_folder(train_tokenizer(words, vocab_size=300), folder / "tokenizer", 64)
-    tiny_verifier(vocab_size=300).save_pretrained(folder / "verifier")   # its generation_config: eos 1
+    write_tokenizer_folder(folder / "tokenizer", 300)
+    tiny_verifier(vocab_size=300).save_pretrained(folder / "verifier")
+    write_generation_config(folder / "verifier", STOP_IDS)
     recipe = folder / "tiny.toml"
     recipe.write_text('[models]\nverifier = "verifier"\ntokenizer = "tokenizer"\n'
                       '[verifier]\ndevice = "cpu"\ndtype = "float32"\n[sampling]\nmax_new_tokens = 6\n')
@@ -226,15 +225,16 @@ def tiny_family(tmp_path_factory):
 
 
 def test_generate_streams_an_answer_from_the_verifier(tiny_family):
-    first = invoke("generate", tiny_family, "--prompt", "word1 token2", "--seed", "3")
+    first = invoke("generate", tiny_family, "--prompt", "w1 w2", "--seed", "3")
     assert first.exit_code == 0, first.output
     stats = first.stderr.splitlines()[-1]  # after transformers' weight-loading progress bar
-    assert stats.startswith("[6 tokens in ") and stats.endswith("prompt 20 tokens]")
+    assert stats.startswith("[6 tokens in ") and stats.endswith("prompt 8 tokens]")   # <bos><|turn>user w1 w2 ...
     assert first.stdout.endswith("\n") and first.stdout.strip()
-    again = invoke("generate", tiny_family, "--prompt", "word1 token2", "--seed", "3")
+    again = invoke("generate", tiny_family, "--prompt", "w1 w2", "--seed", "3")
     assert again.stdout == first.stdout  # seeded sampling
-    greedy = invoke("generate", tiny_family, "--prompt", "word1 token2", "--temperature", "0", "--max-new-tokens", "3")
-    assert greedy.exit_code == 0 and greedy.stderr.splitlines()[-1].startswith("[3 tokens in ")
+    greedy = invoke("generate", tiny_family, "--prompt", "w1 w2", "--temperature", "0", "--max-new-tokens", "3")
+    # the random verifier's greedy first token is one of Gemma 4's stop ids: generate stops on the checkpoint's list
+    assert greedy.exit_code == 0 and greedy.stderr.splitlines()[-1].startswith("[1 tokens in ")
 
 
 def test_generate_on_the_toy_family_answers_question_81():

@@ -250,7 +250,7 @@ def test_qnn_sdk_versions_compare_by_release(built):
 
 def test_a_bundle_whose_chat_contract_differs_is_refused_at_open(server, runtime):
     """The device's stop ids / turn strings travel in OPEN; the verifier refuses a mismatch naming both, and the
-    OPENED of a matching OPEN carries the verifier's stop ids (Gemma 4's, from the fixture's generation_config)."""
+    OPENED of a matching OPEN carries the verifier's stop ids (its generation_config.json's)."""
     import json as _json
 
     from hycoc.protocol.messages import OpenRequest
@@ -259,13 +259,13 @@ def test_a_bundle_whose_chat_contract_differs_is_refused_at_open(server, runtime
     good = runtime.bundle.chat.format.contract()
     client = transport.VerifierClient(srv.url)
     opened = client.open(OpenRequest(prompt_ids=np.asarray(prompt_ids(runtime), np.int32), chat=good))
-    assert opened.stop_ids == (1, 106, 50)
+    assert opened.stop_ids == (1, 6)
     client.close()
     bad = _json.loads(good)
-    bad["stop_ids"] = [1, 6]
+    bad["stop_ids"] = [1, 106, 50]
     client = transport.VerifierClient(srv.url)
     with pytest.raises(transport.TransportError, match=r"chat_mismatch.*stop ids differ: the device's bundle stops "
-                                                       r"on \[1, 6\], the verifier on \[1, 50, 106\]"):
+                                                       r"on \[1, 50, 106\], the verifier on \[1, 6\]"):
         client.open(OpenRequest(prompt_ids=np.asarray(prompt_ids(runtime), np.int32), chat=_json.dumps(bad)))
     client.close()
 
@@ -282,3 +282,28 @@ def test_a_bundle_built_before_the_chat_format_is_refused(built, tmp_path):
     (old / "manifest.json").write_text(m.model_copy(update={"digest": m.content_digest()}).to_json())
     with pytest.raises(ManifestInvalid, match=r"no chat section .*rebuild it with `hycoc build"):
         open_bundle(old, "cpu")
+
+
+def test_a_turn_that_stopped_on_a_stop_id_continues_as_the_template_renders(server, runtime):
+    """A first answer that ends on a stop id (found by search: the tiny verifier is random) drops it on both sides:
+    the verifier's session and the device's SLM hold prompt + answer + the template's close and next turn."""
+    srv, engine = server
+    chat, stops = runtime.bundle.chat, runtime.bundle.chat.stop_ids
+    for i in range(200):
+        ids = prompt_ids(runtime, f"w{i % 150} w{(7 * i) % 151}")
+        want = greedy_reference(engine, ids, 10, stops)
+        if want[-1] in stops:
+            break
+    else:
+        raise AssertionError("no prompt of the search ends on a stop id within 10 tokens")
+    client = transport.VerifierClient(srv.url)
+    first = runtime.generate(client, ids, mode="hyco-exact", max_new_tokens=10, sampling=GREEDY, keep_open=True)
+    assert first.tokens == want and first.finish_reason == "stop"
+    turn = chat.next_turn("w7 w8")
+    second = runtime.next_turn(client, turn, max_new_tokens=6)
+    conversation = ids + want[:-1] + turn
+    assert second.tokens == greedy_reference(engine, conversation, 6, stops)
+    session = next(iter(srv.server.sessions.values()))
+    assert session.tokens[:len(conversation)] == conversation
+    assert runtime.slm.tokens[:len(conversation)] == conversation
+    client.close()

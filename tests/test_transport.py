@@ -115,11 +115,11 @@ def test_link_model_sleeps_half_the_rtt_plus_serialization_each_way():
     with FakeVerifier() as peer, VerifierClient(peer.url, auth_token="tok", link=link, sleep=sleeps.append) as c:
         c.open(OpenRequest(prompt_ids=PROMPT))
         reply = c.round(TREE)
-    up_open = len(wire.encode(request))  # 16 + 36 + 4 * 5 + 3 = 75
-    down_open = 16 + 40
+    up_open = len(wire.encode(request))  # 16 + 38 + 4 * 5 + 3 = 77
+    down_open = 16 + 42 + 4 * len(OPENED.stop_ids)
     up_round = wire.tree_nbytes(3)  # 22 + 6 * 3 = 40
     down_round = wire.reply_nbytes(3, 1, 0, wire.handoff_nbytes(4, 2, 2, 6))  # 36 + 14 + 12 + 44 + 8 + 48
-    assert (up_open, down_open, up_round, down_round) == (75, 56, 40, 162)
+    assert (up_open, down_open, up_round, down_round) == (77, 62, 40, 162)
     assert sleeps == pytest.approx([0.020 + n * 1e-6 for n in (up_open, down_open, up_round, down_round)], abs=1e-12)
     assert c.link_s == pytest.approx(sum(sleeps))
     assert (c.last_up, c.last_down) == (up_round, down_round)
@@ -227,15 +227,15 @@ def test_server_error_frame_keeps_its_code_and_the_session():
 
 
 def test_protocol_version_mismatch():
-    def version_3(frame):
+    def version_4(frame):
         payload = wire.encode(OPENED)[16:]
-        return struct.pack("<4sHBBII", b"HYCO", 3, 2, 0, len(payload), zlib.crc32(payload)) + payload
+        return struct.pack("<4sHBBII", b"HYCO", 4, 2, 0, len(payload), zlib.crc32(payload)) + payload
 
-    with FakeVerifier(version_3) as peer:
+    with FakeVerifier(version_4) as peer:
         with pytest.raises(ProtocolMismatch) as e:
             VerifierClient(peer.url).open(OpenRequest(prompt_ids=PROMPT))
-    assert str(e.value) == (f"the verifier at {peer.url} speaks another protocol: frame speaks protocol version 3: "
-                            "this side speaks version 2")
+    assert str(e.value) == (f"the verifier at {peer.url} speaks another protocol: frame speaks protocol version 4: "
+                            "this side speaks version 3")
     answer = lambda frame: wire.encode(ErrorReply("unsupported_version", "frame speaks protocol version 2"))  # noqa
     with FakeVerifier(answer) as peer:
         with pytest.raises(ProtocolMismatch, match="speaks another protocol: frame speaks protocol version 2"):
