@@ -278,3 +278,41 @@ def test_a_written_epcontext_model_runs_like_the_ep_written_one(tmp_path):
     ref = HtpSession(cg.ctx_model).run(x)["y"]
     got = HtpSession(ours).run(x)["y"]
     assert np.array_equal(ref, got) and np.abs(ref).max() > 0
+
+
+def test_a_qai_hub_build_writes_an_htp_bundle_with_the_jobs_in_its_manifest(monkeypatch, tiny_pipeline, tiny_bundle,
+                                                                           tmp_path):
+    """The tiny recipe built for qai-hub from the shared pipeline cache (every pass but the target a cache hit),
+    through the `qai_hub` module's own functions (its global client on a canned REST layer): the bundle's graphs
+    are EPContext models over one linked binary, the manifest says htp-v81 plus the AI Hub jobs, device and QAIRT,
+    and report.json carries each graph's bytes and MACs for the device-time estimate."""
+    import io
+    import json
+
+    from rich.console import Console
+
+    from hycoc.bundle import load_manifest
+    from hycoc.passes import build as b
+    from qai_hub.client import ClientConfig
+
+    hub = CannedHub(monkeypatch)
+    monkeypatch.setattr(qai_hub.hub._global_client, "_config",
+                        ClientConfig(api_url="https://aihub.invalid", web_url="https://aihub.invalid",
+                                     api_token="canned", verbose=False))
+    monkeypatch.setenv("QAI_HUB_API_TOKEN", "canned")
+    p = tiny_pipeline
+    b.build_bundle(p.recipe, "qai-hub", tmp_path / "bundle", p.cache, console=Console(file=io.StringIO()))
+    m = load_manifest(tmp_path / "bundle")
+    assert (m.target.name, m.target.backend, m.target.htp_arch) == ("htp-v81", "htp", 81)
+    assert m.target.qnn_sdk == QAIRT and m.target.hub.qairt == QAIRT
+    assert m.target.hub.device == "Samsung Galaxy S26 (Family)" and m.target.hub.device_validated
+    assert sorted(m.target.hub.compile_jobs) == sorted(g.name for g in m.graphs) == ["head", "slm", "slm_decode"]
+    assert {g.context_binary for g in m.graphs} == {"hub_context.bin"}
+    assert [g.file for g in m.graphs] == ["head_ctx.onnx", "slm_ctx.onnx", "slm_decode_ctx.onnx"]
+    assert sum(name == "create_compile_job" for name, _ in hub.calls) == 3
+    assert sum(name == "create_link_job" for name, _ in hub.calls) == 1
+    costs = json.loads((tmp_path / "bundle" / "report.json").read_text())["graph_costs"]
+    assert set(costs) == {"head", "slm", "slm_decode"} and all(c["macs"] > 0 and c["bytes"] > 0 for c in costs.values())
+    assert "hub" in json.loads((tmp_path / "bundle" / "manifest.json").read_text())["target"]
+    # a cpu bundle's manifest has no hub key at all (other targets' manifests read as before)
+    assert "hub" not in json.loads((tiny_bundle.bundle / "manifest.json").read_text())["target"]
