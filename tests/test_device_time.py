@@ -108,3 +108,22 @@ def test_the_bundle_records_each_graphs_bytes_and_macs(tiny_bundle):
     est, label = dp.estimated_device_costs(tiny_bundle.bundle)
     assert label.startswith("ESTIMATE") and set(est) == {"head", "slm", "slm_decode"}
     assert all(v > dt.NPU_PROFILES["v81"].overhead_ms for v in est.values())
+
+
+def test_cli_profile_without_a_token_and_bench_with_a_bad_profile_fail_in_one_line(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from hycoc.cli import app
+
+    monkeypatch.delenv("QAI_HUB_API_TOKEN", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    r = CliRunner().invoke(app, ["profile", str(tmp_path)])
+    assert r.exit_code == 1
+    assert r.stderr.startswith("hycoc profile: target qai-hub: ") and "qai-hub configure --api_token" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    (tmp_path / "bad.json").write_text("[]")
+    toy = Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"
+    r = CliRunner().invoke(app, ["bench", str(toy), "--device-profile", str(tmp_path / "bad.json")])
+    assert r.exit_code == 2 and "not a device_profile.json written by `hycoc profile`" in r.stderr
