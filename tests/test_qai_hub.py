@@ -235,6 +235,18 @@ def test_profile_flow_through_inference_jobs(monkeypatch, tmp_path):
                                                     r"out"):
         dp.profile_bundle(bundle, "Samsung Galaxy S26 (Family)", hub=hub.client)
 
+    # a qai-hub bundle: the link job's model on AI Hub is profiled, nothing is uploaded again
+    hub = CannedHub(monkeypatch)
+    dev = target.resolve_device(hub.client, "Samsung Galaxy S26 (Family)", 81)
+    graphs = [(_qdq_graph(tmp_path / "q2", g, 32), g) for g in ("slm", "slm_decode")]
+    linked = target.compile_and_link(hub.client, graphs, tmp_path / "linked", dev)
+    manifest.target.hub = SimpleNamespace(link_job=linked.link_job)
+    before = sum(name == "create_and_upload_model" for name, _ in hub.calls)
+    dp.profile_bundle(bundle, "Samsung Galaxy S26 (Family)", hub=hub.client)
+    assert sum(name == "create_and_upload_model" for name, _ in hub.calls) == before
+    linked_model = hub.jobs[linked.link_job].link_job.target_model.model_id
+    assert [kw["model"] for name, kw in hub.calls if name == "create_inference_job"] == [linked_model] * 2
+
 
 def test_profile_inputs_stay_inside_the_calibrated_encodings():
     from hycoc.bench.device_profile import profile_inputs

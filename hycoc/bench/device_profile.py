@@ -3,8 +3,9 @@
 
 `profile_bundle` submits, per graph of an htp or qai-hub bundle, one AI Hub inference job with ``profile=True``
 (qai-hub 0.56: ``submit_inference_job(model, device, inputs, profile=True, options)``; ``submit_profile_job`` is
-deprecated) on the bundle's own context binary (uploaded once; ``--qnn_options context_enable_graphs=NAME`` picks
-the graph, NAME the EPContext node's ``partition_name``), downloads each profile (``job.download_profile()``) and
+deprecated) on the bundle's own context binary (a qai-hub bundle's: the link job's model already on AI Hub; an
+htp-v81 bundle's: uploaded once; ``--qnn_options context_enable_graphs=NAME`` picks the graph, NAME the EPContext
+node's ``partition_name``), downloads each profile (``job.download_profile()``) and
 writes ``device_profile.json`` (`PROFILE_FILE`):
 
     {"kind": "profile", "device": NAME, "bundle": PATH, "graphs": {GRAPH: {"job": ID, "execute_ms_median",
@@ -113,6 +114,17 @@ def _partition_name(ctx_model: Path) -> str:
     raise DeviceProfileError(f"{ctx_model.name}: no EPContext node with a partition_name")
 
 
+def _hub_model(hub: Any, manifest, binary: Path) -> Any:
+    """The AI Hub model of a bundle's context binary: for a qai-hub bundle the link job's own target model
+    (``hub.get_job(link_job).get_target_model()``, nothing uploaded again), else ``hub.upload_model(binary)``."""
+    info = getattr(manifest.target, "hub", None)
+    if info is not None:
+        model = hub.get_job(info.link_job).get_target_model()
+        if model is not None:
+            return model
+    return hub.upload_model(str(binary))
+
+
 def profile_bundle(bundle_dir: str | os.PathLike, device: str, *, hub: Any = None, out: str | os.PathLike | None = None,
                    graphs: Sequence[str] | None = None, on_job=None) -> dict:
     """Profile every graph of an htp / qai-hub bundle on AI Hub ``device`` and write ``out`` (default
@@ -139,7 +151,7 @@ def profile_bundle(bundle_dir: str | os.PathLike, device: str, *, hub: Any = Non
         if entry.context_binary is None:
             raise DeviceProfileError(f"graph {entry.name} has no context binary")
         if entry.context_binary not in uploaded:
-            uploaded[entry.context_binary] = hub.upload_model(str(bundle_dir / entry.context_binary))
+            uploaded[entry.context_binary] = _hub_model(hub, manifest, bundle_dir / entry.context_binary)
         name = _partition_name(bundle_dir / entry.file)
         inputs = {k: [v] for k, v in profile_inputs(entry).items()}
         job = hub.submit_inference_job(uploaded[entry.context_binary], device=hub_device(dev.name), inputs=inputs,
