@@ -28,7 +28,7 @@ options="--qnn_options context_enable_graphs=NAME")`` and ``job.download_profile
 deprecated in the 0.56 client).
 
 Setup: without the ``qai-hub`` package, or without an API token (``~/.qai_hub/client.ini``, written by ``qai-hub
-configure``, or ``QAI_HUB_API_TOKEN``), `check_setup` fails at once with the exact steps (`QaiHubSetupError`),
+configure``, the ini ``QAIHUB_CLIENT_INI`` names, or ``QAI_HUB_API_TOKEN``), `check_setup` fails at once with the exact steps (`QaiHubSetupError`),
 before anything is uploaded. Every job that ends FAILED, or succeeds without a model, raises `QaiHubJobError`
 naming the job id and AI Hub's failure reason.
 
@@ -79,14 +79,22 @@ def setup_message(missing: str) -> str:
 
 def check_setup(*, import_module: Callable[[str], Any] = importlib.import_module,
                 environ: Mapping[str, str] | None = None, home: str | Path | None = None) -> Any:
-    """The ``qai_hub`` module, when it is importable and a token is configured. Raises QaiHubSetupError."""
+    """What the jobs are submitted through, once qai-hub is importable and a token is configured: with
+    ``QAI_HUB_API_TOKEN`` set, a ``qai_hub.Client(config=qai_hub.ClientConfig(api_token=...))`` (the 0.56 client
+    itself reads no token from the environment, only an ini file); else the ``qai_hub`` module, whose default client
+    reads ``~/.qai_hub/client.ini`` (written by ``qai-hub configure``) or the ini that ``QAIHUB_CLIENT_INI`` names.
+    Raises QaiHubSetupError (no package, or no token in any of these)."""
     environ = os.environ if environ is None else environ
     try:
         hub = import_module("qai_hub")
     except ImportError:
         raise QaiHubSetupError(setup_message("the qai-hub package is not installed")) from None
-    config = Path(home if home is not None else Path.home()) / ".qai_hub" / "client.ini"
-    if not environ.get("QAI_HUB_API_TOKEN") and not config.is_file():
+    token = environ.get("QAI_HUB_API_TOKEN")
+    if token:
+        return hub.Client(config=hub.ClientConfig(api_token=token))
+    config = Path(environ.get("QAIHUB_CLIENT_INI") or
+                  Path(home if home is not None else Path.home()) / ".qai_hub" / "client.ini")
+    if not config.is_file():
         raise QaiHubSetupError(setup_message(f"no API token is configured (no {config}, no QAI_HUB_API_TOKEN)"))
     return hub
 

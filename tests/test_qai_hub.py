@@ -295,7 +295,7 @@ def test_a_written_epcontext_model_runs_like_the_ep_written_one(tmp_path):
 def test_a_qai_hub_build_writes_an_htp_bundle_with_the_jobs_in_its_manifest(monkeypatch, tiny_pipeline, tiny_bundle,
                                                                            tmp_path):
     """The tiny recipe built for qai-hub from the shared pipeline cache (every pass but the target a cache hit),
-    through the `qai_hub` module's own functions (its global client on a canned REST layer): the bundle's graphs
+    through the client `check_setup` makes from QAI_HUB_API_TOKEN (on the canned REST layer): the bundle's graphs
     are EPContext models over one linked binary, the manifest says htp-v81 plus the AI Hub jobs, device and QAIRT,
     and report.json carries each graph's bytes and MACs for the device-time estimate."""
     import io
@@ -305,12 +305,8 @@ def test_a_qai_hub_build_writes_an_htp_bundle_with_the_jobs_in_its_manifest(monk
 
     from hycoc.bundle import load_manifest
     from hycoc.passes import build as b
-    from qai_hub.client import ClientConfig
 
     hub = CannedHub(monkeypatch)
-    monkeypatch.setattr(qai_hub.hub._global_client, "_config",
-                        ClientConfig(api_url="https://aihub.invalid", web_url="https://aihub.invalid",
-                                     api_token="canned", verbose=False))
     monkeypatch.setenv("QAI_HUB_API_TOKEN", "canned")
     p = tiny_pipeline
     b.build_bundle(p.recipe, "qai-hub", tmp_path / "bundle", p.cache, console=Console(file=io.StringIO()))
