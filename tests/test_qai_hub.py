@@ -324,3 +324,17 @@ def test_a_qai_hub_build_writes_an_htp_bundle_with_the_jobs_in_its_manifest(monk
     assert "hub" in json.loads((tmp_path / "bundle" / "manifest.json").read_text())["target"]
     # a cpu bundle's manifest has no hub key at all (other targets' manifests read as before)
     assert "hub" not in json.loads((tiny_bundle.bundle / "manifest.json").read_text())["target"]
+
+
+def test_hub_device_is_keyed_only_when_it_is_not_the_default():
+    """``[target] hub_device`` at its default leaves the recipe hash and cache keys as they were; another phone
+    changes them (only the qai-hub target's output depends on it)."""
+    from hycoc.recipe import load_recipe
+
+    gemma = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "gemma4.toml")
+    assert gemma.target.hub_device == target.DEFAULT_HUB_DEVICE
+    assert "hub_device" not in gemma.target.model_dump()
+    other = gemma.model_copy(update={"target": gemma.target.model_copy(
+        update={"hub_device": "Samsung Galaxy S25 (Family)"})})
+    assert other.target.model_dump()["hub_device"] == "Samsung Galaxy S25 (Family)"
+    assert other.content_hash() != gemma.content_hash()
