@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from hycoc.chat import ChatFormat
 
@@ -113,8 +113,24 @@ class RecipeRef(_Model):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Recipe.content_hash(): sha256 of its canonical JSON")
 
 
+class HubInfo(_Model):
+    """How Qualcomm AI Hub made a ``--target qai-hub`` bundle (`hycoc.targets.qai_hub`): the device as AI Hub names
+    it, whether ``get_devices`` confirmed it, the job ids, the QAIRT version AI Hub reported for the linked context
+    binary, and each graph's name inside that binary."""
+
+    device: str = Field(min_length=1, description='AI Hub device name, e.g. "Samsung Galaxy S26 (Family)"')
+    device_validated: bool = Field(description="False when AI Hub's device list could not be read at build time")
+    compile_jobs: dict[str, str] = Field(description="graph -> AI Hub compile job id (QDQ ONNX -> QNN DLC)")
+    link_job: str = Field(min_length=1, description="AI Hub link job id (DLCs -> one weight-shared context binary)")
+    qairt: str | None = Field(None, description="QAIRT SDK version of the linked context binary, as AI Hub reports it")
+    graph_names: dict[str, str] = Field(default_factory=dict, description="graph -> its QNN graph name in the binary")
+
+
 class TargetInfo(_Model):
-    """What the bundle was compiled for, and the tool versions that compiled it (None where not known)."""
+    """What the bundle was compiled for, and the tool versions that compiled it (None where not known).
+
+    ``hub``: present only in bundles AI Hub compiled (``--target qai-hub``); absent from the JSON otherwise, so
+    manifests of other targets read as before."""
 
     name: str = Field(min_length=1, description="target profile name: htp-v81, cpu, ...")
     backend: Literal["htp", "cpu"]
@@ -124,6 +140,14 @@ class TargetInfo(_Model):
     onnxruntime: str | None = None
     onnxruntime_qnn: str | None = None
     qnn_sdk: str | None = Field(None, description="QNN / QAIRT SDK version the context binaries were made with")
+    hub: HubInfo | None = Field(None, description="AI Hub jobs and device (qai-hub bundles only)")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        data = handler(self)
+        if self.hub is None:
+            data.pop("hub", None)
+        return data
 
 
 class RoundConstants(_Model):

@@ -223,12 +223,12 @@ def build(
     from hycoc.targets.cpu import CpuTargetError
     from hycoc.targets.htp import HtpTargetError
     from hycoc.targets.profiles import UnknownTargetError
-    from hycoc.targets.qai_hub import QaiHubJobError, QaiHubSetupError
+    from hycoc.targets.qai_hub import QaiHubDeviceError, QaiHubJobError, QaiHubSetupError
     from hycoc.verifier.loading import DeviceUnavailable
 
     errors = (BuildError, PipelineError, RecipeError, ModelNotFoundError, KeepSetError, HeadQatError, ExportError,
               SurgeryError, SlmGraphError, CalibrationError, QdqError, CpuTargetError, HtpTargetError,
-              UnknownTargetError, QaiHubSetupError, QaiHubJobError, DeviceUnavailable)
+              UnknownTargetError, QaiHubSetupError, QaiHubJobError, QaiHubDeviceError, DeviceUnavailable)
 
     config = _recipe("build", recipe)
     _need_full("build")
@@ -676,6 +676,10 @@ def bench(
     thinking: bool = typer.Option(
         False, "--thinking", help="prompts with the chat template's thinking switch on; quality scores the final "
         "answer, not the thought (default off, as the recipe runs: README \"Chat format\")"),
+    device_profile: Optional[Path] = typer.Option(
+        None, help="device_profile.json from `hycoc profile`: phone draft ms per round and delivery tok/s per "
+        "configuration from its profiled graph times (default: the labelled estimate, hycoc/device_time.py)",
+        show_default=False),
 ) -> None:
     """Benchmark every configuration on the same prompts, verifier and seed (paper Table 2, App. G).
 
@@ -706,6 +710,13 @@ def bench(
         raise _fail("bench", str(e)) from None
     if cost_model is not None and not cost_model.is_file():
         raise _fail("bench", f"--cost-model {cost_model}: no such file")
+    if device_profile is not None:
+        from hycoc.bench.device_profile import DeviceProfileError, load_device_costs
+
+        try:
+            load_device_costs(device_profile)   # a bad file fails before anything runs
+        except DeviceProfileError as e:
+            raise _fail("bench", str(e), code=2) from None
     _need_full("bench")
     from hycoc.bench.runner import BenchError, BenchPlan, run_bench
     from hycoc.bundle import BundleError
@@ -720,7 +731,7 @@ def bench(
                      turns=turns, thinking=thinking)
     try:
         run_bench(cfg, recipe, plan, bundle_dir=bundle_dir, backend=_bundle_backend(bundle_dir, backend),
-                  resume=resume, cost_model_path=cost_model)
+                  resume=resume, cost_model_path=cost_model, device_profile_path=device_profile)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     except (BenchError, BundleError, TransportError, CostModelError, ChatFormatError) as e:
@@ -847,17 +858,20 @@ def inspect(
         from hycoc.passes.plan import PlanError, plan_json, real_shape_plan
 
         from hycoc.chat_template import chat_summary
+        from hycoc.device_time import plan_estimate
 
         try:
             plan = real_shape_plan(config)
         except PlanError as e:
             raise _fail("inspect", str(e)) from None
         plan["chat"] = chat_summary(config)
+        plan["device_time_estimate"] = plan_estimate(plan)
         if json_out:
             typer.echo(plan_json(plan), nl=False)
             return
         _print_plan(plan)
         _print_chat(plan["chat"])
+        _print_device_estimate(plan["device_time_estimate"])
         return
     if not target.is_dir():
         raise _fail("inspect", f"{target}: neither a bundle folder nor a recipe .toml", code=2)
@@ -871,6 +885,72 @@ def inspect(
         typer.echo(manifest.to_json(), nl=False)
         return
     _print_manifest(manifest)
+
+
+@app.command()
+def profile(
+    bundle: Path = typer.Argument(..., help="an htp-v81 or qai-hub bundle folder", show_default=False),
+    device: str = typer.Option("Samsung Galaxy S26 (Family)", help="the phone as Qualcomm AI Hub names it "
+                               "(`qai-hub list-devices`)"),
+    out: Optional[Path] = typer.Option(None, help="where to write the profile (default: BUNDLE/device_profile.json)",
+                                       show_default=False),
+    graph: Optional[list[str]] = typer.Option(None, help="profile only these graphs (repeatable; default: all)",
+                                              show_default=False),
+) -> None:
+    """Profile each graph of a bundle on a phone through Qualcomm AI Hub (one inference job with profile=True per
+    graph) and write device_profile.json for `hycoc bench --device-profile`. Needs the qai-hub package and an API
+    token; without them it fails at once, before anything is uploaded."""
+    from hycoc.bench.device_profile import DeviceProfileError, profile_bundle
+    from hycoc.bundle import BundleError
+    from hycoc.targets.qai_hub import QaiHubDeviceError, QaiHubSetupError, check_setup
+
+    if not bundle.is_dir():
+        raise _fail("profile", f"{bundle}: not a bundle folder", code=2)
+    try:
+        hub = check_setup()
+        result = profile_bundle(bundle, device, hub=hub, out=out, graphs=graph,
+                                on_job=lambda g, j: typer.echo(f"profile: graph {g}: AI Hub inference job {j}"))
+    except (QaiHubSetupError, QaiHubDeviceError, DeviceProfileError, BundleError) as e:
+        raise _fail("profile", str(e)) from None
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"device profile on {result['device']} (AI Hub)")
+    for col in ("graph", "job", "execute ms median", "p90", "runs", "peak MB", "top ops (ms)"):
+        t.add_column(col, justify="left" if col in ("graph", "job", "top ops (ms)") else "right")
+    for g, v in result["graphs"].items():
+        ops = ", ".join(f"{o['type']} {o['ms']:.2f}" for o in v["top_ops"][:3])
+        peak = "-" if v["peak_memory_bytes"] is None else f"{v['peak_memory_bytes'] / 1e6:.1f}"
+        t.add_row(g, v["job"], f"{v['execute_ms_median']:.3f}", f"{v['execute_ms_p90']:.3f}", str(v["runs"]), peak,
+                  ops)
+    Console(width=160).print(t)
+    typer.echo(f"wrote {out or bundle / 'device_profile.json'}")
+
+
+def _print_device_estimate(est: dict) -> None:
+    """`hycoc inspect RECIPE`: the device-time estimate per graph call and each anchor's residual."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 120))
+    p = est["npu_profile"]
+    mac = "unbound by the anchors (memory-bound)" if p["tmacs"] is None else f"{p['tmacs']:.2f} TMAC/s"
+    graphs = Table(title=f"device time per graph call at the real shape: {est['label']}; NPU profile {p['name']}: "
+                         f"{p['bandwidth_gbps']:.1f} GB/s, int16 MACs {mac}, {p['overhead_ms']:.2f} ms per call, "
+                         f"{p['host_ms_per_slm_pass']:.1f} ms host per SLM pass")
+    for col in ("graph", "MB per call", "GMAC per call", "estimated ms"):
+        graphs.add_column(col, justify="left" if col == "graph" else "right")
+    for g, v in est["graphs"].items():
+        graphs.add_row(g, f"{v['bytes'] / 1e6:.1f}", f"{v['macs'] / 1e9:.2f}", f"{v['estimate_ms']:.2f}")
+    console.print(graphs)
+    anchors = Table(title="the estimate against device figures (fit: fitted to; check: not fitted)")
+    for col in ("anchor", "kind", "figure ms", "estimate ms", "residual ms", "residual %", "source"):
+        anchors.add_column(col, justify="left" if col in ("anchor", "kind", "source") else "right")
+    for a in est["anchors"]:
+        anchors.add_row(escape(a["anchor"]), a["kind"], f"{a['figure_ms']:.1f}", f"{a['estimate_ms']:.1f}",
+                        f"{a['residual_ms']:+.1f}", f"{a['residual_pct']:+.1f}", escape(a["source"]))
+    console.print(anchors)
 
 
 def _print_chat(chat: dict) -> None:

@@ -381,17 +381,24 @@ class Target(Section):
     disable_cpu_fallback: bool = Field(True, description="fail the compile if any node would fall back to the CPU")
     share_weights: bool = Field(True, description="htp: the SLM's tree and decode graphs in one weight-shared context "
                                 "binary (the x86 HTP simulator cannot load one: false to run a bundle there)")
+    hub_device: str = Field(
+        "Samsung Galaxy S26 (Family)", min_length=1,
+        description="qai-hub: the phone as Qualcomm AI Hub names it (`qai-hub list-devices`); the default is the "
+        "SM8850 (Hexagon v81) family, checked against AI Hub's device list when it can be reached")
     slm_shards: int | Literal["auto"] = Field(
         1, description="the SLM tree graph split by layers into this many shards, one context binary "
         "each, chained by the runtime (1 = one graph; \"auto\" = the fewest whose weights fit context_size_limit_mb)")
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
-        """The table as dumped (cache keys, recipe hash), without ``slm_shards`` at its default of 1: a recipe that
-        does not shard keeps the keys it had before the knob existed; any other value is dumped and keyed."""
+        """The table as dumped (cache keys, recipe hash), without ``slm_shards`` at its default of 1 and
+        ``hub_device`` at its default: a recipe that sets neither keeps the keys it had before the knobs existed;
+        any other value is dumped and keyed."""
         data = handler(self)
         if self.slm_shards == 1:
             data.pop("slm_shards", None)
+        if self.hub_device == type(self).model_fields["hub_device"].default:
+            data.pop("hub_device", None)      # likewise: only the qai-hub target reads it
         return data
 
     @model_validator(mode="after")

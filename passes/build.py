@@ -25,8 +25,9 @@ then `hycoc.passes.head_export.HeadQdq` (`head_qdq_pass`).
 The target step (`TargetPass`) turns the QDQ graphs into what the bundle holds: ``cpu`` the QDQ ONNX itself
 (`hycoc.targets.cpu.package_cpu`), ``htp-v81`` EPContext models + QNN context binaries
 (`hycoc.targets.htp.compile_context`, CPU fallback disabled, size planner on, the recipe's ``[target]`` profile),
-``qai-hub`` a Qualcomm AI Hub compile job (`hycoc.targets.qai_hub`; its bundle layout is not written yet:
-`BuildNotReady` after the setup check). Its output is cached like any pass.
+``qai-hub`` QNN DLCs compiled on Qualcomm AI Hub and linked into one weight-shared context binary, wrapped as
+EPContext models like htp-v81's (`hycoc.targets.qai_hub`; the manifest's ``target.hub`` keeps the job ids, device
+and QAIRT version). Its output is cached like any pass.
 
 `build_bundle` runs the pipeline and writes the bundle with `BundleWriter` (a temporary folder renamed when
 complete): tokenizer.json, keep_set.npy, the host LUTs (head E table; SLM token and per-layer embeddings in the
@@ -173,13 +174,20 @@ class TargetPass(Pass):
                                                   "compile_seconds": round(cg.compile_seconds, 2),
                                                   "shared_with": list(cg.shared_with)}
         else:
-            from hycoc.targets.qai_hub import compile_on_hub
+            from hycoc.targets.qai_hub import check_setup, compile_and_link, resolve_device
 
-            for graph, path in qdq_paths.items():
-                got = compile_on_hub(path, out / "graphs", recipe.target, graph_name=graph)
-                index[graph] = {"model": f"graphs/{got.model.name}", "context_binary": None, "extra": [],
-                                "job": got.job_id}
-                numbers["graphs"][graph] = {"bytes": got.model.stat().st_size, "job": got.job_id}
+            t = recipe.target
+            hub = check_setup()
+            device = resolve_device(hub, t.hub_device, t.htp_arch)
+            linked = compile_and_link(hub, [(p, g) for g, p in qdq_paths.items()], out / "graphs", device,
+                                      htp_arch=t.htp_arch)
+            info = linked.manifest_info()
+            for graph, ctx in linked.ctx_models.items():
+                index[graph] = {"model": f"graphs/{ctx.name}", "context_binary": f"graphs/{linked.context_binary.name}",
+                                "extra": [], "qnn_sdk": linked.qairt, "hub": info}
+                numbers["graphs"][graph] = {"compile_job": linked.compile_jobs[graph], "link_job": linked.link_job,
+                                            "binary_bytes": linked.context_binary.stat().st_size
+                                            if graph == next(iter(linked.ctx_models)) else 0}
         # the QDQ sources stay beside the compiled graphs: graph_io_from_onnx reads encodings from them
         for graph in index:
             index[graph]["qdq_source"] = f"qdq/{graph}/{graph}.onnx"
@@ -317,6 +325,7 @@ def host_info(head_config: dict, slm) -> Any:
 def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: str | Path):
     """Write the bundle of a finished pipeline run to ``out_dir`` (atomically); returns the manifest."""
     from hycoc.bundle import BundleWriter
+    from hycoc.device_time import onnx_graph_cost
     from hycoc.passes.bundle_io import graph_io_from_onnx, manifest_sections
     from hycoc.targets.profiles import get_profile, profile_for
 
@@ -332,12 +341,14 @@ def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: s
         t = recipe.target
         profile = profile_for(t.htp_arch, t.soc_model, t.context_size_limit_mb)
     qnn_sdk = next((g.get("qnn_sdk") for g in index.values() if g.get("qnn_sdk")), None)
+    hub = next((g["hub"] for g in index.values() if g.get("hub")), None)   # qai-hub: jobs, device, QAIRT
     numbers = {r.pass_name: r.numbers for r in result.reports}
     report = {"target": target,
               "qat_agreement": numbers.get("head_qat", {}).get("agreement"),
               "sqnr": {g: {"calibration": numbers.get(f"qdq_{g}", {}).get("sqnr"),
                            "held_out": numbers.get(f"qdq_{g}", {}).get("sqnr_held_out")} for g in ("head", "slm")},
-              "passes": [r.to_json() | {"cached": r.cached} for r in result.reports]}
+              "passes": [r.to_json() | {"cached": r.cached} for r in result.reports],
+              "graph_costs": {}}
     with BundleWriter(out_dir, overwrite=True) as w:
         w.add_file(a["tokenizer"].payload.to_str().encode(), "tokenizer.json", "tokenizer")
         w.add_file(_npy(keep), "keep_set.npy", "keep_set")
@@ -364,10 +375,12 @@ def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: s
             for extra in entry.get("extra", []):
                 w.add_file(root / extra, Path(extra).name, "external_data")
             io_ = graph_io_from_onnx(model, qdq_source=qdq if binary else None)
+            cost = onnx_graph_cost(qdq)        # the device-time estimate's inputs (`hycoc.device_time`)
+            report["graph_costs"][graph] = {"bytes": int(cost.bytes), "macs": int(cost.macs)}
             w.add_graph(graph, "slm" if graph.startswith("slm") else graph, model, model.name, io=io_,
                         context_binary=Path(binary).name if binary else None)
         w.add_file(json.dumps(report, indent=1).encode(), "report.json", "report")
-        return w.commit(**manifest_sections(recipe, profile, keep_set_size=len(keep), qnn_sdk=qnn_sdk),
+        return w.commit(**manifest_sections(recipe, profile, keep_set_size=len(keep), qnn_sdk=qnn_sdk, hub=hub),
                         host=host_info(a["quantized_head"].payload.config, slm), chat=chat_from_recipe(recipe).format)
 
 
@@ -405,12 +418,6 @@ def build_bundle(recipe: Recipe, target: str, out_dir: str | Path | None, cache_
     """
     if target not in TARGETS:
         raise BuildError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
-    if target == "qai-hub" and until is None:
-        from hycoc.targets.qai_hub import check_setup
-
-        check_setup()
-        raise BuildNotReady("target qai-hub: compile jobs are submitted (targets/qai_hub.py), but the bundle layout "
-                            "of AI Hub's downloaded context binaries is not written yet; use --target htp-v81")
     if out_dir is None and until is None:
         raise BuildError("--out DIR is required for a full build")
     result = run_pipeline(recipe, target, cache_dir, until=until, console=console, seed=seed, device=device)

@@ -29,7 +29,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from hycoc.bundle import Encoding, GraphIO, HandoffInfo, Quantization, RecipeRef, RoundConstants, TargetInfo, TensorSpec
+from hycoc.bundle import (Encoding, GraphIO, HandoffInfo, HubInfo, Quantization, RecipeRef, RoundConstants,
+                          TargetInfo, TensorSpec)
 from hycoc.recipe import Recipe
 
 _BITS = {"int4": 4, "uint4": 4, "int8": 8, "uint8": 8, "int16": 16, "uint16": 16, "int32": 32, "uint32": 32}
@@ -185,10 +186,11 @@ def handoff_info(recipe: Recipe) -> HandoffInfo:
                        **{f"scale_{k}": float(v) for k, v in scales.items()})
 
 
-def target_info(profile, versions: dict[str, str | None] | None = None, qnn_sdk: str | None = None) -> TargetInfo:
+def target_info(profile, versions: dict[str, str | None] | None = None, qnn_sdk: str | None = None,
+                hub: dict | None = None) -> TargetInfo:
     """The target section from a ``TargetProfile``; ``versions`` as ``hycoc.targets.qnn_ep.versions()`` returns
     them (read here when None); ``qnn_sdk``: the SDK the context binaries say (``CompiledGraph.qnn_sdk``), which
-    wins over the installed one."""
+    wins over the installed one; ``hub``: the AI Hub section of a qai-hub build (`hycoc.bundle.HubInfo` fields)."""
     if versions is None:
         from hycoc.targets.qnn_ep import versions as installed
 
@@ -197,12 +199,13 @@ def target_info(profile, versions: dict[str, str | None] | None = None, qnn_sdk:
     return TargetInfo(name=profile.name, backend=profile.backend, htp_arch=profile.htp_arch,
                       soc_model=profile.soc_model, soc_id=profile.soc_id, onnxruntime=versions.get("onnxruntime"),
                       onnxruntime_qnn=versions.get("onnxruntime-qnn") if htp else None,
-                      qnn_sdk=(qnn_sdk or versions.get("qnn_sdk")) if htp else None)
+                      qnn_sdk=(qnn_sdk or versions.get("qnn_sdk")) if htp else None,
+                      hub=HubInfo(**hub) if hub else None)
 
 
 def manifest_sections(recipe: Recipe, profile, *, keep_set_size: int, versions: dict[str, str | None] | None = None,
-                      qnn_sdk: str | None = None) -> dict:
-    """Keyword arguments of ``BundleWriter.commit`` for ``recipe`` on ``profile``."""
-    return dict(recipe=recipe_ref(recipe), target=target_info(profile, versions, qnn_sdk),
+                      qnn_sdk: str | None = None, hub: dict | None = None) -> dict:
+    """Keyword arguments of ``BundleWriter.commit`` for ``recipe`` on ``profile`` (``hub``: see `target_info`)."""
+    return dict(recipe=recipe_ref(recipe), target=target_info(profile, versions, qnn_sdk, hub),
                 round=round_constants(recipe), quantization=quantization(recipe), keep_set_size=keep_set_size,
                 handoff=handoff_info(recipe))

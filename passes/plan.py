@@ -192,6 +192,16 @@ def _numel(module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def _macs(*, rows: int, linear: int, lm_head: int, attention: int, lm_head_bytes: int) -> dict:
+    """Multiply-accumulates of one call of a drafter graph at the real shape: ``rows`` query rows through every
+    linear layer (``linear`` weights per row, the keep-set output layer's ``lm_head`` included) plus attention
+    (QK^T and PV over each layer's ring and the call's own rows: 2 x heads x head_dim x columns per row and layer).
+    ``lm_head_bytes``: the output layer's packed weight bytes + scales (`hycoc.device_time` rescales it for
+    another vocabulary size)."""
+    return {"rows": rows, "linear_per_row": linear, "lm_head_per_row": lm_head, "attention": attention,
+            "total": rows * linear + attention, "lm_head_bytes": lm_head_bytes}
+
+
 def _io(name: str, shape, dtype: str = "float32", note: str = "") -> dict:
     d = {"name": name, "shape": [int(s) for s in shape], "dtype": dtype}
     if note:
@@ -325,8 +335,12 @@ def real_shape_plan(recipe: Recipe) -> dict:
     head_sizes = _sized(head_lin, lambda n: bits, head_other)
     head_lut = keep * H
     head_ring_values = 2 * W * (ds + df)
+    head_layer_dims = {SLIDING: d_s, FULL: d_f}
+    head_attn_macs = sum(2 * int(hcfg.num_attention_heads) * head_layer_dims[t] * W for t in hcfg.layer_types)
     head_graph = {
         "inputs": head_inputs, "outputs": head_outputs,
+        "macs": _macs(rows=1, linear=head_graph_params, lm_head=keep * Hh, attention=head_attn_macs,
+                      lm_head_bytes=math.ceil(keep * Hh * bits / 8) + 4 * keep),
         "activation_bits": 16, "weight_bits": bits,
         "linear_params": head_graph_params, "other_params": head_other,
         "weights": head_sizes,
@@ -380,8 +394,16 @@ def real_shape_plan(recipe: Recipe) -> dict:
     for lut in luts.values():
         lut["bytes"] = math.ceil(lut["rows"] * lut["cols"] * lut["bits"] / 8)
         lut["scale_bytes"] = 4 * lut["rows"]
+    slm_hidden = int(slm_cfg.hidden_size)
+    slm_attn_row = sum(2 * int(slm_cfg.num_attention_heads) * slm_cfg.per_layer_config[i].head_dim
+                       * (ring[t] + slm_rows) for i, t in enumerate(slm_cfg.layer_types))
+    slm_lm_bits = _bits_for("lm_head", slm_map, slm_default)
+    slm_lm_bytes = math.ceil(keep * slm_hidden * slm_lm_bits / 8) + 4 * keep
+    slm_linear = sum(o * i for _, o, i in slm_lin)
     slm_graph = {
         "inputs": slm_inputs, "outputs": slm_outputs, "rows": slm_rows,
+        "macs": _macs(rows=slm_rows, linear=slm_linear, lm_head=keep * slm_hidden, attention=slm_rows * slm_attn_row,
+                      lm_head_bytes=slm_lm_bytes),
         "ring": {"sliding": ring[SLIDING], "full": ring[FULL]},
         "activation_bits": int(recipe.slm_calibration.activation_bits),
         "bit_map": {"source": slm_map_source, "map": slm_map, "default_bits": slm_default},

@@ -107,6 +107,12 @@ class RequestResult:
     first_token_link_s: float = 0.0
     finished: bool = False
     finish_reason: str | None = None
+    #: graph calls and graph seconds inside ``draft_s`` / ``slm_prefill_s`` (`DeviceRuntime.graph_meter`): what the
+    #: rounds ran, so a device profile can price them (`hycoc.bench.device_profile.project_records`)
+    draft_calls: dict[str, int] = field(default_factory=dict)
+    draft_graph_s: float = 0.0
+    prefill_calls: dict[str, int] = field(default_factory=dict)
+    prefill_graph_s: float = 0.0
 
     @property
     def mat(self) -> float:
@@ -175,6 +181,25 @@ class DeviceRuntime:
         self.stop_ids = bundle.stop_token_ids()
         #: (committed conversation tokens, mode) after generate(..., keep_open=True); None otherwise.
         self._conversation: tuple[list[int], str] | None = None
+
+    def graph_meter(self) -> dict[str, tuple[int, float]]:
+        """(calls, wall seconds) so far of each graph runner: ``head``, ``slm`` and ``slm_decode`` when loaded."""
+        runners = {"head": self.mtp.runner, "slm": self.slm.runner}
+        decoder = getattr(self.slm, "decoder", None)
+        if decoder is not None:
+            runners["slm_decode"] = decoder.runner
+        return {k: (int(getattr(r, "calls", 0)), float(getattr(r, "seconds", 0.0))) for k, r in runners.items()}
+
+    def _metered(self, res: RequestResult, before: dict[str, tuple[int, float]], kind: str) -> None:
+        """Add the graph calls and seconds since ``before`` to ``res``'s ``kind`` ("draft" / "prefill") counters."""
+        calls = getattr(res, f"{kind}_calls")
+        graph_s = 0.0
+        for name, (n, sec) in self.graph_meter().items():
+            n0, s0 = before.get(name, (0, 0.0))
+            if n > n0:
+                calls[name] = calls.get(name, 0) + n - n0
+            graph_s += sec - s0
+        setattr(res, f"{kind}_graph_s", getattr(res, f"{kind}_graph_s") + graph_s)
 
     def builder(self, mode: Mode, tree_rows: int) -> TreeBuilder:
         """The tree builder of ``mode`` for trees of ``tree_rows`` rows (the verifier's B + 1)."""
@@ -288,14 +313,16 @@ class DeviceRuntime:
     def _slm_alone(self, prompt, max_new, res: RequestResult, emit) -> None:
         slm = self.slm
         slm.start(prompt)
-        t0 = time.perf_counter()
+        t0, meter = time.perf_counter(), self.graph_meter()
         slm.prefill(reserve=1)
         res.slm_prefill_s = time.perf_counter() - t0
+        self._metered(res, meter, "prefill")
         while len(res.tokens) < max_new:
-            t0 = time.perf_counter()
+            t0, meter = time.perf_counter(), self.graph_meter()
             token = slm.greedy_next()
             slm.commit([], [token])
             res.draft_s += time.perf_counter() - t0
+            self._metered(res, meter, "draft")
             res.rounds += 1
             res.accepted.append(0)
             emit([token])
@@ -327,9 +354,10 @@ class DeviceRuntime:
                     self.slm.start(prompt)
                 else:
                     self.slm.commit([], appended)          # the ring keeps the conversation; run the new tokens
-                t0 = time.perf_counter()
+                t0, meter = time.perf_counter(), self.graph_meter()
                 self.slm.prefill(reserve=self.bundle.round.chain_length + self.bundle.round.sibling_depth)
                 res.slm_prefill_s = time.perf_counter() - t0
+                self._metered(res, meter, "prefill")
             opened = opened_f.result()
         if set(opened.stop_ids) != self.stop_ids:      # a verifier that did not check the OPEN's chat contract
             raise ChatMismatch(f"stop ids differ: this bundle stops on {sorted(self.stop_ids)}, the verifier on "
@@ -345,9 +373,10 @@ class DeviceRuntime:
             builder = None
         else:
             builder = self.builder(m, opened.tree_rows)
-            t0 = time.perf_counter()
+            t0, meter = time.perf_counter(), self.graph_meter()
             built = self._tree(m, builder, [], [], min(room()))  # the first tree: SLM alone, trimmed to the room
             res.draft_s += time.perf_counter() - t0
+            self._metered(res, meter, "draft")
         root = prompt[-1]
         seq = 0
         while True:
@@ -389,7 +418,7 @@ class DeviceRuntime:
             seq += 1
             if built is None:
                 continue
-            t0 = time.perf_counter()
+            t0, meter = time.perf_counter(), self.graph_meter()
             chain, runner_ups = [], []
             if m.chain == "device":
                 if reply.handoff is None:
@@ -401,6 +430,7 @@ class DeviceRuntime:
                 chain = [int(x) for x in reply.chain]
             built = self._tree(m, builder, chain, runner_ups, min(room()))
             res.draft_s += time.perf_counter() - t0
+            self._metered(res, meter, "draft")
 
 
 def load_runtime(bundle_dir, backend: str = "cpu", *, threads: int | None = None,

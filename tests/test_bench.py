@@ -72,6 +72,21 @@ def test_bench_runs_every_config_and_resumes(built, tmp_path):
     assert s["slm-alone"]["g_ms_per_token"] is None
     assert (plan.out / "mat_vs_g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "hyco-exact" in console.file.getvalue()
+    # device time: no --device-profile, so the labelled estimate prices the graph calls each round ran
+    dtime = results["device_time"]
+    assert dtime["estimated"] and dtime["source"].startswith("ESTIMATE") and set(dtime["configs"]) == set(CONFIGS)
+    assert "no --device-profile given" in console.file.getvalue()
+    K = recipe.tree.chain_length
+    for rec in records:
+        calls = rec["draft_calls"]
+        if rec["config"] == "cloud-mtp":
+            assert calls == {} and rec["draft_ms"] == 0
+        elif rec["config"] == "slm-alone":
+            assert calls == {"slm_decode": rec["tokens"]}
+        else:                          # one MTP draft of K steps after every round but the last (device chain)
+            assert calls.get("head", 0) == (K * (rec["rounds"] - 1) if rec["config"].startswith("hyco") else 0)
+            assert calls["slm"] >= rec["rounds"]
+        assert 0 <= rec["draft_graph_ms"] <= rec["draft_ms"] + 1e-6
 
 
 def test_cli_bench_checks_its_arguments(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -271,9 +272,14 @@ def test_qai_hub_without_package_or_token_fails_with_the_setup_steps(tmp_path):
         f"target qai-hub: no API token is configured (no {tmp_path}/.qai_hub/client.ini, no QAI_HUB_API_TOKEN). "
         "Set it up with `pip install qai-hub` and `qai-hub configure --api_token TOKEN` (the token is on "
         "https://app.aihub.qualcomm.com under Account -> Settings -> API Token), or build with --target htp-v81")
-    hub = object()
+    hub = SimpleNamespace(ClientConfig=lambda api_token: ("config", api_token), Client=lambda config: ("client", config))
+    # a token in the environment: a client configured with it (the qai-hub client reads no token from there itself)
     assert qai_hub.check_setup(import_module=lambda name: hub, environ={"QAI_HUB_API_TOKEN": "x"}, home=tmp_path) \
-        is hub
+        == ("client", ("config", "x"))
+    ini = tmp_path / "elsewhere.ini"
+    ini.write_text("[api]\napi_token = x\n")
+    assert qai_hub.check_setup(import_module=lambda name: hub, environ={"QAIHUB_CLIENT_INI": str(ini)},
+                               home=tmp_path) is hub
     (tmp_path / ".qai_hub").mkdir()
     (tmp_path / ".qai_hub" / "client.ini").write_text("[api]\napi_token = x\n")
     assert qai_hub.check_setup(import_module=lambda name: hub, environ={}, home=tmp_path) is hub

@@ -108,7 +108,8 @@ def test_gemma4_plan_marks_what_is_assumed(gemma4):
 def test_inspect_recipe_tables_run():
     result = runner.invoke(app, ["inspect", str(GEMMA4)], terminal_width=160)
     assert result.exit_code == 0, result.stderr
-    for text in ("plan vs paper", "head_lut_bytes", "assumed:", "k_ring_14", "6,144"):
+    for text in ("plan vs paper", "head_lut_bytes", "assumed:", "k_ring_14", "6,144", "ESTIMATE",
+                 "the estimate against device figures", "residual"):
         assert text in result.stdout
 
 
@@ -190,3 +191,39 @@ def test_inspect_shows_the_bit_maps_side_by_side():
     for text in ("SLM bit map (in use: ASSUMED)", "paper fit", "752.8", "1215.1", "362.9", "1149.0",
                  "20 of 2187 group-wise maps", "context budget (htp-v81"):
         assert text in result.stdout, text
+
+
+def test_gemma4_plan_counts_the_drafters_macs(gemma4):
+    """MACs per call at the real shape (`hycoc.passes.plan._macs`): the head's one row over its linear layers and
+    its 4 layers' attention over the W=1024 ring (3 sliding layers of head dim 256, 1 full of 512, 16 query heads);
+    the SLM's 32 rows."""
+    head = gemma4["graphs"]["head"]["macs"]
+    assert head["lm_head_per_row"] == 86_089 * 1024
+    assert head["attention"] == 2 * 16 * 1024 * (3 * 256 + 512)
+    assert head["total"] == head["linear_per_row"] + head["attention"]
+    slm = gemma4["graphs"]["slm"]["macs"]
+    assert slm["rows"] == 32 and slm["lm_head_per_row"] == 86_089 * 1536
+    assert slm["total"] == 32 * slm["linear_per_row"] + slm["attention"] == 68_223_942_656
+
+
+def test_gemma4_device_estimate_is_the_fit_to_the_papers_anchors(gemma4):
+    """The shipped v81 profile is `fit_profile` on the paper's anchors at these shapes (refit here), and each
+    anchor's residual is what the README's device section shows."""
+    from hycoc.device_time import NPU_PROFILES, fit_profile
+
+    plan = {k: v for k, v in gemma4.items() if k != "device_time_estimate"}
+    fit, shipped = fit_profile(plan), NPU_PROFILES["v81"]
+    assert fit.tmacs is None and shipped.tmacs is None
+    for key in ("bandwidth_gbps", "overhead_ms", "host_ms_per_slm_pass"):
+        assert getattr(fit, key) == pytest.approx(getattr(shipped, key), rel=1e-3)
+    est = gemma4["device_time_estimate"]
+    assert est["label"].startswith("ESTIMATE")
+    residual = {a["anchor"]: a["residual_pct"] for a in est["anchors"]}
+    assert residual == {
+        "SLM 32-row pass, A16": 2.1, "mobile round, 86K keep set": 9.1, "mobile round, full vocabulary": -17.6,
+        "HyCo draft per round (12.1 ms/token x MAT 4.71)": 1.2,
+        "SpecEdge-style per round (42.8 ms/token x MAT 3.53)": 1.2,
+        "HyCo-2P per round (18.2 x 5.27)": 0.0, "HyCo exact per round (14.7 x 3.84)": 2.2,
+        "server head per round (9.2 x 3.79)": 9.7, "SLM alone, 8K context, full vocab, per token": -49.3,
+        "Gemma 4 E2B decode A16W8, SM8750 (v79)": -59.1, "Gemma 4 E2B decode W8A16, SM8850": -67.0}
+    assert est["graphs"]["slm"]["estimate_ms"] == pytest.approx(16.02, abs=0.01)

@@ -132,9 +132,10 @@ def record_of(config: str, run: int, q: Question, prompt_tokens: int, res, virtu
         "draft_ms": 1000 * res.draft_s, "slm_prefill_ms": 1000 * res.slm_prefill_s,
         "bytes_up": [u for u, _ in res.round_bytes], "bytes_down": [d for _, d in res.round_bytes],
         "bonus_outside_keep": res.bonus_outside_keep, "link_ms": 1000 * res.link_s, "text": text,
-        "thought": thought, "output_ids": list(res.tokens), "finished": res.finished,
-        "finish_reason": res.finish_reason, "verifier_logprob": None,
-        "reference_match": reference_match(q.category, text, q.reference),
+        "thought": thought, "draft_calls": dict(res.draft_calls), "draft_graph_ms": 1000 * res.draft_graph_s,
+        "prefill_calls": dict(res.prefill_calls), "slm_prefill_graph_ms": 1000 * res.prefill_graph_s,
+        "output_ids": list(res.tokens), "finished": res.finished, "finish_reason": res.finish_reason,
+        "verifier_logprob": None, "reference_match": reference_match(q.category, text, q.reference),
     }
 
 
@@ -219,7 +220,8 @@ class BenchPlan:
 
 
 def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, backend: str = "cpu",
-              resume: bool = False, cost_model_path: Path | None = None, console=None, threads: int = 1) -> dict:
+              resume: bool = False, cost_model_path: Path | None = None, console=None, threads: int = 1,
+              device_profile_path: Path | None = None) -> dict:
     """Run the bench (module docstring); returns the results dict written to ``OUT/results.json``.
 
     Raises BenchError (server, bundle), BundleError, TransportError from a request that fails for a reason other
@@ -267,7 +269,9 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
                         "temperature": sampling.temperature, "cost_model": cost_note,
                         "cost_model_points": [p.model_dump() for p in cost.points],
                         "machine": f"{os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d %H:%M:%S")},
-               "summary": summary, "turns": turns, "records": records}
+               "summary": summary, "turns": turns, "device_time": device_time_for(records, bundle_dir,
+                                                                                      device_profile_path, console),
+               "records": records}
     atomic_write(out / RESULTS, json.dumps(results, indent=1))
     plots = write_plots(summary, out)
     render_table(summary, console, title=f"hycoc bench: {len(plan.questions)} Spec-Bench questions, link {plan.link}")
@@ -276,11 +280,36 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
     render_rounds(summary, console)
     if plan.turns > 1:
         render_turns(turns, console)
+    if results["device_time"].get("configs"):
+        from hycoc.bench.device_profile import render_device_table
+
+        render_device_table(results["device_time"]["configs"], results["device_time"]["source"], console)
     console.print(f"g = verifier ms per output token measured on this machine (prefill included); {cost_note}, "
                   "every server forward (prefill, verification, server-side head steps). Delivery and first-token "
                   "times include the link model.")
     console.print(f"wrote {out / RESULTS}, {', '.join(str(p) for p in plots)}")
     return results
+
+
+def device_time_for(records: list[dict], bundle_dir: Path, device_profile_path: Path | None, console) -> dict:
+    """``results["device_time"]``: the phone's time per round and delivery tok/s per configuration
+    (`hycoc.bench.device_profile.project_records`) from ``--device-profile``, else from the labelled estimate
+    (`hycoc.device_time`), which the console is told. {"source", "estimated", "configs"}; "error" instead of
+    "configs" when the bundle's graphs cannot be priced."""
+    from hycoc.bench.device_profile import (DeviceProfileError, estimated_device_costs, load_device_costs,
+                                            project_records)
+
+    try:
+        if device_profile_path is not None:
+            costs, label = load_device_costs(device_profile_path)
+        else:
+            costs, label = estimated_device_costs(bundle_dir)
+            console.print("device time: no --device-profile given, so the phone's graph times are an ESTIMATE "
+                          "(hycoc/device_time.py, NPU profile v81), not a measurement")
+        return {"source": label, "estimated": device_profile_path is None, "configs": project_records(records, costs)}
+    except (DeviceProfileError, ValueError, OSError) as e:
+        console.print(f"[yellow]device time: not reported ({e})[/]")
+        return {"source": None, "estimated": device_profile_path is None, "error": str(e)}
 
 
 def make_console(console=None):

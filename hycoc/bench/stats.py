@@ -20,6 +20,8 @@ Record (one dict per request; times in milliseconds unless the name says seconds
     seconds           delivery time in seconds: request start to last token, link delays included
     first_token_ms    float | None;  draft_ms, slm_prefill_ms: device ms
     bytes_up, bytes_down   [int] frame bytes per round
+    draft_calls, prefill_calls  {graph: int} graph calls inside draft_ms / slm_prefill_ms; draft_graph_ms,
+                      slm_prefill_graph_ms: those calls' ms (the rest is host work); absent in old records
     bonus_outside_keep     int, bonus tokens outside the drafters' keep set
     verifier_logprob  float | None, the verifier's mean log-prob per output token of the answer: its own
                       likelihood of the text, which repetition raises (issue 13); never the quality figure alone
