@@ -33,11 +33,12 @@ cache update. n == 1 takes exactly the single-session path (`Session.verify`'s f
 
 Numerics: a session's attention sees exactly its keys alone, with the same mask and the same kernel; the
 row-wise matrix products run with N rows instead of R_b, which BLAS may sum in another order, so float32 logits
-differ by rounding (max |diff| measured in tests/test_batched_verify.py, ~1e-6 on soft-capped logits). Samples
-come from each session's own generator (R_b uniforms per round, whatever the batch order), so T = 0 text and
-seeded samples equal the session run alone in float32 (tests). bfloat16 rounds the same sums to 8 bits of
-mantissa: its logits differ from the alone-run by up to a few bf16 steps and a near-tie can flip a T = 0 token, so
-batch invariance is guaranteed in float32 only (tests/test_batched_verify.py measures both).
+differ by rounding (max |diff| ~1e-5 on soft-capped logits, tests/test_batched_verify.py). Samples come from each
+session's own generator (R_b uniforms per round, whatever the batch order), so T = 0 text and seeded samples equal
+the session run alone. bfloat16 on the CPU: the batched logits equal the alone-run's bit for bit (torch's CPU bf16
+matrix products accumulate each row alone; tests/test_kv_cache.py). On a GPU, cuBLAS picks its kernels (split-K)
+by the row count, so bf16 logits may differ by bf16 rounding and a near-tie could flip a T = 0 token: there the
+guarantee is float32 only, not measured here (no GPU).
 
 Not thread-safe (like the engine): one call at a time per engine.
 """
