@@ -19,6 +19,7 @@ from hycoc.protocol import wire
 from hycoc.protocol.messages import DraftTree, ErrorReply, OpenRequest, Sampling
 from hycoc.runtime.transport import AuthRefused, ServerError, ServerUnreachable, VerifierClient
 from hycoc.verifier import VerifierEngine
+from hycoc.verifier.kv_cache import held_bytes, storage_bytes
 from hycoc.verifier.server import ServerLimits, ServerThread, open_frame_bytes
 from tiny_models import tiny_verifier
 
@@ -149,6 +150,8 @@ def test_an_idle_session_is_freed_and_told_why(engine):
         opened = client.open(request())
         # 217 positions capped at max_context; sliding layers at their window: 512 B x 128 + 512 B x (7 + 7)
         assert srv.server.metrics.kv_bytes_reserved == engine.session_kv_bytes(MAX_CONTEXT, ROWS) == 72704
+        cache = srv.server.sessions[opened.session_id].cache  # 9 prefilled positions; sliding layers keep 7 of them
+        assert held_bytes(cache) == storage_bytes(cache) == engine.kv_layout.session_bytes(9, 0) == 512 * (9 + 7)
         time.sleep(1.5)
         assert srv.server.sessions == {} and srv.server.metrics.kv_bytes_reserved == 0
         with pytest.raises(ServerError) as info:
