@@ -87,27 +87,39 @@ def test_held_bytes_are_the_formula_after_prefill_and_after_every_round(models):
     assert accepted >= 8       # paths were accepted: compaction ran past the window
 
 
-def _outputs(engine, draft_place, tree_model, rounds=7):
-    session = engine.open(list(range(30, 52)), Sampling(0.0, 64, 0.95), max_new_tokens=80, acceptance="exact",
+def _outputs(engine, draft_place, tree_model):
+    """A 22-token prompt, rounds until its 10-token turn finishes, then an appended 6-token turn (KV kept: the cache
+    is cropped to the committed positions and prefilled on) and 4 more rounds. Returns (committed, replies)."""
+    session = engine.open(list(range(30, 52)), Sampling(0.0, 64, 0.95), max_new_tokens=10, acceptance="exact",
                           draft_place=draft_place)
     session.prefill()
     replies = []
-    for seq in range(rounds):
-        tree = (np.array([session.root]), np.array([-1])) if draft_place == "cloud-mtp" else \
-            oracle_tree(tree_model, session.tokens)
-        replies.append(session.verify(*tree, seq))
-    return session.output, replies
+
+    def rounds(n):
+        for seq in range(n):
+            if session.finished:
+                return
+            tree = (np.array([session.root]), np.array([-1])) if draft_place == "cloud-mtp" else \
+                oracle_tree(tree_model, session.tokens)
+            replies.append(session.verify(*tree, seq))
+
+    rounds(20)
+    assert session.finished
+    session.append(list(range(60, 66)), max_new_tokens=20)
+    rounds(4)
+    return session.tokens, replies
 
 
 @pytest.mark.parametrize("draft_place", ["device", "cloud-mtp", "server-head"])
 def test_outputs_equal_the_full_length_caches(models, draft_place, monkeypatch):
     """At T = 0 every committed token, chain and hand-off equals the engine's with a full-length ``DynamicCache()``
-    (every layer keeping every position, the cache before sliding windows), past the window of 8."""
+    (every layer keeping every position, the cache before sliding windows), past the window of 8 and across an
+    appended turn."""
     got = _outputs(make_engine(models), draft_place, models[0])
     full = make_engine(models)
     monkeypatch.setattr(full, "new_cache", DynamicCache)
     want = _outputs(full, draft_place, models[0])
-    assert got[0] == want[0] and len(got[0]) >= 7      # one token a round at least: 22 + 7 > the window
+    assert got[0] == want[0] and len(got[0]) >= 22 + 10 + 6 + 4     # one token a round at least
     for g, w in zip(got[1], want[1]):
         assert (g.bonus, g.samples.tolist(), g.path_rows.tolist(), g.chain.tolist()) == \
             (w.bonus, w.samples.tolist(), w.path_rows.tolist(), w.chain.tolist())

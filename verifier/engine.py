@@ -47,10 +47,10 @@ from hycoc.protocol.messages import ACCEPTANCE_MODES, DRAFT_PLACES, HandOff, Rou
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 
 from .acceptance import select_exact, select_path
-from .kv_cache import (KVLayout, first_position, kv_positions, retained_positions, session_cache, stores_kv,
-                       trim_windows, window_start)
 from .errors import (BadRequest, ContextOverflow, NotPrefilled, RootMismatch, SequenceError, SessionFinished,
                      TreeError)
+from .kv_cache import (KVLayout, first_position, kv_positions, retained_positions, session_cache, stores_kv,
+                       trim_windows, window_start)
 from .sampling import sample_rows, sampling_probs
 from .tree import additive_masks, ancestor_matrix, tree_depths, validate_tree
 
@@ -138,10 +138,14 @@ def layer_rows(cache: DynamicCache, layer: int, start: int, stop: int) -> tuple[
 
 @torch.inference_mode()
 def crop_cache(cache: DynamicCache, length: int) -> None:
-    """Drop every position >= length in every layer (undo a forward that did not complete a round)."""
+    """Drop every position >= length in every layer (undo a forward that did not complete a round). Raises
+    ValueError if a sliding layer no longer holds position length - 1 (nothing would be left to crop to)."""
     for layer in cache.layers:
         if stores_kv(layer):
             n = length - first_position(layer)
+            if n < 0:
+                raise ValueError(f"cannot crop to {length} positions: this layer keeps positions from "
+                                 f"{first_position(layer)}")
             layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
 
 
