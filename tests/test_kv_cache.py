@@ -167,3 +167,33 @@ def test_bfloat16_batched_rounds_commit_the_alone_runs_tokens():
         for (a, b), (_, tk, pa, _), reply in zip(pairs, batch, verify_batch(engine, batch)):
             assert reply.path_rows.tolist() == b.verify(tk, pa, seq).path_rows.tolist()
     assert all(a.output == b.output and len(a.output) >= 6 for a, b in pairs)
+
+
+def test_the_toy_verifiers_held_bytes_against_its_reservation():
+    """The toy recipe's verifier (3 sliding layers of 2 x 64, window 128; 1 full layer of 1 x 128; float32) and its
+    head (window 128): sliding layers keep W = 256 positions. A 400-token prompt, then 3 rounds of 33-row trees:
+    held bytes are the formula after the prefill and after each round, and never above the server's reservation
+    for the request (prompt + 256 output tokens + 33 rows)."""
+    from pathlib import Path
+
+    from hycoc.recipe import load_recipe
+    from hycoc.verifier.loading import engine_from_recipe
+
+    engine = engine_from_recipe(load_recipe(Path(__file__).parents[1] / "recipes" / "toy.toml"), "cpu")
+    layout = engine.kv_layout
+    assert (layout.full_bytes, layout.sliding_bytes, layout.retain) == (1024, 3 * 1024, 256)
+    rows, prompt = 33, np.random.default_rng(3).integers(10, 4000, 400)
+    reserved = engine.session_kv_bytes(len(prompt) + 256 + rows, rows)
+    assert reserved == 1024 * 689 + 3 * 1024 * (256 + 33)
+    session = engine.open(prompt, Sampling(0.0, 64, 0.95), max_new_tokens=256, acceptance="exact")
+    session.prefill()
+    assert held_bytes(session.cache) == storage_bytes(session.cache) == 1024 * 399 + 3 * 1024 * 256
+    rng = np.random.default_rng(4)
+    for seq in range(3):
+        t = session.t
+        parents = np.array([-1] + [int(rng.integers(0, j)) for j in range(1, rows)])
+        reply = session.verify(np.concatenate([[session.root], rng.integers(10, 4000, rows - 1)]), parents, seq)
+        assert held_bytes(session.cache) == 1024 * session.t + 3 * 1024 * (256 + 1 + len(reply.path_rows))
+        assert session.t == t + 1 + len(reply.path_rows)
+        assert storage_bytes(session.cache) <= engine.session_kv_bytes(t + rows, rows) <= reserved
+    engine.close()

@@ -49,8 +49,8 @@ from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 from .acceptance import select_exact, select_path
 from .errors import (BadRequest, ContextOverflow, NotPrefilled, RootMismatch, SequenceError, SessionFinished,
                      TreeError)
-from .kv_cache import (KVLayout, first_position, kv_positions, retained_positions, session_cache, stores_kv,
-                       trim_windows, window_start)
+from .kv_cache import (KVLayout, first_position, kv_bytes_per_session, kv_positions, retained_positions,
+                       session_cache, stores_kv, trim_windows, window_start)
 from .sampling import sample_rows, sampling_probs
 from .tree import additive_masks, ancestor_matrix, tree_depths, validate_tree
 
@@ -185,8 +185,8 @@ def prefill(model, cache: DynamicCache, tap: NormTap, ids: torch.Tensor, chunk: 
     conversation, `Session.append`).
 
     Each chunk uses the same explicit masks as the tree rounds (a chain is a tree), so prefill and rounds share
-    one mask convention; after each chunk the sliding layers drop what fell out of their window. Returns the final norm's (pre, post) rows of the last position, each (H,), or None if
-    T == 0.
+    one mask convention; after each chunk the sliding layers drop what fell out of their window. Returns the final
+    norm's (pre, post) rows of the last position, each (H,), or None if T == 0.
     """
     t, n_total = start, start + len(ids)
     while t < n_total:
@@ -210,8 +210,8 @@ def verify_tree(model, cache: DynamicCache, tap: NormTap, tokens: torch.Tensor, 
 
     tokens: int64 (R,) on the model's device; parents: int (R,), a valid tree. Row j takes position
     t + depth(j) and attends to [0, t), its ancestor rows and itself (sliding layers: within their window).
-    Appends the R rows' KV to every cache layer (positions t .. t+R-1 in storage order). Returns float32 logits (R, V)
-    (soft-capped, as transformers computes them) and the final norm's input and output rows, each (R, H).
+    Appends the R rows' KV to every cache layer (positions t .. t+R-1 in storage order). Returns float32 logits
+    (R, V) (soft-capped, as transformers computes them) and the final norm's input and output rows, each (R, H).
     """
     device = tokens.device
     pos = torch.as_tensor(t + tree_depths(parents), device=device)
@@ -394,8 +394,9 @@ class VerifierEngine:
         stored = [layer.self_attn.k_proj.out_features for layer, mode in zip(attn, cfg.kv_sharing_modes)
                   if mode != "reuse"]
         self.kv_bytes_per_position = 2 * int(sum(stored)) * torch.finfo(self.dtype).bits // 8
-        head_window_s = self.head.config.get_text_config().sliding_window if self.head is not None else None
-        self.kv_retain = retained_positions(cfg, self.head_window, head_window_s)
+        self._head_sliding_window = (self.head.config.get_text_config().sliding_window if self.head is not None
+                                     else None)
+        self.kv_retain = retained_positions(cfg, self.head_window, self._head_sliding_window)
         self.kv_layout = KVLayout.from_config(cfg, torch.finfo(self.dtype).bits // 8, self.kv_retain)
         self.tap = NormTap(model)
 
@@ -407,7 +408,10 @@ class VerifierEngine:
         """KV bytes a session holds at its largest when its positions (committed plus a round's rows) reach
         ``positions`` and a round adds at most ``tree_rows`` rows (`hycoc.verifier.kv_cache.kv_bytes_per_session`
         for this engine's model, dtype, W and head); Cloud+MTP's root + K-chain is counted too."""
-        return self.kv_layout.session_bytes(int(positions), max(int(tree_rows), self.chain_length + 1))
+        return kv_bytes_per_session(self.model.config, int(positions),
+                                    tree_rows=max(int(tree_rows), self.chain_length + 1),
+                                    handoff_window=self.head_window, dtype_bytes=torch.finfo(self.dtype).bits // 8,
+                                    head_sliding_window=self._head_sliding_window)
 
     def open(self, prompt_ids, sampling: Sampling = Sampling(), seed: int = 0, acceptance: str = "epsilon",
              epsilon: float = 0.005, draft_place: str = "device", max_new_tokens: int = 1024) -> "Session":

@@ -189,7 +189,8 @@ class KVLayout:
             if mode == "reuse":
                 continue
             lc = config.per_layer_config[i]
-            per[SLIDING if kind == SLIDING else FULL] += 2 * int(lc.num_key_value_heads) * int(lc.head_dim) * dtype_bytes
+            kv = 2 * int(lc.num_key_value_heads) * int(lc.head_dim) * dtype_bytes      # K and V
+            per[SLIDING if kind == SLIDING else FULL] += kv
         return cls(full_bytes=per[FULL], sliding_bytes=per[SLIDING], retain=int(retain))
 
     @property
