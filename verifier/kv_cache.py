@@ -88,6 +88,10 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return min(self.held, self.retain) + query_length, self.start + max(0, self.held - self.retain)
 
+    def reset(self) -> None:
+        super().reset()
+        self.start = 0
+
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("crop by position with hycoc.verifier.engine.crop_cache")
 
