@@ -15,6 +15,23 @@ random tokens under each (B + 1 = 33 rows), so about one draft token is accepted
 Also prints the single-session round broken into its steps (forward, p~, sampling, acceptance, compaction,
 hand-off), wall and CPU ms. Timings on a loaded machine are noisy: the CPU columns (time.process_time) are the ones
 to compare then.
+
+    python benchmarks/batched_verify.py recipes/toy.toml --mixed-lengths
+
+One long session (a prompt of ``--long-tokens``, default 3,900: near the toy's 4,096-position context) and 15 short
+ones (Spec-Bench first turns) each send 33-row trees. ``batched``: all 16 rounds in one `verify_batch`;
+``separate``: the long one alone, then the 15 short ones batched. The two alternate round by round on twin sessions
+(same prompts and seeds: the script checks they commit the same tokens); the medians are compared. A batched round
+whose cost follows each session's own length costs about the separate pair (ratio ~1); padding every session to the
+longest cache costs ~16 long rounds. Last line: ``mixed-lengths: batched X ms vs separate Y ms, ratio R``.
+
+    python benchmarks/batched_verify.py recipes/toy.toml --long-prefill
+
+15 short sessions send rounds through the server's `hycoc.verifier.scheduler.BatchScheduler` (one worker thread, as
+`hycoc verify-server`), without and then with a long prompt (``--long-tokens``) prefilling beside them in chunks of
+the engine's prefill_chunk; prints p50 / p90 of the short sessions' round latency (submit -> reply) in both runs and
+the long request's time to OPENED (prefill done) and to its first round's reply (its first committed token), also
+with the long request alone.
 """
 
 from __future__ import annotations
@@ -48,7 +65,17 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=12, help="rounds per session (default %(default)s)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the recipe's "
                     "verifier.threads, else 1)")
+    ap.add_argument("--mixed-lengths", action="store_true", help="one long + 15 short sessions: one batched round "
+                    "vs the long alone + the short batched (module docstring)")
+    ap.add_argument("--long-prefill", action="store_true", help="15 short sessions' round latency with and without "
+                    "a long prefill beside them, and the long request's time to first token")
+    ap.add_argument("--long-tokens", type=int, default=3900, help="prompt tokens of the long session (default "
+                    "%(default)s)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="prompt positions per prefill forward (default: "
+                    "the engine's, 512)")
     args = ap.parse_args(argv)
+    if args.mixed_lengths or args.long_prefill:
+        return long_context(args)
 
     import torch
     from rich.console import Console
@@ -197,6 +224,178 @@ def print_round_steps(engine, prompt, sampling, recipe, tree, rounds: int) -> No
         table.add_row(name, f"{1e3 * wall[name] / rounds:.2f}", f"{1e3 * cpu[name] / rounds:.2f}")
     Console().print(table)
     sess.close()
+
+
+def _median(xs) -> float:
+    return float(np.median(xs))
+
+
+def _setup(args):
+    """(recipe, engine, sampling, long prompt ids (--long-tokens), 15 short prompt ids) for the long-context modes."""
+    import torch
+
+    from hycoc.bench.datasets import load_spec_bench
+    from hycoc.chat import format_prompt
+    from hycoc.models import load_tokenizer
+    from hycoc.protocol.messages import Sampling
+    from hycoc.recipe import load_recipe
+    from hycoc.verifier.loading import engine_from_recipe
+
+    recipe = load_recipe(args.recipe)
+    torch.set_num_threads(args.threads or recipe.verifier.threads or 1)
+    tok = load_tokenizer(recipe.model_path("tokenizer"))
+    engine = engine_from_recipe(recipe, "cpu")
+    if args.prefill_chunk:
+        engine.prefill_chunk = int(args.prefill_chunk)
+    s = recipe.sampling
+    questions = load_spec_bench(args.dataset)
+    short = [np.array(format_prompt(tok, q.turns[0]), dtype=np.int64) for q in questions[:15]]
+    text = "\n\n".join(turn for q in questions for turn in q.turns)
+    long = np.array(format_prompt(tok, text), dtype=np.int64)
+    if len(long) < args.long_tokens:
+        raise SystemExit(f"--long-tokens {args.long_tokens}: the dataset gives only {len(long)} tokens")
+    if args.long_tokens + 64 > engine.max_context:
+        raise SystemExit(f"--long-tokens {args.long_tokens} leaves < 64 positions of the verifier's context "
+                         f"{engine.max_context}")
+    long = np.concatenate([long[:args.long_tokens - 1], long[-1:]])   # keep the template's last token as the root
+    return recipe, engine, Sampling(s.temperature, s.top_k, s.top_p), long, short
+
+
+def long_context(args) -> None:
+    """The --mixed-lengths and --long-prefill modes (module docstring)."""
+    import torch
+
+    recipe, engine, sampling, long, short = _setup(args)
+    load = open("/proc/loadavg").read().split()[:3] if Path("/proc/loadavg").exists() else ["?"] * 3
+    print(f"{args.recipe.name}: long prompt {len(long)} tokens, 15 short prompts {min(map(len, short))}-"
+          f"{max(map(len, short))} tokens, 33-row trees, {torch.get_num_threads()} thread(s), load average "
+          f"{' '.join(load)}")
+    if args.long_prefill:
+        long_prefill(args, recipe, engine, sampling, long, short)
+    if args.mixed_lengths:
+        mixed_lengths(args, recipe, engine, sampling, long, short)
+
+
+def _open(engine, recipe, sampling, prompt, i):
+    sess = engine.open(prompt, sampling, seed=recipe.sampling.seed + i, acceptance=recipe.acceptance.mode,
+                       epsilon=recipe.acceptance.epsilon, draft_place="device", max_new_tokens=10_000)
+    sess.prefill()
+    return sess
+
+
+def mixed_lengths(args, recipe, engine, sampling, long, short) -> None:
+    import torch
+
+    from hycoc.verifier.batch import verify_batch
+
+    prompts = [long] + short
+    twins = [[_open(engine, recipe, sampling, p, i) for i, p in enumerate(prompts)] for _ in range(2)]
+    memo: dict = {}
+
+    def tree(i, sess):
+        key = (i, len(sess.tokens), tuple(sess.tokens[-8:]))
+        if key not in memo:
+            memo[key] = trees_for(engine.model, torch, sess.tokens, rng_seed=1000 * i + len(sess.tokens))
+        return memo[key]
+
+    def check(results):
+        bad = [r for r in results if isinstance(r, BaseException)]
+        assert not bad, bad
+
+    batched, separate, long_alone = [], [], []
+    for seq in range(args.rounds):
+        rounds = [[(sess, *tree(i, sess), seq) for i, sess in enumerate(group)] for group in twins]  # untimed
+        t0 = time.perf_counter()
+        check(verify_batch(engine, rounds[0]))
+        t1 = time.perf_counter()
+        check(verify_batch(engine, rounds[1][:1]))
+        t2 = time.perf_counter()
+        check(verify_batch(engine, rounds[1][1:]))
+        t3 = time.perf_counter()
+        batched.append((t1 - t0) * 1e3)
+        separate.append((t3 - t1) * 1e3)
+        long_alone.append((t2 - t1) * 1e3)
+    assert [s.output for s in twins[0]] == [s.output for s in twins[1]], "batched output differs from separate"
+    print(f"median of {args.rounds} rounds: long session alone {_median(long_alone):.1f} ms, 15 short batched "
+          f"{_median(separate) - _median(long_alone):.1f} ms (t = {twins[0][0].t} and "
+          f"{min(s.t for s in twins[0][1:])}-{max(s.t for s in twins[0][1:])})")
+    b, sep = _median(batched), _median(separate)
+    print(f"mixed-lengths: batched {b:.1f} ms vs separate {sep:.1f} ms, ratio {b / sep:.2f}")
+
+
+def long_prefill(args, recipe, engine, sampling, long, short) -> None:
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hycoc.protocol.messages import DraftTree
+    from hycoc.verifier.scheduler import BatchScheduler
+
+    rng = np.random.default_rng(0)
+    vocab = engine.vocab_size
+
+    def random_tree(root):
+        """33 rows: the root, 8 children, 3 under each (random tokens: the latency, not the acceptance, counts)."""
+        parents = [-1] + [0] * 8 + [c for c in range(1, 9) for _ in range(3)]
+        return DraftTree(0, np.array([root] + rng.integers(3, vocab, 32).tolist(), np.int32),
+                         np.array(parents, np.int32))
+
+    async def scenario(with_short: bool, with_long: bool):
+        worker = ThreadPoolExecutor(max_workers=1)
+        loop = asyncio.get_running_loop()
+        run = lambda fn, *a: loop.run_in_executor(worker, fn, *a)  # noqa: E731
+        sessions = [await run(_open, engine, recipe, sampling, p, i) for i, p in enumerate(short)] if with_short \
+            else []
+        sched = BatchScheduler(run, max_batch_rows=recipe.verifier.max_batch_rows,
+                               max_batch_wait_ms=recipe.verifier.max_batch_wait_ms,
+                               open_sessions=lambda: len(sessions) + int(with_long), on_step=lambda r: None,
+                               chain_length=engine.chain_length, prefill_budget=engine.prefill_chunk)
+        sched.start()
+        latencies, times = [], {}
+
+        async def short_client(sess):
+            for seq in range(args.rounds):
+                tree = random_tree(sess.root)
+                t0 = time.perf_counter()
+                await sched.round(sess, DraftTree(seq, tree.tokens, tree.parents))
+                latencies.append((time.perf_counter() - t0) * 1e3)
+
+        async def long_client():
+            sess = engine.open(long, sampling, seed=7, acceptance=recipe.acceptance.mode,
+                               epsilon=recipe.acceptance.epsilon, draft_place="device", max_new_tokens=64)
+            t0 = time.perf_counter()
+            await sched.prefill(sess.prefill_job)
+            times["opened"] = (time.perf_counter() - t0) * 1e3
+            tree = random_tree(sess.root)
+            await sched.round(sess, tree)
+            times["first_token"] = (time.perf_counter() - t0) * 1e3
+            sess.close()
+
+        jobs = [short_client(s) for s in sessions] + ([long_client()] if with_long else [])
+        await asyncio.gather(*jobs)
+        await sched.stop()
+        worker.shutdown()
+        for sess in sessions:
+            sess.close()
+        return latencies, times
+
+    from rich.console import Console
+    from rich.table import Table
+
+    quiet, _ = asyncio.run(scenario(True, False))
+    busy, times = asyncio.run(scenario(True, True))
+    _, alone = asyncio.run(scenario(False, True))
+    table = Table(title=f"15 short sessions x {args.rounds} rounds of 33 rows, with and without a {len(long)}-token "
+                        f"prefill beside them (chunks of {engine.prefill_chunk})")
+    for col in ("run", "short rounds p50 ms", "short rounds p90 ms", "long: OPENED ms", "long: first token ms"):
+        table.add_column(col, justify="right")
+    table.add_row("15 short alone", f"{np.percentile(quiet, 50):.1f}", f"{np.percentile(quiet, 90):.1f}", "", "")
+    table.add_row("15 short + long prefill", f"{np.percentile(busy, 50):.1f}", f"{np.percentile(busy, 90):.1f}",
+                  f"{times['opened']:.0f}", f"{times['first_token']:.0f}")
+    table.add_row("long alone", "", "", f"{alone['opened']:.0f}", f"{alone['first_token']:.0f}")
+    Console(width=140).print(table)
+    print(f"long-prefill: short rounds p50 {np.percentile(quiet, 50):.1f} -> {np.percentile(busy, 50):.1f} ms, p90 "
+          f"{np.percentile(quiet, 90):.1f} -> {np.percentile(busy, 90):.1f} ms; long time to first token "
+          f"{times['first_token']:.0f} ms beside them vs {alone['first_token']:.0f} ms alone")
 
 
 if __name__ == "__main__":

@@ -981,6 +981,24 @@ def _print_chat(chat: dict) -> None:
     console.print(f"{thinking}; {reasoning}; default off (README \"Chat format\")")
 
 
+def _print_verifier_kv(console, kv: dict) -> None:
+    """The plan's verifier KV table: bytes per session and sessions per pool, full-length vs windowed layout."""
+    from rich.table import Table
+
+    table = Table(title=f"verifier KV per session ({kv['kv_dtype']}; sliding layers keep "
+                        f"{kv['sliding_retained_positions']:,} positions + {kv['tree_rows']} tree rows, full layers "
+                        f"the context)")
+    pool = kv["pool_bytes"] / 1e9
+    for col in ("context", "full-length GB", f"full-length sessions / {pool:g} GB", "windowed GB",
+                f"windowed sessions / {pool:g} GB"):
+        table.add_column(col, justify="right")
+    for n, after in kv["kv_bytes_per_session"].items():
+        fit = kv["sessions_per_pool"][n]
+        table.add_row(f"{int(n):,}", f"{kv['full_length_bytes'][n] / 1e9:.3f}", f"{fit['full_length']:,}",
+                      f"{after / 1e9:.3f}", f"{fit['windowed']:,}")
+    console.print(table)
+
+
 def _print_plan(plan: dict) -> None:
     """`hycoc inspect RECIPE` tables: sources and assumptions, graph IO, sizes vs the paper, hand-off bytes."""
     from rich.console import Console
@@ -1027,6 +1045,7 @@ def _print_plan(plan: dict) -> None:
                 "tree_bytes_per_round"):
         wire_t.add_row(key, f"{h[key]:,}")
     console.print(wire_t)
+    _print_verifier_kv(console, plan["verifier"])
     paper = Table(title="plan vs paper")
     for col in ("quantity", "paper", "plan", "difference", "%", "paper source"):
         paper.add_column(col, justify="left" if col in ("quantity", "paper source") else "right")

@@ -10,7 +10,9 @@ reports what the compiler will make of them and what the wire will carry:
   and `hycoc.passes.slm_graph.SlmTreeGraph` declare them), parameter counts, weight bytes at the recipe's bit maps,
   LUT sizes, ring-KV bytes on the device;
 * hand-off and tree bytes from `hycoc.protocol.wire` (the same functions the frames are sized with);
-* a ``paper`` block: the paper's numbers (App. A Table 3, §3.1) beside ours, with the difference.
+* a ``paper`` block: the paper's numbers (App. A Table 3, §3.1) beside ours, with the difference;
+* the verifier's KV bytes per session at 2K / 8K / 32K positions (``verifier``), by the formula the server's KV
+  reservation uses (`hycoc.verifier.kv_cache.kv_bytes_per_session`), beside the full-length layout.
 
 Byte conventions: MB = 10**6 bytes (the paper's 242 MB is 86,089 x 2,816 = 242.4e6 bytes); an n-bit weight
 takes n/8 bytes (packed), each quantized output channel one float32 scale; every other graph parameter (norm
@@ -81,6 +83,11 @@ HEAD_ASSUMED_TEXT: dict[str, Any] = {
 HEAD_ASSUMED: dict[str, Any] = {"model_type": "gemma4_assistant", "text_config": HEAD_ASSUMED_TEXT,
                                 "backbone_hidden_size": 2816, "use_ordered_embeddings": False,
                                 "tie_word_embeddings": True}
+
+#: Context lengths of the verifier KV table (``verifier.kv_bytes_per_session``), positions.
+KV_CONTEXTS = (2048, 8192, 32768)
+#: The KV memory the table counts sessions in: 80 GB (10**9 B), an H100's / A100's memory.
+KV_POOL_BYTES = 80 * 10**9
 
 #: The paper's numbers (App. A Table 3; §3.1 and §3.3; Alg. 4 line 14), in bytes.
 PAPER = {
@@ -439,6 +446,9 @@ def real_shape_plan(recipe: Recipe) -> dict:
     if bits != 4:
         paper["head_graph_bytes"]["note"] = f"the recipe's head_qat.weight_bits is {bits}, the paper's figure is W4"
 
+    verifier_kv = _verifier_kv(verifier_cfg, recipe, max(rows, int(recipe.tree.chain_length) + 1), W,
+                               int(hcfg.sliding_window))
+
     return {
         "recipe": recipe.recipe.name,
         "sources": sources,
@@ -461,9 +471,44 @@ def real_shape_plan(recipe: Recipe) -> dict:
                          "slm_luts": sum(v["bytes"] + v["scale_bytes"] for v in luts.values()),
                          "slm_ring_kv": slm_graph["ring_kv"]["bytes"]},
         "handoff": handoff,
+        "verifier": verifier_kv,
         "paper": paper,
         "bit_maps": bit_maps,
         "context_budget": budget,
+    }
+
+
+def _verifier_kv(config, recipe: Recipe, tree_rows: int, window: int, head_sliding_window: int) -> dict:
+    """The verifier's KV per session at `KV_CONTEXTS` positions: ``kv_bytes_per_session`` (what the engine holds,
+    `hycoc.verifier.kv_cache.kv_bytes_per_session`, the server's reservation) beside ``full_length_bytes`` (every
+    layer keeping every position), and how many sessions of each fit in `KV_POOL_BYTES`. Keys of the maps are the
+    context lengths as strings (JSON)."""
+    import torch
+
+    from hycoc.verifier.kv_cache import KVLayout, kv_bytes_per_session, retained_positions
+
+    dtype_bytes = torch.finfo(getattr(torch, recipe.verifier.dtype)).bits // 8
+    retain = retained_positions(config, window, head_sliding_window)
+    layout = KVLayout.from_config(config, dtype_bytes, retain)
+    after = {str(n): kv_bytes_per_session(config, n, tree_rows=tree_rows, handoff_window=window,
+                                          dtype_bytes=dtype_bytes, head_sliding_window=head_sliding_window)
+             for n in KV_CONTEXTS}
+    before = {str(n): layout.bytes_per_position * n for n in KV_CONTEXTS}
+    return {
+        "kv_dtype": recipe.verifier.dtype,
+        "kv_bytes_per_position_full": layout.full_bytes,
+        "kv_bytes_per_position_sliding": layout.sliding_bytes,
+        "kv_bytes_per_position_full_length": layout.bytes_per_position,
+        "sliding_window": int(config.sliding_window),
+        "sliding_retained_positions": retain,
+        "tree_rows": tree_rows,
+        "kv_bytes_per_session": after,
+        "full_length_bytes": before,
+        "pool_bytes": KV_POOL_BYTES,
+        "sessions_per_pool": {n: {"full_length": KV_POOL_BYTES // before[n], "windowed": KV_POOL_BYTES // after[n]}
+                              for n in after},
+        "note": "full layers hold every position, sliding layers their retained window + one round's rows "
+                "(hycoc.verifier.kv_cache); KV only (weights, activations and the allocator's slack are not counted)",
     }
 
 

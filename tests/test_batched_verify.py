@@ -123,9 +123,10 @@ def assert_replies_match(got, want):
 # ------------------------------------------------------------------------------------------ the batched forward
 
 
-def test_a_padded_row_gives_the_logits_and_kv_of_the_row_run_alone(models):
-    """Sessions at t = 0, 4, 16 (past the window of 8) with 7, 1 and 4 rows in one forward: each session's rows
-    (logits, pre- and post-norm h) and appended KV equal its own single-session forward to float32 rounding."""
+def test_a_ragged_batch_gives_each_session_the_logits_and_kv_it_gets_alone(models):
+    """Sessions at t = 0, 4, 16 (past the window of 8) with 7, 1 and 4 rows in one forward (their rows end to end,
+    attention per session): each session's rows (logits, pre- and post-norm h) and appended KV equal its own
+    single-session forward to float32 rounding."""
     engine = make_engine(models)
     sessions = [open_session(engine, i, "hyco", n, 1.0) for i, n in enumerate((1, 5, 17))]
     trees = [oracle_tree(models[0], s.tokens) for s in sessions[:1]] + [

@@ -109,8 +109,22 @@ def test_inspect_recipe_tables_run():
     result = runner.invoke(app, ["inspect", str(GEMMA4)], terminal_width=160)
     assert result.exit_code == 0, result.stderr
     for text in ("plan vs paper", "head_lut_bytes", "assumed:", "k_ring_14", "6,144", "ESTIMATE",
-                 "the estimate against device figures", "residual"):
+                 "the estimate against device figures", "residual", "verifier KV per session", "0.888", "7.382"):
         assert text in result.stdout
+
+
+def test_gemma4_verifier_kv_per_session(gemma4):
+    """26B-A4B in bfloat16: 225,280 B per position at full length (25 sliding layers x 8 x 256 + 5 global x 2 x 512,
+    K and V, 2 B); windowed, the 25 sliding layers hold 1,025 positions (the head's window of 1,024 + 1) + 33 rows."""
+    kv = gemma4["verifier"]
+    assert (kv["kv_bytes_per_position_sliding"], kv["kv_bytes_per_position_full"]) == (204_800, 20_480)
+    assert (kv["sliding_retained_positions"], kv["tree_rows"], kv["kv_dtype"]) == (1025, 33, "bfloat16")
+    assert kv["full_length_bytes"]["32768"] == 225_280 * 32_768 == 7_381_975_040
+    assert kv["kv_bytes_per_session"] == {"2048": 20_480 * 2048 + 204_800 * 1058,
+                                          "8192": 20_480 * 8192 + 204_800 * 1058,
+                                          "32768": 20_480 * 32_768 + 204_800 * 1058}
+    assert kv["kv_bytes_per_session"]["32768"] == 887_767_040 <= 1.0e9
+    assert kv["sessions_per_pool"]["32768"] == {"full_length": 10, "windowed": 90}
 
 
 def test_toy_plan_counts_the_real_toy_models(toy):
@@ -124,6 +138,20 @@ def test_toy_plan_counts_the_real_toy_models(toy):
     assert toy["models"]["head"]["assumed"] is False
     assert toy["graphs"]["slm"]["bit_map"]["source"] == "the checkpoint's quantization_config"
     assert toy["handoff"]["handoff_bytes_per_round"] == wire.handoff_nbytes(256, 2 * 64, 128, 0)
+
+
+def test_toy_plan_kv_per_session_is_what_the_engine_reserves(toy):
+    """The plan's verifier.kv_bytes_per_session is the server's reservation: the same function on the engine the
+    toy recipe builds (its dtype, W, head and tree rows)."""
+    from hycoc.recipe import load_recipe
+    from hycoc.verifier.loading import engine_from_recipe
+
+    engine = engine_from_recipe(load_recipe(ROOT / "recipes" / "toy.toml"), "cpu")
+    kv = toy["verifier"]
+    assert kv["sliding_retained_positions"] == engine.kv_retain == 256    # W = 256 > the window 128 - 1
+    for n, got in kv["kv_bytes_per_session"].items():
+        assert got == engine.session_kv_bytes(int(n), kv["tree_rows"])
+    engine.close()
 
 
 def test_toy_plan_matches_the_head_graph_the_compiler_builds(toy):

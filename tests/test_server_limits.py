@@ -19,6 +19,7 @@ from hycoc.protocol import wire
 from hycoc.protocol.messages import DraftTree, ErrorReply, OpenRequest, Sampling
 from hycoc.runtime.transport import AuthRefused, ServerError, ServerUnreachable, VerifierClient
 from hycoc.verifier import VerifierEngine
+from hycoc.verifier.kv_cache import held_bytes, storage_bytes
 from hycoc.verifier.server import ServerLimits, ServerThread, open_frame_bytes
 from tiny_models import tiny_verifier
 
@@ -147,7 +148,10 @@ def test_an_idle_session_is_freed_and_told_why(engine):
     with serving(engine, **QUICK) as srv:
         client = VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10)
         opened = client.open(request())
-        assert srv.server.metrics.kv_bytes_reserved == MAX_CONTEXT * engine.kv_bytes_per_position  # 217 capped
+        # 217 positions capped at max_context; sliding layers at their window: 512 B x 128 + 512 B x (7 + 7)
+        assert srv.server.metrics.kv_bytes_reserved == engine.session_kv_bytes(MAX_CONTEXT, ROWS) == 72704
+        cache = srv.server.sessions[opened.session_id].cache  # 9 prefilled positions; sliding layers keep 7 of them
+        assert held_bytes(cache) == storage_bytes(cache) == engine.kv_layout.session_bytes(9, 0) == 512 * (9 + 7)
         time.sleep(1.5)
         assert srv.server.sessions == {} and srv.server.metrics.kv_bytes_reserved == 0
         with pytest.raises(ServerError) as info:
@@ -188,17 +192,19 @@ def test_sessions_over_the_limit_get_too_many_sessions(engine):
 
 
 def test_the_kv_budget_refuses_an_open_that_would_pass_it(engine):
-    per = engine.kv_bytes_per_position                  # 1,024 B: 4 layers x (32 K + 32 V) x 4 B
-    assert per == 1024
-    with serving(engine, **{**QUICK, "idle_timeout_s": 30.0, "max_kv_bytes": 200_000}) as srv:
+    # 2 full + 2 sliding layers x (32 K + 32 V) x 4 B: 512 B per position each; sliding layers keep 7 positions
+    # (window 8 - 1) + the round's 7 rows
+    layout = engine.kv_layout
+    assert (layout.full_bytes, layout.sliding_bytes, layout.retain, engine.kv_bytes_per_position) == (512, 512, 7, 1024)
+    with serving(engine, **{**QUICK, "idle_timeout_s": 30.0, "max_kv_bytes": 120_000}) as srv:
         a = VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10)
-        a.open(request())                               # min(10 + 200 + 7, max_context 128) x 1,024 = 131,072 B
+        a.open(request())                      # min(10 + 200 + 7, max_context 128): 512 x 128 + 512 x 14 = 72,704 B
         with pytest.raises(ServerError) as info:
             VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10).open(request())
         assert info.value.code == "kv_budget_exhausted"
-        assert "needs 131072 KV bytes (128 positions), 131072 of max_kv_bytes = 200000" in str(info.value)
-        VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10).open(request(max_new=50))  # 67 x 1,024 fits
-        assert srv.server.metrics.kv_bytes_reserved == 131072 + 68608
+        assert "needs 72704 KV bytes (128 positions), 72704 of max_kv_bytes = 120000" in str(info.value)
+        VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10).open(request(max_new=50))  # 67: 512 x 81 fits
+        assert srv.server.metrics.kv_bytes_reserved == 72704 + 41472
         assert refusals(srv)["max_kv_bytes"] == 1
 
 

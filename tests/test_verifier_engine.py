@@ -22,6 +22,7 @@ from hycoc.mtp import head_step, window_mask
 from hycoc.verifier import (BadRequest, ContextOverflow, RootMismatch, SequenceError, SessionFinished, TreeError,
                             VerifierEngine)
 from hycoc.verifier.engine import verify_tree
+from hycoc.verifier.kv_cache import first_position
 from hycoc.verifier.sampling import sampling_probs
 from tiny_models import SLIDING_WINDOW, tiny_head, tiny_verifier
 
@@ -90,12 +91,16 @@ def oracle_tree(model, tokens, width=2, depth=3):
 
 
 def assert_cache_equals_fresh(model, session):
+    """The session's cache holds the positions [start, t) of a fresh full-length prefill: start = 0 in full
+    layers, sliding layers at least their retained window (`hycoc.verifier.kv_cache.SlidingWindowLayer`)."""
     ref = fresh_cache(model, session.tokens[:-1])
-    assert session.t == len(session.tokens) - 1
+    t = session.t
+    assert t == len(session.tokens) - 1
     for mine, theirs in zip(session.cache.layers, ref.layers):
-        assert mine.keys.shape == theirs.keys.shape
-        torch.testing.assert_close(mine.keys, theirs.keys, atol=KV_ATOL, rtol=0)
-        torch.testing.assert_close(mine.values, theirs.values, atol=KV_ATOL, rtol=0)
+        start = first_position(mine)
+        assert start + mine.keys.shape[-2] == t and mine.keys.shape[-2] >= min(t, getattr(mine, "retain", t))
+        torch.testing.assert_close(mine.keys, theirs.keys[..., start:, :], atol=KV_ATOL, rtol=0)
+        torch.testing.assert_close(mine.values, theirs.values[..., start:, :], atol=KV_ATOL, rtol=0)
 
 
 def next_round_logits(engine, session, tokens, parents):
@@ -417,16 +422,21 @@ def test_cloud_mtp_chain_equals_transformers_generator_and_reads_only_committed_
         generator.is_main_model_prefill = True
         candidates, _ = generator.get_candidates(torch.tensor([tokens]), {}, out, False, 0)
         assert chain == candidates[0, len(tokens):].tolist()
-    # Every head call read exactly the committed positions [0, t): the KV of a fresh prefill, never a tree row.
+    # Every head call read exactly committed positions: the KV of a fresh prefill, never a tree row -- [0, t) of
+    # the full layer, the sliding layer's retained window [t - retain, t) (what the head's sliding mask reads).
     calls = iter(head_calls)
+    assert engine.kv_retain == SLIDING_WINDOW + 1 < session.t   # the head's window + 1 (kv_cache.retained_positions)
     for (t, chain), tokens in zip(chains, history):
         ref = fresh_cache(verifier, tokens[:-1])
         for _ in chain:
             shared = next(calls)
             for kind, layer in (("sliding_attention", 2), ("full_attention", 3)):
-                assert shared[kind][0].shape[2] == t
-                torch.testing.assert_close(shared[kind][0], ref.layers[layer].keys, atol=KV_ATOL, rtol=0)
-                torch.testing.assert_close(shared[kind][1], ref.layers[layer].values, atol=KV_ATOL, rtol=0)
+                lo = max(0, t - engine.kv_retain) if kind == "sliding_attention" else 0
+                assert shared[kind][0].shape[2] == t - lo
+                torch.testing.assert_close(shared[kind][0], ref.layers[layer].keys[..., lo:, :], atol=KV_ATOL,
+                                           rtol=0)
+                torch.testing.assert_close(shared[kind][1], ref.layers[layer].values[..., lo:, :], atol=KV_ATOL,
+                                           rtol=0)
 
 
 def test_server_head_chain_uses_the_keep_set_and_window(verifier, head):
@@ -521,7 +531,8 @@ def test_errors_leave_the_session_unchanged(verifier):
         with pytest.raises(error) as info:
             session.verify(tokens, parents, seq)
         assert info.value.code and str(info.value)
-        assert session.t == 11 and all(layer.keys.shape[2] == 11 for layer in session.cache.layers)
+        assert session.t == 11 and all(first_position(layer) + layer.keys.shape[2] == 11
+                                       for layer in session.cache.layers)
         assert torch.equal(session.generator.get_state(), gen_state)
     reply = session.verify([root, 1, 2], [-1, 0, 1], 0)
     assert reply.server_ms > 0 and session.prefill_ms > 0

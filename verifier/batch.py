@@ -1,39 +1,44 @@
-"""Cross-session batched tree verification: the rounds of n sessions in ONE model forward (issue 14).
+"""Cross-session batched tree verification: the rounds of n sessions in ONE model forward whose cost follows each
+session's own length.
 
-Every session keeps its own ``DynamicCache`` (the engine's layout, `hycoc.verifier.engine`); a batched round
-stacks them for one forward and hands each session its new rows back:
+Every session keeps its own cache (`hycoc.verifier.kv_cache`, the engine's layout); a batched round runs
 
     begin_round   per session (validation, the rows that fit, cloud-mtp's head chain from the session's h)
-    batch_forward one forward: batch dimension = session, R_max rows each, a (n, 1, R_max, L_max + R_max) mask
+    batch_forward one forward over the sessions' rows laid end to end (a ragged batch)
     finish_round  per session, unchanged: p~ and sampling from the session's own generator, acceptance,
                   compaction, commit, hand-off (server-head's chain: per session, after it)
 
-KV layout -- what the neighbours do and what hycoc chose. transformers' continuous batching
-(``generation/continuous_batching/cache.py``) keeps one paged pool per attention type (blocks of ``block_size``
-positions, read/write indices per request) and runs a flat ragged batch (all requests' tokens concatenated,
-``cu_seq_lens``); vLLM's paged attention does the same with block tables; SGLang keeps a token-level pool
-(``req_to_token``) behind a radix tree and verifies EAGLE trees with a custom mask in its attention kernels. All of
-them need attention kernels that read through an index (paged/varlen flash attention), which transformers' Gemma 4
-only gets with its continuous-batching path -- not with explicit 4-D tree masks, and not with the KV-shared
-"store" layers and the positional compaction the engine relies on. hycoc therefore keeps the per-session
-``DynamicCache`` (compaction, the hand-off's KV rows and the head's shared KV read it as before) and builds, per
-batched forward, a right-padded batch cache: session b's [0, t_b) at columns [0, t_b) of a (n, kv_heads, L_max,
-head_dim) tensor per layer that stores KV (KV-shared layers store nothing), the forward writes the R_max new rows
-in place at columns [L_max, L_max + R_max) (`_SlotLayer`, preallocated: no concatenation of the stack), and each
-session's first R_b of them are appended to its own cache. The mask is block-diagonal by construction (each batch entry is one session):
-row j of session b sees columns [0, t_b), its ancestors and itself among the new rows (sliding layers: within
-the window); padding rows see only themselves, padding columns nobody. Position ids are t_b + depth(j).
+Layout -- what the neighbours do and what hycoc chose. transformers' continuous batching (``paged_attention`` docs,
+``generation/continuous_batching``) lays every request's new tokens end to end, Q (1, sum q_b, heads, d) with
+``cu_seq_lens_q`` / ``cu_seq_lens_k``, and calls flash attention's varlen kernel over a paged pool; vLLM does the
+same with block tables (``flash_attn_varlen_func`` with ``seqused_k``), SGLang over a token-level pool and, for EAGLE
+trees, FlashInfer's batch prefill with a custom mask. None pads a request to the longest one. The varlen kernels
+take causal or sliding-window masks only, not the tree masks of Alg. 4 line 2, so hycoc takes their ragged layout
+and keeps the attention per session:
 
-What it costs: per batched round a copy of every batched session's active KV into the padded stack, and the
-append of its new rows to its own cache (a concatenation, as the single-session forward's): O(sum_b t_b) bytes
-moved per round, plus attention over L_max columns for every session (padding columns are masked, not skipped). A paged
-layout would avoid both; for the toy and for CPU serving that copy is small beside the forward (benchmarks/
-batched_verify.py prints it). n == 1 takes exactly the single-session path (`Session.verify`'s forward).
+- The forward's rows are every session's tree rows end to end: input_ids and position_ids (1, N), N = sum R_b (no
+  padding rows). Embeddings, projections, norms, the MoE block, the rotary tables and the LM head work row by row,
+  so they run once over all N rows, as in the single-session forward.
+- Attention (the ``hycoc_ragged`` function registered in transformers' ``AttentionInterface``, used only inside
+  `batch_forward`) splits the queries by session and calls transformers' own ``sdpa_attention_forward`` for each
+  over that session's keys only -- its cached positions and its new rows, with its own tree mask (the single-session
+  mask, `hycoc.verifier.tree.additive_masks`). A session's attention costs what it costs alone.
+- KV: `_RaggedCache.update` hands each session's new rows to its own cache layer (``DynamicLayer`` /
+  `SlidingWindowLayer` ``update``, exactly the single-session call), so nothing is stacked, copied into a padded
+  tensor or copied back; the transient memory of a round is its own rows' activations.
 
-Numerics: a session's rows in a batch see exactly the keys they see alone, but BLAS sums in another order, so
-logits differ by float32 rounding (max |diff| measured in tests/test_batched_verify.py, ~1e-6 on soft-capped logits);
-samples come from each session's own generator (R_b uniforms per round, never for padding rows, whatever the
-batch order), so T = 0 text and seeded samples equal the session run alone.
+What it costs: one Python-level attention call per session and layer (n x layers calls; a masked varlen kernel
+such as FlashInfer's custom-mask prefill would fuse them on a GPU) plus what every session pays alone for its
+cache update. n == 1 takes exactly the single-session path (`Session.verify`'s forward).
+
+Numerics: a session's attention sees exactly its keys alone, with the same mask and the same kernel; the
+row-wise matrix products run with N rows instead of R_b, which BLAS may sum in another order, so float32 logits
+differ by rounding (max |diff| ~1e-5 on soft-capped logits, tests/test_batched_verify.py). Samples come from each
+session's own generator (R_b uniforms per round, whatever the batch order), so T = 0 text and seeded samples equal
+the session run alone. bfloat16 on the CPU: the batched logits equal the alone-run's bit for bit (torch's CPU bf16
+matrix products accumulate each row alone; tests/test_kv_cache.py). On a GPU, cuBLAS picks its kernels (split-K)
+by the row count, so bf16 logits may differ by bf16 rounding and a near-tie could flip a T = 0 token: there the
+guarantee is float32 only, not measured here (no GPU).
 
 Not thread-safe (like the engine): one call at a time per engine.
 """
@@ -41,24 +46,28 @@ Not thread-safe (like the engine): one call at a time per engine.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hycoc.protocol.messages import RoundReply
 
 from .engine import PendingRound, Session, VerifierEngine, verify_tree
-from .tree import ancestor_matrix, tree_depths
+from .kv_cache import window_start
+from .tree import additive_masks, ancestor_matrix, tree_depths
+
+RAGGED_ATTENTION = "hycoc_ragged"
 
 
 @dataclass
 class BatchStats:
     """What one `verify_batch` call did: rows and sessions in its forward (0 when no round needed one),
-    forward_ms (the forward, incl. stacking the caches and appending the new rows back), total_ms (the call up to
-    its last reply)."""
+    forward_ms (the forward, incl. appending each session's new rows to its cache), total_ms (the call up to its
+    last reply)."""
 
     rows: int = 0
     sessions: int = 0
@@ -66,137 +75,80 @@ class BatchStats:
     total_ms: float = 0.0
 
 
-def batch_masks(t: torch.Tensor, pos: torch.Tensor, visible_rows: torch.Tensor, rows: torch.Tensor, length: int,
-                sliding_window: int | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The per-session tree masks of one batched forward (Alg. 4 line 2, one block per session).
-
-    t: int64 (n,), cached positions per session. pos: int64 (n, R), each row's position (t_b + depth). visible_rows:
-    bool (n, R, R), the ancestor-or-self matrix of each session's tree, padded (padding rows see themselves only).
-    rows: int64 (n,), each session's real row count R_b. length: L_max, the padded cache length (>= max t).
-    Returns {"full_attention", "sliding_attention"}: (n, 1, R, L_max + R) additive masks of ``dtype`` (0 visible,
-    finfo.min not): a real row sees columns [0, t_b) (key position = column) and its visible new rows (key position
-    = their pos); sliding layers also need q - p < sliding_window. For one session (n = 1, L_max = t) this equals
-    `hycoc.verifier.tree.additive_masks`.
-    """
-    device = pos.device
-    n, r = pos.shape
-    col = torch.arange(length, device=device)
-    real = torch.arange(r, device=device)[None, :] < rows[:, None]                        # (n, R)
-    cached = (col[None, None, :] < t[:, None, None]) & real[:, :, None]                  # (n, R, L)
-    visible = torch.cat([cached, visible_rows], dim=-1)                                   # (n, R, L + R)
-    key_pos = torch.cat([col[None, :].expand(n, length), pos], dim=-1)                    # (n, L + R)
-    in_window = visible
-    if sliding_window is not None:
-        in_window = visible & (pos[:, :, None] - key_pos[:, None, :] < sliding_window)
-    neg = torch.finfo(dtype).min
-
-    def to_additive(ok: torch.Tensor) -> torch.Tensor:
-        return torch.where(ok, 0.0, neg).to(dtype)[:, None]
-
-    return {"full_attention": to_additive(visible), "sliding_attention": to_additive(in_window)}
+class _PerSession(list):
+    """One tensor per session (keys, values or masks of one layer) where transformers passes a batch tensor."""
 
 
-def _stored_layers(engine: VerifierEngine) -> list[int]:
-    """Indices of the layers that keep their own KV in a cache (every layer but the KV-shared "reuse" ones)."""
-    modes = getattr(engine.model.config, "kv_sharing_modes", None) or [None] * engine.model.config.num_hidden_layers
-    return [i for i, mode in enumerate(modes) if mode != "reuse"]
+def ragged_attention(module, query, key, value, attention_mask, *, spans=None, **kwargs):
+    """Attention of a ragged batch (module docstring): query (1, heads, N, d) of the sessions' rows end to end;
+    key, value, attention_mask: `_PerSession` lists, session b's (1, kv_heads, L_b + R_b, d) keys and values and its
+    (1, 1, R_b, L_b + R_b) additive mask; spans: the (lo, hi) rows of each session. Returns (1, N, heads, d) and
+    None, as ``sdpa_attention_forward``. Given plain tensors (a single-session forward) it is
+    ``sdpa_attention_forward`` itself."""
+    if not isinstance(key, _PerSession):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    outs = [sdpa_attention_forward(module, query[:, :, lo:hi], k, v, m, **kwargs)[0]
+            for (lo, hi), k, v, m in zip(spans, key, value, attention_mask)]
+    return torch.cat(outs, dim=1), None
 
 
-def _layer_kv(cache: DynamicCache, i: int, t: int):
-    """Keys, values (1, kv_heads, t, head_dim) of layer i's first t positions, or None if it holds none."""
-    if i >= len(cache.layers) or t == 0:
-        return None
-    layer = cache.layers[i]
-    if not (layer.is_initialized and layer.keys.numel()):
-        return None
-    return layer.keys[..., :t, :], layer.values[..., :t, :]
+AttentionInterface.register(RAGGED_ATTENTION, ragged_attention)
+
+
+class _RaggedCache:
+    """The cache argument of a ragged forward: layer i's update gives each session's rows to its own cache and
+    returns the per-session keys and values each session's attention reads (`ragged_attention`)."""
+
+    def __init__(self, caches, spans):
+        self.caches, self.spans = caches, spans
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = _PerSession(), _PerSession()
+        for cache, (lo, hi) in zip(self.caches, self.spans):
+            k, v = cache.update(key_states[:, :, lo:hi], value_states[:, :, lo:hi], layer_idx)
+            keys.append(k)
+            values.append(v)
+        return keys, values
+
+
+@contextmanager
+def _attention(model, name: str):
+    """Run the model with attention implementation ``name``, restoring its own afterwards."""
+    before = model.config._attn_implementation
+    model.config._attn_implementation = name
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = before
 
 
 @torch.inference_mode()
-def batch_forward(engine: VerifierEngine, caches: list[DynamicCache], ts: list[int], tokens: list[np.ndarray],
+def batch_forward(engine: VerifierEngine, caches: list, ts: list[int], tokens: list[np.ndarray],
                   parents: list[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Alg. 4 lines 1-3 for n sessions in one forward (module docstring: the layout and its cost).
+    """Alg. 4 lines 1-3 for n sessions in one forward over their rows end to end (module docstring).
 
     caches: each session's cache holding exactly its ts[b] positions. tokens, parents: each session's tree rows
     (int (R_b,), valid trees). Appends each session's R_b new rows' KV to its own cache (as `verify_tree` does).
     Returns per session (float32 logits (R_b, V), pre-norm rows (R_b, H), post-norm rows (R_b, H)).
     """
     model, dev = engine.model, engine.device
-    n = len(caches)
     counts = [len(x) for x in tokens]
-    r_max, length = max(counts), max(ts)
-    ids = torch.zeros(n, r_max, dtype=torch.long)
-    pos = torch.zeros(n, r_max, dtype=torch.long)
-    visible = torch.eye(r_max, dtype=torch.bool).repeat(n, 1, 1)      # padding rows: themselves only
-    for b in range(n):
-        rb = counts[b]
-        ids[b, :rb] = torch.as_tensor(tokens[b])
-        pos[b, :] = ts[b]
-        pos[b, :rb] += torch.as_tensor(tree_depths(parents[b]))
-        visible[b, :rb, :rb] = torch.as_tensor(ancestor_matrix(parents[b]))
-    ids, pos, visible = ids.to(dev), pos.to(dev), visible.to(dev)
-    t = torch.as_tensor(ts, device=dev)
-    masks = batch_masks(t, pos, visible, torch.as_tensor(counts, device=dev), length,
-                        model.config.sliding_window, engine.dtype)
-
-    # The padded batch cache: session b's [0, t_b) at columns [0, t_b) of each stored layer, the R_max new rows
-    # written in place at [L_max, L_max + R_max) by the forward (`_SlotLayer`).
-    stored = set(_stored_layers(engine))
-    batch_cache = DynamicCache()
-    for i in range(model.config.num_hidden_layers):
-        parts = [_layer_kv(c, i, tb) for c, tb in zip(caches, ts)] if i in stored else [None] * n
-        shape = next((p[0].shape for p in parts if p is not None), None)
-        if shape is None:
-            batch_cache.layers.append(DynamicLayer())   # KV-shared, or nothing cached yet (all t_b == 0)
-            continue
-        k = torch.zeros((n, shape[1], length + r_max, shape[3]), dtype=engine.dtype, device=dev)
-        v = torch.zeros_like(k)
-        for b, p in enumerate(parts):
-            if p is not None:
-                k[b, :, :ts[b]], v[b, :, :ts[b]] = p[0][0], p[1][0]
-        batch_cache.layers.append(_SlotLayer(k, v, length))
-    out = model(input_ids=ids, position_ids=pos, attention_mask=masks, cache=batch_cache, use_cache=True)
-
-    # Each session's new rows back into its own cache (storage positions t_b .. t_b + R_b - 1).
-    for i, layer in enumerate(batch_cache.layers):
-        if i not in stored or not (layer.is_initialized and layer.keys.numel()):
-            continue
-        start = layer.length if isinstance(layer, _SlotLayer) else 0
-        for b, cache in enumerate(caches):
-            _append(cache, i, layer.keys[b:b + 1, :, start:start + counts[b]],
-                    layer.values[b:b + 1, :, start:start + counts[b]], ts[b])
-    logits, pre, post = out.logits.float(), engine.tap.pre, engine.tap.post
-    return [(logits[b, :counts[b]], pre[b, :counts[b]], post[b, :counts[b]]) for b in range(n)]
-
-
-class _SlotLayer(DynamicLayer):
-    """A batch-cache layer over preallocated (n, kv_heads, L + R, head_dim) keys and values whose first L columns
-    hold the sessions' KV: `update` writes the forward's R new rows at [L, L + R) in place and returns the whole
-    tensors (a ``DynamicLayer`` would concatenate, copying the stacked KV once more)."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
-        super().__init__()
-        self.keys, self.values, self.length = keys, values, length
-        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        r = key_states.shape[-2]
-        if self.length + r != self.keys.shape[-2]:
-            raise ValueError(f"batch cache slot holds {self.keys.shape[-2] - self.length} new rows, the forward "
-                             f"wrote {r}")
-        self.keys[..., self.length:, :] = key_states
-        self.values[..., self.length:, :] = value_states
-        return self.keys, self.values
-
-
-def _append(cache: DynamicCache, i: int, keys: torch.Tensor, values: torch.Tensor, t: int) -> None:
-    """Append rows to layer i of a session's cache (which holds t positions there; creates the layer if empty)."""
-    if i < len(cache.layers) and cache.layers[i].is_initialized:
-        layer = cache.layers[i]
-        layer.keys = torch.cat([layer.keys[..., :t, :], keys], dim=-2)
-        layer.values = torch.cat([layer.values[..., :t, :], values], dim=-2)
-    else:
-        cache.update(keys.contiguous(), values.contiguous(), i)
+    bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    ids = torch.as_tensor(np.concatenate(tokens), dtype=torch.long, device=dev)
+    pos, masks = [], {"full_attention": _PerSession(), "sliding_attention": _PerSession()}
+    for cache, t, tk, pa in zip(caches, ts, tokens, parents):
+        p = torch.as_tensor(t + tree_depths(pa), device=dev)
+        m = additive_masks(p, torch.as_tensor(ancestor_matrix(pa), device=dev), t, model.config.sliding_window,
+                           engine.dtype, window_start(cache, t))
+        pos.append(p)
+        for kind in masks:
+            masks[kind].append(m[kind])
+    with _attention(model, RAGGED_ATTENTION):
+        out = model(input_ids=ids[None], position_ids=torch.cat(pos)[None], attention_mask=masks,
+                    cache=_RaggedCache(caches, spans), use_cache=True, spans=spans)
+    logits, pre, post = out.logits[0].float(), engine.tap.pre[0], engine.tap.post[0]
+    return [(logits[lo:hi], pre[lo:hi], post[lo:hi]) for lo, hi in spans]
 
 
 def verify_batch(engine: VerifierEngine, rounds: list[tuple[Session, object, object, int]],

@@ -64,9 +64,10 @@ def build_random_head(head_config_dict: dict, backbone_hidden_size: int, device:
 
 
 def random_cache(model, context: int, device):
-    """A ``DynamicCache`` (no config: every layer keeps all positions, as the engine's) holding ``context`` random
-    positions in every layer that stores KV. One 1-token forward creates the layers; their keys and values are then
-    replaced by standard-normal (1, kv_heads, context, head_dim) tensors in the model's dtype."""
+    """A ``DynamicCache`` (no config: every layer keeps all positions -- the engine's layout before its sliding
+    layers kept only their window, `hycoc.verifier.kv_cache`; sliding layers cost an upper bound here) holding
+    ``context`` random positions in every layer that stores KV. One 1-token forward creates the layers; their keys
+    and values are then replaced by standard-normal (1, kv_heads, context, head_dim) tensors in the model's dtype."""
     import torch
     from transformers import DynamicCache
 

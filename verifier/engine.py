@@ -10,9 +10,12 @@ its algorithm lines:
     compact_kv     (line 13)     keep [0, t) + root + path at positions t .. t + |P|, drop the other rows
     pack_handoff   (line 14)     H = (t', a, [e(b); h_v*], KV rows [a, t') of two layers), int8, fixed scales
 
-The cache is a ``DynamicCache()`` built WITHOUT a config: transformers 5.24 then gives every layer a plain
-``DynamicLayer`` that keeps all positions (with a config, sliding layers would keep only their last window and
-could not be compacted by position). Sliding-window correctness comes from the masks alone.
+The cache is `hycoc.verifier.kv_cache.session_cache`: transformers' hybrid ``DynamicCache(config=...)`` whose
+sliding layers keep their window (plus the round's rows) and stay compactable by position, and whose global layers
+keep the context. A layer's column c holds position ``start + c``; the masks cover exactly the keys each layer type
+returns (`additive_masks`' ``sliding_start``). The sliding layers keep enough positions
+(`hycoc.verifier.kv_cache.retained_positions`) that the hand-off and the server-side heads read what they read
+from a full-length cache.
 
 h, "the last hidden state before the final norm" (Alg. 4 line 3): transformers' ``hidden_states[-1]`` is NOT that
 tensor -- ``capture_outputs(tie_last_hidden_states=True)`` overwrites it with the post-norm ``last_hidden_state``.
@@ -46,6 +49,8 @@ from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 from .acceptance import select_exact, select_path
 from .errors import (BadRequest, ContextOverflow, NotPrefilled, RootMismatch, SequenceError, SessionFinished,
                      TreeError)
+from .kv_cache import (KVLayout, first_position, kv_bytes_per_session, kv_positions, retained_positions,
+                       session_cache, stores_kv, trim_windows, window_start)
 from .sampling import sample_rows, sampling_probs
 from .tree import additive_masks, ancestor_matrix, tree_depths, validate_tree
 
@@ -123,20 +128,25 @@ def quantize_int8(x: torch.Tensor, scale: float) -> np.ndarray:
 
 def layer_rows(cache: DynamicCache, layer: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
     """KV rows of positions [start, stop) of one layer, heads flattened: two (stop - start, kv_heads * head_dim)."""
-    k, v = cache.layers[layer].keys, cache.layers[layer].values  # (1, kv_heads, L, head_dim)
+    k, v = kv_positions(cache.layers[layer], start, stop)  # (1, kv_heads, stop - start, head_dim)
 
     def flat(x):
-        return x[0, :, start:stop].transpose(0, 1).reshape(stop - start, -1)
+        return x[0].transpose(0, 1).reshape(stop - start, -1)
 
     return flat(k), flat(v)
 
 
 @torch.inference_mode()
 def crop_cache(cache: DynamicCache, length: int) -> None:
-    """Drop every position >= length in every layer (undo a forward that did not complete a round)."""
+    """Drop every position >= length in every layer (undo a forward that did not complete a round). Raises
+    ValueError if a sliding layer no longer holds position length - 1 (nothing would be left to crop to)."""
     for layer in cache.layers:
-        if layer.is_initialized and layer.keys.numel():
-            layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+        if stores_kv(layer):
+            n = length - first_position(layer)
+            if n < 0:
+                raise ValueError(f"cannot crop to {length} positions: this layer keeps positions from "
+                                 f"{first_position(layer)}")
+            layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
 
 
 def fitting_rows(parents: np.ndarray, room: int) -> np.ndarray:
@@ -175,17 +185,18 @@ def prefill(model, cache: DynamicCache, tap: NormTap, ids: torch.Tensor, chunk: 
     conversation, `Session.append`).
 
     Each chunk uses the same explicit masks as the tree rounds (a chain is a tree), so prefill and rounds share
-    one mask convention. Returns the final norm's (pre, post) rows of the last position, each (H,), or None if
-    T == 0.
+    one mask convention; after each chunk the sliding layers drop what fell out of their window. Returns the final
+    norm's (pre, post) rows of the last position, each (H,), or None if T == 0.
     """
     t, n_total = start, start + len(ids)
     while t < n_total:
         n = min(chunk, n_total - t)
         pos = torch.arange(t, t + n, device=ids.device)
         causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
-        masks = additive_masks(pos, causal, t, model.config.sliding_window, dtype)
+        masks = additive_masks(pos, causal, t, model.config.sliding_window, dtype, window_start(cache, t))
         model(input_ids=ids[None, t - start:t - start + n], position_ids=pos[None], attention_mask=masks,
               cache=cache, use_cache=True, logits_to_keep=1)
+        trim_windows(cache)   # sliding layers back to their retained window: a long prompt never holds more
         t += n
     if n_total == 0:
         return None
@@ -199,13 +210,13 @@ def verify_tree(model, cache: DynamicCache, tap: NormTap, tokens: torch.Tensor, 
 
     tokens: int64 (R,) on the model's device; parents: int (R,), a valid tree. Row j takes position
     t + depth(j) and attends to [0, t), its ancestor rows and itself (sliding layers: within their window).
-    Appends the R rows' KV to every cache layer (at storage positions t .. t+R-1). Returns float32 logits (R, V)
-    (soft-capped, as transformers computes them) and the final norm's input and output rows, each (R, H).
+    Appends the R rows' KV to every cache layer (positions t .. t+R-1 in storage order). Returns float32 logits
+    (R, V) (soft-capped, as transformers computes them) and the final norm's input and output rows, each (R, H).
     """
     device = tokens.device
     pos = torch.as_tensor(t + tree_depths(parents), device=device)
     visible = torch.as_tensor(ancestor_matrix(parents), device=device)
-    masks = additive_masks(pos, visible, t, model.config.sliding_window, dtype)
+    masks = additive_masks(pos, visible, t, model.config.sliding_window, dtype, window_start(cache, t))
     out = model(input_ids=tokens[None], position_ids=pos[None], attention_mask=masks, cache=cache, use_cache=True)
     return out.logits[0].float(), tap.pre[0], tap.post[0]
 
@@ -214,23 +225,25 @@ def verify_tree(model, cache: DynamicCache, tap: NormTap, tokens: torch.Tensor, 
 def compact_kv(cache: DynamicCache, t: int, path_rows: np.ndarray) -> None:
     """Alg. 4 line 13: keep positions [0, t), then the root row and the path rows at t .. t + |P|.
 
-    The cache holds [0, t) followed by the R tree rows. One gather per layer and tensor moves the kept rows
-    (root row 0 and path_rows, which are increasing) into place; the rest is cut off. Every layer's length
-    becomes t + 1 + |P|.
+    Each layer holds positions [start, t) followed by the R tree rows (start > 0 in a sliding layer past its
+    window). One gather per layer and tensor moves the kept rows (root row 0 and path_rows, which are increasing)
+    into place; the rest is cut off. Every layer then holds [start, t + 1 + |P|).
     """
-    keep = t + np.concatenate([[0], path_rows]).astype(np.int64)
+    keep = np.concatenate([[0], path_rows]).astype(np.int64)
     n = len(keep)
-    on_device: dict[torch.device, torch.Tensor] = {}  # one host-to-device copy of the rows per round, not per layer
+    on_device: dict[tuple, torch.Tensor] = {}  # one host-to-device copy of the rows per round and start
     for layer in cache.layers:
-        if not (layer.is_initialized and layer.keys.numel()):
+        if not stores_kv(layer):
             continue  # KV-shared layers store nothing
-        idx = on_device.get(layer.keys.device)
+        c = t - first_position(layer)             # storage column of position t
+        key = (layer.keys.device, c)
+        idx = on_device.get(key)
         if idx is None:
-            idx = on_device[layer.keys.device] = torch.as_tensor(keep, device=layer.keys.device)
+            idx = on_device[key] = torch.as_tensor(keep + c, device=layer.keys.device)
         for name in ("keys", "values"):
             x = getattr(layer, name)
-            x[..., t:t + n, :] = x.index_select(-2, idx)  # the gather copies first: no overlap hazard
-            setattr(layer, name, x[..., :t + n, :])
+            x[..., c:c + n, :] = x.index_select(-2, idx)  # the gather copies first: no overlap hazard
+            setattr(layer, name, x[..., :c + n, :])
 
 
 @torch.inference_mode()
@@ -264,14 +277,17 @@ def draft_cloud_chain(model, head, cache: DynamicCache, layers: dict[str, int], 
     As transformers' ``SinglePositionMultiTokenCandidateGenerator``: input [e(root); h_{t-1}], a constant query
     position (t + position_offset; transformers uses offset 0, the paper -1), the head's own forward and masks
     (full layer: every key given; sliding layer: its own window), then [e(y_k); h'_k] fed back. Unlike it, the
-    shared KV is exactly the committed positions [0, t) -- never a rejected tree row. Returns K token ids.
+    shared KV is exactly committed positions before t -- never a rejected tree row. Returns K token ids.
     """
     if t == 0 or k == 0:
         return []
     shared = {}
     for kind, i in layers.items():
+        # [0, t) of the full layer; of the sliding one its retained window [t - retain, t), which holds the head's
+        # own sliding window (the head's masks count keys from the end: position invariant)
         layer = cache.layers[i]
-        shared[kind] = (layer.keys[..., :t, :].to(head.dtype), layer.values[..., :t, :].to(head.dtype))
+        keys, values = kv_positions(layer, max(first_position(layer), t - getattr(layer, "retain", t)), t)
+        shared[kind] = (keys.to(head.dtype), values.to(head.dtype))
     pos = torch.tensor([[t + position_offset]], device=h.device)
     x = torch.cat([model.model.embed_tokens(torch.tensor([root], device=h.device))[0], h])
     chain = []
@@ -297,8 +313,8 @@ def draft_server_chain(model, head, cache: DynamicCache, layers: dict[str, int],
     lo = max(0, t - window)
     shared = {}
     for kind, i in layers.items():
-        layer = cache.layers[i]
-        shared[kind] = (layer.keys[..., lo:t, :].to(head.dtype), layer.values[..., lo:t, :].to(head.dtype))
+        keys, values = kv_positions(cache.layers[i], lo, t)
+        shared[kind] = (keys.to(head.dtype), values.to(head.dtype))
     n = t - lo  # column c holds position lo + c; the query sits just after the last one
     q = torch.tensor([[n]], device=h.device)
     sliding = min(window, head.config.get_text_config().sliding_window)
@@ -339,9 +355,11 @@ class VerifierEngine:
         (default: config.max_position_embeddings). prefill_chunk: prompt positions per prefill forward.
     device: where token tensors are created (the model's device).
 
-    Attributes for the server's Opened reply: max_context, vocab_size, hidden_size, kv_dim_sliding, kv_dim_full;
-    kv_bytes_per_position: bytes of K and V one position holds over all layers that store KV (the server's KV
-    budget reserves it per session).
+    Attributes for the server's Opened reply: max_context, vocab_size, hidden_size, kv_dim_sliding, kv_dim_full.
+    KV: kv_retain, the committed positions a sliding layer keeps (`hycoc.verifier.kv_cache.retained_positions`);
+    kv_layout, its `KVLayout`; kv_bytes_per_position, bytes of K and V one position would hold over all layers
+    that store KV if every layer kept every position (the layout before sliding windows). `session_kv_bytes` is
+    what the server's KV budget reserves per session.
     """
 
     def __init__(self, model, *, head=None, keep_set: torch.Tensor | None = None, head_window: int,
@@ -379,7 +397,24 @@ class VerifierEngine:
         stored = [layer.self_attn.k_proj.out_features for layer, mode in zip(attn, cfg.kv_sharing_modes)
                   if mode != "reuse"]
         self.kv_bytes_per_position = 2 * int(sum(stored)) * torch.finfo(self.dtype).bits // 8
+        self._head_sliding_window = (self.head.config.get_text_config().sliding_window if self.head is not None
+                                     else None)
+        self.kv_retain = retained_positions(cfg, self.head_window, self._head_sliding_window)
+        self.kv_layout = KVLayout.from_config(cfg, torch.finfo(self.dtype).bits // 8, self.kv_retain)
         self.tap = NormTap(model)
+
+    def new_cache(self):
+        """An empty session cache (`hycoc.verifier.kv_cache.session_cache`)."""
+        return session_cache(self.model.config, self.kv_retain)
+
+    def session_kv_bytes(self, positions: int, tree_rows: int) -> int:
+        """KV bytes a session holds at its largest when its positions (committed plus a round's rows) reach
+        ``positions`` and a round adds at most ``tree_rows`` rows (`hycoc.verifier.kv_cache.kv_bytes_per_session`
+        for this engine's model, dtype, W and head); Cloud+MTP's root + K-chain is counted too."""
+        return kv_bytes_per_session(self.model.config, int(positions),
+                                    tree_rows=max(int(tree_rows), self.chain_length + 1),
+                                    handoff_window=self.head_window, dtype_bytes=torch.finfo(self.dtype).bits // 8,
+                                    head_sliding_window=self._head_sliding_window)
 
     def open(self, prompt_ids, sampling: Sampling = Sampling(), seed: int = 0, acceptance: str = "epsilon",
              epsilon: float = 0.005, draft_place: str = "device", max_new_tokens: int = 1024) -> "Session":
@@ -554,7 +589,7 @@ class Session:
         if self.prefill_ms is not None or self.cache is not None:
             raise SessionFinished("this session is already prefilled (or being prefilled)")
         eng = self.engine
-        self.cache = DynamicCache()  # no config: sliding layers keep every position (see module docstring)
+        self.cache = eng.new_cache()
         ids = torch.as_tensor(self.prompt[:-1], device=eng.device)
 
         def done(last, ms: float) -> tuple[float, int]:

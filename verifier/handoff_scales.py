@@ -42,7 +42,7 @@ def measure_handoff_scales(recipe, *, prompts: int = 16, max_new_tokens: int = 2
             ids = chat.prompt(text)
             seq = ids + greedy_answer(model, ids, max_new_tokens, stops)
             x = torch.tensor([seq], device=model.device)
-            cache = DynamicCache()  # no config: every layer keeps every position, as the engine's
+            cache = DynamicCache()  # no config: every layer keeps every position (the scales see all of them)
             with torch.inference_mode():
                 model(input_ids=x, cache=cache, use_cache=True)
             with torch.inference_mode():

@@ -50,8 +50,9 @@ is counted in ``hycoc_refusals_total{kind=...}`` on /metrics, kind = the limit's
     idle_timeout       300 s   an open session without a frame: KV freed, ERROR idle_timeout, close
     max_connections     256    TCP connections at once; more get ``HTTP 503`` with ``Retry-After`` and are closed
     max_sessions         64    open (or opening) sessions; an OPEN over it gets ERROR too_many_sessions
-    max_kv_bytes      8 GiB    KV reserved by sessions: (prompt + max_new_tokens + B + 1, up to max_context) x the
-                               engine's kv_bytes_per_position; an OPEN over it gets ERROR kv_budget_exhausted
+    max_kv_bytes      8 GiB    KV reserved by sessions: what a session holds at (prompt + max_new_tokens + B + 1,
+                               up to max_context) positions, sliding layers capped at their window + B + 1
+                               (`VerifierEngine.session_kv_bytes`); an OPEN over it gets ERROR kv_budget_exhausted
     auth_failures_per_minute 10  refused auth attempts per peer address; more get ``HTTP 429`` at the upgrade and
                                ERROR auth_rate_limited on OPEN, before any token is compared
     retry_after_s        5 s   the hint in ``Retry-After`` and in the message of the three capacity refusals
@@ -733,7 +734,7 @@ class VerifierServer:
             raise TooManySessions(f"{len(self.sessions) + self._opening} sessions are open, max_sessions = "
                                   f"{lim.max_sessions}; {retry}")
         positions = min(eng.max_context, len(req.prompt_ids) + int(req.max_new_tokens) + self.tree_rows)
-        need = positions * eng.kv_bytes_per_position
+        need = eng.session_kv_bytes(positions, self.tree_rows)
         if self.metrics.kv_bytes_reserved + need > lim.max_kv_bytes:
             self.metrics.refusals["max_kv_bytes"] += 1
             raise KvBudgetExhausted(f"this request needs {need} KV bytes ({positions} positions), "
@@ -983,7 +984,7 @@ class VerifierServer:
         session = conn.session
         positions = min(eng.max_context, len(session.tokens) + len(msg.tokens) + int(msg.max_new_tokens)
                         + self.tree_rows)
-        need = positions * eng.kv_bytes_per_position - conn.kv_bytes
+        need = eng.session_kv_bytes(positions, self.tree_rows) - conn.kv_bytes
         if need > 0 and self.metrics.kv_bytes_reserved + need > lim.max_kv_bytes:
             self.metrics.refusals["max_kv_bytes"] += 1
             raise KvBudgetExhausted(f"the next turn needs {need} more KV bytes, {self.metrics.kv_bytes_reserved} of "

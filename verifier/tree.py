@@ -66,14 +66,17 @@ def additive_masks(
     t: int,
     sliding_window: int | None,
     dtype: torch.dtype,
+    sliding_start: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Masks for R new rows written after the t cached positions: keys [0, t) then the R rows.
 
     query_pos: int64 (R,), each row's position. visible_rows: bool (R, R), which new rows each row sees (the
-    ancestor matrix for a tree, lower-triangular for a chunk of a prompt). Returns {"full_attention",
-    "sliding_attention"}: each (1, 1, R, t + R) of ``dtype``, 0 where visible, ``finfo(dtype).min`` (finite) where
-    not. Every cached position p < t is visible to a full layer (p < t <= q); a sliding layer also needs
-    q - p < sliding_window, and that rule applies to the visible new rows too.
+    ancestor matrix for a tree, lower-triangular for a chunk of a prompt). sliding_start: the first cached
+    position the sliding layers return (`hycoc.verifier.kv_cache.window_start`: they keep only their window).
+    Returns {"full_attention": (1, 1, R, t + R), "sliding_attention": (1, 1, R, t - sliding_start + R)} of
+    ``dtype``, 0 where visible, ``finfo(dtype).min`` (finite) where not. Every cached position p < t is visible to
+    a full layer (p < t <= q); a sliding layer also needs q - p < sliding_window, and that rule applies to the
+    visible new rows too.
     """
     device = query_pos.device
     key_pos = torch.cat([torch.arange(t, device=device), query_pos])  # (t + R,)
@@ -86,7 +89,7 @@ def additive_masks(
     def to_additive(ok: torch.Tensor) -> torch.Tensor:
         return torch.where(ok, 0.0, neg).to(dtype)[None, None]
 
-    return {"full_attention": to_additive(visible), "sliding_attention": to_additive(in_window)}
+    return {"full_attention": to_additive(visible), "sliding_attention": to_additive(in_window[:, sliding_start:])}
 
 
 def tree_masks(parents, t: int, sliding_window: int | None, dtype: torch.dtype = torch.float32,
