@@ -82,8 +82,7 @@ def main(argv=None) -> None:
     from rich.table import Table
 
     from hycoc.bench.datasets import load_spec_bench
-    from hycoc.chat import format_prompt
-    from hycoc.models import load_tokenizer
+    from hycoc.chat_template import chat_from_recipe
     from hycoc.progress import step
     from hycoc.protocol.messages import Sampling
     from hycoc.recipe import load_recipe
@@ -92,13 +91,13 @@ def main(argv=None) -> None:
 
     recipe = load_recipe(args.recipe)
     torch.set_num_threads(args.threads or recipe.verifier.threads or 1)
-    tok = load_tokenizer(recipe.model_path("tokenizer"))
+    chat = chat_from_recipe(recipe)
     engine = engine_from_recipe(recipe, "cpu")
     s = recipe.sampling
     sampling = Sampling(s.temperature, s.top_k, s.top_p)
     counts = [int(x) for x in args.sessions.split(",")]
     questions = load_spec_bench(args.dataset)[: max(counts)]
-    prompts = [np.array(format_prompt(tok, q.turns[0]), dtype=np.int64) for q in questions]
+    prompts = [np.array(chat.prompt(q.turns[0]), dtype=np.int64) for q in questions]
     memo: dict = {}
 
     def tree(i, session):
@@ -235,23 +234,22 @@ def _setup(args):
     import torch
 
     from hycoc.bench.datasets import load_spec_bench
-    from hycoc.chat import format_prompt
-    from hycoc.models import load_tokenizer
+    from hycoc.chat_template import chat_from_recipe
     from hycoc.protocol.messages import Sampling
     from hycoc.recipe import load_recipe
     from hycoc.verifier.loading import engine_from_recipe
 
     recipe = load_recipe(args.recipe)
     torch.set_num_threads(args.threads or recipe.verifier.threads or 1)
-    tok = load_tokenizer(recipe.model_path("tokenizer"))
+    chat = chat_from_recipe(recipe)
     engine = engine_from_recipe(recipe, "cpu")
     if args.prefill_chunk:
         engine.prefill_chunk = int(args.prefill_chunk)
     s = recipe.sampling
     questions = load_spec_bench(args.dataset)
-    short = [np.array(format_prompt(tok, q.turns[0]), dtype=np.int64) for q in questions[:15]]
+    short = [np.array(chat.prompt(q.turns[0]), dtype=np.int64) for q in questions[:15]]
     text = "\n\n".join(turn for q in questions for turn in q.turns)
-    long = np.array(format_prompt(tok, text), dtype=np.int64)
+    long = np.array(chat.prompt(text), dtype=np.int64)
     if len(long) < args.long_tokens:
         raise SystemExit(f"--long-tokens {args.long_tokens}: the dataset gives only {len(long)} tokens")
     if args.long_tokens + 64 > engine.max_context:

@@ -52,7 +52,7 @@ BATCH = 64
 class CalibrationAnswers:
     """The verifier's greedy answers to the calibration prompts.
 
-    train / eval: lists of (prompt ids, answer ids), prompt ids chat-formatted (`hycoc.chat.format_prompt`), the
+    train / eval: lists of (prompt ids, answer ids), prompt ids chat-formatted (`hycoc.chat.Chat.prompt`), the
     answer cut after its first stop id and at ``train_cap`` / ``eval_cap`` tokens; source: where the prompts came
     from (for reports).
     """
