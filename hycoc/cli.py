@@ -43,6 +43,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # click's plain help: it wraps every paragraph and default to the terminal's width (rich's panels cut long
+    # defaults and paths with "…" at 80 columns); https://typer.tiangolo.com/tutorial/commands/help/#rich-markdown-and-markup
+    rich_markup_mode=None,
 )
 
 def _print_version(value: bool) -> None:
@@ -93,6 +96,12 @@ class RunMode(str, Enum):
 class Backend(str, Enum):
     htp = "htp"
     cpu = "cpu"
+
+
+class TableFormat(str, Enum):
+    table = "table"
+    markdown = "markdown"
+    csv = "csv"
 
 
 class Device(str, Enum):
@@ -651,6 +660,12 @@ def bench(
         2, min=1, max=2, help="2: questions with a second turn (MT-bench) continue on the same session with the "
         "configuration's own first answer in the conversation, as the paper's SB-480 (KV kept; per-turn table of "
         "prefill ms saved, g, MAT); 1: first turns only"),
+    remeasure_cost_model: bool = typer.Option(
+        False, "--remeasure-cost-model", help="measure the cost model again even when OUT/cost_model.json exists "
+        "(--resume reuses it, so the summary stays as it was)"),
+    table_format: TableFormat = typer.Option(
+        TableFormat.table, "--format", help="how the results are printed: table (fit to the terminal's width, or "
+        "COLUMNS, 120 when redirected), markdown or csv"),
 ) -> None:
     """Benchmark every configuration on the same prompts, verifier and seed (paper Table 2, App. G).
 
@@ -694,7 +709,8 @@ def bench(
                      turns=turns)
     try:
         run_bench(cfg, recipe, plan, bundle_dir=bundle_dir, backend=_bundle_backend(bundle_dir, backend),
-                  resume=resume, cost_model_path=cost_model)
+                  resume=resume, cost_model_path=cost_model, remeasure_cost_model=remeasure_cost_model,
+                  fmt=table_format.value)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     except (BenchError, BundleError, TransportError, CostModelError) as e:

@@ -98,6 +98,9 @@ class CostPoint(BaseModel):
     rows: int = Field(ge=1, description="rows of the forward: R tree rows, 1 head query, n prefill positions")
     context: int = Field(ge=0, description="t, positions already in the KV cache")
     ms: float = Field(gt=0, allow_inf_nan=False, description="median milliseconds of the forward")
+    samples_ms: list[float] | None = Field(
+        None, description="every timed repetition behind ms, in measurement order (absent in files that predate "
+        "them); `bootstrap_tables` resamples them for the projection's interval")
 
 
 class CostModel(BaseModel):
@@ -371,6 +374,67 @@ def projected_g(model: CostModel, rounds, output_tokens: int) -> float:
     return projected_server_ms(model, rounds) / output_tokens
 
 
+def bootstrap_tables(model: CostModel, draws: int, seed: int = 0) -> dict[str, np.ndarray] | None:
+    """The cost model's own uncertainty as ``draws`` resampled grids: per kind a float64 (draws, nR, nC) array
+    whose [d] is `CostModel.table` with every point's ms replaced by the median of a resample (with replacement,
+    same size) of that point's ``samples_ms`` -- the bootstrap of a median (Efron & Tibshirani 1993, ch. 6),
+    each point independently. None when any point lacks samples (a file made before they were kept): the
+    projection's interval then covers the questions only."""
+    if any(not p.samples_ms for p in model.points):
+        return None
+    rng = np.random.default_rng(seed)
+    out = {}
+    for kind in model.kinds:
+        rows, ctxs = list(model.rows_of(kind)), list(model.contexts_of(kind))
+        grid = np.empty((draws, len(rows), len(ctxs)))
+        for p in model.points:
+            if p.kind == kind:
+                x = np.asarray(p.samples_ms, dtype=np.float64)
+                pick = rng.integers(0, len(x), size=(draws, len(x)))
+                grid[:, rows.index(p.rows), ctxs.index(p.context)] = np.median(x[pick], axis=1)
+        out[kind] = grid
+    return out
+
+
+def predict_tables(model: CostModel, tables: dict[str, np.ndarray], forwards: Sequence[Forward]) -> np.ndarray:
+    """`CostModel.predict` of every forward under every grid of ``tables`` (`bootstrap_tables`), vectorised:
+    float64 (draws, len(forwards)) ms. The same interpolation as `CostModel.predict` (bilinear inside, held
+    below the smallest context, slope-clamped linear above the largest); raises CostModelError as it does for
+    rows outside a kind's grid or a kind the model lacks."""
+    draws = next(iter(tables.values())).shape[0]
+    out = np.zeros((draws, len(forwards)))
+    kinds = np.array([f.kind for f in forwards])
+    rows = np.array([f.rows for f in forwards], dtype=np.float64)
+    ctx = np.array([f.context for f in forwards], dtype=np.float64)
+    for kind in set(kinds.tolist()):
+        sel = np.nonzero(kinds == kind)[0]
+        grid, cgrid = model.rows_of(kind).astype(np.float64), model.contexts_of(kind).astype(np.float64)
+        if kind not in tables or not len(grid):
+            raise CostModelError(f"the cost model ({model.model}, {model.device}) has no {kind} points to replay")
+        r, c = rows[sel], ctx[sel]
+        if r.min() < grid[0] or r.max() > grid[-1]:
+            raise CostModelError(f"rows outside the cost model's measured {kind} rows [{grid[0]:g}, {grid[-1]:g}]")
+        t = tables[kind]                                         # (draws, nR, nC)
+        i = np.clip(np.searchsorted(grid, r, side="right") - 1, 0, len(grid) - 1)
+        j = np.minimum(i + 1, len(grid) - 1)
+        w = np.where(j > i, (r - grid[i]) / np.where(j > i, grid[j] - grid[i], 1.0), 0.0)
+
+        def along(lines: np.ndarray) -> np.ndarray:              # (draws, F, nC) -> (draws, F)
+            if len(cgrid) == 1:
+                return lines[..., 0]
+            k = np.clip(np.searchsorted(cgrid, c, side="right") - 1, 0, len(cgrid) - 2)
+            a = np.clip((c - cgrid[k]) / (cgrid[k + 1] - cgrid[k]), 0.0, 1.0)
+            f = np.arange(len(c))
+            inside = (1 - a) * lines[:, f, k] + a * lines[:, f, k + 1]
+            slope = np.maximum(0.0, (lines[..., -1] - lines[..., -2]) / (cgrid[-1] - cgrid[-2]))
+            above = lines[..., -1] + slope * (c - cgrid[-1])
+            return np.where(c > cgrid[-1], above, inside)
+
+        lo, hi = along(t[:, i, :]), along(t[:, j, :])
+        out[:, sel] = lo + w * (hi - lo)
+    return out
+
+
 def _where(loc: tuple) -> str:
     """pydantic location -> 'points[3].ms'."""
     out = ""
@@ -419,6 +483,6 @@ def load_cost_model(path: str | Path) -> CostModel:
         raise CostModelError(f"{path}: {msg}{more}; fix the file or {MAKE_HINT}") from None
 
 
-__all__ = ["DRAFT_PLACE_OF", "KINDS", "PAPER_ROUND_MS", "PREFILL_CHUNK", "SCHEMA_VERSION", "CostModelError",
+__all__ = ["bootstrap_tables", "predict_tables", "DRAFT_PLACE_OF", "KINDS", "PAPER_ROUND_MS", "PREFILL_CHUNK", "SCHEMA_VERSION", "CostModelError",
            "CostPoint", "CostModel", "Forward", "load_cost_model", "prefill_forwards", "projected_server_ms",
            "projected_g", "request_forwards", "round_forwards"]

@@ -211,14 +211,17 @@ class BenchPlan:
 
 
 def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, backend: str = "cpu",
-              resume: bool = False, cost_model_path: Path | None = None, console=None, threads: int = 1) -> dict:
+              resume: bool = False, cost_model_path: Path | None = None, console=None, threads: int = 1,
+              remeasure_cost_model: bool = False, fmt: str = "table") -> dict:
     """Run the bench (module docstring); returns the results dict written to ``OUT/results.json``.
+
+    remeasure_cost_model: measure the cost model again even when ``OUT/cost_model.json`` exists (`cost_model_for`).
+    fmt: how the tables are printed (`hycoc.bench.tables.FORMATS`: table, markdown, csv).
 
     Raises BenchError (server, bundle), BundleError, TransportError from a request that fails for a reason other
     than the request itself; KeyboardInterrupt leaves ``records.jsonl`` for ``--resume``.
     """
-    from hycoc.bench.stats import (render_categories, render_quality, render_rounds, render_table, summarize,
-                                   write_plots)
+    from hycoc.bench.stats import summarize, write_plots
     from hycoc.chat import format_prompt
     from hycoc.protocol.messages import Sampling
     from hycoc.runtime.client import load_runtime
@@ -252,7 +255,7 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
     score_quality(records, {q.question_id: q for q in plan.questions})
     console.print("scoring answers with the verifier (its own log-prob of each answer) ...")
     score_answers(recipe, records, prompts)
-    cost, cost_note = cost_model_for(recipe, records, cost_model_path, out, console)
+    cost, cost_note = cost_model_for(recipe, records, cost_model_path, out, console, remeasure=remeasure_cost_model)
     summary = summarize(records, cost_model=cost, server=server_work(recipe))
     results = {"meta": {"recipe": str(recipe_path), "bundle": str(bundle_dir), "backend": backend,
                         "questions": len(plan.questions), "configs": plan.configs, "runs": plan.runs,
@@ -263,27 +266,49 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
                "summary": summary, "turns": turns, "records": records}
     atomic_write(out / RESULTS, json.dumps(results, indent=1))
     plots = write_plots(summary, out)
-    render_table(summary, console, title=f"hycoc bench: {len(plan.questions)} Spec-Bench questions, link {plan.link}")
-    render_quality(summary, console)
-    render_categories(summary, console)
-    render_rounds(summary, console)
-    if plan.turns > 1:
-        render_turns(turns, console)
-    console.print(f"g = verifier ms per output token measured on this machine (prefill included); {cost_note}, "
-                  "every server forward (prefill, verification, server-side head steps). Delivery and first-token "
-                  "times include the link model.")
-    console.print(f"wrote {out / RESULTS}, {', '.join(str(p) for p in plots)}")
+    print_results(results, console, fmt, plots=plots, out=out)
     return results
 
 
+def result_tables(results: dict) -> list:
+    """The tables of a bench's ``results.json`` (`hycoc.bench.tables.TextTable`): main, quality, per category,
+    server ms per round (with a projection), per turn (with second turns)."""
+    from hycoc.bench.stats import categories_table, main_table, quality_table, rounds_table
+
+    meta, summary = results["meta"], results["summary"]
+    tables = [main_table(summary, title=f"hycoc bench: {meta['questions']} Spec-Bench questions, link "
+                                        f"{meta['link']}"),
+              quality_table(summary), categories_table(summary), rounds_table(summary)]
+    if any(t != "1" for by_turn in (results.get("turns") or {}).values() for t in by_turn):
+        tables.append(turns_table(results["turns"]))
+    return [t for t in tables if t is not None]
+
+
+def print_results(results: dict, console, fmt: str = "table", *, plots=(), out: Path | None = None) -> None:
+    """Print a bench's tables (`result_tables`) in ``fmt`` and the notes under them (what g and g projected are,
+    where the files are); in csv the notes are ``#`` lines."""
+    from hycoc.bench.tables import print_tables
+
+    print_tables(result_tables(results), console, fmt)
+    notes = [f"g = verifier ms per output token measured on this machine (prefill included); "
+             f"{results['meta']['cost_model']}, every server forward (prefill, verification, server-side head "
+             "steps). Delivery and first-token times include the link model."]
+    if out is not None:
+        notes.append(f"wrote {out / RESULTS}" + "".join(f", {p}" for p in plots))
+    for note in notes:
+        console.print(f"# {note}" if fmt == "csv" else note, markup=False, highlight=False)
+
+
 def make_console(console=None):
-    """The given rich Console, else one on stdout (200 columns wide when stdout is a log file, not a terminal)."""
+    """The given rich Console, else one on stdout as wide as `hycoc.bench.tables.console_width` says: the
+    terminal's width (at least 80), or when stdout is redirected ``COLUMNS`` if set, else 120."""
     from rich.console import Console
+
+    from hycoc.bench.tables import console_width
 
     if console is None:
         console = Console()
-        if not console.is_terminal:  # a log file: room for the whole table
-            console = Console(width=200)
+        console = Console(width=console_width(console.is_terminal, console.width))
     return console
 
 
@@ -434,42 +459,60 @@ def _groups(records: list[dict]) -> dict[tuple[str, int], list[dict]]:
     return dict(sorted(groups.items()))
 
 
-def render_turns(turns: dict, console) -> None:
-    """The per-turn table of `turn_summary`."""
-    from rich.table import Table
-
-    table = Table(title="per turn (second turns continue the session: KV kept, only the new tokens prefilled)")
-    for col in ("config", "turn", "requests", "prefill ms", "prefill ms saved", "g ms/tok", "MAT"):
-        table.add_column(col, justify="left" if col == "config" else "right")
+def turns_table(turns: dict):
+    """The per-turn table of `turn_summary` as a `hycoc.bench.tables.TextTable` (key columns: config, turn)."""
+    from hycoc.bench.tables import TextTable
 
     def num(x, digits=2):
         return "–" if x is None else f"{x:.{digits}f}"
 
-    for config, by_turn in turns.items():
-        for turn, t in by_turn.items():
-            table.add_row(config, turn, str(t["requests"]), num(t["prefill_ms"], 1), num(t["prefill_ms_saved"], 1),
-                          num(t["g_ms_per_token"]), num(t["mat"]))
-    console.print(table)
+    rows = [[config, turn, str(t["requests"]), num(t["prefill_ms"], 1), num(t["prefill_ms_saved"], 1),
+             num(t["g_ms_per_token"]), num(t["mat"])]
+            for config, by_turn in turns.items() for turn, t in by_turn.items()]
+    return TextTable(title="per turn (second turns continue the session: KV kept, only the new tokens prefilled)",
+                     headers=["config", "turn", "requests", "prefill ms", "prefill ms saved", "g ms/tok", "MAT"],
+                     rows=rows, keys=2)
 
 
-def cost_model_for(recipe, records: list[dict], cost_model_path: Path | None, out: Path, console):
+def render_turns(turns: dict, console, fmt: str = "table") -> None:
+    """Print `turns_table` (``fmt``: `hycoc.bench.tables.FORMATS`)."""
+    from hycoc.bench.tables import print_tables
+
+    print_tables([turns_table(turns)], console, fmt)
+
+
+#: The cost model a bench measured, in its output folder; `cost_model_for` reuses it on --resume.
+COST_MODEL = "cost_model.json"
+
+
+def cost_model_for(recipe, records: list[dict], cost_model_path: Path | None, out: Path, console,
+                   remeasure: bool = False):
     """The cost model of g projected and a sentence saying where it came from: ``cost_model_path`` loaded
-    (`hycoc.bench.cost_model.load_cost_model`), else measured here on the recipe's verifier at contexts covering the
-    records' (`hycoc.verifier.cost_measure.measure_recipe_verifier`) and saved as ``OUT/cost_model.json``.
-    Raises CostModelError for a bad file."""
+    (`hycoc.bench.cost_model.load_cost_model`); else ``OUT/cost_model.json`` that an earlier bench in ``out``
+    measured (so a ``--resume`` projects through the same model and leaves the summary as it was), unless
+    ``remeasure``; else measured here on the recipe's verifier at contexts covering the records'
+    (`hycoc.verifier.cost_measure.measure_recipe_verifier`: busy CPU time of each forward, interleaved repetitions)
+    and saved as ``OUT/cost_model.json``. Raises CostModelError for a bad file."""
     from hycoc.bench.cost_model import load_cost_model
 
     if cost_model_path is not None:
         cost = load_cost_model(cost_model_path)
         return cost, f"g projected through {cost_model_path} ({cost.device}, {cost.model})"
+    saved = out / COST_MODEL
+    if saved.is_file() and not remeasure:
+        cost = load_cost_model(saved)
+        when = cost.meta.get("date", "earlier")
+        return cost, (f"g projected through the cost model measured here on {when} ({cost.device}, {cost.dtype}), "
+                      f"reused from {saved} (--remeasure-cost-model to redo it)")
     from hycoc.verifier.cost_measure import measure_recipe_verifier
 
     console.print("measuring the verifier cost model on this machine (no --cost-model given) ...")
     longest = max((max(x["context"], default=0) for x in records), default=64)
     cost = measure_recipe_verifier(recipe, contexts=sorted({64, 128, 256, 512, max(64, int(longest))}))
-    cost.save(out / "cost_model.json")
-    return cost, (f"g projected through a cost model measured here ({cost.device}, {cost.dtype}): "
-                  f"{out / 'cost_model.json'}")
+    cost.save(saved)
+    return cost, (f"g projected through a cost model measured here ({cost.device}, {cost.dtype}, "
+                  f"{cost.meta.get('clock', 'wall')}, {cost.meta.get('repeats')} repetitions, load "
+                  f"{cost.meta.get('loadavg_before')}): {saved}")
 
 
 def server_work(recipe) -> dict[str, int]:
@@ -494,5 +537,5 @@ def default_bundle_dir(recipe, repo_root: Path) -> Path:
 
 
 __all__ = ["CONFIGS", "BenchError", "BenchPlan", "Request", "VerifierProcess", "atomic_write", "cost_model_for",
-           "default_bundle_dir", "make_console", "open_out", "read_records", "record_of", "run_bench", "run_requests",
+           "default_bundle_dir", "make_console", "print_results", "result_tables", "open_out", "read_records", "record_of", "run_bench", "run_requests",
            "score_answers", "score_quality", "server_work"]

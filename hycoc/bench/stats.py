@@ -190,15 +190,21 @@ def _per_question(pairs: Sequence[tuple[Record, Record]], fns: Sequence[Callable
     return np.array(list(rows.values()), dtype=np.float64).reshape(len(rows), len(fns))
 
 
-def _bootstrap_sums(table: np.ndarray, bootstrap: int, seed: int) -> np.ndarray | None:
-    """(bootstrap, columns) column sums over questions resampled with replacement (same ids for every column)."""
-    if bootstrap <= 0 or len(table) == 0:
+def _bootstrap_counts(questions: int, bootstrap: int, seed: int) -> np.ndarray | None:
+    """(bootstrap, questions) how often each question is drawn in each resample with replacement."""
+    if bootstrap <= 0 or questions == 0:
         return None
     rng = np.random.default_rng(seed)
-    counts = np.zeros((bootstrap, len(table)))
-    idx = rng.integers(0, len(table), size=(bootstrap, len(table)))
+    counts = np.zeros((bootstrap, questions))
+    idx = rng.integers(0, questions, size=(bootstrap, questions))
     np.add.at(counts, (np.arange(bootstrap)[:, None], idx), 1.0)
-    return counts @ table
+    return counts
+
+
+def _bootstrap_sums(table: np.ndarray, bootstrap: int, seed: int) -> np.ndarray | None:
+    """(bootstrap, columns) column sums over questions resampled with replacement (same ids for every column)."""
+    counts = _bootstrap_counts(len(table), bootstrap, seed)
+    return None if counts is None else counts @ table
 
 
 def _ci(samples: np.ndarray) -> list[float] | None:
@@ -210,10 +216,15 @@ def _ci(samples: np.ndarray) -> list[float] | None:
 
 
 def paired_ratio_delta(pairs: Sequence[tuple[Record, Record]], cost: Callable[[Record], float],
-                       tokens: Callable[[Record], float] = _tokens, *, bootstrap: int = 1000, seed: int = 0
+                       tokens: Callable[[Record], float] = _tokens, *, bootstrap: int = 1000, seed: int = 0,
+                       cost_draws: Callable[[Record], np.ndarray] | None = None
                        ) -> tuple[float | None, list[float] | None]:
     """Δ% = 100 * ((Σ cost / Σ tokens) / (Σ cost_b / Σ tokens_b) - 1) over matched pairs, with a paired
-    bootstrap 95% CI over questions (None where the point estimate is undefined or bootstrap == 0)."""
+    bootstrap 95% CI over questions (None where the point estimate is undefined or bootstrap == 0).
+
+    cost_draws: record -> float64 (M,) its cost under M draws of an uncertain cost (`_Projection.draws`: the cost
+    model's resampled grids). Resample b then uses draw b mod M for both sides, so the interval covers the choice
+    of questions and the cost's own uncertainty together."""
     if not pairs:
         return None, None
     fns = [lambda r, b: cost(r), lambda r, b: tokens(r), lambda r, b: cost(b), lambda r, b: tokens(b)]
@@ -226,8 +237,20 @@ def paired_ratio_delta(pairs: Sequence[tuple[Record, Record]], cost: Callable[[R
     point = _num(float(delta(t.sum(axis=0))))
     if point is None:
         return None, None
-    sums = _bootstrap_sums(t, bootstrap, seed)
-    return point, (None if sums is None else _ci(delta(sums)))
+    counts = _bootstrap_counts(len(t), bootstrap, seed)
+    if counts is None:
+        return point, None
+    sums = counts @ t
+    if cost_draws is not None:
+        per_q: dict[Any, np.ndarray] = {}
+        for r, b in pairs:   # the question order of _per_question
+            d = np.stack([np.asarray(cost_draws(r), np.float64), np.asarray(cost_draws(b), np.float64)], axis=-1)
+            per_q[r.get("question_id")] = per_q.get(r.get("question_id"), 0.0) + d
+        draws = np.stack(list(per_q.values()), axis=1)                  # (M, questions, 2)
+        m = draws[np.arange(bootstrap) % draws.shape[0]]               # (bootstrap, questions, 2)
+        sums[:, 0] = np.einsum("bq,bq->b", counts, m[..., 0])
+        sums[:, 2] = np.einsum("bq,bq->b", counts, m[..., 1])
+    return point, _ci(delta(sums))
 
 
 def paired_mean_difference(pairs: Sequence[tuple[Record, Record]], value: Callable[[Record], Any], *,
@@ -279,6 +302,31 @@ class _Projection:
     def rounds(self, r: Record) -> list[float]:
         return [float(sum(self._cost(f) for f in g)) for g in self.groups(r)[1:]]
 
+    def draws(self, records: Sequence[Record], n: int = 200, seed: int = 0, block: int = 4096
+              ) -> dict[int, np.ndarray] | None:
+        """id(record) -> float64 (n,): the record's `total` under n resampled grids of the cost model
+        (`hycoc.bench.cost_model.bootstrap_tables`, its points' repeated timings). None when the model keeps no
+        samples (an older file, a stand-in without points) or n < 1."""
+        from hycoc.bench.cost_model import bootstrap_tables, predict_tables
+
+        if n < 1 or not getattr(self.model, "points", None):
+            return None
+        tables = bootstrap_tables(self.model, n, seed)
+        if tables is None:
+            return None
+        forwards, owner = [], []
+        for k, r in enumerate(records):
+            for g in self.groups(r):
+                forwards += g
+                owner += [k] * len(g)
+        totals = np.zeros((n, len(records)))
+        owner_a = np.asarray(owner, dtype=np.int64)
+        for a in range(0, len(forwards), block):   # (n, block, grid) intermediates stay small
+            ms = predict_tables(self.model, tables, forwards[a:a + block])
+            for d in range(n):
+                totals[d] += np.bincount(owner_a[a:a + block], weights=ms[d], minlength=len(records))
+        return {id(r): totals[:, k] for k, r in enumerate(records)}
+
 
 def _reference_rate(recs: Sequence[Record]) -> tuple[float | None, int]:
     v = [bool(r["reference_match"]) for r in recs if r.get("reference_match") is not None]
@@ -327,7 +375,9 @@ def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, co
       prefill included where the model has prefill points: g_projected_includes_prefill), g_projected_parts
       {verify, head_step, prefill: ms per output token}, g_projected_error;
       server_ms_per_round_p50, server_ms_per_round_projected_p50 (verification + head steps);
-      delta_g_pct, delta_g_ci95 [lo, hi], delta_g_projected_pct, delta_g_projected_ci95, delta_pairs,
+      delta_g_pct, delta_g_ci95 [lo, hi], delta_g_projected_pct, delta_g_projected_ci95 (over questions and,
+      where the cost model keeps its repeated timings, its own uncertainty: delta_g_projected_ci_covers_cost_model),
+      delta_pairs,
       delta_questions (matched requests / questions behind the Δ figures);
       mat, verifier_forwards_per_token, rows_per_forward, mean_context, tok_per_s, draft_ms_per_token,
       first_token_ms_p50, first_token_ms_p90, bytes_up_per_round, bytes_down_per_round, bonus_outside_keep_share;
@@ -387,9 +437,14 @@ def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, co
         pairs = pair_records(recs, base) if base_ok else []
         s["delta_g_pct"], s["delta_g_ci95"] = paired_ratio_delta(
             pairs, _server_cost, bootstrap=bootstrap, seed=_seed_for(seed, name, "g"))
+        cost_draws = None
+        if proj_ok and pairs and bootstrap > 0:
+            draws = proj.draws(list({id(x): x for p in pairs for x in p}.values()), seed=seed)
+            cost_draws = None if draws is None else (lambda r, d=draws: d[id(r)])
         s["delta_g_projected_pct"], s["delta_g_projected_ci95"] = (paired_ratio_delta(
-            pairs, projected, bootstrap=bootstrap, seed=_seed_for(seed, name, "g_projected"))
+            pairs, projected, bootstrap=bootstrap, seed=_seed_for(seed, name, "g_projected"), cost_draws=cost_draws)
             if proj_ok and projected is not None else (None, None))
+        s["delta_g_projected_ci_covers_cost_model"] = cost_draws is not None if proj_ok else None
         s["delta_pairs"] = len(pairs) if base_ok else None
         s["delta_questions"] = len({r.get("question_id") for r, _ in pairs}) if base_ok else None
 
@@ -452,6 +507,8 @@ def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, co
 
 
 # ---- terminal tables --------------------------------------------------------------------------------------
+# Each table is built as a `hycoc.bench.tables.TextTable` (formatted strings) and printed by
+# `hycoc.bench.tables.print_tables`: split to the console's width, or as Markdown / CSV (``fmt``).
 
 
 def _fmt(x: Any, spec: str = ".2f", dash: str = "–") -> str:
@@ -467,42 +524,36 @@ def _fmt_delta(d: Any, ci: Any) -> str:
     return text
 
 
-def render_table(summary: Mapping[str, Mapping[str, Any]], console: Any, *, title: str = "hycoc bench",
-                 baseline: str = DEFAULT_BASELINE, caption: str | None = None) -> None:
-    """Print the main table (one row per configuration, Table 5 order) on a rich Console.
+def main_table(summary: Mapping[str, Mapping[str, Any]], *, title: str = "hycoc bench",
+               baseline: str = DEFAULT_BASELINE, caption: str | None = None):
+    """The main table as a `hycoc.bench.tables.TextTable` (one row per configuration, Table 5 order).
 
-    Columns: g (measured verifier ms per output token, prefill included), g proj. (cost-model ms per token over
-    every server forward, prefill included), Δg % [95% CI] vs the baseline (and Δg proj. % when present), MAT, verifier
-    forwards per token, delivery tok/s, device draft ms per token, first-token p50 ms, bytes up/down per round,
-    share of bonus tokens outside the keep set, the answers' zlib compressed/raw ratio with its paired Δ (the
-    headline repetition metric, `hycoc.bench.quality`), and the quality flag: the metrics on which the configuration is
-    worse than the baseline beyond their 95% CI (`quality_metrics`), "–" when none. A `caption` (e.g. the cost
-    model's device) is appended to the legend.
-    """
-    from rich.table import Table
+    Columns: n (requests), g (measured verifier ms per output token, prefill included), g proj. (cost-model ms per
+    token over every server forward, prefill included), Δg % [95% CI] vs the baseline (and Δg proj. % [95% CI]
+    when present), MAT, verifier forwards per token, delivery tok/s, device draft ms per token, first-token p50 ms,
+    bytes up/down per round, share of bonus tokens outside the keep set, the answers' zlib compressed/raw ratio
+    with its paired Δ (the headline repetition metric, `hycoc.bench.quality`), and the quality flag: the metrics on
+    which the configuration is worse than the baseline beyond their 95% CI (`quality_metrics`), "–" when none. A
+    `caption` (e.g. the cost model's device) is appended to the legend."""
+    from hycoc.bench.tables import TextTable
 
     names = _order(summary)
     has_proj = any(_num(summary[n].get("g_projected_ms_per_token")) is not None for n in names)
     has_dproj = any(_num(summary[n].get("delta_g_projected_pct")) is not None for n in names)
     legend = (f"g: measured verifier ms per output token incl. prefill (App. G, pooled). "
-              f"g proj.: cost-model ms per token over every server forward (prefill, verification, server-side head steps). "
-              f"Δg: paired vs {baseline}, 95% CI by bootstrap over questions; lower is better. "
-              f"zlib ratio: compressed/raw bytes of the answers (lower = more repetitive), paired Δ vs {baseline}. "
-              f"worse than {baseline}: quality metrics whose paired 95% CI lies wholly on the worse side.")
+              f"g proj.: cost-model ms per token over every server forward (prefill, verification, server-side "
+              f"head steps). Δg: paired vs {baseline}, 95% CI by bootstrap over questions (Δg proj.: and over the "
+              f"cost model's repeated timings); lower is better. zlib ratio: compressed/raw bytes of the answers "
+              f"(lower = more repetitive), paired Δ vs {baseline}. worse than {baseline}: quality metrics whose "
+              f"paired 95% CI lies wholly on the worse side.")
     if caption:
         legend += " " + caption
-    table = Table(title=title, caption=legend, caption_justify="left")
-    table.add_column("config", style="bold")
-    table.add_column("n", justify="right")
-    table.add_column("g ms/tok", justify="right")
-    table.add_column("g proj. ms/tok", justify="right")
-    table.add_column("Δg % [95% CI]", justify="right")
+    headers = ["config", "n", "g ms/tok", "g proj. ms/tok", "Δg % [95% CI]"]
     if has_dproj:
-        table.add_column("Δg proj. %", justify="right")
-    for head in ("MAT", "fwd/tok", "tok/s", "draft ms/tok", "1st tok p50 ms", "B up/down per round",
-                 "outside keep %", "zlib ratio (Δ)"):
-        table.add_column(head, justify="right")
-    table.add_column(f"worse than {baseline}", style="red")
+        headers.append("Δg proj. % [95% CI]")
+    headers += ["MAT", "fwd/tok", "tok/s", "draft ms/tok", "1st tok p50 ms", "B up/down per round",
+                "outside keep %", "zlib ratio (Δ)", f"worse than {baseline}"]
+    rows = []
     for n in names:
         s = summary[n]
         delta = "ref" if n == baseline and _num(s.get("g_ms_per_token")) is not None else \
@@ -519,8 +570,17 @@ def render_table(summary: Mapping[str, Mapping[str, Any]], console: Any, *, titl
                 "–" if _num(up) is None and _num(down) is None else f"{_fmt(up, ',.0f')} / {_fmt(down, ',.0f')}",
                 _fmt(None if _num(share) is None else 100.0 * float(share), ".1f"),
                 _quality_cell(s, "compression_ratio", n == baseline), _quality_flags(s)]
-        table.add_row(*row)
-    console.print(table)
+        rows.append(row)
+    return TextTable(title=title, headers=headers, rows=rows, caption=legend)
+
+
+def render_table(summary: Mapping[str, Mapping[str, Any]], console: Any, *, title: str = "hycoc bench",
+                 baseline: str = DEFAULT_BASELINE, caption: str | None = None, fmt: str = "table") -> None:
+    """Print `main_table` on a rich Console (``fmt``: `hycoc.bench.tables.FORMATS`; "table" splits it to the
+    console's width, configuration names and CI cells whole)."""
+    from hycoc.bench.tables import print_tables
+
+    print_tables([main_table(summary, title=title, baseline=baseline, caption=caption)], console, fmt)
 
 
 def _quality_cell(s: Mapping[str, Any], key: str, is_baseline: bool) -> str:
@@ -537,26 +597,25 @@ def _quality_flags(s: Mapping[str, Any]) -> str:
     return ", ".join(METRIC_BY_KEY[k].label for k in keys if k in METRIC_BY_KEY) or "–"
 
 
-def render_quality(summary: Mapping[str, Mapping[str, Any]], console: Any, *, baseline: str = DEFAULT_BASELINE,
-                   title: str = "answer quality") -> None:
-    """Print the quality table: one row per configuration, one column per `hycoc.bench.quality.METRICS` metric that
-    any configuration has (``mean (Δ vs baseline)``, a metric worse beyond its CI marked ``!``), the verifier's
-    mean log-prob under its own label (`LOGPROB_NOTE`), and the flag column of `render_table`."""
-    from rich.table import Table
+def quality_table(summary: Mapping[str, Mapping[str, Any]], *, baseline: str = DEFAULT_BASELINE,
+                  title: str = "answer quality"):
+    """The quality table (`hycoc.bench.tables.TextTable`): one row per configuration, one column per
+    `hycoc.bench.quality.METRICS` metric that any configuration has (``mean (Δ vs baseline)``, a metric worse
+    beyond its CI marked ``!``), the verifier's mean log-prob under its own label (`LOGPROB_NOTE`), and the flag
+    column of `main_table`."""
+    from hycoc.bench.tables import TextTable
 
     names = _order(summary)
     present = [m for m in METRICS if any(_num((((summary[n].get("quality") or {}).get("metrics") or {})
                                                 .get(m.key) or {}).get("mean")) is not None for n in names)]
-    table = Table(title=title, caption_justify="left", caption=(
-        f"mean over answers (paired Δ vs {baseline}); ! = worse than {baseline} beyond the paired 95% CI. "
-        "zlib ratio, distinct-n: lower = more repetitive; rep. 4-gram: share of words inside a repeated word "
-        "4-gram; longest run: most identical tokens in a row; ROUGE-L (summarization), chrF/BLEU (translation), "
-        f"final-number EM (math) against Spec-Bench's references. verifier log-prob: {LOGPROB_NOTE}."))
-    table.add_column("config", style="bold")
-    for m in present:
-        table.add_column(m.label + (" ↑" if m.better == "higher" else " ↓"), justify="right")
-    table.add_column("verifier log-prob (Δ)", justify="right")
-    table.add_column(f"worse than {baseline}", style="red")
+    caption = (f"mean over answers (paired Δ vs {baseline}); ! = worse than {baseline} beyond the paired 95% CI. "
+               "zlib ratio, distinct-n: lower = more repetitive; rep. 4-gram: share of words inside a repeated word "
+               "4-gram; longest run: most identical tokens in a row; ROUGE-L (summarization), chrF/BLEU "
+               f"(translation), final-number EM (math) against Spec-Bench's references. verifier log-prob: "
+               f"{LOGPROB_NOTE}.")
+    headers = (["config"] + [m.label + (" ↑" if m.better == "higher" else " ↓") for m in present]
+               + ["verifier log-prob (Δ)", f"worse than {baseline}"])
+    rows = []
     for n in names:
         s = summary[n]
         q = s.get("quality") or {}
@@ -567,55 +626,68 @@ def render_quality(summary: Mapping[str, Mapping[str, Any]], console: Any, *, ba
         lp, lpd = q.get("verifier_logprob"), q.get("verifier_logprob_delta")
         row.append(_fmt(lp, ".3f") + ("" if n == baseline or _num(lpd) is None else f" ({float(lpd):+.3f})"))
         row.append(_quality_flags(s))
-        table.add_row(*row)
-    console.print(table)
+        rows.append(row)
+    return TextTable(title=title, headers=headers, rows=rows, caption=caption)
 
 
-def render_rounds(summary: Mapping[str, Mapping[str, Any]], console: Any = None) -> None:
-    """A table of server ms per round (median over rounds): measured here, projected through the cost model
-    (verification + the server-side head steps of that round), and the paper's figure for the same draft place
-    (§3.1, `hycoc.bench.cost_model.PAPER_ROUND_MS`: 21.7 ms with the head on the device, 26.8 ms with it on the
-    server), with g projected split by kind of forward (ms per output token). Prints nothing without a
-    projection."""
-    from rich.console import Console
-    from rich.table import Table
+def render_quality(summary: Mapping[str, Mapping[str, Any]], console: Any, *, baseline: str = DEFAULT_BASELINE,
+                   title: str = "answer quality", fmt: str = "table") -> None:
+    """Print `quality_table` (``fmt`` as `render_table`)."""
+    from hycoc.bench.tables import print_tables
 
+    print_tables([quality_table(summary, baseline=baseline, title=title)], console, fmt)
+
+
+def rounds_table(summary: Mapping[str, Mapping[str, Any]]):
+    """Server ms per round (median over rounds) as a `hycoc.bench.tables.TextTable`: measured here, projected
+    through the cost model (verification + the server-side head steps of that round), and the paper's figure for
+    the same draft place (§3.1, `hycoc.bench.cost_model.PAPER_ROUND_MS`: 21.7 ms with the head on the device,
+    26.8 ms with it on the server), with g projected split by kind of forward (ms per output token). None
+    without a projection."""
     from hycoc.bench.cost_model import DRAFT_PLACE_OF, PAPER_ROUND_MS
+    from hycoc.bench.tables import TextTable
 
-    console = console or Console()
     names = [n for n in _order(summary) if summary[n].get("server_ms_per_round_projected_p50") is not None]
     if not names:
-        return
-    table = Table(title="server ms per round (median) and g projected by forward",
-                  caption="projected: verification + server-side head steps of each round, through the cost model; "
-                          "paper: §3.1, one RTX PRO 6000 (HyCo 21.7 ms: verification only; Cloud+MTP 26.8 ms: "
-                          "K head steps + verification). g proj. parts in ms per output token.")
-    for col in ("config", "measured ms", "projected ms", "paper ms", "g proj. verify", "g proj. head steps",
-                "g proj. prefill"):
-        table.add_column(col, justify="left" if col == "config" else "right")
+        return None
+    rows = []
     for name in names:
         s = summary[name]
         place = DRAFT_PLACE_OF.get(name, "device")
         paper = PAPER_ROUND_MS["hyco"] if place == "device" else PAPER_ROUND_MS["cloud-mtp"]
         parts = s.get("g_projected_parts") or {}
-        table.add_row(name, _fmt(s.get("server_ms_per_round_p50")), _fmt(s.get("server_ms_per_round_projected_p50")),
-                      f"{paper:.1f}", *(_fmt(parts.get(k)) for k in ("verify", "head_step", "prefill")))
-    console.print(table)
+        rows.append([name, _fmt(s.get("server_ms_per_round_p50")), _fmt(s.get("server_ms_per_round_projected_p50")),
+                     f"{paper:.1f}", *(_fmt(parts.get(k)) for k in ("verify", "head_step", "prefill"))])
+    return TextTable(
+        title="server ms per round (median) and g projected by forward",
+        headers=["config", "measured ms", "projected ms", "paper ms", "g proj. verify", "g proj. head steps",
+                 "g proj. prefill"], rows=rows,
+        caption="projected: verification + server-side head steps of each round, through the cost model; paper: "
+                "§3.1, one RTX PRO 6000 (HyCo 21.7 ms: verification only; Cloud+MTP 26.8 ms: K head steps + "
+                "verification). g proj. parts in ms per output token.")
 
 
-def render_categories(summary: Mapping[str, Mapping[str, Any]], console: Any, *,
-                      baseline: str = DEFAULT_BASELINE, title: str = "per category: MAT · Δg %") -> None:
-    """Print a per-category table: one row per category, one column per configuration with its MAT and its
-    paired Δg % vs the baseline on that category's questions ("ref" for the baseline itself)."""
-    from rich.table import Table
+def render_rounds(summary: Mapping[str, Mapping[str, Any]], console: Any = None, fmt: str = "table") -> None:
+    """Print `rounds_table` (``fmt`` as `render_table`); prints nothing without a projection."""
+    from rich.console import Console
+
+    from hycoc.bench.tables import print_tables
+
+    table = rounds_table(summary)
+    if table is not None:
+        print_tables([table], console or Console(), fmt)
+
+
+def categories_table(summary: Mapping[str, Mapping[str, Any]], *, baseline: str = DEFAULT_BASELINE,
+                     title: str = "per category: MAT · Δg %"):
+    """The per-category table (`hycoc.bench.tables.TextTable`, key column: the category): one column per
+    configuration with its MAT and its paired Δg % vs the baseline on that category's questions ("ref" for the
+    baseline itself); split by configurations when it does not fit."""
+    from hycoc.bench.tables import TextTable
 
     names = _order(summary)
     cats = sorted({c for n in names for c in (summary[n].get("per_category") or {})})
-    table = Table(title=title, caption=f"MAT tokens/round · Δg % paired vs {baseline} (lower is better)",
-                  caption_justify="left")
-    table.add_column("category", style="bold")
-    for n in names:
-        table.add_column(n, justify="right")
+    rows = []
     for c in cats:
         row = [c]
         for n in names:
@@ -626,8 +698,18 @@ def render_categories(summary: Mapping[str, Mapping[str, Any]], console: Any, *,
             d = "ref" if n == baseline and _num(pc.get("g_ms_per_token")) is not None else \
                 (f"{float(pc['delta_g_pct']):+.1f}%" if _num(pc.get("delta_g_pct")) is not None else "–")
             row.append(f"{_fmt(pc.get('mat'))} · {d}")
-        table.add_row(*row)
-    console.print(table)
+        rows.append(row)
+    return TextTable(title=title, headers=["category", *names], rows=rows,
+                     caption=f"MAT tokens/round · Δg % paired vs {baseline} (lower is better)")
+
+
+def render_categories(summary: Mapping[str, Mapping[str, Any]], console: Any, *,
+                      baseline: str = DEFAULT_BASELINE, title: str = "per category: MAT · Δg %",
+                      fmt: str = "table") -> None:
+    """Print `categories_table` (``fmt`` as `render_table`)."""
+    from hycoc.bench.tables import print_tables
+
+    print_tables([categories_table(summary, baseline=baseline, title=title)], console, fmt)
 
 
 # ---- plots --------------------------------------------------------------------------------------------------
