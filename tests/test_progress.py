@@ -54,3 +54,11 @@ def test_steps_join_the_pipeline_display_on_a_terminal(tmp_path):
     with progress.step("alone", total=2, c=c) as s:
         s.advance(2)
     assert s.done == 2
+
+
+def test_a_step_that_counts_nothing_says_done_without_a_zero():
+    out = io.StringIO()
+    with progress.step("hand-offs", c=Console(file=out, width=200)):
+        pass
+    last = re.sub(r"^\[hycoc \d\d:\d\d:\d\d\] ", "", out.getvalue().splitlines()[-1])
+    assert re.fullmatch(r"hand-offs: done in [\d.]+ s", last), last

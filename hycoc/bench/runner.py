@@ -216,11 +216,24 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
     """Run the bench (module docstring); returns the results dict written to ``OUT/results.json``.
 
     remeasure_cost_model: measure the cost model again even when ``OUT/cost_model.json`` exists (`cost_model_for`).
-    fmt: how the tables are printed (`hycoc.bench.tables.FORMATS`: table, markdown, csv).
+    fmt: how the tables are printed (`hycoc.bench.tables.FORMATS`: table, markdown, csv). Third-party warnings
+    (torch, transformers, onnxruntime) go to ``OUT/bench.log`` (`hycoc.quiet.third_party_output`).
 
     Raises BenchError (server, bundle), BundleError, TransportError from a request that fails for a reason other
     than the request itself; KeyboardInterrupt leaves ``records.jsonl`` for ``--resume``.
     """
+    from hycoc.quiet import third_party_output
+
+    console = make_console(console)
+    plan.out.mkdir(parents=True, exist_ok=True)
+    with third_party_output(plan.out / "bench.log", console=console):
+        return _run_bench(recipe, recipe_path, plan, bundle_dir=bundle_dir, backend=backend, resume=resume,
+                          cost_model_path=cost_model_path, console=console, threads=threads,
+                          remeasure_cost_model=remeasure_cost_model, fmt=fmt)
+
+
+def _run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, backend: str, resume: bool,
+               cost_model_path: Path | None, console, threads: int, remeasure_cost_model: bool, fmt: str) -> dict:
     from hycoc.bench.stats import summarize, write_plots
     from hycoc.chat import format_prompt
     from hycoc.protocol.messages import Sampling
@@ -242,10 +255,11 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
     epsilon = recipe.acceptance.epsilon  # the recipe's, like its sampling: `hycoc tune-epsilon` writes it there
     todo = [Request(c, c, epsilon, run, q) for run in range(plan.runs) for q in plan.questions
             for c in plan.configs if (c, run, q.question_id) not in done]
+    every = [Request(c, c, epsilon, run, q) for run in range(plan.runs) for q in plan.questions for c in plan.configs]
     console.print(f"bench: {len(plan.questions)} questions x {len(plan.configs)} configurations x {plan.runs} run(s) "
-                  f"= {len(plan.questions) * len(plan.configs) * plan.runs} requests ({len(todo)} to run), output cap "
-                  f"{plan.output_cap}, T={sampling.temperature}, ε={epsilon:g}, link {plan.link} (counted, not "
-                  f"slept), backend {backend}")
+                  f"= {requests_of(every, plan.turns)} requests (turns; {requests_of(todo, plan.turns)} to run), "
+                  f"output cap {plan.output_cap}, T={sampling.temperature}, ε={epsilon:g}, link {plan.link} (counted, "
+                  f"not slept), backend {backend}")
     run_requests(rt, recipe_path, bundle_dir, todo, prompts, records_path, link=plan.link,
                  output_cap=plan.output_cap, sampling=sampling, seed=r.seed, console=console, turns=plan.turns)
 
@@ -345,6 +359,12 @@ class Request:
     question: Question
 
 
+def requests_of(todo: list["Request"], turns: int) -> int:
+    """Requests (one per turn) that ``todo`` makes: one per item, two for a question with a second turn when
+    ``turns`` is 2 (slm-alone answers first turns only). A first turn that fills the context makes one fewer."""
+    return sum(1 + (turns > 1 and len(req.question.turns) > 1 and req.mode != "slm-alone") for req in todo)
+
+
 def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], prompts: dict[int, list[int]],
                  records_path: Path, *, link: str, output_cap: int, sampling, seed: int, console,
                  turns: int = 1) -> None:
@@ -369,9 +389,10 @@ def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], p
                    TextColumn("eta"), TimeRemainingColumn())
         with Progress(*columns, console=console, transient=False) as progress, \
                 open(records_path, "a", encoding="utf-8") as sink:
-            task = progress.add_task("requests", total=len(todo))
-            t_start = time.perf_counter()
-            for n, req in enumerate(todo, start=1):
+            total = requests_of(todo, turns)
+            task = progress.add_task("requests", total=total)
+            t_start, n = time.perf_counter(), 0
+            for req in todo:
                 q = req.question
                 progress.update(task, description=f"q{q.question_id} {req.config:12s}")
                 client = None
@@ -383,16 +404,19 @@ def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], p
                 recs = [record_of(req.config, req.run, q, len(prompts[q.question_id]), res, virtual_link=True)]
                 if two and res.finish_reason == "length":   # the context is full: no room for a second turn
                     client.close()
+                    total -= 1
+                    progress.update(task, total=total)
                 elif two:
                     recs.append(second_turn(rt, client, server.url, req, prompts[q.question_id], res, output_cap,
                                             sampling))
                 sink.write("".join(json.dumps(rec) + "\n" for rec in recs))   # both turns, or neither
                 sink.flush()
-                progress.advance(task)
-                if not console.is_terminal and (n % 10 == 0 or n == len(todo)):  # logs get plain lines
+                progress.advance(task, len(recs))
+                before, n = n, n + len(recs)
+                if not console.is_terminal and (n // 10 > before // 10 or n == total):  # logs get plain lines
                     spent = time.perf_counter() - t_start
-                    console.print(f"  {n}/{len(todo)} requests, {spent / 60:.1f} min, eta "
-                                  f"{spent / n * (len(todo) - n) / 60:.1f} min")
+                    console.print(f"  {n}/{total} requests, {spent / 60:.1f} min, eta "
+                                  f"{spent / n * (total - n) / 60:.1f} min")
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted: {len(read_records(records_path))} requests kept in {records_path}; "
                       "rerun with --resume to continue[/]")
