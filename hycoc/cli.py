@@ -509,10 +509,13 @@ def verify_server(
         options["max_batch_rows"] = max_batch_rows
     if max_batch_wait_ms is not None:
         options["max_batch_wait_ms"] = max_batch_wait_ms
+    started = time.monotonic()
     try:
         serve(engine, host, port, auth_token=auth_token, on_listening=listening, **options)
     except OSError as e:
         raise _fail("verify-server", f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    up = time.monotonic() - started
+    typer.echo(f"hycoc verify-server: stopped (SIGINT or SIGTERM) after {up:.0f} s; sessions closed")
 
 
 @app.command("serve-ray")

@@ -187,3 +187,10 @@ def test_help_fits_80_columns_with_defaults_whole(command):
     if command == "bench":
         assert "[default: runs/bench]" in result.stdout and "--format" in result.stdout
         assert "--remeasure-cost-model" in result.stdout
+
+
+def test_labels_of_close_points_stack_instead_of_overlapping():
+    from hycoc.bench.stats import _label_offsets
+
+    # hyco and hyco-exact a hair apart, specedge far away: the second close label goes one line up
+    assert _label_offsets([(4.0, 3.1), (4.01, 3.1), (9.0, 1.0)], 5.0, 2.1) == [(6.0, 4.0), (6.0, 15.0), (6.0, 4.0)]

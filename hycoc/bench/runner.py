@@ -126,7 +126,8 @@ def record_of(config: str, run: int, q: Question, prompt_tokens: int, res, virtu
         "draft_ms": 1000 * res.draft_s, "slm_prefill_ms": 1000 * res.slm_prefill_s,
         "bytes_up": [u for u, _ in res.round_bytes], "bytes_down": [d for _, d in res.round_bytes],
         "bonus_outside_keep": res.bonus_outside_keep, "link_ms": 1000 * res.link_s, "text": res.text,
-        "output_ids": list(res.tokens), "finished": res.finished, "verifier_logprob": None,
+        "output_ids": list(res.tokens), "finished": res.finished,
+        "finish_reason": getattr(res, "finish_reason", None), "verifier_logprob": None,
         "reference_match": reference_match(q.category, res.text, q.reference),
     }
 
