@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import json
 
+from pathlib import Path
+
 import pytest
 from rich.console import Console
 from typer.testing import CliRunner
@@ -14,6 +16,8 @@ from hycoc.bench.runner import BenchError, BenchPlan, read_records, run_bench
 from hycoc.cli import DEFAULT_DATASET, app
 from hycoc.bench.cost_model import CostModel, CostPoint
 from hycoc.bench.datasets import load_spec_bench
+
+TOY = Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"   # not the working directory's
 
 CONFIGS = ["cloud-mtp", "specedge", "hyco", "hyco-exact", "slm-alone"]
 
@@ -75,11 +79,11 @@ def test_bench_runs_every_config_and_resumes(built, tmp_path):
 
 
 def test_cli_bench_checks_its_arguments(tmp_path):
-    result = CliRunner().invoke(app, ["bench", "recipes/toy.toml", "--configs", "hyco,fast"])
+    result = CliRunner().invoke(app, ["bench", str(TOY), "--configs", "hyco,fast"])
     assert result.exit_code == 2 and "--configs: unknown fast" in result.stderr
-    result = CliRunner().invoke(app, ["bench", "recipes/toy.toml", "--cost-model", str(tmp_path / "nope.json")])
+    result = CliRunner().invoke(app, ["bench", str(TOY), "--cost-model", str(tmp_path / "nope.json")])
     assert result.exit_code == 1 and "no such file" in result.stderr
-    result = CliRunner().invoke(app, ["bench", "recipes/toy.toml", "--link", "50:0"])
+    result = CliRunner().invoke(app, ["bench", str(TOY), "--link", "50:0"])
     assert result.exit_code == 2 and "--link '50:0': allowed" in result.stderr
 
 
