@@ -132,6 +132,10 @@ def test_predict_tables_equals_predict_on_every_kind_inside_and_outside_the_grid
     assert got.shape == (3, len(forwards))
     np.testing.assert_allclose(got, np.tile(want, (3, 1)), rtol=1e-12)   # samples all equal: every draw = medians
     assert bootstrap_tables(model(samples=False), 3) is None
+    noisy = model(noise=0.3)
+    shuffled = noisy.model_copy(update={"points": noisy.points[::-1]})   # a saved file sorts its points
+    for kind, grid in bootstrap_tables(noisy, 5).items():
+        np.testing.assert_array_equal(grid, bootstrap_tables(shuffled, 5)[kind])
 
 
 def test_projected_interval_covers_the_cost_models_uncertainty():

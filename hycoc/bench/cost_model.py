@@ -387,8 +387,8 @@ def bootstrap_tables(model: CostModel, draws: int, seed: int = 0) -> dict[str, n
     for kind in model.kinds:
         rows, ctxs = list(model.rows_of(kind)), list(model.contexts_of(kind))
         grid = np.empty((draws, len(rows), len(ctxs)))
-        for p in model.points:
-            if p.kind == kind:
+        for p in sorted((p for p in model.points if p.kind == kind), key=lambda p: (p.rows, p.context)):
+            if p.kind == kind:   # a fixed order (the file's): a model and its saved copy draw the same grids
                 x = np.asarray(p.samples_ms, dtype=np.float64)
                 pick = rng.integers(0, len(x), size=(draws, len(x)))
                 grid[:, rows.index(p.rows), ctxs.index(p.context)] = np.median(x[pick], axis=1)

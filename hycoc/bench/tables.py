@@ -142,13 +142,15 @@ def print_tables(tables: Sequence[TextTable], console: Any, fmt: str = "table") 
 
     for whole in tables:
         for t in fit_columns(whole, console.width):
-            rt = Table(title=Text(t.title), caption=Text(t.caption) if t.caption else None, caption_justify="left")
+            rt = Table(title=Text(t.title))   # the caption follows at the console's width, not the table's
             for i, (h, j) in enumerate(zip(t.headers, t.justify)):
                 w = column_width(h, [r[i] for r in t.rows])
                 rt.add_column(Text(h), justify=j, width=w, style="bold" if i < t.keys else None)  # header wraps, cells fit
             for r in t.rows:
                 rt.add_row(*(Text(c, no_wrap=True) for c in r))
             console.print(rt)
+            if t.caption:
+                console.print(Text(t.caption))
 
 
 __all__ = ["FORMATS", "MIN_WIDTH", "REDIRECTED_WIDTH", "TextTable", "column_width", "console_width", "fit_columns",
