@@ -52,8 +52,8 @@ def main(argv=None) -> int:
         cost = measure_recipe_verifier(recipe, contexts=contexts, repeats=repeats, clock=args.clock)
         if args.out:
             cost.save(args.out / f"cost_model_{k + 1}.json")
-        print(f"measurement {k + 1}: {time.perf_counter() - t0:.0f} s, {repeats} repetitions, clock "
-              f"{cost.meta['clock']}, load {cost.meta['loadavg_before']} -> {cost.meta['loadavg_after']}",
+        print(f"measurement {k + 1}: {time.perf_counter() - t0:.0f} s, {cost.meta['statistic']} of {repeats} "
+              f"repetitions, clock {cost.meta['clock']}, load {cost.meta['loadavg_before']} -> {cost.meta['loadavg_after']}",
               flush=True)
         summaries.append(summarize(records, cost_model=cost, server=server_work(recipe)))
     names = [n for n in summaries[0] if summaries[0][n].get("g_projected_ms_per_token") is not None]

@@ -198,3 +198,17 @@ def test_labels_of_close_points_stack_instead_of_overlapping():
 
     # hyco and hyco-exact a hair apart, specedge far away: the second close label goes one line up
     assert _label_offsets([(4.0, 3.1), (4.01, 3.1), (9.0, 1.0)], 5.0, 2.1) == [(6.0, 4.0), (6.0, 15.0), (6.0, 4.0)]
+
+
+def test_a_percentile_statistic_is_what_the_draws_resample():
+    from hycoc.bench.cost_model import CostModelError, sample_quantile
+
+    assert (sample_quantile("median"), sample_quantile("p25"), sample_quantile("p0")) == (50.0, 25.0, 0.0)
+    with pytest.raises(CostModelError, match="'median' or 'pNN'"):
+        sample_quantile("mean")
+    m = model(noise=0.3)
+    low = m.model_copy(update={"meta": {"statistic": "p0"}})   # p0: the minimum of a resample
+    draws = bootstrap_tables(low, 50)["verify"]
+    floor = np.array([[min(p.samples_ms) for p in sorted(m.points, key=lambda p: p.context)
+                       if p.kind == "verify" and p.rows == r] for r in (1, 5, 33)])
+    assert (draws >= floor - 1e-12).all() and (draws.min(axis=0) == floor).all()

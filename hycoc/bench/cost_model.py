@@ -27,7 +27,8 @@ The three kinds of forward (`KINDS`), what a point's ``rows`` and ``context`` me
   A request's prompt (all but its last token) and a second turn's appended tokens are prefilled in such chunks.
 
 ``ms``: milliseconds of that forward as the reference engine runs it (explicit 4-D masks, a ``DynamicCache`` that
-keeps every position), median of repeated runs after warm-up. The rest of a round (sampling, acceptance, KV
+keeps every position), median of repeated runs after warm-up (a model whose ``meta.statistic`` is a percentile, e.g.
+"p25", keeps that percentile instead: `hycoc bench` times busy CPU time and keeps its 25th percentile). The rest of a round (sampling, acceptance, KV
 compaction, hand-off packing; Alg. 4 lines 5-14) is NOT in it: on a GPU it is a small, context-independent part of
 a round, and the bench measures it on its own machine if it wants it.
 
@@ -97,7 +98,8 @@ class CostPoint(BaseModel):
     kind: Literal["verify", "head_step", "prefill"] = Field("verify", description="which forward (KINDS)")
     rows: int = Field(ge=1, description="rows of the forward: R tree rows, 1 head query, n prefill positions")
     context: int = Field(ge=0, description="t, positions already in the KV cache")
-    ms: float = Field(gt=0, allow_inf_nan=False, description="median milliseconds of the forward")
+    ms: float = Field(gt=0, allow_inf_nan=False, description="milliseconds of the forward: the median of samples_ms, or the "
+                    "percentile meta.statistic names")
     samples_ms: list[float] | None = Field(
         None, description="every timed repetition behind ms, in measurement order (absent in files that predate "
         "them); `bootstrap_tables` resamples them for the projection's interval")
@@ -376,13 +378,14 @@ def projected_g(model: CostModel, rounds, output_tokens: int) -> float:
 
 def bootstrap_tables(model: CostModel, draws: int, seed: int = 0) -> dict[str, np.ndarray] | None:
     """The cost model's own uncertainty as ``draws`` resampled grids: per kind a float64 (draws, nR, nC) array
-    whose [d] is `CostModel.table` with every point's ms replaced by the median of a resample (with replacement,
-    same size) of that point's ``samples_ms`` -- the bootstrap of a median (Efron & Tibshirani 1993, ch. 6),
-    each point independently. None when any point lacks samples (a file made before they were kept): the
+    whose [d] is `CostModel.table` with every point's ms replaced by the model's statistic (``meta.statistic``:
+    "median", or "pNN" for that percentile) of a resample (with replacement, same size) of that point's
+    ``samples_ms`` -- the bootstrap of a quantile (Efron & Tibshirani 1993, ch. 6), each point independently. None when any point lacks samples (a file made before they were kept): the
     projection's interval then covers the questions only."""
     if any(not p.samples_ms for p in model.points):
         return None
     rng = np.random.default_rng(seed)
+    q = sample_quantile(model.meta.get("statistic", "median"))
     out = {}
     for kind in model.kinds:
         rows, ctxs = list(model.rows_of(kind)), list(model.contexts_of(kind))
@@ -391,9 +394,23 @@ def bootstrap_tables(model: CostModel, draws: int, seed: int = 0) -> dict[str, n
             if p.kind == kind:   # a fixed order (the file's): a model and its saved copy draw the same grids
                 x = np.asarray(p.samples_ms, dtype=np.float64)
                 pick = rng.integers(0, len(x), size=(draws, len(x)))
-                grid[:, rows.index(p.rows), ctxs.index(p.context)] = np.median(x[pick], axis=1)
+                grid[:, rows.index(p.rows), ctxs.index(p.context)] = np.percentile(x[pick], q, axis=1)
         out[kind] = grid
     return out
+
+
+def sample_quantile(statistic: str) -> float:
+    """The percentile (0-100) a cost model's ``meta.statistic`` names: "median" -> 50, "p25" -> 25. Raises
+    CostModelError for another name."""
+    if statistic == "median":
+        return 50.0
+    try:
+        q = float(statistic.removeprefix("p")) if statistic.startswith("p") else None
+    except ValueError:
+        q = None
+    if q is None or not 0 <= q <= 100:
+        raise CostModelError(f"meta.statistic = {statistic!r}: 'median' or 'pNN' (a percentile, e.g. p25)")
+    return q
 
 
 def predict_tables(model: CostModel, tables: dict[str, np.ndarray], forwards: Sequence[Forward]) -> np.ndarray:
@@ -483,6 +500,6 @@ def load_cost_model(path: str | Path) -> CostModel:
         raise CostModelError(f"{path}: {msg}{more}; fix the file or {MAKE_HINT}") from None
 
 
-__all__ = ["bootstrap_tables", "predict_tables", "DRAFT_PLACE_OF", "KINDS", "PAPER_ROUND_MS", "PREFILL_CHUNK", "SCHEMA_VERSION", "CostModelError",
+__all__ = ["bootstrap_tables", "predict_tables", "sample_quantile", "DRAFT_PLACE_OF", "KINDS", "PAPER_ROUND_MS", "PREFILL_CHUNK", "SCHEMA_VERSION", "CostModelError",
            "CostPoint", "CostModel", "Forward", "load_cost_model", "prefill_forwards", "projected_server_ms",
            "projected_g", "request_forwards", "round_forwards"]

@@ -536,7 +536,8 @@ def cost_model_for(recipe, records: list[dict], cost_model_path: Path | None, ou
     cost = measure_recipe_verifier(recipe, contexts=sorted({64, 128, 256, 512, max(64, int(longest))}))
     cost.save(saved)
     return cost, (f"g projected through a cost model measured here ({cost.device}, {cost.dtype}, "
-                  f"{cost.meta.get('clock', 'wall')}, {cost.meta.get('repeats')} repetitions, load "
+                  f"{cost.meta.get('clock', 'wall')}, {cost.meta.get('statistic', 'median')} of "
+                  f"{cost.meta.get('repeats')} repetitions, load "
                   f"{cost.meta.get('loadavg_before')}): {saved}")
 
 
