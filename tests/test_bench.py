@@ -150,3 +150,45 @@ def test_bench_second_turns_continue_the_session(built, tmp_path):
     assert t["2"]["prefill_ms_saved"] == pytest.approx(second["prefill_ms_cold"] - second["prefill_ms"])
     assert t["1"]["mat"] == pytest.approx(first["tokens"] / first["rounds"])
 
+
+
+def test_measure_handoff_scales_is_the_max_over_the_answers_at_percentile_100(built):
+    """At percentile 100 every scale is max |x| / 127 over every position of prompt + greedy answer, computed here
+    on an independent path: the input of the final norm by a forward hook (not the engine's NormTap), the
+    embedding table rows of the ids, the producer layers' K/V from a plain transformers forward."""
+    import torch
+    from transformers import DynamicCache
+
+    from hycoc.chat import format_prompt, stop_token_ids
+    from hycoc.models import load_tokenizer, load_verifier
+    from hycoc.passes.head_qat import greedy_answer, prompt_sources
+    from hycoc.verifier.engine import producer_layers
+    from hycoc.verifier.handoff_scales import measure_handoff_scales
+
+    recipe, _, _ = built
+    got = measure_handoff_scales(recipe, prompts=2, max_new_tokens=4, percentile=100.0)
+    tok = load_tokenizer(recipe.model_path("tokenizer"))
+    model = load_verifier(recipe.model_path("verifier"), dtype=recipe.verifier.dtype, device="cpu")
+    layers = producer_layers(model.config)
+    want = dict.fromkeys(got, 0.0)
+    seen = {}
+    hook = model.model.norm.register_forward_hook(lambda m, args, out: seen.__setitem__("pre", args[0]))
+    try:
+        for text in prompt_sources(recipe)[0][:2]:
+            ids = format_prompt(tok, text)
+            seq = ids + greedy_answer(model, ids, 4, stop_token_ids(tok))
+            cache = DynamicCache()
+            with torch.inference_mode():
+                model(input_ids=torch.tensor([seq]), cache=cache, use_cache=True)
+                emb = model.model.embed_tokens(torch.tensor([seq]))
+            top = {"embedding": emb, "hidden": seen["pre"]}
+            for kind, short in (("sliding_attention", "sliding"), ("full_attention", "full")):
+                top[f"k_{short}"] = cache.layers[layers[kind]].keys
+                top[f"v_{short}"] = cache.layers[layers[kind]].values
+            for k, x in top.items():
+                want[k] = max(want[k], float(x.abs().max()) / 127)
+    finally:
+        hook.remove()
+    assert got == pytest.approx(want, rel=1e-6)
+    half = measure_handoff_scales(recipe, prompts=2, max_new_tokens=4, percentile=50.0)
+    assert all(0 < half[k] < got[k] for k in got)   # the median of |x| is below its maximum
