@@ -13,7 +13,7 @@ bench is not the user's business, so it goes to a log file under the run or buil
 * lines written to ``sys.stdout`` that start with ``[torch.onnx]`` (the ONNX exporter's ``print`` progress).
 
 On exit it prints ``third-party messages: N lines in LOG_PATH`` on ``console`` (a rich Console; stderr when None)
-when anything was logged, and removes the empty file otherwise. Output that C++ libraries write straight to the
+when anything was logged; nothing logged, no file (nor folder) is made. Output that C++ libraries write straight to the
 file descriptors (below Python) is not caught. torch-free.
 """
 
@@ -35,16 +35,32 @@ STDOUT_PREFIXES = ("[torch.onnx]",)
 
 
 class _Log:
-    """The open log file and how many lines went to it."""
+    """The log file, created (with its folder) at the first line written to it, and how many lines went there."""
 
     def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path, self.file, self.lines = path, open(path, "w", encoding="utf-8"), 0
+        self.path, self.file, self.lines = path, None, 0
 
     def write(self, text: str) -> None:
+        if self.file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.path, "w", encoding="utf-8")
         self.file.write(text if text.endswith("\n") else text + "\n")
         self.file.flush()
         self.lines += text.rstrip("\n").count("\n") + 1
+
+
+class _LogHandler(logging.Handler):
+    """A logging handler that writes each record's formatted line to a `_Log`."""
+
+    def __init__(self, log: _Log):
+        super().__init__(logging.WARNING)
+        self.log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.log.write(self.format(record))
+        except Exception:  # noqa: BLE001 -- logging's own contract: a failing handler reports, never raises
+            self.handleError(record)
 
 
 class _StdoutFilter(io.TextIOBase):
@@ -98,8 +114,7 @@ def third_party_output(log_path: str | Path, console=None) -> Iterator[Path]:
     docstring); yields the path. On exit one line on ``console`` says how many lines went there."""
     log = _Log(Path(log_path))
     root = logging.getLogger()
-    handler = logging.StreamHandler(log.file)
-    handler.setLevel(logging.WARNING)
+    handler = _LogHandler(log)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     handler.addFilter(_ForeignOnly())
     shown = warnings.showwarning
@@ -132,16 +147,14 @@ def third_party_output(log_path: str | Path, console=None) -> Iterator[Path]:
                 for h in handlers:
                     root.removeHandler(h)
     finally:
-        log.file.close()
-        log.lines = len(log.path.read_text(encoding="utf-8").splitlines())   # the logging handler's lines too
+        if log.file is not None:
+            log.file.close()
         if log.lines:
             from rich.console import Console
 
             (console or Console(stderr=True)).print(
                 f"third-party messages (warnings of torch, transformers, onnxruntime, ...): {log.lines} lines in "
                 f"{log.path}", markup=False, highlight=False)
-        elif log.path.stat().st_size == 0:
-            log.path.unlink()
 
 
 __all__ = ["STDOUT_PREFIXES", "third_party_output"]
