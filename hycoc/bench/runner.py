@@ -69,6 +69,7 @@ class VerifierProcess:
         if keep_set is not None:
             cmd += ["--keep-set", str(keep_set)]
         self._err = tempfile.TemporaryFile(mode="w+")
+        self._stderr = ""
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._err, text=True, env=env)
         self.url = None
@@ -86,10 +87,14 @@ class VerifierProcess:
         self.deadline = deadline
 
     def stderr_tail(self, lines: int = 5) -> str:
-        self._err.seek(0)
-        return " | ".join(self._err.read().strip().splitlines()[-lines:]) or "(no output)"
+        if not self._err.closed:
+            self._err.seek(0)
+            self._stderr = self._err.read()
+        return " | ".join(self._stderr.strip().splitlines()[-lines:]) or "(no output)"
 
     def stop(self) -> None:
+        """Terminate the server (SIGTERM, then SIGKILL after 20 s) and close its stderr file (its text is kept
+        for `stderr_tail`)."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -97,6 +102,11 @@ class VerifierProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if not self._err.closed:
+            self.stderr_tail()
+            self._err.close()
+        if self.proc.stdout is not None and not self.proc.stdout.closed:
+            self.proc.stdout.close()
 
     def __enter__(self) -> VerifierProcess:
         return self
