@@ -24,7 +24,12 @@ table.
 
 Cost model (g projected): ``--cost-model FILE`` (e.g. made on a GPU by ``benchmarks/verifier_cost_model.py
 --device cuda``), else one measured here on the recipe's verifier and this machine
-(`hycoc.verifier.cost_measure.measure_recipe_verifier`), saved as ``OUT/cost_model.json``; the table says which.
+(`hycoc.verifier.cost_measure.measure_recipe_verifier`: busy CPU time of every forward, interleaved repetitions,
+each kept), saved as ``OUT/cost_model.json`` and reused by ``--resume`` (``remeasure_cost_model`` redoes it); the
+table says which. The projected Δg's interval resamples the cost model's repetitions with the questions.
+
+Output: the tables at the console's width (`hycoc.bench.tables`; ``fmt`` markdown or csv for files), third-party
+warnings in ``OUT/bench.log`` (`hycoc.quiet`).
 """
 
 from __future__ import annotations

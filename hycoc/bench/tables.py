@@ -84,6 +84,8 @@ def fit_columns(table: TextTable, width: int) -> list[TextTable]:
         parts.append(current)
     if len(parts) == 1:
         return [table]
+    parts = _balanced(list(range(table.keys, len(table.headers))), len(parts),
+                      lambda cols: table_width([widths[j] for j in keys + cols])) or parts
     out = []
     for n, cols in enumerate(parts, start=1):
         idx = keys + cols
@@ -91,6 +93,33 @@ def fit_columns(table: TextTable, width: int) -> list[TextTable]:
                            rows=[[r[i] for i in idx] for r in table.rows], justify=[table.justify[i] for i in idx],
                            caption=table.caption if n == len(parts) else None))
     return out
+
+
+def _balanced(cols: list[int], k: int, cost) -> list[list[int]] | None:
+    """``cols`` cut in order into ``k`` non-empty parts whose widest ``cost`` is smallest (the linear partition
+    problem, dynamic programming over cut points; ties keep earlier parts fuller), so a split table does not end
+    in one lone column. None when there are fewer columns than parts."""
+    n = len(cols)
+    if n < k:
+        return None
+    best: dict[tuple[int, int], tuple[int, list[list[int]]]] = {}
+
+    def solve(start: int, parts: int) -> tuple[int, list[list[int]]]:
+        if (start, parts) in best:
+            return best[(start, parts)]
+        if parts == 1:
+            out = (cost(cols[start:]), [cols[start:]])
+        else:
+            out = None
+            for stop in range(n - parts + 1, start, -1):   # the fullest first part first: ties keep it
+                rest_cost, rest = solve(stop, parts - 1)
+                c = max(cost(cols[start:stop]), rest_cost)
+                if out is None or c < out[0]:
+                    out = (c, [cols[start:stop]] + rest)
+        best[(start, parts)] = out
+        return out
+
+    return solve(0, k)[1]
 
 
 def console_width(is_terminal: bool, terminal_width: int | None = None, environ=None) -> int:
