@@ -212,3 +212,38 @@ def test_a_percentile_statistic_is_what_the_draws_resample():
     floor = np.array([[min(p.samples_ms) for p in sorted(m.points, key=lambda p: p.context)
                        if p.kind == "verify" and p.rows == r] for r in (1, 5, 33)])
     assert (draws >= floor - 1e-12).all() and (draws.min(axis=0) == floor).all()
+
+
+def test_g_busy_pools_the_verifier_process_cpu_time_and_pairs_it():
+    recs = fixed_records(("cloud-mtp", "hyco"))
+    for r in recs:   # busy = 60% of the wall time for cloud-mtp, 30% for hyco
+        r["server_busy_ms"] = (0.6 if r["config"] == "cloud-mtp" else 0.3) * (r["prefill_ms"] + sum(r["server_ms"]))
+    s = summarize(recs, bootstrap=100)
+    c, h = s["cloud-mtp"], s["hyco"]
+    assert c["g_busy_ms_per_token"] == pytest.approx(0.6 * c["g_ms_per_token"])
+    assert h["g_busy_ms_per_token"] == pytest.approx(0.3 * h["g_ms_per_token"])
+    want = 100 * (h["g_busy_ms_per_token"] / c["g_busy_ms_per_token"] - 1)
+    assert h["delta_g_busy_pct"] == pytest.approx(want) and h["delta_g_busy_ci95"][0] <= want
+    console = Console(file=io.StringIO(), width=120)
+    render_table(s, console)
+    assert "g busy" in console.file.getvalue() and "Δg busy % [95% CI]" in console.file.getvalue()
+    del recs[0]["server_busy_ms"]   # an older record: no busy figure rather than a partial one
+    assert summarize(recs, bootstrap=0)["cloud-mtp"]["g_busy_ms_per_token"] is None
+
+
+def test_process_cpu_ms_counts_this_process_busy_time_not_its_sleep():
+    import os
+    import time
+
+    from hycoc.bench.runner import busy_since, process_cpu_ms
+
+    start = process_cpu_ms(os.getpid())
+    time.sleep(0.2)
+    slept = busy_since(os.getpid(), start)
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.15:
+        pass
+    spun = busy_since(os.getpid(), start)
+    tick = 1000.0 / os.sysconf("SC_CLK_TCK")
+    assert slept <= 2 * tick and spun >= 150 - 2 * tick
+    assert process_cpu_ms(2 ** 31 - 1) is None and busy_since(None, 1.0) is None

@@ -120,13 +120,35 @@ class VerifierProcess:
         self.stop()
 
 
+# ---- busy time of the verifier process ----------------------------------------------------------------------
+
+
+def process_cpu_ms(pid: int) -> float | None:
+    """CPU time (user + system, every thread, exited ones included) the process ``pid`` has used, in ms: fields 14
+    and 15 of ``/proc/PID/stat`` (proc(5)) over ``SC_CLK_TCK`` (resolution 1 / SC_CLK_TCK s, 10 ms on Linux). None
+    where there is no /proc (not Linux) or the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()   # after "(comm)", which may hold spaces
+        return 1000.0 * (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def busy_since(pid: int | None, start: float | None) -> float | None:
+    """`process_cpu_ms` of ``pid`` now minus ``start`` (ms), None when either is unknown."""
+    now = process_cpu_ms(pid) if pid is not None else None
+    return None if now is None or start is None else max(0.0, now - start)
+
+
 # ---- records -----------------------------------------------------------------------------------------------------
 
 
 def record_of(config: str, run: int, q: Question, prompt_tokens: int, res, virtual_link: bool,
-              turn: int = 1) -> dict:
+              turn: int = 1, server_busy_ms: float | None = None) -> dict:
     """One request as a `hycoc.bench.stats` record (its module docstring lists the keys and units); ``turn``:
-    1 for a question's first turn, 2 for its second (same session, `run_requests`)."""
+    1 for a question's first turn, 2 for its second (same session, `run_requests`). server_busy_ms: CPU ms the
+    verifier process used while the request ran (`process_cpu_ms`), None when unknown."""
     from hycoc.bench.quality import reference_match
 
     link = res.link_s if virtual_link else 0.0
@@ -144,6 +166,7 @@ def record_of(config: str, run: int, q: Question, prompt_tokens: int, res, virtu
         "output_ids": list(res.tokens), "finished": res.finished,
         "finish_reason": getattr(res, "finish_reason", None), "verifier_logprob": None,
         "reference_match": reference_match(q.category, res.text, q.reference),
+        "server_busy_ms": server_busy_ms,
     }
 
 
@@ -415,16 +438,19 @@ def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], p
                 if req.mode != "slm-alone":
                     client = VerifierClient(server.url, timeout_s=600, link=link_model, sleep=lambda s: None)
                 two = turns > 1 and len(q.turns) > 1 and client is not None
+                pid = server.proc.pid if client is not None else None
+                cpu0 = process_cpu_ms(pid) if pid is not None else None
                 res = rt.generate(client, prompts[q.question_id], mode=req.mode, max_new_tokens=output_cap,
                                   seed=seed + req.run, sampling=sampling, epsilon=req.epsilon, keep_open=two)
-                recs = [record_of(req.config, req.run, q, len(prompts[q.question_id]), res, virtual_link=True)]
+                recs = [record_of(req.config, req.run, q, len(prompts[q.question_id]), res, virtual_link=True,
+                                  server_busy_ms=busy_since(pid, cpu0))]
                 if two and res.finish_reason == "length":   # the context is full: no room for a second turn
                     client.close()
                     total -= 1
                     progress.update(task, total=total)
                 elif two:
                     recs.append(second_turn(rt, client, server.url, req, prompts[q.question_id], res, output_cap,
-                                            sampling))
+                                            sampling, server_pid=pid))
                 sink.write("".join(json.dumps(rec) + "\n" for rec in recs))   # both turns, or neither
                 sink.flush()
                 progress.advance(task, len(recs))
@@ -442,13 +468,15 @@ def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], p
             server.stop()
 
 
-def second_turn(rt, client, url: str, req: Request, prompt: list[int], first, output_cap: int, sampling) -> dict:
+def second_turn(rt, client, url: str, req: Request, prompt: list[int], first, output_cap: int, sampling,
+                server_pid: int | None = None) -> dict:
     """A question's second turn on the session its first turn left open (paper §4.1: MT-bench's second turns;
     the prompt is the conversation so far: first question, this configuration's own first answer, second
     question). The verifier keeps the conversation's KV and prefills only the new tokens; to show what that
     saves, the same conversation is also prefilled cold on a new session (opened and closed at once, no rounds).
     Returns the turn's record (``turn`` 2, ``prefill_ms`` the append's, ``prefill_ms_cold`` the cold one's).
-    The client is closed."""
+    The client is closed. server_pid: the verifier process, whose CPU time over the turn is the record's
+    ``server_busy_ms``."""
     import numpy as np
 
     from hycoc.chat import next_user_turn
@@ -457,8 +485,10 @@ def second_turn(rt, client, url: str, req: Request, prompt: list[int], first, ou
 
     q = req.question
     turn = next_user_turn(rt.bundle.tokenizer, q.turns[1], answer_closed=first.finish_reason == "stop")
+    cpu0 = process_cpu_ms(server_pid) if server_pid is not None else None
     try:
         res = rt.next_turn(client, turn, max_new_tokens=output_cap)
+        busy = busy_since(server_pid, cpu0)   # the turn's own work, not the cold prefill below
     finally:
         client.close()
     conversation = prompt + list(first.tokens) + turn
@@ -468,7 +498,7 @@ def second_turn(rt, client, url: str, req: Request, prompt: list[int], first, ou
                                         max_new_tokens=1)).prefill_ms
     finally:
         cold.close()
-    rec = record_of(req.config, req.run, q, len(conversation), res, virtual_link=True, turn=2)
+    rec = record_of(req.config, req.run, q, len(conversation), res, virtual_link=True, turn=2, server_busy_ms=busy)
     rec["prefill_ms_cold"] = float(cold_ms)
     rec["prefill_start"] = len(prompt) + len(first.tokens) - 1  # the append prefills [this, root): cost-model replay
     return rec
@@ -578,5 +608,5 @@ def default_bundle_dir(recipe, repo_root: Path) -> Path:
 
 
 __all__ = ["CONFIGS", "BenchError", "BenchPlan", "Request", "VerifierProcess", "atomic_write", "cost_model_for",
-           "default_bundle_dir", "make_console", "print_results", "result_tables", "open_out", "read_records", "record_of", "run_bench", "run_requests",
+           "busy_since", "default_bundle_dir", "make_console", "process_cpu_ms", "print_results", "result_tables", "open_out", "read_records", "record_of", "run_bench", "run_requests",
            "score_answers", "score_quality", "server_work"]

@@ -14,6 +14,8 @@ Record (one dict per request; times in milliseconds unless the name says seconds
     rounds            verification rounds (slm-alone: one per token, no verifier)
     accepted          [int] |P| per round (tokens committed per round = accepted + 1)
     prefill_ms        verifier prefill ms (0 for slm-alone)
+    server_busy_ms    float | None, CPU ms the verifier process used during the request (every thread: the
+                      forwards and the work around them; `hycoc.bench.runner.process_cpu_ms`); absent in old records
     server_ms         [float] verifier ms per round (empty for slm-alone)
     rows              [int] rows of the verifier forward per round (B + 1 = 33 for device trees, 1 + K for cloud-mtp)
     context           [int] root position (context length) per round
@@ -35,6 +37,9 @@ runs the pooled ratio is taken per run and the runs' ratios are averaged, as App
 
 * g [ms / output token] = sum over requests of (prefill_ms + sum server_ms) / sum tokens. Verifier time on the
   hardware that ran it, prefill included. None for slm-alone (no verifier).
+* g busy [ms / output token] = sum server_busy_ms / sum tokens: the verifier's busy time (its process's CPU time
+  over each request, prefill included), which other processes on the machine do not stretch the way they stretch
+  the wall-clock g; None when any request lacks it. Δg busy is its paired Δ, as Δg below.
 * g_rounds [ms / output token] = sum server_ms / sum tokens: measured g over rounds only (prefill excluded), the
   figure to hold against g projected.
 * g projected [ms / output token] = sum over every forward the server ran of cost_model.predict / sum tokens: the
@@ -116,6 +121,11 @@ def _rounds(r: Record) -> float:
 def _server_cost(r: Record) -> float:
     """prefill_ms + sum server_ms: the verifier's time for one request (App. G)."""
     return float(r.get("prefill_ms") or 0.0) + float(sum(r.get("server_ms") or ()))
+
+
+def _busy_cost(r: Record) -> float:
+    """server_busy_ms: the verifier process's CPU ms over the request."""
+    return float(r.get("server_busy_ms") or 0.0)
 
 
 def _rounds_cost(r: Record) -> float:
@@ -373,7 +383,8 @@ def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, co
 
     Keys per configuration (None where undefined):
       requests, runs, unfinished, finish_reasons {reason: requests}, tokens, rounds;
-      g_ms_per_token, g_runs (per-run g), g_rounds_ms_per_token, g_projected_ms_per_token (every server forward,
+      g_ms_per_token, g_runs (per-run g), g_busy_ms_per_token, g_busy_runs, delta_g_busy_pct,
+      delta_g_busy_ci95 (busy time, None without server_busy_ms), g_rounds_ms_per_token, g_projected_ms_per_token (every server forward,
       prefill included where the model has prefill points: g_projected_includes_prefill), g_projected_parts
       {verify, head_step, prefill: ms per output token}, g_projected_error;
       server_ms_per_round_p50, server_ms_per_round_projected_p50 (verification + head steps);
@@ -414,6 +425,10 @@ def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, co
         s["g_runs"] = ([_pooled([r for r in recs if r.get("run", 0) == k], _server_cost, _tokens) for k in runs]
                        if verifier else None)
         s["g_rounds_ms_per_token"] = _pooled(recs, _rounds_cost, _tokens) if verifier else None
+        busy_known = verifier and all(_num(r.get("server_busy_ms")) is not None for r in recs)
+        s["g_busy_ms_per_token"] = _pooled(recs, _busy_cost, _tokens) if busy_known else None
+        s["g_busy_runs"] = ([_pooled([r for r in recs if r.get("run", 0) == k], _busy_cost, _tokens) for k in runs]
+                            if busy_known else None)
         s["g_projected_ms_per_token"], s["g_projected_parts"], s["g_projected_error"] = None, None, None
         s["g_projected_includes_prefill"] = proj.prefill if verifier and proj is not None else None
         round_ms = [float(x) for r in recs for x in (r.get("server_ms") or ())]
@@ -449,6 +464,11 @@ def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, co
             pairs, projected, bootstrap=bootstrap, seed=_seed_for(seed, name, "g_projected"), cost_draws=cost_draws)
             if proj_ok and projected is not None else (None, None))
         s["delta_g_projected_ci_covers_cost_model"] = cost_draws is not None if proj_ok else None
+        busy_pairs = [(r, b) for r, b in pairs if _num(r.get("server_busy_ms")) is not None
+                      and _num(b.get("server_busy_ms")) is not None]
+        s["delta_g_busy_pct"], s["delta_g_busy_ci95"] = (paired_ratio_delta(
+            busy_pairs, _busy_cost, bootstrap=bootstrap, seed=_seed_for(seed, name, "g_busy"))
+            if busy_known and busy_pairs and len(busy_pairs) == len(pairs) else (None, None))
         s["delta_pairs"] = len(pairs) if base_ok else None
         s["delta_questions"] = len({r.get("question_id") for r, _ in pairs}) if base_ok else None
 
@@ -544,7 +564,8 @@ def main_table(summary: Mapping[str, Mapping[str, Any]], *, title: str = "hycoc 
     names = _order(summary)
     has_proj = any(_num(summary[n].get("g_projected_ms_per_token")) is not None for n in names)
     has_dproj = any(_num(summary[n].get("delta_g_projected_pct")) is not None for n in names)
-    legend = (f"g: measured verifier ms per output token incl. prefill (App. G, pooled). "
+    legend = (f"g: measured verifier ms per output token incl. prefill (App. G, pooled). g busy: the verifier "
+              f"process's CPU ms per token over the same requests (other processes do not stretch it). "
               f"g proj.: cost-model ms per token over every server forward (prefill, verification, server-side "
               f"head steps). Δg: paired vs {baseline}, 95% CI by bootstrap over questions (Δg proj.: and over the "
               f"cost model's repeated timings); lower is better. zlib ratio: compressed/raw bytes of the answers "
@@ -552,7 +573,10 @@ def main_table(summary: Mapping[str, Mapping[str, Any]], *, title: str = "hycoc 
               f"paired 95% CI lies wholly on the worse side.")
     if caption:
         legend += " " + caption
+    has_busy = any(_num(summary[n].get("g_busy_ms_per_token")) is not None for n in names)
     headers = ["config", "n", "g ms/tok", "g proj. ms/tok", "Δg % [95% CI]"]
+    if has_busy:
+        headers += ["g busy ms/tok", "Δg busy % [95% CI]"]
     if has_dproj:
         headers.append("Δg proj. % [95% CI]")
     headers += ["MAT", "fwd/tok", "tok/s", "draft ms/tok", "1st tok p50 ms", "B up/down per round",
@@ -565,6 +589,10 @@ def main_table(summary: Mapping[str, Mapping[str, Any]], *, title: str = "hycoc 
         up, down = s.get("bytes_up_per_round"), s.get("bytes_down_per_round")
         row = [n, str(s.get("requests", "")), _fmt(s.get("g_ms_per_token")),
                _fmt(s.get("g_projected_ms_per_token")) if has_proj else "–", delta]
+        if has_busy:
+            row += [_fmt(s.get("g_busy_ms_per_token")),
+                    "ref" if n == baseline and _num(s.get("g_busy_ms_per_token")) is not None else
+                    _fmt_delta(s.get("delta_g_busy_pct"), s.get("delta_g_busy_ci95"))]
         if has_dproj:
             row.append("ref" if n == baseline and _num(s.get("g_projected_ms_per_token")) is not None else
                        _fmt_delta(s.get("delta_g_projected_pct"), s.get("delta_g_projected_ci95")))
