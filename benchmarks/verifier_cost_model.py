@@ -25,8 +25,9 @@ and `crop_cache` takes the R rows back off. With the MTP head (``--recipe``: its
 head shape `hycoc.passes.plan.HEAD_ASSUMED`, random weights): one step of `hycoc.verifier.engine.draft_cloud_chain`
 reading the t cached positions (the Cloud+MTP head step; server-head steps read min(W, t) and are replayed through
 the same points). For every n in ``--prefill-rows``: one `hycoc.verifier.engine.prefill` chunk of n positions after
-the t cached ones (logits of the last row only). Timing: CUDA events on a GPU (synchronized), perf_counter on the CPU
-(`hycoc.verifier.engine._Timer`, the clock the server's server_ms uses); ``--warmup`` untimed passes, then the
+the t cached ones (logits of the last row only). Timing: CUDA events on a GPU (synchronized); on the CPU the busy time
+of the forward (process CPU time; ``--clock wall``: perf_counter, `hycoc.verifier.engine._Timer`, the clock the
+server's server_ms uses); ``--warmup`` untimed passes, then the
 median of ``--repeats`` timed passes, each pass visiting every grid point once (interleaved, so load drift on a busy
 machine spreads over the whole grid). What is timed is Alg. 4 lines 1-3 (mask build, forward, logits of all R
 rows); sampling, acceptance, compaction and the hand-off are not (see `hycoc.bench.cost_model`).
@@ -126,6 +127,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                     help="weights and activations (default: bfloat16 for random weights, else the recipe's "
                     "verifier.dtype)")
+    ap.add_argument("--clock", choices=("busy", "wall"), default="busy",
+                    help="CPU: busy = CPU time of the forward (other processes do not stretch it), wall = "
+                    "perf_counter, the clock of the server's server_ms; a GPU always uses CUDA events "
+                    "(default %(default)s)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed forwards per point (default %(default)s)")
     ap.add_argument("--repeats", type=int, default=10, help="timed forwards per point; the median is kept "
                     "(default %(default)s)")
@@ -230,7 +235,8 @@ def main(argv=None) -> int:
 
         points = measure_grid(model, rows_list, contexts, warmup=args.warmup, repeats=args.repeats,
                               device=args.device, log=log, head=head, prefill_rows=prefill_rows,
-                              chain_length=chain_length, head_position_offset=offset)
+                              chain_length=chain_length, head_position_offset=offset, clock=args.clock)
+        meta["clock"] = args.clock if args.device == "cpu" else "wall (CUDA events)"
         if args.device == "cuda":
             meta["max_memory_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
     except torch.OutOfMemoryError as e:

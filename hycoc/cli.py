@@ -43,6 +43,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # click's plain help: it wraps every paragraph and default to the terminal's width (rich's panels cut long
+    # defaults and paths with "…" at 80 columns); https://typer.tiangolo.com/tutorial/commands/help/#rich-markdown-and-markup
+    rich_markup_mode=None,
 )
 
 def _print_version(value: bool) -> None:
@@ -93,6 +96,12 @@ class RunMode(str, Enum):
 class Backend(str, Enum):
     htp = "htp"
     cpu = "cpu"
+
+
+class TableFormat(str, Enum):
+    table = "table"
+    markdown = "markdown"
+    csv = "csv"
 
 
 class Device(str, Enum):
@@ -522,10 +531,13 @@ def verify_server(
         options["max_batch_rows"] = max_batch_rows
     if max_batch_wait_ms is not None:
         options["max_batch_wait_ms"] = max_batch_wait_ms
+    started = time.monotonic()
     try:
         serve(engine, host, port, auth_token=auth_token, on_listening=listening, **options)
     except OSError as e:
         raise _fail("verify-server", f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    up = time.monotonic() - started
+    typer.echo(f"hycoc verify-server: stopped (SIGINT or SIGTERM) after {up:.0f} s; sessions closed")
 
 
 @app.command("serve-ray")
@@ -680,6 +692,12 @@ def bench(
         None, help="device_profile.json from `hycoc profile`: phone draft ms per round and delivery tok/s per "
         "configuration from its profiled graph times (default: the labelled estimate, hycoc/device_time.py)",
         show_default=False),
+    remeasure_cost_model: bool = typer.Option(
+        False, "--remeasure-cost-model", help="measure the cost model again even when OUT/cost_model.json exists "
+        "(--resume reuses it, so the summary stays as it was)"),
+    table_format: TableFormat = typer.Option(
+        TableFormat.table, "--format", help="how the results are printed: table (fit to the terminal's width, or "
+        "COLUMNS, 120 when redirected), markdown or csv"),
 ) -> None:
     """Benchmark every configuration on the same prompts, verifier and seed (paper Table 2, App. G).
 
@@ -731,7 +749,8 @@ def bench(
                      turns=turns, thinking=thinking)
     try:
         run_bench(cfg, recipe, plan, bundle_dir=bundle_dir, backend=_bundle_backend(bundle_dir, backend),
-                  resume=resume, cost_model_path=cost_model, device_profile_path=device_profile)
+                  resume=resume, cost_model_path=cost_model, device_profile_path=device_profile,
+                  remeasure_cost_model=remeasure_cost_model, fmt=table_format.value)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     except (BenchError, BundleError, TransportError, CostModelError, ChatFormatError) as e:

@@ -41,9 +41,15 @@ def console() -> Console:
 
 
 def plain_line(text: str, c: Console | None = None) -> None:
-    """One timestamped progress line (``[hycoc HH:MM:SS] text``) on the progress console, no markup."""
-    (c or console()).print(f"[hycoc {time.strftime('%H:%M:%S')}] {text}", markup=False, highlight=False,
-                           soft_wrap=True)
+    """One timestamped progress line (``[hycoc HH:MM:SS] text``) on the progress console, no markup; a line wider
+    than the console is wrapped at spaces, its continuation indented under the text."""
+    import textwrap
+
+    c = c or console()
+    prefix = f"[hycoc {time.strftime('%H:%M:%S')}] "
+    wrapped = textwrap.fill(text, width=max(40, c.width), initial_indent=prefix, subsequent_indent=" " * len(prefix),
+                            break_long_words=False, break_on_hyphens=False)
+    c.print(wrapped, markup=False, highlight=False, soft_wrap=True)
 
 
 def bar_columns() -> tuple:
@@ -133,8 +139,8 @@ def step(description: str, total: int | None = None, c: Console | None = None) -
     plain_line(f"{label}: started" + (f" ({total} to do)" if total else ""), c)
     s = Step(label, total, c, None)
     yield s
-    plain_line(f"{label}: done {s.done}" + (f"/{total}" if total else "") + f" in {_fmt(time.perf_counter() - s.start)}"
-               + (f" ({s.note})" if s.note else ""), c)
+    count = f" {s.done}/{total}" if total else (f" {s.done}" if s.done else "")   # a step that counts nothing: no "0"
+    plain_line(f"{label}: done{count} in {_fmt(time.perf_counter() - s.start)}" + (f" ({s.note})" if s.note else ""), c)
 
 
 def ticker(s: Step) -> Callable[[], None]:

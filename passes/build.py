@@ -409,7 +409,8 @@ def build_bundle(recipe: Recipe, target: str, out_dir: str | Path | None, cache_
                  until: str | None = None, console: Console | None = None, seed: int = 0,
                  device: str = "cpu") -> BuildResult:
     """Run the pipeline (`run_pipeline`, torch-model passes on ``device``) and write the bundle to ``out_dir``
-    (module docstring).
+    (module docstring). Third-party warnings and prints go to ``CACHE_DIR/logs/build-<recipe>-<target>.log``
+    (`hycoc.quiet.third_party_output`; one line at the end says where).
 
     ``until``: stop after that pass and write no bundle (`BuildResult.stopped_at` is its cache entry).
     Raises BuildNotReady when a pass the bundle needs is not implemented yet, BuildError for a bad target or a
@@ -420,8 +421,13 @@ def build_bundle(recipe: Recipe, target: str, out_dir: str | Path | None, cache_
         raise BuildError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
     if out_dir is None and until is None:
         raise BuildError("--out DIR is required for a full build")
-    result = run_pipeline(recipe, target, cache_dir, until=until, console=console, seed=seed, device=device)
-    if until is not None:
-        return BuildResult(result, None, stopped_at=result.reports[-1].location)
-    manifest = write_bundle(result, recipe, target, out_dir)
+    from hycoc.quiet import third_party_output
+
+    # torch.onnx's progress prints, torchvision/transformers warnings, onnxruntime's quantizer advice: to a log
+    log = Path(cache_dir) / "logs" / f"build-{recipe.recipe.name}-{target}.log"
+    with third_party_output(log, console=console):
+        result = run_pipeline(recipe, target, cache_dir, until=until, console=console, seed=seed, device=device)
+        if until is not None:
+            return BuildResult(result, None, stopped_at=result.reports[-1].location)
+        manifest = write_bundle(result, recipe, target, out_dir)
     return BuildResult(result, Path(out_dir).absolute(), manifest)

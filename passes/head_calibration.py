@@ -242,11 +242,13 @@ def real_head_calibration(verifier, quantized, onnx_inputs: Mapping[str, Sequenc
                             head_query_position_offset=recipe.window.head_query_position_offset,
                             eos_token_ids=chat_from_recipe(recipe).stop_ids, device=verifier.device)
     try:
-        with step("hand-offs through the MTP Drafter", total=None):
+        with step("hand-offs through the MTP Drafter: requests", total=len(cal_prompts) + len(held_prompts)) as s:
             cal = record_requests(engine, graph, onnx_inputs, bundle, cal_prompts, cap, answers=cal_answers,
                                   seed=seed)
+            s.advance(len(cal_prompts))
             held = record_requests(engine, graph, onnx_inputs, bundle, held_prompts, cap, answers=held_answers,
                                    seed=seed + 1000)
+            s.advance(len(held_prompts))
     finally:
         engine.close()  # removes the engine's hook from the shared verifier
     numbers = {"source": source, "answer_cap": cap, "answer_seconds": round(answer_s, 2),

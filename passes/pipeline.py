@@ -339,17 +339,22 @@ class Pipeline:
         return outputs, report
 
 
-def summary_table(reports: Sequence[PassReport]) -> Table:
-    """The build summary: one row per pass with its report line, time and whether it came from the cache."""
+def summary_table(reports: Sequence[PassReport]):
+    """The build summary (a rich renderable that fits 80 columns): a table of one row per pass with its time, CPU
+    time and whether it came from the cache, then each pass's report line, numbered as in the table and wrapped
+    under its name."""
+    from rich.console import Group
+    from rich.text import Text
+
     table = Table(title="hycoc build: passes", show_footer=bool(reports))
     ran = [r for r in reports if not r.cached]
     table.add_column("#", justify="right")
     table.add_column("pass", footer="total")
-    table.add_column("result", footer=f"{len(ran)} ran, {len(reports) - len(ran)} cached")
     table.add_column("time", justify="right", footer=f"{sum(r.seconds for r in reports):.2f} s")
     table.add_column("CPU", justify="right", footer=f"{sum(r.cpu_seconds for r in reports):.1f} s")
-    table.add_column("cached")
+    table.add_column("cached", footer=f"{len(reports) - len(ran)} of {len(reports)}")
     for index, r in enumerate(reports, start=1):
-        table.add_row(str(index), r.pass_name, r.summary, f"{r.seconds:.2f} s", f"{r.cpu_seconds:.1f} s",
+        table.add_row(str(index), r.pass_name, f"{r.seconds:.2f} s", f"{r.cpu_seconds:.1f} s",
                       "yes" if r.cached else "no")
-    return table
+    lines = [Text(f"{index:>2} {r.pass_name}: {r.summary}") for index, r in enumerate(reports, start=1)]
+    return Group(table, *lines)

@@ -123,6 +123,25 @@ def _config_dict(recipe: Recipe, role: str) -> tuple[dict | None, str]:
         raise PlanError(f"models.{role}: {cfg}: {e}") from None
 
 
+def _check_local_models(recipe: Recipe) -> None:
+    """Raise PlanError naming the folder when a role of [models] names a local path (not a hub id) that does not
+    exist or holds no config.json: a wrong path must be named before any shape is compared (planning it on the
+    reference shapes instead would report a shape mismatch that hides the typo). An assumed head
+    (``head_config_assumed``) may be absent."""
+    for role in ("verifier", "head", "slm"):
+        spec = getattr(recipe.models, role)
+        if recipe.is_hub_id(role) or (role == "head" and recipe.models.head_config_assumed):
+            continue
+        path = recipe.resolve_path(spec)
+        if path is None or not path.exists():
+            raise PlanError(f"models.{role}: {spec}: no such folder ({path}); fix the path in the recipe, or give a "
+                            f"hub id to plan the reference shapes")
+        cfg = path / "config.json" if path.is_dir() else path
+        if not cfg.is_file() or cfg.suffix != ".json":
+            raise PlanError(f"models.{role}: {spec}: no config.json in {path}; give the model's folder (the one "
+                            f"with config.json)")
+
+
 def _text_config(d: dict, role: str):
     from transformers import Gemma4TextConfig
 
@@ -227,6 +246,7 @@ def real_shape_plan(recipe: Recipe) -> dict:
     assumptions: list[str] = []
     sources: dict[str, str] = {}
 
+    _check_local_models(recipe)
     vd, where = _config_dict(recipe, "verifier")
     if vd is None:
         vd = VERIFIER_26B_A4B
@@ -250,8 +270,9 @@ def real_shape_plan(recipe: Recipe) -> dict:
     sources["head"] = where
     head_cfg = _head_config(hd)
     if int(head_cfg.backbone_hidden_size) != int(verifier_cfg.hidden_size):
-        raise PlanError(f"models.head: backbone_hidden_size {head_cfg.backbone_hidden_size} is not the verifier's "
-                        f"hidden size {verifier_cfg.hidden_size}: the head was trained for another verifier")
+        raise PlanError(f"models.head: backbone_hidden_size {head_cfg.backbone_hidden_size} ({sources['head']}) is "
+                        f"not the verifier's hidden size {verifier_cfg.hidden_size} ({sources['verifier']}): the head "
+                        f"was trained for another verifier, or models.verifier names the wrong model")
 
     sd, where = _config_dict(recipe, "slm")
     slm_quant = None

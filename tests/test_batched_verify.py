@@ -146,7 +146,7 @@ def test_a_ragged_batch_gives_each_session_the_logits_and_kv_it_gets_alone(model
             assert a.keys.shape == b.keys.shape
             torch.testing.assert_close(a.keys, b.keys, atol=KV_ATOL, rtol=0)
             torch.testing.assert_close(a.values, b.values, atol=KV_ATOL, rtol=0)
-    assert 0 < worst < LOGIT_ATOL   # BLAS sums in another order: not bit-identical, within float32 rounding
+    assert worst < LOGIT_ATOL   # BLAS may sum in another order (within float32 rounding); bit-exact passes too
     print(f"max |logit diff| batched vs alone: {worst:.2e}")
     engine.close()
 

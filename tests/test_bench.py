@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import json
 
+from pathlib import Path
+
 import pytest
 from rich.console import Console
 from typer.testing import CliRunner
@@ -14,6 +16,8 @@ from hycoc.bench.runner import BenchError, BenchPlan, read_records, run_bench
 from hycoc.cli import DEFAULT_DATASET, app
 from hycoc.bench.cost_model import CostModel, CostPoint
 from hycoc.bench.datasets import load_spec_bench
+
+TOY = Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"   # not the working directory's
 
 CONFIGS = ["cloud-mtp", "specedge", "hyco", "hyco-exact", "slm-alone"]
 
@@ -38,9 +42,17 @@ def test_bench_runs_every_config_and_resumes(built, tmp_path):
     assert len(read_records(plan.out / "records.jsonl")) == 4
     with pytest.raises(BenchError, match="pass --resume"):
         run_bench(recipe, path, plan, bundle_dir=root / "bundle", console=console)
-    results = run_bench(recipe, path, plan, bundle_dir=root / "bundle", resume=True,
-                        cost_model_path=root / "cost.json", console=console)
+    results = run_bench(recipe, path, plan, bundle_dir=root / "bundle", resume=True, console=console)  # measures
     assert len(read_records(plan.out / "records.jsonl")) == 10
+    # a resume with nothing left reuses OUT/cost_model.json: results.json's summary stays as it was
+    model_text = (plan.out / "cost_model.json").read_text(encoding="utf-8")
+    before = json.loads((plan.out / "results.json").read_text(encoding="utf-8"))["summary"]
+    again = run_bench(recipe, path, plan, bundle_dir=root / "bundle", resume=True, console=console)
+    assert (plan.out / "cost_model.json").read_text(encoding="utf-8") == model_text
+    assert json.loads((plan.out / "results.json").read_text(encoding="utf-8"))["summary"] == before
+    assert "reused from" in again["meta"]["cost_model"]
+    assert results["summary"]["hyco"]["delta_g_projected_ci_covers_cost_model"] is True
+    assert all(r["finish_reason"] in ("stop", "max_new_tokens", "length") for r in again["records"])
     records = results["records"]
     assert len(records) == 10 and sorted({r["config"] for r in records}) == sorted(CONFIGS)
     saved = json.loads((plan.out / "results.json").read_text())
@@ -90,11 +102,11 @@ def test_bench_runs_every_config_and_resumes(built, tmp_path):
 
 
 def test_cli_bench_checks_its_arguments(tmp_path):
-    result = CliRunner().invoke(app, ["bench", "recipes/toy.toml", "--configs", "hyco,fast"])
+    result = CliRunner().invoke(app, ["bench", str(TOY), "--configs", "hyco,fast"])
     assert result.exit_code == 2 and "--configs: unknown fast" in result.stderr
-    result = CliRunner().invoke(app, ["bench", "recipes/toy.toml", "--cost-model", str(tmp_path / "nope.json")])
+    result = CliRunner().invoke(app, ["bench", str(TOY), "--cost-model", str(tmp_path / "nope.json")])
     assert result.exit_code == 1 and "no such file" in result.stderr
-    result = CliRunner().invoke(app, ["bench", "recipes/toy.toml", "--link", "50:0"])
+    result = CliRunner().invoke(app, ["bench", str(TOY), "--link", "50:0"])
     assert result.exit_code == 2 and "--link '50:0': allowed" in result.stderr
 
 
@@ -152,3 +164,46 @@ def test_bench_second_turns_continue_the_session(built, tmp_path):
     t = results["turns"]["hyco-exact"]
     assert t["2"]["prefill_ms_saved"] == pytest.approx(second["prefill_ms_cold"] - second["prefill_ms"])
     assert t["1"]["mat"] == pytest.approx(first["tokens"] / first["rounds"])
+
+
+
+def test_measure_handoff_scales_is_the_max_over_the_answers_at_percentile_100(built):
+    """At percentile 100 every scale is max |x| / 127 over every position of prompt + greedy answer, computed here
+    on an independent path: the input of the final norm by a forward hook (not the engine's NormTap), the
+    embedding table rows of the ids, the producer layers' K/V from a plain transformers forward."""
+    import torch
+    from transformers import DynamicCache
+
+    from hycoc.chat_template import chat_from_recipe
+    from hycoc.models import load_verifier
+    from hycoc.passes.head_qat import greedy_answer, prompt_sources
+    from hycoc.verifier.engine import producer_layers
+    from hycoc.verifier.handoff_scales import measure_handoff_scales
+
+    recipe, _, _ = built
+    got = measure_handoff_scales(recipe, prompts=2, max_new_tokens=4, percentile=100.0)
+    chat = chat_from_recipe(recipe)
+    model = load_verifier(recipe.model_path("verifier"), dtype=recipe.verifier.dtype, device="cpu")
+    layers = producer_layers(model.config)
+    want = dict.fromkeys(got, 0.0)
+    seen = {}
+    hook = model.model.norm.register_forward_hook(lambda m, args, out: seen.__setitem__("pre", args[0]))
+    try:
+        for text in prompt_sources(recipe)[0][:2]:
+            ids = chat.prompt(text)
+            seq = ids + greedy_answer(model, ids, 4, chat.stop_ids)
+            cache = DynamicCache()
+            with torch.inference_mode():
+                model(input_ids=torch.tensor([seq]), cache=cache, use_cache=True)
+                emb = model.model.embed_tokens(torch.tensor([seq]))
+            top = {"embedding": emb, "hidden": seen["pre"]}
+            for kind, short in (("sliding_attention", "sliding"), ("full_attention", "full")):
+                top[f"k_{short}"] = cache.layers[layers[kind]].keys
+                top[f"v_{short}"] = cache.layers[layers[kind]].values
+            for k, x in top.items():
+                want[k] = max(want[k], float(x.abs().max()) / 127)
+    finally:
+        hook.remove()
+    assert got == pytest.approx(want, rel=1e-6)
+    half = measure_handoff_scales(recipe, prompts=2, max_new_tokens=4, percentile=50.0)
+    assert all(0 < half[k] < got[k] for k in got)   # the median of |x| is below its maximum

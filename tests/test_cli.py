@@ -298,3 +298,18 @@ def test_auth_token_on_the_command_line_is_warned_about(tmp_path):
     (tmp_path / "empty").write_text("\n")
     result = runner.invoke(_token_app(), ["--auth-token-file", str(tmp_path / "empty")])
     assert result.exit_code == 2 and "the file is empty" in result.stderr
+
+
+@pytest.mark.parametrize("verifier,expected", [
+    ("toy/models/verifer", "models.verifier: toy/models/verifer: no such folder"),
+    ("toy/models", "models.verifier: toy/models: no config.json in"),
+])
+def test_inspect_recipe_names_a_wrong_model_folder_before_comparing_shapes(tmp_path, verifier, expected):
+    text = TOY.read_text(encoding="utf-8").replace('verifier = "toy/models/verifier"', f'verifier = "{verifier}"')
+    (tmp_path / "toy").symlink_to(ROOT / "recipes" / "toy", target_is_directory=True)  # the relative paths hold
+    recipe = tmp_path / "toy.toml"
+    recipe.write_text(text, encoding="utf-8")
+    result = invoke("inspect", recipe, "--json")
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"hycoc inspect: {expected}"), result.stderr
+    assert "backbone_hidden_size" not in result.stderr

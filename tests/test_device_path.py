@@ -29,6 +29,8 @@ from hycoc.verifier.cost_measure import count_forwards
 from hycoc.verifier.engine import NormTap, VerifierEngine, compact_kv, prefill, verify_tree
 from tiny_models import tiny_head, tiny_verifier
 
+TOY = Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"   # not the working directory's
+
 torch.set_num_threads(1)
 VOCAB = 4096                    # wide enough that a logits or probability row stands out from every legitimate copy
 SCALES = (0.1, 0.1, 0.05, 0.05, 0.05, 0.05)
@@ -206,7 +208,7 @@ def test_cpu_cache_keys_are_unchanged_and_a_gpu_keys_the_torch_passes(tmp_path):
         def _compute_hash(self) -> str:
             return "f" * 64
 
-    recipe = load_recipe("recipes/toy.toml")
+    recipe = load_recipe(TOY)
     default = build_pipeline(recipe, "cpu", cache_dir=tmp_path)
     cpu = build_pipeline(recipe, "cpu", cache_dir=tmp_path, device="cpu")
     cuda = build_pipeline(recipe, "cpu", cache_dir=tmp_path, device="cuda")
@@ -231,7 +233,7 @@ def test_build_inputs_place_the_verifier_on_the_device_in_bf16(monkeypatch):
     from hycoc.passes import build
     from hycoc.recipe import load_recipe
 
-    recipe = load_recipe("recipes/toy.toml")
+    recipe = load_recipe(TOY)
     placed = build.build_inputs(recipe, "meta")
     verifier, head = placed["torch_verifier"].payload, placed["torch_head"].payload
     assert verifier.device.type == "meta" and verifier.dtype == torch.bfloat16
@@ -260,10 +262,10 @@ def test_cuda_without_a_gpu_is_a_clear_error(monkeypatch, tmp_path):
     from hycoc.cli import app
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    result = CliRunner().invoke(app, ["build", "recipes/toy.toml", "--target", "cpu", "--device", "cuda",
+    result = CliRunner().invoke(app, ["build", str(TOY), "--target", "cpu", "--device", "cuda",
                                       "--cache-dir", str(tmp_path / "cache"), "--until", "keep_set"])
     assert result.exit_code == 1, result.output
     assert "torch sees no CUDA device" in result.output and "--device cpu" in result.output
     assert not (tmp_path / "cache").exists()  # refused before any pass ran
-    result = CliRunner().invoke(app, ["verify-server", "recipes/toy.toml", "--device", "cuda", "--port", "0"])
+    result = CliRunner().invoke(app, ["verify-server", str(TOY), "--device", "cuda", "--port", "0"])
     assert result.exit_code == 1 and "torch sees no CUDA device" in result.output

@@ -54,3 +54,32 @@ def test_steps_join_the_pipeline_display_on_a_terminal(tmp_path):
     with progress.step("alone", total=2, c=c) as s:
         s.advance(2)
     assert s.done == 2
+
+
+def test_a_step_that_counts_nothing_says_done_without_a_zero():
+    out = io.StringIO()
+    with progress.step("hand-offs", c=Console(file=out, width=200)):
+        pass
+    last = re.sub(r"^\[hycoc \d\d:\d\d:\d\d\] ", "", out.getvalue().splitlines()[-1])
+    assert re.fullmatch(r"hand-offs: done in [\d.]+ s", last), last
+
+
+def test_the_pass_table_and_long_progress_lines_fit_80_columns():
+    from hycoc.passes.pipeline import PassReport, summary_table
+
+    reports = []
+    for i, name in enumerate(("calibration_answers", "qdq_slm")):
+        r = PassReport("A16 W4/8 QDQ: 449 Q / 545 DQ, 34 weights bit-exact; SQNR logits 39.1 dB, worst layer 33.0 "
+                       "dB, top-1 99.0% on 235 real calibration samples; ring fills 0-256 of 256 columns")
+        r.pass_name, r.seconds, r.cpu_seconds, r.cached = name, 1009.72 * (i + 1), 283.6, bool(i)
+        reports.append(r)
+    out = io.StringIO()
+    c = Console(file=out, width=80)
+    c.print(summary_table(reports))
+    progress.plain_line("[2/10] calibration_answers: ran, 92.6 s (CPU 73.3 s): 60 + 60 greedy answers (25,291 "
+                        "tokens, <= 256 / 256) in 92.6 s, 273 tokens/s", c)
+    lines = out.getvalue().splitlines()
+    assert max(map(len, lines)) <= 80
+    assert sum("qdq_slm" in ln for ln in lines) == 2   # its table row and its result line
+    assert any(ln.startswith(" 2 qdq_slm: A16 W4/8 QDQ") for ln in lines)
+    assert lines[-1].startswith(" " * 17) and "tokens/s" in lines[-1]   # the wrapped progress line, indented

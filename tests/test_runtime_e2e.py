@@ -89,8 +89,14 @@ def test_greedy_output_equals_the_verifiers_greedy_generation(server, runtime, m
 
 def test_sampled_hyco_runs_and_reports_every_metric(server, runtime):
     srv, _ = server
-    res = runtime.generate(transport.VerifierClient(srv.url), prompt_ids(runtime), mode="hyco", max_new_tokens=24,
-                           sampling=Sampling(1.0, 64, 0.95), seed=3)
+    client = transport.VerifierClient(srv.url)
+    res = runtime.generate(client, prompt_ids(runtime), mode="hyco", max_new_tokens=24,
+                           sampling=Sampling(1.0, 64, 0.95), seed=3, keep_open=True)
+    try:   # what the device committed is what the verifier's session committed, token for token
+        (session,) = srv.server.sessions.values()
+        assert res.tokens == session.output and len(res.tokens) >= 1
+    finally:
+        client.close()
     m = res.to_json()
     assert set(m) == {"text", "tokens", "rounds", "mat", "tok_per_s", "draft_ms_per_token", "server_ms_per_token",
                       "first_token_ms", "bytes_up_per_round", "bytes_down_per_round", "finish_reason"}

@@ -656,6 +656,8 @@ def test_verify_server_command_serves_until_sigterm(tmp_path, saved_models):
             assert reply.handoff.scales == pytest.approx((0.1, 0.2, 0.03, 0.04, 0.05, 0.06))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+        assert re.fullmatch(r"hycoc verify-server: stopped \(SIGINT or SIGTERM\) after \d+ s; sessions closed\n",
+                            proc.stdout.read())
     finally:
         if proc.poll() is None:
             proc.kill()

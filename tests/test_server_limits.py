@@ -109,8 +109,9 @@ def test_silent_tcp_and_trickled_headers_are_closed_after_the_handshake_timeout(
             except OSError:
                 break
             time.sleep(0.05)
-        assert closed_within(silent, 3)[0] and closed_within(trickle, 3)[0]
-        assert time.monotonic() - t0 < 3
+        # a generous wait (a loaded machine cannot break it): without the timeout neither socket would ever close
+        assert closed_within(silent, 30)[0] and closed_within(trickle, 30)[0]
+        assert time.monotonic() - t0 > 0.45   # not before handshake_timeout_s = 0.5 s
         assert refusals(srv)["handshake_timeout"] == 2
         assert metric(srv, 'hycoc_refusals_total{kind="handshake_timeout"}') == 2
 
@@ -129,8 +130,8 @@ def test_a_partial_frame_is_dropped_after_the_frame_timeout(engine):
         upgrade(sock)
         sock.sendall(ws_frame_header(1000) + b"x" * 999)       # all but the last byte
         t0 = time.monotonic()
-        closed, got = closed_within(sock, 5)
-        assert closed and 0.4 < time.monotonic() - t0 < 3
+        closed, got = closed_within(sock, 30)   # generous: without the frame timeout it would never close
+        assert closed and time.monotonic() - t0 > 0.4
         assert b"frame_timeout" in got                           # the ERROR frame came first
         assert refusals(srv)["frame_timeout"] == 1
 

@@ -226,6 +226,7 @@ def test_exact_acceptance_is_lossless(verifier):
 
     engine = make_engine(verifier)
     n = 400  # ~4 s per tree shape; run with epsilon = 0.05 instead, n = 600 gave p ~ 1e-33
+    firsts = Counter()   # the first committed token of both tree shapes, pooled: its marginal must be p1
     for build in (tree_with_sample, tree_without_sample):
         counts = Counter()
         for seed in range(n):
@@ -236,6 +237,7 @@ def test_exact_acceptance_is_lossless(verifier):
                 session.verify(*build(session.root, seq), seq)
                 seq += 1
             counts[tuple(session.output[:2])] += 1
+            firsts[session.output[0]] += 1
         assert set(counts) <= set(expected), "committed a pair outside p~'s support"
         keys = sorted(expected)
         obs = np.array([counts[k] for k in keys], dtype=float)
@@ -247,6 +249,66 @@ def test_exact_acceptance_is_lossless(verifier):
             exp = np.append(exp[~small], exp[small].sum())
         stat = chisquare(obs, exp * obs.sum() / exp.sum())
         assert stat.pvalue > 1e-3, (build.__name__, stat, counts)
+    # the first token's marginal over both shapes (2n draws, |support1| - 1 degrees of freedom): more power against
+    # a bias of the first token than the pairs' test (`first_token_power` gives the power of each)
+    obs = np.array([firsts[x] for x in support1], dtype=float)
+    stat = chisquare(obs, np.array([float(p1[x]) for x in support1]) * 2 * n)
+    assert sum(firsts.values()) == obs.sum() == 2 * n and stat.pvalue > 1e-3, (stat, firsts)
+
+
+def first_token_power(p, n: int, bias: float = 0.05, alpha: float = 1e-3) -> float:
+    """Power of the chi-square goodness-of-fit test (df = len(p) - 1, level alpha) on n draws against the worst
+    `bias`-point bias of one token's mass (the others rescaled to keep the sum): the noncentrality of moving token
+    a by d is n d^2 / (p_a (1 - p_a)) (Cohen 1988, §7.2: n sum (q - p)^2 / p), smallest at the p_a nearest 1/2."""
+    from scipy.stats import chi2, ncx2
+
+    p = np.asarray(p, dtype=np.float64)
+    lam = min(n * bias ** 2 / (pa * (1 - pa)) for pa in p if 0 < pa < 1)
+    return float(ncx2.sf(chi2.isf(alpha, len(p) - 1), len(p) - 1, lam))
+
+
+def test_the_first_token_test_has_the_power_to_see_a_5_point_bias(verifier):
+    """Exact acceptance's first committed token ~ p1, on N = 6000 rounds of the engine's own sampling and
+    acceptance (`hycoc.verifier.sampling.sample_rows` from a seeded generator, then `select_exact` and
+    `select_path` at epsilon = 1, Alg. 4 lines 5-12) over the p~ rows of the tree `test_exact_acceptance_is_lossless`
+    drafts. At N = 6000 the chi-square test detects a 5-point bias of any first token's mass with power ~1 (asserted
+    >= 0.8 below); the end-to-end test's 2 x 400 pooled first tokens have power `first_token_power(p1, 800)`
+    (~0.2), its pairs' test less: it checks the wiring, this one the statistics."""
+    from hycoc.verifier.acceptance import select_exact, select_path
+    from hycoc.verifier.sampling import sample_rows
+
+    sampling = Sampling(temperature=1.0, top_k=4, top_p=0.9)
+    prompt = [50, 61, 72]
+    p1 = sampling_probs(causal_logits(verifier, prompt)[-1:], sampling)[0]
+    support1 = p1.nonzero().flatten().tolist()
+    top = max(support1, key=lambda x: float(p1[x]))
+    p_top = sampling_probs(causal_logits(verifier, prompt + [top])[-1:], sampling)[0]
+    below = p_top.topk(2).indices.tolist()
+    tokens = np.array([prompt[-1]] + support1 + below)
+    parents = np.array([-1] + [0] * len(support1) + [1 + support1.index(top)] * 2)
+    contexts = [prompt] + [prompt + [x] for x in support1] + [prompt + [top, y] for y in below]
+    probs = torch.cat([sampling_probs(causal_logits(verifier, c)[-1:], sampling) for c in contexts])  # (R, V)
+    p = [float(p1[x]) for x in support1]
+    big_n = 6000
+    assert first_token_power(p, big_n) >= 0.8 and first_token_power(p, 2 * 400) < 0.8   # what each test can see
+    gen = torch.Generator().manual_seed(0)
+    exact, path_eps1 = Counter(), Counter()
+    for _ in range(big_n):
+        samples = sample_rows(probs, gen).numpy()
+        v, path, _ = select_exact(tokens, parents, samples)
+        exact[int(tokens[path[0]]) if len(path) else int(samples[v])] += 1
+        v1, path1, rewritten = select_path(tokens, parents, samples, probs, 1.0)
+        path_eps1[int(tokens[path1[0]]) if len(path1) else int(rewritten[v1])] += 1
+    assert path_eps1 == exact and set(exact) <= set(support1)
+    stat = chisquare([exact[x] for x in support1], np.array(p) * big_n)
+    assert stat.pvalue > 1e-3, (stat, exact)
+    # and a sampler 5 points off on the hardest token (mass nearest 1/2) fails the same test at this N
+    a = int(np.argmin([abs(x - 0.5) for x in p]))
+    q = np.array(p) * (1 - 0.05 / (1 - p[a]))   # the others give up 5 points in proportion
+    q[a] = p[a] + 0.05
+    assert q.sum() == pytest.approx(1.0)
+    biased = np.random.default_rng(0).multinomial(big_n, q)
+    assert chisquare(biased, np.array(p) * big_n).pvalue < 1e-3
 
 
 def test_epsilon_one_commits_exactly_what_exact_commits(verifier):

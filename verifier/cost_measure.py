@@ -13,8 +13,11 @@ in the cost model's terms, so tests can hold `hycoc.bench.cost_model.round_forwa
 from __future__ import annotations
 
 import statistics
+import time
 
-from hycoc.bench.cost_model import CostModel, CostPoint
+import numpy as np
+
+from hycoc.bench.cost_model import CostModel, CostPoint, sample_quantile
 
 
 def demo_parents(rows: int, chain_length: int = 4):
@@ -87,7 +90,8 @@ def random_cache(model, context: int, device):
 
 
 def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, device, chain_length: int = 4,
-                 log=print, head=None, prefill_rows=(), head_position_offset: int = -1) -> list[CostPoint]:
+                 log=print, head=None, prefill_rows=(), head_position_offset: int = -1,
+                 clock: str = "busy", wall_log: dict | None = None, statistic: str = "median") -> list[CostPoint]:
     """Median ms of every forward kind for every (rows, context) of the grid (module docstring). Returns CostPoints:
     ``verify`` at every rows_list x contexts, ``head_step`` (rows 1) at every context when ``head`` (the verifier's
     MTP head, on the same device) is given, ``prefill`` at every prefill_rows x contexts.
@@ -95,6 +99,15 @@ def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, devic
     The passes are interleaved: every repetition visits every grid point once (one random cache per context, all
     alive together), so a machine whose load drifts during the run spreads that drift over the whole grid instead
     of biasing the points measured last. log(kind, rows, context, median_ms, times) is called per point at the end.
+
+    Clock: on a GPU, CUDA events (`hycoc.verifier.engine._Timer`). On a CPU, the busy time of the forward: the CPU
+    time of this process while it ran (``time.process_time``: every thread of the process, so torch's intra-op
+    threads count; nothing else runs in the process meanwhile), which other processes on the machine do not
+    stretch the way they stretch wall time; the wall times are kept beside it (``wall_ms`` of the log callback's
+    ``times`` when ``clock`` is "wall"). Each point's ``samples_ms`` keeps its repetitions, ``ms`` their
+    ``statistic`` ("median", or "pNN": that percentile, `hycoc.bench.cost_model.sample_quantile`).
+    clock: "busy" (default; on a GPU it means the CUDA events) or "wall". wall_log: a dict that gets
+    "kind/rows/context" -> median wall ms of every point.
     """
     import numpy as np
     import torch
@@ -110,6 +123,8 @@ def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, devic
     grid += [("prefill", n, t) for t in contexts for n in prefill_rows]
     parents = {rows: demo_parents(rows, chain_length) for rows in rows_list}
     times: dict[tuple[str, int, int], list[float]] = {key: [] for key in grid}
+    walls: dict[tuple[str, int, int], list[float]] = {key: [] for key in grid}
+    busy = clock == "busy" and dev.type != "cuda"
     layers = producer_layers(model.config) if head is not None else None
     h = torch.zeros(model.config.hidden_size, device=dev, dtype=model.dtype)  # h_{t-1}: its values cost nothing
     tap = NormTap(model)
@@ -119,6 +134,7 @@ def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, devic
         for i in range(warmup + repeats):
             for kind, rows, t in grid:
                 tokens = torch.as_tensor(rng.integers(0, vocab, rows), device=dev)
+                cpu0 = time.process_time()
                 with _Timer(dev) as timer:
                     if kind == "verify":
                         verify_tree(model, caches[t], tap, tokens, parents[rows], t, model.dtype)
@@ -127,9 +143,11 @@ def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, devic
                                           head_position_offset)
                     else:
                         prefill(model, caches[t], tap, tokens, rows, model.dtype, start=t)
+                cpu_ms = (time.process_time() - cpu0) * 1e3
                 crop_cache(caches[t], t)
                 if i >= warmup:
-                    times[(kind, rows, t)].append(timer.ms)
+                    times[(kind, rows, t)].append(cpu_ms if busy else timer.ms)
+                    walls[(kind, rows, t)].append(timer.ms)
     finally:
         tap.remove()
         caches.clear()
@@ -137,9 +155,12 @@ def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, devic
             torch.cuda.empty_cache()
     points = []
     for kind, rows, t in grid:
-        ms = statistics.median(times[(kind, rows, t)])
+        ms = float(np.percentile(times[(kind, rows, t)], sample_quantile(statistic)))
         log(kind, rows, t, ms, times[(kind, rows, t)])
-        points.append(CostPoint(kind=kind, rows=rows, context=t, ms=ms))
+        points.append(CostPoint(kind=kind, rows=rows, context=t, ms=max(ms, 1e-6),
+                                samples_ms=[round(x, 4) for x in times[(kind, rows, t)]]))
+    if wall_log is not None:
+        wall_log.update({f"{k}/{r}/{c}": statistics.median(v) for (k, r, c), v in walls.items()})
     return points
 
 
@@ -206,11 +227,23 @@ def shape_of(config) -> dict:
 PREFILL_ROWS = (1, 64, 512)
 
 
+#: Interleaved repetitions per point of the cost model `hycoc bench` measures: enough that two measurements on
+#: one machine give projected Δg within 2 points of each other (benchmarks/cost_model_stability.py measures it).
+BENCH_REPEATS = 15
+#: The statistic of a busy-time (CPU) point: its 25th percentile. Interference from other processes only adds
+#: CPU time (cache and core sharing), so the low quantiles are the least disturbed estimate (Chen & Revels 2016,
+#: "Robust benchmarking in noisy environments", argue for the minimum; p25 keeps one outlier from setting it).
+#: Measured on the 2-core machine at loads 6 and 12: median moved projected Δg by 8.5 points, p25 by 5.
+BUSY_STATISTIC = "p25"
+
+
 def measure_recipe_verifier(recipe, rows_list=(1, 5, 33), contexts=(64, 128, 256, 512), *, warmup: int = 2,
-                            repeats: int = 7, threads: int | None = None, prefill_rows=PREFILL_ROWS,
-                            device: str | None = None) -> CostModel:
+                            repeats: int = BENCH_REPEATS, threads: int | None = None, prefill_rows=PREFILL_ROWS,
+                            device: str | None = None, clock: str = "busy") -> CostModel:
     """A cost model of ``recipe``'s verifier and MTP head (real weights, its [verifier] dtype; ``device``, default
-    its [verifier] device) on this machine: every kind of forward (`measure_grid`)."""
+    its [verifier] device) on this machine: every kind of forward (`measure_grid`; ``clock`` "busy": CPU time of
+    the forward on a CPU, its `BUSY_STATISTIC` kept; else the median). meta: clock, statistic, warmup, repeats, wall_ms (median wall ms per "kind/rows/context"), the
+    load average before and after, the date."""
     import torch
 
     from hycoc.models import load_head, load_verifier, set_threads
@@ -219,10 +252,29 @@ def measure_recipe_verifier(recipe, rows_list=(1, 5, 33), contexts=(64, 128, 256
     set_threads(threads or recipe.verifier.threads)
     model = load_verifier(recipe.model_path("verifier"), dtype=recipe.verifier.dtype, device=device)
     head = load_head(recipe.model_path("head"), dtype=recipe.verifier.dtype, device=device)
+    wall: dict = {}
+    statistic = BUSY_STATISTIC if clock == "busy" and device == "cpu" else "median"
+    load0 = _loadavg()
+    t0 = time.perf_counter()
     points = measure_grid(model, list(rows_list), list(contexts), warmup=warmup, repeats=repeats,
                           device=device, chain_length=recipe.tree.chain_length, log=lambda *a: None,
                           head=head, prefill_rows=prefill_rows,
-                          head_position_offset=recipe.window.head_query_position_offset)
+                          head_position_offset=recipe.window.head_query_position_offset, clock=clock,
+                          wall_log=wall, statistic=statistic)
     name = f"{device} ({torch.get_num_threads()} threads)" if device == "cpu" else torch.cuda.get_device_name(0)
+    meta = {"clock": ("CPU time of the forward (process_time)" if clock == "busy" and device == "cpu"
+                      else "wall (CUDA events on a GPU)"), "statistic": statistic,
+            "warmup": warmup, "repeats": repeats, "seconds": round(time.perf_counter() - t0, 1),
+            "loadavg_before": load0, "loadavg_after": _loadavg(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "wall_ms": wall}
     return CostModel(device=name, dtype=recipe.verifier.dtype, model=str(recipe.models.verifier),
-                     shape=shape_of(model.config), points=points, source="measured")
+                     shape=shape_of(model.config), points=points, source="measured", meta=meta)
+
+
+def _loadavg() -> str | None:
+    """/proc/loadavg's 1, 5 and 15 minute load averages, or None where there is none."""
+    try:
+        with open("/proc/loadavg", encoding="ascii") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return None

@@ -27,7 +27,8 @@ The three kinds of forward (`KINDS`), what a point's ``rows`` and ``context`` me
   A request's prompt (all but its last token) and a second turn's appended tokens are prefilled in such chunks.
 
 ``ms``: milliseconds of that forward as the reference engine runs it (explicit 4-D masks, a ``DynamicCache`` that
-keeps every position), median of repeated runs after warm-up. The rest of a round (sampling, acceptance, KV
+keeps every position), median of repeated runs after warm-up (a model whose ``meta.statistic`` is a percentile, e.g.
+"p25", keeps that percentile instead: `hycoc bench` times busy CPU time and keeps its 25th percentile). The rest of a round (sampling, acceptance, KV
 compaction, hand-off packing; Alg. 4 lines 5-14) is NOT in it: on a GPU it is a small, context-independent part of
 a round, and the bench measures it on its own machine if it wants it.
 
@@ -97,7 +98,11 @@ class CostPoint(BaseModel):
     kind: Literal["verify", "head_step", "prefill"] = Field("verify", description="which forward (KINDS)")
     rows: int = Field(ge=1, description="rows of the forward: R tree rows, 1 head query, n prefill positions")
     context: int = Field(ge=0, description="t, positions already in the KV cache")
-    ms: float = Field(gt=0, allow_inf_nan=False, description="median milliseconds of the forward")
+    ms: float = Field(gt=0, allow_inf_nan=False, description="milliseconds of the forward: the median of samples_ms, or the "
+                    "percentile meta.statistic names")
+    samples_ms: list[float] | None = Field(
+        None, description="every timed repetition behind ms, in measurement order (absent in files that predate "
+        "them); `bootstrap_tables` resamples them for the projection's interval")
 
 
 class CostModel(BaseModel):
@@ -371,6 +376,82 @@ def projected_g(model: CostModel, rounds, output_tokens: int) -> float:
     return projected_server_ms(model, rounds) / output_tokens
 
 
+def bootstrap_tables(model: CostModel, draws: int, seed: int = 0) -> dict[str, np.ndarray] | None:
+    """The cost model's own uncertainty as ``draws`` resampled grids: per kind a float64 (draws, nR, nC) array
+    whose [d] is `CostModel.table` with every point's ms replaced by the model's statistic (``meta.statistic``:
+    "median", or "pNN" for that percentile) of a resample (with replacement, same size) of that point's
+    ``samples_ms`` -- the bootstrap of a quantile (Efron & Tibshirani 1993, ch. 6), each point independently. None when any point lacks samples (a file made before they were kept): the
+    projection's interval then covers the questions only."""
+    if any(not p.samples_ms for p in model.points):
+        return None
+    rng = np.random.default_rng(seed)
+    q = sample_quantile(model.meta.get("statistic", "median"))
+    out = {}
+    for kind in model.kinds:
+        rows, ctxs = list(model.rows_of(kind)), list(model.contexts_of(kind))
+        grid = np.empty((draws, len(rows), len(ctxs)))
+        for p in sorted((p for p in model.points if p.kind == kind), key=lambda p: (p.rows, p.context)):
+            if p.kind == kind:   # a fixed order (the file's): a model and its saved copy draw the same grids
+                x = np.asarray(p.samples_ms, dtype=np.float64)
+                pick = rng.integers(0, len(x), size=(draws, len(x)))
+                grid[:, rows.index(p.rows), ctxs.index(p.context)] = np.percentile(x[pick], q, axis=1)
+        out[kind] = grid
+    return out
+
+
+def sample_quantile(statistic: str) -> float:
+    """The percentile (0-100) a cost model's ``meta.statistic`` names: "median" -> 50, "p25" -> 25. Raises
+    CostModelError for another name."""
+    if statistic == "median":
+        return 50.0
+    try:
+        q = float(statistic.removeprefix("p")) if statistic.startswith("p") else None
+    except ValueError:
+        q = None
+    if q is None or not 0 <= q <= 100:
+        raise CostModelError(f"meta.statistic = {statistic!r}: 'median' or 'pNN' (a percentile, e.g. p25)")
+    return q
+
+
+def predict_tables(model: CostModel, tables: dict[str, np.ndarray], forwards: Sequence[Forward]) -> np.ndarray:
+    """`CostModel.predict` of every forward under every grid of ``tables`` (`bootstrap_tables`), vectorised:
+    float64 (draws, len(forwards)) ms. The same interpolation as `CostModel.predict` (bilinear inside, held
+    below the smallest context, slope-clamped linear above the largest); raises CostModelError as it does for
+    rows outside a kind's grid or a kind the model lacks."""
+    draws = next(iter(tables.values())).shape[0]
+    out = np.zeros((draws, len(forwards)))
+    kinds = np.array([f.kind for f in forwards])
+    rows = np.array([f.rows for f in forwards], dtype=np.float64)
+    ctx = np.array([f.context for f in forwards], dtype=np.float64)
+    for kind in set(kinds.tolist()):
+        sel = np.nonzero(kinds == kind)[0]
+        grid, cgrid = model.rows_of(kind).astype(np.float64), model.contexts_of(kind).astype(np.float64)
+        if kind not in tables or not len(grid):
+            raise CostModelError(f"the cost model ({model.model}, {model.device}) has no {kind} points to replay")
+        r, c = rows[sel], ctx[sel]
+        if r.min() < grid[0] or r.max() > grid[-1]:
+            raise CostModelError(f"rows outside the cost model's measured {kind} rows [{grid[0]:g}, {grid[-1]:g}]")
+        t = tables[kind]                                         # (draws, nR, nC)
+        i = np.clip(np.searchsorted(grid, r, side="right") - 1, 0, len(grid) - 1)
+        j = np.minimum(i + 1, len(grid) - 1)
+        w = np.where(j > i, (r - grid[i]) / np.where(j > i, grid[j] - grid[i], 1.0), 0.0)
+
+        def along(lines: np.ndarray) -> np.ndarray:              # (draws, F, nC) -> (draws, F)
+            if len(cgrid) == 1:
+                return lines[..., 0]
+            k = np.clip(np.searchsorted(cgrid, c, side="right") - 1, 0, len(cgrid) - 2)
+            a = np.clip((c - cgrid[k]) / (cgrid[k + 1] - cgrid[k]), 0.0, 1.0)
+            f = np.arange(len(c))
+            inside = (1 - a) * lines[:, f, k] + a * lines[:, f, k + 1]
+            slope = np.maximum(0.0, (lines[..., -1] - lines[..., -2]) / (cgrid[-1] - cgrid[-2]))
+            above = lines[..., -1] + slope * (c - cgrid[-1])
+            return np.where(c > cgrid[-1], above, inside)
+
+        lo, hi = along(t[:, i, :]), along(t[:, j, :])
+        out[:, sel] = lo + w * (hi - lo)
+    return out
+
+
 def _where(loc: tuple) -> str:
     """pydantic location -> 'points[3].ms'."""
     out = ""
@@ -419,6 +500,6 @@ def load_cost_model(path: str | Path) -> CostModel:
         raise CostModelError(f"{path}: {msg}{more}; fix the file or {MAKE_HINT}") from None
 
 
-__all__ = ["DRAFT_PLACE_OF", "KINDS", "PAPER_ROUND_MS", "PREFILL_CHUNK", "SCHEMA_VERSION", "CostModelError",
+__all__ = ["bootstrap_tables", "predict_tables", "sample_quantile", "DRAFT_PLACE_OF", "KINDS", "PAPER_ROUND_MS", "PREFILL_CHUNK", "SCHEMA_VERSION", "CostModelError",
            "CostPoint", "CostModel", "Forward", "load_cost_model", "prefill_forwards", "projected_server_ms",
            "projected_g", "request_forwards", "round_forwards"]

@@ -24,7 +24,12 @@ table.
 
 Cost model (g projected): ``--cost-model FILE`` (e.g. made on a GPU by ``benchmarks/verifier_cost_model.py
 --device cuda``), else one measured here on the recipe's verifier and this machine
-(`hycoc.verifier.cost_measure.measure_recipe_verifier`), saved as ``OUT/cost_model.json``; the table says which.
+(`hycoc.verifier.cost_measure.measure_recipe_verifier`: busy CPU time of every forward, interleaved repetitions,
+each kept), saved as ``OUT/cost_model.json`` and reused by ``--resume`` (``remeasure_cost_model`` redoes it); the
+table says which. The projected Δg's interval resamples the cost model's repetitions with the questions.
+
+Output: the tables at the console's width (`hycoc.bench.tables`; ``fmt`` markdown or csv for files), third-party
+warnings in ``OUT/bench.log`` (`hycoc.quiet`).
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class VerifierProcess:
         if keep_set is not None:
             cmd += ["--keep-set", str(keep_set)]
         self._err = tempfile.TemporaryFile(mode="w+")
+        self._stderr = ""
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._err, text=True, env=env)
         self.url = None
@@ -86,10 +92,14 @@ class VerifierProcess:
         self.deadline = deadline
 
     def stderr_tail(self, lines: int = 5) -> str:
-        self._err.seek(0)
-        return " | ".join(self._err.read().strip().splitlines()[-lines:]) or "(no output)"
+        if not self._err.closed:
+            self._err.seek(0)
+            self._stderr = self._err.read()
+        return " | ".join(self._stderr.strip().splitlines()[-lines:]) or "(no output)"
 
     def stop(self) -> None:
+        """Terminate the server (SIGTERM, then SIGKILL after 20 s) and close its stderr file (its text is kept
+        for `stderr_tail`)."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -97,6 +107,11 @@ class VerifierProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if not self._err.closed:
+            self.stderr_tail()
+            self._err.close()
+        if self.proc.stdout is not None and not self.proc.stdout.closed:
+            self.proc.stdout.close()
 
     def __enter__(self) -> VerifierProcess:
         return self
@@ -105,15 +120,37 @@ class VerifierProcess:
         self.stop()
 
 
+# ---- busy time of the verifier process ----------------------------------------------------------------------
+
+
+def process_cpu_ms(pid: int) -> float | None:
+    """CPU time (user + system, every thread, exited ones included) the process ``pid`` has used, in ms: fields 14
+    and 15 of ``/proc/PID/stat`` (proc(5)) over ``SC_CLK_TCK`` (resolution 1 / SC_CLK_TCK s, 10 ms on Linux). None
+    where there is no /proc (not Linux) or the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()   # after "(comm)", which may hold spaces
+        return 1000.0 * (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def busy_since(pid: int | None, start: float | None) -> float | None:
+    """`process_cpu_ms` of ``pid`` now minus ``start`` (ms), None when either is unknown."""
+    now = process_cpu_ms(pid) if pid is not None else None
+    return None if now is None or start is None else max(0.0, now - start)
+
+
 # ---- records -----------------------------------------------------------------------------------------------------
 
 
 def record_of(config: str, run: int, q: Question, prompt_tokens: int, res, virtual_link: bool,
-              turn: int = 1, chat=None) -> dict:
+              turn: int = 1, chat=None, server_busy_ms: float | None = None) -> dict:
     """One request as a `hycoc.bench.stats` record (its module docstring lists the keys and units); ``turn``:
     1 for a question's first turn, 2 for its second (same session, `run_requests`). chat: the bundle's
     `hycoc.chat.Chat`: ``text`` is then the final answer, without the reasoning channel (kept as ``thought``), so
-    quality scores what the user reads."""
+    quality scores what the user reads. server_busy_ms: CPU ms the verifier process used while the request ran
+    (`process_cpu_ms`), None when unknown."""
     from hycoc.bench.quality import reference_match
 
     thought, text = None, res.text
@@ -136,6 +173,7 @@ def record_of(config: str, run: int, q: Question, prompt_tokens: int, res, virtu
         "prefill_calls": dict(res.prefill_calls), "slm_prefill_graph_ms": 1000 * res.prefill_graph_s,
         "output_ids": list(res.tokens), "finished": res.finished, "finish_reason": res.finish_reason,
         "verifier_logprob": None, "reference_match": reference_match(q.category, text, q.reference),
+        "server_busy_ms": server_busy_ms,
     }
 
 
@@ -221,14 +259,32 @@ class BenchPlan:
 
 def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, backend: str = "cpu",
               resume: bool = False, cost_model_path: Path | None = None, console=None, threads: int = 1,
-              device_profile_path: Path | None = None) -> dict:
+              device_profile_path: Path | None = None, remeasure_cost_model: bool = False,
+              fmt: str = "table") -> dict:
     """Run the bench (module docstring); returns the results dict written to ``OUT/results.json``.
+
+    remeasure_cost_model: measure the cost model again even when ``OUT/cost_model.json`` exists (`cost_model_for`).
+    fmt: how the tables are printed (`hycoc.bench.tables.FORMATS`: table, markdown, csv). Third-party warnings
+    (torch, transformers, onnxruntime) go to ``OUT/bench.log`` (`hycoc.quiet.third_party_output`).
 
     Raises BenchError (server, bundle), BundleError, TransportError from a request that fails for a reason other
     than the request itself; KeyboardInterrupt leaves ``records.jsonl`` for ``--resume``.
     """
-    from hycoc.bench.stats import (render_categories, render_quality, render_rounds, render_table, summarize,
-                                   write_plots)
+    from hycoc.quiet import third_party_output
+
+    console = make_console(console)
+    plan.out.mkdir(parents=True, exist_ok=True)
+    with third_party_output(plan.out / "bench.log", console=console):
+        return _run_bench(recipe, recipe_path, plan, bundle_dir=bundle_dir, backend=backend, resume=resume,
+                          cost_model_path=cost_model_path, console=console, threads=threads,
+                          remeasure_cost_model=remeasure_cost_model, fmt=fmt,
+                          device_profile_path=device_profile_path)
+
+
+def _run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, backend: str, resume: bool,
+               cost_model_path: Path | None, console, threads: int, remeasure_cost_model: bool, fmt: str,
+               device_profile_path: Path | None = None) -> dict:
+    from hycoc.bench.stats import summarize, write_plots
     from hycoc.protocol.messages import Sampling
     from hycoc.runtime.client import load_runtime
 
@@ -247,10 +303,11 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
     epsilon = recipe.acceptance.epsilon  # the recipe's, like its sampling: `hycoc tune-epsilon` writes it there
     todo = [Request(c, c, epsilon, run, q) for run in range(plan.runs) for q in plan.questions
             for c in plan.configs if (c, run, q.question_id) not in done]
+    every = [Request(c, c, epsilon, run, q) for run in range(plan.runs) for q in plan.questions for c in plan.configs]
     console.print(f"bench: {len(plan.questions)} questions x {len(plan.configs)} configurations x {plan.runs} run(s) "
-                  f"= {len(plan.questions) * len(plan.configs) * plan.runs} requests ({len(todo)} to run), output cap "
-                  f"{plan.output_cap}, T={sampling.temperature}, ε={epsilon:g}, link {plan.link} (counted, not "
-                  f"slept), backend {backend}")
+                  f"= {requests_of(every, plan.turns)} requests (turns; {requests_of(todo, plan.turns)} to run), "
+                  f"output cap {plan.output_cap}, T={sampling.temperature}, ε={epsilon:g}, link {plan.link} (counted, "
+                  f"not slept), backend {backend}")
     run_requests(rt, recipe_path, bundle_dir, todo, prompts, records_path, link=plan.link,
                  output_cap=plan.output_cap, sampling=sampling, seed=r.seed, console=console, turns=plan.turns,
                  thinking=plan.thinking)
@@ -261,7 +318,7 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
     score_quality(records, {q.question_id: q for q in plan.questions})
     console.print("scoring answers with the verifier (its own log-prob of each answer) ...")
     score_answers(recipe, records, prompts)
-    cost, cost_note = cost_model_for(recipe, records, cost_model_path, out, console)
+    cost, cost_note = cost_model_for(recipe, records, cost_model_path, out, console, remeasure=remeasure_cost_model)
     summary = summarize(records, cost_model=cost, server=server_work(recipe))
     results = {"meta": {"recipe": str(recipe_path), "bundle": str(bundle_dir), "backend": backend,
                         "questions": len(plan.questions), "configs": plan.configs, "runs": plan.runs,
@@ -274,21 +331,41 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
                "records": records}
     atomic_write(out / RESULTS, json.dumps(results, indent=1))
     plots = write_plots(summary, out)
-    render_table(summary, console, title=f"hycoc bench: {len(plan.questions)} Spec-Bench questions, link {plan.link}")
-    render_quality(summary, console)
-    render_categories(summary, console)
-    render_rounds(summary, console)
-    if plan.turns > 1:
-        render_turns(turns, console)
-    if results["device_time"].get("configs"):
+    print_results(results, console, fmt, plots=plots, out=out)
+    return results
+
+
+def result_tables(results: dict) -> list:
+    """The tables of a bench's ``results.json`` (`hycoc.bench.tables.TextTable`): main, quality, per category,
+    server ms per round (with a projection), per turn (with second turns)."""
+    from hycoc.bench.stats import categories_table, main_table, quality_table, rounds_table
+
+    meta, summary = results["meta"], results["summary"]
+    tables = [main_table(summary, title=f"hycoc bench: {meta['questions']} Spec-Bench questions, link "
+                                        f"{meta['link']}"),
+              quality_table(summary), categories_table(summary), rounds_table(summary)]
+    if any(t != "1" for by_turn in (results.get("turns") or {}).values() for t in by_turn):
+        tables.append(turns_table(results["turns"]))
+    return [t for t in tables if t is not None]
+
+
+def print_results(results: dict, console, fmt: str = "table", *, plots=(), out: Path | None = None) -> None:
+    """Print a bench's tables (`result_tables`) in ``fmt`` and the notes under them (what g and g projected are,
+    where the files are); in csv the notes are ``#`` lines."""
+    from hycoc.bench.tables import print_tables
+
+    print_tables(result_tables(results), console, fmt)
+    if (results.get("device_time") or {}).get("configs"):
         from hycoc.bench.device_profile import render_device_table
 
         render_device_table(results["device_time"]["configs"], results["device_time"]["source"], console)
-    console.print(f"g = verifier ms per output token measured on this machine (prefill included); {cost_note}, "
-                  "every server forward (prefill, verification, server-side head steps). Delivery and first-token "
-                  "times include the link model.")
-    console.print(f"wrote {out / RESULTS}, {', '.join(str(p) for p in plots)}")
-    return results
+    notes = [f"g = verifier ms per output token measured on this machine (prefill included); "
+             f"{results['meta']['cost_model']}, every server forward (prefill, verification, server-side head "
+             "steps). Delivery and first-token times include the link model."]
+    if out is not None:
+        notes.append(f"wrote {out / RESULTS}" + "".join(f", {p}" for p in plots))
+    for note in notes:
+        console.print(f"# {note}" if fmt == "csv" else note, markup=False, highlight=False)
 
 
 def device_time_for(records: list[dict], bundle_dir: Path, device_profile_path: Path | None, console) -> dict:
@@ -313,13 +390,15 @@ def device_time_for(records: list[dict], bundle_dir: Path, device_profile_path: 
 
 
 def make_console(console=None):
-    """The given rich Console, else one on stdout (200 columns wide when stdout is a log file, not a terminal)."""
+    """The given rich Console, else one on stdout as wide as `hycoc.bench.tables.console_width` says: the
+    terminal's width (at least 80), or when stdout is redirected ``COLUMNS`` if set, else 120."""
     from rich.console import Console
+
+    from hycoc.bench.tables import console_width
 
     if console is None:
         console = Console()
-        if not console.is_terminal:  # a log file: room for the whole table
-            console = Console(width=200)
+        console = Console(width=console_width(console.is_terminal, console.width))
     return console
 
 
@@ -356,6 +435,12 @@ class Request:
     question: Question
 
 
+def requests_of(todo: list["Request"], turns: int) -> int:
+    """Requests (one per turn) that ``todo`` makes: one per item, two for a question with a second turn when
+    ``turns`` is 2 (slm-alone answers first turns only). A first turn that fills the context makes one fewer."""
+    return sum(1 + (turns > 1 and len(req.question.turns) > 1 and req.mode != "slm-alone") for req in todo)
+
+
 def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], prompts: dict[int, list[int]],
                  records_path: Path, *, link: str, output_cap: int, sampling, seed: int, console,
                  turns: int = 1, thinking: bool = False) -> None:
@@ -381,31 +466,37 @@ def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], p
                    TextColumn("eta"), TimeRemainingColumn())
         with Progress(*columns, console=console, transient=False) as progress, \
                 open(records_path, "a", encoding="utf-8") as sink:
-            task = progress.add_task("requests", total=len(todo))
-            t_start = time.perf_counter()
-            for n, req in enumerate(todo, start=1):
+            total = requests_of(todo, turns)
+            task = progress.add_task("requests", total=total)
+            t_start, n = time.perf_counter(), 0
+            for req in todo:
                 q = req.question
                 progress.update(task, description=f"q{q.question_id} {req.config:12s}")
                 client = None
                 if req.mode != "slm-alone":
                     client = VerifierClient(server.url, timeout_s=600, link=link_model, sleep=lambda s: None)
                 two = turns > 1 and len(q.turns) > 1 and client is not None
+                pid = server.proc.pid if client is not None else None
+                cpu0 = process_cpu_ms(pid) if pid is not None else None
                 res = rt.generate(client, prompts[q.question_id], mode=req.mode, max_new_tokens=output_cap,
                                   seed=seed + req.run, sampling=sampling, epsilon=req.epsilon, keep_open=two)
                 recs = [record_of(req.config, req.run, q, len(prompts[q.question_id]), res, virtual_link=True,
-                                  chat=rt.bundle.chat)]
+                                  chat=rt.bundle.chat, server_busy_ms=busy_since(pid, cpu0))]
                 if two and res.finish_reason == "length":   # the context is full: no room for a second turn
                     client.close()
+                    total -= 1
+                    progress.update(task, total=total)
                 elif two:
                     recs.append(second_turn(rt, client, server.url, req, prompts[q.question_id], res, output_cap,
-                                            sampling, thinking))
+                                            sampling, thinking, server_pid=pid))
                 sink.write("".join(json.dumps(rec) + "\n" for rec in recs))   # both turns, or neither
                 sink.flush()
-                progress.advance(task)
-                if not console.is_terminal and (n % 10 == 0 or n == len(todo)):  # logs get plain lines
+                progress.advance(task, len(recs))
+                before, n = n, n + len(recs)
+                if not console.is_terminal and (n // 10 > before // 10 or n == total):  # logs get plain lines
                     spent = time.perf_counter() - t_start
-                    console.print(f"  {n}/{len(todo)} requests, {spent / 60:.1f} min, eta "
-                                  f"{spent / n * (len(todo) - n) / 60:.1f} min")
+                    console.print(f"  {n}/{total} requests, {spent / 60:.1f} min, eta "
+                                  f"{spent / n * (total - n) / 60:.1f} min")
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted: {len(read_records(records_path))} requests kept in {records_path}; "
                       "rerun with --resume to continue[/]")
@@ -416,13 +507,14 @@ def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], p
 
 
 def second_turn(rt, client, url: str, req: Request, prompt: list[int], first, output_cap: int, sampling,
-                thinking: bool = False) -> dict:
+                thinking: bool = False, server_pid: int | None = None) -> dict:
     """A question's second turn on the session its first turn left open (paper §4.1: MT-bench's second turns;
     the prompt is the conversation so far: first question, this configuration's own first answer, second
     question, as the checkpoint's chat template renders it). The verifier keeps the conversation's KV and prefills only the new tokens; to show what that
     saves, the same conversation is also prefilled cold on a new session (opened and closed at once, no rounds).
     Returns the turn's record (``turn`` 2, ``prefill_ms`` the append's, ``prefill_ms_cold`` the cold one's).
-    The client is closed."""
+    The client is closed. server_pid: the verifier process, whose CPU time over the turn is the record's
+    ``server_busy_ms``."""
     import numpy as np
 
     from hycoc.protocol.messages import OpenRequest
@@ -431,8 +523,10 @@ def second_turn(rt, client, url: str, req: Request, prompt: list[int], first, ou
     q = req.question
     chat = rt.bundle.chat
     turn = chat.next_turn(q.turns[1], thinking)
+    cpu0 = process_cpu_ms(server_pid) if server_pid is not None else None
     try:
         res = rt.next_turn(client, turn, max_new_tokens=output_cap)
+        busy = busy_since(server_pid, cpu0)   # the turn's own work, not the cold prefill below
     finally:
         client.close()
     kept = chat.conversation_tokens(list(first.tokens))   # a stop id is replaced by the template's close
@@ -443,7 +537,8 @@ def second_turn(rt, client, url: str, req: Request, prompt: list[int], first, ou
                                         max_new_tokens=1)).prefill_ms
     finally:
         cold.close()
-    rec = record_of(req.config, req.run, q, len(conversation), res, virtual_link=True, turn=2, chat=chat)
+    rec = record_of(req.config, req.run, q, len(conversation), res, virtual_link=True, turn=2, chat=chat,
+                    server_busy_ms=busy)
     rec["prefill_ms_cold"] = float(cold_ms)
     rec["prefill_start"] = len(prompt) + len(kept) - 1  # the append prefills [this, root): cost-model replay
     return rec
@@ -474,42 +569,61 @@ def _groups(records: list[dict]) -> dict[tuple[str, int], list[dict]]:
     return dict(sorted(groups.items()))
 
 
-def render_turns(turns: dict, console) -> None:
-    """The per-turn table of `turn_summary`."""
-    from rich.table import Table
-
-    table = Table(title="per turn (second turns continue the session: KV kept, only the new tokens prefilled)")
-    for col in ("config", "turn", "requests", "prefill ms", "prefill ms saved", "g ms/tok", "MAT"):
-        table.add_column(col, justify="left" if col == "config" else "right")
+def turns_table(turns: dict):
+    """The per-turn table of `turn_summary` as a `hycoc.bench.tables.TextTable` (key columns: config, turn)."""
+    from hycoc.bench.tables import TextTable
 
     def num(x, digits=2):
         return "–" if x is None else f"{x:.{digits}f}"
 
-    for config, by_turn in turns.items():
-        for turn, t in by_turn.items():
-            table.add_row(config, turn, str(t["requests"]), num(t["prefill_ms"], 1), num(t["prefill_ms_saved"], 1),
-                          num(t["g_ms_per_token"]), num(t["mat"]))
-    console.print(table)
+    rows = [[config, turn, str(t["requests"]), num(t["prefill_ms"], 1), num(t["prefill_ms_saved"], 1),
+             num(t["g_ms_per_token"]), num(t["mat"])]
+            for config, by_turn in turns.items() for turn, t in by_turn.items()]
+    return TextTable(title="per turn (second turns continue the session: KV kept, only the new tokens prefilled)",
+                     headers=["config", "turn", "requests", "prefill ms", "prefill ms saved", "g ms/tok", "MAT"],
+                     rows=rows, keys=2)
 
 
-def cost_model_for(recipe, records: list[dict], cost_model_path: Path | None, out: Path, console):
+def render_turns(turns: dict, console, fmt: str = "table") -> None:
+    """Print `turns_table` (``fmt``: `hycoc.bench.tables.FORMATS`)."""
+    from hycoc.bench.tables import print_tables
+
+    print_tables([turns_table(turns)], console, fmt)
+
+
+#: The cost model a bench measured, in its output folder; `cost_model_for` reuses it on --resume.
+COST_MODEL = "cost_model.json"
+
+
+def cost_model_for(recipe, records: list[dict], cost_model_path: Path | None, out: Path, console,
+                   remeasure: bool = False):
     """The cost model of g projected and a sentence saying where it came from: ``cost_model_path`` loaded
-    (`hycoc.bench.cost_model.load_cost_model`), else measured here on the recipe's verifier at contexts covering the
-    records' (`hycoc.verifier.cost_measure.measure_recipe_verifier`) and saved as ``OUT/cost_model.json``.
-    Raises CostModelError for a bad file."""
+    (`hycoc.bench.cost_model.load_cost_model`); else ``OUT/cost_model.json`` that an earlier bench in ``out``
+    measured (so a ``--resume`` projects through the same model and leaves the summary as it was), unless
+    ``remeasure``; else measured here on the recipe's verifier at contexts covering the records'
+    (`hycoc.verifier.cost_measure.measure_recipe_verifier`: busy CPU time of each forward, interleaved repetitions)
+    and saved as ``OUT/cost_model.json``. Raises CostModelError for a bad file."""
     from hycoc.bench.cost_model import load_cost_model
 
     if cost_model_path is not None:
         cost = load_cost_model(cost_model_path)
         return cost, f"g projected through {cost_model_path} ({cost.device}, {cost.model})"
+    saved = out / COST_MODEL
+    if saved.is_file() and not remeasure:
+        cost = load_cost_model(saved)
+        when = cost.meta.get("date", "earlier")
+        return cost, (f"g projected through the cost model measured here on {when} ({cost.device}, {cost.dtype}), "
+                      f"reused from {saved} (--remeasure-cost-model to redo it)")
     from hycoc.verifier.cost_measure import measure_recipe_verifier
 
     console.print("measuring the verifier cost model on this machine (no --cost-model given) ...")
     longest = max((max(x["context"], default=0) for x in records), default=64)
     cost = measure_recipe_verifier(recipe, contexts=sorted({64, 128, 256, 512, max(64, int(longest))}))
-    cost.save(out / "cost_model.json")
-    return cost, (f"g projected through a cost model measured here ({cost.device}, {cost.dtype}): "
-                  f"{out / 'cost_model.json'}")
+    cost.save(saved)
+    return cost, (f"g projected through a cost model measured here ({cost.device}, {cost.dtype}, "
+                  f"{cost.meta.get('clock', 'wall')}, {cost.meta.get('statistic', 'median')} of "
+                  f"{cost.meta.get('repeats')} repetitions, load "
+                  f"{cost.meta.get('loadavg_before')}): {saved}")
 
 
 def server_work(recipe) -> dict[str, int]:
@@ -534,5 +648,5 @@ def default_bundle_dir(recipe, repo_root: Path) -> Path:
 
 
 __all__ = ["CONFIGS", "BenchError", "BenchPlan", "Request", "VerifierProcess", "atomic_write", "cost_model_for",
-           "default_bundle_dir", "make_console", "open_out", "read_records", "record_of", "run_bench", "run_requests",
+           "busy_since", "default_bundle_dir", "make_console", "process_cpu_ms", "print_results", "result_tables", "open_out", "read_records", "record_of", "run_bench", "run_requests",
            "score_answers", "score_quality", "server_work"]

@@ -14,11 +14,15 @@ Record (one dict per request; times in milliseconds unless the name says seconds
     rounds            verification rounds (slm-alone: one per token, no verifier)
     accepted          [int] |P| per round (tokens committed per round = accepted + 1)
     prefill_ms        verifier prefill ms (0 for slm-alone)
+    server_busy_ms    float | None, CPU ms the verifier process used during the request (every thread: the
+                      forwards and the work around them; `hycoc.bench.runner.process_cpu_ms`); absent in old records
     server_ms         [float] verifier ms per round (empty for slm-alone)
     rows              [int] rows of the verifier forward per round (B + 1 = 33 for device trees, 1 + K for cloud-mtp)
     context           [int] root position (context length) per round
     seconds           delivery time in seconds: request start to last token, link delays included
     first_token_ms    float | None;  draft_ms, slm_prefill_ms: device ms
+    finished          bool; finish_reason "stop" (an end-of-turn token) | "max_new_tokens" (the output cap) |
+                      "length" (the context is full) (`hycoc.protocol.messages.FINISH_REASONS`); absent in old records
     bytes_up, bytes_down   [int] frame bytes per round
     draft_calls, prefill_calls  {graph: int} graph calls inside draft_ms / slm_prefill_ms; draft_graph_ms,
                       slm_prefill_graph_ms: those calls' ms (the rest is host work); absent in old records
@@ -35,6 +39,9 @@ runs the pooled ratio is taken per run and the runs' ratios are averaged, as App
 
 * g [ms / output token] = sum over requests of (prefill_ms + sum server_ms) / sum tokens. Verifier time on the
   hardware that ran it, prefill included. None for slm-alone (no verifier).
+* g busy [ms / output token] = sum server_busy_ms / sum tokens: the verifier's busy time (its process's CPU time
+  over each request, prefill included), which other processes on the machine do not stretch the way they stretch
+  the wall-clock g; None when any request lacks it. Δg busy is its paired Δ, as Δg below.
 * g_rounds [ms / output token] = sum server_ms / sum tokens: measured g over rounds only (prefill excluded), the
   figure to hold against g projected.
 * g projected [ms / output token] = sum over every forward the server ran of cost_model.predict / sum tokens: the
@@ -73,7 +80,7 @@ import math
 import os
 import tempfile
 import zlib
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -116,6 +123,11 @@ def _rounds(r: Record) -> float:
 def _server_cost(r: Record) -> float:
     """prefill_ms + sum server_ms: the verifier's time for one request (App. G)."""
     return float(r.get("prefill_ms") or 0.0) + float(sum(r.get("server_ms") or ()))
+
+
+def _busy_cost(r: Record) -> float:
+    """server_busy_ms: the verifier process's CPU ms over the request."""
+    return float(r.get("server_busy_ms") or 0.0)
 
 
 def _rounds_cost(r: Record) -> float:
@@ -192,15 +204,21 @@ def _per_question(pairs: Sequence[tuple[Record, Record]], fns: Sequence[Callable
     return np.array(list(rows.values()), dtype=np.float64).reshape(len(rows), len(fns))
 
 
-def _bootstrap_sums(table: np.ndarray, bootstrap: int, seed: int) -> np.ndarray | None:
-    """(bootstrap, columns) column sums over questions resampled with replacement (same ids for every column)."""
-    if bootstrap <= 0 or len(table) == 0:
+def _bootstrap_counts(questions: int, bootstrap: int, seed: int) -> np.ndarray | None:
+    """(bootstrap, questions) how often each question is drawn in each resample with replacement."""
+    if bootstrap <= 0 or questions == 0:
         return None
     rng = np.random.default_rng(seed)
-    counts = np.zeros((bootstrap, len(table)))
-    idx = rng.integers(0, len(table), size=(bootstrap, len(table)))
+    counts = np.zeros((bootstrap, questions))
+    idx = rng.integers(0, questions, size=(bootstrap, questions))
     np.add.at(counts, (np.arange(bootstrap)[:, None], idx), 1.0)
-    return counts @ table
+    return counts
+
+
+def _bootstrap_sums(table: np.ndarray, bootstrap: int, seed: int) -> np.ndarray | None:
+    """(bootstrap, columns) column sums over questions resampled with replacement (same ids for every column)."""
+    counts = _bootstrap_counts(len(table), bootstrap, seed)
+    return None if counts is None else counts @ table
 
 
 def _ci(samples: np.ndarray) -> list[float] | None:
@@ -212,10 +230,15 @@ def _ci(samples: np.ndarray) -> list[float] | None:
 
 
 def paired_ratio_delta(pairs: Sequence[tuple[Record, Record]], cost: Callable[[Record], float],
-                       tokens: Callable[[Record], float] = _tokens, *, bootstrap: int = 1000, seed: int = 0
+                       tokens: Callable[[Record], float] = _tokens, *, bootstrap: int = 1000, seed: int = 0,
+                       cost_draws: Callable[[Record], np.ndarray] | None = None
                        ) -> tuple[float | None, list[float] | None]:
     """Δ% = 100 * ((Σ cost / Σ tokens) / (Σ cost_b / Σ tokens_b) - 1) over matched pairs, with a paired
-    bootstrap 95% CI over questions (None where the point estimate is undefined or bootstrap == 0)."""
+    bootstrap 95% CI over questions (None where the point estimate is undefined or bootstrap == 0).
+
+    cost_draws: record -> float64 (M,) its cost under M draws of an uncertain cost (`_Projection.draws`: the cost
+    model's resampled grids). Resample b then uses draw b mod M for both sides, so the interval covers the choice
+    of questions and the cost's own uncertainty together."""
     if not pairs:
         return None, None
     fns = [lambda r, b: cost(r), lambda r, b: tokens(r), lambda r, b: cost(b), lambda r, b: tokens(b)]
@@ -228,8 +251,20 @@ def paired_ratio_delta(pairs: Sequence[tuple[Record, Record]], cost: Callable[[R
     point = _num(float(delta(t.sum(axis=0))))
     if point is None:
         return None, None
-    sums = _bootstrap_sums(t, bootstrap, seed)
-    return point, (None if sums is None else _ci(delta(sums)))
+    counts = _bootstrap_counts(len(t), bootstrap, seed)
+    if counts is None:
+        return point, None
+    sums = counts @ t
+    if cost_draws is not None:
+        per_q: dict[Any, np.ndarray] = {}
+        for r, b in pairs:   # the question order of _per_question
+            d = np.stack([np.asarray(cost_draws(r), np.float64), np.asarray(cost_draws(b), np.float64)], axis=-1)
+            per_q[r.get("question_id")] = per_q.get(r.get("question_id"), 0.0) + d
+        draws = np.stack(list(per_q.values()), axis=1)                  # (M, questions, 2)
+        m = draws[np.arange(bootstrap) % draws.shape[0]]               # (bootstrap, questions, 2)
+        sums[:, 0] = np.einsum("bq,bq->b", counts, m[..., 0])
+        sums[:, 2] = np.einsum("bq,bq->b", counts, m[..., 1])
+    return point, _ci(delta(sums))
 
 
 def paired_mean_difference(pairs: Sequence[tuple[Record, Record]], value: Callable[[Record], Any], *,
@@ -281,6 +316,31 @@ class _Projection:
     def rounds(self, r: Record) -> list[float]:
         return [float(sum(self._cost(f) for f in g)) for g in self.groups(r)[1:]]
 
+    def draws(self, records: Sequence[Record], n: int = 200, seed: int = 0, block: int = 4096
+              ) -> dict[int, np.ndarray] | None:
+        """id(record) -> float64 (n,): the record's `total` under n resampled grids of the cost model
+        (`hycoc.bench.cost_model.bootstrap_tables`, its points' repeated timings). None when the model keeps no
+        samples (an older file, a stand-in without points) or n < 1."""
+        from hycoc.bench.cost_model import bootstrap_tables, predict_tables
+
+        if n < 1 or not getattr(self.model, "points", None):
+            return None
+        tables = bootstrap_tables(self.model, n, seed)
+        if tables is None:
+            return None
+        forwards, owner = [], []
+        for k, r in enumerate(records):
+            for g in self.groups(r):
+                forwards += g
+                owner += [k] * len(g)
+        totals = np.zeros((n, len(records)))
+        owner_a = np.asarray(owner, dtype=np.int64)
+        for a in range(0, len(forwards), block):   # (n, block, grid) intermediates stay small
+            ms = predict_tables(self.model, tables, forwards[a:a + block])
+            for d in range(n):
+                totals[d] += np.bincount(owner_a[a:a + block], weights=ms[d], minlength=len(records))
+        return {id(r): totals[:, k] for k, r in enumerate(records)}
+
 
 def _reference_rate(recs: Sequence[Record]) -> tuple[float | None, int]:
     v = [bool(r["reference_match"]) for r in recs if r.get("reference_match") is not None]
@@ -324,12 +384,15 @@ def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, co
     seed: bootstrap seed (each configuration/metric/category gets its own stream derived from it).
 
     Keys per configuration (None where undefined):
-      requests, runs, unfinished, tokens, rounds;
-      g_ms_per_token, g_runs (per-run g), g_rounds_ms_per_token, g_projected_ms_per_token (every server forward,
+      requests, runs, unfinished, finish_reasons {reason: requests}, tokens, rounds;
+      g_ms_per_token, g_runs (per-run g), g_busy_ms_per_token, g_busy_runs, delta_g_busy_pct,
+      delta_g_busy_ci95 (busy time, None without server_busy_ms), g_rounds_ms_per_token, g_projected_ms_per_token (every server forward,
       prefill included where the model has prefill points: g_projected_includes_prefill), g_projected_parts
       {verify, head_step, prefill: ms per output token}, g_projected_error;
       server_ms_per_round_p50, server_ms_per_round_projected_p50 (verification + head steps);
-      delta_g_pct, delta_g_ci95 [lo, hi], delta_g_projected_pct, delta_g_projected_ci95, delta_pairs,
+      delta_g_pct, delta_g_ci95 [lo, hi], delta_g_projected_pct, delta_g_projected_ci95 (over questions and,
+      where the cost model keeps its repeated timings, its own uncertainty: delta_g_projected_ci_covers_cost_model),
+      delta_pairs,
       delta_questions (matched requests / questions behind the Δ figures);
       mat, verifier_forwards_per_token, rows_per_forward, mean_context, tok_per_s, draft_ms_per_token,
       first_token_ms_p50, first_token_ms_p90, bytes_up_per_round, bytes_down_per_round, bonus_outside_keep_share;
@@ -353,6 +416,8 @@ def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, co
         verifier = _has_verifier(name, recs)
         s: dict[str, Any] = {"requests": len(recs), "runs": len({r.get("run", 0) for r in recs}),
                              "unfinished": sum(1 for r in recs if r.get("finished") is False),
+                             "finish_reasons": dict(sorted(Counter(str(r["finish_reason"]) for r in recs
+                                                                   if r.get("finish_reason")).items())),
                              "tokens": int(sum(_tokens(r) for r in recs)),
                              "rounds": int(sum(_rounds(r) for r in recs))}
 
@@ -362,6 +427,10 @@ def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, co
         s["g_runs"] = ([_pooled([r for r in recs if r.get("run", 0) == k], _server_cost, _tokens) for k in runs]
                        if verifier else None)
         s["g_rounds_ms_per_token"] = _pooled(recs, _rounds_cost, _tokens) if verifier else None
+        busy_known = verifier and all(_num(r.get("server_busy_ms")) is not None for r in recs)
+        s["g_busy_ms_per_token"] = _pooled(recs, _busy_cost, _tokens) if busy_known else None
+        s["g_busy_runs"] = ([_pooled([r for r in recs if r.get("run", 0) == k], _busy_cost, _tokens) for k in runs]
+                            if busy_known else None)
         s["g_projected_ms_per_token"], s["g_projected_parts"], s["g_projected_error"] = None, None, None
         s["g_projected_includes_prefill"] = proj.prefill if verifier and proj is not None else None
         round_ms = [float(x) for r in recs for x in (r.get("server_ms") or ())]
@@ -389,9 +458,19 @@ def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, co
         pairs = pair_records(recs, base) if base_ok else []
         s["delta_g_pct"], s["delta_g_ci95"] = paired_ratio_delta(
             pairs, _server_cost, bootstrap=bootstrap, seed=_seed_for(seed, name, "g"))
+        cost_draws = None
+        if proj_ok and pairs and bootstrap > 0:
+            draws = proj.draws(list({id(x): x for p in pairs for x in p}.values()), seed=seed)
+            cost_draws = None if draws is None else (lambda r, d=draws: d[id(r)])
         s["delta_g_projected_pct"], s["delta_g_projected_ci95"] = (paired_ratio_delta(
-            pairs, projected, bootstrap=bootstrap, seed=_seed_for(seed, name, "g_projected"))
+            pairs, projected, bootstrap=bootstrap, seed=_seed_for(seed, name, "g_projected"), cost_draws=cost_draws)
             if proj_ok and projected is not None else (None, None))
+        s["delta_g_projected_ci_covers_cost_model"] = cost_draws is not None if proj_ok else None
+        busy_pairs = [(r, b) for r, b in pairs if _num(r.get("server_busy_ms")) is not None
+                      and _num(b.get("server_busy_ms")) is not None]
+        s["delta_g_busy_pct"], s["delta_g_busy_ci95"] = (paired_ratio_delta(
+            busy_pairs, _busy_cost, bootstrap=bootstrap, seed=_seed_for(seed, name, "g_busy"))
+            if busy_known and busy_pairs and len(busy_pairs) == len(pairs) else (None, None))
         s["delta_pairs"] = len(pairs) if base_ok else None
         s["delta_questions"] = len({r.get("question_id") for r, _ in pairs}) if base_ok else None
 
@@ -454,6 +533,8 @@ def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, co
 
 
 # ---- terminal tables --------------------------------------------------------------------------------------
+# Each table is built as a `hycoc.bench.tables.TextTable` (formatted strings) and printed by
+# `hycoc.bench.tables.print_tables`: split to the console's width, or as Markdown / CSV (``fmt``).
 
 
 def _fmt(x: Any, spec: str = ".2f", dash: str = "–") -> str:
@@ -469,42 +550,40 @@ def _fmt_delta(d: Any, ci: Any) -> str:
     return text
 
 
-def render_table(summary: Mapping[str, Mapping[str, Any]], console: Any, *, title: str = "hycoc bench",
-                 baseline: str = DEFAULT_BASELINE, caption: str | None = None) -> None:
-    """Print the main table (one row per configuration, Table 5 order) on a rich Console.
+def main_table(summary: Mapping[str, Mapping[str, Any]], *, title: str = "hycoc bench",
+               baseline: str = DEFAULT_BASELINE, caption: str | None = None):
+    """The main table as a `hycoc.bench.tables.TextTable` (one row per configuration, Table 5 order).
 
-    Columns: g (measured verifier ms per output token, prefill included), g proj. (cost-model ms per token over
-    every server forward, prefill included), Δg % [95% CI] vs the baseline (and Δg proj. % when present), MAT, verifier
-    forwards per token, delivery tok/s, device draft ms per token, first-token p50 ms, bytes up/down per round,
-    share of bonus tokens outside the keep set, the answers' zlib compressed/raw ratio with its paired Δ (the
-    headline repetition metric, `hycoc.bench.quality`), and the quality flag: the metrics on which the configuration is
-    worse than the baseline beyond their 95% CI (`quality_metrics`), "–" when none. A `caption` (e.g. the cost
-    model's device) is appended to the legend.
-    """
-    from rich.table import Table
+    Columns: n (requests), g (measured verifier ms per output token, prefill included), g proj. (cost-model ms per
+    token over every server forward, prefill included), Δg % [95% CI] vs the baseline (and Δg proj. % [95% CI]
+    when present), MAT, verifier forwards per token, delivery tok/s, device draft ms per token, first-token p50 ms,
+    bytes up/down per round, share of bonus tokens outside the keep set, the answers' zlib compressed/raw ratio
+    with its paired Δ (the headline repetition metric, `hycoc.bench.quality`), and the quality flag: the metrics on
+    which the configuration is worse than the baseline beyond their 95% CI (`quality_metrics`), "–" when none. A
+    `caption` (e.g. the cost model's device) is appended to the legend."""
+    from hycoc.bench.tables import TextTable
 
     names = _order(summary)
     has_proj = any(_num(summary[n].get("g_projected_ms_per_token")) is not None for n in names)
     has_dproj = any(_num(summary[n].get("delta_g_projected_pct")) is not None for n in names)
-    legend = (f"g: measured verifier ms per output token incl. prefill (App. G, pooled). "
-              f"g proj.: cost-model ms per token over every server forward (prefill, verification, server-side head steps). "
-              f"Δg: paired vs {baseline}, 95% CI by bootstrap over questions; lower is better. "
-              f"zlib ratio: compressed/raw bytes of the answers (lower = more repetitive), paired Δ vs {baseline}. "
-              f"worse than {baseline}: quality metrics whose paired 95% CI lies wholly on the worse side.")
+    legend = (f"g: measured verifier ms per output token incl. prefill (App. G, pooled). g busy: the verifier "
+              f"process's CPU ms per token over the same requests (other processes do not stretch it). "
+              f"g proj.: cost-model ms per token over every server forward (prefill, verification, server-side "
+              f"head steps). Δg: paired vs {baseline}, 95% CI by bootstrap over questions (Δg proj.: and over the "
+              f"cost model's repeated timings); lower is better. zlib ratio: compressed/raw bytes of the answers "
+              f"(lower = more repetitive), paired Δ vs {baseline}. worse than {baseline}: quality metrics whose "
+              f"paired 95% CI lies wholly on the worse side.")
     if caption:
         legend += " " + caption
-    table = Table(title=title, caption=legend, caption_justify="left")
-    table.add_column("config", style="bold")
-    table.add_column("n", justify="right")
-    table.add_column("g ms/tok", justify="right")
-    table.add_column("g proj. ms/tok", justify="right")
-    table.add_column("Δg % [95% CI]", justify="right")
+    has_busy = any(_num(summary[n].get("g_busy_ms_per_token")) is not None for n in names)
+    headers = ["config", "n", "g ms/tok", "g proj. ms/tok", "Δg % [95% CI]"]
+    if has_busy:
+        headers += ["g busy ms/tok", "Δg busy % [95% CI]"]
     if has_dproj:
-        table.add_column("Δg proj. %", justify="right")
-    for head in ("MAT", "fwd/tok", "tok/s", "draft ms/tok", "1st tok p50 ms", "B up/down per round",
-                 "outside keep %", "zlib ratio (Δ)"):
-        table.add_column(head, justify="right")
-    table.add_column(f"worse than {baseline}", style="red")
+        headers.append("Δg proj. % [95% CI]")
+    headers += ["MAT", "fwd/tok", "tok/s", "draft ms/tok", "1st tok p50 ms", "B up/down per round",
+                "outside keep %", "zlib ratio (Δ)", f"worse than {baseline}"]
+    rows = []
     for n in names:
         s = summary[n]
         delta = "ref" if n == baseline and _num(s.get("g_ms_per_token")) is not None else \
@@ -512,6 +591,10 @@ def render_table(summary: Mapping[str, Mapping[str, Any]], console: Any, *, titl
         up, down = s.get("bytes_up_per_round"), s.get("bytes_down_per_round")
         row = [n, str(s.get("requests", "")), _fmt(s.get("g_ms_per_token")),
                _fmt(s.get("g_projected_ms_per_token")) if has_proj else "–", delta]
+        if has_busy:
+            row += [_fmt(s.get("g_busy_ms_per_token")),
+                    "ref" if n == baseline and _num(s.get("g_busy_ms_per_token")) is not None else
+                    _fmt_delta(s.get("delta_g_busy_pct"), s.get("delta_g_busy_ci95"))]
         if has_dproj:
             row.append("ref" if n == baseline and _num(s.get("g_projected_ms_per_token")) is not None else
                        _fmt_delta(s.get("delta_g_projected_pct"), s.get("delta_g_projected_ci95")))
@@ -521,8 +604,17 @@ def render_table(summary: Mapping[str, Mapping[str, Any]], console: Any, *, titl
                 "–" if _num(up) is None and _num(down) is None else f"{_fmt(up, ',.0f')} / {_fmt(down, ',.0f')}",
                 _fmt(None if _num(share) is None else 100.0 * float(share), ".1f"),
                 _quality_cell(s, "compression_ratio", n == baseline), _quality_flags(s)]
-        table.add_row(*row)
-    console.print(table)
+        rows.append(row)
+    return TextTable(title=title, headers=headers, rows=rows, caption=legend)
+
+
+def render_table(summary: Mapping[str, Mapping[str, Any]], console: Any, *, title: str = "hycoc bench",
+                 baseline: str = DEFAULT_BASELINE, caption: str | None = None, fmt: str = "table") -> None:
+    """Print `main_table` on a rich Console (``fmt``: `hycoc.bench.tables.FORMATS`; "table" splits it to the
+    console's width, configuration names and CI cells whole)."""
+    from hycoc.bench.tables import print_tables
+
+    print_tables([main_table(summary, title=title, baseline=baseline, caption=caption)], console, fmt)
 
 
 def _quality_cell(s: Mapping[str, Any], key: str, is_baseline: bool) -> str:
@@ -539,26 +631,25 @@ def _quality_flags(s: Mapping[str, Any]) -> str:
     return ", ".join(METRIC_BY_KEY[k].label for k in keys if k in METRIC_BY_KEY) or "–"
 
 
-def render_quality(summary: Mapping[str, Mapping[str, Any]], console: Any, *, baseline: str = DEFAULT_BASELINE,
-                   title: str = "answer quality") -> None:
-    """Print the quality table: one row per configuration, one column per `hycoc.bench.quality.METRICS` metric that
-    any configuration has (``mean (Δ vs baseline)``, a metric worse beyond its CI marked ``!``), the verifier's
-    mean log-prob under its own label (`LOGPROB_NOTE`), and the flag column of `render_table`."""
-    from rich.table import Table
+def quality_table(summary: Mapping[str, Mapping[str, Any]], *, baseline: str = DEFAULT_BASELINE,
+                  title: str = "answer quality"):
+    """The quality table (`hycoc.bench.tables.TextTable`): one row per configuration, one column per
+    `hycoc.bench.quality.METRICS` metric that any configuration has (``mean (Δ vs baseline)``, a metric worse
+    beyond its CI marked ``!``), the verifier's mean log-prob under its own label (`LOGPROB_NOTE`), and the flag
+    column of `main_table`."""
+    from hycoc.bench.tables import TextTable
 
     names = _order(summary)
     present = [m for m in METRICS if any(_num((((summary[n].get("quality") or {}).get("metrics") or {})
                                                 .get(m.key) or {}).get("mean")) is not None for n in names)]
-    table = Table(title=title, caption_justify="left", caption=(
-        f"mean over answers (paired Δ vs {baseline}); ! = worse than {baseline} beyond the paired 95% CI. "
-        "zlib ratio, distinct-n: lower = more repetitive; rep. 4-gram: share of words inside a repeated word "
-        "4-gram; longest run: most identical tokens in a row; ROUGE-L (summarization), chrF/BLEU (translation), "
-        f"final-number EM (math) against Spec-Bench's references. verifier log-prob: {LOGPROB_NOTE}."))
-    table.add_column("config", style="bold")
-    for m in present:
-        table.add_column(m.label + (" ↑" if m.better == "higher" else " ↓"), justify="right")
-    table.add_column("verifier log-prob (Δ)", justify="right")
-    table.add_column(f"worse than {baseline}", style="red")
+    caption = (f"mean over answers (paired Δ vs {baseline}); ! = worse than {baseline} beyond the paired 95% CI. "
+               "zlib ratio, distinct-n: lower = more repetitive; rep. 4-gram: share of words inside a repeated word "
+               "4-gram; longest run: most identical tokens in a row; ROUGE-L (summarization), chrF/BLEU "
+               f"(translation), final-number EM (math) against Spec-Bench's references. verifier log-prob: "
+               f"{LOGPROB_NOTE}.")
+    headers = (["config"] + [m.label + (" ↑" if m.better == "higher" else " ↓") for m in present]
+               + ["verifier log-prob (Δ)", f"worse than {baseline}"])
+    rows = []
     for n in names:
         s = summary[n]
         q = s.get("quality") or {}
@@ -569,55 +660,68 @@ def render_quality(summary: Mapping[str, Mapping[str, Any]], console: Any, *, ba
         lp, lpd = q.get("verifier_logprob"), q.get("verifier_logprob_delta")
         row.append(_fmt(lp, ".3f") + ("" if n == baseline or _num(lpd) is None else f" ({float(lpd):+.3f})"))
         row.append(_quality_flags(s))
-        table.add_row(*row)
-    console.print(table)
+        rows.append(row)
+    return TextTable(title=title, headers=headers, rows=rows, caption=caption)
 
 
-def render_rounds(summary: Mapping[str, Mapping[str, Any]], console: Any = None) -> None:
-    """A table of server ms per round (median over rounds): measured here, projected through the cost model
-    (verification + the server-side head steps of that round), and the paper's figure for the same draft place
-    (§3.1, `hycoc.bench.cost_model.PAPER_ROUND_MS`: 21.7 ms with the head on the device, 26.8 ms with it on the
-    server), with g projected split by kind of forward (ms per output token). Prints nothing without a
-    projection."""
-    from rich.console import Console
-    from rich.table import Table
+def render_quality(summary: Mapping[str, Mapping[str, Any]], console: Any, *, baseline: str = DEFAULT_BASELINE,
+                   title: str = "answer quality", fmt: str = "table") -> None:
+    """Print `quality_table` (``fmt`` as `render_table`)."""
+    from hycoc.bench.tables import print_tables
 
+    print_tables([quality_table(summary, baseline=baseline, title=title)], console, fmt)
+
+
+def rounds_table(summary: Mapping[str, Mapping[str, Any]]):
+    """Server ms per round (median over rounds) as a `hycoc.bench.tables.TextTable`: measured here, projected
+    through the cost model (verification + the server-side head steps of that round), and the paper's figure for
+    the same draft place (§3.1, `hycoc.bench.cost_model.PAPER_ROUND_MS`: 21.7 ms with the head on the device,
+    26.8 ms with it on the server), with g projected split by kind of forward (ms per output token). None
+    without a projection."""
     from hycoc.bench.cost_model import DRAFT_PLACE_OF, PAPER_ROUND_MS
+    from hycoc.bench.tables import TextTable
 
-    console = console or Console()
     names = [n for n in _order(summary) if summary[n].get("server_ms_per_round_projected_p50") is not None]
     if not names:
-        return
-    table = Table(title="server ms per round (median) and g projected by forward",
-                  caption="projected: verification + server-side head steps of each round, through the cost model; "
-                          "paper: §3.1, one RTX PRO 6000 (HyCo 21.7 ms: verification only; Cloud+MTP 26.8 ms: "
-                          "K head steps + verification). g proj. parts in ms per output token.")
-    for col in ("config", "measured ms", "projected ms", "paper ms", "g proj. verify", "g proj. head steps",
-                "g proj. prefill"):
-        table.add_column(col, justify="left" if col == "config" else "right")
+        return None
+    rows = []
     for name in names:
         s = summary[name]
         place = DRAFT_PLACE_OF.get(name, "device")
         paper = PAPER_ROUND_MS["hyco"] if place == "device" else PAPER_ROUND_MS["cloud-mtp"]
         parts = s.get("g_projected_parts") or {}
-        table.add_row(name, _fmt(s.get("server_ms_per_round_p50")), _fmt(s.get("server_ms_per_round_projected_p50")),
-                      f"{paper:.1f}", *(_fmt(parts.get(k)) for k in ("verify", "head_step", "prefill")))
-    console.print(table)
+        rows.append([name, _fmt(s.get("server_ms_per_round_p50")), _fmt(s.get("server_ms_per_round_projected_p50")),
+                     f"{paper:.1f}", *(_fmt(parts.get(k)) for k in ("verify", "head_step", "prefill"))])
+    return TextTable(
+        title="server ms per round (median) and g projected by forward",
+        headers=["config", "measured ms", "projected ms", "paper ms", "g proj. verify", "g proj. head steps",
+                 "g proj. prefill"], rows=rows,
+        caption="projected: verification + server-side head steps of each round, through the cost model; paper: "
+                "§3.1, one RTX PRO 6000 (HyCo 21.7 ms: verification only; Cloud+MTP 26.8 ms: K head steps + "
+                "verification). g proj. parts in ms per output token.")
 
 
-def render_categories(summary: Mapping[str, Mapping[str, Any]], console: Any, *,
-                      baseline: str = DEFAULT_BASELINE, title: str = "per category: MAT · Δg %") -> None:
-    """Print a per-category table: one row per category, one column per configuration with its MAT and its
-    paired Δg % vs the baseline on that category's questions ("ref" for the baseline itself)."""
-    from rich.table import Table
+def render_rounds(summary: Mapping[str, Mapping[str, Any]], console: Any = None, fmt: str = "table") -> None:
+    """Print `rounds_table` (``fmt`` as `render_table`); prints nothing without a projection."""
+    from rich.console import Console
+
+    from hycoc.bench.tables import print_tables
+
+    table = rounds_table(summary)
+    if table is not None:
+        print_tables([table], console or Console(), fmt)
+
+
+def categories_table(summary: Mapping[str, Mapping[str, Any]], *, baseline: str = DEFAULT_BASELINE,
+                     title: str = "per category: MAT · Δg %"):
+    """The per-category table (`hycoc.bench.tables.TextTable`, key column: the category): one column per
+    configuration with its MAT and its paired Δg % vs the baseline on that category's questions ("ref" for the
+    baseline itself); split by configurations when it does not fit."""
+    from hycoc.bench.tables import TextTable
 
     names = _order(summary)
     cats = sorted({c for n in names for c in (summary[n].get("per_category") or {})})
-    table = Table(title=title, caption=f"MAT tokens/round · Δg % paired vs {baseline} (lower is better)",
-                  caption_justify="left")
-    table.add_column("category", style="bold")
-    for n in names:
-        table.add_column(n, justify="right")
+    rows = []
     for c in cats:
         row = [c]
         for n in names:
@@ -628,8 +732,18 @@ def render_categories(summary: Mapping[str, Mapping[str, Any]], console: Any, *,
             d = "ref" if n == baseline and _num(pc.get("g_ms_per_token")) is not None else \
                 (f"{float(pc['delta_g_pct']):+.1f}%" if _num(pc.get("delta_g_pct")) is not None else "–")
             row.append(f"{_fmt(pc.get('mat'))} · {d}")
-        table.add_row(*row)
-    console.print(table)
+        rows.append(row)
+    return TextTable(title=title, headers=["category", *names], rows=rows,
+                     caption=f"MAT tokens/round · Δg % paired vs {baseline} (lower is better)")
+
+
+def render_categories(summary: Mapping[str, Mapping[str, Any]], console: Any, *,
+                      baseline: str = DEFAULT_BASELINE, title: str = "per category: MAT · Δg %",
+                      fmt: str = "table") -> None:
+    """Print `categories_table` (``fmt`` as `render_table`)."""
+    from hycoc.bench.tables import print_tables
+
+    print_tables([categories_table(summary, baseline=baseline, title=title)], console, fmt)
 
 
 # ---- plots --------------------------------------------------------------------------------------------------
@@ -651,21 +765,37 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
+def _label_offsets(points: Sequence[tuple[float, float]], xspan: float, yspan: float, step: float = 11.0
+                   ) -> list[tuple[float, float]]:
+    """Offsets (points of type, x and y) for one label per point so that labels of points close together (within 6%
+    of the y span, and within 20% of the x span, as a label runs to the right of its point) stack one above the
+    other instead of overlapping: the k-th close neighbour's label goes k lines higher."""
+    out: list[tuple[float, float]] = []
+    for i, (x, y) in enumerate(points):
+        near = sum(1 for (x2, y2) in points[:i]
+                   if abs(x - x2) <= 0.2 * (xspan or 1.0) and abs(y - y2) <= 0.06 * (yspan or 1.0))
+        out.append((6.0, 4.0 + step * near))
+    return out
+
+
 def write_plots(summary: Mapping[str, Mapping[str, Any]], out_dir: str | Path, *,
                 baseline: str = DEFAULT_BASELINE) -> list[Path]:
-    """Write ``mat_vs_g.png`` (MAT vs g, one labeled point per configuration: filled = g measured incl. prefill,
-    hollow = g projected over every server forward) and ``category_delta_g.png`` (grouped bars of paired Δg %
-    per category per configuration) into out_dir (created if needed). Uses matplotlib's Agg canvas, no pyplot
-    state; each file is written to a temporary name and renamed. Returns the two paths."""
+    """Write ``mat_vs_g.png`` and ``category_delta_g.png`` into out_dir (created if needed); returns the two paths.
+
+    mat_vs_g.png: MAT vs g, one colour per configuration (named in the legend and beside its point; labels of
+    points close together are stacked, `_label_offsets`): filled circle = g measured incl. prefill, hollow square =
+    g projected over every server forward, a dotted line joining the two. category_delta_g.png: grouped bars of
+    paired Δg % per category per configuration, each with its 95% CI as an error bar and its value written on it.
+    Uses matplotlib's Agg canvas, no pyplot state; each file is written to a temporary name and renamed."""
     from matplotlib.figure import Figure
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = _order(summary)
 
-    fig = Figure(figsize=(7, 5))
+    fig = Figure(figsize=(7.5, 5.5))
     ax = fig.add_subplot()
-    plotted = False
+    shown = []
     for i, n in enumerate(names):
         s = summary[n]
         mat, g, gp = _num(s.get("mat")), _num(s.get("g_ms_per_token")), _num(s.get("g_projected_ms_per_token"))
@@ -673,20 +803,27 @@ def write_plots(summary: Mapping[str, Mapping[str, Any]], out_dir: str | Path, *
             continue
         color = f"C{i % 10}"
         if g is not None:
-            ax.scatter([g], [mat], color=color, marker="o", s=50, zorder=3)
-            ax.annotate(n, (g, mat), textcoords="offset points", xytext=(5, 5), fontsize=8)
+            ax.scatter([g], [mat], color=color, marker="o", s=50, zorder=3, label=n)
         if gp is not None:
-            ax.scatter([gp], [mat], facecolors="none", edgecolors=color, marker="s", s=50, zorder=3)
+            ax.scatter([gp], [mat], facecolors="none", edgecolors=color, marker="s", s=50, zorder=3,
+                       label=None if g is not None else n)
             if g is not None:
                 ax.plot([g, gp], [mat, mat], color=color, lw=0.8, ls=":")
-            else:
-                ax.annotate(n, (gp, mat), textcoords="offset points", xytext=(5, 5), fontsize=8)
-        plotted = True
-    if not plotted:
+        shown.append((n, g if g is not None else gp, mat, color))
+    if shown:
+        xs = [x for _, x, _, _ in shown] + [_num(summary[n].get("g_projected_ms_per_token")) or x
+                                            for n, x, _, _ in shown]
+        ys = [y for _, _, y, _ in shown]
+        offsets = _label_offsets([(x, y) for _, x, y, _ in shown], max(xs) - min(xs), max(ys) - min(ys))
+        for (n, x, y, color), off in zip(shown, offsets):
+            ax.annotate(n, (x, y), textcoords="offset points", xytext=off, fontsize=8, color=color,
+                        bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8})
+    else:
         ax.text(0.5, 0.5, "no configuration with a verifier", ha="center", va="center", transform=ax.transAxes)
     ax.scatter([], [], color="gray", marker="o", label="g measured (incl. prefill)")
     ax.scatter([], [], facecolors="none", edgecolors="gray", marker="s", label="g projected (every server forward)")
-    ax.legend(loc="best", fontsize=8)
+    ax.legend(loc="best", fontsize=7)
+    ax.margins(x=0.15, y=0.15)
     ax.set_xlabel("g: verifier ms per output token (lower is better)")
     ax.set_ylabel("MAT: tokens per verification round")
     ax.set_title("MAT vs g per configuration")
@@ -696,25 +833,30 @@ def write_plots(summary: Mapping[str, Mapping[str, Any]], out_dir: str | Path, *
     cfgs = [n for n in names if n != baseline
             and any(_num(pc.get("delta_g_pct")) is not None for pc in (summary[n].get("per_category") or {}).values())]
     cats = sorted({c for n in cfgs for c in summary[n]["per_category"]})
-    fig = Figure(figsize=(max(7.0, 0.9 * len(cats) * max(1, len(cfgs)) ** 0.5 + 3), 5))
+    fig = Figure(figsize=(max(7.0, 1.1 * len(cats) * max(1, len(cfgs)) ** 0.5 + 3), 5.5))
     ax = fig.add_subplot()
     if cfgs and cats:
         width = 0.8 / len(cfgs)
         x = np.arange(len(cats))
         for j, n in enumerate(cfgs):
             pcs = summary[n]["per_category"]
-            vals = [(_num((pcs.get(c) or {}).get("delta_g_pct"))) for c in cats]
-            ax.bar(x + (j - (len(cfgs) - 1) / 2) * width, [np.nan if v is None else v for v in vals], width,
-                   label=n, color=f"C{names.index(n) % 10}")
+            vals = [_num((pcs.get(c) or {}).get("delta_g_pct")) for c in cats]
+            cis = [(pcs.get(c) or {}).get("delta_g_ci95") for c in cats]
+            lo = [v - ci[0] if v is not None and ci else 0.0 for v, ci in zip(vals, cis)]
+            hi = [ci[1] - v if v is not None and ci else 0.0 for v, ci in zip(vals, cis)]
+            bars = ax.bar(x + (j - (len(cfgs) - 1) / 2) * width, [np.nan if v is None else v for v in vals], width,
+                          label=n, color=f"C{names.index(n) % 10}", yerr=[lo, hi], capsize=2,
+                          error_kw={"elinewidth": 0.8, "ecolor": "black"})
+            ax.bar_label(bars, labels=["" if v is None else f"{v:+.0f}" for v in vals], fontsize=6, padding=2)
         ax.set_xticks(x)
         ax.set_xticklabels(cats, rotation=30, ha="right")
         ax.axhline(0.0, color="black", lw=0.8)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     else:
         ax.text(0.5, 0.5, f"no paired Δg (baseline {baseline} absent?)", ha="center", va="center",
                 transform=ax.transAxes)
     ax.set_ylabel(f"Δg % vs {baseline} (lower is better)")
-    ax.set_title("Paired Δg per category")
+    ax.set_title(f"Paired Δg per category (value on each bar; error bar: 95% CI over the category's questions)")
     ax.grid(True, axis="y", alpha=0.3)
     paths.append(_save(fig, out / "category_delta_g.png"))
     return paths
