@@ -256,10 +256,14 @@ def ties(args) -> int:
         x16 = x[0].astype(np.float16).astype(np.float32)
         rule16 = np.argsort(-x16, axis=-1, kind="stable")[:, :k]
         off16 = [r for r in range(args.rows) if not np.array_equal(rule16[r], htp[0, r])]
+        # where the orders differ, are the two values within one fp16 step of each other (a tie fp16 made)?
+        gap = [abs(float(x[0, r, i]) - float(x[0, r, j])) / float(np.spacing(np.float16(abs(x[0, r, i]))))
+               for r in diff for i, j in zip(cpu[0, r], htp[0, r]) if i != j]
         sets = [r for r in diff if set(cpu[0, r]) != set(htp[0, r])]
         print(f"{label}: {len(diff)} of {args.rows} rows differ in top-{k} order from the CPU EP "
               f"({len(sets)} in the chosen set); row kinds of those: {sorted(r % 5 for r in diff)}; "
-              f"{len(off16)} rows differ from lower-index-first on the fp16-rounded values")
+              f"{len(off16)} rows differ from lower-index-first on the fp16-rounded values; largest gap between "
+              f"the values at a differing place: {max(gap, default=0):.2f} fp16 steps")
         for r in diff[:2]:
             print(f"  row {r} (kind {r % 5}): cpu {cpu[0, r].tolist()} htp {htp[0, r].tolist()} values "
                   f"cpu {x[0, r, cpu[0, r]].tolist()} htp {x[0, r, htp[0, r]].tolist()}")

@@ -69,16 +69,40 @@ def _native_stdout_to_stderr():
         os.close(saved)
 
 
+#: Intra-op threads per graph session on the cpu backend when the caller names none (``hycoc run --threads``).
+CPU_THREADS = 1
+
+
+def cpu_session_options(threads: int | None = None):
+    """onnxruntime SessionOptions of a drafter graph on the cpu backend: ``threads`` intra-op threads (default
+    `CPU_THREADS`; 0 = onnxruntime's own default, one per physical core), one inter-op thread, sequential execution,
+    and no spinning (``session.intra_op.allow_spinning = 0``).
+
+    Why: the runtime calls its graphs one at a time from one thread (head steps, SLM forwards, host work between
+    them: paper Alg. 1-3), and each of its two or three sessions would otherwise own a pool of one thread per core
+    whose workers spin after every run (onnxruntime's default, ``docs/performance/tune-performance/threading``),
+    taking the cores the host's tree building and the other sessions need. Measured on the toy bundle (replay of
+    recorded rounds, ``benchmarks/runtime_replay.py --threads``): NOTES in the README's runtime section."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    n = CPU_THREADS if threads is None else int(threads)
+    if n:
+        so.intra_op_num_threads = n
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.log_severity_level = 3
+    return so
+
+
 def _session(path: Path, backend: str, manifest: Manifest, threads: int | None, shared_memory: bool = False,
              context_group: bool = False):
     import onnxruntime as ort
 
     if backend == "cpu":
-        so = ort.SessionOptions()
-        if threads:
-            so.intra_op_num_threads = int(threads)
-        so.log_severity_level = 3
-        return ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(str(path), sess_options=cpu_session_options(threads),
+                                    providers=["CPUExecutionProvider"])
     from hycoc.targets.profiles import profile_for
     from hycoc.targets.qnn_ep import session_options
 
