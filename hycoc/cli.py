@@ -293,7 +293,8 @@ def run(
         False, "--chat", help="a conversation on one session: after the first answer, every line on stdin is the "
         "next user turn (the verifier keeps the KV, the SLM ring continues); an empty line or end of input ends "
         "it. Without --prompt / --prompt-file the first turn is read from stdin too"),
-    threads: Optional[int] = typer.Option(None, min=1, help="CPU threads per graph session (cpu backend)",
+    threads: Optional[int] = typer.Option(None, min=0, help="CPU intra-op threads per graph session (cpu backend; "
+                                          "default 1, no spinning; 0 = onnxruntime's default pool)",
                                           show_default=False),
     auth_token: Optional[str] = typer.Option(
         None, envvar="HYCOC_AUTH_TOKEN", help=f"token the server requires; {AUTH_TOKEN_HELP}", show_default=False),

@@ -8,9 +8,12 @@ quantized IO for the large inputs").
    keep-set-wide ``logits`` output (SLM tree graph 1 x 32 x 86,089 at the Gemma shape). The compiler's checks (SQNR,
    top-1, simulator vs CPU EP) read it from the copy the target step keeps beside the shipped graph
    (``check_source`` in the target's index). Why not leave it and not fetch it: an EPContext node computes and
-   writes every output it has on every call, whatever the caller fetches; measured on the x86 HTP simulator
-   (``benchmarks/htp_graph_io.py unrequested``), the compiled node keeps ``logits`` among its outputs and a call
-   that asks only for the top-k costs what a call asking for the logits does.
+   writes every output it has on every call, whatever the caller fetches. Measured on the x86 HTP simulator
+   (onnxruntime-qnn 2.7.0, ``benchmarks/htp_graph_io.py unrequested``: a 4 x 8,192 logits tail with its top-8):
+   the EPContext node keeps ``logits`` among its outputs, and onnxruntime's profiler records 131,456 output bytes
+   per call with only ``top_index``/``top_logq`` fetched -- the same as with the logits fetched -- against 384
+   bytes for the graph without the output (same top-k, bit for bit). At the Gemma shape that is 11.0 MB per SLM
+   call (32 x 86,089 float32) the phone writes and, with ``offload_graph_io_quantization``, dequantizes on its CPU.
 2. **quantized IO** (``quantized_io``, ``[target] quantized_io``): each KV input (`is_kv_input`: the SLM's
    ``k_ring_i``/``v_ring_i``, a later layer shard's ``k_new_i``/``v_new_i``, the head's ``k_sliding``/``v_sliding``/
    ``k_full``/``v_full``) whose only consumers are per-tensor ``QuantizeLinear`` nodes of one encoding becomes a

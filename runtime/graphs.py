@@ -13,7 +13,12 @@ each under the target's context budget) runs as `ShardChainRunner`, the shards c
 `GraphRunner` checks the session's inputs and outputs against the manifest before the first run
 (`hycoc.bundle.check_graph_io`) and converts between the runtime's float32 arrays and the graph's IO dtype: a
 graph input declared as an integer type with an encoding is quantized with it (real = scale x (q - zero_point)),
-an integer output is dequantized. The toy graphs take float32 IO (their Q/DQ sit inside the graph).
+an integer output is dequantized, except the ``codes`` outputs a caller keeps as integers. A bundle built with
+``[target] quantized_io`` takes its KV rings as uint16 codes and gives its new KV rows as codes
+(`hycoc.passes.graph_io`): the drafters then keep their rings as those codes (`input_buffer`, `input_encoding`) and
+hand them over as they are; the other inputs stay float32 (their Q/DQ sit inside the graph).
+
+Threads (cpu backend): `cpu_session_options` -- one intra-op thread per session unless told otherwise, no spinning.
 """
 
 from __future__ import annotations
@@ -124,7 +129,10 @@ def input_buffer(runner, name: str) -> np.ndarray:
     real 0 (`zero_code`): the runner's `GraphRunner.input_buffer` when it has one (HTP shared memory), else in host
     memory. float32 unless the graph takes the input as integer codes (``[target] quantized_io``)."""
     make = getattr(runner, "input_buffer", None)
-    return make(name) if make is not None else np.zeros(runner.shape(name), np.float32)
+    if make is not None:
+        return make(name)
+    enc = input_encoding(runner, name)                   # a chained runner's codes input, or float32
+    return np.full(runner.shape(name), zero_code(enc), np.dtype(enc.dtype) if enc is not None else np.float32)
 
 
 def input_encoding(runner, name: str) -> Encoding | None:

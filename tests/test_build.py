@@ -304,7 +304,7 @@ def test_cli_list_passes_until_and_full_build(tiny_pipeline, tmp_path, monkeypat
     result = runner.invoke(app, ["build", str(recipe_path), "--list-passes"])
     assert result.exit_code == 0, result.stderr
     assert result.stdout.splitlines()[0] == "1. keep_set (v1): reads [keep_set]; consumes tokenizer; produces keep_set"
-    assert result.stdout.splitlines()[-1].endswith("target_cpu (v1): reads [target]; consumes " +
+    assert result.stdout.splitlines()[-1].endswith("target_cpu (v2): reads [target]; consumes " +
                                                    "qdq_head, qdq_slm, qdq_slm_decode" +
                                                    "; produces target_files")
 

@@ -120,7 +120,8 @@ def test_shipped_graphs_have_no_keep_set_wide_output(tiny_bundle):
     m = load_manifest(tiny_bundle.bundle)
     keep = m.keep_set_size
     for g in m.graphs:
-        wide = [t.name for t in g.outputs if t.shape and t.shape[-1] == keep]
+        # h_next is the hidden size wide (64 in the tiny recipe, by chance the keep set's size too)
+        wide = [t.name for t in g.outputs if t.shape and t.shape[-1] == keep and t.name != "h_next"]
         assert not wide, f"graph {g.name} outputs {wide} ({keep} wide)"
         assert "top_index" in {t.name for t in g.outputs}
 

@@ -67,6 +67,19 @@ def test_shard_build_reuses_the_cache_and_lists_the_shards(sharded, tiny_bundle)
     assert {t.name: t.shape for t in ins} == {t.name: t.shape for t in mono.inputs}
 
 
+def test_every_softmax_output_of_the_shards_is_0_1(sharded):
+    """The layer-sharded build quantizes each shard on its own calibration: its Softmax outputs get the fixed
+    [0, 1] encoding all the same (tests/test_qdq.py `assert_softmax_fixed`), and no shard ships the logits."""
+    import onnx
+    from test_qdq import assert_softmax_fixed
+
+    res, out = sharded
+    counts = [assert_softmax_fixed(onnx.load(str(out / g.file), load_external_data=False), g.name)
+              for g in res.manifest.graphs if g.role == "slm"]
+    assert counts == [2, 2]                               # the tiny SLM's 4 layers, 2 per shard
+    assert all("logits" not in {t.name for t in g.outputs} for g in res.manifest.graphs)
+
+
 def test_chained_shards_draft_as_the_unsharded_graph(sharded, tiny_bundle):
     one, two = _runtime(tiny_bundle.bundle, False), _runtime(sharded[1], True)
     d1, d2 = one.slm, two.slm
