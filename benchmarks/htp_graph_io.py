@@ -1,8 +1,9 @@
-"""Two questions about a drafter graph's tail on the QNN HTP backend, answered on the x86 HTP simulator with toy
+"""Three questions about a drafter graph on the QNN HTP backend, answered on the x86 HTP simulator with toy
 context binaries (onnxruntime-qnn; the simulator is a functional emulator: its times are host work, not device time).
 
     python benchmarks/htp_graph_io.py unrequested [--vocab 8192 --rows 32 --reps 20]
     python benchmarks/htp_graph_io.py ties [--vocab 512 --rows 32]
+    python benchmarks/htp_graph_io.py quantized-io BUNDLE      # a cpu bundle's slm graph, float vs uint16 KV IO
 
 ``unrequested``: does an output the caller does not ask for cost anything? The toy is a drafter tail as the build
 makes it: ``x`` (1, R, 64) float -> MatMul (64 x V, int8 weights) -> ``logits`` (1, R, V), A16 QDQ
@@ -271,9 +272,70 @@ def ties(args) -> int:
     return 0
 
 
+def quantized_io(args) -> int:
+    """A cpu bundle's ``slm`` QDQ graph compiled for htp-v81 twice, with float32 KV IO and with uint16 KV IO
+    (`hycoc.passes.graph_io.quantize_kv_io`), run on the simulator on the same inputs (float rings, and their codes
+    by `hycoc.runtime.graphs.quantize`): prints whether the outputs agree code for code."""
+    import onnx
+
+    from hycoc.bundle import load_manifest
+    from hycoc.passes.graph_io import ship_graph
+    from hycoc.runtime.graphs import dequantize, quantize
+    from hycoc.targets.htp import HtpSession, compile_context
+    from hycoc.targets.profiles import get_profile
+
+    m = load_manifest(args.bundle)
+    g = m.graph("slm")
+    src = args.bundle / g.file
+    tmp = Path(tempfile.mkdtemp(prefix="hycoc-htp-qio-"))
+    model = onnx.load(str(src), load_external_data=False)
+    for t in model.graph.initializer:                   # point external data at the bundle's file
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = str((args.bundle / e.value).resolve())
+    onnx.save(model, str(tmp / "float_io.onnx"))
+    ship_graph(model, quantized_io=True)
+    onnx.save(model, str(tmp / "uint16_io.onnx"))
+    v81 = get_profile("htp-v81")
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for t in g.inputs:
+        if t.name.startswith("mask_"):
+            x = np.where(rng.random(t.shape) < 0.5, 0.0, -1e4).astype(np.float32)
+        elif t.name.startswith(("cos_", "sin_")):
+            x = np.cos(rng.uniform(0, 6.3, t.shape)).astype(np.float32)
+        else:
+            x = rng.standard_normal(t.shape).astype(np.float32)
+        if t.encoding is not None and t.name.startswith(("k_ring_", "v_ring_")):
+            x = dequantize(quantize(x, t.encoding), t.encoding)    # a ring holds values of its grid
+        feeds[t.name] = x
+    enc = {t.name: t.encoding for t in g.inputs + g.outputs}
+    outs = {}
+    for label in ("float_io", "uint16_io"):
+        t0 = time.perf_counter()
+        cg = compile_context(tmp / f"{label}.onnx", tmp / label, v81, graph_name=label)
+        sess = HtpSession(cg.ctx_model)
+        x = {n: (quantize(v, enc[n]) if label == "uint16_io" and n.startswith(("k_ring_", "v_ring_")) else v)
+             for n, v in feeds.items()}
+        outs[label] = sess.run(x)
+        types = {i.name: i.type for i in sess.session.get_inputs() if "ring" in i.name}
+        print(f"{label}: compiled and ran in {time.perf_counter() - t0:.1f} s; ring input types "
+              f"{sorted(set(types.values()))}")
+    a, b = outs["float_io"], outs["uint16_io"]
+    for name in sorted(a):
+        if name.startswith(("k_new_", "v_new_")):
+            same = np.array_equal(quantize(a[name], enc[name]), b[name])
+        else:
+            same = np.array_equal(a[name], b[name])
+        print(f"  {name}: {'equal' if same else 'DIFFERENT'}" + ("" if same else
+              f" (max |diff| {np.max(np.abs(np.asarray(a[name], np.float64) - np.asarray(b[name], np.float64))):.3g})"))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("cmd", choices=("unrequested", "ties"))
+    ap.add_argument("cmd", choices=("unrequested", "ties", "quantized-io"))
+    ap.add_argument("bundle", type=Path, nargs="?", help="quantized-io: a cpu bundle (its slm graph)")
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--k", type=int, default=8)
@@ -283,6 +345,10 @@ def main(argv=None) -> int:
     if args.cmd == "unrequested":
         args.vocab = args.vocab or 8192
         return unrequested(args)
+    if args.cmd == "quantized-io":
+        if args.bundle is None:
+            ap.error("quantized-io needs a cpu bundle")
+        return quantized_io(args)
     args.vocab = args.vocab or 512
     return ties(args)
 

@@ -545,6 +545,8 @@ class QdqResult:
     seconds: float
     reciprocals_rewritten: int = 0
     sqnr: dict[str, Any] = field(default_factory=dict)
+    #: Softmax outputs whose calibrated range was not [0, 1] before the fixed encoding replaced it: name -> [lo, hi]
+    softmax_calibrated: dict[str, list[float]] = field(default_factory=dict)
 
     def numbers(self) -> dict[str, Any]:
         bits = Counter(s.qdq_bits for s in self.weights)
@@ -553,6 +555,8 @@ class QdqResult:
                 "dequantize_linear": self.ops.get("DequantizeLinear", 0),
                 "weights_bit_exact": len(self.weights), "weight_bits": {str(k): v for k, v in sorted(bits.items())},
                 "reciprocals_rewritten": self.reciprocals_rewritten, "io_encodings": self.encodings,
+                "softmax_fixed_0_1": len(self.fixed.get("softmax", {})),
+                "softmax_calibrated_not_0_1": self.softmax_calibrated,
                 "sqnr": self.sqnr}
 
 
@@ -591,9 +595,13 @@ def quantize_graph(model_path: str | Path, samples: Sequence[Mapping[str, np.nda
         shutil.copy(folded, float_path)  # its external data stays in folded's data file, beside it
     feeds = check_samples(float_path, samples)
     fmodel = onnx.load(str(float_path), load_external_data=False)
+    softmax_calibrated: dict[str, list[float]] = {}
     if encodings is None:
         ranges = activation_ranges(float_path, feeds, percentile=percentile, range_scale=range_scale)
         overrides = fixed_overrides(fmodel, ranges)
+        # what calibration alone would have given the Softmax outputs that are not [0, 1] (reported, then fixed)
+        softmax_calibrated = {t: [float(ranges[t][0]), float(ranges[t][1])] for t in softmax_outputs(fmodel)
+                              if t in ranges and (float(ranges[t][0]), float(ranges[t][1])) != (0.0, 1.0)}
     else:
         overrides = {name: [{"scale": np.array(s, np.float32), "zero_point": np.array(zp)}]
                      for name, (s, zp) in encodings.items()}
@@ -612,7 +620,7 @@ def quantize_graph(model_path: str | Path, samples: Sequence[Mapping[str, np.nda
     fixed = check_fixed_encodings(qmodel)
     ops = dict(sorted(Counter(n.op_type for n in qmodel.graph.node).items()))
     result = QdqResult(path, float_path, specs, qdq_io_encodings(qmodel), fixed, ops, time.perf_counter() - start,
-                       reciprocals_rewritten=reciprocals)
+                       reciprocals_rewritten=reciprocals, softmax_calibrated=softmax_calibrated)
     if report_sqnr:
         result.sqnr = sqnr_report(float_path, path, feeds, layers=layer_outputs(fmodel))
     return result
