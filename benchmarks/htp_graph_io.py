@@ -288,11 +288,11 @@ def quantized_io(args) -> int:
     g = m.graph("slm")
     src = args.bundle / g.file
     tmp = Path(tempfile.mkdtemp(prefix="hycoc-htp-qio-"))
+    import shutil
+
     model = onnx.load(str(src), load_external_data=False)
-    for t in model.graph.initializer:                   # point external data at the bundle's file
-        for e in t.external_data:
-            if e.key == "location":
-                e.value = str((args.bundle / e.value).resolve())
+    for rel in {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}:
+        shutil.copy2(args.bundle / rel, tmp / rel)        # the weights beside both copies (relative paths only)
     onnx.save(model, str(tmp / "float_io.onnx"))
     ship_graph(model, quantized_io=True)
     onnx.save(model, str(tmp / "uint16_io.onnx"))

@@ -85,6 +85,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="hyco")
     ap.add_argument("--reps", type=int, default=3, help="replays (default 3)")
     ap.add_argument("--steps", action="store_true", help="also per-step exclusive CPU time")
+    ap.add_argument("--ort-default", action="store_true",
+                    help="sessions with onnxruntime's default SessionOptions (pool of one thread per core, spinning "
+                    "on): what the runtime used before `cpu_session_options`")
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads per graph session (default 1; 0 = onnxruntime's default pool, one "
                     "thread per core: `hycoc.runtime.graphs.cpu_session_options`)")
@@ -115,6 +118,10 @@ def main(argv=None) -> int:
         entry = bundle.manifest.graph(name)
         runner = GraphRunner(bundle.path, bundle.manifest, name, "cpu", args.threads,
                              outputs=runtime_outputs(entry), codes=code_outputs(entry))
+        if args.ort_default:
+            import onnxruntime as ort
+
+            runner.session = ort.InferenceSession(str(bundle.path / entry.file), providers=["CPUExecutionProvider"])
         runner.session = cpu.session(runner.session)
         if timer is not None:                     # the graph's own time as "ORT call", out of GraphRunner.run's
             from runtime_real_shape import TimedSession
@@ -166,7 +173,8 @@ def main(argv=None) -> int:
               f"{1000 * (d - g):.1f} ms = {1000 * (d - g) / max(rounds, 1):.3f} ms/round, host share "
               f"{100 * (d - g) / d:.1f}% ({rounds} rounds); whole replay {1000 * wall / max(rounds, 1):.3f} ms/round "
               f"wall, {1000 * proc / max(rounds, 1):.3f} ms/round process CPU (all threads), threads "
-              f"{args.threads or 'onnxruntime default'}, load {open('/proc/loadavg').read().split()[0]}")
+              f"{'onnxruntime default options (spinning)' if args.ort_default else args.threads or 'pool, no spin'}"
+              f", load {open('/proc/loadavg').read().split()[0]}")
         if timer is not None:
             print("  per round (ms CPU, exclusive): " + " ".join(
                 f"{k}={1000 * v / max(rounds, 1):.3f}" for k, v in sorted(timer.seconds.items(), key=lambda kv: -kv[1])))
