@@ -12,8 +12,12 @@ TopK (ONNX spec, opset >= 11): "Given two equivalent values, this operator uses 
 tiebreaker. That is, the element with the lower index will appear first" -- the rule of the host's
 `hycoc.runtime.candidates.top_k_indices` and of Alg. 2 line 10 ("first among equals"). The log-sum-exp is written
 as max + Log(ReduceSum(Exp(x - max))), the stable form, with ops every backend has (ReduceMax, Sub, Exp, ReduceSum,
-Log, Add). ``logits`` stays an output: the compiler's checks (SQNR, top-1) read it; the device runtime asks
-onnxruntime only for the outputs it reads (`hycoc.runtime.graphs.runtime_outputs`), so the row is not copied out.
+Log, Add). ``logits`` stays an output of the QDQ graph, which the compiler's checks (SQNR, top-1) read; the target
+step ships the graph without it (`hycoc.passes.graph_io`: a compiled graph writes every output on every call), so the
+row is neither computed into an output buffer nor copied out on the device.
+
+`htp_tie_order` (HTP targets): the HTP's TopK puts the higher index first among equal values; the rewrite makes the
+compiled graph's order the CPU EP's (lower index first).
 
 The new nodes run in float on the dequantized logits (they come after the QDQ pass): the same values the host
 would have ranked, so the indices are the host path's exactly and log q differs from its float64 log-softmax by
