@@ -205,8 +205,8 @@ class SlmDrafter:
     def _write(self, out: dict[str, np.ndarray], rows: Sequence[int], positions: Sequence[int]) -> None:
         """Copy rows ``rows`` of a forward's new K/V into columns ``positions`` mod W_i of every ring (positions
         distinct and at most W_i of them): codes as they are when the rings hold the graph's codes (quantized IO;
-        float rows are quantized with the ring's encoding first). Consecutive positions (the usual case) are one or two slice copies per
-        ring (`hycoc.host.ring_runs`), consecutive rows a slice of the output."""
+        float rows are quantized with the ring's encoding first). Consecutive positions (the usual case) are one or
+        two slice copies per ring (`hycoc.host.ring_runs`), consecutive rows a slice of the output."""
         n = len(rows)
         if n == 0:
             return
