@@ -88,6 +88,7 @@ class StepTimer:
 
     def __init__(self, clock=time.perf_counter):
         self.seconds: dict[str, float] = defaultdict(float)
+        self.bytes: dict[str, int] = defaultdict(int)     # graph IO bytes by kind (`TimedSession.run`)
         self._stack: list[float] = []
         self.enabled = True
         self.clock = clock
@@ -117,6 +118,7 @@ class StepTimer:
 
     def reset(self) -> None:
         self.seconds.clear()
+        self.bytes.clear()
 
 
 def instrument(timer: StepTimer) -> None:
@@ -161,6 +163,9 @@ class TimedSession:
 
     def __init__(self, session, timer: StepTimer):
         self._session, self._timer = session, timer
+        # every output's bytes: what a compiled (EPContext) graph writes per call, fetched or not
+        size = {"tensor(float)": 4, "tensor(int64)": 8, "tensor(uint16)": 2}
+        self._written = sum(int(np.prod(o.shape)) * size[o.type] for o in session.get_outputs())
 
     def __getattr__(self, name):
         return getattr(self._session, name)
@@ -176,8 +181,16 @@ class TimedSession:
             if self._timer._stack:
                 self._timer._stack[-1] += elapsed
 
-    def run(self, *args):
-        return self._timed(self._session.run, *args)
+    def run(self, names, feeds, *args):
+        out = self._timed(self._session.run, names, feeds, *args)
+        if self._timer.enabled:                   # what the host hands the graph and takes back, by kind
+            b = self._timer.bytes
+            for x in feeds.values():
+                b["in float32" if x.dtype == np.float32 else "in integer"] += x.nbytes
+            for y in out:
+                b["out float32" if y.dtype == np.float32 else "out integer"] += y.nbytes
+            b["out written (all outputs)"] += self._written
+        return out
 
     def run_with_iobinding(self, *args):
         return self._timed(self._session.run_with_iobinding, *args)
@@ -198,15 +211,24 @@ def slm_layout():
     return types, kv_layers, ring, dims
 
 
-def graph_specs(top_k_outputs: bool) -> dict[str, tuple[list[tuple], list[tuple]]]:
-    """name -> (inputs, outputs) as (name, shape, dtype) of the head and SLM graphs at real shape; with
-    ``top_k_outputs`` the graphs also emit their best keep-set indices (head: 2; SLM: 32 with log-probabilities)."""
+#: The stand-in rings' encoding with ``quantized_io`` (uint16, as `hycoc.passes.qdq` ties ring and new rows).
+RING_ENCODING = {"scale": 8.0 / 65535, "zero_point": 32768, "dtype": "uint16", "bits": 16}
+
+
+def graph_specs(top_k_outputs: bool, *, shipped: bool = False,
+                quantized_io: bool = False) -> dict[str, tuple[list[tuple], list[tuple]]]:
+    """name -> (inputs, outputs) as (name, shape, dtype[, encoding]) of the head and SLM graphs at real shape; with
+    ``top_k_outputs`` the graphs also emit their best keep-set indices (head: 2; SLM: 32 with log-probabilities);
+    ``shipped``: without the keep-set-wide ``logits`` beside them (`hycoc.passes.graph_io`); ``quantized_io``: the
+    rings as uint16 inputs and the new KV rows as uint16 outputs (``[target] quantized_io``)."""
     from hycoc.passes.plan import SLM_E2B
+
+    kv_dtype = ("uint16", RING_ENCODING) if quantized_io else ("float32",)
 
     head_in = [("x_hat", (1, 1, 2 * VERIFIER_HIDDEN), "float32")]
     for kind, short in ((SLIDING, "sliding"), (FULL, "full")):
         kv, d = HEAD_KV[kind]
-        head_in += [(f"k_{short}", (1, kv, W, d), "float32"), (f"v_{short}", (1, kv, W, d), "float32")]
+        head_in += [(f"k_{short}", (1, kv, W, d), *kv_dtype), (f"v_{short}", (1, kv, W, d), *kv_dtype)]
     head_in += [("mask_sliding", (1, 1, 1, W), "float32"), ("mask_full", (1, 1, 1, W), "float32")]
     for kind, short in ((SLIDING, "sliding"), (FULL, "full")):
         d = HEAD_KV[kind][1]
@@ -214,6 +236,8 @@ def graph_specs(top_k_outputs: bool) -> dict[str, tuple[list[tuple], list[tuple]
     head_out = [("logits", (1, 1, KEEP), "float32"), ("h_next", (1, 1, VERIFIER_HIDDEN), "float32")]
     if top_k_outputs:
         head_out += [("top_index", (1, 1, 2), "int64")]
+        if shipped:
+            head_out = head_out[1:]
 
     types, kv_layers, ring, dims = slm_layout()
     h, ple, n_layers = SLM_E2B["hidden_size"], SLM_E2B["hidden_size_per_layer_input"], SLM_E2B["num_hidden_layers"]
@@ -226,11 +250,13 @@ def graph_specs(top_k_outputs: bool) -> dict[str, tuple[list[tuple], list[tuple]
     slm_out = [("logits", (1, B, KEEP), "float32")]
     for i in kv_layers:
         kv, d = dims[types[i]]
-        slm_in += [(f"k_ring_{i}", (1, kv, ring[types[i]], d), "float32"),
-                   (f"v_ring_{i}", (1, kv, ring[types[i]], d), "float32")]
-        slm_out += [(f"k_new_{i}", (1, kv, B, d), "float32"), (f"v_new_{i}", (1, kv, B, d), "float32")]
+        slm_in += [(f"k_ring_{i}", (1, kv, ring[types[i]], d), *kv_dtype),
+                   (f"v_ring_{i}", (1, kv, ring[types[i]], d), *kv_dtype)]
+        slm_out += [(f"k_new_{i}", (1, kv, B, d), *kv_dtype), (f"v_new_{i}", (1, kv, B, d), *kv_dtype)]
     if top_k_outputs:
         slm_out += [("top_logq", (1, B, CANDIDATES), "float32"), ("top_index", (1, B, CANDIDATES), "int64")]
+        if shipped:
+            slm_out = slm_out[1:]
     return {"head": (head_in, head_out), "slm": (slm_in, slm_out)}
 
 
@@ -243,20 +269,22 @@ def standin_model(inputs, outputs, seed: int):
 
     rng = np.random.default_rng(seed)
     nodes, inits = [], []
-    for name, shape, dtype in outputs:
+    for name, shape, dtype, *_ in outputs:
         if name == "top_index":
             rows = int(np.prod(shape[:-1]))
             value = np.stack([rng.choice(KEEP, shape[-1], replace=False) for _ in range(rows)]).reshape(shape)
         elif name == "top_logq":
             value = -np.sort(rng.exponential(2.0, shape), axis=-1).astype(np.float32) - 0.5
+        elif dtype == "uint16":
+            value = rng.integers(20000, 45000, shape)
         else:
             value = (rng.standard_normal(shape) * (3.0 if name == "logits" else 1.0)).astype(np.float32)
         inits.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), f"{name}_const"))
         nodes.append(helper.make_node("Identity", [f"{name}_const"], [name]))
-    elem = {"float32": onnx.TensorProto.FLOAT, "int64": onnx.TensorProto.INT64}
+    elem = {"float32": onnx.TensorProto.FLOAT, "int64": onnx.TensorProto.INT64, "uint16": onnx.TensorProto.UINT16}
     graph = helper.make_graph(nodes, "standin",
-                              [helper.make_tensor_value_info(n, elem[t], list(s)) for n, s, t in inputs],
-                              [helper.make_tensor_value_info(n, elem[t], list(s)) for n, s, t in outputs], inits)
+                              [helper.make_tensor_value_info(n, elem[t], list(s)) for n, s, t, *_ in inputs],
+                              [helper.make_tensor_value_info(n, elem[t], list(s)) for n, s, t, *_ in outputs], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
 
 
@@ -264,17 +292,19 @@ def standin_runner(name: str, inputs, outputs, timer: StepTimer, seed: int, io_b
     """A `GraphRunner` over the stand-in session of graph ``name`` (one intra-op thread)."""
     import onnxruntime as ort
 
-    from hycoc.runtime.graphs import GraphRunner, runtime_outputs
+    from hycoc.bundle import Encoding
+    from hycoc.runtime.graphs import GraphRunner, code_outputs, runtime_outputs
 
     model = standin_model(inputs, outputs, seed)
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.log_severity_level = 3
     session = ort.InferenceSession(model.SerializeToString(), sess_options=so, providers=["CPUExecutionProvider"])
-    spec = lambda side: [TensorSpec(name=n, shape=list(s), dtype=t) for n, s, t in side]  # noqa: E731
+    spec = lambda side: [TensorSpec(name=n, shape=list(s), dtype=t,  # noqa: E731
+                                    encoding=Encoding(**e[0]) if e else None) for n, s, t, *e in side]
     entry = GraphEntry(name=name, role=name, file=f"{name}.onnx", inputs=spec(inputs), outputs=spec(outputs))
     return GraphRunner.from_session(entry, TimedSession(session, timer), outputs=runtime_outputs(entry),
-                                    io_binding=io_binding, output_sets=4)
+                                    io_binding=io_binding, output_sets=4, codes=code_outputs(entry))
 
 
 class ModuloLut(EmbeddingLut):
@@ -339,7 +369,7 @@ def handoff(rng, t_prime: int, a: int) -> HandOff:
 
 
 def run(rounds: int, warmup: int, *, top_k_outputs: bool, seed: int = 0, clock: str = "cpu",
-        io_binding: bool = False) -> dict:
+        io_binding: bool = False, shipped: bool = False, quantized_io: bool = False) -> dict:
     """Run ``warmup + rounds`` HyCo rounds; returns per-step host ms per round (module docstring). clock:
     ``cpu`` (this thread's CPU time: what one core spends, robust to other jobs on the machine) or ``wall``."""
     from hycoc.runtime.client import DeviceRuntime, MODES
@@ -348,7 +378,7 @@ def run(rounds: int, warmup: int, *, top_k_outputs: bool, seed: int = 0, clock: 
     tick = {"cpu": time.thread_time, "wall": time.perf_counter}[clock]
     timer = StepTimer(tick)
     instrument(timer)
-    specs = graph_specs(top_k_outputs)
+    specs = graph_specs(top_k_outputs, shipped=shipped, quantized_io=quantized_io)
     bundle = standin_bundle()
     head = standin_runner("head", *specs["head"], timer, seed=1, io_binding=io_binding)
     slm = standin_runner("slm", *specs["slm"], timer, seed=2, io_binding=io_binding)
@@ -398,7 +428,9 @@ def run(rounds: int, warmup: int, *, top_k_outputs: bool, seed: int = 0, clock: 
     steps = {s: 1000 * timer.seconds.get(s, 0.0) / rounds for s in STEPS}
     ort_ms = 1000 * timer.seconds.get("ORT call", 0.0) / rounds
     host = 1000 * float(np.mean(per_round))
-    return {"top_k_outputs": top_k_outputs, "io_binding": io_binding, "clock": clock, "rounds": rounds,
+    io_mb = {k: round(v / rounds / 1e6, 3) for k, v in sorted(timer.bytes.items())} if not io_binding else {}
+    return {"top_k_outputs": top_k_outputs, "io_binding": io_binding, "shipped": shipped,
+            "quantized_io": quantized_io, "clock": clock, "rounds": rounds, "graph_io_mb_per_round": io_mb,
             "steps_ms": {k: round(v, 3) for k, v in steps.items()},
             "other_ms": round(host - sum(steps.values()), 3), "host_ms_per_round": round(host, 3),
             "host_ms_p90": round(1000 * float(np.percentile(per_round, 90)), 3),
@@ -407,7 +439,8 @@ def run(rounds: int, warmup: int, *, top_k_outputs: bool, seed: int = 0, clock: 
 
 def table(results: list[dict]) -> str:
     heads = [("graph top-k" if r["top_k_outputs"] else "host top-k (logits out)")
-             + (" + IOBinding" if r["io_binding"] else "") for r in results]
+             + (" + IOBinding" if r["io_binding"] else "") + (", no logits out" if r.get("shipped") else "")
+             + (", uint16 KV IO" if r.get("quantized_io") else "") for r in results]
     lines = ["| step (host ms per round) | " + " | ".join(heads) + " |", "|---|" + "---|" * len(results)]
     for s in STEPS:
         lines.append(f"| {s} | " + " | ".join(f"{r['steps_ms'][s]:.2f}" for r in results) + " |")
@@ -416,6 +449,10 @@ def table(results: list[dict]) -> str:
     lines.append("| host p90 | " + " | ".join(f"{r['host_ms_p90']:.2f}" for r in results) + " |")
     lines.append("| ORT call of the stand-ins (not counted) | "
                  + " | ".join(f"{r['ort_call_ms_per_round']:.2f}" for r in results) + " |")
+    for kind in ("in float32", "in integer", "out float32", "out integer", "out written (all outputs)"):
+        lines.append(f"| graph IO MB per round, {kind} | " + " | ".join(
+            f"{r['graph_io_mb_per_round'].get(kind, 0.0):.2f}" if r["graph_io_mb_per_round"] else "(bound)"
+            for r in results) + " |")
     return "\n".join(lines)
 
 
@@ -423,18 +460,27 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=60, help="timed HyCo rounds (default 60)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed rounds first (default 5)")
-    ap.add_argument("--variant", choices=("all", "host-topk", "graph-topk", "graph-topk-iobinding"), default="all",
+    ap.add_argument("--variant", choices=("all", "host-topk", "graph-topk", "graph-topk-iobinding", "shipped",
+                                          "shipped-quantized-io", "io"), default="all",
                     help="host-topk: graphs emit logits only (the host takes the top-k); graph-topk: the graphs "
                          "emit their top-k too and the runtime reads those; graph-topk-iobinding: and the graphs "
-                         "run through IOBindings (rings bound once, preallocated outputs)")
+                         "run through IOBindings (rings bound once, preallocated outputs); shipped: graph top-k "
+                         "and no logits output (the bundles' graphs); shipped-quantized-io: and uint16 KV IO "
+                         "([target] quantized_io); io: graph-topk, shipped and shipped-quantized-io")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                     help="cpu: this thread's CPU time (default; other jobs on the machine do not inflate it); "
                          "wall: elapsed time")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
-    variants = {"all": ((False, False), (True, False), (True, True)), "host-topk": ((False, False),),
-                "graph-topk": ((True, False),), "graph-topk-iobinding": ((True, True),)}[args.variant]
-    results = [run(args.rounds, args.warmup, top_k_outputs=v, io_binding=b, clock=args.clock) for v, b in variants]
+    variants = {"all": ((False, False, False, False), (True, False, False, False), (True, True, False, False)),
+                "host-topk": ((False, False, False, False),), "graph-topk": ((True, False, False, False),),
+                "graph-topk-iobinding": ((True, True, False, False),), "shipped": ((True, False, True, False),),
+                "shipped-quantized-io": ((True, False, True, True),),
+                "io": ((True, False, False, False), (True, False, True, False), (True, False, True, True))
+                }[args.variant]
+    results = [run(args.rounds, args.warmup, top_k_outputs=v, io_binding=b, clock=args.clock, shipped=sh,
+                   quantized_io=q) for v, b, sh, q in variants]
+    print(f"load average {open('/proc/loadavg').read().split()[0]}")
     print(table(results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

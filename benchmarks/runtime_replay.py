@@ -85,13 +85,19 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="hyco")
     ap.add_argument("--reps", type=int, default=3, help="replays (default 3)")
     ap.add_argument("--steps", action="store_true", help="also per-step exclusive CPU time")
+    ap.add_argument("--ort-default", action="store_true",
+                    help="sessions with onnxruntime's default SessionOptions (pool of one thread per core, spinning "
+                    "on): what the runtime used before `cpu_session_options`")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="intra-op threads per graph session (default 1; 0 = onnxruntime's default pool, one "
+                    "thread per core: `hycoc.runtime.graphs.cpu_session_options`)")
     args = ap.parse_args(argv)
 
     from runtime_host_share import CpuClock
 
     from hycoc.runtime.client import DeviceRuntime
     from hycoc.runtime.device_bundle import open_bundle
-    from hycoc.runtime.graphs import GraphRunner, runtime_outputs
+    from hycoc.runtime.graphs import GraphRunner, code_outputs, runtime_outputs
 
     cpu = CpuClock()
     timer = None
@@ -109,8 +115,13 @@ def main(argv=None) -> int:
     bundle = open_bundle(args.bundle, "cpu")
     runners = []
     for name in ("head", "slm"):
-        runner = GraphRunner(bundle.path, bundle.manifest, name, "cpu", 1,
-                             outputs=runtime_outputs(bundle.manifest.graph(name)))
+        entry = bundle.manifest.graph(name)
+        runner = GraphRunner(bundle.path, bundle.manifest, name, "cpu", args.threads,
+                             outputs=runtime_outputs(entry), codes=code_outputs(entry))
+        if args.ort_default:
+            import onnxruntime as ort
+
+            runner.session = ort.InferenceSession(str(bundle.path / entry.file), providers=["CPUExecutionProvider"])
         runner.session = cpu.session(runner.session)
         if timer is not None:                     # the graph's own time as "ORT call", out of GraphRunner.run's
             from runtime_real_shape import TimedSession
@@ -149,15 +160,20 @@ def main(argv=None) -> int:
         data = pickle.load(f)            # a recording this script wrote (trusted, local)
     for rep in range(args.reps):
         d0, g0, rounds = cpu.draft_s, cpu.graph_s, 0
+        w0, p0 = time.perf_counter(), time.process_time()
         for (ids, log), text in zip(data["logs"], data["texts"]):
             res = rt.generate(Replayer(log), ids, mode=data["mode"], max_new_tokens=data["tokens"])
             if res.tokens != text:
                 raise TreeMismatch("the text differs from the recording")
             rounds += res.rounds
         d, g = cpu.draft_s - d0, cpu.graph_s - g0
+        wall, proc = time.perf_counter() - w0, time.process_time() - p0
         print(f"rep {rep}: drafting {1000 * d:.1f} ms CPU, in InferenceSession.run {1000 * g:.1f} ms, host "
               f"{1000 * (d - g):.1f} ms = {1000 * (d - g) / max(rounds, 1):.3f} ms/round, host share "
-              f"{100 * (d - g) / d:.1f}% ({rounds} rounds)")
+              f"{100 * (d - g) / d:.1f}% ({rounds} rounds); whole replay {1000 * wall / max(rounds, 1):.3f} ms/round "
+              f"wall, {1000 * proc / max(rounds, 1):.3f} ms/round process CPU (all threads), threads "
+              f"{'onnxruntime default options (spinning)' if args.ort_default else args.threads or 'pool, no spin'}"
+              f", load {open('/proc/loadavg').read().split()[0]}")
         if timer is not None:
             print("  per round (ms CPU, exclusive): " + " ".join(
                 f"{k}={1000 * v / max(rounds, 1):.3f}" for k, v in sorted(timer.seconds.items(), key=lambda kv: -kv[1])))

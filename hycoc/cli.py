@@ -305,7 +305,8 @@ def run(
     thinking: bool = typer.Option(
         False, "--thinking", help="let the model think first (the chat template's enable_thinking); the thought "
         "streams to stderr, apart from the answer on stdout"),
-    threads: Optional[int] = typer.Option(None, min=1, help="CPU threads per graph session (cpu backend)",
+    threads: Optional[int] = typer.Option(None, min=0, help="CPU intra-op threads per graph session (cpu backend; "
+                                          "default 1, no spinning; 0 = onnxruntime's default pool)",
                                           show_default=False),
     auth_token: Optional[str] = typer.Option(
         None, envvar="HYCOC_AUTH_TOKEN", help=f"token the server requires; {AUTH_TOKEN_HELP}", show_default=False),

@@ -388,17 +388,22 @@ class Target(Section):
     slm_shards: int | Literal["auto"] = Field(
         1, description="the SLM tree graph split by layers into this many shards, one context binary "
         "each, chained by the runtime (1 = one graph; \"auto\" = the fewest whose weights fit context_size_limit_mb)")
+    quantized_io: bool = Field(False, description="the graphs take their KV rings (and give their new KV rows) as "
+                               "uint16 codes of the manifest's encodings instead of float32, so the host hands over "
+                               "integers and no ring is quantized per call")
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
-        """The table as dumped (cache keys, recipe hash), without ``slm_shards`` at its default of 1 and
-        ``hub_device`` at its default: a recipe that sets neither keeps the keys it had before the knobs existed;
-        any other value is dumped and keyed."""
+        """The table as dumped (cache keys, recipe hash), without ``slm_shards`` at its default of 1,
+        ``hub_device`` at its default nor ``quantized_io`` at false: a recipe that sets none of them keeps the keys
+        it had before the knobs existed; any other value is dumped and keyed."""
         data = handler(self)
         if self.slm_shards == 1:
             data.pop("slm_shards", None)
         if self.hub_device == type(self).model_fields["hub_device"].default:
             data.pop("hub_device", None)      # likewise: only the qai-hub target reads it
+        if not self.quantized_io:      # the same for the quantized IO knob at its default
+            data.pop("quantized_io", None)
         return data
 
     @model_validator(mode="after")

@@ -28,6 +28,11 @@ The target step (`TargetPass`) turns the QDQ graphs into what the bundle holds: 
 ``qai-hub`` QNN DLCs compiled on Qualcomm AI Hub and linked into one weight-shared context binary, wrapped as
 EPContext models like htp-v81's (`hycoc.targets.qai_hub`; the manifest's ``target.hub`` keeps the job ids, device
 and QAIRT version). Its output is cached like any pass.
+Before any of that each graph takes its
+shipped form (`hycoc.passes.graph_io.ship_graph`: no ``logits`` output beside the graph's own top-k; with ``[target]
+quantized_io`` the KV rings as uint16 inputs and the new KV rows as uint16 outputs; on HTP targets TopK's order among
+equal values made the CPU EP's, `hycoc.passes.topk_outputs.htp_tie_order`); the QDQ graph with every output stays
+beside it (``check_source``) for the checks.
 
 `build_bundle` runs the pipeline and writes the bundle with `BundleWriter` (a temporary folder renamed when
 complete): tokenizer.json, keep_set.npy, the host LUTs (head E table; SLM token and per-layer embeddings in the
@@ -96,6 +101,26 @@ class TargetFilesArtifact(Artifact):
 SHARED_CONTEXTS = (("slm", "slm_decode"),)
 
 
+def ship_file(path: Path, checks: Path, *, quantized_io: bool, htp: bool) -> dict[str, Any]:
+    """Keep the QDQ graph at ``path`` as ``checks`` (same folder, same external data) and write its shipped form
+    (`hycoc.passes.graph_io.ship_graph`) at ``path``; for an HTP target (``htp``) its TopK nodes also get the
+    CPU EP's order among equal values (`hycoc.passes.topk_outputs.htp_tie_order`). Returns what changed."""
+    import onnx
+
+    from hycoc.passes.graph_io import ship_graph
+    from hycoc.passes.topk_outputs import htp_tie_order
+
+    shutil.copy2(path, checks)
+    model = onnx.load(str(path), load_external_data=False)
+    changed = ship_graph(model, quantized_io=quantized_io).numbers()
+    if htp:
+        changed["topk_tie_order"] = htp_tie_order(model)
+    tmp = path.with_name(path.name + ".tmp")
+    onnx.save(model, str(tmp))
+    tmp.replace(path)
+    return changed
+
+
 def _context_groups(graphs: list[str], share: bool) -> list[list[str]]:
     """``graphs`` split into compile groups: each `SHARED_CONTEXTS` group present (with ``share``), the rest alone."""
     groups = [[g for g in group if g in graphs] for group in SHARED_CONTEXTS] if share else []
@@ -123,6 +148,8 @@ class TargetPass(Pass):
         self.consumes = {kind: ShardedOnnxArtifact if kind == SHARDS else OnnxArtifact for kind in self.graphs.values()}
         self.produces = {"target_files": TargetFilesArtifact}
 
+    version = 2  # v2: shipped graphs without check outputs, optional quantized KV IO (`hycoc.passes.graph_io`)
+
     def key_material(self, recipe: Recipe) -> dict[str, Any]:
         return {"target": self.target, "graphs": self.graphs}
 
@@ -146,6 +173,14 @@ class TargetPass(Pass):
             path.parent.mkdir(parents=True)
             ir.save(inputs[kind].payload, path, external_data=f"{graph}.onnx.data")
             qdq_paths[graph] = path
+        # the shipped graphs' IO (`hycoc.passes.graph_io`): the QDQ graph as the passes made it stays beside the
+        # shipped one as NAME.checks.onnx (same weights file) for the compiler's checks
+        checks = {}
+        for graph, path in qdq_paths.items():
+            checks[graph] = path.with_name(f"{path.stem}.checks.onnx")
+            numbers["graphs"].setdefault(graph, {})["io"] = ship_file(path, checks[graph],
+                                                                      quantized_io=recipe.target.quantized_io,
+                                                                      htp=self.target != "cpu")
         if self.target == "cpu":
             from hycoc.targets.cpu import package_cpu
 
@@ -153,7 +188,7 @@ class TargetPass(Pass):
                 g = package_cpu(path, out / "graphs", graph_name=graph)
                 index[graph] = {"model": f"graphs/{g.model.name}", "context_binary": None,
                                 "extra": [f"graphs/{p.name}" for p in g.extra_files]}
-                numbers["graphs"][graph] = {"bytes": g.bytes + sum(p.stat().st_size for p in g.extra_files)}
+                numbers["graphs"][graph]["bytes"] = g.bytes + sum(p.stat().st_size for p in g.extra_files)
         elif self.target == "htp-v81":
             from hycoc.targets.htp import compile_shared
             from hycoc.targets.profiles import profile_for
@@ -169,10 +204,10 @@ class TargetPass(Pass):
                     index[cg.name] = {"model": f"graphs/{cg.ctx_model.name}",
                                       "context_binary": f"graphs/{cg.context_binary.name}", "extra": [],
                                       "qnn_sdk": cg.qnn_sdk}
-                    numbers["graphs"][cg.name] = {"binary_bytes": cg.binary_bytes if cg.name == group[0] else 0,
-                                                  "weight_bytes": cg.weight_bytes,
-                                                  "compile_seconds": round(cg.compile_seconds, 2),
-                                                  "shared_with": list(cg.shared_with)}
+                    numbers["graphs"][cg.name].update({"binary_bytes": cg.binary_bytes if cg.name == group[0] else 0,
+                                                       "weight_bytes": cg.weight_bytes,
+                                                       "compile_seconds": round(cg.compile_seconds, 2),
+                                                       "shared_with": list(cg.shared_with)})
         else:
             from hycoc.targets.qai_hub import check_setup, compile_and_link, resolve_device
 
@@ -185,12 +220,15 @@ class TargetPass(Pass):
             for graph, ctx in linked.ctx_models.items():
                 index[graph] = {"model": f"graphs/{ctx.name}", "context_binary": f"graphs/{linked.context_binary.name}",
                                 "extra": [], "qnn_sdk": linked.qairt, "hub": info}
-                numbers["graphs"][graph] = {"compile_job": linked.compile_jobs[graph], "link_job": linked.link_job,
-                                            "binary_bytes": linked.context_binary.stat().st_size
-                                            if graph == next(iter(linked.ctx_models)) else 0}
-        # the QDQ sources stay beside the compiled graphs: graph_io_from_onnx reads encodings from them
+                numbers["graphs"].setdefault(graph, {}).update({
+                    "compile_job": linked.compile_jobs[graph], "link_job": linked.link_job,
+                    "binary_bytes": linked.context_binary.stat().st_size if graph == next(iter(linked.ctx_models))
+                    else 0})
+        # the QDQ sources stay beside the compiled graphs: graph_io_from_onnx reads encodings from the shipped one,
+        # the checks read the one with every output
         for graph in index:
-            index[graph]["qdq_source"] = f"qdq/{graph}/{graph}.onnx"
+            index[graph]["qdq_source"] = qdq_paths[graph].relative_to(out).as_posix()
+            index[graph]["check_source"] = checks[graph].relative_to(out).as_posix()
         (out / TargetFilesArtifact.INDEX).write_text(json.dumps(index, indent=1, sort_keys=True), encoding="utf-8")
         seconds = time.perf_counter() - start
         sizes = ", ".join(f"{g} {sum(v for k, v in n.items() if k.endswith('bytes')) / 1e6:.2f} MB"

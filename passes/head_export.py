@@ -210,8 +210,9 @@ class HeadQdq(Pass):
     """
 
     name = "qdq_head"
-    version = 5  # v2: calibrated on the runtime's feeds from real hand-offs (head_calibration); v3: top_index output;
-    # v4: prompts and answers from the calibration_answers pass; v5: skip-ahead rounds between drafts
+    version = 6  # v2: calibrated on the runtime's feeds from real hand-offs (head_calibration); v3: top_index output;
+    # v4: prompts and answers from the calibration_answers pass; v5: skip-ahead rounds between drafts; v6: Softmax
+    # outputs encoded [0, 1] (`hycoc.passes.qdq.softmax_overrides`)
     section = "head_qat"
     also_reads = ("window", "tree", "handoff")
     consumes = {"onnx_head": OnnxArtifact, "quantized_head": QuantizedHeadArtifact,

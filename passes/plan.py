@@ -348,8 +348,8 @@ def real_shape_plan(recipe: Recipe) -> dict:
         _io("cos_sliding", (1, 1, d_s)), _io("sin_sliding", (1, 1, d_s)),
         _io("cos_full", (1, 1, d_f)), _io("sin_full", (1, 1, d_f)),
     ]
-    head_outputs = [_io("logits", (1, 1, keep), note="over the keep set; compiler checks only, the runtime reads "
-                        "top_index"), _io("h_next", (1, 1, H)),
+    head_outputs = [_io("logits", (1, 1, keep), note="over the keep set; compiler checks only: not an output of the "
+                        "shipped graph (passes/graph_io.py), the runtime reads top_index"), _io("h_next", (1, 1, H)),
                     _io("top_index", (1, 1, 2), "int64", note="TopK in the graph (passes/topk_outputs.py)")]
     head_lin = (_linear_weights(head.pre_projection, "pre_projection")
                 + _linear_weights(head.model.layers, "model.layers.")
@@ -393,7 +393,8 @@ def real_shape_plan(recipe: Recipe) -> dict:
         s = t.removesuffix("_attention")
         slm_inputs += [_io(f"cos_{s}", (1, slm_rows, d)), _io(f"sin_{s}", (1, slm_rows, d)),
                        _io(f"mask_{s}", (1, 1, slm_rows, ring[t] + slm_rows))]
-    slm_outputs = [_io("logits", (1, slm_rows, keep), note="over the keep set, soft-capped; compiler checks only")]
+    slm_outputs = [_io("logits", (1, slm_rows, keep), note="over the keep set, soft-capped; compiler checks only: "
+                       "not an output of the shipped graph (passes/graph_io.py)")]
     kv_bits = int(recipe.slm_calibration.kv_bits)
     slm_ring_values = 0
     for i in kv_layers:

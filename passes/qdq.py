@@ -22,6 +22,10 @@
    - rotary ``cos_*``/``sin_*``: [-1, 1];
    - the logit soft-cap's Tanh output: QNN's fixed 16-bit encoding (scale 1/32768, zero point 32768), which
      ``get_qnn_qdq_config`` sets; `check_fixed_encodings` verifies it;
+   - every Softmax output (and its data-movement copies): [0, 1], scale 1/65535, zero point 0 (`softmax_overrides`),
+     also where the encodings are copied from another graph. A calibrated range clips the rows that exceed it (a
+     row whose mass sits on one column reaches 1), and a Softmax encoding other than [0, 1] is what
+     onnxruntime-qnn's own quantizer stopped emitting for the HTP (microsoft/onnxruntime-qnn PR #558);
    - the ring: ``k_ring_i``, ``k_new_i`` and their Concat get one range, the union of both calibrated ranges,
      so input and output KV share scale and zero point and the runtime copies KV bytes without requantizing.
 4. HTP rewrite: ``Reciprocal(x)`` -> ``Div(1, x)`` (`reciprocal_to_div`: the v81 simulator's uint16 Reciprocal
@@ -64,6 +68,8 @@ from hycoc.recipe import Recipe
 SCORE_FLOOR = 100.0
 #: QNN's fixed 16-bit Tanh output encoding (uint16): real = (code - 32768) / 32768.
 TANH_SCALE, TANH_ZERO_POINT = 1.0 / 32768.0, 32768
+#: The fixed 16-bit Softmax output encoding (uint16): real = code / 65535, exactly [0, 1] whatever calibration saw.
+SOFTMAX_SCALE, SOFTMAX_ZERO_POINT = np.float32(1.0 / 65535.0), 0
 #: Ops whose output onnxruntime's QDQ quantizer gives their input's encoding.
 _SAME_ENCODING_OPS = {"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten"}
 
@@ -273,6 +279,25 @@ def fixed_overrides(model, ranges: Mapping[str, tuple[float, float]]) -> dict[st
     return {name: [{"rmin": np.float32(lo), "rmax": np.float32(hi)}] for name, (lo, hi) in ranges.items()}
 
 
+def softmax_outputs(model) -> list[str]:
+    """Every Softmax node's output and the tensors data-movement ops make from it (`_SAME_ENCODING_OPS`), in
+    graph order: the tensors `softmax_overrides` fixes."""
+    users = _consumers(model)
+    out: list[str] = []
+    for n in model.graph.node:
+        if n.op_type == "Softmax":
+            out += [t for t in _moved(n.output[0], users) if t not in out]
+    return out
+
+
+def softmax_overrides(model) -> dict[str, list[dict[str, Any]]]:
+    """``init_overrides`` entries giving every `softmax_outputs` tensor the fixed [0, 1] encoding (uint16, scale
+    1/65535, zero point 0; module docstring, step 3), whatever any calibrated or copied range said."""
+    return {name: [{"scale": np.array(SOFTMAX_SCALE, np.float32), "zero_point": np.array(SOFTMAX_ZERO_POINT,
+                                                                                          np.uint16)}]
+            for name in softmax_outputs(model)}
+
+
 # ---- checks on the QDQ graph ------------------------------------------------------------------------------------
 
 
@@ -364,7 +389,7 @@ def kv_wire_encoding(encoding: Mapping[str, Any], bits: int = 8) -> dict[str, An
 def check_fixed_encodings(model) -> dict[str, Any]:
     """Verify the fixed encodings (masks, rotary, Tanh, ring ties) on the QDQ graph; returns them. QdqError."""
     enc = qdq_io_encodings(model)
-    found: dict[str, Any] = {"mask": {}, "rotary": {}, "tanh": [], "ring": {}}
+    found: dict[str, Any] = {"mask": {}, "rotary": {}, "tanh": [], "ring": {}, "softmax": {}}
 
     def close(a, b):
         return abs(a - b) <= 1e-6 * max(1.0, abs(b))
@@ -397,6 +422,19 @@ def check_fixed_encodings(model) -> dict[str, Any]:
             if e["dtype"] == "uint16" and (e["zero_point"] != TANH_ZERO_POINT or e["scale"] != TANH_SCALE):
                 raise QdqError(f"Tanh '{n.name}' output encoding {e} is not QNN's fixed 16-bit encoding")
             found["tanh"].append(e)
+    softmax = {n.output[0] for n in model.graph.node if n.op_type == "Softmax"}
+    for n in model.graph.node:
+        if n.op_type != "QuantizeLinear" or n.input[0] not in softmax or n.input[1] not in arrays:
+            continue
+        e = _encoding(arrays, n)
+        if (e["dtype"] != "uint16" or e["zero_point"] != SOFTMAX_ZERO_POINT
+                or np.float32(e["scale"]) != SOFTMAX_SCALE):
+            raise QdqError(f"Softmax output '{n.input[0]}' encoding {e} is not the fixed [0, 1] (uint16, scale "
+                           f"1/65535, zero point 0)")
+        found["softmax"][n.input[0]] = e
+    missing = sorted(softmax - set(found["softmax"]))
+    if missing:
+        raise QdqError(f"Softmax output '{missing[0]}' is not quantized: it needs the fixed [0, 1] encoding")
     return found
 
 
@@ -507,6 +545,8 @@ class QdqResult:
     seconds: float
     reciprocals_rewritten: int = 0
     sqnr: dict[str, Any] = field(default_factory=dict)
+    #: Softmax outputs whose calibrated range was not [0, 1] before the fixed encoding replaced it: name -> [lo, hi]
+    softmax_calibrated: dict[str, list[float]] = field(default_factory=dict)
 
     def numbers(self) -> dict[str, Any]:
         bits = Counter(s.qdq_bits for s in self.weights)
@@ -515,6 +555,8 @@ class QdqResult:
                 "dequantize_linear": self.ops.get("DequantizeLinear", 0),
                 "weights_bit_exact": len(self.weights), "weight_bits": {str(k): v for k, v in sorted(bits.items())},
                 "reciprocals_rewritten": self.reciprocals_rewritten, "io_encodings": self.encodings,
+                "softmax_fixed_0_1": len(self.fixed.get("softmax", {})),
+                "softmax_calibrated_not_0_1": self.softmax_calibrated,
                 "sqnr": self.sqnr}
 
 
@@ -553,12 +595,17 @@ def quantize_graph(model_path: str | Path, samples: Sequence[Mapping[str, np.nda
         shutil.copy(folded, float_path)  # its external data stays in folded's data file, beside it
     feeds = check_samples(float_path, samples)
     fmodel = onnx.load(str(float_path), load_external_data=False)
+    softmax_calibrated: dict[str, list[float]] = {}
     if encodings is None:
         ranges = activation_ranges(float_path, feeds, percentile=percentile, range_scale=range_scale)
         overrides = fixed_overrides(fmodel, ranges)
+        # what calibration alone would have given the Softmax outputs that are not [0, 1] (reported, then fixed)
+        softmax_calibrated = {t: [float(ranges[t][0]), float(ranges[t][1])] for t in softmax_outputs(fmodel)
+                              if t in ranges and (float(ranges[t][0]), float(ranges[t][1])) != (0.0, 1.0)}
     else:
         overrides = {name: [{"scale": np.array(s, np.float32), "zero_point": np.array(zp)}]
                      for name, (s, zp) in encodings.items()}
+    overrides.update(softmax_overrides(fmodel))        # fixed whatever was calibrated or copied
     overrides.update(weight_overrides(specs))
     config = get_qnn_qdq_config(str(float_path), list_reader(feeds), activation_type=QuantType.QUInt16,
                                 weight_type=QuantType.QInt8, init_overrides=overrides)
@@ -573,7 +620,7 @@ def quantize_graph(model_path: str | Path, samples: Sequence[Mapping[str, np.nda
     fixed = check_fixed_encodings(qmodel)
     ops = dict(sorted(Counter(n.op_type for n in qmodel.graph.node).items()))
     result = QdqResult(path, float_path, specs, qdq_io_encodings(qmodel), fixed, ops, time.perf_counter() - start,
-                       reciprocals_rewritten=reciprocals)
+                       reciprocals_rewritten=reciprocals, softmax_calibrated=softmax_calibrated)
     if report_sqnr:
         result.sqnr = sqnr_report(float_path, path, feeds, layers=layer_outputs(fmodel))
     return result
@@ -586,7 +633,8 @@ def write_sqnr_json(report: Mapping[str, Any], path: str | Path) -> None:
 __all__ = ["CalibrationError", "IntegerWeightSpec", "QdqError", "QdqResult", "check_fixed_encodings",
            "fold_integer_weights", "kv_wire_encoding", "layer_outputs", "qdq_io_encodings", "quantize_graph",
            "sqnr_db", "sqnr_report", "sqnr_table", "tensor_encoding", "verify_weights", "weights_from_arrays",
-           "write_sqnr_json", "QdqQuantize", "slm_calibration_samples"]
+           "write_sqnr_json", "QdqQuantize", "slm_calibration_samples", "softmax_outputs", "softmax_overrides",
+           "SOFTMAX_SCALE", "SOFTMAX_ZERO_POINT"]
 
 
 # ---- the pipeline pass ---------------------------------------------------------------------------------------
@@ -636,7 +684,8 @@ class QdqQuantize(Pass):
     (toy corpus), runner-up tokens and accepted-length offsets, or the synthetic samples' RNG.
     """
 
-    version = 4  # v3: the graph also emits its top-k candidates (passes/topk_outputs.py); v4: calibration_answers
+    version = 5  # v3: the graph also emits its top-k candidates (passes/topk_outputs.py); v4: calibration_answers;
+    # v5: every Softmax output encoded [0, 1]
     section = "slm_calibration"
 
     def __init__(self, kind_in: str = "onnx_slm", kind_out: str = "qdq_slm", *, seed: int = 0,

@@ -123,6 +123,7 @@ class SlmDecodeGraph(Pass):
     the export, SlmGraphError from the graph."""
 
     name = "slm_decode_graph"
+    version = 2  # v2: Softmax outputs encoded [0, 1] even where copied (`hycoc.passes.qdq.softmax_overrides`)
     section = "window"
     also_reads = ("slm_calibration",)
     consumes = {"slm_integer": SlmIntegerArtifact, "keep_set": KeepSetArtifact, "qdq_slm": OnnxArtifact}

@@ -89,6 +89,7 @@ class SlmShardsPass(Pass):
     docstring). Reads ``[target]`` (``slm_shards``, the budget), ``[window]``, ``[tree]``, ``[slm_calibration]``."""
 
     name = "slm_shards"
+    version = 2  # v2: Softmax outputs encoded [0, 1] (`hycoc.passes.qdq.softmax_overrides`)
     section = "target"
     produces = {KIND: ShardedOnnxArtifact}
 

@@ -12,8 +12,12 @@ TopK (ONNX spec, opset >= 11): "Given two equivalent values, this operator uses 
 tiebreaker. That is, the element with the lower index will appear first" -- the rule of the host's
 `hycoc.runtime.candidates.top_k_indices` and of Alg. 2 line 10 ("first among equals"). The log-sum-exp is written
 as max + Log(ReduceSum(Exp(x - max))), the stable form, with ops every backend has (ReduceMax, Sub, Exp, ReduceSum,
-Log, Add). ``logits`` stays an output: the compiler's checks (SQNR, top-1) read it; the device runtime asks
-onnxruntime only for the outputs it reads (`hycoc.runtime.graphs.runtime_outputs`), so the row is not copied out.
+Log, Add). ``logits`` stays an output of the QDQ graph, which the compiler's checks (SQNR, top-1) read; the target
+step ships the graph without it (`hycoc.passes.graph_io`: a compiled graph writes every output on every call), so the
+row is neither computed into an output buffer nor copied out on the device.
+
+`htp_tie_order` (HTP targets): the HTP's TopK puts the higher index first among equal values; the rewrite makes the
+compiled graph's order the CPU EP's (lower index first).
 
 The new nodes run in float on the dequantized logits (they come after the QDQ pass): the same values the host
 would have ranked, so the indices are the host path's exactly and log q differs from its float64 log-softmax by
@@ -78,4 +82,61 @@ def append_topk(model, k: int, *, with_logq: bool, logits: str = "logits"):
     return model
 
 
-__all__ = ["TOP_INDEX", "TOP_LOGQ", "TopKError", "append_topk"]
+def _last_dim(model, name: str) -> int | None:
+    import onnx
+
+    for v in list(model.graph.value_info) + list(model.graph.output) + list(model.graph.input):
+        if v.name == name:
+            dims = v.type.tensor_type.shape.dim
+            return dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
+    inferred = onnx.shape_inference.infer_shapes(model)
+    for v in inferred.graph.value_info:
+        if v.name == name:
+            dims = v.type.tensor_type.shape.dim
+            return dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
+    return None
+
+
+def htp_tie_order(model) -> int:
+    """Make each TopK over the last axis give the lower index first among equal values on the QNN HTP, as ONNX
+    TopK (and the CPU EP) does; in place, returns the TopK nodes rewritten.
+
+    Measured on the x86 HTP v81 simulator (onnxruntime-qnn 2.7.0 / QNN 2.51, ``benchmarks/htp_graph_io.py ties``):
+    the HTP's TopK puts the **higher** index first among equals, in the 16-bit tail and in fp16 alike (a row of
+    512 equal values gave 511, 510, ..., 504; the CPU EP 0, 1, ..., 7), and at a tie across the k-th place it keeps
+    the higher indices. So the HTP graph ranks the row reversed along the axis (``Slice`` with step -1) and maps
+    each index i' back to V - 1 - i': among equals the lower original index then comes first, and the set at the
+    k-th place is the CPU EP's. Values that are distinct in float32 but equal after the HTP's fp16 rounding stay
+    ties the CPU EP does not see (no reordering can restore what fp16 lost). For HTP targets only: on the CPU EP
+    this rewrite would give the higher index first."""
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    count = 0
+    nodes = []
+    for n in g.node:
+        axis = next((a.i for a in n.attribute if a.name == "axis"), -1)
+        v = _last_dim(model, n.input[0]) if n.op_type == "TopK" and axis == -1 else None
+        if v is None:
+            nodes.append(n)
+            continue
+        p = f"{n.name or 'topk'}_tie_"
+        g.initializer.extend([numpy_helper.from_array(np.array([-1], np.int64), f"{p}starts"),
+                              numpy_helper.from_array(np.array([np.iinfo(np.int64).min], np.int64), f"{p}ends"),
+                              numpy_helper.from_array(np.array([-1], np.int64), f"{p}axes"),
+                              numpy_helper.from_array(np.array([-1], np.int64), f"{p}steps"),
+                              numpy_helper.from_array(np.array(v - 1, np.int64), f"{p}last")])
+        reversed_ = helper.make_node("Slice", [n.input[0], f"{p}starts", f"{p}ends", f"{p}axes", f"{p}steps"],
+                                     [f"{p}reversed"], name=f"{p}Reverse")
+        out_index = n.output[1]
+        topk = helper.make_node("TopK", [f"{p}reversed", n.input[1]], [n.output[0], f"{p}index"], name=n.name)
+        topk.attribute.extend(n.attribute)
+        back = helper.make_node("Sub", [f"{p}last", f"{p}index"], [out_index], name=f"{p}IndexBack")
+        nodes += [reversed_, topk, back]
+        count += 1
+    del g.node[:]
+    g.node.extend(nodes)
+    return count
+
+
+__all__ = ["TOP_INDEX", "TOP_LOGQ", "TopKError", "append_topk", "htp_tie_order"]

@@ -444,7 +444,7 @@ def load_runtime(bundle_dir, backend: str = "cpu", *, threads: int | None = None
     and only where the platform has the allocator (a Snapdragon device's libcdsprpc.so): SharedMemoryUnavailable
     (`hycoc.targets.qnn_ep`) on the x86 HTP simulator, before the bundle is opened."""
     from hycoc.runtime.device_bundle import open_bundle
-    from hycoc.runtime.graphs import GraphRunner, open_graph, runtime_outputs
+    from hycoc.runtime.graphs import GraphRunner, code_outputs, open_graph, runtime_outputs
 
     if htp_shared_memory:
         if backend != "htp":
@@ -461,11 +461,13 @@ def load_runtime(bundle_dir, backend: str = "cpu", *, threads: int | None = None
                        io_binding=io_binding, shared_memory=htp_shared_memory)
     # open_graph: the SLM as layer shards (slm.s0, slm.s1, ...) runs as one chained graph (ShardChainRunner)
     slm = open_graph(bundle.path, m, "slm", backend, threads, outputs=runtime_outputs(m.chain_entry("slm")),
-                     io_binding=io_binding, output_sets=sets, shared_memory=htp_shared_memory)
+                     io_binding=io_binding, output_sets=sets, shared_memory=htp_shared_memory,
+                     codes=code_outputs(m.chain_entry("slm")))
     decode = None
     if any(g.name == "slm_decode" for g in m.graphs):   # bundles before issue 16's decode graph have none
         decode = GraphRunner(bundle.path, m, "slm_decode", backend, threads,
-                             outputs=runtime_outputs(m.graph("slm_decode")), io_binding=io_binding)
+                             outputs=runtime_outputs(m.graph("slm_decode")), io_binding=io_binding,
+                             codes=code_outputs(m.graph("slm_decode")))
     return DeviceRuntime(bundle, head, slm, decode)
 
 

@@ -13,7 +13,12 @@ each under the target's context budget) runs as `ShardChainRunner`, the shards c
 `GraphRunner` checks the session's inputs and outputs against the manifest before the first run
 (`hycoc.bundle.check_graph_io`) and converts between the runtime's float32 arrays and the graph's IO dtype: a
 graph input declared as an integer type with an encoding is quantized with it (real = scale x (q - zero_point)),
-an integer output is dequantized. The toy graphs take float32 IO (their Q/DQ sit inside the graph).
+an integer output is dequantized, except the ``codes`` outputs a caller keeps as integers. A bundle built with
+``[target] quantized_io`` takes its KV rings as uint16 codes and gives its new KV rows as codes
+(`hycoc.passes.graph_io`): the drafters then keep their rings as those codes (`input_buffer`, `input_encoding`) and
+hand them over as they are; the other inputs stay float32 (their Q/DQ sit inside the graph).
+
+Threads (cpu backend): `cpu_session_options` -- one intra-op thread per session unless told otherwise, no spinning.
 """
 
 from __future__ import annotations
@@ -69,16 +74,40 @@ def _native_stdout_to_stderr():
         os.close(saved)
 
 
+#: Intra-op threads per graph session on the cpu backend when the caller names none (``hycoc run --threads``).
+CPU_THREADS = 1
+
+
+def cpu_session_options(threads: int | None = None):
+    """onnxruntime SessionOptions of a drafter graph on the cpu backend: ``threads`` intra-op threads (default
+    `CPU_THREADS`; 0 = onnxruntime's own default, one per physical core), one inter-op thread, sequential execution,
+    and no spinning (``session.intra_op.allow_spinning = 0``).
+
+    Why: the runtime calls its graphs one at a time from one thread (head steps, SLM forwards, host work between
+    them: paper Alg. 1-3), and each of its two or three sessions would otherwise own a pool of one thread per core
+    whose workers spin after every run (onnxruntime's default, ``docs/performance/tune-performance/threading``),
+    taking the cores the host's tree building and the other sessions need. Measured on the toy bundle (replay of
+    recorded rounds, ``benchmarks/runtime_replay.py --threads``): NOTES in the README's runtime section."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    n = CPU_THREADS if threads is None else int(threads)
+    if n:
+        so.intra_op_num_threads = n
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.log_severity_level = 3
+    return so
+
+
 def _session(path: Path, backend: str, manifest: Manifest, threads: int | None, shared_memory: bool = False,
              context_group: bool = False):
     import onnxruntime as ort
 
     if backend == "cpu":
-        so = ort.SessionOptions()
-        if threads:
-            so.intra_op_num_threads = int(threads)
-        so.log_severity_level = 3
-        return ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(str(path), sess_options=cpu_session_options(threads),
+                                    providers=["CPUExecutionProvider"])
     from hycoc.targets.profiles import profile_for
     from hycoc.targets.qnn_ep import session_options
 
@@ -96,10 +125,29 @@ def _session(path: Path, backend: str, manifest: Manifest, threads: int | None, 
 
 
 def input_buffer(runner, name: str) -> np.ndarray:
-    """A float32 array of input ``name``'s shape for a drafter to keep and update in place (its rings): the
-    runner's `GraphRunner.input_buffer` when it has one (HTP shared memory), else zeros in host memory."""
+    """An array of input ``name``'s shape and dtype for a drafter to keep and update in place (its rings), holding
+    real 0 (`zero_code`): the runner's `GraphRunner.input_buffer` when it has one (HTP shared memory), else in host
+    memory. float32 unless the graph takes the input as integer codes (``[target] quantized_io``)."""
     make = getattr(runner, "input_buffer", None)
-    return make(name) if make is not None else np.zeros(runner.shape(name), np.float32)
+    if make is not None:
+        return make(name)
+    enc = input_encoding(runner, name)                   # a chained runner's codes input, or float32
+    return np.full(runner.shape(name), zero_code(enc), np.dtype(enc.dtype) if enc is not None else np.float32)
+
+
+def input_encoding(runner, name: str) -> Encoding | None:
+    """The encoding of input or output ``name`` when the graph takes or gives it as integer codes, else None."""
+    spec = None
+    for side in (getattr(runner, "inputs", None), getattr(runner, "outputs", None)):
+        if isinstance(side, dict) and isinstance(side.get(name), TensorSpec):
+            spec = side[name]
+            break
+    return spec.encoding if spec is not None and spec.dtype != "float32" and spec.encoding is not None else None
+
+
+def zero_code(enc: Encoding | None):
+    """The value a buffer holds for real 0: 0.0 for float32, the zero point for codes of ``enc``."""
+    return 0.0 if enc is None else enc.zero_point
 
 
 def runtime_outputs(entry: GraphEntry) -> list[str]:
@@ -107,6 +155,12 @@ def runtime_outputs(entry: GraphEntry) -> list[str]:
     (``top_index``, `hycoc.passes.topk_outputs`), so the vocabulary-wide row is never copied out."""
     names = [t.name for t in entry.outputs]
     return [n for n in names if n != "logits"] if "top_index" in names else names
+
+
+def code_outputs(entry: GraphEntry) -> list[str]:
+    """The outputs a graph gives as integer codes of an encoding (its new KV rows when built with ``[target]
+    quantized_io``): the drafters copy them into their integer rings as they are (`GraphRunner` ``codes``)."""
+    return [t.name for t in entry.outputs if t.dtype != "float32" and t.encoding is not None]
 
 
 def _refuse_shared_binary_on_simulator(manifest: Manifest, entry: GraphEntry) -> None:
@@ -143,6 +197,9 @@ class GraphRunner:
     ``context_group`` (htp): the session joins the process's EP context group (``ep.share_ep_contexts=1``), as
     `ShardChainRunner`'s shards do.
     ``calls`` / ``seconds`` count the runs and their wall time.
+    ``codes``: outputs given back as the graph's integer codes (not dequantized): the KV rows of a graph with
+    quantized IO, which the drafters copy into their integer rings as they are. An integer input fed in its own
+    dtype is passed on as codes; a float32 feed of an integer input is quantized with its encoding.
     Per run, a float32 input that is the very array object the last run checked (a drafter's buffer updated in
     place) is passed on without a new shape check or conversion (do not reshape such a buffer in place), and the
     outputs are converted only when the session's output types need it (float32 and integer outputs without an
@@ -153,8 +210,10 @@ class GraphRunner:
 
     def __init__(self, bundle_dir: str | Path, manifest: Manifest, name: str, backend: str,
                  threads: int | None = None, outputs: Sequence[str] | None = None, *, io_binding: bool = False,
-                 output_sets: int = 1, shared_memory: bool = False, context_group: bool = False):
+                 output_sets: int = 1, shared_memory: bool = False, context_group: bool = False,
+                 codes: Sequence[str] = ()):
         self.entry: GraphEntry = manifest.graph(name)
+        self._codes = frozenset(codes)
         self._shared_info = None
         if shared_memory:
             if backend != "htp":
@@ -180,10 +239,11 @@ class GraphRunner:
 
     @classmethod
     def from_session(cls, entry: GraphEntry, session, outputs: Sequence[str] | None = None, *,
-                     io_binding: bool = False, output_sets: int = 1) -> GraphRunner:
+                     io_binding: bool = False, output_sets: int = 1, codes: Sequence[str] = ()) -> GraphRunner:
         """A runner around an already open onnxruntime ``session`` whose IO is ``entry``'s (benchmarks and tests
         with stand-in graphs). Raises GraphIOMismatch as the constructor."""
         runner = cls.__new__(cls)
+        runner._codes = frozenset(codes)
         runner.entry, runner.name, runner.session, runner.load_seconds = entry, entry.name, session, 0.0
         runner._shared_info = None
         runner._wanted, runner._binding_sets = outputs, (output_sets if io_binding else 0)
@@ -205,7 +265,7 @@ class GraphRunner:
                 raise GraphIOMismatch(f"graph {self.name} has no output {', '.join(unknown)}; it has "
                                       f"{', '.join(self.output_names)}")
             self.output_names = [n for n in self.output_names if n in self._wanted]
-        self._output_encodings = [self.outputs[n].encoding for n in self.output_names]
+        self._output_encodings = [None if n in self._codes else self.outputs[n].encoding for n in self.output_names]
         # outputs the session gives as float32, or as integers without an encoding (top-k indices), come back as
         # they are: when all do, `run` converts nothing
         ort_types = {a.name: _ORT_DTYPES.get(a.type, a.type) for a in self.session.get_outputs()}
@@ -252,23 +312,25 @@ class GraphRunner:
         return tuple(spec.shape)
 
     def input_buffer(self, name: str) -> np.ndarray:
-        """A zeroed float32 array of float32 input ``name``'s shape, for the caller to keep and update in place: in
-        HTP shared memory when the runner has ``shared_memory`` (a numpy view of an OrtValue the run binds
-        instead of copying), else in host memory. Raises GraphIOMismatch for an unknown or non-float32 input."""
+        """An array of input ``name``'s shape and dtype holding real 0 (float32 zeros, or the zero point of an
+        integer input's encoding), for the caller to keep and update in place: in HTP shared memory when the runner
+        has ``shared_memory`` (a numpy view of an OrtValue the run binds instead of copying), else in host memory.
+        Raises GraphIOMismatch for an unknown input, or an integer one without an encoding."""
         spec = self.inputs.get(name)
-        if spec is None or spec.dtype != "float32":
-            raise GraphIOMismatch(f"graph {self.name}: no float32 input {name} to allocate")
+        if spec is None or (spec.dtype != "float32" and spec.encoding is None):
+            raise GraphIOMismatch(f"graph {self.name}: no float32 or encoded input {name} to allocate")
+        dtype = np.dtype(spec.dtype)
+        fill = zero_code(None if spec.dtype == "float32" else spec.encoding)
         if self._shared_info is None:
-            return np.zeros(spec.shape, np.float32)
+            return np.full(spec.shape, fill, dtype)
         import onnxruntime as ort
 
-        value = ort.OrtValue.ortvalue_from_shape_and_type(list(spec.shape), np.float32,
-                                                         memory_info=self._shared_info)
+        value = ort.OrtValue.ortvalue_from_shape_and_type(list(spec.shape), dtype, memory_info=self._shared_info)
         view = value.numpy()
         if view.ctypes.data != value.data_ptr():               # a copy would never reach the graph
             raise GraphRunError(f"graph {self.name}: onnxruntime gave a copy of the shared-memory input {name}, "
                                 "not a view; run without htp_shared_memory")
-        view[...] = 0.0
+        view[...] = fill
         self._shared[id(view)] = (value, view)
         return view
 
@@ -285,8 +347,8 @@ class GraphRunner:
             if x.shape != shape:
                 raise GraphIOMismatch(f"graph {self.name}: input {name} has shape {list(x.shape)}, the graph takes "
                                       f"{spec.shape}")
-            if plain:
-                ort_feeds[name] = y = np.ascontiguousarray(x, dtype=np.float32)
+            if plain or x.dtype == spec.dtype:      # float32, or integer codes of the input's own encoding
+                ort_feeds[name] = y = np.ascontiguousarray(x, dtype=spec.dtype)
                 if y is x:
                     last[name] = x
             elif spec.encoding is not None:
@@ -348,7 +410,7 @@ class ShardChainRunner:
 
     def __init__(self, bundle_dir: str | Path, manifest: Manifest, name: str, backend: str,
                  threads: int | None = None, outputs: Sequence[str] | None = None, *, io_binding: bool = False,
-                 output_sets: int = 1):
+                 output_sets: int = 1, codes: Sequence[str] = ()):
         chain = manifest.graph_chain(name)
         self.name = name
         self.entry: GraphEntry = manifest.chain_entry(name)
@@ -365,8 +427,12 @@ class ShardChainRunner:
         for k, g in enumerate(chain):
             later = {t.name for h in chain[k + 1:] for t in h.inputs}
             wanted = [t.name for t in g.outputs if t.name in later or t.name in names]
+            # rows a later shard reads stay codes when that shard takes codes (quantized IO): no round trip
+            inner = [n for n in wanted if n in later and any(t.name == n and t.dtype != "float32"
+                                                              for h in chain[k + 1:] for t in h.inputs)]
             self.shards.append(GraphRunner(bundle_dir, manifest, g.name, backend, threads, outputs=wanted,
-                                           io_binding=io_binding, output_sets=output_sets, context_group=True))
+                                           io_binding=io_binding, output_sets=output_sets, context_group=True,
+                                           codes=sorted(set(inner) | (set(codes) & set(wanted)))))
         self.load_seconds = sum(r.load_seconds for r in self.shards)
         self.calls, self.seconds = 0, 0.0
 
@@ -395,13 +461,13 @@ class ShardChainRunner:
 
 def open_graph(bundle_dir: str | Path, manifest: Manifest, name: str, backend: str, threads: int | None = None,
                outputs: Sequence[str] | None = None, *, io_binding: bool = False, output_sets: int = 1,
-               shared_memory: bool = False):
+               shared_memory: bool = False, codes: Sequence[str] = ()):
     """Graph ``name`` of a bundle as one runner: a `GraphRunner`, or a `ShardChainRunner` when the bundle holds it
     as layer shards (`Manifest.graph_chain`). Arguments and errors as `GraphRunner`; shared_memory (HTP shared
     memory) is the single graph's only: a sharded graph's buffers stay in host memory."""
     chain = manifest.graph_chain(name)
     if len(chain) == 1 and chain[0].name == name:
         return GraphRunner(bundle_dir, manifest, name, backend, threads, outputs, io_binding=io_binding,
-                           output_sets=output_sets, shared_memory=shared_memory)
+                           output_sets=output_sets, shared_memory=shared_memory, codes=codes)
     return ShardChainRunner(bundle_dir, manifest, name, backend, threads, outputs, io_binding=io_binding,
-                            output_sets=output_sets)
+                            output_sets=output_sets, codes=codes)

@@ -7,7 +7,8 @@ State (line 2): per verifier layer type (last sliding, last full-attention) a ri
 
 - line 3: ``a != t0`` means a new request: the ring is cleared and ℓ = a;
 - line 4: the row of position p (a <= p < t) goes to column p mod W, int8 x the hand-off's fixed scale (the graph's
-  float input here; a quantized input is re-encoded by `hycoc.runtime.graphs.GraphRunner`); t0 = t;
+  float input; a graph built with quantized IO takes the ring as uint16 codes, and the row is quantized with the
+  ring's encoding once, here, instead of the whole ring at every call); t0 = t;
 - line 5: ℓ = max(ℓ, t - W) and every column outside [ℓ, t) masked (`hycoc.host.ring_masks`, kept in place by
   `hycoc.runtime.tree_mask.HeadRingMask`; the sliding layer sees only the last min(W, its sliding window)
   positions, as the head was trained);
@@ -29,7 +30,7 @@ import numpy as np
 
 from hycoc.host import DENSE_LUT_BYTES, FULL, SLIDING, RotaryBlock, ring_runs
 from hycoc.protocol.messages import HandOff
-from hycoc.runtime.graphs import input_buffer
+from hycoc.runtime.graphs import input_buffer, input_encoding, quantize, zero_code
 from hycoc.runtime.tree_mask import HeadRingMask
 
 
@@ -67,9 +68,14 @@ class _Dequantized:
             return bound * float(self.scale) < _F32_OVERFLOW
         return bool(np.all(np.isfinite(self.value)))
 
-    def into(self, out: np.ndarray, view=lambda a: a) -> None:
-        """Write ``view`` of the dequantized values into ``out`` (the same float32 products either way)."""
-        if self.integer:
+    def into(self, out: np.ndarray, view=lambda a: a, encoding=None) -> None:
+        """Write ``view`` of the dequantized values into ``out`` (the same float32 products either way); into a ring
+        of the graph's codes (``encoding``, quantized IO) as those products quantized with it."""
+        if encoding is not None:
+            tmp = np.empty(out.shape, np.float32)
+            self.into(tmp, view)
+            out[...] = quantize(tmp, encoding)
+        elif self.integer:
             np.multiply(view(self.raw), self.scale, out=out, dtype=np.float32)
         else:
             out[...] = view(self.value)
@@ -120,12 +126,14 @@ class MtpDrafter:
                        if fits else None)
         self._masks = HeadRingMask(self.W, self.sliding_window)
         self._rotary = {kind: RotaryBlock(bundle.head_rotary[kind]) for kind in (SLIDING, FULL)}
-        self.ring = {}
+        self.ring, self.ring_encodings = {}, {}
         for kind, short in ((SLIDING, "sliding"), (FULL, "full")):
             shape = runner.shape(f"k_{short}")
             if shape[2] != self.W:
                 raise HandoffError(f"head graph ring k_{short} has {shape[2]} columns, the bundle's W is {self.W}")
             self.ring[kind] = (input_buffer(runner, f"k_{short}"), input_buffer(runner, f"v_{short}"))
+            # rings kept as the graph's integer codes (quantized IO): their encodings, else None
+            self.ring_encodings[kind] = (input_encoding(runner, f"k_{short}"), input_encoding(runner, f"v_{short}"))
         self.t0: int | None = None          # root position of the last hand-off (line 4)
         self.live: int | None = None        # ℓ (lines 3, 5)
         self.x_hat: np.ndarray | None = None
@@ -134,9 +142,10 @@ class MtpDrafter:
         """Forget the ring (the next hand-off starts a request)."""
         self.t0 = self.live = self.x_hat = None
         self._masks.reset()
-        for k, v in self.ring.values():
-            k[:] = 0
-            v[:] = 0
+        for kind, (k, v) in self.ring.items():
+            k_enc, v_enc = self.ring_encodings[kind]
+            k[:] = zero_code(k_enc)
+            v[:] = zero_code(v_enc)
 
     def ingest(self, h: HandOff) -> None:
         """Alg. 2 lines 1-5 for one hand-off (module docstring). Raises HandoffError (nothing written then)."""
@@ -173,9 +182,10 @@ class MtpDrafter:
         for kind, (k_rows, v_rows) in rows.items():
             k_ring, v_ring = self.ring[kind]
             _, kv, _, d = k_ring.shape
-            for ring, x in ((k_ring, k_rows), (v_ring, v_rows)):
+            for ring, x, enc in ((k_ring, k_rows, self.ring_encodings[kind][0]),
+                                 (v_ring, v_rows, self.ring_encodings[kind][1])):
                 for cols, src in runs:                 # (n, kv x d) rows -> [kv, n, d] columns
-                    x.into(ring[0, :, cols], lambda a, src=src: a.reshape(n, kv, d)[src].transpose(1, 0, 2))
+                    x.into(ring[0, :, cols], lambda a, src=src: a.reshape(n, kv, d)[src].transpose(1, 0, 2), enc)
         x_hat = np.empty(2 * self.hidden, np.float32)
         e.into(x_hat[:self.hidden])
         hh.into(x_hat[self.hidden:])

@@ -34,7 +34,7 @@ import numpy as np
 
 from hycoc.host import MASK_VALUE, RotaryBlock, ring_runs, tree_rows
 from hycoc.runtime.candidates import Candidates, graph_candidate_rows, logits_candidates
-from hycoc.runtime.graphs import input_buffer
+from hycoc.runtime.graphs import input_buffer, input_encoding, quantize, zero_code
 from hycoc.runtime.tree_mask import TreeRingMask
 from hycoc.runtime.tree_builder import DraftTreeNodes
 
@@ -78,6 +78,9 @@ class SlmDrafter:
                       for name, lut in bundle.slm_luts.items()}
         self.rings = {i: (input_buffer(runner, f"k_ring_{i}"), input_buffer(runner, f"v_ring_{i}"))
                       for i in self.kv_layers}           # HTP shared memory when the runner has it
+        # per ring layer (k, v): the encoding of rings kept as the graph's integer codes (quantized IO), else None
+        self.ring_encodings = {i: (input_encoding(runner, f"k_ring_{i}"), input_encoding(runner, f"v_ring_{i}"))
+                               for i in self.kv_layers}
         self.window = max(self.ring_len.values())
         self._layouts: dict[tuple, tuple] = {}            # parent list -> `_rows_of`
         # the graph's input names, formatted once: per layer type (type, cos, sin, mask), and the rings' buffers
@@ -107,9 +110,10 @@ class SlmDrafter:
             raise ValueError("the prompt is empty: it needs at least the first root token")
         self.tokens = [int(x) for x in prompt_ids]
         self.live_start = self.n_kv = max(0, self.t - self.window)
-        for k, v in self.rings.values():
-            k[:] = 0
-            v[:] = 0
+        for i, (k, v) in self.rings.items():
+            k_enc, v_enc = self.ring_encodings[i]
+            k[:] = zero_code(k_enc)
+            v[:] = zero_code(v_enc)
         for mask in self.masks.values():
             mask.reset()
         self._new_round()
@@ -200,8 +204,9 @@ class SlmDrafter:
 
     def _write(self, out: dict[str, np.ndarray], rows: Sequence[int], positions: Sequence[int]) -> None:
         """Copy rows ``rows`` of a forward's new K/V into columns ``positions`` mod W_i of every ring (positions
-        distinct and at most W_i of them). Consecutive positions (the usual case) are one or two slice copies per
-        ring (`hycoc.host.ring_runs`), consecutive rows a slice of the output."""
+        distinct and at most W_i of them): codes as they are when the rings hold the graph's codes (quantized IO;
+        float rows are quantized with the ring's encoding first). Consecutive positions (the usual case) are one or
+        two slice copies per ring (`hycoc.host.ring_runs`), consecutive rows a slice of the output."""
         n = len(rows)
         if n == 0:
             return
@@ -214,6 +219,9 @@ class SlmDrafter:
             ring = self.ring_len[self.layer_types[i]]
             k_ring, v_ring = self.rings[i]
             k_new, v_new = out[f"k_new_{i}"][0][:, row_sel, :], out[f"v_new_{i}"][0][:, row_sel, :]
+            if k_new.dtype != k_ring.dtype:              # float rows into a ring of codes (quantized IO)
+                k_enc, v_enc = self.ring_encodings[i]
+                k_new, v_new = quantize(k_new, k_enc), quantize(v_new, v_enc)
             if consecutive and n <= ring:
                 if ring not in runs:
                     runs[ring] = ring_runs(positions[0], n, ring)

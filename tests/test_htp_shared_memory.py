@@ -51,7 +51,7 @@ def test_input_buffers_are_host_zeros_without_shared_memory():
     runner = add_runner(io_binding=False)
     ring = input_buffer(runner, "ring")
     assert ring.dtype == np.float32 and ring.shape == (1, 4) and not ring.any()
-    with pytest.raises(GraphIOMismatch, match="no float32 input nope"):
+    with pytest.raises(GraphIOMismatch, match="no float32 or encoded input nope"):
         runner.input_buffer("nope")
 
 

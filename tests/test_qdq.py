@@ -23,9 +23,9 @@ from rich.console import Console
 from test_slm_surgery import VOCAB, make_tiny_slm
 
 from hycoc.passes.calibration import CalibrationError, check_fixed_inputs, check_samples
-from hycoc.passes.qdq import (TANH_SCALE, TANH_ZERO_POINT, QdqError, QdqQuantize, kv_wire_encoding,
-                              quantize_graph, slm_calibration_samples, sqnr_table, verify_weights,
-                              weights_from_arrays)
+from hycoc.passes.qdq import (SOFTMAX_SCALE, TANH_SCALE, TANH_ZERO_POINT, QdqError, QdqQuantize,
+                              check_fixed_encodings, kv_wire_encoding, quantize_graph, slm_calibration_samples,
+                              sqnr_table, verify_weights, weights_from_arrays)
 from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph, export_slm_graph
 from hycoc.passes.slm_surgery import operate
 
@@ -89,6 +89,62 @@ def test_fixed_encodings(tiny):
         assert e["zero_point"] == 32768 and e["scale"] == pytest.approx(2 / 65535, rel=1e-6)  # [-1, 1]
     assert fixed["tanh"] and all(e["scale"] == TANH_SCALE and e["zero_point"] == TANH_ZERO_POINT
                                  for e in fixed["tanh"])
+
+
+def softmax_encodings(model) -> list[tuple[str, float, int, int]]:
+    """(Softmax output, scale, zero point, ONNX element type) of the QuantizeLinear reading each Softmax output of
+    an onnx.ModelProto; a Softmax whose output no QuantizeLinear reads appears with scale nan."""
+    inits = {t.name: t for t in model.graph.initializer}
+    outs = [n.output[0] for n in model.graph.node if n.op_type == "Softmax"]
+    found = {}
+    for n in model.graph.node:
+        if n.op_type == "QuantizeLinear" and n.input[0] in outs:
+            zp = inits[n.input[2]]
+            found[n.input[0]] = (float(nh.to_array(inits[n.input[1]])), int(nh.to_array(zp)), zp.data_type)
+    return [(o, *found.get(o, (float("nan"), -1, 0))) for o in outs]
+
+
+def assert_softmax_fixed(model, where: str) -> int:
+    """Every Softmax output of ``model`` is quantized uint16 [0, 1]: scale float32(1/65535), zero point 0."""
+    got = softmax_encodings(model)
+    wrong = [(o, s * (65535 - 0), zp) for o, s, zp, t in got
+             if not (np.float32(s) == SOFTMAX_SCALE and zp == 0 and t == T.UINT16)]
+    assert not wrong, f"{where}: {len(wrong)} of {len(got)} Softmax outputs are not [0, 1]: {wrong[:3]}"
+    return len(got)
+
+
+def test_softmax_outputs_get_the_fixed_0_1_encoding(tiny):
+    """Calibration saw rows whose largest probability stays under 1 (a calibrated range would clip); every Softmax
+    output is [0, 1] anyway, and a tampered scale is caught by the graph check."""
+    from hycoc.passes.calibration import activation_ranges
+
+    qdq = tiny["qdq"]
+    assert assert_softmax_fixed(qdq, "tiny SLM") == 4                      # one per decoder layer
+    assert len(tiny["result"].fixed["softmax"]) == 4
+    # what calibration alone would have given one of them: a range that is not [0, 1]
+    fmodel = onnx.load(str(tiny["result"].float_path), load_external_data=False)
+    name = next(n.output[0] for n in fmodel.graph.node if n.op_type == "Softmax")
+    lo, hi = activation_ranges(tiny["result"].float_path, tiny["samples"], percentile=99.9)[name]
+    assert lo == 0.0 and hi != 1.0
+    tampered = onnx.ModelProto()
+    tampered.CopyFrom(qdq)
+    q = next(n for n in tampered.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == name)
+    t = next(t for t in tampered.graph.initializer if t.name == q.input[1])
+    t.CopyFrom(nh.from_array(np.array(hi / 65535, np.float32), t.name))
+    with pytest.raises(QdqError, match="Softmax output .* not the fixed"):
+        check_fixed_encodings(tampered)
+
+
+def test_every_softmax_output_of_the_built_bundle_is_0_1(tiny_pipeline):
+    """The tiny pipeline's graphs as the target step ships them and as the decode pass copies encodings: head, SLM
+    tree and SLM decode graph, every Softmax output uint16 [0, 1]."""
+    import onnx_ir as ir
+
+    counts = {}
+    for kind in ("qdq_head", "qdq_slm", "qdq_slm_decode"):
+        model = ir.serde.serialize_model(tiny_pipeline.first.artifacts[kind].payload)
+        counts[kind] = assert_softmax_fixed(model, kind)
+    assert counts == {"qdq_head": 2, "qdq_slm": 4, "qdq_slm_decode": 4}
 
 
 def test_ring_inputs_share_the_new_kv_encodings(tiny):

@@ -75,7 +75,28 @@ def test_graph_top_k_equals_numpy_top_k_with_lower_index_ties():
 # ---- the bundle's graphs: the new path (graph top-k) against the old one (host top-k of the logits) -------------
 
 
-def _runners(tiny_bundle):
+def _check_runner(tiny_pipeline, name):
+    """A runner of graph ``name``'s checks copy (the QDQ graph with its ``logits`` output, kept by the target step
+    beside the shipped graph), fetching everything but the top-k: the host top-k path."""
+    import onnxruntime as ort
+
+    from hycoc.bundle import GraphEntry
+    from hycoc.passes.bundle_io import graph_io_from_onnx
+    from hycoc.runtime.graphs import GraphRunner
+
+    files = tiny_pipeline.first.artifacts["target_files"]
+    path = files.payload / files.index()[name]["check_source"]
+    io = graph_io_from_onnx(path)
+    entry = GraphEntry(name=name, role="slm" if name.startswith("slm") else name, file=path.name,
+                       inputs=io.inputs, outputs=io.outputs)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return GraphRunner.from_session(entry, session, outputs=[t.name for t in io.outputs
+                                                             if not t.name.startswith("top_")])
+
+
+def _runners(tiny_bundle, tiny_pipeline):
     from hycoc.runtime.device_bundle import open_bundle
     from hycoc.runtime.graphs import GraphRunner, runtime_outputs
 
@@ -84,17 +105,32 @@ def _runners(tiny_bundle):
     out = {}
     for name in ("head", "slm"):
         names = [t.name for t in m.graph(name).outputs]
-        assert "top_index" in names and runtime_outputs(m.graph(name)) == [n for n in names if n != "logits"]
+        # the shipped graph outputs only what the runtime reads: no keep-set-wide logits beside the top-k
+        assert "top_index" in names and "logits" not in names and runtime_outputs(m.graph(name)) == names
         out[name] = (GraphRunner(bundle.path, m, name, "cpu", 1, outputs=runtime_outputs(m.graph(name))),
-                     GraphRunner(bundle.path, m, name, "cpu", 1, outputs=[n for n in names if not n.startswith("top_")]))
+                     _check_runner(tiny_pipeline, name))
     return bundle, out
 
 
-def test_trees_from_graph_top_k_equal_the_host_path_on_the_tiny_bundle(tiny_bundle):
+def test_shipped_graphs_have_no_keep_set_wide_output(tiny_bundle):
+    """Every graph of the tiny bundle: no output as wide as the keep set (its top-k instead); the checks copy the
+    target step keeps still has the logits."""
+    from hycoc.bundle import load_manifest
+
+    m = load_manifest(tiny_bundle.bundle)
+    keep = m.keep_set_size
+    for g in m.graphs:
+        # h_next is the hidden size wide (64 in the tiny recipe, by chance the keep set's size too)
+        wide = [t.name for t in g.outputs if t.shape and t.shape[-1] == keep and t.name != "h_next"]
+        assert not wide, f"graph {g.name} outputs {wide} ({keep} wide)"
+        assert "top_index" in {t.name for t in g.outputs}
+
+
+def test_trees_from_graph_top_k_equal_the_host_path_on_the_tiny_bundle(tiny_bundle, tiny_pipeline):
     from hycoc.protocol.messages import HandOff
     from hycoc.runtime.client import MODES, DeviceRuntime
 
-    bundle, runners = _runners(tiny_bundle)
+    bundle, runners = _runners(tiny_bundle, tiny_pipeline)
     new = DeviceRuntime(bundle, runners["head"][0], runners["slm"][0])
     old = DeviceRuntime(bundle, runners["head"][1], runners["slm"][1])
     rng = np.random.default_rng(3)
@@ -179,3 +215,71 @@ def test_io_binding_runs_equal_the_plain_runs_on_the_tiny_bundle(tiny_bundle):
         for a, b in zip(plain.slm.rings[i], bound.slm.rings[i]):
             np.testing.assert_array_equal(a, b)
     assert bound.slm.runner.calls == plain.slm.runner.calls > 4
+
+
+# ---- top-k order among equal values on the HTP ------------------------------------------------------------------
+
+
+def _tie_rows(rows, vocab, seed=0):
+    """float32 (1, rows, vocab) on a 1/8 grid in [-4, 4] (exact in fp16 and in uint16 codes of scale 1/8192): each
+    row has runs of equal values at the top, across the k-th place, or is all one value."""
+    rng = np.random.default_rng(seed)
+    x = np.round(rng.uniform(-3, 3, (rows, vocab)) * 8) / 8
+    for r in range(rows):
+        if r % 3 == 0:
+            x[r, rng.choice(vocab, 5, replace=False)] = 3.5
+        elif r % 3 == 1:
+            x[r, rng.choice(vocab, vocab // 2, replace=False)] = 2.0       # many equal values at the k-th place
+        else:
+            x[r] = 1.25
+    return x[None].astype(np.float32)
+
+
+def test_htp_tie_order_puts_the_higher_index_first_where_topk_puts_the_lower():
+    """The HTP rewrite on the CPU EP: reversed along the axis, ties come out higher index first (the HTP's own rule,
+    measured on the simulator), so on the HTP the rewritten graph gives ONNX TopK's lower-index-first order. Rows
+    without ties and log q are unchanged."""
+    import onnxruntime as ort
+
+    from hycoc.passes.topk_outputs import append_topk, htp_tie_order
+
+    x = _tie_rows(6, 40)
+    x[0, 5] = np.arange(40, dtype=np.float32)[::-1] / 8                # a row without ties
+    plain = append_topk(_logits_model(6, 40), 8, with_logq=True)
+    ordered = append_topk(_logits_model(6, 40), 8, with_logq=True)
+    assert htp_tie_order(ordered) == 1
+    assert [n.op_type for n in ordered.graph.node].count("Slice") == 1
+    run = lambda m: dict(zip(["top_index", "top_logq"], ort.InferenceSession(  # noqa: E731
+        m.SerializeToString(), providers=["CPUExecutionProvider"]).run(["top_index", "top_logq"], {"x": x})))
+    a, b = run(plain), run(ordered)
+    np.testing.assert_array_equal(a["top_index"][0], _stable_top_k(x[0], 8))
+    higher_first = np.stack([39 - _stable_top_k(row[::-1][None], 8)[0] for row in x[0]])
+    np.testing.assert_array_equal(b["top_index"][0], higher_first)
+    np.testing.assert_array_equal(b["top_index"][0, 5], a["top_index"][0, 5])
+    np.testing.assert_allclose(b["top_logq"], a["top_logq"], rtol=0, atol=1e-6)
+    assert not np.array_equal(a["top_index"], b["top_index"])          # the ties are there
+
+
+@pytest.mark.skipif(not __import__("hycoc.targets.qnn_ep", fromlist=["qnn_installed"]).qnn_installed(),
+                    reason="onnxruntime-qnn is not importable: install the qnn extra for the HTP simulator")
+def test_htp_top_k_order_among_equal_values_equals_the_cpu_ep_on_the_simulator(tmp_path):
+    """The graph tail compiled for htp-v81 with `htp_tie_order` (as the htp target ships it) gives, on the x86 HTP
+    simulator, the CPU EP's top-k of the plain graph index for index, on rows full of ties (values exact in fp16).
+    Without the rewrite the HTP gives the higher index first (``benchmarks/htp_graph_io.py ties``: 30 of 32 rows
+    differed)."""
+    import onnx
+    import onnxruntime as ort
+
+    from hycoc.passes.topk_outputs import append_topk, htp_tie_order
+    from hycoc.targets.htp import HtpSession, compile_context
+    from hycoc.targets.profiles import get_profile
+
+    x = _tie_rows(6, 64)
+    model = append_topk(_logits_model(6, 64), 8, with_logq=False)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        ["top_index"], {"x": x})[0]
+    htp_tie_order(model)
+    onnx.save(model, str(tmp_path / "tail.onnx"))
+    cg = compile_context(tmp_path / "tail.onnx", tmp_path / "c", get_profile("htp-v81"), graph_name="tail")
+    got = HtpSession(cg.ctx_model).run({"x": x})["top_index"]
+    np.testing.assert_array_equal(got, want)

@@ -67,6 +67,19 @@ def test_shard_build_reuses_the_cache_and_lists_the_shards(sharded, tiny_bundle)
     assert {t.name: t.shape for t in ins} == {t.name: t.shape for t in mono.inputs}
 
 
+def test_every_softmax_output_of_the_shards_is_0_1(sharded):
+    """The layer-sharded build quantizes each shard on its own calibration: its Softmax outputs get the fixed
+    [0, 1] encoding all the same (tests/test_qdq.py `assert_softmax_fixed`), and no shard ships the logits."""
+    import onnx
+    from test_qdq import assert_softmax_fixed
+
+    res, out = sharded
+    counts = [assert_softmax_fixed(onnx.load(str(out / g.file), load_external_data=False), g.name)
+              for g in res.manifest.graphs if g.role == "slm"]
+    assert counts == [2, 2]                               # the tiny SLM's 4 layers, 2 per shard
+    assert all("logits" not in {t.name for t in g.outputs} for g in res.manifest.graphs)
+
+
 def test_chained_shards_draft_as_the_unsharded_graph(sharded, tiny_bundle):
     one, two = _runtime(tiny_bundle.bundle, False), _runtime(sharded[1], True)
     d1, d2 = one.slm, two.slm
@@ -91,3 +104,35 @@ def test_slm_alone_text_at_t0_equals_the_unsharded_bundle(sharded, tiny_bundle):
            for f, s in ((tiny_bundle.bundle, False), (sharded[1], True))]
     assert len(got[0].tokens) == 12
     assert got[1].tokens == got[0].tokens and got[1].text == got[0].text
+
+
+def test_shards_with_quantized_io_decode_the_float_shards_text(sharded, tmp_path):
+    """``[target] quantized_io`` on the sharded build (only the target step reruns): every shard takes its rings,
+    and shard 1 shard 0's new KV rows, as uint16 codes; SLM-alone decoding through the chain (rows between shards
+    passed as codes) writes the float-IO shards' text, token for token, with rings holding their codes exactly."""
+    from hycoc.passes.pipeline import PipelineResult
+    from hycoc.passes.slm_shard_build import KIND
+    from hycoc.runtime.client import load_runtime
+    from hycoc.runtime.graphs import quantize
+
+    _, out = sharded
+    base = load_recipe(out.parent / "recipe-shards.toml")            # the `sharded` fixture's recipe
+    # its artifacts as the cache holds them (every pass a cache hit)
+    res = b.run_pipeline(base, "cpu", out.parent / "cache", console=Console(file=io.StringIO()))
+    q = base.model_copy(update={"target": base.target.model_copy(update={"quantized_io": True})})
+    step = b.TargetPass("cpu", {"head": "qdq_head", "slm": KIND}, tmp_path / "work")
+    outputs, _ = step.run({k: res.artifacts[k] for k in ("qdq_head", KIND)}, q)
+    result = PipelineResult(res.artifacts | outputs, res.reports)
+    m = b.write_bundle(result, q, "cpu", tmp_path / "bundle")
+    s1 = m.graph("slm.s1")
+    assert {t.dtype for t in s1.inputs if t.name.startswith(("k_", "v_"))} == {"uint16"}
+    assert any(t.name.startswith("k_new_") for t in s1.inputs)        # rows from shard 0, as codes
+    prompt = [int(x) for x in np.random.default_rng(1).integers(3, 100, 6)]
+    rts = [load_runtime(out, "cpu", threads=1), load_runtime(tmp_path / "bundle", "cpu", threads=1)]
+    got = [rt.generate(None, prompt, mode="slm-alone", max_new_tokens=12) for rt in rts]
+    assert len(got[0].tokens) == 12 and got[1].tokens == got[0].tokens
+    fl, qu = rts[0].slm, rts[1].slm
+    for i in fl.kv_layers:
+        for x, codes, enc in zip(fl.rings[i], qu.rings[i], qu.ring_encodings[i]):
+            assert codes.dtype == np.uint16
+            np.testing.assert_array_equal(codes, quantize(x, enc))
