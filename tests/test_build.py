@@ -334,7 +334,8 @@ def test_cli_list_passes_until_and_full_build(tiny_pipeline, tmp_path, monkeypat
     assert result.exit_code == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1].startswith(f"wrote {tmp_path / 'b'}: ")
     # stderr is not a terminal here: progress comes as plain lines, each pass's start and end and its long steps
-    log = result.stderr.splitlines()
+    # (a line wider than the console continues on indented lines: joined back here)
+    log = re.sub(r"\n {17,}", " ", result.stderr).splitlines()
     assert any(re.fullmatch(r"\[hycoc \d\d:\d\d:\d\d\] \[1/10\] keep_set: cached, [\d.]+ s \(CPU [\d.]+ s\): kept 64 ids.*", x) for x in log)
     assert any(re.fullmatch(r"\[hycoc [\d:]+\] \[3/10\] head_qat: ran, [\d.]+ s \(CPU [\d.]+ s\): W4 top-1 agreement.*", x) for x in log)
     assert any(re.fullmatch(r"\[hycoc [\d:]+\] head_qat: QAT steps: done 2/2 in [\d.]+ s \(KL [\d.]+\)", x) for x in log)
