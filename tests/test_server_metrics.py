@@ -116,3 +116,24 @@ def test_session_slots_and_auth_failures():
         adm.auth.check("p")
     adm.auth.check("q")                              # per peer
     assert refused == ["max_sessions", "auth_failures_per_minute"]
+
+
+def test_the_ray_ingress_merges_two_servers_expositions():
+    """`merge_expositions` (verifier/ray_serve.py) over two real expositions: one HELP/TYPE per family, every sample
+    labelled by its replica, and prometheus_client parses the result."""
+    ray_serve = pytest.importorskip("hycoc.verifier.ray_serve", reason="Ray Serve is not installed")
+    a, b = ServerMetrics(), ServerMetrics()
+    a.rounds, b.rounds = 3, 5
+    b.errors["bad_root"] = 1
+    a.batch_rows.observe(7)
+    merged = ray_serve.merge_expositions({"r1": a.exposition(), "r2": b.exposition(), "r3": None})
+    fams = {f.name: f for f in text_string_to_metric_families(merged)}
+    assert merged.count("# TYPE hycoc_rounds_total counter") == 1
+    rounds = {s.labels["replica"]: s.value for s in fams["hycoc_rounds"].samples}
+    assert rounds == {"r1": 3, "r2": 5}
+    assert [(s.labels, s.value) for s in fams["hycoc_errors"].samples] == [({"replica": "r2", "kind": "bad_root"}, 1)]
+    count = {s.labels["replica"]: s.value for s in fams["hycoc_batch_rows"].samples
+             if s.name == "hycoc_batch_rows_count"}
+    assert count == {"r1": 1, "r2": 0}
+    assert {s.labels["state"]: s.value for s in fams["hycoc_replicas"].samples} == {"up": 2, "unreachable": 1}
+    assert len([s for s in fams["hycoc_refusals"].samples]) == 2 * len(REFUSAL_KINDS)
