@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hycoc.bench.datasets import Question
+from hycoc.bench.datasets import LONG_SUMMARY_CATEGORY, Question
 
 #: Table 5 order.
 CONFIGS = ("cloud-mtp", "specedge", "specedge-eps", "hyco", "hyco-2p", "hyco-exact", "server-head", "slm-alone")
@@ -208,6 +208,7 @@ class BenchPlan:
     output_cap: int
     out: Path
     turns: int = 1      # 2: questions with a second turn (MT-bench) continue on the same session (paper §4.1)
+    dataset: str = "Spec-Bench"   # what the questions are, for the table's title
 
 
 def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, backend: str = "cpu",
@@ -263,7 +264,15 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
                "summary": summary, "turns": turns, "records": records}
     atomic_write(out / RESULTS, json.dumps(results, indent=1))
     plots = write_plots(summary, out)
-    render_table(summary, console, title=f"hycoc bench: {len(plan.questions)} Spec-Bench questions, link {plan.link}")
+    render_table(summary, console, title=f"hycoc bench: {len(plan.questions)} {plan.dataset} questions, link {plan.link}")
+    if any(q.category == LONG_SUMMARY_CATEGORY for q in plan.questions):
+        from hycoc.bench.long_context import long_context_rows, render_long_context
+
+        results["long_context"] = long_context_rows(records, summary, r.slm_window)
+        atomic_write(out / RESULTS, json.dumps(results, indent=1))
+        render_long_context(results["long_context"], console,
+                            title=f"long documents: first reply (hand-off of up to W = {r.head_window} positions) "
+                                  f"and the device's SLM ring prefill (last {r.slm_window} prompt tokens)")
     render_quality(summary, console)
     render_categories(summary, console)
     render_rounds(summary, console)
