@@ -105,3 +105,33 @@ def test_bench_datasets_by_name_or_path(tmp_path):
     result = CliRunner().invoke(app, ["bench", str(ROOT / "recipes" / "toy.toml"), "--dataset", "long-sumary"])
     assert result.exit_code != 0
     assert "--dataset long-sumary: not a built-in dataset (spec-bench, long-summary) and no such file" in result.output
+
+
+def test_the_long_document_row_from_records():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from hycoc.bench.long_context import long_context_rows, render_long_context
+
+    def rec(config, prompt, prefill, rounds, down, slm, first):
+        return {"config": config, "prompt_tokens": prompt, "prefill_ms": prefill, "server_ms": rounds,
+                "bytes_down": down, "slm_prefill_ms": slm, "first_token_ms": first, "finished": True}
+
+    records = [rec("cloud-mtp", 3600, 300.0, [50.0, 50.0], [56, 60], 0.0, 400.0),
+               rec("cloud-mtp", 3700, 500.0, [100.0], [56], 0.0, 600.0),
+               rec("hyco", 3600, 300.0, [20.0, 20.0, 20.0], [131_810, 900], 180.0, 350.0),
+               rec("hyco", 3700, 500.0, [40.0], [131_810], 190.0, 550.0)]
+    summary = {"cloud-mtp": {"delta_g_pct": 0.0, "delta_g_ci95": [0.0, 0.0], "mat": 2.5},
+               "hyco": {"delta_g_pct": -20.0, "delta_g_ci95": [-25.0, -15.0], "mat": 3.5}}
+    rows = long_context_rows(records, summary, slm_window=256)
+    assert rows["cloud-mtp"]["prefill_share_of_g"] == pytest.approx(800 / 1000)
+    assert rows["hyco"]["prefill_share_of_g"] == pytest.approx(800 / 900)
+    assert (rows["hyco"]["first_reply_bytes_p50"], rows["cloud-mtp"]["first_reply_bytes_p50"]) == (131_810, 56)
+    assert (rows["hyco"]["slm_prefill_ms_p50"], rows["hyco"]["slm_prefill_positions"]) == (185.0, 256)
+    assert rows["cloud-mtp"]["slm_prefill_ms_p50"] is None and rows["hyco"]["prompt_tokens_p50"] == 3650
+    assert rows["hyco"]["first_token_ms_p50"] == 450 and rows["hyco"]["delta_g_ci95"] == [-25.0, -15.0]
+    console = Console(file=StringIO(), width=200)
+    render_long_context(rows, console)
+    text = console.file.getvalue()
+    assert "ref" in text and "-20.0 [-25.0, -15.0]" in text and "131,810" in text and "185.0 (256)" in text

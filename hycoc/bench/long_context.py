@@ -58,8 +58,10 @@ def long_context_rows(records: list[dict], summary: dict[str, dict[str, Any]], s
     return out
 
 
-def render_long_context(rows: dict[str, dict], console, title: str = "long documents") -> None:
-    """The rows as a rich table on ``console``."""
+def render_long_context(rows: dict[str, dict], console, title: str = "long documents",
+                        baseline: str = "cloud-mtp") -> None:
+    """The rows as a rich table on ``console`` (Δg reads "ref" for ``baseline``, the configuration it pairs
+    against)."""
     from rich.table import Table
 
     def f(v, fmt):
@@ -71,7 +73,7 @@ def render_long_context(rows: dict[str, dict], console, title: str = "long docum
         table.add_column(col, justify="left" if col == "config" else "right")
     for name, r in rows.items():
         ci = r["delta_g_ci95"]
-        dg = "-" if r["delta_g_pct"] is None else (f"{r['delta_g_pct']:+.1f}" + (
+        dg = "ref" if name == baseline else "-" if r["delta_g_pct"] is None else (f"{r['delta_g_pct']:+.1f}" + (
             f" [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else ""))
         slm = "-" if r["slm_prefill_ms_p50"] is None else f"{r['slm_prefill_ms_p50']:.1f} ({r['slm_prefill_positions']})"
         share = "-" if r["prefill_share_of_g"] is None else f"{100 * r['prefill_share_of_g']:.1f} %"
