@@ -660,11 +660,17 @@ def calibrate_handoff(
 @app.command()
 def bench(
     recipe: Path = RECIPE_ARG,
-    dataset: Optional[Path] = typer.Option(
-        None, help="Spec-Bench question JSONL (default: the recipe's bench.dataset, else "
-        "benchmarks/data/spec_bench_question.jsonl in the repository)", show_default=False),
+    dataset: Optional[str] = typer.Option(
+        None, help="spec-bench, long-summary (long documents filling the verifier's context, in the paper's "
+        "2-shot summarization prompt), or a path: a Spec-Bench question JSONL or an InfiniteBench "
+        "longbook_sum_eng.jsonl (the paper's first 50 in HELMET's order) (default: the recipe's bench.dataset, else "
+        "spec-bench)", show_default=False),
     limit: Optional[int] = typer.Option(None, min=1, help="use the first N questions (default: all 480)",
                                         show_default=False),
+    max_prompt_tokens: Optional[int] = typer.Option(
+        None, min=16, help="long documents: cut each document at a line end so its prompt has at most N tokens, as "
+        "the paper cut the novels to 32K (default: uncut; a prompt the verifier cannot hold is refused at OPEN "
+        "with context_overflow)", show_default=False),
     configs: str = typer.Option(",".join(BENCH_CONFIGS), help="comma-separated configurations (paper Table 5)"),
     link: Optional[str] = typer.Option(
         None, help="link model per frame: lte, 5g, none or RTT_MS:MBPS (round trip ms : megabit/s) "
@@ -706,7 +712,7 @@ def bench(
     talks to it through the wire protocol. Writes OUT/records.jsonl (one line per finished request; --resume
     continues), OUT/results.json (summary + records) and PNG plots, and prints the table.
     """
-    from hycoc.bench.datasets import DatasetError, load_spec_bench
+    from hycoc.bench.datasets import DatasetError
     from hycoc.recipe import check_link
 
     cfg = _recipe("bench", recipe)
@@ -722,11 +728,6 @@ def bench(
         except ValueError:
             raise _fail("bench", f"--link {link!r}: allowed: lte, 5g, none or RTT_MS:MBPS such as 45:50",
                         code=2) from None
-    path = dataset or cfg.resolve_path(cfg.bench.dataset) or DEFAULT_DATASET
-    try:
-        questions = load_spec_bench(path)
-    except DatasetError as e:
-        raise _fail("bench", str(e)) from None
     if cost_model is not None and not cost_model.is_file():
         raise _fail("bench", f"--cost-model {cost_model}: no such file")
     if device_profile is not None:
@@ -743,11 +744,11 @@ def bench(
     from hycoc.chat import ChatFormatError
     from hycoc.runtime.transport import TransportError
 
-    bundle_dir = _bench_bundle("bench", cfg, recipe, bundle)
+    questions, dataset_name, bundle_dir = _bench_questions(cfg, recipe, bundle, dataset, max_prompt_tokens)
     plan = BenchPlan(questions=questions[:limit] if limit else questions,
                      configs=[c for c in BENCH_CONFIGS if c in configs.split(",")], runs=runs or cfg.bench.runs,
                      link=link or cfg.bench.link, output_cap=max_new_tokens or cfg.bench.output_cap, out=out,
-                     turns=turns, thinking=thinking)
+                     turns=turns, thinking=thinking, dataset=dataset_name)
     try:
         run_bench(cfg, recipe, plan, bundle_dir=bundle_dir, backend=_bundle_backend(bundle_dir, backend),
                   resume=resume, cost_model_path=cost_model, device_profile_path=device_profile,
@@ -756,6 +757,38 @@ def bench(
         raise typer.Exit(130) from None
     except (BenchError, BundleError, TransportError, CostModelError, ChatFormatError) as e:
         raise _fail("bench", str(e)) from None
+
+
+def _bench_questions(cfg, recipe: Path, bundle: Optional[Path], dataset: Optional[str],
+                     max_prompt_tokens: Optional[int]):
+    """``hycoc bench``'s questions: (questions, the dataset's name for the table, the bundle folder). The dataset is
+    ``--dataset`` (a built-in name or a path), else the recipe's bench.dataset, else spec-bench
+    (`hycoc.bench.datasets.load_bench_dataset`); with ``--max-prompt-tokens`` long documents are cut to fit, counted
+    with the bundle's tokenizer in the chat template (`hycoc.chat.format_prompt`)."""
+    from hycoc.bench.datasets import BUILTIN_DATASETS, DatasetError, is_long_summary_file, load_bench_dataset
+
+    spec = dataset or cfg.resolve_path(cfg.bench.dataset) or DEFAULT_DATASET
+    path = BUILTIN_DATASETS.get(str(spec), Path(spec))
+    long_doc = is_long_summary_file(path)
+    if (dataset is not None and dataset not in BUILTIN_DATASETS and not Path(dataset).exists()
+            and not Path(dataset).suffix and "/" not in dataset):          # a mistyped name, not a path
+        raise _fail("bench", f"--dataset {dataset}: not a built-in dataset ({', '.join(BUILTIN_DATASETS)}) and no "
+                    "such file")
+    try:
+        questions = load_bench_dataset(path)          # every file error before a bundle is (maybe) built
+        bundle_dir = _bench_bundle("bench", cfg, recipe, bundle)
+        if long_doc and max_prompt_tokens is not None:
+            from tokenizers import Tokenizer
+
+            from hycoc.chat import format_prompt
+
+            tok = Tokenizer.from_file(str(bundle_dir / "tokenizer.json"))
+            questions = load_bench_dataset(path, prompt_tokens=lambda text: len(format_prompt(tok, text)),
+                                           max_prompt_tokens=max_prompt_tokens)
+    except DatasetError as e:
+        raise _fail("bench", str(e)) from None
+    name = str(dataset) if dataset in BUILTIN_DATASETS else ("long-document" if long_doc else "Spec-Bench")
+    return questions, name, bundle_dir
 
 
 def _bench_bundle(command: str, cfg, recipe: Path, bundle: Optional[Path]) -> Path:

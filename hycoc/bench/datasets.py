@@ -98,3 +98,168 @@ def find_question(questions: list[Question], question_id: int) -> Question:
             return q
     ids = [q.question_id for q in questions]
     raise DatasetError(f"no question with id {question_id}; ids run from {min(ids)} to {max(ids)}")
+
+
+# ---- long documents: the paper's 32K summarization row (∞Bench En.Sum, App. D) ---------------------------------
+
+#: The long-document summarization file shipped for the toy family (benchmarks/data/NOTICE.md: source, license and
+#: how it was made): Python 3.11 documentation pages in ∞Bench's ``longbook_sum_eng`` schema, each cut so that its
+#: 2-shot prompt fills the toy verifier's 4,096-position context (3.5-3.8K toy tokens with the chat template).
+LONG_SUMMARY = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "long_summary_toy.jsonl"
+
+#: Built-in dataset names of ``hycoc bench --dataset`` (anything else is a path).
+BUILTIN_DATASETS = {"spec-bench": SPEC_BENCH, "long-summary": LONG_SUMMARY}
+
+#: Category of long-document summaries (its answers are scored by ROUGE-L against the reference summary).
+LONG_SUMMARY_CATEGORY = "long-summary"
+
+#: The paper's long-document selection (App. D): the first 50 novels of HELMET's seed-42 order, 2 demonstrations.
+LONG_SUMMARY_COUNT = 50
+LONG_SUMMARY_SHOTS = 2
+LONG_SUMMARY_SEED = 42
+
+#: HELMET's ∞Bench En.Sum prompt (princeton-nlp/HELMET, ``data.py`` ``load_infbench``, dataset ``infbench_sum_eng``):
+#: the user template, then "\n\n" and the system template "Summary:". ``{demo}`` is `helmet_demos`'s text.
+LONG_SUMMARY_TEMPLATE = (
+    "You are given a book and you are tasked to summarize it. Write a summary of about 1000 to 1200 words. Only "
+    "write about the plot and characters of the story. Do not discuss the themes or background of the book. Do not "
+    "provide any analysis or commentary.\n\n{demo}{context}\n\nNow summarize the book.\n\nSummary:")
+
+
+@dataclass(frozen=True)
+class LongDocument:
+    """One row of an ∞Bench ``longbook_sum_eng``-schema file: ``id`` (int), the document ``context`` (str) and its
+    reference summaries ``answer`` (non-empty tuple of str); ``where`` = ``FILE:LINE`` of its row."""
+
+    id: int
+    context: str
+    answer: tuple[str, ...]
+    where: str = ""
+
+
+def read_long_documents(path: str | Path) -> list[LongDocument]:
+    """The rows of an ∞Bench ``longbook_sum_eng.jsonl`` (or a file of its schema, as `LONG_SUMMARY`) in file order.
+
+    Each line: ``{"id": int, "context": str, "input": str, "answer": [str, ...], "options": [...]}`` (``input`` and
+    ``options`` are read by the other ∞Bench tasks and ignored here; extra keys are allowed). Raises DatasetError on
+    a missing file, a line that is not JSON, a row that is not an object, an ``id`` that is not an integer or repeats,
+    an empty ``context`` or an ``answer`` that is not a non-empty list of strings; each message names ``FILE:LINE``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"{path}: dataset file not found")
+    docs: list[LongDocument] = []
+    seen: dict[int, int] = {}
+    for where, number, row in iter_jsonl(path, DatasetError):
+        if not isinstance(row, dict):
+            raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        rid, context, answer = row.get("id"), row.get("context"), row.get("answer")
+        if not isinstance(rid, int) or isinstance(rid, bool):
+            raise DatasetError(f"{where}: id must be an integer, got {rid!r}")
+        if not isinstance(context, str) or not context.strip():
+            raise DatasetError(f"{where}: context must be a non-empty string (the document)")
+        if not (isinstance(answer, list) and answer and all(isinstance(a, str) and a.strip() for a in answer)):
+            raise DatasetError(f"{where}: answer must be a non-empty list of non-empty strings (reference summaries)")
+        if rid in seen:
+            raise DatasetError(f"{where}: id {rid} repeats line {seen[rid]}")
+        seen[rid] = number
+        docs.append(LongDocument(rid, context, tuple(answer), where))
+    if len(docs) <= LONG_SUMMARY_SHOTS:
+        raise DatasetError(f"{path}: {len(docs)} document(s); the 2-shot prompt needs at least "
+                           f"{LONG_SUMMARY_SHOTS + 1} (each prompt's demonstrations are other rows' summaries)")
+    return docs
+
+
+def helmet_order(n: int, seed: int = LONG_SUMMARY_SEED) -> list[int]:
+    """Row indices in HELMET's order: ``datasets.Dataset.shuffle(seed)`` over n rows, which is numpy's
+    ``default_rng(seed).permutation(n)`` (datasets' ``arrow_dataset.py``; HELMET's ``data.py`` selects the test
+    rows, and each row's demonstrations, this way)."""
+    import numpy as np
+
+    return [int(i) for i in np.random.default_rng(seed).permutation(n)]
+
+
+def helmet_demos(docs: list[LongDocument], index: int, shots: int = LONG_SUMMARY_SHOTS,
+                 seed: int = LONG_SUMMARY_SEED) -> str:
+    """The ``{demo}`` text of row ``index``'s prompt, as HELMET's ``add_demos``: the other rows (file order) shuffled
+    with ``seed``, the first ``shots`` of them, each as ``"[story text]\\nSummary: " + its first summary`` (the
+    demonstration's document is replaced by the placeholder), joined by blank lines, framed by "For example:" and
+    "Now, read the following story:"."""
+    others = [d for i, d in enumerate(docs) if i != index]
+    picked = [others[i] for i in helmet_order(len(others), seed)[:shots]]
+    demo = "\n\n".join(f"[story text]\nSummary: {d.answer[0].strip()}" for d in picked)
+    return f"For example:\n\n{demo}\n\nNow, read the following story:\n\n"
+
+
+def long_summary_text(docs: list[LongDocument], index: int, context: str | None = None) -> str:
+    """Row ``index``'s user message: `LONG_SUMMARY_TEMPLATE` with its 2-shot demonstrations and its document
+    (``context`` replaces the row's own, e.g. a truncated copy)."""
+    return LONG_SUMMARY_TEMPLATE.format(demo=helmet_demos(docs, index),
+                                        context=docs[index].context if context is None else context)
+
+
+def fit_context(docs: list[LongDocument], index: int, prompt_tokens, max_prompt_tokens: int) -> str:
+    """Row ``index``'s document cut at a line end so that its whole prompt (``prompt_tokens(text) -> int``, e.g.
+    ``len(format_prompt(tokenizer, text))``) has at most ``max_prompt_tokens`` tokens, as HELMET truncates each
+    novel to the model's budget (paper App. D: 32K). The document is returned whole when it fits. Raises
+    DatasetError naming the row when even an empty document does not fit."""
+    context = docs[index].context
+    if prompt_tokens(long_summary_text(docs, index, context)) <= max_prompt_tokens:
+        return context
+    if prompt_tokens(long_summary_text(docs, index, "")) > max_prompt_tokens:
+        raise DatasetError(f"{docs[index].where}: the prompt without its document already has more than "
+                           f"{max_prompt_tokens} tokens (its demonstrations are too long)")
+    lines = context.splitlines(keepends=True)
+    lo, hi = 0, len(lines)            # the longest prefix of whole lines that fits: lines[:lo] fits, [:hi + 1] not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if prompt_tokens(long_summary_text(docs, index, "".join(lines[:mid]).rstrip())) <= max_prompt_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return "".join(lines[:lo]).rstrip()
+
+
+def load_long_summary(path: str | Path = LONG_SUMMARY, *, count: int = LONG_SUMMARY_COUNT, prompt_tokens=None,
+                      max_prompt_tokens: int | None = None) -> list[Question]:
+    """Long-document summarization requests (paper §4.1, App. D) from an ∞Bench ``longbook_sum_eng``-schema file
+    (the real ``longbook_sum_eng.jsonl`` from a local path, or `LONG_SUMMARY`): the first ``count`` rows of
+    HELMET's seed-42 order (`helmet_order`; the paper: 50), each a one-turn Question whose text is HELMET's 2-shot
+    prompt (`long_summary_text`), category `LONG_SUMMARY_CATEGORY`, reference = the row's summaries.
+
+    prompt_tokens, max_prompt_tokens: when both are given, each document is cut to fit (`fit_context`; the paper
+    cut the novels to 32K Gemma tokens). question_id = the row's ``id``. Raises DatasetError (`read_long_documents`;
+    count < 1)."""
+    if count < 1:
+        raise DatasetError(f"count = {count}: must be >= 1")
+    docs = read_long_documents(path)
+    out = []
+    for i in helmet_order(len(docs))[:count]:
+        context = None
+        if prompt_tokens is not None and max_prompt_tokens is not None:
+            context = fit_context(docs, i, prompt_tokens, max_prompt_tokens)
+        out.append(Question(docs[i].id, LONG_SUMMARY_CATEGORY, (long_summary_text(docs, i, context),),
+                            docs[i].answer))
+    return out
+
+
+def is_long_summary_file(path: str | Path) -> bool:
+    """Whether ``path``'s first row has ∞Bench's ``context`` key (else it is read as Spec-Bench). False for a
+    missing or unreadable file (the loader then names the problem)."""
+    try:
+        for _, _, row in iter_jsonl(path, DatasetError, limit=1):
+            return isinstance(row, dict) and "context" in row
+    except DatasetError:
+        return False
+    return False
+
+
+def load_bench_dataset(spec: str | Path, **long_summary) -> list[Question]:
+    """The questions of ``hycoc bench --dataset SPEC``: a built-in name (`BUILTIN_DATASETS`: ``spec-bench``, the
+    default, or ``long-summary``) or a path to a Spec-Bench file or an ∞Bench ``longbook_sum_eng``-schema file
+    (told apart by the first row's keys). ``long_summary``: `load_long_summary`'s keywords (count, prompt_tokens,
+    max_prompt_tokens) for long-document files. Raises DatasetError."""
+    path = BUILTIN_DATASETS.get(str(spec), Path(spec))
+    if is_long_summary_file(path):
+        return load_long_summary(path, **long_summary)
+    return load_spec_bench(path)

@@ -164,7 +164,7 @@ def reference_metrics(category: str, text: str, reference: Any) -> dict[str, flo
                                            "final_number_match": final_number_match(category, text, reference),
                                            "reference_match": reference_match(category, text, reference)}
     ref = _first_reference(reference)
-    if ref is not None and category == "summarization":
+    if ref is not None and category in ("summarization", "long-summary"):
         out["rouge_l"] = rouge_l(text, ref)
     if ref is not None and category == "translation":
         out["chrf"], out["bleu"] = chrf(text, ref), sentence_bleu(text, ref)

@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hycoc.bench.datasets import Question
+from hycoc.bench.datasets import LONG_SUMMARY_CATEGORY, Question
 
 #: Table 5 order.
 CONFIGS = ("cloud-mtp", "specedge", "specedge-eps", "hyco", "hyco-2p", "hyco-exact", "server-head", "slm-alone")
@@ -255,6 +255,7 @@ class BenchPlan:
     out: Path
     turns: int = 1      # 2: questions with a second turn (MT-bench) continue on the same session (paper §4.1)
     thinking: bool = False  # the chat template's enable_thinking (README "Chat format": off, as the recipe runs)
+    dataset: str = "Spec-Bench"   # what the questions are, for the table's title
 
 
 def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, backend: str = "cpu",
@@ -321,7 +322,8 @@ def _run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, 
     cost, cost_note = cost_model_for(recipe, records, cost_model_path, out, console, remeasure=remeasure_cost_model)
     summary = summarize(records, cost_model=cost, server=server_work(recipe))
     results = {"meta": {"recipe": str(recipe_path), "bundle": str(bundle_dir), "backend": backend,
-                        "questions": len(plan.questions), "configs": plan.configs, "runs": plan.runs,
+                        "questions": len(plan.questions), "dataset": plan.dataset, "configs": plan.configs,
+                        "runs": plan.runs,
                         "link": plan.link, "link_applied": "counted, not slept", "output_cap": plan.output_cap,
                         "temperature": sampling.temperature, "cost_model": cost_note,
                         "cost_model_points": [p.model_dump() for p in cost.points],
@@ -331,7 +333,18 @@ def _run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, 
                "records": records}
     atomic_write(out / RESULTS, json.dumps(results, indent=1))
     plots = write_plots(summary, out)
+    if any(q.category == LONG_SUMMARY_CATEGORY for q in plan.questions):
+        from hycoc.bench.long_context import long_context_rows
+
+        results["long_context"] = long_context_rows(records, summary, r.slm_window)
+        atomic_write(out / RESULTS, json.dumps(results, indent=1))
     print_results(results, console, fmt, plots=plots, out=out)
+    if results.get("long_context") is not None:
+        from hycoc.bench.long_context import render_long_context
+
+        render_long_context(results["long_context"], console,
+                            title=f"long documents: first reply (hand-off of up to W = {r.head_window} positions) "
+                                  f"and the device's SLM ring prefill (last {r.slm_window} prompt tokens)")
     return results
 
 
@@ -341,8 +354,8 @@ def result_tables(results: dict) -> list:
     from hycoc.bench.stats import categories_table, main_table, quality_table, rounds_table
 
     meta, summary = results["meta"], results["summary"]
-    tables = [main_table(summary, title=f"hycoc bench: {meta['questions']} Spec-Bench questions, link "
-                                        f"{meta['link']}"),
+    tables = [main_table(summary, title=f"hycoc bench: {meta['questions']} {meta.get('dataset', 'Spec-Bench')} "
+                                        f"questions, link {meta['link']}"),
               quality_table(summary), categories_table(summary), rounds_table(summary)]
     if any(t != "1" for by_turn in (results.get("turns") or {}).values() for t in by_turn):
         tables.append(turns_table(results["turns"]))

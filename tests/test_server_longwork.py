@@ -1,0 +1,243 @@
+"""The wire during long work (verifier/server/channels.py, session_loop.py, worker.py) on the tiny models, with a
+prefill held on a gate (the engine's `PrefillJob.step` waits until the test opens it), so "long" is as long as the
+test wants and nothing depends on timing:
+
+- a WebSocket ping is answered while the prefill runs, and a client whose keepalive times out in 0.3 s keeps its
+  connection through a 1 s prefill;
+- an APPEND reserves its KV before its prefill runs, so an OPEN arriving meanwhile is checked against the grown
+  total, and ``kv_bytes_reserved <= max_kv_bytes`` holds at every sample; every failed APPEND gives its growth back;
+- once the server stops, frames get ERROR shutting_down, and a queued prefill never reaches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+from websockets.sync.client import connect
+
+from hycoc.protocol import wire
+from hycoc.protocol.messages import AppendTurn, DraftTree, ErrorReply, Opened, OpenRequest, Sampling
+from hycoc.runtime.transport import ServerError, VerifierClient
+from hycoc.verifier import VerifierEngine
+from hycoc.verifier import engine as engine_module
+from hycoc.verifier.server import Connection, ServerLimits, ServerThread, VerifierServer
+from tiny_models import tiny_verifier
+
+torch.set_num_threads(1)
+ROWS = 7
+PER_POSITION = 1024          # the tiny verifier: 4 layers x (32 K + 32 V) x 4 B
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = VerifierEngine(tiny_verifier(), head_window=6, handoff_scales=(0.1,) * 6, max_context=128)
+    assert eng.kv_bytes_per_position == PER_POSITION
+    yield eng
+    eng.close()
+
+
+class Gate:
+    """Holds every prefill chunk until `release` (open at first); records the threads that ran chunks."""
+
+    def __init__(self):
+        self.open, self.entered, self.threads = threading.Event(), threading.Event(), []
+        self.open.set()
+
+    def hold(self) -> None:
+        self.open.clear()
+        self.entered.clear()
+
+    def release(self) -> None:
+        self.open.set()
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    g, step = Gate(), engine_module.PrefillJob.step
+
+    def held_step(job):
+        g.threads.append(threading.current_thread().name)
+        g.entered.set()
+        assert g.open.wait(30), "the test never released the prefill"
+        return step(job)
+
+    monkeypatch.setattr(engine_module.PrefillJob, "step", held_step)
+    return g
+
+
+def request(n=10, max_new=2) -> OpenRequest:
+    return OpenRequest(prompt_ids=np.arange(20, 20 + n, dtype=np.int32), sampling=Sampling(0.0, 64, 0.95),
+                       max_new_tokens=max_new)
+
+
+@contextmanager
+def serving(engine, **limits):
+    with ServerThread(engine, tree_rows=ROWS, limits=ServerLimits(**limits)) as srv:
+        yield srv
+
+
+def finish_turn(client: VerifierClient, root: int = 29) -> None:
+    """Rounds of a chain tree (rooted at the session's root, the last committed token) until the turn finishes."""
+    seq = 0
+    while True:
+        tokens = np.full(ROWS, 29, np.int32)
+        tokens[0] = root
+        reply = client.round(DraftTree(seq, tokens, np.arange(-1, ROWS - 1, dtype=np.int32)))
+        seq, root = seq + 1, int(reply.bonus)
+        if reply.finished:
+            return
+
+
+def test_pings_are_answered_while_the_engine_prefills(engine, gate):
+    with serving(engine, frame_timeout_s=0.5) as srv:
+        # websockets' keepalive: a ping every 0.1 s, the connection dropped if a pong takes over 0.3 s
+        ws = connect(srv.url, compression=None, proxy=None, ping_interval=0.1, ping_timeout=0.3, legacy=True)
+        gate.hold()
+        ws.send(wire.encode(request()))
+        assert gate.entered.wait(10)                   # the prefill is running (and held)
+        pong = ws.ping()
+        assert pong.wait(5)                            # answered while the engine is busy
+        assert not gate.open.is_set()                  # ... which it still is
+        time.sleep(1.0)                                # > 3 keepalive timeouts and 2 frame timeouts
+        gate.release()
+        opened = wire.decode(ws.recv(timeout=10))
+        assert isinstance(opened, Opened) and opened.t == 9
+        assert srv.server.metrics.refusals["frame_timeout"] == 0
+        ws.close()
+
+
+def test_append_reserves_its_kv_before_its_prefill_and_the_budget_holds_under_concurrent_opens(engine, gate):
+    first = 19 * PER_POSITION                          # min(128, 10 + 2 + 7) positions
+    grown = 128 * PER_POSITION                         # 12 committed + 10 + 100 + 7 > 128: capped
+    budget = grown + first - 1                         # room for B's OPEN only while A's growth is not counted
+    with serving(engine, max_kv_bytes=budget, idle_timeout_s=30.0) as srv:
+        kv = srv.server.admission.kv
+        peak, watching = [0], threading.Event()
+
+        def watch():
+            while not watching.is_set():
+                peak[0] = max(peak[0], kv.reserved)
+                time.sleep(0.0005)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        a = VerifierClient(srv.url, timeout_s=30)
+        a.open(request())
+        finish_turn(a)
+        assert kv.reserved == first
+        gate.hold()
+        result = {}
+        appender = threading.Thread(target=lambda: result.setdefault("opened", a.append(
+            AppendTurn(np.arange(30, 40, dtype=np.int32), 100))))
+        appender.start()
+        assert gate.entered.wait(10)                   # A's APPEND prefill is running (held) ...
+        assert kv.reserved == grown                    # ... and its growth is already reserved
+        with pytest.raises(ServerError) as info:
+            VerifierClient(srv.url, timeout_s=30).open(request())
+        assert info.value.code == "kv_budget_exhausted"
+        assert f"this request needs {first} KV bytes (19 positions), {grown} of max_kv_bytes = {budget}" in str(
+            info.value)
+        gate.release()
+        appender.join(30)
+        assert isinstance(result["opened"], Opened) and kv.reserved == grown
+        a.close()
+        deadline = time.monotonic() + 10
+        while kv.reserved and time.monotonic() < deadline:
+            time.sleep(0.01)
+        watching.set()
+        watcher.join()
+        assert kv.reserved == 0 and srv.server.admission.sessions.in_use == 0
+        assert 0 < peak[0] <= budget
+
+
+def test_every_failed_append_gives_its_kv_back(engine, gate):
+    first = 19 * PER_POSITION
+    with serving(engine, idle_timeout_s=30.0) as srv:
+        kv = srv.server.admission.kv
+        a = VerifierClient(srv.url, timeout_s=30)
+        a.open(request())
+        with pytest.raises(ServerError) as info:       # the engine refuses: the turn has not finished
+            a.append(AppendTurn(np.arange(30, 40, dtype=np.int32), 100))
+        assert info.value.code == "finished" and kv.reserved == first
+        finish_turn(a)
+        with pytest.raises(ServerError) as info:       # the engine refuses: 12 + 120 tokens overflow 128
+            a.append(AppendTurn(np.arange(1, 121, dtype=np.int32) % 60, 4))
+        assert info.value.code == "context_overflow" and kv.reserved == first
+        a.close()
+        # a client that leaves while its APPEND prefills: the growth and the session's KV both come back
+        b = VerifierClient(srv.url, timeout_s=30)
+        b.open(request())
+        finish_turn(b)
+        gate.hold()
+        b._ws.send(wire.encode(AppendTurn(np.arange(30, 40, dtype=np.int32), 100)))
+        assert gate.entered.wait(10)
+        assert kv.reserved == 128 * PER_POSITION
+        b._ws.close()
+        time.sleep(0.2)
+        gate.release()
+        deadline = time.monotonic() + 10
+        while (kv.reserved or srv.server.sessions) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert kv.reserved == 0 and srv.server.sessions == {}
+
+
+class Script:
+    """A `Channel` whose client sends ``frames`` then waits; records what the server sent and the close code."""
+
+    def __init__(self, *frames):
+        self.frames, self.sent, self.closed = list(frames), [], None
+        self.all_sent = asyncio.Event()
+
+    async def receive(self, timeout):
+        if self.frames:
+            return self.frames.pop(0)
+        self.all_sent.set()
+        await asyncio.sleep(3600)
+
+    async def send(self, frame):
+        self.sent.append(wire.decode(frame))
+
+    async def close(self, code):
+        self.closed = code
+
+
+def test_after_stop_frames_get_shutting_down_and_never_reach_the_engine(engine, gate):
+    server = VerifierServer(engine, tree_rows=ROWS)
+    opened_by = []
+    real_open = engine.open
+
+    async def main():
+        await server.start_engine()
+        gate.hold()
+        a, b = Script(wire.encode(request())), Script(wire.encode(request()))
+        ta = asyncio.create_task(server.serve_connection(Connection(None), a))
+        while not gate.entered.is_set():               # A's prefill runs on the worker (held)
+            await asyncio.sleep(0.01)
+        tb = asyncio.create_task(server.serve_connection(Connection(None), b))
+        await asyncio.sleep(0.2)                       # B's prefill is queued behind it
+        stopping = asyncio.create_task(server.stop())
+        await asyncio.sleep(0.2)
+        gate.release()
+        await stopping
+        await asyncio.wait_for(asyncio.gather(ta, tb), 10)
+        late = Script(wire.encode(request()))          # a frame after the stop
+        engine.open = lambda *args, **kw: opened_by.append(threading.current_thread().name) or real_open(*args, **kw)
+        try:
+            await asyncio.wait_for(server.serve_connection(Connection(None), late), 10)
+        finally:
+            del engine.open
+        return a, b, late
+
+    a, b, late = asyncio.run(main())
+    for script in (a, b, late):
+        assert [type(m) for m in script.sent] == [ErrorReply] and script.sent[0].code == "shutting_down"
+        assert script.closed == 1008
+    assert opened_by == []                             # the late OPEN never reached the engine
+    assert gate.threads == ["hycoc-verifier_0"]         # one chunk ran, A's, on the worker; B's never started
+    assert server.admission.kv.reserved == 0 and server.admission.sessions.in_use == 0

@@ -1,0 +1,256 @@
+"""`VerifierServer`: the engine, its worker, the admission ledgers, the metrics and the session loop, served on
+one aiohttp application (routes in the package docstring, `hycoc.verifier.server`)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+from aiohttp import WSCloseCode, web
+
+from hycoc.protocol import wire
+
+from ..engine import Session, VerifierEngine
+from .admission import Admission, Link
+from .channels import AiohttpChannel, Channel, Connection, GuardedRunner, bearer_token
+from .limits import ServerLimits
+from .metrics import METRICS_CONTENT_TYPE, ServerMetrics
+from .session_loop import SessionLoop
+from .worker import BATCHING_MODES, DEFAULT_MAX_BATCH_ROWS, DEFAULT_MAX_BATCH_WAIT_MS, EngineWorker
+
+
+class VerifierServer:
+    """The verifier engine behind the wire protocol (see the package docstring for the routes and the rules).
+
+    engine: the shared `VerifierEngine` (its model, head, keep set, W, K and hand-off scales).
+    tree_rows: rows of every ROUND of ``device`` and ``server-head`` sessions, B + 1 (recipe: tree.node_budget + 1);
+        ``cloud-mtp`` sessions send the root alone (1 row). Sent in OPENED.
+    auth_token: shared secret clients must present (None: open server). Never empty.
+    max_frame_bytes: largest frame, header included, in bytes (recipe: verifier.max_frame_bytes); incoming frames
+        are further bounded by `open_frame_bytes` (package docstring "Frame size").
+    model_name: what /healthz reports as the model (recipe: models.verifier as written).
+    limits: `ServerLimits` (recipe: the [verifier] keys of the same names).
+    batching: "batched" (default): rounds of sessions ready together run in one forward and prefills run chunk
+        by chunk between them (`hycoc.verifier.scheduler`); "serial": one engine call at a time, in arrival order.
+        Recipe: verifier.batching.
+    max_batch_rows: most tree rows per batched forward (>= 1; recipe verifier.max_batch_rows).
+    max_batch_wait_ms: how long a round waits for others to join its forward, in ms (>= 0; recipe
+        verifier.max_batch_wait_ms); it never waits when every open session has a round queued.
+
+    ``metrics`` (`ServerMetrics`), ``admission`` (`Admission`) and ``sessions`` (live sessions by id) may be read
+    from other threads between requests.
+    """
+
+    def __init__(self, engine: VerifierEngine, *, tree_rows: int, auth_token: str | None = None,
+                 max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES, model_name: str = "verifier",
+                 limits: ServerLimits = ServerLimits(), batching: str = "batched",
+                 max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS, max_batch_wait_ms: float = DEFAULT_MAX_BATCH_WAIT_MS):
+        if not 1 <= tree_rows <= wire.MAX_TREE_ROWS:
+            raise ValueError(f"tree_rows = {tree_rows}: must lie in [1, {wire.MAX_TREE_ROWS}] (B + 1)")
+        if auth_token is not None and not auth_token:
+            raise ValueError("auth_token is empty: give a non-empty token, or None for an open server")
+        if batching not in BATCHING_MODES:
+            raise ValueError(f"batching = {batching!r}: must be one of {BATCHING_MODES}")
+        if not (isinstance(max_batch_rows, int) and max_batch_rows >= 1):
+            raise ValueError(f"max_batch_rows = {max_batch_rows!r}: must be an integer >= 1")
+        if not (isinstance(max_batch_wait_ms, (int, float)) and 0 <= max_batch_wait_ms <= 10_000):
+            raise ValueError(f"max_batch_wait_ms = {max_batch_wait_ms!r}: must lie in [0, 10000] ms")
+        if max_frame_bytes < wire.HEADER.size:
+            raise ValueError(f"max_frame_bytes = {max_frame_bytes}: must hold at least the "
+                             f"{wire.HEADER.size}-byte header")
+        self.engine = engine
+        self.tree_rows = int(tree_rows)
+        self.auth_token = auth_token
+        self.max_frame_bytes = int(max_frame_bytes)
+        self.model_name = model_name
+        self.batching = batching
+        self.max_batch_rows = int(max_batch_rows)
+        self.max_batch_wait_ms = float(max_batch_wait_ms)
+        self.limits = limits
+        self.metrics = ServerMetrics(live_sessions=lambda: len(self.sessions))
+        self.admission = Admission(limits, self.metrics.refused)
+        self.metrics.admission = self.admission
+        self.worker = EngineWorker(engine, batching=batching, max_batch_rows=self.max_batch_rows,
+                                   max_batch_wait_ms=self.max_batch_wait_ms,
+                                   open_sessions=lambda: len(self.sessions), on_step=self.metrics.observe_step)
+        self.loop = SessionLoop(engine, self.worker, self.admission, self.metrics, limits, tree_rows=self.tree_rows,
+                                auth_token=auth_token, max_frame_bytes=self.max_frame_bytes)
+        #: Live sessions by id (each holds a KV cache until its connection ends).
+        self.sessions: dict[int, Session] = self.loop.sessions
+        #: Largest incoming frame: an OPEN with the longest prompt and auth token (ROUND and CLOSE are smaller).
+        self.in_frame_bytes = self.loop.in_frame_bytes
+        self._runner: web.AppRunner | None = None
+        self._sockets: set[web.WebSocketResponse] = set()
+        self._sweeper: asyncio.Task | None = None
+        self.url: str | None = None
+
+    # ----------------------------------------------------------------------------------------- lifecycle
+
+    def app(self) -> web.Application:
+        """The aiohttp application: ``/`` (WebSocket), ``/healthz``, ``/metrics``."""
+        app = web.Application()
+        app.router.add_get("/", self._websocket)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self._metrics)
+        app.on_shutdown.append(self._close_sockets)
+        return app
+
+    async def start_engine(self) -> None:
+        """Start the engine's worker thread and, batched, its scheduler on the running event loop, without
+        listening anywhere: for a front door that owns the sockets and feeds `serve_connection` (Ray Serve's
+        replicas, `hycoc.verifier.ray_serve`). `start` calls it; `stop` ends both. Raises RuntimeError if already
+        started."""
+        self.worker.start()
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Start the engine (`start_engine`), listen on host:port (0 = a free port) and return the
+        ``ws://HOST:PORT`` URL. Raises OSError if the address cannot be bound."""
+        await self.start_engine()
+        self._runner = GuardedRunner(self.app(), self, handle_signals=False, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        try:
+            await site.start()
+        except BaseException:
+            await self.stop()
+            raise
+        bound = self._runner.addresses[0]
+        url_host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        self.url = f"ws://{url_host}:{bound[1]}"
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        return self.url
+
+    async def stop(self) -> None:
+        """Stop: from now on every frame gets ERROR shutting_down and never reaches the engine (queued rounds and
+        prefills get it too); close every connection (their sessions are freed), stop listening, let the worker
+        finish what it runs. Front doors that own their sockets (Ray Serve) call it when their replica stops."""
+        self.worker.stopping = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await self.worker.stop()
+
+    async def _close_sockets(self, app) -> None:
+        for ws in list(self._sockets):
+            await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
+
+    # ----------------------------------------------------------------------------------------- TCP limits
+
+    def admit_connection(self, transport: asyncio.Transport) -> Link | None:
+        """A new TCP connection (`GuardedProtocol`): its `Link`, or None (closed after handshake_timeout_s, once
+        `answer_busy` answered it) when max_connections are open."""
+        link = self.admission.connections.admit(transport)
+        if link is None:
+            asyncio.get_running_loop().call_later(self.limits.handshake_timeout_s, transport.close)
+        return link
+
+    def answer_busy(self, transport: asyncio.Transport) -> None:
+        """Answer a connection refused by `admit_connection` once its request arrives (a response sent before the
+        request confuses clients): HTTP 503 with Retry-After, then close after a second of discarding its bytes
+        (closing with them unread would reset the connection before the client reads the answer)."""
+        retry = math.ceil(self.limits.retry_after_s)
+        body = (f"max_connections = {self.limits.max_connections} reached; retry after {retry} s\n").encode()
+        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: %d\r\nContent-Type: text/plain\r\n"
+                        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (retry, len(body), body))
+        asyncio.get_running_loop().call_later(1.0, transport.close)
+
+    async def _sweep(self) -> None:
+        """Close connections past the handshake timeout (no OPEN yet) or the frame timeout (a frame begun and not
+        finished), several times per second."""
+        lim = self.limits
+        tick = max(0.05, min(1.0, lim.handshake_timeout_s / 4, lim.frame_timeout_s / 4))
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for link in list(self.admission.connections.links.values()):
+                if link.kicked:
+                    continue
+                if not link.opened and now - link.connected > lim.handshake_timeout_s:
+                    self._kick(link, "handshake_timeout")
+                elif link.frame_since is not None and now - link.frame_since > lim.frame_timeout_s:
+                    self._kick(link, "frame_timeout")
+
+    def _kick(self, link: Link, kind: str) -> None:
+        """Refuse a connection for a timeout: count it, send an ERROR frame when a WebSocket is up, close."""
+        link.kicked = True
+        frame = self.loop.time_out(None, kind)
+
+        async def close() -> None:
+            try:
+                if link.ws is not None and not link.ws.closed:
+                    await asyncio.wait_for(link.ws.send_bytes(frame), 1.0)
+            except (ConnectionError, asyncio.TimeoutError, RuntimeError):
+                pass
+            finally:
+                link.transport.close()
+
+        asyncio.get_running_loop().create_task(close())
+
+    # ----------------------------------------------------------------------------------------- HTTP routes
+
+    def health(self) -> dict:
+        """The /healthz document: status, model, protocol_version, open sessions, tree_rows, max_context,
+        vocab_size, max_frame_bytes, auth (bool), batching and limits (`ServerLimits` field -> value)."""
+        eng = self.engine
+        return {
+            "status": "ok",
+            "model": self.model_name,
+            "protocol_version": wire.PROTOCOL_VERSION,
+            "sessions": self.metrics.sessions_active,
+            "tree_rows": self.tree_rows,
+            "max_context": eng.max_context,
+            "vocab_size": eng.vocab_size,
+            "max_frame_bytes": self.max_frame_bytes,
+            "auth": self.auth_token is not None,
+            "batching": {"mode": self.batching, "max_batch_rows": self.max_batch_rows,
+                         "max_batch_wait_ms": self.max_batch_wait_ms},
+            "limits": self.limits.as_dict(),
+        }
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response(self.health())
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.exposition().encode("utf-8"),
+                            headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    # ----------------------------------------------------------------------------------------- WebSocket
+
+    async def _websocket(self, request: web.Request) -> web.StreamResponse:
+        peer = request.remote or ""
+        wait = self.admission.auth.refuse_if_limited(peer) if self.auth_token is not None else 0.0
+        if wait > 0:
+            return web.Response(status=429, headers={"Retry-After": str(math.ceil(wait))},
+                                text=f"too many refused auth attempts from {peer}; retry after {math.ceil(wait)} s\n")
+        # autoping off: the channel's reader answers pings, so it also sees every frame that arrives (which ends
+        # the frame timeout's watch) and keeps doing both while the engine works (channels module "Keepalive").
+        ws = web.WebSocketResponse(max_msg_size=2 * self.in_frame_bytes, compress=False, autoping=False)
+        await ws.prepare(request)
+        link = self.admission.connections.links.get(request.transport)
+        conn = Connection(header_token=bearer_token(request.headers), peer=peer, link=link)
+        if link is not None:
+            link.ws, link.upgraded = ws, True
+        self._sockets.add(ws)
+        try:
+            # The handshake and frame timeouts are the sweeper's (it sees the TCP connection before the upgrade).
+            await self.serve_connection(conn, AiohttpChannel(ws, link), handshake_timeout=False)
+        finally:
+            self._sockets.discard(ws)
+        return ws
+
+    async def serve_connection(self, conn: Connection, channel: Channel, *, handshake_timeout: bool = True) -> None:
+        """One WebSocket session from its upgrade to its end, over any transport (`SessionLoop.serve_connection`:
+        this server's aiohttp socket, a Ray Serve replica's Starlette socket)."""
+        await self.loop.serve_connection(conn, channel, handshake_timeout=handshake_timeout)
+
+    async def frame(self, conn: Connection, data: bytes) -> tuple[bytes | None, bool]:
+        """Answer one binary frame of ``conn`` (`SessionLoop.frame`)."""
+        return await self.loop.frame(conn, data)
+
+    def end_session(self, conn: Connection) -> None:
+        """Free the connection's session and its admission (`SessionLoop.end_session`)."""
+        self.loop.end_session(conn)

@@ -1,0 +1,168 @@
+"""The verifier server's /metrics: counters kept as plain fields, published through ``prometheus_client``.
+
+As vLLM (``vllm/v1/metrics/``) and SGLang (``srt/metrics/collector.py``) do, the server records what happened in a
+plain object (`ServerMetrics`: counts, milliseconds, errors and refusals by kind, three histograms) and a
+collector turns it, and the admission ledgers' totals (`hycoc.verifier.server.admission`), into metric families
+at each scrape. Every server has its own ``CollectorRegistry`` (many servers run in one process: tests, ``hycoc
+bench``); no multiprocess mode (Ray replicas are separate processes already).
+
+The exposition is Prometheus' text format 0.0.4 (`METRICS_CONTENT_TYPE`; prometheus_client >= 0.23 defaults to
+1.0.0, and the Ray Serve ingress, `hycoc.verifier.ray_serve.merge_expositions`, merges 0.0.4 text). The
+OpenMetrics-only ``_created`` samples of counters and histograms are left out: the 0.0.4 writer would turn each
+into an extra gauge family, and a counter's creation time tells a scrape nothing here.
+
+Families (names and labels are the contract; README "Serving"):
+
+    hycoc_rounds_total, hycoc_retries_total, hycoc_sessions_total, hycoc_tokens_committed_total,
+    hycoc_server_ms_total, hycoc_prefill_ms_total                          counters
+    hycoc_errors_total{kind=CODE}         ERROR frames sent, by wire code (a code appears once sent)
+    hycoc_refusals_total{kind=LIMIT}      refusals by limit name; every kind of `REFUSAL_KINDS` from the start
+    hycoc_sessions_active, hycoc_connections_active, hycoc_kv_bytes_reserved   gauges read from the ledgers
+    hycoc_mat, hycoc_g_ms_per_token       gauges derived from the counters (NaN before the first round / token)
+    hycoc_batch_rows, hycoc_batch_sessions, hycoc_queue_wait_seconds           histograms
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..scheduler import StepReport
+from .admission import Admission
+from .limits import REFUSAL_KINDS
+
+#: Prometheus text exposition format served at /metrics (0.0.4).
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: Bucket bounds of the batching histograms (rows per forward, sessions per forward, queue wait in seconds).
+ROWS_BUCKETS = (1, 2, 4, 8, 16, 33, 66, 132, 264, 528, 1056, 2112)
+SESSIONS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+WAIT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class ServerMetrics:
+    """What one server counted over its lifetime (all sessions, all draft places), and its /metrics exposition.
+
+    Event counters, updated by the server on its event loop: rounds, retries, sessions_total, tokens_committed,
+    server_ms, prefill_ms (float ms), errors (Counter: wire code -> ERROR frames), refusals (Counter: limit name ->
+    refusals; `refused` adds one). Histograms (prometheus_client ``Histogram``, ``observe(value)``): batch_rows,
+    batch_sessions, queue_wait (seconds). Gauges read at each scrape: sessions_active (``live_sessions()``),
+    connections_active and kv_bytes_reserved (the `Admission` ledgers).
+
+    MAT = tokens_committed / rounds counts the bonus token (paper App. G, as vLLM / SGLang / Spec-Bench).
+    g = (server_ms + prefill_ms) / tokens_committed, the verifier's milliseconds per output token incl. prefill.
+    """
+
+    def __init__(self, admission: Admission | None = None, live_sessions: Callable[[], int] = lambda: 0):
+        self.rounds = 0
+        self.retries = 0
+        self.sessions_total = 0
+        self.tokens_committed = 0
+        self.server_ms = 0.0
+        self.prefill_ms = 0.0
+        self.errors: Counter = Counter()
+        self.refusals: Counter = Counter()
+        self.admission = admission
+        self._live_sessions = live_sessions
+        # Unregistered: `_Collector` publishes them (without their _created samples) in this server's registry.
+        self.batch_rows = Histogram("hycoc_batch_rows", "tree rows per verification forward (all its sessions' "
+                                    "rows, cloud-mtp chains included)", buckets=ROWS_BUCKETS, registry=None)
+        self.batch_sessions = Histogram("hycoc_batch_sessions", "sessions per verification forward",
+                                        buckets=SESSIONS_BUCKETS, registry=None)
+        self.queue_wait = Histogram("hycoc_queue_wait_seconds", "seconds from a round's arrival to the start of "
+                                    "its forward's step", buckets=WAIT_BUCKETS, registry=None)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
+
+    def observe_step(self, report: StepReport) -> None:
+        """One batched scheduler step (`hycoc.verifier.scheduler.StepReport`): its forward's rows, sessions and
+        ms, and each round's queue wait."""
+        stats = report.stats
+        if stats.sessions:
+            self.batch_rows.observe(stats.rows)
+            self.batch_sessions.observe(stats.sessions)
+            self.server_ms += stats.total_ms
+        for wait in report.waits:
+            self.queue_wait.observe(wait)
+
+    def observe_serial_round(self, server_ms: float, rows: int, wait_s: float) -> None:
+        """One serial-mode round: a forward of one session's ``rows`` rows that took ``server_ms`` after waiting
+        ``wait_s`` seconds in the queue."""
+        self.server_ms += server_ms
+        self.queue_wait.observe(wait_s)
+        self.batch_sessions.observe(1)
+        self.batch_rows.observe(rows)
+
+    def refused(self, kind: str) -> None:
+        """Count one refusal by the limit ``kind`` (one of REFUSAL_KINDS)."""
+        self.refusals[kind] += 1
+
+    @property
+    def sessions_active(self) -> int:
+        """Sessions open now (prefilled, OPENED sent, not yet ended); each holds a KV cache."""
+        return int(self._live_sessions())
+
+    @property
+    def connections_active(self) -> int:
+        """TCP connections admitted and open now (0 for front doors that own their sockets)."""
+        return self.admission.connections.active if self.admission is not None else 0
+
+    @property
+    def kv_bytes_reserved(self) -> int:
+        """KV bytes reserved by open and opening sessions (the max_kv_bytes ledger)."""
+        return self.admission.kv.reserved if self.admission is not None else 0
+
+    def exposition(self) -> str:
+        """The Prometheus text exposition (format 0.0.4) of this server's registry."""
+        return generate_latest(self.registry).decode("utf-8")
+
+
+class _Collector(Collector):
+    """Turns a `ServerMetrics` into metric families at each scrape (prometheus_client's custom-collector API)."""
+
+    def __init__(self, m: ServerMetrics):
+        self.m = m
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        mat = m.tokens_committed / m.rounds if m.rounds else math.nan
+        g = (m.server_ms + m.prefill_ms) / m.tokens_committed if m.tokens_committed else math.nan
+        yield CounterMetricFamily("hycoc_rounds_total", "rounds verified (one tree forward each; retries not "
+                                  "counted)", value=m.rounds)
+        yield CounterMetricFamily("hycoc_retries_total", "rounds answered again from the last reply (idempotent "
+                                  "retry)", value=m.retries)
+        yield GaugeMetricFamily("hycoc_sessions_active", "sessions open now (each holds a KV cache)",
+                                value=m.sessions_active)
+        yield CounterMetricFamily("hycoc_sessions_total", "sessions opened (prefill done, OPENED sent)",
+                                  value=m.sessions_total)
+        yield CounterMetricFamily("hycoc_tokens_committed_total", "output tokens committed, accepted path plus "
+                                  "bonus", value=m.tokens_committed)
+        yield GaugeMetricFamily("hycoc_mat", "mean tokens committed per round, bonus included (NaN before the "
+                                "first round)", value=mat)
+        yield CounterMetricFamily("hycoc_server_ms_total", "verifier milliseconds spent in rounds", value=m.server_ms)
+        yield CounterMetricFamily("hycoc_prefill_ms_total", "verifier milliseconds spent in prefills",
+                                  value=m.prefill_ms)
+        yield GaugeMetricFamily("hycoc_g_ms_per_token", "verifier milliseconds per committed token, prefill "
+                                "included (NaN before the first token)", value=g)
+        errors = CounterMetricFamily("hycoc_errors_total", "ERROR frames sent, by code", labels=["kind"])
+        for kind, n in sorted(m.errors.items()):
+            errors.add_metric([kind], n)
+        yield errors
+        refusals = CounterMetricFamily("hycoc_refusals_total", "connections, sessions or frames refused by a "
+                                       "server limit, by limit", labels=["kind"])
+        for kind in REFUSAL_KINDS:
+            refusals.add_metric([kind], m.refusals[kind])
+        yield refusals
+        yield GaugeMetricFamily("hycoc_connections_active", "TCP connections open now (HTTP and WebSocket)",
+                                value=m.connections_active)
+        yield GaugeMetricFamily("hycoc_kv_bytes_reserved", "KV bytes reserved by the open sessions (max_kv_bytes "
+                                "budget)", value=m.kv_bytes_reserved)
+        for hist in (m.batch_rows, m.batch_sessions, m.queue_wait):
+            for family in hist.collect():
+                family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+                yield family

@@ -1,0 +1,109 @@
+"""Running a `VerifierServer`: `serve` (blocking, for ``hycoc verify-server``) and `ServerThread` (in-process on
+an ephemeral port, for tests and ``hycoc bench``)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+from typing import Callable
+
+from hycoc.protocol import wire
+
+from ..engine import VerifierEngine
+from .app import VerifierServer
+from .limits import ServerLimits
+from .worker import DEFAULT_MAX_BATCH_ROWS, DEFAULT_MAX_BATCH_WAIT_MS
+
+def serve(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 8765, *, auth_token: str | None = None,
+          tree_rows: int, max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES, model_name: str = "verifier",
+          limits: ServerLimits = ServerLimits(), on_listening: Callable[[str], None] | None = None,
+          batching: str = "batched", max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
+          max_batch_wait_ms: float = DEFAULT_MAX_BATCH_WAIT_MS) -> None:
+    """Run the server until SIGINT or SIGTERM (blocking). ``on_listening(url)`` is called once the port is bound.
+    The other keywords are `VerifierServer`'s.
+
+    port 0 picks a free port (the URL names it). Raises OSError when the address cannot be bound.
+    """
+    server = VerifierServer(engine, tree_rows=tree_rows, auth_token=auth_token, max_frame_bytes=max_frame_bytes,
+                            model_name=model_name, limits=limits, batching=batching, max_batch_rows=max_batch_rows,
+                            max_batch_wait_ms=max_batch_wait_ms)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
+                pass
+        url = await server.start(host, port)
+        try:
+            if on_listening is not None:
+                on_listening(url)
+            await stop.wait()
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+class ServerThread:
+    """A `VerifierServer` on its own event loop in a background thread (tests, ``hycoc bench``).
+
+    ``with ServerThread(engine, tree_rows=33) as srv: ... srv.url ...`` listens on 127.0.0.1 and a free port by
+    default. ``url`` is ``ws://HOST:PORT``, ``http_url`` the same with ``http://``. ``server`` is the
+    `VerifierServer` (its ``metrics`` and ``sessions`` may be read from other threads between requests).
+    """
+
+    def __init__(self, engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0, **server_kwargs):
+        self.server = VerifierServer(engine, **server_kwargs)
+        self._host, self._port = host, port
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self.url: str | None = None
+
+    @property
+    def http_url(self) -> str:
+        return "http" + self.url.removeprefix("ws")
+
+    def start(self) -> "ServerThread":
+        """Start listening; returns once the port is bound (raises what binding raised)."""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="hycoc-verify-server", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._failure is not None:
+            self._thread.join()
+            raise self._failure
+        return self
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self.url = self._loop.run_until_complete(self.server.start(self._host, self._port))
+        except BaseException as e:  # noqa: BLE001 -- handed to the starting thread
+            self._failure = e
+            self._ready.set()
+            self._loop.close()
+            return
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(self.server.stop())
+        self._loop.close()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Close every connection, stop listening and join the thread."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout_s)
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+

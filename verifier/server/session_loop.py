@@ -1,0 +1,353 @@
+"""The session loop: one WebSocket's frames from its upgrade to its end, over any `Channel`.
+
+Every front door (``hycoc verify-server``'s aiohttp socket, a Ray Serve replica's Starlette socket) runs
+`SessionLoop.serve_connection`: each binary frame is decoded by `hycoc.protocol.wire.decode` against the
+connection's `Limits`, answered (OPEN -> prefill -> OPENED; ROUND -> REPLY; APPEND -> OPENED; CLOSE), and the
+connection is closed as the answer says (1000 after a CLOSE, 1008 after a refusal); the session is freed at the end.
+
+Validation. A bad frame gets an ERROR frame with the wire's code (``bad_parent``, ``token_out_of_vocab``,
+``wrong_row_count``, ``frame_too_large``, ``context_overflow``, ``unknown_message_type``, ``unsupported_version``,
+...), the engine's (``bad_seq``, ``bad_root``, ``finished``: `hycoc.verifier.errors`) or this server's
+(`hycoc.verifier.server.errors`). A failed frame changes nothing: decoding happens before the engine is called, and
+the engine restores its cache and sampler when a round fails (`Session.verify`). Errors never touch other
+connections.
+
+Auth. With ``auth_token`` set, an OPEN must present it, in the frame's ``auth_token`` or in the WebSocket upgrade's
+``Authorization: Bearer T`` header; every token presented must match (compared in constant time). A missing token
+gets ``auth_required``, a wrong one ``auth_refused``; both close the connection (WebSocket code 1008).
+
+Admission (`hycoc.verifier.server.admission`). An OPEN takes a ``max_sessions`` slot and reserves its KV, (prompt +
+max_new_tokens + B + 1, up to max_context) positions as the engine holds them (`session_kv_bytes`), before its prefill is queued; an
+APPEND grows the reservation to the conversation plus the new turn's cap before its prefill is queued, and gives
+the growth back if the turn fails. Both are released when the session ends, whatever ends it.
+
+Retries. Rounds carry a sequence number. The same frame again with the seq of the last answered round gets the same
+reply bytes again without touching the engine (idempotent retry); any other seq gets ``bad_seq``.
+
+A client that disconnects mid-round: its round finishes on the worker, the reply is dropped, and the session's KV is
+freed right after (the free is queued on the same worker, so it runs after the round).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from dataclasses import replace
+
+from aiohttp import WSCloseCode
+
+from hycoc.protocol import wire
+from hycoc.protocol.messages import AppendTurn, Close, DraftTree, Opened, OpenRequest
+
+from ..engine import Session, VerifierEngine
+from .admission import Admission
+from .channels import Channel, Connection
+from .errors import (CLOSING_ERRORS, AlreadyOpen, AuthRefused, AuthRequired, BadSessionId, FrameTimeout,
+                     HandshakeTimeout, IdleTimeout, KeepSetMissing, NotOpened, ServerError, ShuttingDown,
+                     UnexpectedMessage)
+from .limits import ServerLimits, open_frame_bytes
+from .metrics import ServerMetrics
+from .worker import EngineWorker
+
+log = logging.getLogger("hycoc.verifier.server")
+
+
+
+def _stop_ids(engine) -> tuple[int, ...]:
+    """The verifier's stop ids for OPENED: the chat format's order, else sorted; (1,) for an engine with none."""
+    fmt = getattr(engine, "chat_format", None)
+    if fmt is not None:
+        return tuple(fmt.stop_ids)
+    return tuple(sorted(engine.eos_token_ids)) or (1,)
+
+class SessionLoop:
+    """The wire protocol's per-connection logic (module docstring) over one engine.
+
+    engine, worker: the shared `VerifierEngine` and its `EngineWorker`. admission, metrics: the server's ledgers
+    and counters. limits: `ServerLimits`. tree_rows: B + 1 rows of device and server-head rounds (cloud-mtp: 1).
+    auth_token: the shared secret (None: open). max_frame_bytes: largest reply frame; incoming frames are bounded
+    by `open_frame_bytes` as well. ``sessions``: live sessions by id.
+    """
+
+    def __init__(self, engine: VerifierEngine, worker: EngineWorker, admission: Admission, metrics: ServerMetrics,
+                 limits: ServerLimits, *, tree_rows: int, auth_token: str | None, max_frame_bytes: int):
+        self.engine, self.worker, self.admission, self.metrics = engine, worker, admission, metrics
+        self.limits = limits
+        self.tree_rows = tree_rows
+        self.auth_token = auth_token
+        self.max_frame_bytes = max_frame_bytes
+        self.sessions: dict[int, Session] = {}
+        self._next_id = 1
+        #: Largest incoming frame: an OPEN with the longest prompt and auth token (ROUND and CLOSE are smaller).
+        self.in_frame_bytes = min(max_frame_bytes, open_frame_bytes(engine.max_context))
+        # Before OPEN only the frame itself is checked; the OPEN's fields are checked after its auth token.
+        self._bare_limits = wire.Limits(max_frame_bytes=self.in_frame_bytes)
+        self._open_limits = wire.Limits(max_frame_bytes=self.in_frame_bytes, vocab_size=engine.vocab_size,
+                                        max_context=engine.max_context)
+
+    # ----------------------------------------------------------------------------------------- the loop
+
+    async def serve_connection(self, conn: Connection, channel: Channel, *, handshake_timeout: bool = True) -> None:
+        """One WebSocket session from its upgrade to its end (module docstring). Timeouts (limits module): an open
+        session that sends nothing for idle_timeout_s, and, with ``handshake_timeout`` (for front doors that cannot
+        watch the TCP connection), a connection without an OPEN handshake_timeout_s after ``conn.connected``, get
+        the ERROR frame of `time_out` and a 1008 close. A text message gets ERROR unexpected_message (binary frames
+        only). Never raises for a client that goes away."""
+        lim = self.limits
+        try:
+            while True:
+                if conn.session is not None:
+                    kind, timeout = "idle_timeout", lim.idle_timeout_s
+                elif handshake_timeout and not conn.open_seen:
+                    kind = "handshake_timeout"
+                    timeout = max(0.0, conn.connected + lim.handshake_timeout_s - time.monotonic())
+                else:
+                    kind, timeout = None, None
+                try:
+                    msg = await channel.receive(timeout)
+                except asyncio.TimeoutError:
+                    frame = self.time_out(conn, kind)
+                    try:
+                        await channel.send(frame)
+                    except ConnectionError:
+                        return
+                    await channel.close(WSCloseCode.POLICY_VIOLATION)
+                    return
+                if msg is None:
+                    return
+                if isinstance(msg, str):
+                    reply, keep_open = self.error_frame(UnexpectedMessage(
+                        "a text WebSocket message: the wire protocol uses binary frames only")), True
+                else:
+                    reply, keep_open = await self.frame(conn, msg)
+                if reply is not None:
+                    try:
+                        await channel.send(reply)
+                    except ConnectionError:  # the client left mid-round: drop the reply
+                        return
+                if not keep_open:
+                    await channel.close(WSCloseCode.OK if reply is None else WSCloseCode.POLICY_VIOLATION)
+                    return
+        finally:
+            self.end_session(conn)
+
+    async def frame(self, conn: Connection, data: bytes) -> tuple[bytes | None, bool]:
+        """Answer one binary frame of ``conn``: (the reply frame, or None after a CLOSE; keep the connection
+        open). A bad frame gets its ERROR frame (never an exception); a refused OPEN (auth, capacity) and any frame
+        after the server began to stop (ERROR shutting_down) close."""
+        try:
+            if self.worker.stopping:
+                raise ShuttingDown("the verifier is shutting down: this frame did not reach the engine; open a new "
+                                   "session on another verifier (or this one once it is back)")
+            if conn.session is None:
+                msg = wire.decode(data, self._bare_limits)
+                if isinstance(msg, OpenRequest):
+                    return await self._open(conn, msg), True
+                if isinstance(msg, Close):
+                    return None, False
+                if isinstance(msg, (DraftTree, AppendTurn)):
+                    what = "ROUND" if isinstance(msg, DraftTree) else "APPEND"
+                    raise NotOpened(f"{what} before OPEN: open a session first")
+            else:
+                msg = wire.decode(data, conn.limits)
+                if isinstance(msg, DraftTree):
+                    return await self._round(conn, msg, bytes(data)), True
+                if isinstance(msg, Close):
+                    if msg.session_id not in (0, conn.session_id):
+                        raise BadSessionId(f"CLOSE names session {msg.session_id}; this connection holds session "
+                                           f"{conn.session_id} (or send 0)")
+                    return None, False
+                if isinstance(msg, AppendTurn):
+                    return await self._append(conn, msg), True
+                if isinstance(msg, OpenRequest):
+                    raise AlreadyOpen(f"this connection already holds session {conn.session_id}: one session per "
+                                      "connection; CLOSE it or open another connection")
+            raise UnexpectedMessage(f"{type(msg).__name__} frames go from the verifier to the device; "
+                                    "send OPEN, ROUND or CLOSE")
+        except CLOSING_ERRORS as e:
+            return self.error_frame(e), False
+        except Exception as e:  # noqa: BLE001 -- every failure becomes an ERROR frame (internal ones are logged)
+            return self.error_frame(e), True
+
+    # ----------------------------------------------------------------------------------------- OPEN, APPEND
+
+    def _check_auth(self, conn: Connection, frame_token: str | None) -> None:
+        if self.auth_token is None:
+            return
+        self.admission.auth.check(conn.peer)
+        presented = [t for t in (frame_token, conn.header_token) if t is not None]
+        if not presented:
+            self.admission.auth.record(conn.peer)
+            raise AuthRequired("this verifier requires an auth token: send it in OPEN's auth_token or as "
+                               "'Authorization: Bearer TOKEN'")
+        expected = self.auth_token.encode("utf-8")
+        if not all(hmac.compare_digest(t.encode("utf-8"), expected) for t in presented):
+            self.admission.auth.record(conn.peer)
+            raise AuthRefused("the auth token does not match the verifier's (--auth-token)")
+
+    def session_kv_bytes(self, positions: int) -> int:
+        """KV bytes a session holds at ``positions`` (`VerifierEngine.session_kv_bytes`: sliding layers capped at
+        their window + B + 1 rows); an engine without it reserves positions x kv_bytes_per_position."""
+        eng = self.engine
+        if hasattr(eng, "session_kv_bytes"):
+            return int(eng.session_kv_bytes(positions, self.tree_rows))
+        return int(positions) * eng.kv_bytes_per_position
+
+    def session_positions(self, context: int, max_new_tokens: int) -> int:
+        """KV positions a session reserves for ``context`` tokens and a cap of ``max_new_tokens`` more: the
+        context, the cap and one tree (B + 1 rows), at most max_context."""
+        return min(self.engine.max_context, int(context) + int(max_new_tokens) + self.tree_rows)
+
+    async def _open(self, conn: Connection, req: OpenRequest) -> bytes:
+        conn.open_seen = True  # an OPEN arrived: the handshake is over, whatever its answer
+        if conn.link is not None:
+            conn.link.opened = True
+        self._check_auth(conn, req.auth_token)
+        wire.validate(req, self._open_limits)  # vocabulary and context, now that the client may know them
+        fmt = getattr(self.engine, "chat_format", None)
+        if req.chat is not None and fmt is not None:
+            fmt.check_contract(req.chat)   # ChatMismatch (chat_mismatch) names both sides
+        if req.draft_place == "server-head" and self.engine.keep_set is None:
+            raise KeepSetMissing("draft_place 'server-head' needs the keep set (Table 5), and this verifier has "
+                                 "none: start it with `hycoc verify-server RECIPE --keep-set BUNDLE/keep_set.npy`, or run "
+                                 "the device with another mode (hycoc run --mode hyco: device drafting)")
+        eng = self.engine
+        slot = self.admission.sessions.acquire()
+        try:
+            positions = self.session_positions(len(req.prompt_ids), req.max_new_tokens)
+            kv = self.admission.kv.reserve(self.session_kv_bytes(positions), positions)
+        except BaseException:
+            slot.release()
+            raise
+        try:
+            if self.worker.batching == "batched":
+                session = eng.open(req.prompt_ids, req.sampling, req.seed, req.acceptance, req.epsilon,
+                                   req.draft_place, req.max_new_tokens)   # checks only; nothing runs
+                prefill_ms, t = await self.worker.prefill(session.prefill_job)
+            else:
+                session, prefill_ms, t = await self.worker.run(self._open_session, req)
+        except BaseException:
+            kv.release()
+            slot.release()
+            raise
+        conn.slot, conn.kv = slot, kv
+        session_id, self._next_id = self._next_id, self._next_id + 1
+        tree_rows = 1 if req.draft_place == "cloud-mtp" else self.tree_rows
+        opened = Opened(session_id=session_id, t=t, prefill_ms=prefill_ms, max_context=eng.max_context,
+                        tree_rows=tree_rows, vocab_size=eng.vocab_size, hidden_size=eng.hidden_size,
+                        kv_dim_sliding=eng.kv_dim_sliding, kv_dim_full=eng.kv_dim_full,
+                        stop_ids=_stop_ids(eng))
+        conn.session, conn.session_id, conn.opened = session, session_id, opened
+        conn.limits = wire.Limits(max_frame_bytes=self.max_frame_bytes, vocab_size=eng.vocab_size,
+                                  tree_rows=tree_rows, max_context=eng.max_context)
+        self.sessions[session_id] = session
+        self.metrics.sessions_total += 1
+        self.metrics.prefill_ms += prefill_ms
+        return wire.encode(opened)
+
+    async def _append(self, conn: Connection, msg: AppendTurn) -> bytes:
+        """The next turn on the open session (`Session.append`): its KV stays, only the new tokens are prefilled;
+        answered with OPENED (same session id, the new root's t, this prefill's ms). The KV reservation grows to
+        the conversation plus the new turn's cap BEFORE the prefill is queued (refused with kv_budget_exhausted
+        when that does not fit), and shrinks back when the turn fails."""
+        eng, session = self.engine, conn.session
+        positions = self.session_positions(len(session.tokens) + len(msg.tokens), msg.max_new_tokens)
+        need = self.session_kv_bytes(positions) - conn.kv.nbytes
+        added = conn.kv.grow(need, f"the next turn needs {need} more KV bytes")
+        try:
+            if self.worker.batching == "batched":
+                prefill_ms, t = await self.worker.prefill(
+                    lambda: session.append_job(msg.tokens, int(msg.max_new_tokens)))
+            else:
+                prefill_ms, t = await self.worker.run(session.append, msg.tokens, int(msg.max_new_tokens))
+        except BaseException:
+            conn.kv.shrink(added)
+            raise
+        conn.last_seq, conn.last_request, conn.last_reply = None, b"", b""
+        self.metrics.prefill_ms += prefill_ms
+        return wire.encode(replace(conn.opened, t=t, prefill_ms=prefill_ms))
+
+    def _open_session(self, req: OpenRequest) -> tuple[Session, float, int]:
+        """Worker thread (serial mode): a new engine session, prefilled."""
+        session = self.engine.open(req.prompt_ids, req.sampling, req.seed, req.acceptance, req.epsilon,
+                                   req.draft_place, req.max_new_tokens)
+        prefill_ms, t = session.prefill()
+        return session, prefill_ms, t
+
+    # ----------------------------------------------------------------------------------------- ROUND
+
+    async def _round(self, conn: Connection, tree: DraftTree, data: bytes) -> bytes:
+        if tree.seq == conn.last_seq and data == conn.last_request:
+            self.metrics.retries += 1
+            return conn.last_reply  # idempotent retry: the same bytes, the engine untouched
+        if self.worker.batching == "batched":
+            reply, frame, committed, verified = await self.worker.round(conn.session, tree)
+        else:
+            reply, frame, committed, verified, wait = await self.worker.run(self._verify, conn.session, tree,
+                                                                             time.monotonic())
+            if verified:  # serial: every forward holds one session's rows
+                self.metrics.observe_serial_round(reply.server_ms, len(reply.samples), wait)
+        if verified:
+            conn.last_seq, conn.last_request, conn.last_reply = tree.seq, data, frame
+            self.metrics.rounds += 1
+            self.metrics.tokens_committed += committed
+        return frame
+
+    @staticmethod
+    def _verify(session: Session, tree: DraftTree, arrived: float):
+        """Worker thread (serial mode): one round (Alg. 4) and its reply frame. Returns (reply, frame, tokens
+        committed, whether a round ran, seconds since ``arrived`` (time.monotonic()) when it started)."""
+        wait = time.monotonic() - arrived
+        rounds, before = session.rounds, len(session.tokens)
+        reply = session.verify(tree.tokens, tree.parents, tree.seq)
+        return reply, wire.encode(reply), len(session.tokens) - before, session.rounds > rounds, wait
+
+    # ----------------------------------------------------------------------------------------- ends
+
+    def end_session(self, conn: Connection) -> None:
+        """Free the connection's session (nothing without one): drop it now, release its admission (slot and KV
+        reservation), free its KV on the worker after any round in flight. Every front door calls it when a
+        connection ends."""
+        if conn.session is None:
+            return
+        session, conn.session = conn.session, None
+        self.sessions.pop(conn.session_id, None)
+        for held in (conn.kv, conn.slot):
+            if held is not None:
+                held.release()
+        self.worker.submit(session.close)
+
+    def timeout_error(self, kind: str) -> ServerError:
+        """The error a timeout of this server's limits sends: kind "handshake_timeout" (HandshakeTimeout),
+        "frame_timeout" (FrameTimeout) or "idle_timeout" (IdleTimeout), its message naming the limit's value."""
+        lim = self.limits
+        if kind == "handshake_timeout":
+            return HandshakeTimeout(f"no OPEN within handshake_timeout_s = {lim.handshake_timeout_s:g} s of "
+                                    "connecting")
+        if kind == "frame_timeout":
+            return FrameTimeout(f"a frame took longer than frame_timeout_s = {lim.frame_timeout_s:g} s to arrive")
+        if kind == "idle_timeout":
+            return IdleTimeout(f"no frame for idle_timeout_s = {lim.idle_timeout_s:g} s: the session's KV was "
+                               "freed; open a new session")
+        raise ValueError(f"timeout kind {kind!r}: one of handshake_timeout, frame_timeout, idle_timeout")
+
+    def time_out(self, conn: Connection | None, kind: str) -> bytes:
+        """A timeout fired on ``conn`` (None: a connection with no WebSocket state yet): count it in
+        ``hycoc_refusals_total{kind=KIND}``, free the session's KV (before the client hears why) and return the
+        ERROR frame (`timeout_error`) to send before closing with 1008."""
+        exc = self.timeout_error(kind)
+        self.metrics.refused(kind)
+        if conn is not None:
+            self.end_session(conn)
+        return self.error_frame(exc)
+
+    def error_frame(self, exc: BaseException) -> bytes:
+        """The ERROR frame for ``exc`` (`hycoc.protocol.wire.error_reply`: a wire, engine or `ServerError` code;
+        anything else is internal_error, logged with its traceback), counted in ``hycoc_errors_total``."""
+        reply = wire.error_reply(exc)
+        self.metrics.errors[reply.code] += 1
+        if reply.code == "internal_error":
+            log.error("internal error on a frame", exc_info=exc)
+        return wire.encode(reply)
