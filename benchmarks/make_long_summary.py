@@ -28,14 +28,12 @@ import re
 import sys
 from pathlib import Path
 
-from tokenizers import Tokenizer
-
 from hycoc.bench.datasets import LONG_SUMMARY, LongDocument, fit_context, long_summary_text
-from hycoc.chat import format_prompt
+from hycoc.chat_template import load_chat
 from hycoc.toy.corpus import DOCS_DIR, _clean_rst
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKENIZER = ROOT / "recipes" / "toy" / "models" / "tokenizer.json"
+TOKENIZER = ROOT / "recipes" / "toy" / "models" / "verifier"   # the toy checkpoint's tokenizer folder
 _SYNOPSIS = re.compile(r"^\s*:synopsis:\s*(.+)$", re.M)
 _UNDERLINE = re.compile(r"^([=\-~^\"'`#*+])\1{2,}\s*$")
 
@@ -82,7 +80,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not args.docs.is_dir():
         sys.exit(f"{args.docs} is missing: install Debian's python3.11-doc (apt-get install -y python3.11-doc)")
-    tok = Tokenizer.from_file(str(TOKENIZER))
+    chat = load_chat(TOKENIZER, TOKENIZER)
     rows = []
     for path in sorted(args.docs.glob("*.rst.txt")):
         row = page_row(path, len(rows), args.min_chars)
@@ -91,7 +89,7 @@ def main(argv=None) -> int:
         if len(rows) == args.documents:
             break
     docs = [LongDocument(r["id"], r["context"], tuple(r["answer"])) for r in rows]
-    count = lambda text: len(format_prompt(tok, text))  # noqa: E731
+    count = lambda text: len(chat.prompt(text))  # noqa: E731
     for i, row in enumerate(rows):
         row["context"] = fit_context(docs, i, count, args.max_prompt_tokens)
         n = count(long_summary_text(docs, i, row["context"]))

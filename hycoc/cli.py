@@ -764,7 +764,7 @@ def _bench_questions(cfg, recipe: Path, bundle: Optional[Path], dataset: Optiona
     """``hycoc bench``'s questions: (questions, the dataset's name for the table, the bundle folder). The dataset is
     ``--dataset`` (a built-in name or a path), else the recipe's bench.dataset, else spec-bench
     (`hycoc.bench.datasets.load_bench_dataset`); with ``--max-prompt-tokens`` long documents are cut to fit, counted
-    with the bundle's tokenizer in the chat template (`hycoc.chat.format_prompt`)."""
+    with the bundle's chat format (`hycoc.chat.Chat.prompt`)."""
     from hycoc.bench.datasets import BUILTIN_DATASETS, DatasetError, is_long_summary_file, load_bench_dataset
 
     spec = dataset or cfg.resolve_path(cfg.bench.dataset) or DEFAULT_DATASET
@@ -778,12 +778,10 @@ def _bench_questions(cfg, recipe: Path, bundle: Optional[Path], dataset: Optiona
         questions = load_bench_dataset(path)          # every file error before a bundle is (maybe) built
         bundle_dir = _bench_bundle("bench", cfg, recipe, bundle)
         if long_doc and max_prompt_tokens is not None:
-            from tokenizers import Tokenizer
+            from hycoc.runtime.device_bundle import open_bundle
 
-            from hycoc.chat import format_prompt
-
-            tok = Tokenizer.from_file(str(bundle_dir / "tokenizer.json"))
-            questions = load_bench_dataset(path, prompt_tokens=lambda text: len(format_prompt(tok, text)),
+            chat = open_bundle(bundle_dir, "cpu", verify=False).chat      # the bundle's own chat format
+            questions = load_bench_dataset(path, prompt_tokens=lambda text: len(chat.prompt(text)),
                                            max_prompt_tokens=max_prompt_tokens)
     except DatasetError as e:
         raise _fail("bench", str(e)) from None

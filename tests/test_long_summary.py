@@ -10,12 +10,11 @@ import json
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
 from hycoc.bench.datasets import (LONG_SUMMARY, DatasetError, fit_context, helmet_order, load_bench_dataset,
                                   load_long_summary, read_long_documents)
-from hycoc.chat import format_prompt
+from hycoc.chat_template import load_chat
 from hycoc.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,10 +83,10 @@ def test_too_few_rows_or_no_file(tmp_path):
 
 
 def test_the_shipped_toy_documents_fill_the_toy_verifiers_context():
-    tok = Tokenizer.from_file(str(ROOT / "recipes" / "toy" / "models" / "tokenizer.json"))
+    chat = load_chat(ROOT / "recipes" / "toy" / "models" / "verifier", ROOT / "recipes" / "toy" / "models" / "verifier")
     qs = load_bench_dataset("long-summary")
     assert len(qs) == 20 and len({q.question_id for q in qs}) == 20
-    lengths = [len(format_prompt(tok, q.turns[0])) for q in qs]
+    lengths = [len(chat.prompt(q.turns[0])) for q in qs]
     # 3.5-3.8K toy tokens: ~15x the drafters' 256-token windows; room left for the 256-token cap and a 33-row tree
     assert 3500 <= min(lengths) and max(lengths) <= 3700 and max(lengths) + 256 + 33 <= 4096
     assert LONG_SUMMARY.name == "long_summary_toy.jsonl"

@@ -200,7 +200,7 @@ def long_summary_text(docs: list[LongDocument], index: int, context: str | None 
 
 def fit_context(docs: list[LongDocument], index: int, prompt_tokens, max_prompt_tokens: int) -> str:
     """Row ``index``'s document cut at a line end so that its whole prompt (``prompt_tokens(text) -> int``, e.g.
-    ``len(format_prompt(tokenizer, text))``) has at most ``max_prompt_tokens`` tokens, as HELMET truncates each
+    ``len(chat.prompt(text))``) has at most ``max_prompt_tokens`` tokens, as HELMET truncates each
     novel to the model's budget (paper App. D: 32K). The document is returned whole when it fits. Raises
     DatasetError naming the row when even an empty document does not fit."""
     context = docs[index].context
