@@ -422,7 +422,10 @@ def run(
         return res
 
     res = turn(True)
+    n = 1
     while chat and (text := ask()) is not None:
+        n += 1
+        typer.echo(f"-- turn {n} --", err=True)      # the answers on stdout stay plain text
         res = turn(False, text)
     if chat:
         client.close()
