@@ -168,7 +168,10 @@ def test_append_holds_the_templates_rendering_of_the_conversation(engine, chat, 
                                             {"role": "assistant", "content": "w3 w4 w5"},
                                             {"role": "user", "content": "w6"}])
     assert session.tokens == want
-    assert len(session.cache.layers[0].keys[0, 0]) == len(want) - 1          # KV of every position but the root
+    from hycoc.verifier.kv_cache import first_position, stores_kv
+
+    assert {first_position(layer) + layer.keys.shape[2] for layer in session.cache.layers if stores_kv(layer)} == {
+        len(want) - 1}                                   # KV up to every position but the root, in every layer
     with torch.no_grad():
         cold = engine.model(torch.tensor([want])).logits[0, -1]
         warm = engine.model(torch.tensor([want[-1:]]), cache=session.cache,

@@ -138,7 +138,7 @@ def test_qdq_pass_calibrates_on_real_handoffs(tiny):
 
     recipe, artifacts = tiny
     step = HeadQdq()
-    assert step.version == 5 and {"tokenizer", "calibration_answers"} <= set(step.consumes)
+    assert step.version == 6 and {"tokenizer", "calibration_answers"} <= set(step.consumes)
     inputs = {k: artifacts[k] for k in step.consumes}
     _, report = step.run(inputs, recipe)
     n = report.numbers

@@ -225,12 +225,16 @@ def test_an_appended_turn_keeps_the_kv_and_continues_greedily(verifier):
     ms, t = session.append(turn, max_new_tokens=4)
     conversation = prompt + g[:3] + turn
     assert t == len(conversation) - 1 and ms > 0 and session.turns_prefill_ms == [ms]
-    assert all(layer.keys.shape[2] == t for layer in session.cache.layers)   # 12 kept + 3 prefilled
+    from hycoc.verifier.kv_cache import first_position, stores_kv
+
+    # 12 kept + 3 prefilled: every layer's KV reaches position t (sliding layers hold only their window of it)
+    assert all(first_position(layer) + layer.keys.shape[2] == t for layer in session.cache.layers if stores_kv(layer))
     fresh = DynamicCache()
     with torch.inference_mode():
         verifier(input_ids=torch.tensor([conversation[:-1]]), cache=fresh, use_cache=True)
-    for mine, theirs in zip(session.cache.layers, fresh.layers):
-        torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=0)
+    for mine, theirs in zip(session.cache.layers, fresh.layers):     # the positions each layer holds
+        start = first_position(mine)
+        torch.testing.assert_close(mine.keys, theirs.keys[:, :, start:start + mine.keys.shape[2]], atol=1e-5, rtol=0)
     g2 = greedy(verifier, conversation, 4)
     reply = session.verify(*chain(turn[-1], g2), 0)             # seq starts at 0 again
     assert session.tokens[len(conversation):] == g2 and reply.finish_reason == "max_new_tokens"

@@ -233,7 +233,7 @@ def test_full_session_matches_the_engine(server, reference):
     live = server.server.sessions[1]
     assert live.tokens == s.ref.tokens  # the server's session holds exactly the reference's sequence
     s.client.close()
-    assert wait_for(lambda: not server.server.sessions) and live.cache is None
+    assert wait_for(lambda: not server.server.sessions and live.cache is None)   # freed on the worker, after
 
 
 def test_cloud_mtp_session_sends_the_root_alone(server, reference):

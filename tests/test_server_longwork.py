@@ -113,8 +113,8 @@ def test_pings_are_answered_while_the_engine_prefills(engine, gate):
 
 
 def test_append_reserves_its_kv_before_its_prefill_and_the_budget_holds_under_concurrent_opens(engine, gate):
-    first = 19 * PER_POSITION                          # min(128, 10 + 2 + 7) positions
-    grown = 128 * PER_POSITION                         # 12 committed + 10 + 100 + 7 > 128: capped
+    first = engine.session_kv_bytes(19, ROWS)           # min(128, 10 + 2 + 7) positions, windowed layers
+    grown = engine.session_kv_bytes(128, ROWS)          # 12 committed + 10 + 100 + 7 > 128: capped
     budget = grown + first - 1                         # room for B's OPEN only while A's growth is not counted
     with serving(engine, max_kv_bytes=budget, idle_timeout_s=30.0) as srv:
         kv = srv.server.admission.kv
@@ -157,7 +157,7 @@ def test_append_reserves_its_kv_before_its_prefill_and_the_budget_holds_under_co
 
 
 def test_every_failed_append_gives_its_kv_back(engine, gate):
-    first = 19 * PER_POSITION
+    first = engine.session_kv_bytes(19, ROWS)
     with serving(engine, idle_timeout_s=30.0) as srv:
         kv = srv.server.admission.kv
         a = VerifierClient(srv.url, timeout_s=30)
@@ -177,7 +177,7 @@ def test_every_failed_append_gives_its_kv_back(engine, gate):
         gate.hold()
         b._ws.send(wire.encode(AppendTurn(np.arange(30, 40, dtype=np.int32), 100)))
         assert gate.entered.wait(10)
-        assert kv.reserved == 128 * PER_POSITION
+        assert kv.reserved == engine.session_kv_bytes(128, ROWS)
         b._ws.close()
         time.sleep(0.2)
         gate.release()

@@ -180,7 +180,7 @@ def test_qdq_pass_calibrates_on_real_inputs(tiny):
     assert "real calibration samples" in report.summary and "ring fills" in report.summary
     assert n["sqnr"]["outputs"]["logits"] > 20 and n["sqnr"]["top1_agreement"] >= 0.9
     assert n["weights_bit_exact"] == 34
-    assert qdq.version == 4
+    assert qdq.version == 5
     # cached: the second run reads the entry
     again = Pipeline([KeepSetPass(), CalibrationAnswersPass(), SlmGraphSurgery(), SlmTreeGraphExport(),
                       QdqQuantize("onnx_slm", "qdq_slm")],
