@@ -40,10 +40,30 @@ def test_version_prints_the_installed_package_version():
     assert result.stdout.strip() == f"hycoc {version('hycoc')}"
 
 
-def test_importing_the_cli_loads_neither_torch_nor_transformers():
-    code = "import sys, hycoc.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+@pytest.mark.parametrize("module,banned", [
+    ("hycoc.cli", ("torch", "transformers")),
+    ("hycoc.cli.__main__", ("torch", "transformers")),
+    ("hycoc.cli._common", ("torch", "transformers", "aiohttp")),
+    ("hycoc.cli.run", ("torch", "transformers", "aiohttp")),  # the device-runtime install has neither
+    ("hycoc.cli.build", ("torch", "transformers")),
+    ("hycoc.cli.serve", ("torch", "transformers", "aiohttp", "ray")),
+    ("hycoc.cli.bench", ("torch", "transformers")),
+    ("hycoc.cli.tools", ("torch", "transformers")),
+])
+def test_importing_a_cli_module_loads_neither_torch_nor_transformers(module, banned):
+    code = f"import sys, {module}; print(sorted(m for m in {banned!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_help_lists_the_commands_in_the_readme_order():
+    import re
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    documented = list(dict.fromkeys(re.findall(r"^\| `hycoc ([a-z][a-z-]*)", readme, flags=re.M)))
+    listed = re.findall(r"^  ([a-z][a-z-]*)  ", runner.invoke(app, ["--help"], terminal_width=200).stdout, flags=re.M)
+    assert listed == documented
+    assert len(listed) == 12
 
 
 @pytest.mark.parametrize("command,options", [

@@ -1,0 +1,67 @@
+"""The ``hycoc`` command line (typer). Commands are thin: they check their arguments and the recipe, then call
+library functions. torch and transformers are imported inside command bodies only, so ``hycoc --help`` is fast
+and the device-runtime install (no torch) can run ``hycoc run``.
+
+One module per command group, each command an undecorated function registered here, in the README's order
+(the layout of huggingface_hub's ``cli/hf.py`` and transformers' ``cli/transformers.py``):
+
+- ``_common``: shared helpers (one-line failures, recipe loading, the auth token, port errors, option enums);
+- ``build``: build, inspect;
+- ``run``: run (imports neither torch nor aiohttp);
+- ``serve``: verify-server, serve-ray;
+- ``bench``: bench, tune-epsilon, loadtest, profile;
+- ``tools``: generate, calibrate-handoff, doctor.
+
+Exit codes: 0 done; 1 bad input (recipe, dataset, missing model); 2 bad usage or a command that is not
+available yet (its message names the issue that brings it).
+"""
+
+from __future__ import annotations
+
+import typer
+
+from hycoc.cli import bench, build, run, serve, tools
+from hycoc.cli._common import DEFAULT_DATASET, REPO_ROOT, _auth_token  # noqa: F401  (imported from hycoc.cli)
+from hycoc.cli.bench import BENCH_CONFIGS, LOADTEST_BATCHING, LOADTEST_CONFIGS  # noqa: F401
+from hycoc.cli.tools import package_versions  # noqa: F401
+
+app = typer.Typer(
+    name="hycoc",
+    help="HyCo hybrid drafting: compile drafters into bundles, run the device runtime, serve the verifier.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    # click's plain help: it wraps every paragraph and default to the terminal's width (rich's panels cut long
+    # defaults and paths with "…" at 80 columns); https://typer.tiangolo.com/tutorial/commands/help/#rich-markdown-and-markup
+    rich_markup_mode=None,
+)
+
+
+def _print_version(value: bool) -> None:
+    """``hycoc --version``: the installed package's version (importlib.metadata), then exit 0."""
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"hycoc {version('hycoc')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="print hycoc's version and exit")) -> None:
+    """HyCo hybrid drafting: compile drafters into bundles, run the device runtime, serve the verifier."""
+
+
+# The README's commands table, in its order; each name is the command's name on the command line.
+app.command("generate")(tools.generate)
+app.command("doctor")(tools.doctor)
+app.command("build")(build.build)
+app.command("verify-server")(serve.verify_server)
+app.command("serve-ray")(serve.serve_ray)
+app.command("loadtest")(bench.loadtest)
+app.command("run")(run.run)
+app.command("bench")(bench.bench)
+app.command("profile")(bench.profile)
+app.command("tune-epsilon")(bench.tune_epsilon)
+app.command("calibrate-handoff")(tools.calibrate_handoff)
+app.command("inspect")(build.inspect)

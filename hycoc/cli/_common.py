@@ -1,0 +1,161 @@
+"""Shared pieces of the ``hycoc`` commands: one-line failures, recipe loading, the auth token, port errors,
+the option enums, and the typer help patch. Imports nothing heavy: every command module imports this."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+
+import typer
+
+
+def _flags_show_no_type() -> None:
+    """typer 0.29 prints a ``<bool>`` type after every flag in --help (``--help`` itself included), as if a flag took a
+    value; a ``--x/--no-x`` pair gets it too. Print nothing there, as click's plain help does, by wrapping
+    ``typer.core.TyperOption.display_type_rich`` (the type column of typer's rich help). Feature-detected: a typer
+    without that method is left alone; options with their own metavar keep it."""
+    from typer.core import TyperOption
+
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "hycoc_flags_untyped", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag and self.metavar is None else shown(self, ctx)
+
+    display_type_rich.hycoc_flags_untyped = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_show_no_type()
+
+
+#: Repository root of an editable install.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+#: Spec-Bench's questions, shipped in the repository (benchmarks/data/NOTICE.md).
+DEFAULT_DATASET = REPO_ROOT / "benchmarks" / "data" / "spec_bench_question.jsonl"
+
+
+#: Commands that later issues fill in: command -> (issue number, title).
+PENDING = {
+    "build": (4, "The compiler: hycoc build RECIPE --target htp-v81|cpu|qai-hub"),
+    "bench": (6, "hycoc bench: the paper's Table 2 on real prompts"),
+}
+
+
+class TargetName(str, Enum):
+    htp_v81 = "htp-v81"
+    cpu = "cpu"
+    qai_hub = "qai-hub"
+
+
+class RunMode(str, Enum):
+    hyco = "hyco"
+    hyco_exact = "hyco-exact"
+    hyco_2p = "hyco-2p"
+    specedge = "specedge"
+    server_head = "server-head"
+    slm_alone = "slm-alone"
+
+
+class Backend(str, Enum):
+    htp = "htp"
+    cpu = "cpu"
+
+
+class TableFormat(str, Enum):
+    table = "table"
+    markdown = "markdown"
+    csv = "csv"
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+AUTH_TOKEN_HELP = ("prefer the HYCOC_AUTH_TOKEN environment variable or --auth-token-file: a token given as "
+                   "--auth-token is visible to every local user (ps, /proc/PID/cmdline)")
+
+
+def _auth_token(command: str, ctx: typer.Context, token: str | None, token_file: Path | None) -> str | None:
+    """The auth token from --auth-token-file, HYCOC_AUTH_TOKEN or --auth-token (in that order of preference).
+
+    A token typed as --auth-token gets a warning on stderr (issue 12 fault 10: /proc/PID/cmdline shows it to every
+    local user). Raises typer.Exit (code 2) for an empty token, an unreadable or empty file, or both a file and
+    a command-line token."""
+    source = ctx.get_parameter_source("auth_token")  # typer's own click: compare by name, not identity
+    on_command_line = token is not None and getattr(source, "name", None) == "COMMANDLINE"
+    if token_file is not None:
+        if on_command_line:
+            raise _fail(command, "give one of --auth-token and --auth-token-file", code=2)
+        try:
+            token = token_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise _fail(command, f"--auth-token-file {token_file}: cannot read it ({e})", code=2) from None
+        if not token:
+            raise _fail(command, f"--auth-token-file {token_file}: the file is empty", code=2)
+        return token
+    if token == "":
+        raise _fail(command, "--auth-token is empty: give a token, or leave the option out", code=2)
+    if on_command_line:
+        typer.echo(f"hycoc {command}: warning: --auth-token on the command line is visible to every local user "
+                   "(ps, /proc/PID/cmdline); set HYCOC_AUTH_TOKEN or use --auth-token-file FILE instead", err=True)
+    return token
+
+
+def _fail(command: str, message: str, code: int = 1) -> typer.Exit:
+    typer.echo(f"hycoc {command}: {message}", err=True)
+    return typer.Exit(code)
+
+
+def _port_error(host: str, port: int, e: OSError, busy_hint: str) -> str:
+    """One line for an address a server cannot bind (`hycoc.verifier.server.check_port`): the port and
+    ``busy_hint`` when it is taken, else the address and what to give instead."""
+    import errno
+
+    if e.errno == errno.EADDRINUSE:
+        return (f"cannot listen on {host}:{port}: {e.strerror} ({busy_hint}): pass --port N, or --port 0 for any free "
+                "port")
+    return (f"cannot listen on {host}:{port}: {e.strerror or e}: pass --host with an address of this machine "
+            "(127.0.0.1, or 0.0.0.0 for every interface)")
+
+
+def _bundle_backend(bundle: Path, backend) -> str:
+    """``--backend`` if given, else the backend the bundle was built for (its manifest's target)."""
+    if backend is not None:
+        return backend.value
+    import json
+
+    try:
+        return json.loads((Path(bundle) / "manifest.json").read_text(encoding="utf-8"))["target"]["backend"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "cpu"  # the bundle loader then names what is wrong with the manifest
+
+
+def _need_full(command: str) -> None:
+    """Exit 1 with the install step when torch/transformers (the ``full`` extra) are missing."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise _fail(command, f"needs {' and '.join(missing)} (the compiler/verifier install): "
+                    "pip install torch==2.13.0 && pip install -e '.[full]'")
+
+
+def _pending(command: str, key: str | None = None) -> typer.Exit:
+    number, title = PENDING[key or command]
+    return _fail(command, f"not available yet (issue {number}: {title})", code=2)
+
+
+def _recipe(command: str, path: Path):
+    from hycoc.recipe import RecipeError, load_recipe
+
+    try:
+        return load_recipe(path)
+    except RecipeError as e:
+        raise _fail(command, f"bad recipe\n{e}") from None
+
+
+RECIPE_ARG = typer.Argument(..., help="recipe TOML file (e.g. recipes/toy.toml, recipes/gemma4.toml)",
+                            show_default=False)

@@ -1,0 +1,407 @@
+"""``hycoc bench`` (paper Table 2), ``hycoc tune-epsilon``, ``hycoc loadtest`` and ``hycoc profile`` (AI Hub
+device profiles for bench). The bench library is imported inside the command bodies."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from hycoc.cli._common import (DEFAULT_DATASET, RECIPE_ARG, REPO_ROOT, Backend, TableFormat, _bundle_backend,
+                               _fail, _need_full, _recipe)
+
+
+
+#: Configurations of `hycoc bench` (paper Table 5).
+BENCH_CONFIGS = ("cloud-mtp", "specedge", "specedge-eps", "hyco", "hyco-2p", "hyco-exact", "server-head", "slm-alone")
+
+
+def bench(
+    recipe: Path = RECIPE_ARG,
+    dataset: Optional[str] = typer.Option(
+        None, help="spec-bench, long-summary (long documents filling the verifier's context, in the paper's "
+        "2-shot summarization prompt), or a path: a Spec-Bench question JSONL or an InfiniteBench "
+        "longbook_sum_eng.jsonl (the paper's first 50 in HELMET's order) (default: the recipe's bench.dataset, else "
+        "spec-bench)", show_default=False),
+    limit: Optional[int] = typer.Option(None, min=1, help="use the first N questions (default: all 480)",
+                                        show_default=False),
+    max_prompt_tokens: Optional[int] = typer.Option(
+        None, min=16, help="long documents: cut each document at a line end so its prompt has at most N tokens, as "
+        "the paper cut the novels to 32K (default: uncut; a prompt the verifier cannot hold is refused at OPEN "
+        "with context_overflow)", show_default=False),
+    configs: str = typer.Option(",".join(BENCH_CONFIGS), help="comma-separated configurations (paper Table 5)"),
+    link: Optional[str] = typer.Option(
+        None, help="link model per frame: lte, 5g, none or RTT_MS:MBPS (round trip ms : megabit/s) "
+        "(default: the recipe's bench.link)", show_default=False),
+    runs: Optional[int] = typer.Option(None, min=1, help="repetitions per configuration (default: the recipe's)",
+                                       show_default=False),
+    out: Path = typer.Option(Path("runs/bench"), help="folder for records.jsonl, results.json and plots"),
+    resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
+    bundle: Optional[Path] = typer.Option(
+        None, help="device bundle (default: bundles/<recipe name>-cpu, built first when missing)", show_default=False),
+    backend: Optional[Backend] = typer.Option(
+        None, help="device backend of the bundle's graphs (default: the bundle's target)", show_default=False),
+    cost_model: Optional[Path] = typer.Option(
+        None, help="cost-model JSON for g projected (benchmarks/verifier_cost_model.py); default: measured here",
+        show_default=False),
+    max_new_tokens: Optional[int] = typer.Option(
+        None, min=1, help="output cap per request (default: the recipe's bench.output_cap)", show_default=False),
+    turns: int = typer.Option(
+        2, min=1, max=2, help="2: questions with a second turn (MT-bench) continue on the same session with the "
+        "configuration's own first answer in the conversation, as the paper's SB-480 (KV kept; per-turn table of "
+        "prefill ms saved, g, MAT); 1: first turns only"),
+    thinking: bool = typer.Option(
+        False, "--thinking", help="prompts with the chat template's thinking switch on; quality scores the final "
+        "answer, not the thought (default off, as the recipe runs: README \"Chat format\")"),
+    device_profile: Optional[Path] = typer.Option(
+        None, help="device_profile.json from `hycoc profile`: phone draft ms per round and delivery tok/s per "
+        "configuration from its profiled graph times (default: the labelled estimate, hycoc/device_time.py)",
+        show_default=False),
+    remeasure_cost_model: bool = typer.Option(
+        False, "--remeasure-cost-model", help="measure the cost model again even when OUT/cost_model.json exists "
+        "(--resume reuses it, so the summary stays as it was)"),
+    table_format: TableFormat = typer.Option(
+        TableFormat.table, "--format", help="how the results are printed: table (fit to the terminal's width, or "
+        "COLUMNS, 120 when redirected), markdown or csv"),
+) -> None:
+    """Benchmark every configuration on the same prompts, verifier and seed (paper Table 2, App. G).
+
+    The verifier runs as a separate `hycoc verify-server` process on loopback; the device runtime runs here and
+    talks to it through the wire protocol. Writes OUT/records.jsonl (one line per finished request; --resume
+    continues), OUT/results.json (summary + records) and PNG plots, and prints the table.
+    """
+    from hycoc.bench.datasets import DatasetError
+    from hycoc.recipe import check_link
+
+    cfg = _recipe("bench", recipe)
+    unknown = [c for c in configs.split(",") if c not in BENCH_CONFIGS]
+    if unknown:
+        raise _fail("bench", f"--configs: unknown {', '.join(unknown)}; allowed: {', '.join(BENCH_CONFIGS)}", code=2)
+    if link is not None:
+        from hycoc.runtime.transport import parse_link
+
+        try:  # the recipe's own check, so the CLI and the recipe accept the same strings
+            check_link(link)
+            parse_link(link)
+        except ValueError:
+            raise _fail("bench", f"--link {link!r}: allowed: lte, 5g, none or RTT_MS:MBPS such as 45:50",
+                        code=2) from None
+    if cost_model is not None and not cost_model.is_file():
+        raise _fail("bench", f"--cost-model {cost_model}: no such file")
+    if device_profile is not None:
+        from hycoc.bench.device_profile import DeviceProfileError, load_device_costs
+
+        try:
+            load_device_costs(device_profile)   # a bad file fails before anything runs
+        except DeviceProfileError as e:
+            raise _fail("bench", str(e), code=2) from None
+    _need_full("bench")
+    from hycoc.bench.runner import BenchError, BenchPlan, run_bench
+    from hycoc.bundle import BundleError
+    from hycoc.bench.cost_model import CostModelError
+    from hycoc.chat import ChatFormatError
+    from hycoc.runtime.transport import TransportError
+
+    questions, dataset_name, bundle_dir = _bench_questions(cfg, recipe, bundle, dataset, max_prompt_tokens)
+    plan = BenchPlan(questions=questions[:limit] if limit else questions,
+                     configs=[c for c in BENCH_CONFIGS if c in configs.split(",")], runs=runs or cfg.bench.runs,
+                     link=link or cfg.bench.link, output_cap=max_new_tokens or cfg.bench.output_cap, out=out,
+                     turns=turns, thinking=thinking, dataset=dataset_name)
+    try:
+        run_bench(cfg, recipe, plan, bundle_dir=bundle_dir, backend=_bundle_backend(bundle_dir, backend),
+                  resume=resume, cost_model_path=cost_model, device_profile_path=device_profile,
+                  remeasure_cost_model=remeasure_cost_model, fmt=table_format.value)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    except (BenchError, BundleError, TransportError, CostModelError, ChatFormatError) as e:
+        raise _fail("bench", str(e)) from None
+
+
+def _bench_questions(cfg, recipe: Path, bundle: Optional[Path], dataset: Optional[str],
+                     max_prompt_tokens: Optional[int]):
+    """``hycoc bench``'s questions: (questions, the dataset's name for the table, the bundle folder). The dataset is
+    ``--dataset`` (a built-in name or a path), else the recipe's bench.dataset, else spec-bench
+    (`hycoc.bench.datasets.load_bench_dataset`); with ``--max-prompt-tokens`` long documents are cut to fit, counted
+    with the bundle's chat format (`hycoc.chat.Chat.prompt`)."""
+    from hycoc.bench.datasets import BUILTIN_DATASETS, DatasetError, is_long_summary_file, load_bench_dataset
+
+    spec = dataset or cfg.resolve_path(cfg.bench.dataset) or DEFAULT_DATASET
+    path = BUILTIN_DATASETS.get(str(spec), Path(spec))
+    long_doc = is_long_summary_file(path)
+    if (dataset is not None and dataset not in BUILTIN_DATASETS and not Path(dataset).exists()
+            and not Path(dataset).suffix and "/" not in dataset):          # a mistyped name, not a path
+        raise _fail("bench", f"--dataset {dataset}: not a built-in dataset ({', '.join(BUILTIN_DATASETS)}) and no "
+                    "such file")
+    try:
+        questions = load_bench_dataset(path)          # every file error before a bundle is (maybe) built
+        bundle_dir = _bench_bundle("bench", cfg, recipe, bundle)
+        if long_doc and max_prompt_tokens is not None:
+            from hycoc.runtime.device_bundle import open_bundle
+
+            chat = open_bundle(bundle_dir, "cpu", verify=False).chat      # the bundle's own chat format
+            questions = load_bench_dataset(path, prompt_tokens=lambda text: len(chat.prompt(text)),
+                                           max_prompt_tokens=max_prompt_tokens)
+    except DatasetError as e:
+        raise _fail("bench", str(e)) from None
+    name = str(dataset) if dataset in BUILTIN_DATASETS else ("long-document" if long_doc else "Spec-Bench")
+    return questions, name, bundle_dir
+
+
+def _bench_bundle(command: str, cfg, recipe: Path, bundle: Optional[Path]) -> Path:
+    """``--bundle``, else bundles/<recipe name>-cpu, built there first when it has no manifest."""
+    from hycoc.bench.runner import default_bundle_dir
+
+    bundle_dir = bundle or default_bundle_dir(cfg, REPO_ROOT)
+    if not (bundle_dir / "manifest.json").is_file():
+        if bundle is not None:
+            what = "no manifest.json there" if bundle.is_dir() else "no such folder"
+            raise _fail(command, f"--bundle {bundle}: {what}; build one with hycoc build")
+        typer.echo(f"hycoc {command}: no bundle at {bundle_dir}; building it (hycoc build {recipe} --target cpu)",
+                   err=True)
+        from hycoc.passes.build import build_bundle
+
+        build_bundle(cfg, "cpu", bundle_dir, REPO_ROOT / ".hycoc-cache")
+    return bundle_dir
+
+
+class TuneMode(str, Enum):
+    hyco = "hyco"
+    specedge_eps = "specedge-eps"
+
+
+def tune_epsilon(
+    recipe: Path = RECIPE_ARG,
+    validation_data: Optional[Path] = typer.Option(
+        None, help="held-out conversations JSONL (default: the recipe's tune.validation_data)", show_default=False),
+    prompts: Optional[int] = typer.Option(None, min=1, help="validation prompts (default: the recipe's tune.prompts)",
+                                          show_default=False),
+    epsilons: Optional[str] = typer.Option(
+        None, help="comma-separated thresholds in (0, 1) (default: the recipe's tune.epsilons); exact (1) always runs",
+        show_default=False),
+    mode: Optional[TuneMode] = typer.Option(None, help="configuration swept (default: the recipe's tune.mode)",
+                                            show_default=False),
+    temperature: Optional[float] = typer.Option(
+        None, min=0.0, help="sampling temperature (default: the recipe's sampling.temperature)", show_default=False),
+    max_new_tokens: Optional[int] = typer.Option(
+        None, min=1, help="output cap per request (default: the recipe's tune.max_new_tokens)", show_default=False),
+    out: Path = typer.Option(Path("runs/tune-epsilon"), help="folder for records.jsonl and tune.json"),
+    resume: bool = typer.Option(False, "--resume", help="continue an interrupted sweep in --out"),
+    bundle: Optional[Path] = typer.Option(
+        None, help="device bundle (default: bundles/<recipe name>-cpu, built first when missing)", show_default=False),
+    backend: Optional[Backend] = typer.Option(
+        None, help="device backend of the bundle's graphs (default: the bundle's target)", show_default=False),
+    cost_model: Optional[Path] = typer.Option(
+        None, help="cost-model JSON for g projected (benchmarks/verifier_cost_model.py); default: measured here",
+        show_default=False),
+) -> None:
+    """Choose epsilon of epsilon-threshold acceptance on a validation set (paper §3, App. D), guarded by quality.
+
+    Runs every threshold and exact acceptance on the same held-out prompts and seeds (verifier in its own process,
+    as hycoc bench), then reports per epsilon: MAT, projected g and the answers' text metrics paired against exact.
+    Rule: an epsilon is admissible when, against exact, the mean zlib compressed/raw ratio falls by at most
+    tune.max_compression_drop, the share of words in repeated 4-grams rises by at most tune.max_repetition_rise and
+    distinct-2 falls by at most tune.max_distinct2_drop (exact always is); the choice is the admissible epsilon with
+    the lowest projected g, a g within tune.g_tie_pct % of it counting as a tie won by the larger epsilon.
+    Writes OUT/records.jsonl and OUT/tune.json and prints the line to put in the recipe's acceptance table.
+    """
+    from hycoc.bench.datasets import DatasetError, load_spec_bench
+
+    cfg = _recipe("tune-epsilon", recipe)
+    eps_list = list(cfg.tune.epsilons)
+    if epsilons is not None:
+        try:
+            eps_list = [float(x) for x in epsilons.split(",") if x.strip()]
+        except ValueError:
+            eps_list = []
+        if not eps_list or not all(0 < e < 1 for e in eps_list):
+            raise _fail("tune-epsilon", f"--epsilons {epsilons!r}: allowed: comma-separated numbers in (0, 1), "
+                        "such as 0.005,0.02", code=2)
+    path = validation_data or cfg.resolve_path(cfg.tune.validation_data)
+    if path is None:
+        raise _fail("tune-epsilon", f"{recipe}: tune.validation_data is empty; set it to a JSONL of held-out "
+                    "conversations (or pass --validation-data)")
+    if cost_model is not None and not cost_model.is_file():
+        raise _fail("tune-epsilon", f"--cost-model {cost_model}: no such file")
+    bench_path = cfg.resolve_path(cfg.bench.dataset) or DEFAULT_DATASET
+    try:
+        benchmark_turns = {q.turns[0] for q in load_spec_bench(bench_path)} if bench_path.is_file() else set()
+    except DatasetError as e:
+        raise _fail("tune-epsilon", str(e)) from None
+    from hycoc.bench.tune_epsilon import Tolerance, TuneError, TunePlan, load_validation, run_tune
+
+    try:
+        questions = load_validation(path, prompts or cfg.tune.prompts, benchmark_turns=benchmark_turns,
+                                    keep_set_corpus=cfg.resolve_path(cfg.keep_set.corpus))
+    except TuneError as e:
+        raise _fail("tune-epsilon", str(e)) from None
+    _need_full("tune-epsilon")
+    from hycoc.bench.runner import BenchError
+    from hycoc.bundle import BundleError
+    from hycoc.bench.cost_model import CostModelError
+    from hycoc.runtime.transport import TransportError
+
+    bundle_dir = _bench_bundle("tune-epsilon", cfg, recipe, bundle)
+    plan = TunePlan(questions=questions, epsilons=eps_list, mode=(mode.value if mode else cfg.tune.mode),
+                    output_cap=max_new_tokens or cfg.tune.max_new_tokens,
+                    temperature=cfg.sampling.temperature if temperature is None else temperature,
+                    tolerance=Tolerance.from_recipe(cfg.tune), out=out)
+    try:
+        run_tune(cfg, recipe, plan, bundle_dir=bundle_dir, backend=_bundle_backend(bundle_dir, backend),
+                 resume=resume, cost_model_path=cost_model)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    except (TuneError, BenchError, BundleError, TransportError, CostModelError) as e:
+        raise _fail("tune-epsilon", str(e)) from None
+
+
+def profile(
+    bundle: Path = typer.Argument(..., help="an htp-v81 or qai-hub bundle folder", show_default=False),
+    device: str = typer.Option("Samsung Galaxy S26 (Family)", help="the phone as Qualcomm AI Hub names it "
+                               "(`qai-hub list-devices`)"),
+    out: Optional[Path] = typer.Option(None, help="where to write the profile (default: BUNDLE/device_profile.json)",
+                                       show_default=False),
+    graph: Optional[list[str]] = typer.Option(None, help="profile only these graphs (repeatable; default: all)",
+                                              show_default=False),
+) -> None:
+    """Profile each graph of a bundle on a phone through Qualcomm AI Hub (one inference job with profile=True per
+    graph) and write device_profile.json for `hycoc bench --device-profile`. Needs the qai-hub package and an API
+    token; without them it fails at once, before anything is uploaded."""
+    from hycoc.bench.device_profile import DeviceProfileError, profile_bundle
+    from hycoc.bundle import BundleError
+    from hycoc.targets.qai_hub import QaiHubDeviceError, QaiHubSetupError, check_setup
+
+    if not bundle.is_dir():
+        raise _fail("profile", f"{bundle}: not a bundle folder", code=2)
+    try:
+        hub = check_setup()
+        result = profile_bundle(bundle, device, hub=hub, out=out, graphs=graph,
+                                on_job=lambda g, j: typer.echo(f"profile: graph {g}: AI Hub inference job {j}"))
+    except (QaiHubSetupError, QaiHubDeviceError, DeviceProfileError, BundleError) as e:
+        raise _fail("profile", str(e)) from None
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"device profile on {result['device']} (AI Hub)")
+    for col in ("graph", "job", "execute ms median", "p90", "runs", "peak MB", "top ops (ms)"):
+        t.add_column(col, justify="left" if col in ("graph", "job", "top ops (ms)") else "right")
+    for g, v in result["graphs"].items():
+        ops = ", ".join(f"{o['type']} {o['ms']:.2f}" for o in v["top_ops"][:3])
+        peak = "-" if v["peak_memory_bytes"] is None else f"{v['peak_memory_bytes'] / 1e6:.1f}"
+        t.add_row(g, v["job"], f"{v['execute_ms_median']:.3f}", f"{v['execute_ms_p90']:.3f}", str(v["runs"]), peak,
+                  ops)
+    Console(width=160).print(t)
+    typer.echo(f"wrote {out or bundle / 'device_profile.json'}")
+
+
+#: Configurations `hycoc loadtest` can record and replay (a verifier in every round: not slm-alone).
+LOADTEST_CONFIGS = tuple(c for c in BENCH_CONFIGS if c != "slm-alone")
+#: `hycoc loadtest --batching` values: serial = one session per forward, batched = sessions' trees in one forward.
+LOADTEST_BATCHING = ("serial", "batched")
+
+
+def loadtest(
+    recipe: Path = RECIPE_ARG,
+    sessions: str = typer.Option("1,4,16,64", help="comma-separated concurrent session counts, one run each"),
+    duration: float = typer.Option(20.0, min=0.5, help="seconds per run (per batching mode and session count)"),
+    rate: Optional[float] = typer.Option(
+        None, min=0.001, help="session arrivals per second, a seeded Poisson process (open loop); default: all "
+        "sessions start at once", show_default=False),
+    configs: str = typer.Option("hyco", help="comma-separated configurations (paper Table 5) the devices replay; "
+                                "device i replays the i-th modulo their number"),
+    server: Optional[str] = typer.Option(
+        None, metavar="URL", help="a running verifier, ws://HOST:PORT (default: start `hycoc verify-server RECIPE` "
+        "in a child process per --batching mode)", show_default=False),
+    batching: Optional[str] = typer.Option(
+        None, help="comma-separated batching modes, one server each: serial (one session per forward, the server "
+        "the server's old behaviour) and/or batched (sessions' trees verified together); passed to verify-server as --batching "
+        "(default: serial; with --server: the mode the server reports in /healthz, checked when given)",
+        show_default=False),
+    device_ms: Optional[float] = typer.Option(
+        None, min=0.0, help="device drafting time between rounds, ms (default: each round's recorded time)",
+        show_default=False),
+    prompts: int = typer.Option(4, min=1, help="Spec-Bench questions (first turns) recorded per configuration"),
+    out: Path = typer.Option(Path("runs/loadtest"), help="folder for results.json and latency_vs_sessions.png"),
+    bundle: Optional[Path] = typer.Option(
+        None, help="device bundle whose runtime records the rounds (default: bundles/<recipe name>-cpu, built "
+        "first when missing)", show_default=False),
+    cost_model: Optional[Path] = typer.Option(
+        None, help="cost-model JSON for the GPU projection (its rows must cover the batches); default: an "
+        "assumed H200-like GPU, flat up to 206 rows per forward", show_default=False),
+    max_new_tokens: Optional[int] = typer.Option(
+        None, min=1, help="output cap of each recorded request (default: the recipe's bench.output_cap)",
+        show_default=False),
+) -> None:
+    """Load-test a verifier with many simulated devices: total tok/s, verifier ms per token, round latency
+    p50/p90/p99, rows per forward and errors per session count.
+
+    The real device runtime first records its rounds on a few Spec-Bench prompts per configuration (cached in
+    .hycoc-cache/loadtest/ by recipe, bundle, configurations, prompts and cap); then asyncio devices in this one
+    process replay them over the wire protocol, waiting the recorded drafting time between rounds. Writes
+    OUT/results.json and OUT/latency_vs_sessions.png and prints the table; the GPU columns are a projection.
+    """
+    from hycoc.bench.datasets import DatasetError, load_spec_bench
+
+    cfg = _recipe("loadtest", recipe)
+    try:
+        counts = [int(x) for x in sessions.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise _fail("loadtest", f"--sessions {sessions!r}: give comma-separated positive integers such as 1,4,16,64",
+                    code=2)
+    chosen = configs.split(",")
+    unknown = [c for c in chosen if c not in LOADTEST_CONFIGS]
+    if unknown:
+        raise _fail("loadtest", f"--configs: unknown or without a verifier: {', '.join(unknown)}; allowed: "
+                    f"{', '.join(LOADTEST_CONFIGS)}", code=2)
+    modes = batching.split(",") if batching else None
+    if modes is not None and any(m not in LOADTEST_BATCHING for m in modes):
+        raise _fail("loadtest", f"--batching {batching!r}: allowed: {', '.join(LOADTEST_BATCHING)} (comma-separated)",
+                    code=2)
+    if server is not None and modes is not None and len(modes) != 1:
+        raise _fail("loadtest", f"--batching {batching!r} with --server: a running server has one mode; give that "
+                    "one, or leave --server out so each mode gets its own server", code=2)
+    if cost_model is not None and not cost_model.is_file():
+        raise _fail("loadtest", f"--cost-model {cost_model}: no such file")
+    try:
+        questions = load_spec_bench(cfg.resolve_path(cfg.bench.dataset) or DEFAULT_DATASET)[:prompts]
+    except DatasetError as e:
+        raise _fail("loadtest", str(e)) from None
+    _need_full("loadtest")
+    from hycoc import progress
+    from hycoc.bench.cost_model import CostModelError, load_cost_model
+    from hycoc.bench.loadtest import LoadTestError, run_loadtest
+    from hycoc.bench.loadtrace import TraceError, load_trace, record_trace, save_trace, trace_key
+    from hycoc.bundle import BundleError, sha256_file
+    from hycoc.runtime.transport import TransportError
+
+    try:
+        cost = load_cost_model(cost_model) if cost_model is not None else None
+    except CostModelError as e:
+        raise _fail("loadtest", str(e)) from None
+    bundle_dir = _bench_bundle("loadtest", cfg, recipe, bundle)
+    cap = max_new_tokens or cfg.bench.output_cap
+    key = trace_key(cfg.content_hash(), sha256_file(bundle_dir / "manifest.json"), chosen,
+                    [q.question_id for q in questions], cap)
+    trace_path = REPO_ROOT / ".hycoc-cache" / "loadtest" / f"trace-{key}.json"
+    try:
+        if trace_path.is_file():
+            trace = load_trace(trace_path)
+            typer.echo(f"hycoc loadtest: recorded rounds from {trace_path}", err=True)
+        else:
+            with progress.step("recording device rounds", total=len(chosen) * len(questions)) as s:
+                trace = record_trace(cfg, bundle_dir, chosen, questions, cap, key=key,
+                                     progress=lambda note: s.advance(note=note))
+            save_trace(trace, trace_path)
+            typer.echo(f"hycoc loadtest: recorded {len(trace.requests)} requests, "
+                       f"{sum(len(r.rounds) for r in trace.requests)} rounds -> {trace_path}", err=True)
+        run_loadtest(trace, chosen, counts, duration, modes, out, recipe_path=recipe,
+                     keep_set=bundle_dir / "keep_set.npy", server_url=server, rate=rate, device_ms=device_ms,
+                     cost_model=cost, meta={"recipe": str(recipe), "bundle": str(bundle_dir),
+                                            "trace": str(trace_path)})
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    except (LoadTestError, TraceError, BundleError, TransportError) as e:
+        raise _fail("loadtest", str(e)) from None

@@ -1,0 +1,169 @@
+"""``hycoc run``: the device runtime against a verifier server. Imports neither torch nor aiohttp (the
+device-runtime install has neither); the runtime is imported inside the command body."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from hycoc.cli._common import AUTH_TOKEN_HELP, Backend, RunMode, _auth_token, _bundle_backend, _fail
+
+
+
+def run(
+    ctx: typer.Context,
+    bundle: Path = typer.Argument(..., help="bundle folder made by `hycoc build`", show_default=False),
+    server: Optional[str] = typer.Option(None, metavar="URL", help="verifier address, ws://HOST:PORT (not needed "
+                                         "for --mode slm-alone)", show_default=False),
+    prompt: Optional[str] = typer.Option(None, help="user message (wrapped in the chat template)", show_default=False),
+    prompt_file: Optional[Path] = typer.Option(None, help="read the user message from this file", show_default=False),
+    max_new_tokens: Optional[int] = typer.Option(
+        None, min=1, help="output cap in tokens (default: the bundle's sampling.max_new_tokens)", show_default=False),
+    mode: RunMode = typer.Option(
+        RunMode.hyco, help="drafting and acceptance: hyco (epsilon), hyco-exact, hyco-2p (two SLM passes), "
+        "specedge (SLM-only tree), server-head, slm-alone (paper Table 5)"),
+    backend: Optional[Backend] = typer.Option(
+        None, help="htp = QNN EP context binaries (simulator on x86), cpu = CPU EP (default: the bundle's target)",
+        show_default=False),
+    seed: Optional[int] = typer.Option(None, min=0, help="sampling seed (default: the bundle's)", show_default=False),
+    temperature: Optional[float] = typer.Option(
+        None, min=0.0, help="verifier sampling temperature, 0 = greedy (default: the bundle's)", show_default=False),
+    epsilon: Optional[float] = typer.Option(
+        None, min=0.0, max=1.0, help="epsilon of epsilon-threshold acceptance (default: the bundle's)",
+        show_default=False),
+    json_out: bool = typer.Option(False, "--json", help="print the metrics as one JSON object after the text"),
+    raw: bool = typer.Option(False, "--raw", help="send the prompt as is, without the chat template"),
+    chat: bool = typer.Option(
+        False, "--chat", help="a conversation on one session: after the first answer, every line on stdin is the "
+        "next user turn (the verifier keeps the KV, the SLM ring continues); an empty line or end of input ends "
+        "it. Without --prompt / --prompt-file the first turn is read from stdin too"),
+    thinking: bool = typer.Option(
+        False, "--thinking", help="let the model think first (the chat template's enable_thinking); the thought "
+        "streams to stderr, apart from the answer on stdout"),
+    threads: Optional[int] = typer.Option(None, min=0, help="CPU intra-op threads per graph session (cpu backend; "
+                                          "default 1, no spinning; 0 = onnxruntime's default pool)",
+                                          show_default=False),
+    auth_token: Optional[str] = typer.Option(
+        None, envvar="HYCOC_AUTH_TOKEN", help=f"token the server requires; {AUTH_TOKEN_HELP}", show_default=False),
+    auth_token_file: Optional[Path] = typer.Option(
+        None, help="read the token the server requires from this file (one line)", show_default=False),
+    timeout: float = typer.Option(120.0, min=1.0, help="seconds to wait for the server's answers"),
+) -> None:
+    """Device runtime: draft hybrid trees against a verifier server and stream the answer (Alg. 1-3).
+
+    The text streams to stdout as it is committed; a one-line summary goes to stderr (--json: the metrics as one
+    JSON object on stdout after the text: text, tokens, rounds, mat, tok_per_s, draft_ms_per_token,
+    server_ms_per_token, first_token_ms, bytes_up_per_round, bytes_down_per_round).
+    """
+    if (prompt is not None and prompt_file is not None) or (not chat and prompt is None and prompt_file is None):
+        raise _fail("run", "give exactly one of --prompt and --prompt-file", code=2)
+    if chat and (mode == RunMode.slm_alone or raw):
+        raise _fail("run", "--chat needs a verifier and the chat template: not with --mode slm-alone or --raw",
+                    code=2)
+    if prompt_file is not None and not prompt_file.is_file():
+        raise _fail("run", f"--prompt-file {prompt_file}: no such file", code=2)
+    if not bundle.is_dir():
+        what = "is a file, not a bundle folder" if bundle.exists() else "no such folder"
+        raise _fail("run", f"bundle {bundle}: {what} (make one with `hycoc build RECIPE --target cpu --out DIR`)")
+    if mode != RunMode.slm_alone and server is None:
+        raise _fail("run", "--server ws://HOST:PORT is required (except with --mode slm-alone)", code=2)
+    if mode != RunMode.slm_alone and not server.startswith(("ws://", "wss://")):
+        raise _fail("run", f"--server {server!r}: expected ws://HOST:PORT", code=2)
+    import json
+
+    from hycoc.bundle import BundleError
+    from hycoc.protocol.messages import Sampling
+    from hycoc.runtime.client import RuntimeProtocolError, load_runtime
+    from hycoc.runtime.graphs import GraphRunError
+    from hycoc.runtime.mtp_drafter import HandoffError
+    from hycoc.runtime.transport import TransportError, VerifierClient
+    from hycoc.targets.qnn_ep import QnnUnavailableError
+
+    def ask() -> str | None:
+        """The next user turn from stdin; None at an empty line or the end of input."""
+        sys.stderr.write("> ")
+        sys.stderr.flush()
+        line = sys.stdin.readline()
+        return line.rstrip("\n") if line.strip() else None
+
+    text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8") if prompt_file else None
+    if text is None and (text := ask()) is None:
+        raise _fail("run", "no user message on stdin", code=2)
+    try:
+        rt = load_runtime(bundle, _bundle_backend(bundle, backend), threads=threads)
+    except (BundleError, GraphRunError, QnnUnavailableError, ValueError) as e:
+        raise _fail("run", str(e)) from None
+    from hycoc.chat import AnswerStream, ChatFormatError, ChatMismatch
+
+    tok, chat_format = rt.bundle.tokenizer, rt.bundle.chat
+    try:
+        ids = tok.encode(text, add_special_tokens=False).ids if raw else chat_format.prompt(text, thinking)
+    except ChatFormatError as e:
+        raise _fail("run", f"bundle {bundle}: {e}", code=2) from None
+    if not ids:
+        raise _fail("run", "the prompt encodes to no tokens", code=2)
+    r = rt.bundle.round
+    sampling = Sampling(r.temperature if temperature is None else temperature, r.top_k, r.top_p)
+    auth_token = _auth_token("run", ctx, auth_token, auth_token_file)
+    client = None if mode == RunMode.slm_alone else VerifierClient(server, auth_token, timeout_s=timeout)
+
+    streamed = []
+    answer = AnswerStream(chat_format)
+
+    def show(pieces: tuple[str, str]) -> None:
+        """The thought to stderr (dimmed on a terminal), the answer to stdout."""
+        thought, text = pieces
+        if thought:
+            dim = sys.stderr.isatty()
+            sys.stderr.write(("\x1b[2m" if dim else "") + thought + ("\x1b[0m" if dim else ""))
+            sys.stderr.flush()
+        if text:
+            streamed.append(text)
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    def turn(first: bool, text: str | None = None):
+        """One turn: the request (first) or the next user turn on the same session; prints its metrics."""
+        nonlocal answer
+        answer = AnswerStream(chat_format)
+        on_tokens = lambda new: show(answer.push(new))  # noqa: E731
+        try:
+            if first:
+                res = rt.generate(client, ids, mode=mode.value, max_new_tokens=max_new_tokens, seed=seed,
+                                  sampling=sampling, epsilon=epsilon, on_tokens=on_tokens, keep_open=chat)
+            else:
+                res = rt.next_turn(client, chat_format.next_turn(text, thinking), max_new_tokens=max_new_tokens,
+                                   on_tokens=on_tokens)
+            show(answer.flush())
+        except (TransportError, HandoffError, RuntimeProtocolError, GraphRunError, BundleError, ChatMismatch) as e:
+            if streamed:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            if client is not None:
+                client.close()
+            message = str(e)
+            if "auth_required" in message or "auth_refused" in message:
+                message += " (hycoc run: set HYCOC_AUTH_TOKEN or pass --auth-token-file FILE)"
+            raise _fail("run", message) from None
+        sys.stdout.write("\n")
+        m = res.to_json()
+        if json_out:
+            sys.stdout.write(json.dumps(m) + "\n")
+        sys.stdout.flush()
+        typer.echo(f"[{mode.value}: {m['tokens']} tokens, {m['rounds']} rounds, MAT {m['mat']:.2f}, "
+                   f"{m['tok_per_s']:.1f} tok/s, draft {m['draft_ms_per_token']:.1f} ms/token, server "
+                   f"{m['server_ms_per_token']:.1f} ms/token, first token {m['first_token_ms']} ms, prefill "
+                   f"{res.prefill_ms:.1f} ms, {res.finish_reason}]", err=True)
+        return res
+
+    res = turn(True)
+    n = 1
+    while chat and (text := ask()) is not None:
+        n += 1
+        typer.echo(f"-- turn {n} --", err=True)      # the answers on stdout stay plain text
+        res = turn(False, text)
+    if chat:
+        client.close()

@@ -1,0 +1,217 @@
+"""``hycoc verify-server`` (the verifier's WebSocket server) and ``hycoc serve-ray`` (the same verifier as a Ray
+Serve deployment). The verifier, aiohttp and Ray are imported inside the command bodies."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from hycoc.cli._common import (AUTH_TOKEN_HELP, RECIPE_ARG, Device, _auth_token, _fail, _need_full,
+                               _port_error, _recipe)
+
+
+
+def verify_server(
+    ctx: typer.Context,
+    recipe: Path = RECIPE_ARG,
+    host: Optional[str] = typer.Option(None, help="listen address (default: the recipe's verifier.host, 127.0.0.1)",
+                                       show_default=False),
+    port: Optional[int] = typer.Option(
+        None, min=0, max=65535, help="TCP port; 0 = any free port, named in the printed URL "
+        "(default: the recipe's verifier.port, 8765)", show_default=False),
+    device: Optional[Device] = typer.Option(None, help="torch device (default: the recipe's verifier.device)",
+                                            show_default=False),
+    auth_token: Optional[str] = typer.Option(
+        None, envvar="HYCOC_AUTH_TOKEN", help="require this token from clients, in OPEN or as 'Authorization: "
+        f"Bearer TOKEN' (default: none, an open server); {AUTH_TOKEN_HELP}", show_default=False),
+    auth_token_file: Optional[Path] = typer.Option(
+        None, help="read the token clients must present from this file (one line)", show_default=False),
+    keep_set: Optional[Path] = typer.Option(
+        None, help="keep set for server-head sessions: a .npy of int token ids (the keep-set pass writes "
+        "keep_set.npy); without it server-head sessions are refused with error no_keep_set", show_default=False),
+    batching: Optional[str] = typer.Option(
+        None, metavar="batched|serial", help="batched: rounds of sessions ready together share one forward, prompts "
+        "are prefilled chunk by chunk between them; serial: one engine call at a time (default: the recipe's "
+        "verifier.batching, batched)", show_default=False),
+    max_batch_rows: Optional[int] = typer.Option(
+        None, min=1, help="most tree rows per batched forward (default: the recipe's verifier.max_batch_rows, 528 = "
+        "16 trees of 33 rows)", show_default=False),
+    max_batch_wait_ms: Optional[float] = typer.Option(
+        None, min=0.0, max=10_000.0, help="ms a round waits for other sessions' rounds to join its forward "
+        "(default: the recipe's verifier.max_batch_wait_ms, 2.0)", show_default=False),
+) -> None:
+    """Serve the verifier: prefill, one-forward tree verification, acceptance, KV compaction, hand-off (Alg. 4).
+
+    WebSocket sessions at ws://HOST:PORT/, GET /healthz (JSON) and GET /metrics (Prometheus) on the same port.
+
+    Prints one line with the URL once listening; stops on Ctrl-C or SIGTERM.
+
+    Trees have the recipe's tree.node_budget + 1 rows; frames above its verifier.max_frame_bytes (bytes) are refused.
+    """
+    cfg = _recipe("verify-server", recipe)
+    _need_full("verify-server")
+    auth_token = _auth_token("verify-server", ctx, auth_token, auth_token_file)
+    if batching is not None and batching not in ("batched", "serial"):
+        raise _fail("verify-server", f"--batching {batching!r}: allowed: batched, serial", code=2)
+    from hycoc.models import ModelNotFoundError, model_dir
+    from hycoc.ports import check_port
+
+    ids = None
+    if keep_set is not None:
+        import numpy as np
+
+        try:
+            ids = np.load(keep_set, allow_pickle=False)
+        except (OSError, ValueError):
+            raise _fail("verify-server", f"--keep-set {keep_set}: not a .npy array file; give the bundle's "
+                        "keep_set.npy (written by hycoc build)") from None
+        if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) == 0:
+            raise _fail("verify-server", f"--keep-set {keep_set}: expected a non-empty 1-D array of int token ids, "
+                        f"got shape {ids.shape} dtype {ids.dtype}")
+    from hycoc.chat import ChatFormatError
+    from hycoc.chat_template import chat_from_recipe
+
+    try:  # the models' folders and chat files, then the port: each named at once, before the model is loaded
+        for role in ("verifier", "head", "tokenizer"):
+            model_dir(cfg, role)
+        chat_from_recipe(cfg)          # the checkpoint's template and stop ids: a bad folder is refused here
+    except (ModelNotFoundError, ChatFormatError) as e:
+        raise _fail("verify-server", str(e)) from None
+    host = host or cfg.verifier.host
+    port = cfg.verifier.port if port is None else port
+    try:
+        check_port(host, port)
+    except OSError as e:
+        raise _fail("verify-server", _port_error(host, port, e, "another server on this port?")) from None
+    from hycoc.models import set_threads
+    from hycoc.recipe import RecipeError
+    from hycoc.verifier.loading import DeviceUnavailable, engine_from_recipe, server_options
+    from hycoc.verifier.server import serve
+
+    set_threads(cfg.verifier.threads)
+    try:
+        import torch
+
+        engine = engine_from_recipe(cfg, device.value if device is not None else None,
+                                    keep_set=None if ids is None else torch.as_tensor(ids, dtype=torch.long))
+    except RecipeError as e:
+        raise _fail("verify-server", f"bad recipe\n{e}") from None
+    except (ModelNotFoundError, DeviceUnavailable, ChatFormatError) as e:
+        raise _fail("verify-server", str(e)) from None
+    if ids is not None and int(ids.max()) >= engine.vocab_size:
+        raise _fail("verify-server", f"--keep-set {keep_set}: token id {int(ids.max())} is outside the verifier's "
+                    f"vocabulary of {engine.vocab_size}: was the keep set built for another tokenizer?")
+
+    def listening(url: str) -> None:
+        typer.echo(f"hycoc verify-server: listening on {url} (model {cfg.models.verifier}, "
+                   f"{engine.device.type}, {options['batching']}, health {url.replace('ws://', 'http://', 1)}/healthz)")
+        sys.stdout.flush()
+
+    options = server_options(cfg)
+    if batching is not None:
+        options["batching"] = batching
+    if max_batch_rows is not None:
+        options["max_batch_rows"] = max_batch_rows
+    if max_batch_wait_ms is not None:
+        options["max_batch_wait_ms"] = max_batch_wait_ms
+    started = time.monotonic()
+    try:
+        serve(engine, host, port, auth_token=auth_token, on_listening=listening, **options)
+    except OSError as e:
+        raise _fail("verify-server", f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    up = time.monotonic() - started
+    typer.echo(f"hycoc verify-server: stopped (SIGINT or SIGTERM) after {up:.0f} s; sessions closed")
+
+
+def serve_ray(
+    ctx: typer.Context,
+    recipe: Path = RECIPE_ARG,
+    replicas: int = typer.Option(2, min=1, help="verifier replicas (each loads the recipe's verifier and takes "
+                                 "verifier.threads CPUs, or 1 GPU with --device cuda, from Ray)"),
+    host: Optional[str] = typer.Option(None, help="listen address of Ray Serve's proxy (default: the recipe's "
+                                       "verifier.host, 127.0.0.1)", show_default=False),
+    port: Optional[int] = typer.Option(None, min=0, max=65535, help="TCP port of the proxy; 0 = any free port, "
+                                       "named in the printed URL (default: the recipe's verifier.port, 8765)",
+                                       show_default=False),
+    device: Optional[Device] = typer.Option(None, help="torch device of every replica (default: the recipe's "
+                                            "verifier.device)", show_default=False),
+    auth_token: Optional[str] = typer.Option(
+        None, envvar="HYCOC_AUTH_TOKEN", help="require this token from clients, in OPEN or as 'Authorization: "
+        f"Bearer TOKEN' (default: none, an open server); {AUTH_TOKEN_HELP}", show_default=False),
+    auth_token_file: Optional[Path] = typer.Option(
+        None, help="read the token clients must present from this file (one line)", show_default=False),
+    keep_set: Optional[Path] = typer.Option(
+        None, help="keep set for server-head sessions (the bundle's keep_set.npy); without it they are refused",
+        show_default=False),
+    ray_address: Optional[str] = typer.Option(
+        None, help="Ray cluster to join ('auto': the one `ray start` began on this node; ray://HOST:10001); "
+        "default: start a local Ray instance with one CPU per replica thread", show_default=False),
+    log_level: str = typer.Option(
+        "WARNING", metavar="DEBUG|INFO|WARNING|ERROR", help="least level of Ray's own log lines on stderr (INFO adds "
+        "Serve's per-request access log); Ray's full logs stay under /tmp/ray/session_latest/logs"),
+) -> None:
+    """Serve the verifier as a Ray Serve deployment: N replicas behind one WebSocket endpoint.
+
+    Same wire protocol, /healthz and /metrics as verify-server, at ws://HOST:PORT/; a session stays on the replica
+    that accepted it; new sessions go to the less loaded replica; /healthz and /metrics cover every replica (samples
+    labelled replica="ID"). Server limits apply per replica. Needs the serve extra: pip install -e '.\\[serve]'.
+
+    Prints one line with the URL once every replica is up (stdout has hycoc's lines only; Ray's go to stderr);
+    stops on Ctrl-C or SIGTERM.
+    """
+    import importlib.util
+
+    cfg = _recipe("serve-ray", recipe)
+    _need_full("serve-ray")
+    if importlib.util.find_spec("ray") is None:
+        raise _fail("serve-ray", "needs Ray Serve (the serve extra): pip install -e '.[serve]'")
+    auth_token = _auth_token("serve-ray", ctx, auth_token, auth_token_file)
+    from hycoc.models import ModelNotFoundError
+    from hycoc.verifier.loading import DeviceUnavailable, check_device, model_dir, server_options
+    from hycoc.ports import check_port
+    from hycoc.verifier.ray_serve import RecipeEngine, build_app, check_keep_set, check_log_level, replica_cpus, run
+
+    try:
+        log_level = check_log_level(log_level)
+    except ValueError as e:
+        raise _fail("serve-ray", str(e), code=2) from None
+
+    dev = device.value if device is not None else cfg.verifier.device
+    try:  # what each replica will load, checked here once (a replica that fails is retried by Ray)
+        check_device(dev)
+        for role in ("verifier", "head", "tokenizer"):
+            model_dir(cfg, role)
+        if keep_set is not None:
+            check_keep_set(keep_set)
+    except (ModelNotFoundError, DeviceUnavailable, ValueError) as e:
+        raise _fail("serve-ray", str(e)) from None
+    host = host or cfg.verifier.host
+    port = cfg.verifier.port if port is None else port
+    try:  # before Ray starts: a busy port would fail only after ~20 s, in a Ray traceback
+        port = check_port(host, port, reuse_address=False)  # port 0: the free port picked here, given to Ray
+    except OSError as e:
+        raise _fail("serve-ray", _port_error(host, port, e, "a verify-server on the default port?")) from None
+    options = server_options(cfg) | {"auth_token": auth_token}
+    app = build_app(RecipeEngine(str(recipe.resolve()), dev, None if keep_set is None else str(keep_set.resolve())),
+                    replicas=replicas, server_kwargs=options, cpus_per_replica=replica_cpus(cfg.verifier.threads),
+                    gpus_per_replica=1 if dev == "cuda" else 0, log_level=log_level)
+    typer.echo(f"hycoc serve-ray: starting Ray and {replicas} replica(s) of {cfg.models.verifier} "
+               "(each loads the verifier; about half a minute)", err=True)
+
+    out = sys.stdout  # run() sends Ray's console output to stderr by making sys.stdout stderr while Ray runs
+
+    def listening(url: str) -> None:
+        typer.echo(f"hycoc serve-ray: listening on {url} ({replicas} replicas of {cfg.models.verifier}, {dev}, "
+                   f"health {url.replace('ws://', 'http://', 1)}/healthz)", file=out)
+        out.flush()
+
+    try:
+        run(app, host, port, ray_address=ray_address,
+            num_cpus=None if ray_address else replicas * replica_cpus(cfg.verifier.threads),
+            log_level=log_level, on_listening=listening)
+    except RuntimeError as e:  # a deployment that failed: Serve's message carries the replica's traceback
+        raise _fail("serve-ray", f"the deployment failed: {e}") from None
