@@ -10,7 +10,9 @@ bench is not the user's business, so it goes to a log file under the run or buil
 * records of the standard ``logging`` module at WARNING and above whose logger is not hycoc's (onnxruntime's
   quantizer logs "Please consider to run pre-processing before quantization" through the root logger): a file
   handler on the root logger, which also keeps ``logging.lastResort`` from printing them on stderr;
-* lines written to ``sys.stdout`` that start with ``[torch.onnx]`` (the ONNX exporter's ``print`` progress).
+* lines written to ``sys.stdout`` that start with ``[torch.onnx]`` (the ONNX exporter's ``print`` progress);
+* records of loggers that print through their own handler and do not propagate (torch's), when the library is
+  imported before the context is entered (`hycoc.passes.build.build_bundle` imports torch first).
 
 On exit it prints ``third-party messages: N lines in LOG_PATH`` on ``console`` (a rich Console; stderr when None)
 when anything was logged; nothing logged, no file (nor folder) is made. Output that C++ libraries write straight to the
@@ -30,6 +32,8 @@ from typing import Iterator
 #: Folders whose warnings are hycoc's own (shown as usual).
 _OWN = tuple(str(Path(__file__).resolve().parents[1] / d) for d in ("hycoc", "passes", "runtime", "verifier",
                                                                      "targets"))
+#: Loggers that print through their own handler instead of propagating to the root (swapped while active).
+_OWN_HANDLER_LOGGERS = ("torch",)
 #: Prefixes of stdout lines that go to the log.
 STDOUT_PREFIXES = ("[torch.onnx]",)
 
@@ -138,6 +142,16 @@ def third_party_output(log_path: str | Path, console=None) -> Iterator[Path]:
                 handlers.append(own)
             for h in handlers:
                 root.addHandler(h)
+            # libraries whose logger does not propagate to the root and prints through its own stream handler
+            # (torch: "torchvision is not installed. Skipping torchvision::roi_align" from torch.onnx's registry)
+            # are swapped to the log while active, when they are imported already (the caller imports them first)
+            swapped = {}
+            for name, lg in list(logging.Logger.manager.loggerDict.items()):
+                top = name.partition(".")[0]
+                if (top in _OWN_HANDLER_LOGGERS and top in sys.modules and isinstance(lg, logging.Logger)
+                        and not lg.propagate and lg.handlers):
+                    swapped[name] = lg.handlers[:]
+                    lg.handlers = [handler]
             sys.stdout = _StdoutFilter(stdout, log)
             try:
                 yield log.path
@@ -146,6 +160,8 @@ def third_party_output(log_path: str | Path, console=None) -> Iterator[Path]:
                 sys.stdout = stdout
                 for h in handlers:
                     root.removeHandler(h)
+                for name, old in swapped.items():
+                    logging.getLogger(name).handlers = old
     finally:
         if log.file is not None:
             log.file.close()

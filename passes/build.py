@@ -459,6 +459,8 @@ def build_bundle(recipe: Recipe, target: str, out_dir: str | Path | None, cache_
         raise BuildError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
     if out_dir is None and until is None:
         raise BuildError("--out DIR is required for a full build")
+    import torch.onnx  # noqa: F401  (imported before the log context: its own loggers then go to the log too)
+
     from hycoc.quiet import third_party_output
 
     # torch.onnx's progress prints, torchvision/transformers warnings, onnxruntime's quantizer advice: to a log
