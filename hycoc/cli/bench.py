@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -17,6 +17,15 @@ from hycoc.cli._common import (DEFAULT_DATASET, RECIPE_ARG, REPO_ROOT, Backend, 
 #: Configurations of `hycoc bench` (paper Table 5).
 BENCH_CONFIGS = ("cloud-mtp", "specedge", "specedge-eps", "hyco", "hyco-2p", "hyco-exact", "server-head", "slm-alone")
 
+
+#: Options bench and tune-epsilon share (typer's Annotated form, as huggingface_hub's cli/_cli_utils.py does).
+BundleOption = Annotated[Optional[Path], typer.Option(
+    help="device bundle (default: bundles/<recipe name>-cpu, built first when missing)", show_default=False)]
+BackendOption = Annotated[Optional[Backend], typer.Option(
+    help="device backend of the bundle's graphs (default: the bundle's target)", show_default=False)]
+CostModelOption = Annotated[Optional[Path], typer.Option(
+    help="cost-model JSON for g projected (benchmarks/verifier_cost_model.py); default: measured here",
+    show_default=False)]
 
 def bench(
     recipe: Path = RECIPE_ARG,
@@ -39,13 +48,9 @@ def bench(
                                        show_default=False),
     out: Path = typer.Option(Path("runs/bench"), help="folder for records.jsonl, results.json and plots"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
-    bundle: Optional[Path] = typer.Option(
-        None, help="device bundle (default: bundles/<recipe name>-cpu, built first when missing)", show_default=False),
-    backend: Optional[Backend] = typer.Option(
-        None, help="device backend of the bundle's graphs (default: the bundle's target)", show_default=False),
-    cost_model: Optional[Path] = typer.Option(
-        None, help="cost-model JSON for g projected (benchmarks/verifier_cost_model.py); default: measured here",
-        show_default=False),
+    bundle: BundleOption = None,
+    backend: BackendOption = None,
+    cost_model: CostModelOption = None,
     max_new_tokens: Optional[int] = typer.Option(
         None, min=1, help="output cap per request (default: the recipe's bench.output_cap)", show_default=False),
     turns: int = typer.Option(
@@ -188,13 +193,9 @@ def tune_epsilon(
         None, min=1, help="output cap per request (default: the recipe's tune.max_new_tokens)", show_default=False),
     out: Path = typer.Option(Path("runs/tune-epsilon"), help="folder for records.jsonl and tune.json"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted sweep in --out"),
-    bundle: Optional[Path] = typer.Option(
-        None, help="device bundle (default: bundles/<recipe name>-cpu, built first when missing)", show_default=False),
-    backend: Optional[Backend] = typer.Option(
-        None, help="device backend of the bundle's graphs (default: the bundle's target)", show_default=False),
-    cost_model: Optional[Path] = typer.Option(
-        None, help="cost-model JSON for g projected (benchmarks/verifier_cost_model.py); default: measured here",
-        show_default=False),
+    bundle: BundleOption = None,
+    backend: BackendOption = None,
+    cost_model: CostModelOption = None,
 ) -> None:
     """Choose epsilon of epsilon-threshold acceptance on a validation set (paper §3, App. D), guarded by quality.
 
