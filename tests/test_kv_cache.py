@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from test_batched_verify import oracle_tree  # the verifier's own top-k chain tree (same helper)
 from hycoc.protocol.messages import Sampling
 from hycoc.verifier import VerifierEngine
 from hycoc.verifier.batch import batch_forward, verify_batch
@@ -37,21 +38,6 @@ def make_engine(models, **kw) -> VerifierEngine:
                 max_context=200, prefill_chunk=5)
     args.update(kw)
     return VerifierEngine(models[0], **args)
-
-
-@torch.inference_mode()
-def oracle_tree(model, tokens, width=2, depth=3):
-    """The verifier's own top-`width` children along its greedy chain (paths get accepted)."""
-    tokens = list(tokens)
-    tree, parents, parent = [tokens[-1]], [-1], 0
-    for _ in range(depth):
-        top = model(input_ids=torch.tensor([tokens])).logits[0, -1].topk(width).indices.tolist()
-        first = len(tree)
-        tree += top
-        parents += [parent] * width
-        parent = first
-        tokens.append(top[0])
-    return np.array(tree, np.int64), np.array(parents, np.int64)
 
 
 def test_held_bytes_are_the_formula_after_prefill_and_after_every_round(models):
