@@ -465,6 +465,17 @@ class Verifier(Section):
     max_batch_wait_ms: float = Field(2.0, ge=0, le=10_000, description="milliseconds a round waits for other "
                                      "sessions' rounds to join its forward (never when every open session has one "
                                      "queued)")
+    # Budgeted verification rows (hycoc.verifier.row_budget): which rows of the trees sharing a forward are checked.
+    tree_budget: Literal["fixed", "auto"] = Field(
+        "fixed", description="fixed: every tree verified as sent; auto: when several sessions' rounds share a "
+        "batched forward, the rows verified are chosen across them by the trees' scores (the most expected accepted "
+        "tokens per forward millisecond; one tree alone is never trimmed); needs batching = batched")
+    min_rows_per_session: int = Field(2, ge=1, le=32_768, description="rows each tree keeps under tree_budget = "
+                                      "auto (2 = the root and the first chain token)")
+    row_cost: list[Annotated[list[Annotated[float, Field(ge=0)]], Field(min_length=2, max_length=2)]] = Field(
+        default_factory=list, description="the batched forward's cost for tree_budget = auto as [[rows, ms], ...] "
+        "(rows increasing, >= 2 points); empty = measured by the server when it starts",
+        json_schema_extra=_allowed("[[rows, ms], ...] such as [[32, 14.0], [528, 70.0]], or [] to measure"))
 
 
 class Bench(Section):

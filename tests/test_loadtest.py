@@ -244,7 +244,7 @@ def test_run_loadtest_writes_results_and_plot(tmp_path, engine, recorded):
 @pytest.mark.parametrize("args, message", [
     (["--sessions", "4,0"], "--sessions '4,0': give comma-separated positive integers such as 1,4,16,64"),
     (["--configs", "hyco,slm-alone"], "--configs: unknown or without a verifier: slm-alone; allowed: cloud-mtp,"),
-    (["--batching", "fast"], "--batching 'fast': allowed: serial, batched (comma-separated)"),
+    (["--batching", "fast"], "--batching 'fast': allowed: serial, batched, budgeted (comma-separated)"),
     (["--batching", "serial,batched", "--server", "ws://127.0.0.1:1"],
      "--batching 'serial,batched' with --server: a running server has one mode"),
 ])

@@ -36,6 +36,7 @@ from hycoc.recipe import load_recipe
 from hycoc.runtime.transport import AuthRefused, ServerError, VerifierClient
 from hycoc.verifier import VerifierEngine
 from hycoc.verifier.loading import DeviceUnavailable, engine_from_recipe, server_options
+from hycoc.verifier.row_budget import RowCost
 from hycoc.verifier.server import METRICS_CONTENT_TYPE, ServerLimits, ServerThread
 from tiny_models import VOCAB, tiny_head, tiny_verifier
 
@@ -501,7 +502,8 @@ def test_healthz(server):
                                            "idle_timeout_s": 300.0, "max_connections": 256, "max_sessions": 64,
                                            "max_kv_bytes": 8 << 30, "auth_failures_per_minute": 10,
                                            "retry_after_s": 5.0},
-                                "batching": {"mode": "batched", "max_batch_rows": 528, "max_batch_wait_ms": 2.0}}
+                                "batching": {"mode": "batched", "max_batch_rows": 528, "max_batch_wait_ms": 2.0,
+                                             "tree_budget": "fixed"}}
     with VerifierClient(server.url, auth_token=TOKEN) as c:
         c.open(open_request([3, 4, 5]))
         assert json.loads(http_get(server.http_url + "/healthz")[1])["sessions"] == 1
@@ -518,7 +520,9 @@ def test_metrics_count_exactly(server, reference):
                      "hycoc_g_ms_per_token": "gauge", "hycoc_errors_total": "counter",
                      "hycoc_refusals_total": "counter", "hycoc_connections_active": "gauge",
                      "hycoc_kv_bytes_reserved": "gauge", "hycoc_batch_rows": "histogram",
-                     "hycoc_batch_sessions": "histogram", "hycoc_queue_wait_seconds": "histogram"}
+                     "hycoc_batch_sessions": "histogram", "hycoc_queue_wait_seconds": "histogram",
+                     "hycoc_rows_kept_per_session": "histogram", "hycoc_expected_tokens_per_forward": "histogram",
+                     "hycoc_rows_trimmed_total": "counter"}
     assert values["hycoc_rounds_total"] == 0 and np.isnan(values["hycoc_mat"])
     assert values['hycoc_batch_rows_bucket{le="+Inf"}'] == 0 and values["hycoc_batch_rows_count"] == 0
 
@@ -590,6 +594,8 @@ max_context = 96
 max_frame_bytes = 8192
 max_batch_rows = 64
 max_batch_wait_ms = 0.5
+tree_budget = "auto"
+row_cost = [[7, 1.5], [64, 4.0]]
 """
     path = tmp_path / "recipe.toml"
     path.write_text(text)
@@ -616,7 +622,9 @@ def test_engine_from_recipe_takes_every_setting_from_the_recipe(tmp_path, saved_
     assert server_options(recipe) == {"tree_rows": 7, "max_frame_bytes": 8192, "model_name": str(saved_models /
                                                                                                   "verifier"),
                                       "limits": ServerLimits(), "batching": "batched", "max_batch_rows": 64,
-                                      "max_batch_wait_ms": 0.5}
+                                      "max_batch_wait_ms": 0.5, "tree_budget": "auto",
+                                      "row_cost": RowCost(((7, 1.5), (64, 4.0)), source="recipe verifier.row_cost"),
+                                      "min_rows_per_session": 2}
     engine.close()
 
 
@@ -638,7 +646,8 @@ def test_verify_server_command_serves_until_sigterm(tmp_path, saved_models):
     recipe = write_recipe(tmp_path, saved_models)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "hycoc.cli", "verify-server", str(recipe), "--port", "0",
-                             "--auth-token", TOKEN, "--batching", "serial", "--max-batch-rows", "32"],
+                             "--auth-token", TOKEN, "--batching", "serial", "--max-batch-rows", "32",
+                             "--tree-budget", "fixed"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
@@ -647,7 +656,8 @@ def test_verify_server_command_serves_until_sigterm(tmp_path, saved_models):
         health = json.loads(http_get(url.replace("ws://", "http://") + "/healthz")[1])
         assert (health["tree_rows"], health["max_context"], health["auth"]) == (7, 96, True)
         # the flags override the recipe's batching keys, the others stay the recipe's
-        assert health["batching"] == {"mode": "serial", "max_batch_rows": 32, "max_batch_wait_ms": 0.5}
+        assert health["batching"] == {"mode": "serial", "max_batch_rows": 32, "max_batch_wait_ms": 0.5,
+                                      "tree_budget": "fixed"}
         with VerifierClient(url, auth_token=TOKEN) as c:
             opened = c.open(open_request([3, 4, 5, 6]))
             assert (opened.tree_rows, opened.t) == (7, 3)

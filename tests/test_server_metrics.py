@@ -20,7 +20,8 @@ FAMILIES = {"hycoc_rounds": "counter", "hycoc_retries": "counter", "hycoc_sessio
             "hycoc_server_ms": "counter", "hycoc_prefill_ms": "counter", "hycoc_g_ms_per_token": "gauge",
             "hycoc_errors": "counter", "hycoc_refusals": "counter", "hycoc_connections_active": "gauge",
             "hycoc_kv_bytes_reserved": "gauge", "hycoc_batch_rows": "histogram", "hycoc_batch_sessions": "histogram",
-            "hycoc_queue_wait_seconds": "histogram"}
+            "hycoc_queue_wait_seconds": "histogram", "hycoc_rows_kept_per_session": "histogram",
+            "hycoc_expected_tokens_per_forward": "histogram", "hycoc_rows_trimmed": "counter"}
 
 
 def parsed(metrics: ServerMetrics) -> dict:

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -58,6 +58,7 @@ from hycoc.protocol.messages import RoundReply
 
 from .engine import PendingRound, Session, VerifierEngine, verify_tree
 from .kv_cache import window_start
+from .row_budget import DEFAULT_MIN_ROWS, RowCost, allocate
 from .tree import additive_masks, ancestor_matrix, tree_depths
 
 RAGGED_ATTENTION = "hycoc_ragged"
@@ -67,12 +68,27 @@ RAGGED_ATTENTION = "hycoc_ragged"
 class BatchStats:
     """What one `verify_batch` call did: rows and sessions in its forward (0 when no round needed one),
     forward_ms (the forward, incl. appending each session's new rows to its cache), total_ms (the call up to its
-    last reply)."""
+    last reply). rows_sent: the forward's rows before a row budget chose (== rows without one); rows_kept: per
+    session in the forward, its rows verified; expected_tokens: with a row budget over several rounds, the kept
+    rows' expected committed tokens (`hycoc.verifier.row_budget.Allocation`), else None."""
 
     rows: int = 0
     sessions: int = 0
     forward_ms: float = 0.0
     total_ms: float = 0.0
+    rows_sent: int = 0
+    rows_kept: list = field(default_factory=list)
+    expected_tokens: float | None = None
+
+
+@dataclass(frozen=True)
+class RowBudget:
+    """A batch-level row budget (`hycoc.verifier.row_budget.allocate`'s arguments): cost, the forward's
+    `RowCost`; free_rows, rows a forward keeps without trimming; min_rows, rows each scored tree keeps."""
+
+    cost: RowCost
+    free_rows: int
+    min_rows: int = DEFAULT_MIN_ROWS
 
 
 class _PerSession(list):
@@ -151,12 +167,15 @@ def batch_forward(engine: VerifierEngine, caches: list, ts: list[int], tokens: l
     return [(logits[lo:hi], pre[lo:hi], post[lo:hi]) for lo, hi in spans]
 
 
-def verify_batch(engine: VerifierEngine, rounds: list[tuple[Session, object, object, int]],
-                 stats: BatchStats | None = None) -> list[RoundReply | BaseException]:
+def verify_batch(engine: VerifierEngine, rounds: list[tuple], stats: BatchStats | None = None,
+                 budget: RowBudget | None = None) -> list[RoundReply | BaseException]:
     """One round for each of several sessions, their forwards batched into one (Alg. 4 for each session).
 
-    rounds: (session, tokens, parents, seq) per session, each session at most once (as `Session.verify`'s
-    arguments). Returns, in order, each round's reply or the exception its session raised: a session's bad round
+    rounds: (session, tokens, parents, seq) or (session, tokens, parents, seq, scores) per session, each session
+    at most once (as `Session.verify`'s arguments; scores: float (R,) tree scores s(v) or None). budget: when given
+    and more than one round shares the forward, the rows verified are chosen across the rounds
+    (`hycoc.verifier.row_budget.allocate`; rounds without scores and cloud-mtp rounds are kept whole) and each
+    round runs on its kept rows (`Session.restrict_round`). Returns, in order, each round's reply or the exception its session raised: a session's bad round
     (`hycoc.verifier.errors`) is answered alone and never enters the forward; a failure of the shared forward is
     every batched session's (each session restored as `Session.verify` restores it). Each reply's server_ms counts
     from the call's start to its own reply (the shared forward included: what its round cost in worker time);
@@ -170,7 +189,9 @@ def verify_batch(engine: VerifierEngine, rounds: list[tuple[Session, object, obj
     start = time.perf_counter()
     results: list[RoundReply | BaseException | None] = [None] * len(rounds)
     pending: list[tuple[int, Session, PendingRound]] = []
-    for k, (session, tokens, parents, seq) in enumerate(rounds):
+    scores_of: dict[int, object] = {}
+    for k, (session, tokens, parents, seq, *rest) in enumerate(rounds):
+        scores_of[k] = rest[0] if rest else None
         try:
             got = session.begin_round(tokens, parents, seq)
         except Exception as e:  # noqa: BLE001 -- that session's error, the others go on
@@ -180,6 +201,10 @@ def verify_batch(engine: VerifierEngine, rounds: list[tuple[Session, object, obj
             results[k] = got      # idempotent retry
         else:
             pending.append((k, session, got))
+    stats.rows_sent = sum(len(p.tokens) for *_, p in pending)
+    if budget is not None and len(pending) > 1:
+        _apply_budget(pending, scores_of, budget, stats)
+    stats.rows_kept = [len(p.tokens) for *_, p in pending]
     if pending:
         f0 = time.perf_counter()
         try:
@@ -210,3 +235,25 @@ def verify_batch(engine: VerifierEngine, rounds: list[tuple[Session, object, obj
     if not stats.sessions:
         stats.total_ms = (time.perf_counter() - start) * 1e3
     return results
+
+
+def _apply_budget(pending: list, scores_of: dict, budget: RowBudget, stats: BatchStats) -> None:
+    """Choose the rows of a batched forward (`hycoc.verifier.row_budget.allocate`) and restrict each round to its
+    kept rows. A round's scores are those of the rows as sent; after `begin_round` left rows out for the context
+    they follow those rows (``pending.kept``)."""
+    trees = []
+    for k, session, p in pending:
+        scores = scores_of.get(k)
+        if scores is None or session.draft_place == "cloud-mtp":
+            trees.append((None, p.tokens, p.parents))
+            continue
+        scores = np.asarray(scores, np.float64).reshape(-1)
+        if len(scores) != len(p.sent_tokens) or not np.isfinite(scores).all():
+            trees.append((None, p.tokens, p.parents))     # the wire checks this; an engine caller's slip keeps it whole
+            continue
+        trees.append((scores if p.kept is None else scores[p.kept], p.tokens, p.parents))
+    alloc = allocate(trees, budget.cost, free_rows=budget.free_rows, min_rows=budget.min_rows)
+    for (k, session, p), rows in zip(pending, alloc.kept):
+        if rows is not None:
+            session.restrict_round(p, rows)
+    stats.expected_tokens = alloc.expected_tokens

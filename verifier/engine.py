@@ -168,10 +168,13 @@ def remap_parents(parents: np.ndarray, kept: np.ndarray) -> np.ndarray:
 
 def widen_reply(reply: RoundReply, tokens: np.ndarray, kept: np.ndarray) -> RoundReply:
     """A sub-tree's reply in the rows of the whole tree: samples of the rows left out echo their own tokens,
-    path rows are renumbered."""
+    path rows are renumbered, and ``verified`` (bool (R,)) marks the kept rows, so the device walks only those
+    (`hycoc.runtime.tree_builder.walk_reply`)."""
     samples = tokens.astype(np.int32).copy()
     samples[kept] = reply.samples
-    return replace(reply, samples=samples, path_rows=kept[reply.path_rows].astype(np.int32))
+    verified = np.zeros(len(tokens), bool)
+    verified[kept] = True
+    return replace(reply, samples=samples, path_rows=kept[reply.path_rows].astype(np.int32), verified=verified)
 
 
 # --------------------------------------------------------------------------------------- the round, step by step
@@ -737,6 +740,30 @@ class Session:
             pending.tokens = np.asarray([self.root] + chain, dtype=np.int64)
             pending.parents = np.arange(-1, len(chain), dtype=np.int64)
         return pending
+
+    def restrict_round(self, pending: "PendingRound", rows) -> None:
+        """Verify only ``rows`` of a begun round (a batch-level row budget, `hycoc.verifier.row_budget`).
+
+        rows: int indices into ``pending.tokens`` (the rows `begin_round` chose), containing row 0 and closed
+        under ancestors. The round then runs exactly as if the device had sent that smaller tree (Alg. 4 on the
+        sub-tree: acceptance stays lossless, the ε rule unchanged); its reply is widened to the rows as sent and
+        says which were verified (`widen_reply`). Not for cloud-mtp rounds (their rows are the server's own
+        chain). Raises ValueError for rows that are not an ancestor-closed subset with the root.
+        """
+        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        if len(rows) == len(pending.tokens):
+            return
+        if self.draft_place == "cloud-mtp":
+            raise ValueError("restrict_round: a cloud-mtp round's rows are the server's own chain; keep it whole")
+        if (len(rows) == 0 or rows[0] != 0 or rows[-1] >= len(pending.tokens)
+                or not (rows[1:] > pending.parents[rows[1:]]).all()
+                or not np.isin(pending.parents[rows[1:]], rows).all()):
+            raise ValueError(f"restrict_round: rows {rows.tolist()} are not an ancestor-closed subset of the "
+                             f"round's {len(pending.tokens)} rows containing row 0")
+        sent = pending.kept if pending.kept is not None else np.arange(len(pending.sent_tokens))
+        pending.kept = sent[rows]
+        pending.tokens = pending.sent_tokens[pending.kept]
+        pending.parents = remap_parents(pending.sent_parents, pending.kept)
 
     def abort_round(self, pending: "PendingRound") -> None:
         """Undo a begun round: cut the cache back to its t positions and restore the sampler (compaction keeps

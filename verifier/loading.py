@@ -82,8 +82,9 @@ def server_options(recipe: Recipe) -> dict:
     """Keyword arguments of `hycoc.verifier.server.serve` / `VerifierServer` that come from the recipe:
     ``tree_rows`` = B + 1 ([tree].node_budget + 1; the device pads smaller trees to it), ``max_frame_bytes``
     ([verifier].max_frame_bytes), ``model_name`` ([models].verifier as written), ``limits`` (the server limits
-    of [verifier], `hycoc.verifier.server.ServerLimits`) and the batching keys ``batching``, ``max_batch_rows``,
-    ``max_batch_wait_ms`` ([verifier] keys of the same names)."""
+    of [verifier], `hycoc.verifier.server.ServerLimits`), the batching keys ``batching``, ``max_batch_rows``,
+    ``max_batch_wait_ms`` and the row budget's ``tree_budget``, ``row_cost`` (`row_cost_of`),
+    ``min_rows_per_session`` ([verifier] keys of the same names)."""
     from hycoc.verifier.server import ServerLimits
 
     return {
@@ -94,4 +95,22 @@ def server_options(recipe: Recipe) -> dict:
         "batching": recipe.verifier.batching,
         "max_batch_rows": recipe.verifier.max_batch_rows,
         "max_batch_wait_ms": recipe.verifier.max_batch_wait_ms,
+        "tree_budget": recipe.verifier.tree_budget,
+        "row_cost": row_cost_of(recipe),
+        "min_rows_per_session": recipe.verifier.min_rows_per_session,
     }
+
+
+def row_cost_of(recipe: Recipe):
+    """[verifier].row_cost as a `hycoc.verifier.row_budget.RowCost`, or None when empty (the server measures it).
+    Raises RecipeError naming the key when its points cannot make a cost line."""
+    from hycoc.recipe import RecipeError
+    from hycoc.verifier.row_budget import RowCost, RowCostError
+
+    points = recipe.verifier.row_cost
+    if not points:
+        return None
+    try:
+        return RowCost(tuple((int(r), float(ms)) for r, ms in points), source="recipe verifier.row_cost")
+    except RowCostError as e:
+        raise RecipeError(f"verifier.row_cost: {e}") from None

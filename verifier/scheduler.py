@@ -35,7 +35,7 @@ from typing import Awaitable, Callable
 from hycoc.protocol import wire
 from hycoc.protocol.messages import DraftTree
 
-from .batch import BatchStats, verify_batch
+from .batch import BatchStats, RowBudget, verify_batch
 from .engine import PrefillJob, Session
 
 
@@ -78,11 +78,14 @@ class BatchScheduler:
     chain_length: K, the rows a cloud-mtp session's 1-row round grows to (root + K-chain) in the forward.
     prefill_budget: prompt positions prefilled per step over all queued prefills (>= 1; the server passes the
         engine's prefill_chunk, so a step's prefill work is at most one chunk's, as before, however many wait).
+    row_budget: a `RowBudget`: the rows of a step's forward are chosen across its rounds by their tree scores
+        (`hycoc.verifier.row_budget`); None (``tree_budget = "fixed"``): every tree verified as sent. Settable
+        until the first step (the server measures its row cost on the worker before serving).
     """
 
     def __init__(self, run: Callable[..., Awaitable], *, max_batch_rows: int, max_batch_wait_ms: float,
                  open_sessions: Callable[[], int], on_step: Callable[[StepReport], None], chain_length: int = 0,
-                 prefill_budget: int = 512):
+                 prefill_budget: int = 512, row_budget: RowBudget | None = None):
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows = {max_batch_rows}: must be >= 1")
         if not max_batch_wait_ms >= 0:
@@ -96,6 +99,7 @@ class BatchScheduler:
         if prefill_budget < 1:
             raise ValueError(f"prefill_budget = {prefill_budget}: must be >= 1")
         self.prefill_budget = int(prefill_budget)
+        self.row_budget = row_budget
         self._rounds: deque[_Round] = deque()
         self._prefills: deque[_Prefill] = deque()
         self._wake = asyncio.Event()
@@ -156,7 +160,7 @@ class BatchScheduler:
             if not batch and not prefills:
                 continue
             try:
-                report, results = await self._run(_step, batch, prefills, self.prefill_budget)
+                report, results = await self._run(_step, batch, prefills, self.prefill_budget, self.row_budget)
             except BaseException as e:  # noqa: BLE001 -- cancelled, or a failure outside the engine's own handling
                 for item in batch + prefills:
                     if not item.future.done():
@@ -216,8 +220,15 @@ class BatchScheduler:
         return batch
 
 
-def _step(batch: list[_Round], prefills: list[_Prefill], prefill_budget: int):
-    """Worker thread: the rounds of ``batch`` in one forward, then prefill chunks of ``prefills`` (oldest first)
+def _reply_version(session: Session) -> dict:
+    """encode()'s keywords for a session's replies: the protocol version of its OPEN (``wire_version``, set by the
+    session loop), so a protocol-3 client gets protocol-3 replies."""
+    version = getattr(session, "wire_version", None)
+    return {} if version is None else {"version": version}
+
+
+def _step(batch: list[_Round], prefills: list[_Prefill], prefill_budget: int, row_budget: RowBudget | None = None):
+    """Worker thread: the rounds of ``batch`` in one forward (rows chosen by ``row_budget`` when given), then prefill chunks of ``prefills`` (oldest first)
     until ``prefill_budget`` positions ran (the first chunk always runs; a prefill whose next chunk would pass the
     budget waits for the next step, and so do the ones after it, keeping arrival order). A prefill that fails gets
     ``error`` set and the others go on. Returns (StepReport, per round (reply, frame, committed, verified) or the
@@ -229,13 +240,14 @@ def _step(batch: list[_Round], prefills: list[_Prefill], prefill_budget: int):
     if batch:
         before = [(len(r.session.tokens), r.session.rounds) for r in batch]
         engine = batch[0].session.engine
-        replies = verify_batch(engine, [(r.session, r.tree.tokens, r.tree.parents, r.tree.seq) for r in batch], stats)
+        replies = verify_batch(engine, [(r.session, r.tree.tokens, r.tree.parents, r.tree.seq,
+                                         getattr(r.tree, "scores", None)) for r in batch], stats, row_budget)
         for r, reply, (n_tokens, n_rounds) in zip(batch, replies, before):
             if isinstance(reply, BaseException):
                 results.append(reply)
                 continue
             try:
-                frame = wire.encode(reply)
+                frame = wire.encode(reply, **_reply_version(r.session))
             except Exception as e:  # noqa: BLE001 -- that session's failure only
                 results.append(e)
                 continue

@@ -20,6 +20,9 @@ and after it into one row:
 * ``rows_per_forward`` / ``sessions_per_forward`` / ``queue_wait_ms``: means over the run from the server's
   histograms ``hycoc_batch_rows``, ``hycoc_batch_sessions``, ``hycoc_queue_wait_seconds`` (their ``_sum`` and
   ``_count`` differences); None ("n/a") when the server has no such histogram (today's serial server);
+* ``rows_kept_per_session`` / ``expected_tokens_per_forward`` / ``rows_trimmed``: the row budget's histograms
+  ``hycoc_rows_kept_per_session``, ``hycoc_expected_tokens_per_forward`` (means; None without budgeted forwards)
+  and counter ``hycoc_rows_trimmed_total`` (difference);
 * ``errors``: code -> count (`hycoc.bench.loadtest` module docstring lists the codes), and ``rounds``.
 
 Projection (`project`), labelled as such everywhere: what the measured batching would be worth on a GPU, where a
@@ -52,7 +55,8 @@ RESULTS_SCHEMA = 1
 RUN_KEYS = ("mode", "sessions", "duration_s", "rounds", "committed_tokens", "tok_per_s", "verifier_ms_per_token",
             "reply_ms_per_token", "tok_per_s_whole", "ramp_s", "steady", "devices_served", "device_wait_ms", "mat",
             "latency_ms", "open_ms_p50", "rows_per_tree", "rows_per_forward", "sessions_per_forward",
-            "queue_wait_ms", "context_mean", "errors", "errors_total", "requests_finished", "requests_truncated",
+            "queue_wait_ms", "rows_kept_per_session", "expected_tokens_per_forward", "rows_trimmed",
+            "context_mean", "errors", "errors_total", "requests_finished", "requests_truncated",
             "server_rounds", "server_tokens", "client_cpu_pct", "loadavg", "projection")
 
 
@@ -114,6 +118,9 @@ def summarize_run(mode: str, sessions: int, duration_s: float, stats, metrics_be
         "rows_per_forward": _hist_mean(before, after, "hycoc_batch_rows"),
         "sessions_per_forward": _hist_mean(before, after, "hycoc_batch_sessions"),
         "queue_wait_ms": _hist_mean(before, after, "hycoc_queue_wait_seconds", 1000.0),
+        "rows_kept_per_session": _hist_mean(before, after, "hycoc_rows_kept_per_session"),
+        "expected_tokens_per_forward": _hist_mean(before, after, "hycoc_expected_tokens_per_forward"),
+        "rows_trimmed": diff("hycoc_rows_trimmed_total"),
         "context_mean": float(np.mean([r.context for r in rounds])) if rounds else None,
         "errors": dict(sorted(stats.errors.items())), "errors_total": int(sum(stats.errors.values())),
         "requests_finished": stats.requests_finished, "requests_truncated": stats.requests_truncated,
@@ -235,8 +242,8 @@ def render_table(rows: list[dict], console, title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("mode", "sessions", "ramp s", "rounds", "tok/s", "verifier ms/tok", "p50 ms", "p90 ms", "p99 ms",
-                "rows/fwd", "errors", "proj.: trees/fwd", "proj.: GPU speed-up"):
+    for col in ("mode", "sessions", "ramp s", "rounds", "tok/s", "MAT", "verifier ms/tok", "p50 ms", "p90 ms",
+                "p99 ms", "rows/fwd", "errors", "proj.: trees/fwd", "proj.: GPU speed-up"):
         table.add_column(col, justify="left" if col in ("mode", "errors") else "right")
     for r in rows:
         lat, p = r["latency_ms"], r.get("projection") or {}
@@ -244,7 +251,7 @@ def render_table(rows: list[dict], console, title: str) -> None:
         speedup = p.get("speedup")
         ramp = _num(r["ramp_s"]) + ("" if r["steady"] else " (no end)")
         table.add_row(r["mode"], str(r["sessions"]), ramp, f"{r['rounds']:,}", _num(r["tok_per_s"]),
-                      _num(r["verifier_ms_per_token"], 2), _num(lat["p50"]), _num(lat["p90"]), _num(lat["p99"]),
+                      _num(r["mat"], 2), _num(r["verifier_ms_per_token"], 2), _num(lat["p50"]), _num(lat["p90"]), _num(lat["p99"]),
                       _num(r["rows_per_forward"]), errors, _num(p.get("trees_per_forward"), 2),
                       "n/a" if speedup is None else f"{speedup:.2f}x")
     console.print(table)

@@ -268,11 +268,19 @@ def run_sessions(url: str, per_device: list[list[RequestTrace]], stop_ids, durat
 
 
 def server_batching_support() -> bool:
-    """Whether this hycoc's ``verify-server`` has ``--batching`` (cross-session batched verification, issue 14):
-    its ``--help`` names the option."""
+    """Whether this hycoc's ``verify-server`` has the options of every `MODE_ARGS` mode (``--batching``,
+    ``--tree-budget``): its ``--help`` names them."""
     out = subprocess.run([sys.executable, "-m", "hycoc.cli", "verify-server", "--help"], capture_output=True,
                          text=True, env=dict(os.environ, COLUMNS="200"), timeout=120)
-    return "--batching" in out.stdout
+    return "--batching" in out.stdout and "--tree-budget" in out.stdout
+
+
+#: `hycoc verify-server` arguments of each load-test mode: serial (one session per forward), batched (sessions'
+#: trees in one forward, every tree verified as sent), budgeted (batched, rows chosen across the trees by their
+#: scores: `hycoc.verifier.row_budget`).
+MODE_ARGS = {"serial": ["--batching", "serial"],
+             "batched": ["--batching", "batched", "--tree-budget", "fixed"],
+             "budgeted": ["--batching", "batched", "--tree-budget", "auto"]}
 
 
 class ServerProcess(VerifierProcess):
@@ -280,13 +288,14 @@ class ServerProcess(VerifierProcess):
     process (`hycoc.bench.runner.VerifierProcess`), ready once it printed its URL and ``GET /healthz`` answered
     status ok. ``url``: ``ws://HOST:PORT``; ``health``: that /healthz document.
 
-    batching: passed as ``--batching`` when not None (the caller checks `server_batching_support`). Raises
+    batching: a `MODE_ARGS` mode, passed as its arguments when not None (the caller checks
+    `server_batching_support`). Raises
     LoadTestError with the server's stderr when it exits or is not healthy within ``timeout_s``."""
 
     def __init__(self, recipe_path: Path, *, batching: str | None = None, keep_set: Path | None = None,
                  timeout_s: float = 300.0):
         super().__init__(recipe_path, keep_set, timeout_s,
-                         extra_args=["--batching", batching] if batching is not None else [], error=LoadTestError)
+                         extra_args=MODE_ARGS[batching] if batching is not None else [], error=LoadTestError)
         self.health: dict = {}
         while True:
             try:
@@ -302,10 +311,14 @@ class ServerProcess(VerifierProcess):
 
 
 def server_mode(health: dict) -> str:
-    """The batching mode a server reports in /healthz (``"batching": {"mode": ...}``, issue 14); "serial" for a
-    server without that field (before issue 14 every server verified one session per forward)."""
+    """The load-test mode a server reports in /healthz (``"batching": {"mode": ..., "tree_budget": ...}``):
+    "budgeted" for a batched server with tree_budget auto, else its mode; "serial" for a server without that field
+    (servers before cross-session batching verified one session per forward)."""
     batching = health.get("batching")
-    return str(batching.get("mode", "serial")) if isinstance(batching, dict) else "serial"
+    if not isinstance(batching, dict):
+        return "serial"
+    mode = str(batching.get("mode", "serial"))
+    return "budgeted" if mode == "batched" and batching.get("tree_budget") == "auto" else mode
 
 
 def _http(url: str) -> str:
@@ -389,7 +402,8 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
         for asked in (modes or [None]):          # every server up first: the runs then alternate between them
             if server_url is None:
                 console.print(f"loadtest: starting hycoc verify-server {recipe_path}"
-                              + (f" --batching {asked}" if pass_flag else " (this verify-server has no --batching)"))
+                              + (f" {' '.join(MODE_ARGS[asked])}" if pass_flag and asked else
+                                 "" if pass_flag else " (this verify-server has no --batching)"))
                 procs.append(ServerProcess(recipe_path, batching=asked if pass_flag else None, keep_set=keep_set))
                 url, health = procs[-1].url, procs[-1].health
             else:
@@ -459,7 +473,7 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
     return doc
 
 
-__all__ = ["ANSWER_TIMEOUT_S", "CAPACITY_CODES", "LoadTestError", "REFUSED_BACKOFF_S", "RoundSample", "RunStats",
+__all__ = ["ANSWER_TIMEOUT_S", "CAPACITY_CODES", "MODE_ARGS", "LoadTestError", "REFUSED_BACKOFF_S", "RoundSample", "RunStats",
            "ServerProcess", "arrival_delays", "committed_tokens", "devices_for", "healthz", "parse_metrics",
            "replay_request",
            "run_loadtest", "run_sessions", "scrape_metrics", "server_mode", "server_batching_support"]

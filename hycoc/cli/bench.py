@@ -298,8 +298,9 @@ def profile(
 
 #: Configurations `hycoc loadtest` can record and replay (a verifier in every round: not slm-alone).
 LOADTEST_CONFIGS = tuple(c for c in BENCH_CONFIGS if c != "slm-alone")
-#: `hycoc loadtest --batching` values: serial = one session per forward, batched = sessions' trees in one forward.
-LOADTEST_BATCHING = ("serial", "batched")
+#: `hycoc loadtest --batching` values: serial = one session per forward, batched = sessions' trees in one forward,
+#: budgeted = batched with the rows chosen across the trees (`hycoc.bench.loadtest.MODE_ARGS`).
+LOADTEST_BATCHING = ("serial", "batched", "budgeted")
 
 
 def loadtest(
@@ -315,9 +316,9 @@ def loadtest(
         None, metavar="URL", help="a running verifier, ws://HOST:PORT (default: start `hycoc verify-server RECIPE` "
         "in a child process per --batching mode)", show_default=False),
     batching: Optional[str] = typer.Option(
-        None, help="comma-separated batching modes, one server each: serial (one session per forward, the server "
-        "the server's old behaviour) and/or batched (sessions' trees verified together); passed to verify-server as --batching "
-        "(default: serial; with --server: the mode the server reports in /healthz, checked when given)",
+        None, help="comma-separated modes, one server each: serial (one session per forward), batched (sessions' "
+        "trees in one forward, as sent), budgeted (batched, rows chosen across the trees by their scores: "
+        "--tree-budget auto) (default: serial; with --server: the mode it reports in /healthz, checked when given)",
         show_default=False),
     device_ms: Optional[float] = typer.Option(
         None, min=0.0, help="device drafting time between rounds, ms (default: each round's recorded time)",

@@ -43,6 +43,10 @@ def verify_server(
     max_batch_wait_ms: Optional[float] = typer.Option(
         None, min=0.0, max=10_000.0, help="ms a round waits for other sessions' rounds to join its forward "
         "(default: the recipe's verifier.max_batch_wait_ms, 2.0)", show_default=False),
+    tree_budget: Optional[str] = typer.Option(
+        None, metavar="fixed|auto", help="auto: rows of the trees sharing a batched forward are chosen by their "
+        "scores (most expected tokens per forward ms); fixed: trees verified as sent (default: the recipe's "
+        "verifier.tree_budget, fixed)", show_default=False),
 ) -> None:
     """Serve the verifier: prefill, one-forward tree verification, acceptance, KV compaction, hand-off (Alg. 4).
 
@@ -57,6 +61,8 @@ def verify_server(
     auth_token = _auth_token("verify-server", ctx, auth_token, auth_token_file)
     if batching is not None and batching not in ("batched", "serial"):
         raise _fail("verify-server", f"--batching {batching!r}: allowed: batched, serial", code=2)
+    if tree_budget is not None and tree_budget not in ("fixed", "auto"):
+        raise _fail("verify-server", f"--tree-budget {tree_budget!r}: allowed: fixed, auto", code=2)
     from hycoc.models import ModelNotFoundError, model_dir
     from hycoc.ports import check_port
 
@@ -108,10 +114,18 @@ def verify_server(
 
     def listening(url: str) -> None:
         typer.echo(f"hycoc verify-server: listening on {url} (model {cfg.models.verifier}, "
-                   f"{engine.device.type}, {options['batching']}, health {url.replace('ws://', 'http://', 1)}/healthz)")
+                   f"{engine.device.type}, {options['batching']}, tree budget {options['tree_budget']}, health {url.replace('ws://', 'http://', 1)}/healthz)")
         sys.stdout.flush()
 
-    options = server_options(cfg)
+    try:
+        options = server_options(cfg)
+    except RecipeError as e:
+        raise _fail("verify-server", f"bad recipe\n{e}") from None
+    if tree_budget is not None:
+        options["tree_budget"] = tree_budget
+    if options["tree_budget"] == "auto" and (batching or options["batching"]) != "batched":
+        raise _fail("verify-server", "--tree-budget auto allocates rows across a batched forward: use it with "
+                    "--batching batched (or verifier.batching = \"batched\")", code=2)
     if batching is not None:
         options["batching"] = batching
     if max_batch_rows is not None:

@@ -126,6 +126,7 @@ class DraftTree:
     seq: int
     tokens: np.ndarray
     parents: np.ndarray
+    scores: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,7 @@ class RoundReply:
     handoff: HandOff | None = None
     chain: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     finish_reason: str | None = None
+    verified: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,10 @@ from aiohttp import WSCloseCode, web
 
 from hycoc.protocol import wire
 
+from ..batch import RowBudget
 from ..engine import Session, VerifierEngine
+from ..row_budget import DEFAULT_MIN_ROWS, TREE_BUDGETS, RowCost
+from ..row_cost_measure import measure_row_cost
 from .admission import Admission, Link
 from .channels import AiohttpChannel, Channel, Connection, GuardedRunner, bearer_token
 from .limits import ServerLimits
@@ -37,6 +40,12 @@ class VerifierServer:
     max_batch_rows: most tree rows per batched forward (>= 1; recipe verifier.max_batch_rows).
     max_batch_wait_ms: how long a round waits for others to join its forward, in ms (>= 0; recipe
         verifier.max_batch_wait_ms); it never waits when every open session has a round queued.
+    tree_budget: "fixed" (default): every tree verified as sent; "auto": when several rounds share a batched
+        forward, the rows verified are chosen across them by the trees' scores (`hycoc.verifier.row_budget`;
+        batched mode only). Recipe: verifier.tree_budget.
+    row_cost: the forward's `RowCost` for "auto" (recipe verifier.row_cost); None: measured on the engine when the
+        engine starts (`hycoc.verifier.row_cost_measure`, ~1 s on the toy).
+    min_rows_per_session: rows each scored tree keeps under "auto" (>= 1; default 2: root and first chain token).
 
     ``metrics`` (`ServerMetrics`), ``admission`` (`Admission`) and ``sessions`` (live sessions by id) may be read
     from other threads between requests.
@@ -45,13 +54,22 @@ class VerifierServer:
     def __init__(self, engine: VerifierEngine, *, tree_rows: int, auth_token: str | None = None,
                  max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES, model_name: str = "verifier",
                  limits: ServerLimits = ServerLimits(), batching: str = "batched",
-                 max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS, max_batch_wait_ms: float = DEFAULT_MAX_BATCH_WAIT_MS):
+                 max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS, max_batch_wait_ms: float = DEFAULT_MAX_BATCH_WAIT_MS,
+                 tree_budget: str = "fixed", row_cost: RowCost | None = None,
+                 min_rows_per_session: int = DEFAULT_MIN_ROWS):
         if not 1 <= tree_rows <= wire.MAX_TREE_ROWS:
             raise ValueError(f"tree_rows = {tree_rows}: must lie in [1, {wire.MAX_TREE_ROWS}] (B + 1)")
         if auth_token is not None and not auth_token:
             raise ValueError("auth_token is empty: give a non-empty token, or None for an open server")
         if batching not in BATCHING_MODES:
             raise ValueError(f"batching = {batching!r}: must be one of {BATCHING_MODES}")
+        if tree_budget not in TREE_BUDGETS:
+            raise ValueError(f"tree_budget = {tree_budget!r}: must be one of {TREE_BUDGETS}")
+        if tree_budget == "auto" and batching != "batched":
+            raise ValueError(f"tree_budget = 'auto' allocates rows across a batched forward: it needs batching = "
+                             f"'batched', not {batching!r}")
+        if not (isinstance(min_rows_per_session, int) and min_rows_per_session >= 1):
+            raise ValueError(f"min_rows_per_session = {min_rows_per_session!r}: must be an integer >= 1")
         if not (isinstance(max_batch_rows, int) and max_batch_rows >= 1):
             raise ValueError(f"max_batch_rows = {max_batch_rows!r}: must be an integer >= 1")
         if not (isinstance(max_batch_wait_ms, (int, float)) and 0 <= max_batch_wait_ms <= 10_000):
@@ -68,12 +86,16 @@ class VerifierServer:
         self.max_batch_rows = int(max_batch_rows)
         self.max_batch_wait_ms = float(max_batch_wait_ms)
         self.limits = limits
+        self.tree_budget = tree_budget
+        self.row_cost = row_cost
+        self.min_rows_per_session = int(min_rows_per_session)
         self.metrics = ServerMetrics(live_sessions=lambda: len(self.sessions))
         self.admission = Admission(limits, self.metrics.refused)
         self.metrics.admission = self.admission
         self.worker = EngineWorker(engine, batching=batching, max_batch_rows=self.max_batch_rows,
                                    max_batch_wait_ms=self.max_batch_wait_ms,
-                                   open_sessions=lambda: len(self.sessions), on_step=self.metrics.observe_step)
+                                   open_sessions=lambda: len(self.sessions), on_step=self.metrics.observe_step,
+                                   row_budget=self.row_budget() if row_cost is not None else None)
         self.loop = SessionLoop(engine, self.worker, self.admission, self.metrics, limits, tree_rows=self.tree_rows,
                                 auth_token=auth_token, max_frame_bytes=self.max_frame_bytes)
         #: Live sessions by id (each holds a KV cache until its connection ends).
@@ -102,6 +124,18 @@ class VerifierServer:
         replicas, `hycoc.verifier.ray_serve`). `start` calls it; `stop` ends both. Raises RuntimeError if already
         started."""
         self.worker.start()
+        if self.tree_budget == "auto":
+            if self.row_cost is None:
+                sessions = max(2, self.max_batch_rows // self.tree_rows)
+                self.row_cost = await self.worker.run(lambda: measure_row_cost(self.engine, sessions=sessions))
+            self.worker.set_row_budget(self.row_budget())
+
+    def row_budget(self) -> RowBudget | None:
+        """The batched steps' `RowBudget` ("auto", once the row cost is known), else None. Its free rows: one full
+        tree's (tree_rows) or the row cost's flat part, whichever is larger (so one session is never trimmed)."""
+        if self.tree_budget != "auto" or self.row_cost is None:
+            return None
+        return RowBudget(self.row_cost, max(self.tree_rows, self.row_cost.flat_rows()), self.min_rows_per_session)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Start the engine (`start_engine`), listen on host:port (0 = a free port) and return the
@@ -207,9 +241,17 @@ class VerifierServer:
             "max_frame_bytes": self.max_frame_bytes,
             "auth": self.auth_token is not None,
             "batching": {"mode": self.batching, "max_batch_rows": self.max_batch_rows,
-                         "max_batch_wait_ms": self.max_batch_wait_ms},
+                         "max_batch_wait_ms": self.max_batch_wait_ms, "tree_budget": self.tree_budget,
+                         **self._budget_health()},
             "limits": self.limits.as_dict(),
         }
+
+    def _budget_health(self) -> dict:
+        budget = self.row_budget()
+        if budget is None:
+            return {}
+        return {"min_rows_per_session": budget.min_rows, "free_rows": budget.free_rows,
+                "row_cost": {"points": [list(p) for p in budget.cost.points], "source": budget.cost.source}}
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response(self.health())

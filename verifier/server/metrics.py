@@ -20,6 +20,8 @@ Families (names and labels are the contract; README "Serving"):
     hycoc_sessions_active, hycoc_connections_active, hycoc_kv_bytes_reserved   gauges read from the ledgers
     hycoc_mat, hycoc_g_ms_per_token       gauges derived from the counters (NaN before the first round / token)
     hycoc_batch_rows, hycoc_batch_sessions, hycoc_queue_wait_seconds           histograms
+    hycoc_rows_kept_per_session, hycoc_expected_tokens_per_forward             histograms (row budget)
+    hycoc_rows_trimmed_total              tree rows a row budget left out of batched forwards (counter)
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: Bucket bounds of the batching histograms (rows per forward, sessions per forward, queue wait in seconds).
 ROWS_BUCKETS = (1, 2, 4, 8, 16, 33, 66, 132, 264, 528, 1056, 2112)
 SESSIONS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: Rows a session kept in a forward (1 .. a 33-row tree and beyond), expected tokens per forward (16 sessions x ~3).
+KEPT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33, 48, 66)
+EXPECTED_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
 WAIT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -74,6 +79,13 @@ class ServerMetrics:
                                     "rows, cloud-mtp chains included)", buckets=ROWS_BUCKETS, registry=None)
         self.batch_sessions = Histogram("hycoc_batch_sessions", "sessions per verification forward",
                                         buckets=SESSIONS_BUCKETS, registry=None)
+        self.rows_kept = Histogram("hycoc_rows_kept_per_session", "tree rows verified per session and batched "
+                                   "forward (after the row budget, when one is on)", buckets=KEPT_BUCKETS,
+                                   registry=None)
+        self.expected_tokens = Histogram("hycoc_expected_tokens_per_forward", "expected committed tokens of a "
+                                         "budgeted forward's kept rows (sessions + sum of exp(tree score))",
+                                         buckets=EXPECTED_BUCKETS, registry=None)
+        self.rows_trimmed = 0
         self.queue_wait = Histogram("hycoc_queue_wait_seconds", "seconds from a round's arrival to the start of "
                                     "its forward's step", buckets=WAIT_BUCKETS, registry=None)
         self.registry = CollectorRegistry(auto_describe=False)
@@ -87,6 +99,11 @@ class ServerMetrics:
             self.batch_rows.observe(stats.rows)
             self.batch_sessions.observe(stats.sessions)
             self.server_ms += stats.total_ms
+            for kept in stats.rows_kept:
+                self.rows_kept.observe(kept)
+            self.rows_trimmed += max(0, stats.rows_sent - stats.rows)
+            if stats.expected_tokens is not None:
+                self.expected_tokens.observe(stats.expected_tokens)
         for wait in report.waits:
             self.queue_wait.observe(wait)
 
@@ -97,6 +114,7 @@ class ServerMetrics:
         self.queue_wait.observe(wait_s)
         self.batch_sessions.observe(1)
         self.batch_rows.observe(rows)
+        self.rows_kept.observe(rows)
 
     def refused(self, kind: str) -> None:
         """Count one refusal by the limit ``kind`` (one of REFUSAL_KINDS)."""
@@ -162,7 +180,9 @@ class _Collector(Collector):
                                 value=m.connections_active)
         yield GaugeMetricFamily("hycoc_kv_bytes_reserved", "KV bytes reserved by the open sessions (max_kv_bytes "
                                 "budget)", value=m.kv_bytes_reserved)
-        for hist in (m.batch_rows, m.batch_sessions, m.queue_wait):
+        yield CounterMetricFamily("hycoc_rows_trimmed_total", "tree rows a row budget left out of batched "
+                                  "forwards (verifier.tree_budget = auto)", value=m.rows_trimmed)
+        for hist in (m.batch_rows, m.batch_sessions, m.queue_wait, m.rows_kept, m.expected_tokens):
             for family in hist.collect():
                 family.samples = [s for s in family.samples if not s.name.endswith("_created")]
                 yield family

@@ -19,7 +19,7 @@ def serve(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 8765, *, 
           tree_rows: int, max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES, model_name: str = "verifier",
           limits: ServerLimits = ServerLimits(), on_listening: Callable[[str], None] | None = None,
           batching: str = "batched", max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
-          max_batch_wait_ms: float = DEFAULT_MAX_BATCH_WAIT_MS) -> None:
+          max_batch_wait_ms: float = DEFAULT_MAX_BATCH_WAIT_MS, **budget) -> None:
     """Run the server until SIGINT or SIGTERM (blocking). ``on_listening(url)`` is called once the port is bound.
     The other keywords are `VerifierServer`'s.
 
@@ -27,7 +27,7 @@ def serve(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 8765, *, 
     """
     server = VerifierServer(engine, tree_rows=tree_rows, auth_token=auth_token, max_frame_bytes=max_frame_bytes,
                             model_name=model_name, limits=limits, batching=batching, max_batch_rows=max_batch_rows,
-                            max_batch_wait_ms=max_batch_wait_ms)
+                            max_batch_wait_ms=max_batch_wait_ms, **budget)
 
     async def main() -> None:
         stop = asyncio.Event()

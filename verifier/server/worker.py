@@ -19,6 +19,7 @@ from typing import Callable
 
 from hycoc.protocol.messages import DraftTree
 
+from ..batch import RowBudget
 from ..engine import PrefillJob, Session, VerifierEngine
 from ..scheduler import BatchScheduler, StepReport
 from .errors import ShuttingDown
@@ -36,11 +37,14 @@ class EngineWorker:
     engine: the shared `VerifierEngine`. batching, max_batch_rows, max_batch_wait_ms: `VerifierServer`'s.
     open_sessions: how many sessions are open now (the scheduler stops waiting once each has a round queued).
     on_step: called on the event loop with each batched step's `StepReport` (metrics).
+    row_budget: the batched scheduler's `RowBudget` (None: trees verified as sent); `set_row_budget` changes it.
     """
 
     def __init__(self, engine: VerifierEngine, *, batching: str, max_batch_rows: int, max_batch_wait_ms: float,
-                 open_sessions: Callable[[], int], on_step: Callable[[StepReport], None]):
+                 open_sessions: Callable[[], int], on_step: Callable[[StepReport], None],
+                 row_budget: RowBudget | None = None):
         self.engine = engine
+        self.row_budget = row_budget
         self.batching = batching
         self.max_batch_rows = max_batch_rows
         self.max_batch_wait_ms = max_batch_wait_ms
@@ -67,8 +71,15 @@ class EngineWorker:
                                             max_batch_wait_ms=self.max_batch_wait_ms,
                                             open_sessions=self._open_sessions, on_step=self._on_step,
                                             chain_length=self.engine.chain_length,
-                                            prefill_budget=self.engine.prefill_chunk)
+                                            prefill_budget=self.engine.prefill_chunk,
+                                            row_budget=self.row_budget)
             self.scheduler.start()
+
+    def set_row_budget(self, budget: RowBudget | None) -> None:
+        """Use ``budget`` for the batched steps from now on (the server sets it once its row cost is measured)."""
+        self.row_budget = budget
+        if self.scheduler is not None:
+            self.scheduler.row_budget = budget
 
     def _check_open(self) -> None:
         if self.stopping or self._executor is None:
