@@ -1,10 +1,11 @@
-"""Batched vs serial verification rounds on the engine, in-process (issue 14): rows per forward, ms, tok/s.
+"""Batched vs serial verification rounds on the engine, in-process (docs/serving.md "Many devices: batched
+verification"): rows per forward, ms, tok/s.
 
     python benchmarks/batched_verify.py recipes/toy.toml --sessions 1,4,16 --rounds 12
 
 n sessions (Spec-Bench first turns, mixed prompt lengths, the recipe's sampling and epsilon, ``device`` drafting:
 every round packs a hand-off) each send one 33-row tree per step, all at once -- what a server sees when n devices
-answer together. ``serial`` verifies them one after another (`Session.verify`, the server before issue 14);
+answer together. ``serial`` verifies them one after another (`Session.verify`, the server before batched verification);
 ``batched`` verifies them in one forward (`hycoc.verifier.batch.verify_batch`). A step's time is the round latency
 every device sees when they all send together; tok/s = committed tokens / the steps' time. Both modes commit the
 same tokens (the same seeds), which the script checks.

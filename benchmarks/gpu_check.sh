@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU path's check on one GPU (issue 15, "The GPU path"), from a fresh copy of the working tree on a bare machine.
+# The GPU path's check on one GPU (docs/real-shapes.md "The GPU path"), from a fresh copy of the working tree on a bare
+# machine.
 #
 #   bash benchmarks/gpu_check.sh wheels        # HERE, with registry access: the wheels the GPU image lacks -> .whl/
 #   bash benchmarks/gpu_check.sh               # THERE (one H200): every step on cuda, target < 8 minutes

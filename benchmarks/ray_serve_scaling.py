@@ -1,4 +1,5 @@
-"""Throughput of the verifier behind Ray Serve with 1 and 2 replicas, beside a plain `hycoc verify-server` (issue 14).
+"""Throughput of the verifier behind Ray Serve with 1 and 2 replicas, beside a plain `hycoc verify-server`
+(docs/serving.md "Scale out with Ray Serve").
 
 For each server (``hycoc serve-ray RECIPE --replicas N`` and ``hycoc verify-server RECIPE``) started in turn on
 loopback, ``hycoc loadtest RECIPE --sessions S --duration D --server URL`` drives S simulated devices; the table has

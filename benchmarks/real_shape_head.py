@@ -1,4 +1,4 @@
-"""A real-shape build check of the MTP head that fits this machine (issue 7, third bullet).
+"""A real-shape build check of the MTP head that fits this machine (docs/compiler.md, docs/real-shapes.md).
 
     python benchmarks/real_shape_head.py                           # full size: |V| 86,089, W 1,024, 4 layers
     python benchmarks/real_shape_head.py --keep-set 4096 --window 128 --layers 2

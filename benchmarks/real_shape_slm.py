@@ -1,4 +1,5 @@
-"""The E2B SLM Drafter at real shape through every pass of the compiler, random weights (issue 15, first bullet).
+"""The E2B SLM Drafter at real shape through every pass of the compiler, random weights (docs/real-shapes.md "The E2B
+SLM at real shape").
 
     python benchmarks/real_shape_slm.py                                  # E2B: 35 layers, |V| 86,089, B 32, W 1,024
     python benchmarks/real_shape_slm.py --layers 5 --out runs/real-shape-slm-5.json     # real widths, 5 layers

@@ -1,5 +1,5 @@
-"""Host share of the device runtime's drafting time on a real bundle (issue 16: "on the toy bundle, the host share
-of drafting time <= 10%").
+"""Host share of the device runtime's drafting time on a real bundle (docs/device-runtime.md "Host work per round":
+the target is a host share of drafting time <= 10% on the toy bundle).
 
     python benchmarks/runtime_host_share.py bundles/toy-cpu                       # 4 questions x 128 tokens
     python benchmarks/runtime_host_share.py bundles/toy-cpu --questions 8 --json runs/host-share.json
@@ -16,8 +16,8 @@ interleaved per question:
     host top-k    the same graphs asked for ``logits`` instead; the host ranks the keep set
                   (`hycoc.runtime.candidates.logits_candidates`)
 
-Wall time, so run it on an idle machine; the issue's baseline (23%: 0.96 s in ``InferenceSession.run`` of 1.25 s
-of drafting, 4 questions x 128 tokens, one thread) was measured the same way before top-k moved into the graphs.
+Wall time, so run it on an idle machine; the baseline before top-k moved into the graphs (23%: 0.96 s in
+``InferenceSession.run`` of 1.25 s of drafting, 4 questions x 128 tokens, one thread) was measured the same way.
 """
 
 from __future__ import annotations

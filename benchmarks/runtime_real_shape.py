@@ -1,4 +1,4 @@
-"""The device runtime's host work per HyCo round at the paper's shapes (issue 16).
+"""The device runtime's host work per HyCo round at the paper's shapes (docs/device-runtime.md "Host work per round").
 
     python benchmarks/runtime_real_shape.py                      # 60 rounds after 5 warm-up rounds, 3 variants
     python benchmarks/runtime_real_shape.py --rounds 200 --variant graph-topk --json runs/runtime-real-shape.json
@@ -13,7 +13,7 @@ and the commit (`SlmDrafter.commit`, Alg. 1 line 10) -- at the paper's shapes:
 
 - keep set |V| = 86,089 sorted distinct ids drawn from Gemma's 262,144 (seed 0), W = 1,024, K = 4, D = 2, B = 32
   (32 SLM rows, 33 tree rows), 32 SLM candidates per row, λ = 0.66 (Table 5);
-- hand-off of Gemma 4 26B-A4B (DESIGN.md "Reference shapes"): x̂ = 5,632 int8 values, K/V rows of the last sliding
+- hand-off of Gemma 4 26B-A4B (docs/design.md "Reference shapes"): x̂ = 5,632 int8 values, K/V rows of the last sliding
   layer (8 x 256) and the last full layer (2 x 512) per position; the head's rings (1, 8, 1,024, 256) and
   (1, 2, 1,024, 512);
 - the E2B SLM (`hycoc.passes.plan.SLM_E2B`): 35 layers, 15 with a ring (the last 20 share KV), sliding rings
@@ -36,7 +36,7 @@ minus that of the timed functions it calls):
 
     ingest       MtpDrafter.ingest (dequantize + validate the hand-off, ring column writes)
     masks        HeadRingMask.update (head), TreeRingMask.update (SLM) (ring_masks / tree_ring_mask before
-                 issue 16's in-place masks)
+                 the masks were kept in place, runtime/tree_mask.py)
     rotary+LUT   RotaryTable.rows / RotaryBlock.rows, EmbeddingLut.lookup, SlmDrafter.feeds / MtpDrafter.feeds
                  assembly
     ring writes  SlmDrafter._write

@@ -1,4 +1,5 @@
-"""Record a toy runtime run against the real verifier, then replay it without a server (issue 16 host work).
+"""Record a toy runtime run against the real verifier, then replay it without a server (docs/device-runtime.md "Host
+work per round").
 
     python benchmarks/runtime_replay.py record bundles/toy-cpu runs/replay-hyco.pkl            # needs the verifier
     python benchmarks/runtime_replay.py replay bundles/toy-cpu runs/replay-hyco.pkl --reps 3   # no server

@@ -1,4 +1,5 @@
-"""Two-turn conversations on the verifier engine: what keeping the KV across turns saves (issue 12, paper §4.1).
+"""Two-turn conversations on the verifier engine: what keeping the KV across turns saves (docs/benchmarks.md
+"Benchmark": both MT-bench turns; paper §4.1).
 
     python benchmarks/two_turn_prefill.py recipes/toy.toml --limit 10
 

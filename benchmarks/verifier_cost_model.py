@@ -1,12 +1,12 @@
-"""Measure a verifier cost model: ms of every forward the server runs per (rows, context) (issues 6, 7 and 15):
-the tree verification (kind ``verify``), one step of the server-side MTP head (``head_step``) and one prefill chunk
-(``prefill``); see `hycoc.bench.cost_model` for the kinds.
+"""Measure a verifier cost model: ms of every forward the server runs per (rows, context) (docs/benchmarks.md
+"Benchmark": g projected): the tree verification (kind ``verify``), one step of the server-side MTP head (``head_step``)
+and one prefill chunk (``prefill``); see `hycoc.bench.cost_model` for the kinds.
 
     python benchmarks/verifier_cost_model.py --device cuda --out runs/cost-h200.json
     python benchmarks/verifier_cost_model.py --device cpu --recipe recipes/toy.toml --out runs/cost-toy-cpu.json
 
 ``--device cuda`` without ``--recipe``: the Gemma 4 26B-A4B verifier shape (`hycoc.passes.plan.VERIFIER_26B_A4B`,
-DESIGN.md "Reference shapes": 30 layers, hidden 2816, MoE 128 experts top-8, vocab 262,144; 25.2e9 parameters,
+docs/design.md "Reference shapes": 30 layers, hidden 2816, MoE 128 experts top-8, vocab 262,144; 25.2e9 parameters,
 50.5 GB in bf16) built by transformers' ``Gemma4ForCausalLM`` with RANDOM weights in ``--dtype`` (bfloat16) on one
 GPU. Random weights change no shape and no kernel, so the timing is the real model's -- except MoE routing: a
 random router spreads tokens nearly uniformly, so 33 rows x top-8 touch about 112 of the 128 experts per layer

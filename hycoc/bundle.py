@@ -1,4 +1,4 @@
-"""Bundles: the folder `hycoc build` writes and the device runtime loads (DESIGN.md "Bundle", issues 4 and 5).
+"""Bundles: the folder `hycoc build` writes and the device runtime loads (docs/design.md "Bundle").
 
 A bundle is a folder with ``manifest.json`` and the files it lists: graphs (QDQ ONNX for the cpu target,
 EPContext ONNX + QNN context binaries for htp targets), the keep set, host LUTs, rotary tables, the tokenizer
@@ -39,7 +39,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from hycoc.chat import ChatFormat
 
-#: 2: the manifest carries ``digest``, the sha256 of its own canonical content (issue 12 fault 8).
+#: 2: the manifest carries ``digest``, the sha256 of its own canonical content (docs/design.md "Bundle": an edited
+#: manifest value is refused like an edited file).
 SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
 
@@ -349,7 +350,8 @@ class Manifest(_Model):
 
     def graph_chain(self, name: str) -> list[GraphEntry]:
         """The graphs that run as graph ``name``: ``[graph(name)]``, or its layer shards ``NAME.s0``, ``NAME.s1``,
-        ... in chain order (`shard_graph_name`; issue 15: one context binary per shard). KeyError naming the
+        ... in chain order (`shard_graph_name`; one context binary per shard, docs/compiler.md "Layer-sharded SLM").
+        KeyError naming the
         graphs there are when neither exists; ManifestInvalid when the shard numbers have a gap."""
         if any(g.name == name for g in self.graphs):
             return [self.graph(name)]
@@ -580,7 +582,8 @@ def verify_files(folder: str | os.PathLike, manifest: Manifest) -> None:
 
 def check_target(manifest: Manifest, *, backend: str, htp_arch: int | None = None, soc_model: str | None = None,
                  qnn_sdk: str | None = None, kv_bits: int | None = None) -> None:
-    """Refuse a bundle built for another device (issue 5): each value given is compared with the manifest's.
+    """Refuse a bundle built for another device (docs/design.md "Bundle"): each value given is compared with the
+    manifest's.
 
     Values left None are not checked (e.g. the QNN SDK when the local onnxruntime-qnn does not report one).
     Raises TargetMismatch naming the field, the bundle's value and the device's.

@@ -1,4 +1,4 @@
-"""The checkpoint's chat format as the device runtime and every host command use it (docs: README "Chat format").
+"""The checkpoint's chat format as the device runtime and every host command use it (docs/recipes.md "Chat format").
 
 Nothing here knows a model family's markers. A `ChatFormat` is read from a checkpoint by
 `hycoc.chat_template.load_chat_format` (the tokenizer folder's own chat template, rendered by transformers' template

@@ -1,5 +1,5 @@
 """Device time per graph call when no on-device profile exists: an ESTIMATE from bytes and multiply-accumulates
-(DESIGN.md "Real formats, real shapes": "its profiles (or a calibrated estimate, labelled as such)").
+(docs/design.md "Targets": "its profiles (or a calibrated estimate, labelled as such)").
 
 The model (one call of one static graph on the Hexagon NPU):
 

@@ -2,7 +2,8 @@
 
 What the device runtime computes around each graph call, and what the compiler uses to feed the same graphs
 while it builds and checks them -- one implementation for both, so a bundle's graphs and its runtime agree by
-construction. No torch, no transformers: this module ships to the phone (DESIGN.md "runtime/ must not import torch").
+construction. No torch, no transformers: this module ships to the phone (docs/design.md "Layout": runtime/ must not
+import torch).
 
 - `EmbeddingLut`: embedding tables kept on the host in the checkpoint's own quantized storage (App. A: "the
   embeddings stay on the CPU as LUTs"), `unpack_signed` for its 2/4/8-bit layouts;
@@ -13,7 +14,7 @@ construction. No torch, no transformers: this module ships to the phone (DESIGN.
   rows and its ring + ancestor mask (Alg. 3 line 8); `ring_runs`: consecutive positions as runs of ring columns.
 
 Masks are additive float32 with a finite hidden value (`MASK_VALUE` = -1e4), sized for a 16-bit quantized mask
-input: never -inf, never a min-float stand-in (issue 4 "Numerics by construction").
+input: never -inf, never a min-float stand-in (docs/design.md "Numerics by construction").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Artifacts: the typed values that flow between compiler passes (DESIGN.md "The pass pipeline").
+"""Artifacts: the typed values that flow between compiler passes (docs/design.md "The pass pipeline").
 
 An artifact is a dataclass with a ``kind`` (the role it plays in a pipeline: ``"tokenizer"``, ``"keep_set"``,
 ``"onnx_head"``, ...), a ``payload`` (the value itself), a ``save(folder)`` / ``load(kind, folder)`` pair that the

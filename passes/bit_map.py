@@ -1,6 +1,6 @@
 """The SLM's weight bit map: the assumed E2B map, the map that reproduces the paper's sizes, and the checkpoint's own
-(issue 15, "The bit map"; paper App. A Table 3: "the checkpoint's 2/4/8 bits", "2/4-bit LUT", "754 MB NPU graph";
-§6: "The device stores 365 MB for it alongside the SLM's 754 MB graph").
+(docs/real-shapes.md "The bit map"; paper App. A Table 3: "the checkpoint's 2/4/8 bits", "2/4-bit LUT", "754 MB NPU
+graph"; §6: "The device stores 365 MB for it alongside the SLM's 754 MB graph").
 
 One place for every SLM bit map hycoc uses at real shape:
 

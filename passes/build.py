@@ -1,5 +1,5 @@
-"""`hycoc build`: the whole compiler as one pipeline, and the bundle it writes (DESIGN.md "The pass pipeline",
-"Bundle", "Targets"; issue 4).
+"""`hycoc build`: the whole compiler as one pipeline, and the bundle it writes (docs/design.md "The pass pipeline",
+"Bundle", "Targets").
 
 `build_pipeline(recipe, target)` assembles, in order (inputs: ``tokenizer``, ``torch_verifier``, ``torch_head``
 from the recipe's ``[models]``, loaded by `build_inputs`):

@@ -1,5 +1,5 @@
 """Build side of the bundle manifest: what a graph declares, read from its ONNX file, and the manifest sections
-taken from the recipe and the target profile (DESIGN.md "Bundle"; the format is ``hycoc/bundle.py``).
+taken from the recipe and the target profile (docs/design.md "Bundle"; the format is ``hycoc/bundle.py``).
 
 `graph_io_from_onnx` reads, without loading weights:
 

@@ -1,5 +1,5 @@
-"""Activation calibration of a static ONNX graph (issue 4, "Activation calibration"; recipe ``[slm_calibration]``,
-``[head_qat].input_range_percentile``).
+"""Activation calibration of a static ONNX graph (paper App. A: 1.2 x the 99.9th percentile; docs/design.md "Numerics by
+construction"; recipe ``[slm_calibration]``, ``[head_qat].input_range_percentile``).
 
 `ListCalibrationReader` feeds a list of input dicts (numpy, by graph input name) to onnxruntime's quantizer
 (a ``CalibrationDataReader``), after checking each dict against the graph's inputs (names, shapes) and the fixed
@@ -127,7 +127,7 @@ def run_with_tensors(model_path: str | Path, tensors: Sequence[str],
 
     The copy is the graph's protobuf only (external data not loaded), written beside ``model_path`` so its external
     data references resolve, and removed afterwards: a graph whose weights exceed protobuf's 2 GB limit never
-    passes through one serialized message (issue 15)."""
+    passes through one serialized message (the E2B SLM at real shape, docs/real-shapes.md)."""
     import os
     import tempfile
 

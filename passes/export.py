@@ -1,4 +1,4 @@
-"""Static-shape ONNX export of a drafter graph and its numeric check (issue 4, "Static-shape export").
+"""Static-shape ONNX export of a drafter graph and its numeric check (docs/design.md "Numerics by construction").
 
 `export_static` runs torch's dynamo exporter (``torch.onnx.export(..., dynamo=True)``) on fixed example inputs --
 every shape static, no ``dynamic_shapes`` -- optionally rewrites each RMSNorm into the HTP's elementwise form

@@ -1,5 +1,5 @@
 """The IO of the graphs a bundle ships: only what the device runtime reads, optionally in the quantized dtype
-(DESIGN.md "Real formats, real shapes": "graphs whose IO is what the runtime reads (no vocabulary-wide outputs) ...
+(docs/design.md "The pass pipeline": "graphs whose IO is what the runtime reads (no vocabulary-wide outputs) ...
 quantized IO for the large inputs").
 
 `ship_graph(model, quantized_io=...)` rewrites a QDQ graph (onnx.ModelProto, weights need not be loaded) in place:

@@ -1,5 +1,5 @@
-"""Calibration inputs of the MTP head graph, fed exactly as the device runtime feeds it (issue 4, "Activation
-calibration": A16 ranges and the head's fixed input ranges "from calibration prompts").
+"""Calibration inputs of the MTP head graph, fed exactly as the device runtime feeds it (paper App. A:
+A16 ranges and the head's fixed input ranges from the calibration prompts and the verifier's greedy answers).
 
 The hand-offs are real: the verifier engine (`hycoc.verifier.engine.VerifierEngine` over the pipeline's torch
 verifier, the recipe's hand-off scales, W, K, pre/post-norm h) opens a session on each calibration prompt,

@@ -1,5 +1,5 @@
 """Head export pass: the QAT head as a static ONNX graph plus the host tables the device needs (paper Alg. 2,
-App. A Table 3; issue 4 "Static-shape export").
+App. A Table 3; docs/design.md "Numerics by construction").
 
 ``quantized_head`` + ``torch_verifier`` -> ``onnx_head`` + ``head_host``:
 

@@ -22,7 +22,7 @@ as an argument (``position_embeddings``) and KV-shared layers read K/V from ``sh
 and the rings are plain inputs. Attention runs transformers' eager path (matmul, additive mask, softmax, matmul:
 the static mask form the export wants, no fused op). The mask constant is finite (-1e4, as
 `hycoc.mtp.window_mask`): a 16-bit quantized mask input holds it and 0 exactly, where -inf or a min-float stand-in
-would wreck its scale (issue 4 "Numerics by construction").
+would wreck its scale (docs/design.md "Numerics by construction").
 
 Host side (what the device runtime computes, shown here in torch/numpy for the compiler and the tests):
 `rotary_rows` / `rotary_tables` (line 6), `ring_masks` (lines 2-5: column c holds position p with p mod W = c),

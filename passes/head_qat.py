@@ -1,4 +1,4 @@
-"""KL-based 4-bit QAT of the MTP head (paper §3.2, App. A Table 4; issue 4 "KL-based 4-bit QAT of the head").
+"""KL-based 4-bit QAT of the MTP head (paper §3.2, App. A Table 4; docs/design.md "Table 4: the head's 4-bit QAT").
 
     restrict_output_layer    the head with an untied output layer over the keep set (§3.3, App. A)
     capture_sequences        the verifier answers the calibration prompts greedily; one verifier pass per answer

@@ -1,4 +1,4 @@
-"""The pass manager of `hycoc build` (DESIGN.md "The pass pipeline"; issue 4 "Pass manager").
+"""The pass manager of `hycoc build` (docs/design.md "The pass pipeline").
 
 A `Pass` is a small class that names the recipe table it reads (``section``), the artifact kinds it consumes and
 produces (each with its `Artifact` class), and a ``run(inputs, recipe)`` that returns its outputs and a

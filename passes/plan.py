@@ -1,11 +1,11 @@
-"""Real-shape plan of a recipe, without weights (issue 7, `hycoc inspect RECIPE`).
+"""Real-shape plan of a recipe, without weights (`hycoc inspect RECIPE`; docs/real-shapes.md).
 
 `real_shape_plan(recipe)` builds the three models of a recipe on torch's meta device (no memory, no weights) and
 reports what the compiler will make of them and what the wire will carry:
 
 * the configs: read from ``config.json`` when ``[models].<role>`` is a local folder that has one, else the
-  reference shapes below (DESIGN.md "Reference shapes"). Every number that is not from a config.json or
-  DESIGN.md is listed in ``assumptions``.
+  reference shapes below (docs/design.md "Reference shapes"). Every number that is not from a config.json or
+  docs/design.md is listed in ``assumptions``.
 * each drafter graph's inputs and outputs (names, shapes and dtypes exactly as `hycoc.passes.head_graph.HeadGraph`
   and `hycoc.passes.slm_graph.SlmTreeGraph` declare them), parameter counts, weight bytes at the recipe's bit maps,
   LUT sizes, ring-KV bytes on the device;
@@ -34,7 +34,7 @@ SLIDING = "sliding_attention"
 FULL = "full_attention"
 MB = 10**6
 
-#: Gemma 4 26B-A4B's text config (DESIGN.md "Reference shapes"; matches public copies of its config.json).
+#: Gemma 4 26B-A4B's text config (docs/design.md "Reference shapes"; matches public copies of its config.json).
 VERIFIER_26B_A4B: dict[str, Any] = {
     "model_type": "gemma4_text", "vocab_size": 262_144, "hidden_size": 2816, "intermediate_size": 2112,
     "num_hidden_layers": 30, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
@@ -47,9 +47,9 @@ VERIFIER_26B_A4B: dict[str, Any] = {
                         FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}},
 }
 
-#: Gemma 4 E2B's text config (DESIGN.md "Reference shapes"). intermediate_size 6144 and the 4 sliding : 1 full
+#: Gemma 4 E2B's text config (docs/design.md "Reference shapes"). intermediate_size 6144 and the 4 sliding : 1 full
 #: layer pattern (full at 4, 9, ..., 34) are from public copies of google/gemma-4-E2B-it's config.json, not from
-#: DESIGN.md; the SLM's output layer is untied in the graph (keep-set rows).
+#: docs/design.md; the SLM's output layer is untied in the graph (keep-set rows).
 SLM_E2B: dict[str, Any] = {
     "model_type": "gemma4_text", "vocab_size": 262_144, "hidden_size": 1536, "intermediate_size": 6144,
     "num_hidden_layers": 35, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256,

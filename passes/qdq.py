@@ -1,5 +1,5 @@
 """QDQ insertion for the HTP: A16 activations, bit-exact per-channel integer weights, fixed encodings, SQNR report
-(issue 4, "Numerics by construction", "Activation calibration", "Static-shape export ... QDQ insertion").
+(docs/design.md "Numerics by construction"; paper App. A Table 3).
 
 `quantize_graph` turns an exported static float graph into a QDQ graph with onnxruntime's QNN helpers
 (``qnn_preprocess_model``, ``get_qnn_qdq_config``, ``quantize``), in this order:

@@ -1,4 +1,4 @@
-"""RMSNorm decomposition: every RMSNorm of an exported graph in the HTP's elementwise form (issue 4; DESIGN.md
+"""RMSNorm decomposition: every RMSNorm of an exported graph in the HTP's elementwise form (docs/design.md
 "The pass pipeline", after QAT for the head and after graph surgery for the SLM).
 
 Two layers, as onnx-ir and onnxscript split them:

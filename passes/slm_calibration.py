@@ -1,5 +1,5 @@
-"""Calibration inputs of the SLM tree graph from real text, fed exactly as the device runtime feeds it (issue 4,
-"Activation calibration": A16 ranges "from calibration prompts").
+"""Calibration inputs of the SLM tree graph from real text, fed exactly as the device runtime feeds it (paper
+App. A: A16 ranges from the calibration prompts and the verifier's greedy answers).
 
 The text: the verifier's greedy answers to chat-formatted prompts, made once per build by
 `hycoc.passes.calibration_answers` from the head QAT's prompt source (`hycoc.passes.head_qat.prompt_sources`:

@@ -1,6 +1,6 @@
 """The SLM's 1-row decode graph: SLM-alone decoding (paper Table 5's SLM-alone baseline) runs one token per forward
-instead of the R-row tree graph with R - 1 padding rows (issue 16: "slm-alone runs a 1-row decode graph (built by
-the same pass) instead of the 33-row tree graph for one token").
+instead of the R-row tree graph with R - 1 padding rows (docs/device-runtime.md "slm-alone
+decodes on a 1-row graph").
 
 `SlmDecodeGraph` (pass ``slm_decode_graph``) builds `hycoc.passes.slm_graph.SlmTreeGraph` with ``rows = 1``: the
 same weights, the same ring inputs (W_T columns, column p mod W_T), 1-row masks (1, 1, 1, W_T + 1), and outputs

@@ -1,4 +1,4 @@
-"""The SLM Drafter's static tree graph (paper Alg. 3 line 8, §3.4, App. A; DESIGN.md "The pass pipeline").
+"""The SLM Drafter's static tree graph (paper Alg. 3 line 8, §3.4, App. A; docs/design.md "SLM Drafter").
 
 One SLM forward per round runs over R rows (R = 32 in the paper's deployment): the committed tokens without SLM
 KV, ending with the root, and the planted tree nodes (Alg. 3 line 7). Row v "attends to the last W committed
@@ -32,12 +32,12 @@ Outputs: ``logits`` (1, R, |keep set|), soft-capped, over the keep set only (the
 to the keep-set rows, §3.3), and ``k_new_i``, ``v_new_i`` (1, KV_i, R, D_T) for each non-shared layer: every row's
 new key (rotated) and value, so the runtime writes the committed rows into the ring (column p mod W_T).
 
-Shards (issue 15: a graph over one context's budget is split by layers, as ExecuTorch and Genie ship E2B-class
-models). ``bounds = (0, b_1, ..., L)`` and ``shard = k`` make the module shard k, layers [b_k, b_{k+1}). Shard 0
-takes the host inputs and projects the per-layer inputs; a later shard takes ``hidden_A`` (1, R, H), the hidden
-state entering its first layer A, and ``per_layer_A_B`` (1, R, B - A, P), its layers' projected per-layer inputs,
-both outputs of earlier shards (shard 0 outputs every later shard's ``per_layer_A_B``, each shard but the last its
-``hidden_B``). Only the last shard has the final norm, the keep-set output layer and the soft-cap (``logits``).
+Shards (docs/compiler.md "Layer-sharded SLM": a graph over one context's budget is split by layers, as ExecuTorch and
+Genie ship E2B-class models). ``bounds = (0, b_1, ..., L)`` and ``shard = k`` make the module shard k, layers [b_k,
+b_{k+1}). Shard 0 takes the host inputs and projects the per-layer inputs; a later shard takes ``hidden_A`` (1, R, H),
+the hidden state entering its first layer A, and ``per_layer_A_B`` (1, R, B - A, P), its layers' projected per-layer
+inputs, both outputs of earlier shards (shard 0 outputs every later shard's ``per_layer_A_B``, each shard but the last
+its ``hidden_B``). Only the last shard has the final norm, the keep-set output layer and the soft-cap (``logits``).
 Each shard takes ``cos_T``/``sin_T``/``mask_T`` for the layer types it has and the rings of its own non-shared
 layers, and outputs their ``k_new_i``/``v_new_i``. A KV-shared layer whose producer p sits in an earlier shard
 takes ``k_ring_p``, ``v_ring_p`` (host) and ``k_new_p``, ``v_new_p`` (p's shard's outputs). Every name is either a

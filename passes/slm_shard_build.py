@@ -1,4 +1,5 @@
-"""The SLM tree graph as layer shards through export and QDQ: the pass ``slm_shards`` (issue 15).
+"""The SLM tree graph as layer shards through export and QDQ: the pass ``slm_shards`` (docs/compiler.md "Layer-sharded
+SLM"; docs/real-shapes.md).
 
 With ``[target] slm_shards`` set (N, or ``"auto"``: the fewest shards whose weights fit the target profile's
 context budget, `hycoc.passes.slm_shards.plan_shards`), this pass stands where ``slm_tree_graph`` and ``qdq_slm``

@@ -1,4 +1,5 @@
-"""The shard plan of the SLM tree graph: which contiguous layers go into which context binary (issue 15).
+"""The shard plan of the SLM tree graph: which contiguous layers go into which context binary (docs/compiler.md
+"Layer-sharded SLM").
 
 A graph whose weights exceed one context's budget (the target profile's ``max_context_bytes``, 3.5 GiB on
 htp-v81, lowered by ``[target] context_size_limit_mb``) is split by layers into shards, one context binary each,

@@ -1,4 +1,4 @@
-"""SLM graph surgery (paper App. A, Table 3; DESIGN.md "The pass pipeline", SLM Drafter).
+"""SLM graph surgery (paper App. A, Table 3; docs/design.md "SLM Drafter").
 
 The SLM Drafter's checkpoint (Gemma 4 E2B's mobile QAT release; the toy family's SLM) is stored in transformers'
 pre-quantized Gemma format: every linear layer packed int2/int4/int8 with a per-output-channel float32

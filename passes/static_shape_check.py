@@ -1,5 +1,5 @@
-"""Static-graph check: no data-dependent KV slicing, no fused attention op (issue 4, "Static-shape export";
-DESIGN.md "The pass pipeline": ring KV with an additive mask input, static shapes).
+"""Static-graph check: no data-dependent KV slicing, no fused attention op (docs/design.md
+"Numerics by construction", "MTP head (the Drafter)": ring KV with an additive mask input, static shapes).
 
 One job: find, in an ONNX model, the two constructs the HTP graphs must not contain, and refuse them with
 `StaticGraphError` (node names, op types, why, and the fix):

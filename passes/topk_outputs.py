@@ -1,7 +1,7 @@
 """Top-k outputs on a drafter graph: its best keep-set indices (and log-probabilities) leave the graph instead of a
-vocabulary-wide row (issue 16; paper §3.3 names the output layers "and their top-k search" as a large share of the
-device round; shared/FIELD-NOTES.md: "QNN HTP has a TopK op, so the drafters can emit candidates, not
-vocabulary-wide logits").
+vocabulary-wide row (docs/device-runtime.md "Host work per round"; paper §3.3 names the output layers "and their top-k
+search" as a large share of the device round; shared/FIELD-NOTES.md: "QNN HTP has a TopK op, so the drafters can emit
+candidates, not vocabulary-wide logits").
 
 `append_topk` adds to a graph whose output ``logits`` is (1, R, |V|):
 

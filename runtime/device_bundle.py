@@ -1,4 +1,4 @@
-"""A bundle opened for the device runtime (DESIGN.md "Bundle"; issue 5 "Loads a bundle ... Bundle compatibility").
+"""A bundle opened for the device runtime (docs/design.md "Bundle").
 
 `open_bundle` reads ``manifest.json``, verifies every file's size and sha256 and the schema version
 (`hycoc.bundle.load_manifest`), checks the manifest's target against the device (`check_device`), and loads the
@@ -81,7 +81,7 @@ def sdk_release(version: str) -> tuple[int, ...]:
 
 def check_device(manifest: Manifest, backend: str, *, qnn: dict[str, str | None] | None = None,
                  htp_arch: int | None = None, soc_model: str | None = None) -> None:
-    """Refuse a bundle this device cannot run, before any session is created (issue 5 "Bundle compatibility").
+    """Refuse a bundle this device cannot run, before any session is created (docs/design.md "Bundle").
 
     backend: ``htp`` (QNN EP context binaries) or ``cpu`` (QDQ ONNX on onnxruntime's CPU EP). For htp, the
     bundle's QNN SDK must equal the local onnxruntime-qnn's (``qnn``: `local_qnn` output, read when None);
@@ -132,7 +132,7 @@ def open_bundle(path: str | os.PathLike, backend: str = "cpu", *, verify: bool =
         raise ManifestInvalid(f"bundle {folder}: no {', '.join(sorted(missing))} graph; rebuild it with hycoc build")
     for name, wanted in (("head", {"top_index"}), ("slm", {"top_index", "top_logq"})):
         missing = wanted - {t.name for t in manifest.chain_entry(name).outputs}   # layer shards: the chain's
-        if missing:   # graphs emit their top-k since issue 16; the runtime no longer ranks a keep-set-wide row
+        if missing:   # graphs emit their own top-k (passes/topk_outputs.py); no keep-set-wide row is ranked here
             raise ManifestInvalid(f"bundle {folder}: its {name} graph has no {', '.join(sorted(missing))} output "
                                   "(built by an older hycoc); rebuild it with `hycoc build RECIPE --target ... "
                                   "--out DIR`")

@@ -1,14 +1,13 @@
-"""onnxruntime sessions of a bundle's graphs, on the backend the user asked for (issue 5 "opens onnxruntime
-sessions on the requested backend").
+"""onnxruntime sessions of a bundle's graphs, on the backend the user asked for (docs/device-runtime.md).
 
 ``--backend cpu``: the bundle's QDQ ONNX on onnxruntime's CPU EP. ``--backend htp``: the bundle's EPContext model
 on the QNN EP (``onnxruntime-qnn``, a plugin EP registered with ``register_execution_provider_library``; on an x86
 host its HTP backend runs the context binary on the HTP simulator), CPU fallback disabled, the provider options
 of the manifest's target (``htp_arch``, ``soc_model``).
 
-A graph the bundle holds as layer shards (``slm.s0``, ``slm.s1``, ...; issue 15: one context binary per shard,
-each under the target's context budget) runs as `ShardChainRunner`, the shards chained by tensor name;
-`open_graph` picks the runner.
+A graph the bundle holds as layer shards (``slm.s0``, ``slm.s1``, ...; docs/compiler.md "Layer-sharded SLM": one
+context binary per shard, each under the target's context budget) runs as `ShardChainRunner`, the shards chained by
+tensor name; `open_graph` picks the runner.
 
 `GraphRunner` checks the session's inputs and outputs against the manifest before the first run
 (`hycoc.bundle.check_graph_io`) and converts between the runtime's float32 arrays and the graph's IO dtype: a
@@ -87,7 +86,7 @@ def cpu_session_options(threads: int | None = None):
     them: paper Alg. 1-3), and each of its two or three sessions would otherwise own a pool of one thread per core
     whose workers spin after every run (onnxruntime's default, ``docs/performance/tune-performance/threading``),
     taking the cores the host's tree building and the other sessions need. Measured on the toy bundle (replay of
-    recorded rounds, ``benchmarks/runtime_replay.py --threads``): NOTES in the README's runtime section."""
+    recorded rounds, ``benchmarks/runtime_replay.py --threads``): docs/device-runtime.md (the cpu backend's threads)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -392,8 +391,9 @@ class GraphRunner:
 
 
 class ShardChainRunner:
-    """A graph built as layer shards (``NAME.s0``, ``NAME.s1``, ... in the manifest, `Manifest.graph_chain`; issue
-    15), presented as one graph with `GraphRunner`'s contract, so `SlmDrafter` runs it unchanged.
+    """A graph built as layer shards (``NAME.s0``, ``NAME.s1``, ... in the manifest, `Manifest.graph_chain`;
+    docs/compiler.md "Layer-sharded SLM"), presented as one graph with `GraphRunner`'s contract, so `SlmDrafter` runs it
+    unchanged.
 
     Each shard is a `GraphRunner` of its own (on htp: its own context binary); ``run(feeds)`` runs them in order,
     each shard's inputs taken by name from ``feeds`` or from an earlier shard's outputs (`hycoc.passes.slm_graph`

@@ -1,4 +1,4 @@
-"""SLM-alone decoding on the bundle's 1-row decode graph (issue 16; paper Table 5's SLM-alone baseline).
+"""SLM-alone decoding on the bundle's 1-row decode graph (docs/device-runtime.md; paper Table 5's SLM-alone baseline).
 
 `SlmDecoder.step(drafter)` is one greedy token: one forward of the ``slm_decode`` graph (`hycoc.passes.slm_decode`:
 the SLM tree graph at 1 row, on the tree graph's quantization grid) for the root r at position t, over the

@@ -1,5 +1,5 @@
-"""The SLM tree graph's ring + ancestor masks kept in preallocated buffers and updated in place (issue 16: "no
-per-round allocation or copy that grows with W").
+"""The SLM tree graph's ring + ancestor masks kept in preallocated buffers and updated in place (docs/device-runtime.md
+"Host work per round": no per-round allocation or copy that grows with W).
 
 `hycoc.host.tree_ring_mask` builds the (1, 1, R, W_i + R) additive mask of one layer type from scratch, O(R x W_i)
 per forward. Between two forwards of a request only a few ring columns change: the ring's column c holds the

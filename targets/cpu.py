@@ -1,4 +1,4 @@
-"""The ``cpu`` target: the QDQ ONNX graphs themselves, run by onnxruntime's CPU EP (DESIGN.md "Targets").
+"""The ``cpu`` target: the QDQ ONNX graphs themselves, run by onnxruntime's CPU EP (docs/design.md "Targets").
 
 :func:`package_cpu` checks that a QDQ model loads on the CPU EP and copies it (with its external data file, if any)
 into the bundle folder as ``GRAPH.onnx``.

@@ -1,5 +1,5 @@
 """The ``htp-*`` targets: QDQ ONNX → EPContext ONNX + QNN HTP context binary, via onnxruntime-qnn
-(DESIGN.md "Targets"; issue 4 "Targets").
+(docs/design.md "Targets").
 
 What :func:`compile_context` does, in order, before the EP sees the model:
 
@@ -9,7 +9,7 @@ What :func:`compile_context` does, in order, before the EP sees the model:
    ``supported_op_types`` → :class:`CapabilityError` (a compile-time refusal, never a silent precision change);
 3. host-only patterns (``profile.host_only``): an embedding lookup (Gather on a constant table indexed by an
    integer graph input) is refused with :class:`HostOnlyError` naming the nodes — hycoc keeps embeddings as host
-   LUTs (DESIGN.md);
+   LUTs (docs/design.md "SLM Drafter");
 4. static-graph check (:func:`hycoc.passes.static_shape_check.check_static_graph`): data-dependent KV slicing
    (a Slice/Gather whose starts/indices come from a graph input) or a fused attention op (ONNX ``Attention``,
    ``com.microsoft`` ``MultiHeadAttention``/``GroupQueryAttention``...) → ``StaticGraphError`` listing the nodes;

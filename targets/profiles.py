@@ -1,4 +1,4 @@
-"""Target profiles: what a compile target can do, as data (DESIGN.md "Targets", issue 4 "Targets").
+"""Target profiles: what a compile target can do, as data (docs/design.md "Targets").
 
 Code paths never hard-code an arch, a SoC id or a size limit; they read a :class:`TargetProfile`.
 
@@ -51,7 +51,7 @@ class TargetProfile:
         supported_op_types: optional allow-list of ONNX op types (Q/DQ always allowed); None = ask the EP.
         host_only: graph patterns hycoc keeps on the host by design and refuses in a device graph
             (``"embedding_lookup"``: a Gather on a constant table indexed by an integer graph input; embeddings
-            are host LUTs, DESIGN.md "SLM Drafter").
+            are host LUTs, docs/design.md "SLM Drafter").
         finalization_mode: QNN ``htp_graph_finalization_optimization_mode`` ("0".."3"; 3 = slowest, best).
         description: one line for tables.
     """

@@ -1,5 +1,5 @@
 """The ``qai-hub`` target: QDQ ONNX -> QNN DLC on Qualcomm AI Hub -> one linked, weight-shared context binary,
-wrapped as EPContext models (DESIGN.md "Targets", "Real formats, real shapes").
+wrapped as EPContext models (docs/design.md "Targets"; docs/device-time.md).
 
 The flow, on AI Hub's current API (qai-hub 0.56 client; AI Hub release notes of 2026-09-14 removed
 ``--target_runtime qnn_context_binary``, which this module never sends):

@@ -1,4 +1,5 @@
-"""Cross-session batched verification (issue 14): a session's output must not depend on who else is in its batch.
+"""Cross-session batched verification (docs/serving.md "Many devices: batched verification"): a session's output must
+not depend on who else is in its batch.
 
 References are each session run alone with `Session.verify` (the single-session path) on a second engine over the
 same weights. Batched runs go through `hycoc.verifier.batch.verify_batch` with sessions of every mode (hyco: epsilon
@@ -382,8 +383,9 @@ def test_a_long_prefill_runs_chunk_by_chunk_between_rounds(models):
 @pytest.mark.parametrize("vocab, k, ties", [(300, 64, False), (300, 64, True), (50, 1, True), (4096, 64, False),
                                             (40, 40, True)])
 def test_top_k_stable_is_the_full_stable_sorts_first_k(vocab, k, ties):
-    """p~'s top-k without a whole-row sort (issue 14's per-session work) keeps the full stable sort's exact order,
-    ties included (they go to the lowest id, as in every pinned sampling test)."""
+    """p~'s top-k without a whole-row sort (the per-session host work around a batched forward, docs/serving.md)
+    keeps the full stable sort's exact order, ties included (they go to the lowest id, as in every pinned sampling
+    test)."""
     from hycoc.verifier.sampling import top_k_stable
 
     x = torch.randn(33, vocab, generator=torch.Generator().manual_seed(vocab + k))

@@ -117,8 +117,9 @@ class FakeCost:
 
 
 def test_cost_model_projection_counts_every_server_forward():
-    """Issue 15: the prefill chunks ([0, first root): 10 and 100 positions, one chunk each) and cloud-mtp's K = 4
-    head steps per round (at the round's context) are projected beside the verification forwards."""
+    """docs/benchmarks.md "Benchmark" (the forwards replayed): the prefill chunks ([0, first root): 10 and 100
+    positions, one chunk each) and cloud-mtp's K = 4 head steps per round (at the round's context) are projected beside
+    the verification forwards."""
     s = summarize(records(), cost_model=FakeCost(), bootstrap=50)
     h, c = s["hyco"], s["cloud-mtp"]
     prefill = 10 / 10 + 100 / 10

@@ -90,7 +90,8 @@ def test_run_on_a_folder_that_is_not_a_bundle_exits_1_naming_the_manifest():
 
 
 def test_inspect_recipe_emits_the_real_shape_plan_without_checkpoints():
-    # issue 7: no weights needed; the hand-off and tree sizes of the paper's deployment (tests/test_plan.py)
+    # the real-shape plan (docs/real-shapes.md) needs no weights; the hand-off and tree sizes of the paper's deployment
+    # (tests/test_plan.py)
     result = invoke("inspect", GEMMA4, "--json")
     assert result.exit_code == 0, result.stderr
     import json
@@ -284,7 +285,7 @@ def test_verify_server_refuses_a_bad_keep_set_before_listening(tmp_path):
     assert "token id 4096 is outside the verifier's vocabulary of 4096" in result.stderr
 
 
-# ---- the auth token (issue 12 fault 10) ----------------------------------------------------------------------
+# ---- the auth token (docs/serving.md "Limits": best from a file or HYCOC_AUTH_TOKEN; --auth-token warns) -------
 
 
 def _token_app():

@@ -1,5 +1,6 @@
-"""Compiler faults of issue 4, each with a test that fails when the fault slips through. What other test files
-already cover is not repeated here (see each section's note).
+"""Compiler faults the passes must refuse (docs/design.md "Numerics by construction", "The pass pipeline"), each with a
+test that fails when the fault slips through. What other test files already cover is not repeated here (see each
+section's note).
 
 (a) mask values: -inf / min-float masks are refused before quantization (tests/test_qdq.py covers -inf, -3.4e38
     and NaN in a calibration sample); here: the verifier's own finfo.min masks, a QDQ mask encoding that spans a

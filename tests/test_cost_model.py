@@ -168,7 +168,7 @@ def test_measure_grid_on_a_tiny_random_verifier():
     assert torch.get_num_threads() >= 1
 
 
-# ---- every forward the server runs (issue 15) -------------------------------------------------------------------
+# ---- every forward the server runs (docs/benchmarks.md "Benchmark": g projected) ---------------------------------
 
 # The hand-built grid again, with head steps (rows 1) and prefill chunks (rows 1 and 512) at t = 100, 200:
 #   head_step: 2 at t=100, 3 at t=200;  prefill rows 1: 10, 12;  prefill rows 512: 60, 70.

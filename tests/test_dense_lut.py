@@ -1,4 +1,5 @@
-"""EmbeddingLut.dense: the dequantized table a runtime gathers from equals `lookup` bit for bit (issue 16 host work)."""
+"""EmbeddingLut.dense: the dequantized table a runtime gathers from equals `lookup` bit for bit (docs/device-runtime.md
+"Host work per round")."""
 
 from __future__ import annotations
 

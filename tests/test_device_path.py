@@ -1,4 +1,4 @@
-"""The GPU path's plumbing, checked on the CPU (issue 15, "The GPU path"): no GPU is needed.
+"""The GPU path's plumbing, checked on the CPU (docs/real-shapes.md "The GPU path"): no GPU is needed.
 
 * The verifier's round loop creates its tensors on the model's device and copies nothing vocabulary-wide to the host
   (torch's meta device: any host copy of a meta tensor fails, every op's output device is watched with a

@@ -1,6 +1,7 @@
-"""GraphRunner.run's fast paths (issue 16 host work): an input array that is the very object the last run validated
-is passed on without a new check or conversion (buffers kept and updated in place are read as they are now), any
-other array is checked and converted as before; outputs are converted only when the session's type needs it."""
+"""GraphRunner.run's fast paths (docs/device-runtime.md "Host work per round"): an input array that is the very object
+the last run validated is passed on without a new check or conversion (buffers kept and updated in place are read as
+they are now), any other array is checked and converted as before; outputs are converted only when the session's type
+needs it."""
 
 from __future__ import annotations
 

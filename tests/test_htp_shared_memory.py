@@ -1,8 +1,8 @@
-"""The opt-in HTP shared-memory rings (issue 16: "on HTP use the QNN EP's shared-memory allocator where the
-platform offers it, so the ring is not copied per call"): `load_runtime(..., htp_shared_memory=True)` refuses a
-non-htp backend and, where the QNN EP has no allocator (the x86 HTP simulator: no libcdsprpc.so), stops with
-SharedMemoryUnavailable before opening anything; a buffer handed out as an OrtValue is bound once and read in
-place by every later run."""
+"""The opt-in HTP shared-memory rings (docs/device-runtime.md "Host work per round": the QNN EP's
+shared-memory allocator where the platform offers it, so the ring is not copied per call): `load_runtime(...,
+htp_shared_memory=True)` refuses a non-htp backend and, where the QNN EP has no allocator (the x86 HTP simulator: no
+libcdsprpc.so), stops with SharedMemoryUnavailable before opening anything; a buffer handed out as an OrtValue is bound
+once and read in place by every later run."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""`hycoc loadtest` (issue 14, "A load test"): recorded rounds replayed by many asyncio devices against a tiny
-verifier served in-process (`ServerThread`), the statistics on known inputs, the projection, results.json.
+"""`hycoc loadtest` (docs/serving.md "Load test: `hycoc loadtest`"): recorded rounds replayed by many asyncio devices
+against a tiny verifier served in-process (`ServerThread`), the statistics on known inputs, the projection,
+results.json.
 
 The recording is made here the way `record_trace` makes it, with the device's `VerifierClient` wrapped in a
 `RecordingClient`, but the trees come from a fixed filler instead of the drafters (no bundle needed). Replayed on a
@@ -52,7 +53,8 @@ def engine():
     eng.close()
 
 
-#: Batching modes this server has (issue 14 adds "batched" and the ``batching`` argument); serial is the default.
+#: Batching modes this server has (one with batched verification has "batched" and the ``batching`` argument);
+#: serial is the default.
 MODES = ("serial", "batched") if "batching" in inspect.signature(VerifierServer.__init__).parameters else ("serial",)
 
 

@@ -1,4 +1,4 @@
-"""`hycoc inspect RECIPE`: the real-shape plan (issue 7), with no checkpoint present."""
+"""`hycoc inspect RECIPE`: the real-shape plan (docs/real-shapes.md), with no checkpoint present."""
 
 from __future__ import annotations
 
@@ -191,8 +191,9 @@ def test_a_head_for_another_verifier_is_refused(tmp_path):
 
 
 def test_gemma4_bit_maps_beside_the_paper(gemma4):
-    """Issue 15: the assumed map gives 1,215.1 MB, the paper-fit map 752.8 MB (paper 754 MB); the head side
-    (W4 graph + 8-bit E table) 362.9 MB (paper 365 MB); the size alone admits 20 group-wise maps within 1 %."""
+    """docs/real-shapes.md "The bit map": the assumed map gives 1,215.1 MB, the paper-fit map 752.8 MB (paper 754 MB);
+    the head side (W4 graph + 8-bit E table) 362.9 MB (paper 365 MB); the size alone admits 20 group-wise maps
+    within 1 %."""
     bm = gemma4["bit_maps"]
     rows = {r["map"]: r for r in bm["maps"]}
     assert bm["source"] == "ASSUMED"
@@ -236,7 +237,7 @@ def test_gemma4_plan_counts_the_drafters_macs(gemma4):
 
 def test_gemma4_device_estimate_is_the_fit_to_the_papers_anchors(gemma4):
     """The shipped v81 profile is `fit_profile` on the paper's anchors at these shapes (refit here), and each
-    anchor's residual is what the README's device section shows."""
+    anchor's residual is what docs/device-runtime.md "On the phone: device time and graph IO" shows."""
     from hycoc.device_time import NPU_PROFILES, fit_profile
 
     plan = {k: v for k, v in gemma4.items() if k != "device_time_estimate"}

@@ -1,5 +1,5 @@
-"""QDQ insertion (passes/qdq.py, passes/calibration.py; issue 4 "Numerics by construction", "Activation
-calibration", "QDQ insertion").
+"""QDQ insertion (passes/qdq.py, passes/calibration.py; docs/design.md "Numerics by construction"; paper App. A
+"Activation calibration", "QDQ insertion").
 
 The tiny SLM of test_slm_surgery (int2/int4/int8 weights, per-layer inputs, KV-shared layers, soft-capped logits)
 is exported as the static tree graph and quantized A16 with onnxruntime's QNN helpers. Checked on the QDQ graph:

@@ -1,5 +1,5 @@
-"""benchmarks/real_shape_head.py (issue 7, the real-shape build check) at a tiny size: the whole chain runs, the
-JSON report has its keys, and the QDQ model it writes passes the ONNX checker.
+"""benchmarks/real_shape_head.py (the head's real-shape build check, docs/compiler.md and docs/real-shapes.md) at a tiny
+size: the whole chain runs, the JSON report has its keys, and the QDQ model it writes passes the ONNX checker.
 
 The tiny run uses ``--toy-dims`` (hidden 64, vocab 4,096): at the real widths one layer alone is ~43M weights and
 the chain takes minutes, not seconds. The real-shape numbers come from running the script itself (runs/).

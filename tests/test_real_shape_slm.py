@@ -1,7 +1,7 @@
-"""Issue 15 at tiny shape: benchmarks/real_shape_slm.py's chain (random pre-quantized checkpoint -> surgery -> host
-LUTs -> keep-set tree graph -> export -> QDQ -> budget refusal), the graph over protobuf's 2 GB limit (the limit
-lowered so a tiny graph is "over" it), and the bit map (`hycoc.passes.bit_map`): transformers' own width rule, a
-checkpoint's quantization_config winning with no code change.
+"""docs/real-shapes.md "The E2B SLM at real shape", at tiny shape: benchmarks/real_shape_slm.py's chain (random
+pre-quantized checkpoint -> surgery -> host LUTs -> keep-set tree graph -> export -> QDQ -> budget refusal), the graph
+over protobuf's 2 GB limit (the limit lowered so a tiny graph is "over" it), and the bit map (`hycoc.passes.bit_map`):
+transformers' own width rule, a checkpoint's quantization_config winning with no code change.
 
 The real-shape numbers come from running the script itself (runs/real-shape-slm*.json).
 """

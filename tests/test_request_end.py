@@ -1,6 +1,7 @@
-"""Every request ends cleanly (issue 12, faults 1-6): the context limit, tiny temperatures, the nucleus cut in
-float64, per-round acceptance counts after the stop cut, the stream's last character, control-token text in
-prompts. Engine-level cases on the tiny random verifier; runtime cases on hand-made replies and the toy tokenizer.
+"""Every request ends cleanly (docs/serving.md "Limits": at the context limit a request ends with every committed
+token): the context limit, tiny temperatures, the nucleus cut in float64, per-round acceptance counts after the stop
+cut, the stream's last character, control-token text in prompts. Engine-level cases on the tiny random verifier; runtime
+cases on hand-made replies and the toy tokenizer.
 """
 
 import math

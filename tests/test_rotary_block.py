@@ -1,6 +1,6 @@
 """`hycoc.host.RotaryBlock`: rows of consecutive positions from a block computed once equal `RotaryTable.rows`
 bit for bit (numpy's float32 cos/sin give each element the value it has alone), across block boundaries, jumps
-back and forth and blocks shorter than a request (issue 16)."""
+back and forth and blocks shorter than a request (docs/device-runtime.md "Host work per round")."""
 
 from __future__ import annotations
 

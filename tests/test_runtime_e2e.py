@@ -1,4 +1,4 @@
-"""`hycoc run` end to end on loopback (issue 5 acceptance): the tiny recipe of tests/test_build.py built into a cpu
+"""`hycoc run` end to end on loopback (docs/device-runtime.md): the tiny recipe of tests/test_build.py built into a cpu
 bundle, its verifier served by `ServerThread`, the device runtime talking to it through the real wire protocol.
 
 At temperature 0 the verifier's p~ is one-hot, so every acceptance rule (exact, epsilon, any tree) must commit
@@ -107,7 +107,7 @@ def test_sampled_hyco_runs_and_reports_every_metric(server, runtime):
 
 @pytest.fixture(scope="module")
 def short_server(built, runtime):
-    """A verifier whose context holds the test prompt plus 6 tokens (issue 12 fault 1)."""
+    """A verifier whose context holds the test prompt plus 6 tokens (docs/serving.md "Limits": context)."""
     recipe, out = built
     engine = engine_from_recipe(recipe, device="cpu", keep_set=torch.as_tensor(np.load(out / "keep_set.npy")))
     engine.max_context = len(prompt_ids(runtime, LONG)) + 6

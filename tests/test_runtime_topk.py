@@ -1,5 +1,5 @@
-"""Top-k in the drafter graphs (issue 16): passes/topk_outputs.py, runtime/candidates.py, and the runtime reading
-the graphs' top-k instead of ranking a keep-set-wide row on the host."""
+"""Top-k in the drafter graphs (docs/device-runtime.md "Host work per round"): passes/topk_outputs.py,
+runtime/candidates.py, and the runtime reading the graphs' top-k instead of ranking a keep-set-wide row on the host."""
 
 from __future__ import annotations
 

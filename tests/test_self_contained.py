@@ -1,4 +1,5 @@
-"""The product reads only what ships in the repository (issue 11): no ../shared, no /usr/share/doc.
+"""The product reads only what ships in the repository (docs/toy-family.md: the build and the bench need nothing else):
+no ../shared, no /usr/share/doc.
 
 * the source: no product file names a path beside the repository or the Debian docs (only the toy trainer,
   ``python -m hycoc.toy.train``, reads the docs: its corpus);

@@ -1,5 +1,6 @@
 """The verifier server (verifier/server.py) end to end: a tiny engine served in-process on an ephemeral port, the
-device's `VerifierClient` and raw WebSocket frames on the other side (issue 3 "Server").
+device's `VerifierClient` and raw WebSocket frames on the other side (docs/serving.md; the frames of docs/design.md
+"Wire protocol").
 
 References are the engine itself, called directly on a second, identical copy of the tiny models (same seed, same
 weights), so the server's replies must match bit for bit: same sampled tokens, same path, same int8 hand-off.

@@ -1,5 +1,6 @@
-"""The verifier server's limits (issue 12 fault 7; DESIGN.md "Limits"): every limit refuses with its code and
-counts in hycoc_refusals_total{kind}. Small limits (fractions of a second, a few connections) on the tiny models.
+"""The verifier server's limits (docs/design.md "Limits"; the table in docs/serving.md "Limits"): every limit refuses
+with its code and counts in hycoc_refusals_total{kind}. Small limits (fractions of a second, a few connections) on the
+tiny models.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Real SLM calibration inputs (passes/slm_calibration.py; issue 4 "Activation calibration").
+"""Real SLM calibration inputs (passes/slm_calibration.py; paper App. A: ranges from the calibration prompts' greedy
+answers).
 
 On the tiny recipe of tests/test_build.py (node_budget 4, chain 2, siblings 1, rings 16/8, prompts.jsonl): the
 verifier answers the calibration prompts greedily, the device runtime's SlmDrafter + TreeBuilder drive the float

@@ -1,6 +1,6 @@
-"""The SLM as layer shards end to end on the tiny recipe (issue 15): ``[target] slm_shards = 2`` builds
-``slm.s0`` + ``slm.s1`` (passes/slm_shard_build.py, the unsharded build's cache reused up to the surgery: its keys
-are unchanged), the runtime chains them (`ShardChainRunner`) behind the `GraphRunner` contract, and SLM-alone
+"""The SLM as layer shards end to end on the tiny recipe (docs/compiler.md "Layer-sharded SLM"): ``[target] slm_shards =
+2`` builds ``slm.s0`` + ``slm.s1`` (passes/slm_shard_build.py, the unsharded build's cache reused up to the surgery: its
+keys are unchanged), the runtime chains them (`ShardChainRunner`) behind the `GraphRunner` contract, and SLM-alone
 decoding at T = 0 writes the unsharded bundle's text, token for token, on the cpu backend.
 """
 

@@ -1,4 +1,5 @@
-"""The SLM tree graph sharded by layers (passes/slm_graph.py "Shards", passes/slm_shards.py; issue 15).
+"""The SLM tree graph sharded by layers (passes/slm_graph.py "Shards", passes/slm_shards.py; docs/compiler.md
+"Layer-sharded SLM").
 
 The shards chained by name on the tiny SLM (4 layers: producers 0 (sliding) and 1 (full), KV-shared consumers 2
 and 3) must give the monolithic graph's logits and new K/V on the same weights and inputs, to float32 rounding,

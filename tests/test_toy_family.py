@@ -155,7 +155,7 @@ def test_pack_matches_transformers_unpack(bits):
 
 
 def test_report_meets_issue_floors():
-    """The measured numbers the README quotes come from report.json written by the trainer's eval stage."""
+    """The measured numbers docs/toy-family.md quotes come from report.json written by the trainer's eval stage."""
     r = json.loads((MODELS / "report.json").read_text())
     assert r["params_M"]["verifier"] < 5 and r["params_M"]["head"] < 2
     total = sum(f.stat().st_size for f in MODELS.rglob("*") if f.is_file())

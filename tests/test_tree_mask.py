@@ -1,7 +1,7 @@
 """`hycoc.runtime.tree_mask.TreeRingMask`: the SLM's ring + ancestor mask updated in place equals
 `hycoc.host.tree_ring_mask` built from scratch, bit for bit, over random sequences of forwards, commits, ring
-wraps and request restarts; in steady state no update rewrites the whole ring (issue 16). `ancestor_matrix`'s
-bit-packed path (up to 64 rows) equals its row-by-row path."""
+wraps and request restarts; in steady state no update rewrites the whole ring (docs/device-runtime.md "Host work per
+round"). `ancestor_matrix`'s bit-packed path (up to 64 rows) equals its row-by-row path."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""DraftTreeNodes' bookkeeping (issue 16 host work): `add_many` equals `add` one node at a time, and ``children``
-lists each node's children's tokens as ``edges`` holds them."""
+"""DraftTreeNodes' bookkeeping (docs/device-runtime.md "Host work per round"): `add_many` equals `add` one node at a
+time, and ``children`` lists each node's children's tokens as ``edges`` holds them."""
 
 from __future__ import annotations
 

@@ -423,8 +423,9 @@ def assert_int8(q, ref, scale):
 
 
 def test_gemma4_26b_a4b_handoff_sizes_match_design():
-    """DESIGN.md: [e; h] = 2 x 2816 = 5,632 values per round; KV 8*256*2 + 2*512*2 = 6,144 values per position.
-    The published config is built on the meta device (no weights) to read the engine's layer choice and sizes."""
+    """docs/design.md "Reference shapes": [e; h] = 2 x 2816 = 5,632 values per round; KV 8*256*2 + 2*512*2 = 6,144
+    values per position. The published config is built on the meta device (no weights) to read the engine's layer choice
+    and sizes."""
     config = Gemma4TextConfig(
         vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
         num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2, attention_k_eq_v=True,

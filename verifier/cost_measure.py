@@ -1,5 +1,6 @@
 """Measuring a verifier cost model: ms of every kind of forward the server runs, per (rows, context), on the device
-the model is on (issues 6, 7 and 15; `hycoc.bench.cost_model` holds the model, its kinds and its replay).
+the model is on (docs/benchmarks.md "Benchmark": g projected; `hycoc.bench.cost_model` holds the model, its kinds and
+its replay).
 
 Used by ``benchmarks/verifier_cost_model.py`` (the 26B-A4B shape on a GPU, or a recipe's verifier) and by
 ``hycoc bench`` (the recipe's verifier on the device in use, when no cost-model file is given). What is timed is the

@@ -1,5 +1,6 @@
-"""The verifier's per-session KV cache: what the model needs, addressed by position (DESIGN.md "Real formats, real
-shapes": sliding-window layers keep their window plus the round's tree rows, global layers the context).
+"""The verifier's per-session KV cache: what the model needs, addressed by position (docs/design.md "Serving
+many devices"; docs/verifier-kv.md: sliding-window layers keep their window plus the round's tree rows, global layers
+the context).
 
 Built on transformers' own hybrid cache: ``DynamicCache(config=...)`` dispatches each layer by its type
 (``get_layer_types_and_kwargs``: ``full_attention`` -> ``DynamicLayer``, ``sliding_attention`` ->

@@ -1,4 +1,4 @@
-"""Build the verifier engine and its server settings from a recipe (issue 3, DESIGN.md "verify-server").
+"""Build the verifier engine and its server settings from a recipe (docs/design.md "Programs"; docs/serving.md).
 
 Everything the engine takes comes from one place in the recipe:
 
@@ -15,9 +15,9 @@ Everything the engine takes comes from one place in the recipe:
     device                    [verifier].device unless overridden
 
 Sampling is per session (each OPEN carries temperature, top-k, top-p, seed); the recipe's ``[sampling]`` are the
-device's defaults, not the server's. The keep set of ``server-head`` sessions is made by the compiler (issue 4)
-and is not built yet: engines come without one unless the caller passes it, and the server then answers
-``server-head`` OPENs with the ``no_keep_set`` error.
+device's defaults, not the server's. The keep set of ``server-head`` sessions is made by the compiler (the `keep_set`
+pass, docs/design.md "The pass pipeline") and is not built yet: engines come without one unless the caller passes it,
+and the server then answers ``server-head`` OPENs with the ``no_keep_set`` error.
 """
 
 from __future__ import annotations

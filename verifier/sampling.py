@@ -56,7 +56,8 @@ def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 def top_k_stable(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest entries of each row in stable descending order (equal values in ascending id order):
     exactly ``torch.sort(logits, descending=True, stable=True)`` cut to its first k columns, without sorting whole
-    rows (a full stable sort of 33 x 4,096 logits took 11 ms of CPU, this ~1.5 ms; issue 14).
+    rows (a full stable sort of 33 x 4,096 logits took 11 ms of CPU, this ~1.5 ms; docs/serving.md "Many devices:
+    batched verification").
 
     logits: float (R, V), no NaN; 1 <= k <= V. Returns (values (R, k), ids int64 (R, k)). The k-th largest value
     per row comes from ``numpy.partition`` (CPU) or ``torch.topk``; the set is every entry above it plus the

@@ -1,5 +1,5 @@
 """Verifier cost model: server milliseconds of every forward the verifier runs, as a function of its rows and
-context (issues 6, 7, 15).
+context (docs/benchmarks.md "Benchmark": g projected; paper App. G).
 
 `hycoc bench` measures g (server ms per output token, paper App. G) on whatever machine it runs on -- for the toy
 family that is a laptop CPU. To say what g would be on the paper's GPU, it replays the work the server did (every

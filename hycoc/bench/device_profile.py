@@ -1,5 +1,5 @@
 """Device time in the bench: on-device profiles from Qualcomm AI Hub (`hycoc profile`), or the labelled estimate
-(`hycoc.device_time`), priced onto the rounds the bench actually ran (DESIGN.md "Real formats, real shapes").
+(`hycoc.device_time`), priced onto the rounds the bench actually ran (docs/design.md "Targets"; docs/device-time.md).
 
 `profile_bundle` submits, per graph of an htp or qai-hub bundle, one AI Hub inference job with ``profile=True``
 (qai-hub 0.56: ``submit_inference_job(model, device, inputs, profile=True, options)``; ``submit_profile_job`` is

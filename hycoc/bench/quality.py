@@ -1,5 +1,5 @@
 """Text quality metrics of one answer: repetition, and agreement with a reference where the dataset has one
-(issue 13).
+(docs/benchmarks.md: the quality proxy beside every Δg, and the guard of `hycoc tune-epsilon`).
 
 The paper scores answers with an LLM judge and supplements it with reference metrics (§4.1, App. E: WMT14 BLEU,
 CNN/DailyMail ROUGE-L, GSM8K exact match, reference containment for QA and RAG). No judge runs here; what this

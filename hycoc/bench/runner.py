@@ -1,5 +1,5 @@
 """`hycoc bench`: every configuration of Table 5 on the same prompts, verifier and seed, in one run (paper §4,
-App. G; issue 6).
+App. G; docs/benchmarks.md).
 
 What runs where:
 
@@ -220,8 +220,8 @@ def score_quality(records: list[dict], questions: dict[int, Question]) -> None:
 def score_answers(recipe, records: list[dict], prompts: dict[int, list[int]], console=None) -> None:
     """Fill every record's ``verifier_logprob``: the verifier's mean log-probability (natural log, temperature 1,
     full vocabulary) of the answer's tokens given the prompt. It measures how likely the verifier finds the text,
-    which repetition raises (issue 13), so it is reported under that label beside `score_quality`'s metrics, never
-    as the quality figure on its own. Runs the recipe's verifier in this process."""
+    which repetition raises (docs/benchmarks.md), so it is reported under that label beside `score_quality`'s metrics,
+    never as the quality figure on its own. Runs the recipe's verifier in this process."""
     import torch
 
     from hycoc.models import load_verifier, set_threads
@@ -254,7 +254,7 @@ class BenchPlan:
     output_cap: int
     out: Path
     turns: int = 1      # 2: questions with a second turn (MT-bench) continue on the same session (paper §4.1)
-    thinking: bool = False  # the chat template's enable_thinking (README "Chat format": off, as the recipe runs)
+    thinking: bool = False  # the template's enable_thinking (docs/recipes.md "Chat format": off, as the recipe runs)
     dataset: str = "Spec-Bench"   # what the questions are, for the table's title
 
 

@@ -1,4 +1,4 @@
-"""Statistics, terminal tables, results.json summary and plots of `hycoc bench` (issue 6; paper §4, App. G).
+"""Statistics, terminal tables, results.json summary and plots of `hycoc bench` (paper §4, App. G; docs/benchmarks.md).
 
 `hycoc.bench.runner` runs the requests and produces one *record* per request; this module turns the records into the
 paper's metrics. Core module: numpy only at import time (rich and matplotlib are imported inside the functions
@@ -28,7 +28,8 @@ Record (one dict per request; times in milliseconds unless the name says seconds
                       slm_prefill_graph_ms: those calls' ms (the rest is host work); absent in old records
     bonus_outside_keep     int, bonus tokens outside the drafters' keep set
     verifier_logprob  float | None, the verifier's mean log-prob per output token of the answer: its own
-                      likelihood of the text, which repetition raises (issue 13); never the quality figure alone
+                      likelihood of the text, which repetition raises (docs/benchmarks.md); never the quality
+                      figure alone
     reference_match   bool | None, containment proxy (`hycoc.bench.quality.reference_match`) where there is a reference
     quality           {key: value} the answer's text metrics (`hycoc.bench.quality.answer_metrics` and
                       `reference_metrics`: compression_ratio, repeated_4gram_share, distinct_1/2, longest_run,
@@ -347,8 +348,8 @@ def _reference_rate(recs: Sequence[Record]) -> tuple[float | None, int]:
     return (_num(sum(v) / len(v)) if v else None), len(v)
 
 
-#: What the verifier's mean log-prob of an answer measures (issue 13): repetition raises it, so it is reported
-#: under this label and never as the quality figure on its own.
+#: What the verifier's mean log-prob of an answer measures (docs/benchmarks.md, "Benchmark"): repetition raises it, so
+#: it is reported under this label and never as the quality figure on its own.
 LOGPROB_NOTE = "the verifier's own likelihood of the answer (repetitive text scores higher); not a quality measure"
 
 

@@ -1,5 +1,5 @@
 """`hycoc tune-epsilon`: choose ε of ε-threshold acceptance on a validation set, as the paper chose ε = 0.005 on
-UC-val (§3, §3.5, App. D), with the quality guard measured, not assumed (issue 13).
+UC-val (§3, §3.5, App. D), with the quality guard measured, not assumed (docs/benchmarks.md "Choosing ε").
 
 The paper screens settings on 60 held-out UltraChat prompts (UC-val, 512-token outputs) and "minimizes g among
 settings whose LLM-judge score falls within the observed lossless-run range" (§3); "when g differs by less than the
@@ -157,7 +157,8 @@ def check_row(row: SweepRow, tol: Tolerance) -> list[str]:
 
 
 def choose_epsilon(rows: Sequence[SweepRow], tol: Tolerance) -> SweepRow:
-    """Pick ε from a sweep (issue 13; paper §3 and App. D's criterion with the judge replaced by repetition guards).
+    """Pick ε from a sweep (docs/benchmarks.md "Choosing ε"; paper §3 and App. D's criterion with the judge replaced by
+    repetition guards).
 
     Rule:
       1. An ε is admissible when, paired over the validation prompts against exact acceptance (same prompts and

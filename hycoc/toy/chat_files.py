@@ -6,9 +6,9 @@ same files with Gemma 4's special-token names, so every command reads the toy ex
 (`hycoc.chat_template`). Ids 0..11 of the toy tokenizer (`SPECIAL_TOKENS`) carry Gemma 4's names; the trained weights
 only ever saw ids 1, 2, 5 and 6 (``<eos>``, ``<bos>``, turn open, turn close), whose roles are unchanged.
 
-The template is of Gemma 4's form (README "Chat format"): ``<bos><|turn>user\\n{text}<turn|>\\n<|turn>model\\n``;
-roles are plain text after ``<|turn>``; ``enable_thinking`` opens a system turn with ``<|think|>``, as Gemma 4's
-thinking switch; a system message goes into the same turn.
+The template is of Gemma 4's form (docs/recipes.md "Chat format"):
+``<bos><|turn>user\\n{text}<turn|>\\n<|turn>model\\n``; roles are plain text after ``<|turn>``; ``enable_thinking``
+opens a system turn with ``<|think|>``, as Gemma 4's thinking switch; a system message goes into the same turn.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Training conversations for the toy family, built from real prose and code found on the build machine.
 
-Sources (both under the PSF License 2.0, see README "Toy model family"):
+Sources (both under the PSF License 2.0, see docs/toy-family.md):
 
 * English prose: the reStructuredText sources of the Python 3.11 documentation, Debian package
   ``python3.11-doc`` (``/usr/share/doc/python3.11/html/_sources``). Each section becomes one conversation:

@@ -1,4 +1,4 @@
-"""Measure the toy family: the numbers of the README's "Toy model family" table.
+"""Measure the toy family: the numbers of the table in docs/toy-family.md.
 
 * verifier held-out perplexity (corpus conversations never trained on);
 * on the verifier's own sampled answers to held-out prompts (what it generates at inference), at anchors

@@ -12,7 +12,7 @@ Stages (each saves its result, so a later stage can be rerun alone with ``--stag
    KL to the verifier's distribution at every step.
 5. ``slm``: Gemma4ForCausalLM with per-layer inputs and KV sharing, distilled from the verifier (KL), then
    fake-quantized fine-tuning at its bit map and saved in transformers' pre-quantized Gemma format.
-6. ``eval``: the numbers of the README table (`hycoc.toy.evaluate`).
+6. ``eval``: the numbers of docs/toy-family.md's table (`hycoc.toy.evaluate`).
 7. ``conversations``: the toy recipe's conversation files (`hycoc.toy.conversations`): the verifier answers
    training prompts (keep-set counts and calibration prompts) and held-out prompts (validation), written to
    ``recipes/toy/data/``.

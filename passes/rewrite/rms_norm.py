@@ -1,4 +1,5 @@
-"""RMSNorm -> the elementwise form the Qualcomm HTP runs well (issue 4, "RMSNorm decomposition").
+"""RMSNorm -> the elementwise form the Qualcomm HTP runs well (docs/design.md "The pass pipeline"; paper App. A: RMS
+normalization decomposed into standard operators).
 
 RMSNorm over the last axis: ``y = x / sqrt(mean(x², axis=-1) + eps) * scale``
 (ONNX ``RMSNormalization``, opset 23: https://onnx.ai/onnx/operators/onnx__RMSNormalization.html).
