@@ -370,7 +370,7 @@ class Handoff(Section):
 
 
 class Target(Section):
-    """``[target]``: the compile target of `hycoc build` (DESIGN.md "Targets")."""
+    """``[target]``: the compile target of `hycoc build` (docs/design.md "Targets")."""
 
     name: Literal["htp-v81", "cpu", "qai-hub"] = Field(
         "htp-v81", description="htp-v81 = QNN HTP context binaries; cpu = QDQ ONNX; qai-hub = AI Hub compile job"
@@ -434,7 +434,7 @@ class Verifier(Section):
     max_frame_bytes: int = Field(
         8 * 1024 * 1024, ge=4096, le=1 << 30, description="largest accepted wire frame, in bytes (default 8 MiB)"
     )
-    # Server limits (DESIGN.md "Limits"): each refusal has an error code and a /metrics counter
+    # Server limits (docs/design.md "Limits"; the table in docs/serving.md "Limits"): each refusal has an error code and a /metrics counter
     # (hycoc_refusals_total{kind=...}); see hycoc.verifier.server.ServerLimits.
     handshake_timeout_s: float = Field(
         10.0, gt=0, le=3600, description="seconds from TCP connect to a WebSocket's first frame (OPEN); slower "
@@ -455,7 +455,7 @@ class Verifier(Section):
                                           "and minute; more get ERROR auth_rate_limited (HTTP 429 at the upgrade)")
     retry_after_s: float = Field(5.0, gt=0, le=3600, description="the retry hint, in seconds, sent with "
                                  "refusals for max_connections, max_sessions and max_kv_bytes")
-    # Cross-session batching (issue 14; hycoc.verifier.scheduler): rounds of sessions ready together share a forward.
+    # Cross-session batching (docs/serving.md "Many devices: batched verification"; hycoc.verifier.scheduler): rounds of sessions ready together share a forward.
     batching: Literal["batched", "serial"] = Field(
         "batched", description="batched: rounds of sessions ready at the same time are verified in one forward and "
         "prompts are prefilled chunk by chunk between them; serial: one engine call at a time (the server before "
@@ -495,7 +495,7 @@ _Epsilon = Annotated[float, Field(gt=0, lt=1)]
 
 class Tune(Section):
     """``[tune]``: `hycoc tune-epsilon`, which chooses ε on a validation set as the paper did on UC-val (§3,
-    App. D), with quality guards measured against exact acceptance (issue 13; the rule is in
+    App. D), with quality guards measured against exact acceptance (docs/benchmarks.md "Choosing ε"; the rule is in
     `hycoc.bench.tune_epsilon.choose_epsilon`)."""
 
     validation_data: str = Field(

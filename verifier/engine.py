@@ -26,7 +26,7 @@ Server-side baselines (Table 5): ``cloud-mtp`` drafts a K-chain with the head it
 and verifies root + chain exactly; ``server-head`` runs the head over the keep set and a W window after each round
 (`draft_server_chain`) and returns that chain instead of a hand-off.
 
-Batched verification (issue 14, `hycoc.verifier.batch`) runs the same round in three parts per session:
+Batched verification (docs/serving.md "Many devices: batched verification", `hycoc.verifier.batch`) runs the same round in three parts per session:
 `Session.begin_round` (checks, the rows that fit, cloud-mtp's chain), one forward shared by several sessions, then
 `Session.finish_round` (lines 5-14 and the commit, unchanged); `Session.verify` is those three for one session.
 Prefills run as `PrefillJob` chunks so a scheduler can interleave them with rounds.
@@ -455,7 +455,7 @@ class VerifierEngine:
 
 class PrefillJob:
     """A prefill (or an appended turn's) split into chunks of ``engine.prefill_chunk`` positions, so that a
-    scheduler can run other sessions' rounds between them (issue 14: a long prompt must not stall them).
+    scheduler can run other sessions' rounds between them (docs/serving.md "Many devices: batched verification": a long prompt must not stall them).
 
     Made by `Session.prefill_job` / `Session.append_job`. `step` runs the next chunk (the same forwards, masks and
     positions as `prefill`'s loop); `done` says whether all ran; the last `step` commits the result to the session

@@ -1,4 +1,4 @@
-"""Continuous batching of verification rounds and chunked prefills on the server's one worker thread (issue 14).
+"""Continuous batching of verification rounds and chunked prefills on the server's one worker thread (docs/serving.md "Many devices: batched verification"; docs/design.md "Serving many devices").
 
 The server's event loop hands every ROUND (and every prefill: an OPEN's prompt, an APPEND's turn) to a
 `BatchScheduler` and awaits its answer. One scheduler task forms steps from what is queued and runs each on the

@@ -1,5 +1,5 @@
 """What a `hycoc loadtest` run measured, per (batching mode, sessions): numbers, a GPU projection, the table,
-``results.json`` and the latency-vs-sessions plot (issue 14).
+``results.json`` and the latency-vs-sessions plot (docs/serving.md "Load test: `hycoc loadtest`").
 
 `summarize_run` turns one run's client samples (`hycoc.bench.loadtest.RunStats`) and the server's /metrics before
 and after it into one row:
@@ -165,6 +165,68 @@ def project(row: dict, cost_model=None) -> dict | None:
     return {"trees_per_forward": trees, "rows_per_forward": rows, "speedup": speedup, "basis": basis}
 
 
+def gpu_row_cost(flat_rows: int = GPU_FLAT_ROWS):
+    """The ASSUMED GPU forward as a `hycoc.verifier.row_budget.RowCost` in units of one flat forward: 1 up to
+    ``flat_rows`` rows, linear beyond (cost(R) = max(1, R / flat_rows), as `project` assumes)."""
+    from hycoc.verifier.row_budget import RowCost
+
+    return RowCost(((1, 1.0), (flat_rows, 1.0), (2 * flat_rows, 2.0)), source=f"assumed GPU, flat to {flat_rows} rows")
+
+
+def budget_projection(trees: list, sessions: list[int], cost, *, tree_rows: int, max_batch_rows: int,
+                      min_rows: int = 2, draws: int = 200, seed: int = 0) -> list[dict]:
+    """What the row budget (`hycoc.verifier.row_budget.allocate`) would keep on another machine's cost line,
+    computed from recorded trees -- a projection, not a measurement.
+
+    trees: recorded rounds as (scores float (R,), tokens, parents). For each session count n, ``draws`` forwards
+    of min(n, max_batch_rows // tree_rows) trees drawn at random (seeded) are allocated with free rows
+    max(tree_rows, cost.flat_rows()) (the server's rule). Returns per n: {"sessions", "trees_per_forward",
+    "rows_fixed", "rows_budgeted" (mean rows per forward), "expected_fixed", "expected_budgeted" (mean expected
+    committed tokens per forward: sessions + sum of exp(s)), "trimmed_share" (forwards with any row trimmed),
+    "gain"} where gain = (expected_budgeted / cost(rows_budgeted)) / (expected_fixed / cost(rows_fixed)), the
+    expected tokens per forward-millisecond of budgeted over fixed. Expected tokens trust the scores
+    (exp(s(v)) ~ the chance row v is accepted, paper §3.1); the measured MAT says how far."""
+    from hycoc.verifier.row_budget import allocate
+
+    rng = np.random.default_rng(seed)
+    free = max(int(tree_rows), cost.flat_rows())
+    out = []
+    for n in sessions:
+        k = max(1, min(int(n), max(1, max_batch_rows // tree_rows)))
+        rows_f, rows_b, exp_f, exp_b, trimmed, gains = [], [], [], [], 0, []
+        for _ in range(draws):
+            batch = [trees[i] for i in rng.integers(0, len(trees), k)]
+            full = allocate(batch, cost, free_rows=10 ** 9, min_rows=min_rows)
+            got = allocate(batch, cost, free_rows=free, min_rows=min_rows)
+            rows_f.append(full.rows_after)
+            rows_b.append(got.rows_after)
+            exp_f.append(full.expected_tokens)
+            exp_b.append(got.expected_tokens)
+            trimmed += got.trimmed > 0
+            gains.append((got.expected_tokens / float(cost.ms(got.rows_after)))
+                         / (full.expected_tokens / float(cost.ms(full.rows_after))))
+        out.append({"sessions": int(n), "trees_per_forward": k, "rows_fixed": float(np.mean(rows_f)),
+                    "rows_budgeted": float(np.mean(rows_b)), "expected_fixed": float(np.mean(exp_f)),
+                    "expected_budgeted": float(np.mean(exp_b)), "trimmed_share": trimmed / draws,
+                    "gain": float(np.mean(gains)), "basis": cost.source})
+    return out
+
+
+def render_budget_projection(rows: list[dict], console, title: str) -> None:
+    """The budget projection's table (`budget_projection`), headed as a projection."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("sessions", "trees/fwd", "rows fixed", "rows budgeted", "exp. tok fixed", "exp. tok budgeted",
+                "fwds trimmed", "exp. tok/ms gain"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["sessions"]), str(r["trees_per_forward"]), _num(r["rows_fixed"]),
+                      _num(r["rows_budgeted"]), _num(r["expected_fixed"], 2), _num(r["expected_budgeted"], 2),
+                      f"{100 * r['trimmed_share']:.0f}%", f"{r['gain']:.2f}x")
+    console.print(table)
+
+
 def results_document(rows: list[dict], meta: dict) -> dict:
     """results.json's content: {"schema": RESULTS_SCHEMA, "meta": meta, "runs": rows} (rows as `summarize_run`
     made them, projections filled). NaN becomes null so the file is strict JSON."""
@@ -257,5 +319,6 @@ def render_table(rows: list[dict], console, title: str) -> None:
     console.print(table)
 
 
-__all__ = ["GPU_FLAT_ROWS", "RESULTS_SCHEMA", "RUN_KEYS", "percentile", "project", "render_table",
+__all__ = ["GPU_FLAT_ROWS", "RESULTS_SCHEMA", "RUN_KEYS", "budget_projection", "gpu_row_cost", "percentile",
+           "project", "render_budget_projection", "render_table",
            "results_document", "summarize_run", "write_plot", "write_results"]

@@ -1,4 +1,4 @@
-"""`hycoc loadtest`: many simulated devices against one verifier, and what the verifier delivers (issue 14).
+"""`hycoc loadtest`: many simulated devices against one verifier, and what the verifier delivers (docs/serving.md "Load test: `hycoc loadtest`").
 
 Each simulated device replays recorded rounds (`hycoc.bench.loadtrace`): it opens a session with a recorded
 prompt, then per round waits the recorded device time (the phone drafting; or a fixed ``device_ms``), sends the

@@ -1,6 +1,6 @@
 """The verifier's network server: the wire protocol over WebSocket, plus ``/healthz`` and ``/metrics``.
 
-One aiohttp application on one port (DESIGN.md "Wire protocol"; the device connects with ``--server ws://HOST:PORT``):
+One aiohttp application on one port (docs/design.md "Wire protocol"; the device connects with ``--server ws://HOST:PORT``):
 
     GET /  (WebSocket)  one session per connection, binary frames of `hycoc.protocol.wire`:
                         OPEN -> prefill -> OPENED; ROUND -> REPLY, one per round; after a finished reply, APPEND (the
@@ -11,7 +11,7 @@ One aiohttp application on one port (DESIGN.md "Wire protocol"; the device conne
 The package, by job:
 
     errors        the session-level ERROR codes (`ServerError` and its subclasses)
-    limits        `ServerLimits`: every limit's default, knob and refusal kind (DESIGN.md "Limits")
+    limits        `ServerLimits`: every limit's default, knob and refusal kind (docs/design.md "Limits")
     admission     the ledgers that admit connections, sessions and KV bytes and rate-limit auth failures
     metrics       `ServerMetrics` and its prometheus_client collector (/metrics)
     channels      `Connection`, the `Channel` interface, aiohttp's channel (keepalive) and connection guard

@@ -1,4 +1,4 @@
-"""The verifier server's limits as data (DESIGN.md "Limits"): each has a documented default, a knob (the recipe's
+"""The verifier server's limits as data (docs/design.md "Limits"; the table in docs/serving.md "Limits"): each has a documented default, a knob (the recipe's
 ``[verifier]`` key of the same name), an error code and a ``hycoc_refusals_total{kind=...}`` series on /metrics.
 
     handshake_timeout   10 s   TCP connect -> the WebSocket's first frame (OPEN); silent TCP, trickled headers and a

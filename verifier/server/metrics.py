@@ -11,7 +11,7 @@ The exposition is Prometheus' text format 0.0.4 (`METRICS_CONTENT_TYPE`; prometh
 OpenMetrics-only ``_created`` samples of counters and histograms are left out: the 0.0.4 writer would turn each
 into an extra gauge family, and a counter's creation time tells a scrape nothing here.
 
-Families (names and labels are the contract; README "Serving"):
+Families (names and labels are the contract; docs/serving.md "Verifier server and wire protocol"):
 
     hycoc_rounds_total, hycoc_retries_total, hycoc_sessions_total, hycoc_tokens_committed_total,
     hycoc_server_ms_total, hycoc_prefill_ms_total                          counters
