@@ -19,7 +19,7 @@ from hycoc.protocol.messages import Sampling
 from hycoc.verifier import VerifierEngine
 from hycoc.verifier.batch import BatchStats, RowBudget, verify_batch
 from hycoc.verifier.engine import remap_parents
-from hycoc.verifier.row_budget import (RowCost, RowCostError, allocate, is_ancestor_closed, monotone_scores,
+from hycoc.verifier.row_budget import (BudgetState, RowCost, RowCostError, allocate, is_ancestor_closed, monotone_scores,
                                        row_values)
 from hycoc.verifier.sampling import sampling_probs
 from tiny_models import VOCAB, tiny_verifier
@@ -194,7 +194,7 @@ def greedy_tree(model, tokens, depth=4, width=2):
 
 
 #: A steep cost line: rows cost as much as the whole forward's fixed part, so most rows are trimmed.
-STEEP = RowBudget(RowCost(((1, 1.0), (100, 100.0))), free_rows=1, min_rows=2)
+STEEP = RowBudget(RowCost(((1, 1.0), (100, 100.0))), free_rows=1, min_rows=2, learn=False)
 
 
 def test_a_trimmed_round_equals_the_subtree_sent_alone(model):
@@ -275,7 +275,7 @@ def test_exact_acceptance_with_trimming_is_lossless(model):
     tokens = np.array([prompt[-1]] + order + below)
     parents = np.array([-1] + [0] * len(order) + [1] * 2)
     scores = np.array([0.0] + [np.log(float(p1[x])) for x in order] + [np.log(float(p1[top])) - 0.1, -30.0])
-    budget = RowBudget(RowCost(((1, 10.0), (100, 109.0))), free_rows=1, min_rows=1)
+    budget = RowBudget(RowCost(((1, 10.0), (100, 109.0))), free_rows=1, min_rows=1, learn=False)
     engine = make_engine(model)
     n = 400
     counts, kept_shapes = Counter(), Counter()
@@ -318,3 +318,40 @@ def test_exact_acceptance_with_trimming_is_lossless(model):
     firsts = Counter(k[0] for k in counts.elements())
     stat = chisquare([firsts[x] for x in support1], np.array([float(p1[x]) for x in support1]) * n)
     assert stat.pvalue > 1e-3, firsts
+
+
+def test_budget_state_learns_overhead_and_acceptance():
+    """The EMA starts at the first step's values, then moves by its weight; value_scale is clamped to [0.05, 2]."""
+    st = BudgetState(weight=0.5)
+    st.observe(step_ms=30.0, forward_ms=10.0, sessions=4, accepted=3.0, expected=6.0)
+    assert (st.overhead_ms, st.value_scale, st.steps) == (5.0, 0.5, 1)
+    st.observe(step_ms=20.0, forward_ms=10.0, sessions=2, accepted=30.0, expected=1.0)   # ratio 30 -> clamped 2
+    assert (st.overhead_ms, st.value_scale) == (5.0, 1.25)
+    st.observe(step_ms=12.0, forward_ms=10.0, sessions=1, accepted=None, expected=None)   # unscored: scale kept
+    assert (st.overhead_ms, st.value_scale) == (3.5, 1.25)
+    # and the allocation weighs rows against the whole step: a large per-step overhead keeps more rows
+    a, b = chain_tree(4, []), chain_tree(4, [], root=6)
+    cost = RowCost(((1, 11.0), (100, 110.0)))
+    lean = allocate([a, b], cost, free_rows=2)
+    heavy = allocate([a, b], cost, free_rows=2, extra_ms=200.0)
+    assert lean.rows_after == 8 and heavy.rows_after == 10
+    half = allocate([a, b], cost, free_rows=2, value_scale=0.5)
+    assert half.rows_after < lean.rows_after and half.expected_tokens < lean.expected_tokens
+
+
+def test_a_budgeted_batch_teaches_the_state(model):
+    """verify_batch with learn=True updates the budget's state from the step (overhead > 0, value_scale moved
+    from 1 towards accepted / expected)."""
+    eng = make_engine(model)
+    greedy = Sampling(temperature=0.0)
+    sessions = [eng.open(p, sampling=greedy, acceptance="exact") for p in ([50, 61, 72], [3, 4, 5, 6])]
+    for s in sessions:
+        s.prefill()
+    budget = RowBudget(RowCost(((1, 1.0), (100, 100.0))), free_rows=1, min_rows=2)
+    trees = [greedy_tree(model, s.tokens) for s in sessions]
+    stats = BatchStats()
+    verify_batch(eng, [(s, t, p, 0, sc) for s, (t, p, sc) in zip(sessions, trees)], stats, budget)
+    assert budget.state.steps == 1 and budget.state.overhead_ms > 0
+    accepted = sum(s.accepted[-1] for s in sessions)
+    expected = stats.expected_tokens - 2
+    assert budget.state.value_scale == pytest.approx(min(2.0, max(0.05, accepted / expected)))

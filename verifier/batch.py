@@ -58,7 +58,7 @@ from hycoc.protocol.messages import RoundReply
 
 from .engine import PendingRound, Session, VerifierEngine, verify_tree
 from .kv_cache import window_start
-from .row_budget import DEFAULT_MIN_ROWS, RowCost, allocate
+from .row_budget import DEFAULT_MIN_ROWS, BudgetState, RowCost, allocate
 from .tree import additive_masks, ancestor_matrix, tree_depths
 
 RAGGED_ATTENTION = "hycoc_ragged"
@@ -81,14 +81,18 @@ class BatchStats:
     expected_tokens: float | None = None
 
 
-@dataclass(frozen=True)
+@dataclass
 class RowBudget:
     """A batch-level row budget (`hycoc.verifier.row_budget.allocate`'s arguments): cost, the forward's
-    `RowCost`; free_rows, rows a forward keeps without trimming; min_rows, rows each scored tree keeps."""
+    `RowCost`; free_rows, rows a forward keeps without trimming; min_rows, rows each scored tree keeps; state, what
+    the steps so far taught it (`BudgetState`: host ms per session, accepted per expected token), updated by
+    every budgeted `verify_batch`; learn=False keeps it at its priors (tests)."""
 
     cost: RowCost
     free_rows: int
     min_rows: int = DEFAULT_MIN_ROWS
+    state: BudgetState = field(default_factory=BudgetState)
+    learn: bool = True
 
 
 class _PerSession(list):
@@ -202,8 +206,9 @@ def verify_batch(engine: VerifierEngine, rounds: list[tuple], stats: BatchStats 
         else:
             pending.append((k, session, got))
     stats.rows_sent = sum(len(p.tokens) for *_, p in pending)
+    all_scored = False
     if budget is not None and len(pending) > 1:
-        _apply_budget(pending, scores_of, budget, stats)
+        all_scored = _apply_budget(pending, scores_of, budget, stats)
     stats.rows_kept = [len(p.tokens) for *_, p in pending]
     if pending:
         f0 = time.perf_counter()
@@ -234,13 +239,20 @@ def verify_batch(engine: VerifierEngine, rounds: list[tuple], stats: BatchStats 
             results[k] = session._stamp(reply, stats.total_ms)
     if not stats.sessions:
         stats.total_ms = (time.perf_counter() - start) * 1e3
+    elif budget is not None and budget.learn and stats.expected_tokens is not None:
+        done = [s for (k, s, _) in pending if isinstance(results[k], RoundReply)]
+        accepted = float(sum(s.accepted[-1] for s in done)) if all_scored and len(done) == len(pending) else None
+        # the allocation's expected tokens were scaled by value_scale: compare accepted with the scores' own
+        budget.state.observe(stats.total_ms, stats.forward_ms, stats.sessions, accepted,
+                             (stats.expected_tokens - stats.sessions) / budget.state.value_scale)
     return results
 
 
-def _apply_budget(pending: list, scores_of: dict, budget: RowBudget, stats: BatchStats) -> None:
+def _apply_budget(pending: list, scores_of: dict, budget: RowBudget, stats: BatchStats) -> bool:
     """Choose the rows of a batched forward (`hycoc.verifier.row_budget.allocate`) and restrict each round to its
     kept rows. A round's scores are those of the rows as sent; after `begin_round` left rows out for the context
-    they follow those rows (``pending.kept``)."""
+    they follow those rows (``pending.kept``). Returns whether every round was scored (so the step can teach the
+    budget how accepted tokens compare with expected ones)."""
     trees = []
     for k, session, p in pending:
         scores = scores_of.get(k)
@@ -252,8 +264,10 @@ def _apply_budget(pending: list, scores_of: dict, budget: RowBudget, stats: Batc
             trees.append((None, p.tokens, p.parents))     # the wire checks this; an engine caller's slip keeps it whole
             continue
         trees.append((scores if p.kept is None else scores[p.kept], p.tokens, p.parents))
-    alloc = allocate(trees, budget.cost, free_rows=budget.free_rows, min_rows=budget.min_rows)
+    alloc = allocate(trees, budget.cost, free_rows=budget.free_rows, min_rows=budget.min_rows,
+                     extra_ms=budget.state.overhead_ms * len(pending), value_scale=budget.state.value_scale)
     for (k, session, p), rows in zip(pending, alloc.kept):
         if rows is not None:
             session.restrict_round(p, rows)
     stats.expected_tokens = alloc.expected_tokens
+    return all(scores is not None for scores, _, _ in trees)

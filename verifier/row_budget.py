@@ -129,6 +129,7 @@ class Allocation:
     rows_before: int
     rows_after: int
     expected_tokens: float
+    sessions: int = 0
 
     @property
     def trimmed(self) -> int:
@@ -136,14 +137,17 @@ class Allocation:
 
 
 def allocate(trees: list[tuple[np.ndarray | None, np.ndarray, np.ndarray]], cost: RowCost, *,
-             free_rows: int, min_rows: int = DEFAULT_MIN_ROWS) -> Allocation:
+             free_rows: int, min_rows: int = DEFAULT_MIN_ROWS, extra_ms: float = 0.0,
+             value_scale: float = 1.0) -> Allocation:
     """The rows of one step (module docstring's rule).
 
     trees: per session (scores float (R,) or None, tokens int (R,), parents int (R,)), a valid tree each
     (parents[0] == -1, parents[j] < j) whose scores never rise from parent to child (the wire checks it:
     ``bad_scores``). cost: the forward's `RowCost`. free_rows: rows a step may keep without trimming (>= 1).
-    min_rows: rows every scored tree keeps (>= 1; 2 = root and first chain token).
-    Returns an `Allocation`. Raises ValueError for min_rows < 1 or free_rows < 1.
+    min_rows: rows every scored tree keeps (>= 1; 2 = root and first chain token). extra_ms: the step's
+    milliseconds outside the forward (per-session host work: p~, acceptance, compaction, hand-off), added to
+    cost(rows). value_scale: accepted tokens per expected token (`BudgetState`), multiplying every exp(s).
+    Returns an `Allocation` (its expected tokens scaled too). Raises ValueError for min_rows < 1 or free_rows < 1.
     """
     if min_rows < 1:
         raise ValueError(f"min_rows = {min_rows}: must be >= 1 (the root is always verified)")
@@ -160,7 +164,7 @@ def allocate(trees: list[tuple[np.ndarray | None, np.ndarray, np.ndarray]], cost
             forced.append(np.arange(len(tokens)))
             continue
         scores = monotone_scores(scores, parents)
-        values = row_values(scores, tokens, parents)
+        values = row_values(scores, tokens, parents) * float(value_scale)
         scores = np.where((values == 0) & (np.arange(len(scores)) > 0), -np.inf, scores)   # padding ranks last
         # rank within the tree: score descending, then row ascending (a parent before its child)
         order = np.lexsort((np.arange(len(scores)), -scores))
@@ -175,7 +179,7 @@ def allocate(trees: list[tuple[np.ndarray | None, np.ndarray, np.ndarray]], cost
         cand_row.append(rest)
         cand_score.append(scores[rest])
     if total <= free_rows or not cand_row:
-        return Allocation([None] * n, total, total, fixed_value + sum(float(v.sum()) for v in cand_value))
+        return Allocation([None] * n, total, total, fixed_value + sum(float(v.sum()) for v in cand_value), n)
     value = np.concatenate(cand_value)
     tree_of = np.concatenate(cand_tree)
     row_of = np.concatenate(cand_row)
@@ -184,7 +188,7 @@ def allocate(trees: list[tuple[np.ndarray | None, np.ndarray, np.ndarray]], cost
     order = np.lexsort((row_of, tree_of, -score))
     gain = np.concatenate([[0.0], np.cumsum(value[order])])
     rows = fixed_rows + np.arange(len(order) + 1)
-    ratio = (fixed_value + gain) / np.maximum(cost.ms(rows), 1e-9)
+    ratio = (fixed_value + gain) / np.maximum(cost.ms(rows) + float(extra_ms), 1e-9)
     best = int(np.argmax(ratio))                              # first maximum: fewest rows for the best ratio
     best = max(best, min(len(order), free_rows - fixed_rows))  # never below the free rows
     chosen = order[:best]
@@ -194,7 +198,39 @@ def allocate(trees: list[tuple[np.ndarray | None, np.ndarray, np.ndarray]], cost
         rows_i = np.union1d(forced[i], extra).astype(np.int64)
         kept.append(None if len(rows_i) == len(trees[i][1]) else rows_i)
     after = fixed_rows + best
-    return Allocation(kept, total, after, fixed_value + float(gain[best]))
+    return Allocation(kept, total, after, fixed_value + float(gain[best]), n)
+
+
+class BudgetState:
+    """What a budgeted server learns from the steps it runs, so the rule's two numbers are its own:
+
+    overhead_ms: the step's milliseconds outside the forward per session (exponential moving average of
+    (step ms - forward ms) / sessions; 0 before the first step), so a row is weighed against the whole step's
+    cost, not the forward's alone. value_scale: tokens accepted per token expected (EMA of the ratio of the
+    sums over each step's scored sessions; 1 before), so scores that over- or under-state acceptance are
+    corrected (exp(s) is an estimate, §3.1). Clamped to [0.05, 2]. ``weight``: the EMA's weight of a new step.
+    """
+
+    def __init__(self, weight: float = 0.1):
+        if not 0 < weight <= 1:
+            raise ValueError(f"weight = {weight}: must lie in (0, 1]")
+        self.weight = float(weight)
+        self.overhead_ms = 0.0
+        self.value_scale = 1.0
+        self.steps = 0
+
+    def observe(self, step_ms: float, forward_ms: float, sessions: int, accepted: float | None,
+                expected: float | None) -> None:
+        """One batched step: its total and forward milliseconds, its sessions, and over its scored sessions the
+        path tokens accepted (committed minus bonus) and the kept rows' expected tokens (None: not known)."""
+        if sessions < 1:
+            return
+        w = self.weight if self.steps else 1.0
+        self.overhead_ms += w * (max(0.0, step_ms - forward_ms) / sessions - self.overhead_ms)
+        if accepted is not None and expected:
+            ratio = min(2.0, max(0.05, accepted / expected))
+            self.value_scale += w * (ratio - self.value_scale)
+        self.steps += 1
 
 
 def is_ancestor_closed(parents: np.ndarray, rows: np.ndarray) -> bool:
@@ -209,5 +245,5 @@ def is_ancestor_closed(parents: np.ndarray, rows: np.ndarray) -> bool:
     return bool(keep[p[idx]].all())
 
 
-__all__ = ["DEFAULT_MIN_ROWS", "TREE_BUDGETS", "Allocation", "RowCost", "RowCostError", "allocate",
+__all__ = ["DEFAULT_MIN_ROWS", "TREE_BUDGETS", "Allocation", "BudgetState", "RowCost", "RowCostError", "allocate",
            "is_ancestor_closed", "monotone_scores", "row_values"]
