@@ -409,7 +409,7 @@ class DeviceRuntime:
                             from None
                 path = walk_reply(tokens, parents, reply.samples, verified)
                 if path != [int(x) for x in reply.path_rows]:
-                    raise RuntimeProtocolError(f"round {seq}: the verifier's path rows {list(reply.path_rows)} do not "
+                    raise RuntimeProtocolError(f"round {seq}: the verifier's path rows {reply.path_rows.tolist()} do not "
                                                f"follow its samples (walk gives {path})")
                 if reply.samples[path[-1] if path else 0] != reply.bonus:
                     raise RuntimeProtocolError(f"round {seq}: bonus {reply.bonus} is not the sample at the path's end")
