@@ -85,9 +85,9 @@ class RequestResult:
     draft_s: device drafting time in rounds (MTP Drafter + tree + SLM forwards; waits and the SLM's request-start
     fill excluded). slm_prefill_s: that fill. prefill_ms / server_ms: the verifier's times (from its replies).
     round_bytes: (up, down) frame bytes per round. rows: rows the verifier verified per round (its forward's rows:
-    the reply's verified rows when it names them, else every row it answered); context: root position per round. bonus_outside_keep: bonus tokens outside the keep set. link_s: link-model time of the
-    request (slept, or only counted when the client's sleep is a no-op); first_token_link_s: its part before the
-    first token. accepted: tokens committed per round minus one (after the stop / cap / context cut), so MAT =
+    the reply's verified rows when it names them, else every row it answered); context: root position per round.
+    bonus_outside_keep: bonus tokens outside the keep set. link_s: link-model time of the request (slept, or only
+    counted when the client's sleep is a no-op); first_token_link_s: its part before the first token. accepted: tokens committed per round minus one (after the stop / cap / context cut), so MAT =
     tokens / rounds. finish_reason: "stop", "max_new_tokens" or "length" (`hycoc.protocol.messages.FINISH_REASONS`).
     """
 
@@ -409,8 +409,8 @@ class DeviceRuntime:
                             from None
                 path = walk_reply(tokens, parents, reply.samples, verified)
                 if path != [int(x) for x in reply.path_rows]:
-                    raise RuntimeProtocolError(f"round {seq}: the verifier's path rows {reply.path_rows.tolist()} do not "
-                                               f"follow its samples (walk gives {path})")
+                    raise RuntimeProtocolError(f"round {seq}: the verifier's path rows {reply.path_rows.tolist()} do "
+                                               f"not follow its samples (walk gives {path})")
                 if reply.samples[path[-1] if path else 0] != reply.bonus:
                     raise RuntimeProtocolError(f"round {seq}: bonus {reply.bonus} is not the sample at the path's end")
                 new = [int(tokens[j]) for j in path] + [int(reply.bonus)]

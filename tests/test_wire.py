@@ -283,6 +283,8 @@ def test_reply_bytes_without_handoff():
     m = replace(m, verified=kept)
     assert len(wire.encode(m)) == wire.reply_nbytes(33, 3, 4, verified=True) == 16 + 21 + 132 + 6 + 16 + 5
     assert len(wire.encode(m, version=3)) == wire.reply_nbytes(33, 3, 4, version=3, verified=True) == 190
+    assert (wire.reply_nbytes(33, 0), wire.reply_nbytes(33, 0, verified=True), wire.reply_nbytes(33, 0, version=3)) \
+        == (169, 174, 168)
 
 
 # ------------------------------------------------------------------------------------------------ header checks
@@ -798,7 +800,8 @@ def test_reply_verified_errors():
     struct.pack_into("<I", cut, 8, len(cut) - wire.HEADER.size)
     fails("length_mismatch", refresh_crc(cut), LIMITS, "verified mask")
     for verified, code in ((np.array([1, 1, 0, 1], bool), "bad_shape"), (np.array([1, 1, 0, 1, 0]), "bad_shape"),
-                           (np.array([0, 1, 0, 1, 0], bool), "bad_path"), (np.array([1, 1, 0, 0, 0], bool), "bad_path")):
+                           (np.array([0, 1, 0, 1, 0], bool), "bad_path"),
+                           (np.array([1, 1, 0, 0, 0], bool), "bad_path")):
         with pytest.raises(wire.WireError) as info:
             wire.encode(replace(m, verified=verified))
         assert info.value.code == code

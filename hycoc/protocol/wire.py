@@ -45,7 +45,7 @@ Payloads (R = tree rows = B + 1, P = accepted path length, K = chain length, T =
             byte j // 8, bit j % 8, least significant bit first; the pad bits after row R - 1 are 0); then the
             hand-off as in v3. No mask: every row was verified.
             Total frame: `reply_nbytes(R, P, K, handoff, verified=...)` = 37 + 4 R + 2 P + 4 K
-            (+ ceil(R / 8) with the mask, + hand-off); 170 B at R = 33, P = 0, no hand-off, 175 B with the mask.
+            (+ ceil(R / 8) with the mask, + hand-off); 169 B at R = 33, P = 0, no hand-off, 174 B with the mask.
     CLOSE   8 B: u64 session_id.
     APPEND  8 B: u32 max_new_tokens, u32 T; then i32[T] tokens (the next turn, after a finished reply; a turn that
             ended on a stop id drops it, and the tokens start with the template's close of the model turn).
@@ -65,18 +65,19 @@ d_f = 2 * 512) 44 + 5,632 B per round + 6,144 B per position, 6,297,132 B for a 
 Limits: parents are int16, so a tree has at most MAX_TREE_ROWS = 32,768 rows (B <= 32,767); R, P and K are u16.
 
 Errors (``WireError.code``, one class each; `encode` runs the same checks without limits):
-bad_magic, unsupported_version (names the frame's version and the versions supported), unknown_message_type, bad_flags, frame_too_large (from
-the header, before the payload is read), truncated, length_mismatch (frame vs header, or a count vs the payload),
-crc_mismatch (payload, or the hand-off body), bad_enum (acceptance, draft_place, 0/1 flags), bad_text (utf-8,
-auth token, error code), bad_shape (arrays given to `encode`; a verified mask's pad bits set), not_finite (every float), out_of_range (and its
-subclasses bad_temperature (< 0), bad_top_k (< 1), bad_top_p / bad_epsilon (outside (0, 1])),
-token_out_of_vocab (names the row and id), wrong_row_count (expected vs got), bad_parent (parents[0] != -1 or
-not 0 <= parents[j] < j, which also excludes cycles; names the row), bad_path (path rows not increasing in
-[1, R); with a verified mask: row 0 or a path row not verified), bad_scores (a ROUND's scores[0] != 0, or a row
-scoring above its parent; names the row), bonus_mismatch (bonus != samples at the path's end, or != the hand-off's bonus), handoff_size_mismatch,
+bad_magic, unsupported_version (names the frame's version and the versions supported), unknown_message_type,
+bad_flags, frame_too_large (from the header, before the payload is read), truncated, length_mismatch (frame vs
+header, or a count vs the payload), crc_mismatch (payload, or the hand-off body), bad_enum (acceptance,
+draft_place, 0/1 flags), bad_text (utf-8, auth token, error code), bad_shape (arrays given to `encode`; a verified
+mask's pad bits set), not_finite (every float), out_of_range (and its subclasses bad_temperature (< 0),
+bad_top_k (< 1), bad_top_p / bad_epsilon (outside (0, 1])), token_out_of_vocab (names the row and id),
+wrong_row_count (expected vs got), bad_parent (parents[0] != -1 or not 0 <= parents[j] < j, which also excludes
+cycles; names the row), bad_path (path rows not increasing in [1, R); with a verified mask: row 0 or a path row
+not verified), bad_scores (a ROUND's scores[0] != 0, or a row scoring above its parent; names the row),
+bonus_mismatch (bonus != samples at the path's end, or != the hand-off's bonus), handoff_size_mismatch,
 bad_handoff_range (a > t', n_positions != t' - a), context_overflow (prompt >= max_context: no room for output;
-t', n_positions > max_context),
-config_mismatch (OPENED vs what the device was built for). Anything else becomes ``internal_error``.
+t', n_positions > max_context), config_mismatch (OPENED vs what the device was built for). Anything else becomes
+``internal_error``.
 """
 
 from __future__ import annotations
