@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from hycoc.protocol import wire
-from hycoc.protocol.messages import Opened, RoundReply, commit_cut
+from hycoc.protocol.messages import DraftTree, Opened, RoundReply, commit_cut
 from hycoc.runtime.client import DeviceRuntime, RuntimeProtocolError
 from hycoc.runtime.tree_builder import walk_reply
 from test_runtime_drafters import WF, WS, V, k_value, ring, slm_drafter
@@ -285,3 +285,23 @@ def test_an_inconsistent_verified_set_is_refused(tamper, message):
     last = int(reply.path_rows[-1]) if len(reply.path_rows) else None
     want = message.format(orphan=orphan, parent=parent, last=last)
     assert str(e.value) == f"round {len(seen) - 1}: the verifier's reply is inconsistent: {want}"
+
+
+def test_built_tree_scores_follow_the_rows_and_padding():
+    from hycoc.runtime.tree_builder import DraftTreeNodes
+    from test_runtime_tree import L, FakeSlm, builder
+
+    built = builder(budget=4, rows=7).build(100, [11, 12], [13], FakeSlm())
+    n = len(built.kept)
+    want = [built.tree.nodes[v].score for v in built.kept]
+    assert built.scores.dtype == np.float32 and built.scores.shape == (7,)
+    np.testing.assert_array_equal(built.scores, np.float32(want + [want[-1]] * (7 - n)))   # padding repeats
+    np.testing.assert_allclose(built.scores[:4] / L, [0, 1, 2, 2], rtol=1e-6)              # root, chain, sibling
+    # a score of -inf (q underflowed) or below fp16's range travels as the floor, order kept
+    tree = DraftTreeNodes()
+    tree.add(5, -1, 0.0, "root")
+    tree.add(6, 0, -1e6, "slm")
+    tree.add(7, 1, -np.inf, "slm")
+    scores = builder(budget=2, rows=4).scores_of(tree, [0, 1, 2])
+    assert scores.tolist() == [0.0, wire.FP16_SCORE_FLOOR, wire.FP16_SCORE_FLOOR, wire.FP16_SCORE_FLOOR]
+    wire.validate(DraftTree(0, np.array([5, 6, 7, 7], np.int32), np.array([-1, 0, 1, 1], np.int32), scores))
