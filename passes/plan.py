@@ -462,8 +462,8 @@ def real_shape_plan(recipe: Recipe) -> dict:
         paper[key] = {"paper": value, "plan": ours[key], "diff": diff, "diff_pct": round(100 * diff / value, 2),
                       "source": where}
     paper["tree_bytes_per_round"]["note"] = (
-        "hycoc's ROUND frame is 16 + 6 + 6 R bytes (int32 ids, int16 parents, no mask: the server rebuilds it); "
-        "the paper's 2.2 KB is its own encoding")
+        "hycoc's ROUND frame is 16 + 7 + 8 R bytes (int32 ids, int16 parents, fp16 row scores, no mask: the server "
+        "rebuilds it; protocol v4); the paper's 2.2 KB is its own encoding")
     paper["handoff_bytes_per_round"]["note"] = "44 B fixed part + 5,632 B of [e; h] at 8 bits"
     if bits != 4:
         paper["head_graph_bytes"]["note"] = f"the recipe's head_qat.weight_bits is {bits}, the paper's figure is W4"

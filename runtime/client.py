@@ -5,9 +5,12 @@
 
 1. request start: the SLM ring is filled with the prompt's last W tokens and the first tree is drafted by the
    SLM alone while the server prefills (the OPEN request runs in a worker thread meanwhile);
-2. each round sends the tree, walks the reply to the deepest matching path (ties to the lowest row; it must agree
-   with the verifier's ``path_rows``), commits it plus the bonus token (cut after an end-of-turn token and at the
-   output cap, as the verifier does), moves the SLM rows of the path behind the root's, streams the new text;
+2. each round sends the tree with its rows' scores s(v) (Alg. 3), walks the reply to the deepest matching path
+   through the rows the verifier verified (a loaded verifier may verify an ancestor-closed part of the tree,
+   ``RoundReply.verified``; ties to the lowest row; the path must agree with the verifier's ``path_rows``),
+   commits it plus the bonus token (cut after an end-of-turn token and at the output cap, as the verifier does),
+   moves the SLM rows of the path behind the root's (path nodes only: a row left unverified never reaches the
+   ring), streams the new text;
 3. the reply's hand-off feeds the MTP Drafter (Alg. 2), whose chain and runner-ups seed the next tree (Alg. 3).
 
 Modes (Table 5; constants from the bundle's round section):
@@ -41,7 +44,7 @@ from hycoc.protocol.messages import AppendTurn, DraftTree, OpenRequest, Sampling
 from hycoc.runtime.mtp_drafter import MtpDrafter
 from hycoc.runtime.slm_drafter import SlmDrafter
 from hycoc.runtime.transport import BadReply
-from hycoc.runtime.tree_builder import BuiltTree, TreeBuilder, walk_reply
+from hycoc.runtime.tree_builder import BuiltTree, TreeBuilder, check_verified, walk_reply
 
 
 @dataclass(frozen=True)
@@ -81,10 +84,10 @@ class RequestResult:
     seconds: request start to last token. first_token_s: request start to the first streamed token.
     draft_s: device drafting time in rounds (MTP Drafter + tree + SLM forwards; waits and the SLM's request-start
     fill excluded). slm_prefill_s: that fill. prefill_ms / server_ms: the verifier's times (from its replies).
-    round_bytes: (up, down) frame bytes per round. rows: rows of the verifier's forward per round; context: root
-    position per round. bonus_outside_keep: bonus tokens outside the keep set. link_s: link-model time of the
-    request (slept, or only counted when the client's sleep is a no-op); first_token_link_s: its part before the
-    first token. accepted: tokens committed per round minus one (after the stop / cap / context cut), so MAT =
+    round_bytes: (up, down) frame bytes per round. rows: rows the verifier verified per round (its forward's rows:
+    the reply's verified rows when it names them, else every row it answered); context: root position per round.
+    bonus_outside_keep: bonus tokens outside the keep set. link_s: link-model time of the request (slept, or only
+    counted when the client's sleep is a no-op); first_token_link_s: its part before the first token. accepted: tokens committed per round minus one (after the stop / cap / context cut), so MAT =
     tokens / rounds. finish_reason: "stop", "max_new_tokens" or "length" (`hycoc.protocol.messages.FINISH_REASONS`).
     """
 
@@ -380,13 +383,16 @@ class DeviceRuntime:
         root = prompt[-1]
         seq = 0
         while True:
-            if built is None:                                # cloud-mtp: the root alone
+            if built is None:                                # cloud-mtp: the root alone, no scores (nothing to trim)
                 tokens, parents = np.asarray([root], np.int32), np.asarray([-1], np.int32)
+                scores = None
             else:
-                tokens, parents = built.tokens, built.parents
+                tokens, parents, scores = built.tokens, built.parents, built.scores
             res.context.append(len(prompt) - 1 + len(res.tokens))
-            reply = client.round(DraftTree(seq, tokens, parents))
-            res.rows.append(len(reply.samples))      # rows of the verifier's forward (cloud-mtp: root + its chain)
+            reply = client.round(DraftTree(seq, tokens, parents, scores))
+            verified = reply.verified
+            # rows of the verifier's forward: those it verified (cloud-mtp: root + its chain)
+            res.rows.append(len(reply.samples) if verified is None else int(np.count_nonzero(verified)))
             res.server_ms.append(reply.server_ms)
             res.round_bytes.append(client.round_bytes[-1])
             res.rounds += 1
@@ -395,10 +401,16 @@ class DeviceRuntime:
                 new = [int(x) for x in reply.samples[:n + 1]]
                 path_nodes: list[int] = []
             else:
-                path = walk_reply(tokens, parents, reply.samples)
+                if verified is not None:
+                    try:
+                        check_verified(parents, verified, reply.path_rows)
+                    except ValueError as e:
+                        raise RuntimeProtocolError(f"round {seq}: the verifier's reply is inconsistent: {e}") \
+                            from None
+                path = walk_reply(tokens, parents, reply.samples, verified)
                 if path != [int(x) for x in reply.path_rows]:
-                    raise RuntimeProtocolError(f"round {seq}: the verifier's path rows {list(reply.path_rows)} do not "
-                                               f"follow its samples (walk gives {path})")
+                    raise RuntimeProtocolError(f"round {seq}: the verifier's path rows {reply.path_rows.tolist()} do "
+                                               f"not follow its samples (walk gives {path})")
                 if reply.samples[path[-1] if path else 0] != reply.bonus:
                     raise RuntimeProtocolError(f"round {seq}: bonus {reply.bonus} is not the sample at the path's end")
                 new = [int(tokens[j]) for j in path] + [int(reply.bonus)]

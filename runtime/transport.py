@@ -12,6 +12,10 @@ Every failure ends in a `TransportError` subclass whose message is one line nami
     AuthRefused         the server wants a token (``auth_required``) or refused ours (``auth_refused``, HTTP 401/403)
     ConnectionDropped   the connection closed while a request was waiting for its answer
     ProtocolMismatch    the server speaks another protocol version (its frames, or its ``unsupported_version`` error)
+
+The client speaks protocol version 4 (`hycoc.protocol.wire.PROTOCOL_VERSION`: ROUND carries the rows' scores,
+REPLY may name the verified rows) and takes only answers in that version (a server answers a session in its
+OPEN's version; one that answers in another is a ProtocolMismatch).
     RequestTimeout      no answer within ``timeout_s`` (the connection is closed: its session is gone)
     ServerError         the server answered with an ERROR frame; ``code`` and ``server_message`` are its fields
     BadReply            the server's frame fails validation here (wrong sizes, crc, seq, ...)
@@ -305,6 +309,10 @@ class VerifierClient:
             raise BadReply(f"the verifier's answer to the {what} is invalid: {e.code}: {e.message}") from None
         if isinstance(msg, ErrorReply):
             raise self._error(msg, what)
+        version = wire.frame_version(data, self._limits)
+        if version != wire.PROTOCOL_VERSION:
+            raise ProtocolMismatch(f"the verifier at {self.url} answered the {what} in protocol version {version}: "
+                                   f"this client speaks version {wire.PROTOCOL_VERSION}")
         if not isinstance(msg, expected):
             raise BadReply(f"the verifier answered the {what} with {type(msg).__name__}, expected "
                            f"{expected.__name__}")

@@ -17,6 +17,10 @@ line 17 returns the root and the kept nodes in insertion order as (token, parent
 row count by repeating the last row.
 
 A node whose token ends the turn (EOS) is never expanded and ends the chain: nothing after it can be committed.
+
+The rows go out with their scores (`BuiltTree.scores`, protocol version 4), so a loaded verifier may verify only
+an ancestor-closed part of the tree; its reply names the rows it verified, and `walk_reply` walks those only
+(`check_verified` checks the set is one a verifier may send).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hycoc.protocol.wire import FP16_SCORE_FLOOR
 from hycoc.runtime.candidates import CandidateRows, Candidates, logq_candidates
 
 ROOT, CHAIN, SIBLING, SLM = "root", "chain", "sibling", "slm"
@@ -99,7 +104,9 @@ class DraftTreeNodes:
 class BuiltTree:
     """Alg. 3 line 17: ``tokens`` / ``parents`` int32 (rows,), row 0 the root, padded by repeating the last row;
     ``row_node``: tree node index of each unpadded row; ``tree``: every node considered (kept or not);
-    ``kept``: kept node indices in insertion order (root first); ``slm_passes``: forwards run."""
+    ``kept``: kept node indices in insertion order (root first); ``slm_passes``: forwards run; ``scores``: float32
+    (rows,), each row's score s(v) (natural log; the root's 0, no row above its parent), padding repeating the
+    last row's, clamped below at FP16_SCORE_FLOOR (what the wire can carry; the clamp keeps the order)."""
 
     tokens: np.ndarray
     parents: np.ndarray
@@ -107,6 +114,7 @@ class BuiltTree:
     tree: DraftTreeNodes
     kept: list[int]
     slm_passes: int
+    scores: np.ndarray
 
 
 #: expand(tree, nodes) -> {node: its candidates} for the nodes it could fit in one SLM forward (in the order
@@ -262,6 +270,13 @@ class TreeBuilder:
             parents.append(parents[-1])
         return np.asarray(tokens, np.int32), np.asarray(parents, np.int32)
 
+    def scores_of(self, tree: DraftTreeNodes, kept: list[int]) -> np.ndarray:
+        """The rows' scores s(v), float32 (rows,), aligned with `rows_of` (padding repeats the last row's),
+        clamped to [FP16_SCORE_FLOOR, 0]: a score of -inf (q underflowed to 0) travels as the floor."""
+        scores = [tree.nodes[n].score for n in kept]
+        scores += [scores[-1]] * (self.rows - len(scores))
+        return np.clip(np.asarray(scores, np.float64), FP16_SCORE_FLOOR, 0.0).astype(np.float32)
+
     def build(self, root: int, chain: Sequence[int], runner_ups: Sequence[int], expand: Expand | None,
               passes: int | None = None, max_depth: int | None = None) -> BuiltTree:
         """Alg. 3, entire. expand: the SLM forward (None or passes == 0: the tree is the planted nodes only).
@@ -278,20 +293,48 @@ class TreeBuilder:
             frontier = added                               # line 15: F = the nodes just added
         kept = self.trim(tree, max_depth)
         tokens, parents = self.rows_of(tree, kept)
-        return BuiltTree(tokens, parents, kept, tree, kept, done)
+        return BuiltTree(tokens, parents, kept, tree, kept, done, self.scores_of(tree, kept))
 
 
-def walk_reply(tokens: Sequence[int], parents: Sequence[int], samples: Sequence[int]) -> list[int]:
+def walk_reply(tokens: Sequence[int], parents: Sequence[int], samples: Sequence[int],
+               verified: Sequence[bool] | None = None) -> list[int]:
     """Alg. 1 line 8: the deepest path below the root whose every row c with parent v has token c == ŷ_v,
     ties to the lowest row. Returns the path's rows (root excluded), root to leaf; [] when nothing matches.
-    Duplicate (padding) rows never win over the first row with the same token and parent."""
+    Duplicate (padding) rows never win over the first row with the same token and parent.
+
+    verified: bool (R,), the rows the verifier verified (`hycoc.protocol.messages.RoundReply.verified`), or None
+    (every row): the walk enters verified rows only. A row left out echoes its own token as its sample, and its
+    token may well equal its parent's sample; it was still never verified, so the walk stops at the parent (whose
+    sample is then the bonus)."""
     tokens, parents, samples = (np.asarray(a, np.int64) for a in (tokens, parents, samples))
+    allowed = np.ones(len(tokens), bool) if verified is None else np.asarray(verified, bool)
     path: list[int] = []
     v = 0
     while True:  # every row has one sampled token, so at most one child (the lowest duplicate row) continues
-        kids = np.nonzero((parents == v) & (tokens == samples[v]))[0]
+        kids = np.nonzero((parents == v) & (tokens == samples[v]) & allowed)[0]
         kids = kids[kids > 0]
         if not len(kids):
             return path
         v = int(kids[0])
         path.append(v)
+
+
+def check_verified(parents: Sequence[int], verified: Sequence[bool], path_rows: Sequence[int]) -> None:
+    """Check a reply's verified rows against the tree sent: bool (R,) over its R rows, row 0 verified, every
+    verified row's parent verified (ancestor-closed: the verifier verifies a subtree, `RoundReply.verified`), and
+    every path row verified. Raises ValueError naming the first fault."""
+    parents = np.asarray(parents, np.int64)
+    verified = np.asarray(verified)
+    if verified.dtype != np.bool_ or verified.shape != parents.shape:
+        raise ValueError(f"verified rows: expected bool ({len(parents)},), one per row sent, got dtype "
+                         f"{verified.dtype} and shape {verified.shape}")
+    if not verified[0]:
+        raise ValueError("verified rows leave out row 0: the root is always verified")
+    orphan = verified[1:] & ~verified[np.maximum(parents[1:], 0)]
+    if orphan.any():
+        j = int(np.argmax(orphan)) + 1
+        raise ValueError(f"verified rows are not ancestor-closed: row {j} is verified, its parent row "
+                         f"{int(parents[j])} is not")
+    for row in path_rows:
+        if not 0 <= int(row) < len(verified) or not verified[int(row)]:
+            raise ValueError(f"path row {int(row)} is not a verified row")

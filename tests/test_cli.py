@@ -99,7 +99,7 @@ def test_inspect_recipe_emits_the_real_shape_plan_without_checkpoints():
     plan = json.loads(result.stdout)
     assert plan["handoff"]["handoff_bytes_per_round"] == 44 + 5632
     assert plan["handoff"]["handoff_bytes_per_position"] == 6144
-    assert plan["handoff"]["tree_bytes_per_round"] == 220
+    assert plan["handoff"]["tree_bytes_per_round"] == 287   # protocol v4: 16 + 7 + 33 * (4 + 2 + 2)
 
 
 def test_build_without_the_models_exits_1_in_one_line(tmp_path):

@@ -9,6 +9,8 @@ second server with the same weights, a session must commit exactly what the reco
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import asyncio
 import inspect
 import json
@@ -37,6 +39,8 @@ from tiny_models import VOCAB, tiny_head, tiny_verifier
 torch.set_num_threads(1)
 ROWS = 7
 PARENTS = np.array([-1, 0, 0, 1, 1, 2, 3], np.int32)
+#: the rows' scores s(v) the recording device sends (Alg. 3: each row below its parent; exact in fp16)
+SCORES = np.array([0.0, -0.5, -1.0, -1.25, -2.0, -2.5, -3.0], np.float32)
 MAX_NEW = 10
 
 
@@ -78,7 +82,7 @@ def recorded(engine):
             root, produced, per_round, reason = int(req.prompt_ids[-1]), 0, [], None
             while reason is None:
                 tokens = np.concatenate([[root], fill]).astype(np.int32)
-                reply = client.round(DraftTree(len(per_round), tokens, PARENTS))
+                reply = client.round(DraftTree(len(per_round), tokens, PARENTS, SCORES))
                 new, reason = committed_tokens(tokens, reply, (), MAX_NEW - produced,
                                                opened.max_context - len(req.prompt_ids) - produced, False)
                 reason = reason or reply.finish_reason
@@ -99,6 +103,8 @@ def test_trace_round_trip_and_bad_files(tmp_path, recorded):
     assert len(trace.key) == 16 and trace.key != trace_key("r" * 64, "b" * 64, ["hyco"], [81, 82], MAX_NEW + 1)
     first = trace.requests[0]
     assert first.rounds[0].tokens[0] == first.prompt[-1] and first.rounds[0].parents == tuple(PARENTS)
+    assert all(r.scores == (0.0, -0.5, -1.0, -1.25, -2.0, -2.5, -3.0) for r in first.rounds)   # as sent
+    assert json.loads(path.read_text())["requests"][0]["rounds"][0]["scores"] == SCORES.tolist()
     assert all(r.device_ms >= 0 for r in first.rounds) and first.committed == MAX_NEW
     # rounds after the first: the drafting thread's CPU time, never more than the wall time between the rounds
     assert all(r.device_wall_ms + 0.5 >= r.device_ms for r in first.rounds[1:])
@@ -109,9 +115,39 @@ def test_trace_round_trip_and_bad_files(tmp_path, recorded):
     path.write_text(json.dumps(data))
     with pytest.raises(TraceError, match=r"requests\[0\]\.rounds\[1\]: .*parents\[0\] = -1"):
         load_trace(path)
-    path.write_text(json.dumps({**data, "schema": 99}))
-    with pytest.raises(TraceError, match="schema 99, this hycoc reads 2; delete it to re-record"):
+    data["requests"][0]["rounds"][1]["parents"] = PARENTS.tolist()
+    data["requests"][0]["rounds"][1]["scores"] = [0.0] * (ROWS - 1)
+    path.write_text(json.dumps(data))
+    with pytest.raises(TraceError, match=r"requests\[0\]\.rounds\[1\]: tokens, parents and scores"):
         load_trace(path)
+    for schema in (2, 99):   # a trace recorded before the rounds carried scores is re-recorded, never misread
+        path.write_text(json.dumps({**data, "schema": schema}))
+        with pytest.raises(TraceError, match=f"schema {schema}, this hycoc reads 3; delete it to re-record"):
+            load_trace(path)
+
+
+def test_replay_sends_the_recorded_scores(engine, recorded, monkeypatch):
+    """The replayed ROUND frames carry the scores the recording device sent (a budgeted verifier ranks rows by
+    them); a round recorded without scores is replayed without."""
+    req = recorded[0][0]
+    bare = replace(req, rounds=(replace(req.rounds[0], scores=None), *req.rounds[1:]))
+    encode, trees = wire.encode, []
+
+    def spy(msg, *args, **kw):
+        frame = encode(msg, *args, **kw)
+        if isinstance(msg, DraftTree):
+            trees.append(wire.decode(frame))
+        return frame
+
+    monkeypatch.setattr(wire, "encode", spy)
+    with serve(engine) as srv:
+        async def go():
+            t0 = asyncio.get_running_loop().time()
+            await replay_request(srv.url, bare, (), RunStats(), t0, t0 + 60, device_ms=0.0)
+        asyncio.run(go())
+    assert len(trees) == len(req.rounds) and trees[0].scores is None
+    for tree in trees[1:]:
+        assert tree.scores.tolist() == SCORES.tolist()
 
 
 def test_patch_root_keeps_the_tree_valid():

@@ -18,6 +18,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from hycoc.cli import app
+from hycoc.protocol import wire
 from hycoc.protocol.messages import Sampling
 from hycoc.passes import build as b
 from hycoc.runtime import transport
@@ -82,8 +83,9 @@ def test_greedy_output_equals_the_verifiers_greedy_generation(server, runtime, m
     assert "".join(pieces) == res.text
     m = res.to_json()
     assert m["tokens"] == len(want) and m["mat"] == pytest.approx(len(want) / res.rounds, abs=1e-4)
-    rows = 1 if mode == "cloud-mtp" else 5
-    assert m["bytes_up_per_round"] == 22 + 6 * rows          # ROUND frame: 16-B header + 6 + 6 per row
+    # ROUND frame (protocol v4): 16-B header + 7 + 6 per row, + 2 per row's fp16 score (cloud-mtp: the root, none)
+    up = wire.tree_nbytes(1, scores=False) if mode == "cloud-mtp" else wire.tree_nbytes(5)
+    assert m["bytes_up_per_round"] == up == (23 + 6 if mode == "cloud-mtp" else 23 + 8 * 5)
     print(f"{mode:12s} tokens {m['tokens']} rounds {m['rounds']} MAT {m['mat']:.2f}")
 
 

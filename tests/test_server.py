@@ -185,11 +185,12 @@ def frame(mtype: int, payload: bytes, version: int = wire.PROTOCOL_VERSION, crc:
     return struct.pack("<4sHBBII", b"HYCO", version, mtype, 0, len(payload), crc) + payload
 
 
-def round_frame(seq, tokens, parents, **kw) -> bytes:
-    """A ROUND frame of any tokens and parents, valid or not: u32 seq, u16 R, i32[R] tokens, i16[R] parents."""
+def round_frame(seq, tokens, parents, version: int = wire.PROTOCOL_VERSION, **kw) -> bytes:
+    """A ROUND frame of any tokens and parents, valid or not: u32 seq, u16 R (version 4: u8 has_scores = 0),
+    i32[R] tokens, i16[R] parents."""
     tokens, parents = np.asarray(tokens, "<i4"), np.asarray(parents, "<i2")
-    payload = struct.pack("<IH", seq, tokens.size) + tokens.tobytes() + parents.tobytes()
-    return frame(wire.MessageType.ROUND, payload, **kw)
+    fixed = struct.pack("<IH", seq, tokens.size) if version <= 3 else struct.pack("<IHB", seq, tokens.size, 0)
+    return frame(wire.MessageType.ROUND, fixed + tokens.tobytes() + parents.tobytes(), version=version, **kw)
 
 
 def http_get(url: str):
@@ -340,7 +341,7 @@ def test_each_bad_round_gets_its_error_and_the_session_alongside_keeps_going(ser
          f"DraftTree.tokens[2] = {VOCAB}: token ids must lie in [0, {VOCAB})"),
         ("wrong_row_count", round_frame(0, tokens[:5], chain[:5]), f"has 5 rows, expected {ROWS}"),
         ("frame_too_large", round_frame(0, np.full(700, 11), np.arange(-1, 699)),
-         f"frame of {16 + 6 + 6 * 700} bytes: this receiver accepts at most max_frame_bytes = {MAX_FRAME}"),
+         f"frame of {16 + 7 + 6 * 700} bytes: this receiver accepts at most max_frame_bytes = {MAX_FRAME}"),
         ("unknown_message_type", frame(9, b""), "message type = 9"),
         ("unsupported_version", round_frame(0, tokens, chain, version=1), "frame speaks protocol version 1"),
         ("crc_mismatch", round_frame(0, tokens, chain, crc=1), "its header says 0x00000001"),
@@ -496,7 +497,8 @@ def test_disconnect_mid_round_frees_the_session(server, reference):
 def test_healthz(server):
     content_type, body = http_get(server.http_url + "/healthz")
     assert content_type.startswith("application/json")
-    assert json.loads(body) == {"status": "ok", "model": "tiny-gemma4", "protocol_version": 3, "sessions": 0,
+    assert json.loads(body) == {"status": "ok", "model": "tiny-gemma4", "protocol_version": 4,
+                                "protocol_versions": [3, 4], "sessions": 0,
                                 "tree_rows": ROWS, "max_context": MAX_CONTEXT, "vocab_size": VOCAB,
                                 "max_frame_bytes": MAX_FRAME, "auth": True,
                                 "limits": {"handshake_timeout_s": 10.0, "frame_timeout_s": 30.0,

@@ -7,6 +7,8 @@ with the exact bytes that cause it. The real server is exercised in test_server.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import socket
 import struct
 import subprocess
@@ -117,9 +119,9 @@ def test_link_model_sleeps_half_the_rtt_plus_serialization_each_way():
         reply = c.round(TREE)
     up_open = len(wire.encode(request))  # 16 + 38 + 4 * 5 + 3 = 77
     down_open = 16 + 42 + 4 * len(OPENED.stop_ids)
-    up_round = wire.tree_nbytes(3)  # 22 + 6 * 3 = 40
-    down_round = wire.reply_nbytes(3, 1, 0, wire.handoff_nbytes(4, 2, 2, 6))  # 36 + 14 + 12 + 44 + 8 + 48
-    assert (up_open, down_open, up_round, down_round) == (77, 62, 40, 162)
+    up_round = wire.tree_nbytes(3, scores=False)  # 23 + 6 * 3 = 41 (TREE has no scores)
+    down_round = wire.reply_nbytes(3, 1, 0, wire.handoff_nbytes(4, 2, 2, 6))  # 37 + 14 + 12 + 44 + 8 + 48
+    assert (up_open, down_open, up_round, down_round) == (77, 62, 41, 163)
     assert sleeps == pytest.approx([0.020 + n * 1e-6 for n in (up_open, down_open, up_round, down_round)], abs=1e-12)
     assert c.link_s == pytest.approx(sum(sleeps))
     assert (c.last_up, c.last_down) == (up_round, down_round)
@@ -156,6 +158,27 @@ def test_open_round_close_frames_and_auth_travel_as_specified():
         assert [type(m).__name__ for m in sent] == ["OpenRequest", "DraftTree", "Close"]
         assert sent[0].auth_token == "s3cret" and sent[0].seed == 3
         assert sent[2].session_id == 7
+
+
+def test_rounds_travel_in_version_4_with_scores_and_verified_rows():
+    kept = np.array([True, True, False])          # the verifier verified rows 0 and 1 (row 2 trimmed)
+
+    def answer(frame):
+        msg = wire.decode(frame)
+        if isinstance(msg, OpenRequest):
+            return wire.encode(OPENED)
+        return wire.encode(replace(REPLY, samples=np.array([10, 12, 11], np.int32), verified=kept))
+
+    scored = replace(TREE, scores=np.array([0.0, -0.5, -1.25], np.float32))
+    with FakeVerifier(answer) as peer, VerifierClient(peer.url) as c:
+        c.open(OpenRequest(prompt_ids=PROMPT))
+        reply = c.round(scored)
+        assert c.last_up == wire.tree_nbytes(3) == 23 + 8 * 3
+        assert c.last_down == wire.reply_nbytes(3, 1, 0, wire.handoff_nbytes(4, 2, 2, 6), verified=True) == 164
+    assert [wire.frame_version(f) for f in peer.frames[:2]] == [4, 4]
+    sent = wire.decode(peer.frames[1])
+    assert sent.scores.tolist() == [0.0, -0.5, -1.25]
+    assert reply.verified.tolist() == [True, True, False]
 
 
 def test_no_token_sends_no_header():
@@ -227,15 +250,21 @@ def test_server_error_frame_keeps_its_code_and_the_session():
 
 
 def test_protocol_version_mismatch():
-    def version_4(frame):
+    def version_5(frame):
         payload = wire.encode(OPENED)[16:]
-        return struct.pack("<4sHBBII", b"HYCO", 4, 2, 0, len(payload), zlib.crc32(payload)) + payload
+        return struct.pack("<4sHBBII", b"HYCO", 5, 2, 0, len(payload), zlib.crc32(payload)) + payload
 
-    with FakeVerifier(version_4) as peer:
+    with FakeVerifier(version_5) as peer:
         with pytest.raises(ProtocolMismatch) as e:
             VerifierClient(peer.url).open(OpenRequest(prompt_ids=PROMPT))
-    assert str(e.value) == (f"the verifier at {peer.url} speaks another protocol: frame speaks protocol version 4: "
-                            "this side speaks version 3")
+    assert str(e.value) == (f"the verifier at {peer.url} speaks another protocol: frame speaks protocol version 5: "
+                            "this side speaks versions 3, 4")
+    # a server that answers a version-4 OPEN in version 3 (a valid frame, the wrong version for this session)
+    with FakeVerifier(lambda frame: wire.encode(OPENED, version=3)) as peer:
+        with pytest.raises(ProtocolMismatch) as e:
+            VerifierClient(peer.url).open(OpenRequest(prompt_ids=PROMPT))
+    assert str(e.value) == (f"the verifier at {peer.url} answered the open request in protocol version 3: this "
+                            "client speaks version 4")
     answer = lambda frame: wire.encode(ErrorReply("unsupported_version", "frame speaks protocol version 2"))  # noqa
     with FakeVerifier(answer) as peer:
         with pytest.raises(ProtocolMismatch, match="speaks another protocol: frame speaks protocol version 2"):

@@ -80,10 +80,16 @@ def refresh_crc(buf) -> bytes:
     return bytes(buf)
 
 
-def raw_tree(tokens, parents, seq: int = 0) -> bytes:
+def raw_tree(tokens, parents, seq: int = 0, *, version: int = wire.PROTOCOL_VERSION, scores=None,
+             has_scores: int | None = None) -> bytes:
+    """A ROUND frame written by hand (v3: seq, R; v4: seq, R, has_scores; then tokens, parents, fp16 scores)."""
     tokens, parents = np.asarray(tokens, "<i4"), np.asarray(parents, "<i2")
-    payload = struct.pack("<IH", seq, len(tokens)) + tokens.tobytes() + parents.tobytes()
-    return frame(wire.MessageType.ROUND, payload)
+    if version == 3:
+        fixed = struct.pack("<IH", seq, len(tokens))
+    else:
+        fixed = struct.pack("<IHB", seq, len(tokens), (scores is not None) if has_scores is None else has_scores)
+    tail = b"" if scores is None else np.asarray(scores, "<f2").tobytes()
+    return frame(wire.MessageType.ROUND, fixed + tokens.tobytes() + parents.tobytes() + tail, version=version)
 
 
 def fails(code: str, data: bytes, limits: wire.Limits | None = None, *needles: str) -> wire.WireError:
@@ -101,12 +107,13 @@ def fails(code: str, data: bytes, limits: wire.Limits | None = None, *needles: s
 OPEN_AT = dict(temperature=0, top_k=4, top_p=8, seed=12, epsilon=20, acceptance=24, draft_place=25, auth_len=26,
                chat_len=28, max_new_tokens=30, n_prompt=34, prompt=38)
 REPLY_AT = dict(seq=0, bonus=4, server_ms=8, finished=12, has_handoff=13, rows=14, n_path=16, n_chain=18,
-                samples=20)
+                has_verified=20, samples=21)   # version 4 (version 3: no has_verified, samples at 20)
 
 
 def handoff_at(m: RoundReply) -> int:
-    """Payload offset of the hand-off block (after its 12 bytes of sizes)."""
-    return wire._REPLY.size + 4 * m.samples.size + 2 * m.path_rows.size + 4 * m.chain.size + 12
+    """Payload offset of the hand-off block (after its 12 bytes of sizes), version 4."""
+    mask = 0 if m.verified is None else (m.samples.size + 7) // 8
+    return wire._REPLY4.size + 4 * m.samples.size + 2 * m.path_rows.size + 4 * m.chain.size + mask + 12
 
 
 # ------------------------------------------------------------------------------------------------ round trips
@@ -221,10 +228,15 @@ def test_header_and_handoff_fixed_sizes():
 
 
 def test_round_bytes_at_b32():
-    # 16 header + 6 (seq, rows) + 33 * 4 token ids + 33 * 2 parents
-    assert wire.tree_nbytes(33) == 220
-    assert len(wire.encode(chain_tree(33))) == 220
-    assert len(wire.encode(chain_tree(1))) == 28  # cloud-mtp: the root alone
+    # v3: 16 header + 6 (seq, rows) + 33 * 4 token ids + 33 * 2 parents
+    assert wire.tree_nbytes(33, version=3) == 220
+    assert len(wire.encode(chain_tree(33), version=3)) == 220
+    assert len(wire.encode(chain_tree(1), version=3)) == 28  # cloud-mtp: the root alone
+    # v4: 16 header + 7 (seq, rows, has_scores) + 33 * 4 + 33 * 2, + 33 * 2 fp16 scores when sent
+    assert wire.tree_nbytes(33, scores=False) == 221 == len(wire.encode(chain_tree(33)))
+    assert wire.tree_nbytes(33) == 287 == 16 + 7 + 132 + 66 + 66
+    assert len(wire.encode(scored(chain_tree(33)))) == 287
+    assert len(wire.encode(chain_tree(1))) == 29 == wire.tree_nbytes(1, scores=False)
 
 
 def test_gemma4_handoff_bytes():
@@ -241,7 +253,9 @@ def test_gemma4_first_reply_frame():
     m = RoundReply(0, samples, np.zeros(0, np.int32), 0, 850.0, handoff=ho)
     data = wire.encode(m)
     ho_bytes = wire.handoff_nbytes(GEMMA_H, GEMMA_DS, GEMMA_DF, 1024)
-    assert len(data) == wire.reply_nbytes(33, 0, 0, ho_bytes) == 16 + 20 + 132 + 12 + 6_297_132
+    assert len(data) == wire.reply_nbytes(33, 0, 0, ho_bytes) == 16 + 21 + 132 + 12 + 6_297_132
+    assert len(wire.encode(m, version=3)) == wire.reply_nbytes(33, 0, 0, ho_bytes, version=3) == 16 + 20 + 132 + 12 \
+        + 6_297_132
     limits = wire.Limits(vocab_size=262_144, tree_rows=33, max_context=262_144, hidden_size=GEMMA_H,
                          kv_dim_sliding=GEMMA_DS, kv_dim_full=GEMMA_DF)
     got = wire.decode(data, limits)
@@ -262,7 +276,15 @@ def test_handoff_block_layout_is_exact():
 
 def test_reply_bytes_without_handoff():
     m = reply(rows=33, path=(1, 2, 3), with_handoff=False, chain=(1, 2, 3, 4))
-    assert len(wire.encode(m)) == wire.reply_nbytes(33, 3, 4) == 16 + 20 + 132 + 6 + 16
+    assert len(wire.encode(m)) == wire.reply_nbytes(33, 3, 4) == 16 + 21 + 132 + 6 + 16
+    assert len(wire.encode(m, version=3)) == wire.reply_nbytes(33, 3, 4, version=3) == 16 + 20 + 132 + 6 + 16
+    kept = np.ones(33, bool)
+    kept[20:] = False   # 33 rows: a mask of 5 bytes
+    m = replace(m, verified=kept)
+    assert len(wire.encode(m)) == wire.reply_nbytes(33, 3, 4, verified=True) == 16 + 21 + 132 + 6 + 16 + 5
+    assert len(wire.encode(m, version=3)) == wire.reply_nbytes(33, 3, 4, version=3, verified=True) == 190
+    assert (wire.reply_nbytes(33, 0), wire.reply_nbytes(33, 0, verified=True), wire.reply_nbytes(33, 0, version=3)) \
+        == (169, 174, 168)
 
 
 # ------------------------------------------------------------------------------------------------ header checks
@@ -272,11 +294,16 @@ def test_bad_magic():
     fails("bad_magic", frame(wire.MessageType.CLOSE, bytes(8), magic=b"HTTP"), None, "b'HTTP'", "b'HYCO'")
 
 
-def test_unsupported_version_names_both():
-    assert wire.PROTOCOL_VERSION == 3  # OPEN's chat contract, OPENED's stop ids, APPEND after a stop
-    for other in (2, 4):
+def test_unsupported_version_names_the_supported_ones():
+    assert wire.PROTOCOL_VERSION == 4  # ROUND's row scores, REPLY's verified rows
+    assert wire.SUPPORTED_VERSIONS == (3, 4)
+    for other in (0, 2, 5, 65535):
         data = frame(wire.MessageType.CLOSE, bytes(8), version=other)
-        fails("unsupported_version", data, None, f"version {other}", "version 3")
+        fails("unsupported_version", data, None, f"version {other}", "versions 3, 4")
+        with pytest.raises(wire.UnsupportedVersion, match="versions 3, 4"):
+            wire.frame_version(data)
+    with pytest.raises(wire.UnsupportedVersion, match="protocol version 2: this side speaks versions 3, 4"):
+        wire.encode(Close(1), version=2)
 
 
 @pytest.mark.parametrize("mtype", [0, 8, 255])
@@ -302,7 +329,7 @@ def test_truncated_header():
 
 def test_truncated_payload():
     data = wire.encode(chain_tree(33))
-    fails("truncated", data[:-5], None, "ROUND", "215 bytes", "220")
+    fails("truncated", data[:-5], None, "ROUND", "216 bytes", "221")
 
 
 def test_trailing_bytes_are_a_length_mismatch():
@@ -647,3 +674,147 @@ def test_append_refusals(tokens, max_new, limits, code):
     with pytest.raises(wire.WireError) as info:
         wire.validate(AppendTurn(np.array(tokens, np.int32), max_new), limits)
     assert info.value.code == code
+
+
+# ------------------------------------------------------------------------------------------------ version 4
+
+
+def scored(tree: DraftTree) -> DraftTree:
+    """``tree`` with Alg. 3-like scores: each row its parent's minus 0.25 + 0.5 (j % 3) (root 0)."""
+    s = np.zeros(len(tree.tokens), np.float32)
+    for j in range(1, len(s)):
+        s[j] = s[tree.parents[j]] - 0.25 - 0.5 * (j % 3)
+    return replace(tree, scores=s)
+
+
+TREE5 = DraftTree(9, np.array([5, 7, 7, 999, 0], np.int32), np.array([-1, 0, 0, 1, 3], np.int32),
+                  np.array([0.0, -0.41, -1.3, -2.0, -70000.0], np.float32))
+
+
+def test_round_v4_scores_round_trip_as_float16():
+    got = wire.decode(wire.encode(TREE5), LIMITS)
+    assert_same_array(got.tokens, TREE5.tokens, np.int32)
+    assert_same_array(got.parents, TREE5.parents, np.int32)
+    # exactly the fp16 values (rounded to nearest); below fp16's range the wire clamps at -65504, never -inf
+    want = np.array([0.0, np.float16(-0.41), np.float16(-1.3), -2.0, -65504.0], np.float32)
+    assert_same_array(got.scores, want, np.float32)
+    assert got.scores[1] == np.float32(-0.409912109375)
+    data = wire.encode(TREE5)
+    assert data[wire.HEADER.size + 6] == 1                        # has_scores
+    assert data[-10:] == np.array([0.0, -0.41, -1.3, -2.0, -65504.0], "<f2").tobytes()
+
+
+def test_round_v4_without_scores_and_v3_drop_them():
+    bare = replace(TREE5, scores=None)
+    got = wire.decode(wire.encode(bare), LIMITS)
+    assert got.scores is None and wire.encode(bare)[wire.HEADER.size + 6] == 0
+    v3 = wire.encode(TREE5, version=3)
+    assert v3 == raw_tree(TREE5.tokens, TREE5.parents, seq=9, version=3)   # the v3 layout, byte for byte
+    assert wire.frame_version(v3) == 3 and wire.frame_version(wire.encode(TREE5)) == 4
+    got = wire.decode(v3, LIMITS)
+    assert got.scores is None and got.seq == 9
+    assert_same_array(got.tokens, TREE5.tokens, np.int32)
+
+
+def test_fp16_rounding_keeps_scores_monotone():
+    # child 1e-7 below its parent: equal after the cast, still "<= parent"
+    t = DraftTree(0, np.array([1, 2, 3], np.int32), np.array([-1, 0, 1], np.int32),
+                  np.array([0.0, -1.0, -1.0000001], np.float32))
+    got = wire.decode(wire.encode(t))
+    assert got.scores.tolist() == [0.0, -1.0, -1.0]
+
+
+def test_a_v3_peer_decodes_every_other_frame_unchanged():
+    """Only ROUND and REPLY payloads differ between versions 3 and 4; the rest differs in the header's version."""
+    from hycoc.protocol.messages import AppendTurn
+
+    for m in (open_request(auth_token="k", chat='{"a":1}'), OPENED, Close(5), ErrorReply("bad_seq", "x"),
+              AppendTurn(np.array([1, 2], np.int32), 8)):
+        v3, v4 = wire.encode(m, version=3), wire.encode(m)
+        assert v3[:4] + v3[6:] == v4[:4] + v4[6:]
+        assert struct.unpack_from("<H", v3, 4) == (3,) and struct.unpack_from("<H", v4, 4) == (4,)
+        assert wire.encode(wire.decode(v3), version=3) == v3 and wire.encode(wire.decode(v3)) == v4
+
+
+def test_reply_v4_verified_round_trip_and_mask_layout():
+    m = reply(rows=10, path=(1, 3), with_handoff=True)
+    kept = np.zeros(10, bool)
+    kept[[0, 1, 3, 9]] = True
+    m = replace(m, verified=kept)
+    limits = replace(LIMITS, tree_rows=10)
+    data = wire.encode(m)
+    at = wire.HEADER.size + REPLY_AT["samples"] + 4 * 10 + 2 * 2
+    assert data[wire.HEADER.size + REPLY_AT["has_verified"]] == 1
+    assert data[at:at + 2] == bytes([0b00001011, 0b00000010])     # rows 0, 1, 3 | row 9 (bit 1 of byte 1)
+    got = wire.decode(data, limits)
+    assert_same_array(got.verified, kept, np.bool_)
+    assert_same_array(got.handoff.k_full, m.handoff.k_full, np.int8)   # the hand-off follows the mask
+    assert len(data) == wire.reply_nbytes(10, 2, 0, wire.handoff_nbytes(H, DS, DF, 3), verified=True)
+    assert wire.decode(wire.encode(replace(m, verified=None)), limits).verified is None
+
+
+def test_reply_v3_drops_verified_and_decodes_as_every_row():
+    m = reply(rows=5, path=(1, 3), with_handoff=False)
+    kept = np.array([1, 1, 0, 1, 0], bool)
+    v3 = wire.encode(replace(m, verified=kept), version=3)
+    assert v3 == wire.encode(m, version=3) and len(v3) == wire.reply_nbytes(5, 2, version=3) == 36 + 20 + 4
+    got = wire.decode(v3, LIMITS)
+    assert got.verified is None and wire.frame_version(v3) == 3
+    assert_same_array(got.samples, m.samples, np.int32)
+    # the v3 layout by hand: the fixed part has no has_verified byte
+    fixed = struct.pack("<IifBBHHH", m.seq, m.bonus, m.server_ms, 0, 0, 5, 2, 0)
+    payload = fixed + m.samples.astype("<i4").tobytes() + m.path_rows.astype("<i2").tobytes()
+    assert v3 == frame(wire.MessageType.REPLY, payload, version=3)
+
+
+def test_round_scores_errors():
+    t, p = [1, 2, 3, 4], [-1, 0, 1, 1]
+    fails("bad_enum", raw_tree(t, p, has_scores=2), None, "ROUND has_scores = 2", "0 or 1")
+    fails("not_finite", raw_tree(t, p, scores=[0, -1, np.nan, -2]), None, "scores[2]")
+    fails("not_finite", raw_tree(t, p, scores=[0, -1, -np.inf, -2]), None, "scores[2]")
+    fails("bad_scores", raw_tree(t, p, scores=[-0.5, -1, -2, -2]), None, "scores[0] = -0.5", "root")
+    fails("bad_scores", raw_tree(t, p, scores=[0, -1, -2, -0.5]), None, "scores[3] = -0.5",
+          "parent row 1's -1")
+    fails("length_mismatch", raw_tree(t, p, scores=[0, -1, -2]), None, "scores")  # one fp16 short
+    # encode refuses what decode refuses
+    tree = DraftTree(0, np.array(t, np.int32), np.array(p, np.int32))
+    for scores, code in (([0, -1, -2], "bad_shape"), (np.array([0, -1, -2, -3], np.int32), "bad_shape"),
+                         (np.array([0, -1, 1, -3], np.float32), "bad_scores"),
+                         (np.array([0, -1, np.inf, -3], np.float32), "not_finite")):
+        with pytest.raises(wire.WireError) as info:
+            wire.encode(replace(tree, scores=np.asarray(scores)))
+        assert info.value.code == code
+
+
+def test_reply_verified_errors():
+    m = reply(rows=5, path=(1, 3), with_handoff=False)
+    ok = wire.encode(replace(m, verified=np.array([1, 1, 0, 1, 0], bool)))
+    flag = wire.HEADER.size + REPLY_AT["has_verified"]
+    mask = len(ok) - 1                                        # no hand-off: the mask is the last byte
+    fails("bad_enum", refresh_crc(ok[:flag] + b"\x02" + ok[flag + 1:]), LIMITS, "has_verified = 2")
+    fails("bad_shape", refresh_crc(ok[:mask] + bytes([0b00101011]) + ok[mask + 1:]), LIMITS, "bit 5", "5 rows")
+    fails("bad_path", refresh_crc(ok[:mask] + bytes([0b00001010]) + ok[mask + 1:]), LIMITS, "verified[0]")
+    fails("bad_path", refresh_crc(ok[:mask] + bytes([0b00000011]) + ok[mask + 1:]), LIMITS,
+          "path_rows[1] = 3 is not a verified row")
+    cut = bytearray(ok[:mask])                                # the mask cut off, the header's length to match
+    struct.pack_into("<I", cut, 8, len(cut) - wire.HEADER.size)
+    fails("length_mismatch", refresh_crc(cut), LIMITS, "verified mask")
+    for verified, code in ((np.array([1, 1, 0, 1], bool), "bad_shape"), (np.array([1, 1, 0, 1, 0]), "bad_shape"),
+                           (np.array([0, 1, 0, 1, 0], bool), "bad_path"),
+                           (np.array([1, 1, 0, 0, 0], bool), "bad_path")):
+        with pytest.raises(wire.WireError) as info:
+            wire.encode(replace(m, verified=verified))
+        assert info.value.code == code
+
+
+def test_frame_version_reads_the_header_only():
+    assert wire.frame_version(wire.encode(Close(1))[:16]) == 4           # no payload needed
+    assert wire.frame_version(wire.encode(Close(1), version=3)) == 3
+    with pytest.raises(wire.Truncated):
+        wire.frame_version(b"HYCO")
+    with pytest.raises(wire.BadMagic):
+        wire.frame_version(frame(wire.MessageType.CLOSE, bytes(8), magic=b"HTTP"))
+    with pytest.raises(wire.BadFlags):
+        wire.frame_version(frame(wire.MessageType.CLOSE, bytes(8), flags=2))
+    assert wire.decode(wire.error_frame(wire.BadScores("x"), version=3)).code == "bad_scores"
+    assert wire.frame_version(wire.error_frame(wire.BadScores("x"), version=3)) == 3

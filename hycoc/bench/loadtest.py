@@ -176,7 +176,7 @@ async def replay_request(url: str, req: RequestTrace, stop_ids, stats: RunStats,
                 stats.device_waits_ms.append((1000.0 * wait, 1000.0 * (loop.time() - slept)))
                 tokens = patch_root(rt.tokens, root)
                 try:
-                    frame = wire.encode(DraftTree(seq, tokens, np.asarray(rt.parents, np.int32)))
+                    frame = wire.encode(DraftTree(seq, tokens, np.asarray(rt.parents, np.int32), rt.score_array()))
                 except wire.WireError as e:   # a tree the wire itself refuses: the trace is bad, not the server
                     stats.errors[f"bad_trace:{e.code}"] += 1
                     break

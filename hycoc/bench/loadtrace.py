@@ -10,6 +10,8 @@ What a round records (`RoundTrace`):
 
 * ``tokens``: int32 (R,), the draft tree's rows as sent (row 0 the root x_{t+1}; DESIGN.md "Wire protocol");
 * ``parents``: int16-range ints (R,), parents[0] = -1, 0 <= parents[j] < j;
+* ``scores``: floats (R,), each row's tree score s(v) of Alg. 3 as the device sent it (protocol version 4; the
+  root's 0, no row above its parent), or None when the tree went without (a cloud-mtp root);
 * ``device_ms``: the device's own time between the previous answer arriving and this tree leaving: commit, MTP
   Drafter on the hand-off, SLM pass(es), tree build (Alg. 1 lines 3-7), measured as the CPU time of the thread
   that drafts (``time.thread_time``; the graphs run on it with one onnxruntime thread), so a recording on a busy
@@ -44,7 +46,8 @@ from hycoc.protocol.messages import DraftTree, OpenRequest, RoundReply, Sampling
 
 #: Bumped when the file layout or a field's meaning changes; an older file is re-recorded, never misread.
 #: 2: device_ms is the drafting thread's CPU time (was wall time), device_wall_ms added.
-TRACE_SCHEMA = 2
+#: 3: each round records the rows' scores (protocol version 4's ROUND), which a budgeted verifier ranks rows by.
+TRACE_SCHEMA = 3
 
 
 class TraceError(ValueError):
@@ -56,12 +59,17 @@ class TraceError(ValueError):
 class RoundTrace:
     """One recorded round (module docstring). tokens: row ids, len R >= 1; parents: len R, parents[0] == -1;
     device_ms: the device's time before sending it (drafting thread CPU), milliseconds >= 0; device_wall_ms: the
-    same in wall-clock milliseconds."""
+    same in wall-clock milliseconds; scores: len R, the rows' scores s(v) as sent, or None (none sent)."""
 
     tokens: tuple[int, ...]
     parents: tuple[int, ...]
     device_ms: float
     device_wall_ms: float = 0.0
+    scores: tuple[float, ...] | None = None
+
+    def score_array(self) -> np.ndarray | None:
+        """The scores as the DraftTree that replays this round carries them: float32 (R,), or None."""
+        return None if self.scores is None else np.asarray(self.scores, np.float32)
 
 
 @dataclass(frozen=True)
@@ -169,11 +177,15 @@ def load_trace(path: str | Path) -> Trace:
         requests = []
         for i, r in enumerate(data["requests"]):
             rounds = tuple(RoundTrace(tuple(int(x) for x in rt["tokens"]), tuple(int(x) for x in rt["parents"]),
-                                      float(rt["device_ms"]), float(rt["device_wall_ms"])) for rt in r["rounds"])
+                                      float(rt["device_ms"]), float(rt["device_wall_ms"]),
+                                      None if rt["scores"] is None else tuple(float(x) for x in rt["scores"]))
+                           for rt in r["rounds"])
             for j, rt in enumerate(rounds):
-                if len(rt.tokens) != len(rt.parents) or not rt.tokens or rt.parents[0] != -1 or rt.device_ms < 0:
-                    raise TraceError(f"{path}: requests[{i}].rounds[{j}]: tokens and parents must have one entry per "
-                                     "row, parents[0] = -1 and device_ms >= 0; delete the file to re-record")
+                if (len(rt.tokens) != len(rt.parents) or not rt.tokens or rt.parents[0] != -1 or rt.device_ms < 0
+                        or (rt.scores is not None and len(rt.scores) != len(rt.tokens))):
+                    raise TraceError(f"{path}: requests[{i}].rounds[{j}]: tokens, parents and scores (when recorded) "
+                                     "must have one entry per row, parents[0] = -1 and device_ms >= 0; delete the "
+                                     "file to re-record")
             requests.append(RequestTrace(**{**r, "prompt": tuple(int(x) for x in r["prompt"]), "rounds": rounds}))
         return Trace(key=str(data["key"]), stop_ids=tuple(int(x) for x in data["stop_ids"]),
                      requests=tuple(requests), meta=dict(data.get("meta") or {}))
@@ -185,7 +197,8 @@ def load_trace(path: str | Path) -> Trace:
 
 
 class RecordingClient:
-    """A `hycoc.runtime.transport.VerifierClient` that records what the device sends: every `round`'s tree and the
+    """A `hycoc.runtime.transport.VerifierClient` that records what the device sends: every `round`'s tree (its
+    rows' scores included) and the
     device time before it (module docstring: CPU time of the thread calling `round`, which must be the drafting
     thread, as in `DeviceRuntime.generate`). Everything else is the wrapped client's.
 
@@ -215,8 +228,9 @@ class RecordingClient:
         device_ms = wall_ms if self._cpu_since is None else 1000.0 * (time.thread_time() - self._cpu_since)
         reply = self._client.round(tree)
         self._since, self._cpu_since = time.perf_counter(), time.thread_time()
+        scores = None if tree.scores is None else tuple(float(x) for x in np.asarray(tree.scores, np.float32))
         self.rounds.append(RoundTrace(tuple(int(x) for x in tree.tokens), tuple(int(x) for x in tree.parents),
-                                      device_ms, wall_ms))
+                                      device_ms, wall_ms, scores))
         self.replies.append(reply)
         return reply
 

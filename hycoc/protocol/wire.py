@@ -9,11 +9,16 @@ Frame = 16-byte header + payload, every integer and float little-endian::
 
     offset size  field
     0      4     magic b"HYCO"
-    4      2     protocol version, u16 (PROTOCOL_VERSION)
+    4      2     protocol version, u16 (PROTOCOL_VERSION = 4; SUPPORTED_VERSIONS = 3 and 4 are accepted)
     6      1     message type, u8 (MessageType)
     7      1     flags, u8: reserved, must be 0 (the crc does not cover the header, so no meaning rides here)
     8      4     payload length in bytes, u32
     12     4     crc32 (zlib) of the payload, u32
+
+Versions. A receiver accepts every version of SUPPORTED_VERSIONS; a session speaks the version of its OPEN frame
+and its peer answers every frame of it in that version (`frame_version` reads it, `encode(msg, version=v)` writes
+it). Versions 3 and 4 differ in two payloads only, ROUND and REPLY (marked v3 / v4 below); every other frame is
+byte-identical save the header's version.
 
 Payloads (R = tree rows = B + 1, P = accepted path length, K = chain length, T = prompt length)::
 
@@ -23,13 +28,24 @@ Payloads (R = tree rows = B + 1, P = accepted path length, K = chain length, T =
             no token); then chat_len bytes of the device's chat contract, utf-8 JSON (chat_len 0 = none).
     OPENED  42 B: u64 session_id, u32 t, f32 prefill_ms, u32 max_context, u32 tree_rows, u32 vocab_size,
             u32 hidden_size, u32 kv_dim_sliding, u32 kv_dim_full, u16 S; then i32[S] stop_ids (S >= 1).
-    ROUND   6 B: u32 seq, u16 R; then i32[R] tokens, i16[R] parents.
-            Total frame: `tree_nbytes(R)` = 22 + 6 R bytes; 220 B at B = 32 (SpecEdge: ~135 KB per round).
-    REPLY   20 B: u32 seq, i32 bonus, f32 server_ms, u8 finished (0 = no, else 1 + index into FINISH_REASONS:
-            1 stop, 2 max_new_tokens, 3 length), u8 has_handoff (0/1), u16 R, u16 P,
+    ROUND   v3, 6 B: u32 seq, u16 R; then i32[R] tokens, i16[R] parents.
+            Total frame: `tree_nbytes(R, version=3)` = 22 + 6 R bytes; 220 B at B = 32 (SpecEdge: ~135 KB per
+            round).
+            v4, 7 B: u32 seq, u16 R, u8 has_scores (0/1); then i32[R] tokens, i16[R] parents; then, when
+            has_scores, f16[R] scores (each row's tree score s(v) of Alg. 3, natural log; scores[0] == 0, every
+            row <= its parent; the sender clamps below -65,504, fp16's lowest finite value).
+            Total frame: `tree_nbytes(R)` = 23 + 8 R bytes with scores (287 B at B = 32), 23 + 6 R without.
+    REPLY   v3, 20 B: u32 seq, i32 bonus, f32 server_ms, u8 finished (0 = no, else 1 + index into
+            FINISH_REASONS: 1 stop, 2 max_new_tokens, 3 length), u8 has_handoff (0/1), u16 R, u16 P,
             u16 K; then i32[R] samples, i16[P] path_rows, i32[K] chain; then, when has_handoff, 12 B of sizes
             (u32 hidden_size, u32 kv_dim_sliding, u32 kv_dim_full) and the hand-off block below.
-            Total frame: `reply_nbytes(R, P, K, handoff)`.
+            Total frame: `reply_nbytes(R, P, K, handoff, version=3)` = 36 + 4 R + 2 P + 4 K (+ hand-off).
+            v4, 21 B: the same fields, then u8 has_verified (0/1); then i32[R] samples, i16[P] path_rows,
+            i32[K] chain; then, when has_verified, the verified rows as a bitmask of ceil(R / 8) bytes (row j at
+            byte j // 8, bit j % 8, least significant bit first; the pad bits after row R - 1 are 0); then the
+            hand-off as in v3. No mask: every row was verified.
+            Total frame: `reply_nbytes(R, P, K, handoff, verified=...)` = 37 + 4 R + 2 P + 4 K
+            (+ ceil(R / 8) with the mask, + hand-off); 169 B at R = 33, P = 0, no hand-off, 174 B with the mask.
     CLOSE   8 B: u64 session_id.
     APPEND  8 B: u32 max_new_tokens, u32 T; then i32[T] tokens (the next turn, after a finished reply; a turn that
             ended on a stop id drops it, and the tokens start with the template's close of the model turn).
@@ -49,17 +65,19 @@ d_f = 2 * 512) 44 + 5,632 B per round + 6,144 B per position, 6,297,132 B for a 
 Limits: parents are int16, so a tree has at most MAX_TREE_ROWS = 32,768 rows (B <= 32,767); R, P and K are u16.
 
 Errors (``WireError.code``, one class each; `encode` runs the same checks without limits):
-bad_magic, unsupported_version (names both versions), unknown_message_type, bad_flags, frame_too_large (from
-the header, before the payload is read), truncated, length_mismatch (frame vs header, or a count vs the payload),
-crc_mismatch (payload, or the hand-off body), bad_enum (acceptance, draft_place, 0/1 flags), bad_text (utf-8,
-auth token, error code), bad_shape (arrays given to `encode`), not_finite (every float), out_of_range (and its
-subclasses bad_temperature (< 0), bad_top_k (< 1), bad_top_p / bad_epsilon (outside (0, 1])),
-token_out_of_vocab (names the row and id), wrong_row_count (expected vs got), bad_parent (parents[0] != -1 or
-not 0 <= parents[j] < j, which also excludes cycles; names the row), bad_path (path rows not increasing in
-[1, R)), bonus_mismatch (bonus != samples at the path's end, or != the hand-off's bonus), handoff_size_mismatch,
+bad_magic, unsupported_version (names the frame's version and the versions supported), unknown_message_type,
+bad_flags, frame_too_large (from the header, before the payload is read), truncated, length_mismatch (frame vs
+header, or a count vs the payload), crc_mismatch (payload, or the hand-off body), bad_enum (acceptance,
+draft_place, 0/1 flags), bad_text (utf-8, auth token, error code), bad_shape (arrays given to `encode`; a verified
+mask's pad bits set), not_finite (every float), out_of_range (and its subclasses bad_temperature (< 0),
+bad_top_k (< 1), bad_top_p / bad_epsilon (outside (0, 1])), token_out_of_vocab (names the row and id),
+wrong_row_count (expected vs got), bad_parent (parents[0] != -1 or not 0 <= parents[j] < j, which also excludes
+cycles; names the row), bad_path (path rows not increasing in [1, R); with a verified mask: row 0 or a path row
+not verified), bad_scores (a ROUND's scores[0] != 0, or a row scoring above its parent; names the row),
+bonus_mismatch (bonus != samples at the path's end, or != the hand-off's bonus), handoff_size_mismatch,
 bad_handoff_range (a > t', n_positions != t' - a), context_overflow (prompt >= max_context: no room for output;
-t', n_positions > max_context),
-config_mismatch (OPENED vs what the device was built for). Anything else becomes ``internal_error``.
+t', n_positions > max_context), config_mismatch (OPENED vs what the device was built for). Anything else becomes
+``internal_error``.
 """
 
 from __future__ import annotations
@@ -93,7 +111,11 @@ from hycoc.protocol.messages import (
 #: continues a finished session; a version-1 peer would misread both, so it is refused at the first frame.
 #: 3: OPEN carries the device's chat contract, OPENED the verifier's stop ids, and APPEND after a stop drops the
 #: stop id (the template closes the turn): a version-2 peer would misread all three.
-PROTOCOL_VERSION = 3
+#: 4: ROUND may carry each row's tree score (fp16) and REPLY the verified rows (a bitmask), so the verifier can
+#: verify a budgeted, ancestor-closed part of each tree; version-3 peers are still served (SUPPORTED_VERSIONS).
+PROTOCOL_VERSION = 4
+#: Versions a receiver accepts; a session answers in its OPEN's version.
+SUPPORTED_VERSIONS = (3, 4)
 MAGIC = b"HYCO"
 HEADER = struct.Struct("<4sHBBII")
 #: parents travel as int16: row 32767 is the last one that can be a parent, so R <= 32768 (B <= 32767).
@@ -103,8 +125,12 @@ DEFAULT_MAX_FRAME_BYTES = 16 * 2**20
 
 _OPEN = struct.Struct("<fIfQfBBHHII")
 _OPENED = struct.Struct("<QIfIIIIIIH")
-_ROUND = struct.Struct("<IH")
-_REPLY = struct.Struct("<IifBBHHH")
+_ROUND = struct.Struct("<IH")            # version 3
+_ROUND4 = struct.Struct("<IHB")          # version 4: + has_scores
+_REPLY = struct.Struct("<IifBBHHH")      # version 3
+_REPLY4 = struct.Struct("<IifBBHHHB")    # version 4: + has_verified
+#: fp16's lowest finite value: ROUND v4 scores below it travel as it (never as -inf).
+FP16_SCORE_FLOOR = -65504.0
 _HANDOFF_SIZES = struct.Struct("<III")
 HANDOFF_FIXED = struct.Struct("<IIIIffffffI")
 _CLOSE = struct.Struct("<Q")
@@ -229,6 +255,10 @@ class BadPath(_Kind):
     code = "bad_path"
 
 
+class BadScores(_Kind):
+    code = "bad_scores"
+
+
 class BonusMismatch(_Kind):
     code = "bonus_mismatch"
 
@@ -275,9 +305,10 @@ def error_reply(exc: BaseException) -> ErrorReply:
     return ErrorReply("internal_error", f"the receiver failed on this message ({type(exc).__name__})")
 
 
-def error_frame(exc: BaseException) -> bytes:
-    """An ERROR frame answering ``exc``; never raises (messages over 65,535 bytes are cut)."""
-    return encode(error_reply(exc))
+def error_frame(exc: BaseException, version: int = PROTOCOL_VERSION) -> bytes:
+    """An ERROR frame answering ``exc``, in protocol ``version`` (the session's: `frame_version` of its OPEN);
+    never raises for an exception (messages over 65,535 bytes are cut)."""
+    return encode(error_reply(exc), version=version)
 
 
 def error_from_reply(reply: ErrorReply) -> WireError:
@@ -324,9 +355,14 @@ class Limits:
 # --------------------------------------------------------------------------------------------------- sizes
 
 
-def tree_nbytes(rows: int) -> int:
-    """Bytes of a ROUND frame with ``rows`` rows: 16 header + 6 + 4 per token id + 2 per parent (220 at B=32)."""
-    return HEADER.size + _ROUND.size + 6 * rows
+def tree_nbytes(rows: int, *, version: int = PROTOCOL_VERSION, scores: bool = True) -> int:
+    """Bytes of a ROUND frame with ``rows`` rows in protocol ``version``: 16 header + 6 (v3) or 7 (v4) fixed + 4
+    per token id + 2 per parent, + 2 per fp16 score when ``scores`` (v4 only: version 3 has none). The defaults
+    are what the device runtime sends: 287 B at B = 32 (v3: 220 B)."""
+    _check_version(version)
+    if version == 3:
+        return HEADER.size + _ROUND.size + 6 * rows
+    return HEADER.size + _ROUND4.size + (8 if scores else 6) * rows
 
 
 def handoff_nbytes(hidden_size: int, kv_dim_sliding: int, kv_dim_full: int, n_positions: int) -> int:
@@ -334,10 +370,23 @@ def handoff_nbytes(hidden_size: int, kv_dim_sliding: int, kv_dim_full: int, n_po
     return HANDOFF_FIXED.size + 2 * hidden_size + 2 * n_positions * (kv_dim_sliding + kv_dim_full)
 
 
-def reply_nbytes(rows: int, path_len: int, chain_len: int = 0, handoff: int | None = None) -> int:
-    """Bytes of a REPLY frame; ``handoff`` is `handoff_nbytes(...)` of its hand-off, or None without one."""
-    n = HEADER.size + _REPLY.size + 4 * rows + 2 * path_len + 4 * chain_len
+def reply_nbytes(rows: int, path_len: int, chain_len: int = 0, handoff: int | None = None, *,
+                 version: int = PROTOCOL_VERSION, verified: bool = False) -> int:
+    """Bytes of a REPLY frame in protocol ``version``; ``handoff`` is `handoff_nbytes(...)` of its hand-off, or
+    None without one; ``verified``: it carries the verified-rows mask (v4 only, ceil(rows / 8) bytes)."""
+    _check_version(version)
+    fixed = _REPLY if version == 3 else _REPLY4
+    n = HEADER.size + fixed.size + 4 * rows + 2 * path_len + 4 * chain_len
+    if version >= 4 and verified:
+        n += (rows + 7) // 8
     return n if handoff is None else n + _HANDOFF_SIZES.size + handoff
+
+
+def _check_version(version: int) -> int:
+    if version not in SUPPORTED_VERSIONS:
+        raise UnsupportedVersion(f"protocol version {version}: this side speaks versions "
+                                 f"{', '.join(map(str, SUPPORTED_VERSIONS))}")
+    return int(version)
 
 
 # --------------------------------------------------------------------------------------------------- checks
@@ -470,6 +519,32 @@ def _check_tree(m: DraftTree, limits: Limits) -> None:
         raise BadParent(
             f"DraftTree.parents[{j}] = {int(parents[j])}: row {j}'s parent must be an earlier row, in [0, {j})"
         )
+    if m.scores is not None:
+        _check_scores(m.scores, parents)
+
+
+def _check_scores(scores, parents: np.ndarray) -> None:
+    """DraftTree.scores: float (R,), finite, the root's 0, no row above its parent (Alg. 3: every edge adds
+    ln q + ln λ < 0). fp16 rounding is monotone, so scores that pass in float32 pass after the wire's cast."""
+    a = np.asarray(scores)
+    if a.ndim != 1 or a.dtype.kind != "f" or a.size != parents.size:
+        raise BadShape(f"DraftTree.scores: must be a 1-D float array of {parents.size} values (one per row), got "
+                       f"dtype {a.dtype} and shape {a.shape}")
+    with np.errstate(over="ignore"):
+        a = a.astype(np.float32)
+    bad = ~np.isfinite(a)
+    if bad.any():
+        j = int(np.argmax(bad))
+        raise NotFinite(f"DraftTree.scores[{j}] = {a[j]}: scores must be finite (the device clamps at "
+                        f"{FP16_SCORE_FLOOR:g})")
+    if a[0] != 0:
+        raise BadScores(f"DraftTree.scores[0] = {a[0]}: the root's score is 0 (Alg. 3 line 2)")
+    above = a[1:] > a[parents[1:]]
+    if above.any():
+        j = int(np.argmax(above)) + 1
+        raise BadScores(f"DraftTree.scores[{j}] = {a[j]:g} is above its parent row {int(parents[j])}'s "
+                        f"{a[parents[j]]:g}: a row scores at most its parent (Alg. 3: s(child) = s(parent) + "
+                        "ln q + ln λ)")
 
 
 def _check_handoff_sizes(hidden_size: int, kv_dim_sliding: int, kv_dim_full: int, limits: Limits) -> None:
@@ -532,6 +607,18 @@ def _check_reply(m: RoundReply, limits: Limits) -> None:
         raise BadPath(
             f"RoundReply.path_rows[{i}] = {int(path[i])}: path rows must increase and lie in [1, {samples.size})"
         )
+    if m.verified is not None:
+        verified = np.asarray(m.verified)
+        if verified.dtype != np.bool_ or verified.shape != samples.shape:
+            raise BadShape(f"RoundReply.verified: must be a bool array of {samples.size} values (one per row), got "
+                           f"dtype {verified.dtype} and shape {verified.shape}")
+        if not verified[0]:
+            raise BadPath("RoundReply.verified[0] is False: the root (row 0) is always verified")
+        off = ~verified[path]
+        if off.any():
+            i = int(np.argmax(off))
+            raise BadPath(f"RoundReply.path_rows[{i}] = {int(path[i])} is not a verified row: the path runs through "
+                          "verified rows only")
     chain = _int_array(m.chain, "RoundReply.chain")
     _uint(chain.size, "RoundReply.chain length", 16)
     _check_tokens(chain, "RoundReply.chain", limits.vocab_size)
@@ -594,7 +681,7 @@ def validate(msg, limits: Limits | None = None) -> None:
 # --------------------------------------------------------------------------------------------------- encode
 
 
-def _pack_open(m: OpenRequest) -> bytes:
+def _pack_open(m: OpenRequest, version: int) -> bytes:
     prompt = np.asarray(m.prompt_ids).astype("<i4")
     auth = b"" if m.auth_token is None else m.auth_token.encode("utf-8")
     chat = b"" if m.chat is None else m.chat.encode("utf-8")
@@ -606,7 +693,7 @@ def _pack_open(m: OpenRequest) -> bytes:
     return fixed + prompt.tobytes() + auth + chat
 
 
-def _pack_opened(m: Opened) -> bytes:
+def _pack_opened(m: Opened, version: int) -> bytes:
     stops = np.asarray(m.stop_ids).astype("<i4")
     return _OPENED.pack(
         m.session_id, m.t, m.prefill_ms, m.max_context, m.tree_rows, m.vocab_size, m.hidden_size,
@@ -614,10 +701,15 @@ def _pack_opened(m: Opened) -> bytes:
     ) + stops.tobytes()
 
 
-def _pack_tree(m: DraftTree) -> bytes:
+def _pack_tree(m: DraftTree, version: int) -> bytes:
     tokens = np.asarray(m.tokens).astype("<i4")
     parents = np.asarray(m.parents).astype("<i2")
-    return _ROUND.pack(m.seq, tokens.size) + tokens.tobytes() + parents.tobytes()
+    if version == 3:                                  # version 3 has no scores: they are dropped
+        return _ROUND.pack(m.seq, tokens.size) + tokens.tobytes() + parents.tobytes()
+    scores = b""
+    if m.scores is not None:                          # clamp first: below -65,504 fp16 would round to -inf
+        scores = np.maximum(np.asarray(m.scores, np.float32), np.float32(FP16_SCORE_FLOOR)).astype("<f2").tobytes()
+    return _ROUND4.pack(m.seq, tokens.size, m.scores is not None) + tokens.tobytes() + parents.tobytes() + scores
 
 
 def _pack_handoff(h: HandOff) -> bytes:
@@ -628,27 +720,32 @@ def _pack_handoff(h: HandOff) -> bytes:
     return sizes + fixed + body
 
 
-def _pack_reply(m: RoundReply) -> bytes:
+def _pack_reply(m: RoundReply, version: int) -> bytes:
     samples = np.asarray(m.samples).astype("<i4")
     path = np.asarray(m.path_rows).astype("<i2")
     chain = np.asarray(m.chain).astype("<i4")
-    fixed = _REPLY.pack(
-        m.seq, m.bonus, m.server_ms, _finish_code(m), m.handoff is not None, samples.size, path.size, chain.size
-    )
+    head = (m.seq, m.bonus, m.server_ms, _finish_code(m), m.handoff is not None, samples.size, path.size, chain.size)
+    mask = b""
+    if version == 3:                                  # version 3 has no mask: it is dropped
+        fixed = _REPLY.pack(*head)
+    else:
+        fixed = _REPLY4.pack(*head, m.verified is not None)
+        if m.verified is not None:                    # row j at byte j // 8, bit j % 8, LSB first; pad bits 0
+            mask = np.packbits(np.asarray(m.verified, np.bool_), bitorder="little").tobytes()
     handoff = b"" if m.handoff is None else _pack_handoff(m.handoff)
-    return fixed + samples.tobytes() + path.tobytes() + chain.tobytes() + handoff
+    return fixed + samples.tobytes() + path.tobytes() + chain.tobytes() + mask + handoff
 
 
-def _pack_close(m: Close) -> bytes:
+def _pack_close(m: Close, version: int) -> bytes:
     return _CLOSE.pack(m.session_id)
 
 
-def _pack_error(m: ErrorReply) -> bytes:
+def _pack_error(m: ErrorReply, version: int) -> bytes:
     code, message = m.code.encode("ascii"), m.message.encode("utf-8")
     return _ERROR.pack(len(code), len(message)) + code + message
 
 
-def _pack_append(m: AppendTurn) -> bytes:
+def _pack_append(m: AppendTurn, version: int) -> bytes:
     tokens = np.asarray(m.tokens).astype("<i4")
     return _APPEND.pack(m.max_new_tokens, tokens.size) + tokens.tobytes()
 
@@ -664,15 +761,18 @@ _PACKERS = {
 }
 
 
-def encode(msg) -> bytes:
-    """One frame for ``msg``. Validates it first (without limits), so a sender's bug raises the same WireError
-    the receiver would, before anything is sent."""
+def encode(msg, version: int = PROTOCOL_VERSION) -> bytes:
+    """One frame for ``msg`` in protocol ``version`` (one of SUPPORTED_VERSIONS, else UnsupportedVersion).
+    Validates it first (without limits), so a sender's bug raises the same WireError the receiver would, before
+    anything is sent. At version 3 a DraftTree's scores and a RoundReply's verified mask are dropped (that
+    version has neither); at version 4 scores travel as float16, clamped at FP16_SCORE_FLOOR."""
+    version = _check_version(version)
     validate(msg)
     mtype, pack = _PACKERS[type(msg)]
-    payload = pack(msg)
+    payload = pack(msg, version)
     if len(payload) > 2**32 - 1:
         raise FrameTooLarge(f"{mtype.name} payload of {len(payload)} bytes: at most 4 GiB - 1 (u32 length)")
-    return HEADER.pack(MAGIC, PROTOCOL_VERSION, mtype, 0, len(payload), zlib.crc32(payload)) + payload
+    return HEADER.pack(MAGIC, version, mtype, 0, len(payload), zlib.crc32(payload)) + payload
 
 
 # --------------------------------------------------------------------------------------------------- decode
@@ -683,20 +783,23 @@ class FrameHeader(NamedTuple):
     flags: int
     payload_nbytes: int
     crc32: int
+    version: int = PROTOCOL_VERSION
 
 
 def decode_header(data, limits: Limits | None = None) -> FrameHeader:
     """Parse and check the 16-byte header at the start of ``data`` (a stream reader can call it before reading
-    the payload). Raises Truncated, BadMagic, UnsupportedVersion, UnknownMessageType, BadFlags, FrameTooLarge."""
+    the payload). Raises Truncated, BadMagic, UnsupportedVersion (a version outside SUPPORTED_VERSIONS),
+    UnknownMessageType, BadFlags, FrameTooLarge."""
     limits = limits or Limits()
     if len(data) < HEADER.size:
         raise Truncated(f"frame has {len(data)} bytes: the header alone is {HEADER.size}")
     magic, version, mtype, flags, length, crc = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise BadMagic(f"frame starts with {bytes(magic)!r}: every frame starts with {MAGIC!r}")
-    if version != PROTOCOL_VERSION:
+    if version not in SUPPORTED_VERSIONS:
         raise UnsupportedVersion(
-            f"frame speaks protocol version {version}: this side speaks version {PROTOCOL_VERSION}"
+            f"frame speaks protocol version {version}: this side speaks versions "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))}"
         )
     try:
         mtype = MessageType(mtype)
@@ -704,13 +807,20 @@ def decode_header(data, limits: Limits | None = None) -> FrameHeader:
         allowed = ", ".join(f"{t.value} ({t.name})" for t in MessageType)
         raise UnknownMessageType(f"message type = {mtype}: must be one of {allowed}") from None
     if flags:
-        raise BadFlags(f"header flags = {flags:#04x}: protocol version {PROTOCOL_VERSION} defines none, must be 0")
+        raise BadFlags(f"header flags = {flags:#04x}: protocol version {version} defines none, must be 0")
     if HEADER.size + length > limits.max_frame_bytes:
         raise FrameTooLarge(
             f"{mtype.name} frame of {HEADER.size + length} bytes: this receiver accepts at most "
             f"max_frame_bytes = {limits.max_frame_bytes}"
         )
-    return FrameHeader(mtype, flags, length, crc)
+    return FrameHeader(mtype, flags, length, crc, version)
+
+
+def frame_version(data, limits: Limits | None = None) -> int:
+    """The protocol version of the frame at the start of ``data``, from its header alone (the payload is not
+    read). Raises what `decode_header` raises: Truncated, BadMagic, UnsupportedVersion, UnknownMessageType,
+    BadFlags, FrameTooLarge."""
+    return decode_header(data, limits).version
 
 
 class _Reader:
@@ -771,7 +881,7 @@ def _flag(value: int, field: str) -> bool:
     return bool(value)
 
 
-def _unpack_open(r: _Reader, limits: Limits) -> OpenRequest:
+def _unpack_open(r: _Reader, limits: Limits, version: int) -> OpenRequest:
     fixed = r.fields(_OPEN, "fixed part")
     temperature, top_k, top_p, seed, epsilon, acceptance, place, auth_len, chat_len, max_new, n = fixed
     prompt = r.array("<i4", n, "prompt_ids")
@@ -790,16 +900,22 @@ def _unpack_open(r: _Reader, limits: Limits) -> OpenRequest:
     )
 
 
-def _unpack_opened(r: _Reader, limits: Limits) -> Opened:
+def _unpack_opened(r: _Reader, limits: Limits, version: int) -> Opened:
     *fixed, n_stops = r.fields(_OPENED, "fixed part")
     stops = r.array("<i4", n_stops, "stop_ids")
     return Opened(*fixed, stop_ids=tuple(int(i) for i in stops))
 
 
-def _unpack_tree(r: _Reader, limits: Limits) -> DraftTree:
-    seq, rows = r.fields(_ROUND, "fixed part")
+def _unpack_tree(r: _Reader, limits: Limits, version: int) -> DraftTree:
+    if version == 3:
+        (seq, rows), has_scores = r.fields(_ROUND, "fixed part"), 0
+    else:
+        seq, rows, has_scores = r.fields(_ROUND4, "fixed part")
     _check_rows(rows, "ROUND", limits)  # before reading: the count alone is enough to refuse
-    return DraftTree(seq, r.array("<i4", rows, "tokens"), r.array("<i2", rows, "parents"))
+    has_scores = _flag(has_scores, "ROUND has_scores")
+    tokens, parents = r.array("<i4", rows, "tokens"), r.array("<i2", rows, "parents")
+    scores = r.array("<f2", rows, "scores", np.float32) if has_scores else None
+    return DraftTree(seq, tokens, parents, scores)
 
 
 def _unpack_handoff(r: _Reader, limits: Limits) -> HandOff:
@@ -829,28 +945,43 @@ def _unpack_handoff(r: _Reader, limits: Limits) -> HandOff:
     )
 
 
-def _unpack_reply(r: _Reader, limits: Limits) -> RoundReply:
-    seq, bonus, server_ms, finished, has_handoff, rows, n_path, n_chain = r.fields(_REPLY, "fixed part")
+def _unpack_reply(r: _Reader, limits: Limits, version: int) -> RoundReply:
+    if version == 3:
+        fixed, has_verified = r.fields(_REPLY, "fixed part"), 0
+    else:
+        *fixed, has_verified = r.fields(_REPLY4, "fixed part")
+    seq, bonus, server_ms, finished, has_handoff, rows, n_path, n_chain = fixed
     _check_rows(rows, "REPLY samples", limits)
     reason = None if finished == 0 else _enum(finished - 1, FINISH_REASONS, "REPLY finished (minus 1)")
     has_handoff = _flag(has_handoff, "REPLY has_handoff")
+    has_verified = _flag(has_verified, "REPLY has_verified")
     samples = r.array("<i4", rows, "samples")
     path = r.array("<i2", n_path, "path_rows")
     chain = r.array("<i4", n_chain, "chain")
+    verified = _unpack_mask(r, rows) if has_verified else None
     handoff = _unpack_handoff(r, limits) if has_handoff else None
-    return RoundReply(seq, samples, path, bonus, server_ms, reason is not None, handoff, chain, reason)
+    return RoundReply(seq, samples, path, bonus, server_ms, reason is not None, handoff, chain, reason, verified)
 
 
-def _unpack_close(r: _Reader, limits: Limits) -> Close:
+def _unpack_mask(r: _Reader, rows: int) -> np.ndarray:
+    """REPLY v4's verified rows: ceil(rows / 8) bytes, row j at byte j // 8, bit j % 8 (LSB first), pad bits 0."""
+    bits = np.unpackbits(np.frombuffer(r.take((rows + 7) // 8, "verified mask"), np.uint8), bitorder="little")
+    if bits[rows:].any():
+        raise BadShape(f"REPLY verified mask has bit {rows + int(np.argmax(bits[rows:]))} set: the tree has {rows} "
+                       "rows, the pad bits after the last row must be 0")
+    return bits[:rows].astype(np.bool_)
+
+
+def _unpack_close(r: _Reader, limits: Limits, version: int) -> Close:
     return Close(*r.fields(_CLOSE, "fixed part"))
 
 
-def _unpack_error(r: _Reader, limits: Limits) -> ErrorReply:
+def _unpack_error(r: _Reader, limits: Limits, version: int) -> ErrorReply:
     code_len, message_len = r.fields(_ERROR, "fixed part")
     return ErrorReply(r.text(code_len, "code"), r.text(message_len, "message"))
 
 
-def _unpack_append(r: _Reader, limits: Limits) -> AppendTurn:
+def _unpack_append(r: _Reader, limits: Limits, version: int) -> AppendTurn:
     max_new, n = r.fields(_APPEND, "fixed part")
     return AppendTurn(r.array("<i4", n, "tokens"), max_new)
 
@@ -871,7 +1002,11 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits | None = None):
 
     Order of checks: header (`decode_header`), then Truncated / LengthMismatch of the frame against its header's
     payload length, CrcMismatch, then the payload's fields as it is read (counts before the arrays they size),
-    then `validate`. Arrays come back as fresh native int32 / int8 copies.
+    then `validate`. Arrays come back as fresh native int32 / int8 copies (ROUND scores: float32; REPLY verified:
+    bool). Any version of SUPPORTED_VERSIONS decodes (a version-3 ROUND gives scores None, a version-3 REPLY
+    verified None); `frame_version` says which one a frame speaks. The verified mask's ancestor closure needs
+    the tree it answers, which only the sender of that tree knows: the device runtime checks it
+    (`hycoc.runtime.tree_builder.check_verified`).
     """
     limits = limits or Limits()
     header = decode_header(data, limits)
@@ -891,7 +1026,7 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits | None = None):
     if crc != header.crc32:
         raise CrcMismatch(f"{header.type.name} payload crc32 = {crc:#010x}: its header says {header.crc32:#010x}")
     reader = _Reader(payload, header.type.name)
-    msg = _UNPACKERS[header.type](reader, limits)
+    msg = _UNPACKERS[header.type](reader, limits, header.version)
     reader.end()
     validate(msg, limits)
     return msg

@@ -227,13 +227,15 @@ class VerifierServer:
     # ----------------------------------------------------------------------------------------- HTTP routes
 
     def health(self) -> dict:
-        """The /healthz document: status, model, protocol_version, open sessions, tree_rows, max_context,
+        """The /healthz document: status, model, protocol_version (the newest spoken), protocol_versions (every
+        one served), open sessions, tree_rows, max_context,
         vocab_size, max_frame_bytes, auth (bool), batching and limits (`ServerLimits` field -> value)."""
         eng = self.engine
         return {
             "status": "ok",
             "model": self.model_name,
             "protocol_version": wire.PROTOCOL_VERSION,
+            "protocol_versions": list(wire.SUPPORTED_VERSIONS),
             "sessions": self.metrics.sessions_active,
             "tree_rows": self.tree_rows,
             "max_context": eng.max_context,

@@ -45,6 +45,8 @@ class Connection:
     peer: the client's address (the auth rate limit counts per peer). connected: when the WebSocket was accepted
     (time.monotonic(); the handshake timeout runs from here when the front door cannot see the TCP connection).
     open_seen: an OPEN frame arrived (whatever its answer): the handshake timeout no longer applies.
+    wire_version: the protocol version of the connection's OPEN frame (None before one): every answer goes out in
+    it, and the session's frames must speak it.
     slot, kv: the session's admission (a ``max_sessions`` slot and its ``max_kv_bytes`` reservation), held from
     the OPEN's admission until the session ends.
     """
@@ -54,6 +56,7 @@ class Connection:
     link: Link | None = None
     connected: float = field(default_factory=time.monotonic)
     open_seen: bool = False
+    wire_version: int | None = None
     slot: SessionSlot | None = None
     kv: KvReservation | None = None
     opened: Opened | None = None

@@ -21,6 +21,12 @@ max_new_tokens + B + 1, up to max_context) positions as the engine holds them (`
 APPEND grows the reservation to the conversation plus the new turn's cap before its prefill is queued, and gives
 the growth back if the turn fails. Both are released when the session ends, whatever ends it.
 
+Versions. A connection speaks the protocol version of its OPEN frame (`hycoc.protocol.wire.SUPPORTED_VERSIONS`:
+3 and 4): every answer on it (OPENED, REPLY, ERROR) goes out in that version, the engine session carries it as
+``Session.wire_version`` (a reply encoder writes ``wire.encode(reply, version=session.wire_version)``), and a later
+frame in another version gets ``unsupported_version``. Before an OPEN, errors answer in the frame's own version when
+it is a supported one, else in `hycoc.protocol.wire.PROTOCOL_VERSION`.
+
 Retries. Rounds carry a sequence number. The same frame again with the seq of the last answered round gets the same
 reply bytes again without touching the engine (idempotent retry); any other seq gets ``bad_seq``.
 
@@ -119,7 +125,7 @@ class SessionLoop:
                     return
                 if isinstance(msg, str):
                     reply, keep_open = self.error_frame(UnexpectedMessage(
-                        "a text WebSocket message: the wire protocol uses binary frames only")), True
+                        "a text WebSocket message: the wire protocol uses binary frames only"), conn.wire_version), True
                 else:
                     reply, keep_open = await self.frame(conn, msg)
                 if reply is not None:
@@ -144,6 +150,7 @@ class SessionLoop:
             if conn.session is None:
                 msg = wire.decode(data, self._bare_limits)
                 if isinstance(msg, OpenRequest):
+                    conn.wire_version = wire.frame_version(data)   # the session speaks its OPEN's version
                     return await self._open(conn, msg), True
                 if isinstance(msg, Close):
                     return None, False
@@ -151,6 +158,11 @@ class SessionLoop:
                     what = "ROUND" if isinstance(msg, DraftTree) else "APPEND"
                     raise NotOpened(f"{what} before OPEN: open a session first")
             else:
+                version = wire.frame_version(data, conn.limits)
+                if version != conn.wire_version:
+                    raise wire.UnsupportedVersion(
+                        f"frame speaks protocol version {version}: this session opened with version "
+                        f"{conn.wire_version}, and every frame of a session speaks its OPEN's version")
                 msg = wire.decode(data, conn.limits)
                 if isinstance(msg, DraftTree):
                     return await self._round(conn, msg, bytes(data)), True
@@ -167,9 +179,21 @@ class SessionLoop:
             raise UnexpectedMessage(f"{type(msg).__name__} frames go from the verifier to the device; "
                                     "send OPEN, ROUND or CLOSE")
         except CLOSING_ERRORS as e:
-            return self.error_frame(e), False
+            return self.error_frame(e, self.answer_version(conn, data)), False
         except Exception as e:  # noqa: BLE001 -- every failure becomes an ERROR frame (internal ones are logged)
-            return self.error_frame(e), True
+            return self.error_frame(e, self.answer_version(conn, data)), True
+
+    @staticmethod
+    def answer_version(conn: Connection | None, data: bytes | None = None) -> int:
+        """The protocol version to answer ``conn`` in: its OPEN's once one arrived, else the version of ``data``'s
+        header when that is a supported one, else `wire.PROTOCOL_VERSION`."""
+        if conn is not None and conn.wire_version is not None:
+            return conn.wire_version
+        if data is not None and len(data) >= wire.HEADER.size:
+            version = wire.HEADER.unpack_from(data)[1]
+            if version in wire.SUPPORTED_VERSIONS:
+                return version
+        return wire.PROTOCOL_VERSION
 
     # ----------------------------------------------------------------------------------------- OPEN, APPEND
 
@@ -239,13 +263,14 @@ class SessionLoop:
                         tree_rows=tree_rows, vocab_size=eng.vocab_size, hidden_size=eng.hidden_size,
                         kv_dim_sliding=eng.kv_dim_sliding, kv_dim_full=eng.kv_dim_full,
                         stop_ids=_stop_ids(eng))
+        session.wire_version = conn.wire_version     # the session's replies go out in its OPEN's version
         conn.session, conn.session_id, conn.opened = session, session_id, opened
         conn.limits = wire.Limits(max_frame_bytes=self.max_frame_bytes, vocab_size=eng.vocab_size,
                                   tree_rows=tree_rows, max_context=eng.max_context)
         self.sessions[session_id] = session
         self.metrics.sessions_total += 1
         self.metrics.prefill_ms += prefill_ms
-        return wire.encode(opened)
+        return wire.encode(opened, version=conn.wire_version)
 
     async def _append(self, conn: Connection, msg: AppendTurn) -> bytes:
         """The next turn on the open session (`Session.append`): its KV stays, only the new tokens are prefilled;
@@ -267,7 +292,7 @@ class SessionLoop:
             raise
         conn.last_seq, conn.last_request, conn.last_reply = None, b"", b""
         self.metrics.prefill_ms += prefill_ms
-        return wire.encode(replace(conn.opened, t=t, prefill_ms=prefill_ms))
+        return wire.encode(replace(conn.opened, t=t, prefill_ms=prefill_ms), version=conn.wire_version)
 
     def _open_session(self, req: OpenRequest) -> tuple[Session, float, int]:
         """Worker thread (serial mode): a new engine session, prefilled."""
@@ -302,7 +327,8 @@ class SessionLoop:
         wait = time.monotonic() - arrived
         rounds, before = session.rounds, len(session.tokens)
         reply = session.verify(tree.tokens, tree.parents, tree.seq)
-        return reply, wire.encode(reply), len(session.tokens) - before, session.rounds > rounds, wait
+        frame = wire.encode(reply, version=getattr(session, "wire_version", wire.PROTOCOL_VERSION))
+        return reply, frame, len(session.tokens) - before, session.rounds > rounds, wait
 
     # ----------------------------------------------------------------------------------------- ends
 
@@ -341,13 +367,14 @@ class SessionLoop:
         self.metrics.refused(kind)
         if conn is not None:
             self.end_session(conn)
-        return self.error_frame(exc)
+        return self.error_frame(exc, self.answer_version(conn))
 
-    def error_frame(self, exc: BaseException) -> bytes:
+    def error_frame(self, exc: BaseException, version: int | None = None) -> bytes:
         """The ERROR frame for ``exc`` (`hycoc.protocol.wire.error_reply`: a wire, engine or `ServerError` code;
-        anything else is internal_error, logged with its traceback), counted in ``hycoc_errors_total``."""
+        anything else is internal_error, logged with its traceback), counted in ``hycoc_errors_total``. version:
+        the connection's protocol version (`answer_version`; None: `wire.PROTOCOL_VERSION`)."""
         reply = wire.error_reply(exc)
         self.metrics.errors[reply.code] += 1
         if reply.code == "internal_error":
             log.error("internal error on a frame", exc_info=exc)
-        return wire.encode(reply)
+        return wire.encode(reply, version=wire.PROTOCOL_VERSION if version is None else version)
