@@ -1,9 +1,10 @@
 """Protocol versions on the verifier server: a connection speaks the version of its OPEN frame (3 or 4) and gets
-every answer in it; a frame in another version is refused with ``unsupported_version`` (DESIGN.md "Wire protocol";
+every answer in it; a frame in another version is refused with ``unsupported_version`` (docs/design.md "Wire protocol";
 `hycoc.verifier.server.session_loop` "Versions").
 
-The server runs the serial path (one session per forward), whose reply encoder takes the session's version; a
-version-3 client here writes its frames by hand with ``wire.encode(msg, version=3)``, as an old device would.
+The server runs the serial path (one session per forward) and the batched one (the scheduler's steps); both reply
+encoders take the session's version. A version-3 client here writes its frames by hand with
+``wire.encode(msg, version=3)``, as an old device would.
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ def reference():
     engine.close()
 
 
-@pytest.fixture(scope="module")
-def server(models):
+@pytest.fixture(scope="module", params=["serial", "batched"])
+def server(models, request):
     engine = make_engine(*models)
-    with ServerThread(engine, tree_rows=ROWS, max_frame_bytes=MAX_FRAME, batching="serial") as srv:
+    with ServerThread(engine, tree_rows=ROWS, max_frame_bytes=MAX_FRAME, batching=request.param) as srv:
         yield srv
     engine.close()
 
@@ -74,7 +75,7 @@ def test_a_client_gets_every_answer_in_its_open_frames_version(server, reference
         got, data = answer(raw, wire.encode(tree, version=version), version)
         want = ref.verify(tokens, parents, seq)
         assert_same_reply(got, want)
-        assert got.verified is None                                       # nothing trimmed on the serial path
+        assert got.verified is None                                       # nothing trimmed (fixed tree budget)
         assert data == wire.encode(replace(want, server_ms=got.server_ms), version=version)   # byte for byte
         h = want.handoff
         handoff = wire.handoff_nbytes(h.x_hat.size // 2, h.k_sliding.shape[1], h.k_full.shape[1], h.n_positions)
