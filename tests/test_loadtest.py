@@ -122,7 +122,7 @@ def test_trace_round_trip_and_bad_files(tmp_path, recorded):
         load_trace(path)
     for schema in (2, 99):   # a trace recorded before the rounds carried scores is re-recorded, never misread
         path.write_text(json.dumps({**data, "schema": schema}))
-        with pytest.raises(TraceError, match=f"schema {schema}, this hycoc reads 3; delete it to re-record"):
+        with pytest.raises(TraceError, match=f"schema {schema}, this hycoc reads 4; delete it to re-record"):
             load_trace(path)
 
 
@@ -294,3 +294,36 @@ def test_loadtest_command_names_a_bad_option(args, message):
     result = CliRunner().invoke(app, ["loadtest", str(Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"),
                                       *args])
     assert result.exit_code == 2 and result.stderr.startswith(f"hycoc loadtest: {message}"), result.stderr
+
+
+def test_tree_at_follows_the_text_by_position():
+    """Two recorded rounds: round 0's tree (root 5; chain 10 -> 11 -> 12, sibling 20 under the root, leaf 13 under
+    11) committed 10, 11 + bonus 13; round 1 (root 13) committed 14 + bonus 15. A replay that committed 10 alone is
+    at depth 1 of round 0: it gets the sub-tree under row 1 (rows 1, 2, 3, 5), re-rooted, scores re-based,
+    padded to 6 rows; one that committed 10, 11 gets row 2's sub-tree (rows 2, 3, 5); after round 0's three
+    tokens, round 1's own tree; off the recorded text: None; past its end: None."""
+    from hycoc.bench.loadtrace import tree_at
+
+    r0 = RoundTrace(tokens=(5, 10, 11, 12, 20, 13), parents=(-1, 0, 1, 2, 0, 2), device_ms=1.0,
+                    scores=(0.0, -0.4, -0.8, -1.2, -0.9, -1.5), path_rows=(1, 2), committed=(10, 11, 13))
+    r1 = RoundTrace(tokens=(13, 14, 16, 17, 18, 19), parents=(-1, 0, 1, 2, 3, 4), device_ms=2.0,
+                    scores=(0.0, -0.1, -0.2, -0.3, -0.4, -0.5), path_rows=(1,), committed=(14, 15))
+    req = RequestTrace(config="hyco", question_id=1, prompt=(1, 5), temperature=0.0, top_k=1, top_p=1.0, seed=0,
+                       acceptance="exact", epsilon=0.02, draft_place="device", max_new_tokens=8, rounds=(r0, r1))
+    rt, t, p, s = tree_at(req, [])
+    assert rt is r0 and t.tolist() == list(r0.tokens) and p.tolist() == list(r0.parents)
+    rt, t, p, s = tree_at(req, [10])
+    assert rt is r0 and t.tolist() == [10, 11, 12, 13, 13, 13] and p.tolist() == [-1, 0, 1, 1, 1, 1]
+    assert s.tolist() == pytest.approx([0.0, -0.4, -0.8, -1.1, -1.1, -1.1])
+    rt, t, p, s = tree_at(req, [10, 11])
+    assert t.tolist() == [11, 12, 13, 13, 13, 13] and p.tolist() == [-1, 0, 0, 0, 0, 0]
+    rt, t, p, s = tree_at(req, [10, 11, 13])
+    assert rt is r1 and t.tolist() == list(r1.tokens)
+    rt, t, p, s = tree_at(req, [10, 11, 13, 14])
+    assert t.tolist() == [14, 16, 17, 18, 19, 19] and p.tolist() == [-1, 0, 1, 2, 3, 3]
+    assert tree_at(req, [10, 12]) is None and tree_at(req, [10, 11, 13, 14, 15]) is None
+    # every tree it returns is a valid wire tree (parents before children, one root) with non-rising scores
+    for produced in ([], [10], [10, 11], [10, 11, 13], [10, 11, 13, 14]):
+        _, t, p, s = tree_at(req, produced)
+        frame = wire.encode(DraftTree(0, t, p, s))
+        assert wire.decode(frame).tokens.tolist() == t.tolist()

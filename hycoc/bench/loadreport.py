@@ -56,7 +56,7 @@ RUN_KEYS = ("mode", "sessions", "duration_s", "rounds", "committed_tokens", "tok
             "reply_ms_per_token", "tok_per_s_whole", "ramp_s", "steady", "devices_served", "device_wait_ms", "mat",
             "latency_ms", "open_ms_p50", "rows_per_tree", "rows_per_forward", "sessions_per_forward",
             "queue_wait_ms", "rows_kept_per_session", "expected_tokens_per_forward", "rows_trimmed",
-            "context_mean", "errors", "errors_total", "requests_finished", "requests_truncated",
+            "context_mean", "errors", "errors_total", "requests_finished", "requests_truncated", "requests_off_trace",
             "server_rounds", "server_tokens", "client_cpu_pct", "loadavg", "projection")
 
 
@@ -124,6 +124,7 @@ def summarize_run(mode: str, sessions: int, duration_s: float, stats, metrics_be
         "context_mean": float(np.mean([r.context for r in rounds])) if rounds else None,
         "errors": dict(sorted(stats.errors.items())), "errors_total": int(sum(stats.errors.values())),
         "requests_finished": stats.requests_finished, "requests_truncated": stats.requests_truncated,
+        "requests_off_trace": getattr(stats, "requests_off_trace", 0),
         "server_rounds": diff("hycoc_rounds_total"), "server_tokens": diff("hycoc_tokens_committed_total"),
         "client_cpu_pct": 100.0 * stats.client_cpu_s / stats.wall_s if stats.wall_s > 0 else None,
         "loadavg": list(loadavg) if loadavg is not None else None,

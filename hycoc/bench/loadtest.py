@@ -47,7 +47,7 @@ from typing import Callable
 
 import numpy as np
 
-from hycoc.bench.loadtrace import RequestTrace, patch_root
+from hycoc.bench.loadtrace import RequestTrace, patch_root, tree_at
 from hycoc.bench.runner import VerifierProcess
 from hycoc.protocol import wire
 from hycoc.protocol.messages import Close, DraftTree, ErrorReply, Opened, commit_cut
@@ -88,6 +88,8 @@ class RunStats:
     """Everything one run measured on the client (`run_sessions`). rounds: `RoundSample` per answered round;
     opens_ms: OPEN -> OPENED per opened session (prefill included), ms; errors: code -> count; requests_finished /
     requests_truncated: sessions that ended with a finished reply / ran out of recorded rounds first;
+    requests_off_trace: of the truncated, those whose served text left the recording's (`tree_at`: only at T > 0
+    with a verifier that commits differently from the recording's, e.g. a budgeted one);
     client_cpu_s: this process's CPU seconds during the run (time.process_time); wall_s: the run's wall seconds;
     first_round_s: device index -> seconds from the start to its first answered round (the end of its ramp-up);
     device_waits_ms: (asked, slept) per device wait between rounds, ms (slept > asked: this process was starved of
@@ -98,6 +100,7 @@ class RunStats:
     errors: Counter = field(default_factory=Counter)
     requests_finished: int = 0
     requests_truncated: int = 0
+    requests_off_trace: int = 0
     client_cpu_s: float = 0.0
     wall_s: float = 0.0
     first_round_s: dict[int, float] = field(default_factory=dict)
@@ -167,16 +170,26 @@ async def replay_request(url: str, req: RequestTrace, stop_ids, stats: RunStats,
             if cloud_mtp:  # root-only trees; the verifier's own chain makes its replies 1 + K rows
                 limits = replace(limits, tree_rows=None)
             root, produced, prompt_len = req.prompt[-1], 0, len(req.prompt)
-            for seq, rt in enumerate(req.rounds):
+            text: list[int] = []
+            seq = 0
+            while True:
+                found = tree_at(req, text, seq)
+                if found is None:
+                    if all(r.committed for r in req.rounds) and len(text) < sum(len(r.committed)
+                                                                                for r in req.rounds):
+                        stats.requests_off_trace += 1     # the served text left the recording's: trees would not fit
+                    stats.requests_truncated += 1
+                    break
+                rt, tree_tokens, tree_parents, tree_scores = found
                 wait = rt.device_ms / 1000.0 if device_ms is None else device_ms / 1000.0
                 if loop.time() + wait >= deadline:
                     break
                 slept = loop.time()
                 await asyncio.sleep(wait)
                 stats.device_waits_ms.append((1000.0 * wait, 1000.0 * (loop.time() - slept)))
-                tokens = patch_root(rt.tokens, root)
+                tokens = patch_root(tree_tokens, root)
                 try:
-                    frame = wire.encode(DraftTree(seq, tokens, np.asarray(rt.parents, np.int32), rt.score_array()))
+                    frame = wire.encode(DraftTree(seq, tokens, tree_parents, tree_scores))
                 except wire.WireError as e:   # a tree the wire itself refuses: the trace is bad, not the server
                     stats.errors[f"bad_trace:{e.code}"] += 1
                     break
@@ -192,12 +205,12 @@ async def replay_request(url: str, req: RequestTrace, stop_ids, stats: RunStats,
                                                 len(tokens), prompt_len - 1 + produced))
                 stats.first_round_s.setdefault(device, done - t0)
                 produced += len(new)
+                text.extend(new)
                 if reply.finished or reason is not None:
                     stats.requests_finished += 1
                     break
                 root = new[-1]
-            else:
-                stats.requests_truncated += 1
+                seq += 1
             await ws.send(wire.encode(Close(opened.session_id)))
     except wire.WireError as e:
         stats.errors[f"invalid_reply:{e.code}"] += 1
@@ -385,8 +398,9 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
     mode than asked is an error (modes None with ``server_url``: whatever it reports). Each server first serves
     one device for ``warmup_s`` seconds, not measured. Raises LoadTestError (server, mode), TraceError (config)."""
     from hycoc import progress
-    from hycoc.bench.loadreport import project, render_table, results_document, summarize_run, write_plot, \
-        write_results
+    from hycoc.bench.loadreport import (GPU_FLAT_ROWS, budget_projection, gpu_row_cost, project,
+                                        render_budget_projection, render_table, results_document, summarize_run,
+                                        write_plot, write_results)
 
     if console is None:
         from hycoc.bench.runner import make_console
@@ -455,11 +469,26 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
                 rate=rate, device_ms=device_ms, server=server_url or "own verify-server process per mode",
                 machine=f"{os.cpu_count()} CPUs", date=time.strftime("%Y-%m-%d %H:%M:%S"),
                 projection="labelled projection, not a measurement: see hycoc/bench/loadreport.py")
+    projection = None
+    trees = [(rt.score_array(), np.asarray(rt.tokens), np.asarray(rt.parents)) for r in trace.requests
+             if r.config in configs for rt in r.rounds if rt.scores is not None and len(rt.tokens) > 1]
+    if trees and any(m == "budgeted" for m in urls):
+        first = next(iter(servers.values()))
+        tree_rows = max(len(t) for _, t, _ in trees)
+        projection = budget_projection(trees, list(sessions), gpu_row_cost(), tree_rows=tree_rows,
+                                       max_batch_rows=int(first.get("max_batch_rows", 16 * tree_rows)))
+        meta["budget_projection"] = projection
     doc = results_document(rows, meta)
     results = write_results(out / "results.json", doc)
     plot = write_plot(rows, out / "latency_vs_sessions.png")
     render_table(rows, console, title=f"hycoc loadtest: {', '.join(configs)}, {duration_s:g} s per run"
                  + (f", {rate:g} arrivals/s" if rate else ""))
+    if projection:
+        render_budget_projection(projection, console, title="budgeted rows on an assumed GPU (a projection from the "
+                                 "recorded trees' scores, not a measurement)")
+        console.print(f"the budget's rule on a forward that costs the same up to {GPU_FLAT_ROWS} rows (H200 bf16 "
+                      "ridge point): rows kept per forward, expected committed tokens (sessions + sum of exp(s) "
+                      "over kept rows) and expected tokens per forward-ms against every row verified.")
     basis = next((r["projection"]["basis"] for r in rows if r.get("projection")), None)
     console.print("ramp: seconds until every device had its first round answered (connects, OPENs and prefills "
                   "queue up at the start); tok/s: tokens committed by rounds answered after the ramp / that window; "

@@ -47,7 +47,8 @@ from hycoc.protocol.messages import DraftTree, OpenRequest, RoundReply, Sampling
 #: Bumped when the file layout or a field's meaning changes; an older file is re-recorded, never misread.
 #: 2: device_ms is the drafting thread's CPU time (was wall time), device_wall_ms added.
 #: 3: each round records the rows' scores (protocol version 4's ROUND), which a budgeted verifier ranks rows by.
-TRACE_SCHEMA = 3
+#: 4: each round records what it committed (path rows, tokens), so a replay can follow the text by position.
+TRACE_SCHEMA = 4
 
 
 class TraceError(ValueError):
@@ -59,13 +60,17 @@ class TraceError(ValueError):
 class RoundTrace:
     """One recorded round (module docstring). tokens: row ids, len R >= 1; parents: len R, parents[0] == -1;
     device_ms: the device's time before sending it (drafting thread CPU), milliseconds >= 0; device_wall_ms: the
-    same in wall-clock milliseconds; scores: len R, the rows' scores s(v) as sent, or None (none sent)."""
+    same in wall-clock milliseconds; scores: len R, the rows' scores s(v) as sent, or None (none sent);
+    path_rows: the reply's accepted path rows (root excluded); committed: the tokens the round committed (the path's
+    tokens and the bonus, before any cut; cloud-mtp: the reply's first |P| + 1 samples)."""
 
     tokens: tuple[int, ...]
     parents: tuple[int, ...]
     device_ms: float
     device_wall_ms: float = 0.0
     scores: tuple[float, ...] | None = None
+    path_rows: tuple[int, ...] = ()
+    committed: tuple[int, ...] = ()
 
     def score_array(self) -> np.ndarray | None:
         """The scores as the DraftTree that replays this round carries them: float32 (R,), or None."""
@@ -141,11 +146,76 @@ def patch_root(tokens, root: int) -> np.ndarray:
     return out
 
 
-def trace_key(recipe_hash: str, bundle_hash: str, configs, question_ids, output_cap: int) -> str:
+def tree_at(req: "RequestTrace", produced: list[int], seq: int = 0):
+    """The recorded tree a replaying device sends after committing ``produced`` (output tokens so far), found by
+    position rather than by round, so a replay whose rounds commit fewer tokens than the recording's (a budgeted
+    verifier that trimmed the tree) still sends a tree drafted for its text.
+
+    The recording's rounds cover the output end to end: round k starts at output position s_k and committed
+    ``committed_k``. At position q = len(produced), s_k <= q < s_k+1, with d = q - s_k tokens of round k already
+    committed, the tree is round k's own (d = 0) or its sub-tree under the path row at depth d, re-rooted there:
+    those rows, parents renumbered, scores minus the new root's, padded back to R rows by repeating the last row
+    (Alg. 3 line 17's padding) -- what the recorded device had drafted below that point, a smaller tree than a
+    device drafting afresh would send (so the replay understates a trimmed session's next round). cloud-mtp trees
+    (the root alone) are position-free.
+
+    Returns (RoundTrace of round k, tokens int32 (R,) with row 0 still the recorded token, parents int32 (R,),
+    scores float32 (R,) or None), or None when the recording is exhausted (q >= its output) or ``produced`` left
+    the recorded text (a replay at T > 0 whose samples differ: the trees then do not fit the text). Rounds made
+    without their commits recorded (``committed`` empty: hand-made traces) replay by round: the ``seq``-th."""
+    if any(not rt.committed for rt in req.rounds):
+        if seq >= len(req.rounds):
+            return None
+        rt = req.rounds[seq]
+        return rt, np.asarray(rt.tokens, np.int32), np.asarray(rt.parents, np.int32), rt.score_array()
+    start = 0
+    for k, rt in enumerate(req.rounds):
+        n = len(rt.committed)
+        if start + n > len(produced):
+            d = len(produced) - start
+            if list(rt.committed[:d]) != list(produced[start:]):
+                return None
+            tokens = np.asarray(rt.tokens, np.int32)
+            parents = np.asarray(rt.parents, np.int64)
+            scores = rt.score_array()
+            if d == 0 or len(tokens) == 1:
+                return rt, tokens, parents.astype(np.int32), scores
+            node = rt.path_rows[d - 1]
+            inside = np.zeros(len(tokens), bool)
+            inside[node] = True
+            for j in range(node + 1, len(tokens)):
+                inside[j] = inside[parents[j]]
+            rows = np.nonzero(inside)[0]
+            index = np.full(len(tokens), -1, np.int64)
+            index[rows] = np.arange(len(rows))
+            sub_parents = np.where(rows == node, -1, index[parents[rows]])
+            pad = len(tokens) - len(rows)
+            sub_tokens = np.concatenate([tokens[rows], np.repeat(tokens[rows[-1:]], pad)])
+            sub_parents = np.concatenate([sub_parents, np.repeat(sub_parents[-1:], pad)]).astype(np.int32)
+            if len(rows) == 1:           # a leaf: the root alone, padding repeats the root as its own child
+                sub_parents[1:] = 0
+            sub_scores = None
+            if scores is not None:
+                base = scores[rows] - scores[node]
+                sub_scores = np.concatenate([base, np.repeat(base[-1:], pad)]).astype(np.float32)
+                if len(rows) == 1:       # the padding rows are no drafts: scored as never accepted
+                    sub_scores[1:] = -20.0
+            return rt, sub_tokens, sub_parents, sub_scores
+        if list(rt.committed) != list(produced[start:start + n]):
+            return None
+        start += n
+    return None
+
+
+def trace_key(recipe_hash: str, bundle_hash: str, configs, question_ids, output_cap: int,
+              temperature: float | None = None) -> str:
     """16 hex digits of sha256 over what a recording depends on: the recipe's content hash, the bundle manifest's
-    sha256, the configurations, the Spec-Bench question ids and the output cap (tokens)."""
-    text = json.dumps([TRACE_SCHEMA, recipe_hash, bundle_hash, list(configs), [int(q) for q in question_ids],
-                       int(output_cap)])
+    sha256, the configurations, the Spec-Bench question ids, the output cap (tokens) and the sampling temperature
+    when it is not the recipe's (None)."""
+    parts = [TRACE_SCHEMA, recipe_hash, bundle_hash, list(configs), [int(q) for q in question_ids], int(output_cap)]
+    if temperature is not None:
+        parts.append(float(temperature))
+    text = json.dumps(parts)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
@@ -178,7 +248,8 @@ def load_trace(path: str | Path) -> Trace:
         for i, r in enumerate(data["requests"]):
             rounds = tuple(RoundTrace(tuple(int(x) for x in rt["tokens"]), tuple(int(x) for x in rt["parents"]),
                                       float(rt["device_ms"]), float(rt["device_wall_ms"]),
-                                      None if rt["scores"] is None else tuple(float(x) for x in rt["scores"]))
+                                      None if rt["scores"] is None else tuple(float(x) for x in rt["scores"]),
+                                      tuple(int(x) for x in rt["path_rows"]), tuple(int(x) for x in rt["committed"]))
                            for rt in r["rounds"])
             for j, rt in enumerate(rounds):
                 if (len(rt.tokens) != len(rt.parents) or not rt.tokens or rt.parents[0] != -1 or rt.device_ms < 0
@@ -229,8 +300,13 @@ class RecordingClient:
         reply = self._client.round(tree)
         self._since, self._cpu_since = time.perf_counter(), time.thread_time()
         scores = None if tree.scores is None else tuple(float(x) for x in np.asarray(tree.scores, np.float32))
+        path = tuple(int(x) for x in reply.path_rows)
+        if len(tree.tokens) == 1 and len(reply.samples) > 1:     # cloud-mtp: the verifier's own chain
+            committed = tuple(int(x) for x in reply.samples[:len(path) + 1])
+        else:
+            committed = tuple(int(tree.tokens[j]) for j in path) + (int(reply.bonus),)
         self.rounds.append(RoundTrace(tuple(int(x) for x in tree.tokens), tuple(int(x) for x in tree.parents),
-                                      device_ms, wall_ms, scores))
+                                      device_ms, wall_ms, scores, path, committed))
         self.replies.append(reply)
         return reply
 
@@ -250,14 +326,15 @@ def request_trace(config: str, question_id: int, request: OpenRequest, rounds: l
 
 
 def record_trace(recipe, bundle_dir: Path, configs: list[str], questions, output_cap: int, *, key: str,
-                 threads: int = 1, progress=None) -> Trace:
+                 threads: int = 1, progress=None, temperature: float | None = None) -> Trace:
     """Run the real device runtime (`hycoc.runtime.client.load_runtime` on the bundle's cpu graphs) for every
     config and question's first turn against an in-process verifier of ``recipe``
     (`hycoc.verifier.server.ServerThread`), recording every round (`RecordingClient`).
 
     questions: `hycoc.bench.datasets.Question` list. output_cap: max_new_tokens per request. progress: called
-    after each request with a short description (None: silent). Sampling and epsilon are the recipe's, the seed
-    the bundle's (as `hycoc bench`). Raises what loading the models or the bundle raises, TransportError."""
+    after each request with a short description (None: silent). Sampling and epsilon are the recipe's (temperature:
+    this one instead, e.g. 0 for a replay that must follow the recorded text), the seed the bundle's (as `hycoc
+    bench`). Raises what loading the models or the bundle raises, TransportError."""
     import torch
 
     from hycoc.bundle import sha256_file
@@ -271,7 +348,8 @@ def record_trace(recipe, bundle_dir: Path, configs: list[str], questions, output
     keep = np.load(Path(bundle_dir) / "keep_set.npy", allow_pickle=False)
     engine = engine_from_recipe(recipe, keep_set=torch.as_tensor(keep, dtype=torch.long))
     rt = load_runtime(bundle_dir, "cpu", threads=threads)
-    sampling = Sampling(recipe.sampling.temperature, recipe.sampling.top_k, recipe.sampling.top_p)
+    sampling = Sampling(recipe.sampling.temperature if temperature is None else float(temperature),
+                        recipe.sampling.top_k, recipe.sampling.top_p)
     requests = []
     try:
         with ServerThread(engine, **server_options(recipe)) as srv:
@@ -294,4 +372,4 @@ def record_trace(recipe, bundle_dir: Path, configs: list[str], questions, output
 
 
 __all__ = ["TRACE_SCHEMA", "RecordingClient", "RequestTrace", "RoundTrace", "Trace", "TraceError", "load_trace",
-           "patch_root", "record_trace", "request_trace", "save_trace", "trace_key"]
+           "patch_root", "record_trace", "request_trace", "save_trace", "trace_key", "tree_at"]

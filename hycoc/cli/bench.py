@@ -334,6 +334,10 @@ def loadtest(
     max_new_tokens: Optional[int] = typer.Option(
         None, min=1, help="output cap of each recorded request (default: the recipe's bench.output_cap)",
         show_default=False),
+    temperature: Optional[float] = typer.Option(
+        None, min=0.0, help="sampling temperature of the recorded and replayed requests (default: the recipe's; 0 "
+        "when --batching has budgeted, whose trimmed rounds commit differently from the recording: only greedy text "
+        "stays the recording's, so its trees still fit)", show_default=False),
 ) -> None:
     """Load-test a verifier with many simulated devices: total tok/s, verifier ms per token, round latency
     p50/p90/p99, rows per forward and errors per session count.
@@ -385,8 +389,15 @@ def loadtest(
         raise _fail("loadtest", str(e)) from None
     bundle_dir = _bench_bundle("loadtest", cfg, recipe, bundle)
     cap = max_new_tokens or cfg.bench.output_cap
+    if temperature is None and modes is not None and "budgeted" in modes and cfg.sampling.temperature > 0:
+        temperature = 0.0
+        typer.echo(f"hycoc loadtest: recording and replaying at temperature 0 (the recipe's is "
+                   f"{cfg.sampling.temperature:g}): a budgeted verifier commits differently from the recording, and "
+                   "only greedy text stays the recording's, so every mode runs greedy (--temperature to choose)",
+                   err=True)
     key = trace_key(cfg.content_hash(), sha256_file(bundle_dir / "manifest.json"), chosen,
-                    [q.question_id for q in questions], cap)
+                    [q.question_id for q in questions], cap,
+                    None if temperature is None or temperature == cfg.sampling.temperature else temperature)
     trace_path = REPO_ROOT / ".hycoc-cache" / "loadtest" / f"trace-{key}.json"
     try:
         if trace_path.is_file():
@@ -395,14 +406,16 @@ def loadtest(
         else:
             with progress.step("recording device rounds", total=len(chosen) * len(questions)) as s:
                 trace = record_trace(cfg, bundle_dir, chosen, questions, cap, key=key,
-                                     progress=lambda note: s.advance(note=note))
+                                     progress=lambda note: s.advance(note=note), temperature=temperature)
             save_trace(trace, trace_path)
             typer.echo(f"hycoc loadtest: recorded {len(trace.requests)} requests, "
                        f"{sum(len(r.rounds) for r in trace.requests)} rounds -> {trace_path}", err=True)
         run_loadtest(trace, chosen, counts, duration, modes, out, recipe_path=recipe,
                      keep_set=bundle_dir / "keep_set.npy", server_url=server, rate=rate, device_ms=device_ms,
                      cost_model=cost, meta={"recipe": str(recipe), "bundle": str(bundle_dir),
-                                            "trace": str(trace_path)})
+                                            "trace": str(trace_path),
+                                            "temperature": cfg.sampling.temperature if temperature is None
+                                            else temperature})
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     except (LoadTestError, TraceError, BundleError, TransportError) as e:
