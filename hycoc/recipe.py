@@ -467,9 +467,10 @@ class Verifier(Section):
                                      "queued)")
     # Budgeted verification rows (hycoc.verifier.row_budget): which rows of the trees sharing a forward are checked.
     tree_budget: Literal["fixed", "auto"] = Field(
-        "fixed", description="fixed: every tree verified as sent; auto: when several sessions' rounds share a "
-        "batched forward, the rows verified are chosen across them by the trees' scores (the most expected accepted "
-        "tokens per forward millisecond; one tree alone is never trimmed); needs batching = batched")
+        "auto", description="auto: when several sessions' rounds share a batched forward, the rows verified are "
+        "chosen across them by the trees' scores (the most expected accepted tokens per forward millisecond; one "
+        "tree alone is never trimmed; needs batching = batched, and serial turns it off); fixed: every tree "
+        "verified as sent")
     min_rows_per_session: int = Field(2, ge=1, le=32_768, description="rows each tree keeps under tree_budget = "
                                       "auto (2 = the root and the first chain token)")
     row_cost: list[Annotated[list[Annotated[float, Field(ge=0)]], Field(min_length=2, max_length=2)]] = Field(

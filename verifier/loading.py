@@ -95,7 +95,8 @@ def server_options(recipe: Recipe) -> dict:
         "batching": recipe.verifier.batching,
         "max_batch_rows": recipe.verifier.max_batch_rows,
         "max_batch_wait_ms": recipe.verifier.max_batch_wait_ms,
-        "tree_budget": recipe.verifier.tree_budget,
+        # serial verification has no shared forward for a budget to act on
+        "tree_budget": recipe.verifier.tree_budget if recipe.verifier.batching == "batched" else "fixed",
         "row_cost": row_cost_of(recipe),
         "min_rows_per_session": recipe.verifier.min_rows_per_session,
     }

@@ -55,6 +55,8 @@ from hycoc.protocol.messages import Close, DraftTree, ErrorReply, Opened, commit
 #: Seconds a device waits after an OPEN refused for capacity (too_many_sessions, kv_budget_exhausted) before its
 #: next request: the server's retry hint is 5 s by default, but a load test wants the pressure to stay on.
 REFUSED_BACKOFF_S = 0.5
+#: Session counts of the budget's GPU projection (whatever the run's): around 206 / 33 = 6 trees trimming starts.
+PROJECTION_SESSIONS = (1, 2, 4, 6, 7, 8, 16, 32, 64)
 #: Seconds to wait for any one answer (an OPEN's prefill included) before counting ``timeout``.
 ANSWER_TIMEOUT_S = 120.0
 #: Server codes that refuse an OPEN for capacity (the device tries again after REFUSED_BACKOFF_S).
@@ -475,7 +477,8 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
     if trees and any(m == "budgeted" for m in urls):
         first = next(iter(servers.values()))
         tree_rows = max(len(t) for _, t, _ in trees)
-        projection = budget_projection(trees, list(sessions), gpu_row_cost(), tree_rows=tree_rows,
+        projection = budget_projection(trees, sorted(set(PROJECTION_SESSIONS) | set(sessions)), gpu_row_cost(),
+                                       tree_rows=tree_rows,
                                        max_batch_rows=int(first.get("max_batch_rows", 16 * tree_rows)))
         meta["budget_projection"] = projection
     doc = results_document(rows, meta)

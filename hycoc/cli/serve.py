@@ -46,7 +46,7 @@ def verify_server(
     tree_budget: Optional[str] = typer.Option(
         None, metavar="fixed|auto", help="auto: rows of the trees sharing a batched forward are chosen by their "
         "scores (most expected tokens per forward ms); fixed: trees verified as sent (default: the recipe's "
-        "verifier.tree_budget, fixed)", show_default=False),
+        "verifier.tree_budget, auto; fixed with --batching serial)", show_default=False),
 ) -> None:
     """Serve the verifier: prefill, one-forward tree verification, acceptance, KV compaction, hand-off (Alg. 4).
 
@@ -121,11 +121,13 @@ def verify_server(
         options = server_options(cfg)
     except RecipeError as e:
         raise _fail("verify-server", f"bad recipe\n{e}") from None
-    if tree_budget is not None:
-        options["tree_budget"] = tree_budget
-    if options["tree_budget"] == "auto" and (batching or options["batching"]) != "batched":
+    if tree_budget == "auto" and (batching or options["batching"]) != "batched":
         raise _fail("verify-server", "--tree-budget auto allocates rows across a batched forward: use it with "
                     "--batching batched (or verifier.batching = \"batched\")", code=2)
+    if tree_budget is not None:
+        options["tree_budget"] = tree_budget
+    elif batching == "serial":
+        options["tree_budget"] = "fixed"          # the recipe's budget has no shared forward to act on
     if batching is not None:
         options["batching"] = batching
     if max_batch_rows is not None:
