@@ -176,21 +176,46 @@ def test_resume_reuses_the_saved_cost_model_and_the_summary_is_unchanged(tmp_pat
     assert len(calls) == 2
 
 
-COMMANDS = ("build", "run", "verify-server", "serve-ray", "calibrate-handoff", "bench", "tune-epsilon", "inspect",
-            "doctor", "generate", "loadtest")
+def _commands():
+    """Every command registered on the app (so a new command is checked too), by its command-line name."""
+    from hycoc.cli import app
+
+    return [c.name for c in app.registered_commands]
 
 
-@pytest.mark.parametrize("command", COMMANDS)
+def test_the_help_check_covers_every_command_of_the_readme_table():
+    assert sorted(_commands()) == sorted(["generate", "doctor", "build", "verify-server", "serve-ray", "loadtest",
+                                          "run", "bench", "profile", "tune-epsilon", "calibrate-handoff", "inspect"])
+
+
+@pytest.mark.parametrize("command", _commands())
 def test_help_fits_80_columns_with_defaults_whole(command):
+    import re
+
+    import typer.main
+
     from hycoc.cli import app
 
     result = CliRunner().invoke(app, [command, "--help"], terminal_width=80, env={"COLUMNS": "80"})
     assert result.exit_code == 0
     lines = result.stdout.splitlines()
     assert max(map(len, lines)) <= 80 and "…" not in result.stdout
+    # wrapped at spaces only: no option name nor default cut at a hyphen ("--auth-" / "token-file")
+    assert not [line for line in lines if re.search(r"[A-Za-z]-$", line)], result.stdout
+    assert result.stdout.startswith(f"Usage: hycoc {command} [OPTIONS]")
+    # every option with a default shows it: typer's "[default: X]" or the help's own "(default: ...)"
+    click_command = typer.main.get_command(app).commands[command]
+    flat = " ".join(result.stdout.split())
+    for p in click_command.params:
+        if p.param_type_name == "option" and not p.is_flag and p.default is not None:
+            record = " ".join(p.get_help_record(click_command.make_context(command, ["--help"],
+                                                                           resilient_parsing=True))[1].split())
+            assert "default" in record and record[-40:] in flat, (command, p.name, record)
     if command == "bench":
         assert "[default: runs/bench]" in result.stdout and "--format" in result.stdout
         assert "--remeasure-cost-model" in result.stdout
+        assert "(default: all 8: cloud-mtp, specedge, specedge-eps, hyco, hyco-2p, hyco-exact, server-head, " \
+               "slm-alone)" in flat
 
 
 def test_labels_of_close_points_stack_instead_of_overlapping():

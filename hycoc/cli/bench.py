@@ -40,7 +40,9 @@ def bench(
         None, min=16, help="long documents: cut each document at a line end so its prompt has at most N tokens, as "
         "the paper cut the novels to 32K (default: uncut; a prompt the verifier cannot hold is refused at OPEN "
         "with context_overflow)", show_default=False),
-    configs: str = typer.Option(",".join(BENCH_CONFIGS), help="comma-separated configurations (paper Table 5)"),
+    configs: str = typer.Option(",".join(BENCH_CONFIGS), help="comma-separated configurations (paper Table 5) "
+                                f"(default: all {len(BENCH_CONFIGS)}: {', '.join(BENCH_CONFIGS)})",
+                                show_default=False),
     link: Optional[str] = typer.Option(
         None, help="link model per frame: lte, 5g, none or RTT_MS:MBPS (round trip ms : megabit/s) "
         "(default: the recipe's bench.link)", show_default=False),
@@ -258,7 +260,7 @@ def tune_epsilon(
 
 
 def profile(
-    bundle: Path = typer.Argument(..., help="an htp-v81 or qai-hub bundle folder", show_default=False),
+    bundle: Path = typer.Argument(..., metavar="BUNDLE", help="an htp-v81 or qai-hub bundle folder", show_default=False),
     device: str = typer.Option("Samsung Galaxy S26 (Family)", help="the phone as Qualcomm AI Hub names it "
                                "(`qai-hub list-devices`)"),
     out: Optional[Path] = typer.Option(None, help="where to write the profile (default: BUNDLE/device_profile.json)",

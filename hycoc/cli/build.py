@@ -90,7 +90,7 @@ def build(
 
 
 def inspect(
-    target: Path = typer.Argument(..., help="a bundle folder, or a recipe TOML (real-shape plan, no weights needed)",
+    target: Path = typer.Argument(..., metavar="BUNDLE|RECIPE", help="a bundle folder, or a recipe TOML (real-shape plan, no weights needed)",
                                   show_default=False),
     json_out: bool = typer.Option(False, "--json", help="emit JSON instead of tables"),
 ) -> None:

@@ -15,7 +15,7 @@ from hycoc.cli._common import AUTH_TOKEN_HELP, Backend, RunMode, _auth_token, _b
 
 def run(
     ctx: typer.Context,
-    bundle: Path = typer.Argument(..., help="bundle folder made by `hycoc build`", show_default=False),
+    bundle: Path = typer.Argument(..., metavar="BUNDLE", help="bundle folder made by `hycoc build`", show_default=False),
     server: Optional[str] = typer.Option(None, metavar="URL", help="verifier address, ws://HOST:PORT (not needed "
                                          "for --mode slm-alone)", show_default=False),
     prompt: Optional[str] = typer.Option(None, help="user message (wrapped in the chat template)", show_default=False),
