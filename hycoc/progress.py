@@ -77,6 +77,20 @@ def bar_columns() -> tuple:
 
 
 @contextlib.contextmanager
+def live_progress(c: Console) -> Iterator[object]:
+    """A transient ``rich.progress.Progress`` on ``c`` with `bar_columns`, yielded while it runs. Once it has
+    started (and replaced ``sys.stdout`` with rich's proxy on a terminal), `hycoc.quiet.refilter_stdout` puts the
+    third-party filter back outside the proxy, so ``[torch.onnx]`` lines still go to the log."""
+    from rich.progress import Progress
+
+    from hycoc.quiet import refilter_stdout
+
+    with Progress(*bar_columns(), console=c, transient=True) as live:
+        refilter_stdout()
+        yield live
+
+
+@contextlib.contextmanager
 def current_pass(name: str, c: Console | None = None, live=None) -> Iterator[None]:
     """Label the steps reported inside the block with the pass ``name``, send them to ``c`` if given, and show
     them as tasks of ``live`` (a running ``rich.progress.Progress``: rich allows one live display per console)."""
@@ -146,9 +160,7 @@ def step(description: str, total: int | None = None, c: Console | None = None) -
             live.remove_task(s._task)
         return
     if c.is_terminal:
-        from rich.progress import Progress
-
-        with Progress(*bar_columns(), console=c, transient=True) as own:
+        with live_progress(c) as own:
             yield Step(label, total, c, own)
         return
     plain_line(f"{label}: started" + (f" ({total} to do)" if total else ""), c)
