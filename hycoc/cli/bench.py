@@ -126,51 +126,34 @@ def bench(
         raise _fail("bench", str(e)) from None
 
 
+def _say(line: str) -> None:
+    """A note on stderr, wrapped at the terminal's width (80 when redirected)."""
+    from rich.console import Console
+
+    Console(stderr=True).print(line, markup=False, highlight=False)
+
+
 def _bench_questions(cfg, recipe: Path, bundle: Optional[Path], dataset: Optional[str],
                      max_prompt_tokens: Optional[int]):
-    """``hycoc bench``'s questions: (questions, the dataset's name for the table, the bundle folder). The dataset is
-    ``--dataset`` (a built-in name or a path), else the recipe's bench.dataset, else spec-bench
-    (`hycoc.bench.datasets.load_bench_dataset`); with ``--max-prompt-tokens`` long documents are cut to fit, counted
-    with the bundle's chat format (`hycoc.chat.Chat.prompt`)."""
-    from hycoc.bench.datasets import BUILTIN_DATASETS, DatasetError, is_long_summary_file, load_bench_dataset
+    """`hycoc.bench.inputs.bench_questions`, its errors as one line (exit 1)."""
+    from hycoc.bench.datasets import DatasetError
+    from hycoc.bench.inputs import BenchInputError, bench_questions
 
-    spec = dataset or cfg.resolve_path(cfg.bench.dataset) or DEFAULT_DATASET
-    path = BUILTIN_DATASETS.get(str(spec), Path(spec))
-    long_doc = is_long_summary_file(path)
-    if (dataset is not None and dataset not in BUILTIN_DATASETS and not Path(dataset).exists()
-            and not Path(dataset).suffix and "/" not in dataset):          # a mistyped name, not a path
-        raise _fail("bench", f"--dataset {dataset}: not a built-in dataset ({', '.join(BUILTIN_DATASETS)}) and no "
-                    "such file")
     try:
-        questions = load_bench_dataset(path)          # every file error before a bundle is (maybe) built
-        bundle_dir = _bench_bundle("bench", cfg, recipe, bundle)
-        if long_doc and max_prompt_tokens is not None:
-            from hycoc.runtime.device_bundle import open_bundle
-
-            chat = open_bundle(bundle_dir, "cpu", verify=False).chat      # the bundle's own chat format
-            questions = load_bench_dataset(path, prompt_tokens=lambda text: len(chat.prompt(text)),
-                                           max_prompt_tokens=max_prompt_tokens)
-    except DatasetError as e:
+        return bench_questions(cfg, recipe, bundle, dataset, max_prompt_tokens, REPO_ROOT, DEFAULT_DATASET, say=_say)
+    except (BenchInputError, DatasetError) as e:
         raise _fail("bench", str(e)) from None
-    name = str(dataset) if dataset in BUILTIN_DATASETS else ("long-document" if long_doc else "Spec-Bench")
-    return questions, name, bundle_dir
 
 
 def _bench_bundle(command: str, cfg, recipe: Path, bundle: Optional[Path]) -> Path:
-    """``--bundle``, else bundles/<recipe name>-cpu, built there first when it has no manifest."""
-    from hycoc.bench.runner import default_bundle_dir
+    """`hycoc.bench.inputs.bench_bundle`: ``--bundle``, else bundles/<recipe name>-cpu, built there first when it
+    has no manifest; a bad ``--bundle`` as one line (exit 1)."""
+    from hycoc.bench.inputs import BenchInputError, bench_bundle
 
-    bundle_dir = bundle or default_bundle_dir(cfg, REPO_ROOT)
-    if not (bundle_dir / "manifest.json").is_file():
-        if bundle is not None:
-            what = "no manifest.json there" if bundle.is_dir() else "no such folder"
-            raise _fail(command, f"--bundle {bundle}: {what}; build one with hycoc build")
-        typer.echo(f"hycoc {command}: no bundle at {bundle_dir}; building it (hycoc build {recipe} --target cpu)",
-                   err=True)
-        from hycoc.passes.build import build_bundle
-
-        build_bundle(cfg, "cpu", bundle_dir, REPO_ROOT / ".hycoc-cache")
-    return bundle_dir
+    try:
+        return bench_bundle(cfg, recipe, bundle, REPO_ROOT, command=command, say=_say)
+    except BenchInputError as e:
+        raise _fail(command, str(e)) from None
 
 
 class TuneMode(str, Enum):
