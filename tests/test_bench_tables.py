@@ -272,3 +272,53 @@ def test_process_cpu_ms_counts_this_process_busy_time_not_its_sleep():
     tick = 1000.0 / os.sysconf("SC_CLK_TCK")
     assert slept <= 2 * tick and spun >= 150 - 2 * tick
     assert process_cpu_ms(2 ** 31 - 1) is None and busy_since(None, 1.0) is None
+
+
+def bench_results(configs=CONFIGS):
+    """A results.json's printed parts: summary, per-turn (half the questions have a second turn) and device time."""
+    from hycoc.bench.runner import turn_summary
+
+    recs = fixed_records(configs)
+    recs += [dict(r, turn=2) for r in recs if r["question_id"] % 2 == 0]
+    summary = summarize(recs, cost_model=model(), server={"chain_length": 4, "head_window": 64}, bootstrap=50)
+    device = {c: {"calls_per_round": {"head": 4, "slm": 1}, "phone_draft_ms_per_round": 50.0,
+                  "phone_draft_ms_per_token": 12.0, "host_ms_per_round": 3.0, "cpu_draft_ms_per_round": 40.0,
+                  "phone_tok_per_s": 30.0, "cpu_tok_per_s": None} for c in sorted(configs)}   # alphabetical on purpose
+    return {"meta": {"questions": 12, "link": "lte", "cost_model": "cost model: toy"}, "summary": summary,
+            "turns": turn_summary(recs), "device_time": {"source": "ESTIMATE", "configs": device}}
+
+
+def test_every_bench_table_fits_80_columns_with_configuration_names_whole():
+    from hycoc.bench.runner import print_results
+
+    console = Console(file=io.StringIO(), width=80)
+    print_results(bench_results(), console)
+    out = console.file.getvalue()
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= 80 and "…" not in out
+    device = out[out.index("device time per round"):]
+    for name in CONFIGS:
+        assert f"│ {name} " in device, name          # the device-time table names every configuration in full
+    # one table flags the metrics worse than the baseline: the quality table, not also a part of the main one
+    header_cells = [c.strip() for ln in lines if ln.startswith("┃") for c in ln.split("┃")]
+    assert header_cells.count("worse than") == 1 and header_cells.count("zlib ratio") <= 1
+
+
+def test_the_main_table_leaves_answer_quality_to_the_quality_table():
+    s = bench_results()["summary"]
+    assert not [h for h in main_table(s).headers if "worse than" in h or "zlib" in h]
+    assert "worse than cloud-mtp" in quality_table(s).headers
+
+
+def test_per_turn_and_device_tables_order_configurations_as_the_main_table():
+    from hycoc.bench.device_profile import device_table
+    from hycoc.bench.runner import turns_table
+
+    results = bench_results()
+    main = [r[0] for r in main_table(results["summary"]).rows]
+    assert main == list(CONFIGS)
+    turns = turns_table(results["turns"])
+    assert [(r[0], r[1]) for r in turns.rows] == [(c, t) for c in CONFIGS for t in ("1", "2")]
+    assert list(results["turns"]) == list(CONFIGS)       # results.json keeps the same order
+    dev = device_table(results["device_time"]["configs"], "ESTIMATE")
+    assert [r[0] for r in dev.rows] == main and dev.rows[0][-1] == "–"
