@@ -405,7 +405,10 @@ def test_htp_target_compiles_both_graphs_into_a_bundle(built, tmp_path):
     agree = float(np.mean(got["top_index"][..., 0] == want["logits"].argmax(-1)))
     sqnr = {name: sqnr_db(want[name], got[name]) for name in got if name.startswith(("k_new", "v_new"))}
     print(f"HTP simulator vs CPU EP (QDQ): top-1 {agree:.0%}, SQNR dB {sqnr}")
-    assert agree >= 0.5 and min(sqnr.values()) > 15
+    # measured on two fresh builds of the tiny recipe (seeded: the same both times; onnxruntime-qnn 2.x, QNN SDK
+    # v2.51 simulator): top-1 3 of the 4 rows, SQNR of the new K/V 44.4 / 45.0 / 36.5 / 35.8 dB. Floors: no further
+    # row may flip (one would be 2 of 4), and 2.8 dB under the worst K/V output.
+    assert agree >= 0.75 and min(sqnr.values()) > 33.0
 
     from hycoc.passes.head_export import comparison_inputs
     from hycoc.passes.head_graph import INPUT_NAMES
@@ -421,4 +424,5 @@ def test_htp_target_compiles_both_graphs_into_a_bundle(built, tmp_path):
     got = run_compiled(tmp_path / "bundle" / manifest.graph("head").file, sample)
     sqnr = {name: sqnr_db(want[name], got[name]) for name in got if name != "top_index"}
     print(f"head: HTP simulator vs CPU EP (QDQ): SQNR dB {sqnr}")
-    assert got["top_index"].ravel()[0] == want["logits"].argmax() and sqnr["h_next"] > 15
+    # measured 28.0 dB on two fresh builds (seeded, identical); the floor is 2 dB under it
+    assert got["top_index"].ravel()[0] == want["logits"].argmax() and sqnr["h_next"] > 26.0
