@@ -249,6 +249,7 @@ def test_build_bundle_cpu_end_to_end(tiny_pipeline, tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert [p["pass_name"] for p in report["passes"]] == [p.pass_name for p in result.pipeline.reports]
     assert set(report["qat_agreement"]) == {"w8_ptq", "w4_ptq", "w4_qat"}
+    print(f"report.json head SQNR logits {report['sqnr']['head']['calibration']['outputs']['logits']:.2f} dB")
     assert report["sqnr"]["head"]["calibration"]["outputs"]["logits"] > 20
     assert "logits" in report["sqnr"]["slm"]["held_out"]["outputs"]
     for r in result.pipeline.reports:

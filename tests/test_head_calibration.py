@@ -145,6 +145,8 @@ def test_qdq_pass_calibrates_on_real_handoffs(tiny):
     cal = n["calibration_inputs"]
     assert cal["source"].endswith("prompts.jsonl") and cal["calibration"]["samples"] == n["samples"] > 0
     assert cal["held_out"]["samples"] == n["held_out_samples"] > 0
+    print(f"head QDQ SQNR logits: calibration {n['sqnr']['outputs']['logits']:.2f} dB, held-out "
+          f"{n['sqnr_held_out']['outputs']['logits']:.2f} dB")
     assert n["sqnr"]["outputs"]["logits"] > 20 and n["sqnr_held_out"]["outputs"]["logits"] > 15
     # the fallback (no tokenizer: unit tests only) still runs
     _, old = step.run({k: v for k, v in inputs.items() if k != "tokenizer"}, recipe)
