@@ -245,12 +245,13 @@ def test_build_bundle_cpu_end_to_end(tiny_pipeline, tmp_path):
             want = graph(*[torch.from_numpy(feeds[n]) for n in INPUT_NAMES])[0].numpy()
         agree.append(got.argmax(-1) == want.argmax(-1))
     print(f"head QDQ (CPU EP) vs torch: top-1 {np.mean(agree):.0%} on {len(agree)} held-out device queries")
-    assert len(agree) >= 4 and np.mean(agree) >= 0.6
+    # measured 14 of 14 on fresh seeded builds (the same each time): at most one query may flip
+    assert len(agree) >= 4 and np.mean(agree) >= (len(agree) - 1) / len(agree)
     report = json.loads((out / "report.json").read_text())
     assert [p["pass_name"] for p in report["passes"]] == [p.pass_name for p in result.pipeline.reports]
     assert set(report["qat_agreement"]) == {"w8_ptq", "w4_ptq", "w4_qat"}
     print(f"report.json head SQNR logits {report['sqnr']['head']['calibration']['outputs']['logits']:.2f} dB")
-    assert report["sqnr"]["head"]["calibration"]["outputs"]["logits"] > 20
+    assert report["sqnr"]["head"]["calibration"]["outputs"]["logits"] > 39.5   # measured 41.80 dB (seeded build)
     assert "logits" in report["sqnr"]["slm"]["held_out"]["outputs"]
     for r in result.pipeline.reports:
         print(f"{r.pass_name:16s} {r.seconds:7.2f} s  {r.summary}")
