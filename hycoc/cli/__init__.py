@@ -23,7 +23,7 @@ import typer
 from hycoc.cli import bench, build, run, serve, tools
 from hycoc.cli._common import DEFAULT_DATASET, REPO_ROOT, _auth_token  # noqa: F401  (imported from hycoc.cli)
 from hycoc.cli.bench import BENCH_CONFIGS, LOADTEST_BATCHING, LOADTEST_CONFIGS  # noqa: F401
-from hycoc.cli.tools import package_versions  # noqa: F401
+from hycoc.doctor import package_versions  # noqa: F401  (imported from hycoc.cli)
 
 app = typer.Typer(
     name="hycoc",

@@ -38,46 +38,11 @@ def calibrate_handoff(
     typer.echo(toml_lines(scales, percentile, prompts))
 
 
-def package_versions() -> dict[str, str]:
-    """Versions of Python and the packages hycoc uses, "not installed" for those missing (nothing is imported)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": sys.version.split()[0]}
-    for name in ("hycoc", "numpy", "torch", "transformers", "tokenizers", "onnx", "onnxscript", "onnx-ir",
-                 "onnxruntime", "onnxruntime-qnn"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = "not installed"
-    return out
-
-
 def doctor() -> None:
     """Report package versions, whether the QNN EP loads, and which HTP archs it compiles for."""
-    from rich.console import Console
-    from rich.table import Table
+    from hycoc.doctor import doctor_rows, render_doctor
 
-    table = Table(title="hycoc doctor")
-    table.add_column("package")
-    table.add_column("version")
-    for name, ver in package_versions().items():
-        table.add_row(name, ver if ver != "not installed" else "[yellow]not installed[/yellow]")
-
-    from hycoc.targets.qnn_ep import qnn_status
-
-    st = qnn_status()  # loads the plugin EP and compiles a trivial 16-bit graph per HTP arch (child process)
-    if st["loads"]:
-        sdk = st["versions"].get("qnn_sdk")
-        table.add_row("QNN EP loads", f"yes (QNN SDK {sdk})" if sdk else "yes")
-        archs = st.get("archs") or {}
-        ok = [f"v{a}" for a in st.get("compilable_archs", [])]
-        bad = [f"v{a}" for a, r in archs.items() if not r["ok"]]
-        table.add_row("HTP archs", (", ".join(ok) or "[red]none[/red]") + (f" [red](fail: {', '.join(bad)})[/red]"
-                                                                            if bad else ""))
-    else:
-        table.add_row("QNN EP loads", f"[yellow]no[/yellow]: {st['error']}")
-        table.add_row("HTP archs", "[yellow]none (no QNN EP)[/yellow]")
-    Console().print(table)
+    render_doctor(doctor_rows())  # the QNN EP check loads the plugin and compiles a trivial graph (child process)
 
 
 class _TextStream:

@@ -1,0 +1,81 @@
+"""The library functions the CLI commands are thin layers over (doctor rows, the server's keep set and options,
+the run and bench option checks), called directly."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+ROOT = Path(__file__).resolve().parents[1]
+TOY = ROOT / "recipes" / "toy.toml"
+
+
+# ---- hycoc doctor ------------------------------------------------------------------------------------------------
+
+
+def test_doctor_rows_from_versions_and_the_qnn_status():
+    from hycoc.doctor import doctor_rows, render_doctor
+
+    status = {"loads": True, "versions": {"qnn_sdk": "2.51.0"}, "archs": {81: {"ok": True}, 68: {"ok": False}},
+              "compilable_archs": [81]}
+    rows = doctor_rows(status, versions={"python": "3.11.7", "torch": "not installed"})
+    assert rows == [("python", "3.11.7", ""), ("torch", "not installed", "yellow"),
+                    ("QNN EP loads", "yes (QNN SDK 2.51.0)", ""), ("HTP archs", "v81 (fail: v68)", "red")]
+    none = doctor_rows({"loads": False, "error": "libQnnHtp.so not found"}, versions={})
+    assert none == [("QNN EP loads", "no: libQnnHtp.so not found", "yellow"),
+                    ("HTP archs", "none (no QNN EP)", "yellow")]
+    console = Console(file=io.StringIO(), width=80)
+    render_doctor(rows, console)
+    assert "v81 (fail: v68)" in console.file.getvalue() and "hycoc doctor" in console.file.getvalue()
+
+
+def test_package_versions_names_every_package_without_importing_it():
+    from hycoc.doctor import PACKAGES, package_versions
+
+    got = package_versions()
+    assert list(got) == ["python", *PACKAGES] and got["numpy"] == np.__version__
+
+
+# ---- verify-server / serve-ray -----------------------------------------------------------------------------------
+
+
+def test_load_keep_set_reads_int_ids_and_names_a_bad_file(tmp_path):
+    pytest.importorskip("torch")
+    from hycoc.verifier.loading import check_keep_set_vocab, load_keep_set
+
+    good = tmp_path / "keep_set.npy"
+    np.save(good, np.array([3, 1, 7], dtype=np.int32))
+    ids = load_keep_set(good)
+    assert ids.dtype == np.int64 and ids.tolist() == [3, 1, 7]
+    np.save(tmp_path / "floats.npy", np.zeros(3))
+    with pytest.raises(ValueError) as e:
+        load_keep_set(tmp_path / "floats.npy")
+    assert str(e.value) == (f"--keep-set {tmp_path / 'floats.npy'}: expected a non-empty 1-D array of int token "
+                            "ids, got shape (3,) dtype float64")
+    (tmp_path / "text.npy").write_text("not numpy")
+    with pytest.raises(ValueError, match="not a .npy array file; give the bundle's keep_set.npy"):
+        load_keep_set(tmp_path / "text.npy")
+    check_keep_set_vocab(ids, 8, good)
+    with pytest.raises(ValueError, match="token id 7 is outside the verifier's vocabulary of 7"):
+        check_keep_set_vocab(ids, 7, good)
+
+
+def test_server_options_take_the_command_line_over_the_recipe():
+    pytest.importorskip("torch")
+    from hycoc.recipe import load_recipe
+    from hycoc.verifier.loading import check_batching, server_options
+
+    recipe = load_recipe(TOY)
+    base = server_options(recipe)
+    assert (base["batching"], base["max_batch_rows"]) == (recipe.verifier.batching, recipe.verifier.max_batch_rows)
+    over = server_options(recipe, batching="serial", max_batch_rows=7, max_batch_wait_ms=0.5)
+    assert (over["batching"], over["max_batch_rows"], over["max_batch_wait_ms"]) == ("serial", 7, 0.5)
+    assert {k: v for k, v in over.items() if k not in ("batching", "max_batch_rows", "max_batch_wait_ms",
+                                                        "limits")} == \
+        {k: v for k, v in base.items() if k not in ("batching", "max_batch_rows", "max_batch_wait_ms", "limits")}
+    with pytest.raises(ValueError, match=r"--batching 'fast': allowed: batched, serial"):
+        check_batching("fast")
