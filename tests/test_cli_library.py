@@ -79,3 +79,37 @@ def test_server_options_take_the_command_line_over_the_recipe():
         {k: v for k, v in base.items() if k not in ("batching", "max_batch_rows", "max_batch_wait_ms", "limits")}
     with pytest.raises(ValueError, match=r"--batching 'fast': allowed: batched, serial"):
         check_batching("fast")
+
+
+# ---- bench and tune-epsilon options ------------------------------------------------------------------------------
+
+
+def test_configs_come_back_in_table_5_order_and_unknown_ones_are_named():
+    from hycoc.bench.inputs import OptionError, parse_configs
+    from hycoc.cli import BENCH_CONFIGS
+
+    assert parse_configs("hyco-exact,cloud-mtp,hyco", BENCH_CONFIGS) == ["cloud-mtp", "hyco", "hyco-exact"]
+    with pytest.raises(OptionError) as e:
+        parse_configs("hyco,fast,slow", BENCH_CONFIGS)
+    assert str(e.value) == f"--configs: unknown fast, slow; allowed: {', '.join(BENCH_CONFIGS)}"
+
+
+@pytest.mark.parametrize("link, ok", [("lte", True), ("5g", True), ("none", True), ("45:50", True),
+                                      ("50:0", False), ("fast", False), ("45", False)])
+def test_link_option_accepts_what_the_recipe_accepts(link, ok):
+    from hycoc.bench.inputs import OptionError, check_link_option
+
+    if ok:
+        assert check_link_option(link) == link
+    else:
+        with pytest.raises(OptionError, match=r"allowed: lte, 5g, none or RTT_MS:MBPS such as 45:50"):
+            check_link_option(link)
+
+
+def test_epsilons_parse_to_floats_inside_the_open_interval():
+    from hycoc.bench.inputs import OptionError, parse_epsilons
+
+    assert parse_epsilons("0.005, 0.02,0.1") == [0.005, 0.02, 0.1]
+    for bad in ("", "0.1,1", "0", "a,b", ",,"):
+        with pytest.raises(OptionError, match=r"allowed: comma-separated numbers in \(0, 1\)"):
+            parse_epsilons(bad)

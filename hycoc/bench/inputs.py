@@ -15,6 +15,48 @@ class BenchInputError(ValueError):
     """A bench input (``--bundle``, ``--dataset``) that cannot be used; the message names it and the fix."""
 
 
+class OptionError(ValueError):
+    """A command-line value outside what the option allows (the commands exit 2, bad usage); the message names the
+    option and the allowed values."""
+
+
+def parse_configs(text: str, allowed: tuple[str, ...]) -> list[str]:
+    """``--configs``: comma-separated configuration names, returned in the order of ``allowed`` (paper Table 5).
+    Raises `OptionError` naming the unknown ones and every allowed name."""
+    chosen = text.split(",")
+    unknown = [c for c in chosen if c not in allowed]
+    if unknown:
+        raise OptionError(f"--configs: unknown {', '.join(unknown)}; allowed: {', '.join(allowed)}")
+    return [c for c in allowed if c in chosen]
+
+
+def check_link_option(link: str) -> str:
+    """``--link``: lte, 5g, none or RTT_MS:MBPS, accepted exactly as the recipe's bench.link
+    (`hycoc.recipe.check_link`) and parsed as the runtime will (`hycoc.runtime.transport.parse_link`). Returns
+    it; raises `OptionError` with the allowed forms."""
+    from hycoc.recipe import check_link
+    from hycoc.runtime.transport import parse_link
+
+    try:
+        check_link(link)
+        parse_link(link)
+    except ValueError:
+        raise OptionError(f"--link {link!r}: allowed: lte, 5g, none or RTT_MS:MBPS such as 45:50") from None
+    return link
+
+
+def parse_epsilons(text: str) -> list[float]:
+    """``--epsilons``: comma-separated thresholds, each in (0, 1) (epsilon-threshold acceptance, paper §3; exact
+    acceptance, epsilon = 1, always runs beside them). Raises `OptionError` for anything else or an empty list."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0 < e < 1 for e in values):
+        raise OptionError(f"--epsilons {text!r}: allowed: comma-separated numbers in (0, 1), such as 0.005,0.02")
+    return values
+
+
 def display_path(path: Path, cwd: Path | None = None) -> str:
     """``path`` relative to ``cwd`` (default: the working directory) when it lies under it, else as given: the
     form a user would type (``bundles/toy-cpu``, not ``/home/u/hycoc/bundles/toy-cpu``)."""
@@ -77,4 +119,5 @@ def bench_questions(cfg, recipe: Path, bundle: Path | None, dataset: str | None,
     return questions, name, bundle_dir
 
 
-__all__ = ["BenchInputError", "bench_bundle", "bench_questions", "display_path"]
+__all__ = ["BenchInputError", "OptionError", "bench_bundle", "bench_questions", "check_link_option", "display_path",
+           "parse_configs", "parse_epsilons"]

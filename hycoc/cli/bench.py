@@ -79,22 +79,15 @@ def bench(
     talks to it through the wire protocol. Writes OUT/records.jsonl (one line per finished request; --resume
     continues), OUT/results.json (summary + records) and PNG plots, and prints the table.
     """
-    from hycoc.bench.datasets import DatasetError
-    from hycoc.recipe import check_link
+    from hycoc.bench.inputs import OptionError, check_link_option, parse_configs
 
     cfg = _recipe("bench", recipe)
-    unknown = [c for c in configs.split(",") if c not in BENCH_CONFIGS]
-    if unknown:
-        raise _fail("bench", f"--configs: unknown {', '.join(unknown)}; allowed: {', '.join(BENCH_CONFIGS)}", code=2)
-    if link is not None:
-        from hycoc.runtime.transport import parse_link
-
-        try:  # the recipe's own check, so the CLI and the recipe accept the same strings
-            check_link(link)
-            parse_link(link)
-        except ValueError:
-            raise _fail("bench", f"--link {link!r}: allowed: lte, 5g, none or RTT_MS:MBPS such as 45:50",
-                        code=2) from None
+    try:
+        chosen = parse_configs(configs, BENCH_CONFIGS)
+        if link is not None:
+            check_link_option(link)
+    except OptionError as e:
+        raise _fail("bench", str(e), code=2) from None
     if cost_model is not None and not cost_model.is_file():
         raise _fail("bench", f"--cost-model {cost_model}: no such file")
     if device_profile is not None:
@@ -113,7 +106,7 @@ def bench(
 
     questions, dataset_name, bundle_dir = _bench_questions(cfg, recipe, bundle, dataset, max_prompt_tokens)
     plan = BenchPlan(questions=questions[:limit] if limit else questions,
-                     configs=[c for c in BENCH_CONFIGS if c in configs.split(",")], runs=runs or cfg.bench.runs,
+                     configs=chosen, runs=runs or cfg.bench.runs,
                      link=link or cfg.bench.link, output_cap=max_new_tokens or cfg.bench.output_cap, out=out,
                      turns=turns, thinking=thinking, dataset=dataset_name)
     try:
@@ -195,15 +188,12 @@ def tune_epsilon(
     from hycoc.bench.datasets import DatasetError, load_spec_bench
 
     cfg = _recipe("tune-epsilon", recipe)
-    eps_list = list(cfg.tune.epsilons)
-    if epsilons is not None:
-        try:
-            eps_list = [float(x) for x in epsilons.split(",") if x.strip()]
-        except ValueError:
-            eps_list = []
-        if not eps_list or not all(0 < e < 1 for e in eps_list):
-            raise _fail("tune-epsilon", f"--epsilons {epsilons!r}: allowed: comma-separated numbers in (0, 1), "
-                        "such as 0.005,0.02", code=2)
+    from hycoc.bench.inputs import OptionError, parse_epsilons
+
+    try:
+        eps_list = parse_epsilons(epsilons) if epsilons is not None else list(cfg.tune.epsilons)
+    except OptionError as e:
+        raise _fail("tune-epsilon", str(e), code=2) from None
     path = validation_data or cfg.resolve_path(cfg.tune.validation_data)
     if path is None:
         raise _fail("tune-epsilon", f"{recipe}: tune.validation_data is empty; set it to a JSONL of held-out "
