@@ -113,3 +113,40 @@ def test_epsilons_parse_to_floats_inside_the_open_interval():
     for bad in ("", "0.1,1", "0", "a,b", ",,"):
         with pytest.raises(OptionError, match=r"allowed: comma-separated numbers in \(0, 1\)"):
             parse_epsilons(bad)
+
+
+# ---- hycoc run ---------------------------------------------------------------------------------------------------
+
+
+def test_run_options_are_checked_in_the_order_a_user_fixes_them(tmp_path):
+    from hycoc.run_options import RunOptionError, check_run_options
+
+    def fails(**kw):
+        args = dict(bundle=tmp_path, server="ws://127.0.0.1:8765", prompt="hi", prompt_file=None, chat=False,
+                    raw=False, slm_alone=False) | kw
+        with pytest.raises(RunOptionError) as e:
+            check_run_options(**args)
+        return e.value.code, str(e.value)
+
+    assert fails(prompt=None) == (2, "give exactly one of --prompt and --prompt-file")
+    assert fails(prompt_file=tmp_path / "p.txt") == (2, "give exactly one of --prompt and --prompt-file")
+    assert fails(chat=True, raw=True)[1].startswith("--chat needs a verifier and the chat template")
+    assert fails(prompt=None, prompt_file=tmp_path / "p.txt") == (2, f"--prompt-file {tmp_path / 'p.txt'}: no such file")
+    assert fails(bundle=tmp_path / "b") == (1, f"bundle {tmp_path / 'b'}: no such folder (make one with `hycoc build "
+                                               "RECIPE --target cpu --out DIR`)")
+    assert fails(server=None) == (2, "--server ws://HOST:PORT is required (except with --mode slm-alone)")
+    assert fails(server="http://x:1") == (2, "--server 'http://x:1': expected ws://HOST:PORT")
+    check_run_options(bundle=tmp_path, server=None, prompt="hi", prompt_file=None, chat=False, raw=False,
+                      slm_alone=True)                                       # slm-alone needs no server
+    check_run_options(bundle=tmp_path, server="wss://h:1", prompt=None, prompt_file=None, chat=True, raw=False,
+                      slm_alone=False)                                      # --chat reads the first turn
+
+
+def test_the_run_summary_line():
+    from hycoc.run_options import summary_line
+
+    m = {"tokens": 12, "rounds": 3, "mat": 4.0, "tok_per_s": 10.04, "draft_ms_per_token": 2.25,
+         "server_ms_per_token": 5.0, "first_token_ms": 123}
+    assert summary_line("hyco", m, 45.67, "stop") == ("[hyco: 12 tokens, 3 rounds, MAT 4.00, 10.0 tok/s, draft 2.2 "
+                                                      "ms/token, server 5.0 ms/token, first token 123 ms, prefill "
+                                                      "45.7 ms, stop]")

@@ -58,20 +58,13 @@ def run(
     JSON object on stdout after the text: text, tokens, rounds, mat, tok_per_s, draft_ms_per_token,
     server_ms_per_token, first_token_ms, bytes_up_per_round, bytes_down_per_round).
     """
-    if (prompt is not None and prompt_file is not None) or (not chat and prompt is None and prompt_file is None):
-        raise _fail("run", "give exactly one of --prompt and --prompt-file", code=2)
-    if chat and (mode == RunMode.slm_alone or raw):
-        raise _fail("run", "--chat needs a verifier and the chat template: not with --mode slm-alone or --raw",
-                    code=2)
-    if prompt_file is not None and not prompt_file.is_file():
-        raise _fail("run", f"--prompt-file {prompt_file}: no such file", code=2)
-    if not bundle.is_dir():
-        what = "is a file, not a bundle folder" if bundle.exists() else "no such folder"
-        raise _fail("run", f"bundle {bundle}: {what} (make one with `hycoc build RECIPE --target cpu --out DIR`)")
-    if mode != RunMode.slm_alone and server is None:
-        raise _fail("run", "--server ws://HOST:PORT is required (except with --mode slm-alone)", code=2)
-    if mode != RunMode.slm_alone and not server.startswith(("ws://", "wss://")):
-        raise _fail("run", f"--server {server!r}: expected ws://HOST:PORT", code=2)
+    from hycoc.run_options import RunOptionError, check_run_options, summary_line
+
+    try:
+        check_run_options(bundle=bundle, server=server, prompt=prompt, prompt_file=prompt_file, chat=chat, raw=raw,
+                          slm_alone=mode == RunMode.slm_alone)
+    except RunOptionError as e:
+        raise _fail("run", str(e), code=e.code) from None
     import json
 
     from hycoc.bundle import BundleError
@@ -153,10 +146,7 @@ def run(
         if json_out:
             sys.stdout.write(json.dumps(m) + "\n")
         sys.stdout.flush()
-        typer.echo(f"[{mode.value}: {m['tokens']} tokens, {m['rounds']} rounds, MAT {m['mat']:.2f}, "
-                   f"{m['tok_per_s']:.1f} tok/s, draft {m['draft_ms_per_token']:.1f} ms/token, server "
-                   f"{m['server_ms_per_token']:.1f} ms/token, first token {m['first_token_ms']} ms, prefill "
-                   f"{res.prefill_ms:.1f} ms, {res.finish_reason}]", err=True)
+        typer.echo(summary_line(mode.value, m, res.prefill_ms, res.finish_reason), err=True)
         return res
 
     res = turn(True)
