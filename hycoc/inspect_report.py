@@ -291,5 +291,21 @@ def render_manifest(manifest, console: Any = None) -> None:
                  right=("value",))
 
 
-__all__ = ["inspect_console", "recipe_report", "render_chat", "render_device_estimate", "render_manifest",
+def render_built_bundle(result, console: Any = None) -> None:
+    """What `hycoc build` prints once the bundle is written: one row per graph (file, inputs, outputs, quantized
+    weights by dtype) and a line with the files, MB and keep set. ``result``: `hycoc.passes.build.BuildResult`
+    (``out_dir``, ``manifest``). console: default `inspect_console`."""
+    console = inspect_console(console)
+    manifest = result.manifest
+    _print_table(console, f"bundle {result.out_dir} ({manifest.target.name})",
+                 ["graph", "file", "inputs", "outputs", "weights"],
+                 [[g.name, g.file, str(len(g.inputs)), str(len(g.outputs)),
+                   ", ".join(f"{w.tensors} {dtype}" for dtype, w in g.weight_bits.items())] for g in manifest.graphs],
+                 right=("inputs", "outputs"), text=("weights",))
+    total = sum(f.bytes for f in manifest.files)
+    console.print(f"wrote {result.out_dir}: {len(manifest.files)} files, {total / 1e6:.2f} MB, keep set "
+                  f"{manifest.keep_set_size}", markup=False, highlight=False, soft_wrap=True)   # one greppable line
+
+
+__all__ = ["inspect_console", "render_built_bundle", "recipe_report", "render_chat", "render_device_estimate", "render_manifest",
            "render_plan", "render_recipe_report", "render_verifier_kv"]

@@ -74,19 +74,9 @@ def build(
     if until is not None:
         typer.echo(f"stopped after {until}; its artifacts are in {result.stopped_at}")
         return
-    from rich.table import Table
+    from hycoc.inspect_report import render_built_bundle
 
-    manifest = result.manifest
-    table = Table(title=f"bundle {result.out_dir} ({manifest.target.name})")
-    for column in ("graph", "file", "inputs", "outputs", "weights"):
-        table.add_column(column)
-    for g in manifest.graphs:
-        weights = ", ".join(f"{w.tensors} {dtype}" for dtype, w in g.weight_bits.items())
-        table.add_row(g.name, g.file, str(len(g.inputs)), str(len(g.outputs)), weights)
-    Console().print(table)
-    total = sum(f.bytes for f in manifest.files)
-    typer.echo(f"wrote {result.out_dir}: {len(manifest.files)} files, {total / 1e6:.2f} MB, keep set "
-               f"{manifest.keep_set_size}")
+    render_built_bundle(result)
 
 
 def inspect(
