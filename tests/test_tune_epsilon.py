@@ -77,6 +77,29 @@ def test_validation_set_is_checked(tmp_path):
         load_validation(bad, 1)
 
 
+def test_validation_questions_come_from_the_option_or_the_recipe_and_skip_the_benchmark(tmp_path):
+    from pathlib import Path
+
+    from hycoc.bench.tune_epsilon import validation_questions
+    from hycoc.recipe import load_recipe
+
+    root = Path(__file__).resolve().parents[1]
+    toy, default = root / "recipes" / "toy.toml", root / "benchmarks" / "data" / "spec_bench_question.jsonl"
+    cfg = load_recipe(toy)
+    own = validation_questions(cfg, toy, None, 2, default)           # tune.validation_data of the recipe
+    assert [q.question_id for q in own] == [1, 2] and all(q.category == "validation" for q in own)
+    val = tmp_path / "val.jsonl"
+    val.write_text(conversation("w1 w2", "w3") + "\n")
+    assert [q.turns for q in validation_questions(cfg, toy, val, 1, default)] == [("w1 w2",)]
+    first_turn = json.loads(default.read_text(encoding="utf-8").splitlines()[0])["turns"][0]
+    val.write_text(conversation(first_turn, "w3") + "\n")
+    with pytest.raises(TuneError, match="this prompt is a benchmark question"):
+        validation_questions(cfg, toy, val, 1, default)
+    empty = cfg.model_copy(update={"tune": cfg.tune.model_copy(update={"validation_data": ""})})
+    with pytest.raises(TuneError, match=r"toy.toml: tune.validation_data is empty; set it to a JSONL"):
+        validation_questions(empty, toy, None, 1, default)
+
+
 def test_cli_checks_its_arguments(tiny_bundle):
     result = CliRunner().invoke(app, ["tune-epsilon", str(tiny_bundle.path)])
     assert result.exit_code == 1 and "tune.validation_data is empty" in result.stderr

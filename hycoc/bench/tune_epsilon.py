@@ -100,6 +100,25 @@ def load_validation(path: Path, count: int, *, benchmark_turns: set[str] = froze
 # ---- the selection rule -------------------------------------------------------------------------------------
 
 
+def validation_questions(cfg, recipe_path: Path, validation_data: Path | None, prompts: int | None,
+                         default_dataset: Path) -> list[Question]:
+    """`hycoc tune-epsilon`'s held-out questions: ``validation_data`` (``--validation-data``), else the recipe's
+    tune.validation_data; the first ``prompts`` (default tune.prompts) conversations (`load_validation`), refusing
+    any prompt that is a first turn of the benchmark (the recipe's bench.dataset, else ``default_dataset``) and the
+    keep set's own corpus. Raises TuneError (naming the recipe key or file) or
+    `hycoc.bench.datasets.DatasetError` (a bad benchmark file)."""
+    from hycoc.bench.datasets import load_spec_bench
+
+    path = validation_data or cfg.resolve_path(cfg.tune.validation_data)
+    if path is None:
+        raise TuneError(f"{recipe_path}: tune.validation_data is empty; set it to a JSONL of held-out "
+                        "conversations (or pass --validation-data)")
+    bench_path = cfg.resolve_path(cfg.bench.dataset) or default_dataset
+    benchmark_turns = {q.turns[0] for q in load_spec_bench(bench_path)} if bench_path.is_file() else set()
+    return load_validation(path, prompts or cfg.tune.prompts, benchmark_turns=benchmark_turns,
+                           keep_set_corpus=cfg.resolve_path(cfg.keep_set.corpus))
+
+
 @dataclass(frozen=True)
 class Tolerance:
     """How far an ε may move the answers' text from exact acceptance and still be chosen (`choose_epsilon`);
@@ -327,4 +346,5 @@ def render_sweep(rows: Sequence[SweepRow], chosen: SweepRow, tol: Tolerance, con
 
 
 __all__ = ["EXACT", "EXACT_MODE", "GUARDS", "SweepRow", "Tolerance", "TuneError", "TunePlan", "check_row",
+           "validation_questions",
            "choose_epsilon", "label_of", "load_validation", "render_sweep", "rows_from_summary", "run_tune"]

@@ -185,7 +185,7 @@ def tune_epsilon(
     the lowest projected g, a g within tune.g_tie_pct % of it counting as a tie won by the larger epsilon.
     Writes OUT/records.jsonl and OUT/tune.json and prints the line to put in the recipe's acceptance table.
     """
-    from hycoc.bench.datasets import DatasetError, load_spec_bench
+    from hycoc.bench.datasets import DatasetError
 
     cfg = _recipe("tune-epsilon", recipe)
     from hycoc.bench.inputs import OptionError, parse_epsilons
@@ -194,23 +194,13 @@ def tune_epsilon(
         eps_list = parse_epsilons(epsilons) if epsilons is not None else list(cfg.tune.epsilons)
     except OptionError as e:
         raise _fail("tune-epsilon", str(e), code=2) from None
-    path = validation_data or cfg.resolve_path(cfg.tune.validation_data)
-    if path is None:
-        raise _fail("tune-epsilon", f"{recipe}: tune.validation_data is empty; set it to a JSONL of held-out "
-                    "conversations (or pass --validation-data)")
     if cost_model is not None and not cost_model.is_file():
         raise _fail("tune-epsilon", f"--cost-model {cost_model}: no such file")
-    bench_path = cfg.resolve_path(cfg.bench.dataset) or DEFAULT_DATASET
-    try:
-        benchmark_turns = {q.turns[0] for q in load_spec_bench(bench_path)} if bench_path.is_file() else set()
-    except DatasetError as e:
-        raise _fail("tune-epsilon", str(e)) from None
-    from hycoc.bench.tune_epsilon import Tolerance, TuneError, TunePlan, load_validation, run_tune
+    from hycoc.bench.tune_epsilon import Tolerance, TuneError, TunePlan, run_tune, validation_questions
 
     try:
-        questions = load_validation(path, prompts or cfg.tune.prompts, benchmark_turns=benchmark_turns,
-                                    keep_set_corpus=cfg.resolve_path(cfg.keep_set.corpus))
-    except TuneError as e:
+        questions = validation_questions(cfg, recipe, validation_data, prompts, DEFAULT_DATASET)
+    except (TuneError, DatasetError) as e:
         raise _fail("tune-epsilon", str(e)) from None
     _need_full("tune-epsilon")
     from hycoc.bench.runner import BenchError
