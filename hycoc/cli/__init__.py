@@ -12,6 +12,12 @@ One module per command group, each command an undecorated function registered he
 - ``bench``: bench, tune-epsilon, loadtest, profile;
 - ``tools``: generate, calibrate-handoff, doctor.
 
+What a command checks, computes and prints lives in library modules the tests call directly: ``hycoc.inspect_report``
+(inspect's and build's tables), ``hycoc.bench.inputs`` (bench's bundle, questions and option checks),
+``hycoc.bench.tune_epsilon.validation_questions``, ``hycoc.run_options`` (run's checks and summary line),
+``hycoc.generate`` (generate), ``hycoc.doctor`` (doctor), ``hycoc.verifier.loading`` (the servers' keep set, model
+checks and options).
+
 Exit codes: 0 done; 1 bad input (recipe, dataset, missing model); 2 bad usage or a command that is not
 available yet (its message names the issue that brings it).
 """
