@@ -251,6 +251,22 @@ def project_records(records: Sequence[Mapping], costs: Mapping[str, float]) -> d
     return out
 
 
+def profile_table(result: Mapping[str, Any]):
+    """`profile_bundle`'s result as a `hycoc.bench.tables.TextTable`: per graph its AI Hub job, median and p90
+    execute ms, runs, peak MB and its three costliest op types."""
+    from hycoc.bench.tables import TextTable
+
+    rows = []
+    for g, v in result["graphs"].items():
+        ops = ", ".join(f"{o['type']} {o['ms']:.2f}" for o in v["top_ops"][:3])
+        peak = "-" if v["peak_memory_bytes"] is None else f"{v['peak_memory_bytes'] / 1e6:.1f}"
+        rows.append([g, v["job"], f"{v['execute_ms_median']:.3f}", f"{v['execute_ms_p90']:.3f}", str(v["runs"]),
+                     peak, ops])
+    return TextTable(title=f"device profile on {result['device']} (AI Hub)",
+                     headers=["graph", "job", "execute ms median", "p90", "runs", "peak MB", "top ops (ms)"], rows=rows,
+                     justify=["left", "left", "right", "right", "right", "right", "left"])
+
+
 def device_table(projection: Mapping[str, dict], label: str):
     """The per-configuration device-time table (`project_records`) as a `hycoc.bench.tables.TextTable`, titled with
     where the graph costs came from; configurations in the main table's order (paper Table 5)."""

@@ -246,18 +246,11 @@ def profile(
                                 on_job=lambda g, j: typer.echo(f"profile: graph {g}: AI Hub inference job {j}"))
     except (QaiHubSetupError, QaiHubDeviceError, DeviceProfileError, BundleError) as e:
         raise _fail("profile", str(e)) from None
-    from rich.console import Console
-    from rich.table import Table
+    from hycoc.bench.device_profile import profile_table
+    from hycoc.bench.runner import make_console
+    from hycoc.bench.tables import print_tables
 
-    t = Table(title=f"device profile on {result['device']} (AI Hub)")
-    for col in ("graph", "job", "execute ms median", "p90", "runs", "peak MB", "top ops (ms)"):
-        t.add_column(col, justify="left" if col in ("graph", "job", "top ops (ms)") else "right")
-    for g, v in result["graphs"].items():
-        ops = ", ".join(f"{o['type']} {o['ms']:.2f}" for o in v["top_ops"][:3])
-        peak = "-" if v["peak_memory_bytes"] is None else f"{v['peak_memory_bytes'] / 1e6:.1f}"
-        t.add_row(g, v["job"], f"{v['execute_ms_median']:.3f}", f"{v['execute_ms_p90']:.3f}", str(v["runs"]), peak,
-                  ops)
-    Console(width=160).print(t)
+    print_tables([profile_table(result)], make_console())    # the terminal's width; COLUMNS or 120 redirected
     typer.echo(f"wrote {out or bundle / 'device_profile.json'}")
 
 
