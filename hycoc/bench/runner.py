@@ -344,7 +344,7 @@ def _run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, 
 
         render_long_context(results["long_context"], console,
                             title=f"long documents: first reply (hand-off of up to W = {r.head_window} positions) "
-                                  f"and the device's SLM ring prefill (last {r.slm_window} prompt tokens)")
+                                  f"and the device's SLM ring prefill (last {r.slm_window} prompt tokens)", fmt=fmt)
     return results
 
 
