@@ -45,6 +45,16 @@ def test_choice_on_a_hand_made_sweep():
                                                          ("compression_ratio", "repeated_4gram_share", "distinct_2")]
     with pytest.raises(TuneError, match="exact-acceptance row"):
         choose_epsilon([row(0.01, 1.0, comp=-1)], TOL)
+    from hycoc.bench.tune_epsilon import render_sweep, sweep_table
+
+    table = sweep_table(rows, chosen, TOL)
+    assert [r[0] for r in table.rows] == ["0.001", "0.005", "0.01", "0.02", "0.1", "1 (exact)"]
+    assert [r[-1] for r in table.rows] == ["no: compression_ratio -0.100 < -0.030",
+                                           "no: repeated_4gram_share +0.060 > +0.050", "yes", "chosen", "yes", "yes"]
+    console = Console(file=io.StringIO(), width=80)
+    render_sweep(rows, chosen, TOL, console)
+    out = console.file.getvalue()
+    assert max(map(len, out.splitlines())) <= 80 and "…" not in out and "1 (exact)" in out
 
 
 def test_tune_table_in_the_recipe():

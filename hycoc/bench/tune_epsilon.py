@@ -313,21 +313,11 @@ def run_tune(recipe, recipe_path: Path, plan: TunePlan, *, bundle_dir: Path, bac
     return result
 
 
-def render_sweep(rows: Sequence[SweepRow], chosen: SweepRow, tol: Tolerance, console) -> None:
-    """Print the sweep table: per ε, MAT, g (projected) and measured g, the guarded metrics' means and paired
-    differences vs exact, the other metrics' differences, whether the guards pass, and the choice."""
-    from rich.table import Table
-
-    table = Table(title="tune-epsilon: ε sweep on the validation prompts (paired vs exact acceptance)",
-                  caption_justify="left", caption=(
-                      f"g: projected ms per output token (rounds), g meas.: measured incl. prefill. Guards vs exact: "
-                      f"zlib ratio drop <= {tol.compression_drop:g}, rep. 4-gram rise <= {tol.repetition_rise:g}, "
-                      f"distinct-2 drop <= {tol.distinct2_drop:g}; choice: lowest g among admissible, ties within "
-                      f"{tol.g_tie_pct:g}% to the largest ε. ROUGE-L: against the validation set's own sampled "
-                      "answers (informational)."))
-    for head in ("ε", "n", "MAT", "g ms/tok", "g meas.", "zlib ratio (Δ)", "rep. 4-gram (Δ)", "distinct-2 (Δ)",
-                 "longest run (Δ)", "ROUGE-L (Δ)", "admissible"):
-        table.add_column(head, justify="right" if head not in ("admissible",) else "left")
+def sweep_table(rows: Sequence[SweepRow], chosen: SweepRow, tol: Tolerance):
+    """The sweep as a `hycoc.bench.tables.TextTable` (key column ε): per ε, MAT, g (projected) and measured g, the
+    guarded metrics' means and paired differences vs exact, the other metrics' differences, whether the guards
+    pass, and the choice; the caption states the guards and the rule."""
+    from hycoc.bench.tables import TextTable
 
     def cell(row: SweepRow, key: str, fmt: str) -> str:
         mean, d = row.means.get(key), row.deltas.get(key)
@@ -335,16 +325,35 @@ def render_sweep(rows: Sequence[SweepRow], chosen: SweepRow, tol: Tolerance, con
             return "–"
         return f"{mean:{fmt}}" + ("" if row.epsilon >= 1.0 or d is None else f" ({d:+{fmt}})")
 
+    def num(x, f):
+        return "–" if x is None else format(x, f)
+
+    out = []
     for r in rows:
-        num = lambda x, f: "–" if x is None else format(x, f)  # noqa: E731
         mark = "chosen" if r is chosen else ("yes" if r.admissible else "no: " + "; ".join(r.failed))
-        table.add_row("1 (exact)" if r.epsilon >= 1.0 else f"{r.epsilon:g}", str(r.requests), num(r.mat, ".2f"),
-                      num(r.g, ".2f"), num(r.g_measured, ".2f"), cell(r, "compression_ratio", ".3f"),
-                      cell(r, "repeated_4gram_share", ".3f"), cell(r, "distinct_2", ".3f"),
-                      cell(r, "longest_run", ".1f"), cell(r, "rouge_l", ".1f"), mark)
-    console.print(table)
+        out.append(["1 (exact)" if r.epsilon >= 1.0 else f"{r.epsilon:g}", str(r.requests), num(r.mat, ".2f"),
+                    num(r.g, ".2f"), num(r.g_measured, ".2f"), cell(r, "compression_ratio", ".3f"),
+                    cell(r, "repeated_4gram_share", ".3f"), cell(r, "distinct_2", ".3f"),
+                    cell(r, "longest_run", ".1f"), cell(r, "rouge_l", ".1f"), mark])
+    headers = ["ε", "n", "MAT", "g ms/tok", "g meas.", "zlib ratio (Δ)", "rep. 4-gram (Δ)", "distinct-2 (Δ)",
+               "longest run (Δ)", "ROUGE-L (Δ)", "admissible"]
+    return TextTable(
+        title="tune-epsilon: ε sweep on the validation prompts (paired vs exact acceptance)", headers=headers,
+        rows=out, justify=["right"] * (len(headers) - 1) + ["left"],
+        caption=(f"g: projected ms per output token (rounds), g meas.: measured incl. prefill. Guards vs exact: "
+                 f"zlib ratio drop <= {tol.compression_drop:g}, rep. 4-gram rise <= {tol.repetition_rise:g}, "
+                 f"distinct-2 drop <= {tol.distinct2_drop:g}; choice: lowest g among admissible, ties within "
+                 f"{tol.g_tie_pct:g}% to the largest ε. ROUGE-L: against the validation set's own sampled "
+                 "answers (informational)."))
+
+
+def render_sweep(rows: Sequence[SweepRow], chosen: SweepRow, tol: Tolerance, console) -> None:
+    """Print `sweep_table` on ``console``, split to its width (the ε column leading every part)."""
+    from hycoc.bench.tables import print_tables
+
+    print_tables([sweep_table(rows, chosen, tol)], console)
 
 
 __all__ = ["EXACT", "EXACT_MODE", "GUARDS", "SweepRow", "Tolerance", "TuneError", "TunePlan", "check_row",
            "validation_questions",
-           "choose_epsilon", "label_of", "load_validation", "render_sweep", "rows_from_summary", "run_tune"]
+           "choose_epsilon", "label_of", "load_validation", "render_sweep", "sweep_table", "rows_from_summary", "run_tune"]
