@@ -213,12 +213,27 @@ def test_the_cost_measurement_runs_on_the_engines_windowed_session_cache():
     finally:
         tap.remove()
     assert [layer.held for layer in sliding] == [retain] * len(sliding) and cache.get_seq_length() == 200
+    # a prefill chunk trims the sliding layers past the old positions: the measurement restores the cache instead
+    from hycoc.verifier.cost_measure import restore_cache, snapshot_cache
+    from hycoc.verifier.engine import prefill
+
+    before = [(layer.held, layer.start) for layer in sliding]
+    saved = snapshot_cache(cache)
+    tap = NormTap(model)
+    try:
+        prefill(model, cache, tap, torch.arange(64), 64, model.dtype, start=200)
+    finally:
+        tap.remove()
+    assert [(layer.held, layer.start) for layer in sliding] == [(retain, 264 - retain)] * len(sliding)
+    restore_cache(saved)
+    assert [(layer.held, layer.start) for layer in sliding] == before and cache.get_seq_length() == 200
+    assert all(layer.keys.shape[-2] == 200 for layer in layers if layer not in sliding)
     full = random_cache(model, 200, "cpu")          # without the engine: every layer keeps the whole context
     assert all(layer.keys.shape[-2] == 200 for layer in full.layers if stores_kv(layer))
-    points = measure_grid(model, [1, 5], [200], warmup=0, repeats=1, device="cpu", log=lambda *a: None, head=head,
-                          prefill_rows=[4], new_cache=engine.new_cache)
+    points = measure_grid(model, [1, 5], [200], warmup=0, repeats=2, device="cpu", log=lambda *a: None, head=head,
+                          prefill_rows=[64], new_cache=engine.new_cache)
     assert {(p.kind, p.rows, p.context) for p in points} == {("verify", 1, 200), ("verify", 5, 200),
-                                                             ("head_step", 1, 200), ("prefill", 4, 200)}
+                                                             ("head_step", 1, 200), ("prefill", 64, 200)}
 
 
 def test_the_bench_cost_model_measures_with_the_engines_cache(monkeypatch):

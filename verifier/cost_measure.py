@@ -112,6 +112,25 @@ def random_cache(model, context: int, device, new_cache=None):
     return cache
 
 
+def snapshot_cache(cache) -> list:
+    """The state of every layer of ``cache`` (its keys and values tensors, and a sliding layer's ``start`` and
+    ``cumulative_length``), for `restore_cache`. The tensors are kept by reference: a forward replaces a layer's
+    tensors (``torch.cat``, slices) and does not write into them, so the snapshot stays valid."""
+    return [(layer, layer.keys, layer.values, getattr(layer, "start", None), getattr(layer, "cumulative_length", None))
+            for layer in cache.layers if getattr(layer, "is_initialized", False)]
+
+
+def restore_cache(snapshot: list) -> None:
+    """Put every layer back as `snapshot_cache` saw it: undoes a timed forward, a prefill chunk included (after
+    one, a sliding layer has trimmed to its window past the old positions, so cropping could not restore it)."""
+    for layer, keys, values, start, cumulative in snapshot:
+        layer.keys, layer.values = keys, values
+        if start is not None:
+            layer.start = start
+        if cumulative is not None:
+            layer.cumulative_length = cumulative
+
+
 def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, device, chain_length: int = 4,
                  log=print, head=None, prefill_rows=(), head_position_offset: int = -1,
                  clock: str = "busy", wall_log: dict | None = None, statistic: str = "median",
@@ -137,7 +156,7 @@ def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, devic
     import numpy as np
     import torch
 
-    from hycoc.verifier.engine import NormTap, _Timer, crop_cache, draft_cloud_chain, prefill, producer_layers, verify_tree
+    from hycoc.verifier.engine import NormTap, _Timer, draft_cloud_chain, prefill, producer_layers, verify_tree
 
     dev = torch.device(device)
     vocab = model.config.vocab_size
@@ -156,6 +175,7 @@ def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, devic
     caches = {}
     try:
         caches = {t: random_cache(model, t, dev, new_cache) for t in contexts}
+        saved = {t: snapshot_cache(c) for t, c in caches.items()}
         for i in range(warmup + repeats):
             for kind, rows, t in grid:
                 tokens = torch.as_tensor(rng.integers(0, vocab, rows), device=dev)
@@ -169,7 +189,7 @@ def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, devic
                     else:
                         prefill(model, caches[t], tap, tokens, rows, model.dtype, start=t)
                 cpu_ms = (time.process_time() - cpu0) * 1e3
-                crop_cache(caches[t], t)
+                restore_cache(saved[t])   # every point starts from the same t positions
                 if i >= warmup:
                     times[(kind, rows, t)].append(cpu_ms if busy else timer.ms)
                     walls[(kind, rows, t)].append(timer.ms)
