@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TextIO
 
 
 def sampling_kwargs(temperature: float, top_k: int, top_p: float) -> dict:
