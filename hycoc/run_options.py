@@ -36,6 +36,37 @@ def check_run_options(*, bundle: Path, server: str | None, prompt: str | None, p
         raise RunOptionError(f"--server {server!r}: expected ws://HOST:PORT")
 
 
+class AnswerPrinter:
+    """Where `hycoc run` streams a turn: the thought (the reasoning channel) to ``err``, dimmed (ANSI faint) when
+    ``err`` is a terminal, and the answer to ``out``, so stdout holds the answer text alone.
+    ``show((thought, text))`` takes one `hycoc.chat.AnswerStream` piece pair; ``streamed`` says whether any answer
+    text went out (an error then starts on a fresh line)."""
+
+    def __init__(self, out=None, err=None):
+        import sys
+
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.streamed = False
+
+    def show(self, pieces: tuple[str, str]) -> None:
+        thought, text = pieces
+        if thought:
+            dim = self.err.isatty()
+            self.err.write(("\x1b[2m" if dim else "") + thought + ("\x1b[0m" if dim else ""))
+            self.err.flush()
+        if text:
+            self.streamed = True
+            self.out.write(text)
+            self.out.flush()
+
+
+def run_error(message: str) -> str:
+    """The one line for a failed turn: the error's own message, with the fix for a server that wants a token."""
+    if "auth_required" in message or "auth_refused" in message:
+        message += " (hycoc run: set HYCOC_AUTH_TOKEN or pass --auth-token-file FILE)"
+    return message
+
+
 def summary_line(mode: str, metrics: dict, prefill_ms: float, finish_reason: str) -> str:
     """The one line `hycoc run` prints on stderr after an answer: ``metrics`` is `RunResult.to_json()`'s object
     (tokens, rounds, mat, tok_per_s, draft_ms_per_token, server_ms_per_token, first_token_ms)."""
@@ -45,4 +76,4 @@ def summary_line(mode: str, metrics: dict, prefill_ms: float, finish_reason: str
             f"token {m['first_token_ms']} ms, prefill {prefill_ms:.1f} ms, {finish_reason}]")
 
 
-__all__ = ["RunOptionError", "check_run_options", "summary_line"]
+__all__ = ["AnswerPrinter", "RunOptionError", "check_run_options", "run_error", "summary_line"]

@@ -150,3 +150,24 @@ def test_the_run_summary_line():
     assert summary_line("hyco", m, 45.67, "stop") == ("[hyco: 12 tokens, 3 rounds, MAT 4.00, 10.0 tok/s, draft 2.2 "
                                                       "ms/token, server 5.0 ms/token, first token 123 ms, prefill "
                                                       "45.7 ms, stop]")
+
+
+def test_the_answer_goes_to_stdout_and_the_thought_to_stderr_dimmed_on_a_terminal():
+    from hycoc.run_options import AnswerPrinter, run_error
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    out, err = io.StringIO(), Tty()
+    p = AnswerPrinter(out, err)
+    p.show(("let me think", ""))
+    assert not p.streamed and out.getvalue() == "" and err.getvalue() == "\x1b[2mlet me think\x1b[0m"
+    p.show(("", "The answer"))
+    assert p.streamed and out.getvalue() == "The answer"
+    plain = io.StringIO()
+    AnswerPrinter(io.StringIO(), plain).show(("thought", ""))
+    assert plain.getvalue() == "thought"                  # not a terminal: no escape codes
+    assert run_error("server said auth_required") == ("server said auth_required (hycoc run: set HYCOC_AUTH_TOKEN "
+                                                      "or pass --auth-token-file FILE)")
+    assert run_error("connection closed") == "connection closed"

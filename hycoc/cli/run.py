@@ -58,7 +58,7 @@ def run(
     JSON object on stdout after the text: text, tokens, rounds, mat, tok_per_s, draft_ms_per_token,
     server_ms_per_token, first_token_ms, bytes_up_per_round, bytes_down_per_round).
     """
-    from hycoc.run_options import RunOptionError, check_run_options, summary_line
+    from hycoc.run_options import AnswerPrinter, RunOptionError, check_run_options, run_error, summary_line
 
     try:
         check_run_options(bundle=bundle, server=server, prompt=prompt, prompt_file=prompt_file, chat=chat, raw=raw,
@@ -103,26 +103,14 @@ def run(
     auth_token = _auth_token("run", ctx, auth_token, auth_token_file)
     client = None if mode == RunMode.slm_alone else VerifierClient(server, auth_token, timeout_s=timeout)
 
-    streamed = []
+    printer = AnswerPrinter()
     answer = AnswerStream(chat_format)
-
-    def show(pieces: tuple[str, str]) -> None:
-        """The thought to stderr (dimmed on a terminal), the answer to stdout."""
-        thought, text = pieces
-        if thought:
-            dim = sys.stderr.isatty()
-            sys.stderr.write(("\x1b[2m" if dim else "") + thought + ("\x1b[0m" if dim else ""))
-            sys.stderr.flush()
-        if text:
-            streamed.append(text)
-            sys.stdout.write(text)
-            sys.stdout.flush()
 
     def turn(first: bool, text: str | None = None):
         """One turn: the request (first) or the next user turn on the same session; prints its metrics."""
         nonlocal answer
         answer = AnswerStream(chat_format)
-        on_tokens = lambda new: show(answer.push(new))  # noqa: E731
+        on_tokens = lambda new: printer.show(answer.push(new))  # noqa: E731
         try:
             if first:
                 res = rt.generate(client, ids, mode=mode.value, max_new_tokens=max_new_tokens, seed=seed,
@@ -130,17 +118,14 @@ def run(
             else:
                 res = rt.next_turn(client, chat_format.next_turn(text, thinking), max_new_tokens=max_new_tokens,
                                    on_tokens=on_tokens)
-            show(answer.flush())
+            printer.show(answer.flush())
         except (TransportError, HandoffError, RuntimeProtocolError, GraphRunError, BundleError, ChatMismatch) as e:
-            if streamed:
+            if printer.streamed:
                 sys.stdout.write("\n")
                 sys.stdout.flush()
             if client is not None:
                 client.close()
-            message = str(e)
-            if "auth_required" in message or "auth_refused" in message:
-                message += " (hycoc run: set HYCOC_AUTH_TOKEN or pass --auth-token-file FILE)"
-            raise _fail("run", message) from None
+            raise _fail("run", run_error(str(e))) from None
         sys.stdout.write("\n")
         m = res.to_json()
         if json_out:
