@@ -56,7 +56,7 @@ if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
 from hycoc.bench.cost_model import (PAPER_ROUND_MS, CostModel, CostModelError, CostPoint,  # noqa: E402,F401
                                     round_forwards)  # numpy + pydantic only
 from hycoc.verifier.cost_measure import (PREFILL_ROWS, build_random_head, build_random_verifier,  # noqa: E402,F401
-                                         demo_parents, measure_grid, random_cache, shape_of)
+                                         demo_parents, measure_grid, measuring_engine, random_cache, shape_of)
 
 DEFAULTS = {"cuda": dict(contexts="1024,4096,16384", dtype="bfloat16"),
             "cpu": dict(contexts="32,64,128,256", dtype=None)}
@@ -193,6 +193,7 @@ def main(argv=None) -> int:
                 head = build_random_head(HEAD_ASSUMED, cfg["hidden_size"], args.device, dtype)
                 meta["head"] = "ASSUMED shape (hycoc.passes.plan.HEAD_ASSUMED), random weights"
             chain_length, offset = args.chain_length or 4, -1
+            head_window = 1024   # recipes/gemma4.toml's window.head_window (W), as the server would run it
         else:
             from hycoc.models import load_verifier
             from hycoc.recipe import load_recipe
@@ -211,6 +212,7 @@ def main(argv=None) -> int:
                 meta["head"] = f"{recipe.models.head}, real weights"
             chain_length = args.chain_length or recipe.tree.chain_length
             offset = recipe.window.head_query_position_offset
+            head_window = recipe.window.head_window
             name = f"{recipe.models.verifier} (recipe {args.recipe}), real weights"
             meta["weights"] = "real"
             meta["recipe"] = str(args.recipe)
@@ -233,9 +235,14 @@ def main(argv=None) -> int:
             console.print(f"  {kind:<9} rows {rows:>3}  context {t:>6}  {ms:9.2f} ms  (min {min(times):.2f}, "
                           f"max {max(times):.2f})  [{time.perf_counter() - t_start:.0f} s]")
 
+        engine = measuring_engine(model, head, head_window=head_window, chain_length=chain_length,
+                                  head_query_position_offset=offset, device=args.device)
+        meta["kv_cache"] = (f"the server's session cache (W = {head_window}): sliding layers keep "
+                            f"{engine.kv_retain} positions + the forward's rows, full layers the context")
         points = measure_grid(model, rows_list, contexts, warmup=args.warmup, repeats=args.repeats,
                               device=args.device, log=log, head=head, prefill_rows=prefill_rows,
-                              chain_length=chain_length, head_position_offset=offset, clock=args.clock)
+                              chain_length=chain_length, head_position_offset=offset, clock=args.clock,
+                              new_cache=engine.new_cache)
         meta["clock"] = args.clock if args.device == "cpu" else "wall (CUDA events)"
         if args.device == "cuda":
             meta["max_memory_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)

@@ -52,13 +52,42 @@ def plain_line(text: str, c: Console | None = None) -> None:
     c.print(wrapped, markup=False, highlight=False, soft_wrap=True)
 
 
+#: Characters of the bar itself: narrow, so an 80-column terminal keeps room for the step's description.
+BAR_WIDTH = 12
+
+
 def bar_columns() -> tuple:
-    """The columns of every progress display: spinner, description, bar, done/total, elapsed, ETA."""
+    """The columns of every progress display: spinner, description, bar, done/total, elapsed, ETA.
+
+    Laid out to fit the console (80 columns and up): the bar is `BAR_WIDTH` characters, the counts and times
+    are never wrapped nor cut, and the description wraps at spaces onto a second line instead of ending in "…"
+    (rich docs, "Progress Display": columns take a ``table_column``; a wrapping column gives up width first)."""
     from rich.progress import (BarColumn, MofNCompleteColumn, SpinnerColumn, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
+    from rich.table import Column
 
-    return (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+    def whole():
+        return Column(no_wrap=True)
+
+    return (SpinnerColumn(table_column=whole()),
+            TextColumn("{task.description}", table_column=Column(no_wrap=False, overflow="fold")),
+            BarColumn(bar_width=BAR_WIDTH, table_column=whole()), MofNCompleteColumn(table_column=whole()),
+            TimeElapsedColumn(table_column=whole()), TextColumn("ETA", table_column=whole()),
+            TimeRemainingColumn(table_column=whole()))
+
+
+@contextlib.contextmanager
+def live_progress(c: Console) -> Iterator[object]:
+    """A transient ``rich.progress.Progress`` on ``c`` with `bar_columns`, yielded while it runs. Once it has
+    started (and replaced ``sys.stdout`` with rich's proxy on a terminal), `hycoc.quiet.refilter_stdout` puts the
+    third-party filter back outside the proxy, so ``[torch.onnx]`` lines still go to the log."""
+    from rich.progress import Progress
+
+    from hycoc.quiet import refilter_stdout
+
+    with Progress(*bar_columns(), console=c, transient=True) as live:
+        refilter_stdout()
+        yield live
 
 
 @contextlib.contextmanager
@@ -131,9 +160,7 @@ def step(description: str, total: int | None = None, c: Console | None = None) -
             live.remove_task(s._task)
         return
     if c.is_terminal:
-        from rich.progress import Progress
-
-        with Progress(*bar_columns(), console=c, transient=True) as own:
+        with live_progress(c) as own:
             yield Step(label, total, c, own)
         return
     plain_line(f"{label}: started" + (f" ({total} to do)" if total else ""), c)

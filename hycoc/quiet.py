@@ -10,7 +10,8 @@ bench is not the user's business, so it goes to a log file under the run or buil
 * records of the standard ``logging`` module at WARNING and above whose logger is not hycoc's (onnxruntime's
   quantizer logs "Please consider to run pre-processing before quantization" through the root logger): a file
   handler on the root logger, which also keeps ``logging.lastResort`` from printing them on stderr;
-* lines written to ``sys.stdout`` that start with ``[torch.onnx]`` (the ONNX exporter's ``print`` progress);
+* lines written to ``sys.stdout`` that start with ``[torch.onnx]`` (the ONNX exporter's ``print`` progress), also
+  while a rich progress display runs on a terminal (`refilter_stdout`);
 * records of loggers that print through their own handler and do not propagate (torch's), when the library is
   imported before the context is entered (`hycoc.passes.build.build_bundle` imports torch first).
 
@@ -102,6 +103,25 @@ class _StdoutFilter(io.TextIOBase):
         return getattr(self.target, "encoding", "utf-8")
 
 
+def refilter_stdout() -> None:
+    """Keep the filter outermost once a rich Live display has started (`hycoc.progress.live_progress` calls it).
+
+    On a terminal, ``rich.live.Live`` (every ``rich.progress.Progress``) replaces ``sys.stdout`` with a
+    ``rich.file_proxy.FileProxy`` around the stdout it found, and that proxy prints each line on the display's
+    console above the bars: a filtered stdout inside it is bypassed and the ``[torch.onnx]`` lines land on the
+    terminal (rich docs, "Live Display": redirect_stdout). When ``sys.stdout`` is such a proxy around a
+    `third_party_output` filter, a filter with the same log is put outside the proxy. Live's exit puts back the
+    stdout it found (the inner filter). Anything else is left alone."""
+    try:
+        from rich.file_proxy import FileProxy
+    except ImportError:
+        return
+    out = sys.stdout
+    inner = getattr(out, "rich_proxied_file", None) if isinstance(out, FileProxy) else None
+    if isinstance(inner, _StdoutFilter):
+        sys.stdout = _StdoutFilter(out, inner.log)
+
+
 class _ForeignOnly(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.name.startswith("hycoc")
@@ -173,4 +193,4 @@ def third_party_output(log_path: str | Path, console=None) -> Iterator[Path]:
                 f"{log.path}", markup=False, highlight=False)
 
 
-__all__ = ["STDOUT_PREFIXES", "third_party_output"]
+__all__ = ["STDOUT_PREFIXES", "refilter_stdout", "third_party_output"]

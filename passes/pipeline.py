@@ -42,11 +42,10 @@ from types import MappingProxyType
 from typing import Any
 
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from hycoc.passes.artifacts import Artifact
-from hycoc.progress import bar_columns, current_pass, plain_line
+from hycoc.progress import current_pass, live_progress, plain_line
 from hycoc.recipe import Recipe
 
 #: Packages whose versions enter every cache key: a new exporter, optimizer or runtime can change an artifact.
@@ -240,7 +239,7 @@ class Pipeline:
         artifacts = dict(given)
         reports: list[PassReport] = []
         if self.console.is_terminal:
-            with Progress(*bar_columns(), console=self.console, transient=True) as progress:
+            with live_progress(self.console) as progress:
                 for index, p in enumerate(todo, start=1):
                     task = progress.add_task(f"[{index}/{len(todo)}] {p.name}", total=None)
                     outputs, report = self._run_one(p, artifacts, recipe, progress)

@@ -176,21 +176,46 @@ def test_resume_reuses_the_saved_cost_model_and_the_summary_is_unchanged(tmp_pat
     assert len(calls) == 2
 
 
-COMMANDS = ("build", "run", "verify-server", "serve-ray", "calibrate-handoff", "bench", "tune-epsilon", "inspect",
-            "doctor", "generate", "loadtest")
+def _commands():
+    """Every command registered on the app (so a new command is checked too), by its command-line name."""
+    from hycoc.cli import app
+
+    return [c.name for c in app.registered_commands]
 
 
-@pytest.mark.parametrize("command", COMMANDS)
+def test_the_help_check_covers_every_command_of_the_readme_table():
+    assert sorted(_commands()) == sorted(["generate", "doctor", "build", "verify-server", "serve-ray", "loadtest",
+                                          "run", "bench", "profile", "tune-epsilon", "calibrate-handoff", "inspect"])
+
+
+@pytest.mark.parametrize("command", _commands())
 def test_help_fits_80_columns_with_defaults_whole(command):
+    import re
+
+    import typer.main
+
     from hycoc.cli import app
 
     result = CliRunner().invoke(app, [command, "--help"], terminal_width=80, env={"COLUMNS": "80"})
     assert result.exit_code == 0
     lines = result.stdout.splitlines()
     assert max(map(len, lines)) <= 80 and "…" not in result.stdout
+    # wrapped at spaces only: no option name nor default cut at a hyphen ("--auth-" / "token-file")
+    assert not [line for line in lines if re.search(r"[A-Za-z]-$", line)], result.stdout
+    assert result.stdout.startswith(f"Usage: hycoc {command} [OPTIONS]")
+    # every option with a default shows it: typer's "[default: X]" or the help's own "(default: ...)"
+    click_command = typer.main.get_command(app).commands[command]
+    flat = " ".join(result.stdout.split())
+    for p in click_command.params:
+        if p.param_type_name == "option" and not p.is_flag and p.default is not None:
+            record = " ".join(p.get_help_record(click_command.make_context(command, ["--help"],
+                                                                           resilient_parsing=True))[1].split())
+            assert "default" in record and record[-40:] in flat, (command, p.name, record)
     if command == "bench":
         assert "[default: runs/bench]" in result.stdout and "--format" in result.stdout
         assert "--remeasure-cost-model" in result.stdout
+        assert "(default: all 8: cloud-mtp, specedge, specedge-eps, hyco, hyco-2p, hyco-exact, server-head, " \
+               "slm-alone)" in flat
 
 
 def test_labels_of_close_points_stack_instead_of_overlapping():
@@ -247,3 +272,53 @@ def test_process_cpu_ms_counts_this_process_busy_time_not_its_sleep():
     tick = 1000.0 / os.sysconf("SC_CLK_TCK")
     assert slept <= 2 * tick and spun >= 150 - 2 * tick
     assert process_cpu_ms(2 ** 31 - 1) is None and busy_since(None, 1.0) is None
+
+
+def bench_results(configs=CONFIGS):
+    """A results.json's printed parts: summary, per-turn (half the questions have a second turn) and device time."""
+    from hycoc.bench.runner import turn_summary
+
+    recs = fixed_records(configs)
+    recs += [dict(r, turn=2) for r in recs if r["question_id"] % 2 == 0]
+    summary = summarize(recs, cost_model=model(), server={"chain_length": 4, "head_window": 64}, bootstrap=50)
+    device = {c: {"calls_per_round": {"head": 4, "slm": 1}, "phone_draft_ms_per_round": 50.0,
+                  "phone_draft_ms_per_token": 12.0, "host_ms_per_round": 3.0, "cpu_draft_ms_per_round": 40.0,
+                  "phone_tok_per_s": 30.0, "cpu_tok_per_s": None} for c in sorted(configs)}   # alphabetical on purpose
+    return {"meta": {"questions": 12, "link": "lte", "cost_model": "cost model: toy"}, "summary": summary,
+            "turns": turn_summary(recs), "device_time": {"source": "ESTIMATE", "configs": device}}
+
+
+def test_every_bench_table_fits_80_columns_with_configuration_names_whole():
+    from hycoc.bench.runner import print_results
+
+    console = Console(file=io.StringIO(), width=80)
+    print_results(bench_results(), console)
+    out = console.file.getvalue()
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= 80 and "…" not in out
+    device = out[out.index("device time per round"):]
+    for name in CONFIGS:
+        assert f"│ {name} " in device, name          # the device-time table names every configuration in full
+    # one table flags the metrics worse than the baseline: the quality table, not also a part of the main one
+    header_cells = [c.strip() for ln in lines if ln.startswith("┃") for c in ln.split("┃")]
+    assert header_cells.count("worse than") == 1 and header_cells.count("zlib ratio") <= 1
+
+
+def test_the_main_table_leaves_answer_quality_to_the_quality_table():
+    s = bench_results()["summary"]
+    assert not [h for h in main_table(s).headers if "worse than" in h or "zlib" in h]
+    assert "worse than cloud-mtp" in quality_table(s).headers
+
+
+def test_per_turn_and_device_tables_order_configurations_as_the_main_table():
+    from hycoc.bench.device_profile import device_table
+    from hycoc.bench.runner import turns_table
+
+    results = bench_results()
+    main = [r[0] for r in main_table(results["summary"]).rows]
+    assert main == list(CONFIGS)
+    turns = turns_table(results["turns"])
+    assert [(r[0], r[1]) for r in turns.rows] == [(c, t) for c in CONFIGS for t in ("1", "2")]
+    assert list(results["turns"]) == list(CONFIGS)       # results.json keeps the same order
+    dev = device_table(results["device_time"]["configs"], "ESTIMATE")
+    assert [r[0] for r in dev.rows] == main and dev.rows[0][-1] == "–"

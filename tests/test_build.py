@@ -245,11 +245,13 @@ def test_build_bundle_cpu_end_to_end(tiny_pipeline, tmp_path):
             want = graph(*[torch.from_numpy(feeds[n]) for n in INPUT_NAMES])[0].numpy()
         agree.append(got.argmax(-1) == want.argmax(-1))
     print(f"head QDQ (CPU EP) vs torch: top-1 {np.mean(agree):.0%} on {len(agree)} held-out device queries")
-    assert len(agree) >= 4 and np.mean(agree) >= 0.6
+    # measured 14 of 14 on fresh seeded builds (the same each time): at most one query may flip
+    assert len(agree) >= 4 and np.mean(agree) >= (len(agree) - 1) / len(agree)
     report = json.loads((out / "report.json").read_text())
     assert [p["pass_name"] for p in report["passes"]] == [p.pass_name for p in result.pipeline.reports]
     assert set(report["qat_agreement"]) == {"w8_ptq", "w4_ptq", "w4_qat"}
-    assert report["sqnr"]["head"]["calibration"]["outputs"]["logits"] > 20
+    print(f"report.json head SQNR logits {report['sqnr']['head']['calibration']['outputs']['logits']:.2f} dB")
+    assert report["sqnr"]["head"]["calibration"]["outputs"]["logits"] > 39.5   # measured 41.80 dB (seeded build)
     assert "logits" in report["sqnr"]["slm"]["held_out"]["outputs"]
     for r in result.pipeline.reports:
         print(f"{r.pass_name:16s} {r.seconds:7.2f} s  {r.summary}")
@@ -405,7 +407,10 @@ def test_htp_target_compiles_both_graphs_into_a_bundle(built, tmp_path):
     agree = float(np.mean(got["top_index"][..., 0] == want["logits"].argmax(-1)))
     sqnr = {name: sqnr_db(want[name], got[name]) for name in got if name.startswith(("k_new", "v_new"))}
     print(f"HTP simulator vs CPU EP (QDQ): top-1 {agree:.0%}, SQNR dB {sqnr}")
-    assert agree >= 0.5 and min(sqnr.values()) > 15
+    # measured on two fresh builds of the tiny recipe (seeded: the same both times; onnxruntime-qnn 2.x, QNN SDK
+    # v2.51 simulator): top-1 3 of the 4 rows, SQNR of the new K/V 44.4 / 45.0 / 36.5 / 35.8 dB. Floors: no further
+    # row may flip (one would be 2 of 4), and 2.8 dB under the worst K/V output.
+    assert agree >= 0.75 and min(sqnr.values()) > 33.0
 
     from hycoc.passes.head_export import comparison_inputs
     from hycoc.passes.head_graph import INPUT_NAMES
@@ -421,4 +426,5 @@ def test_htp_target_compiles_both_graphs_into_a_bundle(built, tmp_path):
     got = run_compiled(tmp_path / "bundle" / manifest.graph("head").file, sample)
     sqnr = {name: sqnr_db(want[name], got[name]) for name in got if name != "top_index"}
     print(f"head: HTP simulator vs CPU EP (QDQ): SQNR dB {sqnr}")
-    assert got["top_index"].ravel()[0] == want["logits"].argmax() and sqnr["h_next"] > 15
+    # measured 28.0 dB on two fresh builds (seeded, identical); the floor is 2 dB under it
+    assert got["top_index"].ravel()[0] == want["logits"].argmax() and sqnr["h_next"] > 26.0

@@ -317,6 +317,17 @@ def test_inspect_prints_files_graphs_round_and_handoff(bundle):
         assert text in out, text
 
 
+def test_inspect_of_a_bundle_fits_80_columns_redirected(bundle):
+    result = CliRunner().invoke(app, ["inspect", str(bundle)], terminal_width=200, env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert max(map(len, lines)) <= 80 and "…" not in result.stdout
+    cells = {c.strip() for line in lines for c in line.split("│")}
+    for text in ("slm_ctx_qnn.bin", "head_query_position_offset", "head weight bits / SLM activation bits / KV bits",
+                 "uint8 scale 0.1 zp 128", "k_sliding", "v_full"):
+        assert text in cells, text
+
+
 def test_inspect_json_round_trips(bundle):
     result = CliRunner().invoke(app, ["inspect", str(bundle), "--json"])
     assert result.exit_code == 0, result.output

@@ -5,6 +5,7 @@ split, and the conversation a verifier holds after APPEND."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,9 @@ from hycoc.chat_template import apply_chat_template_ids, load_chat, load_chat_fo
 
 TEXTS = ["w1 w2 w3", "w4 <turn|> w5 <|turn>model w6 <bos>", "<|think|> w7", "w8\U000f0000<eos>\U000f0001 w9", ""]
 
+
+#: The toy verifier's folder, found from this file (not the working directory).
+TOY_VERIFIER = Path(__file__).resolve().parents[1] / "recipes" / "toy" / "models" / "verifier"
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
@@ -109,7 +113,7 @@ def test_the_contract_check_names_both_sides(chat, tmp_path):
     with pytest.raises(ChatMismatch, match=r"stop ids differ: the device's bundle stops on \[1, 106\], the verifier "
                                            r"on \[1, 50, 106\]"):
         chat.format.check_contract(other.contract())
-    toy = load_chat_format("recipes/toy/models/verifier", "recipes/toy/models/verifier")
+    toy = load_chat_format(TOY_VERIFIER, TOY_VERIFIER)
     with pytest.raises(ChatMismatch, match=r"stop ids differ"):
         chat.format.check_contract(toy.contract())
     body = json.loads(chat.format.contract())
@@ -121,7 +125,7 @@ def test_the_contract_check_names_both_sides(chat, tmp_path):
 
 
 def test_thought_split_and_stream():
-    toy = load_chat("recipes/toy/models/verifier", "recipes/toy/models/verifier")
+    toy = load_chat(TOY_VERIFIER, TOY_VERIFIER)
     tok = toy.tokenizer
     thought = tok.encode("<|channel>thought\nLet me see.<channel|>", add_special_tokens=False).ids
     answer = tok.encode("It is 4.", add_special_tokens=False).ids

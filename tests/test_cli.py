@@ -258,6 +258,23 @@ def test_generate_streams_an_answer_from_the_verifier(tiny_family):
     assert greedy.exit_code == 0 and greedy.stderr.splitlines()[-1].startswith("[1 tokens in ")
 
 
+def test_generate_answer_is_the_library_call_behind_the_command(tiny_family):
+    import io
+
+    from hycoc.generate import Generated, generate_answer, sampling_kwargs, summary_line
+    from hycoc.recipe import load_recipe
+
+    out, err, said = io.StringIO(), io.StringIO(), []
+    done = generate_answer(load_recipe(tiny_family), "w1 w2", seed=3, out=out, err=err, say=said.append)
+    assert (done.tokens, done.prompt_tokens) == (6, 8) and said == ["[question] w1 w2"]
+    cli = invoke("generate", tiny_family, "--prompt", "w1 w2", "--seed", "3")
+    assert out.getvalue() == cli.stdout                                   # the same seeded answer
+    assert sampling_kwargs(0.0, 64, 0.95) == {"do_sample": False}
+    assert sampling_kwargs(0.7, 64, 0.95) == {"do_sample": True, "temperature": 0.7, "top_k": 64, "top_p": 0.95}
+    assert summary_line(Generated(tokens=6, prompt_tokens=8, seconds=2.0)) == "[6 tokens in 2.00 s, 3.0 tok/s; " \
+                                                                             "prompt 8 tokens]"
+
+
 def test_generate_on_the_toy_family_answers_question_81():
     result = invoke("generate", TOY, "--question-id", "81", "--max-new-tokens", "16", "--seed", "0")
     assert result.exit_code == 0, result.output

@@ -168,6 +168,100 @@ def test_measure_grid_on_a_tiny_random_verifier():
     assert torch.get_num_threads() >= 1
 
 
+def _tiny_random(sliding_window: int | None = None):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import verifier_cost_model as vcm
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    cfg = json.loads((REPO / "recipes" / "toy" / "models" / "verifier" / "config.json").read_text())
+    cfg.update(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+               per_layer_config={"1": cfg["per_layer_config"]["3"]})
+    if sliding_window is not None:
+        cfg["sliding_window"] = sliding_window
+    head_cfg = json.loads((REPO / "recipes" / "toy" / "models" / "head" / "config.json").read_text())
+    model = vcm.build_random_verifier(cfg, "cpu", "float32")
+    return model, vcm.build_random_head(head_cfg, cfg["hidden_size"], "cpu", "float32")
+
+
+def test_the_cost_measurement_runs_on_the_engines_windowed_session_cache():
+    """What is timed is what the server runs: a sliding layer of the measured cache holds the engine's retained
+    positions (not the whole context), a full layer the context, and every timed forward is undone to that."""
+    pytest.importorskip("torch")
+    from hycoc.verifier.cost_measure import measure_grid, measuring_engine, random_cache
+    from hycoc.verifier.engine import NormTap, crop_cache, verify_tree
+    from hycoc.verifier.kv_cache import SlidingWindowLayer, stores_kv
+
+    model, head = _tiny_random(sliding_window=8)
+    engine = measuring_engine(model, head, head_window=6)
+    retain = engine.kv_retain
+    assert retain == 129 < 200   # the toy head's sliding window (128) + 1
+    cache = random_cache(model, 200, "cpu", engine.new_cache)
+    layers = [layer for layer in cache.layers if stores_kv(layer)]
+    sliding = [layer for layer in layers if isinstance(layer, SlidingWindowLayer)]
+    assert sliding and len(sliding) < len(layers)
+    assert all((layer.held, layer.start, layer.retain) == (retain, 200 - retain, retain) for layer in sliding)
+    assert all(layer.keys.shape[-2] == 200 for layer in layers if layer not in sliding)
+    assert cache.get_seq_length() == 200
+    tap = NormTap(model)
+    try:
+        import torch
+
+        verify_tree(model, cache, tap, torch.arange(5), torch.tensor([-1, 0, 1, 0, 3]).numpy(), 200, model.dtype)
+        assert [layer.held for layer in sliding] == [retain + 5] * len(sliding)
+        crop_cache(cache, 200)
+    finally:
+        tap.remove()
+    assert [layer.held for layer in sliding] == [retain] * len(sliding) and cache.get_seq_length() == 200
+    # a prefill chunk trims the sliding layers past the old positions: the measurement restores the cache instead
+    from hycoc.verifier.cost_measure import restore_cache, snapshot_cache
+    from hycoc.verifier.engine import prefill
+
+    before = [(layer.held, layer.start) for layer in sliding]
+    saved = snapshot_cache(cache)
+    tap = NormTap(model)
+    try:
+        prefill(model, cache, tap, torch.arange(64), 64, model.dtype, start=200)
+    finally:
+        tap.remove()
+    assert [(layer.held, layer.start) for layer in sliding] == [(retain, 264 - retain)] * len(sliding)
+    restore_cache(saved)
+    assert [(layer.held, layer.start) for layer in sliding] == before and cache.get_seq_length() == 200
+    assert all(layer.keys.shape[-2] == 200 for layer in layers if layer not in sliding)
+    full = random_cache(model, 200, "cpu")          # without the engine: every layer keeps the whole context
+    assert all(layer.keys.shape[-2] == 200 for layer in full.layers if stores_kv(layer))
+    points = measure_grid(model, [1, 5], [200], warmup=0, repeats=2, device="cpu", log=lambda *a: None, head=head,
+                          prefill_rows=[64], new_cache=engine.new_cache)
+    assert {(p.kind, p.rows, p.context) for p in points} == {("verify", 1, 200), ("verify", 5, 200),
+                                                             ("head_step", 1, 200), ("prefill", 64, 200)}
+
+
+def test_the_bench_cost_model_measures_with_the_engines_cache(monkeypatch):
+    """`measure_recipe_verifier` (what hycoc bench measures) hands `measure_grid` the engine's ``new_cache``."""
+    pytest.importorskip("torch")
+    import hycoc.models
+    from hycoc.recipe import load_recipe
+    from hycoc.verifier import cost_measure
+
+    model, head = _tiny_random()
+    monkeypatch.setattr(hycoc.models, "load_verifier", lambda *a, **k: model)
+    monkeypatch.setattr(hycoc.models, "load_head", lambda *a, **k: head)
+    seen = {}
+
+    def grid(model, rows_list, contexts, **kw):
+        seen.update(kw)
+        return [CostPoint(rows=r, context=c, ms=1.0) for r in rows_list for c in contexts]
+
+    monkeypatch.setattr(cost_measure, "measure_grid", grid)
+    recipe = load_recipe(REPO / "recipes" / "toy.toml")
+    cm = cost_measure.measure_recipe_verifier(recipe, rows_list=(1, 5), contexts=(64,), threads=1)
+    made = seen["new_cache"]()
+    assert made.__class__.__name__ == "DynamicCache" and any(
+        type(layer).__name__ == "SlidingWindowLayer" for layer in made.layers)
+    assert seen["new_cache"].__self__.head_window == recipe.window.head_window
+    assert "sliding layers keep" in cm.meta["kv_cache"]
+
+
 # ---- every forward the server runs (docs/benchmarks.md "Benchmark": g projected) ---------------------------------
 
 # The hand-built grid again, with head steps (rows 1) and prefill chunks (rows 1 and 512) at t = 100, 200:

@@ -145,7 +145,10 @@ def test_qdq_pass_calibrates_on_real_handoffs(tiny):
     cal = n["calibration_inputs"]
     assert cal["source"].endswith("prompts.jsonl") and cal["calibration"]["samples"] == n["samples"] > 0
     assert cal["held_out"]["samples"] == n["held_out_samples"] > 0
-    assert n["sqnr"]["outputs"]["logits"] > 20 and n["sqnr_held_out"]["outputs"]["logits"] > 15
+    print(f"head QDQ SQNR logits: calibration {n['sqnr']['outputs']['logits']:.2f} dB, held-out "
+          f"{n['sqnr_held_out']['outputs']['logits']:.2f} dB")
+    # measured 41.80 dB (calibration) and 32.05 dB (held-out) on the seeded tiny models; floors 2 dB under
+    assert n["sqnr"]["outputs"]["logits"] > 39.5 and n["sqnr_held_out"]["outputs"]["logits"] > 30.0
     # the fallback (no tokenizer: unit tests only) still runs
     _, old = step.run({k: v for k, v in inputs.items() if k != "tokenizer"}, recipe)
     assert old.numbers["calibration_inputs"]["source"].startswith("keep-set")

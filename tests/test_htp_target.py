@@ -220,8 +220,10 @@ def test_attention_block_compiles_for_v81_and_runs_on_the_simulator(attention, t
           f"({wall:.2f} s with checks), binary {cg.binary_bytes:,} B; simulator load {htp.load_seconds:.2f} s, "
           f"run {run_s:.3f} s; SQNR vs float {vs_float:.1f} dB, vs CPU-EP QDQ {vs_cpu:.1f} dB "
           f"(CPU-EP QDQ vs float {cpu_vs_float:.1f} dB)")
-    assert vs_float > 25.0
-    assert vs_cpu > 25.0
+    # measured (seeded graph and samples, QNN SDK v2.51 simulator): vs float 34.0 dB, vs the CPU EP 34.3 dB;
+    # the floors are 2 dB under them
+    assert vs_float > 32.0
+    assert vs_cpu > 32.0
 
 
 @needs_qnn

@@ -134,3 +134,8 @@ def test_the_long_document_row_from_records():
     render_long_context(rows, console)
     text = console.file.getvalue()
     assert "ref" in text and "-20.0 [-25.0, -15.0]" in text and "131,810" in text and "185.0 (256)" in text
+    narrow = Console(file=StringIO(), width=80)
+    render_long_context(rows, narrow)
+    lines = narrow.file.getvalue().splitlines()
+    assert max(map(len, lines)) <= 80 and "…" not in narrow.file.getvalue()
+    assert sum("│ cloud-mtp " in ln for ln in lines) >= 2     # split, the configuration leading every part

@@ -83,3 +83,19 @@ def test_the_pass_table_and_long_progress_lines_fit_80_columns():
     assert sum("qdq_slm" in ln for ln in lines) == 2   # its table row and its result line
     assert any(ln.startswith(" 2 qdq_slm: A16 W4/8 QDQ") for ln in lines)
     assert lines[-1].startswith(" " * 17) and "tokens/s" in lines[-1]   # the wrapped progress line, indented
+
+
+def test_the_progress_bars_fit_80_columns_without_cutting_the_description_or_counts():
+    from rich.progress import Progress
+
+    c = Console(file=io.StringIO(), width=80, force_terminal=True, color_system=None)
+    p = Progress(*progress.bar_columns(), console=c)
+    p.add_task("[3/10] calibration_answers", total=None)
+    description = "  calibration_answers: verifier answers to the calibration prompts loss 0.123"
+    p.update(p.add_task(description, total=60), advance=12)
+    c.print(p.make_tasks_table(p.tasks))
+    out = c.file.getvalue()
+    assert "…" not in out and max(map(len, out.splitlines())) <= 80
+    assert "12/60" in out and "ETA" in out and "0:00:00" in out
+    words = " ".join(out.split())
+    assert "calibration_answers: verifier answers" in words and "prompts loss 0.123" in words

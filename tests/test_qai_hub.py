@@ -227,6 +227,9 @@ def test_profile_flow_through_inference_jobs(monkeypatch, tmp_path):
     assert g["peak_memory_bytes"] == 48_000_000
     assert g["top_ops"][0] == {"type": "MatMul", "ms": 3.7, "share": round(3700 / 5200, 4)}
     assert json.loads((bundle / dp.PROFILE_FILE).read_text())["graphs"]["slm_decode"]["execute_ms_median"] == 5.25
+    table = dp.profile_table(result)     # what `hycoc profile` prints, split to the terminal's width
+    assert table.rows[0][:7] == ["slm", table.rows[0][1], "5.250", "6.100", "5", "48.0", table.rows[0][6]]
+    assert table.rows[0][6].startswith("MatMul 3.70")
     assert [name for name, _, _ in client.recorded] == [
         "get_devices", "upload_model", "submit_inference_job", "submit_inference_job"]
 

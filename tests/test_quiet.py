@@ -38,3 +38,67 @@ def test_a_quiet_run_leaves_no_log(tmp_path):
     with third_party_output(tmp_path / "b.log", console=Console(file=note)):
         pass
     assert not (tmp_path / "b.log").exists() and note.getvalue() == ""
+
+
+CHILD = r"""
+import sys
+from rich.console import Console
+from hycoc import progress
+from hycoc.passes.artifacts import KeepSetArtifact
+from hycoc.passes.pipeline import Pass, PassReport, Pipeline
+from hycoc.quiet import third_party_output
+from hycoc.recipe import Recipe
+
+class Exporting(Pass):
+    '''A pass whose step prints what torch.onnx.export prints, as passes/export.py's passes do.'''
+    name, section, produces = "exporting", "keep_set", {"keep_set": KeepSetArtifact}
+
+    def run(self, inputs, recipe):
+        import numpy as np
+        with progress.step("export", total=1) as s:
+            print("[torch.onnx] Obtain model graph for `Head([...]` with `torch.export.export(..., strict=False)`...")
+            s.advance()
+        print("[torch.onnx] Run decomposition... done")
+        return {"keep_set": KeepSetArtifact("keep_set", np.arange(3))}, PassReport("exported")
+
+console = Console(stderr=True)
+assert console.is_terminal, "stderr must be the pseudo-terminal"
+with third_party_output(sys.argv[1], console=console):
+    Pipeline([Exporting()], sys.argv[2], console=console).run(Recipe())
+    with progress.step("outside a pass", total=1, c=console) as s:   # a step's own live display
+        print("[torch.onnx] Translate the graph into ONNX... done")
+        s.advance()
+print("stdout after the build")
+"""
+
+
+def test_torch_onnx_lines_go_to_the_log_on_a_real_terminal_too(tmp_path):
+    """On a terminal the pass manager's rich Live display wraps sys.stdout in its FileProxy (which prints above the
+    display, past the filter): the lines must still reach the log. A pseudo-terminal (Python's pty module) as the
+    child's stdout and stderr makes rich see a terminal."""
+    import os
+    import pty
+    import subprocess
+
+    leader, follower = pty.openpty()
+    log = tmp_path / "logs" / "build.log"
+    env = dict(os.environ, COLUMNS="80", TERM="xterm")
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(log), str(tmp_path / "cache")], stdin=follower,
+                             stdout=follower, stderr=follower, env=env, close_fds=True)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 65536)
+        except OSError:   # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert child.wait(timeout=120) == 0, b"".join(chunks).decode(errors="replace")
+    os.close(leader)
+    seen = b"".join(chunks).decode("utf-8", errors="replace")
+    assert "[torch.onnx]" not in seen, seen
+    assert "stdout after the build" in seen and "hycoc build: passes" in seen
+    assert "".join(f"3 lines in {log}".split()) in "".join(seen.split())     # the line saying where, maybe wrapped
+    assert [line.split("]")[0] + "]" for line in log.read_text(encoding="utf-8").splitlines()] == ["[torch.onnx]"] * 3

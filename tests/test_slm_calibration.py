@@ -179,7 +179,9 @@ def test_qdq_pass_calibrates_on_real_inputs(tiny):
     assert n["sqnr_held_out"]["samples"] == cal["held_out"]["samples"] > 0
     assert cal["calibration"]["coverage"]["distinct"] >= 3
     assert "real calibration samples" in report.summary and "ring fills" in report.summary
-    assert n["sqnr"]["outputs"]["logits"] > 20 and n["sqnr"]["top1_agreement"] >= 0.9
+    print(f"slm QDQ SQNR logits {n['sqnr']['outputs']['logits']:.2f} dB, top-1 {n['sqnr']['top1_agreement']:.3f}")
+    # measured 34.24 dB and top-1 1.000 on the seeded tiny models: floors 2 dB and 7 points under them
+    assert n["sqnr"]["outputs"]["logits"] > 32.0 and n["sqnr"]["top1_agreement"] >= 0.93
     assert n["weights_bit_exact"] == 34
     assert qdq.version == 5
     # cached: the second run reads the entry

@@ -45,6 +45,16 @@ def test_choice_on_a_hand_made_sweep():
                                                          ("compression_ratio", "repeated_4gram_share", "distinct_2")]
     with pytest.raises(TuneError, match="exact-acceptance row"):
         choose_epsilon([row(0.01, 1.0, comp=-1)], TOL)
+    from hycoc.bench.tune_epsilon import render_sweep, sweep_table
+
+    table = sweep_table(rows, chosen, TOL)
+    assert [r[0] for r in table.rows] == ["0.001", "0.005", "0.01", "0.02", "0.1", "1 (exact)"]
+    assert [r[-1] for r in table.rows] == ["no: compression_ratio -0.100 < -0.030",
+                                           "no: repeated_4gram_share +0.060 > +0.050", "yes", "chosen", "yes", "yes"]
+    console = Console(file=io.StringIO(), width=80)
+    render_sweep(rows, chosen, TOL, console)
+    out = console.file.getvalue()
+    assert max(map(len, out.splitlines())) <= 80 and "…" not in out and "1 (exact)" in out
 
 
 def test_tune_table_in_the_recipe():
@@ -75,6 +85,29 @@ def test_validation_set_is_checked(tmp_path):
     bad.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["x"]}) + "\n")
     with pytest.raises(TuneError, match="sb.jsonl:1: a Spec-Bench question"):
         load_validation(bad, 1)
+
+
+def test_validation_questions_come_from_the_option_or_the_recipe_and_skip_the_benchmark(tmp_path):
+    from pathlib import Path
+
+    from hycoc.bench.tune_epsilon import validation_questions
+    from hycoc.recipe import load_recipe
+
+    root = Path(__file__).resolve().parents[1]
+    toy, default = root / "recipes" / "toy.toml", root / "benchmarks" / "data" / "spec_bench_question.jsonl"
+    cfg = load_recipe(toy)
+    own = validation_questions(cfg, toy, None, 2, default)           # tune.validation_data of the recipe
+    assert [q.question_id for q in own] == [1, 2] and all(q.category == "validation" for q in own)
+    val = tmp_path / "val.jsonl"
+    val.write_text(conversation("w1 w2", "w3") + "\n")
+    assert [q.turns for q in validation_questions(cfg, toy, val, 1, default)] == [("w1 w2",)]
+    first_turn = json.loads(default.read_text(encoding="utf-8").splitlines()[0])["turns"][0]
+    val.write_text(conversation(first_turn, "w3") + "\n")
+    with pytest.raises(TuneError, match="this prompt is a benchmark question"):
+        validation_questions(cfg, toy, val, 1, default)
+    empty = cfg.model_copy(update={"tune": cfg.tune.model_copy(update={"validation_data": ""})})
+    with pytest.raises(TuneError, match=r"toy.toml: tune.validation_data is empty; set it to a JSONL"):
+        validation_questions(empty, toy, None, 1, default)
 
 
 def test_cli_checks_its_arguments(tiny_bundle):

@@ -67,15 +67,34 @@ def build_random_head(head_config_dict: dict, backbone_hidden_size: int, device:
     return head.eval()
 
 
-def random_cache(model, context: int, device):
-    """A ``DynamicCache`` (no config: every layer keeps all positions -- the engine's layout before its sliding
-    layers kept only their window, `hycoc.verifier.kv_cache`; sliding layers cost an upper bound here) holding
-    ``context`` random positions in every layer that stores KV. One 1-token forward creates the layers; their keys
-    and values are then replaced by standard-normal (1, kv_heads, context, head_dim) tensors in the model's dtype."""
+def measuring_engine(model, head=None, *, head_window: int, chain_length: int = 4,
+                     head_query_position_offset: int = -1, device="cpu"):
+    """A `hycoc.verifier.engine.VerifierEngine` around ``model`` and ``head`` for measuring them: its
+    ``new_cache`` is the session cache the server gives every session (sliding layers keep
+    `hycoc.verifier.kv_cache.retained_positions` positions: max(sliding_window - 1, W, the head's window + 1),
+    full layers the context). The hand-off scales are placeholders (1.0): no timed forward reads them."""
+    from hycoc.verifier.engine import VerifierEngine
+
+    return VerifierEngine(model, head=head, head_window=head_window, chain_length=chain_length,
+                          handoff_scales=(1.0,) * 6, head_query_position_offset=head_query_position_offset,
+                          device=device)
+
+
+def random_cache(model, context: int, device, new_cache=None):
+    """A cache holding ``context`` random positions, as a session's would after ``context`` committed tokens.
+
+    new_cache: a no-argument callable giving an empty session cache (a `measuring_engine`'s ``new_cache``, the
+    server's layout: a sliding layer holds only its last ``retain`` positions, `hycoc.verifier.kv_cache`); None: a
+    ``DynamicCache`` without config, every layer keeping all positions (sliding layers then cost an upper bound).
+    One 1-token forward creates the layers; their keys and values are then replaced by standard-normal
+    (1, kv_heads, held, head_dim) tensors in the model's dtype, held = ``context`` (a sliding layer: min(context,
+    retain), starting at position context - held). ``cache.get_seq_length()`` is ``context`` either way."""
     import torch
     from transformers import DynamicCache
 
-    cache = DynamicCache()
+    from hycoc.verifier.kv_cache import SlidingWindowLayer
+
+    cache = new_cache() if new_cache is not None else DynamicCache()
     with torch.inference_mode():
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
               position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), cache=cache, use_cache=True,
@@ -85,14 +104,38 @@ def random_cache(model, context: int, device):
             if not (layer.is_initialized and layer.keys.numel()):
                 continue  # KV-shared layers store nothing
             b, h, _, d = layer.keys.shape
-            layer.keys = torch.randn(b, h, context, d, generator=gen, device=device, dtype=layer.keys.dtype)
-            layer.values = torch.randn(b, h, context, d, generator=gen, device=device, dtype=layer.values.dtype)
+            held = min(context, layer.retain) if isinstance(layer, SlidingWindowLayer) else context
+            layer.keys = torch.randn(b, h, held, d, generator=gen, device=device, dtype=layer.keys.dtype)
+            layer.values = torch.randn(b, h, held, d, generator=gen, device=device, dtype=layer.values.dtype)
+            if isinstance(layer, SlidingWindowLayer):
+                layer.start = context - held
+                layer.cumulative_length = context
     return cache
+
+
+def snapshot_cache(cache) -> list:
+    """The state of every layer of ``cache`` (its keys and values tensors, and a sliding layer's ``start`` and
+    ``cumulative_length``), for `restore_cache`. The tensors are kept by reference: a forward replaces a layer's
+    tensors (``torch.cat``, slices) and does not write into them, so the snapshot stays valid."""
+    return [(layer, layer.keys, layer.values, getattr(layer, "start", None), getattr(layer, "cumulative_length", None))
+            for layer in cache.layers if getattr(layer, "is_initialized", False)]
+
+
+def restore_cache(snapshot: list) -> None:
+    """Put every layer back as `snapshot_cache` saw it: undoes a timed forward, a prefill chunk included (after
+    one, a sliding layer has trimmed to its window past the old positions, so cropping could not restore it)."""
+    for layer, keys, values, start, cumulative in snapshot:
+        layer.keys, layer.values = keys, values
+        if start is not None:
+            layer.start = start
+        if cumulative is not None:
+            layer.cumulative_length = cumulative
 
 
 def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, device, chain_length: int = 4,
                  log=print, head=None, prefill_rows=(), head_position_offset: int = -1,
-                 clock: str = "busy", wall_log: dict | None = None, statistic: str = "median") -> list[CostPoint]:
+                 clock: str = "busy", wall_log: dict | None = None, statistic: str = "median",
+                 new_cache=None) -> list[CostPoint]:
     """Median ms of every forward kind for every (rows, context) of the grid (module docstring). Returns CostPoints:
     ``verify`` at every rows_list x contexts, ``head_step`` (rows 1) at every context when ``head`` (the verifier's
     MTP head, on the same device) is given, ``prefill`` at every prefill_rows x contexts.
@@ -108,12 +151,13 @@ def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, devic
     ``times`` when ``clock`` is "wall"). Each point's ``samples_ms`` keeps its repetitions, ``ms`` their
     ``statistic`` ("median", or "pNN": that percentile, `hycoc.bench.cost_model.sample_quantile`).
     clock: "busy" (default; on a GPU it means the CUDA events) or "wall". wall_log: a dict that gets
-    "kind/rows/context" -> median wall ms of every point.
+    "kind/rows/context" -> median wall ms of every point. new_cache: the session cache's factory (`random_cache`;
+    a `measuring_engine`'s ``new_cache`` measures the layout the server runs), None: full-length caches.
     """
     import numpy as np
     import torch
 
-    from hycoc.verifier.engine import NormTap, _Timer, crop_cache, draft_cloud_chain, prefill, producer_layers, verify_tree
+    from hycoc.verifier.engine import NormTap, _Timer, draft_cloud_chain, prefill, producer_layers, verify_tree
 
     dev = torch.device(device)
     vocab = model.config.vocab_size
@@ -131,7 +175,8 @@ def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, devic
     tap = NormTap(model)
     caches = {}
     try:
-        caches = {t: random_cache(model, t, dev) for t in contexts}
+        caches = {t: random_cache(model, t, dev, new_cache) for t in contexts}
+        saved = {t: snapshot_cache(c) for t, c in caches.items()}
         for i in range(warmup + repeats):
             for kind, rows, t in grid:
                 tokens = torch.as_tensor(rng.integers(0, vocab, rows), device=dev)
@@ -145,7 +190,7 @@ def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, devic
                     else:
                         prefill(model, caches[t], tap, tokens, rows, model.dtype, start=t)
                 cpu_ms = (time.process_time() - cpu0) * 1e3
-                crop_cache(caches[t], t)
+                restore_cache(saved[t])   # every point starts from the same t positions
                 if i >= warmup:
                     times[(kind, rows, t)].append(cpu_ms if busy else timer.ms)
                     walls[(kind, rows, t)].append(timer.ms)
@@ -243,7 +288,8 @@ def measure_recipe_verifier(recipe, rows_list=(1, 5, 33), contexts=(64, 128, 256
                             device: str | None = None, clock: str = "busy") -> CostModel:
     """A cost model of ``recipe``'s verifier and MTP head (real weights, its [verifier] dtype; ``device``, default
     its [verifier] device) on this machine: every kind of forward (`measure_grid`; ``clock`` "busy": CPU time of
-    the forward on a CPU, its `BUSY_STATISTIC` kept; else the median). meta: clock, statistic, warmup, repeats, wall_ms (median wall ms per "kind/rows/context"), the
+    the forward on a CPU, its `BUSY_STATISTIC` kept; else the median), over the caches the server's engine makes
+    (`measuring_engine`: sliding layers windowed as in every session). meta: clock, statistic, warmup, repeats, wall_ms (median wall ms per "kind/rows/context"), the
     load average before and after, the date."""
     import torch
 
@@ -253,6 +299,9 @@ def measure_recipe_verifier(recipe, rows_list=(1, 5, 33), contexts=(64, 128, 256
     set_threads(threads or recipe.verifier.threads)
     model = load_verifier(recipe.model_path("verifier"), dtype=recipe.verifier.dtype, device=device)
     head = load_head(recipe.model_path("head"), dtype=recipe.verifier.dtype, device=device)
+    engine = measuring_engine(model, head, head_window=recipe.window.head_window,
+                              chain_length=recipe.tree.chain_length,
+                              head_query_position_offset=recipe.window.head_query_position_offset, device=device)
     wall: dict = {}
     statistic = BUSY_STATISTIC if clock == "busy" and device == "cpu" else "median"
     load0 = _loadavg()
@@ -261,13 +310,14 @@ def measure_recipe_verifier(recipe, rows_list=(1, 5, 33), contexts=(64, 128, 256
                           device=device, chain_length=recipe.tree.chain_length, log=lambda *a: None,
                           head=head, prefill_rows=prefill_rows,
                           head_position_offset=recipe.window.head_query_position_offset, clock=clock,
-                          wall_log=wall, statistic=statistic)
+                          wall_log=wall, statistic=statistic, new_cache=engine.new_cache)
     name = f"{device} ({torch.get_num_threads()} threads)" if device == "cpu" else torch.cuda.get_device_name(0)
     meta = {"clock": ("CPU time of the forward (process_time)" if clock == "busy" and device == "cpu"
                       else "wall (CUDA events on a GPU)"), "statistic": statistic,
             "warmup": warmup, "repeats": repeats, "seconds": round(time.perf_counter() - t0, 1),
             "loadavg_before": load0, "loadavg_after": _loadavg(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "wall_ms": wall}
+            "wall_ms": wall, "kv_cache": f"the server's session cache: sliding layers keep {engine.kv_retain} "
+                                         "positions + the forward's rows, full layers the context"}
     return CostModel(device=name, dtype=recipe.verifier.dtype, model=str(recipe.models.verifier),
                      shape=shape_of(model.config), points=points, source="measured", meta=meta)
 

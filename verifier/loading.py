@@ -28,6 +28,7 @@ from hycoc.models import ModelNotFoundError, load_head, load_verifier, model_dir
 from hycoc.recipe import Recipe
 
 from .engine import VerifierEngine
+from .row_budget import TREE_BUDGETS
 
 
 class DeviceUnavailable(RuntimeError):
@@ -78,13 +79,81 @@ def engine_from_recipe(recipe: Recipe, device: str | None = None, *, keep_set=No
     )
 
 
-def server_options(recipe: Recipe) -> dict:
+#: The server's batching modes (``[verifier].batching``, ``--batching``).
+BATCHING_MODES = ("batched", "serial")
+
+
+def check_batching(mode: str) -> str:
+    """``mode`` if it is one of `BATCHING_MODES`, else ValueError naming ``--batching`` and the allowed values."""
+    if mode not in BATCHING_MODES:
+        raise ValueError(f"--batching {mode!r}: allowed: {', '.join(BATCHING_MODES)}")
+    return mode
+
+
+def load_keep_set(path):
+    """The keep set of ``server-head`` sessions from ``path`` (``--keep-set``): the bundle's keep_set.npy, a
+    non-empty 1-D .npy array of int token ids (what the keep-set pass writes). Returns it as numpy int64 (|V|,).
+    Raises ValueError naming ``--keep-set PATH`` and the fix."""
+    import numpy as np
+
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError):
+        raise ValueError(f"--keep-set {path}: not a .npy array file; give the bundle's keep_set.npy (written by "
+                         "hycoc build)") from None
+    if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) == 0:
+        raise ValueError(f"--keep-set {path}: expected a non-empty 1-D array of int token ids, got shape "
+                         f"{ids.shape} dtype {ids.dtype}")
+    return ids.astype(np.int64)
+
+
+def check_keep_set_vocab(ids, vocab_size: int, path) -> None:
+    """ValueError naming ``--keep-set PATH`` when a token id of ``ids`` lies outside a vocabulary of
+    ``vocab_size`` (a keep set built for another tokenizer)."""
+    top = int(max(ids))
+    if top >= vocab_size:
+        raise ValueError(f"--keep-set {path}: token id {top} is outside the verifier's vocabulary of {vocab_size}: "
+                         "was the keep set built for another tokenizer?")
+
+
+def check_recipe_models(recipe: Recipe) -> None:
+    """What a server loads, checked before any weights: the verifier, head and tokenizer folders
+    (`hycoc.models.model_dir`) and the checkpoint's chat template and stop ids (`chat_from_recipe`). Raises
+    ModelNotFoundError or ChatFormatError, each naming the folder or file and the fix."""
+    for role in ("verifier", "head", "tokenizer"):
+        model_dir(recipe, role)
+    chat_from_recipe(recipe)
+
+
+def server_options(recipe: Recipe, *, batching: str | None = None, max_batch_rows: int | None = None,
+                   max_batch_wait_ms: float | None = None, tree_budget: str | None = None) -> dict:
     """Keyword arguments of `hycoc.verifier.server.serve` / `VerifierServer` that come from the recipe:
     ``tree_rows`` = B + 1 ([tree].node_budget + 1; the device pads smaller trees to it), ``max_frame_bytes``
     ([verifier].max_frame_bytes), ``model_name`` ([models].verifier as written), ``limits`` (the server limits
     of [verifier], `hycoc.verifier.server.ServerLimits`), the batching keys ``batching``, ``max_batch_rows``,
     ``max_batch_wait_ms`` and the row budget's ``tree_budget``, ``row_cost`` (`row_cost_of`),
-    ``min_rows_per_session`` ([verifier] keys of the same names)."""
+    ``min_rows_per_session`` ([verifier] keys of the same names). The keyword arguments, when not None, replace
+    them (the command-line options of the same names). Serial verification has no shared forward for a budget to
+    act on: the recipe's tree_budget then becomes "fixed", and tree_budget = "auto" asked with it is a ValueError.
+    Raises ValueError for a bad --batching / --tree-budget, RecipeError for a bad verifier.row_cost."""
+    options = _recipe_server_options(recipe)
+    for key, value in (("batching", batching), ("max_batch_rows", max_batch_rows),
+                       ("max_batch_wait_ms", max_batch_wait_ms)):
+        if value is not None:
+            options[key] = check_batching(value) if key == "batching" else value
+    if tree_budget is not None:
+        if tree_budget not in TREE_BUDGETS:
+            raise ValueError(f"--tree-budget {tree_budget!r}: allowed: {', '.join(TREE_BUDGETS)}")
+        if tree_budget == "auto" and options["batching"] != "batched":
+            raise ValueError("--tree-budget auto allocates rows across a batched forward: use it with --batching "
+                             "batched (or verifier.batching = \"batched\")")
+        options["tree_budget"] = tree_budget
+    elif options["batching"] != "batched":
+        options["tree_budget"] = "fixed"
+    return options
+
+
+def _recipe_server_options(recipe: Recipe) -> dict:
     from hycoc.verifier.server import ServerLimits
 
     return {
@@ -95,8 +164,7 @@ def server_options(recipe: Recipe) -> dict:
         "batching": recipe.verifier.batching,
         "max_batch_rows": recipe.verifier.max_batch_rows,
         "max_batch_wait_ms": recipe.verifier.max_batch_wait_ms,
-        # serial verification has no shared forward for a budget to act on
-        "tree_budget": recipe.verifier.tree_budget if recipe.verifier.batching == "batched" else "fixed",
+        "tree_budget": recipe.verifier.tree_budget,
         "row_cost": row_cost_of(recipe),
         "min_rows_per_session": recipe.verifier.min_rows_per_session,
     }

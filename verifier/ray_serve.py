@@ -131,17 +131,11 @@ class RecipeEngine:
 
 def check_keep_set(path) -> None:
     """Raise ValueError naming ``--keep-set PATH`` unless it is a non-empty 1-D .npy of int token ids (what the
-    keep-set pass writes as ``keep_set.npy``); checked once before the replicas load it."""
-    import numpy as np
+    keep-set pass writes as ``keep_set.npy``; `hycoc.verifier.loading.load_keep_set`); checked once before the
+    replicas load it."""
+    from hycoc.verifier.loading import load_keep_set
 
-    try:
-        ids = np.load(path, allow_pickle=False)
-    except (OSError, ValueError):
-        raise ValueError(f"--keep-set {path}: not a .npy array file; give the bundle's keep_set.npy (written by "
-                         "hycoc build)") from None
-    if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) == 0:
-        raise ValueError(f"--keep-set {path}: expected a non-empty 1-D array of int token ids, got shape "
-                         f"{ids.shape} dtype {ids.dtype}")
+    load_keep_set(path)
 
 
 # --------------------------------------------------------------------------------------------------- rendering

@@ -251,18 +251,46 @@ def project_records(records: Sequence[Mapping], costs: Mapping[str, float]) -> d
     return out
 
 
-def render_device_table(projection: Mapping[str, dict], label: str, console) -> None:
-    """The per-configuration device-time table (`project_records`), titled with where the graph costs came from."""
-    from rich.table import Table
+def profile_table(result: Mapping[str, Any]):
+    """`profile_bundle`'s result as a `hycoc.bench.tables.TextTable`: per graph its AI Hub job, median and p90
+    execute ms, runs, peak MB and its three costliest op types."""
+    from hycoc.bench.tables import TextTable
 
-    t = Table(title=f"device time per round: graph costs {label}; host work as measured on this CPU")
-    for col in ("config", "calls / round", "phone draft ms / round", "phone draft ms / token", "host ms / round",
-                "CPU draft ms / round", "phone tok/s", "CPU tok/s"):
-        t.add_column(col, justify="left" if col in ("config", "calls / round") else "right")
-    for config, p in projection.items():
-        calls = ", ".join(f"{g} {n:g}" for g, n in p["calls_per_round"].items())
-        t.add_row(config, calls, f"{p['phone_draft_ms_per_round']:.1f}", f"{p['phone_draft_ms_per_token']:.1f}",
-                  f"{p['host_ms_per_round']:.1f}", f"{p['cpu_draft_ms_per_round']:.1f}",
-                  "-" if p["phone_tok_per_s"] is None else f"{p['phone_tok_per_s']:.1f}",
-                  "-" if p["cpu_tok_per_s"] is None else f"{p['cpu_tok_per_s']:.1f}")
-    console.print(t)
+    rows = []
+    for g, v in result["graphs"].items():
+        ops = ", ".join(f"{o['type']} {o['ms']:.2f}" for o in v["top_ops"][:3])
+        peak = "-" if v["peak_memory_bytes"] is None else f"{v['peak_memory_bytes'] / 1e6:.1f}"
+        rows.append([g, v["job"], f"{v['execute_ms_median']:.3f}", f"{v['execute_ms_p90']:.3f}", str(v["runs"]),
+                     peak, ops])
+    return TextTable(title=f"device profile on {result['device']} (AI Hub)",
+                     headers=["graph", "job", "execute ms median", "p90", "runs", "peak MB", "top ops (ms)"], rows=rows,
+                     justify=["left", "left", "right", "right", "right", "right", "left"])
+
+
+def device_table(projection: Mapping[str, dict], label: str):
+    """The per-configuration device-time table (`project_records`) as a `hycoc.bench.tables.TextTable`, titled with
+    where the graph costs came from; configurations in the main table's order (paper Table 5)."""
+    from hycoc.bench.stats import _order
+    from hycoc.bench.tables import TextTable
+
+    def num(x):
+        return "–" if x is None else f"{x:.1f}"
+
+    rows = []
+    for config in _order(projection):
+        p = projection[config]
+        rows.append([config, ", ".join(f"{g} {n:g}" for g, n in p["calls_per_round"].items()),
+                     num(p["phone_draft_ms_per_round"]), num(p["phone_draft_ms_per_token"]), num(p["host_ms_per_round"]),
+                     num(p["cpu_draft_ms_per_round"]), num(p["phone_tok_per_s"]), num(p["cpu_tok_per_s"])])
+    return TextTable(title=f"device time per round: graph costs {label}; host work as measured on this CPU",
+                     headers=["config", "calls / round", "phone draft ms / round", "phone draft ms / token",
+                              "host ms / round", "CPU draft ms / round", "phone tok/s", "CPU tok/s"],
+                     rows=rows, justify=["left", "left"] + ["right"] * 6)
+
+
+def render_device_table(projection: Mapping[str, dict], label: str, console, fmt: str = "table") -> None:
+    """Print `device_table` on a rich Console (``fmt``: `hycoc.bench.tables.FORMATS`; "table" splits it to the
+    console's width, configuration names whole)."""
+    from hycoc.bench.tables import print_tables
+
+    print_tables([device_table(projection, label)], console, fmt)

@@ -58,25 +58,34 @@ def long_context_rows(records: list[dict], summary: dict[str, dict[str, Any]], s
     return out
 
 
-def render_long_context(rows: dict[str, dict], console, title: str = "long documents",
-                        baseline: str = "cloud-mtp") -> None:
-    """The rows as a rich table on ``console`` (Δg reads "ref" for ``baseline``, the configuration it pairs
-    against)."""
-    from rich.table import Table
+def long_context_table(rows: dict[str, dict], title: str = "long documents", baseline: str = "cloud-mtp"):
+    """The rows as a `hycoc.bench.tables.TextTable` (Δg reads "ref" for ``baseline``, the configuration it pairs
+    against), configurations in the main table's order (paper Table 5)."""
+    from hycoc.bench.stats import _order
+    from hycoc.bench.tables import TextTable
 
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
 
-    table = Table(title=title)
-    for col in ("config", "n", "prompt tok", "Δg % [95% CI]", "MAT", "TTFT ms", "prefill share of g",
-                "first reply B", "SLM prefill ms (positions)"):
-        table.add_column(col, justify="left" if col == "config" else "right")
-    for name, r in rows.items():
+    out = []
+    for name in _order(rows):
+        r = rows[name]
         ci = r["delta_g_ci95"]
         dg = "ref" if name == baseline else "-" if r["delta_g_pct"] is None else (f"{r['delta_g_pct']:+.1f}" + (
             f" [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else ""))
         slm = "-" if r["slm_prefill_ms_p50"] is None else f"{r['slm_prefill_ms_p50']:.1f} ({r['slm_prefill_positions']})"
         share = "-" if r["prefill_share_of_g"] is None else f"{100 * r['prefill_share_of_g']:.1f} %"
-        table.add_row(name, str(r["requests"]), f(r["prompt_tokens_p50"], ".0f"), dg, f(r["mat"], ".2f"),
-                      f(r["first_token_ms_p50"], ".0f"), share, f(r["first_reply_bytes_p50"], ",.0f"), slm)
-    console.print(table)
+        out.append([name, str(r["requests"]), f(r["prompt_tokens_p50"], ".0f"), dg, f(r["mat"], ".2f"),
+                    f(r["first_token_ms_p50"], ".0f"), share, f(r["first_reply_bytes_p50"], ",.0f"), slm])
+    return TextTable(title=title, headers=["config", "n", "prompt tok", "Δg % [95% CI]", "MAT", "TTFT ms",
+                                           "prefill share of g", "first reply B", "SLM prefill ms (positions)"],
+                     rows=out)
+
+
+def render_long_context(rows: dict[str, dict], console, title: str = "long documents",
+                        baseline: str = "cloud-mtp", fmt: str = "table") -> None:
+    """Print `long_context_table` on ``console`` (``fmt``: `hycoc.bench.tables.FORMATS`; "table" splits it to the
+    console's width, configuration names whole)."""
+    from hycoc.bench.tables import print_tables
+
+    print_tables([long_context_table(rows, title, baseline)], console, fmt)

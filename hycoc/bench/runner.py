@@ -344,7 +344,7 @@ def _run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, 
 
         render_long_context(results["long_context"], console,
                             title=f"long documents: first reply (hand-off of up to W = {r.head_window} positions) "
-                                  f"and the device's SLM ring prefill (last {r.slm_window} prompt tokens)")
+                                  f"and the device's SLM ring prefill (last {r.slm_window} prompt tokens)", fmt=fmt)
     return results
 
 
@@ -371,7 +371,7 @@ def print_results(results: dict, console, fmt: str = "table", *, plots=(), out: 
     if (results.get("device_time") or {}).get("configs"):
         from hycoc.bench.device_profile import render_device_table
 
-        render_device_table(results["device_time"]["configs"], results["device_time"]["source"], console)
+        render_device_table(results["device_time"]["configs"], results["device_time"]["source"], console, fmt)
     notes = [f"g = verifier ms per output token measured on this machine (prefill included); "
              f"{results['meta']['cost_model']}, every server forward (prefill, verification, server-side head "
              "steps). Delivery and first-token times include the link model."]
@@ -562,8 +562,12 @@ def turn_summary(records: list[dict]) -> dict:
     prefill ms saved by keeping the KV (cold prefill of the whole conversation minus the append's; second turns),
     g = (prefill + server ms) / committed tokens pooled, MAT = committed tokens / rounds pooled.
     Records without ``turn`` are first turns; slm-alone records (no verifier) are left out."""
+    from hycoc.bench.stats import _order
+
     out: dict[str, dict[str, dict]] = {}
-    for (config, turn), rs in _groups(records).items():
+    groups = _groups(records)
+    rank = {c: i for i, c in enumerate(_order({c for c, _ in groups}))}   # the main table's order
+    for (config, turn), rs in sorted(groups.items(), key=lambda kv: (rank[kv[0][0]], kv[0][1])):
         tokens, rounds = sum(r["tokens"] for r in rs), sum(r["rounds"] for r in rs)
         verifier_ms = sum(r["prefill_ms"] + sum(r["server_ms"]) for r in rs)
         saved = [r["prefill_ms_cold"] - r["prefill_ms"] for r in rs if "prefill_ms_cold" in r]
@@ -583,15 +587,18 @@ def _groups(records: list[dict]) -> dict[tuple[str, int], list[dict]]:
 
 
 def turns_table(turns: dict):
-    """The per-turn table of `turn_summary` as a `hycoc.bench.tables.TextTable` (key columns: config, turn)."""
+    """The per-turn table of `turn_summary` as a `hycoc.bench.tables.TextTable` (key columns: config, turn), the
+    configurations in the main table's order (paper Table 5, `hycoc.bench.stats.TABLE5_ORDER`), turns in order."""
     from hycoc.bench.tables import TextTable
 
     def num(x, digits=2):
         return "–" if x is None else f"{x:.{digits}f}"
 
+    from hycoc.bench.stats import _order
+
     rows = [[config, turn, str(t["requests"]), num(t["prefill_ms"], 1), num(t["prefill_ms_saved"], 1),
              num(t["g_ms_per_token"]), num(t["mat"])]
-            for config, by_turn in turns.items() for turn, t in by_turn.items()]
+            for config in _order(turns) for turn, t in sorted(turns[config].items(), key=lambda kv: int(kv[0]))]
     return TextTable(title="per turn (second turns continue the session: KV kept, only the new tokens prefilled)",
                      headers=["config", "turn", "requests", "prefill ms", "prefill ms saved", "g ms/tok", "MAT"],
                      rows=rows, keys=2)

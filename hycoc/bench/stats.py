@@ -558,10 +558,9 @@ def main_table(summary: Mapping[str, Mapping[str, Any]], *, title: str = "hycoc 
     Columns: n (requests), g (measured verifier ms per output token, prefill included), g proj. (cost-model ms per
     token over every server forward, prefill included), Δg % [95% CI] vs the baseline (and Δg proj. % [95% CI]
     when present), MAT, verifier forwards per token, delivery tok/s, device draft ms per token, first-token p50 ms,
-    bytes up/down per round, share of bonus tokens outside the keep set, the answers' zlib compressed/raw ratio
-    with its paired Δ (the headline repetition metric, `hycoc.bench.quality`), and the quality flag: the metrics on
-    which the configuration is worse than the baseline beyond their 95% CI (`quality_metrics`), "–" when none. A
-    `caption` (e.g. the cost model's device) is appended to the legend."""
+    bytes up/down per round and the share of bonus tokens outside the keep set. Answer quality (the zlib ratio and
+    the other metrics, and the flag of those worse than the baseline) is in `quality_table` alone, printed after
+    this one. A `caption` (e.g. the cost model's device) is appended to the legend."""
     from hycoc.bench.tables import TextTable
 
     names = _order(summary)
@@ -571,9 +570,8 @@ def main_table(summary: Mapping[str, Mapping[str, Any]], *, title: str = "hycoc 
               f"process's CPU ms per token over the same requests (other processes do not stretch it). "
               f"g proj.: cost-model ms per token over every server forward (prefill, verification, server-side "
               f"head steps). Δg: paired vs {baseline}, 95% CI by bootstrap over questions (Δg proj.: and over the "
-              f"cost model's repeated timings); lower is better. zlib ratio: compressed/raw bytes of the answers "
-              f"(lower = more repetitive), paired Δ vs {baseline}. worse than {baseline}: quality metrics whose "
-              f"paired 95% CI lies wholly on the worse side.")
+              f"cost model's repeated timings); lower is better. Answer quality, and the metrics worse than "
+              f"{baseline}: the answer quality table.")
     if caption:
         legend += " " + caption
     has_busy = any(_num(summary[n].get("g_busy_ms_per_token")) is not None for n in names)
@@ -583,7 +581,7 @@ def main_table(summary: Mapping[str, Mapping[str, Any]], *, title: str = "hycoc 
     if has_dproj:
         headers.append("Δg proj. % [95% CI]")
     headers += ["MAT", "fwd/tok", "tok/s", "draft ms/tok", "1st tok p50 ms", "B up/down per round",
-                "outside keep %", "zlib ratio (Δ)", f"worse than {baseline}"]
+                "outside keep %"]
     rows = []
     for n in names:
         s = summary[n]
@@ -603,8 +601,7 @@ def main_table(summary: Mapping[str, Mapping[str, Any]], *, title: str = "hycoc 
         row += [_fmt(s.get("mat")), _fmt(s.get("verifier_forwards_per_token"), ".3f"), _fmt(s.get("tok_per_s"), ".1f"),
                 _fmt(s.get("draft_ms_per_token"), ".1f"), _fmt(s.get("first_token_ms_p50"), ".0f"),
                 "–" if _num(up) is None and _num(down) is None else f"{_fmt(up, ',.0f')} / {_fmt(down, ',.0f')}",
-                _fmt(None if _num(share) is None else 100.0 * float(share), ".1f"),
-                _quality_cell(s, "compression_ratio", n == baseline), _quality_flags(s)]
+                _fmt(None if _num(share) is None else 100.0 * float(share), ".1f")]
         rows.append(row)
     return TextTable(title=title, headers=headers, rows=rows, caption=legend)
 

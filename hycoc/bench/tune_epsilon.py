@@ -100,6 +100,25 @@ def load_validation(path: Path, count: int, *, benchmark_turns: set[str] = froze
 # ---- the selection rule -------------------------------------------------------------------------------------
 
 
+def validation_questions(cfg, recipe_path: Path, validation_data: Path | None, prompts: int | None,
+                         default_dataset: Path) -> list[Question]:
+    """`hycoc tune-epsilon`'s held-out questions: ``validation_data`` (``--validation-data``), else the recipe's
+    tune.validation_data; the first ``prompts`` (default tune.prompts) conversations (`load_validation`), refusing
+    any prompt that is a first turn of the benchmark (the recipe's bench.dataset, else ``default_dataset``) and the
+    keep set's own corpus. Raises TuneError (naming the recipe key or file) or
+    `hycoc.bench.datasets.DatasetError` (a bad benchmark file)."""
+    from hycoc.bench.datasets import load_spec_bench
+
+    path = validation_data or cfg.resolve_path(cfg.tune.validation_data)
+    if path is None:
+        raise TuneError(f"{recipe_path}: tune.validation_data is empty; set it to a JSONL of held-out "
+                        "conversations (or pass --validation-data)")
+    bench_path = cfg.resolve_path(cfg.bench.dataset) or default_dataset
+    benchmark_turns = {q.turns[0] for q in load_spec_bench(bench_path)} if bench_path.is_file() else set()
+    return load_validation(path, prompts or cfg.tune.prompts, benchmark_turns=benchmark_turns,
+                           keep_set_corpus=cfg.resolve_path(cfg.keep_set.corpus))
+
+
 @dataclass(frozen=True)
 class Tolerance:
     """How far an ε may move the answers' text from exact acceptance and still be chosen (`choose_epsilon`);
@@ -295,21 +314,11 @@ def run_tune(recipe, recipe_path: Path, plan: TunePlan, *, bundle_dir: Path, bac
     return result
 
 
-def render_sweep(rows: Sequence[SweepRow], chosen: SweepRow, tol: Tolerance, console) -> None:
-    """Print the sweep table: per ε, MAT, g (projected) and measured g, the guarded metrics' means and paired
-    differences vs exact, the other metrics' differences, whether the guards pass, and the choice."""
-    from rich.table import Table
-
-    table = Table(title="tune-epsilon: ε sweep on the validation prompts (paired vs exact acceptance)",
-                  caption_justify="left", caption=(
-                      f"g: projected ms per output token (rounds), g meas.: measured incl. prefill. Guards vs exact: "
-                      f"zlib ratio drop <= {tol.compression_drop:g}, rep. 4-gram rise <= {tol.repetition_rise:g}, "
-                      f"distinct-2 drop <= {tol.distinct2_drop:g}; choice: lowest g among admissible, ties within "
-                      f"{tol.g_tie_pct:g}% to the largest ε. ROUGE-L: against the validation set's own sampled "
-                      "answers (informational)."))
-    for head in ("ε", "n", "MAT", "g ms/tok", "g meas.", "zlib ratio (Δ)", "rep. 4-gram (Δ)", "distinct-2 (Δ)",
-                 "longest run (Δ)", "ROUGE-L (Δ)", "admissible"):
-        table.add_column(head, justify="right" if head not in ("admissible",) else "left")
+def sweep_table(rows: Sequence[SweepRow], chosen: SweepRow, tol: Tolerance):
+    """The sweep as a `hycoc.bench.tables.TextTable` (key column ε): per ε, MAT, g (projected) and measured g, the
+    guarded metrics' means and paired differences vs exact, the other metrics' differences, whether the guards
+    pass, and the choice; the caption states the guards and the rule."""
+    from hycoc.bench.tables import TextTable
 
     def cell(row: SweepRow, key: str, fmt: str) -> str:
         mean, d = row.means.get(key), row.deltas.get(key)
@@ -317,15 +326,35 @@ def render_sweep(rows: Sequence[SweepRow], chosen: SweepRow, tol: Tolerance, con
             return "–"
         return f"{mean:{fmt}}" + ("" if row.epsilon >= 1.0 or d is None else f" ({d:+{fmt}})")
 
+    def num(x, f):
+        return "–" if x is None else format(x, f)
+
+    out = []
     for r in rows:
-        num = lambda x, f: "–" if x is None else format(x, f)  # noqa: E731
         mark = "chosen" if r is chosen else ("yes" if r.admissible else "no: " + "; ".join(r.failed))
-        table.add_row("1 (exact)" if r.epsilon >= 1.0 else f"{r.epsilon:g}", str(r.requests), num(r.mat, ".2f"),
-                      num(r.g, ".2f"), num(r.g_measured, ".2f"), cell(r, "compression_ratio", ".3f"),
-                      cell(r, "repeated_4gram_share", ".3f"), cell(r, "distinct_2", ".3f"),
-                      cell(r, "longest_run", ".1f"), cell(r, "rouge_l", ".1f"), mark)
-    console.print(table)
+        out.append(["1 (exact)" if r.epsilon >= 1.0 else f"{r.epsilon:g}", str(r.requests), num(r.mat, ".2f"),
+                    num(r.g, ".2f"), num(r.g_measured, ".2f"), cell(r, "compression_ratio", ".3f"),
+                    cell(r, "repeated_4gram_share", ".3f"), cell(r, "distinct_2", ".3f"),
+                    cell(r, "longest_run", ".1f"), cell(r, "rouge_l", ".1f"), mark])
+    headers = ["ε", "n", "MAT", "g ms/tok", "g meas.", "zlib ratio (Δ)", "rep. 4-gram (Δ)", "distinct-2 (Δ)",
+               "longest run (Δ)", "ROUGE-L (Δ)", "admissible"]
+    return TextTable(
+        title="tune-epsilon: ε sweep on the validation prompts (paired vs exact acceptance)", headers=headers,
+        rows=out, justify=["right"] * (len(headers) - 1) + ["left"],
+        caption=(f"g: projected ms per output token (rounds), g meas.: measured incl. prefill. Guards vs exact: "
+                 f"zlib ratio drop <= {tol.compression_drop:g}, rep. 4-gram rise <= {tol.repetition_rise:g}, "
+                 f"distinct-2 drop <= {tol.distinct2_drop:g}; choice: lowest g among admissible, ties within "
+                 f"{tol.g_tie_pct:g}% to the largest ε. ROUGE-L: against the validation set's own sampled "
+                 "answers (informational)."))
+
+
+def render_sweep(rows: Sequence[SweepRow], chosen: SweepRow, tol: Tolerance, console) -> None:
+    """Print `sweep_table` on ``console``, split to its width (the ε column leading every part)."""
+    from hycoc.bench.tables import print_tables
+
+    print_tables([sweep_table(rows, chosen, tol)], console)
 
 
 __all__ = ["EXACT", "EXACT_MODE", "GUARDS", "SweepRow", "Tolerance", "TuneError", "TunePlan", "check_row",
-           "choose_epsilon", "label_of", "load_validation", "render_sweep", "rows_from_summary", "run_tune"]
+           "validation_questions",
+           "choose_epsilon", "label_of", "load_validation", "render_sweep", "sweep_table", "rows_from_summary", "run_tune"]

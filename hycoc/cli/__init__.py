@@ -12,6 +12,12 @@ One module per command group, each command an undecorated function registered he
 - ``bench``: bench, tune-epsilon, loadtest, profile;
 - ``tools``: generate, calibrate-handoff, doctor.
 
+What a command checks, computes and prints lives in library modules the tests call directly: ``hycoc.inspect_report``
+(inspect's and build's tables), ``hycoc.bench.inputs`` (bench's bundle, questions and option checks),
+``hycoc.bench.tune_epsilon.validation_questions``, ``hycoc.run_options`` (run's checks and summary line),
+``hycoc.generate`` (generate), ``hycoc.doctor`` (doctor), ``hycoc.verifier.loading`` (the servers' keep set, model
+checks and options).
+
 Exit codes: 0 done; 1 bad input (recipe, dataset, missing model); 2 bad usage or a command that is not
 available yet (its message names the issue that brings it).
 """
@@ -23,7 +29,7 @@ import typer
 from hycoc.cli import bench, build, run, serve, tools
 from hycoc.cli._common import DEFAULT_DATASET, REPO_ROOT, _auth_token  # noqa: F401  (imported from hycoc.cli)
 from hycoc.cli.bench import BENCH_CONFIGS, LOADTEST_BATCHING, LOADTEST_CONFIGS  # noqa: F401
-from hycoc.cli.tools import package_versions  # noqa: F401
+from hycoc.doctor import package_versions  # noqa: F401  (imported from hycoc.cli)
 
 app = typer.Typer(
     name="hycoc",

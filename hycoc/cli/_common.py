@@ -30,6 +30,36 @@ def _flags_show_no_type() -> None:
 _flags_show_no_type()
 
 
+def _wrap_help_at_spaces() -> None:
+    """click wraps help text with a ``textwrap.TextWrapper`` that breaks at hyphens, so at 80 columns a default or
+    an option name is cut in two ("specedge-" / "eps", "--auth-" / "token-file"). Wrap at spaces only, by giving
+    click's wrapper (``_textwrap.TextWrapper``, imported by ``formatting.wrap_text`` at each call) the setting
+    ``break_on_hyphens=False`` (Python docs, textwrap.TextWrapper.break_on_hyphens), in the click typer 0.29
+    ships as ``typer._click`` and in click itself. Feature-detected: a module that is not there is left alone."""
+    import importlib
+
+    for name in ("typer._click._textwrap", "click._textwrap"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        base = module.TextWrapper
+        if getattr(base, "hycoc_spaces_only", False):
+            continue
+
+        class TextWrapper(base):
+            hycoc_spaces_only = True
+
+            def __init__(self, *args, **kwargs):
+                kwargs["break_on_hyphens"] = False
+                super().__init__(*args, **kwargs)
+
+        module.TextWrapper = TextWrapper
+
+
+_wrap_help_at_spaces()
+
+
 #: Repository root of an editable install.
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: Spec-Bench's questions, shipped in the repository (benchmarks/data/NOTICE.md).
@@ -157,5 +187,5 @@ def _recipe(command: str, path: Path):
         raise _fail(command, f"bad recipe\n{e}") from None
 
 
-RECIPE_ARG = typer.Argument(..., help="recipe TOML file (e.g. recipes/toy.toml, recipes/gemma4.toml)",
-                            show_default=False)
+RECIPE_ARG = typer.Argument(..., metavar="RECIPE", help="recipe TOML file (e.g. recipes/toy.toml, "
+                            "recipes/gemma4.toml)", show_default=False)

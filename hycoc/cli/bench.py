@@ -40,7 +40,9 @@ def bench(
         None, min=16, help="long documents: cut each document at a line end so its prompt has at most N tokens, as "
         "the paper cut the novels to 32K (default: uncut; a prompt the verifier cannot hold is refused at OPEN "
         "with context_overflow)", show_default=False),
-    configs: str = typer.Option(",".join(BENCH_CONFIGS), help="comma-separated configurations (paper Table 5)"),
+    configs: str = typer.Option(",".join(BENCH_CONFIGS), help="comma-separated configurations (paper Table 5) "
+                                f"(default: all {len(BENCH_CONFIGS)}: {', '.join(BENCH_CONFIGS)})",
+                                show_default=False),
     link: Optional[str] = typer.Option(
         None, help="link model per frame: lte, 5g, none or RTT_MS:MBPS (round trip ms : megabit/s) "
         "(default: the recipe's bench.link)", show_default=False),
@@ -77,22 +79,15 @@ def bench(
     talks to it through the wire protocol. Writes OUT/records.jsonl (one line per finished request; --resume
     continues), OUT/results.json (summary + records) and PNG plots, and prints the table.
     """
-    from hycoc.bench.datasets import DatasetError
-    from hycoc.recipe import check_link
+    from hycoc.bench.inputs import OptionError, check_link_option, parse_configs
 
     cfg = _recipe("bench", recipe)
-    unknown = [c for c in configs.split(",") if c not in BENCH_CONFIGS]
-    if unknown:
-        raise _fail("bench", f"--configs: unknown {', '.join(unknown)}; allowed: {', '.join(BENCH_CONFIGS)}", code=2)
-    if link is not None:
-        from hycoc.runtime.transport import parse_link
-
-        try:  # the recipe's own check, so the CLI and the recipe accept the same strings
-            check_link(link)
-            parse_link(link)
-        except ValueError:
-            raise _fail("bench", f"--link {link!r}: allowed: lte, 5g, none or RTT_MS:MBPS such as 45:50",
-                        code=2) from None
+    try:
+        chosen = parse_configs(configs, BENCH_CONFIGS)
+        if link is not None:
+            check_link_option(link)
+    except OptionError as e:
+        raise _fail("bench", str(e), code=2) from None
     if cost_model is not None and not cost_model.is_file():
         raise _fail("bench", f"--cost-model {cost_model}: no such file")
     if device_profile is not None:
@@ -111,7 +106,7 @@ def bench(
 
     questions, dataset_name, bundle_dir = _bench_questions(cfg, recipe, bundle, dataset, max_prompt_tokens)
     plan = BenchPlan(questions=questions[:limit] if limit else questions,
-                     configs=[c for c in BENCH_CONFIGS if c in configs.split(",")], runs=runs or cfg.bench.runs,
+                     configs=chosen, runs=runs or cfg.bench.runs,
                      link=link or cfg.bench.link, output_cap=max_new_tokens or cfg.bench.output_cap, out=out,
                      turns=turns, thinking=thinking, dataset=dataset_name)
     try:
@@ -124,51 +119,34 @@ def bench(
         raise _fail("bench", str(e)) from None
 
 
+def _say(line: str) -> None:
+    """A note on stderr, wrapped at the terminal's width (80 when redirected)."""
+    from rich.console import Console
+
+    Console(stderr=True).print(line, markup=False, highlight=False)
+
+
 def _bench_questions(cfg, recipe: Path, bundle: Optional[Path], dataset: Optional[str],
                      max_prompt_tokens: Optional[int]):
-    """``hycoc bench``'s questions: (questions, the dataset's name for the table, the bundle folder). The dataset is
-    ``--dataset`` (a built-in name or a path), else the recipe's bench.dataset, else spec-bench
-    (`hycoc.bench.datasets.load_bench_dataset`); with ``--max-prompt-tokens`` long documents are cut to fit, counted
-    with the bundle's chat format (`hycoc.chat.Chat.prompt`)."""
-    from hycoc.bench.datasets import BUILTIN_DATASETS, DatasetError, is_long_summary_file, load_bench_dataset
+    """`hycoc.bench.inputs.bench_questions`, its errors as one line (exit 1)."""
+    from hycoc.bench.datasets import DatasetError
+    from hycoc.bench.inputs import BenchInputError, bench_questions
 
-    spec = dataset or cfg.resolve_path(cfg.bench.dataset) or DEFAULT_DATASET
-    path = BUILTIN_DATASETS.get(str(spec), Path(spec))
-    long_doc = is_long_summary_file(path)
-    if (dataset is not None and dataset not in BUILTIN_DATASETS and not Path(dataset).exists()
-            and not Path(dataset).suffix and "/" not in dataset):          # a mistyped name, not a path
-        raise _fail("bench", f"--dataset {dataset}: not a built-in dataset ({', '.join(BUILTIN_DATASETS)}) and no "
-                    "such file")
     try:
-        questions = load_bench_dataset(path)          # every file error before a bundle is (maybe) built
-        bundle_dir = _bench_bundle("bench", cfg, recipe, bundle)
-        if long_doc and max_prompt_tokens is not None:
-            from hycoc.runtime.device_bundle import open_bundle
-
-            chat = open_bundle(bundle_dir, "cpu", verify=False).chat      # the bundle's own chat format
-            questions = load_bench_dataset(path, prompt_tokens=lambda text: len(chat.prompt(text)),
-                                           max_prompt_tokens=max_prompt_tokens)
-    except DatasetError as e:
+        return bench_questions(cfg, recipe, bundle, dataset, max_prompt_tokens, REPO_ROOT, DEFAULT_DATASET, say=_say)
+    except (BenchInputError, DatasetError) as e:
         raise _fail("bench", str(e)) from None
-    name = str(dataset) if dataset in BUILTIN_DATASETS else ("long-document" if long_doc else "Spec-Bench")
-    return questions, name, bundle_dir
 
 
 def _bench_bundle(command: str, cfg, recipe: Path, bundle: Optional[Path]) -> Path:
-    """``--bundle``, else bundles/<recipe name>-cpu, built there first when it has no manifest."""
-    from hycoc.bench.runner import default_bundle_dir
+    """`hycoc.bench.inputs.bench_bundle`: ``--bundle``, else bundles/<recipe name>-cpu, built there first when it
+    has no manifest; a bad ``--bundle`` as one line (exit 1)."""
+    from hycoc.bench.inputs import BenchInputError, bench_bundle
 
-    bundle_dir = bundle or default_bundle_dir(cfg, REPO_ROOT)
-    if not (bundle_dir / "manifest.json").is_file():
-        if bundle is not None:
-            what = "no manifest.json there" if bundle.is_dir() else "no such folder"
-            raise _fail(command, f"--bundle {bundle}: {what}; build one with hycoc build")
-        typer.echo(f"hycoc {command}: no bundle at {bundle_dir}; building it (hycoc build {recipe} --target cpu)",
-                   err=True)
-        from hycoc.passes.build import build_bundle
-
-        build_bundle(cfg, "cpu", bundle_dir, REPO_ROOT / ".hycoc-cache")
-    return bundle_dir
+    try:
+        return bench_bundle(cfg, recipe, bundle, REPO_ROOT, command=command, say=_say)
+    except BenchInputError as e:
+        raise _fail(command, str(e)) from None
 
 
 class TuneMode(str, Enum):
@@ -207,35 +185,22 @@ def tune_epsilon(
     the lowest projected g, a g within tune.g_tie_pct % of it counting as a tie won by the larger epsilon.
     Writes OUT/records.jsonl and OUT/tune.json and prints the line to put in the recipe's acceptance table.
     """
-    from hycoc.bench.datasets import DatasetError, load_spec_bench
+    from hycoc.bench.datasets import DatasetError
 
     cfg = _recipe("tune-epsilon", recipe)
-    eps_list = list(cfg.tune.epsilons)
-    if epsilons is not None:
-        try:
-            eps_list = [float(x) for x in epsilons.split(",") if x.strip()]
-        except ValueError:
-            eps_list = []
-        if not eps_list or not all(0 < e < 1 for e in eps_list):
-            raise _fail("tune-epsilon", f"--epsilons {epsilons!r}: allowed: comma-separated numbers in (0, 1), "
-                        "such as 0.005,0.02", code=2)
-    path = validation_data or cfg.resolve_path(cfg.tune.validation_data)
-    if path is None:
-        raise _fail("tune-epsilon", f"{recipe}: tune.validation_data is empty; set it to a JSONL of held-out "
-                    "conversations (or pass --validation-data)")
-    if cost_model is not None and not cost_model.is_file():
-        raise _fail("tune-epsilon", f"--cost-model {cost_model}: no such file")
-    bench_path = cfg.resolve_path(cfg.bench.dataset) or DEFAULT_DATASET
-    try:
-        benchmark_turns = {q.turns[0] for q in load_spec_bench(bench_path)} if bench_path.is_file() else set()
-    except DatasetError as e:
-        raise _fail("tune-epsilon", str(e)) from None
-    from hycoc.bench.tune_epsilon import Tolerance, TuneError, TunePlan, load_validation, run_tune
+    from hycoc.bench.inputs import OptionError, parse_epsilons
 
     try:
-        questions = load_validation(path, prompts or cfg.tune.prompts, benchmark_turns=benchmark_turns,
-                                    keep_set_corpus=cfg.resolve_path(cfg.keep_set.corpus))
-    except TuneError as e:
+        eps_list = parse_epsilons(epsilons) if epsilons is not None else list(cfg.tune.epsilons)
+    except OptionError as e:
+        raise _fail("tune-epsilon", str(e), code=2) from None
+    if cost_model is not None and not cost_model.is_file():
+        raise _fail("tune-epsilon", f"--cost-model {cost_model}: no such file")
+    from hycoc.bench.tune_epsilon import Tolerance, TuneError, TunePlan, run_tune, validation_questions
+
+    try:
+        questions = validation_questions(cfg, recipe, validation_data, prompts, DEFAULT_DATASET)
+    except (TuneError, DatasetError) as e:
         raise _fail("tune-epsilon", str(e)) from None
     _need_full("tune-epsilon")
     from hycoc.bench.runner import BenchError
@@ -258,7 +223,7 @@ def tune_epsilon(
 
 
 def profile(
-    bundle: Path = typer.Argument(..., help="an htp-v81 or qai-hub bundle folder", show_default=False),
+    bundle: Path = typer.Argument(..., metavar="BUNDLE", help="an htp-v81 or qai-hub bundle folder", show_default=False),
     device: str = typer.Option("Samsung Galaxy S26 (Family)", help="the phone as Qualcomm AI Hub names it "
                                "(`qai-hub list-devices`)"),
     out: Optional[Path] = typer.Option(None, help="where to write the profile (default: BUNDLE/device_profile.json)",
@@ -281,18 +246,11 @@ def profile(
                                 on_job=lambda g, j: typer.echo(f"profile: graph {g}: AI Hub inference job {j}"))
     except (QaiHubSetupError, QaiHubDeviceError, DeviceProfileError, BundleError) as e:
         raise _fail("profile", str(e)) from None
-    from rich.console import Console
-    from rich.table import Table
+    from hycoc.bench.device_profile import profile_table
+    from hycoc.bench.runner import make_console
+    from hycoc.bench.tables import print_tables
 
-    t = Table(title=f"device profile on {result['device']} (AI Hub)")
-    for col in ("graph", "job", "execute ms median", "p90", "runs", "peak MB", "top ops (ms)"):
-        t.add_column(col, justify="left" if col in ("graph", "job", "top ops (ms)") else "right")
-    for g, v in result["graphs"].items():
-        ops = ", ".join(f"{o['type']} {o['ms']:.2f}" for o in v["top_ops"][:3])
-        peak = "-" if v["peak_memory_bytes"] is None else f"{v['peak_memory_bytes'] / 1e6:.1f}"
-        t.add_row(g, v["job"], f"{v['execute_ms_median']:.3f}", f"{v['execute_ms_p90']:.3f}", str(v["runs"]), peak,
-                  ops)
-    Console(width=160).print(t)
+    print_tables([profile_table(result)], make_console())    # the terminal's width; COLUMNS or 120 redirected
     typer.echo(f"wrote {out or bundle / 'device_profile.json'}")
 
 

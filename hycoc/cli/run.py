@@ -15,7 +15,7 @@ from hycoc.cli._common import AUTH_TOKEN_HELP, Backend, RunMode, _auth_token, _b
 
 def run(
     ctx: typer.Context,
-    bundle: Path = typer.Argument(..., help="bundle folder made by `hycoc build`", show_default=False),
+    bundle: Path = typer.Argument(..., metavar="BUNDLE", help="bundle folder made by `hycoc build`", show_default=False),
     server: Optional[str] = typer.Option(None, metavar="URL", help="verifier address, ws://HOST:PORT (not needed "
                                          "for --mode slm-alone)", show_default=False),
     prompt: Optional[str] = typer.Option(None, help="user message (wrapped in the chat template)", show_default=False),
@@ -58,20 +58,13 @@ def run(
     JSON object on stdout after the text: text, tokens, rounds, mat, tok_per_s, draft_ms_per_token,
     server_ms_per_token, first_token_ms, bytes_up_per_round, bytes_down_per_round).
     """
-    if (prompt is not None and prompt_file is not None) or (not chat and prompt is None and prompt_file is None):
-        raise _fail("run", "give exactly one of --prompt and --prompt-file", code=2)
-    if chat and (mode == RunMode.slm_alone or raw):
-        raise _fail("run", "--chat needs a verifier and the chat template: not with --mode slm-alone or --raw",
-                    code=2)
-    if prompt_file is not None and not prompt_file.is_file():
-        raise _fail("run", f"--prompt-file {prompt_file}: no such file", code=2)
-    if not bundle.is_dir():
-        what = "is a file, not a bundle folder" if bundle.exists() else "no such folder"
-        raise _fail("run", f"bundle {bundle}: {what} (make one with `hycoc build RECIPE --target cpu --out DIR`)")
-    if mode != RunMode.slm_alone and server is None:
-        raise _fail("run", "--server ws://HOST:PORT is required (except with --mode slm-alone)", code=2)
-    if mode != RunMode.slm_alone and not server.startswith(("ws://", "wss://")):
-        raise _fail("run", f"--server {server!r}: expected ws://HOST:PORT", code=2)
+    from hycoc.run_options import AnswerPrinter, RunOptionError, check_run_options, run_error, summary_line
+
+    try:
+        check_run_options(bundle=bundle, server=server, prompt=prompt, prompt_file=prompt_file, chat=chat, raw=raw,
+                          slm_alone=mode == RunMode.slm_alone)
+    except RunOptionError as e:
+        raise _fail("run", str(e), code=e.code) from None
     import json
 
     from hycoc.bundle import BundleError
@@ -110,26 +103,14 @@ def run(
     auth_token = _auth_token("run", ctx, auth_token, auth_token_file)
     client = None if mode == RunMode.slm_alone else VerifierClient(server, auth_token, timeout_s=timeout)
 
-    streamed = []
+    printer = AnswerPrinter()
     answer = AnswerStream(chat_format)
-
-    def show(pieces: tuple[str, str]) -> None:
-        """The thought to stderr (dimmed on a terminal), the answer to stdout."""
-        thought, text = pieces
-        if thought:
-            dim = sys.stderr.isatty()
-            sys.stderr.write(("\x1b[2m" if dim else "") + thought + ("\x1b[0m" if dim else ""))
-            sys.stderr.flush()
-        if text:
-            streamed.append(text)
-            sys.stdout.write(text)
-            sys.stdout.flush()
 
     def turn(first: bool, text: str | None = None):
         """One turn: the request (first) or the next user turn on the same session; prints its metrics."""
         nonlocal answer
         answer = AnswerStream(chat_format)
-        on_tokens = lambda new: show(answer.push(new))  # noqa: E731
+        on_tokens = lambda new: printer.show(answer.push(new))  # noqa: E731
         try:
             if first:
                 res = rt.generate(client, ids, mode=mode.value, max_new_tokens=max_new_tokens, seed=seed,
@@ -137,26 +118,20 @@ def run(
             else:
                 res = rt.next_turn(client, chat_format.next_turn(text, thinking), max_new_tokens=max_new_tokens,
                                    on_tokens=on_tokens)
-            show(answer.flush())
+            printer.show(answer.flush())
         except (TransportError, HandoffError, RuntimeProtocolError, GraphRunError, BundleError, ChatMismatch) as e:
-            if streamed:
+            if printer.streamed:
                 sys.stdout.write("\n")
                 sys.stdout.flush()
             if client is not None:
                 client.close()
-            message = str(e)
-            if "auth_required" in message or "auth_refused" in message:
-                message += " (hycoc run: set HYCOC_AUTH_TOKEN or pass --auth-token-file FILE)"
-            raise _fail("run", message) from None
+            raise _fail("run", run_error(str(e))) from None
         sys.stdout.write("\n")
         m = res.to_json()
         if json_out:
             sys.stdout.write(json.dumps(m) + "\n")
         sys.stdout.flush()
-        typer.echo(f"[{mode.value}: {m['tokens']} tokens, {m['rounds']} rounds, MAT {m['mat']:.2f}, "
-                   f"{m['tok_per_s']:.1f} tok/s, draft {m['draft_ms_per_token']:.1f} ms/token, server "
-                   f"{m['server_ms_per_token']:.1f} ms/token, first token {m['first_token_ms']} ms, prefill "
-                   f"{res.prefill_ms:.1f} ms, {res.finish_reason}]", err=True)
+        typer.echo(summary_line(mode.value, m, res.prefill_ms, res.finish_reason), err=True)
         return res
 
     res = turn(True)

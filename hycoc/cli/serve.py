@@ -59,33 +59,27 @@ def verify_server(
     cfg = _recipe("verify-server", recipe)
     _need_full("verify-server")
     auth_token = _auth_token("verify-server", ctx, auth_token, auth_token_file)
-    if batching is not None and batching not in ("batched", "serial"):
-        raise _fail("verify-server", f"--batching {batching!r}: allowed: batched, serial", code=2)
-    if tree_budget is not None and tree_budget not in ("fixed", "auto"):
-        raise _fail("verify-server", f"--tree-budget {tree_budget!r}: allowed: fixed, auto", code=2)
-    from hycoc.models import ModelNotFoundError, model_dir
-    from hycoc.ports import check_port
-
-    ids = None
-    if keep_set is not None:
-        import numpy as np
-
-        try:
-            ids = np.load(keep_set, allow_pickle=False)
-        except (OSError, ValueError):
-            raise _fail("verify-server", f"--keep-set {keep_set}: not a .npy array file; give the bundle's "
-                        "keep_set.npy (written by hycoc build)") from None
-        if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) == 0:
-            raise _fail("verify-server", f"--keep-set {keep_set}: expected a non-empty 1-D array of int token ids, "
-                        f"got shape {ids.shape} dtype {ids.dtype}")
     from hycoc.chat import ChatFormatError
-    from hycoc.chat_template import chat_from_recipe
+    from hycoc.models import ModelNotFoundError
+    from hycoc.ports import check_port
+    from hycoc.verifier.loading import check_batching, check_keep_set_vocab, check_recipe_models, load_keep_set
 
-    try:  # the models' folders and chat files, then the port: each named at once, before the model is loaded
-        for role in ("verifier", "head", "tokenizer"):
-            model_dir(cfg, role)
-        chat_from_recipe(cfg)          # the checkpoint's template and stop ids: a bad folder is refused here
-    except (ModelNotFoundError, ChatFormatError) as e:
+    from hycoc.recipe import RecipeError
+    from hycoc.verifier.loading import server_options
+
+    try:  # the batching options (and the recipe's row cost) before anything loads
+        if batching is not None:
+            check_batching(batching)
+        options = server_options(cfg, batching=batching, max_batch_rows=max_batch_rows,
+                                 max_batch_wait_ms=max_batch_wait_ms, tree_budget=tree_budget)
+    except ValueError as e:
+        raise _fail("verify-server", str(e), code=2) from None
+    except RecipeError as e:
+        raise _fail("verify-server", f"bad recipe\n{e}") from None
+    try:  # the keep set, the models' folders and chat files, then the port: each named before the model loads
+        ids = load_keep_set(keep_set) if keep_set is not None else None
+        check_recipe_models(cfg)
+    except (ValueError, ModelNotFoundError, ChatFormatError) as e:
         raise _fail("verify-server", str(e)) from None
     host = host or cfg.verifier.host
     port = cfg.verifier.port if port is None else port
@@ -104,36 +98,19 @@ def verify_server(
 
         engine = engine_from_recipe(cfg, device.value if device is not None else None,
                                     keep_set=None if ids is None else torch.as_tensor(ids, dtype=torch.long))
+        if ids is not None:
+            check_keep_set_vocab(ids, engine.vocab_size, keep_set)
     except RecipeError as e:
         raise _fail("verify-server", f"bad recipe\n{e}") from None
-    except (ModelNotFoundError, DeviceUnavailable, ChatFormatError) as e:
+    except (ModelNotFoundError, DeviceUnavailable, ChatFormatError, ValueError) as e:
         raise _fail("verify-server", str(e)) from None
-    if ids is not None and int(ids.max()) >= engine.vocab_size:
-        raise _fail("verify-server", f"--keep-set {keep_set}: token id {int(ids.max())} is outside the verifier's "
-                    f"vocabulary of {engine.vocab_size}: was the keep set built for another tokenizer?")
 
     def listening(url: str) -> None:
         typer.echo(f"hycoc verify-server: listening on {url} (model {cfg.models.verifier}, "
-                   f"{engine.device.type}, {options['batching']}, tree budget {options['tree_budget']}, health {url.replace('ws://', 'http://', 1)}/healthz)")
+                   f"{engine.device.type}, {options['batching']}, tree budget {options['tree_budget']}, "
+                   f"health {url.replace('ws://', 'http://', 1)}/healthz)")
         sys.stdout.flush()
 
-    try:
-        options = server_options(cfg)
-    except RecipeError as e:
-        raise _fail("verify-server", f"bad recipe\n{e}") from None
-    if tree_budget == "auto" and (batching or options["batching"]) != "batched":
-        raise _fail("verify-server", "--tree-budget auto allocates rows across a batched forward: use it with "
-                    "--batching batched (or verifier.batching = \"batched\")", code=2)
-    if tree_budget is not None:
-        options["tree_budget"] = tree_budget
-    elif batching == "serial":
-        options["tree_budget"] = "fixed"          # the recipe's budget has no shared forward to act on
-    if batching is not None:
-        options["batching"] = batching
-    if max_batch_rows is not None:
-        options["max_batch_rows"] = max_batch_rows
-    if max_batch_wait_ms is not None:
-        options["max_batch_wait_ms"] = max_batch_wait_ms
     started = time.monotonic()
     try:
         serve(engine, host, port, auth_token=auth_token, on_listening=listening, **options)
@@ -186,10 +163,12 @@ def serve_ray(
     if importlib.util.find_spec("ray") is None:
         raise _fail("serve-ray", "needs Ray Serve (the serve extra): pip install -e '.[serve]'")
     auth_token = _auth_token("serve-ray", ctx, auth_token, auth_token_file)
+    from hycoc.chat import ChatFormatError
     from hycoc.models import ModelNotFoundError
-    from hycoc.verifier.loading import DeviceUnavailable, check_device, model_dir, server_options
     from hycoc.ports import check_port
-    from hycoc.verifier.ray_serve import RecipeEngine, build_app, check_keep_set, check_log_level, replica_cpus, run
+    from hycoc.verifier.loading import (DeviceUnavailable, check_device, check_recipe_models, load_keep_set,
+                                        server_options)
+    from hycoc.verifier.ray_serve import RecipeEngine, build_app, check_log_level, replica_cpus, run
 
     try:
         log_level = check_log_level(log_level)
@@ -199,11 +178,10 @@ def serve_ray(
     dev = device.value if device is not None else cfg.verifier.device
     try:  # what each replica will load, checked here once (a replica that fails is retried by Ray)
         check_device(dev)
-        for role in ("verifier", "head", "tokenizer"):
-            model_dir(cfg, role)
+        check_recipe_models(cfg)
         if keep_set is not None:
-            check_keep_set(keep_set)
-    except (ModelNotFoundError, DeviceUnavailable, ValueError) as e:
+            load_keep_set(keep_set)
+    except (ModelNotFoundError, DeviceUnavailable, ChatFormatError, ValueError) as e:
         raise _fail("serve-ray", str(e)) from None
     host = host or cfg.verifier.host
     port = cfg.verifier.port if port is None else port

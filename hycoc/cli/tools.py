@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -38,80 +36,11 @@ def calibrate_handoff(
     typer.echo(toml_lines(scales, percentile, prompts))
 
 
-def package_versions() -> dict[str, str]:
-    """Versions of Python and the packages hycoc uses, "not installed" for those missing (nothing is imported)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": sys.version.split()[0]}
-    for name in ("hycoc", "numpy", "torch", "transformers", "tokenizers", "onnx", "onnxscript", "onnx-ir",
-                 "onnxruntime", "onnxruntime-qnn"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = "not installed"
-    return out
-
-
 def doctor() -> None:
     """Report package versions, whether the QNN EP loads, and which HTP archs it compiles for."""
-    from rich.console import Console
-    from rich.table import Table
+    from hycoc.doctor import doctor_rows, render_doctor
 
-    table = Table(title="hycoc doctor")
-    table.add_column("package")
-    table.add_column("version")
-    for name, ver in package_versions().items():
-        table.add_row(name, ver if ver != "not installed" else "[yellow]not installed[/yellow]")
-
-    from hycoc.targets.qnn_ep import qnn_status
-
-    st = qnn_status()  # loads the plugin EP and compiles a trivial 16-bit graph per HTP arch (child process)
-    if st["loads"]:
-        sdk = st["versions"].get("qnn_sdk")
-        table.add_row("QNN EP loads", f"yes (QNN SDK {sdk})" if sdk else "yes")
-        archs = st.get("archs") or {}
-        ok = [f"v{a}" for a in st.get("compilable_archs", [])]
-        bad = [f"v{a}" for a, r in archs.items() if not r["ok"]]
-        table.add_row("HTP archs", (", ".join(ok) or "[red]none[/red]") + (f" [red](fail: {', '.join(bad)})[/red]"
-                                                                            if bad else ""))
-    else:
-        table.add_row("QNN EP loads", f"[yellow]no[/yellow]: {st['error']}")
-        table.add_row("HTP archs", "[yellow]none (no QNN EP)[/yellow]")
-    Console().print(table)
-
-
-class _TextStream:
-    """A `model.generate` streamer that prints the answer to stdout and its thought (the reasoning channel) to stderr
-    as tokens arrive (`hycoc.chat.AnswerStream`).
-
-    transformers calls ``put`` first with the prompt ids (skipped), then with each new token, and ``end`` once.
-    """
-
-    def __init__(self, chat):
-        from hycoc.chat import AnswerStream
-
-        self.stream, self.prompt_seen = AnswerStream(chat), False
-
-    @staticmethod
-    def _show(pieces: tuple[str, str]) -> None:
-        thought, text = pieces
-        if thought:
-            sys.stderr.write(thought)
-            sys.stderr.flush()
-        if text:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-
-    def put(self, value) -> None:
-        if not self.prompt_seen:
-            self.prompt_seen = True
-            return
-        self._show(self.stream.push(value.reshape(-1).tolist()))
-
-    def end(self) -> None:
-        self._show(self.stream.flush())
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+    render_doctor(doctor_rows())  # the QNN EP check loads the plugin and compiles a trivial graph (child process)
 
 
 def generate(
@@ -150,40 +79,14 @@ def generate(
         except DatasetError as e:
             raise _fail("generate", str(e)) from None
 
-    import torch
-
     from hycoc.chat import ChatFormatError
-    from hycoc.chat_template import chat_from_recipe
-    from hycoc.models import ModelNotFoundError, load_verifier, set_threads
-
-    set_threads(cfg.verifier.threads)
-    sampling = cfg.sampling
-    temperature = sampling.temperature if temperature is None else temperature
+    from hycoc.generate import generate_answer, summary_line
+    from hycoc.models import ModelNotFoundError
     from hycoc.recipe import RecipeError
 
     try:
-        chat = chat_from_recipe(cfg)      # the checkpoint's template and stop ids, before the weights
-        prompt_ids = chat.prompt(prompt, thinking)
-        model = load_verifier(cfg.model_path("verifier"), dtype=cfg.verifier.dtype, device=cfg.verifier.device)
+        done = generate_answer(cfg, prompt, max_new_tokens=max_new_tokens, seed=seed, temperature=temperature,
+                               thinking=thinking, say=lambda line: typer.echo(line, err=True))
     except (RecipeError, ModelNotFoundError, ChatFormatError) as e:
         raise _fail("generate", str(e)) from None
-
-    typer.echo(f"[question] {prompt}", err=True)
-    torch.manual_seed(sampling.seed if seed is None else seed)
-    ids = torch.tensor([prompt_ids], device=cfg.verifier.device)  # (1, T)
-    stops = list(chat.format.stop_ids)
-    start = time.perf_counter()
-    # p~ of Alg. 4 line 5 (temperature, top-k, top-p); below GREEDY_BELOW (1e-4) greedy, as the verifier.
-    from hycoc.verifier.sampling import GREEDY_BELOW
-
-    knobs = dict(do_sample=True, temperature=temperature, top_k=sampling.top_k, top_p=sampling.top_p) \
-        if temperature >= GREEDY_BELOW else dict(do_sample=False)
-    with torch.inference_mode():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens or sampling.max_new_tokens,
-            eos_token_id=stops, pad_token_id=stops[0], streamer=_TextStream(chat), **knobs,
-        )
-    seconds = time.perf_counter() - start
-    new = out.shape[1] - ids.shape[1]
-    typer.echo(f"[{new} tokens in {seconds:.2f} s, {new / seconds:.1f} tok/s; prompt {ids.shape[1]} tokens]",
-               err=True)
+    typer.echo(summary_line(done), err=True)

@@ -1,0 +1,79 @@
+"""What `hycoc run` checks before it loads a bundle, and the line it prints after each answer. Imports neither torch
+nor aiohttp (the device-runtime install has neither)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class RunOptionError(ValueError):
+    """Options `hycoc run` cannot start with; ``code`` is the exit status (2: bad usage, 1: a missing bundle)."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+def check_run_options(*, bundle: Path, server: str | None, prompt: str | None, prompt_file: Path | None,
+                      chat: bool, raw: bool, slm_alone: bool) -> None:
+    """Raise `RunOptionError` for options that cannot go together or point nowhere, in the order a user fixes
+    them: exactly one of ``prompt`` / ``prompt_file`` (neither is fine with ``chat``: the first turn is read from
+    stdin); ``chat`` needs a verifier and the chat template (not ``slm_alone``, not ``raw``); ``prompt_file`` must
+    be a file; ``bundle`` a folder (code 1); ``server`` a ws:// or wss:// URL unless ``slm_alone``."""
+    if (prompt is not None and prompt_file is not None) or (not chat and prompt is None and prompt_file is None):
+        raise RunOptionError("give exactly one of --prompt and --prompt-file")
+    if chat and (slm_alone or raw):
+        raise RunOptionError("--chat needs a verifier and the chat template: not with --mode slm-alone or --raw")
+    if prompt_file is not None and not prompt_file.is_file():
+        raise RunOptionError(f"--prompt-file {prompt_file}: no such file")
+    if not bundle.is_dir():
+        what = "is a file, not a bundle folder" if bundle.exists() else "no such folder"
+        raise RunOptionError(f"bundle {bundle}: {what} (make one with `hycoc build RECIPE --target cpu --out DIR`)",
+                             code=1)
+    if not slm_alone and server is None:
+        raise RunOptionError("--server ws://HOST:PORT is required (except with --mode slm-alone)")
+    if not slm_alone and not server.startswith(("ws://", "wss://")):
+        raise RunOptionError(f"--server {server!r}: expected ws://HOST:PORT")
+
+
+class AnswerPrinter:
+    """Where `hycoc run` streams a turn: the thought (the reasoning channel) to ``err``, dimmed (ANSI faint) when
+    ``err`` is a terminal, and the answer to ``out``, so stdout holds the answer text alone.
+    ``show((thought, text))`` takes one `hycoc.chat.AnswerStream` piece pair; ``streamed`` says whether any answer
+    text went out (an error then starts on a fresh line)."""
+
+    def __init__(self, out=None, err=None):
+        import sys
+
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.streamed = False
+
+    def show(self, pieces: tuple[str, str]) -> None:
+        thought, text = pieces
+        if thought:
+            dim = self.err.isatty()
+            self.err.write(("\x1b[2m" if dim else "") + thought + ("\x1b[0m" if dim else ""))
+            self.err.flush()
+        if text:
+            self.streamed = True
+            self.out.write(text)
+            self.out.flush()
+
+
+def run_error(message: str) -> str:
+    """The one line for a failed turn: the error's own message, with the fix for a server that wants a token."""
+    if "auth_required" in message or "auth_refused" in message:
+        message += " (hycoc run: set HYCOC_AUTH_TOKEN or pass --auth-token-file FILE)"
+    return message
+
+
+def summary_line(mode: str, metrics: dict, prefill_ms: float, finish_reason: str) -> str:
+    """The one line `hycoc run` prints on stderr after an answer: ``metrics`` is `RunResult.to_json()`'s object
+    (tokens, rounds, mat, tok_per_s, draft_ms_per_token, server_ms_per_token, first_token_ms)."""
+    m = metrics
+    return (f"[{mode}: {m['tokens']} tokens, {m['rounds']} rounds, MAT {m['mat']:.2f}, {m['tok_per_s']:.1f} tok/s, "
+            f"draft {m['draft_ms_per_token']:.1f} ms/token, server {m['server_ms_per_token']:.1f} ms/token, first "
+            f"token {m['first_token_ms']} ms, prefill {prefill_ms:.1f} ms, {finish_reason}]")
+
+
+__all__ = ["AnswerPrinter", "RunOptionError", "check_run_options", "run_error", "summary_line"]

@@ -1,0 +1,173 @@
+"""The library functions the CLI commands are thin layers over (doctor rows, the server's keep set and options,
+the run and bench option checks), called directly."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+ROOT = Path(__file__).resolve().parents[1]
+TOY = ROOT / "recipes" / "toy.toml"
+
+
+# ---- hycoc doctor ------------------------------------------------------------------------------------------------
+
+
+def test_doctor_rows_from_versions_and_the_qnn_status():
+    from hycoc.doctor import doctor_rows, render_doctor
+
+    status = {"loads": True, "versions": {"qnn_sdk": "2.51.0"}, "archs": {81: {"ok": True}, 68: {"ok": False}},
+              "compilable_archs": [81]}
+    rows = doctor_rows(status, versions={"python": "3.11.7", "torch": "not installed"})
+    assert rows == [("python", "3.11.7", ""), ("torch", "not installed", "yellow"),
+                    ("QNN EP loads", "yes (QNN SDK 2.51.0)", ""), ("HTP archs", "v81 (fail: v68)", "red")]
+    none = doctor_rows({"loads": False, "error": "libQnnHtp.so not found"}, versions={})
+    assert none == [("QNN EP loads", "no: libQnnHtp.so not found", "yellow"),
+                    ("HTP archs", "none (no QNN EP)", "yellow")]
+    console = Console(file=io.StringIO(), width=80)
+    render_doctor(rows, console)
+    assert "v81 (fail: v68)" in console.file.getvalue() and "hycoc doctor" in console.file.getvalue()
+
+
+def test_package_versions_names_every_package_without_importing_it():
+    from hycoc.doctor import PACKAGES, package_versions
+
+    got = package_versions()
+    assert list(got) == ["python", *PACKAGES] and got["numpy"] == np.__version__
+
+
+# ---- verify-server / serve-ray -----------------------------------------------------------------------------------
+
+
+def test_load_keep_set_reads_int_ids_and_names_a_bad_file(tmp_path):
+    pytest.importorskip("torch")
+    from hycoc.verifier.loading import check_keep_set_vocab, load_keep_set
+
+    good = tmp_path / "keep_set.npy"
+    np.save(good, np.array([3, 1, 7], dtype=np.int32))
+    ids = load_keep_set(good)
+    assert ids.dtype == np.int64 and ids.tolist() == [3, 1, 7]
+    np.save(tmp_path / "floats.npy", np.zeros(3))
+    with pytest.raises(ValueError) as e:
+        load_keep_set(tmp_path / "floats.npy")
+    assert str(e.value) == (f"--keep-set {tmp_path / 'floats.npy'}: expected a non-empty 1-D array of int token "
+                            "ids, got shape (3,) dtype float64")
+    (tmp_path / "text.npy").write_text("not numpy")
+    with pytest.raises(ValueError, match="not a .npy array file; give the bundle's keep_set.npy"):
+        load_keep_set(tmp_path / "text.npy")
+    check_keep_set_vocab(ids, 8, good)
+    with pytest.raises(ValueError, match="token id 7 is outside the verifier's vocabulary of 7"):
+        check_keep_set_vocab(ids, 7, good)
+
+
+def test_server_options_take_the_command_line_over_the_recipe():
+    pytest.importorskip("torch")
+    from hycoc.recipe import load_recipe
+    from hycoc.verifier.loading import check_batching, server_options
+
+    recipe = load_recipe(TOY)
+    base = server_options(recipe)
+    assert (base["batching"], base["max_batch_rows"]) == (recipe.verifier.batching, recipe.verifier.max_batch_rows)
+    over = server_options(recipe, batching="serial", max_batch_rows=7, max_batch_wait_ms=0.5)
+    assert (over["batching"], over["max_batch_rows"], over["max_batch_wait_ms"]) == ("serial", 7, 0.5)
+    assert {k: v for k, v in over.items() if k not in ("batching", "max_batch_rows", "max_batch_wait_ms",
+                                                        "limits")} == \
+        {k: v for k, v in base.items() if k not in ("batching", "max_batch_rows", "max_batch_wait_ms", "limits")}
+    with pytest.raises(ValueError, match=r"--batching 'fast': allowed: batched, serial"):
+        check_batching("fast")
+
+
+# ---- bench and tune-epsilon options ------------------------------------------------------------------------------
+
+
+def test_configs_come_back_in_table_5_order_and_unknown_ones_are_named():
+    from hycoc.bench.inputs import OptionError, parse_configs
+    from hycoc.cli import BENCH_CONFIGS
+
+    assert parse_configs("hyco-exact,cloud-mtp,hyco", BENCH_CONFIGS) == ["cloud-mtp", "hyco", "hyco-exact"]
+    with pytest.raises(OptionError) as e:
+        parse_configs("hyco,fast,slow", BENCH_CONFIGS)
+    assert str(e.value) == f"--configs: unknown fast, slow; allowed: {', '.join(BENCH_CONFIGS)}"
+
+
+@pytest.mark.parametrize("link, ok", [("lte", True), ("5g", True), ("none", True), ("45:50", True),
+                                      ("50:0", False), ("fast", False), ("45", False)])
+def test_link_option_accepts_what_the_recipe_accepts(link, ok):
+    from hycoc.bench.inputs import OptionError, check_link_option
+
+    if ok:
+        assert check_link_option(link) == link
+    else:
+        with pytest.raises(OptionError, match=r"allowed: lte, 5g, none or RTT_MS:MBPS such as 45:50"):
+            check_link_option(link)
+
+
+def test_epsilons_parse_to_floats_inside_the_open_interval():
+    from hycoc.bench.inputs import OptionError, parse_epsilons
+
+    assert parse_epsilons("0.005, 0.02,0.1") == [0.005, 0.02, 0.1]
+    for bad in ("", "0.1,1", "0", "a,b", ",,"):
+        with pytest.raises(OptionError, match=r"allowed: comma-separated numbers in \(0, 1\)"):
+            parse_epsilons(bad)
+
+
+# ---- hycoc run ---------------------------------------------------------------------------------------------------
+
+
+def test_run_options_are_checked_in_the_order_a_user_fixes_them(tmp_path):
+    from hycoc.run_options import RunOptionError, check_run_options
+
+    def fails(**kw):
+        args = dict(bundle=tmp_path, server="ws://127.0.0.1:8765", prompt="hi", prompt_file=None, chat=False,
+                    raw=False, slm_alone=False) | kw
+        with pytest.raises(RunOptionError) as e:
+            check_run_options(**args)
+        return e.value.code, str(e.value)
+
+    assert fails(prompt=None) == (2, "give exactly one of --prompt and --prompt-file")
+    assert fails(prompt_file=tmp_path / "p.txt") == (2, "give exactly one of --prompt and --prompt-file")
+    assert fails(chat=True, raw=True)[1].startswith("--chat needs a verifier and the chat template")
+    assert fails(prompt=None, prompt_file=tmp_path / "p.txt") == (2, f"--prompt-file {tmp_path / 'p.txt'}: no such file")
+    assert fails(bundle=tmp_path / "b") == (1, f"bundle {tmp_path / 'b'}: no such folder (make one with `hycoc build "
+                                               "RECIPE --target cpu --out DIR`)")
+    assert fails(server=None) == (2, "--server ws://HOST:PORT is required (except with --mode slm-alone)")
+    assert fails(server="http://x:1") == (2, "--server 'http://x:1': expected ws://HOST:PORT")
+    check_run_options(bundle=tmp_path, server=None, prompt="hi", prompt_file=None, chat=False, raw=False,
+                      slm_alone=True)                                       # slm-alone needs no server
+    check_run_options(bundle=tmp_path, server="wss://h:1", prompt=None, prompt_file=None, chat=True, raw=False,
+                      slm_alone=False)                                      # --chat reads the first turn
+
+
+def test_the_run_summary_line():
+    from hycoc.run_options import summary_line
+
+    m = {"tokens": 12, "rounds": 3, "mat": 4.0, "tok_per_s": 10.04, "draft_ms_per_token": 2.25,
+         "server_ms_per_token": 5.0, "first_token_ms": 123}
+    assert summary_line("hyco", m, 45.67, "stop") == ("[hyco: 12 tokens, 3 rounds, MAT 4.00, 10.0 tok/s, draft 2.2 "
+                                                      "ms/token, server 5.0 ms/token, first token 123 ms, prefill "
+                                                      "45.7 ms, stop]")
+
+
+def test_the_answer_goes_to_stdout_and_the_thought_to_stderr_dimmed_on_a_terminal():
+    from hycoc.run_options import AnswerPrinter, run_error
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    out, err = io.StringIO(), Tty()
+    p = AnswerPrinter(out, err)
+    p.show(("let me think", ""))
+    assert not p.streamed and out.getvalue() == "" and err.getvalue() == "\x1b[2mlet me think\x1b[0m"
+    p.show(("", "The answer"))
+    assert p.streamed and out.getvalue() == "The answer"
+    plain = io.StringIO()
+    AnswerPrinter(io.StringIO(), plain).show(("thought", ""))
+    assert plain.getvalue() == "thought"                  # not a terminal: no escape codes
+    assert run_error("server said auth_required") == ("server said auth_required (hycoc run: set HYCOC_AUTH_TOKEN "
+                                                      "or pass --auth-token-file FILE)")
+    assert run_error("connection closed") == "connection closed"
