@@ -74,9 +74,15 @@ def test_server_options_take_the_command_line_over_the_recipe():
     assert (base["batching"], base["max_batch_rows"]) == (recipe.verifier.batching, recipe.verifier.max_batch_rows)
     over = server_options(recipe, batching="serial", max_batch_rows=7, max_batch_wait_ms=0.5)
     assert (over["batching"], over["max_batch_rows"], over["max_batch_wait_ms"]) == ("serial", 7, 0.5)
-    assert {k: v for k, v in over.items() if k not in ("batching", "max_batch_rows", "max_batch_wait_ms",
-                                                        "limits")} == \
-        {k: v for k, v in base.items() if k not in ("batching", "max_batch_rows", "max_batch_wait_ms", "limits")}
+    skip = ("batching", "max_batch_rows", "max_batch_wait_ms", "limits", "tree_budget")
+    assert {k: v for k, v in over.items() if k not in skip} == {k: v for k, v in base.items() if k not in skip}
+    # the recipe's row budget (auto) has no shared forward under serial: it turns off; asked for, it is an error
+    assert (base["tree_budget"], over["tree_budget"]) == ("auto", "fixed")
+    assert server_options(recipe, tree_budget="fixed")["tree_budget"] == "fixed"
+    with pytest.raises(ValueError, match="--tree-budget auto allocates rows across a batched forward"):
+        server_options(recipe, batching="serial", tree_budget="auto")
+    with pytest.raises(ValueError, match=r"--tree-budget 'some': allowed: fixed, auto"):
+        server_options(recipe, tree_budget="some")
     with pytest.raises(ValueError, match=r"--batching 'fast': allowed: batched, serial"):
         check_batching("fast")
 

@@ -327,3 +327,33 @@ def test_tree_at_follows_the_text_by_position():
         _, t, p, s = tree_at(req, produced)
         frame = wire.encode(DraftTree(0, t, p, s))
         assert wire.decode(frame).tokens.tolist() == t.tolist()
+
+
+def test_the_load_table_fits_80_columns_with_every_mode_in_full():
+    """The summary and the budget projection split to the console's width: no line over 80 columns, mode names
+    never cut (they were "batch…" / "budge…" at 120 columns)."""
+    import io
+
+    from rich.console import Console
+
+    from hycoc.bench.loadreport import render_budget_projection, render_table
+
+    st = RunStats()
+    st.first_round_s = {0: 0.1}
+    st.rounds = [RoundSample(1.0 + i / 10, 20.0 + i, 5.0, 3, 33, 40) for i in range(10)]
+    rows = []
+    for mode in ("serial", "batched", "budgeted"):
+        r = summarize_run(mode, 1, 2.0, st)
+        r["projection"] = project(r)
+        rows.append(r)
+    proj = [{"sessions": 16, "trees_per_forward": 16, "rows_fixed": 528.0, "rows_budgeted": 206.0,
+             "expected_fixed": 61.0, "expected_budgeted": 56.4, "trimmed_share": 1.0, "gain": 2.37}]
+    for width in (80, 120):
+        buf = io.StringIO()
+        console = Console(file=buf, width=width)
+        render_table(rows, console, "hycoc loadtest: hyco, 2 s per run")
+        render_budget_projection(proj, console, "budgeted rows on an assumed GPU (a projection)")
+        text = buf.getvalue()
+        assert max(len(line) for line in text.splitlines()) <= width, text
+        assert "…" not in text and all(m in text for m in ("serial", "batched", "budgeted")), text
+        assert text.count("budgeted") >= 2 and "2.37x" in text

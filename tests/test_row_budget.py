@@ -355,3 +355,19 @@ def test_a_budgeted_batch_teaches_the_state(model):
     accepted = sum(s.accepted[-1] for s in sessions)
     expected = stats.expected_tokens - 2
     assert budget.state.value_scale == pytest.approx(min(2.0, max(0.05, accepted / expected)))
+
+
+def test_row_cost_plan_and_measurement_fit_the_engine(model):
+    from hycoc.verifier.row_cost_measure import measure_row_cost, row_cost_plan
+
+    assert row_cost_plan(33, 528, 32768) == (16, [2, 8, 16, 33])
+    assert row_cost_plan(5, 528, 14) == (16, [2, 5])        # a short context still measures
+    assert row_cost_plan(7, 14, 96) == (2, [2, 3, 7])
+    with pytest.raises(ValueError, match="too short"):
+        row_cost_plan(33, 528, 3)
+    eng = VerifierEngine(model, head_window=6, handoff_scales=SCALES, eos_token_ids=set(), max_context=20)
+    sessions, rows = row_cost_plan(9, 40, eng.max_context)
+    cost = measure_row_cost(eng, sessions=sessions, rows_per_tree=rows, context=eng.max_context - rows[-1] - 1,
+                            repeats=1)
+    assert [r for r, _ in cost.points] == [sessions * r for r in rows] and all(ms > 0 for _, ms in cost.points)
+    assert "batch_forward of 4 sessions" in cost.source

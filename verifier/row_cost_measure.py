@@ -25,6 +25,21 @@ from .row_budget import RowCost
 DEFAULT_ROWS_PER_TREE = (2, 9, 17, 33)
 
 
+def row_cost_plan(tree_rows: int, max_batch_rows: int, max_context: int) -> tuple[int, list[int]]:
+    """What a server measures for its row budget: (sessions, rows per tree). Sessions: the trees a full batched
+    forward holds (max_batch_rows // tree_rows), between 2 and 16; rows per tree: 2, ~R/4, ~R/2 and R = tree_rows
+    (distinct, increasing, at least two), each below max_context - 1 so a prefilled position fits before them.
+    Raises ValueError when the context cannot hold a 2-row tree after one position."""
+    top = min(int(tree_rows), int(max_context) - 2)
+    if top < 2:
+        raise ValueError(f"max_context = {max_context}: too short to measure a row cost (needs >= 4 positions)")
+    rows = sorted({2, max(2, top // 4), max(2, top // 2), top})
+    if len(rows) < 2:
+        rows = [1, 2]
+    sessions = max(2, min(16, int(max_batch_rows) // max(1, int(tree_rows))))
+    return sessions, rows
+
+
 @torch.inference_mode()
 def measure_row_cost(engine: VerifierEngine, *, sessions: int = 16, rows_per_tree=DEFAULT_ROWS_PER_TREE,
                      context: int = 64, warmup: int = 1, repeats: int = 3, seed: int = 0) -> RowCost:
@@ -71,4 +86,4 @@ def measure_row_cost(engine: VerifierEngine, *, sessions: int = 16, rows_per_tre
                                          f"context {context}, median of {repeats} on {engine.device.type}")
 
 
-__all__ = ["DEFAULT_ROWS_PER_TREE", "measure_row_cost"]
+__all__ = ["DEFAULT_ROWS_PER_TREE", "measure_row_cost", "row_cost_plan"]

@@ -213,19 +213,23 @@ def budget_projection(trees: list, sessions: list[int], cost, *, tree_rows: int,
     return out
 
 
-def render_budget_projection(rows: list[dict], console, title: str) -> None:
-    """The budget projection's table (`budget_projection`), headed as a projection."""
-    from rich.table import Table
+def budget_table(rows: list[dict], title: str) -> "TextTable":
+    """The budget projection's table (`budget_projection`, keys: sessions), headed as a projection."""
+    from hycoc.bench.tables import TextTable
 
-    table = Table(title=title)
-    for col in ("sessions", "trees/fwd", "rows fixed", "rows budgeted", "exp. tok fixed", "exp. tok budgeted",
-                "fwds trimmed", "exp. tok/ms gain"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(str(r["sessions"]), str(r["trees_per_forward"]), _num(r["rows_fixed"]),
-                      _num(r["rows_budgeted"]), _num(r["expected_fixed"], 2), _num(r["expected_budgeted"], 2),
-                      f"{100 * r['trimmed_share']:.0f}%", f"{r['gain']:.2f}x")
-    console.print(table)
+    headers = ["sessions", "trees/fwd", "rows fixed", "rows budgeted", "exp. tok fixed", "exp. tok budgeted",
+               "fwds trimmed", "exp. tok/ms gain"]
+    out = [[str(r["sessions"]), str(r["trees_per_forward"]), _num(r["rows_fixed"]), _num(r["rows_budgeted"]),
+            _num(r["expected_fixed"], 2), _num(r["expected_budgeted"], 2), f"{100 * r['trimmed_share']:.0f}%",
+            f"{r['gain']:.2f}x"] for r in rows]
+    return TextTable(title, headers, out, keys=1, justify=["right"] * len(headers))
+
+
+def render_budget_projection(rows: list[dict], console, title: str, fmt: str = "table") -> None:
+    """Print `budget_table` on ``console``, split to its width."""
+    from hycoc.bench.tables import print_tables
+
+    print_tables([budget_table(rows, title)], console, fmt)
 
 
 def results_document(rows: list[dict], meta: dict) -> dict:
@@ -298,28 +302,35 @@ def _num(x, digits: int = 1) -> str:
     return f"{x:,.{digits}f}"
 
 
-def render_table(rows: list[dict], console, title: str) -> None:
-    """The summary table (rich): per (mode, sessions) the measured columns (ramp s: seconds until every device had
-    its first round; "(no end)": the run is measured from its start), then the projection's two, headed as a
-    projection."""
-    from rich.table import Table
+def load_table(rows: list[dict], title: str) -> "TextTable":
+    """The summary table (`hycoc.bench.tables.TextTable`, keys: mode and sessions): per (mode, sessions) the
+    measured columns (ramp s: seconds until every device had its first round; "(no end)": the run is measured from
+    its start), then the projection's two, headed as a projection."""
+    from hycoc.bench.tables import TextTable
 
-    table = Table(title=title)
-    for col in ("mode", "sessions", "ramp s", "rounds", "tok/s", "MAT", "verifier ms/tok", "p50 ms", "p90 ms",
-                "p99 ms", "rows/fwd", "errors", "proj.: trees/fwd", "proj.: GPU speed-up"):
-        table.add_column(col, justify="left" if col in ("mode", "errors") else "right")
+    headers = ["mode", "sessions", "ramp s", "rounds", "tok/s", "MAT", "verifier ms/tok", "p50 ms", "p90 ms",
+               "p99 ms", "rows/fwd", "rows kept/session", "errors", "proj.: trees/fwd", "proj.: GPU speed-up"]
+    out = []
     for r in rows:
         lat, p = r["latency_ms"], r.get("projection") or {}
         errors = ", ".join(f"{k} {v}" for k, v in r["errors"].items()) or "0"
         speedup = p.get("speedup")
         ramp = _num(r["ramp_s"]) + ("" if r["steady"] else " (no end)")
-        table.add_row(r["mode"], str(r["sessions"]), ramp, f"{r['rounds']:,}", _num(r["tok_per_s"]),
-                      _num(r["mat"], 2), _num(r["verifier_ms_per_token"], 2), _num(lat["p50"]), _num(lat["p90"]), _num(lat["p99"]),
-                      _num(r["rows_per_forward"]), errors, _num(p.get("trees_per_forward"), 2),
-                      "n/a" if speedup is None else f"{speedup:.2f}x")
-    console.print(table)
+        out.append([r["mode"], str(r["sessions"]), ramp, f"{r['rounds']:,}", _num(r["tok_per_s"]),
+                    _num(r["mat"], 2), _num(r["verifier_ms_per_token"], 2), _num(lat["p50"]), _num(lat["p90"]),
+                    _num(lat["p99"]), _num(r["rows_per_forward"]), _num(r.get("rows_kept_per_session")), errors,
+                    _num(p.get("trees_per_forward"), 2), "n/a" if speedup is None else f"{speedup:.2f}x"])
+    justify = ["left", "right"] + ["right"] * 10 + ["left", "right", "right"]
+    return TextTable(title, headers, out, keys=2, justify=justify)
 
 
-__all__ = ["GPU_FLAT_ROWS", "RESULTS_SCHEMA", "RUN_KEYS", "budget_projection", "gpu_row_cost", "percentile",
-           "project", "render_budget_projection", "render_table",
+def render_table(rows: list[dict], console, title: str, fmt: str = "table") -> None:
+    """Print `load_table` on ``console``, split to its width (`hycoc.bench.tables.print_tables`)."""
+    from hycoc.bench.tables import print_tables
+
+    print_tables([load_table(rows, title)], console, fmt)
+
+
+__all__ = ["GPU_FLAT_ROWS", "RESULTS_SCHEMA", "RUN_KEYS", "budget_projection", "budget_table", "gpu_row_cost",
+           "load_table", "percentile", "project", "render_budget_projection", "render_table",
            "results_document", "summarize_run", "write_plot", "write_results"]

@@ -14,7 +14,7 @@ from hycoc.protocol import wire
 from ..batch import RowBudget
 from ..engine import Session, VerifierEngine
 from ..row_budget import DEFAULT_MIN_ROWS, TREE_BUDGETS, RowCost
-from ..row_cost_measure import measure_row_cost
+from ..row_cost_measure import measure_row_cost, row_cost_plan
 from .admission import Admission, Link
 from .channels import AiohttpChannel, Channel, Connection, GuardedRunner, bearer_token
 from .limits import ServerLimits
@@ -126,8 +126,10 @@ class VerifierServer:
         self.worker.start()
         if self.tree_budget == "auto":
             if self.row_cost is None:
-                sessions = max(2, self.max_batch_rows // self.tree_rows)
-                self.row_cost = await self.worker.run(lambda: measure_row_cost(self.engine, sessions=sessions))
+                sessions, rows = row_cost_plan(self.tree_rows, self.max_batch_rows, self.engine.max_context)
+                self.row_cost = await self.worker.run(
+                    lambda: measure_row_cost(self.engine, sessions=sessions, rows_per_tree=rows,
+                                             context=min(64, self.engine.max_context - rows[-1] - 1)))
             self.worker.set_row_budget(self.row_budget())
 
     def row_budget(self) -> RowBudget | None:
