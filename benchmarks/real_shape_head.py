@@ -703,7 +703,7 @@ def main(argv=None) -> dict[str, Any]:
 
     total_s = time.perf_counter() - t_all
     report = {
-        "what": "real-shape MTP head build check (issue 7): random weights, synthetic keep set and calibration",
+        "what": "real-shape MTP head build check: random weights, synthetic keep set and calibration",
         "started": started,
         "total_seconds": round(total_s, 1),
         "args": {k: v for k, v in vars(args).items()},

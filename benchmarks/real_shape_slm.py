@@ -681,7 +681,7 @@ def _finish(args, steps, started, t_all, cfg, state, work_tmp) -> dict[str, Any]
     import torch
 
     report = {
-        "what": "real-shape E2B SLM build check (issue 15): random integer weights, synthetic keep set and "
+        "what": "real-shape E2B SLM build check: random integer weights, synthetic keep set and "
                 "calibration",
         "started": started,
         "total_seconds": round(time.perf_counter() - t_all, 1),

@@ -142,7 +142,7 @@ def render_chat(chat: dict, console: Any = None) -> None:
                 else "thinking: the template has no switch (enable_thinking renders the same)")
     reasoning = (f"reasoning channel {escape(repr(chat['reasoning'][0]))} ... {escape(repr(chat['reasoning'][1]))} "
                  f"({escape(chat['sources']['reasoning'])})" if chat["reasoning"] else "no reasoning channel")
-    console.print(f"{thinking}; {reasoning}; default off (README \"Chat format\")")
+    console.print(f"{thinking}; {reasoning}; default off (docs/recipes.md \"Chat format\")")
 
 
 def render_verifier_kv(console: Any, kv: dict) -> None:

@@ -53,7 +53,7 @@ def check_fixed_inputs(sample: Mapping[str, np.ndarray], index: int = 0) -> None
                     f"calibration sample {index}: input '{name}' holds {int(bad.sum())} values outside the fixed mask "
                     f"range [{MASK_MIN:g}, {MASK_MAX:g}] (e.g. {x[bad].flat[0]!r}); hidden columns must be the finite "
                     f"constant {MASK_MIN:g}, never -inf or a min-float stand-in, which would wreck the 16-bit mask "
-                    f"encoding (issue 4, 'Numerics by construction')")
+                    f"encoding (docs/design.md \"Numerics by construction\")")
         elif is_rotary_input(name):
             if not np.isfinite(x).all() or np.abs(x).max(initial=0.0) > ROTARY_MAX:
                 raise CalibrationError(f"calibration sample {index}: rotary input '{name}' leaves the fixed range "

@@ -281,7 +281,7 @@ def real_shape_plan(recipe: Recipe) -> dict:
         where = f"reference shapes of Gemma 4 E2B (passes/plan.py), {where}"
         assumptions.append("SLM intermediate_size 6144 (12,288 on the 20 KV-shared layers) and its 4 sliding : "
                            "1 full layer pattern come from public copies of google/gemma-4-E2B-it's config.json "
-                           "(not DESIGN.md)")
+                           "(not docs/design.md)")
     else:
         try:
             slm_quant = bit_map.checkpoint_quant_config(sd)

@@ -476,7 +476,7 @@ def load_runtime(bundle_dir, backend: str = "cpu", *, threads: int | None = None
                      io_binding=io_binding, output_sets=sets, shared_memory=htp_shared_memory,
                      codes=code_outputs(m.chain_entry("slm")))
     decode = None
-    if any(g.name == "slm_decode" for g in m.graphs):   # bundles before issue 16's decode graph have none
+    if any(g.name == "slm_decode" for g in m.graphs):   # bundles built before the slm_decode graph existed have none
         decode = GraphRunner(bundle.path, m, "slm_decode", backend, threads,
                              outputs=runtime_outputs(m.graph("slm_decode")), io_binding=io_binding,
                              codes=code_outputs(m.graph("slm_decode")))

@@ -154,7 +154,7 @@ def test_pack_matches_transformers_unpack(bits):
     assert packed.shape[1] == {2: 4, 4: 7, 8: 13}[bits]
 
 
-def test_report_meets_issue_floors():
+def test_report_meets_the_toy_family_floors():
     """The measured numbers docs/toy-family.md quotes come from report.json written by the trainer's eval stage."""
     r = json.loads((MODELS / "report.json").read_text())
     assert r["params_M"]["verifier"] < 5 and r["params_M"]["head"] < 2

@@ -1,4 +1,4 @@
-"""Recorded device rounds for `hycoc loadtest` (issue 14, "A load test"): what a phone sent, and when.
+"""Recorded device rounds for `hycoc loadtest` (docs/serving.md "Load test: `hycoc loadtest`"): what a phone sent, and when.
 
 A load test of the verifier needs many devices but must not spend the machine's CPU on drafting (the client would
 then compete with the server it measures). So the real device runtime (`hycoc.runtime.client.DeviceRuntime`, paper
@@ -8,7 +8,7 @@ simulated devices then replay those rounds (`hycoc.bench.loadtest`) with almost 
 
 What a round records (`RoundTrace`):
 
-* ``tokens``: int32 (R,), the draft tree's rows as sent (row 0 the root x_{t+1}; DESIGN.md "Wire protocol");
+* ``tokens``: int32 (R,), the draft tree's rows as sent (row 0 the root x_{t+1}; docs/design.md "Wire protocol");
 * ``parents``: int16-range ints (R,), parents[0] = -1, 0 <= parents[j] < j;
 * ``scores``: floats (R,), each row's tree score s(v) of Alg. 3 as the device sent it (protocol version 4; the
   root's 0, no row above its parent), or None when the tree went without (a cloud-mtp root);

@@ -19,7 +19,7 @@ What a command checks, computes and prints lives in library modules the tests ca
 checks and options).
 
 Exit codes: 0 done; 1 bad input (recipe, dataset, missing model); 2 bad usage or a command that is not
-available yet (its message names the issue that brings it).
+available yet (its message says what is missing).
 """
 
 from __future__ import annotations

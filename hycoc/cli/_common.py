@@ -66,10 +66,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATASET = REPO_ROOT / "benchmarks" / "data" / "spec_bench_question.jsonl"
 
 
-#: Commands that later issues fill in: command -> (issue number, title).
+#: Commands that may not be available in this install: command -> what they need.
 PENDING = {
-    "build": (4, "The compiler: hycoc build RECIPE --target htp-v81|cpu|qai-hub"),
-    "bench": (6, "hycoc bench: the paper's Table 2 on real prompts"),
+    "build": "The compiler: hycoc build RECIPE --target htp-v81|cpu|qai-hub",
+    "bench": "hycoc bench: the paper's Table 2 on real prompts",
 }
 
 
@@ -111,7 +111,7 @@ AUTH_TOKEN_HELP = ("prefer the HYCOC_AUTH_TOKEN environment variable or --auth-t
 def _auth_token(command: str, ctx: typer.Context, token: str | None, token_file: Path | None) -> str | None:
     """The auth token from --auth-token-file, HYCOC_AUTH_TOKEN or --auth-token (in that order of preference).
 
-    A token typed as --auth-token gets a warning on stderr (issue 12 fault 10: /proc/PID/cmdline shows it to every
+    A token typed as --auth-token gets a warning on stderr (docs/serving.md "Limits": /proc/PID/cmdline shows it to every
     local user). Raises typer.Exit (code 2) for an empty token, an unreadable or empty file, or both a file and
     a command-line token."""
     source = ctx.get_parameter_source("auth_token")  # typer's own click: compare by name, not identity
@@ -174,8 +174,8 @@ def _need_full(command: str) -> None:
 
 
 def _pending(command: str, key: str | None = None) -> typer.Exit:
-    number, title = PENDING[key or command]
-    return _fail(command, f"not available yet (issue {number}: {title})", code=2)
+    title = PENDING[key or command]
+    return _fail(command, f"not available yet ({title})", code=2)
 
 
 def _recipe(command: str, path: Path):

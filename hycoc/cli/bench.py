@@ -61,7 +61,7 @@ def bench(
         "prefill ms saved, g, MAT); 1: first turns only"),
     thinking: bool = typer.Option(
         False, "--thinking", help="prompts with the chat template's thinking switch on; quality scores the final "
-        "answer, not the thought (default off, as the recipe runs: README \"Chat format\")"),
+        "answer, not the thought (default off, as the recipe runs: docs/recipes.md \"Chat format\")"),
     device_profile: Optional[Path] = typer.Option(
         None, help="device_profile.json from `hycoc profile`: phone draft ms per round and delivery tok/s per "
         "configuration from its profiled graph times (default: the labelled estimate, hycoc/device_time.py)",

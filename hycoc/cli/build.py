@@ -67,8 +67,8 @@ def build(
         result = build_bundle(config, name, None if until else out_dir, cache, until=until, console=console,
                               device=device.value)
     except BuildNotReady as e:
-        number, title = PENDING["build"]
-        raise _fail("build", f"not available yet (issue {number}: {title}): {e}", code=2) from None
+        title = PENDING["build"]
+        raise _fail("build", f"not available yet ({title}): {e}", code=2) from None
     except errors as e:  # each names what is wrong and what to do; the CLI says it in one line
         raise _fail("build", "; ".join(line.strip() for line in str(e).splitlines() if line.strip())) from None
     if until is not None:

@@ -1,4 +1,4 @@
-"""Typed messages exchanged between the device runtime and the verifier (DESIGN.md "Wire protocol").
+"""Typed messages exchanged between the device runtime and the verifier (docs/design.md "Wire protocol").
 
 These dataclasses are the in-memory form; `hycoc.protocol.wire` turns them into binary frames and back, and
 validates every field on arrival. numpy only: the device runtime imports this module on the phone.

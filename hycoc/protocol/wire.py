@@ -1,4 +1,4 @@
-"""Binary frames between the device runtime and the verifier (DESIGN.md "Wire protocol").
+"""Binary frames between the device runtime and the verifier (docs/design.md "Wire protocol"; this docstring is the byte-level truth).
 
 numpy + stdlib only: the device runtime imports this module on the phone. `encode` turns a message of
 `hycoc.protocol.messages` into one frame, `decode` turns a frame back into a message and validates every field against
