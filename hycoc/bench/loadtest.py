@@ -448,6 +448,9 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
                         s.advance(note=f"{len(st.rounds):,} rounds, {sum(st.errors.values())} errors")
                     stats = run_sessions(url, devices_for(trace, configs, n), trace.stop_ids, duration_s, rate=rate,
                                          device_ms=device_ms, tick=tick)
+                    # the end line: every second done, the run's final counts (the last tick's are a second old)
+                    s.advance(max(0, int(math.ceil(duration_s)) - s.done),
+                              note=f"{len(stats.rounds):,} rounds, {sum(stats.errors.values())} errors")
                 after = scrape_metrics(url)
                 load = tuple(round(x, 2) for x in load + os.getloadavg())
                 row = summarize_run(mode, n, duration_s, stats, before, after, load)

@@ -305,8 +305,11 @@ def _run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, 
     todo = [Request(c, c, epsilon, run, q) for run in range(plan.runs) for q in plan.questions
             for c in plan.configs if (c, run, q.question_id) not in done]
     every = [Request(c, c, epsilon, run, q) for run in range(plan.runs) for q in plan.questions for c in plan.configs]
+    turns_note = ("turns: 2 per question, slm-alone first turns only" if plan.turns > 1 and "slm-alone" in plan.configs
+                  else "turns" if plan.turns > 1 else "first turns")
     console.print(f"bench: {len(plan.questions)} questions x {len(plan.configs)} configurations x {plan.runs} run(s) "
-                  f"= {requests_of(every, plan.turns)} requests (turns; {requests_of(todo, plan.turns)} to run), "
+                  f"= {requests_of(every, plan.turns)} requests ({turns_note}; {requests_of(todo, plan.turns)} to "
+                  "run), "
                   f"output cap {plan.output_cap}, T={sampling.temperature}, ε={epsilon:g}, link {plan.link} (counted, "
                   f"not slept), backend {backend}")
     run_requests(rt, recipe_path, bundle_dir, todo, prompts, records_path, link=plan.link,
@@ -477,7 +480,8 @@ def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], p
     try:
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("eta"), TimeRemainingColumn())
-        with Progress(*columns, console=console, transient=False) as progress, \
+        # off the terminal the plain progress lines say it all: no leftover bar in a redirected file
+        with Progress(*columns, console=console, transient=False, disable=not console.is_terminal) as progress, \
                 open(records_path, "a", encoding="utf-8") as sink:
             total = requests_of(todo, turns)
             task = progress.add_task("requests", total=total)

@@ -275,8 +275,9 @@ def loadtest(
         "in a child process per --batching mode)", show_default=False),
     batching: Optional[str] = typer.Option(
         None, help="comma-separated modes, one server each: serial (one session per forward), batched (sessions' "
-        "trees in one forward, as sent), budgeted (batched, rows chosen across the trees by their scores: "
-        "--tree-budget auto) (default: serial; with --server: the mode it reports in /healthz, checked when given)",
+        "trees in one forward, as sent: verify-server --batching batched --tree-budget fixed), budgeted (batched, "
+        "rows chosen across the trees by their scores: --tree-budget auto, the recipe default) (default: serial; "
+        "with --server: the mode it reports in /healthz, checked when given)",
         show_default=False),
     device_ms: Optional[float] = typer.Option(
         None, min=0.0, help="device drafting time between rounds, ms (default: each round's recorded time)",
@@ -349,10 +350,9 @@ def loadtest(
     cap = max_new_tokens or cfg.bench.output_cap
     if temperature is None and modes is not None and "budgeted" in modes and cfg.sampling.temperature > 0:
         temperature = 0.0
-        typer.echo(f"hycoc loadtest: recording and replaying at temperature 0 (the recipe's is "
-                   f"{cfg.sampling.temperature:g}): a budgeted verifier commits differently from the recording, and "
-                   "only greedy text stays the recording's, so every mode runs greedy (--temperature to choose)",
-                   err=True)
+        typer.echo(f"hycoc loadtest: every mode runs at temperature 0 (the recipe's: {cfg.sampling.temperature:g}):"
+                   "\n  budgeted rounds commit less than the recorded ones, and only greedy text stays the"
+                   "\n  recording's, so its trees still fit (--temperature to choose)", err=True)
     key = trace_key(cfg.content_hash(), sha256_file(bundle_dir / "manifest.json"), chosen,
                     [q.question_id for q in questions], cap,
                     None if temperature is None or temperature == cfg.sampling.temperature else temperature)
