@@ -357,3 +357,19 @@ def test_the_load_table_fits_80_columns_with_every_mode_in_full():
         assert max(len(line) for line in text.splitlines()) <= width, text
         assert "…" not in text and all(m in text for m in ("serial", "batched", "budgeted")), text
         assert text.count("budgeted") >= 2 and "2.37x" in text
+
+
+def test_the_run_summary_is_two_lines_under_80_columns():
+    from hycoc.bench.loadtest import run_summary_lines
+
+    st = RunStats()
+    st.first_round_s = {i: 0.4 for i in range(64)}
+    st.rounds = [RoundSample(1.0 + i / 100, 1234.0, 5.0, 3, 33, 40) for i in range(99)]
+    st.device_waits_ms = [(10.0, 11.5)] * 5
+    st.client_cpu_s, st.wall_s = 0.18, 1.0
+    row = summarize_run("budgeted", 64, 2.0, st)
+    text = run_summary_lines("budgeted", 64, row, (1.84, 1.8, 1.7, 2.41, 2.0, 1.9))
+    lines = text.splitlines()
+    assert len(lines) == 2 and max(len(line) for line in lines) <= 80, lines
+    assert lines[0].startswith("  budgeted 64 sessions: ") and "p90 1234 ms" in lines[0]
+    assert lines[1] == "    ramp 0.4 s (64/64 served), client CPU 18%, waits 10/12 ms, load 1.8->2.4"

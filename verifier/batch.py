@@ -179,8 +179,8 @@ def verify_batch(engine: VerifierEngine, rounds: list[tuple], stats: BatchStats 
     at most once (as `Session.verify`'s arguments; scores: float (R,) tree scores s(v) or None). budget: when given
     and more than one round shares the forward, the rows verified are chosen across the rounds
     (`hycoc.verifier.row_budget.allocate`; rounds without scores and cloud-mtp rounds are kept whole) and each
-    round runs on its kept rows (`Session.restrict_round`). Returns, in order, each round's reply or the exception its session raised: a session's bad round
-    (`hycoc.verifier.errors`) is answered alone and never enters the forward; a failure of the shared forward is
+    round runs on its kept rows (`Session.restrict_round`). Returns, in order, each round's reply or the exception
+    its session raised: a session's bad round (`hycoc.verifier.errors`) is answered alone and never enters the forward; a failure of the shared forward is
     every batched session's (each session restored as `Session.verify` restores it). Each reply's server_ms counts
     from the call's start to its own reply (the shared forward included: what its round cost in worker time);
     stats.total_ms is the last reply's (the whole call when no round ran). stats: filled if given.

@@ -289,8 +289,8 @@ def measure_recipe_verifier(recipe, rows_list=(1, 5, 33), contexts=(64, 128, 256
     """A cost model of ``recipe``'s verifier and MTP head (real weights, its [verifier] dtype; ``device``, default
     its [verifier] device) on this machine: every kind of forward (`measure_grid`; ``clock`` "busy": CPU time of
     the forward on a CPU, its `BUSY_STATISTIC` kept; else the median), over the caches the server's engine makes
-    (`measuring_engine`: sliding layers windowed as in every session). meta: clock, statistic, warmup, repeats, wall_ms (median wall ms per "kind/rows/context"), the
-    load average before and after, the date."""
+    (`measuring_engine`: sliding layers windowed as in every session). meta: clock, statistic, warmup, repeats,
+    wall_ms (median wall ms per "kind/rows/context"), the load average before and after, the date."""
     import torch
 
     from hycoc.models import load_head, load_verifier, set_threads

@@ -26,8 +26,8 @@ Server-side baselines (Table 5): ``cloud-mtp`` drafts a K-chain with the head it
 and verifies root + chain exactly; ``server-head`` runs the head over the keep set and a W window after each round
 (`draft_server_chain`) and returns that chain instead of a hand-off.
 
-Batched verification (docs/serving.md "Many devices: batched verification", `hycoc.verifier.batch`) runs the same round in three parts per session:
-`Session.begin_round` (checks, the rows that fit, cloud-mtp's chain), one forward shared by several sessions, then
+Batched verification (docs/serving.md "Many devices: batched verification", `hycoc.verifier.batch`) runs the same
+round in three parts per session: `Session.begin_round` (checks, the rows that fit, cloud-mtp's chain), one forward shared by several sessions, then
 `Session.finish_round` (lines 5-14 and the commit, unchanged); `Session.verify` is those three for one session.
 Prefills run as `PrefillJob` chunks so a scheduler can interleave them with rounds.
 
@@ -455,7 +455,8 @@ class VerifierEngine:
 
 class PrefillJob:
     """A prefill (or an appended turn's) split into chunks of ``engine.prefill_chunk`` positions, so that a
-    scheduler can run other sessions' rounds between them (docs/serving.md "Many devices: batched verification": a long prompt must not stall them).
+    scheduler can run other sessions' rounds between them (docs/serving.md "Many devices: batched verification": a
+    long prompt must not stall them).
 
     Made by `Session.prefill_job` / `Session.append_job`. `step` runs the next chunk (the same forwards, masks and
     positions as `prefill`'s loop); `done` says whether all ran; the last `step` commits the result to the session
@@ -609,8 +610,8 @@ class Session:
         turn_ids: int (T,), T >= 1, what follows the committed text (`hycoc.chat.Chat.next_turn`: the template's
         close of the model turn, the next user message, the generation prompt). A turn that ended on a stop id
         drops it first (`hycoc.chat.Chat.conversation_tokens`: the template, not the stop id, closes a model turn,
-        so the conversation held equals the template's rendering). The committed tokens' KV stays, so only the last committed token and turn_ids[:-1] are
-        prefilled, and turn_ids[-1] becomes the next root. The cache is first cut to exactly the committed
+        so the conversation held equals the template's rendering). The committed tokens' KV stays, so only the last
+        committed token and turn_ids[:-1] are prefilled, and turn_ids[-1] becomes the next root. The cache is first cut to exactly the committed
         positions (a finished round may hold KV of path rows after a cut EOS). max_new_tokens: the new turn's
         output cap. Rounds count seq from 0 again (its first hand-off carries the W-window, like a new request's).
         Returns (prefill_ms of this append, t). Raises SessionFinished if the session is closed or its turn has

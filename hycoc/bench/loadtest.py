@@ -1,4 +1,5 @@
-"""`hycoc loadtest`: many simulated devices against one verifier, and what the verifier delivers (docs/serving.md "Load test: `hycoc loadtest`").
+"""`hycoc loadtest`: many simulated devices against one verifier, and what the verifier delivers (docs/serving.md
+"Load test: `hycoc loadtest`").
 
 Each simulated device replays recorded rounds (`hycoc.bench.loadtrace`): it opens a session with a recorded
 prompt, then per round waits the recorded device time (the phone drafting; or a fixed ``device_ms``), sends the
@@ -282,6 +283,19 @@ def run_sessions(url: str, per_device: list[list[RequestTrace]], stop_ids, durat
 # ---- the server ----------------------------------------------------------------------------------------------
 
 
+def run_summary_lines(mode: str, sessions: int, row: dict, load: tuple) -> str:
+    """The two indented lines printed after each run (each under 80 columns for up to 4-digit counts): throughput,
+    latency and errors; then the ramp, the client's own CPU (% of a core), the device waits between rounds as
+    asked/slept in ms (slept > asked: the client was starved) and the machine's load average before -> after."""
+    lat = row["latency_ms"]
+    wait = row["device_wait_ms"] or {"asked": math.nan, "slept": math.nan}
+    return (f"  {mode} {sessions} sessions: {row['tok_per_s']:.1f} tok/s, p50 {lat['p50']:.0f} ms, p90 "
+            f"{lat['p90']:.0f} ms, {row['errors_total']} errors\n"
+            f"    ramp {row['ramp_s'] or 0:.1f} s ({row['devices_served']}/{sessions} served), client CPU "
+            f"{row['client_cpu_pct'] or 0:.0f}%, waits {wait['asked']:.0f}/{wait['slept']:.0f} ms, "
+            f"load {load[0]:.1f}->{load[3]:.1f}")
+
+
 def server_batching_support() -> bool:
     """Whether this hycoc's ``verify-server`` has the options of every `MODE_ARGS` mode (``--batching``,
     ``--tree-budget``): its ``--help`` names them."""
@@ -456,14 +470,7 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
                 row = summarize_run(mode, n, duration_s, stats, before, after, load)
                 row["projection"] = project(row, cost_model)
                 rows.append(row)
-                lat = row["latency_ms"]
-                wait = row["device_wait_ms"] or {"asked": math.nan, "slept": math.nan}
-                console.print(f"  {mode} {n:>3} sessions: {row['tok_per_s']:.1f} tok/s after a "
-                              f"{row['ramp_s'] or 0:.1f} s ramp ({row['devices_served']} of {n} devices served), "
-                              f"p50 {lat['p50']:.0f} ms, p90 {lat['p90']:.0f} ms, {row['errors_total']} errors; "
-                              f"client CPU "
-                              f"{row['client_cpu_pct'] or 0:.0f}% of a core, device waits {wait['asked']:.0f} ms asked "
-                              f"/ {wait['slept']:.0f} ms slept; load {load[0]:.1f} -> {load[3]:.1f}")
+                console.print(run_summary_lines(mode, n, row, load), soft_wrap=True)
     finally:
         for proc in procs:
             proc.stop()
@@ -508,7 +515,8 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
     return doc
 
 
-__all__ = ["ANSWER_TIMEOUT_S", "CAPACITY_CODES", "MODE_ARGS", "LoadTestError", "REFUSED_BACKOFF_S", "RoundSample", "RunStats",
+__all__ = ["ANSWER_TIMEOUT_S", "CAPACITY_CODES", "MODE_ARGS", "LoadTestError", "run_summary_lines",
+           "REFUSED_BACKOFF_S", "RoundSample", "RunStats",
            "ServerProcess", "arrival_delays", "committed_tokens", "devices_for", "healthz", "parse_metrics",
            "replay_request",
            "run_loadtest", "run_sessions", "scrape_metrics", "server_mode", "server_batching_support"]

@@ -1,4 +1,5 @@
-"""Recorded device rounds for `hycoc loadtest` (docs/serving.md "Load test: `hycoc loadtest`"): what a phone sent, and when.
+"""Recorded device rounds for `hycoc loadtest` (docs/serving.md "Load test: `hycoc loadtest`"): what a phone sent,
+and when.
 
 A load test of the verifier needs many devices but must not spend the machine's CPU on drafting (the client would
 then compete with the server it measures). So the real device runtime (`hycoc.runtime.client.DeviceRuntime`, paper

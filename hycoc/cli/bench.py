@@ -223,7 +223,8 @@ def tune_epsilon(
 
 
 def profile(
-    bundle: Path = typer.Argument(..., metavar="BUNDLE", help="an htp-v81 or qai-hub bundle folder", show_default=False),
+    bundle: Path = typer.Argument(..., metavar="BUNDLE", help="an htp-v81 or qai-hub bundle folder",
+                                  show_default=False),
     device: str = typer.Option("Samsung Galaxy S26 (Family)", help="the phone as Qualcomm AI Hub names it "
                                "(`qai-hub list-devices`)"),
     out: Optional[Path] = typer.Option(None, help="where to write the profile (default: BUNDLE/device_profile.json)",
@@ -338,6 +339,7 @@ def loadtest(
     from hycoc import progress
     from hycoc.bench.cost_model import CostModelError, load_cost_model
     from hycoc.bench.loadtest import LoadTestError, run_loadtest
+    from hycoc.bench.inputs import display_path
     from hycoc.bench.loadtrace import TraceError, load_trace, record_trace, save_trace, trace_key
     from hycoc.bundle import BundleError, sha256_file
     from hycoc.runtime.transport import TransportError
@@ -351,8 +353,8 @@ def loadtest(
     if temperature is None and modes is not None and "budgeted" in modes and cfg.sampling.temperature > 0:
         temperature = 0.0
         typer.echo(f"hycoc loadtest: every mode runs at temperature 0 (the recipe's: {cfg.sampling.temperature:g}):"
-                   "\n  budgeted rounds commit less than the recorded ones, and only greedy text stays the"
-                   "\n  recording's, so its trees still fit (--temperature to choose)", err=True)
+                   "\n  budgeted rounds commit less than the recorded ones, and only greedy text"
+                   "\n  stays the recording's, so its trees still fit (--temperature to choose)", err=True)
     key = trace_key(cfg.content_hash(), sha256_file(bundle_dir / "manifest.json"), chosen,
                     [q.question_id for q in questions], cap,
                     None if temperature is None or temperature == cfg.sampling.temperature else temperature)
@@ -360,14 +362,15 @@ def loadtest(
     try:
         if trace_path.is_file():
             trace = load_trace(trace_path)
-            typer.echo(f"hycoc loadtest: recorded rounds from {trace_path}", err=True)
+            typer.echo(f"hycoc loadtest: recorded rounds from\n  {display_path(trace_path)}", err=True)
         else:
             with progress.step("recording device rounds", total=len(chosen) * len(questions)) as s:
                 trace = record_trace(cfg, bundle_dir, chosen, questions, cap, key=key,
                                      progress=lambda note: s.advance(note=note), temperature=temperature)
             save_trace(trace, trace_path)
             typer.echo(f"hycoc loadtest: recorded {len(trace.requests)} requests, "
-                       f"{sum(len(r.rounds) for r in trace.requests)} rounds -> {trace_path}", err=True)
+                       f"{sum(len(r.rounds) for r in trace.requests)} rounds ->\n  {display_path(trace_path)}",
+                       err=True)
         run_loadtest(trace, chosen, counts, duration, modes, out, recipe_path=recipe,
                      keep_set=bundle_dir / "keep_set.npy", server_url=server, rate=rate, device_ms=device_ms,
                      cost_model=cost, meta={"recipe": str(recipe), "bundle": str(bundle_dir),
