@@ -20,7 +20,8 @@ from hycoc.protocol.messages import DraftTree, Opened, Sampling
 from hycoc.verifier.engine import remap_parents
 from hycoc.verifier.row_budget import RowCost, is_ancestor_closed
 from hycoc.verifier.server import ServerThread
-from test_server import MAX_FRAME, Raw, http_get, make_engine, open_request, parse_metrics, wait_for
+from test_server import (MAX_FRAME, Raw, http_get, make_engine, models, open_request,  # noqa: F401 (models: fixture)
+                         parse_metrics, wait_for)
 from tiny_models import tiny_head, tiny_verifier
 
 torch.set_num_threads(1)
@@ -28,12 +29,6 @@ ROWS = 9
 LN = float(np.log(0.66))
 #: Rows cost as much as the forward's fixed part: a step of three 9-row trees is trimmed.
 STEEP = RowCost(((1, 1.0), (100, 100.0)), source="test")
-
-
-@pytest.fixture(scope="module")
-def models():
-    model = tiny_verifier(sharpen=3.0)
-    return model, tiny_head(model)
 
 
 @torch.inference_mode()

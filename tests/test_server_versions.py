@@ -18,25 +18,10 @@ import torch
 from hycoc.protocol import wire
 from hycoc.protocol.messages import Close, DraftTree, ErrorReply, Opened
 from hycoc.verifier.server import ServerThread
-from test_server import (MAX_FRAME, ROWS, Raw, assert_same_reply, make_engine, oracle_tree, open_request,
-                         reference_session, round_frame, wait_for)
-from tiny_models import tiny_head, tiny_verifier
+from test_server import (MAX_FRAME, ROWS, Raw, assert_same_reply, make_engine, models, oracle_tree,  # noqa: F401
+                         open_request, reference, reference_session, round_frame, wait_for)
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def models():
-    model = tiny_verifier(sharpen=3.0)
-    return model, tiny_head(model)
-
-
-@pytest.fixture(scope="module")
-def reference():
-    model = tiny_verifier(sharpen=3.0)
-    engine = make_engine(model, tiny_head(model))
-    yield engine
-    engine.close()
 
 
 @pytest.fixture(scope="module", params=["serial", "batched"])

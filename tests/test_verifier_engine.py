@@ -239,21 +239,26 @@ def test_exact_acceptance_is_lossless(verifier):
             counts[tuple(session.output[:2])] += 1
             firsts[session.output[0]] += 1
         assert set(counts) <= set(expected), "committed a pair outside p~'s support"
-        keys = sorted(expected)
-        obs = np.array([counts[k] for k in keys], dtype=float)
-        exp = np.array([expected[k] for k in keys]) * n
-        # Pool cells with expected counts below 5 into one (the chi-square approximation needs it).
-        small = exp < 5
-        if small.any():
-            obs = np.append(obs[~small], obs[small].sum())
-            exp = np.append(exp[~small], exp[small].sum())
-        stat = chisquare(obs, exp * obs.sum() / exp.sum())
+        stat = pooled_chisquare(counts, expected, n)
         assert stat.pvalue > 1e-3, (build.__name__, stat, counts)
     # the first token's marginal over both shapes (2n draws, |support1| - 1 degrees of freedom): more power against
     # a bias of the first token than the pairs' test (`first_token_power` gives the power of each)
     obs = np.array([firsts[x] for x in support1], dtype=float)
     stat = chisquare(obs, np.array([float(p1[x]) for x in support1]) * 2 * n)
     assert sum(firsts.values()) == obs.sum() == 2 * n and stat.pvalue > 1e-3, (stat, firsts)
+
+
+def pooled_chisquare(counts: Counter, expected: dict, n: int):
+    """Chi-square of observed ``counts`` (outcome -> count, n draws) against ``expected`` probabilities (outcome ->
+    p), cells with expected counts below 5 pooled into one (the chi-square approximation needs it)."""
+    keys = sorted(expected)
+    obs = np.array([counts[k] for k in keys], dtype=float)
+    exp = np.array([expected[k] for k in keys]) * n
+    small = exp < 5
+    if small.any():
+        obs = np.append(obs[~small], obs[small].sum())
+        exp = np.append(exp[~small], exp[small].sum())
+    return chisquare(obs, exp * obs.sum() / exp.sum())
 
 
 def first_token_power(p, n: int, bias: float = 0.05, alpha: float = 1e-3) -> float:

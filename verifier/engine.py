@@ -44,6 +44,7 @@ import torch
 from transformers import DynamicCache
 
 from hycoc.protocol.messages import ACCEPTANCE_MODES, DRAFT_PLACES, HandOff, RoundReply, Sampling, commit_cut
+from hycoc.protocol.wire import PROTOCOL_VERSION
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 
 from .acceptance import select_exact, select_path
@@ -540,7 +541,8 @@ class Session:
     until the request finishes: the final round's output is then cut after the EOS / at max_new_tokens / at
     max_context). accepted: tokens committed per round minus one, i.e. |P| after that cut (MAT = mean(accepted)
     + 1 = committed tokens / rounds). rounds: completed rounds. server_ms: per round. finish_reason: one of
-    FINISH_REASONS once finished.
+    FINISH_REASONS once finished. wire_version: the protocol version its replies are encoded in (the server sets
+    its client's OPEN version; docs/design.md "Wire protocol").
     """
 
     engine: VerifierEngine = field(repr=False)
@@ -559,6 +561,7 @@ class Session:
     prefill_ms: float | None = None
     finished: bool = False
     finish_reason: str | None = None
+    wire_version: int = PROTOCOL_VERSION
 
     def __post_init__(self):
         self.tokens = [int(x) for x in self.prompt]

@@ -220,13 +220,6 @@ class BatchScheduler:
         return batch
 
 
-def _reply_version(session: Session) -> dict:
-    """encode()'s keywords for a session's replies: the protocol version of its OPEN (``wire_version``, set by the
-    session loop), so a protocol-3 client gets protocol-3 replies."""
-    version = getattr(session, "wire_version", None)
-    return {} if version is None else {"version": version}
-
-
 def _step(batch: list[_Round], prefills: list[_Prefill], prefill_budget: int, row_budget: RowBudget | None = None):
     """Worker thread: the rounds of ``batch`` in one forward (rows chosen by ``row_budget`` when given), then prefill chunks of ``prefills`` (oldest first)
     until ``prefill_budget`` positions ran (the first chunk always runs; a prefill whose next chunk would pass the
@@ -247,7 +240,7 @@ def _step(batch: list[_Round], prefills: list[_Prefill], prefill_budget: int, ro
                 results.append(reply)
                 continue
             try:
-                frame = wire.encode(reply, **_reply_version(r.session))
+                frame = wire.encode(reply, version=r.session.wire_version)   # the client's OPEN version
             except Exception as e:  # noqa: BLE001 -- that session's failure only
                 results.append(e)
                 continue

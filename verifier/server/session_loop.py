@@ -327,7 +327,7 @@ class SessionLoop:
         wait = time.monotonic() - arrived
         rounds, before = session.rounds, len(session.tokens)
         reply = session.verify(tree.tokens, tree.parents, tree.seq)
-        frame = wire.encode(reply, version=getattr(session, "wire_version", wire.PROTOCOL_VERSION))
+        frame = wire.encode(reply, version=session.wire_version)
         return reply, frame, len(session.tokens) - before, session.rounds > rounds, wait
 
     # ----------------------------------------------------------------------------------------- ends
