@@ -142,18 +142,9 @@ def test_gpu_script_skips_cleanly_without_cuda(tmp_path):
 def test_measure_grid_on_a_tiny_random_verifier():
     """The GPU mode's code path (random weights, random KV cache, verify_tree) on the toy shape, on the CPU."""
     torch = pytest.importorskip("torch")
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import verifier_cost_model as vcm
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-    cfg = json.loads((REPO / "recipes" / "toy" / "models" / "verifier" / "config.json").read_text())
-    cfg.update(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], 
-               per_layer_config={"1": cfg["per_layer_config"]["3"]})
-    model = vcm.build_random_verifier(cfg, "cpu", "float32")
+    vcm = _cost_script()
+    model, head = _tiny_random()   # the random-weight mode's verifier and head
     assert list(vcm.demo_parents(8)) == [-1, 0, 1, 2, 3, 0, 1, 2]
-    head_cfg = json.loads((REPO / "recipes" / "toy" / "models" / "head" / "config.json").read_text())
-    head = vcm.build_random_head(head_cfg, cfg["hidden_size"], "cpu", "float32")  # the random-weight mode's head
     points = vcm.measure_grid(model, [1, 5], [8, 24], warmup=0, repeats=1, device="cpu", log=lambda *a: None,
                               prefill_rows=[1, 4], head=head)
     cm = CostModel(device="cpu", dtype="float32", model="tiny", points=points)
@@ -168,12 +159,19 @@ def test_measure_grid_on_a_tiny_random_verifier():
     assert torch.get_num_threads() >= 1
 
 
-def _tiny_random(sliding_window: int | None = None):
+def _cost_script():
+    """benchmarks/verifier_cost_model.py as a module."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         import verifier_cost_model as vcm
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
+    return vcm
+
+
+def _tiny_random(sliding_window: int | None = None):
+    """A 2-layer random verifier of the toy's shape (one sliding, one full layer) and a random head for it."""
+    vcm = _cost_script()
     cfg = json.loads((REPO / "recipes" / "toy" / "models" / "verifier" / "config.json").read_text())
     cfg.update(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
                per_layer_config={"1": cfg["per_layer_config"]["3"]})
