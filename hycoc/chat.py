@@ -1,25 +1,26 @@
-"""The checkpoint's chat format as the device runtime and every host command use it (docs/recipes.md "Chat format").
+"""The checkpoint's chat format and a conversation's token ids, as the device runtime and every host command use
+them (docs/recipes.md "Chat format", docs/serving.md "Conversations").
 
 Nothing here knows a model family's markers. A `ChatFormat` is read from a checkpoint by
-`hycoc.chat_template.load_chat_format` (the tokenizer folder's own chat template, rendered by transformers' template
-machinery, and ``generation_config.json``'s ``eos_token_id``), carried in the device bundle's manifest (``chat``),
-and used here without transformers or jinja2: the device renders a turn from the template's own strings around the
-user's text and encodes it as transformers' ``apply_chat_template(..., sanitize_control_tokens=True)`` does.
+`hycoc.chat_template.load_chat_format` (the tokenizer folder's own chat template and special tokens, and
+``generation_config.json``'s ``eos_token_id``), carried whole in the device bundle's manifest (``chat``), and used
+here with jinja2 alone (no torch, no transformers).
 
-The template is cut into three strings (`TurnPieces`), found by rendering conversations with sentinel messages::
+The conversation rule. A conversation is its messages. Every turn, the side that owns the conversation renders
+ALL of it with the checkpoint's template (`render_template`: jinja2's immutable sandbox set up as transformers'
+``render_jinja_template``), encodes it as ``apply_chat_template(..., sanitize_control_tokens=True)`` does
+(`encode_marked`), keeps the longest common prefix with the ids it already holds and prefills the rest
+(`common_prefix`; on the wire: APPEND's ``keep``). The template is never cut into pieces with user text spliced
+between, so what a real template does to history -- Gemma 4's large form renders an empty thought channel in the
+generation prompt but not in a model turn of history, strips earlier thoughts (``strip_thinking``) and trims
+user text and answers -- holds by construction.
 
-    first     before the first user message            Gemma 4: "<bos><|turn>user\\n"
-    user_end  after a user message, up to the answer   Gemma 4: "<turn|>\\n<|turn>model\\n"
-    next      after a model answer, up to the next     Gemma 4: "<turn|>\\n<|turn>user\\n"
-              user message (the answer's stop token, if it ended on one, is not part of the conversation)
-
-so a conversation's tokens are ``prompt(u1) + answer1 + next_turn(u2) + answer2 + ...``, exactly the template's
-rendering of the whole conversation (re-encoded answers aside). One set of pieces per thinking setting
-(``default``: the template's own default; ``thinking``: ``enable_thinking=True``).
-
-User text stays text: a control-token string typed by a user (``<turn|>``, ``<bos>``) is spelled with ordinary
-tokens, never turned into the control token (transformers' ``mark_control_tokens`` / ``encode_marked_chat``,
-``utils/chat_template_utils.py``, reproduced with `tokenizers` only).
+User text stays text: a control-token string typed in a user (or system) message is spelled with ordinary tokens,
+never turned into the control token (transformers' ``mark_control_tokens`` / ``encode_marked_chat``,
+``utils/chat_template_utils.py``, reproduced with `tokenizers` only). An answer the model wrote is the model's own
+text: it goes into the template as decoded, control tokens included (its thought channel), and is not marked --
+transformers' ``sanitize_control_tokens`` marks every message, which would spell a kept thought's ``<|channel>``
+as plain text; for templates that strip thoughts (Gemma 4's large form) both give the same ids.
 
 numpy-free and torch-free: the device runtime imports this module.
 """
@@ -29,13 +30,16 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import zlib
+from dataclasses import dataclass
 from functools import lru_cache
 
 from pydantic import BaseModel, ConfigDict, Field
 
 #: transformers' private-use markers around a control token found in user text (chat_template_utils.py).
 _MARK_START, _MARK_END = "\U000f0000", "\U000f0001"
-THINKING_SETTINGS = ("default", "thinking")
+#: Message roles whose strings a user writes (marked, `mark_control_tokens`); an assistant's are the model's own.
+USER_ROLES = ("user", "system", "developer")
 
 
 class ChatFormatError(ValueError):
@@ -43,8 +47,8 @@ class ChatFormatError(ValueError):
 
 
 class ChatMismatch(ValueError):
-    """The device's chat contract (stop ids, turn strings) differs from the verifier's (wire code
-    ``chat_mismatch``); the message names both."""
+    """The device's chat contract (stop ids, template) differs from the verifier's (wire code ``chat_mismatch``);
+    the message names both."""
 
     code = "chat_mismatch"
 
@@ -53,75 +57,62 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-class TurnPieces(_Model):
-    """The template's strings around user messages for one thinking setting (module docstring)."""
-
-    first: str = Field(description="rendered before the first user message (bos, system turn, user opening)")
-    user_end: str = Field(description="after a user message, up to where the model's answer begins")
-    next: str = Field(description="after a model answer (its stop token dropped), up to the next user message")
-
-
 class ChatFormat(_Model):
     """A checkpoint's chat format (module docstring): what the bundle's manifest carries as ``chat``.
 
-    stop_ids / stop_tokens: ``generation_config.json`` ``eos_token_id`` in file order, and their strings.
-    control_tokens: the strings sanitized in user text (the tokenizer's special added tokens plus the added tokens
-    the template's text contains, as transformers' ``_get_control_tokens``). turns: thinking setting -> pieces.
-    reasoning: (open, close) strings of the answer's thought channel (transformers' response template for the
-    model type), or None when the checkpoint defines none. template_sha256: sha256 of the template text.
-    sources: what each part came from: ``template``, ``stop_ids``, ``reasoning`` -> a file path or a library name.
+    template: the chat template's text (jinja). specials: the special-token strings the template sees
+    (``bos_token`` ...: tokenizer_config.json). has_thinking: whether ``enable_thinking=True`` renders a first turn
+    differently from the template's default. stop_ids / stop_tokens: ``generation_config.json`` ``eos_token_id`` in
+    file order, and their strings. control_tokens: the strings sanitized in user text (the tokenizer's special
+    added tokens plus the added tokens the template's text contains, as transformers' ``_get_control_tokens``).
+    reasoning: (open, close) strings of the answer's thought channel (transformers' response template for the model
+    type), or None. template_sha256: sha256 of ``template``. sources: what each part came from (``template``,
+    ``stop_ids``, ``reasoning`` -> a file path or a library name).
     """
 
+    template: str = Field(min_length=1)
+    specials: dict[str, str]
+    has_thinking: bool
     stop_ids: list[int] = Field(min_length=1)
     stop_tokens: list[str]
     control_tokens: list[str]
-    turns: dict[str, TurnPieces]
     reasoning: list[str] | None = Field(None, min_length=2, max_length=2)
     template_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     sources: dict[str, str]
 
-    @property
-    def has_thinking(self) -> bool:
-        """Whether the template renders ``enable_thinking=True`` differently from its default."""
-        return "thinking" in self.turns
-
-    def pieces(self, thinking: bool = False) -> TurnPieces:
-        """The turn pieces of a thinking setting. Raises ChatFormatError when thinking is asked of a template
-        that has no thinking switch."""
+    def check_thinking(self, thinking: bool) -> None:
+        """Raise ChatFormatError when thinking is asked of a template that has no thinking switch."""
         if thinking and not self.has_thinking:
             raise ChatFormatError(f"the chat template ({self.sources.get('template', '?')}) renders "
                                   "enable_thinking=True like its default: it has no thinking switch; run without "
                                   "--thinking")
-        return self.turns["thinking" if thinking else "default"]
 
     def contract(self) -> str:
         """What the device and the verifier must agree on, as canonical JSON (the OPEN frame's ``chat``): the stop
-        ids (sorted) and every turn piece."""
-        body = {"stop_ids": sorted(self.stop_ids),
-                "turns": {k: v.model_dump() for k, v in sorted(self.turns.items())}}
+        ids (sorted) and the template's sha256 (both sides render the same template)."""
+        body = {"stop_ids": sorted(self.stop_ids), "template_sha256": self.template_sha256}
         return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
     def check_contract(self, device: str) -> None:
         """Compare a device's `contract` JSON with this (the verifier's) format. Raises ChatMismatch naming what
-        differs with both values; ValueError (as ChatMismatch) when it is not valid contract JSON."""
+        differs with both values, or that the contract is of an older hycoc (turn strings instead of the template)."""
         try:
             theirs = json.loads(device)
-            their_stops, their_turns = sorted(int(i) for i in theirs["stop_ids"]), dict(theirs["turns"])
+            their_stops = sorted(int(i) for i in theirs["stop_ids"])
+            their_template = str(theirs["template_sha256"])
         except (ValueError, KeyError, TypeError) as e:
-            raise ChatMismatch(f"the device's chat contract is not valid ({e}); rebuild the bundle with this "
-                               "hycoc") from None
-        mine = json.loads(self.contract())
-        if their_stops != mine["stop_ids"]:
+            raise ChatMismatch(f"the device's chat contract is not this hycoc's ({e}: a bundle built before "
+                               "conversations were re-rendered by the template); rebuild the bundle with this "
+                               "hycoc (`hycoc build RECIPE`)") from None
+        if their_stops != sorted(self.stop_ids):
             raise ChatMismatch(f"stop ids differ: the device's bundle stops on {their_stops}, the verifier on "
-                               f"{mine['stop_ids']}; build the bundle from the verifier's checkpoint (same "
+                               f"{sorted(self.stop_ids)}; build the bundle from the verifier's checkpoint (same "
                                "generation_config.json)")
-        for setting in sorted(set(their_turns) | set(mine["turns"])):
-            a, b = their_turns.get(setting), mine["turns"].get(setting)
-            if a != b:
-                raise ChatMismatch(f"turn tokens ({setting}) differ: the device's bundle renders "
-                                   f"{json.dumps(a, ensure_ascii=False)}, the verifier "
-                                   f"{json.dumps(b, ensure_ascii=False)}; build the bundle from the verifier's "
-                                   "tokenizer folder (same chat template)")
+        if their_template != self.template_sha256:
+            raise ChatMismatch(f"chat templates differ: the device's bundle renders with template sha256 "
+                               f"{their_template[:12]}..., the verifier with {self.template_sha256[:12]}... "
+                               f"({self.sources.get('template', '?')}); build the bundle from the verifier's "
+                               "tokenizer folder (same chat template)")
 
 
 # ---- encoding, as transformers' apply_chat_template(..., sanitize_control_tokens=True) ----------------------------
@@ -188,8 +179,121 @@ def encode_text(tokenizer, text: str) -> list[int]:
         tokenizer.encode_special_tokens = before
 
 
+
+# ---- rendering, as transformers' render_jinja_template ------------------------------------------------------------
+
+
+@lru_cache(maxsize=8)
+def _compiled(template: str):
+    """The template compiled in jinja2's immutable sandbox with transformers' environment (``trim_blocks``,
+    ``lstrip_blocks``, ``loopcontrols``, a ``{% generation %}`` block that renders its body, the ``tojson`` filter
+    without HTML escaping, ``raise_exception``, ``strftime_now``; transformers 5.24
+    ``_cached_compile_jinja_template``)."""
+    from datetime import datetime
+
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):          # transformers' AssistantTracker, without the tracking
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def render_template(template: str, messages: list[dict], *, add_generation_prompt: bool,
+                    thinking: bool | None = None, specials: dict[str, str] | None = None,
+                    source: str = "the chat template") -> str:
+    """The template's rendering of ``messages`` (list of {"role", "content"} dicts, strings as given: mark user
+    strings first with `mark_messages` to sanitize them). thinking: ``enable_thinking`` (None leaves it unset: the
+    template's default). specials: ``bos_token`` ... Raises ChatFormatError naming ``source`` when the template
+    fails to render (a jinja2 error or its own ``raise_exception``)."""
+    kwargs = dict(specials or {})
+    if thinking is not None:
+        kwargs["enable_thinking"] = thinking
+    try:
+        return _compiled(template).render(messages=messages, tools=None, documents=None,
+                                          add_generation_prompt=add_generation_prompt, **kwargs)
+    except Exception as e:   # jinja2 errors and the template's own raise_exception
+        roles = "/".join(str(m.get("role")) for m in messages)
+        raise ChatFormatError(f"{source}: the chat template fails to render a {roles} conversation "
+                              f"({type(e).__name__}: {e}); fix the template or give a working one as "
+                              "chat_template.jinja") from None
+
+
+def template_literals(template: str) -> str:
+    """The template's literal strings (its raw text blocks and every string constant) joined with NUL characters,
+    as transformers' ``_get_template_literal_text``: the added tokens found in it are control tokens."""
+    import jinja2.nodes
+
+    ast = _compiled(template).environment.parse(template)
+    literals = {n.data for n in ast.find_all(jinja2.nodes.TemplateData)}
+    literals |= {n.value for n in ast.find_all(jinja2.nodes.Const) if isinstance(n.value, str)}
+    return "\0".join(sorted(literals))
+
+
+def mark_messages(messages: list[dict], control_tokens) -> list[dict]:
+    """``messages`` with every string of a user-written message (`USER_ROLES`) passed through
+    `mark_control_tokens`; the model's own answers are left as they are (module docstring)."""
+    out = []
+    for m in messages:
+        if m.get("role") in USER_ROLES:
+            m = {k: (mark_control_tokens(v, control_tokens) if isinstance(v, str) and k != "role" else v)
+                 for k, v in m.items()}
+        out.append(dict(m))
+    return out
+
+
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two id sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and int(a[i]) == int(b[i]):
+        i += 1
+    return i
+
+
+def ids_crc32(ids) -> int:
+    """crc32 (zlib) of token ids as little-endian int32: what APPEND's ``keep_crc`` carries for the kept prefix,
+    so both sides check that they hold the same conversation."""
+    import struct
+
+    return zlib.crc32(struct.pack(f"<{len(ids)}i", *[int(i) for i in ids]))
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A conversation rendered and encoded: ``ids`` (the template's rendering with the generation prompt; its last
+    id is the first root of the answer) and ``anchor``, the position where the answer's model turn opens: the
+    length of the ids both the rendering without the generation prompt and the one with it begin with, at most
+    len(ids) - 1. A later turn's re-rendering keeps at least [0, anchor) with any template that renders history as
+    it rendered it before (the verifier snapshots its sliding-window KV there, docs/serving.md "Conversations")."""
+
+    ids: list[int]
+    anchor: int
+
+
 class Chat:
-    """A `ChatFormat` with its tokenizer: the token ids of turns, the stop ids and the thought split.
+    """A `ChatFormat` with its tokenizer: the token ids of conversations, the stop ids and the thought split.
 
     fmt: the checkpoint's `ChatFormat`. tokenizer: the ``tokenizers.Tokenizer`` of the same checkpoint.
     """
@@ -203,27 +307,41 @@ class Chat:
             self._reasoning_ids = (tokenizer.encode(opening, add_special_tokens=False).ids,
                                    tokenizer.encode(closing, add_special_tokens=False).ids)
 
-    def _encode(self, before: str, user_text: str, after: str) -> list[int]:
-        marked = mark_control_tokens(user_text, self.format.control_tokens)
-        return encode_marked(self.tokenizer, before + marked + after, self.format.control_tokens)
+    def render_text(self, messages: list[dict], *, thinking: bool = False, add_generation_prompt: bool = True,
+                    marked: bool = True) -> str:
+        """The template's rendering of ``messages`` (user strings marked when ``marked``). Raises ChatFormatError
+        for thinking without a switch, or a template that fails."""
+        self.format.check_thinking(thinking)
+        msgs = mark_messages(messages, self.format.control_tokens) if marked else messages
+        return render_template(self.format.template, msgs, add_generation_prompt=add_generation_prompt,
+                               thinking=True if thinking else None, specials=self.format.specials,
+                               source=self.format.sources.get("template", "the chat template"))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Ids of a rendering made by `render_text` (marked control tokens as text)."""
+        return encode_marked(self.tokenizer, text, self.format.control_tokens)
+
+    def conversation(self, messages: list[dict], thinking: bool = False) -> Rendered:
+        """The whole conversation ``messages`` (user, assistant, ..., ending with a user message) as the template
+        renders it with the generation prompt, encoded as transformers' ``apply_chat_template(...,
+        sanitize_control_tokens=True)`` (user strings; module docstring), and its `Rendered.anchor`."""
+        ids = self.encode_rendered(self.render_text(messages, thinking=thinking))
+        bare = self.encode_rendered(self.render_text(messages, thinking=thinking, add_generation_prompt=False))
+        return Rendered(ids=ids, anchor=min(common_prefix(ids, bare), len(ids) - 1))
 
     def prompt(self, user_text: str, thinking: bool = False) -> list[int]:
         """Token ids of a conversation's first user turn, up to where the model's answer begins (the template's
-        rendering with ``add_generation_prompt=True``). Raises ChatFormatError for --thinking without a switch."""
-        p = self.format.pieces(thinking)
-        return self._encode(p.first, user_text, p.user_end)
+        rendering of one user message with ``add_generation_prompt=True``). Raises ChatFormatError for --thinking
+        without a switch."""
+        return self.encode_rendered(self.render_text([{"role": "user", "content": user_text}], thinking=thinking))
 
-    def next_turn(self, user_text: str, thinking: bool = False) -> list[int]:
-        """Token ids that follow a committed answer (its stop token dropped: `conversation_tokens`) with the next
-        user message, up to where the next answer begins: the template's close of a model turn, the user turn and
-        the generation prompt. What the APPEND frame carries."""
-        p = self.format.pieces(thinking)
-        return self._encode(p.next, user_text, p.user_end)
-
-    def conversation_tokens(self, tokens: list[int]) -> list[int]:
-        """A finished turn's tokens as the conversation keeps them: a trailing stop id is dropped (the template
-        closes the model turn itself, in `next_turn`; a Gemma answer may stop on ``<eos>`` mid-conversation)."""
-        return tokens[:-1] if tokens and tokens[-1] in self.stop_ids else list(tokens)
+    def answer_text(self, output_ids) -> str:
+        """An answer as its assistant message: the committed ids decoded with their control tokens (a thought
+        channel stays for the template to keep or strip), a trailing stop id dropped (the template closes the turn)."""
+        ids = [int(i) for i in output_ids]
+        if ids and ids[-1] in self.stop_ids:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def split_thought(self, answer_ids: list[int]) -> tuple[str | None, list[int]]:
         """(thought text or None, the final answer's ids) of an answer that may open with the reasoning channel
@@ -241,8 +359,32 @@ class Chat:
 
     def render(self, user_text: str, thinking: bool = False) -> str:
         """The first turn's string as the template renders it (control tokens as their strings), for display."""
-        p = self.format.pieces(thinking)
-        return p.first + user_text + p.user_end
+        return self.render_text([{"role": "user", "content": user_text}], thinking=thinking, marked=False)
+
+
+class Conversation:
+    """One conversation's messages and the ids the session holds, for the side that owns it (``hycoc run --chat``,
+    the bench's second turns): each turn renders the whole conversation (`Chat.conversation`) and the APPEND keeps
+    the common prefix with what is held.
+
+    chat: the checkpoint's `Chat`. thinking: ``enable_thinking`` for every turn. system: an optional system message.
+    """
+
+    def __init__(self, chat: Chat, thinking: bool = False, system: str | None = None):
+        chat.format.check_thinking(thinking)
+        self.chat, self.thinking = chat, thinking
+        self.messages: list[dict] = [] if system is None else [{"role": "system", "content": system}]
+        self.held: list[int] = []          # ids the session holds: the last rendering's kept part, then the output
+
+    def ask(self, user_text: str) -> Rendered:
+        """Add a user message; returns the whole conversation rendered (ids up to the new answer's first root)."""
+        self.messages.append({"role": "user", "content": user_text})
+        return self.chat.conversation(self.messages, self.thinking)
+
+    def answered(self, rendered: Rendered, output_ids) -> None:
+        """Record a finished turn: the session now holds ``rendered.ids`` then the committed ``output_ids``."""
+        self.held = list(rendered.ids) + [int(i) for i in output_ids]
+        self.messages.append({"role": "assistant", "content": self.chat.answer_text(output_ids)})
 
 
 class AnswerStream:
@@ -284,5 +426,6 @@ def template_digest(template: str) -> str:
     return hashlib.sha256(template.encode("utf-8")).hexdigest()
 
 
-__all__ = ["THINKING_SETTINGS", "AnswerStream", "Chat", "ChatFormat", "ChatFormatError", "ChatMismatch", "TurnPieces",
-           "encode_marked", "encode_text", "mark_control_tokens", "template_digest"]
+__all__ = ["USER_ROLES", "AnswerStream", "Chat", "ChatFormat", "ChatFormatError", "ChatMismatch", "Conversation",
+           "Rendered", "common_prefix", "encode_marked", "encode_text", "ids_crc32", "mark_control_tokens",
+           "mark_messages", "render_template", "template_digest", "template_literals"]

@@ -10,11 +10,12 @@ What is read, in order (a real Gemma 4 folder and the toy's hold the same files)
     reasoning    tokenizer_config.json "response_template" fields.reasoning_content {open, close}, else
                  transformers' response template for the verifier's model type (``cli/serving/utils.py``)
 
-The template is rendered by transformers (`transformers.utils.chat_template_utils.render_jinja_template`, the
-renderer of ``apply_chat_template``) with sentinel messages and cut into `hycoc.chat.TurnPieces`; the cut is checked:
-a two-turn conversation's rendering must equal the pieces put together, so the KV a verifier keeps across turns is
-what the template would render. Every refusal is a `ChatFormatError` naming the file and the fix, raised before any
-model is loaded.
+The template is checked at load, before any model: it must render a first user turn (default and, when it has
+one, the thinking switch) and a two-turn conversation whose rendering keeps the first turn's history as the first
+turn rendered it (`check_history`), or a conversation could keep nothing of its KV from one turn to the next.
+Every refusal is a `ChatFormatError` naming the file and the fix, raised before any model is loaded. The template
+travels whole in the bundle; both sides render conversations with `hycoc.chat.render_template` (jinja2's sandbox as
+transformers sets it up) and the tests compare it with transformers' own ``apply_chat_template``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hycoc.chat import Chat, ChatFormat, ChatFormatError, TurnPieces, template_digest
+from hycoc.models import load_tokenizer
+from hycoc.chat import (Chat, ChatFormat, ChatFormatError, common_prefix, render_template, template_digest,
+                        template_literals)
 
 _SENTINELS = ("hycocsentineluserone", "hycocsentinelanswerone", "hycocsentinelusertwo")
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -102,57 +105,40 @@ def read_stop_ids(verifier: Path | None, folder: Path) -> tuple[list[int], str]:
 
 def render(template: str, messages: list[dict], *, add_generation_prompt: bool, thinking: bool | None,
            specials: dict[str, str], source: str) -> str:
-    """The template's rendering of ``messages`` (transformers' ``render_jinja_template``); ``thinking`` None leaves
+    """The template's rendering of ``messages`` (`hycoc.chat.render_template`); ``thinking`` None leaves
     ``enable_thinking`` unset (the template's default). Raises ChatFormatError naming ``source`` on a failure."""
-    from transformers.utils.chat_template_utils import render_jinja_template
-
-    kwargs = dict(specials)
-    if thinking is not None:
-        kwargs["enable_thinking"] = thinking
-    try:
-        rendered, _ = render_jinja_template([messages], chat_template=template,
-                                            add_generation_prompt=add_generation_prompt, **kwargs)
-    except Exception as e:   # jinja2 errors and the template's own raise_exception
-        roles = "/".join(m["role"] for m in messages)
-        raise ChatFormatError(f"{source}: the chat template fails to render a {roles} conversation "
-                              f"({type(e).__name__}: {e}); fix the template or give a working one as "
-                              "chat_template.jinja") from None
-    return rendered[0]
+    return render_template(template, messages, add_generation_prompt=add_generation_prompt, thinking=thinking,
+                           specials=specials, source=source)
 
 
-def derive_pieces(template: str, specials: dict[str, str], thinking: bool | None, source: str) -> TurnPieces:
-    """Cut the template into `TurnPieces` with sentinel messages and check that a two-turn conversation renders
-    as the pieces put together. Raises ChatFormatError naming ``source`` when it does not."""
+def check_history(template: str, specials: dict[str, str], thinking: bool | None, source: str) -> None:
+    """Check that a template can keep a conversation's KV from one turn to the next: the rendering of a first user
+    turn without the generation prompt must begin the rendering of (user, model, user) with it. Raises
+    ChatFormatError naming ``source`` when it does not (every turn would then re-prefill the whole conversation)."""
     u1, a1, u2 = _SENTINELS
-    one = render(template, [{"role": "user", "content": u1}], add_generation_prompt=True, thinking=thinking,
-                 specials=specials, source=source)
-    if one.count(u1) != 1:
-        raise ChatFormatError(f"{source}: the chat template does not render the user's message verbatim once; "
-                              "hycoc needs the message text as given (no trim or escaping of plain words)")
-    i = one.index(u1)
-    first, user_end = one[:i], one[i + len(u1):]
+    first = render(template, [{"role": "user", "content": u1}], add_generation_prompt=False, thinking=thinking,
+                   specials=specials, source=source)
     two = render(template, [{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
                             {"role": "user", "content": u2}], add_generation_prompt=True, thinking=thinking,
                  specials=specials, source=source)
-    lead = first + u1 + user_end + a1
-    if not (two.startswith(lead) and u2 in two[len(lead):]):
-        raise ChatFormatError(f"{source}: the chat template renders a model turn in history differently from the "
-                              "generation prompt (or reorders turns), so a conversation cannot keep its KV across "
-                              "turns; give a template whose history repeats the generation prompt")
-    j = two.index(u2, len(lead))
-    nxt = two[len(lead):j]
-    if two[j + len(u2):] != user_end:
-        raise ChatFormatError(f"{source}: the chat template ends a later user turn differently from the first "
-                              f"({two[j + len(u2):]!r} vs {user_end!r}); hycoc needs one generation prompt")
-    return TurnPieces(first=first, user_end=user_end, next=nxt)
+    if u1 not in first:
+        raise ChatFormatError(f"{source}: the chat template does not render the user's message; give the "
+                              "checkpoint's own template")
+    if not two.startswith(first):
+        kept = common_prefix(first, two)
+        raise ChatFormatError(f"{source}: the chat template renders the first user turn differently once a model "
+                              f"turn follows (the renderings part at character {kept}: {first[kept:kept + 40]!r} vs "
+                              f"{two[kept:kept + 40]!r}), so a conversation cannot keep its KV across turns; give a "
+                              "template whose history renders earlier turns as it rendered them")
 
 
 def _control_tokens(tokenizer, template: str) -> list[str]:
     """transformers' ``_get_control_tokens`` without ``chat_control_tokens``: special added tokens, plus added
-    tokens the template's text contains (whitespace tokens aside)."""
+    tokens the template's literal strings contain (whitespace tokens aside; ``_get_template_literal_text``)."""
     out = []
+    literals = template_literals(template)
     for _, tok in sorted(tokenizer.get_added_tokens_decoder().items()):
-        if tok.special or (tok.content in template and not tok.content.isspace()):
+        if tok.special or (tok.content in literals and not tok.content.isspace()):
             out.append(tok.content)
     return out
 
@@ -183,8 +169,6 @@ def load_chat_format(tokenizer_path: str | Path, verifier_path: str | Path | Non
     tokenizer.json; verifier_path: the verifier's folder (its generation_config.json and config.json model_type)
     or None. Raises ChatFormatError (file and fix) for a missing template, a template that fails to render or
     cannot be cut into turns, no stop ids, a stop id outside the vocabulary."""
-    from tokenizers import Tokenizer
-
     folder = tokenizer_folder(tokenizer_path)
     tok_file = folder / "tokenizer.json"
     if not tok_file.is_file():
@@ -193,12 +177,15 @@ def load_chat_format(tokenizer_path: str | Path, verifier_path: str | Path | Non
     verifier = Path(verifier_path) if verifier_path is not None else None
     template, source = read_template(folder)
     specials = special_tokens(folder)
-    turns = {"default": derive_pieces(template, specials, None, source)}
-    thinking = derive_pieces(template, specials, True, source)
-    if thinking != turns["default"]:
-        turns["thinking"] = thinking
+    probe = [{"role": "user", "content": _SENTINELS[0]}]
+    default = render(template, probe, add_generation_prompt=True, thinking=None, specials=specials, source=source)
+    thinking = render(template, probe, add_generation_prompt=True, thinking=True, specials=specials, source=source)
+    has_thinking = thinking != default
+    check_history(template, specials, None, source)
+    if has_thinking:
+        check_history(template, specials, True, source)
     stop_ids, stop_source = read_stop_ids(verifier, folder)
-    tokenizer = Tokenizer.from_file(str(tok_file))
+    tokenizer = load_tokenizer(tok_file)
     stop_tokens = []
     for i in stop_ids:
         s = tokenizer.id_to_token(i)
@@ -213,16 +200,15 @@ def load_chat_format(tokenizer_path: str | Path, verifier_path: str | Path | Non
     sources = {"template": source, "stop_ids": stop_source}
     if reasoning_source is not None:
         sources["reasoning"] = reasoning_source
-    return ChatFormat(stop_ids=stop_ids, stop_tokens=stop_tokens, control_tokens=_control_tokens(tokenizer, template),
-                      turns=turns, reasoning=reasoning, template_sha256=template_digest(template), sources=sources)
+    return ChatFormat(template=template, specials=specials, has_thinking=has_thinking, stop_ids=stop_ids,
+                      stop_tokens=stop_tokens, control_tokens=_control_tokens(tokenizer, template),
+                      reasoning=reasoning, template_sha256=template_digest(template), sources=sources)
 
 
 def load_chat(tokenizer_path: str | Path, verifier_path: str | Path | None = None) -> Chat:
     """`load_chat_format` with the folder's ``tokenizers.Tokenizer``: a ready `hycoc.chat.Chat`."""
-    from tokenizers import Tokenizer
-
     fmt = load_chat_format(tokenizer_path, verifier_path)
-    return Chat(fmt, Tokenizer.from_file(str(tokenizer_folder(tokenizer_path) / "tokenizer.json")))
+    return Chat(fmt, load_tokenizer(tokenizer_folder(tokenizer_path) / "tokenizer.json"))
 
 
 def chat_from_recipe(recipe) -> Chat:

@@ -37,11 +37,22 @@ def model_dir(recipe, role: str) -> Path:
         raise ModelNotFoundError(f"the {role} model is not on this machine: {e}") from None
 
 
+#: (resolved path, mtime_ns, size) -> tokenizers.Tokenizer: each tokenizer.json is parsed once per process.
+_TOKENIZERS: dict[tuple[str, int, int], object] = {}
+#: path -> seconds its one parse took (`tokenizer_load_seconds`).
+_TOKENIZER_SECONDS: dict[str, float] = {}
+
+
 def load_tokenizer(path: str | Path):
-    """A `tokenizers.Tokenizer` from ``tokenizer.json`` (a file, or a folder holding one).
+    """A `tokenizers.Tokenizer` from ``tokenizer.json`` (a file, or a folder holding one), parsed once per process
+    and file version (keyed by path, mtime and size): a real Gemma 4 tokenizer.json (262,144 ids) takes 1-2 s and
+    ~290 MiB to parse, and a build reads it from many passes. Callers share the object: do not change its
+    truncation, padding or other settings (``hycoc.chat.encode_text`` sets and restores ``encode_special_tokens``).
 
     Raises ModelNotFoundError if there is none.
     """
+    import time
+
     from tokenizers import Tokenizer
 
     p = Path(path)
@@ -49,7 +60,19 @@ def load_tokenizer(path: str | Path):
         p = p / "tokenizer.json"
     if not p.is_file():
         raise ModelNotFoundError(f"tokenizer not found at '{p}': point [models].tokenizer at a tokenizer.json")
-    return Tokenizer.from_file(str(p))
+    st = p.stat()
+    key = (str(p.resolve()), st.st_mtime_ns, st.st_size)
+    tok = _TOKENIZERS.get(key)
+    if tok is None:
+        t0 = time.perf_counter()
+        tok = _TOKENIZERS[key] = Tokenizer.from_file(str(p))
+        _TOKENIZER_SECONDS[key[0]] = _TOKENIZER_SECONDS.get(key[0], 0.0) + time.perf_counter() - t0
+    return tok
+
+
+def tokenizer_load_seconds() -> dict[str, float]:
+    """{tokenizer.json path: seconds spent parsing it in this process} (what build and server start report)."""
+    return dict(_TOKENIZER_SECONDS)
 
 
 def _quiet_transformers() -> None:

@@ -83,9 +83,9 @@ class TokenizerArtifact(Artifact):
 
     @classmethod
     def load(cls, kind: str, folder: Path) -> TokenizerArtifact:
-        from tokenizers import Tokenizer
+        from hycoc.models import load_tokenizer
 
-        return cls(kind, Tokenizer.from_file(str(folder / "tokenizer.json")))
+        return cls(kind, load_tokenizer(folder / "tokenizer.json"))
 
     def _compute_hash(self) -> str:
         return hashlib.sha256(self.payload.to_str().encode()).hexdigest()

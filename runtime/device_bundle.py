@@ -19,6 +19,7 @@ import numpy as np
 from hycoc.bundle import (BundleError, HostInfo, Manifest, ManifestInvalid, TargetMismatch, check_target,
                           load_manifest)
 from hycoc.chat import Chat
+from hycoc.models import load_tokenizer
 from hycoc.host import FULL, SLIDING, EmbeddingLut, RotaryTable
 
 BACKENDS = ("htp", "cpu")
@@ -118,7 +119,6 @@ def open_bundle(path: str | os.PathLike, backend: str = "cpu", *, verify: bool =
     has no host section (a bundle from an older hycoc), a graph the runtime needs is missing, or a graph lacks the
     top-k outputs (``top_index``, and ``top_logq`` for the SLM) an older hycoc did not write.
     """
-    from tokenizers import Tokenizer
 
     folder = Path(path)
     manifest = load_manifest(folder, verify=verify)
@@ -144,7 +144,7 @@ def open_bundle(path: str | os.PathLike, backend: str = "cpu", *, verify: bool =
         raise ManifestInvalid(f"bundle {folder}: its manifest has no chat section (built before the checkpoint's chat "
                               "format was recorded: stop ids, chat template); rebuild it with `hycoc build RECIPE "
                               "--target ... --out DIR`")
-    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer = load_tokenizer(folder / "tokenizer.json")
     vocab = max(int(tokenizer.get_vocab_size()), int(keep.max()) + 1)
     keep_index = np.full(vocab, -1, dtype=np.int64)
     keep_index[keep] = np.arange(len(keep))

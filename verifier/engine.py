@@ -43,15 +43,17 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from hycoc.chat import common_prefix, ids_crc32
 from hycoc.protocol.messages import ACCEPTANCE_MODES, DRAFT_PLACES, HandOff, RoundReply, Sampling, commit_cut
 from hycoc.protocol.wire import PROTOCOL_VERSION
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 
 from .acceptance import select_exact, select_path
-from .errors import (BadRequest, ContextOverflow, NotPrefilled, RootMismatch, SequenceError, SessionFinished,
-                     TreeError)
-from .kv_cache import (KVLayout, first_position, kv_bytes_per_session, kv_positions, retained_positions,
-                       session_cache, stores_kv, trim_windows, window_start)
+from .errors import (BadRequest, ContextOverflow, ConversationMismatch, NotPrefilled, RootMismatch, SequenceError,
+                     SessionFinished, TreeError)
+from .kv_cache import (KVLayout, SlidingWindowLayer, WindowSnapshot, first_position, kv_bytes_per_session,
+                       kv_positions, restore_snapshot, retained_positions, session_cache, sliding_start, stores_kv,
+                       take_snapshot, trim_windows, window_start)
 from .sampling import sample_rows, sampling_probs
 from .tree import additive_masks, ancestor_matrix, tree_depths, validate_tree
 
@@ -414,17 +416,21 @@ class VerifierEngine:
     def session_kv_bytes(self, positions: int, tree_rows: int) -> int:
         """KV bytes a session holds at its largest when its positions (committed plus a round's rows) reach
         ``positions`` and a round adds at most ``tree_rows`` rows (`hycoc.verifier.kv_cache.kv_bytes_per_session`
-        for this engine's model, dtype, W and head); Cloud+MTP's root + K-chain is counted too."""
+        for this engine's model, dtype, W and head); Cloud+MTP's root + K-chain is counted too, and so are a
+        prefill chunk's rows (the prefill peak) and the conversation's sliding-window snapshot."""
         return kv_bytes_per_session(self.model.config, int(positions),
                                     tree_rows=max(int(tree_rows), self.chain_length + 1),
                                     handoff_window=self.head_window, dtype_bytes=torch.finfo(self.dtype).bits // 8,
-                                    head_sliding_window=self._head_sliding_window)
+                                    head_sliding_window=self._head_sliding_window,
+                                    prefill_chunk=self.prefill_chunk, snapshot=True)
 
     def open(self, prompt_ids, sampling: Sampling = Sampling(), seed: int = 0, acceptance: str = "epsilon",
-             epsilon: float = 0.005, draft_place: str = "device", max_new_tokens: int = 1024) -> "Session":
-        """A new request (nothing runs yet: call ``Session.prefill``). Raises BadRequest for an invalid field,
-        ContextOverflow if the prompt leaves no room for one output token (len(prompt) >= max_context: every token,
-        prompt or output, holds one of the verifier's max_context positions)."""
+             epsilon: float = 0.005, draft_place: str = "device", max_new_tokens: int = 1024,
+             anchor: int = 0) -> "Session":
+        """A new request (nothing runs yet: call ``Session.prefill``). anchor: where the prompt's model turn opens
+        (`hycoc.chat.Rendered.anchor`; 0: none). Raises BadRequest for an invalid field, ContextOverflow if the
+        prompt leaves no room for one output token (len(prompt) >= max_context: every token, prompt or output,
+        holds one of the verifier's max_context positions)."""
         prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
         if len(prompt) == 0:
             raise BadRequest("prompt_ids is empty; it needs at least the first root token")
@@ -446,8 +452,10 @@ class VerifierEngine:
             raise BadRequest(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if draft_place != "device" and self.head is None:
             raise BadRequest(f"draft_place {draft_place!r} needs the verifier's MTP head, and none is loaded")
+        if not 0 <= int(anchor) < len(prompt):
+            raise BadRequest(f"anchor must be in [0, {len(prompt)}) (a prompt position), got {anchor}")
         return Session(self, prompt, sampling, int(seed), acceptance, float(epsilon), draft_place,
-                       int(max_new_tokens))
+                       int(max_new_tokens), anchor=int(anchor))
 
     def close(self) -> None:
         """Remove the engine's hook from the model."""
@@ -462,14 +470,25 @@ class PrefillJob:
     Made by `Session.prefill_job` / `Session.append_job`. `step` runs the next chunk (the same forwards, masks and
     positions as `prefill`'s loop); `done` says whether all ran; the last `step` commits the result to the session
     and returns it, (prefill_ms, t). ``ms`` accumulates the chunks' milliseconds. `run` runs every chunk.
+    snapshot_at: a position in [start, start + len(ids)] where a chunk ends and the sliding layers are snapshotted
+    (`hycoc.verifier.kv_cache.take_snapshot`, handed to ``on_snapshot``), or None. abort: called when a chunk raises
+    (the session's state is put back as before the job: an APPEND is all or nothing); the job is then failed and
+    every later `step` raises RuntimeError.
     """
 
-    def __init__(self, engine: "VerifierEngine", cache: DynamicCache, ids: torch.Tensor, start: int, done):
+    def __init__(self, engine: "VerifierEngine", cache: DynamicCache, ids: torch.Tensor, start: int, done,
+                 snapshot_at: int | None = None, on_snapshot=None, abort=None):
         self.engine, self.cache, self.ids, self.start = engine, cache, ids, start
         self.next = 0                      # ids consumed so far
         self.ms = 0.0
         self.result: tuple[float, int] | None = None
-        self._done = done
+        self.failed = False
+        self._done, self._abort = done, abort
+        self._snap_at = None if snapshot_at is None else int(snapshot_at) - start
+        self._on_snapshot = on_snapshot
+        if self._snap_at is not None and not 0 <= self._snap_at <= len(ids):
+            raise ValueError(f"snapshot_at = {snapshot_at} is outside the prefilled positions [{start}, "
+                             f"{start + len(ids)}]")
 
     @property
     def done(self) -> bool:
@@ -480,21 +499,40 @@ class PrefillJob:
         """Positions still to prefill."""
         return len(self.ids) - self.next
 
+    def _snapshot_if_due(self) -> None:
+        if self._snap_at is not None and self.next == self._snap_at:
+            self._on_snapshot(take_snapshot(self.cache, self.start + self.next))
+            self._snap_at = None
+
     def step(self) -> tuple[float, int] | None:
-        """Run the next chunk; returns (prefill_ms, t) after the last one (also for an empty prompt), else None."""
+        """Run the next chunk; returns (prefill_ms, t) after the last one (also for an empty prompt), else None.
+        A chunk that raises aborts the job (class docstring) and the exception propagates."""
         if self.result is not None:
             return self.result
+        if self.failed:
+            raise RuntimeError("this prefill failed and was rolled back; start a new one")
         eng = self.engine
-        n = min(eng.prefill_chunk, len(self.ids) - self.next)
-        last = None
-        if n > 0:
-            with _Timer(eng.device) as timer:
-                last = prefill(eng.model, self.cache, eng.tap, self.ids[self.next:self.next + n], n, eng.dtype,
-                               start=self.start + self.next)
-            self.ms += timer.ms
-            self.next += n
-        if self.next == len(self.ids):
-            self.result = self._done(last, self.ms)
+        try:
+            self._snapshot_if_due()
+            n = min(eng.prefill_chunk, len(self.ids) - self.next)
+            if self._snap_at is not None and self.next < self._snap_at:
+                n = min(n, self._snap_at - self.next)        # a chunk ends where the snapshot is due
+            last = None
+            if n > 0:
+                with _Timer(eng.device) as timer:
+                    last = prefill(eng.model, self.cache, eng.tap, self.ids[self.next:self.next + n], n, eng.dtype,
+                                   start=self.start + self.next)
+                self.ms += timer.ms
+                self.next += n
+                self._last = last
+            self._snapshot_if_due()
+            if self.next == len(self.ids):
+                self.result = self._done(getattr(self, "_last", None), self.ms)
+        except BaseException:
+            self.failed = True
+            if self._abort is not None:
+                self._abort()
+            raise
         return self.result
 
     def run(self) -> tuple[float, int]:
@@ -502,6 +540,55 @@ class PrefillJob:
         while self.step() is None:
             pass
         return self.result
+
+
+@dataclass
+class AppendPlan:
+    """How an APPEND rolls a session's conversation back (docs/serving.md "Conversations"), decided before
+    anything changes (`Session.plan_append`).
+
+    keep: the held ids the device keeps (APPEND's ``keep``). start: the position the KV rolls back to, <= keep;
+    [start, len(conversation) - 1) is prefilled. kind: "crop" (every layer still holds what position ``start``
+    needs: cut there), "snapshot" (the sliding layers restart from the `WindowSnapshot` at ``start``) or "full"
+    (nothing usable: the conversation is prefilled from 0). conversation: int64, the held ids' kept prefix then
+    the turn. reprefilled: positions prefilled again that the session held already (start..keep).
+    """
+
+    keep: int
+    start: int
+    kind: str
+    conversation: np.ndarray
+    reprefilled: int
+
+
+class _CacheCheckpoint:
+    """What undoes an APPEND's changes to a cache: every sliding layer's tensors (shared: later forwards replace
+    them, never write them) and each full layer's positions from ``start`` on, cloned (positions before it are
+    never touched: chunks append after them). `restore` puts the cache back exactly."""
+
+    def __init__(self, cache: DynamicCache, start: int):
+        self.cache, self.start = cache, int(start)
+        self.layers = []
+        for i, layer in enumerate(cache.layers):
+            if not stores_kv(layer):
+                continue
+            if isinstance(layer, SlidingWindowLayer):
+                self.layers.append((i, layer.keys, layer.values, layer.start, layer.cumulative_length))
+            else:
+                n = layer.keys.shape[-2]
+                tail = (layer.keys[..., self.start:, :].clone(), layer.values[..., self.start:, :].clone())
+                self.layers.append((i, tail, n))
+
+    def restore(self) -> None:
+        for entry in self.layers:
+            layer = self.cache.layers[entry[0]]
+            if len(entry) == 5:
+                _, layer.keys, layer.values, layer.start, layer.cumulative_length = entry
+            else:
+                _, (k_tail, v_tail), n = entry
+                layer.keys = torch.cat([layer.keys[..., :self.start, :], k_tail], dim=-2)
+                layer.values = torch.cat([layer.values[..., :self.start, :], v_tail], dim=-2)
+                assert layer.keys.shape[-2] == n
 
 
 @dataclass
@@ -539,7 +626,8 @@ class Session:
 
     tokens: prompt + committed output; its last entry is the next root x_{t+1}, at position t (len == t + 1
     until the request finishes: the final round's output is then cut after the EOS / at max_new_tokens / at
-    max_context). accepted: tokens committed per round minus one, i.e. |P| after that cut (MAT = mean(accepted)
+    max_context). anchor: where the prompt's model turn opens (OPEN's ``anchor``; 0: none): the prefill snapshots
+    the sliding layers there (``snapshot``), so a later APPEND can roll back to it without re-prefilling from 0. accepted: tokens committed per round minus one, i.e. |P| after that cut (MAT = mean(accepted)
     + 1 = committed tokens / rounds). rounds: completed rounds. server_ms: per round. finish_reason: one of
     FINISH_REASONS once finished. wire_version: the protocol version its replies are encoded in (the server sets
     its client's OPEN version; docs/design.md "Wire protocol").
@@ -562,11 +650,14 @@ class Session:
     finished: bool = False
     finish_reason: str | None = None
     wire_version: int = PROTOCOL_VERSION
+    anchor: int = 0
 
     def __post_init__(self):
         self.tokens = [int(x) for x in self.prompt]
         self.turn_start = len(self.tokens)                # where the current turn's output begins
         self.turns_prefill_ms: list[float] = []           # prefill ms of each appended turn (`append`)
+        self.appends: list[AppendPlan] = []               # how each APPEND rolled the conversation back
+        self.snapshot: WindowSnapshot | None = None       # sliding layers at the last model turn's opening
         self.generator = torch.Generator().manual_seed(self.seed)
         self.cache: DynamicCache | None = None
         self._h: torch.Tensor | None = None  # h of position t - 1 (pre- or post-norm per engine.hidden)
@@ -592,7 +683,8 @@ class Session:
 
     def prefill_job(self) -> "PrefillJob":
         """The prefill of `prefill` as a `PrefillJob` a scheduler can run one chunk at a time between other
-        sessions' rounds (its chunks are exactly `prefill`'s). Raises SessionFinished if already prefilled."""
+        sessions' rounds (its chunks are exactly `prefill`'s, with one boundary at ``anchor`` where the sliding
+        layers are snapshotted). Raises SessionFinished if already prefilled."""
         if self.prefill_ms is not None or self.cache is not None:
             raise SessionFinished("this session is already prefilled (or being prefilled)")
         eng = self.engine
@@ -605,27 +697,32 @@ class Session:
             self.prefill_ms = ms
             return self.prefill_ms, self.t
 
-        return PrefillJob(eng, self.cache, ids, 0, done)
+        def keep(snap: WindowSnapshot) -> None:
+            self.snapshot = snap
 
-    def append(self, turn_ids, max_new_tokens: int) -> tuple[float, int]:
-        """Continue the conversation with the next turn (paper §4.1, MT-bench's second turns), keeping the KV.
+        anchor = self.anchor if 0 < self.anchor <= len(ids) else None
+        return PrefillJob(eng, self.cache, ids, 0, done, snapshot_at=anchor, on_snapshot=keep)
 
-        turn_ids: int (T,), T >= 1, what follows the committed text (`hycoc.chat.Chat.next_turn`: the template's
-        close of the model turn, the next user message, the generation prompt). A turn that ended on a stop id
-        drops it first (`hycoc.chat.Chat.conversation_tokens`: the template, not the stop id, closes a model turn,
-        so the conversation held equals the template's rendering). The committed tokens' KV stays, so only the last
-        committed token and turn_ids[:-1] are prefilled, and turn_ids[-1] becomes the next root. The cache is first cut to exactly the committed
-        positions (a finished round may hold KV of path rows after a cut EOS). max_new_tokens: the new turn's
-        output cap. Rounds count seq from 0 again (its first hand-off carries the W-window, like a new request's).
-        Returns (prefill_ms of this append, t). Raises SessionFinished if the session is closed or its turn has
-        not finished, BadRequest for an empty turn, an id outside the vocabulary or max_new_tokens < 1,
-        ContextOverflow when the conversation and the turn leave no room for one output token.
+    # ---------------------------------------------------------------------------------- the next turn (APPEND)
+
+    def kv_held(self) -> int:
+        """Positions [0, n) whose KV the cache holds for the committed ids (a finished round may hold KV of path
+        rows after a cut EOS, and the bonus token has none yet)."""
+        return min(len(self.tokens), self.t)
+
+    def plan_append(self, turn_ids, keep: int, keep_crc: int | None = None) -> AppendPlan:
+        """Check an APPEND and decide its rollback (`AppendPlan`) without changing anything.
+
+        turn_ids: int (T,), T >= 1, the conversation's rendering after the ``keep`` held ids it keeps (the
+        device's `hycoc.chat.common_prefix` of what both hold and the whole conversation re-rendered; the last id
+        is the next root). keep_crc: crc32 of the held ids [0, keep) (`hycoc.chat.ids_crc32`), or None (not
+        checked: a caller on this side of the wire). The rollback start is ``keep`` -- at most the positions with
+        KV, and at least one id is prefilled so the new root has its h -- if the sliding layers still hold its
+        window (kind "crop"); else the snapshot's position when it lies at or before it ("snapshot"); else 0
+        ("full": the whole conversation again). Raises SessionFinished (closed, or the turn has not finished),
+        ConversationMismatch (keep past the held ids, or another crc), BadRequest (empty turn, an id outside the
+        vocabulary), ContextOverflow (no room for one output token).
         """
-        return self.append_job(turn_ids, max_new_tokens).run()
-
-    def append_job(self, turn_ids, max_new_tokens: int) -> "PrefillJob":
-        """`append` as a `PrefillJob` (every check of `append` runs here, before any state changes; the turn is
-        committed when the job's last chunk has run)."""
         turn = np.asarray(turn_ids, dtype=np.int64).reshape(-1)
         eng = self.engine
         if self.cache is None or self.prefill_ms is None:
@@ -637,29 +734,99 @@ class Session:
             raise BadRequest("the appended turn is empty; it needs at least the next root token")
         if turn.min() < 0 or turn.max() >= eng.vocab_size:
             raise BadRequest(f"appended token ids must be in [0, {eng.vocab_size})")
+        keep = int(keep)
+        if not 1 <= keep <= len(self.tokens):
+            raise ConversationMismatch(f"APPEND keeps {keep} ids but the session holds {len(self.tokens)} (prompt "
+                                       "and committed output); the device and the verifier disagree about the "
+                                       "conversation: open a new session")
+        if keep_crc is not None and ids_crc32(self.tokens[:keep]) != int(keep_crc):
+            raise ConversationMismatch(f"the kept {keep} ids differ from the session's (crc32 "
+                                       f"{ids_crc32(self.tokens[:keep]):#010x} here, {int(keep_crc):#010x} sent); "
+                                       "the device and the verifier disagree about the conversation: open a new "
+                                       "session")
+        conversation = np.concatenate([np.asarray(self.tokens[:keep], np.int64), turn])
+        if len(conversation) >= eng.max_context:
+            raise ContextOverflow(f"the conversation ({len(conversation)} tokens with the new turn) leaves no room "
+                                  f"for output in the verifier's context of {eng.max_context} positions")
+        start = min(keep, self.kv_held(), len(conversation) - 2)
+        retain = eng.kv_retain
+        if sliding_start(self.cache) <= max(0, start - retain):
+            kind = "crop"
+        elif self.snapshot is not None and self.snapshot.position <= start:
+            kind, start = "snapshot", self.snapshot.position
+        else:
+            kind, start = "full", 0
+        return AppendPlan(keep=keep, start=start, kind=kind, conversation=conversation,
+                          reprefilled=keep - start)
+
+    def append(self, turn_ids, max_new_tokens: int, *, keep: int, keep_crc: int | None = None,
+               anchor: int = 0) -> tuple[float, int]:
+        """Continue the conversation with its next turn (paper §4.1, MT-bench's second turns) as the template
+        renders the whole conversation (docs/serving.md "Conversations"): keep the first ``keep`` held ids,
+        roll the KV back (`plan_append`), prefill the rest of ``turn_ids`` but its last id, which becomes the next
+        root. anchor: where the new model turn opens (in [keep, keep + T) or 0): the sliding layers are snapshotted
+        there. max_new_tokens: the new turn's output cap. Rounds count seq from 0 again (the first hand-off
+        carries the W-window, like a new request's). All or nothing: a failure in any chunk leaves the session
+        exactly as it was. Returns (prefill_ms of this append, t). Raises what `plan_append` raises, BadRequest
+        for max_new_tokens < 1 or an anchor outside the turn."""
+        return self.append_job(turn_ids, max_new_tokens, keep=keep, keep_crc=keep_crc, anchor=anchor).run()
+
+    def continue_with(self, conversation_ids, max_new_tokens: int, anchor: int = 0) -> tuple[float, int]:
+        """`append` from the whole conversation's ids (`hycoc.chat.Chat.conversation`): keeps their common
+        prefix with the held ids (for callers on the verifier's side of the wire: ``hycoc generate``, tests)."""
+        ids = [int(x) for x in conversation_ids]
+        keep = max(1, min(common_prefix(self.tokens, ids), len(ids) - 1))
+        return self.append(ids[keep:], max_new_tokens, keep=keep, anchor=anchor if anchor >= keep else 0)
+
+    def append_job(self, turn_ids, max_new_tokens: int, *, keep: int, keep_crc: int | None = None,
+                   anchor: int = 0) -> "PrefillJob":
+        """`append` as a `PrefillJob` (every check runs here, before any state changes; the turn is committed
+        when the job's last chunk has run, and a chunk that fails puts the cache, the snapshot and every field
+        back)."""
+        eng = self.engine
+        plan = self.plan_append(turn_ids, keep, keep_crc)
         if max_new_tokens < 1:
             raise BadRequest(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if len(self.tokens) + len(turn) >= eng.max_context:
-            raise ContextOverflow(f"the conversation ({len(self.tokens)} tokens) and the appended turn "
-                                  f"({len(turn)}) leave no room for output in the verifier's context of "
-                                  f"{eng.max_context} positions")
-        # the template closes the model turn itself (turn_ids), so a stop id that ended it is not kept
-        drop = int(self.finish_reason == "stop" and self.tokens[-1] in eng.eos_token_ids)
-        start = len(self.tokens) - 1 - drop               # the last kept token: its KV is (re)computed
-        crop_cache(self.cache, start)
-        ids = torch.as_tensor(np.concatenate([[self.tokens[start]], turn[:-1]]), device=eng.device)
+        n = len(plan.conversation)
+        if anchor and not plan.keep <= anchor < n:
+            raise BadRequest(f"anchor {anchor} lies outside the new turn's positions [{plan.keep}, {n})")
+        old_cache, old_snapshot = self.cache, self.snapshot
+        if plan.kind == "full":
+            checkpoint = None
+            cache = self.cache = eng.new_cache()
+        else:
+            cache = self.cache
+            checkpoint = _CacheCheckpoint(cache, plan.start)
+            if plan.kind == "snapshot":
+                restore_snapshot(cache, plan_snapshot := self.snapshot)
+                for layer in cache.layers:             # full layers back to the snapshot's position
+                    if stores_kv(layer) and not isinstance(layer, SlidingWindowLayer):
+                        layer.keys = layer.keys[..., :plan_snapshot.position, :]
+                        layer.values = layer.values[..., :plan_snapshot.position, :]
+            else:
+                crop_cache(cache, plan.start)
+        ids = torch.as_tensor(plan.conversation[plan.start:-1], device=eng.device)
+        new_snapshot: list[WindowSnapshot] = []
 
         def done(last, ms: float) -> tuple[float, int]:
-            del self.tokens[start + 1:]
-            self.tokens.extend(int(x) for x in turn)
+            self.tokens = [int(x) for x in plan.conversation]
             self.t = len(self.tokens) - 1
             self._h = last[0 if eng.hidden == "pre_norm" else 1]
             self.turn_start, self.max_new_tokens = len(self.tokens), int(max_new_tokens)
             self.finished, self.finish_reason, self._last = False, None, None
+            if new_snapshot:
+                self.snapshot = new_snapshot[-1]
             self.turns_prefill_ms.append(ms)
+            self.appends.append(plan)
             return ms, self.t
 
-        return PrefillJob(eng, self.cache, ids, start, done)
+        def abort() -> None:
+            if checkpoint is not None:
+                checkpoint.restore()
+            self.cache, self.snapshot = old_cache, old_snapshot
+
+        return PrefillJob(eng, cache, ids, plan.start, done, snapshot_at=anchor or None,
+                          on_snapshot=new_snapshot.append, abort=abort)
 
     def close(self) -> None:
         """Free the KV cache."""

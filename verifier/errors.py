@@ -43,6 +43,13 @@ class ContextOverflow(VerifierError):
     code = "context_overflow"
 
 
+class ConversationMismatch(VerifierError):
+    """An APPEND whose kept prefix is not what the session holds (``keep`` past the held ids, or their crc32
+    differs): the device and the verifier disagree about the conversation. The session is unchanged."""
+
+    code = "conversation_mismatch"
+
+
 class SessionFinished(VerifierError):
     """A round sent after the request finished (EOS committed or max_new_tokens reached)."""
 

@@ -97,6 +97,52 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
         raise NotImplementedError("crop by position with hycoc.verifier.engine.crop_cache")
 
 
+@dataclass
+class WindowSnapshot:
+    """The sliding layers' KV at one position of a conversation (docs/serving.md "Conversations").
+
+    position: the cache held exactly [0, position) when it was taken. layers: per sliding layer index, (keys,
+    values, start): clones of what the layer held then, (batch, kv_heads, held, head_dim) each, column c at
+    position start + c (its last ``retain`` positions). Taken at the model turn's opening (OPEN's / APPEND's
+    ``anchor``); a later APPEND that rolls the conversation back to a point at or after ``position`` but before
+    what the sliding layers still hold restores it (`restore_snapshot`) and re-prefills from ``position`` instead
+    of from 0. Its bytes are `KVLayout.session_bytes`' ``snapshot`` share.
+    """
+
+    position: int
+    layers: dict[int, tuple[torch.Tensor, torch.Tensor, int]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(2 * k.numel() * k.element_size() for k, _, _ in self.layers.values())
+
+
+def take_snapshot(cache: DynamicCache, position: int) -> WindowSnapshot:
+    """A `WindowSnapshot` of every sliding layer of a cache that holds exactly [0, position) (trimmed to its
+    window first)."""
+    trim_windows(cache)
+    layers = {}
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, SlidingWindowLayer) and stores_kv(layer):
+            layers[i] = (layer.keys.clone(), layer.values.clone(), layer.start)
+    return WindowSnapshot(int(position), layers)
+
+
+def restore_snapshot(cache: DynamicCache, snap: WindowSnapshot) -> None:
+    """Put a `WindowSnapshot`'s sliding layers back (each then holds what it held at ``snap.position``). The
+    snapshot's tensors are shared, not copied: every later forward replaces a layer's tensors (``torch.cat``), so
+    the snapshot itself is never written."""
+    for i, (k, v, start) in snap.layers.items():
+        layer = cache.layers[i]
+        layer.keys, layer.values, layer.start = k, v, start
+        layer.cumulative_length = start + k.shape[-2]
+
+
+def sliding_start(cache: DynamicCache) -> int:
+    """The first position every sliding layer still holds (0 when none has dropped any, or there is none)."""
+    return max([layer.start for layer in cache.layers if isinstance(layer, SlidingWindowLayer)], default=0)
+
+
 def retained_positions(config, handoff_window: int, head_sliding_window: int | None = None) -> int:
     """Committed positions a sliding layer keeps: max(sliding_window - 1, W, head_sliding_window + 1).
 
@@ -203,21 +249,32 @@ class KVLayout:
         """Bytes per position if every layer kept every position (the layout before sliding windows)."""
         return self.full_bytes + self.sliding_bytes
 
-    def session_bytes(self, context: int, tree_rows: int) -> int:
-        """Bytes a session holds at its largest when its positions (committed plus a round's rows) reach
-        ``context``: full layers ``context`` positions, sliding layers min(context, retain + tree_rows)."""
-        return self.full_bytes * context + self.sliding_bytes * min(context, self.retain + tree_rows)
+    def session_bytes(self, context: int, tree_rows: int, prefill_chunk: int = 0, snapshot: bool = False) -> int:
+        """Bytes a session holds at its largest when its positions (committed plus a forward's rows) reach
+        ``context``: full layers ``context`` positions; sliding layers min(context, retain + rows) where rows is
+        the larger of a round's ``tree_rows`` and a prefill chunk's ``prefill_chunk`` (a chunk's rows are held until
+        the chunk's forward ends: the prefill peak); with ``snapshot``, one more min(context, retain) positions of the
+        sliding layers (the `WindowSnapshot` a conversation keeps at its model turn's opening)."""
+        rows = max(int(tree_rows), int(prefill_chunk))
+        window = min(context, self.retain + rows)
+        kept = min(context, self.retain) if snapshot else 0
+        return self.full_bytes * context + self.sliding_bytes * (window + kept)
 
 
 def kv_bytes_per_session(config, context: int, *, tree_rows: int, handoff_window: int, dtype_bytes: int,
-                         head_sliding_window: int | None = None) -> int:
+                         head_sliding_window: int | None = None, prefill_chunk: int = 0,
+                         snapshot: bool = False) -> int:
     """KV bytes one verifier session holds at ``context`` positions (module docstring; `KVLayout.session_bytes`).
 
     config: the verifier's ``Gemma4TextConfig``. tree_rows: rows a round adds (B + 1, or K + 1 for Cloud+MTP).
     handoff_window: W. dtype_bytes: the KV dtype's size. head_sliding_window: the MTP head's own sliding window
-    when a head reads the verifier's KV on the server. Gemma 4 26B-A4B in bfloat16 at 32,768 positions, W 1,024,
-    33 rows and the head's window of 1,024 (retain 1,025): 20,480 B x 32,768 (5 global layers) + 204,800 B x
-    1,058 (25 sliding layers) = 887,767,040 B.
+    when a head reads the verifier's KV on the server. prefill_chunk: positions one prefill forward adds (the
+    engine's ``prefill_chunk``; its rows are held until the chunk ends). snapshot: count the sliding-window snapshot
+    a conversation keeps (`WindowSnapshot`). Gemma 4 26B-A4B in bfloat16 at 32,768 positions, W 1,024, 33 rows, the
+    head's window of 1,024 (retain 1,025), no chunk and no snapshot: 20,480 B x 32,768 (5 global layers) +
+    204,800 B x 1,058 (25 sliding layers) = 887,767,040 B; with prefill chunks of 512 and the snapshot: 20,480 B x
+    32,768 + 204,800 B x (1,537 + 1,025) = 1,195,786,240 B.
     """
     retain = retained_positions(config, handoff_window, head_sliding_window)
-    return KVLayout.from_config(config, dtype_bytes, retain).session_bytes(int(context), int(tree_rows))
+    return KVLayout.from_config(config, dtype_bytes, retain).session_bytes(int(context), int(tree_rows),
+                                                                          int(prefill_chunk), snapshot)

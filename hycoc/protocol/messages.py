@@ -74,8 +74,11 @@ class OpenRequest:
     acceptance: one of ACCEPTANCE_MODES. draft_place: one of DRAFT_PLACES.
     max_new_tokens: output cap; the verifier reports ``finished`` once it is reached or an EOS is committed.
     auth_token: the server's shared secret when it runs with ``--auth-token``, else None (never empty).
-    chat: the device bundle's chat contract (`hycoc.chat.ChatFormat.contract`: stop ids and turn strings, canonical
-    JSON); the verifier refuses the OPEN with ``chat_mismatch`` when its own differs. None: not checked (raw ids).
+    chat: the device bundle's chat contract (`hycoc.chat.ChatFormat.contract`: stop ids and the template's sha256,
+    canonical JSON); the verifier refuses the OPEN with ``chat_mismatch`` when its own differs. None: not checked
+    (raw ids). anchor: the position where the prompt's model turn opens (`hycoc.chat.Rendered.anchor`), in
+    [0, T); the verifier snapshots its sliding-window KV there, so a later APPEND that rolls the conversation back
+    to at least it re-prefills only what follows (docs/serving.md "Conversations"); 0: no snapshot.
     """
 
     prompt_ids: np.ndarray
@@ -87,6 +90,7 @@ class OpenRequest:
     max_new_tokens: int = 1024
     auth_token: str | None = None
     chat: str | None = None
+    anchor: int = 0
 
 
 @dataclass(frozen=True)
@@ -196,17 +200,25 @@ class RoundReply:
 
 @dataclass(frozen=True)
 class AppendTurn:
-    """Continue a finished turn with the next one on the same session (paper §4.1: MT-bench's second turns).
+    """Continue a finished turn with the next one on the same session (paper §4.1: MT-bench's second turns),
+    as the template renders the whole conversation (docs/serving.md "Conversations").
 
-    tokens: int32, shape (T,), T >= 1: what follows the committed text, e.g. the end of the model's turn and the
-    next user turn up to the model's turn opening; the verifier prefills all but the last (with the KV of the
-    conversation so far kept: nothing is prefilled again), and tokens[-1] is the next tree's root. Sent only after
-    a reply that said ``finished``. max_new_tokens: the new turn's output cap. Answered with `Opened` (same
-    session_id; t = the new root's position; prefill_ms = the appended prefill only).
+    The device renders the conversation (every message, its new user message last) and keeps the longest prefix
+    it shares with the ids the session holds (prompt + committed output): ``keep`` ids. The verifier rolls its
+    KV back to those ``keep`` positions and prefills the rest. keep: int >= 1, at most the ids held.
+    keep_crc: crc32 of the kept ids (`hycoc.chat.ids_crc32`), so both sides check they hold the same
+    conversation (``conversation_mismatch`` otherwise). tokens: int32 (T,), T >= 1, the rendering after the kept
+    prefix; its last id is the next tree's root. anchor: the new model turn's opening position
+    (`hycoc.chat.Rendered.anchor`), in [keep, keep + T), or 0 (no snapshot). Sent only after a reply that said
+    ``finished``. max_new_tokens: the new turn's output cap. Answered with `Opened` (same session_id; t = the new
+    root's position; prefill_ms = this prefill only).
     """
 
     tokens: np.ndarray
     max_new_tokens: int = 1024
+    keep: int = 1
+    keep_crc: int = 0
+    anchor: int = 0
 
 
 @dataclass(frozen=True)

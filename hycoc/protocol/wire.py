@@ -9,46 +9,44 @@ Frame = 16-byte header + payload, every integer and float little-endian::
 
     offset size  field
     0      4     magic b"HYCO"
-    4      2     protocol version, u16 (PROTOCOL_VERSION = 4; SUPPORTED_VERSIONS = 3 and 4 are accepted)
+    4      2     protocol version, u16 (PROTOCOL_VERSION = 5, the only one accepted: SUPPORTED_VERSIONS)
     6      1     message type, u8 (MessageType)
     7      1     flags, u8: reserved, must be 0 (the crc does not cover the header, so no meaning rides here)
     8      4     payload length in bytes, u32
     12     4     crc32 (zlib) of the payload, u32
 
-Versions. A receiver accepts every version of SUPPORTED_VERSIONS; a session speaks the version of its OPEN frame
-and its peer answers every frame of it in that version (`frame_version` reads it, `encode(msg, version=v)` writes
-it). Versions 3 and 4 differ in two payloads only, ROUND and REPLY (marked v3 / v4 below); every other frame is
-byte-identical save the header's version.
+Versions. A receiver accepts every version of SUPPORTED_VERSIONS (5 only: version 5 changed what a conversation
+is, so an older peer is refused at its first frame with ``unsupported_version`` naming the fix); a session speaks
+the version of its OPEN frame and its peer answers every frame of it in that version (`frame_version` reads it,
+`encode(msg, version=v)` writes it).
 
 Payloads (R = tree rows = B + 1, P = accepted path length, K = chain length, T = prompt length)::
 
-    OPEN    38 B: f32 temperature, u32 top_k, f32 top_p, u64 seed, f32 epsilon, u8 acceptance (index into
+    OPEN    42 B: f32 temperature, u32 top_k, f32 top_p, u64 seed, f32 epsilon, u8 acceptance (index into
             ACCEPTANCE_MODES), u8 draft_place (index into DRAFT_PLACES), u16 auth_len, u16 chat_len,
-            u32 max_new_tokens, u32 T; then i32[T] prompt_ids; then auth_len bytes of utf-8 auth token (auth_len 0 =
-            no token); then chat_len bytes of the device's chat contract, utf-8 JSON (chat_len 0 = none).
+            u32 max_new_tokens, u32 T, u32 anchor (the prompt's model-turn opening, < T; 0 = none); then i32[T]
+            prompt_ids; then auth_len bytes of utf-8 auth token (auth_len 0 = no token); then chat_len bytes of the
+            device's chat contract, utf-8 JSON (chat_len 0 = none). Total frame: `open_nbytes`.
     OPENED  42 B: u64 session_id, u32 t, f32 prefill_ms, u32 max_context, u32 tree_rows, u32 vocab_size,
             u32 hidden_size, u32 kv_dim_sliding, u32 kv_dim_full, u16 S; then i32[S] stop_ids (S >= 1).
-    ROUND   v3, 6 B: u32 seq, u16 R; then i32[R] tokens, i16[R] parents.
-            Total frame: `tree_nbytes(R, version=3)` = 22 + 6 R bytes; 220 B at B = 32 (SpecEdge: ~135 KB per
-            round).
-            v4, 7 B: u32 seq, u16 R, u8 has_scores (0/1); then i32[R] tokens, i16[R] parents; then, when
+    ROUND   7 B: u32 seq, u16 R, u8 has_scores (0/1); then i32[R] tokens, i16[R] parents; then, when
             has_scores, f16[R] scores (each row's tree score s(v) of Alg. 3, natural log; scores[0] == 0, every
             row <= its parent; the sender clamps below -65,504, fp16's lowest finite value).
-            Total frame: `tree_nbytes(R)` = 23 + 8 R bytes with scores (287 B at B = 32), 23 + 6 R without.
-    REPLY   v3, 20 B: u32 seq, i32 bonus, f32 server_ms, u8 finished (0 = no, else 1 + index into
-            FINISH_REASONS: 1 stop, 2 max_new_tokens, 3 length), u8 has_handoff (0/1), u16 R, u16 P,
-            u16 K; then i32[R] samples, i16[P] path_rows, i32[K] chain; then, when has_handoff, 12 B of sizes
-            (u32 hidden_size, u32 kv_dim_sliding, u32 kv_dim_full) and the hand-off block below.
-            Total frame: `reply_nbytes(R, P, K, handoff, version=3)` = 36 + 4 R + 2 P + 4 K (+ hand-off).
-            v4, 21 B: the same fields, then u8 has_verified (0/1); then i32[R] samples, i16[P] path_rows,
-            i32[K] chain; then, when has_verified, the verified rows as a bitmask of ceil(R / 8) bytes (row j at
-            byte j // 8, bit j % 8, least significant bit first; the pad bits after row R - 1 are 0); then the
-            hand-off as in v3. No mask: every row was verified.
+            Total frame: `tree_nbytes(R)` = 23 + 8 R bytes with scores (287 B at B = 32; SpecEdge: ~135 KB per
+            round), 23 + 6 R without.
+    REPLY   21 B: u32 seq, i32 bonus, f32 server_ms, u8 finished (0 = no, else 1 + index into FINISH_REASONS:
+            1 stop, 2 max_new_tokens, 3 length), u8 has_handoff (0/1), u16 R, u16 P, u16 K, u8 has_verified
+            (0/1); then i32[R] samples, i16[P] path_rows, i32[K] chain; then, when has_verified, the verified rows
+            as a bitmask of ceil(R / 8) bytes (row j at byte j // 8, bit j % 8, least significant bit first; the
+            pad bits after row R - 1 are 0); then, when has_handoff, 12 B of sizes (u32 hidden_size,
+            u32 kv_dim_sliding, u32 kv_dim_full) and the hand-off block below. No mask: every row was verified.
             Total frame: `reply_nbytes(R, P, K, handoff, verified=...)` = 37 + 4 R + 2 P + 4 K
             (+ ceil(R / 8) with the mask, + hand-off); 169 B at R = 33, P = 0, no hand-off, 174 B with the mask.
     CLOSE   8 B: u64 session_id.
-    APPEND  8 B: u32 max_new_tokens, u32 T; then i32[T] tokens (the next turn, after a finished reply; a turn that
-            ended on a stop id drops it, and the tokens start with the template's close of the model turn).
+    APPEND  20 B: u32 max_new_tokens, u32 keep, u32 keep_crc, u32 anchor, u32 T; then i32[T] tokens (after a
+            finished reply: the whole conversation re-rendered by the template keeps its first ``keep`` ids of
+            what the session holds, crc32 ``keep_crc`` of them as <i4, and continues with ``tokens``; ``anchor``
+            in [keep, keep + T) or 0). Total frame: `append_nbytes`.
     ERROR   3 B: u8 code_len, u16 message_len; then the code (ascii, [a-z][a-z0-9_]*), the message (utf-8).
 
 Hand-off block (Alg. 4 line 14), n = t' - a positions, H hidden size, d_s / d_f the kv_dim (kv_heads * head_dim)
@@ -107,15 +105,20 @@ from hycoc.protocol.messages import (
     Sampling,
 )
 
-#: 2: REPLY's ``finished`` byte carries the finish reason (1 stop, 2 max_new_tokens, 3 length) and APPEND (type 7)
-#: continues a finished session; a version-1 peer would misread both, so it is refused at the first frame.
-#: 3: OPEN carries the device's chat contract, OPENED the verifier's stop ids, and APPEND after a stop drops the
-#: stop id (the template closes the turn): a version-2 peer would misread all three.
-#: 4: ROUND may carry each row's tree score (fp16) and REPLY the verified rows (a bitmask), so the verifier can
-#: verify a budgeted, ancestor-closed part of each tree; version-3 peers are still served (SUPPORTED_VERSIONS).
-PROTOCOL_VERSION = 4
+#: 2: REPLY's ``finished`` byte carries the finish reason and APPEND (type 7) continues a finished session.
+#: 3: OPEN carries the device's chat contract and OPENED the verifier's stop ids.
+#: 4: ROUND may carry each row's tree score (fp16) and REPLY the verified rows (a bitmask).
+#: 5: a conversation is its messages re-rendered by the checkpoint's template each turn: APPEND says how much of
+#: what the session holds it keeps (keep, keep_crc) and where the new model turn opens (anchor, also in OPEN), and
+#: the chat contract names the template's sha256. A version-4 peer would append a turn to a conversation the
+#: template does not render, so older versions are refused (`OLD_VERSION_FIX`).
+PROTOCOL_VERSION = 5
 #: Versions a receiver accepts; a session answers in its OPEN's version.
-SUPPORTED_VERSIONS = (3, 4)
+SUPPORTED_VERSIONS = (5,)
+#: What an older peer is told (the ``unsupported_version`` message's fix).
+OLD_VERSION_FIX = ("update hycoc on both sides and rebuild the device bundle with it (`hycoc build RECIPE`): "
+                   "protocol 5 re-renders each conversation with the checkpoint's template (docs/serving.md "
+                   "\"Conversations\")")
 MAGIC = b"HYCO"
 HEADER = struct.Struct("<4sHBBII")
 #: parents travel as int16: row 32767 is the last one that can be a parent, so R <= 32768 (B <= 32767).
@@ -123,18 +126,16 @@ MAX_TREE_ROWS = 32768
 #: Large enough for a first reply of Gemma 4 26B-A4B (6.3 MB); servers may lower it for what they receive.
 DEFAULT_MAX_FRAME_BYTES = 16 * 2**20
 
-_OPEN = struct.Struct("<fIfQfBBHHII")
+_OPEN = struct.Struct("<fIfQfBBHHIII")
 _OPENED = struct.Struct("<QIfIIIIIIH")
-_ROUND = struct.Struct("<IH")            # version 3
-_ROUND4 = struct.Struct("<IHB")          # version 4: + has_scores
-_REPLY = struct.Struct("<IifBBHHH")      # version 3
-_REPLY4 = struct.Struct("<IifBBHHHB")    # version 4: + has_verified
-#: fp16's lowest finite value: ROUND v4 scores below it travel as it (never as -inf).
+_ROUND = struct.Struct("<IHB")
+_REPLY = struct.Struct("<IifBBHHHB")
+#: fp16's lowest finite value: ROUND scores below it travel as it (never as -inf).
 FP16_SCORE_FLOOR = -65504.0
 _HANDOFF_SIZES = struct.Struct("<III")
 HANDOFF_FIXED = struct.Struct("<IIIIffffffI")
 _CLOSE = struct.Struct("<Q")
-_APPEND = struct.Struct("<II")
+_APPEND = struct.Struct("<IIIII")
 _ERROR = struct.Struct("<BH")
 
 _SCALE_NAMES = ("e", "h", "k_sliding", "v_sliding", "k_full", "v_full")
@@ -356,13 +357,21 @@ class Limits:
 
 
 def tree_nbytes(rows: int, *, version: int = PROTOCOL_VERSION, scores: bool = True) -> int:
-    """Bytes of a ROUND frame with ``rows`` rows in protocol ``version``: 16 header + 6 (v3) or 7 (v4) fixed + 4
-    per token id + 2 per parent, + 2 per fp16 score when ``scores`` (v4 only: version 3 has none). The defaults
-    are what the device runtime sends: 287 B at B = 32 (v3: 220 B)."""
+    """Bytes of a ROUND frame with ``rows`` rows: 16 header + 7 fixed + 4 per token id + 2 per parent, + 2 per fp16
+    score when ``scores``. The defaults are what the device runtime sends: 287 B at B = 32."""
     _check_version(version)
-    if version == 3:
-        return HEADER.size + _ROUND.size + 6 * rows
-    return HEADER.size + _ROUND4.size + (8 if scores else 6) * rows
+    return HEADER.size + _ROUND.size + (8 if scores else 6) * rows
+
+
+def open_nbytes(prompt_len: int, auth_bytes: int = 0, chat_bytes: int = 0) -> int:
+    """Bytes of an OPEN frame: 16 header + 42 fixed + 4 per prompt id + the auth token's and the chat contract's
+    utf-8 bytes (each at most 65,535)."""
+    return HEADER.size + _OPEN.size + 4 * int(prompt_len) + int(auth_bytes) + int(chat_bytes)
+
+
+def append_nbytes(tokens: int) -> int:
+    """Bytes of an APPEND frame: 16 header + 20 fixed + 4 per token id."""
+    return HEADER.size + _APPEND.size + 4 * int(tokens)
 
 
 def handoff_nbytes(hidden_size: int, kv_dim_sliding: int, kv_dim_full: int, n_positions: int) -> int:
@@ -372,20 +381,19 @@ def handoff_nbytes(hidden_size: int, kv_dim_sliding: int, kv_dim_full: int, n_po
 
 def reply_nbytes(rows: int, path_len: int, chain_len: int = 0, handoff: int | None = None, *,
                  version: int = PROTOCOL_VERSION, verified: bool = False) -> int:
-    """Bytes of a REPLY frame in protocol ``version``; ``handoff`` is `handoff_nbytes(...)` of its hand-off, or
-    None without one; ``verified``: it carries the verified-rows mask (v4 only, ceil(rows / 8) bytes)."""
+    """Bytes of a REPLY frame; ``handoff`` is `handoff_nbytes(...)` of its hand-off, or None without one;
+    ``verified``: it carries the verified-rows mask (ceil(rows / 8) bytes)."""
     _check_version(version)
-    fixed = _REPLY if version == 3 else _REPLY4
-    n = HEADER.size + fixed.size + 4 * rows + 2 * path_len + 4 * chain_len
-    if version >= 4 and verified:
+    n = HEADER.size + _REPLY.size + 4 * rows + 2 * path_len + 4 * chain_len
+    if verified:
         n += (rows + 7) // 8
     return n if handoff is None else n + _HANDOFF_SIZES.size + handoff
 
 
 def _check_version(version: int) -> int:
     if version not in SUPPORTED_VERSIONS:
-        raise UnsupportedVersion(f"protocol version {version}: this side speaks versions "
-                                 f"{', '.join(map(str, SUPPORTED_VERSIONS))}")
+        raise UnsupportedVersion(f"protocol version {version}: this side speaks version(s) "
+                                 f"{', '.join(map(str, SUPPORTED_VERSIONS))}; {OLD_VERSION_FIX}")
     return int(version)
 
 
@@ -478,6 +486,9 @@ def _check_open(m: OpenRequest, limits: Limits) -> None:
     if m.chat is not None:
         if not isinstance(m.chat, str) or not 1 <= len(m.chat.encode("utf-8")) <= 65535:
             raise BadText("OpenRequest.chat: must be None or a non-empty string of at most 65,535 utf-8 bytes")
+    if not 0 <= int(m.anchor) < max(1, prompt.size):
+        raise OutOfRange(f"OpenRequest.anchor = {m.anchor}: must lie in [0, T = {prompt.size}) (the prompt's model-turn "
+                         "opening; 0 = none)")
 
 
 def _check_opened(m: Opened, limits: Limits) -> None:
@@ -649,6 +660,14 @@ def _check_append(m: AppendTurn, limits: Limits) -> None:
     _check_tokens(tokens, "AppendTurn.tokens", limits.vocab_size)
     if not 1 <= int(m.max_new_tokens) <= 2**32 - 1:
         raise OutOfRange(f"AppendTurn.max_new_tokens = {m.max_new_tokens}: must be >= 1 (u32)")
+    keep = _uint(m.keep, "AppendTurn.keep", 32, lo=1)
+    _uint(m.keep_crc, "AppendTurn.keep_crc", 32)
+    if limits.max_context is not None and keep + tokens.size >= limits.max_context:
+        raise ContextOverflow(f"AppendTurn: keep + T = {keep + tokens.size} positions: the verifier holds max_context "
+                              f"= {limits.max_context}, conversation and output together")
+    if int(m.anchor) != 0 and not keep <= int(m.anchor) < keep + tokens.size:
+        raise OutOfRange(f"AppendTurn.anchor = {m.anchor}: must lie in [keep, keep + T) = [{keep}, "
+                         f"{keep + tokens.size}) or be 0 (none)")
 
 
 def _check_error(m: ErrorReply, limits: Limits) -> None:
@@ -688,7 +707,7 @@ def _pack_open(m: OpenRequest, version: int) -> bytes:
     s = m.sampling
     fixed = _OPEN.pack(
         s.temperature, s.top_k, s.top_p, m.seed, m.epsilon, ACCEPTANCE_MODES.index(m.acceptance),
-        DRAFT_PLACES.index(m.draft_place), len(auth), len(chat), m.max_new_tokens, prompt.size,
+        DRAFT_PLACES.index(m.draft_place), len(auth), len(chat), m.max_new_tokens, prompt.size, m.anchor,
     )
     return fixed + prompt.tobytes() + auth + chat
 
@@ -704,12 +723,10 @@ def _pack_opened(m: Opened, version: int) -> bytes:
 def _pack_tree(m: DraftTree, version: int) -> bytes:
     tokens = np.asarray(m.tokens).astype("<i4")
     parents = np.asarray(m.parents).astype("<i2")
-    if version == 3:                                  # version 3 has no scores: they are dropped
-        return _ROUND.pack(m.seq, tokens.size) + tokens.tobytes() + parents.tobytes()
     scores = b""
     if m.scores is not None:                          # clamp first: below -65,504 fp16 would round to -inf
         scores = np.maximum(np.asarray(m.scores, np.float32), np.float32(FP16_SCORE_FLOOR)).astype("<f2").tobytes()
-    return _ROUND4.pack(m.seq, tokens.size, m.scores is not None) + tokens.tobytes() + parents.tobytes() + scores
+    return _ROUND.pack(m.seq, tokens.size, m.scores is not None) + tokens.tobytes() + parents.tobytes() + scores
 
 
 def _pack_handoff(h: HandOff) -> bytes:
@@ -726,12 +743,9 @@ def _pack_reply(m: RoundReply, version: int) -> bytes:
     chain = np.asarray(m.chain).astype("<i4")
     head = (m.seq, m.bonus, m.server_ms, _finish_code(m), m.handoff is not None, samples.size, path.size, chain.size)
     mask = b""
-    if version == 3:                                  # version 3 has no mask: it is dropped
-        fixed = _REPLY.pack(*head)
-    else:
-        fixed = _REPLY4.pack(*head, m.verified is not None)
-        if m.verified is not None:                    # row j at byte j // 8, bit j % 8, LSB first; pad bits 0
-            mask = np.packbits(np.asarray(m.verified, np.bool_), bitorder="little").tobytes()
+    fixed = _REPLY.pack(*head, m.verified is not None)
+    if m.verified is not None:                        # row j at byte j // 8, bit j % 8, LSB first; pad bits 0
+        mask = np.packbits(np.asarray(m.verified, np.bool_), bitorder="little").tobytes()
     handoff = b"" if m.handoff is None else _pack_handoff(m.handoff)
     return fixed + samples.tobytes() + path.tobytes() + chain.tobytes() + mask + handoff
 
@@ -747,7 +761,7 @@ def _pack_error(m: ErrorReply, version: int) -> bytes:
 
 def _pack_append(m: AppendTurn, version: int) -> bytes:
     tokens = np.asarray(m.tokens).astype("<i4")
-    return _APPEND.pack(m.max_new_tokens, tokens.size) + tokens.tobytes()
+    return _APPEND.pack(m.max_new_tokens, m.keep, m.keep_crc, m.anchor, tokens.size) + tokens.tobytes()
 
 
 _PACKERS = {
@@ -764,8 +778,7 @@ _PACKERS = {
 def encode(msg, version: int = PROTOCOL_VERSION) -> bytes:
     """One frame for ``msg`` in protocol ``version`` (one of SUPPORTED_VERSIONS, else UnsupportedVersion).
     Validates it first (without limits), so a sender's bug raises the same WireError the receiver would, before
-    anything is sent. At version 3 a DraftTree's scores and a RoundReply's verified mask are dropped (that
-    version has neither); at version 4 scores travel as float16, clamped at FP16_SCORE_FLOOR."""
+    anything is sent. Scores travel as float16, clamped at FP16_SCORE_FLOOR."""
     version = _check_version(version)
     validate(msg)
     mtype, pack = _PACKERS[type(msg)]
@@ -798,8 +811,8 @@ def decode_header(data, limits: Limits | None = None) -> FrameHeader:
         raise BadMagic(f"frame starts with {bytes(magic)!r}: every frame starts with {MAGIC!r}")
     if version not in SUPPORTED_VERSIONS:
         raise UnsupportedVersion(
-            f"frame speaks protocol version {version}: this side speaks versions "
-            f"{', '.join(map(str, SUPPORTED_VERSIONS))}"
+            f"frame speaks protocol version {version}: this side speaks version(s) "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))}; {OLD_VERSION_FIX}"
         )
     try:
         mtype = MessageType(mtype)
@@ -883,7 +896,7 @@ def _flag(value: int, field: str) -> bool:
 
 def _unpack_open(r: _Reader, limits: Limits, version: int) -> OpenRequest:
     fixed = r.fields(_OPEN, "fixed part")
-    temperature, top_k, top_p, seed, epsilon, acceptance, place, auth_len, chat_len, max_new, n = fixed
+    temperature, top_k, top_p, seed, epsilon, acceptance, place, auth_len, chat_len, max_new, n, anchor = fixed
     prompt = r.array("<i4", n, "prompt_ids")
     auth = r.text(auth_len, "auth_token") if auth_len else None
     chat = r.text(chat_len, "chat") if chat_len else None
@@ -897,6 +910,7 @@ def _unpack_open(r: _Reader, limits: Limits, version: int) -> OpenRequest:
         max_new_tokens=max_new,
         auth_token=auth,
         chat=chat,
+        anchor=anchor,
     )
 
 
@@ -907,10 +921,7 @@ def _unpack_opened(r: _Reader, limits: Limits, version: int) -> Opened:
 
 
 def _unpack_tree(r: _Reader, limits: Limits, version: int) -> DraftTree:
-    if version == 3:
-        (seq, rows), has_scores = r.fields(_ROUND, "fixed part"), 0
-    else:
-        seq, rows, has_scores = r.fields(_ROUND4, "fixed part")
+    seq, rows, has_scores = r.fields(_ROUND, "fixed part")
     _check_rows(rows, "ROUND", limits)  # before reading: the count alone is enough to refuse
     has_scores = _flag(has_scores, "ROUND has_scores")
     tokens, parents = r.array("<i4", rows, "tokens"), r.array("<i2", rows, "parents")
@@ -946,10 +957,7 @@ def _unpack_handoff(r: _Reader, limits: Limits) -> HandOff:
 
 
 def _unpack_reply(r: _Reader, limits: Limits, version: int) -> RoundReply:
-    if version == 3:
-        fixed, has_verified = r.fields(_REPLY, "fixed part"), 0
-    else:
-        *fixed, has_verified = r.fields(_REPLY4, "fixed part")
+    *fixed, has_verified = r.fields(_REPLY, "fixed part")
     seq, bonus, server_ms, finished, has_handoff, rows, n_path, n_chain = fixed
     _check_rows(rows, "REPLY samples", limits)
     reason = None if finished == 0 else _enum(finished - 1, FINISH_REASONS, "REPLY finished (minus 1)")
@@ -964,7 +972,7 @@ def _unpack_reply(r: _Reader, limits: Limits, version: int) -> RoundReply:
 
 
 def _unpack_mask(r: _Reader, rows: int) -> np.ndarray:
-    """REPLY v4's verified rows: ceil(rows / 8) bytes, row j at byte j // 8, bit j % 8 (LSB first), pad bits 0."""
+    """REPLY's verified rows: ceil(rows / 8) bytes, row j at byte j // 8, bit j % 8 (LSB first), pad bits 0."""
     bits = np.unpackbits(np.frombuffer(r.take((rows + 7) // 8, "verified mask"), np.uint8), bitorder="little")
     if bits[rows:].any():
         raise BadShape(f"REPLY verified mask has bit {rows + int(np.argmax(bits[rows:]))} set: the tree has {rows} "
@@ -982,8 +990,8 @@ def _unpack_error(r: _Reader, limits: Limits, version: int) -> ErrorReply:
 
 
 def _unpack_append(r: _Reader, limits: Limits, version: int) -> AppendTurn:
-    max_new, n = r.fields(_APPEND, "fixed part")
-    return AppendTurn(r.array("<i4", n, "tokens"), max_new)
+    max_new, keep, keep_crc, anchor, n = r.fields(_APPEND, "fixed part")
+    return AppendTurn(r.array("<i4", n, "tokens"), max_new, keep, keep_crc, anchor)
 
 
 _UNPACKERS = {
@@ -1003,8 +1011,7 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits | None = None):
     Order of checks: header (`decode_header`), then Truncated / LengthMismatch of the frame against its header's
     payload length, CrcMismatch, then the payload's fields as it is read (counts before the arrays they size),
     then `validate`. Arrays come back as fresh native int32 / int8 copies (ROUND scores: float32; REPLY verified:
-    bool). Any version of SUPPORTED_VERSIONS decodes (a version-3 ROUND gives scores None, a version-3 REPLY
-    verified None); `frame_version` says which one a frame speaks. The verified mask's ancestor closure needs
+    bool). `frame_version` says which version a frame speaks. The verified mask's ancestor closure needs
     the tree it answers, which only the sender of that tree knows: the device runtime checks it
     (`hycoc.runtime.tree_builder.check_verified`).
     """
