@@ -237,19 +237,24 @@ def chat_summary(recipe, user_text: str = "Hello") -> dict:
     """What ``hycoc inspect RECIPE`` shows of the chat format: the first turn rendered for ``user_text`` (control
     tokens as their strings), the stop tokens (id and string), the thinking switch, the reasoning channel and the
     file each came from; when the tokenizer folder is not here (or its files are refused), ``available`` false with
-    ``reads`` (what will be read) and ``why``."""
+    ``reads`` (what will be read) and ``why``; ``refused`` is true when the files are here but refused (a template
+    that fails to render or cannot keep a conversation: ``hycoc inspect`` then exits 1)."""
     from hycoc.models import ModelNotFoundError
 
     try:
         chat = chat_from_recipe(recipe)
-    except (ModelNotFoundError, ChatFormatError) as e:
-        return {"available": False, "reads": sources_to_read(recipe), "why": str(e)}
+    except ModelNotFoundError as e:
+        return {"available": False, "refused": False, "reads": sources_to_read(recipe), "why": str(e)}
+    except ChatFormatError as e:
+        return {"available": False, "refused": True, "reads": sources_to_read(recipe), "why": str(e)}
     f = chat.format
+    turns = chat.conversation([{"role": "user", "content": user_text}, {"role": "assistant", "content": "Hi!"},
+                               {"role": "user", "content": user_text}])
     return {"available": True, "prompt": chat.render(user_text), "prompt_ids": chat.prompt(user_text),
             "stop": [{"id": i, "token": t} for i, t in zip(f.stop_ids, f.stop_tokens)],
             "thinking": f.has_thinking, "thinking_prompt": chat.render(user_text, True) if f.has_thinking else None,
-            "reasoning": f.reasoning, "next_turn": f.turns["default"].next, "sources": f.sources,
-            "template_sha256": f.template_sha256}
+            "reasoning": f.reasoning, "sources": f.sources, "template_sha256": f.template_sha256,
+            "second_turn": chat.tokenizer.decode(turns.ids, skip_special_tokens=False)}
 
 
 def apply_chat_template_ids(tokenizer_path: str | Path, messages: list[dict], *, thinking: bool | None = None,
@@ -267,5 +272,5 @@ def apply_chat_template_ids(tokenizer_path: str | Path, messages: list[dict], *,
                                         return_dict=False, sanitize_control_tokens=True, **kwargs))
 
 
-__all__ = ["apply_chat_template_ids", "chat_from_recipe", "chat_summary", "derive_pieces", "load_chat", "load_chat_format",
+__all__ = ["apply_chat_template_ids", "chat_from_recipe", "chat_summary", "check_history", "load_chat", "load_chat_format",
            "read_stop_ids", "read_template", "render", "sources_to_read", "special_tokens", "tokenizer_folder"]

@@ -129,13 +129,14 @@ def render_chat(chat: dict, console: Any = None) -> None:
 
     console = inspect_console(console)
     if not chat["available"]:
-        console.print(f"chat format: not read ({escape(chat['why'])}); it will read:")
+        state = "refused" if chat.get("refused") else "not read"
+        console.print(f"chat format: {state} ({escape(chat['why'])}); it will read:")
         for what, where in chat["reads"].items():
             console.print(f"  {what}: {escape(where)}")
         return
     console.print(f"chat format ({escape(chat['sources']['template'])}): the prompt for 'Hello' is "
-                  f"{escape(repr(chat['prompt']))}, {len(chat['prompt_ids'])} tokens; a next turn opens with "
-                  f"{escape(repr(chat['next_turn']))}")
+                  f"{escape(repr(chat['prompt']))}, {len(chat['prompt_ids'])} tokens; a second turn renders the "
+                  f"whole conversation: {escape(repr(chat['second_turn']))}")
     _print_table(console, f"stop tokens ({chat['sources']['stop_ids']})", ["id", "token"],
                  [[str(s["id"]), s["token"]] for s in chat["stop"]])
     thinking = (f"thinking: --thinking renders {escape(repr(chat['thinking_prompt']))}" if chat["thinking"]
@@ -248,10 +249,9 @@ def render_manifest(manifest, console: Any = None) -> None:
         console.print("chat: none recorded (built before the chat format was; `hycoc run` refuses it: rebuild)")
     else:
         stops = ", ".join(f"{i} {t}" for i, t in zip(c.stop_ids, c.stop_tokens))
-        turns = c.turns["default"]
-        console.print(escape(f"chat: stop ids {stops}; turns: first {turns.first!r}, user_end {turns.user_end!r}, "
-                             f"next {turns.next!r}; thinking {'yes' if c.has_thinking else 'no'}; template sha256 "
-                             f"{c.template_sha256[:12]}"))
+        console.print(escape(f"chat: stop ids {stops}; template {c.sources.get('template', '?')} "
+                             f"({len(c.template)} characters, sha256 {c.template_sha256[:12]}); thinking "
+                             f"{'yes' if c.has_thinking else 'no'}"))
     _print_table(console, "files", ["path", "role", "MB", "sha256"],
                  [[f.path, f.role, f"{f.bytes / 1e6:.3f}", f.sha256[:16]] for f in manifest.files],
                  right=("MB",))

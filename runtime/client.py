@@ -35,11 +35,11 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from hycoc.chat import ChatMismatch
+from hycoc.chat import ChatMismatch, common_prefix, ids_crc32
 from hycoc.protocol.messages import AppendTurn, DraftTree, OpenRequest, Sampling, commit_cut
 from hycoc.runtime.mtp_drafter import MtpDrafter
 from hycoc.runtime.slm_drafter import SlmDrafter
@@ -89,6 +89,7 @@ class RequestResult:
     bonus_outside_keep: bonus tokens outside the keep set. link_s: link-model time of the request (slept, or only
     counted when the client's sleep is a no-op); first_token_link_s: its part before the first token. accepted: tokens committed per round minus one (after the stop / cap / context cut), so MAT =
     tokens / rounds. finish_reason: "stop", "max_new_tokens" or "length" (`hycoc.protocol.messages.FINISH_REASONS`).
+    kept: for a next turn, the held ids its APPEND kept (the rest of the rendering was prefilled); None otherwise.
     """
 
     mode: str
@@ -101,6 +102,7 @@ class RequestResult:
     draft_s: float = 0.0
     slm_prefill_s: float = 0.0
     prefill_ms: float = 0.0
+    kept: int | None = None
     server_ms: list[float] = field(default_factory=list)
     round_bytes: list[tuple[int, int]] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
@@ -217,18 +219,21 @@ class DeviceRuntime:
                            stop_ids=self.stop_ids)
 
     def open_request(self, prompt_ids, mode: Mode, *, max_new_tokens: int, seed: int,
-                     sampling: Sampling, epsilon: float) -> OpenRequest:
+                     sampling: Sampling, epsilon: float, anchor: int = 0) -> OpenRequest:
+        """The OPEN of a request (anchor: the prompt's `hycoc.chat.Rendered.anchor`, 0 for raw ids)."""
         return OpenRequest(prompt_ids=np.asarray(prompt_ids, np.int32), sampling=sampling, seed=seed,
                            acceptance=mode.acceptance, epsilon=epsilon if mode.acceptance == "epsilon" else 1.0,
                            draft_place=mode.draft_place, max_new_tokens=max_new_tokens,
-                           chat=self.bundle.chat.format.contract())
+                           chat=self.bundle.chat.format.contract(), anchor=int(anchor))
 
     def generate(self, client, prompt_ids, *, mode: str = "hyco", max_new_tokens: int | None = None,
                  seed: int | None = None, sampling: Sampling | None = None, epsilon: float | None = None,
                  on_text: Callable[[str], None] | None = None, keep_open: bool = False,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> RequestResult:
+                 on_tokens: Callable[[list[int]], None] | None = None, anchor: int = 0) -> RequestResult:
         """Run one request (Alg. 1 each round) and return its `RequestResult`.
 
+        anchor: the prompt's model-turn opening (`hycoc.chat.Rendered.anchor`) when the prompt is a rendered
+        conversation that may continue (`next_turn`); 0 for raw ids.
         client: an unopened `VerifierClient` (None for ``slm-alone``); it is closed at the end unless
         ``keep_open`` (then `next_turn` continues the conversation on it, and the caller closes it). on_text:
         called with each new piece of text as it is committed; on_tokens: with each round's committed ids (for a
@@ -237,32 +242,40 @@ class DeviceRuntime:
         text already passed to ``on_text`` stays delivered.
         """
         return self._request(client, [int(x) for x in prompt_ids], None, mode, max_new_tokens, seed, sampling,
-                             epsilon, on_text, keep_open, on_tokens)
+                             epsilon, on_text, keep_open, on_tokens, anchor)
 
-    def next_turn(self, client, turn_ids, *, max_new_tokens: int | None = None,
+    def next_turn(self, client, conversation_ids, *, anchor: int = 0, max_new_tokens: int | None = None,
                   on_text: Callable[[str], None] | None = None, keep_open: bool = True,
                   on_tokens: Callable[[list[int]], None] | None = None) -> RequestResult:
         """The next turn of a conversation (paper §4.1, MT-bench's second turns) on the session `generate(...,
-        keep_open=True)` opened: the verifier keeps the conversation's KV and prefills only ``turn_ids`` (an
-        APPEND frame), the SLM ring continues from the committed tokens (only the new ones are run), and the MTP
-        Drafter starts again from the turn's first hand-off (W positions). turn_ids: what follows the committed
-        answer (`hycoc.chat.Chat.next_turn`); an answer that ended on a stop id drops it first, as the verifier
-        does (the template closes the model turn). The mode, sampling, seed and epsilon stay the session's. Returns the
-        turn's `RequestResult` (prefill_ms: the append's prefill). Raises ValueError without an open conversation,
-        and what `generate` raises.
+        keep_open=True)` opened, as the template renders the whole conversation (docs/serving.md "Conversations").
+
+        conversation_ids: the whole conversation re-rendered with its new user message
+        (`hycoc.chat.Chat.conversation` / `hycoc.chat.Conversation.ask`); anchor: its `hycoc.chat.Rendered.anchor`.
+        The runtime keeps the longest prefix these share with the ids it holds (prompt + committed output, at
+        least 1, at most all but the last), rolls its SLM ring back to it (`SlmDrafter.rollback`) and sends an
+        APPEND with that ``keep``, the kept ids' crc32 and the rest; the verifier rolls back the same way and
+        checks the crc. The MTP Drafter starts again from the turn's first hand-off (W positions). The mode,
+        sampling, seed and epsilon stay the session's. Returns the turn's `RequestResult` (prefill_ms: the append's
+        prefill; ``kept``: the kept ids). Raises ValueError without an open conversation, and what `generate`
+        raises.
         """
         if self._conversation is None or client is None or client.opened is None:
             raise ValueError("no open conversation: call generate(..., keep_open=True) first, with a server mode")
-        history, mode = self._conversation
-        if history[-1] in self.stop_ids:       # the verifier drops it too (`hycoc.chat.Chat.conversation_tokens`)
-            history = history[:-1]
-            if MODES[mode].passes != "none":
-                self.slm.drop_last()
-        return self._request(client, history, [int(x) for x in turn_ids], mode, max_new_tokens, None, None, None,
-                             on_text, keep_open, on_tokens)
+        held, mode = self._conversation
+        ids = [int(x) for x in conversation_ids]
+        if len(ids) < 2:
+            raise ValueError("the conversation's rendering needs at least 2 ids (a kept one and the next root)")
+        keep = max(1, min(common_prefix(held, ids), len(ids) - 1))
+        turn = AppendTurn(np.asarray(ids[keep:], np.int32), 0, keep, ids_crc32(held[:keep]),
+                          int(anchor) if int(anchor) >= keep else 0)
+        if MODES[mode].passes != "none":
+            self.slm.rollback(keep)
+        return self._request(client, ids, turn, mode, max_new_tokens, None, None, None, on_text, keep_open,
+                             on_tokens)
 
-    def _request(self, client, prompt: list[int], appended: list[int] | None, mode: str, max_new_tokens, seed,
-                 sampling, epsilon, on_text, keep_open: bool, on_tokens=None) -> RequestResult:
+    def _request(self, client, prompt: list[int], appended: AppendTurn | None, mode: str, max_new_tokens, seed,
+                 sampling, epsilon, on_text, keep_open: bool, on_tokens=None, anchor: int = 0) -> RequestResult:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         m = MODES[mode]
@@ -271,9 +284,9 @@ class DeviceRuntime:
         seed = r.seed if seed is None else int(seed)
         sampling = sampling or Sampling(r.temperature, r.top_k, r.top_p)
         epsilon = r.epsilon if epsilon is None else float(epsilon)
-        if appended is not None:
-            prompt = prompt + appended                    # the conversation so far, then the new turn
         res = RequestResult(mode=mode)
+        if appended is not None:
+            res.kept = appended.keep
         stream = TextStream(self.bundle.tokenizer)
         start = time.perf_counter()
         link0 = getattr(client, "link_s", 0.0)             # the client's link time is counted per connection
@@ -294,7 +307,7 @@ class DeviceRuntime:
             self._slm_alone(prompt, max_new, res, emit)
         else:
             try:
-                self._verified(client, prompt, m, max_new, seed, sampling, epsilon, res, emit, appended)
+                self._verified(client, prompt, m, max_new, seed, sampling, epsilon, res, emit, appended, anchor)
             except BaseException:
                 client.close()
                 raise
@@ -341,22 +354,22 @@ class DeviceRuntime:
         return builder.build(self.slm.tokens[-1], chain, runner_ups, expand, max_depth=max_depth)
 
     def _verified(self, client, prompt, m: Mode, max_new, seed, sampling, epsilon, res: RequestResult,
-                  emit, appended: list[int] | None = None) -> None:
+                  emit, appended: AppendTurn | None = None, anchor: int = 0) -> None:
         uses_slm = m.passes != "none"
         self.mtp.reset()
         with ThreadPoolExecutor(1, thread_name_prefix="hycoc-open") as pool:
             if appended is None:                           # a new session: the server prefills the prompt
                 request = self.open_request(prompt, m, max_new_tokens=max_new, seed=seed, sampling=sampling,
-                                            epsilon=epsilon)
+                                            epsilon=epsilon, anchor=anchor)
                 opened_f = pool.submit(client.open, request)
-            else:                                          # the next turn: the server prefills the new tokens only
-                opened_f = pool.submit(client.append, AppendTurn(np.asarray(appended, np.int32), max_new))
+            else:                                          # the next turn: the server rolls back and prefills the rest
+                opened_f = pool.submit(client.append, replace(appended, max_new_tokens=max_new))
             built = None
             if uses_slm:
                 if appended is None:
                     self.slm.start(prompt)
-                else:
-                    self.slm.commit([], appended)          # the ring keeps the conversation; run the new tokens
+                else:                                      # the ring was rolled back to keep (`next_turn`)
+                    self.slm.commit([], prompt[appended.keep:])
                 t0, meter = time.perf_counter(), self.graph_meter()
                 self.slm.prefill(reserve=self.bundle.round.chain_length + self.bundle.round.sibling_depth)
                 res.slm_prefill_s = time.perf_counter() - t0
@@ -420,7 +433,7 @@ class DeviceRuntime:
                 res.bonus_outside_keep += 1
             new, reason = commit_cut(new, self.stop_ids, *room())
             res.accepted.append(len(new) - 1)
-            if uses_slm:   # a stop id that ends the turn gets no SLM KV: a next turn drops it (`SlmDrafter.drop_last`)
+            if uses_slm:   # a stop id that ends the turn gets no SLM KV (a next turn's rendering decides its fate)
                 self.slm.commit(path_nodes[:len(new) - 1] if new[-1] in self.stop_ids else path_nodes, new)
             emit(new)
             if reply.finished or reason is not None:

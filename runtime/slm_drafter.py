@@ -295,14 +295,28 @@ class SlmDrafter:
         cands = self.expand(tree, [])
         return int(self.bundle.keep_set[int(cands[0].index[0])])
 
-    def drop_last(self) -> None:
-        """Forget the last committed token (a finished turn's stop id, which the next turn's template text
-        replaces): the root goes back one position. The token must have no SLM KV (the client commits a stop id
-        without it), so no ring column holds it. Raises ValueError otherwise, or when nothing would remain."""
-        if len(self.tokens) < 2 or self.n_kv >= len(self.tokens):
-            raise ValueError("cannot drop the last committed token: it is the only one, or its SLM KV is written")
-        self.tokens.pop()
+    def rollback(self, keep: int) -> str:
+        """Roll the conversation back to its first ``keep`` committed tokens (an APPEND's ``keep``, docs/serving.md
+        "Conversations"): positions >= keep leave the ring. When a ring has already overwritten columns of
+        positions the rollback point still needs (it wrapped past them: the positions after ``keep`` were more
+        than the ring could hold beside them), the ring is refilled cold from the last W kept positions, as
+        `start` fills a new request's (the next `prefill` runs them). Returns "none" (nothing after keep had KV),
+        "crop" or "refill". Raises ValueError for keep outside [1, committed tokens]."""
+        if not 1 <= keep <= len(self.tokens):
+            raise ValueError(f"cannot keep {keep} of {len(self.tokens)} committed tokens")
+        old = self.n_kv
+        self.tokens = self.tokens[:keep]
         self._new_round()
+        if old <= keep:
+            return "none"
+        wrapped = any(old - self.ring_len[t] > max(self.live_start, keep - self.ring_len[t]) for t in self.types)
+        if not wrapped:
+            self.n_kv = keep
+            for mask in self.masks.values():      # positions moved back: the next forward rebuilds the masks
+                mask.reset()
+            return "crop"
+        self.start(self.tokens)
+        return "refill"
 
     # ---- Alg. 1 line 10 ----------------------------------------------------------------------------------------
 

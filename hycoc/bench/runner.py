@@ -298,7 +298,11 @@ def _run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, 
         console.print(f"[yellow]note: bundle {bundle_dir} was built from another version of recipe "
                       f"{rt.bundle.manifest.recipe.name!r}; its round constants are the bundle's, sampling and ε "
                       "the recipe's[/]")
-    prompts = {q.question_id: rt.bundle.chat.prompt(q.turns[0], plan.thinking) for q in plan.questions}
+    # each first turn as the template renders a one-message conversation (ids, and where its model turn opens)
+    rendered = {q.question_id: rt.bundle.chat.conversation([{"role": "user", "content": q.turns[0]}], plan.thinking)
+                for q in plan.questions}
+    prompts = {qid: r.ids for qid, r in rendered.items()}
+    anchors = {qid: r.anchor for qid, r in rendered.items()}
     r = rt.bundle.round
     sampling = Sampling(recipe.sampling.temperature, recipe.sampling.top_k, recipe.sampling.top_p)
     epsilon = recipe.acceptance.epsilon  # the recipe's, like its sampling: `hycoc tune-epsilon` writes it there
@@ -496,7 +500,8 @@ def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], p
                 pid = server.proc.pid if client is not None else None
                 cpu0 = process_cpu_ms(pid) if pid is not None else None
                 res = rt.generate(client, prompts[q.question_id], mode=req.mode, max_new_tokens=output_cap,
-                                  seed=seed + req.run, sampling=sampling, epsilon=req.epsilon, keep_open=two)
+                                  seed=seed + req.run, sampling=sampling, epsilon=req.epsilon, keep_open=two,
+                                  anchor=anchors.get(q.question_id, 0))
                 recs = [record_of(req.config, req.run, q, len(prompts[q.question_id]), res, virtual_link=True,
                                   chat=rt.bundle.chat, server_busy_ms=busy_since(pid, cpu0))]
                 if two and res.finish_reason == "length":   # the context is full: no room for a second turn
@@ -526,9 +531,10 @@ def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], p
 def second_turn(rt, client, url: str, req: Request, prompt: list[int], first, output_cap: int, sampling,
                 thinking: bool = False, server_pid: int | None = None) -> dict:
     """A question's second turn on the session its first turn left open (paper §4.1: MT-bench's second turns;
-    the prompt is the conversation so far: first question, this configuration's own first answer, second
-    question, as the checkpoint's chat template renders it). The verifier keeps the conversation's KV and prefills only the new tokens; to show what that
-    saves, the same conversation is also prefilled cold on a new session (opened and closed at once, no rounds).
+    the prompt is the whole conversation -- first question, this configuration's own first answer, second question
+    -- as the checkpoint's chat template renders it, `hycoc.chat.Chat.conversation`). The verifier keeps the KV of
+    what both sides hold of it and prefills the rest (docs/serving.md "Conversations"); to show what that saves,
+    the same conversation is also prefilled cold on a new session (opened and closed at once, no rounds).
     Returns the turn's record (``turn`` 2, ``prefill_ms`` the append's, ``prefill_ms_cold`` the cold one's).
     The client is closed. server_pid: the verifier process, whose CPU time over the turn is the record's
     ``server_busy_ms``."""
@@ -539,15 +545,16 @@ def second_turn(rt, client, url: str, req: Request, prompt: list[int], first, ou
 
     q = req.question
     chat = rt.bundle.chat
-    turn = chat.next_turn(q.turns[1], thinking)
+    messages = [{"role": "user", "content": q.turns[0]}, {"role": "assistant", "content": chat.answer_text(first.tokens)},
+                {"role": "user", "content": q.turns[1]}]
+    rendered = chat.conversation(messages, thinking)
     cpu0 = process_cpu_ms(server_pid) if server_pid is not None else None
     try:
-        res = rt.next_turn(client, turn, max_new_tokens=output_cap)
+        res = rt.next_turn(client, rendered.ids, anchor=rendered.anchor, max_new_tokens=output_cap)
         busy = busy_since(server_pid, cpu0)   # the turn's own work, not the cold prefill below
     finally:
         client.close()
-    kept = chat.conversation_tokens(list(first.tokens))   # a stop id is replaced by the template's close
-    conversation = prompt + kept + turn
+    conversation = rendered.ids
     cold = VerifierClient(url, timeout_s=600)
     try:
         cold_ms = cold.open(OpenRequest(prompt_ids=np.asarray(conversation, np.int32), sampling=sampling,
@@ -557,7 +564,7 @@ def second_turn(rt, client, url: str, req: Request, prompt: list[int], first, ou
     rec = record_of(req.config, req.run, q, len(conversation), res, virtual_link=True, turn=2, chat=chat,
                     server_busy_ms=busy)
     rec["prefill_ms_cold"] = float(cold_ms)
-    rec["prefill_start"] = len(prompt) + len(kept) - 1  # the append prefills [this, root): cost-model replay
+    rec["prefill_start"] = int(res.kept)  # the APPEND kept this many ids (the verifier may roll back to its snapshot)
     return rec
 
 

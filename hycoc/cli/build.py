@@ -96,8 +96,10 @@ def inspect(
             raise _fail("inspect", str(e)) from None
         if json_out:
             typer.echo(plan_json(plan), nl=False)
-            return
-        render_recipe_report(plan)
+        else:
+            render_recipe_report(plan)
+        if plan["chat"].get("refused"):       # the tokenizer folder is here and its chat files are refused
+            raise typer.Exit(1)
         return
     if not target.is_dir():
         raise _fail("inspect", f"{target}: neither a bundle folder nor a recipe .toml", code=2)

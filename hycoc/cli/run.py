@@ -89,11 +89,17 @@ def run(
         rt = load_runtime(bundle, _bundle_backend(bundle, backend), threads=threads)
     except (BundleError, GraphRunError, QnnUnavailableError, ValueError) as e:
         raise _fail("run", str(e)) from None
-    from hycoc.chat import AnswerStream, ChatFormatError, ChatMismatch
+    from hycoc.chat import AnswerStream, ChatFormatError, ChatMismatch, Conversation
 
     tok, chat_format = rt.bundle.tokenizer, rt.bundle.chat
+    conversation = rendered = None
     try:
-        ids = tok.encode(text, add_special_tokens=False).ids if raw else chat_format.prompt(text, thinking)
+        if raw:
+            ids = tok.encode(text, add_special_tokens=False).ids
+        else:    # the whole conversation, rendered by the checkpoint's template every turn (docs/serving.md)
+            conversation = Conversation(chat_format, thinking)
+            rendered = conversation.ask(text)
+            ids = rendered.ids
     except ChatFormatError as e:
         raise _fail("run", f"bundle {bundle}: {e}", code=2) from None
     if not ids:
@@ -107,19 +113,25 @@ def run(
     answer = AnswerStream(chat_format)
 
     def turn(first: bool, text: str | None = None):
-        """One turn: the request (first) or the next user turn on the same session; prints its metrics."""
-        nonlocal answer
+        """One turn: the request (first) or the next user turn on the same session (the whole conversation
+        re-rendered: the APPEND keeps what both sides hold of it); prints its metrics."""
+        nonlocal answer, rendered
         answer = AnswerStream(chat_format)
         on_tokens = lambda new: printer.show(answer.push(new))  # noqa: E731
         try:
             if first:
                 res = rt.generate(client, ids, mode=mode.value, max_new_tokens=max_new_tokens, seed=seed,
-                                  sampling=sampling, epsilon=epsilon, on_tokens=on_tokens, keep_open=chat)
+                                  sampling=sampling, epsilon=epsilon, on_tokens=on_tokens, keep_open=chat,
+                                  anchor=rendered.anchor if rendered is not None else 0)
             else:
-                res = rt.next_turn(client, chat_format.next_turn(text, thinking), max_new_tokens=max_new_tokens,
+                rendered = conversation.ask(text)
+                res = rt.next_turn(client, rendered.ids, anchor=rendered.anchor, max_new_tokens=max_new_tokens,
                                    on_tokens=on_tokens)
             printer.show(answer.flush())
-        except (TransportError, HandoffError, RuntimeProtocolError, GraphRunError, BundleError, ChatMismatch) as e:
+            if conversation is not None:
+                conversation.answered(rendered, res.tokens)
+        except (TransportError, HandoffError, RuntimeProtocolError, GraphRunError, BundleError, ChatMismatch,
+                ChatFormatError) as e:
             if printer.streamed:
                 sys.stdout.write("\n")
                 sys.stdout.flush()

@@ -22,6 +22,10 @@ Families (names and labels are the contract; docs/serving.md "Verifier server an
     hycoc_batch_rows, hycoc_batch_sessions, hycoc_queue_wait_seconds           histograms
     hycoc_rows_kept_per_session, hycoc_expected_tokens_per_forward             histograms (row budget)
     hycoc_rows_trimmed_total              tree rows a row budget left out of batched forwards (counter)
+    hycoc_appends_total{kind=crop|snapshot|full}   APPENDs by how the conversation rolled back (docs/serving.md
+                                          "Conversations"); "full": nothing held could be kept (a template that
+                                          renders earlier turns differently, or a rollback before the snapshot)
+    hycoc_append_reprefilled_tokens_total positions an APPEND prefilled again that the session held already
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from .limits import REFUSAL_KINDS
 #: Prometheus text exposition format served at /metrics (0.0.4).
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+#: How an APPEND rolls a conversation back (`hycoc.verifier.engine.AppendPlan.kind`); every kind exposed from the start.
+APPEND_KINDS = ("crop", "snapshot", "full")
 #: Bucket bounds of the batching histograms (rows per forward, sessions per forward, queue wait in seconds).
 ROWS_BUCKETS = (1, 2, 4, 8, 16, 33, 66, 132, 264, 528, 1056, 2112)
 SESSIONS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -86,6 +92,8 @@ class ServerMetrics:
                                          "budgeted forward's kept rows (sessions + sum of exp(tree score))",
                                          buckets=EXPECTED_BUCKETS, registry=None)
         self.rows_trimmed = 0
+        self.appends: Counter = Counter()              # APPEND kind -> count
+        self.append_reprefilled = 0
         self.queue_wait = Histogram("hycoc_queue_wait_seconds", "seconds from a round's arrival to the start of "
                                     "its forward's step", buckets=WAIT_BUCKETS, registry=None)
         self.registry = CollectorRegistry(auto_describe=False)
@@ -115,6 +123,12 @@ class ServerMetrics:
         self.batch_sessions.observe(1)
         self.batch_rows.observe(rows)
         self.rows_kept.observe(rows)
+
+    def observe_append(self, plan) -> None:
+        """One APPEND done (`hycoc.verifier.engine.AppendPlan`): counted by its kind, and the held positions it
+        prefilled again."""
+        self.appends[plan.kind] += 1
+        self.append_reprefilled += int(plan.reprefilled)
 
     def refused(self, kind: str) -> None:
         """Count one refusal by the limit ``kind`` (one of REFUSAL_KINDS)."""
@@ -180,6 +194,13 @@ class _Collector(Collector):
                                 value=m.connections_active)
         yield GaugeMetricFamily("hycoc_kv_bytes_reserved", "KV bytes reserved by the open sessions (max_kv_bytes "
                                 "budget)", value=m.kv_bytes_reserved)
+        appends = CounterMetricFamily("hycoc_appends_total", "APPENDs by how the conversation's KV rolled back "
+                                      "(crop, snapshot, full re-prefill)", labels=["kind"])
+        for kind in APPEND_KINDS:
+            appends.add_metric([kind], m.appends[kind])
+        yield appends
+        yield CounterMetricFamily("hycoc_append_reprefilled_tokens_total", "positions APPENDs prefilled again "
+                                  "that the session held already", value=m.append_reprefilled)
         yield CounterMetricFamily("hycoc_rows_trimmed_total", "tree rows a row budget left out of batched "
                                   "forwards (verifier.tree_budget = auto)", value=m.rows_trimmed)
         for hist in (m.batch_rows, m.batch_sessions, m.queue_wait, m.rows_kept, m.expected_tokens):

@@ -248,7 +248,7 @@ class SessionLoop:
         try:
             if self.worker.batching == "batched":
                 session = eng.open(req.prompt_ids, req.sampling, req.seed, req.acceptance, req.epsilon,
-                                   req.draft_place, req.max_new_tokens)   # checks only; nothing runs
+                                   req.draft_place, req.max_new_tokens, anchor=req.anchor)   # checks only
                 prefill_ms, t = await self.worker.prefill(session.prefill_job)
             else:
                 session, prefill_ms, t = await self.worker.run(self._open_session, req)
@@ -273,31 +273,48 @@ class SessionLoop:
         return wire.encode(opened, version=conn.wire_version)
 
     async def _append(self, conn: Connection, msg: AppendTurn) -> bytes:
-        """The next turn on the open session (`Session.append`): its KV stays, only the new tokens are prefilled;
-        answered with OPENED (same session id, the new root's t, this prefill's ms). The KV reservation grows to
-        the conversation plus the new turn's cap BEFORE the prefill is queued (refused with kv_budget_exhausted
-        when that does not fit), and shrinks back when the turn fails."""
+        """The next turn on the open session (`Session.append`, docs/serving.md "Conversations"): the KV rolls
+        back to the ``keep`` ids both sides hold and the rest is prefilled; answered with OPENED (same session id,
+        the new root's t, this prefill's ms). The checks (keep, its crc, the turn) run first and change nothing.
+        The KV reservation grows to the conversation plus the new turn's cap, plus the rolled-back positions kept
+        as a copy until the prefill ends (`Session.append` is all or nothing), BEFORE the prefill is queued
+        (refused with kv_budget_exhausted when that does not fit); the copy's share is released when the turn is
+        prefilled, everything added when it fails."""
         eng, session = self.engine, conn.session
-        positions = self.session_positions(len(session.tokens) + len(msg.tokens), msg.max_new_tokens)
-        need = self.session_kv_bytes(positions) - conn.kv.nbytes
+        plan = session.plan_append(msg.tokens, int(msg.keep), int(msg.keep_crc))     # ConversationMismatch ...
+        positions = self.session_positions(len(plan.conversation), msg.max_new_tokens)
+        transient = self.rollback_copy_bytes(session, plan)
+        need = self.session_kv_bytes(positions) + transient - conn.kv.nbytes
         added = conn.kv.grow(need, f"the next turn needs {need} more KV bytes")
+        kwargs = dict(keep=int(msg.keep), keep_crc=int(msg.keep_crc), anchor=int(msg.anchor))
         try:
             if self.worker.batching == "batched":
                 prefill_ms, t = await self.worker.prefill(
-                    lambda: session.append_job(msg.tokens, int(msg.max_new_tokens)))
+                    lambda: session.append_job(msg.tokens, int(msg.max_new_tokens), **kwargs))
             else:
-                prefill_ms, t = await self.worker.run(session.append, msg.tokens, int(msg.max_new_tokens))
+                prefill_ms, t = await self.worker.run(
+                    lambda: session.append(msg.tokens, int(msg.max_new_tokens), **kwargs))
         except BaseException:
             conn.kv.shrink(added)
             raise
+        conn.kv.shrink(min(transient, added))
         conn.last_seq, conn.last_request, conn.last_reply = None, b"", b""
         self.metrics.prefill_ms += prefill_ms
+        self.metrics.observe_append(session.appends[-1])
         return wire.encode(replace(conn.opened, t=t, prefill_ms=prefill_ms), version=conn.wire_version)
+
+    def rollback_copy_bytes(self, session: Session, plan) -> int:
+        """Bytes an APPEND keeps as a copy while it runs: the full-attention layers' positions after the rollback
+        point (`Session.append` restores them if a chunk fails). 0 for an engine without a KV layout."""
+        layout = getattr(self.engine, "kv_layout", None)
+        if layout is None or plan.kind == "full":
+            return 0
+        return layout.full_bytes * max(0, session.kv_held() - plan.start)
 
     def _open_session(self, req: OpenRequest) -> tuple[Session, float, int]:
         """Worker thread (serial mode): a new engine session, prefilled."""
         session = self.engine.open(req.prompt_ids, req.sampling, req.seed, req.acceptance, req.epsilon,
-                                   req.draft_place, req.max_new_tokens)
+                                   req.draft_place, req.max_new_tokens, anchor=req.anchor)
         prefill_ms, t = session.prefill()
         return session, prefill_ms, t
 
