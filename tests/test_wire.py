@@ -9,8 +9,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from hycoc.chat import ids_crc32
 from hycoc.protocol import wire
-from hycoc.protocol.messages import Close, DraftTree, ErrorReply, HandOff, Opened, OpenRequest, RoundReply, Sampling
+from hycoc.protocol.messages import (AppendTurn, Close, DraftTree, ErrorReply, HandOff, Opened, OpenRequest, RoundReply,
+                                     Sampling)
 
 VOCAB = 1000
 # Gemma 4 26B-A4B: hidden 2816; last sliding layer 8 KV heads x 256; last full-attention layer 2 KV heads x 512.
@@ -82,12 +84,10 @@ def refresh_crc(buf) -> bytes:
 
 def raw_tree(tokens, parents, seq: int = 0, *, version: int = wire.PROTOCOL_VERSION, scores=None,
              has_scores: int | None = None) -> bytes:
-    """A ROUND frame written by hand (v3: seq, R; v4: seq, R, has_scores; then tokens, parents, fp16 scores)."""
+    """A ROUND frame written by hand (u32 seq, u16 R, u8 has_scores; then tokens, parents, fp16 scores: the layout of
+    versions 4 and 5; ``version`` only goes into the header)."""
     tokens, parents = np.asarray(tokens, "<i4"), np.asarray(parents, "<i2")
-    if version == 3:
-        fixed = struct.pack("<IH", seq, len(tokens))
-    else:
-        fixed = struct.pack("<IHB", seq, len(tokens), (scores is not None) if has_scores is None else has_scores)
+    fixed = struct.pack("<IHB", seq, len(tokens), (scores is not None) if has_scores is None else has_scores)
     tail = b"" if scores is None else np.asarray(scores, "<f2").tobytes()
     return frame(wire.MessageType.ROUND, fixed + tokens.tobytes() + parents.tobytes() + tail, version=version)
 
@@ -103,17 +103,18 @@ def fails(code: str, data: bytes, limits: wire.Limits | None = None, *needles: s
     return err
 
 
-# Payload offsets of the fields patched below.
+# Payload offsets of the fields patched below (the module docstring's tables, summed by hand).
 OPEN_AT = dict(temperature=0, top_k=4, top_p=8, seed=12, epsilon=20, acceptance=24, draft_place=25, auth_len=26,
-               chat_len=28, max_new_tokens=30, n_prompt=34, prompt=38)
+               chat_len=28, max_new_tokens=30, n_prompt=34, anchor=38, prompt=42)
+APPEND_AT = dict(max_new_tokens=0, keep=4, keep_crc=8, anchor=12, n_tokens=16, tokens=20)
 REPLY_AT = dict(seq=0, bonus=4, server_ms=8, finished=12, has_handoff=13, rows=14, n_path=16, n_chain=18,
-                has_verified=20, samples=21)   # version 4 (version 3: no has_verified, samples at 20)
+                has_verified=20, samples=21)
 
 
 def handoff_at(m: RoundReply) -> int:
-    """Payload offset of the hand-off block (after its 12 bytes of sizes), version 4."""
+    """Payload offset of the hand-off block (after its 12 bytes of sizes)."""
     mask = 0 if m.verified is None else (m.samples.size + 7) // 8
-    return wire._REPLY4.size + 4 * m.samples.size + 2 * m.path_rows.size + 4 * m.chain.size + mask + 12
+    return REPLY_AT["samples"] + 4 * m.samples.size + 2 * m.path_rows.size + 4 * m.chain.size + mask + 12
 
 
 # ------------------------------------------------------------------------------------------------ round trips
@@ -124,17 +125,35 @@ def assert_same_array(got: np.ndarray, want: np.ndarray, dtype) -> None:
     assert got.tobytes() == np.asarray(want, dtype).tobytes()
 
 
+CONTRACT = '{"stop_ids":[1,50,106],"template_sha256":"' + "ab" * 32 + '"}'
+
+
 @pytest.mark.parametrize("auth", [None, "s3cret", "clé-🔑"])
-@pytest.mark.parametrize("chat", [None, '{"stop_ids":[1,50,106],"turns":{"default":{"first":"<bos><|turn>user\\n"}}}'])
-def test_open_round_trip(auth, chat):
-    m = open_request(auth_token=auth, chat=chat)
+@pytest.mark.parametrize("chat", [None, CONTRACT])
+@pytest.mark.parametrize("anchor", [0, 3])
+def test_open_round_trip(auth, chat, anchor):
+    m = open_request(auth_token=auth, chat=chat, anchor=anchor)
     data = wire.encode(m)
-    assert len(data) == 16 + 38 + 4 * 4 + len((auth or "").encode()) + len((chat or "").encode())
+    n_auth, n_chat = len((auth or "").encode()), len((chat or "").encode())
+    assert len(data) == 16 + 42 + 4 * 4 + n_auth + n_chat == wire.open_nbytes(4, n_auth, n_chat)
     got = wire.decode(data, wire.Limits(vocab_size=VOCAB, max_context=16))
     assert_same_array(got.prompt_ids, m.prompt_ids, np.int32)
     assert got.sampling == m.sampling  # values exact in float32
-    assert (got.seed, got.acceptance, got.epsilon, got.draft_place, got.max_new_tokens, got.auth_token, got.chat) == (
-        m.seed, m.acceptance, m.epsilon, m.draft_place, m.max_new_tokens, auth, chat)
+    assert (got.seed, got.acceptance, got.epsilon, got.draft_place, got.max_new_tokens, got.auth_token, got.chat,
+            got.anchor) == (m.seed, m.acceptance, m.epsilon, m.draft_place, m.max_new_tokens, auth, chat, anchor)
+
+
+def test_open_byte_layout_is_exact():
+    """OPEN built field by field with struct (module docstring: 42 B fixed part, then i32[T], auth, chat)."""
+    m = open_request(auth_token="clé", chat=CONTRACT, anchor=2)
+    auth, chat = "clé".encode(), CONTRACT.encode()
+    fixed = struct.pack("<f", 0.5) + struct.pack("<I", 64) + struct.pack("<f", 0.75) + struct.pack("<Q", 2**63 + 5) \
+        + struct.pack("<f", 0.25) + bytes([1, 0]) + struct.pack("<HH", len(auth), len(chat)) \
+        + struct.pack("<III", 256, 4, 2)            # max_new_tokens, T, anchor
+    assert len(fixed) == 42
+    payload = fixed + struct.pack("<4i", 2, 10, 999, 0) + auth + chat
+    assert wire.encode(m) == frame(wire.MessageType.OPEN, payload)
+    assert wire.decode(frame(wire.MessageType.OPEN, payload)).anchor == 2
 
 
 @pytest.mark.parametrize("acceptance", ["exact", "epsilon"])
@@ -228,11 +247,7 @@ def test_header_and_handoff_fixed_sizes():
 
 
 def test_round_bytes_at_b32():
-    # v3: 16 header + 6 (seq, rows) + 33 * 4 token ids + 33 * 2 parents
-    assert wire.tree_nbytes(33, version=3) == 220
-    assert len(wire.encode(chain_tree(33), version=3)) == 220
-    assert len(wire.encode(chain_tree(1), version=3)) == 28  # cloud-mtp: the root alone
-    # v4: 16 header + 7 (seq, rows, has_scores) + 33 * 4 + 33 * 2, + 33 * 2 fp16 scores when sent
+    # 16 header + 7 (seq, rows, has_scores) + 33 * 4 + 33 * 2, + 33 * 2 fp16 scores when sent
     assert wire.tree_nbytes(33, scores=False) == 221 == len(wire.encode(chain_tree(33)))
     assert wire.tree_nbytes(33) == 287 == 16 + 7 + 132 + 66 + 66
     assert len(wire.encode(scored(chain_tree(33)))) == 287
@@ -254,8 +269,6 @@ def test_gemma4_first_reply_frame():
     data = wire.encode(m)
     ho_bytes = wire.handoff_nbytes(GEMMA_H, GEMMA_DS, GEMMA_DF, 1024)
     assert len(data) == wire.reply_nbytes(33, 0, 0, ho_bytes) == 16 + 21 + 132 + 12 + 6_297_132
-    assert len(wire.encode(m, version=3)) == wire.reply_nbytes(33, 0, 0, ho_bytes, version=3) == 16 + 20 + 132 + 12 \
-        + 6_297_132
     limits = wire.Limits(vocab_size=262_144, tree_rows=33, max_context=262_144, hidden_size=GEMMA_H,
                          kv_dim_sliding=GEMMA_DS, kv_dim_full=GEMMA_DF)
     got = wire.decode(data, limits)
@@ -277,14 +290,11 @@ def test_handoff_block_layout_is_exact():
 def test_reply_bytes_without_handoff():
     m = reply(rows=33, path=(1, 2, 3), with_handoff=False, chain=(1, 2, 3, 4))
     assert len(wire.encode(m)) == wire.reply_nbytes(33, 3, 4) == 16 + 21 + 132 + 6 + 16
-    assert len(wire.encode(m, version=3)) == wire.reply_nbytes(33, 3, 4, version=3) == 16 + 20 + 132 + 6 + 16
     kept = np.ones(33, bool)
     kept[20:] = False   # 33 rows: a mask of 5 bytes
     m = replace(m, verified=kept)
     assert len(wire.encode(m)) == wire.reply_nbytes(33, 3, 4, verified=True) == 16 + 21 + 132 + 6 + 16 + 5
-    assert len(wire.encode(m, version=3)) == wire.reply_nbytes(33, 3, 4, version=3, verified=True) == 190
-    assert (wire.reply_nbytes(33, 0), wire.reply_nbytes(33, 0, verified=True), wire.reply_nbytes(33, 0, version=3)) \
-        == (169, 174, 168)
+    assert (wire.reply_nbytes(33, 0), wire.reply_nbytes(33, 0, verified=True)) == (169, 174)
 
 
 # ------------------------------------------------------------------------------------------------ header checks
@@ -294,16 +304,28 @@ def test_bad_magic():
     fails("bad_magic", frame(wire.MessageType.CLOSE, bytes(8), magic=b"HTTP"), None, "b'HTTP'", "b'HYCO'")
 
 
-def test_unsupported_version_names_the_supported_ones():
-    assert wire.PROTOCOL_VERSION == 4  # ROUND's row scores, REPLY's verified rows
-    assert wire.SUPPORTED_VERSIONS == (3, 4)
-    for other in (0, 2, 5, 65535):
+def test_unsupported_version_names_the_supported_one_and_the_fix():
+    assert wire.PROTOCOL_VERSION == 5  # conversations re-rendered by the template: APPEND keep/keep_crc/anchor
+    assert wire.SUPPORTED_VERSIONS == (5,)
+    for other in (0, 2, 3, 4, 6, 65535):
         data = frame(wire.MessageType.CLOSE, bytes(8), version=other)
-        fails("unsupported_version", data, None, f"version {other}", "versions 3, 4")
-        with pytest.raises(wire.UnsupportedVersion, match="versions 3, 4"):
+        err = fails("unsupported_version", data, None, f"frame speaks protocol version {other}: ",
+                    "this side speaks version(s) 5; ")
+        assert err.message.endswith(wire.OLD_VERSION_FIX)
+        with pytest.raises(wire.UnsupportedVersion, match="version\\(s\\) 5"):
             wire.frame_version(data)
-    with pytest.raises(wire.UnsupportedVersion, match="protocol version 2: this side speaks versions 3, 4"):
-        wire.encode(Close(1), version=2)
+    assert "hycoc build RECIPE" in wire.OLD_VERSION_FIX      # the fix names the command that rebuilds a bundle
+    for other in (2, 3, 4):
+        with pytest.raises(wire.UnsupportedVersion) as info:
+            wire.encode(Close(1), version=other)
+        assert info.value.message == (f"protocol version {other}: this side speaks version(s) 5; "
+                                      + wire.OLD_VERSION_FIX)
+        with pytest.raises(wire.UnsupportedVersion):
+            wire.tree_nbytes(33, version=other)
+        with pytest.raises(wire.UnsupportedVersion):
+            wire.reply_nbytes(33, 0, version=other)
+        with pytest.raises(wire.UnsupportedVersion):
+            wire.error_frame(wire.BadScores("x"), version=other)
 
 
 @pytest.mark.parametrize("mtype", [0, 8, 255])
@@ -651,15 +673,31 @@ def test_every_code_is_distinct_and_valid():
         assert wire.decode(wire.error_frame(wire.ERROR_CLASSES[code]("x"))).code == code
 
 
-def test_append_round_trip_and_bytes():
-    from hycoc.protocol.messages import AppendTurn
+HELD = [2, 10, 999, 0, 17, 5]           # what a session holds: prompt + committed output
 
-    m = AppendTurn(np.array([5, 6, 999], np.int32), max_new_tokens=64)
+
+def test_append_byte_layout_is_exact_and_round_trips():
+    """APPEND built field by field with struct (module docstring: u32 max_new_tokens, keep, keep_crc, anchor, T;
+    then i32[T]); keep_crc is zlib's crc32 of the kept ids as <i4 (numpy writes the bytes here, not hycoc)."""
+    keep = 4
+    crc = zlib.crc32(np.array(HELD[:keep], "<i4").tobytes())
+    assert ids_crc32(HELD[:keep]) == crc
+    m = AppendTurn(np.array([5, 6, 999], np.int32), max_new_tokens=64, keep=keep, keep_crc=crc, anchor=5)
+    payload = struct.pack("<IIIII", 64, keep, crc, 5, 3) + struct.pack("<3i", 5, 6, 999)
     data = wire.encode(m)
-    assert len(data) == 16 + 8 + 4 * 3 and data[6] == wire.MessageType.APPEND == 7
+    assert data == frame(wire.MessageType.APPEND, payload)
+    assert len(data) == 16 + 20 + 4 * 3 == wire.append_nbytes(3) and data[6] == wire.MessageType.APPEND == 7
     got = wire.decode(data, wire.Limits(vocab_size=VOCAB, max_context=16))
-    assert got.max_new_tokens == 64
+    assert (got.max_new_tokens, got.keep, got.keep_crc, got.anchor) == (64, keep, crc, 5)
     assert_same_array(got.tokens, m.tokens, np.int32)
+
+
+def test_append_keep_crc_spans_the_whole_u32():
+    """A crc32 above 2**31 travels unchanged (u32, not i32)."""
+    held = next(HELD[:4] + [i] for i in range(1000) if ids_crc32(HELD[:4] + [i]) >= 2**31)
+    crc = ids_crc32(held)
+    got = wire.decode(wire.encode(AppendTurn(np.array([7], np.int32), 8, len(held), crc)))
+    assert got.keep_crc == crc >= 2**31
 
 
 @pytest.mark.parametrize("tokens, max_new, limits, code", [
@@ -669,14 +707,68 @@ def test_append_round_trip_and_bytes():
     ([1, 2, 3], 4, wire.Limits(max_context=3), "context_overflow"),
 ])
 def test_append_refusals(tokens, max_new, limits, code):
-    from hycoc.protocol.messages import AppendTurn
-
     with pytest.raises(wire.WireError) as info:
         wire.validate(AppendTurn(np.array(tokens, np.int32), max_new), limits)
     assert info.value.code == code
 
 
-# ------------------------------------------------------------------------------------------------ version 4
+@pytest.mark.parametrize("keep, keep_crc, anchor, needle", [
+    (0, 0, 0, "AppendTurn.keep = 0: must lie in [1, 4294967295]"),
+    (-1, 0, 0, "AppendTurn.keep = -1"),
+    (2**32, 0, 0, "AppendTurn.keep = 4294967296"),
+    (4, -1, 0, "AppendTurn.keep_crc = -1: must lie in [0, 4294967295]"),
+    (4, 2**32, 0, "AppendTurn.keep_crc = 4294967296"),
+    (4, 0, 3, "AppendTurn.anchor = 3: must lie in [keep, keep + T) = [4, 7) or be 0"),   # before keep
+    (4, 0, 7, "AppendTurn.anchor = 7"),                                                   # keep + T: past the turn
+    (4, 0, -4, "AppendTurn.anchor = -4"),
+])
+def test_append_field_checks(keep, keep_crc, anchor, needle):
+    with pytest.raises(wire.OutOfRange) as info:
+        wire.encode(AppendTurn(np.array([5, 6, 7], np.int32), 8, keep, keep_crc, anchor))
+    assert info.value.code == "out_of_range" and needle in info.value.message
+
+
+@pytest.mark.parametrize("keep, anchor", [(1, 0), (1, 1), (1, 3), (4, 4), (4, 6), (2**32 - 4, 0)])
+def test_append_accepts_the_edges(keep, anchor):
+    m = AppendTurn(np.array([5, 6, 7], np.int32), 8, keep, 2**32 - 1, anchor)
+    assert (wire.decode(wire.encode(m)).keep, wire.decode(wire.encode(m)).anchor) == (keep, anchor)
+
+
+@pytest.mark.xfail(strict=True, raises=struct.error, reason=(
+    "hycoc/protocol/wire.py _check_append bounds anchor by [keep, keep + T) but not by u32: keep = 2**32 - 1, T = 2, "
+    "anchor = 2**32 passes validate and _APPEND.pack raises struct.error instead of OutOfRange"))
+def test_append_anchor_past_u32_is_out_of_range():
+    with pytest.raises(wire.OutOfRange, match="AppendTurn.anchor"):
+        wire.encode(AppendTurn(np.array([5, 6], np.int32), 8, 2**32 - 1, 0, 2**32))
+
+
+def test_append_decode_checks_each_field_and_the_context():
+    ok = wire.encode(AppendTurn(np.array([5, 6, 7], np.int32), 8, 4, ids_crc32(HELD[:4]), 4))
+    fails("out_of_range", patch(ok, APPEND_AT["keep"], "I", 0), None, "AppendTurn.keep = 0")
+    fails("out_of_range", patch(ok, APPEND_AT["max_new_tokens"], "I", 0), None, "AppendTurn.max_new_tokens = 0")
+    fails("out_of_range", patch(ok, APPEND_AT["anchor"], "I", 3), None, "AppendTurn.anchor = 3", "[4, 7)")
+    fails("out_of_range", patch(ok, APPEND_AT["anchor"], "I", 7), None, "AppendTurn.anchor = 7")
+    fails("length_mismatch", patch(ok, APPEND_AT["n_tokens"], "I", 4), None, "APPEND", "tokens")
+    # keep + T = 7 positions: a verifier of max_context 7 has no room for output, one of 8 has
+    fails("context_overflow", ok, wire.Limits(max_context=7), "keep + T = 7", "max_context = 7")
+    assert wire.decode(ok, wire.Limits(max_context=8)).keep == 4
+
+
+def test_open_anchor_must_lie_in_the_prompt():
+    """OPEN's anchor: the prompt's model-turn opening, in [0, T) (T = 4 here)."""
+    assert wire.decode(open_frame(anchor=3)).anchor == 3
+    for bad in (4, 5, -1):
+        with pytest.raises(wire.OutOfRange, match=f"OpenRequest.anchor = {bad}: must lie in \\[0, T = 4\\)"):
+            wire.encode(open_request(anchor=bad))
+    fails("out_of_range", patch(open_frame(), OPEN_AT["anchor"], "I", 4), None, "OpenRequest.anchor = 4", "[0, T = 4)")
+    fails("out_of_range", patch(open_frame(), OPEN_AT["anchor"], "I", 2**32 - 1), None, "OpenRequest.anchor")
+    # a one-token prompt has no room for an anchor but 0
+    assert wire.decode(open_frame(prompt_ids=np.array([7], np.int32))).anchor == 0
+    with pytest.raises(wire.OutOfRange, match="anchor = 1"):
+        wire.encode(open_request(prompt_ids=np.array([7], np.int32), anchor=1))
+
+
+# ------------------------------------------------------------------------------------------------ scores, verified
 
 
 def scored(tree: DraftTree) -> DraftTree:
@@ -691,7 +783,7 @@ TREE5 = DraftTree(9, np.array([5, 7, 7, 999, 0], np.int32), np.array([-1, 0, 0, 
                   np.array([0.0, -0.41, -1.3, -2.0, -70000.0], np.float32))
 
 
-def test_round_v4_scores_round_trip_as_float16():
+def test_round_scores_round_trip_as_float16():
     got = wire.decode(wire.encode(TREE5), LIMITS)
     assert_same_array(got.tokens, TREE5.tokens, np.int32)
     assert_same_array(got.parents, TREE5.parents, np.int32)
@@ -704,16 +796,14 @@ def test_round_v4_scores_round_trip_as_float16():
     assert data[-10:] == np.array([0.0, -0.41, -1.3, -2.0, -65504.0], "<f2").tobytes()
 
 
-def test_round_v4_without_scores_and_v3_drop_them():
+def test_round_without_scores_and_its_layout():
     bare = replace(TREE5, scores=None)
     got = wire.decode(wire.encode(bare), LIMITS)
     assert got.scores is None and wire.encode(bare)[wire.HEADER.size + 6] == 0
-    v3 = wire.encode(TREE5, version=3)
-    assert v3 == raw_tree(TREE5.tokens, TREE5.parents, seq=9, version=3)   # the v3 layout, byte for byte
-    assert wire.frame_version(v3) == 3 and wire.frame_version(wire.encode(TREE5)) == 4
-    got = wire.decode(v3, LIMITS)
-    assert got.scores is None and got.seq == 9
-    assert_same_array(got.tokens, TREE5.tokens, np.int32)
+    assert wire.encode(bare) == raw_tree(TREE5.tokens, TREE5.parents, seq=9)          # byte for byte
+    assert wire.encode(TREE5) == raw_tree(TREE5.tokens, TREE5.parents, seq=9,
+                                          scores=np.maximum(TREE5.scores, wire.FP16_SCORE_FLOOR))
+    assert wire.frame_version(wire.encode(TREE5)) == 5
 
 
 def test_fp16_rounding_keeps_scores_monotone():
@@ -724,19 +814,47 @@ def test_fp16_rounding_keeps_scores_monotone():
     assert got.scores.tolist() == [0.0, -1.0, -1.0]
 
 
-def test_a_v3_peer_decodes_every_other_frame_unchanged():
-    """Only ROUND and REPLY payloads differ between versions 3 and 4; the rest differs in the header's version."""
-    from hycoc.protocol.messages import AppendTurn
+def old_frames() -> dict[str, tuple[int, bytes]]:
+    """Frames of version-3 and -4 peers, written by hand in their own layouts (docs of those versions: OPEN's fixed
+    part of 38 B without anchor, APPEND's of 8 B (u32 max_new_tokens, u32 T), version 3's ROUND without has_scores)."""
+    prompt = struct.pack("<4i", 2, 10, 999, 0)
+    open4 = struct.pack("<fIfQfBBHHII", 0.5, 64, 0.75, 5, 0.25, 1, 0, 0, 0, 256, 4) + prompt
+    append4 = struct.pack("<II", 64, 2) + struct.pack("<2i", 5, 6)
+    round3 = struct.pack("<IH", 0, 2) + struct.pack("<2i", 5, 6) + struct.pack("<2h", -1, 0)
+    round4 = struct.pack("<IHB", 0, 2, 0) + struct.pack("<2i", 5, 6) + struct.pack("<2h", -1, 0)
+    return {"OPEN v4": (4, frame(wire.MessageType.OPEN, open4, version=4)),
+            "OPEN v3": (3, frame(wire.MessageType.OPEN, open4, version=3)),
+            "APPEND v4": (4, frame(wire.MessageType.APPEND, append4, version=4)),
+            "ROUND v3": (3, frame(wire.MessageType.ROUND, round3, version=3)),
+            "ROUND v4": (4, frame(wire.MessageType.ROUND, round4, version=4)),
+            "CLOSE v4": (4, frame(wire.MessageType.CLOSE, struct.pack("<Q", 5), version=4))}
 
-    for m in (open_request(auth_token="k", chat='{"a":1}'), OPENED, Close(5), ErrorReply("bad_seq", "x"),
-              AppendTurn(np.array([1, 2], np.int32), 8)):
-        v3, v4 = wire.encode(m, version=3), wire.encode(m)
-        assert v3[:4] + v3[6:] == v4[:4] + v4[6:]
-        assert struct.unpack_from("<H", v3, 4) == (3,) and struct.unpack_from("<H", v4, 4) == (4,)
-        assert wire.encode(wire.decode(v3), version=3) == v3 and wire.encode(wire.decode(v3)) == v4
+
+@pytest.mark.parametrize("name", list(old_frames()))
+def test_version_3_and_4_frames_are_refused_naming_the_fix(name):
+    """An old peer's frame is refused from its header alone (before its payload is read) with unsupported_version,
+    whose message names the fix (`wire.OLD_VERSION_FIX`), both by `decode` and by `frame_version`."""
+    version, data = old_frames()[name]
+    err = fails("unsupported_version", data, None, f"frame speaks protocol version {version}: this side speaks "
+                f"version(s) 5; {wire.OLD_VERSION_FIX}")
+    assert err.message == f"frame speaks protocol version {version}: this side speaks version(s) 5; " \
+        + wire.OLD_VERSION_FIX
+    fails("unsupported_version", data[:wire.HEADER.size], None, wire.OLD_VERSION_FIX)   # the header alone suffices
+    with pytest.raises(wire.UnsupportedVersion):
+        wire.frame_version(data[:wire.HEADER.size])
 
 
-def test_reply_v4_verified_round_trip_and_mask_layout():
+def test_the_same_payload_under_a_version_5_header_is_read_in_the_version_5_layout():
+    """Only the header says which layout a payload has: the v4 OPEN's 38-byte fixed part under a v5 header is read
+    as a v5 OPEN (anchor = the first prompt id, the prompt one id short) and refused for its length."""
+    _, data = old_frames()["OPEN v4"]
+    v5 = refresh_crc(data[:4] + struct.pack("<H", 5) + data[6:])
+    fails("length_mismatch", v5, None, "prompt_ids")
+    _, data = old_frames()["APPEND v4"]   # 8 + 8 bytes: shorter than v5's 20-byte fixed part
+    fails("length_mismatch", refresh_crc(data[:4] + struct.pack("<H", 5) + data[6:]), None, "APPEND", "fixed part")
+
+
+def test_reply_verified_round_trip_and_mask_layout():
     m = reply(rows=10, path=(1, 3), with_handoff=True)
     kept = np.zeros(10, bool)
     kept[[0, 1, 3, 9]] = True
@@ -751,20 +869,6 @@ def test_reply_v4_verified_round_trip_and_mask_layout():
     assert_same_array(got.handoff.k_full, m.handoff.k_full, np.int8)   # the hand-off follows the mask
     assert len(data) == wire.reply_nbytes(10, 2, 0, wire.handoff_nbytes(H, DS, DF, 3), verified=True)
     assert wire.decode(wire.encode(replace(m, verified=None)), limits).verified is None
-
-
-def test_reply_v3_drops_verified_and_decodes_as_every_row():
-    m = reply(rows=5, path=(1, 3), with_handoff=False)
-    kept = np.array([1, 1, 0, 1, 0], bool)
-    v3 = wire.encode(replace(m, verified=kept), version=3)
-    assert v3 == wire.encode(m, version=3) and len(v3) == wire.reply_nbytes(5, 2, version=3) == 36 + 20 + 4
-    got = wire.decode(v3, LIMITS)
-    assert got.verified is None and wire.frame_version(v3) == 3
-    assert_same_array(got.samples, m.samples, np.int32)
-    # the v3 layout by hand: the fixed part has no has_verified byte
-    fixed = struct.pack("<IifBBHHH", m.seq, m.bonus, m.server_ms, 0, 0, 5, 2, 0)
-    payload = fixed + m.samples.astype("<i4").tobytes() + m.path_rows.astype("<i2").tobytes()
-    assert v3 == frame(wire.MessageType.REPLY, payload, version=3)
 
 
 def test_round_scores_errors():
@@ -808,13 +912,13 @@ def test_reply_verified_errors():
 
 
 def test_frame_version_reads_the_header_only():
-    assert wire.frame_version(wire.encode(Close(1))[:16]) == 4           # no payload needed
-    assert wire.frame_version(wire.encode(Close(1), version=3)) == 3
+    assert wire.frame_version(wire.encode(Close(1))[:16]) == 5           # no payload needed
+    assert wire.frame_version(wire.encode(Close(1), version=5)) == 5
     with pytest.raises(wire.Truncated):
         wire.frame_version(b"HYCO")
     with pytest.raises(wire.BadMagic):
         wire.frame_version(frame(wire.MessageType.CLOSE, bytes(8), magic=b"HTTP"))
     with pytest.raises(wire.BadFlags):
         wire.frame_version(frame(wire.MessageType.CLOSE, bytes(8), flags=2))
-    assert wire.decode(wire.error_frame(wire.BadScores("x"), version=3)).code == "bad_scores"
-    assert wire.frame_version(wire.error_frame(wire.BadScores("x"), version=3)) == 3
+    assert wire.decode(wire.error_frame(wire.BadScores("x"), version=5)).code == "bad_scores"
+    assert wire.frame_version(wire.error_frame(wire.BadScores("x"))) == 5
