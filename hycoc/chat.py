@@ -264,10 +264,10 @@ def mark_messages(messages: list[dict], control_tokens) -> list[dict]:
 
 
 def common_prefix(a, b) -> int:
-    """Length of the longest common prefix of two id sequences."""
+    """Length of the longest common prefix of two sequences (token ids, or strings)."""
     n = min(len(a), len(b))
     i = 0
-    while i < n and int(a[i]) == int(b[i]):
+    while i < n and a[i] == b[i]:
         i += 1
     return i
 

@@ -157,8 +157,10 @@ def render_verifier_kv(console: Any, kv: dict) -> None:
         rows.append([f"{int(n):,}", f"{kv['full_length_bytes'][n] / 1e9:.3f}", f"{fit['full_length']:,}",
                      f"{after / 1e9:.3f}", f"{fit['windowed']:,}"])
     _print_table(console, f"verifier KV per session ({kv['kv_dtype']}; sliding layers keep "
-                 f"{kv['sliding_retained_positions']:,} positions + {kv['tree_rows']} tree rows, full layers "
-                 "the context)", cols, rows, right=tuple(cols))
+                 f"{kv['sliding_retained_positions']:,} positions + max({kv['tree_rows']} tree rows, a "
+                 f"{kv.get('prefill_chunk', 0):,}-position prefill chunk) + a {kv['sliding_retained_positions']:,}-"
+                 "position snapshot at the model turn's opening; full layers the context)", cols, rows,
+                 right=tuple(cols))
 
 
 def render_plan(plan: dict, console: Any = None) -> None:

@@ -507,13 +507,14 @@ def _verifier_kv(config, recipe: Recipe, tree_rows: int, window: int, head_slidi
     context lengths as strings (JSON)."""
     import torch
 
-    from hycoc.verifier.kv_cache import KVLayout, kv_bytes_per_session, retained_positions
+    from hycoc.verifier.kv_cache import DEFAULT_PREFILL_CHUNK, KVLayout, kv_bytes_per_session, retained_positions
 
     dtype_bytes = torch.finfo(getattr(torch, recipe.verifier.dtype)).bits // 8
     retain = retained_positions(config, window, head_sliding_window)
     layout = KVLayout.from_config(config, dtype_bytes, retain)
     after = {str(n): kv_bytes_per_session(config, n, tree_rows=tree_rows, handoff_window=window,
-                                          dtype_bytes=dtype_bytes, head_sliding_window=head_sliding_window)
+                                          dtype_bytes=dtype_bytes, head_sliding_window=head_sliding_window,
+                                          prefill_chunk=DEFAULT_PREFILL_CHUNK, snapshot=True)
              for n in KV_CONTEXTS}
     before = {str(n): layout.bytes_per_position * n for n in KV_CONTEXTS}
     return {
@@ -524,6 +525,7 @@ def _verifier_kv(config, recipe: Recipe, tree_rows: int, window: int, head_slidi
         "sliding_window": int(config.sliding_window),
         "sliding_retained_positions": retain,
         "tree_rows": tree_rows,
+        "prefill_chunk": DEFAULT_PREFILL_CHUNK,
         "kv_bytes_per_session": after,
         "full_length_bytes": before,
         "pool_bytes": KV_POOL_BYTES,

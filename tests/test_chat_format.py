@@ -34,9 +34,8 @@ def chat(folder):
 def test_the_fixture_reads_as_gemma_4(chat, folder):
     f = chat.format
     assert (f.stop_ids, f.stop_tokens) == ([1, 106, 50], ["<eos>", "<turn|>", "<|tool_response>"])
-    assert f.turns["default"].model_dump() == {"first": "<bos><|turn>user\n", "user_end": "<turn|>\n<|turn>model\n",
-                                               "next": "<turn|>\n<|turn>user\n"}
-    assert f.turns["thinking"].first == "<bos><|turn>system\n<|think|><turn|>\n<|turn>user\n"
+    assert f.template == TEMPLATE and f.has_thinking and f.specials["bos_token"] == "<bos>"
+    assert chat.render("w1", thinking=True).startswith("<bos><|turn>system\n<|think|><turn|>\n<|turn>user\n")
     assert f.sources == {"template": str(folder / "chat_template.jinja"),
                          "stop_ids": str(folder / "generation_config.json")}
     assert f.reasoning is None                   # no verifier config.json here: no model type to look up
@@ -50,17 +49,6 @@ def test_prompts_equal_transformers_apply_chat_template(chat, folder, text, thin
     assert chat.prompt(text, thinking=bool(thinking)) == want
 
 
-@pytest.mark.parametrize("text", TEXTS[:3])
-def test_a_conversation_is_prompt_answer_next_turn(chat, folder, text):
-    """prompt(u1) + answer + next_turn(u2) is the template's rendering of the whole conversation."""
-    answer = "w10 w11 w12"
-    messages = [{"role": "user", "content": text}, {"role": "assistant", "content": answer},
-                {"role": "user", "content": "w13 <turn|>"}]
-    ids = chat.prompt(text) + chat.tokenizer.encode(answer, add_special_tokens=False).ids + chat.next_turn(
-        "w13 <turn|>")
-    assert ids == apply_chat_template_ids(folder, messages)
-
-
 def test_user_control_token_strings_stay_text(chat):
     ids = chat.prompt("w1 <turn|> <|turn>model <bos>")
     assert [ids.count(i) for i in (2, 105, 106)] == [1, 2, 1]    # only the template's own control tokens
@@ -70,7 +58,7 @@ def test_user_control_token_strings_stay_text(chat):
 def test_the_template_in_tokenizer_config_is_read_too(tmp_path):
     f = load_chat_format(write_tokenizer_folder(tmp_path, template_as="config"))
     assert f.sources["template"] == f"{tmp_path / 'tokenizer_config.json'}:chat_template"
-    assert f.turns["default"].first == "<bos><|turn>user\n"
+    assert f.template == TEMPLATE
 
 
 def test_stop_ids_come_from_the_verifier_first(tmp_path):
@@ -101,10 +89,12 @@ def test_bad_chat_files_are_refused_naming_the_file(tmp_path):
     with pytest.raises(ChatFormatError, match=r"chat_template.jinja: the chat template fails to render a user "
                                               r"conversation .*no user turns here"):
         load_chat_format(broken)
-    reordered = write_tokenizer_folder(tmp_path / "d")
-    (reordered / "chat_template.jinja").write_text(TEMPLATE.replace("message['content']", "message['content'][::-1]"))
-    with pytest.raises(ChatFormatError, match="does not render the user's message verbatim"):
-        load_chat_format(reordered)
+    # a template whose first user turn renders differently once a model turn follows: nothing could be kept
+    moving = write_tokenizer_folder(tmp_path / "d")
+    (moving / "chat_template.jinja").write_text(TEMPLATE.replace(
+        "{{- bos_token -}}", "{{- bos_token -}}{{- messages | length -}}"))
+    with pytest.raises(ChatFormatError, match="renders the first user turn differently once a model turn follows"):
+        load_chat_format(moving)
 
 
 def test_the_contract_check_names_both_sides(chat, tmp_path):
@@ -117,10 +107,14 @@ def test_the_contract_check_names_both_sides(chat, tmp_path):
     with pytest.raises(ChatMismatch, match=r"stop ids differ"):
         chat.format.check_contract(toy.contract())
     body = json.loads(chat.format.contract())
-    body["turns"]["default"]["first"] = "<bos><start_of_turn>user\n"
-    with pytest.raises(ChatMismatch, match=r"turn tokens \(default\) differ: .*<start_of_turn>.*the verifier .*<\|turn>"):
+    body["template_sha256"] = "0" * 64
+    with pytest.raises(ChatMismatch, match=r"chat templates differ: the device's bundle renders with template sha256 "
+                                           r"000000000000\.\.\., the verifier with " + chat.format.template_sha256[:12]):
         chat.format.check_contract(json.dumps(body))
-    with pytest.raises(ChatMismatch, match="not valid"):
+    old = {"stop_ids": [1, 50, 106], "turns": {"default": {"first": "<bos>", "user_end": "", "next": ""}}}
+    with pytest.raises(ChatMismatch, match="built before conversations were re-rendered by the template"):
+        chat.format.check_contract(json.dumps(old))          # a bundle of an older hycoc
+    with pytest.raises(ChatMismatch, match="rebuild the bundle"):
         chat.format.check_contract("{")
 
 
@@ -142,53 +136,15 @@ def test_thought_split_and_stream():
     assert Chat(toy.format.model_copy(update={"reasoning": None}), tok).split_thought(thought) == (None, thought)
 
 
-# ---- the conversation the verifier holds after APPEND --------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def engine():
-    from tiny_models import tiny_verifier
-
-    from hycoc.verifier.engine import VerifierEngine
-
-    torch.set_num_threads(1)
-    return VerifierEngine(tiny_verifier(), head_window=16, handoff_scales=(0.01,) * 6, eos_token_ids=STOP_IDS)
+# ---- an answer as its assistant message ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("stop", [1, 106, 50, None])
-def test_append_holds_the_templates_rendering_of_the_conversation(engine, chat, folder, stop):
-    """A finished first turn (answer ids, then the stop id it ended on; None: cut by the output cap) continued
-    with APPEND: the verifier holds exactly the template's rendering of user, model, user + generation prompt, and
-    its next logits equal a cold prefill of that rendering."""
-    prompt = chat.prompt("w1 w2")
-    answer = chat.tokenizer.encode("w3 w4 w5", add_special_tokens=False).ids + ([] if stop is None else [stop])
-    session = engine.open(prompt + answer)            # the answer's KV, as rounds would have written it
-    session.prefill()
-    session.turn_start, session.finished = len(prompt), True
-    session.finish_reason = "max_new_tokens" if stop is None else "stop"
-    turn = chat.next_turn("w6")
-    session.append(turn, 4)
-    want = apply_chat_template_ids(folder, [{"role": "user", "content": "w1 w2"},
-                                            {"role": "assistant", "content": "w3 w4 w5"},
-                                            {"role": "user", "content": "w6"}])
-    assert session.tokens == want
-    from hycoc.verifier.kv_cache import first_position, stores_kv
-
-    assert {first_position(layer) + layer.keys.shape[2] for layer in session.cache.layers if stores_kv(layer)} == {
-        len(want) - 1}                                   # KV up to every position but the root, in every layer
-    with torch.no_grad():
-        cold = engine.model(torch.tensor([want])).logits[0, -1]
-        warm = engine.model(torch.tensor([want[-1:]]), cache=session.cache,
-                            position_ids=torch.tensor([[len(want) - 1]])).logits[0, -1]
-    assert torch.allclose(warm, cold, atol=1e-5)
-    session.close()
-
-
-def test_the_device_drops_the_stop_id_as_the_verifier_does(chat):
-    assert chat.conversation_tokens([5, 6, 106]) == [5, 6]
-    assert chat.conversation_tokens([5, 6, 1]) == [5, 6]
-    assert chat.conversation_tokens([5, 6, 7]) == [5, 6, 7]            # cut by the cap: nothing to drop
-    assert np.array_equal(chat.next_turn("w6")[:3], [106, 105, 107])   # <turn|> <|turn> user: the template's close
+def test_an_answer_becomes_its_text_without_the_stop_id(stop):
+    toy = load_chat(TOY_VERIFIER, TOY_VERIFIER)
+    ids = toy.tokenizer.encode("<|channel>thought\nhm<channel|>It is 4.", add_special_tokens=False).ids
+    stop_ids = [] if stop is None else [{1: 1, 106: 6, 50: 10}[stop]]       # the toy's ids of the same stops
+    assert toy.answer_text(ids + stop_ids) == "<|channel>thought\nhm<channel|>It is 4."
 
 
 # ---- hycoc inspect ---------------------------------------------------------------------------------------------
@@ -209,6 +165,7 @@ def test_inspect_gemma4_recipe_shows_the_chat_format(folder, tmp_path):
     assert result.exit_code == 0, result.output
     chat = json.loads(result.stdout)["chat"]
     assert chat["prompt"] == "<bos><|turn>user\nHello<turn|>\n<|turn>model\n"
+    assert chat["second_turn"].count("<|turn> user") == 2      # the whole conversation (word-level decode)
     assert chat["stop"] == [{"id": 1, "token": "<eos>"}, {"id": 106, "token": "<turn|>"},
                             {"id": 50, "token": "<|tool_response>"}]
     assert chat["sources"]["stop_ids"] == str(folder / "generation_config.json")   # no verifier folder here

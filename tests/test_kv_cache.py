@@ -50,7 +50,7 @@ def test_held_bytes_are_the_formula_after_prefill_and_after_every_round(models):
     assert (layout.full_bytes, layout.sliding_bytes, layout.retain) == (512, 512, 9)
     prompt, max_new, rows = list(range(20, 60)), 60, 7
     reserved = engine.session_kv_bytes(min(engine.max_context, len(prompt) + max_new + rows), rows)
-    assert reserved == 512 * 107 + 512 * 16
+    assert reserved == 512 * 107 + 512 * (9 + max(rows, 5)) + 512 * 9    # window + rows or a chunk of 5, snapshot
     session = engine.open(prompt, Sampling(0.0, 64, 0.95), max_new_tokens=max_new, acceptance="exact")
     _, t = session.prefill()
     assert t == 39 and held_bytes(session.cache) == layout.session_bytes(39, 0) == 512 * 39 + 512 * 9
@@ -91,7 +91,7 @@ def _outputs(engine, draft_place, tree_model):
 
     rounds(20)
     assert session.finished
-    session.append(list(range(60, 66)), max_new_tokens=20)
+    session.append(list(range(60, 66)), max_new_tokens=20, keep=len(session.tokens))   # the whole conversation kept
     rounds(4)
     return session.tokens, replies
 
@@ -170,7 +170,9 @@ def test_the_toy_verifiers_held_bytes_against_its_reservation():
     assert (layout.full_bytes, layout.sliding_bytes, layout.retain) == (1024, 3 * 1024, 256)
     rows, prompt = 33, np.random.default_rng(3).integers(10, 4000, 400)
     reserved = engine.session_kv_bytes(len(prompt) + 256 + rows, rows)
-    assert reserved == 1024 * 689 + 3 * 1024 * (256 + 33)
+    # sliding: the window + the larger of a tree and a 512-position prefill chunk (capped at the context), + the
+    # 256-position snapshot a conversation keeps
+    assert reserved == 1024 * 689 + 3 * 1024 * min(689, 256 + 512) + 3 * 1024 * 256
     session = engine.open(prompt, Sampling(0.0, 64, 0.95), max_new_tokens=256, acceptance="exact")
     session.prefill()
     assert held_bytes(session.cache) == storage_bytes(session.cache) == 1024 * 399 + 3 * 1024 * 256

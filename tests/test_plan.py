@@ -109,22 +109,25 @@ def test_inspect_recipe_tables_run():
     result = runner.invoke(app, ["inspect", str(GEMMA4)], terminal_width=160)
     assert result.exit_code == 0, result.stderr
     for text in ("plan vs paper", "head_lut_bytes", "assumed:", "k_ring_14", "6,144", "ESTIMATE",
-                 "the estimate against device figures", "residual", "verifier KV per session", "0.888", "7.382"):
+                 "the estimate against device figures", "residual", "verifier KV per session", "1.196", "7.382"):
         assert text in result.stdout
 
 
 def test_gemma4_verifier_kv_per_session(gemma4):
     """26B-A4B in bfloat16: 225,280 B per position at full length (25 sliding layers x 8 x 256 + 5 global x 2 x 512,
-    K and V, 2 B); windowed, the 25 sliding layers hold 1,025 positions (the head's window of 1,024 + 1) + 33 rows."""
+    K and V, 2 B); windowed, the 25 sliding layers hold 1,025 positions (the head's window of 1,024 + 1) + the
+    larger of 33 tree rows and a 512-position prefill chunk, + a 1,025-position snapshot for conversations."""
     kv = gemma4["verifier"]
     assert (kv["kv_bytes_per_position_sliding"], kv["kv_bytes_per_position_full"]) == (204_800, 20_480)
     assert (kv["sliding_retained_positions"], kv["tree_rows"], kv["kv_dtype"]) == (1025, 33, "bfloat16")
+    assert kv["prefill_chunk"] == 512
     assert kv["full_length_bytes"]["32768"] == 225_280 * 32_768 == 7_381_975_040
-    assert kv["kv_bytes_per_session"] == {"2048": 20_480 * 2048 + 204_800 * 1058,
-                                          "8192": 20_480 * 8192 + 204_800 * 1058,
-                                          "32768": 20_480 * 32_768 + 204_800 * 1058}
-    assert kv["kv_bytes_per_session"]["32768"] == 887_767_040 <= 1.0e9
-    assert kv["sessions_per_pool"]["32768"] == {"full_length": 10, "windowed": 90}
+    sliding = 1025 + max(33, 512) + 1025
+    assert kv["kv_bytes_per_session"] == {"2048": 20_480 * 2048 + 204_800 * sliding,
+                                          "8192": 20_480 * 8192 + 204_800 * sliding,
+                                          "32768": 20_480 * 32_768 + 204_800 * sliding}
+    assert kv["kv_bytes_per_session"]["32768"] == 1_195_786_240
+    assert kv["sessions_per_pool"]["32768"] == {"full_length": 10, "windowed": 80 * 10**9 // 1_195_786_240}
 
 
 def test_toy_plan_counts_the_real_toy_models(toy):

@@ -223,7 +223,7 @@ def test_an_appended_turn_keeps_the_kv_and_continues_greedily(verifier):
     reply = session.verify(*chain(prompt[-1], g[:4]), 0)        # the cap cuts the path: KV of g[3] is dropped
     assert reply.finish_reason == "max_new_tokens" and session.output == g[:3]
     turn = [7, 8, 9]
-    ms, t = session.append(turn, max_new_tokens=4)
+    ms, t = session.append(turn, max_new_tokens=4, keep=len(session.tokens))   # the whole conversation kept
     conversation = prompt + g[:3] + turn
     assert t == len(conversation) - 1 and ms > 0 and session.turns_prefill_ms == [ms]
     from hycoc.verifier.kv_cache import first_position, stores_kv
@@ -249,9 +249,9 @@ def test_append_is_refused_before_the_turn_finishes_and_past_the_context(verifie
     session = engine.open(list(range(110, 120)), sampling=Sampling(temperature=0.0))
     session.prefill()
     with pytest.raises(SessionFinished, match="has not finished"):
-        session.append([5], 4)
+        session.append([5], 4, keep=10)
     session.finished = True
-    with pytest.raises(ContextOverflow, match="leave no room"):
-        session.append(list(range(10)), 4)                     # 10 + 10 = 20 = max_context
+    with pytest.raises(ContextOverflow, match="leaves no room"):
+        session.append(list(range(10)), 4, keep=10)            # 10 + 10 = 20 = max_context
     with pytest.raises(BadRequest):
-        session.append([], 4)
+        session.append([], 4, keep=10)

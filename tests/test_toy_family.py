@@ -61,9 +61,13 @@ def test_chat_format_is_read_from_the_checkpoint_files(tok, ref):
     chat = load_chat(MODELS / "verifier", MODELS / "verifier")
     f = chat.format
     assert (f.stop_ids, f.stop_tokens) == ([1, 6, 10], ["<eos>", "<turn|>", "<|tool_response>"])
-    assert f.turns["default"].model_dump() == {"first": "<bos><|turn>user\n", "user_end": "<turn|>\n<|turn>model\n",
-                                               "next": "<turn|>\n<|turn>user\n"}
-    assert f.turns["thinking"].first == "<bos><|turn>system\n<|think|><turn|>\n<|turn>user\n"
+    assert chat.render(" Hi ") == "<bos><|turn>user\nHi<turn|>\n<|turn>model\n"          # user text trimmed
+    assert chat.render("Hi", thinking=True) == "<bos><|turn>system\n<|think|><turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\n"
+    two = chat.render_text([{"role": "user", "content": "Hi"},
+                            {"role": "assistant", "content": "<|channel>thought\nhm<channel|> Yes \n"},
+                            {"role": "user", "content": "Ok"}], marked=False)
+    assert two == ("<bos><|turn>user\nHi<turn|>\n<|turn>model\nYes<turn|>\n<|turn>user\nOk<turn|>\n"
+                   "<|turn>model\n")                               # the thought stripped, the answer trimmed
     assert f.reasoning == ["<|channel>thought\n", "<channel|>"]
     assert f.sources["template"].endswith("verifier/tokenizer_config.json:chat_template")
     assert chat.prompt(ref["prompt"]) == ref["input_ids"] == tok.encode(prompt_text(ref["prompt"])).ids

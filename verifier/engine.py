@@ -51,7 +51,7 @@ from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 from .acceptance import select_exact, select_path
 from .errors import (BadRequest, ContextOverflow, ConversationMismatch, NotPrefilled, RootMismatch, SequenceError,
                      SessionFinished, TreeError)
-from .kv_cache import (KVLayout, SlidingWindowLayer, WindowSnapshot, first_position, kv_bytes_per_session,
+from .kv_cache import (DEFAULT_PREFILL_CHUNK, KVLayout, SlidingWindowLayer, WindowSnapshot, first_position, kv_bytes_per_session,
                        kv_positions, restore_snapshot, retained_positions, session_cache, sliding_start, stores_kv,
                        take_snapshot, trim_windows, window_start)
 from .sampling import sample_rows, sampling_probs
@@ -371,7 +371,8 @@ class VerifierEngine:
     def __init__(self, model, *, head=None, keep_set: torch.Tensor | None = None, head_window: int,
                  chain_length: int = 4, handoff_scales: tuple[float, ...], hidden: str = "pre_norm",
                  head_query_position_offset: int = -1, eos_token_ids=(), max_context: int | None = None,
-                 device: torch.device | str = "cpu", prefill_chunk: int = 512, chat_format=None):
+                 device: torch.device | str = "cpu", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 chat_format=None):
         if hidden not in HIDDEN_CHOICES:
             raise BadRequest(f"hidden must be one of {HIDDEN_CHOICES}, got {hidden!r}")
         if len(handoff_scales) != 6 or any(s <= 0 for s in handoff_scales):

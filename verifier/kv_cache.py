@@ -36,6 +36,9 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+#: Positions one prefill forward adds by default (`hycoc.verifier.engine.VerifierEngine`'s ``prefill_chunk``): the
+#: prefill peak of `kv_bytes_per_session`, the bench's cost-model replay and ``hycoc inspect``'s plan read it here.
+DEFAULT_PREFILL_CHUNK = 512
 
 
 class SlidingWindowLayer(DynamicSlidingWindowLayer):

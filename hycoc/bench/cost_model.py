@@ -72,7 +72,7 @@ READABLE_SCHEMAS = (1, 2)
 KINDS = ("verify", "head_step", "prefill")
 
 #: Prompt positions per prefill forward: `hycoc.verifier.engine.VerifierEngine`'s ``prefill_chunk`` default, which
-#: `hycoc verify-server` uses (a test holds the two equal).
+#: `hycoc verify-server` uses (one value: `hycoc.verifier.kv_cache.DEFAULT_PREFILL_CHUNK`).
 PREFILL_CHUNK = 512
 
 #: The paper's median server ms per round on one RTX PRO 6000 (§3.1): HyCo's (verification only, the head on the
