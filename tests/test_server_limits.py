@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+import zlib
 from contextlib import contextmanager
 
 import numpy as np
@@ -32,9 +33,15 @@ TOKEN = "s3cret"
 QUICK = dict(handshake_timeout_s=0.5, frame_timeout_s=0.5, idle_timeout_s=0.6, retry_after_s=2.0)
 
 
+#: Prompt positions per prefill forward: smaller than max_context, so the KV reservation's prefill peak (retain + a
+#: chunk's rows on the sliding layers) differs from max_context and from a round's rows.
+CHUNK = 8
+
+
 @pytest.fixture(scope="module")
 def engine():
-    eng = VerifierEngine(tiny_verifier(), head_window=6, handoff_scales=SCALES, max_context=MAX_CONTEXT)
+    eng = VerifierEngine(tiny_verifier(), head_window=6, handoff_scales=SCALES, max_context=MAX_CONTEXT,
+                         prefill_chunk=CHUNK)
     yield eng
     eng.close()
 
@@ -94,10 +101,69 @@ def metric(srv, series: str) -> float:
     return float(next(line.rsplit(" ", 1)[1] for line in text.splitlines() if line.startswith(series + " ")))
 
 
-def test_limits_are_checked_and_incoming_frames_bounded_by_the_largest_open():
+def largest_open(max_context: int, auth: str | None = None) -> OpenRequest:
+    """The largest OPEN a client can send a verifier of ``max_context`` positions: a prompt of max_context - 1 ids,
+    a 65,535-byte auth token and a 65,535-byte chat contract (both u16-counted, utf-8)."""
+    chat = '{"pad":"x' + "é" * 32762 + '"}'                  # 9 + 2 x 32,762 + 2 bytes
+    auth = auth or "k" * 65535
+    assert len(chat.encode("utf-8")) == 65535 == len(auth.encode("utf-8"))
+    return OpenRequest(prompt_ids=np.arange(max_context - 1, dtype=np.int32) % 60 + 3, max_new_tokens=1,
+                       auth_token=auth, chat=chat)
+
+
+@pytest.mark.parametrize("max_context", [2, 128, 4096])
+def test_incoming_frames_are_bounded_by_the_largest_open_the_codec_writes(max_context):
+    """open_frame_bytes is the length of the largest OPEN as `wire.encode` writes it (the codec is the reference,
+    not a constant); an OPEN one prompt id longer is refused by the codec itself (context_overflow), and the largest
+    APPEND (keep 1, max_context - 2 ids) and a CLOSE are smaller."""
+    from hycoc.protocol.messages import AppendTurn, Close
+
+    biggest = wire.encode(largest_open(max_context))
+    assert len(biggest) == open_frame_bytes(max_context)
+    assert wire.decode(biggest, wire.Limits(max_context=max_context, max_frame_bytes=len(biggest))).anchor == 0
+    with pytest.raises(wire.FrameTooLarge):
+        wire.decode(biggest, wire.Limits(max_context=max_context, max_frame_bytes=len(biggest) - 1))
+    longer = largest_open(max_context + 1)
+    with pytest.raises(wire.ContextOverflow):
+        wire.validate(longer, wire.Limits(max_context=max_context))
+    turn = AppendTurn(np.full(max_context - 2, 3, np.int32), 1, keep=1) if max_context > 2 else None
+    if turn is not None:
+        wire.validate(turn, wire.Limits(max_context=max_context))             # the largest APPEND that passes
+        assert len(wire.encode(turn)) < len(biggest)
+    assert len(wire.encode(Close(1))) < len(biggest)
+
+
+def test_limits_are_checked_and_the_frame_bound_counts_the_chat_contract():
     with pytest.raises(ValueError, match="ServerLimits.max_sessions = 0"):
         ServerLimits(max_sessions=0)
-    assert open_frame_bytes(128) == 16 + 36 + 4 * 127 + 65535 == 66095
+    # 16 header + 42 fixed + 127 ids + 65,535 auth + 65,535 chat: the bound of issue 30 (36-byte OPEN, no contract)
+    # was 16 + 36 + 508 + 65,535 = 66,095 bytes, which refused the largest valid OPEN as frame_too_large
+    assert open_frame_bytes(128) == 16 + 42 + 4 * 127 + 65535 + 65535 == 131636
+
+
+def test_the_largest_open_reaches_the_engine_and_one_byte_more_is_frame_too_large(engine):
+    """End to end: a server whose auth token is 65,535 bytes long reads the largest OPEN (OPENED), and refuses the
+    same frame with one byte more of payload from its header (frame_too_large naming the bound)."""
+    req = largest_open(MAX_CONTEXT)
+    data = wire.encode(req)
+    with ServerThread(engine, tree_rows=ROWS, auth_token=req.auth_token, limits=ServerLimits(**QUICK)) as srv:
+        ws = connect(srv.url, compression=None, proxy=None, legacy=True, max_size=2**24)
+        ws.send(data)
+        opened = wire.decode(ws.recv(timeout=30))
+        assert not isinstance(opened, ErrorReply), opened          # issue 30: frame_too_large here
+        assert opened.t == MAX_CONTEXT - 2
+        ws.close()
+        assert srv.server.in_frame_bytes == len(data) == open_frame_bytes(MAX_CONTEXT)
+        payload = data[wire.HEADER.size:] + b"\0"
+        over = wire.HEADER.pack(wire.MAGIC, wire.PROTOCOL_VERSION, wire.MessageType.OPEN, 0, len(payload),
+                                zlib.crc32(payload)) + payload
+        ws = connect(srv.url, compression=None, proxy=None, legacy=True, max_size=2**24)
+        ws.send(over)
+        err = wire.decode(ws.recv(timeout=30))
+        assert isinstance(err, ErrorReply) and err.code == "frame_too_large"
+        assert f"OPEN frame of {len(data) + 1} bytes: this receiver accepts at most max_frame_bytes = {len(data)}" \
+            in err.message
+        ws.close()
 
 
 def test_silent_tcp_and_trickled_headers_are_closed_after_the_handshake_timeout(engine):
@@ -143,15 +209,16 @@ def test_an_announced_16_mb_frame_is_cut_at_twice_the_largest_open(engine):
         upgrade(sock)
         sock.sendall(ws_frame_header(16 * 2**20) + b"x" * 4096)
         closed, _ = closed_within(sock, 5)                       # aiohttp refuses it at once (close 1009)
-        assert closed and srv.server.in_frame_bytes == 66095
+        assert closed and srv.server.in_frame_bytes == open_frame_bytes(MAX_CONTEXT) < 16 * 2**20 // 2
 
 
 def test_an_idle_session_is_freed_and_told_why(engine):
     with serving(engine, **QUICK) as srv:
         client = VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10)
         opened = client.open(request())
-        # 217 positions capped at max_context; sliding layers at their window: 512 B x 128 + 512 B x (7 + 7)
-        assert srv.server.metrics.kv_bytes_reserved == engine.session_kv_bytes(MAX_CONTEXT, ROWS) == 72704
+        # 217 positions capped at max_context; sliding layers at their window plus the larger of a round's 7 rows
+        # and a prefill chunk's 8, plus the conversation's snapshot of the window: 512 B x 128 + 512 B x (7 + 8 + 7)
+        assert srv.server.metrics.kv_bytes_reserved == engine.session_kv_bytes(MAX_CONTEXT, ROWS) == 76800
         cache = srv.server.sessions[opened.session_id].cache  # 9 prefilled positions; sliding layers keep 7 of them
         assert held_bytes(cache) == storage_bytes(cache) == engine.kv_layout.session_bytes(9, 0) == 512 * (9 + 7)
         time.sleep(1.5)
@@ -195,18 +262,19 @@ def test_sessions_over_the_limit_get_too_many_sessions(engine):
 
 def test_the_kv_budget_refuses_an_open_that_would_pass_it(engine):
     # 2 full + 2 sliding layers x (32 K + 32 V) x 4 B: 512 B per position each; sliding layers keep 7 positions
-    # (window 8 - 1) + the round's 7 rows
+    # (window 8 - 1) + the larger of the round's 7 rows and a prefill chunk's 8, + a snapshot of 7 (conversations)
     layout = engine.kv_layout
     assert (layout.full_bytes, layout.sliding_bytes, layout.retain, engine.kv_bytes_per_position) == (512, 512, 7, 1024)
-    with serving(engine, **{**QUICK, "idle_timeout_s": 30.0, "max_kv_bytes": 120_000}) as srv:
+    assert engine.prefill_chunk == CHUNK == 8
+    with serving(engine, **{**QUICK, "idle_timeout_s": 30.0, "max_kv_bytes": 125_000}) as srv:
         a = VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10)
-        a.open(request())                      # min(10 + 200 + 7, max_context 128): 512 x 128 + 512 x 14 = 72,704 B
+        a.open(request())                      # min(10 + 200 + 7, max_context 128): 512 x 128 + 512 x 22 = 76,800 B
         with pytest.raises(ServerError) as info:
             VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10).open(request())
         assert info.value.code == "kv_budget_exhausted"
-        assert "needs 72704 KV bytes (128 positions), 72704 of max_kv_bytes = 120000" in str(info.value)
-        VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10).open(request(max_new=50))  # 67: 512 x 81 fits
-        assert srv.server.metrics.kv_bytes_reserved == 72704 + 41472
+        assert "needs 76800 KV bytes (128 positions), 76800 of max_kv_bytes = 125000" in str(info.value)
+        VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10).open(request(max_new=50))  # 67: 512 x (67 + 22) fits
+        assert srv.server.metrics.kv_bytes_reserved == 76800 + 45568 == 512 * (128 + 22) + 512 * (67 + 22)
         assert refusals(srv)["max_kv_bytes"] == 1
 
 
