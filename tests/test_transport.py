@@ -23,8 +23,9 @@ from websockets.datastructures import Headers
 from websockets.http11 import Response
 from websockets.sync.server import serve
 
+from hycoc.chat import ids_crc32
 from hycoc.protocol import wire
-from hycoc.protocol.messages import DraftTree, ErrorReply, HandOff, Opened, OpenRequest, RoundReply
+from hycoc.protocol.messages import AppendTurn, DraftTree, ErrorReply, HandOff, Opened, OpenRequest, RoundReply
 from hycoc.runtime.transport import (LINK_PRESETS, AuthRefused, BadReply, ConnectionDropped, LinkModel,
                                      ProtocolMismatch, RequestTimeout, ServerError, ServerUnreachable,
                                      VerifierClient, parse_link)
@@ -117,11 +118,12 @@ def test_link_model_sleeps_half_the_rtt_plus_serialization_each_way():
     with FakeVerifier() as peer, VerifierClient(peer.url, auth_token="tok", link=link, sleep=sleeps.append) as c:
         c.open(OpenRequest(prompt_ids=PROMPT))
         reply = c.round(TREE)
-    up_open = len(wire.encode(request))  # 16 + 38 + 4 * 5 + 3 = 77
+    up_open = len(wire.encode(request))  # 16 + 42 + 4 * 5 + 3 = 81
+    assert up_open == wire.open_nbytes(len(PROMPT), len("tok"))
     down_open = 16 + 42 + 4 * len(OPENED.stop_ids)
     up_round = wire.tree_nbytes(3, scores=False)  # 23 + 6 * 3 = 41 (TREE has no scores)
     down_round = wire.reply_nbytes(3, 1, 0, wire.handoff_nbytes(4, 2, 2, 6))  # 37 + 14 + 12 + 44 + 8 + 48
-    assert (up_open, down_open, up_round, down_round) == (77, 62, 41, 163)
+    assert (up_open, down_open, up_round, down_round) == (81, 62, 41, 163)
     assert sleeps == pytest.approx([0.020 + n * 1e-6 for n in (up_open, down_open, up_round, down_round)], abs=1e-12)
     assert c.link_s == pytest.approx(sum(sleeps))
     assert (c.last_up, c.last_down) == (up_round, down_round)
@@ -160,7 +162,7 @@ def test_open_round_close_frames_and_auth_travel_as_specified():
         assert sent[2].session_id == 7
 
 
-def test_rounds_travel_in_version_4_with_scores_and_verified_rows():
+def test_rounds_travel_in_version_5_with_scores_and_verified_rows():
     kept = np.array([True, True, False])          # the verifier verified rows 0 and 1 (row 2 trimmed)
 
     def answer(frame):
@@ -175,10 +177,41 @@ def test_rounds_travel_in_version_4_with_scores_and_verified_rows():
         reply = c.round(scored)
         assert c.last_up == wire.tree_nbytes(3) == 23 + 8 * 3
         assert c.last_down == wire.reply_nbytes(3, 1, 0, wire.handoff_nbytes(4, 2, 2, 6), verified=True) == 164
-    assert [wire.frame_version(f) for f in peer.frames[:2]] == [4, 4]
+    assert [wire.frame_version(f) for f in peer.frames[:2]] == [5, 5]
     sent = wire.decode(peer.frames[1])
     assert sent.scores.tolist() == [0.0, -0.5, -1.25]
     assert reply.verified.tolist() == [True, True, False]
+
+
+def test_an_appended_turn_travels_with_keep_crc_and_anchor():
+    """After a finished reply the client sends APPEND (u32 max_new_tokens, keep, keep_crc, anchor, T; i32[T], built
+    here with struct) and takes the OPENED; a conversation_mismatch ERROR is a ServerError and the session stays."""
+    finished = replace(REPLY, finished=True, finish_reason="stop")
+    held = [*PROMPT.tolist(), 10, 12]                 # the prompt, then round 0's path token and bonus
+    keep, turn, anchor = 6, np.array([30, 31, 32], np.int32), 7
+    crc = zlib.crc32(np.array(held[:keep], "<i4").tobytes())
+
+    def answer(frame):
+        msg = wire.decode(frame)
+        if isinstance(msg, OpenRequest):
+            return wire.encode(OPENED)
+        if isinstance(msg, DraftTree):
+            return wire.encode(finished)
+        if msg.keep_crc != crc:
+            return wire.encode(ErrorReply("conversation_mismatch", "the kept 6 ids differ from the session's"))
+        return wire.encode(replace(OPENED, t=keep + len(turn) - 1, prefill_ms=0.5))
+
+    with FakeVerifier(answer) as peer, VerifierClient(peer.url) as c:
+        c.open(OpenRequest(prompt_ids=PROMPT))
+        assert c.round(TREE).finished
+        with pytest.raises(ServerError) as e:
+            c.append(AppendTurn(turn, 16, keep, crc ^ 1, anchor))
+        assert e.value.code == "conversation_mismatch" and c.opened == OPENED
+        opened = c.append(AppendTurn(turn, 16, keep, ids_crc32(held[:keep]), anchor))
+        assert (opened.session_id, opened.t, opened.prefill_ms) == (OPENED.session_id, 8, 0.5)
+        assert c.last_up == wire.append_nbytes(3) == 16 + 20 + 12
+    want = struct.pack("<IIIII", 16, keep, crc, anchor, 3) + struct.pack("<3i", 30, 31, 32)
+    assert peer.frames[3] == struct.pack("<4sHBBII", b"HYCO", 5, 7, 0, len(want), zlib.crc32(want)) + want
 
 
 def test_no_token_sends_no_header():
@@ -250,25 +283,25 @@ def test_server_error_frame_keeps_its_code_and_the_session():
 
 
 def test_protocol_version_mismatch():
-    def version_5(frame):
-        payload = wire.encode(OPENED)[16:]
-        return struct.pack("<4sHBBII", b"HYCO", 5, 2, 0, len(payload), zlib.crc32(payload)) + payload
+    def header(version: int):
+        def answer(frame):
+            payload = wire.encode(OPENED)[16:]
+            return struct.pack("<4sHBBII", b"HYCO", version, 2, 0, len(payload), zlib.crc32(payload)) + payload
+        return answer
 
-    with FakeVerifier(version_5) as peer:
+    # a newer server, and an old one (version 4: OPENED's layout is the same, the header says 4)
+    for version in (6, 4):
+        with FakeVerifier(header(version)) as peer:
+            with pytest.raises(ProtocolMismatch) as e:
+                VerifierClient(peer.url).open(OpenRequest(prompt_ids=PROMPT))
+        assert str(e.value) == (f"the verifier at {peer.url} speaks another protocol: frame speaks protocol version "
+                                f"{version}: this side speaks version(s) 5; {wire.OLD_VERSION_FIX}")
+    # a server that refuses this client's version says so in an ERROR frame: its message is passed on
+    told = f"frame speaks protocol version 5: this side speaks version(s) 6; {wire.OLD_VERSION_FIX}"
+    with FakeVerifier(lambda frame: wire.encode(ErrorReply("unsupported_version", told))) as peer:
         with pytest.raises(ProtocolMismatch) as e:
             VerifierClient(peer.url).open(OpenRequest(prompt_ids=PROMPT))
-    assert str(e.value) == (f"the verifier at {peer.url} speaks another protocol: frame speaks protocol version 5: "
-                            "this side speaks versions 3, 4")
-    # a server that answers a version-4 OPEN in version 3 (a valid frame, the wrong version for this session)
-    with FakeVerifier(lambda frame: wire.encode(OPENED, version=3)) as peer:
-        with pytest.raises(ProtocolMismatch) as e:
-            VerifierClient(peer.url).open(OpenRequest(prompt_ids=PROMPT))
-    assert str(e.value) == (f"the verifier at {peer.url} answered the open request in protocol version 3: this "
-                            "client speaks version 4")
-    answer = lambda frame: wire.encode(ErrorReply("unsupported_version", "frame speaks protocol version 2"))  # noqa
-    with FakeVerifier(answer) as peer:
-        with pytest.raises(ProtocolMismatch, match="speaks another protocol: frame speaks protocol version 2"):
-            VerifierClient(peer.url).open(OpenRequest(prompt_ids=PROMPT))
+    assert str(e.value) == f"the verifier at {peer.url} speaks another protocol: {told}"
 
 
 def test_connection_dropped_mid_request():
