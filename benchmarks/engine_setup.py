@@ -55,11 +55,12 @@ def setup_engine(args: argparse.Namespace) -> EngineSetup:
                        Sampling(s.temperature, s.top_k, s.top_p), args.max_new_tokens or s.max_new_tokens, chat)
 
 
-def open_cloud_mtp(setup: EngineSetup, ids, *, cap: int | None = None):
+def open_cloud_mtp(setup: EngineSetup, ids, *, cap: int | None = None, anchor: int = 0):
     """Open a Cloud+MTP session (Table 5 row 1: the server drafts, exact acceptance) on ``ids`` (int32 prompt)
-    with the recipe's sampling and seed; the caller prefills it."""
+    with the recipe's sampling and seed; anchor: the prompt's model-turn opening (`hycoc.chat.Rendered.anchor`,
+    for a conversation that continues). The caller prefills it."""
     return setup.engine.open(ids, sampling=setup.sampling, seed=setup.recipe.sampling.seed, acceptance="exact",
-                             epsilon=1.0, draft_place="cloud-mtp", max_new_tokens=cap or setup.cap)
+                             epsilon=1.0, draft_place="cloud-mtp", max_new_tokens=cap or setup.cap, anchor=anchor)
 
 
 def run_rounds(sess) -> None:

@@ -5,8 +5,9 @@
 
 For the first N MT-bench questions (both turns), runs the Cloud+MTP configuration (Table 5 row 1: the server
 drafts, no device needed) directly on `hycoc.verifier.VerifierEngine`, no network: turn 1 from the question, then
-turn 2 appended to the same session (`Session.append`: the conversation's KV kept, only the new tokens
-prefilled; the prompt is first question, the session's own first answer, second question). Beside each append,
+turn 2 on the same session (`Session.continue_with`: the whole conversation -- first question, the session's own
+first answer, second question -- re-rendered by the template, the KV of what the session holds of it kept, the
+rest prefilled; docs/serving.md "Conversations"). Beside each append,
 the same conversation is prefilled cold on a fresh session (the baseline: what a server without turn reuse
 pays). Prints per question and pooled per turn: prefill ms (append vs cold), prefill ms saved, g (verifier ms per
 output token, prefill included; App. G) and MAT (committed tokens per round, bonus included).
@@ -30,6 +31,7 @@ def main(argv=None) -> None:
     from rich.table import Table
 
     from hycoc.bench.datasets import load_spec_bench
+    from hycoc.chat import Conversation
 
     setup = setup_engine(args)
     tok, engine, cap = setup.tok, setup.engine, setup.cap
@@ -40,13 +42,16 @@ def main(argv=None) -> None:
     pooled = {t: dict(tokens=0, rounds=0, server=0.0, prefill=0.0, cold=0.0, n=0) for t in (1, 2)}
     questions = [q for q in load_spec_bench(args.dataset) if len(q.turns) > 1][: args.limit]
     for q in questions:
-        ids = np.array(setup.chat.prompt(q.turns[0]), dtype=np.int32)
-        sess = open_cloud_mtp(setup, ids)
+        conv = Conversation(setup.chat)
+        first = conv.ask(q.turns[0])
+        ids = np.array(first.ids, dtype=np.int32)
+        sess = open_cloud_mtp(setup, ids, anchor=first.anchor)
         prefill_ms, _ = sess.prefill()
         run_rounds(sess)
         n1, r1, s1 = len(sess.output), sess.rounds, sum(sess.server_ms)
-        turn = setup.chat.next_turn(q.turns[1])
-        append_ms, _ = sess.append(turn, cap)
+        conv.answered(first, sess.tokens[len(ids):])
+        second = conv.ask(q.turns[1])
+        append_ms, _ = sess.continue_with(second.ids, cap, anchor=second.anchor)
         conversation = list(sess.tokens)
         run_rounds(sess)
         cold = engine.open(conversation, sampling=setup.sampling, draft_place="cloud-mtp", max_new_tokens=1)
