@@ -17,6 +17,7 @@ import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
+from hycoc.chat import Conversation
 from hycoc.cli import app
 from hycoc.protocol import wire
 from hycoc.protocol.messages import Sampling
@@ -148,20 +149,75 @@ def test_cli_run_at_the_context_limit_exits_0_with_the_text(short_server, built,
 def test_a_second_turn_continues_the_session_with_the_verifiers_greedy_text(server, runtime, mode):
     srv, engine = server
     chat, stops = runtime.bundle.chat, runtime.bundle.chat.stop_ids
-    ids = prompt_ids(runtime, LONG)
+    conv = Conversation(chat)
+    first_turn = conv.ask(LONG)
     client = transport.VerifierClient(srv.url)
-    first = runtime.generate(client, ids, mode=mode, max_new_tokens=12, sampling=GREEDY, keep_open=True)
-    assert first.tokens == greedy_reference(engine, ids, 12, stops)
-    turn = chat.next_turn("w7 w8 w9")
+    first = runtime.generate(client, first_turn.ids, mode=mode, max_new_tokens=12, sampling=GREEDY, keep_open=True,
+                             anchor=first_turn.anchor)
+    assert first.tokens == greedy_reference(engine, first_turn.ids, 12, stops)
+    conv.answered(first_turn, first.tokens)
+    rendered = conv.ask("w7 w8 w9")
     pieces = []
-    second = runtime.next_turn(client, turn, max_new_tokens=12, on_text=pieces.append)
-    conversation = ids + chat.conversation_tokens(first.tokens) + turn   # a stop id is the template's close
-    assert second.tokens == greedy_reference(engine, conversation, 12, stops)
+    second = runtime.next_turn(client, rendered.ids, anchor=rendered.anchor, max_new_tokens=12,
+                               on_text=pieces.append)
+    assert second.tokens == greedy_reference(engine, rendered.ids, 12, stops)
     assert "".join(pieces) == second.text and second.finish_reason in ("stop", "max_new_tokens")
     session = next(iter(srv.server.sessions.values()))
-    assert session.tokens[:len(conversation)] == conversation
+    assert session.tokens[:len(rendered.ids)] == rendered.ids
     assert session.turns_prefill_ms == [pytest.approx(second.prefill_ms, rel=1e-6)]   # float32 on the wire
     client.close()
+
+
+@pytest.fixture()
+def large_template(server, runtime, tmp_path, monkeypatch):
+    """Both sides on a template with Gemma 4's large form's behaviours (tests/chat_templates.py: an empty thought
+    channel in the thinking-off prompt, thoughts stripped and answers trimmed in history): the bundle's chat and
+    the verifier's chat format swapped for the bundle's with that template."""
+    from chat_templates import LARGE
+
+    from hycoc.chat import Chat, template_digest
+
+    fmt = runtime.bundle.chat.format.model_copy(update={"template": LARGE, "template_sha256": template_digest(LARGE),
+                                                        "has_thinking": True})
+    monkeypatch.setattr(runtime.bundle, "chat", Chat(fmt, runtime.bundle.tokenizer))
+    monkeypatch.setattr(server[1], "chat_format", fmt)
+    return runtime.bundle.chat
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("mode", ["hyco-exact", "cloud-mtp"])
+def test_three_turns_hold_the_templates_rendering_on_both_sides(server, runtime, large_template, mode, thinking):
+    """After every APPEND: the verifier holds exactly the template's rendering of the whole conversation and its
+    next logits equal a cold prefill's; the device's SLM ring and token history equal a cold start on it (the
+    conversation fits the ring: a cold start fills it from position 0)."""
+    import copy
+
+    srv, engine = server
+    conv = Conversation(large_template, thinking)
+    client = transport.VerifierClient(srv.url)
+    rendered = conv.ask(" w1 w2 w3 ")
+    res = runtime.generate(client, rendered.ids, mode=mode, max_new_tokens=10, sampling=GREEDY, keep_open=True,
+                           anchor=rendered.anchor)
+    kinds = []
+    for user in ("w4 w5\n", "w6"):
+        conv.answered(rendered, res.tokens)
+        rendered = conv.ask(user)
+        res = runtime.next_turn(client, rendered.ids, anchor=rendered.anchor, max_new_tokens=10)
+        assert res.kept < len(conv.held)                 # the rendering dropped something held (channel, trim)
+        assert res.tokens == greedy_reference(engine, rendered.ids, 10, large_template.stop_ids)
+        session = next(iter(srv.server.sessions.values()))
+        kinds.append(session.appends[-1].kind)
+        held = session.tokens[:len(rendered.ids)]
+        assert held == rendered.ids
+        if mode != "cloud-mtp":
+            assert runtime.slm.tokens[:len(rendered.ids)] == rendered.ids
+    assert kinds and all(k in ("crop", "snapshot") for k in kinds)
+    client.close()
+    # after the last APPEND and its rounds: the whole conversation again, cold, gives what the rounds committed
+    final = session.tokens
+    with torch.no_grad():
+        cold = engine.model(torch.tensor([final[:-1]])).logits[0, -1]
+    assert int(torch.argmax(cold)) == final[-1] or session.finish_reason == "stop"
 
 
 def test_cli_run_chat_answers_every_turn_on_one_session(server, built):
@@ -293,8 +349,9 @@ def test_a_bundle_built_before_the_chat_format_is_refused(built, tmp_path):
 
 
 def test_a_turn_that_stopped_on_a_stop_id_continues_as_the_template_renders(server, runtime):
-    """A first answer that ends on a stop id (found by search: the tiny verifier is random) drops it on both sides:
-    the verifier's session and the device's SLM hold prompt + answer + the template's close and next turn."""
+    """A first answer that ends on a stop id (found by search: the tiny verifier is random): the next turn's
+    rendering closes the model turn itself, and both sides hold that rendering (the verifier's session and the
+    device's SLM)."""
     srv, engine = server
     chat, stops = runtime.bundle.chat, runtime.bundle.chat.stop_ids
     for i in range(200):
@@ -307,11 +364,12 @@ def test_a_turn_that_stopped_on_a_stop_id_continues_as_the_template_renders(serv
     client = transport.VerifierClient(srv.url)
     first = runtime.generate(client, ids, mode="hyco-exact", max_new_tokens=10, sampling=GREEDY, keep_open=True)
     assert first.tokens == want and first.finish_reason == "stop"
-    turn = chat.next_turn("w7 w8")
-    second = runtime.next_turn(client, turn, max_new_tokens=6)
-    conversation = ids + want[:-1] + turn
-    assert second.tokens == greedy_reference(engine, conversation, 6, stops)
+    rendered = chat.conversation([{"role": "user", "content": f"w{i % 150} w{(7 * i) % 151}"},
+                                  {"role": "assistant", "content": chat.answer_text(first.tokens)},
+                                  {"role": "user", "content": "w7 w8"}])
+    second = runtime.next_turn(client, rendered.ids, anchor=rendered.anchor, max_new_tokens=6)
+    assert second.tokens == greedy_reference(engine, rendered.ids, 6, stops)
     session = next(iter(srv.server.sessions.values()))
-    assert session.tokens[:len(conversation)] == conversation
-    assert runtime.slm.tokens[:len(conversation)] == conversation
+    assert session.tokens[:len(rendered.ids)] == rendered.ids
+    assert runtime.slm.tokens[:len(rendered.ids)] == rendered.ids
     client.close()

@@ -117,8 +117,8 @@ PROTOCOL_VERSION = 5
 SUPPORTED_VERSIONS = (5,)
 #: What an older peer is told (the ``unsupported_version`` message's fix).
 OLD_VERSION_FIX = ("update hycoc on both sides and rebuild the device bundle with it (`hycoc build RECIPE`): "
-                   "protocol 5 re-renders each conversation with the checkpoint's template (docs/serving.md "
-                   "\"Conversations\")")
+                   "protocol 5 re-renders each conversation with the checkpoint's template (see the section "
+                   "Conversations of docs/serving.md)")
 MAGIC = b"HYCO"
 HEADER = struct.Struct("<4sHBBII")
 #: parents travel as int16: row 32767 is the last one that can be a parent, so R <= 32768 (B <= 32767).

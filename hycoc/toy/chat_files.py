@@ -22,7 +22,7 @@ SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<tur
 #: Stop ids, in Gemma 4's order (<eos>, <turn|>, <|tool_response>: Gemma 4's [1, 106, 50]).
 STOP_IDS = [1, 6, 10]
 
-#: The toy's template (docs/toy-family.md "Chat format"): Gemma 4's large form (26B-A4B, 31B) in its behaviours on
+#: The toy's template (docs/recipes.md "Chat format"): Gemma 4's large form (26B-A4B, 31B) in its behaviours on
 #: history -- user and system text trimmed, an earlier model turn's thought channel stripped and the answer trimmed,
 #: ``<|think|>`` opening a system turn as the thinking switch -- but without the large form's empty thought channel
 #: in the thinking-off generation prompt: the toy's weights never saw ``<|channel>`` / ``<channel|>`` (ids 7, 8),
