@@ -75,8 +75,11 @@ def build(
         typer.echo(f"stopped after {until}; its artifacts are in {result.stopped_at}")
         return
     from hycoc.inspect_report import render_built_bundle
+    from hycoc.models import tokenizer_load_seconds
 
     render_built_bundle(result)
+    for path, seconds in tokenizer_load_seconds().items():      # parsed once per process (hycoc.models)
+        typer.echo(f"tokenizer {path}: parsed once, {seconds:.2f} s", err=True)
 
 
 def inspect(

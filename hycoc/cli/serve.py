@@ -106,9 +106,12 @@ def verify_server(
         raise _fail("verify-server", str(e)) from None
 
     def listening(url: str) -> None:
+        from hycoc.models import tokenizer_load_seconds
+
+        parsed = sum(tokenizer_load_seconds().values())
         typer.echo(f"hycoc verify-server: listening on {url} (model {cfg.models.verifier}, "
                    f"{engine.device.type}, {options['batching']}, tree budget {options['tree_budget']}, "
-                   f"health {url.replace('ws://', 'http://', 1)}/healthz)")
+                   f"tokenizer parsed once in {parsed:.2f} s, health {url.replace('ws://', 'http://', 1)}/healthz)")
         sys.stdout.flush()
 
     started = time.monotonic()
