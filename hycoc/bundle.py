@@ -41,7 +41,9 @@ from hycoc.chat import ChatFormat
 
 #: 2: the manifest carries ``digest``, the sha256 of its own canonical content (docs/design.md "Bundle": an edited
 #: manifest value is refused like an edited file).
-SCHEMA_VERSION = 2
+#: 3: ``chat`` carries the chat template whole (the device renders every conversation with it, protocol 5) instead
+#: of turn strings cut from it.
+SCHEMA_VERSION = 3
 MANIFEST = "manifest.json"
 
 #: Suffixes of files a graph loader would open; one of these in the folder but not in the manifest is refused.

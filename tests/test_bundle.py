@@ -254,7 +254,7 @@ def test_an_unlisted_graph_file_is_refused(bundle, name):
         load_manifest(bundle)
 
 
-@pytest.mark.parametrize("version,hint", [(3, "; upgrade hycoc on this device, or rebuild"), (1, "; rebuild")])
+@pytest.mark.parametrize("version,hint", [(4, "; upgrade hycoc on this device, or rebuild"), (2, "; rebuild")])
 def test_another_schema_version_is_refused_naming_both(bundle, version, hint):
     edit_manifest(bundle, lambda d: d.update(schema_version=version, field_of_the_future=1))
     with pytest.raises(SchemaVersionMismatch) as e:

@@ -300,7 +300,13 @@ class SessionLoop:
         conn.kv.shrink(min(transient, added))
         conn.last_seq, conn.last_request, conn.last_reply = None, b"", b""
         self.metrics.prefill_ms += prefill_ms
-        self.metrics.observe_append(session.appends[-1])
+        plan = session.appends[-1]
+        self.metrics.observe_append(plan)
+        if plan.kind == "full" and plan.keep > 1:
+            log.warning("session %s: the APPEND kept %d ids but the rollback point lies before the snapshot at the "
+                        "last model turn's opening: the whole conversation (%d ids) was prefilled again (a template "
+                        "that renders earlier turns differently?)", conn.session_id, plan.keep,
+                        len(plan.conversation) - 1)
         return wire.encode(replace(conn.opened, t=t, prefill_ms=prefill_ms), version=conn.wire_version)
 
     def rollback_copy_bytes(self, session: Session, plan) -> int:
