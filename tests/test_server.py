@@ -8,6 +8,7 @@ weights), so the server's replies must match bit for bit: same sampled tokens, s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -29,9 +30,11 @@ from typer.testing import CliRunner
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from hycoc.chat import ids_crc32
 from hycoc.protocol import wire
 from hycoc.cli import app
-from hycoc.protocol.messages import Close, DraftTree, ErrorReply, Opened, OpenRequest, RoundReply, Sampling
+from hycoc.protocol.messages import (AppendTurn, Close, DraftTree, ErrorReply, Opened, OpenRequest, RoundReply,
+                                     Sampling)
 from hycoc.models import ModelNotFoundError
 from hycoc.recipe import load_recipe
 from hycoc.runtime.transport import AuthRefused, ServerError, VerifierClient
@@ -105,7 +108,7 @@ def open_request(prompt, **kw) -> OpenRequest:
 
 def reference_session(reference, req: OpenRequest):
     session = reference.open(req.prompt_ids, req.sampling, req.seed, req.acceptance, req.epsilon, req.draft_place,
-                             req.max_new_tokens)
+                             req.max_new_tokens, anchor=req.anchor)
     session.prefill()
     return session
 
@@ -186,7 +189,7 @@ def frame(mtype: int, payload: bytes, version: int = wire.PROTOCOL_VERSION, crc:
 
 
 def round_frame(seq, tokens, parents, version: int = wire.PROTOCOL_VERSION, **kw) -> bytes:
-    """A ROUND frame of any tokens and parents, valid or not: u32 seq, u16 R (version 4: u8 has_scores = 0),
+    """A ROUND frame of any tokens and parents, valid or not: u32 seq, u16 R (from version 4 on: u8 has_scores = 0),
     i32[R] tokens, i16[R] parents."""
     tokens, parents = np.asarray(tokens, "<i4"), np.asarray(parents, "<i2")
     fixed = struct.pack("<IH", seq, tokens.size) if version <= 3 else struct.pack("<IHB", seq, tokens.size, 0)
@@ -471,6 +474,97 @@ def test_a_finished_session_refuses_rounds_but_still_answers_the_retry(server, r
     raw.close()
 
 
+# ---------------------------------------------------------------------------------------------- appended turns
+
+
+def finish_turn(client: VerifierClient, ref, model, max_new: int) -> tuple[list[int], bool]:
+    """Oracle rounds (seq from 0: every turn counts its rounds again) until a reply says finished, each checked
+    against the reference session. Returns what the device committed (no stop ids here: cut at max_new) and whether
+    the last id committed is a bonus (sampled, never run through the model: the verifier holds no KV for it)."""
+    out, seq = [], 0
+    while True:
+        tokens, parents = oracle_tree(model, ref.tokens)
+        got = client.round(DraftTree(seq, tokens, parents))
+        assert_same_reply(got, ref.verify(tokens, parents, seq))
+        new = committed(tokens, got)
+        room = max_new - len(out)
+        out += new[:room]
+        seq += 1
+        if got.finished:
+            assert (len(out), got.finish_reason) == (max_new, "max_new_tokens")
+            return out, room >= len(new)
+
+
+@pytest.mark.parametrize("batching", ["serial", "batched"])
+def test_appends_roll_back_each_way_and_a_wrong_conversation_changes_nothing(models, reference, batching):
+    """A conversation of four turns over APPEND (docs/serving.md "Conversations"), the device's view of what the
+    session holds (prompt + committed output) giving keep and keep_crc (`hycoc.chat.ids_crc32`):
+
+    - keep 9 after a 12-token answer: the sliding layers (kv_retain positions) moved past position 9, so the
+      snapshot at OPEN's anchor 8 serves ("snapshot"; 9 - 8 = 1 position prefilled again);
+    - keep = every held id: the last bonus has no KV yet ("crop"; that 1 position prefilled);
+    - keep 3, before the second turn's anchor 10: nothing usable ("full"; 3 positions prefilled again).
+
+    Before the first, a wrong keep_crc and a keep past the held ids get ERROR conversation_mismatch and leave the
+    session as it was: the correct APPEND after them matches the reference engine's, round for round, bit for bit.
+    /metrics counts each kind and the positions prefilled again; the KV reservation follows the conversation."""
+    engine = make_engine(*models)
+    try:
+        with ServerThread(engine, tree_rows=ROWS, auth_token=TOKEN, max_frame_bytes=MAX_FRAME,
+                          batching=batching) as srv, VerifierClient(srv.url, auth_token=TOKEN, timeout_s=60) as c:
+            req = open_request(range(20, 30), max_new_tokens=12, anchor=8, seed=13)
+            opened = c.open(req)
+            ref = reference_session(reference, req)
+            output, bonus_last = finish_turn(c, ref, reference.model, 12)
+            held = list(range(20, 30)) + output
+            live = srv.server.sessions[opened.session_id]
+            assert live.tokens == held and len(held) == 10 + 12            # finished on max_new_tokens
+            assert len(held) - 1 - 9 > reference.kv_retain                 # keep 9 lies before the sliding window
+
+            turn = np.arange(40, 46, dtype=np.int32)
+            crc = ids_crc32(held[:9])
+            with pytest.raises(ServerError) as e:
+                c.append(AppendTurn(turn, 6, keep=9, keep_crc=crc ^ 1, anchor=10))
+            assert e.value.code == "conversation_mismatch"
+            assert f"crc32 {crc:#010x} here, {crc ^ 1:#010x} sent" in e.value.server_message
+            with pytest.raises(ServerError) as e:
+                c.append(AppendTurn(turn, 6, keep=len(held) + 1, keep_crc=ids_crc32(held), anchor=0))
+            assert e.value.code == "conversation_mismatch"
+            assert f"keeps {len(held) + 1} ids but the session holds {len(held)}" in e.value.server_message
+            assert live.tokens == held and live.finished and live.appends == []
+            assert srv.server.metrics.kv_bytes_reserved == engine.session_kv_bytes(10 + 12 + ROWS, ROWS)
+
+            kinds, positions, expected = [], 10 + 12 + ROWS, []
+            for keep, turn, anchor, max_new in ((9, turn, 10, 6), (None, np.array([50, 51], np.int32), 0, 4),
+                                                (3, np.arange(60, 63, dtype=np.int32), 4, 3)):
+                keep = len(held) if keep is None else keep
+                kv_held = len(held) - bonus_last
+                expected.append(("snapshot", keep - 8) if keep == 9 else ("crop", keep - kv_held) if keep == len(held)
+                                else ("full", keep))
+                got = c.append(AppendTurn(turn, max_new, keep=keep, keep_crc=ids_crc32(held[:keep]), anchor=anchor))
+                _, t = ref.append(turn, max_new, keep=keep, keep_crc=ids_crc32(held[:keep]), anchor=anchor)
+                conversation = held[:keep] + turn.tolist()
+                assert (got.session_id, got.t, t) == (opened.session_id, len(conversation) - 1, len(conversation) - 1)
+                assert got.prefill_ms > 0 and live.tokens == conversation
+                # the reservation grows (never shrinks) to the conversation, the turn's cap and one tree; the
+                # rollback copy it held during the prefill is given back
+                positions = max(positions, len(conversation) + max_new + ROWS)
+                assert srv.server.metrics.kv_bytes_reserved == engine.session_kv_bytes(positions, ROWS)
+                output, bonus_last = finish_turn(c, ref, reference.model, max_new)
+                held = conversation + output
+                kinds.append((live.appends[-1].kind, live.appends[-1].reprefilled))
+            assert kinds == expected and expected[0] == ("snapshot", 1) and expected[2] == ("full", 3)
+            assert [(p.kind, p.reprefilled) for p in ref.appends] == kinds
+            values, _ = parse_metrics(http_get(srv.http_url + "/metrics")[1])
+            assert {k: v for k, v in values.items() if k.startswith("hycoc_append")} == {
+                'hycoc_appends_total{kind="crop"}': 1, 'hycoc_appends_total{kind="snapshot"}': 1,
+                'hycoc_appends_total{kind="full"}': 1,
+                "hycoc_append_reprefilled_tokens_total": sum(n for _, n in expected)}
+            assert values['hycoc_errors_total{kind="conversation_mismatch"}'] == 2
+    finally:
+        engine.close()
+
+
 # ---------------------------------------------------------------------------------------------- disconnects
 
 
@@ -497,8 +591,8 @@ def test_disconnect_mid_round_frees_the_session(server, reference):
 def test_healthz(server):
     content_type, body = http_get(server.http_url + "/healthz")
     assert content_type.startswith("application/json")
-    assert json.loads(body) == {"status": "ok", "model": "tiny-gemma4", "protocol_version": 4,
-                                "protocol_versions": [3, 4], "sessions": 0,
+    assert json.loads(body) == {"status": "ok", "model": "tiny-gemma4", "protocol_version": 5,
+                                "protocol_versions": [5], "sessions": 0,
                                 "tree_rows": ROWS, "max_context": MAX_CONTEXT, "vocab_size": VOCAB,
                                 "max_frame_bytes": MAX_FRAME, "auth": True,
                                 "limits": {"handshake_timeout_s": 10.0, "frame_timeout_s": 30.0,
@@ -525,8 +619,12 @@ def test_metrics_count_exactly(server, reference):
                      "hycoc_kv_bytes_reserved": "gauge", "hycoc_batch_rows": "histogram",
                      "hycoc_batch_sessions": "histogram", "hycoc_queue_wait_seconds": "histogram",
                      "hycoc_rows_kept_per_session": "histogram", "hycoc_expected_tokens_per_forward": "histogram",
-                     "hycoc_rows_trimmed_total": "counter"}
+                     "hycoc_rows_trimmed_total": "counter", "hycoc_appends_total": "counter",
+                     "hycoc_append_reprefilled_tokens_total": "counter"}
     assert values["hycoc_rounds_total"] == 0 and np.isnan(values["hycoc_mat"])
+    assert {k: v for k, v in values.items() if k.startswith("hycoc_append")} == {   # every kind from the start
+        'hycoc_appends_total{kind="crop"}': 0, 'hycoc_appends_total{kind="snapshot"}': 0,
+        'hycoc_appends_total{kind="full"}': 0, "hycoc_append_reprefilled_tokens_total": 0}
     assert values['hycoc_batch_rows_bucket{le="+Inf"}'] == 0 and values["hycoc_batch_rows_count"] == 0
 
     s = Alongside(server.url, reference)
@@ -620,7 +718,9 @@ def test_engine_from_recipe_takes_every_setting_from_the_recipe(tmp_path, saved_
             engine.head_query_position_offset, engine.max_context, engine.keep_set) == (
         5, 3, (0.1, 0.2, 0.03, 0.04, 0.05, 0.06), "post_norm", 0, 96, None)
     assert engine.eos_token_ids == {1}   # the verifier's generation_config.json (tiny: eos 1) before the tokenizer's
-    assert engine.chat_format.turns["default"].first == "<bos><|turn>user\n"
+    config = json.loads((ROOT / "recipes" / "toy" / "models" / "verifier" / "tokenizer_config.json").read_text())
+    assert engine.chat_format.template == config["chat_template"]      # the recipe's tokenizer folder's template
+    assert engine.chat_format.template_sha256 == hashlib.sha256(config["chat_template"].encode()).hexdigest()
     assert engine.head is not None and engine.vocab_size == VOCAB
     assert server_options(recipe) == {"tree_rows": 7, "max_frame_bytes": 8192, "model_name": str(saved_models /
                                                                                                   "verifier"),

@@ -11,6 +11,7 @@ import errno
 import re
 import socket
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +19,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from hycoc.chat import ids_crc32
 from hycoc.protocol import wire
-from hycoc.protocol.messages import Close, ErrorReply, Opened, OpenRequest, Sampling
+from hycoc.protocol.messages import AppendTurn, Close, DraftTree, ErrorReply, Opened, OpenRequest, RoundReply, Sampling
 from hycoc.verifier import VerifierEngine
 from hycoc.ports import check_port
 from hycoc.verifier.server import Connection, ServerLimits, VerifierServer
@@ -115,6 +117,33 @@ def test_a_client_that_closes_ends_the_loop_and_frees_its_session(engine):
     server, _ = serve(engine, channel)
     assert [type(m) for m in channel.sent] == [Opened] and channel.closed is None  # nothing sent after it left
     assert (server.metrics.sessions_active, server.metrics.kv_bytes_reserved) == (0, 0)
+
+
+def test_a_wrong_conversation_is_refused_and_the_right_one_appended_on_the_same_session(engine):
+    """OPEN (max_new_tokens 1: the first round finishes), ROUND, an APPEND whose keep_crc is not the crc32 of the
+    prompt it keeps (ERROR conversation_mismatch, the connection stays), the same APPEND with the right crc (OPENED:
+    same session, t = keep + T - 1), CLOSE. The client never reads an answer before sending: the loop alone orders
+    them."""
+    prompt = np.arange(3, 13, dtype=np.int32)
+    turn = np.array([20, 21, 22], np.int32)
+    crc = ids_crc32(prompt.tolist())
+    assert crc == zlib.crc32(prompt.astype("<i4").tobytes())
+    channel = ScriptedChannel(
+        wire.encode(OpenRequest(prompt_ids=prompt, sampling=Sampling(0.0, 64, 0.95), max_new_tokens=1, anchor=9)),
+        wire.encode(DraftTree(0, np.full(5, 12, np.int32), np.arange(-1, 4, dtype=np.int32))),
+        wire.encode(AppendTurn(turn, 4, keep=10, keep_crc=crc ^ 0x80000000, anchor=10)),
+        wire.encode(AppendTurn(turn, 4, keep=10, keep_crc=crc, anchor=10)),
+        wire.encode(Close(0)))
+    server, _ = serve(engine, channel)
+    opened, reply, refused, appended = channel.sent
+    assert isinstance(opened, Opened) and isinstance(reply, RoundReply) and reply.finished
+    assert isinstance(refused, ErrorReply) and refused.code == "conversation_mismatch"
+    assert f"{crc:#010x} here, {crc ^ 0x80000000:#010x} sent" in refused.message
+    assert isinstance(appended, Opened) and (appended.session_id, appended.t) == (opened.session_id, 10 + 3 - 1)
+    assert channel.closed == 1000
+    assert server.metrics.errors == {"conversation_mismatch": 1}
+    assert sum(server.metrics.appends.values()) == 1
+    assert (server.sessions, server.metrics.kv_bytes_reserved) == ({}, 0)
 
 
 def test_check_port_names_a_busy_port_and_picks_one_for_0():

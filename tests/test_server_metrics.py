@@ -9,6 +9,9 @@ import math
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import numpy as np
+
+from hycoc.verifier.engine import AppendPlan
 from hycoc.verifier.scheduler import StepReport
 from hycoc.verifier.batch import BatchStats
 from hycoc.verifier.server import (REFUSAL_KINDS, Admission, KvBudgetExhausted, ServerLimits, ServerMetrics,
@@ -21,7 +24,8 @@ FAMILIES = {"hycoc_rounds": "counter", "hycoc_retries": "counter", "hycoc_sessio
             "hycoc_errors": "counter", "hycoc_refusals": "counter", "hycoc_connections_active": "gauge",
             "hycoc_kv_bytes_reserved": "gauge", "hycoc_batch_rows": "histogram", "hycoc_batch_sessions": "histogram",
             "hycoc_queue_wait_seconds": "histogram", "hycoc_rows_kept_per_session": "histogram",
-            "hycoc_expected_tokens_per_forward": "histogram", "hycoc_rows_trimmed": "counter"}
+            "hycoc_expected_tokens_per_forward": "histogram", "hycoc_rows_trimmed": "counter",
+            "hycoc_appends": "counter", "hycoc_append_reprefilled_tokens": "counter"}
 
 
 def parsed(metrics: ServerMetrics) -> dict:
@@ -62,6 +66,27 @@ def test_exposition_parses_with_every_family_and_refusal_kind_and_no_created_ser
     assert value("hycoc_queue_wait_seconds", "hycoc_queue_wait_seconds_bucket", le="0.0005") == 1
     assert value("hycoc_queue_wait_seconds", "hycoc_queue_wait_seconds_bucket", le="0.002") == 2
     assert value("hycoc_queue_wait_seconds", "hycoc_queue_wait_seconds_sum") == pytest.approx(0.0319)
+
+
+def plan(kind: str, keep: int, start: int) -> AppendPlan:
+    return AppendPlan(keep=keep, start=start, kind=kind, conversation=np.arange(keep + 2), reprefilled=keep - start)
+
+
+def test_appends_are_counted_by_kind_with_the_positions_prefilled_again():
+    """hycoc_appends_total{kind} has every kind (crop, snapshot, full) from the start, at 0; each APPEND done adds 1
+    to its kind and its reprefilled positions (keep - start) to hycoc_append_reprefilled_tokens_total."""
+    m = ServerMetrics()
+    fams = parsed(m)
+    assert fams["hycoc_appends"] == ("counter", {("hycoc_appends_total", (("kind", k),)): 0.0
+                                                 for k in ("crop", "snapshot", "full")})
+    assert fams["hycoc_append_reprefilled_tokens"] == ("counter", {("hycoc_append_reprefilled_tokens_total", ()): 0.0})
+    for p in (plan("crop", 40, 39), plan("crop", 40, 40), plan("snapshot", 30, 12), plan("full", 25, 0)):
+        m.observe_append(p)
+    fams = parsed(m)
+    assert {labels: v for (_, labels), v in fams["hycoc_appends"][1].items()} == {
+        (("kind", "crop"),): 2, (("kind", "snapshot"),): 1, (("kind", "full"),): 1}
+    assert fams["hycoc_append_reprefilled_tokens"][1] == {
+        ("hycoc_append_reprefilled_tokens_total", ()): (40 - 39) + 0 + (30 - 12) + (25 - 0)}
 
 
 def test_each_server_has_its_own_registry_and_nan_before_the_first_round():
