@@ -13,8 +13,9 @@ Every failure ends in a `TransportError` subclass whose message is one line nami
     ConnectionDropped   the connection closed while a request was waiting for its answer
     ProtocolMismatch    the server speaks another protocol version (its frames, or its ``unsupported_version`` error)
 
-The client speaks protocol version 4 (`hycoc.protocol.wire.PROTOCOL_VERSION`: ROUND carries the rows' scores,
-REPLY may name the verified rows) and takes only answers in that version (a server answers a session in its
+The client speaks protocol version 5 (`hycoc.protocol.wire.PROTOCOL_VERSION`: ROUND carries the rows' scores,
+REPLY may name the verified rows, APPEND keeps a prefix of the re-rendered conversation) and takes only answers in
+that version (a server answers a session in its
 OPEN's version; one that answers in another is a ProtocolMismatch).
     RequestTimeout      no answer within ``timeout_s`` (the connection is closed: its session is gone)
     ServerError         the server answered with an ERROR frame; ``code`` and ``server_message`` are its fields
@@ -253,8 +254,9 @@ class VerifierClient:
         return opened
 
     def append(self, turn: AppendTurn) -> Opened:
-        """The next turn on the open session, after a reply that said finished: the verifier keeps the
-        conversation's KV and prefills only the new tokens. Returns its OPENED (same session id, the new root's
+        """The next turn on the open session, after a reply that said finished: the verifier keeps the KV of the
+        ``turn.keep`` held ids (after checking their crc32) and prefills the rest (docs/serving.md
+        "Conversations"). Returns its OPENED (same session id, the new root's
         t, the append's prefill_ms). Raises a TransportError."""
         if self.opened is None:
             raise TransportError("append() before open(): open a session first")

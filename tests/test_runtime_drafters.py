@@ -264,3 +264,40 @@ def test_a_repeated_row_layout_is_served_from_the_kept_arrays():
     assert all(a is b for a, b in zip(again[:3], (depths, anc, block))) and not block.flags.writeable
     with pytest.raises(TreeShapeError):
         slm._rows_of([-1, 2] + [0] * (slm.rows - 2))
+
+
+# ---- a conversation's rollback (docs/serving.md "Conversations") -------------------------------------------------
+
+
+def test_rollback_crops_what_follows_the_kept_prefix():
+    slm = slm_drafter()
+    slm.start([3, 4, 2])
+    slm.expand(chain_tree(2, [1, 4]), [1, 2])
+    slm.commit([1], [1, 0])                   # positions 0..3 have KV, token 0 (position 4) none
+    assert slm.rollback(5) == "none" and slm.n_kv == 4          # nothing after the kept ids had KV
+    assert slm.rollback(3) == "crop" and (slm.tokens, slm.n_kv) == ([3, 4, 2], 3)
+    slm.commit([], [7, 5])                    # the re-rendered conversation continues with 7, root 5
+    slm.expand(chain_tree(5, []), [])
+    feeds = slm.runner.feeds[-1]
+    assert feeds["inputs_embeds"][0, :2, 0].tolist() == [7, 5] and feeds["cos_full"][0, :2, 0].tolist() == [3, 4]
+    # the first row (position 3) sees positions 0..2 in the full ring, never the dropped position 3
+    assert (feeds["mask_full"][0, 0, 0, :WF] == 0).tolist() == [True, True, True] + [False] * (WF - 3)
+    assert ring(slm, 0, 3) == k_value(7, 3) and ring(slm, 1, 3) == k_value(7, 3, 0, 1)
+
+
+def test_rollback_past_a_wrapped_ring_refills_it_cold():
+    slm = slm_drafter()
+    slm.start(list(range(1, 12)))             # t = 10: the rings hold positions 2..9
+    slm.prefill(reserve=2)
+    slm.expand(chain_tree(11, []), [])
+    slm.commit([], [12])                      # n_kv 11: the 4-column sliding ring holds positions 7..10
+    assert slm.n_kv == 11
+    with pytest.raises(ValueError):
+        slm.rollback(0)
+    assert slm.rollback(8) == "refill"        # position 8 needs 4..7 in the sliding ring: 4..6 were overwritten
+    assert slm.tokens == list(range(1, 9)) and slm.live_start == slm.n_kv == 0
+    slm.commit([], [20, 21])
+    slm.prefill(reserve=1)
+    slm.expand(chain_tree(21, []), [])
+    for p in range(max(slm.live_start, slm.n_kv - WS), slm.n_kv):   # what a cold start on these ids holds
+        assert ring(slm, 0, p) == k_value(slm.tokens[p], p)

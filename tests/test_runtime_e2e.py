@@ -203,7 +203,8 @@ def test_three_turns_hold_the_templates_rendering_on_both_sides(server, runtime,
         conv.answered(rendered, res.tokens)
         rendered = conv.ask(user)
         res = runtime.next_turn(client, rendered.ids, anchor=rendered.anchor, max_new_tokens=10)
-        assert res.kept < len(conv.held)                 # the rendering dropped something held (channel, trim)
+        # thinking off, the rendering drops the prompt's empty thought channel: the APPEND rolls back past it
+        assert res.kept < len(conv.held) if not thinking else res.kept <= len(conv.held)
         assert res.tokens == greedy_reference(engine, rendered.ids, 10, large_template.stop_ids)
         session = next(iter(srv.server.sessions.values()))
         kinds.append(session.appends[-1].kind)

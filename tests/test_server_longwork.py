@@ -82,6 +82,14 @@ def serving(engine, **limits):
         yield srv
 
 
+def next_turn(srv, tokens, max_new: int) -> AppendTurn:
+    """An APPEND that keeps every id the (only) session holds and continues with ``tokens``."""
+    from hycoc.chat import ids_crc32
+
+    held = next(iter(srv.server.sessions.values())).tokens
+    return AppendTurn(np.asarray(tokens, np.int32), max_new, len(held), ids_crc32(held))
+
+
 def finish_turn(client: VerifierClient, root: int = 29) -> None:
     """Rounds of a chain tree (rooted at the session's root, the last committed token) until the turn finishes."""
     seq = 0
@@ -133,8 +141,8 @@ def test_append_reserves_its_kv_before_its_prefill_and_the_budget_holds_under_co
         assert kv.reserved == first
         gate.hold()
         result = {}
-        appender = threading.Thread(target=lambda: result.setdefault("opened", a.append(
-            AppendTurn(np.arange(30, 40, dtype=np.int32), 100))))
+        turn = next_turn(srv, np.arange(30, 40), 100)
+        appender = threading.Thread(target=lambda: result.setdefault("opened", a.append(turn)))
         appender.start()
         assert gate.entered.wait(10)                   # A's APPEND prefill is running (held) ...
         assert kv.reserved == grown                    # ... and its growth is already reserved
@@ -163,11 +171,11 @@ def test_every_failed_append_gives_its_kv_back(engine, gate):
         a = VerifierClient(srv.url, timeout_s=30)
         a.open(request())
         with pytest.raises(ServerError) as info:       # the engine refuses: the turn has not finished
-            a.append(AppendTurn(np.arange(30, 40, dtype=np.int32), 100))
+            a.append(next_turn(srv, np.arange(30, 40), 100))
         assert info.value.code == "finished" and kv.reserved == first
         finish_turn(a)
         with pytest.raises(ServerError) as info:       # the engine refuses: 12 + 120 tokens overflow 128
-            a.append(AppendTurn(np.arange(1, 121, dtype=np.int32) % 60, 4))
+            a.append(next_turn(srv, np.arange(1, 121) % 60, 4))
         assert info.value.code == "context_overflow" and kv.reserved == first
         a.close()
         # a client that leaves while its APPEND prefills: the growth and the session's KV both come back
@@ -175,7 +183,7 @@ def test_every_failed_append_gives_its_kv_back(engine, gate):
         b.open(request())
         finish_turn(b)
         gate.hold()
-        b._ws.send(wire.encode(AppendTurn(np.arange(30, 40, dtype=np.int32), 100)))
+        b._ws.send(wire.encode(next_turn(srv, np.arange(30, 40), 100)))
         assert gate.entered.wait(10)
         assert kv.reserved == engine.session_kv_bytes(128, ROWS)
         b._ws.close()

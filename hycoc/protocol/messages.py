@@ -128,8 +128,8 @@ class DraftTree:
     scores: float32, shape (R,), or None (not sent): each row's tree score s(v) of Alg. 3, natural log, about the
     log of the row's chance of acceptance: scores[0] == 0 (the root), and every row scores at most its parent
     (s(child) = s(parent) + ln q + ln λ, Alg. 3 lines 4, 6, 13). Padding rows repeat the last row's score. The
-    verifier may spend its rows on the best-scoring ancestor-closed subtree (`RoundReply.verified`). Protocol
-    version 4 carries them as float16 (`hycoc.protocol.wire`); version 3 drops them.
+    verifier may spend its rows on the best-scoring ancestor-closed subtree (`RoundReply.verified`). The wire
+    carries them as float16 (`hycoc.protocol.wire`).
     """
 
     seq: int
@@ -181,9 +181,8 @@ class RoundReply:
     verified: bool, shape (R,), over the rows as sent, or None (every row verified): True for the rows the
     verifier verified, an ancestor-closed subset (every verified row's parent verified) that holds row 0. A row
     not verified is never on the path, and its sample echoes its own token (so "child == sample" alone could
-    walk into it: the device walks verified rows only, `hycoc.runtime.tree_builder.walk_reply`). Protocol
-    version 4 carries it as a bitmask (`hycoc.protocol.wire`); version 3 drops it (a version-3 peer's rows are
-    all verified, save those past the context's room, which it trims itself).
+    walk into it: the device walks verified rows only, `hycoc.runtime.tree_builder.walk_reply`). The wire carries
+    it as a bitmask (`hycoc.protocol.wire`).
     """
 
     seq: int

@@ -115,6 +115,9 @@ from hycoc.protocol.messages import (
 PROTOCOL_VERSION = 5
 #: Versions a receiver accepts; a session answers in its OPEN's version.
 SUPPORTED_VERSIONS = (5,)
+#: Older versions whose ERROR frame has this version's layout: an older peer's refusal is answered in its own
+#: version (`error_frame`), so it reads the code and `OLD_VERSION_FIX` instead of failing on the header.
+LEGACY_ERROR_VERSIONS = (3, 4)
 #: What an older peer is told (the ``unsupported_version`` message's fix).
 OLD_VERSION_FIX = ("update hycoc on both sides and rebuild the device bundle with it (`hycoc build RECIPE`): "
                    "protocol 5 re-renders each conversation with the checkpoint's template (see the section "
@@ -307,9 +310,20 @@ def error_reply(exc: BaseException) -> ErrorReply:
 
 
 def error_frame(exc: BaseException, version: int = PROTOCOL_VERSION) -> bytes:
-    """An ERROR frame answering ``exc``, in protocol ``version`` (the session's: `frame_version` of its OPEN);
-    never raises for an exception (messages over 65,535 bytes are cut)."""
-    return encode(error_reply(exc), version=version)
+    """An ERROR frame answering ``exc``, in protocol ``version`` (the session's: `frame_version` of its OPEN, or
+    an older peer's own version of `LEGACY_ERROR_VERSIONS`, so that it can read its refusal and the fix); never
+    raises for an exception (messages over 65,535 bytes are cut)."""
+    return encode_error(error_reply(exc), version)
+
+
+def encode_error(reply: ErrorReply, version: int = PROTOCOL_VERSION) -> bytes:
+    """The ERROR frame of ``reply`` in protocol ``version``: one of SUPPORTED_VERSIONS, or of
+    LEGACY_ERROR_VERSIONS (the same payload under an older header, for a peer to read its refusal)."""
+    if version in LEGACY_ERROR_VERSIONS:
+        frame = bytearray(encode(reply))
+        struct.pack_into("<H", frame, 4, version)         # ERROR's payload is the same in those versions
+        return bytes(frame)
+    return encode(reply, version=version)
 
 
 def error_from_reply(reply: ErrorReply) -> WireError:
@@ -665,6 +679,7 @@ def _check_append(m: AppendTurn, limits: Limits) -> None:
     if limits.max_context is not None and keep + tokens.size >= limits.max_context:
         raise ContextOverflow(f"AppendTurn: keep + T = {keep + tokens.size} positions: the verifier holds max_context "
                               f"= {limits.max_context}, conversation and output together")
+    _uint(m.anchor, "AppendTurn.anchor", 32)
     if int(m.anchor) != 0 and not keep <= int(m.anchor) < keep + tokens.size:
         raise OutOfRange(f"AppendTurn.anchor = {m.anchor}: must lie in [keep, keep + T) = [{keep}, "
                          f"{keep + tokens.size}) or be 0 (none)")

@@ -29,7 +29,8 @@ histograms ``hycoc_batch_rows``, ``hycoc_batch_sessions`` and ``hycoc_queue_wait
 Frame size. aiohttp's own WebSocket limit is set to twice the incoming frame limit so that a frame above the wire
 limit still reaches `hycoc.protocol.wire.decode_header` and gets a ``frame_too_large`` ERROR frame; only frames above
 twice the limit are cut by aiohttp (WebSocket close code 1009, no frame). Incoming frames are never larger than an
-OPEN with a max_context prompt and the longest auth token, so that is the frame limit this server reads with
+OPEN with a max_context prompt, the longest auth token and the longest chat contract (the codec's own layout,
+`hycoc.protocol.wire.open_nbytes`), so that is the frame limit this server reads with
 (`open_frame_bytes`), whatever ``max_frame_bytes`` (which bounds replies) says: an unauthenticated client cannot
 make it buffer more than twice that per connection.
 

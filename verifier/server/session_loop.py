@@ -22,10 +22,11 @@ APPEND grows the reservation to the conversation plus the new turn's cap before 
 the growth back if the turn fails. Both are released when the session ends, whatever ends it.
 
 Versions. A connection speaks the protocol version of its OPEN frame (`hycoc.protocol.wire.SUPPORTED_VERSIONS`:
-3 and 4): every answer on it (OPENED, REPLY, ERROR) goes out in that version, the engine session carries it as
+5): every answer on it (OPENED, REPLY, ERROR) goes out in that version, the engine session carries it as
 ``Session.wire_version`` (a reply encoder writes ``wire.encode(reply, version=session.wire_version)``), and a later
 frame in another version gets ``unsupported_version``. Before an OPEN, errors answer in the frame's own version when
-it is a supported one, else in `hycoc.protocol.wire.PROTOCOL_VERSION`.
+it is a supported one or an older one whose ERROR is the same (`hycoc.protocol.wire.LEGACY_ERROR_VERSIONS`: an old
+device reads its refusal and the fix), else in `hycoc.protocol.wire.PROTOCOL_VERSION`.
 
 Retries. Rounds carry a sequence number. The same frame again with the seq of the last answered round gets the same
 reply bytes again without touching the engine (idempotent retry); any other seq gets ``bad_seq``.
@@ -186,12 +187,13 @@ class SessionLoop:
     @staticmethod
     def answer_version(conn: Connection | None, data: bytes | None = None) -> int:
         """The protocol version to answer ``conn`` in: its OPEN's once one arrived, else the version of ``data``'s
-        header when that is a supported one, else `wire.PROTOCOL_VERSION`."""
+        header when that is a supported one or an older one whose ERROR this server can write
+        (`wire.LEGACY_ERROR_VERSIONS`: the old peer reads its refusal), else `wire.PROTOCOL_VERSION`."""
         if conn is not None and conn.wire_version is not None:
             return conn.wire_version
         if data is not None and len(data) >= wire.HEADER.size:
             version = wire.HEADER.unpack_from(data)[1]
-            if version in wire.SUPPORTED_VERSIONS:
+            if version in wire.SUPPORTED_VERSIONS or version in wire.LEGACY_ERROR_VERSIONS:
                 return version
         return wire.PROTOCOL_VERSION
 
@@ -400,4 +402,4 @@ class SessionLoop:
         self.metrics.errors[reply.code] += 1
         if reply.code == "internal_error":
             log.error("internal error on a frame", exc_info=exc)
-        return wire.encode(reply, version=wire.PROTOCOL_VERSION if version is None else version)
+        return wire.encode_error(reply, wire.PROTOCOL_VERSION if version is None else version)
