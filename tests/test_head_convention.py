@@ -1,0 +1,280 @@
+"""The MTP head is fed as the checkpoint expects: hycoc's drafts equal transformers' own assisted generation.
+
+The reference is transformers 5.24's ``generate(..., assistant_model=Gemma4AssistantForCausalLM)``, greedy, which
+drafts with ``SinglePositionMultiTokenCandidateGenerator``: the assistant reads [e(root); hidden_states[-1] of the
+last committed position] (``hidden_states[-1]`` is tied to the POST-norm ``last_hidden_state``), a constant query
+position = the root's position t (offset 0), the verifier's shared KV of the last sliding and last full layer, and
+applies no final-logit soft-cap. Its candidates are captured per round (a spy on ``get_candidates``) and compared
+with the chains hycoc proposes for the same root position t:
+
+* ``cloud-mtp``: the engine's own K-chain (`hycoc.verifier.engine.draft_cloud_chain`);
+* ``server-head``: the engine's server chain (`hycoc.verifier.engine.draft_server_chain`, full vocabulary);
+* ``device``: the float head graph (`hycoc.passes.head_graph.HeadGraph`) run by the device's MTP Drafter
+  (`hycoc.runtime.mtp_drafter.MtpDrafter`) from the engine's hand-offs.
+
+Models: tiny random ``Gemma4ForCausalLM`` + ``Gemma4AssistantForCausalLM`` (tests/tiny_models.py) in the gemma4
+recipe's conventions: the verifier's sliding window, the head's sliding window and the hand-off window W are equal
+(1,024 each there, `SW` here), final-logit soft-cap 30 on the verifier only. Every context stays inside that window:
+there transformers' slicing of the shared KV is exact (past the verifier's sliding window it hands the assistant
+the sliding cache's rows unaligned) and the device ring holds every committed position (past W the W-window is
+HyCo's design, Alg. 2, not a convention).
+
+One difference is transformers', not a convention: after a rejection it slices the shared KV to
+``input_ids.shape[1]`` rows, one more than the committed positions, so the assistant also reads the KV row the
+verifier computed for the REJECTED candidate at the root's position t (a row the verifier never commits; after
+prefill and after a fully accepted round the slice is exactly the committed rows). The spy therefore hands
+transformers' generator the committed rows only (`committed_kv`); rounds where transformers needed no such cut are
+counted and compared with an unmodified run too.
+
+The hand-off is int8 on the wire and the E table 8-bit; the device comparison runs the hand-off unrounded (scale 1,
+`float_handoff`) and E in float so that only the convention is tested (rounding is measured elsewhere:
+docs/npu-numerics.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
+
+import hycoc.verifier.engine as engine_mod
+from hycoc.mtp import FULL, SLIDING
+from hycoc.passes.head_graph import HeadGraph, rotary_tables
+from hycoc.passes.head_qat import restrict_output_layer
+from hycoc.protocol.messages import Sampling
+from hycoc.recipe import load_recipe
+from hycoc.runtime.mtp_drafter import MtpDrafter
+from hycoc.verifier import VerifierEngine
+from tiny_models import tiny_head, tiny_verifier
+
+torch.set_num_threads(1)
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+GEMMA4 = load_recipe(RECIPES / "gemma4.toml")
+VOCAB = 512
+SW = 40                 # verifier sliding window = head sliding window = W (gemma4: 1,024 each)
+K = GEMMA4.tree.chain_length
+NEW = 22                # tokens generated per prompt; prompt + NEW < SW
+PROMPTS = [np.random.default_rng(seed).integers(3, VOCAB, n).tolist() for seed, n in
+           ((0, 6), (1, 9), (2, 12), (3, 7), (4, 15))]
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def models():
+    verifier = tiny_verifier(vocab_size=VOCAB, sliding_window=SW)
+    head = tiny_head(verifier, sliding_window=SW)
+    head.generation_config.num_assistant_tokens = K
+    assert head.config.get_text_config().final_logit_softcapping is None
+    assert verifier.config.final_logit_softcapping == 30.0
+    return verifier, head
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """transformers' rounds per prompt, with the committed-KV cut: [(rounds, output, cuts)]."""
+    return [transformers_rounds(*models, prompt) for prompt in PROMPTS]
+
+
+def committed_kv(model_outputs, input_ids) -> bool:
+    """Cut the shared KV to the committed positions [0, t), t = input_ids.shape[1] - 1 (module docstring); True
+    when rows had to be cut (transformers' own slice would have kept the rejected candidate's row at t)."""
+    t = input_ids.shape[1] - 1
+    kv = model_outputs.shared_kv_states
+    extra = kv[FULL][0].shape[-2] - t           # the full layer holds positions from 0
+    if extra <= 0:
+        return False
+    model_outputs.shared_kv_states = {kind: (k[..., :-extra, :], v[..., :-extra, :]) for kind, (k, v) in kv.items()}
+    return True
+
+
+def transformers_rounds(verifier, head, prompt, *, cut: bool = True):
+    """Greedy assisted generation by transformers: ({root position t: drafted tokens}, output ids, {t: whether
+    the committed-KV cut changed the generator's input})."""
+    real = SinglePositionMultiTokenCandidateGenerator.get_candidates
+    rounds, cuts = {}, {}
+
+    def spy(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kw):
+        t = input_ids.shape[1] - 1
+        if not is_first_iteration:
+            cuts[t] = committed_kv(model_outputs, input_ids) if cut else False
+        ids, logits = real(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kw)
+        if not is_first_iteration:
+            rounds[t] = ids[0, input_ids.shape[1]:].tolist()
+        return ids, logits
+
+    SinglePositionMultiTokenCandidateGenerator.get_candidates = spy
+    try:
+        with torch.inference_mode():
+            out = verifier.generate(torch.tensor([prompt]), assistant_model=head, do_sample=False,
+                                    max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=0)
+    finally:
+        SinglePositionMultiTokenCandidateGenerator.get_candidates = real
+    return rounds, out[0, len(prompt):].tolist(), cuts
+
+
+def make_engine(verifier, head, hidden, offset, scales=(1.0,) * 6):
+    return VerifierEngine(verifier, head=head, keep_set=None, head_window=SW, chain_length=K, handoff_scales=scales,
+                          hidden=hidden, head_query_position_offset=offset, eos_token_ids={EOS})
+
+
+def server_rounds(engine, prompt, place, monkeypatch):
+    """hycoc's chains per root position for ``cloud-mtp`` or ``server-head``, and the output ids.
+
+    cloud-mtp drafts from the session's root, which is the prompt's last token; transformers' first draft roots at
+    its first generated token, so the engine's request is prompt + that token (``prompt`` here). server-head returns
+    the chain for the next root with each reply; its first round verifies the root alone."""
+    rounds = {}
+    real = engine_mod.draft_cloud_chain
+
+    def spy(model, head, cache, layers, root, h, t, k, offset):
+        chain = real(model, head, cache, layers, root, h, t, k, offset)
+        rounds[t] = chain
+        return chain
+
+    monkeypatch.setattr(engine_mod, "draft_cloud_chain", spy)
+    session = engine.open(prompt, Sampling(temperature=0.0, top_k=1, top_p=1.0), acceptance="exact", epsilon=1.0,
+                          draft_place=place, max_new_tokens=NEW - (place == "cloud-mtp"))
+    session.prefill()
+    chain, seq = [], 0
+    while not session.finished:
+        reply = session.verify([session.root, *chain], list(range(-1, len(chain))), seq)
+        seq += 1
+        if place == "server-head" and not reply.finished:
+            chain = reply.chain.tolist()
+            rounds[session.t] = chain
+    return rounds, session.output
+
+
+class TorchRunner:
+    """The head graph as the device runs it (`hycoc.runtime.graphs.GraphRunner`'s run/shape), in torch float32."""
+
+    def __init__(self, graph: HeadGraph, shapes: dict[str, tuple]):
+        self.graph, self.shapes = graph, shapes
+
+    def shape(self, name):
+        return self.shapes[name]
+
+    @torch.inference_mode()
+    def run(self, feeds):
+        names = ("x_hat", "k_sliding", "v_sliding", "k_full", "v_full", "mask_sliding", "mask_full",
+                 "cos_sliding", "sin_sliding", "cos_full", "sin_full")
+        logits, h_next = self.graph(*(torch.as_tensor(np.ascontiguousarray(feeds[n]), dtype=torch.float32)
+                                      for n in names))
+        return {"logits": logits.numpy(), "h_next": h_next.numpy()}
+
+
+def device_drafter(verifier, engine, head, offset):
+    """An MTP Drafter over the float head graph with the full vocabulary as keep set (so its arg-max is the
+    head's), the engine's producer layers' KV shapes and a W-column ring."""
+    keep = np.arange(VOCAB)
+    graph = HeadGraph(restrict_output_layer(head, keep))
+    vc, a = verifier.config, verifier.model.layers
+    shapes = {"x_hat": (1, 1, 2 * vc.hidden_size)}
+    for kind, short in ((SLIDING, "sliding"), (FULL, "full")):
+        attn = a[engine.layers[kind]].self_attn
+        shapes[f"k_{short}"] = shapes[f"v_{short}"] = (1, attn.k_proj.out_features // attn.head_dim, SW,
+                                                       attn.head_dim)
+    with torch.no_grad():
+        table = verifier.model.embed_tokens(torch.as_tensor(keep)).float().numpy()   # E in float (module docstring)
+    bundle = SimpleNamespace(
+        round=SimpleNamespace(chain_length=K, sibling_depth=GEMMA4.tree.sibling_depth, head_window=SW,
+                              head_query_position_offset=offset),
+        host=SimpleNamespace(head=SimpleNamespace(sliding_window=head.config.get_text_config().sliding_window)),
+        keep_set=keep, head_rotary=rotary_tables(head.config), embed_keep=lambda i: table[i])
+    return MtpDrafter(TorchRunner(graph, shapes), bundle)
+
+
+def float_handoff(monkeypatch):
+    """The engine's hand-off without rounding: `quantize_int8` returns x / scale as float32 (the drafter's
+    `_Dequantized` takes float rows); with scales 1 the device reads the verifier's values exactly."""
+    monkeypatch.setattr(engine_mod, "quantize_int8", lambda x, scale: (x.float() / scale).cpu().numpy())
+
+
+def device_rounds(engine, drafter, prompt):
+    """The device path: round 1 verifies the root alone (no hand-off yet); then each round ingests the reply's
+    hand-off and sends root + the MTP chain. Returns ({t: chain}, output ids)."""
+    session = engine.open(prompt, Sampling(temperature=0.0, top_k=1, top_p=1.0), acceptance="exact", epsilon=1.0,
+                          draft_place="device", max_new_tokens=NEW)
+    session.prefill()
+    rounds, chain, seq = {}, [], 0
+    while not session.finished:
+        reply = session.verify([session.root, *chain], list(range(-1, len(chain))), seq)
+        seq += 1
+        if not reply.finished:
+            drafter.ingest(reply.handoff)
+            chain = drafter.draft().chain
+            rounds[session.t] = chain
+    return rounds, session.output
+
+
+def compare(ours: dict, theirs: dict) -> tuple[int, int]:
+    """(rounds compared, rounds equal): every root position both drafted from; transformers drafts fewer tokens
+    near max_length, so its chain is compared with the same-length prefix of ours."""
+    common = sorted(set(ours) & set(theirs))
+    return len(common), sum(ours[t][:len(theirs[t])] == theirs[t] for t in common)
+
+
+def all_paths(models, reference, hidden, offset, monkeypatch):
+    """{path: (rounds compared, rounds equal)} over `PROMPTS` for one convention; the outputs must equal
+    transformers' (greedy: the verifier alone decides them)."""
+    verifier, head = models
+    totals = {p: [0, 0] for p in ("cloud-mtp", "server-head", "device")}
+    float_handoff(monkeypatch)
+    engine = make_engine(verifier, head, hidden, offset)
+    drafter = device_drafter(verifier, engine, head, offset)
+    for prompt, (theirs, output, _) in zip(PROMPTS, reference):
+        for place in ("cloud-mtp", "server-head", "device"):
+            if place == "device":
+                ours, out = device_rounds(engine, drafter, prompt)
+            else:
+                request = prompt + output[:1] if place == "cloud-mtp" else prompt
+                ours, out = server_rounds(engine, request, place, monkeypatch)
+                out = output[:1] + out if place == "cloud-mtp" else out
+            assert out == output, f"{place}: greedy output differs from transformers' for prompt {prompt}"
+            n, same = compare(ours, theirs)
+            totals[place][0] += n
+            totals[place][1] += same
+    engine.close()
+    return {p: tuple(v) for p, v in totals.items()}
+
+
+def test_the_gemma4_recipe_drafts_what_transformers_drafts(models, reference, monkeypatch):
+    hidden, offset = GEMMA4.handoff.hidden, GEMMA4.window.head_query_position_offset
+    result = all_paths(models, reference, hidden, offset, monkeypatch)
+    print(f"gemma4 recipe (hidden={hidden}, offset={offset}): {result}")
+    for place, (n, same) in result.items():
+        assert n >= 5 * len(PROMPTS), f"{place}: only {n} rounds compared"
+        assert same == n, f"{place}: {n - same} of {n} rounds draft other tokens than transformers"
+
+
+@pytest.mark.parametrize("hidden, offset", [("pre_norm", -1), ("pre_norm", 0), ("post_norm", -1)],
+                         ids=["paper-pre_norm-t-1", "pre_norm", "t-1"])
+def test_other_conventions_draft_other_tokens(models, reference, monkeypatch, hidden, offset):
+    """The comparison can fail: the paper's pre-norm h and/or query position t - 1 (the old gemma4 defaults:
+    pre_norm, -1) propose other drafts than transformers on every path."""
+    result = all_paths(models, reference, hidden, offset, monkeypatch)
+    print(f"hidden={hidden}, offset={offset}: {result}")
+    for place, (n, same) in result.items():
+        assert n > 0 and same < n, f"{place}: {hidden}/{offset} agrees with transformers in all {n} rounds"
+
+
+def test_unmodified_transformers_agrees_where_it_reads_only_committed_rows(models, reference):
+    """transformers' generator without the committed-KV cut: every round it drafts from committed rows only
+    (after prefill or a fully accepted round) proposes what the cut run proposes at that root position; rounds that
+    read the rejected candidate's row are the only ones that may differ."""
+    verifier, head = models
+    clean = cut_rounds = 0
+    for prompt, (ref, output, cuts) in zip(PROMPTS, reference):
+        raw, raw_output, _ = transformers_rounds(verifier, head, prompt, cut=False)
+        assert raw_output == output
+        for t, chain in raw.items():
+            if t in ref and not cuts[t]:
+                clean += 1
+                assert chain[:len(ref[t])] == ref[t][:len(chain)]
+        cut_rounds += sum(cuts.values())
+    print(f"rounds on committed rows only: {clean}; rounds transformers slices one rejected row into: {cut_rounds}")
+    assert clean >= len(PROMPTS) and cut_rounds > 0
