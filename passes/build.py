@@ -298,16 +298,18 @@ def build_inputs(recipe: Recipe, device: str = "cpu") -> dict[str, Artifact]:
     device: "cpu" (the default: models as saved, float32 for the toy) or an accelerator ("cuda"): the verifier is
     moved there in `GPU_VERIFIER_DTYPE` (its content hash is then the bf16 weights', so every pass reading it gets
     a new key); the head stays on the CPU as saved and the passes move what they train (`hycoc.passes.head_qat`).
-    Raises ModelNotFoundError naming the recipe key when one is missing, DeviceUnavailable (from
+    Raises ModelNotFoundError naming the recipe key when one is missing, HeadConfigError
+    (`hycoc.models.check_head_config`) for a head with ordered embeddings, DeviceUnavailable (from
     `hycoc.verifier.loading.check_device`) when CUDA is asked for and torch sees none."""
     def where(value: str) -> str:
         path = recipe.resolve_path(value)
         return str(path) if path is not None else value
 
-    from hycoc.models import _quiet_transformers
+    from hycoc.models import _quiet_transformers, check_head_folder
 
     _quiet_transformers()
     models = recipe.models
+    check_head_folder(where(models.head))   # an output hycoc cannot compile is refused before any loading
     if device != "cpu":
         from hycoc.verifier.loading import check_device
 

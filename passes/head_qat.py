@@ -144,10 +144,12 @@ def restrict_output_layer(head, keep_set) -> nn.Module:
     """A float32 copy of ``head`` (``Gemma4AssistantForCausalLM``) whose ``lm_head`` is untied from the embedding
     and holds only the keep-set rows: row i scores token ``keep_set[i]`` (§3.3, App. A "output layer untied and
     restricted to the keep set"). keep_set: int ids [|V|]. `hycoc.mtp.head_step` on the copy returns logits
-    [.., |V|]. The head's ordered-embedding output (``masked_embedding``), if it has one, is bypassed: the drafter
-    scores the whole keep set densely."""
+    [.., |V|]. The copy has no ordered-embedding output (``masked_embedding``): the drafter scores the whole keep
+    set densely; a head with ordered embeddings is refused before the build (`hycoc.models.check_head_config`)."""
     ids = torch.as_tensor(keep_set, dtype=torch.long)
     out = copy.deepcopy(head).float().eval()
+    out.masked_embedding = None
+    out.config.use_ordered_embeddings = False
     weight = out.lm_head.weight.detach()[ids.to(out.lm_head.weight.device)].clone()
     out.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
     out.lm_head.weight = nn.Parameter(weight)

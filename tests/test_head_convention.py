@@ -278,3 +278,90 @@ def test_unmodified_transformers_agrees_where_it_reads_only_committed_rows(model
         cut_rounds += sum(cuts.values())
     print(f"rounds on committed rows only: {clean}; rounds transformers slices one rejected row into: {cut_rounds}")
     assert clean >= len(PROMPTS) and cut_rounds > 0
+
+
+# ---- the head's output, from the ASSISTANT's config.json -----------------------------------------------------
+
+
+def test_head_step_scores_as_transformers_with_ordered_embeddings(models):
+    """A head with ordered (centroid) embeddings: `hycoc.mtp.head_step` (the server-head chain and the head's
+    training) gives transformers' centroid-masked logits, never the dense ones."""
+    from hycoc.mtp import head_step, window_mask
+
+    verifier, _ = models
+    head = tiny_head(verifier, sliding_window=SW, use_ordered_embeddings=True, num_centroids=16,
+                     centroid_intermediate_top_k=4)
+    with torch.no_grad():
+        head.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5)))
+        head.masked_embedding.centroids.weight.normal_(0.0, 1.0)
+        out = verifier(input_ids=torch.tensor([PROMPTS[1]]), output_hidden_states=True,
+                       return_shared_kv_states=True)
+        t = len(PROMPTS[1])
+        x = torch.cat([verifier.model.embed_tokens(torch.tensor([[7]])), out.hidden_states[-1][:, -1:]], -1)
+        kv = out.shared_kv_states
+        pos = torch.tensor([[t]])
+        ref = head(inputs_embeds=x, position_ids=pos, shared_kv_states=kv, use_cache=False)
+        masks = {kind: window_mask(torch.tensor([[t]]), t, None) for kind in (SLIDING, FULL)}
+        logits, h_next = head_step(head, x, kv, masks, pos)
+        dense = head.lm_head(head.model(inputs_embeds=head.pre_projection(x), position_ids=pos,
+                                        shared_kv_states=kv, use_cache=False).last_hidden_state)
+    torch.testing.assert_close(logits, ref.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h_next, ref.last_hidden_state, rtol=1e-5, atol=1e-5)
+    assert (logits == logits.min()).sum() == VOCAB - 4 * VOCAB // 16     # all but the top-4 centroids' tokens
+    assert not torch.allclose(logits, dense)
+
+
+def _toy_copy(tmp_path, edit) -> Path:
+    """recipes/toy.toml pointed at a copy of the toy models' configs (no weights) whose head config.json is
+    ``edit``ed."""
+    import json
+    import shutil
+
+    models = RECIPES / "toy" / "models"
+    for role in ("verifier", "head", "slm"):
+        shutil.copytree(models / role, tmp_path / role, ignore=shutil.ignore_patterns("*.safetensors"))
+    path = tmp_path / "head" / "config.json"
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    text = (RECIPES / "toy.toml").read_text()
+    for role in ("verifier", "head", "slm"):
+        text = text.replace(f'"toy/models/{role}"', f'"{tmp_path / role}"')
+    (tmp_path / "toy.toml").write_text(text)
+    return tmp_path / "toy.toml"
+
+
+def test_ordered_embeddings_are_refused_at_inspect_and_build(tmp_path):
+    from typer.testing import CliRunner
+
+    from hycoc.cli import app
+    from hycoc.models import HeadConfigError
+    from hycoc.passes.build import build_inputs
+
+    path = _toy_copy(tmp_path, lambda c: {**c, "use_ordered_embeddings": True})
+    result = CliRunner().invoke(app, ["inspect", str(path)])
+    assert result.exit_code == 1
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "use_ordered_embeddings = true" in lines[0] and "set use_ordered_embeddings to " \
+        "false" in lines[0]
+    # build: refused before any model is loaded (the copy has no weights: loading would fail otherwise)
+    with pytest.raises(HeadConfigError, match="num_centroids 2048, centroid_intermediate_top_k 32"):
+        build_inputs(load_recipe(path))
+
+
+def test_the_plan_takes_the_heads_output_from_its_own_config(tmp_path):
+    from hycoc.passes.plan import real_shape_plan
+
+    plan = real_shape_plan(GEMMA4)["graphs"]["head"]
+    assert plan["input"] == {"hidden": "post_norm", "query_position_offset": 0}
+    # the assumed head config copies nothing of the verifier's output (whose soft-cap is 30)
+    assert plan["output"] == {"use_ordered_embeddings": False, "num_centroids": 2048,
+                              "centroid_intermediate_top_k": 32, "final_logit_softcapping": None,
+                              "softcap_applied": False}
+
+    def edit(config):
+        config["text_config"]["final_logit_softcapping"] = 12.5
+        return {**config, "num_centroids": 64, "centroid_intermediate_top_k": 8}
+
+    out = real_shape_plan(load_recipe(_toy_copy(tmp_path, edit)))["graphs"]["head"]
+    assert out["output"] == {"use_ordered_embeddings": False, "num_centroids": 64, "centroid_intermediate_top_k": 8,
+                             "final_logit_softcapping": 12.5, "softcap_applied": False}
+    assert out["input"] == {"hidden": "pre_norm", "query_position_offset": -1}
