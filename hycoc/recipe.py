@@ -240,6 +240,13 @@ class Window(Section):
         "-1 = t-1 as the paper fixes (Alg. 2 line 6; the toy head is trained so)",
     )
 
+    head_sliding_window_inclusive: bool = Field(
+        True,
+        description="the head's sliding layers read the last sliding_window + 1 committed positions, as transformers' "
+        "Gemma4AssistantForCausalLM masks its shared KV (|q - kv| <= sliding_window; tests/test_head_convention.py); "
+        "false: the last sliding_window (the toy head's training). At most W either way",
+    )
+
     @model_validator(mode="after")
     def _sliding_inside_ring(self) -> Window:
         if self.slm_sliding_window > self.slm_window:

@@ -344,16 +344,18 @@ def _npy(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def host_info(head_config: dict, slm) -> Any:
-    """The manifest's ``host`` section from the head's config dict and the SLM surgery output."""
+def host_info(head_config: dict, slm, inclusive: bool = True) -> Any:
+    """The manifest's ``host`` section from the head's config dict and the SLM surgery output. ``inclusive``: recipe
+    ``[window] head_sliding_window_inclusive`` (the head's sliding positions, `hycoc.host.head_sliding_positions`)."""
     from hycoc.bundle import HeadHostInfo, HostInfo, LutInfo, SlmHostInfo
+    from hycoc.host import head_sliding_positions
 
     from hycoc.passes.slm_graph import text_config
 
     text = head_config.get("text_config") or head_config
     c = text_config(slm)  # transformers' Gemma4TextConfig: kv_sharing_modes is derived, not stored
     return HostInfo(
-        head=HeadHostInfo(sliding_window=int(text["sliding_window"])),
+        head=HeadHostInfo(sliding_window=head_sliding_positions(int(text["sliding_window"]), inclusive)),
         slm=SlmHostInfo(layer_types=list(c.layer_types),
                         kv_layers=[i for i, m in enumerate(c.kv_sharing_modes) if m != "reuse"],
                         sliding_window=int(c.sliding_window),
@@ -421,7 +423,9 @@ def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: s
                         context_binary=Path(binary).name if binary else None)
         w.add_file(json.dumps(report, indent=1).encode(), "report.json", "report")
         return w.commit(**manifest_sections(recipe, profile, keep_set_size=len(keep), qnn_sdk=qnn_sdk, hub=hub),
-                        host=host_info(a["quantized_head"].payload.config, slm), chat=chat_from_recipe(recipe).format)
+                        host=host_info(a["quantized_head"].payload.config, slm,
+                                       recipe.window.head_sliding_window_inclusive),
+                        chat=chat_from_recipe(recipe).format)
 
 
 def run_pipeline(recipe: Recipe, target: str, cache_dir: str | Path, *, until: str | None = None,

@@ -2,33 +2,33 @@
 
 The reference is transformers 5.24's ``generate(..., assistant_model=Gemma4AssistantForCausalLM)``, greedy, which
 drafts with ``SinglePositionMultiTokenCandidateGenerator``: the assistant reads [e(root); hidden_states[-1] of the
-last committed position] (``hidden_states[-1]`` is tied to the POST-norm ``last_hidden_state``), a constant query
-position = the root's position t (offset 0), the verifier's shared KV of the last sliding and last full layer, and
-applies no final-logit soft-cap. Its candidates are captured per round (a spy on ``get_candidates``) and compared
-with the chains hycoc proposes for the same root position t:
+last committed position] (``hidden_states[-1]`` is tied to the POST-norm ``last_hidden_state``) at a constant query
+position = the root's position t (offset 0), attends to the verifier's shared KV of the last sliding and last full
+layer through its own masks (full: every key; sliding: the last sliding_window + 1 keys) and applies no
+final-logit soft-cap. Its candidates are captured per round (a spy on ``get_candidates``) and compared with the
+chains hycoc proposes for the same root position t:
 
 * ``cloud-mtp``: the engine's own K-chain (`hycoc.verifier.engine.draft_cloud_chain`);
 * ``server-head``: the engine's server chain (`hycoc.verifier.engine.draft_server_chain`, full vocabulary);
 * ``device``: the float head graph (`hycoc.passes.head_graph.HeadGraph`) run by the device's MTP Drafter
   (`hycoc.runtime.mtp_drafter.MtpDrafter`) from the engine's hand-offs.
 
-Models: tiny random ``Gemma4ForCausalLM`` + ``Gemma4AssistantForCausalLM`` (tests/tiny_models.py) in the gemma4
-recipe's conventions: the verifier's sliding window, the head's sliding window and the hand-off window W are equal
-(1,024 each there, `SW` here), final-logit soft-cap 30 on the verifier only. Every context stays inside that window:
-there transformers' slicing of the shared KV is exact (past the verifier's sliding window it hands the assistant
-the sliding cache's rows unaligned) and the device ring holds every committed position (past W the W-window is
-HyCo's design, Alg. 2, not a convention).
+Models: tiny random ``Gemma4ForCausalLM`` + ``Gemma4AssistantForCausalLM`` (tests/tiny_models.py), final-logit
+soft-cap 30 on the verifier only, in two shapes (`SHAPES`): the gemma4 recipe's (the verifier's sliding window, the
+head's and the hand-off window W equal, 1,024 each there) and a head whose sliding window is below W. Every
+context stays inside the verifier's sliding window and W: there transformers' slicing of the shared KV is exact
+(past the verifier's sliding window it hands the assistant the sliding cache's rows unaligned) and the device ring
+holds every committed position (past W the W-window is HyCo's design, Alg. 2, not a convention).
 
 One difference is transformers', not a convention: after a rejection it slices the shared KV to
 ``input_ids.shape[1]`` rows, one more than the committed positions, so the assistant also reads the KV row the
 verifier computed for the REJECTED candidate at the root's position t (a row the verifier never commits; after
 prefill and after a fully accepted round the slice is exactly the committed rows). The spy therefore hands
 transformers' generator the committed rows only (`committed_kv`); rounds where transformers needed no such cut are
-counted and compared with an unmodified run too.
+compared with an unmodified run too.
 
 The hand-off is int8 on the wire and the E table 8-bit; the device comparison runs the hand-off unrounded (scale 1,
-`float_handoff`) and E in float so that only the convention is tested (rounding is measured elsewhere:
-docs/npu-numerics.md).
+`float_handoff`) and E in float so that only the convention is tested.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import torch
 from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
 
 import hycoc.verifier.engine as engine_mod
+from hycoc.host import head_sliding_positions
 from hycoc.mtp import FULL, SLIDING
 from hycoc.passes.head_graph import HeadGraph, rotary_tables
 from hycoc.passes.head_qat import restrict_output_layer
@@ -55,28 +56,40 @@ torch.set_num_threads(1)
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 GEMMA4 = load_recipe(RECIPES / "gemma4.toml")
 VOCAB = 512
-SW = 40                 # verifier sliding window = head sliding window = W (gemma4: 1,024 each)
 K = GEMMA4.tree.chain_length
-NEW = 22                # tokens generated per prompt; prompt + NEW < SW
+NEW = 22                # tokens generated per prompt; prompt + NEW < each shape's verifier sliding window and W
 PROMPTS = [np.random.default_rng(seed).integers(3, VOCAB, n).tolist() for seed, n in
            ((0, 6), (1, 9), (2, 12), (3, 7), (4, 15))]
 EOS = 1
+#: (verifier sliding window, head sliding window, W). "gemma4": all equal, as recipes/gemma4.toml (1,024 each with the
+#: assumed head config); "narrow-head": a head whose sliding window is below W, where the positions its sliding
+#: layer reads (`hycoc.host.head_sliding_positions`) decide the drafts once t > 8.
+SHAPES = {"gemma4": (40, 40, 40), "narrow-head": (64, 8, 40)}
+RECIPE = (GEMMA4.handoff.hidden, GEMMA4.window.head_query_position_offset, GEMMA4.window.head_sliding_window_inclusive)
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def shaped(request):
+    """(models, W, transformers' reference rounds per prompt) for one of `SHAPES`."""
+    verifier_sw, head_sw, window = SHAPES[request.param]
+    verifier = tiny_verifier(vocab_size=VOCAB, sliding_window=verifier_sw)
+    head = tiny_head(verifier, sliding_window=head_sw)
+    head.generation_config.num_assistant_tokens = K
+    assert head.config.get_text_config().final_logit_softcapping is None
+    assert verifier.config.final_logit_softcapping == 30.0
+    assert max(map(len, PROMPTS)) + NEW < min(verifier_sw, window)
+    reference = [transformers_rounds(verifier, head, prompt) for prompt in PROMPTS]
+    return SimpleNamespace(name=request.param, models=(verifier, head), window=window, reference=reference)
 
 
 @pytest.fixture(scope="module")
 def models():
-    verifier = tiny_verifier(vocab_size=VOCAB, sliding_window=SW)
-    head = tiny_head(verifier, sliding_window=SW)
+    """The gemma4-shaped pair alone."""
+    verifier_sw, head_sw, _ = SHAPES["gemma4"]
+    verifier = tiny_verifier(vocab_size=VOCAB, sliding_window=verifier_sw)
+    head = tiny_head(verifier, sliding_window=head_sw)
     head.generation_config.num_assistant_tokens = K
-    assert head.config.get_text_config().final_logit_softcapping is None
-    assert verifier.config.final_logit_softcapping == 30.0
     return verifier, head
-
-
-@pytest.fixture(scope="module")
-def reference(models):
-    """transformers' rounds per prompt, with the committed-KV cut: [(rounds, output, cuts)]."""
-    return [transformers_rounds(*models, prompt) for prompt in PROMPTS]
 
 
 def committed_kv(model_outputs, input_ids) -> bool:
@@ -116,9 +129,11 @@ def transformers_rounds(verifier, head, prompt, *, cut: bool = True):
     return rounds, out[0, len(prompt):].tolist(), cuts
 
 
-def make_engine(verifier, head, hidden, offset, scales=(1.0,) * 6):
-    return VerifierEngine(verifier, head=head, keep_set=None, head_window=SW, chain_length=K, handoff_scales=scales,
-                          hidden=hidden, head_query_position_offset=offset, eos_token_ids={EOS})
+def make_engine(verifier, head, window, convention):
+    hidden, offset, inclusive = convention
+    return VerifierEngine(verifier, head=head, keep_set=None, head_window=window, chain_length=K,
+                          handoff_scales=(1.0,) * 6, hidden=hidden, head_query_position_offset=offset,
+                          head_sliding_window_inclusive=inclusive, eos_token_ids={EOS})
 
 
 def server_rounds(engine, prompt, place, monkeypatch):
@@ -167,23 +182,27 @@ class TorchRunner:
         return {"logits": logits.numpy(), "h_next": h_next.numpy()}
 
 
-def device_drafter(verifier, engine, head, offset):
+def device_drafter(verifier, engine, head, convention):
     """An MTP Drafter over the float head graph with the full vocabulary as keep set (so its arg-max is the
-    head's), the engine's producer layers' KV shapes and a W-column ring."""
+    head's), the engine's producer layers' KV shapes, a W-column ring and the bundle's head sliding positions as
+    `hycoc.passes.build.host_info` writes them."""
+    _, offset, inclusive = convention
+    W = engine.head_window
     keep = np.arange(VOCAB)
     graph = HeadGraph(restrict_output_layer(head, keep))
     vc, a = verifier.config, verifier.model.layers
     shapes = {"x_hat": (1, 1, 2 * vc.hidden_size)}
     for kind, short in ((SLIDING, "sliding"), (FULL, "full")):
         attn = a[engine.layers[kind]].self_attn
-        shapes[f"k_{short}"] = shapes[f"v_{short}"] = (1, attn.k_proj.out_features // attn.head_dim, SW,
+        shapes[f"k_{short}"] = shapes[f"v_{short}"] = (1, attn.k_proj.out_features // attn.head_dim, W,
                                                        attn.head_dim)
     with torch.no_grad():
         table = verifier.model.embed_tokens(torch.as_tensor(keep)).float().numpy()   # E in float (module docstring)
     bundle = SimpleNamespace(
-        round=SimpleNamespace(chain_length=K, sibling_depth=GEMMA4.tree.sibling_depth, head_window=SW,
+        round=SimpleNamespace(chain_length=K, sibling_depth=GEMMA4.tree.sibling_depth, head_window=W,
                               head_query_position_offset=offset),
-        host=SimpleNamespace(head=SimpleNamespace(sliding_window=head.config.get_text_config().sliding_window)),
+        host=SimpleNamespace(head=SimpleNamespace(sliding_window=head_sliding_positions(
+            head.config.get_text_config().sliding_window, inclusive))),
         keep_set=keep, head_rotary=rotary_tables(head.config), embed_keep=lambda i: table[i])
     return MtpDrafter(TorchRunner(graph, shapes), bundle)
 
@@ -218,15 +237,15 @@ def compare(ours: dict, theirs: dict) -> tuple[int, int]:
     return len(common), sum(ours[t][:len(theirs[t])] == theirs[t] for t in common)
 
 
-def all_paths(models, reference, hidden, offset, monkeypatch):
-    """{path: (rounds compared, rounds equal)} over `PROMPTS` for one convention; the outputs must equal
-    transformers' (greedy: the verifier alone decides them)."""
-    verifier, head = models
+def all_paths(shaped, convention, monkeypatch):
+    """{path: (rounds compared, rounds equal)} over `PROMPTS` for one convention (hidden, query offset, inclusive
+    sliding window); the outputs must equal transformers' (greedy: the verifier alone decides them)."""
+    verifier, head = shaped.models
     totals = {p: [0, 0] for p in ("cloud-mtp", "server-head", "device")}
     float_handoff(monkeypatch)
-    engine = make_engine(verifier, head, hidden, offset)
-    drafter = device_drafter(verifier, engine, head, offset)
-    for prompt, (theirs, output, _) in zip(PROMPTS, reference):
+    engine = make_engine(verifier, head, shaped.window, convention)
+    drafter = device_drafter(verifier, engine, head, convention)
+    for prompt, (theirs, output, _) in zip(PROMPTS, shaped.reference):
         for place in ("cloud-mtp", "server-head", "device"):
             if place == "device":
                 ours, out = device_rounds(engine, drafter, prompt)
@@ -242,33 +261,46 @@ def all_paths(models, reference, hidden, offset, monkeypatch):
     return {p: tuple(v) for p, v in totals.items()}
 
 
-def test_the_gemma4_recipe_drafts_what_transformers_drafts(models, reference, monkeypatch):
-    hidden, offset = GEMMA4.handoff.hidden, GEMMA4.window.head_query_position_offset
-    result = all_paths(models, reference, hidden, offset, monkeypatch)
-    print(f"gemma4 recipe (hidden={hidden}, offset={offset}): {result}")
+def test_the_gemma4_recipe_drafts_what_transformers_drafts(shaped, monkeypatch):
+    result = all_paths(shaped, RECIPE, monkeypatch)
+    print(f"{shaped.name}, gemma4 recipe {RECIPE}: {result}")
     for place, (n, same) in result.items():
         assert n >= 5 * len(PROMPTS), f"{place}: only {n} rounds compared"
         assert same == n, f"{place}: {n - same} of {n} rounds draft other tokens than transformers"
 
 
-@pytest.mark.parametrize("hidden, offset", [("pre_norm", -1), ("pre_norm", 0), ("post_norm", -1)],
-                         ids=["paper-pre_norm-t-1", "pre_norm", "t-1"])
-def test_other_conventions_draft_other_tokens(models, reference, monkeypatch, hidden, offset):
-    """The comparison can fail: the paper's pre-norm h and/or query position t - 1 (the old gemma4 defaults:
-    pre_norm, -1) propose other drafts than transformers on every path."""
-    result = all_paths(models, reference, hidden, offset, monkeypatch)
-    print(f"hidden={hidden}, offset={offset}: {result}")
+#: The old gemma4 defaults (the paper's pre-norm h at t - 1, the sliding layer over its window) and each setting
+#: alone: (shape, convention, the paths that must disagree with transformers somewhere).
+OTHERS = [("gemma4", ("pre_norm", -1, False), ("cloud-mtp", "server-head", "device")),
+          ("narrow-head", ("pre_norm", -1, False), ("cloud-mtp", "server-head", "device")),
+          ("gemma4", ("pre_norm", 0, True), ("cloud-mtp", "server-head", "device")),
+          ("gemma4", ("post_norm", -1, True), ("cloud-mtp", "server-head", "device")),
+          # cloud-mtp runs the head's own transformers masks: only the head graph's ring and the server chain move
+          ("narrow-head", ("post_norm", 0, False), ("server-head", "device"))]
+
+
+@pytest.mark.parametrize("shape, convention, differ", OTHERS,
+                         ids=["old-defaults", "old-defaults-narrow-head", "pre_norm", "t-1", "sliding-window"])
+def test_other_conventions_draft_other_tokens(shaped, monkeypatch, shape, convention, differ):
+    """The comparison can fail: every other convention proposes other drafts than transformers."""
+    if shaped.name != shape:
+        pytest.skip(f"runs on the {shape} shape")
+    result = all_paths(shaped, convention, monkeypatch)
+    print(f"{shape}, {convention}: {result}")
     for place, (n, same) in result.items():
-        assert n > 0 and same < n, f"{place}: {hidden}/{offset} agrees with transformers in all {n} rounds"
+        if place in differ:
+            assert n > 0 and same < n, f"{place}: {convention} agrees with transformers in all {n} rounds"
+        else:
+            assert same == n
 
 
-def test_unmodified_transformers_agrees_where_it_reads_only_committed_rows(models, reference):
+def test_unmodified_transformers_agrees_where_it_reads_only_committed_rows(shaped):
     """transformers' generator without the committed-KV cut: every round it drafts from committed rows only
     (after prefill or a fully accepted round) proposes what the cut run proposes at that root position; rounds that
     read the rejected candidate's row are the only ones that may differ."""
-    verifier, head = models
+    verifier, head = shaped.models
     clean = cut_rounds = 0
-    for prompt, (ref, output, cuts) in zip(PROMPTS, reference):
+    for prompt, (ref, output, cuts) in zip(PROMPTS, shaped.reference):
         raw, raw_output, _ = transformers_rounds(verifier, head, prompt, cut=False)
         assert raw_output == output
         for t, chain in raw.items():
@@ -276,7 +308,8 @@ def test_unmodified_transformers_agrees_where_it_reads_only_committed_rows(model
                 clean += 1
                 assert chain[:len(ref[t])] == ref[t][:len(chain)]
         cut_rounds += sum(cuts.values())
-    print(f"rounds on committed rows only: {clean}; rounds transformers slices one rejected row into: {cut_rounds}")
+    print(f"{shaped.name}: rounds on committed rows only: {clean}; rounds transformers slices one rejected row "
+          f"into: {cut_rounds}")
     assert clean >= len(PROMPTS) and cut_rounds > 0
 
 
@@ -289,7 +322,7 @@ def test_head_step_scores_as_transformers_with_ordered_embeddings(models):
     from hycoc.mtp import head_step, window_mask
 
     verifier, _ = models
-    head = tiny_head(verifier, sliding_window=SW, use_ordered_embeddings=True, num_centroids=16,
+    head = tiny_head(verifier, sliding_window=SHAPES["gemma4"][1], use_ordered_embeddings=True, num_centroids=16,
                      centroid_intermediate_top_k=4)
     with torch.no_grad():
         head.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5)))
