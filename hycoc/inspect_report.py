@@ -185,7 +185,8 @@ def render_plan(plan: dict, console: Any = None) -> None:
         if "output" in g:   # the head: its input convention and output, from the recipe and its own config
             i, o = g["input"], g["output"]
             cap = o["final_logit_softcapping"]
-            console.print(f"  input: h {i['hidden']}, query position t{i['query_position_offset']:+d}")
+            console.print(f"  input: h {i['hidden']}, query position t{i['query_position_offset']:+d}, sliding layers "
+                          f"over the last {i['sliding_positions']:,} positions")
             console.print(f"  output: dense keep-set logits, no soft-cap (config: "
                           f"{cap if cap is not None else 'none'}; transformers applies none), ordered embeddings "
                           f"{str(o['use_ordered_embeddings']).lower()}")

@@ -26,6 +26,7 @@ import json
 import math
 from typing import Any
 
+from hycoc.host import head_sliding_positions
 from hycoc.models import head_output_config
 from hycoc.passes import bit_map
 from hycoc.protocol import wire
@@ -380,9 +381,12 @@ def real_shape_plan(recipe: Recipe) -> dict:
     head_graph = {
         "inputs": head_inputs, "outputs": head_outputs,
         # what the head reads and how it scores (tests/test_head_convention.py): h per [handoff].hidden, the query
-        # at t + [window].head_query_position_offset; its output as the assistant's config says
+        # at t + [window].head_query_position_offset, the sliding layers over the last sliding_positions of the
+        # ring; its output as the assistant's config says
         "input": {"hidden": recipe.handoff.hidden,
-                  "query_position_offset": int(recipe.window.head_query_position_offset)},
+                  "query_position_offset": int(recipe.window.head_query_position_offset),
+                  "sliding_positions": min(W, head_sliding_positions(int(hcfg.sliding_window),
+                                                                     recipe.window.head_sliding_window_inclusive))},
         "output": head_output_config(head_cfg),
         "macs": _macs(rows=1, linear=head_graph_params, lm_head=keep * Hh, attention=head_attn_macs,
                       lm_head_bytes=math.ceil(keep * Hh * bits / 8) + 4 * keep),

@@ -384,7 +384,7 @@ def test_the_plan_takes_the_heads_output_from_its_own_config(tmp_path):
     from hycoc.passes.plan import real_shape_plan
 
     plan = real_shape_plan(GEMMA4)["graphs"]["head"]
-    assert plan["input"] == {"hidden": "post_norm", "query_position_offset": 0}
+    assert plan["input"] == {"hidden": "post_norm", "query_position_offset": 0, "sliding_positions": 1024}
     # the assumed head config copies nothing of the verifier's output (whose soft-cap is 30)
     assert plan["output"] == {"use_ordered_embeddings": False, "num_centroids": 2048,
                               "centroid_intermediate_top_k": 32, "final_logit_softcapping": None,
@@ -397,4 +397,4 @@ def test_the_plan_takes_the_heads_output_from_its_own_config(tmp_path):
     out = real_shape_plan(load_recipe(_toy_copy(tmp_path, edit)))["graphs"]["head"]
     assert out["output"] == {"use_ordered_embeddings": False, "num_centroids": 64, "centroid_intermediate_top_k": 8,
                              "final_logit_softcapping": 12.5, "softcap_applied": False}
-    assert out["input"] == {"hidden": "pre_norm", "query_position_offset": -1}
+    assert out["input"] == {"hidden": "pre_norm", "query_position_offset": -1, "sliding_positions": 128}
