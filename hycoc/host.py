@@ -165,12 +165,24 @@ class RotaryBlock:
 # ---- the MTP head's ring (Alg. 2 lines 2-5) ---------------------------------------------------------------------
 
 
+def head_sliding_positions(sliding_window: int, inclusive: bool) -> int:
+    """Committed positions the MTP head's sliding layers read before its query (at most W of them: `ring_masks`).
+
+    ``sliding_window + 1`` when ``inclusive``: transformers 5.24 ``Gemma4AssistantForCausalLM.create_attention_masks``
+    masks the shared sliding KV with a bidirectional window (``abs(q_idx - kv_idx) <= sliding_window``, the keys
+    flipped so that index 0 is the last), which keeps the last sliding_window + 1 keys; else ``sliding_window``
+    (recipe ``[window] head_sliding_window_inclusive``; the toy head was trained so). sliding_window: the head's
+    config (``text_config.sliding_window``)."""
+    return int(sliding_window) + (1 if inclusive else 0)
+
+
 def ring_masks(t: int, live_start: int, window: int, sliding_window: int) -> dict[str, np.ndarray]:
     """Alg. 2 lines 2-5: the additive masks of a W-column ring for root position t (float32 [1, 1, 1, W] each).
 
     Column c holds position p_c = (t - 1) - ((t - 1 - c) mod W), the latest position before t written there
     (line 4: row p goes to column p mod W). The full layer sees p_c in [max(live_start, t - W), t); the sliding
-    layer also needs p_c >= t - min(W, sliding_window). live_start: the first position the ring holds for this
+    layer also needs p_c >= t - min(W, sliding_window) (sliding_window: the positions it reads,
+    `head_sliding_positions`). live_start: the first position the ring holds for this
     request (line 3, ``a`` of its first hand-off). Other columns get `MASK_VALUE`. Keys {SLIDING, FULL}.
     """
     c = np.arange(window)

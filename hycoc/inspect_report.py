@@ -185,6 +185,14 @@ def render_plan(plan: dict, console: Any = None) -> None:
                          for k, v in w["by_bits"].items())
         console.print(f"  weights: {bits}; scales {w['scale_bytes'] / 1e6:.2f} MB, other "
                       f"{w['other_param_bytes'] / 1e6:.2f} MB; total {w['total_bytes'] / 1e6:.1f} MB")
+        if "output" in g:   # the head: its input convention and output, from the recipe and its own config
+            i, o = g["input"], g["output"]
+            cap = o["final_logit_softcapping"]
+            console.print(f"  input: h {i['hidden']}, query position t{i['query_position_offset']:+d}, sliding layers "
+                          f"over the last {i['sliding_positions']:,} positions")
+            console.print(f"  output: dense keep-set logits, no soft-cap (config: "
+                          f"{cap if cap is not None else 'none'}; transformers applies none), ordered embeddings "
+                          f"{str(o['use_ordered_embeddings']).lower()}")
     _print_table(console, "device bytes", ["item", "MB"],
                  [[key, f"{value / 1e6:.2f}"] for key, value in plan["device_bytes"].items()], right=("MB",))
     h = plan["handoff"]

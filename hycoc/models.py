@@ -43,6 +43,67 @@ _TOKENIZERS: dict[tuple[str, int, int], object] = {}
 _TOKENIZER_SECONDS: dict[str, float] = {}
 
 
+class HeadConfigError(ValueError):
+    """An MTP head whose config.json asks for an output hycoc does not compile. The message names the field and
+    the fix, in one line."""
+
+
+def head_output_config(config) -> dict:
+    """How the MTP head turns its last state into logits, read from the ASSISTANT's config (never the verifier's).
+
+    config: transformers' ``Gemma4AssistantConfig`` or its config.json as a dict. Fields, as transformers 5.24
+    names them: ``use_ordered_embeddings``, ``num_centroids``, ``centroid_intermediate_top_k`` (top level;
+    ``Gemma4AssistantMaskedEmbedder``: logits only for the tokens of the top-k centroids, the rest masked) and
+    ``text_config.final_logit_softcapping``. ``Gemma4AssistantForCausalLM.forward`` applies no final-logit
+    soft-cap whatever the text config says, so ``softcap_applied`` is always False (hycoc's head graph, server
+    chains and transformers' MTP generator agree: tests/test_head_convention.py). Returns a JSON-ready dict of
+    those fields (transformers' defaults where the file omits one) and ``softcap_applied``.
+    """
+    from transformers import Gemma4AssistantConfig
+
+    if isinstance(config, dict):
+        import copy
+
+        config = Gemma4AssistantConfig.from_dict(copy.deepcopy(config))
+    text = config.get_text_config()
+    return {"use_ordered_embeddings": bool(config.use_ordered_embeddings),
+            "num_centroids": int(config.num_centroids),
+            "centroid_intermediate_top_k": int(config.centroid_intermediate_top_k),
+            "final_logit_softcapping": getattr(text, "final_logit_softcapping", None),
+            "softcap_applied": False}
+
+
+def check_head_config(config, where: str) -> dict:
+    """`head_output_config`, refusing a head the device compiler cannot reproduce. Raises HeadConfigError when
+    ``use_ordered_embeddings`` is true: the head graph scores the keep set with the dense output layer, which
+    differs from the centroid-masked logits transformers computes whenever the best token lies outside the top
+    ``centroid_intermediate_top_k`` centroids. ``where``: the config's path, for the message."""
+    out = head_output_config(config)
+    if out["use_ordered_embeddings"]:
+        raise HeadConfigError(
+            f"models.head: {where} sets use_ordered_embeddings = true (num_centroids {out['num_centroids']}, "
+            f"centroid_intermediate_top_k {out['centroid_intermediate_top_k']}): hycoc compiles the head's dense "
+            f"output layer over the keep set, not the centroid-masked one; use a head without ordered embeddings, "
+            f"or set use_ordered_embeddings to false in that config.json to draft with the dense layer")
+    return out
+
+
+def check_head_folder(path: str | Path) -> dict | None:
+    """`check_head_config` of ``path``/config.json (``path`` a head folder or its config.json); None when there
+    is no such file (the loader then names what is missing). Raises HeadConfigError, or ModelNotFoundError for
+    a config.json that is not JSON."""
+    import json
+
+    p = Path(path)
+    cfg = p / "config.json" if p.is_dir() else p
+    if not cfg.is_file() or cfg.suffix != ".json":
+        return None
+    try:
+        return check_head_config(json.loads(cfg.read_text()), str(cfg))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelNotFoundError(f"head config {cfg} cannot be read: {e}") from None
+
+
 def load_tokenizer(path: str | Path):
     """A `tokenizers.Tokenizer` from ``tokenizer.json`` (a file, or a folder holding one), parsed once per process
     and file version (keyed by path, mtime and size): a real Gemma 4 tokenizer.json (262,144 ids) takes 1-2 s and

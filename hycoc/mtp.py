@@ -43,12 +43,16 @@ def head_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One MTP head step (Alg. 2 line 9) for N independent queries.
 
-    x_hat: (B, N, 2H) = [e(x); h], e the verifier's scaled input embedding, h its last hidden state before the
-    final norm (or the head's own projected output state from the previous step, Alg. 2 line 12).
+    x_hat: (B, N, 2H) = [e(x); h], e the verifier's scaled input embedding, h its last hidden state after the final
+    norm (``hidden="post_norm"``, as transformers feeds Gemma 4's head) or before it (``"pre_norm"``, the paper's
+    App. A), or the head's own projected output state from the previous step (Alg. 2 line 12).
     shared_kv: {SLIDING: (k, v), FULL: (k, v)}, each (B, kv_heads, L, head_dim), keys already rotated.
     masks: {SLIDING: (B, 1, N, L_s), FULL: (B, 1, N, L_f)} additive float masks (see `window_mask`).
-    position_ids: int64 (B, N), the query's rotary position (the paper fixes it at t - 1).
-    Returns (logits (B, N, V) over the head's full output layer, h_next (B, N, H) = post_projection output).
+    position_ids: int64 (B, N), the query's rotary position: t + ``head_query_position_offset`` (transformers: t,
+    the paper: t - 1).
+    Returns (logits (B, N, V) over the head's full output layer -- not soft-capped, centroid-masked for a head
+    with ordered embeddings, both as transformers' ``Gemma4AssistantForCausalLM`` --, h_next (B, N, H) =
+    post_projection output).
     """
     inputs = head.pre_projection(x_hat)
     out = head.model(
@@ -62,5 +66,8 @@ def head_step(
         output_hidden_states=True,
     )
     last = out.last_hidden_state
-    # As Gemma4AssistantForCausalLM.forward: plain lm_head, no soft-cap.
-    return head.lm_head(last), head.post_projection(last)
+    # As Gemma4AssistantForCausalLM.forward: no soft-cap; the centroid-masked output when the head has ordered
+    # embeddings (``use_ordered_embeddings``; `hycoc.passes.head_qat.restrict_output_layer` drops it), else lm_head.
+    masked = getattr(head, "masked_embedding", None)
+    logits = masked(last, head.lm_head.weight) if masked is not None else head.lm_head(last)
+    return logits, head.post_projection(last)

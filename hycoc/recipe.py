@@ -234,9 +234,17 @@ class Window(Section):
         512, ge=1, le=65536, description="ring length of the SLM's sliding-window layers, in tokens (paper: W/2 = 512)"
     )
     head_query_position_offset: Literal[-1, 0] = Field(
-        -1,
-        description="the head's query rotary position relative to the root position t: -1 = t-1 as the paper fixes "
-        "(Alg. 2 line 6); 0 = t as transformers' SinglePositionMultiTokenCandidateGenerator",
+        0,
+        description="the head's query rotary position relative to the root position t: 0 = t as transformers' "
+        "SinglePositionMultiTokenCandidateGenerator feeds Gemma 4's released head (tests/test_head_convention.py); "
+        "-1 = t-1 as the paper fixes (Alg. 2 line 6; the toy head is trained so)",
+    )
+
+    head_sliding_window_inclusive: bool = Field(
+        True,
+        description="the head's sliding layers read the last sliding_window + 1 committed positions, as transformers' "
+        "Gemma4AssistantForCausalLM masks its shared KV (|q - kv| <= sliding_window; tests/test_head_convention.py); "
+        "false: the last sliding_window (the toy head's training). At most W either way",
     )
 
     @model_validator(mode="after")
@@ -346,7 +354,9 @@ class Handoff(Section):
 
     bits: Literal[8] = Field(8, description="integer width of every hand-off value on the wire (paper: 8)")
     hidden: Literal["pre_norm", "post_norm"] = Field(
-        "pre_norm", description="h is taken before ('pre_norm', App. A) or after the verifier's final norm"
+        "post_norm", description="h is taken after the verifier's final norm ('post_norm': transformers' "
+        "hidden_states[-1], what Gemma 4's released head is fed; tests/test_head_convention.py) or before it "
+        "('pre_norm', the paper's App. A; the toy head is trained so)"
     )
     scale_embedding: float | None = Field(None, gt=0, description="int8 scale of e(b), the bonus token's embedding")
     scale_hidden: float | None = Field(None, gt=0, description="int8 scale of h, the verifier's last hidden state")

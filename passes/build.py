@@ -298,16 +298,18 @@ def build_inputs(recipe: Recipe, device: str = "cpu") -> dict[str, Artifact]:
     device: "cpu" (the default: models as saved, float32 for the toy) or an accelerator ("cuda"): the verifier is
     moved there in `GPU_VERIFIER_DTYPE` (its content hash is then the bf16 weights', so every pass reading it gets
     a new key); the head stays on the CPU as saved and the passes move what they train (`hycoc.passes.head_qat`).
-    Raises ModelNotFoundError naming the recipe key when one is missing, DeviceUnavailable (from
+    Raises ModelNotFoundError naming the recipe key when one is missing, HeadConfigError
+    (`hycoc.models.check_head_config`) for a head with ordered embeddings, DeviceUnavailable (from
     `hycoc.verifier.loading.check_device`) when CUDA is asked for and torch sees none."""
     def where(value: str) -> str:
         path = recipe.resolve_path(value)
         return str(path) if path is not None else value
 
-    from hycoc.models import _quiet_transformers
+    from hycoc.models import _quiet_transformers, check_head_folder
 
     _quiet_transformers()
     models = recipe.models
+    check_head_folder(where(models.head))   # an output hycoc cannot compile is refused before any loading
     if device != "cpu":
         from hycoc.verifier.loading import check_device
 
@@ -342,16 +344,18 @@ def _npy(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def host_info(head_config: dict, slm) -> Any:
-    """The manifest's ``host`` section from the head's config dict and the SLM surgery output."""
+def host_info(head_config: dict, slm, inclusive: bool = True) -> Any:
+    """The manifest's ``host`` section from the head's config dict and the SLM surgery output. ``inclusive``: recipe
+    ``[window] head_sliding_window_inclusive`` (the head's sliding positions, `hycoc.host.head_sliding_positions`)."""
     from hycoc.bundle import HeadHostInfo, HostInfo, LutInfo, SlmHostInfo
+    from hycoc.host import head_sliding_positions
 
     from hycoc.passes.slm_graph import text_config
 
     text = head_config.get("text_config") or head_config
     c = text_config(slm)  # transformers' Gemma4TextConfig: kv_sharing_modes is derived, not stored
     return HostInfo(
-        head=HeadHostInfo(sliding_window=int(text["sliding_window"])),
+        head=HeadHostInfo(sliding_window=head_sliding_positions(int(text["sliding_window"]), inclusive)),
         slm=SlmHostInfo(layer_types=list(c.layer_types),
                         kv_layers=[i for i, m in enumerate(c.kv_sharing_modes) if m != "reuse"],
                         sliding_window=int(c.sliding_window),
@@ -419,7 +423,9 @@ def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: s
                         context_binary=Path(binary).name if binary else None)
         w.add_file(json.dumps(report, indent=1).encode(), "report.json", "report")
         return w.commit(**manifest_sections(recipe, profile, keep_set_size=len(keep), qnn_sdk=qnn_sdk, hub=hub),
-                        host=host_info(a["quantized_head"].payload.config, slm), chat=chat_from_recipe(recipe).format)
+                        host=host_info(a["quantized_head"].payload.config, slm,
+                                       recipe.window.head_sliding_window_inclusive),
+                        chat=chat_from_recipe(recipe).format)
 
 
 def run_pipeline(recipe: Recipe, target: str, cache_dir: str | Path, *, until: str | None = None,

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hycoc.host import head_sliding_positions
 from hycoc.runtime.mtp_drafter import MtpDrafter
 
 #: Prompts whose hand-offs calibrate the head's ranges.
@@ -79,7 +80,8 @@ class TorchHeadRunner:
 def runtime_bundle(recipe, keep_set: Sequence[int], embedding: tuple[np.ndarray, np.ndarray], rotary: Mapping,
                    sliding_window: int) -> SimpleNamespace:
     """What `MtpDrafter` reads from a `DeviceBundle`, made from the compiler's objects: the round constants K, D, W
-    and the query offset (recipe), ``host.head.sliding_window`` (the head's config), the keep set, E (``embedding``:
+    and the query offset (recipe), ``host.head.sliding_window`` (the positions the head's sliding layers read,
+    `hycoc.host.head_sliding_positions`), the keep set, E (``embedding``:
     int8 q [|V|, H], float32 scale [|V|, 1], `hycoc.passes.head_graph.embedding_table`) with ``embed_keep``, and
     the head's rotary tables (`hycoc.passes.head_graph.rotary_tables`)."""
     q, scale = (np.asarray(embedding[0]), np.asarray(embedding[1], dtype=np.float32))
@@ -225,7 +227,8 @@ def real_head_calibration(verifier, quantized, onnx_inputs: Mapping[str, Sequenc
 
     rebuilt = dequantized_head(quantized)
     graph = HeadGraph(rebuilt).eval()
-    sliding_window = int(rebuilt.config.get_text_config().sliding_window)
+    sliding_window = head_sliding_positions(int(rebuilt.config.get_text_config().sliding_window),
+                                            recipe.window.head_sliding_window_inclusive)
     q, scale = embedding_table(verifier, quantized.keep_set)
     bundle = runtime_bundle(recipe, quantized.keep_set, (q.numpy(), scale.numpy()), rotary_tables(rebuilt.config),
                             sliding_window)

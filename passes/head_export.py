@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from hycoc.host import head_sliding_positions
 from hycoc.mtp import FULL, SLIDING
 from hycoc.passes.artifacts import (Artifact, OnnxArtifact, QuantizedHeadArtifact, TokenizerArtifact,
                                     TorchModelArtifact)
@@ -138,7 +139,8 @@ class HeadExport(Pass):
         rebuilt = dequantized_head(quantized)
         graph = HeadGraph(rebuilt).eval()  # == HeadGraph.from_quantized(quantized), without rebuilding twice
         window = recipe.window.head_window
-        sliding_window = int(rebuilt.config.get_text_config().sliding_window)
+        sliding_window = head_sliding_positions(int(rebuilt.config.get_text_config().sliding_window),
+                                                recipe.window.head_sliding_window_inclusive)
         samples = comparison_inputs(verifier, rebuilt.config, quantized.keep_set, window, sliding_window,
                                     self.samples, self.seed)
         with tempfile.TemporaryDirectory(prefix="hycoc-head-export-") as tmp:
@@ -242,7 +244,8 @@ class HeadQdq(Pass):
         verifier = inputs["torch_verifier"].payload
         config = dequantized_head(quantized).config
         window = recipe.window.head_window
-        sliding_window = int(config.get_text_config().sliding_window)
+        sliding_window = head_sliding_positions(int(config.get_text_config().sliding_window),
+                                                recipe.window.head_sliding_window_inclusive)
 
         def feeds(seed):
             return [{n: x.numpy() for n, x in zip(INPUT_NAMES, s)}

@@ -10,7 +10,8 @@ KV-shared layer types, with everything that varies from round to round an input:
     v_full       float [1, kv_f, W, d_f]
     mask_sliding float [1, 1, 1, W]            additive: 0 on live columns, `MASK_VALUE` elsewhere (line 5)
     mask_full    float [1, 1, 1, W]
-    cos_sliding, sin_sliding  float [1, 1, d_s]   the query's rotary rows at position t - 1 (line 6), per layer type
+    cos_sliding, sin_sliding  float [1, 1, d_s]   the query's rotary rows at position t + offset (line 6: t - 1;
+                                                   Gemma 4's head: t, ``window.head_query_position_offset``)
     cos_full,    sin_full     float [1, 1, d_f]   (`rotary_rows`; full layers: Gemma 4's proportional partial rotary)
 
 and two outputs: ``logits`` float [1, 1, |V|] over the keep set (the untied output layer restricted to keep-set rows;
@@ -101,7 +102,7 @@ def _text_config(config):
 
 def rotary_rows(config, position: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{SLIDING: (cos, sin), FULL: (cos, sin)}, each float32 [1, 1, head_dim of that layer type], of the query at
-    ``position`` (Alg. 2 line 6: t - 1), computed by transformers' ``Gemma4TextRotaryEmbedding`` for the head's
+    ``position`` (Alg. 2 line 6: t - 1; t + ``window.head_query_position_offset`` in hycoc), computed by transformers' ``Gemma4TextRotaryEmbedding`` for the head's
     config (``Gemma4AssistantConfig`` or its text config): default rotary on sliding layers, Gemma 4's
     proportional partial rotary on full layers (zero frequencies on the unrotated dims: cos 1, sin 0)."""
     from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding

@@ -22,7 +22,8 @@ The unroll (as `hycoc.toy.train.head_unroll`, which trained the head): for root 
 sits at t, its KV does not exist yet), step k = 1..K reads [e(x_{t+k-1}); z] with z = h_{t-1} at k = 1 and the
 head's own projected state after, queries at the fixed rotary position t + ``window.head_query_position_offset``
 (paper: t - 1, Alg. 2 line 6), and sees the full layer's KV over [t - W, t) and the sliding layer's over
-[t - min(W, sliding window), t) (Alg. 2 line 5). The tokens fed at k >= 2 are the verifier's greedy answer, which
+[t - min(W, S), t) (Alg. 2 line 5; S the positions the head's sliding layers read,
+`hycoc.host.head_sliding_positions`). The tokens fed at k >= 2 are the verifier's greedy answer, which
 is what the chain drafts whenever it is right, embedded by the verifier's float embedding (the device reads the
 8-bit table E instead, Alg. 2 line 12; its rounding, at most half a row's step, is not trained on). Anchors are
 the response positions t in [prompt_len, L - K], so every predicted token t + 1 .. t + K is a response token
@@ -54,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hycoc.host import head_sliding_positions
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 from hycoc.passes.artifacts import KeepSetArtifact, QuantizedHead, QuantizedHeadArtifact, TorchModelArtifact
 from hycoc.passes.calibration_answers import CalibrationAnswersArtifact
@@ -144,10 +146,12 @@ def restrict_output_layer(head, keep_set) -> nn.Module:
     """A float32 copy of ``head`` (``Gemma4AssistantForCausalLM``) whose ``lm_head`` is untied from the embedding
     and holds only the keep-set rows: row i scores token ``keep_set[i]`` (§3.3, App. A "output layer untied and
     restricted to the keep set"). keep_set: int ids [|V|]. `hycoc.mtp.head_step` on the copy returns logits
-    [.., |V|]. The head's ordered-embedding output (``masked_embedding``), if it has one, is bypassed: the drafter
-    scores the whole keep set densely."""
+    [.., |V|]. The copy has no ordered-embedding output (``masked_embedding``): the drafter scores the whole keep
+    set densely; a head with ordered embeddings is refused before the build (`hycoc.models.check_head_config`)."""
     ids = torch.as_tensor(keep_set, dtype=torch.long)
     out = copy.deepcopy(head).float().eval()
+    out.masked_embedding = None
+    out.config.use_ordered_embeddings = False
     weight = out.lm_head.weight.detach()[ids.to(out.lm_head.weight.device)].clone()
     out.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
     out.lm_head.weight = nn.Parameter(weight)
@@ -654,7 +658,8 @@ class HeadQatPass(Pass):
         device = verifier.device
         teacher = restrict_output_layer(inputs["torch_head"].payload, keep).to(device)
         k_steps, window = recipe.tree.chain_length, recipe.window.head_window
-        offset, sw = recipe.window.head_query_position_offset, _head_sliding_window(teacher)
+        offset = recipe.window.head_query_position_offset
+        sw = head_sliding_positions(_head_sliding_window(teacher), recipe.window.head_sliding_window_inclusive)
 
         answers = inputs["calibration_answers"].payload
         source = answers.source

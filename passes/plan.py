@@ -26,6 +26,8 @@ import json
 import math
 from typing import Any
 
+from hycoc.host import head_sliding_positions
+from hycoc.models import head_output_config
 from hycoc.passes import bit_map
 from hycoc.protocol import wire
 from hycoc.recipe import Recipe
@@ -69,12 +71,14 @@ SLM_ASSUMED_DEFAULT_BITS = bit_map.E2B_ASSUMED_DEFAULT_BITS
 #: ASSUMED config of google/gemma-4-26B-A4B-it-assistant until its config.json is given: 4 KV-shared layers
 #: (3 sliding + 1 full) of hidden 1,024, MLP 8,192, attention as the verifier's (16 query heads over the verifier's
 #: 8 x 256 sliding and 2 x 512 full KV). Taken from public third-party test configs of this pairing; its parameter
-#: count, 419.7M, matches the paper's 420M (App. I Table 12).
+#: count, 419.7M, matches the paper's 420M (App. I Table 12). Its output is the assistant's own, never copied from
+#: the verifier: no final-logit soft-cap (transformers' Gemma4AssistantForCausalLM applies none) and no ordered
+#: embeddings (`hycoc.models.head_output_config`).
 HEAD_ASSUMED_TEXT: dict[str, Any] = {
     **{k: VERIFIER_26B_A4B[k] for k in ("model_type", "vocab_size", "num_attention_heads", "num_key_value_heads",
                                         "head_dim", "global_head_dim", "num_global_key_value_heads",
-                                        "attention_k_eq_v", "sliding_window", "final_logit_softcapping",
-                                        "max_position_embeddings", "rope_parameters")},
+                                        "attention_k_eq_v", "sliding_window", "max_position_embeddings",
+                                        "rope_parameters")},
     "hidden_size": 1024, "intermediate_size": 8192, "num_hidden_layers": 4, "num_kv_shared_layers": 4,
     "layer_types": [SLIDING, SLIDING, SLIDING, FULL], "hidden_size_per_layer_input": 0,
     "vocab_size_per_layer_input": 0, "enable_moe_block": False, "use_double_wide_mlp": False,
@@ -154,12 +158,21 @@ def _text_config(d: dict, role: str):
     return Gemma4TextConfig.from_dict(d)
 
 
-def _head_config(d: dict):
+def _head_config(d: dict, where: str):
+    """The head's ``Gemma4AssistantConfig``; PlanError for another model type or an output hycoc does not compile
+    (`hycoc.models.check_head_config`: ordered embeddings)."""
     from transformers import Gemma4AssistantConfig
+
+    from hycoc.models import HeadConfigError, check_head_config
 
     if d.get("model_type") != "gemma4_assistant":
         raise PlanError(f"models.head: model_type {d.get('model_type')!r}, expected gemma4_assistant")
-    return Gemma4AssistantConfig.from_dict(copy.deepcopy(d))
+    config = Gemma4AssistantConfig.from_dict(copy.deepcopy(d))
+    try:
+        check_head_config(config, where)
+    except HeadConfigError as e:
+        raise PlanError(str(e)) from None
+    return config
 
 
 def _layer(config, i: int) -> tuple[int, int]:
@@ -268,7 +281,7 @@ def real_shape_plan(recipe: Recipe) -> dict:
     elif recipe.models.head_config_assumed:
         assumptions.append(f"models.head_config_assumed = true although {where} exists: its shapes are used")
     sources["head"] = where
-    head_cfg = _head_config(hd)
+    head_cfg = _head_config(hd, where)
     if int(head_cfg.backbone_hidden_size) != int(verifier_cfg.hidden_size):
         raise PlanError(f"models.head: backbone_hidden_size {head_cfg.backbone_hidden_size} ({sources['head']}) is "
                         f"not the verifier's hidden size {verifier_cfg.hidden_size} ({sources['verifier']}): the head "
@@ -367,6 +380,14 @@ def real_shape_plan(recipe: Recipe) -> dict:
     head_attn_macs = sum(2 * int(hcfg.num_attention_heads) * head_layer_dims[t] * W for t in hcfg.layer_types)
     head_graph = {
         "inputs": head_inputs, "outputs": head_outputs,
+        # what the head reads and how it scores (tests/test_head_convention.py): h per [handoff].hidden, the query
+        # at t + [window].head_query_position_offset, the sliding layers over the last sliding_positions of the
+        # ring; its output as the assistant's config says
+        "input": {"hidden": recipe.handoff.hidden,
+                  "query_position_offset": int(recipe.window.head_query_position_offset),
+                  "sliding_positions": min(W, head_sliding_positions(int(hcfg.sliding_window),
+                                                                     recipe.window.head_sliding_window_inclusive))},
+        "output": head_output_config(head_cfg),
         "macs": _macs(rows=1, linear=head_graph_params, lm_head=keep * Hh, attention=head_attn_macs,
                       lm_head_bytes=math.ceil(keep * Hh * bits / 8) + 4 * keep),
         "activation_bits": 16, "weight_bits": bits,

@@ -12,7 +12,8 @@ State (line 2): per verifier layer type (last sliding, last full-attention) a ri
 - line 5: ℓ = max(ℓ, t - W) and every column outside [ℓ, t) masked (`hycoc.host.ring_masks`, kept in place by
   `hycoc.runtime.tree_mask.HeadRingMask`; the sliding layer sees only the last min(W, its sliding window)
   positions, as the head was trained);
-- line 6: the query's rotary rows fixed at position t - 1 (``head_query_position_offset``); keys arrive rotated.
+- line 6: the query's rotary rows fixed at position t + ``head_query_position_offset`` (the paper: t - 1; Gemma 4's
+  head as transformers feeds it: t); keys arrive rotated.
 
 `MtpDrafter.draft` is lines 7-13: z = x̂; K calls of the head graph over the ring (which it does not extend);
 i, i' = the largest and second-largest logit, first among equals (the graph's ``top_index`` output where it has

@@ -52,6 +52,8 @@ specedge_nodes = 4
 head_window = 16
 slm_window = 16
 slm_sliding_window = 8
+head_query_position_offset = -1      # the toy's conventions (recipes/toy.toml): its seeded SQNR floors and the
+head_sliding_window_inclusive = false   # hand-off scales below were measured with them
 [head_qat]
 steps = 2
 warmup_steps = 1
@@ -65,6 +67,7 @@ calibration_data = "prompts.jsonl"
 [slm_calibration]
 prompts = 4
 [handoff]
+hidden = "pre_norm"
 scale_embedding = 0.01
 scale_hidden = 0.02
 scale_k_sliding = 0.03

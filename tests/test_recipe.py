@@ -42,7 +42,8 @@ def test_gemma4_recipe_is_the_papers_deployment():
     assert (r.tree.depth_cost, r.tree.slm_candidates, r.tree.slm_passes) == (0.66, 32, 1)
     assert (r.tree.specedge_passes, r.tree.specedge_nodes) == (4, 32)
     assert (r.window.head_window, r.window.slm_window, r.window.slm_sliding_window) == (1024, 1024, 512)
-    assert r.window.head_query_position_offset == -1
+    # the head's input as transformers' Gemma 4 MTP generator feeds it (tests/test_head_convention.py), not App. A
+    assert r.window.head_query_position_offset == 0
     assert r.keep_set.size == 86089
     assert r.keep_set.corpus_conversations == 20000
     assert r.keep_set.code_point_ranges() == [(0x1100, 0x11FF), (0x3130, 0x318F), (0xAC00, 0xD7A3)]
@@ -60,7 +61,7 @@ def test_gemma4_recipe_is_the_papers_deployment():
     # App. A
     c = r.slm_calibration
     assert (c.prompts, c.percentile, c.range_scale, c.activation_bits, c.kv_bits) == (60, 99.9, 1.2, 16, 8)
-    assert (r.handoff.bits, r.handoff.hidden) == (8, "pre_norm")
+    assert (r.handoff.bits, r.handoff.hidden) == (8, "post_norm")
     assert (r.target.name, r.target.htp_arch, r.target.soc_model) == ("htp-v81", 81, "SM8850")
     assert (r.verifier.device, r.verifier.dtype, r.verifier.max_frame_bytes) == ("cuda", "bfloat16", 8 * 2**20)
 
@@ -83,6 +84,8 @@ def test_toy_recipe_scales_only_the_sizes():
     assert (toy.keep_set.corpus, toy.keep_set.corpus_conversations) == ("toy/data/conversations.jsonl", 2000)
     assert (toy.window.head_window, toy.window.slm_window, toy.window.slm_sliding_window) == (256, 256, 128)
     assert toy.sampling.max_new_tokens == 256
+    # the toy head was trained on the paper's convention (pre-norm h, query at t - 1) and keeps it
+    assert (toy.handoff.hidden, toy.window.head_query_position_offset) == ("pre_norm", -1)
     assert (toy.verifier.device, toy.verifier.dtype) == ("cpu", "float32")
     # the trainer's calibration (recipes/toy/models/report.json)
     report = json.loads((RECIPES / "toy" / "models" / "report.json").read_text())["handoff_scales"]

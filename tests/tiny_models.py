@@ -67,8 +67,9 @@ def tiny_verifier(seed: int = 0, *, sharpen: float = 1.0, attn: str = "sdpa", **
 
 
 def tiny_head(verifier: Gemma4ForCausalLM, seed: int = 1, *, sliding_window: int | None = None,
-              attn: str = "sdpa") -> Gemma4AssistantForCausalLM:
-    """A random MTP head matching ``verifier``'s heads, head dims and rotary settings."""
+              attn: str = "sdpa", **assistant) -> Gemma4AssistantForCausalLM:
+    """A random MTP head matching ``verifier``'s heads, head dims and rotary settings. ``assistant``: more
+    ``Gemma4AssistantConfig`` fields (e.g. use_ordered_embeddings, num_centroids, centroid_intermediate_top_k)."""
     torch.manual_seed(seed)
     vc = verifier.config
     text = Gemma4TextConfig(
@@ -84,7 +85,7 @@ def tiny_head(verifier: Gemma4ForCausalLM, seed: int = 1, *, sliding_window: int
         max_position_embeddings=vc.max_position_embeddings,
         **_HEADS,
     )
-    config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=vc.hidden_size)
+    config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=vc.hidden_size, **assistant)
     config._attn_implementation = attn
     config.text_config._attn_implementation = attn
     head = Gemma4AssistantForCausalLM(config).eval()

@@ -46,6 +46,7 @@ from transformers import DynamicCache
 from hycoc.chat import common_prefix, ids_crc32
 from hycoc.protocol.messages import ACCEPTANCE_MODES, DRAFT_PLACES, HandOff, RoundReply, Sampling, commit_cut
 from hycoc.protocol.wire import PROTOCOL_VERSION
+from hycoc.host import head_sliding_positions
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 
 from .acceptance import select_exact, select_path
@@ -309,13 +310,15 @@ def draft_cloud_chain(model, head, cache: DynamicCache, layers: dict[str, int], 
 
 @torch.inference_mode()
 def draft_server_chain(model, head, cache: DynamicCache, layers: dict[str, int], root: int, h: torch.Tensor,
-                       t: int, k: int, window: int, keep_set: torch.Tensor | None, position_offset: int) -> list[int]:
+                       t: int, k: int, window: int, keep_set: torch.Tensor | None, position_offset: int,
+                       sliding: int | None = None) -> list[int]:
     """The server-head variant (Table 5): the head drafts a greedy K-chain for the root at position t as the
     device's Drafter would (Alg. 2) but in full precision: the full-attention layer reads the W-window
-    [max(0, t - W), t), the sliding layer the last min(W, head sliding window) of it (as the device ring and the
-    head's training), constant query position t + position_offset, logits restricted to the keep set (first among
+    [max(0, t - W), t), the sliding layer the last min(W, sliding) of it (as the device ring and the head's
+    training), constant query position t + position_offset, logits restricted to the keep set (first among
     equals).
-    keep_set: int64 (|V|,) token ids, or None for the full vocabulary. Returns K token ids."""
+    keep_set: int64 (|V|,) token ids, or None for the full vocabulary. sliding: the positions the head's sliding
+    layers read (`hycoc.host.head_sliding_positions`; None: the head's sliding_window). Returns K token ids."""
     lo = max(0, t - window)
     shared = {}
     for kind, i in layers.items():
@@ -323,7 +326,7 @@ def draft_server_chain(model, head, cache: DynamicCache, layers: dict[str, int],
         shared[kind] = (keys.to(head.dtype), values.to(head.dtype))
     n = t - lo  # column c holds position lo + c; the query sits just after the last one
     q = torch.tensor([[n]], device=h.device)
-    sliding = min(window, head.config.get_text_config().sliding_window)
+    sliding = min(window, head.config.get_text_config().sliding_window if sliding is None else sliding)
     masks = {SLIDING: window_mask(q, n, sliding, dtype=head.dtype), FULL: window_mask(q, n, None, dtype=head.dtype)}
     pos = torch.tensor([[t + position_offset]], device=h.device)
     x = torch.cat([model.model.embed_tokens(torch.tensor([root], device=h.device))[0], h])
@@ -355,6 +358,8 @@ class VerifierEngine:
     hidden: "pre_norm" (paper, Alg. 4 line 3) or "post_norm" (transformers' MTP generator) -- which h the
         hand-off and the server-side heads read. head_query_position_offset: the head's query position is the
         root position plus this (paper Alg. 2 line 6: -1; transformers' generator: 0).
+        head_sliding_window_inclusive: the server head's sliding layer reads the last sliding_window + 1 positions
+        (transformers' masks) instead of sliding_window (`hycoc.host.head_sliding_positions`; recipe ``[window]``).
     eos_token_ids: committing any of them finishes the request. chat_format: the checkpoint's
         `hycoc.chat.ChatFormat` (the server checks each OPEN's chat contract against it; None: unchecked).
         max_context: positions the verifier holds
@@ -372,7 +377,7 @@ class VerifierEngine:
                  chain_length: int = 4, handoff_scales: tuple[float, ...], hidden: str = "pre_norm",
                  head_query_position_offset: int = -1, eos_token_ids=(), max_context: int | None = None,
                  device: torch.device | str = "cpu", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 chat_format=None):
+                 chat_format=None, head_sliding_window_inclusive: bool = False):
         if hidden not in HIDDEN_CHOICES:
             raise BadRequest(f"hidden must be one of {HIDDEN_CHOICES}, got {hidden!r}")
         if len(handoff_scales) != 6 or any(s <= 0 for s in handoff_scales):
@@ -406,6 +411,8 @@ class VerifierEngine:
         self.kv_bytes_per_position = 2 * int(sum(stored)) * torch.finfo(self.dtype).bits // 8
         self._head_sliding_window = (self.head.config.get_text_config().sliding_window if self.head is not None
                                      else None)
+        self.head_sliding = (None if self.head is None else
+                             head_sliding_positions(self._head_sliding_window, head_sliding_window_inclusive))
         self.kv_retain = retained_positions(cfg, self.head_window, self._head_sliding_window)
         self.kv_layout = KVLayout.from_config(cfg, torch.finfo(self.dtype).bits // 8, self.kv_retain)
         self.tap = NormTap(model)
@@ -1011,7 +1018,7 @@ class Session:
             room = min(eng.chain_length, eng.max_context - 1 - t_prime)
             chain = np.asarray(draft_server_chain(eng.model, eng.head, self.cache, eng.layers, bonus, h, t_prime,
                                                   room, eng.head_window, eng.keep_set,
-                                                  eng.head_query_position_offset), dtype=np.int32)
+                                                  eng.head_query_position_offset, eng.head_sliding), dtype=np.int32)
         reply = RoundReply(seq=seq, samples=samples.astype(np.int32), path_rows=path.astype(np.int32), bonus=bonus,
                            server_ms=0.0, finished=finished, handoff=handoff, chain=chain, finish_reason=reason)
         return reply, (new, t_prime, h, len(new) - 1)

@@ -11,6 +11,7 @@ Everything the engine takes comes from one place in the recipe:
     K                         [tree].chain_length                       (server-side chains)
     hand-off scales, h        [handoff].scale_*, [handoff].hidden       (Alg. 4 line 14)
     head query position       [window].head_query_position_offset       (Alg. 2 line 6)
+    head's sliding positions  [window].head_sliding_window_inclusive    (server-head; hycoc.host.head_sliding_positions)
     max context               [verifier].max_context (0 = the model's own max_position_embeddings)
     device                    [verifier].device unless overridden
 
@@ -72,6 +73,7 @@ def engine_from_recipe(recipe: Recipe, device: str | None = None, *, keep_set=No
                                                  "v_full")),
         hidden=recipe.handoff.hidden,
         head_query_position_offset=recipe.window.head_query_position_offset,
+        head_sliding_window_inclusive=recipe.window.head_sliding_window_inclusive,
         eos_token_ids=chat.stop_ids,
         chat_format=chat.format,
         max_context=recipe.verifier.max_context or None,

@@ -33,7 +33,7 @@ def build(
     """Compile the recipe's MTP head and SLM into a bundle of static, quantized graphs (paper §3.2-3.4)."""
     from rich.console import Console
 
-    from hycoc.models import ModelNotFoundError
+    from hycoc.models import HeadConfigError, ModelNotFoundError
     from hycoc.passes.build import BuildError, BuildNotReady, build_bundle, build_pipeline
     from hycoc.passes.calibration import CalibrationError
     from hycoc.passes.export import ExportError
@@ -50,8 +50,8 @@ def build(
     from hycoc.targets.qai_hub import QaiHubDeviceError, QaiHubJobError, QaiHubSetupError
     from hycoc.verifier.loading import DeviceUnavailable
 
-    errors = (BuildError, PipelineError, RecipeError, ModelNotFoundError, KeepSetError, HeadQatError, ExportError,
-              SurgeryError, SlmGraphError, CalibrationError, QdqError, CpuTargetError, HtpTargetError,
+    errors = (BuildError, PipelineError, RecipeError, ModelNotFoundError, HeadConfigError, KeepSetError, HeadQatError,
+              ExportError, SurgeryError, SlmGraphError, CalibrationError, QdqError, CpuTargetError, HtpTargetError,
               UnknownTargetError, QaiHubSetupError, QaiHubJobError, QaiHubDeviceError, DeviceUnavailable)
 
     config = _recipe("build", recipe)
