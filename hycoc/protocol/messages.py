@@ -144,7 +144,8 @@ class HandOff:
 
     t_prime: position of the new root b (= t + 1 + |P|). a: first position whose KV rows are carried,
     a = max(t, t' - W), or max(0, t' - W) in a request's first round. bonus: the new root token b.
-    x_hat: int8, shape (2 * H,): [e(b); h_{v*}], h the verifier's last state at v* as `[handoff] hidden` says (post_norm: after the final norm, as Gemma 4's assistant expects; pre_norm: before it, the paper's App. A).
+    x_hat: int8, shape (2 * H,): [e(b); h_{v*}], h the verifier's last state at v* as `[handoff] hidden` says
+    (post_norm: after the final norm, as Gemma 4's assistant expects; pre_norm: before it, the paper's App. A).
     k_sliding, v_sliding: int8, shape (t' - a, kv_heads_sliding * head_dim_sliding): last sliding-window layer.
     k_full, v_full: int8, shape (t' - a, kv_heads_full * head_dim_full): last full-attention layer.
     Keys arrive with their rotary embedding applied. Dequantize as ``int8 * scale``.
