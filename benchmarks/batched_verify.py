@@ -180,7 +180,8 @@ def print_round_steps(engine, prompt, sampling, recipe, tree, rounds: int) -> No
     from rich.table import Table
 
     from hycoc.verifier.acceptance import select_exact, select_path
-    from hycoc.verifier.engine import compact_kv, pack_handoff, verify_tree
+    from hycoc.verifier.kv_surgery import compact_kv, pack_handoff
+    from hycoc.verifier.engine import verify_tree
     from hycoc.verifier.sampling import sample_rows, sampling_probs
 
     sess = engine.open(prompt, sampling, seed=0, acceptance=recipe.acceptance.mode,
@@ -214,7 +215,7 @@ def print_round_steps(engine, prompt, sampling, recipe, tree, rounds: int) -> No
         timed("compact_kv", compact_kv, sess.cache, t, path)
         timed("pack_handoff", pack_handoff, engine.model, sess.cache, engine.layers, int(samples[v]), pre[v], t,
               t + 1 + len(path), engine.head_window, seq == 0, engine.handoff_scales)
-        from hycoc.verifier.engine import crop_cache
+        from hycoc.verifier.kv_surgery import crop_cache
         crop_cache(sess.cache, t)                      # undo, then the real round
         timed("whole round (Session.verify)", sess.verify, tokens, parents, seq)
     table = Table(title=f"One session's round, by step (mean of {rounds} rounds, 33-row trees)")

@@ -22,11 +22,11 @@ to a real prefill of t tokens. Then, for every rows value R in ``--rows``, the e
 `hycoc.verifier.engine.verify_tree` runs one forward over a tree of R rows (root, a chain of up to K = 4, the rest
 as siblings; the cost does not depend on the tree's shape, only on R and t), with the engine's explicit 4-D masks,
 and `crop_cache` takes the R rows back off. With the MTP head (``--recipe``: its real head; random mode: the ASSUMED
-head shape `hycoc.passes.plan.HEAD_ASSUMED`, random weights): one step of `hycoc.verifier.engine.draft_cloud_chain`
+head shape `hycoc.passes.plan.HEAD_ASSUMED`, random weights): one step of `hycoc.verifier.baselines.draft_cloud_chain`
 reading the t cached positions (the Cloud+MTP head step; server-head steps read min(W, t) and are replayed through
-the same points). For every n in ``--prefill-rows``: one `hycoc.verifier.engine.prefill` chunk of n positions after
+the same points). For every n in ``--prefill-rows``: one `hycoc.verifier.forward.prefill` chunk of n positions after
 the t cached ones (logits of the last row only). Timing: CUDA events on a GPU (synchronized); on the CPU the busy time
-of the forward (process CPU time; ``--clock wall``: perf_counter, `hycoc.verifier.engine._Timer`, the clock the
+of the forward (process CPU time; ``--clock wall``: perf_counter, `hycoc.verifier.forward.Timer`, the clock the
 server's server_ms uses); ``--warmup`` untimed passes, then the
 median of ``--repeats`` timed passes, each pass visiting every grid point once (interleaved, so load drift on a busy
 machine spreads over the whole grid). What is timed is Alg. 4 lines 1-3 (mask build, forward, logits of all R

@@ -33,6 +33,24 @@ SLIDING = "sliding_attention"
 FULL = "full_attention"
 
 
+def producer_layers(config) -> dict[str, int]:
+    """{SLIDING: i, FULL: j}: the last layer of each attention type that computes its own KV (not KV-shared), of a
+    ``Gemma4TextConfig`` (``layer_types``, ``kv_sharing_modes``; torch-free).
+
+    These are the layers whose KV transformers hands to the MTP head (``kv_sharing_modes`` "store") and whose rows
+    the hand-off carries (Alg. 4 line 14). The verifier engine, the real-shape plan and the hand-off scales all read
+    them here. Raises ValueError if the model lacks one of the two types.
+    """
+    modes = config.kv_sharing_modes or [None] * len(config.layer_types)
+    out = {}
+    for kind in (SLIDING, FULL):
+        idx = [i for i, (lt, m) in enumerate(zip(config.layer_types, modes)) if lt == kind and m != "reuse"]
+        if not idx:
+            raise ValueError(f"the verifier has no {kind} layer computing its own KV; the hand-off needs one")
+        out[kind] = idx[-1]
+    return out
+
+
 class TreeShapeError(ValueError):
     """Rows that are not a tree in topological order, or a ring/live range that cannot hold them."""
 

@@ -26,7 +26,7 @@ import json
 import math
 from typing import Any
 
-from hycoc.host import head_sliding_positions
+from hycoc.host import head_sliding_positions, producer_layers
 from hycoc.models import head_output_config
 from hycoc.passes import bit_map
 from hycoc.protocol import wire
@@ -182,15 +182,11 @@ def _layer(config, i: int) -> tuple[int, int]:
 
 
 def _producers(config) -> dict[str, int]:
-    """{SLIDING: i, FULL: j}: the last layer of each type computing its own KV (as verifier.engine)."""
-    modes = config.kv_sharing_modes
-    out = {}
-    for kind in (SLIDING, FULL):
-        idx = [i for i, (t, m) in enumerate(zip(config.layer_types, modes)) if t == kind and m != "reuse"]
-        if not idx:
-            raise PlanError(f"the verifier has no {kind} layer computing its own KV; the hand-off needs one")
-        out[kind] = idx[-1]
-    return out
+    """`hycoc.host.producer_layers` (the verifier engine's too), refused as a PlanError."""
+    try:
+        return producer_layers(config)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
 
 
 # ---- counting ---------------------------------------------------------------------------------------------

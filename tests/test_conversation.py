@@ -171,7 +171,7 @@ def test_append_refuses_a_conversation_the_session_does_not_hold(engine, large_c
 
 @pytest.mark.parametrize("fail_at", [1, 2])
 def test_an_append_that_fails_in_a_chunk_leaves_the_session_as_it_was(engine, large_chat, monkeypatch, fail_at):
-    import hycoc.verifier.engine as eng_mod
+    import hycoc.verifier.forward as eng_mod   # PrefillJob's chunks call forward.prefill
 
     def run(fail):
         session, _ = _converse(engine, large_chat, ["w1 w2"], 30)

@@ -187,7 +187,9 @@ def test_the_cost_measurement_runs_on_the_engines_windowed_session_cache():
     positions (not the whole context), a full layer the context, and every timed forward is undone to that."""
     pytest.importorskip("torch")
     from hycoc.verifier.cost_measure import measure_grid, measuring_engine, random_cache
-    from hycoc.verifier.engine import NormTap, crop_cache, verify_tree
+    from hycoc.verifier.forward import NormTap
+    from hycoc.verifier.kv_surgery import crop_cache
+    from hycoc.verifier.engine import verify_tree
     from hycoc.verifier.kv_cache import SlidingWindowLayer, stores_kv
 
     model, head = _tiny_random(sliding_window=8)
@@ -213,7 +215,7 @@ def test_the_cost_measurement_runs_on_the_engines_windowed_session_cache():
     assert [layer.held for layer in sliding] == [retain] * len(sliding) and cache.get_seq_length() == 200
     # a prefill chunk trims the sliding layers past the old positions: the measurement restores the cache instead
     from hycoc.verifier.cost_measure import restore_cache, snapshot_cache
-    from hycoc.verifier.engine import prefill
+    from hycoc.verifier.forward import prefill
 
     before = [(layer.held, layer.start) for layer in sliding]
     saved = snapshot_cache(cache)

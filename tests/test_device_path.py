@@ -26,7 +26,9 @@ from transformers import DynamicCache
 from hycoc.bench.cost_model import Forward, request_forwards
 from hycoc.protocol.messages import Sampling
 from hycoc.verifier.cost_measure import count_forwards
-from hycoc.verifier.engine import NormTap, VerifierEngine, compact_kv, prefill, verify_tree
+from hycoc.verifier.forward import NormTap, prefill
+from hycoc.verifier.engine import VerifierEngine, verify_tree
+from hycoc.verifier.kv_surgery import compact_kv
 from tiny_models import tiny_head, tiny_verifier
 
 TOY = Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"   # not the working directory's

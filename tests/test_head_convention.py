@@ -8,8 +8,8 @@ layer through its own masks (full: every key; sliding: the last sliding_window +
 final-logit soft-cap. Its candidates are captured per round (a spy on ``get_candidates``) and compared with the
 chains hycoc proposes for the same root position t:
 
-* ``cloud-mtp``: the engine's own K-chain (`hycoc.verifier.engine.draft_cloud_chain`);
-* ``server-head``: the engine's server chain (`hycoc.verifier.engine.draft_server_chain`, full vocabulary);
+* ``cloud-mtp``: the engine's own K-chain (`hycoc.verifier.baselines.draft_cloud_chain`);
+* ``server-head``: the engine's server chain (`hycoc.verifier.baselines.draft_server_chain`, full vocabulary);
 * ``device``: the float head graph (`hycoc.passes.head_graph.HeadGraph`) run by the device's MTP Drafter
   (`hycoc.runtime.mtp_drafter.MtpDrafter`) from the engine's hand-offs.
 

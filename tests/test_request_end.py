@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 from hycoc.protocol.messages import Sampling
 from hycoc.verifier import ContextOverflow, VerifierEngine
-from hycoc.verifier.engine import fitting_rows, remap_parents
+from hycoc.verifier.tree_rows import fitting_rows, remap_parents
 from hycoc.verifier.sampling import GREEDY_BELOW, sample_rows, sampling_probs
 from tiny_models import tiny_verifier
 

@@ -18,7 +18,7 @@ from scipy.stats import chisquare
 from hycoc.protocol.messages import Sampling
 from hycoc.verifier import VerifierEngine
 from hycoc.verifier.batch import BatchStats, RowBudget, verify_batch
-from hycoc.verifier.engine import remap_parents
+from hycoc.verifier.tree_rows import remap_parents
 from hycoc.verifier.row_budget import (BudgetState, RowCost, RowCostError, allocate, is_ancestor_closed,
                                        monotone_scores, row_values)
 from hycoc.verifier.sampling import sampling_probs

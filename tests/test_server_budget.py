@@ -17,7 +17,7 @@ import torch
 
 from hycoc.protocol import wire
 from hycoc.protocol.messages import DraftTree, Opened, Sampling
-from hycoc.verifier.engine import remap_parents
+from hycoc.verifier.tree_rows import remap_parents
 from hycoc.verifier.row_budget import RowCost, is_ancestor_closed
 from hycoc.verifier.server import ServerThread
 from test_server import (MAX_FRAME, Raw, http_get, make_engine, models, open_request,  # noqa: F401 (models: fixture)

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import numpy as np
 
-from hycoc.verifier.engine import AppendPlan
+from hycoc.verifier.prefill_job import AppendPlan
 from hycoc.verifier.scheduler import StepReport
 from hycoc.verifier.batch import BatchStats
 from hycoc.verifier.server import (REFUSAL_KINDS, Admission, KvBudgetExhausted, ServerLimits, ServerMetrics,

@@ -5,8 +5,8 @@ its replay).
 Used by ``benchmarks/verifier_cost_model.py`` (the 26B-A4B shape on a GPU, or a recipe's verifier) and by
 ``hycoc bench`` (the recipe's verifier on the device in use, when no cost-model file is given). What is timed is the
 engine's own code over a random KV cache of ``context`` positions: `hycoc.verifier.engine.verify_tree` (Alg. 4
-lines 1-3; kind ``verify``), one step of `hycoc.verifier.engine.draft_cloud_chain` (the server-side head: forward,
-arg-max, next embedding; kind ``head_step``) and one chunk of `hycoc.verifier.engine.prefill` (kind ``prefill``);
+lines 1-3; kind ``verify``), one step of `hycoc.verifier.baselines.draft_cloud_chain` (the server-side head: forward,
+arg-max, next embedding; kind ``head_step``) and one chunk of `hycoc.verifier.forward.prefill` (kind ``prefill``);
 see the script's docstring for the method. `count_forwards` watches a live engine and lists the forwards it ran,
 in the cost model's terms, so tests can hold `hycoc.bench.cost_model.round_forwards` against the engine.
 """
@@ -144,7 +144,7 @@ def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, devic
     alive together), so a machine whose load drifts during the run spreads that drift over the whole grid instead
     of biasing the points measured last. log(kind, rows, context, median_ms, times) is called per point at the end.
 
-    Clock: on a GPU, CUDA events (`hycoc.verifier.engine._Timer`). On a CPU, the busy time of the forward: the CPU
+    Clock: on a GPU, CUDA events (`hycoc.verifier.forward.Timer`). On a CPU, the busy time of the forward: the CPU
     time of this process while it ran (``time.process_time``: every thread of the process, so torch's intra-op
     threads count; nothing else runs in the process meanwhile), which other processes on the machine do not
     stretch the way they stretch wall time; the wall times are kept beside it (``wall_ms`` of the log callback's
@@ -157,7 +157,11 @@ def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, devic
     import numpy as np
     import torch
 
-    from hycoc.verifier.engine import NormTap, _Timer, draft_cloud_chain, prefill, producer_layers, verify_tree
+    from hycoc.verifier.forward import NormTap, Timer, prefill
+
+    from hycoc.verifier.baselines import draft_cloud_chain
+
+    from hycoc.verifier.engine import producer_layers, verify_tree
 
     dev = torch.device(device)
     vocab = model.config.vocab_size
@@ -181,7 +185,7 @@ def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, devic
             for kind, rows, t in grid:
                 tokens = torch.as_tensor(rng.integers(0, vocab, rows), device=dev)
                 cpu0 = time.process_time()
-                with _Timer(dev) as timer:
+                with Timer(dev) as timer:
                     if kind == "verify":
                         verify_tree(model, caches[t], tap, tokens, parents[rows], t, model.dtype)
                     elif kind == "head_step":  # one step of the Cloud+MTP chain, as the engine runs it
@@ -214,7 +218,7 @@ def count_forwards(engine):
     """Watch ``engine`` (`hycoc.verifier.engine.VerifierEngine`): a context manager yielding a list that gets one
     `hycoc.bench.cost_model.Forward` per forward of the verifier or its head, in the cost model's terms:
     ``verify`` (a verifier forward whose logits cover every row), ``prefill`` (a verifier forward that keeps the
-    last row's logits only, `hycoc.verifier.engine.prefill`), ``head_step`` (a head forward of one query row;
+    last row's logits only, `hycoc.verifier.forward.prefill`), ``head_step`` (a head forward of one query row;
     context = the shared KV positions it reads). rows and context are read from the call's own arguments
     (``input_ids`` / ``inputs_embeds`` width, ``position_ids``, the shared KV length), so the list is what the
     engine did, not what the cost model expects. Forward pre-hooks (`torch.nn.Module.register_forward_pre_hook`);

@@ -44,17 +44,23 @@ import torch
 from transformers import DynamicCache
 
 from hycoc.chat import common_prefix, ids_crc32
-from hycoc.protocol.messages import ACCEPTANCE_MODES, DRAFT_PLACES, HandOff, RoundReply, Sampling, commit_cut
+from hycoc.protocol.messages import ACCEPTANCE_MODES, DRAFT_PLACES, RoundReply, Sampling, commit_cut
 from hycoc.protocol.wire import PROTOCOL_VERSION
 from hycoc.host import head_sliding_positions
-from hycoc.mtp import FULL, SLIDING, head_step, window_mask
+from hycoc.host import producer_layers as host_producer_layers
+from hycoc.mtp import FULL, SLIDING
 
 from .acceptance import select_exact, select_path
+from .baselines import draft_cloud_chain, draft_server_chain
+from .forward import NormTap, Timer
+from .kv_surgery import compact_kv, crop_cache, pack_handoff
+from .prefill_job import AppendPlan, CacheCheckpoint, PrefillJob
+from .tree_rows import fitting_rows, remap_parents, widen_reply
 from .errors import (BadRequest, ContextOverflow, ConversationMismatch, NotPrefilled, RootMismatch, SequenceError,
                      SessionFinished, TreeError)
-from .kv_cache import (DEFAULT_PREFILL_CHUNK, KVLayout, SlidingWindowLayer, WindowSnapshot, first_position, kv_bytes_per_session,
-                       kv_positions, restore_snapshot, retained_positions, session_cache, sliding_start, stores_kv,
-                       take_snapshot, trim_windows, window_start)
+from .kv_cache import (DEFAULT_PREFILL_CHUNK, KVLayout, SlidingWindowLayer, WindowSnapshot, kv_bytes_per_session,
+                       restore_snapshot, retained_positions, session_cache, sliding_start, stores_kv,
+                       window_start)
 from .sampling import sample_rows, sampling_probs
 from .tree import additive_masks, ancestor_matrix, tree_depths, validate_tree
 
@@ -64,150 +70,16 @@ HIDDEN_CHOICES = ("pre_norm", "post_norm")
 # --------------------------------------------------------------------------------------------------- helpers
 
 
-class NormTap:
-    """Keeps the input (pre-norm) and output (post-norm) of ``model.model.norm`` from the last forward.
-
-    A forward hook on the final RMSNorm: its input is the residual stream after the last decoder layer, the
-    paper's h (Alg. 4 line 3). pre, post: (1, N, H) in the model's dtype.
-    """
-
-    def __init__(self, model):
-        self.pre: torch.Tensor | None = None
-        self.post: torch.Tensor | None = None
-        self._handle = model.model.norm.register_forward_hook(self._hook)
-
-    def _hook(self, module, args, output):
-        self.pre, self.post = args[0], output
-
-    def remove(self) -> None:
-        self._handle.remove()
-
-
-class _Timer:
-    """Milliseconds of a block: CUDA events on a CUDA device (synchronized at exit), perf_counter otherwise."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.ms = 0.0
-
-    def __enter__(self):
-        if self.cuda:
-            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            self._end.record()
-            self._end.synchronize()
-            self.ms = float(self._start.elapsed_time(self._end))
-        else:
-            self.ms = (time.perf_counter() - self._t0) * 1e3
-        return False
-
-
 def producer_layers(config) -> dict[str, int]:
-    """{SLIDING: i, FULL: j}: the last layer of each attention type that computes its own KV (not KV-shared).
-
-    These are the layers whose KV transformers hands to the MTP head (``kv_sharing_modes`` "store") and whose rows
-    the hand-off carries (Alg. 4 line 14). Raises BadRequest if the model lacks one of the two types.
-    """
-    modes = config.kv_sharing_modes
-    out = {}
-    for kind in (SLIDING, FULL):
-        idx = [i for i, (lt, m) in enumerate(zip(config.layer_types, modes)) if lt == kind and m != "reuse"]
-        if not idx:
-            raise BadRequest(f"the verifier has no {kind} layer computing its own KV; the hand-off needs one")
-        out[kind] = idx[-1]
-    return out
-
-
-def quantize_int8(x: torch.Tensor, scale: float) -> np.ndarray:
-    """Symmetric int8 with a fixed scale: round-to-nearest (ties to even), clamp to [-127, 127]. Dequantize as
-    ``q * scale``."""
-    return torch.clamp(torch.round(x.float() / scale), -127, 127).to(torch.int8).cpu().numpy()
-
-
-def layer_rows(cache: DynamicCache, layer: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """KV rows of positions [start, stop) of one layer, heads flattened: two (stop - start, kv_heads * head_dim)."""
-    k, v = kv_positions(cache.layers[layer], start, stop)  # (1, kv_heads, stop - start, head_dim)
-
-    def flat(x):
-        return x[0].transpose(0, 1).reshape(stop - start, -1)
-
-    return flat(k), flat(v)
-
-
-@torch.inference_mode()
-def crop_cache(cache: DynamicCache, length: int) -> None:
-    """Drop every position >= length in every layer (undo a forward that did not complete a round). Raises
-    ValueError if a sliding layer no longer holds position length - 1 (nothing would be left to crop to)."""
-    for layer in cache.layers:
-        if stores_kv(layer):
-            n = length - first_position(layer)
-            if n < 0:
-                raise ValueError(f"cannot crop to {length} positions: this layer keeps positions from "
-                                 f"{first_position(layer)}")
-            layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
-
-
-def fitting_rows(parents: np.ndarray, room: int) -> np.ndarray:
-    """Rows of a tree that can still commit a token: depth <= room, where room >= 1 is the number of tokens the
-    context has left (a path to depth d commits d tokens before its bonus). Rows deeper than that would sit at a
-    position >= max_context. Returns the kept row indices (increasing; row 0 always; closed under ancestors, as
-    depth grows along every path). Hand-worked: a depth-5 chain at t = 9 of max_context 14 has room
-    14 - 10 = 4 and keeps rows 0..4."""
-    return np.nonzero(tree_depths(parents) <= room)[0]
-
-
-def remap_parents(parents: np.ndarray, kept: np.ndarray) -> np.ndarray:
-    """Parents of the sub-tree made of rows ``kept`` (increasing, closed under ancestors), renumbered."""
-    index = np.full(len(parents), -1, dtype=np.int64)
-    index[kept] = np.arange(len(kept))
-    sub = parents[kept]
-    return np.where(sub < 0, -1, index[np.maximum(sub, 0)])
-
-
-def widen_reply(reply: RoundReply, tokens: np.ndarray, kept: np.ndarray) -> RoundReply:
-    """A sub-tree's reply in the rows of the whole tree: samples of the rows left out echo their own tokens,
-    path rows are renumbered, and ``verified`` (bool (R,)) marks the kept rows, so the device walks only those
-    (`hycoc.runtime.tree_builder.walk_reply`)."""
-    samples = tokens.astype(np.int32).copy()
-    samples[kept] = reply.samples
-    verified = np.zeros(len(tokens), bool)
-    verified[kept] = True
-    return replace(reply, samples=samples, path_rows=kept[reply.path_rows].astype(np.int32), verified=verified)
+    """`hycoc.host.producer_layers` with the engine's error: raises BadRequest if the model lacks one of the two
+    attention types."""
+    try:
+        return host_producer_layers(config)
+    except ValueError as err:
+        raise BadRequest(str(err)) from None
 
 
 # --------------------------------------------------------------------------------------- the round, step by step
-
-
-@torch.inference_mode()
-def prefill(model, cache: DynamicCache, tap: NormTap, ids: torch.Tensor, chunk: int,
-            dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Fill the cache with ``ids`` (int64 (T,), positions start .. start+T-1) in causal chunks of ``chunk``
-    positions, after the ``start`` positions the cache holds (0: a new request; > 0: a turn appended to a kept
-    conversation, `Session.append`).
-
-    Each chunk uses the same explicit masks as the tree rounds (a chain is a tree), so prefill and rounds share
-    one mask convention; after each chunk the sliding layers drop what fell out of their window. Returns the final
-    norm's (pre, post) rows of the last position, each (H,), or None if T == 0.
-    """
-    t, n_total = start, start + len(ids)
-    while t < n_total:
-        n = min(chunk, n_total - t)
-        pos = torch.arange(t, t + n, device=ids.device)
-        causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
-        masks = additive_masks(pos, causal, t, model.config.sliding_window, dtype, window_start(cache, t))
-        model(input_ids=ids[None, t - start:t - start + n], position_ids=pos[None], attention_mask=masks,
-              cache=cache, use_cache=True, logits_to_keep=1)
-        trim_windows(cache)   # sliding layers back to their retained window: a long prompt never holds more
-        t += n
-    if n_total == 0:
-        return None
-    return tap.pre[0, -1], tap.post[0, -1]
 
 
 @torch.inference_mode()
@@ -226,121 +98,6 @@ def verify_tree(model, cache: DynamicCache, tap: NormTap, tokens: torch.Tensor, 
     masks = additive_masks(pos, visible, t, model.config.sliding_window, dtype, window_start(cache, t))
     out = model(input_ids=tokens[None], position_ids=pos[None], attention_mask=masks, cache=cache, use_cache=True)
     return out.logits[0].float(), tap.pre[0], tap.post[0]
-
-
-@torch.inference_mode()
-def compact_kv(cache: DynamicCache, t: int, path_rows: np.ndarray) -> None:
-    """Alg. 4 line 13: keep positions [0, t), then the root row and the path rows at t .. t + |P|.
-
-    Each layer holds positions [start, t) followed by the R tree rows (start > 0 in a sliding layer past its
-    window). One gather per layer and tensor moves the kept rows (root row 0 and path_rows, which are increasing)
-    into place; the rest is cut off. Every layer then holds [start, t + 1 + |P|).
-    """
-    keep = np.concatenate([[0], path_rows]).astype(np.int64)
-    n = len(keep)
-    on_device: dict[tuple, torch.Tensor] = {}  # one host-to-device copy of the rows per round and start
-    for layer in cache.layers:
-        if not stores_kv(layer):
-            continue  # KV-shared layers store nothing
-        c = t - first_position(layer)             # storage column of position t
-        key = (layer.keys.device, c)
-        idx = on_device.get(key)
-        if idx is None:
-            idx = on_device[key] = torch.as_tensor(keep + c, device=layer.keys.device)
-        for name in ("keys", "values"):
-            x = getattr(layer, name)
-            x[..., c:c + n, :] = x.index_select(-2, idx)  # the gather copies first: no overlap hazard
-            setattr(layer, name, x[..., :c + n, :])
-
-
-@torch.inference_mode()
-def pack_handoff(model, cache: DynamicCache, layers: dict[str, int], bonus: int, h: torch.Tensor, t: int,
-                 t_prime: int, window: int, first_round: bool, scales) -> HandOff:
-    """Alg. 4 line 14: H = (t', a, [e(b); h_v*], R) at 8 bits with fixed scales.
-
-    a = max(t, t' - W), or max(0, t' - W) in the request's first round (its H carries up to W prompt rows).
-    e is the verifier's scaled input embedding; h is the row of v* from `NormTap` (pre- or post-norm per the
-    engine's ``hidden``). R: the KV rows [a, t') of the last sliding and last full-attention layer, heads
-    flattened, keys rotated as cached. scales: (e, h, k_sliding, v_sliding, k_full, v_full).
-    """
-    a = max(0 if first_round else t, t_prime - window)
-    e = model.model.embed_tokens(torch.tensor([bonus], device=h.device))[0]
-    k_s, v_s = layer_rows(cache, layers[SLIDING], a, t_prime)
-    k_f, v_f = layer_rows(cache, layers[FULL], a, t_prime)
-    x_hat = np.concatenate([quantize_int8(e, scales[0]), quantize_int8(h, scales[1])])
-    return HandOff(
-        t_prime=t_prime, a=a, bonus=int(bonus), x_hat=x_hat,
-        k_sliding=quantize_int8(k_s, scales[2]), v_sliding=quantize_int8(v_s, scales[3]),
-        k_full=quantize_int8(k_f, scales[4]), v_full=quantize_int8(v_f, scales[5]),
-        scales=tuple(float(s) for s in scales),
-    )
-
-
-@torch.inference_mode()
-def draft_cloud_chain(model, head, cache: DynamicCache, layers: dict[str, int], root: int, h: torch.Tensor, t: int,
-                      k: int, position_offset: int) -> list[int]:
-    """Cloud+MTP drafting (Table 5): a greedy K-chain by the full-precision head over the full vocabulary.
-
-    As transformers' ``SinglePositionMultiTokenCandidateGenerator``: input [e(root); h_{t-1}], a constant query
-    position (t + position_offset; transformers uses offset 0, the paper -1), the head's own forward and masks
-    (full layer: every key given; sliding layer: its own window), then [e(y_k); h'_k] fed back. Unlike it, the
-    shared KV is exactly committed positions before t -- never a rejected tree row. Returns K token ids.
-    """
-    if t == 0 or k == 0:
-        return []
-    shared = {}
-    for kind, i in layers.items():
-        # [0, t) of the full layer; of the sliding one its retained window [t - retain, t), which holds the head's
-        # own sliding window (the head's masks count keys from the end: position invariant)
-        layer = cache.layers[i]
-        keys, values = kv_positions(layer, max(first_position(layer), t - getattr(layer, "retain", t)), t)
-        shared[kind] = (keys.to(head.dtype), values.to(head.dtype))
-    pos = torch.tensor([[t + position_offset]], device=h.device)
-    x = torch.cat([model.model.embed_tokens(torch.tensor([root], device=h.device))[0], h])
-    chain = []
-    for _ in range(k):
-        out = head(inputs_embeds=x[None, None].to(head.dtype), position_ids=pos, shared_kv_states=shared,
-                   use_cache=False)
-        y = int(out.logits[0, -1].argmax())  # greedy, first among equals
-        chain.append(y)
-        x = torch.cat([model.model.embed_tokens(torch.tensor([y], device=h.device))[0],
-                       out.last_hidden_state[0, -1].to(h.dtype)])
-    return chain
-
-
-@torch.inference_mode()
-def draft_server_chain(model, head, cache: DynamicCache, layers: dict[str, int], root: int, h: torch.Tensor,
-                       t: int, k: int, window: int, keep_set: torch.Tensor | None, position_offset: int,
-                       sliding: int | None = None) -> list[int]:
-    """The server-head variant (Table 5): the head drafts a greedy K-chain for the root at position t as the
-    device's Drafter would (Alg. 2) but in full precision: the full-attention layer reads the W-window
-    [max(0, t - W), t), the sliding layer the last min(W, sliding) of it (as the device ring and the head's
-    training), constant query position t + position_offset, logits restricted to the keep set (first among
-    equals).
-    keep_set: int64 (|V|,) token ids, or None for the full vocabulary. sliding: the positions the head's sliding
-    layers read (`hycoc.host.head_sliding_positions`; None: the head's sliding_window). Returns K token ids."""
-    lo = max(0, t - window)
-    shared = {}
-    for kind, i in layers.items():
-        keys, values = kv_positions(cache.layers[i], lo, t)
-        shared[kind] = (keys.to(head.dtype), values.to(head.dtype))
-    n = t - lo  # column c holds position lo + c; the query sits just after the last one
-    q = torch.tensor([[n]], device=h.device)
-    sliding = min(window, head.config.get_text_config().sliding_window if sliding is None else sliding)
-    masks = {SLIDING: window_mask(q, n, sliding, dtype=head.dtype), FULL: window_mask(q, n, None, dtype=head.dtype)}
-    pos = torch.tensor([[t + position_offset]], device=h.device)
-    x = torch.cat([model.model.embed_tokens(torch.tensor([root], device=h.device))[0], h])
-    chain = []
-    for _ in range(k):
-        logits, h_next = head_step(head, x[None, None].to(head.dtype), shared, masks, pos)
-        logits = logits[0, 0]
-        if keep_set is not None:
-            y = int(keep_set[int(logits[keep_set].argmax())])  # Alg. 2 lines 10-11: o over V, y = V[i]
-        else:
-            y = int(logits.argmax())
-        chain.append(y)
-        x = torch.cat([model.model.embed_tokens(torch.tensor([y], device=h.device))[0], h_next[0, 0].to(h.dtype)])
-    return chain
 
 
 # -------------------------------------------------------------------------------------------- engine, session
@@ -468,135 +225,6 @@ class VerifierEngine:
     def close(self) -> None:
         """Remove the engine's hook from the model."""
         self.tap.remove()
-
-
-class PrefillJob:
-    """A prefill (or an appended turn's) split into chunks of ``engine.prefill_chunk`` positions, so that a
-    scheduler can run other sessions' rounds between them (docs/serving.md "Many devices: batched verification": a
-    long prompt must not stall them).
-
-    Made by `Session.prefill_job` / `Session.append_job`. `step` runs the next chunk (the same forwards, masks and
-    positions as `prefill`'s loop); `done` says whether all ran; the last `step` commits the result to the session
-    and returns it, (prefill_ms, t). ``ms`` accumulates the chunks' milliseconds. `run` runs every chunk.
-    snapshot_at: a position in [start, start + len(ids)] where a chunk ends and the sliding layers are snapshotted
-    (`hycoc.verifier.kv_cache.take_snapshot`, handed to ``on_snapshot``), or None. abort: called when a chunk raises
-    (the session's state is put back as before the job: an APPEND is all or nothing); the job is then failed and
-    every later `step` raises RuntimeError.
-    """
-
-    def __init__(self, engine: "VerifierEngine", cache: DynamicCache, ids: torch.Tensor, start: int, done,
-                 snapshot_at: int | None = None, on_snapshot=None, abort=None):
-        self.engine, self.cache, self.ids, self.start = engine, cache, ids, start
-        self.next = 0                      # ids consumed so far
-        self.ms = 0.0
-        self.result: tuple[float, int] | None = None
-        self.failed = False
-        self._done, self._abort = done, abort
-        self._snap_at = None if snapshot_at is None else int(snapshot_at) - start
-        self._on_snapshot = on_snapshot
-        if self._snap_at is not None and not 0 <= self._snap_at <= len(ids):
-            raise ValueError(f"snapshot_at = {snapshot_at} is outside the prefilled positions [{start}, "
-                             f"{start + len(ids)}]")
-
-    @property
-    def done(self) -> bool:
-        return self.result is not None
-
-    @property
-    def remaining(self) -> int:
-        """Positions still to prefill."""
-        return len(self.ids) - self.next
-
-    def _snapshot_if_due(self) -> None:
-        if self._snap_at is not None and self.next == self._snap_at:
-            self._on_snapshot(take_snapshot(self.cache, self.start + self.next))
-            self._snap_at = None
-
-    def step(self) -> tuple[float, int] | None:
-        """Run the next chunk; returns (prefill_ms, t) after the last one (also for an empty prompt), else None.
-        A chunk that raises aborts the job (class docstring) and the exception propagates."""
-        if self.result is not None:
-            return self.result
-        if self.failed:
-            raise RuntimeError("this prefill failed and was rolled back; start a new one")
-        eng = self.engine
-        try:
-            self._snapshot_if_due()
-            n = min(eng.prefill_chunk, len(self.ids) - self.next)
-            if self._snap_at is not None and self.next < self._snap_at:
-                n = min(n, self._snap_at - self.next)        # a chunk ends where the snapshot is due
-            last = None
-            if n > 0:
-                with _Timer(eng.device) as timer:
-                    last = prefill(eng.model, self.cache, eng.tap, self.ids[self.next:self.next + n], n, eng.dtype,
-                                   start=self.start + self.next)
-                self.ms += timer.ms
-                self.next += n
-                self._last = last
-            self._snapshot_if_due()
-            if self.next == len(self.ids):
-                self.result = self._done(getattr(self, "_last", None), self.ms)
-        except BaseException:
-            self.failed = True
-            if self._abort is not None:
-                self._abort()
-            raise
-        return self.result
-
-    def run(self) -> tuple[float, int]:
-        """Every remaining chunk; returns (prefill_ms, t)."""
-        while self.step() is None:
-            pass
-        return self.result
-
-
-@dataclass
-class AppendPlan:
-    """How an APPEND rolls a session's conversation back (docs/serving.md "Conversations"), decided before
-    anything changes (`Session.plan_append`).
-
-    keep: the held ids the device keeps (APPEND's ``keep``). start: the position the KV rolls back to, <= keep;
-    [start, len(conversation) - 1) is prefilled. kind: "crop" (every layer still holds what position ``start``
-    needs: cut there), "snapshot" (the sliding layers restart from the `WindowSnapshot` at ``start``) or "full"
-    (nothing usable: the conversation is prefilled from 0). conversation: int64, the held ids' kept prefix then
-    the turn. reprefilled: positions prefilled again that the session held already (start..keep).
-    """
-
-    keep: int
-    start: int
-    kind: str
-    conversation: np.ndarray
-    reprefilled: int
-
-
-class _CacheCheckpoint:
-    """What undoes an APPEND's changes to a cache: every sliding layer's tensors (shared: later forwards replace
-    them, never write them) and each full layer's positions from ``start`` on, cloned (positions before it are
-    never touched: chunks append after them). `restore` puts the cache back exactly."""
-
-    def __init__(self, cache: DynamicCache, start: int):
-        self.cache, self.start = cache, int(start)
-        self.layers = []
-        for i, layer in enumerate(cache.layers):
-            if not stores_kv(layer):
-                continue
-            if isinstance(layer, SlidingWindowLayer):
-                self.layers.append((i, layer.keys, layer.values, layer.start, layer.cumulative_length))
-            else:
-                n = layer.keys.shape[-2]
-                tail = (layer.keys[..., self.start:, :].clone(), layer.values[..., self.start:, :].clone())
-                self.layers.append((i, tail, n))
-
-    def restore(self) -> None:
-        for entry in self.layers:
-            layer = self.cache.layers[entry[0]]
-            if len(entry) == 5:
-                _, layer.keys, layer.values, layer.start, layer.cumulative_length = entry
-            else:
-                _, (k_tail, v_tail), n = entry
-                layer.keys = torch.cat([layer.keys[..., :self.start, :], k_tail], dim=-2)
-                layer.values = torch.cat([layer.values[..., :self.start, :], v_tail], dim=-2)
-                assert layer.keys.shape[-2] == n
 
 
 @dataclass
@@ -804,7 +432,7 @@ class Session:
             cache = self.cache = eng.new_cache()
         else:
             cache = self.cache
-            checkpoint = _CacheCheckpoint(cache, plan.start)
+            checkpoint = CacheCheckpoint(cache, plan.start)
             if plan.kind == "snapshot":
                 restore_snapshot(cache, plan_snapshot := self.snapshot)
                 for layer in cache.layers:             # full layers back to the snapshot's position
@@ -862,7 +490,7 @@ class Session:
         chain is sent. ``accepted`` records the path tokens committed after that cut.
         """
         eng = self.engine
-        with _Timer(eng.device) as timer:
+        with Timer(eng.device) as timer:
             pending = self.begin_round(tokens, parents, seq)
             if isinstance(pending, RoundReply):
                 return pending  # idempotent retry

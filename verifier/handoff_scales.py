@@ -25,7 +25,8 @@ def measure_handoff_scales(recipe, *, prompts: int = 16, max_new_tokens: int = 2
     from hycoc.chat_template import chat_from_recipe
     from hycoc.models import load_verifier, set_threads
     from hycoc.passes.head_qat import greedy_answer, prompt_sources
-    from hycoc.verifier.engine import NormTap, producer_layers
+    from hycoc.verifier.forward import NormTap
+    from hycoc.verifier.engine import producer_layers
 
     if not 0 < percentile <= 100:
         raise ValueError(f"percentile {percentile}: must be in (0, 100]")

@@ -9,7 +9,7 @@ keeps that dispatch and replaces each sliding layer by a `SlidingWindowLayer`, a
 that differs in two ways the verifier needs (paper Alg. 4 line 13 and line 14):
 
 - It trims lazily, at the start of the next ``update``, not right after appending: a round appends R tree rows,
-  `hycoc.verifier.engine.compact_kv` then keeps the root and the accepted path by position and drops the rejected
+  `hycoc.verifier.kv_surgery.compact_kv` then keeps the root and the accepted path by position and drops the rejected
   rows, and only the next forward drops what fell out of the window. transformers' layer keeps ``sliding_window - 1``
   storage rows after every update, so its rows after a tree forward would be the tree's (rejected ones included)
   instead of the committed positions; its ``activate_past_recording`` mode defers the trim to ``crop``, which can
@@ -97,7 +97,7 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
         self.start = 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("crop by position with hycoc.verifier.engine.crop_cache")
+        raise NotImplementedError("crop by position with hycoc.verifier.kv_surgery.crop_cache")
 
 
 @dataclass

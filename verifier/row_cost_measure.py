@@ -7,7 +7,7 @@ actually runs: `hycoc.verifier.batch.batch_forward` over ``sessions`` scratch se
 several r; each point is (sessions x r rows, median ms of ``repeats`` forwards after ``warmup``). The session count
 stays fixed, so the line's slope is what one more row costs in a forward of that many sessions -- the trade the
 budget makes (it never drops a session, only rows). Each forward's rows are cut from the caches again
-(`hycoc.verifier.engine.crop_cache`). On the toy verifier on this 2-core CPU the whole measurement takes ~2 s.
+(`hycoc.verifier.kv_surgery.crop_cache`). On the toy verifier on this 2-core CPU the whole measurement takes ~2 s.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import numpy as np
 import torch
 
 from .batch import batch_forward
-from .engine import VerifierEngine, crop_cache, prefill
+from .engine import VerifierEngine
+from .kv_surgery import crop_cache
+from .forward import prefill
 from .row_budget import RowCost
 
 #: Rows per tree of the measured points (with 16 sessions: 32 ... 528 rows).

@@ -36,7 +36,8 @@ from hycoc.protocol import wire
 from hycoc.protocol.messages import DraftTree
 
 from .batch import BatchStats, RowBudget, verify_batch
-from .engine import PrefillJob, Session
+from .prefill_job import PrefillJob
+from .engine import Session
 
 
 @dataclass

@@ -16,13 +16,13 @@ The three kinds of forward (`KINDS`), what a point's ``rows`` and ``context`` me
 * ``verify``: one tree-verification forward (Alg. 4 lines 1-3), every round of every draft place. rows = R, the
   tree's rows: B + 1 = 33 for a HyCo tree (B = 32), K + 1 = 5 for a Cloud+MTP chain (K = 4), 1 for the verifier
   alone; context = t, positions already in the KV cache (the round's root position).
-* ``head_step``: one step of the MTP head on the server (one query row; `hycoc.verifier.engine.draft_cloud_chain`:
+* ``head_step``: one step of the MTP head on the server (one query row; `hycoc.verifier.baselines.draft_cloud_chain`:
   head forward, greedy arg-max, the next input's embedding). rows = 1; context = the verifier KV positions the head
   reads. Cloud+MTP runs K of them BEFORE each verification, reading every committed position (context t);
   server-head runs K AFTER each verification that does not finish the request, reading the W-window
   (context min(W, t')). Device drafting (HyCo, SpecEdge) runs none on the server: that is the point of HyCo (§3.1:
   moving the head to the device takes the server's median round from 26.8 to 21.7 ms).
-* ``prefill``: one causal prefill chunk (`hycoc.verifier.engine.prefill`, logits of the last row only). rows = the
+* ``prefill``: one causal prefill chunk (`hycoc.verifier.forward.prefill`, logits of the last row only). rows = the
   chunk's positions n (at most the engine's chunk, `PREFILL_CHUNK`); context = the positions cached before it.
   A request's prompt (all but its last token) and a second turn's appended tokens are prefilled in such chunks.
 
@@ -309,7 +309,7 @@ def round_forwards(draft_place: str, rows: int, context: int, *, head_steps: int
 
 
 def prefill_forwards(start: int, stop: int, chunk: int = PREFILL_CHUNK) -> list[Forward]:
-    """The prefill chunks that fill positions [start, stop) (`hycoc.verifier.engine.prefill`): Forward("prefill",
+    """The prefill chunks that fill positions [start, stop) (`hycoc.verifier.forward.prefill`): Forward("prefill",
     n, t) for t = start, start + chunk, ... with n = min(chunk, stop - t). Empty when stop <= start. Raises
     CostModelError for chunk < 1 or start < 0."""
     if chunk < 1 or start < 0:

@@ -318,7 +318,7 @@ def _run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, 
                   f"not slept), backend {backend}")
     run_requests(rt, recipe_path, bundle_dir, todo, prompts, records_path, link=plan.link,
                  output_cap=plan.output_cap, sampling=sampling, seed=r.seed, console=console, turns=plan.turns,
-                 thinking=plan.thinking)
+                 thinking=plan.thinking, anchors=anchors)
 
     records = [rec for rec in read_records(records_path)
                if rec["config"] in plan.configs and rec["question_id"] in prompts and rec["run"] < plan.runs]
@@ -463,13 +463,14 @@ def requests_of(todo: list["Request"], turns: int) -> int:
 
 def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], prompts: dict[int, list[int]],
                  records_path: Path, *, link: str, output_cap: int, sampling, seed: int, console,
-                 turns: int = 1, thinking: bool = False) -> None:
+                 turns: int = 1, thinking: bool = False, anchors: dict[int, int] | None = None) -> None:
     """Run ``todo`` in order on the device runtime ``rt``, each against a ``hycoc verify-server`` child process
     (`VerifierProcess`, started only when a request needs a verifier), and append each finished request's record
     (`record_of`) to ``records_path`` at once. ``prompts``: question_id -> prompt token ids. ``link``: link model
     name, counted, not slept. turns: 2 continues every question that has a second turn on the same session
     (`second_turn`; slm-alone answers first turns only); thinking: the second turn's template setting (the
-    prompts' is the caller's). Ctrl-C keeps the records written and re-raises
+    prompts' is the caller's); anchors: question_id -> the prompt's model-turn opening (`hycoc.chat.Rendered.anchor`,
+    sent in OPEN so that a second turn can roll back to it). Ctrl-C keeps the records written and re-raises
     KeyboardInterrupt. Raises BenchError (server), TransportError from a request that fails."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
@@ -501,7 +502,7 @@ def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], p
                 cpu0 = process_cpu_ms(pid) if pid is not None else None
                 res = rt.generate(client, prompts[q.question_id], mode=req.mode, max_new_tokens=output_cap,
                                   seed=seed + req.run, sampling=sampling, epsilon=req.epsilon, keep_open=two,
-                                  anchor=anchors.get(q.question_id, 0))
+                                  anchor=(anchors or {}).get(q.question_id, 0))
                 recs = [record_of(req.config, req.run, q, len(prompts[q.question_id]), res, virtual_link=True,
                                   chat=rt.bundle.chat, server_busy_ms=busy_since(pid, cpu0))]
                 if two and res.finish_reason == "length":   # the context is full: no room for a second turn

@@ -1,0 +1,80 @@
+"""The server-side baselines' drafting (Table 5): Cloud+MTP's K-chain by the full-precision head, and the
+server-head chain over the keep set and a W window (paper Alg. 2 lines 7-12 run on the server; `hycoc.mtp.head_step`
+is the one home of a head step)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from hycoc.mtp import FULL, SLIDING, head_step, window_mask
+
+from .kv_cache import first_position, kv_positions
+
+
+@torch.inference_mode()
+def draft_cloud_chain(model, head, cache: DynamicCache, layers: dict[str, int], root: int, h: torch.Tensor, t: int,
+                      k: int, position_offset: int) -> list[int]:
+    """Cloud+MTP drafting (Table 5): a greedy K-chain by the full-precision head over the full vocabulary.
+
+    As transformers' ``SinglePositionMultiTokenCandidateGenerator``: input [e(root); h_{t-1}], a constant query
+    position (t + position_offset; transformers uses offset 0, the paper -1), the head's own forward and masks
+    (full layer: every key given; sliding layer: its own window), then [e(y_k); h'_k] fed back. Unlike it, the
+    shared KV is exactly committed positions before t -- never a rejected tree row. Returns K token ids.
+    """
+    if t == 0 or k == 0:
+        return []
+    shared = {}
+    for kind, i in layers.items():
+        # [0, t) of the full layer; of the sliding one its retained window [t - retain, t), which holds the head's
+        # own sliding window (the head's masks count keys from the end: position invariant)
+        layer = cache.layers[i]
+        keys, values = kv_positions(layer, max(first_position(layer), t - getattr(layer, "retain", t)), t)
+        shared[kind] = (keys.to(head.dtype), values.to(head.dtype))
+    pos = torch.tensor([[t + position_offset]], device=h.device)
+    x = torch.cat([model.model.embed_tokens(torch.tensor([root], device=h.device))[0], h])
+    chain = []
+    for _ in range(k):
+        out = head(inputs_embeds=x[None, None].to(head.dtype), position_ids=pos, shared_kv_states=shared,
+                   use_cache=False)
+        y = int(out.logits[0, -1].argmax())  # greedy, first among equals
+        chain.append(y)
+        x = torch.cat([model.model.embed_tokens(torch.tensor([y], device=h.device))[0],
+                       out.last_hidden_state[0, -1].to(h.dtype)])
+    return chain
+
+
+@torch.inference_mode()
+def draft_server_chain(model, head, cache: DynamicCache, layers: dict[str, int], root: int, h: torch.Tensor,
+                       t: int, k: int, window: int, keep_set: torch.Tensor | None, position_offset: int,
+                       sliding: int | None = None) -> list[int]:
+    """The server-head variant (Table 5): the head drafts a greedy K-chain for the root at position t as the
+    device's Drafter would (Alg. 2) but in full precision: the full-attention layer reads the W-window
+    [max(0, t - W), t), the sliding layer the last min(W, sliding) of it (as the device ring and the head's
+    training), constant query position t + position_offset, logits restricted to the keep set (first among
+    equals).
+    keep_set: int64 (|V|,) token ids, or None for the full vocabulary. sliding: the positions the head's sliding
+    layers read (`hycoc.host.head_sliding_positions`; None: the head's sliding_window). Returns K token ids."""
+    lo = max(0, t - window)
+    shared = {}
+    for kind, i in layers.items():
+        keys, values = kv_positions(cache.layers[i], lo, t)
+        shared[kind] = (keys.to(head.dtype), values.to(head.dtype))
+    n = t - lo  # column c holds position lo + c; the query sits just after the last one
+    q = torch.tensor([[n]], device=h.device)
+    sliding = min(window, head.config.get_text_config().sliding_window if sliding is None else sliding)
+    masks = {SLIDING: window_mask(q, n, sliding, dtype=head.dtype), FULL: window_mask(q, n, None, dtype=head.dtype)}
+    pos = torch.tensor([[t + position_offset]], device=h.device)
+    x = torch.cat([model.model.embed_tokens(torch.tensor([root], device=h.device))[0], h])
+    chain = []
+    for _ in range(k):
+        logits, h_next = head_step(head, x[None, None].to(head.dtype), shared, masks, pos)
+        logits = logits[0, 0]
+        if keep_set is not None:
+            y = int(keep_set[int(logits[keep_set].argmax())])  # Alg. 2 lines 10-11: o over V, y = V[i]
+        else:
+            y = int(logits.argmax())
+        chain.append(y)
+        x = torch.cat([model.model.embed_tokens(torch.tensor([y], device=h.device))[0], h_next[0, 0].to(h.dtype)])
+    return chain
+
