@@ -9,7 +9,10 @@ import json
 import pytest
 from rich.console import Console
 
-from hycoc.bench.stats import render_categories, render_table, reference_match, summarize, write_plots
+from hycoc.bench.plots import write_plots
+from hycoc.bench.quality import reference_match
+from hycoc.bench.report_tables import render_categories, render_table
+from hycoc.bench.summary import summarize
 
 
 def rec(config, qid, *, tokens, server, prefill, rows, context, category="math", run=0, seconds=1.0,

@@ -352,7 +352,7 @@ def test_request_replay_counts_head_steps_and_prefill_exactly():
 def test_bench_summary_projects_every_server_forward():
     """stats.summarize through the hand-built model: g projected and its parts, per-round medians beside the
     paper's 21.7 / 26.8 ms."""
-    from hycoc.bench.stats import summarize
+    from hycoc.bench.summary import summarize
 
     common = dict(run=0, question_id=1, category="writing", prompt_tokens=101, prefill_ms=5.0)
     recs = [dict(config="cloud-mtp", tokens=6, rounds=2, rows=[5, 5], context=[100, 200], server_ms=[40.0, 50.0],
