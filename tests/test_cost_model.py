@@ -85,6 +85,7 @@ def test_save_load_round_trip(tmp_path):
     cm = make(shape={"layers": 30}, meta={"repeats": 10})
     path = cm.save(tmp_path / "sub" / "cm.json")
     assert [p.name for p in path.parent.iterdir()] == ["cm.json"]  # no temporary file left behind
+    assert path.stat().st_mode & 0o777 == 0o644   # like the bench's other outputs; mkstemp alone makes 0600
     back = load_cost_model(path)
     assert back.source == "file"
     assert back == cm.model_copy(update={"source": "file"})
