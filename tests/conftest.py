@@ -9,6 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the OS's pick for port 0, `hycoc.ports.check_port`): tests never name a fixed
+    port, so a verify-server on the README's 8765 (or another suite) cannot break them."""
+    from hycoc.ports import check_port
+
+    return check_port(host, 0)
+
+
 #: The markers pyproject.toml registers for what a test costs or needs.
 COST_MARKERS = ("slow", "qnn", "hub", "serve")
 

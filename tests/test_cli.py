@@ -83,7 +83,9 @@ def test_each_command_documents_its_options(command, options):
 
 
 def test_run_on_a_folder_that_is_not_a_bundle_exits_1_naming_the_manifest():
-    result = invoke("run", ROOT, "--server", "ws://127.0.0.1:8765", "--prompt", "hi", "--backend", "cpu")
+    from conftest import free_port
+
+    result = invoke("run", ROOT, "--server", f"ws://127.0.0.1:{free_port()}", "--prompt", "hi", "--backend", "cpu")
     assert result.exit_code == 1
     assert result.stderr.startswith("hycoc run: ") and "manifest.json" in result.stderr
     assert result.stdout == ""
@@ -283,6 +285,29 @@ def test_generate_on_the_toy_family_answers_question_81():
 
 
 def test_verify_server_refuses_a_bad_keep_set_before_listening(tmp_path):
+    """Every keep-set mistake is named before the port is even tried: the test holds the recipe's own port (as a
+    verify-server started from the README would) and the refusals are still about the keep set."""
+    import errno
+    import socket
+
+    import numpy as np
+
+    from hycoc.recipe import load_recipe
+
+    cfg = load_recipe(TOY).verifier
+    listener = socket.socket()
+    try:
+        listener.bind((cfg.host, cfg.port))
+        listener.listen()
+    except OSError as e:   # already held by a real server: the condition this test needs
+        assert e.errno == errno.EADDRINUSE, e
+    try:
+        _refuses_bad_keep_sets(tmp_path)
+    finally:
+        listener.close()
+
+
+def _refuses_bad_keep_sets(tmp_path):
     import numpy as np
 
     not_npy = tmp_path / "keep.txt"

@@ -127,8 +127,12 @@ def test_epsilons_parse_to_floats_inside_the_open_interval():
 def test_run_options_are_checked_in_the_order_a_user_fixes_them(tmp_path):
     from hycoc.run_options import RunOptionError, check_run_options
 
+    from conftest import free_port
+
+    server = f"ws://127.0.0.1:{free_port()}"   # never connected: the options fail first
+
     def fails(**kw):
-        args = dict(bundle=tmp_path, server="ws://127.0.0.1:8765", prompt="hi", prompt_file=None, chat=False,
+        args = dict(bundle=tmp_path, server=server, prompt="hi", prompt_file=None, chat=False,
                     raw=False, slm_alone=False) | kw
         with pytest.raises(RunOptionError) as e:
             check_run_options(**args)
