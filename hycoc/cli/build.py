@@ -66,6 +66,8 @@ def build(
     try:
         result = build_bundle(config, name, None if until else out_dir, cache, until=until, console=console,
                               device=device.value)
+    except KeyboardInterrupt:   # build_bundle said what it kept
+        raise typer.Exit(130) from None
     except BuildNotReady as e:
         title = PENDING["build"]
         raise _fail("build", f"not available yet ({title}): {e}", code=2) from None
