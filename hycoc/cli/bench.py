@@ -338,7 +338,7 @@ def loadtest(
     _need_full("loadtest")
     from hycoc import progress
     from hycoc.bench.cost_model import CostModelError, load_cost_model
-    from hycoc.bench.loadtest import LoadTestError, run_loadtest
+    from hycoc.bench.loadtest import LoadTestError, check_server, run_loadtest
     from hycoc.bench.inputs import display_path
     from hycoc.bench.loadtrace import TraceError, load_trace, record_trace, save_trace, trace_key
     from hycoc.bundle import BundleError, sha256_file
@@ -346,7 +346,9 @@ def loadtest(
 
     try:
         cost = load_cost_model(cost_model) if cost_model is not None else None
-    except CostModelError as e:
+        if server is not None:   # before recording: a server that is down is named at once
+            check_server(server)
+    except (CostModelError, LoadTestError) as e:
         raise _fail("loadtest", str(e)) from None
     bundle_dir = _bench_bundle("loadtest", cfg, recipe, bundle)
     cap = max_new_tokens or cfg.bench.output_cap
