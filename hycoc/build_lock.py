@@ -2,8 +2,10 @@
 
 A second build into the same cache or bundle folder while one runs would redo the same passes beside it and race
 it for the bundle's rename; it is refused at once with the folder and the fix. The locks are advisory file locks
-(`filelock.FileLock`, flock(2) on POSIX: the kernel drops them when the holder exits, killed or not) on
-``CACHE/.hycoc-build.lock`` and ``.<bundle>.hycoc-build.lock`` beside the bundle folder.
+(`filelock.FileLock`, flock(2) on POSIX: the kernel drops them when the holder exits, killed or not), one per
+folder, named by the hash of the folder's resolved path in a per-user folder of the system's temporary directory
+(`lock_file`): a build that fails at once leaves nothing in the user's folders, and no lock file is ever deleted
+(deleting one another process has opened would let two builds hold "the" lock).
 
 An interrupted build (Ctrl-C) keeps every pass that finished: the pipeline renames a pass's cache entry into place
 only when complete (`hycoc.passes.pipeline`), so the next build of the same recipe reuses them; `interrupted_note`
@@ -12,42 +14,45 @@ says how many, where, and that the bundle folder is left as it was. No torch: im
 
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator
-
-LOCK_NAME = ".hycoc-build.lock"
 
 
 class BuildLocked(RuntimeError):
     """Another `hycoc build` holds the cache or the bundle folder this build would write."""
 
 
-def _lock_paths(cache_dir: Path, out_dir: Path | None) -> list[tuple[str, Path, Path]]:
-    """(what, folder, lock file) for the cache and, when given, the bundle folder."""
-    paths = [("build cache", cache_dir, cache_dir / LOCK_NAME)]
-    if out_dir is not None:
-        paths.append(("bundle folder", out_dir, out_dir.parent / f".{out_dir.name}{LOCK_NAME}"))
-    return paths
+def lock_file(folder: str | Path) -> Path:
+    """The lock file of ``folder``: ``<tmp>/hycoc-build-locks-<uid>/<sha256 of its resolved path>[:16].lock``, the
+    same for every spelling of the folder (relative, through a symlink)."""
+    key = hashlib.sha256(str(Path(folder).resolve()).encode()).hexdigest()[:16]
+    uid = os.getuid() if hasattr(os, "getuid") else "user"
+    return Path(tempfile.gettempdir()) / f"hycoc-build-locks-{uid}" / f"{key}.lock"
 
 
 @contextmanager
 def build_lock(cache_dir: str | Path, out_dir: str | Path | None = None) -> Iterator[None]:
-    """Hold the build locks of ``cache_dir`` and ``out_dir`` (None: a ``--until`` build that writes no bundle)
-    for the ``with`` block, creating the folders the lock files live in. Raises BuildLocked at once (no waiting)
-    when another build holds one, naming the folder, the lock file and the fix."""
+    """Hold the build locks (`lock_file`) of ``cache_dir`` and ``out_dir`` (None: a ``--until`` build that writes
+    no bundle) for the ``with`` block. Raises BuildLocked at once (no waiting) when another build holds one,
+    naming the folder and the fix."""
     from filelock import FileLock, Timeout
 
+    folders = [("build cache", "--cache-dir", Path(cache_dir))]
+    if out_dir is not None:
+        folders.append(("bundle folder", "--out", Path(out_dir)))
     with ExitStack() as stack:
-        for what, folder, lock_file in _lock_paths(Path(cache_dir), None if out_dir is None else Path(out_dir)):
-            lock_file.parent.mkdir(parents=True, exist_ok=True)
-            lock = FileLock(lock_file, timeout=0, is_singleton=False)
+        for what, option, folder in folders:
+            path = lock_file(folder)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             try:
-                stack.enter_context(lock)
+                stack.enter_context(FileLock(path, timeout=0, is_singleton=False))
             except Timeout:
-                option = "--cache-dir" if what == "build cache" else "--out"
-                raise BuildLocked(f"the {what} {folder} is in use by another hycoc build (lock {lock_file}): "
-                                  f"wait for it to finish, or give this build another {option}") from None
+                raise BuildLocked(f"the {what} {folder} is in use by another hycoc build: wait for it to finish, "
+                                  f"or give this build another {option}") from None
         yield
 
 
@@ -66,4 +71,4 @@ def interrupted_note(cache_dir: str | Path, out_dir: str | Path | None, started:
             f"in {cache_dir}; rerun the same command and they are reused{bundle}")
 
 
-__all__ = ["BuildLocked", "LOCK_NAME", "build_lock", "complete_entries", "interrupted_note"]
+__all__ = ["BuildLocked", "build_lock", "complete_entries", "interrupted_note", "lock_file"]

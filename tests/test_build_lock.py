@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from hycoc.build_lock import LOCK_NAME, BuildLocked, build_lock, complete_entries, interrupted_note
+from hycoc.build_lock import BuildLocked, build_lock, complete_entries, interrupted_note, lock_file
 from hycoc.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,8 +37,9 @@ def hold_lock_in_another_process(lock_file: Path):
 def test_a_second_build_on_the_same_cache_or_bundle_folder_is_refused(tmp_path):
     cache, out = tmp_path / "cache", tmp_path / "bundles" / "toy-cpu"
     with build_lock(cache, out):
-        assert (cache / LOCK_NAME).exists() and (out.parent / f".toy-cpu{LOCK_NAME}").exists()
-        with pytest.raises(BuildLocked, match=rf"the build cache {cache} is in use by another hycoc build .*--cache-dir"):
+        assert not cache.exists() and not out.parent.exists()   # nothing in the user's folders
+        assert lock_file(cache) == lock_file(tmp_path / "bundles" / ".." / "cache")   # one lock per folder
+        with pytest.raises(BuildLocked, match=rf"the build cache {cache} is in use by another hycoc build: .*--cache-dir"):
             with build_lock(cache, tmp_path / "elsewhere"):
                 pass
         with pytest.raises(BuildLocked, match=rf"the bundle folder {out} is in use .*another --out"):
@@ -50,8 +51,8 @@ def test_a_second_build_on_the_same_cache_or_bundle_folder_is_refused(tmp_path):
 
 def test_the_cli_refuses_a_build_while_another_process_builds(tmp_path):
     cache = tmp_path / "cache"
-    cache.mkdir()
-    holder = hold_lock_in_another_process(cache / LOCK_NAME)
+    lock_file(cache).parent.mkdir(parents=True, exist_ok=True)
+    holder = hold_lock_in_another_process(lock_file(cache))
     try:
         result = CliRunner().invoke(app, ["build", str(TOY), "--target", "cpu", "--cache-dir", str(cache),
                                           "--out", str(tmp_path / "b")])

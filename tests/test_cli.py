@@ -169,8 +169,12 @@ def test_run_checks_its_arguments(tmp_path):
     assert err(tmp_path, "--server", "ws://h:1") == "hycoc run: give exactly one of --prompt and --prompt-file"
     assert err(tmp_path, "--server", "ws://h:1", "--prompt", "a", "--prompt-file", "f") == (
         "hycoc run: give exactly one of --prompt and --prompt-file")
-    assert err(tmp_path, "--server", "ws://h:1", "--prompt-file", tmp_path / "f") == (
-        f"hycoc run: --prompt-file {tmp_path / 'f'}: no such file")
+    no_file = invoke("run", tmp_path, "--server", "ws://h:1", "--prompt-file", tmp_path / "f")
+    assert (no_file.exit_code, no_file.stderr.strip()) == (1, f"hycoc run: --prompt-file {tmp_path / 'f'}: no such file")
+    assert err(tmp_path, "--server", "ws://h:1", "--prompt", "") == (
+        "hycoc run: --prompt is empty: give the text to answer (or --prompt-file FILE)")
+    assert err(tmp_path, "--server", "ws://h:1", "--prompt", " \n") == (
+        "hycoc run: --prompt is empty: give the text to answer (or --prompt-file FILE)")
     missing = invoke("run", tmp_path / "b", "--server", "ws://h:1", "--prompt", "a")
     assert missing.exit_code == 1 and missing.stderr.startswith(f"hycoc run: bundle {tmp_path / 'b'}: no such folder")
     assert err(tmp_path, "--server", "http://h:1", "--prompt", "a") == (
@@ -197,6 +201,30 @@ def test_generate_refuses_prompt_with_question_id():
     result = invoke("generate", TOY, "--prompt", "hi", "--question-id", "81")
     assert result.exit_code == 2
     assert result.stderr.strip() == "hycoc generate: give at most one of --prompt and --question-id"
+    result = invoke("generate", TOY, "--prompt", "")
+    assert (result.exit_code, result.stderr.strip()) == (
+        2, "hycoc generate: --prompt is empty: give the text to answer (or --question-id N)")
+
+
+# ---- exit codes (docs/commands.md "Exit codes": 2 the command line is wrong, 1 what it names is missing or bad) ---
+
+
+@pytest.mark.parametrize("args", [
+    ["build", "{missing}.toml"], ["inspect", "{missing}"], ["inspect", "{missing}.toml"],
+    ["run", "{missing}", "--server", "ws://127.0.0.1:1", "--prompt", "hi"], ["profile", "{missing}"],
+    ["bench", "{missing}.toml"], ["verify-server", "{missing}.toml"], ["generate", "{missing}.toml"],
+])
+def test_a_path_that_does_not_exist_exits_1_in_every_command(tmp_path, args):
+    missing = str(tmp_path / "nothing-here")
+    result = invoke(*[a.format(missing=missing) for a in args])
+    assert result.exit_code == 1, (args, result.stderr)
+    assert result.stderr.startswith(f"hycoc {args[0]}: ") and missing in result.stderr
+
+
+@pytest.mark.parametrize("command", ["build", "inspect", "run", "bench", "verify-server", "loadtest", "generate"])
+def test_typers_own_usage_errors_exit_2(command):
+    result = invoke(command, "--no-such-option")
+    assert result.exit_code == 2 and "No such option" in result.output
 
 
 def test_generate_names_an_unknown_question(tmp_path):
@@ -360,7 +388,7 @@ def test_auth_token_on_the_command_line_is_warned_about(tmp_path):
     assert result.exit_code == 2 and "give one of --auth-token and --auth-token-file" in result.stderr
     (tmp_path / "empty").write_text("\n")
     result = runner.invoke(_token_app(), ["--auth-token-file", str(tmp_path / "empty")])
-    assert result.exit_code == 2 and "the file is empty" in result.stderr
+    assert result.exit_code == 1 and "the file is empty" in result.stderr   # a bad file: bad input
 
 
 @pytest.mark.parametrize("verifier,expected", [

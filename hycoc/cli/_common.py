@@ -122,9 +122,9 @@ def _auth_token(command: str, ctx: typer.Context, token: str | None, token_file:
         try:
             token = token_file.read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as e:
-            raise _fail(command, f"--auth-token-file {token_file}: cannot read it ({e})", code=2) from None
+            raise _fail(command, f"--auth-token-file {token_file}: cannot read it ({e})") from None
         if not token:
-            raise _fail(command, f"--auth-token-file {token_file}: the file is empty", code=2)
+            raise _fail(command, f"--auth-token-file {token_file}: the file is empty")
         return token
     if token == "":
         raise _fail(command, "--auth-token is empty: give a token, or leave the option out", code=2)

@@ -96,7 +96,7 @@ def bench(
         try:
             load_device_costs(device_profile)   # a bad file fails before anything runs
         except DeviceProfileError as e:
-            raise _fail("bench", str(e), code=2) from None
+            raise _fail("bench", str(e)) from None
     _need_full("bench")
     from hycoc.bench.runner import BenchError, BenchPlan, run_bench
     from hycoc.bundle import BundleError
@@ -240,7 +240,7 @@ def profile(
     from hycoc.targets.qai_hub import QaiHubDeviceError, QaiHubSetupError, check_setup
 
     if not bundle.is_dir():
-        raise _fail("profile", f"{bundle}: not a bundle folder", code=2)
+        raise _fail("profile", f"{bundle}: not a bundle folder")
     try:
         hub = check_setup()
         result = profile_bundle(bundle, device, hub=hub, out=out, graphs=graph,

@@ -102,7 +102,7 @@ def inspect(
         render_recipe_report(plan)
         return
     if not target.is_dir():
-        raise _fail("inspect", f"{target}: neither a bundle folder nor a recipe .toml", code=2)
+        raise _fail("inspect", f"{target}: neither a bundle folder nor a recipe .toml")
     from hycoc.bundle import BundleError, load_manifest
     from hycoc.inspect_report import render_manifest
 
