@@ -32,6 +32,22 @@ def test_help_lists_every_command():
         assert command in result.stdout
 
 
+def test_help_lists_each_command_on_one_uncut_line_at_80_columns():
+    """`hycoc --help` gives each command its short help whole (click cuts a docstring's first sentence with "...")."""
+    result = runner.invoke(app, ["--help"], terminal_width=80)
+    lines = result.stdout.split("Commands:\n", 1)[1].splitlines()
+    assert set(COMMANDS) <= {line.split()[0] for line in lines}
+    assert all(len(line) <= 80 and not line.endswith("...") and line.endswith(".") for line in lines), lines
+
+
+@pytest.mark.parametrize("command, usage", [("run", "Usage: hycoc run [OPTIONS] BUNDLE"),
+                                            ("inspect", "Usage: hycoc inspect [OPTIONS] BUNDLE|RECIPE"),
+                                            ("build", "Usage: hycoc build [OPTIONS] RECIPE")])
+def test_usage_lines_write_required_arguments_plain(command, usage):
+    result = invoke(command, "--help")
+    assert result.stdout.splitlines()[0] == usage   # typer 0.29 alone writes {BUNDLE}
+
+
 def test_version_prints_the_installed_package_version():
     from importlib.metadata import version
 
