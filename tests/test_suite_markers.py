@@ -6,7 +6,6 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-import pytest
 
 pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parents[1]
