@@ -6,7 +6,7 @@ records through each measurement: projected g and Δg per configuration, side by
 Each measurement is `hycoc.verifier.cost_measure.measure_recipe_verifier` as `hycoc bench` calls it (the recipe's
 verifier and MTP head with their real weights, busy CPU time of every forward, ``--repeats`` interleaved
 repetitions per point, contexts covering the records'), one after the other in this process. The records are
-projected with `hycoc.bench.stats.summarize` (the bench's own replay: prefill chunks, verification, server-side head
+projected with `hycoc.bench.summary.summarize` (the bench's own replay: prefill chunks, verification, server-side head
 steps). Printed: per measurement its seconds and load average, then per configuration projected g (ms per token)
 and projected Δg % [95% CI] for every measurement, and the largest move of projected Δg between two measurements.
 ``--clock wall`` measures wall time instead (what `hycoc bench` did before it timed busy time), for comparison.
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from hycoc.bench.runner import server_work
-    from hycoc.bench.stats import summarize
+    from hycoc.bench.summary import summarize
     from hycoc.recipe import load_recipe
     from hycoc.verifier.cost_measure import BENCH_REPEATS, measure_recipe_verifier
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 
 class RunOptionError(ValueError):
-    """Options `hycoc run` cannot start with; ``code`` is the exit status (2: bad usage, 1: a missing bundle)."""
+    """Options `hycoc run` cannot start with; ``code`` is the exit status (docs/commands.md "Exit codes": 2, the
+    command line is wrong; 1, a file or folder it names is missing or bad)."""
 
     def __init__(self, message: str, code: int = 2):
         super().__init__(message)
@@ -19,13 +20,16 @@ def check_run_options(*, bundle: Path, server: str | None, prompt: str | None, p
     """Raise `RunOptionError` for options that cannot go together or point nowhere, in the order a user fixes
     them: exactly one of ``prompt`` / ``prompt_file`` (neither is fine with ``chat``: the first turn is read from
     stdin); ``chat`` needs a verifier and the chat template (not ``slm_alone``, not ``raw``); ``prompt_file`` must
-    be a file; ``bundle`` a folder (code 1); ``server`` a ws:// or wss:// URL unless ``slm_alone``."""
+    be a file (code 1); ``bundle`` a folder (code 1); ``server`` a ws:// or wss:// URL unless ``slm_alone``; a
+    ``prompt`` given must hold more than white space."""
     if (prompt is not None and prompt_file is not None) or (not chat and prompt is None and prompt_file is None):
         raise RunOptionError("give exactly one of --prompt and --prompt-file")
+    if prompt is not None and not prompt.strip():
+        raise RunOptionError("--prompt is empty: give the text to answer (or --prompt-file FILE)")
     if chat and (slm_alone or raw):
         raise RunOptionError("--chat needs a verifier and the chat template: not with --mode slm-alone or --raw")
     if prompt_file is not None and not prompt_file.is_file():
-        raise RunOptionError(f"--prompt-file {prompt_file}: no such file")
+        raise RunOptionError(f"--prompt-file {prompt_file}: no such file", code=1)
     if not bundle.is_dir():
         what = "is a file, not a bundle folder" if bundle.exists() else "no such folder"
         raise RunOptionError(f"bundle {bundle}: {what} (make one with `hycoc build RECIPE --target cpu --out DIR`)",

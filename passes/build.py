@@ -457,14 +457,35 @@ def build_bundle(recipe: Recipe, target: str, out_dir: str | Path | None, cache_
     (`hycoc.quiet.third_party_output`; one line at the end says where).
 
     ``until``: stop after that pass and write no bundle (`BuildResult.stopped_at` is its cache entry).
+    One build at a time per cache and bundle folder (`hycoc.build_lock.build_lock`): another build holding either
+    raises BuildLocked at once. Ctrl-C (KeyboardInterrupt) prints what the build kept (`interrupted_note`: the
+    finished passes stay cached for the next build) and propagates.
     Raises BuildNotReady when a pass the bundle needs is not implemented yet, BuildError for a bad target or a
-    missing ``out_dir``, PipelineError for an unknown ``until``, and whatever a pass raises (RecipeError,
-    ModelNotFoundError, CapabilityError, FallbackError, ContextTooLargeError, QaiHubSetupError, ...).
+    missing ``out_dir`` (BuildLocked for a held cache or bundle folder), PipelineError for an unknown ``until``,
+    and whatever a pass raises (RecipeError, ModelNotFoundError, CapabilityError, FallbackError,
+    ContextTooLargeError, QaiHubSetupError, ...).
     """
     if target not in TARGETS:
         raise BuildError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
     if out_dir is None and until is None:
         raise BuildError("--out DIR is required for a full build")
+    from hycoc.build_lock import BuildLocked, build_lock, interrupted_note
+
+    started = time.time()
+    bundle_dir = None if until is not None else out_dir
+    try:
+        with build_lock(cache_dir, bundle_dir):
+            return _build_locked(recipe, target, out_dir, cache_dir, until=until, console=console, seed=seed,
+                                 device=device)
+    except BuildLocked as e:
+        raise BuildError(str(e)) from None
+    except KeyboardInterrupt:
+        (console or Console(stderr=True)).print(f"[yellow]{interrupted_note(cache_dir, bundle_dir, started)}[/]")
+        raise
+
+
+def _build_locked(recipe: Recipe, target: str, out_dir, cache_dir, *, until, console, seed, device) -> BuildResult:
+    """`build_bundle`'s work, its locks held."""
     import torch.onnx  # noqa: F401  (imported before the log context: its own loggers then go to the log too)
 
     from hycoc.quiet import third_party_output

@@ -1,11 +1,61 @@
-"""Shared fixtures: the tiny recipe of tests/test_build.py built once per test session into a cpu bundle."""
+"""Shared fixtures: the tiny recipe of tests/test_build.py built once per test session into a cpu bundle; and the
+run's closing summary of what did not run (skipped tests by marker and reason, deselected tests by marker)."""
 
 from __future__ import annotations
 
 import io
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the OS's pick for port 0, `hycoc.ports.check_port`): tests never name a fixed
+    port, so a verify-server on the README's 8765 (or another suite) cannot break them."""
+    from hycoc.ports import check_port
+
+    return check_port(host, 0)
+
+
+#: The markers pyproject.toml registers for what a test costs or needs.
+COST_MARKERS = ("slow", "qnn", "hub", "serve")
+
+
+def _skip_reason(report) -> str:
+    """The reason of a skip report (a test's or a module's at import), without pytest's "Skipped: " prefix."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def not_run_lines(skipped, deselected) -> list[str]:
+    """The closing summary's lines: skipped reports grouped by (cost markers, reason), most first, and deselected
+    items counted by cost marker. A module skipped at import (pytest.importorskip) counts once."""
+    lines = []
+    if skipped:
+        groups = Counter()
+        for rep in skipped:
+            if isinstance(rep, pytest.CollectReport):   # the module skipped at import: its marks unread
+                label = "module"
+            else:
+                label = ",".join(m for m in COST_MARKERS if m in rep.keywords) or "-"
+            groups[(label, _skip_reason(rep))] += 1
+        lines.append(f"{len(skipped)} skipped (a module skipped at import counts once):")
+        lines += [f"  {n:4d}  [{marks}] {reason}" for (marks, reason), n in groups.most_common()]
+    if deselected:
+        marks = Counter(m for item in deselected for m in COST_MARKERS if item.get_closest_marker(m) is not None)
+        lines.append(f"{len(deselected)} deselected: "
+                     + (", ".join(f"{marks[m]} {m}" for m in COST_MARKERS if marks[m]) or "by -k or -m"))
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """After every run: what did not run and why (pytest's own -rs lists each skip; this counts them)."""
+    lines = not_run_lines(terminalreporter.stats.get("skipped", []), terminalreporter.stats.get("deselected", []))
+    if lines:
+        terminalreporter.section("not run", sep="-")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,7 @@ def built(tiny_bundle):
     return recipe, path, root
 
 
+@pytest.mark.slow
 def test_bench_runs_every_config_and_resumes(built, tmp_path):
     recipe, path, root = built
     questions = [q for q in load_spec_bench(DEFAULT_DATASET) if q.category in ("math_reasoning", "translation")][:2]

@@ -9,7 +9,10 @@ import json
 import pytest
 from rich.console import Console
 
-from hycoc.bench.stats import render_categories, render_table, reference_match, summarize, write_plots
+from hycoc.bench.plots import write_plots
+from hycoc.bench.quality import reference_match
+from hycoc.bench.report_tables import render_categories, render_table
+from hycoc.bench.summary import summarize
 
 
 def rec(config, qid, *, tokens, server, prefill, rows, context, category="math", run=0, seconds=1.0,
@@ -167,6 +170,7 @@ def test_tables_and_plots(tmp_path):
     assert [p.name for p in paths] == ["mat_vs_g.png", "category_delta_g.png"]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 1000
+        assert p.stat().st_mode & 0o777 == 0o644   # as results.json; mkstemp alone makes 0600
     assert sorted(x.name for x in (tmp_path / "plots").iterdir()) == ["category_delta_g.png", "mat_vs_g.png"]
 
 
@@ -202,3 +206,20 @@ GSM = ["He pays 400*.5=$<<400*.5=200>>200 more for tickets than supplies\nThat m
 ])
 def test_reference_match(category, text, reference, expected):
     assert reference_match(category, text, reference) is expected
+
+
+def test_results_json_follows_the_typed_summary():
+    """summarize's dicts are ConfigSummary (and its nested dataclasses) field for field: the schema results.json
+    follows is declared once."""
+    import dataclasses
+
+    from hycoc.bench.summary import CategorySummary, ConfigSummary, MetricQuality, QualitySummary
+
+    names = lambda cls: [f.name for f in dataclasses.fields(cls)]  # noqa: E731
+    s = summarize(records(), bootstrap=0)
+    for entry in s.values():
+        assert list(entry) == names(ConfigSummary)
+        assert list(entry["quality"]) == names(QualitySummary)
+        assert all(list(m) == names(MetricQuality) for m in entry["quality"]["metrics"].values())
+        assert all(list(c) == names(CategorySummary) for c in entry["per_category"].values())
+    json.dumps(s)

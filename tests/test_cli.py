@@ -32,6 +32,22 @@ def test_help_lists_every_command():
         assert command in result.stdout
 
 
+def test_help_lists_each_command_on_one_uncut_line_at_80_columns():
+    """`hycoc --help` gives each command its short help whole (click cuts a docstring's first sentence with "...")."""
+    result = runner.invoke(app, ["--help"], terminal_width=80)
+    lines = result.stdout.split("Commands:\n", 1)[1].splitlines()
+    assert set(COMMANDS) <= {line.split()[0] for line in lines}
+    assert all(len(line) <= 80 and not line.endswith("...") and line.endswith(".") for line in lines), lines
+
+
+@pytest.mark.parametrize("command, usage", [("run", "Usage: hycoc run [OPTIONS] BUNDLE"),
+                                            ("inspect", "Usage: hycoc inspect [OPTIONS] BUNDLE|RECIPE"),
+                                            ("build", "Usage: hycoc build [OPTIONS] RECIPE")])
+def test_usage_lines_write_required_arguments_plain(command, usage):
+    result = invoke(command, "--help")
+    assert result.stdout.splitlines()[0] == usage   # typer 0.29 alone writes {BUNDLE}
+
+
 def test_version_prints_the_installed_package_version():
     from importlib.metadata import version
 
@@ -83,7 +99,9 @@ def test_each_command_documents_its_options(command, options):
 
 
 def test_run_on_a_folder_that_is_not_a_bundle_exits_1_naming_the_manifest():
-    result = invoke("run", ROOT, "--server", "ws://127.0.0.1:8765", "--prompt", "hi", "--backend", "cpu")
+    from conftest import free_port
+
+    result = invoke("run", ROOT, "--server", f"ws://127.0.0.1:{free_port()}", "--prompt", "hi", "--backend", "cpu")
     assert result.exit_code == 1
     assert result.stderr.startswith("hycoc run: ") and "manifest.json" in result.stderr
     assert result.stdout == ""
@@ -167,8 +185,12 @@ def test_run_checks_its_arguments(tmp_path):
     assert err(tmp_path, "--server", "ws://h:1") == "hycoc run: give exactly one of --prompt and --prompt-file"
     assert err(tmp_path, "--server", "ws://h:1", "--prompt", "a", "--prompt-file", "f") == (
         "hycoc run: give exactly one of --prompt and --prompt-file")
-    assert err(tmp_path, "--server", "ws://h:1", "--prompt-file", tmp_path / "f") == (
-        f"hycoc run: --prompt-file {tmp_path / 'f'}: no such file")
+    no_file = invoke("run", tmp_path, "--server", "ws://h:1", "--prompt-file", tmp_path / "f")
+    assert (no_file.exit_code, no_file.stderr.strip()) == (1, f"hycoc run: --prompt-file {tmp_path / 'f'}: no such file")
+    assert err(tmp_path, "--server", "ws://h:1", "--prompt", "") == (
+        "hycoc run: --prompt is empty: give the text to answer (or --prompt-file FILE)")
+    assert err(tmp_path, "--server", "ws://h:1", "--prompt", " \n") == (
+        "hycoc run: --prompt is empty: give the text to answer (or --prompt-file FILE)")
     missing = invoke("run", tmp_path / "b", "--server", "ws://h:1", "--prompt", "a")
     assert missing.exit_code == 1 and missing.stderr.startswith(f"hycoc run: bundle {tmp_path / 'b'}: no such folder")
     assert err(tmp_path, "--server", "http://h:1", "--prompt", "a") == (
@@ -195,6 +217,30 @@ def test_generate_refuses_prompt_with_question_id():
     result = invoke("generate", TOY, "--prompt", "hi", "--question-id", "81")
     assert result.exit_code == 2
     assert result.stderr.strip() == "hycoc generate: give at most one of --prompt and --question-id"
+    result = invoke("generate", TOY, "--prompt", "")
+    assert (result.exit_code, result.stderr.strip()) == (
+        2, "hycoc generate: --prompt is empty: give the text to answer (or --question-id N)")
+
+
+# ---- exit codes (docs/commands.md "Exit codes": 2 the command line is wrong, 1 what it names is missing or bad) ---
+
+
+@pytest.mark.parametrize("args", [
+    ["build", "{missing}.toml"], ["inspect", "{missing}"], ["inspect", "{missing}.toml"],
+    ["run", "{missing}", "--server", "ws://127.0.0.1:1", "--prompt", "hi"], ["profile", "{missing}"],
+    ["bench", "{missing}.toml"], ["verify-server", "{missing}.toml"], ["generate", "{missing}.toml"],
+])
+def test_a_path_that_does_not_exist_exits_1_in_every_command(tmp_path, args):
+    missing = str(tmp_path / "nothing-here")
+    result = invoke(*[a.format(missing=missing) for a in args])
+    assert result.exit_code == 1, (args, result.stderr)
+    assert result.stderr.startswith(f"hycoc {args[0]}: ") and missing in result.stderr
+
+
+@pytest.mark.parametrize("command", ["build", "inspect", "run", "bench", "verify-server", "loadtest", "generate"])
+def test_typers_own_usage_errors_exit_2(command):
+    result = invoke(command, "--no-such-option")
+    assert result.exit_code == 2 and "No such option" in result.output
 
 
 def test_generate_names_an_unknown_question(tmp_path):
@@ -283,6 +329,29 @@ def test_generate_on_the_toy_family_answers_question_81():
 
 
 def test_verify_server_refuses_a_bad_keep_set_before_listening(tmp_path):
+    """Every keep-set mistake is named before the port is even tried: the test holds the recipe's own port (as a
+    verify-server started from the README would) and the refusals are still about the keep set."""
+    import errno
+    import socket
+
+    import numpy as np
+
+    from hycoc.recipe import load_recipe
+
+    cfg = load_recipe(TOY).verifier
+    listener = socket.socket()
+    try:
+        listener.bind((cfg.host, cfg.port))
+        listener.listen()
+    except OSError as e:   # already held by a real server: the condition this test needs
+        assert e.errno == errno.EADDRINUSE, e
+    try:
+        _refuses_bad_keep_sets(tmp_path)
+    finally:
+        listener.close()
+
+
+def _refuses_bad_keep_sets(tmp_path):
     import numpy as np
 
     not_npy = tmp_path / "keep.txt"
@@ -335,7 +404,7 @@ def test_auth_token_on_the_command_line_is_warned_about(tmp_path):
     assert result.exit_code == 2 and "give one of --auth-token and --auth-token-file" in result.stderr
     (tmp_path / "empty").write_text("\n")
     result = runner.invoke(_token_app(), ["--auth-token-file", str(tmp_path / "empty")])
-    assert result.exit_code == 2 and "the file is empty" in result.stderr
+    assert result.exit_code == 1 and "the file is empty" in result.stderr   # a bad file: bad input
 
 
 @pytest.mark.parametrize("verifier,expected", [

@@ -127,8 +127,12 @@ def test_epsilons_parse_to_floats_inside_the_open_interval():
 def test_run_options_are_checked_in_the_order_a_user_fixes_them(tmp_path):
     from hycoc.run_options import RunOptionError, check_run_options
 
+    from conftest import free_port
+
+    server = f"ws://127.0.0.1:{free_port()}"   # never connected: the options fail first
+
     def fails(**kw):
-        args = dict(bundle=tmp_path, server="ws://127.0.0.1:8765", prompt="hi", prompt_file=None, chat=False,
+        args = dict(bundle=tmp_path, server=server, prompt="hi", prompt_file=None, chat=False,
                     raw=False, slm_alone=False) | kw
         with pytest.raises(RunOptionError) as e:
             check_run_options(**args)
@@ -137,7 +141,8 @@ def test_run_options_are_checked_in_the_order_a_user_fixes_them(tmp_path):
     assert fails(prompt=None) == (2, "give exactly one of --prompt and --prompt-file")
     assert fails(prompt_file=tmp_path / "p.txt") == (2, "give exactly one of --prompt and --prompt-file")
     assert fails(chat=True, raw=True)[1].startswith("--chat needs a verifier and the chat template")
-    assert fails(prompt=None, prompt_file=tmp_path / "p.txt") == (2, f"--prompt-file {tmp_path / 'p.txt'}: no such file")
+    assert fails(prompt=None, prompt_file=tmp_path / "p.txt") == (1, f"--prompt-file {tmp_path / 'p.txt'}: no such file")
+    assert fails(prompt="  ") == (2, "--prompt is empty: give the text to answer (or --prompt-file FILE)")
     assert fails(bundle=tmp_path / "b") == (1, f"bundle {tmp_path / 'b'}: no such folder (make one with `hycoc build "
                                                "RECIPE --target cpu --out DIR`)")
     assert fails(server=None) == (2, "--server ws://HOST:PORT is required (except with --mode slm-alone)")

@@ -85,6 +85,7 @@ def test_save_load_round_trip(tmp_path):
     cm = make(shape={"layers": 30}, meta={"repeats": 10})
     path = cm.save(tmp_path / "sub" / "cm.json")
     assert [p.name for p in path.parent.iterdir()] == ["cm.json"]  # no temporary file left behind
+    assert path.stat().st_mode & 0o777 == 0o644   # like the bench's other outputs; mkstemp alone makes 0600
     back = load_cost_model(path)
     assert back.source == "file"
     assert back == cm.model_copy(update={"source": "file"})
@@ -354,7 +355,7 @@ def test_request_replay_counts_head_steps_and_prefill_exactly():
 def test_bench_summary_projects_every_server_forward():
     """stats.summarize through the hand-built model: g projected and its parts, per-round medians beside the
     paper's 21.7 / 26.8 ms."""
-    from hycoc.bench.stats import summarize
+    from hycoc.bench.summary import summarize
 
     common = dict(run=0, question_id=1, category="writing", prompt_tokens=101, prefill_ms=5.0)
     recs = [dict(config="cloud-mtp", tokens=6, rounds=2, rows=[5, 5], context=[100, 200], server_ms=[40.0, 50.0],

@@ -126,4 +126,4 @@ def test_cli_profile_without_a_token_and_bench_with_a_bad_profile_fail_in_one_li
     (tmp_path / "bad.json").write_text("[]")
     toy = Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"
     r = CliRunner().invoke(app, ["bench", str(toy), "--device-profile", str(tmp_path / "bad.json")])
-    assert r.exit_code == 2 and "not a device_profile.json written by `hycoc profile`" in r.stderr
+    assert r.exit_code == 1 and "not a device_profile.json written by `hycoc profile`" in r.stderr

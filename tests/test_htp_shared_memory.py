@@ -23,6 +23,7 @@ def test_shared_memory_needs_the_htp_backend(tmp_path):
         load_runtime(tmp_path / "no-bundle", "cpu", htp_shared_memory=True)
 
 
+@pytest.mark.qnn
 @pytest.mark.skipif(not qnn_ep.qnn_installed(), reason="onnxruntime-qnn is not installed")
 def test_a_platform_without_the_allocator_is_told_what_a_device_needs(tmp_path):
     try:

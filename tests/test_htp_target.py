@@ -17,10 +17,15 @@ import pytest
 from hycoc.targets.profiles import MIB, PROFILES, UnknownTargetError, get_profile, profile_for
 from hycoc.targets.qnn_ep import qnn_installed
 
-needs_qnn = pytest.mark.skipif(
+_skip_without_qnn = pytest.mark.skipif(
     not qnn_installed(),
     reason="onnxruntime-qnn is not importable: install the qnn extra (pip install -e '.[qnn]') to compile and run "
            "HTP context binaries")
+
+
+def needs_qnn(test):
+    """Mark ``test`` ``qnn`` (pyproject's markers: deselect with -m "not qnn") and skip it without onnxruntime-qnn."""
+    return pytest.mark.qnn(_skip_without_qnn(test))
 
 D, H, HD, N = 256, 4, 64, 1024      # hidden, heads, head dim, ring columns
 MASK = 1.0e4                       # masked columns hold -MASK (finite; never -inf)

@@ -373,3 +373,23 @@ def test_the_run_summary_is_two_lines_under_80_columns():
     assert len(lines) == 2 and max(len(line) for line in lines) <= 80, lines
     assert lines[0].startswith("  budgeted 64 sessions: ") and "p90 1234 ms" in lines[0]
     assert lines[1] == "    ramp 0.4 s (64/64 served), client CPU 18%, waits 10/12 ms, load 1.8->2.4"
+
+
+def test_loadtest_names_a_server_that_is_down_before_recording(monkeypatch):
+    """--server pointing at a port nobody listens on: refused at once with the URL and the fix, nothing recorded."""
+    from typer.testing import CliRunner
+
+    from conftest import free_port
+    from hycoc.bench import loadtrace
+    from hycoc.cli import app
+
+    def never(*args, **kw):
+        raise AssertionError("recorded before checking the server")
+
+    monkeypatch.setattr(loadtrace, "record_trace", never)
+    url = f"ws://127.0.0.1:{free_port()}"
+    result = CliRunner().invoke(app, ["loadtest", str(Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"),
+                                      "--server", url, "--batching", "serial"])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith(f"hycoc loadtest: --server {url}: no hycoc verify-server answered "
+                                    f"{url.replace('ws', 'http', 1)}/healthz")

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.hub
 qai_hub = pytest.importorskip("qai_hub", reason="install the hub extra: pip install -e '.[hub]'")
 
 from hub_canned import QAIRT, S25, CannedHub, RecordingClient  # noqa: E402

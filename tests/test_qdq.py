@@ -249,6 +249,7 @@ def test_pipeline_pass(tmp_path):
 HTP_VS_CPU_FLOOR_DB = 20.0
 
 
+@pytest.mark.qnn
 @pytest.mark.skipif(not __import__("hycoc.targets.qnn_ep", fromlist=["qnn_installed"]).qnn_installed(),
                     reason="onnxruntime-qnn is not importable: install the qnn extra to compile for htp-v81")
 def test_qdq_slm_compiles_for_v81_and_matches_the_cpu_ep(tiny, tmp_path):

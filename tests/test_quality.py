@@ -8,7 +8,8 @@ import io
 import pytest
 from rich.console import Console
 
-from hycoc.bench.stats import render_quality, render_table, summarize
+from hycoc.bench.report_tables import render_quality, render_table
+from hycoc.bench.summary import summarize
 from hycoc.bench.quality import (answer_metrics, distinct_n, final_number_match, longest_run, reference_match,
                            reference_metrics, repeated_ngram_share, rouge_l, words)
 
@@ -69,19 +70,26 @@ def _rec(config, qid, ratio, rep, logprob):
             "quality": {"compression_ratio": ratio, "repeated_4gram_share": rep, "longest_run": 2, "rouge_l": None}}
 
 
-def test_summary_flags_a_config_worse_than_the_baseline_beyond_its_ci():
-    records = [_rec("cloud-mtp", q, 0.50, 0.10, -2.0) for q in range(4)]
-    records += [_rec("hyco", q, 0.30 + 0.01 * q, 0.10, -1.5) for q in range(4)]      # repetitive, likelier
-    records += [_rec("hyco-exact", q, 0.50 + (0.02 if q % 2 else -0.02), 0.10, -2.0) for q in range(4)]
+def test_summary_flags_a_config_worse_than_the_baseline_after_holm():
+    """12 questions: hyco's zlib ratio is lower (worse) on every one, so its one-sided sign-flip p-value is the
+    exact 1 / 2^12 (one sign pattern of 4096 as extreme); Holm over the run's 6 tests (2 configurations x the 3
+    metrics with pairs) multiplies the smallest by 6. hyco-exact alternates +-0.02: no flag."""
+    records = [_rec("cloud-mtp", q, 0.50, 0.10, -2.0) for q in range(12)]
+    records += [_rec("hyco", q, 0.30 + 0.01 * q, 0.10, -1.5) for q in range(12)]      # repetitive, likelier
+    records += [_rec("hyco-exact", q, 0.50 + (0.02 if q % 2 else -0.02), 0.10, -2.0) for q in range(12)]
     s = summarize(records, bootstrap=200)
     hq = s["hyco"]["quality"]
-    assert hq["metrics"]["compression_ratio"]["mean"] == pytest.approx(0.315)
-    assert hq["metrics"]["compression_ratio"]["delta"] == pytest.approx(-0.185)
+    assert hq["metrics"]["compression_ratio"]["mean"] == pytest.approx(0.355)
+    assert hq["metrics"]["compression_ratio"]["delta"] == pytest.approx(-0.145)
+    assert hq["metrics"]["compression_ratio"]["p_worse"] == pytest.approx(1 / 4096)
+    assert hq["metrics"]["compression_ratio"]["p_holm"] == pytest.approx(6 / 4096)
     assert hq["metrics"]["compression_ratio"]["worse_than_baseline"] is True
-    assert hq["metrics"]["repeated_4gram_share"]["worse_than_baseline"] is False   # CI [0, 0]
-    assert hq["worse_than_baseline"] == ["compression_ratio"]
-    assert hq["metrics"]["rouge_l"] == {"mean": None, "n": 0, "delta": None, "delta_ci95": None,
-                                        "worse_than_baseline": False}
+    assert hq["metrics"]["repeated_4gram_share"]["worse_than_baseline"] is False   # every difference 0: p = 1
+    assert hq["metrics"]["repeated_4gram_share"]["p_worse"] == 1.0
+    assert hq["worse_than_baseline"] == ["compression_ratio"] and hq["flag_tests"] == 6
+    assert "Holm" in hq["flag_method"]
+    assert hq["metrics"]["rouge_l"] == {"mean": None, "n": 0, "delta": None, "delta_ci95": None, "p_worse": None,
+                                        "p_holm": None, "worse_than_baseline": False}
     assert hq["verifier_logprob_delta"] == pytest.approx(0.5) and "not a quality measure" in hq["verifier_logprob_is"]
     ex = s["hyco-exact"]["quality"]
     assert ex["worse_than_baseline"] == [] and ex["metrics"]["compression_ratio"]["delta"] == pytest.approx(0.0)
@@ -91,7 +99,7 @@ def test_summary_flags_a_config_worse_than_the_baseline_beyond_its_ci():
     render_table(s, console)
     render_quality(s, console)
     text = console.file.getvalue()
-    assert "0.315 (-0.185)" in text and "zlib ratio" in text and "0.315 (-0.185)!" in text
+    assert "0.355 (-0.145)!" in text and "zlib ratio" in text and "Holm" in text
 
 
 def test_second_turns_pair_with_the_baselines_second_turns():

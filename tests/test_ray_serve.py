@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.serve
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install -e '.[serve]' (ray[serve])")
 ray_serve = pytest.importorskip("hycoc.verifier.ray_serve")
 

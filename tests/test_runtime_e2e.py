@@ -277,6 +277,7 @@ def test_cli_run_errors_are_one_line_with_a_nonzero_exit(built, tmp_path):
     assert result.exit_code == 1 and "bundle built for target backend cpu (cpu), asked to run on htp: pass --backend cpu" in result.stderr
 
 
+@pytest.mark.qnn
 def test_htp_bundle_on_the_simulator_gives_the_verifiers_greedy_text(built, server, tmp_path):
     """The same recipe built for htp-v81 (QNN context binaries, CPU fallback disabled) and run with --backend htp:
     on this x86 host the QNN EP's HTP backend runs the binaries on its simulator."""

@@ -260,6 +260,7 @@ def test_htp_tie_order_puts_the_higher_index_first_where_topk_puts_the_lower():
     assert not np.array_equal(a["top_index"], b["top_index"])          # the ties are there
 
 
+@pytest.mark.qnn
 @pytest.mark.skipif(not __import__("hycoc.targets.qnn_ep", fromlist=["qnn_installed"]).qnn_installed(),
                     reason="onnxruntime-qnn is not importable: install the qnn extra for the HTP simulator")
 def test_htp_top_k_order_among_equal_values_equals_the_cpu_ep_on_the_simulator(tmp_path):

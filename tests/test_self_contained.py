@@ -71,6 +71,7 @@ def test_toy_recipe_inputs_come_from_the_repository(no_toy_corpus):
     assert len(questions) == 480
 
 
+@pytest.mark.slow
 def test_a_whole_build_reads_only_the_repository_and_the_recipe_folder(tmp_path, no_toy_corpus):
     import io
 

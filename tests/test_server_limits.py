@@ -94,6 +94,15 @@ def ws_frame_header(length: int) -> bytes:
     return bytes([0x82, 0x80 | 127]) + struct.pack(">Q", length) + b"\x00\x00\x00\x00"
 
 
+def wait_for(condition, seconds: float = 30.0, what: str = "the condition") -> None:
+    """Poll ``condition()`` every 10 ms until it holds; fail after ``seconds`` (a deadline a loaded machine does not
+    reach: the events themselves take milliseconds)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {seconds} s"
+        time.sleep(0.01)
+
+
 def metric(srv, series: str) -> float:
     from urllib.request import urlopen
 
@@ -221,8 +230,10 @@ def test_an_idle_session_is_freed_and_told_why(engine):
         assert srv.server.metrics.kv_bytes_reserved == engine.session_kv_bytes(MAX_CONTEXT, ROWS) == 76800
         cache = srv.server.sessions[opened.session_id].cache  # 9 prefilled positions; sliding layers keep 7 of them
         assert held_bytes(cache) == storage_bytes(cache) == engine.kv_layout.session_bytes(9, 0) == 512 * (9 + 7)
-        time.sleep(1.5)
-        assert srv.server.sessions == {} and srv.server.metrics.kv_bytes_reserved == 0
+        t0 = time.monotonic()
+        wait_for(lambda: not srv.server.sessions, what="the idle session's release")
+        assert time.monotonic() - t0 > 0.5   # not before idle_timeout_s = 0.6 s (the OPEN's reply came first)
+        wait_for(lambda: srv.server.metrics.kv_bytes_reserved == 0, what="the idle session's KV release")
         with pytest.raises(ServerError) as info:
             client.round(DraftTree(0, np.full(ROWS, 29, np.int32), np.arange(-1, ROWS - 1, dtype=np.int32)))
         assert info.value.code == "idle_timeout" and opened.session_id == 1
@@ -232,7 +243,7 @@ def test_an_idle_session_is_freed_and_told_why(engine):
 def test_connections_over_the_limit_get_503_with_retry_after(engine):
     with serving(engine, **{**QUICK, "handshake_timeout_s": 30.0, "max_connections": 3}) as srv:
         held = [tcp(srv) for _ in range(3)]
-        time.sleep(0.2)
+        wait_for(lambda: srv.server.metrics.connections_active == 3, what="the server's accepting 3 connections")
         probe = tcp(srv)
         probe.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
         closed, got = closed_within(probe, 5)
@@ -253,9 +264,7 @@ def test_sessions_over_the_limit_get_too_many_sessions(engine):
         assert info.value.code == "too_many_sessions"
         assert "1 sessions are open, max_sessions = 1; retry after 2 s" in str(info.value)
         first.close()
-        deadline = time.monotonic() + 5
-        while srv.server.sessions and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: not srv.server.sessions, what="the closed session's release")
         VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10).open(request())   # room again
         assert refusals(srv)["max_sessions"] == 1
 

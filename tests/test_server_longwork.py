@@ -71,6 +71,14 @@ def gate(monkeypatch):
     return g
 
 
+def wait_until(condition, what: str, seconds: float = 30.0) -> None:
+    """Poll ``condition()`` every 10 ms until it holds; fail after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {seconds} s"
+        time.sleep(0.01)
+
+
 def request(n=10, max_new=2) -> OpenRequest:
     return OpenRequest(prompt_ids=np.arange(20, 20 + n, dtype=np.int32), sampling=Sampling(0.0, 64, 0.95),
                        max_new_tokens=max_new)
@@ -112,7 +120,9 @@ def test_pings_are_answered_while_the_engine_prefills(engine, gate):
         pong = ws.ping()
         assert pong.wait(5)                            # answered while the engine is busy
         assert not gate.open.is_set()                  # ... which it still is
-        time.sleep(1.0)                                # > 3 keepalive timeouts and 2 frame timeouts
+        held_until = time.monotonic() + 1.0            # > 3 keepalive timeouts and 2 frame timeouts
+        while time.monotonic() < held_until:           # and every ping meanwhile is answered
+            assert ws.ping().wait(5)
         gate.release()
         opened = wire.decode(ws.recv(timeout=10))
         assert isinstance(opened, Opened) and opened.t == 9
@@ -186,13 +196,11 @@ def test_every_failed_append_gives_its_kv_back(engine, gate):
         b._ws.send(wire.encode(next_turn(srv, np.arange(30, 40), 100)))
         assert gate.entered.wait(10)
         assert kv.reserved == engine.session_kv_bytes(128, ROWS)
+        connections = srv.server.metrics.connections_active
         b._ws.close()
-        time.sleep(0.2)
+        wait_until(lambda: srv.server.metrics.connections_active < connections, "the server's seeing B leave")
         gate.release()
-        deadline = time.monotonic() + 10
-        while (kv.reserved or srv.server.sessions) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert kv.reserved == 0 and srv.server.sessions == {}
+        wait_until(lambda: not kv.reserved and not srv.server.sessions, "B's KV and session given back")
 
 
 class Script:
@@ -228,9 +236,15 @@ def test_after_stop_frames_get_shutting_down_and_never_reach_the_engine(engine, 
         while not gate.entered.is_set():               # A's prefill runs on the worker (held)
             await asyncio.sleep(0.01)
         tb = asyncio.create_task(server.serve_connection(Connection(None), b))
-        await asyncio.sleep(0.2)                       # B's prefill is queued behind it
+        # B's OPEN is admitted (its KV reserved) and, in the same step of the event loop, its prefill queued on
+        # the worker behind A's
+        deadline = time.monotonic() + 30
+        while server.admission.kv.reserved < 2 * engine.session_kv_bytes(19, ROWS):
+            assert time.monotonic() < deadline, "B's OPEN was never admitted"
+            await asyncio.sleep(0.01)
         stopping = asyncio.create_task(server.stop())
-        await asyncio.sleep(0.2)
+        while not server.worker.stopping:              # the stop has begun before A's prefill may finish
+            await asyncio.sleep(0.01)
         gate.release()
         await stopping
         await asyncio.wait_for(asyncio.gather(ta, tb), 10)

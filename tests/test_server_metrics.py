@@ -144,6 +144,7 @@ def test_session_slots_and_auth_failures():
     assert refused == ["max_sessions", "auth_failures_per_minute"]
 
 
+@pytest.mark.serve
 def test_the_ray_ingress_merges_two_servers_expositions():
     """`merge_expositions` (verifier/ray_serve.py) over two real expositions: one HELP/TYPE per family, every sample
     labelled by its replica, and prometheus_client parses the result."""

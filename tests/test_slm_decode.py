@@ -181,6 +181,7 @@ def test_context_groups_put_the_decode_graph_with_the_tree_graph():
     assert _context_groups(["head", "slm"], True) == [["head"], ["slm"]]          # an older pipeline: nothing to share
 
 
+@pytest.mark.qnn
 def test_htp_bundle_holds_one_shared_binary_for_both_slm_graphs(tiny_pipeline, tmp_path):
     """target.share_weights: slm and slm_decode compiled into one weight-shared context binary, which the bundle
     lists once and both graphs name; smaller than the two unshared binaries."""

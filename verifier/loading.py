@@ -118,6 +118,25 @@ def check_keep_set_vocab(ids, vocab_size: int, path) -> None:
                          "was the keep set built for another tokenizer?")
 
 
+def verifier_vocab_size(recipe: Recipe) -> int:
+    """The verifier's vocabulary size from its checkpoint's config.json, read without loading weights
+    (transformers ``AutoConfig``; a multimodal checkpoint's text config, as the engine's model has). Raises
+    ModelNotFoundError for a missing folder."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir(recipe, "verifier")))
+    return int(config.get_text_config().vocab_size)
+
+
+def check_keep_set(path, recipe: Recipe):
+    """The keep set at ``path`` (`load_keep_set`) with its ids checked against the verifier's vocabulary
+    (`check_keep_set_vocab`, `verifier_vocab_size`), before any model loads or port binds. Returns the ids.
+    Raises ValueError naming ``--keep-set PATH`` and the fix, ModelNotFoundError."""
+    ids = load_keep_set(path)
+    check_keep_set_vocab(ids, verifier_vocab_size(recipe), path)
+    return ids
+
+
 def check_recipe_models(recipe: Recipe) -> None:
     """What a server loads, checked before any weights: the verifier, head and tokenizer folders
     (`hycoc.models.model_dir`) and the checkpoint's chat template and stop ids (`chat_from_recipe`). Raises

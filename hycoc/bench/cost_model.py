@@ -43,7 +43,7 @@ device pads HyCo trees to B + 1 rows, so the default grid 1, 5, 33 covers every 
 paper's K and B.
 
 Replay (`round_forwards`, `prefill_forwards`, `request_forwards`): the forwards the engine runs for one round of a
-draft place, or for one bench record (`hycoc.bench.stats` record), in the engine's order; `forwards_ms` sums their
+draft place, or for one bench record (`hycoc.bench.summary` record), in the engine's order; `forwards_ms` sums their
 predictions. `tests/test_device_path.py` holds the account against the forwards the real engine runs.
 
 Files: schema_version 2 (points carry ``kind``). A schema 1 file (verification points only, from an older hycoc)
@@ -247,11 +247,12 @@ class CostModel(BaseModel):
 
     def save(self, path: str | Path) -> Path:
         """Write the model to ``path`` atomically (a temporary file in the same folder, fsync, rename), creating
-        the folder if needed. A reader never sees a half-written file. Returns the path."""
+        the folder if needed, mode 0644. A reader never sees a half-written file. Returns the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
+            os.chmod(tmp, 0o644)   # mkstemp makes 0600; the bench's other outputs are 0644
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(self.to_json())
                 f.flush()
@@ -319,7 +320,7 @@ def prefill_forwards(start: int, stop: int, chunk: int = PREFILL_CHUNK) -> list[
 
 def request_forwards(record: dict, *, chain_length: int | None = None, head_window: int | None = None,
                      prefill_chunk: int = PREFILL_CHUNK, prefill: bool = True) -> list[list[Forward]]:
-    """Every forward the server ran for one bench record (`hycoc.bench.stats` record keys), grouped: the prefill
+    """Every forward the server ran for one bench record (`hycoc.bench.summary` record keys), grouped: the prefill
     chunks first (one group, empty without ``prefill``), then one group per round (`round_forwards`).
 
     Per configuration (`DRAFT_PLACE_OF`): cloud-mtp rounds run rows - 1 head steps at the round's context;

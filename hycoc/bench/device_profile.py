@@ -167,6 +167,7 @@ def profile_bundle(bundle_dir: str | os.PathLike, device: str, *, hub: Any = Non
         result["graphs"][entry.name] = {"job": str(job.job_id), **summary}
     target = Path(out) if out is not None else bundle_dir / PROFILE_FILE
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    os.chmod(tmp, 0o644)   # mkstemp makes 0600
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
     os.replace(tmp, target)
@@ -270,7 +271,7 @@ def profile_table(result: Mapping[str, Any]):
 def device_table(projection: Mapping[str, dict], label: str):
     """The per-configuration device-time table (`project_records`) as a `hycoc.bench.tables.TextTable`, titled with
     where the graph costs came from; configurations in the main table's order (paper Table 5)."""
-    from hycoc.bench.stats import _order
+    from hycoc.bench.stats import table5_order as _order
     from hycoc.bench.tables import TextTable
 
     def num(x):

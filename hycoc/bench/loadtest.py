@@ -360,6 +360,16 @@ def healthz(url: str, timeout_s: float = 5.0) -> dict:
         return json.loads(r.read().decode("utf-8"))
 
 
+def check_server(url: str, timeout_s: float = 5.0) -> dict:
+    """`healthz` of a running server given as ``--server``, or LoadTestError naming the URL and the fix when
+    nothing answers (checked before anything is recorded or replayed)."""
+    try:
+        return healthz(url, timeout_s)
+    except (OSError, ValueError) as e:
+        raise LoadTestError(f"--server {url}: no hycoc verify-server answered {_http(url)}/healthz ({e}): start one "
+                            "(hycoc verify-server RECIPE) or leave --server out to start one per mode") from None
+
+
 def scrape_metrics(url: str, timeout_s: float = 5.0) -> dict[str, float]:
     """The unlabelled samples of the server's ``GET /metrics`` (Prometheus text format 0.0.4): name -> value, e.g.
     ``hycoc_rounds_total``, ``hycoc_batch_rows_sum``, ``hycoc_batch_rows_count``. Labelled samples
@@ -438,11 +448,7 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
                 url, health = procs[-1].url, procs[-1].health
             else:
                 url = server_url
-                try:
-                    health = healthz(url)
-                except OSError as e:
-                    raise LoadTestError(f"the verifier at {url} did not answer /healthz ({e}); is it a hycoc "
-                                        "verify-server?") from None
+                health = check_server(url)
             mode = server_mode(health)
             if asked is not None and mode != asked:
                 raise LoadTestError(f"asked for batching {asked!r}, but the verify-server reports {mode!r} in "

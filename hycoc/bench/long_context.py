@@ -1,7 +1,7 @@
 """The long-document row of a bench run (paper §4.1 and Table 2's 32K column; App. G): what a long prompt costs on
 each side of the link, per configuration.
 
-From the records of `hycoc.bench.runner` (units as there) and the run's summary (`hycoc.bench.stats.summarize`):
+From the records of `hycoc.bench.runner` (units as there) and the run's summary (`hycoc.bench.summary.summarize`):
 
     prompt_tokens_p50      the prompts' median length (verifier tokens, chat template included)
     delta_g_pct, ci95      paired change of g against Cloud+MTP (the summary's), with its bootstrap 95% CI
@@ -61,7 +61,7 @@ def long_context_rows(records: list[dict], summary: dict[str, dict[str, Any]], s
 def long_context_table(rows: dict[str, dict], title: str = "long documents", baseline: str = "cloud-mtp"):
     """The rows as a `hycoc.bench.tables.TextTable` (Δg reads "ref" for ``baseline``, the configuration it pairs
     against), configurations in the main table's order (paper Table 5)."""
-    from hycoc.bench.stats import _order
+    from hycoc.bench.stats import table5_order as _order
     from hycoc.bench.tables import TextTable
 
     def f(v, fmt):

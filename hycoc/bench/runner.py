@@ -19,7 +19,7 @@ an interrupted bench keeps them and ``--resume`` skips what is there. At the end
 metrics (`score_quality`: repetition, and reference metrics where Spec-Bench has references), the verifier's mean
 log-prob of every answer (its own likelihood of the text, labelled as such; the verifier loaded in this process
 after the server stopped), the summary
-(`hycoc.bench.stats.summarize`), ``OUT/results.json`` (``summary`` + per-request ``records``), the plots and the
+(`hycoc.bench.summary.summarize`), ``OUT/results.json`` (``summary`` + per-request ``records``), the plots and the
 table.
 
 Cost model (g projected): ``--cost-model FILE`` (e.g. made on a GPU by ``benchmarks/verifier_cost_model.py
@@ -146,7 +146,7 @@ def busy_since(pid: int | None, start: float | None) -> float | None:
 
 def record_of(config: str, run: int, q: Question, prompt_tokens: int, res, virtual_link: bool,
               turn: int = 1, chat=None, server_busy_ms: float | None = None) -> dict:
-    """One request as a `hycoc.bench.stats` record (its module docstring lists the keys and units); ``turn``:
+    """One request as a `hycoc.bench.summary` record (its module docstring lists the keys and units); ``turn``:
     1 for a question's first turn, 2 for its second (same session, `run_requests`). chat: the bundle's
     `hycoc.chat.Chat`: ``text`` is then the final answer, without the reasoning channel (kept as ``thought``), so
     quality scores what the user reads. server_busy_ms: CPU ms the verifier process used while the request ran
@@ -285,7 +285,8 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
 def _run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, backend: str, resume: bool,
                cost_model_path: Path | None, console, threads: int, remeasure_cost_model: bool, fmt: str,
                device_profile_path: Path | None = None) -> dict:
-    from hycoc.bench.stats import summarize, write_plots
+    from hycoc.bench.plots import write_plots
+    from hycoc.bench.summary import summarize
     from hycoc.protocol.messages import Sampling
     from hycoc.runtime.client import load_runtime
 
@@ -358,7 +359,7 @@ def _run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, 
 def result_tables(results: dict) -> list:
     """The tables of a bench's ``results.json`` (`hycoc.bench.tables.TextTable`): main, quality, per category,
     server ms per round (with a projection), per turn (with second turns)."""
-    from hycoc.bench.stats import categories_table, main_table, quality_table, rounds_table
+    from hycoc.bench.report_tables import categories_table, main_table, quality_table, rounds_table
 
     meta, summary = results["meta"], results["summary"]
     tables = [main_table(summary, title=f"hycoc bench: {meta['questions']} {meta.get('dataset', 'Spec-Bench')} "
@@ -574,7 +575,7 @@ def turn_summary(records: list[dict]) -> dict:
     prefill ms saved by keeping the KV (cold prefill of the whole conversation minus the append's; second turns),
     g = (prefill + server ms) / committed tokens pooled, MAT = committed tokens / rounds pooled.
     Records without ``turn`` are first turns; slm-alone records (no verifier) are left out."""
-    from hycoc.bench.stats import _order
+    from hycoc.bench.stats import table5_order as _order
 
     out: dict[str, dict[str, dict]] = {}
     groups = _groups(records)
@@ -606,7 +607,7 @@ def turns_table(turns: dict):
     def num(x, digits=2):
         return "–" if x is None else f"{x:.{digits}f}"
 
-    from hycoc.bench.stats import _order
+    from hycoc.bench.stats import table5_order as _order
 
     rows = [[config, turn, str(t["requests"]), num(t["prefill_ms"], 1), num(t["prefill_ms_saved"], 1),
              num(t["g_ms_per_token"]), num(t["mat"])]

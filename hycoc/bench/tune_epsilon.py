@@ -11,7 +11,7 @@ What runs (the bench's machinery, `hycoc.bench.runner`): the verifier as a ``hyc
 device runtime in this process over loopback, one request per (validation prompt, ε), ε values interleaved per
 prompt; records appended to ``OUT/records.jsonl`` (``--resume`` continues); ``config`` labels are ``eps=VALUE``
 and ``exact``. Then the text metrics of every answer, the cost model (``--cost-model`` or measured here), and
-`hycoc.bench.stats.summarize` with ``exact`` as the paired baseline: per ε, MAT, g measured, g projected and every
+`hycoc.bench.summary.summarize` with ``exact`` as the paired baseline: per ε, MAT, g measured, g projected and every
 quality metric's paired difference from exact with its bootstrap CI. The selection rule is `choose_epsilon`;
 ``OUT/tune.json`` holds the sweep table, the rule's tolerances and the choice.
 
@@ -204,7 +204,7 @@ def choose_epsilon(rows: Sequence[SweepRow], tol: Tolerance) -> SweepRow:
 
 
 def rows_from_summary(summary: dict[str, dict[str, Any]], labels: dict[str, float]) -> list[SweepRow]:
-    """Sweep rows (ascending ε, exact last) from a `hycoc.bench.stats.summarize` summary made with ``exact`` as
+    """Sweep rows (ascending ε, exact last) from a `hycoc.bench.summary.summarize` summary made with ``exact`` as
     the baseline. labels: config label -> ε (``{"eps=0.005": 0.005, "exact": 1.0}``)."""
     rows = []
     for label, eps in sorted(labels.items(), key=lambda kv: kv[1]):
@@ -254,7 +254,7 @@ def run_tune(recipe, recipe_path: Path, plan: TunePlan, *, bundle_dir: Path, bac
     TransportError, CostModelError; KeyboardInterrupt keeps ``records.jsonl`` for ``resume``."""
     from hycoc.bench.runner import (Request, atomic_write, cost_model_for, make_console, open_out, read_records,
                              run_requests, score_quality)
-    from hycoc.bench.stats import summarize
+    from hycoc.bench.summary import summarize
     from hycoc.bundle import sha256_file
     from hycoc.protocol.messages import Sampling
     from hycoc.bench.quality import rouge_l

@@ -59,15 +59,16 @@ def _root(version: bool = typer.Option(False, "--version", callback=_print_versi
 
 
 # The README's commands table, in its order; each name is the command's name on the command line.
-app.command("generate")(tools.generate)
-app.command("doctor")(tools.doctor)
-app.command("build")(build.build)
-app.command("verify-server")(serve.verify_server)
-app.command("serve-ray")(serve.serve_ray)
-app.command("loadtest")(bench.loadtest)
-app.command("run")(run.run)
-app.command("bench")(bench.bench)
-app.command("profile")(bench.profile)
-app.command("tune-epsilon")(bench.tune_epsilon)
-app.command("calibrate-handoff")(tools.calibrate_handoff)
-app.command("inspect")(build.inspect)
+# short_help: the line `hycoc --help` lists (click cuts the docstring's first sentence at 45 characters with "...").
+app.command("generate", short_help="Answer one question with the verifier alone.")(tools.generate)
+app.command("doctor", short_help="Package versions and whether the QNN EP loads.")(tools.doctor)
+app.command("build", short_help="Compile a recipe's drafters into a bundle.")(build.build)
+app.command("verify-server", short_help="Serve the verifier over WebSocket.")(serve.verify_server)
+app.command("serve-ray", short_help="Serve the verifier on N Ray Serve replicas.")(serve.serve_ray)
+app.command("loadtest", short_help="Load-test a verifier with simulated devices.")(bench.loadtest)
+app.command("run", short_help="The device runtime: answer a prompt.")(run.run)
+app.command("bench", short_help="Benchmark the Table 5 configurations.")(bench.bench)
+app.command("profile", short_help="Profile a bundle's graphs on a phone (AI Hub).")(bench.profile)
+app.command("tune-epsilon", short_help="Choose epsilon of epsilon-threshold acceptance.")(bench.tune_epsilon)
+app.command("calibrate-handoff", short_help="Measure the hand-off's int8 scales.")(tools.calibrate_handoff)
+app.command("inspect", short_help="A bundle's manifest or a recipe's plan.")(build.inspect)

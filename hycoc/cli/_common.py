@@ -30,6 +30,30 @@ def _flags_show_no_type() -> None:
 _flags_show_no_type()
 
 
+def _usage_names_plain() -> None:
+    """typer 0.29 writes a required argument in usage lines in braces (``Usage: hycoc run [OPTIONS] {BUNDLE}``);
+    click, POSIX utility syntax and the docs write it plain (``BUNDLE``) and an optional one in brackets. Do so
+    by wrapping ``typer.core.TyperArgument._usage_display_name``. Feature-detected: a typer without it is left
+    alone (tests/test_cli.py checks the usage line)."""
+    from typer.core import TyperArgument
+
+    shown = getattr(TyperArgument, "_usage_display_name", None)
+    if shown is None or getattr(shown, "hycoc_plain", False):
+        return
+
+    def _usage_display_name(self):
+        name = shown(self)
+        if self.required and name.startswith("{"):
+            name = name[1:].replace("}", "", 1)
+        return name
+
+    _usage_display_name.hycoc_plain = True
+    TyperArgument._usage_display_name = _usage_display_name
+
+
+_usage_names_plain()
+
+
 def _wrap_help_at_spaces() -> None:
     """click wraps help text with a ``textwrap.TextWrapper`` that breaks at hyphens, so at 80 columns a default or
     an option name is cut in two ("specedge-" / "eps", "--auth-" / "token-file"). Wrap at spaces only, by giving
@@ -122,9 +146,9 @@ def _auth_token(command: str, ctx: typer.Context, token: str | None, token_file:
         try:
             token = token_file.read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as e:
-            raise _fail(command, f"--auth-token-file {token_file}: cannot read it ({e})", code=2) from None
+            raise _fail(command, f"--auth-token-file {token_file}: cannot read it ({e})") from None
         if not token:
-            raise _fail(command, f"--auth-token-file {token_file}: the file is empty", code=2)
+            raise _fail(command, f"--auth-token-file {token_file}: the file is empty")
         return token
     if token == "":
         raise _fail(command, "--auth-token is empty: give a token, or leave the option out", code=2)

@@ -96,7 +96,7 @@ def bench(
         try:
             load_device_costs(device_profile)   # a bad file fails before anything runs
         except DeviceProfileError as e:
-            raise _fail("bench", str(e), code=2) from None
+            raise _fail("bench", str(e)) from None
     _need_full("bench")
     from hycoc.bench.runner import BenchError, BenchPlan, run_bench
     from hycoc.bundle import BundleError
@@ -240,7 +240,7 @@ def profile(
     from hycoc.targets.qai_hub import QaiHubDeviceError, QaiHubSetupError, check_setup
 
     if not bundle.is_dir():
-        raise _fail("profile", f"{bundle}: not a bundle folder", code=2)
+        raise _fail("profile", f"{bundle}: not a bundle folder")
     try:
         hub = check_setup()
         result = profile_bundle(bundle, device, hub=hub, out=out, graphs=graph,
@@ -338,7 +338,7 @@ def loadtest(
     _need_full("loadtest")
     from hycoc import progress
     from hycoc.bench.cost_model import CostModelError, load_cost_model
-    from hycoc.bench.loadtest import LoadTestError, run_loadtest
+    from hycoc.bench.loadtest import LoadTestError, check_server, run_loadtest
     from hycoc.bench.inputs import display_path
     from hycoc.bench.loadtrace import TraceError, load_trace, record_trace, save_trace, trace_key
     from hycoc.bundle import BundleError, sha256_file
@@ -346,7 +346,9 @@ def loadtest(
 
     try:
         cost = load_cost_model(cost_model) if cost_model is not None else None
-    except CostModelError as e:
+        if server is not None:   # before recording: a server that is down is named at once
+            check_server(server)
+    except (CostModelError, LoadTestError) as e:
         raise _fail("loadtest", str(e)) from None
     bundle_dir = _bench_bundle("loadtest", cfg, recipe, bundle)
     cap = max_new_tokens or cfg.bench.output_cap

@@ -66,6 +66,8 @@ def build(
     try:
         result = build_bundle(config, name, None if until else out_dir, cache, until=until, console=console,
                               device=device.value)
+    except KeyboardInterrupt:   # build_bundle said what it kept
+        raise typer.Exit(130) from None
     except BuildNotReady as e:
         title = PENDING["build"]
         raise _fail("build", f"not available yet ({title}): {e}", code=2) from None
@@ -105,7 +107,7 @@ def inspect(
             raise typer.Exit(1)
         return
     if not target.is_dir():
-        raise _fail("inspect", f"{target}: neither a bundle folder nor a recipe .toml", code=2)
+        raise _fail("inspect", f"{target}: neither a bundle folder nor a recipe .toml")
     from hycoc.bundle import BundleError, load_manifest
     from hycoc.inspect_report import render_manifest
 

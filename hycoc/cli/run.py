@@ -84,7 +84,7 @@ def run(
 
     text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8") if prompt_file else None
     if text is None and (text := ask()) is None:
-        raise _fail("run", "no user message on stdin", code=2)
+        raise _fail("run", "no user message on stdin")
     try:
         rt = load_runtime(bundle, _bundle_backend(bundle, backend), threads=threads)
     except (BundleError, GraphRunError, QnnUnavailableError, ValueError) as e:
@@ -101,9 +101,9 @@ def run(
             rendered = conversation.ask(text)
             ids = rendered.ids
     except ChatFormatError as e:
-        raise _fail("run", f"bundle {bundle}: {e}", code=2) from None
+        raise _fail("run", f"bundle {bundle}: {e}") from None
     if not ids:
-        raise _fail("run", "the prompt encodes to no tokens", code=2)
+        raise _fail("run", "the prompt encodes to no tokens")
     r = rt.bundle.round
     sampling = Sampling(r.temperature if temperature is None else temperature, r.top_k, r.top_p)
     auth_token = _auth_token("run", ctx, auth_token, auth_token_file)

@@ -62,7 +62,7 @@ def verify_server(
     from hycoc.chat import ChatFormatError
     from hycoc.models import ModelNotFoundError
     from hycoc.ports import check_port
-    from hycoc.verifier.loading import check_batching, check_keep_set_vocab, check_recipe_models, load_keep_set
+    from hycoc.verifier.loading import check_batching, check_keep_set, check_recipe_models
 
     from hycoc.recipe import RecipeError
     from hycoc.verifier.loading import server_options
@@ -76,9 +76,9 @@ def verify_server(
         raise _fail("verify-server", str(e), code=2) from None
     except RecipeError as e:
         raise _fail("verify-server", f"bad recipe\n{e}") from None
-    try:  # the keep set, the models' folders and chat files, then the port: each named before the model loads
-        ids = load_keep_set(keep_set) if keep_set is not None else None
+    try:  # the models' folders and chat files, the keep set's ids, then the port: each named before the model loads
         check_recipe_models(cfg)
+        ids = check_keep_set(keep_set, cfg) if keep_set is not None else None
     except (ValueError, ModelNotFoundError, ChatFormatError) as e:
         raise _fail("verify-server", str(e)) from None
     host = host or cfg.verifier.host
@@ -98,8 +98,6 @@ def verify_server(
 
         engine = engine_from_recipe(cfg, device.value if device is not None else None,
                                     keep_set=None if ids is None else torch.as_tensor(ids, dtype=torch.long))
-        if ids is not None:
-            check_keep_set_vocab(ids, engine.vocab_size, keep_set)
     except RecipeError as e:
         raise _fail("verify-server", f"bad recipe\n{e}") from None
     except (ModelNotFoundError, DeviceUnavailable, ChatFormatError, ValueError) as e:
@@ -169,7 +167,7 @@ def serve_ray(
     from hycoc.chat import ChatFormatError
     from hycoc.models import ModelNotFoundError
     from hycoc.ports import check_port
-    from hycoc.verifier.loading import (DeviceUnavailable, check_device, check_recipe_models, load_keep_set,
+    from hycoc.verifier.loading import (DeviceUnavailable, check_device, check_keep_set, check_recipe_models,
                                         server_options)
     from hycoc.verifier.ray_serve import RecipeEngine, build_app, check_log_level, replica_cpus, run
 
@@ -183,7 +181,7 @@ def serve_ray(
         check_device(dev)
         check_recipe_models(cfg)
         if keep_set is not None:
-            load_keep_set(keep_set)
+            check_keep_set(keep_set, cfg)
     except (ModelNotFoundError, DeviceUnavailable, ChatFormatError, ValueError) as e:
         raise _fail("serve-ray", str(e)) from None
     host = host or cfg.verifier.host

@@ -71,6 +71,8 @@ def generate(
 
     if prompt is not None and question_id is not None:
         raise _fail("generate", "give at most one of --prompt and --question-id", code=2)
+    if prompt is not None and not prompt.strip():
+        raise _fail("generate", "--prompt is empty: give the text to answer (or --question-id N)", code=2)
     cfg = _recipe("generate", recipe)
     _need_full("generate")
     if prompt is None:
