@@ -56,13 +56,13 @@ def test_rounds_sharing_a_forward_are_trimmed_and_replies_name_their_rows(models
                       row_cost=STEEP, max_batch_wait_ms=5000.0) as srv:
         health = http_get(srv.http_url + "/healthz")[1]
         assert '"tree_budget": "auto"' in health and '"free_rows": 9' in health
+        # "old": a client that sends its trees without scores (as Cloud+MTP and scoreless drafters do)
         prompts = {"a": [20, 21, 22], "b": [30, 31, 32, 33], "old": [40, 41]}
-        versions = {"a": 4, "b": 4, "old": 3}
         raws, refs = {}, {}
         for name, prompt in prompts.items():
             raws[name] = Raw(srv.url, token=None)
             req = open_request(prompt, max_new_tokens=40, **greedy)
-            opened = wire.decode(raws[name].send(wire.encode(req, version=versions[name])))
+            opened = wire.decode(raws[name].send(wire.encode(req)))
             assert isinstance(opened, Opened)
             refs[name] = ref_engine.open(req.prompt_ids, req.sampling, req.seed, req.acceptance, req.epsilon,
                                          req.draft_place, req.max_new_tokens)
@@ -75,8 +75,8 @@ def test_rounds_sharing_a_forward_are_trimmed_and_replies_name_their_rows(models
 
             def send(name):
                 t, p, s = trees[name]
-                data = raws[name].send(wire.encode(DraftTree(seq, t, p, s), version=versions[name]))
-                assert wire.frame_version(data) == versions[name]
+                data = raws[name].send(wire.encode(DraftTree(seq, t, p, None if name == "old" else s)))
+                assert wire.frame_version(data) == wire.PROTOCOL_VERSION
                 replies[name] = wire.decode(data)
 
             threads = [threading.Thread(target=send, args=(n,)) for n in prompts]
@@ -87,7 +87,7 @@ def test_rounds_sharing_a_forward_are_trimmed_and_replies_name_their_rows(models
             for name, reply in replies.items():
                 t, p, _ = trees[name]
                 if name == "old":
-                    assert reply.verified is None            # a protocol-3 tree carries no scores: kept whole
+                    assert reply.verified is None            # a tree without scores: kept whole
                     kept = np.arange(ROWS)
                 else:
                     assert reply.verified is not None and reply.verified.sum() < ROWS
