@@ -210,7 +210,9 @@ def device_drafter(verifier, engine, head, convention):
 def float_handoff(monkeypatch):
     """The engine's hand-off without rounding: `quantize_int8` returns x / scale as float32 (the drafter's
     `_Dequantized` takes float rows); with scales 1 the device reads the verifier's values exactly."""
-    monkeypatch.setattr(engine_mod, "quantize_int8", lambda x, scale: (x.float() / scale).cpu().numpy())
+    import hycoc.verifier.kv_surgery as kv_surgery       # pack_handoff's home
+
+    monkeypatch.setattr(kv_surgery, "quantize_int8", lambda x, scale: (x.float() / scale).cpu().numpy())
 
 
 def device_rounds(engine, drafter, prompt):
