@@ -75,7 +75,9 @@ def classify(returncode: int, output: str) -> str:
 def pip_command(requirements: list[str], python_version: str, platforms: tuple[str, ...], target: str,
                 report: str) -> list[str]:
     """The ``pip install --dry-run`` command of one platform (module docstring); short network timeouts so a
-    registry that hangs is reported as skipped inside `DEADLINE_S`."""
+    registry that hangs is reported as skipped inside `DEADLINE_S`. ``--retries 1``, never 0: pip names a
+    connection error only in its "Retrying ... after connection broken by" warning; with no retry a refused
+    connection reads as "(from versions: none)", as a package without wheels does."""
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--target", target,
            "--only-binary=:all:", "--python-version", python_version, "--report", report, "--quiet",
            "--timeout", "15", "--retries", "1", "--disable-pip-version-check"]

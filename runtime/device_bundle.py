@@ -85,14 +85,15 @@ def check_device_identity(manifest: Manifest, device: DeviceIdentity) -> None:
     """Refuse an htp bundle the detected ``device`` cannot run (docs/device-runtime.md "Which device the runtime
     sees"): x64 Python under emulation on an ARM64 host (its onnxruntime-qnn is the x64 wheel: the HTP simulator,
     not the NPU), and a bundle built for another Hexagon arch or SoC than the device's. Nothing is checked where
-    the device's SoC is unknown or on an x86 host (the simulator runs every arch).
+    the device's SoC is unknown, as on an x86 host (the simulator runs every arch) unless ``HYCOC_DEVICE`` names
+    one.
     Raises TargetMismatch in one line naming both sides and the fix."""
     if device.emulated:
         raise TargetMismatch(f"this Python is built for {device.python_machine} and runs under emulation on an "
                              f"{device.machine} {device.os} host: its onnxruntime-qnn is the x64 wheel (HTP simulator, "
                              "no NPU); install Python for ARM64 (python.org: Windows installer (ARM64), 3.12 or newer) "
                              "and reinstall hycoc in it (docs/windows-on-snapdragon.md)")
-    if device.simulator or device.htp_arch is None:
+    if device.htp_arch is None:
         return
     t = manifest.target
     built = f"Hexagon v{t.htp_arch} ({t.soc_model})"
