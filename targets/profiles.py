@@ -172,7 +172,8 @@ class DeviceEntry:
 
 _QNN_SOCS = ("QNN HTP backend's supported-SoC table (SoC -> V arch), ExecuTorch qc_schema.py QcomChipset (SoC id); "
              "checked here: the QNN 2.51 compile writes soc_type={soc};arch={arch} into the binary")
-_SAMSUNG = "Samsung Newsroom, {phones} launch announcement: {chip} Mobile Platform for Galaxy"
+_SAMSUNG = ("Samsung Newsroom, {phones} launch announcement: {chip} Mobile Platform for Galaxy; the OnePlus and "
+            "Xiaomi phones: their makers' specification pages")
 
 DEVICES: tuple[DeviceEntry, ...] = (
     DeviceEntry("Snapdragon 8 Elite Gen 5", "SM8850", 81, 87,
@@ -195,12 +196,13 @@ DEVICES: tuple[DeviceEntry, ...] = (
                 _QNN_SOCS.format(soc="SM8550", arch=73) + "; " + _SAMSUNG.format(phones="Galaxy S23 series (Feb 2023)",
                                                                                chip="Snapdragon 8 Gen 2")),
     DeviceEntry("Snapdragon X Elite", "SC8380XP", 73, 60,
-                ("X Elite", "SC8380XP", "X1E", "X1E80100", "X1E78100", "Snapdragon X Plus", "X Plus", "X1P"),
+                ("X Elite", "SC8380XP", "X1E", "X1E80100", "X1E78100"),
                 "QNN HTP backend's supported-SoC table (SC8380XP = V73, soc_model 60; Olive's QNN pass example "
                 "'dsp_arch:v73;soc_model:60'); checked here: the QNN 2.51 compile writes soc_type=SC8380XP;arch=73; "
-                "the Linux kernel names the part X1E80100 (ex-SC8380XP); X Plus (X1P) shares the SoC's NPU",
+                "the Linux kernel names the part X1E80100 (ex-SC8380XP)",
                 note="Windows on Snapdragon laptops (Copilot+ PCs): the one device where Python reaches the NPU "
-                     "(docs/windows-on-snapdragon.md)"),
+                     "(docs/windows-on-snapdragon.md). The X Plus is not listed: its 8-core X1P-42 is another die "
+                     "(Linux: x1p42100) whose QNN SoC id was not checked here"),
     DeviceEntry("Snapdragon 888", "SM8350", 68, 30,
                 ("888", "SM8350"),
                 _QNN_SOCS.format(soc="SM8350", arch=68),
