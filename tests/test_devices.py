@@ -365,3 +365,28 @@ def test_ci_resolve_reads_the_runtime_requirements_and_checks_the_wheels():
     cmd = ci.pip_command(["numpy"], "3.12", ("win_arm64",), "T", "R.json")
     assert cmd[-1] == "numpy" and "--dry-run" in cmd and "--only-binary=:all:" in cmd
     assert cmd[cmd.index("--platform") + 1] == "win_arm64"
+
+
+# ---- bundle paths that mean the same file on Windows ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["graphs/head_ctx.onnx", "luts/slm_embed_packed.npy", "graphs/slm.s0_ctx_qnn.bin",
+                                  "lpt10.bin", "console.npy", "C:evil.onnx", "graphs/a:b.npy", "luts/nul.npy",
+                                  "LUTS/Con", "aux.tar.gz", "graphs/com7.bin", "graphs/x.", "graphs/x "])
+def test_a_bundle_path_is_refused_where_windows_reads_it_differently(path):
+    """The reference is Python's own Windows path rules (``pathlib.PureWindowsPath``: drive, reserved device
+    names): a path Windows would read as a drive-relative path, a stream or a device is refused; so is a part
+    ending in "." or " ", which Windows drops (Win32 docs, "Naming Files, Paths, and Namespaces")."""
+    from pathlib import PureWindowsPath
+
+    from hycoc.bundle import check_rel_path
+
+    win = PureWindowsPath(path)
+    differs = bool(win.drive) or ":" in path or any(PureWindowsPath(p).is_reserved() for p in path.split("/")) \
+        or any(p.endswith((".", " ")) for p in path.split("/"))
+    if differs:
+        with pytest.raises(ValueError, match="not a relative path inside the bundle"):
+            check_rel_path(path)
+    else:
+        check_rel_path(path)
+        assert win.parts == tuple(path.split("/"))        # the same file, folder by folder, on Windows
