@@ -10,11 +10,11 @@ Each platform is one ``pip install --dry-run --ignore-installed --target TMP --o
 The requirements are read from pyproject.toml (``[project] dependencies`` plus an extra), not ``.`` itself, so pip
 resolves without building hycoc (a build environment costs more time than the resolve).
 
-- ``win_arm64``, Python 3.12, dependencies + ``qnn``: numpy + onnxruntime + onnxruntime-qnn (QnnHtp.dll, the NPU). Python 3.11
-  does not resolve there: PyYAML (tokenizers -> huggingface-hub -> pyyaml) ships win_arm64 wheels for cp312 and
+- ``win_arm64``, Python 3.12, dependencies + ``qnn``: numpy + onnxruntime + onnxruntime-qnn (QnnHtp.dll, the
+  NPU). Python 3.11 does not resolve there: PyYAML (tokenizers -> huggingface-hub -> pyyaml) ships win_arm64 wheels for cp312 and
   newer only.
-- ``manylinux aarch64`` (tags 2_28, 2_17 = 2014), Python 3.11, dependencies: the CPU EP only; onnxruntime-qnn has no Linux
-  aarch64 wheel, which the check reports rather than requires.
+- ``manylinux aarch64`` (tags 2_28, 2_17 = 2014), Python 3.11, dependencies: the CPU EP only; onnxruntime-qnn has
+  no Linux aarch64 wheel, which the check reports rather than requires.
 
 Outcome per platform: ``ok`` (resolved; the wheels of the runtime's own packages printed), ``unresolvable`` (pip
 says no set of binary wheels satisfies the install: CI fails), or ``skipped`` (the registry did not answer: a

@@ -608,4 +608,5 @@ def plan_json(plan: dict) -> str:
     return json.dumps(plan, indent=2) + "\n"
 
 
-__all__ = ["PlanError", "check_context_budget", "real_shape_plan", "plan_json", "PAPER", "VERIFIER_26B_A4B", "SLM_E2B", "HEAD_ASSUMED"]
+__all__ = ["PlanError", "check_context_budget", "real_shape_plan", "plan_json",
+           "PAPER", "VERIFIER_26B_A4B", "SLM_E2B", "HEAD_ASSUMED"]

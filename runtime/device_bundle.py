@@ -121,7 +121,8 @@ def check_device(manifest: Manifest, backend: str, *, qnn: dict[str, str | None]
     if manifest.target.backend != backend:
         raise TargetMismatch(f"bundle built for target backend {manifest.target.backend} ({manifest.target.name}), "
                              f"asked to run on {backend}: pass --backend {manifest.target.backend}, or build a "
-                             f"bundle with {'--target cpu' if backend == 'cpu' else '--device NAME (or --target htp-vNN)'}")
+                             "bundle with " + ("--target cpu" if backend == "cpu" else "--device NAME (or --target "
+                                                "htp-vNN)"))
     if backend == "htp":
         if device is None:
             from hycoc.targets.profiles import UnknownTargetError

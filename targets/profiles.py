@@ -92,7 +92,8 @@ class TargetProfile:
 
 _SOC_NOTE = ("QNN SoC model number (ExecuTorch qc_schema.py QcomChipset); checked against the soc_type the "
              "QNN 2.51 HTP backend writes into the context binary")
-_LIMIT_SOURCE = "memory_alloc_limit the QNN 2.51 HTP backend writes into a context binary for this arch (read back here)"
+_LIMIT_SOURCE = ("memory_alloc_limit the QNN 2.51 HTP backend writes into a context binary for this arch "
+                 "(read back here)")
 
 PROFILES: dict[str, TargetProfile] = {p.name: p for p in (
     TargetProfile(
@@ -231,7 +232,8 @@ def resolve_device(name: str) -> DeviceEntry:
             f = fold_name(n)
             if want in (f, f.removeprefix("snapdragon")):
                 return d
-    raise UnknownTargetError(f"unknown device {name!r} (known: {'; '.join(d.name + ' = ' + ', '.join(d.aliases) for d in DEVICES)})")
+    known = "; ".join(f"{d.name} = {', '.join(d.aliases)}" for d in DEVICES)
+    raise UnknownTargetError(f"unknown device {name!r} (known: {known})")
 
 
 def device_for_soc(soc_model: str) -> DeviceEntry | None:

@@ -27,7 +27,8 @@ from hycoc.targets.qnn_ep import qnn_installed
 
 ROOT = Path(__file__).resolve().parents[1]
 GEMMA4 = ROOT / "recipes" / "gemma4.toml"
-needs_qnn = pytest.mark.skipif(not qnn_installed(), reason="onnxruntime-qnn is not importable (pip install -e '.[qnn]')")
+needs_qnn = pytest.mark.skipif(not qnn_installed(),
+                               reason="onnxruntime-qnn is not importable (pip install -e '.[qnn]')")
 
 
 # ---- the device table ----------------------------------------------------------------------------------------------
