@@ -379,13 +379,22 @@ class Manifest(_Model):
         return self.model_dump_json(indent=2) + "\n"
 
 
+#: Names Windows reserves for devices in every folder, with any extension (Win32 docs, "Naming Files, Paths, and
+#: Namespaces"): a bundle file called ``nul.npy`` would open the null device there.
+_WINDOWS_RESERVED = re.compile(r"(con|prn|aux|nul|com[0-9]|lpt[0-9])(\..*)?", re.IGNORECASE)
+
+
 def check_rel_path(path: str) -> None:
-    """Raise ValueError unless ``path`` is a plain relative posix path inside the bundle (not the manifest)."""
+    """Raise ValueError unless ``path`` is a plain relative posix path inside the bundle (not the manifest) that
+    means the same file on Windows: no ``:`` (``C:x`` is drive-relative there, ``a:b`` an NTFS stream), no
+    reserved device name, no part ending in a dot or space (Windows drops those)."""
     p = PurePosixPath(path)
-    if (not path or p.is_absolute() or "\\" in path or any(part in ("", ".", "..") for part in path.split("/"))
-            or path == MANIFEST or re.search(r"[\x00-\x1f]", path)):
-        raise ValueError(f"{path!r} is not a relative path inside the bundle (no '..', no leading '/', "
-                         f"not {MANIFEST})")
+    parts = path.split("/")
+    if (not path or p.is_absolute() or "\\" in path or any(part in ("", ".", "..") for part in parts)
+            or path == MANIFEST or re.search(r"[\x00-\x1f:*?\"<>|]", path)
+            or any(_WINDOWS_RESERVED.fullmatch(part) or part.endswith((".", " ")) for part in parts)):
+        raise ValueError(f"{path!r} is not a relative path inside the bundle (no '..', no leading '/', no ':' or "
+                         f"other character Windows forbids, no reserved device name, not {MANIFEST})")
 
 
 def sha256_file(path: str | os.PathLike) -> str:

@@ -19,6 +19,12 @@ mobile draft per token (App. G, at their MAT 4.71 and 3.53 from Table 2: per rou
 checked, not fitted, against the other configurations of App. G and public Gemma 4 E2B single-token decode figures
 (`CHECK_ANCHORS`: 65.3 ms per step A16W8 on SM8750 and ~81 ms per token W8A16 on SM8850, third-party, full
 vocabulary). `anchor_table` prints every anchor's residual. No number here was measured on a phone.
+
+Other Hexagon generations (v68, v73, v75, v79): no public device figure at HyCo's shapes exists to fit them, and
+scaling v81's constants by a guessed ratio would be a number nobody measured. `npu_profile` therefore raises
+`NotFittedError` ("not fitted for v75 ...") for them, `fit_status` lists every HTP profile's state, and the bench and
+`hycoc inspect --device` print that sentence where a number would be. A fit needs per-graph device times on that
+generation: `hycoc profile BUNDLE --device NAME` (AI Hub) on a bundle built for it (docs/device-time.md).
 """
 
 from __future__ import annotations
@@ -70,6 +76,37 @@ NPU_PROFILES: dict[str, NpuProfile] = {
     "v81": NpuProfile("v81", bandwidth_gbps=98.24, tmacs=None, overhead_ms=3.511, host_ms_per_slm_pass=22.215,
                       source="fit_profile(PAPER_ANCHORS) at recipes/gemma4.toml's real shapes"),
 }
+
+
+class NotFittedError(ValueError):
+    """No fitted device-time constants for the asked Hexagon generation; the message says so and how to get some."""
+
+
+def npu_key(htp_arch: int | str) -> str:
+    """`NPU_PROFILES` key of a Hexagon arch: 75 / "75" / "v75" -> "v75"."""
+    return f"v{str(htp_arch).lower().removeprefix('v')}"
+
+
+def npu_profile(htp_arch: int | str) -> NpuProfile:
+    """The fitted constants of Hexagon ``htp_arch`` (75, "v75"). Raises NotFittedError for a generation without
+    (module docstring): "device-time estimate not fitted for v75 ..."."""
+    key = npu_key(htp_arch)
+    if key in NPU_PROFILES:
+        return NPU_PROFILES[key]
+    raise NotFittedError(f"device-time estimate not fitted for {key} (fitted: {', '.join(sorted(NPU_PROFILES))}, "
+                         f"to the paper's SM8850 figures); profile a {key} bundle on a device with `hycoc profile "
+                         "BUNDLE --device NAME` and pass --device-profile instead")
+
+
+def fit_status() -> dict[str, str]:
+    """Every HTP target profile's arch (``"v75"``) -> "fitted: SOURCE" or "not fitted for vXX" (`npu_profile`)."""
+    from hycoc.targets.profiles import PROFILES
+
+    out = {}
+    for p in sorted((p for p in PROFILES.values() if p.backend == "htp"), key=lambda p: -p.htp_arch):
+        key = npu_key(p.htp_arch)
+        out[key] = f"fitted: {NPU_PROFILES[key].source}" if key in NPU_PROFILES else f"not fitted for {key}"
+    return out
 
 
 # ---- graph costs --------------------------------------------------------------------------------------------------
@@ -275,9 +312,14 @@ def bundle_graph_costs(bundle_dir: str | os.PathLike) -> dict[str, GraphCost]:
     return out
 
 
-def plan_estimate(plan: Mapping, npu: str = "v81") -> dict:
+def plan_estimate(plan: Mapping, npu: int | str = "v81") -> dict:
     """The plan's ``device_time_estimate`` section (`hycoc inspect RECIPE`): the label, the NPU profile, per graph
-    bytes / MACs / estimated ms per call at the real shape, and every anchor's residual (`anchor_table`)."""
-    profile = NPU_PROFILES[npu]
+    bytes / MACs / estimated ms per call at the real shape, and every anchor's residual (`anchor_table`).
+    ``npu``: the Hexagon arch (81, "v81"); one without fitted constants gives ``{"label", "npu_profile": None,
+    "not_fitted": sentence}`` (`npu_profile`)."""
+    try:
+        profile = npu_profile(npu)
+    except NotFittedError as e:
+        return {"label": ESTIMATE_LABEL, "npu_profile": None, "not_fitted": str(e), "graphs": {}, "anchors": []}
     return {"label": ESTIMATE_LABEL, "npu_profile": asdict(profile), "graphs": estimate_graphs(plan, profile),
             "anchors": anchor_table(plan, profile)}

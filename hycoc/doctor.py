@@ -28,10 +28,14 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def doctor_rows(status: dict | None = None, versions: dict[str, str] | None = None) -> list[tuple[str, str, str]]:
+def doctor_rows(status: dict | None = None, versions: dict[str, str] | None = None,
+                device=None) -> list[tuple[str, str, str]]:
     """(item, value, style) rows of `hycoc doctor`: every `package_versions` entry ("yellow" when not installed),
     then "QNN EP loads" and "HTP archs" from ``status`` (default: `hycoc.targets.qnn_ep.qnn_status()`: keys
-    loads, versions, archs {arch: {"ok"}}, compilable_archs, error). style: "" (plain), "yellow" (missing) or "red"
+    loads, versions, archs {arch: {"ok"}}, compilable_archs, error), "this device" (``device``: a
+    `hycoc.runtime.device_identity.DeviceIdentity`, default detected; red for x64 Python under emulation on ARM64),
+    and one row per `hycoc.targets.profiles.DEVICES` entry (what ``--device NAME`` builds: profile, SoC, whether this
+    install compiles its arch, whether device time is fitted). style: "" (plain), "yellow" (missing) or "red"
     (an arch that fails, or none compiles)."""
     rows = [(name, ver, "yellow" if ver == "not installed" else "")
             for name, ver in (versions if versions is not None else package_versions()).items()]
@@ -50,6 +54,34 @@ def doctor_rows(status: dict | None = None, versions: dict[str, str] | None = No
     else:
         rows.append(("QNN EP loads", f"no: {status['error']}", "yellow"))
         rows.append(("HTP archs", "none (no QNN EP)", "yellow"))
+    rows += device_rows(status, device)
+    return rows
+
+
+def device_rows(status: dict, device=None) -> list[tuple[str, str, str]]:
+    """`doctor_rows`' device part: "this device", then one row per `hycoc.targets.profiles.DEVICES` entry."""
+    from hycoc.device_time import NPU_PROFILES, npu_key
+    from hycoc.runtime.device_identity import detect_device
+    from hycoc.targets.profiles import DEVICES
+
+    rows: list[tuple[str, str, str]] = []
+    if device is None:
+        try:
+            device = detect_device()
+        except ValueError as e:              # HYCOC_DEVICE names no known device
+            rows.append(("this device", str(e), "red"))
+    if device is not None:
+        text = device.describe()
+        if device.emulated:
+            text += ": x64 Python under emulation, install Python for ARM64 (docs/windows-on-snapdragon.md)"
+        rows.append(("this device", text, "red" if device.emulated else ""))
+    compiles = set(status.get("compilable_archs") or [])
+    for d in DEVICES:
+        here = "compiles here" if d.htp_arch in compiles else "not compiled here"
+        fitted = "device time fitted" if npu_key(d.htp_arch) in NPU_PROFILES else "device time not fitted"
+        aka = ", ".join(a for a in d.aliases if not a.upper().startswith(("SM", "SC", "X1")))
+        rows.append((f"--device {d.name}", f"htp-v{d.htp_arch} {d.soc_model}; {here}; {fitted}"
+                     + (f" (also: {aka})" if aka else ""), "" if d.htp_arch in compiles else "yellow"))
     return rows
 
 

@@ -77,17 +77,30 @@ def _print_table(console: Any, title: str, headers: list[str], rows: list[list[s
         console.print(table)
 
 
-def recipe_report(config) -> dict:
+def recipe_report(config, device=None) -> dict:
     """`hycoc inspect RECIPE --json`'s object: the real-shape plan (`hycoc.passes.plan.real_shape_plan`) with its
-    "chat" (`hycoc.chat_template.chat_summary`) and "device_time_estimate" (`hycoc.device_time.plan_estimate`).
-    Raises `hycoc.passes.plan.PlanError` (a missing or wrong model folder, named before any shape is compared)."""
+    "chat" (`hycoc.chat_template.chat_summary`) and "device_time_estimate" (`hycoc.device_time.plan_estimate`, for
+    the target's Hexagon arch: "not fitted for vXX" where it has no constants).
+
+    ``device``: a `hycoc.targets.profiles.DeviceEntry` (``hycoc inspect RECIPE --device NAME``): the plan is made for
+    that device's arch, SoC and context limit (`hycoc.passes.build.recipe_for_target`), and graphs over its limit are
+    refused (`hycoc.passes.plan.check_context_budget`). Raises `hycoc.passes.plan.PlanError` (a missing or wrong
+    model folder, named before any shape is compared; a graph over the device's limit, with the sizes) and
+    `hycoc.passes.build.BuildError` (a recipe the device cannot run: 16-bit activations on v68)."""
     from hycoc.chat_template import chat_summary
     from hycoc.device_time import plan_estimate
-    from hycoc.passes.plan import real_shape_plan
+    from hycoc.passes.plan import check_context_budget, real_shape_plan
 
+    if device is not None:
+        from hycoc.passes.build import recipe_for_target
+
+        config, _ = recipe_for_target(config, None, device)
     plan = real_shape_plan(config)
+    if device is not None:
+        plan["context_budget"]["device"] = device.name
+        check_context_budget(plan["context_budget"], config)
     plan["chat"] = chat_summary(config)
-    plan["device_time_estimate"] = plan_estimate(plan)
+    plan["device_time_estimate"] = plan_estimate(plan, config.target.htp_arch)
     return plan
 
 
@@ -106,6 +119,9 @@ def render_device_estimate(est: dict, console: Any = None) -> None:
 
     console = inspect_console(console)
     p = est["npu_profile"]
+    if p is None:
+        console.print(f"device time per graph call: {escape(est['not_fitted'])}")
+        return
     mac = "unbound by the anchors (memory-bound)" if p["tmacs"] is None else f"{p['tmacs']:.2f} TMAC/s"
     cols = ["graph", "MB per call", "GMAC per call", "estimated ms"]
     console.print(f"device time per graph call at the real shape: {escape(est['label'])}; NPU profile "
@@ -230,7 +246,9 @@ def render_plan(plan: dict, console: Any = None) -> None:
                       "2-bit weights stored as int4 in the QDQ graph (the HTP has no int2)")
     budget = plan.get("context_budget") or {}
     if budget.get("graphs"):
-        console.print(f"context budget ({budget['profile']}, {budget['limit_bytes']:,} bytes): " + ", ".join(
+        where = f"{budget['device']}, " if budget.get("device") else ""
+        console.print(f"context budget ({where}{budget['profile']} {budget.get('soc_model') or ''}, "
+                      f"{budget['limit_bytes']:,} bytes): " + ", ".join(
             f"{n} {g['bytes'] / 1e6:.1f} MB {'fits' if g['fits'] else 'OVER: ' + str(g['shards_needed']) + ' shards'}"
             for n, g in budget["graphs"].items()))
     if plan["assumptions"]:

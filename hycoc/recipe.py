@@ -382,8 +382,9 @@ class Handoff(Section):
 class Target(Section):
     """``[target]``: the compile target of `hycoc build` (docs/design.md "Targets")."""
 
-    name: Literal["htp-v81", "cpu", "qai-hub"] = Field(
-        "htp-v81", description="htp-v81 = QNN HTP context binaries; cpu = QDQ ONNX; qai-hub = AI Hub compile job"
+    name: Literal["htp-v81", "htp-v79", "htp-v75", "htp-v73", "htp-v68", "cpu", "qai-hub"] = Field(
+        "htp-v81", description="htp-vNN = QNN HTP context binaries for Hexagon vNN (targets/profiles.py); cpu = QDQ "
+        "ONNX; qai-hub = AI Hub compile job"
     )
     htp_arch: Literal[68, 69, 73, 75, 79, 81] = Field(81, description="Hexagon HTP architecture version")
     soc_model: str = Field("SM8850", min_length=1, description="SoC of the phone (paper: SM8850, Galaxy S26 Ultra)")
@@ -425,9 +426,10 @@ class Target(Section):
 
     @model_validator(mode="after")
     def _arch_matches_name(self) -> Target:
-        if self.name == "htp-v81" and self.htp_arch != 81:
-            raise CrossFieldError("htp_arch", self.htp_arch, 'disagrees with target.name = "htp-v81"',
-                                  '81 while target.name is "htp-v81"')
+        if self.name.startswith("htp-v") and self.htp_arch != int(self.name.removeprefix("htp-v")):
+            arch = self.name.removeprefix("htp-v")
+            raise CrossFieldError("htp_arch", self.htp_arch, f'disagrees with target.name = "{self.name}"',
+                                  f'{arch} while target.name is "{self.name}"')
         return self
 
 

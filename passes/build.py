@@ -23,8 +23,9 @@ QDQ calibration and the SLM's read its answers (App. A: both calibrations use th
 then `hycoc.passes.head_export.HeadQdq` (`head_qdq_pass`).
 
 The target step (`TargetPass`) turns the QDQ graphs into what the bundle holds: ``cpu`` the QDQ ONNX itself
-(`hycoc.targets.cpu.package_cpu`), ``htp-v81`` EPContext models + QNN context binaries
-(`hycoc.targets.htp.compile_context`, CPU fallback disabled, size planner on, the recipe's ``[target]`` profile),
+(`hycoc.targets.cpu.package_cpu`), ``htp-v81`` (and every ``htp-vNN`` of `hycoc.targets.profiles.HTP_TARGETS`)
+EPContext models + QNN context binaries (`hycoc.targets.htp.compile_context`, CPU fallback disabled, size planner
+on, the recipe's ``[target]`` profile; `recipe_for_target` points ``[target]`` at another arch or a named device),
 ``qai-hub`` QNN DLCs compiled on Qualcomm AI Hub and linked into one weight-shared context binary, wrapped as
 EPContext models like htp-v81's (`hycoc.targets.qai_hub`; the manifest's ``target.hub`` keeps the job ids, device
 and QAIRT version). Its output is cached like any pass.
@@ -58,8 +59,9 @@ from hycoc.chat_template import chat_from_recipe
 from hycoc.passes.artifacts import Artifact, OnnxArtifact, TokenizerArtifact, TorchModelArtifact, hash_folder
 from hycoc.passes.pipeline import Pass, PassReport, Pipeline, PipelineError, PipelineResult
 from hycoc.recipe import Recipe
+from hycoc.targets.profiles import HTP_TARGETS, DeviceEntry, get_profile
 
-TARGETS = ("htp-v81", "cpu", "qai-hub")
+TARGETS = (*HTP_TARGETS, "cpu", "qai-hub")
 
 
 class BuildError(RuntimeError):
@@ -68,6 +70,67 @@ class BuildError(RuntimeError):
 
 class BuildNotReady(BuildError):
     """A pass the bundle needs is not implemented yet (the message names it)."""
+
+
+def check_recipe_capabilities(recipe: Recipe, profile, device: DeviceEntry | None = None) -> None:
+    """Refuse, before any pass runs, a recipe whose graphs need what ``profile`` cannot do (docs/compiler.md
+    "Targets by device"): 16-bit activations (the head's graphs are always A16, `hycoc.passes.head_export`; the
+    SLM's when ``slm_calibration.activation_bits`` = 16) on a profile with ``supports_16bit_ops`` False, and 4-bit
+    weight storage (``head_qat.weight_bits`` 4, or 2 stored as int4) on one without ``supports_int4_weights``.
+    The compile step checks each graph again (`hycoc.targets.htp.check_capabilities`); this check only fails
+    earlier. Raises BuildError naming the profile, the recipe fields and a target that can."""
+    what = f"{profile.name} ({device.name if device else profile.description.split(' — ')[0]})"
+    needs = []
+    if not profile.supports_16bit_ops:
+        a16 = ["the head's graphs (always A16)"]
+        if recipe.slm_calibration.activation_bits == 16:
+            a16.append("slm_calibration.activation_bits = 16")
+        needs.append(f"16-bit activations ({', '.join(a16)})")
+    if not profile.supports_int4_weights and recipe.head_qat.weight_bits in (2, 4):
+        needs.append(f"4-bit weights (head_qat.weight_bits = {recipe.head_qat.weight_bits})")
+    if needs:
+        able = [n for n in HTP_TARGETS if get_profile(n).supports_16bit_ops and get_profile(n).supports_int4_weights]
+        raise BuildError(f"{what} cannot run this recipe's graphs: they need {' and '.join(needs)}, which the "
+                         f"profile does not allow (targets/profiles.py); build for {' / '.join(able)} instead")
+
+
+def recipe_for_target(recipe: Recipe, target: str | None, device: DeviceEntry | None = None) -> tuple[Recipe, str]:
+    """The recipe with ``[target]`` pointed at ``target`` (a `TARGETS` name) and/or a named ``device``
+    (`hycoc.targets.profiles.resolve_device`), and the target name to build (docs/compiler.md "Targets by device").
+
+    ``htp-vNN``: ``target.name`` and ``htp_arch`` become that arch's; ``soc_model`` becomes the profile's unless the
+    recipe already names a SoC of that arch (an X Elite recipe keeps SC8380XP). ``device``: the device's arch and
+    SoC (``target`` None or its ``htp-vNN``). ``context_size_limit_mb`` stays the recipe's (the profile's own limit
+    still caps it). Nothing else changes, so every pass before the target step keeps its cache entry.
+    Raises BuildError when ``target`` and ``device`` disagree or ``device`` is given with a non-HTP target, or the
+    changed ``[target]`` does not validate.
+    """
+    name = target if target is not None else (f"htp-v{device.htp_arch}" if device else recipe.target.name)
+    if name.startswith("htp-v") and name in TARGETS:
+        check_recipe_capabilities(recipe, get_profile(name), device)
+    if device is not None and name != f"htp-v{device.htp_arch}":
+        raise BuildError(f"--device {device.name!r} is Hexagon v{device.htp_arch} ({device.soc_model}) and --target "
+                         f"is {name}: drop --target, or pass --target htp-v{device.htp_arch}")
+    if not name.startswith("htp-v"):
+        return recipe, name
+    if name not in TARGETS:
+        raise BuildError(f"unknown target {name!r} (known: {', '.join(TARGETS)})")
+    arch = get_profile(name).htp_arch
+    if device is not None:
+        soc = device.soc_model
+    elif recipe.target.htp_arch == arch:
+        soc = recipe.target.soc_model
+    else:
+        soc = get_profile(name).soc_model
+    t = recipe.target
+    if (t.name, t.htp_arch, t.soc_model) == (name, arch, soc):
+        return recipe, name
+    fields = {**t.model_dump(), "name": name, "htp_arch": arch, "soc_model": soc}
+    try:
+        target_table = type(t).model_validate(fields)
+    except ValueError as e:      # pydantic's ValidationError
+        raise BuildError(f"[target] for {name} ({soc}) does not validate: {e}") from None
+    return recipe.model_copy(update={"target": target_table}), name
 
 
 # ---- the target step --------------------------------------------------------------------------------------------
@@ -189,13 +252,13 @@ class TargetPass(Pass):
                 index[graph] = {"model": f"graphs/{g.model.name}", "context_binary": None,
                                 "extra": [f"graphs/{p.name}" for p in g.extra_files]}
                 numbers["graphs"][graph]["bytes"] = g.bytes + sum(p.stat().st_size for p in g.extra_files)
-        elif self.target == "htp-v81":
+        elif self.target in HTP_TARGETS:
             from hycoc.targets.htp import compile_shared
             from hycoc.targets.profiles import profile_for
 
             t = recipe.target
             if not t.disable_cpu_fallback:
-                raise BuildError("target.disable_cpu_fallback = false: htp-v81 bundles are compiled with CPU "
+                raise BuildError(f"target.disable_cpu_fallback = false: {self.target} bundles are compiled with CPU "
                                  "fallback disabled (every node on the HTP); set it to true")
             profile = profile_for(t.htp_arch, t.soc_model, t.context_size_limit_mb)
             groups = _context_groups(list(qdq_paths), t.share_weights)
@@ -432,6 +495,7 @@ def run_pipeline(recipe: Recipe, target: str, cache_dir: str | Path, *, until: s
                  console: Console | None = None, seed: int = 0, device: str = "cpu") -> PipelineResult:
     """Run `build_pipeline` on `build_inputs` (up to ``until``; torch-model passes on ``device``). The target's files
     are then read from the pipeline's cache entry, and the pass's work folder is removed."""
+    recipe, target = recipe_for_target(recipe, target)    # an htp-vNN target: [target] at that arch
     if target == "qai-hub":
         from hycoc.targets.qai_hub import check_setup
 
@@ -486,6 +550,7 @@ def build_bundle(recipe: Recipe, target: str, out_dir: str | Path | None, cache_
 
 def _build_locked(recipe: Recipe, target: str, out_dir, cache_dir, *, until, console, seed, device) -> BuildResult:
     """`build_bundle`'s work, its locks held."""
+    recipe, target = recipe_for_target(recipe, target)    # an htp-vNN target: [target] at that arch
     import torch.onnx  # noqa: F401  (imported before the log context: its own loggers then go to the log too)
 
     from hycoc.quiet import third_party_output

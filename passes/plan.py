@@ -600,11 +600,32 @@ def context_budget(graph_bytes: dict[str, int], recipe: Recipe) -> dict:
     graphs = {name: {"bytes": int(n), "fits": limit is None or n <= limit,
                      "shards_needed": 1 if limit is None else max(1, math.ceil(n / limit))}
               for name, n in graph_bytes.items()}
-    return {"profile": profile.name, "limit_bytes": limit, "graphs": graphs}
+    return {"profile": profile.name, "soc_model": profile.soc_model, "description": profile.description,
+            "limit_bytes": limit, "graphs": graphs}
+
+
+def check_context_budget(budget: dict, recipe: Recipe) -> None:
+    """Refuse a plan whose graphs do not fit the target's context limit as the recipe would build them
+    (`context_budget`'s answer): the head always, the SLM unless ``[target] slm_shards`` splits it into at least
+    the shards it needs ("auto" always does). Raises PlanError naming each graph's bytes, the limit and the fix."""
+    if budget.get("error"):
+        raise PlanError(budget["error"])
+    shards = recipe.target.slm_shards
+    over = []
+    for name, g in budget["graphs"].items():
+        if g["fits"] or (name == "slm" and (shards == "auto" or shards >= g["shards_needed"])):
+            continue
+        fix = (f'[target] slm_shards = "auto" ({g["shards_needed"]} shards)' if name == "slm"
+               else "a smaller head (weight bits, layers)")
+        over.append(f"{name} {g['bytes']:,} bytes ({fix})")
+    if over:
+        raise PlanError(f"over {budget['profile']}'s context limit of {budget['limit_bytes']:,} bytes "
+                        f"({budget['description']}): {'; '.join(over)}")
 
 
 def plan_json(plan: dict) -> str:
     return json.dumps(plan, indent=2) + "\n"
 
 
-__all__ = ["PlanError", "real_shape_plan", "plan_json", "PAPER", "VERIFIER_26B_A4B", "SLM_E2B", "HEAD_ASSUMED"]
+__all__ = ["PlanError", "check_context_budget", "real_shape_plan", "plan_json",
+           "PAPER", "VERIFIER_26B_A4B", "SLM_E2B", "HEAD_ASSUMED"]

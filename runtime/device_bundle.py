@@ -1,7 +1,8 @@
 """A bundle opened for the device runtime (docs/design.md "Bundle").
 
 `open_bundle` reads ``manifest.json``, verifies every file's size and sha256 and the schema version
-(`hycoc.bundle.load_manifest`), checks the manifest's target against the device (`check_device`), and loads the
+(`hycoc.bundle.load_manifest`), checks the manifest's target against the device (`check_device`: the QNN SDK,
+and the Hexagon arch and SoC the OS reports, `hycoc.runtime.device_identity`), and loads the
 host side: tokenizer, keep set, the head's 8-bit E table, the SLM's embedding LUTs and both drafters' rotary
 tables. Graph sessions are opened separately (`hycoc.runtime.graphs.GraphRunner`), after these checks pass.
 
@@ -21,6 +22,7 @@ from hycoc.bundle import (BundleError, HostInfo, Manifest, ManifestInvalid, Targ
 from hycoc.chat import Chat
 from hycoc.models import load_tokenizer
 from hycoc.host import FULL, SLIDING, EmbeddingLut, RotaryTable
+from hycoc.runtime.device_identity import ENV_DEVICE, DeviceIdentity, detect_device
 
 BACKENDS = ("htp", "cpu")
 
@@ -80,14 +82,39 @@ def sdk_release(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts[:3] if p.isdigit())
 
 
+def check_device_identity(manifest: Manifest, device: DeviceIdentity) -> None:
+    """Refuse an htp bundle the detected ``device`` cannot run (docs/device-runtime.md "Which device the runtime
+    sees"): x64 Python under emulation on an ARM64 host (its onnxruntime-qnn is the x64 wheel: the HTP simulator,
+    not the NPU), and a bundle built for another Hexagon arch or SoC than the device's. Nothing is checked where
+    the device's SoC is unknown, as on an x86 host (the simulator runs every arch) unless ``HYCOC_DEVICE`` names
+    one.
+    Raises TargetMismatch in one line naming both sides and the fix."""
+    if device.emulated:
+        raise TargetMismatch(f"this Python is built for {device.python_machine} and runs under emulation on an "
+                             f"{device.machine} {device.os} host: its onnxruntime-qnn is the x64 wheel (HTP simulator, "
+                             "no NPU); install Python for ARM64 (python.org: Windows installer (ARM64), 3.12 or newer) "
+                             "and reinstall hycoc in it (docs/windows-on-snapdragon.md)")
+    if device.htp_arch is None:
+        return
+    t = manifest.target
+    built = f"Hexagon v{t.htp_arch} ({t.soc_model})"
+    here = f"Hexagon v{device.htp_arch} ({device.soc_model}, {device.name}; from {device.source})"
+    if t.htp_arch != device.htp_arch or (t.soc_model or "").upper() != (device.soc_model or "").upper():
+        raise TargetMismatch(f"bundle built for {built}, this device is {here}: rebuild it with `hycoc build RECIPE "
+                             f"--device \"{device.name}\" --out DIR`")
+
+
 def check_device(manifest: Manifest, backend: str, *, qnn: dict[str, str | None] | None = None,
-                 htp_arch: int | None = None, soc_model: str | None = None) -> None:
+                 htp_arch: int | None = None, soc_model: str | None = None,
+                 device: DeviceIdentity | None = None) -> None:
     """Refuse a bundle this device cannot run, before any session is created (docs/design.md "Bundle").
 
     backend: ``htp`` (QNN EP context binaries) or ``cpu`` (QDQ ONNX on onnxruntime's CPU EP). For htp, the
     bundle's QNN SDK must equal the local onnxruntime-qnn's (``qnn``: `local_qnn` output, read when None);
-    htp_arch / soc_model: the device's, when known (None on the x86 simulator, which runs any arch). SDK versions
-    are compared by release (major.minor.patch; the binary adds a build stamp).
+    htp_arch / soc_model: the device's, when known (None on the x86 simulator, which runs any arch). ``device``:
+    the detected device (`hycoc.runtime.device_identity.detect_device`, read when None), checked by
+    `check_device_identity` first. SDK versions are compared by release (major.minor.patch; the binary adds a
+    build stamp).
     Raises TargetMismatch naming the field, the bundle's value and the device's, or ValueError for a bad backend.
     """
     if backend not in BACKENDS:
@@ -95,8 +122,17 @@ def check_device(manifest: Manifest, backend: str, *, qnn: dict[str, str | None]
     if manifest.target.backend != backend:
         raise TargetMismatch(f"bundle built for target backend {manifest.target.backend} ({manifest.target.name}), "
                              f"asked to run on {backend}: pass --backend {manifest.target.backend}, or build a "
-                             f"bundle with --target {'cpu' if backend == 'cpu' else 'htp-v81'}")
+                             "bundle with " + ("--target cpu" if backend == "cpu" else "--device NAME (or --target "
+                                                "htp-vNN)"))
     if backend == "htp":
+        if device is None:
+            from hycoc.targets.profiles import UnknownTargetError
+
+            try:
+                device = detect_device()
+            except UnknownTargetError as e:    # HYCOC_DEVICE names no known device
+                raise TargetMismatch(f"{ENV_DEVICE}: {e}") from None
+        check_device_identity(manifest, device)
         qnn = local_qnn() if qnn is None else qnn
         if manifest.target.backend == "htp" and qnn.get("onnxruntime-qnn") is None:
             raise TargetMismatch("bundle built for the QNN HTP backend, and onnxruntime-qnn is not installed here; "
@@ -111,8 +147,9 @@ def check_device(manifest: Manifest, backend: str, *, qnn: dict[str, str | None]
 
 
 def open_bundle(path: str | os.PathLike, backend: str = "cpu", *, verify: bool = True,
-                qnn: dict[str, str | None] | None = None) -> DeviceBundle:
-    """Open a bundle folder for ``backend`` (module docstring).
+                qnn: dict[str, str | None] | None = None, device: DeviceIdentity | None = None) -> DeviceBundle:
+    """Open a bundle folder for ``backend`` (module docstring); ``device``: the device to check an htp bundle
+    against (default: `hycoc.runtime.device_identity.detect_device`, which honours ``HYCOC_DEVICE``).
 
     Raises a ``hycoc.bundle.BundleError`` subclass: BundleNotFound, SchemaVersionMismatch, FileMissing,
     HashMismatch, ... (from `load_manifest`), TargetMismatch (`check_device`), ManifestInvalid when the manifest
@@ -122,7 +159,7 @@ def open_bundle(path: str | os.PathLike, backend: str = "cpu", *, verify: bool =
 
     folder = Path(path)
     manifest = load_manifest(folder, verify=verify)
-    check_device(manifest, backend, qnn=qnn)
+    check_device(manifest, backend, qnn=qnn, device=device)
     if manifest.host is None:
         raise ManifestInvalid(f"bundle {folder}: its manifest has no host section (built by an older hycoc); "
                               "rebuild it with `hycoc build RECIPE --target ... --out DIR`")
@@ -172,4 +209,5 @@ def open_bundle(path: str | os.PathLike, backend: str = "cpu", *, verify: bool =
                         slm_rotary=slm_rotary, slm_luts=luts, chat=Chat(manifest.chat, tokenizer))
 
 
-__all__ = ["BACKENDS", "BundleError", "DeviceBundle", "check_device", "local_qnn", "open_bundle"]
+__all__ = ["BACKENDS", "BundleError", "DeviceBundle", "check_device", "check_device_identity", "local_qnn",
+           "open_bundle"]

@@ -8,8 +8,8 @@ Jobs (JSON):
 - ``{"op": "assign", "model": path, "provider_options": {...}}`` — a diagnostic session with fallback allowed,
   ``offload_graph_io_quantization=0`` and ``session.record_ep_graph_assignment_info=1``; result lists which EP
   got which nodes: ``{"ok", "assignment": [{"ep", "nodes": [[name, op_type], ...]}]}``.
-- ``{"op": "probe", "archs": [{"htp_arch", "soc_id"}]}`` — compile a trivial uint16 QDQ MatMul per arch and read
-  the arch back from the binary.
+- ``{"op": "probe", "archs": [{"htp_arch", "soc_id", "key"}]}`` — compile a trivial uint16 QDQ MatMul per entry and
+  read the arch and SoC back from the binary; results by ``key`` (default: the arch as a string).
 
 The EP's log goes to this process's stderr; the parent parses it for per-node reasons.
 """
@@ -98,7 +98,8 @@ def _probe(job: dict) -> dict:
         _tiny_qdq_model(model)
         for a in job["archs"]:
             arch, soc = a["htp_arch"], a.get("soc_id")
-            d = Path(tmp) / f"v{arch}"
+            key = str(a.get("key", arch))
+            d = Path(tmp) / f"probe-{len(res)}"
             d.mkdir()
             opts = {"backend_type": "htp", "htp_arch": str(arch)}
             if soc is not None:
@@ -111,11 +112,11 @@ def _probe(job: dict) -> dict:
                 ort.InferenceSession(str(model), sess_options=so)
                 bins = sorted(d.glob("*.bin"))
                 tgt = read_binary_target(bins[0]) if bins else None
-                res[str(arch)] = {"ok": bool(bins), "seconds": time.perf_counter() - t0,
+                res[key] = {"ok": bool(bins), "seconds": time.perf_counter() - t0,
                                   "target": None if tgt is None else tgt.__dict__,
                                   "error": None if bins else "no context binary written"}
             except Exception as e:  # noqa: BLE001 - reported
-                res[str(arch)] = {"ok": False, "seconds": time.perf_counter() - t0, "error": str(e)}
+                res[key] = {"ok": False, "seconds": time.perf_counter() - t0, "error": str(e)}
     return {"ok": True, "archs": res}
 
 

@@ -22,12 +22,20 @@ def test_doctor_rows_from_versions_and_the_qnn_status():
 
     status = {"loads": True, "versions": {"qnn_sdk": "2.51.0"}, "archs": {81: {"ok": True}, 68: {"ok": False}},
               "compilable_archs": [81]}
-    rows = doctor_rows(status, versions={"python": "3.11.7", "torch": "not installed"})
-    assert rows == [("python", "3.11.7", ""), ("torch", "not installed", "yellow"),
-                    ("QNN EP loads", "yes (QNN SDK 2.51.0)", ""), ("HTP archs", "v81 (fail: v68)", "red")]
-    none = doctor_rows({"loads": False, "error": "libQnnHtp.so not found"}, versions={})
-    assert none == [("QNN EP loads", "no: libQnnHtp.so not found", "yellow"),
-                    ("HTP archs", "none (no QNN EP)", "yellow")]
+    from hycoc.runtime.device_identity import DeviceIdentity
+    from hycoc.targets.profiles import DEVICES
+
+    laptop = DeviceIdentity("windows", "arm64", "x86_64", "SC8380XP", 73, "Snapdragon X Elite", "registry")
+    rows = doctor_rows(status, versions={"python": "3.11.7", "torch": "not installed"}, device=laptop)
+    assert rows[:4] == [("python", "3.11.7", ""), ("torch", "not installed", "yellow"),
+                        ("QNN EP loads", "yes (QNN SDK 2.51.0)", ""), ("HTP archs", "v81 (fail: v68)", "red")]
+    assert rows[4][0] == "this device" and rows[4][2] == "red" and "x64 Python under emulation" in rows[4][1]
+    assert [r[0] for r in rows[5:]] == [f"--device {d.name}" for d in DEVICES]
+    assert rows[5][1].startswith("htp-v81 SM8850; compiles here; device time fitted")
+    assert rows[6][1].startswith("htp-v79 SM8750; not compiled here; device time not fitted") and rows[6][2]
+    none = doctor_rows({"loads": False, "error": "libQnnHtp.so not found"}, versions={}, device=laptop)
+    assert none[:2] == [("QNN EP loads", "no: libQnnHtp.so not found", "yellow"),
+                        ("HTP archs", "none (no QNN EP)", "yellow")]
     console = Console(file=io.StringIO(), width=80)
     render_doctor(rows, console)
     assert "v81 (fail: v68)" in console.file.getvalue() and "hycoc doctor" in console.file.getvalue()

@@ -139,7 +139,7 @@ def profile_bundle(bundle_dir: str | os.PathLike, device: str, *, hub: Any = Non
     manifest = load_manifest(bundle_dir)
     if manifest.target.backend != "htp":
         raise DeviceProfileError(f"{bundle_dir}: a {manifest.target.name} bundle has no context binaries to profile; "
-                                 "build it with --target htp-v81 or --target qai-hub")
+                                 "build it with --target htp-vNN (or --device NAME) or --target qai-hub")
     hub = check_setup() if hub is None else hub
     dev = resolve_device(hub, device, manifest.target.htp_arch)
     uploaded: dict[str, Any] = {}
@@ -189,14 +189,23 @@ def load_device_costs(path: str | os.PathLike) -> tuple[dict[str, float], str]:
     return costs, f"profiled on {data.get('device', '?')} (AI Hub, median execute time per call)"
 
 
-def estimated_device_costs(bundle_dir: str | os.PathLike, npu: str = "v81") -> tuple[dict[str, float], str]:
-    """(graph -> estimated device ms per call, label) from the bundle's own bytes and MACs and the named NPU profile
-    (`hycoc.device_time`)."""
-    from hycoc.device_time import ESTIMATE_LABEL, NPU_PROFILES, bundle_graph_costs
+def estimated_device_costs(bundle_dir: str | os.PathLike, npu: int | str | None = None
+                           ) -> tuple[dict[str, float], str]:
+    """(graph -> estimated device ms per call, label) from the bundle's own bytes and MACs and the NPU profile of
+    ``npu`` (a Hexagon arch: 81, "v81"; default: the bundle's target arch, v81 — the paper's phone — for a cpu
+    bundle). Raises DeviceProfileError "device-time estimate not fitted for vXX ..." for an arch without fitted
+    constants (`hycoc.device_time.npu_profile`)."""
+    from hycoc.device_time import ESTIMATE_LABEL, NotFittedError, bundle_graph_costs, npu_profile
 
-    profile = NPU_PROFILES[npu]
+    if npu is None:
+        target = json.loads((Path(bundle_dir) / "manifest.json").read_text(encoding="utf-8")).get("target") or {}
+        npu = target.get("htp_arch") or 81
+    try:
+        profile = npu_profile(npu)
+    except NotFittedError as e:
+        raise DeviceProfileError(str(e)) from None
     return ({g: profile.call_ms(c) for g, c in bundle_graph_costs(bundle_dir).items()},
-            f"{ESTIMATE_LABEL}, NPU profile {npu}")
+            f"{ESTIMATE_LABEL}, NPU profile {profile.name}")
 
 
 def call_ms(name: str, costs: Mapping[str, float]) -> float:

@@ -403,7 +403,7 @@ def device_time_for(records: list[dict], bundle_dir: Path, device_profile_path: 
         else:
             costs, label = estimated_device_costs(bundle_dir)
             console.print("device time: no --device-profile given, so the phone's graph times are an ESTIMATE "
-                          "(hycoc/device_time.py, NPU profile v81), not a measurement")
+                          f"(hycoc/device_time.py, {label.rsplit(', ', 1)[-1]}), not a measurement")
         return {"source": label, "estimated": device_profile_path is None, "configs": project_records(records, costs)}
     except (DeviceProfileError, ValueError, OSError) as e:
         console.print(f"[yellow]device time: not reported ({e})[/]")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import typer
 
 from hycoc.cli import bench, build, run, serve, tools
-from hycoc.cli._common import DEFAULT_DATASET, REPO_ROOT, _auth_token  # noqa: F401  (imported from hycoc.cli)
+from hycoc.cli._common import DEFAULT_DATASET, REPO_ROOT, _auth_token, utf8_stdio  # noqa: F401
 from hycoc.cli.bench import BENCH_CONFIGS, LOADTEST_BATCHING, LOADTEST_CONFIGS  # noqa: F401
 from hycoc.doctor import package_versions  # noqa: F401  (imported from hycoc.cli)
 
@@ -56,6 +56,7 @@ def _print_version(value: bool) -> None:
 def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
                                        help="print hycoc's version and exit")) -> None:
     """HyCo hybrid drafting: compile drafters into bundles, run the device runtime, serve the verifier."""
+    utf8_stdio()       # Windows: UTF-8 stdout/stderr for every command (no-op elsewhere)
 
 
 # The README's commands table, in its order; each name is the command's name on the command line.

@@ -92,15 +92,35 @@ DEFAULT_DATASET = REPO_ROOT / "benchmarks" / "data" / "spec_bench_question.jsonl
 
 #: Commands that may not be available in this install: command -> what they need.
 PENDING = {
-    "build": "The compiler: hycoc build RECIPE --target htp-v81|cpu|qai-hub",
+    "build": "The compiler: hycoc build RECIPE --target htp-v81|htp-v79|htp-v75|htp-v73|cpu|qai-hub",
     "bench": "hycoc bench: the paper's Table 2 on real prompts",
 }
 
 
-class TargetName(str, Enum):
-    htp_v81 = "htp-v81"
-    cpu = "cpu"
-    qai_hub = "qai-hub"
+def _target_names() -> dict[str, str]:
+    from hycoc.targets.profiles import HTP_TARGETS       # dataclasses only: cheap to import
+
+    return {n.replace("-", "_"): n for n in (*HTP_TARGETS, "cpu", "qai-hub")}
+
+
+#: ``hycoc build --target``: every HTP profile (`hycoc.targets.profiles.HTP_TARGETS`), cpu and qai-hub.
+TargetName = Enum("TargetName", _target_names(), type=str)
+
+
+def utf8_stdio(streams=None, windows: bool | None = None) -> None:
+    """On Windows, make stdout and stderr write UTF-8 (``errors="backslashreplace"``): a console or a redirect there
+    defaults to the ANSI code page (cp1252 ...), so non-Latin text or ``--json`` output would raise
+    UnicodeEncodeError (Python docs, ``sys.stdout``: "On Windows ... the console uses utf-8 ... non-character devices
+    such as disk files and pipes use the system locale encoding"; ``io.TextIOWrapper.reconfigure``). Elsewhere, and
+    for streams without ``reconfigure`` (a test runner's), nothing changes. ``windows``: default ``os.name == "nt"``."""
+    import os
+    import sys
+
+    if not (os.name == "nt" if windows is None else windows):
+        return
+    for stream in streams if streams is not None else (sys.stdout, sys.stderr):
+        if getattr(stream, "encoding", "utf-8").lower().replace("-", "") != "utf8" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(encoding="utf-8", errors="backslashreplace")
 
 
 class RunMode(str, Enum):

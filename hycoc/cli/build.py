@@ -8,15 +8,32 @@ from typing import Optional
 
 import typer
 
-from hycoc.cli._common import PENDING, RECIPE_ARG, Device, TargetName, _fail, _need_full, _recipe
+from hycoc.cli._common import PENDING, RECIPE_ARG, TargetName, _fail, _need_full, _recipe
+
+#: ``--device`` values that name where the build's torch passes run rather than a phone or laptop.
+COMPUTE_DEVICES = ("cpu", "cuda")
+
+
+def _target_device(command: str, device: str | None):
+    """``--device NAME`` resolved through `hycoc.targets.profiles.resolve_device` (None for none, cpu or cuda);
+    an unknown name exits 1 listing the known ones."""
+    from hycoc.targets.profiles import UnknownTargetError, resolve_device
+
+    if device is None or device in COMPUTE_DEVICES:
+        return None
+    try:
+        return resolve_device(device)
+    except UnknownTargetError as e:
+        raise _fail(command, f"--device: {e}") from None
 
 
 
 def build(
     recipe: Path = RECIPE_ARG,
     target: Optional[TargetName] = typer.Option(
-        None, help="compile target: htp-v81 = QNN HTP context binaries, cpu = QDQ ONNX for onnxruntime's CPU EP, "
-        "qai-hub = Qualcomm AI Hub compile job (default: the recipe's target.name)", show_default=False),
+        None, help="compile target: htp-v81|htp-v79|htp-v75|htp-v73|htp-v68 = QNN HTP context binaries for that "
+        "Hexagon arch, cpu = QDQ ONNX for onnxruntime's CPU EP, qai-hub = Qualcomm AI Hub compile job (default: "
+        "the recipe's target.name, or the --device's arch)", show_default=False),
     out: Optional[Path] = typer.Option(
         None, help="bundle folder to write (written to a temporary folder, renamed when complete) "
         "(default: bundles/<recipe name>-<target>)", show_default=False),
@@ -26,15 +43,18 @@ def build(
     cache_dir: Optional[Path] = typer.Option(
         None, help="cache of intermediate artifacts, keyed by content hash (default: .hycoc-cache in the cwd)",
         show_default=False),
-    device: Device = typer.Option(
-        Device.cpu, help="where the verifier captures and the head's QAT run: cpu (models as saved) or cuda (the "
-        "verifier in bfloat16, QAT under bfloat16 autocast, paper Table 4); cached separately per device"),
+    device: str = typer.Option(
+        "cpu", metavar="cpu|cuda|NAME", help="cpu or cuda: where the verifier captures and the head's QAT run: cpu "
+        "(models as saved) or cuda (the verifier in bfloat16, QAT under bfloat16 autocast, paper Table 4; cached "
+        "separately per device). Any other value names the phone or laptop to build for (\"Snapdragon 8 Elite\", "
+        "\"Galaxy S24 Ultra\", \"Snapdragon X Elite\"; list: hycoc doctor): its Hexagon arch, SoC and limits "
+        "(targets/profiles.py DEVICES), torch passes on cpu"),
 ) -> None:
     """Compile the recipe's MTP head and SLM into a bundle of static, quantized graphs (paper §3.2-3.4)."""
     from rich.console import Console
 
     from hycoc.models import HeadConfigError, ModelNotFoundError
-    from hycoc.passes.build import BuildError, BuildNotReady, build_bundle, build_pipeline
+    from hycoc.passes.build import BuildError, BuildNotReady, build_bundle, build_pipeline, recipe_for_target
     from hycoc.passes.calibration import CalibrationError
     from hycoc.passes.export import ExportError
     from hycoc.passes.head_qat import HeadQatError
@@ -55,17 +75,22 @@ def build(
               UnknownTargetError, QaiHubSetupError, QaiHubJobError, QaiHubDeviceError, DeviceUnavailable)
 
     config = _recipe("build", recipe)
+    named = _target_device("build", device)
+    compute = "cpu" if named is not None else device
     _need_full("build")
-    name = target.value if target is not None else config.target.name
+    try:
+        config, name = recipe_for_target(config, target.value if target is not None else None, named)
+    except BuildError as e:
+        raise _fail("build", str(e)) from None
     cache = cache_dir if cache_dir is not None else Path(".hycoc-cache")
     console = Console(stderr=True)
     if list_passes:
-        typer.echo(build_pipeline(config, name, cache_dir=cache, console=console, device=device.value).describe())
+        typer.echo(build_pipeline(config, name, cache_dir=cache, console=console, device=compute).describe())
         return
     out_dir = out if out is not None else Path("bundles") / f"{config.recipe.name}-{name}"
     try:
         result = build_bundle(config, name, None if until else out_dir, cache, until=until, console=console,
-                              device=device.value)
+                              device=compute)
     except KeyboardInterrupt:   # build_bundle said what it kept
         raise typer.Exit(130) from None
     except BuildNotReady as e:
@@ -88,16 +113,24 @@ def inspect(
     target: Path = typer.Argument(..., metavar="BUNDLE|RECIPE", help="a bundle folder, or a recipe TOML (real-shape plan, no weights needed)",
                                   show_default=False),
     json_out: bool = typer.Option(False, "--json", help="emit JSON instead of tables"),
+    device: Optional[str] = typer.Option(
+        None, metavar="NAME", help="RECIPE only: plan for this phone or laptop (\"Snapdragon 8 Gen 3\", \"Galaxy "
+        "S25\"): its Hexagon arch, SoC and context limit; graphs over the limit are refused with their sizes "
+        "(default: the recipe's [target])", show_default=False),
 ) -> None:
     """Print a bundle's manifest, or a recipe's graphs, sizes and hand-off bytes on real shapes."""
     if target.suffix == ".toml":
         config = _recipe("inspect", target)
+        named = _target_device("inspect", device)
+        if device is not None and named is None:
+            raise _fail("inspect", f"--device {device!r}: name a phone or laptop (list: hycoc doctor)", code=2)
         from hycoc.inspect_report import recipe_report, render_recipe_report
+        from hycoc.passes.build import BuildError
         from hycoc.passes.plan import PlanError, plan_json
 
         try:
-            plan = recipe_report(config)
-        except PlanError as e:
+            plan = recipe_report(config, named)
+        except (PlanError, BuildError) as e:
             raise _fail("inspect", str(e)) from None
         if json_out:
             typer.echo(plan_json(plan), nl=False)
@@ -108,6 +141,8 @@ def inspect(
         return
     if not target.is_dir():
         raise _fail("inspect", f"{target}: neither a bundle folder nor a recipe .toml")
+    if device is not None:
+        raise _fail("inspect", "--device plans a RECIPE; a bundle's manifest names its own target", code=2)
     from hycoc.bundle import BundleError, load_manifest
     from hycoc.inspect_report import render_manifest
 
