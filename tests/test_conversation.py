@@ -244,3 +244,26 @@ def test_held_bytes_never_pass_the_reservation(engine, large_chat):
         handle.remove()
     assert len(seen) > 40 and all(n <= cap for n, cap in seen)
     assert max(n / cap for n, cap in seen) > 0.5       # the bound is not vacuous
+
+
+def test_a_snapshot_inside_a_chunk_equals_one_taken_at_a_chunk_boundary(engine):
+    """The anchor inside a prefill chunk: the snapshot is sliced out after the chunk's forward (no forward ends
+    there); it equals the one an engine whose chunks end at every position takes at the boundary."""
+    from tiny_models import tiny_verifier
+
+    from hycoc.verifier.engine import VerifierEngine
+
+    prompt = list(range(20, 60))                       # 39 prefilled positions, chunks of 8: anchor 29 is inside
+    inside = engine.open(prompt, Sampling(temperature=0.0), anchor=29)
+    inside.prefill()
+    one = VerifierEngine(tiny_verifier(), head_window=16, handoff_scales=(0.01,) * 6, eos_token_ids=STOP_IDS,
+                         prefill_chunk=1)
+    boundary = one.open(prompt, Sampling(temperature=0.0), anchor=29)
+    boundary.prefill()
+    a, b = inside.snapshot, boundary.snapshot
+    assert a.position == b.position == 29 and a.layers.keys() == b.layers.keys() and a.layers
+    for i in a.layers:
+        (ka, va, sa), (kb, vb, sb) = a.layers[i], b.layers[i]
+        assert sa == sb == 29 - 16 and ka.shape[-2] == 16                # the retained window before the anchor
+        assert torch.allclose(ka, kb, atol=1e-5) and torch.allclose(va, vb, atol=1e-5)
+    one.close()

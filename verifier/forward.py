@@ -60,14 +60,16 @@ class Timer:
 
 @torch.inference_mode()
 def prefill(model, cache: DynamicCache, tap: NormTap, ids: torch.Tensor, chunk: int,
-            dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
+            dtype, start: int = 0, after_forward=None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Fill the cache with ``ids`` (int64 (T,), positions start .. start+T-1) in causal chunks of ``chunk``
     positions, after the ``start`` positions the cache holds (0: a new request; > 0: a turn appended to a kept
     conversation, `Session.append`).
 
     Each chunk uses the same explicit masks as the tree rounds (a chain is a tree), so prefill and rounds share
-    one mask convention; after each chunk the sliding layers drop what fell out of their window. Returns the final
-    norm's (pre, post) rows of the last position, each (H,), or None if T == 0.
+    one mask convention; after each chunk the sliding layers drop what fell out of their window. after_forward:
+    called as ``after_forward(cache, t, n)`` after the forward of the chunk of positions [t, t + n), before that
+    trim (the sliding layers then still hold the window before t and the whole chunk: a `PrefillJob` takes its
+    snapshot there). Returns the final norm's (pre, post) rows of the last position, each (H,), or None if T == 0.
     """
     t, n_total = start, start + len(ids)
     while t < n_total:
@@ -77,6 +79,8 @@ def prefill(model, cache: DynamicCache, tap: NormTap, ids: torch.Tensor, chunk: 
         masks = additive_masks(pos, causal, t, model.config.sliding_window, dtype, window_start(cache, t))
         model(input_ids=ids[None, t - start:t - start + n], position_ids=pos[None], attention_mask=masks,
               cache=cache, use_cache=True, logits_to_keep=1)
+        if after_forward is not None:
+            after_forward(cache, t, n)
         trim_windows(cache)   # sliding layers back to their retained window: a long prompt never holds more
         t += n
     if n_total == 0:

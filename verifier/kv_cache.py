@@ -131,6 +131,23 @@ def take_snapshot(cache: DynamicCache, position: int) -> WindowSnapshot:
     return WindowSnapshot(int(position), layers)
 
 
+def snapshot_inside(cache: DynamicCache, position: int) -> WindowSnapshot:
+    """The `WindowSnapshot` at ``position`` of a cache whose sliding layers hold a forward's rows past it (not yet
+    trimmed: `hycoc.verifier.forward.prefill`'s ``after_forward``): each layer's last ``retain`` positions before
+    ``position``, sliced out and cloned. Equal to `take_snapshot` of the cache as it was at ``position``, without
+    ending a forward there. Raises ValueError when a layer no longer holds what is needed."""
+    layers = {}
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, SlidingWindowLayer) and stores_kv(layer):
+            lo = max(layer.start, position - layer.retain)
+            if position > layer.start + layer.held:
+                raise ValueError(f"snapshot at {position}: the layer holds positions up to "
+                                 f"{layer.start + layer.held}")
+            a, b = lo - layer.start, position - layer.start
+            layers[i] = (layer.keys[..., a:b, :].clone(), layer.values[..., a:b, :].clone(), lo)
+    return WindowSnapshot(int(position), layers)
+
+
 def restore_snapshot(cache: DynamicCache, snap: WindowSnapshot) -> None:
     """Put a `WindowSnapshot`'s sliding layers back (each then holds what it held at ``snap.position``). The
     snapshot's tensors are shared, not copied: every later forward replaces a layer's tensors (``torch.cat``), so

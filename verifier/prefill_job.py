@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from . import forward
 from .forward import Timer
-from .kv_cache import SlidingWindowLayer, stores_kv, take_snapshot
+from .kv_cache import SlidingWindowLayer, snapshot_inside, stores_kv, take_snapshot
 
 if TYPE_CHECKING:
     from .engine import VerifierEngine
@@ -26,8 +26,10 @@ class PrefillJob:
     Made by `Session.prefill_job` / `Session.append_job`. `step` runs the next chunk (the same forwards, masks and
     positions as `prefill`'s loop); `done` says whether all ran; the last `step` commits the result to the session
     and returns it, (prefill_ms, t). ``ms`` accumulates the chunks' milliseconds. `run` runs every chunk.
-    snapshot_at: a position in [start, start + len(ids)] where a chunk ends and the sliding layers are snapshotted
-    (`hycoc.verifier.kv_cache.take_snapshot`, handed to ``on_snapshot``), or None. abort: called when a chunk raises
+    snapshot_at: a position in [start, start + len(ids)] where the sliding layers are snapshotted (handed to
+    ``on_snapshot``): at a chunk's start or end by `hycoc.verifier.kv_cache.take_snapshot`, inside a chunk by
+    `hycoc.verifier.kv_cache.snapshot_inside` after its forward (chunks are never split for it), or None. abort:
+    called when a chunk raises
     (the session's state is put back as before the job: an APPEND is all or nothing); the job is then failed and
     every later `step` raises RuntimeError.
     """
@@ -60,6 +62,13 @@ class PrefillJob:
             self._on_snapshot(take_snapshot(self.cache, self.start + self.next))
             self._snap_at = None
 
+    def _inside(self, cache: DynamicCache, t: int, n: int) -> None:
+        """After a chunk's forward (positions [t, t + n)), before its trim: the snapshot when it is due inside the
+        chunk, sliced out of the sliding layers (`snapshot_inside`: no extra forward ends there)."""
+        if self._snap_at is not None and t < self.start + self._snap_at < t + n:
+            self._on_snapshot(snapshot_inside(cache, self.start + self._snap_at))
+            self._snap_at = None
+
     def step(self) -> tuple[float, int] | None:
         """Run the next chunk; returns (prefill_ms, t) after the last one (also for an empty prompt), else None.
         A chunk that raises aborts the job (class docstring) and the exception propagates."""
@@ -71,13 +80,11 @@ class PrefillJob:
         try:
             self._snapshot_if_due()
             n = min(eng.prefill_chunk, len(self.ids) - self.next)
-            if self._snap_at is not None and self.next < self._snap_at:
-                n = min(n, self._snap_at - self.next)        # a chunk ends where the snapshot is due
             last = None
             if n > 0:
                 with Timer(eng.device) as timer:
-                    last = forward.prefill(eng.model, self.cache, eng.tap, self.ids[self.next:self.next + n], n, eng.dtype,
-                                   start=self.start + self.next)
+                    last = forward.prefill(eng.model, self.cache, eng.tap, self.ids[self.next:self.next + n], n,
+                                           eng.dtype, start=self.start + self.next, after_forward=self._inside)
                 self.ms += timer.ms
                 self.next += n
                 self._last = last
