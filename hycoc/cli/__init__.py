@@ -10,6 +10,7 @@ One module per command group, each command an undecorated function registered he
 - ``run``: run (imports neither torch nor aiohttp);
 - ``serve``: verify-server, serve-ray;
 - ``bench``: bench, tune-epsilon, loadtest, profile;
+- ``capacity``: capacity (the simulator of many devices against one verifier);
 - ``tools``: generate, calibrate-handoff, doctor.
 
 What a command checks, computes and prints lives in library modules the tests call directly: ``hycoc.inspect_report``
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import typer
 
-from hycoc.cli import bench, build, run, serve, tools
+from hycoc.cli import bench, build, capacity, run, serve, tools
 from hycoc.cli._common import DEFAULT_DATASET, REPO_ROOT, _auth_token  # noqa: F401  (imported from hycoc.cli)
 from hycoc.cli.bench import BENCH_CONFIGS, LOADTEST_BATCHING, LOADTEST_CONFIGS  # noqa: F401
 from hycoc.doctor import package_versions  # noqa: F401  (imported from hycoc.cli)
@@ -65,6 +66,7 @@ app.command("build")(build.build)
 app.command("verify-server")(serve.verify_server)
 app.command("serve-ray")(serve.serve_ray)
 app.command("loadtest")(bench.loadtest)
+app.command("capacity")(capacity.capacity)
 app.command("run")(run.run)
 app.command("bench")(bench.bench)
 app.command("profile")(bench.profile)
