@@ -121,8 +121,9 @@ def run_local(cfg, recipe_path: Path, configs, modes, counts, target, duration, 
         cost = model_step_cost(load_cost_model(cost_model_path), recipe_shape(cfg), cfg.tree.chain_length,
                                path=str(cost_model_path))
     else:
-        console.print("capacity: timing the verifier's steps on this machine (cached per recipe) ...")
-        cost = cached_step_cost(cfg, repo_root / ".hycoc-cache" / "capacity", remeasure=remeasure,
+        console.print("capacity: timing the verifier's steps on this machine"
+                      + (" (again: --validate compares with runs made now)" if validate else " (cached per recipe)"))
+        cost = cached_step_cost(cfg, repo_root / ".hycoc-cache" / "capacity", remeasure=remeasure or validate,
                                 log=lambda s: None)
     console.print(f"step cost: {cost.label}")
     bundle_dir = bench_bundle(cfg, recipe_path, bundle, repo_root, command="capacity", say=console.print)

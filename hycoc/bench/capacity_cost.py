@@ -6,10 +6,11 @@ it (p~, sampling, acceptance, compaction, hand-off, the reply frame) and prefill
 * `MeasuredStepCost` (``measure_step_cost``): timed on this machine on the recipe's own verifier, the way the
   server runs it: `hycoc.verifier.batch.verify_batch` over n scratch sessions (`VerifierEngine.open`, prefilled),
   every session sending an r-row tree, for n in 1, 2, 4, 8, 16 and r in 2, 9, 17, 33 (device-drafted), and n
-  cloud-mtp / server-head sessions; each point the median wall ms of a few calls. Fitted (least squares, numpy)
-  as step ms = a + b x sessions + c x rows for device rounds, each other draft place adding its own ms per
-  session; the forward alone the same way (the budget's `BudgetState` learns host ms from step - forward, as the
-  server's does). Prefill: Session.prefill's ms at two prompt lengths, linear. The row budget's line is
+  cloud-mtp / server-head sessions; each point the mean CPU ms of the worker thread over a few calls (`time.
+  thread_time`). A step of n device rounds with N rows in all is read off that grid (bilinear in n and N / n,
+  linear beyond), each other draft place adding its own measured ms per session; the forward alone the same way
+  (the budget's `BudgetState` learns host ms from step - forward, as the server's does). A least-squares line
+  a + b n + c N is kept beside the grid for a file without one. Prefill: Session.prefill's ms at two prompt lengths, linear. The row budget's line is
   `hycoc.verifier.row_cost_measure.measure_row_cost` with the server's own plan (`row_cost_plan`): the same
   function and points the server measures before it serves. The toy's own cost "on this machine".
 * `ModelStepCost`: a cost-model file (`hycoc.bench.cost_model`, e.g. the one ``hycoc bench`` stores or
@@ -38,10 +39,11 @@ from hycoc.verifier.row_budget import RowCost
 #: Session counts and rows per tree of the step measurement (device-drafted rounds).
 MEASURE_SESSIONS = (1, 2, 4, 8, 16)
 MEASURE_ROWS = (2, 9, 17, 33)
-#: The statistic of a measured point: the 25th percentile of the worker thread's CPU ms (time.thread_time), as
-#: `hycoc.verifier.cost_measure.BUSY_STATISTIC`: other processes only add time, so low quantiles disturb least.
-#: Machine load is then the simulation's own input (`cpu_share`), not baked into the points.
-BUSY_QUANTILE = 25
+#: The statistic of a measured point: the MEAN of the worker thread's CPU ms (time.thread_time) over the repeats.
+#: A queue's throughput and waits follow the mean service time (utilization = arrival rate x E[S]), so the mean is
+#: the simulation's input; `hycoc.verifier.cost_measure.BUSY_STATISTIC`'s 25th percentile is a steadier per-forward
+#: figure but understated the load test's steps (toy, one 33-row round: p25 13.9 ms against ~19 ms rounds on a
+#: quiet machine). CPU time leaves out the waiting for a CPU: machine load is the simulation's input (slowdown).
 #: Assumed host ms per session and step on a GPU (sampling, acceptance, KV compaction, reply): not measured here.
 ASSUMED_GPU_HOST_MS = 1.0
 
@@ -99,15 +101,45 @@ class MeasuredStepCost(StepCost):
     meta: dict = field(default_factory=dict)
     loop_ms: float = 0.0
 
+    def _grid(self, key: str, sessions: int, rows: int) -> float | None:
+        """``key`` ("step_ms" or "forward_ms") of device rounds at ``sessions`` trees of rows / sessions rows each:
+        bilinear on the measured (sessions, rows per tree) grid, linear beyond it (slope of the last two grid
+        lines, >= 0), held below it; None without a full grid (then the linear fit answers)."""
+        pts = [p for p in self.points if p["place"] == "device"]
+        ns = sorted({p["sessions"] for p in pts})
+        rs = sorted({p["rows"] // p["sessions"] for p in pts})
+        table = {(p["sessions"], p["rows"] // p["sessions"]): p[key] for p in pts}
+        if len(ns) < 2 or len(rs) < 2 or len(table) != len(ns) * len(rs):
+            return None
+
+        def interp(xs, x, f):
+            i = int(np.clip(np.searchsorted(xs, x, side="right") - 1, 0, len(xs) - 2))
+            lo, hi = f(xs[i]), f(xs[i + 1])
+            w = (x - xs[i]) / (xs[i + 1] - xs[i])
+            if w < 0:
+                return lo
+            if w > 1:
+                return hi + max(0.0, hi - lo) * (w - 1)
+            return lo + w * (hi - lo)
+
+        r = rows / max(1, sessions)
+        return float(interp(ns, float(sessions), lambda n: interp(rs, r, lambda k: table[(n, k)])))
+
     def forward_ms(self, rows: int, sessions: int, context: float) -> float:
+        got = self._grid("forward_ms", sessions, rows)
+        if got is not None:
+            return got
         a, b, c = self.forward
         return max(0.0, a + b * sessions + c * rows)
 
     def host_ms(self, places: list[str], rows: list[int]) -> float:
-        (a, b, c), (fa, fb, fc) = self.step, self.forward
         n, total = len(rows), sum(rows)
         extra = sum(self.place_ms.get(p, 0.0) for p in places)
-        return max(0.0, (a - fa) + (b - fb) * n + (c - fc) * total) + extra + self.loop_ms * n
+        step = self._grid("step_ms", n, total)
+        if step is None:
+            a, b, c = self.step
+            step = a + b * n + c * total
+        return max(0.0, step - self.forward_ms(total, n, 0.0)) + extra + self.loop_ms * n
 
     def prefill_ms(self, positions: int, context: int) -> float:
         return self.prefill[0] + self.prefill[1] * positions if positions > 0 else 0.0
@@ -149,7 +181,7 @@ def _fit(xs: list[list[float]], ys: list[float]) -> np.ndarray:
     return coef
 
 
-def measure_step_cost(recipe, *, sessions=MEASURE_SESSIONS, rows=MEASURE_ROWS, context: int = 96, repeats: int = 5,
+def measure_step_cost(recipe, *, sessions=MEASURE_SESSIONS, rows=MEASURE_ROWS, context: int = 96, repeats: int = 7,
                       log=lambda s: None) -> MeasuredStepCost:
     """Time verifier steps of ``recipe``'s own verifier on this machine (module docstring): about 20-40 s for the
     toy on a 2-core CPU. Returns the fitted `MeasuredStepCost`."""
@@ -200,7 +232,7 @@ def measure_step_cost(recipe, *, sessions=MEASURE_SESSIONS, rows=MEASURE_ROWS, c
             if rep:                               # the first call is a warm-up
                 walls.append(busy)
                 fwds.append(stats.forward_ms * busy / max(wall, 1e-9))   # the forward's share of the busy time
-        return float(np.percentile(walls, BUSY_QUANTILE)), float(np.percentile(fwds, BUSY_QUANTILE))
+        return float(np.mean(walls)), float(np.mean(fwds))
 
     points = []
     for n in sessions:
@@ -225,10 +257,13 @@ def measure_step_cost(recipe, *, sessions=MEASURE_SESSIONS, rows=MEASURE_ROWS, c
     step = _fit(xs, [p["step_ms"] for p in dev])
     fwd = _fit(xs, [p["forward_ms"] for p in dev])
     place_ms = {}
+    device_only = MeasuredStepCost(points=points, step=tuple(step), forward=tuple(fwd))
     for place in ("cloud-mtp", "server-head"):
         pts = [p for p in points if p["place"] == place]
         if pts:
-            resid = [p["step_ms"] - (step[0] + step[1] * p["sessions"] + step[2] * p["rows"]) for p in pts]
+            resid = [p["step_ms"] - device_only.step_ms(["device"] * p["sessions"],
+                                                        [p["rows"] // p["sessions"]] * p["sessions"], [context])[1]
+                     for p in pts]
             place_ms[place] = max(0.0, float(np.sum(resid) / np.sum([p["sessions"] for p in pts])))
     pre = []
     for n in (32, 256):
@@ -239,7 +274,7 @@ def measure_step_cost(recipe, *, sessions=MEASURE_SESSIONS, rows=MEASURE_ROWS, c
             s.prefill()
             times.append((time.thread_time() - c0) * 1e3)
             s.close()
-        pre.append((n, float(np.percentile(times, BUSY_QUANTILE))))
+        pre.append((n, float(np.mean(times))))
     p1 = (pre[1][1] - pre[0][1]) / (pre[1][0] - pre[0][0])
     prefill = (max(0.0, pre[0][1] - p1 * pre[0][0]), max(0.0, p1))
     n_rc, rows_rc = row_cost_plan(recipe.tree.node_budget + 1, recipe.verifier.max_batch_rows, engine.max_context)
