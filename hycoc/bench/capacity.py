@@ -230,7 +230,10 @@ class SimConfig:
     rows)) and rows kept per tree; chain_length: K, the rows a cloud-mtp round grows by at the verifier;
     client_ms: time per round inside the round latency but outside the verifier's queue and step (frame
     handling, the threads' wake-ups), ms; wake_ms: the device's delay after its drafting before it sends, ms;
-    slowdown: the verifier's CPU ms are stretched by it (machine load: `cpu_slowdown`); row_cost / free_rows:
+    slowdown: the verifier's CPU ms are stretched by it (machine load: `cpu_slowdown`); slowdown_samples: instead,
+    each step's stretch drawn (seeded) from these measured (slowdown, CPU ns) intervals, in proportion to their CPU
+    ns (a step's CPU time passes through intervals in proportion to the CPU they gave): the machine's bursts, so
+    the latency tail is the measured one; row_cost / free_rows:
     the budget's line and free rows when known from the server (its /healthz), else the cost's own line."""
 
     mode: str
@@ -248,6 +251,7 @@ class SimConfig:
     client_ms: float = 0.0
     wake_ms: float = 0.0
     slowdown: float = 1.0
+    slowdown_samples: tuple | None = None
     row_cost: RowCost | None = None
     free_rows: int | None = None
     seed: int = 0
@@ -309,6 +313,12 @@ class _Replica:
         if cfg.mode == "budgeted":
             self.row_cost = cfg.row_cost if cfg.row_cost is not None else cost.row_cost()
         self.free_rows = (cfg.free_rows or max(cfg.tree_rows, self.row_cost.flat_rows())) if self.row_cost else 0
+        self.rng = np.random.default_rng([cfg.seed, index])
+        if cfg.slowdown_samples:
+            s = np.asarray(cfg.slowdown_samples, np.float64).reshape(-1, 2)
+            self.stretch, self.weights = s[:, 0], s[:, 1] / s[:, 1].sum()
+        else:
+            self.stretch = None
         env.process(self.worker())
 
     def submit(self, job: _Job) -> None:
@@ -375,7 +385,8 @@ class _Replica:
 
     def _run(self, ms: float) -> Iterator:
         start = self.env.now
-        yield self.env.timeout(ms * self.cfg.slowdown / 1e3)
+        factor = self.cfg.slowdown if self.stretch is None else float(self.rng.choice(self.stretch, p=self.weights))
+        yield self.env.timeout(ms * factor / 1e3)
         end = min(self.env.now, self.cfg.duration_s)
         self.result.busy_s[self.index] += max(0.0, end - max(start, 0.0)) if start < self.cfg.duration_s else 0.0
 

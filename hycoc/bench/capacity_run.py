@@ -176,7 +176,8 @@ class SchedSampler:
 
     def contention(self, t0: float, t1: float) -> dict | None:
         """Over [t0, t1] (epoch seconds): {"slowdown": busiest server thread's (run + wait) / run, "server_wake_ms":
-        the busiest server's main thread's wait per timeslice, "client_wake_ms": this process's main thread's};
+        the busiest server's main thread's wait per timeslice, "client_wake_ms": this process's main thread's,
+        "intervals": [[slowdown, CPU ns], ...] of that thread per sampling interval it ran > 1 ms in};
         None without two samples in the window or any server thread running in it."""
         inside = [snap for t, snap in self.samples if t0 <= t <= t1]
         if len(inside) < 2:
@@ -193,7 +194,15 @@ class SchedSampler:
             d = delta.get(key)
             return d[1] / d[2] / 1e6 if d and d[2] > 0 else 0.0
 
-        return {"slowdown": (run + wait) / run, "server_wake_ms": wake((pid, pid)), "client_wake_ms": wake((me, me))}
+        key = max(servers, key=lambda k: servers[k][0])
+        per = []                        # that thread's slowdown in each sampling interval it ran, with its CPU ns
+        for x, y in zip(inside, inside[1:]):
+            if key in x and key in y:
+                r, w = y[key][0] - x[key][0], y[key][1] - x[key][1]
+                if r > 1e6:
+                    per.append(((r + w) / r, r))
+        return {"slowdown": (run + wait) / run, "server_wake_ms": wake((pid, pid)), "client_wake_ms": wake((me, me)),
+                "intervals": [[round(a, 3), int(b)] for a, b in per]}
 
 
 def predicted_for(measured: dict, workload: Workload, cost, meta: dict, *, client_ms: float = 0.0,
@@ -211,9 +220,11 @@ def predicted_for(measured: dict, workload: Workload, cost, meta: dict, *, clien
     load1 = 0.5 * (load[0] + load[3])
     slowdown = cpu_slowdown(load1, cores or os.cpu_count() or 1)
     server_wake = client_wake = 0.0
+    samples = None
     if contention:
         slowdown = contention["slowdown"]
         server_wake, client_wake = contention["server_wake_ms"], contention["client_wake_ms"]
+        samples = tuple((float(a), float(b)) for a, b in contention.get("intervals") or ()) or None
     row_cost, free = None, None
     if server.get("row_cost"):
         from hycoc.verifier.row_budget import RowCost
@@ -224,7 +235,8 @@ def predicted_for(measured: dict, workload: Workload, cost, meta: dict, *, clien
                     max_batch_rows=int(server.get("max_batch_rows", 528)),
                     max_batch_wait_ms=float(server.get("max_batch_wait_ms", 2.0)),
                     client_ms=client_ms + client_wake + server_wake, wake_ms=client_wake,
-                    slowdown=slowdown, row_cost=row_cost, free_rows=free, chain_length=cost.chain_length)
+                    slowdown=slowdown, slowdown_samples=samples, row_cost=row_cost, free_rows=free,
+                    chain_length=cost.chain_length)
     row = run_point(workload, cfg, cost)
     row["slowdown"] = cfg.slowdown
     row["contention"] = contention
