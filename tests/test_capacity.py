@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -198,3 +199,46 @@ def test_sim_round_replays_the_loadtest_tree():
     # rows 2, 3, 4 of the recorded tree (the chain below row 2) re-rooted: the rest of the path is its rows 1, 2
     assert sub.path == (1, 2) and sub.committed == req.rounds[0].committed[2:]
     assert np.array_equal(sub.tree[1][:3], np.asarray(req.rounds[0].tokens)[[2, 3, 4]])
+
+
+def test_measured_contention_sets_the_tail():
+    """Steps stretched x1 or x3 by measured intervals of equal CPU (each longer than a step): each round's latency
+    is S or 3 S, half of them each."""
+    cfg = SimConfig(mode="serial", devices=1, duration_s=20.0, slowdown_samples=((1.0, 1e9), (3.0, 1e9)))
+    res = simulate(synthetic(1, 30.0), cfg, FixedCost(a=10.0))
+    lat = np.round([r.latency_ms for r in res.stats.rounds], 6)
+    assert set(lat.tolist()) == {10.0, 30.0}
+    assert np.mean(lat == 30.0) == pytest.approx(0.5, abs=0.08)
+
+
+def test_cli_bad_options_are_one_line():
+    from typer.testing import CliRunner
+
+    from hycoc.cli import app
+
+    runner = CliRunner()
+    got = runner.invoke(app, ["capacity", "recipes/toy.toml", "--batching", "fast"])
+    assert got.exit_code == 2 and "--batching 'fast': allowed: serial, batched, budgeted" in got.output
+    got = runner.invoke(app, ["capacity", "recipes/gemma4.toml", "--validate"])
+    assert got.exit_code == 2 and "--validate runs hycoc loadtest on this machine" in got.output
+    got = runner.invoke(app, ["capacity", "recipes/toy.toml", "--configs", "slm-alone"])
+    assert got.exit_code == 2 and "unknown or without a verifier: slm-alone" in got.output
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="needs Linux sched-stats")
+def test_sched_sampler_sees_a_busy_child():
+    """A child process spinning for 0.8 s: the sampler finds its thread, on-CPU most of the window, slowdown >= 1,
+    and intervals whose CPU ns add up to about its run time."""
+    import subprocess
+    import sys
+    import time
+
+    from hycoc.bench.capacity_run import SchedSampler
+
+    with SchedSampler(interval_s=0.05) as s:
+        t0 = time.time()
+        child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.8: pass"])
+        child.wait()
+        got = s.contention(t0, time.time())
+    assert got is not None and got["slowdown"] >= 1.0
+    assert got["intervals"] and all(a >= 1.0 for a, _ in got["intervals"])

@@ -231,9 +231,9 @@ class SimConfig:
     client_ms: time per round inside the round latency but outside the verifier's queue and step (frame
     handling, the threads' wake-ups), ms; wake_ms: the device's delay after its drafting before it sends, ms;
     slowdown: the verifier's CPU ms are stretched by it (machine load: `cpu_slowdown`); slowdown_samples: instead,
-    each step's stretch drawn (seeded) from these measured (slowdown, CPU ns) intervals, in proportion to their CPU
-    ns (a step's CPU time passes through intervals in proportion to the CPU they gave): the machine's bursts, so
-    the latency tail is the measured one; row_cost / free_rows:
+    the measured sequence of (slowdown, CPU ns) intervals of the run, each step replayed through it from a seeded
+    random point (`_Replica._wall_ms`): the machine's bursts, so the latency tail is the measured one;
+    row_cost / free_rows:
     the budget's line and free rows when known from the server (its /healthz), else the cost's own line."""
 
     mode: str
@@ -314,11 +314,13 @@ class _Replica:
             self.row_cost = cfg.row_cost if cfg.row_cost is not None else cost.row_cost()
         self.free_rows = (cfg.free_rows or max(cfg.tree_rows, self.row_cost.flat_rows())) if self.row_cost else 0
         self.rng = np.random.default_rng([cfg.seed, index])
+        self.stretch = None
         if cfg.slowdown_samples:
             s = np.asarray(cfg.slowdown_samples, np.float64).reshape(-1, 2)
-            self.stretch, self.weights = s[:, 0], s[:, 1] / s[:, 1].sum()
-        else:
-            self.stretch = None
+            self.cpu = s[:, 1] / 1e6                       # ms of CPU the thread got in each interval
+            self.stretch = s[:, 0]
+            self.wall = self.cpu * self.stretch            # ms those took on the wall
+            self.weights = self.cpu / self.cpu.sum()
         env.process(self.worker())
 
     def submit(self, job: _Job) -> None:
@@ -385,10 +387,26 @@ class _Replica:
 
     def _run(self, ms: float) -> Iterator:
         start = self.env.now
-        factor = self.cfg.slowdown if self.stretch is None else float(self.rng.choice(self.stretch, p=self.weights))
-        yield self.env.timeout(ms * factor / 1e3)
+        yield self.env.timeout(self._wall_ms(ms) / 1e3)
         end = min(self.env.now, self.cfg.duration_s)
         self.result.busy_s[self.index] += max(0.0, end - max(start, 0.0)) if start < self.cfg.duration_s else 0.0
+
+    def _wall_ms(self, ms: float) -> float:
+        """Wall ms of ``ms`` CPU ms: x slowdown; with measured intervals, replayed from a random point of the
+        measured sequence (chosen in proportion to CPU, so each CPU ms is equally likely to start there) until
+        the step's CPU is covered -- a long step averages over the intervals it spans, as it did."""
+        if self.stretch is None or ms <= 0:
+            return ms * self.cfg.slowdown
+        k = int(self.rng.choice(len(self.cpu), p=self.weights))
+        need, wall = ms, 0.0
+        for _ in range(10 * len(self.cpu)):
+            got = self.cpu[k]
+            if got >= need:
+                return wall + need * self.stretch[k]
+            wall += self.wall[k]
+            need -= got
+            k = (k + 1) % len(self.cpu)
+        return wall + need * self.cfg.slowdown
 
     def _step(self, batch: list[_Job], prefills: list[_Job]) -> Iterator:
         cfg, cost = self.cfg, self.cost

@@ -117,9 +117,10 @@ class SchedSampler:
     with them the simulation knows how busy the shared CPU was. Where /proc has no schedstat, nothing is sampled
     and `contention` returns None."""
 
-    def __init__(self, interval_s: float = 0.1):
+    def __init__(self, interval_s: float = 0.1, pids: list[int] | None = None):
         import threading
 
+        self.pids = list(pids) if pids else None      # the servers' pids, when they are not this one's children
         self.samples: list[tuple[float, dict]] = []
         self._stop = threading.Event()
         self._interval = interval_s
@@ -157,7 +158,7 @@ class SchedSampler:
         while not self._stop.is_set():
             try:
                 snap = self._threads(me)
-                for child in self._children(me):
+                for child in (self.pids if self.pids is not None else self._children(me)):
                     snap.update(self._threads(child))
             except OSError:
                 return
@@ -189,6 +190,11 @@ class SchedSampler:
         if not servers:
             return None
         (pid, _), (run, wait, _) = max(servers.items(), key=lambda kv: kv[1][0])
+        if self.pids is not None and len(self.pids) > 1:     # several replicas: every replica's busiest thread
+            busiest = [max((v for k, v in servers.items() if k[0] == p), key=lambda v: v[0], default=None)
+                       for p in self.pids]
+            busiest = [b for b in busiest if b]
+            run, wait = sum(b[0] for b in busiest), sum(b[1] for b in busiest)
 
         def wake(key) -> float:
             d = delta.get(key)
@@ -206,7 +212,7 @@ class SchedSampler:
 
 
 def predicted_for(measured: dict, workload: Workload, cost, meta: dict, *, client_ms: float = 0.0,
-                  cores: int | None = None, contention: dict | None = None) -> dict:
+                  cores: int | None = None, contention: dict | None = None, replicas: int = 1) -> dict:
     """The simulator's row for one measured load-test row (`hycoc.bench.loadreport.summarize_run`'s): same mode,
     sessions and duration; the server's own batching settings and (budgeted) row-cost line from its /healthz
     (``meta["servers"][mode]``); the CPU stretched by the run's load (`cpu_slowdown` of the mean of its load
@@ -232,6 +238,7 @@ def predicted_for(measured: dict, workload: Workload, cost, meta: dict, *, clien
         row_cost = RowCost(tuple((int(r), float(m)) for r, m in server["row_cost"]["points"]), source="server")
         free = int(server.get("free_rows") or 0) or None
     cfg = SimConfig(mode=mode, devices=int(measured["sessions"]), duration_s=float(measured["duration_s"]),
+                    replicas=replicas,
                     max_batch_rows=int(server.get("max_batch_rows", 528)),
                     max_batch_wait_ms=float(server.get("max_batch_wait_ms", 2.0)),
                     client_ms=client_ms + client_wake + server_wake, wake_ms=client_wake,
