@@ -176,11 +176,11 @@ def test_results_are_written_whole(tmp_path):
 
     cfg = SimConfig(mode="batched", devices=2, duration_s=1.0)
     row = dict(summarize("batched", cfg, simulate(synthetic(2, 30.0), cfg, FixedCost())), config="hyco")
-    write_document(tmp_path, {"sweep": [row], "x": math.nan})
+    write_document(tmp_path, {"sweep": [row], "x": math.nan, "ok": np.bool_(True), "v": np.float64(2.5)})
     write_plot([row], tmp_path / "p90_vs_devices.png", 60.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["capacity.json", "p90_vs_devices.png"]
     doc = json.loads((tmp_path / "capacity.json").read_text())
-    assert doc["x"] is None and doc["sweep"][0]["sessions"] == 2
+    assert doc["x"] is None and doc["sweep"][0]["sessions"] == 2 and doc["ok"] is True and doc["v"] == 2.5
     assert (tmp_path / "p90_vs_devices.png").read_bytes()[:4] == b"\x89PNG"
 
 

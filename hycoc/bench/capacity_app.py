@@ -10,6 +10,8 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 from hycoc.bench.capacity import CapacityError, SimConfig
 from hycoc.bench.capacity_run import (GEMMA4_FRAMES, SERVER_DRAFT_FRAMES, add_ratios, capacity_table, run_point,
                                       search_devices, stamp, sweep_table, synthetic_workload, trace_workload,
@@ -79,6 +81,8 @@ def write_document(out: Path, doc: dict) -> Path:
 
 
 def _clean(x):
+    if isinstance(x, np.generic):             # numpy scalars (np.float64, np.bool_) as their Python values
+        x = x.item()
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if isinstance(x, dict):

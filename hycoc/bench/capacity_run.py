@@ -254,7 +254,7 @@ def within(pred: float | None, meas: float | None, tol: float) -> bool:
     """|pred - meas| <= tol x meas (both finite)."""
     if pred is None or meas is None or not (math.isfinite(pred) and math.isfinite(meas)) or meas <= 0:
         return False
-    return abs(pred - meas) <= tol * meas
+    return bool(abs(pred - meas) <= tol * meas)
 
 
 def validation_rows(measured_rows: list[dict], predicted_rows: list[dict], tol: float) -> list[dict]:
