@@ -121,18 +121,20 @@ def run_local(cfg, recipe_path: Path, configs, modes, counts, target, duration, 
     from hycoc.bench.tables import print_tables
 
     console = make_console()
+    bundle_dir = bench_bundle(cfg, recipe_path, bundle, repo_root, command="capacity", say=console.print)
+    questions = load_spec_bench(cfg.resolve_path(cfg.bench.dataset) or dataset)[:prompts]
+    temperature = 0.0 if "budgeted" in modes and cfg.sampling.temperature > 0 else None
     if cost_model_path is not None:
         cost = model_step_cost(load_cost_model(cost_model_path), recipe_shape(cfg), cfg.tree.chain_length,
                                path=str(cost_model_path))
     else:
-        console.print("capacity: timing the verifier's steps on this machine"
+        console.print("capacity: timing the verifier's steps on this machine, replaying recorded hyco rounds"
                       + (" (again: --validate compares with runs made now)" if validate else " (cached per recipe)"))
+        hyco, _ = trace_for(cfg, bundle_dir, ["hyco"], questions, 0.0 if cfg.sampling.temperature > 0 else None,
+                            repo_root, console)
         cost = cached_step_cost(cfg, repo_root / ".hycoc-cache" / "capacity", remeasure=remeasure or validate,
-                                log=lambda s: None)
+                                replay=list(hyco.requests), log=lambda s: None)
     console.print(f"step cost: {cost.label}")
-    bundle_dir = bench_bundle(cfg, recipe_path, bundle, repo_root, command="capacity", say=console.print)
-    questions = load_spec_bench(cfg.resolve_path(cfg.bench.dataset) or dataset)[:prompts]
-    temperature = 0.0 if "budgeted" in modes and cfg.sampling.temperature > 0 else None
     doc: dict = {"schema": 1, "recipe": str(recipe_path), "kind": "simulation of this machine's verifier",
                  "cost": cost.describe(), "target_p90_ms": target, "link": None if link is None else vars(link),
                  "replicas": replicas, "device_scale": device_scale, "duration_s": duration, "machine": stamp()}

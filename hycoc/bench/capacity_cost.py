@@ -182,11 +182,16 @@ def _fit(xs: list[list[float]], ys: list[float]) -> np.ndarray:
 
 
 def measure_step_cost(recipe, *, sessions=MEASURE_SESSIONS, rows=MEASURE_ROWS, context: int = 96, repeats: int = 7,
-                      log=lambda s: None) -> MeasuredStepCost:
+                      replay=None, log=lambda s: None) -> MeasuredStepCost:
     """Time verifier steps of ``recipe``'s own verifier on this machine (module docstring): about 20-40 s for the
-    toy on a 2-core CPU. Returns the fitted `MeasuredStepCost`."""
+    toy on a 2-core CPU. replay: recorded requests (`hycoc.bench.loadtrace.RequestTrace`) whose prompts and trees
+    the device sessions replay (their rounds then accept what the recording accepted, so the host work of the
+    accepted path -- KV compaction, the hand-off of every committed position -- is in the points); None: random
+    chains, which the verifier rejects at the first row. Returns the fitted `MeasuredStepCost`."""
     import torch
 
+    from hycoc.bench.capacity import TraceRequest
+    from hycoc.bench.loadtrace import patch_root
     from hycoc.models import set_threads
     from hycoc.protocol.messages import Sampling
     from hycoc.verifier.batch import BatchStats, verify_batch
@@ -203,32 +208,52 @@ def measure_step_cost(recipe, *, sessions=MEASURE_SESSIONS, rows=MEASURE_ROWS, c
     vocab = engine.vocab_size
     sampling = Sampling(recipe.sampling.temperature, recipe.sampling.top_k, recipe.sampling.top_p)
 
-    def open_sessions(n: int, place: str, prompt: int = context):
-        out = []
-        for i in range(n):
-            s = engine.open(rng.integers(2, vocab, prompt), sampling, seed=i, acceptance="exact",
-                            draft_place=place, max_new_tokens=10 ** 6)
+    def open_one(i: int, place: str, prompt: int = context):
+        if place == "device" and replay:
+            req = replay[i % len(replay)]
+            s = engine.open(np.asarray(req.prompt), Sampling(req.temperature, req.top_k, req.top_p), seed=req.seed,
+                            acceptance=req.acceptance, epsilon=req.epsilon, draft_place=place, max_new_tokens=10 ** 6)
             s.prefill()
-            out.append([s, 0])
-        return out
+            return [s, 0, TraceRequest(req), i]
+        s = engine.open(rng.integers(2, vocab, prompt), sampling, seed=i, acceptance="exact",
+                        draft_place=place, max_new_tokens=10 ** 6)
+        s.prefill()
+        return [s, 0, None, i]
+
+    def open_sessions(n: int, place: str, prompt: int = context):
+        return [open_one(i, place, prompt) for i in range(n)]
+
+    def tree_of(entry, k: int):
+        """The round a session sends: the recorded tree at its text (its first k rows: an ancestor-closed
+        subtree, as a budget keeps), or a random chain without a recording."""
+        s, seq, tr, i = entry
+        if tr is not None:
+            rnd = tr.next_round()
+            if rnd is None:                            # the recording is over: the next request, a new session
+                entry[:] = open_one(i + len(replay), "device")
+                return tree_of(entry, k)
+            return patch_root(rnd.tree[1], s.root)[:k].astype(np.int64), np.asarray(rnd.tree[2][:k], np.int64)
+        toks = np.concatenate([[s.root], rng.integers(2, vocab, k - 1)]).astype(np.int64)
+        return toks, np.arange(-1, k - 1, dtype=np.int64)
 
     def time_step(group, r: int) -> tuple[float, float]:
         walls, fwds = [], []
         for rep in range(repeats + 1):
             rounds = []
             for entry in group:
-                s, seq = entry
-                k = 1 if s.draft_place == "cloud-mtp" else r
-                toks = np.concatenate([[s.root], rng.integers(2, vocab, k - 1)]).astype(np.int64)
-                rounds.append((s, toks, np.arange(-1, k - 1, dtype=np.int64), seq, None))
+                k = 1 if entry[0].draft_place == "cloud-mtp" else r
+                toks, parents = tree_of(entry, k)
+                rounds.append((entry[0], toks, parents, entry[1], None))
             stats = BatchStats()
             w0, c0 = time.perf_counter(), time.thread_time()
             out = verify_batch(engine, rounds, stats)
             wall, busy = (time.perf_counter() - w0) * 1e3, (time.thread_time() - c0) * 1e3
-            for entry, reply in zip(group, out):
+            for entry, reply, rd in zip(group, out, rounds):
                 if isinstance(reply, BaseException):
                     raise StepCostError(f"measuring the step cost: a scratch round failed ({reply}); report this")
                 entry[1] += 1
+                if entry[2] is not None:                 # the replay follows the text it commits
+                    entry[2].commit([int(rd[1][j]) for j in reply.path_rows] + [int(reply.bonus)])
             if rep:                               # the first call is a warm-up
                 walls.append(busy)
                 fwds.append(stats.forward_ms * busy / max(wall, 1e-9))   # the forward's share of the busy time
@@ -291,13 +316,14 @@ def measure_step_cost(recipe, *, sessions=MEASURE_SESSIONS, rows=MEASURE_ROWS, c
                             meta=meta)
 
 
-def cached_step_cost(recipe, cache_dir: Path, *, remeasure: bool = False, log=lambda s: None) -> MeasuredStepCost:
+def cached_step_cost(recipe, cache_dir: Path, *, remeasure: bool = False, replay=None,
+                     log=lambda s: None) -> MeasuredStepCost:
     """`measure_step_cost` of ``recipe``, kept in ``cache_dir/step-cost-<recipe hash>.json`` (reused unless
     ``remeasure``; the recipe's hash names it, so another recipe never reads it)."""
     path = Path(cache_dir) / f"step-cost-{recipe.content_hash()[:16]}.json"
     if path.is_file() and not remeasure:
         return MeasuredStepCost.load(path)
-    cost = measure_step_cost(recipe, log=log)
+    cost = measure_step_cost(recipe, replay=replay, log=log)
     cost.save(path)
     return cost
 
