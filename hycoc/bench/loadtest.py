@@ -437,7 +437,7 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
     if server_url is None and not modes:
         modes = ["serial"]
     pass_flag = server_url is None and server_batching_support()
-    rows, servers, procs, urls = [], {}, [], {}
+    rows, servers, procs, urls, windows = [], {}, [], {}, []
     try:
         for asked in (modes or [None]):          # every server up first: the runs then alternate between them
             if server_url is None:
@@ -462,7 +462,7 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
         # Per session count every mode in turn, so on a shared machine the modes compared see the same load.
         for n in sessions:
             for mode, url in urls.items():
-                before, load = scrape_metrics(url), os.getloadavg()
+                before, load, started = scrape_metrics(url), os.getloadavg(), time.time()
                 with progress.step(f"{mode}: {n} sessions", total=int(math.ceil(duration_s))) as s:
                     def tick(st: RunStats) -> None:
                         s.advance(note=f"{len(st.rounds):,} rounds, {sum(st.errors.values())} errors")
@@ -474,6 +474,7 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
                 after = scrape_metrics(url)
                 load = tuple(round(x, 2) for x in load + os.getloadavg())
                 row = summarize_run(mode, n, duration_s, stats, before, after, load)
+                windows.append({"mode": mode, "sessions": n, "epoch_s": [started, time.time()]})
                 row["projection"] = project(row, cost_model)
                 rows.append(row)
                 console.print(run_summary_lines(mode, n, row, load), soft_wrap=True)
@@ -485,6 +486,7 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(meta or {}, configs=list(configs), sessions=list(sessions), duration_s=duration_s, servers=servers,
                 rate=rate, device_ms=device_ms, server=server_url or "own verify-server process per mode",
+                run_windows=windows,
                 machine=f"{os.cpu_count()} CPUs", date=time.strftime("%Y-%m-%d %H:%M:%S"),
                 projection="labelled projection, not a measurement: see hycoc/bench/loadreport.py")
     projection = None

@@ -10,6 +10,7 @@ One module per command group, each command an undecorated function registered he
 - ``run``: run (imports neither torch nor aiohttp);
 - ``serve``: verify-server, serve-ray;
 - ``bench``: bench, tune-epsilon, loadtest, profile;
+- ``capacity``: capacity (the simulator of many devices against one verifier);
 - ``tools``: generate, calibrate-handoff, doctor.
 
 What a command checks, computes and prints lives in library modules the tests call directly: ``hycoc.inspect_report``
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import typer
 
-from hycoc.cli import bench, build, run, serve, tools
+from hycoc.cli import bench, build, capacity, run, serve, tools
 from hycoc.cli._common import DEFAULT_DATASET, REPO_ROOT, _auth_token, utf8_stdio  # noqa: F401
 from hycoc.cli.bench import BENCH_CONFIGS, LOADTEST_BATCHING, LOADTEST_CONFIGS  # noqa: F401
 from hycoc.doctor import package_versions  # noqa: F401  (imported from hycoc.cli)
@@ -67,6 +68,7 @@ app.command("build", short_help="Compile a recipe's drafters into a bundle.")(bu
 app.command("verify-server", short_help="Serve the verifier over WebSocket.")(serve.verify_server)
 app.command("serve-ray", short_help="Serve the verifier on N Ray Serve replicas.")(serve.serve_ray)
 app.command("loadtest", short_help="Load-test a verifier with simulated devices.")(bench.loadtest)
+app.command("capacity", short_help="Devices per verifier GPU, simulated and checked.")(capacity.capacity)
 app.command("run", short_help="The device runtime: answer a prompt.")(run.run)
 app.command("bench", short_help="Benchmark the Table 5 configurations.")(bench.bench)
 app.command("profile", short_help="Profile a bundle's graphs on a phone (AI Hub).")(bench.profile)

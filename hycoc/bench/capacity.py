@@ -1,0 +1,574 @@
+"""`hycoc capacity`: a discrete-event simulation of N devices in closed loop against R verifier replicas
+(docs/capacity.md). Built on SimPy (https://simpy.readthedocs.io: processes are generators, ``env.timeout``,
+``env.event``); time is in seconds.
+
+Each simulated device loops over requests (`Workload.request`): it opens a session (uplink, a prefill job at the
+verifier, downlink), then per round waits its drafting time, sends the tree (uplink: the link's RTT/2 plus the
+frame's serialization, `hycoc.runtime.transport.LinkModel.one_way_s`), waits for the verifier and the reply
+(downlink), commits and drafts the next tree, until the request is done; then the next request. The verifier of a
+replica is one worker that runs steps, as `hycoc.verifier.scheduler.BatchScheduler` forms them:
+
+* serial: one round (or one whole prefill) per step, first come first served (``--batching serial``);
+* batched: once a round is queued, wait at most ``max_batch_wait_ms`` from its arrival for more (dispatch at once
+  when the rows reach ``max_batch_rows`` or every open session of the replica has a round queued); take the queued
+  rounds oldest first up to ``max_batch_rows`` rows (at least one); one forward; then prefill chunks of the queued
+  prefills up to ``prefill_chunk`` positions in all (at least one chunk);
+* budgeted: batched, and the rows of a step with more than one round are chosen by
+  `hycoc.verifier.row_budget.allocate` (the server's own function, with the server's `BudgetState` learning host
+  ms per session and accepted per expected token from the simulated steps, as `hycoc.verifier.batch.verify_batch`
+  does).
+
+What a step costs comes from a `StepCost` (`hycoc.bench.capacity_cost`: measured on this machine, a cost-model file,
+or labelled GPU assumptions). What a round commits is replayed: a recorded round's accepted path, cut where the
+row budget left a path row out (then the bonus is the verifier's sample at the last kept path row: at T = 0 the
+recorded next token, so the replay stays on the recorded text; `hycoc.bench.loadtrace.tree_at` then gives the
+sub-tree a replaying device sends next, exactly as `hycoc loadtest` does).
+
+Results per run are a `hycoc.bench.loadtest.RunStats`, summarized by the load test's own
+`hycoc.bench.loadreport.summarize_run` (the same ramp rule and window), so predicted and measured rows compare
+field by field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from hycoc.bench.loadtest import RoundSample, RunStats
+from hycoc.bench.loadtrace import RequestTrace, tree_at
+from hycoc.verifier.row_budget import DEFAULT_MIN_ROWS, BudgetState, RowCost, allocate
+
+#: Simulated batching modes (`hycoc.bench.loadtest.MODE_ARGS`).
+MODES = ("serial", "batched", "budgeted")
+
+
+class CapacityError(ValueError):
+    """A simulation or capacity search that cannot run as asked (a bad input, an unreachable target). The message
+    is one line naming the input and the fix."""
+
+
+# ---- what a device sends ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SimRound:
+    """One round a device sends. tree: (scores float (R,) or None, tokens int (R,), parents int (R,)) as the
+    budget sees it; rows: R as sent (cloud-mtp: 1); device_ms: the drafting before it, ms; path: the recorded
+    accepted path as row indices of this tree (root excluded, root-to-leaf order); committed: the tokens that
+    path and its bonus commit (len(path) + 1)."""
+
+    tree: tuple
+    rows: int
+    device_ms: float
+    path: tuple[int, ...]
+    committed: tuple[int, ...]
+
+
+class SimRequest:
+    """One request of a device: ``prompt_len`` tokens, ``draft_place``, and its rounds (`next_round`), which depend
+    on what was committed so far (`commit`). Subclasses: `TraceRequest`, `SyntheticRequest`."""
+
+    prompt_len: int = 1
+    draft_place: str = "device"
+
+    def next_round(self) -> SimRound | None:
+        raise NotImplementedError
+
+    def commit(self, tokens) -> None:
+        raise NotImplementedError
+
+    def finished(self) -> bool:
+        """Whether the request has no round left (the verifier's reply would say finished)."""
+        raise NotImplementedError
+
+
+def _sub_path(tokens: np.ndarray, parents: np.ndarray, path_rows: tuple[int, ...], d: int) -> tuple[int, ...]:
+    """The recorded path below depth ``d`` as row indices of the sub-tree `tree_at` re-roots at path row d - 1
+    (its rows in order, the node first): the rows path_rows[d:] renumbered."""
+    if d == 0:
+        return tuple(int(r) for r in path_rows)
+    node = path_rows[d - 1]
+    inside = np.zeros(len(tokens), bool)
+    inside[node] = True
+    for j in range(node + 1, len(tokens)):
+        inside[j] = inside[parents[j]]
+    index = np.full(len(tokens), -1, np.int64)
+    rows = np.nonzero(inside)[0]
+    index[rows] = np.arange(len(rows))
+    return tuple(int(index[r]) for r in path_rows[d:])
+
+
+class TraceRequest(SimRequest):
+    """A recorded request replayed as `hycoc loadtest` replays it: the tree at the committed text's position
+    (`hycoc.bench.loadtrace.tree_at`), the recorded drafting time (or ``device_ms``, or scaled by
+    ``device_scale``). Requests whose rounds lack the committed tokens (hand-made traces) replay by round."""
+
+    def __init__(self, req: RequestTrace, device_ms: float | None = None, device_scale: float = 1.0):
+        self.req, self.fixed_ms, self.scale = req, device_ms, float(device_scale)
+        self.prompt_len = len(req.prompt)
+        self.draft_place = req.draft_place
+        self.produced: list[int] = []
+        self.seq = 0
+        self.total = sum(len(r.committed) for r in req.rounds)
+
+    def next_round(self) -> SimRound | None:
+        if self.total and len(self.produced) >= self.total:
+            return None
+        found = tree_at(self.req, self.produced, self.seq)
+        if found is None:
+            return None
+        rt, tokens, parents, scores = found
+        if rt.committed:
+            start = 0
+            for r in self.req.rounds:          # where round rt starts in the output
+                if r is rt:
+                    break
+                start += len(r.committed)
+            d = len(self.produced) - start
+            path = _sub_path(np.asarray(rt.tokens), np.asarray(rt.parents), rt.path_rows, d)
+            committed = tuple(rt.committed[d:])
+        else:
+            path, committed = tuple(rt.path_rows), tuple(rt.committed) or (0,) * (len(rt.path_rows) + 1)
+        ms = self.fixed_ms if self.fixed_ms is not None else rt.device_ms * self.scale
+        rows = 1 if self.draft_place == "cloud-mtp" else len(tokens)
+        return SimRound((scores, tokens, parents), rows, float(ms), path, committed)
+
+    def commit(self, tokens) -> None:
+        self.produced.extend(int(t) for t in tokens)
+        self.seq += 1
+
+    def finished(self) -> bool:
+        return self.next_round() is None
+
+
+class SyntheticRequest(SimRequest):
+    """A request of ``output_tokens`` tokens whose rounds each commit ``mat`` tokens on average (a seeded draw of
+    floor(mat) or floor(mat) + 1, mean ``mat``), trees of ``rows`` rows without scores (verified as sent), the
+    device drafting ``device_ms`` per round (``exponential``: an exponential draw of that mean, seeded): the
+    real-shape projection's workload, where no recording exists."""
+
+    def __init__(self, prompt_len: int, output_tokens: int, mat: float, rows: int, device_ms: float,
+                 draft_place: str, rng: np.random.Generator, exponential: bool = False):
+        if not mat >= 1:
+            raise CapacityError(f"MAT = {mat}: a round commits at least its bonus token (>= 1)")
+        self.prompt_len, self.left, self.mat, self.rows = int(prompt_len), int(output_tokens), float(mat), int(rows)
+        self.device_ms, self.draft_place, self.rng = float(device_ms), draft_place, rng
+        self.exponential = exponential
+
+    def next_round(self) -> SimRound | None:
+        if self.left <= 0:
+            return None
+        base = int(math.floor(self.mat))
+        n = min(self.left, base + int(self.rng.random() < self.mat - base))
+        rows = 1 if self.draft_place == "cloud-mtp" else self.rows
+        tree = (None, np.zeros(self.rows, np.int32), np.arange(-1, self.rows - 1))
+        ms = self.rng.exponential(self.device_ms) if self.exponential else self.device_ms
+        return SimRound(tree, rows, float(ms), tuple(range(1, n)), (0,) * n)
+
+    def commit(self, tokens) -> None:
+        self.left -= len(tokens)
+
+    def finished(self) -> bool:
+        return self.left <= 0
+
+
+@dataclass
+class Workload:
+    """What devices do: ``requests(device, k)`` gives device ``device``'s k-th request (a fresh `SimRequest`)."""
+
+    requests: Callable[[int, int], SimRequest]
+    label: str = ""
+
+
+def trace_workload(per_device: list[list[RequestTrace]], device_ms: float | None = None,
+                   device_scale: float = 1.0) -> Workload:
+    """Devices replaying recorded requests as `hycoc.bench.loadtest._device` does: device i plays its list from
+    index i onward, cyclically."""
+    return Workload(lambda i, k: TraceRequest(per_device[i][(i + k) % len(per_device[i])], device_ms, device_scale),
+                    "recorded rounds")
+
+
+# ---- the link and the frames ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FrameBytes:
+    """Wire bytes of a round (whole frames, `hycoc.protocol.wire`): up = up_fixed + up_per_row x rows; down =
+    down_fixed + down_per_row x rows + down_per_token x committed. ``open_up`` / ``open_down``: the OPEN and
+    OPENED frames (prompt ids ride in OPEN: 4 bytes each)."""
+
+    up_fixed: int = 16 + 15
+    up_per_row: int = 8
+    down_fixed: int = 16 + 30
+    down_per_row: int = 4
+    down_per_token: int = 0
+    open_fixed: int = 64
+    open_down: int = 64
+
+    def up(self, rows: int) -> int:
+        return self.up_fixed + self.up_per_row * rows
+
+    def down(self, rows: int, committed: int) -> int:
+        return self.down_fixed + self.down_per_row * rows + self.down_per_token * committed
+
+
+# ---- the simulation ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SimConfig:
+    """One simulated run. mode: `MODES`; devices: N; duration_s: the run (no round starts after it, as the load
+    test); replicas: R verifiers (a device's session stays on the replica that opened it; a new session goes to
+    the replica with the fewest open sessions, lowest index on a tie: Ray Serve's power-of-two-choices router with
+    two replicas); max_batch_rows, max_batch_wait_ms, prefill_chunk: the scheduler's
+    (`hycoc.verifier.scheduler.BatchScheduler`); link: a `LinkModel` or None (no delay: loopback); frames: the
+    byte counts the link delays; tree_rows / min_rows: the budget's free rows (max(tree_rows, cost line's flat
+    rows)) and rows kept per tree; chain_length: K, the rows a cloud-mtp round grows by at the verifier;
+    client_ms: time per round inside the round latency but outside the verifier's queue and step (frame
+    handling, the threads' wake-ups), ms; wake_ms: the device's delay after its drafting before it sends, ms;
+    slowdown: the verifier's CPU ms are stretched by it (machine load: `cpu_slowdown`); slowdown_samples: instead,
+    the measured sequence of (slowdown, CPU ns) intervals of the run, each step replayed through it from a seeded
+    random point (`_Replica._wall_ms`): the machine's bursts, so the latency tail is the measured one;
+    row_cost / free_rows:
+    the budget's line and free rows when known from the server (its /healthz), else the cost's own line."""
+
+    mode: str
+    devices: int
+    duration_s: float
+    replicas: int = 1
+    max_batch_rows: int = 528
+    max_batch_wait_ms: float = 2.0
+    prefill_chunk: int = 512
+    link: object | None = None
+    frames: FrameBytes = field(default_factory=FrameBytes)
+    tree_rows: int = 33
+    min_rows: int = DEFAULT_MIN_ROWS
+    chain_length: int = 4
+    client_ms: float = 0.0
+    wake_ms: float = 0.0
+    slowdown: float = 1.0
+    slowdown_samples: tuple | None = None
+    row_cost: RowCost | None = None
+    free_rows: int | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise CapacityError(f"mode {self.mode!r}: one of {', '.join(MODES)}")
+        if self.devices < 1 or self.replicas < 1:
+            raise CapacityError(f"devices = {self.devices}, replicas = {self.replicas}: both must be >= 1")
+        if not self.duration_s > 0:
+            raise CapacityError(f"duration_s = {self.duration_s}: must be > 0 seconds")
+
+
+@dataclass
+class SimResult:
+    """A simulated run: ``stats`` as the load test's client would have measured (`RunStats`), ``busy_s`` per
+    replica (seconds its worker ran steps within the run), ``server_ms``: per answered round, arrival at the
+    verifier -> reply leaving it, ms (queue + batch wait + step), ``forwards``: steps run, ``rows``: rows
+    verified in all, ``trimmed``: rows the budget left out."""
+
+    stats: RunStats
+    busy_s: list[float]
+    server_ms: list[float] = field(default_factory=list)
+    forwards: int = 0
+    rows: int = 0
+    trimmed: int = 0
+    round_sessions: int = 0
+
+
+@dataclass
+class _Job:
+    session: "_Session"
+    rnd: SimRound | None
+    rows: int
+    arrived: float
+    done: object                      # simpy event; value: (committed tokens, server ms)
+    prefill_left: int = 0
+    context: int = 0
+
+
+@dataclass(eq=False)
+class _Session:
+    replica: int
+    request: SimRequest
+    context: int
+
+
+class _Replica:
+    """One verifier: its queues, its `BudgetState`, its worker process (module docstring)."""
+
+    def __init__(self, env, index: int, cfg: SimConfig, cost, result: SimResult):
+        self.env, self.index, self.cfg, self.cost, self.result = env, index, cfg, cost, result
+        self.rounds: deque[_Job] = deque()
+        self.prefills: deque[_Job] = deque()
+        self.open_sessions = 0
+        self.wake = env.event()
+        self.state = BudgetState()
+        self.row_cost: RowCost | None = None
+        if cfg.mode == "budgeted":
+            self.row_cost = cfg.row_cost if cfg.row_cost is not None else cost.row_cost()
+        self.free_rows = (cfg.free_rows or max(cfg.tree_rows, self.row_cost.flat_rows())) if self.row_cost else 0
+        self.rng = np.random.default_rng([cfg.seed, index])
+        self.stretch = None
+        if cfg.slowdown_samples:
+            s = np.asarray(cfg.slowdown_samples, np.float64).reshape(-1, 2)
+            self.cpu = s[:, 1] / 1e6                       # ms of CPU the thread got in each interval
+            self.stretch = s[:, 0]
+            self.wall = self.cpu * self.stretch            # ms those took on the wall
+            self.weights = self.cpu / self.cpu.sum()
+        env.process(self.worker())
+
+    def submit(self, job: _Job) -> None:
+        (self.prefills if job.rnd is None else self.rounds).append(job)
+        if not self.wake.triggered:
+            self.wake.succeed()
+
+    def _idle(self):
+        if self.wake.triggered:
+            self.wake = self.env.event()
+        return self.wake
+
+    def worker(self) -> Iterator:
+        env, cfg = self.env, self.cfg
+        while True:
+            if not self.rounds and not self.prefills:
+                yield self._idle()
+                continue
+            if cfg.mode == "serial":
+                # one engine call at a time, in arrival order
+                first_round = self.rounds[0].arrived if self.rounds else math.inf
+                first_prefill = self.prefills[0].arrived if self.prefills else math.inf
+                if first_prefill < first_round:
+                    job = self.prefills.popleft()
+                    ms = self.cost.prefill_ms(job.prefill_left, 0)
+                    yield from self._run(ms)
+                    job.done.succeed(((), ms))
+                    continue
+                job = self.rounds.popleft()
+                yield from self._step([job], [])
+                continue
+            if self.rounds:
+                yield from self._gather()
+            batch = self._take()
+            prefills = list(self.prefills)
+            if batch or prefills:
+                yield from self._step(batch, prefills)
+
+    def _gather(self) -> Iterator:
+        cfg = self.cfg
+        deadline = self.rounds[0].arrived + cfg.max_batch_wait_ms / 1e3
+        while True:
+            if (sum(j.rows for j in self.rounds) >= cfg.max_batch_rows
+                    or len({id(j.session) for j in self.rounds}) >= self.open_sessions):
+                return
+            left = deadline - self.env.now
+            if left <= 0:
+                return
+            wake = self._idle()
+            yield wake | self.env.timeout(left)
+
+    def _take(self) -> list[_Job]:
+        batch, rows, seen, rest = [], 0, set(), deque()
+        while self.rounds:
+            j = self.rounds.popleft()
+            if id(j.session) in seen or (batch and rows + j.rows > self.cfg.max_batch_rows):
+                rest.append(j)
+                continue
+            batch.append(j)
+            rows += j.rows
+            seen.add(id(j.session))
+        self.rounds = rest
+        return batch
+
+    def _run(self, ms: float) -> Iterator:
+        start = self.env.now
+        yield self.env.timeout(self._wall_ms(ms) / 1e3)
+        end = min(self.env.now, self.cfg.duration_s)
+        self.result.busy_s[self.index] += max(0.0, end - max(start, 0.0)) if start < self.cfg.duration_s else 0.0
+
+    def _wall_ms(self, ms: float) -> float:
+        """Wall ms of ``ms`` CPU ms: x slowdown; with measured intervals, replayed from a random point of the
+        measured sequence (chosen in proportion to CPU, so each CPU ms is equally likely to start there) until
+        the step's CPU is covered -- a long step averages over the intervals it spans, as it did."""
+        if self.stretch is None or ms <= 0:
+            return ms * self.cfg.slowdown
+        k = int(self.rng.choice(len(self.cpu), p=self.weights))
+        need, wall = ms, 0.0
+        for _ in range(10 * len(self.cpu)):
+            got = self.cpu[k]
+            if got >= need:
+                return wall + need * self.stretch[k]
+            wall += self.wall[k]
+            need -= got
+            k = (k + 1) % len(self.cpu)
+        return wall + need * self.cfg.slowdown
+
+    def _step(self, batch: list[_Job], prefills: list[_Job]) -> Iterator:
+        cfg, cost = self.cfg, self.cost
+        results: list[tuple] = []
+        ms = 0.0
+        if batch:
+            kept: list = [None] * len(batch)
+            alloc = None
+            if self.row_cost is not None and len(batch) > 1:
+                trees = [j.rnd.tree if j.session.request.draft_place != "cloud-mtp"   # kept whole, as the server
+                         else (None, np.zeros(j.rows, np.int32), np.arange(-1, j.rows - 1)) for j in batch]
+                alloc = allocate(trees, self.row_cost, free_rows=self.free_rows, min_rows=cfg.min_rows,
+                                 extra_ms=self.state.overhead_ms * len(batch), value_scale=self.state.value_scale)
+                kept = alloc.kept
+            rows_kept = []
+            for j, k in zip(batch, kept):
+                r = j.rows if k is None else len(k)
+                rows_kept.append(r)
+                path = j.rnd.path
+                if k is not None:
+                    keep = set(int(x) for x in k)
+                    cut = next((i for i, row in enumerate(path) if row not in keep), len(path))
+                    path = path[:cut]
+                results.append(j.rnd.committed[:len(path) + 1])
+            places = [j.session.request.draft_place for j in batch]
+            forward_ms, step_ms = cost.step_ms(places, rows_kept, [j.session.context for j in batch])
+            ms += step_ms
+            self.result.forwards += 1
+            self.result.rows += sum(rows_kept)
+            self.result.round_sessions += len(batch)
+            if alloc is not None:
+                self.result.trimmed += alloc.trimmed
+                scored = all(t[0] is not None for t in trees)
+                accepted = float(sum(len(c) - 1 for c in results)) if scored else None
+                self.state.observe(step_ms, forward_ms, len(batch), accepted,
+                                   (alloc.expected_tokens - len(batch)) / self.state.value_scale)
+        done_prefills = []
+        used = 0
+        for p in prefills:
+            n = min(cfg.prefill_chunk, p.prefill_left)
+            if done_prefills or used:
+                if used + n > cfg.prefill_chunk:
+                    break
+            ms += cost.prefill_ms(n, p.context)
+            p.context += n
+            p.prefill_left -= n
+            used += n
+            if p.prefill_left <= 0:
+                done_prefills.append(p)
+        start = self.env.now
+        yield from self._run(ms)
+        for j, committed in zip(batch, results):
+            j.done.succeed((committed, 1e3 * (self.env.now - j.arrived)))
+        for p in done_prefills:
+            self.prefills.remove(p)
+            p.done.succeed(((), 1e3 * (self.env.now - p.arrived)))
+        del start
+
+
+def cpu_slowdown(loadavg: float, cores: int) -> float:
+    """How much longer a CPU-bound thread takes on a shared machine: max(1, load / cores) (each of ``loadavg``
+    runnable threads gets cores / load of a core when there are more of them than cores). The load average
+    counts the verifier's own worker, so a quiet machine gives 1."""
+    return max(1.0, float(loadavg) / max(1, int(cores)))
+
+
+def simulate(workload: Workload, cfg: SimConfig, cost, *, progress: Callable[[float], None] | None = None
+             ) -> SimResult:
+    """Run ``cfg.devices`` simulated devices of ``workload`` against ``cfg.replicas`` verifiers whose steps cost
+    what ``cost`` (a `hycoc.bench.capacity_cost.StepCost`) says, for ``cfg.duration_s`` simulated seconds (module
+    docstring). Deterministic for a given seed. Returns a `SimResult`. progress: called with the simulated time
+    about every simulated second."""
+    import simpy
+
+    env = simpy.Environment()
+    result = SimResult(RunStats(), [0.0] * cfg.replicas)
+    stats = result.stats
+    replicas = [_Replica(env, r, cfg, cost, result) for r in range(cfg.replicas)]
+    link, frames = cfg.link, cfg.frames
+
+    def one_way(nbytes: int) -> float:
+        return 0.0 if link is None else link.one_way_s(nbytes)
+
+    def device(i: int) -> Iterator:
+        k = 0
+        while env.now < cfg.duration_s:
+            req = workload.requests(i, k)
+            k += 1
+            replica = min(replicas, key=lambda rp: (rp.open_sessions, rp.index))
+            session = _Session(replica.index, req, 0)
+            replica.open_sessions += 1
+            sent = env.now
+            yield env.timeout(one_way(frames.open_fixed + 4 * req.prompt_len))
+            done = env.event()
+            replica.submit(_Job(session, None, 0, env.now, done, prefill_left=max(0, req.prompt_len - 1)))
+            yield done
+            session.context = max(0, req.prompt_len - 1)
+            yield env.timeout(one_way(frames.open_down))
+            stats.opens_ms.append(1e3 * (env.now - sent))
+            finished = True
+            while True:
+                rnd = req.next_round()
+                if rnd is None:
+                    finished = False
+                    break
+                wait = rnd.device_ms / 1e3
+                if env.now + wait >= cfg.duration_s:
+                    replica.open_sessions -= 1       # the run is over for this device (the load test's OPENs
+                    return                           # after this point produce no round either)
+                yield env.timeout(wait + cfg.wake_ms / 1e3)
+                stats.device_waits_ms.append((rnd.device_ms, rnd.device_ms + cfg.wake_ms))
+                sent = env.now
+                yield env.timeout(one_way(frames.up(rnd.rows)) + cfg.client_ms / 2e3)
+                done = env.event()
+                rows = rnd.rows + (cfg.chain_length if req.draft_place == "cloud-mtp" else 0)
+                replica.submit(_Job(session, rnd, rows, env.now, done))
+                committed, server_ms = yield done
+                yield env.timeout(one_way(frames.down(rows, len(committed))) + cfg.client_ms / 2e3)
+                t = env.now
+                stats.rounds.append(RoundSample(t, 1e3 * (t - sent), server_ms, len(committed), rnd.rows,
+                                                session.context))
+                result.server_ms.append(server_ms)
+                stats.first_round_s.setdefault(i, t)
+                session.context += len(committed)
+                req.commit(committed)
+                if req.finished():
+                    break
+            replica.open_sessions -= 1
+            if finished:
+                stats.requests_finished += 1
+            else:
+                stats.requests_truncated += 1
+
+    procs = [env.process(device(i)) for i in range(cfg.devices)]
+    end = cfg.duration_s + 120.0                 # rounds in flight at the end complete, as in the load test
+    t = 0.0
+    while t < end and not all(p.triggered for p in procs):
+        t = min(end, t + 1.0)
+        env.run(until=t)
+        if progress is not None and t <= cfg.duration_s:
+            progress(t)
+    stats.wall_s = cfg.duration_s
+    return result
+
+
+def summarize(mode: str, cfg: SimConfig, result: SimResult) -> dict:
+    """One predicted row: `hycoc.bench.loadreport.summarize_run` of the simulated client's stats (the load test's
+    own columns and window) plus ``busy_share`` (the busiest replica's worker share of the run), ``server_p90_ms``
+    (p90 of arrival at the verifier -> reply, ms), ``rows_per_forward`` and ``sessions_per_forward``, and
+    ``tok_per_s_per_device``."""
+    from hycoc.bench.loadreport import percentile, summarize_run
+
+    row = summarize_run(mode, cfg.devices, cfg.duration_s, result.stats)
+    row["busy_share"] = max(result.busy_s) / cfg.duration_s
+    row["server_p90_ms"] = percentile(result.server_ms, 90)
+    row["rows_per_forward"] = result.rows / result.forwards if result.forwards else None
+    row["sessions_per_forward"] = result.round_sessions / result.forwards if result.forwards else None
+    row["rows_trimmed"] = result.trimmed
+    row["tok_per_s_per_device"] = row["tok_per_s"] / cfg.devices
+    row["replicas"] = cfg.replicas
+    return row
+
+
+__all__ = ["MODES", "CapacityError", "cpu_slowdown", "FrameBytes", "SimConfig", "SimRequest", "SimResult", "SimRound",
+           "SyntheticRequest", "TraceRequest", "Workload", "simulate", "summarize", "trace_workload"]

@@ -1,0 +1,427 @@
+"""What one verifier step costs in `hycoc capacity`'s simulation (`hycoc.bench.capacity`): a `StepCost`.
+
+A step (`hycoc.verifier.scheduler`'s) is one forward over the rounds it takes plus the host work per round around
+it (p~, sampling, acceptance, compaction, hand-off, the reply frame) and prefill chunks. Three sources:
+
+* `MeasuredStepCost` (``measure_step_cost``): timed on this machine on the recipe's own verifier, the way the
+  server runs it: `hycoc.verifier.batch.verify_batch` over n scratch sessions (`VerifierEngine.open`, prefilled),
+  every session sending an r-row tree, for n in 1, 2, 4, 8, 16 and r in 2, 9, 17, 33 (device-drafted), and n
+  cloud-mtp / server-head sessions; each point the mean CPU ms of the worker thread over a few calls (`time.
+  thread_time`). A step of n device rounds with N rows in all is read off that grid (bilinear in n and N / n,
+  linear beyond), each other draft place adding its own measured ms per session; the forward alone the same way
+  (the budget's `BudgetState` learns host ms from step - forward, as the server's does). A least-squares line
+  a + b n + c N is kept beside the grid for a file without one. Prefill: Session.prefill's ms at two prompt lengths, linear. The row budget's line is
+  `hycoc.verifier.row_cost_measure.measure_row_cost` with the server's own plan (`row_cost_plan`): the same
+  function and points the server measures before it serves. The toy's own cost "on this machine".
+* `ModelStepCost`: a cost-model file (`hycoc.bench.cost_model`, e.g. the one ``hycoc bench`` stores or
+  ``benchmarks/gpu_check.sh`` writes): forward ms = predict(rows, context) inside its measured rows; a batched
+  forward beyond them scales linearly on a CPU and, on a GPU, as max(1, rows / GPU_FLAT_ROWS) x the largest
+  measured forward (the H200 ridge point, `hycoc.bench.loadreport.GPU_FLAT_ROWS`); cloud-mtp rounds add K head
+  steps; host ms per session is not in a cost model (an assumption, given).
+* `assumed_gpu_cost`: no measurement at all (labelled ASSUMED): the paper's median server round, 21.7 ms for a
+  33-row HyCo verification and 26.8 ms for Cloud+MTP's 4 head steps + 5-row verification (§3.1,
+  `hycoc.bench.cost_model.PAPER_ROUND_MS`), flat up to GPU_FLAT_ROWS rows per forward and linear beyond.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hycoc.verifier.row_budget import RowCost
+
+#: Session counts and rows per tree of the step measurement (device-drafted rounds).
+MEASURE_SESSIONS = (1, 2, 4, 8, 16)
+MEASURE_ROWS = (2, 9, 17, 33)
+#: The statistic of a measured point: the MEAN of the worker thread's CPU ms (time.thread_time) over the repeats.
+#: A queue's throughput and waits follow the mean service time (utilization = arrival rate x E[S]), so the mean is
+#: the simulation's input; `hycoc.verifier.cost_measure.BUSY_STATISTIC`'s 25th percentile is a steadier per-forward
+#: figure but understated the load test's steps (toy, one 33-row round: p25 13.9 ms against ~19 ms rounds on a
+#: quiet machine). CPU time leaves out the waiting for a CPU: machine load is the simulation's input (slowdown).
+#: Assumed host ms per session and step on a GPU (sampling, acceptance, KV compaction, reply): not measured here.
+ASSUMED_GPU_HOST_MS = 1.0
+
+
+class StepCostError(ValueError):
+    """A step cost that does not fit the recipe asked about (another model or shape) or cannot be read. One line
+    naming the input and the fix."""
+
+
+@dataclass
+class StepCost:
+    """Milliseconds of verifier steps (module docstring). Subclasses give `forward_ms` and `host_ms`."""
+
+    label: str = ""
+    chain_length: int = 4
+
+    def forward_ms(self, rows: int, sessions: int, context: float) -> float:
+        raise NotImplementedError
+
+    def host_ms(self, places: list[str], rows: list[int]) -> float:
+        raise NotImplementedError
+
+    def prefill_ms(self, positions: int, context: int) -> float:
+        raise NotImplementedError
+
+    def step_ms(self, places: list[str], rows: list[int], contexts: list[int]) -> tuple[float, float]:
+        """(forward ms, whole step ms) of one step whose rounds come from sessions of ``places`` (draft places:
+        device, cloud-mtp, server-head) with ``rows`` rows verified each (cloud-mtp: root + K chain) at
+        ``contexts`` (their root positions)."""
+        fwd = self.forward_ms(int(sum(rows)), len(rows), float(np.mean(contexts)) if contexts else 0.0)
+        return fwd, fwd + self.host_ms(places, rows)
+
+    def row_cost(self) -> RowCost:
+        """The row budget's line (`hycoc.verifier.row_budget.RowCost`): what a budgeted server would measure."""
+        pts = [(r, float(self.forward_ms(r, max(2, r // 33), 64.0))) for r in (32, 144, 272, 528)]
+        return RowCost(tuple(pts), source=self.label)
+
+    def describe(self) -> dict:
+        return {"label": self.label}
+
+
+@dataclass
+class MeasuredStepCost(StepCost):
+    """Fitted from `measure_step_cost`'s points (module docstring). step: (a, b, c) of a + b n + c rows, ms;
+    forward: the same for the forward alone; place_ms: extra ms per session of a draft place (cloud-mtp,
+    server-head) over a device round of the same rows; prefill: (p0, p1) of p0 + p1 x positions, ms;
+    row_points: the budget's line as measured ((rows, ms), ...); points: every measured point; meta: load, date."""
+
+    step: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    forward: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    place_ms: dict = field(default_factory=dict)
+    prefill: tuple[float, float] = (0.0, 0.0)
+    row_points: tuple = ()
+    points: list = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+    loop_ms: float = 0.0
+
+    def _grid(self, key: str, sessions: int, rows: int) -> float | None:
+        """``key`` ("step_ms" or "forward_ms") of device rounds at ``sessions`` trees of rows / sessions rows each:
+        bilinear on the measured (sessions, rows per tree) grid, linear beyond it (slope of the last two grid
+        lines, >= 0), held below it; None without a full grid (then the linear fit answers)."""
+        pts = [p for p in self.points if p["place"] == "device"]
+        ns = sorted({p["sessions"] for p in pts})
+        rs = sorted({p["rows"] // p["sessions"] for p in pts})
+        table = {(p["sessions"], p["rows"] // p["sessions"]): p[key] for p in pts}
+        if len(ns) < 2 or len(rs) < 2 or len(table) != len(ns) * len(rs):
+            return None
+
+        def interp(xs, x, f):
+            i = int(np.clip(np.searchsorted(xs, x, side="right") - 1, 0, len(xs) - 2))
+            lo, hi = f(xs[i]), f(xs[i + 1])
+            w = (x - xs[i]) / (xs[i + 1] - xs[i])
+            if w < 0:
+                return lo
+            if w > 1:
+                return hi + max(0.0, hi - lo) * (w - 1)
+            return lo + w * (hi - lo)
+
+        r = rows / max(1, sessions)
+        return float(interp(ns, float(sessions), lambda n: interp(rs, r, lambda k: table[(n, k)])))
+
+    def forward_ms(self, rows: int, sessions: int, context: float) -> float:
+        got = self._grid("forward_ms", sessions, rows)
+        if got is not None:
+            return got
+        a, b, c = self.forward
+        return max(0.0, a + b * sessions + c * rows)
+
+    def host_ms(self, places: list[str], rows: list[int]) -> float:
+        n, total = len(rows), sum(rows)
+        extra = sum(self.place_ms.get(p, 0.0) for p in places)
+        step = self._grid("step_ms", n, total)
+        if step is None:
+            a, b, c = self.step
+            step = a + b * n + c * total
+        return max(0.0, step - self.forward_ms(total, n, 0.0)) + extra + self.loop_ms * n
+
+    def prefill_ms(self, positions: int, context: int) -> float:
+        return self.prefill[0] + self.prefill[1] * positions if positions > 0 else 0.0
+
+    def row_cost(self) -> RowCost:
+        if len(self.row_points) >= 2:
+            return RowCost(tuple((int(r), float(m)) for r, m in self.row_points), source=self.label)
+        return super().row_cost()
+
+    def describe(self) -> dict:
+        return {"label": self.label, "step": self.step, "forward": self.forward, "place_ms": self.place_ms,
+                "prefill": self.prefill, "row_points": self.row_points, "loop_ms": self.loop_ms, "meta": self.meta}
+
+    def save(self, path: Path) -> Path:
+        """Write as JSON atomically (temporary name + rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> "MeasuredStepCost":
+        """Read `save`'s file. Raises StepCostError naming the file and the fix."""
+        try:
+            d = json.loads(Path(path).read_text(encoding="utf-8"))
+            d["step"], d["forward"], d["prefill"] = tuple(d["step"]), tuple(d["forward"]), tuple(d["prefill"])
+            d["row_points"] = tuple(tuple(p) for p in d["row_points"])
+            return cls(**d)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise StepCostError(f"{path}: not a step-cost file of this hycoc ({type(e).__name__}: {e}); delete it "
+                                "to remeasure") from None
+
+
+def _fit(xs: list[list[float]], ys: list[float]) -> np.ndarray:
+    """Least squares of ys on xs (numpy.linalg.lstsq)."""
+    coef, *_ = np.linalg.lstsq(np.asarray(xs, np.float64), np.asarray(ys, np.float64), rcond=None)
+    return coef
+
+
+def measure_step_cost(recipe, *, sessions=MEASURE_SESSIONS, rows=MEASURE_ROWS, context: int = 96, repeats: int = 7,
+                      replay=None, log=lambda s: None) -> MeasuredStepCost:
+    """Time verifier steps of ``recipe``'s own verifier on this machine (module docstring): about 20-40 s for the
+    toy on a 2-core CPU. replay: recorded requests (`hycoc.bench.loadtrace.RequestTrace`) whose prompts and trees
+    the device sessions replay (their rounds then accept what the recording accepted, so the host work of the
+    accepted path -- KV compaction, the hand-off of every committed position -- is in the points); None: random
+    chains, which the verifier rejects at the first row. Returns the fitted `MeasuredStepCost`."""
+    import torch
+
+    from hycoc.bench.capacity import TraceRequest
+    from hycoc.bench.loadtrace import patch_root
+    from hycoc.models import set_threads
+    from hycoc.protocol.messages import Sampling
+    from hycoc.verifier.batch import BatchStats, verify_batch
+    from hycoc.verifier.loading import engine_from_recipe
+    from hycoc.verifier.row_cost_measure import measure_row_cost, row_cost_plan
+
+    set_threads(recipe.verifier.threads)
+    torch.manual_seed(0)
+    load0 = os.getloadavg()
+    t0 = time.perf_counter()
+    engine = engine_from_recipe(recipe, device="cpu")
+    engine.eos_token_ids = frozenset()       # scratch sessions never finish on a sampled stop id
+    rng = np.random.default_rng(0)
+    vocab = engine.vocab_size
+    sampling = Sampling(recipe.sampling.temperature, recipe.sampling.top_k, recipe.sampling.top_p)
+
+    def open_one(i: int, place: str, prompt: int = context):
+        if place == "device" and replay:
+            req = replay[i % len(replay)]
+            s = engine.open(np.asarray(req.prompt), Sampling(req.temperature, req.top_k, req.top_p), seed=req.seed,
+                            acceptance=req.acceptance, epsilon=req.epsilon, draft_place=place, max_new_tokens=10 ** 6)
+            s.prefill()
+            return [s, 0, TraceRequest(req), i]
+        s = engine.open(rng.integers(2, vocab, prompt), sampling, seed=i, acceptance="exact",
+                        draft_place=place, max_new_tokens=10 ** 6)
+        s.prefill()
+        return [s, 0, None, i]
+
+    def open_sessions(n: int, place: str, prompt: int = context):
+        return [open_one(i, place, prompt) for i in range(n)]
+
+    def tree_of(entry, k: int):
+        """The round a session sends: the recorded tree at its text (its first k rows: an ancestor-closed
+        subtree, as a budget keeps), or a random chain without a recording."""
+        s, seq, tr, i = entry
+        if tr is not None:
+            rnd = tr.next_round()
+            if rnd is None:                            # the recording is over: the next request, a new session
+                entry[:] = open_one(i + len(replay), "device")
+                return tree_of(entry, k)
+            return patch_root(rnd.tree[1], s.root)[:k].astype(np.int64), np.asarray(rnd.tree[2][:k], np.int64)
+        toks = np.concatenate([[s.root], rng.integers(2, vocab, k - 1)]).astype(np.int64)
+        return toks, np.arange(-1, k - 1, dtype=np.int64)
+
+    def time_step(group, r: int) -> tuple[float, float]:
+        walls, fwds = [], []
+        for rep in range(repeats + 1):
+            rounds = []
+            for entry in group:
+                k = 1 if entry[0].draft_place == "cloud-mtp" else r
+                toks, parents = tree_of(entry, k)
+                rounds.append((entry[0], toks, parents, entry[1], None))
+            stats = BatchStats()
+            w0, c0 = time.perf_counter(), time.thread_time()
+            out = verify_batch(engine, rounds, stats)
+            wall, busy = (time.perf_counter() - w0) * 1e3, (time.thread_time() - c0) * 1e3
+            for entry, reply, rd in zip(group, out, rounds):
+                if isinstance(reply, BaseException):
+                    raise StepCostError(f"measuring the step cost: a scratch round failed ({reply}); report this")
+                entry[1] += 1
+                if entry[2] is not None:                 # the replay follows the text it commits
+                    entry[2].commit([int(rd[1][j]) for j in reply.path_rows] + [int(reply.bonus)])
+            if rep:                               # the first call is a warm-up
+                walls.append(busy)
+                fwds.append(stats.forward_ms * busy / max(wall, 1e-9))   # the forward's share of the busy time
+        return float(np.mean(walls)), float(np.mean(fwds))
+
+    points = []
+    for n in sessions:
+        group = open_sessions(n, "device")
+        for r in rows:
+            wall, fwd = time_step(group, r)
+            points.append({"place": "device", "sessions": n, "rows": n * r, "step_ms": wall, "forward_ms": fwd})
+            log(f"device {n} x {r} rows: {wall:.1f} ms")
+    for place in ("cloud-mtp", "server-head"):
+        for n in (1, 4, 16):
+            try:
+                group = open_sessions(n, place)
+            except Exception as e:  # noqa: BLE001 -- no head: the place cannot be measured, say so
+                log(f"{place}: not measured ({e})")
+                break
+            r = 1 + engine.chain_length if place == "cloud-mtp" else rows[-1]
+            wall, fwd = time_step(group, rows[-1])
+            points.append({"place": place, "sessions": n, "rows": n * r, "step_ms": wall, "forward_ms": fwd})
+            log(f"{place} {n}: {wall:.1f} ms")
+    dev = [p for p in points if p["place"] == "device"]
+    xs = [[1.0, p["sessions"], p["rows"]] for p in dev]
+    step = _fit(xs, [p["step_ms"] for p in dev])
+    fwd = _fit(xs, [p["forward_ms"] for p in dev])
+    place_ms = {}
+    device_only = MeasuredStepCost(points=points, step=tuple(step), forward=tuple(fwd))
+    for place in ("cloud-mtp", "server-head"):
+        pts = [p for p in points if p["place"] == place]
+        if pts:
+            resid = [p["step_ms"] - device_only.step_ms(["device"] * p["sessions"],
+                                                        [p["rows"] // p["sessions"]] * p["sessions"], [context])[1]
+                     for p in pts]
+            place_ms[place] = max(0.0, float(np.sum(resid) / np.sum([p["sessions"] for p in pts])))
+    pre = []
+    for n in (32, 256):
+        times = []
+        for _ in range(repeats):
+            s = engine.open(rng.integers(2, vocab, n + 1), sampling, draft_place="device", max_new_tokens=8)
+            c0 = time.thread_time()
+            s.prefill()
+            times.append((time.thread_time() - c0) * 1e3)
+            s.close()
+        pre.append((n, float(np.mean(times))))
+    p1 = (pre[1][1] - pre[0][1]) / (pre[1][0] - pre[0][0])
+    prefill = (max(0.0, pre[0][1] - p1 * pre[0][0]), max(0.0, p1))
+    n_rc, rows_rc = row_cost_plan(recipe.tree.node_budget + 1, recipe.verifier.max_batch_rows, engine.max_context)
+    line = measure_row_cost(engine, sessions=n_rc, rows_per_tree=rows_rc)
+    engine.close()
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(time.perf_counter() - t0, 1),
+            "loadavg_before": [round(x, 2) for x in load0], "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+            "threads": recipe.verifier.threads, "context": context, "repeats": repeats,
+            "recipe_sha256": recipe.content_hash(), "cpus": os.cpu_count()}
+    return MeasuredStepCost(label=f"measured here ({recipe.recipe.name} verifier, cpu, {recipe.verifier.threads} "
+                            f"thread(s), load {load0[0]:.1f})", chain_length=engine.chain_length,
+                            step=tuple(float(x) for x in step), forward=tuple(float(x) for x in fwd),
+                            place_ms=place_ms, prefill=prefill, row_points=tuple(line.points), points=points,
+                            meta=meta)
+
+
+def cached_step_cost(recipe, cache_dir: Path, *, remeasure: bool = False, replay=None,
+                     log=lambda s: None) -> MeasuredStepCost:
+    """`measure_step_cost` of ``recipe``, kept in ``cache_dir/step-cost-<recipe hash>.json`` (reused unless
+    ``remeasure``; the recipe's hash names it, so another recipe never reads it)."""
+    path = Path(cache_dir) / f"step-cost-{recipe.content_hash()[:16]}.json"
+    if path.is_file() and not remeasure:
+        return MeasuredStepCost.load(path)
+    cost = measure_step_cost(recipe, replay=replay, log=log)
+    cost.save(path)
+    return cost
+
+
+@dataclass
+class GpuStepCost(StepCost):
+    """A GPU step (module docstring): ``verify_ms(rows, context)`` of one forward within the measured rows,
+    ``flat_rows`` rows per forward at that cost, linear beyond; ``head_ms``: one head step (cloud-mtp runs K per
+    round, batched across sessions); ``host_ms_per_session``; ``prefill_ms_per_chunk`` of 512 positions."""
+
+    verify: object = None
+    max_rows: int = 33
+    flat_rows: int = 206
+    head_step_ms: float = 0.0
+    host_ms_per_session: float = ASSUMED_GPU_HOST_MS
+    prefill_chunk_ms: float = 0.0
+    assumptions: list = field(default_factory=list)
+
+    def forward_ms(self, rows: int, sessions: int, context: float) -> float:
+        base = float(self.verify(min(rows, self.max_rows), context))
+        if rows <= self.max_rows:
+            return base
+        top = float(self.verify(self.max_rows, context))
+        return top * max(1.0, rows / self.flat_rows)
+
+    def host_ms(self, places: list[str], rows: list[int]) -> float:
+        head = self.chain_length * self.head_step_ms if "cloud-mtp" in places else 0.0
+        return head + self.host_ms_per_session * len(rows)
+
+    def prefill_ms(self, positions: int, context: int) -> float:
+        return self.prefill_chunk_ms * math.ceil(positions / 512) if positions > 0 else 0.0
+
+    def row_cost(self) -> RowCost:
+        top = float(self.verify(self.max_rows, 512))
+        return RowCost(((1, top), (self.flat_rows, top), (2 * self.flat_rows, 2 * top)), source=self.label)
+
+    def describe(self) -> dict:
+        return {"label": self.label, "flat_rows": self.flat_rows, "head_step_ms": self.head_step_ms,
+                "host_ms_per_session": self.host_ms_per_session, "assumptions": self.assumptions,
+                "verify_33_ms": float(self.verify(self.max_rows, 512))}
+
+
+def assumed_gpu_cost(chain_length: int = 4) -> GpuStepCost:
+    """The labelled assumption (module docstring): 21.7 ms per 33-row verification, (26.8 - 21.7) / K ms per
+    head step, flat to GPU_FLAT_ROWS rows, ASSUMED_GPU_HOST_MS per session, a 512-position prefill chunk as one
+    verification."""
+    from hycoc.bench.cost_model import PAPER_ROUND_MS
+    from hycoc.bench.loadreport import GPU_FLAT_ROWS
+
+    hyco, mtp = PAPER_ROUND_MS["hyco"], PAPER_ROUND_MS["cloud-mtp"]
+    host = ASSUMED_GPU_HOST_MS
+    verify = hyco - host                     # the paper's 21.7 ms round includes one session's host work
+    return GpuStepCost(
+        label=f"ASSUMED GPU (paper §3.1 rounds {hyco} / {mtp} ms, flat to {GPU_FLAT_ROWS} rows)",
+        chain_length=chain_length, verify=lambda rows, ctx: verify, max_rows=33, flat_rows=GPU_FLAT_ROWS,
+        head_step_ms=(mtp - hyco) / chain_length, host_ms_per_session=host, prefill_chunk_ms=verify,
+        assumptions=[f"verification forward {verify:.1f} ms up to {GPU_FLAT_ROWS} rows (paper §3.1 median HyCo "
+                     f"round {hyco} ms on an RTX PRO 6000, minus the host ms; {GPU_FLAT_ROWS} rows: the H200 bf16 "
+                     "ridge point), linear beyond",
+                     f"head step {(mtp - hyco) / chain_length:.2f} ms (Cloud+MTP round {mtp} ms - {hyco} ms, "
+                     f"over K = {chain_length}), batched across sessions",
+                     f"host work {host} ms per session and step (not measured)",
+                     "prefill: one verification's ms per 512-position chunk"])
+
+
+def model_step_cost(model, recipe_shape: dict | None, chain_length: int, *, host_ms: float = ASSUMED_GPU_HOST_MS,
+                    path: str = "") -> GpuStepCost:
+    """A `GpuStepCost` from a cost-model file (`hycoc.bench.cost_model.CostModel`). recipe_shape: the recipe's
+    verifier shape (`hycoc.verifier.cost_measure.shape_of` keys) to check the file against; None: not checked.
+    Raises StepCostError when the file's shape differs or it has no 33-row verification points."""
+    from hycoc.bench.cost_model import CostModelError
+    from hycoc.bench.loadreport import GPU_FLAT_ROWS
+
+    if recipe_shape:
+        diff = [k for k in recipe_shape if k in model.shape and model.shape[k] != recipe_shape[k]]
+        if diff:
+            k = diff[0]
+            raise StepCostError(f"--cost-model {path}: measured on another model ({model.model}: {k} = "
+                                f"{model.shape[k]}, the recipe's verifier has {recipe_shape[k]}); measure this "
+                                "recipe's (benchmarks/verifier_cost_model.py --recipe RECIPE) or leave "
+                                "--cost-model out")
+    grid = model.rows_of("verify")
+    top = int(grid[-1])
+    gpu = "cpu" not in model.device.lower()
+    try:
+        head = model.predict(1, 512, "head_step") if "head_step" in model.kinds else 0.0
+        prefill = model.predict(int(model.rows_of("prefill")[-1]), 0, "prefill") if "prefill" in model.kinds else \
+            model.predict(top, 0)
+    except CostModelError as e:
+        raise StepCostError(f"--cost-model {path}: {e}") from None
+    return GpuStepCost(label=f"cost model {path} ({model.model}, {model.device})", chain_length=chain_length,
+                       verify=lambda rows, ctx: model.predict(max(int(grid[0]), int(rows)), int(ctx)), max_rows=top,
+                       flat_rows=GPU_FLAT_ROWS if gpu else top, head_step_ms=head, host_ms_per_session=host_ms,
+                       prefill_chunk_ms=prefill,
+                       assumptions=[f"forward beyond {top} rows: " + (f"flat to {GPU_FLAT_ROWS} rows (H200 ridge "
+                                    "point), linear beyond" if gpu else "linear in rows"),
+                                    f"host work {host_ms} ms per session and step (not in a cost model)"])
+
+
+__all__ = ["ASSUMED_GPU_HOST_MS", "GpuStepCost", "MeasuredStepCost", "StepCost", "StepCostError",
+           "assumed_gpu_cost", "cached_step_cost", "measure_step_cost", "model_step_cost"]

@@ -1,0 +1,112 @@
+"""``hycoc capacity``: how many devices one verifier serves, from a discrete-event simulation checked against
+measured load tests (docs/capacity.md). The simulation library is imported inside the command body."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from hycoc.cli._common import DEFAULT_DATASET, RECIPE_ARG, REPO_ROOT, _fail, _recipe
+
+#: Session counts and modes of ``--validate`` (the issue's 12 cells).
+VALIDATE_SESSIONS = (1, 4, 16, 64)
+VALIDATE_MODES = ("serial", "batched", "budgeted")
+#: Within this of the measured tok/s and p90 a cell counts as reproduced.
+VALIDATE_TOLERANCE = 0.20
+
+
+def _counts(text: str, option: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise _fail("capacity", f"{option} {text!r}: give comma-separated positive integers such as 1,4,16,64",
+                    code=2)
+    return out
+
+
+def capacity(
+    recipe: Path = RECIPE_ARG,
+    p90_ms: float = typer.Option(60.0, "--p90-ms", min=0.001, help="target: verifier round latency p90, ms "
+                                 "(arrival at the verifier -> reply; drafting and the link's RTT excluded)"),
+    configs: Optional[str] = typer.Option(
+        None, help="comma-separated configurations (paper Table 5, those with a verifier) (default: all seven; "
+        "for a recipe whose models are not on this machine: hyco, hyco-exact, specedge, cloud-mtp)",
+        show_default=False),
+    batching: str = typer.Option("serial,batched,budgeted", help="comma-separated scheduler modes simulated"),
+    devices: str = typer.Option("1,4,16,64", help="device counts of the sweep table"),
+    duration: float = typer.Option(30.0, min=1.0, help="simulated seconds per run"),
+    link: str = typer.Option("none", help="link model: lte, 5g, none or RTT_MS:MBPS (the projection runs lte and "
+                             "5g both)"),
+    replicas: int = typer.Option(1, min=1, help="verifier replicas (sticky sessions, a new one to the replica with "
+                                 "the fewest open sessions: Ray Serve's router with two)"),
+    cost_model: Optional[Path] = typer.Option(
+        None, help="cost-model JSON (benchmarks/verifier_cost_model.py; benchmarks/gpu_check.sh writes one on a "
+        "GPU) (default: the recipe's own verifier timed here; for a recipe not on this machine the paper's GPU "
+        "figures, labelled ASSUMED)", show_default=False),
+    device_scale: float = typer.Option(1.0, min=0.01, help="multiply every round's drafting time"),
+    validate: bool = typer.Option(False, "--validate", help="also run hycoc loadtest (sessions 1,4,16,64 x serial, "
+                                  "batched, budgeted) here and print predicted vs measured"),
+    validate_duration: float = typer.Option(25.0, min=2.0, help="seconds per measured --validate run"),
+    prompts: int = typer.Option(4, min=1, help="Spec-Bench questions recorded per configuration (as loadtest)"),
+    bundle: Optional[Path] = typer.Option(None, help="device bundle whose rounds are recorded (default: "
+                                          "bundles/<recipe name>-cpu)", show_default=False),
+    trace: Optional[Path] = typer.Option(None, help="a loadtest trace file to replay instead of the cached one "
+                                         "(must be this recipe's and bundle's)", show_default=False),
+    remeasure: bool = typer.Option(False, "--remeasure", help="time the verifier's steps again (cached per recipe "
+                                   "in .hycoc-cache/capacity/)"),
+    out: Path = typer.Option(Path("runs/capacity"), help="folder for capacity.json and p90_vs_devices.png"),
+) -> None:
+    """Simulate N devices in closed loop against one verifier (or --replicas R) for every Table 5 configuration
+    with a verifier: committed tok/s per device and in all, round latency p50/p90/p99, the verifier's busy share,
+    and the largest N whose verifier p90 meets --p90-ms, against cloud-mtp. Writes OUT/capacity.json and
+    OUT/p90_vs_devices.png. For a recipe whose models are not on this machine (recipes/gemma4.toml) it prints the
+    real-shape projection, labelled, over LTE and 5G and drafting time x0.7 / x1.3."""
+    from hycoc.bench.capacity import MODES, CapacityError
+
+    cfg = _recipe("capacity", recipe)
+    modes = batching.split(",")
+    if any(m not in MODES for m in modes):
+        raise _fail("capacity", f"--batching {batching!r}: allowed: {', '.join(MODES)} (comma-separated)", code=2)
+    counts = _counts(devices, "--devices")
+    from hycoc.bench.capacity_run import CONFIGS, PROJECTION_CONFIGS
+
+    local = not cfg.is_hub_id("verifier") and (cfg.resolve_path(cfg.models.verifier) or Path("/nonexistent")).is_dir()
+    chosen = configs.split(",") if configs else list(CONFIGS if local else PROJECTION_CONFIGS)
+    unknown = [c for c in chosen if c not in CONFIGS]
+    if unknown:
+        raise _fail("capacity", f"--configs: unknown or without a verifier: {', '.join(unknown)}; allowed: "
+                    f"{', '.join(CONFIGS)}", code=2)
+    from hycoc.runtime.transport import parse_link
+
+    try:
+        link_model = parse_link(link)
+    except ValueError as e:
+        raise _fail("capacity", f"--link: {e}", code=2) from None
+    if cost_model is not None and not cost_model.is_file():
+        raise _fail("capacity", f"--cost-model {cost_model}: no such file; make one with "
+                    "benchmarks/verifier_cost_model.py or leave the option out")
+    if validate and not local:
+        raise _fail("capacity", f"--validate runs hycoc loadtest on this machine, and {recipe}'s verifier "
+                    f"({cfg.models.verifier}) is not here: validate with recipes/toy.toml", code=2)
+    from hycoc.bench.capacity_app import run_local, run_projection
+    from hycoc.bench.capacity_cost import StepCostError
+    from hycoc.bench.cost_model import CostModelError
+    from hycoc.bench.loadtest import LoadTestError
+    from hycoc.bench.loadtrace import TraceError
+
+    try:
+        if local:
+            run_local(cfg, recipe, chosen, modes, counts, p90_ms, duration, link_model, replicas, cost_model,
+                      device_scale, out, validate=validate, validate_duration=validate_duration, prompts=prompts,
+                      bundle=bundle, trace_path=trace, remeasure=remeasure, repo_root=REPO_ROOT,
+                      dataset=DEFAULT_DATASET)
+        else:
+            run_projection(cfg, recipe, chosen, p90_ms, duration, replicas, cost_model, device_scale, out)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    except (CapacityError, StepCostError, CostModelError, LoadTestError, TraceError) as e:
+        raise _fail("capacity", str(e)) from None

@@ -1,0 +1,244 @@
+"""`hycoc capacity`'s simulator (hycoc/bench/capacity.py) against results derived by hand or in closed form, the
+row budget it shares with the server, and its bad-input errors. Deterministic and fast: no model, no server."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from hycoc.bench import capacity as cap
+from hycoc.bench.capacity import (CapacityError, SimConfig, SimRound, SyntheticRequest, Workload, cpu_slowdown,
+                                  simulate, summarize)
+from hycoc.bench.capacity_cost import StepCost, StepCostError, model_step_cost
+from hycoc.bench.capacity_run import search_devices, trace_workload
+from hycoc.bench.loadtrace import RequestTrace, RoundTrace, Trace
+from hycoc.verifier import row_budget
+from hycoc.verifier.row_budget import BudgetState, RowCost
+
+
+@dataclass
+class FixedCost(StepCost):
+    """A step of ``a + b x sessions + c x rows`` ms, prefill ``prefill`` ms per job."""
+
+    a: float = 10.0
+    b: float = 0.0
+    c: float = 0.0
+    prefill: float = 0.0
+    line: RowCost | None = None
+
+    def forward_ms(self, rows, sessions, context):
+        return self.a + self.b * sessions + self.c * rows
+
+    def host_ms(self, places, rows):
+        return 0.0
+
+    def prefill_ms(self, positions, context):
+        return self.prefill if positions else 0.0
+
+    def row_cost(self):
+        return self.line or super().row_cost()
+
+
+def synthetic(mat: int, device_ms: float, *, exponential: bool = False, output: int = 10 ** 9) -> Workload:
+    return Workload(lambda i, k: SyntheticRequest(8, output, mat, 33, device_ms, "device",
+                                                  np.random.default_rng([7, i, k]), exponential))
+
+
+def test_one_device_fixed_times_is_exact():
+    """One device drafting D ms, a verifier step of S ms, MAT m: round k ends at k (D + S); every latency is S;
+    no round starts after the run (D + (k - 1)(D + S) < T); tok/s over the window after the first round is
+    m x (rounds - 1) / (T - (D + S))."""
+    d, s, m, t = 30.0, 20.0, 3, 2.01     # no round ends at the run's end (no float tie)
+    cfg = SimConfig(mode="serial", devices=1, duration_s=t)
+    res = simulate(synthetic(m, d), cfg, FixedCost(a=s))
+    stats = res.stats
+    k = 0
+    while (d + k * (d + s)) / 1e3 < t:
+        k += 1
+    assert len(stats.rounds) == k
+    assert all(math.isclose(r.latency_ms, s, abs_tol=1e-9) for r in stats.rounds)
+    assert [round(r.t_done * 1e3, 6) for r in stats.rounds] == [round((j + 1) * (d + s), 6) for j in range(k)]
+    row = summarize("serial", cfg, res)
+    done = [j for j in range(2, k + 1) if j * (d + s) / 1e3 <= t]
+    assert row["tok_per_s"] == pytest.approx(m * len(done) / (t - (d + s) / 1e3))
+    assert row["busy_share"] == pytest.approx(k * s / 1e3 / t)
+
+
+def test_mdl_queue_matches_closed_form():
+    """Many devices with exponential drafting (nearly Poisson arrivals) against a serial verifier of constant
+    service S: the mean queue wait is M/D/1's Pollaczek-Khinchine value rho S / (2 (1 - rho)) (Kleinrock,
+    Queueing Systems I, eq. 5.73), within 8%. 400 devices: the finite-source effect is under 1%."""
+    s, rho, n = 10.0, 0.6, 400
+    z = n * s / rho                        # per-device mean drafting ms: arrival rate n / z = rho / s
+    cfg = SimConfig(mode="serial", devices=n, duration_s=400.0)
+    res = simulate(synthetic(1, z, exponential=True), cfg, FixedCost(a=s))
+    waits = np.asarray(res.server_ms) - s
+    expected = rho * s / (2 * (1 - rho))
+    assert len(waits) > 15_000
+    assert waits.mean() == pytest.approx(expected, rel=0.08)
+
+
+def test_batched_step_takes_every_waiting_round():
+    """Four devices with the same fixed drafting reach a batched verifier together: one forward of 4 trees (every
+    open session has a round queued, so no batch wait), each round's latency the one step's S."""
+    cfg = SimConfig(mode="batched", devices=4, duration_s=1.0)
+    res = simulate(synthetic(2, 40.0), cfg, FixedCost(a=15.0))
+    assert res.round_sessions / res.forwards == pytest.approx(4.0)
+    assert {round(r.latency_ms, 9) for r in res.stats.rounds} == {15.0}
+
+
+def _tree_trace() -> Trace:
+    """Two recorded requests whose 9-row trees carry scores: a chain of 4 and side rows of low score."""
+    parents = (-1, 0, 1, 2, 3, 0, 1, 5, 6)
+    scores = (0.0, -0.2, -0.5, -0.9, -1.4, -2.5, -3.0, -3.5, -4.0)
+    rounds = tuple(RoundTrace(tuple(range(10 + 10 * k, 19 + 10 * k)), parents, 25.0, 25.0, scores,
+                              (1, 2, 3, 4), tuple(range(100 + 5 * k, 105 + 5 * k))) for k in range(6))
+    req = RequestTrace("hyco", 1, (5, 6, 7), 0.0, 1, 1.0, 0, "exact", 1.0, "device", 30, rounds, 30, "length")
+    return Trace("k", (1,), (req,), {"bundle_manifest_sha256": "abc", "recipe_sha256": "r"})
+
+
+def test_budget_is_the_servers_function_and_first_step_matches_it():
+    """The simulator calls verifier/row_budget.py's `allocate` itself (the same object, not a copy), and its first
+    budgeted forward keeps exactly the rows `allocate` keeps for those trees with the server's priors."""
+    assert cap.allocate is row_budget.allocate
+    assert cap.BudgetState is row_budget.BudgetState
+    trace = _tree_trace()
+    line = RowCost(((2, 10.0), (9, 20.0), (18, 40.0)), source="test")
+    cost = FixedCost(a=10.0, c=1.0, line=line)
+    cfg = SimConfig(mode="budgeted", devices=2, duration_s=0.5, tree_rows=9)
+    res = simulate(trace_workload([list(trace.requests)] * 2), cfg, cost)
+    rt = trace.requests[0].rounds[0]
+    tree = (np.asarray(rt.scores), np.asarray(rt.tokens), np.asarray(rt.parents))
+    want = row_budget.allocate([tree, tree], line, free_rows=max(9, line.flat_rows()), min_rows=2,
+                               extra_ms=BudgetState().overhead_ms * 2, value_scale=1.0)
+    first = res.stats.rounds[:2]
+    assert want.trimmed > 0
+    assert sum(r.rows for r in first) == 18                      # rows as sent
+    # committed per round: the recorded path cut at the first row the budget left out, plus the bonus
+    kept = [set(k.tolist()) if k is not None else set(range(9)) for k in want.kept]
+    for r, keep in zip(first, kept):
+        path = [row for row in rt.path_rows]
+        cut = next((i for i, row in enumerate(path) if row not in keep), len(path))
+        assert r.committed == cut + 1
+
+
+def test_slowdown_and_replicas():
+    """cpu_slowdown is max(1, load / cores); two replicas split sessions (the fewest open first)."""
+    assert cpu_slowdown(0.5, 2) == 1.0 and cpu_slowdown(5.0, 2) == 2.5
+    cfg = SimConfig(mode="serial", devices=4, duration_s=1.0, replicas=2)
+    res = simulate(synthetic(1, 50.0), cfg, FixedCost(a=20.0))
+    assert res.busy_s[0] == pytest.approx(res.busy_s[1], rel=0.05)
+
+
+def test_unreachable_target_is_one_line():
+    cfg = SimConfig(mode="serial", devices=1, duration_s=1.0)
+    with pytest.raises(CapacityError, match=r"--p90-ms 5: .* misses it with one device .* raise --p90-ms"):
+        search_devices(lambda n: synthetic(1, 20.0), cfg, FixedCost(a=10.0), 5.0, label="hyco (serial)")
+    n, row, tried = search_devices(lambda n: synthetic(1, 90.0), cfg, FixedCost(a=10.0), 15.0, max_devices=64)
+    assert row["server_p90_ms"] <= 15.0 and n >= 1
+    assert any(r["server_p90_ms"] > 15.0 for r in tried)
+
+
+def test_cost_model_of_another_shape_is_refused():
+    from hycoc.bench.cost_model import CostModel, CostPoint
+
+    model = CostModel(device="cpu", dtype="float32", model="other", shape={"hidden_size": 512, "num_hidden_layers": 4},
+                      points=[CostPoint(rows=r, context=c, ms=1.0 + r / 10) for r in (1, 33) for c in (64, 128)])
+    with pytest.raises(StepCostError, match=r"--cost-model m.json: measured on another model .*hidden_size = 512.*"
+                                            r"the recipe's verifier has 256"):
+        model_step_cost(model, {"hidden_size": 256, "num_hidden_layers": 4}, 4, path="m.json")
+    ok = model_step_cost(model, {"hidden_size": 512}, 4, path="m.json")
+    assert ok.forward_ms(33, 1, 64) == pytest.approx(model.predict(33, 64))
+    assert ok.forward_ms(66, 2, 64) == pytest.approx(2 * model.predict(33, 64))      # a CPU line: linear beyond
+
+
+def test_trace_of_another_bundle_is_refused(tmp_path):
+    from hycoc.bench.capacity_app import check_trace
+
+    (tmp_path / "manifest.json").write_text("{}")
+
+    class Recipe:
+        def content_hash(self):
+            return "r"
+
+    with pytest.raises(CapacityError, match=r"--trace t.json: recorded with another bundle .*leave --trace out"):
+        check_trace(_tree_trace(), Recipe(), tmp_path, "t.json")
+
+
+def test_results_are_written_whole(tmp_path):
+    from hycoc.bench.capacity_app import write_document
+    from hycoc.bench.capacity_run import write_plot
+
+    cfg = SimConfig(mode="batched", devices=2, duration_s=1.0)
+    row = dict(summarize("batched", cfg, simulate(synthetic(2, 30.0), cfg, FixedCost())), config="hyco")
+    write_document(tmp_path, {"sweep": [row], "x": math.nan, "ok": np.bool_(True), "v": np.float64(2.5)})
+    write_plot([row], tmp_path / "p90_vs_devices.png", 60.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["capacity.json", "p90_vs_devices.png"]
+    doc = json.loads((tmp_path / "capacity.json").read_text())
+    assert doc["x"] is None and doc["sweep"][0]["sessions"] == 2 and doc["ok"] is True and doc["v"] == 2.5
+    assert (tmp_path / "p90_vs_devices.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sim_round_replays_the_loadtest_tree():
+    """A replayed round is the tree `hycoc loadtest` sends (`tree_at`), its path the recorded one."""
+    from hycoc.bench.loadtrace import tree_at
+
+    req = _tree_trace().requests[0]
+    tr = cap.TraceRequest(req)
+    rnd = tr.next_round()
+    assert isinstance(rnd, SimRound)
+    _, tokens, parents, _ = tree_at(req, [], 0)
+    assert np.array_equal(rnd.tree[1], tokens) and rnd.path == (1, 2, 3, 4)
+    tr.commit(rnd.committed[:2])      # a trimmed round: two tokens; next the sub-tree under path row 2 (depth 2)
+    sub = tr.next_round()
+    # rows 2, 3, 4 of the recorded tree (the chain below row 2) re-rooted: the rest of the path is its rows 1, 2
+    assert sub.path == (1, 2) and sub.committed == req.rounds[0].committed[2:]
+    assert np.array_equal(sub.tree[1][:3], np.asarray(req.rounds[0].tokens)[[2, 3, 4]])
+
+
+def test_measured_contention_sets_the_tail():
+    """Steps stretched x1 or x3 by measured intervals of equal CPU (each longer than a step): each round's latency
+    is S or 3 S, half of them each."""
+    cfg = SimConfig(mode="serial", devices=1, duration_s=20.0, slowdown_samples=((1.0, 1e9), (3.0, 1e9)))
+    res = simulate(synthetic(1, 30.0), cfg, FixedCost(a=10.0))
+    lat = np.round([r.latency_ms for r in res.stats.rounds], 6)
+    assert set(lat.tolist()) == {10.0, 30.0}
+    assert np.mean(lat == 30.0) == pytest.approx(0.5, abs=0.08)
+
+
+def test_cli_bad_options_are_one_line():
+    from typer.testing import CliRunner
+
+    from hycoc.cli import app
+
+    runner = CliRunner()
+    got = runner.invoke(app, ["capacity", "recipes/toy.toml", "--batching", "fast"])
+    assert got.exit_code == 2 and "--batching 'fast': allowed: serial, batched, budgeted" in got.output
+    got = runner.invoke(app, ["capacity", "recipes/gemma4.toml", "--validate"])
+    assert got.exit_code == 2 and "--validate runs hycoc loadtest on this machine" in got.output
+    got = runner.invoke(app, ["capacity", "recipes/toy.toml", "--configs", "slm-alone"])
+    assert got.exit_code == 2 and "unknown or without a verifier: slm-alone" in got.output
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="needs Linux sched-stats")
+def test_sched_sampler_sees_a_busy_child():
+    """A child process spinning for 0.8 s: the sampler finds its thread, on-CPU most of the window, slowdown >= 1,
+    and intervals whose CPU ns add up to about its run time."""
+    import subprocess
+    import sys
+    import time
+
+    from hycoc.bench.capacity_run import SchedSampler
+
+    with SchedSampler(interval_s=0.05) as s:
+        t0 = time.time()
+        child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.8: pass"])
+        child.wait()
+        got = s.contention(t0, time.time())
+    assert got is not None and got["slowdown"] >= 1.0
+    assert got["intervals"] and all(a >= 1.0 for a, _ in got["intervals"])
