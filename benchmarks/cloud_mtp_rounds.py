@@ -28,7 +28,6 @@ def main(argv=None) -> None:
     from hycoc.bench.datasets import load_spec_bench
 
     setup = setup_engine(args)
-    tok, engine, cap = setup.tok, setup.engine, setup.cap
     table = Table(title=f"Cloud+MTP on {args.recipe.name}, {args.limit} Spec-Bench first turns")
     for col in ("qid", "category", "prompt", "tokens", "rounds", "MAT", "prefill ms", "ms/round", "g ms/tok"):
         table.add_column(col, justify="right")

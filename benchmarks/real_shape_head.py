@@ -57,7 +57,6 @@ import gc
 import json
 import os
 import platform
-import resource
 import shutil
 import sys
 import tempfile

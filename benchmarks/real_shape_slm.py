@@ -271,7 +271,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict[str, Any]:
     """Run the check; returns the report (also written to ``--out``)."""
     args = parse_args(argv)
-    import torch
     from rich.console import Console
 
     from hycoc import progress

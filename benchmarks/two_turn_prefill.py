@@ -34,7 +34,7 @@ def main(argv=None) -> None:
     from hycoc.chat import Conversation
 
     setup = setup_engine(args)
-    tok, engine, cap = setup.tok, setup.engine, setup.cap
+    engine, cap = setup.engine, setup.cap
 
     table = Table(title=f"two turns, Cloud+MTP on {args.recipe.name}: KV kept across turns vs a cold prefill")
     for col in ("qid", "turn", "prompt", "tokens", "MAT", "prefill ms", "cold prefill ms", "saved ms", "g ms/tok"):

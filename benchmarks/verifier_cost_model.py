@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import sys
 import time
 from datetime import datetime, timezone

@@ -25,7 +25,7 @@ from hycoc.verifier import SequenceError, VerifierEngine
 from hycoc.verifier.batch import BatchStats, batch_forward, verify_batch
 from hycoc.verifier.engine import verify_tree
 from hycoc.verifier.server import ServerThread
-from tiny_models import SLIDING_WINDOW, VOCAB, tiny_head, tiny_verifier
+from tiny_models import VOCAB, tiny_head, tiny_verifier
 
 torch.set_num_threads(1)
 SCALES = (0.1, 0.1, 0.05, 0.05, 0.05, 0.05)

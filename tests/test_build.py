@@ -202,7 +202,6 @@ def test_build_bundle_cpu_end_to_end(tiny_pipeline, tmp_path):
     import onnxruntime as ort
 
     from hycoc.bundle import load_manifest, sha256_file
-    from hycoc.passes.head_export import comparison_inputs
     from hycoc.passes.head_graph import INPUT_NAMES, HeadGraph
     from hycoc.passes.head_qat import dequantized_head
 

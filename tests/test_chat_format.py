@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
-from gemma4_fixture import STOP_IDS, TEMPLATE, write_generation_config, write_tokenizer_folder
+from gemma4_fixture import TEMPLATE, write_generation_config, write_tokenizer_folder
 from hycoc.chat import AnswerStream, Chat, ChatFormatError, ChatMismatch
 from hycoc.chat_template import apply_chat_template_ids, load_chat, load_chat_format
 

@@ -334,7 +334,6 @@ def test_verify_server_refuses_a_bad_keep_set_before_listening(tmp_path):
     import errno
     import socket
 
-    import numpy as np
 
     from hycoc.recipe import load_recipe
 

@@ -9,11 +9,9 @@ The real-shape numbers come from running the script itself (runs/real-shape-slm*
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]

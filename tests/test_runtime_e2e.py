@@ -190,7 +190,6 @@ def test_three_turns_hold_the_templates_rendering_on_both_sides(server, runtime,
     """After every APPEND: the verifier holds exactly the template's rendering of the whole conversation and its
     next logits equal a cold prefill's; the device's SLM ring and token history equal a cold start on it (the
     conversation fits the ring: a cold start fills it from position 0)."""
-    import copy
 
     srv, engine = server
     conv = Conversation(large_template, thinking)

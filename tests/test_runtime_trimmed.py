@@ -12,7 +12,6 @@ a reply whose verified rows are inconsistent.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from types import SimpleNamespace
 

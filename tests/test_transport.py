@@ -20,7 +20,6 @@ import zlib
 import numpy as np
 import pytest
 from websockets.datastructures import Headers
-from websockets.http11 import Response
 from websockets.sync.server import serve
 
 from hycoc.chat import ids_crc32

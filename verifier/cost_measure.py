@@ -24,7 +24,6 @@ from hycoc.bench.cost_model import CostModel, CostPoint, sample_quantile
 def demo_parents(rows: int, chain_length: int = 4):
     """Parent rows of an R-row tree: root, a chain of min(K, R - 1), the other rows as siblings hung on the root
     and the chain rows in turn (each row's parent is an earlier row). int64 (R,)."""
-    import numpy as np
 
     parents = np.full(rows, -1, dtype=np.int64)
     chain = min(chain_length, rows - 1)
@@ -154,7 +153,6 @@ def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, devic
     "kind/rows/context" -> median wall ms of every point. new_cache: the session cache's factory (`random_cache`;
     a `measuring_engine`'s ``new_cache`` measures the layout the server runs), None: full-length caches.
     """
-    import numpy as np
     import torch
 
     from hycoc.verifier.forward import NormTap, Timer, prefill

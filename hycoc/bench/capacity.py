@@ -334,7 +334,7 @@ class _Replica:
         return self.wake
 
     def worker(self) -> Iterator:
-        env, cfg = self.env, self.cfg
+        cfg = self.cfg
         while True:
             if not self.rounds and not self.prefills:
                 yield self._idle()

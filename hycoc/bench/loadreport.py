@@ -41,8 +41,12 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from hycoc.bench.tables import TextTable
 
 #: Rows up to which the assumed GPU forward costs the same as a one-tree forward: the bf16 ridge point of an
 #: NVIDIA H200 (989 TFLOP/s dense bf16 / 4.8 TB/s HBM3e = 206 FLOP per byte). A bf16 weight (2 bytes) does one

@@ -126,7 +126,7 @@ def write_plots(summary: Mapping[str, Mapping[str, Any]], out_dir: str | Path, *
         ax.text(0.5, 0.5, f"no paired Δg (baseline {baseline} absent?)", ha="center", va="center",
                 transform=ax.transAxes)
     ax.set_ylabel(f"Δg % vs {baseline} (lower is better)")
-    ax.set_title(f"Paired Δg per category (value on each bar; error bar: 95% CI over the category's questions)")
+    ax.set_title("Paired Δg per category (value on each bar; error bar: 95% CI over the category's questions)")
     ax.grid(True, axis="y", alpha=0.3)
     paths.append(_save(fig, out / "category_delta_g.png"))
     return paths

@@ -146,11 +146,11 @@ def run(
         typer.echo(summary_line(mode.value, m, res.prefill_ms, res.finish_reason), err=True)
         return res
 
-    res = turn(True)
+    turn(True)
     n = 1
     while chat and (text := ask()) is not None:
         n += 1
         typer.echo(f"-- turn {n} --", err=True)      # the answers on stdout stay plain text
-        res = turn(False, text)
+        turn(False, text)
     if chat:
         client.close()

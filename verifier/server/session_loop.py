@@ -282,7 +282,7 @@ class SessionLoop:
         as a copy until the prefill ends (`Session.append` is all or nothing), BEFORE the prefill is queued
         (refused with kv_budget_exhausted when that does not fit); the copy's share is released when the turn is
         prefilled, everything added when it fails."""
-        eng, session = self.engine, conn.session
+        session = conn.session
         plan = session.plan_append(msg.tokens, int(msg.keep), int(msg.keep_crc))     # ConversationMismatch ...
         positions = self.session_positions(len(plan.conversation), msg.max_new_tokens)
         transient = self.rollback_copy_bytes(session, plan)
