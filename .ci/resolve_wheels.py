@@ -40,8 +40,13 @@ DEADLINE_S = 60
 #: be binary for the platform).
 PLATFORMS = (
     ("win_arm64", "qnn", "3.12", ("win_arm64",), ("onnxruntime", "onnxruntime-qnn", "numpy", "tokenizers")),
-    ("manylinux aarch64", None, "3.11", ("manylinux_2_28_aarch64", "manylinux_2_17_aarch64", "manylinux2014_aarch64"),
-     ("onnxruntime", "numpy", "tokenizers")),
+    (
+        "manylinux aarch64",
+        None,
+        "3.11",
+        ("manylinux_2_28_aarch64", "manylinux_2_17_aarch64", "manylinux2014_aarch64"),
+        ("onnxruntime", "numpy", "tokenizers"),
+    ),
 )
 
 
@@ -52,12 +57,15 @@ def requirements(pyproject: Path, extra: str | None) -> list[str]:
     project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
     return [*project["dependencies"], *(project["optional-dependencies"][extra] if extra else [])]
 
+
 #: Lines pip prints when the registry, not the packages, is the problem (urllib3 / pip network errors).
 NETWORK_MARKERS = re.compile(
     r"NewConnectionError|ConnectTimeoutError|ReadTimeoutError|Read timed out|Max retries exceeded|"
     r"Temporary failure in name resolution|Name or service not known|Connection refused|Connection reset|"
     r"Network is unreachable|ProxyError|SSLError|Could not fetch URL|HTTP error 5\d\d|\b50[234]\b.*(Server|Gateway)|"
-    r"connection broken by", re.IGNORECASE)
+    r"connection broken by",
+    re.IGNORECASE,
+)
 #: Lines pip prints when no set of distributions satisfies the requirements.
 RESOLUTION_MARKERS = re.compile(r"ResolutionImpossible|No matching distribution found|conflicting dependencies")
 
@@ -72,15 +80,34 @@ def classify(returncode: int, output: str) -> str:
     return "unresolvable"
 
 
-def pip_command(requirements: list[str], python_version: str, platforms: tuple[str, ...], target: str,
-                report: str) -> list[str]:
+def pip_command(
+    requirements: list[str], python_version: str, platforms: tuple[str, ...], target: str, report: str
+) -> list[str]:
     """The ``pip install --dry-run`` command of one platform (module docstring); short network timeouts so a
     registry that hangs is reported as skipped inside `DEADLINE_S`. ``--retries 1``, never 0: pip names a
     connection error only in its "Retrying ... after connection broken by" warning; with no retry a refused
     connection reads as "(from versions: none)", as a package without wheels does."""
-    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--target", target,
-           "--only-binary=:all:", "--python-version", python_version, "--report", report, "--quiet",
-           "--timeout", "15", "--retries", "1", "--disable-pip-version-check"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--dry-run",
+        "--ignore-installed",
+        "--target",
+        target,
+        "--only-binary=:all:",
+        "--python-version",
+        python_version,
+        "--report",
+        report,
+        "--quiet",
+        "--timeout",
+        "15",
+        "--retries",
+        "1",
+        "--disable-pip-version-check",
+    ]
     for p in platforms:
         cmd += ["--platform", p]
     return cmd + list(requirements)
@@ -115,8 +142,9 @@ def main(root: Path = Path(".")) -> int:
         runs = []
         for i, (label, req, py, plats, wanted) in enumerate(PLATFORMS):
             report = str(Path(tmp) / f"report-{i}.json")
-            cmd = pip_command(requirements(root / "pyproject.toml", req), py, plats, str(Path(tmp) / f"target-{i}"),
-                              report)
+            cmd = pip_command(
+                requirements(root / "pyproject.toml", req), py, plats, str(Path(tmp) / f"target-{i}"), report
+            )
             proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             runs.append((label, req, py, plats, wanted, report, proc))
         failed = False

@@ -64,21 +64,36 @@ def main(argv=None) -> None:
     ap.add_argument("--dataset", type=Path, default=SPEC_BENCH, help="default: %(default)s")
     ap.add_argument("--sessions", default="1,4,16", help="comma-separated session counts (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=12, help="rounds per session (default %(default)s)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the recipe's "
-                    "verifier.threads, else 1)")
-    ap.add_argument("--mixed-lengths", action="store_true", help="one long + 15 short sessions: one batched round "
-                    "vs the long alone + the short batched (module docstring)")
-    ap.add_argument("--long-prefill", action="store_true", help="15 short sessions' round latency with and without "
-                    "a long prefill beside them, and the long request's time to first token")
-    ap.add_argument("--long-tokens", type=int, default=3900, help="prompt tokens of the long session (default "
-                    "%(default)s)")
-    ap.add_argument("--prefill-chunk", type=int, default=None, help="prompt positions per prefill forward (default: "
-                    "the engine's, 512)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: the recipe's verifier.threads, else 1)"
+    )
+    ap.add_argument(
+        "--mixed-lengths",
+        action="store_true",
+        help="one long + 15 short sessions: one batched round vs the long alone + the short batched (module docstring)",
+    )
+    ap.add_argument(
+        "--long-prefill",
+        action="store_true",
+        help="15 short sessions' round latency with and without "
+        "a long prefill beside them, and the long request's time to first token",
+    )
+    ap.add_argument(
+        "--long-tokens", type=int, default=3900, help="prompt tokens of the long session (default %(default)s)"
+    )
+    ap.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="prompt positions per prefill forward (default: the engine's, 512)",
+    )
     args = ap.parse_args(argv)
     if args.mixed_lengths or args.long_prefill:
         return long_context(args)
 
     import torch
+    from hycoc.verifier.batch import BatchStats, verify_batch
+    from hycoc.verifier.loading import engine_from_recipe
     from rich.console import Console
     from rich.table import Table
 
@@ -87,8 +102,6 @@ def main(argv=None) -> None:
     from hycoc.progress import step
     from hycoc.protocol.messages import Sampling
     from hycoc.recipe import load_recipe
-    from hycoc.verifier.batch import BatchStats, verify_batch
-    from hycoc.verifier.loading import engine_from_recipe
 
     recipe = load_recipe(args.recipe)
     torch.set_num_threads(args.threads or recipe.verifier.threads or 1)
@@ -110,8 +123,15 @@ def main(argv=None) -> None:
     def open_all(n):
         out = []
         for i in range(n):
-            sess = engine.open(prompts[i], sampling, seed=s.seed + i, acceptance=recipe.acceptance.mode,
-                               epsilon=recipe.acceptance.epsilon, draft_place="device", max_new_tokens=10_000)
+            sess = engine.open(
+                prompts[i],
+                sampling,
+                seed=s.seed + i,
+                acceptance=recipe.acceptance.mode,
+                epsilon=recipe.acceptance.epsilon,
+                draft_place="device",
+                max_new_tokens=10_000,
+            )
             sess.prefill()
             out.append(sess)
         return out
@@ -122,7 +142,7 @@ def main(argv=None) -> None:
         forwards = rows = 0
         steps = []
         for seq in range(args.rounds):
-            batch = [(sess, *tree(i, sess), seq) for i, sess in enumerate(sessions)]   # untimed
+            batch = [(sess, *tree(i, sess), seq) for i, sess in enumerate(sessions)]  # untimed
             w0, c0 = time.perf_counter(), time.process_time()
             if mode == "serial":
                 for sess, tokens, parents, q in batch:
@@ -144,31 +164,62 @@ def main(argv=None) -> None:
         outputs = [list(sess.output) for sess in sessions]
         for sess in sessions:
             sess.close()
-        return dict(rows=rows / forwards, step_ms=1e3 * wall / args.rounds, step_cpu_ms=1e3 * cpu / args.rounds,
-                    p90_ms=float(np.percentile(steps, 90)), forward_ms=forward_ms / args.rounds, tok_s=tokens / wall, tok_cpu_s=tokens / cpu,
-                    mat=tokens / (n * args.rounds), outputs=outputs)
+        return dict(
+            rows=rows / forwards,
+            step_ms=1e3 * wall / args.rounds,
+            step_cpu_ms=1e3 * cpu / args.rounds,
+            p90_ms=float(np.percentile(steps, 90)),
+            forward_ms=forward_ms / args.rounds,
+            tok_s=tokens / wall,
+            tok_cpu_s=tokens / cpu,
+            mat=tokens / (n * args.rounds),
+            outputs=outputs,
+        )
 
     results = {}
     with step("batched vs serial rounds", total=2 * len(counts) * args.rounds) as progress:
         for n in counts:
             for mode in ("serial", "batched"):
                 results[n, mode] = run(n, mode, progress)
-            assert results[n, "serial"]["outputs"] == results[n, "batched"]["outputs"], \
+            assert results[n, "serial"]["outputs"] == results[n, "batched"]["outputs"], (
                 f"{n} sessions: batched output differs from serial"
+            )
 
-    table = Table(title=f"Verification rounds on {args.recipe.name}: {args.rounds} rounds x n sessions, 33-row "
-                  f"trees, {torch.get_num_threads()} thread(s)")
-    for col in ("sessions", "mode", "rows/forward", "step ms (wall)", "of it forward", "step ms (CPU)",
-                "p90 step ms", "MAT", "tok/s (wall)", "tok/s (CPU)", "speed-up (CPU)"):
+    table = Table(
+        title=f"Verification rounds on {args.recipe.name}: {args.rounds} rounds x n sessions, 33-row "
+        f"trees, {torch.get_num_threads()} thread(s)"
+    )
+    for col in (
+        "sessions",
+        "mode",
+        "rows/forward",
+        "step ms (wall)",
+        "of it forward",
+        "step ms (CPU)",
+        "p90 step ms",
+        "MAT",
+        "tok/s (wall)",
+        "tok/s (CPU)",
+        "speed-up (CPU)",
+    ):
         table.add_column(col, justify="right")
     for n in counts:
         base = results[n, "serial"]["tok_cpu_s"]
         for mode in ("serial", "batched"):
             r = results[n, mode]
-            table.add_row(str(n), mode, f"{r['rows']:.0f}", f"{r['step_ms']:.1f}",
-                          f"{r['forward_ms']:.1f}" if mode == "batched" else "", f"{r['step_cpu_ms']:.1f}",
-                          f"{r['p90_ms']:.1f}", f"{r['mat']:.2f}", f"{r['tok_s']:.0f}", f"{r['tok_cpu_s']:.0f}",
-                          f"{r['tok_cpu_s'] / base:.2f}x")
+            table.add_row(
+                str(n),
+                mode,
+                f"{r['rows']:.0f}",
+                f"{r['step_ms']:.1f}",
+                f"{r['forward_ms']:.1f}" if mode == "batched" else "",
+                f"{r['step_cpu_ms']:.1f}",
+                f"{r['p90_ms']:.1f}",
+                f"{r['mat']:.2f}",
+                f"{r['tok_s']:.0f}",
+                f"{r['tok_cpu_s']:.0f}",
+                f"{r['tok_cpu_s'] / base:.2f}x",
+            )
     Console().print(table)
     print_round_steps(engine, prompts[0], sampling, recipe, tree, args.rounds)
 
@@ -176,19 +227,32 @@ def main(argv=None) -> None:
 def print_round_steps(engine, prompt, sampling, recipe, tree, rounds: int) -> None:
     """One session's round split into the steps of Alg. 4, ms wall and CPU per step (mean over ``rounds``)."""
     import torch
+    from hycoc.verifier.acceptance import select_exact, select_path
+    from hycoc.verifier.engine import verify_tree
+    from hycoc.verifier.kv_surgery import compact_kv, pack_handoff
+    from hycoc.verifier.sampling import sample_rows, sampling_probs
     from rich.console import Console
     from rich.table import Table
 
-    from hycoc.verifier.acceptance import select_exact, select_path
-    from hycoc.verifier.kv_surgery import compact_kv, pack_handoff
-    from hycoc.verifier.engine import verify_tree
-    from hycoc.verifier.sampling import sample_rows, sampling_probs
-
-    sess = engine.open(prompt, sampling, seed=0, acceptance=recipe.acceptance.mode,
-                       epsilon=recipe.acceptance.epsilon, draft_place="device", max_new_tokens=10_000)
+    sess = engine.open(
+        prompt,
+        sampling,
+        seed=0,
+        acceptance=recipe.acceptance.mode,
+        epsilon=recipe.acceptance.epsilon,
+        draft_place="device",
+        max_new_tokens=10_000,
+    )
     sess.prefill()
-    names = ("forward", "p~ (sampling_probs)", "sample_rows", "acceptance", "compact_kv", "pack_handoff",
-             "whole round (Session.verify)")
+    names = (
+        "forward",
+        "p~ (sampling_probs)",
+        "sample_rows",
+        "acceptance",
+        "compact_kv",
+        "pack_handoff",
+        "whole round (Session.verify)",
+    )
     wall = dict.fromkeys(names, 0.0)
     cpu = dict.fromkeys(names, 0.0)
 
@@ -203,8 +267,9 @@ def print_round_steps(engine, prompt, sampling, recipe, tree, rounds: int) -> No
         tokens, parents = tree(0, sess)
         t = sess.t
         ids = torch.as_tensor(tokens)
-        logits, pre, _ = timed("forward", verify_tree, engine.model, sess.cache, engine.tap, ids, parents, t,
-                               engine.dtype)
+        logits, pre, _ = timed(
+            "forward", verify_tree, engine.model, sess.cache, engine.tap, ids, parents, t, engine.dtype
+        )
         probs = timed("p~ (sampling_probs)", sampling_probs, logits, sess.sampling)
         gen = torch.Generator().manual_seed(seq)
         samples = timed("sample_rows", sample_rows, probs, gen)
@@ -213,10 +278,23 @@ def print_round_steps(engine, prompt, sampling, recipe, tree, rounds: int) -> No
         else:
             v, path, samples = timed("acceptance", select_path, tokens, parents, samples, probs, sess.epsilon)
         timed("compact_kv", compact_kv, sess.cache, t, path)
-        timed("pack_handoff", pack_handoff, engine.model, sess.cache, engine.layers, int(samples[v]), pre[v], t,
-              t + 1 + len(path), engine.head_window, seq == 0, engine.handoff_scales)
+        timed(
+            "pack_handoff",
+            pack_handoff,
+            engine.model,
+            sess.cache,
+            engine.layers,
+            int(samples[v]),
+            pre[v],
+            t,
+            t + 1 + len(path),
+            engine.head_window,
+            seq == 0,
+            engine.handoff_scales,
+        )
         from hycoc.verifier.kv_surgery import crop_cache
-        crop_cache(sess.cache, t)                      # undo, then the real round
+
+        crop_cache(sess.cache, t)  # undo, then the real round
         timed("whole round (Session.verify)", sess.verify, tokens, parents, seq)
     table = Table(title=f"One session's round, by step (mean of {rounds} rounds, 33-row trees)")
     for col in ("step", "ms (wall)", "ms (CPU)"):
@@ -234,12 +312,12 @@ def _median(xs) -> float:
 def _setup(args):
     """(recipe, engine, sampling, long prompt ids (--long-tokens), 15 short prompt ids) for the long-context modes."""
     import torch
+    from hycoc.verifier.loading import engine_from_recipe
 
     from hycoc.bench.datasets import load_spec_bench
     from hycoc.chat_template import chat_from_recipe
     from hycoc.protocol.messages import Sampling
     from hycoc.recipe import load_recipe
-    from hycoc.verifier.loading import engine_from_recipe
 
     recipe = load_recipe(args.recipe)
     torch.set_num_threads(args.threads or recipe.verifier.threads or 1)
@@ -255,9 +333,10 @@ def _setup(args):
     if len(long) < args.long_tokens:
         raise SystemExit(f"--long-tokens {args.long_tokens}: the dataset gives only {len(long)} tokens")
     if args.long_tokens + 64 > engine.max_context:
-        raise SystemExit(f"--long-tokens {args.long_tokens} leaves < 64 positions of the verifier's context "
-                         f"{engine.max_context}")
-    long = np.concatenate([long[:args.long_tokens - 1], long[-1:]])   # keep the template's last token as the root
+        raise SystemExit(
+            f"--long-tokens {args.long_tokens} leaves < 64 positions of the verifier's context {engine.max_context}"
+        )
+    long = np.concatenate([long[: args.long_tokens - 1], long[-1:]])  # keep the template's last token as the root
     return recipe, engine, Sampling(s.temperature, s.top_k, s.top_p), long, short
 
 
@@ -267,9 +346,11 @@ def long_context(args) -> None:
 
     recipe, engine, sampling, long, short = _setup(args)
     load = open("/proc/loadavg").read().split()[:3] if Path("/proc/loadavg").exists() else ["?"] * 3
-    print(f"{args.recipe.name}: long prompt {len(long)} tokens, 15 short prompts {min(map(len, short))}-"
-          f"{max(map(len, short))} tokens, 33-row trees, {torch.get_num_threads()} thread(s), load average "
-          f"{' '.join(load)}")
+    print(
+        f"{args.recipe.name}: long prompt {len(long)} tokens, 15 short prompts {min(map(len, short))}-"
+        f"{max(map(len, short))} tokens, 33-row trees, {torch.get_num_threads()} thread(s), load average "
+        f"{' '.join(load)}"
+    )
     if args.long_prefill:
         long_prefill(args, recipe, engine, sampling, long, short)
     if args.mixed_lengths:
@@ -277,15 +358,21 @@ def long_context(args) -> None:
 
 
 def _open(engine, recipe, sampling, prompt, i):
-    sess = engine.open(prompt, sampling, seed=recipe.sampling.seed + i, acceptance=recipe.acceptance.mode,
-                       epsilon=recipe.acceptance.epsilon, draft_place="device", max_new_tokens=10_000)
+    sess = engine.open(
+        prompt,
+        sampling,
+        seed=recipe.sampling.seed + i,
+        acceptance=recipe.acceptance.mode,
+        epsilon=recipe.acceptance.epsilon,
+        draft_place="device",
+        max_new_tokens=10_000,
+    )
     sess.prefill()
     return sess
 
 
 def mixed_lengths(args, recipe, engine, sampling, long, short) -> None:
     import torch
-
     from hycoc.verifier.batch import verify_batch
 
     prompts = [long] + short
@@ -316,9 +403,11 @@ def mixed_lengths(args, recipe, engine, sampling, long, short) -> None:
         separate.append((t3 - t1) * 1e3)
         long_alone.append((t2 - t1) * 1e3)
     assert [s.output for s in twins[0]] == [s.output for s in twins[1]], "batched output differs from separate"
-    print(f"median of {args.rounds} rounds: long session alone {_median(long_alone):.1f} ms, 15 short batched "
-          f"{_median(separate) - _median(long_alone):.1f} ms (t = {twins[0][0].t} and "
-          f"{min(s.t for s in twins[0][1:])}-{max(s.t for s in twins[0][1:])})")
+    print(
+        f"median of {args.rounds} rounds: long session alone {_median(long_alone):.1f} ms, 15 short batched "
+        f"{_median(separate) - _median(long_alone):.1f} ms (t = {twins[0][0].t} and "
+        f"{min(s.t for s in twins[0][1:])}-{max(s.t for s in twins[0][1:])})"
+    )
     b, sep = _median(batched), _median(separate)
     print(f"mixed-lengths: batched {b:.1f} ms vs separate {sep:.1f} ms, ratio {b / sep:.2f}")
 
@@ -327,8 +416,9 @@ def long_prefill(args, recipe, engine, sampling, long, short) -> None:
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
-    from hycoc.protocol.messages import DraftTree
     from hycoc.verifier.scheduler import BatchScheduler
+
+    from hycoc.protocol.messages import DraftTree
 
     rng = np.random.default_rng(0)
     vocab = engine.vocab_size
@@ -336,19 +426,24 @@ def long_prefill(args, recipe, engine, sampling, long, short) -> None:
     def random_tree(root):
         """33 rows: the root, 8 children, 3 under each (random tokens: the latency, not the acceptance, counts)."""
         parents = [-1] + [0] * 8 + [c for c in range(1, 9) for _ in range(3)]
-        return DraftTree(0, np.array([root] + rng.integers(3, vocab, 32).tolist(), np.int32),
-                         np.array(parents, np.int32))
+        return DraftTree(
+            0, np.array([root] + rng.integers(3, vocab, 32).tolist(), np.int32), np.array(parents, np.int32)
+        )
 
     async def scenario(with_short: bool, with_long: bool):
         worker = ThreadPoolExecutor(max_workers=1)
         loop = asyncio.get_running_loop()
         run = lambda fn, *a: loop.run_in_executor(worker, fn, *a)  # noqa: E731
-        sessions = [await run(_open, engine, recipe, sampling, p, i) for i, p in enumerate(short)] if with_short \
-            else []
-        sched = BatchScheduler(run, max_batch_rows=recipe.verifier.max_batch_rows,
-                               max_batch_wait_ms=recipe.verifier.max_batch_wait_ms,
-                               open_sessions=lambda: len(sessions) + int(with_long), on_step=lambda r: None,
-                               chain_length=engine.chain_length, prefill_budget=engine.prefill_chunk)
+        sessions = [await run(_open, engine, recipe, sampling, p, i) for i, p in enumerate(short)] if with_short else []
+        sched = BatchScheduler(
+            run,
+            max_batch_rows=recipe.verifier.max_batch_rows,
+            max_batch_wait_ms=recipe.verifier.max_batch_wait_ms,
+            open_sessions=lambda: len(sessions) + int(with_long),
+            on_step=lambda r: None,
+            chain_length=engine.chain_length,
+            prefill_budget=engine.prefill_chunk,
+        )
         sched.start()
         latencies, times = [], {}
 
@@ -360,8 +455,15 @@ def long_prefill(args, recipe, engine, sampling, long, short) -> None:
                 latencies.append((time.perf_counter() - t0) * 1e3)
 
         async def long_client():
-            sess = engine.open(long, sampling, seed=7, acceptance=recipe.acceptance.mode,
-                               epsilon=recipe.acceptance.epsilon, draft_place="device", max_new_tokens=64)
+            sess = engine.open(
+                long,
+                sampling,
+                seed=7,
+                acceptance=recipe.acceptance.mode,
+                epsilon=recipe.acceptance.epsilon,
+                draft_place="device",
+                max_new_tokens=64,
+            )
             t0 = time.perf_counter()
             await sched.prefill(sess.prefill_job)
             times["opened"] = (time.perf_counter() - t0) * 1e3
@@ -384,18 +486,27 @@ def long_prefill(args, recipe, engine, sampling, long, short) -> None:
     quiet, _ = asyncio.run(scenario(True, False))
     busy, times = asyncio.run(scenario(True, True))
     _, alone = asyncio.run(scenario(False, True))
-    table = Table(title=f"15 short sessions x {args.rounds} rounds of 33 rows, with and without a {len(long)}-token "
-                        f"prefill beside them (chunks of {engine.prefill_chunk})")
+    table = Table(
+        title=f"15 short sessions x {args.rounds} rounds of 33 rows, with and without a {len(long)}-token "
+        f"prefill beside them (chunks of {engine.prefill_chunk})"
+    )
     for col in ("run", "short rounds p50 ms", "short rounds p90 ms", "long: OPENED ms", "long: first token ms"):
         table.add_column(col, justify="right")
     table.add_row("15 short alone", f"{np.percentile(quiet, 50):.1f}", f"{np.percentile(quiet, 90):.1f}", "", "")
-    table.add_row("15 short + long prefill", f"{np.percentile(busy, 50):.1f}", f"{np.percentile(busy, 90):.1f}",
-                  f"{times['opened']:.0f}", f"{times['first_token']:.0f}")
+    table.add_row(
+        "15 short + long prefill",
+        f"{np.percentile(busy, 50):.1f}",
+        f"{np.percentile(busy, 90):.1f}",
+        f"{times['opened']:.0f}",
+        f"{times['first_token']:.0f}",
+    )
     table.add_row("long alone", "", "", f"{alone['opened']:.0f}", f"{alone['first_token']:.0f}")
     Console(width=140).print(table)
-    print(f"long-prefill: short rounds p50 {np.percentile(quiet, 50):.1f} -> {np.percentile(busy, 50):.1f} ms, p90 "
-          f"{np.percentile(quiet, 90):.1f} -> {np.percentile(busy, 90):.1f} ms; long time to first token "
-          f"{times['first_token']:.0f} ms beside them vs {alone['first_token']:.0f} ms alone")
+    print(
+        f"long-prefill: short rounds p50 {np.percentile(quiet, 50):.1f} -> {np.percentile(busy, 50):.1f} ms, p90 "
+        f"{np.percentile(quiet, 90):.1f} -> {np.percentile(busy, 90):.1f} ms; long time to first token "
+        f"{times['first_token']:.0f} ms beside them vs {alone['first_token']:.0f} ms alone"
+    )
 
 
 if __name__ == "__main__":

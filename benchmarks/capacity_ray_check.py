@@ -47,14 +47,31 @@ def main() -> None:
     console = make_console()
     cost = cached_step_cost(cfg, ROOT / ".hycoc-cache" / "capacity")
     bundle = default_bundle_dir(cfg, ROOT)
-    questions = load_spec_bench(cfg.resolve_path(cfg.bench.dataset) or ROOT / "benchmarks/data/spec_bench_question.jsonl")[:4]
+    questions = load_spec_bench(
+        cfg.resolve_path(cfg.bench.dataset) or ROOT / "benchmarks/data/spec_bench_question.jsonl"
+    )[:4]
     trace, _ = trace_for(cfg, bundle, ["hyco"], questions, 0.0, ROOT, console)
     log = Path(args.out) / "serve-ray.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
-    proc = subprocess.Popen([sys.executable, "-m", "hycoc.cli", "serve-ray", args.recipe, "--replicas", "2", "--port",
-                             "0", "--keep-set", str(bundle / "keep_set.npy")], stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hycoc.cli",
+            "serve-ray",
+            args.recipe,
+            "--replicas",
+            "2",
+            "--port",
+            "0",
+            "--keep-set",
+            str(bundle / "keep_set.npy"),
+        ],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     try:
         url = None
         for _ in range(600):
@@ -71,8 +88,17 @@ def main() -> None:
             health = json.load(r)
         pids = [r["pid"] for r in health["replicas"] if r.get("pid")]
         with SchedSampler(pids=pids) as sampler:
-            doc = run_loadtest(trace, ["hyco"], [args.sessions], args.duration, None, Path(args.out), server_url=url,
-                               console=console, meta={"recipe": args.recipe})
+            doc = run_loadtest(
+                trace,
+                ["hyco"],
+                [args.sessions],
+                args.duration,
+                None,
+                Path(args.out),
+                server_url=url,
+                console=console,
+                meta={"recipe": args.recipe},
+            )
     finally:
         proc.send_signal(2)
         try:
@@ -82,14 +108,22 @@ def main() -> None:
     (m,) = doc["runs"]
     window = doc["meta"]["run_windows"][0]["epoch_s"]
     contention = sampler.contention(*window)
-    p = predicted_for(m, trace_workload(devices_for(trace, ["hyco"], args.sessions)), cost, doc["meta"],
-                      contention=contention, replicas=2)
+    p = predicted_for(
+        m,
+        trace_workload(devices_for(trace, ["hyco"], args.sessions)),
+        cost,
+        doc["meta"],
+        contention=contention,
+        replicas=2,
+    )
     (row,) = validation_rows([m], [p], 0.2)
-    print(f"serve-ray 2 replicas, {m['mode']}, {args.sessions} sessions, {args.duration:g} s: tok/s measured "
-          f"{row['measured_tok_s']:.1f} predicted {row['predicted_tok_s']:.1f} ({100 * row['tok_err']:+.0f}%); p90 "
-          f"measured {row['measured_p90_ms']:.0f} ms predicted {row['predicted_p90_ms']:.0f} ms "
-          f"({100 * row['p90_err']:+.0f}%); CPU x{(contention or {}).get('slowdown', float('nan')):.2f}; load "
-          f"{m['loadavg'][0]:.1f}->{m['loadavg'][3]:.1f}")
+    print(
+        f"serve-ray 2 replicas, {m['mode']}, {args.sessions} sessions, {args.duration:g} s: tok/s measured "
+        f"{row['measured_tok_s']:.1f} predicted {row['predicted_tok_s']:.1f} ({100 * row['tok_err']:+.0f}%); p90 "
+        f"measured {row['measured_p90_ms']:.0f} ms predicted {row['predicted_p90_ms']:.0f} ms "
+        f"({100 * row['p90_err']:+.0f}%); CPU x{(contention or {}).get('slowdown', float('nan')):.2f}; load "
+        f"{m['loadavg'][0]:.1f}->{m['loadavg'][3]:.1f}"
+    )
 
 
 if __name__ == "__main__":

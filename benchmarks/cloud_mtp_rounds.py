@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-
 from engine_setup import add_engine_args, open_cloud_mtp, run_rounds, setup_engine
 
 
@@ -43,14 +42,30 @@ def main(argv=None) -> None:
         pooled["rounds"] += sess.rounds
         pooled["server"] += server
         pooled["prefill"] += prefill_ms
-        table.add_row(str(q.question_id), q.category, str(len(ids)), str(n), str(sess.rounds),
-                      f"{n / max(sess.rounds, 1):.2f}", f"{prefill_ms:.1f}", f"{server / max(sess.rounds, 1):.1f}",
-                      f"{(server + prefill_ms) / max(n, 1):.2f}")
+        table.add_row(
+            str(q.question_id),
+            q.category,
+            str(len(ids)),
+            str(n),
+            str(sess.rounds),
+            f"{n / max(sess.rounds, 1):.2f}",
+            f"{prefill_ms:.1f}",
+            f"{server / max(sess.rounds, 1):.1f}",
+            f"{(server + prefill_ms) / max(n, 1):.2f}",
+        )
         sess.close()
     p = pooled
-    table.add_row("all", "", "", str(p["tokens"]), str(p["rounds"]), f"{p['tokens'] / p['rounds']:.2f}",
-                  f"{p['prefill']:.0f}", f"{p['server'] / p['rounds']:.1f}",
-                  f"{(p['server'] + p['prefill']) / p['tokens']:.2f}")
+    table.add_row(
+        "all",
+        "",
+        "",
+        str(p["tokens"]),
+        str(p["rounds"]),
+        f"{p['tokens'] / p['rounds']:.2f}",
+        f"{p['prefill']:.0f}",
+        f"{p['server'] / p['rounds']:.1f}",
+        f"{(p['server'] + p['prefill']) / p['tokens']:.2f}",
+    )
     Console().print(table)
 
 

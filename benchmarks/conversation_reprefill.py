@@ -42,12 +42,21 @@ def main(argv=None) -> int:
     chat = setup.chat
     if args.template is not None:
         text = args.template.read_text(encoding="utf-8")
-        chat = Chat(chat.format.model_copy(update={"template": text, "template_sha256": template_digest(text),
-                                                   "has_thinking": True,
-                                                   "sources": {**chat.format.sources,
-                                                               "template": str(args.template)}}), chat.tokenizer)
-    table = Table(title=f"3-turn conversations, Cloud+MTP on {args.recipe.name} ({chat.format.sources['template']}, "
-                        f"thinking {'on' if args.thinking else 'off'}): what each next turn prefills")
+        chat = Chat(
+            chat.format.model_copy(
+                update={
+                    "template": text,
+                    "template_sha256": template_digest(text),
+                    "has_thinking": True,
+                    "sources": {**chat.format.sources, "template": str(args.template)},
+                }
+            ),
+            chat.tokenizer,
+        )
+    table = Table(
+        title=f"3-turn conversations, Cloud+MTP on {args.recipe.name} ({chat.format.sources['template']}, "
+        f"thinking {'on' if args.thinking else 'off'}): what each next turn prefills"
+    )
     for col in ("qid", "turn", "held", "kept", "rollback", "from", "re-prefilled", "new", "bound", "ok"):
         table.add_column(col, justify="right")
     over, turns, total_re, total_new = 0, 0, 0, 0
@@ -59,7 +68,7 @@ def main(argv=None) -> int:
         sess.prefill()
         run_rounds(sess)
         for n, user in enumerate((q.turns[1], THIRD_TURN), start=2):
-            conv.answered(rendered, sess.tokens[len(rendered.ids):])
+            conv.answered(rendered, sess.tokens[len(rendered.ids) :])
             previous = rendered
             rendered = conv.ask(user)
             held = len(sess.tokens)
@@ -72,8 +81,18 @@ def main(argv=None) -> int:
             turns += 1
             total_re += plan.reprefilled
             total_new += new
-            table.add_row(str(q.question_id), str(n), str(held), str(plan.keep), plan.kind, str(plan.start),
-                          str(plan.reprefilled), str(new), str(bound), "yes" if ok else "NO")
+            table.add_row(
+                str(q.question_id),
+                str(n),
+                str(held),
+                str(plan.keep),
+                plan.kind,
+                str(plan.start),
+                str(plan.reprefilled),
+                str(new),
+                str(bound),
+                "yes" if ok else "NO",
+            )
             run_rounds(sess)
         sess.close()
     Console(width=120).print(table)

@@ -36,10 +36,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="folder for the measured cost models (JSON)")
     args = ap.parse_args(argv)
 
+    from hycoc.verifier.cost_measure import BENCH_REPEATS, measure_recipe_verifier
+
     from hycoc.bench.runner import server_work
     from hycoc.bench.summary import summarize
     from hycoc.recipe import load_recipe
-    from hycoc.verifier.cost_measure import BENCH_REPEATS, measure_recipe_verifier
 
     recipe = load_recipe(args.recipe)
     records = json.loads(args.results.read_text(encoding="utf-8"))["records"]
@@ -52,9 +53,11 @@ def main(argv=None) -> int:
         cost = measure_recipe_verifier(recipe, contexts=contexts, repeats=repeats, clock=args.clock)
         if args.out:
             cost.save(args.out / f"cost_model_{k + 1}.json")
-        print(f"measurement {k + 1}: {time.perf_counter() - t0:.0f} s, {cost.meta['statistic']} of {repeats} "
-              f"repetitions, clock {cost.meta['clock']}, load {cost.meta['loadavg_before']} -> {cost.meta['loadavg_after']}",
-              flush=True)
+        print(
+            f"measurement {k + 1}: {time.perf_counter() - t0:.0f} s, {cost.meta['statistic']} of {repeats} "
+            f"repetitions, clock {cost.meta['clock']}, load {cost.meta['loadavg_before']} -> {cost.meta['loadavg_after']}",
+            flush=True,
+        )
         summaries.append(summarize(records, cost_model=cost, server=server_work(recipe)))
     names = [n for n in summaries[0] if summaries[0][n].get("g_projected_ms_per_token") is not None]
     print(f"{len(records)} records of {args.results}")

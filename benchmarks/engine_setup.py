@@ -20,8 +20,9 @@ def add_engine_args(ap: argparse.ArgumentParser, *, limit_help: str, cap_help: s
     ap.add_argument("--dataset", type=Path, default=SPEC_BENCH, help="default: %(default)s")
     ap.add_argument("--limit", type=int, default=10, help=f"{limit_help} (default %(default)s)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help=cap_help)
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads (default: the recipe's verifier.threads)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: the recipe's verifier.threads)"
+    )
 
 
 @dataclass
@@ -41,26 +42,40 @@ class EngineSetup:
 def setup_engine(args: argparse.Namespace) -> EngineSetup:
     """Load the recipe of ``args`` (`add_engine_args`), set torch's threads, and build the engine on the CPU."""
     import torch
+    from hycoc.verifier.loading import engine_from_recipe
 
     from hycoc.chat_template import chat_from_recipe
     from hycoc.protocol.messages import Sampling
     from hycoc.recipe import load_recipe
-    from hycoc.verifier.loading import engine_from_recipe
 
     recipe = load_recipe(args.recipe)
     torch.set_num_threads(args.threads or recipe.verifier.threads or torch.get_num_threads())
     s = recipe.sampling
     chat = chat_from_recipe(recipe)
-    return EngineSetup(recipe, chat.tokenizer, engine_from_recipe(recipe, "cpu"),
-                       Sampling(s.temperature, s.top_k, s.top_p), args.max_new_tokens or s.max_new_tokens, chat)
+    return EngineSetup(
+        recipe,
+        chat.tokenizer,
+        engine_from_recipe(recipe, "cpu"),
+        Sampling(s.temperature, s.top_k, s.top_p),
+        args.max_new_tokens or s.max_new_tokens,
+        chat,
+    )
 
 
 def open_cloud_mtp(setup: EngineSetup, ids, *, cap: int | None = None, anchor: int = 0):
     """Open a Cloud+MTP session (Table 5 row 1: the server drafts, exact acceptance) on ``ids`` (int32 prompt)
     with the recipe's sampling and seed; anchor: the prompt's model-turn opening (`hycoc.chat.Rendered.anchor`,
     for a conversation that continues). The caller prefills it."""
-    return setup.engine.open(ids, sampling=setup.sampling, seed=setup.recipe.sampling.seed, acceptance="exact",
-                             epsilon=1.0, draft_place="cloud-mtp", max_new_tokens=cap or setup.cap, anchor=anchor)
+    return setup.engine.open(
+        ids,
+        sampling=setup.sampling,
+        seed=setup.recipe.sampling.seed,
+        acceptance="exact",
+        epsilon=1.0,
+        draft_place="cloud-mtp",
+        max_new_tokens=cap or setup.cap,
+        anchor=anchor,
+    )
 
 
 def run_rounds(sess) -> None:

@@ -48,9 +48,13 @@ def tail_graph(rows: int, vocab: int, hidden: int, seed: int = 0):
     q = rng.integers(-127, 128, (hidden, vocab)).astype(np.int8)
     s = (rng.random(vocab) * 0.01 + 0.005).astype(np.float32)
     w = q.astype(np.float32) * s[None]
-    g = h.make_graph([h.make_node("MatMul", ["x", "w"], ["logits"], name="lm_head")], "tail",
-                     [h.make_tensor_value_info("x", T.FLOAT, [1, rows, hidden])],
-                     [h.make_tensor_value_info("logits", T.FLOAT, [1, rows, vocab])], [nh.from_array(w, "w")])
+    g = h.make_graph(
+        [h.make_node("MatMul", ["x", "w"], ["logits"], name="lm_head")],
+        "tail",
+        [h.make_tensor_value_info("x", T.FLOAT, [1, rows, hidden])],
+        [h.make_tensor_value_info("logits", T.FLOAT, [1, rows, vocab])],
+        [nh.from_array(w, "w")],
+    )
     m = h.make_model(g, opset_imports=[h.make_opsetid("", 21)])
     m.ir_version = 10
     return m, (q.T.copy(), s, 8)
@@ -78,7 +82,6 @@ def _timed(session, names, feeds, reps):
 def unrequested(args) -> int:
     import onnx
     import onnxruntime as ort
-
     from hycoc.passes.qdq import quantize_graph
     from hycoc.passes.topk_outputs import append_topk
     from hycoc.targets.htp import compile_context
@@ -91,8 +94,9 @@ def unrequested(args) -> int:
     _save(model, tmp / "tail.onnx")
     # weights given as the integers the MatMul was made of (q (V, 64), scale (V,)): bit-exact per-channel int8
     # Q/DQ, as the drafter graphs' output layers
-    res = quantize_graph(tmp / "tail.onnx", samples, tmp / "qdq", percentile=99.99, report_sqnr=False,
-                         weight_arrays={"w": weights})
+    res = quantize_graph(
+        tmp / "tail.onnx", samples, tmp / "qdq", percentile=99.99, report_sqnr=False, weight_arrays={"w": weights}
+    )
     qdq = append_topk(onnx.load(str(res.path)), 8, with_logq=True)
     keep = _save(qdq, tmp / "with_logits.onnx")
     drop = _save(drop_output(qdq, "logits"), tmp / "without_logits.onnx")
@@ -103,27 +107,37 @@ def unrequested(args) -> int:
         m = onnx.load(str(cg.ctx_model), load_external_data=False)
         ep = [n for n in m.graph.node if n.op_type == "EPContext"]
         others = sorted({n.op_type for n in m.graph.node if n.op_type != "EPContext"})
-        print(f"{cg.name}: EPContext outputs {[list(n.output) for n in ep]}, other nodes {others}, "
-              f"binary {cg.binary_bytes:,} B")
+        print(
+            f"{cg.name}: EPContext outputs {[list(n.output) for n in ep]}, other nodes {others}, "
+            f"binary {cg.binary_bytes:,} B"
+        )
     feeds = samples[0]
     want = ["top_index", "top_logq"]
     cpu = ort.InferenceSession(str(keep), providers=["CPUExecutionProvider"])
     ref = cpu.run(want, feeds)
     logits_bytes = args.rows * args.vocab * 4
-    print(f"rows {args.rows}, vocab {args.vocab}: logits output {logits_bytes:,} B float32 per call; "
-          f"load {open('/proc/loadavg').read().split()[0]}")
+    print(
+        f"rows {args.rows}, vocab {args.vocab}: logits output {logits_bytes:,} B float32 per call; "
+        f"load {open('/proc/loadavg').read().split()[0]}"
+    )
     runs = {}
-    for label, cg, fetch in (("(a) with logits, top-k only fetched", a, want),
-                             ("(b) with logits, logits fetched too", a, want + ["logits"]),
-                             ("(c) without logits", c, want)):
+    for label, cg, fetch in (
+        ("(a) with logits, top-k only fetched", a, want),
+        ("(b) with logits, logits fetched too", a, want + ["logits"]),
+        ("(c) without logits", c, want),
+    ):
         seconds, out, sizes = _profiled(cg.ctx_model, fetch, feeds, args.reps, tmp / f"prof_{cg.name}_{len(fetch)}")
         runs[label] = out
-        print(f"{label:38s} {seconds * 1e3:9.2f} ms/call (simulator, not device time); EPContext node output "
-              f"bytes per call (onnxruntime profiler): {sizes}")
+        print(
+            f"{label:38s} {seconds * 1e3:9.2f} ms/call (simulator, not device time); EPContext node output "
+            f"bytes per call (onnxruntime profiler): {sizes}"
+        )
     out_a, out_c = runs["(a) with logits, top-k only fetched"], runs["(c) without logits"]
     same = all(np.array_equal(out_a[n], out_c[n]) for n in want)
-    print(f"top_index/top_logq (a) == (c): {same}; (c) top_index == CPU EP's on "
-          f"{np.mean(out_c['top_index'] == ref[0]):.1%} of entries")
+    print(
+        f"top_index/top_logq (a) == (c): {same}; (c) top_index == CPU EP's on "
+        f"{np.mean(out_c['top_index'] == ref[0]):.1%} of entries"
+    )
     return 0
 
 
@@ -132,7 +146,6 @@ def _profiled(ctx_model, fetch, feeds, reps, prefix):
     import json
 
     import onnxruntime as ort
-
     from hycoc.targets.profiles import get_profile
     from hycoc.targets.qnn_ep import session_options
 
@@ -142,9 +155,13 @@ def _profiled(ctx_model, fetch, feeds, reps, prefix):
     session = ort.InferenceSession(str(ctx_model), sess_options=so)
     seconds, out = _timed(session, fetch, feeds, reps)
     events = json.loads(Path(session.end_profiling()).read_text())
-    sizes = sorted({int(e["args"]["output_size"]) for e in events
-                    if e.get("cat") == "Node" and "output_size" in e.get("args", {})
-                    and e["name"].endswith("kernel_time")})
+    sizes = sorted(
+        {
+            int(e["args"]["output_size"])
+            for e in events
+            if e.get("cat") == "Node" and "output_size" in e.get("args", {}) and e["name"].endswith("kernel_time")
+        }
+    )
     return seconds, dict(zip(fetch, out)), sizes
 
 
@@ -169,29 +186,39 @@ def tie_rows(rows: int, vocab: int, k: int, scale: float, seed: int = 0) -> np.n
         elif kind == 3:
             x[r, 1::2] = x[r, 0::2][: vocab // 2]
         else:
-            base = np.round(6.0 / scale) * scale       # fp16 spacing at 6 is 2^-8 * 4 = 0.0039: several steps
+            base = np.round(6.0 / scale) * scale  # fp16 spacing at 6 is 2^-8 * 4 = 0.0039: several steps
             idx = rng.choice(vocab, 8, replace=False)
             x[r, idx] = base + np.arange(8) * scale
     return x[None].astype(np.float32)
 
 
 def _tail(rows, vocab, k, quantized: bool, scale: float):
+    from hycoc.passes.topk_outputs import append_topk
     from onnx import TensorProto as T
     from onnx import helper as h
     from onnx import numpy_helper as nh
 
-    from hycoc.passes.topk_outputs import append_topk
-
     nodes, inits = [], []
     if quantized:
         inits = [nh.from_array(np.array(scale, np.float32), "s"), nh.from_array(np.array(32768, np.uint16), "zp")]
-        nodes = [h.make_node("QuantizeLinear", ["x", "s", "zp"], ["xq"]),
-                 h.make_node("DequantizeLinear", ["xq", "s", "zp"], ["logits"])]
+        nodes = [
+            h.make_node("QuantizeLinear", ["x", "s", "zp"], ["xq"]),
+            h.make_node("DequantizeLinear", ["xq", "s", "zp"], ["logits"]),
+        ]
     else:
-        nodes = [h.make_node("Identity", ["x"], ["x1"]), h.make_node("Relu", ["x1"], ["x2"]),
-                 h.make_node("Sub", ["x1", "x2"], ["x3"]), h.make_node("Add", ["x2", "x3"], ["logits"])]
-    g = h.make_graph(nodes, "ties", [h.make_tensor_value_info("x", T.FLOAT, [1, rows, vocab])],
-                     [h.make_tensor_value_info("logits", T.FLOAT, [1, rows, vocab])], inits)
+        nodes = [
+            h.make_node("Identity", ["x"], ["x1"]),
+            h.make_node("Relu", ["x1"], ["x2"]),
+            h.make_node("Sub", ["x1", "x2"], ["x3"]),
+            h.make_node("Add", ["x2", "x3"], ["logits"]),
+        ]
+    g = h.make_graph(
+        nodes,
+        "ties",
+        [h.make_tensor_value_info("x", T.FLOAT, [1, rows, vocab])],
+        [h.make_tensor_value_info("logits", T.FLOAT, [1, rows, vocab])],
+        inits,
+    )
     m = h.make_model(g, opset_imports=[h.make_opsetid("", 21)])
     m.ir_version = 10
     return drop_output(append_topk(m, k, with_logq=False), "logits")
@@ -204,38 +231,47 @@ def topk_on_codes(model, scale: float, zero_point: int) -> None:
     from onnx import numpy_helper as nh
 
     g = model.graph
-    g.initializer.extend([nh.from_array(np.array(scale, np.float32), "tq_s"),
-                          nh.from_array(np.array(zero_point, np.uint16), "tq_zp")])
+    g.initializer.extend(
+        [nh.from_array(np.array(scale, np.float32), "tq_s"), nh.from_array(np.array(zero_point, np.uint16), "tq_zp")]
+    )
     nodes = []
     for n in g.node:
         if n.op_type != "TopK":
             nodes.append(n)
             continue
         x, values = n.input[0], n.output[0]
-        nodes += [h.make_node("QuantizeLinear", [x, "tq_s", "tq_zp"], [f"{x}_tq"]),
-                  h.make_node("DequantizeLinear", [f"{x}_tq", "tq_s", "tq_zp"], [f"{x}_tdq"])]
+        nodes += [
+            h.make_node("QuantizeLinear", [x, "tq_s", "tq_zp"], [f"{x}_tq"]),
+            h.make_node("DequantizeLinear", [f"{x}_tq", "tq_s", "tq_zp"], [f"{x}_tdq"]),
+        ]
         n.input[0] = f"{x}_tdq"
         n.output[0] = f"{values}_raw"
-        nodes += [n, h.make_node("QuantizeLinear", [f"{values}_raw", "tq_s", "tq_zp"], [f"{values}_tq"]),
-                  h.make_node("DequantizeLinear", [f"{values}_tq", "tq_s", "tq_zp"], [values])]
+        nodes += [
+            n,
+            h.make_node("QuantizeLinear", [f"{values}_raw", "tq_s", "tq_zp"], [f"{values}_tq"]),
+            h.make_node("DequantizeLinear", [f"{values}_tq", "tq_s", "tq_zp"], [values]),
+        ]
     del g.node[:]
     g.node.extend(nodes)
 
 
 def ties(args) -> int:
     import onnxruntime as ort
-
     from hycoc.passes.topk_outputs import htp_tie_order
     from hycoc.targets.htp import HtpSession, compile_context
     from hycoc.targets.profiles import get_profile
 
     tmp = Path(tempfile.mkdtemp(prefix="hycoc-htp-ties-"))
-    k, scale = args.k, 2.0 ** -9
+    k, scale = args.k, 2.0**-9
     x = tie_rows(args.rows, args.vocab, k, scale)
-    forms = [("16-bit (uint16 Q/DQ -> TopK)", True, False, False), ("fp16 (float tail)", False, False, False),
-             ("16-bit, htp_tie_order", True, True, False), ("fp16, htp_tie_order", False, True, False),
-             ("16-bit, TopK on uint16 codes", True, False, True),
-             ("16-bit, TopK on uint16 codes + htp_tie_order", True, True, True)]
+    forms = [
+        ("16-bit (uint16 Q/DQ -> TopK)", True, False, False),
+        ("fp16 (float tail)", False, False, False),
+        ("16-bit, htp_tie_order", True, True, False),
+        ("fp16, htp_tie_order", False, True, False),
+        ("16-bit, TopK on uint16 codes", True, False, True),
+        ("16-bit, TopK on uint16 codes + htp_tie_order", True, True, True),
+    ]
     if args.forms:
         forms = [f for i, f in enumerate(forms) if str(i) in args.forms.split(",")]
     for label, quantized, ordered, codes in forms:
@@ -257,16 +293,24 @@ def ties(args) -> int:
         rule16 = np.argsort(-x16, axis=-1, kind="stable")[:, :k]
         off16 = [r for r in range(args.rows) if not np.array_equal(rule16[r], htp[0, r])]
         # where the orders differ, are the two values within one fp16 step of each other (a tie fp16 made)?
-        gap = [abs(float(x[0, r, i]) - float(x[0, r, j])) / float(np.spacing(np.float16(abs(x[0, r, i]))))
-               for r in diff for i, j in zip(cpu[0, r], htp[0, r]) if i != j]
+        gap = [
+            abs(float(x[0, r, i]) - float(x[0, r, j])) / float(np.spacing(np.float16(abs(x[0, r, i]))))
+            for r in diff
+            for i, j in zip(cpu[0, r], htp[0, r])
+            if i != j
+        ]
         sets = [r for r in diff if set(cpu[0, r]) != set(htp[0, r])]
-        print(f"{label}: {len(diff)} of {args.rows} rows differ in top-{k} order from the CPU EP "
-              f"({len(sets)} in the chosen set); row kinds of those: {sorted(r % 5 for r in diff)}; "
-              f"{len(off16)} rows differ from lower-index-first on the fp16-rounded values; largest gap between "
-              f"the values at a differing place: {max(gap, default=0):.2f} fp16 steps")
+        print(
+            f"{label}: {len(diff)} of {args.rows} rows differ in top-{k} order from the CPU EP "
+            f"({len(sets)} in the chosen set); row kinds of those: {sorted(r % 5 for r in diff)}; "
+            f"{len(off16)} rows differ from lower-index-first on the fp16-rounded values; largest gap between "
+            f"the values at a differing place: {max(gap, default=0):.2f} fp16 steps"
+        )
         for r in diff[:2]:
-            print(f"  row {r} (kind {r % 5}): cpu {cpu[0, r].tolist()} htp {htp[0, r].tolist()} values "
-                  f"cpu {x[0, r, cpu[0, r]].tolist()} htp {x[0, r, htp[0, r]].tolist()}")
+            print(
+                f"  row {r} (kind {r % 5}): cpu {cpu[0, r].tolist()} htp {htp[0, r].tolist()} values "
+                f"cpu {x[0, r, cpu[0, r]].tolist()} htp {x[0, r, htp[0, r]].tolist()}"
+            )
     return 0
 
 
@@ -275,12 +319,12 @@ def quantized_io(args) -> int:
     (`hycoc.passes.graph_io.quantize_kv_io`), run on the simulator on the same inputs (float rings, and their codes
     by `hycoc.runtime.graphs.quantize`): prints whether the outputs agree code for code."""
     import onnx
-
-    from hycoc.bundle import load_manifest
     from hycoc.passes.graph_io import ship_graph
     from hycoc.runtime.graphs import dequantize, quantize
     from hycoc.targets.htp import HtpSession, compile_context
     from hycoc.targets.profiles import get_profile
+
+    from hycoc.bundle import load_manifest
 
     m = load_manifest(args.bundle)
     g = m.graph("slm")
@@ -290,7 +334,7 @@ def quantized_io(args) -> int:
 
     model = onnx.load(str(src), load_external_data=False)
     for rel in {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}:
-        shutil.copy2(args.bundle / rel, tmp / rel)        # the weights beside both copies (relative paths only)
+        shutil.copy2(args.bundle / rel, tmp / rel)  # the weights beside both copies (relative paths only)
     onnx.save(model, str(tmp / "float_io.onnx"))
     ship_graph(model, quantized_io=True)
     onnx.save(model, str(tmp / "uint16_io.onnx"))
@@ -305,7 +349,7 @@ def quantized_io(args) -> int:
         else:
             x = rng.standard_normal(t.shape).astype(np.float32)
         if t.encoding is not None and t.name.startswith(("k_ring_", "v_ring_")):
-            x = dequantize(quantize(x, t.encoding), t.encoding)    # a ring holds values of its grid
+            x = dequantize(quantize(x, t.encoding), t.encoding)  # a ring holds values of its grid
         feeds[t.name] = x
     enc = {t.name: t.encoding for t in g.inputs + g.outputs}
     outs = {}
@@ -313,20 +357,30 @@ def quantized_io(args) -> int:
         t0 = time.perf_counter()
         cg = compile_context(tmp / f"{label}.onnx", tmp / label, v81, graph_name=label)
         sess = HtpSession(cg.ctx_model)
-        x = {n: (quantize(v, enc[n]) if label == "uint16_io" and n.startswith(("k_ring_", "v_ring_")) else v)
-             for n, v in feeds.items()}
+        x = {
+            n: (quantize(v, enc[n]) if label == "uint16_io" and n.startswith(("k_ring_", "v_ring_")) else v)
+            for n, v in feeds.items()
+        }
         outs[label] = sess.run(x)
         types = {i.name: i.type for i in sess.session.get_inputs() if "ring" in i.name}
-        print(f"{label}: compiled and ran in {time.perf_counter() - t0:.1f} s; ring input types "
-              f"{sorted(set(types.values()))}")
+        print(
+            f"{label}: compiled and ran in {time.perf_counter() - t0:.1f} s; ring input types "
+            f"{sorted(set(types.values()))}"
+        )
     a, b = outs["float_io"], outs["uint16_io"]
     for name in sorted(a):
         if name.startswith(("k_new_", "v_new_")):
             same = np.array_equal(quantize(a[name], enc[name]), b[name])
         else:
             same = np.array_equal(a[name], b[name])
-        print(f"  {name}: {'equal' if same else 'DIFFERENT'}" + ("" if same else
-              f" (max |diff| {np.max(np.abs(np.asarray(a[name], np.float64) - np.asarray(b[name], np.float64))):.3g})"))
+        print(
+            f"  {name}: {'equal' if same else 'DIFFERENT'}"
+            + (
+                ""
+                if same
+                else f" (max |diff| {np.max(np.abs(np.asarray(a[name], np.float64) - np.asarray(b[name], np.float64))):.3g})"
+            )
+        )
     return 0
 
 

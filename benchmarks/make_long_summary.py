@@ -33,16 +33,21 @@ from hycoc.chat_template import load_chat
 from hycoc.toy.corpus import DOCS_DIR, _clean_rst
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKENIZER = ROOT / "recipes" / "toy" / "models" / "verifier"   # the toy checkpoint's tokenizer folder
+TOKENIZER = ROOT / "recipes" / "toy" / "models" / "verifier"  # the toy checkpoint's tokenizer folder
 _SYNOPSIS = re.compile(r"^\s*:synopsis:\s*(.+)$", re.M)
 _UNDERLINE = re.compile(r"^([=\-~^\"'`#*+])\1{2,}\s*$")
 
 
 def _prose(paragraph: str) -> bool:
     first = paragraph.lstrip()
-    return (bool(first) and not paragraph[:1].isspace() and not first.startswith(("..", "**Source code", ":", "*"))
-            and not any(_UNDERLINE.match(line) for line in paragraph.splitlines()) and len(first) > 80
-            and not first.rstrip().endswith("::"))         # "For example, this code::" opens a code block
+    return (
+        bool(first)
+        and not paragraph[:1].isspace()
+        and not first.startswith(("..", "**Source code", ":", "*"))
+        and not any(_UNDERLINE.match(line) for line in paragraph.splitlines())
+        and len(first) > 80
+        and not first.rstrip().endswith("::")
+    )  # "For example, this code::" opens a code block
 
 
 def page_row(path: Path, row_id: int, min_chars: int) -> dict | None:
@@ -62,7 +67,7 @@ def page_row(path: Path, row_id: int, min_chars: int) -> dict | None:
             break
     if not opening:
         return None
-    context = "\n\n".join(paragraphs[start + 1:]).strip()
+    context = "\n\n".join(paragraphs[start + 1 :]).strip()
     if len(context) < min_chars:
         return None
     summary = " ".join(([synopsis.group(1).strip().rstrip(".") + "."] if synopsis else []) + opening)
@@ -93,8 +98,10 @@ def main(argv=None) -> int:
     for i, row in enumerate(rows):
         row["context"] = fit_context(docs, i, count, args.max_prompt_tokens)
         n = count(long_summary_text(docs, i, row["context"]))
-        print(f"{row['id']:3d} {row['source'].split(' ')[0]:32s} prompt {n} tokens, context {len(row['context'])} "
-              f"chars, summary {len(row['answer'][0])} chars")
+        print(
+            f"{row['id']:3d} {row['source'].split(' ')[0]:32s} prompt {n} tokens, context {len(row['context'])} "
+            f"chars, summary {len(row['answer'][0])} chars"
+        )
     tmp = args.out.with_name(f".{args.out.name}.tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     os.replace(tmp, args.out)

@@ -61,21 +61,47 @@ def measure(label: str, cmd: list[str], port: int, args, env: dict, work: Path) 
         if "serve-ray" in cmd:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=30) as r:
                 health = json.load(r)
-            groups = {"replicas": [r["pid"] for r in health["replicas"]], "proxy": pgrep("ray::ProxyActor"),
-                      "controller": pgrep("ray::ServeController"), "raylet+gcs": pgrep("raylet") + pgrep("gcs_server")}
+            groups = {
+                "replicas": [r["pid"] for r in health["replicas"]],
+                "proxy": pgrep("ray::ProxyActor"),
+                "controller": pgrep("ray::ServeController"),
+                "raylet+gcs": pgrep("raylet") + pgrep("gcs_server"),
+            }
         else:
             groups = {"server": [proc.pid]}
         before = {g: sum(map(cpu_s, pids)) for g, pids in groups.items()}
         load0 = os.getloadavg()[0]
         out = work / label
-        subprocess.run(["hycoc", "loadtest", args.recipe, "--sessions", str(args.sessions), "--duration",
-                        str(args.duration), "--server", f"ws://127.0.0.1:{port}", "--out", str(out)],
-                       check=True, capture_output=True, text=True, env=env)
+        subprocess.run(
+            [
+                "hycoc",
+                "loadtest",
+                args.recipe,
+                "--sessions",
+                str(args.sessions),
+                "--duration",
+                str(args.duration),
+                "--server",
+                f"ws://127.0.0.1:{port}",
+                "--out",
+                str(out),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         spent = {g: sum(map(cpu_s, pids)) - before[g] for g, pids in groups.items()}
         run = json.loads((out / "results.json").read_text())["runs"][0]
-        return {"label": label, "tok_per_s": run["tok_per_s"], "tokens": run["committed_tokens"],
-                "p90_ms": run["latency_ms"]["p90"], "errors": run["errors_total"], "cpu_s": spent,
-                "load": (load0, os.getloadavg()[0])}
+        return {
+            "label": label,
+            "tok_per_s": run["tok_per_s"],
+            "tokens": run["committed_tokens"],
+            "p90_ms": run["latency_ms"]["p90"],
+            "errors": run["errors_total"],
+            "cpu_s": spent,
+            "load": (load0, os.getloadavg()[0]),
+        }
     finally:
         proc.send_signal(2)
         proc.wait(180)
@@ -91,21 +117,28 @@ def main() -> None:
     args = ap.parse_args()
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
     work = Path(tempfile.mkdtemp(prefix="hycoc-ray-scaling-"))
-    plan = [(f"ray x{n}", ["hycoc", "serve-ray", args.recipe, "--replicas", str(n)]) for _ in range(args.repeats)
-            for n in (2, 1)] + [("verify-server", ["hycoc", "verify-server", args.recipe])]
+    plan = [
+        (f"ray x{n}", ["hycoc", "serve-ray", args.recipe, "--replicas", str(n)])
+        for _ in range(args.repeats)
+        for n in (2, 1)
+    ] + [("verify-server", ["hycoc", "verify-server", args.recipe])]
     rows = []
     for i, (label, cmd) in enumerate(plan):
         print(f"[{i + 1}/{len(plan)}] {label} ...", file=sys.stderr, flush=True)
         rows.append(measure(f"{label.replace(' ', '')}-{i}", cmd, args.port + (i % 2), args, env, work))
         rows[-1]["label"] = label
-    print(f"\n{args.sessions} sessions, {args.duration:g} s per run (hycoc loadtest); CPU s per process group "
-          "during the run; ms/tok = CPU ms per committed token")
+    print(
+        f"\n{args.sessions} sessions, {args.duration:g} s per run (hycoc loadtest); CPU s per process group "
+        "during the run; ms/tok = CPU ms per committed token"
+    )
     print("| server | tok/s | p90 ms | errors | CPU s (ms/tok) by group | load avg |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         groups = ", ".join(f"{g} {s:.1f} ({1000 * s / max(r['tokens'], 1):.1f})" for g, s in r["cpu_s"].items())
-        print(f"| {r['label']} | {r['tok_per_s']:.1f} | {r['p90_ms']:.0f} | {r['errors']} | {groups} | "
-              f"{r['load'][0]:.1f} -> {r['load'][1]:.1f} |")
+        print(
+            f"| {r['label']} | {r['tok_per_s']:.1f} | {r['p90_ms']:.0f} | {r['errors']} | {groups} | "
+            f"{r['load'][0]:.1f} -> {r['load'][1]:.1f} |"
+        )
     print(f"\nlogs and loadtest results in {work}")
 
 

@@ -63,7 +63,7 @@ import tempfile
 import threading
 import time
 import traceback
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +103,7 @@ def _children(pid: int) -> list[int]:
         try:
             with open(f"/proc/{d}/stat") as f:
                 stat = f.read()
-            parent[int(d)] = int(stat[stat.rfind(")") + 2:].split()[1])
+            parent[int(d)] = int(stat[stat.rfind(")") + 2 :].split()[1])
         except (OSError, ValueError, IndexError):
             continue
     out, todo = [], [pid]
@@ -180,8 +180,12 @@ class Steps:
         except BaseException as e:  # noqa: BLE001 - a failed step is a measured result; KeyboardInterrupt re-raised
             if isinstance(e, KeyboardInterrupt):
                 raise
-            row.update(status="failed", output_bytes=0, error=f"{type(e).__name__}: {e}"[:4000],
-                       details={"traceback": traceback.format_exc()[-3000:]})
+            row.update(
+                status="failed",
+                output_bytes=0,
+                error=f"{type(e).__name__}: {e}"[:4000],
+                details={"traceback": traceback.format_exc()[-3000:]},
+            )
         finally:
             row["seconds"] = round(time.perf_counter() - t0, 2)
             sampler.stop()
@@ -195,8 +199,9 @@ class Steps:
             self.rows.append(row)
             if self.console is not None:
                 mark = "ok" if row["status"] == "ok" else f"FAILED: {row.get('error', '')[:300]}"
-                self.console.print(f"[{row['seconds']:8.1f} s  peak {row['peak_tree_rss_gib']:6.2f} GiB] "
-                                   f"{name}: {mark}")
+                self.console.print(
+                    f"[{row['seconds']:8.1f} s  peak {row['peak_tree_rss_gib']:6.2f} GiB] {name}: {mark}"
+                )
         return result
 
 
@@ -204,8 +209,16 @@ class Steps:
 
 
 #: ``--toy-dims`` (tests only): the same structure at toy widths, so the whole chain runs in seconds. NOT real shapes.
-TOY_DIMS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2,
-            "head_dim": 32, "num_global_key_value_heads": 1, "global_head_dim": 64, "vocab_size": 4096}
+TOY_DIMS = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_global_key_value_heads": 1,
+    "global_head_dim": 64,
+    "vocab_size": 4096,
+}
 TOY_BACKBONE = 96
 
 
@@ -214,9 +227,8 @@ def head_config(layers: int | None, toy_dims: bool = False):
 
     transformers' Gemma 4 config forces the last layer to full attention, so ``layers`` 1 gives [full] and 2 gives
     [sliding, full]. ``toy_dims``: `TOY_DIMS` widths (tests only)."""
-    from transformers import Gemma4AssistantConfig
-
     from hycoc.passes.plan import HEAD_ASSUMED
+    from transformers import Gemma4AssistantConfig
 
     d = copy.deepcopy(HEAD_ASSUMED)
     text = d["text_config"]
@@ -226,7 +238,7 @@ def head_config(layers: int | None, toy_dims: bool = False):
     n = len(text["layer_types"]) if layers is None else int(layers)
     if not 1 <= n <= len(text["layer_types"]):
         raise ValueError(f"--layers {n}: the assumed head has {len(text['layer_types'])} layers")
-    text["layer_types"] = text["layer_types"][:n - 1] + [text["layer_types"][-1]]
+    text["layer_types"] = text["layer_types"][: n - 1] + [text["layer_types"][-1]]
     text["num_hidden_layers"] = n
     text["num_kv_shared_layers"] = n
     return Gemma4AssistantConfig.from_dict(d), text
@@ -242,8 +254,9 @@ def synthetic_keep_set(size: int, vocab: int = VOCAB, seed: int = 0) -> np.ndarr
 
 def synthetic_feeds(config, text: dict, window: int, count: int, seed: int) -> list[dict[str, np.ndarray]]:
     """``count`` head graph inputs (INPUT_NAMES) from random-but-plausible values (module docstring)."""
-    from hycoc.mtp import FULL, SLIDING
     from hycoc.passes.head_graph import INPUT_NAMES, ring_masks, rotary_rows
+
+    from hycoc.mtp import FULL, SLIDING
 
     H = int(config.backbone_hidden_size)
     kv_s, d_s = int(text["num_key_value_heads"]), int(text["head_dim"])
@@ -273,9 +286,12 @@ def synthetic_feeds(config, text: dict, window: int, count: int, seed: int) -> l
             "v_sliding": rng.standard_normal((1, kv_s, window, d_s), dtype=np.float32),
             "k_full": rng.standard_normal((1, kv_f, window, d_f), dtype=np.float32),
             "v_full": rng.standard_normal((1, kv_f, window, d_f), dtype=np.float32),
-            "mask_sliding": masks[SLIDING], "mask_full": masks[FULL],
-            "cos_sliding": rot[SLIDING][0].numpy(), "sin_sliding": rot[SLIDING][1].numpy(),
-            "cos_full": rot[FULL][0].numpy(), "sin_full": rot[FULL][1].numpy(),
+            "mask_sliding": masks[SLIDING],
+            "mask_full": masks[FULL],
+            "cos_sliding": rot[SLIDING][0].numpy(),
+            "sin_sliding": rot[SLIDING][1].numpy(),
+            "cos_full": rot[FULL][0].numpy(),
+            "sin_full": rot[FULL][1].numpy(),
         }
         out.append({n: np.ascontiguousarray(values[n], dtype=np.float32) for n in INPUT_NAMES})
     return out
@@ -298,15 +314,25 @@ def _block_class():
 
         def forward(self, x_hat, k, v, mask, cos, sin):
             x = self.pre_projection(x_hat)
-            return self.layer(x, None, shared_kv_states={self.kind: (k, v)}, position_embeddings=(cos, sin),
-                              attention_mask=mask)
+            return self.layer(
+                x, None, shared_kv_states={self.kind: (k, v)}, position_embeddings=(cos, sin), attention_mask=mask
+            )
 
     return AttentionBlock, torch
 
 
 def block_feeds(feeds: list[dict[str, np.ndarray]], suffix: str) -> list[dict[str, np.ndarray]]:
-    return [{"x_hat": f["x_hat"], "k": f[f"k_{suffix}"], "v": f[f"v_{suffix}"], "mask": f[f"mask_{suffix}"],
-             "cos": f[f"cos_{suffix}"], "sin": f[f"sin_{suffix}"]} for f in feeds]
+    return [
+        {
+            "x_hat": f["x_hat"],
+            "k": f[f"k_{suffix}"],
+            "v": f[f"v_{suffix}"],
+            "mask": f[f"mask_{suffix}"],
+            "cos": f[f"cos_{suffix}"],
+            "sin": f[f"sin_{suffix}"],
+        }
+        for f in feeds
+    ]
 
 
 BLOCK_INPUTS = ("x_hat", "k", "v", "mask", "cos", "sin")
@@ -322,7 +348,6 @@ def _onnx_files(path: Path) -> list[Path]:
 def _qdq_bitmap(path: Path) -> dict[str, Any]:
     """Initializer dtype -> {tensors, values, bytes} of a saved ONNX file (no external data read)."""
     import onnx
-
     from hycoc.targets.htp import _initializer_bytes  # noqa: PLC2701 - the size planner's byte count
 
     model = onnx.load(str(path), load_external_data=False)
@@ -355,8 +380,9 @@ def _cpu_run(path: Path, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def _sub_head(qhead, prefixes: tuple[str, ...]):
     """The QuantizedHead restricted to the linears under ``prefixes`` (for a block's `head_weight_arrays`)."""
     keep = [n for n in qhead.qweight if n.startswith(prefixes)]
-    return dataclasses.replace(qhead, qweight={n: qhead.qweight[n] for n in keep},
-                               scale={n: qhead.scale[n] for n in keep})
+    return dataclasses.replace(
+        qhead, qweight={n: qhead.qweight[n] for n in keep}, scale={n: qhead.scale[n] for n in keep}
+    )
 
 
 class _WorkerTimeout:
@@ -384,30 +410,48 @@ class _WorkerTimeout:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--keep-set", type=int, default=86_089, help="keep-set size |V| (default 86,089)")
     p.add_argument("--window", type=int, default=1024, help="ring columns W (default 1,024)")
-    p.add_argument("--layers", type=int, default=None, help="N layers of the assumed head: N - 1 sliding + the full one (default all 4)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="N layers of the assumed head: N - 1 sliding + the full one (default all 4)",
+    )
     p.add_argument("--skip-compile", action="store_true", help="stop after the QDQ step (no HTP compile)")
-    p.add_argument("--blocks", default="sliding,full",
-                   help="attention blocks to export, QDQ and compile: comma list of sliding, full, or none "
-                        "(default both)")
+    p.add_argument(
+        "--blocks",
+        default="sliding,full",
+        help="attention blocks to export, QDQ and compile: comma list of sliding, full, or none (default both)",
+    )
     p.add_argument("--no-full-compile", action="store_true", help="compile only the attention block(s)")
-    p.add_argument("--full-compile-timeout", type=float, default=1800.0,
-                   help="seconds for the whole head graph's HTP compile (default 1800)")
+    p.add_argument(
+        "--full-compile-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds for the whole head graph's HTP compile (default 1800)",
+    )
     p.add_argument("--no-full-sim", action="store_true", help="skip running the compiled whole head graph")
     p.add_argument("--samples", type=int, default=4, help="calibration inputs (default 4)")
-    p.add_argument("--recipe", default=str(REPO / "recipes" / "gemma4.toml"),
-                   help="recipe whose [head_qat] gives bits, clip search and percentile")
+    p.add_argument(
+        "--recipe",
+        default=str(REPO / "recipes" / "gemma4.toml"),
+        help="recipe whose [head_qat] gives bits, clip search and percentile",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", default=str(REPO / "runs" / "real-shape-head.json"))
     p.add_argument("--work", default=None, help="work folder (default: temporary, removed at the end)")
     p.add_argument("--keep-work", action="store_true", help="keep the work folder")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.add_argument("--toy-dims", action="store_true",
-                   help="tests only: the same chain at toy widths (hidden 64, vocab 4,096); NOT real shapes")
+    p.add_argument(
+        "--toy-dims",
+        action="store_true",
+        help="tests only: the same chain at toy widths (hidden 64, vocab 4,096); NOT real shapes",
+    )
     return p.parse_args(argv)
 
 
@@ -443,7 +487,7 @@ def main(argv=None) -> dict[str, Any]:
 
     steps = Steps(console)
     state: dict[str, Any] = {}
-    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    started = datetime.now(UTC).isoformat(timespec="seconds")
     t_all = time.perf_counter()
 
     # 1. the head at real shapes, random weights
@@ -458,11 +502,20 @@ def main(argv=None) -> dict[str, Any]:
         head.requires_grad_(False)
         n = sum(p.numel() for p in head.parameters())
         text = config.get_text_config()
-        return head, 4 * n, {"params": n, "layers": int(text.num_hidden_layers),
-                             "layer_types": list(text.layer_types), "hidden": int(text.hidden_size),
-                             "intermediate": int(text.intermediate_size),
-                             "backbone_hidden": int(config.backbone_hidden_size), "vocab": int(text.vocab_size),
-                             "config": "ASSUMED (hycoc.passes.plan.HEAD_ASSUMED), random weights"}
+        return (
+            head,
+            4 * n,
+            {
+                "params": n,
+                "layers": int(text.num_hidden_layers),
+                "layer_types": list(text.layer_types),
+                "hidden": int(text.hidden_size),
+                "intermediate": int(text.intermediate_size),
+                "backbone_hidden": int(config.backbone_hidden_size),
+                "vocab": int(text.vocab_size),
+                "config": "ASSUMED (hycoc.passes.plan.HEAD_ASSUMED), random weights",
+            },
+        )
 
     head = steps.run("build_head", build, what="Gemma4AssistantForCausalLM, assumed real-shape config, random init")
 
@@ -474,9 +527,15 @@ def main(argv=None) -> dict[str, Any]:
         restricted = restrict_output_layer(head, keep)
         restricted.requires_grad_(False)
         w = restricted.lm_head.weight
-        return (keep, restricted), keep.nbytes + w.numel() * 4, {
-            "keep_set": int(len(keep)), "source": "synthetic: sorted uniform sample of ids, no corpus",
-            "lm_head": list(w.shape)}
+        return (
+            (keep, restricted),
+            keep.nbytes + w.numel() * 4,
+            {
+                "keep_set": int(len(keep)),
+                "source": "synthetic: sorted uniform sample of ids, no corpus",
+                "lm_head": list(w.shape),
+            },
+        )
 
     got = steps.run("keep_set_restrict", restrict, what="synthetic keep set; untied lm_head over its rows")
     if got is not None:
@@ -496,18 +555,29 @@ def main(argv=None) -> dict[str, Any]:
         ratio_all = torch.cat(list(chosen.values()))
         weights = sum(q.numel() for q in qhead.qweight.values())
         per_layer = {n: round(float(r.mean()), 4) for n, r in chosen.items()}
-        return (qhead, rebuilt), weights * qhead.bits // 8 + 4 * sum(s.numel() for s in qhead.scale.values()), {
-            "bits": qhead.bits, "ratios": [round(r, 4) for r in ratios], "linears": len(qhead.qweight),
-            "weights": int(weights), "packed_weight_bytes": int(weights * qhead.bits // 8),
-            "scale_bytes": int(4 * sum(s.numel() for s in qhead.scale.values())),
-            "clip_ratio_mean": round(float(ratio_all.mean()), 4),
-            "clip_ratio_below_max": round(float((ratio_all < qat.clip_search_max).float().mean()), 4),
-            "clip_ratio_mean_per_linear": per_layer,
-            "qat_training": "skipped (random weights; PTQ integers from the clip search are exported)"}
+        return (
+            (qhead, rebuilt),
+            weights * qhead.bits // 8 + 4 * sum(s.numel() for s in qhead.scale.values()),
+            {
+                "bits": qhead.bits,
+                "ratios": [round(r, 4) for r in ratios],
+                "linears": len(qhead.qweight),
+                "weights": int(weights),
+                "packed_weight_bytes": int(weights * qhead.bits // 8),
+                "scale_bytes": int(4 * sum(s.numel() for s in qhead.scale.values())),
+                "clip_ratio_mean": round(float(ratio_all.mean()), 4),
+                "clip_ratio_below_max": round(float((ratio_all < qat.clip_search_max).float().mean()), 4),
+                "clip_ratio_mean_per_linear": per_layer,
+                "qat_training": "skipped (random weights; PTQ integers from the clip search are exported)",
+            },
+        )
 
     if got is not None:
-        got = steps.run("w4_clip_search", quantize,
-                        what=f"quantize_head W{qat.weight_bits} per-channel, clip search; export_head; dequantized_head")
+        got = steps.run(
+            "w4_clip_search",
+            quantize,
+            what=f"quantize_head W{qat.weight_bits} per-channel, clip search; export_head; dequantized_head",
+        )
         if got is not None:
             qhead, rebuilt = got
             del restricted
@@ -525,8 +595,9 @@ def main(argv=None) -> dict[str, Any]:
         feeds.extend(synthetic_feeds(rebuilt.config, state["text"], args.window, args.samples, args.seed + 1))
         example = [torch.from_numpy(feeds[-1][n]) for n in INPUT_NAMES]
         _, report = export_static(graph, example, float_path, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES)
-        compare_with_torch(float_path, graph, example, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES,
-                           report=report)
+        compare_with_torch(
+            float_path, graph, example, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES, report=report
+        )
         numbers = report.numbers()
         numbers["path"] = str(float_path.relative_to(work))
         numbers["input_shapes"] = {n: list(feeds[0][n].shape) for n in INPUT_NAMES}
@@ -534,15 +605,17 @@ def main(argv=None) -> dict[str, Any]:
 
     graph = None
     if got is not None:
-        graph = steps.run("export", export, what="HeadGraph -> export_static (dynamo, RMSNorm decomposed, "
-                                                 "external data, checker) + ORT CPU vs torch")
+        graph = steps.run(
+            "export",
+            export,
+            what="HeadGraph -> export_static (dynamo, RMSNorm decomposed, external data, checker) + ORT CPU vs torch",
+        )
 
     # 5. QDQ
     qdq_dir = work / "qdq"
 
     def qdq():
         import onnx
-
         from hycoc.passes.head_export import head_weight_arrays
         from hycoc.passes.qdq import quantize_graph
 
@@ -556,22 +629,31 @@ def main(argv=None) -> dict[str, Any]:
         qdq_files = _onnx_files(result.path)
         numbers = result.numbers()
         numbers.pop("io_encodings", None)
-        numbers.update(samples=len(feeds), percentile=percentile, weight_match_seconds=round(match_s, 2),
-                       checker="ok", checker_seconds=round(check_s, 2),
-                       qdq_files={p.name: p.stat().st_size for p in qdq_files},
-                       initializers=_qdq_bitmap(result.path),
-                       float_side_files_bytes=_du(*_onnx_files(result.float_path)) + _du(
-                           *_onnx_files(qdq_dir / "model_folded.onnx")))
+        numbers.update(
+            samples=len(feeds),
+            percentile=percentile,
+            weight_match_seconds=round(match_s, 2),
+            checker="ok",
+            checker_seconds=round(check_s, 2),
+            qdq_files={p.name: p.stat().st_size for p in qdq_files},
+            initializers=_qdq_bitmap(result.path),
+            float_side_files_bytes=_du(*_onnx_files(result.float_path))
+            + _du(*_onnx_files(qdq_dir / "model_folded.onnx")),
+        )
         return result, _du(*qdq_files), numbers
 
     qres = None
     if graph is not None:
-        qres = steps.run("qdq", qdq, what="quantize_graph: W4 bit-exact QAT integers, A16, fixed encodings; "
-                                          "ONNX checker on the QDQ file")
+        qres = steps.run(
+            "qdq",
+            qdq,
+            what="quantize_graph: W4 bit-exact QAT integers, A16, fixed encodings; ONNX checker on the QDQ file",
+        )
 
     # 6. attention blocks: export, QDQ, compile, simulator
-    from hycoc.mtp import FULL, SLIDING
     from hycoc.targets.profiles import PROFILES
+
+    from hycoc.mtp import FULL, SLIDING
 
     profile = PROFILES["htp-v81"]
     compiled_full = None
@@ -580,8 +662,15 @@ def main(argv=None) -> dict[str, Any]:
         kinds = {"sliding": SLIDING, "full": FULL}
         for suffix in blocks:
             if kinds[suffix] not in graph.layer_types:
-                steps.rows.append({"step": f"block_{suffix}_export", "status": "skipped", "seconds": 0,
-                                   "output_bytes": 0, "what": f"no {suffix} layer in the first {args.layers} layers"})
+                steps.rows.append(
+                    {
+                        "step": f"block_{suffix}_export",
+                        "status": "skipped",
+                        "seconds": 0,
+                        "output_bytes": 0,
+                        "what": f"no {suffix} layer in the first {args.layers} layers",
+                    }
+                )
                 continue
             index = graph.layer_types.index(kinds[suffix])
             bdir = work / f"block_{suffix}"
@@ -595,21 +684,30 @@ def main(argv=None) -> dict[str, Any]:
                 block = AttentionBlock(graph, index).eval()
                 example = [torch.from_numpy(bfeeds[-1][n]) for n in BLOCK_INPUTS]
                 _, report = export_static(block, example, bpath, input_names=BLOCK_INPUTS, output_names=("h_block",))
-                compare_with_torch(bpath, block, example, input_names=BLOCK_INPUTS, output_names=("h_block",),
-                                   logits=None, report=report)
+                compare_with_torch(
+                    bpath,
+                    block,
+                    example,
+                    input_names=BLOCK_INPUTS,
+                    output_names=("h_block",),
+                    logits=None,
+                    report=report,
+                )
                 holder["block"] = block
                 n = report.numbers()
                 n["layer_index"] = index
                 n["input_shapes"] = {k: list(bfeeds[0][k].shape) for k in BLOCK_INPUTS}
                 return True, _du(*_onnx_files(bpath)), n
 
-            if not steps.run(f"block_{suffix}_export", bexport,
-                             what=f"pre_projection + layer {index} ({suffix}) over the {args.window}-column ring"):
+            if not steps.run(
+                f"block_{suffix}_export",
+                bexport,
+                what=f"pre_projection + layer {index} ({suffix}) over the {args.window}-column ring",
+            ):
                 continue
 
             def bqdq(index=index, bpath=bpath, bfeeds=bfeeds, bdir=bdir, holder=holder):
                 import onnx
-
                 from hycoc.passes.head_export import head_weight_arrays
                 from hycoc.passes.qdq import quantize_graph
 
@@ -633,13 +731,24 @@ def main(argv=None) -> dict[str, Any]:
 
                 cg = compile_context(holder["qdq"].path, bdir / "htp", profile, graph_name=f"head_block_{suffix}")
                 holder["compiled"] = cg
-                return True, cg.binary_bytes + cg.ctx_model.stat().st_size, {
-                    "profile": profile.name, "htp_arch": cg.htp_arch, "soc_type": cg.soc_type, "qnn_sdk": cg.qnn_sdk,
-                    "binary_bytes": cg.binary_bytes, "weight_bytes": cg.weight_bytes,
-                    "compile_seconds": round(cg.compile_seconds, 2), "cpu_fallback": "disabled"}
+                return (
+                    True,
+                    cg.binary_bytes + cg.ctx_model.stat().st_size,
+                    {
+                        "profile": profile.name,
+                        "htp_arch": cg.htp_arch,
+                        "soc_type": cg.soc_type,
+                        "qnn_sdk": cg.qnn_sdk,
+                        "binary_bytes": cg.binary_bytes,
+                        "weight_bytes": cg.weight_bytes,
+                        "compile_seconds": round(cg.compile_seconds, 2),
+                        "cpu_fallback": "disabled",
+                    },
+                )
 
-            if not steps.run(f"block_{suffix}_compile", bcompile,
-                             what=f"compile_context {profile.name}, CPU fallback disabled"):
+            if not steps.run(
+                f"block_{suffix}_compile", bcompile, what=f"compile_context {profile.name}, CPU fallback disabled"
+            ):
                 continue
 
             def bsim(bfeeds=bfeeds, holder=holder, bpath=bpath):
@@ -654,31 +763,51 @@ def main(argv=None) -> dict[str, Any]:
                 run_s = time.perf_counter() - t1
                 cpu = _cpu_run(holder["qdq"].path, feed)["h_block"]
                 flt = _cpu_run(bpath, feed)["h_block"]
-                return True, 0, {"sample": 0, "load_seconds": round(load_s, 2), "run_seconds": round(run_s, 2),
-                                 "sqnr_htp_vs_cpu_qdq_db": _sqnr(cpu, got_htp),
-                                 "sqnr_htp_vs_float_db": _sqnr(flt, got_htp),
-                                 "sqnr_cpu_qdq_vs_float_db": _sqnr(flt, cpu),
-                                 "max_abs_htp_vs_cpu_qdq": float(np.max(np.abs(cpu - got_htp)))}
+                return (
+                    True,
+                    0,
+                    {
+                        "sample": 0,
+                        "load_seconds": round(load_s, 2),
+                        "run_seconds": round(run_s, 2),
+                        "sqnr_htp_vs_cpu_qdq_db": _sqnr(cpu, got_htp),
+                        "sqnr_htp_vs_float_db": _sqnr(flt, got_htp),
+                        "sqnr_cpu_qdq_vs_float_db": _sqnr(flt, cpu),
+                        "max_abs_htp_vs_cpu_qdq": float(np.max(np.abs(cpu - got_htp))),
+                    },
+                )
 
             steps.run(f"block_{suffix}_sim", bsim, what="HTP simulator vs QDQ on the CPU EP (one query)")
             holder.pop("block", None)
 
         # 7. the whole head graph
         if qres is not None and not args.skip_compile and not args.no_full_compile:
+
             def fcompile():
                 from hycoc.targets.htp import compile_context
 
                 with _WorkerTimeout(args.full_compile_timeout):
                     cg = compile_context(qres.path, work / "htp", profile, graph_name="head")
-                return cg, cg.binary_bytes + cg.ctx_model.stat().st_size, {
-                    "profile": profile.name, "htp_arch": cg.htp_arch, "soc_type": cg.soc_type,
-                    "binary_bytes": cg.binary_bytes, "weight_bytes": cg.weight_bytes,
-                    "compile_seconds": round(cg.compile_seconds, 2), "cpu_fallback": "disabled",
-                    "timeout_s": args.full_compile_timeout}
+                return (
+                    cg,
+                    cg.binary_bytes + cg.ctx_model.stat().st_size,
+                    {
+                        "profile": profile.name,
+                        "htp_arch": cg.htp_arch,
+                        "soc_type": cg.soc_type,
+                        "binary_bytes": cg.binary_bytes,
+                        "weight_bytes": cg.weight_bytes,
+                        "compile_seconds": round(cg.compile_seconds, 2),
+                        "cpu_fallback": "disabled",
+                        "timeout_s": args.full_compile_timeout,
+                    },
+                )
 
-            compiled_full = steps.run("full_compile", fcompile,
-                                      what=f"whole QDQ head graph -> {profile.name} context binary")
+            compiled_full = steps.run(
+                "full_compile", fcompile, what=f"whole QDQ head graph -> {profile.name} context binary"
+            )
             if compiled_full is not None and not args.no_full_sim:
+
                 def fsim():
                     from hycoc.targets.htp import HtpSession
 
@@ -715,9 +844,14 @@ def main(argv=None) -> dict[str, Any]:
             "calibration inputs synthetic (no verifier): e ~ N(0,1), h ~ N(0,2) with outlier channels x40, "
             "K/V ~ N(0,1), ring_masks for fills W/4..wrapped, rotary_rows at t-1",
         ],
-        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "mem_total_gib": round(_meminfo_kib("MemTotal") / 1024**2, 1),
-                    "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
+        "machine": {
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "mem_total_gib": round(_meminfo_kib("MemTotal") / 1024**2, 1),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
         "versions": _versions(),
         "steps": steps.rows,
         "peak_rss_gib": max((r.get("peak_tree_rss_gib", 0) for r in steps.rows), default=0),
@@ -741,12 +875,21 @@ def _shapes(args, text: dict | None) -> dict[str, Any]:
 
     t = text or HEAD_ASSUMED["text_config"]
     backbone = TOY_BACKBONE if args.toy_dims else int(HEAD_ASSUMED["backbone_hidden_size"])
-    return {"real_shapes": not args.toy_dims, "keep_set": args.keep_set, "window": args.window,
-            "layers": int(t["num_hidden_layers"]) if text else (args.layers or 4),
-            "layer_types": t["layer_types"], "head_hidden": t["hidden_size"], "intermediate": t["intermediate_size"],
-            "query_heads": t["num_attention_heads"], "vocab": t["vocab_size"], "backbone_hidden": backbone,
-            "x_hat": 2 * backbone, "kv_sliding": [t["num_key_value_heads"], t["head_dim"]],
-            "kv_full": [t["num_global_key_value_heads"], t["global_head_dim"]]}
+    return {
+        "real_shapes": not args.toy_dims,
+        "keep_set": args.keep_set,
+        "window": args.window,
+        "layers": int(t["num_hidden_layers"]) if text else (args.layers or 4),
+        "layer_types": t["layer_types"],
+        "head_hidden": t["hidden_size"],
+        "intermediate": t["intermediate_size"],
+        "query_heads": t["num_attention_heads"],
+        "vocab": t["vocab_size"],
+        "backbone_hidden": backbone,
+        "x_hat": 2 * backbone,
+        "kv_sliding": [t["num_key_value_heads"], t["head_dim"]],
+        "kv_full": [t["num_global_key_value_heads"], t["global_head_dim"]],
+    }
 
 
 def _meminfo_kib(field: str) -> int:
@@ -776,9 +919,13 @@ def _needs(report: dict) -> dict[str, Any]:
         return {}
     peak = max(rows, key=lambda r: r.get("peak_tree_rss_gib", 0))
     slow = max(rows, key=lambda r: r.get("seconds", 0))
-    return {"peak_step": peak["step"], "peak_rss_gib": peak["peak_tree_rss_gib"],
-            "ram_gib_recommended": round(peak["peak_tree_rss_gib"] * 1.25 + 1, 1),
-            "slowest_step": slow["step"], "slowest_seconds": slow["seconds"]}
+    return {
+        "peak_step": peak["step"],
+        "peak_rss_gib": peak["peak_tree_rss_gib"],
+        "ram_gib_recommended": round(peak["peak_tree_rss_gib"] * 1.25 + 1, 1),
+        "slowest_step": slow["step"],
+        "slowest_seconds": slow["seconds"],
+    }
 
 
 def _json_default(o):
@@ -805,10 +952,19 @@ def print_table(report: dict) -> None:
     from rich.table import Table
 
     s = report["shapes"]
-    table = Table(title=f"real-shape MTP head: |V| {s['keep_set']:,}, W {s['window']:,}, {s['layers']} layers "
-                        f"(random weights) -- {report['total_seconds']:.0f} s total")
-    for col, just in (("step", "left"), ("status", "left"), ("seconds", "right"), ("peak RSS GiB", "right"),
-                      ("tree peak GiB", "right"), ("output", "right"), ("notes", "left")):
+    table = Table(
+        title=f"real-shape MTP head: |V| {s['keep_set']:,}, W {s['window']:,}, {s['layers']} layers "
+        f"(random weights) -- {report['total_seconds']:.0f} s total"
+    )
+    for col, just in (
+        ("step", "left"),
+        ("status", "left"),
+        ("seconds", "right"),
+        ("peak RSS GiB", "right"),
+        ("tree peak GiB", "right"),
+        ("output", "right"),
+        ("notes", "left"),
+    ):
         table.add_column(col, justify=just)
     for r in report["steps"]:
         d = r.get("details") or {}
@@ -816,16 +972,20 @@ def print_table(report: dict) -> None:
         if r["step"] == "build_head":
             note = f"{d.get('params', 0) / 1e6:.1f}M params"
         elif r["step"] == "w4_clip_search":
-            note = f"{d.get('linears')} linears, {d.get('weights', 0) / 1e6:.1f}M weights, mean clip " \
-                   f"{d.get('clip_ratio_mean')}"
+            note = (
+                f"{d.get('linears')} linears, {d.get('weights', 0) / 1e6:.1f}M weights, mean clip "
+                f"{d.get('clip_ratio_mean')}"
+            )
         elif r["step"] == "export" or r["step"].endswith("_export"):
             err = d.get("max_abs_error") or {}
-            note = f"{d.get('nodes')} nodes, {d.get('rms_norms')} RMSNorm; ORT-torch max|err| " + \
-                   ", ".join(f"{k} {v:.1e}" for k, v in err.items())
+            note = f"{d.get('nodes')} nodes, {d.get('rms_norms')} RMSNorm; ORT-torch max|err| " + ", ".join(
+                f"{k} {v:.1e}" for k, v in err.items()
+            )
         elif r["step"] == "qdq" or r["step"].endswith("_qdq"):
             sq = (d.get("sqnr") or {}).get("outputs", {})
-            note = f"bits {d.get('weight_bits')}, {d.get('quantize_linear')} Q; SQNR " + \
-                   ", ".join(f"{k} {v:.1f} dB" for k, v in sq.items())
+            note = f"bits {d.get('weight_bits')}, {d.get('quantize_linear')} Q; SQNR " + ", ".join(
+                f"{k} {v:.1f} dB" for k, v in sq.items()
+            )
         elif r["step"].endswith("_compile"):
             note = f"bin {_human(d.get('binary_bytes', 0))}, {d.get('soc_type')} v{d.get('htp_arch')}"
         elif r["step"].endswith("_sim"):
@@ -834,15 +994,23 @@ def print_table(report: dict) -> None:
             note = (r.get("error") or "")[:160]
         elif r.get("status") == "skipped":
             note = r.get("what", "")
-        table.add_row(r["step"], r.get("status", ""), f"{r.get('seconds', 0):.1f}",
-                      f"{r.get('peak_rss_gib', 0):.2f}", f"{r.get('peak_tree_rss_gib', 0):.2f}",
-                      _human(r.get("output_bytes", 0)), note)
+        table.add_row(
+            r["step"],
+            r.get("status", ""),
+            f"{r.get('seconds', 0):.1f}",
+            f"{r.get('peak_rss_gib', 0):.2f}",
+            f"{r.get('peak_tree_rss_gib', 0):.2f}",
+            _human(r.get("output_bytes", 0)),
+            note,
+        )
     console = Console(width=max(160, Console().width))
     console.print(table)
     if report.get("needs"):
         n = report["needs"]
-        console.print(f"peak {n['peak_rss_gib']:.2f} GiB in {n['peak_step']} -> about {n['ram_gib_recommended']} "
-                        f"GiB RAM recommended; slowest step {n['slowest_step']} ({n['slowest_seconds']:.0f} s)")
+        console.print(
+            f"peak {n['peak_rss_gib']:.2f} GiB in {n['peak_step']} -> about {n['ram_gib_recommended']} "
+            f"GiB RAM recommended; slowest step {n['slowest_step']} ({n['slowest_seconds']:.0f} s)"
+        )
 
 
 if __name__ == "__main__":

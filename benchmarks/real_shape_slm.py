@@ -55,7 +55,7 @@ import shutil
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +69,17 @@ GIB = 1024**3
 TWO_GB = 2**31
 
 #: ``--toy-dims`` (tests only): E2B's structure at toy widths. NOT real shapes.
-TOY_DIMS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
-            "head_dim": 32, "global_head_dim": 64, "vocab_size": 4096, "vocab_size_per_layer_input": 4096,
-            "hidden_size_per_layer_input": 16}
+TOY_DIMS = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "global_head_dim": 64,
+    "vocab_size": 4096,
+    "vocab_size_per_layer_input": 4096,
+    "hidden_size_per_layer_input": 16,
+}
 
 
 class CpuSteps(rsh.Steps):
@@ -112,7 +120,7 @@ def slm_config(layers: int | None, toy_dims: bool = False) -> dict[str, Any]:
         d["num_hidden_layers"] = n
         shared = (n * d["num_kv_shared_layers"]) // 35
         # the shared layers need a producer of each type among the non-shared ones
-        while shared and {*d["layer_types"][:n - shared]} != {*types}:
+        while shared and {*d["layer_types"][: n - shared]} != {*types}:
             shared -= 1
         d["num_kv_shared_layers"] = shared
     return d
@@ -126,8 +134,9 @@ def _meta_model(cfg: dict[str, Any]):
         return Gemma4ForCausalLM(Gemma4TextConfig.from_dict(cfg))
 
 
-def write_random_checkpoint(cfg: dict[str, Any], quant_config: dict[str, Any], path: Path, *, seed: int = 0,
-                            shard_bytes: int = 1 << 30) -> dict[str, Any]:
+def write_random_checkpoint(
+    cfg: dict[str, Any], quant_config: dict[str, Any], path: Path, *, seed: int = 0, shard_bytes: int = 1 << 30
+) -> dict[str, Any]:
     """Random integer weights in transformers' pre-quantized Gemma format under ``path`` (module docstring, step 1).
 
     cfg: Gemma 4 text config dict; quant_config: a validated ``quantization_config`` (`hycoc.passes.bit_map`).
@@ -136,9 +145,9 @@ def write_random_checkpoint(cfg: dict[str, Any], quant_config: dict[str, Any], p
     Returns {"tensors", "bytes", "by_bits": {bits: {"modules", "values", "bytes"}}, "embeddings": {...}}.
     """
     import torch
+    from hycoc.passes.bit_map import resolve_bits, validate
     from safetensors.torch import save_file
 
-    from hycoc.passes.bit_map import resolve_bits, validate
     from hycoc.toy.gemma_format import pack, qmax
 
     qcfg = validate(quant_config)
@@ -175,8 +184,9 @@ def write_random_checkpoint(cfg: dict[str, Any], quant_config: dict[str, Any], p
         if isinstance(module, torch.nn.Linear):
             bits = resolve_bits(name, qcfg)
             qm = qmax(bits)
-            q = torch.from_numpy(rng.integers(-qm, qm + 1, size=(module.out_features, module.in_features),
-                                              dtype=np.int8))
+            q = torch.from_numpy(
+                rng.integers(-qm, qm + 1, size=(module.out_features, module.in_features), dtype=np.int8)
+            )
             scale = torch.full((module.out_features, 1), math.sqrt(3) / (qm * math.sqrt(module.in_features)))
             scale *= torch.from_numpy(rng.uniform(0.8, 1.2, (module.out_features, 1)).astype(np.float32))
             packed = pack(q, bits)
@@ -195,7 +205,7 @@ def write_random_checkpoint(cfg: dict[str, Any], quant_config: dict[str, Any], p
             qm = qmax(bits)
             rows, dim = module.num_embeddings, module.embedding_dim
             packed_rows = []
-            for start in range(0, rows, 16384):          # in slices: the int8 rows of a 2.3 G-value table = 2.3 GB
+            for start in range(0, rows, 16384):  # in slices: the int8 rows of a 2.3 G-value table = 2.3 GB
                 stop = min(rows, start + 16384)
                 q = torch.from_numpy(rng.integers(-qm, qm + 1, size=(stop - start, dim), dtype=np.int8))
                 packed_rows.append(pack(q, bits))
@@ -204,8 +214,12 @@ def write_random_checkpoint(cfg: dict[str, Any], quant_config: dict[str, Any], p
             scale = torch.full((rows, 1), math.sqrt(3) / (qm * math.sqrt(dim)))
             put(f"{name}.embedding_quantized", packed)
             put(f"{name}.embedding_scale", scale.float())
-            embeddings[name] = {"rows": rows, "cols": dim, "bits": bits,
-                                "bytes": packed.numel() * packed.element_size() + 4 * rows}
+            embeddings[name] = {
+                "rows": rows,
+                "cols": dim,
+                "bits": bits,
+                "bytes": packed.numel() * packed.element_size() + 4 * rows,
+            }
             del packed
             owned.add(name)
     for key, t in meta.state_dict().items():
@@ -213,8 +227,10 @@ def write_random_checkpoint(cfg: dict[str, Any], quant_config: dict[str, Any], p
             continue
         put(key, torch.ones(tuple(t.shape), dtype=torch.float32))
     flush()
-    index = {"metadata": {"total_size": int(sum((path / f).stat().st_size for f, _ in files))},
-             "weight_map": {k: f for f, keys in files for k in keys}}
+    index = {
+        "metadata": {"total_size": int(sum((path / f).stat().st_size for f, _ in files))},
+        "weight_map": {k: f for f, keys in files for k in keys},
+    }
     tmp = path / "model.safetensors.index.json.tmp"
     tmp.write_text(json.dumps(index, indent=1))
     os.replace(tmp, path / "model.safetensors.index.json")
@@ -224,8 +240,13 @@ def write_random_checkpoint(cfg: dict[str, Any], quant_config: dict[str, Any], p
     tmp = path / "config.json.tmp"
     tmp.write_text(json.dumps(config, indent=1))
     os.replace(tmp, path / "config.json")
-    return {"tensors": len(index["weight_map"]), "files": len(files), "bytes": rsh._du(path),
-            "by_bits": by_bits, "embeddings": embeddings}
+    return {
+        "tensors": len(index["weight_map"]),
+        "files": len(files),
+        "bytes": rsh._du(path),
+        "by_bits": by_bits,
+        "embeddings": embeddings,
+    }
 
 
 def qdq_peak_estimate_gib(linear_values: int, lut_bytes: int) -> float:
@@ -239,24 +260,37 @@ def qdq_peak_estimate_gib(linear_values: int, lut_bytes: int) -> float:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--layers", type=int, default=None, help="first N layers of E2B (default all 35)")
     p.add_argument("--keep-set", type=int, default=86_089, help="keep-set size (default 86,089)")
     p.add_argument("--rows", type=int, default=32, help="tree rows B (default 32)")
     p.add_argument("--ring", type=int, default=1024, help="full-attention ring W (default 1,024)")
     p.add_argument("--sliding-ring", type=int, default=512, help="sliding-layer ring (default 512)")
-    p.add_argument("--bit-map", choices=("assumed", "paper-fit"), default="assumed",
-                   help="hycoc.passes.bit_map map for the random checkpoint (default assumed)")
+    p.add_argument(
+        "--bit-map",
+        choices=("assumed", "paper-fit"),
+        default="assumed",
+        help="hycoc.passes.bit_map map for the random checkpoint (default assumed)",
+    )
     p.add_argument("--samples", type=int, default=4, help="calibration inputs (default 4)")
-    p.add_argument("--max-qdq-gib", type=float, default=11.0,
-                   help="refuse the QDQ step when its estimated peak exceeds this (default 11 GiB)")
-    p.add_argument("--shards", default="1",
-                   help="layer shards: 1 = the monolithic graph (default), N, or auto (fewest that fit the "
-                        "profile's context budget); each shard is exported, quantized, compiled and simulated "
-                        "on its own and the chain's end-to-end SQNR reported")
-    p.add_argument("--bounds", default=None,
-                   help="shard bounds instead of the plan's, e.g. 0,4,6 (shard k = layers [b_k, b_k+1))")
+    p.add_argument(
+        "--max-qdq-gib",
+        type=float,
+        default=11.0,
+        help="refuse the QDQ step when its estimated peak exceeds this (default 11 GiB)",
+    )
+    p.add_argument(
+        "--shards",
+        default="1",
+        help="layer shards: 1 = the monolithic graph (default), N, or auto (fewest that fit the "
+        "profile's context budget); each shard is exported, quantized, compiled and simulated "
+        "on its own and the chain's end-to-end SQNR reported",
+    )
+    p.add_argument(
+        "--bounds", default=None, help="shard bounds instead of the plan's, e.g. 0,4,6 (shard k = layers [b_k, b_k+1))"
+    )
     p.add_argument("--skip-compile", action="store_true", help="stop after QDQ and the budget refusal")
     p.add_argument("--compile-timeout", type=float, default=2400.0, help="seconds for the HTP compile")
     p.add_argument("--seed", type=int, default=0)
@@ -271,15 +305,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict[str, Any]:
     """Run the check; returns the report (also written to ``--out``)."""
     args = parse_args(argv)
+    from hycoc.passes import bit_map
+    from hycoc.targets.profiles import get_profile
     from rich.console import Console
 
     from hycoc import progress
-    from hycoc.passes import bit_map
     from hycoc.recipe import load_recipe
-    from hycoc.targets.profiles import get_profile
 
     console = Console(stderr=True, quiet=args.quiet)
-    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    started = datetime.now(UTC).isoformat(timespec="seconds")
     t_all = time.perf_counter()
     work_tmp = None
     if args.work:
@@ -310,7 +344,10 @@ def main(argv=None) -> dict[str, Any]:
         return True, info["bytes"], info
 
     say(f"checkpoint: {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, bit map {args.bit_map}")
-    if steps.run("checkpoint", s_checkpoint, what="random integers in transformers' pre-quantized Gemma format") is None:
+    if (
+        steps.run("checkpoint", s_checkpoint, what="random integers in transformers' pre-quantized Gemma format")
+        is None
+    ):
         return _finish(args, steps, started, t_all, cfg, state, work_tmp)
 
     # 2. surgery
@@ -333,9 +370,14 @@ def main(argv=None) -> dict[str, Any]:
         for name, lut in slm.luts.items():
             t0 = time.perf_counter()
             rows = lut.lookup(tokens)
-            out[name] = {"rows": int(lut.packed.shape[0]), "cols": int(lut.dim), "bits": int(lut.bits),
-                         "bytes": int(lut.packed.nbytes + lut.scale.nbytes), "lookup_shape": list(rows.shape),
-                         "lookup_ms": round(1000 * (time.perf_counter() - t0), 3)}
+            out[name] = {
+                "rows": int(lut.packed.shape[0]),
+                "cols": int(lut.dim),
+                "bits": int(lut.bits),
+                "bytes": int(lut.packed.nbytes + lut.scale.nbytes),
+                "lookup_shape": list(rows.shape),
+                "lookup_ms": round(1000 * (time.perf_counter() - t0), 3),
+            }
         return True, 0, {"luts": out, "total_bytes": sum(v["bytes"] for v in out.values())}
 
     steps.run("host_luts", s_luts, what="token + per-layer embedding LUTs looked up on the host (32 rows)")
@@ -354,10 +396,19 @@ def main(argv=None) -> dict[str, Any]:
         state["example"] = example_inputs(graph, slm, args.seed)
         # the full-vocabulary output layer is not needed past here (the graph holds its keep-set rows): 0.4 GB
         head = slm.weights.pop("lm_head")
-        return graph, 0, {"rows": graph.rows, "ring": graph.ring, "kv_layers": graph.kv_layers,
-                          "keep_set": len(keep), "output_layer_rows_before": int(head.q.shape[0]),
-                          "output_layer_rows_after": int(graph.lm_head.q.shape[0]),
-                          "inputs": {n: list(s) for n, s in graph.input_shapes.items()}}
+        return (
+            graph,
+            0,
+            {
+                "rows": graph.rows,
+                "ring": graph.ring,
+                "kv_layers": graph.kv_layers,
+                "keep_set": len(keep),
+                "output_layer_rows_before": int(head.q.shape[0]),
+                "output_layer_rows_after": int(graph.lm_head.q.shape[0]),
+                "inputs": {n: list(s) for n, s in graph.input_shapes.items()},
+            },
+        )
 
     graph = steps.run("graph", s_graph, what="SlmTreeGraph: B rows over the ring, keep-set output layer")
     if graph is None:
@@ -376,8 +427,13 @@ def main(argv=None) -> dict[str, Any]:
         m = onnx.load(str(export_path), load_external_data=False)
         host = find_host_only_nodes(m, profile)
         d = rep.numbers()
-        d.update(model_bytes=rep.model_bytes, data_bytes=rep.data_bytes, over_2gb=rep.data_bytes > TWO_GB,
-                 host_only_nodes=[str(n) for n in host], initializer_bits=rsh._qdq_bitmap(export_path))
+        d.update(
+            model_bytes=rep.model_bytes,
+            data_bytes=rep.data_bytes,
+            over_2gb=rep.data_bytes > TWO_GB,
+            host_only_nodes=[str(n) for n in host],
+            initializer_bits=rsh._qdq_bitmap(export_path),
+        )
         return True, rsh._du(*rsh._onnx_files(export_path)), d
 
     say("export: torch.onnx dynamo, RMSNorm decomposition, checker, CPU EP vs torch")
@@ -390,28 +446,42 @@ def main(argv=None) -> dict[str, Any]:
     estimate = qdq_peak_estimate_gib(linear_values, lut_bytes)
     qres = None
     if estimate > args.max_qdq_gib:
-        steps.rows.append({"step": "qdq", "status": "refused", "seconds": 0, "output_bytes": 0,
-                           "peak_rss_gib": 0, "peak_tree_rss_gib": 0,
-                           "what": f"estimated peak {estimate:.1f} GiB > --max-qdq-gib {args.max_qdq_gib} "
-                                   f"({linear_values:,} graph weights folded to float32): run it where "
-                                   f"{estimate * 1.25:.0f} GiB are free, or shard the graph by layers",
-                           "details": {"estimate_gib": round(estimate, 2), "linear_values": linear_values}})
+        steps.rows.append(
+            {
+                "step": "qdq",
+                "status": "refused",
+                "seconds": 0,
+                "output_bytes": 0,
+                "peak_rss_gib": 0,
+                "peak_tree_rss_gib": 0,
+                "what": f"estimated peak {estimate:.1f} GiB > --max-qdq-gib {args.max_qdq_gib} "
+                f"({linear_values:,} graph weights folded to float32): run it where "
+                f"{estimate * 1.25:.0f} GiB are free, or shard the graph by layers",
+                "details": {"estimate_gib": round(estimate, 2), "linear_values": linear_values},
+            }
+        )
         say(f"qdq refused: estimated {estimate:.1f} GiB > {args.max_qdq_gib} GiB")
     else:
+
         def s_qdq():
             from hycoc.passes.qdq import quantize_graph, slm_calibration_samples
 
             samples = slm_calibration_samples(graph, slm, args.samples, args.seed)
-            res = quantize_graph(export_path, samples, work / "qdq", percentile=cal.percentile,
-                                 range_scale=cal.range_scale)
+            res = quantize_graph(
+                export_path, samples, work / "qdq", percentile=cal.percentile, range_scale=cal.range_scale
+            )
             import onnx
 
             onnx.checker.check_model(str(res.path), full_check=True)
             d = res.numbers()
             d.pop("io_encodings", None)
-            d.update(checker="ok", estimate_gib=round(estimate, 2), initializer_bits=rsh._qdq_bitmap(res.path),
-                     data_bytes=rsh._du(*rsh._onnx_files(res.path)), over_2gb=rsh._du(*rsh._onnx_files(res.path))
-                     > TWO_GB)
+            d.update(
+                checker="ok",
+                estimate_gib=round(estimate, 2),
+                initializer_bits=rsh._qdq_bitmap(res.path),
+                data_bytes=rsh._du(*rsh._onnx_files(res.path)),
+                over_2gb=rsh._du(*rsh._onnx_files(res.path)) > TWO_GB,
+            )
             state["feed"] = samples[0]
             return res, rsh._du(work / "qdq"), d
 
@@ -420,6 +490,7 @@ def main(argv=None) -> dict[str, Any]:
 
     # 7. budget refusal (before compiling)
     if qres is not None:
+
         def s_budget():
             from hycoc.targets.htp import ContextTooLargeError, compile_context, plan_context_size
 
@@ -431,30 +502,51 @@ def main(argv=None) -> dict[str, Any]:
                 compile_context(qres.path, out, small, graph_name="slm")
             except ContextTooLargeError as e:
                 written = sorted(p.name for p in out.rglob("*") if p.is_file()) if out.exists() else []
-                return True, 0, {"refused": True, "message": str(e)[:600], "seconds_to_refuse":
-                                 round(time.perf_counter() - t0, 3), "weight_bytes": plan.weight_bytes,
-                                 "limit_bytes": small.max_context_bytes, "files_written": written,
-                                 "fits_real_limit": plan.weight_bytes <= profile.max_context_bytes,
-                                 "real_limit_bytes": profile.max_context_bytes}
+                return (
+                    True,
+                    0,
+                    {
+                        "refused": True,
+                        "message": str(e)[:600],
+                        "seconds_to_refuse": round(time.perf_counter() - t0, 3),
+                        "weight_bytes": plan.weight_bytes,
+                        "limit_bytes": small.max_context_bytes,
+                        "files_written": written,
+                        "fits_real_limit": plan.weight_bytes <= profile.max_context_bytes,
+                        "real_limit_bytes": profile.max_context_bytes,
+                    },
+                )
             raise AssertionError("a context over the lowered limit was not refused")
 
         steps.run("budget_refusal", s_budget, what="limit lowered below the weights: refused before compiling")
 
     # 8. compile + simulator
     if qres is not None and not args.skip_compile:
+
         def s_compile():
             from hycoc.targets.htp import compile_context
 
             with rsh._WorkerTimeout(args.compile_timeout):
                 cg = compile_context(qres.path, work / "htp", profile, graph_name="slm")
-            return cg, cg.binary_bytes + cg.ctx_model.stat().st_size, {
-                "profile": profile.name, "htp_arch": cg.htp_arch, "soc_type": cg.soc_type, "qnn_sdk": cg.qnn_sdk,
-                "binary_bytes": cg.binary_bytes, "weight_bytes": cg.weight_bytes,
-                "compile_seconds": round(cg.compile_seconds, 2), "cpu_fallback": "disabled"}
+            return (
+                cg,
+                cg.binary_bytes + cg.ctx_model.stat().st_size,
+                {
+                    "profile": profile.name,
+                    "htp_arch": cg.htp_arch,
+                    "soc_type": cg.soc_type,
+                    "qnn_sdk": cg.qnn_sdk,
+                    "binary_bytes": cg.binary_bytes,
+                    "weight_bytes": cg.weight_bytes,
+                    "compile_seconds": round(cg.compile_seconds, 2),
+                    "cpu_fallback": "disabled",
+                },
+            )
 
         say("compile: htp-v81 context binary, CPU fallback disabled")
         cg = steps.run("compile", s_compile, what=f"compile_context {profile.name}, CPU fallback disabled")
         if cg is not None:
+
             def s_sim():
                 from hycoc.targets.htp import HtpSession
 
@@ -469,8 +561,10 @@ def main(argv=None) -> dict[str, Any]:
                 out = {"load_seconds": round(load_s, 2), "run_seconds": round(run_s, 2)}
                 for name in cpu:
                     out[f"sqnr_htp_vs_cpu_qdq_db.{name}"] = rsh._sqnr(cpu[name], got[name])
-                lg, lc = got["logits"].reshape(-1, got["logits"].shape[-1]), cpu["logits"].reshape(
-                    -1, cpu["logits"].shape[-1])
+                lg, lc = (
+                    got["logits"].reshape(-1, got["logits"].shape[-1]),
+                    cpu["logits"].reshape(-1, cpu["logits"].shape[-1]),
+                )
                 out["top1_htp_eq_cpu_qdq"] = float(np.mean(lg.argmax(-1) == lc.argmax(-1)))
                 return True, 0, out
 
@@ -498,16 +592,32 @@ def _sharded(args, steps, state, slm, cfg, keep_n, vocab, profile, cal, work: Pa
             bounds = tuple(int(x) for x in args.bounds.split(","))
             plan = None
         else:
-            plan = plan_shards(per_layer, budget=profile.max_context_bytes, first_extra=first, last_extra=last,
-                               shards=args.shards if args.shards == "auto" else int(args.shards))
+            plan = plan_shards(
+                per_layer,
+                budget=profile.max_context_bytes,
+                first_extra=first,
+                last_extra=last,
+                shards=args.shards if args.shards == "auto" else int(args.shards),
+            )
             bounds = plan.bounds
-        seg = [sum(per_layer[a:b]) + (first if a == 0 else 0) + (last if b == len(per_layer) else 0)
-               for a, b in zip(bounds, bounds[1:])]
+        seg = [
+            sum(per_layer[a:b]) + (first if a == 0 else 0) + (last if b == len(per_layer) else 0)
+            for a, b in zip(bounds, bounds[1:])
+        ]
         state["bounds"] = bounds
-        return bounds, 0, {"bounds": list(bounds), "per_layer_bytes": per_layer, "first_extra_bytes": first,
-                           "last_extra_bytes": last, "estimated_shard_bytes": seg,
-                           "budget_bytes": profile.max_context_bytes, "from": "--bounds" if plan is None else
-                           f"plan_shards({args.shards})"}
+        return (
+            bounds,
+            0,
+            {
+                "bounds": list(bounds),
+                "per_layer_bytes": per_layer,
+                "first_extra_bytes": first,
+                "last_extra_bytes": last,
+                "estimated_shard_bytes": seg,
+                "budget_bytes": profile.max_context_bytes,
+                "from": "--bounds" if plan is None else f"plan_shards({args.shards})",
+            },
+        )
 
     bounds = steps.run("shard_plan", s_plan, what="layer_weight_bytes + plan_shards on the profile's budget")
     if bounds is None:
@@ -539,10 +649,18 @@ def _sharded(args, steps, state, slm, cfg, keep_n, vocab, profile, cal, work: Pa
                     outs = g(*[torch.from_numpy(x[nm]) for nm in g.input_names])
                 made.update({nm: o.numpy() for nm, o in zip(g.output_names, outs)})
             sh["graph"], sh["samples"] = g, samples
-            return g, 0, {"layers": list(g.layer_range), "kv_layers": g.kv_layers, "borrowed_producers": g.borrowed,
-                          "inputs": {nm: list(v) for nm, v in g.input_shapes.items()},
-                          "outputs": {nm: list(v) for nm, v in g.output_shapes.items()},
-                          "linear_values": sum(int(m.q.numel()) for m in g.modules() if hasattr(m, "bits"))}
+            return (
+                g,
+                0,
+                {
+                    "layers": list(g.layer_range),
+                    "kv_layers": g.kv_layers,
+                    "borrowed_producers": g.borrowed,
+                    "inputs": {nm: list(v) for nm, v in g.input_shapes.items()},
+                    "outputs": {nm: list(v) for nm, v in g.output_shapes.items()},
+                    "linear_values": sum(int(m.q.numel()) for m in g.modules() if hasattr(m, "bits")),
+                },
+            )
 
         say(f"shard {k}: layers [{bounds[k]}, {bounds[k + 1]})")
         g = steps.run(f"graph.{tag}", s_graph, what=f"SlmTreeGraph shard {k} + the float chain on the samples")
@@ -552,7 +670,6 @@ def _sharded(args, steps, state, slm, cfg, keep_n, vocab, profile, cal, work: Pa
 
         def s_export():
             import torch
-
             from hycoc.targets.htp import find_host_only_nodes
 
             x = sh["samples"][0]
@@ -561,37 +678,51 @@ def _sharded(args, steps, state, slm, cfg, keep_n, vocab, profile, cal, work: Pa
 
             m = onnx.load(str(path), load_external_data=False)
             d = rep.numbers()
-            d.update(data_bytes=rep.data_bytes, over_2gb=rep.data_bytes > TWO_GB,
-                     host_only_nodes=[str(x) for x in find_host_only_nodes(m, profile)])
+            d.update(
+                data_bytes=rep.data_bytes,
+                over_2gb=rep.data_bytes > TWO_GB,
+                host_only_nodes=[str(x) for x in find_host_only_nodes(m, profile)],
+            )
             return True, rsh._du(*rsh._onnx_files(path)), d
 
         if steps.run(f"export.{tag}", s_export, what=f"export_slm_graph shard {k}") is None:
             return
-        estimate = qdq_peak_estimate_gib(steps.rows[-2]["details"]["linear_values"],
-                                         sum(int(v.packed.nbytes) for v in slm.luts.values()))
+        estimate = qdq_peak_estimate_gib(
+            steps.rows[-2]["details"]["linear_values"], sum(int(v.packed.nbytes) for v in slm.luts.values())
+        )
         if estimate > args.max_qdq_gib:
-            steps.rows.append({"step": f"qdq.{tag}", "status": "refused", "seconds": 0, "output_bytes": 0,
-                               "peak_rss_gib": 0, "peak_tree_rss_gib": 0,
-                               "what": f"estimated peak {estimate:.1f} GiB > --max-qdq-gib {args.max_qdq_gib}"})
+            steps.rows.append(
+                {
+                    "step": f"qdq.{tag}",
+                    "status": "refused",
+                    "seconds": 0,
+                    "output_bytes": 0,
+                    "peak_rss_gib": 0,
+                    "peak_tree_rss_gib": 0,
+                    "what": f"estimated peak {estimate:.1f} GiB > --max-qdq-gib {args.max_qdq_gib}",
+                }
+            )
             return
 
         def s_qdq():
             import onnx
 
-            res = quantize_graph(path, sh["samples"], work / f"qdq-{tag}", percentile=cal.percentile,
-                                 range_scale=cal.range_scale)
+            res = quantize_graph(
+                path, sh["samples"], work / f"qdq-{tag}", percentile=cal.percentile, range_scale=cal.range_scale
+            )
             onnx.checker.check_model(str(res.path), full_check=True)
             d = res.numbers()
             d.pop("io_encodings", None)
             d.update(checker="ok", estimate_gib=round(estimate, 2), data_bytes=rsh._du(*rsh._onnx_files(res.path)))
             return res, rsh._du(work / f"qdq-{tag}"), d
 
-        sh["graph"] = g = None      # the torch shard is not needed past export and calibration
+        sh["graph"] = g = None  # the torch shard is not needed past export and calibration
         qres = steps.run(f"qdq.{tag}", s_qdq, what=f"quantize_graph shard {k} (calibrated on the float chain)")
         if qres is None:
             return
         chain["shards"].append({"qdq": str(qres.path)})
         if k == n - 1:
+
             def s_budget():
                 from hycoc.targets.htp import ContextTooLargeError, compile_context, plan_context_size
 
@@ -603,11 +734,19 @@ def _sharded(args, steps, state, slm, cfg, keep_n, vocab, profile, cal, work: Pa
                     compile_context(chain["shards"][biggest]["qdq"], out, small, graph_name=f"slm_s{biggest}")
                 except ContextTooLargeError as e:
                     written = sorted(p.name for p in out.rglob("*") if p.is_file()) if out.exists() else []
-                    return True, 0, {"refused": True, "shard": biggest, "message": str(e)[:600],
-                                     "shard_weight_bytes": [p.weight_bytes for p in plans],
-                                     "files_written": written, "limit_bytes": profile.max_context_bytes,
-                                     "every_shard_fits": all(p.weight_bytes <= profile.max_context_bytes
-                                                             for p in plans)}
+                    return (
+                        True,
+                        0,
+                        {
+                            "refused": True,
+                            "shard": biggest,
+                            "message": str(e)[:600],
+                            "shard_weight_bytes": [p.weight_bytes for p in plans],
+                            "files_written": written,
+                            "limit_bytes": profile.max_context_bytes,
+                            "every_shard_fits": all(p.weight_bytes <= profile.max_context_bytes for p in plans),
+                        },
+                    )
                 raise AssertionError("a shard over the lowered limit was not refused")
 
             steps.run("budget_refusal", s_budget, what="limit lowered below the largest shard: refused first")
@@ -619,10 +758,19 @@ def _sharded(args, steps, state, slm, cfg, keep_n, vocab, profile, cal, work: Pa
 
             with rsh._WorkerTimeout(args.compile_timeout):
                 cg = compile_context(qres.path, work / "htp", profile, graph_name=f"slm_{tag}")
-            return cg, cg.binary_bytes + cg.ctx_model.stat().st_size, {
-                "binary": cg.context_binary.name, "binary_bytes": cg.binary_bytes, "weight_bytes": cg.weight_bytes,
-                "htp_arch": cg.htp_arch, "soc_type": cg.soc_type, "cpu_fallback": "disabled",
-                "under_budget": cg.binary_bytes <= profile.max_context_bytes}
+            return (
+                cg,
+                cg.binary_bytes + cg.ctx_model.stat().st_size,
+                {
+                    "binary": cg.context_binary.name,
+                    "binary_bytes": cg.binary_bytes,
+                    "weight_bytes": cg.weight_bytes,
+                    "htp_arch": cg.htp_arch,
+                    "soc_type": cg.soc_type,
+                    "cpu_fallback": "disabled",
+                    "under_budget": cg.binary_bytes <= profile.max_context_bytes,
+                },
+            )
 
         cg = steps.run(f"compile.{tag}", s_compile, what=f"compile_context shard {k}: its own context binary")
         if cg is None:
@@ -680,17 +828,24 @@ def _finish(args, steps, started, t_all, cfg, state, work_tmp) -> dict[str, Any]
     import torch
 
     report = {
-        "what": "real-shape E2B SLM build check: random integer weights, synthetic keep set and "
-                "calibration",
+        "what": "real-shape E2B SLM build check: random integer weights, synthetic keep set and calibration",
         "started": started,
         "total_seconds": round(time.perf_counter() - t_all, 1),
         "args": vars(args),
-        "shapes": {"real_shapes": not args.toy_dims, "layers": cfg["num_hidden_layers"],
-                   "kv_shared_layers": cfg["num_kv_shared_layers"], "hidden": cfg["hidden_size"],
-                   "intermediate": cfg["intermediate_size"], "vocab": cfg["vocab_size"],
-                   "per_layer_input": cfg["hidden_size_per_layer_input"], "keep_set": args.keep_set,
-                   "rows": args.rows, "ring": args.ring, "sliding_ring": args.sliding_ring,
-                   "bit_map": args.bit_map},
+        "shapes": {
+            "real_shapes": not args.toy_dims,
+            "layers": cfg["num_hidden_layers"],
+            "kv_shared_layers": cfg["num_kv_shared_layers"],
+            "hidden": cfg["hidden_size"],
+            "intermediate": cfg["intermediate_size"],
+            "vocab": cfg["vocab_size"],
+            "per_layer_input": cfg["hidden_size_per_layer_input"],
+            "keep_set": args.keep_set,
+            "rows": args.rows,
+            "ring": args.ring,
+            "sliding_ring": args.sliding_ring,
+            "bit_map": args.bit_map,
+        },
         "assumptions": [
             "E2B text config from hycoc.passes.plan.SLM_E2B with the output layer untied (keep-set rows cut from it)",
             f"bit map {args.bit_map} (hycoc/passes/bit_map.py); the QAT checkpoint's own map is not here",
@@ -698,9 +853,14 @@ def _finish(args, steps, started, t_all, cfg, state, work_tmp) -> dict[str, Any]
             "keep set synthetic (sorted uniform ids); calibration synthetic (random trees, tokens, rings)",
             "graph without the TopK outputs the bundle's SLM graph adds (passes/topk_outputs.py)",
         ],
-        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "mem_total_gib": round(rsh._meminfo_kib("MemTotal") / 1024**2, 1),
-                    "loadavg": os.getloadavg(), "torch_threads": torch.get_num_threads()},
+        "machine": {
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "mem_total_gib": round(rsh._meminfo_kib("MemTotal") / 1024**2, 1),
+            "loadavg": os.getloadavg(),
+            "torch_threads": torch.get_num_threads(),
+        },
         "versions": rsh._versions(),
         "steps": steps.rows,
         "peak_rss_gib": max((r.get("peak_tree_rss_gib", 0) for r in steps.rows), default=0),
@@ -727,8 +887,10 @@ def print_table(report: dict) -> None:
     from rich.table import Table
 
     s = report["shapes"]
-    table = Table(title=f"real-shape E2B SLM: {s['layers']} layers, |V| {s['keep_set']:,}, B {s['rows']}, "
-                        f"W {s['ring']:,}/{s['sliding_ring']}, map {s['bit_map']} -- {report['total_seconds']:.0f} s")
+    table = Table(
+        title=f"real-shape E2B SLM: {s['layers']} layers, |V| {s['keep_set']:,}, B {s['rows']}, "
+        f"W {s['ring']:,}/{s['sliding_ring']}, map {s['bit_map']} -- {report['total_seconds']:.0f} s"
+    )
     for col in ("step", "status", "seconds", "CPU s", "peak RSS GiB", "tree peak GiB", "output", "notes"):
         table.add_column(col, justify="left" if col in ("step", "status", "notes") else "right")
     for r in report["steps"]:
@@ -736,23 +898,33 @@ def print_table(report: dict) -> None:
         note = ""
         base = r["step"].split(".")[0]
         if base == "checkpoint":
-            note = ", ".join(f"int{b}: {v['modules']} x, {v['bytes'] / 1e6:.1f} MB" for b, v in d.get("by_bits", {}).items())
+            note = ", ".join(
+                f"int{b}: {v['modules']} x, {v['bytes'] / 1e6:.1f} MB" for b, v in d.get("by_bits", {}).items()
+            )
         elif base == "surgery":
             note = f"NPU weights {d.get('npu_weight_bytes', 0) / 1e6:.1f} MB; LUTs " + ", ".join(
-                f"{k} {v / 1e6:.1f} MB" for k, v in (d.get("luts") or {}).items())
-        elif base == "graph" and "layers" in d:          # a shard
-            note = (f"layers {d['layers']}, {d.get('linear_values', 0) / 1e6:.0f} M weights, reads producers "
-                    f"{d.get('borrowed_producers')} of earlier shards")
+                f"{k} {v / 1e6:.1f} MB" for k, v in (d.get("luts") or {}).items()
+            )
+        elif base == "graph" and "layers" in d:  # a shard
+            note = (
+                f"layers {d['layers']}, {d.get('linear_values', 0) / 1e6:.0f} M weights, reads producers "
+                f"{d.get('borrowed_producers')} of earlier shards"
+            )
         elif base == "graph":
             note = f"output layer {d.get('output_layer_rows_before')} -> {d.get('output_layer_rows_after')} rows"
         elif base == "export":
-            note = f"{d.get('data_bytes', 0) / 1e6:.1f} MB data, >2GB {d.get('over_2gb')}, host-only nodes " \
-                   f"{len(d.get('host_only_nodes', []))}, top-1 {d.get('top1_agreement')}"
+            note = (
+                f"{d.get('data_bytes', 0) / 1e6:.1f} MB data, >2GB {d.get('over_2gb')}, host-only nodes "
+                f"{len(d.get('host_only_nodes', []))}, top-1 {d.get('top1_agreement')}"
+            )
         elif base == "qdq":
             sq = (d.get("sqnr") or {}).get("outputs", {})
             first = "logits" if "logits" in sq else next((k for k in sq if k.startswith("hidden_")), "logits")
-            note = (f"bits {d.get('weight_bits')}; SQNR {first} {sq.get(first, float('nan')):.1f} dB"
-                    if r.get("status") == "ok" else r.get("what", ""))
+            note = (
+                f"bits {d.get('weight_bits')}; SQNR {first} {sq.get(first, float('nan')):.1f} dB"
+                if r.get("status") == "ok"
+                else r.get("what", "")
+            )
         elif base == "budget_refusal":
             note = (d.get("message") or "")[:120]
         elif base == "compile":
@@ -762,13 +934,24 @@ def print_table(report: dict) -> None:
         elif base == "shard_plan":
             note = f"bounds {d.get('bounds')}, est. bytes {d.get('estimated_shard_bytes')}"
         elif base == "chain":
-            note = ", ".join(f"{k.split('_db.')[0].replace('sqnr_', '')} {v}" for k, v in d.items()
-                             if k.endswith(".logits")) + f", top-1 {d.get('top1_htp_chain_eq_cpu_qdq_chain')}"
+            note = (
+                ", ".join(
+                    f"{k.split('_db.')[0].replace('sqnr_', '')} {v}" for k, v in d.items() if k.endswith(".logits")
+                )
+                + f", top-1 {d.get('top1_htp_chain_eq_cpu_qdq_chain')}"
+            )
         if r.get("status") == "failed":
             note = (r.get("error") or "")[:160]
-        table.add_row(r["step"], r.get("status", ""), f"{r.get('seconds', 0):.1f}", f"{r.get('cpu_seconds', 0):.1f}",
-                      f"{r.get('peak_rss_gib', 0):.2f}",
-                      f"{r.get('peak_tree_rss_gib', 0):.2f}", rsh._human(r.get("output_bytes", 0)), note)
+        table.add_row(
+            r["step"],
+            r.get("status", ""),
+            f"{r.get('seconds', 0):.1f}",
+            f"{r.get('cpu_seconds', 0):.1f}",
+            f"{r.get('peak_rss_gib', 0):.2f}",
+            f"{r.get('peak_tree_rss_gib', 0):.2f}",
+            rsh._human(r.get("output_bytes", 0)),
+            note,
+        )
     Console(width=180).print(table)
 
 

@@ -45,8 +45,11 @@ def runtimes(bundle_dir: Path, cpu: CpuClock):
         runners = []
         for name in ("head", "slm"):
             names = [t.name for t in m.graph(name).outputs]
-            wanted = runtime_outputs(m.graph(name)) if variant == "graph top-k" else [
-                n for n in names if not n.startswith("top_")]
+            wanted = (
+                runtime_outputs(m.graph(name))
+                if variant == "graph top-k"
+                else [n for n in names if not n.startswith("top_")]
+            )
             runner = GraphRunner(bundle.path, m, name, "cpu", 1, outputs=wanted)
             runner.session = cpu.session(runner.session)
             runners.append(runner)
@@ -81,6 +84,7 @@ class CpuClock:
                 clock._depth -= 1
                 if not clock._depth:
                     clock.draft_s += time.thread_time() - start
+
         return timed
 
     def session(self, session):
@@ -104,6 +108,7 @@ class CpuClock:
 
             def run_with_iobinding(self, *args):
                 return self._timed(session.run_with_iobinding, *args)
+
         return Timed()
 
 
@@ -146,20 +151,23 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
+    from hycoc.runtime import transport
+
+    from hycoc.bench.datasets import load_spec_bench
     from hycoc.bench.runner import VerifierProcess
     from hycoc.cli import DEFAULT_DATASET
-    from hycoc.bench.datasets import load_spec_bench
     from hycoc.recipe import load_recipe
-    from hycoc.runtime import transport
 
     recipe = load_recipe(args.recipe)
     cpu = CpuClock()
     rts = runtimes(args.bundle, cpu)
     clock = PrefillClock()
     first = next(iter(rts.values()))
-    questions = load_spec_bench(recipe.resolve_path(recipe.bench.dataset) or DEFAULT_DATASET)[:args.questions]
-    totals = {v: {"draft_s": 0.0, "graph_s": 0.0, "draft_cpu_s": 0.0, "graph_cpu_s": 0.0, "tokens": 0, "rounds": 0}
-              for v in rts}
+    questions = load_spec_bench(recipe.resolve_path(recipe.bench.dataset) or DEFAULT_DATASET)[: args.questions]
+    totals = {
+        v: {"draft_s": 0.0, "graph_s": 0.0, "draft_cpu_s": 0.0, "graph_cpu_s": 0.0, "tokens": 0, "rounds": 0}
+        for v in rts
+    }
     texts = {v: [] for v in rts}
     with VerifierProcess(args.recipe, args.bundle / "keep_set.npy") as srv:
         for q in questions:
@@ -169,11 +177,9 @@ def main(argv=None) -> int:
                 prefill_before = clock.seconds
                 cpu_before = (cpu.draft_s, cpu.graph_s)
                 start = time.perf_counter()
-                res = rt.generate(transport.VerifierClient(srv.url), ids, mode=args.mode,
-                                  max_new_tokens=args.tokens)
+                res = rt.generate(transport.VerifierClient(srv.url), ids, mode=args.mode, max_new_tokens=args.tokens)
                 wall = time.perf_counter() - start
-                graph = (rt.mtp.runner.seconds + rt.slm.runner.seconds - graph_before
-                         - (clock.seconds - prefill_before))
+                graph = rt.mtp.runner.seconds + rt.slm.runner.seconds - graph_before - (clock.seconds - prefill_before)
                 t = totals[variant]
                 t["draft_s"] += res.draft_s
                 t["graph_s"] += graph
@@ -182,32 +188,53 @@ def main(argv=None) -> int:
                 t["tokens"] += len(res.tokens)
                 t["rounds"] += res.rounds
                 texts[variant].append(res.tokens)
-                print(f"q{q.question_id} {variant:12s} tokens {len(res.tokens):4d} rounds {res.rounds:3d} "
-                      f"draft {1000 * res.draft_s:7.1f} ms (graphs {1000 * graph:7.1f} ms), request {wall:.2f} s")
+                print(
+                    f"q{q.question_id} {variant:12s} tokens {len(res.tokens):4d} rounds {res.rounds:3d} "
+                    f"draft {1000 * res.draft_s:7.1f} ms (graphs {1000 * graph:7.1f} ms), request {wall:.2f} s"
+                )
     results = {}
     for variant, t in totals.items():
         host = t["draft_s"] - t["graph_s"]
         host_cpu = t["draft_cpu_s"] - t["graph_cpu_s"]
-        results[variant] = {**{k: round(v, 4) if isinstance(v, float) else v for k, v in t.items()},
-                            "host_s": round(host, 4), "host_share": round(host / t["draft_s"], 4),
-                            "host_cpu_s": round(host_cpu, 4), "host_share_cpu": round(host_cpu / t["draft_cpu_s"], 4),
-                            "host_cpu_ms_per_round": round(1000 * host_cpu / max(t["rounds"], 1), 3),
-                            "draft_ms_per_token": round(1000 * t["draft_s"] / max(t["tokens"], 1), 3),
-                            "host_ms_per_round": round(1000 * host / max(t["rounds"], 1), 3)}
+        results[variant] = {
+            **{k: round(v, 4) if isinstance(v, float) else v for k, v in t.items()},
+            "host_s": round(host, 4),
+            "host_share": round(host / t["draft_s"], 4),
+            "host_cpu_s": round(host_cpu, 4),
+            "host_share_cpu": round(host_cpu / t["draft_cpu_s"], 4),
+            "host_cpu_ms_per_round": round(1000 * host_cpu / max(t["rounds"], 1), 3),
+            "draft_ms_per_token": round(1000 * t["draft_s"] / max(t["tokens"], 1), 3),
+            "host_ms_per_round": round(1000 * host / max(t["rounds"], 1), 3),
+        }
     same = texts["graph top-k"] == texts["host top-k"]
-    print("| variant | drafting s (wall / CPU) | in InferenceSession.run s (wall / CPU) | host share (wall / CPU) | "
-          "host ms per round (wall / CPU) | draft ms / token |")
+    print(
+        "| variant | drafting s (wall / CPU) | in InferenceSession.run s (wall / CPU) | host share (wall / CPU) | "
+        "host ms per round (wall / CPU) | draft ms / token |"
+    )
     print("|---|---|---|---|---|---|")
     for variant, r in results.items():
-        print(f"| {variant} | {r['draft_s']:.3f} / {r['draft_cpu_s']:.3f} | {r['graph_s']:.3f} / {r['graph_cpu_s']:.3f} "
-              f"| {100 * r['host_share']:.1f}% / {100 * r['host_share_cpu']:.1f}% | {r['host_ms_per_round']:.2f} / "
-              f"{r['host_cpu_ms_per_round']:.2f} | {r['draft_ms_per_token']:.2f} |")
+        print(
+            f"| {variant} | {r['draft_s']:.3f} / {r['draft_cpu_s']:.3f} | {r['graph_s']:.3f} / {r['graph_cpu_s']:.3f} "
+            f"| {100 * r['host_share']:.1f}% / {100 * r['host_share_cpu']:.1f}% | {r['host_ms_per_round']:.2f} / "
+            f"{r['host_cpu_ms_per_round']:.2f} | {r['draft_ms_per_token']:.2f} |"
+        )
     print(f"same tokens in both variants: {same}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"results": results, "same_tokens": same, "questions": len(questions),
-                                   "tokens": args.tokens, "mode": args.mode}, indent=1), encoding="utf-8")
+        tmp.write_text(
+            json.dumps(
+                {
+                    "results": results,
+                    "same_tokens": same,
+                    "questions": len(questions),
+                    "tokens": args.tokens,
+                    "mode": args.mode,
+                },
+                indent=1,
+            ),
+            encoding="utf-8",
+        )
         tmp.replace(args.json)
     return 0 if np.isfinite(list(results.values())[0]["host_share"]) else 1
 

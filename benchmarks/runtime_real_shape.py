@@ -88,7 +88,7 @@ class StepTimer:
 
     def __init__(self, clock=time.perf_counter):
         self.seconds: dict[str, float] = defaultdict(float)
-        self.bytes: dict[str, int] = defaultdict(int)     # graph IO bytes by kind (`TimedSession.run`)
+        self.bytes: dict[str, int] = defaultdict(int)  # graph IO bytes by kind (`TimedSession.run`)
         self._stack: list[float] = []
         self.enabled = True
         self.clock = clock
@@ -124,8 +124,9 @@ class StepTimer:
 def instrument(timer: StepTimer) -> None:
     """Wrap the runtime's functions by step (module docstring). Module-level names are wrapped where they are
     looked up (the drafter modules import them by name)."""
-    from hycoc import host
     from hycoc.runtime import graphs, mtp_drafter, slm_drafter, tree_builder, tree_mask
+
+    from hycoc import host
 
     timer.wrap(mtp_drafter.MtpDrafter, "ingest", "ingest")
     timer.wrap(mtp_drafter.MtpDrafter, "feeds", "rotary+LUT")
@@ -146,9 +147,13 @@ def instrument(timer: StepTimer) -> None:
     timer.wrap(tree_mask.TreeRingMask, "update", "masks")
     if hasattr(tree_mask, "HeadRingMask"):
         timer.wrap(tree_mask.HeadRingMask, "update", "masks")
-    for module, name in ((mtp_drafter, "top2"), (slm_drafter, "logits_candidates"),
-                         (slm_drafter, "graph_candidates"), (slm_drafter, "graph_candidate_rows"),
-                         (tree_builder, "logq_candidates")):
+    for module, name in (
+        (mtp_drafter, "top2"),
+        (slm_drafter, "logits_candidates"),
+        (slm_drafter, "graph_candidates"),
+        (slm_drafter, "graph_candidate_rows"),
+        (tree_builder, "logq_candidates"),
+    ):
         if hasattr(module, name):
             timer.wrap(module, name, "top-k")
     timer.wrap(tree_builder.TreeBuilder, "slm_pass", "top-k")
@@ -183,7 +188,7 @@ class TimedSession:
 
     def run(self, names, feeds, *args):
         out = self._timed(self._session.run, names, feeds, *args)
-        if self._timer.enabled:                   # what the host hands the graph and takes back, by kind
+        if self._timer.enabled:  # what the host hands the graph and takes back, by kind
             b = self._timer.bytes
             for x in feeds.values():
                 b["in float32" if x.dtype == np.float32 else "in integer"] += x.nbytes
@@ -206,8 +211,10 @@ def slm_layout():
     types = list(SLM_E2B["layer_types"])
     kv_layers = list(range(SLM_E2B["num_hidden_layers"] - SLM_E2B["num_kv_shared_layers"]))
     ring = {SLIDING: SLM_E2B["sliding_window"], FULL: W}
-    dims = {SLIDING: (SLM_E2B["num_key_value_heads"], SLM_E2B["head_dim"]),
-            FULL: (SLM_E2B["num_key_value_heads"], SLM_E2B["global_head_dim"])}
+    dims = {
+        SLIDING: (SLM_E2B["num_key_value_heads"], SLM_E2B["head_dim"]),
+        FULL: (SLM_E2B["num_key_value_heads"], SLM_E2B["global_head_dim"]),
+    }
     return types, kv_layers, ring, dims
 
 
@@ -215,8 +222,9 @@ def slm_layout():
 RING_ENCODING = {"scale": 8.0 / 65535, "zero_point": 32768, "dtype": "uint16", "bits": 16}
 
 
-def graph_specs(top_k_outputs: bool, *, shipped: bool = False,
-                quantized_io: bool = False) -> dict[str, tuple[list[tuple], list[tuple]]]:
+def graph_specs(
+    top_k_outputs: bool, *, shipped: bool = False, quantized_io: bool = False
+) -> dict[str, tuple[list[tuple], list[tuple]]]:
     """name -> (inputs, outputs) as (name, shape, dtype[, encoding]) of the head and SLM graphs at real shape; with
     ``top_k_outputs`` the graphs also emit their best keep-set indices (head: 2; SLM: 32 with log-probabilities);
     ``shipped``: without the keep-set-wide ``logits`` beside them (`hycoc.passes.graph_io`); ``quantized_io``: the
@@ -245,13 +253,18 @@ def graph_specs(top_k_outputs: bool, *, shipped: bool = False,
     for kind in sorted(set(types)):
         short = kind.removesuffix("_attention")
         d = dims[kind][1]
-        slm_in += [(f"cos_{short}", (1, B, d), "float32"), (f"sin_{short}", (1, B, d), "float32"),
-                   (f"mask_{short}", (1, 1, B, ring[kind] + B), "float32")]
+        slm_in += [
+            (f"cos_{short}", (1, B, d), "float32"),
+            (f"sin_{short}", (1, B, d), "float32"),
+            (f"mask_{short}", (1, 1, B, ring[kind] + B), "float32"),
+        ]
     slm_out = [("logits", (1, B, KEEP), "float32")]
     for i in kv_layers:
         kv, d = dims[types[i]]
-        slm_in += [(f"k_ring_{i}", (1, kv, ring[types[i]], d), *kv_dtype),
-                   (f"v_ring_{i}", (1, kv, ring[types[i]], d), *kv_dtype)]
+        slm_in += [
+            (f"k_ring_{i}", (1, kv, ring[types[i]], d), *kv_dtype),
+            (f"v_ring_{i}", (1, kv, ring[types[i]], d), *kv_dtype),
+        ]
         slm_out += [(f"k_new_{i}", (1, kv, B, d), *kv_dtype), (f"v_new_{i}", (1, kv, B, d), *kv_dtype)]
     if top_k_outputs:
         slm_out += [("top_logq", (1, B, CANDIDATES), "float32"), ("top_index", (1, B, CANDIDATES), "int64")]
@@ -282,29 +295,46 @@ def standin_model(inputs, outputs, seed: int):
         inits.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), f"{name}_const"))
         nodes.append(helper.make_node("Identity", [f"{name}_const"], [name]))
     elem = {"float32": onnx.TensorProto.FLOAT, "int64": onnx.TensorProto.INT64, "uint16": onnx.TensorProto.UINT16}
-    graph = helper.make_graph(nodes, "standin",
-                              [helper.make_tensor_value_info(n, elem[t], list(s)) for n, s, t, *_ in inputs],
-                              [helper.make_tensor_value_info(n, elem[t], list(s)) for n, s, t, *_ in outputs], inits)
+    graph = helper.make_graph(
+        nodes,
+        "standin",
+        [helper.make_tensor_value_info(n, elem[t], list(s)) for n, s, t, *_ in inputs],
+        [helper.make_tensor_value_info(n, elem[t], list(s)) for n, s, t, *_ in outputs],
+        inits,
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
 
 
 def standin_runner(name: str, inputs, outputs, timer: StepTimer, seed: int, io_binding: bool = False):
     """A `GraphRunner` over the stand-in session of graph ``name`` (one intra-op thread)."""
     import onnxruntime as ort
+    from hycoc.runtime.graphs import GraphRunner, code_outputs, runtime_outputs
 
     from hycoc.bundle import Encoding
-    from hycoc.runtime.graphs import GraphRunner, code_outputs, runtime_outputs
 
     model = standin_model(inputs, outputs, seed)
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.log_severity_level = 3
     session = ort.InferenceSession(model.SerializeToString(), sess_options=so, providers=["CPUExecutionProvider"])
-    spec = lambda side: [TensorSpec(name=n, shape=list(s), dtype=t,  # noqa: E731
-                                    encoding=Encoding(**e[0]) if e else None) for n, s, t, *e in side]
+    spec = lambda side: [
+        TensorSpec(
+            name=n,
+            shape=list(s),
+            dtype=t,  # noqa: E731
+            encoding=Encoding(**e[0]) if e else None,
+        )
+        for n, s, t, *e in side
+    ]
     entry = GraphEntry(name=name, role=name, file=f"{name}.onnx", inputs=spec(inputs), outputs=spec(outputs))
-    return GraphRunner.from_session(entry, TimedSession(session, timer), outputs=runtime_outputs(entry),
-                                    io_binding=io_binding, output_sets=4, codes=code_outputs(entry))
+    return GraphRunner.from_session(
+        entry,
+        TimedSession(session, timer),
+        outputs=runtime_outputs(entry),
+        io_binding=io_binding,
+        output_sets=4,
+        codes=code_outputs(entry),
+    )
 
 
 class ModuloLut(EmbeddingLut):
@@ -335,24 +365,52 @@ def standin_bundle():
 
     types, kv_layers, _, dims = slm_layout()
     h, ple, n_layers = SLM_E2B["hidden_size"], SLM_E2B["hidden_size_per_layer_input"], SLM_E2B["num_hidden_layers"]
-    luts = {"embed_tokens": ModuloLut(rng.integers(0, 256, (LUT_ROWS, h // 2), dtype=np.uint8),
-                                      rng.uniform(0.01, 0.02, (LUT_ROWS, 1)).astype(np.float32), 4, h, math.sqrt(h)),
-            "embed_tokens_per_layer": ModuloLut(rng.integers(0, 256, (LUT_ROWS, n_layers * ple // 4), dtype=np.uint8),
-                                                rng.uniform(0.01, 0.02, (LUT_ROWS, 1)).astype(np.float32), 2,
-                                                n_layers * ple, math.sqrt(ple))}
-    rnd = SimpleNamespace(chain_length=K_CHAIN, sibling_depth=D_SIB, node_budget=B, head_window=W,
-                          head_query_position_offset=-1, depth_cost=LAMBDA, slm_candidates=CANDIDATES, slm_passes=1,
-                          specedge_passes=4, specedge_nodes=B)
-    host = SimpleNamespace(head=SimpleNamespace(sliding_window=W),
-                           slm=SimpleNamespace(layer_types=types, kv_layers=kv_layers,
-                                               sliding_window=SLM_E2B["sliding_window"], per_layer_dim=ple,
-                                               luts={}))
+    luts = {
+        "embed_tokens": ModuloLut(
+            rng.integers(0, 256, (LUT_ROWS, h // 2), dtype=np.uint8),
+            rng.uniform(0.01, 0.02, (LUT_ROWS, 1)).astype(np.float32),
+            4,
+            h,
+            math.sqrt(h),
+        ),
+        "embed_tokens_per_layer": ModuloLut(
+            rng.integers(0, 256, (LUT_ROWS, n_layers * ple // 4), dtype=np.uint8),
+            rng.uniform(0.01, 0.02, (LUT_ROWS, 1)).astype(np.float32),
+            2,
+            n_layers * ple,
+            math.sqrt(ple),
+        ),
+    }
+    rnd = SimpleNamespace(
+        chain_length=K_CHAIN,
+        sibling_depth=D_SIB,
+        node_budget=B,
+        head_window=W,
+        head_query_position_offset=-1,
+        depth_cost=LAMBDA,
+        slm_candidates=CANDIDATES,
+        slm_passes=1,
+        specedge_passes=4,
+        specedge_nodes=B,
+    )
+    host = SimpleNamespace(
+        head=SimpleNamespace(sliding_window=W),
+        slm=SimpleNamespace(
+            layer_types=types, kv_layers=kv_layers, sliding_window=SLM_E2B["sliding_window"], per_layer_dim=ple, luts={}
+        ),
+    )
     return SimpleNamespace(
-        round=rnd, host=host, keep_set=keep, keep_index=keep_index, head_embedding=(e_q, e_scale),
+        round=rnd,
+        host=host,
+        keep_set=keep,
+        keep_index=keep_index,
+        head_embedding=(e_q, e_scale),
         head_rotary={SLIDING: rotary(HEAD_KV[SLIDING][1], 1e4), FULL: rotary(HEAD_KV[FULL][1], 1e6)},
-        slm_rotary={SLIDING: rotary(dims[SLIDING][1], 1e4), FULL: rotary(dims[FULL][1], 1e6)}, slm_luts=luts,
+        slm_rotary={SLIDING: rotary(dims[SLIDING][1], 1e4), FULL: rotary(dims[FULL][1], 1e6)},
+        slm_luts=luts,
         embed_keep=lambda i: e_q[i % LUT_ROWS].astype(np.float32) * e_scale[i % LUT_ROWS, 0],
-        stop_token_ids=lambda: {1, 106})
+        stop_token_ids=lambda: {1, 106},
+    )
 
 
 def handoff(rng, t_prime: int, a: int) -> HandOff:
@@ -360,19 +418,36 @@ def handoff(rng, t_prime: int, a: int) -> HandOff:
     n = t_prime - a
     kv = {kind: HEAD_KV[kind][0] * HEAD_KV[kind][1] for kind in HEAD_KV}
     r8 = lambda *s: rng.integers(-127, 128, s, dtype=np.int8)  # noqa: E731
-    return HandOff(t_prime=t_prime, a=a, bonus=int(rng.integers(2, VOCAB)), x_hat=r8(2 * VERIFIER_HIDDEN),
-                   k_sliding=r8(n, kv[SLIDING]), v_sliding=r8(n, kv[SLIDING]), k_full=r8(n, kv[FULL]),
-                   v_full=r8(n, kv[FULL]), scales=(0.02, 0.05, 0.03, 0.03, 0.03, 0.03))
+    return HandOff(
+        t_prime=t_prime,
+        a=a,
+        bonus=int(rng.integers(2, VOCAB)),
+        x_hat=r8(2 * VERIFIER_HIDDEN),
+        k_sliding=r8(n, kv[SLIDING]),
+        v_sliding=r8(n, kv[SLIDING]),
+        k_full=r8(n, kv[FULL]),
+        v_full=r8(n, kv[FULL]),
+        scales=(0.02, 0.05, 0.03, 0.03, 0.03, 0.03),
+    )
 
 
 # ---- the loop ---------------------------------------------------------------------------------------------------
 
 
-def run(rounds: int, warmup: int, *, top_k_outputs: bool, seed: int = 0, clock: str = "cpu",
-        io_binding: bool = False, shipped: bool = False, quantized_io: bool = False) -> dict:
+def run(
+    rounds: int,
+    warmup: int,
+    *,
+    top_k_outputs: bool,
+    seed: int = 0,
+    clock: str = "cpu",
+    io_binding: bool = False,
+    shipped: bool = False,
+    quantized_io: bool = False,
+) -> dict:
     """Run ``warmup + rounds`` HyCo rounds; returns per-step host ms per round (module docstring). clock:
     ``cpu`` (this thread's CPU time: what one core spends, robust to other jobs on the machine) or ``wall``."""
-    from hycoc.runtime.client import DeviceRuntime, MODES
+    from hycoc.runtime.client import MODES, DeviceRuntime
     from hycoc.runtime.tree_builder import walk_reply
 
     tick = {"cpu": time.thread_time, "wall": time.perf_counter}[clock]
@@ -385,12 +460,12 @@ def run(rounds: int, warmup: int, *, top_k_outputs: bool, seed: int = 0, clock: 
     rt = DeviceRuntime(bundle, head, slm)
     builder = rt.builder(MODES["hyco"], B + 1)
     rng = np.random.default_rng(seed)
-    prompt = [int(x) for x in rng.integers(2, VOCAB, 1500)]       # longer than W: the rings start full
+    prompt = [int(x) for x in rng.integers(2, VOCAB, 1500)]  # longer than W: the rings start full
     rt.slm.start(prompt)
     rt.slm.prefill(reserve=K_CHAIN + D_SIB)
     rt.mtp.reset()
-    t = len(prompt) - 1                                            # root position
-    h = handoff(rng, t, t - W)                                     # the first reply: W positions before r
+    t = len(prompt) - 1  # root position
+    h = handoff(rng, t, t - W)  # the first reply: W positions before r
     per_round = []
     timer.enabled = False
     for r in range(warmup + rounds):
@@ -404,7 +479,7 @@ def run(rounds: int, warmup: int, *, top_k_outputs: bool, seed: int = 0, clock: 
         built = builder.build(rt.slm.tokens[-1], d.chain, d.runner_ups, rt.slm.expand)
         drafted = tick() - start
         # the synthetic verifier (not timed): accept `depth` nodes down the lowest rows, then a bonus
-        depth = int(rng.integers(0, 6))                            # the verifier accepts `depth` nodes of a path
+        depth = int(rng.integers(0, 6))  # the verifier accepts `depth` nodes of a path
         samples = np.asarray(built.tokens, np.int64).copy()
         v, path = 0, []
         for _ in range(depth):
@@ -423,36 +498,57 @@ def run(rounds: int, warmup: int, *, top_k_outputs: bool, seed: int = 0, clock: 
         if timer.enabled:
             per_round.append(drafted + tick() - start - (timer.seconds.get("ORT call", 0.0) - ort_before))
         t_prime = t + len(new)
-        h = handoff(rng, t_prime, t)                               # positions [t, t'): the committed tokens' KV
+        h = handoff(rng, t_prime, t)  # positions [t, t'): the committed tokens' KV
         t = t_prime
     steps = {s: 1000 * timer.seconds.get(s, 0.0) / rounds for s in STEPS}
     ort_ms = 1000 * timer.seconds.get("ORT call", 0.0) / rounds
     host = 1000 * float(np.mean(per_round))
     io_mb = {k: round(v / rounds / 1e6, 3) for k, v in sorted(timer.bytes.items())} if not io_binding else {}
-    return {"top_k_outputs": top_k_outputs, "io_binding": io_binding, "shipped": shipped,
-            "quantized_io": quantized_io, "clock": clock, "rounds": rounds, "graph_io_mb_per_round": io_mb,
-            "steps_ms": {k: round(v, 3) for k, v in steps.items()},
-            "other_ms": round(host - sum(steps.values()), 3), "host_ms_per_round": round(host, 3),
-            "host_ms_p90": round(1000 * float(np.percentile(per_round, 90)), 3),
-            "ort_call_ms_per_round": round(ort_ms, 3), "graph_calls_per_round": K_CHAIN + 1}
+    return {
+        "top_k_outputs": top_k_outputs,
+        "io_binding": io_binding,
+        "shipped": shipped,
+        "quantized_io": quantized_io,
+        "clock": clock,
+        "rounds": rounds,
+        "graph_io_mb_per_round": io_mb,
+        "steps_ms": {k: round(v, 3) for k, v in steps.items()},
+        "other_ms": round(host - sum(steps.values()), 3),
+        "host_ms_per_round": round(host, 3),
+        "host_ms_p90": round(1000 * float(np.percentile(per_round, 90)), 3),
+        "ort_call_ms_per_round": round(ort_ms, 3),
+        "graph_calls_per_round": K_CHAIN + 1,
+    }
 
 
 def table(results: list[dict]) -> str:
-    heads = [("graph top-k" if r["top_k_outputs"] else "host top-k (logits out)")
-             + (" + IOBinding" if r["io_binding"] else "") + (", no logits out" if r.get("shipped") else "")
-             + (", uint16 KV IO" if r.get("quantized_io") else "") for r in results]
+    heads = [
+        ("graph top-k" if r["top_k_outputs"] else "host top-k (logits out)")
+        + (" + IOBinding" if r["io_binding"] else "")
+        + (", no logits out" if r.get("shipped") else "")
+        + (", uint16 KV IO" if r.get("quantized_io") else "")
+        for r in results
+    ]
     lines = ["| step (host ms per round) | " + " | ".join(heads) + " |", "|---|" + "---|" * len(results)]
     for s in STEPS:
         lines.append(f"| {s} | " + " | ".join(f"{r['steps_ms'][s]:.2f}" for r in results) + " |")
     lines.append("| other (round loop glue) | " + " | ".join(f"{r['other_ms']:.2f}" for r in results) + " |")
     lines.append("| **host total** | " + " | ".join(f"**{r['host_ms_per_round']:.2f}**" for r in results) + " |")
     lines.append("| host p90 | " + " | ".join(f"{r['host_ms_p90']:.2f}" for r in results) + " |")
-    lines.append("| ORT call of the stand-ins (not counted) | "
-                 + " | ".join(f"{r['ort_call_ms_per_round']:.2f}" for r in results) + " |")
+    lines.append(
+        "| ORT call of the stand-ins (not counted) | "
+        + " | ".join(f"{r['ort_call_ms_per_round']:.2f}" for r in results)
+        + " |"
+    )
     for kind in ("in float32", "in integer", "out float32", "out integer", "out written (all outputs)"):
-        lines.append(f"| graph IO MB per round, {kind} | " + " | ".join(
-            f"{r['graph_io_mb_per_round'].get(kind, 0.0):.2f}" if r["graph_io_mb_per_round"] else "(bound)"
-            for r in results) + " |")
+        lines.append(
+            f"| graph IO MB per round, {kind} | "
+            + " | ".join(
+                f"{r['graph_io_mb_per_round'].get(kind, 0.0):.2f}" if r["graph_io_mb_per_round"] else "(bound)"
+                for r in results
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -460,26 +556,37 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=60, help="timed HyCo rounds (default 60)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed rounds first (default 5)")
-    ap.add_argument("--variant", choices=("all", "host-topk", "graph-topk", "graph-topk-iobinding", "shipped",
-                                          "shipped-quantized-io", "io"), default="all",
-                    help="host-topk: graphs emit logits only (the host takes the top-k); graph-topk: the graphs "
-                         "emit their top-k too and the runtime reads those; graph-topk-iobinding: and the graphs "
-                         "run through IOBindings (rings bound once, preallocated outputs); shipped: graph top-k "
-                         "and no logits output (the bundles' graphs); shipped-quantized-io: and uint16 KV IO "
-                         "([target] quantized_io); io: graph-topk, shipped and shipped-quantized-io")
-    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                    help="cpu: this thread's CPU time (default; other jobs on the machine do not inflate it); "
-                         "wall: elapsed time")
+    ap.add_argument(
+        "--variant",
+        choices=("all", "host-topk", "graph-topk", "graph-topk-iobinding", "shipped", "shipped-quantized-io", "io"),
+        default="all",
+        help="host-topk: graphs emit logits only (the host takes the top-k); graph-topk: the graphs "
+        "emit their top-k too and the runtime reads those; graph-topk-iobinding: and the graphs "
+        "run through IOBindings (rings bound once, preallocated outputs); shipped: graph top-k "
+        "and no logits output (the bundles' graphs); shipped-quantized-io: and uint16 KV IO "
+        "([target] quantized_io); io: graph-topk, shipped and shipped-quantized-io",
+    )
+    ap.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="cpu: this thread's CPU time (default; other jobs on the machine do not inflate it); wall: elapsed time",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
-    variants = {"all": ((False, False, False, False), (True, False, False, False), (True, True, False, False)),
-                "host-topk": ((False, False, False, False),), "graph-topk": ((True, False, False, False),),
-                "graph-topk-iobinding": ((True, True, False, False),), "shipped": ((True, False, True, False),),
-                "shipped-quantized-io": ((True, False, True, True),),
-                "io": ((True, False, False, False), (True, False, True, False), (True, False, True, True))
-                }[args.variant]
-    results = [run(args.rounds, args.warmup, top_k_outputs=v, io_binding=b, clock=args.clock, shipped=sh,
-                   quantized_io=q) for v, b, sh, q in variants]
+    variants = {
+        "all": ((False, False, False, False), (True, False, False, False), (True, True, False, False)),
+        "host-topk": ((False, False, False, False),),
+        "graph-topk": ((True, False, False, False),),
+        "graph-topk-iobinding": ((True, True, False, False),),
+        "shipped": ((True, False, True, False),),
+        "shipped-quantized-io": ((True, False, True, True),),
+        "io": ((True, False, False, False), (True, False, True, False), (True, False, True, True)),
+    }[args.variant]
+    results = [
+        run(args.rounds, args.warmup, top_k_outputs=v, io_binding=b, clock=args.clock, shipped=sh, quantized_io=q)
+        for v, b, sh, q in variants
+    ]
     print(f"load average {open('/proc/loadavg').read().split()[0]}")
     print(table(results))
     if args.json:

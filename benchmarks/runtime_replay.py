@@ -86,45 +86,63 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="hyco")
     ap.add_argument("--reps", type=int, default=3, help="replays (default 3)")
     ap.add_argument("--steps", action="store_true", help="also per-step exclusive CPU time")
-    ap.add_argument("--ort-default", action="store_true",
-                    help="sessions with onnxruntime's default SessionOptions (pool of one thread per core, spinning "
-                    "on): what the runtime used before `cpu_session_options`")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="intra-op threads per graph session (default 1; 0 = onnxruntime's default pool, one "
-                    "thread per core: `hycoc.runtime.graphs.cpu_session_options`)")
+    ap.add_argument(
+        "--ort-default",
+        action="store_true",
+        help="sessions with onnxruntime's default SessionOptions (pool of one thread per core, spinning "
+        "on): what the runtime used before `cpu_session_options`",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op threads per graph session (default 1; 0 = onnxruntime's default pool, one "
+        "thread per core: `hycoc.runtime.graphs.cpu_session_options`)",
+    )
     args = ap.parse_args(argv)
-
-    from runtime_host_share import CpuClock
 
     from hycoc.runtime.client import DeviceRuntime
     from hycoc.runtime.device_bundle import open_bundle
     from hycoc.runtime.graphs import GraphRunner, code_outputs, runtime_outputs
+    from runtime_host_share import CpuClock
 
     cpu = CpuClock()
     timer = None
     if args.steps:
+        from hycoc.runtime import graphs, mtp_drafter, slm_drafter, tree_builder
         from runtime_real_shape import StepTimer
 
-        from hycoc.runtime import graphs, mtp_drafter, slm_drafter, tree_builder
-
         timer = StepTimer(time.thread_time)
-        for owner, attr in [(mtp_drafter.MtpDrafter, "ingest"), (mtp_drafter.MtpDrafter, "draft"),
-                            (slm_drafter.SlmDrafter, "feeds"), (slm_drafter.SlmDrafter, "expand"),
-                            (tree_builder.TreeBuilder, "slm_pass"), (tree_builder.TreeBuilder, "build"),
-                            (graphs.GraphRunner, "run"), (DeviceRuntime, "_tree")]:
+        for owner, attr in [
+            (mtp_drafter.MtpDrafter, "ingest"),
+            (mtp_drafter.MtpDrafter, "draft"),
+            (slm_drafter.SlmDrafter, "feeds"),
+            (slm_drafter.SlmDrafter, "expand"),
+            (tree_builder.TreeBuilder, "slm_pass"),
+            (tree_builder.TreeBuilder, "build"),
+            (graphs.GraphRunner, "run"),
+            (DeviceRuntime, "_tree"),
+        ]:
             timer.wrap(owner, attr, f"{owner.__name__}.{attr}")
     bundle = open_bundle(args.bundle, "cpu")
     runners = []
     for name in ("head", "slm"):
         entry = bundle.manifest.graph(name)
-        runner = GraphRunner(bundle.path, bundle.manifest, name, "cpu", args.threads,
-                             outputs=runtime_outputs(entry), codes=code_outputs(entry))
+        runner = GraphRunner(
+            bundle.path,
+            bundle.manifest,
+            name,
+            "cpu",
+            args.threads,
+            outputs=runtime_outputs(entry),
+            codes=code_outputs(entry),
+        )
         if args.ort_default:
             import onnxruntime as ort
 
             runner.session = ort.InferenceSession(str(bundle.path / entry.file), providers=["CPUExecutionProvider"])
         runner.session = cpu.session(runner.session)
-        if timer is not None:                     # the graph's own time as "ORT call", out of GraphRunner.run's
+        if timer is not None:  # the graph's own time as "ORT call", out of GraphRunner.run's
             from runtime_real_shape import TimedSession
 
             runner.session = TimedSession(runner.session, timer)
@@ -132,14 +150,15 @@ def main(argv=None) -> int:
     rt = DeviceRuntime(bundle, *runners)
 
     if args.cmd == "record":
+        from hycoc.runtime import transport
+
         from hycoc.bench.datasets import load_spec_bench
         from hycoc.bench.runner import VerifierProcess
         from hycoc.cli import DEFAULT_DATASET
         from hycoc.recipe import load_recipe
-        from hycoc.runtime import transport
 
         recipe = load_recipe(args.recipe)
-        questions = load_spec_bench(recipe.resolve_path(recipe.bench.dataset) or DEFAULT_DATASET)[:args.questions]
+        questions = load_spec_bench(recipe.resolve_path(recipe.bench.dataset) or DEFAULT_DATASET)[: args.questions]
         logs, texts = [], []
         with VerifierProcess(args.recipe, args.bundle / "keep_set.npy") as srv:
             for q in questions:
@@ -153,12 +172,14 @@ def main(argv=None) -> int:
         with open(tmp, "wb") as f:
             pickle.dump({"logs": logs, "texts": texts, "mode": args.mode, "tokens": args.tokens}, f)
         tmp.replace(args.file)
-        print(f"recorded {len(texts)} requests, {sum(len(t) for t in texts)} tokens, "
-              f"{sum(len(log['rounds']) for _, log in logs)} rounds -> {args.file}")
+        print(
+            f"recorded {len(texts)} requests, {sum(len(t) for t in texts)} tokens, "
+            f"{sum(len(log['rounds']) for _, log in logs)} rounds -> {args.file}"
+        )
         return 0
 
     with open(args.file, "rb") as f:
-        data = pickle.load(f)            # a recording this script wrote (trusted, local)
+        data = pickle.load(f)  # a recording this script wrote (trusted, local)
     for rep in range(args.reps):
         d0, g0, rounds = cpu.draft_s, cpu.graph_s, 0
         w0, p0 = time.perf_counter(), time.process_time()
@@ -169,15 +190,22 @@ def main(argv=None) -> int:
             rounds += res.rounds
         d, g = cpu.draft_s - d0, cpu.graph_s - g0
         wall, proc = time.perf_counter() - w0, time.process_time() - p0
-        print(f"rep {rep}: drafting {1000 * d:.1f} ms CPU, in InferenceSession.run {1000 * g:.1f} ms, host "
-              f"{1000 * (d - g):.1f} ms = {1000 * (d - g) / max(rounds, 1):.3f} ms/round, host share "
-              f"{100 * (d - g) / d:.1f}% ({rounds} rounds); whole replay {1000 * wall / max(rounds, 1):.3f} ms/round "
-              f"wall, {1000 * proc / max(rounds, 1):.3f} ms/round process CPU (all threads), threads "
-              f"{'onnxruntime default options (spinning)' if args.ort_default else args.threads or 'pool, no spin'}"
-              f", load {open('/proc/loadavg').read().split()[0]}")
+        print(
+            f"rep {rep}: drafting {1000 * d:.1f} ms CPU, in InferenceSession.run {1000 * g:.1f} ms, host "
+            f"{1000 * (d - g):.1f} ms = {1000 * (d - g) / max(rounds, 1):.3f} ms/round, host share "
+            f"{100 * (d - g) / d:.1f}% ({rounds} rounds); whole replay {1000 * wall / max(rounds, 1):.3f} ms/round "
+            f"wall, {1000 * proc / max(rounds, 1):.3f} ms/round process CPU (all threads), threads "
+            f"{'onnxruntime default options (spinning)' if args.ort_default else args.threads or 'pool, no spin'}"
+            f", load {open('/proc/loadavg').read().split()[0]}"
+        )
         if timer is not None:
-            print("  per round (ms CPU, exclusive): " + " ".join(
-                f"{k}={1000 * v / max(rounds, 1):.3f}" for k, v in sorted(timer.seconds.items(), key=lambda kv: -kv[1])))
+            print(
+                "  per round (ms CPU, exclusive): "
+                + " ".join(
+                    f"{k}={1000 * v / max(rounds, 1):.3f}"
+                    for k, v in sorted(timer.seconds.items(), key=lambda kv: -kv[1])
+                )
+            )
             timer.seconds.clear()
     print("trees and texts identical to the recording")
     return 0

@@ -47,8 +47,9 @@ def write_synthetic(folder: Path, vocab: int, seed: int = 0) -> Path:
     tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE})
+    )
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [vocab + 1, vocab + 4]}))
     return folder
 
@@ -79,8 +80,10 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     folder = write_synthetic(out, args.vocab)
     size = (folder / "tokenizer.json").stat().st_size
-    print(f"synthetic tokenizer.json: {args.vocab:,} ids, {size / 2**20:.1f} MiB, written in "
-          f"{time.perf_counter() - t0:.1f} s")
+    print(
+        f"synthetic tokenizer.json: {args.vocab:,} ids, {size / 2**20:.1f} MiB, written in "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
     rss0 = _rss()
     t0 = time.perf_counter()
     Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -96,8 +99,10 @@ def main(argv=None) -> None:
         spent = time.perf_counter() - t0
     finally:
         Tokenizer.from_file = real
-    print(f"load_chat + 2 x load_tokenizer: {len(parses)} parse(s), {spent:.2f} s in all "
-          f"(hycoc.models.tokenizer_load_seconds: {models.tokenizer_load_seconds()})")
+    print(
+        f"load_chat + 2 x load_tokenizer: {len(parses)} parse(s), {spent:.2f} s in all "
+        f"(hycoc.models.tokenizer_load_seconds: {models.tokenizer_load_seconds()})"
+    )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-
 from engine_setup import add_engine_args, open_cloud_mtp, run_rounds, setup_engine
 
 
@@ -49,7 +48,7 @@ def main(argv=None) -> None:
         prefill_ms, _ = sess.prefill()
         run_rounds(sess)
         n1, r1, s1 = len(sess.output), sess.rounds, sum(sess.server_ms)
-        conv.answered(first, sess.tokens[len(ids):])
+        conv.answered(first, sess.tokens[len(ids) :])
         second = conv.ask(q.turns[1])
         append_ms, _ = sess.continue_with(second.ids, cap, anchor=second.anchor)
         conversation = list(sess.tokens)
@@ -59,8 +58,10 @@ def main(argv=None) -> None:
         cold.close()
         n2, r2, s2 = len(sess.tokens) - len(conversation), sess.rounds - r1, sum(sess.server_ms) - s1
         sess.close()
-        for t, prompt, pre, cold_t, n, r, srv in ((1, len(ids), prefill_ms, None, n1, r1, s1),
-                                                   (2, len(conversation), append_ms, cold_ms, n2, r2, s2)):
+        for t, prompt, pre, cold_t, n, r, srv in (
+            (1, len(ids), prefill_ms, None, n1, r1, s1),
+            (2, len(conversation), append_ms, cold_ms, n2, r2, s2),
+        ):
             p = pooled[t]
             p["tokens"] += n
             p["rounds"] += r
@@ -68,21 +69,39 @@ def main(argv=None) -> None:
             p["prefill"] += pre
             p["cold"] += cold_t or 0.0
             p["n"] += 1
-            table.add_row(str(q.question_id), str(t), str(prompt), str(n), f"{n / max(r, 1):.2f}", f"{pre:.1f}",
-                          "" if cold_t is None else f"{cold_t:.1f}", "" if cold_t is None else f"{cold_t - pre:.1f}",
-                          f"{(srv + pre) / max(n, 1):.2f}")
+            table.add_row(
+                str(q.question_id),
+                str(t),
+                str(prompt),
+                str(n),
+                f"{n / max(r, 1):.2f}",
+                f"{pre:.1f}",
+                "" if cold_t is None else f"{cold_t:.1f}",
+                "" if cold_t is None else f"{cold_t - pre:.1f}",
+                f"{(srv + pre) / max(n, 1):.2f}",
+            )
     for t, p in pooled.items():
         saved = f"{(p['cold'] - p['prefill']) / p['n']:.1f}" if t == 2 else ""
         cold = f"{p['cold'] / p['n']:.1f}" if t == 2 else ""
-        table.add_row("all", str(t), "", str(p["tokens"]), f"{p['tokens'] / max(p['rounds'], 1):.2f}",
-                      f"{p['prefill'] / p['n']:.1f}", cold, saved,
-                      f"{(p['server'] + p['prefill']) / max(p['tokens'], 1):.2f}")
+        table.add_row(
+            "all",
+            str(t),
+            "",
+            str(p["tokens"]),
+            f"{p['tokens'] / max(p['rounds'], 1):.2f}",
+            f"{p['prefill'] / p['n']:.1f}",
+            cold,
+            saved,
+            f"{(p['server'] + p['prefill']) / max(p['tokens'], 1):.2f}",
+        )
     Console(width=140).print(table)
     p2 = pooled[2]
     g_reuse = (p2["server"] + p2["prefill"]) / max(p2["tokens"], 1)
     g_cold = (p2["server"] + p2["cold"]) / max(p2["tokens"], 1)
-    print(f"second turns: g {g_reuse:.2f} ms/token with the KV kept vs {g_cold:.2f} with a cold prefill "
-          f"({100 * (g_reuse - g_cold) / g_cold:+.1f}%)")
+    print(
+        f"second turns: g {g_reuse:.2f} ms/token with the KV kept vs {g_cold:.2f} with a cold prefill "
+        f"({100 * (g_reuse - g_cold) / g_cold:+.1f}%)"
+    )
 
 
 if __name__ == "__main__":

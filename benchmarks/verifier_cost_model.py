@@ -45,20 +45,34 @@ import argparse
 import platform
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO))
 
-from hycoc.bench.cost_model import (PAPER_ROUND_MS, CostModel, CostModelError, CostPoint,  # noqa: E402,F401
-                                    round_forwards)  # numpy + pydantic only
-from hycoc.verifier.cost_measure import (PREFILL_ROWS, build_random_head, build_random_verifier,  # noqa: E402,F401
-                                         demo_parents, measure_grid, measuring_engine, random_cache, shape_of)
+from hycoc.verifier.cost_measure import (
+    PREFILL_ROWS,
+    build_random_head,
+    build_random_verifier,  # noqa: E402,F401
+    measure_grid,
+    measuring_engine,
+    shape_of,
+)
 
-DEFAULTS = {"cuda": dict(contexts="1024,4096,16384", dtype="bfloat16"),
-            "cpu": dict(contexts="32,64,128,256", dtype=None)}
+from hycoc.bench.cost_model import (
+    PAPER_ROUND_MS,
+    CostModel,
+    CostModelError,
+    CostPoint,  # noqa: E402,F401
+    round_forwards,
+)  # numpy + pydantic only
+
+DEFAULTS = {
+    "cuda": dict(contexts="1024,4096,16384", dtype="bfloat16"),
+    "cpu": dict(contexts="32,64,128,256", dtype=None),
+}
 
 
 def _ints(text: str, name: str, minimum: int) -> list[int]:
@@ -84,11 +98,18 @@ def round_table(cm: CostModel, chain_length: int = 4):
     from rich.table import Table
 
     rows_hyco = int(cm.rows_grid[-1])
-    table = Table(title="projected server ms per round (verification + server-side head steps)",
-                  caption="paper §3.1 (Gemma 4 26B-A4B on one RTX PRO 6000, median round): HyCo "
-                          f"{PAPER_ROUND_MS['hyco']} ms, Cloud+MTP {PAPER_ROUND_MS['cloud-mtp']} ms")
-    for col in ("context", f"HyCo ({rows_hyco} rows)", f"Cloud+MTP ({chain_length} steps + {chain_length + 1} rows)",
-                "of which head steps", "Cloud+MTP / HyCo"):
+    table = Table(
+        title="projected server ms per round (verification + server-side head steps)",
+        caption="paper §3.1 (Gemma 4 26B-A4B on one RTX PRO 6000, median round): HyCo "
+        f"{PAPER_ROUND_MS['hyco']} ms, Cloud+MTP {PAPER_ROUND_MS['cloud-mtp']} ms",
+    )
+    for col in (
+        "context",
+        f"HyCo ({rows_hyco} rows)",
+        f"Cloud+MTP ({chain_length} steps + {chain_length + 1} rows)",
+        "of which head steps",
+        "Cloud+MTP / HyCo",
+    ):
         table.add_column(col, justify="right")
     for t in cm.context_grid:
         try:
@@ -98,46 +119,83 @@ def round_table(cm: CostModel, chain_length: int = 4):
             table.add_row(f"{int(t):,}", f"{hyco:.2f}", f"{cloud:.2f}", f"{steps:.2f}", f"{cloud / hyco:.2f}")
         except CostModelError as e:
             table.add_row(f"{int(t):,}", str(e), "", "", "")
-    table.add_row("paper", f"{PAPER_ROUND_MS['hyco']:.1f}", f"{PAPER_ROUND_MS['cloud-mtp']:.1f}", "",
-                  f"{PAPER_ROUND_MS['cloud-mtp'] / PAPER_ROUND_MS['hyco']:.2f}")
+    table.add_row(
+        "paper",
+        f"{PAPER_ROUND_MS['hyco']:.1f}",
+        f"{PAPER_ROUND_MS['cloud-mtp']:.1f}",
+        "",
+        f"{PAPER_ROUND_MS['cloud-mtp'] / PAPER_ROUND_MS['hyco']:.2f}",
+    )
     return table
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), required=True, help="torch device to measure on")
-    ap.add_argument("--recipe", type=Path, default=None,
-                    help="load this recipe's verifier with its real weights (default: Gemma 4 26B-A4B shape with "
-                    "random weights; needs --device cuda)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="cost model JSON to write (default: runs/cost-model-<device>.json)")
+    ap.add_argument(
+        "--recipe",
+        type=Path,
+        default=None,
+        help="load this recipe's verifier with its real weights (default: Gemma 4 26B-A4B shape with "
+        "random weights; needs --device cuda)",
+    )
+    ap.add_argument(
+        "--out", type=Path, default=None, help="cost model JSON to write (default: runs/cost-model-<device>.json)"
+    )
     ap.add_argument("--rows", default="1,5,33", help="tree rows per forward, comma-separated (default %(default)s)")
-    ap.add_argument("--prefill-rows", default=",".join(map(str, PREFILL_ROWS)),
-                    help="prefill chunk widths, comma-separated; the largest should be the engine's chunk, 512 "
-                    "(default %(default)s)")
-    ap.add_argument("--no-head", action="store_true",
-                    help="do not time the server-side MTP head step (the cost model then cannot replay cloud-mtp "
-                    "or server-head rounds)")
-    ap.add_argument("--chain-length", type=int, default=None,
-                    help="K of the per-round table's Cloud+MTP round (default: the recipe's, else 4)")
-    ap.add_argument("--contexts", default=None,
-                    help="cached positions before the forward, comma-separated (default: cuda 1024,4096,16384; "
-                    "cpu 32,64,128,256)")
-    ap.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
-                    help="weights and activations (default: bfloat16 for random weights, else the recipe's "
-                    "verifier.dtype)")
-    ap.add_argument("--clock", choices=("busy", "wall"), default="busy",
-                    help="CPU: busy = CPU time of the forward (other processes do not stretch it), wall = "
-                    "perf_counter, the clock of the server's server_ms; a GPU always uses CUDA events "
-                    "(default %(default)s)")
+    ap.add_argument(
+        "--prefill-rows",
+        default=",".join(map(str, PREFILL_ROWS)),
+        help="prefill chunk widths, comma-separated; the largest should be the engine's chunk, 512 "
+        "(default %(default)s)",
+    )
+    ap.add_argument(
+        "--no-head",
+        action="store_true",
+        help="do not time the server-side MTP head step (the cost model then cannot replay cloud-mtp "
+        "or server-head rounds)",
+    )
+    ap.add_argument(
+        "--chain-length",
+        type=int,
+        default=None,
+        help="K of the per-round table's Cloud+MTP round (default: the recipe's, else 4)",
+    )
+    ap.add_argument(
+        "--contexts",
+        default=None,
+        help="cached positions before the forward, comma-separated (default: cuda 1024,4096,16384; cpu 32,64,128,256)",
+    )
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=("bfloat16", "float16", "float32"),
+        help="weights and activations (default: bfloat16 for random weights, else the recipe's verifier.dtype)",
+    )
+    ap.add_argument(
+        "--clock",
+        choices=("busy", "wall"),
+        default="busy",
+        help="CPU: busy = CPU time of the forward (other processes do not stretch it), wall = "
+        "perf_counter, the clock of the server's server_ms; a GPU always uses CUDA events "
+        "(default %(default)s)",
+    )
     ap.add_argument("--warmup", type=int, default=3, help="untimed forwards per point (default %(default)s)")
-    ap.add_argument("--repeats", type=int, default=10, help="timed forwards per point; the median is kept "
-                    "(default %(default)s)")
-    ap.add_argument("--layers", type=int, default=None,
-                    help="random-weight mode only: keep the first N of the 30 layers (a smoke test; the JSON says "
-                    "so)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads (default: the recipe's verifier.threads, else torch's)")
+    ap.add_argument(
+        "--repeats", type=int, default=10, help="timed forwards per point; the median is kept (default %(default)s)"
+    )
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="random-weight mode only: keep the first N of the 30 layers (a smoke test; the JSON says so)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: the recipe's verifier.threads, else torch's)",
+    )
     args = ap.parse_args(argv)
     if args.warmup < 0 or args.repeats < 1:
         return _usage("--warmup must be >= 0 and --repeats >= 1")
@@ -148,12 +206,16 @@ def main(argv=None) -> int:
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"verifier_cost_model: skipped: --device cuda, but torch {torch.__version__} sees no CUDA device on "
-              "this machine; nothing measured, nothing written")
+        print(
+            f"verifier_cost_model: skipped: --device cuda, but torch {torch.__version__} sees no CUDA device on "
+            "this machine; nothing measured, nothing written"
+        )
         return 0
     if args.recipe is None and args.device == "cpu":
-        return _usage("--device cpu needs --recipe (random Gemma 4 26B-A4B weights take 50.5 GB in bf16 and "
-                      "minutes per forward on a CPU); e.g. --device cpu --recipe recipes/toy.toml")
+        return _usage(
+            "--device cpu needs --recipe (random Gemma 4 26B-A4B weights take 50.5 GB in bf16 and "
+            "minutes per forward on a CPU); e.g. --device cpu --recipe recipes/toy.toml"
+        )
     if args.recipe is not None and args.layers is not None:
         return _usage("--layers applies to the random-weight 26B-A4B shape only, not to --recipe")
 
@@ -162,11 +224,16 @@ def main(argv=None) -> int:
 
     console = Console()
     t_start = time.perf_counter()
-    meta = {"warmup": args.warmup, "repeats": args.repeats, "statistic": "median",
-            "timed": "hycoc.verifier.engine.verify_tree: 4-D tree masks + one forward + logits of all rows "
-                     "(Alg. 4 lines 1-3); KV cache filled with random keys/values",
-            "torch": torch.__version__, "python": platform.python_version(),
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    meta = {
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "statistic": "median",
+        "timed": "hycoc.verifier.engine.verify_tree: 4-D tree masks + one forward + logits of all rows "
+        "(Alg. 4 lines 1-3); KV cache filled with random keys/values",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
     try:
         import transformers
 
@@ -179,7 +246,7 @@ def main(argv=None) -> int:
             if args.layers is not None:
                 if not 1 <= args.layers <= cfg["num_hidden_layers"]:
                     return _usage(f"--layers {args.layers}: allowed 1..{cfg['num_hidden_layers']}")
-                cfg["num_hidden_layers"], cfg["layer_types"] = args.layers, cfg["layer_types"][:args.layers]
+                cfg["num_hidden_layers"], cfg["layer_types"] = args.layers, cfg["layer_types"][: args.layers]
                 name += f", first {args.layers} of 30 layers only (smoke test, NOT the model's cost)"
             dtype = args.dtype or DEFAULTS["cuda"]["dtype"]
             console.print(f"building {name} in {dtype} on {args.device} ...")
@@ -192,7 +259,7 @@ def main(argv=None) -> int:
                 head = build_random_head(HEAD_ASSUMED, cfg["hidden_size"], args.device, dtype)
                 meta["head"] = "ASSUMED shape (hycoc.passes.plan.HEAD_ASSUMED), random weights"
             chain_length, offset = args.chain_length or 4, -1
-            head_window = 1024   # recipes/gemma4.toml's window.head_window (W), as the server would run it
+            head_window = 1024  # recipes/gemma4.toml's window.head_window (W), as the server would run it
         else:
             from hycoc.models import load_verifier
             from hycoc.recipe import load_recipe
@@ -226,36 +293,67 @@ def main(argv=None) -> int:
             device_name = torch.cuda.get_device_name(0)
         else:
             device_name = f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s)"
-        console.print(f"{params / 1e9:.3f}e9 parameters, built in {meta['build_s']} s; measuring verify rows "
-                      f"{rows_list}, {'a head step, ' if head is not None else ''}prefill rows {prefill_rows} x "
-                      f"contexts {contexts}, {args.warmup} warm-up + median of {args.repeats}")
+        console.print(
+            f"{params / 1e9:.3f}e9 parameters, built in {meta['build_s']} s; measuring verify rows "
+            f"{rows_list}, {'a head step, ' if head is not None else ''}prefill rows {prefill_rows} x "
+            f"contexts {contexts}, {args.warmup} warm-up + median of {args.repeats}"
+        )
 
         def log(kind, rows, t, ms, times):
-            console.print(f"  {kind:<9} rows {rows:>3}  context {t:>6}  {ms:9.2f} ms  (min {min(times):.2f}, "
-                          f"max {max(times):.2f})  [{time.perf_counter() - t_start:.0f} s]")
+            console.print(
+                f"  {kind:<9} rows {rows:>3}  context {t:>6}  {ms:9.2f} ms  (min {min(times):.2f}, "
+                f"max {max(times):.2f})  [{time.perf_counter() - t_start:.0f} s]"
+            )
 
-        engine = measuring_engine(model, head, head_window=head_window, chain_length=chain_length,
-                                  head_query_position_offset=offset, device=args.device)
-        meta["kv_cache"] = (f"the server's session cache (W = {head_window}): sliding layers keep "
-                            f"{engine.kv_retain} positions + the forward's rows, full layers the context")
-        points = measure_grid(model, rows_list, contexts, warmup=args.warmup, repeats=args.repeats,
-                              device=args.device, log=log, head=head, prefill_rows=prefill_rows,
-                              chain_length=chain_length, head_position_offset=offset, clock=args.clock,
-                              new_cache=engine.new_cache)
+        engine = measuring_engine(
+            model,
+            head,
+            head_window=head_window,
+            chain_length=chain_length,
+            head_query_position_offset=offset,
+            device=args.device,
+        )
+        meta["kv_cache"] = (
+            f"the server's session cache (W = {head_window}): sliding layers keep "
+            f"{engine.kv_retain} positions + the forward's rows, full layers the context"
+        )
+        points = measure_grid(
+            model,
+            rows_list,
+            contexts,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            device=args.device,
+            log=log,
+            head=head,
+            prefill_rows=prefill_rows,
+            chain_length=chain_length,
+            head_position_offset=offset,
+            clock=args.clock,
+            new_cache=engine.new_cache,
+        )
         meta["clock"] = args.clock if args.device == "cpu" else "wall (CUDA events)"
         if args.device == "cuda":
             meta["max_memory_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
     except torch.OutOfMemoryError as e:
-        print(f"verifier_cost_model: out of memory on {args.device}: {e}; use fewer/shorter --contexts",
-              file=sys.stderr)
+        print(
+            f"verifier_cost_model: out of memory on {args.device}: {e}; use fewer/shorter --contexts", file=sys.stderr
+        )
         return 1
     except (FileNotFoundError, ValueError, OSError) as e:  # RecipeError, ModelNotFoundError are ValueError/OSError
         print(f"verifier_cost_model: {e}", file=sys.stderr)
         return 1
 
     meta["total_s"] = round(time.perf_counter() - t_start, 1)
-    cm = CostModel(device=device_name, dtype=dtype, model=name, shape=shape_of(model.config), points=points,
-                   source="measured", meta=meta)
+    cm = CostModel(
+        device=device_name,
+        dtype=dtype,
+        model=name,
+        shape=shape_of(model.config),
+        points=points,
+        source="measured",
+        meta=meta,
+    )
     out = args.out or REPO / "runs" / f"cost-model-{args.device}.json"
     try:
         cm.save(out)

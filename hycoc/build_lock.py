@@ -17,9 +17,9 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Iterator
 
 
 class BuildLocked(RuntimeError):
@@ -51,8 +51,10 @@ def build_lock(cache_dir: str | Path, out_dir: str | Path | None = None) -> Iter
             try:
                 stack.enter_context(FileLock(path, timeout=0, is_singleton=False))
             except Timeout:
-                raise BuildLocked(f"the {what} {folder} is in use by another hycoc build: wait for it to finish, "
-                                  f"or give this build another {option}") from None
+                raise BuildLocked(
+                    f"the {what} {folder} is in use by another hycoc build: wait for it to finish, "
+                    f"or give this build another {option}"
+                ) from None
         yield
 
 
@@ -67,8 +69,10 @@ def interrupted_note(cache_dir: str | Path, out_dir: str | Path | None, started:
     `time.time()` at its start), the cache's total, and that the bundle folder is left as it was."""
     done, total = complete_entries(cache_dir, started), complete_entries(cache_dir)
     bundle = "" if out_dir is None else f"; the bundle folder {out_dir} is left as it was"
-    return (f"interrupted: {done} pass{'es' if done != 1 else ''} finished in this build and {total} in all are kept "
-            f"in {cache_dir}; rerun the same command and they are reused{bundle}")
+    return (
+        f"interrupted: {done} pass{'es' if done != 1 else ''} finished in this build and {total} in all are kept "
+        f"in {cache_dir}; rerun the same command and they are reused{bundle}"
+    )
 
 
 __all__ = ["BuildLocked", "build_lock", "complete_entries", "interrupted_note", "lock_file"]

@@ -31,7 +31,7 @@ import os
 import re
 import shutil
 import tempfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
@@ -304,17 +304,24 @@ class Manifest(_Model):
     keep_set_size: int = Field(ge=1, description="tokens in the drafters' restricted vocabulary")
     handoff: HandoffInfo
     host: HostInfo | None = Field(None, description="host-side constants; needed by `hycoc run`")
-    chat: ChatFormat | None = Field(None, description="the checkpoint's chat format (`hycoc.chat.ChatFormat`): stop "
-                                    "ids, turn strings, reasoning channel; needed by `hycoc run`")
+    chat: ChatFormat | None = Field(
+        None,
+        description="the checkpoint's chat format (`hycoc.chat.ChatFormat`): stop "
+        "ids, turn strings, reasoning channel; needed by `hycoc run`",
+    )
     files: list[FileEntry]
     graphs: list[GraphEntry]
-    digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the canonical JSON of every other key "
-                        "(`content_digest`): an edit of the manifest itself is refused at load")
+    digest: str = Field(
+        pattern=r"^[0-9a-f]{64}$",
+        description="sha256 of the canonical JSON of every other key "
+        "(`content_digest`): an edit of the manifest itself is refused at load",
+    )
 
     def content_digest(self) -> str:
         """sha256 hex of the manifest's canonical JSON without ``digest``: keys sorted, no whitespace, UTF-8."""
-        body = json.dumps(self.model_dump(mode="json", exclude={"digest"}), sort_keys=True, separators=(",", ":"),
-                          ensure_ascii=False)
+        body = json.dumps(
+            self.model_dump(mode="json", exclude={"digest"}), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        )
         return hashlib.sha256(body.encode("utf-8")).hexdigest()
 
     @model_validator(mode="after")
@@ -332,8 +339,10 @@ class Manifest(_Model):
             if roles.get(g.file) != "graph":
                 raise ValueError(f"graphs[{g.name}].file = {g.file!r} is not listed in files with role 'graph'")
             if g.context_binary is not None and roles.get(g.context_binary) != "context_binary":
-                raise ValueError(f"graphs[{g.name}].context_binary = {g.context_binary!r} is not listed in files "
-                                 "with role 'context_binary'")
+                raise ValueError(
+                    f"graphs[{g.name}].context_binary = {g.context_binary!r} is not listed in files "
+                    "with role 'context_binary'"
+                )
         return self
 
     def file(self, path: str) -> FileEntry:
@@ -362,8 +371,9 @@ class Manifest(_Model):
         if not shards:
             raise KeyError(f"no graph {name!r} (graphs: {', '.join(g.name for g in self.graphs)})")
         if [k for k, _ in shards] != list(range(len(shards))):
-            raise ManifestInvalid(f"graph {name}: shards {[g.name for _, g in shards]} are not numbered 0, 1, ...; "
-                                  f"{_REBUILD}")
+            raise ManifestInvalid(
+                f"graph {name}: shards {[g.name for _, g in shards]} are not numbered 0, 1, ...; {_REBUILD}"
+            )
         return [g for _, g in shards]
 
     def chain_entry(self, name: str) -> GraphEntry:
@@ -390,11 +400,19 @@ def check_rel_path(path: str) -> None:
     reserved device name, no part ending in a dot or space (Windows drops those)."""
     p = PurePosixPath(path)
     parts = path.split("/")
-    if (not path or p.is_absolute() or "\\" in path or any(part in ("", ".", "..") for part in parts)
-            or path == MANIFEST or re.search(r"[\x00-\x1f:*?\"<>|]", path)
-            or any(_WINDOWS_RESERVED.fullmatch(part) or part.endswith((".", " ")) for part in parts)):
-        raise ValueError(f"{path!r} is not a relative path inside the bundle (no '..', no leading '/', no ':' or "
-                         f"other character Windows forbids, no reserved device name, not {MANIFEST})")
+    if (
+        not path
+        or p.is_absolute()
+        or "\\" in path
+        or any(part in ("", ".", "..") for part in parts)
+        or path == MANIFEST
+        or re.search(r"[\x00-\x1f:*?\"<>|]", path)
+        or any(_WINDOWS_RESERVED.fullmatch(part) or part.endswith((".", " ")) for part in parts)
+    ):
+        raise ValueError(
+            f"{path!r} is not a relative path inside the bundle (no '..', no leading '/', no ':' or "
+            f"other character Windows forbids, no reserved device name, not {MANIFEST})"
+        )
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -427,8 +445,10 @@ class BundleWriter:
         self.out_dir = Path(out_dir).absolute()
         self.overwrite = overwrite
         if self.out_dir.exists() and not overwrite:
-            raise BundleExists(f"{self.out_dir} already exists; choose another --out or pass overwrite=True "
-                               "(the old bundle is replaced only once the new one is complete)")
+            raise BundleExists(
+                f"{self.out_dir} already exists; choose another --out or pass overwrite=True "
+                "(the old bundle is replaced only once the new one is complete)"
+            )
         self.out_dir.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.partial-", dir=self.out_dir.parent))
         self._roles: dict[str, FileRole] = {}
@@ -464,8 +484,16 @@ class BundleWriter:
         self._roles[rel_path] = role
         return dst
 
-    def add_graph(self, name: str, role: GraphRole, src: str | os.PathLike | bytes, rel_path: str, *, io: GraphIO,
-                  context_binary: str | None = None) -> Path:
+    def add_graph(
+        self,
+        name: str,
+        role: GraphRole,
+        src: str | os.PathLike | bytes,
+        rel_path: str,
+        *,
+        io: GraphIO,
+        context_binary: str | None = None,
+    ) -> Path:
         """Add a graph file (role "graph") and its manifest entry. ``io`` comes from
         ``hycoc.passes.bundle_io.graph_io_from_onnx``; ``context_binary`` is the bundle path of the QNN context
         binary the graph points at (add it with ``add_file(..., role="context_binary")``)."""
@@ -477,23 +505,45 @@ class BundleWriter:
         self._graphs.append((name, role, rel_path, context_binary, io))
         return dst
 
-    def commit(self, *, recipe: RecipeRef, target: TargetInfo, round: RoundConstants, quantization: Quantization,
-               keep_set_size: int, handoff: HandoffInfo, host: HostInfo | None = None,
-               chat: ChatFormat | None = None) -> Manifest:
+    def commit(
+        self,
+        *,
+        recipe: RecipeRef,
+        target: TargetInfo,
+        round: RoundConstants,
+        quantization: Quantization,
+        keep_set_size: int,
+        handoff: HandoffInfo,
+        host: HostInfo | None = None,
+        chat: ChatFormat | None = None,
+    ) -> Manifest:
         """Hash every file, write ``manifest.json`` last and rename the folder to ``out_dir``; returns the manifest.
 
         Raises ManifestInvalid when the entries disagree (a graph's context binary not added, ...); the temporary
         folder is then removed like on any other error inside the ``with`` block.
         """
         self._check_open()
-        files = [FileEntry(path=p, bytes=(self.tmp / p).stat().st_size, sha256=sha256_file(self.tmp / p), role=r)
-                 for p, r in sorted(self._roles.items())]
+        files = [
+            FileEntry(path=p, bytes=(self.tmp / p).stat().st_size, sha256=sha256_file(self.tmp / p), role=r)
+            for p, r in sorted(self._roles.items())
+        ]
         graphs = [GraphEntry(name=n, role=r, file=f, context_binary=c, **dict(io)) for n, r, f, c, io in self._graphs]
         try:
             manifest = Manifest(
-                schema_version=SCHEMA_VERSION, created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                recipe=recipe, target=target, round=round, quantization=quantization, keep_set_size=keep_set_size,
-                handoff=handoff, host=host, chat=chat, files=files, graphs=graphs, digest="0" * 64)
+                schema_version=SCHEMA_VERSION,
+                created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+                recipe=recipe,
+                target=target,
+                round=round,
+                quantization=quantization,
+                keep_set_size=keep_set_size,
+                handoff=handoff,
+                host=host,
+                chat=chat,
+                files=files,
+                graphs=graphs,
+                digest="0" * 64,
+            )
         except ValidationError as e:
             raise ManifestInvalid(f"bundle {self.out_dir}: cannot write the manifest: {_first_error(e)}") from None
         manifest = manifest.model_copy(update={"digest": manifest.content_digest()})
@@ -553,15 +603,19 @@ def load_manifest(bundle_dir: str | os.PathLike, verify: bool = True) -> Manifes
         newer = isinstance(version, int) and version > SCHEMA_VERSION
         raise SchemaVersionMismatch(
             f"{where}: manifest schema version {version}, this hycoc reads version {SCHEMA_VERSION}; "
-            + ("upgrade hycoc on this device, or " if newer else "") + _REBUILD)
+            + ("upgrade hycoc on this device, or " if newer else "")
+            + _REBUILD
+        )
     try:
         manifest = Manifest.model_validate_json(path.read_bytes())
     except ValidationError as e:
         raise ManifestInvalid(f"{where}: {MANIFEST}: {_first_error(e)}; {_REBUILD}") from None
     actual = manifest.content_digest()
     if actual != manifest.digest:
-        raise ManifestInvalid(f"{where}: {MANIFEST} was edited after the build: its content has sha256 {actual}, "
-                              f"its digest says {manifest.digest}; {_REBUILD}")
+        raise ManifestInvalid(
+            f"{where}: {MANIFEST} was edited after the build: its content has sha256 {actual}, "
+            f"its digest says {manifest.digest}; {_REBUILD}"
+        )
     if verify:
         verify_files(folder, manifest)
     return manifest
@@ -574,16 +628,22 @@ def verify_files(folder: str | os.PathLike, manifest: Manifest) -> None:
     for f in manifest.files:
         p = folder / f.path
         if not p.is_file():
-            raise FileMissing(f"{where}: {f.path} ({f.role}) is listed in {MANIFEST} but missing; {_REBUILD} "
-                              "or copy the whole folder again")
+            raise FileMissing(
+                f"{where}: {f.path} ({f.role}) is listed in {MANIFEST} but missing; {_REBUILD} "
+                "or copy the whole folder again"
+            )
         size = p.stat().st_size
         if size != f.bytes:
-            raise FileSizeMismatch(f"{where}: {f.path} is {size} bytes, {MANIFEST} says {f.bytes}; the file is "
-                                   f"truncated or replaced: {_REBUILD}")
+            raise FileSizeMismatch(
+                f"{where}: {f.path} is {size} bytes, {MANIFEST} says {f.bytes}; the file is "
+                f"truncated or replaced: {_REBUILD}"
+            )
         digest = sha256_file(p)
         if digest != f.sha256:
-            raise HashMismatch(f"{where}: {f.path} has sha256 {digest}, {MANIFEST} says {f.sha256}; the file is "
-                               f"corrupt or replaced: {_REBUILD}")
+            raise HashMismatch(
+                f"{where}: {f.path} has sha256 {digest}, {MANIFEST} says {f.sha256}; the file is "
+                f"corrupt or replaced: {_REBUILD}"
+            )
     listed = {f.path for f in manifest.files}
     for p in sorted(folder.rglob("*")):
         rel = p.relative_to(folder).as_posix()
@@ -591,8 +651,15 @@ def verify_files(folder: str | os.PathLike, manifest: Manifest) -> None:
             raise UnlistedFile(f"{where}: {rel} is not listed in {MANIFEST}; remove it, or {_REBUILD}")
 
 
-def check_target(manifest: Manifest, *, backend: str, htp_arch: int | None = None, soc_model: str | None = None,
-                 qnn_sdk: str | None = None, kv_bits: int | None = None) -> None:
+def check_target(
+    manifest: Manifest,
+    *,
+    backend: str,
+    htp_arch: int | None = None,
+    soc_model: str | None = None,
+    qnn_sdk: str | None = None,
+    kv_bits: int | None = None,
+) -> None:
     """Refuse a bundle built for another device (docs/design.md "Bundle"): each value given is compared with the
     manifest's.
 
@@ -600,13 +667,19 @@ def check_target(manifest: Manifest, *, backend: str, htp_arch: int | None = Non
     Raises TargetMismatch naming the field, the bundle's value and the device's.
     """
     t = manifest.target
-    pairs = [("target backend", t.backend, backend), ("HTP arch", t.htp_arch, htp_arch),
-             ("SoC", (t.soc_model or "").upper() or None, soc_model.upper() if soc_model else None),
-             ("QNN SDK", t.qnn_sdk, qnn_sdk), ("KV bit width", manifest.quantization.kv_bits, kv_bits)]
+    pairs = [
+        ("target backend", t.backend, backend),
+        ("HTP arch", t.htp_arch, htp_arch),
+        ("SoC", (t.soc_model or "").upper() or None, soc_model.upper() if soc_model else None),
+        ("QNN SDK", t.qnn_sdk, qnn_sdk),
+        ("KV bit width", manifest.quantization.kv_bits, kv_bits),
+    ]
     for what, built, here in pairs:
         if here is not None and built != here:
-            raise TargetMismatch(f"bundle built for {what} {built}, this device has {here}; rebuild it with "
-                                 f"`hycoc build RECIPE --target ...` for this device")
+            raise TargetMismatch(
+                f"bundle built for {what} {built}, this device has {here}; rebuild it with "
+                f"`hycoc build RECIPE --target ...` for this device"
+            )
 
 
 #: Name prefixes of the tensors layer shards pass to later shards only (`hycoc.passes.slm_graph` "Shards").
@@ -636,8 +709,9 @@ def chain_io(chain: list[GraphEntry]) -> tuple[list[TensorSpec], list[TensorSpec
     return list(inputs.values()), list(chain[-1].outputs) + rest
 
 
-def check_graph_io(graph: GraphEntry, inputs: list[tuple[str, list[int], str]],
-                   outputs: list[tuple[str, list[int], str]]) -> None:
+def check_graph_io(
+    graph: GraphEntry, inputs: list[tuple[str, list[int], str]], outputs: list[tuple[str, list[int], str]]
+) -> None:
     """Compare a session's ``[(name, shape, dtype)]`` inputs and outputs with the manifest's graph entry.
 
     Raises GraphIOMismatch naming the graph, the tensor, the manifest's value and the session's.
@@ -646,12 +720,16 @@ def check_graph_io(graph: GraphEntry, inputs: list[tuple[str, list[int], str]],
         want = [(t.name, list(t.shape), t.dtype) for t in declared]
         got = [(n, list(s), d) for n, s, d in actual]
         if [w[0] for w in want] != [g[0] for g in got]:
-            raise GraphIOMismatch(f"graph {graph.name}: {kind}s {[w[0] for w in want]} in the manifest, "
-                                  f"{[g[0] for g in got]} in the model; {_REBUILD}")
+            raise GraphIOMismatch(
+                f"graph {graph.name}: {kind}s {[w[0] for w in want]} in the manifest, "
+                f"{[g[0] for g in got]} in the model; {_REBUILD}"
+            )
         for w, g in zip(want, got):
             if w != g:
-                raise GraphIOMismatch(f"graph {graph.name}: {kind} {w[0]} is {w[1]} {w[2]} in the manifest, "
-                                      f"{g[1]} {g[2]} in the model; {_REBUILD}")
+                raise GraphIOMismatch(
+                    f"graph {graph.name}: {kind} {w[0]} is {w[1]} {w[2]} in the manifest, "
+                    f"{g[1]} {g[2]} in the model; {_REBUILD}"
+                )
 
 
 def _first_error(e: ValidationError) -> str:

@@ -83,9 +83,11 @@ class ChatFormat(_Model):
     def check_thinking(self, thinking: bool) -> None:
         """Raise ChatFormatError when thinking is asked of a template that has no thinking switch."""
         if thinking and not self.has_thinking:
-            raise ChatFormatError(f"the chat template ({self.sources.get('template', '?')}) renders "
-                                  "enable_thinking=True like its default: it has no thinking switch; run without "
-                                  "--thinking")
+            raise ChatFormatError(
+                f"the chat template ({self.sources.get('template', '?')}) renders "
+                "enable_thinking=True like its default: it has no thinking switch; run without "
+                "--thinking"
+            )
 
     def contract(self) -> str:
         """What the device and the verifier must agree on, as canonical JSON (the OPEN frame's ``chat``): the stop
@@ -101,18 +103,24 @@ class ChatFormat(_Model):
             their_stops = sorted(int(i) for i in theirs["stop_ids"])
             their_template = str(theirs["template_sha256"])
         except (ValueError, KeyError, TypeError) as e:
-            raise ChatMismatch(f"the device's chat contract is not this hycoc's ({e}: a bundle built before "
-                               "conversations were re-rendered by the template); rebuild the bundle with this "
-                               "hycoc (`hycoc build RECIPE`)") from None
+            raise ChatMismatch(
+                f"the device's chat contract is not this hycoc's ({e}: a bundle built before "
+                "conversations were re-rendered by the template); rebuild the bundle with this "
+                "hycoc (`hycoc build RECIPE`)"
+            ) from None
         if their_stops != sorted(self.stop_ids):
-            raise ChatMismatch(f"stop ids differ: the device's bundle stops on {their_stops}, the verifier on "
-                               f"{sorted(self.stop_ids)}; build the bundle from the verifier's checkpoint (same "
-                               "generation_config.json)")
+            raise ChatMismatch(
+                f"stop ids differ: the device's bundle stops on {their_stops}, the verifier on "
+                f"{sorted(self.stop_ids)}; build the bundle from the verifier's checkpoint (same "
+                "generation_config.json)"
+            )
         if their_template != self.template_sha256:
-            raise ChatMismatch(f"chat templates differ: the device's bundle renders with template sha256 "
-                               f"{their_template[:12]}..., the verifier with {self.template_sha256[:12]}... "
-                               f"({self.sources.get('template', '?')}); build the bundle from the verifier's "
-                               "tokenizer folder (same chat template)")
+            raise ChatMismatch(
+                f"chat templates differ: the device's bundle renders with template sha256 "
+                f"{their_template[:12]}..., the verifier with {self.template_sha256[:12]}... "
+                f"({self.sources.get('template', '?')}); build the bundle from the verifier's "
+                "tokenizer folder (same chat template)"
+            )
 
 
 # ---- encoding, as transformers' apply_chat_template(..., sanitize_control_tokens=True) ----------------------------
@@ -158,10 +166,13 @@ def encode_marked(tokenizer, chat: str, control_tokens) -> list[int]:
         if not piece:
             continue
         as_text = i % 2 == 1
-        encode = (lambda s: _plain(tokenizer, s)) if as_text else (
-            lambda s: tokenizer.encode(s, add_special_tokens=False).ids)
-        piece_ids = encode("\n" + piece)      # after a newline, as transformers does (no SentencePiece prefix space)
-        piece_ids = piece_ids[len(newline):] if piece_ids[:len(newline)] == newline else encode(piece)
+        encode = (
+            (lambda s: _plain(tokenizer, s))
+            if as_text
+            else (lambda s: tokenizer.encode(s, add_special_tokens=False).ids)
+        )
+        piece_ids = encode("\n" + piece)  # after a newline, as transformers does (no SentencePiece prefix space)
+        piece_ids = piece_ids[len(newline) :] if piece_ids[: len(newline)] == newline else encode(piece)
         if as_text and tokenizer.token_to_id(piece) in piece_ids:
             raise ValueError(f"cannot sanitize {piece!r}: the tokenizer produces it from plain text")
         ids += piece_ids
@@ -179,7 +190,6 @@ def encode_text(tokenizer, text: str) -> list[int]:
         tokenizer.encode_special_tokens = before
 
 
-
 # ---- rendering, as transformers' render_jinja_template ------------------------------------------------------------
 
 
@@ -195,7 +205,7 @@ def _compiled(template: str):
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    class Generation(jinja2.ext.Extension):          # transformers' AssistantTracker, without the tracking
+    class Generation(jinja2.ext.Extension):  # transformers' AssistantTracker, without the tracking
         tags = {"generation"}
 
         def parse(self, parser):
@@ -212,17 +222,24 @@ def _compiled(template: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(template)
 
 
-def render_template(template: str, messages: list[dict], *, add_generation_prompt: bool,
-                    thinking: bool | None = None, specials: dict[str, str] | None = None,
-                    source: str = "the chat template") -> str:
+def render_template(
+    template: str,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool,
+    thinking: bool | None = None,
+    specials: dict[str, str] | None = None,
+    source: str = "the chat template",
+) -> str:
     """The template's rendering of ``messages`` (list of {"role", "content"} dicts, strings as given: mark user
     strings first with `mark_messages` to sanitize them). thinking: ``enable_thinking`` (None leaves it unset: the
     template's default). specials: ``bos_token`` ... Raises ChatFormatError naming ``source`` when the template
@@ -231,13 +248,16 @@ def render_template(template: str, messages: list[dict], *, add_generation_promp
     if thinking is not None:
         kwargs["enable_thinking"] = thinking
     try:
-        return _compiled(template).render(messages=messages, tools=None, documents=None,
-                                          add_generation_prompt=add_generation_prompt, **kwargs)
-    except Exception as e:   # jinja2 errors and the template's own raise_exception
+        return _compiled(template).render(
+            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+    except Exception as e:  # jinja2 errors and the template's own raise_exception
         roles = "/".join(str(m.get("role")) for m in messages)
-        raise ChatFormatError(f"{source}: the chat template fails to render a {roles} conversation "
-                              f"({type(e).__name__}: {e}); fix the template or give a working one as "
-                              "chat_template.jinja") from None
+        raise ChatFormatError(
+            f"{source}: the chat template fails to render a {roles} conversation "
+            f"({type(e).__name__}: {e}); fix the template or give a working one as "
+            "chat_template.jinja"
+        ) from None
 
 
 def template_literals(template: str) -> str:
@@ -257,8 +277,10 @@ def mark_messages(messages: list[dict], control_tokens) -> list[dict]:
     out = []
     for m in messages:
         if m.get("role") in USER_ROLES:
-            m = {k: (mark_control_tokens(v, control_tokens) if isinstance(v, str) and k != "role" else v)
-                 for k, v in m.items()}
+            m = {
+                k: (mark_control_tokens(v, control_tokens) if isinstance(v, str) and k != "role" else v)
+                for k, v in m.items()
+            }
         out.append(dict(m))
     return out
 
@@ -304,18 +326,26 @@ class Chat:
         self._reasoning_ids = None
         if fmt.reasoning is not None:
             opening, closing = fmt.reasoning
-            self._reasoning_ids = (tokenizer.encode(opening, add_special_tokens=False).ids,
-                                   tokenizer.encode(closing, add_special_tokens=False).ids)
+            self._reasoning_ids = (
+                tokenizer.encode(opening, add_special_tokens=False).ids,
+                tokenizer.encode(closing, add_special_tokens=False).ids,
+            )
 
-    def render_text(self, messages: list[dict], *, thinking: bool = False, add_generation_prompt: bool = True,
-                    marked: bool = True) -> str:
+    def render_text(
+        self, messages: list[dict], *, thinking: bool = False, add_generation_prompt: bool = True, marked: bool = True
+    ) -> str:
         """The template's rendering of ``messages`` (user strings marked when ``marked``). Raises ChatFormatError
         for thinking without a switch, or a template that fails."""
         self.format.check_thinking(thinking)
         msgs = mark_messages(messages, self.format.control_tokens) if marked else messages
-        return render_template(self.format.template, msgs, add_generation_prompt=add_generation_prompt,
-                               thinking=True if thinking else None, specials=self.format.specials,
-                               source=self.format.sources.get("template", "the chat template"))
+        return render_template(
+            self.format.template,
+            msgs,
+            add_generation_prompt=add_generation_prompt,
+            thinking=True if thinking else None,
+            specials=self.format.specials,
+            source=self.format.sources.get("template", "the chat template"),
+        )
 
     def encode_rendered(self, text: str) -> list[int]:
         """Ids of a rendering made by `render_text` (marked control tokens as text)."""
@@ -349,12 +379,12 @@ class Chat:
         if self._reasoning_ids is None:
             return None, list(answer_ids)
         opening, closing = self._reasoning_ids
-        if list(answer_ids[:len(opening)]) != opening:
+        if list(answer_ids[: len(opening)]) != opening:
             return None, list(answer_ids)
-        rest = list(answer_ids[len(opening):])
+        rest = list(answer_ids[len(opening) :])
         for i in range(len(rest) - len(closing) + 1):
-            if rest[i:i + len(closing)] == closing:
-                return self.tokenizer.decode(rest[:i]), rest[i + len(closing):]
+            if rest[i : i + len(closing)] == closing:
+                return self.tokenizer.decode(rest[:i]), rest[i + len(closing) :]
         return self.tokenizer.decode(rest), []
 
     def render(self, user_text: str, thinking: bool = False) -> str:
@@ -374,7 +404,7 @@ class Conversation:
         chat.format.check_thinking(thinking)
         self.chat, self.thinking = chat, thinking
         self.messages: list[dict] = [] if system is None else [{"role": "system", "content": system}]
-        self.held: list[int] = []          # ids the session holds: the last rendering's kept part, then the output
+        self.held: list[int] = []  # ids the session holds: the last rendering's kept part, then the output
 
     def ask(self, user_text: str) -> Rendered:
         """Add a user message; returns the whole conversation rendered (ids up to the new answer's first root)."""
@@ -405,7 +435,7 @@ class AnswerStream:
         for k, text in enumerate(self._texts()):
             stable = text.rstrip("\ufffd") if hold else text
             sent = self.sent[k]
-            out.append(stable[len(sent):] if stable.startswith(sent) else "")
+            out.append(stable[len(sent) :] if stable.startswith(sent) else "")
             if stable.startswith(sent):
                 self.sent[k] = stable
         return out[0], out[1]
@@ -413,8 +443,8 @@ class AnswerStream:
     def push(self, ids) -> tuple[str, str]:
         self.ids.extend(int(i) for i in ids)
         opening = self.chat._reasoning_ids[0] if self.chat._reasoning_ids else []
-        if len(self.ids) < len(opening) and self.ids == opening[:len(self.ids)]:
-            return "", ""                              # maybe the channel's opening: wait for the rest
+        if len(self.ids) < len(opening) and self.ids == opening[: len(self.ids)]:
+            return "", ""  # maybe the channel's opening: wait for the rest
         return self._deltas(hold=True)
 
     def flush(self) -> tuple[str, str]:
@@ -426,6 +456,22 @@ def template_digest(template: str) -> str:
     return hashlib.sha256(template.encode("utf-8")).hexdigest()
 
 
-__all__ = ["USER_ROLES", "AnswerStream", "Chat", "ChatFormat", "ChatFormatError", "ChatMismatch", "Conversation",
-           "Rendered", "common_prefix", "encode_marked", "encode_text", "ids_crc32", "mark_control_tokens",
-           "mark_messages", "render_template", "template_digest", "template_literals"]
+__all__ = [
+    "USER_ROLES",
+    "AnswerStream",
+    "Chat",
+    "ChatFormat",
+    "ChatFormatError",
+    "ChatMismatch",
+    "Conversation",
+    "Rendered",
+    "common_prefix",
+    "encode_marked",
+    "encode_text",
+    "ids_crc32",
+    "mark_control_tokens",
+    "mark_messages",
+    "render_template",
+    "template_digest",
+    "template_literals",
+]

@@ -23,9 +23,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hycoc.chat import (
+    Chat,
+    ChatFormat,
+    ChatFormatError,
+    common_prefix,
+    render_template,
+    template_digest,
+    template_literals,
+)
 from hycoc.models import load_tokenizer
-from hycoc.chat import (Chat, ChatFormat, ChatFormatError, common_prefix, render_template, template_digest,
-                        template_literals)
 
 _SENTINELS = ("hycocsentineluserone", "hycocsentinelanswerone", "hycocsentinelusertwo")
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -59,13 +66,15 @@ def read_template(folder: Path) -> tuple[str, str]:
         return jinja.read_text(encoding="utf-8"), str(jinja)
     config_path = folder / "tokenizer_config.json"
     template = _config(folder).get("chat_template")
-    if isinstance(template, list):       # transformers: a list of named templates, "default" used
+    if isinstance(template, list):  # transformers: a list of named templates, "default" used
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     if not isinstance(template, str) or not template.strip():
-        raise ChatFormatError(f"{folder}: no chat template (neither chat_template.jinja nor a \"chat_template\" in "
-                              f"{config_path.name}); copy the checkpoint's tokenizer files into this folder, or "
-                              "give the template as chat_template.jinja")
+        raise ChatFormatError(
+            f'{folder}: no chat template (neither chat_template.jinja nor a "chat_template" in '
+            f"{config_path.name}); copy the checkpoint's tokenizer files into this folder, or "
+            "give the template as chat_template.jinja"
+        )
     return template, f"{config_path}:chat_template"
 
 
@@ -93,22 +102,39 @@ def read_stop_ids(verifier: Path | None, folder: Path) -> tuple[list[int], str]:
             continue
         eos = _json(path).get("eos_token_id")
         if eos is None:
-            raise ChatFormatError(f"{path}: no eos_token_id; add the checkpoint's stop ids, e.g. "
-                                  "\"eos_token_id\": [1, 106, 50] for Gemma 4")
+            raise ChatFormatError(
+                f"{path}: no eos_token_id; add the checkpoint's stop ids, e.g. "
+                '"eos_token_id": [1, 106, 50] for Gemma 4'
+            )
         ids = [eos] if isinstance(eos, int) else eos
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
             raise ChatFormatError(f"{path}: eos_token_id = {eos!r}; expected a token id or a list of them")
         return list(ids), str(path)
-    raise ChatFormatError(f"no generation_config.json with eos_token_id at {' or '.join(looked)}; copy the "
-                          "checkpoint's generation_config.json (it lists the stop ids)")
+    raise ChatFormatError(
+        f"no generation_config.json with eos_token_id at {' or '.join(looked)}; copy the "
+        "checkpoint's generation_config.json (it lists the stop ids)"
+    )
 
 
-def render(template: str, messages: list[dict], *, add_generation_prompt: bool, thinking: bool | None,
-           specials: dict[str, str], source: str) -> str:
+def render(
+    template: str,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool,
+    thinking: bool | None,
+    specials: dict[str, str],
+    source: str,
+) -> str:
     """The template's rendering of ``messages`` (`hycoc.chat.render_template`); ``thinking`` None leaves
     ``enable_thinking`` unset (the template's default). Raises ChatFormatError naming ``source`` on a failure."""
-    return render_template(template, messages, add_generation_prompt=add_generation_prompt, thinking=thinking,
-                           specials=specials, source=source)
+    return render_template(
+        template,
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        thinking=thinking,
+        specials=specials,
+        source=source,
+    )
 
 
 def check_history(template: str, specials: dict[str, str], thinking: bool | None, source: str) -> None:
@@ -116,20 +142,34 @@ def check_history(template: str, specials: dict[str, str], thinking: bool | None
     turn without the generation prompt must begin the rendering of (user, model, user) with it. Raises
     ChatFormatError naming ``source`` when it does not (every turn would then re-prefill the whole conversation)."""
     u1, a1, u2 = _SENTINELS
-    first = render(template, [{"role": "user", "content": u1}], add_generation_prompt=False, thinking=thinking,
-                   specials=specials, source=source)
-    two = render(template, [{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
-                            {"role": "user", "content": u2}], add_generation_prompt=True, thinking=thinking,
-                 specials=specials, source=source)
+    first = render(
+        template,
+        [{"role": "user", "content": u1}],
+        add_generation_prompt=False,
+        thinking=thinking,
+        specials=specials,
+        source=source,
+    )
+    two = render(
+        template,
+        [{"role": "user", "content": u1}, {"role": "assistant", "content": a1}, {"role": "user", "content": u2}],
+        add_generation_prompt=True,
+        thinking=thinking,
+        specials=specials,
+        source=source,
+    )
     if u1 not in first:
-        raise ChatFormatError(f"{source}: the chat template does not render the user's message; give the "
-                              "checkpoint's own template")
+        raise ChatFormatError(
+            f"{source}: the chat template does not render the user's message; give the checkpoint's own template"
+        )
     if not two.startswith(first):
         kept = common_prefix(first, two)
-        raise ChatFormatError(f"{source}: the chat template renders the first user turn differently once a model "
-                              f"turn follows (the renderings part at character {kept}: {first[kept:kept + 40]!r} vs "
-                              f"{two[kept:kept + 40]!r}), so a conversation cannot keep its KV across turns; give a "
-                              "template whose history renders earlier turns as it rendered them")
+        raise ChatFormatError(
+            f"{source}: the chat template renders the first user turn differently once a model "
+            f"turn follows (the renderings part at character {kept}: {first[kept : kept + 40]!r} vs "
+            f"{two[kept : kept + 40]!r}), so a conversation cannot keep its KV across turns; give a "
+            "template whose history renders earlier turns as it rendered them"
+        )
 
 
 def _control_tokens(tokenizer, template: str) -> list[str]:
@@ -150,7 +190,7 @@ def _reasoning(folder: Path, model_type: str | None) -> tuple[list[str] | None, 
         return [channel["open"], channel["close"]], f"{folder / 'tokenizer_config.json'}:response_template"
     if model_type is None:
         return None, None
-    try:      # transformers' built-in response templates (the serving CLI's parser), by model type
+    try:  # transformers' built-in response templates (the serving CLI's parser), by model type
         import transformers
         from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS
     except Exception:
@@ -159,8 +199,10 @@ def _reasoning(folder: Path, model_type: str | None) -> tuple[list[str] | None, 
         for types, tmpl in _RESPONSE_TEMPLATE_FALLBACKS.items():
             channel = tmpl.get("fields", {}).get("reasoning_content") if name in types else None
             if channel and isinstance(channel.get("open"), str) and isinstance(channel.get("close"), str):
-                return ([channel["open"], channel["close"]],
-                        f"transformers {transformers.__version__} response template for {name!r}")
+                return (
+                    [channel["open"], channel["close"]],
+                    f"transformers {transformers.__version__} response template for {name!r}",
+                )
     return None, None
 
 
@@ -172,8 +214,9 @@ def load_chat_format(tokenizer_path: str | Path, verifier_path: str | Path | Non
     folder = tokenizer_folder(tokenizer_path)
     tok_file = folder / "tokenizer.json"
     if not tok_file.is_file():
-        raise ChatFormatError(f"{folder}: no tokenizer.json; point [models].tokenizer at the checkpoint's tokenizer "
-                              "folder")
+        raise ChatFormatError(
+            f"{folder}: no tokenizer.json; point [models].tokenizer at the checkpoint's tokenizer folder"
+        )
     verifier = Path(verifier_path) if verifier_path is not None else None
     template, source = read_template(folder)
     specials = special_tokens(folder)
@@ -190,8 +233,10 @@ def load_chat_format(tokenizer_path: str | Path, verifier_path: str | Path | Non
     for i in stop_ids:
         s = tokenizer.id_to_token(i)
         if s is None:
-            raise ChatFormatError(f"{stop_source}: eos_token_id {i} is not in the tokenizer's vocabulary "
-                                  f"({tokenizer.get_vocab_size()} ids, {tok_file}); use the checkpoint's own files")
+            raise ChatFormatError(
+                f"{stop_source}: eos_token_id {i} is not in the tokenizer's vocabulary "
+                f"({tokenizer.get_vocab_size()} ids, {tok_file}); use the checkpoint's own files"
+            )
         stop_tokens.append(s)
     model_type = None
     if verifier is not None and (verifier / "config.json").is_file():
@@ -200,9 +245,17 @@ def load_chat_format(tokenizer_path: str | Path, verifier_path: str | Path | Non
     sources = {"template": source, "stop_ids": stop_source}
     if reasoning_source is not None:
         sources["reasoning"] = reasoning_source
-    return ChatFormat(template=template, specials=specials, has_thinking=has_thinking, stop_ids=stop_ids,
-                      stop_tokens=stop_tokens, control_tokens=_control_tokens(tokenizer, template),
-                      reasoning=reasoning, template_sha256=template_digest(template), sources=sources)
+    return ChatFormat(
+        template=template,
+        specials=specials,
+        has_thinking=has_thinking,
+        stop_ids=stop_ids,
+        stop_tokens=stop_tokens,
+        control_tokens=_control_tokens(tokenizer, template),
+        reasoning=reasoning,
+        template_sha256=template_digest(template),
+        sources=sources,
+    )
 
 
 def load_chat(tokenizer_path: str | Path, verifier_path: str | Path | None = None) -> Chat:
@@ -227,10 +280,12 @@ def chat_from_recipe(recipe) -> Chat:
 def sources_to_read(recipe) -> dict[str, str]:
     """What `chat_from_recipe` will read for a recipe whose folders are not here yet (for ``hycoc inspect``)."""
     t, v = recipe.models.tokenizer, recipe.models.verifier
-    return {"template": f"{t}/chat_template.jinja, else {t}/tokenizer_config.json \"chat_template\"",
-            "stop_ids": f"{v}/generation_config.json \"eos_token_id\", else {t}/generation_config.json",
-            "reasoning": f"{t}/tokenizer_config.json \"response_template\", else transformers' response template "
-                         "for the verifier's model type"}
+    return {
+        "template": f'{t}/chat_template.jinja, else {t}/tokenizer_config.json "chat_template"',
+        "stop_ids": f'{v}/generation_config.json "eos_token_id", else {t}/generation_config.json',
+        "reasoning": f'{t}/tokenizer_config.json "response_template", else transformers\' response template '
+        "for the verifier's model type",
+    }
 
 
 def chat_summary(recipe, user_text: str = "Hello") -> dict:
@@ -248,29 +303,67 @@ def chat_summary(recipe, user_text: str = "Hello") -> dict:
     except ChatFormatError as e:
         return {"available": False, "refused": True, "reads": sources_to_read(recipe), "why": str(e)}
     f = chat.format
-    turns = chat.conversation([{"role": "user", "content": user_text}, {"role": "assistant", "content": "Hi!"},
-                               {"role": "user", "content": user_text}])
-    return {"available": True, "prompt": chat.render(user_text), "prompt_ids": chat.prompt(user_text),
-            "stop": [{"id": i, "token": t} for i, t in zip(f.stop_ids, f.stop_tokens)],
-            "thinking": f.has_thinking, "thinking_prompt": chat.render(user_text, True) if f.has_thinking else None,
-            "reasoning": f.reasoning, "sources": f.sources, "template_sha256": f.template_sha256,
-            "second_turn": chat.tokenizer.decode(turns.ids, skip_special_tokens=False)}
+    turns = chat.conversation(
+        [
+            {"role": "user", "content": user_text},
+            {"role": "assistant", "content": "Hi!"},
+            {"role": "user", "content": user_text},
+        ]
+    )
+    return {
+        "available": True,
+        "prompt": chat.render(user_text),
+        "prompt_ids": chat.prompt(user_text),
+        "stop": [{"id": i, "token": t} for i, t in zip(f.stop_ids, f.stop_tokens)],
+        "thinking": f.has_thinking,
+        "thinking_prompt": chat.render(user_text, True) if f.has_thinking else None,
+        "reasoning": f.reasoning,
+        "sources": f.sources,
+        "template_sha256": f.template_sha256,
+        "second_turn": chat.tokenizer.decode(turns.ids, skip_special_tokens=False),
+    }
 
 
-def apply_chat_template_ids(tokenizer_path: str | Path, messages: list[dict], *, thinking: bool | None = None,
-                            add_generation_prompt: bool = True) -> list[int]:
+def apply_chat_template_ids(
+    tokenizer_path: str | Path,
+    messages: list[dict],
+    *,
+    thinking: bool | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
     """The reference: transformers' own ``apply_chat_template(..., sanitize_control_tokens=True)`` on the folder's
     tokenizer.json, template and special tokens (what the conformance tests compare `hycoc.chat.Chat` with)."""
     from transformers import PreTrainedTokenizerFast
 
     folder = tokenizer_folder(tokenizer_path)
     template, _ = read_template(folder)
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), chat_template=template,
-                                  **special_tokens(folder))
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"), chat_template=template, **special_tokens(folder)
+    )
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
-    return list(tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                        return_dict=False, sanitize_control_tokens=True, **kwargs))
+    return list(
+        tok.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+            sanitize_control_tokens=True,
+            **kwargs,
+        )
+    )
 
 
-__all__ = ["apply_chat_template_ids", "chat_from_recipe", "chat_summary", "check_history", "load_chat", "load_chat_format",
-           "read_stop_ids", "read_template", "render", "sources_to_read", "special_tokens", "tokenizer_folder"]
+__all__ = [
+    "apply_chat_template_ids",
+    "chat_from_recipe",
+    "chat_summary",
+    "check_history",
+    "load_chat",
+    "load_chat_format",
+    "read_stop_ids",
+    "read_template",
+    "render",
+    "sources_to_read",
+    "special_tokens",
+    "tokenizer_folder",
+]

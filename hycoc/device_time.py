@@ -73,8 +73,14 @@ class NpuProfile:
 #: The fit leaves the int16 MAC rate unbound (``tmacs`` None): at the Gemma shapes every anchor is met by the bytes
 #: term alone, so the MACs bound it only from below (68.2 GMAC of the 32-row pass within its 15.7 ms: > 5.6 TMAC/s).
 NPU_PROFILES: dict[str, NpuProfile] = {
-    "v81": NpuProfile("v81", bandwidth_gbps=98.24, tmacs=None, overhead_ms=3.511, host_ms_per_slm_pass=22.215,
-                      source="fit_profile(PAPER_ANCHORS) at recipes/gemma4.toml's real shapes"),
+    "v81": NpuProfile(
+        "v81",
+        bandwidth_gbps=98.24,
+        tmacs=None,
+        overhead_ms=3.511,
+        host_ms_per_slm_pass=22.215,
+        source="fit_profile(PAPER_ANCHORS) at recipes/gemma4.toml's real shapes",
+    ),
 }
 
 
@@ -93,9 +99,11 @@ def npu_profile(htp_arch: int | str) -> NpuProfile:
     key = npu_key(htp_arch)
     if key in NPU_PROFILES:
         return NPU_PROFILES[key]
-    raise NotFittedError(f"device-time estimate not fitted for {key} (fitted: {', '.join(sorted(NPU_PROFILES))}, "
-                         f"to the paper's SM8850 figures); profile a {key} bundle on a device with `hycoc profile "
-                         "BUNDLE --device NAME` and pass --device-profile instead")
+    raise NotFittedError(
+        f"device-time estimate not fitted for {key} (fitted: {', '.join(sorted(NPU_PROFILES))}, "
+        f"to the paper's SM8850 figures); profile a {key} bundle on a device with `hycoc profile "
+        "BUNDLE --device NAME` and pass --device-profile instead"
+    )
 
 
 def fit_status() -> dict[str, str]:
@@ -136,16 +144,16 @@ def plan_costs(plan: Mapping, *, vocab: int | None = None, decode_columns: int |
         lm_macs = m["lm_head_per_row"] * (scale - 1)
         lm_bytes = m["lm_head_bytes"] * (scale - 1)
         io = _io_bytes(g["inputs"]) + _io_bytes([o for o in g["outputs"] if o["name"] != "logits"])
-        out[name] = GraphCost(bytes=g["weights"]["total_bytes"] + lm_bytes + io,
-                              macs=m["total"] + m["rows"] * lm_macs)
+        out[name] = GraphCost(bytes=g["weights"]["total_bytes"] + lm_bytes + io, macs=m["total"] + m["rows"] * lm_macs)
         if name == "slm":
             rows = m["rows"]
             attn_row = m["attention"] / rows
             if decode_columns is not None:
                 ring = plan["graphs"]["slm"]["ring"]
                 attn_row *= decode_columns / (ring["full"] + rows)
-            out["slm_decode"] = GraphCost(bytes=g["weights"]["total_bytes"] + lm_bytes + io / rows,
-                                          macs=m["linear_per_row"] + lm_macs + attn_row)
+            out["slm_decode"] = GraphCost(
+                bytes=g["weights"]["total_bytes"] + lm_bytes + io / rows, macs=m["linear_per_row"] + lm_macs + attn_row
+            )
     return out
 
 
@@ -206,10 +214,20 @@ PAPER_ANCHORS = (
     Anchor("SLM 32-row pass, A16", 15.7, (("slm", 1),), 0, "§2.4: 15.7 ms (38-41 ms at fp16)"),
     Anchor("mobile round, 86K keep set", 52.9, (("head", 4), ("slm", 1)), 1, "App. D Table 6, Device column"),
     Anchor("mobile round, full vocabulary", 77.9, (("head@262k", 4), ("slm@262k", 1)), 1, "App. D Table 6"),
-    Anchor("HyCo draft per round (12.1 ms/token x MAT 4.71)", 12.1 * 4.71, (("head", 4), ("slm", 1)), 1,
-           "App. G + Table 2 (SB-480)"),
-    Anchor("SpecEdge-style per round (42.8 ms/token x MAT 3.53)", 42.8 * 3.53, (("slm", 4),), 4,
-           "App. G + Table 2 (SB-480)"),
+    Anchor(
+        "HyCo draft per round (12.1 ms/token x MAT 4.71)",
+        12.1 * 4.71,
+        (("head", 4), ("slm", 1)),
+        1,
+        "App. G + Table 2 (SB-480)",
+    ),
+    Anchor(
+        "SpecEdge-style per round (42.8 ms/token x MAT 3.53)",
+        42.8 * 3.53,
+        (("slm", 4),),
+        4,
+        "App. G + Table 2 (SB-480)",
+    ),
 )
 
 CHECK_ANCHORS = (
@@ -217,9 +235,16 @@ CHECK_ANCHORS = (
     Anchor("HyCo exact per round (14.7 x 3.84)", 14.7 * 3.84, (("head", 4), ("slm", 1)), 1, "App. G + Table 2"),
     Anchor("server head per round (9.2 x 3.79)", 9.2 * 3.79, (("slm", 1),), 1, "App. G + Table 2"),
     Anchor("SLM alone, 8K context, full vocab, per token", 36.8, (("slm_decode@262k@8k", 1),), 0, "App. G"),
-    Anchor("Gemma 4 E2B decode A16W8, SM8750 (v79)", 65.3, (("e2b_w8@262k", 1),), 0,
-           "public third-party figure; another NPU generation than the v81 profile"),
-    Anchor("Gemma 4 E2B decode W8A16, SM8850", 81.0, (("e2b_w8@262k", 1),), 0, "public third-party figure (~12.4 tok/s)"),
+    Anchor(
+        "Gemma 4 E2B decode A16W8, SM8750 (v79)",
+        65.3,
+        (("e2b_w8@262k", 1),),
+        0,
+        "public third-party figure; another NPU generation than the v81 profile",
+    ),
+    Anchor(
+        "Gemma 4 E2B decode W8A16, SM8850", 81.0, (("e2b_w8@262k", 1),), 0, "public third-party figure (~12.4 tok/s)"
+    ),
 )
 
 
@@ -240,8 +265,9 @@ def anchor_costs(plan: Mapping) -> dict[str, GraphCost]:
 
 def anchor_ms(anchor: Anchor, costs: Mapping[str, GraphCost], profile: NpuProfile) -> float:
     """The profile's estimate of ``anchor`` (ms)."""
-    return (sum(n * profile.call_ms(costs[g]) for g, n in anchor.calls)
-            + anchor.slm_passes * profile.host_ms_per_slm_pass)
+    return (
+        sum(n * profile.call_ms(costs[g]) for g, n in anchor.calls) + anchor.slm_passes * profile.host_ms_per_slm_pass
+    )
 
 
 def fit_profile(plan: Mapping, anchors=PAPER_ANCHORS, name: str = "v81") -> NpuProfile:
@@ -253,8 +279,8 @@ def fit_profile(plan: Mapping, anchors=PAPER_ANCHORS, name: str = "v81") -> NpuP
     costs = anchor_costs(plan)
     rows, target = [], []
     for a in anchors:
-        b = sum(n * costs[g].bytes for g, n in a.calls) / 1e6          # MB -> ms per (GB/s)
-        m = sum(n * costs[g].macs for g, n in a.calls) / 1e9           # GMAC -> ms per (TMAC/s)
+        b = sum(n * costs[g].bytes for g, n in a.calls) / 1e6  # MB -> ms per (GB/s)
+        m = sum(n * costs[g].macs for g, n in a.calls) / 1e9  # GMAC -> ms per (TMAC/s)
         c = sum(n for _, n in a.calls)
         rows.append([b / a.ms, m / a.ms, c / a.ms, a.slm_passes / a.ms])
         target.append(1.0)
@@ -262,9 +288,14 @@ def fit_profile(plan: Mapping, anchors=PAPER_ANCHORS, name: str = "v81") -> NpuP
     inv_bw, inv_r, over, host = (float(v) for v in x)
     if inv_bw <= 0:
         raise ValueError("fit_profile: the anchors leave the bandwidth unbound")
-    return NpuProfile(name, bandwidth_gbps=1 / inv_bw, tmacs=1 / inv_r if inv_r > 0 else None,
-                      overhead_ms=over, host_ms_per_slm_pass=host,
-                      source=f"fit_profile on {len(anchors)} paper anchors at the plan's real shapes")
+    return NpuProfile(
+        name,
+        bandwidth_gbps=1 / inv_bw,
+        tmacs=1 / inv_r if inv_r > 0 else None,
+        overhead_ms=over,
+        host_ms_per_slm_pass=host,
+        source=f"fit_profile on {len(anchors)} paper anchors at the plan's real shapes",
+    )
 
 
 def anchor_table(plan: Mapping, profile: NpuProfile) -> list[dict]:
@@ -274,16 +305,26 @@ def anchor_table(plan: Mapping, profile: NpuProfile) -> list[dict]:
     for kind, anchors in (("fit", PAPER_ANCHORS), ("check", CHECK_ANCHORS)):
         for a in anchors:
             est = anchor_ms(a, costs, profile)
-            out.append({"anchor": a.name, "kind": kind, "figure_ms": round(a.ms, 2), "estimate_ms": round(est, 2),
-                        "residual_ms": round(est - a.ms, 2), "residual_pct": round(100 * (est - a.ms) / a.ms, 1),
-                        "source": a.source})
+            out.append(
+                {
+                    "anchor": a.name,
+                    "kind": kind,
+                    "figure_ms": round(a.ms, 2),
+                    "estimate_ms": round(est, 2),
+                    "residual_ms": round(est - a.ms, 2),
+                    "residual_pct": round(100 * (est - a.ms) / a.ms, 1),
+                    "source": a.source,
+                }
+            )
     return out
 
 
 def estimate_graphs(plan: Mapping, profile: NpuProfile) -> dict[str, dict]:
     """Per drafter graph at the real shape: bytes, MACs and the estimated ms per call (`ESTIMATE_LABEL`)."""
-    return {g: {"bytes": int(c.bytes), "macs": int(c.macs), "estimate_ms": round(profile.call_ms(c), 3)}
-            for g, c in plan_costs(plan).items()}
+    return {
+        g: {"bytes": int(c.bytes), "macs": int(c.macs), "estimate_ms": round(profile.call_ms(c), 3)}
+        for g, c in plan_costs(plan).items()
+    }
 
 
 # ---- bundles -----------------------------------------------------------------------------------------------------
@@ -307,8 +348,10 @@ def bundle_graph_costs(bundle_dir: str | os.PathLike) -> dict[str, GraphCost]:
         elif g.get("context_binary") is None:
             out[name] = onnx_graph_cost(bundle_dir / g["file"])
         else:
-            raise ValueError(f"{bundle_dir}: graph {name} is compiled and report.json records no graph_costs for "
-                             f"it; rebuild the bundle to estimate its device time")
+            raise ValueError(
+                f"{bundle_dir}: graph {name} is compiled and report.json records no graph_costs for "
+                f"it; rebuild the bundle to estimate its device time"
+            )
     return out
 
 
@@ -321,5 +364,9 @@ def plan_estimate(plan: Mapping, npu: int | str = "v81") -> dict:
         profile = npu_profile(npu)
     except NotFittedError as e:
         return {"label": ESTIMATE_LABEL, "npu_profile": None, "not_fitted": str(e), "graphs": {}, "anchors": []}
-    return {"label": ESTIMATE_LABEL, "npu_profile": asdict(profile), "graphs": estimate_graphs(plan, profile),
-            "anchors": anchor_table(plan, profile)}
+    return {
+        "label": ESTIMATE_LABEL,
+        "npu_profile": asdict(profile),
+        "graphs": estimate_graphs(plan, profile),
+        "anchors": anchor_table(plan, profile),
+    }

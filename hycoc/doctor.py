@@ -11,8 +11,18 @@ import sys
 from typing import Any
 
 #: Packages whose versions `hycoc doctor` reports, in its order.
-PACKAGES = ("hycoc", "numpy", "torch", "transformers", "tokenizers", "onnx", "onnxscript", "onnx-ir", "onnxruntime",
-            "onnxruntime-qnn")
+PACKAGES = (
+    "hycoc",
+    "numpy",
+    "torch",
+    "transformers",
+    "tokenizers",
+    "onnx",
+    "onnxscript",
+    "onnx-ir",
+    "onnxruntime",
+    "onnxruntime-qnn",
+)
 
 
 def package_versions() -> dict[str, str]:
@@ -28,8 +38,9 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def doctor_rows(status: dict | None = None, versions: dict[str, str] | None = None,
-                device=None) -> list[tuple[str, str, str]]:
+def doctor_rows(
+    status: dict | None = None, versions: dict[str, str] | None = None, device=None
+) -> list[tuple[str, str, str]]:
     """(item, value, style) rows of `hycoc doctor`: every `package_versions` entry ("yellow" when not installed),
     then "QNN EP loads" and "HTP archs" from ``status`` (default: `hycoc.targets.qnn_ep.qnn_status()`: keys
     loads, versions, archs {arch: {"ok"}}, compilable_archs, error), "this device" (``device``: a
@@ -37,8 +48,10 @@ def doctor_rows(status: dict | None = None, versions: dict[str, str] | None = No
     and one row per `hycoc.targets.profiles.DEVICES` entry (what ``--device NAME`` builds: profile, SoC, whether this
     install compiles its arch, whether device time is fitted). style: "" (plain), "yellow" (missing) or "red"
     (an arch that fails, or none compiles)."""
-    rows = [(name, ver, "yellow" if ver == "not installed" else "")
-            for name, ver in (versions if versions is not None else package_versions()).items()]
+    rows = [
+        (name, ver, "yellow" if ver == "not installed" else "")
+        for name, ver in (versions if versions is not None else package_versions()).items()
+    ]
     if status is None:
         from hycoc.targets.qnn_ep import qnn_status
 
@@ -68,7 +81,7 @@ def device_rows(status: dict, device=None) -> list[tuple[str, str, str]]:
     if device is None:
         try:
             device = detect_device()
-        except ValueError as e:              # HYCOC_DEVICE names no known device
+        except ValueError as e:  # HYCOC_DEVICE names no known device
             rows.append(("this device", str(e), "red"))
     if device is not None:
         text = device.describe()
@@ -80,8 +93,13 @@ def device_rows(status: dict, device=None) -> list[tuple[str, str, str]]:
         here = "compiles here" if d.htp_arch in compiles else "not compiled here"
         fitted = "device time fitted" if npu_key(d.htp_arch) in NPU_PROFILES else "device time not fitted"
         aka = ", ".join(a for a in d.aliases if not a.upper().startswith(("SM", "SC", "X1")))
-        rows.append((f"--device {d.name}", f"htp-v{d.htp_arch} {d.soc_model}; {here}; {fitted}"
-                     + (f" (also: {aka})" if aka else ""), "" if d.htp_arch in compiles else "yellow"))
+        rows.append(
+            (
+                f"--device {d.name}",
+                f"htp-v{d.htp_arch} {d.soc_model}; {here}; {fitted}" + (f" (also: {aka})" if aka else ""),
+                "" if d.htp_arch in compiles else "yellow",
+            )
+        )
     return rows
 
 

@@ -70,13 +70,23 @@ class Generated:
 
 def summary_line(g: Generated) -> str:
     """``[N tokens in S s, R tok/s; prompt P tokens]``, the line `hycoc generate` ends with on stderr."""
-    return (f"[{g.tokens} tokens in {g.seconds:.2f} s, {g.tokens / g.seconds:.1f} tok/s; prompt {g.prompt_tokens} "
-            "tokens]")
+    return (
+        f"[{g.tokens} tokens in {g.seconds:.2f} s, {g.tokens / g.seconds:.1f} tok/s; prompt {g.prompt_tokens} tokens]"
+    )
 
 
-def generate_answer(cfg, prompt: str, *, max_new_tokens: int | None = None, seed: int | None = None,
-                    temperature: float | None = None, thinking: bool = False, out: TextIO | None = None,
-                    err: TextIO | None = None, say=None) -> Generated:
+def generate_answer(
+    cfg,
+    prompt: str,
+    *,
+    max_new_tokens: int | None = None,
+    seed: int | None = None,
+    temperature: float | None = None,
+    thinking: bool = False,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    say=None,
+) -> Generated:
     """Answer ``prompt`` (the user message, wrapped in the checkpoint's chat template with ``thinking``) with the
     recipe's verifier alone, streaming the answer to ``out`` and the thought to ``err`` (`TextStream`).
 
@@ -93,7 +103,7 @@ def generate_answer(cfg, prompt: str, *, max_new_tokens: int | None = None, seed
     set_threads(cfg.verifier.threads)
     sampling = cfg.sampling
     temperature = sampling.temperature if temperature is None else temperature
-    chat = chat_from_recipe(cfg)      # the checkpoint's template and stop ids, before the weights
+    chat = chat_from_recipe(cfg)  # the checkpoint's template and stop ids, before the weights
     prompt_ids = chat.prompt(prompt, thinking)
     model = load_verifier(cfg.model_path("verifier"), dtype=cfg.verifier.dtype, device=cfg.verifier.device)
     say(f"[question] {prompt}")
@@ -103,11 +113,17 @@ def generate_answer(cfg, prompt: str, *, max_new_tokens: int | None = None, seed
     start = time.perf_counter()
     with torch.inference_mode():
         result = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens or sampling.max_new_tokens,
-            eos_token_id=stops, pad_token_id=stops[0], streamer=TextStream(chat, out, err),
-            **sampling_kwargs(temperature, sampling.top_k, sampling.top_p))
-    return Generated(tokens=result.shape[1] - ids.shape[1], prompt_tokens=ids.shape[1],
-                     seconds=time.perf_counter() - start)
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens or sampling.max_new_tokens,
+            eos_token_id=stops,
+            pad_token_id=stops[0],
+            streamer=TextStream(chat, out, err),
+            **sampling_kwargs(temperature, sampling.top_k, sampling.top_p),
+        )
+    return Generated(
+        tokens=result.shape[1] - ids.shape[1], prompt_tokens=ids.shape[1], seconds=time.perf_counter() - start
+    )
 
 
 __all__ = ["Generated", "TextStream", "generate_answer", "sampling_kwargs", "summary_line"]

@@ -112,7 +112,7 @@ class EmbeddingLut:
             raise IndexError(f"token id outside the LUT's {self.rows} rows: {ids.min()}..{ids.max()}")
         q = unpack_signed(self.packed[ids], self.bits, self.dim).astype(np.float32)
         blocks = self.scale.shape[-1]
-        scale = self.scale[ids].astype(np.float32, copy=False)[..., None]       # (*ids, blocks, 1): broadcast
+        scale = self.scale[ids].astype(np.float32, copy=False)[..., None]  # (*ids, blocks, 1): broadcast
         out = q.reshape(*ids.shape, blocks, self.dim // blocks)
         out *= scale
         out *= np.float32(self.embed_scale)
@@ -164,7 +164,7 @@ class RotaryBlock:
         self.table, self.block = table, int(block)
         self._start = 0
         self._cos = self._sin = None
-        self.computed = 0                                   # blocks computed so far
+        self.computed = 0  # blocks computed so far
 
     def rows(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """(cos, sin) float32 (count, head_dim) of positions first .. first + count - 1 (>= 0): views of the block,
@@ -177,7 +177,7 @@ class RotaryBlock:
             self._start, lo = first, 0
             self._cos, self._sin = self.table.rows(np.arange(first, first + max(self.block, count)))
             self.computed += 1
-        return self._cos[lo:lo + count], self._sin[lo:lo + count]
+        return self._cos[lo : lo + count], self._sin[lo : lo + count]
 
 
 # ---- the MTP head's ring (Alg. 2 lines 2-5) ---------------------------------------------------------------------
@@ -207,8 +207,10 @@ def ring_masks(t: int, live_start: int, window: int, sliding_window: int) -> dic
     p = (t - 1) - np.mod(t - 1 - c, window)
     full = (p >= max(live_start, t - window, 0)) & (p < t)
     sliding = full & (p >= t - min(window, sliding_window))
-    return {kind: np.where(ok, 0.0, MASK_VALUE).astype(np.float32)[None, None, None]
-            for kind, ok in ((SLIDING, sliding), (FULL, full))}
+    return {
+        kind: np.where(ok, 0.0, MASK_VALUE).astype(np.float32)[None, None, None]
+        for kind, ok in ((SLIDING, sliding), (FULL, full))
+    }
 
 
 # ---- the SLM tree graph's rows and masks (Alg. 3 line 8) ------------------------------------------------------
@@ -219,7 +221,7 @@ def tree_depths(parents: Sequence[int]) -> np.ndarray:
     0 <= parents[j] < j."""
     p = _parent_list(parents)
     depth = [0] * len(p)
-    for j in range(1, len(p)):                 # plain ints: the device runs this every forward
+    for j in range(1, len(p)):  # plain ints: the device runs this every forward
         depth[j] = depth[p[j]] + 1
     return np.asarray(depth, dtype=np.int64)
 
@@ -252,9 +254,8 @@ def tree_rows(parents: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
 
 def _bit_rows(bits: list[int], n: int) -> np.ndarray:
     """bool (n, n) from n ints whose bit i is column i (n <= 64)."""
-    words = np.asarray(bits, dtype="<u8")      # little-endian words: byte b holds bits 8b..8b+7, low bit first
-    return np.ascontiguousarray(np.unpackbits(words.view(np.uint8), bitorder="little").reshape(n, 64)[:, :n]
-                                .view(bool))
+    words = np.asarray(bits, dtype="<u8")  # little-endian words: byte b holds bits 8b..8b+7, low bit first
+    return np.ascontiguousarray(np.unpackbits(words.view(np.uint8), bitorder="little").reshape(n, 64)[:, :n].view(bool))
 
 
 def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
@@ -266,7 +267,7 @@ def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
         for j in range(1, n):
             anc[j] |= anc[p[j]]
         return anc
-    bits = [1] + [0] * (n - 1)                 # row j's ancestors (and itself) as the set bits of one int
+    bits = [1] + [0] * (n - 1)  # row j's ancestors (and itself) as the set bits of one int
     for j in range(1, n):
         bits[j] = bits[p[j]] | (1 << j)
     return _bit_rows(bits, n)
@@ -295,9 +296,16 @@ def ring_runs(first: int, count: int, ring: int) -> list[tuple[slice, slice]]:
     return runs
 
 
-def tree_ring_mask(parents: Sequence[int], first_position: int, live_start: int, ring: int,
-                   sliding_window: int | None, *, depths: np.ndarray | None = None,
-                   ancestors: np.ndarray | None = None) -> np.ndarray:
+def tree_ring_mask(
+    parents: Sequence[int],
+    first_position: int,
+    live_start: int,
+    ring: int,
+    sliding_window: int | None,
+    *,
+    depths: np.ndarray | None = None,
+    ancestors: np.ndarray | None = None,
+) -> np.ndarray:
     """Additive mask float32 (1, 1, R, ring + R) of one layer type of the SLM tree graph, columns [ring | rows].
 
     Row j sits at position q_j = first_position + depth(j). It sees ring column c (position p, `ring_positions`)
@@ -311,8 +319,8 @@ def tree_ring_mask(parents: Sequence[int], first_position: int, live_start: int,
     """
     if live_start > first_position:
         raise TreeShapeError(f"live_start {live_start} is after the first row's position {first_position}")
-    q = first_position + (tree_depths(parents) if depths is None else depths)      # (R,) row positions
-    p = ring_positions(first_position, ring)                        # (ring,) column positions
+    q = first_position + (tree_depths(parents) if depths is None else depths)  # (R,) row positions
+    p = ring_positions(first_position, ring)  # (ring,) column positions
     ring_ok = np.broadcast_to((p >= max(live_start, 0))[None, :], (len(q), ring))
     rows_ok = ancestor_matrix(parents) if ancestors is None else ancestors
     if sliding_window is not None:

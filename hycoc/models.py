@@ -66,11 +66,13 @@ def head_output_config(config) -> dict:
 
         config = Gemma4AssistantConfig.from_dict(copy.deepcopy(config))
     text = config.get_text_config()
-    return {"use_ordered_embeddings": bool(config.use_ordered_embeddings),
-            "num_centroids": int(config.num_centroids),
-            "centroid_intermediate_top_k": int(config.centroid_intermediate_top_k),
-            "final_logit_softcapping": getattr(text, "final_logit_softcapping", None),
-            "softcap_applied": False}
+    return {
+        "use_ordered_embeddings": bool(config.use_ordered_embeddings),
+        "num_centroids": int(config.num_centroids),
+        "centroid_intermediate_top_k": int(config.centroid_intermediate_top_k),
+        "final_logit_softcapping": getattr(text, "final_logit_softcapping", None),
+        "softcap_applied": False,
+    }
 
 
 def check_head_config(config, where: str) -> dict:
@@ -84,7 +86,8 @@ def check_head_config(config, where: str) -> dict:
             f"models.head: {where} sets use_ordered_embeddings = true (num_centroids {out['num_centroids']}, "
             f"centroid_intermediate_top_k {out['centroid_intermediate_top_k']}): hycoc compiles the head's dense "
             f"output layer over the keep set, not the centroid-masked one; use a head without ordered embeddings, "
-            f"or set use_ordered_embeddings to false in that config.json to draft with the dense layer")
+            f"or set use_ordered_embeddings to false in that config.json to draft with the dense layer"
+        )
     return out
 
 

@@ -47,8 +47,14 @@ def plain_line(text: str, c: Console | None = None) -> None:
 
     c = c or console()
     prefix = f"[hycoc {time.strftime('%H:%M:%S')}] "
-    wrapped = textwrap.fill(text, width=max(40, c.width), initial_indent=prefix, subsequent_indent=" " * len(prefix),
-                            break_long_words=False, break_on_hyphens=False)
+    wrapped = textwrap.fill(
+        text,
+        width=max(40, c.width),
+        initial_indent=prefix,
+        subsequent_indent=" " * len(prefix),
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
     c.print(wrapped, markup=False, highlight=False, soft_wrap=True)
 
 
@@ -62,18 +68,28 @@ def bar_columns() -> tuple:
     Laid out to fit the console (80 columns and up): the bar is `BAR_WIDTH` characters, the counts and times
     are never wrapped nor cut, and the description wraps at spaces onto a second line instead of ending in "…"
     (rich docs, "Progress Display": columns take a ``table_column``; a wrapping column gives up width first)."""
-    from rich.progress import (BarColumn, MofNCompleteColumn, SpinnerColumn, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
     from rich.table import Column
 
     def whole():
         return Column(no_wrap=True)
 
-    return (SpinnerColumn(table_column=whole()),
-            TextColumn("{task.description}", table_column=Column(no_wrap=False, overflow="fold")),
-            BarColumn(bar_width=BAR_WIDTH, table_column=whole()), MofNCompleteColumn(table_column=whole()),
-            TimeElapsedColumn(table_column=whole()), TextColumn("ETA", table_column=whole()),
-            TimeRemainingColumn(table_column=whole()))
+    return (
+        SpinnerColumn(table_column=whole()),
+        TextColumn("{task.description}", table_column=Column(no_wrap=False, overflow="fold")),
+        BarColumn(bar_width=BAR_WIDTH, table_column=whole()),
+        MofNCompleteColumn(table_column=whole()),
+        TimeElapsedColumn(table_column=whole()),
+        TextColumn("ETA", table_column=whole()),
+        TimeRemainingColumn(table_column=whole()),
+    )
 
 
 @contextlib.contextmanager
@@ -166,7 +182,7 @@ def step(description: str, total: int | None = None, c: Console | None = None) -
     plain_line(f"{label}: started" + (f" ({total} to do)" if total else ""), c)
     s = Step(label, total, c, None)
     yield s
-    count = f" {s.done}/{total}" if total else (f" {s.done}" if s.done else "")   # a step that counts nothing: no "0"
+    count = f" {s.done}/{total}" if total else (f" {s.done}" if s.done else "")  # a step that counts nothing: no "0"
     plain_line(f"{label}: done{count} in {_fmt(time.perf_counter() - s.start)}" + (f" ({s.note})" if s.note else ""), c)
 
 

@@ -27,12 +27,13 @@ import io
 import logging
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 #: Folders whose warnings are hycoc's own (shown as usual).
-_OWN = tuple(str(Path(__file__).resolve().parents[1] / d) for d in ("hycoc", "passes", "runtime", "verifier",
-                                                                     "targets"))
+_OWN = tuple(
+    str(Path(__file__).resolve().parents[1] / d) for d in ("hycoc", "passes", "runtime", "verifier", "targets")
+)
 #: Loggers that print through their own handler instead of propagating to the root (swapped while active).
 _OWN_HANDLER_LOGGERS = ("torch",)
 #: Prefixes of stdout lines that go to the log.
@@ -82,8 +83,8 @@ class _StdoutFilter(io.TextIOBase):
                 self.log.write(line)
             else:
                 self.target.write(line + "\n")
-        if self._buf and not any(p.startswith(self._buf.lstrip()[:len(p)]) for p in STDOUT_PREFIXES):
-            self.target.write(self._buf)   # a partial line that cannot become a logged one (a progress bar)
+        if self._buf and not any(p.startswith(self._buf.lstrip()[: len(p)]) for p in STDOUT_PREFIXES):
+            self.target.write(self._buf)  # a partial line that cannot become a logged one (a progress bar)
             self._buf = ""
         return len(text)
 
@@ -152,10 +153,10 @@ def third_party_output(log_path: str | Path, console=None) -> Iterator[Path]:
 
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("default")   # each distinct warning once per place, as Python's default
+            warnings.simplefilter("default")  # each distinct warning once per place, as Python's default
             warnings.showwarning = showwarning
             handlers = [handler]
-            if not root.handlers:   # hycoc's own records still reach stderr, as logging.lastResort sent them
+            if not root.handlers:  # hycoc's own records still reach stderr, as logging.lastResort sent them
                 own = logging.StreamHandler()
                 own.setLevel(logging.WARNING)
                 own.addFilter(_OwnOnly())
@@ -168,8 +169,13 @@ def third_party_output(log_path: str | Path, console=None) -> Iterator[Path]:
             swapped = {}
             for name, lg in list(logging.Logger.manager.loggerDict.items()):
                 top = name.partition(".")[0]
-                if (top in _OWN_HANDLER_LOGGERS and top in sys.modules and isinstance(lg, logging.Logger)
-                        and not lg.propagate and lg.handlers):
+                if (
+                    top in _OWN_HANDLER_LOGGERS
+                    and top in sys.modules
+                    and isinstance(lg, logging.Logger)
+                    and not lg.propagate
+                    and lg.handlers
+                ):
                     swapped[name] = lg.handlers[:]
                     lg.handlers = [handler]
             sys.stdout = _StdoutFilter(stdout, log)
@@ -190,7 +196,10 @@ def third_party_output(log_path: str | Path, console=None) -> Iterator[Path]:
 
             (console or Console(stderr=True)).print(
                 f"third-party messages (warnings of torch, transformers, onnxruntime, ...): {log.lines} lines in "
-                f"{log.path}", markup=False, highlight=False)
+                f"{log.path}",
+                markup=False,
+                highlight=False,
+            )
 
 
 __all__ = ["STDOUT_PREFIXES", "refilter_stdout", "third_party_output"]

@@ -27,8 +27,17 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import annotated_types
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError,
-                      model_serializer, model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 
 
@@ -95,7 +104,7 @@ def parse_code_point_range(text: str) -> tuple[int, int]:
     on an end above U+10FFFF and on a range whose start exceeds its end."""
     m = _RANGE.match(text)
     if m is None:
-        raise ValueError(f"{text!r} is not a code point range like \"U+AC00-U+D7A3\"")
+        raise ValueError(f'{text!r} is not a code point range like "U+AC00-U+D7A3"')
     lo, hi = int(m[1], 16), int(m[2], 16)
     if hi > 0x10FFFF:
         raise ValueError(f"{text!r} ends above U+10FFFF")
@@ -144,19 +153,23 @@ class Models(Section):
     """``[models]``: the four artifacts, each a local path (relative to the recipe's folder) or a hub id."""
 
     verifier: str = Field(
-        "google/gemma-4-26B-A4B-it", min_length=1,
+        "google/gemma-4-26B-A4B-it",
+        min_length=1,
         description="the verifier LLM (paper: Gemma 4 26B-A4B-it), a folder with config.json + safetensors or a hub id",
     )
     head: str = Field(
-        "google/gemma-4-26B-A4B-it-assistant", min_length=1,
+        "google/gemma-4-26B-A4B-it-assistant",
+        min_length=1,
         description="the verifier's MTP head, the assistant model (paper: 420M parameters, BF16 release)",
     )
     slm: str = Field(
-        "google/gemma-4-E2B-it-qat-mobile-transformers", min_length=1,
+        "google/gemma-4-E2B-it-qat-mobile-transformers",
+        min_length=1,
         description="the SLM drafter, pre-quantized Gemma checkpoint with 2/4/8-bit weights (paper: Gemma 4 E2B-it)",
     )
     tokenizer: str = Field(
-        "google/gemma-4-26B-A4B-it", min_length=1,
+        "google/gemma-4-26B-A4B-it",
+        min_length=1,
         description="tokenizer shared by all three models: a tokenizer.json, a folder holding one, or a hub id",
     )
     head_config_assumed: bool = Field(
@@ -169,12 +182,17 @@ class Models(Section):
 class KeepSet(Section):
     """``[keep_set]``: the restricted output vocabulary of both drafters (§3.3, App. A)."""
 
-    size: int = Field(86089, ge=1, le=1_048_576, description="tokens in the keep set, always-kept classes included (paper: 86,089)")
+    size: int = Field(
+        86089, ge=1, le=1_048_576, description="tokens in the keep set, always-kept classes included (paper: 86,089)"
+    )
     corpus: str = Field(
         "", description="JSONL of conversations whose assistant turns are counted (path; empty = none given)"
     )
     corpus_conversations: int = Field(
-        20000, ge=1, le=10_000_000, description="conversations of the corpus read for token counts (paper: 20,000 UC-tr)"
+        20000,
+        ge=1,
+        le=10_000_000,
+        description="conversations of the corpus read for token counts (paper: 20,000 UC-tr)",
     )
     always_special: bool = Field(True, description="keep every special token regardless of frequency (paper: 24)")
     always_bytes: bool = Field(True, description="keep the 256 byte tokens, which spell any string")
@@ -191,8 +209,12 @@ class KeepSet(Section):
     @model_validator(mode="after")
     def _room_for_bytes(self) -> KeepSet:
         if self.always_bytes and self.size < 256:
-            raise CrossFieldError("size", self.size, "too small to hold the 256 byte tokens (always_bytes = true)",
-                                  "an integer >= 256 while keep_set.always_bytes is true")
+            raise CrossFieldError(
+                "size",
+                self.size,
+                "too small to hold the 256 byte tokens (always_bytes = true)",
+                "an integer >= 256 while keep_set.always_bytes is true",
+            )
         return self
 
 
@@ -203,7 +225,9 @@ class Tree(Section):
     sibling_depth: int = Field(
         2, ge=0, le=16, description="D, runner-up siblings are planted at chain depths 1..D (0 = none; Alg. 2 line 11)"
     )
-    node_budget: int = Field(32, ge=1, le=1024, description="B, draft nodes kept after the trim; the verifier sees B+1 rows")
+    node_budget: int = Field(
+        32, ge=1, le=1024, description="B, draft nodes kept after the trim; the verifier sees B+1 rows"
+    )
     depth_cost: float = Field(
         0.66, gt=0, lt=1, description="lambda; every tree edge adds ln(lambda) to a node's score (Alg. 3)"
     )
@@ -218,7 +242,8 @@ class Tree(Section):
     def _siblings_on_chain(self) -> Tree:
         if self.sibling_depth > self.chain_length:
             raise CrossFieldError(
-                "sibling_depth", self.sibling_depth,
+                "sibling_depth",
+                self.sibling_depth,
                 f"siblings can only be planted beside chain tokens, and tree.chain_length = {self.chain_length}",
                 f"an integer in [0, tree.chain_length = {self.chain_length}]",
             )
@@ -251,7 +276,8 @@ class Window(Section):
     def _sliding_inside_ring(self) -> Window:
         if self.slm_sliding_window > self.slm_window:
             raise CrossFieldError(
-                "slm_sliding_window", self.slm_sliding_window,
+                "slm_sliding_window",
+                self.slm_sliding_window,
                 f"the sliding layers' ring cannot be longer than the SLM ring (window.slm_window = {self.slm_window})",
                 f"an integer in [1, window.slm_window = {self.slm_window}]",
             )
@@ -277,11 +303,17 @@ class Acceptance(Section):
 class Sampling(Section):
     """``[sampling]``: the verifier's sampling distribution p~ (Alg. 4 line 5) and the output cap."""
 
-    temperature: float = Field(1.0, ge=0, le=100, description="softmax temperature; 0 = greedy (arg-max, ties to lowest id)")
+    temperature: float = Field(
+        1.0, ge=0, le=100, description="softmax temperature; 0 = greedy (arg-max, ties to lowest id)"
+    )
     top_k: int = Field(64, ge=1, le=1_048_576, description="largest logits kept before the nucleus cut")
     top_p: float = Field(0.95, gt=0, le=1, description="nucleus mass kept after top-k, then renormalized")
-    max_new_tokens: int = Field(1024, ge=1, le=1_048_576, description="output cap per request, in tokens (paper: 1,024 on SB)")
-    seed: int = Field(0, ge=0, le=2**63 - 1, description="seed of the verifier's per-session sampler and of the device runtime")
+    max_new_tokens: int = Field(
+        1024, ge=1, le=1_048_576, description="output cap per request, in tokens (paper: 1,024 on SB)"
+    )
+    seed: int = Field(
+        0, ge=0, le=2**63 - 1, description="seed of the verifier's per-session sampler and of the device runtime"
+    )
 
 
 class HeadQat(Section):
@@ -295,7 +327,8 @@ class HeadQat(Section):
     grad_accum: int = Field(2, ge=1, le=1024, description="sequences accumulated per step (batch 1 sequence)")
     grad_clip: float = Field(1.0, gt=0, le=1e6, description="gradient-norm clip")
     betas: Annotated[tuple[_Beta, _Beta], BeforeValidator(_list_to_tuple)] = Field(
-        (0.9, 0.95), description="AdamW (beta1, beta2)",
+        (0.9, 0.95),
+        description="AdamW (beta1, beta2)",
         json_schema_extra=_allowed("two numbers, each in [0, 1)"),
     )
     weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay (paper: none)")
@@ -306,9 +339,15 @@ class HeadQat(Section):
     calibration_max_new_tokens: int = Field(
         1024, ge=1, le=1_048_576, description="cap on the verifier's greedy answers to training prompts, in tokens"
     )
-    eval_prompts: int = Field(60, ge=1, le=100_000, description="held-out prompts for top-1 agreement (paper: 60 UC-val)")
-    eval_max_new_tokens: int = Field(512, ge=1, le=1_048_576, description="cap on the verifier's greedy answers to eval prompts")
-    max_seq_len: int = Field(2048, ge=2, le=1_048_576, description="longest training sequence, prompt + answer, in tokens")
+    eval_prompts: int = Field(
+        60, ge=1, le=100_000, description="held-out prompts for top-1 agreement (paper: 60 UC-val)"
+    )
+    eval_max_new_tokens: int = Field(
+        512, ge=1, le=1_048_576, description="cap on the verifier's greedy answers to eval prompts"
+    )
+    max_seq_len: int = Field(
+        2048, ge=2, le=1_048_576, description="longest training sequence, prompt + answer, in tokens"
+    )
     input_range_percentile: float = Field(
         99.99, gt=0, le=100, description="percentile of the captured inputs that fixes the head's input ranges"
     )
@@ -320,18 +359,26 @@ class HeadQat(Section):
     def _consistent(self) -> HeadQat:
         if self.clip_search_min >= self.clip_search_max:
             raise CrossFieldError(
-                "clip_search_min", self.clip_search_min,
+                "clip_search_min",
+                self.clip_search_min,
                 f"must be below head_qat.clip_search_max = {self.clip_search_max}",
                 f"a number in (0, head_qat.clip_search_max = {self.clip_search_max})",
             )
         if self.warmup_steps > self.steps:
-            raise CrossFieldError("warmup_steps", self.warmup_steps, f"exceeds head_qat.steps = {self.steps}",
-                                  f"an integer in [0, head_qat.steps = {self.steps}]")
+            raise CrossFieldError(
+                "warmup_steps",
+                self.warmup_steps,
+                f"exceeds head_qat.steps = {self.steps}",
+                f"an integer in [0, head_qat.steps = {self.steps}]",
+            )
         for key in ("calibration_max_new_tokens", "eval_max_new_tokens"):
             if getattr(self, key) >= self.max_seq_len:
-                raise CrossFieldError(key, getattr(self, key),
-                                      f"leaves no room for the prompt in head_qat.max_seq_len = {self.max_seq_len}",
-                                      f"an integer in [1, head_qat.max_seq_len = {self.max_seq_len})")
+                raise CrossFieldError(
+                    key,
+                    getattr(self, key),
+                    f"leaves no room for the prompt in head_qat.max_seq_len = {self.max_seq_len}",
+                    f"an integer in [1, head_qat.max_seq_len = {self.max_seq_len})",
+                )
         return self
 
 
@@ -340,7 +387,9 @@ class SlmCalibration(Section):
 
     prompts: int = Field(60, ge=1, le=100_000, description="calibration prompts, answered greedily by the verifier")
     percentile: float = Field(99.9, gt=0, le=100, description="percentile of |activation| that sets a range")
-    range_scale: float = Field(1.2, gt=0, le=100, description="factor on the percentile; the range is percentile x scale")
+    range_scale: float = Field(
+        1.2, gt=0, le=100, description="factor on the percentile; the range is percentile x scale"
+    )
     activation_bits: Literal[8, 16] = Field(16, description="bits of activations in the graph")
     kv_bits: Literal[8, 16] = Field(8, description="bits of the SLM's KV ring inputs")
 
@@ -354,9 +403,10 @@ class Handoff(Section):
 
     bits: Literal[8] = Field(8, description="integer width of every hand-off value on the wire (paper: 8)")
     hidden: Literal["pre_norm", "post_norm"] = Field(
-        "post_norm", description="h is taken after the verifier's final norm ('post_norm': transformers' "
+        "post_norm",
+        description="h is taken after the verifier's final norm ('post_norm': transformers' "
         "hidden_states[-1], what Gemma 4's released head is fed; tests/test_head_convention.py) or before it "
-        "('pre_norm', the paper's App. A; the toy head is trained so)"
+        "('pre_norm', the paper's App. A; the toy head is trained so)",
     )
     scale_embedding: float | None = Field(None, gt=0, description="int8 scale of e(b), the bonus token's embedding")
     scale_hidden: float | None = Field(None, gt=0, description="int8 scale of h, the verifier's last hidden state")
@@ -370,12 +420,19 @@ class Handoff(Section):
 
         Raises RecipeError naming every unset ``handoff.scale_*`` key.
         """
-        values = {name.removeprefix("scale_"): getattr(self, name) for name in type(self).model_fields
-                  if name.startswith("scale_")}
+        values = {
+            name.removeprefix("scale_"): getattr(self, name)
+            for name in type(self).model_fields
+            if name.startswith("scale_")
+        }
         missing = [f"handoff.scale_{k}" for k, v in values.items() if v is None]
         if missing:
-            raise RecipeError([Problem(k, None, f"{k} is not set; the hand-off needs a fixed int8 scale "
-                                                f"(allowed: a number > 0)") for k in missing])
+            raise RecipeError(
+                [
+                    Problem(k, None, f"{k} is not set; the hand-off needs a fixed int8 scale (allowed: a number > 0)")
+                    for k in missing
+                ]
+            )
         return values
 
 
@@ -383,25 +440,38 @@ class Target(Section):
     """``[target]``: the compile target of `hycoc build` (docs/design.md "Targets")."""
 
     name: Literal["htp-v81", "htp-v79", "htp-v75", "htp-v73", "htp-v68", "cpu", "qai-hub"] = Field(
-        "htp-v81", description="htp-vNN = QNN HTP context binaries for Hexagon vNN (targets/profiles.py); cpu = QDQ "
-        "ONNX; qai-hub = AI Hub compile job"
+        "htp-v81",
+        description="htp-vNN = QNN HTP context binaries for Hexagon vNN (targets/profiles.py); cpu = QDQ "
+        "ONNX; qai-hub = AI Hub compile job",
     )
     htp_arch: Literal[68, 69, 73, 75, 79, 81] = Field(81, description="Hexagon HTP architecture version")
     soc_model: str = Field("SM8850", min_length=1, description="SoC of the phone (paper: SM8850, Galaxy S26 Ultra)")
-    context_size_limit_mb: int = Field(3500, ge=1, le=1_048_576, description="largest QNN context binary the phone loads, in MB")
+    context_size_limit_mb: int = Field(
+        3500, ge=1, le=1_048_576, description="largest QNN context binary the phone loads, in MB"
+    )
     disable_cpu_fallback: bool = Field(True, description="fail the compile if any node would fall back to the CPU")
-    share_weights: bool = Field(True, description="htp: the SLM's tree and decode graphs in one weight-shared context "
-                                "binary (the x86 HTP simulator cannot load one: false to run a bundle there)")
+    share_weights: bool = Field(
+        True,
+        description="htp: the SLM's tree and decode graphs in one weight-shared context "
+        "binary (the x86 HTP simulator cannot load one: false to run a bundle there)",
+    )
     hub_device: str = Field(
-        "Samsung Galaxy S26 (Family)", min_length=1,
+        "Samsung Galaxy S26 (Family)",
+        min_length=1,
         description="qai-hub: the phone as Qualcomm AI Hub names it (`qai-hub list-devices`); the default is the "
-        "SM8850 (Hexagon v81) family, checked against AI Hub's device list when it can be reached")
+        "SM8850 (Hexagon v81) family, checked against AI Hub's device list when it can be reached",
+    )
     slm_shards: int | Literal["auto"] = Field(
-        1, description="the SLM tree graph split by layers into this many shards, one context binary "
-        "each, chained by the runtime (1 = one graph; \"auto\" = the fewest whose weights fit context_size_limit_mb)")
-    quantized_io: bool = Field(False, description="the graphs take their KV rings (and give their new KV rows) as "
-                               "uint16 codes of the manifest's encodings instead of float32, so the host hands over "
-                               "integers and no ring is quantized per call")
+        1,
+        description="the SLM tree graph split by layers into this many shards, one context binary "
+        'each, chained by the runtime (1 = one graph; "auto" = the fewest whose weights fit context_size_limit_mb)',
+    )
+    quantized_io: bool = Field(
+        False,
+        description="the graphs take their KV rings (and give their new KV rows) as "
+        "uint16 codes of the manifest's encodings instead of float32, so the host hands over "
+        "integers and no ring is quantized per call",
+    )
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
@@ -412,8 +482,8 @@ class Target(Section):
         if self.slm_shards == 1:
             data.pop("slm_shards", None)
         if self.hub_device == type(self).model_fields["hub_device"].default:
-            data.pop("hub_device", None)      # likewise: only the qai-hub target reads it
-        if not self.quantized_io:      # the same for the quantized IO knob at its default
+            data.pop("hub_device", None)  # likewise: only the qai-hub target reads it
+        if not self.quantized_io:  # the same for the quantized IO knob at its default
             data.pop("quantized_io", None)
         return data
 
@@ -428,8 +498,12 @@ class Target(Section):
     def _arch_matches_name(self) -> Target:
         if self.name.startswith("htp-v") and self.htp_arch != int(self.name.removeprefix("htp-v")):
             arch = self.name.removeprefix("htp-v")
-            raise CrossFieldError("htp_arch", self.htp_arch, f'disagrees with target.name = "{self.name}"',
-                                  f'{arch} while target.name is "{self.name}"')
+            raise CrossFieldError(
+                "htp_arch",
+                self.htp_arch,
+                f'disagrees with target.name = "{self.name}"',
+                f'{arch} while target.name is "{self.name}"',
+            )
         return self
 
 
@@ -438,9 +512,16 @@ class Verifier(Section):
 
     device: Literal["cpu", "cuda"] = Field("cuda", description="torch device of the verifier (paper: one GPU)")
     dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="weight and activation dtype")
-    max_context: int = Field(0, ge=0, le=16_777_216, description="longest prompt + output in tokens (0 = the model's own limit)")
-    threads: int = Field(0, ge=0, le=1024, description="torch CPU threads for the verifier (0 = torch's default); small "
-                         "models run fastest on 1, as thread start-up costs more than their matrix products")
+    max_context: int = Field(
+        0, ge=0, le=16_777_216, description="longest prompt + output in tokens (0 = the model's own limit)"
+    )
+    threads: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="torch CPU threads for the verifier (0 = torch's default); small "
+        "models run fastest on 1, as thread start-up costs more than their matrix products",
+    )
     host: str = Field("127.0.0.1", min_length=1, description="address the server listens on")
     port: int = Field(8765, ge=1, le=65535, description="TCP port the server listens on")
     max_frame_bytes: int = Field(
@@ -449,46 +530,94 @@ class Verifier(Section):
     # Server limits (docs/design.md "Limits"; the table in docs/serving.md "Limits"): each refusal has an error code and a /metrics counter
     # (hycoc_refusals_total{kind=...}); see hycoc.verifier.server.ServerLimits.
     handshake_timeout_s: float = Field(
-        10.0, gt=0, le=3600, description="seconds from TCP connect to a WebSocket's first frame (OPEN); slower "
-        "connections (silent TCP, trickled headers) are closed")
+        10.0,
+        gt=0,
+        le=3600,
+        description="seconds from TCP connect to a WebSocket's first frame (OPEN); slower "
+        "connections (silent TCP, trickled headers) are closed",
+    )
     frame_timeout_s: float = Field(
-        30.0, gt=0, le=3600, description="seconds a frame may take to arrive once its first bytes came")
+        30.0, gt=0, le=3600, description="seconds a frame may take to arrive once its first bytes came"
+    )
     idle_timeout_s: float = Field(
-        300.0, gt=0, le=86400, description="seconds an open session may go without a frame; then its KV is freed "
-        "and the client gets ERROR idle_timeout")
-    max_connections: int = Field(256, ge=1, le=65536, description="TCP connections at once (HTTP and WebSocket); "
-                                 "more get HTTP 503 with Retry-After")
-    max_sessions: int = Field(64, ge=1, le=65536, description="open sessions at once; an OPEN over it gets ERROR "
-                              "too_many_sessions")
-    max_kv_bytes: int = Field(8 << 30, ge=1 << 20, le=1 << 50, description="verifier KV bytes all sessions may "
-                              "reserve (prompt + output cap, up to max_context, per session); an OPEN over it gets "
-                              "ERROR kv_budget_exhausted (default 8 GiB)")
-    auth_failures_per_minute: int = Field(10, ge=1, le=100000, description="refused auth attempts per peer address "
-                                          "and minute; more get ERROR auth_rate_limited (HTTP 429 at the upgrade)")
-    retry_after_s: float = Field(5.0, gt=0, le=3600, description="the retry hint, in seconds, sent with "
-                                 "refusals for max_connections, max_sessions and max_kv_bytes")
+        300.0,
+        gt=0,
+        le=86400,
+        description="seconds an open session may go without a frame; then its KV is freed "
+        "and the client gets ERROR idle_timeout",
+    )
+    max_connections: int = Field(
+        256,
+        ge=1,
+        le=65536,
+        description="TCP connections at once (HTTP and WebSocket); more get HTTP 503 with Retry-After",
+    )
+    max_sessions: int = Field(
+        64, ge=1, le=65536, description="open sessions at once; an OPEN over it gets ERROR too_many_sessions"
+    )
+    max_kv_bytes: int = Field(
+        8 << 30,
+        ge=1 << 20,
+        le=1 << 50,
+        description="verifier KV bytes all sessions may "
+        "reserve (prompt + output cap, up to max_context, per session); an OPEN over it gets "
+        "ERROR kv_budget_exhausted (default 8 GiB)",
+    )
+    auth_failures_per_minute: int = Field(
+        10,
+        ge=1,
+        le=100000,
+        description="refused auth attempts per peer address "
+        "and minute; more get ERROR auth_rate_limited (HTTP 429 at the upgrade)",
+    )
+    retry_after_s: float = Field(
+        5.0,
+        gt=0,
+        le=3600,
+        description="the retry hint, in seconds, sent with refusals for max_connections, max_sessions and max_kv_bytes",
+    )
     # Cross-session batching (docs/serving.md "Many devices: batched verification"; hycoc.verifier.scheduler): rounds of sessions ready together share a forward.
     batching: Literal["batched", "serial"] = Field(
-        "batched", description="batched: rounds of sessions ready at the same time are verified in one forward and "
+        "batched",
+        description="batched: rounds of sessions ready at the same time are verified in one forward and "
         "prompts are prefilled chunk by chunk between them; serial: one engine call at a time (the server before "
-        "batching)")
-    max_batch_rows: int = Field(528, ge=1, le=1_048_576, description="most tree rows per batched forward "
-                                "(default 528 = 16 trees of 33 rows); a single larger round still runs alone")
-    max_batch_wait_ms: float = Field(2.0, ge=0, le=10_000, description="milliseconds a round waits for other "
-                                     "sessions' rounds to join its forward (never when every open session has one "
-                                     "queued)")
+        "batching)",
+    )
+    max_batch_rows: int = Field(
+        528,
+        ge=1,
+        le=1_048_576,
+        description="most tree rows per batched forward "
+        "(default 528 = 16 trees of 33 rows); a single larger round still runs alone",
+    )
+    max_batch_wait_ms: float = Field(
+        2.0,
+        ge=0,
+        le=10_000,
+        description="milliseconds a round waits for other "
+        "sessions' rounds to join its forward (never when every open session has one "
+        "queued)",
+    )
     # Budgeted verification rows (hycoc.verifier.row_budget): which rows of the trees sharing a forward are checked.
     tree_budget: Literal["fixed", "auto"] = Field(
-        "auto", description="auto: when several sessions' rounds share a batched forward, the rows verified are "
+        "auto",
+        description="auto: when several sessions' rounds share a batched forward, the rows verified are "
         "chosen across them by the trees' scores (the most expected accepted tokens per forward millisecond; one "
         "tree alone is never trimmed; needs batching = batched, and serial turns it off); fixed: every tree "
-        "verified as sent")
-    min_rows_per_session: int = Field(2, ge=1, le=32_768, description="rows each tree keeps under tree_budget = "
-                                      "auto (2 = the root and the first chain token)")
+        "verified as sent",
+    )
+    min_rows_per_session: int = Field(
+        2,
+        ge=1,
+        le=32_768,
+        description="rows each tree keeps under tree_budget = auto (2 = the root and the first chain token)",
+    )
     row_cost: list[Annotated[list[Annotated[float, Field(ge=0)]], Field(min_length=2, max_length=2)]] = Field(
-        default_factory=list, description="the batched forward's cost for tree_budget = auto as [[rows, ms], ...] "
+        default_factory=list,
+        description="the batched forward's cost for tree_budget = auto as [[rows, ms], ...] "
         "(rows increasing, >= 2 points); empty = measured by the server when it starts",
-        json_schema_extra=_allowed("[[rows, ms], ...] such as [[32, 14.0], [528, 70.0]], or [] to measure"))
+        json_schema_extra=_allowed("[[rows, ms], ...] such as [[32, 14.0], [528, 70.0]], or [] to measure"),
+    )
 
 
 class Bench(Section):
@@ -497,10 +626,13 @@ class Bench(Section):
     dataset: str = Field("", description="Spec-Bench question JSONL (path; empty = the CLI's default)")
     output_cap: int = Field(1024, ge=1, le=1_048_576, description="new tokens per request, in tokens (paper: 1,024)")
     link: Link = Field(
-        "lte", description="link model per frame: lte, 5g, none, or 'RTT_MS:MBPS' (round trip ms : megabit/s)",
+        "lte",
+        description="link model per frame: lte, 5g, none, or 'RTT_MS:MBPS' (round trip ms : megabit/s)",
         json_schema_extra=_allowed('"lte", "5g", "none" or "RTT_MS:MBPS" such as "45:50"'),
     )
-    runs: int = Field(1, ge=1, le=100, description="repetitions of every configuration (paper: 3 for HyCo, SpecEdge-eps)")
+    runs: int = Field(
+        1, ge=1, le=100, description="repetitions of every configuration (paper: 3 for HyCo, SpecEdge-eps)"
+    )
 
 
 _Epsilon = Annotated[float, Field(gt=0, lt=1)]
@@ -512,9 +644,10 @@ class Tune(Section):
     `hycoc.bench.tune_epsilon.choose_epsilon`)."""
 
     validation_data: str = Field(
-        "", description="JSONL of held-out conversations, one a line ({\"messages\": [user, assistant]}): the "
+        "",
+        description='JSONL of held-out conversations, one a line ({"messages": [user, assistant]}): the '
         "first user turn is the prompt; must be disjoint from Spec-Bench and from keep_set.corpus (path; empty = "
-        "none, tune-epsilon then asks for it)"
+        "none, tune-epsilon then asks for it)",
     )
     prompts: int = Field(
         60, ge=1, le=100_000, description="validation prompts swept, the file's first ones (paper: 60 UC-val)"
@@ -523,7 +656,9 @@ class Tune(Section):
         512, ge=1, le=1_048_576, description="output cap per validation request, in tokens (paper: 512)"
     )
     epsilons: list[_Epsilon] = Field(
-        default_factory=lambda: [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5], min_length=1, max_length=64,
+        default_factory=lambda: [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5],
+        min_length=1,
+        max_length=64,
         description="thresholds swept, each in (0, 1); exact acceptance (epsilon = 1) is always run as the reference",
         json_schema_extra=_allowed("a non-empty list of numbers, each in (0, 1)"),
     )
@@ -537,12 +672,17 @@ class Tune(Section):
         0.05, ge=0, le=1, description="largest allowed rise of the mean share of words in repeated 4-grams vs exact"
     )
     max_distinct2_drop: float = Field(
-        0.05, ge=0, le=1, description="largest allowed fall of the mean distinct-2 (distinct / all word bigrams) "
-        "vs exact"
+        0.05,
+        ge=0,
+        le=1,
+        description="largest allowed fall of the mean distinct-2 (distinct / all word bigrams) vs exact",
     )
     g_tie_pct: float = Field(
-        2.0, ge=0, le=100, description="projected g within this % of the lowest counts as a tie, won by the "
-        "larger epsilon (paper App. D: ~2% validation variation)"
+        2.0,
+        ge=0,
+        le=100,
+        description="projected g within this % of the lowest counts as a tie, won by the "
+        "larger epsilon (paper App. D: ~2% validation variation)",
     )
 
 
@@ -569,9 +709,12 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _across_sections(self) -> Recipe:
         if self.tree.slm_candidates > self.keep_set.size:
-            raise CrossFieldError("tree.slm_candidates", self.tree.slm_candidates,
-                                  f"exceeds keep_set.size = {self.keep_set.size}",
-                                  f"an integer in [1, keep_set.size = {self.keep_set.size}]")
+            raise CrossFieldError(
+                "tree.slm_candidates",
+                self.tree.slm_candidates,
+                f"exceeds keep_set.size = {self.keep_set.size}",
+                f"an integer in [1, keep_set.size = {self.keep_set.size}]",
+            )
         return self
 
     @property
@@ -606,15 +749,33 @@ class Recipe(Section):
         spec = getattr(self.models, role)
         where = f"{self._source_path}" if self._source_path else "recipe"
         if self.is_hub_id(role):
-            raise RecipeError([Problem(f"models.{role}", None, (
-                f"{where}: models.{role} = {spec!r} is a hub id, not a local path; download it "
-                f"(hf download {spec} --local-dir DIR) and set models.{role} to DIR"))])
+            raise RecipeError(
+                [
+                    Problem(
+                        f"models.{role}",
+                        None,
+                        (
+                            f"{where}: models.{role} = {spec!r} is a hub id, not a local path; download it "
+                            f"(hf download {spec} --local-dir DIR) and set models.{role} to DIR"
+                        ),
+                    )
+                ]
+            )
         path = self.resolve_path(spec)
         assert path is not None  # min_length=1
         if not path.exists():
-            raise RecipeError([Problem(f"models.{role}", None, (
-                f"{where}: models.{role} = {spec!r}: {path} does not exist; "
-                f"allowed: an existing local path (relative to the recipe's folder) or a hub id 'owner/name'"))])
+            raise RecipeError(
+                [
+                    Problem(
+                        f"models.{role}",
+                        None,
+                        (
+                            f"{where}: models.{role} = {spec!r}: {path} does not exist; "
+                            f"allowed: an existing local path (relative to the recipe's folder) or a hub id 'owner/name'"
+                        ),
+                    )
+                ]
+            )
         return path
 
     def model_source(self, role: str) -> Path | str:
@@ -656,9 +817,17 @@ def parse_recipe(text: str, path: str | Path) -> Recipe:
         where = f"{path}:{line}" if line else f"{path}"
         raise RecipeError([Problem(None, line, f"{where}: TOML syntax error: {e}")]) from None
     if not data:
-        raise RecipeError([Problem(None, None, f"{path}: the recipe is empty: a recipe names at least its [models] "
-                                               "(verifier, head, slm, tokenizer); start from a copy of "
-                                               "recipes/toy.toml or recipes/gemma4.toml")])
+        raise RecipeError(
+            [
+                Problem(
+                    None,
+                    None,
+                    f"{path}: the recipe is empty: a recipe names at least its [models] "
+                    "(verifier, head, slm, tokenizer); start from a copy of "
+                    "recipes/toy.toml or recipes/gemma4.toml",
+                )
+            ]
+        )
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
@@ -689,8 +858,12 @@ def _problem(err: dict, text: str, path: Path) -> Problem:
     if isinstance(cross, CrossFieldError):
         return Problem(key, line, f"{where}: {key} = {_show(cross.value)}: {cross.problem}; allowed: {cross.allowed}")
     if kind == "model_type" and len(loc) == 1:
-        return Problem(key, line, f"{where}: {key} = {_show(err['input'])} must be a table [{key}]; "
-                                  f"allowed keys: {', '.join(_model_at(loc).model_fields)}")
+        return Problem(
+            key,
+            line,
+            f"{where}: {key} = {_show(err['input'])} must be a table [{key}]; "
+            f"allowed keys: {', '.join(_model_at(loc).model_fields)}",
+        )
     allowed = _allowed_for(loc)
     problem = err["msg"].removeprefix("Value error, ")
     return Problem(key, line, f"{where}: {key} = {_show(err['input'])}: {problem}; allowed: {allowed}")

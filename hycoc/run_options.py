@@ -15,8 +15,16 @@ class RunOptionError(ValueError):
         self.code = code
 
 
-def check_run_options(*, bundle: Path, server: str | None, prompt: str | None, prompt_file: Path | None,
-                      chat: bool, raw: bool, slm_alone: bool) -> None:
+def check_run_options(
+    *,
+    bundle: Path,
+    server: str | None,
+    prompt: str | None,
+    prompt_file: Path | None,
+    chat: bool,
+    raw: bool,
+    slm_alone: bool,
+) -> None:
     """Raise `RunOptionError` for options that cannot go together or point nowhere, in the order a user fixes
     them: exactly one of ``prompt`` / ``prompt_file`` (neither is fine with ``chat``: the first turn is read from
     stdin); ``chat`` needs a verifier and the chat template (not ``slm_alone``, not ``raw``); ``prompt_file`` must
@@ -32,8 +40,9 @@ def check_run_options(*, bundle: Path, server: str | None, prompt: str | None, p
         raise RunOptionError(f"--prompt-file {prompt_file}: no such file", code=1)
     if not bundle.is_dir():
         what = "is a file, not a bundle folder" if bundle.exists() else "no such folder"
-        raise RunOptionError(f"bundle {bundle}: {what} (make one with `hycoc build RECIPE --target cpu --out DIR`)",
-                             code=1)
+        raise RunOptionError(
+            f"bundle {bundle}: {what} (make one with `hycoc build RECIPE --target cpu --out DIR`)", code=1
+        )
     if not slm_alone and server is None:
         raise RunOptionError("--server ws://HOST:PORT is required (except with --mode slm-alone)")
     if not slm_alone and not server.startswith(("ws://", "wss://")):
@@ -75,9 +84,11 @@ def summary_line(mode: str, metrics: dict, prefill_ms: float, finish_reason: str
     """The one line `hycoc run` prints on stderr after an answer: ``metrics`` is `RunResult.to_json()`'s object
     (tokens, rounds, mat, tok_per_s, draft_ms_per_token, server_ms_per_token, first_token_ms)."""
     m = metrics
-    return (f"[{mode}: {m['tokens']} tokens, {m['rounds']} rounds, MAT {m['mat']:.2f}, {m['tok_per_s']:.1f} tok/s, "
-            f"draft {m['draft_ms_per_token']:.1f} ms/token, server {m['server_ms_per_token']:.1f} ms/token, first "
-            f"token {m['first_token_ms']} ms, prefill {prefill_ms:.1f} ms, {finish_reason}]")
+    return (
+        f"[{mode}: {m['tokens']} tokens, {m['rounds']} rounds, MAT {m['mat']:.2f}, {m['tok_per_s']:.1f} tok/s, "
+        f"draft {m['draft_ms_per_token']:.1f} ms/token, server {m['server_ms_per_token']:.1f} ms/token, first "
+        f"token {m['first_token_ms']} ms, prefill {prefill_ms:.1f} ms, {finish_reason}]"
+    )
 
 
 __all__ = ["AnswerPrinter", "RunOptionError", "check_run_options", "run_error", "summary_line"]

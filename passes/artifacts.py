@@ -183,8 +183,17 @@ class OnnxArtifact(Artifact):
 
 #: Config keys that say where or how a model was loaded, not what it computes; left out of the content hash so
 #: that ``load(save(m))`` hashes like ``m`` (``save_pretrained`` adds ``architectures`` and ``dtype``).
-_VOLATILE_CONFIG_KEYS = frozenset({"_name_or_path", "architectures", "dtype", "torch_dtype", "transformers_version",
-                                   "_commit_hash", "_attn_implementation_autoset"})
+_VOLATILE_CONFIG_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "architectures",
+        "dtype",
+        "torch_dtype",
+        "transformers_version",
+        "_commit_hash",
+        "_attn_implementation_autoset",
+    }
+)
 
 
 def _stable_config(value: Any) -> Any:
@@ -296,14 +305,21 @@ class QuantizedHeadArtifact(Artifact):
 
     def _meta(self) -> dict[str, Any]:
         q: QuantizedHead = self.payload
-        return {"config": _stable_config(q.config), "bits": q.bits, "linears": sorted(q.qweight),
-                "input_ranges": q.input_ranges}
+        return {
+            "config": _stable_config(q.config),
+            "bits": q.bits,
+            "linears": sorted(q.qweight),
+            "input_ranges": q.input_ranges,
+        }
 
     def save(self, folder: Path) -> None:
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in self._tensors().items()}, str(folder / self.TENSORS_FILE),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in self._tensors().items()},
+            str(folder / self.TENSORS_FILE),
+            metadata={"format": "pt"},
+        )
         (folder / self.META_FILE).write_text(json.dumps(self._meta(), indent=1, sort_keys=True), encoding="utf-8")
 
     @classmethod
@@ -313,7 +329,9 @@ class QuantizedHeadArtifact(Artifact):
         tensors = load_file(str(folder / cls.TENSORS_FILE))
         meta = json.loads((folder / cls.META_FILE).read_text(encoding="utf-8"))
         head = QuantizedHead(
-            config=meta["config"], keep_set=tensors["keep_set"].numpy(), bits=meta["bits"],
+            config=meta["config"],
+            keep_set=tensors["keep_set"].numpy(),
+            bits=meta["bits"],
             qweight={n: tensors[f"{n}.qweight"] for n in meta["linears"]},
             scale={n: tensors[f"{n}.scale"] for n in meta["linears"]},
             floats={k.removeprefix("float."): v for k, v in tensors.items() if k.startswith("float.")},
@@ -391,8 +409,14 @@ class SlmIntegerArtifact(Artifact):
 
         m: SlmIntegerModel = self.payload
         tensors: dict[str, np.ndarray] = {}
-        meta: dict[str, Any] = {"config": m.config, "source": m.source, "weights": {}, "luts": {}, "rotary": {},
-                                "floats": list(m.floats)}
+        meta: dict[str, Any] = {
+            "config": m.config,
+            "source": m.source,
+            "weights": {},
+            "luts": {},
+            "rotary": {},
+            "floats": list(m.floats),
+        }
         for name, w in m.weights.items():
             tensors[f"weights/{name}/q"], tensors[f"weights/{name}/scale"] = w.q, w.scale
             meta["weights"][name] = {"bits": w.bits, "input_scale": w.input_scale, "output_scale": w.output_scale}
@@ -415,10 +439,14 @@ class SlmIntegerArtifact(Artifact):
 
         t = load_file(str(folder / cls.TENSORS))
         meta = json.loads((folder / cls.META).read_text(encoding="utf-8"))
-        weights = {name: IntegerWeight(t[f"weights/{name}/q"], t[f"weights/{name}/scale"], **info)
-                   for name, info in meta["weights"].items()}
-        luts = {name: EmbeddingLut(t[f"luts/{name}/packed"], t[f"luts/{name}/scale"], **info)
-                for name, info in meta["luts"].items()}
+        weights = {
+            name: IntegerWeight(t[f"weights/{name}/q"], t[f"weights/{name}/scale"], **info)
+            for name, info in meta["weights"].items()
+        }
+        luts = {
+            name: EmbeddingLut(t[f"luts/{name}/packed"], t[f"luts/{name}/scale"], **info)
+            for name, info in meta["luts"].items()
+        }
         floats = {name: t[f"floats/{name}"] for name in meta["floats"]}
         rotary = {lt: RotaryTable(t[f"rotary/{lt}/inv_freq"], **info) for lt, info in meta["rotary"].items()}
         artifact = cls(kind, SlmIntegerModel(meta["config"], weights, luts, floats, rotary, meta["source"]))

@@ -52,20 +52,27 @@ E2B_ASSUMED_DEFAULT_BITS = 4
 
 #: The assumed map as a checkpoint's ``quantization_config`` (transformers' ``GemmaQuantizationConfig`` keys).
 E2B_ASSUMED: dict[str, Any] = {
-    "quant_method": "gemma", "num_bits": E2B_ASSUMED_DEFAULT_BITS, "quantize_embeddings": True,
-    "module_quant_configs": E2B_ASSUMED_MODULES, "modules_to_not_convert": [],
+    "quant_method": "gemma",
+    "num_bits": E2B_ASSUMED_DEFAULT_BITS,
+    "quantize_embeddings": True,
+    "module_quant_configs": E2B_ASSUMED_MODULES,
+    "modules_to_not_convert": [],
 }
 
 #: One line per map, for reports.
-E2B_ASSUMED_TEXT = ("attention q/k/v/o 8-bit, MLP 4-bit, per-layer input gate/projection 2-bit, per-layer model "
-                    "projection 8-bit, output layer 8-bit, default 4-bit; token embedding LUT 4-bit, per-layer "
-                    "embedding LUT 2-bit (paper: '2/4-bit LUT')")
-E2B_PAPER_FIT_TEXT = ("attention q/k/v/o 8-bit, MLP and per-layer input gate/projection 2-bit, per-layer model "
-                      "projection and output layer 4-bit (default); LUTs as assumed")
+E2B_ASSUMED_TEXT = (
+    "attention q/k/v/o 8-bit, MLP 4-bit, per-layer input gate/projection 2-bit, per-layer model "
+    "projection 8-bit, output layer 8-bit, default 4-bit; token embedding LUT 4-bit, per-layer "
+    "embedding LUT 2-bit (paper: '2/4-bit LUT')"
+)
+E2B_PAPER_FIT_TEXT = (
+    "attention q/k/v/o 8-bit, MLP and per-layer input gate/projection 2-bit, per-layer model "
+    "projection and output layer 4-bit (default); LUTs as assumed"
+)
 
 #: Paper figures this module is checked against (bytes).
-PAPER_SLM_GRAPH_BYTES = 754 * MB      # App. A Table 3
-PAPER_HEAD_SIDE_BYTES = 365 * MB      # §6: the MTP Drafter's storage (123 MB graph + 242 MB LUT, Table 3)
+PAPER_SLM_GRAPH_BYTES = 754 * MB  # App. A Table 3
+PAPER_HEAD_SIDE_BYTES = 365 * MB  # §6: the MTP Drafter's storage (123 MB graph + 242 MB LUT, Table 3)
 
 
 class BitMapError(ValueError):
@@ -80,8 +87,10 @@ def validate(quant_config: Mapping[str, Any], where: str = "quantization_config"
         raise BitMapError(f"{where}: expected a table, got {type(quant_config).__name__}")
     q = copy.deepcopy(dict(quant_config))
     if q.get("quant_method", "gemma") != "gemma":
-        raise BitMapError(f"{where}.quant_method: {q.get('quant_method')!r}; the SLM surgery reads transformers' "
-                          "pre-quantized Gemma format (quant_method 'gemma')")
+        raise BitMapError(
+            f"{where}.quant_method: {q.get('quant_method')!r}; the SLM surgery reads transformers' "
+            "pre-quantized Gemma format (quant_method 'gemma')"
+        )
     bits = q.setdefault("num_bits", E2B_ASSUMED_DEFAULT_BITS)
     if bits not in (2, 4, 8):
         raise BitMapError(f"{where}.num_bits: {bits}; use 2, 4 or 8")
@@ -153,15 +162,21 @@ def e2b_paper_fit() -> dict[str, Any]:
         r"mlp\.(gate|up|down)_proj": {"num_bits": 2},
         r"per_layer_projection$|per_layer_input_gate": {"num_bits": 2},
     }
-    return {"quant_method": "gemma", "num_bits": 4, "quantize_embeddings": True, "module_quant_configs": modules,
-            "modules_to_not_convert": []}
+    return {
+        "quant_method": "gemma",
+        "num_bits": 4,
+        "quantize_embeddings": True,
+        "module_quant_configs": modules,
+        "modules_to_not_convert": [],
+    }
 
 
 # ---- sizes -----------------------------------------------------------------------------------------------------
 
 
-def graph_bytes(linears: Iterable[tuple[str, int, int]], quant_config: Mapping[str, Any],
-                other_params: int = 0) -> dict[str, Any]:
+def graph_bytes(
+    linears: Iterable[tuple[str, int, int]], quant_config: Mapping[str, Any], other_params: int = 0
+) -> dict[str, Any]:
     """Weight bytes of an integer graph: ``linears`` [(module name, out, in)] at their widths under
     ``quant_config`` (packed n/8 bytes per weight, rounded up per tensor), + one float32 scale per output channel,
     + 4 bytes per other parameter. Returns {"by_bits": {"int<n>": {tensors, weights, bytes}}, "integer_bytes",
@@ -178,8 +193,13 @@ def graph_bytes(linears: Iterable[tuple[str, int, int]], quant_config: Mapping[s
         e["bytes"] += nbytes
         int_bytes += nbytes
         scales += 4 * out
-    return {"by_bits": dict(sorted(by_bits.items())), "integer_bytes": int_bytes, "scale_bytes": scales,
-            "other_param_bytes": 4 * other_params, "total_bytes": int_bytes + scales + 4 * other_params}
+    return {
+        "by_bits": dict(sorted(by_bits.items())),
+        "integer_bytes": int_bytes,
+        "scale_bytes": scales,
+        "other_param_bytes": 4 * other_params,
+        "total_bytes": int_bytes + scales + 4 * other_params,
+    }
 
 
 #: Module groups `search_maps` gives one width each (regex on the module name; ``{shared}`` is the KV-shared
@@ -195,9 +215,15 @@ SEARCH_GROUPS: dict[str, str] = {
 }
 
 
-def search_maps(linears: Sequence[tuple[str, int, int]], other_params: int, shared_layers: Sequence[int], *,
-                target_bytes: int = PAPER_SLM_GRAPH_BYTES, tolerance: float = 0.01,
-                widths: Sequence[int] = (2, 4, 8)) -> dict[str, Any]:
+def search_maps(
+    linears: Sequence[tuple[str, int, int]],
+    other_params: int,
+    shared_layers: Sequence[int],
+    *,
+    target_bytes: int = PAPER_SLM_GRAPH_BYTES,
+    tolerance: float = 0.01,
+    widths: Sequence[int] = (2, 4, 8),
+) -> dict[str, Any]:
     """Every assignment of ``widths`` to the `SEARCH_GROUPS` of ``linears`` whose `graph_bytes` total lands within
     ``tolerance`` (fraction) of ``target_bytes``.
 
@@ -207,7 +233,7 @@ def search_maps(linears: Sequence[tuple[str, int, int]], other_params: int, shar
     """
     shared = _layer_range(shared_layers) if shared_layers else r"(?!x)x"
     patterns = {g: re.compile(p.replace("{shared}", shared)) for g, p in SEARCH_GROUPS.items()}
-    group_of: dict[str, tuple[int, int]] = {}   # group -> (weights, channels)
+    group_of: dict[str, tuple[int, int]] = {}  # group -> (weights, channels)
     for name, out, inp in linears:
         g = next((g for g, p in patterns.items() if p.search(name)), None)
         if g is None:
@@ -224,13 +250,34 @@ def search_maps(linears: Sequence[tuple[str, int, int]], other_params: int, shar
         if abs(total - target_bytes) <= tolerance * target_bytes:
             found.append((abs(total - target_bytes), total, dict(zip(names, bits))))
     found.sort(key=lambda f: f[0])
-    return {"target_bytes": target_bytes, "tolerance": tolerance, "maps_tried": tried, "maps_within": len(found),
-            "groups": {g: w for g, (w, _) in group_of.items()},
-            "closest": [{"bits": b, "total_bytes": t, "diff_pct": round(100 * (t - target_bytes) / target_bytes, 2)}
-                        for _, t, b in found[:10]]}
+    return {
+        "target_bytes": target_bytes,
+        "tolerance": tolerance,
+        "maps_tried": tried,
+        "maps_within": len(found),
+        "groups": {g: w for g, (w, _) in group_of.items()},
+        "closest": [
+            {"bits": b, "total_bytes": t, "diff_pct": round(100 * (t - target_bytes) / target_bytes, 2)}
+            for _, t, b in found[:10]
+        ],
+    }
 
 
-__all__ = ["BitMapError", "E2B_ASSUMED", "E2B_ASSUMED_DEFAULT_BITS", "E2B_ASSUMED_MODULES", "E2B_ASSUMED_TEXT",
-           "E2B_PAPER_FIT_TEXT", "PAPER_HEAD_SIDE_BYTES", "PAPER_SLM_GRAPH_BYTES", "SEARCH_GROUPS",
-           "checkpoint_quant_config", "e2b_paper_fit", "graph_bytes", "resolve_bits", "search_maps",
-           "slm_quant_config", "validate"]
+__all__ = [
+    "BitMapError",
+    "E2B_ASSUMED",
+    "E2B_ASSUMED_DEFAULT_BITS",
+    "E2B_ASSUMED_MODULES",
+    "E2B_ASSUMED_TEXT",
+    "E2B_PAPER_FIT_TEXT",
+    "PAPER_HEAD_SIDE_BYTES",
+    "PAPER_SLM_GRAPH_BYTES",
+    "SEARCH_GROUPS",
+    "checkpoint_quant_config",
+    "e2b_paper_fit",
+    "graph_bytes",
+    "resolve_bits",
+    "search_maps",
+    "slm_quant_config",
+    "validate",
+]

@@ -53,13 +53,13 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
+from hycoc.passes.artifacts import Artifact, OnnxArtifact, TokenizerArtifact, TorchModelArtifact, hash_folder
+from hycoc.passes.pipeline import Pass, PassReport, Pipeline, PipelineError, PipelineResult
+from hycoc.targets.profiles import HTP_TARGETS, DeviceEntry, get_profile
 from rich.console import Console
 
 from hycoc.chat_template import chat_from_recipe
-from hycoc.passes.artifacts import Artifact, OnnxArtifact, TokenizerArtifact, TorchModelArtifact, hash_folder
-from hycoc.passes.pipeline import Pass, PassReport, Pipeline, PipelineError, PipelineResult
 from hycoc.recipe import Recipe
-from hycoc.targets.profiles import HTP_TARGETS, DeviceEntry, get_profile
 
 TARGETS = (*HTP_TARGETS, "cpu", "qai-hub")
 
@@ -90,8 +90,10 @@ def check_recipe_capabilities(recipe: Recipe, profile, device: DeviceEntry | Non
         needs.append(f"4-bit weights (head_qat.weight_bits = {recipe.head_qat.weight_bits})")
     if needs:
         able = [n for n in HTP_TARGETS if get_profile(n).supports_16bit_ops and get_profile(n).supports_int4_weights]
-        raise BuildError(f"{what} cannot run this recipe's graphs: they need {' and '.join(needs)}, which the "
-                         f"profile does not allow (targets/profiles.py); build for {' / '.join(able)} instead")
+        raise BuildError(
+            f"{what} cannot run this recipe's graphs: they need {' and '.join(needs)}, which the "
+            f"profile does not allow (targets/profiles.py); build for {' / '.join(able)} instead"
+        )
 
 
 def recipe_for_target(recipe: Recipe, target: str | None, device: DeviceEntry | None = None) -> tuple[Recipe, str]:
@@ -109,8 +111,10 @@ def recipe_for_target(recipe: Recipe, target: str | None, device: DeviceEntry | 
     if name.startswith("htp-v") and name in TARGETS:
         check_recipe_capabilities(recipe, get_profile(name), device)
     if device is not None and name != f"htp-v{device.htp_arch}":
-        raise BuildError(f"--device {device.name!r} is Hexagon v{device.htp_arch} ({device.soc_model}) and --target "
-                         f"is {name}: drop --target, or pass --target htp-v{device.htp_arch}")
+        raise BuildError(
+            f"--device {device.name!r} is Hexagon v{device.htp_arch} ({device.soc_model}) and --target "
+            f"is {name}: drop --target, or pass --target htp-v{device.htp_arch}"
+        )
     if not name.startswith("htp-v"):
         return recipe, name
     if name not in TARGETS:
@@ -128,7 +132,7 @@ def recipe_for_target(recipe: Recipe, target: str | None, device: DeviceEntry | 
     fields = {**t.model_dump(), "name": name, "htp_arch": arch, "soc_model": soc}
     try:
         target_table = type(t).model_validate(fields)
-    except ValueError as e:      # pydantic's ValidationError
+    except ValueError as e:  # pydantic's ValidationError
         raise BuildError(f"[target] for {name} ({soc}) does not validate: {e}") from None
     return recipe.model_copy(update={"target": target_table}), name
 
@@ -169,7 +173,6 @@ def ship_file(path: Path, checks: Path, *, quantized_io: bool, htp: bool) -> dic
     (`hycoc.passes.graph_io.ship_graph`) at ``path``; for an HTP target (``htp``) its TopK nodes also get the
     CPU EP's order among equal values (`hycoc.passes.topk_outputs.htp_tie_order`). Returns what changed."""
     import onnx
-
     from hycoc.passes.graph_io import ship_graph
     from hycoc.passes.topk_outputs import htp_tie_order
 
@@ -203,7 +206,8 @@ class TargetPass(Pass):
     def __init__(self, target: str, graphs: dict[str, str], work_dir: Path):
         if target not in TARGETS:
             raise BuildError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
-        from hycoc.passes.slm_shard_build import KIND as SHARDS, ShardedOnnxArtifact
+        from hycoc.passes.slm_shard_build import KIND as SHARDS
+        from hycoc.passes.slm_shard_build import ShardedOnnxArtifact
 
         self.target, self.graphs, self.work_dir = target, dict(graphs), Path(work_dir)
         self.name = f"target_{target.replace('-', '_')}"
@@ -227,7 +231,7 @@ class TargetPass(Pass):
         start = time.perf_counter()
         qdq_paths = {}
         for graph, kind in self.graphs.items():
-            if hasattr(inputs[kind], "models"):         # layer shards (`hycoc.passes.slm_shard_build`): slm.s0, ...
+            if hasattr(inputs[kind], "models"):  # layer shards (`hycoc.passes.slm_shard_build`): slm.s0, ...
                 for name, model in inputs[kind].models():
                     shutil.copytree(model.parent, src / name)
                     qdq_paths[name] = src / name / model.name
@@ -241,16 +245,19 @@ class TargetPass(Pass):
         checks = {}
         for graph, path in qdq_paths.items():
             checks[graph] = path.with_name(f"{path.stem}.checks.onnx")
-            numbers["graphs"].setdefault(graph, {})["io"] = ship_file(path, checks[graph],
-                                                                      quantized_io=recipe.target.quantized_io,
-                                                                      htp=self.target != "cpu")
+            numbers["graphs"].setdefault(graph, {})["io"] = ship_file(
+                path, checks[graph], quantized_io=recipe.target.quantized_io, htp=self.target != "cpu"
+            )
         if self.target == "cpu":
             from hycoc.targets.cpu import package_cpu
 
             for graph, path in qdq_paths.items():
                 g = package_cpu(path, out / "graphs", graph_name=graph)
-                index[graph] = {"model": f"graphs/{g.model.name}", "context_binary": None,
-                                "extra": [f"graphs/{p.name}" for p in g.extra_files]}
+                index[graph] = {
+                    "model": f"graphs/{g.model.name}",
+                    "context_binary": None,
+                    "extra": [f"graphs/{p.name}" for p in g.extra_files],
+                }
                 numbers["graphs"][graph]["bytes"] = g.bytes + sum(p.stat().st_size for p in g.extra_files)
         elif self.target in HTP_TARGETS:
             from hycoc.targets.htp import compile_shared
@@ -258,35 +265,55 @@ class TargetPass(Pass):
 
             t = recipe.target
             if not t.disable_cpu_fallback:
-                raise BuildError(f"target.disable_cpu_fallback = false: {self.target} bundles are compiled with CPU "
-                                 "fallback disabled (every node on the HTP); set it to true")
+                raise BuildError(
+                    f"target.disable_cpu_fallback = false: {self.target} bundles are compiled with CPU "
+                    "fallback disabled (every node on the HTP); set it to true"
+                )
             profile = profile_for(t.htp_arch, t.soc_model, t.context_size_limit_mb)
             groups = _context_groups(list(qdq_paths), t.share_weights)
             for group in groups:
                 for cg in compile_shared([(qdq_paths[g], g) for g in group], out / "graphs", profile):
-                    index[cg.name] = {"model": f"graphs/{cg.ctx_model.name}",
-                                      "context_binary": f"graphs/{cg.context_binary.name}", "extra": [],
-                                      "qnn_sdk": cg.qnn_sdk}
-                    numbers["graphs"][cg.name].update({"binary_bytes": cg.binary_bytes if cg.name == group[0] else 0,
-                                                       "weight_bytes": cg.weight_bytes,
-                                                       "compile_seconds": round(cg.compile_seconds, 2),
-                                                       "shared_with": list(cg.shared_with)})
+                    index[cg.name] = {
+                        "model": f"graphs/{cg.ctx_model.name}",
+                        "context_binary": f"graphs/{cg.context_binary.name}",
+                        "extra": [],
+                        "qnn_sdk": cg.qnn_sdk,
+                    }
+                    numbers["graphs"][cg.name].update(
+                        {
+                            "binary_bytes": cg.binary_bytes if cg.name == group[0] else 0,
+                            "weight_bytes": cg.weight_bytes,
+                            "compile_seconds": round(cg.compile_seconds, 2),
+                            "shared_with": list(cg.shared_with),
+                        }
+                    )
         else:
             from hycoc.targets.qai_hub import check_setup, compile_and_link, resolve_device
 
             t = recipe.target
             hub = check_setup()
             device = resolve_device(hub, t.hub_device, t.htp_arch)
-            linked = compile_and_link(hub, [(p, g) for g, p in qdq_paths.items()], out / "graphs", device,
-                                      htp_arch=t.htp_arch)
+            linked = compile_and_link(
+                hub, [(p, g) for g, p in qdq_paths.items()], out / "graphs", device, htp_arch=t.htp_arch
+            )
             info = linked.manifest_info()
             for graph, ctx in linked.ctx_models.items():
-                index[graph] = {"model": f"graphs/{ctx.name}", "context_binary": f"graphs/{linked.context_binary.name}",
-                                "extra": [], "qnn_sdk": linked.qairt, "hub": info}
-                numbers["graphs"].setdefault(graph, {}).update({
-                    "compile_job": linked.compile_jobs[graph], "link_job": linked.link_job,
-                    "binary_bytes": linked.context_binary.stat().st_size if graph == next(iter(linked.ctx_models))
-                    else 0})
+                index[graph] = {
+                    "model": f"graphs/{ctx.name}",
+                    "context_binary": f"graphs/{linked.context_binary.name}",
+                    "extra": [],
+                    "qnn_sdk": linked.qairt,
+                    "hub": info,
+                }
+                numbers["graphs"].setdefault(graph, {}).update(
+                    {
+                        "compile_job": linked.compile_jobs[graph],
+                        "link_job": linked.link_job,
+                        "binary_bytes": linked.context_binary.stat().st_size
+                        if graph == next(iter(linked.ctx_models))
+                        else 0,
+                    }
+                )
         # the QDQ sources stay beside the compiled graphs: graph_io_from_onnx reads encodings from the shipped one,
         # the checks read the one with every output
         for graph in index:
@@ -294,8 +321,10 @@ class TargetPass(Pass):
             index[graph]["check_source"] = checks[graph].relative_to(out).as_posix()
         (out / TargetFilesArtifact.INDEX).write_text(json.dumps(index, indent=1, sort_keys=True), encoding="utf-8")
         seconds = time.perf_counter() - start
-        sizes = ", ".join(f"{g} {sum(v for k, v in n.items() if k.endswith('bytes')) / 1e6:.2f} MB"
-                          for g, n in numbers["graphs"].items())
+        sizes = ", ".join(
+            f"{g} {sum(v for k, v in n.items() if k.endswith('bytes')) / 1e6:.2f} MB"
+            for g, n in numbers["graphs"].items()
+        )
         summary = f"{self.target}: {len(index)} graphs ({sizes}) in {seconds:.1f} s"
         return {"target_files": TargetFilesArtifact("target_files", out)}, PassReport(summary, numbers)
 
@@ -314,13 +343,28 @@ def head_qdq_pass(seed: int = 0) -> Pass:
     except ValueError:
         return HeadQdq(seed=seed)
     # taken only when the pipeline before it makes everything it reads
-    made = {"tokenizer", "torch_verifier", "torch_head", "keep_set", "calibration_answers", "quantized_head",
-            "onnx_head", "head_host"}
+    made = {
+        "tokenizer",
+        "torch_verifier",
+        "torch_head",
+        "keep_set",
+        "calibration_answers",
+        "quantized_head",
+        "onnx_head",
+        "head_host",
+    }
     return shared if set(shared.consumes) <= made else HeadQdq(seed=seed)
 
 
-def build_pipeline(recipe: Recipe, target: str, *, cache_dir: str | Path, console: Console | None = None,
-                   seed: int = 0, device: str = "cpu") -> Pipeline:
+def build_pipeline(
+    recipe: Recipe,
+    target: str,
+    *,
+    cache_dir: str | Path,
+    console: Console | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+) -> Pipeline:
     """The pipeline of `hycoc build` for ``target`` (module docstring); ``device``: where its torch-model passes run
     (`Pipeline`). Raises BuildError for an unknown target."""
     from hycoc.passes.calibration_answers import CalibrationAnswersPass
@@ -334,17 +378,26 @@ def build_pipeline(recipe: Recipe, target: str, *, cache_dir: str | Path, consol
 
     if target not in TARGETS:
         raise BuildError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
-    passes: list[Pass] = [KeepSetPass(), CalibrationAnswersPass(), HeadQatPass(seed=seed),
-                          HeadExport(seed=seed), head_qdq_pass(seed)]
+    passes: list[Pass] = [
+        KeepSetPass(),
+        CalibrationAnswersPass(),
+        HeadQatPass(seed=seed),
+        HeadExport(seed=seed),
+        head_qdq_pass(seed),
+    ]
     graphs = {"head": "qdq_head"}
-    if recipe.target.slm_shards != 1:       # the SLM split by layers (`hycoc.passes.slm_shard_build`)
+    if recipe.target.slm_shards != 1:  # the SLM split by layers (`hycoc.passes.slm_shard_build`)
         from hycoc.passes.slm_shard_build import KIND, SlmShardsPass
 
         passes += [SlmGraphSurgery(), SlmShardsPass(seed=seed, work_dir=Path(cache_dir) / "work")]
         passes.append(TargetPass(target, graphs | {"slm": KIND}, Path(cache_dir) / "work"))
         return Pipeline(passes, cache_dir, console=console, device=device)
-    passes += [SlmGraphSurgery(), SlmTreeGraphExport(), QdqQuantize("onnx_slm", "qdq_slm", seed=seed),
-               SlmDecodeGraph(seed=seed)]
+    passes += [
+        SlmGraphSurgery(),
+        SlmTreeGraphExport(),
+        QdqQuantize("onnx_slm", "qdq_slm", seed=seed),
+        SlmDecodeGraph(seed=seed),
+    ]
     graphs |= {"slm": "qdq_slm", DECODE_GRAPH: DECODE_KIND}
     passes.append(TargetPass(target, graphs, Path(cache_dir) / "work"))
     return Pipeline(passes, cache_dir, console=console, device=device)
@@ -364,6 +417,7 @@ def build_inputs(recipe: Recipe, device: str = "cpu") -> dict[str, Artifact]:
     Raises ModelNotFoundError naming the recipe key when one is missing, HeadConfigError
     (`hycoc.models.check_head_config`) for a head with ordered embeddings, DeviceUnavailable (from
     `hycoc.verifier.loading.check_device`) when CUDA is asked for and torch sees none."""
+
     def where(value: str) -> str:
         path = recipe.resolve_path(value)
         return str(path) if path is not None else value
@@ -372,7 +426,7 @@ def build_inputs(recipe: Recipe, device: str = "cpu") -> dict[str, Artifact]:
 
     _quiet_transformers()
     models = recipe.models
-    check_head_folder(where(models.head))   # an output hycoc cannot compile is refused before any loading
+    check_head_folder(where(models.head))  # an output hycoc cannot compile is refused before any loading
     if device != "cpu":
         from hycoc.verifier.loading import check_device
 
@@ -381,11 +435,14 @@ def build_inputs(recipe: Recipe, device: str = "cpu") -> dict[str, Artifact]:
     if device != "cpu":
         import torch
 
-        verifier = TorchModelArtifact("torch_verifier",
-                                      verifier.payload.to(device=device, dtype=getattr(torch, GPU_VERIFIER_DTYPE)))
-    return {"tokenizer": TokenizerArtifact.from_file(where(models.tokenizer)),
-            "torch_verifier": verifier,
-            "torch_head": TorchModelArtifact.from_pretrained(where(models.head), "torch_head")}
+        verifier = TorchModelArtifact(
+            "torch_verifier", verifier.payload.to(device=device, dtype=getattr(torch, GPU_VERIFIER_DTYPE))
+        )
+    return {
+        "tokenizer": TokenizerArtifact.from_file(where(models.tokenizer)),
+        "torch_verifier": verifier,
+        "torch_head": TorchModelArtifact.from_pretrained(where(models.head), "torch_head"),
+    }
 
 
 # ---- the bundle ------------------------------------------------------------------------------------------------
@@ -410,29 +467,35 @@ def _npy(array: np.ndarray) -> bytes:
 def host_info(head_config: dict, slm, inclusive: bool = True) -> Any:
     """The manifest's ``host`` section from the head's config dict and the SLM surgery output. ``inclusive``: recipe
     ``[window] head_sliding_window_inclusive`` (the head's sliding positions, `hycoc.host.head_sliding_positions`)."""
+    from hycoc.passes.slm_graph import text_config
+
     from hycoc.bundle import HeadHostInfo, HostInfo, LutInfo, SlmHostInfo
     from hycoc.host import head_sliding_positions
-
-    from hycoc.passes.slm_graph import text_config
 
     text = head_config.get("text_config") or head_config
     c = text_config(slm)  # transformers' Gemma4TextConfig: kv_sharing_modes is derived, not stored
     return HostInfo(
         head=HeadHostInfo(sliding_window=head_sliding_positions(int(text["sliding_window"]), inclusive)),
-        slm=SlmHostInfo(layer_types=list(c.layer_types),
-                        kv_layers=[i for i, m in enumerate(c.kv_sharing_modes) if m != "reuse"],
-                        sliding_window=int(c.sliding_window),
-                        per_layer_dim=int(c.hidden_size_per_layer_input or 0),
-                        luts={name: LutInfo(bits=int(lut.bits), dim=int(lut.dim), embed_scale=float(lut.embed_scale))
-                              for name, lut in slm.luts.items()}))
+        slm=SlmHostInfo(
+            layer_types=list(c.layer_types),
+            kv_layers=[i for i, m in enumerate(c.kv_sharing_modes) if m != "reuse"],
+            sliding_window=int(c.sliding_window),
+            per_layer_dim=int(c.hidden_size_per_layer_input or 0),
+            luts={
+                name: LutInfo(bits=int(lut.bits), dim=int(lut.dim), embed_scale=float(lut.embed_scale))
+                for name, lut in slm.luts.items()
+            },
+        ),
+    )
 
 
 def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: str | Path):
     """Write the bundle of a finished pipeline run to ``out_dir`` (atomically); returns the manifest."""
-    from hycoc.bundle import BundleWriter
-    from hycoc.device_time import onnx_graph_cost
     from hycoc.passes.bundle_io import graph_io_from_onnx, manifest_sections
     from hycoc.targets.profiles import get_profile, profile_for
+
+    from hycoc.bundle import BundleWriter
+    from hycoc.device_time import onnx_graph_cost
 
     a = result.artifacts
     keep = np.asarray(a["keep_set"].payload, dtype=np.int64)
@@ -446,14 +509,21 @@ def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: s
         t = recipe.target
         profile = profile_for(t.htp_arch, t.soc_model, t.context_size_limit_mb)
     qnn_sdk = next((g.get("qnn_sdk") for g in index.values() if g.get("qnn_sdk")), None)
-    hub = next((g["hub"] for g in index.values() if g.get("hub")), None)   # qai-hub: jobs, device, QAIRT
+    hub = next((g["hub"] for g in index.values() if g.get("hub")), None)  # qai-hub: jobs, device, QAIRT
     numbers = {r.pass_name: r.numbers for r in result.reports}
-    report = {"target": target,
-              "qat_agreement": numbers.get("head_qat", {}).get("agreement"),
-              "sqnr": {g: {"calibration": numbers.get(f"qdq_{g}", {}).get("sqnr"),
-                           "held_out": numbers.get(f"qdq_{g}", {}).get("sqnr_held_out")} for g in ("head", "slm")},
-              "passes": [r.to_json() | {"cached": r.cached} for r in result.reports],
-              "graph_costs": {}}
+    report = {
+        "target": target,
+        "qat_agreement": numbers.get("head_qat", {}).get("agreement"),
+        "sqnr": {
+            g: {
+                "calibration": numbers.get(f"qdq_{g}", {}).get("sqnr"),
+                "held_out": numbers.get(f"qdq_{g}", {}).get("sqnr_held_out"),
+            }
+            for g in ("head", "slm")
+        },
+        "passes": [r.to_json() | {"cached": r.cached} for r in result.reports],
+        "graph_costs": {},
+    }
     with BundleWriter(out_dir, overwrite=True) as w:
         w.add_file(a["tokenizer"].payload.to_str().encode(), "tokenizer.json", "tokenizer")
         w.add_file(_npy(keep), "keep_set.npy", "keep_set")
@@ -467,35 +537,51 @@ def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: s
                 w.add_file(_npy(host[stem]), f"rotary/head_{stem.removeprefix('rotary_')}.npy", "rotary")
         for layer_type, table in slm.rotary.items():
             w.add_file(_npy(table.inv_freq), f"rotary/slm_{layer_type}_inv_freq.npy", "rotary")
-            w.add_file(_npy(np.asarray(table.attention_scaling, np.float32)),
-                       f"rotary/slm_{layer_type}_scaling.npy", "rotary")
+            w.add_file(
+                _npy(np.asarray(table.attention_scaling, np.float32)), f"rotary/slm_{layer_type}_scaling.npy", "rotary"
+            )
         binaries = set()
         for graph, entry in sorted(index.items()):
             model = root / entry["model"]
             qdq = root / entry["qdq_source"]
             binary = entry.get("context_binary")
-            if binary and binary not in binaries:      # a weight-shared binary is one file for its graphs
+            if binary and binary not in binaries:  # a weight-shared binary is one file for its graphs
                 w.add_file(root / binary, Path(binary).name, "context_binary")
                 binaries.add(binary)
             for extra in entry.get("extra", []):
                 w.add_file(root / extra, Path(extra).name, "external_data")
             io_ = graph_io_from_onnx(model, qdq_source=qdq if binary else None)
-            cost = onnx_graph_cost(qdq)        # the device-time estimate's inputs (`hycoc.device_time`)
+            cost = onnx_graph_cost(qdq)  # the device-time estimate's inputs (`hycoc.device_time`)
             report["graph_costs"][graph] = {"bytes": int(cost.bytes), "macs": int(cost.macs)}
-            w.add_graph(graph, "slm" if graph.startswith("slm") else graph, model, model.name, io=io_,
-                        context_binary=Path(binary).name if binary else None)
+            w.add_graph(
+                graph,
+                "slm" if graph.startswith("slm") else graph,
+                model,
+                model.name,
+                io=io_,
+                context_binary=Path(binary).name if binary else None,
+            )
         w.add_file(json.dumps(report, indent=1).encode(), "report.json", "report")
-        return w.commit(**manifest_sections(recipe, profile, keep_set_size=len(keep), qnn_sdk=qnn_sdk, hub=hub),
-                        host=host_info(a["quantized_head"].payload.config, slm,
-                                       recipe.window.head_sliding_window_inclusive),
-                        chat=chat_from_recipe(recipe).format)
+        return w.commit(
+            **manifest_sections(recipe, profile, keep_set_size=len(keep), qnn_sdk=qnn_sdk, hub=hub),
+            host=host_info(a["quantized_head"].payload.config, slm, recipe.window.head_sliding_window_inclusive),
+            chat=chat_from_recipe(recipe).format,
+        )
 
 
-def run_pipeline(recipe: Recipe, target: str, cache_dir: str | Path, *, until: str | None = None,
-                 console: Console | None = None, seed: int = 0, device: str = "cpu") -> PipelineResult:
+def run_pipeline(
+    recipe: Recipe,
+    target: str,
+    cache_dir: str | Path,
+    *,
+    until: str | None = None,
+    console: Console | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+) -> PipelineResult:
     """Run `build_pipeline` on `build_inputs` (up to ``until``; torch-model passes on ``device``). The target's files
     are then read from the pipeline's cache entry, and the pass's work folder is removed."""
-    recipe, target = recipe_for_target(recipe, target)    # an htp-vNN target: [target] at that arch
+    recipe, target = recipe_for_target(recipe, target)  # an htp-vNN target: [target] at that arch
     if target == "qai-hub":
         from hycoc.targets.qai_hub import check_setup
 
@@ -513,9 +599,17 @@ def run_pipeline(recipe: Recipe, target: str, cache_dir: str | Path, *, until: s
     return result
 
 
-def build_bundle(recipe: Recipe, target: str, out_dir: str | Path | None, cache_dir: str | Path, *,
-                 until: str | None = None, console: Console | None = None, seed: int = 0,
-                 device: str = "cpu") -> BuildResult:
+def build_bundle(
+    recipe: Recipe,
+    target: str,
+    out_dir: str | Path | None,
+    cache_dir: str | Path,
+    *,
+    until: str | None = None,
+    console: Console | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+) -> BuildResult:
     """Run the pipeline (`run_pipeline`, torch-model passes on ``device``) and write the bundle to ``out_dir``
     (module docstring). Third-party warnings and prints go to ``CACHE_DIR/logs/build-<recipe>-<target>.log``
     (`hycoc.quiet.third_party_output`; one line at the end says where).
@@ -539,8 +633,9 @@ def build_bundle(recipe: Recipe, target: str, out_dir: str | Path | None, cache_
     bundle_dir = None if until is not None else out_dir
     try:
         with build_lock(cache_dir, bundle_dir):
-            return _build_locked(recipe, target, out_dir, cache_dir, until=until, console=console, seed=seed,
-                                 device=device)
+            return _build_locked(
+                recipe, target, out_dir, cache_dir, until=until, console=console, seed=seed, device=device
+            )
     except BuildLocked as e:
         raise BuildError(str(e)) from None
     except KeyboardInterrupt:
@@ -550,7 +645,7 @@ def build_bundle(recipe: Recipe, target: str, out_dir: str | Path | None, cache_
 
 def _build_locked(recipe: Recipe, target: str, out_dir, cache_dir, *, until, console, seed, device) -> BuildResult:
     """`build_bundle`'s work, its locks held."""
-    recipe, target = recipe_for_target(recipe, target)    # an htp-vNN target: [target] at that arch
+    recipe, target = recipe_for_target(recipe, target)  # an htp-vNN target: [target] at that arch
     import torch.onnx  # noqa: F401  (imported before the log context: its own loggers then go to the log too)
 
     from hycoc.quiet import third_party_output

@@ -29,8 +29,17 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from hycoc.bundle import (Encoding, GraphIO, HandoffInfo, HubInfo, Quantization, RecipeRef, RoundConstants,
-                          TargetInfo, TensorSpec)
+from hycoc.bundle import (
+    Encoding,
+    GraphIO,
+    HandoffInfo,
+    HubInfo,
+    Quantization,
+    RecipeRef,
+    RoundConstants,
+    TargetInfo,
+    TensorSpec,
+)
 from hycoc.recipe import Recipe
 
 _BITS = {"int4": 4, "uint4": 4, "int8": 8, "uint8": 8, "int16": 16, "uint16": 16, "int32": 32, "uint32": 32}
@@ -51,8 +60,11 @@ class _Graph:
         self.model, self.base_dir = model, base_dir
         g = model.graph
         self.init = {t.name: t for t in g.initializer}
-        self.const = {n.output[0]: n.attribute[0].t for n in g.node
-                      if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
+        self.const = {
+            n.output[0]: n.attribute[0].t
+            for n in g.node
+            if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
+        }
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
         self.producer: dict[str, onnx.NodeProto] = {}
         for n in g.node:
@@ -85,10 +97,11 @@ class _Graph:
             out_dtype = next((a.i for a in node.attribute if a.name == "output_dtype"), 0)
             dtype, zp = (_dtype_name(out_dtype) if out_dtype else "uint8"), np.zeros((), np.int64)
         if scale.size != 1 or zp.size != 1:
-            raise ValueError(f"{value}: {node.op_type} {node.name!r} is per-axis (scale shape {list(scale.shape)}); "
-                             "graph inputs and outputs need one scale")
-        return Encoding(scale=float(scale.reshape(())), zero_point=int(zp.reshape(())), dtype=dtype,
-                        bits=_BITS[dtype])
+            raise ValueError(
+                f"{value}: {node.op_type} {node.name!r} is per-axis (scale shape {list(scale.shape)}); "
+                "graph inputs and outputs need one scale"
+            )
+        return Encoding(scale=float(scale.reshape(())), zero_point=int(zp.reshape(())), dtype=dtype, bits=_BITS[dtype])
 
 
 def _spec(v: onnx.ValueInfoProto, where: str) -> tuple[str, list[int], str]:
@@ -96,8 +109,9 @@ def _spec(v: onnx.ValueInfoProto, where: str) -> tuple[str, list[int], str]:
     dims = []
     for i, d in enumerate(t.shape.dim):
         if not d.HasField("dim_value"):
-            raise ValueError(f"{where}: {v.name} has a dynamic dim {i} ({d.dim_param or '?'}); the bundle needs "
-                             "static shapes")
+            raise ValueError(
+                f"{where}: {v.name} has a dynamic dim {i} ({d.dim_param or '?'}); the bundle needs static shapes"
+            )
         dims.append(d.dim_value)
     return v.name, dims, _dtype_name(t.elem_type)
 
@@ -120,22 +134,31 @@ def graph_io_from_onnx(path: str | os.PathLike, *, qdq_source: str | os.PathLike
 
     def encode(name: str, is_input: bool) -> Encoding | None:
         if is_input:
-            node = next((n for n in g.consumers.get(name, []) if n.op_type in ("QuantizeLinear", "DequantizeLinear")
-                         and n.input[0] == name), None)
+            node = next(
+                (
+                    n
+                    for n in g.consumers.get(name, [])
+                    if n.op_type in ("QuantizeLinear", "DequantizeLinear") and n.input[0] == name
+                ),
+                None,
+            )
         else:
             node = g.producer.get(name)
             node = node if node is not None and node.op_type in ("QuantizeLinear", "DequantizeLinear") else None
         return None if node is None else g.encoding(node, name)
 
     sides = []
-    for is_input, values, src_values in ((True, model.graph.input, src_model.graph.input),
-                                         (False, model.graph.output, src_model.graph.output)):
+    for is_input, values, src_values in (
+        (True, model.graph.input, src_model.graph.input),
+        (False, model.graph.output, src_model.graph.output),
+    ):
         values = [v for v in values if v.name not in g.init]  # old IR: initializers listed as inputs
         src_names = [v.name for v in src_values if v.name not in g.init]
         if [v.name for v in values] != src_names:
             kind = "inputs" if is_input else "outputs"
-            raise ValueError(f"{where}: {kind} {[v.name for v in values]} differ from {Path(qdq_source).name}'s "
-                             f"{src_names}")
+            raise ValueError(
+                f"{where}: {kind} {[v.name for v in values]} differ from {Path(qdq_source).name}'s {src_names}"
+            )
         specs = []
         for v in values:
             name, shape, dtype = _spec(v, where)
@@ -149,9 +172,12 @@ def graph_io_from_onnx(path: str | os.PathLike, *, qdq_source: str | os.PathLike
             count = weights.setdefault(_dtype_name(t.data_type), [0, 0])
             count[0] += 1
             count[1] += int(np.prod(t.dims, dtype=np.int64))
-    return GraphIO(inputs=sides[0], outputs=sides[1],
-                   weight_bits={k: {"tensors": a, "elements": b} for k, (a, b) in sorted(weights.items())},
-                   op_counts=dict(sorted(Counter(n.op_type for n in src_model.graph.node).items())))
+    return GraphIO(
+        inputs=sides[0],
+        outputs=sides[1],
+        weight_bits={k: {"tensors": a, "elements": b} for k, (a, b) in sorted(weights.items())},
+        op_counts=dict(sorted(Counter(n.op_type for n in src_model.graph.node).items())),
+    )
 
 
 # ---- manifest sections from the recipe and the target -------------------------------------------------------
@@ -165,29 +191,47 @@ def round_constants(recipe: Recipe) -> RoundConstants:
     """The recipe's tree, window, acceptance and sampling knobs the runtime needs each round."""
     t, w, a, s = recipe.tree, recipe.window, recipe.acceptance, recipe.sampling
     return RoundConstants(
-        chain_length=t.chain_length, sibling_depth=t.sibling_depth, node_budget=t.node_budget,
-        head_window=w.head_window, slm_window=w.slm_window, slm_sliding_window=w.slm_sliding_window,
-        head_query_position_offset=w.head_query_position_offset, depth_cost=t.depth_cost, epsilon=a.epsilon,
-        acceptance_mode=a.mode, slm_candidates=t.slm_candidates, slm_passes=t.slm_passes,
-        specedge_passes=t.specedge_passes, specedge_nodes=t.specedge_nodes, temperature=s.temperature,
-        top_k=s.top_k, top_p=s.top_p, max_new_tokens=s.max_new_tokens, seed=s.seed)
+        chain_length=t.chain_length,
+        sibling_depth=t.sibling_depth,
+        node_budget=t.node_budget,
+        head_window=w.head_window,
+        slm_window=w.slm_window,
+        slm_sliding_window=w.slm_sliding_window,
+        head_query_position_offset=w.head_query_position_offset,
+        depth_cost=t.depth_cost,
+        epsilon=a.epsilon,
+        acceptance_mode=a.mode,
+        slm_candidates=t.slm_candidates,
+        slm_passes=t.slm_passes,
+        specedge_passes=t.specedge_passes,
+        specedge_nodes=t.specedge_nodes,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        max_new_tokens=s.max_new_tokens,
+        seed=s.seed,
+    )
 
 
 def quantization(recipe: Recipe) -> Quantization:
-    return Quantization(head_weight_bits=recipe.head_qat.weight_bits,
-                        slm_activation_bits=recipe.slm_calibration.activation_bits,
-                        kv_bits=recipe.slm_calibration.kv_bits)
+    return Quantization(
+        head_weight_bits=recipe.head_qat.weight_bits,
+        slm_activation_bits=recipe.slm_calibration.activation_bits,
+        kv_bits=recipe.slm_calibration.kv_bits,
+    )
 
 
 def handoff_info(recipe: Recipe) -> HandoffInfo:
     """The hand-off section; raises RecipeError naming every unset ``handoff.scale_*``."""
     scales = recipe.handoff.scales()
-    return HandoffInfo(bits=recipe.handoff.bits, hidden=recipe.handoff.hidden,
-                       **{f"scale_{k}": float(v) for k, v in scales.items()})
+    return HandoffInfo(
+        bits=recipe.handoff.bits, hidden=recipe.handoff.hidden, **{f"scale_{k}": float(v) for k, v in scales.items()}
+    )
 
 
-def target_info(profile, versions: dict[str, str | None] | None = None, qnn_sdk: str | None = None,
-                hub: dict | None = None) -> TargetInfo:
+def target_info(
+    profile, versions: dict[str, str | None] | None = None, qnn_sdk: str | None = None, hub: dict | None = None
+) -> TargetInfo:
     """The target section from a ``TargetProfile``; ``versions`` as ``hycoc.targets.qnn_ep.versions()`` returns
     them (read here when None); ``qnn_sdk``: the SDK the context binaries say (``CompiledGraph.qnn_sdk``), which
     wins over the installed one; ``hub``: the AI Hub section of a qai-hub build (`hycoc.bundle.HubInfo` fields)."""
@@ -196,16 +240,34 @@ def target_info(profile, versions: dict[str, str | None] | None = None, qnn_sdk:
 
         versions = installed()
     htp = profile.backend == "htp"
-    return TargetInfo(name=profile.name, backend=profile.backend, htp_arch=profile.htp_arch,
-                      soc_model=profile.soc_model, soc_id=profile.soc_id, onnxruntime=versions.get("onnxruntime"),
-                      onnxruntime_qnn=versions.get("onnxruntime-qnn") if htp else None,
-                      qnn_sdk=(qnn_sdk or versions.get("qnn_sdk")) if htp else None,
-                      hub=HubInfo(**hub) if hub else None)
+    return TargetInfo(
+        name=profile.name,
+        backend=profile.backend,
+        htp_arch=profile.htp_arch,
+        soc_model=profile.soc_model,
+        soc_id=profile.soc_id,
+        onnxruntime=versions.get("onnxruntime"),
+        onnxruntime_qnn=versions.get("onnxruntime-qnn") if htp else None,
+        qnn_sdk=(qnn_sdk or versions.get("qnn_sdk")) if htp else None,
+        hub=HubInfo(**hub) if hub else None,
+    )
 
 
-def manifest_sections(recipe: Recipe, profile, *, keep_set_size: int, versions: dict[str, str | None] | None = None,
-                      qnn_sdk: str | None = None, hub: dict | None = None) -> dict:
+def manifest_sections(
+    recipe: Recipe,
+    profile,
+    *,
+    keep_set_size: int,
+    versions: dict[str, str | None] | None = None,
+    qnn_sdk: str | None = None,
+    hub: dict | None = None,
+) -> dict:
     """Keyword arguments of ``BundleWriter.commit`` for ``recipe`` on ``profile`` (``hub``: see `target_info`)."""
-    return dict(recipe=recipe_ref(recipe), target=target_info(profile, versions, qnn_sdk, hub),
-                round=round_constants(recipe), quantization=quantization(recipe), keep_set_size=keep_set_size,
-                handoff=handoff_info(recipe))
+    return dict(
+        recipe=recipe_ref(recipe),
+        target=target_info(profile, versions, qnn_sdk, hub),
+        round=round_constants(recipe),
+        quantization=quantization(recipe),
+        keep_set_size=keep_set_size,
+        handoff=handoff_info(recipe),
+    )

@@ -53,11 +53,14 @@ def check_fixed_inputs(sample: Mapping[str, np.ndarray], index: int = 0) -> None
                     f"calibration sample {index}: input '{name}' holds {int(bad.sum())} values outside the fixed mask "
                     f"range [{MASK_MIN:g}, {MASK_MAX:g}] (e.g. {x[bad].flat[0]!r}); hidden columns must be the finite "
                     f"constant {MASK_MIN:g}, never -inf or a min-float stand-in, which would wreck the 16-bit mask "
-                    f"encoding (docs/design.md \"Numerics by construction\")")
+                    f'encoding (docs/design.md "Numerics by construction")'
+                )
         elif is_rotary_input(name):
             if not np.isfinite(x).all() or np.abs(x).max(initial=0.0) > ROTARY_MAX:
-                raise CalibrationError(f"calibration sample {index}: rotary input '{name}' leaves the fixed range "
-                                       f"[{ROTARY_MIN:g}, {ROTARY_MAX:g}] (max |x| {np.abs(x).max():g})")
+                raise CalibrationError(
+                    f"calibration sample {index}: rotary input '{name}' leaves the fixed range "
+                    f"[{ROTARY_MIN:g}, {ROTARY_MAX:g}] (max |x| {np.abs(x).max():g})"
+                )
 
 
 def _graph_inputs(model_path: str | Path) -> dict[str, tuple[int, ...]]:
@@ -82,8 +85,9 @@ def check_samples(model_path: str | Path, samples: Sequence[Mapping[str, np.ndar
         feed = {name: np.ascontiguousarray(sample[name], dtype=np.float32) for name in want}
         for name, shape in want.items():
             if feed[name].shape != shape:
-                raise CalibrationError(f"calibration sample {index}: input '{name}' has shape {feed[name].shape}, "
-                                       f"the graph takes {shape}")
+                raise CalibrationError(
+                    f"calibration sample {index}: input '{name}' has shape {feed[name].shape}, the graph takes {shape}"
+                )
         check_fixed_inputs(feed, index)
         out.append(feed)
     return out
@@ -121,8 +125,9 @@ def float_tensors(model) -> list[str]:
     return names
 
 
-def run_with_tensors(model_path: str | Path, tensors: Sequence[str],
-                     samples: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+def run_with_tensors(
+    model_path: str | Path, tensors: Sequence[str], samples: Sequence[Mapping[str, np.ndarray]]
+) -> list[dict[str, np.ndarray]]:
     """Run the graph on the CPU EP with ``tensors`` added as graph outputs (on a copy); one dict per sample.
 
     The copy is the graph's protobuf only (external data not loaded), written beside ``model_path`` so its external
@@ -162,8 +167,9 @@ def range_of(values: Sequence[np.ndarray], percentile: float, range_scale: float
     return min(lo, 0.0), max(hi, 0.0)
 
 
-def activation_ranges(model_path: str | Path, samples: Sequence[Mapping[str, np.ndarray]], *, percentile: float,
-                      range_scale: float = 1.0) -> dict[str, tuple[float, float]]:
+def activation_ranges(
+    model_path: str | Path, samples: Sequence[Mapping[str, np.ndarray]], *, percentile: float, range_scale: float = 1.0
+) -> dict[str, tuple[float, float]]:
     """Tensor name -> (rmin, rmax) for every graph input and float node output of the graph at ``model_path``."""
     import onnx
 

@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-
 from hycoc.passes.artifacts import Artifact, TokenizerArtifact, TorchModelArtifact
 from hycoc.passes.pipeline import Pass, PassReport
+
 from hycoc.recipe import Recipe
 
 #: Prompts per ``generate`` call. Larger batches amortise transformers' per-step overhead (toy verifier, one CPU
@@ -70,8 +70,9 @@ class CalibrationAnswers:
         recipe changed without rerunning this pass: a pipeline bug)."""
         pairs, made = (self.train, self.train_cap) if split == "train" else (self.eval, self.eval_cap)
         if count > len(pairs) or cap > made:
-            raise ValueError(f"calibration answers: {count} {split} answers of <= {cap} tokens asked, "
-                             f"{len(pairs)} of <= {made} made")
+            raise ValueError(
+                f"calibration answers: {count} {split} answers of <= {cap} tokens asked, {len(pairs)} of <= {made} made"
+            )
         return [list(p) for p, _ in pairs[:count]], [list(a[:cap]) for _, a in pairs[:count]]
 
 
@@ -84,8 +85,11 @@ class CalibrationAnswersArtifact(Artifact):
 
     def _json(self) -> str:
         a = self.payload
-        return json.dumps({"train": a.train, "eval": a.eval, "train_cap": a.train_cap, "eval_cap": a.eval_cap,
-                           "source": a.source}, sort_keys=True, separators=(",", ":"))
+        return json.dumps(
+            {"train": a.train, "eval": a.eval, "train_cap": a.train_cap, "eval_cap": a.eval_cap, "source": a.source},
+            sort_keys=True,
+            separators=(",", ":"),
+        )
 
     def save(self, folder: Path) -> None:
         (folder / self.FILE).write_text(self._json(), encoding="utf-8")
@@ -94,8 +98,7 @@ class CalibrationAnswersArtifact(Artifact):
     def load(cls, kind: str, folder: Path) -> CalibrationAnswersArtifact:
         d = json.loads((folder / cls.FILE).read_text(encoding="utf-8"))
         pairs = {k: [(list(p), list(a)) for p, a in d[k]] for k in ("train", "eval")}
-        return cls(kind, CalibrationAnswers(pairs["train"], pairs["eval"], d["train_cap"], d["eval_cap"],
-                                            d["source"]))
+        return cls(kind, CalibrationAnswers(pairs["train"], pairs["eval"], d["train_cap"], d["eval_cap"], d["source"]))
 
     def _compute_hash(self) -> str:
         import hashlib
@@ -128,8 +131,15 @@ def decode_steps(prompt_count: int, max_new_tokens: int, batch: int = BATCH) -> 
 
 
 @torch.no_grad()
-def greedy_answers(verifier, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int], *,
-                   batch: int = BATCH, progress: Callable[[int], None] | None = None) -> list[list[int]]:
+def greedy_answers(
+    verifier,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    stop_ids: set[int],
+    *,
+    batch: int = BATCH,
+    progress: Callable[[int], None] | None = None,
+) -> list[list[int]]:
     """The verifier's greedy answer to every prompt (module docstring), in the prompts' order.
 
     prompts: token id lists (non-empty); returns id lists of at most ``max_new_tokens``, each cut after its first
@@ -144,14 +154,23 @@ def greedy_answers(verifier, prompts: Sequence[Sequence[int]], max_new_tokens: i
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
     out: list[list[int]] = [[] for _ in prompts]
     for start in range(0, len(order), batch):
-        rows = order[start:start + batch]
+        rows = order[start : start + batch]
         width = max(len(prompts[i]) for i in rows)
         ids = torch.tensor([[pad] * (width - len(prompts[i])) + list(prompts[i]) for i in rows], device=device)
         mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in rows], device=device)
         steps = _DecodeSteps(progress) if progress is not None else None
-        gen = verifier.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                                pad_token_id=pad, eos_token_id=sorted(stop_ids) or None, top_k=None, top_p=None,
-                                temperature=None, streamer=steps)
+        gen = verifier.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad,
+            eos_token_id=sorted(stop_ids) or None,
+            top_k=None,
+            top_p=None,
+            temperature=None,
+            streamer=steps,
+        )
         for i, row in zip(rows, gen[:, width:].tolist()):
             answer = []
             for token in row:
@@ -174,32 +193,38 @@ def reader_needs(recipe: Recipe) -> dict[str, int]:
 
     q = recipe.head_qat
     slm_cap, head_cap = sc.answer_cap(recipe), hc.answer_cap(recipe)
-    return {"train_count": max(q.calibration_prompts, recipe.slm_calibration.prompts),
-            "eval_count": max(q.eval_prompts, sc.held_out_count(recipe)),
-            "train_cap": max(q.calibration_max_new_tokens, slm_cap, head_cap),
-            "eval_cap": max(q.eval_max_new_tokens, slm_cap, head_cap)}
+    return {
+        "train_count": max(q.calibration_prompts, recipe.slm_calibration.prompts),
+        "eval_count": max(q.eval_prompts, sc.held_out_count(recipe)),
+        "train_cap": max(q.calibration_max_new_tokens, slm_cap, head_cap),
+        "eval_cap": max(q.eval_max_new_tokens, slm_cap, head_cap),
+    }
 
 
 def select_prompts(recipe: Recipe, tokenizer) -> tuple[list[list[int]], list[list[int]], str]:
     """(train prompts, eval prompts, source) as chat-formatted ids (module docstring). Raises HeadQatError naming
     the recipe key when the source has too few prompts that fit."""
-    from hycoc.chat_template import chat_from_recipe
     from hycoc.passes.head_qat import pick_prompts, prompt_sources
+
+    from hycoc.chat_template import chat_from_recipe
 
     chat = chat_from_recipe(recipe)
     need = reader_needs(recipe)
     max_len = recipe.head_qat.max_seq_len
     train_texts, eval_texts, source = prompt_sources(recipe)
-    train, skipped = pick_prompts(chat, train_texts, need["train_count"], max_len - need["train_cap"],
-                                  "head_qat.calibration_prompts")
+    train, skipped = pick_prompts(
+        chat, train_texts, need["train_count"], max_len - need["train_cap"], "head_qat.calibration_prompts"
+    )
     used = need["train_count"] + skipped if train_texts is eval_texts else 0
-    evals, _ = pick_prompts(chat, eval_texts, need["eval_count"], max_len - need["eval_cap"],
-                            "head_qat.eval_prompts", exclude=used)
+    evals, _ = pick_prompts(
+        chat, eval_texts, need["eval_count"], max_len - need["eval_cap"], "head_qat.eval_prompts", exclude=used
+    )
     return train, evals, source
 
 
-def make_answers(verifier, tokenizer, recipe: Recipe,
-                 progress: Callable[[int], None] | None = None) -> CalibrationAnswers:
+def make_answers(
+    verifier, tokenizer, recipe: Recipe, progress: Callable[[int], None] | None = None
+) -> CalibrationAnswers:
     """The `CalibrationAnswers` of ``recipe`` (module docstring): `select_prompts`, then `greedy_answers` of the
     train prompts to ``train_cap`` and of the eval prompts to ``eval_cap`` tokens. ``progress(n)``: decoding steps
     done (`decode_steps` of both lists in all)."""
@@ -210,8 +235,9 @@ def make_answers(verifier, tokenizer, recipe: Recipe,
     stops = chat_from_recipe(recipe).stop_ids
     train_answers = greedy_answers(verifier, train, need["train_cap"], stops, progress=progress)
     eval_answers = greedy_answers(verifier, evals, need["eval_cap"], stops, progress=progress)
-    return CalibrationAnswers(list(zip(train, train_answers)), list(zip(evals, eval_answers)), need["train_cap"],
-                              need["eval_cap"], source)
+    return CalibrationAnswers(
+        list(zip(train, train_answers)), list(zip(evals, eval_answers)), need["train_cap"], need["eval_cap"], source
+    )
 
 
 class CalibrationAnswersPass(Pass):
@@ -228,31 +254,51 @@ class CalibrationAnswersPass(Pass):
     def key_material(self, recipe: Recipe) -> dict[str, Any]:
         from hycoc.passes.head_qat import prompt_source_key
 
-        return {"prompt_source": prompt_source_key(recipe), "needs": reader_needs(recipe),
-                "batch": BATCH}
+        return {"prompt_source": prompt_source_key(recipe), "needs": reader_needs(recipe), "batch": BATCH}
 
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, Artifact], PassReport]:
         from hycoc.progress import step
 
         need = reader_needs(recipe)
         t0 = time.perf_counter()
-        total = (decode_steps(need["train_count"], need["train_cap"]) +
-                 decode_steps(need["eval_count"], need["eval_cap"]))
+        total = decode_steps(need["train_count"], need["train_cap"]) + decode_steps(
+            need["eval_count"], need["eval_cap"]
+        )
         with step("verifier greedy answers, decoding steps", total=total) as s:
-            answers = make_answers(inputs["torch_verifier"].payload, inputs["tokenizer"].payload, recipe,
-                                   progress=s.advance)
+            answers = make_answers(
+                inputs["torch_verifier"].payload, inputs["tokenizer"].payload, recipe, progress=s.advance
+            )
         seconds = time.perf_counter() - t0
         train_tokens = sum(len(a) for _, a in answers.train)
         tokens = train_tokens + sum(len(a) for _, a in answers.eval)
-        numbers = {"source": answers.source, **need, "train": len(answers.train), "eval": len(answers.eval),
-                   "answer_tokens": tokens, "train_answer_tokens": train_tokens, "seconds": round(seconds, 2),
-                   "tokens_per_second": round(tokens / max(seconds, 1e-9), 1), "batch": BATCH}
-        summary = (f"{len(answers.train)} + {len(answers.eval)} greedy answers ({tokens:,} tokens, <= {need['train_cap']} / "
-                   f"{need['eval_cap']}) in {seconds:.1f} s, {numbers['tokens_per_second']:,.0f} tokens/s")
+        numbers = {
+            "source": answers.source,
+            **need,
+            "train": len(answers.train),
+            "eval": len(answers.eval),
+            "answer_tokens": tokens,
+            "train_answer_tokens": train_tokens,
+            "seconds": round(seconds, 2),
+            "tokens_per_second": round(tokens / max(seconds, 1e-9), 1),
+            "batch": BATCH,
+        }
+        summary = (
+            f"{len(answers.train)} + {len(answers.eval)} greedy answers ({tokens:,} tokens, <= {need['train_cap']} / "
+            f"{need['eval_cap']}) in {seconds:.1f} s, {numbers['tokens_per_second']:,.0f} tokens/s"
+        )
         return {"calibration_answers": CalibrationAnswersArtifact("calibration_answers", answers)}, PassReport(
-            summary, numbers)
+            summary, numbers
+        )
 
 
-__all__ = ["BATCH", "CalibrationAnswers", "CalibrationAnswersArtifact", "CalibrationAnswersPass", "decode_steps",
-           "greedy_answers",
-           "make_answers", "reader_needs", "select_prompts"]
+__all__ = [
+    "BATCH",
+    "CalibrationAnswers",
+    "CalibrationAnswersArtifact",
+    "CalibrationAnswersPass",
+    "decode_steps",
+    "greedy_answers",
+    "make_answers",
+    "reader_needs",
+    "select_prompts",
+]

@@ -51,11 +51,19 @@ class ExportReport:
 
     def numbers(self) -> dict[str, Any]:
         """JSON values for a `PassReport`."""
-        return {"seconds": round(self.seconds, 3), "opset": self.opset, "nodes": sum(self.ops.values()),
-                "ops": self.ops, "int8_initializers": self.int8_initializers, "model_bytes": self.model_bytes,
-                "data_bytes": self.data_bytes, "rms_norms": self.rms_norms,
-                "rms_norms_reshaped": self.rms_norms_reshaped, "max_abs_error": self.max_abs_error,
-                "top1_agreement": self.top1_agreement}
+        return {
+            "seconds": round(self.seconds, 3),
+            "opset": self.opset,
+            "nodes": sum(self.ops.values()),
+            "ops": self.ops,
+            "int8_initializers": self.int8_initializers,
+            "model_bytes": self.model_bytes,
+            "data_bytes": self.data_bytes,
+            "rms_norms": self.rms_norms,
+            "rms_norms_reshaped": self.rms_norms_reshaped,
+            "max_abs_error": self.max_abs_error,
+            "top1_agreement": self.top1_agreement,
+        }
 
 
 def _keeps_integer_weight(node) -> bool | None:
@@ -68,8 +76,16 @@ def _keeps_integer_weight(node) -> bool | None:
     return None
 
 
-def export_static(module, example_inputs: Sequence[Any], path: str | Path, *, input_names: Sequence[str],
-                  output_names: Sequence[str], decompose_rms_norm: bool = True, opset: int = OPSET):
+def export_static(
+    module,
+    example_inputs: Sequence[Any],
+    path: str | Path,
+    *,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    decompose_rms_norm: bool = True,
+    opset: int = OPSET,
+):
     """Export ``module(*example_inputs)`` at the inputs' static shapes to ``path`` (+ ``path.data``).
 
     example_inputs: torch tensors, in ``input_names`` order. Returns (onnx_ir.Model in memory, `ExportReport`).
@@ -82,20 +98,26 @@ def export_static(module, example_inputs: Sequence[Any], path: str | Path, *, in
     import onnx
     import onnx_ir as ir
     import torch
-    from onnxscript import optimizer
-
     from hycoc.passes.rewrite.rms_norm import rank4_rms_inputs
     from hycoc.passes.rmsnorm_decomposition import RmsNormDecompositionPass
     from hycoc.passes.static_shape_check import check_static_graph
+    from onnxscript import optimizer
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     try:
         with torch.no_grad():
-            program = torch.onnx.export(module, tuple(example_inputs), dynamo=True, input_names=list(input_names),
-                                        output_names=list(output_names), opset_version=opset, optimize=False,
-                                        external_data=True)
+            program = torch.onnx.export(
+                module,
+                tuple(example_inputs),
+                dynamo=True,
+                input_names=list(input_names),
+                output_names=list(output_names),
+                opset_version=opset,
+                optimize=False,
+                external_data=True,
+            )
     except Exception as e:  # the exporter raises many types; say which graph failed and keep the cause
         raise ExportError(f"torch.onnx.export (dynamo) failed for {type(module).__name__}: {e}") from e
     model = program.model
@@ -114,7 +136,8 @@ def export_static(module, example_inputs: Sequence[Any], path: str | Path, *, in
                 f"{type(module).__name__}: {len(left)} RMSNorm(s) still reduce a rank-4 input after the decomposition "
                 f"({', '.join(f'{n} (rank {r})' for n, r in left)}); the HTP computes rank-4 RMSNorm wrongly. "
                 f"Fix: extend passes/rewrite/rms_norm.py so the norm matches (see "
-                f"hycoc.passes.rmsnorm_decomposition.explain), which reshapes x to [B, -1, head_dim] first")
+                f"hycoc.passes.rmsnorm_decomposition.explain), which reshapes x to [B, -1, head_dim] first"
+            )
     check_static_graph(model, what=f"{type(module).__name__} exported to {path.name}")
     data = path.with_name(path.name + ".data")
     ir.save(model, path, external_data=data.name)
@@ -124,18 +147,35 @@ def export_static(module, example_inputs: Sequence[Any], path: str | Path, *, in
         raise ExportError(f"ONNX checker rejected {path}: {e}") from e
     seconds = time.perf_counter() - start
     ops = Counter(node.op_type for node in ir.traversal.RecursiveGraphIterator(model.graph))
-    int8 = sum(1 for v in model.graph.initializers.values() if v.const_value is not None
-               and v.const_value.dtype == ir.DataType.INT8)
-    report = ExportReport(path=path, seconds=seconds, opset=model.opset_imports.get("", opset),
-                          ops=dict(sorted(ops.items())), int8_initializers=int8,
-                          model_bytes=path.stat().st_size, data_bytes=data.stat().st_size if data.exists() else 0,
-                          rms_norms=len(rewritten), rms_norms_reshaped=sum(1 for r in rewritten if r["reshaped"]))
+    int8 = sum(
+        1
+        for v in model.graph.initializers.values()
+        if v.const_value is not None and v.const_value.dtype == ir.DataType.INT8
+    )
+    report = ExportReport(
+        path=path,
+        seconds=seconds,
+        opset=model.opset_imports.get("", opset),
+        ops=dict(sorted(ops.items())),
+        int8_initializers=int8,
+        model_bytes=path.stat().st_size,
+        data_bytes=data.stat().st_size if data.exists() else 0,
+        rms_norms=len(rewritten),
+        rms_norms_reshaped=sum(1 for r in rewritten if r["reshaped"]),
+    )
     return model, report
 
 
-def compare_with_torch(path: str | Path, module, inputs: Sequence[Any], *, input_names: Sequence[str],
-                       output_names: Sequence[str], logits: str | None = "logits",
-                       report: ExportReport | None = None) -> tuple[dict[str, float], float | None]:
+def compare_with_torch(
+    path: str | Path,
+    module,
+    inputs: Sequence[Any],
+    *,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    logits: str | None = "logits",
+    report: ExportReport | None = None,
+) -> tuple[dict[str, float], float | None]:
     """Run the saved graph on onnxruntime's CPU EP and ``module`` in torch on the same ``inputs``.
 
     Returns (output name -> max absolute error, top-1 agreement over the rows of output ``logits`` or None), and
@@ -155,8 +195,10 @@ def compare_with_torch(path: str | Path, module, inputs: Sequence[Any], *, input
         raise ExportError(f"onnxruntime CPU EP could not run {path}: {e}") from e
     with torch.no_grad():
         want = [t.detach().cpu().numpy() for t in module(*inputs)]
-    errors = {name: float(np.max(np.abs(g.astype(np.float64) - w.astype(np.float64))))
-              for name, g, w in zip(output_names, got, want)}
+    errors = {
+        name: float(np.max(np.abs(g.astype(np.float64) - w.astype(np.float64))))
+        for name, g, w in zip(output_names, got, want)
+    }
     top1 = None
     if logits is not None:
         index = list(output_names).index(logits)

@@ -64,8 +64,11 @@ class ShippedIo:
     integer_outputs: dict[str, str] = field(default_factory=dict)
 
     def numbers(self) -> dict:
-        return {"dropped_outputs": self.dropped, "integer_inputs": len(self.integer_inputs),
-                "integer_outputs": len(self.integer_outputs)}
+        return {
+            "dropped_outputs": self.dropped,
+            "integer_inputs": len(self.integer_inputs),
+            "integer_outputs": len(self.integer_outputs),
+        }
 
 
 def _scalar_qparams(model, node) -> tuple[int, tuple] | None:
@@ -111,8 +114,10 @@ def quantize_kv_io(model) -> tuple[dict[str, str], dict[str, str]]:
         users = consumers.get(v.name, [])
         params = [_scalar_qparams(model, n) if n.op_type == "QuantizeLinear" else None for n in users]
         if not users or any(p is None for p in params) or len({p[1] for p in params}) != 1:
-            raise GraphIoError(f"input {v.name}: read by {[n.op_type for n in users]}, not by per-tensor "
-                               "QuantizeLinear nodes of one encoding; it cannot become an integer input")
+            raise GraphIoError(
+                f"input {v.name}: read by {[n.op_type for n in users]}, not by per-tensor "
+                "QuantizeLinear nodes of one encoding; it cannot become an integer input"
+            )
         for q in users:
             for n in consumers.get(q.output[0], []):
                 n.input[:] = [v.name if i == q.output[0] else i for i in n.input]
@@ -125,16 +130,17 @@ def quantize_kv_io(model) -> tuple[dict[str, str], dict[str, str]]:
         dq = producer.get(v.name)
         p = _scalar_qparams(model, dq) if dq is not None and dq.op_type == "DequantizeLinear" else None
         if p is None:
-            raise GraphIoError(f"output {v.name}: not written by a per-tensor DequantizeLinear; it cannot become an "
-                               "integer output")
+            raise GraphIoError(
+                f"output {v.name}: not written by a per-tensor DequantizeLinear; it cannot become an integer output"
+            )
         codes, inner = dq.input[0], f"{v.name}_dequantized"
-        for n in consumers.get(v.name, []):          # readers inside the graph keep the float rows
+        for n in consumers.get(v.name, []):  # readers inside the graph keep the float rows
             n.input[:] = [inner if i == v.name else i for i in n.input]
         if consumers.get(v.name):
             dq.output[0] = inner
         else:
             drop.add(id(dq))
-        for n in g.node:                              # the codes take the output's name
+        for n in g.node:  # the codes take the output's name
             n.input[:] = [v.name if i == codes else i for i in n.input]
             n.output[:] = [v.name if o == codes else o for o in n.output]
         v.type.tensor_type.elem_type = p[0]
@@ -153,5 +159,13 @@ def ship_graph(model, *, quantized_io: bool = False) -> ShippedIo:
     return out
 
 
-__all__ = ["CHECK_OUTPUTS", "GraphIoError", "ShippedIo", "drop_check_outputs", "is_kv_input", "is_kv_output",
-           "quantize_kv_io", "ship_graph"]
+__all__ = [
+    "CHECK_OUTPUTS",
+    "GraphIoError",
+    "ShippedIo",
+    "drop_check_outputs",
+    "is_kv_input",
+    "is_kv_output",
+    "quantize_kv_io",
+    "ship_graph",
+]

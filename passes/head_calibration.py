@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from hycoc.runtime.mtp_drafter import MtpDrafter
 
 from hycoc.host import head_sliding_positions
-from hycoc.runtime.mtp_drafter import MtpDrafter
 
 #: Prompts whose hand-offs calibrate the head's ranges.
 CALIBRATION_PROMPTS = 16
@@ -73,28 +73,38 @@ class TorchHeadRunner:
         outs = self.graph(*[torch.from_numpy(copied[n]) for n in self.input_names])
         self.records.append(copied)
         self.calls += 1
-        return {name: y.detach().float().numpy().astype(np.float32, copy=True)
-                for name, y in zip(self.output_names, outs)}
+        return {
+            name: y.detach().float().numpy().astype(np.float32, copy=True) for name, y in zip(self.output_names, outs)
+        }
 
 
-def runtime_bundle(recipe, keep_set: Sequence[int], embedding: tuple[np.ndarray, np.ndarray], rotary: Mapping,
-                   sliding_window: int) -> SimpleNamespace:
+def runtime_bundle(
+    recipe, keep_set: Sequence[int], embedding: tuple[np.ndarray, np.ndarray], rotary: Mapping, sliding_window: int
+) -> SimpleNamespace:
     """What `MtpDrafter` reads from a `DeviceBundle`, made from the compiler's objects: the round constants K, D, W
     and the query offset (recipe), ``host.head.sliding_window`` (the positions the head's sliding layers read,
     `hycoc.host.head_sliding_positions`), the keep set, E (``embedding``:
     int8 q [|V|, H], float32 scale [|V|, 1], `hycoc.passes.head_graph.embedding_table`) with ``embed_keep``, and
     the head's rotary tables (`hycoc.passes.head_graph.rotary_tables`)."""
     q, scale = (np.asarray(embedding[0]), np.asarray(embedding[1], dtype=np.float32))
-    rnd = SimpleNamespace(chain_length=recipe.tree.chain_length, sibling_depth=recipe.tree.sibling_depth,
-                          head_window=recipe.window.head_window,
-                          head_query_position_offset=recipe.window.head_query_position_offset)
+    rnd = SimpleNamespace(
+        chain_length=recipe.tree.chain_length,
+        sibling_depth=recipe.tree.sibling_depth,
+        head_window=recipe.window.head_window,
+        head_query_position_offset=recipe.window.head_query_position_offset,
+    )
 
     def embed_keep(index: int) -> np.ndarray:  # as DeviceBundle.embed_keep
         return q[index].astype(np.float32) * scale[index, 0]
 
-    return SimpleNamespace(round=rnd, host=SimpleNamespace(head=SimpleNamespace(sliding_window=int(sliding_window))),
-                           keep_set=np.asarray(keep_set, dtype=np.int64), head_embedding=(q, scale),
-                           head_rotary=dict(rotary), embed_keep=embed_keep)
+    return SimpleNamespace(
+        round=rnd,
+        host=SimpleNamespace(head=SimpleNamespace(sliding_window=int(sliding_window))),
+        keep_set=np.asarray(keep_set, dtype=np.int64),
+        head_embedding=(q, scale),
+        head_rotary=dict(rotary),
+        embed_keep=embed_keep,
+    )
 
 
 def handoff_scales(recipe) -> tuple[float, ...]:
@@ -126,8 +136,16 @@ class HeadDrive:
     answer_tokens: int = 0
 
 
-def drive_request(engine, drafter: MtpDrafter, prompt: Sequence[int], cap: int, answer: Sequence[int] | None = None,
-                  targets: Sequence[int] | None = None, chain_length: int = 0, seed: int = 0) -> HeadDrive:
+def drive_request(
+    engine,
+    drafter: MtpDrafter,
+    prompt: Sequence[int],
+    cap: int,
+    answer: Sequence[int] | None = None,
+    targets: Sequence[int] | None = None,
+    chain_length: int = 0,
+    seed: int = 0,
+) -> HeadDrive:
     """One request (module docstring): open, prefill, rounds at T = 0 with exact acceptance until the request
     finishes. A round's tree is the root and, with ``answer`` (the verifier's greedy answer), a chain of the next
     c answer tokens, c cycling through 0..``chain_length`` (accepted lengths as the device sees them; exact
@@ -140,8 +158,14 @@ def drive_request(engine, drafter: MtpDrafter, prompt: Sequence[int], cap: int, 
     from hycoc.protocol.messages import Sampling
 
     out = HeadDrive()
-    session = engine.open(prompt, Sampling(temperature=0.0, top_k=1, top_p=1.0), seed=seed, acceptance="exact",
-                          epsilon=1.0, max_new_tokens=cap)
+    session = engine.open(
+        prompt,
+        Sampling(temperature=0.0, top_k=1, top_p=1.0),
+        seed=seed,
+        acceptance="exact",
+        epsilon=1.0,
+        max_new_tokens=cap,
+    )
     start = len(prompt) - 1
     pending = list(targets) if targets is not None else None
     try:
@@ -154,7 +178,7 @@ def drive_request(engine, drafter: MtpDrafter, prompt: Sequence[int], cap: int, 
                 ahead = pending[0] + 1 - pos  # tokens to commit before the hand-off that drafts
                 if ahead > near:
                     c = min(SKIP_ROWS, ahead - near)
-            chain = [int(x) for x in (answer or [])[pos:pos + c]]
+            chain = [int(x) for x in (answer or [])[pos : pos + c]]
             reply = session.verify([session.root, *chain], list(range(-1, len(chain))), out.rounds)
             out.rounds += 1
             if reply.handoff is None:
@@ -180,9 +204,18 @@ class HeadCalibration:
     stats: dict[str, Any]
 
 
-def record_requests(engine, graph, shapes, bundle, prompts: Sequence[Sequence[int]], cap: int, *,
-                    answers: Sequence[Sequence[int]] | None = None, per_prompt: int = DRAFTS_PER_PROMPT,
-                    seed: int = 0) -> HeadCalibration:
+def record_requests(
+    engine,
+    graph,
+    shapes,
+    bundle,
+    prompts: Sequence[Sequence[int]],
+    cap: int,
+    *,
+    answers: Sequence[Sequence[int]] | None = None,
+    per_prompt: int = DRAFTS_PER_PROMPT,
+    seed: int = 0,
+) -> HeadCalibration:
     """Drive every prompt through `drive_request` with a fresh `MtpDrafter` over a recording `TorchHeadRunner`:
     ``per_prompt`` drafts at answer offsets spread over the answer (``cap`` tokens when ``answers`` is None)."""
     runner = TorchHeadRunner(graph, shapes)
@@ -196,42 +229,59 @@ def record_requests(engine, graph, shapes, bundle, prompts: Sequence[Sequence[in
         n = cap if answer is None else max(1, min(cap, len(answer)))
         # the last answer token ends the request (no hand-off): targets among the first n - 1 offsets
         targets = sorted(draft_rounds(max(1, n - 1), (i * golden) % 1.0, per_prompt))
-        drives.append(drive_request(engine, drafter, prompt, cap, answer, targets, bundle.round.chain_length,
-                                    seed=seed + i))
+        drives.append(
+            drive_request(engine, drafter, prompt, cap, answer, targets, bundle.round.chain_length, seed=seed + i)
+        )
     w = bundle.round.head_window
     live = [int((s["mask_full"].reshape(-1) == 0).sum()) for s in runner.records]
-    stats = {"prompts": len(prompts), "prompt_tokens": int(sum(len(p) for p in prompts)),
-             "answer_tokens": int(sum(d.answer_tokens for d in drives)),
-             "rounds": int(sum(d.rounds for d in drives)),
-             "tokens_per_round": round(sum(d.answer_tokens for d in drives) / max(1, sum(d.rounds for d in drives)), 3),
-             "drafts": int(sum(d.drafts for d in drives)),
-             "samples": len(runner.records), "seconds": round(time.perf_counter() - start, 2),
-             "live_columns": ({"min": min(live), "median": float(np.median(live)), "max": max(live),
-                               "full_ring_share": round(float(np.mean(np.asarray(live) >= w)), 3)} if live else {})}
+    stats = {
+        "prompts": len(prompts),
+        "prompt_tokens": int(sum(len(p) for p in prompts)),
+        "answer_tokens": int(sum(d.answer_tokens for d in drives)),
+        "rounds": int(sum(d.rounds for d in drives)),
+        "tokens_per_round": round(sum(d.answer_tokens for d in drives) / max(1, sum(d.rounds for d in drives)), 3),
+        "drafts": int(sum(d.drafts for d in drives)),
+        "samples": len(runner.records),
+        "seconds": round(time.perf_counter() - start, 2),
+        "live_columns": (
+            {
+                "min": min(live),
+                "median": float(np.median(live)),
+                "max": max(live),
+                "full_ring_share": round(float(np.mean(np.asarray(live) >= w)), 3),
+            }
+            if live
+            else {}
+        ),
+    }
     return HeadCalibration(runner.records, stats)
 
 
-def real_head_calibration(verifier, quantized, onnx_inputs: Mapping[str, Sequence[int]], tokenizer, recipe,
-                          seed: int = 0, answers=None) -> tuple[HeadCalibration, HeadCalibration, dict[str, Any]]:
+def real_head_calibration(
+    verifier, quantized, onnx_inputs: Mapping[str, Sequence[int]], tokenizer, recipe, seed: int = 0, answers=None
+) -> tuple[HeadCalibration, HeadCalibration, dict[str, Any]]:
     """(calibration, held-out, numbers) for the QAT head ``quantized`` (module docstring). onnx_inputs: the head
     graph's input name -> static shape. ``answers``: the build's `hycoc.passes.calibration_answers.CalibrationAnswers`
     (its first `CALIBRATION_PROMPTS` train and `HELD_OUT_PROMPTS` eval pairs, or all when fewer, answers cut at
     `answer_cap`); None makes them here (`make_answers`). Raises RecipeError (hand-off scales unset), HeadQatError
     (prompts)."""
-    from hycoc.chat_template import chat_from_recipe
     from hycoc.passes.calibration_answers import make_answers
     from hycoc.passes.head_graph import HeadGraph, embedding_table, rotary_tables
     from hycoc.passes.head_qat import dequantized_head
-    from hycoc.progress import step
     from hycoc.verifier.engine import VerifierEngine
+
+    from hycoc.chat_template import chat_from_recipe
+    from hycoc.progress import step
 
     rebuilt = dequantized_head(quantized)
     graph = HeadGraph(rebuilt).eval()
-    sliding_window = head_sliding_positions(int(rebuilt.config.get_text_config().sliding_window),
-                                            recipe.window.head_sliding_window_inclusive)
+    sliding_window = head_sliding_positions(
+        int(rebuilt.config.get_text_config().sliding_window), recipe.window.head_sliding_window_inclusive
+    )
     q, scale = embedding_table(verifier, quantized.keep_set)
-    bundle = runtime_bundle(recipe, quantized.keep_set, (q.numpy(), scale.numpy()), rotary_tables(rebuilt.config),
-                            sliding_window)
+    bundle = runtime_bundle(
+        recipe, quantized.keep_set, (q.numpy(), scale.numpy()), rotary_tables(rebuilt.config), sliding_window
+    )
     cap = answer_cap(recipe)
     t0 = time.perf_counter()
     if answers is None:
@@ -240,26 +290,49 @@ def real_head_calibration(verifier, quantized, onnx_inputs: Mapping[str, Sequenc
     source = answers.source
     cal_prompts, cal_answers = answers.take("train", min(CALIBRATION_PROMPTS, len(answers.train)), cap)
     held_prompts, held_answers = answers.take("eval", min(HELD_OUT_PROMPTS, len(answers.eval)), cap)
-    engine = VerifierEngine(verifier, head_window=recipe.window.head_window, chain_length=recipe.tree.chain_length,
-                            handoff_scales=handoff_scales(recipe), hidden=recipe.handoff.hidden,
-                            head_query_position_offset=recipe.window.head_query_position_offset,
-                            eos_token_ids=chat_from_recipe(recipe).stop_ids, device=verifier.device)
+    engine = VerifierEngine(
+        verifier,
+        head_window=recipe.window.head_window,
+        chain_length=recipe.tree.chain_length,
+        handoff_scales=handoff_scales(recipe),
+        hidden=recipe.handoff.hidden,
+        head_query_position_offset=recipe.window.head_query_position_offset,
+        eos_token_ids=chat_from_recipe(recipe).stop_ids,
+        device=verifier.device,
+    )
     try:
         with step("hand-offs through the MTP Drafter: requests", total=len(cal_prompts) + len(held_prompts)) as s:
-            cal = record_requests(engine, graph, onnx_inputs, bundle, cal_prompts, cap, answers=cal_answers,
-                                  seed=seed)
+            cal = record_requests(engine, graph, onnx_inputs, bundle, cal_prompts, cap, answers=cal_answers, seed=seed)
             s.advance(len(cal_prompts))
-            held = record_requests(engine, graph, onnx_inputs, bundle, held_prompts, cap, answers=held_answers,
-                                   seed=seed + 1000)
+            held = record_requests(
+                engine, graph, onnx_inputs, bundle, held_prompts, cap, answers=held_answers, seed=seed + 1000
+            )
             s.advance(len(held_prompts))
     finally:
         engine.close()  # removes the engine's hook from the shared verifier
-    numbers = {"source": source, "answer_cap": cap, "answer_seconds": round(answer_s, 2),
-               "drafts_per_prompt": DRAFTS_PER_PROMPT,
-               "calibration": cal.stats, "held_out": held.stats}
+    numbers = {
+        "source": source,
+        "answer_cap": cap,
+        "answer_seconds": round(answer_s, 2),
+        "drafts_per_prompt": DRAFTS_PER_PROMPT,
+        "calibration": cal.stats,
+        "held_out": held.stats,
+    }
     return cal, held, numbers
 
 
-__all__ = ["CALIBRATION_PROMPTS", "DRAFTS_PER_PROMPT", "HELD_OUT_PROMPTS", "HeadCalibration", "HeadDrive",
-           "TorchHeadRunner", "answer_cap", "draft_rounds", "drive_request", "handoff_scales",
-           "real_head_calibration", "record_requests", "runtime_bundle"]
+__all__ = [
+    "CALIBRATION_PROMPTS",
+    "DRAFTS_PER_PROMPT",
+    "HELD_OUT_PROMPTS",
+    "HeadCalibration",
+    "HeadDrive",
+    "TorchHeadRunner",
+    "answer_cap",
+    "draft_rounds",
+    "drive_request",
+    "handoff_scales",
+    "real_head_calibration",
+    "record_requests",
+    "runtime_bundle",
+]

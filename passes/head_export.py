@@ -27,15 +27,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-
-from hycoc.host import head_sliding_positions
-from hycoc.mtp import FULL, SLIDING
-from hycoc.passes.artifacts import (Artifact, OnnxArtifact, QuantizedHeadArtifact, TokenizerArtifact,
-                                    TorchModelArtifact)
+from hycoc.passes.artifacts import Artifact, OnnxArtifact, QuantizedHeadArtifact, TokenizerArtifact, TorchModelArtifact
 from hycoc.passes.calibration_answers import CalibrationAnswersArtifact
 from hycoc.passes.head_graph import INPUT_NAMES, OUTPUT_NAMES, HeadGraph, embedding_table, ring_masks, rotary_rows
 from hycoc.passes.head_graph import rotary_tables as head_rotary_tables
 from hycoc.passes.pipeline import Pass, PassReport
+
+from hycoc.host import head_sliding_positions
+from hycoc.mtp import FULL, SLIDING
 from hycoc.recipe import Recipe
 
 #: Queries the ONNX graph is compared on (each one graph call).
@@ -69,8 +68,11 @@ class HostTablesArtifact(Artifact):
 def host_tables(verifier, head_config, keep_set) -> dict[str, np.ndarray]:
     """The ``head_host`` arrays (module docstring)."""
     q, scale = embedding_table(verifier, keep_set)
-    out = {"embedding_q": q.numpy(), "embedding_scale": scale.numpy().astype(np.float32),
-           "keep_set": np.asarray(keep_set, dtype=np.int64)}
+    out = {
+        "embedding_q": q.numpy(),
+        "embedding_scale": scale.numpy().astype(np.float32),
+        "keep_set": np.asarray(keep_set, dtype=np.int64),
+    }
     for kind, table in head_rotary_tables(head_config).items():
         name = "sliding" if kind == SLIDING else "full"
         out[f"rotary_{name}_inv_freq"] = table.inv_freq.astype(np.float32)
@@ -93,15 +95,16 @@ def graph_inputs(cap: tuple, t: int, window: int, sliding_window: int, config) -
     """The graph's inputs (`INPUT_NAMES` order) for one query at root t of a verifier capture (e, h, kv):
     x_hat = [e(x_t); h_{t-1}] (Alg. 2 line 7), rings and masks of [0, t), rotary rows at t - 1."""
     e, h, kv = cap
-    x_hat = torch.cat([e[:, t:t + 1], h[:, t - 1:t]], dim=-1).float()
+    x_hat = torch.cat([e[:, t : t + 1], h[:, t - 1 : t]], dim=-1).float()
     masks = {k: torch.from_numpy(m) for k, m in ring_masks(t, 0, window, sliding_window).items()}
     rot = rotary_rows(config, t - 1)
     rings = {kind: ring_from_sequence(*kv[kind], t, window) for kind in (SLIDING, FULL)}
     return [x_hat, *rings[SLIDING], *rings[FULL], masks[SLIDING], masks[FULL], *rot[SLIDING], *rot[FULL]]
 
 
-def comparison_inputs(verifier, graph_config, keep_set, window: int, sliding_window: int,
-                      samples: int = COMPARE_SAMPLES, seed: int = 0) -> list[list[torch.Tensor]]:
+def comparison_inputs(
+    verifier, graph_config, keep_set, window: int, sliding_window: int, samples: int = COMPARE_SAMPLES, seed: int = 0
+) -> list[list[torch.Tensor]]:
     """``samples`` query inputs from one verifier pass over random keep-set tokens (length W + 2: the last roots
     see a full ring, the first a partly filled one)."""
     from hycoc.passes.head_qat import verifier_capture
@@ -139,33 +142,40 @@ class HeadExport(Pass):
         rebuilt = dequantized_head(quantized)
         graph = HeadGraph(rebuilt).eval()  # == HeadGraph.from_quantized(quantized), without rebuilding twice
         window = recipe.window.head_window
-        sliding_window = head_sliding_positions(int(rebuilt.config.get_text_config().sliding_window),
-                                                recipe.window.head_sliding_window_inclusive)
-        samples = comparison_inputs(verifier, rebuilt.config, quantized.keep_set, window, sliding_window,
-                                    self.samples, self.seed)
+        sliding_window = head_sliding_positions(
+            int(rebuilt.config.get_text_config().sliding_window), recipe.window.head_sliding_window_inclusive
+        )
+        samples = comparison_inputs(
+            verifier, rebuilt.config, quantized.keep_set, window, sliding_window, self.samples, self.seed
+        )
         with tempfile.TemporaryDirectory(prefix="hycoc-head-export-") as tmp:
             path = Path(tmp) / "head.onnx"
-            model, report = export_static(graph, samples[0], path, input_names=INPUT_NAMES,
-                                          output_names=OUTPUT_NAMES)
+            model, report = export_static(graph, samples[0], path, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES)
             errors: dict[str, float] = {}
             agree = []
             for sample in samples:
-                err, top1 = compare_with_torch(path, graph, sample, input_names=INPUT_NAMES,
-                                               output_names=OUTPUT_NAMES)
+                err, top1 = compare_with_torch(path, graph, sample, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES)
                 errors = {k: max(errors.get(k, 0.0), v) for k, v in err.items()}
                 agree.append(top1)
         report.max_abs_error, report.top1_agreement = errors, float(np.mean(agree))
         host = host_tables(verifier, rebuilt.config, quantized.keep_set)
         numbers = report.numbers() | {
-            "samples": len(samples), "window": window, "keep_set_size": int(len(quantized.keep_set)),
+            "samples": len(samples),
+            "window": window,
+            "keep_set_size": int(len(quantized.keep_set)),
             "embedding_bytes": int(host["embedding_q"].nbytes + host["embedding_scale"].nbytes),
-            "input_shapes": {n: list(x.shape) for n, x in zip(INPUT_NAMES, samples[0])}}
+            "input_shapes": {n: list(x.shape) for n, x in zip(INPUT_NAMES, samples[0])},
+        }
         numbers.pop("seconds")
-        summary = (f"static head graph W={window}, {sum(report.ops.values())} nodes, {report.rms_norms} RMSNorms "
-                   f"decomposed; ORT CPU vs torch on {len(samples)} queries: max |err| logits "
-                   f"{errors['logits']:.2e}, top-1 {report.top1_agreement:.0%}; E {host['embedding_q'].shape} int8")
-        return ({"onnx_head": OnnxArtifact("onnx_head", model), "head_host": HostTablesArtifact("head_host", host)},
-                PassReport(summary, numbers))
+        summary = (
+            f"static head graph W={window}, {sum(report.ops.values())} nodes, {report.rms_norms} RMSNorms "
+            f"decomposed; ORT CPU vs torch on {len(samples)} queries: max |err| logits "
+            f"{errors['logits']:.2e}, top-1 {report.top1_agreement:.0%}; E {host['embedding_q'].shape} int8"
+        )
+        return (
+            {"onnx_head": OnnxArtifact("onnx_head", model), "head_host": HostTablesArtifact("head_host", host)},
+            PassReport(summary, numbers),
+        )
 
 
 # ---- the head's QDQ graph ------------------------------------------------------------------------------------
@@ -182,16 +192,22 @@ def head_weight_arrays(model, quantized) -> dict[str, tuple[np.ndarray, np.ndarr
     such initializer or more than one."""
     from onnx import numpy_helper
 
-    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer
-             if t.data_type == 1 and len(t.dims) == 2}  # float32 matrices
+    inits = {
+        t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.data_type == 1 and len(t.dims) == 2
+    }  # float32 matrices
     out = {}
     for name, q in quantized.qweight.items():
         w = (q.float() * quantized.scale[name]).numpy()
-        hits = [n for n, a in inits.items() if (a.shape == w.shape and np.array_equal(a, w))
-                or (a.shape == w.T.shape and np.array_equal(a, w.T))]
+        hits = [
+            n
+            for n, a in inits.items()
+            if (a.shape == w.shape and np.array_equal(a, w)) or (a.shape == w.T.shape and np.array_equal(a, w.T))
+        ]
         if len(hits) != 1:
-            raise ValueError(f"head weight '{name}': {len(hits)} initializers of the exported graph equal its "
-                             f"q * scale (expected exactly one)")
+            raise ValueError(
+                f"head weight '{name}': {len(hits)} initializers of the exported graph equal its "
+                f"q * scale (expected exactly one)"
+            )
         out[hits[0]] = (q.numpy(), quantized.scale[name].numpy(), quantized.bits)
     return out
 
@@ -217,9 +233,13 @@ class HeadQdq(Pass):
     # outputs encoded [0, 1] (`hycoc.passes.qdq.softmax_overrides`)
     section = "head_qat"
     also_reads = ("window", "tree", "handoff")
-    consumes = {"onnx_head": OnnxArtifact, "quantized_head": QuantizedHeadArtifact,
-                "torch_verifier": TorchModelArtifact, "tokenizer": TokenizerArtifact,
-                "calibration_answers": CalibrationAnswersArtifact}
+    consumes = {
+        "onnx_head": OnnxArtifact,
+        "quantized_head": QuantizedHeadArtifact,
+        "torch_verifier": TorchModelArtifact,
+        "tokenizer": TokenizerArtifact,
+        "calibration_answers": CalibrationAnswersArtifact,
+    }
     produces = {"qdq_head": OnnxArtifact}
 
     def __init__(self, *, seed: int = 0, samples: int = CALIBRATION_SAMPLES):
@@ -229,13 +249,15 @@ class HeadQdq(Pass):
         from hycoc.passes import head_calibration as hc
 
         # the prompts and answers arrive as the calibration_answers artifact (its hash is in the key)
-        return {"seed": self.seed, "samples": self.samples,
-                "calibration": [hc.CALIBRATION_PROMPTS, hc.HELD_OUT_PROMPTS, hc.DRAFTS_PER_PROMPT]}
+        return {
+            "seed": self.seed,
+            "samples": self.samples,
+            "calibration": [hc.CALIBRATION_PROMPTS, hc.HELD_OUT_PROMPTS, hc.DRAFTS_PER_PROMPT],
+        }
 
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, Artifact], PassReport]:
         import onnx
         import onnx_ir as ir
-
         from hycoc.passes.head_qat import dequantized_head
         from hycoc.passes.qdq import layer_outputs, quantize_graph, sqnr_report
         from hycoc.passes.topk_outputs import append_topk
@@ -244,13 +266,17 @@ class HeadQdq(Pass):
         verifier = inputs["torch_verifier"].payload
         config = dequantized_head(quantized).config
         window = recipe.window.head_window
-        sliding_window = head_sliding_positions(int(config.get_text_config().sliding_window),
-                                                recipe.window.head_sliding_window_inclusive)
+        sliding_window = head_sliding_positions(
+            int(config.get_text_config().sliding_window), recipe.window.head_sliding_window_inclusive
+        )
 
         def feeds(seed):
-            return [{n: x.numpy() for n, x in zip(INPUT_NAMES, s)}
-                    for s in comparison_inputs(verifier, config, quantized.keep_set, window, sliding_window,
-                                               self.samples, seed)]
+            return [
+                {n: x.numpy() for n, x in zip(INPUT_NAMES, s)}
+                for s in comparison_inputs(
+                    verifier, config, quantized.keep_set, window, sliding_window, self.samples, seed
+                )
+            ]
 
         tokenizer = inputs.get("tokenizer")
         if tokenizer is not None:
@@ -258,9 +284,15 @@ class HeadQdq(Pass):
 
             shapes = {v.name: tuple(int(d) for d in v.shape) for v in inputs["onnx_head"].payload.graph.inputs}
             answers = inputs.get("calibration_answers")
-            cal, held_cal, calibration = real_head_calibration(verifier, quantized, shapes, tokenizer.payload,
-                                                               recipe, self.seed,
-                                                               answers=answers.payload if answers else None)
+            cal, held_cal, calibration = real_head_calibration(
+                verifier,
+                quantized,
+                shapes,
+                tokenizer.payload,
+                recipe,
+                self.seed,
+                answers=answers.payload if answers else None,
+            )
             samples, held_out = cal.samples, held_cal.samples
         else:  # unit tests of the pass without a tokenizer: keep-set queries of one verifier pass
             samples, held_out = feeds(self.seed + 100), feeds(self.seed + 101)
@@ -270,18 +302,26 @@ class HeadQdq(Pass):
             src.parent.mkdir()
             ir.save(inputs["onnx_head"].payload, src, external_data="model.onnx.data")
             arrays = head_weight_arrays(onnx.load(str(src)), quantized)
-            result = quantize_graph(src, samples, Path(tmp) / "qdq",
-                                    percentile=recipe.head_qat.input_range_percentile, weight_arrays=arrays)
+            result = quantize_graph(
+                src, samples, Path(tmp) / "qdq", percentile=recipe.head_qat.input_range_percentile, weight_arrays=arrays
+            )
             fmodel = onnx.load(str(result.float_path), load_external_data=False)
             held = sqnr_report(result.float_path, result.path, held_out, layers=layer_outputs(fmodel))
             # the runtime reads the graph's top-2 (Alg. 2 line 10), not its logits
             model = ir.serde.deserialize_model(append_topk(onnx.load(str(result.path)), 2, with_logq=False))
-        numbers = result.numbers() | {"top_k_outputs": 2, "samples": len(samples), "held_out_samples": len(held_out),
-                                      "sqnr_held_out": held, "calibration_inputs": calibration,
-                                      "percentile": recipe.head_qat.input_range_percentile}
+        numbers = result.numbers() | {
+            "top_k_outputs": 2,
+            "samples": len(samples),
+            "held_out_samples": len(held_out),
+            "sqnr_held_out": held,
+            "calibration_inputs": calibration,
+            "percentile": recipe.head_qat.input_range_percentile,
+        }
         s = result.sqnr
-        summary = (f"A16 W{quantized.bits} QDQ: {numbers['quantize_linear']} Q / {numbers['dequantize_linear']} DQ, "
-                   f"{len(result.weights)} weights bit-exact; SQNR logits {s['outputs']['logits']:.1f} dB, top-1 "
-                   f"{s['top1_agreement']:.0%} on {len(samples)} calibration queries (held-out "
-                   f"{len(held_out)}: {held['outputs']['logits']:.1f} dB, top-1 {held['top1_agreement']:.0%})")
+        summary = (
+            f"A16 W{quantized.bits} QDQ: {numbers['quantize_linear']} Q / {numbers['dequantize_linear']} DQ, "
+            f"{len(result.weights)} weights bit-exact; SQNR logits {s['outputs']['logits']:.1f} dB, top-1 "
+            f"{s['top1_agreement']:.0%} on {len(samples)} calibration queries (held-out "
+            f"{len(held_out)}: {held['outputs']['logits']:.1f} dB, top-1 {held['top1_agreement']:.0%})"
+        )
         return {"qdq_head": OnnxArtifact("qdq_head", model)}, PassReport(summary, numbers)

@@ -38,13 +38,23 @@ import numpy as np
 import torch
 from torch import nn
 
-from hycoc.mtp import FULL, SLIDING
 from hycoc.host import MASK_VALUE, RotaryTable, ring_masks  # noqa: F401  (ring_masks re-exported)
-
+from hycoc.mtp import FULL, SLIDING
 
 #: The graph's inputs and outputs in call order (names for the ONNX export and the bundle manifest).
-INPUT_NAMES = ("x_hat", "k_sliding", "v_sliding", "k_full", "v_full", "mask_sliding", "mask_full",
-               "cos_sliding", "sin_sliding", "cos_full", "sin_full")
+INPUT_NAMES = (
+    "x_hat",
+    "k_sliding",
+    "v_sliding",
+    "k_full",
+    "v_full",
+    "mask_sliding",
+    "mask_full",
+    "cos_sliding",
+    "sin_sliding",
+    "cos_full",
+    "sin_full",
+)
 OUTPUT_NAMES = ("logits", "h_next")
 
 
@@ -81,8 +91,20 @@ class HeadGraph(nn.Module):
 
         return cls(dequantized_head(head))
 
-    def forward(self, x_hat, k_sliding, v_sliding, k_full, v_full, mask_sliding, mask_full,
-                cos_sliding, sin_sliding, cos_full, sin_full):
+    def forward(
+        self,
+        x_hat,
+        k_sliding,
+        v_sliding,
+        k_full,
+        v_full,
+        mask_sliding,
+        mask_full,
+        cos_sliding,
+        sin_sliding,
+        cos_full,
+        sin_full,
+    ):
         kv = {SLIDING: (k_sliding, v_sliding), FULL: (k_full, v_full)}
         masks = {SLIDING: mask_sliding, FULL: mask_full}
         rotary = {SLIDING: (cos_sliding, sin_sliding), FULL: (cos_full, sin_full)}

@@ -53,13 +53,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from hycoc.passes.artifacts import KeepSetArtifact, QuantizedHead, QuantizedHeadArtifact, TorchModelArtifact
+from hycoc.passes.calibration_answers import CalibrationAnswersArtifact
+from hycoc.passes.pipeline import Pass, PassReport
 from torch import nn
 
 from hycoc.host import head_sliding_positions
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
-from hycoc.passes.artifacts import KeepSetArtifact, QuantizedHead, QuantizedHeadArtifact, TorchModelArtifact
-from hycoc.passes.calibration_answers import CalibrationAnswersArtifact
-from hycoc.passes.pipeline import Pass, PassReport
 from hycoc.recipe import HeadQat, Recipe
 from hycoc.toy.gemma_format import qmax
 
@@ -216,11 +216,19 @@ def greedy_answer(verifier, prompt: Sequence[int], max_new_tokens: int, stop_ids
     at most ``max_new_tokens`` ids."""
     device = verifier.device
     ids = torch.tensor([list(prompt)], device=device)
-    out = verifier.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                            max_new_tokens=max_new_tokens, pad_token_id=verifier.config.pad_token_id or 0,
-                            eos_token_id=sorted(stop_ids) or None, top_k=None, top_p=None, temperature=None)
+    out = verifier.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=verifier.config.pad_token_id or 0,
+        eos_token_id=sorted(stop_ids) or None,
+        top_k=None,
+        top_p=None,
+        temperature=None,
+    )
     answer = []
-    for token in out[0, ids.shape[1]:].tolist():
+    for token in out[0, ids.shape[1] :].tolist():
         answer.append(token)
         if token in stop_ids:
             break
@@ -244,8 +252,13 @@ def verifier_capture(verifier, ids: torch.Tensor, hidden: str = "pre_norm") -> t
     return e, tap["pre" if hidden == "pre_norm" else "post"], kv
 
 
-def capture_answers(verifier, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
-                    hidden: str = "pre_norm", progress=None) -> list[Capture]:
+def capture_answers(
+    verifier,
+    prompts: Sequence[Sequence[int]],
+    answers: Sequence[Sequence[int]],
+    hidden: str = "pre_norm",
+    progress=None,
+) -> list[Capture]:
     """Capture the head's inputs over each prompt + its answer (token ids; App. A), one verifier pass each."""
     caps = []
     for prompt, answer in zip(prompts, answers, strict=True):
@@ -257,8 +270,14 @@ def capture_answers(verifier, prompts: Sequence[Sequence[int]], answers: Sequenc
     return caps
 
 
-def capture_sequences(verifier, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
-                      hidden: str = "pre_norm", progress=None) -> list[Capture]:
+def capture_sequences(
+    verifier,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    stop_ids: set[int],
+    hidden: str = "pre_norm",
+    progress=None,
+) -> list[Capture]:
     """Answer each prompt (token ids) greedily, one at a time (`greedy_answer`), and capture the head's inputs over
     prompt + answer (App. A). The build answers in batches instead (`hycoc.passes.calibration_answers`)."""
     answers = [greedy_answer(verifier, prompt, max_new_tokens, stop_ids) for prompt in prompts]
@@ -332,8 +351,9 @@ def top1_agreement(student, teacher, plans: Sequence[tuple[Capture, Unroll]]) ->
 
 
 @torch.no_grad()
-def evaluate_students(students: dict[str, nn.Module], teacher, plans: Sequence[tuple[Capture, Unroll]],
-                      progress=None) -> tuple[dict[str, list[float]], dict[str, float], int]:
+def evaluate_students(
+    students: dict[str, nn.Module], teacher, plans: Sequence[tuple[Capture, Unroll]], progress=None
+) -> tuple[dict[str, list[float]], dict[str, float], int]:
     """`top1_agreement` and `mean_kl` of every student against ``teacher`` with one teacher unroll per sequence
     (the teacher's outputs are the same for all students). Returns ({name: per-depth shares}, {name: KL}, anchors);
     each value equals what the two functions return for that student alone. ``progress()``: after each sequence."""
@@ -352,8 +372,11 @@ def evaluate_students(students: dict[str, nn.Module], teacher, plans: Sequence[t
             progress()
     if not n:
         raise HeadQatError("no response anchors to measure agreement on: every answer is shorter than K tokens")
-    return ({name: [round(float(x) / n, 6) for x in h] for name, h in hits.items()},
-            {name: v / n for name, v in kl.items()}, n)
+    return (
+        {name: [round(float(x) / n, 6) for x in h] for name, h in hits.items()},
+        {name: v / n for name, v in kl.items()},
+        n,
+    )
 
 
 @torch.no_grad()
@@ -405,8 +428,14 @@ def qat_autocast(device: torch.device):
 TEACHER_CACHE_BYTES = 1 << 30
 
 
-def train_qat(student, teacher, plans: Sequence[tuple[Capture, Unroll]], config: HeadQat,
-              on_step=None, cache_bytes: int = TEACHER_CACHE_BYTES) -> TrainResult:
+def train_qat(
+    student,
+    teacher,
+    plans: Sequence[tuple[Capture, Unroll]],
+    config: HeadQat,
+    on_step=None,
+    cache_bytes: int = TEACHER_CACHE_BYTES,
+) -> TrainResult:
     """Table 4's loop: ``steps`` AdamW steps of ``grad_accum`` sequences each (batch 1 sequence, taken in order,
     cycling), loss `kl_to_teacher`, gradient-norm clip, `lr_factor` schedule. Trains ``student``'s QuantLinear
     weights in place. ``on_step(step, loss)`` is called after each step (progress).
@@ -471,11 +500,19 @@ def export_head(student, keep_set, input_ranges: dict[str, float]) -> QuantizedH
     if len(bits) != 1:
         raise HeadQatError(f"the head's linear layers have mixed widths {sorted(bits)}; expected one weight_bits")
     skip = tuple(f"{n}." for n in qweight) + ("model.embed_tokens.", "masked_embedding.")
-    floats = {name: t.detach().float().cpu().clone() for name, t in student.state_dict().items()
-              if not name.startswith(skip)}
+    floats = {
+        name: t.detach().float().cpu().clone() for name, t in student.state_dict().items() if not name.startswith(skip)
+    }
     config = student.config.to_dict()
-    return QuantizedHead(config=config, keep_set=torch.as_tensor(keep_set, dtype=torch.long).cpu().numpy(),
-                         bits=bits.pop(), qweight=qweight, scale=scale, floats=floats, input_ranges=input_ranges)
+    return QuantizedHead(
+        config=config,
+        keep_set=torch.as_tensor(keep_set, dtype=torch.long).cpu().numpy(),
+        bits=bits.pop(),
+        qweight=qweight,
+        scale=scale,
+        floats=floats,
+        input_ranges=input_ranges,
+    )
 
 
 def dequantized_head(head: QuantizedHead) -> nn.Module:
@@ -510,8 +547,10 @@ def _first_user_turn(record: Any, where: str) -> str:
     if not isinstance(record, dict):
         raise HeadQatError(f"{where}: a prompt line must be a JSON object")
     if "question_id" in record and "turns" in record:
-        raise HeadQatError(f"{where}: this is a Spec-Bench question; head_qat.calibration_data must never hold "
-                           "benchmark prompts (paper App. A: no SB prompt is used in calibration or QAT)")
+        raise HeadQatError(
+            f"{where}: this is a Spec-Bench question; head_qat.calibration_data must never hold "
+            "benchmark prompts (paper App. A: no SB prompt is used in calibration or QAT)"
+        )
     if isinstance(record.get("messages"), list):
         for message in record["messages"]:
             if isinstance(message, dict) and message.get("role") == "user":
@@ -564,8 +603,10 @@ def prompt_sources(recipe: Recipe) -> tuple[list[str], list[str], str]:
     if corpus is not None:
         texts = read_prompts(corpus, skip=recipe.keep_set.corpus_conversations)
         return texts, texts, f"{corpus} after line {recipe.keep_set.corpus_conversations}"
-    raise HeadQatError("head_qat.calibration_data and keep_set.corpus are both empty: the calibration prompts come "
-                       "from one of them (the paper: UltraChat 200k train_sft first turns)")
+    raise HeadQatError(
+        "head_qat.calibration_data and keep_set.corpus are both empty: the calibration prompts come "
+        "from one of them (the paper: UltraChat 200k train_sft first turns)"
+    )
 
 
 def prompt_source_key(recipe: Recipe) -> dict[str, Any]:
@@ -573,19 +614,24 @@ def prompt_source_key(recipe: Recipe) -> dict[str, Any]:
     ``keep_set.corpus`` (the first one set). Raises HeadQatError for a missing file or when both are empty."""
     from hycoc.passes.keep_set import _sha256_file
 
-    for key, value in (("head_qat.calibration_data", recipe.head_qat.calibration_data),
-                       ("keep_set.corpus", recipe.keep_set.corpus)):
+    for key, value in (
+        ("head_qat.calibration_data", recipe.head_qat.calibration_data),
+        ("keep_set.corpus", recipe.keep_set.corpus),
+    ):
         path = recipe.resolve_path(value)
         if path is not None:
             if not path.is_file():
                 raise HeadQatError(f"{key}: {path} does not exist")
             return {key: _sha256_file(path)}
-    raise HeadQatError("head_qat.calibration_data and keep_set.corpus are both empty: the calibration prompts come "
-                       "from one of them (the paper: UltraChat 200k train_sft first turns)")
+    raise HeadQatError(
+        "head_qat.calibration_data and keep_set.corpus are both empty: the calibration prompts come "
+        "from one of them (the paper: UltraChat 200k train_sft first turns)"
+    )
 
 
-def pick_prompts(chat, candidates: Sequence[str], count: int, budget: int, key: str,
-                 exclude: int = 0) -> tuple[list[list[int]], int]:
+def pick_prompts(
+    chat, candidates: Sequence[str], count: int, budget: int, key: str, exclude: int = 0
+) -> tuple[list[list[int]], int]:
     """The first ``count`` of ``candidates[exclude:]`` whose chat-formatted ids (``chat``: the checkpoint's
     `hycoc.chat.Chat`) fit ``budget`` tokens, as id lists, and how many were skipped as too long. Raises
     HeadQatError naming ``key`` when fewer fit."""
@@ -599,8 +645,10 @@ def pick_prompts(chat, candidates: Sequence[str], count: int, budget: int, key: 
             continue
         picked.append(ids)
     if len(picked) < count:
-        raise HeadQatError(f"{key} = {count}, but only {len(picked)} prompts of the source fit "
-                           f"head_qat.max_seq_len minus the answer cap ({budget} tokens; {skipped} longer skipped)")
+        raise HeadQatError(
+            f"{key} = {count}, but only {len(picked)} prompts of the source fit "
+            f"head_qat.max_seq_len minus the answer cap ({budget} tokens; {skipped} longer skipped)"
+        )
     return picked, skipped
 
 
@@ -611,16 +659,20 @@ def _head_sliding_window(head) -> int:
     return int(head.config.get_text_config().sliding_window)
 
 
-def _plans(caps: Sequence[Capture], k_steps: int, window: int, sliding_window: int,
-           offset: int) -> list[tuple[Capture, Unroll]]:
+def _plans(
+    caps: Sequence[Capture], k_steps: int, window: int, sliding_window: int, offset: int
+) -> list[tuple[Capture, Unroll]]:
     plans = [(c, plan_unroll(c, k_steps, window, sliding_window, offset)) for c in caps]
     return [(c, p) for c, p in plans if p is not None]
 
 
 def _stats(caps: Sequence[Capture], plans) -> dict[str, int]:
-    return {"sequences": len(caps), "prompt_tokens": sum(c.prompt_len for c in caps),
-            "response_tokens": sum(c.length - c.prompt_len for c in caps),
-            "anchors": sum(len(p.anchors) for _, p in plans)}
+    return {
+        "sequences": len(caps),
+        "prompt_tokens": sum(c.prompt_len for c in caps),
+        "response_tokens": sum(c.length - c.prompt_len for c in caps),
+        "anchors": sum(len(p.anchors) for _, p in plans),
+    }
 
 
 class HeadQatPass(Pass):
@@ -636,8 +688,12 @@ class HeadQatPass(Pass):
     name = "head_qat"
     section = "head_qat"
     also_reads = ("window", "tree", "handoff")
-    consumes = {"torch_verifier": TorchModelArtifact, "torch_head": TorchModelArtifact,
-                "keep_set": KeepSetArtifact, "calibration_answers": CalibrationAnswersArtifact}
+    consumes = {
+        "torch_verifier": TorchModelArtifact,
+        "torch_head": TorchModelArtifact,
+        "keep_set": KeepSetArtifact,
+        "calibration_answers": CalibrationAnswersArtifact,
+    }
     produces = {"quantized_head": QuantizedHeadArtifact}
     version = 2  # v2: prompts and greedy answers from the calibration_answers pass; one teacher pass per evaluation
 
@@ -674,22 +730,24 @@ class HeadQatPass(Pass):
         train_plans = _plans(train_caps, k_steps, window, sw, offset)
         eval_plans = _plans(eval_caps, k_steps, window, sw, offset)
         if not train_plans:
-            raise HeadQatError("no calibration answer is longer than tree.chain_length tokens: raise "
-                               "head_qat.calibration_max_new_tokens")
+            raise HeadQatError(
+                "no calibration answer is longer than tree.chain_length tokens: raise "
+                "head_qat.calibration_max_new_tokens"
+            )
 
         ratios = clip_ratios(config)
         label = f"w{config.weight_bits}"
         ptq8, _ = quantize_head(teacher, 8, ratios)
         student, chosen = quantize_head(teacher, config.weight_bits, ratios)
         with step("PTQ agreement (W8, W4) on the evaluation answers", total=len(eval_plans)) as s:
-            agreement, eval_kl, n_eval = evaluate_students({"w8_ptq": ptq8, f"{label}_ptq": student}, teacher,
-                                                          eval_plans, s.advance)
+            agreement, eval_kl, n_eval = evaluate_students(
+                {"w8_ptq": ptq8, f"{label}_ptq": student}, teacher, eval_plans, s.advance
+            )
         del ptq8
         kl = {"eval_ptq": eval_kl[f"{label}_ptq"]}
 
         with step("QAT steps", total=config.steps) as s:
-            result = train_qat(student, teacher, train_plans, config,
-                               lambda i, loss: s.advance(note=f"KL {loss:.4f}"))
+            result = train_qat(student, teacher, train_plans, config, lambda i, loss: s.advance(note=f"KL {loss:.4f}"))
         with step("QAT agreement on the evaluation answers", total=len(eval_plans)) as s:
             after, after_kl, _ = evaluate_students({f"{label}_qat": student}, teacher, eval_plans, s.advance)
         agreement.update(after)
@@ -700,7 +758,10 @@ class HeadQatPass(Pass):
         ratio_all = torch.cat(list(chosen.values()))
         tail = min(10, len(result.losses))
         numbers = {
-            "bits": config.weight_bits, "steps": config.steps, "k": k_steps, "window": window,
+            "bits": config.weight_bits,
+            "steps": config.steps,
+            "k": k_steps,
+            "window": window,
             "prompt_source": source,
             "calibration": _stats(train_caps, train_plans),
             "eval": {**_stats(eval_caps, eval_plans), "anchors_measured": n_eval},
@@ -719,8 +780,10 @@ class HeadQatPass(Pass):
             "input_ranges": ranges,
         }
         d1 = {k: v[0] for k, v in agreement.items()}
-        summary = (f"{label.upper()} top-1 agreement d1 {d1[f'{label}_ptq']:.1%} (PTQ) -> {d1[f'{label}_qat']:.1%} "
-                   f"(QAT, {config.steps} steps, {result.seconds_per_step:.2f} s/step); W8 PTQ {d1['w8_ptq']:.1%}")
+        summary = (
+            f"{label.upper()} top-1 agreement d1 {d1[f'{label}_ptq']:.1%} (PTQ) -> {d1[f'{label}_qat']:.1%} "
+            f"(QAT, {config.steps} steps, {result.seconds_per_step:.2f} s/step); W8 PTQ {d1['w8_ptq']:.1%}"
+        )
         return {"quantized_head": QuantizedHeadArtifact("quantized_head", head)}, PassReport(summary, numbers)
 
     @staticmethod
@@ -729,8 +792,9 @@ class HeadQatPass(Pass):
         """Fixed graph input ranges (App. A: the 99.99th percentiles of the captures): |e|, |h| (the verifier's),
         |h_head| (the head's own projected states, the second half of x_hat from step 2 on), and the four KV
         tensors, over every position of the calibration sequences (h_head: at their response anchors)."""
-        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("e", "h", "h_head", "k_sliding", "v_sliding",
-                                                                 "k_full", "v_full")}
+        parts: dict[str, list[torch.Tensor]] = {
+            k: [] for k in ("e", "h", "h_head", "k_sliding", "v_sliding", "k_full", "v_full")
+        }
         for cap, plan in plans:
             parts["e"].append(cap.e)
             parts["h"].append(cap.h)

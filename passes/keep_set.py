@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from hycoc.jsonl import iter_jsonl
 from hycoc.passes.artifacts import KeepSetArtifact, KeepSetStats, TokenizerArtifact
 from hycoc.passes.pipeline import Pass, PassReport
+
+from hycoc.jsonl import iter_jsonl
 from hycoc.recipe import KeepSet, Recipe
 
 _ENCODE_CHUNK = 1024  # turns per encode_batch call, to bound memory
@@ -66,7 +66,7 @@ def assistant_turns(conversation: Any, where: str) -> list[str]:
     if "messages" in conversation:
         messages = conversation["messages"]
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise KeepSetError(f"{where}: 'messages' must be a list of {{\"role\", \"content\"}} objects")
+            raise KeepSetError(f'{where}: \'messages\' must be a list of {{"role", "content"}} objects')
         return [_text(m.get("content", ""), where) for m in messages if m.get("role") in ("assistant", "model")]
     for key in ("model", "assistant"):
         if key in conversation:
@@ -109,16 +109,19 @@ def byte_token_ids(tok) -> list[int]:
         ids = [vocab.get(t) for t in candidates]
         if all(i is not None for i in ids):
             return sorted(ids)
-    raise KeepSetError("keep_set.always_bytes = true, but the tokenizer has neither the 256 byte-fallback tokens "
-                       "<0x00>..<0xFF> nor the 256 byte-level alphabet tokens")
+    raise KeepSetError(
+        "keep_set.always_bytes = true, but the tokenizer has neither the 256 byte-fallback tokens "
+        "<0x00>..<0xFF> nor the 256 byte-level alphabet tokens"
+    )
 
 
 def forced_range_ids(tok, ranges: Sequence[tuple[int, int]]) -> list[int]:
     """Sorted ids whose single-token decoded text has a code point in one of the inclusive ``ranges``."""
     if not ranges:
         return []
-    texts = tok.decode_batch([[i] for i in range(tok.get_vocab_size(with_added_tokens=True))],
-                             skip_special_tokens=False)
+    texts = tok.decode_batch(
+        [[i] for i in range(tok.get_vocab_size(with_added_tokens=True))], skip_special_tokens=False
+    )
     return [i for i, text in enumerate(texts) if any(lo <= ord(ch) <= hi for ch in text for lo, hi in ranges)]
 
 
@@ -128,7 +131,7 @@ def count_tokens(tok, turns: Iterable[str]) -> np.ndarray:
     counts = np.zeros(vocab_size, dtype=np.int64)
     turns = list(turns)
     for start in range(0, len(turns), _ENCODE_CHUNK):
-        for encoding in tok.encode_batch(turns[start:start + _ENCODE_CHUNK], add_special_tokens=False):
+        for encoding in tok.encode_batch(turns[start : start + _ENCODE_CHUNK], add_special_tokens=False):
             counts += np.bincount(np.asarray(encoding.ids, dtype=np.int64), minlength=vocab_size)
     return counts
 
@@ -136,8 +139,7 @@ def count_tokens(tok, turns: Iterable[str]) -> np.ndarray:
 # ---- the selection ------------------------------------------------------------------------------------------
 
 
-def select_keep_set(tok, turns: Sequence[str], config: KeepSet, *, conversations: int,
-                    corpus: str) -> KeepSetArtifact:
+def select_keep_set(tok, turns: Sequence[str], config: KeepSet, *, conversations: int, corpus: str) -> KeepSetArtifact:
     """Build the keep set (module docstring) from a tokenizer, assistant turns and the ``[keep_set]`` table.
 
     ``conversations`` and ``corpus`` (a name for reports) are recorded in the stats. Returns a `KeepSetArtifact`
@@ -150,8 +152,10 @@ def select_keep_set(tok, turns: Sequence[str], config: KeepSet, *, conversations
     counts = count_tokens(tok, turns)
     total = int(counts.sum())
     if total == 0:
-        raise KeepSetError(f"keep_set.corpus: {corpus} has no assistant tokens ({conversations} conversations, "
-                           f"{len(turns)} assistant turns read)")
+        raise KeepSetError(
+            f"keep_set.corpus: {corpus} has no assistant tokens ({conversations} conversations, "
+            f"{len(turns)} assistant turns read)"
+        )
 
     kept = np.zeros(vocab_size, dtype=bool)
     added: dict[str, int] = {}
@@ -169,7 +173,8 @@ def select_keep_set(tok, turns: Sequence[str], config: KeepSet, *, conversations
     if always > config.size:
         raise KeepSetError(
             f"keep_set.size = {config.size} is smaller than the {always} always-kept tokens "
-            f"({added['special']} special + {added['byte']} byte + {added['forced']} forced-range)")
+            f"({added['special']} special + {added['byte']} byte + {added['forced']} forced-range)"
+        )
 
     # Most frequent first, ties by lower id (lexsort: last key is the primary one).
     order = np.lexsort((np.arange(vocab_size), -counts))
@@ -177,9 +182,17 @@ def select_keep_set(tok, turns: Sequence[str], config: KeepSet, *, conversations
     kept[order] = True
     ids = np.flatnonzero(kept).astype(np.int64)
     stats = KeepSetStats(
-        size=len(ids), vocab_size=vocab_size, special=added["special"], byte=added["byte"], forced=added["forced"],
-        frequent=len(order), frequent_unseen=int((counts[order] == 0).sum()), conversations=conversations,
-        assistant_tokens=total, covered_tokens=int(counts[ids].sum()), corpus=corpus,
+        size=len(ids),
+        vocab_size=vocab_size,
+        special=added["special"],
+        byte=added["byte"],
+        forced=added["forced"],
+        frequent=len(order),
+        frequent_unseen=int((counts[order] == 0).sum()),
+        conversations=conversations,
+        assistant_tokens=total,
+        covered_tokens=int(counts[ids].sum()),
+        corpus=corpus,
     )
     return KeepSetArtifact("keep_set", ids, stats)
 
@@ -196,9 +209,11 @@ def corpus_path(recipe: Recipe) -> Path:
     """The recipe's ``keep_set.corpus`` as a path. Raises KeepSetError when it is empty or missing."""
     path = recipe.resolve_path(recipe.keep_set.corpus)
     if path is None:
-        raise KeepSetError("keep_set.corpus is empty: give a JSONL file of conversations whose assistant turns the "
-                           "keep set counts (the paper: 20,000 UltraChat 200k train_sft conversations; the toy "
-                           "recipe ships toy/data/conversations.jsonl)")
+        raise KeepSetError(
+            "keep_set.corpus is empty: give a JSONL file of conversations whose assistant turns the "
+            "keep set counts (the paper: 20,000 UltraChat 200k train_sft conversations; the toy "
+            "recipe ships toy/data/conversations.jsonl)"
+        )
     if not path.is_file():
         raise KeepSetError(f"keep_set.corpus: {path} does not exist")
     return path
@@ -225,8 +240,16 @@ class KeepSetPass(Pass):
         assert s is not None
         report = PassReport(
             f"kept {s.size} ids, {s.coverage:.1%} of assistant tokens covered",
-            {"size": s.size, "special": s.special, "byte": s.byte, "forced": s.forced, "frequent": s.frequent,
-             "frequent_unseen": s.frequent_unseen, "conversations": s.conversations,
-             "assistant_tokens": s.assistant_tokens, "coverage": round(s.coverage, 6)},
+            {
+                "size": s.size,
+                "special": s.special,
+                "byte": s.byte,
+                "forced": s.forced,
+                "frequent": s.frequent,
+                "frequent_unseen": s.frequent_unseen,
+                "conversations": s.conversations,
+                "assistant_tokens": s.assistant_tokens,
+                "coverage": round(s.coverage, 6),
+            },
         )
         return {"keep_set": keep}, report

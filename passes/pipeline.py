@@ -41,16 +41,25 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from hycoc.passes.artifacts import Artifact
 from rich.console import Console
 from rich.table import Table
 
-from hycoc.passes.artifacts import Artifact
 from hycoc.progress import current_pass, live_progress, plain_line
 from hycoc.recipe import Recipe
 
 #: Packages whose versions enter every cache key: a new exporter, optimizer or runtime can change an artifact.
-KEYED_PACKAGES = ("torch", "transformers", "tokenizers", "numpy", "onnx", "onnxscript", "onnx-ir", "onnxruntime",
-                  "onnxruntime-qnn")
+KEYED_PACKAGES = (
+    "torch",
+    "transformers",
+    "tokenizers",
+    "numpy",
+    "onnx",
+    "onnxscript",
+    "onnx-ir",
+    "onnxruntime",
+    "onnxruntime-qnn",
+)
 
 
 class PipelineError(ValueError):
@@ -80,13 +89,23 @@ class PassReport:
     location: Path | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"summary": self.summary, "numbers": self.numbers, "pass_name": self.pass_name,
-                "seconds": self.seconds, "cpu_seconds": self.cpu_seconds}
+        return {
+            "summary": self.summary,
+            "numbers": self.numbers,
+            "pass_name": self.pass_name,
+            "seconds": self.seconds,
+            "cpu_seconds": self.cpu_seconds,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PassReport:
-        return cls(summary=data["summary"], numbers=data["numbers"], pass_name=data["pass_name"],
-                   seconds=data["seconds"], cpu_seconds=data.get("cpu_seconds", 0.0))
+        return cls(
+            summary=data["summary"],
+            numbers=data["numbers"],
+            pass_name=data["pass_name"],
+            seconds=data["seconds"],
+            cpu_seconds=data.get("cpu_seconds", 0.0),
+        )
 
 
 class Pass:
@@ -152,8 +171,9 @@ class Pipeline:
     """An ordered chain of passes with a content-addressed cache (see the module docstring). ``device``: where the
     torch-model passes run ("cpu" default, "cuda"); it keys those passes when it is not "cpu"."""
 
-    def __init__(self, passes: Sequence[Pass], cache_dir: str | Path, *, console: Console | None = None,
-                 device: str = "cpu"):
+    def __init__(
+        self, passes: Sequence[Pass], cache_dir: str | Path, *, console: Console | None = None, device: str = "cpu"
+    ):
         self.passes = list(passes)
         self.device = str(device)
         self.cache_dir = Path(cache_dir)
@@ -176,19 +196,23 @@ class Pipeline:
         for index, p in enumerate(self.passes, start=1):
             for table in p.reads():
                 if table not in Recipe.model_fields:
-                    raise PipelineError(f"pass {index} '{p.name}' reads recipe table [{table}], which does not "
-                                        f"exist; tables: {', '.join(Recipe.model_fields)}")
+                    raise PipelineError(
+                        f"pass {index} '{p.name}' reads recipe table [{table}], which does not "
+                        f"exist; tables: {', '.join(Recipe.model_fields)}"
+                    )
             for kind, wanted in p.consumes.items():
                 if kind not in available:
                     have = ", ".join(sorted(available)) or "nothing"
                     raise PipelineError(
                         f"pass {index} '{p.name}' consumes '{kind}', which no earlier pass produces and which is not "
-                        f"given as input (available before it: {have})")
+                        f"given as input (available before it: {have})"
+                    )
                 cls, source = available[kind]
                 if not issubclass(cls, wanted):
                     raise PipelineError(
                         f"pass {index} '{p.name}' consumes '{kind}' as {wanted.__name__}, but {source} provide "
-                        f"it as {cls.__name__}")
+                        f"it as {cls.__name__}"
+                    )
             for kind, cls in p.produces.items():
                 available[kind] = (cls, f"pass '{p.name}'")
 
@@ -218,8 +242,9 @@ class Pipeline:
 
     # ---- run ----------------------------------------------------------------------------------------------
 
-    def run(self, recipe: Recipe, inputs: Mapping[str, Artifact] | None = None, *,
-            until: str | None = None) -> PipelineResult:
+    def run(
+        self, recipe: Recipe, inputs: Mapping[str, Artifact] | None = None, *, until: str | None = None
+    ) -> PipelineResult:
         """Run the passes in order (up to and including ``until``), reusing cached outputs.
 
         ``inputs``: artifacts given from outside, by kind (e.g. the tokenizer). Raises PipelineError before any
@@ -256,13 +281,17 @@ class Pipeline:
                 artifacts.update(outputs)
                 reports.append(report)
                 how = "cached" if report.cached else "ran"
-                plain_line(f"[{index}/{len(todo)}] {p.name}: {how}, {report.seconds:.1f} s "
-                           f"(CPU {report.cpu_seconds:.1f} s): {report.summary}", self.console)
+                plain_line(
+                    f"[{index}/{len(todo)}] {p.name}: {how}, {report.seconds:.1f} s "
+                    f"(CPU {report.cpu_seconds:.1f} s): {report.summary}",
+                    self.console,
+                )
         self.console.print(summary_table(reports))
         return PipelineResult(artifacts, reports, until)
 
-    def _run_one(self, p: Pass, artifacts: Mapping[str, Artifact], recipe: Recipe,
-                 live=None) -> tuple[dict[str, Artifact], PassReport]:
+    def _run_one(
+        self, p: Pass, artifacts: Mapping[str, Artifact], recipe: Recipe, live=None
+    ) -> tuple[dict[str, Artifact], PassReport]:
         inputs = {kind: artifacts[kind] for kind in p.consumes}
         key = self.cache_key(p, inputs, recipe)
         entry = self.cache_dir / p.name / key
@@ -288,12 +317,15 @@ class Pipeline:
 
     def _check_outputs(self, p: Pass, outputs: Mapping[str, Artifact]) -> None:
         if set(outputs) != set(p.produces):
-            raise PipelineError(f"pass '{p.name}' returned kinds {sorted(outputs)}, but declares it produces "
-                                f"{sorted(p.produces)}")
+            raise PipelineError(
+                f"pass '{p.name}' returned kinds {sorted(outputs)}, but declares it produces {sorted(p.produces)}"
+            )
         for kind, artifact in outputs.items():
             if not isinstance(artifact, p.produces[kind]) or artifact.kind != kind:
-                raise PipelineError(f"pass '{p.name}' returned a {type(artifact).__name__} of kind "
-                                    f"'{artifact.kind}' as '{kind}'; it declares {p.produces[kind].__name__}")
+                raise PipelineError(
+                    f"pass '{p.name}' returned a {type(artifact).__name__} of kind "
+                    f"'{artifact.kind}' as '{kind}'; it declares {p.produces[kind].__name__}"
+                )
 
     def _store(self, p: Pass, entry: Path, outputs: Mapping[str, Artifact], report: PassReport) -> None:
         """Write the outputs to a temporary folder beside ``entry`` and rename it to ``entry`` when complete."""
@@ -353,7 +385,8 @@ def summary_table(reports: Sequence[PassReport]):
     table.add_column("CPU", justify="right", footer=f"{sum(r.cpu_seconds for r in reports):.1f} s")
     table.add_column("cached", footer=f"{len(reports) - len(ran)} of {len(reports)}")
     for index, r in enumerate(reports, start=1):
-        table.add_row(str(index), r.pass_name, f"{r.seconds:.2f} s", f"{r.cpu_seconds:.1f} s",
-                      "yes" if r.cached else "no")
+        table.add_row(
+            str(index), r.pass_name, f"{r.seconds:.2f} s", f"{r.cpu_seconds:.1f} s", "yes" if r.cached else "no"
+        )
     lines = [Text(f"{index:>2} {r.pass_name}: {r.summary}") for index, r in enumerate(reports, start=1)]
     return Group(table, *lines)

@@ -58,10 +58,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from hycoc.passes.calibration import (MASK_MAX, MASK_MIN, ROTARY_MAX, ROTARY_MIN, CalibrationError,
-                                      activation_ranges, check_samples, is_mask_input, is_rotary_input, list_reader)
+from hycoc.passes.calibration import (
+    MASK_MAX,
+    MASK_MIN,
+    ROTARY_MAX,
+    ROTARY_MIN,
+    CalibrationError,
+    activation_ranges,
+    check_samples,
+    is_mask_input,
+    is_rotary_input,
+    list_reader,
+)
 from hycoc.passes.pipeline import Pass, PassReport
+
 from hycoc.recipe import Recipe
 
 #: Fixed lower end of an attention (scores + mask) sum's encoding: masked scores clip here.
@@ -199,12 +209,15 @@ def weights_from_arrays(model, arrays: Mapping[str, tuple[np.ndarray, np.ndarray
         want = q.astype(np.float32) * s[:, None]
         if w.shape == want.shape and np.array_equal(w.view(np.uint32), want.view(np.uint32)):
             specs.append(IntegerWeightSpec(name, q, s, 0, bits))
-        elif w.shape == want.T.shape and np.array_equal(w.view(np.uint32),
-                                                        np.ascontiguousarray(want.T).view(np.uint32)):
+        elif w.shape == want.T.shape and np.array_equal(
+            w.view(np.uint32), np.ascontiguousarray(want.T).view(np.uint32)
+        ):
             specs.append(IntegerWeightSpec(name, np.ascontiguousarray(q.T), s, 1, bits))
         else:
-            raise QdqError(f"initializer '{name}' {w.shape} is not q * scale {want.shape} (or its transpose) bit for "
-                           f"bit: the graph was not exported from these integers")
+            raise QdqError(
+                f"initializer '{name}' {w.shape} is not q * scale {want.shape} (or its transpose) bit for "
+                f"bit: the graph was not exported from these integers"
+            )
     return specs
 
 
@@ -216,8 +229,9 @@ def weight_overrides(specs: Sequence[IntegerWeightSpec]) -> dict[str, list[dict[
     for spec in specs:
         qtype = QuantType.QInt8 if spec.qdq_bits == 8 else QuantType.QInt4
         zp = np.int8(0)
-        out[spec.name] = [{"axis": spec.axis, "quant_type": qtype, "scale": np.float32(s), "zero_point": zp}
-                          for s in spec.scale]
+        out[spec.name] = [
+            {"axis": spec.axis, "quant_type": qtype, "scale": np.float32(s), "zero_point": zp} for s in spec.scale
+        ]
     return out
 
 
@@ -293,9 +307,10 @@ def softmax_outputs(model) -> list[str]:
 def softmax_overrides(model) -> dict[str, list[dict[str, Any]]]:
     """``init_overrides`` entries giving every `softmax_outputs` tensor the fixed [0, 1] encoding (uint16, scale
     1/65535, zero point 0; module docstring, step 3), whatever any calibrated or copied range said."""
-    return {name: [{"scale": np.array(SOFTMAX_SCALE, np.float32), "zero_point": np.array(SOFTMAX_ZERO_POINT,
-                                                                                          np.uint16)}]
-            for name in softmax_outputs(model)}
+    return {
+        name: [{"scale": np.array(SOFTMAX_SCALE, np.float32), "zero_point": np.array(SOFTMAX_ZERO_POINT, np.uint16)}]
+        for name in softmax_outputs(model)
+    }
 
 
 # ---- checks on the QDQ graph ------------------------------------------------------------------------------------
@@ -332,12 +347,15 @@ def verify_weights(model, specs: Sequence[IntegerWeightSpec]) -> int:
         want_type = onnx.TensorProto.INT8 if spec.qdq_bits == 8 else onnx.TensorProto.INT4
         problems = []
         if types[node.input[0]] != want_type:
-            problems.append(f"integer type {onnx.TensorProto.DataType.Name(types[node.input[0]])}, expected "
-                            f"{onnx.TensorProto.DataType.Name(want_type)}")
+            problems.append(
+                f"integer type {onnx.TensorProto.DataType.Name(types[node.input[0]])}, expected "
+                f"{onnx.TensorProto.DataType.Name(want_type)}"
+            )
         if q.shape != spec.q.shape or not np.array_equal(q.astype(np.int8), spec.q):
             problems.append("integers differ from the source")
         if scale.shape != spec.scale.shape or not np.array_equal(
-                scale.astype(np.float32).view(np.uint32), spec.scale.view(np.uint32)):
+            scale.astype(np.float32).view(np.uint32), spec.scale.view(np.uint32)
+        ):
             problems.append("scales differ from the source")
         if np.any(zp != 0):
             problems.append("zero point is not 0")
@@ -409,8 +427,10 @@ def check_fixed_encodings(model) -> dict[str, Any]:
         elif "_ring_" in name:
             out = enc.get(name.replace("_ring_", "_new_"))
             if out != e:
-                raise QdqError(f"ring input '{name}' encoding {e} differs from output "
-                               f"'{name.replace('_ring_', '_new_')}' {out}: the runtime could not copy KV bytes")
+                raise QdqError(
+                    f"ring input '{name}' encoding {e} differs from output "
+                    f"'{name.replace('_ring_', '_new_')}' {out}: the runtime could not copy KV bytes"
+                )
             found["ring"][name] = e
     arrays = _arrays(model)
     for n in model.graph.node:
@@ -427,10 +447,11 @@ def check_fixed_encodings(model) -> dict[str, Any]:
         if n.op_type != "QuantizeLinear" or n.input[0] not in softmax or n.input[1] not in arrays:
             continue
         e = _encoding(arrays, n)
-        if (e["dtype"] != "uint16" or e["zero_point"] != SOFTMAX_ZERO_POINT
-                or np.float32(e["scale"]) != SOFTMAX_SCALE):
-            raise QdqError(f"Softmax output '{n.input[0]}' encoding {e} is not the fixed [0, 1] (uint16, scale "
-                           f"1/65535, zero point 0)")
+        if e["dtype"] != "uint16" or e["zero_point"] != SOFTMAX_ZERO_POINT or np.float32(e["scale"]) != SOFTMAX_SCALE:
+            raise QdqError(
+                f"Softmax output '{n.input[0]}' encoding {e} is not the fixed [0, 1] (uint16, scale "
+                f"1/65535, zero point 0)"
+            )
         found["softmax"][n.input[0]] = e
     missing = sorted(softmax - set(found["softmax"]))
     if missing:
@@ -465,8 +486,15 @@ def layer_outputs(model) -> dict[str, str]:
             parts = ast.literal_eval(scopes)
         except (ValueError, SyntaxError):
             continue
-        layer = next((p for p in parts if (p.count(".") == 2 and p.startswith("model.layers."))
-                      or (p.count(".") == 1 and p.startswith("layers."))), None)
+        layer = next(
+            (
+                p
+                for p in parts
+                if (p.count(".") == 2 and p.startswith("model.layers."))
+                or (p.count(".") == 1 and p.startswith("layers."))
+            ),
+            None,
+        )
         if layer is not None:
             last[layer] = n.output[0]
     return dict(sorted(last.items(), key=lambda kv: int(kv[0].rsplit(".", 1)[1])))
@@ -481,12 +509,17 @@ def _dq_name(model, tensor: str) -> str:
     return dq.output[0] if dq is not None else tensor
 
 
-def sqnr_report(float_path: str | Path, qdq_path: str | Path, samples: Sequence[Mapping[str, np.ndarray]], *,
-                layers: Mapping[str, str] | None = None, logits: str | None = "logits") -> dict[str, Any]:
+def sqnr_report(
+    float_path: str | Path,
+    qdq_path: str | Path,
+    samples: Sequence[Mapping[str, np.ndarray]],
+    *,
+    layers: Mapping[str, str] | None = None,
+    logits: str | None = "logits",
+) -> dict[str, Any]:
     """SQNR (dB, over all samples) of every graph output and of each ``layers`` tensor (label -> float tensor
     name), QDQ vs float on the CPU EP, and the top-1 agreement of ``logits`` rows. JSON-ready (``sqnr.json``)."""
     import onnx
-
     from hycoc.passes.calibration import run_with_tensors
 
     fm = onnx.load(str(float_path), load_external_data=False)
@@ -503,12 +536,16 @@ def sqnr_report(float_path: str | Path, qdq_path: str | Path, samples: Sequence[
     report: dict[str, Any] = {
         "samples": len(samples),
         "outputs": {o: round(sqnr_db(cat(f_runs, o), cat(q_runs, o)), 3) for o in outputs},
-        "layers": {label: round(sqnr_db(cat(f_runs, t), cat(q_runs, qnames[label])), 3)
-                   for label, t in layers.items()},
+        "layers": {label: round(sqnr_db(cat(f_runs, t), cat(q_runs, qnames[label])), 3) for label, t in layers.items()},
     }
     if logits in outputs:
-        agree = [np.mean(f[logits].reshape(-1, f[logits].shape[-1]).argmax(-1)
-                         == q[logits].reshape(-1, q[logits].shape[-1]).argmax(-1)) for f, q in zip(f_runs, q_runs)]
+        agree = [
+            np.mean(
+                f[logits].reshape(-1, f[logits].shape[-1]).argmax(-1)
+                == q[logits].reshape(-1, q[logits].shape[-1]).argmax(-1)
+            )
+            for f, q in zip(f_runs, q_runs)
+        ]
         report["top1_agreement"] = round(float(np.mean(agree)), 6)
     return report
 
@@ -550,21 +587,33 @@ class QdqResult:
 
     def numbers(self) -> dict[str, Any]:
         bits = Counter(s.qdq_bits for s in self.weights)
-        return {"seconds": round(self.seconds, 3), "ops": self.ops,
-                "quantize_linear": self.ops.get("QuantizeLinear", 0),
-                "dequantize_linear": self.ops.get("DequantizeLinear", 0),
-                "weights_bit_exact": len(self.weights), "weight_bits": {str(k): v for k, v in sorted(bits.items())},
-                "reciprocals_rewritten": self.reciprocals_rewritten, "io_encodings": self.encodings,
-                "softmax_fixed_0_1": len(self.fixed.get("softmax", {})),
-                "softmax_calibrated_not_0_1": self.softmax_calibrated,
-                "sqnr": self.sqnr}
+        return {
+            "seconds": round(self.seconds, 3),
+            "ops": self.ops,
+            "quantize_linear": self.ops.get("QuantizeLinear", 0),
+            "dequantize_linear": self.ops.get("DequantizeLinear", 0),
+            "weights_bit_exact": len(self.weights),
+            "weight_bits": {str(k): v for k, v in sorted(bits.items())},
+            "reciprocals_rewritten": self.reciprocals_rewritten,
+            "io_encodings": self.encodings,
+            "softmax_fixed_0_1": len(self.fixed.get("softmax", {})),
+            "softmax_calibrated_not_0_1": self.softmax_calibrated,
+            "sqnr": self.sqnr,
+        }
 
 
-def quantize_graph(model_path: str | Path, samples: Sequence[Mapping[str, np.ndarray]], out_dir: str | Path, *,
-                   percentile: float, range_scale: float = 1.0,
-                   weight_arrays: Mapping[str, tuple[np.ndarray, np.ndarray, int]] | None = None,
-                   report_sqnr: bool = True, htp_rewrites: bool = True,
-                   encodings: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> QdqResult:
+def quantize_graph(
+    model_path: str | Path,
+    samples: Sequence[Mapping[str, np.ndarray]],
+    out_dir: str | Path,
+    *,
+    percentile: float,
+    range_scale: float = 1.0,
+    weight_arrays: Mapping[str, tuple[np.ndarray, np.ndarray, int]] | None = None,
+    report_sqnr: bool = True,
+    htp_rewrites: bool = True,
+    encodings: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
+) -> QdqResult:
     """Quantize the float graph at ``model_path`` (module docstring) into ``out_dir/model_qdq.onnx``.
 
     samples: calibration input dicts (numpy, by graph input name). weight_arrays: integer weights given as arrays
@@ -590,8 +639,9 @@ def quantize_graph(model_path: str | Path, samples: Sequence[Mapping[str, np.nda
     reciprocals = reciprocal_to_div(model) if htp_rewrites else 0
     folded, float_path = out_dir / "model_folded.onnx", out_dir / "model_float.onnx"
     onnx.save(model, str(folded), save_as_external_data=True, location=folded.name + ".data")
-    if not qnn_preprocess_model(str(folded), str(float_path), save_as_external_data=True,
-                                external_data_location=float_path.name + ".data"):
+    if not qnn_preprocess_model(
+        str(folded), str(float_path), save_as_external_data=True, external_data_location=float_path.name + ".data"
+    ):
         shutil.copy(folded, float_path)  # its external data stays in folded's data file, beside it
     feeds = check_samples(float_path, samples)
     fmodel = onnx.load(str(float_path), load_external_data=False)
@@ -600,15 +650,25 @@ def quantize_graph(model_path: str | Path, samples: Sequence[Mapping[str, np.nda
         ranges = activation_ranges(float_path, feeds, percentile=percentile, range_scale=range_scale)
         overrides = fixed_overrides(fmodel, ranges)
         # what calibration alone would have given the Softmax outputs that are not [0, 1] (reported, then fixed)
-        softmax_calibrated = {t: [float(ranges[t][0]), float(ranges[t][1])] for t in softmax_outputs(fmodel)
-                              if t in ranges and (float(ranges[t][0]), float(ranges[t][1])) != (0.0, 1.0)}
+        softmax_calibrated = {
+            t: [float(ranges[t][0]), float(ranges[t][1])]
+            for t in softmax_outputs(fmodel)
+            if t in ranges and (float(ranges[t][0]), float(ranges[t][1])) != (0.0, 1.0)
+        }
     else:
-        overrides = {name: [{"scale": np.array(s, np.float32), "zero_point": np.array(zp)}]
-                     for name, (s, zp) in encodings.items()}
-    overrides.update(softmax_overrides(fmodel))        # fixed whatever was calibrated or copied
+        overrides = {
+            name: [{"scale": np.array(s, np.float32), "zero_point": np.array(zp)}]
+            for name, (s, zp) in encodings.items()
+        }
+    overrides.update(softmax_overrides(fmodel))  # fixed whatever was calibrated or copied
     overrides.update(weight_overrides(specs))
-    config = get_qnn_qdq_config(str(float_path), list_reader(feeds), activation_type=QuantType.QUInt16,
-                                weight_type=QuantType.QInt8, init_overrides=overrides)
+    config = get_qnn_qdq_config(
+        str(float_path),
+        list_reader(feeds),
+        activation_type=QuantType.QUInt16,
+        weight_type=QuantType.QInt8,
+        init_overrides=overrides,
+    )
     config.use_external_data_format = True
     # quantize data-movement ops (Unsqueeze, Reshape, ...) on graph inputs too: left in float they would not run
     # on the HTP, and the rotary inputs' fixed encoding would sit after them instead of on the input
@@ -619,8 +679,17 @@ def quantize_graph(model_path: str | Path, samples: Sequence[Mapping[str, np.nda
     verify_weights(qmodel, specs)
     fixed = check_fixed_encodings(qmodel)
     ops = dict(sorted(Counter(n.op_type for n in qmodel.graph.node).items()))
-    result = QdqResult(path, float_path, specs, qdq_io_encodings(qmodel), fixed, ops, time.perf_counter() - start,
-                       reciprocals_rewritten=reciprocals, softmax_calibrated=softmax_calibrated)
+    result = QdqResult(
+        path,
+        float_path,
+        specs,
+        qdq_io_encodings(qmodel),
+        fixed,
+        ops,
+        time.perf_counter() - start,
+        reciprocals_rewritten=reciprocals,
+        softmax_calibrated=softmax_calibrated,
+    )
     if report_sqnr:
         result.sqnr = sqnr_report(float_path, path, feeds, layers=layer_outputs(fmodel))
     return result
@@ -630,11 +699,31 @@ def write_sqnr_json(report: Mapping[str, Any], path: str | Path) -> None:
     Path(path).write_text(json.dumps(report, indent=1), encoding="utf-8")
 
 
-__all__ = ["CalibrationError", "IntegerWeightSpec", "QdqError", "QdqResult", "check_fixed_encodings",
-           "fold_integer_weights", "kv_wire_encoding", "layer_outputs", "qdq_io_encodings", "quantize_graph",
-           "sqnr_db", "sqnr_report", "sqnr_table", "tensor_encoding", "verify_weights", "weights_from_arrays",
-           "write_sqnr_json", "QdqQuantize", "slm_calibration_samples", "softmax_outputs", "softmax_overrides",
-           "SOFTMAX_SCALE", "SOFTMAX_ZERO_POINT"]
+__all__ = [
+    "CalibrationError",
+    "IntegerWeightSpec",
+    "QdqError",
+    "QdqResult",
+    "check_fixed_encodings",
+    "fold_integer_weights",
+    "kv_wire_encoding",
+    "layer_outputs",
+    "qdq_io_encodings",
+    "quantize_graph",
+    "sqnr_db",
+    "sqnr_report",
+    "sqnr_table",
+    "tensor_encoding",
+    "verify_weights",
+    "weights_from_arrays",
+    "write_sqnr_json",
+    "QdqQuantize",
+    "slm_calibration_samples",
+    "softmax_outputs",
+    "softmax_overrides",
+    "SOFTMAX_SCALE",
+    "SOFTMAX_ZERO_POINT",
+]
 
 
 # ---- the pipeline pass ---------------------------------------------------------------------------------------
@@ -653,13 +742,15 @@ def slm_calibration_samples(graph, slm, count: int, seed: int = 0) -> list[dict[
     for i in range(count):
         parents = [-1] + [int(rng.integers(max(0, j - 3), j)) for j in range(1, r)]
         first = ring + 3 + int(rng.integers(0, ring))
-        fill = 1 + (i * ring) // max(1, count - 1) if count > 1 else ring   # live columns, 1 .. ring
+        fill = 1 + (i * ring) // max(1, count - 1) if count > 1 else ring  # live columns, 1 .. ring
         live_start = max(0, first - min(fill, ring))
         rings = {}
-        for layer in graph.all_kv_layers:                 # the whole chain's rings (any shard: host feeds)
+        for layer in graph.all_kv_layers:  # the whole chain's rings (any shard: host feeds)
             shape = graph.host_shapes[f"k_ring_{layer}"]
-            rings[layer] = (rng.standard_normal(shape).astype(np.float32),
-                            rng.standard_normal(shape).astype(np.float32))
+            rings[layer] = (
+                rng.standard_normal(shape).astype(np.float32),
+                rng.standard_normal(shape).astype(np.float32),
+            )
         tokens = rng.integers(0, graph.config.vocab_size, r)
         out.append(host_inputs(graph, slm, tokens, parents, first, live_start, rings))
     return out
@@ -688,14 +779,22 @@ class QdqQuantize(Pass):
     # v5: every Softmax output encoded [0, 1]
     section = "slm_calibration"
 
-    def __init__(self, kind_in: str = "onnx_slm", kind_out: str = "qdq_slm", *, seed: int = 0,
-                 calibration: str = "real"):
-        from hycoc.passes.artifacts import (KeepSetArtifact, OnnxArtifact, SlmIntegerArtifact, TokenizerArtifact,
-                                            TorchModelArtifact)
+    def __init__(
+        self, kind_in: str = "onnx_slm", kind_out: str = "qdq_slm", *, seed: int = 0, calibration: str = "real"
+    ):
+        from hycoc.passes.artifacts import (
+            KeepSetArtifact,
+            OnnxArtifact,
+            SlmIntegerArtifact,
+            TokenizerArtifact,
+            TorchModelArtifact,
+        )
 
         if kind_in != "onnx_slm":
-            raise ValueError(f"QdqQuantize({kind_in!r}): only 'onnx_slm' is wired; the head's QDQ pass needs its "
-                             f"calibration captures (passes/head_qat.py) and is not done yet")
+            raise ValueError(
+                f"QdqQuantize({kind_in!r}): only 'onnx_slm' is wired; the head's QDQ pass needs its "
+                f"calibration captures (passes/head_qat.py) and is not done yet"
+            )
         if calibration not in ("real", "synthetic"):
             raise ValueError(f"QdqQuantize(calibration={calibration!r}): choose 'real' or 'synthetic'")
         self.name = f"qdq_{kind_in.removeprefix('onnx_')}"
@@ -705,8 +804,11 @@ class QdqQuantize(Pass):
         if calibration == "real":
             from hycoc.passes.calibration_answers import CalibrationAnswersArtifact
 
-            self.consumes |= {"torch_verifier": TorchModelArtifact, "tokenizer": TokenizerArtifact,
-                              "calibration_answers": CalibrationAnswersArtifact}
+            self.consumes |= {
+                "torch_verifier": TorchModelArtifact,
+                "tokenizer": TokenizerArtifact,
+                "calibration_answers": CalibrationAnswersArtifact,
+            }
             self.also_reads = ("window", "tree", "head_qat")
         self.produces = {kind_out: OnnxArtifact}
 
@@ -717,14 +819,23 @@ class QdqQuantize(Pass):
     def _samples(self, graph, slm, keep, inputs, recipe):
         cal = recipe.slm_calibration
         if self.calibration == "synthetic":
-            return (slm_calibration_samples(graph, slm, cal.prompts, self.seed),
-                    slm_calibration_samples(graph, slm, max(2, cal.prompts // 4), self.seed + 1),
-                    {"source": "synthetic (random trees, tokens and rings)"})
+            return (
+                slm_calibration_samples(graph, slm, cal.prompts, self.seed),
+                slm_calibration_samples(graph, slm, max(2, cal.prompts // 4), self.seed + 1),
+                {"source": "synthetic (random trees, tokens and rings)"},
+            )
         from hycoc.passes.slm_calibration import real_calibration
 
-        real, held, numbers = real_calibration(graph, slm, keep, inputs["torch_verifier"].payload,
-                                               inputs["tokenizer"].payload, recipe, self.seed,
-                                               answers=inputs["calibration_answers"].payload)
+        real, held, numbers = real_calibration(
+            graph,
+            slm,
+            keep,
+            inputs["torch_verifier"].payload,
+            inputs["tokenizer"].payload,
+            recipe,
+            self.seed,
+            answers=inputs["calibration_answers"].payload,
+        )
         if not real.samples or not held.samples:
             raise CalibrationError("the calibration prompts gave no SLM graph calls to calibrate on")
         return real.samples, held.samples, numbers
@@ -732,15 +843,16 @@ class QdqQuantize(Pass):
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, Any], PassReport]:
         import onnx
         import onnx_ir as ir
-
         from hycoc.passes.artifacts import OnnxArtifact
         from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph
         from hycoc.passes.topk_outputs import append_topk
 
         cal = recipe.slm_calibration
         if cal.activation_bits != 16:
-            raise QdqError(f"slm_calibration.activation_bits = {cal.activation_bits}: only 16-bit (A16) activations "
-                           f"are implemented")
+            raise QdqError(
+                f"slm_calibration.activation_bits = {cal.activation_bits}: only 16-bit (A16) activations "
+                f"are implemented"
+            )
         slm = inputs["slm_integer"].payload
         keep = inputs["keep_set"].payload
         ring = {FULL: recipe.window.slm_window, SLIDING: recipe.window.slm_sliding_window}
@@ -750,24 +862,32 @@ class QdqQuantize(Pass):
             src = Path(tmp) / "float" / "model.onnx"
             src.parent.mkdir()
             ir.save(inputs["onnx_slm"].payload, src, external_data="model.onnx.data")
-            result = quantize_graph(src, samples, Path(tmp) / "qdq", percentile=cal.percentile,
-                                    range_scale=cal.range_scale)
+            result = quantize_graph(
+                src, samples, Path(tmp) / "qdq", percentile=cal.percentile, range_scale=cal.range_scale
+            )
             # held-out inputs (other prompts): the calibration inputs flatter the ranges
             fmodel = onnx.load(str(result.float_path), load_external_data=False)
             held = sqnr_report(result.float_path, result.path, held_out, layers=layer_outputs(fmodel))
             qmodel = append_topk(onnx.load(str(result.path)), recipe.tree.slm_candidates, with_logq=True)
             model = ir.serde.deserialize_model(qmodel)  # weights read into memory
-        numbers = result.numbers() | {"top_k_outputs": recipe.tree.slm_candidates, "samples": len(samples), "percentile": cal.percentile,
-                                      "range_scale": cal.range_scale, "kv_bits_on_wire": cal.kv_bits,
-                                      "calibration_inputs": source, "sqnr_held_out": held}
+        numbers = result.numbers() | {
+            "top_k_outputs": recipe.tree.slm_candidates,
+            "samples": len(samples),
+            "percentile": cal.percentile,
+            "range_scale": cal.range_scale,
+            "kv_bits_on_wire": cal.kv_bits,
+            "calibration_inputs": source,
+            "sqnr_held_out": held,
+        }
         s = result.sqnr
         worst = min(s["layers"].values()) if s["layers"] else float("nan")
         fills = source.get("calibration", {}).get("coverage", {})
-        fill = (f"; ring fills {fills['min']}-{fills['max']} of {fills['ring']} columns"
-                if "min" in fills else "")
-        summary = (f"A16 W{'/'.join(numbers['weight_bits'])} QDQ: {numbers['quantize_linear']} Q / "
-                   f"{numbers['dequantize_linear']} DQ, {len(result.weights)} weights bit-exact; SQNR logits "
-                   f"{s['outputs']['logits']:.1f} dB, worst layer {worst:.1f} dB, top-1 {s['top1_agreement']:.1%} "
-                   f"on {len(samples)} {self.calibration} calibration samples{fill} (held-out: logits "
-                   f"{held['outputs']['logits']:.1f} dB, top-1 {held['top1_agreement']:.1%})")
+        fill = f"; ring fills {fills['min']}-{fills['max']} of {fills['ring']} columns" if "min" in fills else ""
+        summary = (
+            f"A16 W{'/'.join(numbers['weight_bits'])} QDQ: {numbers['quantize_linear']} Q / "
+            f"{numbers['dequantize_linear']} DQ, {len(result.weights)} weights bit-exact; SQNR logits "
+            f"{s['outputs']['logits']:.1f} dB, worst layer {worst:.1f} dB, top-1 {s['top1_agreement']:.1%} "
+            f"on {len(samples)} {self.calibration} calibration samples{fill} (held-out: logits "
+            f"{held['outputs']['logits']:.1f} dB, top-1 {held['top1_agreement']:.1%})"
+        )
         return {self.kind_out: OnnxArtifact(self.kind_out, model)}, PassReport(summary, numbers)

@@ -19,12 +19,12 @@ from collections import Counter
 from typing import Any
 
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass
-from onnxscript.rewriter import pattern
-
 from hycoc.passes.artifacts import OnnxArtifact
 from hycoc.passes.pipeline import Pass, PassReport
 from hycoc.passes.rewrite.rms_norm import RULE_SETS, TAG
+from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass
+from onnxscript.rewriter import pattern
+
 from hycoc.recipe import Recipe
 
 
@@ -33,8 +33,11 @@ class RmsNormDecompositionError(RuntimeError):
 
 
 def _tagged(model: ir.Model) -> dict[ir.Node, dict[str, Any]]:
-    return {node: json.loads(node.metadata_props[TAG])
-            for node in ir.traversal.RecursiveGraphIterator(model.graph) if TAG in node.metadata_props}
+    return {
+        node: json.loads(node.metadata_props[TAG])
+        for node in ir.traversal.RecursiveGraphIterator(model.graph)
+        if TAG in node.metadata_props
+    }
 
 
 def explain(model: ir.Model) -> list[str]:
@@ -69,18 +72,27 @@ class RmsNormDecompositionPass(ir.passes.InPlacePass):
         count = sum(rule_set.apply_to_model(model) for rule_set in RULE_SETS)
         RemoveUnusedNodesPass()(model)
         self.rewritten = [info for node, info in _tagged(model).items() if node not in before]
-        leftover = [n.name or n.op_type for n in ir.traversal.RecursiveGraphIterator(model.graph)
-                    if n.op_type == "RMSNormalization" and n.domain == ""]
+        leftover = [
+            n.name or n.op_type
+            for n in ir.traversal.RecursiveGraphIterator(model.graph)
+            if n.op_type == "RMSNormalization" and n.domain == ""
+        ]
         if leftover:
             raise RmsNormDecompositionError(
                 f"{len(leftover)} RMSNormalization op(s) left in the graph ({', '.join(leftover)}): "
-                + ("; ".join(explain(model)) or "no rule explains why"))
+                + ("; ".join(explain(model)) or "no rule explains why")
+            )
         if count == 0 and self.require_match:
             reasons = explain(model)
             raise RmsNormDecompositionError(
                 "RMSNorm decomposition is required but matched nothing in the graph: "
-                + ("; ".join(reasons) if reasons else "no RMSNorm-shaped subgraph found "
-                   "(Pow(x, 2) -> ReduceMean -> Add eps -> ..., or an RMSNormalization op)"))
+                + (
+                    "; ".join(reasons)
+                    if reasons
+                    else "no RMSNorm-shaped subgraph found "
+                    "(Pow(x, 2) -> ReduceMean -> Add eps -> ..., or an RMSNormalization op)"
+                )
+            )
         return ir.passes.PassResult(model, modified=count > 0)
 
 
@@ -110,7 +122,11 @@ class RmsNormDecomposition(Pass):
         report = PassReport(
             f"rewrote {len(done)} RMSNorms ({reshaped} reshaped from rank 4 to rank 3), eps "
             + ", ".join(f"{e:.3g}" for e in eps),
-            {"rewritten": len(done), "reshaped": reshaped, "eps": eps,
-             "by_rule": dict(Counter(r["rule"] for r in done))},
+            {
+                "rewritten": len(done),
+                "reshaped": reshaped,
+                "eps": eps,
+                "by_rule": dict(Counter(r["rule"] for r in done)),
+            },
         )
         return {self.kind: OnnxArtifact(self.kind, model)}, report

@@ -47,7 +47,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from hycoc.runtime.slm_drafter import SlmDrafter
 from hycoc.runtime.tree_builder import TreeBuilder
 
@@ -74,14 +73,17 @@ class TorchSlmRunner:
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         args = [torch.from_numpy(np.ascontiguousarray(feeds[n], dtype=np.float32)) for n in self.graph.input_names]
         outs = self.graph(*args)
-        result = {name: y.detach().numpy().astype(np.float32, copy=True)
-                  for name, y in zip(self.graph.output_names, outs)}
+        result = {
+            name: y.detach().numpy().astype(np.float32, copy=True) for name, y in zip(self.graph.output_names, outs)
+        }
         index = self.calls
         self.calls += 1
         if self.keep is None or self.keep(index, feeds):
-            rec = {"index": index,
-                   "feeds": {n: np.array(feeds[n], dtype=np.float32, copy=True) for n in self.graph.input_names},
-                   "meta": dict(self.context()) if self.context is not None else {}}
+            rec = {
+                "index": index,
+                "feeds": {n: np.array(feeds[n], dtype=np.float32, copy=True) for n in self.graph.input_names},
+                "meta": dict(self.context()) if self.context is not None else {},
+            }
             if self.keep_outputs:
                 rec["outputs"] = result
             self.records.append(rec)
@@ -91,11 +93,17 @@ class TorchSlmRunner:
 def runtime_bundle(graph, slm, keep_set: Sequence[int]) -> SimpleNamespace:
     """What `SlmDrafter` reads from a `DeviceBundle`, made from the compiler's objects: the host section (layer
     types, ring layers, sliding window, per-layer dim), the SLM's LUTs and rotary tables, the keep set."""
-    host = SimpleNamespace(slm=SimpleNamespace(layer_types=list(graph.layer_types), kv_layers=list(graph.kv_layers),
-                                               sliding_window=int(graph.config.sliding_window),
-                                               per_layer_dim=int(graph.ple)))
-    return SimpleNamespace(host=host, slm_luts=slm.luts, slm_rotary=slm.rotary,
-                           keep_set=np.asarray(keep_set, dtype=np.int64))
+    host = SimpleNamespace(
+        slm=SimpleNamespace(
+            layer_types=list(graph.layer_types),
+            kv_layers=list(graph.kv_layers),
+            sliding_window=int(graph.config.sliding_window),
+            per_layer_dim=int(graph.ple),
+        )
+    )
+    return SimpleNamespace(
+        host=host, slm_luts=slm.luts, slm_rotary=slm.rotary, keep_set=np.asarray(keep_set, dtype=np.int64)
+    )
 
 
 def live_columns(feeds: Mapping[str, np.ndarray], ring: int, name: str = "mask_full") -> int:
@@ -118,7 +126,7 @@ def accepted_path(built, answer: Sequence[int], start: int, cap: int) -> list[in
     """The rows of the longest path below the root whose tokens are ``answer[start:]`` (the lowest matching row
     at each step, as `walk_reply`), at most ``cap`` rows."""
     tokens, parents = np.asarray(built.tokens), np.asarray(built.parents)
-    n = len(built.row_node)                           # unpadded rows
+    n = len(built.row_node)  # unpadded rows
     path, v = [], 0
     while len(path) < cap and start + len(path) < len(answer):
         want = answer[start + len(path)]
@@ -130,10 +138,20 @@ def accepted_path(built, answer: Sequence[int], start: int, cap: int) -> list[in
     return path
 
 
-def drive_sequence(slm: SlmDrafter, builder: TreeBuilder, prompt: Sequence[int], answer: Sequence[int], *,
-                   chain_length: int, sibling_depth: int, rng: np.random.Generator, keep_set: np.ndarray,
-                   stop_ids: set[int] | frozenset[int] = frozenset(),
-                   targets: Callable[[], Sequence[float]] | None = None, warmup: int = 2) -> SequenceDrive:
+def drive_sequence(
+    slm: SlmDrafter,
+    builder: TreeBuilder,
+    prompt: Sequence[int],
+    answer: Sequence[int],
+    *,
+    chain_length: int,
+    sibling_depth: int,
+    rng: np.random.Generator,
+    keep_set: np.ndarray,
+    stop_ids: set[int] | frozenset[int] = frozenset(),
+    targets: Callable[[], Sequence[float]] | None = None,
+    warmup: int = 2,
+) -> SequenceDrive:
     """One request through the runtime's SLM side, teacher-forced on ``answer`` (module docstring).
 
     targets: returns the root positions where samples are still to be taken (sorted), or None to run every round. With targets,
@@ -145,13 +163,13 @@ def drive_sequence(slm: SlmDrafter, builder: TreeBuilder, prompt: Sequence[int],
     out = SequenceDrive()
     slm.start(prompt)
     slm.prefill(reserve=chain_length + sibling_depth)
-    built = builder.build(slm.tokens[-1], [], [], slm.expand)   # the first tree: SLM alone
+    built = builder.build(slm.tokens[-1], [], [], slm.expand)  # the first tree: SLM alone
     offset = int(rng.integers(0, chain_length + 1))
     pos = 0
     while pos < len(answer):
         cap = (out.rounds + offset) % (chain_length + 1)
         path = accepted_path(built, answer, pos, cap)
-        new = [int(x) for x in answer[pos:pos + len(path) + 1]]  # the path's tokens and the bonus
+        new = [int(x) for x in answer[pos : pos + len(path) + 1]]  # the path's tokens and the bonus
         slm.commit([built.row_node[j] for j in path], new)
         out.rounds += 1
         out.accepted.append(len(path))
@@ -164,11 +182,11 @@ def drive_sequence(slm: SlmDrafter, builder: TreeBuilder, prompt: Sequence[int],
                 break
             jump = int(math.ceil(ahead[0])) - warmup * (chain_length + 1) - slm.t
             if jump > 0 and pos + jump < len(answer):
-                slm.commit([], [int(x) for x in answer[pos:pos + jump]])
+                slm.commit([], [int(x) for x in answer[pos : pos + jump]])
                 pos += jump
                 slm.prefill(reserve=chain_length + sibling_depth)
-        chain = []                                    # the head drafts over the keep set only
-        for y in answer[pos:pos + chain_length]:
+        chain = []  # the head drafts over the keep set only
+        for y in answer[pos : pos + chain_length]:
             if int(y) not in in_keep:
                 break
             chain.append(int(y))
@@ -192,11 +210,24 @@ class RealCalibration:
     stats: dict[str, Any]
 
 
-def record_sequences(graph, slm, keep_set: Sequence[int], prompts: Sequence[Sequence[int]],
-                     answers: Sequence[Sequence[int]], *, chain_length: int, sibling_depth: int, ln_lambda: float,
-                     candidates: int, passes: int, stop_ids: set[int] | frozenset[int] = frozenset(),
-                     per_prompt: int = SAMPLES_PER_PROMPT, seed: int = 0, keep_all: bool = False,
-                     keep_outputs: bool = False) -> RealCalibration:
+def record_sequences(
+    graph,
+    slm,
+    keep_set: Sequence[int],
+    prompts: Sequence[Sequence[int]],
+    answers: Sequence[Sequence[int]],
+    *,
+    chain_length: int,
+    sibling_depth: int,
+    ln_lambda: float,
+    candidates: int,
+    passes: int,
+    stop_ids: set[int] | frozenset[int] = frozenset(),
+    per_prompt: int = SAMPLES_PER_PROMPT,
+    seed: int = 0,
+    keep_all: bool = False,
+    keep_outputs: bool = False,
+) -> RealCalibration:
     """Drive every (prompt, answer) through `drive_sequence` and keep ``per_prompt`` graph calls of each (all of
     them with ``keep_all``; their outputs too with ``keep_outputs``). Module docstring for the choice."""
     keep = np.asarray(keep_set, dtype=np.int64)
@@ -222,24 +253,47 @@ def record_sequences(graph, slm, keep_set: Sequence[int], prompts: Sequence[Sequ
     feeds_of = slm.feeds
 
     def feeds(tokens, parents, first_position, *rest):  # note the rows of each call for `meta`
-        state["call"] = {"tokens": [int(x) for x in tokens], "parents": [int(x) for x in parents],
-                         "first_position": int(first_position), "live_start": int(slm.live_start)}
-        return feeds_of(tokens, parents, first_position, *rest)   # rest: SlmDrafter.feeds' optional arguments
+        state["call"] = {
+            "tokens": [int(x) for x in tokens],
+            "parents": [int(x) for x in parents],
+            "first_position": int(first_position),
+            "live_start": int(slm.live_start),
+        }
+        return feeds_of(tokens, parents, first_position, *rest)  # rest: SlmDrafter.feeds' optional arguments
 
     slm.feeds = feeds
-    builder = TreeBuilder(ln_lambda=ln_lambda, budget=graph.rows, rows=graph.rows + 1, candidates=candidates,
-                          passes=passes, keep_set=keep, stop_ids=sorted(stop_ids))
+    builder = TreeBuilder(
+        ln_lambda=ln_lambda,
+        budget=graph.rows,
+        rows=graph.rows + 1,
+        candidates=candidates,
+        passes=passes,
+        keep_set=keep,
+        stop_ids=sorted(stop_ids),
+    )
     drives = []
     start = time.perf_counter()
     golden = (math.sqrt(5) - 1) / 2
     for i, (prompt, answer) in enumerate(zip(prompts, answers)):
         u = (i * golden) % 1.0
         t0 = len(prompt) - 1
-        state.update(prompt=i, next=0,
-                     targets=[t0 + (j + u) / per_prompt * max(1, len(answer)) for j in range(per_prompt)])
-        drives.append(drive_sequence(slm, builder, prompt, answer, chain_length=chain_length,
-                                     sibling_depth=sibling_depth, rng=rng, keep_set=keep, stop_ids=stop_ids,
-                                     targets=None if keep_all else (lambda: state["targets"][state["next"]:])))
+        state.update(
+            prompt=i, next=0, targets=[t0 + (j + u) / per_prompt * max(1, len(answer)) for j in range(per_prompt)]
+        )
+        drives.append(
+            drive_sequence(
+                slm,
+                builder,
+                prompt,
+                answer,
+                chain_length=chain_length,
+                sibling_depth=sibling_depth,
+                rng=rng,
+                keep_set=keep,
+                stop_ids=stop_ids,
+                targets=None if keep_all else (lambda: state["targets"][state["next"] :]),
+            )
+        )
     seconds = time.perf_counter() - start
     ring = graph.ring[max(graph.ring, key=graph.ring.get)]
     full = f"mask_{max(graph.ring, key=graph.ring.get).removesuffix('_attention')}"
@@ -250,11 +304,17 @@ def record_sequences(graph, slm, keep_set: Sequence[int], prompts: Sequence[Sequ
         if keep_outputs:
             m["outputs"] = rec["outputs"]
         meta.append(m)
-    stats = {"sequences": len(drives), "prompt_tokens": int(sum(len(p) for p in prompts)),
-             "answer_tokens": int(sum(len(a) for a in answers)), "graph_calls": runner.calls,
-             "rounds": int(sum(d.rounds for d in drives)),
-             "accepted_mean": round(float(np.mean([a for d in drives for a in d.accepted] or [0])), 3),
-             "samples": len(samples), "seconds": round(seconds, 2), "coverage": coverage(meta, ring)}
+    stats = {
+        "sequences": len(drives),
+        "prompt_tokens": int(sum(len(p) for p in prompts)),
+        "answer_tokens": int(sum(len(a) for a in answers)),
+        "graph_calls": runner.calls,
+        "rounds": int(sum(d.rounds for d in drives)),
+        "accepted_mean": round(float(np.mean([a for d in drives for a in d.accepted] or [0])), 3),
+        "samples": len(samples),
+        "seconds": round(seconds, 2),
+        "coverage": coverage(meta, ring),
+    }
     return RealCalibration(samples, meta, stats)
 
 
@@ -264,9 +324,16 @@ def coverage(meta: Sequence[Mapping[str, Any]], ring: int) -> dict[str, Any]:
     if not len(fills):
         return {"ring": ring}
     q = np.percentile(fills, [25, 50, 75])
-    return {"ring": ring, "min": int(fills.min()), "q25": float(q[0]), "median": float(q[1]), "q75": float(q[2]),
-            "max": int(fills.max()), "distinct": int(len(set(fills.tolist()))),
-            "full_ring_share": round(float((fills >= ring).mean()), 3)}
+    return {
+        "ring": ring,
+        "min": int(fills.min()),
+        "q25": float(q[0]),
+        "median": float(q[1]),
+        "q75": float(q[2]),
+        "max": int(fills.max()),
+        "distinct": int(len(set(fills.tolist()))),
+        "full_ring_share": round(float((fills >= ring).mean()), 3),
+    }
 
 
 # ---- prompts and answers from the recipe ----------------------------------------------------------------------
@@ -282,14 +349,16 @@ def held_out_count(recipe) -> int:
     return max(2, recipe.slm_calibration.prompts // 4)
 
 
-def real_calibration(graph, slm, keep_set, verifier, tokenizer, recipe, seed: int = 0,
-                     answers=None) -> tuple[RealCalibration, RealCalibration, dict[str, Any]]:
+def real_calibration(
+    graph, slm, keep_set, verifier, tokenizer, recipe, seed: int = 0, answers=None
+) -> tuple[RealCalibration, RealCalibration, dict[str, Any]]:
     """(calibration, held-out, numbers): the first ``slm_calibration.prompts`` training and `held_out_count`
     evaluation pairs of the build's calibration answers (``answers``, a
     `hycoc.passes.calibration_answers.CalibrationAnswers`; None makes them here), cut at `answer_cap`, each driven
     through the runtime's SLM side (module docstring). Raises ValueError when ``answers`` holds too few."""
-    from hycoc.chat_template import chat_from_recipe
     from hycoc.passes.calibration_answers import make_answers
+
+    from hycoc.chat_template import chat_from_recipe
     from hycoc.progress import step
 
     stops = chat_from_recipe(recipe).stop_ids
@@ -301,16 +370,40 @@ def real_calibration(graph, slm, keep_set, verifier, tokenizer, recipe, seed: in
     cal_prompts, cal_answers = answers.take("train", recipe.slm_calibration.prompts, cap)
     held_prompts, held_answers = answers.take("eval", held_out_count(recipe), cap)
     tree = recipe.tree
-    kw = dict(chain_length=tree.chain_length, sibling_depth=tree.sibling_depth, ln_lambda=math.log(tree.depth_cost),
-              candidates=tree.slm_candidates, passes=tree.slm_passes, stop_ids=stops)
+    kw = dict(
+        chain_length=tree.chain_length,
+        sibling_depth=tree.sibling_depth,
+        ln_lambda=math.log(tree.depth_cost),
+        candidates=tree.slm_candidates,
+        passes=tree.slm_passes,
+        stop_ids=stops,
+    )
     with step("answers through the SLM Drafter", total=None):
         cal = record_sequences(graph, slm, keep_set, cal_prompts, cal_answers, seed=seed, **kw)
         held = record_sequences(graph, slm, keep_set, held_prompts, held_answers, seed=seed + 1, **kw)
-    numbers = {"source": answers.source, "answer_cap": cap, "answer_seconds": round(answer_s, 2),
-               "samples_per_prompt": SAMPLES_PER_PROMPT, "calibration": cal.stats, "held_out": held.stats}
+    numbers = {
+        "source": answers.source,
+        "answer_cap": cap,
+        "answer_seconds": round(answer_s, 2),
+        "samples_per_prompt": SAMPLES_PER_PROMPT,
+        "calibration": cal.stats,
+        "held_out": held.stats,
+    }
     return cal, held, numbers
 
 
-__all__ = ["SAMPLES_PER_PROMPT", "RealCalibration", "SequenceDrive", "TorchSlmRunner", "accepted_path",
-           "answer_cap", "coverage", "drive_sequence", "held_out_count", "live_columns", "real_calibration",
-           "record_sequences", "runtime_bundle"]
+__all__ = [
+    "SAMPLES_PER_PROMPT",
+    "RealCalibration",
+    "SequenceDrive",
+    "TorchSlmRunner",
+    "accepted_path",
+    "answer_cap",
+    "coverage",
+    "drive_sequence",
+    "held_out_count",
+    "live_columns",
+    "real_calibration",
+    "record_sequences",
+    "runtime_bundle",
+]

@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from hycoc.host import MASK_VALUE
 from hycoc.passes.artifacts import KeepSetArtifact, OnnxArtifact, SlmIntegerArtifact
 from hycoc.passes.pipeline import Pass, PassReport
+
+from hycoc.host import MASK_VALUE
 from hycoc.recipe import Recipe
 
 #: The decode graph's name in the bundle (role "slm"), and the QDQ artifact kind it is built as.
@@ -83,13 +83,14 @@ def tree_feeds(decode_feeds: dict[str, np.ndarray], shapes: dict[str, tuple[int,
             out[name] = m
         elif name.startswith(("k_ring_", "v_ring_")):
             out[name] = x
-        else:                                                 # (1, 1, ...) row inputs: repeat along rows
+        else:  # (1, 1, ...) row inputs: repeat along rows
             out[name] = np.repeat(x, want[1], axis=1)
     return out
 
 
-def compare_with_tree(decode_path: str | Path, tree_path: str | Path,
-                      samples: list[dict[str, np.ndarray]]) -> dict[str, Any]:
+def compare_with_tree(
+    decode_path: str | Path, tree_path: str | Path, samples: list[dict[str, np.ndarray]]
+) -> dict[str, Any]:
     """Run the decode QDQ graph and the tree QDQ graph (onnxruntime CPU EP) on ``samples`` (decode inputs, the
     tree's built by `tree_feeds`) and compare the decode row with the tree's row 0: largest |difference| of the
     logits and of each KV output, and the share of samples whose arg-max (first among equals) agrees."""
@@ -110,8 +111,12 @@ def compare_with_tree(decode_path: str | Path, tree_path: str | Path,
             row0 = b[n][:, 0:1] if n == "logits" else b[n][:, :, 0:1]
             worst[n] = max(worst[n], float(np.max(np.abs(a[n] - row0))))
         agree += int(np.argmax(a["logits"][0, 0]) == np.argmax(b["logits"][0, 0]))
-    return {"samples": len(samples), "max_abs_diff": {n: worst[n] for n in names},
-            "top1_agreement": agree / max(1, len(samples)), "bit_exact": all(v == 0.0 for v in worst.values())}
+    return {
+        "samples": len(samples),
+        "max_abs_diff": {n: worst[n] for n in names},
+        "top1_agreement": agree / max(1, len(samples)),
+        "bit_exact": all(v == 0.0 for v in worst.values()),
+    }
 
 
 class SlmDecodeGraph(Pass):
@@ -138,14 +143,15 @@ class SlmDecodeGraph(Pass):
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, OnnxArtifact], PassReport]:
         import onnx
         import onnx_ir as ir
-
         from hycoc.passes.qdq import QdqError, quantize_graph, slm_calibration_samples
         from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph, example_inputs, export_slm_graph
         from hycoc.passes.topk_outputs import append_topk
 
         if recipe.slm_calibration.activation_bits != 16:
-            raise QdqError(f"slm_calibration.activation_bits = {recipe.slm_calibration.activation_bits}: only "
-                           "16-bit (A16) activations are implemented")
+            raise QdqError(
+                f"slm_calibration.activation_bits = {recipe.slm_calibration.activation_bits}: only "
+                "16-bit (A16) activations are implemented"
+            )
         slm = inputs["slm_integer"].payload
         ring = {FULL: recipe.window.slm_window, SLIDING: recipe.window.slm_sliding_window}
         graph = SlmTreeGraph(slm, inputs["keep_set"].payload, rows=1, ring=ring)
@@ -158,30 +164,55 @@ class SlmDecodeGraph(Pass):
             (tmp / "float").mkdir()
             _, export = export_slm_graph(graph, example_inputs(graph, slm), tmp / "float" / "slm_decode.onnx")
             samples = slm_calibration_samples(graph, slm, CALIBRATION_SAMPLES, self.seed)
-            result = quantize_graph(tmp / "float" / "slm_decode.onnx", samples, tmp / "qdq",
-                                    percentile=recipe.slm_calibration.percentile,
-                                    range_scale=recipe.slm_calibration.range_scale, encodings=encodings)
+            result = quantize_graph(
+                tmp / "float" / "slm_decode.onnx",
+                samples,
+                tmp / "qdq",
+                percentile=recipe.slm_calibration.percentile,
+                range_scale=recipe.slm_calibration.range_scale,
+                encodings=encodings,
+            )
             qmodel = onnx.load(str(result.path))
             got = activation_encodings(qmodel)
-            differ = sorted(k for k in got if k not in encodings
-                            or (got[k][0], got[k][1]) != (encodings[k][0], encodings[k][1]))
+            differ = sorted(
+                k for k in got if k not in encodings or (got[k][0], got[k][1]) != (encodings[k][0], encodings[k][1])
+            )
             if differ:
-                raise QdqError(f"the decode graph's encodings of {len(differ)} tensors differ from the tree graph's "
-                               f"(first: {differ[:3]}); both graphs must come from the same SlmTreeGraph export")
-            compare = compare_with_tree(result.path, tree_path,
-                                        slm_calibration_samples(graph, slm, COMPARISON_SAMPLES, self.seed + 1))
+                raise QdqError(
+                    f"the decode graph's encodings of {len(differ)} tensors differ from the tree graph's "
+                    f"(first: {differ[:3]}); both graphs must come from the same SlmTreeGraph export"
+                )
+            compare = compare_with_tree(
+                result.path, tree_path, slm_calibration_samples(graph, slm, COMPARISON_SAMPLES, self.seed + 1)
+            )
             qmodel = append_topk(qmodel, DECODE_TOP_K, with_logq=False)
-            model = ir.serde.deserialize_model(qmodel)   # weights read into memory
-        numbers = result.numbers() | {"rows": 1, "ring": ring, "top_k_outputs": DECODE_TOP_K,
-                                      "encodings_from_tree": len(got), "export": export.numbers(),
-                                      "row0_vs_tree": compare}
+            model = ir.serde.deserialize_model(qmodel)  # weights read into memory
+        numbers = result.numbers() | {
+            "rows": 1,
+            "ring": ring,
+            "top_k_outputs": DECODE_TOP_K,
+            "encodings_from_tree": len(got),
+            "export": export.numbers(),
+            "row0_vs_tree": compare,
+        }
         logits_diff = compare["max_abs_diff"]["logits"]
-        summary = (f"1 row, {len(got)} activation encodings from the tree graph, {len(result.weights)} weights "
-                   f"bit-exact, top-{DECODE_TOP_K}; vs the tree graph's row 0 on {compare['samples']} greedy steps: "
-                   f"{'bit-exact' if compare['bit_exact'] else f'max logit diff {logits_diff:.2e}'}, top-1 "
-                   f"{compare['top1_agreement']:.0%}; SQNR logits {result.sqnr['outputs']['logits']:.1f} dB")
+        summary = (
+            f"1 row, {len(got)} activation encodings from the tree graph, {len(result.weights)} weights "
+            f"bit-exact, top-{DECODE_TOP_K}; vs the tree graph's row 0 on {compare['samples']} greedy steps: "
+            f"{'bit-exact' if compare['bit_exact'] else f'max logit diff {logits_diff:.2e}'}, top-1 "
+            f"{compare['top1_agreement']:.0%}; SQNR logits {result.sqnr['outputs']['logits']:.1f} dB"
+        )
         return {DECODE_KIND: OnnxArtifact(DECODE_KIND, model)}, PassReport(summary, numbers)
 
 
-__all__ = ["CALIBRATION_SAMPLES", "COMPARISON_SAMPLES", "DECODE_GRAPH", "DECODE_KIND", "DECODE_TOP_K",
-           "SlmDecodeGraph", "activation_encodings", "compare_with_tree", "tree_feeds"]
+__all__ = [
+    "CALIBRATION_SAMPLES",
+    "COMPARISON_SAMPLES",
+    "DECODE_GRAPH",
+    "DECODE_KIND",
+    "DECODE_TOP_K",
+    "SlmDecodeGraph",
+    "activation_encodings",
+    "compare_with_tree",
+    "tree_feeds",
+]

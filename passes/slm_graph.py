@@ -66,13 +66,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from hycoc.passes.artifacts import IntegerWeight, KeepSetArtifact, OnnxArtifact, SlmIntegerArtifact, SlmIntegerModel
+from hycoc.passes.export import compare_with_torch, export_static
+from hycoc.passes.pipeline import Pass, PassReport
 from torch import nn
 
 from hycoc import host
-from hycoc.passes.artifacts import (IntegerWeight, KeepSetArtifact, OnnxArtifact, SlmIntegerArtifact,
-                                    SlmIntegerModel)
-from hycoc.passes.export import compare_with_torch, export_static
-from hycoc.passes.pipeline import Pass, PassReport
 from hycoc.recipe import Recipe
 
 #: Additive mask value for hidden columns: finite, sized for a 16-bit quantized mask (same as hycoc.mtp).
@@ -106,11 +105,13 @@ def text_config(slm: SlmIntegerModel):
 
 def _host(fn):
     """``fn`` of `hycoc.host` raising SlmGraphError (this module's error) instead of TreeShapeError."""
+
     def wrapped(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except host.TreeShapeError as e:
             raise SlmGraphError(str(e)) from None
+
     wrapped.__doc__, wrapped.__name__ = fn.__doc__, fn.__name__
     return wrapped
 
@@ -210,8 +211,16 @@ class SlmTreeGraph(nn.Module):
     vocabulary, a ring length < 1, or a surgery output that does not fill every parameter of the graph.
     """
 
-    def __init__(self, slm: SlmIntegerModel, keep_ids: Sequence[int], *, rows: int, ring: Mapping[str, int],
-                 bounds: Sequence[int] | None = None, shard: int = 0):
+    def __init__(
+        self,
+        slm: SlmIntegerModel,
+        keep_ids: Sequence[int],
+        *,
+        rows: int,
+        ring: Mapping[str, int],
+        bounds: Sequence[int] | None = None,
+        shard: int = 0,
+    ):
         super().__init__()
         from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, Gemma4TextDecoderLayer
 
@@ -241,15 +250,17 @@ class SlmTreeGraph(nn.Module):
         self.sliding_window = {t: (config.sliding_window if t == SLIDING else None) for t in self.types}
         # producers in earlier shards whose ring + new KV a shared layer of this shard reads
         producer = {self.layer_types[i]: i for i, m in enumerate(modes) if m == "store"}
-        self.borrowed = sorted({producer[self.layer_types[i]] for i in range(a, b) if modes[i] == "reuse"}
-                               - set(range(a, b)))
+        self.borrowed = sorted(
+            {producer[self.layer_types[i]] for i in range(a, b) if modes[i] == "reuse"} - set(range(a, b))
+        )
         self.shard_types = sorted({self.layer_types[i] for i in range(a, b)})
 
         stack = _text_stack_class()()
         stack.config = config
         with torch.device("meta"):
-            stack.layers = nn.ModuleList(Gemma4TextDecoderLayer(config, i) if a <= i < b else nn.Identity()
-                                         for i in range(n_layers))
+            stack.layers = nn.ModuleList(
+                Gemma4TextDecoderLayer(config, i) if a <= i < b else nn.Identity() for i in range(n_layers)
+            )
             if self.last:
                 stack.norm = Gemma4RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.ple = int(config.hidden_size_per_layer_input or 0)
@@ -258,7 +269,7 @@ class SlmTreeGraph(nn.Module):
             with torch.device("meta"):
                 stack.per_layer_projection_norm = Gemma4RMSNorm(self.ple, eps=config.rms_norm_eps)
             stack.per_layer_model_projection = IntegerLinear(slm.weights["model.per_layer_model_projection"])
-            stack.per_layer_input_scale = 2.0**-0.5          # as Gemma4TextModel.__init__
+            stack.per_layer_input_scale = 2.0**-0.5  # as Gemma4TextModel.__init__
             stack.per_layer_model_projection_scale = config.hidden_size**-0.5
         self.model = stack
         for name, module in list(self.model.named_modules()):
@@ -317,8 +328,11 @@ class SlmTreeGraph(nn.Module):
             self.host_shapes["per_layer_inputs"] = (1, r, n_layers, self.ple)
         for t in self.types:
             d = config.per_layer_config[self.layer_types.index(t)].head_dim
-            self.host_shapes |= {f"cos_{short(t)}": (1, r, d), f"sin_{short(t)}": (1, r, d),
-                                 f"mask_{short(t)}": (1, 1, r, self.ring[t] + r)}
+            self.host_shapes |= {
+                f"cos_{short(t)}": (1, r, d),
+                f"sin_{short(t)}": (1, r, d),
+                f"mask_{short(t)}": (1, 1, r, self.ring[t] + r),
+            }
         for i in self.all_kv_layers:
             for kv in ("k", "v"):
                 self.host_shapes[f"{kv}_ring_{i}"] = self._kv_shape(i, self.ring[self.layer_types[i]])
@@ -360,14 +374,21 @@ class SlmTreeGraph(nn.Module):
             offset = a
         cache = _RingCache({i: (x[f"k_ring_{i}"], x[f"v_ring_{i}"]) for i in self.kv_layers})
         shared: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # producer layer type -> (ring + new) K, V
-        for p in self.borrowed:                                    # producers in earlier shards
-            shared[self.layer_types[p]] = (torch.cat([x[f"k_ring_{p}"], x[f"k_new_{p}"]], dim=2),
-                                           torch.cat([x[f"v_ring_{p}"], x[f"v_new_{p}"]], dim=2))
+        for p in self.borrowed:  # producers in earlier shards
+            shared[self.layer_types[p]] = (
+                torch.cat([x[f"k_ring_{p}"], x[f"k_new_{p}"]], dim=2),
+                torch.cat([x[f"v_ring_{p}"], x[f"v_new_{p}"]], dim=2),
+            )
         for i in range(a, b):
             t = short(self.layer_types[i])
-            h = self.model.layers[i](h, ple[:, :, i - offset, :] if ple is not None else None,
-                                     shared_kv_states=shared, position_embeddings=(x[f"cos_{t}"], x[f"sin_{t}"]),
-                                     attention_mask=x[f"mask_{t}"], cache=cache)
+            h = self.model.layers[i](
+                h,
+                ple[:, :, i - offset, :] if ple is not None else None,
+                shared_kv_states=shared,
+                position_embeddings=(x[f"cos_{t}"], x[f"sin_{t}"]),
+                attention_mask=x[f"mask_{t}"],
+                cache=cache,
+            )
         if self.last:
             h = self.model.norm(h)
             logits = self.lm_head(h)
@@ -395,13 +416,16 @@ def check_bounds(bounds: Sequence[int] | None, layers: int) -> tuple[int, ...]:
         return (0, int(layers))
     out = tuple(int(x) for x in bounds)
     if len(out) < 2 or out[0] != 0 or out[-1] != layers or any(x >= y for x, y in zip(out, out[1:])):
-        raise SlmGraphError(f"shard bounds {list(out)} must rise strictly from 0 to the layer count {layers}, "
-                            f"e.g. [0, {layers // 2 or 1}, {layers}]")
+        raise SlmGraphError(
+            f"shard bounds {list(out)} must rise strictly from 0 to the layer count {layers}, "
+            f"e.g. [0, {layers // 2 or 1}, {layers}]"
+        )
     return out
 
 
-def shard_graphs(slm: SlmIntegerModel, keep_ids: Sequence[int], *, rows: int, ring: Mapping[str, int],
-                 bounds: Sequence[int]) -> list[SlmTreeGraph]:
+def shard_graphs(
+    slm: SlmIntegerModel, keep_ids: Sequence[int], *, rows: int, ring: Mapping[str, int], bounds: Sequence[int]
+) -> list[SlmTreeGraph]:
     """One `SlmTreeGraph` per shard of ``bounds`` (module docstring, "Shards"), in chain order."""
     n = len(check_bounds(bounds, text_config(slm).num_hidden_layers)) - 1
     return [SlmTreeGraph(slm, keep_ids, rows=rows, ring=ring, bounds=bounds, shard=k) for k in range(n)]
@@ -417,13 +441,15 @@ def chain_feeds(graph, feeds: Mapping[str, Any], produced: Mapping[str, Any]) ->
         elif name in produced:
             out[name] = produced[name]
         else:
-            raise SlmGraphError(f"shard {graph.shard}: input {name} is neither a host feed nor an earlier shard's "
-                                f"output")
+            raise SlmGraphError(
+                f"shard {graph.shard}: input {name} is neither a host feed nor an earlier shard's output"
+            )
     return out
 
 
-def run_shard_chain(shards: Sequence[SlmTreeGraph], feeds: Mapping[str, np.ndarray]
-                    ) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]]:
+def run_shard_chain(
+    shards: Sequence[SlmTreeGraph], feeds: Mapping[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]]:
     """Run the torch shards in order on the monolithic graph's host ``feeds`` (float32 by name). Returns (every
     shard's outputs by name, [each shard's input dict]) -- the latter are the per-shard calibration samples."""
     produced: dict[str, np.ndarray] = {}
@@ -437,9 +463,15 @@ def run_shard_chain(shards: Sequence[SlmTreeGraph], feeds: Mapping[str, np.ndarr
     return produced, inputs
 
 
-def host_inputs(graph: SlmTreeGraph, slm: SlmIntegerModel, tokens: Sequence[int], parents: Sequence[int],
-                first_position: int, live_start: int,
-                rings: Mapping[int, tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+def host_inputs(
+    graph: SlmTreeGraph,
+    slm: SlmIntegerModel,
+    tokens: Sequence[int],
+    parents: Sequence[int],
+    first_position: int,
+    live_start: int,
+    rings: Mapping[int, tuple[np.ndarray, np.ndarray]],
+) -> dict[str, np.ndarray]:
     """The graph's inputs for one forward, as the host assembles them (module docstring), by input name: the
     monolithic graph's inputs (``graph.host_shapes``), also for a shard (the whole chain's host feeds).
 
@@ -457,8 +489,9 @@ def host_inputs(graph: SlmTreeGraph, slm: SlmIntegerModel, tokens: Sequence[int]
     for t in graph.types:
         cos, sin = slm.rotary[t].rows(positions)
         out[f"cos_{short(t)}"], out[f"sin_{short(t)}"] = cos[None], sin[None]
-        out[f"mask_{short(t)}"] = tree_ring_mask(parents, first_position, live_start, graph.ring[t],
-                                                 graph.sliding_window[t])
+        out[f"mask_{short(t)}"] = tree_ring_mask(
+            parents, first_position, live_start, graph.ring[t], graph.sliding_window[t]
+        )
     for i in graph.all_kv_layers:
         if i not in rings:
             raise SlmGraphError(f"no ring for layer {i}")
@@ -476,7 +509,7 @@ def example_feeds(graph: SlmTreeGraph, slm: SlmIntegerModel, seed: int = 0) -> d
     rng = np.random.default_rng(seed)
     r = graph.rows
     parents = [-1] + [int(rng.integers(max(0, j - 3), j)) for j in range(1, r)]
-    first_position = max(graph.ring.values()) + 3                   # the ring has wrapped
+    first_position = max(graph.ring.values()) + 3  # the ring has wrapped
     rings = {}
     for i in graph.all_kv_layers:
         shape = graph.host_shapes[f"k_ring_{i}"]
@@ -492,8 +525,9 @@ def example_inputs(graph: SlmTreeGraph, slm: SlmIntegerModel, seed: int = 0) -> 
     return [torch.from_numpy(feeds[n]) for n in graph.input_names]
 
 
-def export_slm_graph(module: SlmTreeGraph, example: Sequence[torch.Tensor], path: str | Path, *,
-                     decompose_rms_norm: bool = True):
+def export_slm_graph(
+    module: SlmTreeGraph, example: Sequence[torch.Tensor], path: str | Path, *, decompose_rms_norm: bool = True
+):
     """Export the tree graph at its static shapes to ``path`` (external data beside it), check it, rewrite its
     RMSNorms (`hycoc.passes.rmsnorm_decomposition`) and compare onnxruntime's CPU EP with torch on ``example``.
 
@@ -501,10 +535,23 @@ def export_slm_graph(module: SlmTreeGraph, example: Sequence[torch.Tensor], path
     shard without them).
     Raises ExportError (export, checker, onnxruntime) or RmsNormDecompositionError.
     """
-    model, report = export_static(module, example, path, input_names=module.input_names,
-                                  output_names=module.output_names, decompose_rms_norm=decompose_rms_norm)
-    compare_with_torch(path, module, example, input_names=module.input_names, output_names=module.output_names,
-                       logits="logits" if "logits" in module.output_names else None, report=report)
+    model, report = export_static(
+        module,
+        example,
+        path,
+        input_names=module.input_names,
+        output_names=module.output_names,
+        decompose_rms_norm=decompose_rms_norm,
+    )
+    compare_with_torch(
+        path,
+        module,
+        example,
+        input_names=module.input_names,
+        output_names=module.output_names,
+        logits="logits" if "logits" in module.output_names else None,
+        report=report,
+    )
     return model, report
 
 
@@ -530,13 +577,18 @@ class SlmTreeGraphExport(Pass):
         with tempfile.TemporaryDirectory(prefix="hycoc-slm-export-") as tmp:
             model, report = export_slm_graph(graph, example, Path(tmp) / "slm.onnx")
         head = slm.weights["lm_head"]
-        numbers = report.numbers() | {"rows": graph.rows, "ring": ring, "keep_set": len(graph.keep_ids),
-                                      "output_layer_bytes_before": int(head.q.nbytes + head.scale.nbytes),
-                                      "output_layer_bytes_after": int(graph.lm_head.q.numel() * 1
-                                                                      + graph.lm_head.scale.numel() * 4)}
+        numbers = report.numbers() | {
+            "rows": graph.rows,
+            "ring": ring,
+            "keep_set": len(graph.keep_ids),
+            "output_layer_bytes_before": int(head.q.nbytes + head.scale.nbytes),
+            "output_layer_bytes_after": int(graph.lm_head.q.numel() * 1 + graph.lm_head.scale.numel() * 4),
+        }
         worst = max(report.max_abs_error.values())
-        summary = (f"R={graph.rows} rows, rings {ring[FULL]}/{ring[SLIDING]}, {len(graph.keep_ids)} keep-set logits; "
-                   f"{sum(report.ops.values())} nodes, {report.rms_norms} RMSNorms decomposed; "
-                   f"ORT CPU vs torch max err {worst:.2e}, top-1 {report.top1_agreement:.1%}; "
-                   f"export {report.seconds:.1f} s")
+        summary = (
+            f"R={graph.rows} rows, rings {ring[FULL]}/{ring[SLIDING]}, {len(graph.keep_ids)} keep-set logits; "
+            f"{sum(report.ops.values())} nodes, {report.rms_norms} RMSNorms decomposed; "
+            f"ORT CPU vs torch max err {worst:.2e}, top-1 {report.top1_agreement:.1%}; "
+            f"export {report.seconds:.1f} s"
+        )
         return {"onnx_slm": OnnxArtifact("onnx_slm", model)}, PassReport(summary, numbers)

@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 
 from hycoc.passes.artifacts import Artifact, KeepSetArtifact, SlmIntegerArtifact, hash_folder
 from hycoc.passes.pipeline import Pass, PassReport
+
 from hycoc.recipe import Recipe
 
 #: The graph the shards replace in the bundle; shard k is named ``slm.sK`` (`hycoc.bundle.shard_graph_name`).
@@ -81,8 +82,13 @@ def resolve_bounds(slm, keep_size: int, recipe: Recipe) -> tuple[tuple[int, ...]
         budget = None
     per_layer, first, last = layer_weight_bytes(slm, keep_size)
     plan = plan_shards(per_layer, budget=budget, shards=t.slm_shards, first_extra=first, last_extra=last)
-    return plan.bounds, {"bounds": list(plan.bounds), "estimated_shard_bytes": list(plan.shard_bytes),
-                         "budget_bytes": budget, "fits": plan.fits, "slm_shards": t.slm_shards}
+    return plan.bounds, {
+        "bounds": list(plan.bounds),
+        "estimated_shard_bytes": list(plan.shard_bytes),
+        "budget_bytes": budget,
+        "fits": plan.fits,
+        "slm_shards": t.slm_shards,
+    }
 
 
 class SlmShardsPass(Pass):
@@ -97,7 +103,7 @@ class SlmShardsPass(Pass):
     def __init__(self, *, seed: int = 0, calibration: str = "real", work_dir: Path | None = None):
         from hycoc.passes.qdq import QdqQuantize
 
-        self.qdq = QdqQuantize(seed=seed, calibration=calibration)   # its calibration inputs and their source
+        self.qdq = QdqQuantize(seed=seed, calibration=calibration)  # its calibration inputs and their source
         self.consumes = {k: v for k, v in self.qdq.consumes.items() if k != "onnx_slm"}
         self.consumes |= {"slm_integer": SlmIntegerArtifact, "keep_set": KeepSetArtifact}
         self.also_reads = tuple(dict.fromkeys(("window", "tree", "slm_calibration", *self.qdq.also_reads)))
@@ -111,28 +117,29 @@ class SlmShardsPass(Pass):
         import numpy as np
         import onnx
         import torch
-
-        from hycoc.bundle import shard_graph_name
         from hycoc.passes.qdq import QdqError, quantize_graph
         from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph, export_slm_graph, run_shard_chain
         from hycoc.passes.topk_outputs import append_topk
 
+        from hycoc.bundle import shard_graph_name
+
         cal = recipe.slm_calibration
         if cal.activation_bits != 16:
-            raise QdqError(f"slm_calibration.activation_bits = {cal.activation_bits}: only 16-bit (A16) activations "
-                           f"are implemented")
+            raise QdqError(
+                f"slm_calibration.activation_bits = {cal.activation_bits}: only 16-bit (A16) activations "
+                f"are implemented"
+            )
         start = time.perf_counter()
         slm, keep = inputs["slm_integer"].payload, inputs["keep_set"].payload
         bounds, numbers = resolve_bounds(slm, len(keep), recipe)
         rows = recipe.tree.node_budget
         ring = {FULL: recipe.window.slm_window, SLIDING: recipe.window.slm_sliding_window}
-        graph = SlmTreeGraph(slm, keep, rows=rows, ring=ring)          # the calibration drives the whole model
+        graph = SlmTreeGraph(slm, keep, rows=rows, ring=ring)  # the calibration drives the whole model
         samples, _, source = self.qdq._samples(graph, slm, keep, inputs, recipe)
         del graph
-        shards = [SlmTreeGraph(slm, keep, rows=rows, ring=ring, bounds=bounds, shard=k)
-                  for k in range(len(bounds) - 1)]
+        shards = [SlmTreeGraph(slm, keep, rows=rows, ring=ring, bounds=bounds, shard=k) for k in range(len(bounds) - 1)]
         per_shard: list[list[dict]] = [[] for _ in shards]
-        for sample in samples:                                          # the float chain's tensors
+        for sample in samples:  # the float chain's tensors
             _, x = run_shard_chain(shards, sample)
             for k, xk in enumerate(x):
                 per_shard[k].append(xk)
@@ -147,8 +154,9 @@ class SlmShardsPass(Pass):
                 src = Path(tmp) / name / "float.onnx"
                 example = [torch.from_numpy(np.ascontiguousarray(per_shard[k][0][n])) for n in g.input_names]
                 _, export = export_slm_graph(g, example, src)
-                result = quantize_graph(src, per_shard[k], Path(tmp) / name / "qdq", percentile=cal.percentile,
-                                        range_scale=cal.range_scale)
+                result = quantize_graph(
+                    src, per_shard[k], Path(tmp) / name / "qdq", percentile=cal.percentile, range_scale=cal.range_scale
+                )
                 model = onnx.load(str(result.path))
                 if g.last:
                     model = append_topk(model, recipe.tree.slm_candidates, with_logq=True)
@@ -157,15 +165,24 @@ class SlmShardsPass(Pass):
                 onnx.save(model, str(dest), save_as_external_data=True, location=f"{name}.onnx.data")
                 index["graphs"].append({"name": name, "model": f"{name}/{name}.onnx"})
                 sq = result.sqnr["outputs"]
-                numbers["shards"].append({"name": name, "layers": list(g.layer_range), "borrowed": g.borrowed,
-                                          "export_max_error": max(export.max_abs_error.values()),
-                                          "sqnr_outputs": sq, "weight_bits": result.numbers()["weight_bits"]})
+                numbers["shards"].append(
+                    {
+                        "name": name,
+                        "layers": list(g.layer_range),
+                        "borrowed": g.borrowed,
+                        "export_max_error": max(export.max_abs_error.values()),
+                        "sqnr_outputs": sq,
+                        "weight_bits": result.numbers()["weight_bits"],
+                    }
+                )
         (out / ShardedOnnxArtifact.INDEX).write_text(json.dumps(index, indent=1), encoding="utf-8")
         logits = numbers["shards"][-1]["sqnr_outputs"].get("logits", float("nan"))
-        summary = (f"{len(shards)} shards, layers {bounds}; estimated bytes "
-                   f"{', '.join(f'{b / 1e6:.2f} MB' for b in numbers['estimated_shard_bytes'])}; last shard's "
-                   f"SQNR logits {logits:.1f} dB on {len(samples)} {self.calibration} samples through the float chain; "
-                   f"{time.perf_counter() - start:.1f} s")
+        summary = (
+            f"{len(shards)} shards, layers {bounds}; estimated bytes "
+            f"{', '.join(f'{b / 1e6:.2f} MB' for b in numbers['estimated_shard_bytes'])}; last shard's "
+            f"SQNR logits {logits:.1f} dB on {len(samples)} {self.calibration} samples through the float chain; "
+            f"{time.perf_counter() - start:.1f} s"
+        )
         return {KIND: ShardedOnnxArtifact(KIND, out)}, PassReport(summary, numbers)
 
 

@@ -69,8 +69,10 @@ def layer_weight_bytes(slm, keep_size: int) -> tuple[list[int], int, int]:
             return "first", 0
         return "last", 0
 
-    sizes = [(name, _compiled_bytes(w.q.shape, w.bits, rows=keep_size if name == "lm_head" else None))
-             for name, w in slm.weights.items()]
+    sizes = [
+        (name, _compiled_bytes(w.q.shape, w.bits, rows=keep_size if name == "lm_head" else None))
+        for name, w in slm.weights.items()
+    ]
     sizes += [(name, 4 * int(np.asarray(value).size)) for name, value in slm.floats.items()]
     for name, size in sizes:
         kind, i = where(name)
@@ -89,6 +91,7 @@ def _segments(per_layer: Sequence[int], first_extra: int, last_extra: int):
 
     def seg(i: int, j: int) -> int:
         return int(prefix[j] - prefix[i]) + (first_extra if i == 0 else 0) + (last_extra if j == n else 0)
+
     return seg
 
 
@@ -117,8 +120,9 @@ def _best_split(n: int, k: int, seg) -> tuple[int, tuple[int, ...]]:
     return int(cap), sq[k][n][1]
 
 
-def plan_shards(per_layer: Sequence[int], *, budget: int | None, shards: int | str,
-                first_extra: int = 0, last_extra: int = 0) -> ShardPlan:
+def plan_shards(
+    per_layer: Sequence[int], *, budget: int | None, shards: int | str, first_extra: int = 0, last_extra: int = 0
+) -> ShardPlan:
     """Split ``len(per_layer)`` layers into contiguous shards balanced by weight bytes (module docstring).
 
     per_layer: bytes per layer; first_extra / last_extra: bytes only shard 0 / the last shard holds. shards: N
@@ -133,9 +137,11 @@ def plan_shards(per_layer: Sequence[int], *, budget: int | None, shards: int | s
             for i in range(n):
                 alone = seg(i, i + 1)
                 if alone > budget:
-                    raise ShardPlanError(f"layer {i} alone needs {alone:,} bytes, over the context budget of "
-                                         f"{budget:,}: no layer split fits; raise [target] context_size_limit_mb "
-                                         f"or quantize the layer harder")
+                    raise ShardPlanError(
+                        f"layer {i} alone needs {alone:,} bytes, over the context budget of "
+                        f"{budget:,}: no layer split fits; raise [target] context_size_limit_mb "
+                        f"or quantize the layer harder"
+                    )
         for k in range(1, n + 1):
             cap, bounds = _best_split(n, k, seg)
             if budget is None or cap <= budget:
@@ -143,8 +149,7 @@ def plan_shards(per_layer: Sequence[int], *, budget: int | None, shards: int | s
     else:
         k = int(shards)
         if not 1 <= k <= n:
-            raise ShardPlanError(f"[target] slm_shards = {k}: must lie in [1, {n}] (the SLM's layers) or be "
-                                 f"\"auto\"")
+            raise ShardPlanError(f'[target] slm_shards = {k}: must lie in [1, {n}] (the SLM\'s layers) or be "auto"')
         cap, bounds = _best_split(n, k, seg)
     sizes = tuple(seg(a, b) for a, b in zip(bounds, bounds[1:]))
     return ShardPlan(tuple(bounds), sizes, budget)

@@ -33,10 +33,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from hycoc.passes.artifacts import (EmbeddingLut, IntegerWeight, RotaryTable, SlmIntegerArtifact, SlmIntegerModel,
-                                    unpack_signed)
+from hycoc.passes.artifacts import (
+    EmbeddingLut,
+    IntegerWeight,
+    RotaryTable,
+    SlmIntegerArtifact,
+    SlmIntegerModel,
+    unpack_signed,
+)
 from hycoc.passes.pipeline import Pass, PassReport
+
 from hycoc.recipe import Recipe
 
 #: LUT names, by the transformers module they come from.
@@ -69,14 +75,21 @@ def integer_weight(name: str, module) -> IntegerWeight:
     q = unpack_signed(module.weight.detach().cpu().numpy(), bits, module.in_features)
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     if q.shape != (module.out_features, module.in_features) or q.min() < lo or q.max() > hi:
-        raise SurgeryError(f"{name}: unpacked integers of shape {q.shape} in [{q.min()}, {q.max()}], expected "
-                           f"({module.out_features}, {module.in_features}) in [{lo}, {hi}]")
+        raise SurgeryError(
+            f"{name}: unpacked integers of shape {q.shape} in [{q.min()}, {q.max()}], expected "
+            f"({module.out_features}, {module.in_features}) in [{lo}, {hi}]"
+        )
     scale = module.weight_scale.detach().cpu().numpy().astype(np.float32, copy=True)
     ours = torch.from_numpy(q).to(torch.float32) * torch.from_numpy(scale)
     if not torch.equal(ours, module._dequantize_weights(torch.float32)):
         raise SurgeryError(f"{name}: integers * scales differ from transformers' dequantized weight")
-    return IntegerWeight(q=q, scale=scale, bits=bits, input_scale=float(module.input_activation_scale.detach()),
-                         output_scale=float(module.output_activation_scale.detach()))
+    return IntegerWeight(
+        q=q,
+        scale=scale,
+        bits=bits,
+        input_scale=float(module.input_activation_scale.detach()),
+        output_scale=float(module.output_activation_scale.detach()),
+    )
 
 
 def embedding_lut(name: str, module) -> EmbeddingLut:
@@ -85,14 +98,20 @@ def embedding_lut(name: str, module) -> EmbeddingLut:
     Raises SurgeryError for a float table (``quantize_embeddings`` off) or a width other than 2/4/8.
     """
     if not hasattr(module, "embedding_quantized"):
-        raise SurgeryError(f"{name}: a float embedding table ({type(module).__name__}); the SLM's LUTs keep the "
-                           "checkpoint's quantized rows (set quantize_embeddings in its quantization_config)")
+        raise SurgeryError(
+            f"{name}: a float embedding table ({type(module).__name__}); the SLM's LUTs keep the "
+            "checkpoint's quantized rows (set quantize_embeddings in its quantization_config)"
+        )
     bits = int(module.num_bits)
     if bits not in (2, 4, 8):
         raise SurgeryError(f"{name}: {bits}-bit embedding rows; the Gemma format stores 2, 4 or 8 bits")
-    return EmbeddingLut(packed=module.embedding_quantized.detach().cpu().numpy().copy(),
-                        scale=module.embedding_scale.detach().cpu().numpy().astype(np.float32, copy=True),
-                        bits=bits, dim=int(module.embedding_dim), embed_scale=float(module.scalar_embed_scale))
+    return EmbeddingLut(
+        packed=module.embedding_quantized.detach().cpu().numpy().copy(),
+        scale=module.embedding_scale.detach().cpu().numpy().astype(np.float32, copy=True),
+        bits=bits,
+        dim=int(module.embedding_dim),
+        embed_scale=float(module.scalar_embed_scale),
+    )
 
 
 def rotary_tables(model) -> dict[str, RotaryTable]:
@@ -104,9 +123,11 @@ def rotary_tables(model) -> dict[str, RotaryTable]:
     for layer_type in sorted(set(config.layer_types)):
         inv_freq = getattr(rotary, f"{layer_type}_inv_freq").detach().cpu().numpy().astype(np.float32)
         layer = config.layer_types.index(layer_type)
-        out[layer_type] = RotaryTable(inv_freq=inv_freq,
-                                      attention_scaling=float(getattr(rotary, f"{layer_type}_attention_scaling")),
-                                      head_dim=int(config.per_layer_config[layer].head_dim))
+        out[layer_type] = RotaryTable(
+            inv_freq=inv_freq,
+            attention_scaling=float(getattr(rotary, f"{layer_type}_attention_scaling")),
+            head_dim=int(config.per_layer_config[layer].head_dim),
+        )
     return out
 
 
@@ -131,18 +152,23 @@ def slm_surgery(model, source: dict[str, Any] | None = None) -> SlmIntegerModel:
             weights[name] = integer_weight(name, module)
         elif isinstance(module, (QuantizedEmbedding, torch.nn.Embedding)):
             if name not in lut_names:
-                raise SurgeryError(f"{name}: an embedding the SLM graph does not know (expected "
-                                   f"{', '.join(LUT_MODULES.values())})")
+                raise SurgeryError(
+                    f"{name}: an embedding the SLM graph does not know (expected {', '.join(LUT_MODULES.values())})"
+                )
             luts[lut_names[name]] = embedding_lut(name, module)
         elif isinstance(module, torch.nn.Linear):
-            raise SurgeryError(f"{name}: a floating-point nn.Linear; every SLM weight must come from the checkpoint "
-                               "as integers (is it listed in the quantization_config's modules_to_not_convert?)")
+            raise SurgeryError(
+                f"{name}: a floating-point nn.Linear; every SLM weight must come from the checkpoint "
+                "as integers (is it listed in the quantization_config's modules_to_not_convert?)"
+            )
         else:
             continue
         owned.add(name)
     if "lm_head" not in weights:
-        raise SurgeryError("lm_head: no quantized output layer (a tied output layer is not supported: the keep-set "
-                           "output layer is untied from the embedding table, App. A)")
+        raise SurgeryError(
+            "lm_head: no quantized output layer (a tied output layer is not supported: the keep-set "
+            "output layer is untied from the embedding table, App. A)"
+        )
     if "embed_tokens" not in luts:
         raise SurgeryError("model.embed_tokens: no token embedding table")
     floats = {}
@@ -152,8 +178,9 @@ def slm_surgery(model, source: dict[str, Any] | None = None) -> SlmIntegerModel:
         floats[key] = tensor.detach().cpu().to(torch.float32).numpy().copy()
     # through JSON, as the artifact stores it (integer dict keys such as id2label's become strings)
     config = json.loads(json.dumps(model.config.to_dict()))
-    return SlmIntegerModel(config=config, weights=weights, luts=luts, floats=floats,
-                           rotary=rotary_tables(model), source=dict(source or {}))
+    return SlmIntegerModel(
+        config=config, weights=weights, luts=luts, floats=floats, rotary=rotary_tables(model), source=dict(source or {})
+    )
 
 
 # ---- bytes ----------------------------------------------------------------------------------------------------
@@ -193,9 +220,10 @@ def byte_report(m: SlmIntegerModel, checkpoint: dict[str, int] | None = None) ->
         row["int8_bytes"] += int(w.q.nbytes + w.scale.nbytes)
         row["packed_bytes"] += int(-(-w.q.shape[1] * w.bits // 8) * w.q.shape[0] + w.scale.nbytes)
         if checkpoint is not None:
-            row["checkpoint_bytes"] += sum(checkpoint.get(f"{name}.{t}", 0) for t in
-                                           ("weight", "weight_scale", "input_activation_scale",
-                                            "output_activation_scale"))
+            row["checkpoint_bytes"] += sum(
+                checkpoint.get(f"{name}.{t}", 0)
+                for t in ("weight", "weight_scale", "input_activation_scale", "output_activation_scale")
+            )
     luts = {name: int(lut.packed.nbytes + lut.scale.nbytes) for name, lut in m.luts.items()}
     floats = sum(int(v.nbytes) for v in m.floats.values())
     rotary = sum(int(r.inv_freq.nbytes) for r in m.rotary.values())

@@ -36,22 +36,46 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 #: Fused attention ops: (domain, op_type). Domain "" is the default ONNX domain ("ai.onnx").
-FUSED_ATTENTION = frozenset({
-    ("", "Attention"),
-    *(("com.microsoft", op) for op in (
-        "Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention", "PackedMultiHeadAttention",
-        "DecoderMaskedMultiHeadAttention", "DecoderMaskedSelfAttention", "SparseAttention", "PagedAttention",
-        "LongformerAttention", "QAttention", "QOrderedAttention", "QOrderedLongformerAttention")),
-})
+FUSED_ATTENTION = frozenset(
+    {
+        ("", "Attention"),
+        *(
+            ("com.microsoft", op)
+            for op in (
+                "Attention",
+                "MultiHeadAttention",
+                "GroupQueryAttention",
+                "PackedAttention",
+                "PackedMultiHeadAttention",
+                "DecoderMaskedMultiHeadAttention",
+                "DecoderMaskedSelfAttention",
+                "SparseAttention",
+                "PagedAttention",
+                "LongformerAttention",
+                "QAttention",
+                "QOrderedAttention",
+                "QOrderedLongformerAttention",
+            )
+        ),
+    }
+)
 #: Index-taking ops of the default domain -> positions of their index operands.
-INDEXED_OPS = {"Slice": (1, 2, 3, 4), "Gather": (1,), "GatherElements": (1,), "GatherND": (1,),
-               "ScatterND": (1,), "ScatterElements": (1,)}
+INDEXED_OPS = {
+    "Slice": (1, 2, 3, 4),
+    "Gather": (1,),
+    "GatherElements": (1,),
+    "GatherND": (1,),
+    "ScatterND": (1,),
+    "ScatterElements": (1,),
+}
 _SHAPE_ONLY = {"Shape", "Size"}
 
-FIX = ("Fix: use the static mask form -- feed the K/V ring as a fixed-shape graph input, say which columns are "
-       "visible with the additive mask input (0 or the finite -1e4), and compute attention as MatMul -> Add(mask) "
-       "-> Softmax -> MatMul (as passes/head_graph.py and passes/slm_graph.py do); export at opset 21, where torch's "
-       "scaled_dot_product_attention decomposes into those ops, and keep positions on the host.")
+FIX = (
+    "Fix: use the static mask form -- feed the K/V ring as a fixed-shape graph input, say which columns are "
+    "visible with the additive mask input (0 or the finite -1e4), and compute attention as MatMul -> Add(mask) "
+    "-> Softmax -> MatMul (as passes/head_graph.py and passes/slm_graph.py do); export at opset 21, where torch's "
+    "scaled_dot_product_attention decomposes into those ops, and keep positions on the host."
+)
 
 
 @dataclass(frozen=True)
@@ -113,15 +137,20 @@ def find_static_graph_faults(model) -> list[StaticGraphFinding]:
         return sources.get(value, frozenset())
 
     def scan(g: ir.Graph, inherited: frozenset[str]) -> None:
-        for v in g.inputs:          # a subgraph's own inputs (loop counters, scan slices): its node's sources
+        for v in g.inputs:  # a subgraph's own inputs (loop counters, scan slices): its node's sources
             if v not in sources and v.const_value is None:
                 sources[v] = inherited
         for node in g:
             domain = "" if node.domain in ("", "ai.onnx") else node.domain
             if (domain, node.op_type) in FUSED_ATTENTION:
-                found.append(StaticGraphFinding(
-                    node.name or "", node.op_type, domain,
-                    "fused attention op; the HTP graph needs the static mask form (MatMul/Add(mask)/Softmax/MatMul)"))
+                found.append(
+                    StaticGraphFinding(
+                        node.name or "",
+                        node.op_type,
+                        domain,
+                        "fused attention op; the HTP graph needs the static mask form (MatMul/Add(mask)/Softmax/MatMul)",
+                    )
+                )
             if domain == "" and node.op_type in _SHAPE_ONLY and node.inputs and node.inputs[0] is not None:
                 x = node.inputs[0]
                 dep = frozenset() if (_static_shape(x) or all_static) else of(x)
@@ -136,16 +165,24 @@ def find_static_graph_faults(model) -> list[StaticGraphFinding]:
                 sources[out] = dep
             if domain == "" and node.op_type in INDEXED_OPS and node.inputs and node.inputs[0] is not None:
                 data = of(node.inputs[0])
-                index = [(i, of(node.inputs[i])) for i in INDEXED_OPS[node.op_type]
-                         if i < len(node.inputs) and node.inputs[i] is not None and of(node.inputs[i])]
+                index = [
+                    (i, of(node.inputs[i]))
+                    for i in INDEXED_OPS[node.op_type]
+                    if i < len(node.inputs) and node.inputs[i] is not None and of(node.inputs[i])
+                ]
                 if data and index:
                     by = sorted(set().union(*(s for _, s in index)))
                     names = ", ".join(f"'{n}'" for n in by)
                     operand = "starts/ends" if node.op_type == "Slice" else "indices"
                     what = "write into" if node.op_type.startswith("Scatter") else "slice of"
-                    found.append(StaticGraphFinding(
-                        node.name or "", node.op_type, domain,
-                        f"data-dependent {what} an activation (KV): its {operand} come from graph input(s) {names}"))
+                    found.append(
+                        StaticGraphFinding(
+                            node.name or "",
+                            node.op_type,
+                            domain,
+                            f"data-dependent {what} an activation (KV): its {operand} come from graph input(s) {names}",
+                        )
+                    )
 
     scan(graph, frozenset())
     return found
@@ -158,10 +195,20 @@ def check_static_graph(model, *, what: str = "graph") -> None:
     (name, op type, why) and the fix; returns None for a clean graph."""
     found = find_static_graph_faults(model)
     if found:
-        raise StaticGraphError(f"{what}: {len(found)} node(s) are not static-graph attention (data-dependent KV "
-                               f"slicing or a fused attention op); the HTP target needs static shapes and the "
-                               f"static mask form", found)
+        raise StaticGraphError(
+            f"{what}: {len(found)} node(s) are not static-graph attention (data-dependent KV "
+            f"slicing or a fused attention op); the HTP target needs static shapes and the "
+            f"static mask form",
+            found,
+        )
 
 
-__all__ = ["FIX", "FUSED_ATTENTION", "INDEXED_OPS", "StaticGraphError", "StaticGraphFinding", "check_static_graph",
-           "find_static_graph_faults"]
+__all__ = [
+    "FIX",
+    "FUSED_ATTENTION",
+    "INDEXED_OPS",
+    "StaticGraphError",
+    "StaticGraphFinding",
+    "check_static_graph",
+    "find_static_graph_faults",
+]

@@ -62,8 +62,11 @@ def append_topk(model, k: int, *, with_logq: bool, logits: str = "logits"):
         raise TopKError(f"opset {_opset(model)}: append_topk writes ReduceMax/ReduceSum with axes inputs (opset 18)")
     p = "topk_"
     g.initializer.append(numpy_helper.from_array(np.array([k], np.int64), f"{p}k"))
-    nodes = [helper.make_node("TopK", [logits, f"{p}k"], [f"{p}values", TOP_INDEX], name=f"{p}TopK", axis=-1,
-                              largest=1, sorted=1)]
+    nodes = [
+        helper.make_node(
+            "TopK", [logits, f"{p}k"], [f"{p}values", TOP_INDEX], name=f"{p}TopK", axis=-1, largest=1, sorted=1
+        )
+    ]
     new_outputs = [helper.make_tensor_value_info(TOP_INDEX, TensorProto.INT64, [dims[0], dims[1], k])]
     if with_logq:
         g.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), f"{p}axes"))
@@ -121,13 +124,21 @@ def htp_tie_order(model) -> int:
             nodes.append(n)
             continue
         p = f"{n.name or 'topk'}_tie_"
-        g.initializer.extend([numpy_helper.from_array(np.array([-1], np.int64), f"{p}starts"),
-                              numpy_helper.from_array(np.array([np.iinfo(np.int64).min], np.int64), f"{p}ends"),
-                              numpy_helper.from_array(np.array([-1], np.int64), f"{p}axes"),
-                              numpy_helper.from_array(np.array([-1], np.int64), f"{p}steps"),
-                              numpy_helper.from_array(np.array(v - 1, np.int64), f"{p}last")])
-        reversed_ = helper.make_node("Slice", [n.input[0], f"{p}starts", f"{p}ends", f"{p}axes", f"{p}steps"],
-                                     [f"{p}reversed"], name=f"{p}Reverse")
+        g.initializer.extend(
+            [
+                numpy_helper.from_array(np.array([-1], np.int64), f"{p}starts"),
+                numpy_helper.from_array(np.array([np.iinfo(np.int64).min], np.int64), f"{p}ends"),
+                numpy_helper.from_array(np.array([-1], np.int64), f"{p}axes"),
+                numpy_helper.from_array(np.array([-1], np.int64), f"{p}steps"),
+                numpy_helper.from_array(np.array(v - 1, np.int64), f"{p}last"),
+            ]
+        )
+        reversed_ = helper.make_node(
+            "Slice",
+            [n.input[0], f"{p}starts", f"{p}ends", f"{p}axes", f"{p}steps"],
+            [f"{p}reversed"],
+            name=f"{p}Reverse",
+        )
         out_index = n.output[1]
         topk = helper.make_node("TopK", [f"{p}reversed", n.input[1]], [n.output[0], f"{p}index"], name=n.name)
         topk.attribute.extend(n.attribute)

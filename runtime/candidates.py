@@ -50,13 +50,13 @@ def top_k_indices(x: np.ndarray, k: int) -> np.ndarray:
     k = min(int(k), v)
     if k == v:
         return np.argsort(-x, axis=-1, kind="stable").astype(np.int64)
-    kth = -np.partition(-x, k - 1, axis=-1)[:, k - 1]             # the k-th largest value of each row
+    kth = -np.partition(-x, k - 1, axis=-1)[:, k - 1]  # the k-th largest value of each row
     out = np.empty((n, k), np.int64)
     for r in range(n):
         above = np.flatnonzero(x[r] > kth[r])
-        tied = np.flatnonzero(x[r] == kth[r])[:k - len(above)]
+        tied = np.flatnonzero(x[r] == kth[r])[: k - len(above)]
         sel = np.concatenate([above, tied])
-        out[r] = sel[np.lexsort((sel, -x[r, sel]))]               # by value descending, then index ascending
+        out[r] = sel[np.lexsort((sel, -x[r, sel]))]  # by value descending, then index ascending
     return out
 
 
@@ -114,12 +114,15 @@ def graph_candidate_rows(top_index: np.ndarray, top_logq: np.ndarray, nodes, row
     ``top_logq`` ((1, R, k_graph) each) entries as one `CandidateRows`. Raises ValueError when the graph emits
     fewer than k."""
     if top_index.shape[-1] < k:
-        raise ValueError(f"the SLM graph emits its best {top_index.shape[-1]} tokens per row, the tree builder "
-                         f"wants {k} candidates: rebuild the bundle with this recipe")
+        raise ValueError(
+            f"the SLM graph emits its best {top_index.shape[-1]} tokens per row, the tree builder "
+            f"wants {k} candidates: rebuild the bundle with this recipe"
+        )
     rows = np.asarray(rows, dtype=np.int64)
     # the fancy index makes fresh arrays: int64 indices stay as they are (no second copy)
-    return CandidateRows(nodes, top_index[0, rows, :k].astype(np.int64, copy=False),
-                         top_logq[0, rows, :k].astype(np.float64))
+    return CandidateRows(
+        nodes, top_index[0, rows, :k].astype(np.int64, copy=False), top_logq[0, rows, :k].astype(np.float64)
+    )
 
 
 def graph_candidates(top_index: np.ndarray, top_logq: np.ndarray, rows, k: int) -> list[Candidates]:
@@ -129,6 +132,13 @@ def graph_candidates(top_index: np.ndarray, top_logq: np.ndarray, rows, k: int) 
     return [found[i] for i in range(len(rows))]
 
 
-__all__ = ["CandidateRows", "Candidates", "graph_candidate_rows", "graph_candidates", "log_softmax",
-           "logits_candidates", "logq_candidates",
-           "top_k_indices"]
+__all__ = [
+    "CandidateRows",
+    "Candidates",
+    "graph_candidate_rows",
+    "graph_candidates",
+    "log_softmax",
+    "logits_candidates",
+    "logq_candidates",
+    "top_k_indices",
+]

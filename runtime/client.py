@@ -38,13 +38,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-
-from hycoc.chat import ChatMismatch, common_prefix, ids_crc32
-from hycoc.protocol.messages import AppendTurn, DraftTree, OpenRequest, Sampling, commit_cut
 from hycoc.runtime.mtp_drafter import MtpDrafter
 from hycoc.runtime.slm_drafter import SlmDrafter
 from hycoc.runtime.transport import BadReply
 from hycoc.runtime.tree_builder import BuiltTree, TreeBuilder, check_verified, walk_reply
+
+from hycoc.chat import ChatMismatch, common_prefix, ids_crc32
+from hycoc.protocol.messages import AppendTurn, DraftTree, OpenRequest, Sampling, commit_cut
 
 
 @dataclass(frozen=True)
@@ -52,22 +52,25 @@ class Mode:
     """One configuration of Table 5 as the device runs it."""
 
     name: str
-    draft_place: str | None       # None: no server (slm-alone)
-    acceptance: str | None        # "exact" / "epsilon" / None (slm-alone)
-    chain: str                    # "device" (MTP Drafter), "server" (reply.chain), "none"
-    passes: str                   # "slm" (round.slm_passes), "two", "specedge", "none"
+    draft_place: str | None  # None: no server (slm-alone)
+    acceptance: str | None  # "exact" / "epsilon" / None (slm-alone)
+    chain: str  # "device" (MTP Drafter), "server" (reply.chain), "none"
+    passes: str  # "slm" (round.slm_passes), "two", "specedge", "none"
 
 
-MODES = {m.name: m for m in (
-    Mode("hyco", "device", "epsilon", "device", "slm"),
-    Mode("hyco-exact", "device", "exact", "device", "slm"),
-    Mode("hyco-2p", "device", "epsilon", "device", "two"),
-    Mode("specedge", "device", "exact", "none", "specedge"),
-    Mode("specedge-eps", "device", "epsilon", "none", "specedge"),
-    Mode("server-head", "server-head", "exact", "server", "slm"),
-    Mode("cloud-mtp", "cloud-mtp", "exact", "none", "none"),
-    Mode("slm-alone", None, None, "none", "slm"),
-)}
+MODES = {
+    m.name: m
+    for m in (
+        Mode("hyco", "device", "epsilon", "device", "slm"),
+        Mode("hyco-exact", "device", "exact", "device", "slm"),
+        Mode("hyco-2p", "device", "epsilon", "device", "two"),
+        Mode("specedge", "device", "exact", "none", "specedge"),
+        Mode("specedge-eps", "device", "epsilon", "none", "specedge"),
+        Mode("server-head", "server-head", "exact", "server", "slm"),
+        Mode("cloud-mtp", "cloud-mtp", "exact", "none", "none"),
+        Mode("slm-alone", None, None, "none", "slm"),
+    )
+}
 #: Modes `hycoc run --mode` offers (cloud-mtp drafts nothing on the device; `hycoc bench` runs it).
 RUN_MODES = ("hyco", "hyco-exact", "hyco-2p", "specedge", "server-head", "slm-alone")
 
@@ -128,7 +131,10 @@ class RequestResult:
         n = max(len(self.tokens), 1)
         r = max(len(self.round_bytes), 1)
         return {
-            "text": self.text, "tokens": len(self.tokens), "rounds": self.rounds, "mat": round(self.mat, 4),
+            "text": self.text,
+            "tokens": len(self.tokens),
+            "rounds": self.rounds,
+            "mat": round(self.mat, 4),
             "tok_per_s": round(len(self.tokens) / self.seconds, 3) if self.seconds > 0 else 0.0,
             "draft_ms_per_token": round(1000 * self.draft_s / n, 3),
             "server_ms_per_token": round((self.prefill_ms + sum(self.server_ms)) / n, 3),
@@ -154,14 +160,14 @@ class TextStream:
         self.ids.extend(int(i) for i in ids)
         text = self.text()
         stable = text.rstrip("\ufffd")
-        delta = stable[len(self.sent):] if stable.startswith(self.sent) else ""
+        delta = stable[len(self.sent) :] if stable.startswith(self.sent) else ""
         self.sent = stable if stable.startswith(self.sent) else self.sent
         return delta
 
     def flush(self) -> str:
         """The text not yet returned by `push`: the end of the request, where nothing more can complete it."""
         text = self.text()
-        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+        delta = text[len(self.sent) :] if text.startswith(self.sent) else ""
         self.sent = text if text.startswith(self.sent) else self.sent
         return delta
 
@@ -178,7 +184,7 @@ class DeviceRuntime:
         self.bundle = bundle
         self.mtp = MtpDrafter(head, bundle)
         self.slm = SlmDrafter(slm, bundle, candidates=bundle.round.slm_candidates)
-        if slm_decode is not None:                # slm-alone's 1-row graph (`hycoc.runtime.slm_decode`)
+        if slm_decode is not None:  # slm-alone's 1-row graph (`hycoc.runtime.slm_decode`)
             from hycoc.runtime.slm_decode import SlmDecoder
 
             self.slm.decoder = SlmDecoder(slm_decode)
@@ -212,24 +218,59 @@ class DeviceRuntime:
         budget = r.specedge_nodes if mode.passes == "specedge" else r.node_budget
         passes = {"slm": r.slm_passes, "two": 2, "specedge": r.specedge_passes, "none": 0}[mode.passes]
         if budget + 1 > tree_rows:
-            raise ValueError(f"mode {mode.name} drafts {budget} nodes, the verifier takes {tree_rows} rows per tree "
-                             "(node_budget + 1); use matching recipes for the bundle and the server")
-        return TreeBuilder(ln_lambda=math.log(r.depth_cost), budget=budget, rows=tree_rows,
-                           candidates=r.slm_candidates, passes=passes, keep_set=self.bundle.keep_set,
-                           stop_ids=self.stop_ids)
+            raise ValueError(
+                f"mode {mode.name} drafts {budget} nodes, the verifier takes {tree_rows} rows per tree "
+                "(node_budget + 1); use matching recipes for the bundle and the server"
+            )
+        return TreeBuilder(
+            ln_lambda=math.log(r.depth_cost),
+            budget=budget,
+            rows=tree_rows,
+            candidates=r.slm_candidates,
+            passes=passes,
+            keep_set=self.bundle.keep_set,
+            stop_ids=self.stop_ids,
+        )
 
-    def open_request(self, prompt_ids, mode: Mode, *, max_new_tokens: int, seed: int,
-                     sampling: Sampling, epsilon: float, anchor: int = 0) -> OpenRequest:
+    def open_request(
+        self,
+        prompt_ids,
+        mode: Mode,
+        *,
+        max_new_tokens: int,
+        seed: int,
+        sampling: Sampling,
+        epsilon: float,
+        anchor: int = 0,
+    ) -> OpenRequest:
         """The OPEN of a request (anchor: the prompt's `hycoc.chat.Rendered.anchor`, 0 for raw ids)."""
-        return OpenRequest(prompt_ids=np.asarray(prompt_ids, np.int32), sampling=sampling, seed=seed,
-                           acceptance=mode.acceptance, epsilon=epsilon if mode.acceptance == "epsilon" else 1.0,
-                           draft_place=mode.draft_place, max_new_tokens=max_new_tokens,
-                           chat=self.bundle.chat.format.contract(), anchor=int(anchor))
+        return OpenRequest(
+            prompt_ids=np.asarray(prompt_ids, np.int32),
+            sampling=sampling,
+            seed=seed,
+            acceptance=mode.acceptance,
+            epsilon=epsilon if mode.acceptance == "epsilon" else 1.0,
+            draft_place=mode.draft_place,
+            max_new_tokens=max_new_tokens,
+            chat=self.bundle.chat.format.contract(),
+            anchor=int(anchor),
+        )
 
-    def generate(self, client, prompt_ids, *, mode: str = "hyco", max_new_tokens: int | None = None,
-                 seed: int | None = None, sampling: Sampling | None = None, epsilon: float | None = None,
-                 on_text: Callable[[str], None] | None = None, keep_open: bool = False,
-                 on_tokens: Callable[[list[int]], None] | None = None, anchor: int = 0) -> RequestResult:
+    def generate(
+        self,
+        client,
+        prompt_ids,
+        *,
+        mode: str = "hyco",
+        max_new_tokens: int | None = None,
+        seed: int | None = None,
+        sampling: Sampling | None = None,
+        epsilon: float | None = None,
+        on_text: Callable[[str], None] | None = None,
+        keep_open: bool = False,
+        on_tokens: Callable[[list[int]], None] | None = None,
+        anchor: int = 0,
+    ) -> RequestResult:
         """Run one request (Alg. 1 each round) and return its `RequestResult`.
 
         anchor: the prompt's model-turn opening (`hycoc.chat.Rendered.anchor`) when the prompt is a rendered
@@ -241,12 +282,32 @@ class DeviceRuntime:
         unreachable, auth refused, connection dropped, protocol mismatch), HandoffError, RuntimeProtocolError;
         text already passed to ``on_text`` stays delivered.
         """
-        return self._request(client, [int(x) for x in prompt_ids], None, mode, max_new_tokens, seed, sampling,
-                             epsilon, on_text, keep_open, on_tokens, anchor)
+        return self._request(
+            client,
+            [int(x) for x in prompt_ids],
+            None,
+            mode,
+            max_new_tokens,
+            seed,
+            sampling,
+            epsilon,
+            on_text,
+            keep_open,
+            on_tokens,
+            anchor,
+        )
 
-    def next_turn(self, client, conversation_ids, *, anchor: int = 0, max_new_tokens: int | None = None,
-                  on_text: Callable[[str], None] | None = None, keep_open: bool = True,
-                  on_tokens: Callable[[list[int]], None] | None = None) -> RequestResult:
+    def next_turn(
+        self,
+        client,
+        conversation_ids,
+        *,
+        anchor: int = 0,
+        max_new_tokens: int | None = None,
+        on_text: Callable[[str], None] | None = None,
+        keep_open: bool = True,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> RequestResult:
         """The next turn of a conversation (paper §4.1, MT-bench's second turns) on the session `generate(...,
         keep_open=True)` opened, as the template renders the whole conversation (docs/serving.md "Conversations").
 
@@ -267,15 +328,28 @@ class DeviceRuntime:
         if len(ids) < 2:
             raise ValueError("the conversation's rendering needs at least 2 ids (a kept one and the next root)")
         keep = max(1, min(common_prefix(held, ids), len(ids) - 1))
-        turn = AppendTurn(np.asarray(ids[keep:], np.int32), 0, keep, ids_crc32(held[:keep]),
-                          int(anchor) if int(anchor) >= keep else 0)
+        turn = AppendTurn(
+            np.asarray(ids[keep:], np.int32), 0, keep, ids_crc32(held[:keep]), int(anchor) if int(anchor) >= keep else 0
+        )
         if MODES[mode].passes != "none":
             self.slm.rollback(keep)
-        return self._request(client, ids, turn, mode, max_new_tokens, None, None, None, on_text, keep_open,
-                             on_tokens)
+        return self._request(client, ids, turn, mode, max_new_tokens, None, None, None, on_text, keep_open, on_tokens)
 
-    def _request(self, client, prompt: list[int], appended: AppendTurn | None, mode: str, max_new_tokens, seed,
-                 sampling, epsilon, on_text, keep_open: bool, on_tokens=None, anchor: int = 0) -> RequestResult:
+    def _request(
+        self,
+        client,
+        prompt: list[int],
+        appended: AppendTurn | None,
+        mode: str,
+        max_new_tokens,
+        seed,
+        sampling,
+        epsilon,
+        on_text,
+        keep_open: bool,
+        on_tokens=None,
+        anchor: int = 0,
+    ) -> RequestResult:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         m = MODES[mode]
@@ -289,7 +363,7 @@ class DeviceRuntime:
             res.kept = appended.keep
         stream = TextStream(self.bundle.tokenizer)
         start = time.perf_counter()
-        link0 = getattr(client, "link_s", 0.0)             # the client's link time is counted per connection
+        link0 = getattr(client, "link_s", 0.0)  # the client's link time is counted per connection
 
         def emit(new: list[int]) -> None:
             if new and res.first_token_s is None:
@@ -348,36 +422,52 @@ class DeviceRuntime:
         res.finished = True
         res.finish_reason = res.finish_reason or "max_new_tokens"
 
-    def _tree(self, m: Mode, builder: TreeBuilder, chain: list[int], runner_ups: list[int],
-              max_depth: int | None = None) -> BuiltTree:
+    def _tree(
+        self, m: Mode, builder: TreeBuilder, chain: list[int], runner_ups: list[int], max_depth: int | None = None
+    ) -> BuiltTree:
         expand = self.slm.expand if builder.passes > 0 else None
         return builder.build(self.slm.tokens[-1], chain, runner_ups, expand, max_depth=max_depth)
 
-    def _verified(self, client, prompt, m: Mode, max_new, seed, sampling, epsilon, res: RequestResult,
-                  emit, appended: AppendTurn | None = None, anchor: int = 0) -> None:
+    def _verified(
+        self,
+        client,
+        prompt,
+        m: Mode,
+        max_new,
+        seed,
+        sampling,
+        epsilon,
+        res: RequestResult,
+        emit,
+        appended: AppendTurn | None = None,
+        anchor: int = 0,
+    ) -> None:
         uses_slm = m.passes != "none"
         self.mtp.reset()
         with ThreadPoolExecutor(1, thread_name_prefix="hycoc-open") as pool:
-            if appended is None:                           # a new session: the server prefills the prompt
-                request = self.open_request(prompt, m, max_new_tokens=max_new, seed=seed, sampling=sampling,
-                                            epsilon=epsilon, anchor=anchor)
+            if appended is None:  # a new session: the server prefills the prompt
+                request = self.open_request(
+                    prompt, m, max_new_tokens=max_new, seed=seed, sampling=sampling, epsilon=epsilon, anchor=anchor
+                )
                 opened_f = pool.submit(client.open, request)
-            else:                                          # the next turn: the server rolls back and prefills the rest
+            else:  # the next turn: the server rolls back and prefills the rest
                 opened_f = pool.submit(client.append, replace(appended, max_new_tokens=max_new))
             built = None
             if uses_slm:
                 if appended is None:
                     self.slm.start(prompt)
-                else:                                      # the ring was rolled back to keep (`next_turn`)
-                    self.slm.commit([], prompt[appended.keep:])
+                else:  # the ring was rolled back to keep (`next_turn`)
+                    self.slm.commit([], prompt[appended.keep :])
                 t0, meter = time.perf_counter(), self.graph_meter()
                 self.slm.prefill(reserve=self.bundle.round.chain_length + self.bundle.round.sibling_depth)
                 res.slm_prefill_s = time.perf_counter() - t0
                 self._metered(res, meter, "prefill")
             opened = opened_f.result()
-        if set(opened.stop_ids) != self.stop_ids:      # a verifier that did not check the OPEN's chat contract
-            raise ChatMismatch(f"stop ids differ: this bundle stops on {sorted(self.stop_ids)}, the verifier on "
-                               f"{sorted(opened.stop_ids)}; build the bundle from the verifier's checkpoint")
+        if set(opened.stop_ids) != self.stop_ids:  # a verifier that did not check the OPEN's chat contract
+            raise ChatMismatch(
+                f"stop ids differ: this bundle stops on {sorted(self.stop_ids)}, the verifier on "
+                f"{sorted(opened.stop_ids)}; build the bundle from the verifier's checkpoint"
+            )
         res.prefill_ms = opened.prefill_ms
 
         def room() -> tuple[int, int]:
@@ -396,7 +486,7 @@ class DeviceRuntime:
         root = prompt[-1]
         seq = 0
         while True:
-            if built is None:                                # cloud-mtp: the root alone, no scores (nothing to trim)
+            if built is None:  # cloud-mtp: the root alone, no scores (nothing to trim)
                 tokens, parents = np.asarray([root], np.int32), np.asarray([-1], np.int32)
                 scores = None
             else:
@@ -411,19 +501,20 @@ class DeviceRuntime:
             res.rounds += 1
             if built is None:
                 n = len(reply.path_rows)
-                new = [int(x) for x in reply.samples[:n + 1]]
+                new = [int(x) for x in reply.samples[: n + 1]]
                 path_nodes: list[int] = []
             else:
                 if verified is not None:
                     try:
                         check_verified(parents, verified, reply.path_rows)
                     except ValueError as e:
-                        raise RuntimeProtocolError(f"round {seq}: the verifier's reply is inconsistent: {e}") \
-                            from None
+                        raise RuntimeProtocolError(f"round {seq}: the verifier's reply is inconsistent: {e}") from None
                 path = walk_reply(tokens, parents, reply.samples, verified)
                 if path != [int(x) for x in reply.path_rows]:
-                    raise RuntimeProtocolError(f"round {seq}: the verifier's path rows {reply.path_rows.tolist()} do "
-                                               f"not follow its samples (walk gives {path})")
+                    raise RuntimeProtocolError(
+                        f"round {seq}: the verifier's path rows {reply.path_rows.tolist()} do "
+                        f"not follow its samples (walk gives {path})"
+                    )
                 if reply.samples[path[-1] if path else 0] != reply.bonus:
                     raise RuntimeProtocolError(f"round {seq}: bonus {reply.bonus} is not the sample at the path's end")
                 new = [int(tokens[j]) for j in path] + [int(reply.bonus)]
@@ -433,8 +524,8 @@ class DeviceRuntime:
                 res.bonus_outside_keep += 1
             new, reason = commit_cut(new, self.stop_ids, *room())
             res.accepted.append(len(new) - 1)
-            if uses_slm:   # a stop id that ends the turn gets no SLM KV (a next turn's rendering decides its fate)
-                self.slm.commit(path_nodes[:len(new) - 1] if new[-1] in self.stop_ids else path_nodes, new)
+            if uses_slm:  # a stop id that ends the turn gets no SLM KV (a next turn's rendering decides its fate)
+                self.slm.commit(path_nodes[: len(new) - 1] if new[-1] in self.stop_ids else path_nodes, new)
             emit(new)
             if reply.finished or reason is not None:
                 res.finished, res.finish_reason = True, reply.finish_reason or reason
@@ -458,8 +549,14 @@ class DeviceRuntime:
             self._metered(res, meter, "draft")
 
 
-def load_runtime(bundle_dir, backend: str = "cpu", *, threads: int | None = None,
-                 io_binding: bool = False, htp_shared_memory: bool = False) -> DeviceRuntime:
+def load_runtime(
+    bundle_dir,
+    backend: str = "cpu",
+    *,
+    threads: int | None = None,
+    io_binding: bool = False,
+    htp_shared_memory: bool = False,
+) -> DeviceRuntime:
     """Open a bundle (hash- and target-checked, `open_bundle`) and its graphs on ``backend`` (head, slm, and
     slm_decode when the bundle has it: slm-alone's 1-row graph). io_binding: run
     the graphs through onnxruntime IOBindings (`GraphRunner`): rings bound once, outputs in preallocated buffers
@@ -473,26 +570,52 @@ def load_runtime(bundle_dir, backend: str = "cpu", *, threads: int | None = None
 
     if htp_shared_memory:
         if backend != "htp":
-            raise ValueError(f"htp_shared_memory is the QNN EP's HTP allocator: it needs backend 'htp', not "
-                             f"{backend!r} (drop htp_shared_memory, or load the htp bundle)")
+            raise ValueError(
+                f"htp_shared_memory is the QNN EP's HTP allocator: it needs backend 'htp', not "
+                f"{backend!r} (drop htp_shared_memory, or load the htp bundle)"
+            )
         from hycoc.targets.qnn_ep import htp_shared_memory_info
 
-        htp_shared_memory_info()                         # SharedMemoryUnavailable here, with what a device needs
+        htp_shared_memory_info()  # SharedMemoryUnavailable here, with what a device needs
         io_binding = True
     bundle = open_bundle(bundle_dir, backend)
     m = bundle.manifest
     sets = max(2, bundle.round.specedge_passes, bundle.round.slm_passes)
-    head = GraphRunner(bundle.path, m, "head", backend, threads, outputs=runtime_outputs(m.graph("head")),
-                       io_binding=io_binding, shared_memory=htp_shared_memory)
+    head = GraphRunner(
+        bundle.path,
+        m,
+        "head",
+        backend,
+        threads,
+        outputs=runtime_outputs(m.graph("head")),
+        io_binding=io_binding,
+        shared_memory=htp_shared_memory,
+    )
     # open_graph: the SLM as layer shards (slm.s0, slm.s1, ...) runs as one chained graph (ShardChainRunner)
-    slm = open_graph(bundle.path, m, "slm", backend, threads, outputs=runtime_outputs(m.chain_entry("slm")),
-                     io_binding=io_binding, output_sets=sets, shared_memory=htp_shared_memory,
-                     codes=code_outputs(m.chain_entry("slm")))
+    slm = open_graph(
+        bundle.path,
+        m,
+        "slm",
+        backend,
+        threads,
+        outputs=runtime_outputs(m.chain_entry("slm")),
+        io_binding=io_binding,
+        output_sets=sets,
+        shared_memory=htp_shared_memory,
+        codes=code_outputs(m.chain_entry("slm")),
+    )
     decode = None
-    if any(g.name == "slm_decode" for g in m.graphs):   # bundles built before the slm_decode graph existed have none
-        decode = GraphRunner(bundle.path, m, "slm_decode", backend, threads,
-                             outputs=runtime_outputs(m.graph("slm_decode")), io_binding=io_binding,
-                             codes=code_outputs(m.graph("slm_decode")))
+    if any(g.name == "slm_decode" for g in m.graphs):  # bundles built before the slm_decode graph existed have none
+        decode = GraphRunner(
+            bundle.path,
+            m,
+            "slm_decode",
+            backend,
+            threads,
+            outputs=runtime_outputs(m.graph("slm_decode")),
+            io_binding=io_binding,
+            codes=code_outputs(m.graph("slm_decode")),
+        )
     return DeviceRuntime(bundle, head, slm, decode)
 
 

@@ -81,8 +81,15 @@ class DeviceIdentity:
 
 def _norm_machine(m: str) -> str:
     m = m.lower()
-    return {"amd64": "x86_64", "x64": "x86_64", "aarch64": "arm64", "arm64": "arm64", "i386": "x86", "i686": "x86",
-            "win32": "x86"}.get(m, m)
+    return {
+        "amd64": "x86_64",
+        "x64": "x86_64",
+        "aarch64": "arm64",
+        "arm64": "arm64",
+        "i386": "x86",
+        "i686": "x86",
+        "win32": "x86",
+    }.get(m, m)
 
 
 def python_machine(plat: str | None = None) -> str:
@@ -99,7 +106,7 @@ def windows_native_machine() -> str | None:
         import ctypes
         from ctypes import wintypes
 
-        kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)   # AttributeError off Windows
+        kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)  # AttributeError off Windows
         fn = kernel32.IsWow64Process2
     except (AttributeError, OSError):
         return None
@@ -160,9 +167,15 @@ def soc_from_linux(root: str | os.PathLike = "/") -> tuple[str | None, str]:
     return None, "no /sys/devices/soc0/machine nor a qcom entry in /proc/device-tree/compatible"
 
 
-def detect_device(env: dict | None = None, *, system: str | None = None, machine: str | None = None,
-                  py_machine: str | None = None, processor_name: str | None = None,
-                  linux_root: str | os.PathLike = "/") -> DeviceIdentity:
+def detect_device(
+    env: dict | None = None,
+    *,
+    system: str | None = None,
+    machine: str | None = None,
+    py_machine: str | None = None,
+    processor_name: str | None = None,
+    linux_root: str | os.PathLike = "/",
+) -> DeviceIdentity:
     """The device this process runs on (module docstring). Every argument overrides what is read from the system
     (tests; ``env`` defaults to ``os.environ``). Raises UnknownTargetError when ``HYCOC_DEVICE`` names no known
     device (the message lists them)."""
@@ -181,25 +194,40 @@ def detect_device(env: dict | None = None, *, system: str | None = None, machine
     base = {"os": system, "machine": native, "python_machine": py}
     if env.get(ENV_DEVICE):
         d = resolve_device(env[ENV_DEVICE])
-        return DeviceIdentity(**base, soc_model=d.soc_model, htp_arch=d.htp_arch, name=d.name,
-                              source=f"{ENV_DEVICE}={env[ENV_DEVICE]!r}")
+        return DeviceIdentity(
+            **base, soc_model=d.soc_model, htp_arch=d.htp_arch, name=d.name, source=f"{ENV_DEVICE}={env[ENV_DEVICE]!r}"
+        )
     if system == "windows":
         text = processor_name if processor_name is not None else windows_processor_name()
         found = soc_from_processor_name(text) if text else None
         if found is None:
             return DeviceIdentity(**base, source=f"processor name {text!r} names no known Snapdragon")
         d = resolve_device(found)
-        return DeviceIdentity(**base, soc_model=d.soc_model, htp_arch=d.htp_arch, name=d.name,
-                              source=f"Windows ProcessorNameString {text!r}")
+        return DeviceIdentity(
+            **base,
+            soc_model=d.soc_model,
+            htp_arch=d.htp_arch,
+            name=d.name,
+            source=f"Windows ProcessorNameString {text!r}",
+        )
     if system in ("linux", "android"):
         soc, source = soc_from_linux(linux_root)
         d = device_for_soc(soc) if soc else None
         if d is None:
-            return DeviceIdentity(**base, soc_model=soc, source=source if soc is None else
-                                  f"{source}: {soc} is in no profile")
+            return DeviceIdentity(
+                **base, soc_model=soc, source=source if soc is None else f"{source}: {soc} is in no profile"
+            )
         return DeviceIdentity(**base, soc_model=d.soc_model, htp_arch=d.htp_arch, name=d.name, source=source)
     return DeviceIdentity(**base, source=f"no SoC detection on {system}")
 
 
-__all__ = ["ENV_DEVICE", "DeviceIdentity", "detect_device", "python_machine", "soc_from_linux",
-           "soc_from_processor_name", "windows_native_machine", "windows_processor_name"]
+__all__ = [
+    "ENV_DEVICE",
+    "DeviceIdentity",
+    "detect_device",
+    "python_machine",
+    "soc_from_linux",
+    "soc_from_processor_name",
+    "windows_native_machine",
+    "windows_processor_name",
+]

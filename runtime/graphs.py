@@ -33,9 +33,16 @@ import numpy as np
 
 from hycoc.bundle import Encoding, GraphEntry, GraphIOMismatch, Manifest, TensorSpec, check_graph_io
 
-_ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(uint16)": "uint16",
-               "tensor(int16)": "int16", "tensor(uint8)": "uint8", "tensor(int8)": "int8", "tensor(int32)": "int32",
-               "tensor(int64)": "int64"}
+_ORT_DTYPES = {
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(uint16)": "uint16",
+    "tensor(int16)": "int16",
+    "tensor(uint8)": "uint8",
+    "tensor(int8)": "int8",
+    "tensor(int32)": "int32",
+    "tensor(int64)": "int64",
+}
 
 
 class GraphRunError(RuntimeError):
@@ -52,7 +59,7 @@ def quantize(x: np.ndarray, enc: Encoding) -> np.ndarray:
 
 def dequantize(q: np.ndarray, enc: Encoding) -> np.ndarray:
     """integer -> float32: (q - zero_point) x scale (ONNX DequantizeLinear)."""
-    return ((q.astype(np.int32) - enc.zero_point).astype(np.float32) * np.float32(enc.scale))
+    return (q.astype(np.int32) - enc.zero_point).astype(np.float32) * np.float32(enc.scale)
 
 
 @contextlib.contextmanager
@@ -100,24 +107,31 @@ def cpu_session_options(threads: int | None = None):
     return so
 
 
-def _session(path: Path, backend: str, manifest: Manifest, threads: int | None, shared_memory: bool = False,
-             context_group: bool = False):
+def _session(
+    path: Path,
+    backend: str,
+    manifest: Manifest,
+    threads: int | None,
+    shared_memory: bool = False,
+    context_group: bool = False,
+):
     import onnxruntime as ort
 
     if backend == "cpu":
-        return ort.InferenceSession(str(path), sess_options=cpu_session_options(threads),
-                                    providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(
+            str(path), sess_options=cpu_session_options(threads), providers=["CPUExecutionProvider"]
+        )
     from hycoc.targets.profiles import profile_for
     from hycoc.targets.qnn_ep import session_options
 
     t = manifest.target
     profile = profile_for(t.htp_arch, t.soc_model, None)
     options = profile.provider_options()
-    if shared_memory:                        # RPCMem buffers the HTP reads in place (`htp_shared_memory_info`)
+    if shared_memory:  # RPCMem buffers the HTP reads in place (`htp_shared_memory_info`)
         options = {**options, "enable_htp_shared_memory_allocator": "1"}
     with _native_stdout_to_stderr():
         config = {"session.disable_cpu_ep_fallback": "1"}
-        if context_group:                    # layer shards: one EP context group (`ShardChainRunner`)
+        if context_group:  # layer shards: one EP context group (`ShardChainRunner`)
             config["ep.share_ep_contexts"] = "1"
         so = session_options(options, config, log_severity=3)
         return ort.InferenceSession(str(path), sess_options=so)
@@ -130,7 +144,7 @@ def input_buffer(runner, name: str) -> np.ndarray:
     make = getattr(runner, "input_buffer", None)
     if make is not None:
         return make(name)
-    enc = input_encoding(runner, name)                   # a chained runner's codes input, or float32
+    enc = input_encoding(runner, name)  # a chained runner's codes input, or float32
     return np.full(runner.shape(name), zero_code(enc), np.dtype(enc.dtype) if enc is not None else np.float32)
 
 
@@ -173,9 +187,11 @@ def _refuse_shared_binary_on_simulator(manifest: Manifest, entry: GraphEntry) ->
         return
     others = [g.name for g in manifest.graphs if g.context_binary == entry.context_binary and g.name != entry.name]
     if others:
-        raise GraphRunError(f"graph {entry.name}: its context binary {entry.context_binary} is weight-shared with "
-                            f"{', '.join(others)}, which the x86 HTP simulator cannot load: rebuild the bundle with "
-                            "[target] share_weights = false to run it here (keep true for a phone)")
+        raise GraphRunError(
+            f"graph {entry.name}: its context binary {entry.context_binary} is weight-shared with "
+            f"{', '.join(others)}, which the x86 HTP simulator cannot load: rebuild the bundle with "
+            "[target] share_weights = false to run it here (keep true for a phone)"
+        )
 
 
 class GraphRunner:
@@ -207,20 +223,33 @@ class GraphRunner:
     feed has the wrong shape).
     """
 
-    def __init__(self, bundle_dir: str | Path, manifest: Manifest, name: str, backend: str,
-                 threads: int | None = None, outputs: Sequence[str] | None = None, *, io_binding: bool = False,
-                 output_sets: int = 1, shared_memory: bool = False, context_group: bool = False,
-                 codes: Sequence[str] = ()):
+    def __init__(
+        self,
+        bundle_dir: str | Path,
+        manifest: Manifest,
+        name: str,
+        backend: str,
+        threads: int | None = None,
+        outputs: Sequence[str] | None = None,
+        *,
+        io_binding: bool = False,
+        output_sets: int = 1,
+        shared_memory: bool = False,
+        context_group: bool = False,
+        codes: Sequence[str] = (),
+    ):
         self.entry: GraphEntry = manifest.graph(name)
         self._codes = frozenset(codes)
         self._shared_info = None
         if shared_memory:
             if backend != "htp":
-                raise ValueError(f"graph {name}: shared_memory is the QNN EP's HTP allocator, it needs the htp "
-                                 f"backend, not {backend}")
+                raise ValueError(
+                    f"graph {name}: shared_memory is the QNN EP's HTP allocator, it needs the htp "
+                    f"backend, not {backend}"
+                )
             from hycoc.targets.qnn_ep import htp_shared_memory_info
 
-            self._shared_info = htp_shared_memory_info()       # raises SharedMemoryUnavailable
+            self._shared_info = htp_shared_memory_info()  # raises SharedMemoryUnavailable
             io_binding = True
         self._wanted, self._binding_sets = outputs, (output_sets if io_binding else 0)
         self.name = name
@@ -231,14 +260,24 @@ class GraphRunner:
         try:
             self.session = _session(path, backend, manifest, threads, shared_memory, context_group)
         except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
-            raise GraphRunError(f"graph {name} ({self.entry.file}) did not load on the {backend} backend: "
-                                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            raise GraphRunError(
+                f"graph {name} ({self.entry.file}) did not load on the {backend} backend: "
+                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            ) from None
         self.load_seconds = time.perf_counter() - t0
         self._attach()
 
     @classmethod
-    def from_session(cls, entry: GraphEntry, session, outputs: Sequence[str] | None = None, *,
-                     io_binding: bool = False, output_sets: int = 1, codes: Sequence[str] = ()) -> GraphRunner:
+    def from_session(
+        cls,
+        entry: GraphEntry,
+        session,
+        outputs: Sequence[str] | None = None,
+        *,
+        io_binding: bool = False,
+        output_sets: int = 1,
+        codes: Sequence[str] = (),
+    ) -> GraphRunner:
         """A runner around an already open onnxruntime ``session`` whose IO is ``entry``'s (benchmarks and tests
         with stand-in graphs). Raises GraphIOMismatch as the constructor."""
         runner = cls.__new__(cls)
@@ -250,8 +289,10 @@ class GraphRunner:
         return runner
 
     def _attach(self) -> None:
-        io = [[(a.name, list(a.shape), _ORT_DTYPES.get(a.type, a.type)) for a in side]
-              for side in (self.session.get_inputs(), self.session.get_outputs())]
+        io = [
+            [(a.name, list(a.shape), _ORT_DTYPES.get(a.type, a.type)) for a in side]
+            for side in (self.session.get_inputs(), self.session.get_outputs())
+        ]
         check_graph_io(self.entry, io[0], io[1])
         self.inputs: dict[str, TensorSpec] = {t.name: t for t in self.entry.inputs}
         self.outputs: dict[str, TensorSpec] = {t.name: t for t in self.entry.outputs}
@@ -261,19 +302,22 @@ class GraphRunner:
         if self._wanted is not None:
             unknown = sorted(set(self._wanted) - set(self.output_names))
             if unknown:
-                raise GraphIOMismatch(f"graph {self.name} has no output {', '.join(unknown)}; it has "
-                                      f"{', '.join(self.output_names)}")
+                raise GraphIOMismatch(
+                    f"graph {self.name} has no output {', '.join(unknown)}; it has {', '.join(self.output_names)}"
+                )
             self.output_names = [n for n in self.output_names if n in self._wanted]
         self._output_encodings = [None if n in self._codes else self.outputs[n].encoding for n in self.output_names]
         # outputs the session gives as float32, or as integers without an encoding (top-k indices), come back as
         # they are: when all do, `run` converts nothing
         ort_types = {a.name: _ORT_DTYPES.get(a.type, a.type) for a in self.session.get_outputs()}
-        self._outputs_as_is = all(ort_types.get(n) == "float32" or (enc is None and "int" in str(ort_types.get(n)))
-                                  for n, enc in zip(self.output_names, self._output_encodings))
-        self._last_feeds: dict[str, np.ndarray] = {}     # input -> the array the last run took (validated then)
-        self._last_ort_feeds: dict[str, np.ndarray] | None = None   # the last run's session feeds (`run_again`)
+        self._outputs_as_is = all(
+            ort_types.get(n) == "float32" or (enc is None and "int" in str(ort_types.get(n)))
+            for n, enc in zip(self.output_names, self._output_encodings)
+        )
+        self._last_feeds: dict[str, np.ndarray] = {}  # input -> the array the last run took (validated then)
+        self._last_ort_feeds: dict[str, np.ndarray] | None = None  # the last run's session feeds (`run_again`)
         self.calls, self.seconds = 0, 0.0
-        self._shared: dict[int, object] = {}             # id(numpy view) -> its OrtValue in HTP shared memory
+        self._shared: dict[int, object] = {}  # id(numpy view) -> its OrtValue in HTP shared memory
         self._binding = None
         if self._binding_sets:
             if self._binding_sets < 1:
@@ -297,7 +341,7 @@ class GraphRunner:
         for name, x in ort_feeds.items():
             if bound.get(name) is not x:
                 shared = self._shared.get(id(x))
-                if shared is not None and shared[1] is x:    # an `input_buffer`: its OrtValue, no copy
+                if shared is not None and shared[1] is x:  # an `input_buffer`: its OrtValue, no copy
                     b.bind_ortvalue_input(name, shared[0])
                 else:
                     b.bind_cpu_input(name, x)
@@ -326,9 +370,11 @@ class GraphRunner:
 
         value = ort.OrtValue.ortvalue_from_shape_and_type(list(spec.shape), dtype, memory_info=self._shared_info)
         view = value.numpy()
-        if view.ctypes.data != value.data_ptr():               # a copy would never reach the graph
-            raise GraphRunError(f"graph {self.name}: onnxruntime gave a copy of the shared-memory input {name}, "
-                                "not a view; run without htp_shared_memory")
+        if view.ctypes.data != value.data_ptr():  # a copy would never reach the graph
+            raise GraphRunError(
+                f"graph {self.name}: onnxruntime gave a copy of the shared-memory input {name}, "
+                "not a view; run without htp_shared_memory"
+            )
         view[...] = fill
         self._shared[id(view)] = (value, view)
         return view
@@ -340,13 +386,14 @@ class GraphRunner:
             x = feeds.get(name)
             if x is None:
                 raise GraphIOMismatch(f"graph {self.name}: no feed for input {name}")
-            if x is last.get(name):             # the very array the last run validated (a buffer kept in place)
+            if x is last.get(name):  # the very array the last run validated (a buffer kept in place)
                 ort_feeds[name] = x
                 continue
             if x.shape != shape:
-                raise GraphIOMismatch(f"graph {self.name}: input {name} has shape {list(x.shape)}, the graph takes "
-                                      f"{spec.shape}")
-            if plain or x.dtype == spec.dtype:      # float32, or integer codes of the input's own encoding
+                raise GraphIOMismatch(
+                    f"graph {self.name}: input {name} has shape {list(x.shape)}, the graph takes {spec.shape}"
+                )
+            if plain or x.dtype == spec.dtype:  # float32, or integer codes of the input's own encoding
                 ort_feeds[name] = y = np.ascontiguousarray(x, dtype=spec.dtype)
                 if y is x:
                     last[name] = x
@@ -370,8 +417,11 @@ class GraphRunner:
         """One session run on checked inputs; counts it and converts the outputs (`run`)."""
         t0 = time.perf_counter()
         try:
-            outs = (self._run_bound(ort_feeds) if self._binding is not None
-                    else self.session.run(self.output_names, ort_feeds))
+            outs = (
+                self._run_bound(ort_feeds)
+                if self._binding is not None
+                else self.session.run(self.output_names, ort_feeds)
+            )
         except Exception as e:  # noqa: BLE001
             raise GraphRunError(f"graph {self.name} failed to run: {str(e).splitlines()[0]}") from None
         self.seconds += time.perf_counter() - t0
@@ -381,12 +431,12 @@ class GraphRunner:
         result = {}
         for name, enc, y in zip(self.output_names, self._output_encodings, outs):
             kind = y.dtype.char
-            if kind != "f":                    # float32 comes as is
+            if kind != "f":  # float32 comes as is
                 if enc is not None:
                     y = dequantize(y, enc)
                 elif y.dtype.kind == "f":
                     y = y.astype(np.float32)
-            result[name] = y                   # integer outputs without an encoding (top-k indices) stay integers
+            result[name] = y  # integer outputs without an encoding (top-k indices) stay integers
         return result
 
 
@@ -408,9 +458,19 @@ class ShardChainRunner:
     Raises GraphRunError / GraphIOMismatch as `GraphRunner`, naming the shard.
     """
 
-    def __init__(self, bundle_dir: str | Path, manifest: Manifest, name: str, backend: str,
-                 threads: int | None = None, outputs: Sequence[str] | None = None, *, io_binding: bool = False,
-                 output_sets: int = 1, codes: Sequence[str] = ()):
+    def __init__(
+        self,
+        bundle_dir: str | Path,
+        manifest: Manifest,
+        name: str,
+        backend: str,
+        threads: int | None = None,
+        outputs: Sequence[str] | None = None,
+        *,
+        io_binding: bool = False,
+        output_sets: int = 1,
+        codes: Sequence[str] = (),
+    ):
         chain = manifest.graph_chain(name)
         self.name = name
         self.entry: GraphEntry = manifest.chain_entry(name)
@@ -425,14 +485,28 @@ class ShardChainRunner:
         self.output_names = names
         self.shards: list[GraphRunner] = []
         for k, g in enumerate(chain):
-            later = {t.name for h in chain[k + 1:] for t in h.inputs}
+            later = {t.name for h in chain[k + 1 :] for t in h.inputs}
             wanted = [t.name for t in g.outputs if t.name in later or t.name in names]
             # rows a later shard reads stay codes when that shard takes codes (quantized IO): no round trip
-            inner = [n for n in wanted if n in later and any(t.name == n and t.dtype != "float32"
-                                                              for h in chain[k + 1:] for t in h.inputs)]
-            self.shards.append(GraphRunner(bundle_dir, manifest, g.name, backend, threads, outputs=wanted,
-                                           io_binding=io_binding, output_sets=output_sets, context_group=True,
-                                           codes=sorted(set(inner) | (set(codes) & set(wanted)))))
+            inner = [
+                n
+                for n in wanted
+                if n in later and any(t.name == n and t.dtype != "float32" for h in chain[k + 1 :] for t in h.inputs)
+            ]
+            self.shards.append(
+                GraphRunner(
+                    bundle_dir,
+                    manifest,
+                    g.name,
+                    backend,
+                    threads,
+                    outputs=wanted,
+                    io_binding=io_binding,
+                    output_sets=output_sets,
+                    context_group=True,
+                    codes=sorted(set(inner) | (set(codes) & set(wanted))),
+                )
+            )
         self.load_seconds = sum(r.load_seconds for r in self.shards)
         self.calls, self.seconds = 0, 0.0
 
@@ -459,15 +533,44 @@ class ShardChainRunner:
         return {n: made[n] for n in self.output_names}
 
 
-def open_graph(bundle_dir: str | Path, manifest: Manifest, name: str, backend: str, threads: int | None = None,
-               outputs: Sequence[str] | None = None, *, io_binding: bool = False, output_sets: int = 1,
-               shared_memory: bool = False, codes: Sequence[str] = ()):
+def open_graph(
+    bundle_dir: str | Path,
+    manifest: Manifest,
+    name: str,
+    backend: str,
+    threads: int | None = None,
+    outputs: Sequence[str] | None = None,
+    *,
+    io_binding: bool = False,
+    output_sets: int = 1,
+    shared_memory: bool = False,
+    codes: Sequence[str] = (),
+):
     """Graph ``name`` of a bundle as one runner: a `GraphRunner`, or a `ShardChainRunner` when the bundle holds it
     as layer shards (`Manifest.graph_chain`). Arguments and errors as `GraphRunner`; shared_memory (HTP shared
     memory) is the single graph's only: a sharded graph's buffers stay in host memory."""
     chain = manifest.graph_chain(name)
     if len(chain) == 1 and chain[0].name == name:
-        return GraphRunner(bundle_dir, manifest, name, backend, threads, outputs, io_binding=io_binding,
-                           output_sets=output_sets, shared_memory=shared_memory, codes=codes)
-    return ShardChainRunner(bundle_dir, manifest, name, backend, threads, outputs, io_binding=io_binding,
-                            output_sets=output_sets, codes=codes)
+        return GraphRunner(
+            bundle_dir,
+            manifest,
+            name,
+            backend,
+            threads,
+            outputs,
+            io_binding=io_binding,
+            output_sets=output_sets,
+            shared_memory=shared_memory,
+            codes=codes,
+        )
+    return ShardChainRunner(
+        bundle_dir,
+        manifest,
+        name,
+        backend,
+        threads,
+        outputs,
+        io_binding=io_binding,
+        output_sets=output_sets,
+        codes=codes,
+    )

@@ -28,11 +28,11 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from hycoc.runtime.graphs import input_buffer, input_encoding, quantize, zero_code
+from hycoc.runtime.tree_mask import HeadRingMask
 
 from hycoc.host import DENSE_LUT_BYTES, FULL, SLIDING, RotaryBlock, ring_runs
 from hycoc.protocol.messages import HandOff
-from hycoc.runtime.graphs import input_buffer, input_encoding, quantize, zero_code
-from hycoc.runtime.tree_mask import HeadRingMask
 
 
 class HandoffError(ValueError):
@@ -43,8 +43,8 @@ class NoHandoff(RuntimeError):
     """The MTP Drafter was asked to draft before it received a hand-off (the first tree is SLM-only)."""
 
 
-_INT_BOUND: dict[np.dtype, float] = {}          # integer dtype -> its largest magnitude, as a float32 value
-_F32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103           # the smallest real that float32 rounds to inf
+_INT_BOUND: dict[np.dtype, float] = {}  # integer dtype -> its largest magnitude, as a float32 value
+_F32_OVERFLOW = 2.0**128 - 2.0**103  # the smallest real that float32 rounds to inf
 
 
 class _Dequantized:
@@ -118,13 +118,16 @@ class MtpDrafter:
         self.offset = r.head_query_position_offset
         self.sliding_window = bundle.host.head.sliding_window
         self.hidden = runner.shape("x_hat")[-1] // 2
-        self._query = np.zeros((1, 1, 2 * self.hidden), np.float32)    # the head's x_hat input, one buffer
-        self._keep = [int(x) for x in np.asarray(bundle.keep_set).reshape(-1)]   # index -> token id, as ints
+        self._query = np.zeros((1, 1, 2 * self.hidden), np.float32)  # the head's x_hat input, one buffer
+        self._keep = [int(x) for x in np.asarray(bundle.keep_set).reshape(-1)]  # index -> token id, as ints
         # E[i] of every keep-set index as one float32 table (`bundle.embed_keep` row by row, so bit for bit its
         # values) when it takes at most DENSE_LUT_BYTES; else each step dequantizes its row
         fits = len(self._keep) * self.hidden * 4 <= DENSE_LUT_BYTES
-        self._embed = (np.stack([bundle.embed_keep(i) for i in range(len(self._keep))]).astype(np.float32, copy=False)
-                       if fits else None)
+        self._embed = (
+            np.stack([bundle.embed_keep(i) for i in range(len(self._keep))]).astype(np.float32, copy=False)
+            if fits
+            else None
+        )
         self._masks = HeadRingMask(self.W, self.sliding_window)
         self._rotary = {kind: RotaryBlock(bundle.head_rotary[kind]) for kind in (SLIDING, FULL)}
         self.ring, self.ring_encodings = {}, {}
@@ -135,8 +138,8 @@ class MtpDrafter:
             self.ring[kind] = (input_buffer(runner, f"k_{short}"), input_buffer(runner, f"v_{short}"))
             # rings kept as the graph's integer codes (quantized IO): their encodings, else None
             self.ring_encodings[kind] = (input_encoding(runner, f"k_{short}"), input_encoding(runner, f"v_{short}"))
-        self.t0: int | None = None          # root position of the last hand-off (line 4)
-        self.live: int | None = None        # ℓ (lines 3, 5)
+        self.t0: int | None = None  # root position of the last hand-off (line 4)
+        self.live: int | None = None  # ℓ (lines 3, 5)
         self.x_hat: np.ndarray | None = None
 
     def reset(self) -> None:
@@ -157,8 +160,10 @@ class MtpDrafter:
         if len(scales) != 6 or not all(math.isfinite(x) and x > 0 for x in scales):
             raise HandoffError(f"hand-off scales {h.scales}: need 6 finite positive values")
         if h.x_hat.shape != (2 * self.hidden,):
-            raise HandoffError(f"hand-off x_hat has {h.x_hat.shape[0] if h.x_hat.ndim else 0} values, the head graph "
-                               f"takes 2 x {self.hidden}")
+            raise HandoffError(
+                f"hand-off x_hat has {h.x_hat.shape[0] if h.x_hat.ndim else 0} values, the head graph "
+                f"takes 2 x {self.hidden}"
+            )
         n = h.t_prime - h.a
         if h.a < 0 or n < 0 or n > self.W:
             raise HandoffError(f"hand-off positions [{h.a}, {h.t_prime}) do not fit a {self.W}-column ring")
@@ -168,28 +173,31 @@ class MtpDrafter:
             _, kv, _, d = self.ring[kind][0].shape
             k, v = getattr(h, f"k_{short}"), getattr(h, f"v_{short}")
             if k.shape != (n, kv * d) or v.shape != (n, kv * d):
-                raise HandoffError(f"hand-off {short} rows are {k.shape}/{v.shape}, expected ({n}, {kv * d}) "
-                                   f"({kv} KV heads x {d})")
+                raise HandoffError(
+                    f"hand-off {short} rows are {k.shape}/{v.shape}, expected ({n}, {kv * d}) ({kv} KV heads x {d})"
+                )
             rows[kind] = (_Dequantized(k, ks), _Dequantized(v, vs))
             if not (rows[kind][0].finite() and rows[kind][1].finite()):
                 raise HandoffError(f"hand-off {short} rows hold NaN or inf")
-        e, hh = _Dequantized(h.x_hat[:self.hidden], scales[0]), _Dequantized(h.x_hat[self.hidden:], scales[1])
+        e, hh = _Dequantized(h.x_hat[: self.hidden], scales[0]), _Dequantized(h.x_hat[self.hidden :], scales[1])
         if not (e.finite() and hh.finite()):
             raise HandoffError("hand-off x_hat holds NaN or inf")
-        if self.t0 is None or h.a != self.t0:          # line 3: a new request
+        if self.t0 is None or h.a != self.t0:  # line 3: a new request
             self.reset()
             self.live = h.a
-        runs = ring_runs(h.a, n, self.W)               # line 4: column p mod W, as one or two slices
+        runs = ring_runs(h.a, n, self.W)  # line 4: column p mod W, as one or two slices
         for kind, (k_rows, v_rows) in rows.items():
             k_ring, v_ring = self.ring[kind]
             _, kv, _, d = k_ring.shape
-            for ring, x, enc in ((k_ring, k_rows, self.ring_encodings[kind][0]),
-                                 (v_ring, v_rows, self.ring_encodings[kind][1])):
-                for cols, src in runs:                 # (n, kv x d) rows -> [kv, n, d] columns
+            for ring, x, enc in (
+                (k_ring, k_rows, self.ring_encodings[kind][0]),
+                (v_ring, v_rows, self.ring_encodings[kind][1]),
+            ):
+                for cols, src in runs:  # (n, kv x d) rows -> [kv, n, d] columns
                     x.into(ring[0, :, cols], lambda a, src=src: a.reshape(n, kv, d)[src].transpose(1, 0, 2), enc)
         x_hat = np.empty(2 * self.hidden, np.float32)
-        e.into(x_hat[:self.hidden])
-        hh.into(x_hat[self.hidden:])
+        e.into(x_hat[: self.hidden])
+        hh.into(x_hat[self.hidden :])
         self.t0 = h.t_prime
         self.live = max(self.live, h.t_prime - self.W)  # line 5
         self.x_hat = x_hat
@@ -198,7 +206,7 @@ class MtpDrafter:
         """The head graph's inputs for query z (float32 (2H,)) at the current ring (lines 5-6, 9). ``x_hat`` and
         the rings are the drafter's own buffers (valid until the next call)."""
         t = self.t0
-        masks = self._masks.update(t, self.live)   # in place: only the columns the last hand-off changed
+        masks = self._masks.update(t, self.live)  # in place: only the columns the last hand-off changed
         q = t + self.offset
         self._query[0, 0] = z
         out = {"x_hat": self._query}
@@ -221,9 +229,9 @@ class MtpDrafter:
         D = self.D if siblings is None else siblings
         keep = self._keep
         feeds = self.feeds(self.x_hat)  # ring, masks and rotary rows stay fixed over the K steps (lines 6, 9)
-        z = feeds["x_hat"][0, 0]        # the query buffer, rewritten in place each step: z = [E[i]; h]
+        z = feeds["x_hat"][0, 0]  # the query buffer, rewritten in place each step: z = [E[i]; h]
         out = MtpDraft([], [], [], [])
-        again = getattr(self.runner, "run_again", None)   # steps 2..K: the same buffers, updated in place
+        again = getattr(self.runner, "run_again", None)  # steps 2..K: the same buffers, updated in place
         for k in range(1, K + 1):
             res = self.runner.run(feeds) if k == 1 or again is None else again()
             # the graph's own top-2 (ONNX TopK: ties to the lower index) when it emits one, else the host's
@@ -237,6 +245,6 @@ class MtpDrafter:
                 out.runner_ups.append(keep[i2])
                 out.runner_up_index.append(i2)
             if k < K:
-                z[:self.hidden] = self.bundle.embed_keep(i) if self._embed is None else self._embed[i]
-                z[self.hidden:] = res["h_next"].reshape(-1)
+                z[: self.hidden] = self.bundle.embed_keep(i) if self._embed is None else self._embed[i]
+                z[self.hidden :] = res["h_next"].reshape(-1)
         return out

@@ -18,7 +18,6 @@ numpy only: this module ships to the phone.
 from __future__ import annotations
 
 import numpy as np
-
 from hycoc.runtime.tree_mask import TreeRingMask
 
 
@@ -37,21 +36,27 @@ class SlmDecoder:
     def __init__(self, runner):
         self.runner = runner
         if runner.shape("inputs_embeds")[1] != 1:
-            raise ValueError(f"graph {runner.name}: a decode graph has 1 row, this one has "
-                             f"{runner.shape('inputs_embeds')[1]}")
+            raise ValueError(
+                f"graph {runner.name}: a decode graph has 1 row, this one has {runner.shape('inputs_embeds')[1]}"
+            )
         self.forwards = 0
         self._parents = [-1]
-        self._one = {"depths": np.zeros(1, np.int64), "ancestors": np.ones((1, 1), bool),
-                     "tree_block": np.zeros((1, 1), np.float32)}
-        self._masks: dict[str, TreeRingMask] = {}   # layer type -> 1-row mask buffer, updated in place
+        self._one = {
+            "depths": np.zeros(1, np.int64),
+            "ancestors": np.ones((1, 1), bool),
+            "tree_block": np.zeros((1, 1), np.float32),
+        }
+        self._masks: dict[str, TreeRingMask] = {}  # layer type -> 1-row mask buffer, updated in place
         self._last_t = None
 
     def check(self, drafter) -> None:
         """ValueError unless the decode graph's ring inputs have ``drafter``'s ring shapes (one bundle)."""
         for i, (k, _) in drafter.rings.items():
             if tuple(self.runner.shape(f"k_ring_{i}")) != k.shape:
-                raise ValueError(f"graph {self.runner.name}: ring {i} is {self.runner.shape(f'k_ring_{i}')}, the "
-                                 f"tree graph's is {list(k.shape)}; rebuild the bundle")
+                raise ValueError(
+                    f"graph {self.runner.name}: ring {i} is {self.runner.shape(f'k_ring_{i}')}, the "
+                    f"tree graph's is {list(k.shape)}; rebuild the bundle"
+                )
 
     def feeds(self, drafter) -> dict[str, np.ndarray]:
         """The decode graph's inputs for r (``drafter.tokens[-1]``) at position ``drafter.t``: float32 arrays by
@@ -61,10 +66,11 @@ class SlmDecoder:
         token = np.asarray([drafter.tokens[-1]], np.int64)
         out = {"inputs_embeds": b.slm_luts["embed_tokens"].lookup(token)[None]}
         if drafter.ple:
-            out["per_layer_inputs"] = b.slm_luts["embed_tokens_per_layer"].lookup(token).reshape(
-                1, 1, len(drafter.layer_types), drafter.ple)
+            out["per_layer_inputs"] = (
+                b.slm_luts["embed_tokens_per_layer"].lookup(token).reshape(1, 1, len(drafter.layer_types), drafter.ple)
+            )
         at = np.asarray([t], np.int64)
-        restart = self._last_t is None or t < self._last_t       # a new request: rewrite the masks
+        restart = self._last_t is None or t < self._last_t  # a new request: rewrite the masks
         self._last_t = t
         for lt in drafter.types:
             cos, sin = b.slm_rotary[lt].rows(at)
@@ -84,8 +90,10 @@ class SlmDecoder:
         Raises ValueError when the step's precondition (``n_kv == t``) does not hold."""
         t = drafter.t
         if drafter.n_kv != t:
-            raise ValueError(f"decode step at t = {t} with SLM KV up to {drafter.n_kv}: run the committed rows "
-                             "without KV through the tree graph first")
+            raise ValueError(
+                f"decode step at t = {t} with SLM KV up to {drafter.n_kv}: run the committed rows "
+                "without KV through the tree graph first"
+            )
         out = self.runner.run(self.feeds(drafter))
         self.forwards += 1
         drafter._write(out, [0], [t])
@@ -93,7 +101,7 @@ class SlmDecoder:
         if "top_index" in out:
             index = int(out["top_index"][0, 0, 0])
         else:
-            index = int(np.argmax(out["logits"][0, 0]))     # first among equals
+            index = int(np.argmax(out["logits"][0, 0]))  # first among equals
         return int(drafter.bundle.keep_set[index])
 
 

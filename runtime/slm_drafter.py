@@ -31,12 +31,12 @@ import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-
-from hycoc.host import MASK_VALUE, RotaryBlock, ring_runs, tree_rows
 from hycoc.runtime.candidates import Candidates, graph_candidate_rows, logits_candidates
 from hycoc.runtime.graphs import input_buffer, input_encoding, quantize, zero_code
-from hycoc.runtime.tree_mask import TreeRingMask
 from hycoc.runtime.tree_builder import DraftTreeNodes
+from hycoc.runtime.tree_mask import TreeRingMask
+
+from hycoc.host import MASK_VALUE, RotaryBlock, ring_runs, tree_rows
 
 
 def _short(layer_type: str) -> str:
@@ -69,32 +69,38 @@ class SlmDrafter:
             self.ring_len[t] = runner.shape(f"mask_{_short(t)}")[-1] - self.rows
         # each type's mask in one buffer, updated in place per forward (`TreeRingMask`: nothing per forward grows
         # with W)
-        self.masks = {t: TreeRingMask(self.rows, self.ring_len[t],
-                                      self.sliding_window if t == "sliding_attention" else None) for t in self.types}
+        self.masks = {
+            t: TreeRingMask(self.rows, self.ring_len[t], self.sliding_window if t == "sliding_attention" else None)
+            for t in self.types
+        }
         self._rotary = {t: RotaryBlock(bundle.slm_rotary[t]) for t in self.types}
         # name -> (LUT, its dense float32 table or None): a small table's rows are one gather per forward
         # (a LUT without `dense`, such as a test's stand-in, is always looked up)
-        self._luts = {name: (lut, lut.dense() if hasattr(lut, "dense") else None)
-                      for name, lut in bundle.slm_luts.items()}
-        self.rings = {i: (input_buffer(runner, f"k_ring_{i}"), input_buffer(runner, f"v_ring_{i}"))
-                      for i in self.kv_layers}           # HTP shared memory when the runner has it
+        self._luts = {
+            name: (lut, lut.dense() if hasattr(lut, "dense") else None) for name, lut in bundle.slm_luts.items()
+        }
+        self.rings = {
+            i: (input_buffer(runner, f"k_ring_{i}"), input_buffer(runner, f"v_ring_{i}")) for i in self.kv_layers
+        }  # HTP shared memory when the runner has it
         # per ring layer (k, v): the encoding of rings kept as the graph's integer codes (quantized IO), else None
-        self.ring_encodings = {i: (input_encoding(runner, f"k_ring_{i}"), input_encoding(runner, f"v_ring_{i}"))
-                               for i in self.kv_layers}
+        self.ring_encodings = {
+            i: (input_encoding(runner, f"k_ring_{i}"), input_encoding(runner, f"v_ring_{i}")) for i in self.kv_layers
+        }
         self.window = max(self.ring_len.values())
-        self._layouts: dict[tuple, tuple] = {}            # parent list -> `_rows_of`
+        self._layouts: dict[tuple, tuple] = {}  # parent list -> `_rows_of`
         # the graph's input names, formatted once: per layer type (type, cos, sin, mask), and the rings' buffers
         self._type_inputs = [(t, f"cos_{_short(t)}", f"sin_{_short(t)}", f"mask_{_short(t)}") for t in self.types]
-        self._ring_inputs = {name: buf for i in self.kv_layers
-                             for name, buf in zip((f"k_ring_{i}", f"v_ring_{i}"), self.rings[i])}
+        self._ring_inputs = {
+            name: buf for i in self.kv_layers for name, buf in zip((f"k_ring_{i}", f"v_ring_{i}"), self.rings[i])
+        }
         self.tokens: list[int] = []
         self.live_start = self.n_kv = 0
-        self.pending: dict[int, tuple[int, int]] = {}     # tree node -> (forward index, row) this round
-        self.outputs: list[dict[str, np.ndarray]] = []    # this round's forward outputs
+        self.pending: dict[int, tuple[int, int]] = {}  # tree node -> (forward index, row) this round
+        self.outputs: list[dict[str, np.ndarray]] = []  # this round's forward outputs
         self.round_forwards = 0
         self.forwards = 0
         self.prefill_seconds = 0.0
-        self.decoder = None   # a `hycoc.runtime.slm_decode.SlmDecoder` when the bundle has the 1-row decode graph
+        self.decoder = None  # a `hycoc.runtime.slm_decode.SlmDecoder` when the bundle has the 1-row decode graph
 
     # ---- request start -----------------------------------------------------------------------------------------
 
@@ -137,8 +143,9 @@ class SlmDrafter:
 
     # ---- one forward -------------------------------------------------------------------------------------------
 
-    def feeds(self, tokens: Sequence[int], parents: Sequence[int], first_position: int,
-              real_rows: int | None = None) -> dict[str, np.ndarray]:
+    def feeds(
+        self, tokens: Sequence[int], parents: Sequence[int], first_position: int, real_rows: int | None = None
+    ) -> dict[str, np.ndarray]:
         """The graph's inputs for R rows at ``first_position`` (`hycoc.passes.slm_graph.host_inputs`'s rules). The
         masks and rings are the drafter's own buffers (updated in place: valid until the next forward).
         real_rows: rows before the padding (which repeats row real_rows - 1's token): only they are looked up."""
@@ -146,7 +153,7 @@ class SlmDrafter:
         depths, ancestors, block, count = self._rows_of(parents)
         n = len(ids)
         real = n if real_rows is None else max(1, min(int(real_rows), n))
-        if real < n:         # the padding repeats row real - 1's LUT row (each row's lookup is its own: equal values)
+        if real < n:  # the padding repeats row real - 1's LUT row (each row's lookup is its own: equal values)
             ids[real:] = [ids[real - 1]] * (n - real)
         out = {"inputs_embeds": self._embed("embed_tokens", ids)[None]}
         if self.ple:
@@ -156,8 +163,9 @@ class SlmDrafter:
         for t, cos_name, sin_name, mask_name in self._type_inputs:
             cos, sin = self._rotary[t].rows(first_position, count)
             out[cos_name], out[sin_name] = cos[depths][None], sin[depths][None]
-            out[mask_name] = self.masks[t].update(parents, first_position, self.live_start,
-                                                  depths=depths, ancestors=ancestors, tree_block=block)
+            out[mask_name] = self.masks[t].update(
+                parents, first_position, self.live_start, depths=depths, ancestors=ancestors, tree_block=block
+            )
         out.update(self._ring_inputs)
         return out
 
@@ -170,7 +178,7 @@ class SlmDrafter:
         found = self._layouts.get(key)
         if found is None:
             depths, ancestors = tree_rows(parents)
-            block = np.where(ancestors, np.float32(0.0), np.float32(MASK_VALUE))    # shared by the layer types
+            block = np.where(ancestors, np.float32(0.0), np.float32(MASK_VALUE))  # shared by the layer types
             for a in (depths, ancestors, block):
                 a.setflags(write=False)
             if len(self._layouts) >= 64:
@@ -194,7 +202,7 @@ class SlmDrafter:
         if len(tokens) > self.rows:
             raise ValueError(f"{len(tokens)} rows do not fit the SLM graph's {self.rows}")
         real = len(tokens)
-        pad = self.rows - real                           # padding: the last row again (under row 0 if it is row 0)
+        pad = self.rows - real  # padding: the last row again (under row 0 if it is row 0)
         if pad > 0:
             tokens += [tokens[-1]] * pad
             parents += [max(parents[-1], 0)] * pad
@@ -211,15 +219,16 @@ class SlmDrafter:
         if n == 0:
             return
         rows, positions = [int(r) for r in rows], [int(p) for p in positions]
-        row_sel = (slice(rows[0], rows[0] + n) if rows == list(range(rows[0], rows[0] + n))
-                   else np.asarray(rows, np.int64))
+        row_sel = (
+            slice(rows[0], rows[0] + n) if rows == list(range(rows[0], rows[0] + n)) else np.asarray(rows, np.int64)
+        )
         consecutive = positions == list(range(positions[0], positions[0] + n))
         runs = {}
         for i in self.kv_layers:
             ring = self.ring_len[self.layer_types[i]]
             k_ring, v_ring = self.rings[i]
             k_new, v_new = out[f"k_new_{i}"][0][:, row_sel, :], out[f"v_new_{i}"][0][:, row_sel, :]
-            if k_new.dtype != k_ring.dtype:              # float rows into a ring of codes (quantized IO)
+            if k_new.dtype != k_ring.dtype:  # float rows into a ring of codes (quantized IO)
                 k_enc, v_enc = self.ring_encodings[i]
                 k_new, v_new = quantize(k_new, k_enc), quantize(v_new, v_enc)
             if consecutive and n <= ring:
@@ -247,17 +256,17 @@ class SlmDrafter:
             prefix = list(range(self.n_kv, self.t))
         tokens = [self.tokens[p] for p in prefix] + [self.tokens[-1]]
         parents = list(range(-1, len(tokens) - 1))
-        row_of = {0: len(tokens) - 1}                   # ancestor-closed: a node joins with its missing ancestors
+        row_of = {0: len(tokens) - 1}  # ancestor-closed: a node joins with its missing ancestors
         tree_nodes = tree.nodes
         for v in nodes:
             if v in row_of:
                 continue
-            need = [v]                                    # v and its ancestors up to the first one already in
+            need = [v]  # v and its ancestors up to the first one already in
             a = tree_nodes[v].parent
             while a not in row_of:
                 need.append(a)
                 a = tree_nodes[a].parent
-            need.reverse()                                # root side first, as tree.ancestors gives them
+            need.reverse()  # root side first, as tree.ancestors gives them
             if len(tokens) + len(need) > self.rows:
                 continue
             for a in need:
@@ -269,16 +278,17 @@ class SlmDrafter:
         idx = len(self.outputs)
         self.outputs.append(out)
         self.round_forwards += 1
-        self._write(out, range(len(prefix)), prefix)     # committed rows: into the ring now
+        self._write(out, range(len(prefix)), prefix)  # committed rows: into the ring now
         if first:
             self.n_kv = self.t
         for node, row in row_of.items():
             self.pending.setdefault(node, (idx, row))
         wanted = [(node, row) for node, row in row_of.items() if node == 0 or node in nodes]
         rows = [row for _, row in wanted]
-        if "top_index" in out:                           # the graph's own top-k (Alg. 3 line 10)
-            return graph_candidate_rows(out["top_index"], out["top_logq"], [node for node, _ in wanted], rows,
-                                        self.candidates)
+        if "top_index" in out:  # the graph's own top-k (Alg. 3 line 10)
+            return graph_candidate_rows(
+                out["top_index"], out["top_logq"], [node for node, _ in wanted], rows, self.candidates
+            )
         else:
             cands = logits_candidates(out["logits"][0, rows], self.candidates)
         return {node: c for (node, _), c in zip(wanted, cands)}
@@ -312,7 +322,7 @@ class SlmDrafter:
         wrapped = any(old - self.ring_len[t] > max(self.live_start, keep - self.ring_len[t]) for t in self.types)
         if not wrapped:
             self.n_kv = keep
-            for mask in self.masks.values():      # positions moved back: the next forward rebuilds the masks
+            for mask in self.masks.values():  # positions moved back: the next forward rebuilds the masks
                 mask.reset()
             return "crop"
         self.start(self.tokens)
@@ -327,13 +337,13 @@ class SlmDrafter:
         t = self.t
         moved = 0
         if 0 in self.pending and self.n_kv == t:
-            writes = [(*self.pending[0], t)]              # (forward index, row, position)
+            writes = [(*self.pending[0], t)]  # (forward index, row, position)
             for d, node in enumerate(path_nodes, start=1):
                 if node not in self.pending or d > len(new_tokens):
                     break
                 writes.append((*self.pending[node], t + d))
                 moved += 1
-            for idx in sorted({w[0] for w in writes}):    # one ring copy per forward the rows come from
+            for idx in sorted({w[0] for w in writes}):  # one ring copy per forward the rows come from
                 mine = [w for w in writes if w[0] == idx]
                 self._write(self.outputs[idx], [w[1] for w in mine], [w[2] for w in mine])
             self.n_kv = t + 1 + moved

@@ -38,8 +38,8 @@ from __future__ import annotations
 import inspect
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.sync.client import ClientConnection, connect
@@ -87,8 +87,10 @@ def parse_link(text: str) -> LinkModel | None:
     m = _CUSTOM_LINK.match(text)
     if m is not None and float(m[2]) > 0:
         return LinkModel(rtt_ms=float(m[1]), mbps=float(m[2]))
-    raise ValueError(f"link {text!r}: allowed: lte, 5g, none or RTT_MS:MBPS such as 45:50 "
-                     "(round trip in ms : bandwidth in Mbit/s > 0)")
+    raise ValueError(
+        f"link {text!r}: allowed: lte, 5g, none or RTT_MS:MBPS such as 45:50 "
+        "(round trip in ms : bandwidth in Mbit/s > 0)"
+    )
 
 
 # --------------------------------------------------------------------------------------------------- errors
@@ -157,9 +159,16 @@ class VerifierClient:
     link model, in seconds.
     """
 
-    def __init__(self, url: str, auth_token: str | None = None, timeout_s: float = 60.0,
-                 link: LinkModel | None = None, *, max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
-                 sleep: Callable[[float], None] = time.sleep):
+    def __init__(
+        self,
+        url: str,
+        auth_token: str | None = None,
+        timeout_s: float = 60.0,
+        link: LinkModel | None = None,
+        *,
+        max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
         if auth_token == "":
             raise ValueError("auth_token is empty: give a token or None")
         self.url, self.auth_token, self.timeout_s, self.link = url, auth_token, float(timeout_s), link
@@ -182,8 +191,14 @@ class VerifierClient:
         where = f"the verifier at {self.url}"
         try:
             # compression off: frames are mostly small integers, and byte counts must be what travels.
-            self._ws = connect(self.url, additional_headers=headers, open_timeout=self.timeout_s,
-                               compression=None, max_size=2 * self.max_frame_bytes, **_CONNECT_EXTRAS)
+            self._ws = connect(
+                self.url,
+                additional_headers=headers,
+                open_timeout=self.timeout_s,
+                compression=None,
+                max_size=2 * self.max_frame_bytes,
+                **_CONNECT_EXTRAS,
+            )
         except InvalidURI:
             raise ServerUnreachable(f"{self.url!r} is not a WebSocket URL: expected ws://HOST:PORT") from None
         except InvalidStatus as e:
@@ -192,23 +207,30 @@ class VerifierClient:
                 raise AuthRefused(f"{where} refused the connection (HTTP {status}): check the auth token") from None
             retry = e.response.headers.get("Retry-After")
             if status == 429:
-                raise AuthRefused(f"{where} refused the connection (HTTP 429): too many refused auth attempts from "
-                                  f"this address; retry after {retry} s with the right token") from None
+                raise AuthRefused(
+                    f"{where} refused the connection (HTTP 429): too many refused auth attempts from "
+                    f"this address; retry after {retry} s with the right token"
+                ) from None
             if status == 503:
-                raise ServerUnreachable(f"{where} is at its connection limit (HTTP 503); retry after {retry} s") \
-                    from None
-            raise ServerUnreachable(f"{where} answered HTTP {status}, not a WebSocket: is it a hycoc "
-                                    "verify-server?") from None
+                raise ServerUnreachable(
+                    f"{where} is at its connection limit (HTTP 503); retry after {retry} s"
+                ) from None
+            raise ServerUnreachable(
+                f"{where} answered HTTP {status}, not a WebSocket: is it a hycoc verify-server?"
+            ) from None
         except InvalidHandshake as e:
             raise ServerUnreachable(f"{where} did not complete a WebSocket handshake: {e}") from None
         except ConnectionClosed as e:
-            raise ServerUnreachable(f"{where} closed the connection during the WebSocket handshake "
-                                    f"({_close_reason(e)})") from None
+            raise ServerUnreachable(
+                f"{where} closed the connection during the WebSocket handshake ({_close_reason(e)})"
+            ) from None
         except TimeoutError:
             raise ServerUnreachable(f"{where} did not answer within {self.timeout_s:g} s") from None
         except OSError as e:
-            raise ServerUnreachable(f"cannot reach {where}: {e.strerror or e}; is a verifier running there? start "
-                                    "one with `hycoc verify-server RECIPE --port N`") from None
+            raise ServerUnreachable(
+                f"cannot reach {where}: {e.strerror or e}; is a verifier running there? start "
+                "one with `hycoc verify-server RECIPE --port N`"
+            ) from None
 
     def close(self) -> None:
         """Send CLOSE (the verifier frees the session's KV) and close the connection. Never raises."""
@@ -226,7 +248,7 @@ class VerifierClient:
             ws.close()
             self.opened = None
 
-    def __enter__(self) -> "VerifierClient":
+    def __enter__(self) -> VerifierClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -262,8 +284,10 @@ class VerifierClient:
             raise TransportError("append() before open(): open a session first")
         opened = self._request(wire.encode(turn), Opened, "appended turn")
         if opened.session_id != self.opened.session_id:
-            raise BadReply(f"the verifier answered the appended turn for session {opened.session_id}, this client "
-                           f"holds {self.opened.session_id}")
+            raise BadReply(
+                f"the verifier answered the appended turn for session {opened.session_id}, this client "
+                f"holds {self.opened.session_id}"
+            )
         return opened
 
     def round(self, tree: DraftTree) -> RoundReply:
@@ -293,10 +317,12 @@ class VerifierClient:
             self._abandon()
             if told is not None:  # the server said why before closing (idle_timeout, a limit, ...)
                 raise self._error(told, what) from None
-            raise ConnectionDropped(f"the connection to {self.url} closed during the {what} "
-                                    f"({_close_reason(e)}); the session and its KV on the verifier are gone: "
-                                    "open a new session to continue (behind Ray Serve it goes to a live "
-                                    "replica)") from None
+            raise ConnectionDropped(
+                f"the connection to {self.url} closed during the {what} "
+                f"({_close_reason(e)}); the session and its KV on the verifier are gone: "
+                "open a new session to continue (behind Ray Serve it goes to a live "
+                "replica)"
+            ) from None
         self.last_up, self.last_down = len(frame), len(data)
         self.bytes_up += len(frame)
         self.bytes_down += len(data)
@@ -313,11 +339,12 @@ class VerifierClient:
             raise self._error(msg, what)
         version = wire.frame_version(data, self._limits)
         if version != wire.PROTOCOL_VERSION:
-            raise ProtocolMismatch(f"the verifier at {self.url} answered the {what} in protocol version {version}: "
-                                   f"this client speaks version {wire.PROTOCOL_VERSION}")
+            raise ProtocolMismatch(
+                f"the verifier at {self.url} answered the {what} in protocol version {version}: "
+                f"this client speaks version {wire.PROTOCOL_VERSION}"
+            )
         if not isinstance(msg, expected):
-            raise BadReply(f"the verifier answered the {what} with {type(msg).__name__}, expected "
-                           f"{expected.__name__}")
+            raise BadReply(f"the verifier answered the {what} with {type(msg).__name__}, expected {expected.__name__}")
         return msg
 
     def _last_words(self) -> ErrorReply | None:
@@ -352,6 +379,7 @@ class VerifierClient:
 def _close_reason(e: ConnectionClosed) -> str:
     frame = e.rcvd or e.sent
     if frame is None:
-        return ("WebSocket code 1006, no close frame: the verifier's process, or a proxy or the network between, "
-                "went away")
+        return (
+            "WebSocket code 1006, no close frame: the verifier's process, or a proxy or the network between, went away"
+        )
     return f"code {frame.code}{': ' + frame.reason if frame.reason else ''}"

@@ -26,14 +26,13 @@ an ancestor-closed part of the tree; its reply names the rows it verified, and `
 from __future__ import annotations
 
 import heapq
-
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from hycoc.runtime.candidates import CandidateRows, Candidates, logq_candidates
 
 from hycoc.protocol.wire import FP16_SCORE_FLOOR
-from hycoc.runtime.candidates import CandidateRows, Candidates, logq_candidates
 
 ROOT, CHAIN, SIBLING, SLM = "root", "chain", "sibling", "slm"
 
@@ -54,8 +53,8 @@ class DraftTreeNodes:
     """The tree under construction: nodes in insertion order (node 0 is the root)."""
 
     nodes: list[TreeNode] = field(default_factory=list)
-    edges: set[tuple[int, int]] = field(default_factory=set)   # (parent, token) of every node
-    children: dict[int, list[int]] = field(default_factory=dict)   # parent -> its children's tokens, in order
+    edges: set[tuple[int, int]] = field(default_factory=set)  # (parent, token) of every node
+    children: dict[int, list[int]] = field(default_factory=dict)  # parent -> its children's tokens, in order
 
     def add(self, token: int, parent: int, score: float, source: str) -> int:
         token, parent = int(token), int(parent)
@@ -132,8 +131,17 @@ class TreeBuilder:
     stop_ids: tokens that are never expanded. Raises ValueError for constants out of range.
     """
 
-    def __init__(self, *, ln_lambda: float, budget: int, rows: int, candidates: int, passes: int,
-                 keep_set: np.ndarray, stop_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        *,
+        ln_lambda: float,
+        budget: int,
+        rows: int,
+        candidates: int,
+        passes: int,
+        keep_set: np.ndarray,
+        stop_ids: Sequence[int] = (),
+    ):
         if not ln_lambda < 0:
             raise ValueError(f"ln λ must be < 0 (0 < λ < 1), got {ln_lambda}")
         if budget < 1 or rows < budget + 1:
@@ -152,11 +160,11 @@ class TreeBuilder:
         tree = DraftTreeNodes()
         tree.add(root, -1, 0.0, ROOT)
         u = [0]
-        for y in chain:                                   # lines 3-4
+        for y in chain:  # lines 3-4
             if tree.nodes[u[-1]].token in self.stop_ids:
                 break
             u.append(tree.add(y, u[-1], tree.nodes[u[-1]].score + self.ln_lambda, CHAIN))
-        for k, y2 in enumerate(runner_ups, start=1):      # lines 5-6
+        for k, y2 in enumerate(runner_ups, start=1):  # lines 5-6
             if k >= len(u):
                 break
             parent = u[k - 1]
@@ -168,29 +176,29 @@ class TreeBuilder:
 
     def slm_pass(self, tree: DraftTreeNodes, frontier: list[int], expand: Expand) -> list[int]:
         """Lines 7-14 with F = ``frontier``; returns the nodes added (insertion order)."""
-        nodes, stop = tree.nodes, self.stop_ids           # line 7: descending s, ties to the earlier
+        nodes, stop = tree.nodes, self.stop_ids  # line 7: descending s, ties to the earlier
         order = [v for _, v in sorted([(-nodes[v].score, v) for v in frontier if nodes[v].token not in stop])]
         if not order:
             return []
-        logq = expand(tree, order)                        # line 8
-        kids = tree.children                              # the children's tokens of each node (read only here)
-        if isinstance(logq, CandidateRows):               # every row's candidates at once (same values, same order)
+        logq = expand(tree, order)  # line 8
+        kids = tree.children  # the children's tokens of each node (read only here)
+        if isinstance(logq, CandidateRows):  # every row's candidates at once (same values, same order)
             return self._join(tree, *self._scored_rows(tree, order, logq, kids))
-        c_s, c_v, c_tok = [], [], []                      # candidates (s, v, token) in C order, as arrays
-        for v in order:                                   # lines 10-13
+        c_s, c_v, c_tok = [], [], []  # candidates (s, v, token) in C order, as arrays
+        for v in order:  # lines 10-13
             if v not in logq:
                 continue
-            c = logq[v]                                   # the 32 largest q, ties to the lower index
+            c = logq[v]  # the 32 largest q, ties to the lower index
             if not isinstance(c, Candidates):
                 c = logq_candidates(c, self.candidates)
             elif len(c) > self.candidates:
                 c = c.head(self.candidates)
             tokens = self.keep_set[c.index]
             s = tree.nodes[v].score + c.logq + self.ln_lambda  # float64, summed in the order of line 13
-            if v in kids:                                 # (v, c) only when v has no child c yet
+            if v in kids:  # (v, c) only when v has no child c yet
                 mine = kids[v]
                 new = tokens != mine[0]
-                for tok in mine[1:]:                      # a node has few children: a compare each
+                for tok in mine[1:]:  # a node has few children: a compare each
                     new &= tokens != tok
                 tokens, s = tokens[new], s[new]
             c_s.append(s)
@@ -198,11 +206,16 @@ class TreeBuilder:
             c_v.append(v)
         if not c_s:
             return self._join(tree, np.zeros(0), None, None)
-        return self._join(tree, np.concatenate(c_s), np.repeat(np.asarray(c_v, np.int64), [len(t) for t in c_tok]),
-                          np.concatenate(c_tok))
+        return self._join(
+            tree,
+            np.concatenate(c_s),
+            np.repeat(np.asarray(c_v, np.int64), [len(t) for t in c_tok]),
+            np.concatenate(c_tok),
+        )
 
-    def _scored_rows(self, tree: DraftTreeNodes, order: list[int], found: CandidateRows,
-                     kids: dict[int, list[int]]) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    def _scored_rows(
+        self, tree: DraftTreeNodes, order: list[int], found: CandidateRows, kids: dict[int, list[int]]
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """Lines 10-13 for every node of ``order`` in ``found`` at once: (s, v, token) of the candidates, in the
         order the one-node-at-a-time loop gives (nodes by ``order``, each row's candidates best first)."""
         present = [v for v in order if v in found]
@@ -216,19 +229,20 @@ class TreeBuilder:
             index, logq = found.index[rows, :k], found.logq[rows, :k]
         tokens = self.keep_set[index]
         node_s = np.array([tree.nodes[v].score for v in present], np.float64)
-        s = node_s[:, None] + logq                        # float64, summed in the order of line 13:
-        s += self.ln_lambda                               # (s(v) + ln q) + ln λ
+        s = node_s[:, None] + logq  # float64, summed in the order of line 13:
+        s += self.ln_lambda  # (s(v) + ln q) + ln λ
         nodes = np.array(present, np.int64)
-        mine = [kids.get(u, ()) for u in present]         # (v, c) only when v has no child c yet
+        mine = [kids.get(u, ()) for u in present]  # (v, c) only when v has no child c yet
         most = max(len(m) for m in mine)
         if not most:
             return s.ravel(), nodes.repeat(tokens.shape[1]), tokens.ravel()
-        taken = np.array([list(m) + [-1] * (most - len(m)) for m in mine], np.int64)     # -1: no token
-        row, col = (tokens[:, :, None] != taken[:, None, :]).all(axis=-1).nonzero()   # row-major: C order
+        taken = np.array([list(m) + [-1] * (most - len(m)) for m in mine], np.int64)  # -1: no token
+        row, col = (tokens[:, :, None] != taken[:, None, :]).all(axis=-1).nonzero()  # row-major: C order
         return s[row, col], nodes[row], tokens[row, col]
 
-    def _join(self, tree: DraftTreeNodes, cand_s: np.ndarray, cand_v: np.ndarray | None,
-              cand_tok: np.ndarray | None) -> list[int]:
+    def _join(
+        self, tree: DraftTreeNodes, cand_s: np.ndarray, cand_v: np.ndarray | None, cand_tok: np.ndarray | None
+    ) -> list[int]:
         """Line 14: θ = the B-th highest score over the tree's nodes and the candidates; the candidates with
         s >= θ join the tree in candidate order. Returns the nodes added."""
         if cand_v is None or not len(cand_s):
@@ -236,7 +250,7 @@ class TreeBuilder:
         scores = np.concatenate([np.array([n.score for n in tree.nodes[1:]], np.float64), cand_s])
         if len(scores) >= self.budget:
             neg = -scores
-            neg.partition(self.budget - 1)                # in place on the negated copy (np.partition's values)
+            neg.partition(self.budget - 1)  # in place on the negated copy (np.partition's values)
             theta = -neg[self.budget - 1]
         else:
             theta = -np.inf
@@ -251,9 +265,9 @@ class TreeBuilder:
         context has left: a node at depth d sits at position t + d); None = no limit."""
         nodes = tree.nodes
         fits = [i for i in range(1, len(nodes)) if max_depth is None or nodes[i].depth <= max_depth]
-        best = [i for _, i in heapq.nsmallest(self.budget, [(-nodes[i].score, i) for i in fits])]   # = sorted[:B]
+        best = [i for _, i in heapq.nsmallest(self.budget, [(-nodes[i].score, i) for i in fits])]  # = sorted[:B]
         keep = set(best)
-        for i in best:                                    # ancestors, up to the first one already kept
+        for i in best:  # ancestors, up to the first one already kept
             p = nodes[i].parent
             while p > 0 and p not in keep:
                 keep.add(p)
@@ -277,8 +291,15 @@ class TreeBuilder:
         scores += [scores[-1]] * (self.rows - len(scores))
         return np.clip(np.asarray(scores, np.float64), FP16_SCORE_FLOOR, 0.0).astype(np.float32)
 
-    def build(self, root: int, chain: Sequence[int], runner_ups: Sequence[int], expand: Expand | None,
-              passes: int | None = None, max_depth: int | None = None) -> BuiltTree:
+    def build(
+        self,
+        root: int,
+        chain: Sequence[int],
+        runner_ups: Sequence[int],
+        expand: Expand | None,
+        passes: int | None = None,
+        max_depth: int | None = None,
+    ) -> BuiltTree:
         """Alg. 3, entire. expand: the SLM forward (None or passes == 0: the tree is the planted nodes only).
         max_depth: deepest node sent (the tokens the request has room for; `trim`), None = no limit."""
         passes = self.passes if passes is None else passes
@@ -290,14 +311,15 @@ class TreeBuilder:
             done += 1
             if not added:
                 break
-            frontier = added                               # line 15: F = the nodes just added
+            frontier = added  # line 15: F = the nodes just added
         kept = self.trim(tree, max_depth)
         tokens, parents = self.rows_of(tree, kept)
         return BuiltTree(tokens, parents, kept, tree, kept, done, self.scores_of(tree, kept))
 
 
-def walk_reply(tokens: Sequence[int], parents: Sequence[int], samples: Sequence[int],
-               verified: Sequence[bool] | None = None) -> list[int]:
+def walk_reply(
+    tokens: Sequence[int], parents: Sequence[int], samples: Sequence[int], verified: Sequence[bool] | None = None
+) -> list[int]:
     """Alg. 1 line 8: the deepest path below the root whose every row c with parent v has token c == ŷ_v,
     ties to the lowest row. Returns the path's rows (root excluded), root to leaf; [] when nothing matches.
     Duplicate (padding) rows never win over the first row with the same token and parent.
@@ -326,15 +348,18 @@ def check_verified(parents: Sequence[int], verified: Sequence[bool], path_rows: 
     parents = np.asarray(parents, np.int64)
     verified = np.asarray(verified)
     if verified.dtype != np.bool_ or verified.shape != parents.shape:
-        raise ValueError(f"verified rows: expected bool ({len(parents)},), one per row sent, got dtype "
-                         f"{verified.dtype} and shape {verified.shape}")
+        raise ValueError(
+            f"verified rows: expected bool ({len(parents)},), one per row sent, got dtype "
+            f"{verified.dtype} and shape {verified.shape}"
+        )
     if not verified[0]:
         raise ValueError("verified rows leave out row 0: the root is always verified")
     orphan = verified[1:] & ~verified[np.maximum(parents[1:], 0)]
     if orphan.any():
         j = int(np.argmax(orphan)) + 1
-        raise ValueError(f"verified rows are not ancestor-closed: row {j} is verified, its parent row "
-                         f"{int(parents[j])} is not")
+        raise ValueError(
+            f"verified rows are not ancestor-closed: row {j} is verified, its parent row {int(parents[j])} is not"
+        )
     for row in path_rows:
         if not 0 <= int(row) < len(verified) or not verified[int(row)]:
             raise ValueError(f"path row {int(row)} is not a verified row")

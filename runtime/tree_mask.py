@@ -19,11 +19,19 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hycoc.host import (FULL, MASK_VALUE, SLIDING, TreeShapeError, ancestor_matrix, ring_masks, ring_positions,
-                        ring_runs, tree_depths)
+from hycoc.host import (
+    FULL,
+    MASK_VALUE,
+    SLIDING,
+    TreeShapeError,
+    ancestor_matrix,
+    ring_masks,
+    ring_positions,
+    ring_runs,
+    tree_depths,
+)
 
 _HIDDEN = np.float32(MASK_VALUE)
-
 
 
 def _fill_run(mask: np.ndarray, cols: slice, p0: int, p1: int, edge: int) -> None:
@@ -35,6 +43,7 @@ def _fill_run(mask: np.ndarray, cols: slice, p0: int, p1: int, edge: int) -> Non
         mask[cols] = _HIDDEN
     else:
         mask[cols] = np.where(np.arange(p0, p1) >= edge, np.float32(0.0), _HIDDEN)
+
 
 class TreeRingMask:
     """One layer type's mask buffer, float32 (1, 1, rows, ring + rows), columns [ring | rows] as
@@ -53,20 +62,27 @@ class TreeRingMask:
             raise ValueError(f"sliding_window must be >= 1 (or None for full attention), got {sliding_window}")
         self.rows, self.ring, self.sliding_window = int(rows), int(ring), sliding_window
         self.buffer = np.empty((1, 1, self.rows, self.ring + self.rows), np.float32)
-        self._base = np.empty(self.ring, np.float32)       # ring columns' value before the window (same per row)
-        self._first: int | None = None                     # first_position and live_start of the last update
+        self._base = np.empty(self.ring, np.float32)  # ring columns' value before the window (same per row)
+        self._first: int | None = None  # first_position and live_start of the last update
         self._live: int | None = None
-        self._window: tuple[int, int] | None = None        # (first column's position, count) the window hid in
+        self._window: tuple[int, int] | None = None  # (first column's position, count) the window hid in
         self._step_table: np.ndarray | None = None
-        self.full_rebuilds = 0                             # updates that rewrote every ring column
+        self.full_rebuilds = 0  # updates that rewrote every ring column
 
     def reset(self) -> None:
         """Forget the last update (the next one rewrites the whole buffer): a request restart."""
         self._first = self._live = self._window = None
 
-    def update(self, parents: Sequence[int], first_position: int, live_start: int, *,
-               depths: np.ndarray | None = None, ancestors: np.ndarray | None = None,
-               tree_block: np.ndarray | None = None) -> np.ndarray:
+    def update(
+        self,
+        parents: Sequence[int],
+        first_position: int,
+        live_start: int,
+        *,
+        depths: np.ndarray | None = None,
+        ancestors: np.ndarray | None = None,
+        tree_block: np.ndarray | None = None,
+    ) -> np.ndarray:
         """The buffer holding ``tree_ring_mask(parents, first_position, live_start, ring, sliding_window)``
         (module docstring). parents: R parent rows (-1 first). depths / ancestors: `tree_depths` /
         `ancestor_matrix` of ``parents`` when the caller has them (not re-validated then). tree_block: float32
@@ -88,12 +104,12 @@ class TreeRingMask:
             m[:, :ring] = base
             self.full_rebuilds += 1
         else:
-            if self._window is not None:                       # undo the last window: back to the columns' base
+            if self._window is not None:  # undo the last window: back to the columns' base
                 for cols, _ in ring_runs(*self._window, ring):
                     m[:, cols] = base[cols]
-            if first != self._first:                           # the columns whose position changed
+            if first != self._first:  # the columns whose position changed
                 lo, hi = min(first, self._first), max(first, self._first)
-                back = 0 if first > self._first else ring      # they hold positions [lo, hi) or [lo, hi) - ring
+                back = 0 if first > self._first else ring  # they hold positions [lo, hi) or [lo, hi) - ring
                 for cols, src in ring_runs(lo, hi - lo, ring):
                     _fill_run(base, cols, lo + src.start - back, lo + src.stop - back, live)
                     m[:, cols] = base[cols]
@@ -111,11 +127,11 @@ class TreeRingMask:
                 e = d + extra
                 if extra < 0 or deepest + extra >= len(steps):
                     e = np.minimum(np.maximum(e, 0), len(steps) - 1)
-                hidden = steps[e, :most]                   # [j, k] = k < e_j
+                hidden = steps[e, :most]  # [j, k] = k < e_j
                 for cols, src in ring_runs(first, most, ring):
                     m[:, cols] = np.where(hidden[:, src], _HIDDEN, base[cols])
                 self._window = (first, most)
-        if sw is None or deepest < sw:                     # rows see every ancestor: the block is the caller's
+        if sw is None or deepest < sw:  # rows see every ancestor: the block is the caller's
             m[:, ring:] = np.where(anc, np.float32(0.0), _HIDDEN) if tree_block is None else tree_block
         else:
             m[:, ring:] = np.where(anc & (d[:, None] - d[None, :] < sw), np.float32(0.0), _HIDDEN)
@@ -147,8 +163,10 @@ class HeadRingMask:
             raise ValueError(f"ring masks need window >= 1 and sliding_window >= 1, got {window}, {sliding_window}")
         self.window, self.sliding = int(window), min(int(window), int(sliding_window))
         self.sliding_window = int(sliding_window)
-        self.buffers = {SLIDING: np.empty((1, 1, 1, self.window), np.float32),
-                        FULL: np.empty((1, 1, 1, self.window), np.float32)}
+        self.buffers = {
+            SLIDING: np.empty((1, 1, 1, self.window), np.float32),
+            FULL: np.empty((1, 1, 1, self.window), np.float32),
+        }
         self._t: int | None = None
         self._live: int | None = None
         self.full_rebuilds = 0
@@ -166,9 +184,9 @@ class HeadRingMask:
                 self.buffers[kind][...] = mask
             self.full_rebuilds += 1
         elif t != last:
-            seen = max(live, t - w, 0)                     # the full layer sees [seen, t)
+            seen = max(live, t - w, 0)  # the full layer sees [seen, t)
             sliding, full = self.buffers[SLIDING][0, 0, 0], self.buffers[FULL][0, 0, 0]
-            lo = max(last - self.sliding, t - w, 0)        # positions leaving the sliding window, still held
+            lo = max(last - self.sliding, t - w, 0)  # positions leaving the sliding window, still held
             hi = max(t - self.sliding, lo)
             for cols, _ in ring_runs(lo, hi - lo, w) if hi > lo else ():
                 sliding[cols] = _HIDDEN

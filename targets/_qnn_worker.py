@@ -26,14 +26,17 @@ from pathlib import Path
 
 def _compile(job: dict) -> dict:
     import onnxruntime as ort
-
     from hycoc.targets.qnn_ep import session_options
 
     graphs, share = job["graphs"], bool(job.get("share"))
     out = []
     for i, g in enumerate(graphs):
-        cfg = {"ep.context_enable": "1", "ep.context_file_path": g["ctx_path"], "ep.context_embed_mode": "0",
-               "session.disable_cpu_ep_fallback": "1"}
+        cfg = {
+            "ep.context_enable": "1",
+            "ep.context_file_path": g["ctx_path"],
+            "ep.context_embed_mode": "0",
+            "session.disable_cpu_ep_fallback": "1",
+        }
         if share:
             cfg["ep.share_ep_contexts"] = "1"
             if i == len(graphs) - 1:
@@ -52,15 +55,18 @@ def _compile(job: dict) -> dict:
 
 def _assign(job: dict) -> dict:
     import onnxruntime as ort
-
     from hycoc.targets.qnn_ep import session_options
 
     opts = dict(job["provider_options"], offload_graph_io_quantization="0")
     so = session_options(opts, {"session.record_ep_graph_assignment_info": "1"})
     sess = ort.InferenceSession(job["model"], sess_options=so)
-    return {"ok": True, "assignment": [
-        {"ep": sg.ep_name, "nodes": [[n.name, n.op_type] for n in sg.get_nodes()]}
-        for sg in sess.get_provider_graph_assignment_info()]}
+    return {
+        "ok": True,
+        "assignment": [
+            {"ep": sg.ep_name, "nodes": [[n.name, n.op_type] for n in sg.get_nodes()]}
+            for sg in sess.get_provider_graph_assignment_info()
+        ],
+    }
 
 
 def _tiny_qdq_model(path: Path) -> None:
@@ -70,18 +76,28 @@ def _tiny_qdq_model(path: Path) -> None:
     from onnx import TensorProto, helper, numpy_helper
 
     w = np.random.RandomState(0).randint(-127, 128, (8, 8)).astype(np.int8)
-    inits = [numpy_helper.from_array(np.array(1 / 32768, np.float32), "s"),
-             helper.make_tensor("z", TensorProto.UINT16, [], [32768]),
-             numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(0.01, np.float32), "ws"),
-             numpy_helper.from_array(np.array(0, np.int8), "wz")]
-    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"], name="x_q"),
-             helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"], name="x_dq"),
-             helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"], name="w_dq"),
-             helper.make_node("MatMul", ["xd", "wd"], ["y0"], name="matmul"),
-             helper.make_node("QuantizeLinear", ["y0", "s", "z"], ["yq"], name="y_q"),
-             helper.make_node("DequantizeLinear", ["yq", "s", "z"], ["y"], name="y_dq")]
-    graph = helper.make_graph(nodes, "probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])], inits)
+    inits = [
+        numpy_helper.from_array(np.array(1 / 32768, np.float32), "s"),
+        helper.make_tensor("z", TensorProto.UINT16, [], [32768]),
+        numpy_helper.from_array(w, "w"),
+        numpy_helper.from_array(np.array(0.01, np.float32), "ws"),
+        numpy_helper.from_array(np.array(0, np.int8), "wz"),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"], name="x_q"),
+        helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"], name="x_dq"),
+        helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"], name="w_dq"),
+        helper.make_node("MatMul", ["xd", "wd"], ["y0"], name="matmul"),
+        helper.make_node("QuantizeLinear", ["y0", "s", "z"], ["yq"], name="y_q"),
+        helper.make_node("DequantizeLinear", ["yq", "s", "z"], ["y"], name="y_dq"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     model.ir_version = 10
     onnx.save(model, path)
@@ -89,7 +105,6 @@ def _tiny_qdq_model(path: Path) -> None:
 
 def _probe(job: dict) -> dict:
     import onnxruntime as ort
-
     from hycoc.targets.qnn_ep import read_binary_target, session_options
 
     res: dict = {}
@@ -106,15 +121,24 @@ def _probe(job: dict) -> dict:
                 opts["soc_model"] = str(soc)
             t0 = time.perf_counter()
             try:
-                so = session_options(opts, {"ep.context_enable": "1", "ep.context_embed_mode": "0",
-                                            "ep.context_file_path": str(d / "probe_ctx.onnx"),
-                                            "session.disable_cpu_ep_fallback": "1"})
+                so = session_options(
+                    opts,
+                    {
+                        "ep.context_enable": "1",
+                        "ep.context_embed_mode": "0",
+                        "ep.context_file_path": str(d / "probe_ctx.onnx"),
+                        "session.disable_cpu_ep_fallback": "1",
+                    },
+                )
                 ort.InferenceSession(str(model), sess_options=so)
                 bins = sorted(d.glob("*.bin"))
                 tgt = read_binary_target(bins[0]) if bins else None
-                res[key] = {"ok": bool(bins), "seconds": time.perf_counter() - t0,
-                                  "target": None if tgt is None else tgt.__dict__,
-                                  "error": None if bins else "no context binary written"}
+                res[key] = {
+                    "ok": bool(bins),
+                    "seconds": time.perf_counter() - t0,
+                    "target": None if tgt is None else tgt.__dict__,
+                    "error": None if bins else "no context binary written",
+                }
             except Exception as e:  # noqa: BLE001 - reported
                 res[key] = {"ok": False, "seconds": time.perf_counter() - t0, "error": str(e)}
     return {"ok": True, "archs": res}

@@ -57,8 +57,15 @@ def package_cpu(qdq_model_path: str | os.PathLike, out_dir: str | os.PathLike, *
     del sess
 
     model = onnx.load(str(src), load_external_data=False)
-    data_files = sorted({e.value for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
-                         for e in t.external_data if e.key == "location"})
+    data_files = sorted(
+        {
+            e.value
+            for t in model.graph.initializer
+            if t.data_location == onnx.TensorProto.EXTERNAL
+            for e in t.external_data
+            if e.key == "location"
+        }
+    )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dst = out_dir / f"{graph_name}.onnx"

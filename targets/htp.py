@@ -56,7 +56,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
 from hycoc.targets.profiles import PROFILES, TargetProfile
 
 _FALLBACK_MSG = "fallback to CPU EP has been explicitly disabled"
@@ -116,6 +115,7 @@ class ArchMismatchError(HtpCompileError):
 
 
 # --------------------------------------------------------------------------------------------- model inspection
+
 
 def _load(model_or_path):
     import onnx
@@ -177,7 +177,8 @@ def _check_size(plan: SizePlan, profile: TargetProfile) -> None:
         raise ContextTooLargeError(
             f"context of {len(plan.graphs)} graph(s) needs {plan.weight_bytes:,} bytes of weights, more than "
             f"{profile.name}'s limit of {plan.max_context_bytes:,} bytes; largest: {top}. Split the graphs "
-            f"across several contexts or quantize the weights harder.")
+            f"across several contexts or quantize the weights harder."
+        )
 
 
 def _is_16bit(elem_type: int) -> bool:
@@ -197,11 +198,16 @@ def check_capabilities(model, profile: TargetProfile) -> None:
 
     model = _load(model)
     g = model.graph
-    dynamic = [i.name for i in g.input
-               if any(not d.HasField("dim_value") or d.dim_value <= 0 for d in i.type.tensor_type.shape.dim)]
+    dynamic = [
+        i.name
+        for i in g.input
+        if any(not d.HasField("dim_value") or d.dim_value <= 0 for d in i.type.tensor_type.shape.dim)
+    ]
     if dynamic:
-        raise CapabilityError(f"{profile.name}: graph inputs with dynamic shapes: {', '.join(dynamic)} "
-                              f"(HTP graphs are static; export at fixed shapes)")
+        raise CapabilityError(
+            f"{profile.name}: graph inputs with dynamic shapes: {', '.join(dynamic)} "
+            f"(HTP graphs are static; export at fixed shapes)"
+        )
     inits = {t.name: t for t in g.initializer}
     if not profile.supports_16bit_ops:
         # dtype of every constant: initializers and Constant nodes' value tensors
@@ -223,15 +229,19 @@ def check_capabilities(model, profile: TargetProfile) -> None:
                     found.append(label)
             elif n.op_type == "Cast" and any(a.name == "to" and (_is_16bit(a.i) or a.i == fp16) for a in n.attribute):
                 found.append(label)
-        found += [f"{i.name} (graph input)" for i in g.input
-                  if _is_16bit(i.type.tensor_type.elem_type) or i.type.tensor_type.elem_type == fp16]
+        found += [
+            f"{i.name} (graph input)"
+            for i in g.input
+            if _is_16bit(i.type.tensor_type.elem_type) or i.type.tensor_type.elem_type == fp16
+        ]
         found += [f"{t.name} (float16 initializer)" for t in g.initializer if t.data_type == fp16]
         if found:
             more = f" and {len(found) - 8} more" if len(found) > 8 else ""
             raise CapabilityError(
                 f"{profile.name} (HTP v{profile.htp_arch}) cannot run 16-bit ops, and this graph has {len(found)} "
                 f"16-bit tensors or ops: {', '.join(found[:8])}{more}. Quantize activations to 8 bits for this "
-                f"target, or compile for a profile with 16-bit support (e.g. htp-v81).")
+                f"target, or compile for a profile with 16-bit support (e.g. htp-v81)."
+            )
     if not profile.supports_int4_weights:
         int4 = [t.name for t in g.initializer if t.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4)]
         if int4:
@@ -257,8 +267,16 @@ def find_host_only_nodes(model, profile: TargetProfile) -> list[NodeIssue]:
         return []
     inits = {t.name for t in g.initializer}
     producer = {o: n for n in g.node for o in n.output}
-    int_types = {onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.INT16, onnx.TensorProto.UINT16,
-                 onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.UINT32, onnx.TensorProto.UINT64}
+    int_types = {
+        onnx.TensorProto.INT64,
+        onnx.TensorProto.INT32,
+        onnx.TensorProto.INT16,
+        onnx.TensorProto.UINT16,
+        onnx.TensorProto.INT8,
+        onnx.TensorProto.UINT8,
+        onnx.TensorProto.UINT32,
+        onnx.TensorProto.UINT64,
+    }
     int_inputs = {i.name for i in g.input if i.type.tensor_type.elem_type in int_types}
 
     def from_int_input(name: str, depth: int = 0) -> bool:
@@ -273,12 +291,20 @@ def find_host_only_nodes(model, profile: TargetProfile) -> list[NodeIssue]:
         p = producer.get(name)
         return bool(p and p.op_type == "DequantizeLinear" and p.input[0] in inits)
 
-    return [NodeIssue(n.name, n.op_type, "embedding lookup (constant table indexed by integer graph input "
-                                         f"{n.input[1]!r}): hycoc keeps embeddings on the host as LUTs")
-            for n in g.node if n.op_type == "Gather" and constant_table(n.input[0]) and from_int_input(n.input[1])]
+    return [
+        NodeIssue(
+            n.name,
+            n.op_type,
+            "embedding lookup (constant table indexed by integer graph input "
+            f"{n.input[1]!r}): hycoc keeps embeddings on the host as LUTs",
+        )
+        for n in g.node
+        if n.op_type == "Gather" and constant_table(n.input[0]) and from_int_input(n.input[1])
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------- compiling
+
 
 @dataclass
 class CompiledGraph:
@@ -314,8 +340,12 @@ def _io(model) -> tuple[list[dict], list[dict]]:
 
     def desc(v):
         t = v.type.tensor_type
-        return {"name": v.name, "shape": [d.dim_value for d in t.shape.dim],
-                "dtype": str(onnx.helper.tensor_dtype_to_np_dtype(t.elem_type))}
+        return {
+            "name": v.name,
+            "shape": [d.dim_value for d in t.shape.dim],
+            "dtype": str(onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)),
+        }
+
     return [desc(v) for v in model.graph.input], [desc(v) for v in model.graph.output]
 
 
@@ -336,13 +366,16 @@ def _error_lines(log: str, limit: int = 12) -> str:
 def _diagnose_fallback(model_path: Path, profile: TargetProfile, compile_log: str) -> FallbackError:
     from hycoc.targets.qnn_ep import run_worker
 
-    res, log = run_worker({"op": "assign", "model": str(model_path),
-                           "provider_options": profile.provider_options()}, timeout_s=3600)
+    res, log = run_worker(
+        {"op": "assign", "model": str(model_path), "provider_options": profile.provider_options()}, timeout_s=3600
+    )
     reasons = _log_reasons(compile_log + "\n" + log)
     if not res.get("ok"):
-        return FallbackError(f"{model_path.name}: some nodes would fall back to the CPU EP and the diagnostic "
-                             f"session failed too ({res.get('error')}); EP log:\n{_error_lines(log)}",
-                             [NodeIssue(n, "?", r) for n, r in reasons.items()])
+        return FallbackError(
+            f"{model_path.name}: some nodes would fall back to the CPU EP and the diagnostic "
+            f"session failed too ({res.get('error')}); EP log:\n{_error_lines(log)}",
+            [NodeIssue(n, "?", r) for n, r in reasons.items()],
+        )
     cpu = [(name, op) for sg in res["assignment"] if sg["ep"] != "QNNExecutionProvider" for name, op in sg["nodes"]]
     issues = []
     for name, op in cpu:
@@ -354,8 +387,11 @@ def _diagnose_fallback(model_path: Path, profile: TargetProfile, compile_log: st
             issues.append(NodeIssue(name, op, "assigned to the CPU EP"))
     issues.sort(key=lambda i: i.op_type in _QDQ_OPS)
     main = [i for i in issues if i.op_type not in _QDQ_OPS]
-    return FallbackError(f"{model_path.name}: {len(main)} node(s) would fall back to the CPU EP on {profile.name} "
-                         f"({len(issues)} with their Q/DQ); CPU fallback is disabled for HTP targets", issues)
+    return FallbackError(
+        f"{model_path.name}: {len(main)} node(s) would fall back to the CPU EP on {profile.name} "
+        f"({len(issues)} with their Q/DQ); CPU fallback is disabled for HTP targets",
+        issues,
+    )
 
 
 def _ctx_paths(out_dir: Path, graph_name: str) -> tuple[Path, Path]:
@@ -370,13 +406,19 @@ def _precheck(model_path: Path, profile: TargetProfile) -> None:
     check_capabilities(model, profile)
     host = find_host_only_nodes(model, profile)
     if host:
-        raise HostOnlyError(f"{model_path.name}: {len(host)} node(s) belong on the host, not in an HTP graph "
-                            f"({profile.name})", host)
+        raise HostOnlyError(
+            f"{model_path.name}: {len(host)} node(s) belong on the host, not in an HTP graph ({profile.name})", host
+        )
     check_static_graph(model, what=f"{model_path.name} ({profile.name})")
 
 
-def compile_shared(graphs: Sequence[tuple[str | os.PathLike, str]], out_dir: str | os.PathLike,
-                   profile: TargetProfile, *, share: bool = True) -> list[CompiledGraph]:
+def compile_shared(
+    graphs: Sequence[tuple[str | os.PathLike, str]],
+    out_dir: str | os.PathLike,
+    profile: TargetProfile,
+    *,
+    share: bool = True,
+) -> list[CompiledGraph]:
     """Compile ``[(qdq_model_path, graph_name), ...]`` into EPContext models under ``out_dir``; with ``share``
     (and more than one graph) into one weight-shared context binary.
 
@@ -386,7 +428,6 @@ def compile_shared(graphs: Sequence[tuple[str | os.PathLike, str]], out_dir: str
     HtpCompileError, ArchMismatchError (after). Compile time is in ``CompiledGraph.compile_seconds``.
     """
     import onnx
-
     from hycoc.targets.qnn_ep import read_binary_target, run_worker
 
     if profile.backend != "htp":
@@ -410,16 +451,21 @@ def compile_shared(graphs: Sequence[tuple[str | os.PathLike, str]], out_dir: str
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        job = {"op": "compile", "share": share, "provider_options": profile.provider_options(),
-               "graphs": [{"model": str(p), "ctx_path": str(_ctx_paths(staging, n)[0])} for p, n in zip(paths, names)]}
+        job = {
+            "op": "compile",
+            "share": share,
+            "provider_options": profile.provider_options(),
+            "graphs": [{"model": str(p), "ctx_path": str(_ctx_paths(staging, n)[0])} for p, n in zip(paths, names)],
+        }
         res, log = run_worker(job)
         if not res.get("ok"):
             i = res.get("failed_index", 0) or 0
             err = res.get("error", "")
             if _FALLBACK_MSG in err:
                 raise _diagnose_fallback(paths[i], profile, log)
-            raise HtpCompileError(f"{paths[i].name}: QNN EP compile for {profile.name} failed: {err}\n"
-                                  f"EP log:\n{_error_lines(log)}")
+            raise HtpCompileError(
+                f"{paths[i].name}: QNN EP compile for {profile.name} failed: {err}\nEP log:\n{_error_lines(log)}"
+            )
         per_graph = [g["seconds"] for g in res["graphs"]]
         bin_path = _ctx_paths(staging, names[0])[1]
         results = []
@@ -427,29 +473,53 @@ def compile_shared(graphs: Sequence[tuple[str | os.PathLike, str]], out_dir: str
             ctx, own_bin = _ctx_paths(staging, n)
             binary = bin_path if share else own_bin
             if not ctx.exists() or not binary.exists():
-                raise HtpCompileError(f"{p.name}: the EP wrote no {ctx.name} / {binary.name} (files: "
-                                      f"{sorted(x.name for x in staging.iterdir())})")
+                raise HtpCompileError(
+                    f"{p.name}: the EP wrote no {ctx.name} / {binary.name} (files: "
+                    f"{sorted(x.name for x in staging.iterdir())})"
+                )
             tgt = read_binary_target(binary)
-            if tgt is None or tgt.arch != profile.htp_arch or (
-                    profile.soc_id is not None and tgt.soc_type.upper() != (profile.soc_model or "").upper()):
+            if (
+                tgt is None
+                or tgt.arch != profile.htp_arch
+                or (profile.soc_id is not None and tgt.soc_type.upper() != (profile.soc_model or "").upper())
+            ):
                 got = "unknown" if tgt is None else f"{tgt.soc_type} v{tgt.arch}"
-                raise ArchMismatchError(f"{p.name}: asked for {profile.soc_model} v{profile.htp_arch}, the context "
-                                        f"binary says {got}")
+                raise ArchMismatchError(
+                    f"{p.name}: asked for {profile.soc_model} v{profile.htp_arch}, the context binary says {got}"
+                )
             m = onnx.load(str(ctx), load_external_data=False)
-            attrs = {a.name: onnx.helper.get_attribute_value(a) for nd in m.graph.node if nd.op_type == "EPContext"
-                     for a in nd.attribute}
+            attrs = {
+                a.name: onnx.helper.get_attribute_value(a)
+                for nd in m.graph.node
+                if nd.op_type == "EPContext"
+                for a in nd.attribute
+            }
             sdk = attrs.get("ep_sdk_version")
             ins, outs = _io(m)
-            results.append(CompiledGraph(
-                name=n, profile=profile.name, ctx_model=ctx, context_binary=binary, binary_bytes=binary.stat().st_size,
-                weight_bytes=(plans[0] if share else plans[k]).weight_bytes, htp_arch=tgt.arch, soc_type=tgt.soc_type,
-                qnn_sdk=sdk.decode() if isinstance(sdk, bytes) else sdk, compile_seconds=per_graph[k],
-                inputs=ins, outputs=outs, shared_with=tuple(x for x in names if x != n) if share else ()))
+            results.append(
+                CompiledGraph(
+                    name=n,
+                    profile=profile.name,
+                    ctx_model=ctx,
+                    context_binary=binary,
+                    binary_bytes=binary.stat().st_size,
+                    weight_bytes=(plans[0] if share else plans[k]).weight_bytes,
+                    htp_arch=tgt.arch,
+                    soc_type=tgt.soc_type,
+                    qnn_sdk=sdk.decode() if isinstance(sdk, bytes) else sdk,
+                    compile_seconds=per_graph[k],
+                    inputs=ins,
+                    outputs=outs,
+                    shared_with=tuple(x for x in names if x != n) if share else (),
+                )
+            )
         if profile.max_context_bytes is not None:
             for r in results:
                 if r.binary_bytes > profile.max_context_bytes:
-                    raise ContextTooLargeError(f"{r.context_binary.name} is {r.binary_bytes:,} bytes, over "
-                                               f"{profile.name}'s limit of {profile.max_context_bytes:,}")
+                    raise ContextTooLargeError(
+                        f"{r.context_binary.name} is {r.binary_bytes:,} bytes, over "
+                        f"{profile.name}'s limit of {profile.max_context_bytes:,}"
+                    )
         # move into place
         for f in staging.iterdir():
             os.replace(f, out_dir / f.name)
@@ -461,25 +531,29 @@ def compile_shared(graphs: Sequence[tuple[str | os.PathLike, str]], out_dir: str
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def compile_context(qdq_model_path: str | os.PathLike, out_dir: str | os.PathLike, profile: TargetProfile, *,
-                    graph_name: str, share_with: Sequence[tuple[str | os.PathLike, str]] | None = None
-                    ) -> CompiledGraph:
+def compile_context(
+    qdq_model_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    profile: TargetProfile,
+    *,
+    graph_name: str,
+    share_with: Sequence[tuple[str | os.PathLike, str]] | None = None,
+) -> CompiledGraph:
     """Compile one QDQ model for an HTP profile into ``out_dir/GRAPH_ctx.onnx`` + ``GRAPH_ctx_qnn.bin``.
 
     ``share_with``: other ``(qdq_model_path, graph_name)`` pairs to compile into the same weight-shared context
     binary (see the module docstring); they are returned in ``.siblings``. Errors: see :func:`compile_shared`.
     """
-    res = compile_shared([(qdq_model_path, graph_name), *(share_with or [])], out_dir, profile,
-                         share=bool(share_with))
+    res = compile_shared([(qdq_model_path, graph_name), *(share_with or [])], out_dir, profile, share=bool(share_with))
     res[0].siblings = res[1:]
     return res[0]
 
 
 # ------------------------------------------------------------------------------------------------------ running
 
+
 def _profile_for_binary(ctx_model_path: Path) -> TargetProfile | None:
     import onnx
-
     from hycoc.targets.qnn_ep import read_binary_target
 
     m = onnx.load(str(ctx_model_path), load_external_data=False)
@@ -504,7 +578,6 @@ class HtpSession:
 
     def __init__(self, ctx_model_path: str | os.PathLike, profile: TargetProfile | None = None):
         import onnxruntime as ort
-
         from hycoc.targets.qnn_ep import session_options
 
         self.path = Path(ctx_model_path)
@@ -514,8 +587,9 @@ class HtpSession:
         try:
             self.session = ort.InferenceSession(str(self.path), sess_options=so)
         except Exception as e:  # noqa: BLE001 - onnxruntime's own exception types
-            raise HtpCompileError(f"{self.path.name}: the QNN EP could not load it on {self.profile.name}: {e}") \
-                from None
+            raise HtpCompileError(
+                f"{self.path.name}: the QNN EP could not load it on {self.profile.name}: {e}"
+            ) from None
         self.load_seconds = time.perf_counter() - t0
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
@@ -529,7 +603,8 @@ class HtpSession:
         return dict(zip(self.output_names, outs))
 
 
-def run_compiled(ctx_model_path: str | os.PathLike, inputs: Mapping[str, np.ndarray],
-                 profile: TargetProfile | None = None) -> dict[str, np.ndarray]:
+def run_compiled(
+    ctx_model_path: str | os.PathLike, inputs: Mapping[str, np.ndarray], profile: TargetProfile | None = None
+) -> dict[str, np.ndarray]:
     """Load a compiled EPContext model on the HTP backend (x86: simulator) and run it once; see :class:`HtpSession`."""
     return HtpSession(ctx_model_path, profile).run(inputs)

@@ -77,8 +77,11 @@ class TargetProfile:
         """QNN EP provider options for this profile (strings, as the EP wants them). Raises ValueError for cpu."""
         if self.backend != "htp":
             raise ValueError(f"profile {self.name!r} is a {self.backend} target; it has no QNN provider options")
-        opts = {"backend_type": "htp", "htp_arch": str(self.htp_arch),
-                "htp_graph_finalization_optimization_mode": self.finalization_mode}
+        opts = {
+            "backend_type": "htp",
+            "htp_arch": str(self.htp_arch),
+            "htp_graph_finalization_optimization_mode": self.finalization_mode,
+        }
         if self.soc_id is not None:
             opts["soc_model"] = str(self.soc_id)
         opts.update(self.extra_provider_options)
@@ -90,52 +93,99 @@ class TargetProfile:
         return replace(self, max_context_bytes=max_context_bytes if cur is None else min(cur, max_context_bytes))
 
 
-_SOC_NOTE = ("QNN SoC model number (ExecuTorch qc_schema.py QcomChipset); checked against the soc_type the "
-             "QNN 2.51 HTP backend writes into the context binary")
-_LIMIT_SOURCE = ("memory_alloc_limit the QNN 2.51 HTP backend writes into a context binary for this arch "
-                 "(read back here)")
+_SOC_NOTE = (
+    "QNN SoC model number (ExecuTorch qc_schema.py QcomChipset); checked against the soc_type the "
+    "QNN 2.51 HTP backend writes into the context binary"
+)
+_LIMIT_SOURCE = (
+    "memory_alloc_limit the QNN 2.51 HTP backend writes into a context binary for this arch (read back here)"
+)
 
-PROFILES: dict[str, TargetProfile] = {p.name: p for p in (
-    TargetProfile(
-        name="htp-v81", backend="htp", htp_arch=81, soc_model="SM8850", soc_id=87, soc_id_note=_SOC_NOTE,
-        max_context_bytes=3584 * MIB, supports_16bit_ops=True, host_only=("embedding_lookup",),
-        description="Snapdragon 8 Elite Gen 5 (SM8850), Hexagon HTP v81 — the paper's phone",
-        source=f"arch/SoC: paper (Galaxy S26 Ultra, SM8850); soc_id: {_SOC_NOTE}; limit: {_LIMIT_SOURCE}"),
-    TargetProfile(
-        name="htp-v79", backend="htp", htp_arch=79, soc_model="SM8750", soc_id=69, soc_id_note=_SOC_NOTE,
-        max_context_bytes=3584 * MIB, host_only=("embedding_lookup",),
-        description="Snapdragon 8 Elite (SM8750), Hexagon HTP v79",
-        source=f"arch/SoC: QNN HTP backend's supported-SoC table (SM8750 = V79); soc_id: {_SOC_NOTE}; "
-               f"limit: {_LIMIT_SOURCE}"),
-    TargetProfile(
-        name="htp-v75", backend="htp", htp_arch=75, soc_model="SM8650", soc_id=57, soc_id_note=_SOC_NOTE,
-        max_context_bytes=3584 * MIB, host_only=("embedding_lookup",),
-        description="Snapdragon 8 Gen 3 (SM8650), Hexagon HTP v75",
-        source=f"arch/SoC: QNN HTP backend's supported-SoC table (SM8650 = V75); soc_id: {_SOC_NOTE}; "
-               f"limit: {_LIMIT_SOURCE}"),
-    TargetProfile(
-        name="htp-v73", backend="htp", htp_arch=73, soc_model="SM8550", soc_id=43, soc_id_note=_SOC_NOTE,
-        max_context_bytes=3584 * MIB, host_only=("embedding_lookup",),
-        description="Snapdragon 8 Gen 2 (SM8550), Hexagon HTP v73",
-        source=f"arch/SoC: QNN HTP backend's supported-SoC table (SM8550 = V73); soc_id: {_SOC_NOTE}; "
-               f"limit: {_LIMIT_SOURCE}"),
-    TargetProfile(
-        name="htp-v68", backend="htp", htp_arch=68, soc_model="SM8350", soc_id=30, soc_id_note=_SOC_NOTE,
-        max_context_bytes=2048 * MIB, supports_16bit_ops=False, supports_int4_weights=False,
-        host_only=("embedding_lookup",),
-        description="Snapdragon 888 (SM8350), Hexagon HTP v68 — 8-bit activations only in hycoc",
-        source=f"arch/SoC: QNN HTP backend's supported-SoC table (SM8350 = V68); soc_id: {_SOC_NOTE}; "
-               f"limit: {_LIMIT_SOURCE}; no 16-bit activations / int4 weights: FIELD-NOTES (older archs reject "
-               "16-bit ops), hycoc's policy"),
-    TargetProfile(
-        name="cpu", backend="cpu", supports_16bit_ops=True,
-        description="onnxruntime CPU EP running the QDQ ONNX graphs",
-        source="onnxruntime CPU EP: runs any QDQ ONNX graph; no context limit"),
-)}
+PROFILES: dict[str, TargetProfile] = {
+    p.name: p
+    for p in (
+        TargetProfile(
+            name="htp-v81",
+            backend="htp",
+            htp_arch=81,
+            soc_model="SM8850",
+            soc_id=87,
+            soc_id_note=_SOC_NOTE,
+            max_context_bytes=3584 * MIB,
+            supports_16bit_ops=True,
+            host_only=("embedding_lookup",),
+            description="Snapdragon 8 Elite Gen 5 (SM8850), Hexagon HTP v81 — the paper's phone",
+            source=f"arch/SoC: paper (Galaxy S26 Ultra, SM8850); soc_id: {_SOC_NOTE}; limit: {_LIMIT_SOURCE}",
+        ),
+        TargetProfile(
+            name="htp-v79",
+            backend="htp",
+            htp_arch=79,
+            soc_model="SM8750",
+            soc_id=69,
+            soc_id_note=_SOC_NOTE,
+            max_context_bytes=3584 * MIB,
+            host_only=("embedding_lookup",),
+            description="Snapdragon 8 Elite (SM8750), Hexagon HTP v79",
+            source=f"arch/SoC: QNN HTP backend's supported-SoC table (SM8750 = V79); soc_id: {_SOC_NOTE}; "
+            f"limit: {_LIMIT_SOURCE}",
+        ),
+        TargetProfile(
+            name="htp-v75",
+            backend="htp",
+            htp_arch=75,
+            soc_model="SM8650",
+            soc_id=57,
+            soc_id_note=_SOC_NOTE,
+            max_context_bytes=3584 * MIB,
+            host_only=("embedding_lookup",),
+            description="Snapdragon 8 Gen 3 (SM8650), Hexagon HTP v75",
+            source=f"arch/SoC: QNN HTP backend's supported-SoC table (SM8650 = V75); soc_id: {_SOC_NOTE}; "
+            f"limit: {_LIMIT_SOURCE}",
+        ),
+        TargetProfile(
+            name="htp-v73",
+            backend="htp",
+            htp_arch=73,
+            soc_model="SM8550",
+            soc_id=43,
+            soc_id_note=_SOC_NOTE,
+            max_context_bytes=3584 * MIB,
+            host_only=("embedding_lookup",),
+            description="Snapdragon 8 Gen 2 (SM8550), Hexagon HTP v73",
+            source=f"arch/SoC: QNN HTP backend's supported-SoC table (SM8550 = V73); soc_id: {_SOC_NOTE}; "
+            f"limit: {_LIMIT_SOURCE}",
+        ),
+        TargetProfile(
+            name="htp-v68",
+            backend="htp",
+            htp_arch=68,
+            soc_model="SM8350",
+            soc_id=30,
+            soc_id_note=_SOC_NOTE,
+            max_context_bytes=2048 * MIB,
+            supports_16bit_ops=False,
+            supports_int4_weights=False,
+            host_only=("embedding_lookup",),
+            description="Snapdragon 888 (SM8350), Hexagon HTP v68 — 8-bit activations only in hycoc",
+            source=f"arch/SoC: QNN HTP backend's supported-SoC table (SM8350 = V68); soc_id: {_SOC_NOTE}; "
+            f"limit: {_LIMIT_SOURCE}; no 16-bit activations / int4 weights: FIELD-NOTES (older archs reject "
+            "16-bit ops), hycoc's policy",
+        ),
+        TargetProfile(
+            name="cpu",
+            backend="cpu",
+            supports_16bit_ops=True,
+            description="onnxruntime CPU EP running the QDQ ONNX graphs",
+            source="onnxruntime CPU EP: runs any QDQ ONNX graph; no context limit",
+        ),
+    )
+}
 
 #: The HTP profile names, newest arch first (``hycoc build --target``).
-HTP_TARGETS: tuple[str, ...] = tuple(n for n, p in sorted(PROFILES.items(), key=lambda kv: -(kv[1].htp_arch or 0))
-                                     if p.backend == "htp")
+HTP_TARGETS: tuple[str, ...] = tuple(
+    n for n, p in sorted(PROFILES.items(), key=lambda kv: -(kv[1].htp_arch or 0)) if p.backend == "htp"
+)
 
 
 @dataclass(frozen=True)
@@ -166,48 +216,97 @@ class DeviceEntry:
         base = next(p for p in PROFILES.values() if p.backend == "htp" and p.htp_arch == self.htp_arch)
         if (base.soc_model or "").upper() == self.soc_model.upper():
             return base
-        return replace(base, soc_model=self.soc_model, soc_id=self.soc_id,
-                       description=f"{self.name} ({self.soc_model}), Hexagon HTP v{self.htp_arch}",
-                       source=f"{self.source}; other values as {base.name}: {base.source}")
+        return replace(
+            base,
+            soc_model=self.soc_model,
+            soc_id=self.soc_id,
+            description=f"{self.name} ({self.soc_model}), Hexagon HTP v{self.htp_arch}",
+            source=f"{self.source}; other values as {base.name}: {base.source}",
+        )
 
 
-_QNN_SOCS = ("QNN HTP backend's supported-SoC table (SoC -> V arch), ExecuTorch qc_schema.py QcomChipset (SoC id); "
-             "checked here: the QNN 2.51 compile writes soc_type={soc};arch={arch} into the binary")
-_SAMSUNG = ("Samsung Newsroom, {phones} launch announcement: {chip} Mobile Platform for Galaxy; the OnePlus and "
-            "Xiaomi phones: their makers' specification pages")
+_QNN_SOCS = (
+    "QNN HTP backend's supported-SoC table (SoC -> V arch), ExecuTorch qc_schema.py QcomChipset (SoC id); "
+    "checked here: the QNN 2.51 compile writes soc_type={soc};arch={arch} into the binary"
+)
+_SAMSUNG = (
+    "Samsung Newsroom, {phones} launch announcement: {chip} Mobile Platform for Galaxy; the OnePlus and "
+    "Xiaomi phones: their makers' specification pages"
+)
 
 DEVICES: tuple[DeviceEntry, ...] = (
-    DeviceEntry("Snapdragon 8 Elite Gen 5", "SM8850", 81, 87,
-                ("8 Elite Gen 5", "SM8850", "Galaxy S26 Ultra"),
-                _QNN_SOCS.format(soc="SM8850", arch=81) + "; Galaxy S26 Ultra: the paper's phone (§4)",
-                note="Galaxy S26 / S26+ ship with Exynos 2600 in some regions (no Hexagon NPU): check the chip"),
-    DeviceEntry("Snapdragon 8 Elite", "SM8750", 79, 69,
-                ("8 Elite", "SM8750", "Galaxy S25", "Galaxy S25+", "Galaxy S25 Ultra", "Galaxy S25 Edge",
-                 "OnePlus 13", "Xiaomi 15"),
-                _QNN_SOCS.format(soc="SM8750", arch=79) + "; " + _SAMSUNG.format(phones="Galaxy S25 series (Jan 2025)",
-                                                                               chip="Snapdragon 8 Elite")),
-    DeviceEntry("Snapdragon 8 Gen 3", "SM8650", 75, 57,
-                ("8 Gen 3", "SM8650", "Galaxy S24 Ultra", "Galaxy S24", "Galaxy S24+", "OnePlus 12", "Xiaomi 14"),
-                _QNN_SOCS.format(soc="SM8650", arch=75) + "; " + _SAMSUNG.format(phones="Galaxy S24 series (Jan 2024)",
-                                                                               chip="Snapdragon 8 Gen 3"),
-                note="Galaxy S24 / S24+ have Snapdragon 8 Gen 3 only in the US, Canada, China and Japan (Exynos 2400 "
-                     "elsewhere, no Hexagon NPU); the S24 Ultra has it everywhere"),
-    DeviceEntry("Snapdragon 8 Gen 2", "SM8550", 73, 43,
-                ("8 Gen 2", "SM8550", "Galaxy S23", "Galaxy S23+", "Galaxy S23 Ultra", "OnePlus 11", "Xiaomi 13"),
-                _QNN_SOCS.format(soc="SM8550", arch=73) + "; " + _SAMSUNG.format(phones="Galaxy S23 series (Feb 2023)",
-                                                                               chip="Snapdragon 8 Gen 2")),
-    DeviceEntry("Snapdragon X Elite", "SC8380XP", 73, 60,
-                ("X Elite", "SC8380XP", "X1E", "X1E80100", "X1E78100"),
-                "QNN HTP backend's supported-SoC table (SC8380XP = V73, soc_model 60; Olive's QNN pass example "
-                "'dsp_arch:v73;soc_model:60'); checked here: the QNN 2.51 compile writes soc_type=SC8380XP;arch=73; "
-                "the Linux kernel names the part X1E80100 (ex-SC8380XP)",
-                note="Windows on Snapdragon laptops (Copilot+ PCs): the one device where Python reaches the NPU "
-                     "(docs/windows-on-snapdragon.md). The X Plus is not listed: its 8-core X1P-42 is another die "
-                     "(Linux: x1p42100) whose QNN SoC id was not checked here"),
-    DeviceEntry("Snapdragon 888", "SM8350", 68, 30,
-                ("888", "SM8350"),
-                _QNN_SOCS.format(soc="SM8350", arch=68),
-                note="hycoc compiles 8-bit activations only for v68: the toy and Gemma recipes (16-bit) are refused"),
+    DeviceEntry(
+        "Snapdragon 8 Elite Gen 5",
+        "SM8850",
+        81,
+        87,
+        ("8 Elite Gen 5", "SM8850", "Galaxy S26 Ultra"),
+        _QNN_SOCS.format(soc="SM8850", arch=81) + "; Galaxy S26 Ultra: the paper's phone (§4)",
+        note="Galaxy S26 / S26+ ship with Exynos 2600 in some regions (no Hexagon NPU): check the chip",
+    ),
+    DeviceEntry(
+        "Snapdragon 8 Elite",
+        "SM8750",
+        79,
+        69,
+        (
+            "8 Elite",
+            "SM8750",
+            "Galaxy S25",
+            "Galaxy S25+",
+            "Galaxy S25 Ultra",
+            "Galaxy S25 Edge",
+            "OnePlus 13",
+            "Xiaomi 15",
+        ),
+        _QNN_SOCS.format(soc="SM8750", arch=79)
+        + "; "
+        + _SAMSUNG.format(phones="Galaxy S25 series (Jan 2025)", chip="Snapdragon 8 Elite"),
+    ),
+    DeviceEntry(
+        "Snapdragon 8 Gen 3",
+        "SM8650",
+        75,
+        57,
+        ("8 Gen 3", "SM8650", "Galaxy S24 Ultra", "Galaxy S24", "Galaxy S24+", "OnePlus 12", "Xiaomi 14"),
+        _QNN_SOCS.format(soc="SM8650", arch=75)
+        + "; "
+        + _SAMSUNG.format(phones="Galaxy S24 series (Jan 2024)", chip="Snapdragon 8 Gen 3"),
+        note="Galaxy S24 / S24+ have Snapdragon 8 Gen 3 only in the US, Canada, China and Japan (Exynos 2400 "
+        "elsewhere, no Hexagon NPU); the S24 Ultra has it everywhere",
+    ),
+    DeviceEntry(
+        "Snapdragon 8 Gen 2",
+        "SM8550",
+        73,
+        43,
+        ("8 Gen 2", "SM8550", "Galaxy S23", "Galaxy S23+", "Galaxy S23 Ultra", "OnePlus 11", "Xiaomi 13"),
+        _QNN_SOCS.format(soc="SM8550", arch=73)
+        + "; "
+        + _SAMSUNG.format(phones="Galaxy S23 series (Feb 2023)", chip="Snapdragon 8 Gen 2"),
+    ),
+    DeviceEntry(
+        "Snapdragon X Elite",
+        "SC8380XP",
+        73,
+        60,
+        ("X Elite", "SC8380XP", "X1E", "X1E80100", "X1E78100"),
+        "QNN HTP backend's supported-SoC table (SC8380XP = V73, soc_model 60; Olive's QNN pass example "
+        "'dsp_arch:v73;soc_model:60'); checked here: the QNN 2.51 compile writes soc_type=SC8380XP;arch=73; "
+        "the Linux kernel names the part X1E80100 (ex-SC8380XP)",
+        note="Windows on Snapdragon laptops (Copilot+ PCs): the one device where Python reaches the NPU "
+        "(docs/windows-on-snapdragon.md). The X Plus is not listed: its 8-core X1P-42 is another die "
+        "(Linux: x1p42100) whose QNN SoC id was not checked here",
+    ),
+    DeviceEntry(
+        "Snapdragon 888",
+        "SM8350",
+        68,
+        30,
+        ("888", "SM8350"),
+        _QNN_SOCS.format(soc="SM8350", arch=68),
+        note="hycoc compiles 8-bit activations only for v68: the toy and Gemma recipes (16-bit) are refused",
+    ),
 )
 
 
@@ -241,7 +340,8 @@ def device_for_soc(soc_model: str) -> DeviceEntry | None:
     counts), None when none is."""
     want = fold_name(soc_model)
     return next((d for d in DEVICES if want == fold_name(d.soc_model)), None) or next(
-        (d for d in DEVICES if any(want == fold_name(a) and any(c.isdigit() for c in a) for a in d.aliases)), None)
+        (d for d in DEVICES if any(want == fold_name(a) and any(c.isdigit() for c in a) for a in d.aliases)), None
+    )
 
 
 def get_profile(name: str) -> TargetProfile:
@@ -268,6 +368,7 @@ def profile_for(htp_arch: int, soc_model: str, context_size_limit_mb: int | None
     if found is None:
         pairs = {f"v{p.htp_arch}/{p.soc_model}" for p in PROFILES.values() if p.backend == "htp"}
         pairs |= {f"v{d.htp_arch}/{d.soc_model}" for d in DEVICES}
-        raise UnknownTargetError(f"no HTP profile for htp_arch={htp_arch} soc_model={soc_model!r} "
-                                 f"(known: {', '.join(sorted(pairs))})")
+        raise UnknownTargetError(
+            f"no HTP profile for htp_arch={htp_arch} soc_model={soc_model!r} (known: {', '.join(sorted(pairs))})"
+        )
     return found if context_size_limit_mb is None else found.with_limit(context_size_limit_mb * 1000 * 1000)

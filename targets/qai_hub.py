@@ -72,13 +72,19 @@ class QaiHubDeviceError(ValueError):
 
 def setup_message(missing: str) -> str:
     """The one message for a missing package or token (``missing`` says which)."""
-    return (f"target qai-hub: {missing}. Set it up with `{SETUP_STEPS[0]}` and `{SETUP_STEPS[1]}` (the token is "
-            f"on https://app.aihub.qualcomm.com under Account -> Settings -> API Token), or build with "
-            f"--target htp-v81")
+    return (
+        f"target qai-hub: {missing}. Set it up with `{SETUP_STEPS[0]}` and `{SETUP_STEPS[1]}` (the token is "
+        f"on https://app.aihub.qualcomm.com under Account -> Settings -> API Token), or build with "
+        f"--target htp-v81"
+    )
 
 
-def check_setup(*, import_module: Callable[[str], Any] = importlib.import_module,
-                environ: Mapping[str, str] | None = None, home: str | Path | None = None) -> Any:
+def check_setup(
+    *,
+    import_module: Callable[[str], Any] = importlib.import_module,
+    environ: Mapping[str, str] | None = None,
+    home: str | Path | None = None,
+) -> Any:
     """What the jobs are submitted through, once qai-hub is importable and a token is configured: with
     ``QAI_HUB_API_TOKEN`` set, a ``qai_hub.Client(config=qai_hub.ClientConfig(api_token=...))`` (the 0.56 client
     itself reads no token from the environment, only an ini file); else the ``qai_hub`` module, whose default client
@@ -92,8 +98,9 @@ def check_setup(*, import_module: Callable[[str], Any] = importlib.import_module
     token = environ.get("QAI_HUB_API_TOKEN")
     if token:
         return hub.Client(config=hub.ClientConfig(api_token=token))
-    config = Path(environ.get("QAIHUB_CLIENT_INI") or
-                  Path(home if home is not None else Path.home()) / ".qai_hub" / "client.ini")
+    config = Path(
+        environ.get("QAIHUB_CLIENT_INI") or Path(home if home is not None else Path.home()) / ".qai_hub" / "client.ini"
+    )
     if not config.is_file():
         raise QaiHubSetupError(setup_message(f"no API token is configured (no {config}, no QAI_HUB_API_TOKEN)"))
     return hub
@@ -139,8 +146,10 @@ def _offline(e: Exception) -> bool:
     "... is unavailable right now"), a requests connection/timeout error, an OSError."""
     import requests
 
-    return (isinstance(e, (OSError, requests.exceptions.ConnectionError, requests.exceptions.Timeout))
-            or type(e).__name__ == "InternalError")
+    return (
+        isinstance(e, (OSError, requests.exceptions.ConnectionError, requests.exceptions.Timeout))
+        or type(e).__name__ == "InternalError"
+    )
 
 
 def resolve_device(hub: Any, name: str, htp_arch: int | None = None) -> HubDevice:
@@ -161,12 +170,15 @@ def resolve_device(hub: Any, name: str, htp_arch: int | None = None) -> HubDevic
                 raise
             names = []
         hint = f"; AI Hub lists: {', '.join(names[:12])}{' ...' if len(names) > 12 else ''}" if names else ""
-        raise QaiHubDeviceError(f"target.hub_device = {name!r} is not an AI Hub device{hint} (`qai-hub list-devices`"
-                                f" shows them all)")
+        raise QaiHubDeviceError(
+            f"target.hub_device = {name!r} is not an AI Hub device{hint} (`qai-hub list-devices` shows them all)"
+        )
     dev = HubDevice(found[0].name, tuple(found[0].attributes), validated=True)
     if htp_arch is not None and dev.hexagon_arch is not None and dev.hexagon_arch != htp_arch:
-        raise QaiHubDeviceError(f"target.hub_device = {name!r} has Hexagon v{dev.hexagon_arch}, the recipe's "
-                                f"target.htp_arch is {htp_arch}: pick a v{htp_arch} phone or change htp_arch")
+        raise QaiHubDeviceError(
+            f"target.hub_device = {name!r} has Hexagon v{dev.hexagon_arch}, the recipe's "
+            f"target.htp_arch is {htp_arch}: pick a v{htp_arch} phone or change htp_arch"
+        )
     return dev
 
 
@@ -216,9 +228,12 @@ def compile_dlc(hub: Any, qdq_model: str | os.PathLike, device: HubDevice, *, gr
     """Submit one compile job (module docstring, step 2) and wait; returns ``(job, dlc_model)``. Raises
     QaiHubJobError."""
     qdq_model = Path(qdq_model)
-    job = hub.submit_compile_job(model=str(upload_folder(qdq_model, staging)), device=hub_device(device.name),
-                                 name=f"hycoc-{graph}",
-                                 options=compile_options(graph, quantize_io=_quantized_io(qdq_model)))
+    job = hub.submit_compile_job(
+        model=str(upload_folder(qdq_model, staging)),
+        device=hub_device(device.name),
+        name=f"hycoc-{graph}",
+        options=compile_options(graph, quantize_io=_quantized_io(qdq_model)),
+    )
     return job, _finished_model(job, f"compile (graph {graph!r})")
 
 
@@ -241,9 +256,14 @@ class HubLinked:
 
     def manifest_info(self) -> dict:
         """The manifest's ``target.hub`` section (`hycoc.bundle.HubInfo` fields)."""
-        return {"device": self.device.name, "device_validated": self.device.validated,
-                "compile_jobs": dict(self.compile_jobs), "link_job": self.link_job, "qairt": self.qairt,
-                "graph_names": dict(self.graph_names)}
+        return {
+            "device": self.device.name,
+            "device_validated": self.device.validated,
+            "compile_jobs": dict(self.compile_jobs),
+            "link_job": self.link_job,
+            "qairt": self.qairt,
+            "graph_names": dict(self.graph_names),
+        }
 
 
 def _metadata(model: Any, key: str) -> str | None:
@@ -256,9 +276,16 @@ def _metadata(model: Any, key: str) -> str | None:
         return None
 
 
-def compile_and_link(hub: Any, graphs: Sequence[tuple[str | os.PathLike, str]], out_dir: str | os.PathLike,
-                     device: HubDevice, *, htp_arch: int | None = None, binary_name: str = "hub_context.bin",
-                     on_job: Callable[[str, str], None] | None = None) -> HubLinked:
+def compile_and_link(
+    hub: Any,
+    graphs: Sequence[tuple[str | os.PathLike, str]],
+    out_dir: str | os.PathLike,
+    device: HubDevice,
+    *,
+    htp_arch: int | None = None,
+    binary_name: str = "hub_context.bin",
+    on_job: Callable[[str, str], None] | None = None,
+) -> HubLinked:
     """Compile each ``(qdq_model, graph)`` to a DLC, link them all into ``out_dir/binary_name`` and write
     ``out_dir/GRAPH_ctx.onnx`` per graph (module docstring). ``on_job(kind, job_id)`` is told of each job as it is
     submitted. Raises QaiHubJobError when a job fails, or the linked binary lacks a graph or has another arch."""
@@ -282,19 +309,23 @@ def compile_and_link(hub: Any, graphs: Sequence[tuple[str | os.PathLike, str]], 
         have = set(re.split(r"[,\s]+", listed.strip()))
         missing = [n for n in names.values() if n not in have]
         if missing:
-            raise QaiHubJobError(f"AI Hub link job {link.job_id}: the context binary has graphs {sorted(have)}, "
-                                 f"not {missing}")
+            raise QaiHubJobError(
+                f"AI Hub link job {link.job_id}: the context binary has graphs {sorted(have)}, not {missing}"
+            )
     arch = _metadata(linked, "QNN_CONTEXT_BIN_HEXAGON_VERSION")
     arch_n = int(re.sub(r"\D", "", arch)) if arch and re.search(r"\d", arch) else None
     if htp_arch is not None and arch_n is not None and arch_n != htp_arch:
-        raise QaiHubJobError(f"AI Hub link job {link.job_id}: the context binary is for Hexagon v{arch_n}, the "
-                             f"recipe asks for v{htp_arch}")
+        raise QaiHubJobError(
+            f"AI Hub link job {link.job_id}: the context binary is for Hexagon v{arch_n}, the "
+            f"recipe asks for v{htp_arch}"
+        )
     binary = Path(linked.download(str(out / binary_name)))
     if binary.name != binary_name:
         binary = binary.rename(out / binary_name)
     qairt = _metadata(linked, "QAIRT_SDK_VERSION")
-    ctx = {g: write_epcontext(Path(p), out / f"{g}_ctx.onnx", binary.name, names[g], sdk_version=qairt)
-           for p, g in graphs}
+    ctx = {
+        g: write_epcontext(Path(p), out / f"{g}_ctx.onnx", binary.name, names[g], sdk_version=qairt) for p, g in graphs
+    }
     shutil.rmtree(staging, ignore_errors=True)
     return HubLinked(ctx, binary, device, compile_jobs, str(link.job_id), qairt, arch_n, names)
 
@@ -302,8 +333,14 @@ def compile_and_link(hub: Any, graphs: Sequence[tuple[str | os.PathLike, str]], 
 # ---- EPContext models --------------------------------------------------------------------------------------------
 
 
-def write_epcontext(qdq_model: str | os.PathLike, out_path: str | os.PathLike, context_binary: str,
-                    partition_name: str, *, sdk_version: str | None = None) -> Path:
+def write_epcontext(
+    qdq_model: str | os.PathLike,
+    out_path: str | os.PathLike,
+    context_binary: str,
+    partition_name: str,
+    *,
+    sdk_version: str | None = None,
+) -> Path:
     """An EPContext ONNX model at ``out_path`` for graph ``partition_name`` of ``context_binary`` (a file name beside
     it), with ``qdq_model``'s graph inputs and outputs (names, dtypes, shapes, order), written atomically.
 
@@ -316,14 +353,29 @@ def write_epcontext(qdq_model: str | os.PathLike, out_path: str | os.PathLike, c
     src = onnx.load(str(qdq_model), load_external_data=False)
     inits = {t.name for t in src.graph.initializer}
     inputs = [v for v in src.graph.input if v.name not in inits]
-    attrs = dict(main_context=1, ep_cache_context=context_binary, embed_mode=0, source="QNNExecutionProvider",
-                 partition_name=partition_name, max_size=0, is_multi_soc_ep_context=0)
+    attrs = dict(
+        main_context=1,
+        ep_cache_context=context_binary,
+        embed_mode=0,
+        source="QNNExecutionProvider",
+        partition_name=partition_name,
+        max_size=0,
+        is_multi_soc_ep_context=0,
+    )
     if sdk_version:
         attrs["ep_sdk_version"] = sdk_version
-    node = helper.make_node("EPContext", [v.name for v in inputs], [v.name for v in src.graph.output],
-                            name=partition_name, domain="com.microsoft", **attrs)
+    node = helper.make_node(
+        "EPContext",
+        [v.name for v in inputs],
+        [v.name for v in src.graph.output],
+        name=partition_name,
+        domain="com.microsoft",
+        **attrs,
+    )
     graph = helper.make_graph([node], partition_name, list(inputs), list(src.graph.output))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
     model.ir_version = 10
     out_path = Path(out_path)
     tmp = out_path.with_name(out_path.name + ".tmp")

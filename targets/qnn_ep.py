@@ -66,7 +66,8 @@ def ensure_registered() -> list:
         import onnxruntime_qnn as qnn
     except ImportError as e:
         raise QnnUnavailableError(
-            f"onnxruntime-qnn is not installed ({e}); install it with: pip install -e '.[qnn]'") from None
+            f"onnxruntime-qnn is not installed ({e}); install it with: pip install -e '.[qnn]'"
+        ) from None
     with _lock:
         if not _registered:
             if not any(d.ep_name == EP_NAME for d in ort.get_ep_devices()):
@@ -74,7 +75,8 @@ def ensure_registered() -> list:
                     ort.register_execution_provider_library(EP_NAME, qnn.get_library_path())
                 except Exception as e:  # noqa: BLE001 - onnxruntime raises its own types
                     raise QnnUnavailableError(
-                        f"the QNN EP library {qnn.get_library_path()} did not load: {e}") from None
+                        f"the QNN EP library {qnn.get_library_path()} did not load: {e}"
+                    ) from None
             _registered = True
     devices = [d for d in ort.get_ep_devices() if d.ep_name == EP_NAME]
     if not devices:
@@ -87,11 +89,13 @@ def versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {"onnxruntime": None, "onnxruntime-qnn": None, "qnn_sdk": None}
     try:
         import onnxruntime as ort
+
         out["onnxruntime"] = ort.__version__
     except ImportError:
         pass
     try:
         import onnxruntime_qnn as qnn
+
         out["onnxruntime-qnn"] = qnn.__version__
         out["qnn_sdk"] = getattr(qnn.build_and_package_info, "qnn_version", None)
     except ImportError:
@@ -101,12 +105,21 @@ def versions() -> dict[str, str | None]:
 
 def devices() -> list[dict]:
     """The QNN EP devices onnxruntime lists, as plain dicts (type, vendor, EP metadata)."""
-    return [{"ep_name": d.ep_name, "ep_vendor": d.ep_vendor, "device_type": str(d.device.type).split(".")[-1],
-             "device_vendor": d.device.vendor, "ep_metadata": dict(d.ep_metadata)} for d in ensure_registered()]
+    return [
+        {
+            "ep_name": d.ep_name,
+            "ep_vendor": d.ep_vendor,
+            "device_type": str(d.device.type).split(".")[-1],
+            "device_vendor": d.device.vendor,
+            "ep_metadata": dict(d.ep_metadata),
+        }
+        for d in ensure_registered()
+    ]
 
 
-def session_options(provider_options: dict[str, str], config: dict[str, str] | None = None,
-                    log_severity: int | None = None):
+def session_options(
+    provider_options: dict[str, str], config: dict[str, str] | None = None, log_severity: int | None = None
+):
     """An ``onnxruntime.SessionOptions`` with the QNN EP added for its devices, plus session config entries."""
     import onnxruntime as ort
 
@@ -144,7 +157,8 @@ def htp_shared_memory_info():
         "the QNN EP here has no HTP shared-memory allocator (no host-accessible memory: libcdsprpc.so, the FastRPC "
         "library of a Snapdragon device, is not on this platform; the x86 HTP simulator has none). Run without "
         "htp_shared_memory (the graphs then read the host's buffers through a copy), or on a Snapdragon Android/"
-        "Windows device whose libcdsprpc.so (.dll) the QNN EP can load")
+        "Windows device whose libcdsprpc.so (.dll) the QNN EP can load"
+    )
 
 
 @dataclass(frozen=True)
@@ -188,12 +202,19 @@ def run_worker(job: dict, timeout_s: float = 3600) -> tuple[dict, str]:
         job_path, res_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
         env = dict(os.environ)
-        proc = subprocess.run([sys.executable, "-m", "hycoc.targets._qnn_worker", str(job_path), str(res_path)],
-                              capture_output=True, text=True, timeout=timeout_s, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-m", "hycoc.targets._qnn_worker", str(job_path), str(res_path)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+        )
         if res_path.exists():
             return json.loads(res_path.read_text()), proc.stderr
-        return ({"ok": False, "crashed": True,
-                 "error": f"QNN worker exited with code {proc.returncode} and no result"}, proc.stderr)
+        return (
+            {"ok": False, "crashed": True, "error": f"QNN worker exited with code {proc.returncode} and no result"},
+            proc.stderr,
+        )
 
 
 def probe_archs(archs: tuple[int, ...] = PROBE_ARCHS) -> dict[int, dict]:
@@ -213,9 +234,14 @@ def probe_archs(archs: tuple[int, ...] = PROBE_ARCHS) -> dict[int, dict]:
         r = (res.get("archs") or {}).get(str(a)) or {"ok": False, "error": res.get("error") or err[-500:]}
         tgt = r.get("target") or {}
         ok = bool(r.get("ok")) and tgt.get("arch") == a
-        out[a] = {"ok": ok, "soc_type": tgt.get("soc_type"), "compiled_arch": tgt.get("arch"),
-                  "memory_alloc_limit_mib": tgt.get("memory_alloc_limit_mib"), "seconds": r.get("seconds"),
-                  "error": r.get("error") if not ok else None}
+        out[a] = {
+            "ok": ok,
+            "soc_type": tgt.get("soc_type"),
+            "compiled_arch": tgt.get("arch"),
+            "memory_alloc_limit_mib": tgt.get("memory_alloc_limit_mib"),
+            "seconds": r.get("seconds"),
+            "error": r.get("error") if not ok else None,
+        }
     return out
 
 
@@ -229,8 +255,7 @@ def qnn_status(*, refresh: bool = False, probe: bool = True) -> dict:
     global _status_cache
     if _status_cache is not None and not refresh and (not probe or "archs" in _status_cache):
         return _status_cache
-    st: dict = {"installed": qnn_installed(), "loads": False, "error": None, "versions": versions(),
-                "devices": []}
+    st: dict = {"installed": qnn_installed(), "loads": False, "error": None, "versions": versions(), "devices": []}
     if not st["installed"]:
         st["error"] = "onnxruntime-qnn is not installed (pip install -e '.[qnn]')"
         _status_cache = st

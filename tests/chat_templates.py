@@ -25,8 +25,7 @@ _STRIP = (
 def _template(*, think: str, strip: bool, empty_channel: bool) -> str:
     model_text = "visible(m['content'])" if strip else "m['content'] | trim"
     return (
-        (_STRIP if strip else "")
-        + "{{- bos_token -}}"
+        (_STRIP if strip else "") + "{{- bos_token -}}"
         "{%- set on = enable_thinking is defined and enable_thinking -%}"
         "{%- set rest = messages -%}"
         "{%- if on or (messages and messages[0]['role'] == 'system') -%}"

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now (the OS's pick for port 0, `hycoc.ports.check_port`): tests never name a fixed
     port, so a verify-server on the README's 8765 (or another suite) cannot break them."""
@@ -35,7 +36,7 @@ def not_run_lines(skipped, deselected) -> list[str]:
     if skipped:
         groups = Counter()
         for rep in skipped:
-            if isinstance(rep, pytest.CollectReport):   # the module skipped at import: its marks unread
+            if isinstance(rep, pytest.CollectReport):  # the module skipped at import: its marks unread
                 label = "module"
             else:
                 label = ",".join(m for m in COST_MARKERS if m in rep.keywords) or "-"
@@ -44,8 +45,10 @@ def not_run_lines(skipped, deselected) -> list[str]:
         lines += [f"  {n:4d}  [{marks}] {reason}" for (marks, reason), n in groups.most_common()]
     if deselected:
         marks = Counter(m for item in deselected for m in COST_MARKERS if item.get_closest_marker(m) is not None)
-        lines.append(f"{len(deselected)} deselected: "
-                     + (", ".join(f"{marks[m]} {m}" for m in COST_MARKERS if marks[m]) or "by -k or -m"))
+        lines.append(
+            f"{len(deselected)} deselected: "
+            + (", ".join(f"{marks[m]} {m}" for m in COST_MARKERS if marks[m]) or "by -k or -m")
+        )
     return lines
 
 
@@ -64,10 +67,10 @@ def tiny_pipeline(tmp_path_factory):
     SimpleNamespace(recipe, path (recipe.toml), root, cache, first, second), first and second the two
     `PipelineResult`s (first: every pass ran; second: all cache hits). Built once, shared by tests/test_build.py
     and `tiny_bundle` (each full build of the tiny recipe costs ~30 s of the suite)."""
+    from hycoc.passes import build as b
     from rich.console import Console
     from test_build import write_tiny_recipe
 
-    from hycoc.passes import build as b
     from hycoc.recipe import load_recipe
 
     root = tmp_path_factory.mktemp("tiny_bundle")
@@ -82,9 +85,8 @@ def tiny_pipeline(tmp_path_factory):
 def tiny_bundle(tiny_pipeline):
     """SimpleNamespace(recipe, path (recipe.toml), root, bundle (cpu bundle folder), cache (pipeline cache)): the
     bundle written from `tiny_pipeline`'s cache (every pass a cache hit)."""
-    from rich.console import Console
-
     from hycoc.passes import build as b
+    from rich.console import Console
 
     p = tiny_pipeline
     b.build_bundle(p.recipe, "cpu", p.root / "bundle", p.cache, console=Console(file=io.StringIO()))

@@ -13,14 +13,27 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer
+from tokenizers import AddedToken, Tokenizer, pre_tokenizers
 from tokenizers import models as tok_models
-from tokenizers import pre_tokenizers
 
-PUBLIC_IDS = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>", 50: "<|tool_response>", 105: "<|turn>",
-              106: "<turn|>"}
-ASSUMED_IDS = {48: "<|tool_call>", 49: "<tool_call|>", 51: "<tool_response|>", 98: "<|think|>", 100: "<|channel>",
-               101: "<channel|>"}
+PUBLIC_IDS = {
+    0: "<pad>",
+    1: "<eos>",
+    2: "<bos>",
+    3: "<unk>",
+    4: "<mask>",
+    50: "<|tool_response>",
+    105: "<|turn>",
+    106: "<turn|>",
+}
+ASSUMED_IDS = {
+    48: "<|tool_call>",
+    49: "<tool_call|>",
+    51: "<tool_response|>",
+    98: "<|think|>",
+    100: "<|channel>",
+    101: "<channel|>",
+}
 STOP_IDS = [1, 106, 50]
 N_SPECIAL = 107
 ROLE_WORDS = ["user", "model", "system", "thought"]
@@ -64,20 +77,26 @@ def gemma4_tokenizer(vocab_size: int = 300) -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
     named = set(PUBLIC_IDS.values()) | set(ASSUMED_IDS.values())
     tok.add_special_tokens([t for t in specials if t in named])
-    tok.add_tokens([AddedToken(t, special=False) for t in specials if t not in named])   # reserved, not special
+    tok.add_tokens([AddedToken(t, special=False) for t in specials if t not in named])  # reserved, not special
     return tok
 
 
-def write_tokenizer_folder(folder: str | Path, vocab_size: int = 300, *, template_as: str = "jinja",
-                           stop_ids=None) -> Path:
+def write_tokenizer_folder(
+    folder: str | Path, vocab_size: int = 300, *, template_as: str = "jinja", stop_ids=None
+) -> Path:
     """Write the fixture into ``folder``: tokenizer.json, tokenizer_config.json, the template (``template_as``
     "jinja": chat_template.jinja; "config": tokenizer_config.json "chat_template"; None: no template) and
     generation_config.json (``stop_ids``, default `STOP_IDS`; False: none). Returns the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     gemma4_tokenizer(vocab_size).save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
-              "unk_token": "<unk>"}
+    config = {
+        "tokenizer_class": "GemmaTokenizer",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+    }
     if template_as == "config":
         config["chat_template"] = TEMPLATE
     elif template_as == "jinja":

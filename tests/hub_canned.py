@@ -18,15 +18,36 @@ import qai_hub.public_rest_api as rest
 from qai_hub.client import Client, ClientConfig
 
 #: The REST functions the flow reaches (each replaced, signature checked against the real one).
-REST_FUNCTIONS = ("get_device_list", "create_and_upload_model", "create_compile_job", "create_link_job",
-                  "create_inference_job", "get_job", "get_model", "download_model", "create_and_upload_dataset",
-                  "get_job_results")
+REST_FUNCTIONS = (
+    "get_device_list",
+    "create_and_upload_model",
+    "create_compile_job",
+    "create_link_job",
+    "create_inference_job",
+    "get_job",
+    "get_model",
+    "download_model",
+    "create_and_upload_dataset",
+    "get_job_results",
+)
 
-S26 = pb.Device(name="Samsung Galaxy S26 (Family)", os="16",
-                attributes=["chipset:qualcomm-snapdragon-8-elite-gen5", "hexagon:v81", "framework:qnn",
-                            "framework:onnx", "os:android", "format:phone"])
-S25 = pb.Device(name="Samsung Galaxy S25 (Family)", os="15",
-                attributes=["chipset:qualcomm-snapdragon-8-elite", "hexagon:v79", "framework:qnn", "os:android"])
+S26 = pb.Device(
+    name="Samsung Galaxy S26 (Family)",
+    os="16",
+    attributes=[
+        "chipset:qualcomm-snapdragon-8-elite-gen5",
+        "hexagon:v81",
+        "framework:qnn",
+        "framework:onnx",
+        "os:android",
+        "format:phone",
+    ],
+)
+S25 = pb.Device(
+    name="Samsung Galaxy S25 (Family)",
+    os="15",
+    attributes=["chipset:qualcomm-snapdragon-8-elite", "hexagon:v79", "framework:qnn", "os:android"],
+)
 
 QAIRT = "2.41.0.251128"
 
@@ -39,15 +60,23 @@ class CannedHub:
     model downloads as. ``client``: a ``qai_hub.Client`` on a dummy config whose calls land here.
     """
 
-    def __init__(self, monkeypatch, *, fail: dict[str, str] | None = None, binary: bytes = b"QNNCTXBIN",
-                 devices=(S26, S25), profile_us=(5210, 5190, 5300, 5250, 6100), graph_names: str | None = None):
+    def __init__(
+        self,
+        monkeypatch,
+        *,
+        fail: dict[str, str] | None = None,
+        binary: bytes = b"QNNCTXBIN",
+        devices=(S26, S25),
+        profile_us=(5210, 5190, 5300, 5250, 6100),
+        graph_names: str | None = None,
+    ):
         self.fail = dict(fail or {})
         self.binary, self.devices, self.profile_us = binary, list(devices), list(profile_us)
         self.graph_names = graph_names
         self.calls: list[tuple[str, dict]] = []
         self.jobs: dict[str, pb.Job] = {}
         self.models: dict[str, pb.Model] = {}
-        self.uploads: dict[str, str] = {}         # model id -> uploaded path
+        self.uploads: dict[str, str] = {}  # model id -> uploaded path
         self.datasets: dict[str, str] = {}
         self._n = 0
         for name in REST_FUNCTIONS:
@@ -56,8 +85,11 @@ class CannedHub:
             # the fake takes what the real one takes (same parameter names), so a client call that fits one fits both
             assert list(inspect.signature(real).parameters) == list(inspect.signature(fake).parameters), name
             monkeypatch.setattr(rest, name, fake)
-        self.client = Client(config=ClientConfig(api_url="https://aihub.invalid", web_url="https://aihub.invalid",
-                                                 api_token="canned", verbose=False))
+        self.client = Client(
+            config=ClientConfig(
+                api_url="https://aihub.invalid", web_url="https://aihub.invalid", api_token="canned", verbose=False
+            )
+        )
 
     # ---- helpers ----
     def _id(self, prefix: str) -> str:
@@ -88,8 +120,18 @@ class CannedHub:
         self._log("get_device_list", name=name)
         return pb.DeviceList(devices=[d for d in self.devices if not name or d.name == name])
 
-    def create_and_upload_model(self, config, path, model_type, name=None, project_id=None, verbose=None,
-                                is_directory=False, use_acceleration=True, logger=None):
+    def create_and_upload_model(
+        self,
+        config,
+        path,
+        model_type,
+        name=None,
+        project_id=None,
+        verbose=None,
+        is_directory=False,
+        use_acceleration=True,
+        logger=None,
+    ):
         mid = self._id("m")
         self._log("create_and_upload_model", path=path, model_type=model_type, name=name, is_directory=is_directory)
         self.uploads[mid] = path
@@ -109,8 +151,13 @@ class CannedHub:
         return pb.CreateUpdateResponse(id=jid, status="OK")
 
     def create_compile_job(self, config, compile_job_pb, project_id=None):
-        self._log("create_compile_job", options=compile_job_pb.options, name=compile_job_pb.name,
-                  model=compile_job_pb.model.model_id, devices=[d.name for d in compile_job_pb.devices.devices])
+        self._log(
+            "create_compile_job",
+            options=compile_job_pb.options,
+            name=compile_job_pb.name,
+            model=compile_job_pb.model.model_id,
+            devices=[d.name for d in compile_job_pb.devices.devices],
+        )
         job = pb.CompileJob()
         job.CopyFrom(compile_job_pb)
         job.device.CopyFrom(compile_job_pb.devices.devices[0])
@@ -128,9 +175,14 @@ class CannedHub:
         return self._job("link", job, "link_job_id", "link_job", ids)
 
     def create_inference_job(self, config, inference_job_pb, project_id=None):
-        self._log("create_inference_job", options=inference_job_pb.options, model=inference_job_pb.model.model_id,
-                  profile=inference_job_pb.is_profiling_on, dataset=inference_job_pb.dataset.dataset_id,
-                  device=inference_job_pb.device.name)
+        self._log(
+            "create_inference_job",
+            options=inference_job_pb.options,
+            model=inference_job_pb.model.model_id,
+            profile=inference_job_pb.is_profiling_on,
+            dataset=inference_job_pb.dataset.dataset_id,
+            device=inference_job_pb.device.name,
+        )
         job = pb.InferenceJob()
         job.CopyFrom(inference_job_pb)
         return self._job("inference", job, "inference_job_id", "inference_job", [])
@@ -146,26 +198,41 @@ class CannedHub:
         Path(file_path).write_bytes(self.binary)
         return file_path
 
-    def create_and_upload_dataset(self, config, path, name, permanent=False, project_id=None, verbose=None,
-                                  use_acceleration=True, logger=None):
+    def create_and_upload_dataset(
+        self, config, path, name, permanent=False, project_id=None, verbose=None, use_acceleration=True, logger=None
+    ):
         did = self._id("d")
         import h5py
         from qai_hub.util.dataset_entries_converters import h5_to_dataset_entries
 
-        with h5py.File(path, "r") as f:      # the client's own h5 layout, read back by the client's own reader
+        with h5py.File(path, "r") as f:  # the client's own h5 layout, read back by the client's own reader
             self.datasets[did] = {k: [a.shape for a in v] for k, v in h5_to_dataset_entries(f).items()}
         self._log("create_and_upload_dataset", name=name)
         return pb.CreateUpdateResponse(id=did, status="OK")
 
     def get_job_results(self, config, job_id):
         self._log("get_job_results", job_id=job_id)
-        layers = [pb.LayerDetail(name=f"l{i}", layer_type_name=t, compute_unit=pb.COMPUTE_UNIT_NPU,
-                                 execution_time=us)
-                  for i, (t, us) in enumerate([("MatMul", 3000), ("Softmax", 900), ("MatMul", 700),
-                                               ("ElementWiseAdd", 300), ("TopK", 250), ("Gather", 50)])]
-        detail = pb.ProfileDetail(major_version=1, minor_version=2, execution_time=self.profile_us[0],
-                                  after_execution_peak_memory=48_000_000, layer_details=layers,
-                                  all_execution_times=self.profile_us)
+        layers = [
+            pb.LayerDetail(name=f"l{i}", layer_type_name=t, compute_unit=pb.COMPUTE_UNIT_NPU, execution_time=us)
+            for i, (t, us) in enumerate(
+                [
+                    ("MatMul", 3000),
+                    ("Softmax", 900),
+                    ("MatMul", 700),
+                    ("ElementWiseAdd", 300),
+                    ("TopK", 250),
+                    ("Gather", 50),
+                ]
+            )
+        ]
+        detail = pb.ProfileDetail(
+            major_version=1,
+            minor_version=2,
+            execution_time=self.profile_us[0],
+            after_execution_peak_memory=48_000_000,
+            layer_details=layers,
+            all_execution_times=self.profile_us,
+        )
         return pb.JobResult(inference_job_result=pb.InferenceJobResult(inference_job_id=job_id, detail=detail))
 
 
@@ -182,6 +249,7 @@ class RecordingClient:
             inspect.signature(getattr(Client, name)).bind(self._inner, *args, **kwargs)
             self.recorded.append((name, args, kwargs))
             return fn(*args, **kwargs)
+
         return call
 
     def __getattr__(self, name):

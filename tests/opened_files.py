@@ -54,9 +54,19 @@ def allowed_roots(*extra: str | Path) -> list[Path]:
     kernel's pseudo-files, the system's identity files (/etc, /usr/lib/os-release: read by platform probes of the
     libraries), and ``extra`` (for example a test's own tmp_path)."""
     repo = Path(__file__).resolve().parents[1]
-    roots = {repo, Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix), Path(tempfile.gettempdir()),
-             Path("/proc"), Path("/sys"), Path("/dev"), Path("/etc"), Path("/usr/lib/os-release"),
-             *(Path(x) for x in extra)}
+    roots = {
+        repo,
+        Path(sys.prefix),
+        Path(sys.base_prefix),
+        Path(sys.exec_prefix),
+        Path(tempfile.gettempdir()),
+        Path("/proc"),
+        Path("/sys"),
+        Path("/dev"),
+        Path("/etc"),
+        Path("/usr/lib/os-release"),
+        *(Path(x) for x in extra),
+    }
     return sorted(r.resolve() for r in roots)
 
 

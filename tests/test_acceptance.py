@@ -4,7 +4,6 @@ rewritten samples leading the device's walk (Alg. 1 line 8) to v*."""
 import numpy as np
 import pytest
 import torch
-
 from hycoc.verifier.acceptance import descend, select_exact, select_path
 from hycoc.verifier.tree import path_to
 
@@ -39,8 +38,9 @@ def test_deepest_ok_path_wins_over_a_shallower_hit():
 def test_equal_depth_prefers_more_hits_then_higher_product():
     # Three depth-2 paths: 1->4 (two hits), 2->5 (one hit, large product), 3->6 (no hits, largest product).
     tokens, parents = [0, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 0, 1, 2, 3]
-    probs = probs_from({0: {1: 0.1, 2: 0.2, 3: 0.7}, 1: {4: 0.1, 8: 0.9}, 2: {5: 0.9, 8: 0.1},
-                        3: {6: 0.95, 8: 0.05}}, 7)
+    probs = probs_from(
+        {0: {1: 0.1, 2: 0.2, 3: 0.7}, 1: {4: 0.1, 8: 0.9}, 2: {5: 0.9, 8: 0.1}, 3: {6: 0.95, 8: 0.05}}, 7
+    )
     samples = [1, 4, 8, 8, 9, 9, 9]
     v, path, _ = select_path(tokens, parents, samples, probs, epsilon=0.05)
     assert v == 4 and path.tolist() == [1, 4]

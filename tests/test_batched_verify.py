@@ -18,8 +18,6 @@ import threading
 import numpy as np
 import pytest
 import torch
-
-from hycoc.protocol.messages import DraftTree, OpenRequest, Sampling
 from hycoc.runtime.transport import VerifierClient
 from hycoc.verifier import SequenceError, VerifierEngine
 from hycoc.verifier.batch import BatchStats, batch_forward, verify_batch
@@ -27,22 +25,25 @@ from hycoc.verifier.engine import verify_tree
 from hycoc.verifier.server import ServerThread
 from tiny_models import VOCAB, tiny_head, tiny_verifier
 
+from hycoc.protocol.messages import DraftTree, OpenRequest, Sampling
+
 torch.set_num_threads(1)
 SCALES = (0.1, 0.1, 0.05, 0.05, 0.05, 0.05)
-LOGIT_ATOL = 1e-4     # float32 soft-capped logits (|x| <= 30); measured max |diff| ~1e-5
+LOGIT_ATOL = 1e-4  # float32 soft-capped logits (|x| <= 30); measured max |diff| ~1e-5
 KV_ATOL = 1e-5
 KEEP = np.arange(3, 250)
 
 
 @pytest.fixture(scope="module")
 def models():
-    model = tiny_verifier(sharpen=3.0)   # peaky p~: oracle trees get tokens accepted
+    model = tiny_verifier(sharpen=3.0)  # peaky p~: oracle trees get tokens accepted
     return model, tiny_head(model)
 
 
 def make_engine(models, **kw) -> VerifierEngine:
-    args = dict(head=models[1], keep_set=KEEP, head_window=6, handoff_scales=SCALES, eos_token_ids=set(),
-                max_context=128)
+    args = dict(
+        head=models[1], keep_set=KEEP, head_window=6, handoff_scales=SCALES, eos_token_ids=set(), max_context=128
+    )
     args.update(kw)
     return VerifierEngine(models[0], **args)
 
@@ -78,15 +79,22 @@ MODES = {
     "server-head": (dict(draft_place="server-head", acceptance="exact"), "oracle"),
 }
 #: (mode, prompt length, first step it joins, rounds): one-token prompt (t = 0), prompts past the window (8).
-PLAN = [("hyco", 1, 0, 5), ("hyco-exact", 17, 0, 3), ("specedge", 5, 1, 5), ("cloud-mtp", 11, 0, 4),
-        ("server-head", 23, 2, 3), ("hyco", 9, 3, 3)]
+PLAN = [
+    ("hyco", 1, 0, 5),
+    ("hyco-exact", 17, 0, 3),
+    ("specedge", 5, 1, 5),
+    ("cloud-mtp", 11, 0, 4),
+    ("server-head", 23, 2, 3),
+    ("hyco", 9, 3, 3),
+]
 
 
 def open_session(engine, i, mode, prompt_len, temperature):
     kwargs, _ = MODES[mode]
     sampling = Sampling(temperature, 64, 0.95)
-    session = engine.open(list(range(20 + 7 * i, 20 + 7 * i + prompt_len)), sampling, seed=100 + i,
-                          max_new_tokens=60, **kwargs)
+    session = engine.open(
+        list(range(20 + 7 * i, 20 + 7 * i + prompt_len)), sampling, seed=100 + i, max_new_tokens=60, **kwargs
+    )
     session.prefill()
     return session
 
@@ -107,8 +115,12 @@ def tree_for(model, mode, tokens):
 
 
 def assert_replies_match(got, want):
-    assert (got.seq, got.bonus, got.finished, got.finish_reason) == (want.seq, want.bonus, want.finished,
-                                                                     want.finish_reason)
+    assert (got.seq, got.bonus, got.finished, got.finish_reason) == (
+        want.seq,
+        want.bonus,
+        want.finished,
+        want.finish_reason,
+    )
     np.testing.assert_array_equal(got.samples, want.samples)
     np.testing.assert_array_equal(got.path_rows, want.path_rows)
     np.testing.assert_array_equal(got.chain, want.chain)
@@ -131,10 +143,14 @@ def test_a_ragged_batch_gives_each_session_the_logits_and_kv_it_gets_alone(model
     engine = make_engine(models)
     sessions = [open_session(engine, i, "hyco", n, 1.0) for i, n in enumerate((1, 5, 17))]
     trees = [oracle_tree(models[0], s.tokens) for s in sessions[:1]] + [
-        (np.array([sessions[1].root]), np.array([-1])), random_tree(sessions[2].tokens, rows=4)]
+        (np.array([sessions[1].root]), np.array([-1])),
+        random_tree(sessions[2].tokens, rows=4),
+    ]
     alone_caches = [copy.deepcopy(s.cache) for s in sessions]
-    alone = [verify_tree(engine.model, c, engine.tap, torch.as_tensor(tk), pa, s.t, engine.dtype)
-             for c, s, (tk, pa) in zip(alone_caches, sessions, trees)]
+    alone = [
+        verify_tree(engine.model, c, engine.tap, torch.as_tensor(tk), pa, s.t, engine.dtype)
+        for c, s, (tk, pa) in zip(alone_caches, sessions, trees)
+    ]
     caches = [copy.deepcopy(s.cache) for s in sessions]
     batched = batch_forward(engine, caches, [s.t for s in sessions], [t[0] for t in trees], [t[1] for t in trees])
     worst = 0.0
@@ -147,7 +163,7 @@ def test_a_ragged_batch_gives_each_session_the_logits_and_kv_it_gets_alone(model
             assert a.keys.shape == b.keys.shape
             torch.testing.assert_close(a.keys, b.keys, atol=KV_ATOL, rtol=0)
             torch.testing.assert_close(a.values, b.values, atol=KV_ATOL, rtol=0)
-    assert worst < LOGIT_ATOL   # BLAS may sum in another order (within float32 rounding); bit-exact passes too
+    assert worst < LOGIT_ATOL  # BLAS may sum in another order (within float32 rounding); bit-exact passes too
     print(f"max |logit diff| batched vs alone: {worst:.2e}")
     engine.close()
 
@@ -170,7 +186,7 @@ def test_every_session_commits_what_it_commits_alone(models, temperature):
                 break
             replies.append(s.verify(*tree_for(model, mode, s.tokens), seq))
         alone.append((s.output, replies))
-    assert sum(len(r.path_rows) for _, replies in alone for r in replies) >= 6   # paths are accepted: compaction runs
+    assert sum(len(r.path_rows) for _, replies in alone for r in replies) >= 6  # paths are accepted: compaction runs
 
     sessions, seqs, rows_seen = {}, {}, []
     order = np.random.default_rng(1)
@@ -179,7 +195,7 @@ def test_every_session_commits_what_it_commits_alone(models, temperature):
             if start == step:
                 sessions[i], seqs[i] = open_session(batch_engine, i, mode, n, temperature), 0
         for i in [i for i in sessions if seqs[i] >= PLAN[i][3] or sessions[i].finished]:
-            sessions.pop(i).close()     # leaves mid-run
+            sessions.pop(i).close()  # leaves mid-run
         active = [i for i in sessions]
         order.shuffle(active)
         if not active:
@@ -211,15 +227,19 @@ def test_a_bad_round_is_answered_alone_and_the_batch_goes_on(models):
     trees = [oracle_tree(model, s.tokens) for s in good]
     wrong_root = random_tree(bad_root.tokens)[0].copy()
     wrong_root[0] = (wrong_root[0] + 1) % VOCAB
-    batch = [(good[0], *trees[0], 0), (bad_seq, *random_tree(bad_seq.tokens), 3),
-             (bad_root, wrong_root, random_tree(bad_root.tokens)[1], 0), (good[1], *trees[1], 0)]
+    batch = [
+        (good[0], *trees[0], 0),
+        (bad_seq, *random_tree(bad_seq.tokens), 3),
+        (bad_root, wrong_root, random_tree(bad_root.tokens)[1], 0),
+        (good[1], *trees[1], 0),
+    ]
     stats = BatchStats()
     results = verify_batch(engine, batch, stats)
     assert isinstance(results[1], SequenceError) and results[2].code == "bad_root"
     assert (stats.sessions, stats.rows) == (2, len(trees[0][0]) + len(trees[1][0]))
     for got, ref, (tk, pa) in zip((results[0], results[3]), refs, trees):
         assert_replies_match(got, ref.verify(tk, pa, 0))
-    for s in (bad_seq, bad_root):       # unchanged: their next correct round equals a fresh session's
+    for s in (bad_seq, bad_root):  # unchanged: their next correct round equals a fresh session's
         assert (s.rounds, s.t, len(s.cache.layers[0].keys[0, 0])) == (0, 3, 3)
     retry = verify_batch(engine, [(good[0], *trees[0], 0)], stats := BatchStats())
     assert retry[0] is results[0] and stats.sessions == 0
@@ -231,8 +251,9 @@ def test_a_failed_forward_fails_its_rounds_and_restores_every_session(models, mo
     engine = make_engine(models)
     sessions = [open_session(engine, i, "hyco", 5 + i, 1.0) for i in range(3)]
     trees = [random_tree(s.tokens) for s in sessions]
-    before = [(s.t, s.generator.get_state().clone(), [layer.keys.clone() for layer in s.cache.layers])
-              for s in sessions]
+    before = [
+        (s.t, s.generator.get_state().clone(), [layer.keys.clone() for layer in s.cache.layers]) for s in sessions
+    ]
     real = engine.model.forward
     monkeypatch.setattr(engine.model, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     results = verify_batch(engine, [(s, *t, 0) for s, t in zip(sessions, trees)])
@@ -242,8 +263,9 @@ def test_a_failed_forward_fails_its_rounds_and_restores_every_session(models, mo
         assert s.t == t and s.rounds == 0 and torch.equal(s.generator.get_state(), state)
         for layer, k in zip(s.cache.layers, keys):
             assert torch.equal(layer.keys, k)
-    assert all(not isinstance(r, BaseException) for r in verify_batch(engine, [(s, *t, 0) for s, t in
-                                                                                zip(sessions, trees)]))
+    assert all(
+        not isinstance(r, BaseException) for r in verify_batch(engine, [(s, *t, 0) for s, t in zip(sessions, trees)])
+    )
     engine.close()
 
 
@@ -253,7 +275,7 @@ def test_a_chunked_prefill_job_equals_the_whole_prefill(models):
     job_session = make_engine(models, prefill_chunk=4).open(list(range(20, 31)), Sampling(1.0, 64, 0.95), seed=100)
     job = job_session.prefill_job()
     results = [job.step() for _ in range(3)]
-    assert results[:2] == [None, None] and results[2] == (job.ms, 10)   # 10 positions in chunks of 4, 4, 2
+    assert results[:2] == [None, None] and results[2] == (job.ms, 10)  # 10 positions in chunks of 4, 4, 2
     whole = make_engine(models).open(list(range(20, 31)), Sampling(1.0, 64, 0.95), seed=100)
     whole.prefill()
     assert (job_session.t, job_session.prefill_ms) == (10, job.ms)
@@ -292,24 +314,38 @@ def _drive(url, requests, barrier, record, failures, tree_model, lock):
 
 def _metric(server, name):
     text = server.server.metrics.exposition()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith(name)}
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)
+    }
 
 
 def test_concurrent_clients_are_batched_and_get_the_serial_servers_replies(models):
     """Four clients at once against a batched server and a serial one: the batched forwards hold more rows than
     one session's (read from /metrics), and every reply equals the serial server's."""
     tree_model, lock = tiny_verifier(sharpen=3.0), threading.Lock()
-    requests = [(i, OpenRequest(prompt_ids=np.arange(30 + 5 * i, 38 + 7 * i, dtype=np.int32),
-                                sampling=Sampling(1.0, 64, 0.95), seed=i, acceptance=("exact", "epsilon")[i % 2],
-                                epsilon=0.02, max_new_tokens=40)) for i in range(4)]
+    requests = [
+        (
+            i,
+            OpenRequest(
+                prompt_ids=np.arange(30 + 5 * i, 38 + 7 * i, dtype=np.int32),
+                sampling=Sampling(1.0, 64, 0.95),
+                seed=i,
+                acceptance=("exact", "epsilon")[i % 2],
+                epsilon=0.02,
+                max_new_tokens=40,
+            ),
+        )
+        for i in range(4)
+    ]
     outputs = {}
     for mode in ("batched", "serial"):
         engine = make_engine(models)
         with ServerThread(engine, tree_rows=ROWS, batching=mode, max_batch_wait_ms=200.0) as srv:
             record, failures, barrier = {i: [] for i in range(4)}, [], threading.Barrier(4)
-            threads = [threading.Thread(target=_drive, args=(srv.url, r, barrier, record, failures, tree_model,
-                                                             lock)) for r in requests]
+            threads = [
+                threading.Thread(target=_drive, args=(srv.url, r, barrier, record, failures, tree_model, lock))
+                for r in requests
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -358,8 +394,13 @@ def test_a_long_prefill_runs_chunk_by_chunk_between_rounds(models):
 
     async def main():
         loop = asyncio.get_running_loop()
-        sched = BatchScheduler(lambda fn, *a: loop.run_in_executor(worker, fn, *a), max_batch_rows=64,
-                               max_batch_wait_ms=1000.0, open_sessions=lambda: 1, on_step=reports.append)
+        sched = BatchScheduler(
+            lambda fn, *a: loop.run_in_executor(worker, fn, *a),
+            max_batch_rows=64,
+            max_batch_wait_ms=1000.0,
+            open_sessions=lambda: 1,
+            on_step=reports.append,
+        )
         sched.start()
         prefill = asyncio.ensure_future(sched.prefill(long.prefill_job))
         answer = asyncio.ensure_future(sched.round(busy, DraftTree(0, tree[0], tree[1])))
@@ -375,13 +416,14 @@ def test_a_long_prefill_runs_chunk_by_chunk_between_rounds(models):
     assert verified and committed == len(reply.path_rows) + 1 and t == 60 and prefill_ms > 0
     assert_replies_match(reply, want)
     assert [(r.stats.sessions, r.prefill_chunks) for r in reports] == [(1, 1)] + [(0, 1)] * 14
-    assert done_at == {"round": 1, "prefill": 15}     # answered with the 1st step's report; the prompt with the 15th
+    assert done_at == {"round": 1, "prefill": 15}  # answered with the 1st step's report; the prompt with the 15th
     engine.close()
     ref.close()
 
 
-@pytest.mark.parametrize("vocab, k, ties", [(300, 64, False), (300, 64, True), (50, 1, True), (4096, 64, False),
-                                            (40, 40, True)])
+@pytest.mark.parametrize(
+    "vocab, k, ties", [(300, 64, False), (300, 64, True), (50, 1, True), (4096, 64, False), (40, 40, True)]
+)
 def test_top_k_stable_is_the_full_stable_sorts_first_k(vocab, k, ties):
     """p~'s top-k without a whole-row sort (the per-session host work around a batched forward, docs/serving.md)
     keeps the full stable sort's exact order, ties included (they go to the lowest id, as in every pinned sampling
@@ -390,7 +432,7 @@ def test_top_k_stable_is_the_full_stable_sorts_first_k(vocab, k, ties):
 
     x = torch.randn(33, vocab, generator=torch.Generator().manual_seed(vocab + k))
     if ties:
-        x = torch.round(x * 2) / 2          # a handful of distinct values: ties at every k-th boundary
+        x = torch.round(x * 2) / 2  # a handful of distinct values: ties at every k-th boundary
     values, ids = top_k_stable(x, k)
     want_values, want_ids = torch.sort(x, dim=-1, descending=True, stable=True)
     assert torch.equal(values, want_values[:, :k]) and torch.equal(ids, want_ids[:, :k])
@@ -414,9 +456,14 @@ def test_short_prefills_share_a_step_up_to_the_prefill_budget(models):
 
     async def main():
         loop = asyncio.get_running_loop()
-        sched = BatchScheduler(lambda fn, *a: loop.run_in_executor(worker, fn, *a), max_batch_rows=64,
-                               max_batch_wait_ms=0.0, open_sessions=lambda: 4, on_step=reports.append,
-                               prefill_budget=8)
+        sched = BatchScheduler(
+            lambda fn, *a: loop.run_in_executor(worker, fn, *a),
+            max_batch_rows=64,
+            max_batch_wait_ms=0.0,
+            open_sessions=lambda: 4,
+            on_step=reports.append,
+            prefill_budget=8,
+        )
         sched.start()
         futures = [asyncio.ensure_future(sched.prefill(s.prefill_job)) for s in sessions]
         for i, f in enumerate(futures):
@@ -437,7 +484,8 @@ def test_short_prefills_share_a_step_up_to_the_prefill_budget(models):
             if want.is_initialized and want.keys.numel():
                 torch.testing.assert_close(got.keys, want.keys, rtol=0, atol=0)
     with pytest.raises(ValueError, match="prefill_budget = 0"):
-        BatchScheduler(None, max_batch_rows=1, max_batch_wait_ms=0, open_sessions=lambda: 1, on_step=print,
-                       prefill_budget=0)
+        BatchScheduler(
+            None, max_batch_rows=1, max_batch_wait_ms=0, open_sessions=lambda: 1, on_step=print, prefill_budget=0
+        )
     engine.close()
     ref.close()

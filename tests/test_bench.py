@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import io
 import json
-
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from hycoc.bench.runner import BenchError, BenchPlan, read_records, run_bench
-from hycoc.cli import DEFAULT_DATASET, app
 from hycoc.bench.cost_model import CostModel, CostPoint
 from hycoc.bench.datasets import load_spec_bench
+from hycoc.bench.runner import BenchError, BenchPlan, read_records, run_bench
+from hycoc.cli import DEFAULT_DATASET, app
 
-TOY = Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"   # not the working directory's
+TOY = Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"  # not the working directory's
 
 CONFIGS = ["cloud-mtp", "specedge", "hyco", "hyco-exact", "slm-alone"]
 
@@ -25,9 +24,13 @@ CONFIGS = ["cloud-mtp", "specedge", "hyco", "hyco-exact", "slm-alone"]
 @pytest.fixture(scope="module")
 def built(tiny_bundle):
     recipe, path, root = tiny_bundle.recipe, tiny_bundle.path, tiny_bundle.root
-    cost = CostModel(device="fake", dtype="float32", model="tiny", shape={},
-                     points=[CostPoint(rows=r, context=c, ms=ms) for r, ms in ((1, 10.0), (5, 10.0), (33, 11.0))
-                             for c in (0, 1000)])
+    cost = CostModel(
+        device="fake",
+        dtype="float32",
+        model="tiny",
+        shape={},
+        points=[CostPoint(rows=r, context=c, ms=ms) for r, ms in ((1, 10.0), (5, 10.0), (33, 11.0)) for c in (0, 1000)],
+    )
     cost.save(root / "cost.json")
     return recipe, path, root
 
@@ -67,10 +70,10 @@ def test_bench_runs_every_config_and_resumes(built, tmp_path):
             # the link is counted: 58 ms round trip per frame pair (open + every round) at least
             assert rec["seconds"] * 1000 >= 58 * (rec["rounds"] + 1)
         if rec["config"] in ("specedge", "hyco", "hyco-exact"):
-            assert set(rec["rows"]) == {5}          # B + 1 rows of the tiny recipe
-        q = rec["quality"]   # hycoc.bench.quality: repetition of every answer, reference metrics by category
+            assert set(rec["rows"]) == {5}  # B + 1 rows of the tiny recipe
+        q = rec["quality"]  # hycoc.bench.quality: repetition of every answer, reference metrics by category
         assert q["words"] >= 0 and q["longest_run"] >= 1 and q["rouge_l"] is None
-        assert rec["category"] == "translation"   # the first two of the two categories are translations
+        assert rec["category"] == "translation"  # the first two of the two categories are translations
         assert 0 <= q["chrf"] <= 100 and 0 <= q["bleu"] <= 100 and q["final_number_match"] is None
     s = results["summary"]
     for config in CONFIGS:
@@ -96,7 +99,7 @@ def test_bench_runs_every_config_and_resumes(built, tmp_path):
             assert calls == {} and rec["draft_ms"] == 0
         elif rec["config"] == "slm-alone":
             assert calls == {"slm_decode": rec["tokens"]}
-        else:                          # one MTP draft of K steps after every round but the last (device chain)
+        else:  # one MTP draft of K steps after every round but the last (device chain)
             assert calls.get("head", 0) == (K * (rec["rounds"] - 1) if rec["config"].startswith("hyco") else 0)
             assert calls["slm"] >= rec["rounds"]
         assert 0 <= rec["draft_graph_ms"] <= rec["draft_ms"] + 1e-6
@@ -139,33 +142,62 @@ def test_turn_summary_hand_worked():
 
     recs = [
         {"config": "hyco", "turn": 1, "tokens": 10, "rounds": 4, "prefill_ms": 20.0, "server_ms": [5.0] * 4},
-        {"config": "hyco", "turn": 2, "tokens": 6, "rounds": 2, "prefill_ms": 4.0, "server_ms": [6.0, 6.0],
-         "prefill_ms_cold": 30.0},
-        {"config": "hyco", "turn": 2, "tokens": 4, "rounds": 2, "prefill_ms": 6.0, "server_ms": [5.0, 5.0],
-         "prefill_ms_cold": 40.0},
+        {
+            "config": "hyco",
+            "turn": 2,
+            "tokens": 6,
+            "rounds": 2,
+            "prefill_ms": 4.0,
+            "server_ms": [6.0, 6.0],
+            "prefill_ms_cold": 30.0,
+        },
+        {
+            "config": "hyco",
+            "turn": 2,
+            "tokens": 4,
+            "rounds": 2,
+            "prefill_ms": 6.0,
+            "server_ms": [5.0, 5.0],
+            "prefill_ms_cold": 40.0,
+        },
         {"config": "slm-alone", "turn": 1, "tokens": 5, "rounds": 5, "prefill_ms": 0.0, "server_ms": []},
     ]
-    assert turn_summary(recs) == {"hyco": {
-        "1": {"requests": 1, "prefill_ms": 20.0, "prefill_ms_saved": None, "g_ms_per_token": 4.0, "mat": 2.5},
-        "2": {"requests": 2, "prefill_ms": 5.0, "prefill_ms_saved": 30.0, "g_ms_per_token": 3.2, "mat": 2.5}}}
+    assert turn_summary(recs) == {
+        "hyco": {
+            "1": {"requests": 1, "prefill_ms": 20.0, "prefill_ms_saved": None, "g_ms_per_token": 4.0, "mat": 2.5},
+            "2": {"requests": 2, "prefill_ms": 5.0, "prefill_ms_saved": 30.0, "g_ms_per_token": 3.2, "mat": 2.5},
+        }
+    }
 
 
 def test_bench_second_turns_continue_the_session(built, tmp_path):
     recipe, path, root = built
     questions = [q for q in load_spec_bench(DEFAULT_DATASET) if len(q.turns) == 2][:1]
-    plan = BenchPlan(questions=questions, configs=["hyco-exact", "slm-alone"], runs=1, link="none", output_cap=6,
-                     out=tmp_path / "two", turns=2)
-    results = run_bench(recipe, path, plan, bundle_dir=root / "bundle", cost_model_path=root / "cost.json",
-                        console=Console(file=io.StringIO(), width=200))
+    plan = BenchPlan(
+        questions=questions,
+        configs=["hyco-exact", "slm-alone"],
+        runs=1,
+        link="none",
+        output_cap=6,
+        out=tmp_path / "two",
+        turns=2,
+    )
+    results = run_bench(
+        recipe,
+        path,
+        plan,
+        bundle_dir=root / "bundle",
+        cost_model_path=root / "cost.json",
+        console=Console(file=io.StringIO(), width=200),
+    )
     recs = {(r["config"], r["turn"]): r for r in results["records"]}
     assert sorted(recs) == [("hyco-exact", 1), ("hyco-exact", 2), ("slm-alone", 1)]
     first, second = recs["hyco-exact", 1], recs["hyco-exact", 2]
-    assert second["prompt_tokens"] > first["prompt_tokens"] + first["tokens"]   # + the second question
+    assert second["prompt_tokens"] > first["prompt_tokens"] + first["tokens"]  # + the second question
     assert second["prefill_ms_cold"] > 0 and 1 <= second["tokens"] <= 6
     t = results["turns"]["hyco-exact"]
     assert t["2"]["prefill_ms_saved"] == pytest.approx(second["prefill_ms_cold"] - second["prefill_ms"])
     assert t["1"]["mat"] == pytest.approx(first["tokens"] / first["rounds"])
-
 
 
 def test_measure_handoff_scales_is_the_max_over_the_answers_at_percentile_100(built):
@@ -173,13 +205,13 @@ def test_measure_handoff_scales_is_the_max_over_the_answers_at_percentile_100(bu
     on an independent path: the input of the final norm by a forward hook (not the engine's NormTap), the
     embedding table rows of the ids, the producer layers' K/V from a plain transformers forward."""
     import torch
+    from hycoc.passes.head_qat import greedy_answer, prompt_sources
+    from hycoc.verifier.engine import producer_layers
+    from hycoc.verifier.handoff_scales import measure_handoff_scales
     from transformers import DynamicCache
 
     from hycoc.chat_template import chat_from_recipe
     from hycoc.models import load_verifier
-    from hycoc.passes.head_qat import greedy_answer, prompt_sources
-    from hycoc.verifier.engine import producer_layers
-    from hycoc.verifier.handoff_scales import measure_handoff_scales
 
     recipe, _, _ = built
     got = measure_handoff_scales(recipe, prompts=2, max_new_tokens=4, percentile=100.0)
@@ -207,4 +239,4 @@ def test_measure_handoff_scales_is_the_max_over_the_answers_at_percentile_100(bu
         hook.remove()
     assert got == pytest.approx(want, rel=1e-6)
     half = measure_handoff_scales(recipe, prompts=2, max_new_tokens=4, percentile=50.0)
-    assert all(0 < half[k] < got[k] for k in got)   # the median of |x| is below its maximum
+    assert all(0 < half[k] < got[k] for k in got)  # the median of |x| is below its maximum

@@ -17,11 +17,13 @@ def _answer(rng: np.random.Generator, difficulty: float, shift: float = 0.0) -> 
     """One answer's quality metrics, correlated as real ones are: a latent repetitiveness drives the zlib ratio,
     distinct-n, the repeated 4-gram share and the longest run; ``shift`` makes the answer more repetitive."""
     z = 0.6 * difficulty + rng.normal() + shift
-    return {"compression_ratio": 0.5 - 0.05 * z + 0.02 * rng.normal(),
-            "distinct_1": 0.6 - 0.06 * z + 0.03 * rng.normal(),
-            "distinct_2": 0.9 - 0.05 * z + 0.03 * rng.normal(),
-            "repeated_4gram_share": float(np.clip(0.2 + 0.08 * z + 0.05 * rng.normal(), 0.0, 1.0)),
-            "longest_run": float(rng.poisson(np.exp(0.3 * z + 0.7)) + 1)}
+    return {
+        "compression_ratio": 0.5 - 0.05 * z + 0.02 * rng.normal(),
+        "distinct_1": 0.6 - 0.06 * z + 0.03 * rng.normal(),
+        "distinct_2": 0.9 - 0.05 * z + 0.03 * rng.normal(),
+        "repeated_4gram_share": float(np.clip(0.2 + 0.08 * z + 0.05 * rng.normal(), 0.0, 1.0)),
+        "longest_run": float(rng.poisson(np.exp(0.3 * z + 0.7)) + 1),
+    }
 
 
 def _run(rng: np.random.Generator, shift: dict[str, float] | None = None) -> list[dict]:
@@ -32,10 +34,22 @@ def _run(rng: np.random.Generator, shift: dict[str, float] | None = None) -> lis
     for q in range(QUESTIONS):
         difficulty = rng.normal()
         for config in ("cloud-mtp", *CONFIGS):
-            records.append({"config": config, "run": 0, "question_id": q, "category": "writing", "tokens": 10,
-                            "rounds": 5, "server_ms": [1.0] * 5, "prefill_ms": 1.0, "rows": [5] * 5,
-                            "context": [10] * 5, "seconds": 1.0,
-                            "quality": _answer(rng, difficulty, shift.get(config, 0.0))})
+            records.append(
+                {
+                    "config": config,
+                    "run": 0,
+                    "question_id": q,
+                    "category": "writing",
+                    "tokens": 10,
+                    "rounds": 5,
+                    "server_ms": [1.0] * 5,
+                    "prefill_ms": 1.0,
+                    "rows": [5] * 5,
+                    "context": [10] * 5,
+                    "seconds": 1.0,
+                    "quality": _answer(rng, difficulty, shift.get(config, 0.0)),
+                }
+            )
     return records
 
 
@@ -116,6 +130,12 @@ def test_the_sign_flip_test_is_scipys_permutation_test(n):
 
     rng = np.random.default_rng(n)
     for d in (rng.normal(0.3, 1.0, size=n), np.round(rng.normal(size=n)), np.ones(n)):
-        ref = permutation_test((d,), lambda x, axis=-1: x.sum(axis=axis), permutation_type="samples",
-                               vectorized=True, n_resamples=10_000, alternative="greater")
+        ref = permutation_test(
+            (d,),
+            lambda x, axis=-1: x.sum(axis=axis),
+            permutation_type="samples",
+            vectorized=True,
+            n_resamples=10_000,
+            alternative="greater",
+        )
         assert sign_flip_p_value(d) == pytest.approx(ref.pvalue)

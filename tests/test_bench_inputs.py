@@ -18,8 +18,7 @@ DATASET = ROOT / "benchmarks" / "data" / "spec_bench_question.jsonl"
 def test_a_missing_default_bundle_is_built_with_one_short_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg, said, built = load_recipe(TOY), [], []
-    got = bench_bundle(cfg, Path("recipes/toy.toml"), None, tmp_path, say=said.append,
-                       build=lambda *a: built.append(a))
+    got = bench_bundle(cfg, Path("recipes/toy.toml"), None, tmp_path, say=said.append, build=lambda *a: built.append(a))
     assert got == tmp_path / "bundles" / "toy-cpu"
     assert built == [(cfg, "cpu", tmp_path / "bundles" / "toy-cpu", tmp_path / ".hycoc-cache")]
     assert said == ["hycoc bench: no bundle yet; building bundles/toy-cpu (hycoc build, target cpu)"]
@@ -42,15 +41,17 @@ def test_an_existing_bundle_is_used_and_a_given_one_must_have_a_manifest(tmp_pat
 def test_bench_questions_refuse_a_mistyped_dataset_name_before_building(tmp_path):
     cfg = load_recipe(TOY)
     with pytest.raises(BenchInputError) as e:
-        bench_questions(cfg, TOY, None, "spec-bnech", None, tmp_path, DATASET, say=print,
-                        build=lambda *a: pytest.fail("built"))
+        bench_questions(
+            cfg, TOY, None, "spec-bnech", None, tmp_path, DATASET, say=print, build=lambda *a: pytest.fail("built")
+        )
     assert str(e.value).startswith("--dataset spec-bnech: not a built-in dataset (spec-bench, ")
 
 
 def test_bench_questions_come_from_the_recipe_s_bench_dataset(tmp_path):
-    cfg = load_recipe(TOY)   # bench.dataset = "../benchmarks/data/spec_bench_question.jsonl"
-    questions, name, bundle_dir = bench_questions(cfg, TOY, None, None, None, tmp_path, DATASET, say=lambda _: None,
-                                                  build=lambda *a: None)
+    cfg = load_recipe(TOY)  # bench.dataset = "../benchmarks/data/spec_bench_question.jsonl"
+    questions, name, bundle_dir = bench_questions(
+        cfg, TOY, None, None, None, tmp_path, DATASET, say=lambda _: None, build=lambda *a: None
+    )
     assert (len(questions), name, bundle_dir) == (480, "Spec-Bench", tmp_path / "bundles" / "toy-cpu")
     assert questions[0].question_id == 81
 

@@ -15,16 +15,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from rich.console import Console
-from test_slm_surgery import make_tiny_slm
-
+from gemma4_fixture import write_generation_config
 from hycoc.passes import build as b
 from hycoc.passes.head_export import HeadExport, HostTablesArtifact
-from hycoc.recipe import load_recipe
 from hycoc.targets import qai_hub
-from gemma4_fixture import write_generation_config
+from rich.console import Console
 from test_head_qat import word_tokenizer_folder
+from test_slm_surgery import make_tiny_slm
 from tiny_models import tiny_head, tiny_verifier
+
+from hycoc.recipe import load_recipe
 
 torch.set_num_threads(1)
 
@@ -109,8 +109,10 @@ def write_tiny_recipe(root):
     def words(n):
         return " ".join(f"w{i}" for i in rng.integers(0, 120, n))
 
-    corpus = [{"messages": [{"role": "user", "content": words(4)}, {"role": "assistant", "content": words(12)}]}
-              for _ in range(8)]
+    corpus = [
+        {"messages": [{"role": "user", "content": words(4)}, {"role": "assistant", "content": words(12)}]}
+        for _ in range(8)
+    ]
     (root / "corpus.jsonl").write_text("\n".join(json.dumps(c) for c in corpus) + "\n")
     (root / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": words(5)}) for _ in range(6)) + "\n")
     (root / "recipe.toml").write_text(RECIPE)
@@ -126,20 +128,30 @@ def test_list_passes_describes_the_chain(recipe_path, tmp_path):
     text = pipe.describe()
     names = [p.name for p in pipe.passes]
     assert names[:4] == ["keep_set", "calibration_answers", "head_qat", "head_export"]
-    assert names[4] == "qdq_head" and names[-5:] == ["slm_surgery", "slm_tree_graph", "qdq_slm", "slm_decode_graph",
-                                                     "target_cpu"]
-    assert "2. calibration_answers (v1): reads [head_qat], [slm_calibration], [window], [keep_set]; consumes " \
-           "torch_verifier, tokenizer; produces calibration_answers" in text
-    assert "4. head_export (v1): reads [window]; consumes quantized_head, torch_verifier; produces onnx_head, " \
-           "head_host" in text
+    assert names[4] == "qdq_head" and names[-5:] == [
+        "slm_surgery",
+        "slm_tree_graph",
+        "qdq_slm",
+        "slm_decode_graph",
+        "target_cpu",
+    ]
+    assert (
+        "2. calibration_answers (v1): reads [head_qat], [slm_calibration], [window], [keep_set]; consumes "
+        "torch_verifier, tokenizer; produces calibration_answers" in text
+    )
+    assert (
+        "4. head_export (v1): reads [window]; consumes quantized_head, torch_verifier; produces onnx_head, "
+        "head_host" in text
+    )
     assert text.splitlines()[-1].endswith("produces target_files")
     with pytest.raises(b.BuildError, match="unknown target 'gpu'"):
         b.build_pipeline(load_recipe(recipe_path), "gpu", cache_dir=tmp_path)
 
 
 def test_until_keep_set_stops_with_the_artifact(recipe_path, tmp_path):
-    result = b.build_bundle(load_recipe(recipe_path), "cpu", None, tmp_path / "cache", until="keep_set",
-                            console=quiet())
+    result = b.build_bundle(
+        load_recipe(recipe_path), "cpu", None, tmp_path / "cache", until="keep_set", console=quiet()
+    )
     assert [r.pass_name for r in result.pipeline.reports] == ["keep_set"]
     assert result.out_dir is None and (result.stopped_at / "keep_set" / "keep_set.npy").is_file()
     assert len(np.load(result.stopped_at / "keep_set" / "keep_set.npy")) == 64
@@ -164,8 +176,10 @@ def test_pipeline_runs_to_the_target_and_caches(built):
     assert names[-1] == "target_cpu" and "head_export" in names and "qdq_slm" in names
     assert not any(r.cached for r in first.pipeline.reports)
     assert all(r.cached for r in second.pipeline.reports)
-    assert second.pipeline.artifacts["target_files"].content_hash() == \
-        first.pipeline.artifacts["target_files"].content_hash()
+    assert (
+        second.pipeline.artifacts["target_files"].content_hash()
+        == first.pipeline.artifacts["target_files"].content_hash()
+    )
     for r in first.pipeline.reports:
         print(f"{r.pass_name:16s} {r.seconds:7.2f} s  {r.summary}")
 
@@ -182,8 +196,9 @@ def test_head_export_matches_torch_and_writes_host_tables(built):
     t = host.payload
     assert t["keep_set"].tolist() == keep.tolist() and t["embedding_q"].shape == (64, 64)
     assert t["embedding_q"].dtype == np.int8 and t["embedding_scale"].shape == (64, 1)
-    assert {"rotary_sliding_inv_freq", "rotary_full_inv_freq", "rotary_sliding_scaling",
-            "rotary_full_scaling"} <= set(t)
+    assert {"rotary_sliding_inv_freq", "rotary_full_inv_freq", "rotary_sliding_scaling", "rotary_full_scaling"} <= set(
+        t
+    )
     # E dequantizes to the verifier's scaled input embeddings within half a step per row
     verifier = first.pipeline.artifacts["torch_verifier"].payload
     with torch.no_grad():
@@ -200,10 +215,10 @@ def test_build_bundle_cpu_end_to_end(tiny_pipeline, tmp_path):
     Written from the session's pipeline cache (`tiny_pipeline`: the passes ran there once; a cold build through
     the command is `test_cli_list_passes_until_and_full_build`)."""
     import onnxruntime as ort
-
-    from hycoc.bundle import load_manifest, sha256_file
     from hycoc.passes.head_graph import INPUT_NAMES, HeadGraph
     from hycoc.passes.head_qat import dequantized_head
+
+    from hycoc.bundle import load_manifest, sha256_file
 
     recipe = tiny_pipeline.recipe
     out, cache = tmp_path / "bundle", tiny_pipeline.cache
@@ -229,20 +244,22 @@ def test_build_bundle_cpu_end_to_end(tiny_pipeline, tmp_path):
     graph = HeadGraph(rebuilt).eval()
     # the shipped head has no logits output (its top-2 instead): the target step's checks copy has them
     files = result.pipeline.artifacts["target_files"]
-    session = ort.InferenceSession(str(files.payload / files.index()["head"]["check_source"]),
-                                   providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(
+        str(files.payload / files.index()["head"]["check_source"]), providers=["CPUExecutionProvider"]
+    )
     shipped = ort.InferenceSession(str(out / head.file), providers=["CPUExecutionProvider"])
     # held-out queries as the device feeds them: real hand-offs through the runtime's MTP Drafter
     from hycoc.passes.head_calibration import real_head_calibration
 
     shapes = {t.name: tuple(t.shape) for t in head.inputs}
-    _, held, _ = real_head_calibration(verifier, quantized, shapes, result.pipeline.artifacts["tokenizer"].payload,
-                                       recipe, seed=7)
+    _, held, _ = real_head_calibration(
+        verifier, quantized, shapes, result.pipeline.artifacts["tokenizer"].payload, recipe, seed=7
+    )
     agree = []
     for feeds in held.samples[:16]:
         got = session.run(["logits"], {n: feeds[n] for n in INPUT_NAMES})[0]
         top2 = shipped.run(["top_index"], {n: feeds[n] for n in INPUT_NAMES})[0]
-        assert top2[0, 0, 0] == got.reshape(-1).argmax()           # the shipped graph's best = the checks copy's
+        assert top2[0, 0, 0] == got.reshape(-1).argmax()  # the shipped graph's best = the checks copy's
         with torch.no_grad():
             want = graph(*[torch.from_numpy(feeds[n]) for n in INPUT_NAMES])[0].numpy()
         agree.append(got.argmax(-1) == want.argmax(-1))
@@ -253,15 +270,16 @@ def test_build_bundle_cpu_end_to_end(tiny_pipeline, tmp_path):
     assert [p["pass_name"] for p in report["passes"]] == [p.pass_name for p in result.pipeline.reports]
     assert set(report["qat_agreement"]) == {"w8_ptq", "w4_ptq", "w4_qat"}
     print(f"report.json head SQNR logits {report['sqnr']['head']['calibration']['outputs']['logits']:.2f} dB")
-    assert report["sqnr"]["head"]["calibration"]["outputs"]["logits"] > 39.5   # measured 41.80 dB (seeded build)
+    assert report["sqnr"]["head"]["calibration"]["outputs"]["logits"] > 39.5  # measured 41.80 dB (seeded build)
     assert "logits" in report["sqnr"]["slm"]["held_out"]["outputs"]
     for r in result.pipeline.reports:
         print(f"{r.pass_name:16s} {r.seconds:7.2f} s  {r.summary}")
 
     again = b.build_bundle(recipe, "cpu", out, cache, console=quiet())
     assert all(r.cached for r in again.pipeline.reports)
-    assert [f.sha256 for f in again.manifest.files if f.path != "report.json"] == \
-        [f.sha256 for f in manifest.files if f.path != "report.json"]
+    assert [f.sha256 for f in again.manifest.files if f.path != "report.json"] == [
+        f.sha256 for f in manifest.files if f.path != "report.json"
+    ]
 
 
 # ---- qai-hub ---------------------------------------------------------------------------------------------------
@@ -276,21 +294,29 @@ def test_qai_hub_without_package_or_token_fails_with_the_setup_steps(tmp_path):
     assert str(e.value) == (
         "target qai-hub: the qai-hub package is not installed. Set it up with `pip install qai-hub` and "
         "`qai-hub configure --api_token TOKEN` (the token is on https://app.aihub.qualcomm.com under Account -> "
-        "Settings -> API Token), or build with --target htp-v81")
+        "Settings -> API Token), or build with --target htp-v81"
+    )
     with pytest.raises(qai_hub.QaiHubSetupError) as e:
         qai_hub.check_setup(import_module=lambda name: object(), environ={}, home=tmp_path)
     assert str(e.value) == (
         f"target qai-hub: no API token is configured (no {tmp_path}/.qai_hub/client.ini, no QAI_HUB_API_TOKEN). "
         "Set it up with `pip install qai-hub` and `qai-hub configure --api_token TOKEN` (the token is on "
-        "https://app.aihub.qualcomm.com under Account -> Settings -> API Token), or build with --target htp-v81")
-    hub = SimpleNamespace(ClientConfig=lambda api_token: ("config", api_token), Client=lambda config: ("client", config))
+        "https://app.aihub.qualcomm.com under Account -> Settings -> API Token), or build with --target htp-v81"
+    )
+    hub = SimpleNamespace(
+        ClientConfig=lambda api_token: ("config", api_token), Client=lambda config: ("client", config)
+    )
     # a token in the environment: a client configured with it (the qai-hub client reads no token from there itself)
-    assert qai_hub.check_setup(import_module=lambda name: hub, environ={"QAI_HUB_API_TOKEN": "x"}, home=tmp_path) \
-        == ("client", ("config", "x"))
+    assert qai_hub.check_setup(import_module=lambda name: hub, environ={"QAI_HUB_API_TOKEN": "x"}, home=tmp_path) == (
+        "client",
+        ("config", "x"),
+    )
     ini = tmp_path / "elsewhere.ini"
     ini.write_text("[api]\napi_token = x\n")
-    assert qai_hub.check_setup(import_module=lambda name: hub, environ={"QAIHUB_CLIENT_INI": str(ini)},
-                               home=tmp_path) is hub
+    assert (
+        qai_hub.check_setup(import_module=lambda name: hub, environ={"QAIHUB_CLIENT_INI": str(ini)}, home=tmp_path)
+        is hub
+    )
     (tmp_path / ".qai_hub").mkdir()
     (tmp_path / ".qai_hub" / "client.ini").write_text("[api]\napi_token = x\n")
     assert qai_hub.check_setup(import_module=lambda name: hub, environ={}, home=tmp_path) is hub
@@ -318,21 +344,22 @@ def test_cli_list_passes_until_and_full_build(tiny_pipeline, tmp_path, monkeypat
     result = runner.invoke(app, ["build", str(recipe_path), "--list-passes"])
     assert result.exit_code == 0, result.stderr
     assert result.stdout.splitlines()[0] == "1. keep_set (v1): reads [keep_set]; consumes tokenizer; produces keep_set"
-    assert result.stdout.splitlines()[-1].endswith("target_cpu (v2): reads [target]; consumes " +
-                                                   "qdq_head, qdq_slm, qdq_slm_decode" +
-                                                   "; produces target_files")
+    assert result.stdout.splitlines()[-1].endswith(
+        "target_cpu (v2): reads [target]; consumes " + "qdq_head, qdq_slm, qdq_slm_decode" + "; produces target_files"
+    )
 
     result = runner.invoke(app, ["build", str(recipe_path), "--until", "keep_set", "--cache-dir", "c"])
     assert result.exit_code == 0, result.stderr
     line = result.stdout.strip().splitlines()[-1]
     assert line.startswith("stopped after keep_set; its artifacts are in ")
     assert (tmp_path / "c" / "keep_set").is_dir() and not (tmp_path / "bundles").exists()
-    assert not (tmp_path / "c" / "head_qat").exists()                      # --until stops before the next pass
+    assert not (tmp_path / "c" / "head_qat").exists()  # --until stops before the next pass
 
     result = runner.invoke(app, ["build", str(recipe_path), "--until", "nope", "--cache-dir", "c"])
     assert result.exit_code == 1
     assert result.stderr.strip().startswith(
-        "hycoc build: --until nope: no such pass; passes: keep_set, calibration_answers, head_qat")
+        "hycoc build: --until nope: no such pass; passes: keep_set, calibration_answers, head_qat"
+    )
 
     result = runner.invoke(app, ["build", str(recipe_path), "--cache-dir", "c", "--out", "b"])
     assert result.exit_code == 0, result.stderr
@@ -340,13 +367,24 @@ def test_cli_list_passes_until_and_full_build(tiny_pipeline, tmp_path, monkeypat
     # stderr is not a terminal here: progress comes as plain lines, each pass's start and end and its long steps
     # (a line wider than the console continues on indented lines: joined back here)
     log = re.sub(r"\n {17,}", " ", result.stderr).splitlines()
-    assert any(re.fullmatch(r"\[hycoc \d\d:\d\d:\d\d\] \[1/10\] keep_set: cached, [\d.]+ s \(CPU [\d.]+ s\): kept 64 ids.*", x) for x in log)
-    assert any(re.fullmatch(r"\[hycoc [\d:]+\] \[3/10\] head_qat: ran, [\d.]+ s \(CPU [\d.]+ s\): W4 top-1 agreement.*", x) for x in log)
-    assert any(re.fullmatch(r"\[hycoc [\d:]+\] head_qat: QAT steps: done 2/2 in [\d.]+ s \(KL [\d.]+\)", x) for x in log)
+    assert any(
+        re.fullmatch(r"\[hycoc \d\d:\d\d:\d\d\] \[1/10\] keep_set: cached, [\d.]+ s \(CPU [\d.]+ s\): kept 64 ids.*", x)
+        for x in log
+    )
+    assert any(
+        re.fullmatch(r"\[hycoc [\d:]+\] \[3/10\] head_qat: ran, [\d.]+ s \(CPU [\d.]+ s\): W4 top-1 agreement.*", x)
+        for x in log
+    )
+    assert any(
+        re.fullmatch(r"\[hycoc [\d:]+\] head_qat: QAT steps: done 2/2 in [\d.]+ s \(KL [\d.]+\)", x) for x in log
+    )
     # 4 + 2 prompts in one batch each, 12 decoding steps each
-    assert any(x.endswith("calibration_answers: verifier greedy answers, decoding steps: started (24 to do)")
-               for x in log)
-    assert any(re.search(r"calibration_answers: verifier greedy answers, decoding steps: done 24/24 in", x) for x in log)
+    assert any(
+        x.endswith("calibration_answers: verifier greedy answers, decoding steps: started (24 to do)") for x in log
+    )
+    assert any(
+        re.search(r"calibration_answers: verifier greedy answers, decoding steps: done 24/24 in", x) for x in log
+    )
     assert "keep set 64" in result.stdout and (tmp_path / "b" / "manifest.json").is_file()
 
 
@@ -357,8 +395,9 @@ def test_cli_qai_hub_without_setup_fails_at_once(recipe_path, tmp_path, monkeypa
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("QAI_HUB_API_TOKEN", raising=False)
-    result = CliRunner().invoke(app, ["build", str(recipe_path), "--target", "qai-hub", "--cache-dir",
-                                      str(tmp_path / "c")])
+    result = CliRunner().invoke(
+        app, ["build", str(recipe_path), "--target", "qai-hub", "--cache-dir", str(tmp_path / "c")]
+    )
     assert result.exit_code == 1
     assert result.stderr.strip().startswith("hycoc build: target qai-hub: ")
     assert "`pip install qai-hub` and `qai-hub configure --api_token TOKEN`" in result.stderr
@@ -369,9 +408,10 @@ def test_cli_qai_hub_without_setup_fails_at_once(recipe_path, tmp_path, monkeypa
 def test_htp_target_compiles_both_graphs_into_a_bundle(built, tmp_path):
     """The htp-v81 target step on both QDQ graphs (CPU fallback disabled): EPContext model + context binary in the bundle, IO taken
     from the EPContext model with encodings from its QDQ source."""
-    from hycoc.bundle import load_manifest
     from hycoc.passes.pipeline import PipelineResult
     from hycoc.targets.qnn_ep import versions
+
+    from hycoc.bundle import load_manifest
 
     if versions().get("onnxruntime-qnn") is None:
         pytest.skip("onnxruntime-qnn is not installed")
@@ -390,23 +430,27 @@ def test_htp_target_compiles_both_graphs_into_a_bundle(built, tmp_path):
 
     # the compiled graph on the x86 HTP simulator against the QDQ graph on the CPU EP
     import onnxruntime as ort
-
     from hycoc.passes.qdq import slm_calibration_samples
     from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph
     from hycoc.targets.htp import run_compiled
 
     slm_model = first.pipeline.artifacts["slm_integer"].payload
-    graph = SlmTreeGraph(slm_model, first.pipeline.artifacts["keep_set"].payload, rows=recipe.tree.node_budget,
-                         ring={FULL: recipe.window.slm_window, SLIDING: recipe.window.slm_sliding_window})
+    graph = SlmTreeGraph(
+        slm_model,
+        first.pipeline.artifacts["keep_set"].payload,
+        rows=recipe.tree.node_budget,
+        ring={FULL: recipe.window.slm_window, SLIDING: recipe.window.slm_sliding_window},
+    )
     sample = slm_calibration_samples(graph, slm_model, 1, seed=5)[0]
     files = outputs["target_files"]
-    qdq = ort.InferenceSession(str(files.payload / files.index()["slm"]["check_source"]),
-                               providers=["CPUExecutionProvider"])
+    qdq = ort.InferenceSession(
+        str(files.payload / files.index()["slm"]["check_source"]), providers=["CPUExecutionProvider"]
+    )
     want = dict(zip([o.name for o in qdq.get_outputs()], qdq.run(None, sample)))
     got = run_compiled(tmp_path / "bundle" / slm.file, sample)
     from hycoc.passes.qdq import sqnr_db
 
-    assert "logits" not in got and "logits" in want            # shipped without it, checked on the copy
+    assert "logits" not in got and "logits" in want  # shipped without it, checked on the copy
     agree = float(np.mean(got["top_index"][..., 0] == want["logits"].argmax(-1)))
     sqnr = {name: sqnr_db(want[name], got[name]) for name in got if name.startswith(("k_new", "v_new"))}
     print(f"HTP simulator vs CPU EP (QDQ): top-1 {agree:.0%}, SQNR dB {sqnr}")
@@ -421,10 +465,18 @@ def test_htp_target_compiles_both_graphs_into_a_bundle(built, tmp_path):
 
     quantized = first.pipeline.artifacts["quantized_head"].payload
     config = dequantized_head(quantized).config
-    head = ort.InferenceSession(str(files.payload / files.index()["head"]["check_source"]),
-                                providers=["CPUExecutionProvider"])
-    sample = {n: x.numpy() for n, x in zip(INPUT_NAMES, comparison_inputs(
-        first.pipeline.artifacts["torch_verifier"].payload, config, quantized.keep_set, 16, 8, 2, seed=3)[-1])}
+    head = ort.InferenceSession(
+        str(files.payload / files.index()["head"]["check_source"]), providers=["CPUExecutionProvider"]
+    )
+    sample = {
+        n: x.numpy()
+        for n, x in zip(
+            INPUT_NAMES,
+            comparison_inputs(
+                first.pipeline.artifacts["torch_verifier"].payload, config, quantized.keep_set, 16, 8, 2, seed=3
+            )[-1],
+        )
+    }
     want = dict(zip([o.name for o in head.get_outputs()], head.run(None, sample)))
     got = run_compiled(tmp_path / "bundle" / manifest.graph("head").file, sample)
     sqnr = {name: sqnr_db(want[name], got[name]) for name in got if name != "top_index"}

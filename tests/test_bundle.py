@@ -12,18 +12,32 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from hycoc.passes.bundle_io import graph_io_from_onnx, manifest_sections
+from hycoc.targets.profiles import get_profile
 from onnx import TensorProto, helper, numpy_helper
 from typer.testing import CliRunner
 
 from hycoc.bundle import (
-    SCHEMA_VERSION, BundleExists, BundleNotFound, FileMissing, FileSizeMismatch, GraphIO, GraphIOMismatch,
-    HashMismatch, Manifest, ManifestInvalid, SchemaVersionMismatch, TargetMismatch, UnlistedFile, BundleWriter,
-    check_graph_io, check_target, load_manifest,
+    SCHEMA_VERSION,
+    BundleExists,
+    BundleNotFound,
+    BundleWriter,
+    FileMissing,
+    FileSizeMismatch,
+    GraphIO,
+    GraphIOMismatch,
+    HashMismatch,
+    Manifest,
+    ManifestInvalid,
+    SchemaVersionMismatch,
+    TargetMismatch,
+    UnlistedFile,
+    check_graph_io,
+    check_target,
+    load_manifest,
 )
 from hycoc.cli import app
-from hycoc.passes.bundle_io import graph_io_from_onnx, manifest_sections
 from hycoc.recipe import load_recipe
-from hycoc.targets.profiles import get_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "recipes" / "toy.toml"
@@ -55,8 +69,13 @@ def qdq_graph(path: Path) -> Path:
         helper.make_node("QuantizeLinear", ["y_f", "y_scale", "y_zp"], ["y_q"], name="q_y"),
         helper.make_node("DequantizeLinear", ["y_q", "y_scale", "y_zp"], ["y"], name="dq_y"),
     ]
-    graph = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])], init)
+    graph = helper.make_graph(
+        nodes,
+        "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])],
+        init,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
@@ -73,10 +92,19 @@ def sections():
     return manifest_sections(load_recipe(TOY), get_profile("htp-v81"), keep_set_size=300, versions=VERSIONS)
 
 
-SLM_IO = GraphIO(inputs=[{"name": "tokens", "shape": [1, 33], "dtype": "int32"}],
-                 outputs=[{"name": "logits", "shape": [1, 33, 300], "dtype": "float32",
-                           "encoding": {"scale": 0.125, "zero_point": 0, "dtype": "uint16", "bits": 16}}],
-                 weight_bits={"int4": {"tensors": 7, "elements": 7000}}, op_counts={"EPContext": 1})
+SLM_IO = GraphIO(
+    inputs=[{"name": "tokens", "shape": [1, 33], "dtype": "int32"}],
+    outputs=[
+        {
+            "name": "logits",
+            "shape": [1, 33, 300],
+            "dtype": "float32",
+            "encoding": {"scale": 0.125, "zero_point": 0, "dtype": "uint16", "bits": 16},
+        }
+    ],
+    weight_bits={"int4": {"tensors": 7, "elements": 7000}},
+    op_counts={"EPContext": 1},
+)
 
 
 def write_bundle(out: Path, head_onnx: Path, sections: dict, **kw) -> Manifest:
@@ -87,8 +115,7 @@ def write_bundle(out: Path, head_onnx: Path, sections: dict, **kw) -> Manifest:
         w.add_file(b"\x02" * 64, "rotary/head.f32", "rotary")
         w.add_graph("head", "head", head_onnx, "head.onnx", io=graph_io_from_onnx(head_onnx))
         w.add_file(b"\x03" * 1_500_000, "slm_ctx_qnn.bin", "context_binary")
-        w.add_graph("slm", "slm", b"fake EPContext model", "slm_ctx.onnx", io=SLM_IO,
-                    context_binary="slm_ctx_qnn.bin")
+        w.add_graph("slm", "slm", b"fake EPContext model", "slm_ctx.onnx", io=SLM_IO, context_binary="slm_ctx_qnn.bin")
         return w.commit(**sections)
 
 
@@ -106,17 +133,30 @@ def test_graph_io_from_onnx_reads_shapes_encodings_weights_and_ops(head_onnx):
     (x,), (y,) = io.inputs, io.outputs
     assert (x.name, x.shape, x.dtype) == ("x", [1, 4], "float32")
     assert (x.encoding.scale, x.encoding.zero_point, x.encoding.dtype, x.encoding.bits) == (
-        pytest.approx(0.1), 128, "uint8", 8)
+        pytest.approx(0.1),
+        128,
+        "uint8",
+        8,
+    )
     assert (y.name, y.shape, y.dtype, y.encoding.dtype, y.encoding.bits, y.encoding.scale) == (
-        "y", [1, 3], "float32", "int16", 16, 0.25)
+        "y",
+        [1, 3],
+        "float32",
+        "int16",
+        16,
+        0.25,
+    )
     assert {k: (v.tensors, v.elements) for k, v in io.weight_bits.items()} == {"int8": (1, 12), "uint8": (1, 3)}
     assert io.op_counts == {"Add": 1, "DequantizeLinear": 4, "MatMul": 1, "QuantizeLinear": 2}
 
 
 def test_graph_io_refuses_a_dynamic_dim(tmp_path):
-    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])])
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+    )
     onnx.save(helper.make_model(graph), str(tmp_path / "dyn.onnx"))
     with pytest.raises(ValueError, match="dyn.onnx: x has a dynamic dim 0 \\(batch\\)"):
         graph_io_from_onnx(tmp_path / "dyn.onnx")
@@ -133,12 +173,19 @@ def test_a_written_bundle_loads_back_equal(tmp_path, head_onnx, sections):
     assert json.loads((tmp_path / "b/manifest.json").read_text())["schema_version"] == SCHEMA_VERSION
     head = loaded.file("head.onnx")
     assert (head.role, head.bytes, head.sha256) == (
-        "graph", head_onnx.stat().st_size, hashlib.sha256(head_onnx.read_bytes()).hexdigest())
+        "graph",
+        head_onnx.stat().st_size,
+        hashlib.sha256(head_onnx.read_bytes()).hexdigest(),
+    )
     assert [f.path for f in loaded.files] == sorted(f.path for f in loaded.files)
     assert loaded.graph("slm").context_binary == "slm_ctx_qnn.bin"
     assert loaded.graph("head").inputs[0].encoding.zero_point == 128
     assert (loaded.target.htp_arch, loaded.target.soc_model, loaded.target.soc_id, loaded.target.qnn_sdk) == (
-        81, "SM8850", 87, "2.51.0")
+        81,
+        "SM8850",
+        87,
+        "2.51.0",
+    )
     recipe = load_recipe(TOY)
     assert loaded.recipe.sha256 == recipe.content_hash()
     assert loaded.round.chain_length == recipe.tree.chain_length
@@ -197,16 +244,20 @@ def edit_manifest(bundle: Path, change, redigest: bool = True) -> None:
     change(data)
     if redigest and "digest" in data:
         body = {k: v for k, v in data.items() if k != "digest"}
-        data["digest"] = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"),
-                                                   ensure_ascii=False).encode()).hexdigest()
+        data["digest"] = hashlib.sha256(
+            json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        ).hexdigest()
     (bundle / "manifest.json").write_text(json.dumps(data))
 
 
-@pytest.mark.parametrize("change", [
-    lambda d: d["round"].update(chain_length=d["round"]["chain_length"] + 1),
-    lambda d: d["handoff"].update(scale_hidden=d["handoff"]["scale_hidden"] * 2),
-    lambda d: d["recipe"].update(sha256="0" * 64),
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda d: d["round"].update(chain_length=d["round"]["chain_length"] + 1),
+        lambda d: d["handoff"].update(scale_hidden=d["handoff"]["scale_hidden"] * 2),
+        lambda d: d["recipe"].update(sha256="0" * 64),
+    ],
+)
 def test_an_edited_manifest_value_is_refused_by_its_digest(bundle, change):
     digest = load_manifest(bundle).digest
     edit_manifest(bundle, change, redigest=False)
@@ -218,8 +269,9 @@ def test_an_edited_manifest_value_is_refused_by_its_digest(bundle, change):
 
 def test_the_digest_is_the_sha256_of_the_canonical_manifest(bundle):
     data = json.loads((bundle / "manifest.json").read_text())
-    body = json.dumps({k: v for k, v in data.items() if k != "digest"}, sort_keys=True, separators=(",", ":"),
-                      ensure_ascii=False)
+    body = json.dumps(
+        {k: v for k, v in data.items() if k != "digest"}, sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    )
     assert data["digest"] == hashlib.sha256(body.encode()).hexdigest() == load_manifest(bundle).content_digest()
 
 
@@ -229,8 +281,10 @@ def test_a_tampered_file_is_refused_naming_both_hashes(bundle):
     actual = hashlib.sha256(b"\x02" * 2000).hexdigest()
     with pytest.raises(HashMismatch) as e:
         load_manifest(bundle)
-    assert str(e.value) == (f"bundle {bundle}: luts/embedding.i8 has sha256 {actual}, manifest.json says {listed}; "
-                            "the file is corrupt or replaced: rebuild the bundle with `hycoc build`")
+    assert str(e.value) == (
+        f"bundle {bundle}: luts/embedding.i8 has sha256 {actual}, manifest.json says {listed}; "
+        "the file is corrupt or replaced: rebuild the bundle with `hycoc build`"
+    )
     assert load_manifest(bundle, verify=False).file("luts/embedding.i8").sha256 == listed
 
 
@@ -262,13 +316,19 @@ def test_another_schema_version_is_refused_naming_both(bundle, version, hint):
     assert f"manifest schema version {version}, this hycoc reads version {SCHEMA_VERSION}{hint}" in str(e.value)
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda d: d.update(colour="red"), "unknown key colour"),
-    (lambda d: d["graphs"][0]["inputs"][0].update(layout="nchw"), "unknown key graphs[0].inputs[0].layout"),
-    (lambda d: d["round"].update(chain_length="4"), "round.chain_length: Input should be a valid integer"),
-    (lambda d: d["files"][0].update(path="../tokenizer.json"), "files[0].path: '../tokenizer.json' is not a relative"),
-    (lambda d: d.pop("handoff"), "handoff: Field required"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda d: d.update(colour="red"), "unknown key colour"),
+        (lambda d: d["graphs"][0]["inputs"][0].update(layout="nchw"), "unknown key graphs[0].inputs[0].layout"),
+        (lambda d: d["round"].update(chain_length="4"), "round.chain_length: Input should be a valid integer"),
+        (
+            lambda d: d["files"][0].update(path="../tokenizer.json"),
+            "files[0].path: '../tokenizer.json' is not a relative",
+        ),
+        (lambda d: d.pop("handoff"), "handoff: Field required"),
+    ],
+)
 def test_a_bad_manifest_is_refused_naming_the_key(bundle, change, message):
     edit_manifest(bundle, change)
     with pytest.raises(ManifestInvalid) as e:
@@ -295,8 +355,11 @@ def test_check_target_and_graph_io_name_both_values(bundle):
     with pytest.raises(TargetMismatch, match="bundle built for KV bit width 8, this device has 16"):
         check_target(m, backend="htp", kv_bits=16)
     check_graph_io(m.graph("head"), [("x", [1, 4], "float32")], [("y", [1, 3], "float32")])
-    with pytest.raises(GraphIOMismatch, match=r"graph head: input x is \[1, 4\] float32 in the manifest, "
-                                              r"\[1, 8\] float32 in the model"):
+    with pytest.raises(
+        GraphIOMismatch,
+        match=r"graph head: input x is \[1, 4\] float32 in the manifest, "
+        r"\[1, 8\] float32 in the model",
+    ):
         check_graph_io(m.graph("head"), [("x", [1, 8], "float32")], [("y", [1, 3], "float32")])
 
 
@@ -308,12 +371,26 @@ def test_inspect_prints_files_graphs_round_and_handoff(bundle):
     assert result.exit_code == 0, result.output
     out = result.stdout
     recipe = load_recipe(TOY)
-    for text in ("target htp-v81", "HTP v81 SM8850 (soc id 87)", "QNN SDK 2.51.0", "keep set 300 tokens",
-                 "slm_ctx_qnn.bin", "context_binary", "1.500", "graph head (head): head.onnx",
-                 "graph slm (slm): slm_ctx.onnx -> slm_ctx_qnn.bin", "uint8 scale 0.1 zp 128",
-                 "int16 scale 0.25 zp 0", "int8: 1 tensors / 12 weights", "int4: 7 tensors / 7,000 weights",
-                 "MatMul 1", "QuantizeLinear 2", "K (chain_length)", "hand-off: int8",
-                 f"{recipe.handoff.scale_hidden:.6g}"):
+    for text in (
+        "target htp-v81",
+        "HTP v81 SM8850 (soc id 87)",
+        "QNN SDK 2.51.0",
+        "keep set 300 tokens",
+        "slm_ctx_qnn.bin",
+        "context_binary",
+        "1.500",
+        "graph head (head): head.onnx",
+        "graph slm (slm): slm_ctx.onnx -> slm_ctx_qnn.bin",
+        "uint8 scale 0.1 zp 128",
+        "int16 scale 0.25 zp 0",
+        "int8: 1 tensors / 12 weights",
+        "int4: 7 tensors / 7,000 weights",
+        "MatMul 1",
+        "QuantizeLinear 2",
+        "K (chain_length)",
+        "hand-off: int8",
+        f"{recipe.handoff.scale_hidden:.6g}",
+    ):
         assert text in out, text
 
 
@@ -323,8 +400,14 @@ def test_inspect_of_a_bundle_fits_80_columns_redirected(bundle):
     lines = result.stdout.splitlines()
     assert max(map(len, lines)) <= 80 and "…" not in result.stdout
     cells = {c.strip() for line in lines for c in line.split("│")}
-    for text in ("slm_ctx_qnn.bin", "head_query_position_offset", "head weight bits / SLM activation bits / KV bits",
-                 "uint8 scale 0.1 zp 128", "k_sliding", "v_full"):
+    for text in (
+        "slm_ctx_qnn.bin",
+        "head_query_position_offset",
+        "head weight bits / SLM activation bits / KV bits",
+        "uint8 scale 0.1 zp 128",
+        "k_sliding",
+        "v_full",
+    ):
         assert text in cells, text
 
 
@@ -343,7 +426,9 @@ def test_inspect_a_corrupt_bundle_exits_1_with_the_reason(bundle):
 
 
 def test_the_runtime_side_imports_neither_torch_nor_onnx():
-    code = ("import sys, hycoc.bundle; print(sorted(m for m in ('torch', 'onnx', 'onnxruntime', 'transformers', "
-            "'hycoc.recipe') if m in sys.modules))")
+    code = (
+        "import sys, hycoc.bundle; print(sorted(m for m in ('torch', 'onnx', 'onnxruntime', 'transformers', "
+        "'hycoc.recipe') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -10,15 +10,23 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from hycoc.verifier import row_budget
+from hycoc.verifier.row_budget import BudgetState, RowCost
 
 from hycoc.bench import capacity as cap
-from hycoc.bench.capacity import (CapacityError, SimConfig, SimRound, SyntheticRequest, Workload, cpu_slowdown,
-                                  simulate, summarize)
+from hycoc.bench.capacity import (
+    CapacityError,
+    SimConfig,
+    SimRound,
+    SyntheticRequest,
+    Workload,
+    cpu_slowdown,
+    simulate,
+    summarize,
+)
 from hycoc.bench.capacity_cost import StepCost, StepCostError, model_step_cost
 from hycoc.bench.capacity_run import search_devices, trace_workload
 from hycoc.bench.loadtrace import RequestTrace, RoundTrace, Trace
-from hycoc.verifier import row_budget
-from hycoc.verifier.row_budget import BudgetState, RowCost
 
 
 @dataclass
@@ -44,16 +52,19 @@ class FixedCost(StepCost):
         return self.line or super().row_cost()
 
 
-def synthetic(mat: int, device_ms: float, *, exponential: bool = False, output: int = 10 ** 9) -> Workload:
-    return Workload(lambda i, k: SyntheticRequest(8, output, mat, 33, device_ms, "device",
-                                                  np.random.default_rng([7, i, k]), exponential))
+def synthetic(mat: int, device_ms: float, *, exponential: bool = False, output: int = 10**9) -> Workload:
+    return Workload(
+        lambda i, k: SyntheticRequest(
+            8, output, mat, 33, device_ms, "device", np.random.default_rng([7, i, k]), exponential
+        )
+    )
 
 
 def test_one_device_fixed_times_is_exact():
     """One device drafting D ms, a verifier step of S ms, MAT m: round k ends at k (D + S); every latency is S;
     no round starts after the run (D + (k - 1)(D + S) < T); tok/s over the window after the first round is
     m x (rounds - 1) / (T - (D + S))."""
-    d, s, m, t = 30.0, 20.0, 3, 2.01     # no round ends at the run's end (no float tie)
+    d, s, m, t = 30.0, 20.0, 3, 2.01  # no round ends at the run's end (no float tie)
     cfg = SimConfig(mode="serial", devices=1, duration_s=t)
     res = simulate(synthetic(m, d), cfg, FixedCost(a=s))
     stats = res.stats
@@ -74,7 +85,7 @@ def test_mdl_queue_matches_closed_form():
     service S: the mean queue wait is M/D/1's Pollaczek-Khinchine value rho S / (2 (1 - rho)) (Kleinrock,
     Queueing Systems I, eq. 5.73), within 8%. 400 devices: the finite-source effect is under 1%."""
     s, rho, n = 10.0, 0.6, 400
-    z = n * s / rho                        # per-device mean drafting ms: arrival rate n / z = rho / s
+    z = n * s / rho  # per-device mean drafting ms: arrival rate n / z = rho / s
     cfg = SimConfig(mode="serial", devices=n, duration_s=400.0)
     res = simulate(synthetic(1, z, exponential=True), cfg, FixedCost(a=s))
     waits = np.asarray(res.server_ms) - s
@@ -96,8 +107,18 @@ def _tree_trace() -> Trace:
     """Two recorded requests whose 9-row trees carry scores: a chain of 4 and side rows of low score."""
     parents = (-1, 0, 1, 2, 3, 0, 1, 5, 6)
     scores = (0.0, -0.2, -0.5, -0.9, -1.4, -2.5, -3.0, -3.5, -4.0)
-    rounds = tuple(RoundTrace(tuple(range(10 + 10 * k, 19 + 10 * k)), parents, 25.0, 25.0, scores,
-                              (1, 2, 3, 4), tuple(range(100 + 5 * k, 105 + 5 * k))) for k in range(6))
+    rounds = tuple(
+        RoundTrace(
+            tuple(range(10 + 10 * k, 19 + 10 * k)),
+            parents,
+            25.0,
+            25.0,
+            scores,
+            (1, 2, 3, 4),
+            tuple(range(100 + 5 * k, 105 + 5 * k)),
+        )
+        for k in range(6)
+    )
     req = RequestTrace("hyco", 1, (5, 6, 7), 0.0, 1, 1.0, 0, "exact", 1.0, "device", 30, rounds, 30, "length")
     return Trace("k", (1,), (req,), {"bundle_manifest_sha256": "abc", "recipe_sha256": "r"})
 
@@ -114,11 +135,17 @@ def test_budget_is_the_servers_function_and_first_step_matches_it():
     res = simulate(trace_workload([list(trace.requests)] * 2), cfg, cost)
     rt = trace.requests[0].rounds[0]
     tree = (np.asarray(rt.scores), np.asarray(rt.tokens), np.asarray(rt.parents))
-    want = row_budget.allocate([tree, tree], line, free_rows=max(9, line.flat_rows()), min_rows=2,
-                               extra_ms=BudgetState().overhead_ms * 2, value_scale=1.0)
+    want = row_budget.allocate(
+        [tree, tree],
+        line,
+        free_rows=max(9, line.flat_rows()),
+        min_rows=2,
+        extra_ms=BudgetState().overhead_ms * 2,
+        value_scale=1.0,
+    )
     first = res.stats.rounds[:2]
     assert want.trimmed > 0
-    assert sum(r.rows for r in first) == 18                      # rows as sent
+    assert sum(r.rows for r in first) == 18  # rows as sent
     # committed per round: the recorded path cut at the first row the budget left out, plus the bonus
     kept = [set(k.tolist()) if k is not None else set(range(9)) for k in want.kept]
     for r, keep in zip(first, kept):
@@ -147,14 +174,22 @@ def test_unreachable_target_is_one_line():
 def test_cost_model_of_another_shape_is_refused():
     from hycoc.bench.cost_model import CostModel, CostPoint
 
-    model = CostModel(device="cpu", dtype="float32", model="other", shape={"hidden_size": 512, "num_hidden_layers": 4},
-                      points=[CostPoint(rows=r, context=c, ms=1.0 + r / 10) for r in (1, 33) for c in (64, 128)])
-    with pytest.raises(StepCostError, match=r"--cost-model m.json: measured on another model .*hidden_size = 512.*"
-                                            r"the recipe's verifier has 256"):
+    model = CostModel(
+        device="cpu",
+        dtype="float32",
+        model="other",
+        shape={"hidden_size": 512, "num_hidden_layers": 4},
+        points=[CostPoint(rows=r, context=c, ms=1.0 + r / 10) for r in (1, 33) for c in (64, 128)],
+    )
+    with pytest.raises(
+        StepCostError,
+        match=r"--cost-model m.json: measured on another model .*hidden_size = 512.*"
+        r"the recipe's verifier has 256",
+    ):
         model_step_cost(model, {"hidden_size": 256, "num_hidden_layers": 4}, 4, path="m.json")
     ok = model_step_cost(model, {"hidden_size": 512}, 4, path="m.json")
     assert ok.forward_ms(33, 1, 64) == pytest.approx(model.predict(33, 64))
-    assert ok.forward_ms(66, 2, 64) == pytest.approx(2 * model.predict(33, 64))      # a CPU line: linear beyond
+    assert ok.forward_ms(66, 2, 64) == pytest.approx(2 * model.predict(33, 64))  # a CPU line: linear beyond
 
 
 def test_trace_of_another_bundle_is_refused(tmp_path):
@@ -194,7 +229,7 @@ def test_sim_round_replays_the_loadtest_tree():
     assert isinstance(rnd, SimRound)
     _, tokens, parents, _ = tree_at(req, [], 0)
     assert np.array_equal(rnd.tree[1], tokens) and rnd.path == (1, 2, 3, 4)
-    tr.commit(rnd.committed[:2])      # a trimmed round: two tokens; next the sub-tree under path row 2 (depth 2)
+    tr.commit(rnd.committed[:2])  # a trimmed round: two tokens; next the sub-tree under path row 2 (depth 2)
     sub = tr.next_round()
     # rows 2, 3, 4 of the recorded tree (the chain below row 2) re-rooted: the rest of the path is its rows 1, 2
     assert sub.path == (1, 2) and sub.committed == req.rounds[0].committed[2:]
@@ -237,7 +272,9 @@ def test_sched_sampler_sees_a_busy_child():
 
     with SchedSampler(interval_s=0.05) as s:
         t0 = time.time()
-        child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.8: pass"])
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.8: pass"]
+        )
         child.wait()
         got = s.contention(t0, time.time())
     assert got is not None and got["slowdown"] >= 1.0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import typer
@@ -40,12 +39,17 @@ def test_help_lists_each_command_on_one_uncut_line_at_80_columns():
     assert all(len(line) <= 80 and not line.endswith("...") and line.endswith(".") for line in lines), lines
 
 
-@pytest.mark.parametrize("command, usage", [("run", "Usage: hycoc run [OPTIONS] BUNDLE"),
-                                            ("inspect", "Usage: hycoc inspect [OPTIONS] BUNDLE|RECIPE"),
-                                            ("build", "Usage: hycoc build [OPTIONS] RECIPE")])
+@pytest.mark.parametrize(
+    "command, usage",
+    [
+        ("run", "Usage: hycoc run [OPTIONS] BUNDLE"),
+        ("inspect", "Usage: hycoc inspect [OPTIONS] BUNDLE|RECIPE"),
+        ("build", "Usage: hycoc build [OPTIONS] RECIPE"),
+    ],
+)
 def test_usage_lines_write_required_arguments_plain(command, usage):
     result = invoke(command, "--help")
-    assert result.stdout.splitlines()[0] == usage   # typer 0.29 alone writes {BUNDLE}
+    assert result.stdout.splitlines()[0] == usage  # typer 0.29 alone writes {BUNDLE}
 
 
 def test_version_prints_the_installed_package_version():
@@ -56,16 +60,19 @@ def test_version_prints_the_installed_package_version():
     assert result.stdout.strip() == f"hycoc {version('hycoc')}"
 
 
-@pytest.mark.parametrize("module,banned", [
-    ("hycoc.cli", ("torch", "transformers")),
-    ("hycoc.cli.__main__", ("torch", "transformers")),
-    ("hycoc.cli._common", ("torch", "transformers", "aiohttp")),
-    ("hycoc.cli.run", ("torch", "transformers", "aiohttp")),  # the device-runtime install has neither
-    ("hycoc.cli.build", ("torch", "transformers")),
-    ("hycoc.cli.serve", ("torch", "transformers", "aiohttp", "ray")),
-    ("hycoc.cli.bench", ("torch", "transformers")),
-    ("hycoc.cli.tools", ("torch", "transformers")),
-])
+@pytest.mark.parametrize(
+    "module,banned",
+    [
+        ("hycoc.cli", ("torch", "transformers")),
+        ("hycoc.cli.__main__", ("torch", "transformers")),
+        ("hycoc.cli._common", ("torch", "transformers", "aiohttp")),
+        ("hycoc.cli.run", ("torch", "transformers", "aiohttp")),  # the device-runtime install has neither
+        ("hycoc.cli.build", ("torch", "transformers")),
+        ("hycoc.cli.serve", ("torch", "transformers", "aiohttp", "ray")),
+        ("hycoc.cli.bench", ("torch", "transformers")),
+        ("hycoc.cli.tools", ("torch", "transformers")),
+    ],
+)
 def test_importing_a_cli_module_loads_neither_torch_nor_transformers(module, banned):
     code = f"import sys, {module}; print(sorted(m for m in {banned!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -82,15 +89,31 @@ def test_help_lists_the_commands_in_the_readme_order():
     assert len(listed) == 13
 
 
-@pytest.mark.parametrize("command,options", [
-    ("build", ["--target", "--out", "--list-passes", "--until", "--cache-dir"]),
-    ("run", ["--server", "--prompt", "--prompt-file", "--max-new-tokens", "--mode", "--backend", "--seed", "--json",
-             "--raw", "--auth-token"]),
-    ("verify-server", ["--host", "--port", "--device", "--auth-token"]),
-    ("bench", ["--dataset", "--limit", "--configs", "--link", "--runs", "--out", "--resume"]),
-    ("inspect", ["--json"]),
-    ("generate", ["--dataset", "--question-id", "--prompt", "--max-new-tokens", "--seed", "--temperature"]),
-])
+@pytest.mark.parametrize(
+    "command,options",
+    [
+        ("build", ["--target", "--out", "--list-passes", "--until", "--cache-dir"]),
+        (
+            "run",
+            [
+                "--server",
+                "--prompt",
+                "--prompt-file",
+                "--max-new-tokens",
+                "--mode",
+                "--backend",
+                "--seed",
+                "--json",
+                "--raw",
+                "--auth-token",
+            ],
+        ),
+        ("verify-server", ["--host", "--port", "--device", "--auth-token"]),
+        ("bench", ["--dataset", "--limit", "--configs", "--link", "--runs", "--out", "--resume"]),
+        ("inspect", ["--json"]),
+        ("generate", ["--dataset", "--question-id", "--prompt", "--max-new-tokens", "--seed", "--temperature"]),
+    ],
+)
 def test_each_command_documents_its_options(command, options):
     result = runner.invoke(app, [command, "--help"], terminal_width=200)
     assert result.exit_code == 0
@@ -117,15 +140,17 @@ def test_inspect_recipe_emits_the_real_shape_plan_without_checkpoints():
     plan = json.loads(result.stdout)
     assert plan["handoff"]["handoff_bytes_per_round"] == 44 + 5632
     assert plan["handoff"]["handoff_bytes_per_position"] == 6144
-    assert plan["handoff"]["tree_bytes_per_round"] == 287   # protocol v4: 16 + 7 + 33 * (4 + 2 + 2)
+    assert plan["handoff"]["tree_bytes_per_round"] == 287  # protocol v4: 16 + 7 + 33 * (4 + 2 + 2)
 
 
 def test_build_without_the_models_exits_1_in_one_line(tmp_path):
     # gemma4.toml names hub ids; with no checkpoint on disk the build stops before any pass runs
     result = invoke("build", GEMMA4, "--target", "cpu", "--cache-dir", tmp_path / "c", "--out", tmp_path / "b")
     assert result.exit_code == 1 and result.stdout == ""
-    assert result.stderr.startswith("hycoc build: the tokenizer model is not on this machine: ") and \
-        result.stderr.count("\n") == 1   # the chat files are read first, before any model
+    assert (
+        result.stderr.startswith("hycoc build: the tokenizer model is not on this machine: ")
+        and result.stderr.count("\n") == 1
+    )  # the chat files are read first, before any model
     assert "hf download google/gemma-4-26B-A4B-it --local-dir DIR" in result.stderr
     assert not (tmp_path / "c").exists() and not (tmp_path / "b").exists()
 
@@ -133,16 +158,31 @@ def test_build_without_the_models_exits_1_in_one_line(tmp_path):
 def test_inspect_refuses_a_folder_that_is_no_bundle():
     result = invoke("inspect", ROOT)
     assert result.exit_code == 1
-    assert result.stderr.strip() == (f"hycoc inspect: bundle {ROOT}: not a bundle (no manifest.json); build one "
-                                     "with `hycoc build RECIPE --out DIR`")
+    assert result.stderr.strip() == (
+        f"hycoc inspect: bundle {ROOT}: not a bundle (no manifest.json); build one with `hycoc build RECIPE --out DIR`"
+    )
     assert result.stdout == ""
 
 
 def test_bench_with_a_bundle_folder_that_is_not_a_bundle_exits_1(tmp_path):
-    result = invoke("bench", TOY, "--limit", "3", "--link", "45:50", "--configs", "hyco,cloud-mtp",
-                    "--bundle", tmp_path, "--out", tmp_path / "out")
+    result = invoke(
+        "bench",
+        TOY,
+        "--limit",
+        "3",
+        "--link",
+        "45:50",
+        "--configs",
+        "hyco,cloud-mtp",
+        "--bundle",
+        tmp_path,
+        "--out",
+        tmp_path / "out",
+    )
     assert (result.exit_code, result.stderr.strip()) == (
-        1, f"hycoc bench: --bundle {tmp_path}: no manifest.json there; build one with hycoc build")
+        1,
+        f"hycoc bench: --bundle {tmp_path}: no manifest.json there; build one with hycoc build",
+    )
 
 
 def test_bench_refuses_unknown_configs_and_links():
@@ -184,17 +224,24 @@ def test_run_checks_its_arguments(tmp_path):
 
     assert err(tmp_path, "--server", "ws://h:1") == "hycoc run: give exactly one of --prompt and --prompt-file"
     assert err(tmp_path, "--server", "ws://h:1", "--prompt", "a", "--prompt-file", "f") == (
-        "hycoc run: give exactly one of --prompt and --prompt-file")
+        "hycoc run: give exactly one of --prompt and --prompt-file"
+    )
     no_file = invoke("run", tmp_path, "--server", "ws://h:1", "--prompt-file", tmp_path / "f")
-    assert (no_file.exit_code, no_file.stderr.strip()) == (1, f"hycoc run: --prompt-file {tmp_path / 'f'}: no such file")
+    assert (no_file.exit_code, no_file.stderr.strip()) == (
+        1,
+        f"hycoc run: --prompt-file {tmp_path / 'f'}: no such file",
+    )
     assert err(tmp_path, "--server", "ws://h:1", "--prompt", "") == (
-        "hycoc run: --prompt is empty: give the text to answer (or --prompt-file FILE)")
+        "hycoc run: --prompt is empty: give the text to answer (or --prompt-file FILE)"
+    )
     assert err(tmp_path, "--server", "ws://h:1", "--prompt", " \n") == (
-        "hycoc run: --prompt is empty: give the text to answer (or --prompt-file FILE)")
+        "hycoc run: --prompt is empty: give the text to answer (or --prompt-file FILE)"
+    )
     missing = invoke("run", tmp_path / "b", "--server", "ws://h:1", "--prompt", "a")
     assert missing.exit_code == 1 and missing.stderr.startswith(f"hycoc run: bundle {tmp_path / 'b'}: no such folder")
     assert err(tmp_path, "--server", "http://h:1", "--prompt", "a") == (
-        "hycoc run: --server 'http://h:1': expected ws://HOST:PORT")
+        "hycoc run: --server 'http://h:1': expected ws://HOST:PORT"
+    )
     assert "Invalid value for '--mode'" in err(tmp_path, "--server", "ws://h:1", "--prompt", "a", "--mode", "fast")
 
 
@@ -204,8 +251,11 @@ def test_doctor_reports_versions():
 
     result = runner.invoke(app, ["doctor"], terminal_width=200)
     assert result.exit_code == 0
-    lines = {line.split("│")[1].strip(): line.split("│")[2].strip()
-             for line in result.stdout.splitlines() if line.count("│") == 3}
+    lines = {
+        line.split("│")[1].strip(): line.split("│")[2].strip()
+        for line in result.stdout.splitlines()
+        if line.count("│") == 3
+    }
     assert lines["torch"] == torch.__version__
     assert lines["transformers"] == transformers.__version__
     assert lines["python"] == sys.version.split()[0]
@@ -219,17 +269,27 @@ def test_generate_refuses_prompt_with_question_id():
     assert result.stderr.strip() == "hycoc generate: give at most one of --prompt and --question-id"
     result = invoke("generate", TOY, "--prompt", "")
     assert (result.exit_code, result.stderr.strip()) == (
-        2, "hycoc generate: --prompt is empty: give the text to answer (or --question-id N)")
+        2,
+        "hycoc generate: --prompt is empty: give the text to answer (or --question-id N)",
+    )
 
 
 # ---- exit codes (docs/commands.md "Exit codes": 2 the command line is wrong, 1 what it names is missing or bad) ---
 
 
-@pytest.mark.parametrize("args", [
-    ["build", "{missing}.toml"], ["inspect", "{missing}"], ["inspect", "{missing}.toml"],
-    ["run", "{missing}", "--server", "ws://127.0.0.1:1", "--prompt", "hi"], ["profile", "{missing}"],
-    ["bench", "{missing}.toml"], ["verify-server", "{missing}.toml"], ["generate", "{missing}.toml"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["build", "{missing}.toml"],
+        ["inspect", "{missing}"],
+        ["inspect", "{missing}.toml"],
+        ["run", "{missing}", "--server", "ws://127.0.0.1:1", "--prompt", "hi"],
+        ["profile", "{missing}"],
+        ["bench", "{missing}.toml"],
+        ["verify-server", "{missing}.toml"],
+        ["generate", "{missing}.toml"],
+    ],
+)
 def test_a_path_that_does_not_exist_exits_1_in_every_command(tmp_path, args):
     missing = str(tmp_path / "nothing-here")
     result = invoke(*[a.format(missing=missing) for a in args])
@@ -256,22 +316,27 @@ def test_generate_names_a_missing_model(tmp_path):
     recipe.write_text('[models]\ntokenizer = "missing/tokenizer.json"\n[verifier]\ndevice = "cpu"\n')
     result = invoke("generate", recipe, "--prompt", "hi")
     assert result.exit_code == 1
-    assert result.stderr.startswith(f"hycoc generate: the tokenizer model is not on this machine: {recipe}: "
-                                    "models.tokenizer = 'missing/tokenizer.json': "
-                                    f"{tmp_path / 'missing/tokenizer.json'} does not exist")
+    assert result.stderr.startswith(
+        f"hycoc generate: the tokenizer model is not on this machine: {recipe}: "
+        "models.tokenizer = 'missing/tokenizer.json': "
+        f"{tmp_path / 'missing/tokenizer.json'} does not exist"
+    )
     (tmp_path / "missing").mkdir()
     (tmp_path / "missing/tokenizer.json").write_text("{}")
     result = invoke("generate", recipe, "--prompt", "hi")  # a tokenizer folder without a chat template
     assert result.exit_code == 1
-    assert result.stderr.startswith(f"hycoc generate: {tmp_path / 'missing'}: no chat template (neither "
-                                    "chat_template.jinja nor a \"chat_template\" in tokenizer_config.json)")
+    assert result.stderr.startswith(
+        f"hycoc generate: {tmp_path / 'missing'}: no chat template (neither "
+        'chat_template.jinja nor a "chat_template" in tokenizer_config.json)'
+    )
     from gemma4_fixture import write_tokenizer_folder
 
     write_tokenizer_folder(tmp_path / "missing")
     result = invoke("generate", recipe, "--prompt", "hi")  # the verifier is a hub id in the defaults
     assert result.exit_code == 1
-    assert result.stderr.startswith(f"hycoc generate: {recipe}: models.verifier = 'google/gemma-4-26B-A4B-it' is a "
-                                    "hub id, not a local path")
+    assert result.stderr.startswith(
+        f"hycoc generate: {recipe}: models.verifier = 'google/gemma-4-26B-A4B-it' is a hub id, not a local path"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -286,8 +351,10 @@ def tiny_family(tmp_path_factory):
     tiny_verifier(vocab_size=300).save_pretrained(folder / "verifier")
     write_generation_config(folder / "verifier", STOP_IDS)
     recipe = folder / "tiny.toml"
-    recipe.write_text('[models]\nverifier = "verifier"\ntokenizer = "tokenizer"\n'
-                      '[verifier]\ndevice = "cpu"\ndtype = "float32"\n[sampling]\nmax_new_tokens = 6\n')
+    recipe.write_text(
+        '[models]\nverifier = "verifier"\ntokenizer = "tokenizer"\n'
+        '[verifier]\ndevice = "cpu"\ndtype = "float32"\n[sampling]\nmax_new_tokens = 6\n'
+    )
     return recipe
 
 
@@ -295,7 +362,7 @@ def test_generate_streams_an_answer_from_the_verifier(tiny_family):
     first = invoke("generate", tiny_family, "--prompt", "w1 w2", "--seed", "3")
     assert first.exit_code == 0, first.output
     stats = first.stderr.splitlines()[-1]  # after transformers' weight-loading progress bar
-    assert stats.startswith("[6 tokens in ") and stats.endswith("prompt 8 tokens]")   # <bos><|turn>user w1 w2 ...
+    assert stats.startswith("[6 tokens in ") and stats.endswith("prompt 8 tokens]")  # <bos><|turn>user w1 w2 ...
     assert first.stdout.endswith("\n") and first.stdout.strip()
     again = invoke("generate", tiny_family, "--prompt", "w1 w2", "--seed", "3")
     assert again.stdout == first.stdout  # seeded sampling
@@ -314,11 +381,13 @@ def test_generate_answer_is_the_library_call_behind_the_command(tiny_family):
     done = generate_answer(load_recipe(tiny_family), "w1 w2", seed=3, out=out, err=err, say=said.append)
     assert (done.tokens, done.prompt_tokens) == (6, 8) and said == ["[question] w1 w2"]
     cli = invoke("generate", tiny_family, "--prompt", "w1 w2", "--seed", "3")
-    assert out.getvalue() == cli.stdout                                   # the same seeded answer
+    assert out.getvalue() == cli.stdout  # the same seeded answer
     assert sampling_kwargs(0.0, 64, 0.95) == {"do_sample": False}
     assert sampling_kwargs(0.7, 64, 0.95) == {"do_sample": True, "temperature": 0.7, "top_k": 64, "top_p": 0.95}
-    assert summary_line(Generated(tokens=6, prompt_tokens=8, seconds=2.0)) == "[6 tokens in 2.00 s, 3.0 tok/s; " \
-                                                                             "prompt 8 tokens]"
+    assert (
+        summary_line(Generated(tokens=6, prompt_tokens=8, seconds=2.0)) == "[6 tokens in 2.00 s, 3.0 tok/s; "
+        "prompt 8 tokens]"
+    )
 
 
 def test_generate_on_the_toy_family_answers_question_81():
@@ -334,7 +403,6 @@ def test_verify_server_refuses_a_bad_keep_set_before_listening(tmp_path):
     import errno
     import socket
 
-
     from hycoc.recipe import load_recipe
 
     cfg = load_recipe(TOY).verifier
@@ -342,7 +410,7 @@ def test_verify_server_refuses_a_bad_keep_set_before_listening(tmp_path):
     try:
         listener.bind((cfg.host, cfg.port))
         listener.listen()
-    except OSError as e:   # already held by a real server: the condition this test needs
+    except OSError as e:  # already held by a real server: the condition this test needs
         assert e.errno == errno.EADDRINUSE, e
     try:
         _refuses_bad_keep_sets(tmp_path)
@@ -380,9 +448,11 @@ def _token_app():
     app = typer.Typer()
 
     @app.command()
-    def main(ctx: typer.Context,
-             auth_token: Optional[str] = typer.Option(None, envvar="HYCOC_AUTH_TOKEN"),
-             auth_token_file: Optional[Path] = typer.Option(None)) -> None:
+    def main(
+        ctx: typer.Context,
+        auth_token: str | None = typer.Option(None, envvar="HYCOC_AUTH_TOKEN"),
+        auth_token_file: Path | None = typer.Option(None),
+    ) -> None:
         typer.echo(f"token={_auth_token('run', ctx, auth_token, auth_token_file)}")
 
     return app
@@ -392,10 +462,12 @@ def test_auth_token_on_the_command_line_is_warned_about(tmp_path):
     runner = CliRunner()
     result = runner.invoke(_token_app(), ["--auth-token", "s3cret"])
     assert result.exit_code == 0 and result.stdout == "token=s3cret\n"
-    assert result.stderr == ("hycoc run: warning: --auth-token on the command line is visible to every local user "
-                             "(ps, /proc/PID/cmdline); set HYCOC_AUTH_TOKEN or use --auth-token-file FILE instead\n")
+    assert result.stderr == (
+        "hycoc run: warning: --auth-token on the command line is visible to every local user "
+        "(ps, /proc/PID/cmdline); set HYCOC_AUTH_TOKEN or use --auth-token-file FILE instead\n"
+    )
     result = runner.invoke(_token_app(), [], env={"HYCOC_AUTH_TOKEN": "s3cret"})
-    assert result.stdout == "token=s3cret\n" and result.stderr == ""            # the environment: no warning
+    assert result.stdout == "token=s3cret\n" and result.stderr == ""  # the environment: no warning
     (tmp_path / "token").write_text("from-file\n")
     result = runner.invoke(_token_app(), ["--auth-token-file", str(tmp_path / "token")])
     assert result.stdout == "token=from-file\n" and result.stderr == ""
@@ -403,13 +475,16 @@ def test_auth_token_on_the_command_line_is_warned_about(tmp_path):
     assert result.exit_code == 2 and "give one of --auth-token and --auth-token-file" in result.stderr
     (tmp_path / "empty").write_text("\n")
     result = runner.invoke(_token_app(), ["--auth-token-file", str(tmp_path / "empty")])
-    assert result.exit_code == 1 and "the file is empty" in result.stderr   # a bad file: bad input
+    assert result.exit_code == 1 and "the file is empty" in result.stderr  # a bad file: bad input
 
 
-@pytest.mark.parametrize("verifier,expected", [
-    ("toy/models/verifer", "models.verifier: toy/models/verifer: no such folder"),
-    ("toy/models", "models.verifier: toy/models: no config.json in"),
-])
+@pytest.mark.parametrize(
+    "verifier,expected",
+    [
+        ("toy/models/verifer", "models.verifier: toy/models/verifer: no such folder"),
+        ("toy/models", "models.verifier: toy/models: no config.json in"),
+    ],
+)
 def test_inspect_recipe_names_a_wrong_model_folder_before_comparing_shapes(tmp_path, verifier, expected):
     text = TOY.read_text(encoding="utf-8").replace('verifier = "toy/models/verifier"', f'verifier = "{verifier}"')
     (tmp_path / "toy").symlink_to(ROOT / "recipes" / "toy", target_is_directory=True)  # the relative paths hold

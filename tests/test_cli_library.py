@@ -20,22 +20,32 @@ TOY = ROOT / "recipes" / "toy.toml"
 def test_doctor_rows_from_versions_and_the_qnn_status():
     from hycoc.doctor import doctor_rows, render_doctor
 
-    status = {"loads": True, "versions": {"qnn_sdk": "2.51.0"}, "archs": {81: {"ok": True}, 68: {"ok": False}},
-              "compilable_archs": [81]}
+    status = {
+        "loads": True,
+        "versions": {"qnn_sdk": "2.51.0"},
+        "archs": {81: {"ok": True}, 68: {"ok": False}},
+        "compilable_archs": [81],
+    }
     from hycoc.runtime.device_identity import DeviceIdentity
     from hycoc.targets.profiles import DEVICES
 
     laptop = DeviceIdentity("windows", "arm64", "x86_64", "SC8380XP", 73, "Snapdragon X Elite", "registry")
     rows = doctor_rows(status, versions={"python": "3.11.7", "torch": "not installed"}, device=laptop)
-    assert rows[:4] == [("python", "3.11.7", ""), ("torch", "not installed", "yellow"),
-                        ("QNN EP loads", "yes (QNN SDK 2.51.0)", ""), ("HTP archs", "v81 (fail: v68)", "red")]
+    assert rows[:4] == [
+        ("python", "3.11.7", ""),
+        ("torch", "not installed", "yellow"),
+        ("QNN EP loads", "yes (QNN SDK 2.51.0)", ""),
+        ("HTP archs", "v81 (fail: v68)", "red"),
+    ]
     assert rows[4][0] == "this device" and rows[4][2] == "red" and "x64 Python under emulation" in rows[4][1]
     assert [r[0] for r in rows[5:]] == [f"--device {d.name}" for d in DEVICES]
     assert rows[5][1].startswith("htp-v81 SM8850; compiles here; device time fitted")
     assert rows[6][1].startswith("htp-v79 SM8750; not compiled here; device time not fitted") and rows[6][2]
     none = doctor_rows({"loads": False, "error": "libQnnHtp.so not found"}, versions={}, device=laptop)
-    assert none[:2] == [("QNN EP loads", "no: libQnnHtp.so not found", "yellow"),
-                        ("HTP archs", "none (no QNN EP)", "yellow")]
+    assert none[:2] == [
+        ("QNN EP loads", "no: libQnnHtp.so not found", "yellow"),
+        ("HTP archs", "none (no QNN EP)", "yellow"),
+    ]
     console = Console(file=io.StringIO(), width=80)
     render_doctor(rows, console)
     assert "v81 (fail: v68)" in console.file.getvalue() and "hycoc doctor" in console.file.getvalue()
@@ -62,8 +72,10 @@ def test_load_keep_set_reads_int_ids_and_names_a_bad_file(tmp_path):
     np.save(tmp_path / "floats.npy", np.zeros(3))
     with pytest.raises(ValueError) as e:
         load_keep_set(tmp_path / "floats.npy")
-    assert str(e.value) == (f"--keep-set {tmp_path / 'floats.npy'}: expected a non-empty 1-D array of int token "
-                            "ids, got shape (3,) dtype float64")
+    assert str(e.value) == (
+        f"--keep-set {tmp_path / 'floats.npy'}: expected a non-empty 1-D array of int token "
+        "ids, got shape (3,) dtype float64"
+    )
     (tmp_path / "text.npy").write_text("not numpy")
     with pytest.raises(ValueError, match="not a .npy array file; give the bundle's keep_set.npy"):
         load_keep_set(tmp_path / "text.npy")
@@ -74,8 +86,9 @@ def test_load_keep_set_reads_int_ids_and_names_a_bad_file(tmp_path):
 
 def test_server_options_take_the_command_line_over_the_recipe():
     pytest.importorskip("torch")
-    from hycoc.recipe import load_recipe
     from hycoc.verifier.loading import check_batching, server_options
+
+    from hycoc.recipe import load_recipe
 
     recipe = load_recipe(TOY)
     base = server_options(recipe)
@@ -108,8 +121,10 @@ def test_configs_come_back_in_table_5_order_and_unknown_ones_are_named():
     assert str(e.value) == f"--configs: unknown fast, slow; allowed: {', '.join(BENCH_CONFIGS)}"
 
 
-@pytest.mark.parametrize("link, ok", [("lte", True), ("5g", True), ("none", True), ("45:50", True),
-                                      ("50:0", False), ("fast", False), ("45", False)])
+@pytest.mark.parametrize(
+    "link, ok",
+    [("lte", True), ("5g", True), ("none", True), ("45:50", True), ("50:0", False), ("fast", False), ("45", False)],
+)
 def test_link_option_accepts_what_the_recipe_accepts(link, ok):
     from hycoc.bench.inputs import OptionError, check_link_option
 
@@ -133,15 +148,17 @@ def test_epsilons_parse_to_floats_inside_the_open_interval():
 
 
 def test_run_options_are_checked_in_the_order_a_user_fixes_them(tmp_path):
-    from hycoc.run_options import RunOptionError, check_run_options
-
     from conftest import free_port
 
-    server = f"ws://127.0.0.1:{free_port()}"   # never connected: the options fail first
+    from hycoc.run_options import RunOptionError, check_run_options
+
+    server = f"ws://127.0.0.1:{free_port()}"  # never connected: the options fail first
 
     def fails(**kw):
-        args = dict(bundle=tmp_path, server=server, prompt="hi", prompt_file=None, chat=False,
-                    raw=False, slm_alone=False) | kw
+        args = (
+            dict(bundle=tmp_path, server=server, prompt="hi", prompt_file=None, chat=False, raw=False, slm_alone=False)
+            | kw
+        )
         with pytest.raises(RunOptionError) as e:
             check_run_options(**args)
         return e.value.code, str(e.value)
@@ -149,26 +166,42 @@ def test_run_options_are_checked_in_the_order_a_user_fixes_them(tmp_path):
     assert fails(prompt=None) == (2, "give exactly one of --prompt and --prompt-file")
     assert fails(prompt_file=tmp_path / "p.txt") == (2, "give exactly one of --prompt and --prompt-file")
     assert fails(chat=True, raw=True)[1].startswith("--chat needs a verifier and the chat template")
-    assert fails(prompt=None, prompt_file=tmp_path / "p.txt") == (1, f"--prompt-file {tmp_path / 'p.txt'}: no such file")
+    assert fails(prompt=None, prompt_file=tmp_path / "p.txt") == (
+        1,
+        f"--prompt-file {tmp_path / 'p.txt'}: no such file",
+    )
     assert fails(prompt="  ") == (2, "--prompt is empty: give the text to answer (or --prompt-file FILE)")
-    assert fails(bundle=tmp_path / "b") == (1, f"bundle {tmp_path / 'b'}: no such folder (make one with `hycoc build "
-                                               "RECIPE --target cpu --out DIR`)")
+    assert fails(bundle=tmp_path / "b") == (
+        1,
+        f"bundle {tmp_path / 'b'}: no such folder (make one with `hycoc build RECIPE --target cpu --out DIR`)",
+    )
     assert fails(server=None) == (2, "--server ws://HOST:PORT is required (except with --mode slm-alone)")
     assert fails(server="http://x:1") == (2, "--server 'http://x:1': expected ws://HOST:PORT")
-    check_run_options(bundle=tmp_path, server=None, prompt="hi", prompt_file=None, chat=False, raw=False,
-                      slm_alone=True)                                       # slm-alone needs no server
-    check_run_options(bundle=tmp_path, server="wss://h:1", prompt=None, prompt_file=None, chat=True, raw=False,
-                      slm_alone=False)                                      # --chat reads the first turn
+    check_run_options(
+        bundle=tmp_path, server=None, prompt="hi", prompt_file=None, chat=False, raw=False, slm_alone=True
+    )  # slm-alone needs no server
+    check_run_options(
+        bundle=tmp_path, server="wss://h:1", prompt=None, prompt_file=None, chat=True, raw=False, slm_alone=False
+    )  # --chat reads the first turn
 
 
 def test_the_run_summary_line():
     from hycoc.run_options import summary_line
 
-    m = {"tokens": 12, "rounds": 3, "mat": 4.0, "tok_per_s": 10.04, "draft_ms_per_token": 2.25,
-         "server_ms_per_token": 5.0, "first_token_ms": 123}
-    assert summary_line("hyco", m, 45.67, "stop") == ("[hyco: 12 tokens, 3 rounds, MAT 4.00, 10.0 tok/s, draft 2.2 "
-                                                      "ms/token, server 5.0 ms/token, first token 123 ms, prefill "
-                                                      "45.7 ms, stop]")
+    m = {
+        "tokens": 12,
+        "rounds": 3,
+        "mat": 4.0,
+        "tok_per_s": 10.04,
+        "draft_ms_per_token": 2.25,
+        "server_ms_per_token": 5.0,
+        "first_token_ms": 123,
+    }
+    assert summary_line("hyco", m, 45.67, "stop") == (
+        "[hyco: 12 tokens, 3 rounds, MAT 4.00, 10.0 tok/s, draft 2.2 "
+        "ms/token, server 5.0 ms/token, first token 123 ms, prefill "
+        "45.7 ms, stop]"
+    )
 
 
 def test_the_answer_goes_to_stdout_and_the_thought_to_stderr_dimmed_on_a_terminal():
@@ -186,7 +219,8 @@ def test_the_answer_goes_to_stdout_and_the_thought_to_stderr_dimmed_on_a_termina
     assert p.streamed and out.getvalue() == "The answer"
     plain = io.StringIO()
     AnswerPrinter(io.StringIO(), plain).show(("thought", ""))
-    assert plain.getvalue() == "thought"                  # not a terminal: no escape codes
-    assert run_error("server said auth_required") == ("server said auth_required (hycoc run: set HYCOC_AUTH_TOKEN "
-                                                      "or pass --auth-token-file FILE)")
+    assert plain.getvalue() == "thought"  # not a terminal: no escape codes
+    assert run_error("server said auth_required") == (
+        "server said auth_required (hycoc run: set HYCOC_AUTH_TOKEN or pass --auth-token-file FILE)"
+    )
     assert run_error("connection closed") == "connection closed"

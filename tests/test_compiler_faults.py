@@ -26,24 +26,29 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from hycoc.targets.profiles import get_profile
 from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper as nh
-
-from hycoc.targets.profiles import get_profile
 
 torch.set_num_threads(1)
 
 
 def _model(nodes, inputs, outputs, inits=(), opset=21, domains=()):
     """An onnx.ModelProto from helper pieces: inputs/outputs as (name, elem_type, shape)."""
-    g = h.make_graph(nodes, "g", [h.make_tensor_value_info(*i) for i in inputs],
-                     [h.make_tensor_value_info(*o) for o in outputs], list(inits))
+    g = h.make_graph(
+        nodes,
+        "g",
+        [h.make_tensor_value_info(*i) for i in inputs],
+        [h.make_tensor_value_info(*o) for o in outputs],
+        list(inits),
+    )
     opsets = [h.make_opsetid("", opset), *(h.make_opsetid(d, 1) for d in domains)]
     return h.make_model(g, opset_imports=opsets, ir_version=10)
 
 
 # ----------------------------------------------------------------------------------------------- (a) mask values
+
 
 def test_mask_constant_is_one_finite_value_everywhere():
     """The head graph, the SLM graph and calibration must agree on the hidden-column value: a head mask at -1e9
@@ -54,7 +59,7 @@ def test_mask_constant_is_one_finite_value_everywhere():
 
     assert MASK_VALUE == MASK_NEG == MASK_MIN == -1e4 and MASK_MAX == 0.0
     step = (MASK_MAX - MASK_MIN) / 65535
-    assert step < 0.2   # one uint16 step of the mask encoding stays far below any logit difference that matters
+    assert step < 0.2  # one uint16 step of the mask encoding stays far below any logit difference that matters
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -65,24 +70,35 @@ def test_verifier_style_min_float_mask_is_refused_naming_input_and_fix(dtype):
     from hycoc.verifier.tree import tree_masks
 
     masks = tree_masks([-1, 0, 1, 1], 6, 3, dtype)
-    sample = {"mask_sliding": masks["sliding_attention"].float().numpy(),
-              "cos_sliding": np.zeros((1, 4, 8), np.float32)}
-    assert np.isfinite(sample["mask_sliding"]).all()                       # finite, yet out of range
-    with pytest.raises(CalibrationError, match=r"sample 2: input 'mask_sliding'.*\[-10000, 0\].*finite constant "
-                                               r"-10000, never -inf or a min-float stand-in"):
+    sample = {
+        "mask_sliding": masks["sliding_attention"].float().numpy(),
+        "cos_sliding": np.zeros((1, 4, 8), np.float32),
+    }
+    assert np.isfinite(sample["mask_sliding"]).all()  # finite, yet out of range
+    with pytest.raises(
+        CalibrationError,
+        match=r"sample 2: input 'mask_sliding'.*\[-10000, 0\].*finite constant "
+        r"-10000, never -inf or a min-float stand-in",
+    ):
         check_fixed_inputs(sample, 2)
-    sample["mask_sliding"] = np.maximum(sample["mask_sliding"], -1e4)      # the fix: the finite constant
+    sample["mask_sliding"] = np.maximum(sample["mask_sliding"], -1e4)  # the fix: the finite constant
     check_fixed_inputs(sample, 2)
 
 
 def _mask_qdq(scale: float) -> onnx.ModelProto:
     """mask_full -> Q/DQ (uint16, zero point 65535, ``scale``) -> Add x -> y."""
     inits = [nh.from_array(np.array(scale, np.float32), "s"), h.make_tensor("z", T.UINT16, [], [65535])]
-    nodes = [h.make_node("QuantizeLinear", ["mask_full", "s", "z"], ["mq"], name="mask_q"),
-             h.make_node("DequantizeLinear", ["mq", "s", "z"], ["mf"], name="mask_dq"),
-             h.make_node("Add", ["x", "mf"], ["y"], name="add")]
-    return _model(nodes, [("mask_full", T.FLOAT, [1, 1, 2, 4]), ("x", T.FLOAT, [1, 1, 2, 4])],
-                  [("y", T.FLOAT, [1, 1, 2, 4])], inits)
+    nodes = [
+        h.make_node("QuantizeLinear", ["mask_full", "s", "z"], ["mq"], name="mask_q"),
+        h.make_node("DequantizeLinear", ["mq", "s", "z"], ["mf"], name="mask_dq"),
+        h.make_node("Add", ["x", "mf"], ["y"], name="add"),
+    ]
+    return _model(
+        nodes,
+        [("mask_full", T.FLOAT, [1, 1, 2, 4]), ("x", T.FLOAT, [1, 1, 2, 4])],
+        [("y", T.FLOAT, [1, 1, 2, 4])],
+        inits,
+    )
 
 
 def test_qdq_mask_encoding_spanning_min_float_is_refused():
@@ -95,14 +111,15 @@ def test_qdq_mask_encoding_spanning_min_float_is_refused():
 
 # ---------------------------------------------------------------------------------- (b) sliding window in the tree
 
+
 @pytest.fixture(scope="module")
 def slm_export(tmp_path_factory):
+    from hycoc.passes.slm_graph import SlmTreeGraph, export_slm_graph
+    from hycoc.passes.slm_surgery import operate
     from test_slm_graph import CASES, KEEP, PARENTS, RING, ROWS, case_inputs
     from test_slm_surgery import make_tiny_slm
 
     from hycoc.models import load_slm
-    from hycoc.passes.slm_graph import SlmTreeGraph, export_slm_graph
-    from hycoc.passes.slm_surgery import operate
 
     d = tmp_path_factory.mktemp("faults_slm")
     path = make_tiny_slm(d / "slm", embedding_bits=4)
@@ -110,27 +127,38 @@ def slm_export(tmp_path_factory):
     graph = SlmTreeGraph(slm[2], KEEP, rows=ROWS, ring=RING)
     cases = {c: case_inputs(graph, slm, CASES[c], seed=5) for c in CASES}
     export_slm_graph(graph, cases["wrap"][0], d / "slm.onnx")
-    return {"slm": slm, "graph": graph, "cases": cases, "onnx": d / "slm.onnx", "parents": PARENTS, "keep": KEEP,
-            "rows": ROWS}
+    return {
+        "slm": slm,
+        "graph": graph,
+        "cases": cases,
+        "onnx": d / "slm.onnx",
+        "parents": PARENTS,
+        "keep": KEEP,
+        "rows": ROWS,
+    }
 
 
 def test_onnx_rows_past_the_sliding_boundary_equal_transformers(slm_export):
     import onnxruntime as ort
+    from hycoc.passes.slm_graph import MASK_NEG, SLIDING, ancestor_matrix, tree_depths
     from test_slm_surgery import SLIDING_WINDOW
 
-    from hycoc.passes.slm_graph import MASK_NEG, SLIDING, ancestor_matrix, tree_depths
-
     graph, keep = slm_export["graph"], slm_export["keep"]
-    past = np.flatnonzero(tree_depths(slm_export["parents"]) >= SLIDING_WINDOW)   # rows that lost their root
+    past = np.flatnonzero(tree_depths(slm_export["parents"]) >= SLIDING_WINDOW)  # rows that lost their root
     assert len(past) >= 2 and 0 < past.min() < slm_export["rows"] - 1
     sliding_kv = [i for i in graph.kv_layers if graph.layer_types[i] == SLIDING]
     assert sliding_kv
     session = ort.InferenceSession(str(slm_export["onnx"]), providers=["CPUExecutionProvider"])
     for case, (inputs, want_logits, want_new) in slm_export["cases"].items():
-        got = dict(zip(graph.output_names, session.run(
-            graph.output_names, {n: t.numpy() for n, t in zip(graph.input_names, inputs)})))
-        np.testing.assert_allclose(got["logits"][0, past], want_logits[past][:, keep].numpy(), atol=1e-4, rtol=0,
-                                   err_msg=case)
+        got = dict(
+            zip(
+                graph.output_names,
+                session.run(graph.output_names, {n: t.numpy() for n, t in zip(graph.input_names, inputs)}),
+            )
+        )
+        np.testing.assert_allclose(
+            got["logits"][0, past], want_logits[past][:, keep].numpy(), atol=1e-4, rtol=0, err_msg=case
+        )
         for i in graph.kv_layers:
             k, v = want_new[i]
             np.testing.assert_allclose(got[f"k_new_{i}"][0][:, past], k[:, past].numpy(), atol=1e-4, err_msg=case)
@@ -149,7 +177,7 @@ def test_onnx_rows_past_the_sliding_boundary_equal_transformers(slm_export):
 
 # ----------------------------------------------------------------------------- (c) per-head norms, odd head dim
 
-HID, HEADS, HEAD_DIM, SEQ = 40, 4, 24, 5   # head_dim 24 != hidden / heads = 10
+HID, HEADS, HEAD_DIM, SEQ = 40, 4, 24, 5  # head_dim 24 != hidden / heads = 10
 
 
 class PerHeadNorms(torch.nn.Module):
@@ -171,9 +199,10 @@ class PerHeadNorms(torch.nn.Module):
 
     def forward(self, x, mask):
         x = self.input_norm(x)
-        q, k, v = (norm(proj(x).view(1, SEQ, HEADS, HEAD_DIM)).transpose(1, 2)
-                   for norm, proj in ((self.q_norm, self.q_proj), (self.k_norm, self.k_proj),
-                                      (self.v_norm, self.v_proj)))
+        q, k, v = (
+            norm(proj(x).view(1, SEQ, HEADS, HEAD_DIM)).transpose(1, 2)
+            for norm, proj in ((self.q_norm, self.q_proj), (self.k_norm, self.k_proj), (self.v_norm, self.v_proj))
+        )
         att = torch.softmax(q @ k.transpose(-1, -2) + mask, dim=-1) @ v
         return (self.o_proj(att.transpose(1, 2).reshape(1, SEQ, HEADS * HEAD_DIM)),)
 
@@ -202,12 +231,12 @@ def test_exported_per_head_norms_are_rank3_and_match_torch(per_head, tmp_path):
     module, args = per_head
     names = {"input_names": ["x", "mask"], "output_names": ["y"]}
     raw, _ = export_static(module, args, tmp_path / "raw.onnx", decompose_rms_norm=False, **names)
-    assert sorted(r for _, r in rank4_rms_inputs(raw)) == [4, 4, 4]     # q, k, v norms: the detector sees them
+    assert sorted(r for _, r in rank4_rms_inputs(raw)) == [4, 4, 4]  # q, k, v norms: the detector sees them
     model, report = export_static(module, args, tmp_path / "norms.onnx", **names)
     assert report.rms_norms == 4 and report.rms_norms_reshaped == 3
     assert rank4_rms_inputs(model) == []
     ranks = _reduce_mean_input_ranks(tmp_path / "norms.onnx")
-    assert len(ranks) == 4 and set(ranks) == {3}, ranks              # the saved graph, re-inferred from scratch
+    assert len(ranks) == 4 and set(ranks) == {3}, ranks  # the saved graph, re-inferred from scratch
     errors, _ = compare_with_torch(tmp_path / "norms.onnx", module, args, logits=None, **names)
     assert errors["y"] < 1e-5, errors
 
@@ -220,13 +249,17 @@ def test_export_refuses_a_rank4_norm_the_rules_missed(per_head, tmp_path, monkey
     # only the scaled rule set: the unscaled v norm (rank 4) is left as Pow -> ReduceMean
     monkeypatch.setattr(rd, "RULE_SETS", (rd.RULE_SETS[0],))
     module, args = per_head
-    with pytest.raises(ExportError, match=r"1 RMSNorm\(s\) still reduce a rank-4 input .*rank 4\).*Fix: extend "
-                                          r"passes/rewrite/rms_norm.py"):
+    with pytest.raises(
+        ExportError,
+        match=r"1 RMSNorm\(s\) still reduce a rank-4 input .*rank 4\).*Fix: extend "
+        r"passes/rewrite/rms_norm.py",
+    ):
         export_static(module, args, tmp_path / "bad.onnx", input_names=["x", "mask"], output_names=["y"])
     assert not (tmp_path / "bad.onnx").exists()
 
 
 # ----------------------------------------------------------------------------------- (d) 16-bit on htp-v68
+
 
 def _dq_matmul(*, w_dtype, zp_from: str | None, extra=()):
     """x [1, 4] @ DequantizeLinear(w) [4, 4] -> y; w of ``w_dtype`` (int8 / int16), its zero point from an
@@ -241,8 +274,10 @@ def _dq_matmul(*, w_dtype, zp_from: str | None, extra=()):
     elif zp_from == "constant":
         nodes.append(h.make_node("Constant", [], ["wz"], name="wz_const", value=nh.from_array(np.array(0, np_t))))
         dq_in.append("wz")
-    nodes += [h.make_node("DequantizeLinear", dq_in, ["wf"], name="w_dq"),
-              h.make_node("MatMul", ["x", "wf"], ["y"], name="mm")]
+    nodes += [
+        h.make_node("DequantizeLinear", dq_in, ["wf"], name="w_dq"),
+        h.make_node("MatMul", ["x", "wf"], ["y"], name="mm"),
+    ]
     return _model(nodes, [("x", T.FLOAT, [1, 4])], [("y", T.FLOAT, [1, 4])], inits)
 
 
@@ -251,10 +286,13 @@ def test_v68_refuses_int16_weights_however_the_zero_point_is_given(zp_from):
     from hycoc.targets.htp import CapabilityError, check_capabilities
 
     model = _dq_matmul(w_dtype=T.INT16, zp_from=zp_from)
-    with pytest.raises(CapabilityError, match=r"htp-v68 \(HTP v68\) cannot run 16-bit ops.*w_dq "
-                                              r"\(DequantizeLinear\).*Quantize activations to 8 bits"):
+    with pytest.raises(
+        CapabilityError,
+        match=r"htp-v68 \(HTP v68\) cannot run 16-bit ops.*w_dq "
+        r"\(DequantizeLinear\).*Quantize activations to 8 bits",
+    ):
         check_capabilities(model, get_profile("htp-v68"))
-    check_capabilities(model, get_profile("htp-v81"))        # the same graph is fine where 16-bit ops run
+    check_capabilities(model, get_profile("htp-v81"))  # the same graph is fine where 16-bit ops run
 
 
 def test_v68_refuses_a_float16_cast_and_accepts_an_8bit_graph(tmp_path):
@@ -262,8 +300,12 @@ def test_v68_refuses_a_float16_cast_and_accepts_an_8bit_graph(tmp_path):
 
     check_capabilities(_dq_matmul(w_dtype=T.INT8, zp_from="constant"), get_profile("htp-v68"))
     g = _dq_matmul(w_dtype=T.INT8, zp_from="initializer")
-    g.graph.node.extend([h.make_node("Cast", ["y"], ["y16"], name="to_half", to=T.FLOAT16),
-                         h.make_node("Cast", ["y16"], ["y32"], name="back", to=T.FLOAT)])
+    g.graph.node.extend(
+        [
+            h.make_node("Cast", ["y"], ["y16"], name="to_half", to=T.FLOAT16),
+            h.make_node("Cast", ["y16"], ["y32"], name="back", to=T.FLOAT),
+        ]
+    )
     g.graph.output[0].name = "y32"
     path = tmp_path / "half.onnx"
     onnx.save(g, str(path))
@@ -279,43 +321,80 @@ KV = ("k", T.FLOAT, [1, 2, 16, 8])
 
 def _slice_by_position():
     """k [1, 2, 16, 8] -> Q/DQ -> Slice(starts = pos, ends = pos + 4, axis 2): a window read at a position input."""
-    inits = [nh.from_array(np.array([4], np.int64), "four"), nh.from_array(np.array([2], np.int64), "axis2"),
-             nh.from_array(np.float32(0.01), "s"), h.make_tensor("z", T.UINT8, [], [128])]
-    nodes = [h.make_node("QuantizeLinear", ["k", "s", "z"], ["kq"], name="k_q"),
-             h.make_node("DequantizeLinear", ["kq", "s", "z"], ["kf"], name="k_dq"),
-             h.make_node("Add", ["pos", "four"], ["end"], name="end"),
-             h.make_node("Slice", ["kf", "pos", "end", "axis2"], ["y"], name="kv_window")]
+    inits = [
+        nh.from_array(np.array([4], np.int64), "four"),
+        nh.from_array(np.array([2], np.int64), "axis2"),
+        nh.from_array(np.float32(0.01), "s"),
+        h.make_tensor("z", T.UINT8, [], [128]),
+    ]
+    nodes = [
+        h.make_node("QuantizeLinear", ["k", "s", "z"], ["kq"], name="k_q"),
+        h.make_node("DequantizeLinear", ["kq", "s", "z"], ["kf"], name="k_dq"),
+        h.make_node("Add", ["pos", "four"], ["end"], name="end"),
+        h.make_node("Slice", ["kf", "pos", "end", "axis2"], ["y"], name="kv_window"),
+    ]
     return _model(nodes, [KV, ("pos", T.INT64, [1])], [("y", T.FLOAT, [1, 2, 4, 8])], inits)
 
 
 def _gather_and_scatter():
     """k gathered at rows idx (input) and a KV write ScatterND(k, pos, new) at a position input."""
-    nodes = [h.make_node("Gather", ["k", "idx"], ["g"], name="kv_rows", axis=2),
-             h.make_node("ScatterND", ["k", "pos", "new"], ["k2"], name="kv_write")]
-    return _model(nodes, [KV, ("idx", T.INT64, [3]), ("pos", T.INT64, [1, 1]), ("new", T.FLOAT, [1, 2, 16, 8])],
-                  [("g", T.FLOAT, [1, 2, 3, 8]), ("k2", T.FLOAT, [1, 2, 16, 8])])
+    nodes = [
+        h.make_node("Gather", ["k", "idx"], ["g"], name="kv_rows", axis=2),
+        h.make_node("ScatterND", ["k", "pos", "new"], ["k2"], name="kv_write"),
+    ]
+    return _model(
+        nodes,
+        [KV, ("idx", T.INT64, [3]), ("pos", T.INT64, [1, 1]), ("new", T.FLOAT, [1, 2, 16, 8])],
+        [("g", T.FLOAT, [1, 2, 3, 8]), ("k2", T.FLOAT, [1, 2, 16, 8])],
+    )
 
 
 def _fused_attention():
     """Opset-23 Attention, com.microsoft MultiHeadAttention and GroupQueryAttention in one graph."""
     q = ("q", T.FLOAT, [1, 2, 1, 8])
-    nodes = [h.make_node("Attention", ["q", "k", "k"], ["a"], name="attn23"),
-             h.make_node("MultiHeadAttention", ["q3", "k3", "k3"], ["b"], name="mha", domain="com.microsoft",
-                         num_heads=2),
-             h.make_node("GroupQueryAttention", ["q3", "k3", "k3", "", "", "seqlens_k", "total_len"], ["c", "pk", "pv"],
-                         name="gqa", domain="com.microsoft", num_heads=2, kv_num_heads=2)]
-    return _model(nodes, [q, KV, ("q3", T.FLOAT, [1, 1, 16]), ("k3", T.FLOAT, [1, 16, 16]),
-                          ("seqlens_k", T.INT32, [1]), ("total_len", T.INT32, [])],
-                  [("a", T.FLOAT, None), ("b", T.FLOAT, None), ("c", T.FLOAT, None)], opset=23,
-                  domains=["com.microsoft"])
+    nodes = [
+        h.make_node("Attention", ["q", "k", "k"], ["a"], name="attn23"),
+        h.make_node("MultiHeadAttention", ["q3", "k3", "k3"], ["b"], name="mha", domain="com.microsoft", num_heads=2),
+        h.make_node(
+            "GroupQueryAttention",
+            ["q3", "k3", "k3", "", "", "seqlens_k", "total_len"],
+            ["c", "pk", "pv"],
+            name="gqa",
+            domain="com.microsoft",
+            num_heads=2,
+            kv_num_heads=2,
+        ),
+    ]
+    return _model(
+        nodes,
+        [
+            q,
+            KV,
+            ("q3", T.FLOAT, [1, 1, 16]),
+            ("k3", T.FLOAT, [1, 16, 16]),
+            ("seqlens_k", T.INT32, [1]),
+            ("total_len", T.INT32, []),
+        ],
+        [("a", T.FLOAT, None), ("b", T.FLOAT, None), ("c", T.FLOAT, None)],
+        opset=23,
+        domains=["com.microsoft"],
+    )
 
 
 MUST_MATCH = {
     "slice_at_a_position_input": (_slice_by_position, [("kv_window", "Slice", "'pos'")]),
-    "gather_and_scatter_at_inputs": (_gather_and_scatter, [("kv_rows", "Gather", "'idx'"),
-                                                           ("kv_write", "ScatterND", "'pos'")]),
-    "fused_attention_ops": (_fused_attention, [("attn23", "Attention", "fused"), ("mha", "MultiHeadAttention", "fused"),
-                                               ("gqa", "GroupQueryAttention", "fused")]),
+    "gather_and_scatter_at_inputs": (
+        _gather_and_scatter,
+        [("kv_rows", "Gather", "'idx'"), ("kv_write", "ScatterND", "'pos'")],
+    ),
+    "fused_attention_ops": (
+        _fused_attention,
+        [
+            ("attn23", "Attention", "fused"),
+            ("mha", "MultiHeadAttention", "fused"),
+            ("gqa", "GroupQueryAttention", "fused"),
+        ],
+    ),
 }
 
 
@@ -338,49 +417,65 @@ def test_static_check_refuses_listing_nodes_and_fix(case):
 def _static_slices():
     """Slices and Gathers that are static: constant starts (initializer, Constant node), starts computed from
     Shape of a static-shape input, constant Gather indices, and an embedding lookup (constant table, input ids)."""
-    inits = [nh.from_array(np.array([4], np.int64), "s4"), nh.from_array(np.array([8], np.int64), "e8"),
-             nh.from_array(np.array([2], np.int64), "ax"), nh.from_array(np.array([0, 3], np.int64), "rows"),
-             nh.from_array(np.ones((10, 8), np.float32), "table"), nh.from_array(np.array([4], np.int64), "minus")]
-    nodes = [h.make_node("Slice", ["k", "s4", "e8", "ax"], ["a"], name="init_starts"),
-             h.make_node("Constant", [], ["c0"], name="c0", value=nh.from_array(np.array([0], np.int64))),
-             h.make_node("Slice", ["k", "c0", "s4", "ax"], ["b"], name="const_starts"),
-             h.make_node("Shape", ["k"], ["shp"], name="shape", start=2, end=3),
-             h.make_node("Sub", ["shp", "minus"], ["tail"], name="tail"),
-             h.make_node("Slice", ["k", "tail", "shp", "ax"], ["c"], name="shape_starts"),
-             h.make_node("Gather", ["k", "rows"], ["d"], name="const_rows", axis=2),
-             h.make_node("Gather", ["table", "ids"], ["e"], name="embed", axis=0)]
+    inits = [
+        nh.from_array(np.array([4], np.int64), "s4"),
+        nh.from_array(np.array([8], np.int64), "e8"),
+        nh.from_array(np.array([2], np.int64), "ax"),
+        nh.from_array(np.array([0, 3], np.int64), "rows"),
+        nh.from_array(np.ones((10, 8), np.float32), "table"),
+        nh.from_array(np.array([4], np.int64), "minus"),
+    ]
+    nodes = [
+        h.make_node("Slice", ["k", "s4", "e8", "ax"], ["a"], name="init_starts"),
+        h.make_node("Constant", [], ["c0"], name="c0", value=nh.from_array(np.array([0], np.int64))),
+        h.make_node("Slice", ["k", "c0", "s4", "ax"], ["b"], name="const_starts"),
+        h.make_node("Shape", ["k"], ["shp"], name="shape", start=2, end=3),
+        h.make_node("Sub", ["shp", "minus"], ["tail"], name="tail"),
+        h.make_node("Slice", ["k", "tail", "shp", "ax"], ["c"], name="shape_starts"),
+        h.make_node("Gather", ["k", "rows"], ["d"], name="const_rows", axis=2),
+        h.make_node("Gather", ["table", "ids"], ["e"], name="embed", axis=0),
+    ]
     return _model(nodes, [KV, ("ids", T.INT64, [3])], [(n, T.FLOAT, None) for n in "abcde"], inits)
 
 
 def test_static_check_does_not_match_static_slices():
     import onnxruntime as ort
-
     from hycoc.passes.static_shape_check import check_static_graph, find_static_graph_faults
 
     model = _static_slices()
-    ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])   # a valid graph
+    ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])  # a valid graph
     assert find_static_graph_faults(model) == []
     check_static_graph(model)
 
 
 def test_static_check_passes_the_projects_head_graph(tmp_path):
     """The head graph as the build exports it (static Slices of rotate_half, MatMul/Softmax attention) is clean."""
-    from test_head_graph import W
-    from tiny_models import tiny_head, tiny_verifier
-
-    from hycoc.mtp import FULL, SLIDING
     from hycoc.passes.export import export_static
     from hycoc.passes.head_graph import INPUT_NAMES, OUTPUT_NAMES, HeadGraph, rotary_rows
     from hycoc.passes.head_qat import restrict_output_layer
     from hycoc.passes.static_shape_check import find_static_graph_faults
+    from test_head_graph import W
+    from tiny_models import tiny_head, tiny_verifier
+
+    from hycoc.mtp import FULL, SLIDING
 
     head = tiny_head(tiny_verifier())
     graph = HeadGraph(restrict_output_layer(head, torch.arange(0, 300, 3))).eval()
     rot = rotary_rows(head.config, 5)
-    args = (torch.randn(1, 1, 128), torch.randn(1, 2, W, 16), torch.randn(1, 2, W, 16), torch.randn(1, 1, W, 32),
-            torch.randn(1, 1, W, 32), torch.zeros(1, 1, 1, W), torch.zeros(1, 1, 1, W), *rot[SLIDING], *rot[FULL])
-    model, report = export_static(graph, args, tmp_path / "head.onnx", input_names=INPUT_NAMES,
-                                  output_names=OUTPUT_NAMES)            # export_static runs the check itself
+    args = (
+        torch.randn(1, 1, 128),
+        torch.randn(1, 2, W, 16),
+        torch.randn(1, 2, W, 16),
+        torch.randn(1, 1, W, 32),
+        torch.randn(1, 1, W, 32),
+        torch.zeros(1, 1, 1, W),
+        torch.zeros(1, 1, 1, W),
+        *rot[SLIDING],
+        *rot[FULL],
+    )
+    model, report = export_static(
+        graph, args, tmp_path / "head.onnx", input_names=INPUT_NAMES, output_names=OUTPUT_NAMES
+    )  # export_static runs the check itself
     assert report.ops.get("Slice", 0) > 0 and "Softmax" in report.ops
     assert find_static_graph_faults(tmp_path / "head.onnx") == []
 
@@ -400,8 +495,11 @@ def test_compile_context_refuses_before_compiling(tmp_path):
 
     path = tmp_path / "kv.onnx"
     onnx.save(_slice_by_position(), str(path))
-    with pytest.raises(StaticGraphError, match=r"kv.onnx \(htp-v81\): 1 node\(s\).*\n  - kv_window \(Slice\): "
-                                               r"data-dependent slice .* graph input\(s\) 'pos'"):
+    with pytest.raises(
+        StaticGraphError,
+        match=r"kv.onnx \(htp-v81\): 1 node\(s\).*\n  - kv_window \(Slice\): "
+        r"data-dependent slice .* graph input\(s\) 'pos'",
+    ):
         compile_context(path, tmp_path / "out", get_profile("htp-v81"), graph_name="kv")
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
 
@@ -422,12 +520,24 @@ def test_export_static_refuses_what_torch_exports(case, tmp_path):
     from hycoc.passes.static_shape_check import StaticGraphError
 
     if case == "index_select":
-        module, args, names, opset = _IndexSelect().eval(), (torch.randn(1, 2, 16, 8), torch.tensor([3, 4])), ["k", "pos"], 21
+        module, args, names, opset = (
+            _IndexSelect().eval(),
+            (torch.randn(1, 2, 16, 8), torch.tensor([3, 4])),
+            ["k", "pos"],
+            21,
+        )
         want = r"\(Gather\): data-dependent slice .*'pos'"
     else:
         args = (torch.randn(1, 2, 3, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8), torch.zeros(1, 1, 3, 16))
         module, names, opset, want = _Sdpa().eval(), ["q", "k", "v", "mask"], 23, r"\(Attention\): fused attention op"
     with pytest.raises(StaticGraphError, match=want):
-        export_static(module, args, tmp_path / "m.onnx", input_names=names, output_names=["y"],
-                      decompose_rms_norm=False, opset=opset)
+        export_static(
+            module,
+            args,
+            tmp_path / "m.onnx",
+            input_names=names,
+            output_names=["y"],
+            decompose_rms_norm=False,
+            opset=opset,
+        )
     assert not (tmp_path / "m.onnx").exists()

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from chat_templates import LARGE, LARGE_THINK_NL, SMALL
 from gemma4_fixture import STOP_IDS, write_tokenizer_folder
+
 from hycoc.chat import Conversation, common_prefix, ids_crc32
 from hycoc.chat_template import apply_chat_template_ids, load_chat
 
@@ -25,8 +25,9 @@ def _folder(tmp_path_factory, name, template):
     return folder
 
 
-@pytest.fixture(scope="module", params=[("large", LARGE), ("large-think-nl", LARGE_THINK_NL), ("small", SMALL)],
-                ids=lambda p: p[0])
+@pytest.fixture(
+    scope="module", params=[("large", LARGE), ("large-think-nl", LARGE_THINK_NL), ("small", SMALL)], ids=lambda p: p[0]
+)
 def templated(request, tmp_path_factory):
     folder = _folder(tmp_path_factory, request.param[0], request.param[1])
     return request.param[0], folder, load_chat(folder)
@@ -47,8 +48,9 @@ def test_whole_conversations_equal_transformers_apply_chat_template(templated, t
             assert got.ids != want and 100 in got.ids
         else:
             assert got.ids == want
-            bare = apply_chat_template_ids(folder, messages, thinking=True if thinking else None,
-                                           add_generation_prompt=False)
+            bare = apply_chat_template_ids(
+                folder, messages, thinking=True if thinking else None, add_generation_prompt=False
+            )
             assert got.anchor == min(common_prefix(got.ids, bare), len(got.ids) - 1)
         messages.append({"role": "assistant", "content": ANSWERS[i]})
 
@@ -65,12 +67,19 @@ def test_the_large_forms_behaviours_hold(tmp_path_factory):
     first = chat.conversation([{"role": "user", "content": "w1"}])
     assert tok.decode(first.ids, skip_special_tokens=False).endswith("<|turn>model\n<|channel>thought\n<channel|>")
     # the empty channel is in the prompt, not in history: the anchor is the model turn's opening
-    assert tok.decode(first.ids[first.anchor:], skip_special_tokens=False) == (
-        "<|turn>model\n<|channel>thought\n<channel|>")
-    two = chat.conversation([{"role": "user", "content": "w1"}, {"role": "assistant", "content": ANSWERS[0]},
-                             {"role": "user", "content": "w2"}], thinking=True)
+    assert tok.decode(first.ids[first.anchor :], skip_special_tokens=False) == (
+        "<|turn>model\n<|channel>thought\n<channel|>"
+    )
+    two = chat.conversation(
+        [
+            {"role": "user", "content": "w1"},
+            {"role": "assistant", "content": ANSWERS[0]},
+            {"role": "user", "content": "w2"},
+        ],
+        thinking=True,
+    )
     text = tok.decode(two.ids, skip_special_tokens=False)
-    assert "w6" not in text and "<|channel>" not in text and "w8 w9<turn|>" in text    # thought stripped
+    assert "w6" not in text and "<|channel>" not in text and "w8 w9<turn|>" in text  # thought stripped
     assert "<|turn>user\nw1<turn|>" in text
     assert text.startswith("<bos><|turn>system\n<|think|><turn|>\n")
 
@@ -80,13 +89,13 @@ def test_the_large_forms_behaviours_hold(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine():
+    from hycoc.verifier.engine import VerifierEngine
     from tiny_models import tiny_verifier
 
-    from hycoc.verifier.engine import VerifierEngine
-
     torch.set_num_threads(1)
-    return VerifierEngine(tiny_verifier(), head_window=16, handoff_scales=(0.01,) * 6, eos_token_ids=STOP_IDS,
-                          prefill_chunk=8)
+    return VerifierEngine(
+        tiny_verifier(), head_window=16, handoff_scales=(0.01,) * 6, eos_token_ids=STOP_IDS, prefill_chunk=8
+    )
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +109,7 @@ def _answer(session, n):
     while not session.finished:
         session.verify(np.array([session.root]), np.array([-1]), seq)
         seq += 1
-    return session.tokens[session.turn_start:]
+    return session.tokens[session.turn_start :]
 
 
 def _next_logits(engine, session):
@@ -108,8 +117,11 @@ def _next_logits(engine, session):
     import copy
 
     with torch.no_grad():
-        return engine.model(torch.tensor([session.tokens[-1:]]), cache=copy.deepcopy(session.cache),
-                            position_ids=torch.tensor([[len(session.tokens) - 1]])).logits[0, -1]
+        return engine.model(
+            torch.tensor([session.tokens[-1:]]),
+            cache=copy.deepcopy(session.cache),
+            position_ids=torch.tensor([[len(session.tokens) - 1]]),
+        ).logits[0, -1]
 
 
 def _cold_logits(engine, ids):
@@ -131,11 +143,17 @@ def _converse(engine, chat, users, answer_len, thinking=False):
         assert conv.held == session.tokens
         rendered = conv.ask(user)
         keep = max(1, min(common_prefix(conv.held, rendered.ids), len(rendered.ids) - 1))
-        session.append(rendered.ids[keep:], answer_len, keep=keep, keep_crc=ids_crc32(conv.held[:keep]),
-                       anchor=rendered.anchor if rendered.anchor >= keep else 0)
-        checks.append(session.tokens == rendered.ids
-                      and torch.allclose(_next_logits(engine, session), _cold_logits(engine, rendered.ids),
-                                         atol=1e-4))
+        session.append(
+            rendered.ids[keep:],
+            answer_len,
+            keep=keep,
+            keep_crc=ids_crc32(conv.held[:keep]),
+            anchor=rendered.anchor if rendered.anchor >= keep else 0,
+        )
+        checks.append(
+            session.tokens == rendered.ids
+            and torch.allclose(_next_logits(engine, session), _cold_logits(engine, rendered.ids), atol=1e-4)
+        )
     return session, checks
 
 
@@ -152,7 +170,7 @@ def test_three_turns_hold_the_rendering_and_a_cold_prefills_logits(engine, large
     # 5-token answers: the first APPEND crops; by the second the sliding layers (retain 16) have moved past the
     # rollback point's window, so the snapshot at the model turn's opening serves
     assert kinds == (["crop", "snapshot"] if answer_len == 5 else ["snapshot", "snapshot"])
-    for p in session.appends:     # re-prefilled: from the rollback point to what was kept (the bound)
+    for p in session.appends:  # re-prefilled: from the rollback point to what was kept (the bound)
         assert p.reprefilled == p.keep - p.start <= 3 + answer_len
 
 
@@ -171,18 +189,25 @@ def test_append_refuses_a_conversation_the_session_does_not_hold(engine, large_c
 
 @pytest.mark.parametrize("fail_at", [1, 2])
 def test_an_append_that_fails_in_a_chunk_leaves_the_session_as_it_was(engine, large_chat, monkeypatch, fail_at):
-    import hycoc.verifier.forward as eng_mod   # PrefillJob's chunks call forward.prefill
+    import hycoc.verifier.forward as eng_mod  # PrefillJob's chunks call forward.prefill
 
     def run(fail):
         session, _ = _converse(engine, large_chat, ["w1 w2"], 30)
         _answer(session, 30)
-        conv_ids = large_chat.conversation([{"role": "user", "content": "w1 w2"},
-                                           {"role": "assistant",
-                                            "content": large_chat.answer_text(session.tokens[session.turn_start:])},
-                                           {"role": "user", "content": "w3 " * 12}]).ids
+        conv_ids = large_chat.conversation(
+            [
+                {"role": "user", "content": "w1 w2"},
+                {"role": "assistant", "content": large_chat.answer_text(session.tokens[session.turn_start :])},
+                {"role": "user", "content": "w3 " * 12},
+            ]
+        ).ids
         keep = common_prefix(session.tokens, conv_ids)
-        state = (list(session.tokens), session.t, [(l.keys.clone(), l.values.clone()) for l in session.cache.layers
-                                                   if l.is_initialized and l.keys.numel()], session.snapshot)
+        state = (
+            list(session.tokens),
+            session.t,
+            [(l.keys.clone(), l.values.clone()) for l in session.cache.layers if l.is_initialized and l.keys.numel()],
+            session.snapshot,
+        )
         if fail:
             real, calls = eng_mod.prefill, []
 
@@ -209,7 +234,7 @@ def test_an_append_that_fails_in_a_chunk_leaves_the_session_as_it_was(engine, la
 def test_a_rollback_before_the_snapshot_prefills_from_0(engine, large_chat):
     session, _ = _converse(engine, large_chat, ["w1 w2 w3"], 30)
     _answer(session, 30)
-    ids = large_chat.conversation([{"role": "user", "content": "w9"}]).ids     # another first message: keeps <bos>
+    ids = large_chat.conversation([{"role": "user", "content": "w9"}]).ids  # another first message: keeps <bos>
     session.append(ids[1:], 4, keep=1)
     assert session.appends[-1].kind == "full" and session.tokens == ids
     assert torch.allclose(_next_logits(engine, session), _cold_logits(engine, ids), atol=1e-4)
@@ -243,27 +268,27 @@ def test_held_bytes_never_pass_the_reservation(engine, large_chat):
     finally:
         handle.remove()
     assert len(seen) > 40 and all(n <= cap for n, cap in seen)
-    assert max(n / cap for n, cap in seen) > 0.5       # the bound is not vacuous
+    assert max(n / cap for n, cap in seen) > 0.5  # the bound is not vacuous
 
 
 def test_a_snapshot_inside_a_chunk_equals_one_taken_at_a_chunk_boundary(engine):
     """The anchor inside a prefill chunk: the snapshot is sliced out after the chunk's forward (no forward ends
     there); it equals the one an engine whose chunks end at every position takes at the boundary."""
+    from hycoc.verifier.engine import VerifierEngine
     from tiny_models import tiny_verifier
 
-    from hycoc.verifier.engine import VerifierEngine
-
-    prompt = list(range(20, 60))                       # 39 prefilled positions, chunks of 8: anchor 29 is inside
+    prompt = list(range(20, 60))  # 39 prefilled positions, chunks of 8: anchor 29 is inside
     inside = engine.open(prompt, Sampling(temperature=0.0), anchor=29)
     inside.prefill()
-    one = VerifierEngine(tiny_verifier(), head_window=16, handoff_scales=(0.01,) * 6, eos_token_ids=STOP_IDS,
-                         prefill_chunk=1)
+    one = VerifierEngine(
+        tiny_verifier(), head_window=16, handoff_scales=(0.01,) * 6, eos_token_ids=STOP_IDS, prefill_chunk=1
+    )
     boundary = one.open(prompt, Sampling(temperature=0.0), anchor=29)
     boundary.prefill()
     a, b = inside.snapshot, boundary.snapshot
     assert a.position == b.position == 29 and a.layers.keys() == b.layers.keys() and a.layers
     for i in a.layers:
         (ka, va, sa), (kb, vb, sb) = a.layers[i], b.layers[i]
-        assert sa == sb == 29 - 16 and ka.shape[-2] == 16                # the retained window before the anchor
+        assert sa == sb == 29 - 16 and ka.shape[-2] == 16  # the retained window before the anchor
         assert torch.allclose(ka, kb, atol=1e-5) and torch.allclose(va, vb, atol=1e-5)
     one.close()

@@ -10,9 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from hycoc.bench.cost_model import (PAPER_ROUND_MS, PREFILL_CHUNK, CostModel, CostModelError, CostPoint, Forward,
-                                    load_cost_model, prefill_forwards, projected_g, projected_server_ms,
-                                    request_forwards, round_forwards)
+from hycoc.bench.cost_model import (
+    PAPER_ROUND_MS,
+    PREFILL_CHUNK,
+    CostModel,
+    CostModelError,
+    CostPoint,
+    Forward,
+    load_cost_model,
+    prefill_forwards,
+    projected_g,
+    projected_server_ms,
+    request_forwards,
+    round_forwards,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "verifier_cost_model.py"
@@ -25,8 +36,12 @@ GRID = {(1, 100): 10.0, (1, 200): 12.0, (5, 100): 14.0, (5, 200): 18.0, (33, 100
 
 
 def make(points=GRID, **kw) -> CostModel:
-    base = dict(device="test device", dtype="float32", model="hand-built",
-                points=[CostPoint(rows=r, context=c, ms=ms) for (r, c), ms in points.items()])
+    base = dict(
+        device="test device",
+        dtype="float32",
+        model="hand-built",
+        points=[CostPoint(rows=r, context=c, ms=ms) for (r, c), ms in points.items()],
+    )
     return CostModel(**{**base, **kw})
 
 
@@ -39,20 +54,20 @@ def test_grid_points_are_exact():
 
 def test_bilinear_inside_the_grid():
     cm = make()
-    assert cm.predict(1, 150) == pytest.approx(11.0)       # linear in context
-    assert cm.predict(3, 100) == pytest.approx(12.0)       # linear in rows: halfway 10 -> 14
-    assert cm.predict(3, 150) == pytest.approx(13.5)       # centre of the cell: mean of 10, 12, 14, 18
+    assert cm.predict(1, 150) == pytest.approx(11.0)  # linear in context
+    assert cm.predict(3, 100) == pytest.approx(12.0)  # linear in rows: halfway 10 -> 14
+    assert cm.predict(3, 150) == pytest.approx(13.5)  # centre of the cell: mean of 10, 12, 14, 18
     assert cm.predict(19, 125) == pytest.approx(0.5 * 15.0 + 0.5 * 29.0)  # rows 5..33 halfway, t quarter way
 
 
 def test_context_extrapolation_rule():
     cm = make()
-    assert cm.predict(1, 400) == pytest.approx(12.0 + 0.02 * 200)   # linear above, last two contexts' slope
+    assert cm.predict(1, 400) == pytest.approx(12.0 + 0.02 * 200)  # linear above, last two contexts' slope
     assert cm.predict(5, 1200) == pytest.approx(18.0 + 0.04 * 1000)
-    assert cm.predict(33, 10_000) == pytest.approx(26.0)           # negative slope clamped: never below t=200
-    assert cm.predict(1, 0) == pytest.approx(10.0)                 # held below the smallest context
+    assert cm.predict(33, 10_000) == pytest.approx(26.0)  # negative slope clamped: never below t=200
+    assert cm.predict(1, 0) == pytest.approx(10.0)  # held below the smallest context
     assert cm.predict(3, 300) == pytest.approx(0.5 * 14.0 + 0.5 * 22.0)  # rows interpolation of the two lines
-    single = make({(1, 64): 5.0, (33, 64): 9.0})                  # one context: flat in t
+    single = make({(1, 64): 5.0, (33, 64): 9.0})  # one context: flat in t
     assert single.predict(17, 10_000) == pytest.approx(7.0)
 
 
@@ -85,24 +100,27 @@ def test_save_load_round_trip(tmp_path):
     cm = make(shape={"layers": 30}, meta={"repeats": 10})
     path = cm.save(tmp_path / "sub" / "cm.json")
     assert [p.name for p in path.parent.iterdir()] == ["cm.json"]  # no temporary file left behind
-    assert path.stat().st_mode & 0o777 == 0o644   # like the bench's other outputs; mkstemp alone makes 0600
+    assert path.stat().st_mode & 0o777 == 0o644  # like the bench's other outputs; mkstemp alone makes 0600
     back = load_cost_model(path)
     assert back.source == "file"
     assert back == cm.model_copy(update={"source": "file"})
     assert back.predict(19, 125) == cm.predict(19, 125)
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda d: d.pop("points"), r"field points is missing"),
-    (lambda d: d.pop("device"), r"field device is missing"),
-    (lambda d: d["points"][1].pop("ms"), r"field points\[1\]\.ms is missing"),
-    (lambda d: d["points"][0].update(ms=-3.0), r"field points\[0\]\.ms: .*greater than 0"),
-    (lambda d: d["points"][0].update(rows="many"), r"field points\[0\]\.rows"),
-    (lambda d: d.update(speed=1), r"field speed is not a cost model field"),
-    (lambda d: d.update(schema_version=3), r"schema_version = 3, this hycoc reads 1 and 2"),
-    (lambda d: d["points"][0].update(kind="lm_head"), r"field points\[0\]\.kind"),
-    (lambda d: d["points"].pop(), r"grid is incomplete"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda d: d.pop("points"), r"field points is missing"),
+        (lambda d: d.pop("device"), r"field device is missing"),
+        (lambda d: d["points"][1].pop("ms"), r"field points\[1\]\.ms is missing"),
+        (lambda d: d["points"][0].update(ms=-3.0), r"field points\[0\]\.ms: .*greater than 0"),
+        (lambda d: d["points"][0].update(rows="many"), r"field points\[0\]\.rows"),
+        (lambda d: d.update(speed=1), r"field speed is not a cost model field"),
+        (lambda d: d.update(schema_version=3), r"schema_version = 3, this hycoc reads 1 and 2"),
+        (lambda d: d["points"][0].update(kind="lm_head"), r"field points\[0\]\.kind"),
+        (lambda d: d["points"].pop(), r"grid is incomplete"),
+    ],
+)
 def test_bad_files_name_the_field(tmp_path, mutate, match):
     d = json.loads(make().to_json())
     mutate(d)
@@ -133,8 +151,13 @@ def test_cost_model_module_does_not_import_torch():
 def test_gpu_script_skips_cleanly_without_cuda(tmp_path):
     out = tmp_path / "never.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda", "--out", str(out)],
-                         capture_output=True, text=True, env=env, timeout=60)
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cuda", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     assert "skipped" in res.stdout and "CUDA" in res.stdout and len(res.stdout.strip().splitlines()) == 1
     assert not out.exists()
@@ -144,14 +167,24 @@ def test_measure_grid_on_a_tiny_random_verifier():
     """The GPU mode's code path (random weights, random KV cache, verify_tree) on the toy shape, on the CPU."""
     torch = pytest.importorskip("torch")
     vcm = _cost_script()
-    model, head = _tiny_random()   # the random-weight mode's verifier and head
+    model, head = _tiny_random()  # the random-weight mode's verifier and head
     assert list(vcm.demo_parents(8)) == [-1, 0, 1, 2, 3, 0, 1, 2]
-    points = vcm.measure_grid(model, [1, 5], [8, 24], warmup=0, repeats=1, device="cpu", log=lambda *a: None,
-                              prefill_rows=[1, 4], head=head)
+    points = vcm.measure_grid(
+        model, [1, 5], [8, 24], warmup=0, repeats=1, device="cpu", log=lambda *a: None, prefill_rows=[1, 4], head=head
+    )
     cm = CostModel(device="cpu", dtype="float32", model="tiny", points=points)
     assert {(p.kind, p.rows, p.context) for p in points} == {
-        ("verify", 1, 8), ("verify", 5, 8), ("verify", 1, 24), ("verify", 5, 24), ("head_step", 1, 8),
-        ("head_step", 1, 24), ("prefill", 1, 8), ("prefill", 4, 8), ("prefill", 1, 24), ("prefill", 4, 24)}
+        ("verify", 1, 8),
+        ("verify", 5, 8),
+        ("verify", 1, 24),
+        ("verify", 5, 24),
+        ("head_step", 1, 8),
+        ("head_step", 1, 24),
+        ("prefill", 1, 8),
+        ("prefill", 4, 8),
+        ("prefill", 1, 24),
+        ("prefill", 4, 24),
+    }
     assert all(p.ms > 0 for p in points)
     assert cm.predict(3, 16) > 0 and cm.predict(2, 16, "prefill") > 0 and cm.predict(1, 16, "head_step") > 0
     table = vcm.round_table(cm, chain_length=4)  # rows 5 is the largest measured here: HyCo's column uses it
@@ -174,8 +207,11 @@ def _tiny_random(sliding_window: int | None = None):
     """A 2-layer random verifier of the toy's shape (one sliding, one full layer) and a random head for it."""
     vcm = _cost_script()
     cfg = json.loads((REPO / "recipes" / "toy" / "models" / "verifier" / "config.json").read_text())
-    cfg.update(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
-               per_layer_config={"1": cfg["per_layer_config"]["3"]})
+    cfg.update(
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        per_layer_config={"1": cfg["per_layer_config"]["3"]},
+    )
     if sliding_window is not None:
         cfg["sliding_window"] = sliding_window
     head_cfg = json.loads((REPO / "recipes" / "toy" / "models" / "head" / "config.json").read_text())
@@ -188,15 +224,15 @@ def test_the_cost_measurement_runs_on_the_engines_windowed_session_cache():
     positions (not the whole context), a full layer the context, and every timed forward is undone to that."""
     pytest.importorskip("torch")
     from hycoc.verifier.cost_measure import measure_grid, measuring_engine, random_cache
-    from hycoc.verifier.forward import NormTap
-    from hycoc.verifier.kv_surgery import crop_cache
     from hycoc.verifier.engine import verify_tree
+    from hycoc.verifier.forward import NormTap
     from hycoc.verifier.kv_cache import SlidingWindowLayer, stores_kv
+    from hycoc.verifier.kv_surgery import crop_cache
 
     model, head = _tiny_random(sliding_window=8)
     engine = measuring_engine(model, head, head_window=6)
     retain = engine.kv_retain
-    assert retain == 129 < 200   # the toy head's sliding window (128) + 1
+    assert retain == 129 < 200  # the toy head's sliding window (128) + 1
     cache = random_cache(model, 200, "cpu", engine.new_cache)
     layers = [layer for layer in cache.layers if stores_kv(layer)]
     sliding = [layer for layer in layers if isinstance(layer, SlidingWindowLayer)]
@@ -229,20 +265,35 @@ def test_the_cost_measurement_runs_on_the_engines_windowed_session_cache():
     restore_cache(saved)
     assert [(layer.held, layer.start) for layer in sliding] == before and cache.get_seq_length() == 200
     assert all(layer.keys.shape[-2] == 200 for layer in layers if layer not in sliding)
-    full = random_cache(model, 200, "cpu")          # without the engine: every layer keeps the whole context
+    full = random_cache(model, 200, "cpu")  # without the engine: every layer keeps the whole context
     assert all(layer.keys.shape[-2] == 200 for layer in full.layers if stores_kv(layer))
-    points = measure_grid(model, [1, 5], [200], warmup=0, repeats=2, device="cpu", log=lambda *a: None, head=head,
-                          prefill_rows=[64], new_cache=engine.new_cache)
-    assert {(p.kind, p.rows, p.context) for p in points} == {("verify", 1, 200), ("verify", 5, 200),
-                                                             ("head_step", 1, 200), ("prefill", 64, 200)}
+    points = measure_grid(
+        model,
+        [1, 5],
+        [200],
+        warmup=0,
+        repeats=2,
+        device="cpu",
+        log=lambda *a: None,
+        head=head,
+        prefill_rows=[64],
+        new_cache=engine.new_cache,
+    )
+    assert {(p.kind, p.rows, p.context) for p in points} == {
+        ("verify", 1, 200),
+        ("verify", 5, 200),
+        ("head_step", 1, 200),
+        ("prefill", 64, 200),
+    }
 
 
 def test_the_bench_cost_model_measures_with_the_engines_cache(monkeypatch):
     """`measure_recipe_verifier` (what hycoc bench measures) hands `measure_grid` the engine's ``new_cache``."""
     pytest.importorskip("torch")
+    from hycoc.verifier import cost_measure
+
     import hycoc.models
     from hycoc.recipe import load_recipe
-    from hycoc.verifier import cost_measure
 
     model, head = _tiny_random()
     monkeypatch.setattr(hycoc.models, "load_verifier", lambda *a, **k: model)
@@ -258,7 +309,8 @@ def test_the_bench_cost_model_measures_with_the_engines_cache(monkeypatch):
     cm = cost_measure.measure_recipe_verifier(recipe, rows_list=(1, 5), contexts=(64,), threads=1)
     made = seen["new_cache"]()
     assert made.__class__.__name__ == "DynamicCache" and any(
-        type(layer).__name__ == "SlidingWindowLayer" for layer in made.layers)
+        type(layer).__name__ == "SlidingWindowLayer" for layer in made.layers
+    )
     assert seen["new_cache"].__self__.head_window == recipe.window.head_window
     assert "sliding layers keep" in cm.meta["kv_cache"]
 
@@ -267,11 +319,17 @@ def test_the_bench_cost_model_measures_with_the_engines_cache(monkeypatch):
 
 # The hand-built grid again, with head steps (rows 1) and prefill chunks (rows 1 and 512) at t = 100, 200:
 #   head_step: 2 at t=100, 3 at t=200;  prefill rows 1: 10, 12;  prefill rows 512: 60, 70.
-KINDED = ([CostPoint(rows=r, context=c, ms=ms) for (r, c), ms in GRID.items()]
-          + [CostPoint(kind="head_step", rows=1, context=100, ms=2.0),
-             CostPoint(kind="head_step", rows=1, context=200, ms=3.0)]
-          + [CostPoint(kind="prefill", rows=r, context=c, ms=ms)
-             for (r, c), ms in {(1, 100): 10.0, (1, 200): 12.0, (512, 100): 60.0, (512, 200): 70.0}.items()])
+KINDED = (
+    [CostPoint(rows=r, context=c, ms=ms) for (r, c), ms in GRID.items()]
+    + [
+        CostPoint(kind="head_step", rows=1, context=100, ms=2.0),
+        CostPoint(kind="head_step", rows=1, context=200, ms=3.0),
+    ]
+    + [
+        CostPoint(kind="prefill", rows=r, context=c, ms=ms)
+        for (r, c), ms in {(1, 100): 10.0, (1, 200): 12.0, (512, 100): 60.0, (512, 200): 70.0}.items()
+    ]
+)
 
 
 def make_kinded() -> CostModel:
@@ -282,8 +340,8 @@ def test_each_kind_has_its_own_grid():
     cm = make_kinded()
     assert cm.kinds == ("verify", "head_step", "prefill")
     assert cm.predict(1, 150, "head_step") == pytest.approx(2.5)
-    assert cm.predict(1, 400, "head_step") == pytest.approx(3.0 + 0.01 * 200)   # slope of the last two contexts
-    assert cm.predict(1, 150) == pytest.approx(11.0)                            # verify is the default kind
+    assert cm.predict(1, 400, "head_step") == pytest.approx(3.0 + 0.01 * 200)  # slope of the last two contexts
+    assert cm.predict(1, 150) == pytest.approx(11.0)  # verify is the default kind
     assert cm.predict(256, 100, "prefill") == pytest.approx(10.0 + 255 / 511 * 50.0)
     with pytest.raises(CostModelError, match=r"rows = 2 is outside the cost model's measured head_step rows \[1, 1\]"):
         cm.predict(2, 100, "head_step")
@@ -298,9 +356,12 @@ def test_each_kind_has_its_own_grid():
 def test_round_forwards_per_draft_place():
     assert round_forwards("device", 33, 300) == [Forward("verify", 33, 300)]
     assert round_forwards("cloud-mtp", 5, 300, head_steps=4) == [Forward("head_step", 1, 300)] * 4 + [
-        Forward("verify", 5, 300)]
-    assert round_forwards("server-head", 33, 300, head_steps=4, head_context=256) == [
-        Forward("verify", 33, 300)] + [Forward("head_step", 1, 256)] * 4
+        Forward("verify", 5, 300)
+    ]
+    assert (
+        round_forwards("server-head", 33, 300, head_steps=4, head_context=256)
+        == [Forward("verify", 33, 300)] + [Forward("head_step", 1, 256)] * 4
+    )
     with pytest.raises(CostModelError, match="rows must be 5, got 33"):
         round_forwards("cloud-mtp", 33, 300, head_steps=4)
     with pytest.raises(CostModelError, match="runs no head step"):
@@ -310,10 +371,16 @@ def test_round_forwards_per_draft_place():
 
 
 def test_prefill_forwards_are_the_engines_chunks():
-    assert prefill_forwards(0, 1100) == [Forward("prefill", 512, 0), Forward("prefill", 512, 512),
-                                         Forward("prefill", 76, 1024)]
-    assert prefill_forwards(300, 340, chunk=16) == [Forward("prefill", 16, 300), Forward("prefill", 16, 316),
-                                                    Forward("prefill", 8, 332)]
+    assert prefill_forwards(0, 1100) == [
+        Forward("prefill", 512, 0),
+        Forward("prefill", 512, 512),
+        Forward("prefill", 76, 1024),
+    ]
+    assert prefill_forwards(300, 340, chunk=16) == [
+        Forward("prefill", 16, 300),
+        Forward("prefill", 16, 316),
+        Forward("prefill", 8, 332),
+    ]
     assert prefill_forwards(50, 50) == []
     import inspect
 
@@ -326,23 +393,23 @@ def test_request_replay_counts_head_steps_and_prefill_exactly():
     """Hand-worked: the same 3 rounds as HyCo (33 rows), Cloud+MTP (5 rows) and server-head (33 rows, K = 4,
     W = 150), after a 100-token prompt prefill (positions [0, 100): one chunk of 100 at t = 0)."""
     cm = make_kinded()
-    prefill = 10.0 + 99 / 511 * 50.0                          # rows 100 at t = 0: held at t = 100
+    prefill = 10.0 + 99 / 511 * 50.0  # rows 100 at t = 0: held at t = 100
     ctx = [100, 104, 200]
     hyco = {"config": "hyco", "rows": [33, 33, 33], "context": ctx}
     cloud = {"config": "cloud-mtp", "rows": [5, 5, 5], "context": ctx}
     head = {"config": "server-head", "rows": [33, 33, 33], "context": ctx}
-    v33 = [30.0, 30.0 - 4 / 100 * 4.0, 26.0]                  # verify rows 33 at t = 100, 104, 200
+    v33 = [30.0, 30.0 - 4 / 100 * 4.0, 26.0]  # verify rows 33 at t = 100, 104, 200
     v5 = [14.0, 14.0 + 0.04 * 4, 18.0]
-    step = [2.0, 2.04, 3.0]                                   # head step at t = 100, 104, 200
+    step = [2.0, 2.04, 3.0]  # head step at t = 100, 104, 200
     assert cm.forwards_ms(f for g in request_forwards(hyco) for f in g) == pytest.approx(prefill + sum(v33))
     assert cm.forwards_ms(f for g in request_forwards(cloud) for f in g) == pytest.approx(
-        prefill + sum(v5) + 4 * sum(step))
+        prefill + sum(v5) + 4 * sum(step)
+    )
     groups = request_forwards(head, chain_length=4, head_window=150)
     # after round 0 the head reads min(150, 104) = 104 columns, after round 1 min(150, 200) = 150; none after the last
     assert groups[2] == [Forward("verify", 33, 104)] + [Forward("head_step", 1, 150)] * 4
     assert groups[3] == [Forward("verify", 33, 200)]
-    assert cm.forwards_ms(f for g in groups for f in g) == pytest.approx(
-        prefill + sum(v33) + 4 * 2.04 + 4 * 2.5)
+    assert cm.forwards_ms(f for g in groups for f in g) == pytest.approx(prefill + sum(v33) + 4 * 2.04 + 4 * 2.5)
     assert projected_server_ms(cm, groups[1:]) == pytest.approx(sum(v33) + 4 * 2.04 + 4 * 2.5)
     with pytest.raises(CostModelError, match="needs the recipe's chain_length"):
         request_forwards(head)
@@ -358,24 +425,42 @@ def test_bench_summary_projects_every_server_forward():
     from hycoc.bench.summary import summarize
 
     common = dict(run=0, question_id=1, category="writing", prompt_tokens=101, prefill_ms=5.0)
-    recs = [dict(config="cloud-mtp", tokens=6, rounds=2, rows=[5, 5], context=[100, 200], server_ms=[40.0, 50.0],
-                 accepted=[2, 1], **common),
-            dict(config="hyco", tokens=6, rounds=2, rows=[33, 33], context=[100, 200], server_ms=[20.0, 30.0],
-                 accepted=[2, 1], **common)]
+    recs = [
+        dict(
+            config="cloud-mtp",
+            tokens=6,
+            rounds=2,
+            rows=[5, 5],
+            context=[100, 200],
+            server_ms=[40.0, 50.0],
+            accepted=[2, 1],
+            **common,
+        ),
+        dict(
+            config="hyco",
+            tokens=6,
+            rounds=2,
+            rows=[33, 33],
+            context=[100, 200],
+            server_ms=[20.0, 30.0],
+            accepted=[2, 1],
+            **common,
+        ),
+    ]
     s = summarize(recs, cost_model=make_kinded(), bootstrap=0, server={"chain_length": 4, "head_window": 150})
     prefill = 10.0 + 99 / 511 * 50.0
     cloud_rounds = [14.0 + 4 * 2.0, 18.0 + 4 * 3.0]
     assert s["cloud-mtp"]["g_projected_ms_per_token"] == pytest.approx((prefill + sum(cloud_rounds)) / 6)
     assert s["cloud-mtp"]["g_projected_parts"] == pytest.approx(
-        {"verify": 32.0 / 6, "head_step": 20.0 / 6, "prefill": prefill / 6})
+        {"verify": 32.0 / 6, "head_step": 20.0 / 6, "prefill": prefill / 6}
+    )
     assert s["cloud-mtp"]["server_ms_per_round_projected_p50"] == pytest.approx(sum(cloud_rounds) / 2)
     assert s["cloud-mtp"]["server_ms_per_round_p50"] == pytest.approx(45.0)
     assert s["hyco"]["g_projected_parts"]["head_step"] == 0.0
     assert s["hyco"]["server_ms_per_round_projected_p50"] == pytest.approx(28.0)
     # verification alone charges cloud-mtp 32 of its 52 round ms (hyco's rounds 56 vs 32: +75%); with its head
     # steps counted the rounds are 56 vs 52 (+7.7%), plus the same prefill on both sides
-    assert s["hyco"]["delta_g_projected_pct"] == pytest.approx(
-        100 * ((prefill + 56.0) / (prefill + 52.0) - 1))
+    assert s["hyco"]["delta_g_projected_pct"] == pytest.approx(100 * ((prefill + 56.0) / (prefill + 52.0) - 1))
     assert PAPER_ROUND_MS == {"hyco": 21.7, "cloud-mtp": 26.8}
 
 

@@ -24,8 +24,20 @@ def test_spec_bench_has_480_questions_in_its_categories():
     questions = load_spec_bench(SPEC_BENCH)
     assert len(questions) == 480
     assert Counter(q.category for q in questions) == {
-        "writing": 10, "roleplay": 10, "reasoning": 10, "math": 10, "coding": 10, "extraction": 10, "stem": 10,
-        "humanities": 10, "translation": 80, "summarization": 80, "qa": 80, "math_reasoning": 80, "rag": 80}
+        "writing": 10,
+        "roleplay": 10,
+        "reasoning": 10,
+        "math": 10,
+        "coding": 10,
+        "extraction": 10,
+        "stem": 10,
+        "humanities": 10,
+        "translation": 80,
+        "summarization": 80,
+        "qa": 80,
+        "math_reasoning": 80,
+        "rag": 80,
+    }
     assert sum(q.reference is not None for q in questions) == 359
     assert [q.question_id for q in questions] == list(range(81, 561))
     assert Counter(len(q.turns) for q in questions) == {1: 400, 2: 80}
@@ -54,23 +66,32 @@ GOOD = json.dumps({"question_id": 1, "category": "qa", "turns": ["Why?"], "refer
 
 
 def test_small_file_round_trip(tmp_path):
-    path = write(tmp_path, [GOOD, "", json.dumps({"question_id": 2, "category": "rag", "turns": ["a", "b"],
-                                                    "reference": [["x", "y"]]})])
-    assert load_spec_bench(path) == [Question(1, "qa", ("Why?",), ("Because.",)),
-                                     Question(2, "rag", ("a", "b"), (("x", "y"),))]
+    path = write(
+        tmp_path,
+        [GOOD, "", json.dumps({"question_id": 2, "category": "rag", "turns": ["a", "b"], "reference": [["x", "y"]]})],
+    )
+    assert load_spec_bench(path) == [
+        Question(1, "qa", ("Why?",), ("Because.",)),
+        Question(2, "rag", ("a", "b"), (("x", "y"),)),
+    ]
 
 
-@pytest.mark.parametrize("bad,problem", [
-    ("{not json", "not JSON (Expecting property name"),
-    ("[1, 2]", "expected a JSON object, got list"),
-    (json.dumps({"category": "qa", "turns": ["x"]}), "question_id must be an integer, got None"),
-    (json.dumps({"question_id": "7", "category": "qa", "turns": ["x"]}), "question_id must be an integer, got '7'"),
-    (json.dumps({"question_id": 7, "turns": ["x"]}), "category must be a non-empty string, got None"),
-    (json.dumps({"question_id": 7, "category": "qa", "turns": []}), "turns must be a non-empty list of strings"),
-    (json.dumps({"question_id": 7, "category": "qa", "turns": ["x"], "reference": [1]}),
-     "reference must be a list of strings or of lists of strings"),
-    (GOOD, "question_id 1 repeats line 1"),
-])
+@pytest.mark.parametrize(
+    "bad,problem",
+    [
+        ("{not json", "not JSON (Expecting property name"),
+        ("[1, 2]", "expected a JSON object, got list"),
+        (json.dumps({"category": "qa", "turns": ["x"]}), "question_id must be an integer, got None"),
+        (json.dumps({"question_id": "7", "category": "qa", "turns": ["x"]}), "question_id must be an integer, got '7'"),
+        (json.dumps({"question_id": 7, "turns": ["x"]}), "category must be a non-empty string, got None"),
+        (json.dumps({"question_id": 7, "category": "qa", "turns": []}), "turns must be a non-empty list of strings"),
+        (
+            json.dumps({"question_id": 7, "category": "qa", "turns": ["x"], "reference": [1]}),
+            "reference must be a list of strings or of lists of strings",
+        ),
+        (GOOD, "question_id 1 repeats line 1"),
+    ],
+)
 def test_bad_line_names_its_number(tmp_path, bad, problem):
     path = write(tmp_path, [GOOD, bad])
     with pytest.raises(DatasetError) as info:

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DESIGN = ROOT / "docs" / "design.md"
 REF = re.compile(r"`?((?:[A-Za-z_][\w]*/)+[A-Za-z_]\w*\.py):([A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)?)")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
-DOCS_PATH = re.compile(r"(?<![\w/.-])docs/[\w.-]+\.md")   # hycoc's own pages, not a library's docs/a/b.md
+DOCS_PATH = re.compile(r"(?<![\w/.-])docs/[\w.-]+\.md")  # hycoc's own pages, not a library's docs/a/b.md
 SOURCES = ("hycoc", "passes", "runtime", "verifier", "targets", "benchmarks", "tests")
 
 
@@ -33,7 +33,9 @@ def names_in(path: Path) -> dict[str, set[str]]:
             out[node.name] = set()
         elif isinstance(node, ast.ClassDef):
             members = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-            members |= {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+            members |= {
+                n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+            }
             out[node.name] = members
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
@@ -47,11 +49,23 @@ def design_refs() -> list[tuple[str, str]]:
 
 def test_design_doc_names_many_functions():
     refs = design_refs()
-    assert len(refs) >= 100, len(refs)     # the paper-line tables alone name ~100
+    assert len(refs) >= 100, len(refs)  # the paper-line tables alone name ~100
     text = DESIGN.read_text(encoding="utf-8")
-    for heading in ("### Algorithm 1", "### Algorithm 2", "### Algorithm 3", "### Algorithm 4", "### Table 3",
-                    "### Table 4", "### Table 5", "## Wire protocol", "## Bundle", "## Reference shapes",
-                    "## The pass pipeline", "## Targets", "## Limits"):
+    for heading in (
+        "### Algorithm 1",
+        "### Algorithm 2",
+        "### Algorithm 3",
+        "### Algorithm 4",
+        "### Table 3",
+        "### Table 4",
+        "### Table 5",
+        "## Wire protocol",
+        "## Bundle",
+        "## Reference shapes",
+        "## The pass pipeline",
+        "## Targets",
+        "## Limits",
+    ):
         assert heading in text, heading
 
 
@@ -89,13 +103,13 @@ def test_every_docs_section_cited_in_code_is_a_heading_of_its_page():
     their command, "Choosing ε: `hycoc tune-epsilon`"); a quote wrapped over lines is joined first."""
     missing, cited = [], 0
     for f in [f for d in SOURCES for f in sorted((ROOT / d).rglob("*.py"))] + [ROOT / "recipes" / "toy.toml"]:
-        text = re.sub(r'\n\s*(?:#:?\s*)?', " ", f.read_text(encoding="utf-8"))
+        text = re.sub(r"\n\s*(?:#:?\s*)?", " ", f.read_text(encoding="utf-8"))
         for page, section in CITED.findall(text):
             if not (ROOT / page).is_file():
-                continue             # the test below names the missing page
+                continue  # the test below names the missing page
             cited += 1
             if not any(h.startswith(section) for h in headings(ROOT / page)):
-                missing.append(f"{f.relative_to(ROOT)}: {page} \"{section}\"")
+                missing.append(f'{f.relative_to(ROOT)}: {page} "{section}"')
     assert missing == []
     assert cited >= 40, cited
 

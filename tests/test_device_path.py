@@ -18,6 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hycoc.verifier.cost_measure import count_forwards
+from hycoc.verifier.engine import VerifierEngine, verify_tree
+from hycoc.verifier.forward import NormTap, prefill
+from hycoc.verifier.kv_surgery import compact_kv
+from tiny_models import tiny_head, tiny_verifier
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -25,16 +30,11 @@ from transformers import DynamicCache
 
 from hycoc.bench.cost_model import Forward, request_forwards
 from hycoc.protocol.messages import Sampling
-from hycoc.verifier.cost_measure import count_forwards
-from hycoc.verifier.forward import NormTap, prefill
-from hycoc.verifier.engine import VerifierEngine, verify_tree
-from hycoc.verifier.kv_surgery import compact_kv
-from tiny_models import tiny_head, tiny_verifier
 
-TOY = Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"   # not the working directory's
+TOY = Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"  # not the working directory's
 
 torch.set_num_threads(1)
-VOCAB = 4096                    # wide enough that a logits or probability row stands out from every legitimate copy
+VOCAB = 4096  # wide enough that a logits or probability row stands out from every legitimate copy
 SCALES = (0.1, 0.1, 0.05, 0.05, 0.05, 0.05)
 K, W, CHUNK = 4, 12, 8
 
@@ -47,8 +47,17 @@ def models():
 
 def make_engine(verifier, head, **kw):
     keep = torch.arange(0, VOCAB, 3)
-    return VerifierEngine(verifier, head=head, keep_set=keep, head_window=W, chain_length=K, handoff_scales=SCALES,
-                          eos_token_ids=set(), prefill_chunk=CHUNK, **kw)
+    return VerifierEngine(
+        verifier,
+        head=head,
+        keep_set=keep,
+        head_window=W,
+        chain_length=K,
+        handoff_scales=SCALES,
+        eos_token_ids=set(),
+        prefill_chunk=CHUNK,
+        **kw,
+    )
 
 
 PROMPT = np.random.default_rng(0).integers(3, VOCAB, 19)
@@ -64,12 +73,19 @@ def device_tree(session) -> tuple[list[int], list[int]]:
 # ---- the cost model's account of a request against what the engine ran -------------------------------------------
 
 
-@pytest.mark.parametrize("config, place", [("hyco", "device"), ("cloud-mtp", "cloud-mtp"),
-                                           ("server-head", "server-head")])
+@pytest.mark.parametrize(
+    "config, place", [("hyco", "device"), ("cloud-mtp", "cloud-mtp"), ("server-head", "server-head")]
+)
 def test_replay_lists_exactly_the_forwards_the_engine_runs(models, config, place):
     engine = make_engine(*models)
-    session = engine.open(PROMPT, Sampling(temperature=0.0, top_k=1, top_p=1.0), acceptance="exact",
-                          epsilon=1.0, draft_place=place, max_new_tokens=10)
+    session = engine.open(
+        PROMPT,
+        Sampling(temperature=0.0, top_k=1, top_p=1.0),
+        acceptance="exact",
+        epsilon=1.0,
+        draft_place=place,
+        max_new_tokens=10,
+    )
     record = {"config": config, "rows": [], "context": []}
     with count_forwards(engine) as seen:
         session.prefill()
@@ -81,8 +97,9 @@ def test_replay_lists_exactly_the_forwards_the_engine_runs(models, config, place
             record["rows"].append(len(reply.samples))
             seq += 1
     engine.close()
-    replay = [f for group in request_forwards(record, chain_length=K, head_window=W, prefill_chunk=CHUNK)
-              for f in group]
+    replay = [
+        f for group in request_forwards(record, chain_length=K, head_window=W, prefill_chunk=CHUNK) for f in group
+    ]
     assert seen == replay
     # the prompt's 18 positions [0, 18) in chunks of 8, 8, 2; head steps where the draft place puts them
     assert seen[:3] == [Forward("prefill", 8, 0), Forward("prefill", 8, 8), Forward("prefill", 2, 16)]
@@ -131,8 +148,9 @@ def test_round_steps_run_on_the_model_device_with_no_hidden_copies():
     assert (w.host_to_device, w.device_to_host, w.on_host) == ([], [], [])
     parents = np.array([-1, 0, 1, 0, 3])
     with DeviceWatch("meta") as w:
-        logits, pre, post = verify_tree(verifier, cache, tap, torch.zeros(5, dtype=torch.long, device="meta"),
-                                        parents, 6, verifier.dtype)
+        logits, pre, post = verify_tree(
+            verifier, cache, tap, torch.zeros(5, dtype=torch.long, device="meta"), parents, 6, verifier.dtype
+        )
     assert logits.device.type == pre.device.type == "meta" and logits.shape == (5, verifier.config.vocab_size)
     assert len(w.host_to_device) == 2 and w.device_to_host == [] and w.on_host == []
     stored = sum(1 for layer in cache.layers if layer.is_initialized and layer.keys.numel())
@@ -176,8 +194,15 @@ def test_a_round_copies_nothing_vocabulary_wide_to_the_host(models, place):
     """What a round hands to the host is what the reply carries (samples, path, bonus, chain ids, the hand-off's int8
     rows) and scalars: never a logits or probability row (VOCAB wide)."""
     engine = make_engine(*models)
-    session = engine.open(PROMPT, Sampling(temperature=0.7, top_k=64, top_p=0.95), seed=3, acceptance="epsilon",
-                          epsilon=0.05, draft_place=place, max_new_tokens=50)
+    session = engine.open(
+        PROMPT,
+        Sampling(temperature=0.7, top_k=64, top_p=0.95),
+        seed=3,
+        acceptance="epsilon",
+        epsilon=0.05,
+        draft_place=place,
+        max_new_tokens=50,
+    )
     session.prefill()
     with HostTransfers() as audit:
         for seq in range(3):
@@ -200,11 +225,11 @@ def test_a_round_copies_nothing_vocabulary_wide_to_the_host(models, place):
 
 
 def test_cpu_cache_keys_are_unchanged_and_a_gpu_keys_the_torch_passes(tmp_path):
+    from hycoc.passes.artifacts import Artifact
     from hycoc.passes.build import build_pipeline
     from hycoc.passes.pipeline import canonical_json
-    from hycoc.recipe import load_recipe
 
-    from hycoc.passes.artifacts import Artifact
+    from hycoc.recipe import load_recipe
 
     class Fixed(Artifact):
         def _compute_hash(self) -> str:
@@ -218,21 +243,27 @@ def test_cpu_cache_keys_are_unchanged_and_a_gpu_keys_the_torch_passes(tmp_path):
         inputs = {kind: Fixed(kind, None) for kind in a.consumes}
         key = default.cache_key(a, inputs, recipe)
         # the formula as it was before the device setting existed: CPU builds keep their cache entries
-        legacy = {"pass": a.name, "version": a.version,
-                  "sections": {t: getattr(recipe, t).model_dump(mode="json") for t in a.reads()},
-                  "params": a.key_material(recipe), "inputs": {k: "f" * 64 for k in sorted(a.consumes)},
-                  "tools": default._versions}
+        legacy = {
+            "pass": a.name,
+            "version": a.version,
+            "sections": {t: getattr(recipe, t).model_dump(mode="json") for t in a.reads()},
+            "params": a.key_material(recipe),
+            "inputs": {k: "f" * 64 for k in sorted(a.consumes)},
+            "tools": default._versions,
+        }
         assert key == hashlib.sha256(canonical_json(legacy).encode()).hexdigest()
         assert cpu.cache_key(b, inputs, recipe) == key
         runs_torch = bool({"torch_verifier", "torch_head"} & set(a.consumes))
         assert (cuda.cache_key(c, inputs, recipe) != key) is runs_torch, a.name
-    assert {"calibration_answers", "head_qat"} <= {p.name for p in cuda.passes
-                                                   if {"torch_verifier", "torch_head"} & set(p.consumes)}
+    assert {"calibration_answers", "head_qat"} <= {
+        p.name for p in cuda.passes if {"torch_verifier", "torch_head"} & set(p.consumes)
+    }
 
 
 def test_build_inputs_place_the_verifier_on_the_device_in_bf16(monkeypatch):
     """The meta device stands in for cuda: the verifier moves there in bf16, the head stays as saved."""
     from hycoc.passes import build
+
     from hycoc.recipe import load_recipe
 
     recipe = load_recipe(TOY)
@@ -264,8 +295,21 @@ def test_cuda_without_a_gpu_is_a_clear_error(monkeypatch, tmp_path):
     from hycoc.cli import app
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    result = CliRunner().invoke(app, ["build", str(TOY), "--target", "cpu", "--device", "cuda",
-                                      "--cache-dir", str(tmp_path / "cache"), "--until", "keep_set"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "build",
+            str(TOY),
+            "--target",
+            "cpu",
+            "--device",
+            "cuda",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--until",
+            "keep_set",
+        ],
+    )
     assert result.exit_code == 1, result.output
     assert "torch sees no CUDA device" in result.output and "--device cpu" in result.output
     assert not (tmp_path / "cache").exists()  # refused before any pass ran

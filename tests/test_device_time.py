@@ -20,11 +20,19 @@ def _matmul_graph(path, rows: int = 32, k: int = 16, n: int = 24):
     from onnx import numpy_helper as nh
 
     w = np.ones((k, n), np.int8)
-    inits = [nh.from_array(w, "w"), nh.from_array(np.array(0.01, np.float32), "ws"),
-             nh.from_array(np.array(0, np.int8), "wz")]
+    inits = [
+        nh.from_array(w, "w"),
+        nh.from_array(np.array(0.01, np.float32), "ws"),
+        nh.from_array(np.array(0, np.int8), "wz"),
+    ]
     nodes = [h.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"]), h.make_node("MatMul", ["x", "wd"], ["y"])]
-    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, [1, rows, k])],
-                     [h.make_tensor_value_info("y", T.FLOAT, [1, rows, n])], inits)
+    g = h.make_graph(
+        nodes,
+        "g",
+        [h.make_tensor_value_info("x", T.FLOAT, [1, rows, k])],
+        [h.make_tensor_value_info("y", T.FLOAT, [1, rows, n])],
+        inits,
+    )
     m = h.make_model(g, opset_imports=[h.make_opsetid("", 21)])
     m.ir_version = 10
     onnx.save(m, str(path))
@@ -34,21 +42,31 @@ def _matmul_graph(path, rows: int = 32, k: int = 16, n: int = 24):
 def test_onnx_graph_cost_counts_matmul_macs_weights_and_16bit_io(tmp_path):
     c = dt.onnx_graph_cost(_matmul_graph(tmp_path / "g.onnx"))
     assert c.macs == 32 * 16 * 24
-    assert c.bytes == 16 * 24 + 4 + 1 + 2 * (32 * 16 + 32 * 24)   # int8 weight, its scale and zero point, A16 IO
+    assert c.bytes == 16 * 24 + 4 + 1 + 2 * (32 * 16 + 32 * 24)  # int8 weight, its scale and zero point, A16 IO
 
 
 def test_call_ms_is_overhead_plus_bytes_over_bandwidth_plus_macs_over_rate():
     p = dt.NpuProfile("x", bandwidth_gbps=100.0, tmacs=10.0, overhead_ms=0.5, host_ms_per_slm_pass=0.0)
     assert p.call_ms(dt.GraphCost(bytes=1e9, macs=2e12)) == pytest.approx(0.5 + 10.0 + 200.0)
-    assert dt.NPU_PROFILES["v81"].tmacs is None        # the anchors do not bound the MAC rate (tests/test_plan.py)
+    assert dt.NPU_PROFILES["v81"].tmacs is None  # the anchors do not bound the MAC rate (tests/test_plan.py)
     assert dt.NPU_PROFILES["v81"].call_ms(dt.GraphCost(1e9, 1e15)) == pytest.approx(3.511 + 1e9 / 98.24e6)
 
 
-def _record(config, rounds, tokens, draft_ms, graph_ms, calls, seconds, prefill_calls=None, fill_ms=0.0,
-            fill_graph_ms=0.0):
-    return {"config": config, "rounds": rounds, "tokens": tokens, "draft_ms": draft_ms, "draft_graph_ms": graph_ms,
-            "draft_calls": calls, "seconds": seconds, "prefill_calls": prefill_calls or {},
-            "slm_prefill_ms": fill_ms, "slm_prefill_graph_ms": fill_graph_ms}
+def _record(
+    config, rounds, tokens, draft_ms, graph_ms, calls, seconds, prefill_calls=None, fill_ms=0.0, fill_graph_ms=0.0
+):
+    return {
+        "config": config,
+        "rounds": rounds,
+        "tokens": tokens,
+        "draft_ms": draft_ms,
+        "draft_graph_ms": graph_ms,
+        "draft_calls": calls,
+        "seconds": seconds,
+        "prefill_calls": prefill_calls or {},
+        "slm_prefill_ms": fill_ms,
+        "slm_prefill_graph_ms": fill_graph_ms,
+    }
 
 
 def test_project_records_prices_the_calls_each_round_ran():
@@ -57,19 +75,19 @@ def test_project_records_prices_the_calls_each_round_ran():
         # hyco: 10 rounds, K=4 head steps in 9 of them + 10 SLM passes; 300 ms on this CPU of which 250 in graphs
         _record("hyco", 10, 40, 300.0, 250.0, {"head": 36, "slm": 10}, 2.0, {"slm": 3}, 90.0, 80.0),
         _record("slm-alone", 20, 20, 400.0, 380.0, {"slm_decode": 20}, 0.5, {"slm": 3}, 90.0, 80.0),
-        {"config": "old", "rounds": 1, "tokens": 1, "draft_ms": 1.0, "seconds": 1.0},   # no draft_calls: skipped
+        {"config": "old", "rounds": 1, "tokens": 1, "draft_ms": 1.0, "seconds": 1.0},  # no draft_calls: skipped
     ]
     p = dp.project_records(records, costs)
     assert set(p) == {"hyco", "slm-alone"}
     h = p["hyco"]
-    phone = 36 * 5.0 + 10 * 16.0 + (300.0 - 250.0)              # 390 ms over 10 rounds
+    phone = 36 * 5.0 + 10 * 16.0 + (300.0 - 250.0)  # 390 ms over 10 rounds
     assert h["phone_draft_ms_per_round"] == 39.0 and h["phone_draft_ms_per_token"] == round(phone / 40, 3)
     assert h["host_ms_per_round"] == 5.0 and h["cpu_draft_ms_per_round"] == 30.0
     assert h["calls_per_round"] == {"head": 3.6, "slm": 1.0}
     seconds = 2.0 - 0.300 + phone / 1000 - 0.090 + (3 * 16.0 + 10.0) / 1000
     assert h["phone_tok_per_s"] == round(40 / seconds, 3) and h["cpu_tok_per_s"] == 20.0
     s = p["slm-alone"]
-    assert s["phone_draft_ms_per_round"] == 12.0 + 1.0            # one decode call + 1 ms host per token
+    assert s["phone_draft_ms_per_round"] == 12.0 + 1.0  # one decode call + 1 ms host per token
 
 
 def test_a_sharded_slm_prices_as_the_sum_of_its_shards():
@@ -79,9 +97,12 @@ def test_a_sharded_slm_prices_as_the_sum_of_its_shards():
 
 
 def test_summarize_profile_without_a_list_uses_the_single_estimate():
-    s = dp.summarize_profile({"execution_summary": {"estimated_inference_time": 12_345,
-                                                    "estimated_inference_peak_memory": 7},
-                              "execution_detail": []})
+    s = dp.summarize_profile(
+        {
+            "execution_summary": {"estimated_inference_time": 12_345, "estimated_inference_peak_memory": 7},
+            "execution_detail": [],
+        }
+    )
     assert (s["execute_ms_median"], s["execute_ms_p90"], s["runs"], s["peak_memory_bytes"]) == (12.345, 12.345, 1, 7)
     with pytest.raises(dp.DeviceProfileError, match="no inference time"):
         dp.summarize_profile({"execution_summary": {}})
@@ -90,8 +111,10 @@ def test_summarize_profile_without_a_list_uses_the_single_estimate():
 def test_load_device_costs_reads_medians_and_refuses_other_files(tmp_path):
     f = tmp_path / "p.json"
     f.write_text(json.dumps({"device": "Samsung Galaxy S26 (Family)", "graphs": {"slm": {"execute_ms_median": 9.5}}}))
-    assert dp.load_device_costs(f) == ({"slm": 9.5}, "profiled on Samsung Galaxy S26 (Family) (AI Hub, median "
-                                                     "execute time per call)")
+    assert dp.load_device_costs(f) == (
+        {"slm": 9.5},
+        "profiled on Samsung Galaxy S26 (Family) (AI Hub, median execute time per call)",
+    )
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(dp.DeviceProfileError, match="not a device_profile.json"):
         dp.load_device_costs(tmp_path / "bad.json")

@@ -19,33 +19,50 @@ import typing
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
-from hycoc.targets.profiles import (DEVICES, HTP_TARGETS, PROFILES, UnknownTargetError, device_for_soc, profile_for,
-                                    resolve_device)
+from hycoc.targets.profiles import (
+    DEVICES,
+    HTP_TARGETS,
+    PROFILES,
+    UnknownTargetError,
+    device_for_soc,
+    profile_for,
+    resolve_device,
+)
 from hycoc.targets.qnn_ep import qnn_installed
+from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 GEMMA4 = ROOT / "recipes" / "gemma4.toml"
-needs_qnn = pytest.mark.skipif(not qnn_installed(),
-                               reason="onnxruntime-qnn is not importable (pip install -e '.[qnn]')")
+needs_qnn = pytest.mark.skipif(
+    not qnn_installed(), reason="onnxruntime-qnn is not importable (pip install -e '.[qnn]')"
+)
 
 
 # ---- the device table ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, arch, soc", [
-    ("Snapdragon 8 Gen 2", 73, "SM8550"), ("Galaxy S23 Ultra", 73, "SM8550"),
-    ("snapdragon 8 gen 3", 75, "SM8650"), ("Samsung Galaxy S24 Ultra", 75, "SM8650"), ("SM8650", 75, "SM8650"),
-    ("Snapdragon 8 Elite", 79, "SM8750"), ("Galaxy S25", 79, "SM8750"),
-    ("Snapdragon 8 Elite Gen 5", 81, "SM8850"), ("Galaxy S26 Ultra", 81, "SM8850"),
-    ("Snapdragon X Elite", 73, "SC8380XP"), ("X1E78100", 73, "SC8380XP")])
+@pytest.mark.parametrize(
+    "name, arch, soc",
+    [
+        ("Snapdragon 8 Gen 2", 73, "SM8550"),
+        ("Galaxy S23 Ultra", 73, "SM8550"),
+        ("snapdragon 8 gen 3", 75, "SM8650"),
+        ("Samsung Galaxy S24 Ultra", 75, "SM8650"),
+        ("SM8650", 75, "SM8650"),
+        ("Snapdragon 8 Elite", 79, "SM8750"),
+        ("Galaxy S25", 79, "SM8750"),
+        ("Snapdragon 8 Elite Gen 5", 81, "SM8850"),
+        ("Galaxy S26 Ultra", 81, "SM8850"),
+        ("Snapdragon X Elite", 73, "SC8380XP"),
+        ("X1E78100", 73, "SC8380XP"),
+    ],
+)
 def test_a_device_name_or_alias_resolves_to_its_arch_and_soc(name, arch, soc):
     d = resolve_device(name)
     p = d.profile()
     assert (d.htp_arch, d.soc_model, p.htp_arch, p.soc_model) == (arch, soc, arch, soc)
     assert p.name == f"htp-v{arch}" and p.provider_options()["htp_arch"] == str(arch)
-    assert profile_for(arch, soc).soc_id == d.soc_id       # a recipe's [target] of that device finds it too
+    assert profile_for(arch, soc).soc_id == d.soc_id  # a recipe's [target] of that device finds it too
 
 
 def test_an_unknown_device_lists_the_known_ones_and_every_entry_states_its_source():
@@ -56,12 +73,13 @@ def test_an_unknown_device_lists_the_known_ones_and_every_entry_states_its_sourc
         assert d.source and PROFILES[f"htp-v{d.htp_arch}"].source
     # "8 Elite" and "8 Elite Gen 5" are two devices: no prefix match
     assert resolve_device("8 Elite").htp_arch == 79 and resolve_device("8 Elite Gen 5").htp_arch == 81
-    assert device_for_soc("X1E80100").soc_model == "SC8380XP"      # the Linux kernel's part number of the X Elite
+    assert device_for_soc("X1E80100").soc_model == "SC8380XP"  # the Linux kernel's part number of the X Elite
 
 
 def test_the_recipe_accepts_exactly_the_build_targets():
     """One list of targets: the recipe's [target] name choices are the compiler's (passes/build.py TARGETS)."""
     from hycoc.passes.build import TARGETS
+
     from hycoc.recipe import Target
 
     assert set(typing.get_args(Target.model_fields["name"].annotation)) == set(TARGETS)
@@ -84,7 +102,7 @@ def test_qnn_compiles_every_device_entry_and_writes_its_arch_and_soc():
     for n in HTP_TARGETS:
         got, p = res["archs"][n], PROFILES[n]
         assert got["target"]["arch"] == p.htp_arch and got["target"]["soc_type"] == p.soc_model
-        assert got["target"]["memory_alloc_limit_mib"] * 1024 * 1024 == p.max_context_bytes   # the profile's limit
+        assert got["target"]["memory_alloc_limit_mib"] * 1024 * 1024 == p.max_context_bytes  # the profile's limit
 
 
 # ---- retargeting a recipe ------------------------------------------------------------------------------------------
@@ -92,6 +110,7 @@ def test_qnn_compiles_every_device_entry_and_writes_its_arch_and_soc():
 
 def test_recipe_for_target_changes_the_target_table_only():
     from hycoc.passes.build import BuildError, recipe_for_target
+
     from hycoc.recipe import load_recipe
 
     toy = load_recipe(ROOT / "recipes" / "toy.toml")
@@ -104,11 +123,14 @@ def test_recipe_for_target_changes_the_target_table_only():
         if section != "target":
             assert getattr(r, section).model_dump(mode="json") == getattr(toy, section).model_dump(mode="json")
     assert r.target.context_size_limit_mb == toy.target.context_size_limit_mb
-    with pytest.raises(BuildError, match=r"--device 'Snapdragon 8 Gen 3' is Hexagon v75 \(SM8650\) and --target is "
-                                         "htp-v81"):
+    with pytest.raises(
+        BuildError,
+        match=r"--device 'Snapdragon 8 Gen 3' is Hexagon v75 \(SM8650\) and --target is "
+        "htp-v81",
+    ):
         recipe_for_target(toy, "htp-v81", resolve_device("Galaxy S24"))
     with pytest.raises(BuildError, match=r"htp-v68 .* need 16-bit activations .* and 4-bit weights"):
-        recipe_for_target(toy, "htp-v68")         # refused before any pass, not after the QAT
+        recipe_for_target(toy, "htp-v68")  # refused before any pass, not after the QAT
 
 
 def test_cli_build_refuses_an_unknown_device_and_a_disagreeing_target_in_one_line(tmp_path):
@@ -118,8 +140,9 @@ def test_cli_build_refuses_an_unknown_device_and_a_disagreeing_target_in_one_lin
     r = CliRunner().invoke(app, ["build", toy, "--device", "Nokia 3310", "--out", str(tmp_path / "b")])
     assert r.exit_code == 1 and r.stderr.startswith("hycoc build: --device: unknown device 'Nokia 3310' (known: ")
     assert "Snapdragon X Elite" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    r = CliRunner().invoke(app, ["build", toy, "--device", "Galaxy S25", "--target", "htp-v75",
-                                 "--out", str(tmp_path / "b")])
+    r = CliRunner().invoke(
+        app, ["build", toy, "--device", "Galaxy S25", "--target", "htp-v75", "--out", str(tmp_path / "b")]
+    )
     assert r.exit_code == 1 and "is Hexagon v79 (SM8750) and --target is htp-v75" in r.stderr
     assert not (tmp_path / "b").exists()
 
@@ -130,9 +153,8 @@ def arch_bundles(tiny_pipeline, tmp_path_factory):
     {device name: bundle folder}. ~35 s per device on 2 busy cores (3 context binaries each)."""
     if not qnn_installed():
         pytest.skip("onnxruntime-qnn is not importable (pip install -e '.[qnn]')")
-    from rich.console import Console
-
     from hycoc.passes import build as b
+    from rich.console import Console
 
     p, root, out = tiny_pipeline, tmp_path_factory.mktemp("arch_bundles"), {}
     for device in ("Snapdragon 8 Elite Gen 5", "Snapdragon 8 Elite", "Snapdragon 8 Gen 3", "Snapdragon X Elite"):
@@ -146,17 +168,21 @@ def test_each_arch_builds_the_tiny_bundle_and_its_binaries_say_that_arch(arch_bu
     """v81, v79, v75 and v73 (as the X Elite, SoC SC8380XP): every context binary reads back as the device's arch
     and SoC (what QNN wrote), the manifest says the same, and one graph runs on the simulator for each."""
     import numpy as np
+    from hycoc.targets.htp import run_compiled
+    from hycoc.targets.qnn_ep import read_binary_target
 
     from hycoc.bench.device_profile import profile_inputs
     from hycoc.bundle import load_manifest
-    from hycoc.targets.htp import run_compiled
-    from hycoc.targets.qnn_ep import read_binary_target
 
     for device, out in arch_bundles.items():
         d = resolve_device(device)
         m = load_manifest(out)
         assert (m.target.name, m.target.htp_arch, m.target.soc_model, m.target.soc_id) == (
-            f"htp-v{d.htp_arch}", d.htp_arch, d.soc_model, d.soc_id)
+            f"htp-v{d.htp_arch}",
+            d.htp_arch,
+            d.soc_model,
+            d.soc_id,
+        )
         binaries = {g.context_binary for g in m.graphs}
         assert binaries and None not in binaries
         for binary in binaries:
@@ -175,8 +201,13 @@ def _htp_manifest(tiny_bundle, arch: int = 81, soc: str = "SM8850"):
     from hycoc.bundle import load_manifest
 
     m = load_manifest(tiny_bundle.bundle)
-    return m.model_copy(update={"target": m.target.model_copy(update={
-        "name": f"htp-v{arch}", "backend": "htp", "htp_arch": arch, "soc_model": soc, "qnn_sdk": None})})
+    return m.model_copy(
+        update={
+            "target": m.target.model_copy(
+                update={"name": f"htp-v{arch}", "backend": "htp", "htp_arch": arch, "soc_model": soc, "qnn_sdk": None}
+            )
+        }
+    )
 
 
 def test_detect_device_reads_the_os_and_honours_HYCOC_DEVICE(tmp_path):
@@ -189,10 +220,15 @@ def test_detect_device_reads_the_os_and_honours_HYCOC_DEVICE(tmp_path):
     assert x64.emulated and x64.python_machine == "x86_64"
     (tmp_path / "sys/devices/soc0").mkdir(parents=True)
     (tmp_path / "sys/devices/soc0/machine").write_text("SM8650\n")
-    phone = detect_device({"ANDROID_ROOT": "/system"}, system="Linux", machine="aarch64", py_machine="linux-aarch64",
-                          linux_root=tmp_path)
-    assert (phone.os, phone.soc_model, phone.htp_arch, phone.source) == ("android", "SM8650", 75,
-                                                                         "/sys/devices/soc0/machine")
+    phone = detect_device(
+        {"ANDROID_ROOT": "/system"}, system="Linux", machine="aarch64", py_machine="linux-aarch64", linux_root=tmp_path
+    )
+    assert (phone.os, phone.soc_model, phone.htp_arch, phone.source) == (
+        "android",
+        "SM8650",
+        75,
+        "/sys/devices/soc0/machine",
+    )
     (tmp_path / "sys/devices/soc0/machine").unlink()
     (tmp_path / "proc/device-tree").mkdir(parents=True)
     (tmp_path / "proc/device-tree/compatible").write_bytes(b"qcom,x1e80100-crd\0qcom,x1e80100\0")
@@ -205,9 +241,10 @@ def test_detect_device_reads_the_os_and_honours_HYCOC_DEVICE(tmp_path):
 
 
 def test_a_v81_bundle_on_a_v73_device_is_refused_in_one_line(tiny_bundle):
-    from hycoc.bundle import TargetMismatch
     from hycoc.runtime.device_bundle import check_device_identity
     from hycoc.runtime.device_identity import DeviceIdentity
+
+    from hycoc.bundle import TargetMismatch
 
     m = _htp_manifest(tiny_bundle)
     phone = DeviceIdentity("android", "arm64", "arm64", "SM8550", 73, "Snapdragon 8 Gen 2", "test")
@@ -218,11 +255,13 @@ def test_a_v81_bundle_on_a_v73_device_is_refused_in_one_line(tiny_bundle):
     assert '--device "Snapdragon 8 Gen 2"' in msg
     # same arch, another SoC (an 8 Gen 2 bundle on an X Elite): refused too
     with pytest.raises(TargetMismatch, match=r"Hexagon v73 \(SM8550\), this device is Hexagon v73 \(SC8380XP"):
-        check_device_identity(_htp_manifest(tiny_bundle, 73, "SM8550"),
-                              DeviceIdentity("windows", "arm64", "arm64", "SC8380XP", 73, "Snapdragon X Elite", "t"))
+        check_device_identity(
+            _htp_manifest(tiny_bundle, 73, "SM8550"),
+            DeviceIdentity("windows", "arm64", "arm64", "SC8380XP", 73, "Snapdragon X Elite", "t"),
+        )
     with pytest.raises(TargetMismatch, match="runs under emulation on an arm64 windows host.*Python for ARM64"):
         check_device_identity(m, DeviceIdentity("windows", "arm64", "x86_64", "SC8380XP", 73, "Snapdragon X Elite", ""))
-    check_device_identity(m, DeviceIdentity("linux", "x86_64", "x86_64"))                 # the simulator runs any arch
+    check_device_identity(m, DeviceIdentity("linux", "x86_64", "x86_64"))  # the simulator runs any arch
     check_device_identity(m, DeviceIdentity("linux", "arm64", "arm64", source="unknown"))  # SoC unknown: not checked
     check_device_identity(m, DeviceIdentity("android", "arm64", "arm64", "SM8850", 81, "Snapdragon 8 Elite Gen 5", ""))
 
@@ -267,20 +306,22 @@ def test_device_time_is_fitted_for_v81_only_and_says_so_for_the_others(tiny_bund
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(dp.DeviceProfileError, match="device-time estimate not fitted for v75"):
         dp.estimated_device_costs(bundle)
-    from hycoc.bench.runner import device_time_for
     from rich.console import Console
+
+    from hycoc.bench.runner import device_time_for
 
     console = Console(file=io.StringIO(), width=300)
     got = device_time_for([], bundle, None, console)
     assert "configs" not in got and "not fitted for v75" in got["error"]
     assert "device time: not reported (device-time estimate not fitted for v75" in console.file.getvalue()
-    assert dp.estimated_device_costs(tiny_bundle.bundle)[1].endswith("NPU profile v81")   # a cpu bundle: v81
+    assert dp.estimated_device_costs(tiny_bundle.bundle)[1].endswith("NPU profile v81")  # a cpu bundle: v81
 
 
 def test_inspect_a_recipe_for_a_device_plans_its_limit_and_refuses_what_does_not_fit():
+    from hycoc.passes.plan import PlanError
+
     from hycoc.cli import app
     from hycoc.inspect_report import recipe_report
-    from hycoc.passes.plan import PlanError
     from hycoc.recipe import load_recipe
 
     r = CliRunner().invoke(app, ["inspect", str(GEMMA4), "--device", "Galaxy S24", "--json"])
@@ -296,8 +337,11 @@ def test_inspect_a_recipe_for_a_device_plans_its_limit_and_refuses_what_does_not
     small = config.model_copy(update={"target": config.target.model_copy(update={"context_size_limit_mb": 1000})})
     slm = budget["graphs"]["slm"]["bytes"]
     assert slm > 1000 * 1000 * 1000
-    with pytest.raises(PlanError, match=rf"over htp-v75's context limit of 1,000,000,000 bytes .*slm {slm:,} bytes "
-                                        r'\(\[target\] slm_shards = "auto" \(2 shards\)\)'):
+    with pytest.raises(
+        PlanError,
+        match=rf"over htp-v75's context limit of 1,000,000,000 bytes .*slm {slm:,} bytes "
+        r'\(\[target\] slm_shards = "auto" \(2 shards\)\)',
+    ):
         recipe_report(small, resolve_device("Galaxy S24"))
     r = CliRunner().invoke(app, ["inspect", str(GEMMA4), "--device", "Snapdragon 888"])
     assert r.exit_code == 1 and "htp-v68 (Snapdragon 888) cannot run this recipe's graphs" in r.stderr
@@ -311,10 +355,10 @@ def test_utf8_stdio_makes_a_windows_code_page_stream_write_utf8():
 
     text = "답: 서울 — naïve\n"
     raw = io.BytesIO()
-    stream = io.TextIOWrapper(raw, encoding="cp1252", write_through=True)    # a redirected stdout on Windows
+    stream = io.TextIOWrapper(raw, encoding="cp1252", write_through=True)  # a redirected stdout on Windows
     with pytest.raises(UnicodeEncodeError):
         stream.write(text)
-    utf8_stdio([stream], windows=False)                                         # elsewhere: left alone
+    utf8_stdio([stream], windows=False)  # elsewhere: left alone
     assert stream.encoding == "cp1252"
     utf8_stdio([stream], windows=True)
     stream.write(text)
@@ -336,17 +380,36 @@ def test_ci_resolve_tells_an_unreachable_registry_from_an_unresolvable_install(t
     """pip's own failures, offline: an index on a closed port is a registry that does not answer (skipped, CI goes
     on); an empty local index is a requirement with no wheel (unresolvable, CI fails)."""
     ci = _ci_module()
-    base = [sys.executable, "-m", "pip", "download", "--isolated", "--no-deps", "--only-binary=:all:",
-            "--disable-pip-version-check", "-d", str(tmp_path / "d")]
+    base = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--isolated",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-d",
+        str(tmp_path / "d"),
+    ]
     # --retries 1 as the CI's pip_command: pip names a connection error only in its retry warning (with
     # --retries 0 a refused connection reads as "from versions: none", like a package without wheels)
     assert ci.pip_command(["x"], "3.12", ("win_arm64",), "T", "R")[-6:-4] == ["--retries", "1"]
-    down = subprocess.run(base + ["--index-url", "http://127.0.0.1:9/simple", "--retries", "1", "--timeout", "2",
-                                  "hycoc-no-such-package"], capture_output=True, text=True, timeout=120)
+    down = subprocess.run(
+        base
+        + ["--index-url", "http://127.0.0.1:9/simple", "--retries", "1", "--timeout", "2", "hycoc-no-such-package"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ci.classify(down.returncode, down.stdout + down.stderr) == "skipped"
     (tmp_path / "empty").mkdir()
-    none = subprocess.run(base + ["--no-index", "--find-links", str(tmp_path / "empty"), "hycoc-no-such-package"],
-                          capture_output=True, text=True, timeout=120)
+    none = subprocess.run(
+        base + ["--no-index", "--find-links", str(tmp_path / "empty"), "hycoc-no-such-package"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ci.classify(none.returncode, none.stdout + none.stderr) == "unresolvable"
     assert ci.classify(0, "") == "ok"
 
@@ -356,13 +419,20 @@ def test_ci_resolve_reads_the_runtime_requirements_and_checks_the_wheels():
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert ci.requirements(ROOT / "pyproject.toml", "qnn") == project["dependencies"] + project[
-        "optional-dependencies"]["qnn"]
-    picked = {"onnxruntime": "onnxruntime-1.32.0-cp312-cp312-win_arm64.whl", "rich": "rich-15.0.0-py3-none-any.whl",
-              "numpy": "numpy-2.4.6-cp312-cp312-win_amd64.whl"}
+    assert (
+        ci.requirements(ROOT / "pyproject.toml", "qnn")
+        == project["dependencies"] + project["optional-dependencies"]["qnn"]
+    )
+    picked = {
+        "onnxruntime": "onnxruntime-1.32.0-cp312-cp312-win_arm64.whl",
+        "rich": "rich-15.0.0-py3-none-any.whl",
+        "numpy": "numpy-2.4.6-cp312-cp312-win_amd64.whl",
+    }
     problems = ci.check_wheels(picked, ("onnxruntime", "rich", "numpy", "tokenizers"), ("win_arm64",))
-    assert problems == ["numpy: numpy-2.4.6-cp312-cp312-win_amd64.whl is not a win_arm64 wheel",
-                        "tokenizers: not in the resolved set"]
+    assert problems == [
+        "numpy: numpy-2.4.6-cp312-cp312-win_amd64.whl is not a win_arm64 wheel",
+        "tokenizers: not in the resolved set",
+    ]
     cmd = ci.pip_command(["numpy"], "3.12", ("win_arm64",), "T", "R.json")
     assert cmd[-1] == "numpy" and "--dry-run" in cmd and "--only-binary=:all:" in cmd
     assert cmd[cmd.index("--platform") + 1] == "win_arm64"
@@ -371,9 +441,24 @@ def test_ci_resolve_reads_the_runtime_requirements_and_checks_the_wheels():
 # ---- bundle paths that mean the same file on Windows ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["graphs/head_ctx.onnx", "luts/slm_embed_packed.npy", "graphs/slm.s0_ctx_qnn.bin",
-                                  "lpt10.bin", "console.npy", "C:evil.onnx", "graphs/a:b.npy", "luts/nul.npy",
-                                  "LUTS/Con", "aux.tar.gz", "graphs/com7.bin", "graphs/x.", "graphs/x "])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "graphs/head_ctx.onnx",
+        "luts/slm_embed_packed.npy",
+        "graphs/slm.s0_ctx_qnn.bin",
+        "lpt10.bin",
+        "console.npy",
+        "C:evil.onnx",
+        "graphs/a:b.npy",
+        "luts/nul.npy",
+        "LUTS/Con",
+        "aux.tar.gz",
+        "graphs/com7.bin",
+        "graphs/x.",
+        "graphs/x ",
+    ],
+)
 def test_a_bundle_path_is_refused_where_windows_reads_it_differently(path):
     """The reference is Python's own Windows path rules (``pathlib.PureWindowsPath``: drive, reserved device
     names): a path Windows would read as a drive-relative path, a stream or a device is refused; so is a part
@@ -383,11 +468,15 @@ def test_a_bundle_path_is_refused_where_windows_reads_it_differently(path):
     from hycoc.bundle import check_rel_path
 
     win = PureWindowsPath(path)
-    differs = bool(win.drive) or ":" in path or any(PureWindowsPath(p).is_reserved() for p in path.split("/")) \
+    differs = (
+        bool(win.drive)
+        or ":" in path
+        or any(PureWindowsPath(p).is_reserved() for p in path.split("/"))
         or any(p.endswith((".", " ")) for p in path.split("/"))
+    )
     if differs:
         with pytest.raises(ValueError, match="not a relative path inside the bundle"):
             check_rel_path(path)
     else:
         check_rel_path(path)
-        assert win.parts == tuple(path.split("/"))        # the same file, folder by folder, on Windows
+        assert win.parts == tuple(path.split("/"))  # the same file, folder by folder, on Windows

@@ -7,30 +7,40 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from hycoc.passes.graph_io import GraphIoError, drop_check_outputs, quantize_kv_io, ship_graph
 from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper as nh
-
-from hycoc.passes.graph_io import GraphIoError, drop_check_outputs, quantize_kv_io, ship_graph
 
 
 def _kv_graph():
     """k_ring_0 (1, 1, 4, 2) float -> Q -> DQ -> Concat with new rows -> ... -> k_new_0 through Q -> DQ (also read
     inside the graph), plus logits and top_index outputs."""
     s, zp = nh.from_array(np.array(0.01, np.float32), "s"), nh.from_array(np.array(30000, np.uint16), "zp")
-    nodes = [h.make_node("QuantizeLinear", ["k_ring_0", "s", "zp"], ["ring_q"]),
-             h.make_node("DequantizeLinear", ["ring_q", "s", "zp"], ["ring_dq"]),
-             h.make_node("Relu", ["x"], ["new"]),
-             h.make_node("QuantizeLinear", ["new", "s", "zp"], ["new_q"]),
-             h.make_node("DequantizeLinear", ["new_q", "s", "zp"], ["k_new_0"]),
-             h.make_node("Concat", ["ring_dq", "k_new_0"], ["kv"], axis=2),
-             h.make_node("ReduceSum", ["kv"], ["logits"], keepdims=1),
-             h.make_node("ArgMax", ["logits"], ["top_index"], keepdims=1)]
-    g = h.make_graph(nodes, "kv", [h.make_tensor_value_info("k_ring_0", T.FLOAT, [1, 1, 4, 2]),
-                                   h.make_tensor_value_info("x", T.FLOAT, [1, 1, 1, 2])],
-                     [h.make_tensor_value_info("logits", T.FLOAT, [1, 1, 1, 1]),
-                      h.make_tensor_value_info("top_index", T.INT64, [1, 1, 1, 1]),
-                      h.make_tensor_value_info("k_new_0", T.FLOAT, [1, 1, 1, 2])], [s, zp])
+    nodes = [
+        h.make_node("QuantizeLinear", ["k_ring_0", "s", "zp"], ["ring_q"]),
+        h.make_node("DequantizeLinear", ["ring_q", "s", "zp"], ["ring_dq"]),
+        h.make_node("Relu", ["x"], ["new"]),
+        h.make_node("QuantizeLinear", ["new", "s", "zp"], ["new_q"]),
+        h.make_node("DequantizeLinear", ["new_q", "s", "zp"], ["k_new_0"]),
+        h.make_node("Concat", ["ring_dq", "k_new_0"], ["kv"], axis=2),
+        h.make_node("ReduceSum", ["kv"], ["logits"], keepdims=1),
+        h.make_node("ArgMax", ["logits"], ["top_index"], keepdims=1),
+    ]
+    g = h.make_graph(
+        nodes,
+        "kv",
+        [
+            h.make_tensor_value_info("k_ring_0", T.FLOAT, [1, 1, 4, 2]),
+            h.make_tensor_value_info("x", T.FLOAT, [1, 1, 1, 2]),
+        ],
+        [
+            h.make_tensor_value_info("logits", T.FLOAT, [1, 1, 1, 1]),
+            h.make_tensor_value_info("top_index", T.INT64, [1, 1, 1, 1]),
+            h.make_tensor_value_info("k_new_0", T.FLOAT, [1, 1, 1, 2]),
+        ],
+        [s, zp],
+    )
     m = h.make_model(g, opset_imports=[h.make_opsetid("", 21)])
     m.ir_version = 10
     return m
@@ -38,7 +48,6 @@ def _kv_graph():
 
 def test_ship_graph_drops_logits_and_makes_kv_io_integer():
     import onnxruntime as ort
-
     from hycoc.runtime.graphs import quantize
 
     model = _kv_graph()
@@ -46,7 +55,8 @@ def test_ship_graph_drops_logits_and_makes_kv_io_integer():
     ring = (rng.standard_normal((1, 1, 4, 2)) * 0.3).astype(np.float32)
     x = rng.standard_normal((1, 1, 1, 2)).astype(np.float32)
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
-        None, {"k_ring_0": ring, "x": x})
+        None, {"k_ring_0": ring, "x": x}
+    )
     shipped = ship_graph(model, quantized_io=True)
     assert shipped.dropped == ["logits"] and shipped.integer_inputs == {"k_ring_0": "uint16"}
     assert shipped.integer_outputs == {"k_new_0": "uint16"}
@@ -57,12 +67,12 @@ def test_ship_graph_drops_logits_and_makes_kv_io_integer():
 
     enc = Encoding(scale=0.01, zero_point=30000, dtype="uint16", bits=16)
     top, new = sess.run(None, {"k_ring_0": quantize(ring, enc), "x": x})
-    np.testing.assert_array_equal(top, ref[1])                          # the same graph values
-    np.testing.assert_array_equal(new, quantize(ref[2], enc))           # codes of the float output, exactly
+    np.testing.assert_array_equal(top, ref[1])  # the same graph values
+    np.testing.assert_array_equal(new, quantize(ref[2], enc))  # codes of the float output, exactly
     assert drop_check_outputs(_kv_graph()) == ["logits"]
     no_topk = _kv_graph()
     del no_topk.graph.output[1]
-    assert drop_check_outputs(no_topk) == []                            # logits is all the graph has: kept
+    assert drop_check_outputs(no_topk) == []  # logits is all the graph has: kept
 
 
 def test_kv_io_without_a_quantize_node_is_refused():
@@ -117,9 +127,10 @@ def test_quantized_io_manifest_declares_uint16_rings_with_the_float_bundles_enco
 def test_quantized_io_drafts_the_float_bundles_trees_and_rings_code_for_code(quantized):
     """Hand-offs, hybrid trees, commits and greedy decode steps on both bundles (CPU EP): the same trees, and every
     ring of the quantized bundle holds the codes of the float bundle's ring."""
-    from hycoc.protocol.messages import HandOff
     from hycoc.runtime.client import MODES, load_runtime
     from hycoc.runtime.graphs import quantize
+
+    from hycoc.protocol.messages import HandOff
 
     rts = [load_runtime(quantized["float"], "cpu", threads=1), load_runtime(quantized["bundle"], "cpu", threads=1)]
     fl, qu = rts
@@ -136,15 +147,30 @@ def test_quantized_io_drafts_the_float_bundles_trees_and_rings_code_for_code(qua
     a = max(0, t - bundle.round.head_window)
     for _ in range(4):
         r8 = lambda *s: rng.integers(-60, 60, s).astype(np.int8)  # noqa: E731
-        hand = HandOff(t_prime=t, a=a, bonus=int(prompt[-1]), x_hat=r8(2 * hidden),
-                       k_sliding=r8(t - a, kv["sliding"]), v_sliding=r8(t - a, kv["sliding"]),
-                       k_full=r8(t - a, kv["full"]), v_full=r8(t - a, kv["full"]), scales=(0.05,) * 6)
+        hand = HandOff(
+            t_prime=t,
+            a=a,
+            bonus=int(prompt[-1]),
+            x_hat=r8(2 * hidden),
+            k_sliding=r8(t - a, kv["sliding"]),
+            v_sliding=r8(t - a, kv["sliding"]),
+            k_full=r8(t - a, kv["full"]),
+            v_full=r8(t - a, kv["full"]),
+            scales=(0.05,) * 6,
+        )
         built = []
         for rt in rts:
             rt.mtp.ingest(hand)
             d = rt.mtp.draft()
-            built.append((d.chain, d.runner_ups, rt.builder(MODES["hyco"], bundle.round.node_budget + 1).build(
-                rt.slm.tokens[-1], d.chain, d.runner_ups, rt.slm.expand)))
+            built.append(
+                (
+                    d.chain,
+                    d.runner_ups,
+                    rt.builder(MODES["hyco"], bundle.round.node_budget + 1).build(
+                        rt.slm.tokens[-1], d.chain, d.runner_ups, rt.slm.expand
+                    ),
+                )
+            )
         (c0, r0, b0), (c1, r1, b1) = built
         assert (c0, r0) == (c1, r1)
         np.testing.assert_array_equal(b0.tokens, b1.tokens)
@@ -154,7 +180,7 @@ def test_quantized_io_drafts_the_float_bundles_trees_and_rings_code_for_code(qua
         for rt, bt in ((fl, b0), (qu, b1)):
             rt.slm.commit([bt.row_node[j] for j in path], commit)
         a, t = t, t + len(commit)
-    assert fl.slm.greedy_next() == qu.slm.greedy_next()               # the 1-row decode graph's step too
+    assert fl.slm.greedy_next() == qu.slm.greedy_next()  # the 1-row decode graph's step too
     for i in fl.slm.kv_layers:
         for x, (codes, enc) in zip(fl.slm.rings[i], zip(qu.slm.rings[i], qu.slm.ring_encodings[i])):
             np.testing.assert_array_equal(codes, quantize(x, enc))

@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
+from hycoc.runtime.graphs import GraphRunner
 from onnx import TensorProto, helper
 
 from hycoc.bundle import GraphEntry, GraphIOMismatch, TensorSpec
-from hycoc.runtime.graphs import GraphRunner
 
 
 def runner(half_output: bool = False) -> GraphRunner:
@@ -24,20 +24,23 @@ def runner(half_output: bool = False) -> GraphRunner:
         nodes.append(helper.make_node("Cast", ["y"], ["y16"], to=TensorProto.FLOAT16))
         outputs = outputs + [helper.make_tensor_value_info("y16", TensorProto.FLOAT16, [1, 4])]
         spec.append(TensorSpec(name="y16", shape=[1, 4], dtype="float16"))
-    model = helper.make_model(helper.make_graph(nodes, "g", io[:2], outputs), opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", io[:2], outputs), opset_imports=[helper.make_opsetid("", 17)]
+    )
     model.ir_version = 10
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return GraphRunner.from_session(GraphEntry(name="head", role="head", file="head.onnx", inputs=spec[:2],
-                                               outputs=spec[2:]), session)
+    return GraphRunner.from_session(
+        GraphEntry(name="head", role="head", file="head.onnx", inputs=spec[:2], outputs=spec[2:]), session
+    )
 
 
 def test_a_kept_buffer_is_read_as_it_is_now():
     r = runner()
     ring, x = np.zeros((1, 4), np.float32), np.ones((1, 4), np.float32)
     assert r.run({"ring": ring, "x": x})["y"].tolist() == [[1, 1, 1, 1]]
-    ring[0] = [1, 2, 3, 4]                           # in place: the same object, its new values
+    ring[0] = [1, 2, 3, 4]  # in place: the same object, its new values
     assert r.run({"ring": ring, "x": x})["y"].tolist() == [[2, 3, 4, 5]]
-    wide = np.full((1, 4), 0.5)                      # float64: converted on every run, never kept as validated
+    wide = np.full((1, 4), 0.5)  # float64: converted on every run, never kept as validated
     assert r.run({"ring": ring, "x": wide})["y"].tolist() == [[1.5, 2.5, 3.5, 4.5]]
     wide[0] = 2.0
     assert r.run({"ring": ring, "x": wide})["y"].tolist() == [[3, 4, 5, 6]]
@@ -69,9 +72,9 @@ def test_run_again_reads_the_last_runs_buffers_as_they_are_now():
         r.run_again()
     ring, x = np.zeros((1, 4), np.float32), np.ones((1, 4), np.float32)
     assert r.run({"ring": ring, "x": x})["y"].tolist() == [[1, 1, 1, 1]]
-    x[0] = [4, 3, 2, 1]                              # the MTP Drafter's query buffer, rewritten in place
+    x[0] = [4, 3, 2, 1]  # the MTP Drafter's query buffer, rewritten in place
     assert r.run_again()["y"].tolist() == [[4, 3, 2, 1]]
-    wide = np.full((1, 4), 0.5)                      # float64: run_again reads the float32 copy the run made
+    wide = np.full((1, 4), 0.5)  # float64: run_again reads the float32 copy the run made
     r.run({"ring": ring, "x": wide})
     wide[0] = 2.0
     assert r.run_again()["y"].tolist() == [[0.5, 0.5, 0.5, 0.5]]

@@ -10,16 +10,16 @@ import io
 import numpy as np
 import pytest
 import torch
+from hycoc.passes import build as b
+from hycoc.passes import head_calibration as hc
+from hycoc.passes.calibration_answers import select_prompts
+from hycoc.runtime.mtp_drafter import MtpDrafter
 from rich.console import Console
 from test_build import write_tiny_recipe
 
 from hycoc.host import FULL, SLIDING, ring_masks
 from hycoc.protocol.messages import Sampling
-from hycoc.passes import build as b
-from hycoc.passes import head_calibration as hc
-from hycoc.passes.calibration_answers import select_prompts
 from hycoc.recipe import load_recipe
-from hycoc.runtime.mtp_drafter import MtpDrafter
 
 torch.set_num_threads(1)
 
@@ -28,29 +28,41 @@ torch.set_num_threads(1)
 def tiny(tmp_path_factory):
     recipe_path = write_tiny_recipe(tmp_path_factory.mktemp("tiny_recipe"))
     recipe = load_recipe(recipe_path)
-    result = b.run_pipeline(recipe, "cpu", tmp_path_factory.mktemp("cache"), until="head_export",
-                            console=Console(file=io.StringIO()))
+    result = b.run_pipeline(
+        recipe, "cpu", tmp_path_factory.mktemp("cache"), until="head_export", console=Console(file=io.StringIO())
+    )
     return recipe, result.artifacts
 
 
 def parts(recipe, artifacts):
     """(engine, graph, shapes, bundle, tokenizer) for the tiny build."""
-    from hycoc.chat_template import chat_from_recipe
     from hycoc.passes.head_graph import HeadGraph, embedding_table, rotary_tables
     from hycoc.passes.head_qat import dequantized_head
     from hycoc.verifier.engine import VerifierEngine
+
+    from hycoc.chat_template import chat_from_recipe
 
     verifier = artifacts["torch_verifier"].payload
     quantized = artifacts["quantized_head"].payload
     tokenizer = artifacts["tokenizer"].payload
     rebuilt = dequantized_head(quantized)
     q, scale = embedding_table(verifier, quantized.keep_set)
-    bundle = hc.runtime_bundle(recipe, quantized.keep_set, (q.numpy(), scale.numpy()), rotary_tables(rebuilt.config),
-                               rebuilt.config.get_text_config().sliding_window)
+    bundle = hc.runtime_bundle(
+        recipe,
+        quantized.keep_set,
+        (q.numpy(), scale.numpy()),
+        rotary_tables(rebuilt.config),
+        rebuilt.config.get_text_config().sliding_window,
+    )
     shapes = {v.name: tuple(v.shape) for v in artifacts["onnx_head"].payload.graph.inputs}
-    engine = VerifierEngine(verifier, head_window=recipe.window.head_window, chain_length=recipe.tree.chain_length,
-                            handoff_scales=hc.handoff_scales(recipe), hidden=recipe.handoff.hidden,
-                            eos_token_ids=chat_from_recipe(recipe).stop_ids)
+    engine = VerifierEngine(
+        verifier,
+        head_window=recipe.window.head_window,
+        chain_length=recipe.tree.chain_length,
+        handoff_scales=hc.handoff_scales(recipe),
+        hidden=recipe.handoff.hidden,
+        eos_token_ids=chat_from_recipe(recipe).stop_ids,
+    )
     return engine, HeadGraph(rebuilt).eval(), shapes, bundle, tokenizer
 
 
@@ -64,8 +76,9 @@ def test_recorded_feeds_are_the_runtime_feeds_of_real_handoffs(tiny):
     drafter = MtpDrafter(runner, bundle)
     # a prompt plus its answer long enough to wrap the W-column ring
     prompt = cal[0] + cal[1] + cal[2]
-    session = engine.open(prompt, Sampling(temperature=0.0, top_k=1, top_p=1.0), acceptance="exact",
-                          max_new_tokens=W + 4)
+    session = engine.open(
+        prompt, Sampling(temperature=0.0, top_k=1, top_p=1.0), acceptance="exact", max_new_tokens=W + 4
+    )
     session.prefill()
     try:
         seq, wrapped = 0, False
@@ -97,10 +110,12 @@ def test_recorded_feeds_are_the_runtime_feeds_of_real_handoffs(tiny):
                 _, kv, _, d = got[f"k_{short}"].shape
                 for p in range(h.a, h.t_prime):
                     col = p % W
-                    np.testing.assert_array_equal(got[f"k_{short}"][0, :, col],
-                                                  (getattr(h, f"k_{short}")[p - h.a] * ks).reshape(kv, d))
-                    np.testing.assert_array_equal(got[f"v_{short}"][0, :, col],
-                                                  (getattr(h, f"v_{short}")[p - h.a] * vs).reshape(kv, d))
+                    np.testing.assert_array_equal(
+                        got[f"k_{short}"][0, :, col], (getattr(h, f"k_{short}")[p - h.a] * ks).reshape(kv, d)
+                    )
+                    np.testing.assert_array_equal(
+                        got[f"v_{short}"][0, :, col], (getattr(h, f"v_{short}")[p - h.a] * vs).reshape(kv, d)
+                    )
             # later steps query [E[i]; h_next]: the embedding half is a row of E
             i = int(np.argmax(graph(*[torch.from_numpy(got[n]) for n in runner.input_names])[0].numpy()))
             np.testing.assert_array_equal(runner.records[n0 + 1]["x_hat"].reshape(-1)[:H], bundle.embed_keep(i))
@@ -145,8 +160,10 @@ def test_qdq_pass_calibrates_on_real_handoffs(tiny):
     cal = n["calibration_inputs"]
     assert cal["source"].endswith("prompts.jsonl") and cal["calibration"]["samples"] == n["samples"] > 0
     assert cal["held_out"]["samples"] == n["held_out_samples"] > 0
-    print(f"head QDQ SQNR logits: calibration {n['sqnr']['outputs']['logits']:.2f} dB, held-out "
-          f"{n['sqnr_held_out']['outputs']['logits']:.2f} dB")
+    print(
+        f"head QDQ SQNR logits: calibration {n['sqnr']['outputs']['logits']:.2f} dB, held-out "
+        f"{n['sqnr_held_out']['outputs']['logits']:.2f} dB"
+    )
     # measured 41.80 dB (calibration) and 32.05 dB (held-out) on the seeded tiny models; floors 2 dB under
     assert n["sqnr"]["outputs"]["logits"] > 39.5 and n["sqnr_held_out"]["outputs"]["logits"] > 30.0
     # the fallback (no tokenizer: unit tests only) still runs
@@ -172,8 +189,9 @@ def test_skip_ahead_reaches_the_same_ring_in_fewer_rounds(tiny):
         for skip in (True, False):
             runner = hc.TorchHeadRunner(graph, shapes)
             drafter = MtpDrafter(runner, bundle)
-            drives.append(hc.drive_request(engine, drafter, prompt, 30, answer if skip else None, targets=[24],
-                                           chain_length=K))
+            drives.append(
+                hc.drive_request(engine, drafter, prompt, 30, answer if skip else None, targets=[24], chain_length=K)
+            )
             rings.append(runner.records[0])
     finally:
         engine.close()

@@ -36,30 +36,31 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import hycoc.verifier.engine as engine_mod
 import numpy as np
 import pytest
 import torch
-from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
-
-import hycoc.verifier.engine as engine_mod
-from hycoc.host import head_sliding_positions
-from hycoc.mtp import FULL, SLIDING
 from hycoc.passes.head_graph import HeadGraph, rotary_tables
 from hycoc.passes.head_qat import restrict_output_layer
-from hycoc.protocol.messages import Sampling
-from hycoc.recipe import load_recipe
 from hycoc.runtime.mtp_drafter import MtpDrafter
 from hycoc.verifier import VerifierEngine
 from tiny_models import tiny_head, tiny_verifier
+from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
+
+from hycoc.host import head_sliding_positions
+from hycoc.mtp import FULL, SLIDING
+from hycoc.protocol.messages import Sampling
+from hycoc.recipe import load_recipe
 
 torch.set_num_threads(1)
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 GEMMA4 = load_recipe(RECIPES / "gemma4.toml")
 VOCAB = 512
 K = GEMMA4.tree.chain_length
-NEW = 22                # tokens generated per prompt; prompt + NEW < each shape's verifier sliding window and W
-PROMPTS = [np.random.default_rng(seed).integers(3, VOCAB, n).tolist() for seed, n in
-           ((0, 6), (1, 9), (2, 12), (3, 7), (4, 15))]
+NEW = 22  # tokens generated per prompt; prompt + NEW < each shape's verifier sliding window and W
+PROMPTS = [
+    np.random.default_rng(seed).integers(3, VOCAB, n).tolist() for seed, n in ((0, 6), (1, 9), (2, 12), (3, 7), (4, 15))
+]
 EOS = 1
 #: (verifier sliding window, head sliding window, W). "gemma4": all equal, as recipes/gemma4.toml (1,024 each with the
 #: assumed head config); "narrow-head": a head whose sliding window is below W, where the positions its sliding
@@ -97,7 +98,7 @@ def committed_kv(model_outputs, input_ids) -> bool:
     when rows had to be cut (transformers' own slice would have kept the rejected candidate's row at t)."""
     t = input_ids.shape[1] - 1
     kv = model_outputs.shared_kv_states
-    extra = kv[FULL][0].shape[-2] - t           # the full layer holds positions from 0
+    extra = kv[FULL][0].shape[-2] - t  # the full layer holds positions from 0
     if extra <= 0:
         return False
     model_outputs.shared_kv_states = {kind: (k[..., :-extra, :], v[..., :-extra, :]) for kind, (k, v) in kv.items()}
@@ -116,24 +117,39 @@ def transformers_rounds(verifier, head, prompt, *, cut: bool = True):
             cuts[t] = committed_kv(model_outputs, input_ids) if cut else False
         ids, logits = real(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kw)
         if not is_first_iteration:
-            rounds[t] = ids[0, input_ids.shape[1]:].tolist()
+            rounds[t] = ids[0, input_ids.shape[1] :].tolist()
         return ids, logits
 
     SinglePositionMultiTokenCandidateGenerator.get_candidates = spy
     try:
         with torch.inference_mode():
-            out = verifier.generate(torch.tensor([prompt]), assistant_model=head, do_sample=False,
-                                    max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=0)
+            out = verifier.generate(
+                torch.tensor([prompt]),
+                assistant_model=head,
+                do_sample=False,
+                max_new_tokens=NEW,
+                eos_token_id=EOS,
+                pad_token_id=0,
+            )
     finally:
         SinglePositionMultiTokenCandidateGenerator.get_candidates = real
-    return rounds, out[0, len(prompt):].tolist(), cuts
+    return rounds, out[0, len(prompt) :].tolist(), cuts
 
 
 def make_engine(verifier, head, window, convention):
     hidden, offset, inclusive = convention
-    return VerifierEngine(verifier, head=head, keep_set=None, head_window=window, chain_length=K,
-                          handoff_scales=(1.0,) * 6, hidden=hidden, head_query_position_offset=offset,
-                          head_sliding_window_inclusive=inclusive, eos_token_ids={EOS})
+    return VerifierEngine(
+        verifier,
+        head=head,
+        keep_set=None,
+        head_window=window,
+        chain_length=K,
+        handoff_scales=(1.0,) * 6,
+        hidden=hidden,
+        head_query_position_offset=offset,
+        head_sliding_window_inclusive=inclusive,
+        eos_token_ids={EOS},
+    )
 
 
 def server_rounds(engine, prompt, place, monkeypatch):
@@ -151,8 +167,14 @@ def server_rounds(engine, prompt, place, monkeypatch):
         return chain
 
     monkeypatch.setattr(engine_mod, "draft_cloud_chain", spy)
-    session = engine.open(prompt, Sampling(temperature=0.0, top_k=1, top_p=1.0), acceptance="exact", epsilon=1.0,
-                          draft_place=place, max_new_tokens=NEW - (place == "cloud-mtp"))
+    session = engine.open(
+        prompt,
+        Sampling(temperature=0.0, top_k=1, top_p=1.0),
+        acceptance="exact",
+        epsilon=1.0,
+        draft_place=place,
+        max_new_tokens=NEW - (place == "cloud-mtp"),
+    )
     session.prefill()
     chain, seq = [], 0
     while not session.finished:
@@ -175,10 +197,22 @@ class TorchRunner:
 
     @torch.inference_mode()
     def run(self, feeds):
-        names = ("x_hat", "k_sliding", "v_sliding", "k_full", "v_full", "mask_sliding", "mask_full",
-                 "cos_sliding", "sin_sliding", "cos_full", "sin_full")
-        logits, h_next = self.graph(*(torch.as_tensor(np.ascontiguousarray(feeds[n]), dtype=torch.float32)
-                                      for n in names))
+        names = (
+            "x_hat",
+            "k_sliding",
+            "v_sliding",
+            "k_full",
+            "v_full",
+            "mask_sliding",
+            "mask_full",
+            "cos_sliding",
+            "sin_sliding",
+            "cos_full",
+            "sin_full",
+        )
+        logits, h_next = self.graph(
+            *(torch.as_tensor(np.ascontiguousarray(feeds[n]), dtype=torch.float32) for n in names)
+        )
         return {"logits": logits.numpy(), "h_next": h_next.numpy()}
 
 
@@ -194,23 +228,29 @@ def device_drafter(verifier, engine, head, convention):
     shapes = {"x_hat": (1, 1, 2 * vc.hidden_size)}
     for kind, short in ((SLIDING, "sliding"), (FULL, "full")):
         attn = a[engine.layers[kind]].self_attn
-        shapes[f"k_{short}"] = shapes[f"v_{short}"] = (1, attn.k_proj.out_features // attn.head_dim, W,
-                                                       attn.head_dim)
+        shapes[f"k_{short}"] = shapes[f"v_{short}"] = (1, attn.k_proj.out_features // attn.head_dim, W, attn.head_dim)
     with torch.no_grad():
-        table = verifier.model.embed_tokens(torch.as_tensor(keep)).float().numpy()   # E in float (module docstring)
+        table = verifier.model.embed_tokens(torch.as_tensor(keep)).float().numpy()  # E in float (module docstring)
     bundle = SimpleNamespace(
-        round=SimpleNamespace(chain_length=K, sibling_depth=GEMMA4.tree.sibling_depth, head_window=W,
-                              head_query_position_offset=offset),
-        host=SimpleNamespace(head=SimpleNamespace(sliding_window=head_sliding_positions(
-            head.config.get_text_config().sliding_window, inclusive))),
-        keep_set=keep, head_rotary=rotary_tables(head.config), embed_keep=lambda i: table[i])
+        round=SimpleNamespace(
+            chain_length=K, sibling_depth=GEMMA4.tree.sibling_depth, head_window=W, head_query_position_offset=offset
+        ),
+        host=SimpleNamespace(
+            head=SimpleNamespace(
+                sliding_window=head_sliding_positions(head.config.get_text_config().sliding_window, inclusive)
+            )
+        ),
+        keep_set=keep,
+        head_rotary=rotary_tables(head.config),
+        embed_keep=lambda i: table[i],
+    )
     return MtpDrafter(TorchRunner(graph, shapes), bundle)
 
 
 def float_handoff(monkeypatch):
     """The engine's hand-off without rounding: `quantize_int8` returns x / scale as float32 (the drafter's
     `_Dequantized` takes float rows); with scales 1 the device reads the verifier's values exactly."""
-    import hycoc.verifier.kv_surgery as kv_surgery       # pack_handoff's home
+    import hycoc.verifier.kv_surgery as kv_surgery  # pack_handoff's home
 
     monkeypatch.setattr(kv_surgery, "quantize_int8", lambda x, scale: (x.float() / scale).cpu().numpy())
 
@@ -218,8 +258,14 @@ def float_handoff(monkeypatch):
 def device_rounds(engine, drafter, prompt):
     """The device path: round 1 verifies the root alone (no hand-off yet); then each round ingests the reply's
     hand-off and sends root + the MTP chain. Returns ({t: chain}, output ids)."""
-    session = engine.open(prompt, Sampling(temperature=0.0, top_k=1, top_p=1.0), acceptance="exact", epsilon=1.0,
-                          draft_place="device", max_new_tokens=NEW)
+    session = engine.open(
+        prompt,
+        Sampling(temperature=0.0, top_k=1, top_p=1.0),
+        acceptance="exact",
+        epsilon=1.0,
+        draft_place="device",
+        max_new_tokens=NEW,
+    )
     session.prefill()
     rounds, chain, seq = {}, [], 0
     while not session.finished:
@@ -236,7 +282,7 @@ def compare(ours: dict, theirs: dict) -> tuple[int, int]:
     """(rounds compared, rounds equal): every root position both drafted from; transformers drafts fewer tokens
     near max_length, so its chain is compared with the same-length prefix of ours."""
     common = sorted(set(ours) & set(theirs))
-    return len(common), sum(ours[t][:len(theirs[t])] == theirs[t] for t in common)
+    return len(common), sum(ours[t][: len(theirs[t])] == theirs[t] for t in common)
 
 
 def all_paths(shaped, convention, monkeypatch):
@@ -273,15 +319,18 @@ def test_the_gemma4_recipe_drafts_what_transformers_drafts(shaped, monkeypatch):
 
 #: The old gemma4 defaults (the paper's pre-norm h at t - 1, the sliding layer over its window) and each setting
 #: alone: (shape, convention, the paths that must disagree with transformers somewhere).
-OTHERS = [("gemma4", ("pre_norm", -1, False), ("cloud-mtp", "server-head", "device")),
-          ("gemma4", ("pre_norm", 0, True), ("cloud-mtp", "server-head", "device")),
-          ("gemma4", ("post_norm", -1, True), ("cloud-mtp", "server-head", "device")),
-          # cloud-mtp runs the head's own transformers masks: only the head graph's ring and the server chain move
-          ("narrow-head", ("post_norm", 0, False), ("server-head", "device"))]
+OTHERS = [
+    ("gemma4", ("pre_norm", -1, False), ("cloud-mtp", "server-head", "device")),
+    ("gemma4", ("pre_norm", 0, True), ("cloud-mtp", "server-head", "device")),
+    ("gemma4", ("post_norm", -1, True), ("cloud-mtp", "server-head", "device")),
+    # cloud-mtp runs the head's own transformers masks: only the head graph's ring and the server chain move
+    ("narrow-head", ("post_norm", 0, False), ("server-head", "device")),
+]
 
 
-@pytest.mark.parametrize("shaped, convention, differ", OTHERS, indirect=["shaped"],
-                         ids=["old-defaults", "pre_norm", "t-1", "sliding-window"])
+@pytest.mark.parametrize(
+    "shaped, convention, differ", OTHERS, indirect=["shaped"], ids=["old-defaults", "pre_norm", "t-1", "sliding-window"]
+)
 def test_other_conventions_draft_other_tokens(shaped, monkeypatch, convention, differ):
     """The comparison can fail: every other convention proposes other drafts than transformers."""
     result = all_paths(shaped, convention, monkeypatch)
@@ -303,15 +352,17 @@ def test_unmodified_transformers_agrees_where_it_reads_only_committed_rows(shape
         raw, raw_output, _ = transformers_rounds(verifier, head, prompt, cut=False)
         assert raw_output == output
         for t, chain in raw.items():
-            same = t in ref and chain[:len(ref[t])] == ref[t][:len(chain)]
+            same = t in ref and chain[: len(ref[t])] == ref[t][: len(chain)]
             if t in ref and not cuts[t]:
                 clean += 1
                 assert same
             elif t in ref:
                 cut_rounds += 1
                 moved += not same
-    print(f"{shaped.name}: rounds on committed rows only: {clean}; rounds transformers slices one rejected row "
-          f"into: {cut_rounds}, its drafts other than on the committed rows in {moved} of them")
+    print(
+        f"{shaped.name}: rounds on committed rows only: {clean}; rounds transformers slices one rejected row "
+        f"into: {cut_rounds}, its drafts other than on the committed rows in {moved} of them"
+    )
     assert clean >= len(PROMPTS) and cut_rounds > 0
 
 
@@ -324,13 +375,17 @@ def test_head_step_scores_as_transformers_with_ordered_embeddings(models):
     from hycoc.mtp import head_step, window_mask
 
     verifier, _ = models
-    head = tiny_head(verifier, sliding_window=SHAPES["gemma4"][1], use_ordered_embeddings=True, num_centroids=16,
-                     centroid_intermediate_top_k=4)
+    head = tiny_head(
+        verifier,
+        sliding_window=SHAPES["gemma4"][1],
+        use_ordered_embeddings=True,
+        num_centroids=16,
+        centroid_intermediate_top_k=4,
+    )
     with torch.no_grad():
         head.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5)))
         head.masked_embedding.centroids.weight.normal_(0.0, 1.0)
-        out = verifier(input_ids=torch.tensor([PROMPTS[1]]), output_hidden_states=True,
-                       return_shared_kv_states=True)
+        out = verifier(input_ids=torch.tensor([PROMPTS[1]]), output_hidden_states=True, return_shared_kv_states=True)
         t = len(PROMPTS[1])
         x = torch.cat([verifier.model.embed_tokens(torch.tensor([[7]])), out.hidden_states[-1][:, -1:]], -1)
         kv = out.shared_kv_states
@@ -338,11 +393,14 @@ def test_head_step_scores_as_transformers_with_ordered_embeddings(models):
         ref = head(inputs_embeds=x, position_ids=pos, shared_kv_states=kv, use_cache=False)
         masks = {kind: window_mask(torch.tensor([[t]]), t, None) for kind in (SLIDING, FULL)}
         logits, h_next = head_step(head, x, kv, masks, pos)
-        dense = head.lm_head(head.model(inputs_embeds=head.pre_projection(x), position_ids=pos,
-                                        shared_kv_states=kv, use_cache=False).last_hidden_state)
+        dense = head.lm_head(
+            head.model(
+                inputs_embeds=head.pre_projection(x), position_ids=pos, shared_kv_states=kv, use_cache=False
+            ).last_hidden_state
+        )
     torch.testing.assert_close(logits, ref.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h_next, ref.last_hidden_state, rtol=1e-5, atol=1e-5)
-    assert (logits == logits.min()).sum() == VOCAB - 4 * VOCAB // 16     # all but the top-4 centroids' tokens
+    assert (logits == logits.min()).sum() == VOCAB - 4 * VOCAB // 16  # all but the top-4 centroids' tokens
     assert not torch.allclose(logits, dense)
 
 
@@ -365,18 +423,21 @@ def _toy_copy(tmp_path, edit) -> Path:
 
 
 def test_ordered_embeddings_are_refused_at_inspect_and_build(tmp_path):
+    from hycoc.passes.build import build_inputs
     from typer.testing import CliRunner
 
     from hycoc.cli import app
     from hycoc.models import HeadConfigError
-    from hycoc.passes.build import build_inputs
 
     path = _toy_copy(tmp_path, lambda c: {**c, "use_ordered_embeddings": True})
     result = CliRunner().invoke(app, ["inspect", str(path)])
     assert result.exit_code == 1
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "use_ordered_embeddings = true" in lines[0] and "set use_ordered_embeddings to " \
-        "false" in lines[0]
+    assert (
+        len(lines) == 1
+        and "use_ordered_embeddings = true" in lines[0]
+        and "set use_ordered_embeddings to false" in lines[0]
+    )
     # build: refused before any model is loaded (the copy has no weights: loading would fail otherwise)
     with pytest.raises(HeadConfigError, match="num_centroids 2048, centroid_intermediate_top_k 32"):
         build_inputs(load_recipe(path))
@@ -388,15 +449,24 @@ def test_the_plan_takes_the_heads_output_from_its_own_config(tmp_path):
     plan = real_shape_plan(GEMMA4)["graphs"]["head"]
     assert plan["input"] == {"hidden": "post_norm", "query_position_offset": 0, "sliding_positions": 1024}
     # the assumed head config copies nothing of the verifier's output (whose soft-cap is 30)
-    assert plan["output"] == {"use_ordered_embeddings": False, "num_centroids": 2048,
-                              "centroid_intermediate_top_k": 32, "final_logit_softcapping": None,
-                              "softcap_applied": False}
+    assert plan["output"] == {
+        "use_ordered_embeddings": False,
+        "num_centroids": 2048,
+        "centroid_intermediate_top_k": 32,
+        "final_logit_softcapping": None,
+        "softcap_applied": False,
+    }
 
     def edit(config):
         config["text_config"]["final_logit_softcapping"] = 12.5
         return {**config, "num_centroids": 64, "centroid_intermediate_top_k": 8}
 
     out = real_shape_plan(load_recipe(_toy_copy(tmp_path, edit)))["graphs"]["head"]
-    assert out["output"] == {"use_ordered_embeddings": False, "num_centroids": 64, "centroid_intermediate_top_k": 8,
-                             "final_logit_softcapping": 12.5, "softcap_applied": False}
+    assert out["output"] == {
+        "use_ordered_embeddings": False,
+        "num_centroids": 64,
+        "centroid_intermediate_top_k": 8,
+        "final_logit_softcapping": 12.5,
+        "softcap_applied": False,
+    }
     assert out["input"] == {"hidden": "pre_norm", "query_position_offset": -1, "sliding_positions": 128}

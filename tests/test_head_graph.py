@@ -14,12 +14,19 @@ import copy
 import numpy as np
 import pytest
 import torch
-
-from hycoc.mtp import FULL, SLIDING, head_step, window_mask
-from hycoc.passes.head_graph import (INPUT_NAMES, MASK_VALUE, HeadGraph, embedding_table, ring_masks, rotary_rows,
-                                     rotary_tables)
+from hycoc.passes.head_graph import (
+    INPUT_NAMES,
+    MASK_VALUE,
+    HeadGraph,
+    embedding_table,
+    ring_masks,
+    rotary_rows,
+    rotary_tables,
+)
 from hycoc.passes.head_qat import restrict_output_layer, verifier_capture
 from tiny_models import SLIDING_WINDOW, tiny_head, tiny_verifier
+
+from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 
 torch.set_num_threads(1)
 W = 12  # ring columns; > the tiny sliding window (8), so the two layers' masks differ
@@ -57,8 +64,10 @@ def ring(kv, t: int, live_start: int):
 def reference_masks(t: int, live_start: int, length: int):
     """head_step's masks over positions in order: window_mask plus the request's live start (Alg. 2 line 5)."""
     visible = torch.arange(length) >= live_start
-    return {kind: torch.where(visible, window_mask(torch.tensor([[t]]), length, w), torch.tensor(MASK_VALUE))
-            for kind, w in ((FULL, W), (SLIDING, min(W, SLIDING_WINDOW)))}
+    return {
+        kind: torch.where(visible, window_mask(torch.tensor([[t]]), length, w), torch.tensor(MASK_VALUE))
+        for kind, w in ((FULL, W), (SLIDING, min(W, SLIDING_WINDOW)))
+    }
 
 
 def test_rotary_rows_are_transformers_rows(models):
@@ -95,8 +104,11 @@ def test_ring_masks_by_hand():
     assert visible(9, 0) == [[0, 1, 2, 3], [0, 3]]
 
 
-@pytest.mark.parametrize("t, live_start", [(5, 0), (12, 0), (25, 0), (22, 15)],
-                         ids=["partly-filled", "full", "wrapped", "new-request-live-start"])
+@pytest.mark.parametrize(
+    "t, live_start",
+    [(5, 0), (12, 0), (25, 0), (22, 15)],
+    ids=["partly-filled", "full", "wrapped", "new-request-live-start"],
+)
 def test_graph_equals_head_step_over_k_steps(models, states, t, live_start):
     verifier, head, keep = models
     e, h, kv = states
@@ -108,11 +120,10 @@ def test_graph_equals_head_step_over_k_steps(models, states, t, live_start):
     ref_masks = reference_masks(t, live_start, SEQ)
     pos = torch.tensor([[t - 1]])
 
-    x = torch.cat([e[:, t:t + 1], h[:, t - 1:t]], -1)  # Alg. 2 line 7: [e(x_{t+1}); h_t]
+    x = torch.cat([e[:, t : t + 1], h[:, t - 1 : t]], -1)  # Alg. 2 line 7: [e(x_{t+1}); h_t]
     x_ref = x.clone()
     for _ in range(K):
-        logits, h_next = graph(x, *rings[SLIDING], *rings[FULL], masks[SLIDING], masks[FULL], *rot[SLIDING],
-                               *rot[FULL])
+        logits, h_next = graph(x, *rings[SLIDING], *rings[FULL], masks[SLIDING], masks[FULL], *rot[SLIDING], *rot[FULL])
         assert logits.shape == (1, 1, len(keep)) and h_next.shape == (1, 1, 64)
         with torch.no_grad():
             same_ring, _ = head_step(head, x, rings, masks, pos)
@@ -140,8 +151,17 @@ def test_graph_exports_statically_without_fused_attention(models):
     _, head, keep = models
     graph = HeadGraph(restrict_output_layer(head, keep))
     rot = rotary_rows(head.config, 5)
-    args = (torch.randn(1, 1, 128), torch.randn(1, 2, W, 16), torch.randn(1, 2, W, 16), torch.randn(1, 1, W, 32),
-            torch.randn(1, 1, W, 32), torch.zeros(1, 1, 1, W), torch.zeros(1, 1, 1, W), *rot[SLIDING], *rot[FULL])
+    args = (
+        torch.randn(1, 1, 128),
+        torch.randn(1, 2, W, 16),
+        torch.randn(1, 2, W, 16),
+        torch.randn(1, 1, W, 32),
+        torch.randn(1, 1, W, 32),
+        torch.zeros(1, 1, 1, W),
+        torch.zeros(1, 1, 1, W),
+        *rot[SLIDING],
+        *rot[FULL],
+    )
     assert len(args) == len(INPUT_NAMES)
     exported = torch.export.export(graph, args)
     ops = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}

@@ -20,20 +20,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from rich.console import Console
-from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
-
-from hycoc.toy.chat_files import SPECIAL_TOKENS, STOP_IDS, write_tokenizer_folder
-from hycoc.mtp import head_step
 from hycoc.passes import head_qat as hq
-from hycoc.passes.artifacts import (KeepSetArtifact, QuantizedHeadArtifact, TokenizerArtifact,
-                                    TorchModelArtifact)
+from hycoc.passes.artifacts import KeepSetArtifact, QuantizedHeadArtifact, TokenizerArtifact, TorchModelArtifact
 from hycoc.passes.calibration_answers import CalibrationAnswersPass
 from hycoc.passes.head_graph import HeadGraph, ring_masks, rotary_rows
 from hycoc.passes.pipeline import Pipeline
-from hycoc.recipe import HeadQat, Recipe
-from hycoc.toy.gemma_format import quantize_per_channel
+from rich.console import Console
 from tiny_models import tiny_head, tiny_verifier
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers import models as tok_models
+
+from hycoc.mtp import head_step
+from hycoc.recipe import HeadQat, Recipe
+from hycoc.toy.chat_files import SPECIAL_TOKENS, STOP_IDS, write_tokenizer_folder
+from hycoc.toy.gemma_format import quantize_per_channel
 
 torch.set_num_threads(1)
 K, W, SW = 4, 16, 8
@@ -216,13 +216,22 @@ def test_qat_lowers_kl_and_exports_bit_exact(setup):
     t = 20
     graph = HeadGraph.from_quantized(exported)
     kv = cap.kv
-    rings = {kind: tuple(x[:, :, t - W:t][:, :, [(c - t) % W for c in range(W)]] for x in pair)
-             for kind, pair in kv.items()}  # column c holds position p with p mod W == c
+    rings = {
+        kind: tuple(x[:, :, t - W : t][:, :, [(c - t) % W for c in range(W)]] for x in pair)
+        for kind, pair in kv.items()
+    }  # column c holds position p with p mod W == c
     masks = {k: torch.from_numpy(m) for k, m in ring_masks(t, 0, W, SW).items()}
     rot = rotary_rows(rebuilt.config, t - 1)
-    x = torch.cat([cap.e[:, t:t + 1], cap.h[:, t - 1:t]], -1)
-    logits, _ = graph(x, *rings["sliding_attention"], *rings["full_attention"], masks["sliding_attention"],
-                      masks["full_attention"], *rot["sliding_attention"], *rot["full_attention"])
+    x = torch.cat([cap.e[:, t : t + 1], cap.h[:, t - 1 : t]], -1)
+    logits, _ = graph(
+        x,
+        *rings["sliding_attention"],
+        *rings["full_attention"],
+        masks["sliding_attention"],
+        masks["full_attention"],
+        *rot["sliding_attention"],
+        *rot["full_attention"],
+    )
     with torch.no_grad():
         ref, _ = head_step(student, x, rings, masks, torch.tensor([[t - 1]]))
     torch.testing.assert_close(logits, ref, rtol=0, atol=1e-5)
@@ -249,14 +258,24 @@ def word_tokenizer_folder(folder) -> Path:
 
 
 def qat_recipe(path, tokenizer_folder) -> Recipe:
-    return Recipe.model_validate({
-        "models": {"tokenizer": str(tokenizer_folder)},
-        "window": {"head_window": W},
-        "head_qat": {"steps": 6, "warmup_steps": 2, "lr": 1e-4, "calibration_prompts": 3, "eval_prompts": 2,
-                     "calibration_max_new_tokens": 20, "eval_max_new_tokens": 20, "max_seq_len": 40,
-                     "calibration_data": str(path)},
-        "slm_calibration": {"prompts": 2},
-    })
+    return Recipe.model_validate(
+        {
+            "models": {"tokenizer": str(tokenizer_folder)},
+            "window": {"head_window": W},
+            "head_qat": {
+                "steps": 6,
+                "warmup_steps": 2,
+                "lr": 1e-4,
+                "calibration_prompts": 3,
+                "eval_prompts": 2,
+                "calibration_max_new_tokens": 20,
+                "eval_max_new_tokens": 20,
+                "max_seq_len": 40,
+                "calibration_data": str(path),
+            },
+            "slm_calibration": {"prompts": 2},
+        }
+    )
 
 
 def test_pass_in_a_pipeline_reports_and_caches(tmp_path, setup):
@@ -267,10 +286,12 @@ def test_pass_in_a_pipeline_reports_and_caches(tmp_path, setup):
     lines.append({"user": "w7 w8 w9"})
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    inputs = {"torch_verifier": TorchModelArtifact("torch_verifier", verifier),
-              "torch_head": TorchModelArtifact("torch_head", head),
-              "keep_set": KeepSetArtifact("keep_set", keep.numpy()),
-              "tokenizer": TokenizerArtifact("tokenizer", word_tokenizer())}
+    inputs = {
+        "torch_verifier": TorchModelArtifact("torch_verifier", verifier),
+        "torch_head": TorchModelArtifact("torch_head", head),
+        "keep_set": KeepSetArtifact("keep_set", keep.numpy()),
+        "tokenizer": TokenizerArtifact("tokenizer", word_tokenizer()),
+    }
     console = Console(file=io.StringIO())
     pipe = Pipeline([CalibrationAnswersPass(), hq.HeadQatPass()], tmp_path / "cache", console=console)
 

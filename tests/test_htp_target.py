@@ -13,23 +13,24 @@ import time
 
 import numpy as np
 import pytest
-
 from hycoc.targets.profiles import MIB, PROFILES, UnknownTargetError, get_profile, profile_for
 from hycoc.targets.qnn_ep import qnn_installed
 
 _skip_without_qnn = pytest.mark.skipif(
     not qnn_installed(),
     reason="onnxruntime-qnn is not importable: install the qnn extra (pip install -e '.[qnn]') to compile and run "
-           "HTP context binaries")
+    "HTP context binaries",
+)
 
 
 def needs_qnn(test):
     """Mark ``test`` ``qnn`` (pyproject's markers: deselect with -m "not qnn") and skip it without onnxruntime-qnn."""
     return pytest.mark.qnn(_skip_without_qnn(test))
 
-D, H, HD, N = 256, 4, 64, 1024      # hidden, heads, head dim, ring columns
-MASK = 1.0e4                       # masked columns hold -MASK (finite; never -inf)
-SCORE_FLOOR = 100.0                # fixed lower end of the (scores + mask) encoding: masked scores clip here
+
+D, H, HD, N = 256, 4, 64, 1024  # hidden, heads, head dim, ring columns
+MASK = 1.0e4  # masked columns hold -MASK (finite; never -inf)
+SCORE_FLOOR = 100.0  # fixed lower end of the (scores + mask) encoding: masked scores clip here
 
 
 def sqnr_db(ref: np.ndarray, x: np.ndarray) -> float:
@@ -37,6 +38,7 @@ def sqnr_db(ref: np.ndarray, x: np.ndarray) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ the test graph
+
 
 def _attention_module():
     import torch
@@ -54,7 +56,7 @@ def _attention_module():
         def forward(self, x, k, v, mask):
             q = self.q_proj(x).reshape(1, H, HD)
             q = q / torch.sqrt((q * q).mean(-1, keepdim=True) + 1e-6) * (1.0 + self.q_norm)
-            scores = torch.matmul(q.reshape(1, H, 1, HD), k.transpose(-1, -2)) * HD ** -0.5 + mask
+            scores = torch.matmul(q.reshape(1, H, 1, HD), k.transpose(-1, -2)) * HD**-0.5 + mask
             out = torch.matmul(torch.softmax(scores, dim=-1), v).reshape(1, H * HD)
             return self.o_proj(out)
 
@@ -65,8 +67,12 @@ def _attention_module():
 def _sample(rs: np.random.RandomState, valid: int) -> dict[str, np.ndarray]:
     mask = np.full((1, 1, 1, N), -MASK, np.float32)
     mask[..., :valid] = 0.0
-    return {"x": rs.randn(1, D).astype(np.float32), "k": rs.randn(1, H, N, HD).astype(np.float32),
-            "v": rs.randn(1, H, N, HD).astype(np.float32), "mask": mask}
+    return {
+        "x": rs.randn(1, D).astype(np.float32),
+        "k": rs.randn(1, H, N, HD).astype(np.float32),
+        "v": rs.randn(1, H, N, HD).astype(np.float32),
+        "mask": mask,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -86,15 +92,16 @@ def attention(tmp_path_factory):
     module = _attention_module()
     args = tuple(torch.from_numpy(a) for a in _sample(np.random.RandomState(0), N).values())
     fp = d / "attn.onnx"
-    torch.onnx.export(module, args, str(fp), dynamo=True, input_names=["x", "k", "v", "mask"], output_names=["y"],
-                      opset_version=21)
+    torch.onnx.export(
+        module, args, str(fp), dynamo=True, input_names=["x", "k", "v", "mask"], output_names=["y"], opset_version=21
+    )
     pre = d / "attn_pre.onnx"
     src = pre if qnn_preprocess_model(str(fp), str(pre)) else fp
 
     graph = onnx.load(str(src), load_external_data=False).graph
     overrides: dict = {"mask": [{"rmin": np.float32(-MASK), "rmax": np.float32(0.0)}]}
     for n in graph.node:
-        if n.op_type == "Gemm":      # nn.Linear: weight [out, in] with transB=1 → per-channel over axis 0
+        if n.op_type == "Gemm":  # nn.Linear: weight [out, in] with transB=1 → per-channel over axis 0
             trans_b = any(a.name == "transB" and a.i for a in n.attribute)
             overrides[n.input[1]] = [{"axis": 0 if trans_b else 1, "quant_type": QuantType.QInt8, "symmetric": True}]
         if n.op_type == "Add" and "mask" in n.input:
@@ -108,8 +115,13 @@ def attention(tmp_path_factory):
         def get_next(self):
             return next(self.it, None)
 
-    cfg = get_qnn_qdq_config(str(src), Calibration(), activation_type=QuantType.QUInt16,
-                             weight_type=QuantType.QInt8, init_overrides=overrides)
+    cfg = get_qnn_qdq_config(
+        str(src),
+        Calibration(),
+        activation_type=QuantType.QUInt16,
+        weight_type=QuantType.QInt8,
+        init_overrides=overrides,
+    )
     qdq = d / "attn_qdq.onnx"
     quantize(str(src), str(qdq), cfg)
     rs = np.random.RandomState(1000)
@@ -131,20 +143,26 @@ def _embedding_model(path, *, int64_table: bool = False):
     from onnx import numpy_helper as nh
 
     rs = np.random.RandomState(0)
-    inits = [nh.from_array(rs.randint(0, 256, (64, 16)).astype(np.uint8), "table"),
-             nh.from_array(np.array(0.01, np.float32), "table_scale"),
-             nh.from_array(np.array(128, np.uint8), "table_zp"),
-             nh.from_array(np.array(1 / 32768, np.float32), "s"), h.make_tensor("z", T.UINT16, [], [32768]),
-             nh.from_array(rs.randint(-127, 128, (16, 16)).astype(np.int8), "w"),
-             nh.from_array(np.array(0.01, np.float32), "ws"), nh.from_array(np.array(0, np.int8), "wz")]
-    nodes = [h.make_node("DequantizeLinear", ["table", "table_scale", "table_zp"], ["table_f"], name="table_dq"),
-             h.make_node("Gather", ["table_f", "ids"], ["emb"], name="embed_tokens", axis=0),
-             h.make_node("QuantizeLinear", ["emb", "s", "z"], ["emb_q"], name="emb_q"),
-             h.make_node("DequantizeLinear", ["emb_q", "s", "z"], ["emb_f"], name="emb_dq"),
-             h.make_node("DequantizeLinear", ["w", "ws", "wz"], ["w_f"], name="w_dq"),
-             h.make_node("MatMul", ["emb_f", "w_f"], ["y0"], name="proj"),
-             h.make_node("QuantizeLinear", ["y0", "s", "z"], ["y_q"], name="y_q"),
-             h.make_node("DequantizeLinear", ["y_q", "s", "z"], ["y"], name="y_dq")]
+    inits = [
+        nh.from_array(rs.randint(0, 256, (64, 16)).astype(np.uint8), "table"),
+        nh.from_array(np.array(0.01, np.float32), "table_scale"),
+        nh.from_array(np.array(128, np.uint8), "table_zp"),
+        nh.from_array(np.array(1 / 32768, np.float32), "s"),
+        h.make_tensor("z", T.UINT16, [], [32768]),
+        nh.from_array(rs.randint(-127, 128, (16, 16)).astype(np.int8), "w"),
+        nh.from_array(np.array(0.01, np.float32), "ws"),
+        nh.from_array(np.array(0, np.int8), "wz"),
+    ]
+    nodes = [
+        h.make_node("DequantizeLinear", ["table", "table_scale", "table_zp"], ["table_f"], name="table_dq"),
+        h.make_node("Gather", ["table_f", "ids"], ["emb"], name="embed_tokens", axis=0),
+        h.make_node("QuantizeLinear", ["emb", "s", "z"], ["emb_q"], name="emb_q"),
+        h.make_node("DequantizeLinear", ["emb_q", "s", "z"], ["emb_f"], name="emb_dq"),
+        h.make_node("DequantizeLinear", ["w", "ws", "wz"], ["w_f"], name="w_dq"),
+        h.make_node("MatMul", ["emb_f", "w_f"], ["y0"], name="proj"),
+        h.make_node("QuantizeLinear", ["y0", "s", "z"], ["y_q"], name="y_q"),
+        h.make_node("DequantizeLinear", ["y_q", "s", "z"], ["y"], name="y_dq"),
+    ]
     outputs = [h.make_tensor_value_info("y", T.FLOAT, [1, 4, 16])]
     if int64_table:
         inits.append(nh.from_array((np.arange(100) % 64).astype(np.int64), "keep_rows"))
@@ -160,12 +178,17 @@ def _embedding_model(path, *, int64_table: bool = False):
 
 # ------------------------------------------------------------------------------------------------------ profiles
 
+
 def test_profiles_are_data():
     v81 = get_profile("htp-v81")
     assert (v81.htp_arch, v81.soc_model, v81.soc_id) == (81, "SM8850", 87)
     assert v81.max_context_bytes == 3584 * MIB and v81.supports_16bit_ops
-    assert v81.provider_options() == {"backend_type": "htp", "htp_arch": "81", "soc_model": "87",
-                                      "htp_graph_finalization_optimization_mode": "0"}
+    assert v81.provider_options() == {
+        "backend_type": "htp",
+        "htp_arch": "81",
+        "soc_model": "87",
+        "htp_graph_finalization_optimization_mode": "0",
+    }
     v68 = get_profile("htp-v68")
     assert v68.htp_arch == 68 and not v68.supports_16bit_ops and v68.max_context_bytes < v81.max_context_bytes
     assert profile_for(81, "sm8850").name == "htp-v81"
@@ -192,11 +215,11 @@ def test_qnn_status_lists_compilable_archs():
 
 # --------------------------------------------------------------------------------------------- compile and run
 
+
 @needs_qnn
 def test_attention_block_compiles_for_v81_and_runs_on_the_simulator(attention, tmp_path):
     import onnx
     import onnxruntime as ort
-
     from hycoc.targets.htp import HtpSession, compile_context, run_compiled
 
     t0 = time.perf_counter()
@@ -221,10 +244,12 @@ def test_attention_block_compiles_for_v81_and_runs_on_the_simulator(attention, t
     refs = np.concatenate(attention["refs"])
     y, c = np.concatenate(ys), np.concatenate(cs)
     vs_float, vs_cpu, cpu_vs_float = sqnr_db(refs, y), sqnr_db(c, y), sqnr_db(refs, c)
-    print(f"\nhtp-v81 attention ({H} heads, {N}-column ring): compile {cg.compile_seconds:.2f} s in the EP "
-          f"({wall:.2f} s with checks), binary {cg.binary_bytes:,} B; simulator load {htp.load_seconds:.2f} s, "
-          f"run {run_s:.3f} s; SQNR vs float {vs_float:.1f} dB, vs CPU-EP QDQ {vs_cpu:.1f} dB "
-          f"(CPU-EP QDQ vs float {cpu_vs_float:.1f} dB)")
+    print(
+        f"\nhtp-v81 attention ({H} heads, {N}-column ring): compile {cg.compile_seconds:.2f} s in the EP "
+        f"({wall:.2f} s with checks), binary {cg.binary_bytes:,} B; simulator load {htp.load_seconds:.2f} s, "
+        f"run {run_s:.3f} s; SQNR vs float {vs_float:.1f} dB, vs CPU-EP QDQ {vs_cpu:.1f} dB "
+        f"(CPU-EP QDQ vs float {cpu_vs_float:.1f} dB)"
+    )
     # measured (seeded graph and samples, QNN SDK v2.51 simulator): vs float 34.0 dB, vs the CPU EP 34.3 dB;
     # the floors are 2 dB under them
     assert vs_float > 32.0
@@ -234,26 +259,36 @@ def test_attention_block_compiles_for_v81_and_runs_on_the_simulator(attention, t
 @needs_qnn
 def test_weight_shared_context_holds_weights_once(tmp_path):
     import onnx
+    from hycoc.targets.htp import HtpCompileError, HtpSession, compile_context
     from onnx import TensorProto as T
     from onnx import helper as h
     from onnx import numpy_helper as nh
 
-    from hycoc.targets.htp import HtpCompileError, HtpSession, compile_context
-
     w = np.random.RandomState(1).randint(-127, 128, (256, 256)).astype(np.int8)
 
     def rows_model(rows: int):
-        inits = [nh.from_array(np.array(1 / 32768, np.float32), "s"), h.make_tensor("z", T.UINT16, [], [32768]),
-                 nh.from_array(w, "w"), nh.from_array(np.array(0.001, np.float32), "ws"),
-                 nh.from_array(np.array(0, np.int8), "wz")]
-        nodes = [h.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
-                 h.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
-                 h.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"]),
-                 h.make_node("MatMul", ["xd", "wd"], ["y0"]),
-                 h.make_node("QuantizeLinear", ["y0", "s", "z"], ["yq"]),
-                 h.make_node("DequantizeLinear", ["yq", "s", "z"], ["y"])]
-        g = h.make_graph(nodes, f"rows{rows}", [h.make_tensor_value_info("x", T.FLOAT, [rows, 256])],
-                         [h.make_tensor_value_info("y", T.FLOAT, [rows, 256])], inits)
+        inits = [
+            nh.from_array(np.array(1 / 32768, np.float32), "s"),
+            h.make_tensor("z", T.UINT16, [], [32768]),
+            nh.from_array(w, "w"),
+            nh.from_array(np.array(0.001, np.float32), "ws"),
+            nh.from_array(np.array(0, np.int8), "wz"),
+        ]
+        nodes = [
+            h.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+            h.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+            h.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"]),
+            h.make_node("MatMul", ["xd", "wd"], ["y0"]),
+            h.make_node("QuantizeLinear", ["y0", "s", "z"], ["yq"]),
+            h.make_node("DequantizeLinear", ["yq", "s", "z"], ["y"]),
+        ]
+        g = h.make_graph(
+            nodes,
+            f"rows{rows}",
+            [h.make_tensor_value_info("x", T.FLOAT, [rows, 256])],
+            [h.make_tensor_value_info("y", T.FLOAT, [rows, 256])],
+            inits,
+        )
         m = h.make_model(g, opset_imports=[h.make_opsetid("", 21)])
         m.ir_version = 10
         p = tmp_path / f"rows{rows}.onnx"
@@ -267,7 +302,10 @@ def test_weight_shared_context_holds_weights_once(tmp_path):
     sib = shared.siblings[0]
     assert sib.name == "prefill" and sib.context_binary == shared.context_binary  # one .bin for the group
     assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == [
-        "decode_ctx.onnx", "decode_ctx_qnn.bin", "prefill_ctx.onnx"]
+        "decode_ctx.onnx",
+        "decode_ctx_qnn.bin",
+        "prefill_ctx.onnx",
+    ]
     assert shared.shared_with == ("prefill",) and not shared.simulator_runnable and alone.simulator_runnable
     assert shared.weight_bytes == alone.weight_bytes  # the planner counts shared weights once
     # the second graph costs far less than another copy of the 64 KiB weight
@@ -280,6 +318,7 @@ def test_weight_shared_context_holds_weights_once(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------ refusals
+
 
 def test_v68_profile_refuses_the_16bit_graph_before_compiling(attention, tmp_path):
     from hycoc.targets.htp import CapabilityError, compile_context
@@ -334,9 +373,9 @@ def test_size_planner_refuses_a_context_over_the_limit(attention, tmp_path):
 
 # ----------------------------------------------------------------------------------------------------------- cpu
 
+
 def test_cpu_target_copies_a_loadable_qdq_graph(attention, tmp_path):
     import onnxruntime as ort
-
     from hycoc.targets.cpu import CpuTargetError, package_cpu
 
     g = package_cpu(attention["qdq"], tmp_path / "bundle", graph_name="head_attn")
@@ -360,7 +399,10 @@ def test_doctor_shows_qnn_rows():
 
     result = CliRunner().invoke(app, ["doctor"], terminal_width=200)
     assert result.exit_code == 0
-    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
-            for line in result.stdout.splitlines() if line.count("│") == 3}
+    rows = {
+        line.split("│")[1].strip(): line.split("│")[2].strip()
+        for line in result.stdout.splitlines()
+        if line.count("│") == 3
+    }
     assert rows["QNN EP loads"].startswith("yes")
     assert "v81" in rows["HTP archs"]

@@ -34,12 +34,17 @@ def test_the_recipe_plan_fits_the_console_with_names_and_numbers_whole(plan, wid
     out = rendered(plan, width)
     lines = out.splitlines()
     assert max(map(len, lines)) <= width and "…" not in out
-    cells = {c.strip() for line in lines for c in line.split("│")}   # every table cell's text on one line
+    cells = {c.strip() for line in lines for c in line.split("│")}  # every table cell's text on one line
     for g in plan["graphs"].values():
         for s in g["inputs"] + g["outputs"]:
             assert s["name"] in cells and "x".join(map(str, s["shape"])) in cells, s
-    for key in ("handoff_bytes_per_round", "handoff_bytes_per_position", "first_handoff_bytes", "first_reply_bytes",
-                "tree_bytes_per_round"):
+    for key in (
+        "handoff_bytes_per_round",
+        "handoff_bytes_per_position",
+        "first_handoff_bytes",
+        "first_reply_bytes",
+        "tree_bytes_per_round",
+    ):
         assert key in cells and f"{plan['handoff'][key]:,}" in cells
     for role, m in plan["models"].items():
         assert role in cells and f"{m['params']:,}" in cells
@@ -56,8 +61,8 @@ def test_a_table_too_wide_for_80_columns_is_split_with_its_key_column_in_every_p
     assert "plan vs paper (1/2)" in out and "plan vs paper (2/2)" in out
     at120 = rendered(plan, 120)
     assert "plan vs paper (1/" not in at120 and "plan vs paper" in at120
-    second = out[out.index("plan vs paper (2/2)"):]
-    assert all(k in second for k in plan["paper"])     # the quantity names lead the second part too
+    second = out[out.index("plan vs paper (2/2)") :]
+    assert all(k in second for k in plan["paper"])  # the quantity names lead the second part too
 
 
 @pytest.mark.parametrize("environ, width", [({}, 120), ({"COLUMNS": "97"}, 97), ({"COLUMNS": "60"}, 80)])

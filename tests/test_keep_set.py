@@ -13,13 +13,19 @@ import json
 
 import numpy as np
 import pytest
+from hycoc.passes.artifacts import KeepSetArtifact, TokenizerArtifact
+from hycoc.passes.keep_set import (
+    KeepSetError,
+    KeepSetPass,
+    byte_token_ids,
+    forced_range_ids,
+    read_corpus,
+    select_keep_set,
+)
+from hycoc.passes.pipeline import Pipeline
 from rich.console import Console
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from hycoc.passes.artifacts import KeepSetArtifact, TokenizerArtifact
-from hycoc.passes.keep_set import (KeepSetError, KeepSetPass, byte_token_ids, forced_range_ids,
-                                   read_corpus, select_keep_set)
-from hycoc.passes.pipeline import Pipeline
 from hycoc.recipe import KeepSet, Recipe
 
 SPECIALS = ["<pad>", "<bos>", "<eot>"]
@@ -27,11 +33,20 @@ WORDS = ["the", "sat", "mat", "안녕", "dog", "cat", "on", "<unk>"]
 ALWAYS = list(range(259)) + [262]  # specials, bytes, the Hangul word
 
 CONVERSATIONS = [
-    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "mat on mat on"},
-                  {"role": "assistant", "content": "the cat sat on the mat"}]},
+    {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "mat on mat on"},
+            {"role": "assistant", "content": "the cat sat on the mat"},
+        ]
+    },
     {"user": "mat mat mat", "model": "the dog sat"},
-    {"messages": [{"role": "user", "content": "on"},
-                  {"role": "model", "content": [{"type": "text", "text": "dog cat 안녕"}]}]},
+    {
+        "messages": [
+            {"role": "user", "content": "on"},
+            {"role": "model", "content": [{"type": "text", "text": "dog cat 안녕"}]},
+        ]
+    },
     {"user": "never read", "model": "cat cat cat cat cat cat"},  # beyond corpus_conversations = 3
 ]
 
@@ -96,8 +111,11 @@ def test_classes_can_be_switched_off(tmp_path):
 
 
 def test_size_below_the_always_kept_classes(tmp_path):
-    with pytest.raises(KeepSetError, match=r"keep_set.size = 259 is smaller than the 260 always-kept tokens "
-                                           r"\(3 special \+ 256 byte \+ 1 forced-range\)"):
+    with pytest.raises(
+        KeepSetError,
+        match=r"keep_set.size = 259 is smaller than the 260 always-kept tokens "
+        r"\(3 special \+ 256 byte \+ 1 forced-range\)",
+    ):
         select(tmp_path, 259)
     with pytest.raises(KeepSetError, match="keep_set.size = 300 exceeds the tokenizer's vocabulary of 267 ids"):
         select(tmp_path, 300)
@@ -117,8 +135,9 @@ def test_empty_and_malformed_corpus(tmp_path):
 
 
 def recipe_for(corpus: str, size: int = 263) -> Recipe:
-    return Recipe.model_validate({"keep_set": {"size": size, "corpus": corpus, "corpus_conversations": 3,
-                                               "forced_ranges": ["U+AC00-U+D7A3"]}})
+    return Recipe.model_validate(
+        {"keep_set": {"size": size, "corpus": corpus, "corpus_conversations": 3, "forced_ranges": ["U+AC00-U+D7A3"]}}
+    )
 
 
 def test_pass_in_a_pipeline_reports_and_caches(tmp_path):

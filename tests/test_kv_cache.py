@@ -12,15 +12,15 @@ import copy
 import numpy as np
 import pytest
 import torch
-from transformers import DynamicCache
-
-from test_batched_verify import oracle_tree  # the verifier's own top-k chain tree (same helper)
-from hycoc.protocol.messages import Sampling
 from hycoc.verifier import VerifierEngine
 from hycoc.verifier.batch import batch_forward, verify_batch
 from hycoc.verifier.engine import verify_tree
 from hycoc.verifier.kv_cache import SlidingWindowLayer, first_position, held_bytes, storage_bytes
+from test_batched_verify import oracle_tree  # the verifier's own top-k chain tree (same helper)
 from tiny_models import tiny_head, tiny_verifier
+from transformers import DynamicCache
+
+from hycoc.protocol.messages import Sampling
 
 torch.set_num_threads(1)
 SCALES = (0.1, 0.1, 0.05, 0.05, 0.05, 0.05)
@@ -34,8 +34,15 @@ def models():
 
 
 def make_engine(models, **kw) -> VerifierEngine:
-    args = dict(head=models[1], keep_set=KEEP, head_window=6, handoff_scales=SCALES, eos_token_ids=set(),
-                max_context=200, prefill_chunk=5)
+    args = dict(
+        head=models[1],
+        keep_set=KEEP,
+        head_window=6,
+        handoff_scales=SCALES,
+        eos_token_ids=set(),
+        max_context=200,
+        prefill_chunk=5,
+    )
     args.update(kw)
     return VerifierEngine(models[0], **args)
 
@@ -50,11 +57,11 @@ def test_held_bytes_are_the_formula_after_prefill_and_after_every_round(models):
     assert (layout.full_bytes, layout.sliding_bytes, layout.retain) == (512, 512, 9)
     prompt, max_new, rows = list(range(20, 60)), 60, 7
     reserved = engine.session_kv_bytes(min(engine.max_context, len(prompt) + max_new + rows), rows)
-    assert reserved == 512 * 107 + 512 * (9 + max(rows, 5)) + 512 * 9    # window + rows or a chunk of 5, snapshot
+    assert reserved == 512 * 107 + 512 * (9 + max(rows, 5)) + 512 * 9  # window + rows or a chunk of 5, snapshot
     session = engine.open(prompt, Sampling(0.0, 64, 0.95), max_new_tokens=max_new, acceptance="exact")
     _, t = session.prefill()
     assert t == 39 and held_bytes(session.cache) == layout.session_bytes(39, 0) == 512 * 39 + 512 * 9
-    assert storage_bytes(session.cache) == held_bytes(session.cache)          # the prefill's trim frees the rest
+    assert storage_bytes(session.cache) == held_bytes(session.cache)  # the prefill's trim frees the rest
     accepted = 0
     for seq in range(8):
         tokens, parents = oracle_tree(models[0], session.tokens)
@@ -70,14 +77,15 @@ def test_held_bytes_are_the_formula_after_prefill_and_after_every_round(models):
             assert first_position(layer) + held == session.t
             assert held == (sliding if isinstance(layer, SlidingWindowLayer) else session.t)
         assert storage_bytes(session.cache) <= engine.session_kv_bytes(t + rows, rows) <= reserved
-    assert accepted >= 8       # paths were accepted: compaction ran past the window
+    assert accepted >= 8  # paths were accepted: compaction ran past the window
 
 
 def _outputs(engine, draft_place, tree_model):
     """A 22-token prompt, rounds until its 10-token turn finishes, then an appended 6-token turn (KV kept: the cache
     is cropped to the committed positions and prefilled on) and 4 more rounds. Returns (committed, replies)."""
-    session = engine.open(list(range(30, 52)), Sampling(0.0, 64, 0.95), max_new_tokens=10, acceptance="exact",
-                          draft_place=draft_place)
+    session = engine.open(
+        list(range(30, 52)), Sampling(0.0, 64, 0.95), max_new_tokens=10, acceptance="exact", draft_place=draft_place
+    )
     session.prefill()
     replies = []
 
@@ -85,13 +93,16 @@ def _outputs(engine, draft_place, tree_model):
         for seq in range(n):
             if session.finished:
                 return
-            tree = (np.array([session.root]), np.array([-1])) if draft_place == "cloud-mtp" else \
-                oracle_tree(tree_model, session.tokens)
+            tree = (
+                (np.array([session.root]), np.array([-1]))
+                if draft_place == "cloud-mtp"
+                else oracle_tree(tree_model, session.tokens)
+            )
             replies.append(session.verify(*tree, seq))
 
     rounds(20)
     assert session.finished
-    session.append(list(range(60, 66)), max_new_tokens=20, keep=len(session.tokens))   # the whole conversation kept
+    session.append(list(range(60, 66)), max_new_tokens=20, keep=len(session.tokens))  # the whole conversation kept
     rounds(4)
     return session.tokens, replies
 
@@ -105,10 +116,14 @@ def test_outputs_equal_the_full_length_caches(models, draft_place, monkeypatch):
     full = make_engine(models)
     monkeypatch.setattr(full, "new_cache", DynamicCache)
     want = _outputs(full, draft_place, models[0])
-    assert got[0] == want[0] and len(got[0]) >= 22 + 10 + 6 + 4     # one token a round at least
+    assert got[0] == want[0] and len(got[0]) >= 22 + 10 + 6 + 4  # one token a round at least
     for g, w in zip(got[1], want[1]):
-        assert (g.bonus, g.samples.tolist(), g.path_rows.tolist(), g.chain.tolist()) == \
-            (w.bonus, w.samples.tolist(), w.path_rows.tolist(), w.chain.tolist())
+        assert (g.bonus, g.samples.tolist(), g.path_rows.tolist(), g.chain.tolist()) == (
+            w.bonus,
+            w.samples.tolist(),
+            w.path_rows.tolist(),
+            w.chain.tolist(),
+        )
         if w.handoff is not None:
             assert (g.handoff.t_prime, g.handoff.a) == (w.handoff.t_prime, w.handoff.a)
             for name in ("x_hat", "k_sliding", "v_sliding", "k_full", "v_full"):
@@ -131,12 +146,23 @@ def test_bfloat16_batched_rounds_commit_the_alone_runs_tokens():
     trees = []
     for s in sessions:
         r = int(rng.integers(1, 10))
-        trees.append((np.array([s.root] + list(rng.integers(3, 300, r - 1))),
-                      np.array([-1] + [int(rng.integers(0, j)) for j in range(1, r)])))
-    alone = [verify_tree(model, copy.deepcopy(s.cache), engine.tap, torch.as_tensor(tk), pa, s.t, engine.dtype)[0]
-             for s, (tk, pa) in zip(sessions, trees)]
-    batched = batch_forward(engine, [copy.deepcopy(s.cache) for s in sessions], [s.t for s in sessions],
-                            [t[0] for t in trees], [t[1] for t in trees])
+        trees.append(
+            (
+                np.array([s.root] + list(rng.integers(3, 300, r - 1))),
+                np.array([-1] + [int(rng.integers(0, j)) for j in range(1, r)]),
+            )
+        )
+    alone = [
+        verify_tree(model, copy.deepcopy(s.cache), engine.tap, torch.as_tensor(tk), pa, s.t, engine.dtype)[0]
+        for s, (tk, pa) in zip(sessions, trees)
+    ]
+    batched = batch_forward(
+        engine,
+        [copy.deepcopy(s.cache) for s in sessions],
+        [s.t for s in sessions],
+        [t[0] for t in trees],
+        [t[1] for t in trees],
+    )
     for a, (b, _, _) in zip(alone, batched):
         assert torch.equal(a, b)
 
@@ -162,8 +188,9 @@ def test_the_toy_verifiers_held_bytes_against_its_reservation():
     for the request (prompt + 256 output tokens + 33 rows)."""
     from pathlib import Path
 
-    from hycoc.recipe import load_recipe
     from hycoc.verifier.loading import engine_from_recipe
+
+    from hycoc.recipe import load_recipe
 
     engine = engine_from_recipe(load_recipe(Path(__file__).parents[1] / "recipes" / "toy.toml"), "cpu")
     layout = engine.kv_layout

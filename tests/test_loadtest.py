@@ -9,32 +9,57 @@ second server with the same weights, a session must commit exactly what the reco
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import asyncio
 import inspect
 import json
 import math
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-from hycoc.bench.cost_model import CostModel, CostPoint
-from hycoc.bench.loadreport import GPU_FLAT_ROWS, RUN_KEYS, percentile, project, results_document, summarize_run, \
-    write_results
-from hycoc.bench.loadtest import LoadTestError, RoundSample, RunStats, arrival_delays, committed_tokens, \
-    parse_metrics, replay_request, run_loadtest, run_sessions
-from hycoc.bench.loadtrace import RecordingClient, RequestTrace, RoundTrace, Trace, TraceError, load_trace, \
-    patch_root, request_trace, save_trace, trace_key
-from hycoc.protocol import wire
-from hycoc.protocol.messages import DraftTree, OpenRequest, Sampling
 from hycoc.runtime.transport import VerifierClient
 from hycoc.verifier import VerifierEngine
 from hycoc.verifier.server import ServerThread, VerifierServer
 from tiny_models import VOCAB, tiny_head, tiny_verifier
+
+from hycoc.bench.cost_model import CostModel, CostPoint
+from hycoc.bench.loadreport import (
+    GPU_FLAT_ROWS,
+    RUN_KEYS,
+    percentile,
+    project,
+    results_document,
+    summarize_run,
+    write_results,
+)
+from hycoc.bench.loadtest import (
+    LoadTestError,
+    RoundSample,
+    RunStats,
+    arrival_delays,
+    committed_tokens,
+    parse_metrics,
+    replay_request,
+    run_loadtest,
+    run_sessions,
+)
+from hycoc.bench.loadtrace import (
+    RecordingClient,
+    RequestTrace,
+    RoundTrace,
+    Trace,
+    TraceError,
+    load_trace,
+    patch_root,
+    request_trace,
+    save_trace,
+    trace_key,
+)
+from hycoc.protocol import wire
+from hycoc.protocol.messages import DraftTree, OpenRequest, Sampling
 
 torch.set_num_threads(1)
 ROWS = 7
@@ -46,8 +71,14 @@ MAX_NEW = 10
 
 def make_engine() -> VerifierEngine:
     model = tiny_verifier(sharpen=3.0)
-    return VerifierEngine(model, head=tiny_head(model), head_window=6,
-                          handoff_scales=(0.1, 0.1, 0.05, 0.05, 0.05, 0.05), eos_token_ids=set(), max_context=128)
+    return VerifierEngine(
+        model,
+        head=tiny_head(model),
+        head_window=6,
+        handoff_scales=(0.1, 0.1, 0.05, 0.05, 0.05, 0.05),
+        eos_token_ids=set(),
+        max_context=128,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +106,23 @@ def recorded(engine):
     with serve(engine) as srv:
         for i in range(2):
             fill = rng.integers(3, VOCAB, ROWS - 1).astype(np.int32)
-            req = OpenRequest(prompt_ids=np.arange(20 + i, 32 + i, dtype=np.int32), sampling=Sampling(1.0, 64, 0.95),
-                              seed=7 + i, acceptance="exact", epsilon=1.0, max_new_tokens=MAX_NEW)
+            req = OpenRequest(
+                prompt_ids=np.arange(20 + i, 32 + i, dtype=np.int32),
+                sampling=Sampling(1.0, 64, 0.95),
+                seed=7 + i,
+                acceptance="exact",
+                epsilon=1.0,
+                max_new_tokens=MAX_NEW,
+            )
             client = RecordingClient(VerifierClient(srv.url))
             opened = client.open(req)
             root, produced, per_round, reason = int(req.prompt_ids[-1]), 0, [], None
             while reason is None:
                 tokens = np.concatenate([[root], fill]).astype(np.int32)
                 reply = client.round(DraftTree(len(per_round), tokens, PARENTS, SCORES))
-                new, reason = committed_tokens(tokens, reply, (), MAX_NEW - produced,
-                                               opened.max_context - len(req.prompt_ids) - produced, False)
+                new, reason = committed_tokens(
+                    tokens, reply, (), MAX_NEW - produced, opened.max_context - len(req.prompt_ids) - produced, False
+                )
                 reason = reason or reply.finish_reason
                 per_round.append(len(new))
                 produced += len(new)
@@ -95,15 +133,19 @@ def recorded(engine):
 
 
 def test_trace_round_trip_and_bad_files(tmp_path, recorded):
-    trace = Trace(key=trace_key("r" * 64, "b" * 64, ["hyco"], [81, 82], MAX_NEW), stop_ids=(1, 6),
-                  requests=tuple(r for r, _ in recorded), meta={"recipe": "tiny"})
+    trace = Trace(
+        key=trace_key("r" * 64, "b" * 64, ["hyco"], [81, 82], MAX_NEW),
+        stop_ids=(1, 6),
+        requests=tuple(r for r, _ in recorded),
+        meta={"recipe": "tiny"},
+    )
     path = save_trace(trace, tmp_path / "t" / "trace.json")
     assert load_trace(path) == trace
-    assert [p.name for p in path.parent.iterdir()] == ["trace.json"]   # no temporary file left
+    assert [p.name for p in path.parent.iterdir()] == ["trace.json"]  # no temporary file left
     assert len(trace.key) == 16 and trace.key != trace_key("r" * 64, "b" * 64, ["hyco"], [81, 82], MAX_NEW + 1)
     first = trace.requests[0]
     assert first.rounds[0].tokens[0] == first.prompt[-1] and first.rounds[0].parents == tuple(PARENTS)
-    assert all(r.scores == (0.0, -0.5, -1.0, -1.25, -2.0, -2.5, -3.0) for r in first.rounds)   # as sent
+    assert all(r.scores == (0.0, -0.5, -1.0, -1.25, -2.0, -2.5, -3.0) for r in first.rounds)  # as sent
     assert json.loads(path.read_text())["requests"][0]["rounds"][0]["scores"] == SCORES.tolist()
     assert all(r.device_ms >= 0 for r in first.rounds) and first.committed == MAX_NEW
     # rounds after the first: the drafting thread's CPU time, never more than the wall time between the rounds
@@ -120,7 +162,7 @@ def test_trace_round_trip_and_bad_files(tmp_path, recorded):
     path.write_text(json.dumps(data))
     with pytest.raises(TraceError, match=r"requests\[0\]\.rounds\[1\]: tokens, parents and scores"):
         load_trace(path)
-    for schema in (2, 99):   # a trace recorded before the rounds carried scores is re-recorded, never misread
+    for schema in (2, 99):  # a trace recorded before the rounds carried scores is re-recorded, never misread
         path.write_text(json.dumps({**data, "schema": schema}))
         with pytest.raises(TraceError, match=f"schema {schema}, this hycoc reads 4; delete it to re-record"):
             load_trace(path)
@@ -141,9 +183,11 @@ def test_replay_sends_the_recorded_scores(engine, recorded, monkeypatch):
 
     monkeypatch.setattr(wire, "encode", spy)
     with serve(engine) as srv:
+
         async def go():
             t0 = asyncio.get_running_loop().time()
             await replay_request(srv.url, bare, (), RunStats(), t0, t0 + 60, device_ms=0.0)
+
         asyncio.run(go())
     assert len(trees) == len(req.rounds) and trees[0].scores is None
     for tree in trees[1:]:
@@ -153,7 +197,7 @@ def test_replay_sends_the_recorded_scores(engine, recorded, monkeypatch):
 def test_patch_root_keeps_the_tree_valid():
     tokens = np.array([5, 9, 11, 12, 13, 14, 15], np.int32)
     patched = patch_root(tokens, 250)
-    assert patched.tolist() == [250, 9, 11, 12, 13, 14, 15] and tokens[0] == 5   # a copy
+    assert patched.tolist() == [250, 9, 11, 12, 13, 14, 15] and tokens[0] == 5  # a copy
     limits = wire.Limits(vocab_size=VOCAB, tree_rows=ROWS)
     back = wire.decode(wire.encode(DraftTree(3, patched, PARENTS)), limits)
     assert back.tokens.tolist() == patched.tolist() and back.parents.tolist() == PARENTS.tolist()
@@ -166,9 +210,11 @@ def test_replay_commits_what_the_recording_committed(engine, recorded):
     for req, per_round in recorded:
         stats = RunStats()
         with serve(engine) as srv:
+
             async def go():
                 t0 = asyncio.get_running_loop().time()
                 await replay_request(srv.url, req, (), stats, t0, t0 + 60, device_ms=0.0)
+
             asyncio.run(go())
         assert [r.committed for r in stats.rounds] == per_round
         assert (stats.requests_finished, stats.requests_truncated, dict(stats.errors)) == (1, 0, {})
@@ -183,9 +229,9 @@ def test_short_load_test_commits_tokens_without_errors(engine, recorded, mode):
         stats = run_sessions(srv.url, [reqs] * 3, (), 2.0, device_ms=5.0)
         committed = sum(r.committed for r in stats.rounds)
         assert committed > 0 and dict(stats.errors) == {}
-        assert committed == srv.server.metrics.tokens_committed   # the server counted every token the client did
+        assert committed == srv.server.metrics.tokens_committed  # the server counted every token the client did
         assert len(stats.rounds) == srv.server.metrics.rounds
-        assert len(stats.opens_ms) >= 3 and stats.requests_truncated == 0   # replays end as recorded, or at the end
+        assert len(stats.opens_ms) >= 3 and stats.requests_truncated == 0  # replays end as recorded, or at the end
 
 
 def test_server_error_codes_are_counted(engine, recorded):
@@ -195,14 +241,16 @@ def test_server_error_codes_are_counted(engine, recorded):
     with serve(engine) as srv:
         stats = run_sessions(srv.url, [[broken]], (), 1.0, device_ms=0.0)
         assert set(stats.errors) == {"token_out_of_vocab"} and stats.errors["token_out_of_vocab"] >= 1
-        assert stats.rounds == [] and srv.server.metrics.errors["token_out_of_vocab"] == stats.errors[
-            "token_out_of_vocab"]
+        assert (
+            stats.rounds == [] and srv.server.metrics.errors["token_out_of_vocab"] == stats.errors["token_out_of_vocab"]
+        )
 
 
 def test_percentiles_and_arrivals():
     values = list(range(1, 101))
     assert (percentile(values, 50), percentile(values, 90), percentile(values, 99)) == pytest.approx(
-        (50.5, 90.1, 99.01), abs=1e-12)
+        (50.5, 90.1, 99.01), abs=1e-12
+    )
     assert percentile([7.0], 99) == 7.0 and math.isnan(percentile([], 50))
     assert arrival_delays(3, None).tolist() == [0.0, 0.0, 0.0]
     d = arrival_delays(2000, 50.0, seed=1)
@@ -210,27 +258,42 @@ def test_percentiles_and_arrivals():
 
 
 def test_summary_counts_the_window_and_the_server_histograms():
-    stats = RunStats(rounds=[RoundSample(0.5, 10.0, 4.0, 3, 33, 100), RoundSample(1.0, 20.0, 6.0, 5, 33, 104),
-                             RoundSample(1.9, 30.0, 8.0, 2, 33, 110), RoundSample(2.1, 99.0, 9.0, 7, 33, 112)],
-                     opens_ms=[50.0, 70.0], errors=Counter({"bad_root": 2}), requests_finished=1, client_cpu_s=0.5,
-                     wall_s=2.5, first_round_s={0: 0.5, 1: 1.0, 2: 0.5}, device_waits_ms=[(10.0, 12.0), (20.0, 30.0)])
-    before = parse_metrics("# HELP x\nhycoc_batch_rows_sum 100\nhycoc_batch_rows_count 4\nhycoc_rounds_total 9\n"
-                           'hycoc_errors_total{kind="bad_root"} 1\n')
-    after = parse_metrics("hycoc_batch_rows_sum 298\nhycoc_batch_rows_count 7\nhycoc_rounds_total 13\n"
-                          "hycoc_batch_sessions_sum 6\nhycoc_batch_sessions_count 3\nhycoc_server_ms_total 42.5\n"
-                          "hycoc_tokens_committed_total 17\n")
+    stats = RunStats(
+        rounds=[
+            RoundSample(0.5, 10.0, 4.0, 3, 33, 100),
+            RoundSample(1.0, 20.0, 6.0, 5, 33, 104),
+            RoundSample(1.9, 30.0, 8.0, 2, 33, 110),
+            RoundSample(2.1, 99.0, 9.0, 7, 33, 112),
+        ],
+        opens_ms=[50.0, 70.0],
+        errors=Counter({"bad_root": 2}),
+        requests_finished=1,
+        client_cpu_s=0.5,
+        wall_s=2.5,
+        first_round_s={0: 0.5, 1: 1.0, 2: 0.5},
+        device_waits_ms=[(10.0, 12.0), (20.0, 30.0)],
+    )
+    before = parse_metrics(
+        "# HELP x\nhycoc_batch_rows_sum 100\nhycoc_batch_rows_count 4\nhycoc_rounds_total 9\n"
+        'hycoc_errors_total{kind="bad_root"} 1\n'
+    )
+    after = parse_metrics(
+        "hycoc_batch_rows_sum 298\nhycoc_batch_rows_count 7\nhycoc_rounds_total 13\n"
+        "hycoc_batch_sessions_sum 6\nhycoc_batch_sessions_count 3\nhycoc_server_ms_total 42.5\n"
+        "hycoc_tokens_committed_total 17\n"
+    )
     row = summarize_run("batched", 4, 2.0, stats, before, after, (1.0, 1.0, 1.0))
     assert set(row) == set(RUN_KEYS)
     # 4 devices, 3 with a first round: no end of the ramp, the whole run is the window; 2.1 s is past it
     assert (row["rounds"], row["committed_tokens"], row["tok_per_s"], row["steady"]) == (3, 10, 5.0, False)
     assert row["device_wait_ms"] == {"asked": 15.0, "slept": 21.0} and row["tok_per_s_whole"] == 5.0
     assert row["devices_served"] == 3
-    steady = summarize_run("batched", 3, 2.0, stats)   # ramp ends at 1.0 s: only the round at 1.9 s counts
+    steady = summarize_run("batched", 3, 2.0, stats)  # ramp ends at 1.0 s: only the round at 1.9 s counts
     assert (steady["ramp_s"], steady["steady"], steady["rounds"], steady["tok_per_s"]) == (1.0, True, 1, 2.0)
     assert steady["latency_ms"]["p50"] == 30.0 and steady["tok_per_s_whole"] == 5.0
     assert row["reply_ms_per_token"] == pytest.approx(18.0 / 10) and row["mat"] == pytest.approx(10 / 3)
-    assert row["verifier_ms_per_token"] == pytest.approx(42.5 / 17)   # the server's worker time per token
-    assert summarize_run("serial", 4, 2.0, stats)["verifier_ms_per_token"] == pytest.approx(1.8)   # no /metrics
+    assert row["verifier_ms_per_token"] == pytest.approx(42.5 / 17)  # the server's worker time per token
+    assert summarize_run("serial", 4, 2.0, stats)["verifier_ms_per_token"] == pytest.approx(1.8)  # no /metrics
 
     assert row["latency_ms"]["p50"] == 20.0 and row["latency_ms"]["max"] == 30.0
     assert row["rows_per_forward"] == pytest.approx(198 / 3) and row["sessions_per_forward"] == 2.0
@@ -245,11 +308,17 @@ def test_projection_flat_gpu_and_cost_model():
     batched = dict(serial, rows_per_forward=528.0, sessions_per_forward=16.0)
     p = project(batched)
     assert p["speedup"] == pytest.approx(16 / (528 / GPU_FLAT_ROWS)) and "assumed GPU" in p["basis"]
-    assert project(dict(serial, rows_per_forward=132.0))["speedup"] == pytest.approx(4.0)   # under the flat rows
-    cost = CostModel(device="gpu", dtype="bfloat16", model="m", points=[
-        CostPoint(rows=r, context=c, ms=ms) for r, c, ms in ((33, 0, 10.0), (33, 200, 12.0), (528, 0, 20.0),
-                                                             (528, 200, 30.0))])
-    assert project(batched, cost)["speedup"] == pytest.approx(11.0 * 16 / 25.0)   # context 100: 11 ms vs 25 ms
+    assert project(dict(serial, rows_per_forward=132.0))["speedup"] == pytest.approx(4.0)  # under the flat rows
+    cost = CostModel(
+        device="gpu",
+        dtype="bfloat16",
+        model="m",
+        points=[
+            CostPoint(rows=r, context=c, ms=ms)
+            for r, c, ms in ((33, 0, 10.0), (33, 200, 12.0), (528, 0, 20.0), (528, 200, 30.0))
+        ],
+    )
+    assert project(batched, cost)["speedup"] == pytest.approx(11.0 * 16 / 25.0)  # context 100: 11 ms vs 25 ms
     gone = project(dict(batched, rows_per_forward=1056.0, sessions_per_forward=32.0), cost)
     assert gone["speedup"] is None and "rows = 1056 is outside" in gone["basis"]
     assert project({"rows_per_tree": None}) is None
@@ -258,17 +327,30 @@ def test_projection_flat_gpu_and_cost_model():
 def test_run_loadtest_writes_results_and_plot(tmp_path, engine, recorded):
     trace = Trace(key="k", stop_ids=(), requests=tuple(r for r, _ in recorded))
     with serve(engine) as srv:
-        with pytest.raises(LoadTestError, match="asked for batching 'batched', but the verify-server reports "
-                                                "'serial' in /healthz; use --batching serial"):
+        with pytest.raises(
+            LoadTestError,
+            match="asked for batching 'batched', but the verify-server reports "
+            "'serial' in /healthz; use --batching serial",
+        ):
             run_loadtest(trace, ["hyco"], [2], 1.0, ["batched"], tmp_path, server_url=srv.url, warmup_s=0.0)
-        doc = run_loadtest(trace, ["hyco"], [2], 1.0, None, tmp_path, server_url=srv.url, device_ms=5.0,
-                           warmup_s=0.0, meta={"recipe": "tiny"})
+        doc = run_loadtest(
+            trace,
+            ["hyco"],
+            [2],
+            1.0,
+            None,
+            tmp_path,
+            server_url=srv.url,
+            device_ms=5.0,
+            warmup_s=0.0,
+            meta={"recipe": "tiny"},
+        )
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved == doc and saved["schema"] == 1 and saved["meta"]["recipe"] == "tiny"
     (row,) = saved["runs"]
     assert set(row) == set(RUN_KEYS) and (row["mode"], row["sessions"], row["errors_total"]) == ("serial", 2, 0)
     assert row["committed_tokens"] > 0 and saved["meta"]["servers"]["serial"]["mode"] == "serial"
-    if row["rows_per_forward"] is not None:   # a server with the batch histograms: serial forwards hold one tree
+    if row["rows_per_forward"] is not None:  # a server with the batch histograms: serial forwards hold one tree
         assert row["rows_per_forward"] == ROWS and row["sessions_per_forward"] == 1.0
     assert row["projection"]["trees_per_forward"] == 1.0
     assert (tmp_path / "latency_vs_sessions.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -279,20 +361,26 @@ def test_run_loadtest_writes_results_and_plot(tmp_path, engine, recorded):
     assert json.loads((tmp_path / "r.json").read_text())["runs"][0]["x"] is None
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--sessions", "4,0"], "--sessions '4,0': give comma-separated positive integers such as 1,4,16,64"),
-    (["--configs", "hyco,slm-alone"], "--configs: unknown or without a verifier: slm-alone; allowed: cloud-mtp,"),
-    (["--batching", "fast"], "--batching 'fast': allowed: serial, batched, budgeted (comma-separated)"),
-    (["--batching", "serial,batched", "--server", "ws://127.0.0.1:1"],
-     "--batching 'serial,batched' with --server: a running server has one mode"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--sessions", "4,0"], "--sessions '4,0': give comma-separated positive integers such as 1,4,16,64"),
+        (["--configs", "hyco,slm-alone"], "--configs: unknown or without a verifier: slm-alone; allowed: cloud-mtp,"),
+        (["--batching", "fast"], "--batching 'fast': allowed: serial, batched, budgeted (comma-separated)"),
+        (
+            ["--batching", "serial,batched", "--server", "ws://127.0.0.1:1"],
+            "--batching 'serial,batched' with --server: a running server has one mode",
+        ),
+    ],
+)
 def test_loadtest_command_names_a_bad_option(args, message):
     from typer.testing import CliRunner
 
     from hycoc.cli import app
 
-    result = CliRunner().invoke(app, ["loadtest", str(Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"),
-                                      *args])
+    result = CliRunner().invoke(
+        app, ["loadtest", str(Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"), *args]
+    )
     assert result.exit_code == 2 and result.stderr.startswith(f"hycoc loadtest: {message}"), result.stderr
 
 
@@ -304,12 +392,36 @@ def test_tree_at_follows_the_text_by_position():
     tokens, round 1's own tree; off the recorded text: None; past its end: None."""
     from hycoc.bench.loadtrace import tree_at
 
-    r0 = RoundTrace(tokens=(5, 10, 11, 12, 20, 13), parents=(-1, 0, 1, 2, 0, 2), device_ms=1.0,
-                    scores=(0.0, -0.4, -0.8, -1.2, -0.9, -1.5), path_rows=(1, 2), committed=(10, 11, 13))
-    r1 = RoundTrace(tokens=(13, 14, 16, 17, 18, 19), parents=(-1, 0, 1, 2, 3, 4), device_ms=2.0,
-                    scores=(0.0, -0.1, -0.2, -0.3, -0.4, -0.5), path_rows=(1,), committed=(14, 15))
-    req = RequestTrace(config="hyco", question_id=1, prompt=(1, 5), temperature=0.0, top_k=1, top_p=1.0, seed=0,
-                       acceptance="exact", epsilon=0.02, draft_place="device", max_new_tokens=8, rounds=(r0, r1))
+    r0 = RoundTrace(
+        tokens=(5, 10, 11, 12, 20, 13),
+        parents=(-1, 0, 1, 2, 0, 2),
+        device_ms=1.0,
+        scores=(0.0, -0.4, -0.8, -1.2, -0.9, -1.5),
+        path_rows=(1, 2),
+        committed=(10, 11, 13),
+    )
+    r1 = RoundTrace(
+        tokens=(13, 14, 16, 17, 18, 19),
+        parents=(-1, 0, 1, 2, 3, 4),
+        device_ms=2.0,
+        scores=(0.0, -0.1, -0.2, -0.3, -0.4, -0.5),
+        path_rows=(1,),
+        committed=(14, 15),
+    )
+    req = RequestTrace(
+        config="hyco",
+        question_id=1,
+        prompt=(1, 5),
+        temperature=0.0,
+        top_k=1,
+        top_p=1.0,
+        seed=0,
+        acceptance="exact",
+        epsilon=0.02,
+        draft_place="device",
+        max_new_tokens=8,
+        rounds=(r0, r1),
+    )
     rt, t, p, s = tree_at(req, [])
     assert rt is r0 and t.tolist() == list(r0.tokens) and p.tolist() == list(r0.parents)
     rt, t, p, s = tree_at(req, [10])
@@ -346,8 +458,18 @@ def test_the_load_table_fits_80_columns_with_every_mode_in_full():
         r = summarize_run(mode, 1, 2.0, st)
         r["projection"] = project(r)
         rows.append(r)
-    proj = [{"sessions": 16, "trees_per_forward": 16, "rows_fixed": 528.0, "rows_budgeted": 206.0,
-             "expected_fixed": 61.0, "expected_budgeted": 56.4, "trimmed_share": 1.0, "gain": 2.37}]
+    proj = [
+        {
+            "sessions": 16,
+            "trees_per_forward": 16,
+            "rows_fixed": 528.0,
+            "rows_budgeted": 206.0,
+            "expected_fixed": 61.0,
+            "expected_budgeted": 56.4,
+            "trimmed_share": 1.0,
+            "gain": 2.37,
+        }
+    ]
     for width in (80, 120):
         buf = io.StringIO()
         console = Console(file=buf, width=width)
@@ -377,9 +499,9 @@ def test_the_run_summary_is_two_lines_under_80_columns():
 
 def test_loadtest_names_a_server_that_is_down_before_recording(monkeypatch):
     """--server pointing at a port nobody listens on: refused at once with the URL and the fix, nothing recorded."""
+    from conftest import free_port
     from typer.testing import CliRunner
 
-    from conftest import free_port
     from hycoc.bench import loadtrace
     from hycoc.cli import app
 
@@ -388,8 +510,18 @@ def test_loadtest_names_a_server_that_is_down_before_recording(monkeypatch):
 
     monkeypatch.setattr(loadtrace, "record_trace", never)
     url = f"ws://127.0.0.1:{free_port()}"
-    result = CliRunner().invoke(app, ["loadtest", str(Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"),
-                                      "--server", url, "--batching", "serial"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "loadtest",
+            str(Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"),
+            "--server",
+            url,
+            "--batching",
+            "serial",
+        ],
+    )
     assert result.exit_code == 1, result.output
-    assert result.stderr.startswith(f"hycoc loadtest: --server {url}: no hycoc verify-server answered "
-                                    f"{url.replace('ws', 'http', 1)}/healthz")
+    assert result.stderr.startswith(
+        f"hycoc loadtest: --server {url}: no hycoc verify-server answered {url.replace('ws', 'http', 1)}/healthz"
+    )

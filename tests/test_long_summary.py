@@ -12,22 +12,44 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from hycoc.bench.datasets import (LONG_SUMMARY, DatasetError, fit_context, helmet_order, load_bench_dataset,
-                                  load_long_summary, read_long_documents)
+from hycoc.bench.datasets import (
+    LONG_SUMMARY,
+    DatasetError,
+    fit_context,
+    helmet_order,
+    load_bench_dataset,
+    load_long_summary,
+    read_long_documents,
+)
 from hycoc.chat_template import load_chat
 from hycoc.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
-INSTRUCTION = ("You are given a book and you are tasked to summarize it. Write a summary of about 1000 to 1200 "
-               "words. Only write about the plot and characters of the story. Do not discuss the themes or "
-               "background of the book. Do not provide any analysis or commentary.\n\n")
+INSTRUCTION = (
+    "You are given a book and you are tasked to summarize it. Write a summary of about 1000 to 1200 "
+    "words. Only write about the plot and characters of the story. Do not discuss the themes or "
+    "background of the book. Do not provide any analysis or commentary.\n\n"
+)
 
 
 def infbench_file(tmp_path, rows=5) -> Path:
     path = tmp_path / "longbook_sum_eng.jsonl"
-    path.write_text("".join(json.dumps({"id": 10 + i, "context": f"Book {i} line one.\nBook {i} line two.\n",
-                                        "input": "", "answer": [f" Summary {i}. "], "options": []}) + "\n"
-                            for i in range(rows)), encoding="utf-8")
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": 10 + i,
+                    "context": f"Book {i} line one.\nBook {i} line two.\n",
+                    "input": "",
+                    "answer": [f" Summary {i}. "],
+                    "options": [],
+                }
+            )
+            + "\n"
+            for i in range(rows)
+        ),
+        encoding="utf-8",
+    )
     return path
 
 
@@ -38,17 +60,19 @@ def test_the_papers_selection_and_2_shot_prompt_on_a_small_file(tmp_path):
     assert [q.question_id for q in qs] == [14, 12, 13]
     assert qs[0].category == "long-summary" and qs[0].reference == (" Summary 4. ",)
     # row 4's demonstrations: the other rows' order 3, 2 -> rows 3 and 2 (ids 13, 12), summaries stripped
-    assert qs[0].turns == (INSTRUCTION + "For example:\n\n[story text]\nSummary: Summary 3.\n\n[story text]\n"
-                           "Summary: Summary 2.\n\nNow, read the following story:\n\nBook 4 line one.\nBook 4 line "
-                           "two.\n\n\nNow summarize the book.\n\nSummary:",)
-    assert len(load_long_summary(infbench_file(tmp_path), count=50)) == 5   # the first 50: all 5
+    assert qs[0].turns == (
+        INSTRUCTION + "For example:\n\n[story text]\nSummary: Summary 3.\n\n[story text]\n"
+        "Summary: Summary 2.\n\nNow, read the following story:\n\nBook 4 line one.\nBook 4 line "
+        "two.\n\n\nNow summarize the book.\n\nSummary:",
+    )
+    assert len(load_long_summary(infbench_file(tmp_path), count=50)) == 5  # the first 50: all 5
 
 
 def test_documents_are_cut_at_a_line_end_to_fit_the_budget(tmp_path):
     docs = read_long_documents(infbench_file(tmp_path))
     words = lambda text: len(text.split())  # noqa: E731 -- a stand-in tokenizer: one token per word
     full = words(load_long_summary(infbench_file(tmp_path), count=1)[0].turns[0])
-    assert fit_context(docs, 4, words, full) == docs[4].context               # fits whole
+    assert fit_context(docs, 4, words, full) == docs[4].context  # fits whole
     # each line is 4 words: one word less drops the second line, five drop both, nine leave no room for the rest
     assert fit_context(docs, 4, words, full - 1) == "Book 4 line one."
     assert fit_context(docs, 4, words, full - 4) == "Book 4 line one."
@@ -59,14 +83,17 @@ def test_documents_are_cut_at_a_line_end_to_fit_the_budget(tmp_path):
     assert words(cut[0].turns[0]) == full - 4 and "line two" not in cut[0].turns[0]
 
 
-@pytest.mark.parametrize("line, problem", [
-    ("not json", "not JSON"),
-    ('["a"]', "expected a JSON object"),
-    ('{"id": "x", "context": "c", "answer": ["a"]}', "id must be an integer"),
-    ('{"id": 1, "context": " ", "answer": ["a"]}', "context must be a non-empty string"),
-    ('{"id": 1, "context": "c", "answer": []}', "answer must be a non-empty list"),
-    ('{"id": 10, "context": "c", "answer": ["a"]}', "id 10 repeats line 1"),
-])
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        ("not json", "not JSON"),
+        ('["a"]', "expected a JSON object"),
+        ('{"id": "x", "context": "c", "answer": ["a"]}', "id must be an integer"),
+        ('{"id": 1, "context": " ", "answer": ["a"]}', "context must be a non-empty string"),
+        ('{"id": 1, "context": "c", "answer": []}', "answer must be a non-empty list"),
+        ('{"id": 10, "context": "c", "answer": ["a"]}', "id 10 repeats line 1"),
+    ],
+)
 def test_a_malformed_row_names_file_and_line(tmp_path, line, problem):
     path = infbench_file(tmp_path, rows=3)
     lines = path.read_text().splitlines()
@@ -114,15 +141,27 @@ def test_the_long_document_row_from_records():
     from hycoc.bench.long_context import long_context_rows, render_long_context
 
     def rec(config, prompt, prefill, rounds, down, slm, first):
-        return {"config": config, "prompt_tokens": prompt, "prefill_ms": prefill, "server_ms": rounds,
-                "bytes_down": down, "slm_prefill_ms": slm, "first_token_ms": first, "finished": True}
+        return {
+            "config": config,
+            "prompt_tokens": prompt,
+            "prefill_ms": prefill,
+            "server_ms": rounds,
+            "bytes_down": down,
+            "slm_prefill_ms": slm,
+            "first_token_ms": first,
+            "finished": True,
+        }
 
-    records = [rec("cloud-mtp", 3600, 300.0, [50.0, 50.0], [56, 60], 0.0, 400.0),
-               rec("cloud-mtp", 3700, 500.0, [100.0], [56], 0.0, 600.0),
-               rec("hyco", 3600, 300.0, [20.0, 20.0, 20.0], [131_810, 900], 180.0, 350.0),
-               rec("hyco", 3700, 500.0, [40.0], [131_810], 190.0, 550.0)]
-    summary = {"cloud-mtp": {"delta_g_pct": 0.0, "delta_g_ci95": [0.0, 0.0], "mat": 2.5},
-               "hyco": {"delta_g_pct": -20.0, "delta_g_ci95": [-25.0, -15.0], "mat": 3.5}}
+    records = [
+        rec("cloud-mtp", 3600, 300.0, [50.0, 50.0], [56, 60], 0.0, 400.0),
+        rec("cloud-mtp", 3700, 500.0, [100.0], [56], 0.0, 600.0),
+        rec("hyco", 3600, 300.0, [20.0, 20.0, 20.0], [131_810, 900], 180.0, 350.0),
+        rec("hyco", 3700, 500.0, [40.0], [131_810], 190.0, 550.0),
+    ]
+    summary = {
+        "cloud-mtp": {"delta_g_pct": 0.0, "delta_g_ci95": [0.0, 0.0], "mat": 2.5},
+        "hyco": {"delta_g_pct": -20.0, "delta_g_ci95": [-25.0, -15.0], "mat": 3.5},
+    }
     rows = long_context_rows(records, summary, slm_window=256)
     assert rows["cloud-mtp"]["prefill_share_of_g"] == pytest.approx(800 / 1000)
     assert rows["hyco"]["prefill_share_of_g"] == pytest.approx(800 / 900)
@@ -138,4 +177,4 @@ def test_the_long_document_row_from_records():
     render_long_context(rows, narrow)
     lines = narrow.file.getvalue().splitlines()
     assert max(map(len, lines)) <= 80 and "…" not in narrow.file.getvalue()
-    assert sum("│ cloud-mtp " in ln for ln in lines) >= 2     # split, the configuration leading every part
+    assert sum("│ cloud-mtp " in ln for ln in lines) >= 2  # split, the configuration leading every part

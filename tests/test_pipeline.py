@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from rich.console import Console
-
 from hycoc.passes.artifacts import Artifact
 from hycoc.passes.pipeline import Pass, PassReport, Pipeline, PipelineError
+from rich.console import Console
+
 from hycoc.recipe import Recipe
 
 
@@ -84,8 +84,11 @@ def entries(cache: Path, name: str) -> list[str]:
 
 def test_missing_kind_names_the_pass_and_the_kind(tmp_path):
     pipe = Pipeline([Append()], tmp_path, console=quiet())
-    with pytest.raises(PipelineError, match=r"pass 1 'append' consumes 'a', which no earlier pass produces and "
-                                            r"which is not given as input \(available before it: nothing\)"):
+    with pytest.raises(
+        PipelineError,
+        match=r"pass 1 'append' consumes 'a', which no earlier pass produces and "
+        r"which is not given as input \(available before it: nothing\)",
+    ):
         pipe.run(recipe())
     assert not tmp_path.joinpath("append").exists()
 
@@ -221,7 +224,8 @@ def test_describe_and_summary(tmp_path):
     pipe = Pipeline([Source(), Append()], tmp_path, console=console)
     assert pipe.describe() == (
         "1. source (v1): reads [tree]; consumes nothing; produces a\n"
-        "2. append (v1): reads [window]; consumes a; produces b")
+        "2. append (v1): reads [window]; consumes a; produces b"
+    )
     pipe.run(recipe())
     pipe.run(recipe())
     out = console.file.getvalue()

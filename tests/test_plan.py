@@ -6,13 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
-from hycoc.protocol import wire
-from hycoc.cli import app
 from hycoc.passes.head_graph import INPUT_NAMES as HEAD_INPUTS
 from hycoc.passes.head_graph import OUTPUT_NAMES as HEAD_OUTPUTS
 from hycoc.passes.plan import real_shape_plan
+from typer.testing import CliRunner
+
+from hycoc.cli import app
+from hycoc.protocol import wire
 from hycoc.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ def test_gemma4_handoff_bytes(gemma4):
 
 def test_gemma4_tree_bytes_at_b32(gemma4):
     assert gemma4["handoff"]["tree_rows"] == 33
-    assert gemma4["handoff"]["tree_bytes_per_round"] == 287     # protocol v4: 16 + 7 + 33 * (4 + 2 + 2)
+    assert gemma4["handoff"]["tree_bytes_per_round"] == 287  # protocol v4: 16 + 7 + 33 * (4 + 2 + 2)
     p = gemma4["paper"]["tree_bytes_per_round"]
     assert (p["paper"], p["plan"], p["diff"]) == (2200, 287, -1913)
 
@@ -64,7 +64,7 @@ def test_gemma4_head_lut_is_keep_set_times_verifier_hidden(gemma4):
 def test_gemma4_head_graph_io(gemma4):
     g = gemma4["graphs"]["head"]
     assert [s["name"] for s in g["inputs"]] == list(HEAD_INPUTS)
-    assert [s["name"] for s in g["outputs"]] == [*HEAD_OUTPUTS, "top_index"]      # + the graph's top-2
+    assert [s["name"] for s in g["outputs"]] == [*HEAD_OUTPUTS, "top_index"]  # + the graph's top-2
     io = shapes(g["inputs"]) | shapes(g["outputs"])
     assert io["x_hat"] == (1, 1, 5632)
     assert io["k_sliding"] == io["v_sliding"] == (1, 8, 1024, 256)
@@ -86,7 +86,7 @@ def test_gemma4_slm_graph_io(gemma4):
     assert io["per_layer_inputs"] == (1, 32, 35, 256)
     assert io["mask_sliding"] == (1, 1, 32, 512 + 32) and io["mask_full"] == (1, 1, 32, 1024 + 32)
     assert io["logits"] == (1, 32, 86_089)
-    assert io["top_index"] == io["top_logq"] == (1, 32, 32)          # the graph's 32 candidates per row
+    assert io["top_index"] == io["top_logq"] == (1, 32, 32)  # the graph's 32 candidates per row
     assert g["ring_kv"]["layers"] == list(range(15))  # 35 layers, the last 20 KV-shared
     assert io["k_ring_0"] == (1, 1, 512, 256) and io["k_ring_4"] == (1, 1, 1024, 512)
     assert io["v_new_14"] == (1, 1, 32, 512)
@@ -98,8 +98,15 @@ def test_gemma4_plan_marks_what_is_assumed(gemma4):
     assert gemma4["models"]["head"]["assumed"] is True
     assert any(a.startswith("head config ASSUMED") for a in gemma4["assumptions"])
     assert any("bit map ASSUMED" in a for a in gemma4["assumptions"])
-    assert set(gemma4["paper"]) == {"slm_graph_bytes", "head_graph_bytes", "head_lut_bytes", "head_side_bytes",
-                                    "handoff_bytes_per_round", "handoff_bytes_per_position", "tree_bytes_per_round"}
+    assert set(gemma4["paper"]) == {
+        "slm_graph_bytes",
+        "head_graph_bytes",
+        "head_lut_bytes",
+        "head_side_bytes",
+        "handoff_bytes_per_round",
+        "handoff_bytes_per_position",
+        "tree_bytes_per_round",
+    }
     for p in gemma4["paper"].values():
         assert p["diff"] == p["plan"] - p["paper"]
     assert gemma4["models"]["head"]["params"] == 419_711_232  # the paper: 420M
@@ -108,8 +115,19 @@ def test_gemma4_plan_marks_what_is_assumed(gemma4):
 def test_inspect_recipe_tables_run():
     result = runner.invoke(app, ["inspect", str(GEMMA4)], terminal_width=160)
     assert result.exit_code == 0, result.stderr
-    for text in ("plan vs paper", "head_lut_bytes", "assumed:", "k_ring_14", "6,144", "ESTIMATE",
-                 "the estimate against device figures", "residual", "verifier KV per session", "1.196", "7.382"):
+    for text in (
+        "plan vs paper",
+        "head_lut_bytes",
+        "assumed:",
+        "k_ring_14",
+        "6,144",
+        "ESTIMATE",
+        "the estimate against device figures",
+        "residual",
+        "verifier KV per session",
+        "1.196",
+        "7.382",
+    ):
         assert text in result.stdout
 
 
@@ -123,9 +141,11 @@ def test_gemma4_verifier_kv_per_session(gemma4):
     assert kv["prefill_chunk"] == 512
     assert kv["full_length_bytes"]["32768"] == 225_280 * 32_768 == 7_381_975_040
     sliding = 1025 + max(33, 512) + 1025
-    assert kv["kv_bytes_per_session"] == {"2048": 20_480 * 2048 + 204_800 * sliding,
-                                          "8192": 20_480 * 8192 + 204_800 * sliding,
-                                          "32768": 20_480 * 32_768 + 204_800 * sliding}
+    assert kv["kv_bytes_per_session"] == {
+        "2048": 20_480 * 2048 + 204_800 * sliding,
+        "8192": 20_480 * 8192 + 204_800 * sliding,
+        "32768": 20_480 * 32_768 + 204_800 * sliding,
+    }
     assert kv["kv_bytes_per_session"]["32768"] == 1_195_786_240
     assert kv["sessions_per_pool"]["32768"] == {"full_length": 10, "windowed": 80 * 10**9 // 1_195_786_240}
 
@@ -146,12 +166,13 @@ def test_toy_plan_counts_the_real_toy_models(toy):
 def test_toy_plan_kv_per_session_is_what_the_engine_reserves(toy):
     """The plan's verifier.kv_bytes_per_session is the server's reservation: the same function on the engine the
     toy recipe builds (its dtype, W, head and tree rows)."""
-    from hycoc.recipe import load_recipe
     from hycoc.verifier.loading import engine_from_recipe
+
+    from hycoc.recipe import load_recipe
 
     engine = engine_from_recipe(load_recipe(ROOT / "recipes" / "toy.toml"), "cpu")
     kv = toy["verifier"]
-    assert kv["sliding_retained_positions"] == engine.kv_retain == 256    # W = 256 > the window 128 - 1
+    assert kv["sliding_retained_positions"] == engine.kv_retain == 256  # W = 256 > the window 128 - 1
     for n, got in kv["kv_bytes_per_session"].items():
         assert got == engine.session_kv_bytes(int(n), kv["tree_rows"])
     engine.close()
@@ -159,17 +180,17 @@ def test_toy_plan_kv_per_session_is_what_the_engine_reserves(toy):
 
 def test_toy_plan_matches_the_head_graph_the_compiler_builds(toy):
     import torch
-    from transformers import Gemma4AssistantForCausalLM
-
     from hycoc.passes.head_graph import HeadGraph
+    from transformers import Gemma4AssistantForCausalLM
 
     head = Gemma4AssistantForCausalLM.from_pretrained(ROOT / "recipes" / "toy" / "models" / "head")
     graph = HeadGraph(head)
     io = shapes(toy["graphs"]["head"]["inputs"])
     out = graph(*(torch.zeros(io[n]) for n in HEAD_INPUTS))
     keep = load_recipe(TOY).keep_set.size
-    assert tuple(out[0].shape[:2]) == (1, 1) and tuple(out[1].shape) == shapes(toy["graphs"]["head"]["outputs"])[
-        "h_next"]
+    assert (
+        tuple(out[0].shape[:2]) == (1, 1) and tuple(out[1].shape) == shapes(toy["graphs"]["head"]["outputs"])["h_next"]
+    )
     assert shapes(toy["graphs"]["head"]["outputs"])["logits"] == (1, 1, keep)
 
 
@@ -184,9 +205,13 @@ def test_a_head_for_another_verifier_is_refused(tmp_path):
     config = json.loads((tmp_path / "head" / "config.json").read_text())
     config["backbone_hidden_size"] = 512
     (tmp_path / "head" / "config.json").write_text(json.dumps(config))
-    text = TOY.read_text().replace('"toy/models/verifier"', f'"{tmp_path / "verifier"}"').replace(
-        '"toy/models/head"', f'"{tmp_path / "head"}"').replace('"toy/models/slm"', f'"{tmp_path / "slm"}"')
-    (tmp_path / "toy.toml").write_text(text)   # the tokenizer is the copied verifier folder's
+    text = (
+        TOY.read_text()
+        .replace('"toy/models/verifier"', f'"{tmp_path / "verifier"}"')
+        .replace('"toy/models/head"', f'"{tmp_path / "head"}"')
+        .replace('"toy/models/slm"', f'"{tmp_path / "slm"}"')
+    )
+    (tmp_path / "toy.toml").write_text(text)  # the tokenizer is the copied verifier folder's
     with pytest.raises(PlanError, match="backbone_hidden_size 512"):
         real_shape_plan(load_recipe(tmp_path / "toy.toml"))
     result = runner.invoke(app, ["inspect", str(tmp_path / "toy.toml"), "--json"])
@@ -205,8 +230,11 @@ def test_gemma4_bit_maps_beside_the_paper(gemma4):
     fit = rows["paper fit"]
     assert fit["slm_graph_bytes"] == 752_848_932 and fit["diff_pct"] == -0.15
     # attention 8-bit (278.4M weights), MLP + per-layer gate/projection 2-bit, output layer + model projection 4-bit
-    assert fit["by_bits"] == {"int2": (1_557_135_360 + 27_525_120) // 4, "int4": (86_089 * 1536 + 13_762_560) // 2,
-                              "int8": 278_396_928}
+    assert fit["by_bits"] == {
+        "int2": (1_557_135_360 + 27_525_120) // 4,
+        "int4": (86_089 * 1536 + 13_762_560) // 2,
+        "int8": 278_396_928,
+    }
     # compiled, 2-bit weights take 4 bits (no int2 on the HTP): the paper-fit map's context holds 1,149 MB
     assert fit["htp_graph_bytes"] == 752_848_932 + (1_557_135_360 + 27_525_120) // 4 == 1_149_014_052
     assert rows["assumed"]["htp_graph_bytes"] == 1_215_130_404 + 6_881_280
@@ -220,8 +248,16 @@ def test_gemma4_bit_maps_beside_the_paper(gemma4):
 def test_inspect_shows_the_bit_maps_side_by_side():
     result = runner.invoke(app, ["inspect", str(GEMMA4)], terminal_width=200)
     assert result.exit_code == 0, result.stderr
-    for text in ("SLM bit map (in use: ASSUMED)", "paper fit", "752.8", "1215.1", "362.9", "1149.0",
-                 "20 of 2187 group-wise maps", "context budget (htp-v81"):
+    for text in (
+        "SLM bit map (in use: ASSUMED)",
+        "paper fit",
+        "752.8",
+        "1215.1",
+        "362.9",
+        "1149.0",
+        "20 of 2187 group-wise maps",
+        "context budget (htp-v81",
+    ):
         assert text in result.stdout, text
 
 
@@ -252,10 +288,16 @@ def test_gemma4_device_estimate_is_the_fit_to_the_papers_anchors(gemma4):
     assert est["label"].startswith("ESTIMATE")
     residual = {a["anchor"]: a["residual_pct"] for a in est["anchors"]}
     assert residual == {
-        "SLM 32-row pass, A16": 2.1, "mobile round, 86K keep set": 9.1, "mobile round, full vocabulary": -17.6,
+        "SLM 32-row pass, A16": 2.1,
+        "mobile round, 86K keep set": 9.1,
+        "mobile round, full vocabulary": -17.6,
         "HyCo draft per round (12.1 ms/token x MAT 4.71)": 1.2,
         "SpecEdge-style per round (42.8 ms/token x MAT 3.53)": 1.2,
-        "HyCo-2P per round (18.2 x 5.27)": 0.0, "HyCo exact per round (14.7 x 3.84)": 2.2,
-        "server head per round (9.2 x 3.79)": 9.7, "SLM alone, 8K context, full vocab, per token": -49.3,
-        "Gemma 4 E2B decode A16W8, SM8750 (v79)": -59.1, "Gemma 4 E2B decode W8A16, SM8850": -67.0}
+        "HyCo-2P per round (18.2 x 5.27)": 0.0,
+        "HyCo exact per round (14.7 x 3.84)": 2.2,
+        "server head per round (9.2 x 3.79)": 9.7,
+        "SLM alone, 8K context, full vocab, per token": -49.3,
+        "Gemma 4 E2B decode A16W8, SM8750 (v79)": -59.1,
+        "Gemma 4 E2B decode W8A16, SM8850": -67.0,
+    }
     assert est["graphs"]["slm"]["estimate_ms"] == pytest.approx(16.02, abs=0.01)

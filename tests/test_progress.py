@@ -6,11 +6,11 @@ from __future__ import annotations
 import io
 import re
 
+from hycoc.passes.artifacts import KeepSetArtifact
+from hycoc.passes.pipeline import Pass, PassReport, Pipeline
 from rich.console import Console
 
 from hycoc import progress
-from hycoc.passes.artifacts import KeepSetArtifact
-from hycoc.passes.pipeline import Pass, PassReport, Pipeline
 from hycoc.recipe import Recipe
 
 
@@ -34,7 +34,9 @@ def test_plain_lines_in_a_log(monkeypatch, tmp_path):
     monkeypatch.setattr(progress, "LINE_EVERY", 0.0)  # every advance prints
     out = io.StringIO()
     Pipeline([Counting()], tmp_path, console=Console(file=out, width=200)).run(Recipe())
-    lines = [re.sub(r"^\[hycoc \d\d:\d\d:\d\d\] ", "", x) for x in out.getvalue().splitlines() if x.startswith("[hycoc")]
+    lines = [
+        re.sub(r"^\[hycoc \d\d:\d\d:\d\d\] ", "", x) for x in out.getvalue().splitlines() if x.startswith("[hycoc")
+    ]
     assert lines[0] == "[1/1] counting: started"
     assert lines[1] == "counting: units: started (3 to do)"
     assert re.fullmatch(r"counting: units 1/3, elapsed [\d.]+ s, ETA [\d.]+ s loss 0\.5", lines[2])
@@ -69,20 +71,25 @@ def test_the_pass_table_and_long_progress_lines_fit_80_columns():
 
     reports = []
     for i, name in enumerate(("calibration_answers", "qdq_slm")):
-        r = PassReport("A16 W4/8 QDQ: 449 Q / 545 DQ, 34 weights bit-exact; SQNR logits 39.1 dB, worst layer 33.0 "
-                       "dB, top-1 99.0% on 235 real calibration samples; ring fills 0-256 of 256 columns")
+        r = PassReport(
+            "A16 W4/8 QDQ: 449 Q / 545 DQ, 34 weights bit-exact; SQNR logits 39.1 dB, worst layer 33.0 "
+            "dB, top-1 99.0% on 235 real calibration samples; ring fills 0-256 of 256 columns"
+        )
         r.pass_name, r.seconds, r.cpu_seconds, r.cached = name, 1009.72 * (i + 1), 283.6, bool(i)
         reports.append(r)
     out = io.StringIO()
     c = Console(file=out, width=80)
     c.print(summary_table(reports))
-    progress.plain_line("[2/10] calibration_answers: ran, 92.6 s (CPU 73.3 s): 60 + 60 greedy answers (25,291 "
-                        "tokens, <= 256 / 256) in 92.6 s, 273 tokens/s", c)
+    progress.plain_line(
+        "[2/10] calibration_answers: ran, 92.6 s (CPU 73.3 s): 60 + 60 greedy answers (25,291 "
+        "tokens, <= 256 / 256) in 92.6 s, 273 tokens/s",
+        c,
+    )
     lines = out.getvalue().splitlines()
     assert max(map(len, lines)) <= 80
-    assert sum("qdq_slm" in ln for ln in lines) == 2   # its table row and its result line
+    assert sum("qdq_slm" in ln for ln in lines) == 2  # its table row and its result line
     assert any(ln.startswith(" 2 qdq_slm: A16 W4/8 QDQ") for ln in lines)
-    assert lines[-1].startswith(" " * 17) and "tokens/s" in lines[-1]   # the wrapped progress line, indented
+    assert lines[-1].startswith(" " * 17) and "tokens/s" in lines[-1]  # the wrapped progress line, indented
 
 
 def test_the_progress_bars_fit_80_columns_without_cutting_the_description_or_counts():

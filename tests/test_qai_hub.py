@@ -20,7 +20,6 @@ pytestmark = pytest.mark.hub
 qai_hub = pytest.importorskip("qai_hub", reason="install the hub extra: pip install -e '.[hub]'")
 
 from hub_canned import QAIRT, S25, CannedHub, RecordingClient  # noqa: E402
-
 from hycoc.targets import qai_hub as target  # noqa: E402
 
 
@@ -39,17 +38,28 @@ def _qdq_graph(folder: Path, name: str, rows: int, *, extra_file: bool = False) 
     from onnx import numpy_helper as nh
 
     w = np.random.RandomState(rows).randint(-127, 128, (16, 16)).astype(np.int8)
-    inits = [nh.from_array(np.array(1 / 32768, np.float32), "s"), h.make_tensor("z", T.UINT16, [], [32768]),
-             nh.from_array(w, "w"), nh.from_array(np.array(0.01, np.float32), "ws"),
-             nh.from_array(np.array(0, np.int8), "wz")]
-    nodes = [h.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
-             h.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
-             h.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"]),
-             h.make_node("MatMul", ["xd", "wd"], ["y0"]),
-             h.make_node("QuantizeLinear", ["y0", "s", "z"], ["yq"]),
-             h.make_node("DequantizeLinear", ["yq", "s", "z"], ["y"])]
-    g = h.make_graph(nodes, name, [h.make_tensor_value_info("x", T.FLOAT, [rows, 16])],
-                     [h.make_tensor_value_info("y", T.FLOAT, [rows, 16])], inits)
+    inits = [
+        nh.from_array(np.array(1 / 32768, np.float32), "s"),
+        h.make_tensor("z", T.UINT16, [], [32768]),
+        nh.from_array(w, "w"),
+        nh.from_array(np.array(0.01, np.float32), "ws"),
+        nh.from_array(np.array(0, np.int8), "wz"),
+    ]
+    nodes = [
+        h.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+        h.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+        h.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"]),
+        h.make_node("MatMul", ["xd", "wd"], ["y0"]),
+        h.make_node("QuantizeLinear", ["y0", "s", "z"], ["yq"]),
+        h.make_node("DequantizeLinear", ["yq", "s", "z"], ["y"]),
+    ]
+    g = h.make_graph(
+        nodes,
+        name,
+        [h.make_tensor_value_info("x", T.FLOAT, [rows, 16])],
+        [h.make_tensor_value_info("y", T.FLOAT, [rows, 16])],
+        inits,
+    )
     m = h.make_model(g, opset_imports=[h.make_opsetid("", 21)])
     m.ir_version = 10
     d = folder / name
@@ -63,9 +73,11 @@ def _qdq_graph(folder: Path, name: str, rows: int, *, extra_file: bool = False) 
 
 @pytest.fixture
 def graphs(tmp_path):
-    return [(_qdq_graph(tmp_path / "qdq", "head", 1), "head"),
-            (_qdq_graph(tmp_path / "qdq", "slm", 32, extra_file=True), "slm"),
-            (_qdq_graph(tmp_path / "qdq", "slm_decode", 1), "slm_decode")]
+    return [
+        (_qdq_graph(tmp_path / "qdq", "head", 1), "head"),
+        (_qdq_graph(tmp_path / "qdq", "slm", 32, extra_file=True), "slm"),
+        (_qdq_graph(tmp_path / "qdq", "slm_decode", 1), "slm_decode"),
+    ]
 
 
 def test_compile_link_and_wrap_through_the_real_client(monkeypatch, tmp_path, graphs):
@@ -76,12 +88,14 @@ def test_compile_link_and_wrap_through_the_real_client(monkeypatch, tmp_path, gr
     dev = target.resolve_device(client, "Samsung Galaxy S26 (Family)", 81)
     assert dev.validated and dev.hexagon_arch == 81
     jobs = []
-    linked = target.compile_and_link(client, graphs, tmp_path / "out", dev, htp_arch=81,
-                                     on_job=lambda kind, j: jobs.append((kind, j)))
+    linked = target.compile_and_link(
+        client, graphs, tmp_path / "out", dev, htp_arch=81, on_job=lambda kind, j: jobs.append((kind, j))
+    )
 
     compiles = [kw for name, kw in hub.calls if name == "create_compile_job"]
     assert [c["options"] for c in compiles] == [
-        f"--target_runtime qnn_dlc --compute_unit npu --qnn_graph_name {g}" for g in ("head", "slm", "slm_decode")]
+        f"--target_runtime qnn_dlc --compute_unit npu --qnn_graph_name {g}" for g in ("head", "slm", "slm_decode")
+    ]
     assert all(c["devices"] == ["Samsung Galaxy S26 (Family)"] for c in compiles)
     assert not any("qnn_context_binary" in str(kw) for _, kw in hub.calls)
     # each QDQ graph goes up as a folder of exactly NAME.onnx + NAME.onnx.data (slm's stray file left behind)
@@ -95,29 +109,47 @@ def test_compile_link_and_wrap_through_the_real_client(monkeypatch, tmp_path, gr
     assert linked.context_binary.read_bytes() == b"QNNCTXBIN"
     assert linked.qairt == QAIRT and linked.hexagon_arch == 81
     info = linked.manifest_info()
-    assert info == {"device": "Samsung Galaxy S26 (Family)", "device_validated": True,
-                    "compile_jobs": {g: j for (kind, j), (_, g) in zip(jobs, graphs)}, "link_job": jobs[-1][1],
-                    "qairt": QAIRT, "graph_names": {"head": "head", "slm": "slm", "slm_decode": "slm_decode"}}
+    assert info == {
+        "device": "Samsung Galaxy S26 (Family)",
+        "device_validated": True,
+        "compile_jobs": {g: j for (kind, j), (_, g) in zip(jobs, graphs)},
+        "link_job": jobs[-1][1],
+        "qairt": QAIRT,
+        "graph_names": {"head": "head", "slm": "slm", "slm_decode": "slm_decode"},
+    }
     from hycoc.bundle import HubInfo
 
-    HubInfo(**info)                                          # the manifest section takes it as it is
-    for (qdq, g) in graphs:
+    HubInfo(**info)  # the manifest section takes it as it is
+    for qdq, g in graphs:
         ctx = onnx.load(str(linked.ctx_models[g]))
         src = onnx.load(str(qdq), load_external_data=False)
         assert [n.op_type for n in ctx.graph.node] == ["EPContext"]
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in ctx.graph.node[0].attribute}
-        assert attrs == {"main_context": 1, "ep_cache_context": b"hub_context.bin", "embed_mode": 0,
-                         "source": b"QNNExecutionProvider", "partition_name": g.encode(), "max_size": 0,
-                         "is_multi_soc_ep_context": 0, "ep_sdk_version": QAIRT.encode()}
+        assert attrs == {
+            "main_context": 1,
+            "ep_cache_context": b"hub_context.bin",
+            "embed_mode": 0,
+            "source": b"QNNExecutionProvider",
+            "partition_name": g.encode(),
+            "max_size": 0,
+            "is_multi_soc_ep_context": 0,
+            "ep_sdk_version": QAIRT.encode(),
+        }
         assert list(ctx.graph.input) == list(src.graph.input) and list(ctx.graph.output) == list(src.graph.output)
     # every call hycoc made on the client bound to the installed client's own signature (RecordingClient)
     assert [name for name, _, _ in client.recorded] == (
-        ["get_devices", "submit_compile_job", "submit_compile_job", "submit_compile_job", "submit_link_job"])
+        ["get_devices", "submit_compile_job", "submit_compile_job", "submit_compile_job", "submit_link_job"]
+    )
     inspect.signature(qai_hub.Device).bind("Samsung Galaxy S26 (Family)")
     # the job and model methods hycoc calls, against the installed classes
-    for cls, method in ((qai_hub.CompileJob, "wait"), (qai_hub.CompileJob, "get_target_model"),
-                        (qai_hub.LinkJob, "wait"), (qai_hub.LinkJob, "get_target_model"),
-                        (qai_hub.InferenceJob, "wait"), (qai_hub.InferenceJob, "download_profile")):
+    for cls, method in (
+        (qai_hub.CompileJob, "wait"),
+        (qai_hub.CompileJob, "get_target_model"),
+        (qai_hub.LinkJob, "wait"),
+        (qai_hub.LinkJob, "get_target_model"),
+        (qai_hub.InferenceJob, "wait"),
+        (qai_hub.InferenceJob, "download_profile"),
+    ):
         inspect.signature(getattr(cls, method)).bind(None)
     inspect.signature(qai_hub.Model.download).bind(None, "x.bin")
     assert hasattr(qai_hub.ModelMetadataKey, "QNN_CONTEXT_BIN_GRAPH_NAMES")
@@ -148,9 +180,11 @@ def test_device_names_are_checked_against_ai_hubs_list(monkeypatch):
     hub = CannedHub(monkeypatch)
     with pytest.raises(target.QaiHubDeviceError) as e:
         target.resolve_device(hub.client, "Snapdragon 8 Elite Gen 5", 81)
-    assert str(e.value) == ("target.hub_device = 'Snapdragon 8 Elite Gen 5' is not an AI Hub device; AI Hub lists: "
-                            "Samsung Galaxy S25 (Family), Samsung Galaxy S26 (Family) (`qai-hub list-devices` "
-                            "shows them all)")
+    assert str(e.value) == (
+        "target.hub_device = 'Snapdragon 8 Elite Gen 5' is not an AI Hub device; AI Hub lists: "
+        "Samsung Galaxy S25 (Family), Samsung Galaxy S26 (Family) (`qai-hub list-devices` "
+        "shows them all)"
+    )
     with pytest.raises(target.QaiHubDeviceError, match="has Hexagon v79, the recipe's target.htp_arch is 81"):
         target.resolve_device(hub.client, S25.name, 81)
 
@@ -167,17 +201,23 @@ def test_quantized_io_adds_quantize_io(tmp_path):
     from onnx import TensorProto as T
     from onnx import helper as h
 
-    g = h.make_graph([h.make_node("Identity", ["x"], ["y"])], "g", [h.make_tensor_value_info("x", T.UINT16, [4])],
-                     [h.make_tensor_value_info("y", T.UINT16, [4])])
+    g = h.make_graph(
+        [h.make_node("Identity", ["x"], ["y"])],
+        "g",
+        [h.make_tensor_value_info("x", T.UINT16, [4])],
+        [h.make_tensor_value_info("y", T.UINT16, [4])],
+    )
     p = tmp_path / "q.onnx"
     onnx.save(h.make_model(g), str(p))
     assert target._quantized_io(p)
     assert target.compile_options("slm.s0", quantize_io=True) == (
-        "--target_runtime qnn_dlc --compute_unit npu --qnn_graph_name slm_s0 --quantize_io")
+        "--target_runtime qnn_dlc --compute_unit npu --qnn_graph_name slm_s0 --quantize_io"
+    )
 
 
 def test_without_a_token_nothing_is_uploaded(monkeypatch, tmp_path):
     from hycoc.passes import build as b
+
     from hycoc.recipe import load_recipe
 
     hub = CannedHub(monkeypatch)
@@ -205,11 +245,20 @@ def test_profile_flow_through_inference_jobs(monkeypatch, tmp_path):
     target.write_epcontext(q, bundle / "slm_ctx.onnx", "ctx.bin", "slm")
     target.write_epcontext(q, bundle / "slm_decode_ctx.onnx", "ctx.bin", "slm_decode")
     enc = Encoding(scale=1 / 32768, zero_point=32768, dtype="uint16", bits=16)
-    entries = [GraphEntry(name=n, role="slm", file=f"{n}_ctx.onnx", context_binary="ctx.bin",
-                          inputs=[TensorSpec(name="x", shape=[32, 16], dtype="float32", encoding=enc),
-                                  TensorSpec(name="mask_full", shape=[1, 1, 32, 8], dtype="float32")],
-                          outputs=[TensorSpec(name="y", shape=[32, 16], dtype="float32")])
-               for n in ("slm", "slm_decode")]
+    entries = [
+        GraphEntry(
+            name=n,
+            role="slm",
+            file=f"{n}_ctx.onnx",
+            context_binary="ctx.bin",
+            inputs=[
+                TensorSpec(name="x", shape=[32, 16], dtype="float32", encoding=enc),
+                TensorSpec(name="mask_full", shape=[1, 1, 32, 8], dtype="float32"),
+            ],
+            outputs=[TensorSpec(name="y", shape=[32, 16], dtype="float32")],
+        )
+        for n in ("slm", "slm_decode")
+    ]
     manifest = SimpleNamespace(target=SimpleNamespace(backend="htp", name="htp-v81", htp_arch=81), graphs=entries)
     monkeypatch.setattr("hycoc.bundle.load_manifest", lambda path: manifest)
     hub = CannedHub(monkeypatch)
@@ -219,8 +268,10 @@ def test_profile_flow_through_inference_jobs(monkeypatch, tmp_path):
     uploads = [kw for name, kw in hub.calls if name == "create_and_upload_model"]
     assert len(uploads) == 1 and uploads[0]["path"].endswith("ctx.bin")
     inf = [kw for name, kw in hub.calls if name == "create_inference_job"]
-    assert [i["options"] for i in inf] == ["--qnn_options context_enable_graphs=slm",
-                                           "--qnn_options context_enable_graphs=slm_decode"]
+    assert [i["options"] for i in inf] == [
+        "--qnn_options context_enable_graphs=slm",
+        "--qnn_options context_enable_graphs=slm_decode",
+    ]
     assert all(i["profile"] and i["dataset"] for i in inf)
     assert list(hub.datasets.values()) == [{"x": [(32, 16)], "mask_full": [(1, 1, 32, 8)]}] * 2
     g = result["graphs"]["slm"]
@@ -228,15 +279,22 @@ def test_profile_flow_through_inference_jobs(monkeypatch, tmp_path):
     assert g["peak_memory_bytes"] == 48_000_000
     assert g["top_ops"][0] == {"type": "MatMul", "ms": 3.7, "share": round(3700 / 5200, 4)}
     assert json.loads((bundle / dp.PROFILE_FILE).read_text())["graphs"]["slm_decode"]["execute_ms_median"] == 5.25
-    table = dp.profile_table(result)     # what `hycoc profile` prints, split to the terminal's width
+    table = dp.profile_table(result)  # what `hycoc profile` prints, split to the terminal's width
     assert table.rows[0][:7] == ["slm", table.rows[0][1], "5.250", "6.100", "5", "48.0", table.rows[0][6]]
     assert table.rows[0][6].startswith("MatMul 3.70")
     assert [name for name, _, _ in client.recorded] == [
-        "get_devices", "upload_model", "submit_inference_job", "submit_inference_job"]
+        "get_devices",
+        "upload_model",
+        "submit_inference_job",
+        "submit_inference_job",
+    ]
 
     hub = CannedHub(monkeypatch, fail={"inference": "device timed out"})
-    with pytest.raises(dp.DeviceProfileError, match=r"AI Hub inference job j\d+ \(graph slm\) failed: device timed "
-                                                    r"out"):
+    with pytest.raises(
+        dp.DeviceProfileError,
+        match=r"AI Hub inference job j\d+ \(graph slm\) failed: device timed "
+        r"out",
+    ):
         dp.profile_bundle(bundle, "Samsung Galaxy S26 (Family)", hub=hub.client)
 
     # a qai-hub bundle: the link job's model on AI Hub is profiled, nothing is uploaded again
@@ -257,19 +315,28 @@ def test_profile_inputs_stay_inside_the_calibrated_encodings():
     from hycoc.bundle import Encoding, GraphEntry, TensorSpec
 
     enc = Encoding(scale=0.001, zero_point=32768, dtype="uint16", bits=16)
-    entry = GraphEntry(name="slm", role="slm", file="f", inputs=[
-        TensorSpec(name="k_ring_0", shape=[1, 1, 64, 8], dtype="float32", encoding=enc),
-        TensorSpec(name="mask_sliding", shape=[1, 1, 4, 64], dtype="float32"),
-        TensorSpec(name="cos_sliding", shape=[1, 4, 8], dtype="float32"),
-        TensorSpec(name="ids", shape=[4], dtype="int64")], outputs=[])
+    entry = GraphEntry(
+        name="slm",
+        role="slm",
+        file="f",
+        inputs=[
+            TensorSpec(name="k_ring_0", shape=[1, 1, 64, 8], dtype="float32", encoding=enc),
+            TensorSpec(name="mask_sliding", shape=[1, 1, 4, 64], dtype="float32"),
+            TensorSpec(name="cos_sliding", shape=[1, 4, 8], dtype="float32"),
+            TensorSpec(name="ids", shape=[4], dtype="int64"),
+        ],
+        outputs=[],
+    )
     x = profile_inputs(entry)
     assert -32.768 <= x["k_ring_0"].min() and x["k_ring_0"].max() <= 32.767 and x["k_ring_0"].std() > 10
     assert set(np.unique(x["mask_sliding"])) == {0.0, -1e4} and (x["mask_sliding"][..., :32] == 0).all()
     assert np.abs(x["cos_sliding"]).max() <= 1 and x["ids"].dtype == np.int64 and not x["ids"].any()
 
 
-needs_qnn = pytest.mark.skipif(not __import__("hycoc.targets.qnn_ep", fromlist=["x"]).qnn_installed(),
-                               reason="onnxruntime-qnn not installed (qnn extra)")
+needs_qnn = pytest.mark.skipif(
+    not __import__("hycoc.targets.qnn_ep", fromlist=["x"]).qnn_installed(),
+    reason="onnxruntime-qnn not installed (qnn extra)",
+)
 
 
 @needs_qnn
@@ -278,7 +345,6 @@ def test_a_written_epcontext_model_runs_like_the_ep_written_one(tmp_path):
     and gives the EP-written EPContext model's outputs bit for bit: the wrapper the qai-hub target puts around AI
     Hub's linked binary is the one `hycoc run --backend htp` opens."""
     import onnx
-
     from hycoc.targets.htp import HtpSession, compile_context
     from hycoc.targets.profiles import get_profile
 
@@ -286,18 +352,24 @@ def test_a_written_epcontext_model_runs_like_the_ep_written_one(tmp_path):
     cg = compile_context(q, tmp_path / "ep", get_profile("htp-v81"), graph_name="slm")
     ep = onnx.load(str(cg.ctx_model))
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in ep.graph.node[0].attribute}
-    ours = target.write_epcontext(q, tmp_path / "ep" / "ours_ctx.onnx", cg.context_binary.name,
-                                  attrs["partition_name"].decode(), sdk_version=attrs["ep_sdk_version"].decode())
+    ours = target.write_epcontext(
+        q,
+        tmp_path / "ep" / "ours_ctx.onnx",
+        cg.context_binary.name,
+        attrs["partition_name"].decode(),
+        sdk_version=attrs["ep_sdk_version"].decode(),
+    )
     mine = {a.name: onnx.helper.get_attribute_value(a) for a in onnx.load(str(ours)).graph.node[0].attribute}
-    assert mine == attrs                                       # the same attributes the EP writes
+    assert mine == attrs  # the same attributes the EP writes
     x = {"x": np.random.RandomState(0).uniform(-1, 1, (32, 16)).astype(np.float32)}
     ref = HtpSession(cg.ctx_model).run(x)["y"]
     got = HtpSession(ours).run(x)["y"]
     assert np.array_equal(ref, got) and np.abs(ref).max() > 0
 
 
-def test_a_qai_hub_build_writes_an_htp_bundle_with_the_jobs_in_its_manifest(monkeypatch, tiny_pipeline, tiny_bundle,
-                                                                           tmp_path):
+def test_a_qai_hub_build_writes_an_htp_bundle_with_the_jobs_in_its_manifest(
+    monkeypatch, tiny_pipeline, tiny_bundle, tmp_path
+):
     """The tiny recipe built for qai-hub from the shared pipeline cache (every pass but the target a cache hit),
     through the client `check_setup` makes from QAI_HUB_API_TOKEN (on the canned REST layer): the bundle's graphs
     are EPContext models over one linked binary, the manifest says htp-v81 plus the AI Hub jobs, device and QAIRT,
@@ -305,10 +377,10 @@ def test_a_qai_hub_build_writes_an_htp_bundle_with_the_jobs_in_its_manifest(monk
     import io
     import json
 
+    from hycoc.passes import build as b
     from rich.console import Console
 
     from hycoc.bundle import load_manifest
-    from hycoc.passes import build as b
 
     hub = CannedHub(monkeypatch)
     monkeypatch.setenv("QAI_HUB_API_TOKEN", "canned")
@@ -338,7 +410,8 @@ def test_hub_device_is_keyed_only_when_it_is_not_the_default():
     gemma = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "gemma4.toml")
     assert gemma.target.hub_device == target.DEFAULT_HUB_DEVICE
     assert "hub_device" not in gemma.target.model_dump()
-    other = gemma.model_copy(update={"target": gemma.target.model_copy(
-        update={"hub_device": "Samsung Galaxy S25 (Family)"})})
+    other = gemma.model_copy(
+        update={"target": gemma.target.model_copy(update={"hub_device": "Samsung Galaxy S25 (Family)"})}
+    )
     assert other.target.model_dump()["hub_device"] == "Samsung Galaxy S25 (Family)"
     assert other.content_hash() != gemma.content_hash()

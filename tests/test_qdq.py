@@ -16,18 +16,28 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from hycoc.passes.calibration import CalibrationError, check_fixed_inputs, check_samples
+from hycoc.passes.qdq import (
+    SOFTMAX_SCALE,
+    TANH_SCALE,
+    TANH_ZERO_POINT,
+    QdqError,
+    QdqQuantize,
+    check_fixed_encodings,
+    kv_wire_encoding,
+    quantize_graph,
+    slm_calibration_samples,
+    sqnr_table,
+    verify_weights,
+    weights_from_arrays,
+)
+from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph, export_slm_graph
+from hycoc.passes.slm_surgery import operate
 from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper as nh
 from rich.console import Console
 from test_slm_surgery import VOCAB, make_tiny_slm
-
-from hycoc.passes.calibration import CalibrationError, check_fixed_inputs, check_samples
-from hycoc.passes.qdq import (SOFTMAX_SCALE, TANH_SCALE, TANH_ZERO_POINT, QdqError, QdqQuantize,
-                              check_fixed_encodings, kv_wire_encoding, quantize_graph, slm_calibration_samples,
-                              sqnr_table, verify_weights, weights_from_arrays)
-from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph, export_slm_graph
-from hycoc.passes.slm_surgery import operate
 
 torch.set_num_threads(1)
 
@@ -47,8 +57,14 @@ def tiny(tmp_path_factory):
     samples = slm_calibration_samples(graph, slm, 8, seed=0)
     export_slm_graph(graph, [torch.from_numpy(samples[0][n]) for n in graph.input_names], d / "slm.onnx")
     result = quantize_graph(d / "slm.onnx", samples, d / "qdq", percentile=99.9, range_scale=1.2)
-    return {"slm": slm, "graph": graph, "samples": samples, "float": d / "slm.onnx", "result": result,
-            "qdq": onnx.load(str(result.path))}
+    return {
+        "slm": slm,
+        "graph": graph,
+        "samples": samples,
+        "float": d / "slm.onnx",
+        "result": result,
+        "qdq": onnx.load(str(result.path)),
+    }
 
 
 def test_weights_are_bit_exact(tiny):
@@ -57,15 +73,16 @@ def test_weights_are_bit_exact(tiny):
     assert len(tiny["result"].weights) == len(slm.weights)
     for name, w in slm.weights.items():
         q, scale = (w.q[KEEP], w.scale[KEEP]) if name == "lm_head" else (w.q, w.scale)
-        dq = next(n for n in qdq.graph.node if n.op_type == "DequantizeLinear"
-                  and n.input[0] == f"{name}.weight_t_quantized")
+        dq = next(
+            n for n in qdq.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == f"{name}.weight_t_quantized"
+        )
         ints = arrays[dq.input[0]]
-        assert ints.data_type == (T.INT8 if w.bits == 8 else T.INT4), name   # 2- and 4-bit sources: int4
+        assert ints.data_type == (T.INT8 if w.bits == 8 else T.INT4), name  # 2- and 4-bit sources: int4
         np.testing.assert_array_equal(nh.to_array(ints).astype(np.int8), q.T)
         got = nh.to_array(arrays[dq.input[1]]).astype(np.float32)
         np.testing.assert_array_equal(got.view(np.uint32), scale.reshape(-1).view(np.uint32))
         assert not nh.to_array(arrays[dq.input[2]]).any()
-        assert next(a.i for a in dq.attribute if a.name == "axis") == 1   # output channels of the (in, out) weight
+        assert next(a.i for a in dq.attribute if a.name == "axis") == 1  # output channels of the (in, out) weight
     # a scale off by one ulp is caught
     tampered = onnx.ModelProto()
     tampered.CopyFrom(qdq)
@@ -83,12 +100,11 @@ def test_fixed_encodings(tiny):
     for name in ("mask_full", "mask_sliding"):
         e = enc[name]
         assert e["dtype"] == "uint16" and e["zero_point"] == 65535
-        assert e["scale"] * 65535 == pytest.approx(1e4, rel=1e-6)        # [-1e4, 0], both ends exact
+        assert e["scale"] * 65535 == pytest.approx(1e4, rel=1e-6)  # [-1e4, 0], both ends exact
     for name in ("cos_full", "sin_full", "cos_sliding", "sin_sliding"):
         e = enc[name]
         assert e["zero_point"] == 32768 and e["scale"] == pytest.approx(2 / 65535, rel=1e-6)  # [-1, 1]
-    assert fixed["tanh"] and all(e["scale"] == TANH_SCALE and e["zero_point"] == TANH_ZERO_POINT
-                                 for e in fixed["tanh"])
+    assert fixed["tanh"] and all(e["scale"] == TANH_SCALE and e["zero_point"] == TANH_ZERO_POINT for e in fixed["tanh"])
 
 
 def softmax_encodings(model) -> list[tuple[str, float, int, int]]:
@@ -107,8 +123,11 @@ def softmax_encodings(model) -> list[tuple[str, float, int, int]]:
 def assert_softmax_fixed(model, where: str) -> int:
     """Every Softmax output of ``model`` is quantized uint16 [0, 1]: scale float32(1/65535), zero point 0."""
     got = softmax_encodings(model)
-    wrong = [(o, s * (65535 - 0), zp) for o, s, zp, t in got
-             if not (np.float32(s) == SOFTMAX_SCALE and zp == 0 and t == T.UINT16)]
+    wrong = [
+        (o, s * (65535 - 0), zp)
+        for o, s, zp, t in got
+        if not (np.float32(s) == SOFTMAX_SCALE and zp == 0 and t == T.UINT16)
+    ]
     assert not wrong, f"{where}: {len(wrong)} of {len(got)} Softmax outputs are not [0, 1]: {wrong[:3]}"
     return len(got)
 
@@ -119,7 +138,7 @@ def test_softmax_outputs_get_the_fixed_0_1_encoding(tiny):
     from hycoc.passes.calibration import activation_ranges
 
     qdq = tiny["qdq"]
-    assert assert_softmax_fixed(qdq, "tiny SLM") == 4                      # one per decoder layer
+    assert assert_softmax_fixed(qdq, "tiny SLM") == 4  # one per decoder layer
     assert len(tiny["result"].fixed["softmax"]) == 4
     # what calibration alone would have given one of them: a range that is not [0, 1]
     fmodel = onnx.load(str(tiny["result"].float_path), load_external_data=False)
@@ -193,8 +212,13 @@ def test_sqnr_report(tiny):
 
 def _matmul_graph(path, w):
     nodes = [h.make_node("MatMul", ["x", "w"], ["y0"]), h.make_node("Tanh", ["y0"], ["y"])]
-    g = h.make_graph(nodes, "mm", [h.make_tensor_value_info("x", T.FLOAT, [1, 4, w.shape[0]])],
-                     [h.make_tensor_value_info("y", T.FLOAT, [1, 4, w.shape[1]])], [nh.from_array(w, "w")])
+    g = h.make_graph(
+        nodes,
+        "mm",
+        [h.make_tensor_value_info("x", T.FLOAT, [1, 4, w.shape[0]])],
+        [h.make_tensor_value_info("y", T.FLOAT, [1, 4, w.shape[1]])],
+        [nh.from_array(w, "w")],
+    )
     m = h.make_model(g, opset_imports=[h.make_opsetid("", 21)])
     m.ir_version = 10
     onnx.save(m, str(path))
@@ -207,8 +231,9 @@ def test_weights_given_as_arrays(tmp_path):
     s = (rng.random((6, 1)) * 0.1 + 0.01).astype(np.float32)
     _matmul_graph(tmp_path / "mm.onnx", np.ascontiguousarray((q.astype(np.float32) * s).T))
     samples = [{"x": rng.standard_normal((1, 4, 8)).astype(np.float32)} for _ in range(4)]
-    res = quantize_graph(tmp_path / "mm.onnx", samples, tmp_path / "out", percentile=99.99,
-                         weight_arrays={"w": (q, s, 4)})
+    res = quantize_graph(
+        tmp_path / "mm.onnx", samples, tmp_path / "out", percentile=99.99, weight_arrays={"w": (q, s, 4)}
+    )
     assert res.weights[0].axis == 1 and res.numbers()["weight_bits"] == {"4": 1}
     assert res.sqnr["outputs"]["y"] > 30
     with pytest.raises(QdqError, match="not q \\* scale"):
@@ -220,16 +245,24 @@ def test_pipeline_pass(tmp_path):
     from hycoc.passes.pipeline import Pipeline
     from hycoc.passes.slm_graph import SlmTreeGraphExport
     from hycoc.passes.slm_surgery import SlmGraphSurgery
+
     from hycoc.recipe import Recipe
 
     path = make_tiny_slm(tmp_path / "slm", embedding_bits=4)
-    recipe = Recipe.model_validate({"models": {"slm": str(path)}, "tree": {"node_budget": 6},
-                                    "window": {"slm_window": 16, "slm_sliding_window": 8},
-                                    "slm_calibration": {"prompts": 4}})
+    recipe = Recipe.model_validate(
+        {
+            "models": {"slm": str(path)},
+            "tree": {"node_budget": 6},
+            "window": {"slm_window": 16, "slm_sliding_window": 8},
+            "slm_calibration": {"prompts": 4},
+        }
+    )
     # no verifier here: the synthetic fallback (the build's real calibration: tests/test_slm_calibration.py)
-    pipeline = Pipeline([SlmGraphSurgery(), SlmTreeGraphExport(),
-                         QdqQuantize("onnx_slm", "qdq_slm", calibration="synthetic")],
-                        tmp_path / "cache", console=Console(file=io.StringIO()))
+    pipeline = Pipeline(
+        [SlmGraphSurgery(), SlmTreeGraphExport(), QdqQuantize("onnx_slm", "qdq_slm", calibration="synthetic")],
+        tmp_path / "cache",
+        console=Console(file=io.StringIO()),
+    )
     result = pipeline.run(recipe, {"keep_set": KeepSetArtifact("keep_set", KEEP)})
     report = result.reports[-1]
     assert report.numbers["weights_bit_exact"] == 34 and report.numbers["samples"] == 4
@@ -250,11 +283,12 @@ HTP_VS_CPU_FLOOR_DB = 20.0
 
 
 @pytest.mark.qnn
-@pytest.mark.skipif(not __import__("hycoc.targets.qnn_ep", fromlist=["qnn_installed"]).qnn_installed(),
-                    reason="onnxruntime-qnn is not importable: install the qnn extra to compile for htp-v81")
+@pytest.mark.skipif(
+    not __import__("hycoc.targets.qnn_ep", fromlist=["qnn_installed"]).qnn_installed(),
+    reason="onnxruntime-qnn is not importable: install the qnn extra to compile for htp-v81",
+)
 def test_qdq_slm_compiles_for_v81_and_matches_the_cpu_ep(tiny, tmp_path):
     import onnxruntime as ort
-
     from hycoc.passes.qdq import sqnr_db
     from hycoc.targets.htp import HtpSession, compile_context
     from hycoc.targets.profiles import get_profile

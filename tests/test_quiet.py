@@ -28,8 +28,9 @@ def test_third_party_output_goes_to_the_log_and_one_line_says_where(tmp_path, ca
     assert text[3] == "[torch.onnx] Obtain model graph ... ✅" and len(text) == 4
     out = capsys.readouterr()
     assert out.out == "progress line of hycoc\n" and "own warning" not in log.read_text(encoding="utf-8")
-    assert note.getvalue() == ("third-party messages (warnings of torch, transformers, onnxruntime, ...): 4 lines in "
-                               f"{log}\n")
+    assert note.getvalue() == (
+        f"third-party messages (warnings of torch, transformers, onnxruntime, ...): 4 lines in {log}\n"
+    )
     assert sys.stdout is sys.__stdout__ or not hasattr(sys.stdout, "log")
 
 
@@ -83,14 +84,20 @@ def test_torch_onnx_lines_go_to_the_log_on_a_real_terminal_too(tmp_path):
     leader, follower = pty.openpty()
     log = tmp_path / "logs" / "build.log"
     env = dict(os.environ, COLUMNS="80", TERM="xterm")
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(log), str(tmp_path / "cache")], stdin=follower,
-                             stdout=follower, stderr=follower, env=env, close_fds=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(log), str(tmp_path / "cache")],
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        env=env,
+        close_fds=True,
+    )
     os.close(follower)
     chunks = []
     while True:
         try:
             data = os.read(leader, 65536)
-        except OSError:   # EIO: the child closed the terminal
+        except OSError:  # EIO: the child closed the terminal
             break
         if not data:
             break
@@ -100,5 +107,5 @@ def test_torch_onnx_lines_go_to_the_log_on_a_real_terminal_too(tmp_path):
     seen = b"".join(chunks).decode("utf-8", errors="replace")
     assert "[torch.onnx]" not in seen, seen
     assert "stdout after the build" in seen and "hycoc build: passes" in seen
-    assert "".join(f"3 lines in {log}".split()) in "".join(seen.split())     # the line saying where, maybe wrapped
+    assert "".join(f"3 lines in {log}".split()) in "".join(seen.split())  # the line saying where, maybe wrapped
     assert [line.split("]")[0] + "]" for line in log.read_text(encoding="utf-8").splitlines()] == ["[torch.onnx]"] * 3

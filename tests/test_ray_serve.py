@@ -28,14 +28,14 @@ pytestmark = pytest.mark.serve
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install -e '.[serve]' (ray[serve])")
 ray_serve = pytest.importorskip("hycoc.verifier.ray_serve")
 
+from hycoc.runtime.transport import AuthRefused, ConnectionDropped, VerifierClient  # noqa: E402
+from hycoc.verifier.engine import VerifierEngine  # noqa: E402
+from hycoc.verifier.server import ServerLimits  # noqa: E402
 from websockets.exceptions import ConnectionClosed  # noqa: E402
 from websockets.sync.client import connect  # noqa: E402
 
 from hycoc.protocol import wire  # noqa: E402
 from hycoc.protocol.messages import DraftTree, ErrorReply, OpenRequest, Sampling  # noqa: E402
-from hycoc.runtime.transport import AuthRefused, ConnectionDropped, VerifierClient  # noqa: E402
-from hycoc.verifier.engine import VerifierEngine  # noqa: E402
-from hycoc.verifier.server import ServerLimits  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 SCALES = (0.1, 0.1, 0.05, 0.05, 0.05, 0.05)
@@ -50,13 +50,13 @@ class TinyEngine:
 
     def __call__(self) -> VerifierEngine:
         import torch
-
         from tiny_models import tiny_head, tiny_verifier
 
         torch.set_num_threads(1)
         model = tiny_verifier(sharpen=3.0)
-        return VerifierEngine(model, head=tiny_head(model), head_window=6, handoff_scales=SCALES,
-                              eos_token_ids=set(), max_context=128)
+        return VerifierEngine(
+            model, head=tiny_head(model), head_window=6, handoff_scales=SCALES, eos_token_ids=set(), max_context=128
+        )
 
 
 def free_port() -> int:
@@ -75,8 +75,15 @@ def http_get(url: str) -> tuple[int, str]:
 
 def request(i: int) -> OpenRequest:
     """Session i's OPEN: a Cloud+MTP session (the server drafts; each ROUND is the root alone), greedy."""
-    return OpenRequest(prompt_ids=np.arange(20 + i, 32 + i, dtype=np.int32), sampling=Sampling(0.0, 64, 0.95),
-                       seed=i, acceptance="exact", epsilon=1.0, max_new_tokens=100, draft_place="cloud-mtp")
+    return OpenRequest(
+        prompt_ids=np.arange(20 + i, 32 + i, dtype=np.int32),
+        sampling=Sampling(0.0, 64, 0.95),
+        seed=i,
+        acceptance="exact",
+        epsilon=1.0,
+        max_new_tokens=100,
+        draft_place="cloud-mtp",
+    )
 
 
 class Pair:
@@ -87,8 +94,9 @@ class Pair:
         req = request(i)
         self.client = VerifierClient(url, auth_token=TOKEN, timeout_s=30)
         self.client.open(req)
-        self.ref = reference.open(req.prompt_ids, req.sampling, req.seed, req.acceptance, req.epsilon,
-                                  req.draft_place, req.max_new_tokens)
+        self.ref = reference.open(
+            req.prompt_ids, req.sampling, req.seed, req.acceptance, req.epsilon, req.draft_place, req.max_new_tokens
+        )
         self.ref.prefill()
         self.seq = 0
 
@@ -111,20 +119,25 @@ def replica_sessions(http: str) -> dict[str, int]:
 
 def metric(text: str, name: str, replica: str, labels: str = "") -> float:
     prefix = f'{name}{{replica="{replica}"{"," + labels if labels else ""}}} '
-    values = [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
+    values = [line[len(prefix) :] for line in text.splitlines() if line.startswith(prefix)]
     assert len(values) == 1, (name, replica, text)
     return float(values[0])
 
 
 def errors(text: str, kind: str, replicas) -> float:
     """hycoc_errors_total{kind} summed over the replicas (a replica without that error has no sample)."""
-    return sum(metric(text, "hycoc_errors_total", r, f'kind="{kind}"') for r in replicas
-               if f'hycoc_errors_total{{replica="{r}",kind="{kind}"}}' in text)
+    return sum(
+        metric(text, "hycoc_errors_total", r, f'kind="{kind}"')
+        for r in replicas
+        if f'hycoc_errors_total{{replica="{r}",kind="{kind}"}}' in text
+    )
 
 
 def test_merge_expositions_labels_every_sample_with_its_replica():
-    a = "# HELP x_total rounds\n# TYPE x_total counter\nx_total 3\n# HELP e_total errors\n# TYPE e_total counter\n" \
+    a = (
+        "# HELP x_total rounds\n# TYPE x_total counter\nx_total 3\n# HELP e_total errors\n# TYPE e_total counter\n"
         'e_total{kind="bad_root"} 2\n'
+    )
     b = "# HELP x_total rounds\n# TYPE x_total counter\nx_total 5\n# HELP e_total errors\n# TYPE e_total counter\n"
     assert ray_serve.merge_expositions({"r1": a, "r2": b, "r3": None}) == (
         "# HELP hycoc_replicas verifier replicas by state (Ray Serve deployment HycocVerifier)\n"
@@ -134,7 +147,8 @@ def test_merge_expositions_labels_every_sample_with_its_replica():
         "# HELP x_total rounds\n# TYPE x_total counter\n"
         'x_total{replica="r1"} 3\nx_total{replica="r2"} 5\n'
         "# HELP e_total errors\n# TYPE e_total counter\n"
-        'e_total{replica="r1",kind="bad_root"} 2\n')
+        'e_total{replica="r1",kind="bad_root"} 2\n'
+    )
     with pytest.raises(ValueError, match="replica r1: not a Prometheus sample line: 'x_total'"):
         ray_serve.merge_expositions({"r1": "x_total\n"})
 
@@ -143,9 +157,16 @@ def test_health_summary_counts_live_replicas():
     snap = {"replica": "r1", "pid": 7, "node": "10.0.0.1", "sessions": 3, "metrics": ""}
     code, body = ray_serve.health_summary([snap, RuntimeError("actor died")], {"model": "m"})
     assert code == 200
-    assert body == {"status": "degraded", "model": "m", "sessions": 3, "replicas_up": 1, "replicas": [
-        {"replica": "r1", "pid": 7, "node": "10.0.0.1", "sessions": 3, "status": "ok"},
-        {"replica": None, "status": "unreachable", "error": "RuntimeError: actor died"}]}
+    assert body == {
+        "status": "degraded",
+        "model": "m",
+        "sessions": 3,
+        "replicas_up": 1,
+        "replicas": [
+            {"replica": "r1", "pid": 7, "node": "10.0.0.1", "sessions": 3, "status": "ok"},
+            {"replica": None, "status": "unreachable", "error": "RuntimeError: actor died"},
+        ],
+    }
     assert ray_serve.health_summary([RuntimeError("x")], {})[0] == 503
 
 
@@ -158,9 +179,18 @@ def deployment():
     try:
         port = free_port()
         # INFO: the proxy writes an access-log line when a session ends (test_a_normal_session_end_logs_no_error).
-        app = ray_serve.build_app(TinyEngine(), replicas=2, cpus_per_replica=1, log_level="INFO", server_kwargs={
-            "tree_rows": ROWS, "model_name": "tiny", "auth_token": TOKEN,
-            "limits": ServerLimits(max_sessions=8, handshake_timeout_s=HANDSHAKE_S)})
+        app = ray_serve.build_app(
+            TinyEngine(),
+            replicas=2,
+            cpus_per_replica=1,
+            log_level="INFO",
+            server_kwargs={
+                "tree_rows": ROWS,
+                "model_name": "tiny",
+                "auth_token": TOKEN,
+                "limits": ServerLimits(max_sessions=8, handshake_timeout_s=HANDSHAKE_S),
+            },
+        )
         url = ray_serve.start(app, "127.0.0.1", port, log_level="INFO")
         yield url, f"http://127.0.0.1:{port}", Path(context.address_info["session_dir"]) / "logs" / "serve"
     finally:
@@ -208,7 +238,7 @@ def test_handshake_timeout_behind_ray_runs_until_an_open_and_the_api_docs_are_of
         with pytest.raises(ConnectionClosed) as closed:
             raw.recv(timeout=30)
         assert closed.value.rcvd.code == 1008
-    assert took > HANDSHAKE_S - 0.5   # not before the timeout; the recv timeouts above bound the wait
+    assert took > HANDSHAKE_S - 0.5  # not before the timeout; the recv timeouts above bound the wait
     health = json.loads(http_get(http + "/healthz")[1])
     assert health["limits"]["handshake_timeout_s"] == HANDSHAKE_S
     assert list(health["limits_not_applied"]) == ["frame_timeout_s"]
@@ -301,22 +331,31 @@ def test_serve_ray_refuses_a_busy_port_before_starting_ray():
         port = busy.getsockname()[1]
         result = CliRunner().invoke(app, ["serve-ray", str(recipe), "--replicas", "1", "--port", str(port)])
     assert result.exit_code == 1
-    assert result.stderr.strip() == (f"hycoc serve-ray: cannot listen on 127.0.0.1:{port}: Address already in use "
-                                     "(a verify-server on the default port?): pass --port N, or --port 0 for any "
-                                     "free port")
+    assert result.stderr.strip() == (
+        f"hycoc serve-ray: cannot listen on 127.0.0.1:{port}: Address already in use "
+        "(a verify-server on the default port?): pass --port N, or --port 0 for any "
+        "free port"
+    )
 
 
 def test_serve_ray_log_levels():
     """Ray's logs at WARNING by default, without the per-request access log; INFO adds it; a bad level is named."""
-    from hycoc.cli import app
     from typer.testing import CliRunner
 
+    from hycoc.cli import app
+
     assert ray_serve.serve_logging().model_dump(include={"log_level", "enable_access_log"}) == {
-        "log_level": "WARNING", "enable_access_log": False}
+        "log_level": "WARNING",
+        "enable_access_log": False,
+    }
     assert ray_serve.serve_logging("info").model_dump(include={"log_level", "enable_access_log"}) == {
-        "log_level": "INFO", "enable_access_log": True}
+        "log_level": "INFO",
+        "enable_access_log": True,
+    }
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"
     result = CliRunner().invoke(app, ["serve-ray", str(recipe), "--log-level", "LOUD"])
     assert result.exit_code == 2
-    assert result.stderr.strip() == "hycoc serve-ray: --log-level LOUD: one of DEBUG, INFO, WARNING, ERROR (Ray's " \
-                                    "logs; default WARNING)"
+    assert (
+        result.stderr.strip() == "hycoc serve-ray: --log-level LOUD: one of DEBUG, INFO, WARNING, ERROR (Ray's "
+        "logs; default WARNING)"
+    )

@@ -29,9 +29,28 @@ def tiny_report(tmp_path_factory):
         sys.path.remove(str(REPO / "benchmarks"))
     tmp = tmp_path_factory.mktemp("real-shape-head")
     out, work = tmp / "report.json", tmp / "work"
-    report = real_shape_head.main(["--keep-set", "512", "--window", "16", "--layers", "1", "--skip-compile",
-                                   "--toy-dims", "--samples", "2", "--blocks", "none", "--out", str(out), "--work", str(work),
-                                   "--keep-work", "--quiet"])
+    report = real_shape_head.main(
+        [
+            "--keep-set",
+            "512",
+            "--window",
+            "16",
+            "--layers",
+            "1",
+            "--skip-compile",
+            "--toy-dims",
+            "--samples",
+            "2",
+            "--blocks",
+            "none",
+            "--out",
+            str(out),
+            "--work",
+            str(work),
+            "--keep-work",
+            "--quiet",
+        ]
+    )
     return report, out, work
 
 
@@ -39,8 +58,19 @@ def test_report_keys(tiny_report):
     report, out, _ = tiny_report
     on_disk = json.loads(out.read_text())
     assert on_disk["steps"] == json.loads(json.dumps(report["steps"], default=str))
-    for key in ("what", "total_seconds", "args", "shapes", "assumptions", "machine", "versions", "steps",
-                "peak_rss_gib", "failed", "needs"):
+    for key in (
+        "what",
+        "total_seconds",
+        "args",
+        "shapes",
+        "assumptions",
+        "machine",
+        "versions",
+        "steps",
+        "peak_rss_gib",
+        "failed",
+        "needs",
+    ):
         assert key in on_disk, key
     assert on_disk["failed"] == []
     steps = {r["step"]: r for r in on_disk["steps"]}

@@ -54,9 +54,30 @@ def tiny_run(tmp_path_factory):
 
     ort.InferenceSession = LimitedSession
     try:
-        report = bench.main(["--toy-dims", "--layers", "2", "--keep-set", "256", "--rows", "4", "--ring", "8",
-                             "--sliding-ring", "4", "--samples", "2", "--skip-compile", "--out", str(out),
-                             "--work", str(work), "--keep-work", "--quiet"])
+        report = bench.main(
+            [
+                "--toy-dims",
+                "--layers",
+                "2",
+                "--keep-set",
+                "256",
+                "--rows",
+                "4",
+                "--ring",
+                "8",
+                "--sliding-ring",
+                "4",
+                "--samples",
+                "2",
+                "--skip-compile",
+                "--out",
+                str(out),
+                "--work",
+                str(work),
+                "--keep-work",
+                "--quiet",
+            ]
+        )
     finally:
         ort.InferenceSession = real_session
     return report, out, work, refused
@@ -93,13 +114,19 @@ def test_ple_luts_stay_on_the_host(tiny_run):
     steps = {r["step"]: r for r in json.loads(out.read_text())["steps"]}
     luts = steps["host_luts"]["details"]["luts"]
     # toy: 4,096 rows; per-layer table 2 layers x 16 = 32 columns at 2 bits -> 8 bytes a row + a float32 scale
-    assert luts["embed_tokens_per_layer"] == {**luts["embed_tokens_per_layer"], "rows": 4096, "cols": 32, "bits": 2,
-                                              "bytes": 4096 * 8 + 4096 * 4, "lookup_shape": [4, 32]}
+    assert luts["embed_tokens_per_layer"] == {
+        **luts["embed_tokens_per_layer"],
+        "rows": 4096,
+        "cols": 32,
+        "bits": 2,
+        "bytes": 4096 * 8 + 4096 * 4,
+        "lookup_shape": [4, 32],
+    }
     assert luts["embed_tokens"]["bits"] == 4 and luts["embed_tokens"]["bytes"] == 4096 * 32 + 4096 * 4
     export = steps["export"]["details"]
     assert export["host_only_nodes"] == []
     graph = steps["graph"]["details"]
-    assert graph["inputs"]["per_layer_inputs"] == [1, 4, 2, 16]    # the host's LUT rows are a graph input
+    assert graph["inputs"]["per_layer_inputs"] == [1, 4, 2, 16]  # the host's LUT rows are a graph input
 
 
 def test_output_layer_is_restricted_to_the_keep_set(tiny_run):
@@ -121,16 +148,23 @@ def test_over_the_protobuf_limit_every_file_keeps_its_weights_outside(tiny_run):
     steps = {r["step"]: r for r in json.loads(out.read_text())["steps"]}
     assert steps["qdq"]["details"]["checker"] == "ok"
     assert steps["qdq"]["details"]["weights_bit_exact"] == 2 * 7 + 2 * 2 + 1 + 1
-    files = [work / "export" / "slm.onnx"] + [work / "qdq" / n for n in ("model_folded.onnx", "model_float.onnx",
-                                                                         "model_qdq.onnx")]
+    files = [work / "export" / "slm.onnx"] + [
+        work / "qdq" / n for n in ("model_folded.onnx", "model_float.onnx", "model_qdq.onnx")
+    ]
     for f in files:
         model = onnx.load(str(f), load_external_data=False)
-        inline = [t.name for t in model.graph.initializer
-                  if t.data_location != onnx.TensorProto.EXTERNAL and len(t.raw_data) >= 4096]
+        inline = [
+            t.name
+            for t in model.graph.initializer
+            if t.data_location != onnx.TensorProto.EXTERNAL and len(t.raw_data) >= 4096
+        ]
         assert inline == [], (f.name, inline)
-        external = sum(int({e.key: e.value for e in t.external_data}["length"]) for t in model.graph.initializer
-                       if t.data_location == onnx.TensorProto.EXTERNAL)
-        assert external > LOW_LIMIT, f.name      # the weights, over the lowered limit, all in the data file
+        external = sum(
+            int({e.key: e.value for e in t.external_data}["length"])
+            for t in model.graph.initializer
+            if t.data_location == onnx.TensorProto.EXTERNAL
+        )
+        assert external > LOW_LIMIT, f.name  # the weights, over the lowered limit, all in the data file
     assert not list((work / "qdq").glob(".outputs-*")), "run_with_tensors leaves no copies behind"
 
 
@@ -155,17 +189,15 @@ def _tiny_text_config(layers: int = 4) -> dict:
 @pytest.mark.parametrize("which", ["assumed", "paper-fit"])
 def test_resolve_bits_is_transformers_rule(which):
     import torch
+    from hycoc.passes import bit_map
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
     from transformers.integrations.gemma_quant import QuantizedEmbedding, QuantizedLinear, replace_with_quant_layers
     from transformers.utils.quantization_config import GemmaQuantizationConfig
 
-    from hycoc.passes import bit_map
-
     qcfg = bit_map.E2B_ASSUMED if which == "assumed" else bit_map.e2b_paper_fit()
     with torch.device("meta"):
         model = Gemma4ForCausalLM(Gemma4TextConfig.from_dict(_tiny_text_config()))
-    replace_with_quant_layers(model, GemmaQuantizationConfig(**{k: v for k, v in qcfg.items()
-                                                                   if k != "quant_method"}))
+    replace_with_quant_layers(model, GemmaQuantizationConfig(**{k: v for k, v in qcfg.items() if k != "quant_method"}))
     theirs = {n: m.num_bits for n, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))}
     assert len(theirs) == 4 * 9 + 1 + 1 + 2
     assert {n: bit_map.resolve_bits(n, qcfg) for n in theirs} == theirs
@@ -177,7 +209,7 @@ def test_resolve_bits_leftmost_match_wins_as_in_transformers():
     from hycoc.passes.bit_map import resolve_bits
 
     q = {"num_bits": 4, "module_quant_configs": {r"up_proj": {"num_bits": 2}, r"layers\.1\.": {"num_bits": 8}}}
-    assert resolve_bits("model.layers.1.mlp.up_proj", q) == 8      # layers.1. starts earlier in the name
+    assert resolve_bits("model.layers.1.mlp.up_proj", q) == 8  # layers.1. starts earlier in the name
     assert resolve_bits("model.layers.2.mlp.up_proj", q) == 2
     assert resolve_bits("lm_head", q) == 4
 
@@ -195,11 +227,17 @@ def test_the_checkpoints_own_quantization_config_wins(tmp_path):
     """A tiny checkpoint with its own map (everything 8-bit, MLP 2-bit): the surgery and the planner follow it."""
     from hycoc.passes.plan import real_shape_plan
     from hycoc.passes.slm_surgery import operate
+
     from hycoc.recipe import load_recipe
 
     bench = _bench()
-    own = {"quant_method": "gemma", "num_bits": 8, "quantize_embeddings": True,
-           "module_quant_configs": {r"mlp\.": {"num_bits": 2}}, "modules_to_not_convert": []}
+    own = {
+        "quant_method": "gemma",
+        "num_bits": 8,
+        "quantize_embeddings": True,
+        "module_quant_configs": {r"mlp\.": {"num_bits": 2}},
+        "modules_to_not_convert": [],
+    }
     ckpt = tmp_path / "slm"
     bench.write_random_checkpoint(_tiny_text_config(2), own, ckpt)
     slm, numbers = operate(ckpt)
@@ -228,6 +266,7 @@ def test_the_checkpoints_own_quantization_config_wins(tmp_path):
 
 def test_context_budget_counts_shards():
     from hycoc.passes.plan import context_budget
+
     from hycoc.recipe import load_recipe
 
     recipe = load_recipe(REPO / "recipes" / "gemma4.toml")

@@ -56,7 +56,11 @@ def test_gemma4_recipe_is_the_papers_deployment():
     assert (q.grad_accum, q.grad_clip, q.betas, q.weight_decay) == (2, 1.0, (0.9, 0.95), 0.0)
     assert (q.clip_search_max, q.clip_search_min) == (1.0, 0.6)
     assert (q.calibration_prompts, q.calibration_max_new_tokens, q.eval_prompts, q.eval_max_new_tokens) == (
-        60, 1024, 60, 512)
+        60,
+        1024,
+        60,
+        512,
+    )
     assert (q.max_seq_len, q.input_range_percentile) == (2048, 99.99)
     # App. A
     c = r.slm_calibration
@@ -70,8 +74,12 @@ def test_gemma4_recipe_equals_the_schema_defaults():
     """Every default of the schema is the paper's: the paper's recipe differs only in names and bench data."""
     r = load_recipe(RECIPES / "gemma4.toml").model_dump()
     d = Recipe().model_dump()
-    for section, key in [("recipe", "name"), ("recipe", "description"), ("models", "head_config_assumed"),
-                         ("bench", "dataset")]:
+    for section, key in [
+        ("recipe", "name"),
+        ("recipe", "description"),
+        ("models", "head_config_assumed"),
+        ("bench", "dataset"),
+    ]:
         r[section].pop(key)
         d[section].pop(key)
     assert r == d
@@ -89,16 +97,21 @@ def test_toy_recipe_scales_only_the_sizes():
     assert (toy.verifier.device, toy.verifier.dtype) == ("cpu", "float32")
     # the trainer's calibration (recipes/toy/models/report.json)
     report = json.loads((RECIPES / "toy" / "models" / "report.json").read_text())["handoff_scales"]
-    assert toy.handoff.scales() == {"embedding": report["e"], "hidden": report["h"], **{
-        k: report[k] for k in ("k_sliding", "v_sliding", "k_full", "v_full")}}
+    assert toy.handoff.scales() == {
+        "embedding": report["e"],
+        "hidden": report["h"],
+        **{k: report[k] for k in ("k_sliding", "v_sliding", "k_full", "v_full")},
+    }
     assert toy.tree == paper.tree
     # the target as the paper's, except that the toy's htp bundle runs on the x86 simulator (no shared binaries)
     assert (toy.target.share_weights, paper.target.share_weights) == (False, True)
     assert toy.target.model_copy(update={"share_weights": True}) == paper.target
     # Table 4 as the paper, the answer caps scaled to the toy's 256-token output cap
     assert (toy.head_qat.calibration_max_new_tokens, toy.head_qat.eval_max_new_tokens) == (256, 256)
-    assert toy.head_qat.model_copy(update={"calibration_max_new_tokens": 1024, "eval_max_new_tokens": 512}) == \
-        paper.head_qat
+    assert (
+        toy.head_qat.model_copy(update={"calibration_max_new_tokens": 1024, "eval_max_new_tokens": 512})
+        == paper.head_qat
+    )
     # the SLM's calibration as the paper's: 60 prompts, the head QAT's greedy answers
     assert toy.slm_calibration == paper.slm_calibration
     # T = 0.5 on the toy, stated in the recipe with the MAT at both temperatures; top-k/top-p as the paper
@@ -110,8 +123,12 @@ def test_toy_model_paths_resolve_against_the_recipe_folder(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     toy = load_recipe(RECIPES / "toy.toml")
     assert toy.source_path == RECIPES / "toy.toml"
-    for role, rel in [("verifier", "toy/models/verifier"), ("head", "toy/models/head"), ("slm", "toy/models/slm"),
-                      ("tokenizer", "toy/models/verifier")]:
+    for role, rel in [
+        ("verifier", "toy/models/verifier"),
+        ("head", "toy/models/head"),
+        ("slm", "toy/models/slm"),
+        ("tokenizer", "toy/models/verifier"),
+    ]:
         assert toy.is_hub_id(role) is False
         assert toy.model_source(role) == RECIPES / rel
     assert toy.resolve_path(toy.bench.dataset) == RECIPES.parent / "benchmarks/data/spec_bench_question.jsonl"
@@ -160,8 +177,13 @@ def test_handoff_scales_must_be_set_before_use():
     with pytest.raises(RecipeError) as info:
         load_recipe(RECIPES / "gemma4.toml").handoff.scales()
     assert [p.key for p in info.value.problems] == [
-        "handoff.scale_embedding", "handoff.scale_hidden", "handoff.scale_k_sliding", "handoff.scale_v_sliding",
-        "handoff.scale_k_full", "handoff.scale_v_full"]
+        "handoff.scale_embedding",
+        "handoff.scale_hidden",
+        "handoff.scale_k_sliding",
+        "handoff.scale_v_sliding",
+        "handoff.scale_k_full",
+        "handoff.scale_v_full",
+    ]
 
 
 def test_exact_mode_means_epsilon_one(tmp_path):
@@ -185,83 +207,163 @@ def test_code_point_range_parser():
 # (recipe text, dotted key, line, substrings the message must hold besides "FILE:LINE")
 BAD = {
     "unknown key": (
-        "[tree]\nchain_length = 4\nnode_budgett = 32\n", "tree.node_budgett", 3,
-        ["unknown key tree.node_budgett", "allowed keys of [tree]: chain_length, sibling_depth, node_budget, "
-         "depth_cost, slm_candidates, slm_passes, specedge_passes, specedge_nodes"]),
+        "[tree]\nchain_length = 4\nnode_budgett = 32\n",
+        "tree.node_budgett",
+        3,
+        [
+            "unknown key tree.node_budgett",
+            "allowed keys of [tree]: chain_length, sibling_depth, node_budget, "
+            "depth_cost, slm_candidates, slm_passes, specedge_passes, specedge_nodes",
+        ],
+    ),
     "unknown table": (
-        "[tree]\nchain_length = 4\n\n[trees]\nx = 1\n", "trees", 4,
-        ["unknown table trees", "allowed tables of the recipe: recipe, models, keep_set, tree,"]),
+        "[tree]\nchain_length = 4\n\n[trees]\nx = 1\n",
+        "trees",
+        4,
+        ["unknown table trees", "allowed tables of the recipe: recipe, models, keep_set, tree,"],
+    ),
     "string for int": (
-        '[tree]\nchain_length = "4"\n', "tree.chain_length", 2,
-        ['tree.chain_length = "4"', "valid integer", "allowed: an integer >= 1 and <= 16"]),
+        '[tree]\nchain_length = "4"\n',
+        "tree.chain_length",
+        2,
+        ['tree.chain_length = "4"', "valid integer", "allowed: an integer >= 1 and <= 16"],
+    ),
     "float for int": (
-        "[tree]\n\nnode_budget = 32.0\n", "tree.node_budget", 3,
-        ["tree.node_budget = 32.0", "valid integer", "allowed: an integer >= 1 and <= 1024"]),
+        "[tree]\n\nnode_budget = 32.0\n",
+        "tree.node_budget",
+        3,
+        ["tree.node_budget = 32.0", "valid integer", "allowed: an integer >= 1 and <= 1024"],
+    ),
     "node budget beyond the wire and graphs": (
-        "[tree]\nnode_budget = 40000\n", "tree.node_budget", 2,
-        ["tree.node_budget = 40000", "allowed: an integer >= 1 and <= 1024"]),
+        "[tree]\nnode_budget = 40000\n",
+        "tree.node_budget",
+        2,
+        ["tree.node_budget = 40000", "allowed: an integer >= 1 and <= 1024"],
+    ),
     "node budget 1e20": (
-        "[tree]\nnode_budget = 100000000000000000000.0\n", "tree.node_budget", 2,
-        ["tree.node_budget = 1e+20", "allowed: an integer >= 1 and <= 1024"]),
+        "[tree]\nnode_budget = 100000000000000000000.0\n",
+        "tree.node_budget",
+        2,
+        ["tree.node_budget = 1e+20", "allowed: an integer >= 1 and <= 1024"],
+    ),
     "max_new_tokens beyond u32": (
-        "[sampling]\nmax_new_tokens = 5000000000\n", "sampling.max_new_tokens", 2,
-        ["sampling.max_new_tokens = 5000000000", "<= 1048576"]),
+        "[sampling]\nmax_new_tokens = 5000000000\n",
+        "sampling.max_new_tokens",
+        2,
+        ["sampling.max_new_tokens = 5000000000", "<= 1048576"],
+    ),
     "server limit": (
-        "[verifier]\nmax_sessions = 0\n", "verifier.max_sessions", 2,
-        ["verifier.max_sessions = 0", "allowed: an integer >= 1 and <= 65536"]),
+        "[verifier]\nmax_sessions = 0\n",
+        "verifier.max_sessions",
+        2,
+        ["verifier.max_sessions = 0", "allowed: an integer >= 1 and <= 65536"],
+    ),
     "int for bool": (
-        "[keep_set]\nalways_bytes = 1\n", "keep_set.always_bytes", 2,
-        ["keep_set.always_bytes = 1", "allowed: true or false"]),
+        "[keep_set]\nalways_bytes = 1\n",
+        "keep_set.always_bytes",
+        2,
+        ["keep_set.always_bytes = 1", "allowed: true or false"],
+    ),
     "out of range": (
-        "[recipe]\nname = 'x'\n[tree]\ndepth_cost = 1.5\n", "tree.depth_cost", 4,
-        ["tree.depth_cost = 1.5", "less than 1", "allowed: a number > 0 and < 1"]),
+        "[recipe]\nname = 'x'\n[tree]\ndepth_cost = 1.5\n",
+        "tree.depth_cost",
+        4,
+        ["tree.depth_cost = 1.5", "less than 1", "allowed: a number > 0 and < 1"],
+    ),
     "epsilon zero": (
-        "[acceptance]\nepsilon = 0.0\n", "acceptance.epsilon", 2,
-        ["acceptance.epsilon = 0.0", "allowed: a number > 0 and <= 1"]),
+        "[acceptance]\nepsilon = 0.0\n",
+        "acceptance.epsilon",
+        2,
+        ["acceptance.epsilon = 0.0", "allowed: a number > 0 and <= 1"],
+    ),
     "not in the list": (
-        '[acceptance]\nmode = "greedy"\n', "acceptance.mode", 2,
-        ['acceptance.mode = "greedy"', 'allowed: one of "epsilon", "exact"']),
+        '[acceptance]\nmode = "greedy"\n',
+        "acceptance.mode",
+        2,
+        ['acceptance.mode = "greedy"', 'allowed: one of "epsilon", "exact"'],
+    ),
     "bits": (
-        "[head_qat]\nweight_bits = 3\n", "head_qat.weight_bits", 2,
-        ["head_qat.weight_bits = 3", "allowed: one of 2, 4, 8"]),
+        "[head_qat]\nweight_bits = 3\n",
+        "head_qat.weight_bits",
+        2,
+        ["head_qat.weight_bits = 3", "allowed: one of 2, 4, 8"],
+    ),
     "bad forced range": (
-        '[keep_set]\nforced_ranges = [\n  "U+1100-U+11FF",\n  "U+3130-318F",\n]\n', "keep_set.forced_ranges[1]", 4,
-        ['keep_set.forced_ranges[1] = "U+3130-318F"', 'allowed: strings like "U+AC00-U+D7A3"']),
+        '[keep_set]\nforced_ranges = [\n  "U+1100-U+11FF",\n  "U+3130-318F",\n]\n',
+        "keep_set.forced_ranges[1]",
+        4,
+        ['keep_set.forced_ranges[1] = "U+3130-318F"', 'allowed: strings like "U+AC00-U+D7A3"'],
+    ),
     "reversed forced range": (
-        '[keep_set]\nforced_ranges = ["U+D7A3-U+AC00"]\n', "keep_set.forced_ranges[0]", 2,
-        ["starts after it ends"]),
+        '[keep_set]\nforced_ranges = ["U+D7A3-U+AC00"]\n',
+        "keep_set.forced_ranges[0]",
+        2,
+        ["starts after it ends"],
+    ),
     "beta out of range": (
-        "[head_qat]\nbetas = [0.9, 1.5]\n", "head_qat.betas[1]", 2,
-        ["head_qat.betas[1] = 1.5", "allowed: two numbers, each in [0, 1)"]),
+        "[head_qat]\nbetas = [0.9, 1.5]\n",
+        "head_qat.betas[1]",
+        2,
+        ["head_qat.betas[1] = 1.5", "allowed: two numbers, each in [0, 1)"],
+    ),
     "bad link": (
-        '[bench]\nlink = "wifi"\n', "bench.link", 2, ['bench.link = "wifi"', '"lte", "5g", "none" or "RTT_MS:MBPS"']),
-    "section not a table": (
-        "tree = 5\n", "tree", 1, ["tree = 5 must be a table [tree]"]),
+        '[bench]\nlink = "wifi"\n',
+        "bench.link",
+        2,
+        ['bench.link = "wifi"', '"lte", "5g", "none" or "RTT_MS:MBPS"'],
+    ),
+    "section not a table": ("tree = 5\n", "tree", 1, ["tree = 5 must be a table [tree]"]),
     "negative scale": (
-        "[handoff]\nscale_hidden = -1.0\n", "handoff.scale_hidden", 2,
-        ["handoff.scale_hidden = -1.0", "allowed: a number > 0 (or leave the key out)"]),
+        "[handoff]\nscale_hidden = -1.0\n",
+        "handoff.scale_hidden",
+        2,
+        ["handoff.scale_hidden = -1.0", "allowed: a number > 0 (or leave the key out)"],
+    ),
     "siblings deeper than the chain": (
-        "[tree]\nchain_length = 2\nsibling_depth = 3\n", "tree.sibling_depth", 3,
-        ["tree.sibling_depth = 3: siblings can only be planted beside chain tokens, and tree.chain_length = 2",
-         "allowed: an integer in [0, tree.chain_length = 2]"]),
+        "[tree]\nchain_length = 2\nsibling_depth = 3\n",
+        "tree.sibling_depth",
+        3,
+        [
+            "tree.sibling_depth = 3: siblings can only be planted beside chain tokens, and tree.chain_length = 2",
+            "allowed: an integer in [0, tree.chain_length = 2]",
+        ],
+    ),
     "sliding ring longer than the ring": (
-        "[window]\nslm_window = 256\nslm_sliding_window = 512\n", "window.slm_sliding_window", 3,
-        ["window.slm_sliding_window = 512", "allowed: an integer in [1, window.slm_window = 256]"]),
+        "[window]\nslm_window = 256\nslm_sliding_window = 512\n",
+        "window.slm_sliding_window",
+        3,
+        ["window.slm_sliding_window = 512", "allowed: an integer in [1, window.slm_window = 256]"],
+    ),
     "clip search reversed": (
-        "[head_qat]\nclip_search_min = 0.9\nclip_search_max = 0.8\n", "head_qat.clip_search_min", 2,
-        ["head_qat.clip_search_min = 0.9: must be below head_qat.clip_search_max = 0.8"]),
+        "[head_qat]\nclip_search_min = 0.9\nclip_search_max = 0.8\n",
+        "head_qat.clip_search_min",
+        2,
+        ["head_qat.clip_search_min = 0.9: must be below head_qat.clip_search_max = 0.8"],
+    ),
     "warm-up longer than training": (
-        "[head_qat]\nsteps = 10\n", "head_qat.warmup_steps", None,
-        ["head_qat.warmup_steps = 50: exceeds head_qat.steps = 10"]),
+        "[head_qat]\nsteps = 10\n",
+        "head_qat.warmup_steps",
+        None,
+        ["head_qat.warmup_steps = 50: exceeds head_qat.steps = 10"],
+    ),
     "candidates beyond the keep set": (
-        "[keep_set]\nsize = 300\n[tree]\nslm_candidates = 301\n", "tree.slm_candidates", 4,
-        ["tree.slm_candidates = 301: exceeds keep_set.size = 300"]),
+        "[keep_set]\nsize = 300\n[tree]\nslm_candidates = 301\n",
+        "tree.slm_candidates",
+        4,
+        ["tree.slm_candidates = 301: exceeds keep_set.size = 300"],
+    ),
     "keep set too small for bytes": (
-        "[keep_set]\nsize = 100\n[tree]\nslm_candidates = 8\n", "keep_set.size", 2,
-        ["keep_set.size = 100: too small to hold the 256 byte tokens"]),
+        "[keep_set]\nsize = 100\n[tree]\nslm_candidates = 8\n",
+        "keep_set.size",
+        2,
+        ["keep_set.size = 100: too small to hold the 256 byte tokens"],
+    ),
     "arch disagrees with target": (
-        '[target]\nname = "htp-v81"\nhtp_arch = 79\n', "target.htp_arch", 3,
-        ['target.htp_arch = 79: disagrees with target.name = "htp-v81"']),
+        '[target]\nname = "htp-v81"\nhtp_arch = 79\n',
+        "target.htp_arch",
+        3,
+        ['target.htp_arch = 79: disagrees with target.name = "htp-v81"'],
+    ),
 }
 
 
@@ -309,8 +411,10 @@ def test_repeated_key_is_a_syntax_error(tmp_path):
 @pytest.mark.parametrize("text", ["", "# nothing but a comment\n", "\n\n"])
 def test_an_empty_recipe_is_refused_naming_a_starting_point(tmp_path, text):
     err, path = error_of(tmp_path, text)
-    assert str(err) == (f"{path}: the recipe is empty: a recipe names at least its [models] (verifier, head, slm, "
-                        "tokenizer); start from a copy of recipes/toy.toml or recipes/gemma4.toml")
+    assert str(err) == (
+        f"{path}: the recipe is empty: a recipe names at least its [models] (verifier, head, slm, "
+        "tokenizer); start from a copy of recipes/toy.toml or recipes/gemma4.toml"
+    )
 
 
 def test_every_numeric_knob_has_an_upper_bound():

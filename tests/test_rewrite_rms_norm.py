@@ -11,13 +11,17 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from hycoc.passes.artifacts import OnnxArtifact
+from hycoc.passes.pipeline import Pipeline
+from hycoc.passes.rmsnorm_decomposition import (
+    RmsNormDecomposition,
+    RmsNormDecompositionError,
+    RmsNormDecompositionPass,
+    explain,
+)
 from onnx import TensorProto, helper, numpy_helper
 from rich.console import Console
 
-from hycoc.passes.artifacts import OnnxArtifact
-from hycoc.passes.pipeline import Pipeline
-from hycoc.passes.rmsnorm_decomposition import (RmsNormDecomposition, RmsNormDecompositionError,
-                                                RmsNormDecompositionPass, explain)
 from hycoc.recipe import Recipe
 
 EPS = 1e-6
@@ -45,8 +49,9 @@ class Graph:
         return out
 
     def model(self, output, opset=20) -> ir.Model:
-        graph = helper.make_graph(self.nodes, "g", self.inputs,
-                                  [helper.make_tensor_value_info(output, TensorProto.FLOAT, None)], self.inits)
+        graph = helper.make_graph(
+            self.nodes, "g", self.inputs, [helper.make_tensor_value_info(output, TensorProto.FLOAT, None)], self.inits
+        )
         proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
         return ir.from_proto(proto)
 
@@ -96,8 +101,11 @@ def per_head_rank4():
     """A q-norm after the head split: hidden 48, 4 heads of head_dim 16 (not 48 / 4 = 12); Gemma 4's Pow(-0.5)."""
     g = Graph()
     x = g.input("x", [1, 5, 48])
-    q = g.op("Reshape", g.op("MatMul", x, g.const(RNG.standard_normal((48, 64)).astype(np.float32))),
-             g.const(np.array([1, 5, 4, 16], dtype=np.int64)))
+    q = g.op(
+        "Reshape",
+        g.op("MatMul", x, g.const(RNG.standard_normal((48, 64)).astype(np.float32))),
+        g.const(np.array([1, 5, 4, 16], dtype=np.int64)),
+    )
     var = g.op("Add", g.mean_square(q), g.const(np.float32(EPS)))
     normed = g.op("Mul", q, g.op("Pow", var, g.const(np.float32(-0.5))))
     return g.model(g.op("Mul", normed, g.const(weight(16)))), {"x": [1, 5, 48]}
@@ -116,8 +124,9 @@ def rms_op_rank4():
     """The ONNX RMSNormalization op (opset 23) on a rank-4 input."""
     g = Graph()
     x = g.input("x", [1, 4, 5, 16])
-    return g.model(g.op("RMSNormalization", x, g.const(weight(16)), axis=-1, epsilon=1e-5), opset=23), \
-        {"x": [1, 4, 5, 16]}
+    return g.model(g.op("RMSNormalization", x, g.const(weight(16)), axis=-1, epsilon=1e-5), opset=23), {
+        "x": [1, 4, 5, 16]
+    }
 
 
 def div_one_unscaled_opset17():
@@ -166,8 +175,13 @@ def test_matches_and_keeps_the_numbers(case):
     ops = op_types(model)
     assert not {"Pow", "Div", "RMSNormalization"} & set(ops)
     assert {"Mul", "ReduceMean", "Add", "Sqrt", "Reciprocal"} <= set(ops)
-    to_rank3 = [n for n in model.graph if n.op_type == "Reshape" and n.inputs[1].const_value is not None
-                and n.inputs[1].const_value.numpy().tolist() == [0, -1, 16]]
+    to_rank3 = [
+        n
+        for n in model.graph
+        if n.op_type == "Reshape"
+        and n.inputs[1].const_value is not None
+        and n.inputs[1].const_value.numpy().tolist() == [0, -1, 16]
+    ]
     assert len(to_rank3) == int(reshaped[0])
     assert ("Shape" in ops) == (case == "per_head_rank4_dynamic")
     after = run(model, feeds)
@@ -234,9 +248,11 @@ def test_does_not_match_and_says_why(case):
     optional = RmsNormDecompositionPass(require_match=False)
     optional(model)
     assert optional.rewritten == [] and op_types(model) == ops
-    with pytest.raises(RmsNormDecompositionError, match=r"required but matched nothing in the graph: .*"
-                                                        + reason.replace("(", r"\(").replace(")", r"\)")
-                                                        .replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(
+        RmsNormDecompositionError,
+        match=r"required but matched nothing in the graph: .*"
+        + reason.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]"),
+    ):
         RmsNormDecompositionPass()(model)
     assert op_types(model) == ops
 
@@ -245,8 +261,11 @@ def test_an_rms_op_it_cannot_rewrite_is_an_error():
     g = Graph()
     x = g.input("x", [1, 4, 5, 16])
     model = g.model(g.op("RMSNormalization", x, g.const(weight(5 * 16)), axis=2), opset=23)
-    with pytest.raises(RmsNormDecompositionError, match=r"1 RMSNormalization op\(s\) left in the graph "
-                                                        r"\(rmsnormalization0\): .*normalizes axes 2..3"):
+    with pytest.raises(
+        RmsNormDecompositionError,
+        match=r"1 RMSNormalization op\(s\) left in the graph "
+        r"\(rmsnormalization0\): .*normalizes axes 2..3",
+    ):
         RmsNormDecompositionPass(require_match=False)(model)
 
 
@@ -283,7 +302,10 @@ def test_exported_gemma4_rms_norms():
     ir_pass = RmsNormDecompositionPass()
     ir_pass(model)
     assert sorted((r["rule"], r["rank"], r["reshaped"]) for r in ir_pass.rewritten) == [
-        ("RmsNormPow", 4, True), ("RmsNormPowScaled", 3, False), ("RmsNormPowScaled", 4, True)]
+        ("RmsNormPow", 4, True),
+        ("RmsNormPowScaled", 3, False),
+        ("RmsNormPowScaled", 4, True),
+    ]
     assert "Pow" not in op_types(model)
     with torch.no_grad():
         expected = module(x).numpy()

@@ -23,14 +23,14 @@ def test_block_rows_equal_fresh_rows(head_dim, theta, scaling):
     first, checked = 0, 0
     for _ in range(300):
         first = max(0, first + int(rng.integers(-3, 9)) if rng.random() > 0.03 else int(rng.integers(0, 200_000)))
-        count = int(rng.integers(1, 20))                   # sometimes longer than the block
+        count = int(rng.integers(1, 20))  # sometimes longer than the block
         cos, sin = block.rows(first, count)
         want_cos, want_sin = rot.rows(np.arange(first, first + count))
         assert cos.tobytes() == want_cos.tobytes() and sin.tobytes() == want_sin.tobytes(), (first, count)
-        one_cos, _ = rot.rows(np.asarray([first + count - 1]))       # a position alone, as the head asks
+        one_cos, _ = rot.rows(np.asarray([first + count - 1]))  # a position alone, as the head asks
         assert cos[-1:].tobytes() == one_cos.tobytes()
         checked += 1
-    assert checked == 300 and 10 < block.computed < 250     # most calls read a block computed earlier
+    assert checked == 300 and 10 < block.computed < 250  # most calls read a block computed earlier
 
 
 def test_rows_refuses_what_it_cannot_serve():

@@ -13,17 +13,24 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
-
-from hycoc.protocol.messages import Sampling
 from hycoc.verifier import VerifierEngine
 from hycoc.verifier.batch import BatchStats, RowBudget, verify_batch
-from hycoc.verifier.tree_rows import remap_parents
-from hycoc.verifier.row_budget import (BudgetState, RowCost, RowCostError, allocate, is_ancestor_closed,
-                                       monotone_scores, row_values)
+from hycoc.verifier.row_budget import (
+    BudgetState,
+    RowCost,
+    RowCostError,
+    allocate,
+    is_ancestor_closed,
+    monotone_scores,
+    row_values,
+)
 from hycoc.verifier.sampling import sampling_probs
+from hycoc.verifier.tree_rows import remap_parents
+from scipy.stats import chisquare
 from test_verifier_engine import pooled_chisquare
 from tiny_models import VOCAB, tiny_verifier
+
+from hycoc.protocol.messages import Sampling
 
 torch.set_num_threads(1)
 LN = float(np.log(0.66))
@@ -36,17 +43,24 @@ SCALES = (0.1, 0.1, 0.05, 0.05, 0.05, 0.05)
 def test_row_cost_interpolates_holds_and_extends():
     cost = RowCost(((32, 14.0), (144, 26.0), (528, 70.0)))
     assert cost.ms([1, 32, 88, 144, 528, 1056]).tolist() == pytest.approx(
-        [14.0, 14.0, 20.0, 26.0, 70.0, 70.0 + 44.0 / 384 * 528])
+        [14.0, 14.0, 20.0, 26.0, 70.0, 70.0 + 44.0 / 384 * 528]
+    )
     assert cost.flat_rows() == 32
     gpu = RowCost(((33, 20.0), (132, 20.4), (206, 20.9), (528, 50.0)))
-    assert gpu.flat_rows() == 206            # within 5 % of the first point up to the ridge
+    assert gpu.flat_rows() == 206  # within 5 % of the first point up to the ridge
     falling = RowCost(((10, 5.0), (20, 4.0)))
-    assert falling.ms(40).item() == 4.0      # slope beyond the last point clamped to >= 0
+    assert falling.ms(40).item() == 4.0  # slope beyond the last point clamped to >= 0
 
 
-@pytest.mark.parametrize("points, field", [(((10, 1.0),), "at least two"), (((10, 1.0), (10, 2.0)), "increasing"),
-                                           (((10, 1.0), (20, -1.0)), "finite and >= 0"),
-                                           (((0, 1.0), (20, 2.0)), ">= 1")])
+@pytest.mark.parametrize(
+    "points, field",
+    [
+        (((10, 1.0),), "at least two"),
+        (((10, 1.0), (10, 2.0)), "increasing"),
+        (((10, 1.0), (20, -1.0)), "finite and >= 0"),
+        (((0, 1.0), (20, 2.0)), ">= 1"),
+    ],
+)
 def test_row_cost_refuses_bad_points(points, field):
     with pytest.raises(RowCostError, match=field):
         RowCost(points)
@@ -105,7 +119,7 @@ def test_allocation_hand_worked():
     got = allocate([a, b], cost, free_rows=4, min_rows=2)
     assert [k.tolist() for k in got.kept] == [[0, 1, 2, 3], [0, 1, 2, 3]]
     assert (got.rows_before, got.rows_after, got.trimmed) == (14, 8, 6)
-    assert got.expected_tokens == pytest.approx(2 + 2 * (0.66 + 0.66 ** 2 + 0.66 ** 3))
+    assert got.expected_tokens == pytest.approx(2 + 2 * (0.66 + 0.66**2 + 0.66**3))
     assert got.expected_tokens / float(cost.ms(8)) == pytest.approx(0.26479, abs=1e-5)
     # free rows: never fewer than 10 in all, so the next-best rows (the fourth chain tokens) come back
     got10 = allocate([a, b], cost, free_rows=10, min_rows=2)
@@ -118,14 +132,14 @@ def test_allocation_hand_worked():
 
 def test_unscored_trees_stay_whole_and_padding_goes_first():
     a = chain_tree(3, [np.log(0.5)])
-    tokens = np.concatenate([a[1], [a[1][-1]] * 3])           # padded: the last row repeated three times
+    tokens = np.concatenate([a[1], [a[1][-1]] * 3])  # padded: the last row repeated three times
     parents = np.concatenate([a[2], [a[2][-1]] * 3])
     scores = np.concatenate([a[0], [a[0][-1]] * 3])
     unscored = (None, np.array([7, 8, 9]), np.array([-1, 0, 1]))
-    cost = RowCost(((1, 1.0), (100, 100.0)))     # 1 ms per row: every row below 1 expected token per ms... trims
+    cost = RowCost(((1, 1.0), (100, 100.0)))  # 1 ms per row: every row below 1 expected token per ms... trims
     got = allocate([(scores, tokens, parents), unscored], cost, free_rows=8)
-    assert got.kept[1] is None                               # the unscored tree is kept whole
-    assert got.rows_after == 8 and got.kept[0].tolist() == [0, 1, 2, 3, 4]   # padding (rows 5-7) left out first
+    assert got.kept[1] is None  # the unscored tree is kept whole
+    assert got.rows_after == 8 and got.kept[0].tolist() == [0, 1, 2, 3, 4]  # padding (rows 5-7) left out first
     assert row_values(scores, tokens, parents)[5:].tolist() == [0.0, 0.0, 0.0]
 
 
@@ -138,7 +152,7 @@ def test_allocation_is_ancestor_closed_and_optimal_on_random_trees():
             parents = np.array([-1] + [int(rng.integers(0, j)) for j in range(1, rows)])
             raw = np.concatenate([[0.0], -rng.exponential(1.0, rows - 1)])
             scores = np.zeros(rows)
-            for j in range(1, rows):                         # s(child) = s(parent) + log q + ln λ
+            for j in range(1, rows):  # s(child) = s(parent) + log q + ln λ
                 scores[j] = scores[parents[j]] + raw[j] + LN
             tokens = np.concatenate([[1], rng.permutation(np.arange(10, 10 + rows - 1))])
             trees.append((scores, tokens, parents))
@@ -243,7 +257,7 @@ def test_t0_text_with_trimming_equals_the_untrimmed_run(model):
             batch = []
             for i, s in enumerate(sessions):
                 t, p, sc = greedy_tree(model, s.tokens, depth=3)
-                t[1] = (t[1] + 7) % VOCAB                     # a wrong first chain token: the siblings must carry it
+                t[1] = (t[1] + 7) % VOCAB  # a wrong first chain token: the siblings must carry it
                 batch.append((s, t, p, seqs[i], sc))
                 seqs[i] += 1
             verify_batch(engine, batch, None, budget)
@@ -268,8 +282,10 @@ def test_exact_acceptance_with_trimming_is_lossless(model):
     support1 = p1.nonzero().flatten().tolist()
     top = max(support1, key=lambda x: float(p1[x]))
     with torch.inference_mode():
-        p2 = {x: sampling_probs(model(input_ids=torch.tensor([prompt + [x]])).logits[0, -1:].float(), sampling)[0]
-              for x in support1}
+        p2 = {
+            x: sampling_probs(model(input_ids=torch.tensor([prompt + [x]])).logits[0, -1:].float(), sampling)[0]
+            for x in support1
+        }
     below = p2[top].topk(2).indices.tolist()
     expected = {(x, y): float(p1[x] * p2[x][y]) for x in support1 for y in p2[x].nonzero().flatten().tolist()}
     order = sorted(support1, key=lambda x: -float(p1[x]))
@@ -293,8 +309,12 @@ def test_exact_acceptance_with_trimming_is_lossless(model):
             p = parents if seq == 0 else np.array([-1, 0, 0])
             sc = scores if seq == 0 else np.array([0.0, -1.0, -2.0])
             ft = np.array([filler.root, 5, 6])
-            replies = verify_batch(engine, [(s, t, p, seq, sc), (filler, ft, np.array([-1, 0, 1]), seq,
-                                                                 np.array([0.0, -0.5, -1.0]))], None, budget)
+            replies = verify_batch(
+                engine,
+                [(s, t, p, seq, sc), (filler, ft, np.array([-1, 0, 1]), seq, np.array([0.0, -0.5, -1.0]))],
+                None,
+                budget,
+            )
             if seq == 0:
                 v = replies[0].verified
                 kept_shapes[tuple(np.nonzero(v)[0]) if v is not None else "all"] += 1
@@ -319,9 +339,9 @@ def test_budget_state_learns_overhead_and_acceptance():
     st = BudgetState(weight=0.5)
     st.observe(step_ms=30.0, forward_ms=10.0, sessions=4, accepted=3.0, expected=6.0)
     assert (st.overhead_ms, st.value_scale, st.steps) == (5.0, 0.5, 1)
-    st.observe(step_ms=20.0, forward_ms=10.0, sessions=2, accepted=30.0, expected=1.0)   # ratio 30 -> clamped 2
+    st.observe(step_ms=20.0, forward_ms=10.0, sessions=2, accepted=30.0, expected=1.0)  # ratio 30 -> clamped 2
     assert (st.overhead_ms, st.value_scale) == (5.0, 1.25)
-    st.observe(step_ms=12.0, forward_ms=10.0, sessions=1, accepted=None, expected=None)   # unscored: scale kept
+    st.observe(step_ms=12.0, forward_ms=10.0, sessions=1, accepted=None, expected=None)  # unscored: scale kept
     assert (st.overhead_ms, st.value_scale) == (3.5, 1.25)
     # and the allocation weighs rows against the whole step: a large per-step overhead keeps more rows
     a, b = chain_tree(4, []), chain_tree(4, [], root=6)
@@ -355,13 +375,14 @@ def test_row_cost_plan_and_measurement_fit_the_engine(model):
     from hycoc.verifier.row_cost_measure import measure_row_cost, row_cost_plan
 
     assert row_cost_plan(33, 528, 32768) == (16, [2, 8, 16, 33])
-    assert row_cost_plan(5, 528, 14) == (16, [2, 5])        # a short context still measures
+    assert row_cost_plan(5, 528, 14) == (16, [2, 5])  # a short context still measures
     assert row_cost_plan(7, 14, 96) == (2, [2, 3, 7])
     with pytest.raises(ValueError, match="too short"):
         row_cost_plan(33, 528, 3)
     eng = VerifierEngine(model, head_window=6, handoff_scales=SCALES, eos_token_ids=set(), max_context=20)
     sessions, rows = row_cost_plan(9, 40, eng.max_context)
-    cost = measure_row_cost(eng, sessions=sessions, rows_per_tree=rows, context=eng.max_context - rows[-1] - 1,
-                            repeats=1)
+    cost = measure_row_cost(
+        eng, sessions=sessions, rows_per_tree=rows, context=eng.max_context - rows[-1] - 1, repeats=1
+    )
     assert [r for r, _ in cost.points] == [sessions * r for r in rows] and all(ms > 0 for _, ms in cost.points)
     assert "batch_forward of 4 sessions" in cost.source

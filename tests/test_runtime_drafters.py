@@ -7,14 +7,14 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
-from hycoc.host import FULL, MASK_VALUE, SLIDING, RotaryTable
-from hycoc.protocol.messages import HandOff
 from hycoc.runtime.mtp_drafter import HandoffError, MtpDrafter, NoHandoff, top2
 from hycoc.runtime.slm_drafter import SlmDrafter
 from hycoc.runtime.tree_builder import DraftTreeNodes
 
-H, W, KV, D = 3, 4, 1, 2          # verifier hidden, head ring columns, KV heads, head dim (both layer types)
+from hycoc.host import FULL, MASK_VALUE, SLIDING, RotaryTable
+from hycoc.protocol.messages import HandOff
+
+H, W, KV, D = 3, 4, 1, 2  # verifier hidden, head ring columns, KV heads, head dim (both layer types)
 KEEP = np.array([20, 21, 22, 23])
 
 
@@ -29,8 +29,10 @@ class FakeHead:
 
     def run(self, feeds):
         self.feeds.append({k: v.copy() for k, v in feeds.items()})
-        return {"logits": np.asarray(self.logits.pop(0), np.float32).reshape(1, 1, -1),
-                "h_next": np.full((1, 1, H), 7.0 + len(self.feeds), np.float32)}
+        return {
+            "logits": np.asarray(self.logits.pop(0), np.float32).reshape(1, 1, -1),
+            "h_next": np.full((1, 1, H), 7.0 + len(self.feeds), np.float32),
+        }
 
 
 def head_bundle():
@@ -39,16 +41,29 @@ def head_bundle():
     e_scale = np.full((len(KEEP), 1), 0.5, np.float32)
     return SimpleNamespace(
         round=SimpleNamespace(chain_length=3, sibling_depth=2, head_window=W, head_query_position_offset=-1),
-        host=SimpleNamespace(head=SimpleNamespace(sliding_window=2)), keep_set=KEEP,
+        host=SimpleNamespace(head=SimpleNamespace(sliding_window=2)),
+        keep_set=KEEP,
         head_rotary={SLIDING: rot, FULL: rot},
-        embed_keep=lambda i: e_q[i].astype(np.float32) * e_scale[i, 0])
+        embed_keep=lambda i: e_q[i].astype(np.float32) * e_scale[i, 0],
+    )
 
 
 def handoff(t_prime, a, base=0, scale=1.0):
     n = t_prime - a
-    rows = (base + np.arange(a, t_prime, dtype=np.int8)[:, None] * 10 + np.arange(KV * D, dtype=np.int8)).astype(np.int8)
-    return HandOff(t_prime=t_prime, a=a, bonus=5, x_hat=np.arange(2 * H, dtype=np.int8), k_sliding=rows,
-                   v_sliding=-rows, k_full=rows + 1, v_full=rows.reshape(n, KV * D), scales=(1, 2, scale, 1, 1, 1))
+    rows = (base + np.arange(a, t_prime, dtype=np.int8)[:, None] * 10 + np.arange(KV * D, dtype=np.int8)).astype(
+        np.int8
+    )
+    return HandOff(
+        t_prime=t_prime,
+        a=a,
+        bonus=5,
+        x_hat=np.arange(2 * H, dtype=np.int8),
+        k_sliding=rows,
+        v_sliding=-rows,
+        k_full=rows + 1,
+        v_full=rows.reshape(n, KV * D),
+        scales=(1, 2, scale, 1, 1, 1),
+    )
 
 
 def test_top2_is_first_among_equals():
@@ -59,22 +74,22 @@ def test_top2_is_first_among_equals():
 
 def test_ring_wraps_around_and_masks_the_live_range():
     mtp = MtpDrafter(FakeHead([]), head_bundle())
-    mtp.ingest(handoff(3, 0, scale=0.5))            # positions 0, 1, 2 -> columns 0, 1, 2
+    mtp.ingest(handoff(3, 0, scale=0.5))  # positions 0, 1, 2 -> columns 0, 1, 2
     k = mtp.ring[SLIDING][0][0, 0, :, 0]
-    assert k.tolist() == [0.0, 5.0, 10.0, 0.0]      # row p = 10 p (int8) x scale 0.5
+    assert k.tolist() == [0.0, 5.0, 10.0, 0.0]  # row p = 10 p (int8) x scale 0.5
     f = mtp.feeds(mtp.x_hat)
     assert (f["mask_full"][0, 0, 0] == 0).tolist() == [True, True, True, False]
-    assert (f["mask_sliding"][0, 0, 0] == 0).tolist() == [False, True, True, False]   # last min(W, 2) positions
+    assert (f["mask_sliding"][0, 0, 0] == 0).tolist() == [False, True, True, False]  # last min(W, 2) positions
     assert f["mask_full"][0, 0, 0, 3] == MASK_VALUE
-    mtp.ingest(handoff(6, 3))                        # same request (a == t0): positions 3, 4, 5 -> cols 3, 0, 1
+    mtp.ingest(handoff(6, 3))  # same request (a == t0): positions 3, 4, 5 -> cols 3, 0, 1
     assert mtp.ring[FULL][0][0, 0, :, 0].tolist() == [41.0, 51.0, 21.0, 31.0]
     assert mtp.live == 2
     f = mtp.feeds(mtp.x_hat)
-    assert (f["mask_full"][0, 0, 0] == 0).all()      # live [2, 6) covers all four columns
-    assert (f["mask_sliding"][0, 0, 0] == 0).tolist() == [True, True, False, False]   # positions 4, 5
+    assert (f["mask_full"][0, 0, 0] == 0).all()  # live [2, 6) covers all four columns
+    assert (f["mask_sliding"][0, 0, 0] == 0).tolist() == [True, True, False, False]  # positions 4, 5
     cos, _ = RotaryTable(np.array([0.1], np.float32), 1.0, 2).rows(np.array([[5]]))  # query fixed at t - 1
     assert np.array_equal(f["cos_full"], cos)
-    mtp.ingest(handoff(2, 0))                        # a != t0: a new request clears the ring
+    mtp.ingest(handoff(2, 0))  # a != t0: a new request clears the ring
     assert mtp.ring[FULL][0][0, 0, :, 0].tolist() == [1.0, 11.0, 0.0, 0.0] and mtp.live == 0
     assert (mtp.feeds(mtp.x_hat)["mask_full"][0, 0, 0] == 0).tolist() == [True, True, False, False]
 
@@ -100,7 +115,7 @@ def test_bad_handoffs_are_refused_before_anything_is_written():
     with pytest.raises(HandoffError, match="sliding rows hold NaN or inf"):
         mtp.ingest(HandOff(**{**h.__dict__, "v_sliding": np.where(h.v_sliding == 0, np.nan, h.v_sliding)}))
     assert mtp.t0 is None and not mtp.ring[FULL][0].any()
-    mtp.ingest(HandOff(**{**h.__dict__, "scales": (1, 2, 1, 1, 2e36, 1)}))   # 128 x 2e36 still fits float32
+    mtp.ingest(HandOff(**{**h.__dict__, "scales": (1, 2, 1, 1, 2e36, 1)}))  # 128 x 2e36 still fits float32
     assert mtp.ring[FULL][0].max() == np.float32(h.k_full.max()) * np.float32(2e36)
 
 
@@ -110,27 +125,27 @@ def test_draft_chain_runner_ups_and_next_input():
     mtp = MtpDrafter(head, head_bundle())
     mtp.ingest(handoff(3, 0))
     d = mtp.draft()
-    assert d.chain == [21, 20, 23] and d.runner_ups == [22, 23]      # D = 2: no runner-up at depth 3
-    assert head.feeds[0]["x_hat"].reshape(-1).tolist() == [0, 1, 2, 6, 8, 10]   # [e x 1; h x 2]
+    assert d.chain == [21, 20, 23] and d.runner_ups == [22, 23]  # D = 2: no runner-up at depth 3
+    assert head.feeds[0]["x_hat"].reshape(-1).tolist() == [0, 1, 2, 6, 8, 10]  # [e x 1; h x 2]
     # step 2 input: [E[1]; h_next of step 1] = [3, 4, 5] x 0.5 and 8.0
     assert head.feeds[1]["x_hat"].reshape(-1).tolist() == [1.5, 2.0, 2.5, 8.0, 8.0, 8.0]
-    assert all(np.array_equal(f["k_full"], head.feeds[0]["k_full"]) for f in head.feeds)   # ring not extended
+    assert all(np.array_equal(f["k_full"], head.feeds[0]["k_full"]) for f in head.feeds)  # ring not extended
 
 
 # ---- the SLM Drafter -------------------------------------------------------------------------------------------
 
-R, WS, WF, V = 6, 4, 8, 5         # graph rows, sliding ring, full ring, keep-set size
+R, WS, WF, V = 6, 4, 8, 5  # graph rows, sliding ring, full ring, keep-set size
 
 
 class FakeLut:
     def lookup(self, ids):
-        return np.repeat(np.asarray(ids, np.float32)[..., None], 2, axis=-1)     # embedding = token id
+        return np.repeat(np.asarray(ids, np.float32)[..., None], 2, axis=-1)  # embedding = token id
 
 
 class FakeRotary:
     def rows(self, positions):
         p = np.asarray(positions, np.float32)[..., None]
-        return p, np.zeros_like(p)                                               # cos = position
+        return p, np.zeros_like(p)  # cos = position
 
 
 class FakeSlmGraph:
@@ -140,12 +155,18 @@ class FakeSlmGraph:
         self.feeds = []
 
     def shape(self, name):
-        return {"inputs_embeds": (1, R, 2), "mask_sliding": (1, 1, R, WS + R), "mask_full": (1, 1, R, WF + R),
-                "k_ring_0": (1, 2, WS, 1), "v_ring_0": (1, 2, WS, 1), "k_ring_1": (1, 2, WF, 1),
-                "v_ring_1": (1, 2, WF, 1)}[name]
+        return {
+            "inputs_embeds": (1, R, 2),
+            "mask_sliding": (1, 1, R, WS + R),
+            "mask_full": (1, 1, R, WF + R),
+            "k_ring_0": (1, 2, WS, 1),
+            "v_ring_0": (1, 2, WS, 1),
+            "k_ring_1": (1, 2, WF, 1),
+            "v_ring_1": (1, 2, WF, 1),
+        }[name]
 
     def run(self, feeds):
-        feeds = {k: v.copy() for k, v in feeds.items()}     # masks and rings are the drafter's buffers, reused
+        feeds = {k: v.copy() for k, v in feeds.items()}  # masks and rings are the drafter's buffers, reused
         self.feeds.append(feeds)
         tok = feeds["inputs_embeds"][0, :, 0]
         pos = feeds["cos_full"][0, :, 0]
@@ -160,10 +181,13 @@ class FakeSlmGraph:
 
 def slm_drafter():
     bundle = SimpleNamespace(
-        host=SimpleNamespace(slm=SimpleNamespace(layer_types=[SLIDING, FULL], kv_layers=[0, 1], sliding_window=3,
-                                                 per_layer_dim=0)),
-        slm_luts={"embed_tokens": FakeLut()}, slm_rotary={SLIDING: FakeRotary(), FULL: FakeRotary()},
-        keep_set=np.arange(V))
+        host=SimpleNamespace(
+            slm=SimpleNamespace(layer_types=[SLIDING, FULL], kv_layers=[0, 1], sliding_window=3, per_layer_dim=0)
+        ),
+        slm_luts={"embed_tokens": FakeLut()},
+        slm_rotary={SLIDING: FakeRotary(), FULL: FakeRotary()},
+        keep_set=np.arange(V),
+    )
     return SlmDrafter(FakeSlmGraph(), bundle)
 
 
@@ -186,13 +210,13 @@ def chain_tree(root, chain):
 
 def test_first_forward_runs_committed_rows_then_root_then_nodes_and_commit_moves_the_path():
     slm = slm_drafter()
-    slm.start([3, 4, 2])                      # t = 2: positions 0, 1 need SLM KV, root 2 at position 2
+    slm.start([3, 4, 2])  # t = 2: positions 0, 1 need SLM KV, root 2 at position 2
     tree = chain_tree(2, [1, 4])
     logq = slm.expand(tree, [1, 2])
     feeds = slm.runner.feeds[-1]
-    assert feeds["inputs_embeds"][0, :, 0].tolist() == [3, 4, 2, 1, 4, 4]       # padded by repeating the last
+    assert feeds["inputs_embeds"][0, :, 0].tolist() == [3, 4, 2, 1, 4, 4]  # padded by repeating the last
     assert feeds["cos_full"][0, :, 0].tolist() == [0, 1, 2, 3, 4, 4]
-    assert set(logq) == {0, 1, 2} and logq[1].index[0] == 1                    # row of node 1 (token 1)
+    assert set(logq) == {0, 1, 2} and logq[1].index[0] == 1  # row of node 1 (token 1)
     # committed rows are in the ring at once, for every KV head and layer; the root is not yet
     assert [ring(slm, 0, 0, h) for h in (0, 1)] == [k_value(3, 0, 0), k_value(3, 0, 1)]
     assert ring(slm, 1, 1, 1) == k_value(4, 1, 1, 1) and slm.n_kv == 2 and ring(slm, 1, 2) == 0
@@ -202,7 +226,7 @@ def test_first_forward_runs_committed_rows_then_root_then_nodes_and_commit_moves
     for h in (0, 1):
         assert ring(slm, 0, 2, h) == k_value(2, 2, h) and ring(slm, 0, 3, h) == k_value(1, 3, h)
         assert ring(slm, 1, 3, h) == k_value(1, 3, h, 1)
-        assert slm.rings[1][1][0, h, 3, 0] == -k_value(1, 3, h, 1)             # values too
+        assert slm.rings[1][1][0, h, 3, 0] == -k_value(1, 3, h, 1)  # values too
     # next round: only the bonus (root) lacks KV; it sits at position 4
     slm.expand(chain_tree(0, []), [])
     assert slm.runner.feeds[-1]["cos_full"][0, 0, 0] == 4 and slm.n_kv == 4
@@ -212,7 +236,7 @@ def test_commit_of_an_slm_leaf_without_kv_leaves_it_for_the_next_forward_and_the
     slm = slm_drafter()
     slm.start([3, 4, 2])
     tree = chain_tree(2, [1])
-    leaf = tree.add(4, 1, -5.0, "slm")        # an SLM candidate: never forwarded, no KV
+    leaf = tree.add(4, 1, -5.0, "slm")  # an SLM candidate: never forwarded, no KV
     slm.expand(tree, [1])
     assert slm.commit([1, leaf], [1, 4, 3]) == 1
     assert slm.n_kv == 4 and slm.tokens == [3, 4, 2, 1, 4, 3]
@@ -220,7 +244,11 @@ def test_commit_of_an_slm_leaf_without_kv_leaves_it_for_the_next_forward_and_the
     feeds = slm.runner.feeds[-1]
     assert feeds["inputs_embeds"][0, :2, 0].tolist() == [4, 3] and feeds["cos_full"][0, :2, 0].tolist() == [4, 5]
     # the leaf (position 4) is committed at once; in the 4-column sliding ring it overwrites position 0
-    assert ring(slm, 0, 4) == k_value(4, 4) and ring(slm, 1, 4) == k_value(4, 4, 0, 1) and ring(slm, 1, 0) == k_value(3, 0, 0, 1)
+    assert (
+        ring(slm, 0, 4) == k_value(4, 4)
+        and ring(slm, 1, 4) == k_value(4, 4, 0, 1)
+        and ring(slm, 1, 0) == k_value(3, 0, 0, 1)
+    )
     # mask of the root row (position 5) in that forward (the ring then held positions 0..3; position 4 is row 0):
     # sliding window 3 -> ring position 3 only (column 3); full -> positions 0..3 (columns 4..7 hold none yet)
     m_s = feeds["mask_sliding"][0, 0, 1] == 0
@@ -238,9 +266,9 @@ def test_a_round_that_accepts_nothing_moves_only_the_root():
 
 def test_long_prompt_fills_the_ring_in_chunks_of_r_rows():
     slm = slm_drafter()
-    slm.start(list(range(1, 12)))             # t = 10; the ring holds the last W = 8 positions: 2..9 + root
+    slm.start(list(range(1, 12)))  # t = 10; the ring holds the last W = 8 positions: 2..9 + root
     assert slm.live_start == 2
-    assert slm.prefill(reserve=2) == 1        # 9 rows without KV > R - 2: one chunk of 6 (positions 2..7)
+    assert slm.prefill(reserve=2) == 1  # 9 rows without KV > R - 2: one chunk of 6 (positions 2..7)
     assert slm.n_kv == 8 and ring(slm, 1, 7) == k_value(8, 7, 0, 1)
     slm.expand(chain_tree(11, []), [])
     assert slm.runner.feeds[-1]["cos_full"][0, :3, 0].tolist() == [8, 9, 10]
@@ -260,7 +288,7 @@ def test_a_repeated_row_layout_is_served_from_the_kept_arrays():
     want_d, want_anc = tree_rows(parents)
     assert depths.tolist() == want_d.tolist() and np.array_equal(anc, want_anc) and count == 3
     assert np.array_equal(block, np.where(want_anc, np.float32(0.0), np.float32(MASK_VALUE)))
-    again = slm._rows_of(list(parents))                  # an equal list: the same arrays, read-only
+    again = slm._rows_of(list(parents))  # an equal list: the same arrays, read-only
     assert all(a is b for a, b in zip(again[:3], (depths, anc, block))) and not block.flags.writeable
     with pytest.raises(TreeShapeError):
         slm._rows_of([-1, 2] + [0] * (slm.rows - 2))
@@ -273,10 +301,10 @@ def test_rollback_crops_what_follows_the_kept_prefix():
     slm = slm_drafter()
     slm.start([3, 4, 2])
     slm.expand(chain_tree(2, [1, 4]), [1, 2])
-    slm.commit([1], [1, 0])                   # positions 0..3 have KV, token 0 (position 4) none
-    assert slm.rollback(5) == "none" and slm.n_kv == 4          # nothing after the kept ids had KV
+    slm.commit([1], [1, 0])  # positions 0..3 have KV, token 0 (position 4) none
+    assert slm.rollback(5) == "none" and slm.n_kv == 4  # nothing after the kept ids had KV
     assert slm.rollback(3) == "crop" and (slm.tokens, slm.n_kv) == ([3, 4, 2], 3)
-    slm.commit([], [7, 5])                    # the re-rendered conversation continues with 7, root 5
+    slm.commit([], [7, 5])  # the re-rendered conversation continues with 7, root 5
     slm.expand(chain_tree(5, []), [])
     feeds = slm.runner.feeds[-1]
     assert feeds["inputs_embeds"][0, :2, 0].tolist() == [7, 5] and feeds["cos_full"][0, :2, 0].tolist() == [3, 4]
@@ -287,17 +315,17 @@ def test_rollback_crops_what_follows_the_kept_prefix():
 
 def test_rollback_past_a_wrapped_ring_refills_it_cold():
     slm = slm_drafter()
-    slm.start(list(range(1, 12)))             # t = 10: the rings hold positions 2..9
+    slm.start(list(range(1, 12)))  # t = 10: the rings hold positions 2..9
     slm.prefill(reserve=2)
     slm.expand(chain_tree(11, []), [])
-    slm.commit([], [12])                      # n_kv 11: the 4-column sliding ring holds positions 7..10
+    slm.commit([], [12])  # n_kv 11: the 4-column sliding ring holds positions 7..10
     assert slm.n_kv == 11
     with pytest.raises(ValueError):
         slm.rollback(0)
-    assert slm.rollback(8) == "refill"        # position 8 needs 4..7 in the sliding ring: 4..6 were overwritten
+    assert slm.rollback(8) == "refill"  # position 8 needs 4..7 in the sliding ring: 4..6 were overwritten
     assert slm.tokens == list(range(1, 9)) and slm.live_start == slm.n_kv == 0
     slm.commit([], [20, 21])
     slm.prefill(reserve=1)
     slm.expand(chain_tree(21, []), [])
-    for p in range(max(slm.live_start, slm.n_kv - WS), slm.n_kv):   # what a cold start on these ids holds
+    for p in range(max(slm.live_start, slm.n_kv - WS), slm.n_kv):  # what a cold start on these ids holds
         assert ring(slm, 0, p) == k_value(slm.tokens[p], p)

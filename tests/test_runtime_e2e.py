@@ -14,6 +14,11 @@ import json
 import numpy as np
 import pytest
 import torch
+from hycoc.passes import build as b
+from hycoc.runtime import transport
+from hycoc.runtime.client import load_runtime
+from hycoc.verifier.loading import engine_from_recipe, server_options
+from hycoc.verifier.server import ServerThread
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -21,16 +26,11 @@ from hycoc.chat import Conversation
 from hycoc.cli import app
 from hycoc.protocol import wire
 from hycoc.protocol.messages import Sampling
-from hycoc.passes import build as b
-from hycoc.runtime import transport
-from hycoc.runtime.client import load_runtime
-from hycoc.verifier.loading import engine_from_recipe, server_options
-from hycoc.verifier.server import ServerThread
 
 torch.set_num_threads(1)
 GREEDY = Sampling(0.0, 64, 0.95)
 LONG = " ".join(f"w{i}" for i in range(3, 60, 2))
-MAX_NEW = 40          # > the tiny recipe's windows (16 / 8): the rings wrap around several times
+MAX_NEW = 40  # > the tiny recipe's windows (16 / 8): the rings wrap around several times
 
 
 @pytest.fixture(scope="module")
@@ -67,20 +67,26 @@ def greedy_reference(engine, ids, max_new, stops):
             out.append(tok)
             if tok in stops:
                 break
-    return out[len(ids):]
+    return out[len(ids) :]
 
 
 @pytest.mark.parametrize("mode", ["hyco-exact", "hyco", "specedge", "hyco-2p", "server-head", "cloud-mtp"])
 def test_greedy_output_equals_the_verifiers_greedy_generation(server, runtime, mode):
     srv, engine = server
-    ids = prompt_ids(runtime, LONG)   # longer than every ring: chunked SLM fill, hand-off windows of W rows
+    ids = prompt_ids(runtime, LONG)  # longer than every ring: chunked SLM fill, hand-off windows of W rows
     assert len(ids) > 16
     want = greedy_reference(engine, ids, MAX_NEW, runtime.bundle.chat.stop_ids)
     pieces = []
-    res = runtime.generate(transport.VerifierClient(srv.url), ids, mode=mode, max_new_tokens=MAX_NEW,
-                           sampling=GREEDY, on_text=pieces.append)
+    res = runtime.generate(
+        transport.VerifierClient(srv.url),
+        ids,
+        mode=mode,
+        max_new_tokens=MAX_NEW,
+        sampling=GREEDY,
+        on_text=pieces.append,
+    )
     assert res.tokens == want
-    assert 1 <= res.rounds <= len(want)      # random tiny drafters: acceptance is not the point here, exactness is
+    assert 1 <= res.rounds <= len(want)  # random tiny drafters: acceptance is not the point here, exactness is
     assert "".join(pieces) == res.text
     m = res.to_json()
     assert m["tokens"] == len(want) and m["mat"] == pytest.approx(len(want) / res.rounds, abs=1e-4)
@@ -93,16 +99,34 @@ def test_greedy_output_equals_the_verifiers_greedy_generation(server, runtime, m
 def test_sampled_hyco_runs_and_reports_every_metric(server, runtime):
     srv, _ = server
     client = transport.VerifierClient(srv.url)
-    res = runtime.generate(client, prompt_ids(runtime), mode="hyco", max_new_tokens=24,
-                           sampling=Sampling(1.0, 64, 0.95), seed=3, keep_open=True)
-    try:   # what the device committed is what the verifier's session committed, token for token
+    res = runtime.generate(
+        client,
+        prompt_ids(runtime),
+        mode="hyco",
+        max_new_tokens=24,
+        sampling=Sampling(1.0, 64, 0.95),
+        seed=3,
+        keep_open=True,
+    )
+    try:  # what the device committed is what the verifier's session committed, token for token
         (session,) = srv.server.sessions.values()
         assert res.tokens == session.output and len(res.tokens) >= 1
     finally:
         client.close()
     m = res.to_json()
-    assert set(m) == {"text", "tokens", "rounds", "mat", "tok_per_s", "draft_ms_per_token", "server_ms_per_token",
-                      "first_token_ms", "bytes_up_per_round", "bytes_down_per_round", "finish_reason"}
+    assert set(m) == {
+        "text",
+        "tokens",
+        "rounds",
+        "mat",
+        "tok_per_s",
+        "draft_ms_per_token",
+        "server_ms_per_token",
+        "first_token_ms",
+        "bytes_up_per_round",
+        "bytes_down_per_round",
+        "finish_reason",
+    }
     assert m["finish_reason"] in ("stop", "max_new_tokens")
     assert 1 <= m["tokens"] <= 24 and m["rounds"] >= 1 and m["server_ms_per_token"] > 0
     assert m["draft_ms_per_token"] > 0 and m["first_token_ms"] > 0 and m["bytes_down_per_round"] > 44
@@ -125,20 +149,38 @@ def test_the_context_limit_ends_the_request_with_every_committed_token(short_ser
     ids = prompt_ids(runtime, LONG)
     want = greedy_reference(engine, ids, 6, runtime.bundle.chat.stop_ids)
     pieces = []
-    res = runtime.generate(transport.VerifierClient(srv.url), ids, mode=mode, max_new_tokens=40, sampling=GREEDY,
-                           on_text=pieces.append)
+    res = runtime.generate(
+        transport.VerifierClient(srv.url), ids, mode=mode, max_new_tokens=40, sampling=GREEDY, on_text=pieces.append
+    )
     assert res.tokens == want and "".join(pieces) == res.text
     assert res.finish_reason == ("length" if len(want) == 6 else "stop")
-    assert sum(res.accepted) + res.rounds == len(res.tokens)          # per-round counts are what was committed
-    with pytest.raises(transport.ServerError, match="context_overflow"):   # no room left: refused at OPEN
+    assert sum(res.accepted) + res.rounds == len(res.tokens)  # per-round counts are what was committed
+    with pytest.raises(transport.ServerError, match="context_overflow"):  # no room left: refused at OPEN
         runtime.generate(transport.VerifierClient(srv.url), ids + [ids[-1]] * 6, mode=mode, sampling=GREEDY)
 
 
 def test_cli_run_at_the_context_limit_exits_0_with_the_text(short_server, built, runtime):
     srv, _ = short_server
-    result = CliRunner().invoke(app, ["run", str(built[1]), "--server", srv.url, "--prompt", LONG, "--backend", "cpu",
-                                      "--mode", "hyco-exact", "--temperature", "0", "--max-new-tokens", "40",
-                                      "--json"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "run",
+            str(built[1]),
+            "--server",
+            srv.url,
+            "--prompt",
+            LONG,
+            "--backend",
+            "cpu",
+            "--mode",
+            "hyco-exact",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "40",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     last = json.loads(result.stdout.strip().splitlines()[-1])
     assert last["tokens"] <= 6 and last["finish_reason"] in ("length", "stop")
@@ -152,19 +194,19 @@ def test_a_second_turn_continues_the_session_with_the_verifiers_greedy_text(serv
     conv = Conversation(chat)
     first_turn = conv.ask(LONG)
     client = transport.VerifierClient(srv.url)
-    first = runtime.generate(client, first_turn.ids, mode=mode, max_new_tokens=12, sampling=GREEDY, keep_open=True,
-                             anchor=first_turn.anchor)
+    first = runtime.generate(
+        client, first_turn.ids, mode=mode, max_new_tokens=12, sampling=GREEDY, keep_open=True, anchor=first_turn.anchor
+    )
     assert first.tokens == greedy_reference(engine, first_turn.ids, 12, stops)
     conv.answered(first_turn, first.tokens)
     rendered = conv.ask("w7 w8 w9")
     pieces = []
-    second = runtime.next_turn(client, rendered.ids, anchor=rendered.anchor, max_new_tokens=12,
-                               on_text=pieces.append)
+    second = runtime.next_turn(client, rendered.ids, anchor=rendered.anchor, max_new_tokens=12, on_text=pieces.append)
     assert second.tokens == greedy_reference(engine, rendered.ids, 12, stops)
     assert "".join(pieces) == second.text and second.finish_reason in ("stop", "max_new_tokens")
     session = next(iter(srv.server.sessions.values()))
-    assert session.tokens[:len(rendered.ids)] == rendered.ids
-    assert session.turns_prefill_ms == [pytest.approx(second.prefill_ms, rel=1e-6)]   # float32 on the wire
+    assert session.tokens[: len(rendered.ids)] == rendered.ids
+    assert session.turns_prefill_ms == [pytest.approx(second.prefill_ms, rel=1e-6)]  # float32 on the wire
     client.close()
 
 
@@ -177,8 +219,9 @@ def large_template(server, runtime, tmp_path, monkeypatch):
 
     from hycoc.chat import Chat, template_digest
 
-    fmt = runtime.bundle.chat.format.model_copy(update={"template": LARGE, "template_sha256": template_digest(LARGE),
-                                                        "has_thinking": True})
+    fmt = runtime.bundle.chat.format.model_copy(
+        update={"template": LARGE, "template_sha256": template_digest(LARGE), "has_thinking": True}
+    )
     monkeypatch.setattr(runtime.bundle, "chat", Chat(fmt, runtime.bundle.tokenizer))
     monkeypatch.setattr(server[1], "chat_format", fmt)
     return runtime.bundle.chat
@@ -195,8 +238,9 @@ def test_three_turns_hold_the_templates_rendering_on_both_sides(server, runtime,
     conv = Conversation(large_template, thinking)
     client = transport.VerifierClient(srv.url)
     rendered = conv.ask(" w1 w2 w3 ")
-    res = runtime.generate(client, rendered.ids, mode=mode, max_new_tokens=10, sampling=GREEDY, keep_open=True,
-                           anchor=rendered.anchor)
+    res = runtime.generate(
+        client, rendered.ids, mode=mode, max_new_tokens=10, sampling=GREEDY, keep_open=True, anchor=rendered.anchor
+    )
     kinds = []
     for user in ("w4 w5\n", "w6"):
         conv.answered(rendered, res.tokens)
@@ -207,10 +251,10 @@ def test_three_turns_hold_the_templates_rendering_on_both_sides(server, runtime,
         assert res.tokens == greedy_reference(engine, rendered.ids, 10, large_template.stop_ids)
         session = next(iter(srv.server.sessions.values()))
         kinds.append(session.appends[-1].kind)
-        held = session.tokens[:len(rendered.ids)]
+        held = session.tokens[: len(rendered.ids)]
         assert held == rendered.ids
         if mode != "cloud-mtp":
-            assert runtime.slm.tokens[:len(rendered.ids)] == rendered.ids
+            assert runtime.slm.tokens[: len(rendered.ids)] == rendered.ids
     assert kinds and all(k in ("crop", "snapshot") for k in kinds)
     client.close()
     # after the last APPEND and its rounds: the whole conversation again, cold, gives what the rounds committed
@@ -223,13 +267,32 @@ def test_three_turns_hold_the_templates_rendering_on_both_sides(server, runtime,
 def test_cli_run_chat_answers_every_turn_on_one_session(server, built):
     srv, _ = server
     before = srv.server.metrics.sessions_total
-    result = CliRunner().invoke(app, ["run", str(built[1]), "--server", srv.url, "--prompt", "w1 w2 w3",
-                                      "--backend", "cpu", "--mode", "hyco-exact", "--temperature", "0",
-                                      "--max-new-tokens", "8", "--json", "--chat"], input="w4 w5\nw6\n\n")
+    result = CliRunner().invoke(
+        app,
+        [
+            "run",
+            str(built[1]),
+            "--server",
+            srv.url,
+            "--prompt",
+            "w1 w2 w3",
+            "--backend",
+            "cpu",
+            "--mode",
+            "hyco-exact",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "8",
+            "--json",
+            "--chat",
+        ],
+        input="w4 w5\nw6\n\n",
+    )
     assert result.exit_code == 0, result.stderr
     turns = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert len(turns) == 3 and all(1 <= t["tokens"] <= 8 for t in turns)
-    assert srv.server.metrics.sessions_total == before + 1          # one session for the whole conversation
+    assert srv.server.metrics.sessions_total == before + 1  # one session for the whole conversation
     assert result.stderr.count("[hyco-exact: ") == 3 and result.stderr.count("> ") == 3
     result = CliRunner().invoke(app, ["run", str(built[1]), "--server", srv.url, "--mode", "slm-alone", "--chat"])
     assert result.exit_code == 2 and "--chat needs a verifier" in result.stderr
@@ -238,14 +301,31 @@ def test_cli_run_chat_answers_every_turn_on_one_session(server, built):
 def test_slm_alone_needs_no_server(runtime):
     res = runtime.generate(None, prompt_ids(runtime), mode="slm-alone", max_new_tokens=12)
     assert 1 <= len(res.tokens) <= 12 and res.rounds == len(res.tokens)
-    assert all(runtime.bundle.keep_index[t] >= 0 for t in res.tokens)   # the SLM graph drafts over the keep set
+    assert all(runtime.bundle.keep_index[t] >= 0 for t in res.tokens)  # the SLM graph drafts over the keep set
 
 
 def test_cli_run_streams_text_and_prints_json(server, built):
     srv, _ = server
-    result = CliRunner().invoke(app, ["run", str(built[1]), "--server", srv.url, "--prompt", "w1 w2 w3",
-                                      "--backend", "cpu", "--mode", "hyco-exact", "--temperature", "0",
-                                      "--max-new-tokens", "16", "--json"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "run",
+            str(built[1]),
+            "--server",
+            srv.url,
+            "--prompt",
+            "w1 w2 w3",
+            "--backend",
+            "cpu",
+            "--mode",
+            "hyco-exact",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "16",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     last = json.loads(result.stdout.strip().splitlines()[-1])
     assert last["tokens"] <= 16 and result.stdout.startswith(last["text"])
@@ -255,8 +335,10 @@ def test_cli_run_streams_text_and_prints_json(server, built):
 def test_cli_run_errors_are_one_line_with_a_nonzero_exit(built, tmp_path):
     bundle = built[1]
     runner = CliRunner()
-    result = runner.invoke(app, ["run", str(bundle), "--server", "ws://127.0.0.1:9", "--prompt", "w1",
-                                 "--backend", "cpu", "--timeout", "2"])
+    result = runner.invoke(
+        app,
+        ["run", str(bundle), "--server", "ws://127.0.0.1:9", "--prompt", "w1", "--backend", "cpu", "--timeout", "2"],
+    )
     assert result.exit_code == 1
     assert result.stderr.strip().startswith("hycoc run: cannot reach the verifier at ws://127.0.0.1:9")
     # a corrupt bundle: one flipped byte in a LUT is refused before any session opens
@@ -271,9 +353,13 @@ def test_cli_run_errors_are_one_line_with_a_nonzero_exit(built, tmp_path):
     result = runner.invoke(app, ["run", str(bad), "--server", "ws://127.0.0.1:9", "--prompt", "w1", "--backend", "cpu"])
     assert result.exit_code == 1 and "sha256" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     # a cpu bundle on the htp backend: refused naming both values
-    result = runner.invoke(app, ["run", str(bundle), "--server", "ws://127.0.0.1:9", "--prompt", "w1",
-                                 "--backend", "htp"])
-    assert result.exit_code == 1 and "bundle built for target backend cpu (cpu), asked to run on htp: pass --backend cpu" in result.stderr
+    result = runner.invoke(
+        app, ["run", str(bundle), "--server", "ws://127.0.0.1:9", "--prompt", "w1", "--backend", "htp"]
+    )
+    assert (
+        result.exit_code == 1
+        and "bundle built for target backend cpu (cpu), asked to run on htp: pass --backend cpu" in result.stderr
+    )
 
 
 @pytest.mark.qnn
@@ -295,17 +381,19 @@ def test_htp_bundle_on_the_simulator_gives_the_verifiers_greedy_text(built, serv
     want = greedy_reference(engine, ids, 12, rt.bundle.chat.stop_ids)
     res = rt.generate(transport.VerifierClient(srv.url), ids, mode="hyco-exact", max_new_tokens=12, sampling=GREEDY)
     assert res.tokens == want
-    assert rt.slm.runner.calls >= res.rounds and rt.mtp.runner.calls >= 1   # both graphs ran on the simulator
+    assert rt.slm.runner.calls >= res.rounds and rt.mtp.runner.calls >= 1  # both graphs ran on the simulator
 
 
 def test_qnn_sdk_versions_compare_by_release(built):
-    from hycoc.bundle import TargetMismatch, load_manifest
     from hycoc.runtime.device_bundle import check_device, sdk_release
+
+    from hycoc.bundle import TargetMismatch, load_manifest
 
     assert sdk_release("v2.51.0.260929181845") == sdk_release("2.51.0") == (2, 51, 0)
     manifest = load_manifest(built[1])
-    htp = manifest.model_copy(update={"target": manifest.target.model_copy(
-        update={"backend": "htp", "htp_arch": 81, "qnn_sdk": "v2.51.0.1"})})
+    htp = manifest.model_copy(
+        update={"target": manifest.target.model_copy(update={"backend": "htp", "htp_arch": 81, "qnn_sdk": "v2.51.0.1"})}
+    )
     check_device(htp, "htp", qnn={"onnxruntime-qnn": "2.7.0", "qnn_sdk": "2.51.0"})
     with pytest.raises(TargetMismatch, match="bundle built for QNN SDK v2.51.0.1, this device has 2.50.0"):
         check_device(htp, "htp", qnn={"onnxruntime-qnn": "2.6.0", "qnn_sdk": "2.50.0"})
@@ -329,8 +417,11 @@ def test_a_bundle_whose_chat_contract_differs_is_refused_at_open(server, runtime
     bad = _json.loads(good)
     bad["stop_ids"] = [1, 106, 50]
     client = transport.VerifierClient(srv.url)
-    with pytest.raises(transport.TransportError, match=r"chat_mismatch.*stop ids differ: the device's bundle stops "
-                                                       r"on \[1, 50, 106\], the verifier on \[1, 6\]"):
+    with pytest.raises(
+        transport.TransportError,
+        match=r"chat_mismatch.*stop ids differ: the device's bundle stops "
+        r"on \[1, 50, 106\], the verifier on \[1, 6\]",
+    ):
         client.open(OpenRequest(prompt_ids=np.asarray(prompt_ids(runtime), np.int32), chat=_json.dumps(bad)))
     client.close()
 
@@ -338,8 +429,9 @@ def test_a_bundle_whose_chat_contract_differs_is_refused_at_open(server, runtime
 def test_a_bundle_built_before_the_chat_format_is_refused(built, tmp_path):
     import shutil
 
-    from hycoc.bundle import Manifest, ManifestInvalid
     from hycoc.runtime.device_bundle import open_bundle
+
+    from hycoc.bundle import Manifest, ManifestInvalid
 
     old = tmp_path / "old"
     shutil.copytree(built[1], old)
@@ -365,12 +457,16 @@ def test_a_turn_that_stopped_on_a_stop_id_continues_as_the_template_renders(serv
     client = transport.VerifierClient(srv.url)
     first = runtime.generate(client, ids, mode="hyco-exact", max_new_tokens=10, sampling=GREEDY, keep_open=True)
     assert first.tokens == want and first.finish_reason == "stop"
-    rendered = chat.conversation([{"role": "user", "content": f"w{i % 150} w{(7 * i) % 151}"},
-                                  {"role": "assistant", "content": chat.answer_text(first.tokens)},
-                                  {"role": "user", "content": "w7 w8"}])
+    rendered = chat.conversation(
+        [
+            {"role": "user", "content": f"w{i % 150} w{(7 * i) % 151}"},
+            {"role": "assistant", "content": chat.answer_text(first.tokens)},
+            {"role": "user", "content": "w7 w8"},
+        ]
+    )
     second = runtime.next_turn(client, rendered.ids, anchor=rendered.anchor, max_new_tokens=6)
     assert second.tokens == greedy_reference(engine, rendered.ids, 6, stops)
     session = next(iter(srv.server.sessions.values()))
-    assert session.tokens[:len(rendered.ids)] == rendered.ids
-    assert runtime.slm.tokens[:len(rendered.ids)] == rendered.ids
+    assert session.tokens[: len(rendered.ids)] == rendered.ids
+    assert runtime.slm.tokens[: len(rendered.ids)] == rendered.ids
     client.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from hycoc.runtime.candidates import Candidates, log_softmax, logits_candidates, top_k_indices
 
 
@@ -18,7 +17,7 @@ def test_host_top_k_breaks_ties_to_the_lower_index():
     assert top_k_indices(np.array([[1, 3, 3, 2, 3, 0, 3]], np.float32), 3).tolist() == [[1, 2, 4]]
     assert top_k_indices(np.array([[5, 5, 1]], np.float32), 2).tolist() == [[0, 1]]
     rng = np.random.default_rng(0)
-    x = rng.integers(0, 6, (7, 50)).astype(np.float32)          # many ties, across the k-th value too
+    x = rng.integers(0, 6, (7, 50)).astype(np.float32)  # many ties, across the k-th value too
     for k in (1, 5, 17, 50, 80):
         np.testing.assert_array_equal(top_k_indices(x, k), _stable_top_k(x, k))
     with pytest.raises(ValueError, match="k >= 1"):
@@ -37,22 +36,24 @@ def test_logits_candidates_are_log_softmax_at_the_top_indices():
 def _logits_model(rows, vocab):
     from onnx import TensorProto, helper
 
-    g = helper.make_graph([helper.make_node("Identity", ["x"], ["logits"])], "g",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, rows, vocab])],
-                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, rows, vocab])])
+    g = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["logits"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, rows, vocab])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, rows, vocab])],
+    )
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
 
 
 def test_graph_top_k_equals_numpy_top_k_with_lower_index_ties():
     import onnx
     import onnxruntime as ort
-
     from hycoc.passes.topk_outputs import TopKError, append_topk
 
     model = append_topk(_logits_model(6, 40), 8, with_logq=True)
     onnx.checker.check_model(model)
     rng = np.random.default_rng(1)
-    x = rng.integers(-3, 3, (1, 6, 40)).astype(np.float32)        # ties everywhere
+    x = rng.integers(-3, 3, (1, 6, 40)).astype(np.float32)  # ties everywhere
     x[0, 5] = rng.standard_normal(40).astype(np.float32) * 4
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     got = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x})))
@@ -60,7 +61,7 @@ def test_graph_top_k_equals_numpy_top_k_with_lower_index_ties():
     np.testing.assert_array_equal(got["top_index"][0], _stable_top_k(x[0], 8))
     want = np.take_along_axis(log_softmax(x[0]), got["top_index"][0], -1)
     np.testing.assert_allclose(got["top_logq"][0], want, rtol=0, atol=2e-6)
-    np.testing.assert_array_equal(got["logits"], x)                # the logits stay an output for the checks
+    np.testing.assert_array_equal(got["logits"], x)  # the logits stay an output for the checks
 
     head = append_topk(_logits_model(1, 40), 2, with_logq=False)
     assert [o.name for o in head.graph.output] == ["logits", "top_index"]
@@ -79,21 +80,23 @@ def _check_runner(tiny_pipeline, name):
     """A runner of graph ``name``'s checks copy (the QDQ graph with its ``logits`` output, kept by the target step
     beside the shipped graph), fetching everything but the top-k: the host top-k path."""
     import onnxruntime as ort
-
-    from hycoc.bundle import GraphEntry
     from hycoc.passes.bundle_io import graph_io_from_onnx
     from hycoc.runtime.graphs import GraphRunner
+
+    from hycoc.bundle import GraphEntry
 
     files = tiny_pipeline.first.artifacts["target_files"]
     path = files.payload / files.index()[name]["check_source"]
     io = graph_io_from_onnx(path)
-    entry = GraphEntry(name=name, role="slm" if name.startswith("slm") else name, file=path.name,
-                       inputs=io.inputs, outputs=io.outputs)
+    entry = GraphEntry(
+        name=name, role="slm" if name.startswith("slm") else name, file=path.name, inputs=io.inputs, outputs=io.outputs
+    )
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    return GraphRunner.from_session(entry, session, outputs=[t.name for t in io.outputs
-                                                             if not t.name.startswith("top_")])
+    return GraphRunner.from_session(
+        entry, session, outputs=[t.name for t in io.outputs if not t.name.startswith("top_")]
+    )
 
 
 def _runners(tiny_bundle, tiny_pipeline):
@@ -107,8 +110,10 @@ def _runners(tiny_bundle, tiny_pipeline):
         names = [t.name for t in m.graph(name).outputs]
         # the shipped graph outputs only what the runtime reads: no keep-set-wide logits beside the top-k
         assert "top_index" in names and "logits" not in names and runtime_outputs(m.graph(name)) == names
-        out[name] = (GraphRunner(bundle.path, m, name, "cpu", 1, outputs=runtime_outputs(m.graph(name))),
-                     _check_runner(tiny_pipeline, name))
+        out[name] = (
+            GraphRunner(bundle.path, m, name, "cpu", 1, outputs=runtime_outputs(m.graph(name))),
+            _check_runner(tiny_pipeline, name),
+        )
     return bundle, out
 
 
@@ -127,8 +132,9 @@ def test_shipped_graphs_have_no_keep_set_wide_output(tiny_bundle):
 
 
 def test_trees_from_graph_top_k_equal_the_host_path_on_the_tiny_bundle(tiny_bundle, tiny_pipeline):
-    from hycoc.protocol.messages import HandOff
     from hycoc.runtime.client import MODES, DeviceRuntime
+
+    from hycoc.protocol.messages import HandOff
 
     bundle, runners = _runners(tiny_bundle, tiny_pipeline)
     new = DeviceRuntime(bundle, runners["head"][0], runners["slm"][0])
@@ -145,23 +151,37 @@ def test_trees_from_graph_top_k_equal_the_host_path_on_the_tiny_bundle(tiny_bund
     a = max(0, t - bundle.round.head_window)
     for _ in range(6):
         r8 = lambda *s: rng.integers(-60, 60, s).astype(np.int8)  # noqa: E731
-        h = HandOff(t_prime=t, a=a, bonus=int(prompt[-1]), x_hat=r8(2 * hidden),
-                    k_sliding=r8(t - a, kv["sliding"]), v_sliding=r8(t - a, kv["sliding"]), k_full=r8(t - a, kv["full"]),
-                    v_full=r8(t - a, kv["full"]), scales=(0.05, 0.05, 0.05, 0.05, 0.05, 0.05))
+        h = HandOff(
+            t_prime=t,
+            a=a,
+            bonus=int(prompt[-1]),
+            x_hat=r8(2 * hidden),
+            k_sliding=r8(t - a, kv["sliding"]),
+            v_sliding=r8(t - a, kv["sliding"]),
+            k_full=r8(t - a, kv["full"]),
+            v_full=r8(t - a, kv["full"]),
+            scales=(0.05, 0.05, 0.05, 0.05, 0.05, 0.05),
+        )
         built = []
         for rt in (new, old):
             rt.mtp.ingest(h)
             d = rt.mtp.draft()
-            built.append((d, rt.builder(MODES["hyco"], bundle.round.node_budget + 1).build(
-                rt.slm.tokens[-1], d.chain, d.runner_ups, rt.slm.expand)))
+            built.append(
+                (
+                    d,
+                    rt.builder(MODES["hyco"], bundle.round.node_budget + 1).build(
+                        rt.slm.tokens[-1], d.chain, d.runner_ups, rt.slm.expand
+                    ),
+                )
+            )
         (d_new, b_new), (d_old, b_old) = built
-        assert (d_new.chain, d_new.runner_ups) == (d_old.chain, d_old.runner_ups)     # the head's top-2
+        assert (d_new.chain, d_new.runner_ups) == (d_old.chain, d_old.runner_ups)  # the head's top-2
         np.testing.assert_array_equal(b_new.tokens, b_old.tokens)
         np.testing.assert_array_equal(b_new.parents, b_old.parents)
         scores_new = [n.score for n in b_new.tree.nodes]
         np.testing.assert_allclose(scores_new, [n.score for n in b_old.tree.nodes], rtol=0, atol=1e-5)
-        trees += sum(n.source == "slm" for n in b_new.tree.nodes) > 0      # trees with SLM candidates in them
-        path = [j for j in range(1, 3) if b_new.parents[j] == j - 1]      # accept up to 2 chain rows + a bonus
+        trees += sum(n.source == "slm" for n in b_new.tree.nodes) > 0  # trees with SLM candidates in them
+        path = [j for j in range(1, 3) if b_new.parents[j] == j - 1]  # accept up to 2 chain rows + a bonus
         commit = [int(b_new.tokens[j]) for j in path] + [int(bundle.keep_set[rng.integers(len(bundle.keep_set))])]
         for rt, b in ((new, b_new), (old, b_old)):
             rt.slm.commit([b.row_node[j] for j in path], commit)
@@ -172,14 +192,16 @@ def test_trees_from_graph_top_k_equal_the_host_path_on_the_tiny_bundle(tiny_bund
 def test_old_bundle_without_top_k_outputs_is_refused(tiny_bundle, tmp_path):
     import shutil
 
-    from hycoc.bundle import Manifest, ManifestInvalid
     from hycoc.runtime.device_bundle import open_bundle
+
+    from hycoc.bundle import Manifest, ManifestInvalid
 
     copy = tmp_path / "old"
     shutil.copytree(tiny_bundle.bundle, copy)
     m = Manifest.model_validate_json((copy / "manifest.json").read_text())
-    graphs = [g.model_copy(update={"outputs": [o for o in g.outputs if not o.name.startswith("top_")]})
-              for g in m.graphs]                          # what an older hycoc wrote: logits only
+    graphs = [
+        g.model_copy(update={"outputs": [o for o in g.outputs if not o.name.startswith("top_")]}) for g in m.graphs
+    ]  # what an older hycoc wrote: logits only
     m = m.model_copy(update={"graphs": graphs})
     (copy / "manifest.json").write_text(m.model_copy(update={"digest": m.content_digest()}).to_json())
     with pytest.raises(ManifestInvalid, match="no top_index output .*rebuild it"):
@@ -201,9 +223,13 @@ def test_io_binding_runs_equal_the_plain_runs_on_the_tiny_bundle(tiny_bundle):
     for rt in (plain, bound):
         rt.slm.start(prompt)
         rt.slm.prefill(reserve=6)
-    for _ in range(4):                       # SpecEdge-style trees: several forwards kept until the commit
-        built = [rt.builder(MODES["specedge"], plain.bundle.round.node_budget + 1).build(
-            rt.slm.tokens[-1], [], [], rt.slm.expand) for rt in (plain, bound)]
+    for _ in range(4):  # SpecEdge-style trees: several forwards kept until the commit
+        built = [
+            rt.builder(MODES["specedge"], plain.bundle.round.node_budget + 1).build(
+                rt.slm.tokens[-1], [], [], rt.slm.expand
+            )
+            for rt in (plain, bound)
+        ]
         np.testing.assert_array_equal(built[0].tokens, built[1].tokens)
         np.testing.assert_array_equal(built[0].parents, built[1].parents)
         assert built[0].slm_passes >= 2
@@ -211,7 +237,7 @@ def test_io_binding_runs_equal_the_plain_runs_on_the_tiny_bundle(tiny_bundle):
         new = [int(built[0].tokens[j]) for j in path] + [int(plain.bundle.keep_set[7])]
         for rt, b in zip((plain, bound), built):
             rt.slm.commit([b.row_node[j] for j in path], new)
-    for i in plain.slm.kv_layers:             # the rings hold the same committed KV, bit for bit
+    for i in plain.slm.kv_layers:  # the rings hold the same committed KV, bit for bit
         for a, b in zip(plain.slm.rings[i], bound.slm.rings[i]):
             np.testing.assert_array_equal(a, b)
     assert bound.slm.runner.calls == plain.slm.runner.calls > 4
@@ -229,7 +255,7 @@ def _tie_rows(rows, vocab, seed=0):
         if r % 3 == 0:
             x[r, rng.choice(vocab, 5, replace=False)] = 3.5
         elif r % 3 == 1:
-            x[r, rng.choice(vocab, vocab // 2, replace=False)] = 2.0       # many equal values at the k-th place
+            x[r, rng.choice(vocab, vocab // 2, replace=False)] = 2.0  # many equal values at the k-th place
         else:
             x[r] = 1.25
     return x[None].astype(np.float32)
@@ -240,29 +266,36 @@ def test_htp_tie_order_puts_the_higher_index_first_where_topk_puts_the_lower():
     measured on the simulator), so on the HTP the rewritten graph gives ONNX TopK's lower-index-first order. Rows
     without ties and log q are unchanged."""
     import onnxruntime as ort
-
     from hycoc.passes.topk_outputs import append_topk, htp_tie_order
 
     x = _tie_rows(6, 40)
-    x[0, 5] = np.arange(40, dtype=np.float32)[::-1] / 8                # a row without ties
+    x[0, 5] = np.arange(40, dtype=np.float32)[::-1] / 8  # a row without ties
     plain = append_topk(_logits_model(6, 40), 8, with_logq=True)
     ordered = append_topk(_logits_model(6, 40), 8, with_logq=True)
     assert htp_tie_order(ordered) == 1
     assert [n.op_type for n in ordered.graph.node].count("Slice") == 1
-    run = lambda m: dict(zip(["top_index", "top_logq"], ort.InferenceSession(  # noqa: E731
-        m.SerializeToString(), providers=["CPUExecutionProvider"]).run(["top_index", "top_logq"], {"x": x})))
+    run = lambda m: dict(
+        zip(
+            ["top_index", "top_logq"],
+            ort.InferenceSession(  # noqa: E731
+                m.SerializeToString(), providers=["CPUExecutionProvider"]
+            ).run(["top_index", "top_logq"], {"x": x}),
+        )
+    )
     a, b = run(plain), run(ordered)
     np.testing.assert_array_equal(a["top_index"][0], _stable_top_k(x[0], 8))
     higher_first = np.stack([39 - _stable_top_k(row[::-1][None], 8)[0] for row in x[0]])
     np.testing.assert_array_equal(b["top_index"][0], higher_first)
     np.testing.assert_array_equal(b["top_index"][0, 5], a["top_index"][0, 5])
     np.testing.assert_allclose(b["top_logq"], a["top_logq"], rtol=0, atol=1e-6)
-    assert not np.array_equal(a["top_index"], b["top_index"])          # the ties are there
+    assert not np.array_equal(a["top_index"], b["top_index"])  # the ties are there
 
 
 @pytest.mark.qnn
-@pytest.mark.skipif(not __import__("hycoc.targets.qnn_ep", fromlist=["qnn_installed"]).qnn_installed(),
-                    reason="onnxruntime-qnn is not importable: install the qnn extra for the HTP simulator")
+@pytest.mark.skipif(
+    not __import__("hycoc.targets.qnn_ep", fromlist=["qnn_installed"]).qnn_installed(),
+    reason="onnxruntime-qnn is not importable: install the qnn extra for the HTP simulator",
+)
 def test_htp_top_k_order_among_equal_values_equals_the_cpu_ep_on_the_simulator(tmp_path):
     """The graph tail compiled for htp-v81 with `htp_tie_order` (as the htp target ships it) gives, on the x86 HTP
     simulator, the CPU EP's top-k of the plain graph index for index, on rows full of ties (values exact in fp16).
@@ -270,7 +303,6 @@ def test_htp_top_k_order_among_equal_values_equals_the_cpu_ep_on_the_simulator(t
     differed)."""
     import onnx
     import onnxruntime as ort
-
     from hycoc.passes.topk_outputs import append_topk, htp_tie_order
     from hycoc.targets.htp import HtpSession, compile_context
     from hycoc.targets.profiles import get_profile
@@ -278,7 +310,8 @@ def test_htp_top_k_order_among_equal_values_equals_the_cpu_ep_on_the_simulator(t
     x = _tie_rows(6, 64)
     model = append_topk(_logits_model(6, 64), 8, with_logq=False)
     want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
-        ["top_index"], {"x": x})[0]
+        ["top_index"], {"x": x}
+    )[0]
     htp_tie_order(model)
     onnx.save(model, str(tmp_path / "tail.onnx"))
     cg = compile_context(tmp_path / "tail.onnx", tmp_path / "c", get_profile("htp-v81"), graph_name="tail")

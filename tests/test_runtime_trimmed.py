@@ -17,17 +17,17 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
-from hycoc.protocol import wire
-from hycoc.protocol.messages import DraftTree, Opened, RoundReply, commit_cut
 from hycoc.runtime.client import DeviceRuntime, RuntimeProtocolError
 from hycoc.runtime.tree_builder import walk_reply
 from test_runtime_drafters import WF, WS, V, k_value, ring, slm_drafter
 
-ROWS = 7                       # B + 1 rows per tree (B = 6: the 3-chain, 2 siblings and SLM candidates)
+from hycoc.protocol import wire
+from hycoc.protocol.messages import DraftTree, Opened, RoundReply, commit_cut
+
+ROWS = 7  # B + 1 rows per tree (B = 6: the 3-chain, 2 siblings and SLM candidates)
 PROMPT = [1, 3, 2, 4]
 MAX_NEW = 14
-STOP = 99                      # never drafted (the keep set is 0..4): requests end at max_new_tokens
+STOP = 99  # never drafted (the keep set is 0..4): requests end at max_new_tokens
 
 
 def f(ctx) -> int:
@@ -39,7 +39,7 @@ def greedy(prompt, n):
     ctx = list(prompt)
     for _ in range(n):
         ctx.append(f(ctx))
-    return ctx[len(prompt):]
+    return ctx[len(prompt) :]
 
 
 def depths(parents) -> np.ndarray:
@@ -67,13 +67,15 @@ def keep_depth(d):
 
 def cut_chain_after(d):
     """The chain's rows deeper than d (and everything below them) not verified; siblings kept."""
+
     def policy(tokens, parents):
         kept = np.ones(len(parents), bool)
         for row in first_child_chain(parents)[d:]:
             kept[row] = False
-        for j in range(1, len(parents)):          # below a row left out: left out (ancestor-closed)
+        for j in range(1, len(parents)):  # below a row left out: left out (ancestor-closed)
             kept[j] &= kept[parents[j]]
         return kept
+
     return policy
 
 
@@ -116,11 +118,11 @@ class PartialVerifier:
         return self.opened
 
     def round(self, tree):
-        tree = wire.decode(wire.encode(tree), wire.Limits(tree_rows=ROWS, vocab_size=V))   # fp16 scores, checked
+        tree = wire.decode(wire.encode(tree), wire.Limits(tree_rows=ROWS, vocab_size=V))  # fp16 scores, checked
         tokens, parents = tree.tokens, tree.parents
         verified = self.policy(tokens, parents)
         on = np.ones(ROWS, bool) if verified is None else verified
-        samples = tokens.copy()                   # rows left out echo their own tokens
+        samples = tokens.copy()  # rows left out echo their own tokens
         for v in range(ROWS):
             if on[v]:
                 up, a = [], v
@@ -128,19 +130,29 @@ class PartialVerifier:
                     up.append(int(tokens[a]))
                     a = int(parents[a])
                 samples[v] = f(self.ctx + up[::-1])
-        path, v = [], 0                           # the walk, written out again: verified rows only
+        path, v = [], 0  # the walk, written out again: verified rows only
         while True:
             kids = [c for c in range(1, ROWS) if parents[c] == v and on[c] and tokens[c] == samples[v]]
             if not kids:
                 break
             v = kids[0]
             path.append(v)
-        self.echo_matches += sum(1 for c in range(1, ROWS) if not on[c] and on[parents[c]]
-                                 and tokens[c] == samples[parents[c]])
-        new, reason = commit_cut([int(tokens[j]) for j in path] + [int(samples[v])], {STOP},
-                                 self.max_new - self.produced, 10**6)
-        reply = RoundReply(tree.seq, samples, np.array(path, np.int32), int(samples[v]), 1.0, reason is not None,
-                           finish_reason=reason, verified=verified)
+        self.echo_matches += sum(
+            1 for c in range(1, ROWS) if not on[c] and on[parents[c]] and tokens[c] == samples[parents[c]]
+        )
+        new, reason = commit_cut(
+            [int(tokens[j]) for j in path] + [int(samples[v])], {STOP}, self.max_new - self.produced, 10**6
+        )
+        reply = RoundReply(
+            tree.seq,
+            samples,
+            np.array(path, np.int32),
+            int(samples[v]),
+            1.0,
+            reason is not None,
+            finish_reason=reason,
+            verified=verified,
+        )
         if self.tamper is not None:
             reply = self.tamper(reply)
         else:
@@ -150,7 +162,7 @@ class PartialVerifier:
         self.trees.append(tree)
         self.replies.append(reply)
         self.round_bytes.append((0, 0))
-        return replace(reply, handoff=SimpleNamespace())   # the stand-in MTP Drafter ignores it
+        return replace(reply, handoff=SimpleNamespace())  # the stand-in MTP Drafter ignores it
 
     def close(self):
         pass
@@ -160,12 +172,29 @@ def runtime():
     """A DeviceRuntime of stand-ins (module docstring), with a spy on the SLM ring's commits."""
     slm = slm_drafter()
     rt = DeviceRuntime.__new__(DeviceRuntime)
-    rnd = SimpleNamespace(node_budget=ROWS - 1, specedge_nodes=ROWS - 1, slm_passes=1, specedge_passes=4,
-                          depth_cost=0.66, slm_candidates=2, max_new_tokens=MAX_NEW, seed=0, temperature=0.0,
-                          top_k=1, top_p=1.0, epsilon=1.0, chain_length=3, sibling_depth=2)
-    rt.bundle = SimpleNamespace(round=rnd, keep_set=np.arange(V), keep_index=np.arange(V),
-                                tokenizer=SimpleNamespace(decode=lambda ids, **kw: " ".join(map(str, ids))),
-                                chat=SimpleNamespace(format=SimpleNamespace(contract=lambda: None)))
+    rnd = SimpleNamespace(
+        node_budget=ROWS - 1,
+        specedge_nodes=ROWS - 1,
+        slm_passes=1,
+        specedge_passes=4,
+        depth_cost=0.66,
+        slm_candidates=2,
+        max_new_tokens=MAX_NEW,
+        seed=0,
+        temperature=0.0,
+        top_k=1,
+        top_p=1.0,
+        epsilon=1.0,
+        chain_length=3,
+        sibling_depth=2,
+    )
+    rt.bundle = SimpleNamespace(
+        round=rnd,
+        keep_set=np.arange(V),
+        keep_index=np.arange(V),
+        tokenizer=SimpleNamespace(decode=lambda ids, **kw: " ".join(map(str, ids))),
+        chat=SimpleNamespace(format=SimpleNamespace(contract=lambda: None)),
+    )
     rt.slm, rt.mtp, rt.stop_ids, rt._conversation = slm, PerfectMtp(slm), {STOP}, None
     rt.commits, rt.built = [], []
     commit, tree = slm.commit, rt._tree
@@ -173,7 +202,7 @@ def runtime():
     def spy_commit(path_nodes, new):
         moved = commit(path_nodes, new)
         rt.commits.append(list(path_nodes))
-        for p in range(max(0, slm.n_kv - WS), slm.n_kv):   # every ring column holds its committed token's KV
+        for p in range(max(0, slm.n_kv - WS), slm.n_kv):  # every ring column holds its committed token's KV
             assert ring(slm, 0, p) == k_value(slm.tokens[p], p), (p, slm.tokens)
         for p in range(max(0, slm.n_kv - WF), slm.n_kv):
             assert ring(slm, 1, p, 1) == k_value(slm.tokens[p], p, 1, 1), (p, slm.tokens)
@@ -188,10 +217,12 @@ def runtime():
     return rt
 
 
-POLICIES = {"every row (no mask)": lambda tokens, parents: None,
-            "every row (mask)": lambda tokens, parents: np.ones(len(parents), bool),
-            **{f"depth <= {d}": keep_depth(d) for d in range(4)},
-            **{f"chain cut after depth {d}": cut_chain_after(d) for d in range(3)}}
+POLICIES = {
+    "every row (no mask)": lambda tokens, parents: None,
+    "every row (mask)": lambda tokens, parents: np.ones(len(parents), bool),
+    **{f"depth <= {d}": keep_depth(d) for d in range(4)},
+    **{f"chain cut after depth {d}": cut_chain_after(d) for d in range(3)},
+}
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
@@ -202,7 +233,7 @@ def test_whatever_is_trimmed_the_device_commits_the_verifiers_text_and_only_veri
     assert len(rt.commits) == len(verifier.replies) == res.rounds == len(rt.built)
     for built, tree, reply, nodes in zip(rt.built, verifier.trees, verifier.replies, rt.commits):
         verified = np.ones(ROWS, bool) if reply.verified is None else reply.verified
-        assert nodes == [built.row_node[j] for j in reply.path_rows]      # the ring gets the path's nodes only
+        assert nodes == [built.row_node[j] for j in reply.path_rows]  # the ring gets the path's nodes only
         assert all(verified[j] for j in reply.path_rows)
         # the scores sent are the tree's, through fp16: the root's 0, no row above its parent
         assert tree.scores[0] == 0 and (tree.scores[1:] <= tree.scores[tree.parents[1:]]).all()
@@ -210,26 +241,26 @@ def test_whatever_is_trimmed_the_device_commits_the_verifiers_text_and_only_veri
     assert res.rows == [ROWS if r.verified is None else int(r.verified.sum()) for r in verifier.replies]
     trimmed = any(r.verified is not None and not r.verified.all() for r in verifier.replies)
     if name.startswith("chain cut") or name in ("depth <= 0", "depth <= 1", "depth <= 2"):
-        assert trimmed and verifier.echo_matches > 0     # a trimmed row matched its parent's sample: not entered
+        assert trimmed and verifier.echo_matches > 0  # a trimmed row matched its parent's sample: not entered
     if name == "depth <= 0":
-        assert res.rounds == MAX_NEW and res.accepted == [0] * MAX_NEW   # the root alone: the bonus each round
+        assert res.rounds == MAX_NEW and res.accepted == [0] * MAX_NEW  # the root alone: the bonus each round
 
 
 def test_a_chain_trimmed_after_depth_one_commits_one_path_row_then_the_bonus():
     rt, verifier = runtime(), PartialVerifier(cut_chain_after(1))
     res = rt.generate(verifier, PROMPT, mode="hyco", max_new_tokens=MAX_NEW)
-    later = verifier.replies[1]                      # round 1 has the MTP chain in rows 1, 2, 3
+    later = verifier.replies[1]  # round 1 has the MTP chain in rows 1, 2, 3
     tree = verifier.trees[1]
     assert first_child_chain(tree.parents)[:3] == [1, 2, 3]
     assert later.verified[[0, 1]].all() and not later.verified[[2, 3]].any()
-    assert later.path_rows.tolist() == [1] and later.bonus == tree.tokens[2]   # row 2's token, as the bonus
+    assert later.path_rows.tolist() == [1] and later.bonus == tree.tokens[2]  # row 2's token, as the bonus
     assert rt.commits[1] == [rt.built[1].row_node[1]]
     assert res.accepted[1] == 1
 
 
 def test_the_walk_never_enters_a_row_left_unverified():
     tokens, parents = [5, 6, 7, 6], [-1, 0, 1, 0]
-    samples = [6, 7, 0, 6]                          # rows 1 and 3 carry the root's sample 6
+    samples = [6, 7, 0, 6]  # rows 1 and 3 carry the root's sample 6
     assert walk_reply(tokens, parents, samples) == [1, 2]
     assert walk_reply(tokens, parents, samples, [True, False, False, True]) == [3]
     assert walk_reply(tokens, parents, samples, [True, True, False, False]) == [1]
@@ -255,16 +286,29 @@ def below(tree, row) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("tamper, message", [
-    (lambda r, tree: replace(r, verified=all_but([0])), "verified rows leave out row 0: the root is always verified"),
-    (lambda r, tree: replace(r, verified=all_but([parent_of_deepest(tree)])) if depths(tree.parents).max() > 1
-     else r,
-     "verified rows are not ancestor-closed: row {orphan} is verified, its parent row {parent} is not"),
-    (lambda r, tree: replace(r, verified=np.ones(ROWS - 1, bool)),
-     "verified rows: expected bool (7,), one per row sent, got dtype bool and shape (6,)"),
-    (lambda r, tree: replace(r, verified=all_but(below(tree, int(r.path_rows[-1])))) if len(r.path_rows) else r,
-     "path row {last} is not a verified row"),
-])
+@pytest.mark.parametrize(
+    "tamper, message",
+    [
+        (
+            lambda r, tree: replace(r, verified=all_but([0])),
+            "verified rows leave out row 0: the root is always verified",
+        ),
+        (
+            lambda r, tree: (
+                replace(r, verified=all_but([parent_of_deepest(tree)])) if depths(tree.parents).max() > 1 else r
+            ),
+            "verified rows are not ancestor-closed: row {orphan} is verified, its parent row {parent} is not",
+        ),
+        (
+            lambda r, tree: replace(r, verified=np.ones(ROWS - 1, bool)),
+            "verified rows: expected bool (7,), one per row sent, got dtype bool and shape (6,)",
+        ),
+        (
+            lambda r, tree: replace(r, verified=all_but(below(tree, int(r.path_rows[-1])))) if len(r.path_rows) else r,
+            "path row {last} is not a verified row",
+        ),
+    ],
+)
 def test_an_inconsistent_verified_set_is_refused(tamper, message):
     verifier = PartialVerifier(lambda tokens, parents: None)
     verifier.tamper = lambda reply: tamper(reply, verifier.tree)
@@ -288,14 +332,14 @@ def test_an_inconsistent_verified_set_is_refused(tamper, message):
 
 def test_built_tree_scores_follow_the_rows_and_padding():
     from hycoc.runtime.tree_builder import DraftTreeNodes
-    from test_runtime_tree import L, FakeSlm, builder
+    from test_runtime_tree import FakeSlm, L, builder
 
     built = builder(budget=4, rows=7).build(100, [11, 12], [13], FakeSlm())
     n = len(built.kept)
     want = [built.tree.nodes[v].score for v in built.kept]
     assert built.scores.dtype == np.float32 and built.scores.shape == (7,)
-    np.testing.assert_array_equal(built.scores, np.float32(want + [want[-1]] * (7 - n)))   # padding repeats
-    np.testing.assert_allclose(built.scores[:4] / L, [0, 1, 2, 2], rtol=1e-6)              # root, chain, sibling
+    np.testing.assert_array_equal(built.scores, np.float32(want + [want[-1]] * (7 - n)))  # padding repeats
+    np.testing.assert_allclose(built.scores[:4] / L, [0, 1, 2, 2], rtol=1e-6)  # root, chain, sibling
     # a score of -inf (q underflowed) or below fp16's range travels as the floor, order kept
     tree = DraftTreeNodes()
     tree.add(5, -1, 0.0, "root")

@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from hycoc.verifier.sampling import sample_rows, sampling_probs
 from scipy.stats import chisquare
 
 from hycoc.protocol.messages import Sampling
-from hycoc.verifier.sampling import sample_rows, sampling_probs
 
 torch.set_num_threads(1)
 

@@ -25,11 +25,20 @@ OUTSIDE = re.compile(r"\.\./shared|\"shared\"\s*/\s*\"data\"|/usr/share/doc|pare
 
 
 def test_no_product_file_names_a_path_outside_the_repository():
-    files = [p for d in PRODUCT for p in (ROOT / d).rglob("*")
-             if p.is_file() and p.suffix in (".py", ".toml", ".sh", "") and "__pycache__" not in p.parts]
+    files = [
+        p
+        for d in PRODUCT
+        for p in (ROOT / d).rglob("*")
+        if p.is_file() and p.suffix in (".py", ".toml", ".sh", "") and "__pycache__" not in p.parts
+    ]
     assert len(files) > 50
-    hits = [f"{p.relative_to(ROOT)}:{n}" for p in files if p not in TRAINER
-            for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if OUTSIDE.search(line)]
+    hits = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in files
+        if p not in TRAINER
+        for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+        if OUTSIDE.search(line)
+    ]
     assert hits == []
     # the trainer is the one place that names the docs, and it says how to install them
     assert "apt-get install -y python3.11-doc" in (ROOT / "hycoc/toy/train.py").read_text()
@@ -44,11 +53,12 @@ def no_toy_corpus(monkeypatch):
 
 
 def test_toy_recipe_inputs_come_from_the_repository(no_toy_corpus):
-    from hycoc.bench.datasets import load_spec_bench
-    from hycoc.models import load_tokenizer
     from hycoc.passes.artifacts import TokenizerArtifact
     from hycoc.passes.calibration_answers import select_prompts
     from hycoc.passes.keep_set import KeepSetPass
+
+    from hycoc.bench.datasets import load_spec_bench
+    from hycoc.models import load_tokenizer
     from hycoc.recipe import load_recipe
 
     recipe = load_recipe(ROOT / "recipes/toy.toml")
@@ -75,16 +85,21 @@ def test_toy_recipe_inputs_come_from_the_repository(no_toy_corpus):
 def test_a_whole_build_reads_only_the_repository_and_the_recipe_folder(tmp_path, no_toy_corpus):
     import io
 
+    from hycoc.passes.build import build_bundle
     from rich.console import Console
     from test_build import write_tiny_recipe
 
-    from hycoc.passes.build import build_bundle
     from hycoc.recipe import load_recipe
 
     recipe_path = write_tiny_recipe(tmp_path / "recipe")
     with recording() as opened:
-        build_bundle(load_recipe(recipe_path), "cpu", tmp_path / "bundle", cache_dir=tmp_path / "cache",
-                     console=Console(file=io.StringIO()))
+        build_bundle(
+            load_recipe(recipe_path),
+            "cpu",
+            tmp_path / "bundle",
+            cache_dir=tmp_path / "cache",
+            console=Console(file=io.StringIO()),
+        )
     assert (tmp_path / "bundle" / "manifest.json").is_file()
     assert outside(opened, allowed_roots(tmp_path)) == []
     assert any(p.endswith("corpus.jsonl") for p in opened)  # the recipe's own keep-set corpus was read

@@ -13,8 +13,8 @@ import json
 import os
 import re
 import signal
-import struct
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -26,23 +26,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
-from websockets.exceptions import ConnectionClosed
-from websockets.sync.client import connect
-
-from hycoc.chat import ids_crc32
-from hycoc.protocol import wire
-from hycoc.cli import app
-from hycoc.protocol.messages import (AppendTurn, Close, DraftTree, ErrorReply, Opened, OpenRequest, RoundReply,
-                                     Sampling)
-from hycoc.models import ModelNotFoundError
-from hycoc.recipe import load_recipe
 from hycoc.runtime.transport import AuthRefused, ServerError, VerifierClient
 from hycoc.verifier import VerifierEngine
 from hycoc.verifier.loading import DeviceUnavailable, engine_from_recipe, server_options
 from hycoc.verifier.row_budget import RowCost
 from hycoc.verifier.server import METRICS_CONTENT_TYPE, ServerLimits, ServerThread
 from tiny_models import VOCAB, tiny_head, tiny_verifier
+from typer.testing import CliRunner
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from hycoc.chat import ids_crc32
+from hycoc.cli import app
+from hycoc.models import ModelNotFoundError
+from hycoc.protocol import wire
+from hycoc.protocol.messages import AppendTurn, Close, DraftTree, ErrorReply, Opened, OpenRequest, RoundReply, Sampling
+from hycoc.recipe import load_recipe
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,8 +54,9 @@ TOKEN = "s3cret"
 
 
 def make_engine(model, head) -> VerifierEngine:
-    return VerifierEngine(model, head=head, head_window=W, handoff_scales=SCALES, eos_token_ids=set(),
-                          max_context=MAX_CONTEXT)
+    return VerifierEngine(
+        model, head=head, head_window=W, handoff_scales=SCALES, eos_token_ids=set(), max_context=MAX_CONTEXT
+    )
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +78,9 @@ def reference():
 def server(models):
     """A fresh server (fresh metrics) with an auth token; one at a time shares the module's models."""
     engine = make_engine(*models)
-    with ServerThread(engine, tree_rows=ROWS, auth_token=TOKEN, max_frame_bytes=MAX_FRAME,
-                      model_name="tiny-gemma4") as srv:
+    with ServerThread(
+        engine, tree_rows=ROWS, auth_token=TOKEN, max_frame_bytes=MAX_FRAME, model_name="tiny-gemma4"
+    ) as srv:
         yield srv
     engine.close()
 
@@ -100,15 +101,29 @@ def oracle_tree(model, tokens, width=2, depth=3):
 
 
 def open_request(prompt, **kw) -> OpenRequest:
-    args = dict(prompt_ids=np.asarray(prompt, np.int32), sampling=Sampling(1.0, 64, 0.95), seed=5,
-                acceptance="epsilon", epsilon=0.02, max_new_tokens=200)
+    args = dict(
+        prompt_ids=np.asarray(prompt, np.int32),
+        sampling=Sampling(1.0, 64, 0.95),
+        seed=5,
+        acceptance="epsilon",
+        epsilon=0.02,
+        max_new_tokens=200,
+    )
     args.update(kw)
     return OpenRequest(**args)
 
 
 def reference_session(reference, req: OpenRequest):
-    session = reference.open(req.prompt_ids, req.sampling, req.seed, req.acceptance, req.epsilon, req.draft_place,
-                             req.max_new_tokens, anchor=req.anchor)
+    session = reference.open(
+        req.prompt_ids,
+        req.sampling,
+        req.seed,
+        req.acceptance,
+        req.epsilon,
+        req.draft_place,
+        req.max_new_tokens,
+        anchor=req.anchor,
+    )
     session.prefill()
     return session
 
@@ -159,8 +174,7 @@ class Raw:
 
     def __init__(self, url, token: str | None = TOKEN, header: str | None = None):
         headers = {"Authorization": header} if header else None
-        self.ws = connect(url, additional_headers=headers, compression=None, proxy=None, max_size=2**24,
-                          legacy=True)
+        self.ws = connect(url, additional_headers=headers, compression=None, proxy=None, max_size=2**24, legacy=True)
         self.token = token
 
     def send(self, frame: bytes, timeout: float = 30) -> bytes:
@@ -228,8 +242,17 @@ def wait_for(predicate, timeout_s=20.0):
 
 def test_full_session_matches_the_engine(server, reference):
     s = Alongside(server.url, reference)
-    assert s.opened == Opened(session_id=1, t=9, prefill_ms=s.opened.prefill_ms, max_context=MAX_CONTEXT,
-                              tree_rows=ROWS, vocab_size=VOCAB, hidden_size=64, kv_dim_sliding=32, kv_dim_full=32)
+    assert s.opened == Opened(
+        session_id=1,
+        t=9,
+        prefill_ms=s.opened.prefill_ms,
+        max_context=MAX_CONTEXT,
+        tree_rows=ROWS,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        kv_dim_sliding=32,
+        kv_dim_full=32,
+    )
     assert s.opened.prefill_ms > 0
     replies = [s.step() for _ in range(5)]
     assert sum(len(r.path_rows) for r in replies) > 0, "oracle trees should get tokens accepted"
@@ -239,7 +262,7 @@ def test_full_session_matches_the_engine(server, reference):
     live = server.server.sessions[1]
     assert live.tokens == s.ref.tokens  # the server's session holds exactly the reference's sequence
     s.client.close()
-    assert wait_for(lambda: not server.server.sessions and live.cache is None)   # freed on the worker, after
+    assert wait_for(lambda: not server.server.sessions and live.cache is None)  # freed on the worker, after
 
 
 def test_cloud_mtp_session_sends_the_root_alone(server, reference):
@@ -272,8 +295,9 @@ def test_concurrent_clients_are_isolated(server, reference):
     rng = np.random.default_rng(0)
     fillers = [rng.integers(3, VOCAB, ROWS - 1).astype(np.int32) for _ in range(3)]
     parents = np.array([-1, 0, 0, 1, 1, 2, 3], np.int32)
-    requests = [open_request(range(10 * i + 20, 10 * i + 30), seed=i, acceptance=("exact", "epsilon")[i % 2])
-                for i in range(3)]
+    requests = [
+        open_request(range(10 * i + 20, 10 * i + 30), seed=i, acceptance=("exact", "epsilon")[i % 2]) for i in range(3)
+    ]
     record = {i: [] for i in range(3)}
     failures = []
 
@@ -305,10 +329,24 @@ def test_concurrent_clients_are_isolated(server, reference):
 
 def test_server_head_session_with_a_keep_set_returns_the_chain(models, reference):
     keep = np.arange(3, 200)
-    engine = VerifierEngine(models[0], head=models[1], keep_set=keep, head_window=W, handoff_scales=SCALES,
-                            eos_token_ids=set(), max_context=MAX_CONTEXT)
-    ref_engine = VerifierEngine(reference.model, head=reference.head, keep_set=keep, head_window=W,
-                                handoff_scales=SCALES, eos_token_ids=set(), max_context=MAX_CONTEXT)
+    engine = VerifierEngine(
+        models[0],
+        head=models[1],
+        keep_set=keep,
+        head_window=W,
+        handoff_scales=SCALES,
+        eos_token_ids=set(),
+        max_context=MAX_CONTEXT,
+    )
+    ref_engine = VerifierEngine(
+        reference.model,
+        head=reference.head,
+        keep_set=keep,
+        head_window=W,
+        handoff_scales=SCALES,
+        eos_token_ids=set(),
+        max_context=MAX_CONTEXT,
+    )
     req = open_request(range(50, 60), draft_place="server-head", acceptance="exact", seed=4)
     try:
         with ServerThread(engine, tree_rows=ROWS) as srv, VerifierClient(srv.url) as c:
@@ -340,11 +378,17 @@ def test_each_bad_round_gets_its_error_and_the_session_alongside_keeps_going(ser
         ("bad_parent", round_frame(0, tokens, [-1, 0, 1, 5, 3, 4, 5]), "DraftTree.parents[3] = 5"),
         ("bad_parent", round_frame(0, tokens, [-1, 2, 1, 2, 3, 4, 5]), "DraftTree.parents[1] = 2"),  # cycle 1<->2
         ("bad_parent", round_frame(0, tokens, [0, 0, 1, 2, 3, 4, 5]), "DraftTree.parents[0] = 0"),
-        ("token_out_of_vocab", round_frame(0, [root, 11, VOCAB, 13, 14, 15, 16], chain),
-         f"DraftTree.tokens[2] = {VOCAB}: token ids must lie in [0, {VOCAB})"),
+        (
+            "token_out_of_vocab",
+            round_frame(0, [root, 11, VOCAB, 13, 14, 15, 16], chain),
+            f"DraftTree.tokens[2] = {VOCAB}: token ids must lie in [0, {VOCAB})",
+        ),
         ("wrong_row_count", round_frame(0, tokens[:5], chain[:5]), f"has 5 rows, expected {ROWS}"),
-        ("frame_too_large", round_frame(0, np.full(700, 11), np.arange(-1, 699)),
-         f"frame of {16 + 7 + 6 * 700} bytes: this receiver accepts at most max_frame_bytes = {MAX_FRAME}"),
+        (
+            "frame_too_large",
+            round_frame(0, np.full(700, 11), np.arange(-1, 699)),
+            f"frame of {16 + 7 + 6 * 700} bytes: this receiver accepts at most max_frame_bytes = {MAX_FRAME}",
+        ),
         ("unknown_message_type", frame(9, b""), "message type = 9"),
         ("unsupported_version", round_frame(0, tokens, chain, version=1), "frame speaks protocol version 1"),
         ("crc_mismatch", round_frame(0, tokens, chain, crc=1), "its header says 0x00000001"),
@@ -377,12 +421,26 @@ def test_errors_before_open_and_a_text_message(server, reference):
     raw = Raw(server.url)
     cases = [
         ("not_opened", round_frame(0, [1, 2], [-1, 0]), "ROUND before OPEN"),
-        ("context_overflow", wire.encode(open_request(np.full(MAX_CONTEXT + 1, 3), auth_token=TOKEN)),
-         f"has {MAX_CONTEXT + 1} tokens: the verifier holds max_context = {MAX_CONTEXT} positions"),
-        ("token_out_of_vocab", wire.encode(open_request([3, 4, VOCAB + 5], auth_token=TOKEN)),
-         f"OpenRequest.prompt_ids[2] = {VOCAB + 5}"),
-        ("bad_top_p", frame(wire.MessageType.OPEN, wire.encode(open_request([3, 4], auth_token=TOKEN))[16:]
-                            .replace(struct.pack("<f", 0.95), struct.pack("<f", 1.5), 1)), "Sampling.top_p = 1.5"),
+        (
+            "context_overflow",
+            wire.encode(open_request(np.full(MAX_CONTEXT + 1, 3), auth_token=TOKEN)),
+            f"has {MAX_CONTEXT + 1} tokens: the verifier holds max_context = {MAX_CONTEXT} positions",
+        ),
+        (
+            "token_out_of_vocab",
+            wire.encode(open_request([3, 4, VOCAB + 5], auth_token=TOKEN)),
+            f"OpenRequest.prompt_ids[2] = {VOCAB + 5}",
+        ),
+        (
+            "bad_top_p",
+            frame(
+                wire.MessageType.OPEN,
+                wire.encode(open_request([3, 4], auth_token=TOKEN))[16:].replace(
+                    struct.pack("<f", 0.95), struct.pack("<f", 1.5), 1
+                ),
+            ),
+            "Sampling.top_p = 1.5",
+        ),
     ]
     for code, bad, text in cases:
         err = raw.error(bad)
@@ -413,9 +471,14 @@ def test_a_frame_over_the_websocket_limit_closes_only_its_connection(server, ref
 
 def test_auth_missing_or_wrong_is_refused_and_closes_the_connection(server, reference):
     good = Alongside(server.url, reference)
-    for token, header, code in [(None, None, "auth_required"), ("wrong", None, "auth_refused"),
-                                (None, "Bearer wrong", "auth_refused"), (TOKEN, "Bearer wrong", "auth_refused"),
-                                ("wrong", f"Bearer {TOKEN}", "auth_refused"), (None, "Basic abc", "auth_refused")]:
+    for token, header, code in [
+        (None, None, "auth_required"),
+        ("wrong", None, "auth_refused"),
+        (None, "Bearer wrong", "auth_refused"),
+        (TOKEN, "Bearer wrong", "auth_refused"),
+        ("wrong", f"Bearer {TOKEN}", "auth_refused"),
+        (None, "Basic abc", "auth_refused"),
+    ]:
         raw = Raw(server.url, header=header)
         err = raw.error(wire.encode(open_request([3, 4, 5], auth_token=token)))
         assert err.code == code, (token, header)
@@ -510,16 +573,18 @@ def test_appends_roll_back_each_way_and_a_wrong_conversation_changes_nothing(mod
     /metrics counts each kind and the positions prefilled again; the KV reservation follows the conversation."""
     engine = make_engine(*models)
     try:
-        with ServerThread(engine, tree_rows=ROWS, auth_token=TOKEN, max_frame_bytes=MAX_FRAME,
-                          batching=batching) as srv, VerifierClient(srv.url, auth_token=TOKEN, timeout_s=60) as c:
+        with (
+            ServerThread(engine, tree_rows=ROWS, auth_token=TOKEN, max_frame_bytes=MAX_FRAME, batching=batching) as srv,
+            VerifierClient(srv.url, auth_token=TOKEN, timeout_s=60) as c,
+        ):
             req = open_request(range(20, 30), max_new_tokens=12, anchor=8, seed=13)
             opened = c.open(req)
             ref = reference_session(reference, req)
             output, bonus_last = finish_turn(c, ref, reference.model, 12)
             held = list(range(20, 30)) + output
             live = srv.server.sessions[opened.session_id]
-            assert live.tokens == held and len(held) == 10 + 12            # finished on max_new_tokens
-            assert len(held) - 1 - 9 > reference.kv_retain                 # keep 9 lies before the sliding window
+            assert live.tokens == held and len(held) == 10 + 12  # finished on max_new_tokens
+            assert len(held) - 1 - 9 > reference.kv_retain  # keep 9 lies before the sliding window
 
             turn = np.arange(40, 46, dtype=np.int32)
             crc = ids_crc32(held[:9])
@@ -535,12 +600,20 @@ def test_appends_roll_back_each_way_and_a_wrong_conversation_changes_nothing(mod
             assert srv.server.metrics.kv_bytes_reserved == engine.session_kv_bytes(10 + 12 + ROWS, ROWS)
 
             kinds, positions, expected = [], 10 + 12 + ROWS, []
-            for keep, turn, anchor, max_new in ((9, turn, 10, 6), (None, np.array([50, 51], np.int32), 0, 4),
-                                                (3, np.arange(60, 63, dtype=np.int32), 4, 3)):
+            for keep, turn, anchor, max_new in (
+                (9, turn, 10, 6),
+                (None, np.array([50, 51], np.int32), 0, 4),
+                (3, np.arange(60, 63, dtype=np.int32), 4, 3),
+            ):
                 keep = len(held) if keep is None else keep
                 kv_held = len(held) - bonus_last
-                expected.append(("snapshot", keep - 8) if keep == 9 else ("crop", keep - kv_held) if keep == len(held)
-                                else ("full", keep))
+                expected.append(
+                    ("snapshot", keep - 8)
+                    if keep == 9
+                    else ("crop", keep - kv_held)
+                    if keep == len(held)
+                    else ("full", keep)
+                )
                 got = c.append(AppendTurn(turn, max_new, keep=keep, keep_crc=ids_crc32(held[:keep]), anchor=anchor))
                 _, t = ref.append(turn, max_new, keep=keep, keep_crc=ids_crc32(held[:keep]), anchor=anchor)
                 conversation = held[:keep] + turn.tolist()
@@ -557,9 +630,11 @@ def test_appends_roll_back_each_way_and_a_wrong_conversation_changes_nothing(mod
             assert [(p.kind, p.reprefilled) for p in ref.appends] == kinds
             values, _ = parse_metrics(http_get(srv.http_url + "/metrics")[1])
             assert {k: v for k, v in values.items() if k.startswith("hycoc_append")} == {
-                'hycoc_appends_total{kind="crop"}': 1, 'hycoc_appends_total{kind="snapshot"}': 1,
+                'hycoc_appends_total{kind="crop"}': 1,
+                'hycoc_appends_total{kind="snapshot"}': 1,
                 'hycoc_appends_total{kind="full"}': 1,
-                "hycoc_append_reprefilled_tokens_total": sum(n for _, n in expected)}
+                "hycoc_append_reprefilled_tokens_total": sum(n for _, n in expected),
+            }
             assert values['hycoc_errors_total{kind="conversation_mismatch"}'] == 2
     finally:
         engine.close()
@@ -591,16 +666,29 @@ def test_disconnect_mid_round_frees_the_session(server, reference):
 def test_healthz(server):
     content_type, body = http_get(server.http_url + "/healthz")
     assert content_type.startswith("application/json")
-    assert json.loads(body) == {"status": "ok", "model": "tiny-gemma4", "protocol_version": 5,
-                                "protocol_versions": [5], "sessions": 0,
-                                "tree_rows": ROWS, "max_context": MAX_CONTEXT, "vocab_size": VOCAB,
-                                "max_frame_bytes": MAX_FRAME, "auth": True,
-                                "limits": {"handshake_timeout_s": 10.0, "frame_timeout_s": 30.0,
-                                           "idle_timeout_s": 300.0, "max_connections": 256, "max_sessions": 64,
-                                           "max_kv_bytes": 8 << 30, "auth_failures_per_minute": 10,
-                                           "retry_after_s": 5.0},
-                                "batching": {"mode": "batched", "max_batch_rows": 528, "max_batch_wait_ms": 2.0,
-                                             "tree_budget": "fixed"}}
+    assert json.loads(body) == {
+        "status": "ok",
+        "model": "tiny-gemma4",
+        "protocol_version": 5,
+        "protocol_versions": [5],
+        "sessions": 0,
+        "tree_rows": ROWS,
+        "max_context": MAX_CONTEXT,
+        "vocab_size": VOCAB,
+        "max_frame_bytes": MAX_FRAME,
+        "auth": True,
+        "limits": {
+            "handshake_timeout_s": 10.0,
+            "frame_timeout_s": 30.0,
+            "idle_timeout_s": 300.0,
+            "max_connections": 256,
+            "max_sessions": 64,
+            "max_kv_bytes": 8 << 30,
+            "auth_failures_per_minute": 10,
+            "retry_after_s": 5.0,
+        },
+        "batching": {"mode": "batched", "max_batch_rows": 528, "max_batch_wait_ms": 2.0, "tree_budget": "fixed"},
+    }
     with VerifierClient(server.url, auth_token=TOKEN) as c:
         c.open(open_request([3, 4, 5]))
         assert json.loads(http_get(server.http_url + "/healthz")[1])["sessions"] == 1
@@ -610,21 +698,36 @@ def test_metrics_count_exactly(server, reference):
     content_type, text = http_get(server.http_url + "/metrics")
     assert content_type == METRICS_CONTENT_TYPE
     values, types = parse_metrics(text)
-    assert types == {"hycoc_rounds_total": "counter", "hycoc_retries_total": "counter",
-                     "hycoc_sessions_active": "gauge", "hycoc_sessions_total": "counter",
-                     "hycoc_tokens_committed_total": "counter", "hycoc_mat": "gauge",
-                     "hycoc_server_ms_total": "counter", "hycoc_prefill_ms_total": "counter",
-                     "hycoc_g_ms_per_token": "gauge", "hycoc_errors_total": "counter",
-                     "hycoc_refusals_total": "counter", "hycoc_connections_active": "gauge",
-                     "hycoc_kv_bytes_reserved": "gauge", "hycoc_batch_rows": "histogram",
-                     "hycoc_batch_sessions": "histogram", "hycoc_queue_wait_seconds": "histogram",
-                     "hycoc_rows_kept_per_session": "histogram", "hycoc_expected_tokens_per_forward": "histogram",
-                     "hycoc_rows_trimmed_total": "counter", "hycoc_appends_total": "counter",
-                     "hycoc_append_reprefilled_tokens_total": "counter"}
+    assert types == {
+        "hycoc_rounds_total": "counter",
+        "hycoc_retries_total": "counter",
+        "hycoc_sessions_active": "gauge",
+        "hycoc_sessions_total": "counter",
+        "hycoc_tokens_committed_total": "counter",
+        "hycoc_mat": "gauge",
+        "hycoc_server_ms_total": "counter",
+        "hycoc_prefill_ms_total": "counter",
+        "hycoc_g_ms_per_token": "gauge",
+        "hycoc_errors_total": "counter",
+        "hycoc_refusals_total": "counter",
+        "hycoc_connections_active": "gauge",
+        "hycoc_kv_bytes_reserved": "gauge",
+        "hycoc_batch_rows": "histogram",
+        "hycoc_batch_sessions": "histogram",
+        "hycoc_queue_wait_seconds": "histogram",
+        "hycoc_rows_kept_per_session": "histogram",
+        "hycoc_expected_tokens_per_forward": "histogram",
+        "hycoc_rows_trimmed_total": "counter",
+        "hycoc_appends_total": "counter",
+        "hycoc_append_reprefilled_tokens_total": "counter",
+    }
     assert values["hycoc_rounds_total"] == 0 and np.isnan(values["hycoc_mat"])
-    assert {k: v for k, v in values.items() if k.startswith("hycoc_append")} == {   # every kind from the start
-        'hycoc_appends_total{kind="crop"}': 0, 'hycoc_appends_total{kind="snapshot"}': 0,
-        'hycoc_appends_total{kind="full"}': 0, "hycoc_append_reprefilled_tokens_total": 0}
+    assert {k: v for k, v in values.items() if k.startswith("hycoc_append")} == {  # every kind from the start
+        'hycoc_appends_total{kind="crop"}': 0,
+        'hycoc_appends_total{kind="snapshot"}': 0,
+        'hycoc_appends_total{kind="full"}': 0,
+        "hycoc_append_reprefilled_tokens_total": 0,
+    }
     assert values['hycoc_batch_rows_bucket{le="+Inf"}'] == 0 and values["hycoc_batch_rows_count"] == 0
 
     s = Alongside(server.url, reference)
@@ -636,8 +739,7 @@ def test_metrics_count_exactly(server, reference):
     values, _ = parse_metrics(http_get(server.http_url + "/metrics")[1])
     assert values["hycoc_sessions_active"] == 1
     s.client.close()
-    assert wait_for(lambda: parse_metrics(http_get(server.http_url + "/metrics")[1])[0]["hycoc_sessions_active"]
-                    == 0)
+    assert wait_for(lambda: parse_metrics(http_get(server.http_url + "/metrics")[1])[0]["hycoc_sessions_active"] == 0)
     values, _ = parse_metrics(http_get(server.http_url + "/metrics")[1])
 
     tokens = len(s.output)
@@ -654,7 +756,9 @@ def test_metrics_count_exactly(server, reference):
     assert values["hycoc_prefill_ms_total"] == pytest.approx(prefill_ms, rel=1e-6)
     assert values["hycoc_g_ms_per_token"] == pytest.approx((server_ms + prefill_ms) / tokens, rel=1e-6)
     assert {k: v for k, v in values.items() if k.startswith("hycoc_errors_total")} == {
-        'hycoc_errors_total{kind="auth_required"}': 1, 'hycoc_errors_total{kind="bad_seq"}': 1}
+        'hycoc_errors_total{kind="auth_required"}': 1,
+        'hycoc_errors_total{kind="bad_seq"}': 1,
+    }
     # One session alone: every forward holds its ROWS rows (buckets are cumulative: le=4 has none, le=8 all).
     assert (values["hycoc_batch_rows_count"], values["hycoc_batch_rows_sum"]) == (3, 3 * ROWS)
     assert (values['hycoc_batch_rows_bucket{le="4.0"}'], values['hycoc_batch_rows_bucket{le="8.0"}']) == (0, 3)
@@ -673,7 +777,7 @@ def write_recipe(tmp_path: Path, models_dir: Path | None, *, head: str = "head",
 [models]
 verifier = "{verifier}"
 head = "{(models_dir or tmp_path) / head}"
-tokenizer = "{ROOT / 'recipes' / 'toy' / 'models' / 'verifier'}"
+tokenizer = "{ROOT / "recipes" / "toy" / "models" / "verifier"}"
 [tree]
 chain_length = 3
 node_budget = 6
@@ -714,20 +818,32 @@ def saved_models(tmp_path_factory, models):
 def test_engine_from_recipe_takes_every_setting_from_the_recipe(tmp_path, saved_models):
     recipe = load_recipe(write_recipe(tmp_path, saved_models))
     engine = engine_from_recipe(recipe, device="cpu")
-    assert (engine.head_window, engine.chain_length, engine.handoff_scales, engine.hidden,
-            engine.head_query_position_offset, engine.max_context, engine.keep_set) == (
-        5, 3, (0.1, 0.2, 0.03, 0.04, 0.05, 0.06), "post_norm", 0, 96, None)
-    assert engine.eos_token_ids == {1}   # the verifier's generation_config.json (tiny: eos 1) before the tokenizer's
+    assert (
+        engine.head_window,
+        engine.chain_length,
+        engine.handoff_scales,
+        engine.hidden,
+        engine.head_query_position_offset,
+        engine.max_context,
+        engine.keep_set,
+    ) == (5, 3, (0.1, 0.2, 0.03, 0.04, 0.05, 0.06), "post_norm", 0, 96, None)
+    assert engine.eos_token_ids == {1}  # the verifier's generation_config.json (tiny: eos 1) before the tokenizer's
     config = json.loads((ROOT / "recipes" / "toy" / "models" / "verifier" / "tokenizer_config.json").read_text())
-    assert engine.chat_format.template == config["chat_template"]      # the recipe's tokenizer folder's template
+    assert engine.chat_format.template == config["chat_template"]  # the recipe's tokenizer folder's template
     assert engine.chat_format.template_sha256 == hashlib.sha256(config["chat_template"].encode()).hexdigest()
     assert engine.head is not None and engine.vocab_size == VOCAB
-    assert server_options(recipe) == {"tree_rows": 7, "max_frame_bytes": 8192, "model_name": str(saved_models /
-                                                                                                  "verifier"),
-                                      "limits": ServerLimits(), "batching": "batched", "max_batch_rows": 64,
-                                      "max_batch_wait_ms": 0.5, "tree_budget": "auto",
-                                      "row_cost": RowCost(((7, 1.5), (64, 4.0)), source="recipe verifier.row_cost"),
-                                      "min_rows_per_session": 2}
+    assert server_options(recipe) == {
+        "tree_rows": 7,
+        "max_frame_bytes": 8192,
+        "model_name": str(saved_models / "verifier"),
+        "limits": ServerLimits(),
+        "batching": "batched",
+        "max_batch_rows": 64,
+        "max_batch_wait_ms": 0.5,
+        "tree_budget": "auto",
+        "row_cost": RowCost(((7, 1.5), (64, 4.0)), source="recipe verifier.row_cost"),
+        "min_rows_per_session": 2,
+    }
     engine.close()
 
 
@@ -748,10 +864,29 @@ def test_missing_models_and_devices_are_named(tmp_path, saved_models):
 def test_verify_server_command_serves_until_sigterm(tmp_path, saved_models):
     recipe = write_recipe(tmp_path, saved_models)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "hycoc.cli", "verify-server", str(recipe), "--port", "0",
-                             "--auth-token", TOKEN, "--batching", "serial", "--max-batch-rows", "32",
-                             "--tree-budget", "fixed"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hycoc.cli",
+            "verify-server",
+            str(recipe),
+            "--port",
+            "0",
+            "--auth-token",
+            TOKEN,
+            "--batching",
+            "serial",
+            "--max-batch-rows",
+            "32",
+            "--tree-budget",
+            "fixed",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("hycoc verify-server: listening on ws://127.0.0.1:"), (line, proc.stderr.read())
@@ -759,8 +894,12 @@ def test_verify_server_command_serves_until_sigterm(tmp_path, saved_models):
         health = json.loads(http_get(url.replace("ws://", "http://") + "/healthz")[1])
         assert (health["tree_rows"], health["max_context"], health["auth"]) == (7, 96, True)
         # the flags override the recipe's batching keys, the others stay the recipe's
-        assert health["batching"] == {"mode": "serial", "max_batch_rows": 32, "max_batch_wait_ms": 0.5,
-                                      "tree_budget": "fixed"}
+        assert health["batching"] == {
+            "mode": "serial",
+            "max_batch_rows": 32,
+            "max_batch_wait_ms": 0.5,
+            "tree_budget": "fixed",
+        }
         with VerifierClient(url, auth_token=TOKEN) as c:
             opened = c.open(open_request([3, 4, 5, 6]))
             assert (opened.tree_rows, opened.t) == (7, 3)
@@ -769,8 +908,9 @@ def test_verify_server_command_serves_until_sigterm(tmp_path, saved_models):
             assert reply.handoff.scales == pytest.approx((0.1, 0.2, 0.03, 0.04, 0.05, 0.06))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-        assert re.fullmatch(r"hycoc verify-server: stopped \(SIGINT or SIGTERM\) after \d+ s; sessions closed\n",
-                            proc.stdout.read())
+        assert re.fullmatch(
+            r"hycoc verify-server: stopped \(SIGINT or SIGTERM\) after \d+ s; sessions closed\n", proc.stdout.read()
+        )
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -782,8 +922,9 @@ def test_verify_server_names_a_busy_port(tmp_path, saved_models):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = CliRunner().invoke(app, ["verify-server", str(write_recipe(tmp_path, saved_models)), "--port",
-                                          str(port)])
+        result = CliRunner().invoke(
+            app, ["verify-server", str(write_recipe(tmp_path, saved_models)), "--port", str(port)]
+        )
     assert result.exit_code == 1
     last = result.stderr.splitlines()[-1]  # after transformers' loading progress bars
     assert last.startswith(f"hycoc verify-server: cannot listen on 127.0.0.1:{port}: ") and "in use" in last
@@ -792,7 +933,17 @@ def test_verify_server_names_a_busy_port(tmp_path, saved_models):
 def test_verify_server_help_documents_units_and_defaults():
     result = CliRunner().invoke(app, ["verify-server", "--help"], terminal_width=200, env={"COLUMNS": "200"})
     assert result.exit_code == 0
-    for text in ("verifier.host, 127.0.0.1", "0 = any free port", "verifier.port, 8765", "verifier.device",
-                 "Authorization: Bearer TOKEN", "max_frame_bytes (bytes)", "/healthz", "/metrics",
-                 "verifier.batching, batched", "verifier.max_batch_rows, 528", "verifier.max_batch_wait_ms, 2.0"):
+    for text in (
+        "verifier.host, 127.0.0.1",
+        "0 = any free port",
+        "verifier.port, 8765",
+        "verifier.device",
+        "Authorization: Bearer TOKEN",
+        "max_frame_bytes (bytes)",
+        "/healthz",
+        "/metrics",
+        "verifier.batching, batched",
+        "verifier.max_batch_rows, 528",
+        "verifier.max_batch_wait_ms, 2.0",
+    ):
         assert text in " ".join(result.stdout.replace("│", " ").split()), text  # rich wraps inside a box

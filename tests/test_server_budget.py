@@ -14,15 +14,22 @@ import threading
 import numpy as np
 import pytest
 import torch
+from hycoc.verifier.row_budget import RowCost, is_ancestor_closed
+from hycoc.verifier.server import ServerThread
+from hycoc.verifier.tree_rows import remap_parents
+from test_server import (
+    MAX_FRAME,
+    Raw,
+    http_get,
+    make_engine,
+    open_request,  # noqa: F401 (models: fixture)
+    parse_metrics,
+    wait_for,
+)
+from tiny_models import tiny_head, tiny_verifier
 
 from hycoc.protocol import wire
 from hycoc.protocol.messages import DraftTree, Opened, Sampling
-from hycoc.verifier.tree_rows import remap_parents
-from hycoc.verifier.row_budget import RowCost, is_ancestor_closed
-from hycoc.verifier.server import ServerThread
-from test_server import (MAX_FRAME, Raw, http_get, make_engine, models, open_request,  # noqa: F401 (models: fixture)
-                         parse_metrics, wait_for)
-from tiny_models import tiny_head, tiny_verifier
 
 torch.set_num_threads(1)
 ROWS = 9
@@ -52,8 +59,15 @@ def test_rounds_sharing_a_forward_are_trimmed_and_replies_name_their_rows(models
     engine = make_engine(*models)
     ref_engine = make_engine(*models)
     greedy = dict(sampling=Sampling(0.0, 1, 1.0), acceptance="exact")
-    with ServerThread(engine, tree_rows=ROWS, max_frame_bytes=MAX_FRAME, batching="batched", tree_budget="auto",
-                      row_cost=STEEP, max_batch_wait_ms=5000.0) as srv:
+    with ServerThread(
+        engine,
+        tree_rows=ROWS,
+        max_frame_bytes=MAX_FRAME,
+        batching="batched",
+        tree_budget="auto",
+        row_cost=STEEP,
+        max_batch_wait_ms=5000.0,
+    ) as srv:
         health = http_get(srv.http_url + "/healthz")[1]
         assert '"tree_budget": "auto"' in health and '"free_rows": 9' in health
         # "old": a client that sends its trees without scores (as Cloud+MTP and scoreless drafters do)
@@ -64,8 +78,9 @@ def test_rounds_sharing_a_forward_are_trimmed_and_replies_name_their_rows(models
             req = open_request(prompt, max_new_tokens=40, **greedy)
             opened = wire.decode(raws[name].send(wire.encode(req)))
             assert isinstance(opened, Opened)
-            refs[name] = ref_engine.open(req.prompt_ids, req.sampling, req.seed, req.acceptance, req.epsilon,
-                                         req.draft_place, req.max_new_tokens)
+            refs[name] = ref_engine.open(
+                req.prompt_ids, req.sampling, req.seed, req.acceptance, req.epsilon, req.draft_place, req.max_new_tokens
+            )
             refs[name].prefill()
         before = parse_metrics(http_get(srv.http_url + "/metrics")[1])[0]
         trimmed_rounds = 0
@@ -87,7 +102,7 @@ def test_rounds_sharing_a_forward_are_trimmed_and_replies_name_their_rows(models
             for name, reply in replies.items():
                 t, p, _ = trees[name]
                 if name == "old":
-                    assert reply.verified is None            # a tree without scores: kept whole
+                    assert reply.verified is None  # a tree without scores: kept whole
                     kept = np.arange(ROWS)
                 else:
                     assert reply.verified is not None and reply.verified.sum() < ROWS
@@ -102,8 +117,10 @@ def test_rounds_sharing_a_forward_are_trimmed_and_replies_name_their_rows(models
         trimmed = after["hycoc_rows_trimmed_total"] - before["hycoc_rows_trimmed_total"]
         kept_rows = after["hycoc_rows_kept_per_session_sum"] - before.get("hycoc_rows_kept_per_session_sum", 0)
         assert trimmed > 0 and kept_rows + trimmed == 3 * 3 * ROWS
-        assert after["hycoc_expected_tokens_per_forward_count"] - before.get(
-            "hycoc_expected_tokens_per_forward_count", 0) == 3
+        assert (
+            after["hycoc_expected_tokens_per_forward_count"] - before.get("hycoc_expected_tokens_per_forward_count", 0)
+            == 3
+        )
         # a session alone in its forward is verified as sent
         for name in ("b", "old"):
             raws[name].close()

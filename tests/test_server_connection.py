@@ -17,15 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hycoc.verifier import VerifierEngine
+from hycoc.verifier.server import Connection, ServerLimits, VerifierServer
+from tiny_models import tiny_verifier
 from typer.testing import CliRunner
 
 from hycoc.chat import ids_crc32
+from hycoc.ports import check_port
 from hycoc.protocol import wire
 from hycoc.protocol.messages import AppendTurn, Close, DraftTree, ErrorReply, Opened, OpenRequest, RoundReply, Sampling
-from hycoc.verifier import VerifierEngine
-from hycoc.ports import check_port
-from hycoc.verifier.server import Connection, ServerLimits, VerifierServer
-from tiny_models import tiny_verifier
 
 torch.set_num_threads(1)
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"
@@ -42,7 +42,7 @@ class ScriptedChannel:
         if self.script:
             return self.script.pop(0)
         await asyncio.sleep(3600 if timeout is None else timeout)
-        raise asyncio.TimeoutError
+        raise TimeoutError
 
     async def send(self, frame):
         self.sent.append(wire.decode(frame))
@@ -75,8 +75,9 @@ def serve(engine, channel, **limits) -> tuple[VerifierServer, float]:
 
 
 def open_frame() -> bytes:
-    return wire.encode(OpenRequest(prompt_ids=np.arange(3, 13, dtype=np.int32), sampling=Sampling(0.0, 64, 0.95),
-                                   max_new_tokens=8))
+    return wire.encode(
+        OpenRequest(prompt_ids=np.arange(3, 13, dtype=np.int32), sampling=Sampling(0.0, 64, 0.95), max_new_tokens=8)
+    )
 
 
 def test_the_handshake_timeout_runs_until_an_open_not_just_the_first_frame(engine):
@@ -85,8 +86,9 @@ def test_the_handshake_timeout_runs_until_an_open_not_just_the_first_frame(engin
     server, took = serve(engine, channel, handshake_timeout_s=0.4)
     assert [(m.code, m.message) for m in channel.sent] == [
         ("unexpected_message", "a text WebSocket message: the wire protocol uses binary frames only"),
-        ("handshake_timeout", "no OPEN within handshake_timeout_s = 0.4 s of connecting")]
-    assert channel.closed == 1008 and took > 0.35   # not before the 0.4 s timeout (no upper bound: a loaded machine)
+        ("handshake_timeout", "no OPEN within handshake_timeout_s = 0.4 s of connecting"),
+    ]
+    assert channel.closed == 1008 and took > 0.35  # not before the 0.4 s timeout (no upper bound: a loaded machine)
     assert server.metrics.refusals["handshake_timeout"] == 1
     assert server.metrics.errors == {"unexpected_message": 1, "handshake_timeout": 1}
 
@@ -109,7 +111,10 @@ def test_close_frees_the_session_and_closes_normally(engine):
     assert [type(m) for m in channel.sent] == [Opened]  # CLOSE has no reply
     assert channel.closed == 1000 and channel.script == [b"never read"]
     assert (server.metrics.sessions_total, server.metrics.sessions_active, server.metrics.kv_bytes_reserved) == (
-        1, 0, 0)
+        1,
+        0,
+        0,
+    )
 
 
 def test_a_client_that_closes_ends_the_loop_and_frees_its_session(engine):
@@ -133,7 +138,8 @@ def test_a_wrong_conversation_is_refused_and_the_right_one_appended_on_the_same_
         wire.encode(DraftTree(0, np.full(5, 12, np.int32), np.arange(-1, 4, dtype=np.int32))),
         wire.encode(AppendTurn(turn, 4, keep=10, keep_crc=crc ^ 0x80000000, anchor=10)),
         wire.encode(AppendTurn(turn, 4, keep=10, keep_crc=crc, anchor=10)),
-        wire.encode(Close(0)))
+        wire.encode(Close(0)),
+    )
     server, _ = serve(engine, channel)
     opened, reply, refused, appended = channel.sent
     assert isinstance(opened, Opened) and isinstance(reply, RoundReply) and reply.finished
@@ -160,8 +166,9 @@ def test_check_port_names_a_busy_port_and_picks_one_for_0():
 
 
 def test_verify_server_names_a_busy_port_before_loading_the_model(monkeypatch):
-    from hycoc.cli import app
     from hycoc.verifier import loading
+
+    from hycoc.cli import app
 
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded before the port was checked")
@@ -172,10 +179,12 @@ def test_verify_server_names_a_busy_port_before_loading_the_model(monkeypatch):
         busy.listen()
         port = busy.getsockname()[1]
         result = CliRunner().invoke(app, ["verify-server", str(RECIPE), "--port", str(port)])
-    assert result.exit_code == 1   # and the monkeypatched loader above was never called
-    assert result.stderr.strip() == (f"hycoc verify-server: cannot listen on 127.0.0.1:{port}: Address already in "
-                                     "use (another server on this port?): pass --port N, or --port 0 for any free "
-                                     "port")
+    assert result.exit_code == 1  # and the monkeypatched loader above was never called
+    assert result.stderr.strip() == (
+        f"hycoc verify-server: cannot listen on 127.0.0.1:{port}: Address already in "
+        "use (another server on this port?): pass --port N, or --port 0 for any free "
+        "port"
+    )
 
 
 def test_no_flag_shows_a_type_in_help():

@@ -14,16 +14,16 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
-from websockets.exceptions import InvalidStatus
-from websockets.sync.client import connect
-
-from hycoc.protocol import wire
-from hycoc.protocol.messages import DraftTree, ErrorReply, OpenRequest, Sampling
 from hycoc.runtime.transport import AuthRefused, ServerError, ServerUnreachable, VerifierClient
 from hycoc.verifier import VerifierEngine
 from hycoc.verifier.kv_cache import held_bytes, storage_bytes
 from hycoc.verifier.server import ServerLimits, ServerThread, open_frame_bytes
 from tiny_models import tiny_verifier
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
+
+from hycoc.protocol import wire
+from hycoc.protocol.messages import DraftTree, ErrorReply, OpenRequest, Sampling
 
 torch.set_num_threads(1)
 SCALES = (0.1, 0.1, 0.05, 0.05, 0.05, 0.05)
@@ -40,8 +40,9 @@ CHUNK = 8
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = VerifierEngine(tiny_verifier(), head_window=6, handoff_scales=SCALES, max_context=MAX_CONTEXT,
-                         prefill_chunk=CHUNK)
+    eng = VerifierEngine(
+        tiny_verifier(), head_window=6, handoff_scales=SCALES, max_context=MAX_CONTEXT, prefill_chunk=CHUNK
+    )
     yield eng
     eng.close()
 
@@ -53,8 +54,12 @@ def serving(engine, **limits):
 
 
 def request(n=10, max_new=200, token=TOKEN) -> OpenRequest:
-    return OpenRequest(prompt_ids=np.arange(20, 20 + n, dtype=np.int32), sampling=Sampling(0.0, 64, 0.95),
-                       max_new_tokens=max_new, auth_token=token)
+    return OpenRequest(
+        prompt_ids=np.arange(20, 20 + n, dtype=np.int32),
+        sampling=Sampling(0.0, 64, 0.95),
+        max_new_tokens=max_new,
+        auth_token=token,
+    )
 
 
 def refusals(srv) -> dict:
@@ -74,15 +79,17 @@ def closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
         while chunk := sock.recv(65536):
             got += chunk
         return True, got
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         return False, got
     except ConnectionResetError:
         return True, got
 
 
 def upgrade(sock: socket.socket) -> None:
-    sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                 b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    sock.sendall(
+        b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
     head = b""
     while b"\r\n\r\n" not in head:
         head += sock.recv(1)
@@ -113,11 +120,12 @@ def metric(srv, series: str) -> float:
 def largest_open(max_context: int, auth: str | None = None) -> OpenRequest:
     """The largest OPEN a client can send a verifier of ``max_context`` positions: a prompt of max_context - 1 ids,
     a 65,535-byte auth token and a 65,535-byte chat contract (both u16-counted, utf-8)."""
-    chat = '{"pad":"x' + "é" * 32762 + '"}'                  # 9 + 2 x 32,762 + 2 bytes
+    chat = '{"pad":"x' + "é" * 32762 + '"}'  # 9 + 2 x 32,762 + 2 bytes
     auth = auth or "k" * 65535
     assert len(chat.encode("utf-8")) == 65535 == len(auth.encode("utf-8"))
-    return OpenRequest(prompt_ids=np.arange(max_context - 1, dtype=np.int32) % 60 + 3, max_new_tokens=1,
-                       auth_token=auth, chat=chat)
+    return OpenRequest(
+        prompt_ids=np.arange(max_context - 1, dtype=np.int32) % 60 + 3, max_new_tokens=1, auth_token=auth, chat=chat
+    )
 
 
 @pytest.mark.parametrize("max_context", [2, 128, 4096])
@@ -137,7 +145,7 @@ def test_incoming_frames_are_bounded_by_the_largest_open_the_codec_writes(max_co
         wire.validate(longer, wire.Limits(max_context=max_context))
     turn = AppendTurn(np.full(max_context - 2, 3, np.int32), 1, keep=1) if max_context > 2 else None
     if turn is not None:
-        wire.validate(turn, wire.Limits(max_context=max_context))             # the largest APPEND that passes
+        wire.validate(turn, wire.Limits(max_context=max_context))  # the largest APPEND that passes
         assert len(wire.encode(turn)) < len(biggest)
     assert len(wire.encode(Close(1))) < len(biggest)
 
@@ -159,19 +167,25 @@ def test_the_largest_open_reaches_the_engine_and_one_byte_more_is_frame_too_larg
         ws = connect(srv.url, compression=None, proxy=None, legacy=True, max_size=2**24)
         ws.send(data)
         opened = wire.decode(ws.recv(timeout=30))
-        assert not isinstance(opened, ErrorReply), opened          # issue 30: frame_too_large here
+        assert not isinstance(opened, ErrorReply), opened  # issue 30: frame_too_large here
         assert opened.t == MAX_CONTEXT - 2
         ws.close()
         assert srv.server.in_frame_bytes == len(data) == open_frame_bytes(MAX_CONTEXT)
-        payload = data[wire.HEADER.size:] + b"\0"
-        over = wire.HEADER.pack(wire.MAGIC, wire.PROTOCOL_VERSION, wire.MessageType.OPEN, 0, len(payload),
-                                zlib.crc32(payload)) + payload
+        payload = data[wire.HEADER.size :] + b"\0"
+        over = (
+            wire.HEADER.pack(
+                wire.MAGIC, wire.PROTOCOL_VERSION, wire.MessageType.OPEN, 0, len(payload), zlib.crc32(payload)
+            )
+            + payload
+        )
         ws = connect(srv.url, compression=None, proxy=None, legacy=True, max_size=2**24)
         ws.send(over)
         err = wire.decode(ws.recv(timeout=30))
         assert isinstance(err, ErrorReply) and err.code == "frame_too_large"
-        assert f"OPEN frame of {len(data) + 1} bytes: this receiver accepts at most max_frame_bytes = {len(data)}" \
+        assert (
+            f"OPEN frame of {len(data) + 1} bytes: this receiver accepts at most max_frame_bytes = {len(data)}"
             in err.message
+        )
         ws.close()
 
 
@@ -187,7 +201,7 @@ def test_silent_tcp_and_trickled_headers_are_closed_after_the_handshake_timeout(
             time.sleep(0.05)
         # a generous wait (a loaded machine cannot break it): without the timeout neither socket would ever close
         assert closed_within(silent, 30)[0] and closed_within(trickle, 30)[0]
-        assert time.monotonic() - t0 > 0.45   # not before handshake_timeout_s = 0.5 s
+        assert time.monotonic() - t0 > 0.45  # not before handshake_timeout_s = 0.5 s
         assert refusals(srv)["handshake_timeout"] == 2
         assert metric(srv, 'hycoc_refusals_total{kind="handshake_timeout"}') == 2
 
@@ -204,11 +218,11 @@ def test_a_partial_frame_is_dropped_after_the_frame_timeout(engine):
     with serving(engine, **{**QUICK, "handshake_timeout_s": 30.0}) as srv:
         sock = tcp(srv)
         upgrade(sock)
-        sock.sendall(ws_frame_header(1000) + b"x" * 999)       # all but the last byte
+        sock.sendall(ws_frame_header(1000) + b"x" * 999)  # all but the last byte
         t0 = time.monotonic()
-        closed, got = closed_within(sock, 30)   # generous: without the frame timeout it would never close
+        closed, got = closed_within(sock, 30)  # generous: without the frame timeout it would never close
         assert closed and time.monotonic() - t0 > 0.4
-        assert b"frame_timeout" in got                           # the ERROR frame came first
+        assert b"frame_timeout" in got  # the ERROR frame came first
         assert refusals(srv)["frame_timeout"] == 1
 
 
@@ -217,7 +231,7 @@ def test_an_announced_16_mb_frame_is_cut_at_twice_the_largest_open(engine):
         sock = tcp(srv)
         upgrade(sock)
         sock.sendall(ws_frame_header(16 * 2**20) + b"x" * 4096)
-        closed, _ = closed_within(sock, 5)                       # aiohttp refuses it at once (close 1009)
+        closed, _ = closed_within(sock, 5)  # aiohttp refuses it at once (close 1009)
         assert closed and srv.server.in_frame_bytes == open_frame_bytes(MAX_CONTEXT) < 16 * 2**20 // 2
 
 
@@ -232,7 +246,7 @@ def test_an_idle_session_is_freed_and_told_why(engine):
         assert held_bytes(cache) == storage_bytes(cache) == engine.kv_layout.session_bytes(9, 0) == 512 * (9 + 7)
         t0 = time.monotonic()
         wait_for(lambda: not srv.server.sessions, what="the idle session's release")
-        assert time.monotonic() - t0 > 0.5   # not before idle_timeout_s = 0.6 s (the OPEN's reply came first)
+        assert time.monotonic() - t0 > 0.5  # not before idle_timeout_s = 0.6 s (the OPEN's reply came first)
         wait_for(lambda: srv.server.metrics.kv_bytes_reserved == 0, what="the idle session's KV release")
         with pytest.raises(ServerError) as info:
             client.round(DraftTree(0, np.full(ROWS, 29, np.int32), np.arange(-1, ROWS - 1, dtype=np.int32)))
@@ -265,7 +279,7 @@ def test_sessions_over_the_limit_get_too_many_sessions(engine):
         assert "1 sessions are open, max_sessions = 1; retry after 2 s" in str(info.value)
         first.close()
         wait_for(lambda: not srv.server.sessions, what="the closed session's release")
-        VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10).open(request())   # room again
+        VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10).open(request())  # room again
         assert refusals(srv)["max_sessions"] == 1
 
 
@@ -277,7 +291,7 @@ def test_the_kv_budget_refuses_an_open_that_would_pass_it(engine):
     assert engine.prefill_chunk == CHUNK == 8
     with serving(engine, **{**QUICK, "idle_timeout_s": 30.0, "max_kv_bytes": 125_000}) as srv:
         a = VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10)
-        a.open(request())                      # min(10 + 200 + 7, max_context 128): 512 x 128 + 512 x 22 = 76,800 B
+        a.open(request())  # min(10 + 200 + 7, max_context 128): 512 x 128 + 512 x 22 = 76,800 B
         with pytest.raises(ServerError) as info:
             VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10).open(request())
         assert info.value.code == "kv_budget_exhausted"
@@ -292,11 +306,11 @@ def test_auth_failures_are_rate_limited_per_peer(engine):
         for _ in range(3):
             with pytest.raises(AuthRefused):
                 VerifierClient(srv.url, auth_token="wrong", timeout_s=10).open(request(token="wrong"))
-        with pytest.raises(InvalidStatus) as info:     # the 4th is refused at the upgrade, before any token
+        with pytest.raises(InvalidStatus) as info:  # the 4th is refused at the upgrade, before any token
             connect(srv.url, compression=None, proxy=None, legacy=True)
         assert info.value.response.status_code == 429
         assert 55 <= int(info.value.response.headers["Retry-After"]) <= 60
-        with pytest.raises(AuthRefused, match="HTTP 429"):   # even with the right token, until the minute passes
+        with pytest.raises(AuthRefused, match="HTTP 429"):  # even with the right token, until the minute passes
             VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10).open(request())
         assert refusals(srv)["auth_failures_per_minute"] == 2
         assert srv.server.metrics.errors["auth_refused"] == 3

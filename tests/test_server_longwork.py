@@ -19,19 +19,19 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
-from websockets.sync.client import connect
-
-from hycoc.protocol import wire
-from hycoc.protocol.messages import AppendTurn, DraftTree, ErrorReply, Opened, OpenRequest, Sampling
 from hycoc.runtime.transport import ServerError, VerifierClient
 from hycoc.verifier import VerifierEngine
 from hycoc.verifier import engine as engine_module
 from hycoc.verifier.server import Connection, ServerLimits, ServerThread, VerifierServer
 from tiny_models import tiny_verifier
+from websockets.sync.client import connect
+
+from hycoc.protocol import wire
+from hycoc.protocol.messages import AppendTurn, DraftTree, ErrorReply, Opened, OpenRequest, Sampling
 
 torch.set_num_threads(1)
 ROWS = 7
-PER_POSITION = 1024          # the tiny verifier: 4 layers x (32 K + 32 V) x 4 B
+PER_POSITION = 1024  # the tiny verifier: 4 layers x (32 K + 32 V) x 4 B
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +80,9 @@ def wait_until(condition, what: str, seconds: float = 30.0) -> None:
 
 
 def request(n=10, max_new=2) -> OpenRequest:
-    return OpenRequest(prompt_ids=np.arange(20, 20 + n, dtype=np.int32), sampling=Sampling(0.0, 64, 0.95),
-                       max_new_tokens=max_new)
+    return OpenRequest(
+        prompt_ids=np.arange(20, 20 + n, dtype=np.int32), sampling=Sampling(0.0, 64, 0.95), max_new_tokens=max_new
+    )
 
 
 @contextmanager
@@ -116,12 +117,12 @@ def test_pings_are_answered_while_the_engine_prefills(engine, gate):
         ws = connect(srv.url, compression=None, proxy=None, ping_interval=0.1, ping_timeout=0.3, legacy=True)
         gate.hold()
         ws.send(wire.encode(request()))
-        assert gate.entered.wait(10)                   # the prefill is running (and held)
+        assert gate.entered.wait(10)  # the prefill is running (and held)
         pong = ws.ping()
-        assert pong.wait(5)                            # answered while the engine is busy
-        assert not gate.open.is_set()                  # ... which it still is
-        held_until = time.monotonic() + 1.0            # > 3 keepalive timeouts and 2 frame timeouts
-        while time.monotonic() < held_until:           # and every ping meanwhile is answered
+        assert pong.wait(5)  # answered while the engine is busy
+        assert not gate.open.is_set()  # ... which it still is
+        held_until = time.monotonic() + 1.0  # > 3 keepalive timeouts and 2 frame timeouts
+        while time.monotonic() < held_until:  # and every ping meanwhile is answered
             assert ws.ping().wait(5)
         gate.release()
         opened = wire.decode(ws.recv(timeout=10))
@@ -131,9 +132,9 @@ def test_pings_are_answered_while_the_engine_prefills(engine, gate):
 
 
 def test_append_reserves_its_kv_before_its_prefill_and_the_budget_holds_under_concurrent_opens(engine, gate):
-    first = engine.session_kv_bytes(19, ROWS)           # min(128, 10 + 2 + 7) positions, windowed layers
-    grown = engine.session_kv_bytes(128, ROWS)          # 12 committed + 10 + 100 + 7 > 128: capped
-    budget = grown + first - 1                         # room for B's OPEN only while A's growth is not counted
+    first = engine.session_kv_bytes(19, ROWS)  # min(128, 10 + 2 + 7) positions, windowed layers
+    grown = engine.session_kv_bytes(128, ROWS)  # 12 committed + 10 + 100 + 7 > 128: capped
+    budget = grown + first - 1  # room for B's OPEN only while A's growth is not counted
     with serving(engine, max_kv_bytes=budget, idle_timeout_s=30.0) as srv:
         kv = srv.server.admission.kv
         peak, watching = [0], threading.Event()
@@ -154,13 +155,14 @@ def test_append_reserves_its_kv_before_its_prefill_and_the_budget_holds_under_co
         turn = next_turn(srv, np.arange(30, 40), 100)
         appender = threading.Thread(target=lambda: result.setdefault("opened", a.append(turn)))
         appender.start()
-        assert gate.entered.wait(10)                   # A's APPEND prefill is running (held) ...
-        assert kv.reserved == grown                    # ... and its growth is already reserved
+        assert gate.entered.wait(10)  # A's APPEND prefill is running (held) ...
+        assert kv.reserved == grown  # ... and its growth is already reserved
         with pytest.raises(ServerError) as info:
             VerifierClient(srv.url, timeout_s=30).open(request())
         assert info.value.code == "kv_budget_exhausted"
         assert f"this request needs {first} KV bytes (19 positions), {grown} of max_kv_bytes = {budget}" in str(
-            info.value)
+            info.value
+        )
         gate.release()
         appender.join(30)
         assert isinstance(result["opened"], Opened) and kv.reserved == grown
@@ -180,11 +182,11 @@ def test_every_failed_append_gives_its_kv_back(engine, gate):
         kv = srv.server.admission.kv
         a = VerifierClient(srv.url, timeout_s=30)
         a.open(request())
-        with pytest.raises(ServerError) as info:       # the engine refuses: the turn has not finished
+        with pytest.raises(ServerError) as info:  # the engine refuses: the turn has not finished
             a.append(next_turn(srv, np.arange(30, 40), 100))
         assert info.value.code == "finished" and kv.reserved == first
         finish_turn(a)
-        with pytest.raises(ServerError) as info:       # the engine refuses: 12 + 120 tokens overflow 128
+        with pytest.raises(ServerError) as info:  # the engine refuses: 12 + 120 tokens overflow 128
             a.append(next_turn(srv, np.arange(1, 121) % 60, 4))
         assert info.value.code == "context_overflow" and kv.reserved == first
         a.close()
@@ -233,7 +235,7 @@ def test_after_stop_frames_get_shutting_down_and_never_reach_the_engine(engine, 
         gate.hold()
         a, b = Script(wire.encode(request())), Script(wire.encode(request()))
         ta = asyncio.create_task(server.serve_connection(Connection(None), a))
-        while not gate.entered.is_set():               # A's prefill runs on the worker (held)
+        while not gate.entered.is_set():  # A's prefill runs on the worker (held)
             await asyncio.sleep(0.01)
         tb = asyncio.create_task(server.serve_connection(Connection(None), b))
         # B's OPEN is admitted (its KV reserved) and, in the same step of the event loop, its prefill queued on
@@ -243,12 +245,12 @@ def test_after_stop_frames_get_shutting_down_and_never_reach_the_engine(engine, 
             assert time.monotonic() < deadline, "B's OPEN was never admitted"
             await asyncio.sleep(0.01)
         stopping = asyncio.create_task(server.stop())
-        while not server.worker.stopping:              # the stop has begun before A's prefill may finish
+        while not server.worker.stopping:  # the stop has begun before A's prefill may finish
             await asyncio.sleep(0.01)
         gate.release()
         await stopping
         await asyncio.wait_for(asyncio.gather(ta, tb), 10)
-        late = Script(wire.encode(request()))          # a frame after the stop
+        late = Script(wire.encode(request()))  # a frame after the stop
         engine.open = lambda *args, **kw: opened_by.append(threading.current_thread().name) or real_open(*args, **kw)
         try:
             await asyncio.wait_for(server.serve_connection(Connection(None), late), 10)
@@ -260,6 +262,6 @@ def test_after_stop_frames_get_shutting_down_and_never_reach_the_engine(engine, 
     for script in (a, b, late):
         assert [type(m) for m in script.sent] == [ErrorReply] and script.sent[0].code == "shutting_down"
         assert script.closed == 1008
-    assert opened_by == []                             # the late OPEN never reached the engine
-    assert gate.threads == ["hycoc-verifier_0"]         # one chunk ran, A's, on the worker; B's never started
+    assert opened_by == []  # the late OPEN never reached the engine
+    assert gate.threads == ["hycoc-verifier_0"]  # one chunk ran, A's, on the worker; B's never started
     assert server.admission.kv.reserved == 0 and server.admission.sessions.in_use == 0

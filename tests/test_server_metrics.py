@@ -6,26 +6,45 @@ from __future__ import annotations
 
 import math
 
-import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 import numpy as np
-
+import pytest
+from hycoc.verifier.batch import BatchStats
 from hycoc.verifier.prefill_job import AppendPlan
 from hycoc.verifier.scheduler import StepReport
-from hycoc.verifier.batch import BatchStats
-from hycoc.verifier.server import (REFUSAL_KINDS, Admission, KvBudgetExhausted, ServerLimits, ServerMetrics,
-                                   TooManySessions)
+from hycoc.verifier.server import (
+    REFUSAL_KINDS,
+    Admission,
+    KvBudgetExhausted,
+    ServerLimits,
+    ServerMetrics,
+    TooManySessions,
+)
 from hycoc.verifier.server.errors import AuthRateLimited
+from prometheus_client.parser import text_string_to_metric_families
 
-FAMILIES = {"hycoc_rounds": "counter", "hycoc_retries": "counter", "hycoc_sessions_active": "gauge",
-            "hycoc_sessions": "counter", "hycoc_tokens_committed": "counter", "hycoc_mat": "gauge",
-            "hycoc_server_ms": "counter", "hycoc_prefill_ms": "counter", "hycoc_g_ms_per_token": "gauge",
-            "hycoc_errors": "counter", "hycoc_refusals": "counter", "hycoc_connections_active": "gauge",
-            "hycoc_kv_bytes_reserved": "gauge", "hycoc_batch_rows": "histogram", "hycoc_batch_sessions": "histogram",
-            "hycoc_queue_wait_seconds": "histogram", "hycoc_rows_kept_per_session": "histogram",
-            "hycoc_expected_tokens_per_forward": "histogram", "hycoc_rows_trimmed": "counter",
-            "hycoc_appends": "counter", "hycoc_append_reprefilled_tokens": "counter"}
+FAMILIES = {
+    "hycoc_rounds": "counter",
+    "hycoc_retries": "counter",
+    "hycoc_sessions_active": "gauge",
+    "hycoc_sessions": "counter",
+    "hycoc_tokens_committed": "counter",
+    "hycoc_mat": "gauge",
+    "hycoc_server_ms": "counter",
+    "hycoc_prefill_ms": "counter",
+    "hycoc_g_ms_per_token": "gauge",
+    "hycoc_errors": "counter",
+    "hycoc_refusals": "counter",
+    "hycoc_connections_active": "gauge",
+    "hycoc_kv_bytes_reserved": "gauge",
+    "hycoc_batch_rows": "histogram",
+    "hycoc_batch_sessions": "histogram",
+    "hycoc_queue_wait_seconds": "histogram",
+    "hycoc_rows_kept_per_session": "histogram",
+    "hycoc_expected_tokens_per_forward": "histogram",
+    "hycoc_rows_trimmed": "counter",
+    "hycoc_appends": "counter",
+    "hycoc_append_reprefilled_tokens": "counter",
+}
 
 
 def parsed(metrics: ServerMetrics) -> dict:
@@ -55,14 +74,17 @@ def test_exposition_parses_with_every_family_and_refusal_kind_and_no_created_ser
     assert value("hycoc_sessions_active", "hycoc_sessions_active") == 2
     assert value("hycoc_kv_bytes_reserved", "hycoc_kv_bytes_reserved") == 4096
     assert {labels: v for (_, labels), v in fams["hycoc_refusals"][1].items()} == {
-        (("kind", k),): (1.0 if k == "max_sessions" else 0.0) for k in REFUSAL_KINDS}
+        (("kind", k),): (1.0 if k == "max_sessions" else 0.0) for k in REFUSAL_KINDS
+    }
     assert fams["hycoc_errors"][1] == {("hycoc_errors_total", (("kind", "bad_seq"),)): 2.0}
     # rows 40 and 7: cumulative buckets (le=33 holds 7, le=66 both), sum and count
     assert value("hycoc_batch_rows", "hycoc_batch_rows_bucket", le="33.0") == 1
     assert value("hycoc_batch_rows", "hycoc_batch_rows_bucket", le="66.0") == 2
     assert value("hycoc_batch_rows", "hycoc_batch_rows_bucket", le="+Inf") == 2
-    assert (value("hycoc_batch_rows", "hycoc_batch_rows_sum"), value("hycoc_batch_rows", "hycoc_batch_rows_count")) \
-        == (47, 2)
+    assert (value("hycoc_batch_rows", "hycoc_batch_rows_sum"), value("hycoc_batch_rows", "hycoc_batch_rows_count")) == (
+        47,
+        2,
+    )
     assert value("hycoc_queue_wait_seconds", "hycoc_queue_wait_seconds_bucket", le="0.0005") == 1
     assert value("hycoc_queue_wait_seconds", "hycoc_queue_wait_seconds_bucket", le="0.002") == 2
     assert value("hycoc_queue_wait_seconds", "hycoc_queue_wait_seconds_sum") == pytest.approx(0.0319)
@@ -77,16 +99,22 @@ def test_appends_are_counted_by_kind_with_the_positions_prefilled_again():
     to its kind and its reprefilled positions (keep - start) to hycoc_append_reprefilled_tokens_total."""
     m = ServerMetrics()
     fams = parsed(m)
-    assert fams["hycoc_appends"] == ("counter", {("hycoc_appends_total", (("kind", k),)): 0.0
-                                                 for k in ("crop", "snapshot", "full")})
+    assert fams["hycoc_appends"] == (
+        "counter",
+        {("hycoc_appends_total", (("kind", k),)): 0.0 for k in ("crop", "snapshot", "full")},
+    )
     assert fams["hycoc_append_reprefilled_tokens"] == ("counter", {("hycoc_append_reprefilled_tokens_total", ()): 0.0})
     for p in (plan("crop", 40, 39), plan("crop", 40, 40), plan("snapshot", 30, 12), plan("full", 25, 0)):
         m.observe_append(p)
     fams = parsed(m)
     assert {labels: v for (_, labels), v in fams["hycoc_appends"][1].items()} == {
-        (("kind", "crop"),): 2, (("kind", "snapshot"),): 1, (("kind", "full"),): 1}
+        (("kind", "crop"),): 2,
+        (("kind", "snapshot"),): 1,
+        (("kind", "full"),): 1,
+    }
     assert fams["hycoc_append_reprefilled_tokens"][1] == {
-        ("hycoc_append_reprefilled_tokens_total", ()): (40 - 39) + 0 + (30 - 12) + (25 - 0)}
+        ("hycoc_append_reprefilled_tokens_total", ()): (40 - 39) + 0 + (30 - 12) + (25 - 0)
+    }
 
 
 def test_each_server_has_its_own_registry_and_nan_before_the_first_round():
@@ -94,10 +122,14 @@ def test_each_server_has_its_own_registry_and_nan_before_the_first_round():
     a.rounds = 3
     a.batch_rows.observe(5)
     pa, pb = parsed(a), parsed(b)
-    assert pa["hycoc_rounds"][1][("hycoc_rounds_total", ())] == 3 and pb["hycoc_rounds"][1][("hycoc_rounds_total", ())] == 0
+    assert (
+        pa["hycoc_rounds"][1][("hycoc_rounds_total", ())] == 3
+        and pb["hycoc_rounds"][1][("hycoc_rounds_total", ())] == 0
+    )
     assert pb["hycoc_batch_rows"][1][("hycoc_batch_rows_count", ())] == 0
-    assert math.isnan(pb["hycoc_mat"][1][("hycoc_mat", ())]) and math.isnan(pb["hycoc_g_ms_per_token"][1][
-        ("hycoc_g_ms_per_token", ())])
+    assert math.isnan(pb["hycoc_mat"][1][("hycoc_mat", ())]) and math.isnan(
+        pb["hycoc_g_ms_per_token"][1][("hycoc_g_ms_per_token", ())]
+    )
     assert a.registry is not b.registry
 
 
@@ -105,18 +137,21 @@ def test_kv_budget_refuses_without_change_and_every_release_returns_what_was_tak
     refused = []
     adm = Admission(ServerLimits(max_kv_bytes=10_000, max_sessions=2, retry_after_s=3), refused.append)
     kv = adm.kv.reserve(6000, 6)
-    with pytest.raises(KvBudgetExhausted, match=r"this request needs 5000 KV bytes \(5 positions\), 6000 of "
-                                                 r"max_kv_bytes = 10000 are reserved; retry after 3 s"):
+    with pytest.raises(
+        KvBudgetExhausted,
+        match=r"this request needs 5000 KV bytes \(5 positions\), 6000 of "
+        r"max_kv_bytes = 10000 are reserved; retry after 3 s",
+    ):
         adm.kv.reserve(5000, 5)
     assert (adm.kv.reserved, refused) == (6000, ["max_kv_bytes"])
     assert kv.grow(4000, "the next turn needs 4000 more KV bytes") == 4000 and adm.kv.reserved == 10_000
     with pytest.raises(KvBudgetExhausted, match="the next turn needs 1 more KV bytes, 10000 of"):
         kv.grow(1, "the next turn needs 1 more KV bytes")
     assert (kv.nbytes, adm.kv.reserved) == (10_000, 10_000)
-    kv.shrink(4000)                                  # a failed APPEND gives its growth back
+    kv.shrink(4000)  # a failed APPEND gives its growth back
     assert (kv.nbytes, adm.kv.reserved) == (6000, 6000)
     kv.release()
-    kv.release()                                     # idempotent: a second end path frees nothing more
+    kv.release()  # idempotent: a second end path frees nothing more
     kv.shrink(10)
     assert (kv.nbytes, adm.kv.reserved) == (0, 0)
     assert kv.grow(0, "-") == 0 and kv.grow(-5, "-") == 0
@@ -135,12 +170,13 @@ def test_session_slots_and_auth_failures():
     b.release()
     assert adm.sessions.in_use == 1
     adm.auth.record("p")
-    adm.auth.check("p")                              # one failure: still allowed
+    adm.auth.check("p")  # one failure: still allowed
     adm.auth.record("p")
-    with pytest.raises(AuthRateLimited, match="2 refused auth attempts from this address within a minute; retry "
-                                              "after 60 s"):
+    with pytest.raises(
+        AuthRateLimited, match="2 refused auth attempts from this address within a minute; retry after 60 s"
+    ):
         adm.auth.check("p")
-    adm.auth.check("q")                              # per peer
+    adm.auth.check("q")  # per peer
     assert refused == ["max_sessions", "auth_failures_per_minute"]
 
 
@@ -159,8 +195,9 @@ def test_the_ray_ingress_merges_two_servers_expositions():
     rounds = {s.labels["replica"]: s.value for s in fams["hycoc_rounds"].samples}
     assert rounds == {"r1": 3, "r2": 5}
     assert [(s.labels, s.value) for s in fams["hycoc_errors"].samples] == [({"replica": "r2", "kind": "bad_root"}, 1)]
-    count = {s.labels["replica"]: s.value for s in fams["hycoc_batch_rows"].samples
-             if s.name == "hycoc_batch_rows_count"}
+    count = {
+        s.labels["replica"]: s.value for s in fams["hycoc_batch_rows"].samples if s.name == "hycoc_batch_rows_count"
+    }
     assert count == {"r1": 1, "r2": 0}
     assert {s.labels["state"]: s.value for s in fams["hycoc_replicas"].samples} == {"up": 2, "unreachable": 1}
     assert len([s for s in fams["hycoc_refusals"].samples]) == 2 * len(REFUSAL_KINDS)

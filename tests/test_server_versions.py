@@ -16,12 +16,23 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from hycoc.verifier.server import ServerThread
+from test_server import (
+    MAX_FRAME,
+    ROWS,
+    Raw,
+    assert_same_reply,
+    frame,
+    make_engine,
+    open_request,
+    oracle_tree,  # noqa: F401
+    reference_session,
+    round_frame,
+    wait_for,
+)
 
 from hycoc.protocol import wire
 from hycoc.protocol.messages import Close, DraftTree, ErrorReply, Opened
-from hycoc.verifier.server import ServerThread
-from test_server import (MAX_FRAME, ROWS, Raw, assert_same_reply, frame, make_engine, models, oracle_tree,  # noqa: F401
-                         open_request, reference, reference_session, round_frame, wait_for)
 
 torch.set_num_threads(1)
 
@@ -74,8 +85,9 @@ def old_append(tokens, version: int) -> bytes:
 
 def refused_as_old(err: ErrorReply, version: int) -> None:
     assert isinstance(err, ErrorReply) and err.code == "unsupported_version", err
-    assert err.message == (f"frame speaks protocol version {version}: this side speaks version(s) 5; "
-                           + wire.OLD_VERSION_FIX)
+    assert err.message == (
+        f"frame speaks protocol version {version}: this side speaks version(s) 5; " + wire.OLD_VERSION_FIX
+    )
 
 
 def test_a_version_5_client_gets_every_answer_in_version_5(server, reference):
@@ -83,7 +95,7 @@ def test_a_version_5_client_gets_every_answer_in_version_5(server, reference):
     req = open_request(range(20, 30), seed=11)
     opened, _ = answer(raw, wire.encode(req))
     assert isinstance(opened, Opened)
-    assert server.server.sessions[opened.session_id].wire_version == 5   # the engine session carries it
+    assert server.server.sessions[opened.session_id].wire_version == 5  # the engine session carries it
     ref = reference_session(reference, req)
     for seq in range(3):
         tokens, parents = oracle_tree(reference.model, ref.tokens)
@@ -91,8 +103,8 @@ def test_a_version_5_client_gets_every_answer_in_version_5(server, reference):
         got, data = answer(raw, wire.encode(tree))
         want = ref.verify(tokens, parents, seq)
         assert_same_reply(got, want)
-        assert got.verified is None                                       # nothing trimmed (fixed tree budget)
-        assert data == wire.encode(replace(want, server_ms=got.server_ms))   # byte for byte
+        assert got.verified is None  # nothing trimmed (fixed tree budget)
+        assert data == wire.encode(replace(want, server_ms=got.server_ms))  # byte for byte
         h = want.handoff
         handoff = wire.handoff_nbytes(h.x_hat.size // 2, h.k_sliding.shape[1], h.k_full.shape[1], h.n_positions)
         assert len(data) == wire.reply_nbytes(ROWS, len(want.path_rows), 0, handoff)
@@ -115,9 +127,12 @@ def test_a_version_3_or_4_client_is_refused_at_its_open_naming_the_fix(server, v
     sessions = server.server.metrics.sessions_total
     raw = Raw(server.url, token=None)
     tokens, chain = np.arange(10, 10 + ROWS), np.arange(-1, ROWS - 1)
-    for bad in (old_open(range(20, 30), version), round_frame(0, tokens, chain, version=version),
-                old_append([5, 6], version)):
-        err, _ = answer(raw, bad, version)                 # answered in the old version: the device reads it
+    for bad in (
+        old_open(range(20, 30), version),
+        round_frame(0, tokens, chain, version=version),
+        old_append([5, 6], version),
+    ):
+        err, _ = answer(raw, bad, version)  # answered in the old version: the device reads it
         refused_as_old(err, version)
     assert server.server.metrics.sessions_total == sessions and not server.server.sessions
     opened, _ = answer(raw, wire.encode(open_request(range(20, 30))))
@@ -129,7 +144,7 @@ def test_an_old_client_can_read_its_refusal(server):
     raw = Raw(server.url, token=None)
     data = raw.send(old_open(range(20, 30), 4))
     raw.close()
-    assert struct.unpack_from("<H", data, 4) == (4,)          # a header the version-4 device accepts
+    assert struct.unpack_from("<H", data, 4) == (4,)  # a header the version-4 device accepts
 
 
 def test_errors_before_an_open_answer_in_version_5(server):
@@ -137,9 +152,9 @@ def test_errors_before_an_open_answer_in_version_5(server):
     tokens, chain = np.arange(10, 10 + ROWS), np.arange(-1, ROWS - 1)
     err, _ = answer(raw, round_frame(0, tokens, chain))
     assert err.code == "not_opened"
-    err, _ = answer(raw, round_frame(0, tokens, chain, version=2))           # not one it speaks
+    err, _ = answer(raw, round_frame(0, tokens, chain, version=2))  # not one it speaks
     refused_as_old(err, 2)
-    err, _ = answer(raw, round_frame(0, tokens, chain, version=6))           # nor a newer one
+    err, _ = answer(raw, round_frame(0, tokens, chain, version=6))  # nor a newer one
     assert err.code == "unsupported_version" and "protocol version 6: this side speaks version(s) 5" in err.message
     # a refused OPEN (prompt outside the vocabulary) answers in version 5; a later OPEN opens
     err, _ = answer(raw, wire.encode(open_request([10, 10**6])))

@@ -17,11 +17,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from rich.console import Console
-from test_build import write_tiny_recipe
-
-from hycoc import host
-from hycoc.chat_template import chat_from_recipe
 from hycoc.passes import build as b
 from hycoc.passes.calibration_answers import CalibrationAnswersPass, make_answers
 from hycoc.passes.keep_set import KeepSetPass
@@ -30,6 +25,11 @@ from hycoc.passes.qdq import QdqQuantize
 from hycoc.passes.slm_calibration import SAMPLES_PER_PROMPT, TorchSlmRunner, answer_cap, record_sequences
 from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph, SlmTreeGraphExport, host_inputs, short
 from hycoc.passes.slm_surgery import SlmGraphSurgery
+from rich.console import Console
+from test_build import write_tiny_recipe
+
+from hycoc import host
+from hycoc.chat_template import chat_from_recipe
 from hycoc.recipe import load_recipe
 
 torch.set_num_threads(1)
@@ -57,14 +57,33 @@ def tiny(tmp_path_factory):
     # more sequence answered in keep-set tokens plants chains and siblings (for the "every call" checks only)
     extra = [int(x) for x in np.random.default_rng(3).choice(keep, answer_cap(recipe))]
     t = recipe.tree
-    kw = dict(chain_length=t.chain_length, sibling_depth=t.sibling_depth, ln_lambda=math.log(t.depth_cost),
-              candidates=t.slm_candidates, passes=t.slm_passes, stop_ids=stops)
-    every = record_sequences(graph, slm, keep, [*prompts, prompts[0]], [*answers, extra], keep_all=True,
-                             keep_outputs=True, **kw)
+    kw = dict(
+        chain_length=t.chain_length,
+        sibling_depth=t.sibling_depth,
+        ln_lambda=math.log(t.depth_cost),
+        candidates=t.slm_candidates,
+        passes=t.slm_passes,
+        stop_ids=stops,
+    )
+    every = record_sequences(
+        graph, slm, keep, [*prompts, prompts[0]], [*answers, extra], keep_all=True, keep_outputs=True, **kw
+    )
     kept = record_sequences(graph, slm, keep, prompts, answers, **kw)
-    return {"root": root, "recipe": recipe, "inputs": inputs, "slm": slm, "keep": keep, "graph": graph,
-            "prompts": prompts, "held": held, "source": source, "answers": answers, "every": every, "kept": kept,
-            "every_sequences": [p + a for p, a in zip([*prompts, prompts[0]], [*answers, extra])]}
+    return {
+        "root": root,
+        "recipe": recipe,
+        "inputs": inputs,
+        "slm": slm,
+        "keep": keep,
+        "graph": graph,
+        "prompts": prompts,
+        "held": held,
+        "source": source,
+        "answers": answers,
+        "every": every,
+        "kept": kept,
+        "every_sequences": [p + a for p, a in zip([*prompts, prompts[0]], [*answers, extra])],
+    }
 
 
 def test_prompts_and_answers(tiny):
@@ -85,7 +104,7 @@ def test_runner_looks_like_a_device_runner(tiny):
     assert list(out) == graph.output_names and all(v.dtype == np.float32 for v in out.values())
     np.testing.assert_array_equal(out["logits"], tiny["every"].meta[3]["outputs"]["logits"])
     assert runner.calls == 1 and len(runner.records) == 1
-    assert runner.records[0]["feeds"]["k_ring_0"] is not feeds["k_ring_0"]     # a copy
+    assert runner.records[0]["feeds"]["k_ring_0"] is not feeds["k_ring_0"]  # a copy
 
 
 def test_feeds_are_what_the_runtime_feeds(tiny):
@@ -102,10 +121,12 @@ def test_feeds_are_what_the_runtime_feeds(tiny):
         for t in graph.types:
             np.testing.assert_array_equal(
                 feeds[f"mask_{short(t)}"],
-                host.tree_ring_mask(m["parents"], m["first_position"], m["live_start"], graph.ring[t],
-                                    graph.sliding_window[t]))
+                host.tree_ring_mask(
+                    m["parents"], m["first_position"], m["live_start"], graph.ring[t], graph.sliding_window[t]
+                ),
+            )
         shapes.add(tuple(m["parents"]))
-    assert len(shapes) >= 3          # prefill chains, SLM-alone trees and planted trees
+    assert len(shapes) >= 3  # prefill chains, SLM-alone trees and planted trees
     assert max(every.stats["accepted_mean"], 0) > 0
 
 
@@ -139,7 +160,7 @@ def test_rings_hold_the_slms_own_kv(tiny):
                             if pos != p:
                                 continue
                             path = _path_tokens(e, j)
-                            if path != seq[p - len(path) + 1:p + 1]:   # the row is the committed token p
+                            if path != seq[p - len(path) + 1 : p + 1]:  # the row is the committed token p
                                 continue
                             if np.array_equal(e["outputs"][f"{kv}_new_{i}"][0, :, j, :], col):
                                 hits.append(j)
@@ -157,7 +178,7 @@ def test_live_columns_vary(tiny):
     assert len(set(fills)) >= 3 and min(fills) < ring // 2 and max(fills) == ring
     cov = kept.stats["coverage"]
     assert cov["ring"] == ring and cov["max"] == ring and 0 < cov["full_ring_share"] < 1
-    assert kept.stats["graph_calls"] < every.stats["graph_calls"]     # skipped ahead between samples
+    assert kept.stats["graph_calls"] < every.stats["graph_calls"]  # skipped ahead between samples
     # prompt-by-prompt: calls spread along the sequence (root positions increase)
     for i in range(len(tiny["prompts"])):
         ts = [m["t"] for m in kept.meta if m["prompt"] == i]
@@ -167,9 +188,11 @@ def test_live_columns_vary(tiny):
 def test_qdq_pass_calibrates_on_real_inputs(tiny):
     recipe, root = tiny["recipe"], tiny["root"]
     qdq = QdqQuantize("onnx_slm", "qdq_slm")
-    pipeline = Pipeline([KeepSetPass(), CalibrationAnswersPass(), SlmGraphSurgery(), SlmTreeGraphExport(), qdq],
-                        root / "cache",
-                        console=quiet())
+    pipeline = Pipeline(
+        [KeepSetPass(), CalibrationAnswersPass(), SlmGraphSurgery(), SlmTreeGraphExport(), qdq],
+        root / "cache",
+        console=quiet(),
+    )
     result = pipeline.run(recipe, tiny["inputs"])
     report = result.reports[-1]
     n = report.numbers
@@ -185,9 +208,17 @@ def test_qdq_pass_calibrates_on_real_inputs(tiny):
     assert n["weights_bit_exact"] == 34
     assert qdq.version == 5
     # cached: the second run reads the entry
-    again = Pipeline([KeepSetPass(), CalibrationAnswersPass(), SlmGraphSurgery(), SlmTreeGraphExport(),
-                      QdqQuantize("onnx_slm", "qdq_slm")],
-                     root / "cache", console=quiet()).run(recipe, tiny["inputs"])
+    again = Pipeline(
+        [
+            KeepSetPass(),
+            CalibrationAnswersPass(),
+            SlmGraphSurgery(),
+            SlmTreeGraphExport(),
+            QdqQuantize("onnx_slm", "qdq_slm"),
+        ],
+        root / "cache",
+        console=quiet(),
+    ).run(recipe, tiny["inputs"])
     assert again.reports[-1].cached
 
 
@@ -204,7 +235,7 @@ def test_kept_samples_skip_ahead_with_the_same_rings(tiny):
         for j in range(graph.rows):
             p = e["first_position"] + depths[j]
             path = _path_tokens(e, j)
-            if path == seq[p - len(path) + 1:p + 1]:
+            if path == seq[p - len(path) + 1 : p + 1]:
                 for i in graph.kv_layers:
                     for kv in ("k", "v"):
                         rows.setdefault((e["prompt"], kv, i, p), []).append(e["outputs"][f"{kv}_new_{i}"][0, :, j, :])

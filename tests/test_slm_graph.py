@@ -17,18 +17,29 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
+from hycoc.passes.artifacts import KeepSetArtifact
+from hycoc.passes.export import compare_with_torch
+from hycoc.passes.pipeline import Pipeline
+from hycoc.passes.slm_graph import (
+    FULL,
+    MASK_NEG,
+    SLIDING,
+    SlmGraphError,
+    SlmTreeGraph,
+    SlmTreeGraphExport,
+    ancestor_matrix,
+    export_slm_graph,
+    host_inputs,
+    ring_positions,
+    tree_depths,
+    tree_ring_mask,
+)
+from hycoc.passes.slm_surgery import SlmGraphSurgery, operate
 from rich.console import Console
 from test_slm_surgery import SLIDING_WINDOW, VOCAB, make_tiny_slm
 from transformers import DynamicCache
 
 from hycoc.models import load_slm
-from hycoc.passes.artifacts import KeepSetArtifact
-from hycoc.passes.export import compare_with_torch
-from hycoc.passes.pipeline import Pipeline
-from hycoc.passes.slm_graph import (FULL, MASK_NEG, SLIDING, SlmGraphError, SlmTreeGraph, SlmTreeGraphExport,
-                                    ancestor_matrix, export_slm_graph, host_inputs, ring_positions, tree_depths,
-                                    tree_ring_mask)
-from hycoc.passes.slm_surgery import SlmGraphSurgery, operate
 
 torch.set_num_threads(1)
 
@@ -68,12 +79,18 @@ def reference(model, committed, tokens, first):
             ok = pos[None, :] <= pos[:, None]
             if t == SLIDING:
                 ok &= pos[:, None] - pos[None, :] < SLIDING_WINDOW
-            ok[np.ix_(pos >= first, pos < first - RING[t])] = False   # path rows: the ring's window only
+            ok[np.ix_(pos >= first, pos < first - RING[t])] = False  # path rows: the ring's window only
             masks[t] = torch.from_numpy(np.where(ok, 0.0, torch.finfo(torch.float32).min).astype(np.float32))[
-                None, None]
+                None, None
+            ]
         with torch.no_grad():
-            out = model(input_ids=torch.tensor([ids]), attention_mask=masks, position_ids=torch.from_numpy(pos)[None],
-                        cache=DynamicCache(), use_cache=True)
+            out = model(
+                input_ids=torch.tensor([ids]),
+                attention_mask=masks,
+                position_ids=torch.from_numpy(pos)[None],
+                cache=DynamicCache(),
+                use_cache=True,
+            )
         logits.append(out.logits[0, -1])
         for i in kv_layers:
             layer = out.cache.layers[i]
@@ -88,8 +105,10 @@ def rings_from(graph, prefix, first, rng):
     rings = {}
     for i in graph.kv_layers:
         w = graph.ring[graph.layer_types[i]]
-        k, v = (rng.standard_normal((1, *prefix[i][0].shape[:1], w, prefix[i][0].shape[-1])).astype(np.float32) * 5
-                for _ in range(2))
+        k, v = (
+            rng.standard_normal((1, *prefix[i][0].shape[:1], w, prefix[i][0].shape[-1])).astype(np.float32) * 5
+            for _ in range(2)
+        )
         for p in range(max(0, first - w), first):
             k[0, :, p % w], v[0, :, p % w] = prefix[i][0][:, p].numpy(), prefix[i][1][:, p].numpy()
         rings[i] = (k, v)
@@ -180,19 +199,30 @@ def test_export_matches_torch_and_transformers(graph, slm, tmp_path):
     assert all(report.max_abs_error[n] < 1e-4 for n in graph.output_names), report.max_abs_error
     assert report.top1_agreement == 1.0
     # ...and onnxruntime against transformers itself on the wrapped ring
-    errors, top1 = compare_with_torch(tmp_path / "slm.onnx", lambda *x: (want_logits[:, KEEP][None],), inputs,
-                                      input_names=graph.input_names, output_names=["logits"])
+    errors, top1 = compare_with_torch(
+        tmp_path / "slm.onnx",
+        lambda *x: (want_logits[:, KEEP][None],),
+        inputs,
+        input_names=graph.input_names,
+        output_names=["logits"],
+    )
     assert errors["logits"] < 1e-4 and top1 == 1.0
 
 
 def test_pipeline_export_pass(slm, tmp_path):
     from hycoc.recipe import Recipe
 
-    recipe = Recipe.model_validate({"models": {"slm": str(slm[0])}, "tree": {"node_budget": 6},
-                                    "window": {"slm_window": 16, "slm_sliding_window": 8}})
+    recipe = Recipe.model_validate(
+        {
+            "models": {"slm": str(slm[0])},
+            "tree": {"node_budget": 6},
+            "window": {"slm_window": 16, "slm_sliding_window": 8},
+        }
+    )
     keep = KeepSetArtifact("keep_set", KEEP)
-    pipeline = Pipeline([SlmGraphSurgery(), SlmTreeGraphExport()], tmp_path / "cache",
-                        console=Console(file=io.StringIO()))
+    pipeline = Pipeline(
+        [SlmGraphSurgery(), SlmTreeGraphExport()], tmp_path / "cache", console=Console(file=io.StringIO())
+    )
     result = pipeline.run(recipe, {"keep_set": keep})
     numbers = result.reports[1].numbers
     assert numbers["rows"] == 6 and numbers["top1_agreement"] == 1.0

@@ -10,10 +10,10 @@ import io
 
 import numpy as np
 import pytest
+from hycoc.passes import build as b
 from rich.console import Console
 
 from hycoc.bundle import chain_io
-from hycoc.passes import build as b
 from hycoc.recipe import load_recipe
 
 
@@ -40,15 +40,16 @@ def _runtime(folder, sharded_slm: bool):
     head = GraphRunner(bundle.path, m, "head", "cpu", 1, outputs=runtime_outputs(m.graph("head")))
     slm = open_graph(bundle.path, m, "slm", "cpu", 1, outputs=runtime_outputs(m.chain_entry("slm")))
     assert isinstance(slm, ShardChainRunner) is sharded_slm
-    return DeviceRuntime(bundle, head, slm)      # no slm_decode runner: both decode on the tree graph
+    return DeviceRuntime(bundle, head, slm)  # no slm_decode runner: both decode on the tree graph
 
 
 def test_shard_build_reuses_the_cache_and_lists_the_shards(sharded, tiny_bundle):
     res, out = sharded
     ran = {r.pass_name: r.cached for r in res.pipeline.reports}
     assert list(ran)[-3:] == ["slm_surgery", "slm_shards", "target_cpu"]
-    assert all(ran[n] for n in ("keep_set", "calibration_answers", "head_qat", "head_export", "qdq_head",
-                                "slm_surgery")), ran                  # same keys as the unsharded build
+    assert all(
+        ran[n] for n in ("keep_set", "calibration_answers", "head_qat", "head_export", "qdq_head", "slm_surgery")
+    ), ran  # same keys as the unsharded build
     m = res.manifest
     assert [g.name for g in m.graphs if g.role == "slm"] == ["slm.s0", "slm.s1"]
     assert [g.name for g in m.graph_chain("slm")] == ["slm.s0", "slm.s1"]
@@ -74,9 +75,12 @@ def test_every_softmax_output_of_the_shards_is_0_1(sharded):
     from test_qdq import assert_softmax_fixed
 
     res, out = sharded
-    counts = [assert_softmax_fixed(onnx.load(str(out / g.file), load_external_data=False), g.name)
-              for g in res.manifest.graphs if g.role == "slm"]
-    assert counts == [2, 2]                               # the tiny SLM's 4 layers, 2 per shard
+    counts = [
+        assert_softmax_fixed(onnx.load(str(out / g.file), load_external_data=False), g.name)
+        for g in res.manifest.graphs
+        if g.role == "slm"
+    ]
+    assert counts == [2, 2]  # the tiny SLM's 4 layers, 2 per shard
     assert all("logits" not in {t.name for t in g.outputs} for g in res.manifest.graphs)
 
 
@@ -100,8 +104,10 @@ def test_chained_shards_draft_as_the_unsharded_graph(sharded, tiny_bundle):
 
 def test_slm_alone_text_at_t0_equals_the_unsharded_bundle(sharded, tiny_bundle):
     prompt = [int(x) for x in np.random.default_rng(1).integers(3, 100, 6)]
-    got = [_runtime(f, s).generate(None, prompt, mode="slm-alone", max_new_tokens=12)
-           for f, s in ((tiny_bundle.bundle, False), (sharded[1], True))]
+    got = [
+        _runtime(f, s).generate(None, prompt, mode="slm-alone", max_new_tokens=12)
+        for f, s in ((tiny_bundle.bundle, False), (sharded[1], True))
+    ]
     assert len(got[0].tokens) == 12
     assert got[1].tokens == got[0].tokens and got[1].text == got[0].text
 
@@ -116,7 +122,7 @@ def test_shards_with_quantized_io_decode_the_float_shards_text(sharded, tmp_path
     from hycoc.runtime.graphs import quantize
 
     _, out = sharded
-    base = load_recipe(out.parent / "recipe-shards.toml")            # the `sharded` fixture's recipe
+    base = load_recipe(out.parent / "recipe-shards.toml")  # the `sharded` fixture's recipe
     # its artifacts as the cache holds them (every pass a cache hit)
     res = b.run_pipeline(base, "cpu", out.parent / "cache", console=Console(file=io.StringIO()))
     q = base.model_copy(update={"target": base.target.model_copy(update={"quantized_io": True})})
@@ -126,7 +132,7 @@ def test_shards_with_quantized_io_decode_the_float_shards_text(sharded, tmp_path
     m = b.write_bundle(result, q, "cpu", tmp_path / "bundle")
     s1 = m.graph("slm.s1")
     assert {t.dtype for t in s1.inputs if t.name.startswith(("k_", "v_"))} == {"uint16"}
-    assert any(t.name.startswith("k_new_") for t in s1.inputs)        # rows from shard 0, as codes
+    assert any(t.name.startswith("k_new_") for t in s1.inputs)  # rows from shard 0, as codes
     prompt = [int(x) for x in np.random.default_rng(1).integers(3, 100, 6)]
     rts = [load_runtime(out, "cpu", threads=1), load_runtime(tmp_path / "bundle", "cpu", threads=1)]
     got = [rt.generate(None, prompt, mode="slm-alone", max_new_tokens=12) for rt in rts]

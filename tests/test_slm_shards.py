@@ -13,12 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_slm_graph import KEEP, RING, ROWS
-from test_slm_surgery import make_tiny_slm
-
 from hycoc.passes.slm_graph import SlmGraphError, SlmTreeGraph, example_feeds, run_shard_chain, shard_graphs
 from hycoc.passes.slm_shards import ShardPlanError, layer_weight_bytes, plan_shards
 from hycoc.passes.slm_surgery import operate
+from test_slm_graph import KEEP, RING, ROWS
+from test_slm_surgery import make_tiny_slm
 
 torch.set_num_threads(1)
 
@@ -46,9 +45,24 @@ def test_chained_shards_equal_the_monolithic_graph(slm, mono, bounds):
     assert any(g.borrowed for g in shards)
     if bounds == (0, 2, 4):
         assert shards[1].borrowed == [0, 1]
-        assert shards[1].input_names == ["hidden_2", "per_layer_2_4", "cos_full", "sin_full", "mask_full",
-                                         "cos_sliding", "sin_sliding", "mask_sliding", "k_ring_0", "v_ring_0",
-                                         "k_new_0", "v_new_0", "k_ring_1", "v_ring_1", "k_new_1", "v_new_1"]
+        assert shards[1].input_names == [
+            "hidden_2",
+            "per_layer_2_4",
+            "cos_full",
+            "sin_full",
+            "mask_full",
+            "cos_sliding",
+            "sin_sliding",
+            "mask_sliding",
+            "k_ring_0",
+            "v_ring_0",
+            "k_new_0",
+            "v_new_0",
+            "k_ring_1",
+            "v_ring_1",
+            "k_new_1",
+            "v_new_1",
+        ]
         assert shards[0].output_names == ["hidden_2", "per_layer_2_4", "k_new_0", "v_new_0", "k_new_1", "v_new_1"]
         assert shards[1].output_names == ["logits"]
     for seed in (0, 1):
@@ -57,7 +71,7 @@ def test_chained_shards_equal_the_monolithic_graph(slm, mono, bounds):
         got, _ = run_shard_chain(shards, feeds)
         for name in mono.output_names:
             assert got[name].shape == want[name].shape
-            assert np.array_equal(got[name], want[name]), name      # bit-exact: the same ops on the same floats
+            assert np.array_equal(got[name], want[name]), name  # bit-exact: the same ops on the same floats
     # the weights are split, not copied: the shards' parameters add up to the monolithic graph's
     count = lambda g: sum(t.numel() for t in [*g.parameters(), *g.buffers()])  # noqa: E731
     assert sum(count(g) for g in shards) == count(mono)
@@ -89,7 +103,7 @@ def test_plan_balances_weight_bytes_and_refuses_what_cannot_fit():
     auto = plan_shards(layers, budget=50, shards="auto", first_extra=20, last_extra=40)
     assert auto.shards == 3 and max(auto.shard_bytes) == 50 and sum(auto.shard_bytes) == 120 and auto.fits
     assert plan_shards(layers, budget=500, shards="auto").bounds == (0, 6)
-    assert plan_shards(layers, budget=10, shards=1).bounds == (0, 6)          # fixed count: planned, not fitted
+    assert plan_shards(layers, budget=10, shards=1).bounds == (0, 6)  # fixed count: planned, not fitted
     assert not plan_shards(layers, budget=10, shards=1).fits
     with pytest.raises(ShardPlanError, match="layer 5 alone needs 50 bytes"):
         plan_shards(layers, budget=45, shards="auto", last_extra=40)
@@ -101,6 +115,6 @@ def test_layer_weight_bytes_count_int4_as_half_bytes(slm):
     per_layer, first, last = layer_weight_bytes(slm, len(KEEP))
     assert len(per_layer) == 4 and all(b > 0 for b in per_layer)
     head = slm.weights["lm_head"]
-    assert last >= len(KEEP) * head.q.shape[1] + 4 * len(KEEP)                # int8 rows + float32 scales
+    assert last >= len(KEEP) * head.q.shape[1] + 4 * len(KEEP)  # int8 rows + float32 scales
     w = slm.weights["model.layers.0.mlp.gate_proj"]
     assert w.bits == 4

@@ -10,13 +10,13 @@ import io
 import numpy as np
 import pytest
 import torch
+from hycoc.passes.artifacts import SlmIntegerArtifact, unpack_signed
+from hycoc.passes.pipeline import Pipeline
+from hycoc.passes.slm_surgery import SlmGraphSurgery, SurgeryError, byte_report, operate, slm_surgery
 from rich.console import Console
 from safetensors.numpy import load_file
 
 from hycoc.models import load_slm
-from hycoc.passes.artifacts import SlmIntegerArtifact, unpack_signed
-from hycoc.passes.pipeline import Pipeline
-from hycoc.passes.slm_surgery import SlmGraphSurgery, SurgeryError, byte_report, operate, slm_surgery
 from hycoc.recipe import Recipe
 from hycoc.toy.configs import SLM_BIT_MAP, SLM_DEFAULT_BITS
 from hycoc.toy.gemma_format import bits_for, pack, save_prequantized
@@ -33,12 +33,27 @@ def tiny_slm_config(sliding_window: int = SLIDING_WINDOW):
     from transformers import Gemma4TextConfig
 
     return Gemma4TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        num_kv_shared_layers=2, use_double_wide_mlp=True, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=16, global_head_dim=32, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
-        tie_word_embeddings=False, sliding_window=sliding_window, max_position_embeddings=256,
-        final_logit_softcapping=30.0, rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        global_head_dim=32,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB,
+        tie_word_embeddings=False,
+        sliding_window=sliding_window,
+        max_position_embeddings=256,
+        final_logit_softcapping=30.0,
+        rms_norm_eps=1e-6,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=1,
     )
 
 
@@ -95,9 +110,8 @@ def test_integers_and_scales_equal_the_checkpoint_bytes(loaded, checkpoint):
 
 
 def test_integer_weights_compute_as_quantized_linear(loaded):
-    from transformers.integrations.gemma_quant import QuantizedLinear
-
     from hycoc.passes.slm_graph import IntegerLinear
+    from transformers.integrations.gemma_quant import QuantizedLinear
 
     model, result, _, _ = loaded
     x = torch.randn(3, 5, 128)
@@ -113,8 +127,10 @@ def test_integer_weights_compute_as_quantized_linear(loaded):
 def test_lut_rows_equal_quantized_embedding(loaded, checkpoint):
     model, result, _, stored = loaded
     ids = torch.tensor([[0, 5, 95, 5], [17, 2, 64, 33]])
-    for lut_name, module in [("embed_tokens", model.model.embed_tokens),
-                             ("embed_tokens_per_layer", model.model.embed_tokens_per_layer)]:
+    for lut_name, module in [
+        ("embed_tokens", model.model.embed_tokens),
+        ("embed_tokens_per_layer", model.model.embed_tokens_per_layer),
+    ]:
         lut = result.luts[lut_name]
         assert lut.bits == module.num_bits
         assert np.array_equal(lut.packed, stored[f"model.{lut_name}.embedding_quantized"])  # kept as stored
@@ -148,8 +164,11 @@ def test_byte_report(loaded, checkpoint):
         assert row["modules"] == len(ws) and row["values"] == sum(w.q.size for w in ws)
         assert row["int8_bytes"] == sum(w.q.size + 4 * w.scale.size for w in ws)
         # the checkpoint holds packed integers + scales + two SRQ scalars per module
-        assert row["checkpoint_bytes"] == sum(stored[f"{n}.weight"].nbytes + stored[f"{n}.weight_scale"].nbytes + 8
-                                              for n, w in result.weights.items() if w.bits == int(bits))
+        assert row["checkpoint_bytes"] == sum(
+            stored[f"{n}.weight"].nbytes + stored[f"{n}.weight_scale"].nbytes + 8
+            for n, w in result.weights.items()
+            if w.bits == int(bits)
+        )
     assert by["8"]["packed_bytes"] == by["8"]["int8_bytes"]
     assert by["2"]["packed_bytes"] < by["4"]["int8_bytes"]
     assert report["after_bytes"] > report["npu_weight_bytes"]
@@ -187,5 +206,4 @@ def test_pipeline_pass_runs_and_caches(checkpoint, tmp_path):
     again = pipeline.run(recipe)
     assert again.reports[0].cached
     assert again.artifacts["slm_integer"].content_hash() == first.artifacts["slm_integer"].content_hash()
-    assert byte_report(again.artifacts["slm_integer"].payload)["npu_weight_bytes"] == report.numbers[
-        "npu_weight_bytes"]
+    assert byte_report(again.artifacts["slm_integer"].payload)["npu_weight_bytes"] == report.numbers["npu_weight_bytes"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-
 pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +21,8 @@ def test_pyproject_registers_the_cost_markers():
 def test_a_run_ends_with_the_skips_by_marker_and_reason(pytester):
     pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text())
     pytester.makeini("[pytest]\nmarkers =\n    slow: s\n    qnn: q\n    hub: h\n    serve: v\n")
-    pytester.makepyfile(test_a="""
+    pytester.makepyfile(
+        test_a="""
         import pytest
 
         @pytest.mark.qnn
@@ -37,13 +37,24 @@ def test_a_run_ends_with_the_skips_by_marker_and_reason(pytester):
         def test_slow(): pass
 
         def test_plain(): pytest.skip("not today")
-        """)
-    pytester.makepyfile(test_b="""
+        """
+    )
+    pytester.makepyfile(
+        test_b="""
         import pytest
         pytest.importorskip("no_such_module_here", reason="install the x extra")
-        """)
+        """
+    )
     result = pytester.runpytest("-m", "not slow", "-p", "no:cacheprovider")
     result.assert_outcomes(skipped=4, deselected=1)
-    result.stdout.re_match_lines([r".*not run.*", r"4 skipped .*", r"\s+2\s+\[qnn\] no qnn here",
-                                  r"\s+1\s+\[.*\] .*", r"\s+1\s+\[.*\] .*", r"1 deselected: 1 slow"])
+    result.stdout.re_match_lines(
+        [
+            r".*not run.*",
+            r"4 skipped .*",
+            r"\s+2\s+\[qnn\] no qnn here",
+            r"\s+1\s+\[.*\] .*",
+            r"\s+1\s+\[.*\] .*",
+            r"1 deselected: 1 slow",
+        ]
+    )
     assert "[module] install the x extra" in result.stdout.str() and "[-] not today" in result.stdout.str()

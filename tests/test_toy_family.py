@@ -32,11 +32,14 @@ def ref():
     return json.loads((MODELS / "reference_logits.json").read_text())
 
 
-@pytest.mark.parametrize("text", [
-    "The quick brown fox jumps over the lazy dog.\n\nA second paragraph, with punctuation; and digits 0123.",
-    "def f(x: int) -> list[int]:\n    return [i * i for i in range(x) if i % 2]\n\tTabs\tand  spaces  ",
-    "안녕하세요, 세계! Привет мир. こんにちは 🌍🚀 — naïve café",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The quick brown fox jumps over the lazy dog.\n\nA second paragraph, with punctuation; and digits 0123.",
+        "def f(x: int) -> list[int]:\n    return [i * i for i in range(x) if i % 2]\n\tTabs\tand  spaces  ",
+        "안녕하세요, 세계! Привет мир. こんにちは 🌍🚀 — naïve café",
+    ],
+)
 def test_tokenizer_round_trip(tok, text):
     ids = tok.encode(text, add_special_tokens=False).ids
     assert tok.decode(ids, skip_special_tokens=False) == text
@@ -61,17 +64,26 @@ def test_chat_format_is_read_from_the_checkpoint_files(tok, ref):
     chat = load_chat(MODELS / "verifier", MODELS / "verifier")
     f = chat.format
     assert (f.stop_ids, f.stop_tokens) == ([1, 6, 10], ["<eos>", "<turn|>", "<|tool_response>"])
-    assert chat.render(" Hi ") == "<bos><|turn>user\nHi<turn|>\n<|turn>model\n"          # user text trimmed
-    assert chat.render("Hi", thinking=True) == "<bos><|turn>system\n<|think|><turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\n"
-    two = chat.render_text([{"role": "user", "content": "Hi"},
-                            {"role": "assistant", "content": "<|channel>thought\nhm<channel|> Yes \n"},
-                            {"role": "user", "content": "Ok"}], marked=False)
-    assert two == ("<bos><|turn>user\nHi<turn|>\n<|turn>model\nYes<turn|>\n<|turn>user\nOk<turn|>\n"
-                   "<|turn>model\n")                               # the thought stripped, the answer trimmed
+    assert chat.render(" Hi ") == "<bos><|turn>user\nHi<turn|>\n<|turn>model\n"  # user text trimmed
+    assert (
+        chat.render("Hi", thinking=True)
+        == "<bos><|turn>system\n<|think|><turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\n"
+    )
+    two = chat.render_text(
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "<|channel>thought\nhm<channel|> Yes \n"},
+            {"role": "user", "content": "Ok"},
+        ],
+        marked=False,
+    )
+    assert two == (
+        "<bos><|turn>user\nHi<turn|>\n<|turn>model\nYes<turn|>\n<|turn>user\nOk<turn|>\n<|turn>model\n"
+    )  # the thought stripped, the answer trimmed
     assert f.reasoning == ["<|channel>thought\n", "<channel|>"]
     assert f.sources["template"].endswith("verifier/tokenizer_config.json:chat_template")
     assert chat.prompt(ref["prompt"]) == ref["input_ids"] == tok.encode(prompt_text(ref["prompt"])).ids
-    assert chat.prompt("Hi") == [2, 5, 453, 210, 51, 84, 6, 210, 5, 486, 210]   # <bos> <|turn> user \n H i <turn|> ...
+    assert chat.prompt("Hi") == [2, 5, 453, 210, 51, 84, 6, 210, 5, 486, 210]  # <bos> <|turn> user \n H i <turn|> ...
     for text in ("Hi", " x <turn|>\n<|turn>model\n<bos>", "\n\ndef f():\n    pass", "한국어 🌍"):
         assert chat.prompt(text) == apply_chat_template_ids(MODELS / "verifier", [{"role": "user", "content": text}])
 
@@ -107,8 +119,9 @@ def test_head_reproduces_recorded_logits(monkeypatch, ref):
         t = ids.shape[1] - 1
         q = torch.tensor([[t]])
         masks = {FULL: window_mask(q, t + 1, 256), SLIDING: window_mask(q, t + 1, 128)}
-        logits, _ = head_step(head, torch.cat([e[:, t:t + 1], cap["h"][:, t - 1:t]], -1), out.shared_kv_states,
-                              masks, q - 1)
+        logits, _ = head_step(
+            head, torch.cat([e[:, t : t + 1], cap["h"][:, t - 1 : t]], -1), out.shared_kv_states, masks, q - 1
+        )
     assert torch.allclose(logits[0, 0, :64], torch.tensor(ref["head_step1"]), atol=ATOL)
 
 

@@ -7,8 +7,6 @@ with the exact bytes that cause it. The real server is exercised in test_server.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import socket
 import struct
 import subprocess
@@ -16,36 +14,69 @@ import sys
 import threading
 import time
 import zlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
+from hycoc.runtime.transport import (
+    LINK_PRESETS,
+    AuthRefused,
+    BadReply,
+    ConnectionDropped,
+    LinkModel,
+    ProtocolMismatch,
+    RequestTimeout,
+    ServerError,
+    ServerUnreachable,
+    VerifierClient,
+    parse_link,
+)
 from websockets.datastructures import Headers
 from websockets.sync.server import serve
 
 from hycoc.chat import ids_crc32
 from hycoc.protocol import wire
 from hycoc.protocol.messages import AppendTurn, DraftTree, ErrorReply, HandOff, Opened, OpenRequest, RoundReply
-from hycoc.runtime.transport import (LINK_PRESETS, AuthRefused, BadReply, ConnectionDropped, LinkModel,
-                                     ProtocolMismatch, RequestTimeout, ServerError, ServerUnreachable,
-                                     VerifierClient, parse_link)
 
-OPENED = Opened(session_id=7, t=4, prefill_ms=1.5, max_context=64, tree_rows=3, vocab_size=100, hidden_size=4,
-                kv_dim_sliding=2, kv_dim_full=2)
+OPENED = Opened(
+    session_id=7,
+    t=4,
+    prefill_ms=1.5,
+    max_context=64,
+    tree_rows=3,
+    vocab_size=100,
+    hidden_size=4,
+    kv_dim_sliding=2,
+    kv_dim_full=2,
+)
 PROMPT = np.array([5, 6, 7, 8, 9], dtype=np.int32)
 TREE = DraftTree(seq=0, tokens=np.array([9, 10, 11], np.int32), parents=np.array([-1, 0, 1], np.int32))
 
 
 def handoff(t_prime: int, a: int, bonus: int) -> HandOff:
     n = t_prime - a
-    return HandOff(t_prime=t_prime, a=a, bonus=bonus, x_hat=np.arange(8, dtype=np.int8),
-                   k_sliding=np.ones((n, 2), np.int8), v_sliding=np.full((n, 2), 2, np.int8),
-                   k_full=np.full((n, 2), 3, np.int8), v_full=np.full((n, 2), 4, np.int8),
-                   scales=(0.1, 0.1, 0.05, 0.05, 0.05, 0.05))
+    return HandOff(
+        t_prime=t_prime,
+        a=a,
+        bonus=bonus,
+        x_hat=np.arange(8, dtype=np.int8),
+        k_sliding=np.ones((n, 2), np.int8),
+        v_sliding=np.full((n, 2), 2, np.int8),
+        k_full=np.full((n, 2), 3, np.int8),
+        v_full=np.full((n, 2), 4, np.int8),
+        scales=(0.1, 0.1, 0.05, 0.05, 0.05, 0.05),
+    )
 
 
 #: Round 0 accepts row 1 (token 10); the bonus 12 is sampled at row 1; hand-off rows [0, 6) (first round: from 0).
-REPLY = RoundReply(seq=0, samples=np.array([10, 12, 13], np.int32), path_rows=np.array([1], np.int32), bonus=12,
-                   server_ms=2.25, handoff=handoff(6, 0, 12))
+REPLY = RoundReply(
+    seq=0,
+    samples=np.array([10, 12, 13], np.int32),
+    path_rows=np.array([1], np.int32),
+    bonus=12,
+    server_ms=2.25,
+    handoff=handoff(6, 0, 12),
+)
 
 
 class FakeVerifier:
@@ -76,7 +107,7 @@ class FakeVerifier:
                 continue
             ws.send(out)
 
-    def __enter__(self) -> "FakeVerifier":
+    def __enter__(self) -> FakeVerifier:
         self._thread.start()
         return self
 
@@ -162,7 +193,7 @@ def test_open_round_close_frames_and_auth_travel_as_specified():
 
 
 def test_rounds_travel_in_version_5_with_scores_and_verified_rows():
-    kept = np.array([True, True, False])          # the verifier verified rows 0 and 1 (row 2 trimmed)
+    kept = np.array([True, True, False])  # the verifier verified rows 0 and 1 (row 2 trimmed)
 
     def answer(frame):
         msg = wire.decode(frame)
@@ -186,7 +217,7 @@ def test_an_appended_turn_travels_with_keep_crc_and_anchor():
     """After a finished reply the client sends APPEND (u32 max_new_tokens, keep, keep_crc, anchor, T; i32[T], built
     here with struct) and takes the OPENED; a conversation_mismatch ERROR is a ServerError and the session stays."""
     finished = replace(REPLY, finished=True, finish_reason="stop")
-    held = [*PROMPT.tolist(), 10, 12]                 # the prompt, then round 0's path token and bonus
+    held = [*PROMPT.tolist(), 10, 12]  # the prompt, then round 0's path token and bonus
     keep, turn, anchor = 6, np.array([30, 31, 32], np.int32), 7
     crc = zlib.crc32(np.array(held[:keep], "<i4").tobytes())
 
@@ -266,18 +297,24 @@ def test_server_error_frame_keeps_its_code_and_the_session():
         if isinstance(msg, OpenRequest):
             return wire.encode(OPENED)
         if msg.seq == 0:
-            return wire.encode(ErrorReply("bad_parent", "DraftTree.parents[2] = 5: row 2's parent must be an "
-                                                        "earlier row, in [0, 2)"))
-        return wire.encode(RoundReply(seq=1, samples=np.array([9, 1, 2], np.int32),
-                                      path_rows=np.zeros(0, np.int32), bonus=9, server_ms=1.0))
+            return wire.encode(
+                ErrorReply("bad_parent", "DraftTree.parents[2] = 5: row 2's parent must be an earlier row, in [0, 2)")
+            )
+        return wire.encode(
+            RoundReply(
+                seq=1, samples=np.array([9, 1, 2], np.int32), path_rows=np.zeros(0, np.int32), bonus=9, server_ms=1.0
+            )
+        )
 
     with FakeVerifier(answer) as peer, VerifierClient(peer.url) as c:
         c.open(OpenRequest(prompt_ids=PROMPT))
         with pytest.raises(ServerError) as e:
             c.round(TREE)
         assert e.value.code == "bad_parent"
-        assert str(e.value) == ("the verifier refused the round 0: bad_parent: DraftTree.parents[2] = 5: row 2's "
-                                "parent must be an earlier row, in [0, 2)")
+        assert str(e.value) == (
+            "the verifier refused the round 0: bad_parent: DraftTree.parents[2] = 5: row 2's "
+            "parent must be an earlier row, in [0, 2)"
+        )
         assert c.round(DraftTree(1, TREE.tokens, TREE.parents)).bonus == 9  # the connection still serves
 
 
@@ -286,6 +323,7 @@ def test_protocol_version_mismatch():
         def answer(frame):
             payload = wire.encode(OPENED)[16:]
             return struct.pack("<4sHBBII", b"HYCO", version, 2, 0, len(payload), zlib.crc32(payload)) + payload
+
         return answer
 
     # a newer server, and an old one (version 4: OPENED's layout is the same, the header says 4)
@@ -293,8 +331,10 @@ def test_protocol_version_mismatch():
         with FakeVerifier(header(version)) as peer:
             with pytest.raises(ProtocolMismatch) as e:
                 VerifierClient(peer.url).open(OpenRequest(prompt_ids=PROMPT))
-        assert str(e.value) == (f"the verifier at {peer.url} speaks another protocol: frame speaks protocol version "
-                                f"{version}: this side speaks version(s) 5; {wire.OLD_VERSION_FIX}")
+        assert str(e.value) == (
+            f"the verifier at {peer.url} speaks another protocol: frame speaks protocol version "
+            f"{version}: this side speaks version(s) 5; {wire.OLD_VERSION_FIX}"
+        )
     # a server that refuses this client's version says so in an ERROR frame: its message is passed on
     told = f"frame speaks protocol version 5: this side speaks version(s) 6; {wire.OLD_VERSION_FIX}"
     with FakeVerifier(lambda frame: wire.encode(ErrorReply("unsupported_version", told))) as peer:
@@ -322,15 +362,30 @@ def test_timeout_waiting_for_an_answer():
             c.open(OpenRequest(prompt_ids=PROMPT))
 
 
-@pytest.mark.parametrize("reply,match", [
-    (RoundReply(seq=5, samples=np.array([9, 1, 2], np.int32), path_rows=np.zeros(0, np.int32), bonus=9,
-                server_ms=1.0), "answered round 5 to round 0"),
-    (RoundReply(seq=0, samples=np.array([9, 1, 200], np.int32), path_rows=np.zeros(0, np.int32), bonus=9,
-                server_ms=1.0), r"invalid: token_out_of_vocab: RoundReply.samples\[2\] = 200"),
-    (RoundReply(seq=0, samples=np.array([9, 1], np.int32), path_rows=np.zeros(0, np.int32), bonus=9,
-                server_ms=1.0), "invalid: wrong_row_count"),
-    (OPENED, "answered the round 0 with Opened, expected RoundReply"),
-])
+@pytest.mark.parametrize(
+    "reply,match",
+    [
+        (
+            RoundReply(
+                seq=5, samples=np.array([9, 1, 2], np.int32), path_rows=np.zeros(0, np.int32), bonus=9, server_ms=1.0
+            ),
+            "answered round 5 to round 0",
+        ),
+        (
+            RoundReply(
+                seq=0, samples=np.array([9, 1, 200], np.int32), path_rows=np.zeros(0, np.int32), bonus=9, server_ms=1.0
+            ),
+            r"invalid: token_out_of_vocab: RoundReply.samples\[2\] = 200",
+        ),
+        (
+            RoundReply(
+                seq=0, samples=np.array([9, 1], np.int32), path_rows=np.zeros(0, np.int32), bonus=9, server_ms=1.0
+            ),
+            "invalid: wrong_row_count",
+        ),
+        (OPENED, "answered the round 0 with Opened, expected RoundReply"),
+    ],
+)
 def test_replies_are_validated_against_the_session(reply, match):
     def answer(frame):
         return wire.encode(OPENED if isinstance(wire.decode(frame), OpenRequest) else reply)
@@ -342,7 +397,9 @@ def test_replies_are_validated_against_the_session(reply, match):
 
 
 def test_the_transport_imports_no_torch_aiohttp_or_verifier():
-    code = ("import sys, hycoc.runtime.transport; print(sorted(m for m in ('torch', 'transformers', 'aiohttp', "
-            "'hycoc.verifier', 'hycoc.recipe', 'pydantic') if m in sys.modules))")
+    code = (
+        "import sys, hycoc.runtime.transport; print(sorted(m for m in ('torch', 'transformers', 'aiohttp', "
+        "'hycoc.verifier', 'hycoc.recipe', 'pydantic') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

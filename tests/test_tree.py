@@ -3,10 +3,9 @@
 import numpy as np
 import pytest
 import torch
-from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
-
 from hycoc.verifier.errors import TreeError
 from hycoc.verifier.tree import ancestor_matrix, path_to, tree_depths, tree_masks, validate_tree
+from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
 
 #      0
 #    /   \

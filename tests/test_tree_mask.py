@@ -7,10 +7,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from hycoc.host import (FULL, MASK_VALUE, SLIDING, TreeShapeError, ancestor_matrix, ring_masks, tree_depths,
-                        tree_ring_mask, tree_rows)
 from hycoc.runtime.tree_mask import HeadRingMask, TreeRingMask
+
+from hycoc.host import (
+    FULL,
+    MASK_VALUE,
+    SLIDING,
+    TreeShapeError,
+    ancestor_matrix,
+    ring_masks,
+    tree_depths,
+    tree_ring_mask,
+    tree_rows,
+)
 
 ROWS = 6
 
@@ -32,42 +41,48 @@ def test_updates_equal_fresh_masks_over_rounds_commits_wraps_and_restarts(ring, 
     t = live = n_kv = 0
     for step in range(400):
         event = rng.random()
-        if step == 0 or event < 0.04:                     # a request (re)starts: a prompt of any length
+        if step == 0 or event < 0.04:  # a request (re)starts: a prompt of any length
             t = int(rng.integers(0, 4 * ring))
             live = n_kv = max(0, t - ring)
             mask.reset() if rng.random() < 0.5 else None  # the drafter resets; a bare new live_start must do too
             restarts += 1
-        elif event < 0.08:                                # a long new turn: the first row jumps by more than W
+        elif event < 0.08:  # a long new turn: the first row jumps by more than W
             t += int(rng.integers(ring, 3 * ring))
         # a round: the first forward at n_kv (committed rows without KV first), later ones at t
         for first in [n_kv] + [t] * int(rng.integers(0, 3)):
             parents = random_parents(rng, ROWS)
-            if rng.random() < 0.5:                        # the caller's depths, ancestors and tree block
+            if rng.random() < 0.5:  # the caller's depths, ancestors and tree block
                 anc = ancestor_matrix(parents)
-                got = mask.update(parents, first, live, depths=tree_depths(parents), ancestors=anc,
-                                  tree_block=np.where(anc, np.float32(0.0), np.float32(MASK_VALUE)))
+                got = mask.update(
+                    parents,
+                    first,
+                    live,
+                    depths=tree_depths(parents),
+                    ancestors=anc,
+                    tree_block=np.where(anc, np.float32(0.0), np.float32(MASK_VALUE)),
+                )
             else:
                 got = mask.update(parents, first, live)
             want = tree_ring_mask(parents, first, live, ring, sliding_window)
             assert got.shape == want.shape and got.tobytes() == want.tobytes(), (step, first, live, parents)
             checked += 1
-        moved = int(rng.integers(0, ROWS + 1))            # commit: the path's KV moves, plus the bonus token
+        moved = int(rng.integers(0, ROWS + 1))  # commit: the path's KV moves, plus the bonus token
         n_kv = t + 1 + moved if rng.random() < 0.8 else n_kv
         t += 1 + moved + int(rng.integers(0, 2))
         n_kv = min(n_kv, t)
     assert checked > 700 and restarts > 5
-    assert mask.full_rebuilds < checked / 2             # most updates were incremental
+    assert mask.full_rebuilds < checked / 2  # most updates were incremental
 
 
 def test_steady_rounds_rewrite_only_the_changed_columns():
     mask = TreeRingMask(ROWS, 64, 64)
     parents = [-1, 0, 1, 1, 3, 3]
-    for first in range(100, 700, 3):                       # many wraps of the 64-column ring
+    for first in range(100, 700, 3):  # many wraps of the 64-column ring
         mask.update(parents, first, 0)
-    assert mask.full_rebuilds == 1                         # only the first update wrote every ring column
-    mask.update(parents, 900, 0)                           # a jump by more than W rebuilds
+    assert mask.full_rebuilds == 1  # only the first update wrote every ring column
+    mask.update(parents, 900, 0)  # a jump by more than W rebuilds
     assert mask.full_rebuilds == 2
-    mask.update(parents, 901, 5)                           # so does a new live_start (a request restart)
+    mask.update(parents, 901, 5)  # so does a new live_start (a request restart)
     assert mask.full_rebuilds == 3
 
 
@@ -90,12 +105,12 @@ def test_ancestor_matrix_bit_path_equals_the_row_by_row_path():
     rng = np.random.default_rng(3)
     for n in [1, 2, 3, 8, 31, 32, 33, 63, 64] * 20:
         parents = [-1] + [int(rng.integers(0, j)) for j in range(1, n)]
-        want = np.eye(n, dtype=bool)                       # row j = row parent(j) + itself
+        want = np.eye(n, dtype=bool)  # row j = row parent(j) + itself
         for j in range(1, n):
             want[j] |= want[parents[j]]
         got = ancestor_matrix(parents)
         assert got.dtype == bool and got.shape == (n, n) and (got == want).all(), parents
-        depths, both = tree_rows(parents)                  # one pass for both
+        depths, both = tree_rows(parents)  # one pass for both
         assert (both == want).all() and depths.tolist() == tree_depths(parents).tolist()
 
 
@@ -106,16 +121,16 @@ def test_head_masks_updated_in_place_equal_ring_masks(window, sliding_window):
     checked = 0
     t = live = 0
     for step in range(400):
-        if step == 0 or rng.random() < 0.05:              # a new request: the MTP Drafter resets, live = a
+        if step == 0 or rng.random() < 0.05:  # a new request: the MTP Drafter resets, live = a
             t = int(rng.integers(1, 5 * window))
             live = max(0, t - int(rng.integers(1, window + 1)))
             masks.reset()
-        else:                                             # a reply: t' = t + 1 + |P| (sometimes a jump past W)
+        else:  # a reply: t' = t + 1 + |P| (sometimes a jump past W)
             t += int(rng.integers(1, 7)) if rng.random() > 0.03 else int(rng.integers(window, 3 * window))
-            live = max(live, t - window)                  # Alg. 2 line 5
+            live = max(live, t - window)  # Alg. 2 line 5
         got = masks.update(t, live)
         want = ring_masks(t, live, window, sliding_window)
         for kind in (SLIDING, FULL):
             assert got[kind].tobytes() == want[kind].tobytes(), (step, t, live, kind)
         checked += 1
-    assert checked == 400 and masks.full_rebuilds < checked / 2   # most updates were incremental
+    assert checked == 400 and masks.full_rebuilds < checked / 2  # most updates were incremental

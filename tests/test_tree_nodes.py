@@ -4,7 +4,6 @@ time, and ``children`` lists each node's children's tokens as ``edges`` holds th
 from __future__ import annotations
 
 import numpy as np
-
 from hycoc.runtime.tree_builder import DraftTreeNodes
 
 

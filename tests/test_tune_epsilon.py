@@ -11,28 +11,39 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from hycoc.cli import app
 from hycoc.bench.cost_model import CostModel, CostPoint
 from hycoc.bench.quality import answer_metrics
+from hycoc.bench.tune_epsilon import (
+    SweepRow,
+    Tolerance,
+    TuneError,
+    TunePlan,
+    check_row,
+    choose_epsilon,
+    load_validation,
+    run_tune,
+)
+from hycoc.cli import app
 from hycoc.recipe import RecipeError, parse_recipe
-from hycoc.bench.tune_epsilon import (SweepRow, Tolerance, TuneError, TunePlan, check_row, choose_epsilon, load_validation,
-                                run_tune)
 
 TOL = Tolerance(compression_drop=0.03, repetition_rise=0.05, distinct2_drop=0.05, g_tie_pct=2.0)
 
 
 def row(eps, g, comp=0.0, rep=0.0, d2=0.0):
-    return SweepRow(epsilon=eps, mat=None, g=g,
-                    deltas={"compression_ratio": comp, "repeated_4gram_share": rep, "distinct_2": d2})
+    return SweepRow(
+        epsilon=eps, mat=None, g=g, deltas={"compression_ratio": comp, "repeated_4gram_share": rep, "distinct_2": d2}
+    )
 
 
 def test_choice_on_a_hand_made_sweep():
-    rows = [row(0.001, 2.00, comp=-0.10),             # cheapest, but its text compresses 0.10 better: loops
-            row(0.005, 2.40, rep=+0.06),              # repeated 4-grams up 6 points > 5
-            row(0.01, 2.50, comp=-0.02, rep=0.01, d2=-0.01),
-            row(0.02, 2.54, comp=-0.03, d2=-0.05),    # at the limits: admissible; 2.54 <= 2.50 * 1.02 ties
-            row(0.1, 2.56),                           # admissible, 2.4% above the lowest: no tie
-            row(1.0, 3.50, comp=None, rep=None, d2=None)]   # exact: the reference, always admissible
+    rows = [
+        row(0.001, 2.00, comp=-0.10),  # cheapest, but its text compresses 0.10 better: loops
+        row(0.005, 2.40, rep=+0.06),  # repeated 4-grams up 6 points > 5
+        row(0.01, 2.50, comp=-0.02, rep=0.01, d2=-0.01),
+        row(0.02, 2.54, comp=-0.03, d2=-0.05),  # at the limits: admissible; 2.54 <= 2.50 * 1.02 ties
+        row(0.1, 2.56),  # admissible, 2.4% above the lowest: no tie
+        row(1.0, 3.50, comp=None, rep=None, d2=None),
+    ]  # exact: the reference, always admissible
     chosen = choose_epsilon(rows, TOL)
     assert chosen.epsilon == 0.02
     assert [r.admissible for r in rows] == [False, False, True, True, True, True]
@@ -41,16 +52,23 @@ def test_choice_on_a_hand_made_sweep():
     # without the tie allowance the lowest g wins; with every ε failing, exact is chosen
     assert choose_epsilon(rows, Tolerance(0.03, 0.05, 0.05, 0.0)).epsilon == 0.01
     assert choose_epsilon([row(0.01, 1.0, comp=-1), row(1.0, 3.0)], TOL).epsilon == 1.0
-    assert check_row(SweepRow(0.01, None, 1.0), TOL) == [f"{k}: no paired value" for k in
-                                                         ("compression_ratio", "repeated_4gram_share", "distinct_2")]
+    assert check_row(SweepRow(0.01, None, 1.0), TOL) == [
+        f"{k}: no paired value" for k in ("compression_ratio", "repeated_4gram_share", "distinct_2")
+    ]
     with pytest.raises(TuneError, match="exact-acceptance row"):
         choose_epsilon([row(0.01, 1.0, comp=-1)], TOL)
     from hycoc.bench.tune_epsilon import render_sweep, sweep_table
 
     table = sweep_table(rows, chosen, TOL)
     assert [r[0] for r in table.rows] == ["0.001", "0.005", "0.01", "0.02", "0.1", "1 (exact)"]
-    assert [r[-1] for r in table.rows] == ["no: compression_ratio -0.100 < -0.030",
-                                           "no: repeated_4gram_share +0.060 > +0.050", "yes", "chosen", "yes", "yes"]
+    assert [r[-1] for r in table.rows] == [
+        "no: compression_ratio -0.100 < -0.030",
+        "no: repeated_4gram_share +0.060 > +0.050",
+        "yes",
+        "chosen",
+        "yes",
+        "yes",
+    ]
     console = Console(file=io.StringIO(), width=80)
     render_sweep(rows, chosen, TOL, console)
     out = console.file.getvalue()
@@ -58,8 +76,9 @@ def test_choice_on_a_hand_made_sweep():
 
 
 def test_tune_table_in_the_recipe():
-    r = parse_recipe('[tune]\nvalidation_data = "v.jsonl"\nepsilons = [0.01, 0.1]\nmax_compression_drop = 0.1\n',
-                     "r.toml")
+    r = parse_recipe(
+        '[tune]\nvalidation_data = "v.jsonl"\nepsilons = [0.01, 0.1]\nmax_compression_drop = 0.1\n', "r.toml"
+    )
     assert r.tune.epsilons == [0.01, 0.1] and r.tune.mode == "hyco" and r.tune.prompts == 60
     assert Tolerance.from_recipe(r.tune) == Tolerance(0.1, 0.05, 0.05, 2.0)
     with pytest.raises(RecipeError, match=r"r.toml:2: tune.epsilons\[1\] = 1.0: .*each in \(0, 1\)"):
@@ -96,7 +115,7 @@ def test_validation_questions_come_from_the_option_or_the_recipe_and_skip_the_be
     root = Path(__file__).resolve().parents[1]
     toy, default = root / "recipes" / "toy.toml", root / "benchmarks" / "data" / "spec_bench_question.jsonl"
     cfg = load_recipe(toy)
-    own = validation_questions(cfg, toy, None, 2, default)           # tune.validation_data of the recipe
+    own = validation_questions(cfg, toy, None, 2, default)  # tune.validation_data of the recipe
     assert [q.question_id for q in own] == [1, 2] and all(q.category == "validation" for q in own)
     val = tmp_path / "val.jsonl"
     val.write_text(conversation("w1 w2", "w3") + "\n")
@@ -122,14 +141,32 @@ def test_sweep_end_to_end_matches_a_hand_computation(tiny_bundle, tmp_path):
     val = tmp_path / "val.jsonl"
     val.write_text("\n".join(conversation(f"w{i} w{i + 7} w{i + 3}", f"w{i + 1} w{i + 2}") for i in range(3)) + "\n")
     # every tree of the tiny recipe has B + 1 = 5 rows: 10 ms a forward at any context, so g projected = 10 / MAT
-    cost = CostModel(device="fake", dtype="float32", model="tiny", shape={},
-                     points=[CostPoint(rows=r, context=c, ms=10.0) for r in (1, 5) for c in (0, 1000)])
+    cost = CostModel(
+        device="fake",
+        dtype="float32",
+        model="tiny",
+        shape={},
+        points=[CostPoint(rows=r, context=c, ms=10.0) for r in (1, 5) for c in (0, 1000)],
+    )
     cost.save(tmp_path / "cost.json")
     tol = Tolerance(compression_drop=0.05, repetition_rise=0.1, distinct2_drop=0.1, g_tie_pct=2.0)
-    plan = TunePlan(questions=load_validation(val, 3), epsilons=[0.5, 0.01], mode="hyco", output_cap=8,
-                    temperature=1.0, tolerance=tol, out=tmp_path / "out")
-    result = run_tune(recipe, path, plan, bundle_dir=root / "bundle", cost_model_path=tmp_path / "cost.json",
-                      console=Console(file=io.StringIO(), width=200))
+    plan = TunePlan(
+        questions=load_validation(val, 3),
+        epsilons=[0.5, 0.01],
+        mode="hyco",
+        output_cap=8,
+        temperature=1.0,
+        tolerance=tol,
+        out=tmp_path / "out",
+    )
+    result = run_tune(
+        recipe,
+        path,
+        plan,
+        bundle_dir=root / "bundle",
+        cost_model_path=tmp_path / "cost.json",
+        console=Console(file=io.StringIO(), width=200),
+    )
     assert json.loads((plan.out / "tune.json").read_text()) == json.loads(json.dumps(result))
     records = [json.loads(line) for line in (plan.out / "records.jsonl").read_text().splitlines()]
     assert sorted({r["config"] for r in records}) == ["eps=0.01", "eps=0.5", "exact"] and len(records) == 9
@@ -142,14 +179,20 @@ def test_sweep_end_to_end_matches_a_hand_computation(tiny_bundle, tmp_path):
         return 10.0 * sum(r["rounds"] for r in rs) / sum(r["tokens"] for r in rs)
 
     def delta(label, key):
-        d = [answer_metrics(by[(label, q)]["text"], by[(label, q)]["output_ids"])[key]
-             - answer_metrics(by[("exact", q)]["text"], by[("exact", q)]["output_ids"])[key] for q in (1, 2, 3)]
+        d = [
+            answer_metrics(by[(label, q)]["text"], by[(label, q)]["output_ids"])[key]
+            - answer_metrics(by[("exact", q)]["text"], by[("exact", q)]["output_ids"])[key]
+            for q in (1, 2, 3)
+        ]
         return sum(d) / len(d)
 
     hand = {}
     for label, eps in (("eps=0.01", 0.01), ("eps=0.5", 0.5), ("exact", 1.0)):
-        ok = eps == 1.0 or (delta(label, "compression_ratio") >= -0.05
-                            and delta(label, "repeated_4gram_share") <= 0.1 and delta(label, "distinct_2") >= -0.1)
+        ok = eps == 1.0 or (
+            delta(label, "compression_ratio") >= -0.05
+            and delta(label, "repeated_4gram_share") <= 0.1
+            and delta(label, "distinct_2") >= -0.1
+        )
         hand[eps] = (g(label), ok)
     low = min(gv for gv, ok in hand.values() if ok)
     expected = max(e for e, (gv, ok) in hand.items() if ok and gv <= low * 1.02)

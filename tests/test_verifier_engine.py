@@ -9,22 +9,29 @@ absolute on soft-capped logits of magnitude <= 30 (observed ~1e-6: only summatio
 import copy
 from collections import Counter
 
+import hycoc.verifier.engine as engine_mod
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
-from transformers import DynamicCache, Gemma4ForCausalLM, Gemma4TextConfig, GenerationConfig
-from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
-
-import hycoc.verifier.engine as engine_mod
-from hycoc.protocol.messages import Sampling
-from hycoc.mtp import head_step, window_mask
-from hycoc.verifier import (BadRequest, ContextOverflow, RootMismatch, SequenceError, SessionFinished, TreeError,
-                            VerifierEngine)
+from hycoc.verifier import (
+    BadRequest,
+    ContextOverflow,
+    RootMismatch,
+    SequenceError,
+    SessionFinished,
+    TreeError,
+    VerifierEngine,
+)
 from hycoc.verifier.engine import verify_tree
 from hycoc.verifier.kv_cache import first_position
 from hycoc.verifier.sampling import sampling_probs
+from scipy.stats import chisquare
 from tiny_models import SLIDING_WINDOW, tiny_head, tiny_verifier
+from transformers import DynamicCache, Gemma4ForCausalLM, Gemma4TextConfig, GenerationConfig
+from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
+
+from hycoc.mtp import head_step, window_mask
+from hycoc.protocol.messages import Sampling
 
 torch.set_num_threads(1)
 LOGIT_ATOL = 1e-4
@@ -106,8 +113,9 @@ def assert_cache_equals_fresh(model, session):
 def next_round_logits(engine, session, tokens, parents):
     """Logits a round would compute for a tree, on a copy of the session's cache."""
     cache = copy.deepcopy(session.cache)
-    logits, _, _ = verify_tree(engine.model, cache, engine.tap, torch.tensor(tokens), np.array(parents), session.t,
-                               engine.dtype)
+    logits, _, _ = verify_tree(
+        engine.model, cache, engine.tap, torch.tensor(tokens), np.array(parents), session.t, engine.dtype
+    )
     return logits
 
 
@@ -229,8 +237,8 @@ def test_exact_acceptance_is_lossless(verifier):
         return [root] + outside, [-1, 0, 0, 1]
 
     engine = make_engine(verifier)
-    n = 80   # ~1 s per tree shape (400 took ~4 s each: the statistics' own test has the power, not this one)
-    firsts = Counter()   # the first committed token of both tree shapes, pooled: its marginal must be p1
+    n = 80  # ~1 s per tree shape (400 took ~4 s each: the statistics' own test has the power, not this one)
+    firsts = Counter()  # the first committed token of both tree shapes, pooled: its marginal must be p1
     for build in (tree_with_sample, tree_without_sample):
         counts = Counter()
         for seed in range(n):
@@ -275,7 +283,7 @@ def first_token_power(p, n: int, bias: float = 0.05, alpha: float = 1e-3) -> flo
     from scipy.stats import chi2, ncx2
 
     p = np.asarray(p, dtype=np.float64)
-    lam = min(n * bias ** 2 / (pa * (1 - pa)) for pa in p if 0 < pa < 1)
+    lam = min(n * bias**2 / (pa * (1 - pa)) for pa in p if 0 < pa < 1)
     return float(ncx2.sf(chi2.isf(alpha, len(p) - 1), len(p) - 1, lam))
 
 
@@ -302,7 +310,7 @@ def test_the_first_token_test_has_the_power_to_see_a_5_point_bias(verifier):
     probs = torch.cat([sampling_probs(causal_logits(verifier, c)[-1:], sampling) for c in contexts])  # (R, V)
     p = [float(p1[x]) for x in support1]
     big_n = 6000
-    assert first_token_power(p, big_n) >= 0.8 and first_token_power(p, 2 * 80) < 0.8   # what each test can see
+    assert first_token_power(p, big_n) >= 0.8 and first_token_power(p, 2 * 80) < 0.8  # what each test can see
     gen = torch.Generator().manual_seed(0)
     exact, path_eps1 = Counter(), Counter()
     for _ in range(big_n):
@@ -316,7 +324,7 @@ def test_the_first_token_test_has_the_power_to_see_a_5_point_bias(verifier):
     assert stat.pvalue > 1e-3, (stat, exact)
     # and a sampler 5 points off on the hardest token (mass nearest 1/2) fails the same test at this N
     a = int(np.argmin([abs(x - 0.5) for x in p]))
-    q = np.array(p) * (1 - 0.05 / (1 - p[a]))   # the others give up 5 points in proportion
+    q = np.array(p) * (1 - 0.05 / (1 - p[a]))  # the others give up 5 points in proportion
     q[a] = p[a] + 0.05
     assert q.sum() == pytest.approx(1.0)
     biased = np.random.default_rng(0).multinomial(big_n, q)
@@ -387,10 +395,12 @@ def test_handoff_positions_sizes_and_values(verifier):
         # Values against a fresh prefill: last sliding layer = 2, last full layer = 3 (layer_types of the fixture).
         committed = session.tokens[:-1]
         ref = fresh_cache(verifier, committed)
-        for layer, k_q, v_q, ks, vs in ((2, h.k_sliding, h.v_sliding, SCALES[2], SCALES[3]),
-                                        (3, h.k_full, h.v_full, SCALES[4], SCALES[5])):
-            k = ref.layers[layer].keys[0, :, h.a:t_prime].transpose(0, 1).reshape(n, -1)
-            v = ref.layers[layer].values[0, :, h.a:t_prime].transpose(0, 1).reshape(n, -1)
+        for layer, k_q, v_q, ks, vs in (
+            (2, h.k_sliding, h.v_sliding, SCALES[2], SCALES[3]),
+            (3, h.k_full, h.v_full, SCALES[4], SCALES[5]),
+        ):
+            k = ref.layers[layer].keys[0, :, h.a : t_prime].transpose(0, 1).reshape(n, -1)
+            v = ref.layers[layer].values[0, :, h.a : t_prime].transpose(0, 1).reshape(n, -1)
             assert_int8(k_q, k, ks)
             assert_int8(v_q, v, vs)
         pre, post = pre_norm_hidden(verifier, committed)
@@ -439,10 +449,25 @@ def test_gemma4_26b_a4b_handoff_sizes_match_design():
     values per position. The published config is built on the meta device (no weights) to read the engine's layer choice
     and sizes."""
     config = Gemma4TextConfig(
-        vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2, attention_k_eq_v=True,
-        sliding_window=1024, final_logit_softcapping=30.0, enable_moe_block=True, num_experts=128, top_k_experts=8,
-        moe_intermediate_size=704, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
+        vocab_size=262144,
+        hidden_size=2816,
+        intermediate_size=2112,
+        num_hidden_layers=30,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        global_head_dim=512,
+        num_global_key_value_heads=2,
+        attention_k_eq_v=True,
+        sliding_window=1024,
+        final_logit_softcapping=30.0,
+        enable_moe_block=True,
+        num_experts=128,
+        top_k_experts=8,
+        moe_intermediate_size=704,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+    )
     with torch.device("meta"):
         model = Gemma4ForCausalLM(config)
     engine = VerifierEngine(model, head_window=1024, handoff_scales=(1.0,) * 6, device="meta")
@@ -481,26 +506,28 @@ def test_cloud_mtp_chain_equals_transformers_generator_and_reads_only_committed_
         history.append(list(session.tokens))
         reply = session.verify([session.root], [-1], seq)
         assert reply.handoff is None and len(reply.samples) == 1 + 4
-        committed = reply.samples[:len(reply.path_rows) + 1].tolist()
-        assert session.tokens[-len(committed):] == committed
+        committed = reply.samples[: len(reply.path_rows) + 1].tolist()
+        assert session.tokens[-len(committed) :] == committed
     assert session.t > SLIDING_WINDOW + 2, "the head's sliding window must bind in later rounds"
     assert any(n < 4 for n in session.accepted), "need partial rejections"
 
     head.generation_config.num_assistant_tokens = 4
     generator = SinglePositionMultiTokenCandidateGenerator(
-        head, verifier.get_input_embeddings(), GenerationConfig(max_length=10_000))
+        head, verifier.get_input_embeddings(), GenerationConfig(max_length=10_000)
+    )
     for (t, chain), tokens in zip(chains, history):
         assert t == len(tokens) - 1
         with torch.inference_mode():
-            out = verifier(input_ids=torch.tensor([tokens[:-1]]), output_hidden_states=True,
-                           return_shared_kv_states=True)
+            out = verifier(
+                input_ids=torch.tensor([tokens[:-1]]), output_hidden_states=True, return_shared_kv_states=True
+            )
         generator.is_main_model_prefill = True
         candidates, _ = generator.get_candidates(torch.tensor([tokens]), {}, out, False, 0)
-        assert chain == candidates[0, len(tokens):].tolist()
+        assert chain == candidates[0, len(tokens) :].tolist()
     # Every head call read exactly committed positions: the KV of a fresh prefill, never a tree row -- [0, t) of
     # the full layer, the sliding layer's retained window [t - retain, t) (what the head's sliding mask reads).
     calls = iter(head_calls)
-    assert engine.kv_retain == SLIDING_WINDOW + 1 < session.t   # the head's window + 1 (kv_cache.retained_positions)
+    assert engine.kv_retain == SLIDING_WINDOW + 1 < session.t  # the head's window + 1 (kv_cache.retained_positions)
     for (t, chain), tokens in zip(chains, history):
         ref = fresh_cache(verifier, tokens[:-1])
         for _ in chain:
@@ -508,10 +535,8 @@ def test_cloud_mtp_chain_equals_transformers_generator_and_reads_only_committed_
             for kind, layer in (("sliding_attention", 2), ("full_attention", 3)):
                 lo = max(0, t - engine.kv_retain) if kind == "sliding_attention" else 0
                 assert shared[kind][0].shape[2] == t - lo
-                torch.testing.assert_close(shared[kind][0], ref.layers[layer].keys[..., lo:, :], atol=KV_ATOL,
-                                           rtol=0)
-                torch.testing.assert_close(shared[kind][1], ref.layers[layer].values[..., lo:, :], atol=KV_ATOL,
-                                           rtol=0)
+                torch.testing.assert_close(shared[kind][0], ref.layers[layer].keys[..., lo:, :], atol=KV_ATOL, rtol=0)
+                torch.testing.assert_close(shared[kind][1], ref.layers[layer].values[..., lo:, :], atol=KV_ATOL, rtol=0)
 
 
 def test_server_head_chain_uses_the_keep_set_and_window(verifier, head):
@@ -531,10 +556,14 @@ def test_server_head_chain_uses_the_keep_set_and_window(verifier, head):
         t_prime, committed = session.t, session.tokens[:-1]
         ref = fresh_cache(verifier, committed)
         pre, _ = pre_norm_hidden(verifier, committed)
-        shared = {"sliding_attention": (ref.layers[2].keys, ref.layers[2].values),
-                  "full_attention": (ref.layers[3].keys, ref.layers[3].values)}
-        masks = {"sliding_attention": window_mask(torch.tensor([[t_prime]]), t_prime, sw),
-                 "full_attention": window_mask(torch.tensor([[t_prime]]), t_prime, 10)}
+        shared = {
+            "sliding_attention": (ref.layers[2].keys, ref.layers[2].values),
+            "full_attention": (ref.layers[3].keys, ref.layers[3].values),
+        }
+        masks = {
+            "sliding_attention": window_mask(torch.tensor([[t_prime]]), t_prime, sw),
+            "full_attention": window_mask(torch.tensor([[t_prime]]), t_prime, 10),
+        }
         allowed = torch.full((verifier.config.vocab_size,), float("-inf"))
         allowed[keep] = 0.0
         x = torch.cat([verifier.model.embed_tokens(torch.tensor([session.root]))[0], pre[-1]])
@@ -606,8 +635,9 @@ def test_errors_leave_the_session_unchanged(verifier):
         with pytest.raises(error) as info:
             session.verify(tokens, parents, seq)
         assert info.value.code and str(info.value)
-        assert session.t == 11 and all(first_position(layer) + layer.keys.shape[2] == 11
-                                       for layer in session.cache.layers)
+        assert session.t == 11 and all(
+            first_position(layer) + layer.keys.shape[2] == 11 for layer in session.cache.layers
+        )
         assert torch.equal(session.generator.get_state(), gen_state)
     reply = session.verify([root, 1, 2], [-1, 0, 1], 0)
     assert reply.server_ms > 0 and session.prefill_ms > 0

@@ -11,8 +11,17 @@ import pytest
 
 from hycoc.chat import ids_crc32
 from hycoc.protocol import wire
-from hycoc.protocol.messages import (AppendTurn, Close, DraftTree, ErrorReply, HandOff, Opened, OpenRequest, RoundReply,
-                                     Sampling)
+from hycoc.protocol.messages import (
+    AppendTurn,
+    Close,
+    DraftTree,
+    ErrorReply,
+    HandOff,
+    Opened,
+    OpenRequest,
+    RoundReply,
+    Sampling,
+)
 
 VOCAB = 1000
 # Gemma 4 26B-A4B: hidden 2816; last sliding layer 8 KV heads x 256; last full-attention layer 2 KV heads x 512.
@@ -44,26 +53,55 @@ def reply(rows: int = 5, path=(1, 3), with_handoff: bool = True, chain=(), n_pos
     t_prime = 10 + 1 + len(path)
     ho = handoff(t_prime, t_prime - n_positions, bonus) if with_handoff else None
     return RoundReply(
-        seq=7, samples=samples, path_rows=np.array(path, np.int32), bonus=bonus, server_ms=21.5,
-        finished=False, handoff=ho, chain=np.array(chain, np.int32),
+        seq=7,
+        samples=samples,
+        path_rows=np.array(path, np.int32),
+        bonus=bonus,
+        server_ms=21.5,
+        finished=False,
+        handoff=ho,
+        chain=np.array(chain, np.int32),
     )
 
 
 def open_request(**kw) -> OpenRequest:
-    args = dict(prompt_ids=np.array([2, 10, 999, 0], np.int32), sampling=Sampling(0.5, 64, 0.75), seed=2**63 + 5,
-                acceptance="epsilon", epsilon=0.25, draft_place="device", max_new_tokens=256)
+    args = dict(
+        prompt_ids=np.array([2, 10, 999, 0], np.int32),
+        sampling=Sampling(0.5, 64, 0.75),
+        seed=2**63 + 5,
+        acceptance="epsilon",
+        epsilon=0.25,
+        draft_place="device",
+        max_new_tokens=256,
+    )
     args.update(kw)
     return OpenRequest(**args)
 
 
-OPENED = Opened(session_id=2**40 + 3, t=3, prefill_ms=12.5, max_context=4096, tree_rows=33, vocab_size=VOCAB,
-                hidden_size=H, kv_dim_sliding=DS, kv_dim_full=DF, stop_ids=(1, 106, 50))
-LIMITS = wire.Limits(vocab_size=VOCAB, tree_rows=5, max_context=4096, hidden_size=H, kv_dim_sliding=DS,
-                     kv_dim_full=DF)
+OPENED = Opened(
+    session_id=2**40 + 3,
+    t=3,
+    prefill_ms=12.5,
+    max_context=4096,
+    tree_rows=33,
+    vocab_size=VOCAB,
+    hidden_size=H,
+    kv_dim_sliding=DS,
+    kv_dim_full=DF,
+    stop_ids=(1, 106, 50),
+)
+LIMITS = wire.Limits(vocab_size=VOCAB, tree_rows=5, max_context=4096, hidden_size=H, kv_dim_sliding=DS, kv_dim_full=DF)
 
 
-def frame(mtype: int, payload: bytes, *, version: int = wire.PROTOCOL_VERSION, flags: int = 0,
-          magic: bytes = wire.MAGIC, length: int | None = None) -> bytes:
+def frame(
+    mtype: int,
+    payload: bytes,
+    *,
+    version: int = wire.PROTOCOL_VERSION,
+    flags: int = 0,
+    magic: bytes = wire.MAGIC,
+    length: int | None = None,
+) -> bytes:
     """A raw frame, bypassing encode's validation."""
     length = len(payload) if length is None else length
     return wire.HEADER.pack(magic, version, mtype, flags, length, zlib.crc32(payload)) + payload
@@ -78,12 +116,13 @@ def patch(data: bytes, offset: int, fmt: str, *values) -> bytes:
 
 def refresh_crc(buf) -> bytes:
     buf = bytearray(buf)
-    struct.pack_into("<I", buf, 12, zlib.crc32(buf[wire.HEADER.size:]))
+    struct.pack_into("<I", buf, 12, zlib.crc32(buf[wire.HEADER.size :]))
     return bytes(buf)
 
 
-def raw_tree(tokens, parents, seq: int = 0, *, version: int = wire.PROTOCOL_VERSION, scores=None,
-             has_scores: int | None = None) -> bytes:
+def raw_tree(
+    tokens, parents, seq: int = 0, *, version: int = wire.PROTOCOL_VERSION, scores=None, has_scores: int | None = None
+) -> bytes:
     """A ROUND frame written by hand (u32 seq, u16 R, u8 has_scores; then tokens, parents, fp16 scores: the layout of
     versions 4 and 5; ``version`` only goes into the header)."""
     tokens, parents = np.asarray(tokens, "<i4"), np.asarray(parents, "<i2")
@@ -104,11 +143,34 @@ def fails(code: str, data: bytes, limits: wire.Limits | None = None, *needles: s
 
 
 # Payload offsets of the fields patched below (the module docstring's tables, summed by hand).
-OPEN_AT = dict(temperature=0, top_k=4, top_p=8, seed=12, epsilon=20, acceptance=24, draft_place=25, auth_len=26,
-               chat_len=28, max_new_tokens=30, n_prompt=34, anchor=38, prompt=42)
+OPEN_AT = dict(
+    temperature=0,
+    top_k=4,
+    top_p=8,
+    seed=12,
+    epsilon=20,
+    acceptance=24,
+    draft_place=25,
+    auth_len=26,
+    chat_len=28,
+    max_new_tokens=30,
+    n_prompt=34,
+    anchor=38,
+    prompt=42,
+)
 APPEND_AT = dict(max_new_tokens=0, keep=4, keep_crc=8, anchor=12, n_tokens=16, tokens=20)
-REPLY_AT = dict(seq=0, bonus=4, server_ms=8, finished=12, has_handoff=13, rows=14, n_path=16, n_chain=18,
-                has_verified=20, samples=21)
+REPLY_AT = dict(
+    seq=0,
+    bonus=4,
+    server_ms=8,
+    finished=12,
+    has_handoff=13,
+    rows=14,
+    n_path=16,
+    n_chain=18,
+    has_verified=20,
+    samples=21,
+)
 
 
 def handoff_at(m: RoundReply) -> int:
@@ -139,17 +201,32 @@ def test_open_round_trip(auth, chat, anchor):
     got = wire.decode(data, wire.Limits(vocab_size=VOCAB, max_context=16))
     assert_same_array(got.prompt_ids, m.prompt_ids, np.int32)
     assert got.sampling == m.sampling  # values exact in float32
-    assert (got.seed, got.acceptance, got.epsilon, got.draft_place, got.max_new_tokens, got.auth_token, got.chat,
-            got.anchor) == (m.seed, m.acceptance, m.epsilon, m.draft_place, m.max_new_tokens, auth, chat, anchor)
+    assert (
+        got.seed,
+        got.acceptance,
+        got.epsilon,
+        got.draft_place,
+        got.max_new_tokens,
+        got.auth_token,
+        got.chat,
+        got.anchor,
+    ) == (m.seed, m.acceptance, m.epsilon, m.draft_place, m.max_new_tokens, auth, chat, anchor)
 
 
 def test_open_byte_layout_is_exact():
     """OPEN built field by field with struct (module docstring: 42 B fixed part, then i32[T], auth, chat)."""
     m = open_request(auth_token="clé", chat=CONTRACT, anchor=2)
     auth, chat = "clé".encode(), CONTRACT.encode()
-    fixed = struct.pack("<f", 0.5) + struct.pack("<I", 64) + struct.pack("<f", 0.75) + struct.pack("<Q", 2**63 + 5) \
-        + struct.pack("<f", 0.25) + bytes([1, 0]) + struct.pack("<HH", len(auth), len(chat)) \
-        + struct.pack("<III", 256, 4, 2)            # max_new_tokens, T, anchor
+    fixed = (
+        struct.pack("<f", 0.5)
+        + struct.pack("<I", 64)
+        + struct.pack("<f", 0.75)
+        + struct.pack("<Q", 2**63 + 5)
+        + struct.pack("<f", 0.25)
+        + bytes([1, 0])
+        + struct.pack("<HH", len(auth), len(chat))
+        + struct.pack("<III", 256, 4, 2)
+    )  # max_new_tokens, T, anchor
     assert len(fixed) == 42
     payload = fixed + struct.pack("<4i", 2, 10, 999, 0) + auth + chat
     assert wire.encode(m) == frame(wire.MessageType.OPEN, payload)
@@ -171,7 +248,7 @@ def test_float_fields_travel_as_float32():
 
 def test_opened_round_trip():
     data = wire.encode(OPENED)
-    assert len(data) == 16 + 42 + 4 * 3                 # three stop ids
+    assert len(data) == 16 + 42 + 4 * 3  # three stop ids
     assert wire.decode(data) == OPENED
 
 
@@ -183,8 +260,9 @@ def test_opened_stop_ids_checked():
 
 
 def test_round_round_trip():
-    m = DraftTree(seq=4_000_000_000, tokens=np.array([5, 7, 7, 999, 0], np.int32),
-                  parents=np.array([-1, 0, 0, 1, 3], np.int32))
+    m = DraftTree(
+        seq=4_000_000_000, tokens=np.array([5, 7, 7, 999, 0], np.int32), parents=np.array([-1, 0, 0, 1, 3], np.int32)
+    )
     got = wire.decode(wire.encode(m), LIMITS)
     assert got.seq == m.seq
     assert_same_array(got.tokens, m.tokens, np.int32)
@@ -233,7 +311,7 @@ def test_decoded_arrays_do_not_alias_the_frame():
     buf = bytearray(wire.encode(reply()))
     got = wire.decode(buf, LIMITS)
     samples, x_hat = got.samples.copy(), got.handoff.x_hat.copy()
-    buf[wire.HEADER.size:] = bytes(len(buf) - wire.HEADER.size)
+    buf[wire.HEADER.size :] = bytes(len(buf) - wire.HEADER.size)
     assert_same_array(got.samples, samples, np.int32)
     assert_same_array(got.handoff.x_hat, x_hat, np.int8)
 
@@ -269,8 +347,14 @@ def test_gemma4_first_reply_frame():
     data = wire.encode(m)
     ho_bytes = wire.handoff_nbytes(GEMMA_H, GEMMA_DS, GEMMA_DF, 1024)
     assert len(data) == wire.reply_nbytes(33, 0, 0, ho_bytes) == 16 + 21 + 132 + 12 + 6_297_132
-    limits = wire.Limits(vocab_size=262_144, tree_rows=33, max_context=262_144, hidden_size=GEMMA_H,
-                         kv_dim_sliding=GEMMA_DS, kv_dim_full=GEMMA_DF)
+    limits = wire.Limits(
+        vocab_size=262_144,
+        tree_rows=33,
+        max_context=262_144,
+        hidden_size=GEMMA_H,
+        kv_dim_sliding=GEMMA_DS,
+        kv_dim_full=GEMMA_DF,
+    )
     got = wire.decode(data, limits)
     assert_same_array(got.handoff.v_full, ho.v_full, np.int8)
 
@@ -291,7 +375,7 @@ def test_reply_bytes_without_handoff():
     m = reply(rows=33, path=(1, 2, 3), with_handoff=False, chain=(1, 2, 3, 4))
     assert len(wire.encode(m)) == wire.reply_nbytes(33, 3, 4) == 16 + 21 + 132 + 6 + 16
     kept = np.ones(33, bool)
-    kept[20:] = False   # 33 rows: a mask of 5 bytes
+    kept[20:] = False  # 33 rows: a mask of 5 bytes
     m = replace(m, verified=kept)
     assert len(wire.encode(m)) == wire.reply_nbytes(33, 3, 4, verified=True) == 16 + 21 + 132 + 6 + 16 + 5
     assert (wire.reply_nbytes(33, 0), wire.reply_nbytes(33, 0, verified=True)) == (169, 174)
@@ -309,22 +393,28 @@ def test_unsupported_version_names_the_supported_one_and_the_fix():
     assert wire.SUPPORTED_VERSIONS == (5,)
     for other in (0, 2, 3, 4, 6, 65535):
         data = frame(wire.MessageType.CLOSE, bytes(8), version=other)
-        err = fails("unsupported_version", data, None, f"frame speaks protocol version {other}: ",
-                    "this side speaks version(s) 5; ")
+        err = fails(
+            "unsupported_version",
+            data,
+            None,
+            f"frame speaks protocol version {other}: ",
+            "this side speaks version(s) 5; ",
+        )
         assert err.message.endswith(wire.OLD_VERSION_FIX)
         with pytest.raises(wire.UnsupportedVersion, match="version\\(s\\) 5"):
             wire.frame_version(data)
-    assert "hycoc build RECIPE" in wire.OLD_VERSION_FIX      # the fix names the command that rebuilds a bundle
+    assert "hycoc build RECIPE" in wire.OLD_VERSION_FIX  # the fix names the command that rebuilds a bundle
     for other in (2, 3, 4):
         with pytest.raises(wire.UnsupportedVersion) as info:
             wire.encode(Close(1), version=other)
-        assert info.value.message == (f"protocol version {other}: this side speaks version(s) 5; "
-                                      + wire.OLD_VERSION_FIX)
+        assert info.value.message == (
+            f"protocol version {other}: this side speaks version(s) 5; " + wire.OLD_VERSION_FIX
+        )
         with pytest.raises(wire.UnsupportedVersion):
             wire.tree_nbytes(33, version=other)
         with pytest.raises(wire.UnsupportedVersion):
             wire.reply_nbytes(33, 0, version=other)
-        if other in wire.LEGACY_ERROR_VERSIONS:     # an old peer's refusal: ERROR's payload under its own header
+        if other in wire.LEGACY_ERROR_VERSIONS:  # an old peer's refusal: ERROR's payload under its own header
             old = wire.error_frame(wire.BadScores("x"), version=other)
             now = wire.error_frame(wire.BadScores("x"))
             assert struct.unpack_from("<H", old, 4) == (other,) and old[:4] == now[:4] and old[6:] == now[6:]
@@ -385,8 +475,13 @@ def test_crc_mismatch():
 
 
 def test_token_outside_vocabulary_names_row_and_id():
-    fails("token_out_of_vocab", raw_tree([1, 2, 1000], [-1, 0, 1]), wire.Limits(vocab_size=VOCAB),
-          "tokens[2] = 1000", "[0, 1000)")
+    fails(
+        "token_out_of_vocab",
+        raw_tree([1, 2, 1000], [-1, 0, 1]),
+        wire.Limits(vocab_size=VOCAB),
+        "tokens[2] = 1000",
+        "[0, 1000)",
+    )
 
 
 def test_negative_token_id():
@@ -416,8 +511,9 @@ def test_root_parent_must_be_minus_one():
     ],
 )
 def test_parent_out_of_range_or_not_earlier(parents, row):
-    fails("bad_parent", raw_tree([1] * len(parents), parents), None, f"parents[{row}] = {parents[row]}",
-          f"in [0, {row})")
+    fails(
+        "bad_parent", raw_tree([1] * len(parents), parents), None, f"parents[{row}] = {parents[row]}", f"in [0, {row})"
+    )
 
 
 def test_encode_refuses_what_decode_refuses():
@@ -438,8 +534,9 @@ def open_frame(**kw) -> bytes:
     return wire.encode(open_request(**kw))
 
 
-@pytest.mark.parametrize("field, value", [("temperature", float("nan")), ("top_p", float("inf")),
-                                          ("epsilon", float("-inf"))])
+@pytest.mark.parametrize(
+    "field, value", [("temperature", float("nan")), ("top_p", float("inf")), ("epsilon", float("-inf"))]
+)
 def test_open_non_finite(field, value):
     fails("not_finite", patch(open_frame(), OPEN_AT[field], "f", value), None, field, "finite")
 
@@ -507,8 +604,14 @@ def test_opened_nan_prefill():
 
 def test_limits_from_opened():
     lim = wire.Limits.from_opened(OPENED)
-    assert (lim.vocab_size, lim.tree_rows, lim.max_context, lim.hidden_size, lim.kv_dim_sliding,
-            lim.kv_dim_full) == (VOCAB, 33, 4096, H, DS, DF)
+    assert (lim.vocab_size, lim.tree_rows, lim.max_context, lim.hidden_size, lim.kv_dim_sliding, lim.kv_dim_full) == (
+        VOCAB,
+        33,
+        4096,
+        H,
+        DS,
+        DF,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ REPLY checks
@@ -578,8 +681,12 @@ def test_handoff_bonus_must_be_the_reply_bonus():
 @pytest.mark.parametrize("index, name", [(0, "e"), (3, "v_sliding"), (5, "v_full")])
 def test_handoff_scale_not_finite(index, name):
     m = reply()
-    fails("not_finite", patch(wire.encode(m), handoff_at(m) + 16 + 4 * index, "f", float("inf")), LIMITS,
-          f"scales[{name}]")
+    fails(
+        "not_finite",
+        patch(wire.encode(m), handoff_at(m) + 16 + 4 * index, "f", float("inf")),
+        LIMITS,
+        f"scales[{name}]",
+    )
 
 
 def test_handoff_scale_not_positive():
@@ -587,8 +694,10 @@ def test_handoff_scale_not_positive():
     fails("out_of_range", patch(wire.encode(m), handoff_at(m) + 20, "f", 0.0), LIMITS, "scales[h]", "> 0")
 
 
-@pytest.mark.parametrize("name, limit", [("hidden_size", "hidden_size"), ("kv_dim_sliding", "kv_dim_sliding"),
-                                         ("kv_dim_full", "kv_dim_full")])
+@pytest.mark.parametrize(
+    "name, limit",
+    [("hidden_size", "hidden_size"), ("kv_dim_sliding", "kv_dim_sliding"), ("kv_dim_full", "kv_dim_full")],
+)
 def test_handoff_sizes_must_match_limits(name, limit):
     kw = dict(hidden_size=H, kv_dim_sliding=DS, kv_dim_full=DF)
     kw[limit] += 1
@@ -597,20 +706,35 @@ def test_handoff_sizes_must_match_limits(name, limit):
 
 
 def test_handoff_positions_beyond_context():
-    fails("context_overflow", wire.encode(reply(n_positions=3)), wire.Limits(max_context=2), "n_positions = 3",
-          "max_context = 2")
+    fails(
+        "context_overflow",
+        wire.encode(reply(n_positions=3)),
+        wire.Limits(max_context=2),
+        "n_positions = 3",
+        "max_context = 2",
+    )
 
 
 def test_handoff_a_after_t_prime():
     m = reply()
-    fails("bad_handoff_range", patch(wire.encode(m), handoff_at(m) + 4, "I", m.handoff.t_prime + 1), LIMITS,
-          "HandOff.a", "a <= t_prime")
+    fails(
+        "bad_handoff_range",
+        patch(wire.encode(m), handoff_at(m) + 4, "I", m.handoff.t_prime + 1),
+        LIMITS,
+        "HandOff.a",
+        "a <= t_prime",
+    )
 
 
 def test_handoff_n_positions_disagrees_with_t_prime_minus_a():
     m = reply()
-    fails("bad_handoff_range", patch(wire.encode(m), handoff_at(m) + 12, "I", 2), LIMITS, "n_positions = 2",
-          "t_prime - a = 3")
+    fails(
+        "bad_handoff_range",
+        patch(wire.encode(m), handoff_at(m) + 12, "I", 2),
+        LIMITS,
+        "n_positions = 2",
+        "t_prime - a = 3",
+    )
 
 
 def test_handoff_body_crc():
@@ -629,8 +753,17 @@ def test_handoff_body_short():
 
 def test_encode_refuses_mismatched_handoff_arrays():
     m = reply()
-    bad = HandOff(m.handoff.t_prime, m.handoff.a, m.bonus, m.handoff.x_hat, m.handoff.k_sliding[:2],
-                  m.handoff.v_sliding[:2], m.handoff.k_full, m.handoff.v_full, SCALES)
+    bad = HandOff(
+        m.handoff.t_prime,
+        m.handoff.a,
+        m.bonus,
+        m.handoff.x_hat,
+        m.handoff.k_sliding[:2],
+        m.handoff.v_sliding[:2],
+        m.handoff.k_full,
+        m.handoff.v_full,
+        SCALES,
+    )
     with pytest.raises(wire.HandoffSizeMismatch, match="k_sliding has 2 rows"):
         wire.encode(RoundReply(m.seq, m.samples, m.path_rows, m.bonus, 1.0, handoff=bad))
 
@@ -678,7 +811,7 @@ def test_every_code_is_distinct_and_valid():
         assert wire.decode(wire.error_frame(wire.ERROR_CLASSES[code]("x"))).code == code
 
 
-HELD = [2, 10, 999, 0, 17, 5]           # what a session holds: prompt + committed output
+HELD = [2, 10, 999, 0, 17, 5]  # what a session holds: prompt + committed output
 
 
 def test_append_byte_layout_is_exact_and_round_trips():
@@ -705,28 +838,34 @@ def test_append_keep_crc_spans_the_whole_u32():
     assert got.keep_crc == crc >= 2**31
 
 
-@pytest.mark.parametrize("tokens, max_new, limits, code", [
-    ([], 4, None, "out_of_range"),
-    ([1, 2, 3], 0, None, "out_of_range"),
-    ([1, VOCAB], 4, wire.Limits(vocab_size=VOCAB), "token_out_of_vocab"),
-    ([1, 2, 3], 4, wire.Limits(max_context=3), "context_overflow"),
-])
+@pytest.mark.parametrize(
+    "tokens, max_new, limits, code",
+    [
+        ([], 4, None, "out_of_range"),
+        ([1, 2, 3], 0, None, "out_of_range"),
+        ([1, VOCAB], 4, wire.Limits(vocab_size=VOCAB), "token_out_of_vocab"),
+        ([1, 2, 3], 4, wire.Limits(max_context=3), "context_overflow"),
+    ],
+)
 def test_append_refusals(tokens, max_new, limits, code):
     with pytest.raises(wire.WireError) as info:
         wire.validate(AppendTurn(np.array(tokens, np.int32), max_new), limits)
     assert info.value.code == code
 
 
-@pytest.mark.parametrize("keep, keep_crc, anchor, needle", [
-    (0, 0, 0, "AppendTurn.keep = 0: must lie in [1, 4294967295]"),
-    (-1, 0, 0, "AppendTurn.keep = -1"),
-    (2**32, 0, 0, "AppendTurn.keep = 4294967296"),
-    (4, -1, 0, "AppendTurn.keep_crc = -1: must lie in [0, 4294967295]"),
-    (4, 2**32, 0, "AppendTurn.keep_crc = 4294967296"),
-    (4, 0, 3, "AppendTurn.anchor = 3: must lie in [keep, keep + T) = [4, 7) or be 0"),   # before keep
-    (4, 0, 7, "AppendTurn.anchor = 7"),                                                   # keep + T: past the turn
-    (4, 0, -4, "AppendTurn.anchor = -4"),
-])
+@pytest.mark.parametrize(
+    "keep, keep_crc, anchor, needle",
+    [
+        (0, 0, 0, "AppendTurn.keep = 0: must lie in [1, 4294967295]"),
+        (-1, 0, 0, "AppendTurn.keep = -1"),
+        (2**32, 0, 0, "AppendTurn.keep = 4294967296"),
+        (4, -1, 0, "AppendTurn.keep_crc = -1: must lie in [0, 4294967295]"),
+        (4, 2**32, 0, "AppendTurn.keep_crc = 4294967296"),
+        (4, 0, 3, "AppendTurn.anchor = 3: must lie in [keep, keep + T) = [4, 7) or be 0"),  # before keep
+        (4, 0, 7, "AppendTurn.anchor = 7"),  # keep + T: past the turn
+        (4, 0, -4, "AppendTurn.anchor = -4"),
+    ],
+)
 def test_append_field_checks(keep, keep_crc, anchor, needle):
     with pytest.raises(wire.OutOfRange) as info:
         wire.encode(AppendTurn(np.array([5, 6, 7], np.int32), 8, keep, keep_crc, anchor))
@@ -781,8 +920,12 @@ def scored(tree: DraftTree) -> DraftTree:
     return replace(tree, scores=s)
 
 
-TREE5 = DraftTree(9, np.array([5, 7, 7, 999, 0], np.int32), np.array([-1, 0, 0, 1, 3], np.int32),
-                  np.array([0.0, -0.41, -1.3, -2.0, -70000.0], np.float32))
+TREE5 = DraftTree(
+    9,
+    np.array([5, 7, 7, 999, 0], np.int32),
+    np.array([-1, 0, 0, 1, 3], np.int32),
+    np.array([0.0, -0.41, -1.3, -2.0, -70000.0], np.float32),
+)
 
 
 def test_round_scores_round_trip_as_float16():
@@ -794,7 +937,7 @@ def test_round_scores_round_trip_as_float16():
     assert_same_array(got.scores, want, np.float32)
     assert got.scores[1] == np.float32(-0.409912109375)
     data = wire.encode(TREE5)
-    assert data[wire.HEADER.size + 6] == 1                        # has_scores
+    assert data[wire.HEADER.size + 6] == 1  # has_scores
     assert data[-10:] == np.array([0.0, -0.41, -1.3, -2.0, -65504.0], "<f2").tobytes()
 
 
@@ -802,16 +945,18 @@ def test_round_without_scores_and_its_layout():
     bare = replace(TREE5, scores=None)
     got = wire.decode(wire.encode(bare), LIMITS)
     assert got.scores is None and wire.encode(bare)[wire.HEADER.size + 6] == 0
-    assert wire.encode(bare) == raw_tree(TREE5.tokens, TREE5.parents, seq=9)          # byte for byte
-    assert wire.encode(TREE5) == raw_tree(TREE5.tokens, TREE5.parents, seq=9,
-                                          scores=np.maximum(TREE5.scores, wire.FP16_SCORE_FLOOR))
+    assert wire.encode(bare) == raw_tree(TREE5.tokens, TREE5.parents, seq=9)  # byte for byte
+    assert wire.encode(TREE5) == raw_tree(
+        TREE5.tokens, TREE5.parents, seq=9, scores=np.maximum(TREE5.scores, wire.FP16_SCORE_FLOOR)
+    )
     assert wire.frame_version(wire.encode(TREE5)) == 5
 
 
 def test_fp16_rounding_keeps_scores_monotone():
     # child 1e-7 below its parent: equal after the cast, still "<= parent"
-    t = DraftTree(0, np.array([1, 2, 3], np.int32), np.array([-1, 0, 1], np.int32),
-                  np.array([0.0, -1.0, -1.0000001], np.float32))
+    t = DraftTree(
+        0, np.array([1, 2, 3], np.int32), np.array([-1, 0, 1], np.int32), np.array([0.0, -1.0, -1.0000001], np.float32)
+    )
     got = wire.decode(wire.encode(t))
     assert got.scores.tolist() == [0.0, -1.0, -1.0]
 
@@ -824,12 +969,14 @@ def old_frames() -> dict[str, tuple[int, bytes]]:
     append4 = struct.pack("<II", 64, 2) + struct.pack("<2i", 5, 6)
     round3 = struct.pack("<IH", 0, 2) + struct.pack("<2i", 5, 6) + struct.pack("<2h", -1, 0)
     round4 = struct.pack("<IHB", 0, 2, 0) + struct.pack("<2i", 5, 6) + struct.pack("<2h", -1, 0)
-    return {"OPEN v4": (4, frame(wire.MessageType.OPEN, open4, version=4)),
-            "OPEN v3": (3, frame(wire.MessageType.OPEN, open4, version=3)),
-            "APPEND v4": (4, frame(wire.MessageType.APPEND, append4, version=4)),
-            "ROUND v3": (3, frame(wire.MessageType.ROUND, round3, version=3)),
-            "ROUND v4": (4, frame(wire.MessageType.ROUND, round4, version=4)),
-            "CLOSE v4": (4, frame(wire.MessageType.CLOSE, struct.pack("<Q", 5), version=4))}
+    return {
+        "OPEN v4": (4, frame(wire.MessageType.OPEN, open4, version=4)),
+        "OPEN v3": (3, frame(wire.MessageType.OPEN, open4, version=3)),
+        "APPEND v4": (4, frame(wire.MessageType.APPEND, append4, version=4)),
+        "ROUND v3": (3, frame(wire.MessageType.ROUND, round3, version=3)),
+        "ROUND v4": (4, frame(wire.MessageType.ROUND, round4, version=4)),
+        "CLOSE v4": (4, frame(wire.MessageType.CLOSE, struct.pack("<Q", 5), version=4)),
+    }
 
 
 @pytest.mark.parametrize("name", list(old_frames()))
@@ -837,13 +984,19 @@ def test_version_3_and_4_frames_are_refused_naming_the_fix(name):
     """An old peer's frame is refused from its header alone (before its payload is read) with unsupported_version,
     whose message names the fix (`wire.OLD_VERSION_FIX`), both by `decode` and by `frame_version`."""
     version, data = old_frames()[name]
-    err = fails("unsupported_version", data, None, f"frame speaks protocol version {version}: this side speaks "
-                f"version(s) 5; {wire.OLD_VERSION_FIX}")
-    assert err.message == f"frame speaks protocol version {version}: this side speaks version(s) 5; " \
-        + wire.OLD_VERSION_FIX
-    fails("unsupported_version", data[:wire.HEADER.size], None, wire.OLD_VERSION_FIX)   # the header alone suffices
+    err = fails(
+        "unsupported_version",
+        data,
+        None,
+        f"frame speaks protocol version {version}: this side speaks version(s) 5; {wire.OLD_VERSION_FIX}",
+    )
+    assert (
+        err.message
+        == f"frame speaks protocol version {version}: this side speaks version(s) 5; " + wire.OLD_VERSION_FIX
+    )
+    fails("unsupported_version", data[: wire.HEADER.size], None, wire.OLD_VERSION_FIX)  # the header alone suffices
     with pytest.raises(wire.UnsupportedVersion):
-        wire.frame_version(data[:wire.HEADER.size])
+        wire.frame_version(data[: wire.HEADER.size])
 
 
 def test_the_same_payload_under_a_version_5_header_is_read_in_the_version_5_layout():
@@ -852,7 +1005,7 @@ def test_the_same_payload_under_a_version_5_header_is_read_in_the_version_5_layo
     _, data = old_frames()["OPEN v4"]
     v5 = refresh_crc(data[:4] + struct.pack("<H", 5) + data[6:])
     fails("length_mismatch", v5, None, "prompt_ids")
-    _, data = old_frames()["APPEND v4"]   # 8 + 8 bytes: shorter than v5's 20-byte fixed part
+    _, data = old_frames()["APPEND v4"]  # 8 + 8 bytes: shorter than v5's 20-byte fixed part
     fails("length_mismatch", refresh_crc(data[:4] + struct.pack("<H", 5) + data[6:]), None, "APPEND", "fixed part")
 
 
@@ -865,10 +1018,10 @@ def test_reply_verified_round_trip_and_mask_layout():
     data = wire.encode(m)
     at = wire.HEADER.size + REPLY_AT["samples"] + 4 * 10 + 2 * 2
     assert data[wire.HEADER.size + REPLY_AT["has_verified"]] == 1
-    assert data[at:at + 2] == bytes([0b00001011, 0b00000010])     # rows 0, 1, 3 | row 9 (bit 1 of byte 1)
+    assert data[at : at + 2] == bytes([0b00001011, 0b00000010])  # rows 0, 1, 3 | row 9 (bit 1 of byte 1)
     got = wire.decode(data, limits)
     assert_same_array(got.verified, kept, np.bool_)
-    assert_same_array(got.handoff.k_full, m.handoff.k_full, np.int8)   # the hand-off follows the mask
+    assert_same_array(got.handoff.k_full, m.handoff.k_full, np.int8)  # the hand-off follows the mask
     assert len(data) == wire.reply_nbytes(10, 2, 0, wire.handoff_nbytes(H, DS, DF, 3), verified=True)
     assert wire.decode(wire.encode(replace(m, verified=None)), limits).verified is None
 
@@ -879,14 +1032,16 @@ def test_round_scores_errors():
     fails("not_finite", raw_tree(t, p, scores=[0, -1, np.nan, -2]), None, "scores[2]")
     fails("not_finite", raw_tree(t, p, scores=[0, -1, -np.inf, -2]), None, "scores[2]")
     fails("bad_scores", raw_tree(t, p, scores=[-0.5, -1, -2, -2]), None, "scores[0] = -0.5", "root")
-    fails("bad_scores", raw_tree(t, p, scores=[0, -1, -2, -0.5]), None, "scores[3] = -0.5",
-          "parent row 1's -1")
+    fails("bad_scores", raw_tree(t, p, scores=[0, -1, -2, -0.5]), None, "scores[3] = -0.5", "parent row 1's -1")
     fails("length_mismatch", raw_tree(t, p, scores=[0, -1, -2]), None, "scores")  # one fp16 short
     # encode refuses what decode refuses
     tree = DraftTree(0, np.array(t, np.int32), np.array(p, np.int32))
-    for scores, code in (([0, -1, -2], "bad_shape"), (np.array([0, -1, -2, -3], np.int32), "bad_shape"),
-                         (np.array([0, -1, 1, -3], np.float32), "bad_scores"),
-                         (np.array([0, -1, np.inf, -3], np.float32), "not_finite")):
+    for scores, code in (
+        ([0, -1, -2], "bad_shape"),
+        (np.array([0, -1, -2, -3], np.int32), "bad_shape"),
+        (np.array([0, -1, 1, -3], np.float32), "bad_scores"),
+        (np.array([0, -1, np.inf, -3], np.float32), "not_finite"),
+    ):
         with pytest.raises(wire.WireError) as info:
             wire.encode(replace(tree, scores=np.asarray(scores)))
         assert info.value.code == code
@@ -896,25 +1051,32 @@ def test_reply_verified_errors():
     m = reply(rows=5, path=(1, 3), with_handoff=False)
     ok = wire.encode(replace(m, verified=np.array([1, 1, 0, 1, 0], bool)))
     flag = wire.HEADER.size + REPLY_AT["has_verified"]
-    mask = len(ok) - 1                                        # no hand-off: the mask is the last byte
-    fails("bad_enum", refresh_crc(ok[:flag] + b"\x02" + ok[flag + 1:]), LIMITS, "has_verified = 2")
-    fails("bad_shape", refresh_crc(ok[:mask] + bytes([0b00101011]) + ok[mask + 1:]), LIMITS, "bit 5", "5 rows")
-    fails("bad_path", refresh_crc(ok[:mask] + bytes([0b00001010]) + ok[mask + 1:]), LIMITS, "verified[0]")
-    fails("bad_path", refresh_crc(ok[:mask] + bytes([0b00000011]) + ok[mask + 1:]), LIMITS,
-          "path_rows[1] = 3 is not a verified row")
-    cut = bytearray(ok[:mask])                                # the mask cut off, the header's length to match
+    mask = len(ok) - 1  # no hand-off: the mask is the last byte
+    fails("bad_enum", refresh_crc(ok[:flag] + b"\x02" + ok[flag + 1 :]), LIMITS, "has_verified = 2")
+    fails("bad_shape", refresh_crc(ok[:mask] + bytes([0b00101011]) + ok[mask + 1 :]), LIMITS, "bit 5", "5 rows")
+    fails("bad_path", refresh_crc(ok[:mask] + bytes([0b00001010]) + ok[mask + 1 :]), LIMITS, "verified[0]")
+    fails(
+        "bad_path",
+        refresh_crc(ok[:mask] + bytes([0b00000011]) + ok[mask + 1 :]),
+        LIMITS,
+        "path_rows[1] = 3 is not a verified row",
+    )
+    cut = bytearray(ok[:mask])  # the mask cut off, the header's length to match
     struct.pack_into("<I", cut, 8, len(cut) - wire.HEADER.size)
     fails("length_mismatch", refresh_crc(cut), LIMITS, "verified mask")
-    for verified, code in ((np.array([1, 1, 0, 1], bool), "bad_shape"), (np.array([1, 1, 0, 1, 0]), "bad_shape"),
-                           (np.array([0, 1, 0, 1, 0], bool), "bad_path"),
-                           (np.array([1, 1, 0, 0, 0], bool), "bad_path")):
+    for verified, code in (
+        (np.array([1, 1, 0, 1], bool), "bad_shape"),
+        (np.array([1, 1, 0, 1, 0]), "bad_shape"),
+        (np.array([0, 1, 0, 1, 0], bool), "bad_path"),
+        (np.array([1, 1, 0, 0, 0], bool), "bad_path"),
+    ):
         with pytest.raises(wire.WireError) as info:
             wire.encode(replace(m, verified=verified))
         assert info.value.code == code
 
 
 def test_frame_version_reads_the_header_only():
-    assert wire.frame_version(wire.encode(Close(1))[:16]) == 5           # no payload needed
+    assert wire.frame_version(wire.encode(Close(1))[:16]) == 5  # no payload needed
     assert wire.frame_version(wire.encode(Close(1), version=5)) == 5
     with pytest.raises(wire.Truncated):
         wire.frame_version(b"HYCO")

@@ -66,8 +66,9 @@ def tiny_verifier(seed: int = 0, *, sharpen: float = 1.0, attn: str = "sdpa", **
     return model
 
 
-def tiny_head(verifier: Gemma4ForCausalLM, seed: int = 1, *, sliding_window: int | None = None,
-              attn: str = "sdpa", **assistant) -> Gemma4AssistantForCausalLM:
+def tiny_head(
+    verifier: Gemma4ForCausalLM, seed: int = 1, *, sliding_window: int | None = None, attn: str = "sdpa", **assistant
+) -> Gemma4AssistantForCausalLM:
     """A random MTP head matching ``verifier``'s heads, head dims and rotary settings. ``assistant``: more
     ``Gemma4AssistantConfig`` fields (e.g. use_ordered_embeddings, num_centroids, centroid_intermediate_top_k)."""
     torch.manual_seed(seed)

@@ -13,8 +13,17 @@ from .kv_cache import first_position, kv_positions
 
 
 @torch.inference_mode()
-def draft_cloud_chain(model, head, cache: DynamicCache, layers: dict[str, int], root: int, h: torch.Tensor, t: int,
-                      k: int, position_offset: int) -> list[int]:
+def draft_cloud_chain(
+    model,
+    head,
+    cache: DynamicCache,
+    layers: dict[str, int],
+    root: int,
+    h: torch.Tensor,
+    t: int,
+    k: int,
+    position_offset: int,
+) -> list[int]:
     """Cloud+MTP drafting (Table 5): a greedy K-chain by the full-precision head over the full vocabulary.
 
     As transformers' ``SinglePositionMultiTokenCandidateGenerator``: input [e(root); h_{t-1}], a constant query
@@ -35,19 +44,32 @@ def draft_cloud_chain(model, head, cache: DynamicCache, layers: dict[str, int], 
     x = torch.cat([model.model.embed_tokens(torch.tensor([root], device=h.device))[0], h])
     chain = []
     for _ in range(k):
-        out = head(inputs_embeds=x[None, None].to(head.dtype), position_ids=pos, shared_kv_states=shared,
-                   use_cache=False)
+        out = head(
+            inputs_embeds=x[None, None].to(head.dtype), position_ids=pos, shared_kv_states=shared, use_cache=False
+        )
         y = int(out.logits[0, -1].argmax())  # greedy, first among equals
         chain.append(y)
-        x = torch.cat([model.model.embed_tokens(torch.tensor([y], device=h.device))[0],
-                       out.last_hidden_state[0, -1].to(h.dtype)])
+        x = torch.cat(
+            [model.model.embed_tokens(torch.tensor([y], device=h.device))[0], out.last_hidden_state[0, -1].to(h.dtype)]
+        )
     return chain
 
 
 @torch.inference_mode()
-def draft_server_chain(model, head, cache: DynamicCache, layers: dict[str, int], root: int, h: torch.Tensor,
-                       t: int, k: int, window: int, keep_set: torch.Tensor | None, position_offset: int,
-                       sliding: int | None = None) -> list[int]:
+def draft_server_chain(
+    model,
+    head,
+    cache: DynamicCache,
+    layers: dict[str, int],
+    root: int,
+    h: torch.Tensor,
+    t: int,
+    k: int,
+    window: int,
+    keep_set: torch.Tensor | None,
+    position_offset: int,
+    sliding: int | None = None,
+) -> list[int]:
     """The server-head variant (Table 5): the head drafts a greedy K-chain for the root at position t as the
     device's Drafter would (Alg. 2) but in full precision: the full-attention layer reads the W-window
     [max(0, t - W), t), the sliding layer the last min(W, sliding) of it (as the device ring and the head's
@@ -77,4 +99,3 @@ def draft_server_chain(model, head, cache: DynamicCache, layers: dict[str, int],
         chain.append(y)
         x = torch.cat([model.model.embed_tokens(torch.tensor([y], device=h.device))[0], h_next[0, 0].to(h.dtype)])
     return chain
-

@@ -107,8 +107,10 @@ def ragged_attention(module, query, key, value, attention_mask, *, spans=None, *
     ``sdpa_attention_forward`` itself."""
     if not isinstance(key, _PerSession):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    outs = [sdpa_attention_forward(module, query[:, :, lo:hi], k, v, m, **kwargs)[0]
-            for (lo, hi), k, v, m in zip(spans, key, value, attention_mask)]
+    outs = [
+        sdpa_attention_forward(module, query[:, :, lo:hi], k, v, m, **kwargs)[0]
+        for (lo, hi), k, v, m in zip(spans, key, value, attention_mask)
+    ]
     return torch.cat(outs, dim=1), None
 
 
@@ -143,8 +145,9 @@ def _attention(model, name: str):
 
 
 @torch.inference_mode()
-def batch_forward(engine: VerifierEngine, caches: list, ts: list[int], tokens: list[np.ndarray],
-                  parents: list[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def batch_forward(
+    engine: VerifierEngine, caches: list, ts: list[int], tokens: list[np.ndarray], parents: list[np.ndarray]
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Alg. 4 lines 1-3 for n sessions in one forward over their rows end to end (module docstring).
 
     caches: each session's cache holding exactly its ts[b] positions. tokens, parents: each session's tree rows
@@ -159,20 +162,33 @@ def batch_forward(engine: VerifierEngine, caches: list, ts: list[int], tokens: l
     pos, masks = [], {"full_attention": _PerSession(), "sliding_attention": _PerSession()}
     for cache, t, tk, pa in zip(caches, ts, tokens, parents):
         p = torch.as_tensor(t + tree_depths(pa), device=dev)
-        m = additive_masks(p, torch.as_tensor(ancestor_matrix(pa), device=dev), t, model.config.sliding_window,
-                           engine.dtype, window_start(cache, t))
+        m = additive_masks(
+            p,
+            torch.as_tensor(ancestor_matrix(pa), device=dev),
+            t,
+            model.config.sliding_window,
+            engine.dtype,
+            window_start(cache, t),
+        )
         pos.append(p)
         for kind in masks:
             masks[kind].append(m[kind])
     with _attention(model, RAGGED_ATTENTION):
-        out = model(input_ids=ids[None], position_ids=torch.cat(pos)[None], attention_mask=masks,
-                    cache=_RaggedCache(caches, spans), use_cache=True, spans=spans)
+        out = model(
+            input_ids=ids[None],
+            position_ids=torch.cat(pos)[None],
+            attention_mask=masks,
+            cache=_RaggedCache(caches, spans),
+            use_cache=True,
+            spans=spans,
+        )
     logits, pre, post = out.logits[0].float(), engine.tap.pre[0], engine.tap.post[0]
     return [(logits[lo:hi], pre[lo:hi], post[lo:hi]) for lo, hi in spans]
 
 
-def verify_batch(engine: VerifierEngine, rounds: list[tuple], stats: BatchStats | None = None,
-                 budget: RowBudget | None = None) -> list[RoundReply | BaseException]:
+def verify_batch(
+    engine: VerifierEngine, rounds: list[tuple], stats: BatchStats | None = None, budget: RowBudget | None = None
+) -> list[RoundReply | BaseException]:
     """One round for each of several sessions, their forwards batched into one (Alg. 4 for each session).
 
     rounds: (session, tokens, parents, seq) or (session, tokens, parents, seq, scores) per session, each session
@@ -202,7 +218,7 @@ def verify_batch(engine: VerifierEngine, rounds: list[tuple], stats: BatchStats 
             results[k] = e
             continue
         if isinstance(got, RoundReply):
-            results[k] = got      # idempotent retry
+            results[k] = got  # idempotent retry
         else:
             pending.append((k, session, got))
     stats.rows_sent = sum(len(p.tokens) for *_, p in pending)
@@ -213,13 +229,18 @@ def verify_batch(engine: VerifierEngine, rounds: list[tuple], stats: BatchStats 
     if pending:
         f0 = time.perf_counter()
         try:
-            if len(pending) == 1:   # one session: exactly the single-session forward
+            if len(pending) == 1:  # one session: exactly the single-session forward
                 _, session, p = pending[0]
                 ids = torch.as_tensor(p.tokens, device=engine.device)
                 rows = [verify_tree(engine.model, session.cache, engine.tap, ids, p.parents, p.t, engine.dtype)]
             else:
-                rows = batch_forward(engine, [s.cache for _, s, _ in pending], [p.t for *_, p in pending],
-                                     [p.tokens for *_, p in pending], [p.parents for *_, p in pending])
+                rows = batch_forward(
+                    engine,
+                    [s.cache for _, s, _ in pending],
+                    [p.t for *_, p in pending],
+                    [p.tokens for *_, p in pending],
+                    [p.parents for *_, p in pending],
+                )
         except Exception as e:  # noqa: BLE001 -- the shared forward failed: every batched session gets it
             for k, session, p in pending:
                 session.abort_round(p)
@@ -243,8 +264,13 @@ def verify_batch(engine: VerifierEngine, rounds: list[tuple], stats: BatchStats 
         done = [s for (k, s, _) in pending if isinstance(results[k], RoundReply)]
         accepted = float(sum(s.accepted[-1] for s in done)) if all_scored and len(done) == len(pending) else None
         # the allocation's expected tokens were scaled by value_scale: compare accepted with the scores' own
-        budget.state.observe(stats.total_ms, stats.forward_ms, stats.sessions, accepted,
-                             (stats.expected_tokens - stats.sessions) / budget.state.value_scale)
+        budget.state.observe(
+            stats.total_ms,
+            stats.forward_ms,
+            stats.sessions,
+            accepted,
+            (stats.expected_tokens - stats.sessions) / budget.state.value_scale,
+        )
     return results
 
 
@@ -261,11 +287,17 @@ def _apply_budget(pending: list, scores_of: dict, budget: RowBudget, stats: Batc
             continue
         scores = np.asarray(scores, np.float64).reshape(-1)
         if len(scores) != len(p.sent_tokens) or not np.isfinite(scores).all():
-            trees.append((None, p.tokens, p.parents))     # the wire checks this; an engine caller's slip keeps it whole
+            trees.append((None, p.tokens, p.parents))  # the wire checks this; an engine caller's slip keeps it whole
             continue
         trees.append((scores if p.kept is None else scores[p.kept], p.tokens, p.parents))
-    alloc = allocate(trees, budget.cost, free_rows=budget.free_rows, min_rows=budget.min_rows,
-                     extra_ms=budget.state.overhead_ms * len(pending), value_scale=budget.state.value_scale)
+    alloc = allocate(
+        trees,
+        budget.cost,
+        free_rows=budget.free_rows,
+        min_rows=budget.min_rows,
+        extra_ms=budget.state.overhead_ms * len(pending),
+        value_scale=budget.state.value_scale,
+    )
     for (k, session, p), rows in zip(pending, alloc.kept):
         if rows is not None:
             session.restrict_round(p, rows)

@@ -66,17 +66,24 @@ def build_random_head(head_config_dict: dict, backbone_hidden_size: int, device:
     return head.eval()
 
 
-def measuring_engine(model, head=None, *, head_window: int, chain_length: int = 4,
-                     head_query_position_offset: int = -1, device="cpu"):
+def measuring_engine(
+    model, head=None, *, head_window: int, chain_length: int = 4, head_query_position_offset: int = -1, device="cpu"
+):
     """A `hycoc.verifier.engine.VerifierEngine` around ``model`` and ``head`` for measuring them: its
     ``new_cache`` is the session cache the server gives every session (sliding layers keep
     `hycoc.verifier.kv_cache.retained_positions` positions: max(sliding_window - 1, W, the head's window + 1),
     full layers the context). The hand-off scales are placeholders (1.0): no timed forward reads them."""
     from hycoc.verifier.engine import VerifierEngine
 
-    return VerifierEngine(model, head=head, head_window=head_window, chain_length=chain_length,
-                          handoff_scales=(1.0,) * 6, head_query_position_offset=head_query_position_offset,
-                          device=device)
+    return VerifierEngine(
+        model,
+        head=head,
+        head_window=head_window,
+        chain_length=chain_length,
+        handoff_scales=(1.0,) * 6,
+        head_query_position_offset=head_query_position_offset,
+        device=device,
+    )
 
 
 def random_cache(model, context: int, device, new_cache=None):
@@ -89,15 +96,18 @@ def random_cache(model, context: int, device, new_cache=None):
     (1, kv_heads, held, head_dim) tensors in the model's dtype, held = ``context`` (a sliding layer: min(context,
     retain), starting at position context - held). ``cache.get_seq_length()`` is ``context`` either way."""
     import torch
-    from transformers import DynamicCache
-
     from hycoc.verifier.kv_cache import SlidingWindowLayer
+    from transformers import DynamicCache
 
     cache = new_cache() if new_cache is not None else DynamicCache()
     with torch.inference_mode():
-        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-              position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), cache=cache, use_cache=True,
-              logits_to_keep=1)
+        model(
+            input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+            position_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         gen = torch.Generator(device=device).manual_seed(context)
         for layer in cache.layers:
             if not (layer.is_initialized and layer.keys.numel()):
@@ -116,8 +126,11 @@ def snapshot_cache(cache) -> list:
     """The state of every layer of ``cache`` (its keys and values tensors, and a sliding layer's ``start`` and
     ``cumulative_length``), for `restore_cache`. The tensors are kept by reference: a forward replaces a layer's
     tensors (``torch.cat``, slices) and does not write into them, so the snapshot stays valid."""
-    return [(layer, layer.keys, layer.values, getattr(layer, "start", None), getattr(layer, "cumulative_length", None))
-            for layer in cache.layers if getattr(layer, "is_initialized", False)]
+    return [
+        (layer, layer.keys, layer.values, getattr(layer, "start", None), getattr(layer, "cumulative_length", None))
+        for layer in cache.layers
+        if getattr(layer, "is_initialized", False)
+    ]
 
 
 def restore_cache(snapshot: list) -> None:
@@ -131,10 +144,24 @@ def restore_cache(snapshot: list) -> None:
             layer.cumulative_length = cumulative
 
 
-def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, device, chain_length: int = 4,
-                 log=print, head=None, prefill_rows=(), head_position_offset: int = -1,
-                 clock: str = "busy", wall_log: dict | None = None, statistic: str = "median",
-                 new_cache=None) -> list[CostPoint]:
+def measure_grid(
+    model,
+    rows_list,
+    contexts,
+    *,
+    warmup: int,
+    repeats: int,
+    device,
+    chain_length: int = 4,
+    log=print,
+    head=None,
+    prefill_rows=(),
+    head_position_offset: int = -1,
+    clock: str = "busy",
+    wall_log: dict | None = None,
+    statistic: str = "median",
+    new_cache=None,
+) -> list[CostPoint]:
     """Median ms of every forward kind for every (rows, context) of the grid (module docstring). Returns CostPoints:
     ``verify`` at every rows_list x contexts, ``head_step`` (rows 1) at every context when ``head`` (the verifier's
     MTP head, on the same device) is given, ``prefill`` at every prefill_rows x contexts.
@@ -154,12 +181,9 @@ def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, devic
     a `measuring_engine`'s ``new_cache`` measures the layout the server runs), None: full-length caches.
     """
     import torch
-
-    from hycoc.verifier.forward import NormTap, Timer, prefill
-
     from hycoc.verifier.baselines import draft_cloud_chain
-
     from hycoc.verifier.engine import producer_layers, verify_tree
+    from hycoc.verifier.forward import NormTap, Timer, prefill
 
     dev = torch.device(device)
     vocab = model.config.vocab_size
@@ -187,12 +211,11 @@ def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, devic
                     if kind == "verify":
                         verify_tree(model, caches[t], tap, tokens, parents[rows], t, model.dtype)
                     elif kind == "head_step":  # one step of the Cloud+MTP chain, as the engine runs it
-                        draft_cloud_chain(model, head, caches[t], layers, int(tokens[0]), h, t, 1,
-                                          head_position_offset)
+                        draft_cloud_chain(model, head, caches[t], layers, int(tokens[0]), h, t, 1, head_position_offset)
                     else:
                         prefill(model, caches[t], tap, tokens, rows, model.dtype, start=t)
                 cpu_ms = (time.process_time() - cpu0) * 1e3
-                restore_cache(saved[t])   # every point starts from the same t positions
+                restore_cache(saved[t])  # every point starts from the same t positions
                 if i >= warmup:
                     times[(kind, rows, t)].append(cpu_ms if busy else timer.ms)
                     walls[(kind, rows, t)].append(timer.ms)
@@ -205,8 +228,15 @@ def measure_grid(model, rows_list, contexts, *, warmup: int, repeats: int, devic
     for kind, rows, t in grid:
         ms = float(np.percentile(times[(kind, rows, t)], sample_quantile(statistic)))
         log(kind, rows, t, ms, times[(kind, rows, t)])
-        points.append(CostPoint(kind=kind, rows=rows, context=t, ms=max(ms, 1e-6),
-                                samples_ms=[round(x, 4) for x in times[(kind, rows, t)]]))
+        points.append(
+            CostPoint(
+                kind=kind,
+                rows=rows,
+                context=t,
+                ms=max(ms, 1e-6),
+                samples_ms=[round(x, 4) for x in times[(kind, rows, t)]],
+            )
+        )
     if wall_log is not None:
         wall_log.update({f"{k}/{r}/{c}": statistics.median(v) for (k, r, c), v in walls.items()})
     return points
@@ -260,9 +290,23 @@ def count_forwards(engine):
 
 def shape_of(config) -> dict:
     """The numbers of a Gemma 4 text config that set a forward's cost."""
-    keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "global_head_dim", "num_global_key_value_heads", "sliding_window", "enable_moe_block",
-            "num_experts", "top_k_experts", "moe_intermediate_size", "vocab_size", "num_kv_shared_layers")
+    keys = (
+        "num_hidden_layers",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "global_head_dim",
+        "num_global_key_value_heads",
+        "sliding_window",
+        "enable_moe_block",
+        "num_experts",
+        "top_k_experts",
+        "moe_intermediate_size",
+        "vocab_size",
+        "num_kv_shared_layers",
+    )
     d = config.to_dict()  # plain values (per-layer attributes cannot be read from a heterogeneous config)
     out = {k: d[k] for k in keys if d.get(k) is not None}
     out["full_attention_layers"] = sum(lt == "full_attention" for lt in d["layer_types"])
@@ -285,9 +329,18 @@ BENCH_REPEATS = 15
 BUSY_STATISTIC = "p25"
 
 
-def measure_recipe_verifier(recipe, rows_list=(1, 5, 33), contexts=(64, 128, 256, 512), *, warmup: int = 2,
-                            repeats: int = BENCH_REPEATS, threads: int | None = None, prefill_rows=PREFILL_ROWS,
-                            device: str | None = None, clock: str = "busy") -> CostModel:
+def measure_recipe_verifier(
+    recipe,
+    rows_list=(1, 5, 33),
+    contexts=(64, 128, 256, 512),
+    *,
+    warmup: int = 2,
+    repeats: int = BENCH_REPEATS,
+    threads: int | None = None,
+    prefill_rows=PREFILL_ROWS,
+    device: str | None = None,
+    clock: str = "busy",
+) -> CostModel:
     """A cost model of ``recipe``'s verifier and MTP head (real weights, its [verifier] dtype; ``device``, default
     its [verifier] device) on this machine: every kind of forward (`measure_grid`; ``clock`` "busy": CPU time of
     the forward on a CPU, its `BUSY_STATISTIC` kept; else the median), over the caches the server's engine makes
@@ -301,27 +354,62 @@ def measure_recipe_verifier(recipe, rows_list=(1, 5, 33), contexts=(64, 128, 256
     set_threads(threads or recipe.verifier.threads)
     model = load_verifier(recipe.model_path("verifier"), dtype=recipe.verifier.dtype, device=device)
     head = load_head(recipe.model_path("head"), dtype=recipe.verifier.dtype, device=device)
-    engine = measuring_engine(model, head, head_window=recipe.window.head_window,
-                              chain_length=recipe.tree.chain_length,
-                              head_query_position_offset=recipe.window.head_query_position_offset, device=device)
+    engine = measuring_engine(
+        model,
+        head,
+        head_window=recipe.window.head_window,
+        chain_length=recipe.tree.chain_length,
+        head_query_position_offset=recipe.window.head_query_position_offset,
+        device=device,
+    )
     wall: dict = {}
     statistic = BUSY_STATISTIC if clock == "busy" and device == "cpu" else "median"
     load0 = _loadavg()
     t0 = time.perf_counter()
-    points = measure_grid(model, list(rows_list), list(contexts), warmup=warmup, repeats=repeats,
-                          device=device, chain_length=recipe.tree.chain_length, log=lambda *a: None,
-                          head=head, prefill_rows=prefill_rows,
-                          head_position_offset=recipe.window.head_query_position_offset, clock=clock,
-                          wall_log=wall, statistic=statistic, new_cache=engine.new_cache)
+    points = measure_grid(
+        model,
+        list(rows_list),
+        list(contexts),
+        warmup=warmup,
+        repeats=repeats,
+        device=device,
+        chain_length=recipe.tree.chain_length,
+        log=lambda *a: None,
+        head=head,
+        prefill_rows=prefill_rows,
+        head_position_offset=recipe.window.head_query_position_offset,
+        clock=clock,
+        wall_log=wall,
+        statistic=statistic,
+        new_cache=engine.new_cache,
+    )
     name = f"{device} ({torch.get_num_threads()} threads)" if device == "cpu" else torch.cuda.get_device_name(0)
-    meta = {"clock": ("CPU time of the forward (process_time)" if clock == "busy" and device == "cpu"
-                      else "wall (CUDA events on a GPU)"), "statistic": statistic,
-            "warmup": warmup, "repeats": repeats, "seconds": round(time.perf_counter() - t0, 1),
-            "loadavg_before": load0, "loadavg_after": _loadavg(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "wall_ms": wall, "kv_cache": f"the server's session cache: sliding layers keep {engine.kv_retain} "
-                                         "positions + the forward's rows, full layers the context"}
-    return CostModel(device=name, dtype=recipe.verifier.dtype, model=str(recipe.models.verifier),
-                     shape=shape_of(model.config), points=points, source="measured", meta=meta)
+    meta = {
+        "clock": (
+            "CPU time of the forward (process_time)"
+            if clock == "busy" and device == "cpu"
+            else "wall (CUDA events on a GPU)"
+        ),
+        "statistic": statistic,
+        "warmup": warmup,
+        "repeats": repeats,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "loadavg_before": load0,
+        "loadavg_after": _loadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "wall_ms": wall,
+        "kv_cache": f"the server's session cache: sliding layers keep {engine.kv_retain} "
+        "positions + the forward's rows, full layers the context",
+    }
+    return CostModel(
+        device=name,
+        dtype=recipe.verifier.dtype,
+        model=str(recipe.models.verifier),
+        shape=shape_of(model.config),
+        points=points,
+        source="measured",
+        meta=meta,
+    )
 
 
 def _loadavg() -> str | None:

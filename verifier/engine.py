@@ -44,25 +44,43 @@ import torch
 from transformers import DynamicCache
 
 from hycoc.chat import common_prefix, ids_crc32
-from hycoc.protocol.messages import ACCEPTANCE_MODES, DRAFT_PLACES, RoundReply, Sampling, commit_cut
-from hycoc.protocol.wire import PROTOCOL_VERSION
 from hycoc.host import head_sliding_positions
 from hycoc.host import producer_layers as host_producer_layers
 from hycoc.mtp import FULL, SLIDING
+from hycoc.protocol.messages import ACCEPTANCE_MODES, DRAFT_PLACES, RoundReply, Sampling, commit_cut
+from hycoc.protocol.wire import PROTOCOL_VERSION
 
 from .acceptance import select_exact, select_path
 from .baselines import draft_cloud_chain, draft_server_chain
+from .errors import (
+    BadRequest,
+    ContextOverflow,
+    ConversationMismatch,
+    NotPrefilled,
+    RootMismatch,
+    SequenceError,
+    SessionFinished,
+    TreeError,
+)
 from .forward import NormTap, Timer
+from .kv_cache import (
+    DEFAULT_PREFILL_CHUNK,
+    KVLayout,
+    SlidingWindowLayer,
+    WindowSnapshot,
+    kv_bytes_per_session,
+    restore_snapshot,
+    retained_positions,
+    session_cache,
+    sliding_start,
+    stores_kv,
+    window_start,
+)
 from .kv_surgery import compact_kv, crop_cache, pack_handoff
 from .prefill_job import AppendPlan, CacheCheckpoint, PrefillJob
-from .tree_rows import fitting_rows, remap_parents, widen_reply
-from .errors import (BadRequest, ContextOverflow, ConversationMismatch, NotPrefilled, RootMismatch, SequenceError,
-                     SessionFinished, TreeError)
-from .kv_cache import (DEFAULT_PREFILL_CHUNK, KVLayout, SlidingWindowLayer, WindowSnapshot, kv_bytes_per_session,
-                       restore_snapshot, retained_positions, session_cache, sliding_start, stores_kv,
-                       window_start)
 from .sampling import sample_rows, sampling_probs
 from .tree import additive_masks, ancestor_matrix, tree_depths, validate_tree
+from .tree_rows import fitting_rows, remap_parents, widen_reply
 
 HIDDEN_CHOICES = ("pre_norm", "post_norm")
 
@@ -83,8 +101,9 @@ def producer_layers(config) -> dict[str, int]:
 
 
 @torch.inference_mode()
-def verify_tree(model, cache: DynamicCache, tap: NormTap, tokens: torch.Tensor, parents: np.ndarray, t: int,
-                dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def verify_tree(
+    model, cache: DynamicCache, tap: NormTap, tokens: torch.Tensor, parents: np.ndarray, t: int, dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Alg. 4 lines 1-3: one forward over the R tree rows after the t cached positions.
 
     tokens: int64 (R,) on the model's device; parents: int (R,), a valid tree. Row j takes position
@@ -130,11 +149,24 @@ class VerifierEngine:
     what the server's KV budget reserves per session.
     """
 
-    def __init__(self, model, *, head=None, keep_set: torch.Tensor | None = None, head_window: int,
-                 chain_length: int = 4, handoff_scales: tuple[float, ...], hidden: str = "pre_norm",
-                 head_query_position_offset: int = -1, eos_token_ids=(), max_context: int | None = None,
-                 device: torch.device | str = "cpu", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 chat_format=None, head_sliding_window_inclusive: bool = False):
+    def __init__(
+        self,
+        model,
+        *,
+        head=None,
+        keep_set: torch.Tensor | None = None,
+        head_window: int,
+        chain_length: int = 4,
+        handoff_scales: tuple[float, ...],
+        hidden: str = "pre_norm",
+        head_query_position_offset: int = -1,
+        eos_token_ids=(),
+        max_context: int | None = None,
+        device: torch.device | str = "cpu",
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        chat_format=None,
+        head_sliding_window_inclusive: bool = False,
+    ):
         if hidden not in HIDDEN_CHOICES:
             raise BadRequest(f"hidden must be one of {HIDDEN_CHOICES}, got {hidden!r}")
         if len(handoff_scales) != 6 or any(s <= 0 for s in handoff_scales):
@@ -163,13 +195,16 @@ class VerifierEngine:
         self.kv_dim_sliding = int(attn[self.layers[SLIDING]].self_attn.k_proj.out_features)
         self.kv_dim_full = int(attn[self.layers[FULL]].self_attn.k_proj.out_features)
         # K and V of every layer that stores its own KV (KV-shared layers store nothing), in the model's dtype.
-        stored = [layer.self_attn.k_proj.out_features for layer, mode in zip(attn, cfg.kv_sharing_modes)
-                  if mode != "reuse"]
+        stored = [
+            layer.self_attn.k_proj.out_features for layer, mode in zip(attn, cfg.kv_sharing_modes) if mode != "reuse"
+        ]
         self.kv_bytes_per_position = 2 * int(sum(stored)) * torch.finfo(self.dtype).bits // 8
-        self._head_sliding_window = (self.head.config.get_text_config().sliding_window if self.head is not None
-                                     else None)
-        self.head_sliding = (None if self.head is None else
-                             head_sliding_positions(self._head_sliding_window, head_sliding_window_inclusive))
+        self._head_sliding_window = self.head.config.get_text_config().sliding_window if self.head is not None else None
+        self.head_sliding = (
+            None
+            if self.head is None
+            else head_sliding_positions(self._head_sliding_window, head_sliding_window_inclusive)
+        )
         self.kv_retain = retained_positions(cfg, self.head_window, self._head_sliding_window)
         self.kv_layout = KVLayout.from_config(cfg, torch.finfo(self.dtype).bits // 8, self.kv_retain)
         self.tap = NormTap(model)
@@ -183,15 +218,28 @@ class VerifierEngine:
         ``positions`` and a round adds at most ``tree_rows`` rows (`hycoc.verifier.kv_cache.kv_bytes_per_session`
         for this engine's model, dtype, W and head); Cloud+MTP's root + K-chain is counted too, and so are a
         prefill chunk's rows (the prefill peak) and the conversation's sliding-window snapshot."""
-        return kv_bytes_per_session(self.model.config, int(positions),
-                                    tree_rows=max(int(tree_rows), self.chain_length + 1),
-                                    handoff_window=self.head_window, dtype_bytes=torch.finfo(self.dtype).bits // 8,
-                                    head_sliding_window=self._head_sliding_window,
-                                    prefill_chunk=self.prefill_chunk, snapshot=True)
+        return kv_bytes_per_session(
+            self.model.config,
+            int(positions),
+            tree_rows=max(int(tree_rows), self.chain_length + 1),
+            handoff_window=self.head_window,
+            dtype_bytes=torch.finfo(self.dtype).bits // 8,
+            head_sliding_window=self._head_sliding_window,
+            prefill_chunk=self.prefill_chunk,
+            snapshot=True,
+        )
 
-    def open(self, prompt_ids, sampling: Sampling = Sampling(), seed: int = 0, acceptance: str = "epsilon",
-             epsilon: float = 0.005, draft_place: str = "device", max_new_tokens: int = 1024,
-             anchor: int = 0) -> "Session":
+    def open(
+        self,
+        prompt_ids,
+        sampling: Sampling = Sampling(),
+        seed: int = 0,
+        acceptance: str = "epsilon",
+        epsilon: float = 0.005,
+        draft_place: str = "device",
+        max_new_tokens: int = 1024,
+        anchor: int = 0,
+    ) -> Session:
         """A new request (nothing runs yet: call ``Session.prefill``). anchor: where the prompt's model turn opens
         (`hycoc.chat.Rendered.anchor`; 0: none). Raises BadRequest for an invalid field, ContextOverflow if the
         prompt leaves no room for one output token (len(prompt) >= max_context: every token, prompt or output,
@@ -202,9 +250,11 @@ class VerifierEngine:
         if prompt.min() < 0 or prompt.max() >= self.vocab_size:
             raise BadRequest(f"prompt token ids must be in [0, {self.vocab_size})")
         if len(prompt) >= self.max_context:
-            raise ContextOverflow(f"prompt of {len(prompt)} tokens leaves no room for output in the verifier's "
-                                  f"context of {self.max_context} positions; shorten it to at most "
-                                  f"{self.max_context - 1} tokens")
+            raise ContextOverflow(
+                f"prompt of {len(prompt)} tokens leaves no room for output in the verifier's "
+                f"context of {self.max_context} positions; shorten it to at most "
+                f"{self.max_context - 1} tokens"
+            )
         if acceptance not in ACCEPTANCE_MODES:
             raise BadRequest(f"acceptance must be one of {ACCEPTANCE_MODES}, got {acceptance!r}")
         if draft_place not in DRAFT_PLACES:
@@ -219,8 +269,17 @@ class VerifierEngine:
             raise BadRequest(f"draft_place {draft_place!r} needs the verifier's MTP head, and none is loaded")
         if not 0 <= int(anchor) < len(prompt):
             raise BadRequest(f"anchor must be in [0, {len(prompt)}) (a prompt position), got {anchor}")
-        return Session(self, prompt, sampling, int(seed), acceptance, float(epsilon), draft_place,
-                       int(max_new_tokens), anchor=int(anchor))
+        return Session(
+            self,
+            prompt,
+            sampling,
+            int(seed),
+            acceptance,
+            float(epsilon),
+            draft_place,
+            int(max_new_tokens),
+            anchor=int(anchor),
+        )
 
     def close(self) -> None:
         """Remove the engine's hook from the model."""
@@ -290,10 +349,10 @@ class Session:
 
     def __post_init__(self):
         self.tokens = [int(x) for x in self.prompt]
-        self.turn_start = len(self.tokens)                # where the current turn's output begins
-        self.turns_prefill_ms: list[float] = []           # prefill ms of each appended turn (`append`)
-        self.appends: list[AppendPlan] = []               # how each APPEND rolled the conversation back
-        self.snapshot: WindowSnapshot | None = None       # sliding layers at the last model turn's opening
+        self.turn_start = len(self.tokens)  # where the current turn's output begins
+        self.turns_prefill_ms: list[float] = []  # prefill ms of each appended turn (`append`)
+        self.appends: list[AppendPlan] = []  # how each APPEND rolled the conversation back
+        self.snapshot: WindowSnapshot | None = None  # sliding layers at the last model turn's opening
         self.generator = torch.Generator().manual_seed(self.seed)
         self.cache: DynamicCache | None = None
         self._h: torch.Tensor | None = None  # h of position t - 1 (pre- or post-norm per engine.hidden)
@@ -302,7 +361,7 @@ class Session:
     @property
     def output(self) -> list[int]:
         """Committed tokens after the prompt."""
-        return self.tokens[len(self.prompt):]
+        return self.tokens[len(self.prompt) :]
 
     @property
     def root(self) -> int:
@@ -317,7 +376,7 @@ class Session:
             return self.prefill_ms, self.t
         return self.prefill_job().run()
 
-    def prefill_job(self) -> "PrefillJob":
+    def prefill_job(self) -> PrefillJob:
         """The prefill of `prefill` as a `PrefillJob` a scheduler can run one chunk at a time between other
         sessions' rounds (its chunks are exactly `prefill`'s, with one boundary at ``anchor`` where the sliding
         layers are snapshotted). Raises SessionFinished if already prefilled."""
@@ -364,26 +423,33 @@ class Session:
         if self.cache is None or self.prefill_ms is None:
             raise SessionFinished("this session is closed (or was never prefilled): open a new one")
         if not self.finished:
-            raise SessionFinished("the current turn has not finished: send rounds until a reply says finished, "
-                                  "then append the next turn")
+            raise SessionFinished(
+                "the current turn has not finished: send rounds until a reply says finished, then append the next turn"
+            )
         if len(turn) == 0:
             raise BadRequest("the appended turn is empty; it needs at least the next root token")
         if turn.min() < 0 or turn.max() >= eng.vocab_size:
             raise BadRequest(f"appended token ids must be in [0, {eng.vocab_size})")
         keep = int(keep)
         if not 1 <= keep <= len(self.tokens):
-            raise ConversationMismatch(f"APPEND keeps {keep} ids but the session holds {len(self.tokens)} (prompt "
-                                       "and committed output); the device and the verifier disagree about the "
-                                       "conversation: open a new session")
+            raise ConversationMismatch(
+                f"APPEND keeps {keep} ids but the session holds {len(self.tokens)} (prompt "
+                "and committed output); the device and the verifier disagree about the "
+                "conversation: open a new session"
+            )
         if keep_crc is not None and ids_crc32(self.tokens[:keep]) != int(keep_crc):
-            raise ConversationMismatch(f"the kept {keep} ids differ from the session's (crc32 "
-                                       f"{ids_crc32(self.tokens[:keep]):#010x} here, {int(keep_crc):#010x} sent); "
-                                       "the device and the verifier disagree about the conversation: open a new "
-                                       "session")
+            raise ConversationMismatch(
+                f"the kept {keep} ids differ from the session's (crc32 "
+                f"{ids_crc32(self.tokens[:keep]):#010x} here, {int(keep_crc):#010x} sent); "
+                "the device and the verifier disagree about the conversation: open a new "
+                "session"
+            )
         conversation = np.concatenate([np.asarray(self.tokens[:keep], np.int64), turn])
         if len(conversation) >= eng.max_context:
-            raise ContextOverflow(f"the conversation ({len(conversation)} tokens with the new turn) leaves no room "
-                                  f"for output in the verifier's context of {eng.max_context} positions")
+            raise ContextOverflow(
+                f"the conversation ({len(conversation)} tokens with the new turn) leaves no room "
+                f"for output in the verifier's context of {eng.max_context} positions"
+            )
         start = min(keep, self.kv_held(), len(conversation) - 2)
         retain = eng.kv_retain
         if sliding_start(self.cache) <= max(0, start - retain):
@@ -392,11 +458,11 @@ class Session:
             kind, start = "snapshot", self.snapshot.position
         else:
             kind, start = "full", 0
-        return AppendPlan(keep=keep, start=start, kind=kind, conversation=conversation,
-                          reprefilled=keep - start)
+        return AppendPlan(keep=keep, start=start, kind=kind, conversation=conversation, reprefilled=keep - start)
 
-    def append(self, turn_ids, max_new_tokens: int, *, keep: int, keep_crc: int | None = None,
-               anchor: int = 0) -> tuple[float, int]:
+    def append(
+        self, turn_ids, max_new_tokens: int, *, keep: int, keep_crc: int | None = None, anchor: int = 0
+    ) -> tuple[float, int]:
         """Continue the conversation with its next turn (paper §4.1, MT-bench's second turns) as the template
         renders the whole conversation (docs/serving.md "Conversations"): keep the first ``keep`` held ids,
         roll the KV back (`plan_append`), prefill the rest of ``turn_ids`` but its last id, which becomes the next
@@ -414,8 +480,9 @@ class Session:
         keep = max(1, min(common_prefix(self.tokens, ids), len(ids) - 1))
         return self.append(ids[keep:], max_new_tokens, keep=keep, anchor=anchor if anchor >= keep else 0)
 
-    def append_job(self, turn_ids, max_new_tokens: int, *, keep: int, keep_crc: int | None = None,
-                   anchor: int = 0) -> "PrefillJob":
+    def append_job(
+        self, turn_ids, max_new_tokens: int, *, keep: int, keep_crc: int | None = None, anchor: int = 0
+    ) -> PrefillJob:
         """`append` as a `PrefillJob` (every check runs here, before any state changes; the turn is committed
         when the job's last chunk has run, and a chunk that fails puts the cache, the snapshot and every field
         back)."""
@@ -435,13 +502,13 @@ class Session:
             checkpoint = CacheCheckpoint(cache, plan.start)
             if plan.kind == "snapshot":
                 restore_snapshot(cache, plan_snapshot := self.snapshot)
-                for layer in cache.layers:             # full layers back to the snapshot's position
+                for layer in cache.layers:  # full layers back to the snapshot's position
                     if stores_kv(layer) and not isinstance(layer, SlidingWindowLayer):
-                        layer.keys = layer.keys[..., :plan_snapshot.position, :]
-                        layer.values = layer.values[..., :plan_snapshot.position, :]
+                        layer.keys = layer.keys[..., : plan_snapshot.position, :]
+                        layer.values = layer.values[..., : plan_snapshot.position, :]
             else:
                 crop_cache(cache, plan.start)
-        ids = torch.as_tensor(plan.conversation[plan.start:-1], device=eng.device)
+        ids = torch.as_tensor(plan.conversation[plan.start : -1], device=eng.device)
         new_snapshot: list[WindowSnapshot] = []
 
         def done(last, ms: float) -> tuple[float, int]:
@@ -461,8 +528,9 @@ class Session:
                 checkpoint.restore()
             self.cache, self.snapshot = old_cache, old_snapshot
 
-        return PrefillJob(eng, cache, ids, plan.start, done, snapshot_at=anchor or None,
-                          on_snapshot=new_snapshot.append, abort=abort)
+        return PrefillJob(
+            eng, cache, ids, plan.start, done, snapshot_at=anchor or None, on_snapshot=new_snapshot.append, abort=abort
+        )
 
     def close(self) -> None:
         """Free the KV cache."""
@@ -503,7 +571,7 @@ class Session:
                 raise
         return self._stamp(reply, timer.ms)
 
-    def begin_round(self, tokens, parents, seq: int) -> "RoundReply | PendingRound":
+    def begin_round(self, tokens, parents, seq: int) -> RoundReply | PendingRound:
         """The part of `verify` before the forward (batched verification runs it per session, `hycoc.verifier.batch`).
 
         Returns the last reply for an idempotent retry, else a `PendingRound`: the rows to verify (the rows that fit
@@ -521,8 +589,10 @@ class Session:
         if self.prefill_ms is None:
             raise NotPrefilled("call prefill before the first round")
         if self.finished:
-            raise SessionFinished("this turn has finished (EOS, max_new_tokens, the context or closed); append the "
-                                  "next turn or open a new session")
+            raise SessionFinished(
+                "this turn has finished (EOS, max_new_tokens, the context or closed); append the "
+                "next turn or open a new session"
+            )
         expected = 0 if last is None else last.seq + 1
         if seq != expected:
             raise SequenceError(f"round seq {seq} out of order; expected {expected}")
@@ -535,20 +605,42 @@ class Session:
         # Rows deeper than the room left would commit tokens past the context: they are not verified (their
         # samples echo their own tokens), and the path stays among the rows that fit (see `fitting_rows`).
         kept = fitting_rows(parents, eng.max_context - len(self.tokens))
-        pending = PendingRound(seq=seq, sent_tokens=tokens, sent_parents=parents, tokens=tokens, parents=parents,
-                               kept=None, t=self.t, rng_state=self.generator.get_state(), started=time.perf_counter())
+        pending = PendingRound(
+            seq=seq,
+            sent_tokens=tokens,
+            sent_parents=parents,
+            tokens=tokens,
+            parents=parents,
+            kept=None,
+            t=self.t,
+            rng_state=self.generator.get_state(),
+            started=time.perf_counter(),
+        )
         if len(kept) != len(tokens):
             pending.tokens, pending.parents, pending.kept = tokens[kept], remap_parents(parents, kept), kept
         if self.draft_place == "cloud-mtp":
             t = self.t
             room = min(eng.chain_length, eng.max_context - 1 - t)
-            chain = draft_cloud_chain(eng.model, eng.head, self.cache, eng.layers, self.root, self._h, t, room,
-                                      eng.head_query_position_offset) if self._h is not None else []
+            chain = (
+                draft_cloud_chain(
+                    eng.model,
+                    eng.head,
+                    self.cache,
+                    eng.layers,
+                    self.root,
+                    self._h,
+                    t,
+                    room,
+                    eng.head_query_position_offset,
+                )
+                if self._h is not None
+                else []
+            )
             pending.tokens = np.asarray([self.root] + chain, dtype=np.int64)
             pending.parents = np.arange(-1, len(chain), dtype=np.int64)
         return pending
 
-    def restrict_round(self, pending: "PendingRound", rows) -> None:
+    def restrict_round(self, pending: PendingRound, rows) -> None:
         """Verify only ``rows`` of a begun round (a batch-level row budget, `hycoc.verifier.row_budget`).
 
         rows: int indices into ``pending.tokens`` (the rows `begin_round` chose), containing row 0 and closed
@@ -562,25 +654,38 @@ class Session:
             return
         if self.draft_place == "cloud-mtp":
             raise ValueError("restrict_round: a cloud-mtp round's rows are the server's own chain; keep it whole")
-        if (len(rows) == 0 or rows[0] != 0 or rows[-1] >= len(pending.tokens)
-                or not (rows[1:] > pending.parents[rows[1:]]).all()
-                or not np.isin(pending.parents[rows[1:]], rows).all()):
-            raise ValueError(f"restrict_round: rows {rows.tolist()} are not an ancestor-closed subset of the "
-                             f"round's {len(pending.tokens)} rows containing row 0")
+        if (
+            len(rows) == 0
+            or rows[0] != 0
+            or rows[-1] >= len(pending.tokens)
+            or not (rows[1:] > pending.parents[rows[1:]]).all()
+            or not np.isin(pending.parents[rows[1:]], rows).all()
+        ):
+            raise ValueError(
+                f"restrict_round: rows {rows.tolist()} are not an ancestor-closed subset of the "
+                f"round's {len(pending.tokens)} rows containing row 0"
+            )
         sent = pending.kept if pending.kept is not None else np.arange(len(pending.sent_tokens))
         pending.kept = sent[rows]
         pending.tokens = pending.sent_tokens[pending.kept]
         pending.parents = remap_parents(pending.sent_parents, pending.kept)
 
-    def abort_round(self, pending: "PendingRound") -> None:
+    def abort_round(self, pending: PendingRound) -> None:
         """Undo a begun round: cut the cache back to its t positions and restore the sampler (compaction keeps
         [0, t) intact, so this restores the session exactly)."""
         if self.cache is not None:
             crop_cache(self.cache, pending.t)
         self.generator.set_state(pending.rng_state)
 
-    def finish_round(self, pending: "PendingRound", logits: torch.Tensor, h_pre: torch.Tensor,
-                     h_post: torch.Tensor, *, timed: bool = True) -> RoundReply:
+    def finish_round(
+        self,
+        pending: PendingRound,
+        logits: torch.Tensor,
+        h_pre: torch.Tensor,
+        h_post: torch.Tensor,
+        *,
+        timed: bool = True,
+    ) -> RoundReply:
         """Alg. 4 lines 5-14 after the forward, and the commit: the cache holds [0, t) then the R rows' KV.
 
         logits: float32 (R, V); h_pre, h_post: (R, H), the final norm's input and output rows (`verify_tree`'s
@@ -608,8 +713,15 @@ class Session:
         self._last.reply = reply
         return reply
 
-    def _round(self, tokens: np.ndarray, parents: np.ndarray, seq: int, logits: torch.Tensor, h_pre: torch.Tensor,
-               h_post: torch.Tensor):
+    def _round(
+        self,
+        tokens: np.ndarray,
+        parents: np.ndarray,
+        seq: int,
+        logits: torch.Tensor,
+        h_pre: torch.Tensor,
+        h_post: torch.Tensor,
+    ):
         """The work of one round after its forward (lines 5-14); changes only the cache (which `abort_round`
         restores on failure).
 
@@ -631,22 +743,49 @@ class Session:
         t_prime = t + 1 + len(path)
 
         # Commit the path and b (Alg. 1 line 9), cut after an EOS and at max_new_tokens.
-        new, reason = commit_cut([int(x) for x in tokens[path]] + [bonus], eng.eos_token_ids,
-                                 self.max_new_tokens - (len(self.tokens) - self.turn_start),
-                                 eng.max_context - len(self.tokens))
+        new, reason = commit_cut(
+            [int(x) for x in tokens[path]] + [bonus],
+            eng.eos_token_ids,
+            self.max_new_tokens - (len(self.tokens) - self.turn_start),
+            eng.max_context - len(self.tokens),
+        )
         finished = reason is not None
 
         h = h_rows[v_star]
         handoff, chain = None, np.zeros(0, np.int32)
         if not finished and self.draft_place == "device":
             # Line 14: the hand-off for the device's MTP Drafter.
-            handoff = pack_handoff(eng.model, self.cache, eng.layers, bonus, h, t, t_prime, eng.head_window,
-                                   seq == 0, eng.handoff_scales)
+            handoff = pack_handoff(
+                eng.model, self.cache, eng.layers, bonus, h, t, t_prime, eng.head_window, seq == 0, eng.handoff_scales
+            )
         elif not finished and self.draft_place == "server-head":
             room = min(eng.chain_length, eng.max_context - 1 - t_prime)
-            chain = np.asarray(draft_server_chain(eng.model, eng.head, self.cache, eng.layers, bonus, h, t_prime,
-                                                  room, eng.head_window, eng.keep_set,
-                                                  eng.head_query_position_offset, eng.head_sliding), dtype=np.int32)
-        reply = RoundReply(seq=seq, samples=samples.astype(np.int32), path_rows=path.astype(np.int32), bonus=bonus,
-                           server_ms=0.0, finished=finished, handoff=handoff, chain=chain, finish_reason=reason)
+            chain = np.asarray(
+                draft_server_chain(
+                    eng.model,
+                    eng.head,
+                    self.cache,
+                    eng.layers,
+                    bonus,
+                    h,
+                    t_prime,
+                    room,
+                    eng.head_window,
+                    eng.keep_set,
+                    eng.head_query_position_offset,
+                    eng.head_sliding,
+                ),
+                dtype=np.int32,
+            )
+        reply = RoundReply(
+            seq=seq,
+            samples=samples.astype(np.int32),
+            path_rows=path.astype(np.int32),
+            bonus=bonus,
+            server_ms=0.0,
+            finished=finished,
+            handoff=handoff,
+            chain=chain,
+            finish_reason=reason,
+        )
         return reply, (new, t_prime, h, len(new) - 1)

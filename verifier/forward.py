@@ -59,8 +59,9 @@ class Timer:
 
 
 @torch.inference_mode()
-def prefill(model, cache: DynamicCache, tap: NormTap, ids: torch.Tensor, chunk: int,
-            dtype, start: int = 0, after_forward=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def prefill(
+    model, cache: DynamicCache, tap: NormTap, ids: torch.Tensor, chunk: int, dtype, start: int = 0, after_forward=None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Fill the cache with ``ids`` (int64 (T,), positions start .. start+T-1) in causal chunks of ``chunk``
     positions, after the ``start`` positions the cache holds (0: a new request; > 0: a turn appended to a kept
     conversation, `Session.append`).
@@ -77,13 +78,18 @@ def prefill(model, cache: DynamicCache, tap: NormTap, ids: torch.Tensor, chunk: 
         pos = torch.arange(t, t + n, device=ids.device)
         causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
         masks = additive_masks(pos, causal, t, model.config.sliding_window, dtype, window_start(cache, t))
-        model(input_ids=ids[None, t - start:t - start + n], position_ids=pos[None], attention_mask=masks,
-              cache=cache, use_cache=True, logits_to_keep=1)
+        model(
+            input_ids=ids[None, t - start : t - start + n],
+            position_ids=pos[None],
+            attention_mask=masks,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         if after_forward is not None:
             after_forward(cache, t, n)
-        trim_windows(cache)   # sliding layers back to their retained window: a long prompt never holds more
+        trim_windows(cache)  # sliding layers back to their retained window: a long prompt never holds more
         t += n
     if n_total == 0:
         return None
     return tap.pre[0, -1], tap.post[0, -1]
-

@@ -15,23 +15,30 @@ import numpy as np
 KINDS = ("embedding", "hidden", "k_sliding", "v_sliding", "k_full", "v_full")
 
 
-def measure_handoff_scales(recipe, *, prompts: int = 16, max_new_tokens: int = 256, percentile: float = 99.99,
-                           seed: int = 0, sample_cap: int = 2_000_000) -> dict[str, float]:
+def measure_handoff_scales(
+    recipe,
+    *,
+    prompts: int = 16,
+    max_new_tokens: int = 256,
+    percentile: float = 99.99,
+    seed: int = 0,
+    sample_cap: int = 2_000_000,
+) -> dict[str, float]:
     """``{kind: scale}`` for the six hand-off tensors (module docstring). Raises ModelNotFoundError (missing
     verifier / tokenizer), HeadQatError (bad prompt source), ValueError for a percentile outside (0, 100]."""
     import torch
+    from hycoc.passes.head_qat import greedy_answer, prompt_sources
+    from hycoc.verifier.engine import producer_layers
+    from hycoc.verifier.forward import NormTap
     from transformers import DynamicCache
 
     from hycoc.chat_template import chat_from_recipe
     from hycoc.models import load_verifier, set_threads
-    from hycoc.passes.head_qat import greedy_answer, prompt_sources
-    from hycoc.verifier.forward import NormTap
-    from hycoc.verifier.engine import producer_layers
 
     if not 0 < percentile <= 100:
         raise ValueError(f"percentile {percentile}: must be in (0, 100]")
     set_threads(recipe.verifier.threads)
-    chat = chat_from_recipe(recipe)    # the checkpoint's template and stop ids, before the weights
+    chat = chat_from_recipe(recipe)  # the checkpoint's template and stop ids, before the weights
     model = load_verifier(recipe.model_path("verifier"), dtype=recipe.verifier.dtype, device=recipe.verifier.device)
     texts = prompt_sources(recipe)[0][:prompts]
     stops = chat.stop_ids
@@ -68,7 +75,9 @@ def measure_handoff_scales(recipe, *, prompts: int = 16, max_new_tokens: int = 2
 
 def toml_lines(scales: dict[str, float], percentile: float, prompts: int) -> str:
     """The ``[handoff]`` scale lines for a recipe, with a comment saying how they were measured."""
-    lines = [f"# [handoff] scales measured by `hycoc calibrate-handoff`: {percentile}th percentile of |x| / 127 over "
-             f"the verifier's own answers to {prompts} calibration prompts (replace the scale_* keys with these)"]
+    lines = [
+        f"# [handoff] scales measured by `hycoc calibrate-handoff`: {percentile}th percentile of |x| / 127 over "
+        f"the verifier's own answers to {prompts} calibration prompts (replace the scale_* keys with these)"
+    ]
     lines += [f"scale_{k} = {scales[k]:.6g}" for k in KINDS]
     return "\n".join(lines)

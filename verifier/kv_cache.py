@@ -52,8 +52,10 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
     def __init__(self, sliding_window: int, retain: int):
         super().__init__(sliding_window)
         if retain < sliding_window - 1:
-            raise ValueError(f"retain = {retain} is below sliding_window - 1 = {sliding_window - 1}: the first "
-                             "new row would lose keys of its window")
+            raise ValueError(
+                f"retain = {retain} is below sliding_window - 1 = {sliding_window - 1}: the first "
+                "new row would lose keys of its window"
+            )
         self.retain = int(retain)
         self.start = 0
 
@@ -141,8 +143,7 @@ def snapshot_inside(cache: DynamicCache, position: int) -> WindowSnapshot:
         if isinstance(layer, SlidingWindowLayer) and stores_kv(layer):
             lo = max(layer.start, position - layer.retain)
             if position > layer.start + layer.held:
-                raise ValueError(f"snapshot at {position}: the layer holds positions up to "
-                                 f"{layer.start + layer.held}")
+                raise ValueError(f"snapshot at {position}: the layer holds positions up to {layer.start + layer.held}")
             a, b = lo - layer.start, position - layer.start
             layers[i] = (layer.keys[..., a:b, :].clone(), layer.values[..., a:b, :].clone(), lo)
     return WindowSnapshot(int(position), layers)
@@ -200,9 +201,11 @@ def kv_positions(layer, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
     ValueError if the layer no longer holds position lo (it fell out of a sliding layer's retained window)."""
     s = first_position(layer)
     if lo < s:
-        raise ValueError(f"position {lo} is no longer held (this layer keeps positions from {s}); a sliding layer "
-                         f"keeps {getattr(layer, 'retain', 0)} positions")
-    return layer.keys[..., lo - s:hi - s, :], layer.values[..., lo - s:hi - s, :]
+        raise ValueError(
+            f"position {lo} is no longer held (this layer keeps positions from {s}); a sliding layer "
+            f"keeps {getattr(layer, 'retain', 0)} positions"
+        )
+    return layer.keys[..., lo - s : hi - s, :], layer.values[..., lo - s : hi - s, :]
 
 
 def window_start(cache: DynamicCache, t: int) -> int:
@@ -251,7 +254,7 @@ class KVLayout:
     retain: int
 
     @classmethod
-    def from_config(cls, config, dtype_bytes: int, retain: int) -> "KVLayout":
+    def from_config(cls, config, dtype_bytes: int, retain: int) -> KVLayout:
         """From a ``Gemma4TextConfig`` (``layer_types``, ``kv_sharing_modes``, ``per_layer_config``: kv heads and
         head dim per layer); dtype_bytes: 4 for float32, 2 for bfloat16."""
         modes = getattr(config, "kv_sharing_modes", None) or [None] * config.num_hidden_layers
@@ -260,7 +263,7 @@ class KVLayout:
             if mode == "reuse":
                 continue
             lc = config.per_layer_config[i]
-            kv = 2 * int(lc.num_key_value_heads) * int(lc.head_dim) * dtype_bytes      # K and V
+            kv = 2 * int(lc.num_key_value_heads) * int(lc.head_dim) * dtype_bytes  # K and V
             per[SLIDING if kind == SLIDING else FULL] += kv
         return cls(full_bytes=per[FULL], sliding_bytes=per[SLIDING], retain=int(retain))
 
@@ -281,9 +284,17 @@ class KVLayout:
         return self.full_bytes * context + self.sliding_bytes * (window + kept)
 
 
-def kv_bytes_per_session(config, context: int, *, tree_rows: int, handoff_window: int, dtype_bytes: int,
-                         head_sliding_window: int | None = None, prefill_chunk: int = 0,
-                         snapshot: bool = False) -> int:
+def kv_bytes_per_session(
+    config,
+    context: int,
+    *,
+    tree_rows: int,
+    handoff_window: int,
+    dtype_bytes: int,
+    head_sliding_window: int | None = None,
+    prefill_chunk: int = 0,
+    snapshot: bool = False,
+) -> int:
     """KV bytes one verifier session holds at ``context`` positions (module docstring; `KVLayout.session_bytes`).
 
     config: the verifier's ``Gemma4TextConfig``. tree_rows: rows a round adds (B + 1, or K + 1 for Cloud+MTP).
@@ -296,5 +307,6 @@ def kv_bytes_per_session(config, context: int, *, tree_rows: int, handoff_window
     32,768 + 204,800 B x (1,537 + 1,025) = 1,195,786,240 B.
     """
     retain = retained_positions(config, handoff_window, head_sliding_window)
-    return KVLayout.from_config(config, dtype_bytes, retain).session_bytes(int(context), int(tree_rows),
-                                                                          int(prefill_chunk), snapshot)
+    return KVLayout.from_config(config, dtype_bytes, retain).session_bytes(
+        int(context), int(tree_rows), int(prefill_chunk), snapshot
+    )

@@ -38,8 +38,9 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
         if stores_kv(layer):
             n = length - first_position(layer)
             if n < 0:
-                raise ValueError(f"cannot crop to {length} positions: this layer keeps positions from "
-                                 f"{first_position(layer)}")
+                raise ValueError(
+                    f"cannot crop to {length} positions: this layer keeps positions from {first_position(layer)}"
+                )
             layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
 
 
@@ -57,20 +58,30 @@ def compact_kv(cache: DynamicCache, t: int, path_rows: np.ndarray) -> None:
     for layer in cache.layers:
         if not stores_kv(layer):
             continue  # KV-shared layers store nothing
-        c = t - first_position(layer)             # storage column of position t
+        c = t - first_position(layer)  # storage column of position t
         key = (layer.keys.device, c)
         idx = on_device.get(key)
         if idx is None:
             idx = on_device[key] = torch.as_tensor(keep + c, device=layer.keys.device)
         for name in ("keys", "values"):
             x = getattr(layer, name)
-            x[..., c:c + n, :] = x.index_select(-2, idx)  # the gather copies first: no overlap hazard
-            setattr(layer, name, x[..., :c + n, :])
+            x[..., c : c + n, :] = x.index_select(-2, idx)  # the gather copies first: no overlap hazard
+            setattr(layer, name, x[..., : c + n, :])
 
 
 @torch.inference_mode()
-def pack_handoff(model, cache: DynamicCache, layers: dict[str, int], bonus: int, h: torch.Tensor, t: int,
-                 t_prime: int, window: int, first_round: bool, scales) -> HandOff:
+def pack_handoff(
+    model,
+    cache: DynamicCache,
+    layers: dict[str, int],
+    bonus: int,
+    h: torch.Tensor,
+    t: int,
+    t_prime: int,
+    window: int,
+    first_round: bool,
+    scales,
+) -> HandOff:
     """Alg. 4 line 14: H = (t', a, [e(b); h_v*], R) at 8 bits with fixed scales.
 
     a = max(t, t' - W), or max(0, t' - W) in the request's first round (its H carries up to W prompt rows).
@@ -84,9 +95,13 @@ def pack_handoff(model, cache: DynamicCache, layers: dict[str, int], bonus: int,
     k_f, v_f = layer_rows(cache, layers[FULL], a, t_prime)
     x_hat = np.concatenate([quantize_int8(e, scales[0]), quantize_int8(h, scales[1])])
     return HandOff(
-        t_prime=t_prime, a=a, bonus=int(bonus), x_hat=x_hat,
-        k_sliding=quantize_int8(k_s, scales[2]), v_sliding=quantize_int8(v_s, scales[3]),
-        k_full=quantize_int8(k_f, scales[4]), v_full=quantize_int8(v_f, scales[5]),
+        t_prime=t_prime,
+        a=a,
+        bonus=int(bonus),
+        x_hat=x_hat,
+        k_sliding=quantize_int8(k_s, scales[2]),
+        v_sliding=quantize_int8(v_s, scales[3]),
+        k_full=quantize_int8(k_f, scales[4]),
+        v_full=quantize_int8(v_f, scales[5]),
         scales=tuple(float(s) for s in scales),
     )
-

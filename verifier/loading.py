@@ -41,8 +41,10 @@ def check_device(device: str) -> None:
     import torch
 
     if device == "cuda" and not torch.cuda.is_available():
-        raise DeviceUnavailable("device 'cuda' requested, but torch sees no CUDA device on this machine "
-                                f"(torch {torch.__version__}); use --device cpu or set [verifier].device = \"cpu\"")
+        raise DeviceUnavailable(
+            "device 'cuda' requested, but torch sees no CUDA device on this machine "
+            f'(torch {torch.__version__}); use --device cpu or set [verifier].device = "cpu"'
+        )
 
 
 def engine_from_recipe(recipe: Recipe, device: str | None = None, *, keep_set=None) -> VerifierEngine:
@@ -69,8 +71,7 @@ def engine_from_recipe(recipe: Recipe, device: str | None = None, *, keep_set=No
         keep_set=keep_set,
         head_window=recipe.window.head_window,
         chain_length=recipe.tree.chain_length,
-        handoff_scales=tuple(scales[k] for k in ("embedding", "hidden", "k_sliding", "v_sliding", "k_full",
-                                                 "v_full")),
+        handoff_scales=tuple(scales[k] for k in ("embedding", "hidden", "k_sliding", "v_sliding", "k_full", "v_full")),
         hidden=recipe.handoff.hidden,
         head_query_position_offset=recipe.window.head_query_position_offset,
         head_sliding_window_inclusive=recipe.window.head_sliding_window_inclusive,
@@ -101,11 +102,14 @@ def load_keep_set(path):
     try:
         ids = np.load(path, allow_pickle=False)
     except (OSError, ValueError):
-        raise ValueError(f"--keep-set {path}: not a .npy array file; give the bundle's keep_set.npy (written by "
-                         "hycoc build)") from None
+        raise ValueError(
+            f"--keep-set {path}: not a .npy array file; give the bundle's keep_set.npy (written by hycoc build)"
+        ) from None
     if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) == 0:
-        raise ValueError(f"--keep-set {path}: expected a non-empty 1-D array of int token ids, got shape "
-                         f"{ids.shape} dtype {ids.dtype}")
+        raise ValueError(
+            f"--keep-set {path}: expected a non-empty 1-D array of int token ids, got shape "
+            f"{ids.shape} dtype {ids.dtype}"
+        )
     return ids.astype(np.int64)
 
 
@@ -114,8 +118,10 @@ def check_keep_set_vocab(ids, vocab_size: int, path) -> None:
     ``vocab_size`` (a keep set built for another tokenizer)."""
     top = int(max(ids))
     if top >= vocab_size:
-        raise ValueError(f"--keep-set {path}: token id {top} is outside the verifier's vocabulary of {vocab_size}: "
-                         "was the keep set built for another tokenizer?")
+        raise ValueError(
+            f"--keep-set {path}: token id {top} is outside the verifier's vocabulary of {vocab_size}: "
+            "was the keep set built for another tokenizer?"
+        )
 
 
 def verifier_vocab_size(recipe: Recipe) -> int:
@@ -146,8 +152,14 @@ def check_recipe_models(recipe: Recipe) -> None:
     chat_from_recipe(recipe)
 
 
-def server_options(recipe: Recipe, *, batching: str | None = None, max_batch_rows: int | None = None,
-                   max_batch_wait_ms: float | None = None, tree_budget: str | None = None) -> dict:
+def server_options(
+    recipe: Recipe,
+    *,
+    batching: str | None = None,
+    max_batch_rows: int | None = None,
+    max_batch_wait_ms: float | None = None,
+    tree_budget: str | None = None,
+) -> dict:
     """Keyword arguments of `hycoc.verifier.server.serve` / `VerifierServer` that come from the recipe:
     ``tree_rows`` = B + 1 ([tree].node_budget + 1; the device pads smaller trees to it), ``max_frame_bytes``
     ([verifier].max_frame_bytes), ``model_name`` ([models].verifier as written), ``limits`` (the server limits
@@ -158,16 +170,21 @@ def server_options(recipe: Recipe, *, batching: str | None = None, max_batch_row
     act on: the recipe's tree_budget then becomes "fixed", and tree_budget = "auto" asked with it is a ValueError.
     Raises ValueError for a bad --batching / --tree-budget, RecipeError for a bad verifier.row_cost."""
     options = _recipe_server_options(recipe)
-    for key, value in (("batching", batching), ("max_batch_rows", max_batch_rows),
-                       ("max_batch_wait_ms", max_batch_wait_ms)):
+    for key, value in (
+        ("batching", batching),
+        ("max_batch_rows", max_batch_rows),
+        ("max_batch_wait_ms", max_batch_wait_ms),
+    ):
         if value is not None:
             options[key] = check_batching(value) if key == "batching" else value
     if tree_budget is not None:
         if tree_budget not in TREE_BUDGETS:
             raise ValueError(f"--tree-budget {tree_budget!r}: allowed: {', '.join(TREE_BUDGETS)}")
         if tree_budget == "auto" and options["batching"] != "batched":
-            raise ValueError("--tree-budget auto allocates rows across a batched forward: use it with --batching "
-                             "batched (or verifier.batching = \"batched\")")
+            raise ValueError(
+                "--tree-budget auto allocates rows across a batched forward: use it with --batching "
+                'batched (or verifier.batching = "batched")'
+            )
         options["tree_budget"] = tree_budget
     elif options["batching"] != "batched":
         options["tree_budget"] = "fixed"
@@ -194,8 +211,9 @@ def _recipe_server_options(recipe: Recipe) -> dict:
 def row_cost_of(recipe: Recipe):
     """[verifier].row_cost as a `hycoc.verifier.row_budget.RowCost`, or None when empty (the server measures it).
     Raises RecipeError naming the key when its points cannot make a cost line."""
-    from hycoc.recipe import RecipeError
     from hycoc.verifier.row_budget import RowCost, RowCostError
+
+    from hycoc.recipe import RecipeError
 
     points = recipe.verifier.row_cost
     if not points:

@@ -34,10 +34,19 @@ class PrefillJob:
     every later `step` raises RuntimeError.
     """
 
-    def __init__(self, engine: "VerifierEngine", cache: DynamicCache, ids: torch.Tensor, start: int, done,
-                 snapshot_at: int | None = None, on_snapshot=None, abort=None):
+    def __init__(
+        self,
+        engine: VerifierEngine,
+        cache: DynamicCache,
+        ids: torch.Tensor,
+        start: int,
+        done,
+        snapshot_at: int | None = None,
+        on_snapshot=None,
+        abort=None,
+    ):
         self.engine, self.cache, self.ids, self.start = engine, cache, ids, start
-        self.next = 0                      # ids consumed so far
+        self.next = 0  # ids consumed so far
         self.ms = 0.0
         self.result: tuple[float, int] | None = None
         self.failed = False
@@ -45,8 +54,9 @@ class PrefillJob:
         self._snap_at = None if snapshot_at is None else int(snapshot_at) - start
         self._on_snapshot = on_snapshot
         if self._snap_at is not None and not 0 <= self._snap_at <= len(ids):
-            raise ValueError(f"snapshot_at = {snapshot_at} is outside the prefilled positions [{start}, "
-                             f"{start + len(ids)}]")
+            raise ValueError(
+                f"snapshot_at = {snapshot_at} is outside the prefilled positions [{start}, {start + len(ids)}]"
+            )
 
     @property
     def done(self) -> bool:
@@ -83,8 +93,16 @@ class PrefillJob:
             last = None
             if n > 0:
                 with Timer(eng.device) as timer:
-                    last = forward.prefill(eng.model, self.cache, eng.tap, self.ids[self.next:self.next + n], n,
-                                           eng.dtype, start=self.start + self.next, after_forward=self._inside)
+                    last = forward.prefill(
+                        eng.model,
+                        self.cache,
+                        eng.tap,
+                        self.ids[self.next : self.next + n],
+                        n,
+                        eng.dtype,
+                        start=self.start + self.next,
+                        after_forward=self._inside,
+                    )
                 self.ms += timer.ms
                 self.next += n
                 self._last = last
@@ -139,7 +157,7 @@ class CacheCheckpoint:
                 self.layers.append((i, layer.keys, layer.values, layer.start, layer.cumulative_length))
             else:
                 n = layer.keys.shape[-2]
-                tail = (layer.keys[..., self.start:, :].clone(), layer.values[..., self.start:, :].clone())
+                tail = (layer.keys[..., self.start :, :].clone(), layer.values[..., self.start :, :].clone())
                 self.layers.append((i, tail, n))
 
     def restore(self) -> None:
@@ -149,7 +167,6 @@ class CacheCheckpoint:
                 _, layer.keys, layer.values, layer.start, layer.cumulative_length = entry
             else:
                 _, (k_tail, v_tail), n = entry
-                layer.keys = torch.cat([layer.keys[..., :self.start, :], k_tail], dim=-2)
-                layer.values = torch.cat([layer.values[..., :self.start, :], v_tail], dim=-2)
+                layer.keys = torch.cat([layer.keys[..., : self.start, :], k_tail], dim=-2)
+                layer.values = torch.cat([layer.values[..., : self.start, :], v_tail], dim=-2)
                 assert layer.keys.shape[-2] == n
-

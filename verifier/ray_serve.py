@@ -68,8 +68,9 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from fastapi import FastAPI, WebSocket
 from fastapi.responses import JSONResponse, Response
@@ -77,7 +78,6 @@ from ray import serve
 from starlette.websockets import WebSocketDisconnect
 
 from .server import METRICS_CONTENT_TYPE, Connection, ServerLimits, VerifierServer, bearer_token
-
 
 #: The Serve application and deployment names (``serve status`` shows them).
 APP_NAME = "hycoc"
@@ -180,10 +180,12 @@ def merge_expositions(texts: dict[str, str | None]) -> str:
             key = family if family is not None and name.startswith(family) else name  # histogram _bucket/_sum
             samples.setdefault(key, []).append(f"{name}{{{labelled}}} {value}")
     up = sum(text is not None for text in texts.values())
-    lines = ["# HELP hycoc_replicas verifier replicas by state (Ray Serve deployment " + DEPLOYMENT_NAME + ")",
-             "# TYPE hycoc_replicas gauge",
-             f'hycoc_replicas{{state="up"}} {up}',
-             f'hycoc_replicas{{state="unreachable"}} {len(texts) - up}']
+    lines = [
+        "# HELP hycoc_replicas verifier replicas by state (Ray Serve deployment " + DEPLOYMENT_NAME + ")",
+        "# TYPE hycoc_replicas gauge",
+        f'hycoc_replicas{{state="up"}} {up}',
+        f'hycoc_replicas{{state="unreachable"}} {len(texts) - up}',
+    ]
     for name, rows in samples.items():
         lines += families.get(name, []) + rows
     return "\n".join(lines) + "\n"
@@ -206,8 +208,13 @@ def health_summary(snapshots: list[dict | BaseException], static: dict) -> tuple
     up = [r for r in replicas if r["status"] == "ok"]
     status = "ok" if up and len(up) == len(replicas) else ("degraded" if up else "down")
     replicas.sort(key=lambda r: (r["status"] != "ok", str(r["replica"])))
-    body = {"status": status, **static, "sessions": sum(r["sessions"] for r in up),
-            "replicas_up": len(up), "replicas": replicas}
+    body = {
+        "status": status,
+        **static,
+        "sessions": sum(r["sessions"] for r in up),
+        "replicas_up": len(up),
+        "replicas": replicas,
+    }
     return (200 if up else 503), body
 
 
@@ -254,7 +261,7 @@ class _StarletteChannel:
                 while (await self.receive(max(0.0, deadline - time.monotonic()))) is not None:
                     pass  # frames after CLOSE are ignored
                 return  # the client closed: nothing more to send
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         try:
             await self.ws.close(code=code)
@@ -305,15 +312,21 @@ class VerifierReplica:
     async def snapshot(self) -> dict:
         """This replica's state for /healthz and /metrics (called on every replica by ``handle.broadcast``):
         replica id, pid, node IP, open sessions and the Prometheus text of its `VerifierServer`."""
-        return {"replica": self.replica_id, "pid": self.pid, "node": self.node,
-                "sessions": self.server.metrics.sessions_active, "metrics": self.server.metrics.exposition()}
+        return {
+            "replica": self.replica_id,
+            "pid": self.pid,
+            "node": self.node,
+            "sessions": self.server.metrics.sessions_active,
+            "metrics": self.server.metrics.exposition(),
+        }
 
     async def _snapshots(self) -> list[dict | BaseException]:
         if self._peers is None:
             self._peers = serve.get_deployment_handle(DEPLOYMENT_NAME, self.app_name)
         try:
-            return await self._peers.broadcast("snapshot").results_async(timeout_s=SNAPSHOT_TIMEOUT_S,
-                                                                         return_exceptions=True)
+            return await self._peers.broadcast("snapshot").results_async(
+                timeout_s=SNAPSHOT_TIMEOUT_S, return_exceptions=True
+            )
         except TimeoutError as e:  # the whole broadcast: answer with this replica alone, marked
             return [await self.snapshot(), e]
 
@@ -323,8 +336,12 @@ class VerifierReplica:
         doc = self.server.health()
         for key in ("status", "sessions"):
             doc.pop(key, None)
-        return doc | {"limits_apply": "per replica", "limits_not_applied": {
-            "frame_timeout_s": "Ray Serve's proxy assembles WebSocket messages: a replica sees whole frames only"}}
+        return doc | {
+            "limits_apply": "per replica",
+            "limits_not_applied": {
+                "frame_timeout_s": "Ray Serve's proxy assembles WebSocket messages: a replica sees whole frames only"
+            },
+        }
 
     @ingress.get("/healthz")
     async def healthz(self) -> JSONResponse:
@@ -362,13 +379,21 @@ def check_log_level(log_level: str) -> str:
     """``log_level`` in upper case; ValueError naming --log-level unless it is one of LOG_LEVELS."""
     level = str(log_level).upper()
     if level not in LOG_LEVELS:
-        raise ValueError(f"--log-level {log_level}: one of {', '.join(LOG_LEVELS)} (Ray's logs; default "
-                         f"{DEFAULT_LOG_LEVEL})")
+        raise ValueError(
+            f"--log-level {log_level}: one of {', '.join(LOG_LEVELS)} (Ray's logs; default {DEFAULT_LOG_LEVEL})"
+        )
     return level
 
 
-def build_app(engine_factory: Callable[[], Any], *, replicas: int, server_kwargs: dict, cpus_per_replica: float = 1,
-              gpus_per_replica: float = 0, log_level: str = DEFAULT_LOG_LEVEL):
+def build_app(
+    engine_factory: Callable[[], Any],
+    *,
+    replicas: int,
+    server_kwargs: dict,
+    cpus_per_replica: float = 1,
+    gpus_per_replica: float = 0,
+    log_level: str = DEFAULT_LOG_LEVEL,
+):
     """The Serve application: `VerifierReplica` x ``replicas`` (a ``ray.serve.Application`` for `start`).
 
     cpus_per_replica / gpus_per_replica: Ray resources each replica reserves (the recipe's torch threads; 1 GPU
@@ -400,8 +425,16 @@ def start(app, host: str = "127.0.0.1", port: int = 8765, *, log_level: str = DE
     return f"ws://{url_host}:{port}"
 
 
-def run(app, host: str, port: int, *, ray_address: str | None = None, num_cpus: float | None = None,
-        log_level: str = DEFAULT_LOG_LEVEL, on_listening: Callable[[str], None] | None = None) -> None:
+def run(
+    app,
+    host: str,
+    port: int,
+    *,
+    ray_address: str | None = None,
+    num_cpus: float | None = None,
+    log_level: str = DEFAULT_LOG_LEVEL,
+    on_listening: Callable[[str], None] | None = None,
+) -> None:
     """Start Ray (``ray_address``: None = a local instance; "auto" or ray://... joins a cluster), deploy ``app``
     and block until SIGINT or SIGTERM, then shut Serve and Ray down. ``on_listening(url)`` runs once it serves.
 
@@ -414,8 +447,13 @@ def run(app, host: str, port: int, *, ray_address: str | None = None, num_cpus: 
 
     level = check_log_level(log_level)
     with contextlib.redirect_stdout(sys.stderr):
-        ray.init(address=ray_address, num_cpus=num_cpus if ray_address is None else None, include_dashboard=False,
-                 log_to_driver=True, logging_level=getattr(logging, level))
+        ray.init(
+            address=ray_address,
+            num_cpus=num_cpus if ray_address is None else None,
+            include_dashboard=False,
+            log_to_driver=True,
+            logging_level=getattr(logging, level),
+        )
         try:
             url = start(app, host, port, log_level=level)
             if on_listening is not None:
@@ -439,6 +477,20 @@ def replica_cpus(threads: int) -> float:
     return float(threads) if threads > 0 else 1.0
 
 
-__all__ = ["APP_NAME", "DEPLOYMENT_NAME", "LOG_LEVELS", "DEFAULT_LOG_LEVEL", "RecipeEngine", "check_keep_set",
-           "check_log_level", "serve_logging", "VerifierReplica", "build_app", "start", "run",
-           "merge_expositions", "health_summary", "replica_cpus"]
+__all__ = [
+    "APP_NAME",
+    "DEPLOYMENT_NAME",
+    "LOG_LEVELS",
+    "DEFAULT_LOG_LEVEL",
+    "RecipeEngine",
+    "check_keep_set",
+    "check_log_level",
+    "serve_logging",
+    "VerifierReplica",
+    "build_app",
+    "start",
+    "run",
+    "merge_expositions",
+    "health_summary",
+    "replica_cpus",
+]

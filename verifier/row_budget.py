@@ -63,8 +63,10 @@ class RowCost:
 
     def __post_init__(self):
         if len(self.points) < 2:
-            raise RowCostError(f"row cost needs at least two (rows, ms) points, got {list(self.points)}: give "
-                               "verifier.row_cost as [[rows, ms], [rows, ms], ...] or leave it empty to measure")
+            raise RowCostError(
+                f"row cost needs at least two (rows, ms) points, got {list(self.points)}: give "
+                "verifier.row_cost as [[rows, ms], [rows, ms], ...] or leave it empty to measure"
+            )
         rows = [int(r) for r, _ in self.points]
         for (r, ms), prev in zip(self.points, [None] + rows[:-1]):
             if not (math.isfinite(float(ms)) and float(ms) >= 0):
@@ -136,9 +138,15 @@ class Allocation:
         return self.rows_before - self.rows_after
 
 
-def allocate(trees: list[tuple[np.ndarray | None, np.ndarray, np.ndarray]], cost: RowCost, *,
-             free_rows: int, min_rows: int = DEFAULT_MIN_ROWS, extra_ms: float = 0.0,
-             value_scale: float = 1.0) -> Allocation:
+def allocate(
+    trees: list[tuple[np.ndarray | None, np.ndarray, np.ndarray]],
+    cost: RowCost,
+    *,
+    free_rows: int,
+    min_rows: int = DEFAULT_MIN_ROWS,
+    extra_ms: float = 0.0,
+    value_scale: float = 1.0,
+) -> Allocation:
     """The rows of one step (module docstring's rule).
 
     trees: per session (scores float (R,) or None, tokens int (R,), parents int (R,)), a valid tree each
@@ -165,7 +173,7 @@ def allocate(trees: list[tuple[np.ndarray | None, np.ndarray, np.ndarray]], cost
             continue
         scores = monotone_scores(scores, parents)
         values = row_values(scores, tokens, parents) * float(value_scale)
-        scores = np.where((values == 0) & (np.arange(len(scores)) > 0), -np.inf, scores)   # padding ranks last
+        scores = np.where((values == 0) & (np.arange(len(scores)) > 0), -np.inf, scores)  # padding ranks last
         # rank within the tree: score descending, then row ascending (a parent before its child)
         order = np.lexsort((np.arange(len(scores)), -scores))
         order = np.concatenate([[0], order[order != 0]])
@@ -189,7 +197,7 @@ def allocate(trees: list[tuple[np.ndarray | None, np.ndarray, np.ndarray]], cost
     gain = np.concatenate([[0.0], np.cumsum(value[order])])
     rows = fixed_rows + np.arange(len(order) + 1)
     ratio = (fixed_value + gain) / np.maximum(cost.ms(rows) + float(extra_ms), 1e-9)
-    best = int(np.argmax(ratio))                              # first maximum: fewest rows for the best ratio
+    best = int(np.argmax(ratio))  # first maximum: fewest rows for the best ratio
     best = max(best, min(len(order), free_rows - fixed_rows))  # never below the free rows
     chosen = order[:best]
     kept: list = []
@@ -219,8 +227,9 @@ class BudgetState:
         self.value_scale = 1.0
         self.steps = 0
 
-    def observe(self, step_ms: float, forward_ms: float, sessions: int, accepted: float | None,
-                expected: float | None) -> None:
+    def observe(
+        self, step_ms: float, forward_ms: float, sessions: int, accepted: float | None, expected: float | None
+    ) -> None:
         """One batched step: its total and forward milliseconds, its sessions, and over its scored sessions the
         path tokens accepted (committed minus bonus) and the kept rows' expected tokens (None: not known)."""
         if sessions < 1:
@@ -245,5 +254,15 @@ def is_ancestor_closed(parents: np.ndarray, rows: np.ndarray) -> bool:
     return bool(keep[p[idx]].all())
 
 
-__all__ = ["DEFAULT_MIN_ROWS", "TREE_BUDGETS", "Allocation", "BudgetState", "RowCost", "RowCostError", "allocate",
-           "is_ancestor_closed", "monotone_scores", "row_values"]
+__all__ = [
+    "DEFAULT_MIN_ROWS",
+    "TREE_BUDGETS",
+    "Allocation",
+    "BudgetState",
+    "RowCost",
+    "RowCostError",
+    "allocate",
+    "is_ancestor_closed",
+    "monotone_scores",
+    "row_values",
+]

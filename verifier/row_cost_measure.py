@@ -19,8 +19,8 @@ import torch
 
 from .batch import batch_forward
 from .engine import VerifierEngine
-from .kv_surgery import crop_cache
 from .forward import prefill
+from .kv_surgery import crop_cache
 from .row_budget import RowCost
 
 #: Rows per tree of the measured points (with 16 sessions: 32 ... 528 rows).
@@ -43,8 +43,16 @@ def row_cost_plan(tree_rows: int, max_batch_rows: int, max_context: int) -> tupl
 
 
 @torch.inference_mode()
-def measure_row_cost(engine: VerifierEngine, *, sessions: int = 16, rows_per_tree=DEFAULT_ROWS_PER_TREE,
-                     context: int = 64, warmup: int = 1, repeats: int = 3, seed: int = 0) -> RowCost:
+def measure_row_cost(
+    engine: VerifierEngine,
+    *,
+    sessions: int = 16,
+    rows_per_tree=DEFAULT_ROWS_PER_TREE,
+    context: int = 64,
+    warmup: int = 1,
+    repeats: int = 3,
+    seed: int = 0,
+) -> RowCost:
     """The engine's batched-forward milliseconds against its rows (module docstring).
 
     sessions: scratch sessions per forward (>= 2; a server passes max_batch_rows // tree_rows). rows_per_tree:
@@ -58,8 +66,9 @@ def measure_row_cost(engine: VerifierEngine, *, sessions: int = 16, rows_per_tre
     if len(rows_per_tree) < 2 or rows_per_tree != sorted(set(rows_per_tree)) or rows_per_tree[0] < 1:
         raise ValueError(f"rows_per_tree = {rows_per_tree}: need >= 2 increasing counts >= 1")
     if not 1 <= context < engine.max_context - max(rows_per_tree):
-        raise ValueError(f"context = {context}: must lie in [1, max_context - rows) = [1, "
-                         f"{engine.max_context - max(rows_per_tree)})")
+        raise ValueError(
+            f"context = {context}: must lie in [1, max_context - rows) = [1, {engine.max_context - max(rows_per_tree)})"
+        )
     rng = np.random.default_rng(seed)
     vocab = engine.vocab_size
     caches = []
@@ -84,8 +93,11 @@ def measure_row_cost(engine: VerifierEngine, *, sessions: int = 16, rows_per_tre
             if i >= warmup:
                 times.append(ms)
         points.append((sessions * r, float(np.median(times))))
-    return RowCost(tuple(points), source=f"measured: batch_forward of {sessions} sessions x {rows_per_tree} rows at "
-                                         f"context {context}, median of {repeats} on {engine.device.type}")
+    return RowCost(
+        tuple(points),
+        source=f"measured: batch_forward of {sessions} sessions x {rows_per_tree} rows at "
+        f"context {context}, median of {repeats} on {engine.device.type}",
+    )
 
 
 __all__ = ["DEFAULT_ROWS_PER_TREE", "measure_row_cost", "row_cost_plan"]

@@ -64,18 +64,20 @@ def top_k_stable(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     lowest-id entries equal to it, and only those k are sorted (stably, from ascending ids).
     """
     rows, vocab = logits.shape
-    if logits.device.type == "cpu":   # numpy's introselect finds the k-th largest ~4x faster than torch.topk here
-        kth = torch.from_numpy(np.partition(logits.numpy(), vocab - k, axis=-1)[:, vocab - k:vocab - k + 1])
+    if logits.device.type == "cpu":  # numpy's introselect finds the k-th largest ~4x faster than torch.topk here
+        kth = torch.from_numpy(np.partition(logits.numpy(), vocab - k, axis=-1)[:, vocab - k : vocab - k + 1])
     else:
-        kth = torch.topk(logits, k, dim=-1, sorted=True).values[:, -1:]  # (R, 1); topk's order among ties is unspecified
+        kth = torch.topk(logits, k, dim=-1, sorted=True).values[
+            :, -1:
+        ]  # (R, 1); topk's order among ties is unspecified
     above = logits > kth
     tied = logits == kth
-    need = k - above.sum(-1, keepdim=True)                                # tied entries to take, lowest ids first
-    if int(tied.sum()) == rows:   # the usual case: each row's k-th value is unique, so need == 1 everywhere
+    need = k - above.sum(-1, keepdim=True)  # tied entries to take, lowest ids first
+    if int(tied.sum()) == rows:  # the usual case: each row's k-th value is unique, so need == 1 everywhere
         take = above | tied
     else:
         take = above | (tied & (torch.cumsum(tied, dim=-1) <= need))
-    ids = take.nonzero()[:, 1].view(rows, k)                              # row-major: ascending ids per row
+    ids = take.nonzero()[:, 1].view(rows, k)  # row-major: ascending ids per row
     values = logits.gather(1, ids)
     order = torch.sort(values, dim=-1, descending=True, stable=True).indices
     return values.gather(1, order), ids.gather(1, order)

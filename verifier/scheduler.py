@@ -29,15 +29,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
 
 from hycoc.protocol import wire
 from hycoc.protocol.messages import DraftTree
 
 from .batch import BatchStats, RowBudget, verify_batch
-from .prefill_job import PrefillJob
 from .engine import Session
+from .prefill_job import PrefillJob
 
 
 @dataclass
@@ -84,9 +84,18 @@ class BatchScheduler:
         until the first step (the server measures its row cost on the worker before serving).
     """
 
-    def __init__(self, run: Callable[..., Awaitable], *, max_batch_rows: int, max_batch_wait_ms: float,
-                 open_sessions: Callable[[], int], on_step: Callable[[StepReport], None], chain_length: int = 0,
-                 prefill_budget: int = 512, row_budget: RowBudget | None = None):
+    def __init__(
+        self,
+        run: Callable[..., Awaitable],
+        *,
+        max_batch_rows: int,
+        max_batch_wait_ms: float,
+        open_sessions: Callable[[], int],
+        on_step: Callable[[StepReport], None],
+        chain_length: int = 0,
+        prefill_budget: int = 512,
+        row_budget: RowBudget | None = None,
+    ):
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows = {max_batch_rows}: must be >= 1")
         if not max_batch_wait_ms >= 0:
@@ -173,12 +182,11 @@ class BatchScheduler:
                 continue
             for item, result in zip(batch, results):
                 if not item.future.done():
-                    (item.future.set_exception if isinstance(result, BaseException) else item.future.set_result)(
-                        result)
+                    (item.future.set_exception if isinstance(result, BaseException) else item.future.set_result)(result)
             for prefill in prefills:
                 if prefill.error is None and (prefill.job is None or not prefill.job.done):
-                    continue                      # not started this step, or chunks left
-                self._prefills.remove(prefill)    # finished, or failed (its future gets the error)
+                    continue  # not started this step, or chunks left
+                self._prefills.remove(prefill)  # finished, or failed (its future gets the error)
                 if not prefill.future.done():
                     if prefill.error is not None:
                         prefill.future.set_exception(prefill.error)
@@ -191,8 +199,10 @@ class BatchScheduler:
         or every open session has a round queued."""
         deadline = self._rounds[0].arrived + self.max_batch_wait_s
         while True:
-            if (self._queued_rows() >= self.max_batch_rows
-                    or len({id(r.session) for r in self._rounds}) >= self._open_sessions()):
+            if (
+                self._queued_rows() >= self.max_batch_rows
+                or len({id(r.session) for r in self._rounds}) >= self._open_sessions()
+            ):
                 return
             left = deadline - time.monotonic()
             if left <= 0:
@@ -200,7 +210,7 @@ class BatchScheduler:
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return
 
     def _take(self) -> list[_Round]:
@@ -234,14 +244,18 @@ def _step(batch: list[_Round], prefills: list[_Prefill], prefill_budget: int, ro
     if batch:
         before = [(len(r.session.tokens), r.session.rounds) for r in batch]
         engine = batch[0].session.engine
-        replies = verify_batch(engine, [(r.session, r.tree.tokens, r.tree.parents, r.tree.seq,
-                                         getattr(r.tree, "scores", None)) for r in batch], stats, row_budget)
+        replies = verify_batch(
+            engine,
+            [(r.session, r.tree.tokens, r.tree.parents, r.tree.seq, getattr(r.tree, "scores", None)) for r in batch],
+            stats,
+            row_budget,
+        )
         for r, reply, (n_tokens, n_rounds) in zip(batch, replies, before):
             if isinstance(reply, BaseException):
                 results.append(reply)
                 continue
             try:
-                frame = wire.encode(reply, version=r.session.wire_version)   # the client's OPEN version
+                frame = wire.encode(reply, version=r.session.wire_version)  # the client's OPEN version
             except Exception as e:  # noqa: BLE001 -- that session's failure only
                 results.append(e)
                 continue

@@ -92,8 +92,9 @@ def additive_masks(
     return {"full_attention": to_additive(visible), "sliding_attention": to_additive(in_window[:, sliding_start:])}
 
 
-def tree_masks(parents, t: int, sliding_window: int | None, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def tree_masks(
+    parents, t: int, sliding_window: int | None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
     """The tree attention masks of Alg. 4 line 2, in the dict form Gemma4TextModel accepts.
 
     parents: the tree's parent rows (R,). t: committed positions already in the cache. Returns

@@ -39,4 +39,3 @@ def widen_reply(reply: RoundReply, tokens: np.ndarray, kept: np.ndarray) -> Roun
     verified = np.zeros(len(tokens), bool)
     verified[kept] = True
     return replace(reply, samples=samples, path_rows=kept[reply.path_rows].astype(np.int32), verified=verified)
-

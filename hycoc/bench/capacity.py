@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import numpy as np
 
@@ -124,7 +124,7 @@ class TraceRequest(SimRequest):
         rt, tokens, parents, scores = found
         if rt.committed:
             start = 0
-            for r in self.req.rounds:          # where round rt starts in the output
+            for r in self.req.rounds:  # where round rt starts in the output
                 if r is rt:
                     break
                 start += len(r.committed)
@@ -151,8 +151,17 @@ class SyntheticRequest(SimRequest):
     device drafting ``device_ms`` per round (``exponential``: an exponential draw of that mean, seeded): the
     real-shape projection's workload, where no recording exists."""
 
-    def __init__(self, prompt_len: int, output_tokens: int, mat: float, rows: int, device_ms: float,
-                 draft_place: str, rng: np.random.Generator, exponential: bool = False):
+    def __init__(
+        self,
+        prompt_len: int,
+        output_tokens: int,
+        mat: float,
+        rows: int,
+        device_ms: float,
+        draft_place: str,
+        rng: np.random.Generator,
+        exponential: bool = False,
+    ):
         if not mat >= 1:
             raise CapacityError(f"MAT = {mat}: a round commits at least its bonus token (>= 1)")
         self.prompt_len, self.left, self.mat, self.rows = int(prompt_len), int(output_tokens), float(mat), int(rows)
@@ -184,12 +193,15 @@ class Workload:
     label: str = ""
 
 
-def trace_workload(per_device: list[list[RequestTrace]], device_ms: float | None = None,
-                   device_scale: float = 1.0) -> Workload:
+def trace_workload(
+    per_device: list[list[RequestTrace]], device_ms: float | None = None, device_scale: float = 1.0
+) -> Workload:
     """Devices replaying recorded requests as `hycoc.bench.loadtest._device` does: device i plays its list from
     index i onward, cyclically."""
-    return Workload(lambda i, k: TraceRequest(per_device[i][(i + k) % len(per_device[i])], device_ms, device_scale),
-                    "recorded rounds")
+    return Workload(
+        lambda i, k: TraceRequest(per_device[i][(i + k) % len(per_device[i])], device_ms, device_scale),
+        "recorded rounds",
+    )
 
 
 # ---- the link and the frames ------------------------------------------------------------------------------------
@@ -283,11 +295,11 @@ class SimResult:
 
 @dataclass
 class _Job:
-    session: "_Session"
+    session: _Session
     rnd: SimRound | None
     rows: int
     arrived: float
-    done: object                      # simpy event; value: (committed tokens, server ms)
+    done: object  # simpy event; value: (committed tokens, server ms)
     prefill_left: int = 0
     context: int = 0
 
@@ -317,9 +329,9 @@ class _Replica:
         self.stretch = None
         if cfg.slowdown_samples:
             s = np.asarray(cfg.slowdown_samples, np.float64).reshape(-1, 2)
-            self.cpu = s[:, 1] / 1e6                       # ms of CPU the thread got in each interval
+            self.cpu = s[:, 1] / 1e6  # ms of CPU the thread got in each interval
             self.stretch = s[:, 0]
-            self.wall = self.cpu * self.stretch            # ms those took on the wall
+            self.wall = self.cpu * self.stretch  # ms those took on the wall
             self.weights = self.cpu / self.cpu.sum()
         env.process(self.worker())
 
@@ -363,8 +375,10 @@ class _Replica:
         cfg = self.cfg
         deadline = self.rounds[0].arrived + cfg.max_batch_wait_ms / 1e3
         while True:
-            if (sum(j.rows for j in self.rounds) >= cfg.max_batch_rows
-                    or len({id(j.session) for j in self.rounds}) >= self.open_sessions):
+            if (
+                sum(j.rows for j in self.rounds) >= cfg.max_batch_rows
+                or len({id(j.session) for j in self.rounds}) >= self.open_sessions
+            ):
                 return
             left = deadline - self.env.now
             if left <= 0:
@@ -416,10 +430,20 @@ class _Replica:
             kept: list = [None] * len(batch)
             alloc = None
             if self.row_cost is not None and len(batch) > 1:
-                trees = [j.rnd.tree if j.session.request.draft_place != "cloud-mtp"   # kept whole, as the server
-                         else (None, np.zeros(j.rows, np.int32), np.arange(-1, j.rows - 1)) for j in batch]
-                alloc = allocate(trees, self.row_cost, free_rows=self.free_rows, min_rows=cfg.min_rows,
-                                 extra_ms=self.state.overhead_ms * len(batch), value_scale=self.state.value_scale)
+                trees = [
+                    j.rnd.tree
+                    if j.session.request.draft_place != "cloud-mtp"  # kept whole, as the server
+                    else (None, np.zeros(j.rows, np.int32), np.arange(-1, j.rows - 1))
+                    for j in batch
+                ]
+                alloc = allocate(
+                    trees,
+                    self.row_cost,
+                    free_rows=self.free_rows,
+                    min_rows=cfg.min_rows,
+                    extra_ms=self.state.overhead_ms * len(batch),
+                    value_scale=self.state.value_scale,
+                )
                 kept = alloc.kept
             rows_kept = []
             for j, k in zip(batch, kept):
@@ -430,7 +454,7 @@ class _Replica:
                     keep = set(int(x) for x in k)
                     cut = next((i for i, row in enumerate(path) if row not in keep), len(path))
                     path = path[:cut]
-                results.append(j.rnd.committed[:len(path) + 1])
+                results.append(j.rnd.committed[: len(path) + 1])
             places = [j.session.request.draft_place for j in batch]
             forward_ms, step_ms = cost.step_ms(places, rows_kept, [j.session.context for j in batch])
             ms += step_ms
@@ -441,8 +465,13 @@ class _Replica:
                 self.result.trimmed += alloc.trimmed
                 scored = all(t[0] is not None for t in trees)
                 accepted = float(sum(len(c) - 1 for c in results)) if scored else None
-                self.state.observe(step_ms, forward_ms, len(batch), accepted,
-                                   (alloc.expected_tokens - len(batch)) / self.state.value_scale)
+                self.state.observe(
+                    step_ms,
+                    forward_ms,
+                    len(batch),
+                    accepted,
+                    (alloc.expected_tokens - len(batch)) / self.state.value_scale,
+                )
         done_prefills = []
         used = 0
         for p in prefills:
@@ -473,8 +502,7 @@ def cpu_slowdown(loadavg: float, cores: int) -> float:
     return max(1.0, float(loadavg) / max(1, int(cores)))
 
 
-def simulate(workload: Workload, cfg: SimConfig, cost, *, progress: Callable[[float], None] | None = None
-             ) -> SimResult:
+def simulate(workload: Workload, cfg: SimConfig, cost, *, progress: Callable[[float], None] | None = None) -> SimResult:
     """Run ``cfg.devices`` simulated devices of ``workload`` against ``cfg.replicas`` verifiers whose steps cost
     what ``cost`` (a `hycoc.bench.capacity_cost.StepCost`) says, for ``cfg.duration_s`` simulated seconds (module
     docstring). Deterministic for a given seed. Returns a `SimResult`. progress: called with the simulated time
@@ -514,8 +542,8 @@ def simulate(workload: Workload, cfg: SimConfig, cost, *, progress: Callable[[fl
                     break
                 wait = rnd.device_ms / 1e3
                 if env.now + wait >= cfg.duration_s:
-                    replica.open_sessions -= 1       # the run is over for this device (the load test's OPENs
-                    return                           # after this point produce no round either)
+                    replica.open_sessions -= 1  # the run is over for this device (the load test's OPENs
+                    return  # after this point produce no round either)
                 yield env.timeout(wait + cfg.wake_ms / 1e3)
                 stats.device_waits_ms.append((rnd.device_ms, rnd.device_ms + cfg.wake_ms))
                 sent = env.now
@@ -526,8 +554,9 @@ def simulate(workload: Workload, cfg: SimConfig, cost, *, progress: Callable[[fl
                 committed, server_ms = yield done
                 yield env.timeout(one_way(frames.down(rows, len(committed))) + cfg.client_ms / 2e3)
                 t = env.now
-                stats.rounds.append(RoundSample(t, 1e3 * (t - sent), server_ms, len(committed), rnd.rows,
-                                                session.context))
+                stats.rounds.append(
+                    RoundSample(t, 1e3 * (t - sent), server_ms, len(committed), rnd.rows, session.context)
+                )
                 result.server_ms.append(server_ms)
                 stats.first_round_s.setdefault(i, t)
                 session.context += len(committed)
@@ -541,7 +570,7 @@ def simulate(workload: Workload, cfg: SimConfig, cost, *, progress: Callable[[fl
                 stats.requests_truncated += 1
 
     procs = [env.process(device(i)) for i in range(cfg.devices)]
-    end = cfg.duration_s + 120.0                 # rounds in flight at the end complete, as in the load test
+    end = cfg.duration_s + 120.0  # rounds in flight at the end complete, as in the load test
     t = 0.0
     while t < end and not all(p.triggered for p in procs):
         t = min(end, t + 1.0)
@@ -570,5 +599,19 @@ def summarize(mode: str, cfg: SimConfig, result: SimResult) -> dict:
     return row
 
 
-__all__ = ["MODES", "CapacityError", "cpu_slowdown", "FrameBytes", "SimConfig", "SimRequest", "SimResult", "SimRound",
-           "SyntheticRequest", "TraceRequest", "Workload", "simulate", "summarize", "trace_workload"]
+__all__ = [
+    "MODES",
+    "CapacityError",
+    "cpu_slowdown",
+    "FrameBytes",
+    "SimConfig",
+    "SimRequest",
+    "SimResult",
+    "SimRound",
+    "SyntheticRequest",
+    "TraceRequest",
+    "Workload",
+    "simulate",
+    "summarize",
+    "trace_workload",
+]

@@ -13,17 +13,38 @@ from pathlib import Path
 import numpy as np
 
 from hycoc.bench.capacity import CapacityError, SimConfig
-from hycoc.bench.capacity_run import (GEMMA4_FRAMES, SERVER_DRAFT_FRAMES, add_ratios, capacity_table, run_point,
-                                      search_devices, stamp, sweep_table, synthetic_workload, trace_workload,
-                                      validation_rows, validation_table, write_plot)
+from hycoc.bench.capacity_run import (
+    GEMMA4_FRAMES,
+    SERVER_DRAFT_FRAMES,
+    add_ratios,
+    capacity_table,
+    run_point,
+    search_devices,
+    stamp,
+    sweep_table,
+    synthetic_workload,
+    trace_workload,
+    validation_rows,
+    validation_table,
+    write_plot,
+)
 
 #: Within this of the measured tok/s and p90 a validation cell counts as reproduced (the issue's +-20%).
 TOLERANCE = 0.20
 VALIDATE_SESSIONS = (1, 4, 16, 64)
 VALIDATE_MODES = ("serial", "batched", "budgeted")
 #: Shape keys compared between a cost model and the recipe's verifier (`hycoc.verifier.cost_measure.shape_of`).
-SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "num_experts", "top_k_experts", "vocab_size")
+SHAPE_KEYS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_experts",
+    "top_k_experts",
+    "vocab_size",
+)
 
 
 def recipe_shape(cfg) -> dict | None:
@@ -42,13 +63,17 @@ def check_trace(trace, cfg, bundle_dir: Path, path: Path) -> None:
 
     meta = trace.meta or {}
     if meta.get("recipe_sha256") not in (None, cfg.content_hash()):
-        raise CapacityError(f"--trace {path}: recorded with another recipe ({meta.get('recipe')}); leave --trace out "
-                            "to record this recipe's rounds")
+        raise CapacityError(
+            f"--trace {path}: recorded with another recipe ({meta.get('recipe')}); leave --trace out "
+            "to record this recipe's rounds"
+        )
     want = sha256_file(Path(bundle_dir) / "manifest.json")
     if meta.get("bundle_manifest_sha256") != want:
-        raise CapacityError(f"--trace {path}: recorded with another bundle ({meta.get('bundle', 'unknown')}), not "
-                            f"{bundle_dir}; leave --trace out to record this bundle's rounds, or pass --bundle "
-                            f"{meta.get('bundle', 'THAT_BUNDLE')}")
+        raise CapacityError(
+            f"--trace {path}: recorded with another bundle ({meta.get('bundle', 'unknown')}), not "
+            f"{bundle_dir}; leave --trace out to record this bundle's rounds, or pass --bundle "
+            f"{meta.get('bundle', 'THAT_BUNDLE')}"
+        )
 
 
 def trace_for(cfg, bundle_dir: Path, configs: list[str], questions, temperature, repo_root: Path, console):
@@ -59,15 +84,28 @@ def trace_for(cfg, bundle_dir: Path, configs: list[str], questions, temperature,
     from hycoc.bundle import sha256_file
 
     cap = cfg.bench.output_cap
-    key = trace_key(cfg.content_hash(), sha256_file(bundle_dir / "manifest.json"), configs,
-                    [q.question_id for q in questions], cap,
-                    None if temperature is None or temperature == cfg.sampling.temperature else temperature)
+    key = trace_key(
+        cfg.content_hash(),
+        sha256_file(bundle_dir / "manifest.json"),
+        configs,
+        [q.question_id for q in questions],
+        cap,
+        None if temperature is None or temperature == cfg.sampling.temperature else temperature,
+    )
     path = repo_root / ".hycoc-cache" / "loadtest" / f"trace-{key}.json"
     if path.is_file():
         return load_trace(path), path
     with progress.step("recording device rounds", total=len(configs) * len(questions)) as s:
-        trace = record_trace(cfg, bundle_dir, configs, questions, cap, key=key,
-                             progress=lambda note: s.advance(note=note), temperature=temperature)
+        trace = record_trace(
+            cfg,
+            bundle_dir,
+            configs,
+            questions,
+            cap,
+            key=key,
+            progress=lambda note: s.advance(note=note),
+            temperature=temperature,
+        )
     save_trace(trace, path)
     console.print(f"recorded {len(trace.requests)} requests -> {path}")
     return trace, path
@@ -81,7 +119,7 @@ def write_document(out: Path, doc: dict) -> Path:
 
 
 def _clean(x):
-    if isinstance(x, np.generic):             # numpy scalars (np.float64, np.bool_) as their Python values
+    if isinstance(x, np.generic):  # numpy scalars (np.float64, np.bool_) as their Python values
         x = x.item()
     if isinstance(x, float) and not math.isfinite(x):
         return None
@@ -100,15 +138,42 @@ def _capacity_rows(make, base: SimConfig, cost, target: float, config: str, mode
         n, row, tried = search_devices(make, base, cost, target, label=label)
     except CapacityError as e:
         return {"config": config, "mode": mode, "variant": variant, "devices": None, "note": str(e)}, []
-    return {"config": config, "mode": mode, "variant": variant, "devices": n,
-            "tok_per_s_per_device": row["tok_per_s_per_device"], "tok_per_s": row["tok_per_s"],
-            "server_p90_ms": row["server_p90_ms"], "round_p90_ms": row["latency_ms"]["p90"],
-            "busy_share": row["busy_share"]}, [dict(r, config=config, variant=variant) for r in tried]
+    return {
+        "config": config,
+        "mode": mode,
+        "variant": variant,
+        "devices": n,
+        "tok_per_s_per_device": row["tok_per_s_per_device"],
+        "tok_per_s": row["tok_per_s"],
+        "server_p90_ms": row["server_p90_ms"],
+        "round_p90_ms": row["latency_ms"]["p90"],
+        "busy_share": row["busy_share"],
+    }, [dict(r, config=config, variant=variant) for r in tried]
 
 
-def run_local(cfg, recipe_path: Path, configs, modes, counts, target, duration, link, replicas, cost_model_path,
-              device_scale, out, *, validate, validate_duration, prompts, bundle, trace_path, remeasure,
-              repo_root: Path, dataset: Path) -> dict:
+def run_local(
+    cfg,
+    recipe_path: Path,
+    configs,
+    modes,
+    counts,
+    target,
+    duration,
+    link,
+    replicas,
+    cost_model_path,
+    device_scale,
+    out,
+    *,
+    validate,
+    validate_duration,
+    prompts,
+    bundle,
+    trace_path,
+    remeasure,
+    repo_root: Path,
+    dataset: Path,
+) -> dict:
     """The toy flow (module docstring). Prints the tables, writes OUT/capacity.json and OUT/p90_vs_devices.png;
     returns the document."""
     from hycoc.bench.capacity_cost import cached_step_cost, model_step_cost
@@ -125,34 +190,63 @@ def run_local(cfg, recipe_path: Path, configs, modes, counts, target, duration, 
     questions = load_spec_bench(cfg.resolve_path(cfg.bench.dataset) or dataset)[:prompts]
     temperature = 0.0 if "budgeted" in modes and cfg.sampling.temperature > 0 else None
     if cost_model_path is not None:
-        cost = model_step_cost(load_cost_model(cost_model_path), recipe_shape(cfg), cfg.tree.chain_length,
-                               path=str(cost_model_path))
+        cost = model_step_cost(
+            load_cost_model(cost_model_path), recipe_shape(cfg), cfg.tree.chain_length, path=str(cost_model_path)
+        )
     else:
-        console.print("capacity: timing the verifier's steps on this machine, replaying recorded hyco rounds"
-                      + (" (again: --validate compares with runs made now)" if validate else " (cached per recipe)"))
-        hyco, _ = trace_for(cfg, bundle_dir, ["hyco"], questions, 0.0 if cfg.sampling.temperature > 0 else None,
-                            repo_root, console)
-        cost = cached_step_cost(cfg, repo_root / ".hycoc-cache" / "capacity", remeasure=remeasure or validate,
-                                replay=list(hyco.requests), log=lambda s: None)
+        console.print(
+            "capacity: timing the verifier's steps on this machine, replaying recorded hyco rounds"
+            + (" (again: --validate compares with runs made now)" if validate else " (cached per recipe)")
+        )
+        hyco, _ = trace_for(
+            cfg, bundle_dir, ["hyco"], questions, 0.0 if cfg.sampling.temperature > 0 else None, repo_root, console
+        )
+        cost = cached_step_cost(
+            cfg,
+            repo_root / ".hycoc-cache" / "capacity",
+            remeasure=remeasure or validate,
+            replay=list(hyco.requests),
+            log=lambda s: None,
+        )
     console.print(f"step cost: {cost.label}")
-    doc: dict = {"schema": 1, "recipe": str(recipe_path), "kind": "simulation of this machine's verifier",
-                 "cost": cost.describe(), "target_p90_ms": target, "link": None if link is None else vars(link),
-                 "replicas": replicas, "device_scale": device_scale, "duration_s": duration, "machine": stamp()}
+    doc: dict = {
+        "schema": 1,
+        "recipe": str(recipe_path),
+        "kind": "simulation of this machine's verifier",
+        "cost": cost.describe(),
+        "target_p90_ms": target,
+        "link": None if link is None else vars(link),
+        "replicas": replicas,
+        "device_scale": device_scale,
+        "duration_s": duration,
+        "machine": stamp(),
+    }
     if validate:
-        doc["validation"] = validate_here(cfg, recipe_path, bundle_dir, questions, cost, validate_duration, out,
-                                          repo_root, console)
+        doc["validation"] = validate_here(
+            cfg, recipe_path, bundle_dir, questions, cost, validate_duration, out, repo_root, console
+        )
     if trace_path is not None:
         trace = load_trace(trace_path)
         check_trace(trace, cfg, bundle_dir, trace_path)
     else:
         trace, trace_path = trace_for(cfg, bundle_dir, list(configs), questions, temperature, repo_root, console)
-    base = SimConfig(mode=modes[0], devices=1, duration_s=duration, replicas=replicas, link=link,
-                     max_batch_rows=cfg.verifier.max_batch_rows, max_batch_wait_ms=cfg.verifier.max_batch_wait_ms,
-                     tree_rows=cfg.tree.node_budget + 1, chain_length=cfg.tree.chain_length)
+    base = SimConfig(
+        mode=modes[0],
+        devices=1,
+        duration_s=duration,
+        replicas=replicas,
+        link=link,
+        max_batch_rows=cfg.verifier.max_batch_rows,
+        max_batch_wait_ms=cfg.verifier.max_batch_wait_ms,
+        tree_rows=cfg.tree.node_budget + 1,
+        chain_length=cfg.tree.chain_length,
+    )
     sweep, capacity, tried_all = [], [], []
     for config in configs:
+
         def make(n, config=config):
             return trace_workload(devices_for(trace, [config], n), device_scale=device_scale)
+
         for mode in modes:
             for n in counts:
                 row = run_point(make(n), replace(base, mode=mode, devices=n), cost)
@@ -161,10 +255,18 @@ def run_local(cfg, recipe_path: Path, configs, modes, counts, target, duration, 
             capacity.append(row)
             tried_all += tried
     add_ratios(capacity)
-    print_tables([sweep_table(sweep, f"hycoc capacity {recipe_path}: simulated ({cost.label}), {duration:g} s, "
-                              f"{replicas} replica(s)")], console)
-    print_tables([capacity_table(capacity, f"devices per verifier at verifier p90 <= {target:g} ms "
-                                 f"({replicas} replica(s))")], console)
+    print_tables(
+        [
+            sweep_table(
+                sweep, f"hycoc capacity {recipe_path}: simulated ({cost.label}), {duration:g} s, {replicas} replica(s)"
+            )
+        ],
+        console,
+    )
+    print_tables(
+        [capacity_table(capacity, f"devices per verifier at verifier p90 <= {target:g} ms ({replicas} replica(s))")],
+        console,
+    )
     for r in capacity:
         if r.get("note"):
             console.print(r["note"], markup=False)
@@ -175,8 +277,9 @@ def run_local(cfg, recipe_path: Path, configs, modes, counts, target, duration, 
     return doc
 
 
-def validate_here(cfg, recipe_path: Path, bundle_dir: Path, questions, cost, duration: float, out: Path,
-                  repo_root: Path, console) -> dict:
+def validate_here(
+    cfg, recipe_path: Path, bundle_dir: Path, questions, cost, duration: float, out: Path, repo_root: Path, console
+) -> dict:
     """Run `hycoc loadtest` (hyco; sessions 1, 4, 16, 64 x serial, batched, budgeted; ``duration`` s each) here,
     simulate every measured cell with its own load and server settings (`predicted_for`), print and return the
     comparison."""
@@ -188,30 +291,54 @@ def validate_here(cfg, recipe_path: Path, bundle_dir: Path, questions, cost, dur
     temperature = 0.0 if cfg.sampling.temperature > 0 else None
     trace, path = trace_for(cfg, bundle_dir, configs, questions, temperature, repo_root, console)
     with SchedSampler() as sampler:
-        measured = run_loadtest(trace, configs, list(VALIDATE_SESSIONS), duration, list(VALIDATE_MODES),
-                                Path(out) / "loadtest", recipe_path=recipe_path,
-                                keep_set=bundle_dir / "keep_set.npy", console=console,
-                                meta={"recipe": str(recipe_path), "trace": str(path)})
+        measured = run_loadtest(
+            trace,
+            configs,
+            list(VALIDATE_SESSIONS),
+            duration,
+            list(VALIDATE_MODES),
+            Path(out) / "loadtest",
+            recipe_path=recipe_path,
+            keep_set=bundle_dir / "keep_set.npy",
+            console=console,
+            meta={"recipe": str(recipe_path), "trace": str(path)},
+        )
     windows = {(w["mode"], w["sessions"]): w["epoch_s"] for w in measured["meta"].get("run_windows", [])}
     predicted = []
     for m in measured["runs"]:
         window = windows.get((m["mode"], m["sessions"]))
         contention = sampler.contention(*window) if window else None
-        predicted.append(predicted_for(m, trace_workload(devices_for(trace, configs, m["sessions"])), cost,
-                                       measured["meta"], contention=contention))
+        predicted.append(
+            predicted_for(
+                m,
+                trace_workload(devices_for(trace, configs, m["sessions"])),
+                cost,
+                measured["meta"],
+                contention=contention,
+            )
+        )
     rows = validation_rows(measured["runs"], predicted, TOLERANCE)
     print_tables([validation_table(rows, TOLERANCE)], console)
     ok = sum(r["ok"] for r in rows)
-    console.print(f"{ok} of {len(rows)} cells within {100 * TOLERANCE:.0f}% for both tok/s and p90 (p90: client "
-                  "round latency send -> reply, as hycoc loadtest measures it; load: 1-minute load average before "
-                  "-> after the run; (CPU x): how much longer a CPU ms of the verifier took in that run, from its threads' "
-                  "/proc schedstat (on-CPU + waiting) / on-CPU, by which the simulation stretches the step cost)")
-    return {"cells": rows, "within": ok, "tolerance": TOLERANCE, "predicted": predicted,
-            "measured": measured["runs"], "trace": str(path)}
+    console.print(
+        f"{ok} of {len(rows)} cells within {100 * TOLERANCE:.0f}% for both tok/s and p90 (p90: client "
+        "round latency send -> reply, as hycoc loadtest measures it; load: 1-minute load average before "
+        "-> after the run; (CPU x): how much longer a CPU ms of the verifier took in that run, from its threads' "
+        "/proc schedstat (on-CPU + waiting) / on-CPU, by which the simulation stretches the step cost)"
+    )
+    return {
+        "cells": rows,
+        "within": ok,
+        "tolerance": TOLERANCE,
+        "predicted": predicted,
+        "measured": measured["runs"],
+        "trace": str(path),
+    }
 
 
-def run_projection(cfg, recipe_path: Path, configs, target, duration, replicas, cost_model_path, device_scale,
-                   out) -> dict:
+def run_projection(
+    cfg, recipe_path: Path, configs, target, duration, replicas, cost_model_path, device_scale, out
+) -> dict:
     """The real-shape projection (module docstring), labelled. Prints its tables and assumptions, writes
     OUT/capacity.json and OUT/p90_vs_devices.png; returns the document."""
     from hycoc.bench.capacity_cost import assumed_gpu_cost, model_step_cost
@@ -223,35 +350,55 @@ def run_projection(cfg, recipe_path: Path, configs, target, duration, replicas, 
 
     console = make_console()
     if cost_model_path is not None:
-        cost = model_step_cost(load_cost_model(cost_model_path), None, cfg.tree.chain_length,
-                               path=str(cost_model_path))
+        cost = model_step_cost(load_cost_model(cost_model_path), None, cfg.tree.chain_length, path=str(cost_model_path))
         measured = f"GPU cost line measured: {cost_model_path}"
     else:
         cost = assumed_gpu_cost(cfg.tree.chain_length)
         measured = "no GPU cost line measured here (benchmarks/gpu_check.sh output absent): paper figures ASSUMED"
-    variants = [("LTE", "lte", 1.0), ("5G", "5g", 1.0), ("LTE, drafting x0.7", "lte", 0.7),
-                ("LTE, drafting x1.3", "lte", 1.3)]
+    variants = [
+        ("LTE", "lte", 1.0),
+        ("5G", "5g", 1.0),
+        ("LTE, drafting x0.7", "lte", 0.7),
+        ("LTE, drafting x1.3", "lte", 1.3),
+    ]
     capacity, tried_all = [], []
     for variant, link, scale in variants:
         for config in configs:
             place = {"cloud-mtp": "cloud-mtp", "server-head": "server-head"}.get(config, "device")
-            base = SimConfig(mode="batched", devices=1, duration_s=duration, replicas=replicas,
-                             link=LINK_PRESETS[link], frames=GEMMA4_FRAMES if place == "device" else SERVER_DRAFT_FRAMES,
-                             max_batch_rows=cfg.verifier.max_batch_rows,
-                             max_batch_wait_ms=cfg.verifier.max_batch_wait_ms, tree_rows=cfg.tree.node_budget + 1,
-                             chain_length=cfg.tree.chain_length)
-            row, tried = _capacity_rows(lambda n, c=config, s=scale: synthetic_workload(c, device_scale=s * device_scale),
-                                        base, cost, target, config, "batched", variant)
+            base = SimConfig(
+                mode="batched",
+                devices=1,
+                duration_s=duration,
+                replicas=replicas,
+                link=LINK_PRESETS[link],
+                frames=GEMMA4_FRAMES if place == "device" else SERVER_DRAFT_FRAMES,
+                max_batch_rows=cfg.verifier.max_batch_rows,
+                max_batch_wait_ms=cfg.verifier.max_batch_wait_ms,
+                tree_rows=cfg.tree.node_budget + 1,
+                chain_length=cfg.tree.chain_length,
+            )
+            row, tried = _capacity_rows(
+                lambda n, c=config, s=scale: synthetic_workload(c, device_scale=s * device_scale),
+                base,
+                cost,
+                target,
+                config,
+                "batched",
+                variant,
+            )
             capacity.append(row)
             tried_all += tried
     add_ratios(capacity)
-    title = (f"PROJECTION, not a measurement: devices per GPU at verifier p90 <= {target:g} ms, {recipe_path} "
-             f"({replicas} replica(s))")
+    title = (
+        f"PROJECTION, not a measurement: devices per GPU at verifier p90 <= {target:g} ms, {recipe_path} "
+        f"({replicas} replica(s))"
+    )
     print_tables([capacity_table(capacity, title)], console)
     assumptions = list(getattr(cost, "assumptions", [])) + [
         measured,
-        "acceptance: paper Table 2 SB-480 MAT per configuration (" + ", ".join(f"{c} {PAPER_MAT[c]}" for c in
-                                                                             configs) + ")",
+        "acceptance: paper Table 2 SB-480 MAT per configuration ("
+        + ", ".join(f"{c} {PAPER_MAT[c]}" for c in configs)
+        + ")",
         "device drafting per round: paper App. G ms/token x MAT (the device-time estimate's anchors, "
         "hycoc/device_time.py): " + ", ".join(f"{c} {device_ms_of(c):.1f} ms" for c in configs),
         f"links: lte {LINK_PRESETS['lte'].rtt_ms:g} ms RTT / {LINK_PRESETS['lte'].mbps:g} Mbit/s, 5g "
@@ -259,20 +406,38 @@ def run_projection(cfg, recipe_path: Path, configs, target, duration, replicas, 
         f"requests: {PROJECTION_PROMPT}-token prompts, {PROJECTION_OUTPUT} output tokens; hand-off 5,632 B per round "
         "+ 6,144 B per committed token down",
         "batching: the recipe's scheduler (batched, trees verified as sent); the target is the verifier's p90 "
-        "(arrival -> reply), not the phone's round"]
+        "(arrival -> reply), not the phone's round",
+    ]
     for a in assumptions:
         console.print(f"  assumed/input: {a}", markup=False)
     for r in capacity:
         if r.get("note"):
             console.print(r["note"], markup=False)
-    doc = {"schema": 1, "recipe": str(recipe_path), "kind": "PROJECTION (not a measurement)",
-           "cost": cost.describe(), "target_p90_ms": target, "replicas": replicas, "assumptions": assumptions,
-           "capacity": capacity, "tried": tried_all, "machine": stamp()}
+    doc = {
+        "schema": 1,
+        "recipe": str(recipe_path),
+        "kind": "PROJECTION (not a measurement)",
+        "cost": cost.describe(),
+        "target_p90_ms": target,
+        "replicas": replicas,
+        "assumptions": assumptions,
+        "capacity": capacity,
+        "tried": tried_all,
+        "machine": stamp(),
+    }
     path = write_document(out, doc)
     plot = write_plot([r for r in tried_all if r["variant"] == "LTE"], Path(out) / "p90_vs_devices.png", target)
     console.print(f"wrote {path}, {plot}")
     return doc
 
 
-__all__ = ["TOLERANCE", "check_trace", "recipe_shape", "run_local", "run_projection", "trace_for",
-           "validate_here", "write_document"]
+__all__ = [
+    "TOLERANCE",
+    "check_trace",
+    "recipe_shape",
+    "run_local",
+    "run_projection",
+    "trace_for",
+    "validate_here",
+    "write_document",
+]

@@ -150,8 +150,16 @@ class MeasuredStepCost(StepCost):
         return super().row_cost()
 
     def describe(self) -> dict:
-        return {"label": self.label, "step": self.step, "forward": self.forward, "place_ms": self.place_ms,
-                "prefill": self.prefill, "row_points": self.row_points, "loop_ms": self.loop_ms, "meta": self.meta}
+        return {
+            "label": self.label,
+            "step": self.step,
+            "forward": self.forward,
+            "place_ms": self.place_ms,
+            "prefill": self.prefill,
+            "row_points": self.row_points,
+            "loop_ms": self.loop_ms,
+            "meta": self.meta,
+        }
 
     def save(self, path: Path) -> Path:
         """Write as JSON atomically (temporary name + rename)."""
@@ -163,7 +171,7 @@ class MeasuredStepCost(StepCost):
         return path
 
     @classmethod
-    def load(cls, path: Path) -> "MeasuredStepCost":
+    def load(cls, path: Path) -> MeasuredStepCost:
         """Read `save`'s file. Raises StepCostError naming the file and the fix."""
         try:
             d = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -171,8 +179,9 @@ class MeasuredStepCost(StepCost):
             d["row_points"] = tuple(tuple(p) for p in d["row_points"])
             return cls(**d)
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise StepCostError(f"{path}: not a step-cost file of this hycoc ({type(e).__name__}: {e}); delete it "
-                                "to remeasure") from None
+            raise StepCostError(
+                f"{path}: not a step-cost file of this hycoc ({type(e).__name__}: {e}); delete it to remeasure"
+            ) from None
 
 
 def _fit(xs: list[list[float]], ys: list[float]) -> np.ndarray:
@@ -181,8 +190,16 @@ def _fit(xs: list[list[float]], ys: list[float]) -> np.ndarray:
     return coef
 
 
-def measure_step_cost(recipe, *, sessions=MEASURE_SESSIONS, rows=MEASURE_ROWS, context: int = 96, repeats: int = 7,
-                      replay=None, log=lambda s: None) -> MeasuredStepCost:
+def measure_step_cost(
+    recipe,
+    *,
+    sessions=MEASURE_SESSIONS,
+    rows=MEASURE_ROWS,
+    context: int = 96,
+    repeats: int = 7,
+    replay=None,
+    log=lambda s: None,
+) -> MeasuredStepCost:
     """Time verifier steps of ``recipe``'s own verifier on this machine (module docstring): about 20-40 s for the
     toy on a 2-core CPU. replay: recorded requests (`hycoc.bench.loadtrace.RequestTrace`) whose prompts and trees
     the device sessions replay (their rounds then accept what the recording accepted, so the host work of the
@@ -203,7 +220,7 @@ def measure_step_cost(recipe, *, sessions=MEASURE_SESSIONS, rows=MEASURE_ROWS, c
     load0 = os.getloadavg()
     t0 = time.perf_counter()
     engine = engine_from_recipe(recipe, device="cpu")
-    engine.eos_token_ids = frozenset()       # scratch sessions never finish on a sampled stop id
+    engine.eos_token_ids = frozenset()  # scratch sessions never finish on a sampled stop id
     rng = np.random.default_rng(0)
     vocab = engine.vocab_size
     sampling = Sampling(recipe.sampling.temperature, recipe.sampling.top_k, recipe.sampling.top_p)
@@ -211,12 +228,25 @@ def measure_step_cost(recipe, *, sessions=MEASURE_SESSIONS, rows=MEASURE_ROWS, c
     def open_one(i: int, place: str, prompt: int = context):
         if place == "device" and replay:
             req = replay[i % len(replay)]
-            s = engine.open(np.asarray(req.prompt), Sampling(req.temperature, req.top_k, req.top_p), seed=req.seed,
-                            acceptance=req.acceptance, epsilon=req.epsilon, draft_place=place, max_new_tokens=10 ** 6)
+            s = engine.open(
+                np.asarray(req.prompt),
+                Sampling(req.temperature, req.top_k, req.top_p),
+                seed=req.seed,
+                acceptance=req.acceptance,
+                epsilon=req.epsilon,
+                draft_place=place,
+                max_new_tokens=10**6,
+            )
             s.prefill()
             return [s, 0, TraceRequest(req), i]
-        s = engine.open(rng.integers(2, vocab, prompt), sampling, seed=i, acceptance="exact",
-                        draft_place=place, max_new_tokens=10 ** 6)
+        s = engine.open(
+            rng.integers(2, vocab, prompt),
+            sampling,
+            seed=i,
+            acceptance="exact",
+            draft_place=place,
+            max_new_tokens=10**6,
+        )
         s.prefill()
         return [s, 0, None, i]
 
@@ -229,7 +259,7 @@ def measure_step_cost(recipe, *, sessions=MEASURE_SESSIONS, rows=MEASURE_ROWS, c
         s, seq, tr, i = entry
         if tr is not None:
             rnd = tr.next_round()
-            if rnd is None:                            # the recording is over: the next request, a new session
+            if rnd is None:  # the recording is over: the next request, a new session
                 entry[:] = open_one(i + len(replay), "device")
                 return tree_of(entry, k)
             return patch_root(rnd.tree[1], s.root)[:k].astype(np.int64), np.asarray(rnd.tree[2][:k], np.int64)
@@ -252,11 +282,11 @@ def measure_step_cost(recipe, *, sessions=MEASURE_SESSIONS, rows=MEASURE_ROWS, c
                 if isinstance(reply, BaseException):
                     raise StepCostError(f"measuring the step cost: a scratch round failed ({reply}); report this")
                 entry[1] += 1
-                if entry[2] is not None:                 # the replay follows the text it commits
+                if entry[2] is not None:  # the replay follows the text it commits
                     entry[2].commit([int(rd[1][j]) for j in reply.path_rows] + [int(reply.bonus)])
-            if rep:                               # the first call is a warm-up
+            if rep:  # the first call is a warm-up
                 walls.append(busy)
-                fwds.append(stats.forward_ms * busy / max(wall, 1e-9))   # the forward's share of the busy time
+                fwds.append(stats.forward_ms * busy / max(wall, 1e-9))  # the forward's share of the busy time
         return float(np.mean(walls)), float(np.mean(fwds))
 
     points = []
@@ -286,9 +316,13 @@ def measure_step_cost(recipe, *, sessions=MEASURE_SESSIONS, rows=MEASURE_ROWS, c
     for place in ("cloud-mtp", "server-head"):
         pts = [p for p in points if p["place"] == place]
         if pts:
-            resid = [p["step_ms"] - device_only.step_ms(["device"] * p["sessions"],
-                                                        [p["rows"] // p["sessions"]] * p["sessions"], [context])[1]
-                     for p in pts]
+            resid = [
+                p["step_ms"]
+                - device_only.step_ms(
+                    ["device"] * p["sessions"], [p["rows"] // p["sessions"]] * p["sessions"], [context]
+                )[1]
+                for p in pts
+            ]
             place_ms[place] = max(0.0, float(np.sum(resid) / np.sum([p["sessions"] for p in pts])))
     pre = []
     for n in (32, 256):
@@ -305,19 +339,34 @@ def measure_step_cost(recipe, *, sessions=MEASURE_SESSIONS, rows=MEASURE_ROWS, c
     n_rc, rows_rc = row_cost_plan(recipe.tree.node_budget + 1, recipe.verifier.max_batch_rows, engine.max_context)
     line = measure_row_cost(engine, sessions=n_rc, rows_per_tree=rows_rc)
     engine.close()
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(time.perf_counter() - t0, 1),
-            "loadavg_before": [round(x, 2) for x in load0], "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-            "threads": recipe.verifier.threads, "context": context, "repeats": repeats,
-            "recipe_sha256": recipe.content_hash(), "cpus": os.cpu_count()}
-    return MeasuredStepCost(label=f"measured here ({recipe.recipe.name} verifier, cpu, {recipe.verifier.threads} "
-                            f"thread(s), load {load0[0]:.1f})", chain_length=engine.chain_length,
-                            step=tuple(float(x) for x in step), forward=tuple(float(x) for x in fwd),
-                            place_ms=place_ms, prefill=prefill, row_points=tuple(line.points), points=points,
-                            meta=meta)
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "loadavg_before": [round(x, 2) for x in load0],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "threads": recipe.verifier.threads,
+        "context": context,
+        "repeats": repeats,
+        "recipe_sha256": recipe.content_hash(),
+        "cpus": os.cpu_count(),
+    }
+    return MeasuredStepCost(
+        label=f"measured here ({recipe.recipe.name} verifier, cpu, {recipe.verifier.threads} "
+        f"thread(s), load {load0[0]:.1f})",
+        chain_length=engine.chain_length,
+        step=tuple(float(x) for x in step),
+        forward=tuple(float(x) for x in fwd),
+        place_ms=place_ms,
+        prefill=prefill,
+        row_points=tuple(line.points),
+        points=points,
+        meta=meta,
+    )
 
 
-def cached_step_cost(recipe, cache_dir: Path, *, remeasure: bool = False, replay=None,
-                     log=lambda s: None) -> MeasuredStepCost:
+def cached_step_cost(
+    recipe, cache_dir: Path, *, remeasure: bool = False, replay=None, log=lambda s: None
+) -> MeasuredStepCost:
     """`measure_step_cost` of ``recipe``, kept in ``cache_dir/step-cost-<recipe hash>.json`` (reused unless
     ``remeasure``; the recipe's hash names it, so another recipe never reads it)."""
     path = Path(cache_dir) / f"step-cost-{recipe.content_hash()[:16]}.json"
@@ -361,9 +410,14 @@ class GpuStepCost(StepCost):
         return RowCost(((1, top), (self.flat_rows, top), (2 * self.flat_rows, 2 * top)), source=self.label)
 
     def describe(self) -> dict:
-        return {"label": self.label, "flat_rows": self.flat_rows, "head_step_ms": self.head_step_ms,
-                "host_ms_per_session": self.host_ms_per_session, "assumptions": self.assumptions,
-                "verify_33_ms": float(self.verify(self.max_rows, 512))}
+        return {
+            "label": self.label,
+            "flat_rows": self.flat_rows,
+            "head_step_ms": self.head_step_ms,
+            "host_ms_per_session": self.host_ms_per_session,
+            "assumptions": self.assumptions,
+            "verify_33_ms": float(self.verify(self.max_rows, 512)),
+        }
 
 
 def assumed_gpu_cost(chain_length: int = 4) -> GpuStepCost:
@@ -375,22 +429,31 @@ def assumed_gpu_cost(chain_length: int = 4) -> GpuStepCost:
 
     hyco, mtp = PAPER_ROUND_MS["hyco"], PAPER_ROUND_MS["cloud-mtp"]
     host = ASSUMED_GPU_HOST_MS
-    verify = hyco - host                     # the paper's 21.7 ms round includes one session's host work
+    verify = hyco - host  # the paper's 21.7 ms round includes one session's host work
     return GpuStepCost(
         label=f"ASSUMED GPU (paper §3.1 rounds {hyco} / {mtp} ms, flat to {GPU_FLAT_ROWS} rows)",
-        chain_length=chain_length, verify=lambda rows, ctx: verify, max_rows=33, flat_rows=GPU_FLAT_ROWS,
-        head_step_ms=(mtp - hyco) / chain_length, host_ms_per_session=host, prefill_chunk_ms=verify,
-        assumptions=[f"verification forward {verify:.1f} ms up to {GPU_FLAT_ROWS} rows (paper §3.1 median HyCo "
-                     f"round {hyco} ms on an RTX PRO 6000, minus the host ms; {GPU_FLAT_ROWS} rows: the H200 bf16 "
-                     "ridge point), linear beyond",
-                     f"head step {(mtp - hyco) / chain_length:.2f} ms (Cloud+MTP round {mtp} ms - {hyco} ms, "
-                     f"over K = {chain_length}), batched across sessions",
-                     f"host work {host} ms per session and step (not measured)",
-                     "prefill: one verification's ms per 512-position chunk"])
+        chain_length=chain_length,
+        verify=lambda rows, ctx: verify,
+        max_rows=33,
+        flat_rows=GPU_FLAT_ROWS,
+        head_step_ms=(mtp - hyco) / chain_length,
+        host_ms_per_session=host,
+        prefill_chunk_ms=verify,
+        assumptions=[
+            f"verification forward {verify:.1f} ms up to {GPU_FLAT_ROWS} rows (paper §3.1 median HyCo "
+            f"round {hyco} ms on an RTX PRO 6000, minus the host ms; {GPU_FLAT_ROWS} rows: the H200 bf16 "
+            "ridge point), linear beyond",
+            f"head step {(mtp - hyco) / chain_length:.2f} ms (Cloud+MTP round {mtp} ms - {hyco} ms, "
+            f"over K = {chain_length}), batched across sessions",
+            f"host work {host} ms per session and step (not measured)",
+            "prefill: one verification's ms per 512-position chunk",
+        ],
+    )
 
 
-def model_step_cost(model, recipe_shape: dict | None, chain_length: int, *, host_ms: float = ASSUMED_GPU_HOST_MS,
-                    path: str = "") -> GpuStepCost:
+def model_step_cost(
+    model, recipe_shape: dict | None, chain_length: int, *, host_ms: float = ASSUMED_GPU_HOST_MS, path: str = ""
+) -> GpuStepCost:
     """A `GpuStepCost` from a cost-model file (`hycoc.bench.cost_model.CostModel`). recipe_shape: the recipe's
     verifier shape (`hycoc.verifier.cost_measure.shape_of` keys) to check the file against; None: not checked.
     Raises StepCostError when the file's shape differs or it has no 33-row verification points."""
@@ -401,27 +464,49 @@ def model_step_cost(model, recipe_shape: dict | None, chain_length: int, *, host
         diff = [k for k in recipe_shape if k in model.shape and model.shape[k] != recipe_shape[k]]
         if diff:
             k = diff[0]
-            raise StepCostError(f"--cost-model {path}: measured on another model ({model.model}: {k} = "
-                                f"{model.shape[k]}, the recipe's verifier has {recipe_shape[k]}); measure this "
-                                "recipe's (benchmarks/verifier_cost_model.py --recipe RECIPE) or leave "
-                                "--cost-model out")
+            raise StepCostError(
+                f"--cost-model {path}: measured on another model ({model.model}: {k} = "
+                f"{model.shape[k]}, the recipe's verifier has {recipe_shape[k]}); measure this "
+                "recipe's (benchmarks/verifier_cost_model.py --recipe RECIPE) or leave "
+                "--cost-model out"
+            )
     grid = model.rows_of("verify")
     top = int(grid[-1])
     gpu = "cpu" not in model.device.lower()
     try:
         head = model.predict(1, 512, "head_step") if "head_step" in model.kinds else 0.0
-        prefill = model.predict(int(model.rows_of("prefill")[-1]), 0, "prefill") if "prefill" in model.kinds else \
-            model.predict(top, 0)
+        prefill = (
+            model.predict(int(model.rows_of("prefill")[-1]), 0, "prefill")
+            if "prefill" in model.kinds
+            else model.predict(top, 0)
+        )
     except CostModelError as e:
         raise StepCostError(f"--cost-model {path}: {e}") from None
-    return GpuStepCost(label=f"cost model {path} ({model.model}, {model.device})", chain_length=chain_length,
-                       verify=lambda rows, ctx: model.predict(max(int(grid[0]), int(rows)), int(ctx)), max_rows=top,
-                       flat_rows=GPU_FLAT_ROWS if gpu else top, head_step_ms=head, host_ms_per_session=host_ms,
-                       prefill_chunk_ms=prefill,
-                       assumptions=[f"forward beyond {top} rows: " + (f"flat to {GPU_FLAT_ROWS} rows (H200 ridge "
-                                    "point), linear beyond" if gpu else "linear in rows"),
-                                    f"host work {host_ms} ms per session and step (not in a cost model)"])
+    return GpuStepCost(
+        label=f"cost model {path} ({model.model}, {model.device})",
+        chain_length=chain_length,
+        verify=lambda rows, ctx: model.predict(max(int(grid[0]), int(rows)), int(ctx)),
+        max_rows=top,
+        flat_rows=GPU_FLAT_ROWS if gpu else top,
+        head_step_ms=head,
+        host_ms_per_session=host_ms,
+        prefill_chunk_ms=prefill,
+        assumptions=[
+            f"forward beyond {top} rows: "
+            + (f"flat to {GPU_FLAT_ROWS} rows (H200 ridge point), linear beyond" if gpu else "linear in rows"),
+            f"host work {host_ms} ms per session and step (not in a cost model)",
+        ],
+    )
 
 
-__all__ = ["ASSUMED_GPU_HOST_MS", "GpuStepCost", "MeasuredStepCost", "StepCost", "StepCostError",
-           "assumed_gpu_cost", "cached_step_cost", "measure_step_cost", "model_step_cost"]
+__all__ = [
+    "ASSUMED_GPU_HOST_MS",
+    "GpuStepCost",
+    "MeasuredStepCost",
+    "StepCost",
+    "StepCostError",
+    "assumed_gpu_cost",
+    "cached_step_cost",
+    "measure_step_cost",
+    "model_step_cost",
+]

@@ -13,33 +13,61 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-from hycoc.bench.capacity import (CapacityError, FrameBytes, SimConfig, SyntheticRequest, Workload, cpu_slowdown,
-                                  simulate, summarize, trace_workload)
+from hycoc.bench.capacity import (
+    CapacityError,
+    FrameBytes,
+    SimConfig,
+    SyntheticRequest,
+    Workload,
+    cpu_slowdown,
+    simulate,
+    summarize,
+    trace_workload,
+)
 
 #: Table 5's configurations that have a verifier (slm-alone has none).
 CONFIGS = ("cloud-mtp", "specedge", "specedge-eps", "hyco", "hyco-2p", "hyco-exact", "server-head")
 #: The projection's configurations (issue: hyco, hyco-exact, specedge against cloud-mtp).
 PROJECTION_CONFIGS = ("hyco", "hyco-exact", "specedge", "cloud-mtp")
 #: Paper Table 2 (SB-480) MAT per configuration: the projection's acceptance (assumed for Gemma 4 on this tool).
-PAPER_MAT = {"cloud-mtp": 3.05, "specedge": 3.53, "specedge-eps": 4.13, "hyco": 4.71, "hyco-2p": 5.27,
-             "hyco-exact": 3.84, "server-head": 3.79}
+PAPER_MAT = {
+    "cloud-mtp": 3.05,
+    "specedge": 3.53,
+    "specedge-eps": 4.13,
+    "hyco": 4.71,
+    "hyco-2p": 5.27,
+    "hyco-exact": 3.84,
+    "server-head": 3.79,
+}
 #: The device anchors (`hycoc.device_time` PAPER_ANCHORS / CHECK_ANCHORS names) giving each configuration's
 #: drafting ms per round (paper App. G ms per token x Table 2 MAT); cloud-mtp drafts nothing on the phone.
-DEVICE_ANCHOR = {"hyco": "HyCo draft per round", "specedge": "SpecEdge-style per round",
-                 "hyco-exact": "HyCo exact per round", "hyco-2p": "HyCo-2P per round",
-                 "server-head": "server head per round"}
+DEVICE_ANCHOR = {
+    "hyco": "HyCo draft per round",
+    "specedge": "SpecEdge-style per round",
+    "hyco-exact": "HyCo exact per round",
+    "hyco-2p": "HyCo-2P per round",
+    "server-head": "server head per round",
+}
 #: Gemma 4 frames (docs/serving.md's table): a 33-row ROUND with scores 287 B; a REPLY's hand-off 44 + 5,632 B
 #: per round + 6,144 B per committed position, 4 B per row of samples; cloud-mtp and server-head carry no hand-off.
-GEMMA4_FRAMES = FrameBytes(up_fixed=287 - 8 * 33, up_per_row=8, down_fixed=16 + 30 + 44 + 5632, down_per_row=4,
-                           down_per_token=6144, open_fixed=64, open_down=6_297_313)
-SERVER_DRAFT_FRAMES = FrameBytes(up_fixed=31, up_per_row=8, down_fixed=46, down_per_row=4, down_per_token=0,
-                                 open_fixed=64, open_down=64)
+GEMMA4_FRAMES = FrameBytes(
+    up_fixed=287 - 8 * 33,
+    up_per_row=8,
+    down_fixed=16 + 30 + 44 + 5632,
+    down_per_row=4,
+    down_per_token=6144,
+    open_fixed=64,
+    open_down=6_297_313,
+)
+SERVER_DRAFT_FRAMES = FrameBytes(
+    up_fixed=31, up_per_row=8, down_fixed=46, down_per_row=4, down_per_token=0, open_fixed=64, open_down=64
+)
 #: The projection's request shape (assumed): Spec-Bench-like prompts and answers.
 PROJECTION_PROMPT, PROJECTION_OUTPUT = 128, 512
 
@@ -62,9 +90,12 @@ def synthetic_workload(config: str, *, device_scale: float = 1.0, seed: int = 0)
     the root), drafting `device_ms_of` x device_scale per round, PROJECTION_PROMPT / PROJECTION_OUTPUT tokens."""
     place = {"cloud-mtp": "cloud-mtp", "server-head": "server-head"}.get(config, "device")
     ms = device_ms_of(config) * device_scale
-    return Workload(lambda i, k: SyntheticRequest(PROJECTION_PROMPT, PROJECTION_OUTPUT, PAPER_MAT[config], 33, ms,
-                                                  place, np.random.default_rng([seed, i, k])),
-                    f"paper MAT {PAPER_MAT[config]}, drafting {ms:.1f} ms/round")
+    return Workload(
+        lambda i, k: SyntheticRequest(
+            PROJECTION_PROMPT, PROJECTION_OUTPUT, PAPER_MAT[config], 33, ms, place, np.random.default_rng([seed, i, k])
+        ),
+        f"paper MAT {PAPER_MAT[config]}, drafting {ms:.1f} ms/round",
+    )
 
 
 def run_point(workload: Workload, cfg: SimConfig, cost) -> dict:
@@ -72,8 +103,15 @@ def run_point(workload: Workload, cfg: SimConfig, cost) -> dict:
     return summarize(cfg.mode, cfg, simulate(workload, cfg, cost))
 
 
-def search_devices(make_workload: Callable[[int], Workload], cfg: SimConfig, cost, target_ms: float, *,
-                   max_devices: int = 4096, label: str = "") -> tuple[int, dict | None, list[dict]]:
+def search_devices(
+    make_workload: Callable[[int], Workload],
+    cfg: SimConfig,
+    cost,
+    target_ms: float,
+    *,
+    max_devices: int = 4096,
+    label: str = "",
+) -> tuple[int, dict | None, list[dict]]:
     """The largest device count whose verifier p90 (``server_p90_ms``) is <= ``target_ms``: doubling from 1, then
     bisection (p90 grows with devices in a closed loop). make_workload(n): the workload of n devices. Returns
     (devices, that run's row, every run tried). Raises CapacityError (one line: the target and the fix) when one
@@ -87,8 +125,10 @@ def search_devices(make_workload: Callable[[int], Workload], cfg: SimConfig, cos
         return math.inf if v is None or not math.isfinite(v) else v
 
     if p90(1) > target_ms:
-        raise CapacityError(f"--p90-ms {target_ms:g}: {label} misses it with one device (verifier p90 "
-                            f"{p90(1):.1f} ms); raise --p90-ms above that or give a faster cost model")
+        raise CapacityError(
+            f"--p90-ms {target_ms:g}: {label} misses it with one device (verifier p90 "
+            f"{p90(1):.1f} ms); raise --p90-ms above that or give a faster cost model"
+        )
     lo, hi = 1, 2
     while hi <= max_devices and p90(hi) <= target_ms:
         lo, hi = hi, hi * 2
@@ -120,7 +160,7 @@ class SchedSampler:
     def __init__(self, interval_s: float = 0.1, pids: list[int] | None = None):
         import threading
 
-        self.pids = list(pids) if pids else None      # the servers' pids, when they are not this one's children
+        self.pids = list(pids) if pids else None  # the servers' pids, when they are not this one's children
         self.samples: list[tuple[float, dict]] = []
         self._stop = threading.Event()
         self._interval = interval_s
@@ -158,7 +198,7 @@ class SchedSampler:
         while not self._stop.is_set():
             try:
                 snap = self._threads(me)
-                for child in (self.pids if self.pids is not None else self._children(me)):
+                for child in self.pids if self.pids is not None else self._children(me):
                     snap.update(self._threads(child))
             except OSError:
                 return
@@ -167,7 +207,7 @@ class SchedSampler:
             self.samples.append((time.time(), snap))
             self._stop.wait(self._interval)
 
-    def __enter__(self) -> "SchedSampler":
+    def __enter__(self) -> SchedSampler:
         self._thread.start()
         return self
 
@@ -190,9 +230,10 @@ class SchedSampler:
         if not servers:
             return None
         (pid, _), (run, wait, _) = max(servers.items(), key=lambda kv: kv[1][0])
-        if self.pids is not None and len(self.pids) > 1:     # several replicas: every replica's busiest thread
-            busiest = [max((v for k, v in servers.items() if k[0] == p), key=lambda v: v[0], default=None)
-                       for p in self.pids]
+        if self.pids is not None and len(self.pids) > 1:  # several replicas: every replica's busiest thread
+            busiest = [
+                max((v for k, v in servers.items() if k[0] == p), key=lambda v: v[0], default=None) for p in self.pids
+            ]
             busiest = [b for b in busiest if b]
             run, wait = sum(b[0] for b in busiest), sum(b[1] for b in busiest)
 
@@ -201,18 +242,31 @@ class SchedSampler:
             return d[1] / d[2] / 1e6 if d and d[2] > 0 else 0.0
 
         key = max(servers, key=lambda k: servers[k][0])
-        per = []                        # that thread's slowdown in each sampling interval it ran, with its CPU ns
+        per = []  # that thread's slowdown in each sampling interval it ran, with its CPU ns
         for x, y in zip(inside, inside[1:]):
             if key in x and key in y:
                 r, w = y[key][0] - x[key][0], y[key][1] - x[key][1]
                 if r > 1e6:
                     per.append(((r + w) / r, r))
-        return {"slowdown": (run + wait) / run, "server_wake_ms": wake((pid, pid)), "client_wake_ms": wake((me, me)),
-                "intervals": [[round(a, 3), int(b)] for a, b in per]}
+        return {
+            "slowdown": (run + wait) / run,
+            "server_wake_ms": wake((pid, pid)),
+            "client_wake_ms": wake((me, me)),
+            "intervals": [[round(a, 3), int(b)] for a, b in per],
+        }
 
 
-def predicted_for(measured: dict, workload: Workload, cost, meta: dict, *, client_ms: float = 0.0,
-                  cores: int | None = None, contention: dict | None = None, replicas: int = 1) -> dict:
+def predicted_for(
+    measured: dict,
+    workload: Workload,
+    cost,
+    meta: dict,
+    *,
+    client_ms: float = 0.0,
+    cores: int | None = None,
+    contention: dict | None = None,
+    replicas: int = 1,
+) -> dict:
     """The simulator's row for one measured load-test row (`hycoc.bench.loadreport.summarize_run`'s): same mode,
     sessions and duration; the server's own batching settings and (budgeted) row-cost line from its /healthz
     (``meta["servers"][mode]``); the CPU stretched by the run's load (`cpu_slowdown` of the mean of its load
@@ -237,13 +291,21 @@ def predicted_for(measured: dict, workload: Workload, cost, meta: dict, *, clien
 
         row_cost = RowCost(tuple((int(r), float(m)) for r, m in server["row_cost"]["points"]), source="server")
         free = int(server.get("free_rows") or 0) or None
-    cfg = SimConfig(mode=mode, devices=int(measured["sessions"]), duration_s=float(measured["duration_s"]),
-                    replicas=replicas,
-                    max_batch_rows=int(server.get("max_batch_rows", 528)),
-                    max_batch_wait_ms=float(server.get("max_batch_wait_ms", 2.0)),
-                    client_ms=client_ms + client_wake + server_wake, wake_ms=client_wake,
-                    slowdown=slowdown, slowdown_samples=samples, row_cost=row_cost, free_rows=free,
-                    chain_length=cost.chain_length)
+    cfg = SimConfig(
+        mode=mode,
+        devices=int(measured["sessions"]),
+        duration_s=float(measured["duration_s"]),
+        replicas=replicas,
+        max_batch_rows=int(server.get("max_batch_rows", 528)),
+        max_batch_wait_ms=float(server.get("max_batch_wait_ms", 2.0)),
+        client_ms=client_ms + client_wake + server_wake,
+        wake_ms=client_wake,
+        slowdown=slowdown,
+        slowdown_samples=samples,
+        row_cost=row_cost,
+        free_rows=free,
+        chain_length=cost.chain_length,
+    )
     row = run_point(workload, cfg, cost)
     row["slowdown"] = cfg.slowdown
     row["contention"] = contention
@@ -264,12 +326,23 @@ def validation_rows(measured_rows: list[dict], predicted_rows: list[dict], tol: 
     for m, p in zip(measured_rows, predicted_rows):
         mt, pt = m["tok_per_s"], p["tok_per_s"]
         ml, pl = m["latency_ms"]["p90"], p["latency_ms"]["p90"]
-        out.append({"mode": m["mode"], "sessions": m["sessions"], "measured_tok_s": mt, "predicted_tok_s": pt,
-                    "tok_err": pt / mt - 1 if mt else None, "measured_p90_ms": ml, "predicted_p90_ms": pl,
-                    "p90_err": pl / ml - 1 if ml else None,
-                    "ok": within(pt, mt, tol) and within(pl, ml, tol), "loadavg": m.get("loadavg"),
-                    "slowdown": p.get("slowdown"), "measured_rows_per_forward": m.get("rows_per_forward"),
-                    "predicted_rows_per_forward": p.get("rows_per_forward")})
+        out.append(
+            {
+                "mode": m["mode"],
+                "sessions": m["sessions"],
+                "measured_tok_s": mt,
+                "predicted_tok_s": pt,
+                "tok_err": pt / mt - 1 if mt else None,
+                "measured_p90_ms": ml,
+                "predicted_p90_ms": pl,
+                "p90_err": pl / ml - 1 if ml else None,
+                "ok": within(pt, mt, tol) and within(pl, ml, tol),
+                "loadavg": m.get("loadavg"),
+                "slowdown": p.get("slowdown"),
+                "measured_rows_per_forward": m.get("rows_per_forward"),
+                "predicted_rows_per_forward": p.get("rows_per_forward"),
+            }
+        )
     return out
 
 
@@ -286,16 +359,44 @@ def validation_table(rows: list[dict], tol: float):
     body = []
     for r in rows:
         load = r["loadavg"] or []
-        body.append([r["mode"], str(r["sessions"]), num(r["measured_tok_s"]), num(r["predicted_tok_s"]),
-                     pct(r["tok_err"]), num(r["measured_p90_ms"], 0), num(r["predicted_p90_ms"], 0),
-                     pct(r["p90_err"]), num(r["measured_rows_per_forward"]), num(r["predicted_rows_per_forward"]),
-                     (f"{load[0]:.1f}->{load[3]:.1f}" if len(load) >= 4 else "n/a")
-                     + ("" if r.get("slowdown") is None else f" (x{r['slowdown']:.1f})"),
-                     "yes" if r["ok"] else "NO"])
-    headers = ["mode", "sessions", "tok/s meas.", "tok/s pred.", "tok/s err", "p90 meas.", "p90 pred.", "p90 err",
-               "rows/fwd meas.", "rows/fwd pred.", "load (CPU x)", f"both within {100 * tol:.0f}%"]
-    return TextTable("hycoc capacity --validate: predicted vs measured (hycoc loadtest, same command)", headers,
-                     body, keys=2, justify=["left"] + ["right"] * 10 + ["left"])
+        body.append(
+            [
+                r["mode"],
+                str(r["sessions"]),
+                num(r["measured_tok_s"]),
+                num(r["predicted_tok_s"]),
+                pct(r["tok_err"]),
+                num(r["measured_p90_ms"], 0),
+                num(r["predicted_p90_ms"], 0),
+                pct(r["p90_err"]),
+                num(r["measured_rows_per_forward"]),
+                num(r["predicted_rows_per_forward"]),
+                (f"{load[0]:.1f}->{load[3]:.1f}" if len(load) >= 4 else "n/a")
+                + ("" if r.get("slowdown") is None else f" (x{r['slowdown']:.1f})"),
+                "yes" if r["ok"] else "NO",
+            ]
+        )
+    headers = [
+        "mode",
+        "sessions",
+        "tok/s meas.",
+        "tok/s pred.",
+        "tok/s err",
+        "p90 meas.",
+        "p90 pred.",
+        "p90 err",
+        "rows/fwd meas.",
+        "rows/fwd pred.",
+        "load (CPU x)",
+        f"both within {100 * tol:.0f}%",
+    ]
+    return TextTable(
+        "hycoc capacity --validate: predicted vs measured (hycoc loadtest, same command)",
+        headers,
+        body,
+        keys=2,
+        justify=["left"] + ["right"] * 10 + ["left"],
+    )
 
 
 # ---- tables, JSON, plot ----------------------------------------------------------------------------------------
@@ -309,12 +410,35 @@ def sweep_table(rows: list[dict], title: str):
     def num(x, d=1):
         return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:,.{d}f}"
 
-    body = [[r["config"], r["mode"], str(r["sessions"]), num(r["tok_per_s_per_device"]), num(r["tok_per_s"]),
-             num(r["latency_ms"]["p50"], 0), num(r["latency_ms"]["p90"], 0), num(r["latency_ms"]["p99"], 0),
-             num(r["server_p90_ms"], 0), f"{100 * r['busy_share']:.0f}%", num(r["rows_per_forward"])]
-            for r in rows]
-    headers = ["config", "mode", "devices", "tok/s/device", "tok/s all", "round p50", "round p90", "round p99",
-               "verifier p90", "verifier busy", "rows/fwd"]
+    body = [
+        [
+            r["config"],
+            r["mode"],
+            str(r["sessions"]),
+            num(r["tok_per_s_per_device"]),
+            num(r["tok_per_s"]),
+            num(r["latency_ms"]["p50"], 0),
+            num(r["latency_ms"]["p90"], 0),
+            num(r["latency_ms"]["p99"], 0),
+            num(r["server_p90_ms"], 0),
+            f"{100 * r['busy_share']:.0f}%",
+            num(r["rows_per_forward"]),
+        ]
+        for r in rows
+    ]
+    headers = [
+        "config",
+        "mode",
+        "devices",
+        "tok/s/device",
+        "tok/s all",
+        "round p50",
+        "round p90",
+        "round p99",
+        "verifier p90",
+        "verifier busy",
+        "rows/fwd",
+    ]
     return TextTable(title, headers, body, keys=3, justify=["left", "left"] + ["right"] * 9)
 
 
@@ -326,12 +450,31 @@ def capacity_table(rows: list[dict], title: str):
     def num(x, d=1):
         return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:,.{d}f}"
 
-    body = [[r["config"], r["mode"], r.get("variant", ""), "unreachable" if r["devices"] is None
-             else str(r["devices"]), num(r.get("tok_per_s_per_device")), num(r.get("tok_per_s")),
-             num(r.get("server_p90_ms"), 0), num(r.get("round_p90_ms"), 0),
-             "n/a" if r.get("vs_cloud_mtp") is None else f"{r['vs_cloud_mtp']:.2f}x"] for r in rows]
-    headers = ["config", "mode", "variant", "devices per verifier", "tok/s/device", "tok/s all", "verifier p90",
-               "round p90 (link, no drafting)", "vs cloud-mtp"]
+    body = [
+        [
+            r["config"],
+            r["mode"],
+            r.get("variant", ""),
+            "unreachable" if r["devices"] is None else str(r["devices"]),
+            num(r.get("tok_per_s_per_device")),
+            num(r.get("tok_per_s")),
+            num(r.get("server_p90_ms"), 0),
+            num(r.get("round_p90_ms"), 0),
+            "n/a" if r.get("vs_cloud_mtp") is None else f"{r['vs_cloud_mtp']:.2f}x",
+        ]
+        for r in rows
+    ]
+    headers = [
+        "config",
+        "mode",
+        "variant",
+        "devices per verifier",
+        "tok/s/device",
+        "tok/s all",
+        "verifier p90",
+        "round p90 (link, no drafting)",
+        "vs cloud-mtp",
+    ]
     return TextTable(title, headers, body, keys=3, justify=["left", "left", "left"] + ["right"] * 6)
 
 
@@ -356,12 +499,24 @@ def write_plot(rows: list[dict], path: Path, target_ms: float | None = None) -> 
     fig, ax = plt.subplots(figsize=(8, 4.8))
     keys = list(dict.fromkeys((r["config"], r["mode"], r.get("variant", "")) for r in rows))
     for i, key in enumerate(keys):
-        rs = sorted((r for r in rows if (r["config"], r["mode"], r.get("variant", "")) == key and
-                     r.get("server_p90_ms") is not None and math.isfinite(r["server_p90_ms"])),
-                    key=lambda r: r["sessions"])
+        rs = sorted(
+            (
+                r
+                for r in rows
+                if (r["config"], r["mode"], r.get("variant", "")) == key
+                and r.get("server_p90_ms") is not None
+                and math.isfinite(r["server_p90_ms"])
+            ),
+            key=lambda r: r["sessions"],
+        )
         if rs:
-            ax.plot([r["sessions"] for r in rs], [r["server_p90_ms"] for r in rs], marker="o", color=f"C{i % 10}",
-                    label=" ".join(k for k in key if k))
+            ax.plot(
+                [r["sessions"] for r in rs],
+                [r["server_p90_ms"] for r in rs],
+                marker="o",
+                color=f"C{i % 10}",
+                label=" ".join(k for k in key if k),
+            )
     if target_ms:
         ax.axhline(target_ms, linestyle="--", color="grey", label=f"target {target_ms:g} ms")
     ax.set_xscale("log", base=2)
@@ -380,11 +535,32 @@ def write_plot(rows: list[dict], path: Path, target_ms: float | None = None) -> 
 
 def stamp() -> dict:
     """When and under what load: date, CPUs, load averages."""
-    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
-            "loadavg": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "cpus": os.cpu_count(),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
-__all__ = ["SchedSampler", "CONFIGS", "GEMMA4_FRAMES", "PAPER_MAT", "PROJECTION_CONFIGS", "SERVER_DRAFT_FRAMES", "add_ratios",
-           "capacity_table", "device_ms_of", "predicted_for", "run_point", "search_devices", "stamp",
-           "sweep_table", "synthetic_workload", "trace_workload", "validation_rows", "validation_table", "within",
-           "write_plot"]
+__all__ = [
+    "SchedSampler",
+    "CONFIGS",
+    "GEMMA4_FRAMES",
+    "PAPER_MAT",
+    "PROJECTION_CONFIGS",
+    "SERVER_DRAFT_FRAMES",
+    "add_ratios",
+    "capacity_table",
+    "device_ms_of",
+    "predicted_for",
+    "run_point",
+    "search_devices",
+    "stamp",
+    "sweep_table",
+    "synthetic_workload",
+    "trace_workload",
+    "validation_rows",
+    "validation_table",
+    "within",
+    "write_plot",
+]

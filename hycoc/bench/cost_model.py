@@ -58,8 +58,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Literal, NamedTuple, Sequence
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -80,8 +81,10 @@ PREFILL_CHUNK = 512
 PAPER_ROUND_MS = {"hyco": 21.7, "cloud-mtp": 26.8}
 
 #: How to make a cost model file; named in every load error.
-MAKE_HINT = ("make one with `python benchmarks/verifier_cost_model.py --device cuda --out PATH` (GPU, Gemma 4 "
-             "26B-A4B shape) or `--device cpu --recipe recipes/toy.toml --out PATH` (the toy verifier)")
+MAKE_HINT = (
+    "make one with `python benchmarks/verifier_cost_model.py --device cuda --out PATH` (GPU, Gemma 4 "
+    "26B-A4B shape) or `--device cpu --recipe recipes/toy.toml --out PATH` (the toy verifier)"
+)
 
 
 class CostModelError(ValueError):
@@ -98,11 +101,16 @@ class CostPoint(BaseModel):
     kind: Literal["verify", "head_step", "prefill"] = Field("verify", description="which forward (KINDS)")
     rows: int = Field(ge=1, description="rows of the forward: R tree rows, 1 head query, n prefill positions")
     context: int = Field(ge=0, description="t, positions already in the KV cache")
-    ms: float = Field(gt=0, allow_inf_nan=False, description="milliseconds of the forward: the median of samples_ms, or the "
-                    "percentile meta.statistic names")
+    ms: float = Field(
+        gt=0,
+        allow_inf_nan=False,
+        description="milliseconds of the forward: the median of samples_ms, or the percentile meta.statistic names",
+    )
     samples_ms: list[float] | None = Field(
-        None, description="every timed repetition behind ms, in measurement order (absent in files that predate "
-        "them); `bootstrap_tables` resamples them for the projection's interval")
+        None,
+        description="every timed repetition behind ms, in measurement order (absent in files that predate "
+        "them); `bootstrap_tables` resamples them for the projection's interval",
+    )
 
 
 class CostModel(BaseModel):
@@ -131,7 +139,7 @@ class CostModel(BaseModel):
     meta: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _full_grid(self) -> "CostModel":
+    def _full_grid(self) -> CostModel:
         for kind in KINDS:
             seen: set[tuple[int, int]] = set()
             for p in self.points:
@@ -144,9 +152,11 @@ class CostModel(BaseModel):
             missing = [(r, c) for r in rows for c in ctxs if (r, c) not in seen]
             if missing:
                 r, c = missing[0]
-                raise ValueError(f"points: the {kind} grid is incomplete: {len(missing)} of {len(rows) * len(ctxs)} "
-                                 f"(rows, context) pairs missing, first rows={r}, context={c}; every rows value "
-                                 f"{rows} must be measured at every context {ctxs}")
+                raise ValueError(
+                    f"points: the {kind} grid is incomplete: {len(missing)} of {len(rows) * len(ctxs)} "
+                    f"(rows, context) pairs missing, first rows={r}, context={c}; every rows value "
+                    f"{rows} must be measured at every context {ctxs}"
+                )
         if not any(p.kind == "verify" for p in self.points):
             raise ValueError("points: no verify points; every cost model times the verification forward")
         return self
@@ -209,14 +219,18 @@ class CostModel(BaseModel):
             raise CostModelError(f"kind = {kind!r}: a forward is one of {', '.join(KINDS)}")
         grid = self.rows_of(kind)
         if not len(grid):
-            raise CostModelError(f"the cost model ({self.model}, {self.device}) has no {kind} points, so the server's "
-                                 f"{kind} forwards cannot be replayed; remeasure it with this hycoc ({MAKE_HINT})")
+            raise CostModelError(
+                f"the cost model ({self.model}, {self.device}) has no {kind} points, so the server's "
+                f"{kind} forwards cannot be replayed; remeasure it with this hycoc ({MAKE_HINT})"
+            )
         if not grid[0] <= rows <= grid[-1]:
             flag = {"verify": "--rows", "head_step": "--rows", "prefill": "--prefill-rows"}[kind]
-            raise CostModelError(f"rows = {rows} is outside the cost model's measured {kind} rows [{grid[0]}, "
-                                 f"{grid[-1]}] ({self.model}, {self.device}); measure it: "
-                                 f"benchmarks/verifier_cost_model.py {flag} "
-                                 f"{','.join(str(int(r)) for r in sorted(set(grid.tolist()) | {int(rows)}))}")
+            raise CostModelError(
+                f"rows = {rows} is outside the cost model's measured {kind} rows [{grid[0]}, "
+                f"{grid[-1]}] ({self.model}, {self.device}); measure it: "
+                f"benchmarks/verifier_cost_model.py {flag} "
+                f"{','.join(str(int(r)) for r in sorted(set(grid.tolist()) | {int(rows)}))}"
+            )
         if context < 0:
             raise CostModelError(f"context = {context}: a context is a count of cached positions, >= 0")
         table = self.table(kind)
@@ -228,7 +242,7 @@ class CostModel(BaseModel):
         w = (rows - grid[i]) / (grid[i + 1] - grid[i])
         return float(lo + w * (hi - lo))
 
-    def forwards_ms(self, forwards: Iterable["Forward"]) -> float:
+    def forwards_ms(self, forwards: Iterable[Forward]) -> float:
         """Sum of `predict` over forwards (`Forward` or (kind, rows, context) tuples), ms."""
         return float(sum(self.predict(int(f[1]), int(f[2]), str(f[0])) for f in forwards))
 
@@ -252,7 +266,7 @@ class CostModel(BaseModel):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
-            os.chmod(tmp, 0o644)   # mkstemp makes 0600; the bench's other outputs are 0644
+            os.chmod(tmp, 0o644)  # mkstemp makes 0600; the bench's other outputs are 0644
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(self.to_json())
                 f.flush()
@@ -274,12 +288,20 @@ class Forward(NamedTuple):
 
 
 #: bench configuration (Table 5) -> the draft place its sessions use (`hycoc.runtime.client.MODES`).
-DRAFT_PLACE_OF = {"cloud-mtp": "cloud-mtp", "server-head": "server-head", "hyco": "device", "hyco-exact": "device",
-                  "hyco-2p": "device", "specedge": "device", "specedge-eps": "device"}
+DRAFT_PLACE_OF = {
+    "cloud-mtp": "cloud-mtp",
+    "server-head": "server-head",
+    "hyco": "device",
+    "hyco-exact": "device",
+    "hyco-2p": "device",
+    "specedge": "device",
+    "specedge-eps": "device",
+}
 
 
-def round_forwards(draft_place: str, rows: int, context: int, *, head_steps: int = 0,
-                   head_context: int = 0) -> list[Forward]:
+def round_forwards(
+    draft_place: str, rows: int, context: int, *, head_steps: int = 0, head_context: int = 0
+) -> list[Forward]:
     """The forwards of one round (Alg. 4; Table 5's server-side baselines), in the order the engine runs them.
 
     draft_place: "device" (HyCo, SpecEdge: verification only), "cloud-mtp" (``head_steps`` head steps reading
@@ -291,18 +313,23 @@ def round_forwards(draft_place: str, rows: int, context: int, *, head_steps: int
     Forward("verify", 5, 300).
     """
     if rows < 1 or context < 0 or head_steps < 0 or head_context < 0:
-        raise CostModelError(f"round rows = {rows}, context = {context}, head_steps = {head_steps}, head_context = "
-                             f"{head_context}: need rows >= 1 and the rest >= 0")
+        raise CostModelError(
+            f"round rows = {rows}, context = {context}, head_steps = {head_steps}, head_context = "
+            f"{head_context}: need rows >= 1 and the rest >= 0"
+        )
     verify = Forward("verify", int(rows), int(context))
     if draft_place == "device":
         if head_steps:
-            raise CostModelError(f"a device-drafted round runs no head step on the server, got head_steps = "
-                                 f"{head_steps}")
+            raise CostModelError(
+                f"a device-drafted round runs no head step on the server, got head_steps = {head_steps}"
+            )
         return [verify]
     if draft_place == "cloud-mtp":
         if rows != head_steps + 1:
-            raise CostModelError(f"a cloud-mtp round verifies the root and its {head_steps}-token chain: rows must "
-                                 f"be {head_steps + 1}, got {rows}")
+            raise CostModelError(
+                f"a cloud-mtp round verifies the root and its {head_steps}-token chain: rows must "
+                f"be {head_steps + 1}, got {rows}"
+            )
         return [Forward("head_step", 1, int(context))] * head_steps + [verify]
     if draft_place == "server-head":
         return [verify] + [Forward("head_step", 1, int(head_context))] * head_steps
@@ -318,8 +345,14 @@ def prefill_forwards(start: int, stop: int, chunk: int = PREFILL_CHUNK) -> list[
     return [Forward("prefill", min(chunk, stop - t), t) for t in range(start, stop, chunk)]
 
 
-def request_forwards(record: dict, *, chain_length: int | None = None, head_window: int | None = None,
-                     prefill_chunk: int = PREFILL_CHUNK, prefill: bool = True) -> list[list[Forward]]:
+def request_forwards(
+    record: dict,
+    *,
+    chain_length: int | None = None,
+    head_window: int | None = None,
+    prefill_chunk: int = PREFILL_CHUNK,
+    prefill: bool = True,
+) -> list[list[Forward]]:
     """Every forward the server ran for one bench record (`hycoc.bench.summary` record keys), grouped: the prefill
     chunks first (one group, empty without ``prefill``), then one group per round (`round_forwards`).
 
@@ -334,12 +367,16 @@ def request_forwards(record: dict, *, chain_length: int | None = None, head_wind
     """
     rows, ctx = list(record.get("rows") or ()), list(record.get("context") or ())
     if len(rows) != len(ctx):
-        raise CostModelError(f"record {record.get('config')}/{record.get('question_id')}: {len(rows)} rows entries "
-                             f"but {len(ctx)} context entries")
+        raise CostModelError(
+            f"record {record.get('config')}/{record.get('question_id')}: {len(rows)} rows entries "
+            f"but {len(ctx)} context entries"
+        )
     place = DRAFT_PLACE_OF.get(str(record.get("config")), "device")
     if place == "server-head" and (chain_length is None or head_window is None):
-        raise CostModelError("server-head rounds run the head on the server: replaying them needs the recipe's "
-                             "chain_length (K) and head_window (W)")
+        raise CostModelError(
+            "server-head rounds run the head on the server: replaying them needs the recipe's "
+            "chain_length (K) and head_window (W)"
+        )
     groups: list[list[Forward]] = [[]]
     if prefill and ctx:
         groups[0] = prefill_forwards(int(record.get("prefill_start") or 0), int(ctx[0]), prefill_chunk)
@@ -349,8 +386,15 @@ def request_forwards(record: dict, *, chain_length: int | None = None, head_wind
         elif place == "server-head":
             last = i == len(rows) - 1
             t_next = int(ctx[i + 1]) if not last else int(t)
-            groups.append(round_forwards(place, int(r), int(t), head_steps=0 if last else int(chain_length),
-                                         head_context=min(int(head_window), t_next)))
+            groups.append(
+                round_forwards(
+                    place,
+                    int(r),
+                    int(t),
+                    head_steps=0 if last else int(chain_length),
+                    head_context=min(int(head_window), t_next),
+                )
+            )
         else:
             groups.append(round_forwards(place, int(r), int(t)))
     return groups
@@ -392,7 +436,7 @@ def bootstrap_tables(model: CostModel, draws: int, seed: int = 0) -> dict[str, n
         rows, ctxs = list(model.rows_of(kind)), list(model.contexts_of(kind))
         grid = np.empty((draws, len(rows), len(ctxs)))
         for p in sorted((p for p in model.points if p.kind == kind), key=lambda p: (p.rows, p.context)):
-            if p.kind == kind:   # a fixed order (the file's): a model and its saved copy draw the same grids
+            if p.kind == kind:  # a fixed order (the file's): a model and its saved copy draw the same grids
                 x = np.asarray(p.samples_ms, dtype=np.float64)
                 pick = rng.integers(0, len(x), size=(draws, len(x)))
                 grid[:, rows.index(p.rows), ctxs.index(p.context)] = np.percentile(x[pick], q, axis=1)
@@ -432,12 +476,12 @@ def predict_tables(model: CostModel, tables: dict[str, np.ndarray], forwards: Se
         r, c = rows[sel], ctx[sel]
         if r.min() < grid[0] or r.max() > grid[-1]:
             raise CostModelError(f"rows outside the cost model's measured {kind} rows [{grid[0]:g}, {grid[-1]:g}]")
-        t = tables[kind]                                         # (draws, nR, nC)
+        t = tables[kind]  # (draws, nR, nC)
         i = np.clip(np.searchsorted(grid, r, side="right") - 1, 0, len(grid) - 1)
         j = np.minimum(i + 1, len(grid) - 1)
         w = np.where(j > i, (r - grid[i]) / np.where(j > i, grid[j] - grid[i], 1.0), 0.0)
 
-        def along(lines: np.ndarray) -> np.ndarray:              # (draws, F, nC) -> (draws, F)
+        def along(lines: np.ndarray) -> np.ndarray:  # (draws, F, nC) -> (draws, F)
             if len(cgrid) == 1:
                 return lines[..., 0]
             k = np.clip(np.searchsorted(cgrid, c, side="right") - 1, 0, len(cgrid) - 2)
@@ -480,11 +524,15 @@ def load_cost_model(path: str | Path) -> CostModel:
     except json.JSONDecodeError as e:
         raise CostModelError(f"{path}: not JSON (line {e.lineno}, column {e.colno}: {e.msg}); {MAKE_HINT}") from None
     if not isinstance(data, dict):
-        raise CostModelError(f"{path}: expected a JSON object with schema_version, device, dtype, model, points; "
-                             f"got {type(data).__name__}")
+        raise CostModelError(
+            f"{path}: expected a JSON object with schema_version, device, dtype, model, points; "
+            f"got {type(data).__name__}"
+        )
     if "schema_version" in data and data["schema_version"] not in READABLE_SCHEMAS:
-        raise CostModelError(f"{path}: schema_version = {data['schema_version']!r}, this hycoc reads "
-                             f"{' and '.join(map(str, READABLE_SCHEMAS))}; remeasure with this hycoc ({MAKE_HINT})")
+        raise CostModelError(
+            f"{path}: schema_version = {data['schema_version']!r}, this hycoc reads "
+            f"{' and '.join(map(str, READABLE_SCHEMAS))}; remeasure with this hycoc ({MAKE_HINT})"
+        )
     data["source"] = "file"
     try:
         return CostModel.model_validate(data)
@@ -501,6 +549,23 @@ def load_cost_model(path: str | Path) -> CostModel:
         raise CostModelError(f"{path}: {msg}{more}; fix the file or {MAKE_HINT}") from None
 
 
-__all__ = ["bootstrap_tables", "predict_tables", "sample_quantile", "DRAFT_PLACE_OF", "KINDS", "PAPER_ROUND_MS", "PREFILL_CHUNK", "SCHEMA_VERSION", "CostModelError",
-           "CostPoint", "CostModel", "Forward", "load_cost_model", "prefill_forwards", "projected_server_ms",
-           "projected_g", "request_forwards", "round_forwards"]
+__all__ = [
+    "bootstrap_tables",
+    "predict_tables",
+    "sample_quantile",
+    "DRAFT_PLACE_OF",
+    "KINDS",
+    "PAPER_ROUND_MS",
+    "PREFILL_CHUNK",
+    "SCHEMA_VERSION",
+    "CostModelError",
+    "CostPoint",
+    "CostModel",
+    "Forward",
+    "load_cost_model",
+    "prefill_forwards",
+    "projected_server_ms",
+    "projected_g",
+    "request_forwards",
+    "round_forwards",
+]

@@ -123,7 +123,8 @@ LONG_SUMMARY_SEED = 42
 LONG_SUMMARY_TEMPLATE = (
     "You are given a book and you are tasked to summarize it. Write a summary of about 1000 to 1200 words. Only "
     "write about the plot and characters of the story. Do not discuss the themes or background of the book. Do not "
-    "provide any analysis or commentary.\n\n{demo}{context}\n\nNow summarize the book.\n\nSummary:")
+    "provide any analysis or commentary.\n\n{demo}{context}\n\nNow summarize the book.\n\nSummary:"
+)
 
 
 @dataclass(frozen=True)
@@ -165,8 +166,10 @@ def read_long_documents(path: str | Path) -> list[LongDocument]:
         seen[rid] = number
         docs.append(LongDocument(rid, context, tuple(answer), where))
     if len(docs) <= LONG_SUMMARY_SHOTS:
-        raise DatasetError(f"{path}: {len(docs)} document(s); the 2-shot prompt needs at least "
-                           f"{LONG_SUMMARY_SHOTS + 1} (each prompt's demonstrations are other rows' summaries)")
+        raise DatasetError(
+            f"{path}: {len(docs)} document(s); the 2-shot prompt needs at least "
+            f"{LONG_SUMMARY_SHOTS + 1} (each prompt's demonstrations are other rows' summaries)"
+        )
     return docs
 
 
@@ -179,8 +182,9 @@ def helmet_order(n: int, seed: int = LONG_SUMMARY_SEED) -> list[int]:
     return [int(i) for i in np.random.default_rng(seed).permutation(n)]
 
 
-def helmet_demos(docs: list[LongDocument], index: int, shots: int = LONG_SUMMARY_SHOTS,
-                 seed: int = LONG_SUMMARY_SEED) -> str:
+def helmet_demos(
+    docs: list[LongDocument], index: int, shots: int = LONG_SUMMARY_SHOTS, seed: int = LONG_SUMMARY_SEED
+) -> str:
     """The ``{demo}`` text of row ``index``'s prompt, as HELMET's ``add_demos``: the other rows (file order) shuffled
     with ``seed``, the first ``shots`` of them, each as ``"[story text]\\nSummary: " + its first summary`` (the
     demonstration's document is replaced by the placeholder), joined by blank lines, framed by "For example:" and
@@ -194,8 +198,9 @@ def helmet_demos(docs: list[LongDocument], index: int, shots: int = LONG_SUMMARY
 def long_summary_text(docs: list[LongDocument], index: int, context: str | None = None) -> str:
     """Row ``index``'s user message: `LONG_SUMMARY_TEMPLATE` with its 2-shot demonstrations and its document
     (``context`` replaces the row's own, e.g. a truncated copy)."""
-    return LONG_SUMMARY_TEMPLATE.format(demo=helmet_demos(docs, index),
-                                        context=docs[index].context if context is None else context)
+    return LONG_SUMMARY_TEMPLATE.format(
+        demo=helmet_demos(docs, index), context=docs[index].context if context is None else context
+    )
 
 
 def fit_context(docs: list[LongDocument], index: int, prompt_tokens, max_prompt_tokens: int) -> str:
@@ -207,10 +212,12 @@ def fit_context(docs: list[LongDocument], index: int, prompt_tokens, max_prompt_
     if prompt_tokens(long_summary_text(docs, index, context)) <= max_prompt_tokens:
         return context
     if prompt_tokens(long_summary_text(docs, index, "")) > max_prompt_tokens:
-        raise DatasetError(f"{docs[index].where}: the prompt without its document already has more than "
-                           f"{max_prompt_tokens} tokens (its demonstrations are too long)")
+        raise DatasetError(
+            f"{docs[index].where}: the prompt without its document already has more than "
+            f"{max_prompt_tokens} tokens (its demonstrations are too long)"
+        )
     lines = context.splitlines(keepends=True)
-    lo, hi = 0, len(lines)            # the longest prefix of whole lines that fits: lines[:lo] fits, [:hi + 1] not
+    lo, hi = 0, len(lines)  # the longest prefix of whole lines that fits: lines[:lo] fits, [:hi + 1] not
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if prompt_tokens(long_summary_text(docs, index, "".join(lines[:mid]).rstrip())) <= max_prompt_tokens:
@@ -220,8 +227,13 @@ def fit_context(docs: list[LongDocument], index: int, prompt_tokens, max_prompt_
     return "".join(lines[:lo]).rstrip()
 
 
-def load_long_summary(path: str | Path = LONG_SUMMARY, *, count: int = LONG_SUMMARY_COUNT, prompt_tokens=None,
-                      max_prompt_tokens: int | None = None) -> list[Question]:
+def load_long_summary(
+    path: str | Path = LONG_SUMMARY,
+    *,
+    count: int = LONG_SUMMARY_COUNT,
+    prompt_tokens=None,
+    max_prompt_tokens: int | None = None,
+) -> list[Question]:
     """Long-document summarization requests (paper §4.1, App. D) from an ∞Bench ``longbook_sum_eng``-schema file
     (the real ``longbook_sum_eng.jsonl`` from a local path, or `LONG_SUMMARY`): the first ``count`` rows of
     HELMET's seed-42 order (`helmet_order`; the paper: 50), each a one-turn Question whose text is HELMET's 2-shot
@@ -238,8 +250,7 @@ def load_long_summary(path: str | Path = LONG_SUMMARY, *, count: int = LONG_SUMM
         context = None
         if prompt_tokens is not None and max_prompt_tokens is not None:
             context = fit_context(docs, i, prompt_tokens, max_prompt_tokens)
-        out.append(Question(docs[i].id, LONG_SUMMARY_CATEGORY, (long_summary_text(docs, i, context),),
-                            docs[i].answer))
+        out.append(Question(docs[i].id, LONG_SUMMARY_CATEGORY, (long_summary_text(docs, i, context),), docs[i].answer))
     return out
 
 

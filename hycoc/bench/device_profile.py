@@ -61,7 +61,7 @@ def profile_inputs(entry, seed: int = 0) -> dict[str, np.ndarray]:
             out[spec.name] = np.zeros(shape, dtype)
         elif spec.name.startswith("mask"):
             m = np.zeros(shape, np.float32)
-            m[..., shape[-1] // 2:] = -1e4
+            m[..., shape[-1] // 2 :] = -1e4
             out[spec.name] = m
         elif spec.name.startswith(("cos", "sin")):
             angle = rs.uniform(0, 2 * np.pi, shape)
@@ -97,9 +97,13 @@ def summarize_profile(profile: Mapping[str, Any], top: int = 5) -> dict:
     total = sum(by_type.values()) or 1.0
     ops = sorted(by_type.items(), key=lambda kv: -kv[1])[:top]
     peak = s.get("estimated_inference_peak_memory")
-    return {"execute_ms_median": round(statistics.median(ms), 4), "execute_ms_p90": round(p90, 4), "runs": len(ms),
-            "peak_memory_bytes": int(peak) if isinstance(peak, (int, float)) else None,
-            "top_ops": [{"type": t, "ms": round(us / 1000.0, 4), "share": round(us / total, 4)} for t, us in ops]}
+    return {
+        "execute_ms_median": round(statistics.median(ms), 4),
+        "execute_ms_p90": round(p90, 4),
+        "runs": len(ms),
+        "peak_memory_bytes": int(peak) if isinstance(peak, (int, float)) else None,
+        "top_ops": [{"type": t, "ms": round(us / 1000.0, 4), "share": round(us / total, 4)} for t, us in ops],
+    }
 
 
 def _partition_name(ctx_model: Path) -> str:
@@ -125,8 +129,15 @@ def _hub_model(hub: Any, manifest, binary: Path) -> Any:
     return hub.upload_model(str(binary))
 
 
-def profile_bundle(bundle_dir: str | os.PathLike, device: str, *, hub: Any = None, out: str | os.PathLike | None = None,
-                   graphs: Sequence[str] | None = None, on_job=None) -> dict:
+def profile_bundle(
+    bundle_dir: str | os.PathLike,
+    device: str,
+    *,
+    hub: Any = None,
+    out: str | os.PathLike | None = None,
+    graphs: Sequence[str] | None = None,
+    on_job=None,
+) -> dict:
     """Profile every graph of an htp / qai-hub bundle on AI Hub ``device`` and write ``out`` (default
     ``BUNDLE/device_profile.json``) atomically; returns its dict (module docstring). ``hub``: the qai_hub module or
     a ``qai_hub.Client`` (`hycoc.targets.qai_hub.check_setup` when None, so a missing token fails before any
@@ -138,13 +149,21 @@ def profile_bundle(bundle_dir: str | os.PathLike, device: str, *, hub: Any = Non
     bundle_dir = Path(bundle_dir)
     manifest = load_manifest(bundle_dir)
     if manifest.target.backend != "htp":
-        raise DeviceProfileError(f"{bundle_dir}: a {manifest.target.name} bundle has no context binaries to profile; "
-                                 "build it with --target htp-vNN (or --device NAME) or --target qai-hub")
+        raise DeviceProfileError(
+            f"{bundle_dir}: a {manifest.target.name} bundle has no context binaries to profile; "
+            "build it with --target htp-vNN (or --device NAME) or --target qai-hub"
+        )
     hub = check_setup() if hub is None else hub
     dev = resolve_device(hub, device, manifest.target.htp_arch)
     uploaded: dict[str, Any] = {}
-    result = {"kind": "profile", "device": dev.name, "device_validated": dev.validated, "bundle": str(bundle_dir),
-              "source": "AI Hub inference jobs with profile=True", "graphs": {}}
+    result = {
+        "kind": "profile",
+        "device": dev.name,
+        "device_validated": dev.validated,
+        "bundle": str(bundle_dir),
+        "source": "AI Hub inference jobs with profile=True",
+        "graphs": {},
+    }
     for entry in manifest.graphs:
         if graphs is not None and entry.name not in graphs:
             continue
@@ -154,20 +173,27 @@ def profile_bundle(bundle_dir: str | os.PathLike, device: str, *, hub: Any = Non
             uploaded[entry.context_binary] = _hub_model(hub, manifest, bundle_dir / entry.context_binary)
         name = _partition_name(bundle_dir / entry.file)
         inputs = {k: [v] for k, v in profile_inputs(entry).items()}
-        job = hub.submit_inference_job(uploaded[entry.context_binary], device=hub_device(dev.name), inputs=inputs,
-                                       name=f"hycoc-profile-{entry.name}", profile=True,
-                                       options=f"--qnn_options context_enable_graphs={name}")
+        job = hub.submit_inference_job(
+            uploaded[entry.context_binary],
+            device=hub_device(dev.name),
+            inputs=inputs,
+            name=f"hycoc-profile-{entry.name}",
+            profile=True,
+            options=f"--qnn_options context_enable_graphs={name}",
+        )
         if on_job:
             on_job(entry.name, str(job.job_id))
         status = job.wait()
         if not status.success:
-            raise DeviceProfileError(f"AI Hub inference job {job.job_id} (graph {entry.name}) failed: "
-                                     f"{getattr(status, 'message', None) or status.code}")
+            raise DeviceProfileError(
+                f"AI Hub inference job {job.job_id} (graph {entry.name}) failed: "
+                f"{getattr(status, 'message', None) or status.code}"
+            )
         summary = summarize_profile(job.download_profile())
         result["graphs"][entry.name] = {"job": str(job.job_id), **summary}
     target = Path(out) if out is not None else bundle_dir / PROFILE_FILE
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    os.chmod(tmp, 0o644)   # mkstemp makes 0600
+    os.chmod(tmp, 0o644)  # mkstemp makes 0600
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
     os.replace(tmp, target)
@@ -184,13 +210,13 @@ def load_device_costs(path: str | os.PathLike) -> tuple[dict[str, float], str]:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         costs = {g: float(v["execute_ms_median"]) for g, v in data["graphs"].items()}
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DeviceProfileError(f"--device-profile {path}: not a device_profile.json written by `hycoc profile` "
-                                 f"({e})") from None
+        raise DeviceProfileError(
+            f"--device-profile {path}: not a device_profile.json written by `hycoc profile` ({e})"
+        ) from None
     return costs, f"profiled on {data.get('device', '?')} (AI Hub, median execute time per call)"
 
 
-def estimated_device_costs(bundle_dir: str | os.PathLike, npu: int | str | None = None
-                           ) -> tuple[dict[str, float], str]:
+def estimated_device_costs(bundle_dir: str | os.PathLike, npu: int | str | None = None) -> tuple[dict[str, float], str]:
     """(graph -> estimated device ms per call, label) from the bundle's own bytes and MACs and the NPU profile of
     ``npu`` (a Hexagon arch: 81, "v81"; default: the bundle's target arch, v81 — the paper's phone — for a cpu
     bundle). Raises DeviceProfileError "device-time estimate not fitted for vXX ..." for an arch without fitted
@@ -204,8 +230,10 @@ def estimated_device_costs(bundle_dir: str | os.PathLike, npu: int | str | None 
         profile = npu_profile(npu)
     except NotFittedError as e:
         raise DeviceProfileError(str(e)) from None
-    return ({g: profile.call_ms(c) for g, c in bundle_graph_costs(bundle_dir).items()},
-            f"{ESTIMATE_LABEL}, NPU profile {profile.name}")
+    return (
+        {g: profile.call_ms(c) for g, c in bundle_graph_costs(bundle_dir).items()},
+        f"{ESTIMATE_LABEL}, NPU profile {profile.name}",
+    )
 
 
 def call_ms(name: str, costs: Mapping[str, float]) -> float:
@@ -227,9 +255,19 @@ def project_records(records: Sequence[Mapping], costs: Mapping[str, float]) -> d
     for r in records:
         if "draft_calls" not in r:
             continue
-        d = per.setdefault(r["config"], {"rounds": 0, "tokens": 0, "phone_draft_ms": 0.0, "host_ms": 0.0,
-                                          "cpu_draft_ms": 0.0, "phone_seconds": 0.0, "cpu_seconds": 0.0,
-                                          "calls": {}})
+        d = per.setdefault(
+            r["config"],
+            {
+                "rounds": 0,
+                "tokens": 0,
+                "phone_draft_ms": 0.0,
+                "host_ms": 0.0,
+                "cpu_draft_ms": 0.0,
+                "phone_seconds": 0.0,
+                "cpu_seconds": 0.0,
+                "calls": {},
+            },
+        )
         graph_ms = sum(n * call_ms(g, costs) for g, n in r["draft_calls"].items())
         host = max(0.0, float(r["draft_ms"]) - float(r.get("draft_graph_ms") or 0.0))
         fill = sum(n * call_ms(g, costs) for g, n in (r.get("prefill_calls") or {}).items())
@@ -241,15 +279,21 @@ def project_records(records: Sequence[Mapping], costs: Mapping[str, float]) -> d
         d["host_ms"] += host
         d["cpu_draft_ms"] += float(r["draft_ms"])
         d["cpu_seconds"] += float(r["seconds"])
-        d["phone_seconds"] += (float(r["seconds"]) - float(r["draft_ms"]) / 1000 + phone_draft / 1000
-                               - float(r.get("slm_prefill_ms") or 0.0) / 1000 + fill / 1000)
+        d["phone_seconds"] += (
+            float(r["seconds"])
+            - float(r["draft_ms"]) / 1000
+            + phone_draft / 1000
+            - float(r.get("slm_prefill_ms") or 0.0) / 1000
+            + fill / 1000
+        )
         for g, n in r["draft_calls"].items():
             d["calls"][g] = d["calls"].get(g, 0) + int(n)
     out = {}
     for config, d in per.items():
         rounds, tokens = max(d["rounds"], 1), max(d["tokens"], 1)
         out[config] = {
-            "rounds": d["rounds"], "tokens": d["tokens"],
+            "rounds": d["rounds"],
+            "tokens": d["tokens"],
             "calls_per_round": {g: round(n / rounds, 3) for g, n in sorted(d["calls"].items())},
             "phone_draft_ms_per_round": round(d["phone_draft_ms"] / rounds, 3),
             "phone_draft_ms_per_token": round(d["phone_draft_ms"] / tokens, 3),
@@ -270,11 +314,15 @@ def profile_table(result: Mapping[str, Any]):
     for g, v in result["graphs"].items():
         ops = ", ".join(f"{o['type']} {o['ms']:.2f}" for o in v["top_ops"][:3])
         peak = "-" if v["peak_memory_bytes"] is None else f"{v['peak_memory_bytes'] / 1e6:.1f}"
-        rows.append([g, v["job"], f"{v['execute_ms_median']:.3f}", f"{v['execute_ms_p90']:.3f}", str(v["runs"]),
-                     peak, ops])
-    return TextTable(title=f"device profile on {result['device']} (AI Hub)",
-                     headers=["graph", "job", "execute ms median", "p90", "runs", "peak MB", "top ops (ms)"], rows=rows,
-                     justify=["left", "left", "right", "right", "right", "right", "left"])
+        rows.append(
+            [g, v["job"], f"{v['execute_ms_median']:.3f}", f"{v['execute_ms_p90']:.3f}", str(v["runs"]), peak, ops]
+        )
+    return TextTable(
+        title=f"device profile on {result['device']} (AI Hub)",
+        headers=["graph", "job", "execute ms median", "p90", "runs", "peak MB", "top ops (ms)"],
+        rows=rows,
+        justify=["left", "left", "right", "right", "right", "right", "left"],
+    )
 
 
 def device_table(projection: Mapping[str, dict], label: str):
@@ -289,13 +337,33 @@ def device_table(projection: Mapping[str, dict], label: str):
     rows = []
     for config in _order(projection):
         p = projection[config]
-        rows.append([config, ", ".join(f"{g} {n:g}" for g, n in p["calls_per_round"].items()),
-                     num(p["phone_draft_ms_per_round"]), num(p["phone_draft_ms_per_token"]), num(p["host_ms_per_round"]),
-                     num(p["cpu_draft_ms_per_round"]), num(p["phone_tok_per_s"]), num(p["cpu_tok_per_s"])])
-    return TextTable(title=f"device time per round: graph costs {label}; host work as measured on this CPU",
-                     headers=["config", "calls / round", "phone draft ms / round", "phone draft ms / token",
-                              "host ms / round", "CPU draft ms / round", "phone tok/s", "CPU tok/s"],
-                     rows=rows, justify=["left", "left"] + ["right"] * 6)
+        rows.append(
+            [
+                config,
+                ", ".join(f"{g} {n:g}" for g, n in p["calls_per_round"].items()),
+                num(p["phone_draft_ms_per_round"]),
+                num(p["phone_draft_ms_per_token"]),
+                num(p["host_ms_per_round"]),
+                num(p["cpu_draft_ms_per_round"]),
+                num(p["phone_tok_per_s"]),
+                num(p["cpu_tok_per_s"]),
+            ]
+        )
+    return TextTable(
+        title=f"device time per round: graph costs {label}; host work as measured on this CPU",
+        headers=[
+            "config",
+            "calls / round",
+            "phone draft ms / round",
+            "phone draft ms / token",
+            "host ms / round",
+            "CPU draft ms / round",
+            "phone tok/s",
+            "CPU tok/s",
+        ],
+        rows=rows,
+        justify=["left", "left"] + ["right"] * 6,
+    )
 
 
 def render_device_table(projection: Mapping[str, dict], label: str, console, fmt: str = "table") -> None:

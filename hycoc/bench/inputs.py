@@ -7,8 +7,9 @@ one line.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 class BenchInputError(ValueError):
@@ -67,8 +68,16 @@ def display_path(path: Path, cwd: Path | None = None) -> str:
         return str(path)
 
 
-def bench_bundle(cfg, recipe: Path, bundle: Path | None, repo_root: Path, *, command: str = "bench",
-                 say: Callable[[str], Any] = print, build: Callable | None = None) -> Path:
+def bench_bundle(
+    cfg,
+    recipe: Path,
+    bundle: Path | None,
+    repo_root: Path,
+    *,
+    command: str = "bench",
+    say: Callable[[str], Any] = print,
+    build: Callable | None = None,
+) -> Path:
     """The bundle a bench-like command runs: ``bundle`` (``--bundle``) if given, which must hold a manifest.json;
     else ``bundles/<recipe name>-cpu`` under ``repo_root`` (`hycoc.bench.runner.default_bundle_dir`), built
     there first with `hycoc.passes.build.build_bundle` (cache ``repo_root/.hycoc-cache``) when it has no manifest,
@@ -89,9 +98,18 @@ def bench_bundle(cfg, recipe: Path, bundle: Path | None, repo_root: Path, *, com
     return bundle_dir
 
 
-def bench_questions(cfg, recipe: Path, bundle: Path | None, dataset: str | None, max_prompt_tokens: int | None,
-                    repo_root: Path, default_dataset: Path, *, say: Callable[[str], Any] = print,
-                    build: Callable | None = None):
+def bench_questions(
+    cfg,
+    recipe: Path,
+    bundle: Path | None,
+    dataset: str | None,
+    max_prompt_tokens: int | None,
+    repo_root: Path,
+    default_dataset: Path,
+    *,
+    say: Callable[[str], Any] = print,
+    build: Callable | None = None,
+):
     """``hycoc bench``'s questions: (questions, the dataset's name for the table, the bundle folder). The dataset is
     ``dataset`` (``--dataset``: a built-in name or a path), else the recipe's bench.dataset, else
     ``default_dataset`` (`hycoc.bench.datasets.load_bench_dataset`); with ``max_prompt_tokens`` long documents are
@@ -103,21 +121,36 @@ def bench_questions(cfg, recipe: Path, bundle: Path | None, dataset: str | None,
     spec = dataset or cfg.resolve_path(cfg.bench.dataset) or default_dataset
     path = BUILTIN_DATASETS.get(str(spec), Path(spec))
     long_doc = is_long_summary_file(path)
-    if (dataset is not None and dataset not in BUILTIN_DATASETS and not Path(dataset).exists()
-            and not Path(dataset).suffix and "/" not in dataset):          # a mistyped name, not a path
-        raise BenchInputError(f"--dataset {dataset}: not a built-in dataset ({', '.join(BUILTIN_DATASETS)}) and no "
-                              "such file")
+    if (
+        dataset is not None
+        and dataset not in BUILTIN_DATASETS
+        and not Path(dataset).exists()
+        and not Path(dataset).suffix
+        and "/" not in dataset
+    ):  # a mistyped name, not a path
+        raise BenchInputError(
+            f"--dataset {dataset}: not a built-in dataset ({', '.join(BUILTIN_DATASETS)}) and no such file"
+        )
     questions = load_bench_dataset(path)
     bundle_dir = bench_bundle(cfg, recipe, bundle, repo_root, command="bench", say=say, build=build)
     if long_doc and max_prompt_tokens is not None:
         from hycoc.runtime.device_bundle import open_bundle
 
-        chat = open_bundle(bundle_dir, "cpu", verify=False).chat      # the bundle's own chat format
-        questions = load_bench_dataset(path, prompt_tokens=lambda text: len(chat.prompt(text)),
-                                       max_prompt_tokens=max_prompt_tokens)
+        chat = open_bundle(bundle_dir, "cpu", verify=False).chat  # the bundle's own chat format
+        questions = load_bench_dataset(
+            path, prompt_tokens=lambda text: len(chat.prompt(text)), max_prompt_tokens=max_prompt_tokens
+        )
     name = str(dataset) if dataset in BUILTIN_DATASETS else ("long-document" if long_doc else "Spec-Bench")
     return questions, name, bundle_dir
 
 
-__all__ = ["BenchInputError", "OptionError", "bench_bundle", "bench_questions", "check_link_option", "display_path",
-           "parse_configs", "parse_epsilons"]
+__all__ = [
+    "BenchInputError",
+    "OptionError",
+    "bench_bundle",
+    "bench_questions",
+    "check_link_option",
+    "display_path",
+    "parse_configs",
+    "parse_epsilons",
+]

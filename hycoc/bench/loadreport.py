@@ -56,12 +56,42 @@ GPU_FLAT_ROWS = 206
 
 RESULTS_SCHEMA = 1
 #: Keys of every row of results.json's ``runs`` (the test of the schema reads this).
-RUN_KEYS = ("mode", "sessions", "duration_s", "rounds", "committed_tokens", "tok_per_s", "verifier_ms_per_token",
-            "reply_ms_per_token", "tok_per_s_whole", "ramp_s", "steady", "devices_served", "device_wait_ms", "mat",
-            "latency_ms", "open_ms_p50", "rows_per_tree", "rows_per_forward", "sessions_per_forward",
-            "queue_wait_ms", "rows_kept_per_session", "expected_tokens_per_forward", "rows_trimmed",
-            "context_mean", "errors", "errors_total", "requests_finished", "requests_truncated", "requests_off_trace",
-            "server_rounds", "server_tokens", "client_cpu_pct", "loadavg", "projection")
+RUN_KEYS = (
+    "mode",
+    "sessions",
+    "duration_s",
+    "rounds",
+    "committed_tokens",
+    "tok_per_s",
+    "verifier_ms_per_token",
+    "reply_ms_per_token",
+    "tok_per_s_whole",
+    "ramp_s",
+    "steady",
+    "devices_served",
+    "device_wait_ms",
+    "mat",
+    "latency_ms",
+    "open_ms_p50",
+    "rows_per_tree",
+    "rows_per_forward",
+    "sessions_per_forward",
+    "queue_wait_ms",
+    "rows_kept_per_session",
+    "expected_tokens_per_forward",
+    "rows_trimmed",
+    "context_mean",
+    "errors",
+    "errors_total",
+    "requests_finished",
+    "requests_truncated",
+    "requests_off_trace",
+    "server_rounds",
+    "server_tokens",
+    "client_cpu_pct",
+    "loadavg",
+    "projection",
+)
 
 
 def percentile(values, q: float) -> float:
@@ -82,8 +112,15 @@ def _hist_mean(before: dict, after: dict, name: str, scale: float = 1.0) -> floa
     return (after[s] - before.get(s, 0.0)) / n * scale if n > 0 else None
 
 
-def summarize_run(mode: str, sessions: int, duration_s: float, stats, metrics_before: dict | None = None,
-                  metrics_after: dict | None = None, loadavg: tuple | None = None) -> dict:
+def summarize_run(
+    mode: str,
+    sessions: int,
+    duration_s: float,
+    stats,
+    metrics_before: dict | None = None,
+    metrics_after: dict | None = None,
+    loadavg: tuple | None = None,
+) -> dict:
     """One row of the report (module docstring) from a run's `RunStats` of ``sessions`` devices; only rounds
     answered within the window (after the ramp, up to ``duration_s`` s from the start) count. Returns a dict with
     the keys `RUN_KEYS` (``projection`` None: see `project`)."""
@@ -101,22 +138,34 @@ def summarize_run(mode: str, sessions: int, duration_s: float, stats, metrics_be
         return int(after[name] - before.get(name, 0.0)) if name in after else None
 
     reply_ms = sum(r.server_ms for r in rounds) / tokens if tokens else None
-    worker_ms, worker_tokens = (after.get(k, 0.0) - before.get(k, 0.0) for k in ("hycoc_server_ms_total",
-                                                                                 "hycoc_tokens_committed_total"))
+    worker_ms, worker_tokens = (
+        after.get(k, 0.0) - before.get(k, 0.0) for k in ("hycoc_server_ms_total", "hycoc_tokens_committed_total")
+    )
     has_counters = "hycoc_server_ms_total" in after and worker_tokens > 0
     return {
-        "mode": mode, "sessions": int(sessions), "duration_s": float(duration_s), "rounds": len(rounds),
-        "committed_tokens": tokens, "tok_per_s": tokens / (duration_s - start),
-        "tok_per_s_whole": whole / duration_s, "ramp_s": ramp, "steady": steady,
+        "mode": mode,
+        "sessions": int(sessions),
+        "duration_s": float(duration_s),
+        "rounds": len(rounds),
+        "committed_tokens": tokens,
+        "tok_per_s": tokens / (duration_s - start),
+        "tok_per_s_whole": whole / duration_s,
+        "ramp_s": ramp,
+        "steady": steady,
         "devices_served": len(stats.first_round_s),
-        "device_wait_ms": {"asked": float(waits[:, 0].mean()), "slept": float(waits[:, 1].mean())} if len(waits)
+        "device_wait_ms": {"asked": float(waits[:, 0].mean()), "slept": float(waits[:, 1].mean())}
+        if len(waits)
         else None,
         "verifier_ms_per_token": worker_ms / worker_tokens if has_counters else reply_ms,
         "reply_ms_per_token": reply_ms,
         "mat": tokens / len(rounds) if rounds else None,
-        "latency_ms": {"mean": float(np.mean(lat)) if lat else math.nan, "p50": percentile(lat, 50),
-                       "p90": percentile(lat, 90), "p99": percentile(lat, 99),
-                       "max": float(np.max(lat)) if lat else math.nan},
+        "latency_ms": {
+            "mean": float(np.mean(lat)) if lat else math.nan,
+            "p50": percentile(lat, 50),
+            "p90": percentile(lat, 90),
+            "p99": percentile(lat, 99),
+            "max": float(np.max(lat)) if lat else math.nan,
+        },
         "open_ms_p50": percentile(stats.opens_ms, 50),
         "rows_per_tree": float(np.mean([r.rows for r in rounds])) if rounds else None,
         "rows_per_forward": _hist_mean(before, after, "hycoc_batch_rows"),
@@ -126,10 +175,13 @@ def summarize_run(mode: str, sessions: int, duration_s: float, stats, metrics_be
         "expected_tokens_per_forward": _hist_mean(before, after, "hycoc_expected_tokens_per_forward"),
         "rows_trimmed": diff("hycoc_rows_trimmed_total"),
         "context_mean": float(np.mean([r.context for r in rounds])) if rounds else None,
-        "errors": dict(sorted(stats.errors.items())), "errors_total": int(sum(stats.errors.values())),
-        "requests_finished": stats.requests_finished, "requests_truncated": stats.requests_truncated,
+        "errors": dict(sorted(stats.errors.items())),
+        "errors_total": int(sum(stats.errors.values())),
+        "requests_finished": stats.requests_finished,
+        "requests_truncated": stats.requests_truncated,
         "requests_off_trace": getattr(stats, "requests_off_trace", 0),
-        "server_rounds": diff("hycoc_rounds_total"), "server_tokens": diff("hycoc_tokens_committed_total"),
+        "server_rounds": diff("hycoc_rounds_total"),
+        "server_tokens": diff("hycoc_tokens_committed_total"),
         "client_cpu_pct": 100.0 * stats.client_cpu_s / stats.wall_s if stats.wall_s > 0 else None,
         "loadavg": list(loadavg) if loadavg is not None else None,
         "projection": None,
@@ -157,14 +209,15 @@ def project(row: dict, cost_model=None) -> dict | None:
     rows = float(row["rows_per_forward"]) if row.get("rows_per_forward") else trees * per_tree
     if cost_model is None:
         speedup = trees / max(1.0, rows / GPU_FLAT_ROWS)
-        basis = (f"assumed GPU: a forward of up to {GPU_FLAT_ROWS} rows costs one tree's, linear beyond "
-                 "(H200 bf16 ridge point)")
+        basis = (
+            f"assumed GPU: a forward of up to {GPU_FLAT_ROWS} rows costs one tree's, linear beyond "
+            "(H200 bf16 ridge point)"
+        )
     else:
         ctx = int(round(row.get("context_mean") or 0))
         basis = f"cost model {cost_model.model} on {cost_model.device}"
         try:
-            speedup = cost_model.predict(int(round(per_tree)), ctx) * trees / cost_model.predict(int(round(rows)),
-                                                                                               ctx)
+            speedup = cost_model.predict(int(round(per_tree)), ctx) * trees / cost_model.predict(int(round(rows)), ctx)
         except CostModelError as e:
             speedup, basis = None, f"{basis}: {e}"
     return {"trees_per_forward": trees, "rows_per_forward": rows, "speedup": speedup, "basis": basis}
@@ -178,8 +231,17 @@ def gpu_row_cost(flat_rows: int = GPU_FLAT_ROWS):
     return RowCost(((1, 1.0), (flat_rows, 1.0), (2 * flat_rows, 2.0)), source=f"assumed GPU, flat to {flat_rows} rows")
 
 
-def budget_projection(trees: list, sessions: list[int], cost, *, tree_rows: int, max_batch_rows: int,
-                      min_rows: int = 2, draws: int = 200, seed: int = 0) -> list[dict]:
+def budget_projection(
+    trees: list,
+    sessions: list[int],
+    cost,
+    *,
+    tree_rows: int,
+    max_batch_rows: int,
+    min_rows: int = 2,
+    draws: int = 200,
+    seed: int = 0,
+) -> list[dict]:
     """What the row budget (`hycoc.verifier.row_budget.allocate`) would keep on another machine's cost line,
     computed from recorded trees -- a projection, not a measurement.
 
@@ -201,31 +263,60 @@ def budget_projection(trees: list, sessions: list[int], cost, *, tree_rows: int,
         rows_f, rows_b, exp_f, exp_b, trimmed, gains = [], [], [], [], 0, []
         for _ in range(draws):
             batch = [trees[i] for i in rng.integers(0, len(trees), k)]
-            full = allocate(batch, cost, free_rows=10 ** 9, min_rows=min_rows)
+            full = allocate(batch, cost, free_rows=10**9, min_rows=min_rows)
             got = allocate(batch, cost, free_rows=free, min_rows=min_rows)
             rows_f.append(full.rows_after)
             rows_b.append(got.rows_after)
             exp_f.append(full.expected_tokens)
             exp_b.append(got.expected_tokens)
             trimmed += got.trimmed > 0
-            gains.append((got.expected_tokens / float(cost.ms(got.rows_after)))
-                         / (full.expected_tokens / float(cost.ms(full.rows_after))))
-        out.append({"sessions": int(n), "trees_per_forward": k, "rows_fixed": float(np.mean(rows_f)),
-                    "rows_budgeted": float(np.mean(rows_b)), "expected_fixed": float(np.mean(exp_f)),
-                    "expected_budgeted": float(np.mean(exp_b)), "trimmed_share": trimmed / draws,
-                    "gain": float(np.mean(gains)), "basis": cost.source})
+            gains.append(
+                (got.expected_tokens / float(cost.ms(got.rows_after)))
+                / (full.expected_tokens / float(cost.ms(full.rows_after)))
+            )
+        out.append(
+            {
+                "sessions": int(n),
+                "trees_per_forward": k,
+                "rows_fixed": float(np.mean(rows_f)),
+                "rows_budgeted": float(np.mean(rows_b)),
+                "expected_fixed": float(np.mean(exp_f)),
+                "expected_budgeted": float(np.mean(exp_b)),
+                "trimmed_share": trimmed / draws,
+                "gain": float(np.mean(gains)),
+                "basis": cost.source,
+            }
+        )
     return out
 
 
-def budget_table(rows: list[dict], title: str) -> "TextTable":
+def budget_table(rows: list[dict], title: str) -> TextTable:
     """The budget projection's table (`budget_projection`, keys: sessions), headed as a projection."""
     from hycoc.bench.tables import TextTable
 
-    headers = ["sessions", "trees/fwd", "rows fixed", "rows budgeted", "exp. tok fixed", "exp. tok budgeted",
-               "fwds trimmed", "exp. tok/ms gain"]
-    out = [[str(r["sessions"]), str(r["trees_per_forward"]), _num(r["rows_fixed"]), _num(r["rows_budgeted"]),
-            _num(r["expected_fixed"], 2), _num(r["expected_budgeted"], 2), f"{100 * r['trimmed_share']:.0f}%",
-            f"{r['gain']:.2f}x"] for r in rows]
+    headers = [
+        "sessions",
+        "trees/fwd",
+        "rows fixed",
+        "rows budgeted",
+        "exp. tok fixed",
+        "exp. tok budgeted",
+        "fwds trimmed",
+        "exp. tok/ms gain",
+    ]
+    out = [
+        [
+            str(r["sessions"]),
+            str(r["trees_per_forward"]),
+            _num(r["rows_fixed"]),
+            _num(r["rows_budgeted"]),
+            _num(r["expected_fixed"], 2),
+            _num(r["expected_budgeted"], 2),
+            f"{100 * r['trimmed_share']:.0f}%",
+            f"{r['gain']:.2f}x",
+        ]
+        for r in rows
+    ]
     return TextTable(title, headers, out, keys=1, justify=["right"] * len(headers))
 
 
@@ -239,6 +330,7 @@ def render_budget_projection(rows: list[dict], console, title: str, fmt: str = "
 def results_document(rows: list[dict], meta: dict) -> dict:
     """results.json's content: {"schema": RESULTS_SCHEMA, "meta": meta, "runs": rows} (rows as `summarize_run`
     made them, projections filled). NaN becomes null so the file is strict JSON."""
+
     def clean(x):
         if isinstance(x, float) and not math.isfinite(x):
             return None
@@ -306,24 +398,54 @@ def _num(x, digits: int = 1) -> str:
     return f"{x:,.{digits}f}"
 
 
-def load_table(rows: list[dict], title: str) -> "TextTable":
+def load_table(rows: list[dict], title: str) -> TextTable:
     """The summary table (`hycoc.bench.tables.TextTable`, keys: mode and sessions): per (mode, sessions) the
     measured columns (ramp s: seconds until every device had its first round; "(no end)": the run is measured from
     its start), then the projection's two, headed as a projection."""
     from hycoc.bench.tables import TextTable
 
-    headers = ["mode", "sessions", "ramp s", "rounds", "tok/s", "MAT", "verifier ms/tok", "p50 ms", "p90 ms",
-               "p99 ms", "rows/fwd", "rows kept/session", "errors", "proj.: trees/fwd", "proj.: GPU speed-up"]
+    headers = [
+        "mode",
+        "sessions",
+        "ramp s",
+        "rounds",
+        "tok/s",
+        "MAT",
+        "verifier ms/tok",
+        "p50 ms",
+        "p90 ms",
+        "p99 ms",
+        "rows/fwd",
+        "rows kept/session",
+        "errors",
+        "proj.: trees/fwd",
+        "proj.: GPU speed-up",
+    ]
     out = []
     for r in rows:
         lat, p = r["latency_ms"], r.get("projection") or {}
         errors = ", ".join(f"{k} {v}" for k, v in r["errors"].items()) or "0"
         speedup = p.get("speedup")
         ramp = _num(r["ramp_s"]) + ("" if r["steady"] else " (no end)")
-        out.append([r["mode"], str(r["sessions"]), ramp, f"{r['rounds']:,}", _num(r["tok_per_s"]),
-                    _num(r["mat"], 2), _num(r["verifier_ms_per_token"], 2), _num(lat["p50"]), _num(lat["p90"]),
-                    _num(lat["p99"]), _num(r["rows_per_forward"]), _num(r.get("rows_kept_per_session")), errors,
-                    _num(p.get("trees_per_forward"), 2), "n/a" if speedup is None else f"{speedup:.2f}x"])
+        out.append(
+            [
+                r["mode"],
+                str(r["sessions"]),
+                ramp,
+                f"{r['rounds']:,}",
+                _num(r["tok_per_s"]),
+                _num(r["mat"], 2),
+                _num(r["verifier_ms_per_token"], 2),
+                _num(lat["p50"]),
+                _num(lat["p90"]),
+                _num(lat["p99"]),
+                _num(r["rows_per_forward"]),
+                _num(r.get("rows_kept_per_session")),
+                errors,
+                _num(p.get("trees_per_forward"), 2),
+                "n/a" if speedup is None else f"{speedup:.2f}x",
+            ]
+        )
     justify = ["left", "right"] + ["right"] * 10 + ["left", "right", "right"]
     return TextTable(title, headers, out, keys=2, justify=justify)
 
@@ -335,6 +457,20 @@ def render_table(rows: list[dict], console, title: str, fmt: str = "table") -> N
     print_tables([load_table(rows, title)], console, fmt)
 
 
-__all__ = ["GPU_FLAT_ROWS", "RESULTS_SCHEMA", "RUN_KEYS", "budget_projection", "budget_table", "gpu_row_cost",
-           "load_table", "percentile", "project", "render_budget_projection", "render_table",
-           "results_document", "summarize_run", "write_plot", "write_results"]
+__all__ = [
+    "GPU_FLAT_ROWS",
+    "RESULTS_SCHEMA",
+    "RUN_KEYS",
+    "budget_projection",
+    "budget_table",
+    "gpu_row_cost",
+    "load_table",
+    "percentile",
+    "project",
+    "render_budget_projection",
+    "render_table",
+    "results_document",
+    "summarize_run",
+    "write_plot",
+    "write_results",
+]

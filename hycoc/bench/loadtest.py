@@ -42,9 +42,9 @@ import sys
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -126,21 +126,31 @@ def arrival_delays(sessions: int, rate: float | None, seed: int = 0) -> np.ndarr
 # ---- one simulated device ------------------------------------------------------------------------------------
 
 
-def committed_tokens(tokens: np.ndarray, reply, stop_ids, new_room: int, context_room: int,
-                     cloud_mtp: bool) -> tuple[list[int], str | None]:
+def committed_tokens(
+    tokens: np.ndarray, reply, stop_ids, new_room: int, context_room: int, cloud_mtp: bool
+) -> tuple[list[int], str | None]:
     """What the device commits from ``reply`` to the tree ``tokens`` (runtime/client.py `_verified`): the accepted
     path's tokens and the bonus (cloud-mtp: the first |P| + 1 samples), cut by `commit_cut` after a stop id and at
     the rooms left (new tokens, context). Returns (tokens, finish reason or None)."""
     if cloud_mtp:
-        new = [int(x) for x in reply.samples[:len(reply.path_rows) + 1]]
+        new = [int(x) for x in reply.samples[: len(reply.path_rows) + 1]]
     else:
         new = [int(tokens[j]) for j in reply.path_rows] + [int(reply.bonus)]
     return commit_cut(new, set(stop_ids), new_room, context_room)
 
 
-async def replay_request(url: str, req: RequestTrace, stop_ids, stats: RunStats, t0: float, deadline: float, *,
-                         device_ms: float | None = None, max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
-                         device: int = 0) -> None:
+async def replay_request(
+    url: str,
+    req: RequestTrace,
+    stop_ids,
+    stats: RunStats,
+    t0: float,
+    deadline: float,
+    *,
+    device_ms: float | None = None,
+    max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+    device: int = 0,
+) -> None:
     """One simulated device request on its own connection (module docstring): OPEN, rounds until the reply says
     finished, the recording runs out or ``deadline`` (loop time, s) has passed, then CLOSE. Results go to
     ``stats`` (times relative to ``t0``, loop time; ``device``: the simulated device's index). Never raises for a
@@ -151,8 +161,15 @@ async def replay_request(url: str, req: RequestTrace, stop_ids, stats: RunStats,
     loop = asyncio.get_running_loop()
     limits = wire.Limits(max_frame_bytes=max_frame_bytes)
     try:
-        async with connect(url, compression=None, max_size=2 * max_frame_bytes, proxy=None,
-                           open_timeout=ANSWER_TIMEOUT_S, ping_interval=None) as ws:
+        async with connect(
+            url,
+            compression=None,
+            max_size=2 * max_frame_bytes,
+            proxy=None,
+            open_timeout=ANSWER_TIMEOUT_S,
+            ping_interval=None,
+        ) as ws:
+
             async def ask(frame: bytes):
                 await ws.send(frame)
                 return wire.decode(await asyncio.wait_for(ws.recv(), ANSWER_TIMEOUT_S), limits)
@@ -178,9 +195,8 @@ async def replay_request(url: str, req: RequestTrace, stop_ids, stats: RunStats,
             while True:
                 found = tree_at(req, text, seq)
                 if found is None:
-                    if all(r.committed for r in req.rounds) and len(text) < sum(len(r.committed)
-                                                                                for r in req.rounds):
-                        stats.requests_off_trace += 1     # the served text left the recording's: trees would not fit
+                    if all(r.committed for r in req.rounds) and len(text) < sum(len(r.committed) for r in req.rounds):
+                        stats.requests_off_trace += 1  # the served text left the recording's: trees would not fit
                     stats.requests_truncated += 1
                     break
                 rt, tree_tokens, tree_parents, tree_scores = found
@@ -193,7 +209,7 @@ async def replay_request(url: str, req: RequestTrace, stop_ids, stats: RunStats,
                 tokens = patch_root(tree_tokens, root)
                 try:
                     frame = wire.encode(DraftTree(seq, tokens, tree_parents, tree_scores))
-                except wire.WireError as e:   # a tree the wire itself refuses: the trace is bad, not the server
+                except wire.WireError as e:  # a tree the wire itself refuses: the trace is bad, not the server
                     stats.errors[f"bad_trace:{e.code}"] += 1
                     break
                 sent = loop.time()
@@ -202,10 +218,24 @@ async def replay_request(url: str, req: RequestTrace, stop_ids, stats: RunStats,
                 if isinstance(reply, ErrorReply):
                     stats.errors[reply.code] += 1
                     break
-                new, reason = committed_tokens(tokens, reply, stop_ids, req.max_new_tokens - produced,
-                                               opened.max_context - prompt_len - produced, cloud_mtp)
-                stats.rounds.append(RoundSample(done - t0, 1000.0 * (done - sent), float(reply.server_ms), len(new),
-                                                len(tokens), prompt_len - 1 + produced))
+                new, reason = committed_tokens(
+                    tokens,
+                    reply,
+                    stop_ids,
+                    req.max_new_tokens - produced,
+                    opened.max_context - prompt_len - produced,
+                    cloud_mtp,
+                )
+                stats.rounds.append(
+                    RoundSample(
+                        done - t0,
+                        1000.0 * (done - sent),
+                        float(reply.server_ms),
+                        len(new),
+                        len(tokens),
+                        prompt_len - 1 + produced,
+                    )
+                )
                 stats.first_round_s.setdefault(device, done - t0)
                 produced += len(new)
                 text.extend(new)
@@ -217,11 +247,11 @@ async def replay_request(url: str, req: RequestTrace, stop_ids, stats: RunStats,
             await ws.send(wire.encode(Close(opened.session_id)))
     except wire.WireError as e:
         stats.errors[f"invalid_reply:{e.code}"] += 1
-    except (asyncio.TimeoutError, TimeoutError):
+    except TimeoutError:
         stats.errors["timeout"] += 1
     except ConnectionClosed:
         stats.errors["connection_dropped"] += 1
-    except InvalidStatus as e:   # e.g. HTTP 503 at max_connections
+    except InvalidStatus as e:  # e.g. HTTP 503 at max_connections
         stats.errors[f"http_{e.response.status_code}"] += 1
         await asyncio.sleep(REFUSED_BACKOFF_S)
     except (OSError, InvalidHandshake):
@@ -229,16 +259,26 @@ async def replay_request(url: str, req: RequestTrace, stop_ids, stats: RunStats,
         await asyncio.sleep(REFUSED_BACKOFF_S)
 
 
-async def _device(index: int, url: str, requests: list[RequestTrace], stop_ids, stats: RunStats, t0: float,
-                  deadline: float, start_delay: float, device_ms: float | None) -> None:
+async def _device(
+    index: int,
+    url: str,
+    requests: list[RequestTrace],
+    stop_ids,
+    stats: RunStats,
+    t0: float,
+    deadline: float,
+    start_delay: float,
+    device_ms: float | None,
+) -> None:
     """One simulated device: after ``start_delay`` s, its config's recorded requests in turn (device ``index``
     starts at request ``index``, so devices of one config do not all replay the same prompt) until the deadline."""
     loop = asyncio.get_running_loop()
     await asyncio.sleep(start_delay)
     k = index
     while loop.time() < deadline:
-        await replay_request(url, requests[k % len(requests)], stop_ids, stats, t0, deadline, device_ms=device_ms,
-                             device=index)
+        await replay_request(
+            url, requests[k % len(requests)], stop_ids, stats, t0, deadline, device_ms=device_ms, device=index
+        )
         k += 1
 
 
@@ -248,9 +288,17 @@ async def _ticker(t0: float, deadline: float, stats: RunStats, tick: Callable[[R
         tick(stats)
 
 
-def run_sessions(url: str, per_device: list[list[RequestTrace]], stop_ids, duration_s: float, *,
-                 rate: float | None = None, device_ms: float | None = None, seed: int = 0,
-                 tick: Callable[[RunStats], None] | None = None) -> RunStats:
+def run_sessions(
+    url: str,
+    per_device: list[list[RequestTrace]],
+    stop_ids,
+    duration_s: float,
+    *,
+    rate: float | None = None,
+    device_ms: float | None = None,
+    seed: int = 0,
+    tick: Callable[[RunStats], None] | None = None,
+) -> RunStats:
     """Run ``len(per_device)`` simulated devices against the verifier at ``url`` for ``duration_s`` seconds
     (module docstring) and return what they measured.
 
@@ -270,8 +318,12 @@ def run_sessions(url: str, per_device: list[list[RequestTrace]], stop_ids, durat
         t0 = loop.time()
         deadline = t0 + duration_s
         ticker = asyncio.create_task(_ticker(t0, deadline, stats, tick))
-        await asyncio.gather(*(_device(i, url, reqs, stop_ids, stats, t0, deadline, float(delays[i]), device_ms)
-                               for i, reqs in enumerate(per_device)))
+        await asyncio.gather(
+            *(
+                _device(i, url, reqs, stop_ids, stats, t0, deadline, float(delays[i]), device_ms)
+                for i, reqs in enumerate(per_device)
+            )
+        )
         ticker.cancel()
 
     cpu, wall = time.process_time(), time.perf_counter()
@@ -289,27 +341,36 @@ def run_summary_lines(mode: str, sessions: int, row: dict, load: tuple) -> str:
     asked/slept in ms (slept > asked: the client was starved) and the machine's load average before -> after."""
     lat = row["latency_ms"]
     wait = row["device_wait_ms"] or {"asked": math.nan, "slept": math.nan}
-    return (f"  {mode} {sessions} sessions: {row['tok_per_s']:.1f} tok/s, p50 {lat['p50']:.0f} ms, p90 "
-            f"{lat['p90']:.0f} ms, {row['errors_total']} errors\n"
-            f"    ramp {row['ramp_s'] or 0:.1f} s ({row['devices_served']}/{sessions} served), client CPU "
-            f"{row['client_cpu_pct'] or 0:.0f}%, waits {wait['asked']:.0f}/{wait['slept']:.0f} ms, "
-            f"load {load[0]:.1f}->{load[3]:.1f}")
+    return (
+        f"  {mode} {sessions} sessions: {row['tok_per_s']:.1f} tok/s, p50 {lat['p50']:.0f} ms, p90 "
+        f"{lat['p90']:.0f} ms, {row['errors_total']} errors\n"
+        f"    ramp {row['ramp_s'] or 0:.1f} s ({row['devices_served']}/{sessions} served), client CPU "
+        f"{row['client_cpu_pct'] or 0:.0f}%, waits {wait['asked']:.0f}/{wait['slept']:.0f} ms, "
+        f"load {load[0]:.1f}->{load[3]:.1f}"
+    )
 
 
 def server_batching_support() -> bool:
     """Whether this hycoc's ``verify-server`` has the options of every `MODE_ARGS` mode (``--batching``,
     ``--tree-budget``): its ``--help`` names them."""
-    out = subprocess.run([sys.executable, "-m", "hycoc.cli", "verify-server", "--help"], capture_output=True,
-                         text=True, env=dict(os.environ, COLUMNS="200"), timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "hycoc.cli", "verify-server", "--help"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, COLUMNS="200"),
+        timeout=120,
+    )
     return "--batching" in out.stdout and "--tree-budget" in out.stdout
 
 
 #: `hycoc verify-server` arguments of each load-test mode: serial (one session per forward), batched (sessions'
 #: trees in one forward, every tree verified as sent), budgeted (batched, rows chosen across the trees by their
 #: scores: `hycoc.verifier.row_budget`).
-MODE_ARGS = {"serial": ["--batching", "serial"],
-             "batched": ["--batching", "batched", "--tree-budget", "fixed"],
-             "budgeted": ["--batching", "batched", "--tree-budget", "auto"]}
+MODE_ARGS = {
+    "serial": ["--batching", "serial"],
+    "batched": ["--batching", "batched", "--tree-budget", "fixed"],
+    "budgeted": ["--batching", "batched", "--tree-budget", "auto"],
+}
 
 
 class ServerProcess(VerifierProcess):
@@ -321,10 +382,16 @@ class ServerProcess(VerifierProcess):
     `server_batching_support`). Raises
     LoadTestError with the server's stderr when it exits or is not healthy within ``timeout_s``."""
 
-    def __init__(self, recipe_path: Path, *, batching: str | None = None, keep_set: Path | None = None,
-                 timeout_s: float = 300.0):
-        super().__init__(recipe_path, keep_set, timeout_s,
-                         extra_args=MODE_ARGS[batching] if batching is not None else [], error=LoadTestError)
+    def __init__(
+        self, recipe_path: Path, *, batching: str | None = None, keep_set: Path | None = None, timeout_s: float = 300.0
+    ):
+        super().__init__(
+            recipe_path,
+            keep_set,
+            timeout_s,
+            extra_args=MODE_ARGS[batching] if batching is not None else [],
+            error=LoadTestError,
+        )
         self.health: dict = {}
         while True:
             try:
@@ -366,8 +433,10 @@ def check_server(url: str, timeout_s: float = 5.0) -> dict:
     try:
         return healthz(url, timeout_s)
     except (OSError, ValueError) as e:
-        raise LoadTestError(f"--server {url}: no hycoc verify-server answered {_http(url)}/healthz ({e}): start one "
-                            "(hycoc verify-server RECIPE) or leave --server out to start one per mode") from None
+        raise LoadTestError(
+            f"--server {url}: no hycoc verify-server answered {_http(url)}/healthz ({e}): start one "
+            "(hycoc verify-server RECIPE) or leave --server out to start one per mode"
+        ) from None
 
 
 def scrape_metrics(url: str, timeout_s: float = 5.0) -> dict[str, float]:
@@ -408,11 +477,24 @@ def devices_for(trace, configs: list[str], sessions: int) -> list[list[RequestTr
     return [by_config[configs[i % len(configs)]] for i in range(sessions)]
 
 
-def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: float, modes: list[str] | None,
-                 out: Path, *,
-                 recipe_path: Path | None = None, keep_set: Path | None = None, server_url: str | None = None,
-                 rate: float | None = None, device_ms: float | None = None, cost_model=None, console=None,
-                 meta: dict | None = None, warmup_s: float = 2.0) -> dict:
+def run_loadtest(
+    trace,
+    configs: list[str],
+    sessions: list[int],
+    duration_s: float,
+    modes: list[str] | None,
+    out: Path,
+    *,
+    recipe_path: Path | None = None,
+    keep_set: Path | None = None,
+    server_url: str | None = None,
+    rate: float | None = None,
+    device_ms: float | None = None,
+    cost_model=None,
+    console=None,
+    meta: dict | None = None,
+    warmup_s: float = 2.0,
+) -> dict:
     """Every (batching mode, sessions) run, then the report: the table, ``OUT/results.json`` and
     ``OUT/latency_vs_sessions.png`` (`hycoc.bench.loadreport`). Returns the results document.
 
@@ -424,26 +506,45 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
     mode than asked is an error (modes None with ``server_url``: whatever it reports). Each server first serves
     one device for ``warmup_s`` seconds, not measured. Raises LoadTestError (server, mode), TraceError (config)."""
     from hycoc import progress
-    from hycoc.bench.loadreport import (GPU_FLAT_ROWS, budget_projection, gpu_row_cost, project,
-                                        render_budget_projection, render_table, results_document, summarize_run,
-                                        write_plot, write_results)
+    from hycoc.bench.loadreport import (
+        GPU_FLAT_ROWS,
+        budget_projection,
+        gpu_row_cost,
+        project,
+        render_budget_projection,
+        render_table,
+        results_document,
+        summarize_run,
+        write_plot,
+        write_results,
+    )
 
     if console is None:
         from hycoc.bench.runner import make_console
+
         console = make_console()
     if server_url is not None and modes is not None and len(modes) != 1:
-        raise LoadTestError(f"--batching {','.join(modes)} with --server: a running server has one mode; give that "
-                            "one, or leave --server out so each mode gets its own server")
+        raise LoadTestError(
+            f"--batching {','.join(modes)} with --server: a running server has one mode; give that "
+            "one, or leave --server out so each mode gets its own server"
+        )
     if server_url is None and not modes:
         modes = ["serial"]
     pass_flag = server_url is None and server_batching_support()
     rows, servers, procs, urls, windows = [], {}, [], {}, []
     try:
-        for asked in (modes or [None]):          # every server up first: the runs then alternate between them
+        for asked in modes or [None]:  # every server up first: the runs then alternate between them
             if server_url is None:
-                console.print(f"loadtest: starting hycoc verify-server {recipe_path}"
-                              + (f" {' '.join(MODE_ARGS[asked])}" if pass_flag and asked else
-                                 "" if pass_flag else " (this verify-server has no --batching)"))
+                console.print(
+                    f"loadtest: starting hycoc verify-server {recipe_path}"
+                    + (
+                        f" {' '.join(MODE_ARGS[asked])}"
+                        if pass_flag and asked
+                        else ""
+                        if pass_flag
+                        else " (this verify-server has no --batching)"
+                    )
+                )
                 procs.append(ServerProcess(recipe_path, batching=asked if pass_flag else None, keep_set=keep_set))
                 url, health = procs[-1].url, procs[-1].health
             else:
@@ -451,10 +552,12 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
                 health = check_server(url)
             mode = server_mode(health)
             if asked is not None and mode != asked:
-                raise LoadTestError(f"asked for batching {asked!r}, but the verify-server reports {mode!r} in "
-                                    "/healthz" + ("" if pass_flag or server_url else
-                                                  " and has no --batching option to change it")
-                                    + f"; use --batching {mode}")
+                raise LoadTestError(
+                    f"asked for batching {asked!r}, but the verify-server reports {mode!r} in "
+                    "/healthz"
+                    + ("" if pass_flag or server_url else " and has no --batching option to change it")
+                    + f"; use --batching {mode}"
+                )
             servers[mode] = health.get("batching") or {"mode": "serial", "note": "no batching field in /healthz"}
             urls[mode] = url
             if warmup_s > 0:
@@ -464,13 +567,24 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
             for mode, url in urls.items():
                 before, load, started = scrape_metrics(url), os.getloadavg(), time.time()
                 with progress.step(f"{mode}: {n} sessions", total=int(math.ceil(duration_s))) as s:
+
                     def tick(st: RunStats) -> None:
                         s.advance(note=f"{len(st.rounds):,} rounds, {sum(st.errors.values())} errors")
-                    stats = run_sessions(url, devices_for(trace, configs, n), trace.stop_ids, duration_s, rate=rate,
-                                         device_ms=device_ms, tick=tick)
+
+                    stats = run_sessions(
+                        url,
+                        devices_for(trace, configs, n),
+                        trace.stop_ids,
+                        duration_s,
+                        rate=rate,
+                        device_ms=device_ms,
+                        tick=tick,
+                    )
                     # the end line: every second done, the run's final counts (the last tick's are a second old)
-                    s.advance(max(0, int(math.ceil(duration_s)) - s.done),
-                              note=f"{len(stats.rounds):,} rounds, {sum(stats.errors.values())} errors")
+                    s.advance(
+                        max(0, int(math.ceil(duration_s)) - s.done),
+                        note=f"{len(stats.rounds):,} rounds, {sum(stats.errors.values())} errors",
+                    )
                 after = scrape_metrics(url)
                 load = tuple(round(x, 2) for x in load + os.getloadavg())
                 row = summarize_run(mode, n, duration_s, stats, before, after, load)
@@ -484,47 +598,95 @@ def run_loadtest(trace, configs: list[str], sessions: list[int], duration_s: flo
     order = list(urls)
     rows.sort(key=lambda r: (order.index(r["mode"]), r["sessions"]))
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(meta or {}, configs=list(configs), sessions=list(sessions), duration_s=duration_s, servers=servers,
-                rate=rate, device_ms=device_ms, server=server_url or "own verify-server process per mode",
-                run_windows=windows,
-                machine=f"{os.cpu_count()} CPUs", date=time.strftime("%Y-%m-%d %H:%M:%S"),
-                projection="labelled projection, not a measurement: see hycoc/bench/loadreport.py")
+    meta = dict(
+        meta or {},
+        configs=list(configs),
+        sessions=list(sessions),
+        duration_s=duration_s,
+        servers=servers,
+        rate=rate,
+        device_ms=device_ms,
+        server=server_url or "own verify-server process per mode",
+        run_windows=windows,
+        machine=f"{os.cpu_count()} CPUs",
+        date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        projection="labelled projection, not a measurement: see hycoc/bench/loadreport.py",
+    )
     projection = None
-    trees = [(rt.score_array(), np.asarray(rt.tokens), np.asarray(rt.parents)) for r in trace.requests
-             if r.config in configs for rt in r.rounds if rt.scores is not None and len(rt.tokens) > 1]
+    trees = [
+        (rt.score_array(), np.asarray(rt.tokens), np.asarray(rt.parents))
+        for r in trace.requests
+        if r.config in configs
+        for rt in r.rounds
+        if rt.scores is not None and len(rt.tokens) > 1
+    ]
     if trees and any(m == "budgeted" for m in urls):
         first = next(iter(servers.values()))
         tree_rows = max(len(t) for _, t, _ in trees)
-        projection = budget_projection(trees, sorted(set(PROJECTION_SESSIONS) | set(sessions)), gpu_row_cost(),
-                                       tree_rows=tree_rows,
-                                       max_batch_rows=int(first.get("max_batch_rows", 16 * tree_rows)))
+        projection = budget_projection(
+            trees,
+            sorted(set(PROJECTION_SESSIONS) | set(sessions)),
+            gpu_row_cost(),
+            tree_rows=tree_rows,
+            max_batch_rows=int(first.get("max_batch_rows", 16 * tree_rows)),
+        )
         meta["budget_projection"] = projection
     doc = results_document(rows, meta)
     results = write_results(out / "results.json", doc)
     plot = write_plot(rows, out / "latency_vs_sessions.png")
-    render_table(rows, console, title=f"hycoc loadtest: {', '.join(configs)}, {duration_s:g} s per run"
-                 + (f", {rate:g} arrivals/s" if rate else ""))
+    render_table(
+        rows,
+        console,
+        title=f"hycoc loadtest: {', '.join(configs)}, {duration_s:g} s per run"
+        + (f", {rate:g} arrivals/s" if rate else ""),
+    )
     if projection:
-        render_budget_projection(projection, console, title="budgeted rows on an assumed GPU (a projection from the "
-                                 "recorded trees' scores, not a measurement)")
-        console.print(f"the budget's rule on a forward that costs the same up to {GPU_FLAT_ROWS} rows (H200 bf16 "
-                      "ridge point): rows kept per forward, expected committed tokens (sessions + sum of exp(s) "
-                      "over kept rows) and expected tokens per forward-ms against every row verified.")
+        render_budget_projection(
+            projection,
+            console,
+            title="budgeted rows on an assumed GPU (a projection from the recorded trees' scores, not a measurement)",
+        )
+        console.print(
+            f"the budget's rule on a forward that costs the same up to {GPU_FLAT_ROWS} rows (H200 bf16 "
+            "ridge point): rows kept per forward, expected committed tokens (sessions + sum of exp(s) "
+            "over kept rows) and expected tokens per forward-ms against every row verified."
+        )
     basis = next((r["projection"]["basis"] for r in rows if r.get("projection")), None)
-    console.print("ramp: seconds until every device had its first round answered (connects, OPENs and prefills "
-                  "queue up at the start); tok/s: tokens committed by rounds answered after the ramp / that window; "
-                  "verifier ms/tok: the server's worker ms in rounds per committed token (/metrics; prefill "
-                  "excluded); p50/p90/p99: round latency send -> reply on the client, after the ramp; rows/fwd: the "
-                  "server's hycoc_batch_rows histogram (n/a: the server has none).")
+    console.print(
+        "ramp: seconds until every device had its first round answered (connects, OPENs and prefills "
+        "queue up at the start); tok/s: tokens committed by rounds answered after the ramp / that window; "
+        "verifier ms/tok: the server's worker ms in rounds per committed token (/metrics; prefill "
+        "excluded); p50/p90/p99: round latency send -> reply on the client, after the ramp; rows/fwd: the "
+        "server's hycoc_batch_rows histogram (n/a: the server has none)."
+    )
     if basis:
-        console.print(f"proj. (a projection, not a measurement): trees verified per forward and the verifier work "
-                      f"per token it saves against one tree per forward, {basis}.")
+        console.print(
+            f"proj. (a projection, not a measurement): trees verified per forward and the verifier work "
+            f"per token it saves against one tree per forward, {basis}."
+        )
     console.print(f"wrote {results}, {plot}")
     return doc
 
 
-__all__ = ["ANSWER_TIMEOUT_S", "CAPACITY_CODES", "MODE_ARGS", "LoadTestError", "run_summary_lines",
-           "REFUSED_BACKOFF_S", "RoundSample", "RunStats",
-           "ServerProcess", "arrival_delays", "committed_tokens", "devices_for", "healthz", "parse_metrics",
-           "replay_request",
-           "run_loadtest", "run_sessions", "scrape_metrics", "server_mode", "server_batching_support"]
+__all__ = [
+    "ANSWER_TIMEOUT_S",
+    "CAPACITY_CODES",
+    "MODE_ARGS",
+    "LoadTestError",
+    "run_summary_lines",
+    "REFUSED_BACKOFF_S",
+    "RoundSample",
+    "RunStats",
+    "ServerProcess",
+    "arrival_delays",
+    "committed_tokens",
+    "devices_for",
+    "healthz",
+    "parse_metrics",
+    "replay_request",
+    "run_loadtest",
+    "run_sessions",
+    "scrape_metrics",
+    "server_mode",
+    "server_batching_support",
+]

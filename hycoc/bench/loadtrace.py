@@ -105,10 +105,15 @@ class RequestTrace:
 
     def open_request(self) -> OpenRequest:
         """The OPEN frame's message that replays this request."""
-        return OpenRequest(prompt_ids=np.asarray(self.prompt, np.int32),
-                           sampling=Sampling(self.temperature, self.top_k, self.top_p), seed=self.seed,
-                           acceptance=self.acceptance, epsilon=self.epsilon, draft_place=self.draft_place,
-                           max_new_tokens=self.max_new_tokens)
+        return OpenRequest(
+            prompt_ids=np.asarray(self.prompt, np.int32),
+            sampling=Sampling(self.temperature, self.top_k, self.top_p),
+            seed=self.seed,
+            acceptance=self.acceptance,
+            epsilon=self.epsilon,
+            draft_place=self.draft_place,
+            max_new_tokens=self.max_new_tokens,
+        )
 
 
 @dataclass(frozen=True)
@@ -130,8 +135,10 @@ class Trace:
         out = [r for r in self.requests if r.config == config]
         if not out:
             have = sorted({r.config for r in self.requests})
-            raise TraceError(f"the trace {self.key} has no requests of config {config!r} (it has {', '.join(have)});"
-                             " record it with that config in --configs")
+            raise TraceError(
+                f"the trace {self.key} has no requests of config {config!r} (it has {', '.join(have)});"
+                " record it with that config in --configs"
+            )
         return out
 
 
@@ -147,7 +154,7 @@ def patch_root(tokens, root: int) -> np.ndarray:
     return out
 
 
-def tree_at(req: "RequestTrace", produced: list[int], seq: int = 0):
+def tree_at(req: RequestTrace, produced: list[int], seq: int = 0):
     """The recorded tree a replaying device sends after committing ``produced`` (output tokens so far), found by
     position rather than by round, so a replay whose rounds commit fewer tokens than the recording's (a budgeted
     verifier that trimmed the tree) still sends a tree drafted for its text.
@@ -193,23 +200,24 @@ def tree_at(req: "RequestTrace", produced: list[int], seq: int = 0):
             pad = len(tokens) - len(rows)
             sub_tokens = np.concatenate([tokens[rows], np.repeat(tokens[rows[-1:]], pad)])
             sub_parents = np.concatenate([sub_parents, np.repeat(sub_parents[-1:], pad)]).astype(np.int32)
-            if len(rows) == 1:           # a leaf: the root alone, padding repeats the root as its own child
+            if len(rows) == 1:  # a leaf: the root alone, padding repeats the root as its own child
                 sub_parents[1:] = 0
             sub_scores = None
             if scores is not None:
                 base = scores[rows] - scores[node]
                 sub_scores = np.concatenate([base, np.repeat(base[-1:], pad)]).astype(np.float32)
-                if len(rows) == 1:       # the padding rows are no drafts: scored as never accepted
+                if len(rows) == 1:  # the padding rows are no drafts: scored as never accepted
                     sub_scores[1:] = -20.0
             return rt, sub_tokens, sub_parents, sub_scores
-        if list(rt.committed) != list(produced[start:start + n]):
+        if list(rt.committed) != list(produced[start : start + n]):
             return None
         start += n
     return None
 
 
-def trace_key(recipe_hash: str, bundle_hash: str, configs, question_ids, output_cap: int,
-              temperature: float | None = None) -> str:
+def trace_key(
+    recipe_hash: str, bundle_hash: str, configs, question_ids, output_cap: int, temperature: float | None = None
+) -> str:
     """16 hex digits of sha256 over what a recording depends on: the recipe's content hash, the bundle manifest's
     sha256, the configurations, the Spec-Bench question ids, the output cap (tokens) and the sampling temperature
     when it is not the recipe's (None)."""
@@ -242,30 +250,51 @@ def load_trace(path: str | Path) -> Trace:
     except (OSError, json.JSONDecodeError) as e:
         raise TraceError(f"{path}: not a readable JSON trace ({e}); delete it to re-record") from None
     if not isinstance(data, dict) or data.get("schema") != TRACE_SCHEMA:
-        raise TraceError(f"{path}: schema {data.get('schema') if isinstance(data, dict) else None!r}, this hycoc "
-                         f"reads {TRACE_SCHEMA}; delete it to re-record")
+        raise TraceError(
+            f"{path}: schema {data.get('schema') if isinstance(data, dict) else None!r}, this hycoc "
+            f"reads {TRACE_SCHEMA}; delete it to re-record"
+        )
     try:
         requests = []
         for i, r in enumerate(data["requests"]):
-            rounds = tuple(RoundTrace(tuple(int(x) for x in rt["tokens"]), tuple(int(x) for x in rt["parents"]),
-                                      float(rt["device_ms"]), float(rt["device_wall_ms"]),
-                                      None if rt["scores"] is None else tuple(float(x) for x in rt["scores"]),
-                                      tuple(int(x) for x in rt["path_rows"]), tuple(int(x) for x in rt["committed"]))
-                           for rt in r["rounds"])
+            rounds = tuple(
+                RoundTrace(
+                    tuple(int(x) for x in rt["tokens"]),
+                    tuple(int(x) for x in rt["parents"]),
+                    float(rt["device_ms"]),
+                    float(rt["device_wall_ms"]),
+                    None if rt["scores"] is None else tuple(float(x) for x in rt["scores"]),
+                    tuple(int(x) for x in rt["path_rows"]),
+                    tuple(int(x) for x in rt["committed"]),
+                )
+                for rt in r["rounds"]
+            )
             for j, rt in enumerate(rounds):
-                if (len(rt.tokens) != len(rt.parents) or not rt.tokens or rt.parents[0] != -1 or rt.device_ms < 0
-                        or (rt.scores is not None and len(rt.scores) != len(rt.tokens))):
-                    raise TraceError(f"{path}: requests[{i}].rounds[{j}]: tokens, parents and scores (when recorded) "
-                                     "must have one entry per row, parents[0] = -1 and device_ms >= 0; delete the "
-                                     "file to re-record")
+                if (
+                    len(rt.tokens) != len(rt.parents)
+                    or not rt.tokens
+                    or rt.parents[0] != -1
+                    or rt.device_ms < 0
+                    or (rt.scores is not None and len(rt.scores) != len(rt.tokens))
+                ):
+                    raise TraceError(
+                        f"{path}: requests[{i}].rounds[{j}]: tokens, parents and scores (when recorded) "
+                        "must have one entry per row, parents[0] = -1 and device_ms >= 0; delete the "
+                        "file to re-record"
+                    )
             requests.append(RequestTrace(**{**r, "prompt": tuple(int(x) for x in r["prompt"]), "rounds": rounds}))
-        return Trace(key=str(data["key"]), stop_ids=tuple(int(x) for x in data["stop_ids"]),
-                     requests=tuple(requests), meta=dict(data.get("meta") or {}))
+        return Trace(
+            key=str(data["key"]),
+            stop_ids=tuple(int(x) for x in data["stop_ids"]),
+            requests=tuple(requests),
+            meta=dict(data.get("meta") or {}),
+        )
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, TraceError):
             raise
-        raise TraceError(f"{path}: a field is missing or malformed ({type(e).__name__}: {e}); delete it to "
-                         "re-record") from None
+        raise TraceError(
+            f"{path}: a field is missing or malformed ({type(e).__name__}: {e}); delete it to re-record"
+        ) from None
 
 
 class RecordingClient:
@@ -302,12 +331,21 @@ class RecordingClient:
         self._since, self._cpu_since = time.perf_counter(), time.thread_time()
         scores = None if tree.scores is None else tuple(float(x) for x in np.asarray(tree.scores, np.float32))
         path = tuple(int(x) for x in reply.path_rows)
-        if len(tree.tokens) == 1 and len(reply.samples) > 1:     # cloud-mtp: the verifier's own chain
-            committed = tuple(int(x) for x in reply.samples[:len(path) + 1])
+        if len(tree.tokens) == 1 and len(reply.samples) > 1:  # cloud-mtp: the verifier's own chain
+            committed = tuple(int(x) for x in reply.samples[: len(path) + 1])
         else:
             committed = tuple(int(tree.tokens[j]) for j in path) + (int(reply.bonus),)
-        self.rounds.append(RoundTrace(tuple(int(x) for x in tree.tokens), tuple(int(x) for x in tree.parents),
-                                      device_ms, wall_ms, scores, path, committed))
+        self.rounds.append(
+            RoundTrace(
+                tuple(int(x) for x in tree.tokens),
+                tuple(int(x) for x in tree.parents),
+                device_ms,
+                wall_ms,
+                scores,
+                path,
+                committed,
+            )
+        )
         self.replies.append(reply)
         return reply
 
@@ -315,19 +353,46 @@ class RecordingClient:
         self._client.close()
 
 
-def request_trace(config: str, question_id: int, request: OpenRequest, rounds: list[RoundTrace], committed: int,
-                  finish_reason: str | None) -> RequestTrace:
+def request_trace(
+    config: str,
+    question_id: int,
+    request: OpenRequest,
+    rounds: list[RoundTrace],
+    committed: int,
+    finish_reason: str | None,
+) -> RequestTrace:
     """A `RequestTrace` from a recorded OPEN and its rounds (`RecordingClient`)."""
     s = request.sampling
-    return RequestTrace(config=config, question_id=int(question_id), prompt=tuple(int(x) for x in request.prompt_ids),
-                        temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p),
-                        seed=int(request.seed), acceptance=request.acceptance, epsilon=float(request.epsilon),
-                        draft_place=request.draft_place, max_new_tokens=int(request.max_new_tokens),
-                        rounds=tuple(rounds), committed=int(committed), finish_reason=finish_reason)
+    return RequestTrace(
+        config=config,
+        question_id=int(question_id),
+        prompt=tuple(int(x) for x in request.prompt_ids),
+        temperature=float(s.temperature),
+        top_k=int(s.top_k),
+        top_p=float(s.top_p),
+        seed=int(request.seed),
+        acceptance=request.acceptance,
+        epsilon=float(request.epsilon),
+        draft_place=request.draft_place,
+        max_new_tokens=int(request.max_new_tokens),
+        rounds=tuple(rounds),
+        committed=int(committed),
+        finish_reason=finish_reason,
+    )
 
 
-def record_trace(recipe, bundle_dir: Path, configs: list[str], questions, output_cap: int, *, key: str,
-                 threads: int = 1, progress=None, temperature: float | None = None) -> Trace:
+def record_trace(
+    recipe,
+    bundle_dir: Path,
+    configs: list[str],
+    questions,
+    output_cap: int,
+    *,
+    key: str,
+    threads: int = 1,
+    progress=None,
+    temperature: float | None = None,
+) -> Trace:
     """Run the real device runtime (`hycoc.runtime.client.load_runtime` on the bundle's cpu graphs) for every
     config and question's first turn against an in-process verifier of ``recipe``
     (`hycoc.verifier.server.ServerThread`), recording every round (`RecordingClient`).
@@ -349,8 +414,11 @@ def record_trace(recipe, bundle_dir: Path, configs: list[str], questions, output
     keep = np.load(Path(bundle_dir) / "keep_set.npy", allow_pickle=False)
     engine = engine_from_recipe(recipe, keep_set=torch.as_tensor(keep, dtype=torch.long))
     rt = load_runtime(bundle_dir, "cpu", threads=threads)
-    sampling = Sampling(recipe.sampling.temperature if temperature is None else float(temperature),
-                        recipe.sampling.top_k, recipe.sampling.top_p)
+    sampling = Sampling(
+        recipe.sampling.temperature if temperature is None else float(temperature),
+        recipe.sampling.top_k,
+        recipe.sampling.top_p,
+    )
     requests = []
     try:
         with ServerThread(engine, **server_options(recipe)) as srv:
@@ -358,19 +426,46 @@ def record_trace(recipe, bundle_dir: Path, configs: list[str], questions, output
                 for q in questions:
                     client = RecordingClient(VerifierClient(srv.url, timeout_s=600))
                     prompt = rt.bundle.chat.prompt(q.turns[0])
-                    res = rt.generate(client, prompt, mode=config, max_new_tokens=output_cap, sampling=sampling,
-                                      epsilon=recipe.acceptance.epsilon)
-                    requests.append(request_trace(config, q.question_id, client.request, client.rounds,
-                                                  len(res.tokens), res.finish_reason))
+                    res = rt.generate(
+                        client,
+                        prompt,
+                        mode=config,
+                        max_new_tokens=output_cap,
+                        sampling=sampling,
+                        epsilon=recipe.acceptance.epsilon,
+                    )
+                    requests.append(
+                        request_trace(
+                            config, q.question_id, client.request, client.rounds, len(res.tokens), res.finish_reason
+                        )
+                    )
                     if progress is not None:
                         progress(f"{config} q{q.question_id}: {res.rounds} rounds, {len(res.tokens)} tokens")
     finally:
         engine.close()
-    meta = {"recipe": recipe.recipe.name, "recipe_sha256": recipe.content_hash(),
-            "bundle": str(bundle_dir), "bundle_manifest_sha256": sha256_file(Path(bundle_dir) / "manifest.json"),
-            "output_cap": int(output_cap), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    meta = {
+        "recipe": recipe.recipe.name,
+        "recipe_sha256": recipe.content_hash(),
+        "bundle": str(bundle_dir),
+        "bundle_manifest_sha256": sha256_file(Path(bundle_dir) / "manifest.json"),
+        "output_cap": int(output_cap),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     return Trace(key=key, stop_ids=tuple(sorted(rt.bundle.stop_token_ids())), requests=tuple(requests), meta=meta)
 
 
-__all__ = ["TRACE_SCHEMA", "RecordingClient", "RequestTrace", "RoundTrace", "Trace", "TraceError", "load_trace",
-           "patch_root", "record_trace", "request_trace", "save_trace", "trace_key", "tree_at"]
+__all__ = [
+    "TRACE_SCHEMA",
+    "RecordingClient",
+    "RequestTrace",
+    "RoundTrace",
+    "Trace",
+    "TraceError",
+    "load_trace",
+    "patch_root",
+    "record_trace",
+    "request_trace",
+    "save_trace",
+    "trace_key",
+    "tree_at",
+]

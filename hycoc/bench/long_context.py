@@ -44,15 +44,19 @@ def long_context_rows(records: list[dict], summary: dict[str, dict[str, Any]], s
         out[name] = {
             "requests": len(recs),
             "prompt_tokens_p50": _p50([float(r["prompt_tokens"]) for r in recs]),
-            "delta_g_pct": s.get("delta_g_pct"), "delta_g_ci95": s.get("delta_g_ci95"),
-            "mat": s.get("mat"), "g_ms_per_token": s.get("g_ms_per_token"),
-            "first_token_ms_p50": _p50([float(r["first_token_ms"]) for r in recs
-                                        if r.get("first_token_ms") is not None]),
+            "delta_g_pct": s.get("delta_g_pct"),
+            "delta_g_ci95": s.get("delta_g_ci95"),
+            "mat": s.get("mat"),
+            "g_ms_per_token": s.get("g_ms_per_token"),
+            "first_token_ms_p50": _p50(
+                [float(r["first_token_ms"]) for r in recs if r.get("first_token_ms") is not None]
+            ),
             "prefill_share_of_g": prefill / (prefill + rounds) if prefill + rounds > 0 else None,
             "first_reply_bytes_p50": _p50([float(r["bytes_down"][0]) for r in recs if r.get("bytes_down")]),
             "slm_prefill_ms_p50": _p50([float(r["slm_prefill_ms"]) for r in recs]) if uses_slm else None,
-            "slm_prefill_positions": (min(int(_p50([float(r["prompt_tokens"]) for r in recs])) - 1, slm_window)
-                                      if uses_slm else None),
+            "slm_prefill_positions": (
+                min(int(_p50([float(r["prompt_tokens"]) for r in recs])) - 1, slm_window) if uses_slm else None
+            ),
             "unfinished_by_length": sum(1 for r in recs if r.get("finished") is False),
         }
     return out
@@ -71,19 +75,50 @@ def long_context_table(rows: dict[str, dict], title: str = "long documents", bas
     for name in _order(rows):
         r = rows[name]
         ci = r["delta_g_ci95"]
-        dg = "ref" if name == baseline else "-" if r["delta_g_pct"] is None else (f"{r['delta_g_pct']:+.1f}" + (
-            f" [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else ""))
-        slm = "-" if r["slm_prefill_ms_p50"] is None else f"{r['slm_prefill_ms_p50']:.1f} ({r['slm_prefill_positions']})"
+        dg = (
+            "ref"
+            if name == baseline
+            else "-"
+            if r["delta_g_pct"] is None
+            else (f"{r['delta_g_pct']:+.1f}" + (f" [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else ""))
+        )
+        slm = (
+            "-" if r["slm_prefill_ms_p50"] is None else f"{r['slm_prefill_ms_p50']:.1f} ({r['slm_prefill_positions']})"
+        )
         share = "-" if r["prefill_share_of_g"] is None else f"{100 * r['prefill_share_of_g']:.1f} %"
-        out.append([name, str(r["requests"]), f(r["prompt_tokens_p50"], ".0f"), dg, f(r["mat"], ".2f"),
-                    f(r["first_token_ms_p50"], ".0f"), share, f(r["first_reply_bytes_p50"], ",.0f"), slm])
-    return TextTable(title=title, headers=["config", "n", "prompt tok", "Δg % [95% CI]", "MAT", "TTFT ms",
-                                           "prefill share of g", "first reply B", "SLM prefill ms (positions)"],
-                     rows=out)
+        out.append(
+            [
+                name,
+                str(r["requests"]),
+                f(r["prompt_tokens_p50"], ".0f"),
+                dg,
+                f(r["mat"], ".2f"),
+                f(r["first_token_ms_p50"], ".0f"),
+                share,
+                f(r["first_reply_bytes_p50"], ",.0f"),
+                slm,
+            ]
+        )
+    return TextTable(
+        title=title,
+        headers=[
+            "config",
+            "n",
+            "prompt tok",
+            "Δg % [95% CI]",
+            "MAT",
+            "TTFT ms",
+            "prefill share of g",
+            "first reply B",
+            "SLM prefill ms (positions)",
+        ],
+        rows=out,
+    )
 
 
-def render_long_context(rows: dict[str, dict], console, title: str = "long documents",
-                        baseline: str = "cloud-mtp", fmt: str = "table") -> None:
+def render_long_context(
+    rows: dict[str, dict], console, title: str = "long documents", baseline: str = "cloud-mtp", fmt: str = "table"
+) -> None:
     """Print `long_context_table` on ``console`` (``fmt``: `hycoc.bench.tables.FORMATS`; "table" splits it to the
     console's width, configuration names whole)."""
     from hycoc.bench.tables import print_tables

@@ -39,9 +39,10 @@ import re
 import unicodedata
 import zlib
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 # ---- repetition ---------------------------------------------------------------------------------------------
 
@@ -60,7 +61,7 @@ def compression_ratio(text: str) -> float | None:
 
 
 def _ngrams(items: Sequence[Any], n: int) -> list[tuple]:
-    return [tuple(items[i:i + n]) for i in range(len(items) - n + 1)]
+    return [tuple(items[i : i + n]) for i in range(len(items) - n + 1)]
 
 
 def repeated_ngram_share(items: Sequence[Any], n: int = 4) -> float | None:
@@ -77,7 +78,7 @@ def repeated_ngram_share(items: Sequence[Any], n: int = 4) -> float | None:
     covered = [False] * len(items)
     for i, g in enumerate(grams):
         if counts[g] > 1:
-            covered[i:i + n] = [True] * n
+            covered[i : i + n] = [True] * n
     return sum(covered) / len(items)
 
 
@@ -105,9 +106,14 @@ def answer_metrics(text: str, token_ids: Sequence[int] | None = None) -> dict[st
     ``repeated_4gram_share``, ``distinct_1``, ``distinct_2``, ``longest_run`` (over ``token_ids`` when given and
     non-empty, else over the words). Values are None where undefined (an empty answer)."""
     w = words(text)
-    return {"words": len(w), "compression_ratio": compression_ratio(text),
-            "repeated_4gram_share": repeated_ngram_share(w, 4), "distinct_1": distinct_n(w, 1),
-            "distinct_2": distinct_n(w, 2), "longest_run": longest_run(list(token_ids) if token_ids else w)}
+    return {
+        "words": len(w),
+        "compression_ratio": compression_ratio(text),
+        "repeated_4gram_share": repeated_ngram_share(w, 4),
+        "distinct_1": distinct_n(w, 1),
+        "distinct_2": distinct_n(w, 2),
+        "longest_run": longest_run(list(token_ids) if token_ids else w),
+    }
 
 
 # ---- reference metrics --------------------------------------------------------------------------------------
@@ -160,9 +166,13 @@ def _first_reference(reference: Any) -> str | None:
 def reference_metrics(category: str, text: str, reference: Any) -> dict[str, float | bool | None]:
     """The reference metrics of one answer (module docstring) as ``{rouge_l, chrf, bleu, final_number_match,
     reference_match}``; each is None where ``category`` has no reference of that kind."""
-    out: dict[str, float | bool | None] = {"rouge_l": None, "chrf": None, "bleu": None,
-                                           "final_number_match": final_number_match(category, text, reference),
-                                           "reference_match": reference_match(category, text, reference)}
+    out: dict[str, float | bool | None] = {
+        "rouge_l": None,
+        "chrf": None,
+        "bleu": None,
+        "final_number_match": final_number_match(category, text, reference),
+        "reference_match": reference_match(category, text, reference),
+    }
     ref = _first_reference(reference)
     if ref is not None and category in ("summarization", "long-summary"):
         out["rouge_l"] = rouge_l(text, ref)
@@ -341,6 +351,23 @@ def reference_match(category: str, text: str, reference: Any) -> bool | None:
     return None
 
 
-__all__ = ["METRICS", "METRIC_BY_KEY", "Metric", "answer_metrics", "chrf", "compression_ratio", "corpus_bleu",
-           "distinct_n", "final_number_match", "longest_run", "math_answer", "metric_value", "reference_match",
-           "reference_metrics", "repeated_ngram_share", "rouge_l", "sentence_bleu", "words"]
+__all__ = [
+    "METRICS",
+    "METRIC_BY_KEY",
+    "Metric",
+    "answer_metrics",
+    "chrf",
+    "compression_ratio",
+    "corpus_bleu",
+    "distinct_n",
+    "final_number_match",
+    "longest_run",
+    "math_answer",
+    "metric_value",
+    "reference_match",
+    "reference_metrics",
+    "repeated_ngram_share",
+    "rouge_l",
+    "sentence_bleu",
+    "words",
+]

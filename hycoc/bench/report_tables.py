@@ -6,12 +6,13 @@ and printed by `hycoc.bench.tables.print_tables`. Core module: rich is imported 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from hycoc.bench.quality import METRIC_BY_KEY, METRICS
-from hycoc.bench.stats import DEFAULT_BASELINE, FLAG_METHOD, _num, table5_order as _order
+from hycoc.bench.stats import DEFAULT_BASELINE, FLAG_METHOD, _num
+from hycoc.bench.stats import table5_order as _order
 from hycoc.bench.summary import LOGPROB_NOTE
-
 
 # ---- terminal tables --------------------------------------------------------------------------------------
 # Each table is built as a `hycoc.bench.tables.TextTable` (formatted strings) and printed by
@@ -31,8 +32,13 @@ def _fmt_delta(d: Any, ci: Any) -> str:
     return text
 
 
-def main_table(summary: Mapping[str, Mapping[str, Any]], *, title: str = "hycoc bench",
-               baseline: str = DEFAULT_BASELINE, caption: str | None = None):
+def main_table(
+    summary: Mapping[str, Mapping[str, Any]],
+    *,
+    title: str = "hycoc bench",
+    baseline: str = DEFAULT_BASELINE,
+    caption: str | None = None,
+):
     """The main table as a `hycoc.bench.tables.TextTable` (one row per configuration, Table 5 order).
 
     Columns: n (requests), g (measured verifier ms per output token, prefill included), g proj. (cost-model ms per
@@ -46,12 +52,14 @@ def main_table(summary: Mapping[str, Mapping[str, Any]], *, title: str = "hycoc 
     names = _order(summary)
     has_proj = any(_num(summary[n].get("g_projected_ms_per_token")) is not None for n in names)
     has_dproj = any(_num(summary[n].get("delta_g_projected_pct")) is not None for n in names)
-    legend = (f"g: measured verifier ms per output token incl. prefill (App. G, pooled). g busy: the verifier "
-              f"process's CPU ms per token over the same requests (other processes do not stretch it). "
-              f"g proj.: cost-model ms per token over every server forward (prefill, verification, server-side "
-              f"head steps). Δg: paired vs {baseline}, 95% CI by paired BCa bootstrap over questions (Δg proj.: percentile, and over the "
-              f"cost model's repeated timings); lower is better. Answer quality, and the metrics worse than "
-              f"{baseline}: the answer quality table.")
+    legend = (
+        f"g: measured verifier ms per output token incl. prefill (App. G, pooled). g busy: the verifier "
+        f"process's CPU ms per token over the same requests (other processes do not stretch it). "
+        f"g proj.: cost-model ms per token over every server forward (prefill, verification, server-side "
+        f"head steps). Δg: paired vs {baseline}, 95% CI by paired BCa bootstrap over questions (Δg proj.: percentile, and over the "
+        f"cost model's repeated timings); lower is better. Answer quality, and the metrics worse than "
+        f"{baseline}: the answer quality table."
+    )
     if caption:
         legend += " " + caption
     has_busy = any(_num(summary[n].get("g_busy_ms_per_token")) is not None for n in names)
@@ -60,34 +68,59 @@ def main_table(summary: Mapping[str, Mapping[str, Any]], *, title: str = "hycoc 
         headers += ["g busy ms/tok", "Δg busy % [95% CI]"]
     if has_dproj:
         headers.append("Δg proj. % [95% CI]")
-    headers += ["MAT", "fwd/tok", "tok/s", "draft ms/tok", "1st tok p50 ms", "B up/down per round",
-                "outside keep %"]
+    headers += ["MAT", "fwd/tok", "tok/s", "draft ms/tok", "1st tok p50 ms", "B up/down per round", "outside keep %"]
     rows = []
     for n in names:
         s = summary[n]
-        delta = "ref" if n == baseline and _num(s.get("g_ms_per_token")) is not None else \
-            _fmt_delta(s.get("delta_g_pct"), s.get("delta_g_ci95"))
+        delta = (
+            "ref"
+            if n == baseline and _num(s.get("g_ms_per_token")) is not None
+            else _fmt_delta(s.get("delta_g_pct"), s.get("delta_g_ci95"))
+        )
         up, down = s.get("bytes_up_per_round"), s.get("bytes_down_per_round")
-        row = [n, str(s.get("requests", "")), _fmt(s.get("g_ms_per_token")),
-               _fmt(s.get("g_projected_ms_per_token")) if has_proj else "–", delta]
+        row = [
+            n,
+            str(s.get("requests", "")),
+            _fmt(s.get("g_ms_per_token")),
+            _fmt(s.get("g_projected_ms_per_token")) if has_proj else "–",
+            delta,
+        ]
         if has_busy:
-            row += [_fmt(s.get("g_busy_ms_per_token")),
-                    "ref" if n == baseline and _num(s.get("g_busy_ms_per_token")) is not None else
-                    _fmt_delta(s.get("delta_g_busy_pct"), s.get("delta_g_busy_ci95"))]
+            row += [
+                _fmt(s.get("g_busy_ms_per_token")),
+                "ref"
+                if n == baseline and _num(s.get("g_busy_ms_per_token")) is not None
+                else _fmt_delta(s.get("delta_g_busy_pct"), s.get("delta_g_busy_ci95")),
+            ]
         if has_dproj:
-            row.append("ref" if n == baseline and _num(s.get("g_projected_ms_per_token")) is not None else
-                       _fmt_delta(s.get("delta_g_projected_pct"), s.get("delta_g_projected_ci95")))
+            row.append(
+                "ref"
+                if n == baseline and _num(s.get("g_projected_ms_per_token")) is not None
+                else _fmt_delta(s.get("delta_g_projected_pct"), s.get("delta_g_projected_ci95"))
+            )
         share = s.get("bonus_outside_keep_share")
-        row += [_fmt(s.get("mat")), _fmt(s.get("verifier_forwards_per_token"), ".3f"), _fmt(s.get("tok_per_s"), ".1f"),
-                _fmt(s.get("draft_ms_per_token"), ".1f"), _fmt(s.get("first_token_ms_p50"), ".0f"),
-                "–" if _num(up) is None and _num(down) is None else f"{_fmt(up, ',.0f')} / {_fmt(down, ',.0f')}",
-                _fmt(None if _num(share) is None else 100.0 * float(share), ".1f")]
+        row += [
+            _fmt(s.get("mat")),
+            _fmt(s.get("verifier_forwards_per_token"), ".3f"),
+            _fmt(s.get("tok_per_s"), ".1f"),
+            _fmt(s.get("draft_ms_per_token"), ".1f"),
+            _fmt(s.get("first_token_ms_p50"), ".0f"),
+            "–" if _num(up) is None and _num(down) is None else f"{_fmt(up, ',.0f')} / {_fmt(down, ',.0f')}",
+            _fmt(None if _num(share) is None else 100.0 * float(share), ".1f"),
+        ]
         rows.append(row)
     return TextTable(title=title, headers=headers, rows=rows, caption=legend)
 
 
-def render_table(summary: Mapping[str, Mapping[str, Any]], console: Any, *, title: str = "hycoc bench",
-                 baseline: str = DEFAULT_BASELINE, caption: str | None = None, fmt: str = "table") -> None:
+def render_table(
+    summary: Mapping[str, Mapping[str, Any]],
+    console: Any,
+    *,
+    title: str = "hycoc bench",
+    baseline: str = DEFAULT_BASELINE,
+    caption: str | None = None,
+    fmt: str = "table",
+) -> None:
     """Print `main_table` on a rich Console (``fmt``: `hycoc.bench.tables.FORMATS`; "table" splits it to the
     console's width, configuration names and CI cells whole)."""
     from hycoc.bench.tables import print_tables
@@ -109,8 +142,9 @@ def _quality_flags(s: Mapping[str, Any]) -> str:
     return ", ".join(METRIC_BY_KEY[k].label for k in keys if k in METRIC_BY_KEY) or "–"
 
 
-def quality_table(summary: Mapping[str, Mapping[str, Any]], *, baseline: str = DEFAULT_BASELINE,
-                  title: str = "answer quality"):
+def quality_table(
+    summary: Mapping[str, Mapping[str, Any]], *, baseline: str = DEFAULT_BASELINE, title: str = "answer quality"
+):
     """The quality table (`hycoc.bench.tables.TextTable`): one row per configuration, one column per
     `hycoc.bench.quality.METRICS` metric that any configuration has (``mean (Δ vs baseline)``, a metric flagged
     worse marked ``!``: its one-sided p-value survives Holm's correction over the run, `hycoc.bench.stats.FLAG_METHOD`,
@@ -119,17 +153,28 @@ def quality_table(summary: Mapping[str, Mapping[str, Any]], *, baseline: str = D
     from hycoc.bench.tables import TextTable
 
     names = _order(summary)
-    present = [m for m in METRICS if any(_num((((summary[n].get("quality") or {}).get("metrics") or {})
-                                                .get(m.key) or {}).get("mean")) is not None for n in names)]
+    present = [
+        m
+        for m in METRICS
+        if any(
+            _num((((summary[n].get("quality") or {}).get("metrics") or {}).get(m.key) or {}).get("mean")) is not None
+            for n in names
+        )
+    ]
     tests = max([int((summary[n].get("quality") or {}).get("flag_tests") or 0) for n in names] or [0])
-    caption = (f"mean over answers (paired Δ vs {baseline}); ! = worse than {baseline}: {FLAG_METHOD} "
-               f"({tests} tests). "
-               "zlib ratio, distinct-n: lower = more repetitive; rep. 4-gram: share of words inside a repeated word "
-               "4-gram; longest run: most identical tokens in a row; ROUGE-L (summarization), chrF/BLEU "
-               f"(translation), final-number EM (math) against Spec-Bench's references. verifier log-prob: "
-               f"{LOGPROB_NOTE}.")
-    headers = (["config"] + [m.label + (" ↑" if m.better == "higher" else " ↓") for m in present]
-               + ["verifier log-prob (Δ)", f"worse than {baseline}"])
+    caption = (
+        f"mean over answers (paired Δ vs {baseline}); ! = worse than {baseline}: {FLAG_METHOD} "
+        f"({tests} tests). "
+        "zlib ratio, distinct-n: lower = more repetitive; rep. 4-gram: share of words inside a repeated word "
+        "4-gram; longest run: most identical tokens in a row; ROUGE-L (summarization), chrF/BLEU "
+        f"(translation), final-number EM (math) against Spec-Bench's references. verifier log-prob: "
+        f"{LOGPROB_NOTE}."
+    )
+    headers = (
+        ["config"]
+        + [m.label + (" ↑" if m.better == "higher" else " ↓") for m in present]
+        + ["verifier log-prob (Δ)", f"worse than {baseline}"]
+    )
     rows = []
     for n in names:
         s = summary[n]
@@ -145,8 +190,14 @@ def quality_table(summary: Mapping[str, Mapping[str, Any]], *, baseline: str = D
     return TextTable(title=title, headers=headers, rows=rows, caption=caption)
 
 
-def render_quality(summary: Mapping[str, Mapping[str, Any]], console: Any, *, baseline: str = DEFAULT_BASELINE,
-                   title: str = "answer quality", fmt: str = "table") -> None:
+def render_quality(
+    summary: Mapping[str, Mapping[str, Any]],
+    console: Any,
+    *,
+    baseline: str = DEFAULT_BASELINE,
+    title: str = "answer quality",
+    fmt: str = "table",
+) -> None:
     """Print `quality_table` (``fmt`` as `render_table`)."""
     from hycoc.bench.tables import print_tables
 
@@ -171,15 +222,31 @@ def rounds_table(summary: Mapping[str, Mapping[str, Any]]):
         place = DRAFT_PLACE_OF.get(name, "device")
         paper = PAPER_ROUND_MS["hyco"] if place == "device" else PAPER_ROUND_MS["cloud-mtp"]
         parts = s.get("g_projected_parts") or {}
-        rows.append([name, _fmt(s.get("server_ms_per_round_p50")), _fmt(s.get("server_ms_per_round_projected_p50")),
-                     f"{paper:.1f}", *(_fmt(parts.get(k)) for k in ("verify", "head_step", "prefill"))])
+        rows.append(
+            [
+                name,
+                _fmt(s.get("server_ms_per_round_p50")),
+                _fmt(s.get("server_ms_per_round_projected_p50")),
+                f"{paper:.1f}",
+                *(_fmt(parts.get(k)) for k in ("verify", "head_step", "prefill")),
+            ]
+        )
     return TextTable(
         title="server ms per round (median) and g projected by forward",
-        headers=["config", "measured ms", "projected ms", "paper ms", "g proj. verify", "g proj. head steps",
-                 "g proj. prefill"], rows=rows,
+        headers=[
+            "config",
+            "measured ms",
+            "projected ms",
+            "paper ms",
+            "g proj. verify",
+            "g proj. head steps",
+            "g proj. prefill",
+        ],
+        rows=rows,
         caption="projected: verification + server-side head steps of each round, through the cost model; paper: "
-                "§3.1, one RTX PRO 6000 (HyCo 21.7 ms: verification only; Cloud+MTP 26.8 ms: K head steps + "
-                "verification). g proj. parts in ms per output token.")
+        "§3.1, one RTX PRO 6000 (HyCo 21.7 ms: verification only; Cloud+MTP 26.8 ms: K head steps + "
+        "verification). g proj. parts in ms per output token.",
+    )
 
 
 def render_rounds(summary: Mapping[str, Mapping[str, Any]], console: Any = None, fmt: str = "table") -> None:
@@ -193,8 +260,12 @@ def render_rounds(summary: Mapping[str, Mapping[str, Any]], console: Any = None,
         print_tables([table], console or Console(), fmt)
 
 
-def categories_table(summary: Mapping[str, Mapping[str, Any]], *, baseline: str = DEFAULT_BASELINE,
-                     title: str = "per category: MAT · Δg %"):
+def categories_table(
+    summary: Mapping[str, Mapping[str, Any]],
+    *,
+    baseline: str = DEFAULT_BASELINE,
+    title: str = "per category: MAT · Δg %",
+):
     """The per-category table (`hycoc.bench.tables.TextTable`, key column: the category): one column per
     configuration with its MAT and its paired Δg % vs the baseline on that category's questions ("ref" for the
     baseline itself); split by configurations when it does not fit."""
@@ -210,17 +281,29 @@ def categories_table(summary: Mapping[str, Mapping[str, Any]], *, baseline: str 
             if not pc:
                 row.append("")
                 continue
-            d = "ref" if n == baseline and _num(pc.get("g_ms_per_token")) is not None else \
-                (f"{float(pc['delta_g_pct']):+.1f}%" if _num(pc.get("delta_g_pct")) is not None else "–")
+            d = (
+                "ref"
+                if n == baseline and _num(pc.get("g_ms_per_token")) is not None
+                else (f"{float(pc['delta_g_pct']):+.1f}%" if _num(pc.get("delta_g_pct")) is not None else "–")
+            )
             row.append(f"{_fmt(pc.get('mat'))} · {d}")
         rows.append(row)
-    return TextTable(title=title, headers=["category", *names], rows=rows,
-                     caption=f"MAT tokens/round · Δg % paired vs {baseline} (lower is better)")
+    return TextTable(
+        title=title,
+        headers=["category", *names],
+        rows=rows,
+        caption=f"MAT tokens/round · Δg % paired vs {baseline} (lower is better)",
+    )
 
 
-def render_categories(summary: Mapping[str, Mapping[str, Any]], console: Any, *,
-                      baseline: str = DEFAULT_BASELINE, title: str = "per category: MAT · Δg %",
-                      fmt: str = "table") -> None:
+def render_categories(
+    summary: Mapping[str, Mapping[str, Any]],
+    console: Any,
+    *,
+    baseline: str = DEFAULT_BASELINE,
+    title: str = "per category: MAT · Δg %",
+    fmt: str = "table",
+) -> None:
     """Print `categories_table` (``fmt`` as `render_table`)."""
     from hycoc.bench.tables import print_tables
 

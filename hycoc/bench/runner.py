@@ -66,11 +66,27 @@ class VerifierProcess:
     extra_args: more verify-server options (e.g. ``["--batching", "serial"]``). error: the exception class raised
     (with the server's stderr) when it exits or does not listen within ``timeout_s`` (default BenchError)."""
 
-    def __init__(self, recipe_path: Path, keep_set: Path | None, timeout_s: float = 300.0,
-                 extra_args: list[str] = (), error: type[Exception] | None = None):
+    def __init__(
+        self,
+        recipe_path: Path,
+        keep_set: Path | None,
+        timeout_s: float = 300.0,
+        extra_args: list[str] = (),
+        error: type[Exception] | None = None,
+    ):
         error = error or BenchError
-        cmd = [sys.executable, "-m", "hycoc.cli", "verify-server", str(recipe_path), "--host", "127.0.0.1",
-               "--port", "0", *extra_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "hycoc.cli",
+            "verify-server",
+            str(recipe_path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            *extra_args,
+        ]
         if keep_set is not None:
             cmd += ["--keep-set", str(keep_set)]
         self._err = tempfile.TemporaryFile(mode="w+")
@@ -129,7 +145,7 @@ def process_cpu_ms(pid: int) -> float | None:
     where there is no /proc (not Linux) or the process is gone."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            fields = f.read().rsplit(")", 1)[1].split()   # after "(comm)", which may hold spaces
+            fields = f.read().rsplit(")", 1)[1].split()  # after "(comm)", which may hold spaces
         return 1000.0 * (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
@@ -144,8 +160,17 @@ def busy_since(pid: int | None, start: float | None) -> float | None:
 # ---- records -----------------------------------------------------------------------------------------------------
 
 
-def record_of(config: str, run: int, q: Question, prompt_tokens: int, res, virtual_link: bool,
-              turn: int = 1, chat=None, server_busy_ms: float | None = None) -> dict:
+def record_of(
+    config: str,
+    run: int,
+    q: Question,
+    prompt_tokens: int,
+    res,
+    virtual_link: bool,
+    turn: int = 1,
+    chat=None,
+    server_busy_ms: float | None = None,
+) -> dict:
     """One request as a `hycoc.bench.summary` record (its module docstring lists the keys and units); ``turn``:
     1 for a question's first turn, 2 for its second (same session, `run_requests`). chat: the bundle's
     `hycoc.chat.Chat`: ``text`` is then the final answer, without the reasoning channel (kept as ``thought``), so
@@ -160,19 +185,38 @@ def record_of(config: str, run: int, q: Question, prompt_tokens: int, res, virtu
     link = res.link_s if virtual_link else 0.0
     first_link = res.first_token_link_s if virtual_link else 0.0
     return {
-        "config": config, "run": run, "question_id": q.question_id, "category": q.category, "turn": turn,
-        "prompt_tokens": prompt_tokens, "tokens": len(res.tokens), "rounds": res.rounds,
-        "accepted": list(res.accepted), "prefill_ms": float(res.prefill_ms),
-        "server_ms": [float(x) for x in res.server_ms], "rows": list(res.rows), "context": list(res.context),
+        "config": config,
+        "run": run,
+        "question_id": q.question_id,
+        "category": q.category,
+        "turn": turn,
+        "prompt_tokens": prompt_tokens,
+        "tokens": len(res.tokens),
+        "rounds": res.rounds,
+        "accepted": list(res.accepted),
+        "prefill_ms": float(res.prefill_ms),
+        "server_ms": [float(x) for x in res.server_ms],
+        "rows": list(res.rows),
+        "context": list(res.context),
         "seconds": res.seconds + link,
         "first_token_ms": None if res.first_token_s is None else 1000 * (res.first_token_s + first_link),
-        "draft_ms": 1000 * res.draft_s, "slm_prefill_ms": 1000 * res.slm_prefill_s,
-        "bytes_up": [u for u, _ in res.round_bytes], "bytes_down": [d for _, d in res.round_bytes],
-        "bonus_outside_keep": res.bonus_outside_keep, "link_ms": 1000 * res.link_s, "text": text,
-        "thought": thought, "draft_calls": dict(res.draft_calls), "draft_graph_ms": 1000 * res.draft_graph_s,
-        "prefill_calls": dict(res.prefill_calls), "slm_prefill_graph_ms": 1000 * res.prefill_graph_s,
-        "output_ids": list(res.tokens), "finished": res.finished, "finish_reason": res.finish_reason,
-        "verifier_logprob": None, "reference_match": reference_match(q.category, text, q.reference),
+        "draft_ms": 1000 * res.draft_s,
+        "slm_prefill_ms": 1000 * res.slm_prefill_s,
+        "bytes_up": [u for u, _ in res.round_bytes],
+        "bytes_down": [d for _, d in res.round_bytes],
+        "bonus_outside_keep": res.bonus_outside_keep,
+        "link_ms": 1000 * res.link_s,
+        "text": text,
+        "thought": thought,
+        "draft_calls": dict(res.draft_calls),
+        "draft_graph_ms": 1000 * res.draft_graph_s,
+        "prefill_calls": dict(res.prefill_calls),
+        "slm_prefill_graph_ms": 1000 * res.prefill_graph_s,
+        "output_ids": list(res.tokens),
+        "finished": res.finished,
+        "finish_reason": res.finish_reason,
+        "verifier_logprob": None,
+        "reference_match": reference_match(q.category, text, q.reference),
         "server_busy_ms": server_busy_ms,
     }
 
@@ -212,9 +256,10 @@ def score_quality(records: list[dict], questions: dict[int, Question]) -> None:
             continue
         q = questions[rec["question_id"]]
         text = rec.get("text") or ""
-        rec["quality"] = {**answer_metrics(text, rec.get("output_ids")),
-                          **reference_metrics(q.category, text, q.reference_for_turn(int(rec.get("turn", 1))))}
-
+        rec["quality"] = {
+            **answer_metrics(text, rec.get("output_ids")),
+            **reference_metrics(q.category, text, q.reference_for_turn(int(rec.get("turn", 1)))),
+        }
 
 
 def score_answers(recipe, records: list[dict], prompts: dict[int, list[int]], console=None) -> None:
@@ -235,8 +280,8 @@ def score_answers(recipe, records: list[dict], prompts: dict[int, list[int]], co
                 continue
             prompt = prompts[rec["question_id"]]
             ids = torch.tensor([prompt + out], device=recipe.verifier.device)
-            logits = model(ids).logits[0, len(prompt) - 1:-1].float()
-            lp = torch.log_softmax(logits, dim=-1).gather(1, ids[0, len(prompt):, None])
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+            lp = torch.log_softmax(logits, dim=-1).gather(1, ids[0, len(prompt) :, None])
             rec["verifier_logprob"] = float(lp.mean())
 
 
@@ -253,15 +298,26 @@ class BenchPlan:
     link: str
     output_cap: int
     out: Path
-    turns: int = 1      # 2: questions with a second turn (MT-bench) continue on the same session (paper §4.1)
+    turns: int = 1  # 2: questions with a second turn (MT-bench) continue on the same session (paper §4.1)
     thinking: bool = False  # the template's enable_thinking (docs/recipes.md "Chat format": off, as the recipe runs)
-    dataset: str = "Spec-Bench"   # what the questions are, for the table's title
+    dataset: str = "Spec-Bench"  # what the questions are, for the table's title
 
 
-def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, backend: str = "cpu",
-              resume: bool = False, cost_model_path: Path | None = None, console=None, threads: int = 1,
-              device_profile_path: Path | None = None, remeasure_cost_model: bool = False,
-              fmt: str = "table") -> dict:
+def run_bench(
+    recipe,
+    recipe_path: Path,
+    plan: BenchPlan,
+    *,
+    bundle_dir: Path,
+    backend: str = "cpu",
+    resume: bool = False,
+    cost_model_path: Path | None = None,
+    console=None,
+    threads: int = 1,
+    device_profile_path: Path | None = None,
+    remeasure_cost_model: bool = False,
+    fmt: str = "table",
+) -> dict:
     """Run the bench (module docstring); returns the results dict written to ``OUT/results.json``.
 
     remeasure_cost_model: measure the cost model again even when ``OUT/cost_model.json`` exists (`cost_model_for`).
@@ -276,15 +332,37 @@ def run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, b
     console = make_console(console)
     plan.out.mkdir(parents=True, exist_ok=True)
     with third_party_output(plan.out / "bench.log", console=console):
-        return _run_bench(recipe, recipe_path, plan, bundle_dir=bundle_dir, backend=backend, resume=resume,
-                          cost_model_path=cost_model_path, console=console, threads=threads,
-                          remeasure_cost_model=remeasure_cost_model, fmt=fmt,
-                          device_profile_path=device_profile_path)
+        return _run_bench(
+            recipe,
+            recipe_path,
+            plan,
+            bundle_dir=bundle_dir,
+            backend=backend,
+            resume=resume,
+            cost_model_path=cost_model_path,
+            console=console,
+            threads=threads,
+            remeasure_cost_model=remeasure_cost_model,
+            fmt=fmt,
+            device_profile_path=device_profile_path,
+        )
 
 
-def _run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, backend: str, resume: bool,
-               cost_model_path: Path | None, console, threads: int, remeasure_cost_model: bool, fmt: str,
-               device_profile_path: Path | None = None) -> dict:
+def _run_bench(
+    recipe,
+    recipe_path: Path,
+    plan: BenchPlan,
+    *,
+    bundle_dir: Path,
+    backend: str,
+    resume: bool,
+    cost_model_path: Path | None,
+    console,
+    threads: int,
+    remeasure_cost_model: bool,
+    fmt: str,
+    device_profile_path: Path | None = None,
+) -> dict:
     from hycoc.bench.plots import write_plots
     from hycoc.bench.summary import summarize
     from hycoc.protocol.messages import Sampling
@@ -296,49 +374,94 @@ def _run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, 
     done = open_out(out, run_settings(recipe, plan, bundle_dir, backend), resume)
     rt = load_runtime(bundle_dir, backend, threads=threads)
     if rt.bundle.manifest.recipe.sha256 != recipe.content_hash():
-        console.print(f"[yellow]note: bundle {bundle_dir} was built from another version of recipe "
-                      f"{rt.bundle.manifest.recipe.name!r}; its round constants are the bundle's, sampling and ε "
-                      "the recipe's[/]")
+        console.print(
+            f"[yellow]note: bundle {bundle_dir} was built from another version of recipe "
+            f"{rt.bundle.manifest.recipe.name!r}; its round constants are the bundle's, sampling and ε "
+            "the recipe's[/]"
+        )
     # each first turn as the template renders a one-message conversation (ids, and where its model turn opens)
-    rendered = {q.question_id: rt.bundle.chat.conversation([{"role": "user", "content": q.turns[0]}], plan.thinking)
-                for q in plan.questions}
+    rendered = {
+        q.question_id: rt.bundle.chat.conversation([{"role": "user", "content": q.turns[0]}], plan.thinking)
+        for q in plan.questions
+    }
     prompts = {qid: r.ids for qid, r in rendered.items()}
     anchors = {qid: r.anchor for qid, r in rendered.items()}
     r = rt.bundle.round
     sampling = Sampling(recipe.sampling.temperature, recipe.sampling.top_k, recipe.sampling.top_p)
     epsilon = recipe.acceptance.epsilon  # the recipe's, like its sampling: `hycoc tune-epsilon` writes it there
-    todo = [Request(c, c, epsilon, run, q) for run in range(plan.runs) for q in plan.questions
-            for c in plan.configs if (c, run, q.question_id) not in done]
+    todo = [
+        Request(c, c, epsilon, run, q)
+        for run in range(plan.runs)
+        for q in plan.questions
+        for c in plan.configs
+        if (c, run, q.question_id) not in done
+    ]
     every = [Request(c, c, epsilon, run, q) for run in range(plan.runs) for q in plan.questions for c in plan.configs]
-    turns_note = ("turns: 2 per question, slm-alone first turns only" if plan.turns > 1 and "slm-alone" in plan.configs
-                  else "turns" if plan.turns > 1 else "first turns")
-    console.print(f"bench: {len(plan.questions)} questions x {len(plan.configs)} configurations x {plan.runs} run(s) "
-                  f"= {requests_of(every, plan.turns)} requests ({turns_note}; {requests_of(todo, plan.turns)} to "
-                  "run), "
-                  f"output cap {plan.output_cap}, T={sampling.temperature}, ε={epsilon:g}, link {plan.link} (counted, "
-                  f"not slept), backend {backend}")
-    run_requests(rt, recipe_path, bundle_dir, todo, prompts, records_path, link=plan.link,
-                 output_cap=plan.output_cap, sampling=sampling, seed=r.seed, console=console, turns=plan.turns,
-                 thinking=plan.thinking, anchors=anchors)
+    turns_note = (
+        "turns: 2 per question, slm-alone first turns only"
+        if plan.turns > 1 and "slm-alone" in plan.configs
+        else "turns"
+        if plan.turns > 1
+        else "first turns"
+    )
+    console.print(
+        f"bench: {len(plan.questions)} questions x {len(plan.configs)} configurations x {plan.runs} run(s) "
+        f"= {requests_of(every, plan.turns)} requests ({turns_note}; {requests_of(todo, plan.turns)} to "
+        "run), "
+        f"output cap {plan.output_cap}, T={sampling.temperature}, ε={epsilon:g}, link {plan.link} (counted, "
+        f"not slept), backend {backend}"
+    )
+    run_requests(
+        rt,
+        recipe_path,
+        bundle_dir,
+        todo,
+        prompts,
+        records_path,
+        link=plan.link,
+        output_cap=plan.output_cap,
+        sampling=sampling,
+        seed=r.seed,
+        console=console,
+        turns=plan.turns,
+        thinking=plan.thinking,
+        anchors=anchors,
+    )
 
-    records = [rec for rec in read_records(records_path)
-               if rec["config"] in plan.configs and rec["question_id"] in prompts and rec["run"] < plan.runs]
+    records = [
+        rec
+        for rec in read_records(records_path)
+        if rec["config"] in plan.configs and rec["question_id"] in prompts and rec["run"] < plan.runs
+    ]
     turns = turn_summary(records)
     score_quality(records, {q.question_id: q for q in plan.questions})
     console.print("scoring answers with the verifier (its own log-prob of each answer) ...")
     score_answers(recipe, records, prompts)
     cost, cost_note = cost_model_for(recipe, records, cost_model_path, out, console, remeasure=remeasure_cost_model)
     summary = summarize(records, cost_model=cost, server=server_work(recipe))
-    results = {"meta": {"recipe": str(recipe_path), "bundle": str(bundle_dir), "backend": backend,
-                        "questions": len(plan.questions), "dataset": plan.dataset, "configs": plan.configs,
-                        "runs": plan.runs,
-                        "link": plan.link, "link_applied": "counted, not slept", "output_cap": plan.output_cap,
-                        "temperature": sampling.temperature, "cost_model": cost_note,
-                        "cost_model_points": [p.model_dump() for p in cost.points],
-                        "machine": f"{os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d %H:%M:%S")},
-               "summary": summary, "turns": turns, "device_time": device_time_for(records, bundle_dir,
-                                                                                      device_profile_path, console),
-               "records": records}
+    results = {
+        "meta": {
+            "recipe": str(recipe_path),
+            "bundle": str(bundle_dir),
+            "backend": backend,
+            "questions": len(plan.questions),
+            "dataset": plan.dataset,
+            "configs": plan.configs,
+            "runs": plan.runs,
+            "link": plan.link,
+            "link_applied": "counted, not slept",
+            "output_cap": plan.output_cap,
+            "temperature": sampling.temperature,
+            "cost_model": cost_note,
+            "cost_model_points": [p.model_dump() for p in cost.points],
+            "machine": f"{os.cpu_count()} CPUs",
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        },
+        "summary": summary,
+        "turns": turns,
+        "device_time": device_time_for(records, bundle_dir, device_profile_path, console),
+        "records": records,
+    }
     atomic_write(out / RESULTS, json.dumps(results, indent=1))
     plots = write_plots(summary, out)
     if any(q.category == LONG_SUMMARY_CATEGORY for q in plan.questions):
@@ -350,9 +473,13 @@ def _run_bench(recipe, recipe_path: Path, plan: BenchPlan, *, bundle_dir: Path, 
     if results.get("long_context") is not None:
         from hycoc.bench.long_context import render_long_context
 
-        render_long_context(results["long_context"], console,
-                            title=f"long documents: first reply (hand-off of up to W = {r.head_window} positions) "
-                                  f"and the device's SLM ring prefill (last {r.slm_window} prompt tokens)", fmt=fmt)
+        render_long_context(
+            results["long_context"],
+            console,
+            title=f"long documents: first reply (hand-off of up to W = {r.head_window} positions) "
+            f"and the device's SLM ring prefill (last {r.slm_window} prompt tokens)",
+            fmt=fmt,
+        )
     return results
 
 
@@ -362,9 +489,16 @@ def result_tables(results: dict) -> list:
     from hycoc.bench.report_tables import categories_table, main_table, quality_table, rounds_table
 
     meta, summary = results["meta"], results["summary"]
-    tables = [main_table(summary, title=f"hycoc bench: {meta['questions']} {meta.get('dataset', 'Spec-Bench')} "
-                                        f"questions, link {meta['link']}"),
-              quality_table(summary), categories_table(summary), rounds_table(summary)]
+    tables = [
+        main_table(
+            summary,
+            title=f"hycoc bench: {meta['questions']} {meta.get('dataset', 'Spec-Bench')} "
+            f"questions, link {meta['link']}",
+        ),
+        quality_table(summary),
+        categories_table(summary),
+        rounds_table(summary),
+    ]
     if any(t != "1" for by_turn in (results.get("turns") or {}).values() for t in by_turn):
         tables.append(turns_table(results["turns"]))
     return [t for t in tables if t is not None]
@@ -380,9 +514,11 @@ def print_results(results: dict, console, fmt: str = "table", *, plots=(), out: 
         from hycoc.bench.device_profile import render_device_table
 
         render_device_table(results["device_time"]["configs"], results["device_time"]["source"], console, fmt)
-    notes = [f"g = verifier ms per output token measured on this machine (prefill included); "
-             f"{results['meta']['cost_model']}, every server forward (prefill, verification, server-side head "
-             "steps). Delivery and first-token times include the link model."]
+    notes = [
+        f"g = verifier ms per output token measured on this machine (prefill included); "
+        f"{results['meta']['cost_model']}, every server forward (prefill, verification, server-side head "
+        "steps). Delivery and first-token times include the link model."
+    ]
     if out is not None:
         notes.append(f"wrote {out / RESULTS}" + "".join(f", {p}" for p in plots))
     for note in notes:
@@ -394,16 +530,22 @@ def device_time_for(records: list[dict], bundle_dir: Path, device_profile_path: 
     (`hycoc.bench.device_profile.project_records`) from ``--device-profile``, else from the labelled estimate
     (`hycoc.device_time`), which the console is told. {"source", "estimated", "configs"}; "error" instead of
     "configs" when the bundle's graphs cannot be priced."""
-    from hycoc.bench.device_profile import (DeviceProfileError, estimated_device_costs, load_device_costs,
-                                            project_records)
+    from hycoc.bench.device_profile import (
+        DeviceProfileError,
+        estimated_device_costs,
+        load_device_costs,
+        project_records,
+    )
 
     try:
         if device_profile_path is not None:
             costs, label = load_device_costs(device_profile_path)
         else:
             costs, label = estimated_device_costs(bundle_dir)
-            console.print("device time: no --device-profile given, so the phone's graph times are an ESTIMATE "
-                          f"(hycoc/device_time.py, {label.rsplit(', ', 1)[-1]}), not a measurement")
+            console.print(
+                "device time: no --device-profile given, so the phone's graph times are an ESTIMATE "
+                f"(hycoc/device_time.py, {label.rsplit(', ', 1)[-1]}), not a measurement"
+            )
         return {"source": label, "estimated": device_profile_path is None, "configs": project_records(records, costs)}
     except (DeviceProfileError, ValueError, OSError) as e:
         console.print(f"[yellow]device time: not reported ({e})[/]")
@@ -436,9 +578,11 @@ def open_out(out: Path, settings: dict, resume: bool) -> set[tuple[str, int, int
         saved = json.loads(settings_path.read_text(encoding="utf-8"))
         changed = [k for k in settings if saved.get(k) != settings[k]]
         if changed:
-            raise BenchError(f"--resume: {out} was run with other settings ("
-                             + ", ".join(f"{k}: {saved.get(k)!r} there, {settings[k]!r} now" for k in changed)
-                             + "); use the same ones, or another --out")
+            raise BenchError(
+                f"--resume: {out} was run with other settings ("
+                + ", ".join(f"{k}: {saved.get(k)!r} there, {settings[k]!r} now" for k in changed)
+                + "); use the same ones, or another --out"
+            )
     atomic_write(settings_path, json.dumps(settings, indent=1))
     return {(r["config"], r["run"], r["question_id"]) for r in read_records(records_path)}
 
@@ -456,15 +600,29 @@ class Request:
     question: Question
 
 
-def requests_of(todo: list["Request"], turns: int) -> int:
+def requests_of(todo: list[Request], turns: int) -> int:
     """Requests (one per turn) that ``todo`` makes: one per item, two for a question with a second turn when
     ``turns`` is 2 (slm-alone answers first turns only). A first turn that fills the context makes one fewer."""
     return sum(1 + (turns > 1 and len(req.question.turns) > 1 and req.mode != "slm-alone") for req in todo)
 
 
-def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], prompts: dict[int, list[int]],
-                 records_path: Path, *, link: str, output_cap: int, sampling, seed: int, console,
-                 turns: int = 1, thinking: bool = False, anchors: dict[int, int] | None = None) -> None:
+def run_requests(
+    rt,
+    recipe_path: Path,
+    bundle_dir: Path,
+    todo: list[Request],
+    prompts: dict[int, list[int]],
+    records_path: Path,
+    *,
+    link: str,
+    output_cap: int,
+    sampling,
+    seed: int,
+    console,
+    turns: int = 1,
+    thinking: bool = False,
+    anchors: dict[int, int] | None = None,
+) -> None:
     """Run ``todo`` in order on the device runtime ``rt``, each against a ``hycoc verify-server`` child process
     (`VerifierProcess`, started only when a request needs a verifier), and append each finished request's record
     (`record_of`) to ``records_path`` at once. ``prompts``: question_id -> prompt token ids. ``link``: link model
@@ -473,8 +631,14 @@ def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], p
     prompts' is the caller's); anchors: question_id -> the prompt's model-turn opening (`hycoc.chat.Rendered.anchor`,
     sent in OPEN so that a second turn can roll back to it). Ctrl-C keeps the records written and re-raises
     KeyboardInterrupt. Raises BenchError (server), TransportError from a request that fails."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from hycoc.runtime.transport import VerifierClient, parse_link
 
@@ -484,11 +648,19 @@ def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], p
     needs_server = any(req.mode != "slm-alone" for req in todo)
     server = VerifierProcess(recipe_path, bundle_dir / "keep_set.npy") if needs_server else None
     try:
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("eta"), TimeRemainingColumn())
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+        )
         # off the terminal the plain progress lines say it all: no leftover bar in a redirected file
-        with Progress(*columns, console=console, transient=False, disable=not console.is_terminal) as progress, \
-                open(records_path, "a", encoding="utf-8") as sink:
+        with (
+            Progress(*columns, console=console, transient=False, disable=not console.is_terminal) as progress,
+            open(records_path, "a", encoding="utf-8") as sink,
+        ):
             total = requests_of(todo, turns)
             task = progress.add_task("requests", total=total)
             t_start, n = time.perf_counter(), 0
@@ -501,37 +673,80 @@ def run_requests(rt, recipe_path: Path, bundle_dir: Path, todo: list[Request], p
                 two = turns > 1 and len(q.turns) > 1 and client is not None
                 pid = server.proc.pid if client is not None else None
                 cpu0 = process_cpu_ms(pid) if pid is not None else None
-                res = rt.generate(client, prompts[q.question_id], mode=req.mode, max_new_tokens=output_cap,
-                                  seed=seed + req.run, sampling=sampling, epsilon=req.epsilon, keep_open=two,
-                                  anchor=(anchors or {}).get(q.question_id, 0))
-                recs = [record_of(req.config, req.run, q, len(prompts[q.question_id]), res, virtual_link=True,
-                                  chat=rt.bundle.chat, server_busy_ms=busy_since(pid, cpu0))]
-                if two and res.finish_reason == "length":   # the context is full: no room for a second turn
+                res = rt.generate(
+                    client,
+                    prompts[q.question_id],
+                    mode=req.mode,
+                    max_new_tokens=output_cap,
+                    seed=seed + req.run,
+                    sampling=sampling,
+                    epsilon=req.epsilon,
+                    keep_open=two,
+                    anchor=(anchors or {}).get(q.question_id, 0),
+                )
+                recs = [
+                    record_of(
+                        req.config,
+                        req.run,
+                        q,
+                        len(prompts[q.question_id]),
+                        res,
+                        virtual_link=True,
+                        chat=rt.bundle.chat,
+                        server_busy_ms=busy_since(pid, cpu0),
+                    )
+                ]
+                if two and res.finish_reason == "length":  # the context is full: no room for a second turn
                     client.close()
                     total -= 1
                     progress.update(task, total=total)
                 elif two:
-                    recs.append(second_turn(rt, client, server.url, req, prompts[q.question_id], res, output_cap,
-                                            sampling, thinking, server_pid=pid))
-                sink.write("".join(json.dumps(rec) + "\n" for rec in recs))   # both turns, or neither
+                    recs.append(
+                        second_turn(
+                            rt,
+                            client,
+                            server.url,
+                            req,
+                            prompts[q.question_id],
+                            res,
+                            output_cap,
+                            sampling,
+                            thinking,
+                            server_pid=pid,
+                        )
+                    )
+                sink.write("".join(json.dumps(rec) + "\n" for rec in recs))  # both turns, or neither
                 sink.flush()
                 progress.advance(task, len(recs))
                 before, n = n, n + len(recs)
                 if not console.is_terminal and (n // 10 > before // 10 or n == total):  # logs get plain lines
                     spent = time.perf_counter() - t_start
-                    console.print(f"  {n}/{total} requests, {spent / 60:.1f} min, eta "
-                                  f"{spent / n * (total - n) / 60:.1f} min")
+                    console.print(
+                        f"  {n}/{total} requests, {spent / 60:.1f} min, eta {spent / n * (total - n) / 60:.1f} min"
+                    )
     except KeyboardInterrupt:
-        console.print(f"[yellow]interrupted: {len(read_records(records_path))} requests kept in {records_path}; "
-                      "rerun with --resume to continue[/]")
+        console.print(
+            f"[yellow]interrupted: {len(read_records(records_path))} requests kept in {records_path}; "
+            "rerun with --resume to continue[/]"
+        )
         raise
     finally:
         if server is not None:
             server.stop()
 
 
-def second_turn(rt, client, url: str, req: Request, prompt: list[int], first, output_cap: int, sampling,
-                thinking: bool = False, server_pid: int | None = None) -> dict:
+def second_turn(
+    rt,
+    client,
+    url: str,
+    req: Request,
+    prompt: list[int],
+    first,
+    output_cap: int,
+    sampling,
+    thinking: bool = False,
+    server_pid: int | None = None,
+) -> dict:
     """A question's second turn on the session its first turn left open (paper §4.1: MT-bench's second turns;
     the prompt is the whole conversation -- first question, this configuration's own first answer, second question
     -- as the checkpoint's chat template renders it, `hycoc.chat.Chat.conversation`). The verifier keeps the KV of
@@ -547,24 +762,29 @@ def second_turn(rt, client, url: str, req: Request, prompt: list[int], first, ou
 
     q = req.question
     chat = rt.bundle.chat
-    messages = [{"role": "user", "content": q.turns[0]}, {"role": "assistant", "content": chat.answer_text(first.tokens)},
-                {"role": "user", "content": q.turns[1]}]
+    messages = [
+        {"role": "user", "content": q.turns[0]},
+        {"role": "assistant", "content": chat.answer_text(first.tokens)},
+        {"role": "user", "content": q.turns[1]},
+    ]
     rendered = chat.conversation(messages, thinking)
     cpu0 = process_cpu_ms(server_pid) if server_pid is not None else None
     try:
         res = rt.next_turn(client, rendered.ids, anchor=rendered.anchor, max_new_tokens=output_cap)
-        busy = busy_since(server_pid, cpu0)   # the turn's own work, not the cold prefill below
+        busy = busy_since(server_pid, cpu0)  # the turn's own work, not the cold prefill below
     finally:
         client.close()
     conversation = rendered.ids
     cold = VerifierClient(url, timeout_s=600)
     try:
-        cold_ms = cold.open(OpenRequest(prompt_ids=np.asarray(conversation, np.int32), sampling=sampling,
-                                        max_new_tokens=1)).prefill_ms
+        cold_ms = cold.open(
+            OpenRequest(prompt_ids=np.asarray(conversation, np.int32), sampling=sampling, max_new_tokens=1)
+        ).prefill_ms
     finally:
         cold.close()
-    rec = record_of(req.config, req.run, q, len(conversation), res, virtual_link=True, turn=2, chat=chat,
-                    server_busy_ms=busy)
+    rec = record_of(
+        req.config, req.run, q, len(conversation), res, virtual_link=True, turn=2, chat=chat, server_busy_ms=busy
+    )
     rec["prefill_ms_cold"] = float(cold_ms)
     rec["prefill_start"] = int(res.kept)  # the APPEND kept this many ids (the verifier may roll back to its snapshot)
     return rec
@@ -579,15 +799,18 @@ def turn_summary(records: list[dict]) -> dict:
 
     out: dict[str, dict[str, dict]] = {}
     groups = _groups(records)
-    rank = {c: i for i, c in enumerate(_order({c for c, _ in groups}))}   # the main table's order
+    rank = {c: i for i, c in enumerate(_order({c for c, _ in groups}))}  # the main table's order
     for (config, turn), rs in sorted(groups.items(), key=lambda kv: (rank[kv[0][0]], kv[0][1])):
         tokens, rounds = sum(r["tokens"] for r in rs), sum(r["rounds"] for r in rs)
         verifier_ms = sum(r["prefill_ms"] + sum(r["server_ms"]) for r in rs)
         saved = [r["prefill_ms_cold"] - r["prefill_ms"] for r in rs if "prefill_ms_cold" in r]
         out.setdefault(config, {})[str(turn)] = {
-            "requests": len(rs), "prefill_ms": sum(r["prefill_ms"] for r in rs) / len(rs),
+            "requests": len(rs),
+            "prefill_ms": sum(r["prefill_ms"] for r in rs) / len(rs),
             "prefill_ms_saved": sum(saved) / len(saved) if saved else None,
-            "g_ms_per_token": verifier_ms / tokens if tokens else None, "mat": tokens / rounds if rounds else None}
+            "g_ms_per_token": verifier_ms / tokens if tokens else None,
+            "mat": tokens / rounds if rounds else None,
+        }
     return out
 
 
@@ -609,12 +832,25 @@ def turns_table(turns: dict):
 
     from hycoc.bench.stats import table5_order as _order
 
-    rows = [[config, turn, str(t["requests"]), num(t["prefill_ms"], 1), num(t["prefill_ms_saved"], 1),
-             num(t["g_ms_per_token"]), num(t["mat"])]
-            for config in _order(turns) for turn, t in sorted(turns[config].items(), key=lambda kv: int(kv[0]))]
-    return TextTable(title="per turn (second turns continue the session: KV kept, only the new tokens prefilled)",
-                     headers=["config", "turn", "requests", "prefill ms", "prefill ms saved", "g ms/tok", "MAT"],
-                     rows=rows, keys=2)
+    rows = [
+        [
+            config,
+            turn,
+            str(t["requests"]),
+            num(t["prefill_ms"], 1),
+            num(t["prefill_ms_saved"], 1),
+            num(t["g_ms_per_token"]),
+            num(t["mat"]),
+        ]
+        for config in _order(turns)
+        for turn, t in sorted(turns[config].items(), key=lambda kv: int(kv[0]))
+    ]
+    return TextTable(
+        title="per turn (second turns continue the session: KV kept, only the new tokens prefilled)",
+        headers=["config", "turn", "requests", "prefill ms", "prefill ms saved", "g ms/tok", "MAT"],
+        rows=rows,
+        keys=2,
+    )
 
 
 def render_turns(turns: dict, console, fmt: str = "table") -> None:
@@ -628,8 +864,9 @@ def render_turns(turns: dict, console, fmt: str = "table") -> None:
 COST_MODEL = "cost_model.json"
 
 
-def cost_model_for(recipe, records: list[dict], cost_model_path: Path | None, out: Path, console,
-                   remeasure: bool = False):
+def cost_model_for(
+    recipe, records: list[dict], cost_model_path: Path | None, out: Path, console, remeasure: bool = False
+):
     """The cost model of g projected and a sentence saying where it came from: ``cost_model_path`` loaded
     (`hycoc.bench.cost_model.load_cost_model`); else ``OUT/cost_model.json`` that an earlier bench in ``out``
     measured (so a ``--resume`` projects through the same model and leaves the summary as it was), unless
@@ -645,18 +882,22 @@ def cost_model_for(recipe, records: list[dict], cost_model_path: Path | None, ou
     if saved.is_file() and not remeasure:
         cost = load_cost_model(saved)
         when = cost.meta.get("date", "earlier")
-        return cost, (f"g projected through the cost model measured here on {when} ({cost.device}, {cost.dtype}), "
-                      f"reused from {saved} (--remeasure-cost-model to redo it)")
+        return cost, (
+            f"g projected through the cost model measured here on {when} ({cost.device}, {cost.dtype}), "
+            f"reused from {saved} (--remeasure-cost-model to redo it)"
+        )
     from hycoc.verifier.cost_measure import measure_recipe_verifier
 
     console.print("measuring the verifier cost model on this machine (no --cost-model given) ...")
     longest = max((max(x["context"], default=0) for x in records), default=64)
     cost = measure_recipe_verifier(recipe, contexts=sorted({64, 128, 256, 512, max(64, int(longest))}))
     cost.save(saved)
-    return cost, (f"g projected through a cost model measured here ({cost.device}, {cost.dtype}, "
-                  f"{cost.meta.get('clock', 'wall')}, {cost.meta.get('statistic', 'median')} of "
-                  f"{cost.meta.get('repeats')} repetitions, load "
-                  f"{cost.meta.get('loadavg_before')}): {saved}")
+    return cost, (
+        f"g projected through a cost model measured here ({cost.device}, {cost.dtype}, "
+        f"{cost.meta.get('clock', 'wall')}, {cost.meta.get('statistic', 'median')} of "
+        f"{cost.meta.get('repeats')} repetitions, load "
+        f"{cost.meta.get('loadavg_before')}): {saved}"
+    )
 
 
 def server_work(recipe) -> dict[str, int]:
@@ -670,9 +911,19 @@ def run_settings(recipe, plan: BenchPlan, bundle_dir: Path, backend: str) -> dic
     from hycoc.bundle import sha256_file
 
     s = recipe.sampling
-    return {"recipe_sha256": recipe.content_hash(), "bundle_manifest_sha256": sha256_file(bundle_dir / "manifest.json"),
-            "backend": backend, "output_cap": plan.output_cap, "link": plan.link, "temperature": s.temperature,
-            "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed, "turns": plan.turns, "thinking": plan.thinking}
+    return {
+        "recipe_sha256": recipe.content_hash(),
+        "bundle_manifest_sha256": sha256_file(bundle_dir / "manifest.json"),
+        "backend": backend,
+        "output_cap": plan.output_cap,
+        "link": plan.link,
+        "temperature": s.temperature,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "seed": s.seed,
+        "turns": plan.turns,
+        "thinking": plan.thinking,
+    }
 
 
 def default_bundle_dir(recipe, repo_root: Path) -> Path:
@@ -680,6 +931,26 @@ def default_bundle_dir(recipe, repo_root: Path) -> Path:
     return repo_root / "bundles" / f"{recipe.recipe.name}-cpu"
 
 
-__all__ = ["CONFIGS", "BenchError", "BenchPlan", "Request", "VerifierProcess", "atomic_write", "cost_model_for",
-           "busy_since", "default_bundle_dir", "make_console", "process_cpu_ms", "print_results", "result_tables", "open_out", "read_records", "record_of", "run_bench", "run_requests",
-           "score_answers", "score_quality", "server_work"]
+__all__ = [
+    "CONFIGS",
+    "BenchError",
+    "BenchPlan",
+    "Request",
+    "VerifierProcess",
+    "atomic_write",
+    "cost_model_for",
+    "busy_since",
+    "default_bundle_dir",
+    "make_console",
+    "process_cpu_ms",
+    "print_results",
+    "result_tables",
+    "open_out",
+    "read_records",
+    "record_of",
+    "run_bench",
+    "run_requests",
+    "score_answers",
+    "score_quality",
+    "server_work",
+]

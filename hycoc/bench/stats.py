@@ -30,7 +30,8 @@ import math
 import warnings
 import zlib
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -45,9 +46,11 @@ FLAG_ALPHA = 0.05
 #: p-value it can give is 1 / (PERMUTATIONS + 1), below Holm's FLAG_ALPHA / m for m up to 250 tests.
 PERMUTATIONS = 4999
 #: How the flags and intervals are made, as the table footers name it.
-FLAG_METHOD = (f"flags: one-sided sign-flip permutation test per metric, Holm-corrected over every configuration "
-               f"x metric of the run (family-wise error {FLAG_ALPHA:.0%}); intervals: paired BCa bootstrap over "
-               f"questions")
+FLAG_METHOD = (
+    f"flags: one-sided sign-flip permutation test per metric, Holm-corrected over every configuration "
+    f"x metric of the run (family-wise error {FLAG_ALPHA:.0%}); intervals: paired BCa bootstrap over "
+    f"questions"
+)
 
 Record = Mapping[str, Any]
 
@@ -74,7 +77,7 @@ def table5_order(names: Iterable[str]) -> list[str]:
     return [n for n in TABLE5_ORDER if n in names] + sorted(names - set(TABLE5_ORDER))
 
 
-_order = table5_order   # the name the bench modules import
+_order = table5_order  # the name the bench modules import
 
 
 def pooled(recs: Sequence[Record], num: Callable[[Record], float], den: Callable[[Record], float]) -> float | None:
@@ -125,8 +128,9 @@ def pair_records(recs: Sequence[Record], base: Sequence[Record]) -> list[tuple[R
     return pairs
 
 
-def _per_question(pairs: Sequence[tuple[Record, Record]], fns: Sequence[Callable[[Record, Record], float]]
-                  ) -> np.ndarray:
+def _per_question(
+    pairs: Sequence[tuple[Record, Record]], fns: Sequence[Callable[[Record, Record], float]]
+) -> np.ndarray:
     """(questions, len(fns)) sums of fn(record, baseline record) over each question's matched pairs."""
     rows: dict[Any, np.ndarray] = {}
     for r, b in pairs:
@@ -138,8 +142,14 @@ def _per_question(pairs: Sequence[tuple[Record, Record]], fns: Sequence[Callable
 # ---- intervals ------------------------------------------------------------------------------------------------
 
 
-def bootstrap_ci(table: np.ndarray, statistic: Callable[[np.ndarray], np.ndarray], *, resamples: int = 1000,
-                 seed: int = 0, level: float = 0.95) -> list[float] | None:
+def bootstrap_ci(
+    table: np.ndarray,
+    statistic: Callable[[np.ndarray], np.ndarray],
+    *,
+    resamples: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> list[float] | None:
     """Paired BCa bootstrap interval of ``statistic`` over the rows (questions) of ``table``.
 
     table: float64 (questions, columns), one row per question (e.g. the configuration's and the baseline's sums).
@@ -159,15 +169,23 @@ def bootstrap_ci(table: np.ndarray, statistic: Callable[[np.ndarray], np.ndarray
 
     for method in ("BCa", "percentile"):
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")   # scipy's DegenerateDataWarning: handled by the fallback below
-            res = bootstrap(cols, stat, n_resamples=resamples, paired=True, vectorized=True, method=method,
-                            confidence_level=level, random_state=np.random.default_rng(seed))
+            warnings.simplefilter("ignore")  # scipy's DegenerateDataWarning: handled by the fallback below
+            res = bootstrap(
+                cols,
+                stat,
+                n_resamples=resamples,
+                paired=True,
+                vectorized=True,
+                method=method,
+                confidence_level=level,
+                random_state=np.random.default_rng(seed),
+            )
         lo, hi = _num(res.confidence_interval.low), _num(res.confidence_interval.high)
         if lo is not None and hi is not None:
             return [lo, hi]
         dist = np.asarray(res.bootstrap_distribution)
         dist = dist[np.isfinite(dist)]
-        if dist.size and np.ptp(dist) == 0.0:   # every resample the same value: the interval is that point
+        if dist.size and np.ptp(dist) == 0.0:  # every resample the same value: the interval is that point
             return [float(dist[0]), float(dist[0])]
     return None
 
@@ -179,10 +197,15 @@ def _ratio_delta(s: np.ndarray) -> np.ndarray:
         return 100.0 * ((t[..., 0] / t[..., 1]) / (t[..., 2] / t[..., 3]) - 1.0)
 
 
-def paired_ratio_delta(pairs: Sequence[tuple[Record, Record]], cost: Callable[[Record], float],
-                       tokens: Callable[[Record], float] | None = None, *, bootstrap: int = 1000, seed: int = 0,
-                       cost_draws: Callable[[Record], np.ndarray] | None = None
-                       ) -> tuple[float | None, list[float] | None]:
+def paired_ratio_delta(
+    pairs: Sequence[tuple[Record, Record]],
+    cost: Callable[[Record], float],
+    tokens: Callable[[Record], float] | None = None,
+    *,
+    bootstrap: int = 1000,
+    seed: int = 0,
+    cost_draws: Callable[[Record], np.ndarray] | None = None,
+) -> tuple[float | None, list[float] | None]:
     """Δ% = 100 * ((Σ cost / Σ tokens) / (Σ cost_b / Σ tokens_b) - 1) over matched pairs, with a paired
     bootstrap 95% CI over questions (`bootstrap_ci`, BCa; None where the point estimate is undefined or
     bootstrap == 0). tokens: record -> output tokens (default ``record["tokens"]``).
@@ -204,14 +227,14 @@ def paired_ratio_delta(pairs: Sequence[tuple[Record, Record]], cost: Callable[[R
     if cost_draws is None:
         return point, bootstrap_ci(t, _ratio_delta, resamples=bootstrap, seed=seed)
     per_q: dict[Any, np.ndarray] = {}
-    for r, b in pairs:   # the question order of _per_question
+    for r, b in pairs:  # the question order of _per_question
         d = np.stack([np.asarray(cost_draws(r), np.float64), np.asarray(cost_draws(b), np.float64)], axis=-1)
         per_q[r.get("question_id")] = per_q.get(r.get("question_id"), 0.0) + d
-    draws = np.stack(list(per_q.values()), axis=1)                  # (M, questions, 2)
+    draws = np.stack(list(per_q.values()), axis=1)  # (M, questions, 2)
     rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(t), size=(bootstrap, len(t)))       # questions drawn with replacement
-    m = draws[np.arange(bootstrap) % draws.shape[0]]               # (bootstrap, questions, 2)
-    rows = np.take_along_axis(m, idx[..., None], axis=1)           # (bootstrap, questions, 2)
+    idx = rng.integers(0, len(t), size=(bootstrap, len(t)))  # questions drawn with replacement
+    m = draws[np.arange(bootstrap) % draws.shape[0]]  # (bootstrap, questions, 2)
+    rows = np.take_along_axis(m, idx[..., None], axis=1)  # (bootstrap, questions, 2)
     sample = np.stack([rows[..., 0], t[idx, 1], rows[..., 1], t[idx, 3]], axis=-1)
     dist = _ratio_delta(sample)
     dist = dist[np.isfinite(dist)]
@@ -234,8 +257,9 @@ def _difference_table(pairs: Sequence[tuple[Record, Record]], value: Callable[[R
     return _per_question(pairs, [lambda r, b: float(value(r)) - float(value(b)), lambda r, b: 1.0])
 
 
-def paired_mean_difference(pairs: Sequence[tuple[Record, Record]], value: Callable[[Record], Any], *,
-                           bootstrap: int = 1000, seed: int = 0) -> tuple[float | None, list[float] | None]:
+def paired_mean_difference(
+    pairs: Sequence[tuple[Record, Record]], value: Callable[[Record], Any], *, bootstrap: int = 1000, seed: int = 0
+) -> tuple[float | None, list[float] | None]:
     """Mean over matched pairs of value(config) - value(baseline) (pairs where either is None are left out),
     with a paired bootstrap 95% CI over questions (`bootstrap_ci`, BCa)."""
     t = _difference_table(pairs, value)
@@ -259,19 +283,25 @@ def sign_flip_p_value(diffs: np.ndarray, *, resamples: int = PERMUTATIONS, seed:
     d = np.asarray(diffs, dtype=np.float64)
     n = len(d)
     observed = d.sum()
-    tol = 1e-12 * max(1.0, float(np.abs(d).sum()))   # scipy's relative tolerance for ties of the statistic
+    tol = 1e-12 * max(1.0, float(np.abs(d).sum()))  # scipy's relative tolerance for ties of the statistic
     if n == 0:
         return 1.0
-    if 2 ** n <= resamples:
-        signs = 1.0 - 2.0 * ((np.arange(2 ** n)[:, None] >> np.arange(n)) & 1)   # (2^n, n) every pattern
+    if 2**n <= resamples:
+        signs = 1.0 - 2.0 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1)  # (2^n, n) every pattern
         return float(np.mean(signs @ d >= observed - tol))
     rng = np.random.default_rng(seed)
     signs = rng.choice(np.array([-1.0, 1.0]), size=(resamples, n))
     return float((np.sum(signs @ d >= observed - tol) + 1) / (resamples + 1))
 
 
-def paired_p_value(pairs: Sequence[tuple[Record, Record]], value: Callable[[Record], Any], *,
-                   worse_sign: float = 1.0, resamples: int = PERMUTATIONS, seed: int = 0) -> float | None:
+def paired_p_value(
+    pairs: Sequence[tuple[Record, Record]],
+    value: Callable[[Record], Any],
+    *,
+    worse_sign: float = 1.0,
+    resamples: int = PERMUTATIONS,
+    seed: int = 0,
+) -> float | None:
     """One-sided p-value that the configuration is worse than the baseline on ``value``.
 
     The statistic is the paired difference of `paired_mean_difference` summed per question and turned by
@@ -308,13 +338,21 @@ def holm(pvalues: Sequence[float], alpha: float = FLAG_ALPHA) -> tuple[list[floa
 # ---- the names the summary, tables and plots moved to (imported from here before the split) -----------------
 
 _MOVED = {
-    "summarize": "hycoc.bench.summary", "quality_metrics": "hycoc.bench.summary", "LOGPROB_NOTE": "hycoc.bench.summary",
-    "ConfigSummary": "hycoc.bench.summary", "reference_match": "hycoc.bench.quality",
-    "main_table": "hycoc.bench.report_tables", "quality_table": "hycoc.bench.report_tables",
-    "rounds_table": "hycoc.bench.report_tables", "categories_table": "hycoc.bench.report_tables",
-    "render_table": "hycoc.bench.report_tables", "render_quality": "hycoc.bench.report_tables",
-    "render_rounds": "hycoc.bench.report_tables", "render_categories": "hycoc.bench.report_tables",
-    "write_plots": "hycoc.bench.plots", "_label_offsets": "hycoc.bench.plots",
+    "summarize": "hycoc.bench.summary",
+    "quality_metrics": "hycoc.bench.summary",
+    "LOGPROB_NOTE": "hycoc.bench.summary",
+    "ConfigSummary": "hycoc.bench.summary",
+    "reference_match": "hycoc.bench.quality",
+    "main_table": "hycoc.bench.report_tables",
+    "quality_table": "hycoc.bench.report_tables",
+    "rounds_table": "hycoc.bench.report_tables",
+    "categories_table": "hycoc.bench.report_tables",
+    "render_table": "hycoc.bench.report_tables",
+    "render_quality": "hycoc.bench.report_tables",
+    "render_rounds": "hycoc.bench.report_tables",
+    "render_categories": "hycoc.bench.report_tables",
+    "write_plots": "hycoc.bench.plots",
+    "_label_offsets": "hycoc.bench.plots",
 }
 
 

@@ -80,15 +80,31 @@ measures is `LOGPROB_NOTE`), and the reference-match rate over answers that have
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
 from hycoc.bench.quality import METRICS, metric_value
-from hycoc.bench.stats import (DEFAULT_BASELINE, FLAG_ALPHA, FLAG_METHOD, NO_VERIFIER, Record, _num, _seed_for,
-                               holm, mean, pair_records, paired_mean_difference, paired_p_value, paired_ratio_delta,
-                               percentile, pooled, table5_order)
+from hycoc.bench.stats import (
+    DEFAULT_BASELINE,
+    FLAG_ALPHA,
+    FLAG_METHOD,
+    NO_VERIFIER,
+    Record,
+    _num,
+    _seed_for,
+    holm,
+    mean,
+    pair_records,
+    paired_mean_difference,
+    paired_p_value,
+    paired_ratio_delta,
+    percentile,
+    pooled,
+    table5_order,
+)
 
 #: What the verifier's mean log-prob of an answer measures (docs/benchmarks.md, "Benchmark"): repetition raises it, so
 #: it is reported under this label and never as the quality figure on its own.
@@ -284,8 +300,9 @@ class _Projection:
     def rounds(self, r: Record) -> list[float]:
         return [float(sum(self._cost(f) for f in g)) for g in self.groups(r)[1:]]
 
-    def draws(self, records: Sequence[Record], n: int = 200, seed: int = 0, block: int = 4096
-              ) -> dict[int, np.ndarray] | None:
+    def draws(
+        self, records: Sequence[Record], n: int = 200, seed: int = 0, block: int = 4096
+    ) -> dict[int, np.ndarray] | None:
         """id(record) -> float64 (n,): the record's `total` under n resampled grids of the cost model
         (`hycoc.bench.cost_model.bootstrap_tables`, its points' repeated timings). None when the model keeps no
         samples (an older file, a stand-in without points) or n < 1."""
@@ -303,18 +320,19 @@ class _Projection:
                 owner += [k] * len(g)
         totals = np.zeros((n, len(records)))
         owner_a = np.asarray(owner, dtype=np.int64)
-        for a in range(0, len(forwards), block):   # (n, block, grid) intermediates stay small
-            ms = predict_tables(self.model, tables, forwards[a:a + block])
+        for a in range(0, len(forwards), block):  # (n, block, grid) intermediates stay small
+            ms = predict_tables(self.model, tables, forwards[a : a + block])
             for d in range(n):
-                totals[d] += np.bincount(owner_a[a:a + block], weights=ms[d], minlength=len(records))
+                totals[d] += np.bincount(owner_a[a : a + block], weights=ms[d], minlength=len(records))
         return {id(r): totals[:, k] for k, r in enumerate(records)}
 
 
 # ---- quality and its flags -----------------------------------------------------------------------------------
 
 
-def quality_metrics(recs: Sequence[Record], pairs: Sequence[tuple[Record, Record]], *, bootstrap: int = 1000,
-                    seed: int = 0) -> dict[str, MetricQuality]:
+def quality_metrics(
+    recs: Sequence[Record], pairs: Sequence[tuple[Record, Record]], *, bootstrap: int = 1000, seed: int = 0
+) -> dict[str, MetricQuality]:
     """Per `hycoc.bench.quality.METRICS` key, a `MetricQuality` without its flag: the mean over the answers of
     ``recs`` that have the metric (``record["quality"][key]``), `hycoc.bench.stats.paired_mean_difference` over
     ``pairs`` (config - baseline, BCa 95% CI over questions) and the one-sided p-value that the configuration is
@@ -322,14 +340,16 @@ def quality_metrics(recs: Sequence[Record], pairs: Sequence[tuple[Record, Record
     run (Holm); a single configuration's p-values alone flag nothing."""
     out: dict[str, MetricQuality] = {}
     for m in METRICS:
+
         def value(r: Record, k: str = m.key) -> float | None:
             return metric_value(r.get("quality"), k)
 
         vals = [value(r) for r in recs]
         d, ci = paired_mean_difference(pairs, value, bootstrap=bootstrap, seed=_seed_for(seed, m.key))
         p = paired_p_value(pairs, value, worse_sign=m.worse(1.0), seed=_seed_for(seed, m.key, "p"))
-        out[m.key] = MetricQuality(mean=mean(vals), n=sum(v is not None for v in vals), delta=d, delta_ci95=ci,
-                                   p_worse=p)
+        out[m.key] = MetricQuality(
+            mean=mean(vals), n=sum(v is not None for v in vals), delta=d, delta_ci95=ci, p_worse=p
+        )
     return out
 
 
@@ -338,8 +358,9 @@ def flag_quality(summary: dict[str, ConfigSummary], alpha: float = FLAG_ALPHA) -
     over every (configuration, metric) p-value of ``summary`` at family-wise error ``alpha``. Sets each
     `MetricQuality`'s p_holm and worse_than_baseline and each `QualitySummary`'s worse_than_baseline and
     flag_tests; returns the family's size."""
-    family = [(name, key) for name, s in summary.items() for key, m in s.quality.metrics.items()
-              if m.p_worse is not None]
+    family = [
+        (name, key) for name, s in summary.items() for key, m in s.quality.metrics.items() if m.p_worse is not None
+    ]
     adjusted, rejected = holm([summary[n].quality.metrics[k].p_worse for n, k in family], alpha)
     for (name, key), p, flag in zip(family, adjusted, rejected):
         m = summary[name].quality.metrics[key]
@@ -350,23 +371,27 @@ def flag_quality(summary: dict[str, ConfigSummary], alpha: float = FLAG_ALPHA) -
     return len(family)
 
 
-def _quality(recs: Sequence[Record], qpairs: Sequence[tuple[Record, Record]], has_base: bool, *, bootstrap: int,
-             seed: int) -> QualitySummary:
+def _quality(
+    recs: Sequence[Record], qpairs: Sequence[tuple[Record, Record]], has_base: bool, *, bootstrap: int, seed: int
+) -> QualitySummary:
     lp_d, lp_ci = paired_mean_difference(qpairs, _logprob, bootstrap=bootstrap, seed=_seed_for(seed, "lp"))
     rate, n_ref = _reference_rate(recs)
     return QualitySummary(
         metrics=quality_metrics(recs, qpairs, bootstrap=bootstrap, seed=_seed_for(seed, "quality")),
-        verifier_logprob=mean(_logprob(r) for r in recs), verifier_logprob_delta=lp_d,
-        verifier_logprob_delta_ci95=lp_ci, reference_match_rate=rate, reference_match_n=n_ref,
+        verifier_logprob=mean(_logprob(r) for r in recs),
+        verifier_logprob_delta=lp_d,
+        verifier_logprob_delta_ci95=lp_ci,
+        reference_match_rate=rate,
+        reference_match_n=n_ref,
         reference_match_delta=paired_mean_difference(qpairs, _ref_match, bootstrap=0)[0],
-        pairs=len(qpairs) if has_base else None)
+        pairs=len(qpairs) if has_base else None,
+    )
 
 
 # ---- the summary -----------------------------------------------------------------------------------------------
 
 
-def _verifier_cost(s: ConfigSummary, recs: Sequence[Record], proj: _Projection | None, base: Sequence[Record]
-                   ) -> bool:
+def _verifier_cost(s: ConfigSummary, recs: Sequence[Record], proj: _Projection | None, base: Sequence[Record]) -> bool:
     """Fill the g fields of ``s``; returns whether the projection covers these records and the baseline's."""
     s.g_ms_per_token = pooled(recs, _server_cost, _tokens)
     runs = sorted({r.get("run", 0) for r in recs})
@@ -384,8 +409,10 @@ def _verifier_cost(s: ConfigSummary, recs: Sequence[Record], proj: _Projection |
         s.g_projected_ms_per_token = pooled(recs, proj.total, _tokens)
         parts = [proj.parts(r) for r in recs]
         tokens = sum(_tokens(r) for r in recs)
-        s.g_projected_parts = {k: (sum(p.get(k, 0.0) for p in parts) / tokens if tokens else None)
-                               for k in ("verify", "head_step", "prefill")}
+        s.g_projected_parts = {
+            k: (sum(p.get(k, 0.0) for p in parts) / tokens if tokens else None)
+            for k in ("verify", "head_step", "prefill")
+        }
         per_round = [x for r in recs for x in proj.rounds(r)]
         s.server_ms_per_round_projected_p50 = float(np.median(per_round)) if per_round else None
         for b in base:
@@ -396,24 +423,38 @@ def _verifier_cost(s: ConfigSummary, recs: Sequence[Record], proj: _Projection |
         return False
 
 
-def _deltas(s: ConfigSummary, name: str, pairs: list[tuple[Record, Record]], proj: _Projection | None,
-            proj_ok: bool, *, bootstrap: int, seed: int) -> None:
+def _deltas(
+    s: ConfigSummary,
+    name: str,
+    pairs: list[tuple[Record, Record]],
+    proj: _Projection | None,
+    proj_ok: bool,
+    *,
+    bootstrap: int,
+    seed: int,
+) -> None:
     """Fill the paired Δg fields of ``s`` (measured, projected, busy) from the matched ``pairs``."""
-    s.delta_g_pct, s.delta_g_ci95 = paired_ratio_delta(pairs, _server_cost, bootstrap=bootstrap,
-                                                       seed=_seed_for(seed, name, "g"))
+    s.delta_g_pct, s.delta_g_ci95 = paired_ratio_delta(
+        pairs, _server_cost, bootstrap=bootstrap, seed=_seed_for(seed, name, "g")
+    )
     if proj_ok and proj is not None:
         cost_draws = None
         if pairs and bootstrap > 0:
             draws = proj.draws(list({id(x): x for p in pairs for x in p}.values()), seed=seed)
             cost_draws = None if draws is None else (lambda r, d=draws: d[id(r)])
         s.delta_g_projected_pct, s.delta_g_projected_ci95 = paired_ratio_delta(
-            pairs, proj.total, bootstrap=bootstrap, seed=_seed_for(seed, name, "g_projected"), cost_draws=cost_draws)
+            pairs, proj.total, bootstrap=bootstrap, seed=_seed_for(seed, name, "g_projected"), cost_draws=cost_draws
+        )
         s.delta_g_projected_ci_covers_cost_model = cost_draws is not None
-    busy_pairs = [(r, b) for r, b in pairs if _num(r.get("server_busy_ms")) is not None
-                  and _num(b.get("server_busy_ms")) is not None]
+    busy_pairs = [
+        (r, b)
+        for r, b in pairs
+        if _num(r.get("server_busy_ms")) is not None and _num(b.get("server_busy_ms")) is not None
+    ]
     if s.g_busy_ms_per_token is not None and busy_pairs and len(busy_pairs) == len(pairs):
         s.delta_g_busy_pct, s.delta_g_busy_ci95 = paired_ratio_delta(
-            busy_pairs, _busy_cost, bootstrap=bootstrap, seed=_seed_for(seed, name, "g_busy"))
+            busy_pairs, _busy_cost, bootstrap=bootstrap, seed=_seed_for(seed, name, "g_busy")
+        )
 
 
 def _delivery(s: ConfigSummary, recs: Sequence[Record], verifier: bool) -> None:
@@ -426,19 +467,31 @@ def _delivery(s: ConfigSummary, recs: Sequence[Record], verifier: bool) -> None:
     if not verifier:
         return
     s.verifier_forwards_per_token = pooled(recs, _rounds, _tokens)
-    s.rows_per_forward = pooled(recs, lambda r: float(sum(r.get("rows") or ())), lambda r: float(len(r.get("rows") or ())))
-    s.mean_context = pooled(recs, lambda r: float(sum(r.get("context") or ())),
-                            lambda r: float(len(r.get("context") or ())))
-    s.bytes_up_per_round = pooled(recs, lambda r: float(sum(r.get("bytes_up") or ())),
-                                  lambda r: float(len(r.get("bytes_up") or ())))
-    s.bytes_down_per_round = pooled(recs, lambda r: float(sum(r.get("bytes_down") or ())),
-                                    lambda r: float(len(r.get("bytes_down") or ())))
+    s.rows_per_forward = pooled(
+        recs, lambda r: float(sum(r.get("rows") or ())), lambda r: float(len(r.get("rows") or ()))
+    )
+    s.mean_context = pooled(
+        recs, lambda r: float(sum(r.get("context") or ())), lambda r: float(len(r.get("context") or ()))
+    )
+    s.bytes_up_per_round = pooled(
+        recs, lambda r: float(sum(r.get("bytes_up") or ())), lambda r: float(len(r.get("bytes_up") or ()))
+    )
+    s.bytes_down_per_round = pooled(
+        recs, lambda r: float(sum(r.get("bytes_down") or ())), lambda r: float(len(r.get("bytes_down") or ()))
+    )
     s.bonus_outside_keep_share = pooled(recs, lambda r: float(r.get("bonus_outside_keep") or 0), _rounds)
 
 
-def _categories(name: str, recs: Sequence[Record], pairs: Sequence[tuple[Record, Record]],
-                qpairs: Sequence[tuple[Record, Record]], verifier: bool, *, bootstrap: int, seed: int
-                ) -> dict[str, CategorySummary]:
+def _categories(
+    name: str,
+    recs: Sequence[Record],
+    pairs: Sequence[tuple[Record, Record]],
+    qpairs: Sequence[tuple[Record, Record]],
+    verifier: bool,
+    *,
+    bootstrap: int,
+    seed: int,
+) -> dict[str, CategorySummary]:
     cats: dict[str, CategorySummary] = {}
     for cat in sorted({str(r.get("category")) for r in recs}):
         crecs = [r for r in recs if str(r.get("category")) == cat]
@@ -446,18 +499,28 @@ def _categories(name: str, recs: Sequence[Record], pairs: Sequence[tuple[Record,
         cq = [(r, b) for r, b in qpairs if str(r.get("category")) == cat]
         d, ci = paired_ratio_delta(cpairs, _server_cost, bootstrap=bootstrap, seed=_seed_for(seed, name, "g", cat))
         cats[cat] = CategorySummary(
-            requests=len(crecs), mat=pooled(crecs, _tokens, _rounds),
+            requests=len(crecs),
+            mat=pooled(crecs, _tokens, _rounds),
             g_ms_per_token=pooled(crecs, _server_cost, _tokens) if verifier else None,
-            delta_g_pct=d, delta_g_ci95=ci, verifier_logprob=mean(_logprob(r) for r in crecs),
+            delta_g_pct=d,
+            delta_g_ci95=ci,
+            verifier_logprob=mean(_logprob(r) for r in crecs),
             verifier_logprob_delta=paired_mean_difference(cq, _logprob, bootstrap=0)[0],
             reference_match_rate=_reference_rate(crecs)[0],
-            quality={m.key: mean(metric_value(r.get("quality"), m.key) for r in crecs) for m in METRICS})
+            quality={m.key: mean(metric_value(r.get("quality"), m.key) for r in crecs) for m in METRICS},
+        )
     return cats
 
 
-def build_summary(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, cost_model: Any = None,
-                  bootstrap: int = 1000, seed: int = 0, server: dict[str, int] | None = None
-                  ) -> dict[str, ConfigSummary]:
+def build_summary(
+    records: Iterable[Record],
+    *,
+    baseline: str = DEFAULT_BASELINE,
+    cost_model: Any = None,
+    bootstrap: int = 1000,
+    seed: int = 0,
+    server: dict[str, int] | None = None,
+) -> dict[str, ConfigSummary]:
     """The typed summary of a bench run: configuration name (Table 5 order) -> `ConfigSummary`.
 
     records: per-request records (module docstring). baseline: the configuration Δ figures are paired against
@@ -479,11 +542,15 @@ def build_summary(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE
         recs = groups[name]
         verifier = name not in NO_VERIFIER
         s = ConfigSummary(
-            requests=len(recs), runs=len({r.get("run", 0) for r in recs}),
+            requests=len(recs),
+            runs=len({r.get("run", 0) for r in recs}),
             unfinished=sum(1 for r in recs if r.get("finished") is False),
-            finish_reasons=dict(sorted(Counter(str(r["finish_reason"]) for r in recs
-                                               if r.get("finish_reason")).items())),
-            tokens=int(sum(_tokens(r) for r in recs)), rounds=int(sum(_rounds(r) for r in recs)))
+            finish_reasons=dict(
+                sorted(Counter(str(r["finish_reason"]) for r in recs if r.get("finish_reason")).items())
+            ),
+            tokens=int(sum(_tokens(r) for r in recs)),
+            rounds=int(sum(_rounds(r) for r in recs)),
+        )
         proj_ok = _verifier_cost(s, recs, proj, base) if verifier else False
 
         # Δg vs the baseline, paired by question
@@ -499,20 +566,40 @@ def build_summary(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE
         s.quality = _quality(recs, qpairs, bool(base), bootstrap=bootstrap, seed=_seed_for(seed, name))
         if name == baseline:
             for m in s.quality.metrics.values():
-                m.p_worse = None   # the baseline against itself is no test
+                m.p_worse = None  # the baseline against itself is no test
         s.per_category = _categories(name, recs, pairs, qpairs, verifier, bootstrap=bootstrap, seed=seed)
         out[name] = s
     flag_quality(out)
     return out
 
 
-def summarize(records: Iterable[Record], *, baseline: str = DEFAULT_BASELINE, cost_model: Any = None,
-              bootstrap: int = 1000, seed: int = 0, server: dict[str, int] | None = None) -> dict[str, dict[str, Any]]:
+def summarize(
+    records: Iterable[Record],
+    *,
+    baseline: str = DEFAULT_BASELINE,
+    cost_model: Any = None,
+    bootstrap: int = 1000,
+    seed: int = 0,
+    server: dict[str, int] | None = None,
+) -> dict[str, dict[str, Any]]:
     """`build_summary` as plain dicts (`ConfigSummary.to_dict`): what ``results.json``'s ``summary`` holds and
     the tables read. Same arguments."""
-    return {name: s.to_dict() for name, s in build_summary(records, baseline=baseline, cost_model=cost_model,
-                                                            bootstrap=bootstrap, seed=seed, server=server).items()}
+    return {
+        name: s.to_dict()
+        for name, s in build_summary(
+            records, baseline=baseline, cost_model=cost_model, bootstrap=bootstrap, seed=seed, server=server
+        ).items()
+    }
 
 
-__all__ = ["CategorySummary", "ConfigSummary", "LOGPROB_NOTE", "MetricQuality", "QualitySummary", "build_summary",
-           "flag_quality", "quality_metrics", "summarize"]
+__all__ = [
+    "CategorySummary",
+    "ConfigSummary",
+    "LOGPROB_NOTE",
+    "MetricQuality",
+    "QualitySummary",
+    "build_summary",
+    "flag_quality",
+    "quality_metrics",
+    "summarize",
+]

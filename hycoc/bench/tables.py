@@ -19,8 +19,9 @@ from __future__ import annotations
 import csv
 import io
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any
 
 #: The output formats of `print_tables`.
 FORMATS = ("table", "markdown", "csv")
@@ -50,8 +51,10 @@ class TextTable:
             self.justify = ["left"] * self.keys + ["right"] * (len(self.headers) - self.keys)
         bad = [i for i, r in enumerate(self.rows) if len(r) != len(self.headers)]
         if bad or len(self.justify) != len(self.headers) or not 0 < self.keys <= len(self.headers):
-            raise ValueError(f"table {self.title!r}: {len(self.headers)} headers, {len(self.justify)} justify, "
-                             f"keys {self.keys}; rows {bad[:3]} have another length")
+            raise ValueError(
+                f"table {self.title!r}: {len(self.headers)} headers, {len(self.justify)} justify, "
+                f"keys {self.keys}; rows {bad[:3]} have another length"
+            )
 
 
 def column_width(header: str, cells: Sequence[str]) -> int:
@@ -84,14 +87,27 @@ def fit_columns(table: TextTable, width: int) -> list[TextTable]:
         parts.append(current)
     if len(parts) == 1:
         return [table]
-    parts = _balanced(list(range(table.keys, len(table.headers))), len(parts),
-                      lambda cols: table_width([widths[j] for j in keys + cols])) or parts
+    parts = (
+        _balanced(
+            list(range(table.keys, len(table.headers))),
+            len(parts),
+            lambda cols: table_width([widths[j] for j in keys + cols]),
+        )
+        or parts
+    )
     out = []
     for n, cols in enumerate(parts, start=1):
         idx = keys + cols
-        out.append(replace(table, title=f"{table.title} ({n}/{len(parts)})", headers=[table.headers[i] for i in idx],
-                           rows=[[r[i] for i in idx] for r in table.rows], justify=[table.justify[i] for i in idx],
-                           caption=table.caption if n == len(parts) else None))
+        out.append(
+            replace(
+                table,
+                title=f"{table.title} ({n}/{len(parts)})",
+                headers=[table.headers[i] for i in idx],
+                rows=[[r[i] for i in idx] for r in table.rows],
+                justify=[table.justify[i] for i in idx],
+                caption=table.caption if n == len(parts) else None,
+            )
+        )
     return out
 
 
@@ -111,7 +127,7 @@ def _balanced(cols: list[int], k: int, cost) -> list[list[int]] | None:
             out = (cost(cols[start:]), [cols[start:]])
         else:
             out = None
-            for stop in range(n - parts + 1, start, -1):   # the fullest first part first: ties keep it
+            for stop in range(n - parts + 1, start, -1):  # the fullest first part first: ties keep it
                 rest_cost, rest = solve(stop, parts - 1)
                 c = max(cost(cols[start:stop]), rest_cost)
                 if out is None or c < out[0]:
@@ -136,6 +152,7 @@ def console_width(is_terminal: bool, terminal_width: int | None = None, environ=
 
 def to_markdown(table: TextTable) -> str:
     """GitHub-flavoured Markdown: ``**title**``, the pipe table (``|`` in cells escaped), the caption."""
+
     def row(cells):
         return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
@@ -171,10 +188,12 @@ def print_tables(tables: Sequence[TextTable], console: Any, fmt: str = "table") 
 
     for whole in tables:
         for t in fit_columns(whole, console.width):
-            rt = Table(title=Text(t.title))   # the caption follows at the console's width, not the table's
+            rt = Table(title=Text(t.title))  # the caption follows at the console's width, not the table's
             for i, (h, j) in enumerate(zip(t.headers, t.justify)):
                 w = column_width(h, [r[i] for r in t.rows])
-                rt.add_column(Text(h), justify=j, width=w, style="bold" if i < t.keys else None)  # header wraps, cells fit
+                rt.add_column(
+                    Text(h), justify=j, width=w, style="bold" if i < t.keys else None
+                )  # header wraps, cells fit
             for r in t.rows:
                 rt.add_row(*(Text(c, no_wrap=True) for c in r))
             console.print(rt)
@@ -182,5 +201,16 @@ def print_tables(tables: Sequence[TextTable], console: Any, fmt: str = "table") 
                 console.print(Text(t.caption))
 
 
-__all__ = ["FORMATS", "MIN_WIDTH", "REDIRECTED_WIDTH", "TextTable", "column_width", "console_width", "fit_columns",
-           "print_tables", "table_width", "to_csv", "to_markdown"]
+__all__ = [
+    "FORMATS",
+    "MIN_WIDTH",
+    "REDIRECTED_WIDTH",
+    "TextTable",
+    "column_width",
+    "console_width",
+    "fit_columns",
+    "print_tables",
+    "table_width",
+    "to_csv",
+    "to_markdown",
+]

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from hycoc.bench.datasets import Question
 from hycoc.jsonl import iter_jsonl
@@ -37,8 +38,11 @@ from hycoc.jsonl import iter_jsonl
 EXACT_MODE = {"hyco": "hyco-exact", "specedge-eps": "specedge"}
 EXACT = "exact"
 #: The guarded metrics: tolerance attribute of `Tolerance` -> (quality metric key, the side that is worse).
-GUARDS = {"compression_drop": ("compression_ratio", "drop"), "repetition_rise": ("repeated_4gram_share", "rise"),
-          "distinct2_drop": ("distinct_2", "drop")}
+GUARDS = {
+    "compression_drop": ("compression_ratio", "drop"),
+    "repetition_rise": ("repeated_4gram_share", "rise"),
+    "distinct2_drop": ("distinct_2", "drop"),
+}
 TUNE_JSON = "tune.json"
 
 
@@ -56,8 +60,9 @@ def _content(message: Any) -> str | None:
     return content if isinstance(content, str) else None
 
 
-def load_validation(path: Path, count: int, *, benchmark_turns: set[str] = frozenset(),
-                    keep_set_corpus: Path | None = None) -> list[Question]:
+def load_validation(
+    path: Path, count: int, *, benchmark_turns: set[str] = frozenset(), keep_set_corpus: Path | None = None
+) -> list[Question]:
     """The first ``count`` conversations of the validation JSONL at ``path`` as Questions: question_id = the
     line number, category ``"validation"``, turns = (first user turn,), reference = (first assistant turn,) or None.
 
@@ -66,8 +71,10 @@ def load_validation(path: Path, count: int, *, benchmark_turns: set[str] = froze
     set's corpus, or fewer than ``count`` conversations (naming ``tune.prompts``)."""
     path = Path(path)
     if keep_set_corpus is not None and path.resolve() == Path(keep_set_corpus).resolve():
-        raise TuneError(f"tune.validation_data = {path} is keep_set.corpus: the keep set's counts read it, so it "
-                        "cannot validate (paper App. D: UC-val is held out); give held-out conversations")
+        raise TuneError(
+            f"tune.validation_data = {path} is keep_set.corpus: the keep set's counts read it, so it "
+            "cannot validate (paper App. D: UC-val is held out); give held-out conversations"
+        )
     if not path.is_file():
         raise TuneError(f"tune.validation_data: {path} does not exist; give a JSONL of held-out conversations")
     out: list[Question] = []
@@ -75,33 +82,40 @@ def load_validation(path: Path, count: int, *, benchmark_turns: set[str] = froze
         if not isinstance(row, dict):
             raise TuneError(f"{where}: expected a JSON object with 'messages'")
         if "question_id" in row and "turns" in row:
-            raise TuneError(f"{where}: a Spec-Bench question; the validation set must be disjoint from the "
-                            "benchmark (paper App. D)")
+            raise TuneError(
+                f"{where}: a Spec-Bench question; the validation set must be disjoint from the benchmark (paper App. D)"
+            )
         messages = row.get("messages")
         if not isinstance(messages, list):
-            raise TuneError(f"{where}: no 'messages' list; expected {{\"messages\": [{{\"role\": \"user\", "
-                            "\"content\": ...}}, {{\"role\": \"assistant\", \"content\": ...}}]}}")
+            raise TuneError(
+                f'{where}: no \'messages\' list; expected {{"messages": [{{"role": "user", '
+                '"content": ...}}, {{"role": "assistant", "content": ...}}]}}'
+            )
         users = [_content(m) for m in messages if isinstance(m, dict) and m.get("role") == "user"]
-        answers = [_content(m) for m in messages
-                   if isinstance(m, dict) and m.get("role") in ("assistant", "model")]
+        answers = [_content(m) for m in messages if isinstance(m, dict) and m.get("role") in ("assistant", "model")]
         if not users or users[0] is None:
             raise TuneError(f"{where}: no user turn with text content")
         if users[0] in benchmark_turns:
-            raise TuneError(f"{where}: this prompt is a benchmark question; the validation set must be disjoint "
-                            "from the benchmark (paper App. D)")
+            raise TuneError(
+                f"{where}: this prompt is a benchmark question; the validation set must be disjoint "
+                "from the benchmark (paper App. D)"
+            )
         reference = (answers[0],) if answers and answers[0] is not None else None
         out.append(Question(number, "validation", (users[0],), reference))
     if len(out) < count:
-        raise TuneError(f"{path}: {len(out)} conversations, tune.prompts = {count}; lower tune.prompts (or "
-                        "--prompts) or give more conversations")
+        raise TuneError(
+            f"{path}: {len(out)} conversations, tune.prompts = {count}; lower tune.prompts (or "
+            "--prompts) or give more conversations"
+        )
     return out
 
 
 # ---- the selection rule -------------------------------------------------------------------------------------
 
 
-def validation_questions(cfg, recipe_path: Path, validation_data: Path | None, prompts: int | None,
-                         default_dataset: Path) -> list[Question]:
+def validation_questions(
+    cfg, recipe_path: Path, validation_data: Path | None, prompts: int | None, default_dataset: Path
+) -> list[Question]:
     """`hycoc tune-epsilon`'s held-out questions: ``validation_data`` (``--validation-data``), else the recipe's
     tune.validation_data; the first ``prompts`` (default tune.prompts) conversations (`load_validation`), refusing
     any prompt that is a first turn of the benchmark (the recipe's bench.dataset, else ``default_dataset``) and the
@@ -111,12 +125,18 @@ def validation_questions(cfg, recipe_path: Path, validation_data: Path | None, p
 
     path = validation_data or cfg.resolve_path(cfg.tune.validation_data)
     if path is None:
-        raise TuneError(f"{recipe_path}: tune.validation_data is empty; set it to a JSONL of held-out "
-                        "conversations (or pass --validation-data)")
+        raise TuneError(
+            f"{recipe_path}: tune.validation_data is empty; set it to a JSONL of held-out "
+            "conversations (or pass --validation-data)"
+        )
     bench_path = cfg.resolve_path(cfg.bench.dataset) or default_dataset
     benchmark_turns = {q.turns[0] for q in load_spec_bench(bench_path)} if bench_path.is_file() else set()
-    return load_validation(path, prompts or cfg.tune.prompts, benchmark_turns=benchmark_turns,
-                           keep_set_corpus=cfg.resolve_path(cfg.keep_set.corpus))
+    return load_validation(
+        path,
+        prompts or cfg.tune.prompts,
+        benchmark_turns=benchmark_turns,
+        keep_set_corpus=cfg.resolve_path(cfg.keep_set.corpus),
+    )
 
 
 @dataclass(frozen=True)
@@ -213,11 +233,18 @@ def rows_from_summary(summary: dict[str, dict[str, Any]], labels: dict[str, floa
             continue
         metrics = (s.get("quality") or {}).get("metrics") or {}
         g_proj, g_meas = s.get("g_projected_ms_per_token"), s.get("g_ms_per_token")
-        rows.append(SweepRow(
-            epsilon=eps, mat=s.get("mat"), g=g_proj if g_proj is not None else g_meas, g_measured=g_meas,
-            requests=s.get("requests", 0), deltas={k: m.get("delta") for k, m in metrics.items()},
-            ci95={k: m.get("delta_ci95") for k, m in metrics.items()},
-            means={k: m.get("mean") for k, m in metrics.items()}))
+        rows.append(
+            SweepRow(
+                epsilon=eps,
+                mat=s.get("mat"),
+                g=g_proj if g_proj is not None else g_meas,
+                g_measured=g_meas,
+                requests=s.get("requests", 0),
+                deltas={k: m.get("delta") for k, m in metrics.items()},
+                ci95={k: m.get("delta_ci95") for k, m in metrics.items()},
+                means={k: m.get("mean") for k, m in metrics.items()},
+            )
+        )
     return rows
 
 
@@ -244,20 +271,38 @@ class TunePlan:
     link: str = "none"
 
 
-def run_tune(recipe, recipe_path: Path, plan: TunePlan, *, bundle_dir: Path, backend: str = "cpu",
-             resume: bool = False, cost_model_path: Path | None = None, console=None, threads: int = 1) -> dict:
+def run_tune(
+    recipe,
+    recipe_path: Path,
+    plan: TunePlan,
+    *,
+    bundle_dir: Path,
+    backend: str = "cpu",
+    resume: bool = False,
+    cost_model_path: Path | None = None,
+    console=None,
+    threads: int = 1,
+) -> dict:
     """Run the sweep (module docstring) and return what ``OUT/tune.json`` holds: ``{"meta", "rule", "tolerance",
     "rows": [SweepRow as dict], "chosen_epsilon", "recipe_line"}`` (``epsilon = 1`` when exact acceptance wins:
     ε = 1 reduces the rule to exact, paper §3.5); prints the sweep table.
 
     Raises TuneError (bad plan, nothing admissible), BenchError (server, output folder), BundleError,
     TransportError, CostModelError; KeyboardInterrupt keeps ``records.jsonl`` for ``resume``."""
-    from hycoc.bench.runner import (Request, atomic_write, cost_model_for, make_console, open_out, read_records,
-                             run_requests, score_quality)
+    from hycoc.bench.quality import rouge_l
+    from hycoc.bench.runner import (
+        Request,
+        atomic_write,
+        cost_model_for,
+        make_console,
+        open_out,
+        read_records,
+        run_requests,
+        score_quality,
+    )
     from hycoc.bench.summary import summarize
     from hycoc.bundle import sha256_file
     from hycoc.protocol.messages import Sampling
-    from hycoc.bench.quality import rouge_l
     from hycoc.runtime.client import load_runtime
 
     if plan.mode not in EXACT_MODE:
@@ -266,9 +311,18 @@ def run_tune(recipe, recipe_path: Path, plan: TunePlan, *, bundle_dir: Path, bac
     epsilons = sorted({float(e) for e in plan.epsilons if 0 < e < 1}) + [1.0]
     labels = {label_of(e): e for e in epsilons}
     s = recipe.sampling
-    settings = {"recipe_sha256": recipe.content_hash(),
-                "bundle_manifest_sha256": sha256_file(bundle_dir / "manifest.json"), "backend": backend, "output_cap": plan.output_cap, "temperature": plan.temperature, "top_k": s.top_k,
-                "top_p": s.top_p, "seed": s.seed, "mode": plan.mode, "link": plan.link}
+    settings = {
+        "recipe_sha256": recipe.content_hash(),
+        "bundle_manifest_sha256": sha256_file(bundle_dir / "manifest.json"),
+        "backend": backend,
+        "output_cap": plan.output_cap,
+        "temperature": plan.temperature,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "seed": s.seed,
+        "mode": plan.mode,
+        "link": plan.link,
+    }
     done = open_out(plan.out, settings, resume)
     rt = load_runtime(bundle_dir, backend, threads=threads)
     prompts = {q.question_id: rt.bundle.chat.prompt(q.turns[0]) for q in plan.questions}
@@ -280,12 +334,25 @@ def run_tune(recipe, recipe_path: Path, plan: TunePlan, *, bundle_dir: Path, bac
             if (label, 0, q.question_id) not in done:
                 mode = EXACT_MODE[plan.mode] if eps >= 1.0 else plan.mode
                 todo.append(Request(label, mode, eps, 0, q))
-    console.print(f"tune-epsilon: {len(plan.questions)} validation prompts x {len(epsilons)} thresholds "
-                  f"({', '.join(labels)}) = {len(plan.questions) * len(epsilons)} requests ({len(todo)} to run), "
-                  f"mode {plan.mode}, output cap {plan.output_cap}, T={plan.temperature}, backend {backend}")
+    console.print(
+        f"tune-epsilon: {len(plan.questions)} validation prompts x {len(epsilons)} thresholds "
+        f"({', '.join(labels)}) = {len(plan.questions) * len(epsilons)} requests ({len(todo)} to run), "
+        f"mode {plan.mode}, output cap {plan.output_cap}, T={plan.temperature}, backend {backend}"
+    )
     records_path = plan.out / "records.jsonl"
-    run_requests(rt, recipe_path, bundle_dir, todo, prompts, records_path, link=plan.link,
-                 output_cap=plan.output_cap, sampling=sampling, seed=s.seed, console=console)
+    run_requests(
+        rt,
+        recipe_path,
+        bundle_dir,
+        todo,
+        prompts,
+        records_path,
+        link=plan.link,
+        output_cap=plan.output_cap,
+        sampling=sampling,
+        seed=s.seed,
+        console=console,
+    )
 
     records = [r for r in read_records(records_path) if r["config"] in labels and r["question_id"] in prompts]
     by_id = {q.question_id: q for q in plan.questions}
@@ -298,19 +365,31 @@ def run_tune(recipe, recipe_path: Path, plan: TunePlan, *, bundle_dir: Path, bac
     rows = rows_from_summary(summary, labels)
     chosen = choose_epsilon(rows, plan.tolerance)
     result = {
-        "meta": {"recipe": str(recipe_path), "bundle": str(bundle_dir), "backend": backend, "mode": plan.mode,
-                 "prompts": len(plan.questions), "output_cap": plan.output_cap, "temperature": plan.temperature,
-                 "cost_model": cost_note},
+        "meta": {
+            "recipe": str(recipe_path),
+            "bundle": str(bundle_dir),
+            "backend": backend,
+            "mode": plan.mode,
+            "prompts": len(plan.questions),
+            "output_cap": plan.output_cap,
+            "temperature": plan.temperature,
+            "cost_model": cost_note,
+        },
         "rule": choose_epsilon.__doc__.split("Rule:", 1)[1].split("Sets each row", 1)[0].strip(),
-        "tolerance": asdict(plan.tolerance), "rows": [asdict(r) for r in rows],
+        "tolerance": asdict(plan.tolerance),
+        "rows": [asdict(r) for r in rows],
         "chosen_epsilon": chosen.epsilon,
-        "recipe_line": f"epsilon = {chosen.epsilon:g}",   # 1 = exact acceptance (§3.5)
+        "recipe_line": f"epsilon = {chosen.epsilon:g}",  # 1 = exact acceptance (§3.5)
     }
     atomic_write(plan.out / TUNE_JSON, json.dumps(result, indent=1))
     render_sweep(rows, chosen, plan.tolerance, console)
-    console.print(f"{cost_note}. Chosen: {label_of(chosen.epsilon)}; in the recipe's acceptance table: "
-                  f"{result['recipe_line']}" + (" (exact acceptance)" if chosen.epsilon >= 1.0 else "")
-                  + f". Wrote {plan.out / TUNE_JSON}", markup=False)
+    console.print(
+        f"{cost_note}. Chosen: {label_of(chosen.epsilon)}; in the recipe's acceptance table: "
+        f"{result['recipe_line']}"
+        + (" (exact acceptance)" if chosen.epsilon >= 1.0 else "")
+        + f". Wrote {plan.out / TUNE_JSON}",
+        markup=False,
+    )
     return result
 
 
@@ -332,20 +411,47 @@ def sweep_table(rows: Sequence[SweepRow], chosen: SweepRow, tol: Tolerance):
     out = []
     for r in rows:
         mark = "chosen" if r is chosen else ("yes" if r.admissible else "no: " + "; ".join(r.failed))
-        out.append(["1 (exact)" if r.epsilon >= 1.0 else f"{r.epsilon:g}", str(r.requests), num(r.mat, ".2f"),
-                    num(r.g, ".2f"), num(r.g_measured, ".2f"), cell(r, "compression_ratio", ".3f"),
-                    cell(r, "repeated_4gram_share", ".3f"), cell(r, "distinct_2", ".3f"),
-                    cell(r, "longest_run", ".1f"), cell(r, "rouge_l", ".1f"), mark])
-    headers = ["ε", "n", "MAT", "g ms/tok", "g meas.", "zlib ratio (Δ)", "rep. 4-gram (Δ)", "distinct-2 (Δ)",
-               "longest run (Δ)", "ROUGE-L (Δ)", "admissible"]
+        out.append(
+            [
+                "1 (exact)" if r.epsilon >= 1.0 else f"{r.epsilon:g}",
+                str(r.requests),
+                num(r.mat, ".2f"),
+                num(r.g, ".2f"),
+                num(r.g_measured, ".2f"),
+                cell(r, "compression_ratio", ".3f"),
+                cell(r, "repeated_4gram_share", ".3f"),
+                cell(r, "distinct_2", ".3f"),
+                cell(r, "longest_run", ".1f"),
+                cell(r, "rouge_l", ".1f"),
+                mark,
+            ]
+        )
+    headers = [
+        "ε",
+        "n",
+        "MAT",
+        "g ms/tok",
+        "g meas.",
+        "zlib ratio (Δ)",
+        "rep. 4-gram (Δ)",
+        "distinct-2 (Δ)",
+        "longest run (Δ)",
+        "ROUGE-L (Δ)",
+        "admissible",
+    ]
     return TextTable(
-        title="tune-epsilon: ε sweep on the validation prompts (paired vs exact acceptance)", headers=headers,
-        rows=out, justify=["right"] * (len(headers) - 1) + ["left"],
-        caption=(f"g: projected ms per output token (rounds), g meas.: measured incl. prefill. Guards vs exact: "
-                 f"zlib ratio drop <= {tol.compression_drop:g}, rep. 4-gram rise <= {tol.repetition_rise:g}, "
-                 f"distinct-2 drop <= {tol.distinct2_drop:g}; choice: lowest g among admissible, ties within "
-                 f"{tol.g_tie_pct:g}% to the largest ε. ROUGE-L: against the validation set's own sampled "
-                 "answers (informational)."))
+        title="tune-epsilon: ε sweep on the validation prompts (paired vs exact acceptance)",
+        headers=headers,
+        rows=out,
+        justify=["right"] * (len(headers) - 1) + ["left"],
+        caption=(
+            f"g: projected ms per output token (rounds), g meas.: measured incl. prefill. Guards vs exact: "
+            f"zlib ratio drop <= {tol.compression_drop:g}, rep. 4-gram rise <= {tol.repetition_rise:g}, "
+            f"distinct-2 drop <= {tol.distinct2_drop:g}; choice: lowest g among admissible, ties within "
+            f"{tol.g_tie_pct:g}% to the largest ε. ROUGE-L: against the validation set's own sampled "
+            "answers (informational)."
+        ),
+    )
 
 
 def render_sweep(rows: Sequence[SweepRow], chosen: SweepRow, tol: Tolerance, console) -> None:
@@ -355,6 +461,21 @@ def render_sweep(rows: Sequence[SweepRow], chosen: SweepRow, tol: Tolerance, con
     print_tables([sweep_table(rows, chosen, tol)], console)
 
 
-__all__ = ["EXACT", "EXACT_MODE", "GUARDS", "SweepRow", "Tolerance", "TuneError", "TunePlan", "check_row",
-           "validation_questions",
-           "choose_epsilon", "label_of", "load_validation", "render_sweep", "sweep_table", "rows_from_summary", "run_tune"]
+__all__ = [
+    "EXACT",
+    "EXACT_MODE",
+    "GUARDS",
+    "SweepRow",
+    "Tolerance",
+    "TuneError",
+    "TunePlan",
+    "check_row",
+    "validation_questions",
+    "choose_epsilon",
+    "label_of",
+    "load_validation",
+    "render_sweep",
+    "sweep_table",
+    "rows_from_summary",
+    "run_tune",
+]

@@ -54,10 +54,13 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback()
-def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
-                                       help="print hycoc's version and exit")) -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="print hycoc's version and exit"
+    ),
+) -> None:
     """HyCo hybrid drafting: compile drafters into bundles, run the device runtime, serve the verifier."""
-    utf8_stdio()       # Windows: UTF-8 stdout/stderr for every command (no-op elsewhere)
+    utf8_stdio()  # Windows: UTF-8 stdout/stderr for every command (no-op elsewhere)
 
 
 # The README's commands table, in its order; each name is the command's name on the command line.

@@ -98,7 +98,7 @@ PENDING = {
 
 
 def _target_names() -> dict[str, str]:
-    from hycoc.targets.profiles import HTP_TARGETS       # dataclasses only: cheap to import
+    from hycoc.targets.profiles import HTP_TARGETS  # dataclasses only: cheap to import
 
     return {n.replace("-", "_"): n for n in (*HTP_TARGETS, "cpu", "qai-hub")}
 
@@ -148,8 +148,10 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
-AUTH_TOKEN_HELP = ("prefer the HYCOC_AUTH_TOKEN environment variable or --auth-token-file: a token given as "
-                   "--auth-token is visible to every local user (ps, /proc/PID/cmdline)")
+AUTH_TOKEN_HELP = (
+    "prefer the HYCOC_AUTH_TOKEN environment variable or --auth-token-file: a token given as "
+    "--auth-token is visible to every local user (ps, /proc/PID/cmdline)"
+)
 
 
 def _auth_token(command: str, ctx: typer.Context, token: str | None, token_file: Path | None) -> str | None:
@@ -173,8 +175,11 @@ def _auth_token(command: str, ctx: typer.Context, token: str | None, token_file:
     if token == "":
         raise _fail(command, "--auth-token is empty: give a token, or leave the option out", code=2)
     if on_command_line:
-        typer.echo(f"hycoc {command}: warning: --auth-token on the command line is visible to every local user "
-                   "(ps, /proc/PID/cmdline); set HYCOC_AUTH_TOKEN or use --auth-token-file FILE instead", err=True)
+        typer.echo(
+            f"hycoc {command}: warning: --auth-token on the command line is visible to every local user "
+            "(ps, /proc/PID/cmdline); set HYCOC_AUTH_TOKEN or use --auth-token-file FILE instead",
+            err=True,
+        )
     return token
 
 
@@ -189,10 +194,13 @@ def _port_error(host: str, port: int, e: OSError, busy_hint: str) -> str:
     import errno
 
     if e.errno == errno.EADDRINUSE:
-        return (f"cannot listen on {host}:{port}: {e.strerror} ({busy_hint}): pass --port N, or --port 0 for any free "
-                "port")
-    return (f"cannot listen on {host}:{port}: {e.strerror or e}: pass --host with an address of this machine "
-            "(127.0.0.1, or 0.0.0.0 for every interface)")
+        return (
+            f"cannot listen on {host}:{port}: {e.strerror} ({busy_hint}): pass --port N, or --port 0 for any free port"
+        )
+    return (
+        f"cannot listen on {host}:{port}: {e.strerror or e}: pass --host with an address of this machine "
+        "(127.0.0.1, or 0.0.0.0 for every interface)"
+    )
 
 
 def _bundle_backend(bundle: Path, backend) -> str:
@@ -213,8 +221,11 @@ def _need_full(command: str) -> None:
 
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
-        raise _fail(command, f"needs {' and '.join(missing)} (the compiler/verifier install): "
-                    "pip install torch==2.13.0 && pip install -e '.[full]'")
+        raise _fail(
+            command,
+            f"needs {' and '.join(missing)} (the compiler/verifier install): "
+            "pip install torch==2.13.0 && pip install -e '.[full]'",
+        )
 
 
 def _pending(command: str, key: str | None = None) -> typer.Exit:
@@ -231,5 +242,6 @@ def _recipe(command: str, path: Path):
         raise _fail(command, f"bad recipe\n{e}") from None
 
 
-RECIPE_ARG = typer.Argument(..., metavar="RECIPE", help="recipe TOML file (e.g. recipes/toy.toml, "
-                            "recipes/gemma4.toml)", show_default=False)
+RECIPE_ARG = typer.Argument(
+    ..., metavar="RECIPE", help="recipe TOML file (e.g. recipes/toy.toml, recipes/gemma4.toml)", show_default=False
+)

@@ -5,73 +5,122 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from hycoc.cli._common import (DEFAULT_DATASET, RECIPE_ARG, REPO_ROOT, Backend, TableFormat, _bundle_backend,
-                               _fail, _need_full, _recipe)
-
-
+from hycoc.cli._common import (
+    DEFAULT_DATASET,
+    RECIPE_ARG,
+    REPO_ROOT,
+    Backend,
+    TableFormat,
+    _bundle_backend,
+    _fail,
+    _need_full,
+    _recipe,
+)
 
 #: Configurations of `hycoc bench` (paper Table 5).
 BENCH_CONFIGS = ("cloud-mtp", "specedge", "specedge-eps", "hyco", "hyco-2p", "hyco-exact", "server-head", "slm-alone")
 
 
 #: Options bench and tune-epsilon share (typer's Annotated form, as huggingface_hub's cli/_cli_utils.py does).
-BundleOption = Annotated[Optional[Path], typer.Option(
-    help="device bundle (default: bundles/<recipe name>-cpu, built first when missing)", show_default=False)]
-BackendOption = Annotated[Optional[Backend], typer.Option(
-    help="device backend of the bundle's graphs (default: the bundle's target)", show_default=False)]
-CostModelOption = Annotated[Optional[Path], typer.Option(
-    help="cost-model JSON for g projected (benchmarks/verifier_cost_model.py); default: measured here",
-    show_default=False)]
+BundleOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="device bundle (default: bundles/<recipe name>-cpu, built first when missing)", show_default=False
+    ),
+]
+BackendOption = Annotated[
+    Backend | None,
+    typer.Option(help="device backend of the bundle's graphs (default: the bundle's target)", show_default=False),
+]
+CostModelOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="cost-model JSON for g projected (benchmarks/verifier_cost_model.py); default: measured here",
+        show_default=False,
+    ),
+]
+
 
 def bench(
     recipe: Path = RECIPE_ARG,
-    dataset: Optional[str] = typer.Option(
-        None, help="spec-bench, long-summary (long documents filling the verifier's context, in the paper's "
+    dataset: str | None = typer.Option(
+        None,
+        help="spec-bench, long-summary (long documents filling the verifier's context, in the paper's "
         "2-shot summarization prompt), or a path: a Spec-Bench question JSONL or an InfiniteBench "
         "longbook_sum_eng.jsonl (the paper's first 50 in HELMET's order) (default: the recipe's bench.dataset, else "
-        "spec-bench)", show_default=False),
-    limit: Optional[int] = typer.Option(None, min=1, help="use the first N questions (default: all 480)",
-                                        show_default=False),
-    max_prompt_tokens: Optional[int] = typer.Option(
-        None, min=16, help="long documents: cut each document at a line end so its prompt has at most N tokens, as "
+        "spec-bench)",
+        show_default=False,
+    ),
+    limit: int | None = typer.Option(
+        None, min=1, help="use the first N questions (default: all 480)", show_default=False
+    ),
+    max_prompt_tokens: int | None = typer.Option(
+        None,
+        min=16,
+        help="long documents: cut each document at a line end so its prompt has at most N tokens, as "
         "the paper cut the novels to 32K (default: uncut; a prompt the verifier cannot hold is refused at OPEN "
-        "with context_overflow)", show_default=False),
-    configs: str = typer.Option(",".join(BENCH_CONFIGS), help="comma-separated configurations (paper Table 5) "
-                                f"(default: all {len(BENCH_CONFIGS)}: {', '.join(BENCH_CONFIGS)})",
-                                show_default=False),
-    link: Optional[str] = typer.Option(
-        None, help="link model per frame: lte, 5g, none or RTT_MS:MBPS (round trip ms : megabit/s) "
-        "(default: the recipe's bench.link)", show_default=False),
-    runs: Optional[int] = typer.Option(None, min=1, help="repetitions per configuration (default: the recipe's)",
-                                       show_default=False),
+        "with context_overflow)",
+        show_default=False,
+    ),
+    configs: str = typer.Option(
+        ",".join(BENCH_CONFIGS),
+        help="comma-separated configurations (paper Table 5) "
+        f"(default: all {len(BENCH_CONFIGS)}: {', '.join(BENCH_CONFIGS)})",
+        show_default=False,
+    ),
+    link: str | None = typer.Option(
+        None,
+        help="link model per frame: lte, 5g, none or RTT_MS:MBPS (round trip ms : megabit/s) "
+        "(default: the recipe's bench.link)",
+        show_default=False,
+    ),
+    runs: int | None = typer.Option(
+        None, min=1, help="repetitions per configuration (default: the recipe's)", show_default=False
+    ),
     out: Path = typer.Option(Path("runs/bench"), help="folder for records.jsonl, results.json and plots"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
     bundle: BundleOption = None,
     backend: BackendOption = None,
     cost_model: CostModelOption = None,
-    max_new_tokens: Optional[int] = typer.Option(
-        None, min=1, help="output cap per request (default: the recipe's bench.output_cap)", show_default=False),
+    max_new_tokens: int | None = typer.Option(
+        None, min=1, help="output cap per request (default: the recipe's bench.output_cap)", show_default=False
+    ),
     turns: int = typer.Option(
-        2, min=1, max=2, help="2: questions with a second turn (MT-bench) continue on the same session with the "
+        2,
+        min=1,
+        max=2,
+        help="2: questions with a second turn (MT-bench) continue on the same session with the "
         "configuration's own first answer in the conversation, as the paper's SB-480 (KV kept; per-turn table of "
-        "prefill ms saved, g, MAT); 1: first turns only"),
+        "prefill ms saved, g, MAT); 1: first turns only",
+    ),
     thinking: bool = typer.Option(
-        False, "--thinking", help="prompts with the chat template's thinking switch on; quality scores the final "
-        "answer, not the thought (default off, as the recipe runs: docs/recipes.md \"Chat format\")"),
-    device_profile: Optional[Path] = typer.Option(
-        None, help="device_profile.json from `hycoc profile`: phone draft ms per round and delivery tok/s per "
+        False,
+        "--thinking",
+        help="prompts with the chat template's thinking switch on; quality scores the final "
+        'answer, not the thought (default off, as the recipe runs: docs/recipes.md "Chat format")',
+    ),
+    device_profile: Path | None = typer.Option(
+        None,
+        help="device_profile.json from `hycoc profile`: phone draft ms per round and delivery tok/s per "
         "configuration from its profiled graph times (default: the labelled estimate, hycoc/device_time.py)",
-        show_default=False),
+        show_default=False,
+    ),
     remeasure_cost_model: bool = typer.Option(
-        False, "--remeasure-cost-model", help="measure the cost model again even when OUT/cost_model.json exists "
-        "(--resume reuses it, so the summary stays as it was)"),
+        False,
+        "--remeasure-cost-model",
+        help="measure the cost model again even when OUT/cost_model.json exists "
+        "(--resume reuses it, so the summary stays as it was)",
+    ),
     table_format: TableFormat = typer.Option(
-        TableFormat.table, "--format", help="how the results are printed: table (fit to the terminal's width, or "
-        "COLUMNS, 120 when redirected), markdown or csv"),
+        TableFormat.table,
+        "--format",
+        help="how the results are printed: table (fit to the terminal's width, or "
+        "COLUMNS, 120 when redirected), markdown or csv",
+    ),
 ) -> None:
     """Benchmark every configuration on the same prompts, verifier and seed (paper Table 2, App. G).
 
@@ -94,25 +143,41 @@ def bench(
         from hycoc.bench.device_profile import DeviceProfileError, load_device_costs
 
         try:
-            load_device_costs(device_profile)   # a bad file fails before anything runs
+            load_device_costs(device_profile)  # a bad file fails before anything runs
         except DeviceProfileError as e:
             raise _fail("bench", str(e)) from None
     _need_full("bench")
+    from hycoc.bench.cost_model import CostModelError
     from hycoc.bench.runner import BenchError, BenchPlan, run_bench
     from hycoc.bundle import BundleError
-    from hycoc.bench.cost_model import CostModelError
     from hycoc.chat import ChatFormatError
     from hycoc.runtime.transport import TransportError
 
     questions, dataset_name, bundle_dir = _bench_questions(cfg, recipe, bundle, dataset, max_prompt_tokens)
-    plan = BenchPlan(questions=questions[:limit] if limit else questions,
-                     configs=chosen, runs=runs or cfg.bench.runs,
-                     link=link or cfg.bench.link, output_cap=max_new_tokens or cfg.bench.output_cap, out=out,
-                     turns=turns, thinking=thinking, dataset=dataset_name)
+    plan = BenchPlan(
+        questions=questions[:limit] if limit else questions,
+        configs=chosen,
+        runs=runs or cfg.bench.runs,
+        link=link or cfg.bench.link,
+        output_cap=max_new_tokens or cfg.bench.output_cap,
+        out=out,
+        turns=turns,
+        thinking=thinking,
+        dataset=dataset_name,
+    )
     try:
-        run_bench(cfg, recipe, plan, bundle_dir=bundle_dir, backend=_bundle_backend(bundle_dir, backend),
-                  resume=resume, cost_model_path=cost_model, device_profile_path=device_profile,
-                  remeasure_cost_model=remeasure_cost_model, fmt=table_format.value)
+        run_bench(
+            cfg,
+            recipe,
+            plan,
+            bundle_dir=bundle_dir,
+            backend=_bundle_backend(bundle_dir, backend),
+            resume=resume,
+            cost_model_path=cost_model,
+            device_profile_path=device_profile,
+            remeasure_cost_model=remeasure_cost_model,
+            fmt=table_format.value,
+        )
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     except (BenchError, BundleError, TransportError, CostModelError, ChatFormatError) as e:
@@ -126,8 +191,9 @@ def _say(line: str) -> None:
     Console(stderr=True).print(line, markup=False, highlight=False)
 
 
-def _bench_questions(cfg, recipe: Path, bundle: Optional[Path], dataset: Optional[str],
-                     max_prompt_tokens: Optional[int]):
+def _bench_questions(
+    cfg, recipe: Path, bundle: Path | None, dataset: str | None, max_prompt_tokens: int | None
+):
     """`hycoc.bench.inputs.bench_questions`, its errors as one line (exit 1)."""
     from hycoc.bench.datasets import DatasetError
     from hycoc.bench.inputs import BenchInputError, bench_questions
@@ -138,7 +204,7 @@ def _bench_questions(cfg, recipe: Path, bundle: Optional[Path], dataset: Optiona
         raise _fail("bench", str(e)) from None
 
 
-def _bench_bundle(command: str, cfg, recipe: Path, bundle: Optional[Path]) -> Path:
+def _bench_bundle(command: str, cfg, recipe: Path, bundle: Path | None) -> Path:
     """`hycoc.bench.inputs.bench_bundle`: ``--bundle``, else bundles/<recipe name>-cpu, built there first when it
     has no manifest; a bad ``--bundle`` as one line (exit 1)."""
     from hycoc.bench.inputs import BenchInputError, bench_bundle
@@ -156,19 +222,26 @@ class TuneMode(str, Enum):
 
 def tune_epsilon(
     recipe: Path = RECIPE_ARG,
-    validation_data: Optional[Path] = typer.Option(
-        None, help="held-out conversations JSONL (default: the recipe's tune.validation_data)", show_default=False),
-    prompts: Optional[int] = typer.Option(None, min=1, help="validation prompts (default: the recipe's tune.prompts)",
-                                          show_default=False),
-    epsilons: Optional[str] = typer.Option(
-        None, help="comma-separated thresholds in (0, 1) (default: the recipe's tune.epsilons); exact (1) always runs",
-        show_default=False),
-    mode: Optional[TuneMode] = typer.Option(None, help="configuration swept (default: the recipe's tune.mode)",
-                                            show_default=False),
-    temperature: Optional[float] = typer.Option(
-        None, min=0.0, help="sampling temperature (default: the recipe's sampling.temperature)", show_default=False),
-    max_new_tokens: Optional[int] = typer.Option(
-        None, min=1, help="output cap per request (default: the recipe's tune.max_new_tokens)", show_default=False),
+    validation_data: Path | None = typer.Option(
+        None, help="held-out conversations JSONL (default: the recipe's tune.validation_data)", show_default=False
+    ),
+    prompts: int | None = typer.Option(
+        None, min=1, help="validation prompts (default: the recipe's tune.prompts)", show_default=False
+    ),
+    epsilons: str | None = typer.Option(
+        None,
+        help="comma-separated thresholds in (0, 1) (default: the recipe's tune.epsilons); exact (1) always runs",
+        show_default=False,
+    ),
+    mode: TuneMode | None = typer.Option(
+        None, help="configuration swept (default: the recipe's tune.mode)", show_default=False
+    ),
+    temperature: float | None = typer.Option(
+        None, min=0.0, help="sampling temperature (default: the recipe's sampling.temperature)", show_default=False
+    ),
+    max_new_tokens: int | None = typer.Option(
+        None, min=1, help="output cap per request (default: the recipe's tune.max_new_tokens)", show_default=False
+    ),
     out: Path = typer.Option(Path("runs/tune-epsilon"), help="folder for records.jsonl and tune.json"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted sweep in --out"),
     bundle: BundleOption = None,
@@ -203,19 +276,31 @@ def tune_epsilon(
     except (TuneError, DatasetError) as e:
         raise _fail("tune-epsilon", str(e)) from None
     _need_full("tune-epsilon")
+    from hycoc.bench.cost_model import CostModelError
     from hycoc.bench.runner import BenchError
     from hycoc.bundle import BundleError
-    from hycoc.bench.cost_model import CostModelError
     from hycoc.runtime.transport import TransportError
 
     bundle_dir = _bench_bundle("tune-epsilon", cfg, recipe, bundle)
-    plan = TunePlan(questions=questions, epsilons=eps_list, mode=(mode.value if mode else cfg.tune.mode),
-                    output_cap=max_new_tokens or cfg.tune.max_new_tokens,
-                    temperature=cfg.sampling.temperature if temperature is None else temperature,
-                    tolerance=Tolerance.from_recipe(cfg.tune), out=out)
+    plan = TunePlan(
+        questions=questions,
+        epsilons=eps_list,
+        mode=(mode.value if mode else cfg.tune.mode),
+        output_cap=max_new_tokens or cfg.tune.max_new_tokens,
+        temperature=cfg.sampling.temperature if temperature is None else temperature,
+        tolerance=Tolerance.from_recipe(cfg.tune),
+        out=out,
+    )
     try:
-        run_tune(cfg, recipe, plan, bundle_dir=bundle_dir, backend=_bundle_backend(bundle_dir, backend),
-                 resume=resume, cost_model_path=cost_model)
+        run_tune(
+            cfg,
+            recipe,
+            plan,
+            bundle_dir=bundle_dir,
+            backend=_bundle_backend(bundle_dir, backend),
+            resume=resume,
+            cost_model_path=cost_model,
+        )
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     except (TuneError, BenchError, BundleError, TransportError, CostModelError) as e:
@@ -223,14 +308,18 @@ def tune_epsilon(
 
 
 def profile(
-    bundle: Path = typer.Argument(..., metavar="BUNDLE", help="an htp-v81 or qai-hub bundle folder",
-                                  show_default=False),
-    device: str = typer.Option("Samsung Galaxy S26 (Family)", help="the phone as Qualcomm AI Hub names it "
-                               "(`qai-hub list-devices`)"),
-    out: Optional[Path] = typer.Option(None, help="where to write the profile (default: BUNDLE/device_profile.json)",
-                                       show_default=False),
-    graph: Optional[list[str]] = typer.Option(None, help="profile only these graphs (repeatable; default: all)",
-                                              show_default=False),
+    bundle: Path = typer.Argument(
+        ..., metavar="BUNDLE", help="an htp-v81 or qai-hub bundle folder", show_default=False
+    ),
+    device: str = typer.Option(
+        "Samsung Galaxy S26 (Family)", help="the phone as Qualcomm AI Hub names it (`qai-hub list-devices`)"
+    ),
+    out: Path | None = typer.Option(
+        None, help="where to write the profile (default: BUNDLE/device_profile.json)", show_default=False
+    ),
+    graph: list[str] | None = typer.Option(
+        None, help="profile only these graphs (repeatable; default: all)", show_default=False
+    ),
 ) -> None:
     """Profile each graph of a bundle on a phone through Qualcomm AI Hub (one inference job with profile=True per
     graph) and write device_profile.json for `hycoc bench --device-profile`. Needs the qai-hub package and an API
@@ -243,15 +332,21 @@ def profile(
         raise _fail("profile", f"{bundle}: not a bundle folder")
     try:
         hub = check_setup()
-        result = profile_bundle(bundle, device, hub=hub, out=out, graphs=graph,
-                                on_job=lambda g, j: typer.echo(f"profile: graph {g}: AI Hub inference job {j}"))
+        result = profile_bundle(
+            bundle,
+            device,
+            hub=hub,
+            out=out,
+            graphs=graph,
+            on_job=lambda g, j: typer.echo(f"profile: graph {g}: AI Hub inference job {j}"),
+        )
     except (QaiHubSetupError, QaiHubDeviceError, DeviceProfileError, BundleError) as e:
         raise _fail("profile", str(e)) from None
     from hycoc.bench.device_profile import profile_table
     from hycoc.bench.runner import make_console
     from hycoc.bench.tables import print_tables
 
-    print_tables([profile_table(result)], make_console())    # the terminal's width; COLUMNS or 120 redirected
+    print_tables([profile_table(result)], make_console())  # the terminal's width; COLUMNS or 120 redirected
     typer.echo(f"wrote {out or bundle / 'device_profile.json'}")
 
 
@@ -266,38 +361,66 @@ def loadtest(
     recipe: Path = RECIPE_ARG,
     sessions: str = typer.Option("1,4,16,64", help="comma-separated concurrent session counts, one run each"),
     duration: float = typer.Option(20.0, min=0.5, help="seconds per run (per batching mode and session count)"),
-    rate: Optional[float] = typer.Option(
-        None, min=0.001, help="session arrivals per second, a seeded Poisson process (open loop); default: all "
-        "sessions start at once", show_default=False),
-    configs: str = typer.Option("hyco", help="comma-separated configurations (paper Table 5) the devices replay; "
-                                "device i replays the i-th modulo their number"),
-    server: Optional[str] = typer.Option(
-        None, metavar="URL", help="a running verifier, ws://HOST:PORT (default: start `hycoc verify-server RECIPE` "
-        "in a child process per --batching mode)", show_default=False),
-    batching: Optional[str] = typer.Option(
-        None, help="comma-separated modes, one server each: serial (one session per forward), batched (sessions' "
+    rate: float | None = typer.Option(
+        None,
+        min=0.001,
+        help="session arrivals per second, a seeded Poisson process (open loop); default: all sessions start at once",
+        show_default=False,
+    ),
+    configs: str = typer.Option(
+        "hyco",
+        help="comma-separated configurations (paper Table 5) the devices replay; "
+        "device i replays the i-th modulo their number",
+    ),
+    server: str | None = typer.Option(
+        None,
+        metavar="URL",
+        help="a running verifier, ws://HOST:PORT (default: start `hycoc verify-server RECIPE` "
+        "in a child process per --batching mode)",
+        show_default=False,
+    ),
+    batching: str | None = typer.Option(
+        None,
+        help="comma-separated modes, one server each: serial (one session per forward), batched (sessions' "
         "trees in one forward, as sent: verify-server --batching batched --tree-budget fixed), budgeted (batched, "
         "rows chosen across the trees by their scores: --tree-budget auto, the recipe default) (default: serial; "
         "with --server: the mode it reports in /healthz, checked when given)",
-        show_default=False),
-    device_ms: Optional[float] = typer.Option(
-        None, min=0.0, help="device drafting time between rounds, ms (default: each round's recorded time)",
-        show_default=False),
+        show_default=False,
+    ),
+    device_ms: float | None = typer.Option(
+        None,
+        min=0.0,
+        help="device drafting time between rounds, ms (default: each round's recorded time)",
+        show_default=False,
+    ),
     prompts: int = typer.Option(4, min=1, help="Spec-Bench questions (first turns) recorded per configuration"),
     out: Path = typer.Option(Path("runs/loadtest"), help="folder for results.json and latency_vs_sessions.png"),
-    bundle: Optional[Path] = typer.Option(
-        None, help="device bundle whose runtime records the rounds (default: bundles/<recipe name>-cpu, built "
-        "first when missing)", show_default=False),
-    cost_model: Optional[Path] = typer.Option(
-        None, help="cost-model JSON for the GPU projection (its rows must cover the batches); default: an "
-        "assumed H200-like GPU, flat up to 206 rows per forward", show_default=False),
-    max_new_tokens: Optional[int] = typer.Option(
-        None, min=1, help="output cap of each recorded request (default: the recipe's bench.output_cap)",
-        show_default=False),
-    temperature: Optional[float] = typer.Option(
-        None, min=0.0, help="sampling temperature of the recorded and replayed requests (default: the recipe's; 0 "
+    bundle: Path | None = typer.Option(
+        None,
+        help="device bundle whose runtime records the rounds (default: bundles/<recipe name>-cpu, built "
+        "first when missing)",
+        show_default=False,
+    ),
+    cost_model: Path | None = typer.Option(
+        None,
+        help="cost-model JSON for the GPU projection (its rows must cover the batches); default: an "
+        "assumed H200-like GPU, flat up to 206 rows per forward",
+        show_default=False,
+    ),
+    max_new_tokens: int | None = typer.Option(
+        None,
+        min=1,
+        help="output cap of each recorded request (default: the recipe's bench.output_cap)",
+        show_default=False,
+    ),
+    temperature: float | None = typer.Option(
+        None,
+        min=0.0,
+        help="sampling temperature of the recorded and replayed requests (default: the recipe's; 0 "
         "when --batching has budgeted, whose trimmed rounds commit differently from the recording: only greedy text "
-        "stays the recording's, so its trees still fit)", show_default=False),
+        "stays the recording's, so its trees still fit)",
+        show_default=False,
+    ),
 ) -> None:
     """Load-test a verifier with many simulated devices: total tok/s, verifier ms per token, round latency
     p50/p90/p99, rows per forward and errors per session count.
@@ -315,20 +438,29 @@ def loadtest(
     except ValueError:
         counts = []
     if not counts or min(counts) < 1:
-        raise _fail("loadtest", f"--sessions {sessions!r}: give comma-separated positive integers such as 1,4,16,64",
-                    code=2)
+        raise _fail(
+            "loadtest", f"--sessions {sessions!r}: give comma-separated positive integers such as 1,4,16,64", code=2
+        )
     chosen = configs.split(",")
     unknown = [c for c in chosen if c not in LOADTEST_CONFIGS]
     if unknown:
-        raise _fail("loadtest", f"--configs: unknown or without a verifier: {', '.join(unknown)}; allowed: "
-                    f"{', '.join(LOADTEST_CONFIGS)}", code=2)
+        raise _fail(
+            "loadtest",
+            f"--configs: unknown or without a verifier: {', '.join(unknown)}; allowed: {', '.join(LOADTEST_CONFIGS)}",
+            code=2,
+        )
     modes = batching.split(",") if batching else None
     if modes is not None and any(m not in LOADTEST_BATCHING for m in modes):
-        raise _fail("loadtest", f"--batching {batching!r}: allowed: {', '.join(LOADTEST_BATCHING)} (comma-separated)",
-                    code=2)
+        raise _fail(
+            "loadtest", f"--batching {batching!r}: allowed: {', '.join(LOADTEST_BATCHING)} (comma-separated)", code=2
+        )
     if server is not None and modes is not None and len(modes) != 1:
-        raise _fail("loadtest", f"--batching {batching!r} with --server: a running server has one mode; give that "
-                    "one, or leave --server out so each mode gets its own server", code=2)
+        raise _fail(
+            "loadtest",
+            f"--batching {batching!r} with --server: a running server has one mode; give that "
+            "one, or leave --server out so each mode gets its own server",
+            code=2,
+        )
     if cost_model is not None and not cost_model.is_file():
         raise _fail("loadtest", f"--cost-model {cost_model}: no such file")
     try:
@@ -338,15 +470,15 @@ def loadtest(
     _need_full("loadtest")
     from hycoc import progress
     from hycoc.bench.cost_model import CostModelError, load_cost_model
-    from hycoc.bench.loadtest import LoadTestError, check_server, run_loadtest
     from hycoc.bench.inputs import display_path
+    from hycoc.bench.loadtest import LoadTestError, check_server, run_loadtest
     from hycoc.bench.loadtrace import TraceError, load_trace, record_trace, save_trace, trace_key
     from hycoc.bundle import BundleError, sha256_file
     from hycoc.runtime.transport import TransportError
 
     try:
         cost = load_cost_model(cost_model) if cost_model is not None else None
-        if server is not None:   # before recording: a server that is down is named at once
+        if server is not None:  # before recording: a server that is down is named at once
             check_server(server)
     except (CostModelError, LoadTestError) as e:
         raise _fail("loadtest", str(e)) from None
@@ -354,12 +486,20 @@ def loadtest(
     cap = max_new_tokens or cfg.bench.output_cap
     if temperature is None and modes is not None and "budgeted" in modes and cfg.sampling.temperature > 0:
         temperature = 0.0
-        typer.echo(f"hycoc loadtest: every mode runs at temperature 0 (the recipe's: {cfg.sampling.temperature:g}):"
-                   "\n  budgeted rounds commit less than the recorded ones, and only greedy text"
-                   "\n  stays the recording's, so its trees still fit (--temperature to choose)", err=True)
-    key = trace_key(cfg.content_hash(), sha256_file(bundle_dir / "manifest.json"), chosen,
-                    [q.question_id for q in questions], cap,
-                    None if temperature is None or temperature == cfg.sampling.temperature else temperature)
+        typer.echo(
+            f"hycoc loadtest: every mode runs at temperature 0 (the recipe's: {cfg.sampling.temperature:g}):"
+            "\n  budgeted rounds commit less than the recorded ones, and only greedy text"
+            "\n  stays the recording's, so its trees still fit (--temperature to choose)",
+            err=True,
+        )
+    key = trace_key(
+        cfg.content_hash(),
+        sha256_file(bundle_dir / "manifest.json"),
+        chosen,
+        [q.question_id for q in questions],
+        cap,
+        None if temperature is None or temperature == cfg.sampling.temperature else temperature,
+    )
     trace_path = REPO_ROOT / ".hycoc-cache" / "loadtest" / f"trace-{key}.json"
     try:
         if trace_path.is_file():
@@ -367,18 +507,42 @@ def loadtest(
             typer.echo(f"hycoc loadtest: recorded rounds from\n  {display_path(trace_path)}", err=True)
         else:
             with progress.step("recording device rounds", total=len(chosen) * len(questions)) as s:
-                trace = record_trace(cfg, bundle_dir, chosen, questions, cap, key=key,
-                                     progress=lambda note: s.advance(note=note), temperature=temperature)
+                trace = record_trace(
+                    cfg,
+                    bundle_dir,
+                    chosen,
+                    questions,
+                    cap,
+                    key=key,
+                    progress=lambda note: s.advance(note=note),
+                    temperature=temperature,
+                )
             save_trace(trace, trace_path)
-            typer.echo(f"hycoc loadtest: recorded {len(trace.requests)} requests, "
-                       f"{sum(len(r.rounds) for r in trace.requests)} rounds ->\n  {display_path(trace_path)}",
-                       err=True)
-        run_loadtest(trace, chosen, counts, duration, modes, out, recipe_path=recipe,
-                     keep_set=bundle_dir / "keep_set.npy", server_url=server, rate=rate, device_ms=device_ms,
-                     cost_model=cost, meta={"recipe": str(recipe), "bundle": str(bundle_dir),
-                                            "trace": str(trace_path),
-                                            "temperature": cfg.sampling.temperature if temperature is None
-                                            else temperature})
+            typer.echo(
+                f"hycoc loadtest: recorded {len(trace.requests)} requests, "
+                f"{sum(len(r.rounds) for r in trace.requests)} rounds ->\n  {display_path(trace_path)}",
+                err=True,
+            )
+        run_loadtest(
+            trace,
+            chosen,
+            counts,
+            duration,
+            modes,
+            out,
+            recipe_path=recipe,
+            keep_set=bundle_dir / "keep_set.npy",
+            server_url=server,
+            rate=rate,
+            device_ms=device_ms,
+            cost_model=cost,
+            meta={
+                "recipe": str(recipe),
+                "bundle": str(bundle_dir),
+                "trace": str(trace_path),
+                "temperature": cfg.sampling.temperature if temperature is None else temperature,
+            },
+        )
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     except (LoadTestError, TraceError, BundleError, TransportError) as e:

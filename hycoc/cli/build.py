@@ -4,7 +4,6 @@ real-shape plan), with inspect's printers. The compiler is imported inside the c
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -27,28 +26,39 @@ def _target_device(command: str, device: str | None):
         raise _fail(command, f"--device: {e}") from None
 
 
-
 def build(
     recipe: Path = RECIPE_ARG,
-    target: Optional[TargetName] = typer.Option(
-        None, help="compile target: htp-v81|htp-v79|htp-v75|htp-v73|htp-v68 = QNN HTP context binaries for that "
+    target: TargetName | None = typer.Option(
+        None,
+        help="compile target: htp-v81|htp-v79|htp-v75|htp-v73|htp-v68 = QNN HTP context binaries for that "
         "Hexagon arch, cpu = QDQ ONNX for onnxruntime's CPU EP, qai-hub = Qualcomm AI Hub compile job (default: "
-        "the recipe's target.name, or the --device's arch)", show_default=False),
-    out: Optional[Path] = typer.Option(
-        None, help="bundle folder to write (written to a temporary folder, renamed when complete) "
-        "(default: bundles/<recipe name>-<target>)", show_default=False),
+        "the recipe's target.name, or the --device's arch)",
+        show_default=False,
+    ),
+    out: Path | None = typer.Option(
+        None,
+        help="bundle folder to write (written to a temporary folder, renamed when complete) "
+        "(default: bundles/<recipe name>-<target>)",
+        show_default=False,
+    ),
     list_passes: bool = typer.Option(False, "--list-passes", help="print the pass pipeline for the recipe and exit"),
-    until: Optional[str] = typer.Option(
-        None, metavar="PASS", help="stop after this pass and keep its artifact for inspection", show_default=False),
-    cache_dir: Optional[Path] = typer.Option(
-        None, help="cache of intermediate artifacts, keyed by content hash (default: .hycoc-cache in the cwd)",
-        show_default=False),
+    until: str | None = typer.Option(
+        None, metavar="PASS", help="stop after this pass and keep its artifact for inspection", show_default=False
+    ),
+    cache_dir: Path | None = typer.Option(
+        None,
+        help="cache of intermediate artifacts, keyed by content hash (default: .hycoc-cache in the cwd)",
+        show_default=False,
+    ),
     device: str = typer.Option(
-        "cpu", metavar="cpu|cuda|NAME", help="cpu or cuda: where the verifier captures and the head's QAT run: cpu "
+        "cpu",
+        metavar="cpu|cuda|NAME",
+        help="cpu or cuda: where the verifier captures and the head's QAT run: cpu "
         "(models as saved) or cuda (the verifier in bfloat16, QAT under bfloat16 autocast, paper Table 4; cached "
-        "separately per device). Any other value names the phone or laptop to build for (\"Snapdragon 8 Elite\", "
-        "\"Galaxy S24 Ultra\", \"Snapdragon X Elite\"; list: hycoc doctor): its Hexagon arch, SoC and limits "
-        "(targets/profiles.py DEVICES), torch passes on cpu"),
+        'separately per device). Any other value names the phone or laptop to build for ("Snapdragon 8 Elite", '
+        '"Galaxy S24 Ultra", "Snapdragon X Elite"; list: hycoc doctor): its Hexagon arch, SoC and limits '
+        "(targets/profiles.py DEVICES), torch passes on cpu",
+    ),
 ) -> None:
     """Compile the recipe's MTP head and SLM into a bundle of static, quantized graphs (paper §3.2-3.4)."""
     from rich.console import Console
@@ -70,9 +80,27 @@ def build(
     from hycoc.targets.qai_hub import QaiHubDeviceError, QaiHubJobError, QaiHubSetupError
     from hycoc.verifier.loading import DeviceUnavailable
 
-    errors = (BuildError, PipelineError, RecipeError, ModelNotFoundError, HeadConfigError, KeepSetError, HeadQatError,
-              ExportError, SurgeryError, SlmGraphError, CalibrationError, QdqError, CpuTargetError, HtpTargetError,
-              UnknownTargetError, QaiHubSetupError, QaiHubJobError, QaiHubDeviceError, DeviceUnavailable)
+    errors = (
+        BuildError,
+        PipelineError,
+        RecipeError,
+        ModelNotFoundError,
+        HeadConfigError,
+        KeepSetError,
+        HeadQatError,
+        ExportError,
+        SurgeryError,
+        SlmGraphError,
+        CalibrationError,
+        QdqError,
+        CpuTargetError,
+        HtpTargetError,
+        UnknownTargetError,
+        QaiHubSetupError,
+        QaiHubJobError,
+        QaiHubDeviceError,
+        DeviceUnavailable,
+    )
 
     config = _recipe("build", recipe)
     named = _target_device("build", device)
@@ -89,9 +117,10 @@ def build(
         return
     out_dir = out if out is not None else Path("bundles") / f"{config.recipe.name}-{name}"
     try:
-        result = build_bundle(config, name, None if until else out_dir, cache, until=until, console=console,
-                              device=compute)
-    except KeyboardInterrupt:   # build_bundle said what it kept
+        result = build_bundle(
+            config, name, None if until else out_dir, cache, until=until, console=console, device=compute
+        )
+    except KeyboardInterrupt:  # build_bundle said what it kept
         raise typer.Exit(130) from None
     except BuildNotReady as e:
         title = PENDING["build"]
@@ -105,18 +134,26 @@ def build(
     from hycoc.models import tokenizer_load_seconds
 
     render_built_bundle(result)
-    for path, seconds in tokenizer_load_seconds().items():      # parsed once per process (hycoc.models)
+    for path, seconds in tokenizer_load_seconds().items():  # parsed once per process (hycoc.models)
         typer.echo(f"tokenizer {path}: parsed once, {seconds:.2f} s", err=True)
 
 
 def inspect(
-    target: Path = typer.Argument(..., metavar="BUNDLE|RECIPE", help="a bundle folder, or a recipe TOML (real-shape plan, no weights needed)",
-                                  show_default=False),
+    target: Path = typer.Argument(
+        ...,
+        metavar="BUNDLE|RECIPE",
+        help="a bundle folder, or a recipe TOML (real-shape plan, no weights needed)",
+        show_default=False,
+    ),
     json_out: bool = typer.Option(False, "--json", help="emit JSON instead of tables"),
-    device: Optional[str] = typer.Option(
-        None, metavar="NAME", help="RECIPE only: plan for this phone or laptop (\"Snapdragon 8 Gen 3\", \"Galaxy "
-        "S25\"): its Hexagon arch, SoC and context limit; graphs over the limit are refused with their sizes "
-        "(default: the recipe's [target])", show_default=False),
+    device: str | None = typer.Option(
+        None,
+        metavar="NAME",
+        help='RECIPE only: plan for this phone or laptop ("Snapdragon 8 Gen 3", "Galaxy '
+        'S25"): its Hexagon arch, SoC and context limit; graphs over the limit are refused with their sizes '
+        "(default: the recipe's [target])",
+        show_default=False,
+    ),
 ) -> None:
     """Print a bundle's manifest, or a recipe's graphs, sizes and hand-off bytes on real shapes."""
     if target.suffix == ".toml":
@@ -136,7 +173,7 @@ def inspect(
             typer.echo(plan_json(plan), nl=False)
         else:
             render_recipe_report(plan)
-        if plan["chat"].get("refused"):       # the tokenizer folder is here and its chat files are refused
+        if plan["chat"].get("refused"):  # the tokenizer folder is here and its chat files are refused
             raise typer.Exit(1)
         return
     if not target.is_dir():

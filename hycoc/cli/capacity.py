@@ -4,7 +4,6 @@ measured load tests (docs/capacity.md). The simulation library is imported insid
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -23,41 +22,64 @@ def _counts(text: str, option: str) -> list[int]:
     except ValueError:
         out = []
     if not out or min(out) < 1:
-        raise _fail("capacity", f"{option} {text!r}: give comma-separated positive integers such as 1,4,16,64",
-                    code=2)
+        raise _fail("capacity", f"{option} {text!r}: give comma-separated positive integers such as 1,4,16,64", code=2)
     return out
 
 
 def capacity(
     recipe: Path = RECIPE_ARG,
-    p90_ms: float = typer.Option(60.0, "--p90-ms", min=0.001, help="target: verifier round latency p90, ms "
-                                 "(arrival at the verifier -> reply; drafting and the link's RTT excluded)"),
-    configs: Optional[str] = typer.Option(
-        None, help="comma-separated configurations (paper Table 5, those with a verifier) (default: all seven; "
+    p90_ms: float = typer.Option(
+        60.0,
+        "--p90-ms",
+        min=0.001,
+        help="target: verifier round latency p90, ms "
+        "(arrival at the verifier -> reply; drafting and the link's RTT excluded)",
+    ),
+    configs: str | None = typer.Option(
+        None,
+        help="comma-separated configurations (paper Table 5, those with a verifier) (default: all seven; "
         "for a recipe whose models are not on this machine: hyco, hyco-exact, specedge, cloud-mtp)",
-        show_default=False),
+        show_default=False,
+    ),
     batching: str = typer.Option("serial,batched,budgeted", help="comma-separated scheduler modes simulated"),
     devices: str = typer.Option("1,4,16,64", help="device counts of the sweep table"),
     duration: float = typer.Option(30.0, min=1.0, help="simulated seconds per run"),
-    link: str = typer.Option("none", help="link model: lte, 5g, none or RTT_MS:MBPS (the projection runs lte and "
-                             "5g both)"),
-    replicas: int = typer.Option(1, min=1, help="verifier replicas (sticky sessions, a new one to the replica with "
-                                 "the fewest open sessions: Ray Serve's router with two)"),
-    cost_model: Optional[Path] = typer.Option(
-        None, help="cost-model JSON (benchmarks/verifier_cost_model.py; benchmarks/gpu_check.sh writes one on a "
+    link: str = typer.Option(
+        "none", help="link model: lte, 5g, none or RTT_MS:MBPS (the projection runs lte and 5g both)"
+    ),
+    replicas: int = typer.Option(
+        1,
+        min=1,
+        help="verifier replicas (sticky sessions, a new one to the replica with "
+        "the fewest open sessions: Ray Serve's router with two)",
+    ),
+    cost_model: Path | None = typer.Option(
+        None,
+        help="cost-model JSON (benchmarks/verifier_cost_model.py; benchmarks/gpu_check.sh writes one on a "
         "GPU) (default: the recipe's own verifier timed here; for a recipe not on this machine the paper's GPU "
-        "figures, labelled ASSUMED)", show_default=False),
+        "figures, labelled ASSUMED)",
+        show_default=False,
+    ),
     device_scale: float = typer.Option(1.0, min=0.01, help="multiply every round's drafting time"),
-    validate: bool = typer.Option(False, "--validate", help="also run hycoc loadtest (sessions 1,4,16,64 x serial, "
-                                  "batched, budgeted) here and print predicted vs measured"),
+    validate: bool = typer.Option(
+        False,
+        "--validate",
+        help="also run hycoc loadtest (sessions 1,4,16,64 x serial, "
+        "batched, budgeted) here and print predicted vs measured",
+    ),
     validate_duration: float = typer.Option(25.0, min=2.0, help="seconds per measured --validate run"),
     prompts: int = typer.Option(4, min=1, help="Spec-Bench questions recorded per configuration (as loadtest)"),
-    bundle: Optional[Path] = typer.Option(None, help="device bundle whose rounds are recorded (default: "
-                                          "bundles/<recipe name>-cpu)", show_default=False),
-    trace: Optional[Path] = typer.Option(None, help="a loadtest trace file to replay instead of the cached one "
-                                         "(must be this recipe's and bundle's)", show_default=False),
-    remeasure: bool = typer.Option(False, "--remeasure", help="time the verifier's steps again (cached per recipe "
-                                   "in .hycoc-cache/capacity/)"),
+    bundle: Path | None = typer.Option(
+        None, help="device bundle whose rounds are recorded (default: bundles/<recipe name>-cpu)", show_default=False
+    ),
+    trace: Path | None = typer.Option(
+        None,
+        help="a loadtest trace file to replay instead of the cached one (must be this recipe's and bundle's)",
+        show_default=False,
+    ),
+    remeasure: bool = typer.Option(
+        False, "--remeasure", help="time the verifier's steps again (cached per recipe in .hycoc-cache/capacity/)"
+    ),
     out: Path = typer.Option(Path("runs/capacity"), help="folder for capacity.json and p90_vs_devices.png"),
 ) -> None:
     """Simulate N devices in closed loop against one verifier (or --replicas R) for every Table 5 configuration
@@ -78,8 +100,11 @@ def capacity(
     chosen = configs.split(",") if configs else list(CONFIGS if local else PROJECTION_CONFIGS)
     unknown = [c for c in chosen if c not in CONFIGS]
     if unknown:
-        raise _fail("capacity", f"--configs: unknown or without a verifier: {', '.join(unknown)}; allowed: "
-                    f"{', '.join(CONFIGS)}", code=2)
+        raise _fail(
+            "capacity",
+            f"--configs: unknown or without a verifier: {', '.join(unknown)}; allowed: {', '.join(CONFIGS)}",
+            code=2,
+        )
     from hycoc.runtime.transport import parse_link
 
     try:
@@ -87,11 +112,18 @@ def capacity(
     except ValueError as e:
         raise _fail("capacity", f"--link: {e}", code=2) from None
     if cost_model is not None and not cost_model.is_file():
-        raise _fail("capacity", f"--cost-model {cost_model}: no such file; make one with "
-                    "benchmarks/verifier_cost_model.py or leave the option out")
+        raise _fail(
+            "capacity",
+            f"--cost-model {cost_model}: no such file; make one with "
+            "benchmarks/verifier_cost_model.py or leave the option out",
+        )
     if validate and not local:
-        raise _fail("capacity", f"--validate runs hycoc loadtest on this machine, and {recipe}'s verifier "
-                    f"({cfg.models.verifier}) is not here: validate with recipes/toy.toml", code=2)
+        raise _fail(
+            "capacity",
+            f"--validate runs hycoc loadtest on this machine, and {recipe}'s verifier "
+            f"({cfg.models.verifier}) is not here: validate with recipes/toy.toml",
+            code=2,
+        )
     from hycoc.bench.capacity_app import run_local, run_projection
     from hycoc.bench.capacity_cost import StepCostError
     from hycoc.bench.cost_model import CostModelError
@@ -100,10 +132,28 @@ def capacity(
 
     try:
         if local:
-            run_local(cfg, recipe, chosen, modes, counts, p90_ms, duration, link_model, replicas, cost_model,
-                      device_scale, out, validate=validate, validate_duration=validate_duration, prompts=prompts,
-                      bundle=bundle, trace_path=trace, remeasure=remeasure, repo_root=REPO_ROOT,
-                      dataset=DEFAULT_DATASET)
+            run_local(
+                cfg,
+                recipe,
+                chosen,
+                modes,
+                counts,
+                p90_ms,
+                duration,
+                link_model,
+                replicas,
+                cost_model,
+                device_scale,
+                out,
+                validate=validate,
+                validate_duration=validate_duration,
+                prompts=prompts,
+                bundle=bundle,
+                trace_path=trace,
+                remeasure=remeasure,
+                repo_root=REPO_ROOT,
+                dataset=DEFAULT_DATASET,
+            )
         else:
             run_projection(cfg, recipe, chosen, p90_ms, duration, replicas, cost_model, device_scale, out)
     except KeyboardInterrupt:

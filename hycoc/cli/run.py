@@ -5,51 +5,77 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from hycoc.cli._common import AUTH_TOKEN_HELP, Backend, RunMode, _auth_token, _bundle_backend, _fail
 
 
-
 def run(
     ctx: typer.Context,
-    bundle: Path = typer.Argument(..., metavar="BUNDLE", help="bundle folder made by `hycoc build`", show_default=False),
-    server: Optional[str] = typer.Option(None, metavar="URL", help="verifier address, ws://HOST:PORT (not needed "
-                                         "for --mode slm-alone)", show_default=False),
-    prompt: Optional[str] = typer.Option(None, help="user message (wrapped in the chat template)", show_default=False),
-    prompt_file: Optional[Path] = typer.Option(None, help="read the user message from this file", show_default=False),
-    max_new_tokens: Optional[int] = typer.Option(
-        None, min=1, help="output cap in tokens (default: the bundle's sampling.max_new_tokens)", show_default=False),
+    bundle: Path = typer.Argument(
+        ..., metavar="BUNDLE", help="bundle folder made by `hycoc build`", show_default=False
+    ),
+    server: str | None = typer.Option(
+        None,
+        metavar="URL",
+        help="verifier address, ws://HOST:PORT (not needed for --mode slm-alone)",
+        show_default=False,
+    ),
+    prompt: str | None = typer.Option(None, help="user message (wrapped in the chat template)", show_default=False),
+    prompt_file: Path | None = typer.Option(None, help="read the user message from this file", show_default=False),
+    max_new_tokens: int | None = typer.Option(
+        None, min=1, help="output cap in tokens (default: the bundle's sampling.max_new_tokens)", show_default=False
+    ),
     mode: RunMode = typer.Option(
-        RunMode.hyco, help="drafting and acceptance: hyco (epsilon), hyco-exact, hyco-2p (two SLM passes), "
-        "specedge (SLM-only tree), server-head, slm-alone (paper Table 5)"),
-    backend: Optional[Backend] = typer.Option(
-        None, help="htp = QNN EP context binaries (simulator on x86), cpu = CPU EP (default: the bundle's target)",
-        show_default=False),
-    seed: Optional[int] = typer.Option(None, min=0, help="sampling seed (default: the bundle's)", show_default=False),
-    temperature: Optional[float] = typer.Option(
-        None, min=0.0, help="verifier sampling temperature, 0 = greedy (default: the bundle's)", show_default=False),
-    epsilon: Optional[float] = typer.Option(
-        None, min=0.0, max=1.0, help="epsilon of epsilon-threshold acceptance (default: the bundle's)",
-        show_default=False),
+        RunMode.hyco,
+        help="drafting and acceptance: hyco (epsilon), hyco-exact, hyco-2p (two SLM passes), "
+        "specedge (SLM-only tree), server-head, slm-alone (paper Table 5)",
+    ),
+    backend: Backend | None = typer.Option(
+        None,
+        help="htp = QNN EP context binaries (simulator on x86), cpu = CPU EP (default: the bundle's target)",
+        show_default=False,
+    ),
+    seed: int | None = typer.Option(None, min=0, help="sampling seed (default: the bundle's)", show_default=False),
+    temperature: float | None = typer.Option(
+        None, min=0.0, help="verifier sampling temperature, 0 = greedy (default: the bundle's)", show_default=False
+    ),
+    epsilon: float | None = typer.Option(
+        None,
+        min=0.0,
+        max=1.0,
+        help="epsilon of epsilon-threshold acceptance (default: the bundle's)",
+        show_default=False,
+    ),
     json_out: bool = typer.Option(False, "--json", help="print the metrics as one JSON object after the text"),
     raw: bool = typer.Option(False, "--raw", help="send the prompt as is, without the chat template"),
     chat: bool = typer.Option(
-        False, "--chat", help="a conversation on one session: after the first answer, every line on stdin is the "
+        False,
+        "--chat",
+        help="a conversation on one session: after the first answer, every line on stdin is the "
         "next user turn (the verifier keeps the KV, the SLM ring continues); an empty line or end of input ends "
-        "it. Without --prompt / --prompt-file the first turn is read from stdin too"),
+        "it. Without --prompt / --prompt-file the first turn is read from stdin too",
+    ),
     thinking: bool = typer.Option(
-        False, "--thinking", help="let the model think first (the chat template's enable_thinking); the thought "
-        "streams to stderr, apart from the answer on stdout"),
-    threads: Optional[int] = typer.Option(None, min=0, help="CPU intra-op threads per graph session (cpu backend; "
-                                          "default 1, no spinning; 0 = onnxruntime's default pool)",
-                                          show_default=False),
-    auth_token: Optional[str] = typer.Option(
-        None, envvar="HYCOC_AUTH_TOKEN", help=f"token the server requires; {AUTH_TOKEN_HELP}", show_default=False),
-    auth_token_file: Optional[Path] = typer.Option(
-        None, help="read the token the server requires from this file (one line)", show_default=False),
+        False,
+        "--thinking",
+        help="let the model think first (the chat template's enable_thinking); the thought "
+        "streams to stderr, apart from the answer on stdout",
+    ),
+    threads: int | None = typer.Option(
+        None,
+        min=0,
+        help="CPU intra-op threads per graph session (cpu backend; "
+        "default 1, no spinning; 0 = onnxruntime's default pool)",
+        show_default=False,
+    ),
+    auth_token: str | None = typer.Option(
+        None, envvar="HYCOC_AUTH_TOKEN", help=f"token the server requires; {AUTH_TOKEN_HELP}", show_default=False
+    ),
+    auth_token_file: Path | None = typer.Option(
+        None, help="read the token the server requires from this file (one line)", show_default=False
+    ),
     timeout: float = typer.Option(120.0, min=1.0, help="seconds to wait for the server's answers"),
 ) -> None:
     """Device runtime: draft hybrid trees against a verifier server and stream the answer (Alg. 1-3).
@@ -61,8 +87,15 @@ def run(
     from hycoc.run_options import AnswerPrinter, RunOptionError, check_run_options, run_error, summary_line
 
     try:
-        check_run_options(bundle=bundle, server=server, prompt=prompt, prompt_file=prompt_file, chat=chat, raw=raw,
-                          slm_alone=mode == RunMode.slm_alone)
+        check_run_options(
+            bundle=bundle,
+            server=server,
+            prompt=prompt,
+            prompt_file=prompt_file,
+            chat=chat,
+            raw=raw,
+            slm_alone=mode == RunMode.slm_alone,
+        )
     except RunOptionError as e:
         raise _fail("run", str(e), code=e.code) from None
     import json
@@ -96,7 +129,7 @@ def run(
     try:
         if raw:
             ids = tok.encode(text, add_special_tokens=False).ids
-        else:    # the whole conversation, rendered by the checkpoint's template every turn (docs/serving.md)
+        else:  # the whole conversation, rendered by the checkpoint's template every turn (docs/serving.md)
             conversation = Conversation(chat_format, thinking)
             rendered = conversation.ask(text)
             ids = rendered.ids
@@ -120,18 +153,35 @@ def run(
         on_tokens = lambda new: printer.show(answer.push(new))  # noqa: E731
         try:
             if first:
-                res = rt.generate(client, ids, mode=mode.value, max_new_tokens=max_new_tokens, seed=seed,
-                                  sampling=sampling, epsilon=epsilon, on_tokens=on_tokens, keep_open=chat,
-                                  anchor=rendered.anchor if rendered is not None else 0)
+                res = rt.generate(
+                    client,
+                    ids,
+                    mode=mode.value,
+                    max_new_tokens=max_new_tokens,
+                    seed=seed,
+                    sampling=sampling,
+                    epsilon=epsilon,
+                    on_tokens=on_tokens,
+                    keep_open=chat,
+                    anchor=rendered.anchor if rendered is not None else 0,
+                )
             else:
                 rendered = conversation.ask(text)
-                res = rt.next_turn(client, rendered.ids, anchor=rendered.anchor, max_new_tokens=max_new_tokens,
-                                   on_tokens=on_tokens)
+                res = rt.next_turn(
+                    client, rendered.ids, anchor=rendered.anchor, max_new_tokens=max_new_tokens, on_tokens=on_tokens
+                )
             printer.show(answer.flush())
             if conversation is not None:
                 conversation.answered(rendered, res.tokens)
-        except (TransportError, HandoffError, RuntimeProtocolError, GraphRunError, BundleError, ChatMismatch,
-                ChatFormatError) as e:
+        except (
+            TransportError,
+            HandoffError,
+            RuntimeProtocolError,
+            GraphRunError,
+            BundleError,
+            ChatMismatch,
+            ChatFormatError,
+        ) as e:
             if printer.streamed:
                 sys.stdout.write("\n")
                 sys.stdout.flush()
@@ -150,7 +200,7 @@ def run(
     n = 1
     while chat and (text := ask()) is not None:
         n += 1
-        typer.echo(f"-- turn {n} --", err=True)      # the answers on stdout stay plain text
+        typer.echo(f"-- turn {n} --", err=True)  # the answers on stdout stay plain text
         turn(False, text)
     if chat:
         client.close()

@@ -6,47 +6,75 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 
-from hycoc.cli._common import (AUTH_TOKEN_HELP, RECIPE_ARG, Device, _auth_token, _fail, _need_full,
-                               _port_error, _recipe)
-
+from hycoc.cli._common import AUTH_TOKEN_HELP, RECIPE_ARG, Device, _auth_token, _fail, _need_full, _port_error, _recipe
 
 
 def verify_server(
     ctx: typer.Context,
     recipe: Path = RECIPE_ARG,
-    host: Optional[str] = typer.Option(None, help="listen address (default: the recipe's verifier.host, 127.0.0.1)",
-                                       show_default=False),
-    port: Optional[int] = typer.Option(
-        None, min=0, max=65535, help="TCP port; 0 = any free port, named in the printed URL "
-        "(default: the recipe's verifier.port, 8765)", show_default=False),
-    device: Optional[Device] = typer.Option(None, help="torch device (default: the recipe's verifier.device)",
-                                            show_default=False),
-    auth_token: Optional[str] = typer.Option(
-        None, envvar="HYCOC_AUTH_TOKEN", help="require this token from clients, in OPEN or as 'Authorization: "
-        f"Bearer TOKEN' (default: none, an open server); {AUTH_TOKEN_HELP}", show_default=False),
-    auth_token_file: Optional[Path] = typer.Option(
-        None, help="read the token clients must present from this file (one line)", show_default=False),
-    keep_set: Optional[Path] = typer.Option(
-        None, help="keep set for server-head sessions: a .npy of int token ids (the keep-set pass writes "
-        "keep_set.npy); without it server-head sessions are refused with error no_keep_set", show_default=False),
-    batching: Optional[str] = typer.Option(
-        None, metavar="batched|serial", help="batched: rounds of sessions ready together share one forward, prompts "
+    host: str | None = typer.Option(
+        None, help="listen address (default: the recipe's verifier.host, 127.0.0.1)", show_default=False
+    ),
+    port: int | None = typer.Option(
+        None,
+        min=0,
+        max=65535,
+        help="TCP port; 0 = any free port, named in the printed URL (default: the recipe's verifier.port, 8765)",
+        show_default=False,
+    ),
+    device: Device | None = typer.Option(
+        None, help="torch device (default: the recipe's verifier.device)", show_default=False
+    ),
+    auth_token: str | None = typer.Option(
+        None,
+        envvar="HYCOC_AUTH_TOKEN",
+        help="require this token from clients, in OPEN or as 'Authorization: "
+        f"Bearer TOKEN' (default: none, an open server); {AUTH_TOKEN_HELP}",
+        show_default=False,
+    ),
+    auth_token_file: Path | None = typer.Option(
+        None, help="read the token clients must present from this file (one line)", show_default=False
+    ),
+    keep_set: Path | None = typer.Option(
+        None,
+        help="keep set for server-head sessions: a .npy of int token ids (the keep-set pass writes "
+        "keep_set.npy); without it server-head sessions are refused with error no_keep_set",
+        show_default=False,
+    ),
+    batching: str | None = typer.Option(
+        None,
+        metavar="batched|serial",
+        help="batched: rounds of sessions ready together share one forward, prompts "
         "are prefilled chunk by chunk between them; serial: one engine call at a time (default: the recipe's "
-        "verifier.batching, batched)", show_default=False),
-    max_batch_rows: Optional[int] = typer.Option(
-        None, min=1, help="most tree rows per batched forward (default: the recipe's verifier.max_batch_rows, 528 = "
-        "16 trees of 33 rows)", show_default=False),
-    max_batch_wait_ms: Optional[float] = typer.Option(
-        None, min=0.0, max=10_000.0, help="ms a round waits for other sessions' rounds to join its forward "
-        "(default: the recipe's verifier.max_batch_wait_ms, 2.0)", show_default=False),
-    tree_budget: Optional[str] = typer.Option(
-        None, metavar="fixed|auto", help="auto: rows of the trees sharing a batched forward are chosen by their "
+        "verifier.batching, batched)",
+        show_default=False,
+    ),
+    max_batch_rows: int | None = typer.Option(
+        None,
+        min=1,
+        help="most tree rows per batched forward (default: the recipe's verifier.max_batch_rows, 528 = "
+        "16 trees of 33 rows)",
+        show_default=False,
+    ),
+    max_batch_wait_ms: float | None = typer.Option(
+        None,
+        min=0.0,
+        max=10_000.0,
+        help="ms a round waits for other sessions' rounds to join its forward "
+        "(default: the recipe's verifier.max_batch_wait_ms, 2.0)",
+        show_default=False,
+    ),
+    tree_budget: str | None = typer.Option(
+        None,
+        metavar="fixed|auto",
+        help="auto: rows of the trees sharing a batched forward are chosen by their "
         "scores (most expected tokens per forward ms); fixed: trees verified as sent (default: the recipe's "
-        "verifier.tree_budget, auto; fixed with --batching serial)", show_default=False),
+        "verifier.tree_budget, auto; fixed with --batching serial)",
+        show_default=False,
+    ),
 ) -> None:
     """Serve the verifier: prefill, one-forward tree verification, acceptance, KV compaction, hand-off (Alg. 4).
 
@@ -62,16 +90,19 @@ def verify_server(
     from hycoc.chat import ChatFormatError
     from hycoc.models import ModelNotFoundError
     from hycoc.ports import check_port
-    from hycoc.verifier.loading import check_batching, check_keep_set, check_recipe_models
-
     from hycoc.recipe import RecipeError
-    from hycoc.verifier.loading import server_options
+    from hycoc.verifier.loading import check_batching, check_keep_set, check_recipe_models, server_options
 
     try:  # the batching options (and the recipe's row cost) before anything loads
         if batching is not None:
             check_batching(batching)
-        options = server_options(cfg, batching=batching, max_batch_rows=max_batch_rows,
-                                 max_batch_wait_ms=max_batch_wait_ms, tree_budget=tree_budget)
+        options = server_options(
+            cfg,
+            batching=batching,
+            max_batch_rows=max_batch_rows,
+            max_batch_wait_ms=max_batch_wait_ms,
+            tree_budget=tree_budget,
+        )
     except ValueError as e:
         raise _fail("verify-server", str(e), code=2) from None
     except RecipeError as e:
@@ -96,8 +127,11 @@ def verify_server(
     try:
         import torch
 
-        engine = engine_from_recipe(cfg, device.value if device is not None else None,
-                                    keep_set=None if ids is None else torch.as_tensor(ids, dtype=torch.long))
+        engine = engine_from_recipe(
+            cfg,
+            device.value if device is not None else None,
+            keep_set=None if ids is None else torch.as_tensor(ids, dtype=torch.long),
+        )
     except RecipeError as e:
         raise _fail("verify-server", f"bad recipe\n{e}") from None
     except (ModelNotFoundError, DeviceUnavailable, ChatFormatError, ValueError) as e:
@@ -107,9 +141,11 @@ def verify_server(
         from hycoc.models import tokenizer_load_seconds
 
         parsed = sum(tokenizer_load_seconds().values())
-        typer.echo(f"hycoc verify-server: listening on {url} (model {cfg.models.verifier}, "
-                   f"{engine.device.type}, {options['batching']}, tree budget {options['tree_budget']}, "
-                   f"tokenizer parsed once in {parsed:.2f} s, health {url.replace('ws://', 'http://', 1)}/healthz)")
+        typer.echo(
+            f"hycoc verify-server: listening on {url} (model {cfg.models.verifier}, "
+            f"{engine.device.type}, {options['batching']}, tree budget {options['tree_budget']}, "
+            f"tokenizer parsed once in {parsed:.2f} s, health {url.replace('ws://', 'http://', 1)}/healthz)"
+        )
         sys.stdout.flush()
 
     started = time.monotonic()
@@ -124,29 +160,55 @@ def verify_server(
 def serve_ray(
     ctx: typer.Context,
     recipe: Path = RECIPE_ARG,
-    replicas: int = typer.Option(2, min=1, help="verifier replicas (each loads the recipe's verifier and takes "
-                                 "verifier.threads CPUs, or 1 GPU with --device cuda, from Ray)"),
-    host: Optional[str] = typer.Option(None, help="listen address of Ray Serve's proxy (default: the recipe's "
-                                       "verifier.host, 127.0.0.1)", show_default=False),
-    port: Optional[int] = typer.Option(None, min=0, max=65535, help="TCP port of the proxy; 0 = any free port, "
-                                       "named in the printed URL (default: the recipe's verifier.port, 8765)",
-                                       show_default=False),
-    device: Optional[Device] = typer.Option(None, help="torch device of every replica (default: the recipe's "
-                                            "verifier.device)", show_default=False),
-    auth_token: Optional[str] = typer.Option(
-        None, envvar="HYCOC_AUTH_TOKEN", help="require this token from clients, in OPEN or as 'Authorization: "
-        f"Bearer TOKEN' (default: none, an open server); {AUTH_TOKEN_HELP}", show_default=False),
-    auth_token_file: Optional[Path] = typer.Option(
-        None, help="read the token clients must present from this file (one line)", show_default=False),
-    keep_set: Optional[Path] = typer.Option(
-        None, help="keep set for server-head sessions (the bundle's keep_set.npy); without it they are refused",
-        show_default=False),
-    ray_address: Optional[str] = typer.Option(
-        None, help="Ray cluster to join ('auto': the one `ray start` began on this node; ray://HOST:10001); "
-        "default: start a local Ray instance with one CPU per replica thread", show_default=False),
+    replicas: int = typer.Option(
+        2,
+        min=1,
+        help="verifier replicas (each loads the recipe's verifier and takes "
+        "verifier.threads CPUs, or 1 GPU with --device cuda, from Ray)",
+    ),
+    host: str | None = typer.Option(
+        None,
+        help="listen address of Ray Serve's proxy (default: the recipe's verifier.host, 127.0.0.1)",
+        show_default=False,
+    ),
+    port: int | None = typer.Option(
+        None,
+        min=0,
+        max=65535,
+        help="TCP port of the proxy; 0 = any free port, "
+        "named in the printed URL (default: the recipe's verifier.port, 8765)",
+        show_default=False,
+    ),
+    device: Device | None = typer.Option(
+        None, help="torch device of every replica (default: the recipe's verifier.device)", show_default=False
+    ),
+    auth_token: str | None = typer.Option(
+        None,
+        envvar="HYCOC_AUTH_TOKEN",
+        help="require this token from clients, in OPEN or as 'Authorization: "
+        f"Bearer TOKEN' (default: none, an open server); {AUTH_TOKEN_HELP}",
+        show_default=False,
+    ),
+    auth_token_file: Path | None = typer.Option(
+        None, help="read the token clients must present from this file (one line)", show_default=False
+    ),
+    keep_set: Path | None = typer.Option(
+        None,
+        help="keep set for server-head sessions (the bundle's keep_set.npy); without it they are refused",
+        show_default=False,
+    ),
+    ray_address: str | None = typer.Option(
+        None,
+        help="Ray cluster to join ('auto': the one `ray start` began on this node; ray://HOST:10001); "
+        "default: start a local Ray instance with one CPU per replica thread",
+        show_default=False,
+    ),
     log_level: str = typer.Option(
-        "WARNING", metavar="DEBUG|INFO|WARNING|ERROR", help="least level of Ray's own log lines on stderr (INFO adds "
-        "Serve's per-request access log); Ray's full logs stay under /tmp/ray/session_latest/logs"),
+        "WARNING",
+        metavar="DEBUG|INFO|WARNING|ERROR",
+        help="least level of Ray's own log lines on stderr (INFO adds "
+        "Serve's per-request access log); Ray's full logs stay under /tmp/ray/session_latest/logs",
+    ),
 ) -> None:
     """Serve the verifier as a Ray Serve deployment: N replicas behind one WebSocket endpoint.
 
@@ -167,8 +229,13 @@ def serve_ray(
     from hycoc.chat import ChatFormatError
     from hycoc.models import ModelNotFoundError
     from hycoc.ports import check_port
-    from hycoc.verifier.loading import (DeviceUnavailable, check_device, check_keep_set, check_recipe_models,
-                                        server_options)
+    from hycoc.verifier.loading import (
+        DeviceUnavailable,
+        check_device,
+        check_keep_set,
+        check_recipe_models,
+        server_options,
+    )
     from hycoc.verifier.ray_serve import RecipeEngine, build_app, check_log_level, replica_cpus, run
 
     try:
@@ -191,22 +258,39 @@ def serve_ray(
     except OSError as e:
         raise _fail("serve-ray", _port_error(host, port, e, "a verify-server on the default port?")) from None
     options = server_options(cfg) | {"auth_token": auth_token}
-    app = build_app(RecipeEngine(str(recipe.resolve()), dev, None if keep_set is None else str(keep_set.resolve())),
-                    replicas=replicas, server_kwargs=options, cpus_per_replica=replica_cpus(cfg.verifier.threads),
-                    gpus_per_replica=1 if dev == "cuda" else 0, log_level=log_level)
-    typer.echo(f"hycoc serve-ray: starting Ray and {replicas} replica(s) of {cfg.models.verifier} "
-               "(each loads the verifier; about half a minute)", err=True)
+    app = build_app(
+        RecipeEngine(str(recipe.resolve()), dev, None if keep_set is None else str(keep_set.resolve())),
+        replicas=replicas,
+        server_kwargs=options,
+        cpus_per_replica=replica_cpus(cfg.verifier.threads),
+        gpus_per_replica=1 if dev == "cuda" else 0,
+        log_level=log_level,
+    )
+    typer.echo(
+        f"hycoc serve-ray: starting Ray and {replicas} replica(s) of {cfg.models.verifier} "
+        "(each loads the verifier; about half a minute)",
+        err=True,
+    )
 
     out = sys.stdout  # run() sends Ray's console output to stderr by making sys.stdout stderr while Ray runs
 
     def listening(url: str) -> None:
-        typer.echo(f"hycoc serve-ray: listening on {url} ({replicas} replicas of {cfg.models.verifier}, {dev}, "
-                   f"health {url.replace('ws://', 'http://', 1)}/healthz)", file=out)
+        typer.echo(
+            f"hycoc serve-ray: listening on {url} ({replicas} replicas of {cfg.models.verifier}, {dev}, "
+            f"health {url.replace('ws://', 'http://', 1)}/healthz)",
+            file=out,
+        )
         out.flush()
 
     try:
-        run(app, host, port, ray_address=ray_address,
+        run(
+            app,
+            host,
+            port,
+            ray_address=ray_address,
             num_cpus=None if ray_address else replicas * replica_cpus(cfg.verifier.threads),
-            log_level=log_level, on_listening=listening)
+            log_level=log_level,
+            on_listening=listening,
+        )
     except RuntimeError as e:  # a deployment that failed: Serve's message carries the replica's traceback
         raise _fail("serve-ray", f"the deployment failed: {e}") from None

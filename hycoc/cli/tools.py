@@ -4,12 +4,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from hycoc.cli._common import DEFAULT_DATASET, RECIPE_ARG, _fail, _need_full, _recipe
-
 
 
 def calibrate_handoff(
@@ -45,23 +43,34 @@ def doctor() -> None:
 
 def generate(
     recipe: Path = RECIPE_ARG,
-    dataset: Optional[Path] = typer.Option(
-        None, help="Spec-Bench question JSONL (default: benchmarks/data/spec_bench_question.jsonl in the "
-        "repository)", show_default=False),
-    question_id: Optional[int] = typer.Option(
-        None, help="Spec-Bench question_id whose first turn is the prompt (default: 81 unless --prompt)",
-        show_default=False),
-    prompt: Optional[str] = typer.Option(None, help="user message instead of a dataset question", show_default=False),
-    max_new_tokens: Optional[int] = typer.Option(
-        None, min=1, help="output cap in tokens (default: the recipe's sampling.max_new_tokens)", show_default=False),
-    seed: Optional[int] = typer.Option(None, min=0, help="torch seed (default: the recipe's sampling.seed)",
-                                       show_default=False),
-    temperature: Optional[float] = typer.Option(
-        None, min=0.0, help="sampling temperature, 0 = greedy (default: the recipe's sampling.temperature)",
-        show_default=False),
+    dataset: Path | None = typer.Option(
+        None,
+        help="Spec-Bench question JSONL (default: benchmarks/data/spec_bench_question.jsonl in the repository)",
+        show_default=False,
+    ),
+    question_id: int | None = typer.Option(
+        None,
+        help="Spec-Bench question_id whose first turn is the prompt (default: 81 unless --prompt)",
+        show_default=False,
+    ),
+    prompt: str | None = typer.Option(None, help="user message instead of a dataset question", show_default=False),
+    max_new_tokens: int | None = typer.Option(
+        None, min=1, help="output cap in tokens (default: the recipe's sampling.max_new_tokens)", show_default=False
+    ),
+    seed: int | None = typer.Option(
+        None, min=0, help="torch seed (default: the recipe's sampling.seed)", show_default=False
+    ),
+    temperature: float | None = typer.Option(
+        None,
+        min=0.0,
+        help="sampling temperature, 0 = greedy (default: the recipe's sampling.temperature)",
+        show_default=False,
+    ),
     thinking: bool = typer.Option(
-        False, "--thinking", help="let the model think first (the chat template's enable_thinking); the thought "
-        "goes to stderr"),
+        False,
+        "--thinking",
+        help="let the model think first (the chat template's enable_thinking); the thought goes to stderr",
+    ),
 ) -> None:
     """Answer one question with the verifier alone (transformers generate, the recipe's sampling), streaming text.
 
@@ -77,7 +86,9 @@ def generate(
     _need_full("generate")
     if prompt is None:
         try:
-            prompt = find_question(load_spec_bench(dataset or DEFAULT_DATASET), 81 if question_id is None else question_id).turns[0]
+            prompt = find_question(
+                load_spec_bench(dataset or DEFAULT_DATASET), 81 if question_id is None else question_id
+            ).turns[0]
         except DatasetError as e:
             raise _fail("generate", str(e)) from None
 
@@ -87,8 +98,15 @@ def generate(
     from hycoc.recipe import RecipeError
 
     try:
-        done = generate_answer(cfg, prompt, max_new_tokens=max_new_tokens, seed=seed, temperature=temperature,
-                               thinking=thinking, say=lambda line: typer.echo(line, err=True))
+        done = generate_answer(
+            cfg,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            temperature=temperature,
+            thinking=thinking,
+            say=lambda line: typer.echo(line, err=True),
+        )
     except (RecipeError, ModelNotFoundError, ChatFormatError) as e:
         raise _fail("generate", str(e)) from None
     typer.echo(summary_line(done), err=True)

@@ -44,7 +44,7 @@ def commit_cut(new: list[int], stop_ids, new_room: int, context_room: int) -> tu
     reason = None
     for i, tok in enumerate(new):
         if tok in stop_ids:
-            new, reason = new[:i + 1], "stop"
+            new, reason = new[: i + 1], "stop"
             break
     for room, why in ((new_room, "max_new_tokens"), (context_room, "length")):
         if len(new) > room or (len(new) == room and reason is None):

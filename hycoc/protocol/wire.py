@@ -119,9 +119,11 @@ SUPPORTED_VERSIONS = (5,)
 #: version (`error_frame`), so it reads the code and `OLD_VERSION_FIX` instead of failing on the header.
 LEGACY_ERROR_VERSIONS = (3, 4)
 #: What an older peer is told (the ``unsupported_version`` message's fix).
-OLD_VERSION_FIX = ("update hycoc on both sides and rebuild the device bundle with it (`hycoc build RECIPE`): "
-                   "protocol 5 re-renders each conversation with the checkpoint's template (see the section "
-                   "Conversations of docs/serving.md)")
+OLD_VERSION_FIX = (
+    "update hycoc on both sides and rebuild the device bundle with it (`hycoc build RECIPE`): "
+    "protocol 5 re-renders each conversation with the checkpoint's template (see the section "
+    "Conversations of docs/serving.md)"
+)
 MAGIC = b"HYCO"
 HEADER = struct.Struct("<4sHBBII")
 #: parents travel as int16: row 32767 is the last one that can be a parent, so R <= 32768 (B <= 32767).
@@ -321,7 +323,7 @@ def encode_error(reply: ErrorReply, version: int = PROTOCOL_VERSION) -> bytes:
     LEGACY_ERROR_VERSIONS (the same payload under an older header, for a peer to read its refusal)."""
     if version in LEGACY_ERROR_VERSIONS:
         frame = bytearray(encode(reply))
-        struct.pack_into("<H", frame, 4, version)         # ERROR's payload is the same in those versions
+        struct.pack_into("<H", frame, 4, version)  # ERROR's payload is the same in those versions
         return bytes(frame)
     return encode(reply, version=version)
 
@@ -393,8 +395,15 @@ def handoff_nbytes(hidden_size: int, kv_dim_sliding: int, kv_dim_full: int, n_po
     return HANDOFF_FIXED.size + 2 * hidden_size + 2 * n_positions * (kv_dim_sliding + kv_dim_full)
 
 
-def reply_nbytes(rows: int, path_len: int, chain_len: int = 0, handoff: int | None = None, *,
-                 version: int = PROTOCOL_VERSION, verified: bool = False) -> int:
+def reply_nbytes(
+    rows: int,
+    path_len: int,
+    chain_len: int = 0,
+    handoff: int | None = None,
+    *,
+    version: int = PROTOCOL_VERSION,
+    verified: bool = False,
+) -> int:
     """Bytes of a REPLY frame; ``handoff`` is `handoff_nbytes(...)` of its hand-off, or None without one;
     ``verified``: it carries the verified-rows mask (ceil(rows / 8) bytes)."""
     _check_version(version)
@@ -406,8 +415,10 @@ def reply_nbytes(rows: int, path_len: int, chain_len: int = 0, handoff: int | No
 
 def _check_version(version: int) -> int:
     if version not in SUPPORTED_VERSIONS:
-        raise UnsupportedVersion(f"protocol version {version}: this side speaks version(s) "
-                                 f"{', '.join(map(str, SUPPORTED_VERSIONS))}; {OLD_VERSION_FIX}")
+        raise UnsupportedVersion(
+            f"protocol version {version}: this side speaks version(s) "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))}; {OLD_VERSION_FIX}"
+        )
     return int(version)
 
 
@@ -494,15 +505,15 @@ def _check_open(m: OpenRequest, limits: Limits) -> None:
     _uint(m.max_new_tokens, "OpenRequest.max_new_tokens", 32, lo=1)
     if m.auth_token is not None:
         if not isinstance(m.auth_token, str) or not 1 <= len(m.auth_token.encode("utf-8")) <= 65535:
-            raise BadText(
-                "OpenRequest.auth_token: must be None or a non-empty string of at most 65,535 utf-8 bytes"
-            )
+            raise BadText("OpenRequest.auth_token: must be None or a non-empty string of at most 65,535 utf-8 bytes")
     if m.chat is not None:
         if not isinstance(m.chat, str) or not 1 <= len(m.chat.encode("utf-8")) <= 65535:
             raise BadText("OpenRequest.chat: must be None or a non-empty string of at most 65,535 utf-8 bytes")
     if not 0 <= int(m.anchor) < max(1, prompt.size):
-        raise OutOfRange(f"OpenRequest.anchor = {m.anchor}: must lie in [0, T = {prompt.size}) (the prompt's model-turn "
-                         "opening; 0 = none)")
+        raise OutOfRange(
+            f"OpenRequest.anchor = {m.anchor}: must lie in [0, T = {prompt.size}) (the prompt's model-turn "
+            "opening; 0 = none)"
+        )
 
 
 def _check_opened(m: Opened, limits: Limits) -> None:
@@ -553,23 +564,28 @@ def _check_scores(scores, parents: np.ndarray) -> None:
     ln q + ln λ < 0). fp16 rounding is monotone, so scores that pass in float32 pass after the wire's cast."""
     a = np.asarray(scores)
     if a.ndim != 1 or a.dtype.kind != "f" or a.size != parents.size:
-        raise BadShape(f"DraftTree.scores: must be a 1-D float array of {parents.size} values (one per row), got "
-                       f"dtype {a.dtype} and shape {a.shape}")
+        raise BadShape(
+            f"DraftTree.scores: must be a 1-D float array of {parents.size} values (one per row), got "
+            f"dtype {a.dtype} and shape {a.shape}"
+        )
     with np.errstate(over="ignore"):
         a = a.astype(np.float32)
     bad = ~np.isfinite(a)
     if bad.any():
         j = int(np.argmax(bad))
-        raise NotFinite(f"DraftTree.scores[{j}] = {a[j]}: scores must be finite (the device clamps at "
-                        f"{FP16_SCORE_FLOOR:g})")
+        raise NotFinite(
+            f"DraftTree.scores[{j}] = {a[j]}: scores must be finite (the device clamps at {FP16_SCORE_FLOOR:g})"
+        )
     if a[0] != 0:
         raise BadScores(f"DraftTree.scores[0] = {a[0]}: the root's score is 0 (Alg. 3 line 2)")
     above = a[1:] > a[parents[1:]]
     if above.any():
         j = int(np.argmax(above)) + 1
-        raise BadScores(f"DraftTree.scores[{j}] = {a[j]:g} is above its parent row {int(parents[j])}'s "
-                        f"{a[parents[j]]:g}: a row scores at most its parent (Alg. 3: s(child) = s(parent) + "
-                        "ln q + ln λ)")
+        raise BadScores(
+            f"DraftTree.scores[{j}] = {a[j]:g} is above its parent row {int(parents[j])}'s "
+            f"{a[parents[j]]:g}: a row scores at most its parent (Alg. 3: s(child) = s(parent) + "
+            "ln q + ln λ)"
+        )
 
 
 def _check_handoff_sizes(hidden_size: int, kv_dim_sliding: int, kv_dim_full: int, limits: Limits) -> None:
@@ -603,9 +619,7 @@ def _check_handoff(h: HandOff, limits: Limits, bonus: int) -> None:
         if k.shape != v.shape:
             raise BadShape(f"HandOff.k_{layer} has shape {k.shape}, v_{layer} {v.shape}: they must match")
         if k.shape[0] != n:
-            raise HandoffSizeMismatch(
-                f"HandOff.k_{layer} has {k.shape[0]} rows: must be t_prime - a = {n} positions"
-            )
+            raise HandoffSizeMismatch(f"HandOff.k_{layer} has {k.shape[0]} rows: must be t_prime - a = {n} positions")
         dims[layer] = k.shape[1]
     _check_handoff_sizes(x_hat.size // 2, dims["sliding"], dims["full"], limits)
     if len(h.scales) != len(_SCALE_NAMES):
@@ -635,15 +649,19 @@ def _check_reply(m: RoundReply, limits: Limits) -> None:
     if m.verified is not None:
         verified = np.asarray(m.verified)
         if verified.dtype != np.bool_ or verified.shape != samples.shape:
-            raise BadShape(f"RoundReply.verified: must be a bool array of {samples.size} values (one per row), got "
-                           f"dtype {verified.dtype} and shape {verified.shape}")
+            raise BadShape(
+                f"RoundReply.verified: must be a bool array of {samples.size} values (one per row), got "
+                f"dtype {verified.dtype} and shape {verified.shape}"
+            )
         if not verified[0]:
             raise BadPath("RoundReply.verified[0] is False: the root (row 0) is always verified")
         off = ~verified[path]
         if off.any():
             i = int(np.argmax(off))
-            raise BadPath(f"RoundReply.path_rows[{i}] = {int(path[i])} is not a verified row: the path runs through "
-                          "verified rows only")
+            raise BadPath(
+                f"RoundReply.path_rows[{i}] = {int(path[i])} is not a verified row: the path runs through "
+                "verified rows only"
+            )
     chain = _int_array(m.chain, "RoundReply.chain")
     _uint(chain.size, "RoundReply.chain length", 16)
     _check_tokens(chain, "RoundReply.chain", limits.vocab_size)
@@ -653,8 +671,10 @@ def _check_reply(m: RoundReply, limits: Limits) -> None:
             f"RoundReply.bonus = {m.bonus}: must equal samples[{end}] = {int(samples[end])}, the sample at v*"
         )
     if m.finish_reason is not None and (not m.finished or m.finish_reason not in FINISH_REASONS):
-        raise BadEnum(f"RoundReply.finish_reason = {m.finish_reason!r}: must be None, or one of "
-                      f"{', '.join(FINISH_REASONS)} on a finished reply")
+        raise BadEnum(
+            f"RoundReply.finish_reason = {m.finish_reason!r}: must be None, or one of "
+            f"{', '.join(FINISH_REASONS)} on a finished reply"
+        )
     if m.handoff is not None:
         _check_handoff(m.handoff, limits, int(m.bonus))
 
@@ -668,8 +688,10 @@ def _check_append(m: AppendTurn, limits: Limits) -> None:
     if tokens.size == 0:
         raise OutOfRange("AppendTurn.tokens is empty: a turn needs at least one token (the next root)")
     if limits.max_context is not None and tokens.size >= limits.max_context:
-        raise ContextOverflow(f"AppendTurn.tokens has {tokens.size} tokens: the verifier holds max_context = "
-                              f"{limits.max_context} positions")
+        raise ContextOverflow(
+            f"AppendTurn.tokens has {tokens.size} tokens: the verifier holds max_context = "
+            f"{limits.max_context} positions"
+        )
     _uint(tokens.size, "AppendTurn.tokens length", 32)
     _check_tokens(tokens, "AppendTurn.tokens", limits.vocab_size)
     if not 1 <= int(m.max_new_tokens) <= 2**32 - 1:
@@ -677,12 +699,16 @@ def _check_append(m: AppendTurn, limits: Limits) -> None:
     keep = _uint(m.keep, "AppendTurn.keep", 32, lo=1)
     _uint(m.keep_crc, "AppendTurn.keep_crc", 32)
     if limits.max_context is not None and keep + tokens.size >= limits.max_context:
-        raise ContextOverflow(f"AppendTurn: keep + T = {keep + tokens.size} positions: the verifier holds max_context "
-                              f"= {limits.max_context}, conversation and output together")
+        raise ContextOverflow(
+            f"AppendTurn: keep + T = {keep + tokens.size} positions: the verifier holds max_context "
+            f"= {limits.max_context}, conversation and output together"
+        )
     _uint(m.anchor, "AppendTurn.anchor", 32)
     if int(m.anchor) != 0 and not keep <= int(m.anchor) < keep + tokens.size:
-        raise OutOfRange(f"AppendTurn.anchor = {m.anchor}: must lie in [keep, keep + T) = [{keep}, "
-                         f"{keep + tokens.size}) or be 0 (none)")
+        raise OutOfRange(
+            f"AppendTurn.anchor = {m.anchor}: must lie in [keep, keep + T) = [{keep}, "
+            f"{keep + tokens.size}) or be 0 (none)"
+        )
 
 
 def _check_error(m: ErrorReply, limits: Limits) -> None:
@@ -707,8 +733,9 @@ def validate(msg, limits: Limits | None = None) -> None:
     """Check every field of ``msg`` (and against ``limits``); raises the WireError subclass of the first fault."""
     check = _CHECKS.get(type(msg))
     if check is None:
-        raise UnknownMessageType(f"{type(msg).__name__} is not a wire message: must be one of "
-                                 f"{[c.__name__ for c in _CHECKS]}")
+        raise UnknownMessageType(
+            f"{type(msg).__name__} is not a wire message: must be one of {[c.__name__ for c in _CHECKS]}"
+        )
     check(msg, limits or Limits())
 
 
@@ -721,25 +748,46 @@ def _pack_open(m: OpenRequest, version: int) -> bytes:
     chat = b"" if m.chat is None else m.chat.encode("utf-8")
     s = m.sampling
     fixed = _OPEN.pack(
-        s.temperature, s.top_k, s.top_p, m.seed, m.epsilon, ACCEPTANCE_MODES.index(m.acceptance),
-        DRAFT_PLACES.index(m.draft_place), len(auth), len(chat), m.max_new_tokens, prompt.size, m.anchor,
+        s.temperature,
+        s.top_k,
+        s.top_p,
+        m.seed,
+        m.epsilon,
+        ACCEPTANCE_MODES.index(m.acceptance),
+        DRAFT_PLACES.index(m.draft_place),
+        len(auth),
+        len(chat),
+        m.max_new_tokens,
+        prompt.size,
+        m.anchor,
     )
     return fixed + prompt.tobytes() + auth + chat
 
 
 def _pack_opened(m: Opened, version: int) -> bytes:
     stops = np.asarray(m.stop_ids).astype("<i4")
-    return _OPENED.pack(
-        m.session_id, m.t, m.prefill_ms, m.max_context, m.tree_rows, m.vocab_size, m.hidden_size,
-        m.kv_dim_sliding, m.kv_dim_full, stops.size,
-    ) + stops.tobytes()
+    return (
+        _OPENED.pack(
+            m.session_id,
+            m.t,
+            m.prefill_ms,
+            m.max_context,
+            m.tree_rows,
+            m.vocab_size,
+            m.hidden_size,
+            m.kv_dim_sliding,
+            m.kv_dim_full,
+            stops.size,
+        )
+        + stops.tobytes()
+    )
 
 
 def _pack_tree(m: DraftTree, version: int) -> bytes:
     tokens = np.asarray(m.tokens).astype("<i4")
     parents = np.asarray(m.parents).astype("<i2")
     scores = b""
-    if m.scores is not None:                          # clamp first: below -65,504 fp16 would round to -inf
+    if m.scores is not None:  # clamp first: below -65,504 fp16 would round to -inf
         scores = np.maximum(np.asarray(m.scores, np.float32), np.float32(FP16_SCORE_FLOOR)).astype("<f2").tobytes()
     return _ROUND.pack(m.seq, tokens.size, m.scores is not None) + tokens.tobytes() + parents.tobytes() + scores
 
@@ -759,7 +807,7 @@ def _pack_reply(m: RoundReply, version: int) -> bytes:
     head = (m.seq, m.bonus, m.server_ms, _finish_code(m), m.handoff is not None, samples.size, path.size, chain.size)
     mask = b""
     fixed = _REPLY.pack(*head, m.verified is not None)
-    if m.verified is not None:                        # row j at byte j // 8, bit j % 8, LSB first; pad bits 0
+    if m.verified is not None:  # row j at byte j // 8, bit j % 8, LSB first; pad bits 0
         mask = np.packbits(np.asarray(m.verified, np.bool_), bitorder="little").tobytes()
     handoff = b"" if m.handoff is None else _pack_handoff(m.handoff)
     return fixed + samples.tobytes() + path.tobytes() + chain.tobytes() + mask + handoff
@@ -861,8 +909,7 @@ class _Reader:
         left = len(self.buf) - self.pos
         if n > left:
             raise LengthMismatch(
-                f"{self.what} payload ends inside {field}: "
-                f"it needs {n} bytes at offset {self.pos}, {left} are left"
+                f"{self.what} payload ends inside {field}: it needs {n} bytes at offset {self.pos}, {left} are left"
             )
         self.pos += n
         return self.buf[self.pos - n : self.pos]
@@ -990,8 +1037,10 @@ def _unpack_mask(r: _Reader, rows: int) -> np.ndarray:
     """REPLY's verified rows: ceil(rows / 8) bytes, row j at byte j // 8, bit j % 8 (LSB first), pad bits 0."""
     bits = np.unpackbits(np.frombuffer(r.take((rows + 7) // 8, "verified mask"), np.uint8), bitorder="little")
     if bits[rows:].any():
-        raise BadShape(f"REPLY verified mask has bit {rows + int(np.argmax(bits[rows:]))} set: the tree has {rows} "
-                       "rows, the pad bits after the last row must be 0")
+        raise BadShape(
+            f"REPLY verified mask has bit {rows + int(np.argmax(bits[rows:]))} set: the tree has {rows} "
+            "rows, the pad bits after the last row must be 0"
+        )
     return bits[:rows].astype(np.bool_)
 
 
@@ -1040,8 +1089,7 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits | None = None):
         )
     if len(data) > end:
         raise LengthMismatch(
-            f"{header.type.name} frame has {len(data)} bytes: its header announces {end}; "
-            "send one frame per message"
+            f"{header.type.name} frame has {len(data)} bytes: its header announces {end}; send one frame per message"
         )
     payload = memoryview(data)[HEADER.size : end]
     crc = zlib.crc32(payload)

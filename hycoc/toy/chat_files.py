@@ -17,8 +17,20 @@ import json
 from pathlib import Path
 
 #: Special tokens in id order (ids 0..len-1 of the toy tokenizer), named as Gemma 4's.
-SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|channel>", "<channel|>",
-                  "<|tool_call>", "<|tool_response>", "<|think|>"]
+SPECIAL_TOKENS = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<mask>",
+    "<|turn>",
+    "<turn|>",
+    "<|channel>",
+    "<channel|>",
+    "<|tool_call>",
+    "<|tool_response>",
+    "<|think|>",
+]
 #: Stop ids, in Gemma 4's order (<eos>, <turn|>, <|tool_response>: Gemma 4's [1, 106, 50]).
 STOP_IDS = [1, 6, 10]
 
@@ -70,24 +82,41 @@ def prompt_text(user: str) -> str:
     prompts; the serving commands encode prompts through `hycoc.chat.Chat` instead)."""
     from hycoc.chat_template import render
 
-    return render(CHAT_TEMPLATE, [{"role": "user", "content": user}], add_generation_prompt=True, thinking=None,
-                  specials=_specials(), source="hycoc.toy.chat_files.CHAT_TEMPLATE")
+    return render(
+        CHAT_TEMPLATE,
+        [{"role": "user", "content": user}],
+        add_generation_prompt=True,
+        thinking=None,
+        specials=_specials(),
+        source="hycoc.toy.chat_files.CHAT_TEMPLATE",
+    )
 
 
 def conversation_text(user: str, model: str) -> str:
     """A whole single-turn conversation as the template renders it (training text; the model turn closed)."""
     from hycoc.chat_template import render
 
-    return render(CHAT_TEMPLATE, [{"role": "user", "content": user}, {"role": "assistant", "content": model}],
-                  add_generation_prompt=False, thinking=None, specials=_specials(),
-                  source="hycoc.toy.chat_files.CHAT_TEMPLATE")
+    return render(
+        CHAT_TEMPLATE,
+        [{"role": "user", "content": user}, {"role": "assistant", "content": model}],
+        add_generation_prompt=False,
+        thinking=None,
+        specials=_specials(),
+        source="hycoc.toy.chat_files.CHAT_TEMPLATE",
+    )
 
 
 def tokenizer_config(model_max_length: int) -> dict:
     """``tokenizer_config.json`` of the toy tokenizer folder."""
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
-            "pad_token": "<pad>", "unk_token": "<unk>", "model_max_length": int(model_max_length),
-            "chat_template": CHAT_TEMPLATE}
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "model_max_length": int(model_max_length),
+        "chat_template": CHAT_TEMPLATE,
+    }
 
 
 def write_tokenizer_folder(tokenizer, folder: str | Path, model_max_length: int) -> None:
@@ -95,5 +124,6 @@ def write_tokenizer_folder(tokenizer, folder: str | Path, model_max_length: int)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(model_max_length), indent=2) + "\n",
-                                                  encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config(model_max_length), indent=2) + "\n", encoding="utf-8"
+    )

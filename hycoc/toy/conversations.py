@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 
-
 #: Where the toy recipe expects the files (relative to the repository).
 DATA_DIR = Path(__file__).resolve().parents[2] / "recipes" / "toy" / "data"
 #: Training-split conversations: keep-set counts (first lines) and calibration prompts (the rest).
@@ -59,8 +58,15 @@ def answer_batch(verifier, chat, prompts: Sequence[str], max_new_tokens: int) ->
     x = torch.tensor([[pad] * (width - len(p)) + p for p in ids])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
     with torch.no_grad():
-        out = verifier.generate(input_ids=x, attention_mask=mask, do_sample=True, max_new_tokens=max_new_tokens,
-                                pad_token_id=pad, eos_token_id=sorted(stops), **ANSWER_SAMPLING)
+        out = verifier.generate(
+            input_ids=x,
+            attention_mask=mask,
+            do_sample=True,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad,
+            eos_token_id=sorted(stops),
+            **ANSWER_SAMPLING,
+        )
     answers = []
     for row in out[:, width:].tolist():
         answer = []
@@ -75,12 +81,21 @@ def answer_batch(verifier, chat, prompts: Sequence[str], max_new_tokens: int) ->
 def conversation_line(tokenizer, user: str, answer: Sequence[int]) -> str:
     """One JSONL line: the user turn and the answer's text (special tokens, the stop included, dropped)."""
     text = tokenizer.decode(list(answer), skip_special_tokens=True)
-    return json.dumps({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": text}]},
-                      ensure_ascii=False)
+    return json.dumps(
+        {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": text}]}, ensure_ascii=False
+    )
 
 
-def write_conversations(path: Path, verifier, chat, users: Sequence[str], *, max_new_tokens: int = ANSWER_TOKENS,
-                        batch: int = BATCH, log: Callable[[str], None] = print) -> int:
+def write_conversations(
+    path: Path,
+    verifier,
+    chat,
+    users: Sequence[str],
+    *,
+    max_new_tokens: int = ANSWER_TOKENS,
+    batch: int = BATCH,
+    log: Callable[[str], None] = print,
+) -> int:
     """Answer ``users`` in batches (``chat``: the toy checkpoint's `hycoc.chat.Chat`) and write ``path``
     atomically (temp file + rename). Returns the bytes written."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,11 +104,13 @@ def write_conversations(path: Path, verifier, chat, users: Sequence[str], *, max
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             for start in range(0, len(users), batch):
-                chunk = users[start:start + batch]
+                chunk = users[start : start + batch]
                 for user, answer in zip(chunk, answer_batch(verifier, chat, chunk, max_new_tokens)):
                     f.write(conversation_line(chat.tokenizer, user, answer) + "\n")
-                log(f"conversations: {path.name} {min(start + batch, len(users))}/{len(users)} "
-                    f"({time.perf_counter() - t0:.0f} s)")
+                log(
+                    f"conversations: {path.name} {min(start + batch, len(users))}/{len(users)} "
+                    f"({time.perf_counter() - t0:.0f} s)"
+                )
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; these are repository files
         os.replace(tmp, path)
     except BaseException:
@@ -102,19 +119,24 @@ def write_conversations(path: Path, verifier, chat, users: Sequence[str], *, max
     return path.stat().st_size
 
 
-def make_conversation_files(verifier, chat, train, held, seed: int, out_dir: Path = DATA_DIR,
-                            log: Callable[[str], None] = print) -> dict[str, int]:
+def make_conversation_files(
+    verifier, chat, train, held, seed: int, out_dir: Path = DATA_DIR, log: Callable[[str], None] = print
+) -> dict[str, int]:
     """Write ``conversations.jsonl`` (`TRAIN_CONVERSATIONS` training prompts) and ``validation.jsonl``
     (`VALIDATION_CONVERSATIONS` held-out prompts) into ``out_dir`` (module docstring). train/held: lists of
     `hycoc.toy.corpus.Conversation`; chat: the toy checkpoint's `hycoc.chat.Chat`. Returns file name -> bytes. Raises ValueError when the corpus is too small."""
     if len(train) < TRAIN_CONVERSATIONS or len(held) < VALIDATION_CONVERSATIONS:
-        raise ValueError(f"the toy corpus has {len(train)} train / {len(held)} held-out conversations; "
-                         f"{TRAIN_CONVERSATIONS} / {VALIDATION_CONVERSATIONS} are needed")
+        raise ValueError(
+            f"the toy corpus has {len(train)} train / {len(held)} held-out conversations; "
+            f"{TRAIN_CONVERSATIONS} / {VALIDATION_CONVERSATIONS} are needed"
+        )
     rng = random.Random(seed)
     torch.manual_seed(seed)
     sizes = {}
-    for name, pool, count in (("conversations.jsonl", train, TRAIN_CONVERSATIONS),
-                              ("validation.jsonl", held, VALIDATION_CONVERSATIONS)):
+    for name, pool, count in (
+        ("conversations.jsonl", train, TRAIN_CONVERSATIONS),
+        ("validation.jsonl", held, VALIDATION_CONVERSATIONS),
+    ):
         users = [c.user for c in rng.sample(pool, count)]
         sizes[name] = write_conversations(out_dir / name, verifier, chat, users, log=log)
     return sizes

@@ -25,11 +25,16 @@ _UNDERLINE = re.compile(r"^([=\-~^\"'`#*+])\1{2,}\s*$")
 _DEF = re.compile(r"^(def|class|async def) (\w+)")
 
 _PROSE_ASKS = [
-    "Explain {t}.", "What is {t}?", "Tell me about {t}.", "Describe {t} in detail.",
-    "Can you give an overview of {t}?", "Write a short guide to {t}.",
+    "Explain {t}.",
+    "What is {t}?",
+    "Tell me about {t}.",
+    "Describe {t} in detail.",
+    "Can you give an overview of {t}?",
+    "Write a short guide to {t}.",
 ]
 _CODE_ASKS = [
-    "Write the Python {kind} `{name}` from the `{mod}` module.", "Show me how `{mod}.{name}` is implemented.",
+    "Write the Python {kind} `{name}` from the `{mod}` module.",
+    "Show me how `{mod}.{name}` is implemented.",
     "Implement `{name}` ({kind}) as in Python's `{mod}`.",
 ]
 
@@ -53,8 +58,13 @@ def _pick(options: list[str], key: str) -> str:
 
 
 def _clean_rst(text: str) -> str:
-    text = re.sub(r"^\.\. (index|highlight|module|currentmodule|sectionauthor|moduleauthor|versionadded|"
-                  r"versionchanged|deprecated|testsetup|testcleanup|_[^:]*):.*$", "", text, flags=re.M)
+    text = re.sub(
+        r"^\.\. (index|highlight|module|currentmodule|sectionauthor|moduleauthor|versionadded|"
+        r"versionchanged|deprecated|testsetup|testcleanup|_[^:]*):.*$",
+        "",
+        text,
+        flags=re.M,
+    )
     text = re.sub(r":(\w+):`~?([^`<]*?)(\s*<[^>]*>)?`", r"`\2`", text)  # :func:`x` -> `x`
     text = re.sub(r"\n{3,}", "\n\n", text)
     return text.strip()
@@ -66,8 +76,9 @@ def docs_conversations(docs_dir: Path = DOCS_DIR, max_chars: int = 6000) -> list
     Raises FileNotFoundError with the install step when the docs are missing.
     """
     if not docs_dir.is_dir():
-        raise FileNotFoundError(f"{docs_dir} is missing: install Debian's python3.11-doc "
-                                "(`apt-get install -y python3.11-doc`)")
+        raise FileNotFoundError(
+            f"{docs_dir} is missing: install Debian's python3.11-doc (`apt-get install -y python3.11-doc`)"
+        )
     out = []
     for path in sorted(docs_dir.rglob("*.txt")):
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()

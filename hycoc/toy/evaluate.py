@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hycoc.toy.chat_files import prompt_text
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
+from hycoc.toy.chat_files import prompt_text
 
 REFERENCE_PROMPT = "What is a list comprehension?"
 
@@ -69,8 +69,15 @@ def head_chain(head, h, kv, e_root, embed, anchors, window: int, sliding_window:
     return torch.stack(ys, -1)
 
 
-def evaluate_family(models_dir: Path, held, selfgen_seed: int, n_prompts: int = 48, max_new: int = 256,
-                    anchors_per_seq: int = 8, window: int = 256) -> dict:
+def evaluate_family(
+    models_dir: Path,
+    held,
+    selfgen_seed: int,
+    n_prompts: int = 48,
+    max_new: int = 256,
+    anchors_per_seq: int = 8,
+    window: int = 256,
+) -> dict:
     from hycoc.models import load_head, load_slm, load_tokenizer, load_verifier
     from hycoc.toy.train import SEQ_LEN, encode_corpus, log, pack_sequences
 
@@ -80,17 +87,19 @@ def evaluate_family(models_dir: Path, held, selfgen_seed: int, n_prompts: int = 
     head = load_head(models_dir / "head")
     slm = load_slm(models_dir / "slm")
     sw = verifier.config.sliding_window
-    report: dict = {"params_M": {
-        "verifier": round(sum(p.numel() for p in verifier.parameters()) / 1e6, 3),
-        "head": round(sum(p.numel() for p in head.parameters()) / 1e6, 3),
-    }}
+    report: dict = {
+        "params_M": {
+            "verifier": round(sum(p.numel() for p in verifier.parameters()) / 1e6, 3),
+            "head": round(sum(p.numel() for p in head.parameters()) / 1e6, 3),
+        }
+    }
 
     # 1. held-out perplexity on corpus conversations
     rows = pack_sequences(encode_corpus(tok, held), SEQ_LEN, 0)
     nll, count = 0.0, 0
     with torch.no_grad():
         for b in range(0, len(rows), 8):
-            x = rows[b:b + 8]
+            x = rows[b : b + 8]
             lp = F.log_softmax(verifier(input_ids=x, use_cache=False).logits.float(), -1)
             nll -= lp[:, :-1].gather(-1, x[:, 1:, None]).sum().item()
             count += x[:, 1:].numel()
@@ -106,8 +115,15 @@ def evaluate_family(models_dir: Path, held, selfgen_seed: int, n_prompts: int = 
     for p in prompts:
         ids = torch.tensor([tok.encode(prompt_text(p), add_special_tokens=False).ids])
         with torch.no_grad():
-            g = verifier.generate(input_ids=ids, do_sample=True, temperature=1.0, top_k=64, top_p=0.95,
-                                  max_new_tokens=max_new, pad_token_id=0)
+            g = verifier.generate(
+                input_ids=ids,
+                do_sample=True,
+                temperature=1.0,
+                top_k=64,
+                top_p=0.95,
+                max_new_tokens=max_new,
+                pad_token_id=0,
+            )
         seqs.append((ids.shape[1], g[0]))
     temps = (1.0, 0.7, 0.5)
     agree = torch.zeros(4)
@@ -120,8 +136,14 @@ def evaluate_family(models_dir: Path, held, selfgen_seed: int, n_prompts: int = 
             continue
         ids = s[None]
         logits, h, kv, e = _states(verifier, ids)
-        for name, x in (("e", e), ("h", h), ("k_sliding", kv[SLIDING][0]), ("v_sliding", kv[SLIDING][1]),
-                        ("k_full", kv[FULL][0]), ("v_full", kv[FULL][1])):
+        for name, x in (
+            ("e", e),
+            ("h", h),
+            ("k_sliding", kv[SLIDING][0]),
+            ("v_sliding", kv[SLIDING][1]),
+            ("k_full", kv[FULL][0]),
+            ("v_full", kv[FULL][1]),
+        ):
             absmax[name].append(x.abs().flatten().float())
         with torch.no_grad():
             sl = slm(input_ids=ids, use_cache=False).logits.float()
@@ -132,13 +154,13 @@ def evaluate_family(models_dir: Path, held, selfgen_seed: int, n_prompts: int = 
         e_root = e[:, anchors]
         chain = head_chain(head, h, kv, e_root, verifier.model.embed_tokens, anchors, window, sw)
         # one teacher-forced verifier pass per anchor over prefix + root + head chain (right-padded, causal)
-        rows_ = [torch.cat([s[:t + 1], chain[i]]) for i, t in enumerate(anchors)]
+        rows_ = [torch.cat([s[: t + 1], chain[i]]) for i, t in enumerate(anchors)]
         width = max(len(r) for r in rows_)
         batch = torch.stack([F.pad(r, (0, width - len(r))) for r in rows_])
         with torch.no_grad():
             vl = verifier(input_ids=batch, use_cache=False).logits.float()
         for i, t in enumerate(anchors):
-            lg = vl[i, t:t + 4]  # predicts chain[i, 0..3]
+            lg = vl[i, t : t + 4]  # predicts chain[i, 0..3]
             hit = (lg.argmax(-1) == chain[i]).float()
             agree += torch.cumprod(hit, 0)
             for T in temps:
@@ -162,15 +184,26 @@ def evaluate_family(models_dir: Path, held, selfgen_seed: int, n_prompts: int = 
     logits, h, kv, e = _states(verifier, ids)
     t = ids.shape[1] - 1
     with torch.no_grad():
-        hl, _ = head_step(head, torch.cat([e[:, t:t + 1], h[:, t - 1:t]], -1), kv,
-                          {FULL: window_mask(torch.tensor([[t]]), t + 1, window),
-                           SLIDING: window_mask(torch.tensor([[t]]), t + 1, min(window, sw))},
-                          torch.tensor([[t - 1]]))
+        hl, _ = head_step(
+            head,
+            torch.cat([e[:, t : t + 1], h[:, t - 1 : t]], -1),
+            kv,
+            {
+                FULL: window_mask(torch.tensor([[t]]), t + 1, window),
+                SLIDING: window_mask(torch.tensor([[t]]), t + 1, min(window, sw)),
+            },
+            torch.tensor([[t - 1]]),
+        )
         sl = slm(input_ids=ids, use_cache=False).logits.float()
-    ref = {"prompt": REFERENCE_PROMPT, "input_ids": ids[0].tolist(),
-           "verifier_last": logits[0, -1, :64].tolist(), "verifier_argmax": logits[0].argmax(-1).tolist(),
-           "head_step1": hl[0, 0, :64].tolist(), "slm_last": sl[0, -1, :64].tolist(),
-           "slm_argmax": sl[0].argmax(-1).tolist()}
+    ref = {
+        "prompt": REFERENCE_PROMPT,
+        "input_ids": ids[0].tolist(),
+        "verifier_last": logits[0, -1, :64].tolist(),
+        "verifier_argmax": logits[0].argmax(-1).tolist(),
+        "head_step1": hl[0, 0, :64].tolist(),
+        "slm_last": sl[0, -1, :64].tolist(),
+        "slm_argmax": sl[0].argmax(-1).tolist(),
+    }
     (models_dir / "reference_logits.json").write_text(json.dumps(ref))
     (models_dir / "report.json").write_text(json.dumps(report, indent=2))
     _print_table(report)

@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hycoc.toy.chat_files import conversation_text, prompt_text, write_tokenizer_folder
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 from hycoc.toy import configs
+from hycoc.toy.chat_files import conversation_text, prompt_text, write_tokenizer_folder
 from hycoc.toy.corpus import build_corpus
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "recipes" / "toy" / "models"
@@ -93,8 +93,10 @@ def run_steps(step_fn, total: int, lr: float, opt, warmup: int, name: str):
             per = (time.time() - t0) / 3
             log(f"{name}: {per:.2f} s/step, {total} steps, ETA {per * total / 60:.1f} min")
         if (i + 1) % 50 == 0 or i + 1 == total:
-            log(f"{name}: step {i + 1}/{total} loss {sum(losses[-50:]) / len(losses[-50:]):.4f} "
-                f"({(time.time() - t0) / 60:.1f} min)")
+            log(
+                f"{name}: step {i + 1}/{total} loss {sum(losses[-50:]) / len(losses[-50:]):.4f} "
+                f"({(time.time() - t0) / 60:.1f} min)"
+            )
     return losses
 
 
@@ -159,13 +161,21 @@ def self_generate(verifier, tok, convs, n_prompts: int, max_new: int, seed: int,
     out = []
     t0 = time.time()
     for b in range(0, len(chosen), batch):
-        prompts = [tok.encode(prompt_text(c.user), add_special_tokens=False).ids[-200:] for c in chosen[b:b + batch]]
+        prompts = [tok.encode(prompt_text(c.user), add_special_tokens=False).ids[-200:] for c in chosen[b : b + batch]]
         width = max(map(len, prompts))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
         att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         with torch.no_grad():
-            gen = verifier.generate(input_ids=ids, attention_mask=att, do_sample=True, temperature=1.0, top_k=64,
-                                    top_p=0.95, max_new_tokens=max_new, pad_token_id=0)
+            gen = verifier.generate(
+                input_ids=ids,
+                attention_mask=att,
+                do_sample=True,
+                temperature=1.0,
+                top_k=64,
+                top_p=0.95,
+                max_new_tokens=max_new,
+                pad_token_id=0,
+            )
         for p, row in zip(prompts, gen[:, width:].tolist()):
             ans = []
             for t in row:
@@ -199,7 +209,7 @@ def head_unroll(head, ids, h, kv, e, masks, k_steps: int = K):
     z = h[:, 0:n]  # h_{t-1} for t = 1..n
     outs = []
     for k in range(1, k_steps + 1):
-        x_hat = torch.cat([e[:, k:n + k], z], dim=-1)  # e(x_{t+k-1}) for t = 1..n
+        x_hat = torch.cat([e[:, k : n + k], z], dim=-1)  # e(x_{t+k-1}) for t = 1..n
         logits, z = head_step(head, x_hat, kv, masks, pos)
         outs.append(logits)
     return outs
@@ -229,7 +239,7 @@ def train_head(verifier, data: torch.Tensor, steps: int, seed: int, batch: int =
         logits, h, kv, e = verifier_states(verifier, cap, x)
         outs = head_unroll(head, x, h, kv, e, masks)
         n = seq - K
-        loss = sum(kl_loss(o, logits[:, k:n + k]) for k, o in enumerate(outs, start=1)) / K
+        loss = sum(kl_loss(o, logits[:, k : n + k]) for k, o in enumerate(outs, start=1)) / K
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
@@ -264,7 +274,7 @@ def fake_quantize_linears(model, bit_map, default_bits):
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear):
             bits = bits_for(name, bit_map, default_bits)
-            mod.forward = (lambda m, b: (lambda x: F.linear(x, FakeQuant.apply(m.weight, b), m.bias)))(mod, bits)
+            mod.forward = (lambda m, b: lambda x: F.linear(x, FakeQuant.apply(m.weight, b), m.bias))(mod, bits)
 
 
 def train_slm(verifier, data: torch.Tensor, steps: int, qat_steps: int, seed: int, batch: int = 16):
@@ -287,6 +297,7 @@ def train_slm(verifier, data: torch.Tensor, steps: int, qat_steps: int, seed: in
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss.item()
+
         return step
 
     opt = torch.optim.AdamW(slm.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.05)
@@ -310,8 +321,12 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (fix it for reproducibility)")
     ap.add_argument("--stages", default="tokenizer,verifier,selfgen,head,slm,eval,conversations")
-    ap.add_argument("--data-out", type=Path, default=None,
-                    help="folder of the conversation files (default: recipes/toy/data in the repository)")
+    ap.add_argument(
+        "--data-out",
+        type=Path,
+        default=None,
+        help="folder of the conversation files (default: recipes/toy/data in the repository)",
+    )
     # Fixed step counts keep a rerun bit-identical; on 2 cores they take about 33 / 16 / 11 / 3 minutes.
     ap.add_argument("--verifier-steps", type=int, default=500, help="batches of 16 x 512 tokens")
     ap.add_argument("--head-steps", type=int, default=600, help="batches of 8 x 384 tokens, K=4 unrolled")
@@ -330,9 +345,11 @@ def main(argv=None) -> None:
     from hycoc.toy.corpus import DOCS_DIR
 
     if not DOCS_DIR.is_dir():
-        raise SystemExit(f"hycoc.toy.train: the toy corpus needs {DOCS_DIR}: install Debian's python3.11-doc "
-                         "(`apt-get install -y python3.11-doc`). Only this trainer needs it: hycoc build and "
-                         "hycoc bench read the files it wrote into recipes/toy/.")
+        raise SystemExit(
+            f"hycoc.toy.train: the toy corpus needs {DOCS_DIR}: install Debian's python3.11-doc "
+            "(`apt-get install -y python3.11-doc`). Only this trainer needs it: hycoc build and "
+            "hycoc bench read the files it wrote into recipes/toy/."
+        )
     train, held = build_corpus()
     log(f"corpus: {len(train)} train / {len(held)} held-out conversations")
     from hycoc.models import load_tokenizer, load_verifier
@@ -360,7 +377,7 @@ def main(argv=None) -> None:
     # Drafter data: the verifier's own answers (what it generates at inference) mixed 1:1 with corpus rows.
     sg_rows = pack_sequences(selfgen, SEQ_LEN, args.seed) if selfgen else corpus_data[:0]
     n = min(len(sg_rows), len(corpus_data))
-    drafter_data = torch.cat([sg_rows, corpus_data[:max(n, 256)]])
+    drafter_data = torch.cat([sg_rows, corpus_data[: max(n, 256)]])
     log(f"drafter data: {len(sg_rows)} self-generated + {max(n, 256)} corpus rows of {SEQ_LEN}")
 
     if "head" in stages:
@@ -377,11 +394,10 @@ def main(argv=None) -> None:
 
         evaluate_family(out, held, selfgen_seed=args.seed + 7)
     if "conversations" in stages:
+        from hycoc.chat_template import load_chat
         from hycoc.toy.conversations import DATA_DIR, make_conversation_files
 
-        from hycoc.chat_template import load_chat
-
-        chat = load_chat(out / "verifier", out / "verifier")   # the files written above, as every command reads them
+        chat = load_chat(out / "verifier", out / "verifier")  # the files written above, as every command reads them
         sizes = make_conversation_files(verifier, chat, train, held, args.seed, args.data_out or DATA_DIR, log=log)
         log("conversations: " + ", ".join(f"{name} {size / 1e6:.2f} MB" for name, size in sizes.items()))
 

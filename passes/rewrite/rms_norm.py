@@ -110,8 +110,7 @@ class RmsNormToElementwise(pattern.RewriteRuleClassBase):
             node = normed.producer()
             axis = node.attributes.get_int("axis", -1)
             if axis not in (-1, rank - 1):
-                return result.fail(f"RMSNormalization normalizes axes {axis}..{rank - 1}, not the last axis only",
-                                   node)
+                return result.fail(f"RMSNormalization normalizes axes {axis}..{rank - 1}, not the last axis only", node)
             stash = node.attributes.get_int("stash_type", ir.DataType.FLOAT.value)
             if stash != x.dtype.value:
                 return result.fail(f"stash_type {ir.DataType(stash)} differs from x's dtype {x.dtype}", node)
@@ -137,8 +136,9 @@ class RmsNormToElementwise(pattern.RewriteRuleClassBase):
             if value.dtype.kind != "f":
                 return result.fail(f"scale has dtype {value.dtype}, not a float type", scale)
             if value.size not in (1, dim) or any(d != 1 for d in value.shape[:-1]):
-                return result.fail(f"scale of shape {list(value.shape)} does not broadcast over the last axis "
-                                   f"({dim}) only", scale)
+                return result.fail(
+                    f"scale of shape {list(value.shape)} does not broadcast over the last axis ({dim}) only", scale
+                )
             self._scale = value
         return result
 
@@ -165,8 +165,11 @@ class RmsNormToElementwise(pattern.RewriteRuleClassBase):
         h = op.Reshape(x, op.Constant(value=ir.tensor(np.array([0, -1, dim], dtype=np.int64)))) if reshaped else x
         square = op.Mul(h, h)
         axes = ir.tensor(np.array([-1], dtype=np.int64))
-        mean = (op.ReduceMean(square, op.Constant(value=axes), keepdims=1) if self._opset >= 18
-                else op.ReduceMean(square, axes=[-1], keepdims=1))
+        mean = (
+            op.ReduceMean(square, op.Constant(value=axes), keepdims=1)
+            if self._opset >= 18
+            else op.ReduceMean(square, axes=[-1], keepdims=1)
+        )
         eps = op.Constant(value=ir.tensor(np.array(self._eps, dtype=x.dtype.numpy())))
         y = op.Mul(h, op.Reciprocal(op.Sqrt(op.Add(mean, eps))))
         if self._scale is not None:
@@ -174,16 +177,17 @@ class RmsNormToElementwise(pattern.RewriteRuleClassBase):
                 scale_value = scale  # already a [D] (or scalar) constant: keep the original weight
             else:
                 self._folded += 1  # a fresh name: the rewriter skips an initializer whose name exists
-                scale_value = op.initializer(ir.tensor(self._scale.reshape(-1)),
-                                             name=f"{scale.name}.rms_scale.{self._folded}")
+                scale_value = op.initializer(
+                    ir.tensor(self._scale.reshape(-1)), name=f"{scale.name}.rms_scale.{self._folded}"
+                )
             y = op.Mul(y, scale_value)
         if reshaped:
             static = all(isinstance(d, int) for d in x.shape)
-            shape = (op.Constant(value=ir.tensor(np.array(list(x.shape), dtype=np.int64))) if static
-                     else op.Shape(x))
+            shape = op.Constant(value=ir.tensor(np.array(list(x.shape), dtype=np.int64))) if static else op.Shape(x)
             y = op.Reshape(y, shape)
         y.producer().metadata_props[TAG] = json.dumps(
-            {"rule": self.name, "eps": self._eps, "rank": rank, "reshaped": reshaped})
+            {"rule": self.name, "eps": self._eps, "rank": rank, "reshaped": reshaped}
+        )
         return y
 
     def setup(self):
@@ -191,8 +195,10 @@ class RmsNormToElementwise(pattern.RewriteRuleClassBase):
 
 
 def _rules(scaled: bool) -> list[pattern.RewriteRule]:
-    rules = [RmsNormToElementwise.rule(f"RmsNorm{form.title().replace('_', '')}{'Scaled' if scaled else ''}",
-                                       form, scaled) for form in FORMS]
+    rules = [
+        RmsNormToElementwise.rule(f"RmsNorm{form.title().replace('_', '')}{'Scaled' if scaled else ''}", form, scaled)
+        for form in FORMS
+    ]
     if scaled:
         rules.insert(0, RmsNormToElementwise.rule("RmsNormOp", "op", True))
     return rules

@@ -47,19 +47,59 @@ package's, whatever the transport.
 from .admission import Admission, KvBudget, KvReservation
 from .app import VerifierServer
 from .channels import Channel, Connection, bearer_token
-from .errors import (AlreadyOpen, AuthRateLimited, AuthRefused, AuthRequired, BadSessionId, FrameTimeout,
-                     HandshakeTimeout, IdleTimeout, KeepSetMissing, KvBudgetExhausted, NotOpened, ServerError,
-                     ShuttingDown, TooManySessions, UnexpectedMessage)
+from .errors import (
+    AlreadyOpen,
+    AuthRateLimited,
+    AuthRefused,
+    AuthRequired,
+    BadSessionId,
+    FrameTimeout,
+    HandshakeTimeout,
+    IdleTimeout,
+    KeepSetMissing,
+    KvBudgetExhausted,
+    NotOpened,
+    ServerError,
+    ShuttingDown,
+    TooManySessions,
+    UnexpectedMessage,
+)
 from .limits import REFUSAL_KINDS, ServerLimits, open_frame_bytes
 from .metrics import METRICS_CONTENT_TYPE, ServerMetrics
 from .running import ServerThread, serve
 from .worker import BATCHING_MODES, DEFAULT_MAX_BATCH_ROWS, DEFAULT_MAX_BATCH_WAIT_MS
 
 __all__ = [
-    "VerifierServer", "ServerThread", "serve", "ServerLimits", "REFUSAL_KINDS", "open_frame_bytes", "Connection",
-    "Channel", "bearer_token", "METRICS_CONTENT_TYPE", "ServerMetrics", "Admission", "KvBudget", "KvReservation",
-    "BATCHING_MODES", "DEFAULT_MAX_BATCH_ROWS", "DEFAULT_MAX_BATCH_WAIT_MS", "ServerError", "AuthRequired",
-    "AuthRefused", "AuthRateLimited", "NotOpened", "AlreadyOpen", "UnexpectedMessage", "BadSessionId",
-    "KeepSetMissing", "TooManySessions", "KvBudgetExhausted", "IdleTimeout", "HandshakeTimeout", "FrameTimeout",
+    "VerifierServer",
+    "ServerThread",
+    "serve",
+    "ServerLimits",
+    "REFUSAL_KINDS",
+    "open_frame_bytes",
+    "Connection",
+    "Channel",
+    "bearer_token",
+    "METRICS_CONTENT_TYPE",
+    "ServerMetrics",
+    "Admission",
+    "KvBudget",
+    "KvReservation",
+    "BATCHING_MODES",
+    "DEFAULT_MAX_BATCH_ROWS",
+    "DEFAULT_MAX_BATCH_WAIT_MS",
+    "ServerError",
+    "AuthRequired",
+    "AuthRefused",
+    "AuthRateLimited",
+    "NotOpened",
+    "AlreadyOpen",
+    "UnexpectedMessage",
+    "BadSessionId",
+    "KeepSetMissing",
+    "TooManySessions",
+    "KvBudgetExhausted",
+    "IdleTimeout",
+    "HandshakeTimeout",
+    "FrameTimeout",
     "ShuttingDown",
 ]

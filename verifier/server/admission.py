@@ -21,7 +21,7 @@ import asyncio
 import math
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from .errors import AuthRateLimited, KvBudgetExhausted, TooManySessions
 from .limits import ServerLimits
@@ -31,7 +31,7 @@ class KvReservation:
     """One session's share of the `KvBudget`: ``nbytes`` reserved now. `grow` adds to it (refused like an OPEN when
     the budget has no room), `shrink` gives part back, `release` returns all of it (idempotent)."""
 
-    def __init__(self, budget: "KvBudget", nbytes: int):
+    def __init__(self, budget: KvBudget, nbytes: int):
         self._budget = budget
         self.nbytes = int(nbytes)
 
@@ -71,8 +71,10 @@ class KvBudget:
     def _take(self, nbytes: int, request: str) -> None:
         if self.reserved + nbytes > self.capacity:
             self._refused("max_kv_bytes")
-            raise KvBudgetExhausted(f"{request}, {self.reserved} of max_kv_bytes = {self.capacity} are reserved; "
-                                    f"retry after {self.retry_after_s:g} s, or ask for fewer max_new_tokens")
+            raise KvBudgetExhausted(
+                f"{request}, {self.reserved} of max_kv_bytes = {self.capacity} are reserved; "
+                f"retry after {self.retry_after_s:g} s, or ask for fewer max_new_tokens"
+            )
         self.reserved += nbytes
 
     def reserve(self, nbytes: int, positions: int) -> KvReservation:
@@ -85,7 +87,7 @@ class KvBudget:
 class SessionSlot:
     """One held ``max_sessions`` slot; `release` returns it (idempotent)."""
 
-    def __init__(self, slots: "SessionSlots"):
+    def __init__(self, slots: SessionSlots):
         self._slots, self.held = slots, True
 
     def release(self) -> None:
@@ -107,8 +109,9 @@ class SessionSlots:
         """A slot for a new session. Raises TooManySessions (counted as max_sessions) when all are taken."""
         if self.in_use >= self.capacity:
             self._refused("max_sessions")
-            raise TooManySessions(f"{self.in_use} sessions are open, max_sessions = {self.capacity}; retry after "
-                                  f"{self.retry_after_s:g} s")
+            raise TooManySessions(
+                f"{self.in_use} sessions are open, max_sessions = {self.capacity}; retry after {self.retry_after_s:g} s"
+            )
         self.in_use += 1
         return SessionSlot(self)
 
@@ -119,10 +122,10 @@ class Link:
     def __init__(self, transport: asyncio.Transport):
         self.transport = transport
         self.connected = time.monotonic()
-        self.opened = False                      # an OPEN frame arrived: the handshake timeout no longer applies
-        self.upgraded = False                    # a WebSocket: bytes arriving now belong to a frame
-        self.frame_since: float | None = None    # when the bytes of a frame not yet delivered began to arrive
-        self.ws = None                           # the aiohttp WebSocketResponse once upgraded
+        self.opened = False  # an OPEN frame arrived: the handshake timeout no longer applies
+        self.upgraded = False  # a WebSocket: bytes arriving now belong to a frame
+        self.frame_since: float | None = None  # when the bytes of a frame not yet delivered began to arrive
+        self.ws = None  # the aiohttp WebSocketResponse once upgraded
         self.kicked = False
 
 
@@ -186,8 +189,10 @@ class AuthFailures:
         """Raise AuthRateLimited (counted) when ``peer`` is over the limit, before any token is compared."""
         wait = self.refuse_if_limited(peer)
         if wait > 0:
-            raise AuthRateLimited(f"{self.per_minute} refused auth attempts from this address within a minute; "
-                                  f"retry after {math.ceil(wait)} s")
+            raise AuthRateLimited(
+                f"{self.per_minute} refused auth attempts from this address within a minute; "
+                f"retry after {math.ceil(wait)} s"
+            )
 
     def record(self, peer: str) -> None:
         """One refused auth attempt by ``peer``."""

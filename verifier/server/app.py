@@ -51,12 +51,22 @@ class VerifierServer:
     from other threads between requests.
     """
 
-    def __init__(self, engine: VerifierEngine, *, tree_rows: int, auth_token: str | None = None,
-                 max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES, model_name: str = "verifier",
-                 limits: ServerLimits = ServerLimits(), batching: str = "batched",
-                 max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS, max_batch_wait_ms: float = DEFAULT_MAX_BATCH_WAIT_MS,
-                 tree_budget: str = "fixed", row_cost: RowCost | None = None,
-                 min_rows_per_session: int = DEFAULT_MIN_ROWS):
+    def __init__(
+        self,
+        engine: VerifierEngine,
+        *,
+        tree_rows: int,
+        auth_token: str | None = None,
+        max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+        model_name: str = "verifier",
+        limits: ServerLimits = ServerLimits(),
+        batching: str = "batched",
+        max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
+        max_batch_wait_ms: float = DEFAULT_MAX_BATCH_WAIT_MS,
+        tree_budget: str = "fixed",
+        row_cost: RowCost | None = None,
+        min_rows_per_session: int = DEFAULT_MIN_ROWS,
+    ):
         if not 1 <= tree_rows <= wire.MAX_TREE_ROWS:
             raise ValueError(f"tree_rows = {tree_rows}: must lie in [1, {wire.MAX_TREE_ROWS}] (B + 1)")
         if auth_token is not None and not auth_token:
@@ -66,8 +76,10 @@ class VerifierServer:
         if tree_budget not in TREE_BUDGETS:
             raise ValueError(f"tree_budget = {tree_budget!r}: must be one of {TREE_BUDGETS}")
         if tree_budget == "auto" and batching != "batched":
-            raise ValueError(f"tree_budget = 'auto' allocates rows across a batched forward: it needs batching = "
-                             f"'batched', not {batching!r}")
+            raise ValueError(
+                f"tree_budget = 'auto' allocates rows across a batched forward: it needs batching = "
+                f"'batched', not {batching!r}"
+            )
         if not (isinstance(min_rows_per_session, int) and min_rows_per_session >= 1):
             raise ValueError(f"min_rows_per_session = {min_rows_per_session!r}: must be an integer >= 1")
         if not (isinstance(max_batch_rows, int) and max_batch_rows >= 1):
@@ -75,8 +87,9 @@ class VerifierServer:
         if not (isinstance(max_batch_wait_ms, (int, float)) and 0 <= max_batch_wait_ms <= 10_000):
             raise ValueError(f"max_batch_wait_ms = {max_batch_wait_ms!r}: must lie in [0, 10000] ms")
         if max_frame_bytes < wire.HEADER.size:
-            raise ValueError(f"max_frame_bytes = {max_frame_bytes}: must hold at least the "
-                             f"{wire.HEADER.size}-byte header")
+            raise ValueError(
+                f"max_frame_bytes = {max_frame_bytes}: must hold at least the {wire.HEADER.size}-byte header"
+            )
         self.engine = engine
         self.tree_rows = int(tree_rows)
         self.auth_token = auth_token
@@ -92,12 +105,25 @@ class VerifierServer:
         self.metrics = ServerMetrics(live_sessions=lambda: len(self.sessions))
         self.admission = Admission(limits, self.metrics.refused)
         self.metrics.admission = self.admission
-        self.worker = EngineWorker(engine, batching=batching, max_batch_rows=self.max_batch_rows,
-                                   max_batch_wait_ms=self.max_batch_wait_ms,
-                                   open_sessions=lambda: len(self.sessions), on_step=self.metrics.observe_step,
-                                   row_budget=self.row_budget() if row_cost is not None else None)
-        self.loop = SessionLoop(engine, self.worker, self.admission, self.metrics, limits, tree_rows=self.tree_rows,
-                                auth_token=auth_token, max_frame_bytes=self.max_frame_bytes)
+        self.worker = EngineWorker(
+            engine,
+            batching=batching,
+            max_batch_rows=self.max_batch_rows,
+            max_batch_wait_ms=self.max_batch_wait_ms,
+            open_sessions=lambda: len(self.sessions),
+            on_step=self.metrics.observe_step,
+            row_budget=self.row_budget() if row_cost is not None else None,
+        )
+        self.loop = SessionLoop(
+            engine,
+            self.worker,
+            self.admission,
+            self.metrics,
+            limits,
+            tree_rows=self.tree_rows,
+            auth_token=auth_token,
+            max_frame_bytes=self.max_frame_bytes,
+        )
         #: Live sessions by id (each holds a KV cache until its connection ends).
         self.sessions: dict[int, Session] = self.loop.sessions
         #: Largest incoming frame: an OPEN with the longest prompt and auth token (ROUND and CLOSE are smaller).
@@ -128,8 +154,13 @@ class VerifierServer:
             if self.row_cost is None:
                 sessions, rows = row_cost_plan(self.tree_rows, self.max_batch_rows, self.engine.max_context)
                 self.row_cost = await self.worker.run(
-                    lambda: measure_row_cost(self.engine, sessions=sessions, rows_per_tree=rows,
-                                             context=min(64, self.engine.max_context - rows[-1] - 1)))
+                    lambda: measure_row_cost(
+                        self.engine,
+                        sessions=sessions,
+                        rows_per_tree=rows,
+                        context=min(64, self.engine.max_context - rows[-1] - 1),
+                    )
+                )
             self.worker.set_row_budget(self.row_budget())
 
     def row_budget(self) -> RowBudget | None:
@@ -190,8 +221,10 @@ class VerifierServer:
         (closing with them unread would reset the connection before the client reads the answer)."""
         retry = math.ceil(self.limits.retry_after_s)
         body = (f"max_connections = {self.limits.max_connections} reached; retry after {retry} s\n").encode()
-        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: %d\r\nContent-Type: text/plain\r\n"
-                        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (retry, len(body), body))
+        transport.write(
+            b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: %d\r\nContent-Type: text/plain\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (retry, len(body), body)
+        )
         asyncio.get_running_loop().call_later(1.0, transport.close)
 
     async def _sweep(self) -> None:
@@ -219,7 +252,7 @@ class VerifierServer:
             try:
                 if link.ws is not None and not link.ws.closed:
                     await asyncio.wait_for(link.ws.send_bytes(frame), 1.0)
-            except (ConnectionError, asyncio.TimeoutError, RuntimeError):
+            except (TimeoutError, ConnectionError, RuntimeError):
                 pass
             finally:
                 link.transport.close()
@@ -244,9 +277,13 @@ class VerifierServer:
             "vocab_size": eng.vocab_size,
             "max_frame_bytes": self.max_frame_bytes,
             "auth": self.auth_token is not None,
-            "batching": {"mode": self.batching, "max_batch_rows": self.max_batch_rows,
-                         "max_batch_wait_ms": self.max_batch_wait_ms, "tree_budget": self.tree_budget,
-                         **self._budget_health()},
+            "batching": {
+                "mode": self.batching,
+                "max_batch_rows": self.max_batch_rows,
+                "max_batch_wait_ms": self.max_batch_wait_ms,
+                "tree_budget": self.tree_budget,
+                **self._budget_health(),
+            },
             "limits": self.limits.as_dict(),
         }
 
@@ -254,15 +291,19 @@ class VerifierServer:
         budget = self.row_budget()
         if budget is None:
             return {}
-        return {"min_rows_per_session": budget.min_rows, "free_rows": budget.free_rows,
-                "row_cost": {"points": [list(p) for p in budget.cost.points], "source": budget.cost.source}}
+        return {
+            "min_rows_per_session": budget.min_rows,
+            "free_rows": budget.free_rows,
+            "row_cost": {"points": [list(p) for p in budget.cost.points], "source": budget.cost.source},
+        }
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response(self.health())
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.exposition().encode("utf-8"),
-                            headers={"Content-Type": METRICS_CONTENT_TYPE})
+        return web.Response(
+            body=self.metrics.exposition().encode("utf-8"), headers={"Content-Type": METRICS_CONTENT_TYPE}
+        )
 
     # ----------------------------------------------------------------------------------------- WebSocket
 
@@ -270,8 +311,11 @@ class VerifierServer:
         peer = request.remote or ""
         wait = self.admission.auth.refuse_if_limited(peer) if self.auth_token is not None else 0.0
         if wait > 0:
-            return web.Response(status=429, headers={"Retry-After": str(math.ceil(wait))},
-                                text=f"too many refused auth attempts from {peer}; retry after {math.ceil(wait)} s\n")
+            return web.Response(
+                status=429,
+                headers={"Retry-After": str(math.ceil(wait))},
+                text=f"too many refused auth attempts from {peer}; retry after {math.ceil(wait)} s\n",
+            )
         # autoping off: the channel's reader answers pings, so it also sees every frame that arrives (which ends
         # the frame timeout's watch) and keeps doing both while the engine works (channels module "Keepalive").
         ws = web.WebSocketResponse(max_msg_size=2 * self.in_frame_bytes, compress=False, autoping=False)

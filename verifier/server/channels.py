@@ -153,7 +153,7 @@ class GuardedProtocol(asyncio.Protocol):
     ``max_connections`` gets HTTP 503 with Retry-After and never reaches aiohttp; the others are tracked as a
     `Link` for the handshake and frame timeouts (the server's sweeper closes them)."""
 
-    def __init__(self, server: "VerifierServer", handler: asyncio.Protocol):
+    def __init__(self, server: VerifierServer, handler: asyncio.Protocol):
         self.server, self.handler, self.link = server, handler, None
         self.transport, self.answered = None, False
 
@@ -164,7 +164,7 @@ class GuardedProtocol(asyncio.Protocol):
             self.handler.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        if self.link is None:              # refused: answer 503 once, discard the rest
+        if self.link is None:  # refused: answer 503 once, discard the rest
             if not self.answered:
                 self.answered = True
                 self.server.answer_busy(self.transport)
@@ -193,7 +193,7 @@ class GuardedProtocol(asyncio.Protocol):
 class GuardedRunner(web.AppRunner):
     """An AppRunner whose sites accept connections through `GuardedProtocol`."""
 
-    def __init__(self, app: web.Application, server: "VerifierServer", **kwargs):
+    def __init__(self, app: web.Application, server: VerifierServer, **kwargs):
         super().__init__(app, **kwargs)
         self._guard = server
 

@@ -48,11 +48,13 @@ class ServerLimits:
         for f in fields(self):
             value = getattr(self, f.name)
             if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-                raise ValueError(f"ServerLimits.{f.name} = {value!r}: must be a finite number > 0 "
-                                 "(recipe [verifier] key of the same name)")
+                raise ValueError(
+                    f"ServerLimits.{f.name} = {value!r}: must be a finite number > 0 "
+                    "(recipe [verifier] key of the same name)"
+                )
 
     @classmethod
-    def from_recipe(cls, verifier) -> "ServerLimits":
+    def from_recipe(cls, verifier) -> ServerLimits:
         """The limits of a recipe's ``[verifier]`` section (`hycoc.recipe.Verifier`)."""
         return cls(**{f.name: getattr(verifier, f.name) for f in fields(cls)})
 
@@ -62,8 +64,15 @@ class ServerLimits:
 
 
 #: Refusal kinds counted in hycoc_refusals_total (the names of the limits); every one is exposed from the start.
-REFUSAL_KINDS = ("handshake_timeout", "frame_timeout", "idle_timeout", "max_connections", "max_sessions",
-                 "max_kv_bytes", "auth_failures_per_minute")
+REFUSAL_KINDS = (
+    "handshake_timeout",
+    "frame_timeout",
+    "idle_timeout",
+    "max_connections",
+    "max_sessions",
+    "max_kv_bytes",
+    "auth_failures_per_minute",
+)
 
 
 def open_frame_bytes(max_context: int) -> int:

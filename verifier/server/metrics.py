@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -81,21 +81,36 @@ class ServerMetrics:
         self.admission = admission
         self._live_sessions = live_sessions
         # Unregistered: `_Collector` publishes them (without their _created samples) in this server's registry.
-        self.batch_rows = Histogram("hycoc_batch_rows", "tree rows per verification forward (all its sessions' "
-                                    "rows, cloud-mtp chains included)", buckets=ROWS_BUCKETS, registry=None)
-        self.batch_sessions = Histogram("hycoc_batch_sessions", "sessions per verification forward",
-                                        buckets=SESSIONS_BUCKETS, registry=None)
-        self.rows_kept = Histogram("hycoc_rows_kept_per_session", "tree rows verified per session and batched "
-                                   "forward (after the row budget, when one is on)", buckets=KEPT_BUCKETS,
-                                   registry=None)
-        self.expected_tokens = Histogram("hycoc_expected_tokens_per_forward", "expected committed tokens of a "
-                                         "budgeted forward's kept rows (sessions + sum of exp(tree score))",
-                                         buckets=EXPECTED_BUCKETS, registry=None)
+        self.batch_rows = Histogram(
+            "hycoc_batch_rows",
+            "tree rows per verification forward (all its sessions' rows, cloud-mtp chains included)",
+            buckets=ROWS_BUCKETS,
+            registry=None,
+        )
+        self.batch_sessions = Histogram(
+            "hycoc_batch_sessions", "sessions per verification forward", buckets=SESSIONS_BUCKETS, registry=None
+        )
+        self.rows_kept = Histogram(
+            "hycoc_rows_kept_per_session",
+            "tree rows verified per session and batched forward (after the row budget, when one is on)",
+            buckets=KEPT_BUCKETS,
+            registry=None,
+        )
+        self.expected_tokens = Histogram(
+            "hycoc_expected_tokens_per_forward",
+            "expected committed tokens of a budgeted forward's kept rows (sessions + sum of exp(tree score))",
+            buckets=EXPECTED_BUCKETS,
+            registry=None,
+        )
         self.rows_trimmed = 0
-        self.appends: Counter = Counter()              # APPEND kind -> count
+        self.appends: Counter = Counter()  # APPEND kind -> count
         self.append_reprefilled = 0
-        self.queue_wait = Histogram("hycoc_queue_wait_seconds", "seconds from a round's arrival to the start of "
-                                    "its forward's step", buckets=WAIT_BUCKETS, registry=None)
+        self.queue_wait = Histogram(
+            "hycoc_queue_wait_seconds",
+            "seconds from a round's arrival to the start of its forward's step",
+            buckets=WAIT_BUCKETS,
+            registry=None,
+        )
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 
@@ -164,45 +179,73 @@ class _Collector(Collector):
         m = self.m
         mat = m.tokens_committed / m.rounds if m.rounds else math.nan
         g = (m.server_ms + m.prefill_ms) / m.tokens_committed if m.tokens_committed else math.nan
-        yield CounterMetricFamily("hycoc_rounds_total", "rounds verified (one tree forward each; retries not "
-                                  "counted)", value=m.rounds)
-        yield CounterMetricFamily("hycoc_retries_total", "rounds answered again from the last reply (idempotent "
-                                  "retry)", value=m.retries)
-        yield GaugeMetricFamily("hycoc_sessions_active", "sessions open now (each holds a KV cache)",
-                                value=m.sessions_active)
-        yield CounterMetricFamily("hycoc_sessions_total", "sessions opened (prefill done, OPENED sent)",
-                                  value=m.sessions_total)
-        yield CounterMetricFamily("hycoc_tokens_committed_total", "output tokens committed, accepted path plus "
-                                  "bonus", value=m.tokens_committed)
-        yield GaugeMetricFamily("hycoc_mat", "mean tokens committed per round, bonus included (NaN before the "
-                                "first round)", value=mat)
+        yield CounterMetricFamily(
+            "hycoc_rounds_total", "rounds verified (one tree forward each; retries not counted)", value=m.rounds
+        )
+        yield CounterMetricFamily(
+            "hycoc_retries_total", "rounds answered again from the last reply (idempotent retry)", value=m.retries
+        )
+        yield GaugeMetricFamily(
+            "hycoc_sessions_active", "sessions open now (each holds a KV cache)", value=m.sessions_active
+        )
+        yield CounterMetricFamily(
+            "hycoc_sessions_total", "sessions opened (prefill done, OPENED sent)", value=m.sessions_total
+        )
+        yield CounterMetricFamily(
+            "hycoc_tokens_committed_total",
+            "output tokens committed, accepted path plus bonus",
+            value=m.tokens_committed,
+        )
+        yield GaugeMetricFamily(
+            "hycoc_mat", "mean tokens committed per round, bonus included (NaN before the first round)", value=mat
+        )
         yield CounterMetricFamily("hycoc_server_ms_total", "verifier milliseconds spent in rounds", value=m.server_ms)
-        yield CounterMetricFamily("hycoc_prefill_ms_total", "verifier milliseconds spent in prefills",
-                                  value=m.prefill_ms)
-        yield GaugeMetricFamily("hycoc_g_ms_per_token", "verifier milliseconds per committed token, prefill "
-                                "included (NaN before the first token)", value=g)
+        yield CounterMetricFamily(
+            "hycoc_prefill_ms_total", "verifier milliseconds spent in prefills", value=m.prefill_ms
+        )
+        yield GaugeMetricFamily(
+            "hycoc_g_ms_per_token",
+            "verifier milliseconds per committed token, prefill included (NaN before the first token)",
+            value=g,
+        )
         errors = CounterMetricFamily("hycoc_errors_total", "ERROR frames sent, by code", labels=["kind"])
         for kind, n in sorted(m.errors.items()):
             errors.add_metric([kind], n)
         yield errors
-        refusals = CounterMetricFamily("hycoc_refusals_total", "connections, sessions or frames refused by a "
-                                       "server limit, by limit", labels=["kind"])
+        refusals = CounterMetricFamily(
+            "hycoc_refusals_total",
+            "connections, sessions or frames refused by a server limit, by limit",
+            labels=["kind"],
+        )
         for kind in REFUSAL_KINDS:
             refusals.add_metric([kind], m.refusals[kind])
         yield refusals
-        yield GaugeMetricFamily("hycoc_connections_active", "TCP connections open now (HTTP and WebSocket)",
-                                value=m.connections_active)
-        yield GaugeMetricFamily("hycoc_kv_bytes_reserved", "KV bytes reserved by the open sessions (max_kv_bytes "
-                                "budget)", value=m.kv_bytes_reserved)
-        appends = CounterMetricFamily("hycoc_appends_total", "APPENDs by how the conversation's KV rolled back "
-                                      "(crop, snapshot, full re-prefill)", labels=["kind"])
+        yield GaugeMetricFamily(
+            "hycoc_connections_active", "TCP connections open now (HTTP and WebSocket)", value=m.connections_active
+        )
+        yield GaugeMetricFamily(
+            "hycoc_kv_bytes_reserved",
+            "KV bytes reserved by the open sessions (max_kv_bytes budget)",
+            value=m.kv_bytes_reserved,
+        )
+        appends = CounterMetricFamily(
+            "hycoc_appends_total",
+            "APPENDs by how the conversation's KV rolled back (crop, snapshot, full re-prefill)",
+            labels=["kind"],
+        )
         for kind in APPEND_KINDS:
             appends.add_metric([kind], m.appends[kind])
         yield appends
-        yield CounterMetricFamily("hycoc_append_reprefilled_tokens_total", "positions APPENDs prefilled again "
-                                  "that the session held already", value=m.append_reprefilled)
-        yield CounterMetricFamily("hycoc_rows_trimmed_total", "tree rows a row budget left out of batched "
-                                  "forwards (verifier.tree_budget = auto)", value=m.rows_trimmed)
+        yield CounterMetricFamily(
+            "hycoc_append_reprefilled_tokens_total",
+            "positions APPENDs prefilled again that the session held already",
+            value=m.append_reprefilled,
+        )
+        yield CounterMetricFamily(
+            "hycoc_rows_trimmed_total",
+            "tree rows a row budget left out of batched forwards (verifier.tree_budget = auto)",
+            value=m.rows_trimmed,
+        )
         for hist in (m.batch_rows, m.batch_sessions, m.queue_wait, m.rows_kept, m.expected_tokens):
             for family in hist.collect():
                 family.samples = [s for s in family.samples if not s.name.endswith("_created")]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from hycoc.protocol import wire
 
@@ -15,19 +15,40 @@ from .app import VerifierServer
 from .limits import ServerLimits
 from .worker import DEFAULT_MAX_BATCH_ROWS, DEFAULT_MAX_BATCH_WAIT_MS
 
-def serve(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 8765, *, auth_token: str | None = None,
-          tree_rows: int, max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES, model_name: str = "verifier",
-          limits: ServerLimits = ServerLimits(), on_listening: Callable[[str], None] | None = None,
-          batching: str = "batched", max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
-          max_batch_wait_ms: float = DEFAULT_MAX_BATCH_WAIT_MS, **budget) -> None:
+
+def serve(
+    engine: VerifierEngine,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    *,
+    auth_token: str | None = None,
+    tree_rows: int,
+    max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+    model_name: str = "verifier",
+    limits: ServerLimits = ServerLimits(),
+    on_listening: Callable[[str], None] | None = None,
+    batching: str = "batched",
+    max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
+    max_batch_wait_ms: float = DEFAULT_MAX_BATCH_WAIT_MS,
+    **budget,
+) -> None:
     """Run the server until SIGINT or SIGTERM (blocking). ``on_listening(url)`` is called once the port is bound.
     The other keywords are `VerifierServer`'s.
 
     port 0 picks a free port (the URL names it). Raises OSError when the address cannot be bound.
     """
-    server = VerifierServer(engine, tree_rows=tree_rows, auth_token=auth_token, max_frame_bytes=max_frame_bytes,
-                            model_name=model_name, limits=limits, batching=batching, max_batch_rows=max_batch_rows,
-                            max_batch_wait_ms=max_batch_wait_ms, **budget)
+    server = VerifierServer(
+        engine,
+        tree_rows=tree_rows,
+        auth_token=auth_token,
+        max_frame_bytes=max_frame_bytes,
+        model_name=model_name,
+        limits=limits,
+        batching=batching,
+        max_batch_rows=max_batch_rows,
+        max_batch_wait_ms=max_batch_wait_ms,
+        **budget,
+    )
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -69,7 +90,7 @@ class ServerThread:
     def http_url(self) -> str:
         return "http" + self.url.removeprefix("ws")
 
-    def start(self) -> "ServerThread":
+    def start(self) -> ServerThread:
         """Start listening; returns once the port is bound (raises what binding raised)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="hycoc-verify-server", daemon=True)
@@ -101,9 +122,8 @@ class ServerThread:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout_s)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
-

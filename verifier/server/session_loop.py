@@ -37,7 +37,6 @@ freed right after (the free is queued on the same worker, so it runs after the r
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import time
@@ -51,15 +50,26 @@ from hycoc.protocol.messages import AppendTurn, Close, DraftTree, Opened, OpenRe
 from ..engine import Session, VerifierEngine
 from .admission import Admission
 from .channels import Channel, Connection
-from .errors import (CLOSING_ERRORS, AlreadyOpen, AuthRefused, AuthRequired, BadSessionId, FrameTimeout,
-                     HandshakeTimeout, IdleTimeout, KeepSetMissing, NotOpened, ServerError, ShuttingDown,
-                     UnexpectedMessage)
+from .errors import (
+    CLOSING_ERRORS,
+    AlreadyOpen,
+    AuthRefused,
+    AuthRequired,
+    BadSessionId,
+    FrameTimeout,
+    HandshakeTimeout,
+    IdleTimeout,
+    KeepSetMissing,
+    NotOpened,
+    ServerError,
+    ShuttingDown,
+    UnexpectedMessage,
+)
 from .limits import ServerLimits, open_frame_bytes
 from .metrics import ServerMetrics
 from .worker import EngineWorker
 
 log = logging.getLogger("hycoc.verifier.server")
-
 
 
 def _stop_ids(engine) -> tuple[int, ...]:
@@ -68,6 +78,7 @@ def _stop_ids(engine) -> tuple[int, ...]:
     if fmt is not None:
         return tuple(fmt.stop_ids)
     return tuple(sorted(engine.eos_token_ids)) or (1,)
+
 
 class SessionLoop:
     """The wire protocol's per-connection logic (module docstring) over one engine.
@@ -78,8 +89,18 @@ class SessionLoop:
     by `open_frame_bytes` as well. ``sessions``: live sessions by id.
     """
 
-    def __init__(self, engine: VerifierEngine, worker: EngineWorker, admission: Admission, metrics: ServerMetrics,
-                 limits: ServerLimits, *, tree_rows: int, auth_token: str | None, max_frame_bytes: int):
+    def __init__(
+        self,
+        engine: VerifierEngine,
+        worker: EngineWorker,
+        admission: Admission,
+        metrics: ServerMetrics,
+        limits: ServerLimits,
+        *,
+        tree_rows: int,
+        auth_token: str | None,
+        max_frame_bytes: int,
+    ):
         self.engine, self.worker, self.admission, self.metrics = engine, worker, admission, metrics
         self.limits = limits
         self.tree_rows = tree_rows
@@ -91,8 +112,9 @@ class SessionLoop:
         self.in_frame_bytes = min(max_frame_bytes, open_frame_bytes(engine.max_context))
         # Before OPEN only the frame itself is checked; the OPEN's fields are checked after its auth token.
         self._bare_limits = wire.Limits(max_frame_bytes=self.in_frame_bytes)
-        self._open_limits = wire.Limits(max_frame_bytes=self.in_frame_bytes, vocab_size=engine.vocab_size,
-                                        max_context=engine.max_context)
+        self._open_limits = wire.Limits(
+            max_frame_bytes=self.in_frame_bytes, vocab_size=engine.vocab_size, max_context=engine.max_context
+        )
 
     # ----------------------------------------------------------------------------------------- the loop
 
@@ -114,7 +136,7 @@ class SessionLoop:
                     kind, timeout = None, None
                 try:
                     msg = await channel.receive(timeout)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     frame = self.time_out(conn, kind)
                     try:
                         await channel.send(frame)
@@ -125,8 +147,13 @@ class SessionLoop:
                 if msg is None:
                     return
                 if isinstance(msg, str):
-                    reply, keep_open = self.error_frame(UnexpectedMessage(
-                        "a text WebSocket message: the wire protocol uses binary frames only"), conn.wire_version), True
+                    reply, keep_open = (
+                        self.error_frame(
+                            UnexpectedMessage("a text WebSocket message: the wire protocol uses binary frames only"),
+                            conn.wire_version,
+                        ),
+                        True,
+                    )
                 else:
                     reply, keep_open = await self.frame(conn, msg)
                 if reply is not None:
@@ -146,12 +173,14 @@ class SessionLoop:
         after the server began to stop (ERROR shutting_down) close."""
         try:
             if self.worker.stopping:
-                raise ShuttingDown("the verifier is shutting down: this frame did not reach the engine; open a new "
-                                   "session on another verifier (or this one once it is back)")
+                raise ShuttingDown(
+                    "the verifier is shutting down: this frame did not reach the engine; open a new "
+                    "session on another verifier (or this one once it is back)"
+                )
             if conn.session is None:
                 msg = wire.decode(data, self._bare_limits)
                 if isinstance(msg, OpenRequest):
-                    conn.wire_version = wire.frame_version(data)   # the session speaks its OPEN's version
+                    conn.wire_version = wire.frame_version(data)  # the session speaks its OPEN's version
                     return await self._open(conn, msg), True
                 if isinstance(msg, Close):
                     return None, False
@@ -163,22 +192,28 @@ class SessionLoop:
                 if version != conn.wire_version:
                     raise wire.UnsupportedVersion(
                         f"frame speaks protocol version {version}: this session opened with version "
-                        f"{conn.wire_version}, and every frame of a session speaks its OPEN's version")
+                        f"{conn.wire_version}, and every frame of a session speaks its OPEN's version"
+                    )
                 msg = wire.decode(data, conn.limits)
                 if isinstance(msg, DraftTree):
                     return await self._round(conn, msg, bytes(data)), True
                 if isinstance(msg, Close):
                     if msg.session_id not in (0, conn.session_id):
-                        raise BadSessionId(f"CLOSE names session {msg.session_id}; this connection holds session "
-                                           f"{conn.session_id} (or send 0)")
+                        raise BadSessionId(
+                            f"CLOSE names session {msg.session_id}; this connection holds session "
+                            f"{conn.session_id} (or send 0)"
+                        )
                     return None, False
                 if isinstance(msg, AppendTurn):
                     return await self._append(conn, msg), True
                 if isinstance(msg, OpenRequest):
-                    raise AlreadyOpen(f"this connection already holds session {conn.session_id}: one session per "
-                                      "connection; CLOSE it or open another connection")
-            raise UnexpectedMessage(f"{type(msg).__name__} frames go from the verifier to the device; "
-                                    "send OPEN, ROUND or CLOSE")
+                    raise AlreadyOpen(
+                        f"this connection already holds session {conn.session_id}: one session per "
+                        "connection; CLOSE it or open another connection"
+                    )
+            raise UnexpectedMessage(
+                f"{type(msg).__name__} frames go from the verifier to the device; send OPEN, ROUND or CLOSE"
+            )
         except CLOSING_ERRORS as e:
             return self.error_frame(e, self.answer_version(conn, data)), False
         except Exception as e:  # noqa: BLE001 -- every failure becomes an ERROR frame (internal ones are logged)
@@ -206,8 +241,9 @@ class SessionLoop:
         presented = [t for t in (frame_token, conn.header_token) if t is not None]
         if not presented:
             self.admission.auth.record(conn.peer)
-            raise AuthRequired("this verifier requires an auth token: send it in OPEN's auth_token or as "
-                               "'Authorization: Bearer TOKEN'")
+            raise AuthRequired(
+                "this verifier requires an auth token: send it in OPEN's auth_token or as 'Authorization: Bearer TOKEN'"
+            )
         expected = self.auth_token.encode("utf-8")
         if not all(hmac.compare_digest(t.encode("utf-8"), expected) for t in presented):
             self.admission.auth.record(conn.peer)
@@ -234,11 +270,13 @@ class SessionLoop:
         wire.validate(req, self._open_limits)  # vocabulary and context, now that the client may know them
         fmt = getattr(self.engine, "chat_format", None)
         if req.chat is not None and fmt is not None:
-            fmt.check_contract(req.chat)   # ChatMismatch (chat_mismatch) names both sides
+            fmt.check_contract(req.chat)  # ChatMismatch (chat_mismatch) names both sides
         if req.draft_place == "server-head" and self.engine.keep_set is None:
-            raise KeepSetMissing("draft_place 'server-head' needs the keep set (Table 5), and this verifier has "
-                                 "none: start it with `hycoc verify-server RECIPE --keep-set BUNDLE/keep_set.npy`, or run "
-                                 "the device with another mode (hycoc run --mode hyco: device drafting)")
+            raise KeepSetMissing(
+                "draft_place 'server-head' needs the keep set (Table 5), and this verifier has "
+                "none: start it with `hycoc verify-server RECIPE --keep-set BUNDLE/keep_set.npy`, or run "
+                "the device with another mode (hycoc run --mode hyco: device drafting)"
+            )
         eng = self.engine
         slot = self.admission.sessions.acquire()
         try:
@@ -249,8 +287,16 @@ class SessionLoop:
             raise
         try:
             if self.worker.batching == "batched":
-                session = eng.open(req.prompt_ids, req.sampling, req.seed, req.acceptance, req.epsilon,
-                                   req.draft_place, req.max_new_tokens, anchor=req.anchor)   # checks only
+                session = eng.open(
+                    req.prompt_ids,
+                    req.sampling,
+                    req.seed,
+                    req.acceptance,
+                    req.epsilon,
+                    req.draft_place,
+                    req.max_new_tokens,
+                    anchor=req.anchor,
+                )  # checks only
                 prefill_ms, t = await self.worker.prefill(session.prefill_job)
             else:
                 session, prefill_ms, t = await self.worker.run(self._open_session, req)
@@ -261,14 +307,26 @@ class SessionLoop:
         conn.slot, conn.kv = slot, kv
         session_id, self._next_id = self._next_id, self._next_id + 1
         tree_rows = 1 if req.draft_place == "cloud-mtp" else self.tree_rows
-        opened = Opened(session_id=session_id, t=t, prefill_ms=prefill_ms, max_context=eng.max_context,
-                        tree_rows=tree_rows, vocab_size=eng.vocab_size, hidden_size=eng.hidden_size,
-                        kv_dim_sliding=eng.kv_dim_sliding, kv_dim_full=eng.kv_dim_full,
-                        stop_ids=_stop_ids(eng))
-        session.wire_version = conn.wire_version     # the session's replies go out in its OPEN's version
+        opened = Opened(
+            session_id=session_id,
+            t=t,
+            prefill_ms=prefill_ms,
+            max_context=eng.max_context,
+            tree_rows=tree_rows,
+            vocab_size=eng.vocab_size,
+            hidden_size=eng.hidden_size,
+            kv_dim_sliding=eng.kv_dim_sliding,
+            kv_dim_full=eng.kv_dim_full,
+            stop_ids=_stop_ids(eng),
+        )
+        session.wire_version = conn.wire_version  # the session's replies go out in its OPEN's version
         conn.session, conn.session_id, conn.opened = session, session_id, opened
-        conn.limits = wire.Limits(max_frame_bytes=self.max_frame_bytes, vocab_size=eng.vocab_size,
-                                  tree_rows=tree_rows, max_context=eng.max_context)
+        conn.limits = wire.Limits(
+            max_frame_bytes=self.max_frame_bytes,
+            vocab_size=eng.vocab_size,
+            tree_rows=tree_rows,
+            max_context=eng.max_context,
+        )
         self.sessions[session_id] = session
         self.metrics.sessions_total += 1
         self.metrics.prefill_ms += prefill_ms
@@ -283,7 +341,7 @@ class SessionLoop:
         (refused with kv_budget_exhausted when that does not fit); the copy's share is released when the turn is
         prefilled, everything added when it fails."""
         session = conn.session
-        plan = session.plan_append(msg.tokens, int(msg.keep), int(msg.keep_crc))     # ConversationMismatch ...
+        plan = session.plan_append(msg.tokens, int(msg.keep), int(msg.keep_crc))  # ConversationMismatch ...
         positions = self.session_positions(len(plan.conversation), msg.max_new_tokens)
         transient = self.rollback_copy_bytes(session, plan)
         need = self.session_kv_bytes(positions) + transient - conn.kv.nbytes
@@ -292,10 +350,12 @@ class SessionLoop:
         try:
             if self.worker.batching == "batched":
                 prefill_ms, t = await self.worker.prefill(
-                    lambda: session.append_job(msg.tokens, int(msg.max_new_tokens), **kwargs))
+                    lambda: session.append_job(msg.tokens, int(msg.max_new_tokens), **kwargs)
+                )
             else:
                 prefill_ms, t = await self.worker.run(
-                    lambda: session.append(msg.tokens, int(msg.max_new_tokens), **kwargs))
+                    lambda: session.append(msg.tokens, int(msg.max_new_tokens), **kwargs)
+                )
         except BaseException:
             conn.kv.shrink(added)
             raise
@@ -305,10 +365,14 @@ class SessionLoop:
         plan = session.appends[-1]
         self.metrics.observe_append(plan)
         if plan.kind == "full" and plan.keep > 1:
-            log.warning("session %s: the APPEND kept %d ids but the rollback point lies before the snapshot at the "
-                        "last model turn's opening: the whole conversation (%d ids) was prefilled again (a template "
-                        "that renders earlier turns differently?)", conn.session_id, plan.keep,
-                        len(plan.conversation) - 1)
+            log.warning(
+                "session %s: the APPEND kept %d ids but the rollback point lies before the snapshot at the "
+                "last model turn's opening: the whole conversation (%d ids) was prefilled again (a template "
+                "that renders earlier turns differently?)",
+                conn.session_id,
+                plan.keep,
+                len(plan.conversation) - 1,
+            )
         return wire.encode(replace(conn.opened, t=t, prefill_ms=prefill_ms), version=conn.wire_version)
 
     def rollback_copy_bytes(self, session: Session, plan) -> int:
@@ -321,8 +385,16 @@ class SessionLoop:
 
     def _open_session(self, req: OpenRequest) -> tuple[Session, float, int]:
         """Worker thread (serial mode): a new engine session, prefilled."""
-        session = self.engine.open(req.prompt_ids, req.sampling, req.seed, req.acceptance, req.epsilon,
-                                   req.draft_place, req.max_new_tokens, anchor=req.anchor)
+        session = self.engine.open(
+            req.prompt_ids,
+            req.sampling,
+            req.seed,
+            req.acceptance,
+            req.epsilon,
+            req.draft_place,
+            req.max_new_tokens,
+            anchor=req.anchor,
+        )
         prefill_ms, t = session.prefill()
         return session, prefill_ms, t
 
@@ -335,8 +407,9 @@ class SessionLoop:
         if self.worker.batching == "batched":
             reply, frame, committed, verified = await self.worker.round(conn.session, tree)
         else:
-            reply, frame, committed, verified, wait = await self.worker.run(self._verify, conn.session, tree,
-                                                                             time.monotonic())
+            reply, frame, committed, verified, wait = await self.worker.run(
+                self._verify, conn.session, tree, time.monotonic()
+            )
             if verified:  # serial: every forward holds one session's rows
                 self.metrics.observe_serial_round(reply.server_ms, len(reply.samples), wait)
         if verified:
@@ -375,13 +448,14 @@ class SessionLoop:
         "frame_timeout" (FrameTimeout) or "idle_timeout" (IdleTimeout), its message naming the limit's value."""
         lim = self.limits
         if kind == "handshake_timeout":
-            return HandshakeTimeout(f"no OPEN within handshake_timeout_s = {lim.handshake_timeout_s:g} s of "
-                                    "connecting")
+            return HandshakeTimeout(f"no OPEN within handshake_timeout_s = {lim.handshake_timeout_s:g} s of connecting")
         if kind == "frame_timeout":
             return FrameTimeout(f"a frame took longer than frame_timeout_s = {lim.frame_timeout_s:g} s to arrive")
         if kind == "idle_timeout":
-            return IdleTimeout(f"no frame for idle_timeout_s = {lim.idle_timeout_s:g} s: the session's KV was "
-                               "freed; open a new session")
+            return IdleTimeout(
+                f"no frame for idle_timeout_s = {lim.idle_timeout_s:g} s: the session's KV was "
+                "freed; open a new session"
+            )
         raise ValueError(f"timeout kind {kind!r}: one of handshake_timeout, frame_timeout, idle_timeout")
 
     def time_out(self, conn: Connection | None, kind: str) -> bytes:

@@ -14,8 +14,8 @@ the scheduler (its queued requests get ShuttingDown), then lets the worker finis
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 from hycoc.protocol.messages import DraftTree
 
@@ -40,9 +40,17 @@ class EngineWorker:
     row_budget: the batched scheduler's `RowBudget` (None: trees verified as sent); `set_row_budget` changes it.
     """
 
-    def __init__(self, engine: VerifierEngine, *, batching: str, max_batch_rows: int, max_batch_wait_ms: float,
-                 open_sessions: Callable[[], int], on_step: Callable[[StepReport], None],
-                 row_budget: RowBudget | None = None):
+    def __init__(
+        self,
+        engine: VerifierEngine,
+        *,
+        batching: str,
+        max_batch_rows: int,
+        max_batch_wait_ms: float,
+        open_sessions: Callable[[], int],
+        on_step: Callable[[StepReport], None],
+        row_budget: RowBudget | None = None,
+    ):
         self.engine = engine
         self.row_budget = row_budget
         self.batching = batching
@@ -53,8 +61,8 @@ class EngineWorker:
         self._executor: ThreadPoolExecutor | None = None
         self.scheduler: BatchScheduler | None = None
         self.stopping = False
-        self._closing = False              # the executor takes no more work; its thread may still run one
-        self._late: list[Callable] = []    # frees queued while it finishes: run once its thread has ended
+        self._closing = False  # the executor takes no more work; its thread may still run one
+        self._late: list[Callable] = []  # frees queued while it finishes: run once its thread has ended
 
     @property
     def started(self) -> bool:
@@ -67,12 +75,16 @@ class EngineWorker:
         self.stopping = self._closing = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hycoc-verifier")
         if self.batching == "batched":
-            self.scheduler = BatchScheduler(self.run, max_batch_rows=self.max_batch_rows,
-                                            max_batch_wait_ms=self.max_batch_wait_ms,
-                                            open_sessions=self._open_sessions, on_step=self._on_step,
-                                            chain_length=self.engine.chain_length,
-                                            prefill_budget=self.engine.prefill_chunk,
-                                            row_budget=self.row_budget)
+            self.scheduler = BatchScheduler(
+                self.run,
+                max_batch_rows=self.max_batch_rows,
+                max_batch_wait_ms=self.max_batch_wait_ms,
+                open_sessions=self._open_sessions,
+                on_step=self._on_step,
+                chain_length=self.engine.chain_length,
+                prefill_budget=self.engine.prefill_chunk,
+                row_budget=self.row_budget,
+            )
             self.scheduler.start()
 
     def set_row_budget(self, budget: RowBudget | None) -> None:
@@ -83,8 +95,10 @@ class EngineWorker:
 
     def _check_open(self) -> None:
         if self.stopping or self._executor is None:
-            raise ShuttingDown("the verifier is shutting down: this frame did not reach the engine; open a new "
-                               "session on another verifier (or this one once it is back)")
+            raise ShuttingDown(
+                "the verifier is shutting down: this frame did not reach the engine; open a new "
+                "session on another verifier (or this one once it is back)"
+            )
 
     async def run(self, fn: Callable, *args):
         """``fn(*args)`` on the worker thread (one at a time, in submission order). Raises ShuttingDown once
@@ -132,7 +146,7 @@ class EngineWorker:
         if self._executor is not None:
             self._closing = True
             await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
-            self._executor = None           # the worker thread has ended: the frees queued meanwhile run here
+            self._executor = None  # the worker thread has ended: the frees queued meanwhile run here
             late, self._late = self._late, []
             for fn in late:
                 fn()
