@@ -55,9 +55,11 @@ if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
 from hycoc.verifier.cost_measure import (
     PREFILL_ROWS,
     build_random_head,
-    build_random_verifier,  # noqa: E402,F401
+    build_random_verifier,
+    demo_parents,  # noqa: F401  (re-exported: tests/test_cost_model.py reads it from this script)
     measure_grid,
     measuring_engine,
+    random_cache,  # noqa: F401  (re-exported)
     shape_of,
 )
 
@@ -65,7 +67,7 @@ from hycoc.bench.cost_model import (
     PAPER_ROUND_MS,
     CostModel,
     CostModelError,
-    CostPoint,  # noqa: E402,F401
+    CostPoint,  # noqa: F401  (re-exported)
     round_forwards,
 )  # numpy + pydantic only
 
