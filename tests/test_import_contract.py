@@ -131,9 +131,13 @@ def test_the_layer_check_fails_on_one_import_against_the_order(tmp_path):
     staged = stage(tmp_path)
     graphs = staged / "hycoc" / "runtime" / "graphs.py"
     graphs.write_text(graphs.read_text(encoding="utf-8") + "\nfrom hycoc.passes import qdq  # noqa\n")
+    transport = staged / "hycoc" / "runtime" / "transport.py"  # torch at one remove: hycoc.mtp imports it
+    transport.write_text(transport.read_text(encoding="utf-8") + "\nfrom hycoc.mtp import FULL  # noqa\n")
     result = lint_imports(staged)
     assert result.returncode != 0
-    assert "hycoc.runtime.graphs -> hycoc.passes.qdq" in result.stdout
+    assert "hycoc.runtime.graphs -> hycoc.passes.qdq" in result.stdout  # the layers
+    assert "hycoc.runtime is not allowed to import torch" in result.stdout  # the device runtime's contract
+    assert "hycoc.runtime.transport -> hycoc.mtp" in result.stdout
 
 
 def test_no_private_name_is_imported_across_packages(staged):
