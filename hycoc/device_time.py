@@ -163,7 +163,7 @@ def onnx_graph_cost(path: str | os.PathLike) -> GraphCost:
     output elements x the reduced dimension). Raises ValueError when a MatMul's shapes cannot be inferred."""
     import onnx
 
-    from hycoc.targets.htp import _initializer_bytes
+    from hycoc.targets.htp import initializer_bytes
 
     m = onnx.load(str(path), load_external_data=False)
     inferred = onnx.shape_inference.infer_shapes(m, strict_mode=False)
@@ -174,7 +174,7 @@ def onnx_graph_cost(path: str | os.PathLike) -> GraphCost:
         shapes[v.name] = dims
     for t in g.initializer:
         shapes[t.name] = list(t.dims)
-    weight = sum(_initializer_bytes(t) for t in g.initializer)
+    weight = sum(initializer_bytes(t) for t in g.initializer)
     inits = {t.name for t in g.initializer}
     io = 0
     for v in [*g.input, *g.output]:

@@ -53,7 +53,7 @@ def _print_table(
     from rich.table import Table
     from rich.text import Text
 
-    from hycoc.bench.tables import _balanced, column_width, table_width
+    from hycoc.bench.tables import balanced_parts, column_width, table_width
 
     cells = [[r[i] for r in rows] for i in range(len(headers))]
     need = [
@@ -71,7 +71,7 @@ def _print_table(
         parts.append(current)
         if len(parts) > 1:
             parts = (
-                _balanced(
+                balanced_parts(
                     list(range(keys, len(headers))),
                     len(parts),
                     lambda cols: table_width([need[j] for j in lead + cols]),

@@ -14,7 +14,9 @@ class ModelNotFoundError(FileNotFoundError):
     """A recipe names a model that is not on this machine. The message says which and how to provide it."""
 
 
-def _require_dir(path: str | Path, role: str) -> Path:
+def require_model_dir(path: str | Path, role: str) -> Path:
+    """``path`` as a Path when it holds a config.json (a model folder); raises ModelNotFoundError naming ``role``
+    (verifier, head, slm) and how to provide the folder."""
     p = Path(path)
     if not (p / "config.json").is_file():
         raise ModelNotFoundError(
@@ -139,7 +141,7 @@ def tokenizer_load_seconds() -> dict[str, float]:
     return dict(_TOKENIZER_SECONDS)
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
     """No per-tensor "Loading weights" progress bars: hycoc prints its own progress."""
     from transformers.utils import logging as hf_logging
 
@@ -159,8 +161,8 @@ def load_verifier(path: str | Path, *, dtype: str = "float32", device: str = "cp
     import torch
     from transformers import Gemma4ForCausalLM
 
-    p = _require_dir(path, "verifier")
-    _quiet_transformers()
+    p = require_model_dir(path, "verifier")
+    quiet_transformers()
     model = Gemma4ForCausalLM.from_pretrained(p, dtype=getattr(torch, dtype), attn_implementation="sdpa")
     return model.to(device).eval()
 
@@ -170,8 +172,8 @@ def load_head(path: str | Path, *, dtype: str = "float32", device: str = "cpu"):
     import torch
     from transformers import Gemma4AssistantForCausalLM
 
-    p = _require_dir(path, "head")
-    _quiet_transformers()
+    p = require_model_dir(path, "head")
+    quiet_transformers()
     model = Gemma4AssistantForCausalLM.from_pretrained(p, dtype=getattr(torch, dtype), attn_implementation="sdpa")
     return model.to(device).eval()
 
@@ -184,7 +186,7 @@ def load_slm(path: str | Path, *, device: str = "cpu"):
     """
     from transformers import Gemma4ForCausalLM
 
-    p = _require_dir(path, "slm")
-    _quiet_transformers()
+    p = require_model_dir(path, "slm")
+    quiet_transformers()
     model = Gemma4ForCausalLM.from_pretrained(p, attn_implementation="sdpa")
     return model.to(device).eval()

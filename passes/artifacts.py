@@ -231,9 +231,9 @@ class TorchModelArtifact(Artifact):
     def from_pretrained(cls, path: str | Path, kind: str) -> TorchModelArtifact:
         """Load a local model folder as artifact ``kind``. Raises ModelNotFoundError when there is no
         config.json, ValueError when its ``architectures`` names no transformers class."""
-        from hycoc.models import _require_dir
+        from hycoc.models import require_model_dir
 
-        folder = _require_dir(path, kind.removeprefix("torch_"))
+        folder = require_model_dir(path, kind.removeprefix("torch_"))
         return cls.load(kind, folder)
 
     def save(self, folder: Path) -> None:

@@ -37,6 +37,13 @@ from typing import Any
 
 MB = 10**6
 
+
+def qmax(bits: int) -> int:
+    """Largest magnitude of a symmetric signed `bits`-bit integer (int2: 1, int4: 7, int8: 127): the integer
+    range [-qmax, qmax] of every symmetric weight format here (the head's QAT, the toy family's checkpoints)."""
+    return 2 ** (bits - 1) - 1
+
+
 #: ASSUMED module map of the E2B QAT mobile checkpoint (its config.json is not here). First listed wins a tie, so
 #: ``embed_tokens_per_layer`` precedes ``embed_tokens``.
 E2B_ASSUMED_MODULES: dict[str, dict[str, int]] = {

@@ -422,9 +422,9 @@ def build_inputs(recipe: Recipe, device: str = "cpu") -> dict[str, Artifact]:
         path = recipe.resolve_path(value)
         return str(path) if path is not None else value
 
-    from hycoc.models import _quiet_transformers, check_head_folder
+    from hycoc.models import check_head_folder, quiet_transformers
 
-    _quiet_transformers()
+    quiet_transformers()
     models = recipe.models
     check_head_folder(where(models.head))  # an output hycoc cannot compile is refused before any loading
     if device != "cpu":

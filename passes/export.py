@@ -3,7 +3,7 @@
 `export_static` runs torch's dynamo exporter (``torch.onnx.export(..., dynamo=True)``) on fixed example inputs --
 every shape static, no ``dynamic_shapes`` -- optionally rewrites each RMSNorm into the HTP's elementwise form
 (`hycoc.passes.rmsnorm_decomposition`), saves the graph with its weights as external data (no 2 GB protobuf
-limit) and runs the ONNX checker on the saved file. Before saving, `hycoc.passes.static_shape_check` refuses a
+limit) and runs the ONNX checker on the saved file. Before saving, `hycoc.targets.static_shape_check` refuses a
 graph with data-dependent KV slicing or a fused attention op. `compare_with_torch` runs the saved graph on onnxruntime's
 CPU EP and measures it against the torch module on the same inputs (max absolute error per output, top-1
 agreement of a logits output). Both are used by the SLM's tree graph (`hycoc.passes.slm_graph`); the head's graph
@@ -92,7 +92,7 @@ def export_static(
     Raises ExportError when the exporter fails, an RMSNorm over a rank-4 input survives the decomposition
     (`hycoc.passes.rewrite.rms_norm.rank4_rms_inputs`) or the checker rejects the saved graph,
     RmsNormDecompositionError when ``decompose_rms_norm`` is set and the graph has no RMSNorm to rewrite, and
-    StaticGraphError (`hycoc.passes.static_shape_check`) when the graph slices KV at data-dependent positions or
+    StaticGraphError (`hycoc.targets.static_shape_check`) when the graph slices KV at data-dependent positions or
     holds a fused attention op (nothing is saved then).
     """
     import onnx
@@ -100,7 +100,7 @@ def export_static(
     import torch
     from hycoc.passes.rewrite.rms_norm import rank4_rms_inputs
     from hycoc.passes.rmsnorm_decomposition import RmsNormDecompositionPass
-    from hycoc.passes.static_shape_check import check_static_graph
+    from hycoc.targets.static_shape_check import check_static_graph
     from onnxscript import optimizer
 
     path = Path(path)

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from hycoc.passes.artifacts import KeepSetArtifact, QuantizedHead, QuantizedHeadArtifact, TorchModelArtifact
+from hycoc.passes.bit_map import qmax
 from hycoc.passes.calibration_answers import CalibrationAnswersArtifact
 from hycoc.passes.pipeline import Pass, PassReport
 from torch import nn
@@ -61,7 +62,6 @@ from torch import nn
 from hycoc.host import head_sliding_positions
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 from hycoc.recipe import HeadQat, Recipe
-from hycoc.toy.gemma_format import qmax
 
 
 class HeadQatError(ValueError):

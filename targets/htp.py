@@ -10,7 +10,7 @@ What :func:`compile_context` does, in order, before the EP sees the model:
 3. host-only patterns (``profile.host_only``): an embedding lookup (Gather on a constant table indexed by an
    integer graph input) is refused with :class:`HostOnlyError` naming the nodes — hycoc keeps embeddings as host
    LUTs (docs/design.md "SLM Drafter");
-4. static-graph check (:func:`hycoc.passes.static_shape_check.check_static_graph`): data-dependent KV slicing
+4. static-graph check (:func:`hycoc.targets.static_shape_check.check_static_graph`): data-dependent KV slicing
    (a Slice/Gather whose starts/indices come from a graph input) or a fused attention op (ONNX ``Attention``,
    ``com.microsoft`` ``MultiHeadAttention``/``GroupQueryAttention``...) → ``StaticGraphError`` listing the nodes;
 5. size planner (:func:`plan_context_size`): weight bytes vs ``profile.max_context_bytes`` →
@@ -125,8 +125,9 @@ def _load(model_or_path):
     return model_or_path
 
 
-def _initializer_bytes(t) -> int:
-    """Bytes of one initializer's data (external data: its recorded length, or the dtype × shape)."""
+def initializer_bytes(t) -> int:
+    """Bytes of one initializer's data (external data: its recorded length, or the dtype × shape). t: an
+    ``onnx.TensorProto``; the external data is never read."""
     import onnx
 
     if t.data_location == onnx.TensorProto.EXTERNAL:
@@ -140,6 +141,11 @@ def _initializer_bytes(t) -> int:
     if bits:
         return (n * bits + 7) // 8
     return n * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+
+
+#: The former private name, which benchmarks/real_shape_head.py still imports; remove once it imports
+#: `initializer_bytes`.
+_initializer_bytes = initializer_bytes
 
 
 @dataclass(frozen=True)
@@ -166,7 +172,7 @@ def plan_context_size(models: Sequence[str | os.PathLike], profile: TargetProfil
     sizes: dict[str, int] = {}
     for m in models:
         for t in _load(m).graph.initializer:
-            sizes.setdefault(t.name, _initializer_bytes(t))
+            sizes.setdefault(t.name, initializer_bytes(t))
     largest = tuple(sorted(sizes.items(), key=lambda kv: -kv[1])[:5])
     return SizePlan(tuple(str(m) for m in models), sum(sizes.values()), profile.max_context_bytes, largest)
 
@@ -400,7 +406,7 @@ def _ctx_paths(out_dir: Path, graph_name: str) -> tuple[Path, Path]:
 
 
 def _precheck(model_path: Path, profile: TargetProfile) -> None:
-    from hycoc.passes.static_shape_check import check_static_graph
+    from hycoc.targets.static_shape_check import check_static_graph
 
     model = _load(model_path)
     check_capabilities(model, profile)

@@ -115,7 +115,7 @@ def test_cli_bench_checks_its_arguments(tmp_path):
 
 
 def test_calibrate_handoff_prints_six_scales_for_the_recipe(built):
-    from hycoc.verifier.handoff_scales import KINDS
+    from hycoc.passes.handoff_scales import KINDS
 
     _, path, _ = built
     result = CliRunner().invoke(app, ["calibrate-handoff", str(path), "--prompts", "2", "--max-new-tokens", "4"])
@@ -205,9 +205,9 @@ def test_measure_handoff_scales_is_the_max_over_the_answers_at_percentile_100(bu
     on an independent path: the input of the final norm by a forward hook (not the engine's NormTap), the
     embedding table rows of the ids, the producer layers' K/V from a plain transformers forward."""
     import torch
+    from hycoc.passes.handoff_scales import measure_handoff_scales
     from hycoc.passes.head_qat import greedy_answer, prompt_sources
     from hycoc.verifier.engine import producer_layers
-    from hycoc.verifier.handoff_scales import measure_handoff_scales
     from transformers import DynamicCache
 
     from hycoc.chat_template import chat_from_recipe

@@ -209,7 +209,7 @@ def test_resume_reuses_the_saved_cost_model_and_the_summary_is_unchanged(tmp_pat
     measured = model(noise=0.2)
     calls = []
     fake = types.SimpleNamespace(measure_recipe_verifier=lambda recipe, contexts: calls.append(contexts) or measured)
-    monkeypatch.setitem(sys.modules, "hycoc.verifier.cost_measure", fake)  # no torch: the measurement is faked
+    monkeypatch.setitem(sys.modules, "hycoc.bench.cost_measure", fake)  # no torch: the measurement is faked
     recs = fixed_records(("cloud-mtp", "hyco", "hyco-exact"))
     server = {"chain_length": 4, "head_window": 64}
     console = Console(file=io.StringIO())

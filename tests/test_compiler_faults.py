@@ -15,7 +15,7 @@ section's note).
 (d) a profile without 16-bit ops: tests/test_htp_target.py covers a QDQ A16 graph on htp-v68; here the 16-bit
     tensors that check missed (a DQ of an int16 constant without a zero point, a zero point from a Constant node,
     a Cast to float16) and an 8-bit graph that must pass.
-(e) data-dependent KV slicing and fused attention ops (passes/static_shape_check.py): graphs that must be refused
+(e) data-dependent KV slicing and fused attention ops (targets/static_shape_check.py): graphs that must be refused
     (hand-built and from torch's exporter), graphs that must not (static Slice/Gather, the project's head graph),
     and the two call sites (`compile_context`, `export_static`).
 """
@@ -400,7 +400,7 @@ MUST_MATCH = {
 
 @pytest.mark.parametrize("case", MUST_MATCH)
 def test_static_check_refuses_listing_nodes_and_fix(case):
-    from hycoc.passes.static_shape_check import StaticGraphError, check_static_graph, find_static_graph_faults
+    from hycoc.targets.static_shape_check import StaticGraphError, check_static_graph, find_static_graph_faults
 
     build, want = MUST_MATCH[case]
     model = build()
@@ -440,7 +440,7 @@ def _static_slices():
 
 def test_static_check_does_not_match_static_slices():
     import onnxruntime as ort
-    from hycoc.passes.static_shape_check import check_static_graph, find_static_graph_faults
+    from hycoc.targets.static_shape_check import check_static_graph, find_static_graph_faults
 
     model = _static_slices()
     ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])  # a valid graph
@@ -453,7 +453,7 @@ def test_static_check_passes_the_projects_head_graph(tmp_path):
     from hycoc.passes.export import export_static
     from hycoc.passes.head_graph import INPUT_NAMES, OUTPUT_NAMES, HeadGraph, rotary_rows
     from hycoc.passes.head_qat import restrict_output_layer
-    from hycoc.passes.static_shape_check import find_static_graph_faults
+    from hycoc.targets.static_shape_check import find_static_graph_faults
     from test_head_graph import W
     from tiny_models import tiny_head, tiny_verifier
 
@@ -482,7 +482,7 @@ def test_static_check_passes_the_projects_head_graph(tmp_path):
 
 def test_static_check_passes_the_projects_slm_graph(slm_export):
     """The SLM tree graph as export_slm_graph saved it (ring + new rows, Concat, static Slices) is clean."""
-    from hycoc.passes.static_shape_check import find_static_graph_faults
+    from hycoc.targets.static_shape_check import find_static_graph_faults
 
     ops = {n.op_type for n in onnx.load(str(slm_export["onnx"]), load_external_data=False).graph.node}
     assert {"MatMul", "Softmax", "Concat"} <= ops
@@ -490,8 +490,8 @@ def test_static_check_passes_the_projects_slm_graph(slm_export):
 
 
 def test_compile_context_refuses_before_compiling(tmp_path):
-    from hycoc.passes.static_shape_check import StaticGraphError
     from hycoc.targets.htp import compile_context
+    from hycoc.targets.static_shape_check import StaticGraphError
 
     path = tmp_path / "kv.onnx"
     onnx.save(_slice_by_position(), str(path))
@@ -517,7 +517,7 @@ class _Sdpa(torch.nn.Module):
 @pytest.mark.parametrize("case", ["index_select", "sdpa_opset23"])
 def test_export_static_refuses_what_torch_exports(case, tmp_path):
     from hycoc.passes.export import export_static
-    from hycoc.passes.static_shape_check import StaticGraphError
+    from hycoc.targets.static_shape_check import StaticGraphError
 
     if case == "index_select":
         module, args, names, opset = (

@@ -223,11 +223,12 @@ def test_the_cost_measurement_runs_on_the_engines_windowed_session_cache():
     """What is timed is what the server runs: a sliding layer of the measured cache holds the engine's retained
     positions (not the whole context), a full layer the context, and every timed forward is undone to that."""
     pytest.importorskip("torch")
-    from hycoc.verifier.cost_measure import measure_grid, measuring_engine, random_cache
     from hycoc.verifier.engine import verify_tree
     from hycoc.verifier.forward import NormTap
     from hycoc.verifier.kv_cache import SlidingWindowLayer, stores_kv
     from hycoc.verifier.kv_surgery import crop_cache
+
+    from hycoc.bench.cost_measure import measure_grid, measuring_engine, random_cache
 
     model, head = _tiny_random(sliding_window=8)
     engine = measuring_engine(model, head, head_window=6)
@@ -251,8 +252,9 @@ def test_the_cost_measurement_runs_on_the_engines_windowed_session_cache():
         tap.remove()
     assert [layer.held for layer in sliding] == [retain] * len(sliding) and cache.get_seq_length() == 200
     # a prefill chunk trims the sliding layers past the old positions: the measurement restores the cache instead
-    from hycoc.verifier.cost_measure import restore_cache, snapshot_cache
     from hycoc.verifier.forward import prefill
+
+    from hycoc.bench.cost_measure import restore_cache, snapshot_cache
 
     before = [(layer.held, layer.start) for layer in sliding]
     saved = snapshot_cache(cache)
@@ -290,9 +292,8 @@ def test_the_cost_measurement_runs_on_the_engines_windowed_session_cache():
 def test_the_bench_cost_model_measures_with_the_engines_cache(monkeypatch):
     """`measure_recipe_verifier` (what hycoc bench measures) hands `measure_grid` the engine's ``new_cache``."""
     pytest.importorskip("torch")
-    from hycoc.verifier import cost_measure
-
     import hycoc.models
+    from hycoc.bench import cost_measure
     from hycoc.recipe import load_recipe
 
     model, head = _tiny_random()

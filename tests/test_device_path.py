@@ -4,7 +4,7 @@
   (torch's meta device: any host copy of a meta tensor fails, every op's output device is watched with a
   ``TorchDispatchMode``; and a ``TorchFunctionMode`` audit of every host transfer of a real round on the CPU).
 * The cost model's replay (`hycoc.bench.cost_model.request_forwards`) lists exactly the forwards the engine runs
-  (`hycoc.verifier.cost_measure.count_forwards`), for device drafting, Cloud+MTP and server-head.
+  (`hycoc.bench.cost_measure.count_forwards`), for device drafting, Cloud+MTP and server-head.
 * `hycoc build --device`: the CPU cache keys are unchanged, a GPU device keys the torch-model passes, the verifier is
   placed on the device in bf16, QAT runs under bf16 autocast on CUDA; asking for CUDA without one is a clear error.
 """
@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hycoc.verifier.cost_measure import count_forwards
 from hycoc.verifier.engine import VerifierEngine, verify_tree
 from hycoc.verifier.forward import NormTap, prefill
 from hycoc.verifier.kv_surgery import compact_kv
@@ -28,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import DynamicCache
 
+from hycoc.bench.cost_measure import count_forwards
 from hycoc.bench.cost_model import Forward, request_forwards
 from hycoc.protocol.messages import Sampling
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hycoc.passes.bit_map import qmax
 from safetensors.torch import load_file
 
 from hycoc.chat_template import apply_chat_template_ids, load_chat
@@ -14,7 +15,7 @@ from hycoc.models import load_head, load_slm, load_tokenizer, load_verifier
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 from hycoc.toy import configs
 from hycoc.toy.chat_files import SPECIAL_TOKENS, prompt_text
-from hycoc.toy.gemma_format import bits_for, pack, qmax
+from hycoc.toy.gemma_format import bits_for, pack
 from hycoc.toy.tokenizer import byte_token_ids
 
 MODELS = Path(__file__).resolve().parents[1] / "recipes" / "toy" / "models"

@@ -33,7 +33,7 @@ from hycoc.bench.capacity_run import (
 TOLERANCE = 0.20
 VALIDATE_SESSIONS = (1, 4, 16, 64)
 VALIDATE_MODES = ("serial", "batched", "budgeted")
-#: Shape keys compared between a cost model and the recipe's verifier (`hycoc.verifier.cost_measure.shape_of`).
+#: Shape keys compared between a cost model and the recipe's verifier (`hycoc.bench.cost_measure.shape_of`).
 SHAPE_KEYS = (
     "num_hidden_layers",
     "hidden_size",

@@ -41,7 +41,7 @@ MEASURE_SESSIONS = (1, 2, 4, 8, 16)
 MEASURE_ROWS = (2, 9, 17, 33)
 #: The statistic of a measured point: the MEAN of the worker thread's CPU ms (time.thread_time) over the repeats.
 #: A queue's throughput and waits follow the mean service time (utilization = arrival rate x E[S]), so the mean is
-#: the simulation's input; `hycoc.verifier.cost_measure.BUSY_STATISTIC`'s 25th percentile is a steadier per-forward
+#: the simulation's input; `hycoc.bench.cost_measure.BUSY_STATISTIC`'s 25th percentile is a steadier per-forward
 #: figure but understated the load test's steps (toy, one 33-row round: p25 13.9 ms against ~19 ms rounds on a
 #: quiet machine). CPU time leaves out the waiting for a CPU: machine load is the simulation's input (slowdown).
 #: Assumed host ms per session and step on a GPU (sampling, acceptance, KV compaction, reply): not measured here.
@@ -455,7 +455,7 @@ def model_step_cost(
     model, recipe_shape: dict | None, chain_length: int, *, host_ms: float = ASSUMED_GPU_HOST_MS, path: str = ""
 ) -> GpuStepCost:
     """A `GpuStepCost` from a cost-model file (`hycoc.bench.cost_model.CostModel`). recipe_shape: the recipe's
-    verifier shape (`hycoc.verifier.cost_measure.shape_of` keys) to check the file against; None: not checked.
+    verifier shape (`hycoc.bench.cost_measure.shape_of` keys) to check the file against; None: not checked.
     Raises StepCostError when the file's shape differs or it has no 33-row verification points."""
     from hycoc.bench.cost_model import CostModelError
     from hycoc.bench.loadreport import GPU_FLAT_ROWS

@@ -24,7 +24,7 @@ table.
 
 Cost model (g projected): ``--cost-model FILE`` (e.g. made on a GPU by ``benchmarks/verifier_cost_model.py
 --device cuda``), else one measured here on the recipe's verifier and this machine
-(`hycoc.verifier.cost_measure.measure_recipe_verifier`: busy CPU time of every forward, interleaved repetitions,
+(`hycoc.bench.cost_measure.measure_recipe_verifier`: busy CPU time of every forward, interleaved repetitions,
 each kept), saved as ``OUT/cost_model.json`` and reused by ``--resume`` (``remeasure_cost_model`` redoes it); the
 table says which. The projected Δg's interval resamples the cost model's repetitions with the questions.
 
@@ -871,7 +871,7 @@ def cost_model_for(
     (`hycoc.bench.cost_model.load_cost_model`); else ``OUT/cost_model.json`` that an earlier bench in ``out``
     measured (so a ``--resume`` projects through the same model and leaves the summary as it was), unless
     ``remeasure``; else measured here on the recipe's verifier at contexts covering the records'
-    (`hycoc.verifier.cost_measure.measure_recipe_verifier`: busy CPU time of each forward, interleaved repetitions)
+    (`hycoc.bench.cost_measure.measure_recipe_verifier`: busy CPU time of each forward, interleaved repetitions)
     and saved as ``OUT/cost_model.json``. Raises CostModelError for a bad file."""
     from hycoc.bench.cost_model import load_cost_model
 
@@ -886,7 +886,7 @@ def cost_model_for(
             f"g projected through the cost model measured here on {when} ({cost.device}, {cost.dtype}), "
             f"reused from {saved} (--remeasure-cost-model to redo it)"
         )
-    from hycoc.verifier.cost_measure import measure_recipe_verifier
+    from hycoc.bench.cost_measure import measure_recipe_verifier
 
     console.print("measuring the verifier cost model on this machine (no --cost-model given) ...")
     longest = max((max(x["context"], default=0) for x in records), default=64)

@@ -88,7 +88,7 @@ def fit_columns(table: TextTable, width: int) -> list[TextTable]:
     if len(parts) == 1:
         return [table]
     parts = (
-        _balanced(
+        balanced_parts(
             list(range(table.keys, len(table.headers))),
             len(parts),
             lambda cols: table_width([widths[j] for j in keys + cols]),
@@ -111,7 +111,7 @@ def fit_columns(table: TextTable, width: int) -> list[TextTable]:
     return out
 
 
-def _balanced(cols: list[int], k: int, cost) -> list[list[int]] | None:
+def balanced_parts(cols: list[int], k: int, cost) -> list[list[int]] | None:
     """``cols`` cut in order into ``k`` non-empty parts whose widest ``cost`` is smallest (the linear partition
     problem, dynamic programming over cut points; ties keep earlier parts fuller), so a split table does not end
     in one lone column. None when there are fewer columns than parts."""

@@ -24,8 +24,8 @@ def calibrate_handoff(
     cfg = _recipe("calibrate-handoff", recipe)
     _need_full("calibrate-handoff")
     from hycoc.models import ModelNotFoundError
+    from hycoc.passes.handoff_scales import measure_handoff_scales, toml_lines
     from hycoc.recipe import RecipeError
-    from hycoc.verifier.handoff_scales import measure_handoff_scales, toml_lines
 
     try:
         scales = measure_handoff_scales(cfg, prompts=prompts, max_new_tokens=max_new_tokens, percentile=percentile)

@@ -19,10 +19,7 @@ from pathlib import Path
 
 import torch
 
-
-def qmax(bits: int) -> int:
-    """Largest magnitude of a symmetric signed `bits`-bit integer (int2: 1, int4: 7, int8: 127)."""
-    return 2 ** (bits - 1) - 1
+from hycoc.passes.bit_map import qmax
 
 
 def quantize_per_channel(w: torch.Tensor, bits: int, ratios=(1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)):

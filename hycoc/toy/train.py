@@ -257,7 +257,7 @@ class FakeQuant(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, w, bits):
-        from hycoc.toy.gemma_format import qmax
+        from hycoc.passes.bit_map import qmax
 
         s = w.detach().abs().amax(1, keepdim=True).clamp_min(1e-8) / qmax(bits)
         return torch.clamp(torch.round(w / s), -qmax(bits), qmax(bits)) * s

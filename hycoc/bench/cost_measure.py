@@ -96,8 +96,9 @@ def random_cache(model, context: int, device, new_cache=None):
     (1, kv_heads, held, head_dim) tensors in the model's dtype, held = ``context`` (a sliding layer: min(context,
     retain), starting at position context - held). ``cache.get_seq_length()`` is ``context`` either way."""
     import torch
-    from hycoc.verifier.kv_cache import SlidingWindowLayer
     from transformers import DynamicCache
+
+    from hycoc.verifier.kv_cache import SlidingWindowLayer
 
     cache = new_cache() if new_cache is not None else DynamicCache()
     with torch.inference_mode():
@@ -181,6 +182,7 @@ def measure_grid(
     a `measuring_engine`'s ``new_cache`` measures the layout the server runs), None: full-length caches.
     """
     import torch
+
     from hycoc.verifier.baselines import draft_cloud_chain
     from hycoc.verifier.engine import producer_layers, verify_tree
     from hycoc.verifier.forward import NormTap, Timer, prefill
