@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO))
 
-from hycoc.verifier.cost_measure import (
+from hycoc.bench.cost_measure import (
     PREFILL_ROWS,
     build_random_head,
     build_random_verifier,
@@ -62,7 +62,6 @@ from hycoc.verifier.cost_measure import (
     random_cache,  # noqa: F401  (re-exported)
     shape_of,
 )
-
 from hycoc.bench.cost_model import (
     PAPER_ROUND_MS,
     CostModel,
