@@ -22,7 +22,8 @@ from test_server import (
     Raw,
     http_get,
     make_engine,
-    open_request,  # noqa: F401 (models: fixture)
+    models,  # noqa: F401  (a pytest fixture, used by name)
+    open_request,
     parse_metrics,
     wait_for,
 )

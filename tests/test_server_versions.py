@@ -24,6 +24,7 @@ from test_server import (
     assert_same_reply,
     frame,
     make_engine,
+    models,  # noqa: F401  (a pytest fixture, used by name)
     open_request,
     oracle_tree,  # noqa: F401
     reference_session,
