@@ -27,6 +27,7 @@ from test_server import (
     models,  # noqa: F401  (a pytest fixture, used by name)
     open_request,
     oracle_tree,  # noqa: F401
+    reference,  # noqa: F401  (a pytest fixture, used by name)
     reference_session,
     round_frame,
     wait_for,
