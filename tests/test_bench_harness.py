@@ -129,3 +129,26 @@ def test_synthetic_keep_set():
     assert 0 <= keep[0] and keep[-1] < 1000
     with pytest.raises(ValueError, match=r"--keep-set 0: must lie in \[1, 1000\]"):
         harness.synthetic_keep_set(0, 1000)
+
+
+def test_no_benchmark_or_test_edits_sys_path():
+    """Benchmarks import installed packages (what they share lives in `hycoc.bench`), and tests load a script by its
+    path (tests/bench_scripts.py): no ``sys.path.insert`` / ``append`` / ``extend`` / ``remove`` in either folder."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for folder in ("benchmarks", "tests"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                f = node.func if isinstance(node, ast.Call) else None
+                if (
+                    isinstance(f, ast.Attribute)
+                    and isinstance(f.value, ast.Attribute)
+                    and f.value.attr == "path"
+                    and isinstance(f.value.value, ast.Name)
+                    and f.value.value.id == "sys"
+                ):
+                    found.append(f"{path.relative_to(root)}:{node.lineno} sys.path.{f.attr}")
+    assert found == []
