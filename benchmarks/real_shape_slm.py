@@ -617,240 +617,250 @@ def main(argv=None) -> dict[str, Any]:
     return report
 
 
-def _sharded(c: Check) -> None:
-    """``--shards``: the graph split by layers (`hycoc.passes.slm_shards.plan_shards` on the profile's context
-    budget, or ``--bounds``), then per shard k, in chain order: ``graph.sK`` (torch shard + the float chain on the
-    calibration samples: shard k's samples are the host feeds and the earlier shards' float outputs),
-    ``export.sK``, ``qdq.sK``, ``compile.sK`` (its own context binary), ``sim.sK`` (the HTP simulator chain: shard k
-    fed by the earlier shards' simulator outputs, against the CPU EP chain of the QDQ shards). ``budget_refusal``
-    on the largest shard; ``chain``: end-to-end SQNR of the simulator chain vs the CPU EP chain (logits, new KV)."""
-    from hycoc.passes.qdq import quantize_graph, slm_calibration_samples
-    from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph, chain_feeds, export_slm_graph
+# ---- --shards: the graph split by layers, each shard through steps 4-8, then the chain end to end ----------------
+
+
+@dataclasses.dataclass
+class Shards:
+    """The sharded path's state: the shard bounds, the keep set and rings, the host's calibration feeds, and what
+    each chain (float, QDQ on the CPU EP, HTP simulator) has produced so far (output name -> array; the float chain
+    per sample), plus the QDQ file of each shard done."""
+
+    bounds: tuple[int, ...]
+    keep: np.ndarray
+    ring: dict[str, int]
+    host_samples: list[dict[str, np.ndarray]] | None = None
+    produced_float: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
+    produced_sim: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    produced_cpu: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    qdq_paths: list[Path] = dataclasses.field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        return len(self.bounds) - 1
+
+
+def shard_plan(c: Check):
+    """The shard bounds: ``--bounds``, else `plan_shards` on the profile's context budget (``--shards``)."""
     from hycoc.passes.slm_shards import layer_weight_bytes, plan_shards
 
-    args, steps, state, slm, profile, cal, work, say = (
-        c.args, c.steps, c.state, c.state["slm"], c.profile, c.cal, c.work, c.say
-    )  # fmt: skip
-    keep_n = c.keep_n
-    ring = {FULL: args.ring, SLIDING: args.sliding_ring}
-    keep = synthetic_keep_set(keep_n, c.vocab, args.seed)
+    args, budget = c.args, c.profile.max_context_bytes
+    per_layer, first, last = layer_weight_bytes(c.state["slm"], c.keep_n)
+    if args.bounds:
+        bounds, source = tuple(int(x) for x in args.bounds.split(",")), "--bounds"
+    else:
+        shards = args.shards if args.shards == "auto" else int(args.shards)
+        plan = plan_shards(per_layer, budget=budget, first_extra=first, last_extra=last, shards=shards)
+        bounds, source = plan.bounds, f"plan_shards({args.shards})"
+    seg = [
+        sum(per_layer[a:b]) + (first if a == 0 else 0) + (last if b == len(per_layer) else 0)
+        for a, b in zip(bounds, bounds[1:])
+    ]
+    details = {
+        "bounds": list(bounds),
+        "per_layer_bytes": per_layer,
+        "first_extra_bytes": first,
+        "last_extra_bytes": last,
+        "estimated_shard_bytes": seg,
+        "budget_bytes": budget,
+        "from": source,
+    }
+    return bounds, 0, details
 
-    def s_plan():
-        per_layer, first, last = layer_weight_bytes(slm, keep_n)
-        if args.bounds:
-            bounds = tuple(int(x) for x in args.bounds.split(","))
-            plan = None
-        else:
-            plan = plan_shards(
-                per_layer,
-                budget=profile.max_context_bytes,
-                first_extra=first,
-                last_extra=last,
-                shards=args.shards if args.shards == "auto" else int(args.shards),
-            )
-            bounds = plan.bounds
-        seg = [
-            sum(per_layer[a:b]) + (first if a == 0 else 0) + (last if b == len(per_layer) else 0)
-            for a, b in zip(bounds, bounds[1:])
-        ]
-        state["bounds"] = bounds
-        return (
-            bounds,
-            0,
-            {
-                "bounds": list(bounds),
-                "per_layer_bytes": per_layer,
-                "first_extra_bytes": first,
-                "last_extra_bytes": last,
-                "estimated_shard_bytes": seg,
-                "budget_bytes": profile.max_context_bytes,
-                "from": "--bounds" if plan is None else f"plan_shards({args.shards})",
-            },
-        )
 
-    bounds = steps.run("shard_plan", s_plan, what="layer_weight_bytes + plan_shards on the profile's budget")
+def shard_graph(c: Check, s: Shards, k: int):
+    """``graph.sK``: the torch shard, and the float chain on the calibration samples (shard k's samples are the host
+    feeds and the earlier shards' float outputs). Returns ((graph, samples), 0, details)."""
+    import torch
+    from hycoc.passes.qdq import slm_calibration_samples
+    from hycoc.passes.slm_graph import SlmTreeGraph, chain_feeds
+
+    slm, a = c.state["slm"], c.args
+    g = SlmTreeGraph(slm, s.keep, rows=a.rows, ring=s.ring, bounds=s.bounds, shard=k)
+    if s.host_samples is None:
+        s.host_samples = slm_calibration_samples(g, slm, a.samples, a.seed)
+        s.produced_float.extend({} for _ in s.host_samples)
+    samples = []
+    for host, made in zip(s.host_samples, s.produced_float):
+        x = chain_feeds(g, host, made)
+        samples.append(x)
+        with torch.no_grad():
+            outs = g(*[torch.from_numpy(x[nm]) for nm in g.input_names])
+        made.update({nm: o.numpy() for nm, o in zip(g.output_names, outs)})
+    details = {
+        "layers": list(g.layer_range),
+        "kv_layers": g.kv_layers,
+        "borrowed_producers": g.borrowed,
+        "inputs": {nm: list(v) for nm, v in g.input_shapes.items()},
+        "outputs": {nm: list(v) for nm, v in g.output_shapes.items()},
+        "linear_values": sum(int(m.q.numel()) for m in g.modules() if hasattr(m, "bits")),
+    }
+    return (g, samples), 0, details
+
+
+def shard_export(c: Check, g, samples: list[dict[str, np.ndarray]], path: Path):
+    """``export.sK``: `export_slm_graph` of the shard on its first sample, and its host-only nodes."""
+    import onnx
+    import torch
+    from hycoc.passes.slm_graph import export_slm_graph
+    from hycoc.targets.htp import find_host_only_nodes
+
+    _, rep = export_slm_graph(g, [torch.from_numpy(samples[0][nm]) for nm in g.input_names], path)
+    m = onnx.load(str(path), load_external_data=False)
+    d = rep.numbers()
+    d.update(
+        data_bytes=rep.data_bytes,
+        over_2gb=rep.data_bytes > TWO_GB,
+        host_only_nodes=[str(x) for x in find_host_only_nodes(m, c.profile)],
+    )
+    return True, du(*onnx_files(path)), d
+
+
+def shard_qdq(c: Check, path: Path, samples: list[dict[str, np.ndarray]], tag: str, estimate: float):
+    """``qdq.sK``: `quantize_graph` of the shard, calibrated on the float chain; the ONNX checker."""
+    import onnx
+    from hycoc.passes.qdq import quantize_graph
+
+    out = c.work / f"qdq-{tag}"
+    res = quantize_graph(path, samples, out, percentile=c.cal.percentile, range_scale=c.cal.range_scale)
+    onnx.checker.check_model(str(res.path), full_check=True)
+    d = res.numbers()
+    d.pop("io_encodings", None)
+    d.update(checker="ok", estimate_gib=round(estimate, 2), data_bytes=du(*onnx_files(res.path)))
+    return res, du(out), d
+
+
+def shard_budget_refusal(c: Check, s: Shards):
+    """``budget_refusal``: the limit lowered one byte below the largest shard's weights must refuse it first."""
+    from hycoc.targets.htp import ContextTooLargeError, compile_context, plan_context_size
+
+    plans = [plan_context_size([p], c.profile) for p in s.qdq_paths]
+    biggest = max(range(len(plans)), key=lambda i: plans[i].weight_bytes)
+    small = c.profile.with_limit(plans[biggest].weight_bytes - 1)
+    out = c.work / "refused"
+    try:
+        compile_context(s.qdq_paths[biggest], out, small, graph_name=f"slm_s{biggest}")
+    except ContextTooLargeError as e:
+        written = sorted(p.name for p in out.rglob("*") if p.is_file()) if out.exists() else []
+        details = {
+            "refused": True,
+            "shard": biggest,
+            "message": str(e)[:600],
+            "shard_weight_bytes": [p.weight_bytes for p in plans],
+            "files_written": written,
+            "limit_bytes": c.profile.max_context_bytes,
+            "every_shard_fits": all(p.weight_bytes <= c.profile.max_context_bytes for p in plans),
+        }
+        return True, 0, details
+    raise AssertionError("a shard over the lowered limit was not refused")
+
+
+def shard_compile(c: Check, qdq_path: Path, tag: str):
+    """``compile.sK``: the shard's own context binary."""
+    cg = compile_slm(c, qdq_path, f"slm_{tag}")
+    details = {
+        "binary": cg.context_binary.name,
+        "binary_bytes": cg.binary_bytes,
+        "weight_bytes": cg.weight_bytes,
+        "htp_arch": cg.htp_arch,
+        "soc_type": cg.soc_type,
+        "cpu_fallback": "disabled",
+        "under_budget": cg.binary_bytes <= c.profile.max_context_bytes,
+    }
+    return cg, cg.binary_bytes + cg.ctx_model.stat().st_size, details
+
+
+def shard_sim(c: Check, s: Shards, cg, qdq_path: Path):
+    """``sim.sK``: the shard on the HTP simulator fed by the simulator chain, against the CPU EP chain of the QDQ
+    shards (SQNR per output)."""
+    from hycoc.passes.slm_graph import chain_feeds
+    from hycoc.targets.htp import HtpSession
+
+    host = s.host_samples[0]
+    t0 = time.perf_counter()
+    sess = HtpSession(cg.ctx_model, c.profile)
+    load_s = time.perf_counter() - t0
+    x_sim = chain_feeds(_io_names(sess.input_names), host, s.produced_sim)
+    t1 = time.perf_counter()
+    got = sess.run(x_sim)
+    run_s = time.perf_counter() - t1
+    cpu = cpu_run(qdq_path, chain_feeds(_io_names(sess.input_names), host, s.produced_cpu))
+    s.produced_sim.update(got)
+    s.produced_cpu.update(cpu)
+    out = {"load_seconds": round(load_s, 2), "run_seconds": round(run_s, 2)}
+    for name in cpu:
+        out[f"sqnr_htp_vs_cpu_qdq_db.{name}"] = sqnr_rounded(cpu[name], got[name])
+    return True, 0, out
+
+
+def chain_end_to_end(s: Shards):
+    """``chain``: SQNR of the simulator chain vs the CPU EP chain, and of the CPU EP chain vs float (logits, new KV),
+    and the top-1 agreement of the two chains' logits."""
+    ref, cpu, sim = s.produced_float[0], s.produced_cpu, s.produced_sim
+    names = ["logits"] + sorted(x for x in cpu if x.startswith(("k_new_", "v_new_")))
+    out: dict[str, Any] = {"bounds": list(s.bounds)}
+    for name in names:
+        out[f"sqnr_htp_chain_vs_cpu_qdq_chain_db.{name}"] = sqnr_rounded(cpu[name], sim[name])
+        out[f"sqnr_cpu_qdq_chain_vs_float_db.{name}"] = sqnr_rounded(ref[name], cpu[name])
+    out["top1_htp_chain_eq_cpu_qdq_chain"] = top1_agreement(sim["logits"], cpu["logits"])
+    return True, 0, out
+
+
+def _sharded(c: Check) -> None:
+    """``--shards``: the plan, then per shard k in chain order ``graph.sK``, ``export.sK``, ``qdq.sK``, ``compile.sK``,
+    ``sim.sK`` (`shard_graph` .. `shard_sim`); ``budget_refusal`` on the largest shard once all are quantized;
+    ``chain`` end to end. Stops at the first step that fails or is refused."""
+    from hycoc.passes.slm_graph import FULL, SLIDING
+
+    args, steps = c.args, c.steps
+    what = "layer_weight_bytes + plan_shards on the profile's budget"
+    bounds = steps.run("shard_plan", lambda: shard_plan(c), what=what)
     if bounds is None:
         return
-    n = len(bounds) - 1
-    say(f"shards: {n}, bounds {list(bounds)}")
-    host_samples = None
-    produced_float: list[dict[str, np.ndarray]] = []
-    produced_sim: dict[str, np.ndarray] = {}
-    produced_cpu: dict[str, np.ndarray] = {}
-    chain = {"shards": []}
-    for k in range(n):
+    c.state["bounds"] = bounds
+    keep = synthetic_keep_set(c.keep_n, c.vocab, args.seed)
+    s = Shards(bounds, keep, {FULL: args.ring, SLIDING: args.sliding_ring})
+    c.say(f"shards: {s.count}, bounds {list(bounds)}")
+    lut_bytes = sum(int(v.packed.nbytes) for v in c.state["slm"].luts.values())
+    for k in range(s.count):
         tag = f"s{k}"
-        sh: dict[str, Any] = {}
-
-        def s_graph():
-            nonlocal host_samples
-            import torch
-
-            g = SlmTreeGraph(slm, keep, rows=args.rows, ring=ring, bounds=bounds, shard=k)
-            if host_samples is None:
-                host_samples = slm_calibration_samples(g, slm, args.samples, args.seed)
-                produced_float.extend({} for _ in host_samples)
-            samples = []
-            for host, made in zip(host_samples, produced_float):
-                x = chain_feeds(g, host, made)
-                samples.append(x)
-                with torch.no_grad():
-                    outs = g(*[torch.from_numpy(x[nm]) for nm in g.input_names])
-                made.update({nm: o.numpy() for nm, o in zip(g.output_names, outs)})
-            sh["graph"], sh["samples"] = g, samples
-            return (
-                g,
-                0,
-                {
-                    "layers": list(g.layer_range),
-                    "kv_layers": g.kv_layers,
-                    "borrowed_producers": g.borrowed,
-                    "inputs": {nm: list(v) for nm, v in g.input_shapes.items()},
-                    "outputs": {nm: list(v) for nm, v in g.output_shapes.items()},
-                    "linear_values": sum(int(m.q.numel()) for m in g.modules() if hasattr(m, "bits")),
-                },
-            )
-
-        say(f"shard {k}: layers [{bounds[k]}, {bounds[k + 1]})")
-        g = steps.run(f"graph.{tag}", s_graph, what=f"SlmTreeGraph shard {k} + the float chain on the samples")
-        if g is None:
+        c.say(f"shard {k}: layers [{bounds[k]}, {bounds[k + 1]})")
+        what = f"SlmTreeGraph shard {k} + the float chain on the samples"
+        got = steps.run(f"graph.{tag}", lambda: shard_graph(c, s, k), what=what)
+        if got is None:
             return
-        path = work / f"export-{tag}" / f"slm_{tag}.onnx"
-
-        def s_export():
-            import torch
-            from hycoc.targets.htp import find_host_only_nodes
-
-            x = sh["samples"][0]
-            _, rep = export_slm_graph(g, [torch.from_numpy(x[nm]) for nm in g.input_names], path)
-            import onnx
-
-            m = onnx.load(str(path), load_external_data=False)
-            d = rep.numbers()
-            d.update(
-                data_bytes=rep.data_bytes,
-                over_2gb=rep.data_bytes > TWO_GB,
-                host_only_nodes=[str(x) for x in find_host_only_nodes(m, profile)],
-            )
-            return True, du(*onnx_files(path)), d
-
-        if steps.run(f"export.{tag}", s_export, what=f"export_slm_graph shard {k}") is None:
+        g, samples = got
+        linear_values = steps.rows[-1]["details"]["linear_values"]
+        path = c.work / f"export-{tag}" / f"slm_{tag}.onnx"
+        what = f"export_slm_graph shard {k}"
+        if steps.run(f"export.{tag}", lambda: shard_export(c, g, samples, path), what=what) is None:
             return
-        estimate = qdq_peak_estimate_gib(
-            steps.rows[-2]["details"]["linear_values"], sum(int(v.packed.nbytes) for v in slm.luts.values())
-        )
+        g = got = None  # the torch shard is not needed past export and calibration
+        estimate = qdq_peak_estimate_gib(linear_values, lut_bytes)
         if estimate > args.max_qdq_gib:
             steps.rows.append(refused_row(f"qdq.{tag}", estimate, args.max_qdq_gib))
             return
-
-        def s_qdq():
-            import onnx
-
-            res = quantize_graph(
-                path, sh["samples"], work / f"qdq-{tag}", percentile=cal.percentile, range_scale=cal.range_scale
-            )
-            onnx.checker.check_model(str(res.path), full_check=True)
-            d = res.numbers()
-            d.pop("io_encodings", None)
-            d.update(checker="ok", estimate_gib=round(estimate, 2), data_bytes=du(*onnx_files(res.path)))
-            return res, du(work / f"qdq-{tag}"), d
-
-        sh["graph"] = g = None  # the torch shard is not needed past export and calibration
-        qres = steps.run(f"qdq.{tag}", s_qdq, what=f"quantize_graph shard {k} (calibrated on the float chain)")
+        what = f"quantize_graph shard {k} (calibrated on the float chain)"
+        qres = steps.run(f"qdq.{tag}", lambda: shard_qdq(c, path, samples, tag, estimate), what=what)
         if qres is None:
             return
-        chain["shards"].append({"qdq": str(qres.path)})
-        if k == n - 1:
-
-            def s_budget():
-                from hycoc.targets.htp import ContextTooLargeError, compile_context, plan_context_size
-
-                plans = [plan_context_size([done["qdq"]], profile) for done in chain["shards"]]
-                biggest = max(range(len(plans)), key=lambda i: plans[i].weight_bytes)
-                small = profile.with_limit(plans[biggest].weight_bytes - 1)
-                out = work / "refused"
-                try:
-                    compile_context(chain["shards"][biggest]["qdq"], out, small, graph_name=f"slm_s{biggest}")
-                except ContextTooLargeError as e:
-                    written = sorted(p.name for p in out.rglob("*") if p.is_file()) if out.exists() else []
-                    return (
-                        True,
-                        0,
-                        {
-                            "refused": True,
-                            "shard": biggest,
-                            "message": str(e)[:600],
-                            "shard_weight_bytes": [p.weight_bytes for p in plans],
-                            "files_written": written,
-                            "limit_bytes": profile.max_context_bytes,
-                            "every_shard_fits": all(p.weight_bytes <= profile.max_context_bytes for p in plans),
-                        },
-                    )
-                raise AssertionError("a shard over the lowered limit was not refused")
-
-            steps.run("budget_refusal", s_budget, what="limit lowered below the largest shard: refused first")
+        s.qdq_paths.append(qres.path)
+        if k == s.count - 1:
+            what = "limit lowered below the largest shard: refused first"
+            steps.run("budget_refusal", lambda: shard_budget_refusal(c, s), what=what)
         if args.skip_compile:
             continue
-
-        def s_compile():
-            cg = compile_slm(c, qres.path, f"slm_{tag}")
-            return (
-                cg,
-                cg.binary_bytes + cg.ctx_model.stat().st_size,
-                {
-                    "binary": cg.context_binary.name,
-                    "binary_bytes": cg.binary_bytes,
-                    "weight_bytes": cg.weight_bytes,
-                    "htp_arch": cg.htp_arch,
-                    "soc_type": cg.soc_type,
-                    "cpu_fallback": "disabled",
-                    "under_budget": cg.binary_bytes <= profile.max_context_bytes,
-                },
-            )
-
-        cg = steps.run(f"compile.{tag}", s_compile, what=f"compile_context shard {k}: its own context binary")
+        what = f"compile_context shard {k}: its own context binary"
+        cg = steps.run(f"compile.{tag}", lambda: shard_compile(c, qres.path, tag), what=what)
         if cg is None:
             return
-
-        def s_sim():
-            from hycoc.targets.htp import HtpSession
-
-            host = host_samples[0]
-            t0 = time.perf_counter()
-            sess = HtpSession(cg.ctx_model, profile)
-            load_s = time.perf_counter() - t0
-            x_sim = chain_feeds(_io_names(sess.input_names), host, produced_sim)
-            t1 = time.perf_counter()
-            got = sess.run(x_sim)
-            run_s = time.perf_counter() - t1
-            x_cpu = chain_feeds(_io_names(sess.input_names), host, produced_cpu)
-            cpu = cpu_run(qres.path, x_cpu)
-            produced_sim.update(got)
-            produced_cpu.update(cpu)
-            out = {"load_seconds": round(load_s, 2), "run_seconds": round(run_s, 2)}
-            for name in cpu:
-                out[f"sqnr_htp_vs_cpu_qdq_db.{name}"] = sqnr_rounded(cpu[name], got[name])
-            return True, 0, out
-
-        if steps.run(f"sim.{tag}", s_sim, what=f"shard {k} on the HTP simulator, fed by the simulator chain") is None:
+        what = f"shard {k} on the HTP simulator, fed by the simulator chain"
+        if steps.run(f"sim.{tag}", lambda: shard_sim(c, s, cg, qres.path), what=what) is None:
             return
-        chain["shards"][-1]["sim"] = True
-    if args.skip_compile or len(chain["shards"]) < n:
+    if args.skip_compile:
         return
-
-    def s_chain():
-        ref = produced_float[0]
-        names = ["logits"] + sorted(x for x in produced_cpu if x.startswith(("k_new_", "v_new_")))
-        out = {"bounds": list(bounds)}
-        for name in names:
-            out[f"sqnr_htp_chain_vs_cpu_qdq_chain_db.{name}"] = sqnr_rounded(produced_cpu[name], produced_sim[name])
-            out[f"sqnr_cpu_qdq_chain_vs_float_db.{name}"] = sqnr_rounded(ref[name], produced_cpu[name])
-        lg = produced_sim["logits"].reshape(-1, produced_sim["logits"].shape[-1])
-        lc = produced_cpu["logits"].reshape(-1, produced_cpu["logits"].shape[-1])
-        out["top1_htp_chain_eq_cpu_qdq_chain"] = float(np.mean(lg.argmax(-1) == lc.argmax(-1)))
-        return True, 0, out
-
-    steps.run("chain", s_chain, what="end to end: the simulator chain vs the CPU EP chain (and vs float)")
+    what = "end to end: the simulator chain vs the CPU EP chain (and vs float)"
+    steps.run("chain", lambda: chain_end_to_end(s), what=what)
 
 
 def _io_names(names):

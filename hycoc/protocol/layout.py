@@ -1,6 +1,6 @@
 """The wire protocol's layouts as data: header, message types, each version's fixed parts, limits and frame sizes.
 
-numpy-free, stdlib only (the device runtime imports it through `hycoc.protocol.wire`, whose module docstring is the
+Stdlib only here (the device runtime imports it through `hycoc.protocol.wire`, whose module docstring is the
 byte-level truth these tables follow). A protocol version is one `Layout` in `LAYOUTS` (version -> the struct
 format and field names of each message's fixed part); the codec (`hycoc.protocol.codec`) and the size functions
 below read the layout of a frame's version instead of branching on the version number. A new version is a new
