@@ -22,8 +22,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 
 def main(argv=None) -> int:
@@ -54,7 +52,8 @@ def main(argv=None) -> int:
             cost.save(args.out / f"cost_model_{k + 1}.json")
         print(
             f"measurement {k + 1}: {time.perf_counter() - t0:.0f} s, {cost.meta['statistic']} of {repeats} "
-            f"repetitions, clock {cost.meta['clock']}, load {cost.meta['loadavg_before']} -> {cost.meta['loadavg_after']}",
+            f"repetitions, clock {cost.meta['clock']}, load {cost.meta['loadavg_before']} -> "
+            f"{cost.meta['loadavg_after']}",
             flush=True,
         )
         summaries.append(summarize(records, cost_model=cost, server=server_work(recipe)))

@@ -38,9 +38,11 @@ project's own head passes, timing each step and measuring its peak memory:
 7. ``full_compile`` / ``full_sim``: the whole QDQ head graph compiled the same way (``--full-compile-timeout``)
    and, when that worked, run once on the simulator against the CPU EP.
 
-Memory: each step's ``peak_rss_gib`` is this process's own high-water mark (VmHWM, reset before the step through
-``/proc/self/clear_refs``); ``peak_tree_rss_gib`` samples this process plus its children (the QNN compile runs in
-a child process) every 0.2 s. ``output_bytes`` is what the step wrote to disk (or holds, for in-memory steps).
+Memory and CPU (`hycoc.bench.harness.Steps`): each step's ``peak_rss_gib`` is this process's own high-water mark
+(VmHWM, reset before the step through ``/proc/self/clear_refs``); ``peak_tree_rss_gib`` samples this process plus its
+children (the QNN compile runs in a child process) every 0.2 s with psutil; ``cpu_seconds`` is the CPU time of this
+process and its children over the step, the figure to quote on a loaded machine. ``output_bytes`` is what the step
+wrote to disk (or holds, for in-memory steps).
 
 ``--toy-dims`` (tests only) runs the same chain at toy widths; the report says ``"real_shapes": false``.
 
@@ -53,156 +55,33 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import gc
-import json
-import os
-import platform
 import shutil
 import sys
 import tempfile
-import threading
 import time
-import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from hycoc.bench.harness import (
+    Steps,
+    cpu_run,
+    du,
+    human_bytes,
+    initializer_bits,
+    machine,
+    needs,
+    onnx_files,
+    qnn_worker_timeout,
+    sqnr_rounded,
+    synthetic_keep_set,
+    write_report,
+)
+from hycoc.doctor import package_versions
+
 REPO = Path(__file__).resolve().parents[1]
-GIB = 1024**3
-VOCAB = 262_144
-PERCENTILE_DEFAULT = 99.99
-
-
-# ---- measuring ---------------------------------------------------------------------------------------------
-
-
-def _proc_kib(path: str, field: str) -> int:
-    """``field`` (kB) of a /proc file such as /proc/self/status or /proc/meminfo; 0 when unreadable."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def _status_kib(field: str, pid: int | str = "self") -> int:
-    return _proc_kib(f"/proc/{pid}/status", field)
-
-
-def _children(pid: int) -> list[int]:
-    """Every descendant of ``pid`` (scan of /proc/*/stat)."""
-    parent: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                stat = f.read()
-            parent[int(d)] = int(stat[stat.rfind(")") + 2 :].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p]
-        out += kids
-        todo += kids
-    return out
-
-
-class _Sampler(threading.Thread):
-    """Polls RSS of this process + its descendants; ``peak`` in KiB."""
-
-    def __init__(self, every: float = 0.2):
-        super().__init__(daemon=True)
-        self.every, self.peak, self.peak_children = every, 0, 0
-        self._stop_evt = threading.Event()
-
-    def run(self):
-        me = os.getpid()
-        while not self._stop_evt.is_set():
-            kids = sum(_status_kib("VmRSS", c) for c in _children(me))
-            self.peak_children = max(self.peak_children, kids)
-            self.peak = max(self.peak, _status_kib("VmRSS") + kids)
-            self._stop_evt.wait(self.every)
-
-    def stop(self):
-        self._stop_evt.set()
-        self.join()
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _du(*paths: Path) -> int:
-    total = 0
-    for p in paths:
-        p = Path(p)
-        if p.is_file():
-            total += p.stat().st_size
-        elif p.is_dir():
-            total += sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-    return total
-
-
-class Steps:
-    """Runs named steps, recording seconds, peak memory, output bytes, status and details."""
-
-    def __init__(self, console=None):
-        self.rows: list[dict[str, Any]] = []
-        self.console = console
-
-    def run(self, name: str, fn, *, what: str = ""):
-        """``fn()`` -> (result, output_bytes, details dict). Returns the result, or None when it raised (the
-        step is recorded as failed with the error)."""
-        gc.collect()
-        reset = _reset_hwm()
-        sampler = _Sampler()
-        sampler.start()
-        rss0 = _status_kib("VmRSS")
-        t0 = time.perf_counter()
-        row: dict[str, Any] = {"step": name, "what": what}
-        result = None
-        try:
-            result, nbytes, details = fn()
-            row.update(status="ok", output_bytes=int(nbytes), details=details)
-        except BaseException as e:  # noqa: BLE001 - a failed step is a measured result; KeyboardInterrupt re-raised
-            if isinstance(e, KeyboardInterrupt):
-                raise
-            row.update(
-                status="failed",
-                output_bytes=0,
-                error=f"{type(e).__name__}: {e}"[:4000],
-                details={"traceback": traceback.format_exc()[-3000:]},
-            )
-        finally:
-            row["seconds"] = round(time.perf_counter() - t0, 2)
-            sampler.stop()
-            hwm = _status_kib("VmHWM")
-            row["peak_rss_gib"] = round(hwm / 1024**2, 3)
-            row["peak_rss_exact"] = reset  # False: VmHWM could not be reset, the value is the process's to date
-            row["peak_tree_rss_gib"] = round(max(sampler.peak, hwm) / 1024**2, 3)
-            row["peak_children_rss_gib"] = round(sampler.peak_children / 1024**2, 3)
-            row["rss_before_gib"] = round(rss0 / 1024**2, 3)
-            row["rss_after_gib"] = round(_status_kib("VmRSS") / 1024**2, 3)
-            self.rows.append(row)
-            if self.console is not None:
-                mark = "ok" if row["status"] == "ok" else f"FAILED: {row.get('error', '')[:300]}"
-                self.console.print(
-                    f"[{row['seconds']:8.1f} s  peak {row['peak_tree_rss_gib']:6.2f} GiB] {name}: {mark}"
-                )
-        return result
 
 
 # ---- the model -------------------------------------------------------------------------------------------------
@@ -242,14 +121,6 @@ def head_config(layers: int | None, toy_dims: bool = False):
     text["num_hidden_layers"] = n
     text["num_kv_shared_layers"] = n
     return Gemma4AssistantConfig.from_dict(d), text
-
-
-def synthetic_keep_set(size: int, vocab: int = VOCAB, seed: int = 0) -> np.ndarray:
-    """``size`` sorted distinct ids out of [0, vocab) (no corpus: module docstring)."""
-    if not 1 <= size <= vocab:
-        raise ValueError(f"--keep-set {size}: must lie in [1, {vocab}]")
-    rng = np.random.default_rng(seed)
-    return np.sort(rng.choice(vocab, size=size, replace=False)).astype(np.int64)
 
 
 def synthetic_feeds(config, text: dict, window: int, count: int, seed: int) -> list[dict[str, np.ndarray]]:
@@ -341,69 +212,12 @@ BLOCK_INPUTS = ("x_hat", "k", "v", "mask", "cos", "sin")
 # ---- helpers --------------------------------------------------------------------------------------------------
 
 
-def _onnx_files(path: Path) -> list[Path]:
-    return [p for p in path.parent.iterdir() if p.name.startswith(path.name)]
-
-
-def _qdq_bitmap(path: Path) -> dict[str, Any]:
-    """Initializer dtype -> {tensors, values, bytes} of a saved ONNX file (no external data read)."""
-    import onnx
-    from hycoc.targets.htp import _initializer_bytes  # noqa: PLC2701 - the size planner's byte count
-
-    model = onnx.load(str(path), load_external_data=False)
-    out: dict[str, dict[str, int]] = {}
-    for t in model.graph.initializer:
-        name = onnx.TensorProto.DataType.Name(t.data_type)
-        e = out.setdefault(name, {"tensors": 0, "values": 0, "bytes": 0})
-        e["tensors"] += 1
-        e["values"] += int(np.prod(t.dims)) if len(t.dims) else 1
-        e["bytes"] += _initializer_bytes(t)
-    return out
-
-
-def _sqnr(ref: np.ndarray, x: np.ndarray) -> float:
-    from hycoc.passes.qdq import sqnr_db
-
-    v = sqnr_db(ref, x)
-    return round(v, 2) if np.isfinite(v) else v
-
-
-def _cpu_run(path: Path, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    s = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    names = [o.name for o in s.get_outputs()]
-    return dict(zip(names, s.run(names, {i.name: feed[i.name] for i in s.get_inputs()})))
-
-
 def _sub_head(qhead, prefixes: tuple[str, ...]):
     """The QuantizedHead restricted to the linears under ``prefixes`` (for a block's `head_weight_arrays`)."""
     keep = [n for n in qhead.qweight if n.startswith(prefixes)]
     return dataclasses.replace(
         qhead, qweight={n: qhead.qweight[n] for n in keep}, scale={n: qhead.scale[n] for n in keep}
     )
-
-
-class _WorkerTimeout:
-    """Routes `hycoc.targets.qnn_ep.run_worker` calls through a shorter timeout (compile_context uses 3600 s)."""
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-
-    def __enter__(self):
-        import hycoc.targets.qnn_ep as qnn_ep
-
-        self._orig = qnn_ep.run_worker
-        orig, seconds = self._orig, self.seconds
-        qnn_ep.run_worker = lambda job, timeout_s=3600: orig(job, timeout_s=min(timeout_s, seconds))
-        return self
-
-    def __exit__(self, *exc):
-        import hycoc.targets.qnn_ep as qnn_ep
-
-        qnn_ep.run_worker = self._orig
-        return False
 
 
 # ---- the check ---------------------------------------------------------------------------------------------------
@@ -455,387 +269,350 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> dict[str, Any]:
-    """Run the check; returns the report (also written to ``--out``)."""
-    args = parse_args(argv)
-    from rich.console import Console
+@dataclasses.dataclass
+class Check:
+    """One run of the check: its arguments and recipe numbers, the step recorder, the work folder, and what each
+    step hands the next (None until the step that makes it succeeded; dropped once no later step needs it)."""
 
-    console = Console(stderr=True, quiet=args.quiet)
-    import torch
+    args: argparse.Namespace
+    steps: Steps
+    work: Path
+    qat: Any  # the recipe's [head_qat] section
+    percentile: float
+    blocks: list[str]
+    text: dict | None = None  # the head's text config as a dict (build_head)
+    head: Any = None
+    keep: np.ndarray | None = None
+    restricted: Any = None
+    qhead: Any = None
+    rebuilt: Any = None
+    graph: Any = None
+    feeds: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
+    qres: Any = None
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    @property
+    def float_path(self) -> Path:
+        return self.work / "float" / "head.onnx"
+
+
+def start(args: argparse.Namespace, console) -> Check:
+    """The run's `Check`: recipe read, ``--blocks`` checked, work folder made (emptied when given)."""
     from hycoc.recipe import load_recipe
 
-    recipe = load_recipe(args.recipe)
-    qat = recipe.head_qat
-    percentile = float(qat.input_range_percentile)
+    qat = load_recipe(args.recipe).head_qat
     blocks = [b.strip() for b in args.blocks.split(",") if b.strip() and b.strip() != "none"]
     bad = [b for b in blocks if b not in ("sliding", "full")]
     if bad:
         raise SystemExit(f"--blocks: unknown kind(s) {bad} (sliding, full)")
-
-    work_tmp = None
     if args.work:
         work = Path(args.work)
         if work.exists():
             shutil.rmtree(work)
         work.mkdir(parents=True)
     else:
-        work_tmp = tempfile.mkdtemp(prefix="hycoc-real-shape-head-")
-        work = Path(work_tmp)
+        work = Path(tempfile.mkdtemp(prefix="hycoc-real-shape-head-"))
+    return Check(args, Steps(console), work, qat, float(qat.input_range_percentile), blocks)
 
-    steps = Steps(console)
-    state: dict[str, Any] = {}
-    started = datetime.now(UTC).isoformat(timespec="seconds")
-    t_all = time.perf_counter()
 
-    # 1. the head at real shapes, random weights
-    def build():
-        from transformers import Gemma4AssistantForCausalLM
+# ---- the steps: each returns (result, output bytes, details) for `Steps.run` --------------------------------------
 
-        torch.manual_seed(args.seed)
-        config, text_dict = head_config(args.layers, args.toy_dims)
-        state["text"] = text_dict
-        config._attn_implementation = "eager"
-        head = Gemma4AssistantForCausalLM(config).float().eval()
-        head.requires_grad_(False)
-        n = sum(p.numel() for p in head.parameters())
-        text = config.get_text_config()
-        return (
-            head,
-            4 * n,
-            {
-                "params": n,
-                "layers": int(text.num_hidden_layers),
-                "layer_types": list(text.layer_types),
-                "hidden": int(text.hidden_size),
-                "intermediate": int(text.intermediate_size),
-                "backbone_hidden": int(config.backbone_hidden_size),
-                "vocab": int(text.vocab_size),
-                "config": "ASSUMED (hycoc.passes.plan.HEAD_ASSUMED), random weights",
-            },
-        )
 
-    head = steps.run("build_head", build, what="Gemma4AssistantForCausalLM, assumed real-shape config, random init")
+def build_head(c: Check):
+    """1. The head at real shapes, random weights."""
+    import torch
+    from transformers import Gemma4AssistantForCausalLM
 
-    # 2. keep set + restricted output layer
-    def restrict():
-        from hycoc.passes.head_qat import restrict_output_layer
+    torch.manual_seed(c.args.seed)
+    config, c.text = head_config(c.args.layers, c.args.toy_dims)
+    config._attn_implementation = "eager"
+    head = Gemma4AssistantForCausalLM(config).float().eval()
+    head.requires_grad_(False)
+    n = sum(p.numel() for p in head.parameters())
+    text = config.get_text_config()
+    details = {
+        "params": n,
+        "layers": int(text.num_hidden_layers),
+        "layer_types": list(text.layer_types),
+        "hidden": int(text.hidden_size),
+        "intermediate": int(text.intermediate_size),
+        "backbone_hidden": int(config.backbone_hidden_size),
+        "vocab": int(text.vocab_size),
+        "config": "ASSUMED (hycoc.passes.plan.HEAD_ASSUMED), random weights",
+    }
+    return head, 4 * n, details
 
-        keep = synthetic_keep_set(args.keep_set, int(head.config.get_text_config().vocab_size), args.seed)
-        restricted = restrict_output_layer(head, keep)
-        restricted.requires_grad_(False)
-        w = restricted.lm_head.weight
-        return (
-            (keep, restricted),
-            keep.nbytes + w.numel() * 4,
-            {
-                "keep_set": int(len(keep)),
-                "source": "synthetic: sorted uniform sample of ids, no corpus",
-                "lm_head": list(w.shape),
-            },
-        )
 
-    got = steps.run("keep_set_restrict", restrict, what="synthetic keep set; untied lm_head over its rows")
-    if got is not None:
-        keep, restricted = got
-        del head
-        head = None
+def restrict(c: Check):
+    """2. Keep set + the untied output layer restricted to it."""
+    from hycoc.passes.head_qat import restrict_output_layer
 
-    # 3. W4 per-channel symmetric with the clip search (no QAT training: random weights)
-    def quantize():
-        from hycoc.passes.head_qat import clip_ratios, dequantized_head, export_head, quantize_head
+    keep = synthetic_keep_set(c.args.keep_set, int(c.head.config.get_text_config().vocab_size), c.args.seed)
+    restricted = restrict_output_layer(c.head, keep)
+    restricted.requires_grad_(False)
+    w = restricted.lm_head.weight
+    details = {"keep_set": int(len(keep)), "source": "synthetic: sorted uniform sample of ids, no corpus"}
+    return (keep, restricted), keep.nbytes + w.numel() * 4, {**details, "lm_head": list(w.shape)}
 
-        ratios = clip_ratios(qat)
-        student, chosen = quantize_head(restricted, qat.weight_bits, ratios)
-        qhead = export_head(student, keep, {})
-        del student
-        rebuilt = dequantized_head(qhead)
-        ratio_all = torch.cat(list(chosen.values()))
-        weights = sum(q.numel() for q in qhead.qweight.values())
-        per_layer = {n: round(float(r.mean()), 4) for n, r in chosen.items()}
-        return (
-            (qhead, rebuilt),
-            weights * qhead.bits // 8 + 4 * sum(s.numel() for s in qhead.scale.values()),
-            {
-                "bits": qhead.bits,
-                "ratios": [round(r, 4) for r in ratios],
-                "linears": len(qhead.qweight),
-                "weights": int(weights),
-                "packed_weight_bytes": int(weights * qhead.bits // 8),
-                "scale_bytes": int(4 * sum(s.numel() for s in qhead.scale.values())),
-                "clip_ratio_mean": round(float(ratio_all.mean()), 4),
-                "clip_ratio_below_max": round(float((ratio_all < qat.clip_search_max).float().mean()), 4),
-                "clip_ratio_mean_per_linear": per_layer,
-                "qat_training": "skipped (random weights; PTQ integers from the clip search are exported)",
-            },
-        )
 
-    if got is not None:
-        got = steps.run(
-            "w4_clip_search",
-            quantize,
-            what=f"quantize_head W{qat.weight_bits} per-channel, clip search; export_head; dequantized_head",
-        )
-        if got is not None:
-            qhead, rebuilt = got
-            del restricted
+def quantize(c: Check):
+    """3. W4 per-channel symmetric with the clip search (no QAT training: random weights)."""
+    import torch
+    from hycoc.passes.head_qat import clip_ratios, dequantized_head, export_head, quantize_head
 
+    ratios = clip_ratios(c.qat)
+    student, chosen = quantize_head(c.restricted, c.qat.weight_bits, ratios)
+    qhead = export_head(student, c.keep, {})
+    del student
+    rebuilt = dequantized_head(qhead)
+    ratio_all = torch.cat(list(chosen.values()))
+    weights = sum(q.numel() for q in qhead.qweight.values())
+    scale_bytes = 4 * sum(s.numel() for s in qhead.scale.values())
+    details = {
+        "bits": qhead.bits,
+        "ratios": [round(r, 4) for r in ratios],
+        "linears": len(qhead.qweight),
+        "weights": int(weights),
+        "packed_weight_bytes": int(weights * qhead.bits // 8),
+        "scale_bytes": int(scale_bytes),
+        "clip_ratio_mean": round(float(ratio_all.mean()), 4),
+        "clip_ratio_below_max": round(float((ratio_all < c.qat.clip_search_max).float().mean()), 4),
+        "clip_ratio_mean_per_linear": {n: round(float(r.mean()), 4) for n, r in chosen.items()},
+        "qat_training": "skipped (random weights; PTQ integers from the clip search are exported)",
+    }
+    return (qhead, rebuilt), weights * qhead.bits // 8 + scale_bytes, details
+
+
+def export(c: Check):
+    """4. The static ring graph -> ONNX, then onnxruntime CPU vs torch on one query."""
+    import torch
+    from hycoc.passes.export import compare_with_torch, export_static
     from hycoc.passes.head_graph import INPUT_NAMES, OUTPUT_NAMES, HeadGraph
 
-    feeds: list[dict[str, np.ndarray]] = []
-    float_path = work / "float" / "head.onnx"
+    a = c.args
+    graph = HeadGraph(c.rebuilt).eval()
+    c.feeds.extend(synthetic_feeds(c.rebuilt.config, c.text, a.window, a.samples, a.seed + 1))
+    example = [torch.from_numpy(c.feeds[-1][n]) for n in INPUT_NAMES]
+    names = dict(input_names=INPUT_NAMES, output_names=OUTPUT_NAMES)
+    _, report = export_static(graph, example, c.float_path, **names)
+    compare_with_torch(c.float_path, graph, example, **names, report=report)
+    numbers = report.numbers()
+    numbers["path"] = str(c.float_path.relative_to(c.work))
+    numbers["input_shapes"] = {n: list(c.feeds[0][n].shape) for n in INPUT_NAMES}
+    return graph, du(*onnx_files(c.float_path)), numbers
 
-    # 4. static ring graph -> ONNX
-    def export():
+
+def qdq(c: Check):
+    """5. QDQ with the QAT integers bit-exact, then the ONNX checker on the QDQ file."""
+    import onnx
+    from hycoc.passes.head_export import head_weight_arrays
+    from hycoc.passes.qdq import quantize_graph
+
+    qdq_dir = c.work / "qdq"
+    t0 = time.perf_counter()
+    arrays = head_weight_arrays(onnx.load(str(c.float_path)), c.qhead)
+    match_s = time.perf_counter() - t0
+    result = quantize_graph(c.float_path, c.feeds, qdq_dir, percentile=c.percentile, weight_arrays=arrays)
+    t1 = time.perf_counter()
+    onnx.checker.check_model(str(result.path), full_check=True)
+    check_s = time.perf_counter() - t1
+    qdq_files = onnx_files(result.path)
+    numbers = result.numbers()
+    numbers.pop("io_encodings", None)
+    numbers.update(
+        samples=len(c.feeds),
+        percentile=c.percentile,
+        weight_match_seconds=round(match_s, 2),
+        checker="ok",
+        checker_seconds=round(check_s, 2),
+        qdq_files={p.name: p.stat().st_size for p in qdq_files},
+        initializers=initializer_bits(result.path),
+        float_side_files_bytes=du(*onnx_files(result.float_path)) + du(*onnx_files(qdq_dir / "model_folded.onnx")),
+    )
+    return result, du(*qdq_files), numbers
+
+
+def compiled_details(cg, profile, **extra) -> dict[str, Any]:
+    """The details of a compile step (`hycoc.targets.htp.CompiledGraph`)."""
+    d = {
+        "profile": profile.name,
+        "htp_arch": cg.htp_arch,
+        "soc_type": cg.soc_type,
+        "binary_bytes": cg.binary_bytes,
+        "weight_bytes": cg.weight_bytes,
+        "compile_seconds": round(cg.compile_seconds, 2),
+        "cpu_fallback": "disabled",
+    }
+    return {**d, **extra}
+
+
+def simulate(ctx_model: Path, profile, feed: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """One run of a compiled graph on the HTP simulator: (outputs, {load_seconds, run_seconds})."""
+    from hycoc.targets.htp import HtpSession
+
+    t0 = time.perf_counter()
+    sess = HtpSession(ctx_model, profile)
+    t1 = time.perf_counter()
+    out = sess.run(feed)
+    return out, {"load_seconds": round(t1 - t0, 2), "run_seconds": round(time.perf_counter() - t1, 2)}
+
+
+def block_chain(c: Check, suffix: str, AttentionBlock, profile) -> None:
+    """6. One attention block of kind ``suffix``: export, QDQ, compile and simulate, each a step; stops at the first
+    failed one (a block whose kind is not among the kept layers is recorded as skipped)."""
+    import torch
+
+    from hycoc.mtp import FULL, SLIDING
+
+    kind = {"sliding": SLIDING, "full": FULL}[suffix]
+    if kind not in c.graph.layer_types:
+        c.steps.skip(f"block_{suffix}_export", f"no {suffix} layer in the first {c.args.layers} layers")
+        return
+    index = c.graph.layer_types.index(kind)
+    bdir = c.work / f"block_{suffix}"
+    bpath = bdir / "float" / "block.onnx"
+    bfeeds = block_feeds(c.feeds, suffix)
+    holder: dict[str, Any] = {}
+
+    def bexport():
         from hycoc.passes.export import compare_with_torch, export_static
 
-        graph = HeadGraph(rebuilt).eval()
-        feeds.extend(synthetic_feeds(rebuilt.config, state["text"], args.window, args.samples, args.seed + 1))
-        example = [torch.from_numpy(feeds[-1][n]) for n in INPUT_NAMES]
-        _, report = export_static(graph, example, float_path, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES)
-        compare_with_torch(
-            float_path, graph, example, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES, report=report
-        )
-        numbers = report.numbers()
-        numbers["path"] = str(float_path.relative_to(work))
-        numbers["input_shapes"] = {n: list(feeds[0][n].shape) for n in INPUT_NAMES}
-        return graph, _du(*_onnx_files(float_path)), numbers
+        block = AttentionBlock(c.graph, index).eval()
+        example = [torch.from_numpy(bfeeds[-1][n]) for n in BLOCK_INPUTS]
+        names = dict(input_names=BLOCK_INPUTS, output_names=("h_block",))
+        _, report = export_static(block, example, bpath, **names)
+        compare_with_torch(bpath, block, example, **names, logits=None, report=report)
+        holder["block"] = block
+        n = report.numbers()
+        n["layer_index"] = index
+        n["input_shapes"] = {k: list(bfeeds[0][k].shape) for k in BLOCK_INPUTS}
+        return True, du(*onnx_files(bpath)), n
 
-    graph = None
-    if got is not None:
-        graph = steps.run(
-            "export",
-            export,
-            what="HeadGraph -> export_static (dynamo, RMSNorm decomposed, external data, checker) + ORT CPU vs torch",
-        )
-
-    # 5. QDQ
-    qdq_dir = work / "qdq"
-
-    def qdq():
+    def bqdq():
         import onnx
         from hycoc.passes.head_export import head_weight_arrays
         from hycoc.passes.qdq import quantize_graph
 
-        t0 = time.perf_counter()
-        arrays = head_weight_arrays(onnx.load(str(float_path)), qhead)
-        match_s = time.perf_counter() - t0
-        result = quantize_graph(float_path, feeds, qdq_dir, percentile=percentile, weight_arrays=arrays)
-        t1 = time.perf_counter()
+        sub = _sub_head(c.qhead, ("pre_projection", f"model.layers.{index}."))
+        arrays = head_weight_arrays(onnx.load(str(bpath)), sub)
+        result = quantize_graph(bpath, bfeeds, bdir / "qdq", percentile=c.percentile, weight_arrays=arrays)
         onnx.checker.check_model(str(result.path), full_check=True)
-        check_s = time.perf_counter() - t1
-        qdq_files = _onnx_files(result.path)
-        numbers = result.numbers()
-        numbers.pop("io_encodings", None)
-        numbers.update(
-            samples=len(feeds),
-            percentile=percentile,
-            weight_match_seconds=round(match_s, 2),
-            checker="ok",
-            checker_seconds=round(check_s, 2),
-            qdq_files={p.name: p.stat().st_size for p in qdq_files},
-            initializers=_qdq_bitmap(result.path),
-            float_side_files_bytes=_du(*_onnx_files(result.float_path))
-            + _du(*_onnx_files(qdq_dir / "model_folded.onnx")),
-        )
-        return result, _du(*qdq_files), numbers
+        holder["qdq"] = result
+        n = result.numbers()
+        n.pop("io_encodings", None)
+        n["initializers"] = initializer_bits(result.path)
+        return True, du(*onnx_files(result.path)), n
 
-    qres = None
-    if graph is not None:
-        qres = steps.run(
-            "qdq",
-            qdq,
-            what="quantize_graph: W4 bit-exact QAT integers, A16, fixed encodings; ONNX checker on the QDQ file",
+    def bcompile():
+        from hycoc.targets.htp import compile_context
+
+        cg = compile_context(holder["qdq"].path, bdir / "htp", profile, graph_name=f"head_block_{suffix}")
+        holder["compiled"] = cg
+        return True, cg.binary_bytes + cg.ctx_model.stat().st_size, compiled_details(cg, profile, qnn_sdk=cg.qnn_sdk)
+
+    def bsim():
+        feed = bfeeds[0]
+        out, times = simulate(holder["compiled"].ctx_model, profile, feed)
+        got_htp = out["h_block"]
+        cpu = cpu_run(holder["qdq"].path, feed)["h_block"]
+        flt = cpu_run(bpath, feed)["h_block"]
+        return (
+            True,
+            0,
+            {
+                "sample": 0,
+                **times,
+                "sqnr_htp_vs_cpu_qdq_db": sqnr_rounded(cpu, got_htp),
+                "sqnr_htp_vs_float_db": sqnr_rounded(flt, got_htp),
+                "sqnr_cpu_qdq_vs_float_db": sqnr_rounded(flt, cpu),
+                "max_abs_htp_vs_cpu_qdq": float(np.max(np.abs(cpu - got_htp))),
+            },
         )
 
-    # 6. attention blocks: export, QDQ, compile, simulator
+    what = f"pre_projection + layer {index} ({suffix}) over the {c.args.window}-column ring"
+    if not c.steps.run(f"block_{suffix}_export", bexport, what=what):
+        return
+    if not c.steps.run(f"block_{suffix}_qdq", bqdq, what="quantize_graph on the block (its W4 integers)"):
+        return
+    if c.args.skip_compile:
+        return
+    what = f"compile_context {profile.name}, CPU fallback disabled"
+    if c.steps.run(f"block_{suffix}_compile", bcompile, what=what):
+        c.steps.run(f"block_{suffix}_sim", bsim, what="HTP simulator vs QDQ on the CPU EP (one query)")
+    holder.pop("block", None)
+
+
+def full_chain(c: Check, profile) -> None:
+    """7. The whole QDQ head graph compiled (within ``--full-compile-timeout``) and, unless ``--no-full-sim``, run
+    once on the simulator against the CPU EP."""
+    from hycoc.passes.head_graph import OUTPUT_NAMES
+
+    def fcompile():
+        from hycoc.targets.htp import compile_context
+
+        with qnn_worker_timeout(c.args.full_compile_timeout):
+            cg = compile_context(c.qres.path, c.work / "htp", profile, graph_name="head")
+        size = cg.binary_bytes + cg.ctx_model.stat().st_size
+        return cg, size, compiled_details(cg, profile, timeout_s=c.args.full_compile_timeout)
+
+    compiled = c.steps.run("full_compile", fcompile, what=f"whole QDQ head graph -> {profile.name} context binary")
+    if compiled is None or c.args.no_full_sim:
+        return
+
+    def fsim():
+        feed = c.feeds[0]
+        got_htp, out = simulate(compiled.ctx_model, profile, feed)
+        cpu = cpu_run(c.qres.path, feed)
+        flt = cpu_run(c.qres.float_path, feed)
+        for name in OUTPUT_NAMES:
+            out[f"sqnr_htp_vs_cpu_qdq_db.{name}"] = sqnr_rounded(cpu[name], got_htp[name])
+            out[f"sqnr_htp_vs_float_db.{name}"] = sqnr_rounded(flt[name], got_htp[name])
+        out["top1_htp_eq_cpu_qdq"] = bool(np.argmax(cpu["logits"]) == np.argmax(got_htp["logits"]))
+        return True, 0, out
+
+    c.steps.run("full_sim", fsim, what="whole head graph on the HTP simulator vs CPU EP (one query)")
+
+
+def run_chain(c: Check) -> None:
+    """Steps 1-7 in order; a step runs only when the one it needs succeeded, and what no later step needs is
+    dropped as soon as possible (the head's float weights are the largest)."""
     from hycoc.targets.profiles import PROFILES
 
-    from hycoc.mtp import FULL, SLIDING
-
+    steps, qat = c.steps, c.qat
+    what = "Gemma4AssistantForCausalLM, assumed real-shape config, random init"
+    c.head = steps.run("build_head", lambda: build_head(c), what=what)
+    got = steps.run("keep_set_restrict", lambda: restrict(c), what="synthetic keep set; untied lm_head over its rows")
+    if got is None:
+        return
+    (c.keep, c.restricted), c.head = got, None
+    what = f"quantize_head W{qat.weight_bits} per-channel, clip search; export_head; dequantized_head"
+    got = steps.run("w4_clip_search", lambda: quantize(c), what=what)
+    if got is None:
+        return
+    (c.qhead, c.rebuilt), c.restricted = got, None
+    what = "HeadGraph -> export_static (dynamo, RMSNorm decomposed, external data, checker) + ORT CPU vs torch"
+    c.graph = steps.run("export", lambda: export(c), what=what)
+    if c.graph is None:
+        return
+    what = "quantize_graph: W4 bit-exact QAT integers, A16, fixed encodings; ONNX checker on the QDQ file"
+    c.qres = steps.run("qdq", lambda: qdq(c), what=what)
     profile = PROFILES["htp-v81"]
-    compiled_full = None
-    if graph is not None:
-        AttentionBlock, _ = _block_class()
-        kinds = {"sliding": SLIDING, "full": FULL}
-        for suffix in blocks:
-            if kinds[suffix] not in graph.layer_types:
-                steps.rows.append(
-                    {
-                        "step": f"block_{suffix}_export",
-                        "status": "skipped",
-                        "seconds": 0,
-                        "output_bytes": 0,
-                        "what": f"no {suffix} layer in the first {args.layers} layers",
-                    }
-                )
-                continue
-            index = graph.layer_types.index(kinds[suffix])
-            bdir = work / f"block_{suffix}"
-            bpath = bdir / "float" / "block.onnx"
-            bfeeds = block_feeds(feeds, suffix)
-            holder: dict[str, Any] = {}
+    AttentionBlock, _ = _block_class()
+    for suffix in c.blocks:
+        block_chain(c, suffix, AttentionBlock, profile)
+    if c.qres is not None and not c.args.skip_compile and not c.args.no_full_compile:
+        full_chain(c, profile)
 
-            def bexport(index=index, bpath=bpath, bfeeds=bfeeds, holder=holder):
-                from hycoc.passes.export import compare_with_torch, export_static
 
-                block = AttentionBlock(graph, index).eval()
-                example = [torch.from_numpy(bfeeds[-1][n]) for n in BLOCK_INPUTS]
-                _, report = export_static(block, example, bpath, input_names=BLOCK_INPUTS, output_names=("h_block",))
-                compare_with_torch(
-                    bpath,
-                    block,
-                    example,
-                    input_names=BLOCK_INPUTS,
-                    output_names=("h_block",),
-                    logits=None,
-                    report=report,
-                )
-                holder["block"] = block
-                n = report.numbers()
-                n["layer_index"] = index
-                n["input_shapes"] = {k: list(bfeeds[0][k].shape) for k in BLOCK_INPUTS}
-                return True, _du(*_onnx_files(bpath)), n
+def report_of(c: Check, started: str, total_s: float) -> dict[str, Any]:
+    """The JSON report (module docstring)."""
+    import torch
 
-            if not steps.run(
-                f"block_{suffix}_export",
-                bexport,
-                what=f"pre_projection + layer {index} ({suffix}) over the {args.window}-column ring",
-            ):
-                continue
-
-            def bqdq(index=index, bpath=bpath, bfeeds=bfeeds, bdir=bdir, holder=holder):
-                import onnx
-                from hycoc.passes.head_export import head_weight_arrays
-                from hycoc.passes.qdq import quantize_graph
-
-                sub = _sub_head(qhead, ("pre_projection", f"model.layers.{index}."))
-                arrays = head_weight_arrays(onnx.load(str(bpath)), sub)
-                result = quantize_graph(bpath, bfeeds, bdir / "qdq", percentile=percentile, weight_arrays=arrays)
-                onnx.checker.check_model(str(result.path), full_check=True)
-                holder["qdq"] = result
-                n = result.numbers()
-                n.pop("io_encodings", None)
-                n["initializers"] = _qdq_bitmap(result.path)
-                return True, _du(*_onnx_files(result.path)), n
-
-            if not steps.run(f"block_{suffix}_qdq", bqdq, what="quantize_graph on the block (its W4 integers)"):
-                continue
-            if args.skip_compile:
-                continue
-
-            def bcompile(suffix=suffix, bdir=bdir, holder=holder):
-                from hycoc.targets.htp import compile_context
-
-                cg = compile_context(holder["qdq"].path, bdir / "htp", profile, graph_name=f"head_block_{suffix}")
-                holder["compiled"] = cg
-                return (
-                    True,
-                    cg.binary_bytes + cg.ctx_model.stat().st_size,
-                    {
-                        "profile": profile.name,
-                        "htp_arch": cg.htp_arch,
-                        "soc_type": cg.soc_type,
-                        "qnn_sdk": cg.qnn_sdk,
-                        "binary_bytes": cg.binary_bytes,
-                        "weight_bytes": cg.weight_bytes,
-                        "compile_seconds": round(cg.compile_seconds, 2),
-                        "cpu_fallback": "disabled",
-                    },
-                )
-
-            if not steps.run(
-                f"block_{suffix}_compile", bcompile, what=f"compile_context {profile.name}, CPU fallback disabled"
-            ):
-                continue
-
-            def bsim(bfeeds=bfeeds, holder=holder, bpath=bpath):
-                from hycoc.targets.htp import HtpSession
-
-                feed = bfeeds[0]
-                t0 = time.perf_counter()
-                sess = HtpSession(holder["compiled"].ctx_model, profile)
-                load_s = time.perf_counter() - t0
-                t1 = time.perf_counter()
-                got_htp = sess.run(feed)["h_block"]
-                run_s = time.perf_counter() - t1
-                cpu = _cpu_run(holder["qdq"].path, feed)["h_block"]
-                flt = _cpu_run(bpath, feed)["h_block"]
-                return (
-                    True,
-                    0,
-                    {
-                        "sample": 0,
-                        "load_seconds": round(load_s, 2),
-                        "run_seconds": round(run_s, 2),
-                        "sqnr_htp_vs_cpu_qdq_db": _sqnr(cpu, got_htp),
-                        "sqnr_htp_vs_float_db": _sqnr(flt, got_htp),
-                        "sqnr_cpu_qdq_vs_float_db": _sqnr(flt, cpu),
-                        "max_abs_htp_vs_cpu_qdq": float(np.max(np.abs(cpu - got_htp))),
-                    },
-                )
-
-            steps.run(f"block_{suffix}_sim", bsim, what="HTP simulator vs QDQ on the CPU EP (one query)")
-            holder.pop("block", None)
-
-        # 7. the whole head graph
-        if qres is not None and not args.skip_compile and not args.no_full_compile:
-
-            def fcompile():
-                from hycoc.targets.htp import compile_context
-
-                with _WorkerTimeout(args.full_compile_timeout):
-                    cg = compile_context(qres.path, work / "htp", profile, graph_name="head")
-                return (
-                    cg,
-                    cg.binary_bytes + cg.ctx_model.stat().st_size,
-                    {
-                        "profile": profile.name,
-                        "htp_arch": cg.htp_arch,
-                        "soc_type": cg.soc_type,
-                        "binary_bytes": cg.binary_bytes,
-                        "weight_bytes": cg.weight_bytes,
-                        "compile_seconds": round(cg.compile_seconds, 2),
-                        "cpu_fallback": "disabled",
-                        "timeout_s": args.full_compile_timeout,
-                    },
-                )
-
-            compiled_full = steps.run(
-                "full_compile", fcompile, what=f"whole QDQ head graph -> {profile.name} context binary"
-            )
-            if compiled_full is not None and not args.no_full_sim:
-
-                def fsim():
-                    from hycoc.targets.htp import HtpSession
-
-                    feed = feeds[0]
-                    t0 = time.perf_counter()
-                    sess = HtpSession(compiled_full.ctx_model, profile)
-                    load_s = time.perf_counter() - t0
-                    t1 = time.perf_counter()
-                    got_htp = sess.run(feed)
-                    run_s = time.perf_counter() - t1
-                    cpu = _cpu_run(qres.path, feed)
-                    flt = _cpu_run(qres.float_path, feed)
-                    out = {"load_seconds": round(load_s, 2), "run_seconds": round(run_s, 2)}
-                    for name in OUTPUT_NAMES:
-                        out[f"sqnr_htp_vs_cpu_qdq_db.{name}"] = _sqnr(cpu[name], got_htp[name])
-                        out[f"sqnr_htp_vs_float_db.{name}"] = _sqnr(flt[name], got_htp[name])
-                    out["top1_htp_eq_cpu_qdq"] = bool(np.argmax(cpu["logits"]) == np.argmax(got_htp["logits"]))
-                    return True, 0, out
-
-                steps.run("full_sim", fsim, what="whole head graph on the HTP simulator vs CPU EP (one query)")
-
-    total_s = time.perf_counter() - t_all
     report = {
         "what": "real-shape MTP head build check: random weights, synthetic keep set and calibration",
         "started": started,
         "total_seconds": round(total_s, 1),
-        "args": {k: v for k, v in vars(args).items()},
-        "shapes": _shapes(args, state.get("text")),
+        "args": dict(vars(c.args)),
+        "shapes": _shapes(c.args, c.text),
         "assumptions": [
             "head config ASSUMED (hycoc.passes.plan.HEAD_ASSUMED) until the assistant's config.json is given",
             "random weights (transformers' initializer): timing and memory are the real shapes', numerics are not",
@@ -844,29 +621,36 @@ def main(argv=None) -> dict[str, Any]:
             "calibration inputs synthetic (no verifier): e ~ N(0,1), h ~ N(0,2) with outlier channels x40, "
             "K/V ~ N(0,1), ring_masks for fills W/4..wrapped, rotary_rows at t-1",
         ],
-        "machine": {
-            "host": platform.node(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "mem_total_gib": round(_meminfo_kib("MemTotal") / 1024**2, 1),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-        },
-        "versions": _versions(),
-        "steps": steps.rows,
-        "peak_rss_gib": max((r.get("peak_tree_rss_gib", 0) for r in steps.rows), default=0),
-        "failed": [r["step"] for r in steps.rows if r.get("status") == "failed"],
+        "machine": {**machine(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
+        "versions": package_versions(),
+        "steps": c.steps.rows,
+        "peak_rss_gib": c.steps.peak_rss_gib,
+        "failed": c.steps.failed,
     }
-    report["needs"] = _needs(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=_json_default), encoding="utf-8")
-    os.replace(tmp, out)
-    if not args.quiet:
-        print_table(report)
-    if work_tmp is not None and not args.keep_work:
-        shutil.rmtree(work_tmp, ignore_errors=True)
+    report["needs"] = needs(c.steps.rows)
+    return report
+
+
+def main(argv=None) -> dict[str, Any]:
+    """Run the check; returns the report (also written to ``--out``)."""
+    args = parse_args(argv)
+    import torch
+    from rich.console import Console
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    c = start(args, Console(stderr=True, quiet=args.quiet))
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    t_all = time.perf_counter()
+    try:
+        run_chain(c)
+        report = report_of(c, started, time.perf_counter() - t_all)
+        write_report(args.out, report)
+        if not args.quiet:
+            print_table(report)
+    finally:
+        if not args.work and not args.keep_work:
+            shutil.rmtree(c.work, ignore_errors=True)
     return report
 
 
@@ -890,61 +674,6 @@ def _shapes(args, text: dict | None) -> dict[str, Any]:
         "kv_sliding": [t["num_key_value_heads"], t["head_dim"]],
         "kv_full": [t["num_global_key_value_heads"], t["global_head_dim"]],
     }
-
-
-def _meminfo_kib(field: str) -> int:
-    return _proc_kib("/proc/meminfo", field)
-
-
-def _versions() -> dict[str, str]:
-    out = {}
-    for mod in ("torch", "transformers", "onnx", "onnxscript", "onnx_ir", "onnxruntime"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
-            out[mod] = "?"
-    try:
-        from importlib.metadata import version
-
-        out["onnxruntime-qnn"] = version("onnxruntime-qnn")
-    except Exception:  # noqa: BLE001
-        out["onnxruntime-qnn"] = "?"
-    return out
-
-
-def _needs(report: dict) -> dict[str, Any]:
-    """The machine the measured steps need: the largest peak (RSS of the tree) and the slowest step."""
-    rows = [r for r in report["steps"] if r.get("status") == "ok"]
-    if not rows:
-        return {}
-    peak = max(rows, key=lambda r: r.get("peak_tree_rss_gib", 0))
-    slow = max(rows, key=lambda r: r.get("seconds", 0))
-    return {
-        "peak_step": peak["step"],
-        "peak_rss_gib": peak["peak_tree_rss_gib"],
-        "ram_gib_recommended": round(peak["peak_tree_rss_gib"] * 1.25 + 1, 1),
-        "slowest_step": slow["step"],
-        "slowest_seconds": slow["seconds"],
-    }
-
-
-def _json_default(o):
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, Path):
-        return str(o)
-    return str(o)
-
-
-def _human(n: int | float) -> str:
-    n = float(n or 0)
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
 
 
 def print_table(report: dict) -> None:
@@ -987,7 +716,7 @@ def print_table(report: dict) -> None:
                 f"{k} {v:.1f} dB" for k, v in sq.items()
             )
         elif r["step"].endswith("_compile"):
-            note = f"bin {_human(d.get('binary_bytes', 0))}, {d.get('soc_type')} v{d.get('htp_arch')}"
+            note = f"bin {human_bytes(d.get('binary_bytes', 0))}, {d.get('soc_type')} v{d.get('htp_arch')}"
         elif r["step"].endswith("_sim"):
             note = ", ".join(f"{k.replace('sqnr_', '')} {v}" for k, v in d.items() if k.startswith("sqnr"))
         if r.get("status") == "failed":
@@ -1000,7 +729,7 @@ def print_table(report: dict) -> None:
             f"{r.get('seconds', 0):.1f}",
             f"{r.get('peak_rss_gib', 0):.2f}",
             f"{r.get('peak_tree_rss_gib', 0):.2f}",
-            _human(r.get("output_bytes", 0)),
+            human_bytes(r.get("output_bytes", 0)),
             note,
         )
     console = Console(width=max(160, Console().width))

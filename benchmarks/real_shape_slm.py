@@ -6,7 +6,7 @@ SLM at real shape").
     python benchmarks/real_shape_slm.py --skip-compile --max-qdq-gib 11
 
 Steps, each timed, with its peak memory and the bytes it wrote (the head's equivalent is
-`benchmarks/real_shape_head.py`, whose measuring helpers this script reuses):
+`benchmarks/real_shape_head.py`; both measure through `hycoc.bench.harness`):
 
 1. ``checkpoint``: random integer weights written straight into transformers' pre-quantized Gemma format
    (``quant_method: gemma``: packed int2/int4/int8 + per-channel float32 ``weight_scale``, embeddings as
@@ -36,8 +36,9 @@ Steps, each timed, with its peak memory and the bytes it wrote (the head's equiv
 8. ``compile`` / ``sim``: `hycoc.targets.htp.compile_context` for htp-v81 with CPU fallback disabled; one run on
    the HTP simulator against the same QDQ graph on the CPU EP (SQNR of logits and the new KV).
 
-Memory: ``peak_rss_gib`` (VmHWM, reset per step) and ``peak_tree_rss_gib`` (this process + children, sampled);
-``cpu_seconds``: CPU time of the step (this process + finished children), the figure to quote on a loaded machine.
+Memory: ``peak_rss_gib`` (VmHWM, reset per step) and ``peak_tree_rss_gib`` (this process + children, sampled with
+psutil); ``cpu_seconds``: CPU time of the step (this process + its children, psutil), the figure to quote on a loaded
+machine (`hycoc.bench.harness.Steps`).
 ``--toy-dims`` (tests only): the same chain at toy widths; the report says ``"real_shapes": false``.
 Prints a table and writes JSON to ``--out`` (default runs/real-shape-slm.json).
 """
@@ -46,11 +47,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import math
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -61,10 +62,23 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import real_shape_head as rsh  # noqa: E402  (the measuring helpers: Steps, _du, _sqnr, _cpu_run, ...)
+from hycoc.bench.harness import (
+    Steps,
+    cpu_run,
+    du,
+    human_bytes,
+    initializer_bits,
+    machine,
+    needs,
+    onnx_files,
+    qnn_worker_timeout,
+    sqnr_rounded,
+    synthetic_keep_set,
+    write_report,
+)
+from hycoc.doctor import package_versions
 
+REPO = Path(__file__).resolve().parents[1]
 GIB = 1024**3
 TWO_GB = 2**31
 
@@ -80,23 +94,6 @@ TOY_DIMS = {
     "vocab_size_per_layer_input": 4096,
     "hidden_size_per_layer_input": 16,
 }
-
-
-class CpuSteps(rsh.Steps):
-    """`real_shape_head.Steps` that also records each step's CPU seconds (``cpu_seconds``: this process +
-    its finished children, ``resource.getrusage``): on a shared, loaded machine wall time alone misleads."""
-
-    def run(self, name: str, fn, *, what: str = ""):
-        import resource
-
-        def cpu() -> float:
-            me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-            return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-
-        c0 = cpu()
-        result = super().run(name, fn, what=what)
-        self.rows[-1]["cpu_seconds"] = round(cpu() - c0, 2)
-        return result
 
 
 def slm_config(layers: int | None, toy_dims: bool = False) -> dict[str, Any]:
@@ -243,7 +240,7 @@ def write_random_checkpoint(
     return {
         "tensors": len(index["weight_map"]),
         "files": len(files),
-        "bytes": rsh._du(path),
+        "bytes": du(path),
         "by_bits": by_bits,
         "embeddings": embeddings,
     }
@@ -302,519 +299,568 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> dict[str, Any]:
-    """Run the check; returns the report (also written to ``--out``)."""
-    args = parse_args(argv)
+@dataclasses.dataclass
+class Check:
+    """One run of the check: arguments, the recipe's calibration section, target profile, config, the step recorder,
+    the work folder, and ``state`` (what a step hands the next: slm, graph, keep, example, feed, bounds)."""
+
+    args: argparse.Namespace
+    steps: Steps
+    work: Path
+    cfg: dict[str, Any]
+    qcfg: dict[str, Any]
+    cal: Any  # the recipe's [slm_calibration] section
+    profile: Any  # hycoc.targets.profiles.TargetProfile
+    state: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def vocab(self) -> int:
+        return int(self.cfg["vocab_size"])
+
+    @property
+    def keep_n(self) -> int:
+        return min(self.args.keep_set, self.vocab)
+
+    @property
+    def export_path(self) -> Path:
+        return self.work / "export" / "slm.onnx"
+
+    def say(self, text: str) -> None:
+        """A progress line (none with ``--quiet``)."""
+        if not self.args.quiet:
+            from hycoc import progress
+
+            progress.plain_line(text)
+
+
+def start(args: argparse.Namespace) -> Check:
+    """The run's `Check`: work folder, recipe, profile, the (cut) E2B config and its bit map."""
     from hycoc.passes import bit_map
     from hycoc.targets.profiles import get_profile
     from rich.console import Console
 
-    from hycoc import progress
     from hycoc.recipe import load_recipe
 
-    console = Console(stderr=True, quiet=args.quiet)
-    started = datetime.now(UTC).isoformat(timespec="seconds")
-    t_all = time.perf_counter()
-    work_tmp = None
     if args.work:
         work = Path(args.work)
         work.mkdir(parents=True, exist_ok=True)
     else:
-        work_tmp = Path(tempfile.mkdtemp(prefix="hycoc-real-shape-slm-"))
-        work = work_tmp
+        work = Path(tempfile.mkdtemp(prefix="hycoc-real-shape-slm-"))
     recipe = load_recipe(REPO / "recipes" / "gemma4.toml")
-    cal = recipe.slm_calibration
-    profile = get_profile("htp-v81")
-    cfg = slm_config(args.layers, args.toy_dims)
     qcfg = bit_map.E2B_ASSUMED if args.bit_map == "assumed" else bit_map.e2b_paper_fit()
-    vocab = int(cfg["vocab_size"])
-    keep_n = min(args.keep_set, vocab)
-    steps = CpuSteps(console if not args.quiet else None)
-    state: dict[str, Any] = {}
-
-    def say(text):
-        if not args.quiet:
-            progress.plain_line(text)
-
-    # 1. checkpoint
-    ckpt = work / "checkpoint"
-
-    def s_checkpoint():
-        info = write_random_checkpoint(cfg, qcfg, ckpt, seed=args.seed)
-        return True, info["bytes"], info
-
-    say(f"checkpoint: {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, bit map {args.bit_map}")
-    if (
-        steps.run("checkpoint", s_checkpoint, what="random integers in transformers' pre-quantized Gemma format")
-        is None
-    ):
-        return _finish(args, steps, started, t_all, cfg, state, work_tmp)
-
-    # 2. surgery
-    def s_surgery():
-        from hycoc.passes.slm_surgery import operate
-
-        slm, numbers = operate(ckpt)
-        state["slm"] = slm
-        return slm, numbers["after_bytes"], numbers
-
-    say("surgery: transformers loads the checkpoint, integers checked bit-exact")
-    slm = steps.run("surgery", s_surgery, what="slm_surgery.operate: bit-exact integer weights, host LUTs")
-    if slm is None:
-        return _finish(args, steps, started, t_all, cfg, state, work_tmp)
-
-    # 3. host LUTs
-    def s_luts():
-        tokens = np.random.default_rng(args.seed).integers(0, vocab, args.rows)
-        out = {}
-        for name, lut in slm.luts.items():
-            t0 = time.perf_counter()
-            rows = lut.lookup(tokens)
-            out[name] = {
-                "rows": int(lut.packed.shape[0]),
-                "cols": int(lut.dim),
-                "bits": int(lut.bits),
-                "bytes": int(lut.packed.nbytes + lut.scale.nbytes),
-                "lookup_shape": list(rows.shape),
-                "lookup_ms": round(1000 * (time.perf_counter() - t0), 3),
-            }
-        return True, 0, {"luts": out, "total_bytes": sum(v["bytes"] for v in out.values())}
-
-    steps.run("host_luts", s_luts, what="token + per-layer embedding LUTs looked up on the host (32 rows)")
-
-    if args.shards != "1" or args.bounds:
-        _sharded(args, steps, state, slm, cfg, keep_n, vocab, profile, cal, work, say)
-        return _finish(args, steps, started, t_all, cfg, state, work_tmp)
-
-    # 4. graph
-    def s_graph():
-        from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph, example_inputs
-
-        keep = rsh.synthetic_keep_set(keep_n, vocab, args.seed)
-        graph = SlmTreeGraph(slm, keep, rows=args.rows, ring={FULL: args.ring, SLIDING: args.sliding_ring})
-        state["graph"], state["keep"] = graph, keep
-        state["example"] = example_inputs(graph, slm, args.seed)
-        # the full-vocabulary output layer is not needed past here (the graph holds its keep-set rows): 0.4 GB
-        head = slm.weights.pop("lm_head")
-        return (
-            graph,
-            0,
-            {
-                "rows": graph.rows,
-                "ring": graph.ring,
-                "kv_layers": graph.kv_layers,
-                "keep_set": len(keep),
-                "output_layer_rows_before": int(head.q.shape[0]),
-                "output_layer_rows_after": int(graph.lm_head.q.shape[0]),
-                "inputs": {n: list(s) for n, s in graph.input_shapes.items()},
-            },
-        )
-
-    graph = steps.run("graph", s_graph, what="SlmTreeGraph: B rows over the ring, keep-set output layer")
-    if graph is None:
-        return _finish(args, steps, started, t_all, cfg, state, work_tmp)
-
-    # 5. export
-    export_path = work / "export" / "slm.onnx"
-
-    def s_export():
-        from hycoc.passes.slm_graph import export_slm_graph
-        from hycoc.targets.htp import find_host_only_nodes
-
-        _, rep = export_slm_graph(graph, state["example"], export_path)
-        import onnx
-
-        m = onnx.load(str(export_path), load_external_data=False)
-        host = find_host_only_nodes(m, profile)
-        d = rep.numbers()
-        d.update(
-            model_bytes=rep.model_bytes,
-            data_bytes=rep.data_bytes,
-            over_2gb=rep.data_bytes > TWO_GB,
-            host_only_nodes=[str(n) for n in host],
-            initializer_bits=rsh._qdq_bitmap(export_path),
-        )
-        return True, rsh._du(*rsh._onnx_files(export_path)), d
-
-    say("export: torch.onnx dynamo, RMSNorm decomposition, checker, CPU EP vs torch")
-    if steps.run("export", s_export, what="export_slm_graph (external data, checker, ORT vs torch)") is None:
-        return _finish(args, steps, started, t_all, cfg, state, work_tmp)
-
-    # 6. QDQ
-    linear_values = sum(int(m.q.numel()) for m in graph.modules() if hasattr(m, "q") and hasattr(m, "bits"))
-    lut_bytes = sum(int(v.packed.nbytes) for v in slm.luts.values())
-    estimate = qdq_peak_estimate_gib(linear_values, lut_bytes)
-    qres = None
-    if estimate > args.max_qdq_gib:
-        steps.rows.append(
-            {
-                "step": "qdq",
-                "status": "refused",
-                "seconds": 0,
-                "output_bytes": 0,
-                "peak_rss_gib": 0,
-                "peak_tree_rss_gib": 0,
-                "what": f"estimated peak {estimate:.1f} GiB > --max-qdq-gib {args.max_qdq_gib} "
-                f"({linear_values:,} graph weights folded to float32): run it where "
-                f"{estimate * 1.25:.0f} GiB are free, or shard the graph by layers",
-                "details": {"estimate_gib": round(estimate, 2), "linear_values": linear_values},
-            }
-        )
-        say(f"qdq refused: estimated {estimate:.1f} GiB > {args.max_qdq_gib} GiB")
-    else:
-
-        def s_qdq():
-            from hycoc.passes.qdq import quantize_graph, slm_calibration_samples
-
-            samples = slm_calibration_samples(graph, slm, args.samples, args.seed)
-            res = quantize_graph(
-                export_path, samples, work / "qdq", percentile=cal.percentile, range_scale=cal.range_scale
-            )
-            import onnx
-
-            onnx.checker.check_model(str(res.path), full_check=True)
-            d = res.numbers()
-            d.pop("io_encodings", None)
-            d.update(
-                checker="ok",
-                estimate_gib=round(estimate, 2),
-                initializer_bits=rsh._qdq_bitmap(res.path),
-                data_bytes=rsh._du(*rsh._onnx_files(res.path)),
-                over_2gb=rsh._du(*rsh._onnx_files(res.path)) > TWO_GB,
-            )
-            state["feed"] = samples[0]
-            return res, rsh._du(work / "qdq"), d
-
-        say("qdq: fold integer weights, calibrate A16, quantize, verify bit-exact weights, SQNR")
-        qres = steps.run("qdq", s_qdq, what="quantize_graph: bit-exact integer weights, A16, SQNR on the CPU EP")
-
-    # 7. budget refusal (before compiling)
-    if qres is not None:
-
-        def s_budget():
-            from hycoc.targets.htp import ContextTooLargeError, compile_context, plan_context_size
-
-            plan = plan_context_size([qres.path], profile)
-            small = profile.with_limit(plan.weight_bytes - 1)
-            out = work / "refused"
-            t0 = time.perf_counter()
-            try:
-                compile_context(qres.path, out, small, graph_name="slm")
-            except ContextTooLargeError as e:
-                written = sorted(p.name for p in out.rglob("*") if p.is_file()) if out.exists() else []
-                return (
-                    True,
-                    0,
-                    {
-                        "refused": True,
-                        "message": str(e)[:600],
-                        "seconds_to_refuse": round(time.perf_counter() - t0, 3),
-                        "weight_bytes": plan.weight_bytes,
-                        "limit_bytes": small.max_context_bytes,
-                        "files_written": written,
-                        "fits_real_limit": plan.weight_bytes <= profile.max_context_bytes,
-                        "real_limit_bytes": profile.max_context_bytes,
-                    },
-                )
-            raise AssertionError("a context over the lowered limit was not refused")
-
-        steps.run("budget_refusal", s_budget, what="limit lowered below the weights: refused before compiling")
-
-    # 8. compile + simulator
-    if qres is not None and not args.skip_compile:
-
-        def s_compile():
-            from hycoc.targets.htp import compile_context
-
-            with rsh._WorkerTimeout(args.compile_timeout):
-                cg = compile_context(qres.path, work / "htp", profile, graph_name="slm")
-            return (
-                cg,
-                cg.binary_bytes + cg.ctx_model.stat().st_size,
-                {
-                    "profile": profile.name,
-                    "htp_arch": cg.htp_arch,
-                    "soc_type": cg.soc_type,
-                    "qnn_sdk": cg.qnn_sdk,
-                    "binary_bytes": cg.binary_bytes,
-                    "weight_bytes": cg.weight_bytes,
-                    "compile_seconds": round(cg.compile_seconds, 2),
-                    "cpu_fallback": "disabled",
-                },
-            )
-
-        say("compile: htp-v81 context binary, CPU fallback disabled")
-        cg = steps.run("compile", s_compile, what=f"compile_context {profile.name}, CPU fallback disabled")
-        if cg is not None:
-
-            def s_sim():
-                from hycoc.targets.htp import HtpSession
-
-                feed = state["feed"]
-                t0 = time.perf_counter()
-                sess = HtpSession(cg.ctx_model, profile)
-                load_s = time.perf_counter() - t0
-                t1 = time.perf_counter()
-                got = sess.run(feed)
-                run_s = time.perf_counter() - t1
-                cpu = rsh._cpu_run(qres.path, feed)
-                out = {"load_seconds": round(load_s, 2), "run_seconds": round(run_s, 2)}
-                for name in cpu:
-                    out[f"sqnr_htp_vs_cpu_qdq_db.{name}"] = rsh._sqnr(cpu[name], got[name])
-                lg, lc = (
-                    got["logits"].reshape(-1, got["logits"].shape[-1]),
-                    cpu["logits"].reshape(-1, cpu["logits"].shape[-1]),
-                )
-                out["top1_htp_eq_cpu_qdq"] = float(np.mean(lg.argmax(-1) == lc.argmax(-1)))
-                return True, 0, out
-
-            steps.run("sim", s_sim, what="HTP simulator vs the QDQ graph on the CPU EP (one input)")
-    return _finish(args, steps, started, t_all, cfg, state, work_tmp)
+    steps = Steps(None if args.quiet else Console(stderr=True))
+    cfg = slm_config(args.layers, args.toy_dims)
+    return Check(args, steps, work, cfg, qcfg, recipe.slm_calibration, get_profile("htp-v81"))
 
 
-def _sharded(args, steps, state, slm, cfg, keep_n, vocab, profile, cal, work: Path, say) -> None:
-    """``--shards``: the graph split by layers (`hycoc.passes.slm_shards.plan_shards` on the profile's context
-    budget, or ``--bounds``), then per shard k, in chain order: ``graph.sK`` (torch shard + the float chain on the
-    calibration samples: shard k's samples are the host feeds and the earlier shards' float outputs),
-    ``export.sK``, ``qdq.sK``, ``compile.sK`` (its own context binary), ``sim.sK`` (the HTP simulator chain: shard k
-    fed by the earlier shards' simulator outputs, against the CPU EP chain of the QDQ shards). ``budget_refusal``
-    on the largest shard; ``chain``: end-to-end SQNR of the simulator chain vs the CPU EP chain (logits, new KV)."""
+# ---- the steps: each returns (result, output bytes, details) for `Steps.run` --------------------------------------
+
+
+def checkpoint(c: Check):
+    """1. Random integers in transformers' pre-quantized Gemma format."""
+    info = write_random_checkpoint(c.cfg, c.qcfg, c.work / "checkpoint", seed=c.args.seed)
+    return True, info["bytes"], info
+
+
+def surgery(c: Check):
+    """2. `slm_surgery.operate`: integer weights checked bit-exact, embeddings to host LUTs."""
+    from hycoc.passes.slm_surgery import operate
+
+    slm, numbers = operate(c.work / "checkpoint")
+    c.state["slm"] = slm
+    return slm, numbers["after_bytes"], numbers
+
+
+def host_luts(c: Check):
+    """3. The token and per-layer embedding LUTs looked up on the host for B rows."""
+    tokens = np.random.default_rng(c.args.seed).integers(0, c.vocab, c.args.rows)
+    out = {}
+    for name, lut in c.state["slm"].luts.items():
+        t0 = time.perf_counter()
+        rows = lut.lookup(tokens)
+        out[name] = {
+            "rows": int(lut.packed.shape[0]),
+            "cols": int(lut.dim),
+            "bits": int(lut.bits),
+            "bytes": int(lut.packed.nbytes + lut.scale.nbytes),
+            "lookup_shape": list(rows.shape),
+            "lookup_ms": round(1000 * (time.perf_counter() - t0), 3),
+        }
+    return True, 0, {"luts": out, "total_bytes": sum(v["bytes"] for v in out.values())}
+
+
+def tree_graph(c: Check):
+    """4. `SlmTreeGraph` with B rows over the rings and the keep-set output layer."""
+    from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph, example_inputs
+
+    a, slm = c.args, c.state["slm"]
+    keep = synthetic_keep_set(c.keep_n, c.vocab, a.seed)
+    graph = SlmTreeGraph(slm, keep, rows=a.rows, ring={FULL: a.ring, SLIDING: a.sliding_ring})
+    c.state["graph"], c.state["keep"] = graph, keep
+    c.state["example"] = example_inputs(graph, slm, a.seed)
+    # the full-vocabulary output layer is not needed past here (the graph holds its keep-set rows): 0.4 GB
+    head = slm.weights.pop("lm_head")
+    details = {
+        "rows": graph.rows,
+        "ring": graph.ring,
+        "kv_layers": graph.kv_layers,
+        "keep_set": len(keep),
+        "output_layer_rows_before": int(head.q.shape[0]),
+        "output_layer_rows_after": int(graph.lm_head.q.shape[0]),
+        "inputs": {n: list(s) for n, s in graph.input_shapes.items()},
+    }
+    return graph, 0, details
+
+
+def export(c: Check):
+    """5. `export_slm_graph`, then the host-only nodes left in the device graph."""
+    import onnx
+    from hycoc.passes.slm_graph import export_slm_graph
+    from hycoc.targets.htp import find_host_only_nodes
+
+    _, rep = export_slm_graph(c.state["graph"], c.state["example"], c.export_path)
+    m = onnx.load(str(c.export_path), load_external_data=False)
+    host = find_host_only_nodes(m, c.profile)
+    d = rep.numbers()
+    d.update(
+        model_bytes=rep.model_bytes,
+        data_bytes=rep.data_bytes,
+        over_2gb=rep.data_bytes > TWO_GB,
+        host_only_nodes=[str(n) for n in host],
+        initializer_bits=initializer_bits(c.export_path),
+    )
+    return True, du(*onnx_files(c.export_path)), d
+
+
+def refused_row(name: str, estimate: float, limit: float, note: str = "", details: dict | None = None) -> dict:
+    """The report row of a QDQ step refused up front: its estimated peak is over ``--max-qdq-gib``."""
+    row = {
+        "step": name,
+        "status": "refused",
+        "seconds": 0,
+        "output_bytes": 0,
+        "peak_rss_gib": 0,
+        "peak_tree_rss_gib": 0,
+        "what": f"estimated peak {estimate:.1f} GiB > --max-qdq-gib {limit}{note}",
+    }
+    return row if details is None else {**row, "details": details}
+
+
+def qdq(c: Check, estimate: float):
+    """6. `quantize_graph` on the whole graph (bit-exact integer weights, A16 on synthetic samples), checker."""
+    import onnx
     from hycoc.passes.qdq import quantize_graph, slm_calibration_samples
-    from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph, chain_feeds, export_slm_graph
+
+    graph, slm, cal = c.state["graph"], c.state["slm"], c.cal
+    samples = slm_calibration_samples(graph, slm, c.args.samples, c.args.seed)
+    res = quantize_graph(c.export_path, samples, c.work / "qdq", percentile=cal.percentile, range_scale=cal.range_scale)
+    onnx.checker.check_model(str(res.path), full_check=True)
+    d = res.numbers()
+    d.pop("io_encodings", None)
+    data_bytes = du(*onnx_files(res.path))
+    d.update(
+        checker="ok",
+        estimate_gib=round(estimate, 2),
+        initializer_bits=initializer_bits(res.path),
+        data_bytes=data_bytes,
+        over_2gb=data_bytes > TWO_GB,
+    )
+    c.state["feed"] = samples[0]
+    return res, du(c.work / "qdq"), d
+
+
+def budget_refusal(c: Check, qdq_path: Path):
+    """7. The compile with the context limit one byte below the weights must be refused before compiling."""
+    from hycoc.targets.htp import ContextTooLargeError, compile_context, plan_context_size
+
+    plan = plan_context_size([qdq_path], c.profile)
+    small = c.profile.with_limit(plan.weight_bytes - 1)
+    out = c.work / "refused"
+    t0 = time.perf_counter()
+    try:
+        compile_context(qdq_path, out, small, graph_name="slm")
+    except ContextTooLargeError as e:
+        written = sorted(p.name for p in out.rglob("*") if p.is_file()) if out.exists() else []
+        details = {
+            "refused": True,
+            "message": str(e)[:600],
+            "seconds_to_refuse": round(time.perf_counter() - t0, 3),
+            "weight_bytes": plan.weight_bytes,
+            "limit_bytes": small.max_context_bytes,
+            "files_written": written,
+            "fits_real_limit": plan.weight_bytes <= c.profile.max_context_bytes,
+            "real_limit_bytes": c.profile.max_context_bytes,
+        }
+        return True, 0, details
+    raise AssertionError("a context over the lowered limit was not refused")
+
+
+def compile_slm(c: Check, qdq_path: Path, name: str):
+    """`compile_context` of ``qdq_path`` for the profile (CPU fallback disabled) within ``--compile-timeout``."""
+    from hycoc.targets.htp import compile_context
+
+    with qnn_worker_timeout(c.args.compile_timeout):
+        return compile_context(qdq_path, c.work / "htp", c.profile, graph_name=name)
+
+
+def compile_step(c: Check, qdq_path: Path):
+    """8. The whole graph's context binary."""
+    cg = compile_slm(c, qdq_path, "slm")
+    details = {
+        "profile": c.profile.name,
+        "htp_arch": cg.htp_arch,
+        "soc_type": cg.soc_type,
+        "qnn_sdk": cg.qnn_sdk,
+        "binary_bytes": cg.binary_bytes,
+        "weight_bytes": cg.weight_bytes,
+        "compile_seconds": round(cg.compile_seconds, 2),
+        "cpu_fallback": "disabled",
+    }
+    return cg, cg.binary_bytes + cg.ctx_model.stat().st_size, details
+
+
+def top1_agreement(a: np.ndarray, b: np.ndarray) -> float:
+    """Share of rows whose argmax over the last axis agrees."""
+    a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    return float(np.mean(a.argmax(-1) == b.argmax(-1)))
+
+
+def simulate(c: Check, cg, qdq_path: Path):
+    """8. One input on the HTP simulator against the same QDQ graph on the CPU EP (SQNR per output, top-1)."""
+    from hycoc.targets.htp import HtpSession
+
+    feed = c.state["feed"]
+    t0 = time.perf_counter()
+    sess = HtpSession(cg.ctx_model, c.profile)
+    load_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    got = sess.run(feed)
+    run_s = time.perf_counter() - t1
+    cpu = cpu_run(qdq_path, feed)
+    out = {"load_seconds": round(load_s, 2), "run_seconds": round(run_s, 2)}
+    for name in cpu:
+        out[f"sqnr_htp_vs_cpu_qdq_db.{name}"] = sqnr_rounded(cpu[name], got[name])
+    out["top1_htp_eq_cpu_qdq"] = top1_agreement(got["logits"], cpu["logits"])
+    return True, 0, out
+
+
+def run_chain(c: Check) -> None:
+    """Steps 1-8 in order (``--shards``: steps 4-8 per shard, `_sharded`); each runs only when what it needs
+    succeeded."""
+    a, steps = c.args, c.steps
+    c.say(f"checkpoint: {c.cfg['num_hidden_layers']} layers, hidden {c.cfg['hidden_size']}, bit map {a.bit_map}")
+    what = "random integers in transformers' pre-quantized Gemma format"
+    if steps.run("checkpoint", lambda: checkpoint(c), what=what) is None:
+        return
+    c.say("surgery: transformers loads the checkpoint, integers checked bit-exact")
+    what = "slm_surgery.operate: bit-exact integer weights, host LUTs"
+    slm = steps.run("surgery", lambda: surgery(c), what=what)
+    if slm is None:
+        return
+    what = "token + per-layer embedding LUTs looked up on the host (32 rows)"
+    steps.run("host_luts", lambda: host_luts(c), what=what)
+    if a.shards != "1" or a.bounds:
+        _sharded(c)
+        return
+    what = "SlmTreeGraph: B rows over the ring, keep-set output layer"
+    graph = steps.run("graph", lambda: tree_graph(c), what=what)
+    if graph is None:
+        return
+    c.say("export: torch.onnx dynamo, RMSNorm decomposition, checker, CPU EP vs torch")
+    if steps.run("export", lambda: export(c), what="export_slm_graph (external data, checker, ORT vs torch)") is None:
+        return
+    linear_values = sum(int(m.q.numel()) for m in graph.modules() if hasattr(m, "q") and hasattr(m, "bits"))
+    estimate = qdq_peak_estimate_gib(linear_values, sum(int(v.packed.nbytes) for v in slm.luts.values()))
+    if estimate > a.max_qdq_gib:
+        note = (
+            f" ({linear_values:,} graph weights folded to float32): run it where {estimate * 1.25:.0f} GiB are "
+            "free, or shard the graph by layers"
+        )
+        details = {"estimate_gib": round(estimate, 2), "linear_values": linear_values}
+        steps.rows.append(refused_row("qdq", estimate, a.max_qdq_gib, note, details))
+        c.say(f"qdq refused: estimated {estimate:.1f} GiB > {a.max_qdq_gib} GiB")
+        return
+    c.say("qdq: fold integer weights, calibrate A16, quantize, verify bit-exact weights, SQNR")
+    what = "quantize_graph: bit-exact integer weights, A16, SQNR on the CPU EP"
+    qres = steps.run("qdq", lambda: qdq(c, estimate), what=what)
+    if qres is None:
+        return
+    what = "limit lowered below the weights: refused before compiling"
+    steps.run("budget_refusal", lambda: budget_refusal(c, qres.path), what=what)
+    if a.skip_compile:
+        return
+    c.say("compile: htp-v81 context binary, CPU fallback disabled")
+    what = f"compile_context {c.profile.name}, CPU fallback disabled"
+    cg = steps.run("compile", lambda: compile_step(c, qres.path), what=what)
+    if cg is not None:
+        what = "HTP simulator vs the QDQ graph on the CPU EP (one input)"
+        steps.run("sim", lambda: simulate(c, cg, qres.path), what=what)
+
+
+def main(argv=None) -> dict[str, Any]:
+    """Run the check; returns the report (also written to ``--out``)."""
+    args = parse_args(argv)
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    t_all = time.perf_counter()
+    c = start(args)
+    try:
+        run_chain(c)
+        report = report_of(c, started, time.perf_counter() - t_all)
+        write_report(args.out, report)
+        if not args.quiet:
+            print_table(report)
+    finally:
+        c.state.clear()
+        gc.collect()
+        if not args.work and not args.keep_work:
+            shutil.rmtree(c.work, ignore_errors=True)
+    return report
+
+
+# ---- --shards: the graph split by layers, each shard through steps 4-8, then the chain end to end ----------------
+
+
+@dataclasses.dataclass
+class Shards:
+    """The sharded path's state: the shard bounds, the keep set and rings, the host's calibration feeds, and what
+    each chain (float, QDQ on the CPU EP, HTP simulator) has produced so far (output name -> array; the float chain
+    per sample), plus the QDQ file of each shard done."""
+
+    bounds: tuple[int, ...]
+    keep: np.ndarray
+    ring: dict[str, int]
+    host_samples: list[dict[str, np.ndarray]] | None = None
+    produced_float: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
+    produced_sim: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    produced_cpu: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    qdq_paths: list[Path] = dataclasses.field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        return len(self.bounds) - 1
+
+
+def shard_plan(c: Check):
+    """The shard bounds: ``--bounds``, else `plan_shards` on the profile's context budget (``--shards``)."""
     from hycoc.passes.slm_shards import layer_weight_bytes, plan_shards
 
-    ring = {FULL: args.ring, SLIDING: args.sliding_ring}
-    keep = rsh.synthetic_keep_set(keep_n, vocab, args.seed)
+    args, budget = c.args, c.profile.max_context_bytes
+    per_layer, first, last = layer_weight_bytes(c.state["slm"], c.keep_n)
+    if args.bounds:
+        bounds, source = tuple(int(x) for x in args.bounds.split(",")), "--bounds"
+    else:
+        shards = args.shards if args.shards == "auto" else int(args.shards)
+        plan = plan_shards(per_layer, budget=budget, first_extra=first, last_extra=last, shards=shards)
+        bounds, source = plan.bounds, f"plan_shards({args.shards})"
+    seg = [
+        sum(per_layer[a:b]) + (first if a == 0 else 0) + (last if b == len(per_layer) else 0)
+        for a, b in zip(bounds, bounds[1:])
+    ]
+    details = {
+        "bounds": list(bounds),
+        "per_layer_bytes": per_layer,
+        "first_extra_bytes": first,
+        "last_extra_bytes": last,
+        "estimated_shard_bytes": seg,
+        "budget_bytes": budget,
+        "from": source,
+    }
+    return bounds, 0, details
 
-    def s_plan():
-        per_layer, first, last = layer_weight_bytes(slm, keep_n)
-        if args.bounds:
-            bounds = tuple(int(x) for x in args.bounds.split(","))
-            plan = None
-        else:
-            plan = plan_shards(
-                per_layer,
-                budget=profile.max_context_bytes,
-                first_extra=first,
-                last_extra=last,
-                shards=args.shards if args.shards == "auto" else int(args.shards),
-            )
-            bounds = plan.bounds
-        seg = [
-            sum(per_layer[a:b]) + (first if a == 0 else 0) + (last if b == len(per_layer) else 0)
-            for a, b in zip(bounds, bounds[1:])
-        ]
-        state["bounds"] = bounds
-        return (
-            bounds,
-            0,
-            {
-                "bounds": list(bounds),
-                "per_layer_bytes": per_layer,
-                "first_extra_bytes": first,
-                "last_extra_bytes": last,
-                "estimated_shard_bytes": seg,
-                "budget_bytes": profile.max_context_bytes,
-                "from": "--bounds" if plan is None else f"plan_shards({args.shards})",
-            },
-        )
 
-    bounds = steps.run("shard_plan", s_plan, what="layer_weight_bytes + plan_shards on the profile's budget")
+def shard_graph(c: Check, s: Shards, k: int):
+    """``graph.sK``: the torch shard, and the float chain on the calibration samples (shard k's samples are the host
+    feeds and the earlier shards' float outputs). Returns ((graph, samples), 0, details)."""
+    import torch
+    from hycoc.passes.qdq import slm_calibration_samples
+    from hycoc.passes.slm_graph import SlmTreeGraph, chain_feeds
+
+    slm, a = c.state["slm"], c.args
+    g = SlmTreeGraph(slm, s.keep, rows=a.rows, ring=s.ring, bounds=s.bounds, shard=k)
+    if s.host_samples is None:
+        s.host_samples = slm_calibration_samples(g, slm, a.samples, a.seed)
+        s.produced_float.extend({} for _ in s.host_samples)
+    samples = []
+    for host, made in zip(s.host_samples, s.produced_float):
+        x = chain_feeds(g, host, made)
+        samples.append(x)
+        with torch.no_grad():
+            outs = g(*[torch.from_numpy(x[nm]) for nm in g.input_names])
+        made.update({nm: o.numpy() for nm, o in zip(g.output_names, outs)})
+    details = {
+        "layers": list(g.layer_range),
+        "kv_layers": g.kv_layers,
+        "borrowed_producers": g.borrowed,
+        "inputs": {nm: list(v) for nm, v in g.input_shapes.items()},
+        "outputs": {nm: list(v) for nm, v in g.output_shapes.items()},
+        "linear_values": sum(int(m.q.numel()) for m in g.modules() if hasattr(m, "bits")),
+    }
+    return (g, samples), 0, details
+
+
+def shard_export(c: Check, g, samples: list[dict[str, np.ndarray]], path: Path):
+    """``export.sK``: `export_slm_graph` of the shard on its first sample, and its host-only nodes."""
+    import onnx
+    import torch
+    from hycoc.passes.slm_graph import export_slm_graph
+    from hycoc.targets.htp import find_host_only_nodes
+
+    _, rep = export_slm_graph(g, [torch.from_numpy(samples[0][nm]) for nm in g.input_names], path)
+    m = onnx.load(str(path), load_external_data=False)
+    d = rep.numbers()
+    d.update(
+        data_bytes=rep.data_bytes,
+        over_2gb=rep.data_bytes > TWO_GB,
+        host_only_nodes=[str(x) for x in find_host_only_nodes(m, c.profile)],
+    )
+    return True, du(*onnx_files(path)), d
+
+
+def shard_qdq(c: Check, path: Path, samples: list[dict[str, np.ndarray]], tag: str, estimate: float):
+    """``qdq.sK``: `quantize_graph` of the shard, calibrated on the float chain; the ONNX checker."""
+    import onnx
+    from hycoc.passes.qdq import quantize_graph
+
+    out = c.work / f"qdq-{tag}"
+    res = quantize_graph(path, samples, out, percentile=c.cal.percentile, range_scale=c.cal.range_scale)
+    onnx.checker.check_model(str(res.path), full_check=True)
+    d = res.numbers()
+    d.pop("io_encodings", None)
+    d.update(checker="ok", estimate_gib=round(estimate, 2), data_bytes=du(*onnx_files(res.path)))
+    return res, du(out), d
+
+
+def shard_budget_refusal(c: Check, s: Shards):
+    """``budget_refusal``: the limit lowered one byte below the largest shard's weights must refuse it first."""
+    from hycoc.targets.htp import ContextTooLargeError, compile_context, plan_context_size
+
+    plans = [plan_context_size([p], c.profile) for p in s.qdq_paths]
+    biggest = max(range(len(plans)), key=lambda i: plans[i].weight_bytes)
+    small = c.profile.with_limit(plans[biggest].weight_bytes - 1)
+    out = c.work / "refused"
+    try:
+        compile_context(s.qdq_paths[biggest], out, small, graph_name=f"slm_s{biggest}")
+    except ContextTooLargeError as e:
+        written = sorted(p.name for p in out.rglob("*") if p.is_file()) if out.exists() else []
+        details = {
+            "refused": True,
+            "shard": biggest,
+            "message": str(e)[:600],
+            "shard_weight_bytes": [p.weight_bytes for p in plans],
+            "files_written": written,
+            "limit_bytes": c.profile.max_context_bytes,
+            "every_shard_fits": all(p.weight_bytes <= c.profile.max_context_bytes for p in plans),
+        }
+        return True, 0, details
+    raise AssertionError("a shard over the lowered limit was not refused")
+
+
+def shard_compile(c: Check, qdq_path: Path, tag: str):
+    """``compile.sK``: the shard's own context binary."""
+    cg = compile_slm(c, qdq_path, f"slm_{tag}")
+    details = {
+        "binary": cg.context_binary.name,
+        "binary_bytes": cg.binary_bytes,
+        "weight_bytes": cg.weight_bytes,
+        "htp_arch": cg.htp_arch,
+        "soc_type": cg.soc_type,
+        "cpu_fallback": "disabled",
+        "under_budget": cg.binary_bytes <= c.profile.max_context_bytes,
+    }
+    return cg, cg.binary_bytes + cg.ctx_model.stat().st_size, details
+
+
+def shard_sim(c: Check, s: Shards, cg, qdq_path: Path):
+    """``sim.sK``: the shard on the HTP simulator fed by the simulator chain, against the CPU EP chain of the QDQ
+    shards (SQNR per output)."""
+    from hycoc.passes.slm_graph import chain_feeds
+    from hycoc.targets.htp import HtpSession
+
+    host = s.host_samples[0]
+    t0 = time.perf_counter()
+    sess = HtpSession(cg.ctx_model, c.profile)
+    load_s = time.perf_counter() - t0
+    x_sim = chain_feeds(_io_names(sess.input_names), host, s.produced_sim)
+    t1 = time.perf_counter()
+    got = sess.run(x_sim)
+    run_s = time.perf_counter() - t1
+    cpu = cpu_run(qdq_path, chain_feeds(_io_names(sess.input_names), host, s.produced_cpu))
+    s.produced_sim.update(got)
+    s.produced_cpu.update(cpu)
+    out = {"load_seconds": round(load_s, 2), "run_seconds": round(run_s, 2)}
+    for name in cpu:
+        out[f"sqnr_htp_vs_cpu_qdq_db.{name}"] = sqnr_rounded(cpu[name], got[name])
+    return True, 0, out
+
+
+def chain_end_to_end(s: Shards):
+    """``chain``: SQNR of the simulator chain vs the CPU EP chain, and of the CPU EP chain vs float (logits, new KV),
+    and the top-1 agreement of the two chains' logits."""
+    ref, cpu, sim = s.produced_float[0], s.produced_cpu, s.produced_sim
+    names = ["logits"] + sorted(x for x in cpu if x.startswith(("k_new_", "v_new_")))
+    out: dict[str, Any] = {"bounds": list(s.bounds)}
+    for name in names:
+        out[f"sqnr_htp_chain_vs_cpu_qdq_chain_db.{name}"] = sqnr_rounded(cpu[name], sim[name])
+        out[f"sqnr_cpu_qdq_chain_vs_float_db.{name}"] = sqnr_rounded(ref[name], cpu[name])
+    out["top1_htp_chain_eq_cpu_qdq_chain"] = top1_agreement(sim["logits"], cpu["logits"])
+    return True, 0, out
+
+
+def _sharded(c: Check) -> None:
+    """``--shards``: the plan, then per shard k in chain order ``graph.sK``, ``export.sK``, ``qdq.sK``, ``compile.sK``,
+    ``sim.sK`` (`shard_graph` .. `shard_sim`); ``budget_refusal`` on the largest shard once all are quantized;
+    ``chain`` end to end. Stops at the first step that fails or is refused."""
+    from hycoc.passes.slm_graph import FULL, SLIDING
+
+    args, steps = c.args, c.steps
+    what = "layer_weight_bytes + plan_shards on the profile's budget"
+    bounds = steps.run("shard_plan", lambda: shard_plan(c), what=what)
     if bounds is None:
         return
-    n = len(bounds) - 1
-    say(f"shards: {n}, bounds {list(bounds)}")
-    host_samples = None
-    produced_float: list[dict[str, np.ndarray]] = []
-    produced_sim: dict[str, np.ndarray] = {}
-    produced_cpu: dict[str, np.ndarray] = {}
-    chain = {"shards": []}
-    for k in range(n):
+    c.state["bounds"] = bounds
+    keep = synthetic_keep_set(c.keep_n, c.vocab, args.seed)
+    s = Shards(bounds, keep, {FULL: args.ring, SLIDING: args.sliding_ring})
+    c.say(f"shards: {s.count}, bounds {list(bounds)}")
+    lut_bytes = sum(int(v.packed.nbytes) for v in c.state["slm"].luts.values())
+    for k in range(s.count):
         tag = f"s{k}"
-        sh: dict[str, Any] = {}
-
-        def s_graph():
-            nonlocal host_samples
-            import torch
-
-            g = SlmTreeGraph(slm, keep, rows=args.rows, ring=ring, bounds=bounds, shard=k)
-            if host_samples is None:
-                host_samples = slm_calibration_samples(g, slm, args.samples, args.seed)
-                produced_float.extend({} for _ in host_samples)
-            samples = []
-            for host, made in zip(host_samples, produced_float):
-                x = chain_feeds(g, host, made)
-                samples.append(x)
-                with torch.no_grad():
-                    outs = g(*[torch.from_numpy(x[nm]) for nm in g.input_names])
-                made.update({nm: o.numpy() for nm, o in zip(g.output_names, outs)})
-            sh["graph"], sh["samples"] = g, samples
-            return (
-                g,
-                0,
-                {
-                    "layers": list(g.layer_range),
-                    "kv_layers": g.kv_layers,
-                    "borrowed_producers": g.borrowed,
-                    "inputs": {nm: list(v) for nm, v in g.input_shapes.items()},
-                    "outputs": {nm: list(v) for nm, v in g.output_shapes.items()},
-                    "linear_values": sum(int(m.q.numel()) for m in g.modules() if hasattr(m, "bits")),
-                },
-            )
-
-        say(f"shard {k}: layers [{bounds[k]}, {bounds[k + 1]})")
-        g = steps.run(f"graph.{tag}", s_graph, what=f"SlmTreeGraph shard {k} + the float chain on the samples")
-        if g is None:
+        c.say(f"shard {k}: layers [{bounds[k]}, {bounds[k + 1]})")
+        what = f"SlmTreeGraph shard {k} + the float chain on the samples"
+        got = steps.run(f"graph.{tag}", lambda: shard_graph(c, s, k), what=what)
+        if got is None:
             return
-        path = work / f"export-{tag}" / f"slm_{tag}.onnx"
-
-        def s_export():
-            import torch
-            from hycoc.targets.htp import find_host_only_nodes
-
-            x = sh["samples"][0]
-            _, rep = export_slm_graph(g, [torch.from_numpy(x[nm]) for nm in g.input_names], path)
-            import onnx
-
-            m = onnx.load(str(path), load_external_data=False)
-            d = rep.numbers()
-            d.update(
-                data_bytes=rep.data_bytes,
-                over_2gb=rep.data_bytes > TWO_GB,
-                host_only_nodes=[str(x) for x in find_host_only_nodes(m, profile)],
-            )
-            return True, rsh._du(*rsh._onnx_files(path)), d
-
-        if steps.run(f"export.{tag}", s_export, what=f"export_slm_graph shard {k}") is None:
+        g, samples = got
+        linear_values = steps.rows[-1]["details"]["linear_values"]
+        path = c.work / f"export-{tag}" / f"slm_{tag}.onnx"
+        what = f"export_slm_graph shard {k}"
+        if steps.run(f"export.{tag}", lambda: shard_export(c, g, samples, path), what=what) is None:
             return
-        estimate = qdq_peak_estimate_gib(
-            steps.rows[-2]["details"]["linear_values"], sum(int(v.packed.nbytes) for v in slm.luts.values())
-        )
+        g = got = None  # the torch shard is not needed past export and calibration
+        estimate = qdq_peak_estimate_gib(linear_values, lut_bytes)
         if estimate > args.max_qdq_gib:
-            steps.rows.append(
-                {
-                    "step": f"qdq.{tag}",
-                    "status": "refused",
-                    "seconds": 0,
-                    "output_bytes": 0,
-                    "peak_rss_gib": 0,
-                    "peak_tree_rss_gib": 0,
-                    "what": f"estimated peak {estimate:.1f} GiB > --max-qdq-gib {args.max_qdq_gib}",
-                }
-            )
+            steps.rows.append(refused_row(f"qdq.{tag}", estimate, args.max_qdq_gib))
             return
-
-        def s_qdq():
-            import onnx
-
-            res = quantize_graph(
-                path, sh["samples"], work / f"qdq-{tag}", percentile=cal.percentile, range_scale=cal.range_scale
-            )
-            onnx.checker.check_model(str(res.path), full_check=True)
-            d = res.numbers()
-            d.pop("io_encodings", None)
-            d.update(checker="ok", estimate_gib=round(estimate, 2), data_bytes=rsh._du(*rsh._onnx_files(res.path)))
-            return res, rsh._du(work / f"qdq-{tag}"), d
-
-        sh["graph"] = g = None  # the torch shard is not needed past export and calibration
-        qres = steps.run(f"qdq.{tag}", s_qdq, what=f"quantize_graph shard {k} (calibrated on the float chain)")
+        what = f"quantize_graph shard {k} (calibrated on the float chain)"
+        qres = steps.run(f"qdq.{tag}", lambda: shard_qdq(c, path, samples, tag, estimate), what=what)
         if qres is None:
             return
-        chain["shards"].append({"qdq": str(qres.path)})
-        if k == n - 1:
-
-            def s_budget():
-                from hycoc.targets.htp import ContextTooLargeError, compile_context, plan_context_size
-
-                plans = [plan_context_size([c["qdq"]], profile) for c in chain["shards"]]
-                biggest = max(range(len(plans)), key=lambda i: plans[i].weight_bytes)
-                small = profile.with_limit(plans[biggest].weight_bytes - 1)
-                out = work / "refused"
-                try:
-                    compile_context(chain["shards"][biggest]["qdq"], out, small, graph_name=f"slm_s{biggest}")
-                except ContextTooLargeError as e:
-                    written = sorted(p.name for p in out.rglob("*") if p.is_file()) if out.exists() else []
-                    return (
-                        True,
-                        0,
-                        {
-                            "refused": True,
-                            "shard": biggest,
-                            "message": str(e)[:600],
-                            "shard_weight_bytes": [p.weight_bytes for p in plans],
-                            "files_written": written,
-                            "limit_bytes": profile.max_context_bytes,
-                            "every_shard_fits": all(p.weight_bytes <= profile.max_context_bytes for p in plans),
-                        },
-                    )
-                raise AssertionError("a shard over the lowered limit was not refused")
-
-            steps.run("budget_refusal", s_budget, what="limit lowered below the largest shard: refused first")
+        s.qdq_paths.append(qres.path)
+        if k == s.count - 1:
+            what = "limit lowered below the largest shard: refused first"
+            steps.run("budget_refusal", lambda: shard_budget_refusal(c, s), what=what)
         if args.skip_compile:
             continue
-
-        def s_compile():
-            from hycoc.targets.htp import compile_context
-
-            with rsh._WorkerTimeout(args.compile_timeout):
-                cg = compile_context(qres.path, work / "htp", profile, graph_name=f"slm_{tag}")
-            return (
-                cg,
-                cg.binary_bytes + cg.ctx_model.stat().st_size,
-                {
-                    "binary": cg.context_binary.name,
-                    "binary_bytes": cg.binary_bytes,
-                    "weight_bytes": cg.weight_bytes,
-                    "htp_arch": cg.htp_arch,
-                    "soc_type": cg.soc_type,
-                    "cpu_fallback": "disabled",
-                    "under_budget": cg.binary_bytes <= profile.max_context_bytes,
-                },
-            )
-
-        cg = steps.run(f"compile.{tag}", s_compile, what=f"compile_context shard {k}: its own context binary")
+        what = f"compile_context shard {k}: its own context binary"
+        cg = steps.run(f"compile.{tag}", lambda: shard_compile(c, qres.path, tag), what=what)
         if cg is None:
             return
-
-        def s_sim():
-            from hycoc.targets.htp import HtpSession
-
-            host = host_samples[0]
-            t0 = time.perf_counter()
-            sess = HtpSession(cg.ctx_model, profile)
-            load_s = time.perf_counter() - t0
-            x_sim = chain_feeds(_io_names(sess.input_names), host, produced_sim)
-            t1 = time.perf_counter()
-            got = sess.run(x_sim)
-            run_s = time.perf_counter() - t1
-            x_cpu = chain_feeds(_io_names(sess.input_names), host, produced_cpu)
-            cpu = rsh._cpu_run(qres.path, x_cpu)
-            produced_sim.update(got)
-            produced_cpu.update(cpu)
-            out = {"load_seconds": round(load_s, 2), "run_seconds": round(run_s, 2)}
-            for name in cpu:
-                out[f"sqnr_htp_vs_cpu_qdq_db.{name}"] = rsh._sqnr(cpu[name], got[name])
-            return True, 0, out
-
-        if steps.run(f"sim.{tag}", s_sim, what=f"shard {k} on the HTP simulator, fed by the simulator chain") is None:
+        what = f"shard {k} on the HTP simulator, fed by the simulator chain"
+        if steps.run(f"sim.{tag}", lambda: shard_sim(c, s, cg, qres.path), what=what) is None:
             return
-        chain["shards"][-1]["sim"] = True
-    if args.skip_compile or len(chain["shards"]) < n:
+    if args.skip_compile:
         return
-
-    def s_chain():
-        ref = produced_float[0]
-        names = ["logits"] + sorted(x for x in produced_cpu if x.startswith(("k_new_", "v_new_")))
-        out = {"bounds": list(bounds)}
-        for name in names:
-            out[f"sqnr_htp_chain_vs_cpu_qdq_chain_db.{name}"] = rsh._sqnr(produced_cpu[name], produced_sim[name])
-            out[f"sqnr_cpu_qdq_chain_vs_float_db.{name}"] = rsh._sqnr(ref[name], produced_cpu[name])
-        lg = produced_sim["logits"].reshape(-1, produced_sim["logits"].shape[-1])
-        lc = produced_cpu["logits"].reshape(-1, produced_cpu["logits"].shape[-1])
-        out["top1_htp_chain_eq_cpu_qdq_chain"] = float(np.mean(lg.argmax(-1) == lc.argmax(-1)))
-        return True, 0, out
-
-    steps.run("chain", s_chain, what="end to end: the simulator chain vs the CPU EP chain (and vs float)")
+    what = "end to end: the simulator chain vs the CPU EP chain (and vs float)"
+    steps.run("chain", lambda: chain_end_to_end(s), what=what)
 
 
 def _io_names(names):
@@ -824,14 +870,16 @@ def _io_names(names):
     return SimpleNamespace(input_names=list(names), shard="-")
 
 
-def _finish(args, steps, started, t_all, cfg, state, work_tmp) -> dict[str, Any]:
+def report_of(c: Check, started: str, total_s: float) -> dict[str, Any]:
+    """The JSON report (module docstring)."""
     import torch
 
+    args, cfg = c.args, c.cfg
     report = {
         "what": "real-shape E2B SLM build check: random integer weights, synthetic keep set and calibration",
         "started": started,
-        "total_seconds": round(time.perf_counter() - t_all, 1),
-        "args": vars(args),
+        "total_seconds": round(total_s, 1),
+        "args": dict(vars(args)),
         "shapes": {
             "real_shapes": not args.toy_dims,
             "layers": cfg["num_hidden_layers"],
@@ -853,31 +901,13 @@ def _finish(args, steps, started, t_all, cfg, state, work_tmp) -> dict[str, Any]
             "keep set synthetic (sorted uniform ids); calibration synthetic (random trees, tokens, rings)",
             "graph without the TopK outputs the bundle's SLM graph adds (passes/topk_outputs.py)",
         ],
-        "machine": {
-            "host": platform.node(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "mem_total_gib": round(rsh._meminfo_kib("MemTotal") / 1024**2, 1),
-            "loadavg": os.getloadavg(),
-            "torch_threads": torch.get_num_threads(),
-        },
-        "versions": rsh._versions(),
-        "steps": steps.rows,
-        "peak_rss_gib": max((r.get("peak_tree_rss_gib", 0) for r in steps.rows), default=0),
-        "failed": [r["step"] for r in steps.rows if r.get("status") == "failed"],
+        "machine": {**machine(), "torch_threads": torch.get_num_threads()},
+        "versions": package_versions(),
+        "steps": c.steps.rows,
+        "peak_rss_gib": c.steps.peak_rss_gib,
+        "failed": c.steps.failed,
     }
-    report["needs"] = rsh._needs(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=rsh._json_default), encoding="utf-8")
-    os.replace(tmp, out)
-    if not args.quiet:
-        print_table(report)
-    state.clear()
-    gc.collect()
-    if work_tmp is not None and not args.keep_work:
-        shutil.rmtree(work_tmp, ignore_errors=True)
+    report["needs"] = needs(c.steps.rows)
     return report
 
 
@@ -949,7 +979,7 @@ def print_table(report: dict) -> None:
             f"{r.get('cpu_seconds', 0):.1f}",
             f"{r.get('peak_rss_gib', 0):.2f}",
             f"{r.get('peak_tree_rss_gib', 0):.2f}",
-            rsh._human(r.get("output_bytes", 0)),
+            human_bytes(r.get("output_bytes", 0)),
             note,
         )
     Console(width=180).print(table)

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hycoc.bench.runtime_timing import CpuClock
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -55,61 +57,6 @@ def runtimes(bundle_dir: Path, cpu: CpuClock):
             runners.append(runner)
         out[variant] = DeviceRuntime(bundle, *runners)
     return out
-
-
-class CpuClock:
-    """This thread's CPU time (``time.thread_time``) in the drafting region -- `MtpDrafter.ingest`,
-    `MtpDrafter.draft`, `DeviceRuntime._tree` (the client's ``draft_s`` region) -- and in the graphs'
-    ``InferenceSession.run`` inside it (onnxruntime with one intra-op thread runs the graph on the calling thread).
-    Unlike wall time, other jobs on the machine do not inflate it."""
-
-    def __init__(self):
-        from hycoc.runtime.client import DeviceRuntime
-        from hycoc.runtime.mtp_drafter import MtpDrafter
-
-        self.draft_s = self.graph_s = 0.0
-        self._depth = 0
-        for owner, attr in ((MtpDrafter, "ingest"), (MtpDrafter, "draft"), (DeviceRuntime, "_tree")):
-            setattr(owner, attr, self._region(getattr(owner, attr)))
-
-    def _region(self, fn):
-        clock = self
-
-        def timed(*args, **kwargs):
-            clock._depth += 1
-            start = time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                clock._depth -= 1
-                if not clock._depth:
-                    clock.draft_s += time.thread_time() - start
-
-        return timed
-
-    def session(self, session):
-        """``session`` with its ``run`` and ``run_with_iobinding`` timed while inside the drafting region."""
-        clock = self
-
-        class Timed:
-            def __getattr__(self, name):
-                return getattr(session, name)
-
-            def _timed(self, fn, *args):
-                start = time.thread_time()
-                try:
-                    return fn(*args)
-                finally:
-                    if clock._depth:
-                        clock.graph_s += time.thread_time() - start
-
-            def run(self, *args):
-                return self._timed(session.run, *args)
-
-            def run_with_iobinding(self, *args):
-                return self._timed(session.run_with_iobinding, *args)
-
-        return Timed()
 
 
 class PrefillClock:

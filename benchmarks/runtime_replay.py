@@ -12,22 +12,23 @@ parents) and the verifier's reply, and the text (a pickle: trusted, local files 
 and renamed when complete). ``replay`` runs the same requests with a stand-in client that answers each round with
 the recorded reply and raises when the runtime's tree differs from the recorded one, checks the texts, and prints
 the drafting region's host time per round and the host share (thread CPU time, as
-``benchmarks/runtime_host_share.py`` counts it: `CpuClock`), without the verifier's process on the machine.
-``--steps``: also the exclusive CPU time per round of the runtime's main steps (`runtime_real_shape.StepTimer`).
+``benchmarks/runtime_host_share.py`` counts it: `hycoc.bench.runtime_timing.CpuClock`), without the verifier's
+process on the machine. ``--steps``: also the exclusive CPU time per round of the runtime's main steps
+(`hycoc.bench.runtime_timing.StepTimer`).
 """
 
 from __future__ import annotations
 
 import argparse
 import pickle
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from hycoc.bench.runtime_timing import CpuClock, StepTimer, TimedSession
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 class TreeMismatch(AssertionError):
@@ -104,13 +105,11 @@ def main(argv=None) -> int:
     from hycoc.runtime.client import DeviceRuntime
     from hycoc.runtime.device_bundle import open_bundle
     from hycoc.runtime.graphs import GraphRunner, code_outputs, runtime_outputs
-    from runtime_host_share import CpuClock
 
     cpu = CpuClock()
     timer = None
     if args.steps:
         from hycoc.runtime import graphs, mtp_drafter, slm_drafter, tree_builder
-        from runtime_real_shape import StepTimer
 
         timer = StepTimer(time.thread_time)
         for owner, attr in [
@@ -143,8 +142,6 @@ def main(argv=None) -> int:
             runner.session = ort.InferenceSession(str(bundle.path / entry.file), providers=["CPUExecutionProvider"])
         runner.session = cpu.session(runner.session)
         if timer is not None:  # the graph's own time as "ORT call", out of GraphRunner.run's
-            from runtime_real_shape import TimedSession
-
             runner.session = TimedSession(runner.session, timer)
         runners.append(runner)
     rt = DeviceRuntime(bundle, *runners)

@@ -48,27 +48,22 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(REPO))
-
 from hycoc.bench.cost_measure import (
     PREFILL_ROWS,
     build_random_head,
     build_random_verifier,
-    demo_parents,  # noqa: F401  (re-exported: tests/test_cost_model.py reads it from this script)
     measure_grid,
     measuring_engine,
-    random_cache,  # noqa: F401  (re-exported)
     shape_of,
 )
-from hycoc.bench.cost_model import (
+from hycoc.bench.cost_model import (  # numpy + pydantic only
     PAPER_ROUND_MS,
     CostModel,
     CostModelError,
-    CostPoint,  # noqa: F401  (re-exported)
     round_forwards,
-)  # numpy + pydantic only
+)
+
+REPO = Path(__file__).resolve().parents[1]
 
 DEFAULTS = {
     "cuda": dict(contexts="1024,4096,16384", dtype="bfloat16"),

@@ -10,7 +10,7 @@ What :func:`compile_context` does, in order, before the EP sees the model:
 3. host-only patterns (``profile.host_only``): an embedding lookup (Gather on a constant table indexed by an
    integer graph input) is refused with :class:`HostOnlyError` naming the nodes — hycoc keeps embeddings as host
    LUTs (docs/design.md "SLM Drafter");
-4. static-graph check (:func:`hycoc.targets.static_shape_check.check_static_graph`): data-dependent KV slicing
+4. static-graph check (:func:`hycoc.passes.static_shape_check.check_static_graph`): data-dependent KV slicing
    (a Slice/Gather whose starts/indices come from a graph input) or a fused attention op (ONNX ``Attention``,
    ``com.microsoft`` ``MultiHeadAttention``/``GroupQueryAttention``...) → ``StaticGraphError`` listing the nodes;
 5. size planner (:func:`plan_context_size`): weight bytes vs ``profile.max_context_bytes`` →
@@ -126,8 +126,8 @@ def _load(model_or_path):
 
 
 def initializer_bytes(t) -> int:
-    """Bytes of one initializer's data (external data: its recorded length, or the dtype × shape). t: an
-    ``onnx.TensorProto``; the external data is never read."""
+    """Bytes of one initializer's data (an ``onnx.TensorProto``; external data: its recorded length, or the
+    dtype × shape, int4 packed two to a byte)."""
     import onnx
 
     if t.data_location == onnx.TensorProto.EXTERNAL:
@@ -143,9 +143,6 @@ def initializer_bytes(t) -> int:
     return n * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
 
 
-#: The former private name, which benchmarks/real_shape_head.py still imports; remove once it imports
-#: `initializer_bytes`.
-_initializer_bytes = initializer_bytes
 
 
 @dataclass(frozen=True)
@@ -406,7 +403,7 @@ def _ctx_paths(out_dir: Path, graph_name: str) -> tuple[Path, Path]:
 
 
 def _precheck(model_path: Path, profile: TargetProfile) -> None:
-    from hycoc.targets.static_shape_check import check_static_graph
+    from hycoc.passes.static_shape_check import check_static_graph
 
     model = _load(model_path)
     check_capabilities(model, profile)

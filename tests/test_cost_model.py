@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_script
 
 from hycoc.bench.cost_model import (
     PAPER_ROUND_MS,
@@ -166,9 +167,11 @@ def test_gpu_script_skips_cleanly_without_cuda(tmp_path):
 def test_measure_grid_on_a_tiny_random_verifier():
     """The GPU mode's code path (random weights, random KV cache, verify_tree) on the toy shape, on the CPU."""
     torch = pytest.importorskip("torch")
+    from hycoc.bench.cost_measure import demo_parents
+
     vcm = _cost_script()
     model, head = _tiny_random()  # the random-weight mode's verifier and head
-    assert list(vcm.demo_parents(8)) == [-1, 0, 1, 2, 3, 0, 1, 2]
+    assert list(demo_parents(8)) == [-1, 0, 1, 2, 3, 0, 1, 2]
     points = vcm.measure_grid(
         model, [1, 5], [8, 24], warmup=0, repeats=1, device="cpu", log=lambda *a: None, prefill_rows=[1, 4], head=head
     )
@@ -195,12 +198,7 @@ def test_measure_grid_on_a_tiny_random_verifier():
 
 def _cost_script():
     """benchmarks/verifier_cost_model.py as a module."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import verifier_cost_model as vcm
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-    return vcm
+    return load_script("verifier_cost_model")
 
 
 def _tiny_random(sliding_window: int | None = None):

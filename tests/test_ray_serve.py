@@ -16,7 +16,6 @@ import os
 import re
 import signal
 import socket
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -206,7 +205,6 @@ def test_a_normal_session_end_logs_no_error(deployment):
     its access line and nothing at ERROR (the replica used to send its own close after the client's, which Ray's
     proxy logged as an ERROR with a GeneratorExit traceback)."""
     url, http, logs = deployment
-    sys.path.insert(0, str(TESTS))
     reference = TinyEngine()()
     before = sum(" WS / " in line for line in proxy_log(logs))
     for i in range(3):
@@ -248,7 +246,6 @@ def test_handshake_timeout_behind_ray_runs_until_an_open_and_the_api_docs_are_of
 
 def test_sessions_spread_stay_and_survive_a_replica_death(deployment):
     url, http, _ = deployment
-    sys.path.insert(0, str(TESTS))
     reference = TinyEngine()()
 
     code, body = http_get(http + "/healthz")

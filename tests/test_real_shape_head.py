@@ -8,10 +8,10 @@ the chain takes minutes, not seconds. The real-shape numbers come from running t
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,11 +22,7 @@ pytest.importorskip("onnxscript")
 
 @pytest.fixture(scope="module")
 def tiny_report(tmp_path_factory):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import real_shape_head
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    real_shape_head = load_script("real_shape_head")
     tmp = tmp_path_factory.mktemp("real-shape-head")
     out, work = tmp / "report.json", tmp / "work"
     report = real_shape_head.main(

@@ -9,10 +9,10 @@ The real-shape numbers come from running the script itself (runs/real-shape-slm*
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,12 +25,7 @@ LOW_LIMIT = 64 * 1024
 
 
 def _bench():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import real_shape_slm
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-    return real_shape_slm
+    return load_script("real_shape_slm")
 
 
 @pytest.fixture(scope="module")

@@ -1,2 +1,2 @@
-"""The device <-> verifier protocol: frame format and codec (`wire`) and the typed messages both sides exchange
-(`messages`). numpy-only: the device runtime imports it."""
+"""The device <-> verifier protocol: frame format and codec (`wire`, the public face over `layout`, `errors`, `checks`
+and `codec`) and the typed messages both sides exchange (`messages`). numpy-only: the device runtime imports it."""
