@@ -91,12 +91,6 @@ def pooled(recs: Sequence[Record], num: Callable[[Record], float], den: Callable
     return _num(float(np.mean(ratios))) if ratios else None
 
 
-def percentile(values: Iterable[Any], q: float) -> float | None:
-    """The q-th percentile (numpy's linear interpolation) of the finite values, None when there are none."""
-    v = [float(x) for x in values if _num(x) is not None]
-    return _num(float(np.percentile(v, q))) if v else None
-
-
 def mean(values: Iterable[Any]) -> float | None:
     """The mean of the finite values, None when there are none."""
     v = [float(x) for x in values if _num(x) is not None]
