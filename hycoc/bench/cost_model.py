@@ -65,6 +65,8 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from hycoc.table5 import CONFIGURATIONS
+
 SCHEMA_VERSION = 2
 #: Schema versions `load_cost_model` reads (1: verification points only, no ``kind``).
 READABLE_SCHEMAS = (1, 2)
@@ -287,16 +289,8 @@ class Forward(NamedTuple):
     context: int
 
 
-#: bench configuration (Table 5) -> the draft place its sessions use (`hycoc.runtime.client.MODES`).
-DRAFT_PLACE_OF = {
-    "cloud-mtp": "cloud-mtp",
-    "server-head": "server-head",
-    "hyco": "device",
-    "hyco-exact": "device",
-    "hyco-2p": "device",
-    "specedge": "device",
-    "specedge-eps": "device",
-}
+#: bench configuration (Table 5) -> the draft place its sessions use (`hycoc.table5`), those with a verifier.
+DRAFT_PLACE_OF = {c.name: c.draft_place for c in CONFIGURATIONS if c.verifier}
 
 
 def round_forwards(

@@ -91,7 +91,6 @@ from hycoc.bench.stats import (
     DEFAULT_BASELINE,
     FLAG_ALPHA,
     FLAG_METHOD,
-    NO_VERIFIER,
     Record,
     _num,
     _seed_for,
@@ -105,6 +104,7 @@ from hycoc.bench.stats import (
     table5_order,
 )
 from hycoc.numerics import percentile
+from hycoc.table5 import NO_VERIFIER
 
 #: What the verifier's mean log-prob of an answer measures (docs/benchmarks.md, "Benchmark"): repetition raises it, so
 #: it is reported under this label and never as the quality figure on its own.
