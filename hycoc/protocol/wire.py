@@ -90,6 +90,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hycoc import serving_limits
 from hycoc.protocol.messages import (
     ACCEPTANCE_MODES,
     DRAFT_PLACES,
@@ -129,7 +130,7 @@ HEADER = struct.Struct("<4sHBBII")
 #: parents travel as int16: row 32767 is the last one that can be a parent, so R <= 32768 (B <= 32767).
 MAX_TREE_ROWS = 32768
 #: Large enough for a first reply of Gemma 4 26B-A4B (6.3 MB); servers may lower it for what they receive.
-DEFAULT_MAX_FRAME_BYTES = 16 * 2**20
+DEFAULT_MAX_FRAME_BYTES = serving_limits.DEFAULT_MAX_FRAME_BYTES  # the recipe's default (hycoc.serving_limits)
 
 _OPEN = struct.Struct("<fIfQfBBHHIII")
 _OPENED = struct.Struct("<QIfIIIIIIH")
