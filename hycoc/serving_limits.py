@@ -227,9 +227,10 @@ DEFAULT_MAX_BATCH_WAIT_MS: float = float(default("max_batch_wait_ms"))
 
 def help_text() -> str:
     """The limits as the server commands' --help ends them: a heading, then one line per limit, "knob = default
-    what it bounds" (click prints a paragraph that starts with ``\\b`` as written, unwrapped)."""
+    what it bounds" without its parenthesis, under 80 columns (click prints a paragraph that starts with ``\\b`` as
+    written, unwrapped)."""
     width = max(len(f"{lim.knob} = {lim.shown}") for lim in LIMITS)
-    lines = [f"  {f'{lim.knob} = {lim.shown}':<{width}}  {lim.bounds.replace('`', '')}" for lim in LIMITS]
+    lines = [f"  {f'{lim.knob} = {lim.shown}':<{width}}  {lim.bounds.split(' (')[0]}" for lim in LIMITS]
     head = "Server limits (the recipe's [verifier] keys, defaults; docs/serving.md):"
     return "\b\n" + head + "\n" + "\n".join(lines)
 
