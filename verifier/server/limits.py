@@ -40,14 +40,14 @@ class ServerLimits:
     address within 60 s, >= 1. Raises ValueError naming the field for a value out of range.
     """
 
-    handshake_timeout_s: float = default("handshake_timeout_s")
-    frame_timeout_s: float = default("frame_timeout_s")
-    idle_timeout_s: float = default("idle_timeout_s")
-    max_connections: int = default("max_connections")
-    max_sessions: int = default("max_sessions")
-    max_kv_bytes: int = default("max_kv_bytes")
-    auth_failures_per_minute: int = default("auth_failures_per_minute")
-    retry_after_s: float = default("retry_after_s")
+    handshake_timeout_s: float = float(default("handshake_timeout_s"))
+    frame_timeout_s: float = float(default("frame_timeout_s"))
+    idle_timeout_s: float = float(default("idle_timeout_s"))
+    max_connections: int = int(default("max_connections"))
+    max_sessions: int = int(default("max_sessions"))
+    max_kv_bytes: int = int(default("max_kv_bytes"))
+    auth_failures_per_minute: int = int(default("auth_failures_per_minute"))
+    retry_after_s: float = float(default("retry_after_s"))
 
     def __post_init__(self):
         for f in fields(self):
