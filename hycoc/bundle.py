@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Literal
@@ -707,6 +708,28 @@ def chain_io(chain: list[GraphEntry]) -> tuple[list[TensorSpec], list[TensorSpec
             made.add(t.name)
     rest = [t for g in chain[:-1] for t in g.outputs if not t.name.startswith(SHARD_PASSING)]
     return list(inputs.values()), list(chain[-1].outputs) + rest
+
+
+class ShardFeedMissing(LookupError):
+    """A shard input that is neither a host feed nor an earlier shard's output (`shard_feeds`)."""
+
+
+def shard_feeds(shard: str, input_names: Iterable[str], feeds: Mapping, produced: Mapping) -> dict:
+    """The inputs of shard ``shard`` of a chain (`chain_io`, docs/compiler.md "Layer-sharded SLM"), by name: each
+    from the earlier shards' ``produced`` outputs or, failing that, from the host ``feeds`` (a chain's host feeds
+    are the inputs no earlier shard outputs, so no name is in both). Values are passed through as they are
+    (numpy arrays on the device, arrays or tensors in the build). The one resolution behind the runtime's
+    `ShardChainRunner` and the build's `run_shard_chain`. Raises ShardFeedMissing naming the shard and the input
+    found in neither."""
+    out = {}
+    for name in input_names:
+        if name in produced:
+            out[name] = produced[name]
+        elif name in feeds:
+            out[name] = feeds[name]
+        else:
+            raise ShardFeedMissing(f"shard {shard}: input {name} is neither a host feed nor an earlier shard's output")
+    return out
 
 
 def check_graph_io(

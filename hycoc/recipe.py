@@ -40,6 +40,8 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
+from hycoc import serving_limits
+
 
 class RecipeError(ValueError):
     """A recipe that cannot be used. ``problems`` lists each one; ``str(err)`` is one line per problem.
@@ -507,6 +509,13 @@ class Target(Section):
         return self
 
 
+def _limit(knob: str) -> Any:
+    """The ``[verifier]`` field of server limit ``knob``: default, range and description from
+    `hycoc.serving_limits.LIMITS`, the one table of them."""
+    lim = serving_limits.BY_KNOB[knob]
+    return Field(lim.default, ge=lim.ge, gt=lim.gt, le=lim.le, description=f"{lim.description} (default {lim.shown})")
+
+
 class Verifier(Section):
     """``[verifier]``: how `hycoc verify-server` (and `hycoc generate`) run the verifier."""
 
@@ -524,58 +533,17 @@ class Verifier(Section):
     )
     host: str = Field("127.0.0.1", min_length=1, description="address the server listens on")
     port: int = Field(8765, ge=1, le=65535, description="TCP port the server listens on")
-    max_frame_bytes: int = Field(
-        8 * 1024 * 1024, ge=4096, le=1 << 30, description="largest accepted wire frame, in bytes (default 8 MiB)"
-    )
-    # Server limits (docs/design.md "Limits"; the table in docs/serving.md "Limits"): each refusal has an error code and a /metrics counter
-    # (hycoc_refusals_total{kind=...}); see hycoc.verifier.server.ServerLimits.
-    handshake_timeout_s: float = Field(
-        10.0,
-        gt=0,
-        le=3600,
-        description="seconds from TCP connect to a WebSocket's first frame (OPEN); slower "
-        "connections (silent TCP, trickled headers) are closed",
-    )
-    frame_timeout_s: float = Field(
-        30.0, gt=0, le=3600, description="seconds a frame may take to arrive once its first bytes came"
-    )
-    idle_timeout_s: float = Field(
-        300.0,
-        gt=0,
-        le=86400,
-        description="seconds an open session may go without a frame; then its KV is freed "
-        "and the client gets ERROR idle_timeout",
-    )
-    max_connections: int = Field(
-        256,
-        ge=1,
-        le=65536,
-        description="TCP connections at once (HTTP and WebSocket); more get HTTP 503 with Retry-After",
-    )
-    max_sessions: int = Field(
-        64, ge=1, le=65536, description="open sessions at once; an OPEN over it gets ERROR too_many_sessions"
-    )
-    max_kv_bytes: int = Field(
-        8 << 30,
-        ge=1 << 20,
-        le=1 << 50,
-        description="verifier KV bytes all sessions may "
-        "reserve (prompt + output cap, up to max_context, per session); an OPEN over it gets "
-        "ERROR kv_budget_exhausted (default 8 GiB)",
-    )
-    auth_failures_per_minute: int = Field(
-        10,
-        ge=1,
-        le=100000,
-        description="refused auth attempts per peer address "
-        "and minute; more get ERROR auth_rate_limited (HTTP 429 at the upgrade)",
-    )
-    retry_after_s: float = Field(
-        5.0,
-        gt=0,
-        le=3600,
-        description="the retry hint, in seconds, sent with refusals for max_connections, max_sessions and max_kv_bytes",
-    )
+    # Server limits (docs/design.md "Limits"; the table in docs/serving.md "Limits"): defaults, ranges and
+    # descriptions are `hycoc.serving_limits.LIMITS`' (each refusal has an error code and a /metrics counter).
+    max_frame_bytes: int = _limit("max_frame_bytes")
+    handshake_timeout_s: float = _limit("handshake_timeout_s")
+    frame_timeout_s: float = _limit("frame_timeout_s")
+    idle_timeout_s: float = _limit("idle_timeout_s")
+    max_connections: int = _limit("max_connections")
+    max_sessions: int = _limit("max_sessions")
+    max_kv_bytes: int = _limit("max_kv_bytes")
+    auth_failures_per_minute: int = _limit("auth_failures_per_minute")
+    retry_after_s: float = _limit("retry_after_s")
     # Cross-session batching (docs/serving.md "Many devices: batched verification"; hycoc.verifier.scheduler): rounds of sessions ready together share a forward.
     batching: Literal["batched", "serial"] = Field(
         "batched",
@@ -583,21 +551,8 @@ class Verifier(Section):
         "prompts are prefilled chunk by chunk between them; serial: one engine call at a time (the server before "
         "batching)",
     )
-    max_batch_rows: int = Field(
-        528,
-        ge=1,
-        le=1_048_576,
-        description="most tree rows per batched forward "
-        "(default 528 = 16 trees of 33 rows); a single larger round still runs alone",
-    )
-    max_batch_wait_ms: float = Field(
-        2.0,
-        ge=0,
-        le=10_000,
-        description="milliseconds a round waits for other "
-        "sessions' rounds to join its forward (never when every open session has one "
-        "queued)",
-    )
+    max_batch_rows: int = _limit("max_batch_rows")
+    max_batch_wait_ms: float = _limit("max_batch_wait_ms")
     # Budgeted verification rows (hycoc.verifier.row_budget): which rows of the trees sharing a forward are checked.
     tree_budget: Literal["fixed", "auto"] = Field(
         "auto",

@@ -72,6 +72,7 @@ from hycoc.passes.calibration import (
 )
 from hycoc.passes.pipeline import Pass, PassReport
 
+from hycoc.numerics import sqnr_db  # re-exported: benchmarks/real_shape_head.py imports it from here
 from hycoc.recipe import Recipe
 
 #: Fixed lower end of an attention (scores + mask) sum's encoding: masked scores clip here.
@@ -460,13 +461,6 @@ def check_fixed_encodings(model) -> dict[str, Any]:
 
 
 # ---- SQNR ----------------------------------------------------------------------------------------------------
-
-
-def sqnr_db(ref: np.ndarray, x: np.ndarray) -> float:
-    """10 log10(sum ref^2 / sum (ref - x)^2) in dB (inf when equal)."""
-    ref, x = ref.astype(np.float64), x.astype(np.float64)
-    noise = float(np.sum((ref - x) ** 2))
-    return float("inf") if noise == 0 else float(10 * np.log10(np.sum(ref**2) / noise))
 
 
 def layer_outputs(model) -> dict[str, str]:

@@ -72,6 +72,7 @@ from hycoc.passes.pipeline import Pass, PassReport
 from torch import nn
 
 from hycoc import host
+from hycoc.bundle import ShardFeedMissing, shard_feeds
 from hycoc.recipe import Recipe
 
 #: Additive mask value for hidden columns: finite, sized for a 16-bit quantized mask (same as hycoc.mtp).
@@ -432,19 +433,13 @@ def shard_graphs(
 
 
 def chain_feeds(graph, feeds: Mapping[str, Any], produced: Mapping[str, Any]) -> dict[str, Any]:
-    """Inputs of shard ``graph`` by name: each from the host ``feeds`` or, failing that, from the earlier shards'
-    ``produced`` outputs. Raises SlmGraphError naming an input found in neither."""
-    out = {}
-    for name in graph.input_names:
-        if name in feeds:
-            out[name] = feeds[name]
-        elif name in produced:
-            out[name] = produced[name]
-        else:
-            raise SlmGraphError(
-                f"shard {graph.shard}: input {name} is neither a host feed nor an earlier shard's output"
-            )
-    return out
+    """Inputs of shard ``graph`` by name, from the earlier shards' ``produced`` outputs or the host ``feeds``
+    (`hycoc.bundle.shard_feeds`, the resolution the device runtime uses too). Raises SlmGraphError naming an input
+    found in neither."""
+    try:
+        return shard_feeds(str(graph.shard), graph.input_names, feeds, produced)
+    except ShardFeedMissing as e:
+        raise SlmGraphError(str(e)) from None
 
 
 def run_shard_chain(

@@ -45,34 +45,12 @@ from hycoc.runtime.tree_builder import BuiltTree, TreeBuilder, check_verified, w
 
 from hycoc.chat import ChatMismatch, common_prefix, ids_crc32
 from hycoc.protocol.messages import AppendTurn, DraftTree, OpenRequest, Sampling, commit_cut
+from hycoc.table5 import BY_NAME, RUN_MODES, Configuration
 
-
-@dataclass(frozen=True)
-class Mode:
-    """One configuration of Table 5 as the device runs it."""
-
-    name: str
-    draft_place: str | None  # None: no server (slm-alone)
-    acceptance: str | None  # "exact" / "epsilon" / None (slm-alone)
-    chain: str  # "device" (MTP Drafter), "server" (reply.chain), "none"
-    passes: str  # "slm" (round.slm_passes), "two", "specedge", "none"
-
-
-MODES = {
-    m.name: m
-    for m in (
-        Mode("hyco", "device", "epsilon", "device", "slm"),
-        Mode("hyco-exact", "device", "exact", "device", "slm"),
-        Mode("hyco-2p", "device", "epsilon", "device", "two"),
-        Mode("specedge", "device", "exact", "none", "specedge"),
-        Mode("specedge-eps", "device", "epsilon", "none", "specedge"),
-        Mode("server-head", "server-head", "exact", "server", "slm"),
-        Mode("cloud-mtp", "cloud-mtp", "exact", "none", "none"),
-        Mode("slm-alone", None, None, "none", "slm"),
-    )
-}
-#: Modes `hycoc run --mode` offers (cloud-mtp drafts nothing on the device; `hycoc bench` runs it).
-RUN_MODES = ("hyco", "hyco-exact", "hyco-2p", "specedge", "server-head", "slm-alone")
+#: One configuration of Table 5 as the device runs it (`hycoc.table5`, the one list of them).
+Mode = Configuration
+#: name -> `Mode`, every Table 5 configuration (`hycoc.table5.BY_NAME`).
+MODES = BY_NAME
 
 
 class RuntimeProtocolError(RuntimeError):

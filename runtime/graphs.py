@@ -31,7 +31,16 @@ from pathlib import Path
 
 import numpy as np
 
-from hycoc.bundle import Encoding, GraphEntry, GraphIOMismatch, Manifest, TensorSpec, check_graph_io
+from hycoc.bundle import (
+    Encoding,
+    GraphEntry,
+    GraphIOMismatch,
+    Manifest,
+    ShardFeedMissing,
+    TensorSpec,
+    check_graph_io,
+    shard_feeds,
+)
 
 _ORT_DTYPES = {
     "tensor(float)": "float32",
@@ -519,14 +528,10 @@ class ShardChainRunner:
         t0 = time.perf_counter()
         made: dict[str, np.ndarray] = {}
         for runner in self.shards:
-            x = {}
-            for n in runner.inputs:
-                if n in made:
-                    x[n] = made[n]
-                elif n in feeds:
-                    x[n] = feeds[n]
-                else:
-                    raise GraphIOMismatch(f"graph {runner.name}: no feed for input {n}")
+            try:
+                x = shard_feeds(runner.name, runner.inputs, feeds, made)
+            except ShardFeedMissing as e:
+                raise GraphIOMismatch(str(e)) from None
             made.update(runner.run(x))
         self.seconds += time.perf_counter() - t0
         self.calls += 1

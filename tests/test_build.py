@@ -448,7 +448,7 @@ def test_htp_target_compiles_both_graphs_into_a_bundle(built, tmp_path):
     )
     want = dict(zip([o.name for o in qdq.get_outputs()], qdq.run(None, sample)))
     got = run_compiled(tmp_path / "bundle" / slm.file, sample)
-    from hycoc.passes.qdq import sqnr_db
+    from hycoc.numerics import sqnr_db
 
     assert "logits" not in got and "logits" in want  # shipped without it, checked on the copy
     agree = float(np.mean(got["top_index"][..., 0] == want["logits"].argmax(-1)))

@@ -432,3 +432,37 @@ def test_the_runtime_side_imports_neither_torch_nor_onnx():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_shard_feeds_resolve_every_shard_input_from_the_chains_host_inputs_and_earlier_outputs():
+    """`shard_feeds` (the one resolution behind the runtime's ShardChainRunner and the build's run_shard_chain):
+    given exactly the host inputs `chain_io` names, every shard's inputs come from them or an earlier shard."""
+    from hycoc.bundle import GraphEntry, ShardFeedMissing, TensorSpec, chain_io, shard_feeds
+
+    def spec(name):
+        return TensorSpec(name=name, shape=[1, 4], dtype="float32")
+
+    def entry(name, inputs, outputs):
+        return GraphEntry(
+            name=name,
+            role="slm",
+            file=f"{name}.bin",
+            inputs=[spec(n) for n in inputs],
+            outputs=[spec(n) for n in outputs],
+        )
+
+    chain = [
+        entry("slm.s0", ["inputs_embeds", "mask_full"], ["hidden_2", "per_layer_2_4", "k_new_0"]),
+        entry("slm.s1", ["hidden_2", "per_layer_2_4", "mask_full"], ["logits", "k_new_2"]),
+    ]
+    host_inputs, _ = chain_io(chain)
+    feeds = {t.name: f"host:{t.name}" for t in host_inputs}
+    assert sorted(feeds) == ["inputs_embeds", "mask_full"]
+    made: dict[str, str] = {}
+    for g in chain:
+        x = shard_feeds(g.name, [t.name for t in g.inputs], feeds, made)
+        assert list(x) == [t.name for t in g.inputs]
+        made.update({t.name: f"{g.name}:{t.name}" for t in g.outputs})
+    assert x == {"hidden_2": "slm.s0:hidden_2", "per_layer_2_4": "slm.s0:per_layer_2_4", "mask_full": "host:mask_full"}
+    with pytest.raises(ShardFeedMissing, match="shard slm.s1: input hidden_2 is neither a host feed nor an earlier"):
+        shard_feeds("slm.s1", ["hidden_2"], feeds, {})

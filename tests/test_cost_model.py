@@ -61,6 +61,26 @@ def test_bilinear_inside_the_grid():
     assert cm.predict(19, 125) == pytest.approx(0.5 * 15.0 + 0.5 * 29.0)  # rows 5..33 halfway, t quarter way
 
 
+def test_inside_the_grid_it_is_scipys_linear_grid_interpolation():
+    """`interpolate` (behind `CostModel.predict` and `predict_tables`) against scipy's RegularGridInterpolator
+    (method "linear": bilinear on a rectilinear grid) at random points of a random 4 x 5 grid."""
+    interpolate = pytest.importorskip("scipy.interpolate")
+    import numpy as np
+
+    from hycoc.bench.cost_model import interpolate as ours
+
+    rng = np.random.default_rng(0)
+    rows, ctxs = np.array([1, 3, 17, 33]), np.array([0, 64, 100, 512, 4096])
+    ms = rng.uniform(1, 50, size=(len(rows), len(ctxs)))
+    cm = make({(int(r), int(c)): float(ms[i, j]) for i, r in enumerate(rows) for j, c in enumerate(ctxs)})
+    ref = interpolate.RegularGridInterpolator((rows.astype(float), ctxs.astype(float)), ms, method="linear")
+    r = rng.integers(1, 34, size=50)
+    c = rng.uniform(0, 4096, size=50)
+    want = ref(np.stack([r, c], axis=1))
+    assert [cm.predict(int(a), float(b)) for a, b in zip(r, c)] == pytest.approx(want, rel=1e-12)
+    assert ours(rows, ctxs, np.stack([ms, 2 * ms]), r, c) == pytest.approx(np.stack([want, 2 * want]), rel=1e-12)
+
+
 def test_context_extrapolation_rule():
     cm = make()
     assert cm.predict(1, 400) == pytest.approx(12.0 + 0.02 * 200)  # linear above, last two contexts' slope

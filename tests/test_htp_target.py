@@ -16,6 +16,8 @@ import pytest
 from hycoc.targets.profiles import MIB, PROFILES, UnknownTargetError, get_profile, profile_for
 from hycoc.targets.qnn_ep import qnn_installed
 
+from hycoc.numerics import sqnr_db
+
 _skip_without_qnn = pytest.mark.skipif(
     not qnn_installed(),
     reason="onnxruntime-qnn is not importable: install the qnn extra (pip install -e '.[qnn]') to compile and run "
@@ -31,10 +33,6 @@ def needs_qnn(test):
 D, H, HD, N = 256, 4, 64, 1024  # hidden, heads, head dim, ring columns
 MASK = 1.0e4  # masked columns hold -MASK (finite; never -inf)
 SCORE_FLOOR = 100.0  # fixed lower end of the (scores + mask) encoding: masked scores clip here
-
-
-def sqnr_db(ref: np.ndarray, x: np.ndarray) -> float:
-    return float(10 * np.log10(np.sum(ref.astype(np.float64) ** 2) / np.sum((ref.astype(np.float64) - x) ** 2)))
 
 
 # ------------------------------------------------------------------------------------------------ the test graph

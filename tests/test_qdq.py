@@ -289,9 +289,10 @@ HTP_VS_CPU_FLOOR_DB = 20.0
 )
 def test_qdq_slm_compiles_for_v81_and_matches_the_cpu_ep(tiny, tmp_path):
     import onnxruntime as ort
-    from hycoc.passes.qdq import sqnr_db
     from hycoc.targets.htp import HtpSession, compile_context
     from hycoc.targets.profiles import get_profile
+
+    from hycoc.numerics import sqnr_db
 
     cg = compile_context(tiny["result"].path, tmp_path, get_profile("htp-v81"), graph_name="slm")
     assert [n.op_type for n in onnx.load(str(cg.ctx_model)).graph.node] == ["EPContext"]  # no CPU fallback

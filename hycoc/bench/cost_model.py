@@ -65,6 +65,8 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from hycoc.table5 import CONFIGURATIONS
+
 SCHEMA_VERSION = 2
 #: Schema versions `load_cost_model` reads (1: verification points only, no ``kind``).
 READABLE_SCHEMAS = (1, 2)
@@ -198,16 +200,6 @@ class CostModel(BaseModel):
 
     # ---- prediction ----------------------------------------------------------------------------------------
 
-    def _along_context(self, ms_row: np.ndarray, context: float, kind: str = "verify") -> float:
-        """One rows line of ``kind``'s grid at ``context``: linear inside, held below, slope-clamped (>= 0) above."""
-        ctxs = self.contexts_of(kind).astype(np.float64)
-        if len(ctxs) == 1 or context <= ctxs[0]:
-            return float(ms_row[0])
-        if context <= ctxs[-1]:
-            return float(np.interp(context, ctxs, ms_row))
-        slope = max(0.0, (ms_row[-1] - ms_row[-2]) / (ctxs[-1] - ctxs[-2]))
-        return float(ms_row[-1] + slope * (context - ctxs[-1]))
-
     def predict(self, rows: int, context: int, kind: str = "verify") -> float:
         """Milliseconds of one forward of ``kind`` (`KINDS`) with ``rows`` rows after ``context`` cached positions.
 
@@ -233,14 +225,8 @@ class CostModel(BaseModel):
             )
         if context < 0:
             raise CostModelError(f"context = {context}: a context is a count of cached positions, >= 0")
-        table = self.table(kind)
-        i = int(np.searchsorted(grid, rows, side="right")) - 1  # grid[i] <= rows
-        lo = self._along_context(table[i], float(context), kind)
-        if grid[i] == rows:
-            return lo
-        hi = self._along_context(table[i + 1], float(context), kind)
-        w = (rows - grid[i]) / (grid[i + 1] - grid[i])
-        return float(lo + w * (hi - lo))
+        ms = interpolate(grid, self.contexts_of(kind), self.table(kind)[None], [rows], [context])
+        return float(ms[0, 0])
 
     def forwards_ms(self, forwards: Iterable[Forward]) -> float:
         """Sum of `predict` over forwards (`Forward` or (kind, rows, context) tuples), ms."""
@@ -287,16 +273,8 @@ class Forward(NamedTuple):
     context: int
 
 
-#: bench configuration (Table 5) -> the draft place its sessions use (`hycoc.runtime.client.MODES`).
-DRAFT_PLACE_OF = {
-    "cloud-mtp": "cloud-mtp",
-    "server-head": "server-head",
-    "hyco": "device",
-    "hyco-exact": "device",
-    "hyco-2p": "device",
-    "specedge": "device",
-    "specedge-eps": "device",
-}
+#: bench configuration (Table 5) -> the draft place its sessions use (`hycoc.table5`), those with a verifier.
+DRAFT_PLACE_OF = {c.name: c.draft_place for c in CONFIGURATIONS if c.verifier}
 
 
 def round_forwards(
@@ -458,11 +436,44 @@ def sample_quantile(statistic: str) -> float:
     return q
 
 
+def interpolate(
+    rows_grid: Sequence[float], context_grid: Sequence[float], tables: np.ndarray, rows, context
+) -> np.ndarray:
+    """The cost model's interpolation (module docstring): ms of forwards with ``rows`` rows after ``context`` cached
+    positions, read off each grid of ``tables``. Bilinear inside the grid; along context held below its smallest
+    value and linear above its largest with the last segment's slope clamped to >= 0; rows must lie inside
+    ``rows_grid`` (the callers check).
+
+    rows_grid: (nR,) ascending; context_grid: (nC,) ascending; tables: float (draws, nR, nC) ms; rows, context:
+    (F,) numbers. Returns float64 (draws, F) ms. The one implementation behind `CostModel.predict` (draws = 1) and
+    `predict_tables` (bootstrapped grids)."""
+    grid, cgrid = np.asarray(rows_grid, dtype=np.float64), np.asarray(context_grid, dtype=np.float64)
+    r, c = np.asarray(rows, dtype=np.float64), np.asarray(context, dtype=np.float64)
+    i = np.clip(np.searchsorted(grid, r, side="right") - 1, 0, len(grid) - 1)  # grid[i] <= r
+    j = np.minimum(i + 1, len(grid) - 1)
+    w = np.where(j > i, (r - grid[i]) / np.where(j > i, grid[j] - grid[i], 1.0), 0.0)
+    f = np.arange(len(c))
+
+    def along(lines: np.ndarray) -> np.ndarray:  # (draws, F, nC) -> (draws, F)
+        if len(cgrid) == 1:
+            return lines[..., 0]
+        k = np.clip(np.searchsorted(cgrid, c, side="right") - 1, 0, len(cgrid) - 2)
+        a = np.clip((c - cgrid[k]) / (cgrid[k + 1] - cgrid[k]), 0.0, 1.0)
+        inside = lines[:, f, k] + a * (lines[:, f, k + 1] - lines[:, f, k])
+        slope = np.maximum(0.0, (lines[..., -1] - lines[..., -2]) / (cgrid[-1] - cgrid[-2]))
+        above = lines[..., -1] + slope * (c - cgrid[-1])
+        return np.where(c > cgrid[-1], above, inside)
+
+    t = np.asarray(tables, dtype=np.float64)
+    lo, hi = along(t[:, i, :]), along(t[:, j, :])
+    return lo + w * (hi - lo)
+
+
 def predict_tables(model: CostModel, tables: dict[str, np.ndarray], forwards: Sequence[Forward]) -> np.ndarray:
     """`CostModel.predict` of every forward under every grid of ``tables`` (`bootstrap_tables`), vectorised:
-    float64 (draws, len(forwards)) ms. The same interpolation as `CostModel.predict` (bilinear inside, held
-    below the smallest context, slope-clamped linear above the largest); raises CostModelError as it does for
-    rows outside a kind's grid or a kind the model lacks."""
+    float64 (draws, len(forwards)) ms. `interpolate`, as `CostModel.predict` (bilinear inside, held below the
+    smallest context, slope-clamped linear above the largest); raises CostModelError as it does for rows outside a
+    kind's grid or a kind the model lacks."""
     draws = next(iter(tables.values())).shape[0]
     out = np.zeros((draws, len(forwards)))
     kinds = np.array([f.kind for f in forwards])
@@ -476,24 +487,7 @@ def predict_tables(model: CostModel, tables: dict[str, np.ndarray], forwards: Se
         r, c = rows[sel], ctx[sel]
         if r.min() < grid[0] or r.max() > grid[-1]:
             raise CostModelError(f"rows outside the cost model's measured {kind} rows [{grid[0]:g}, {grid[-1]:g}]")
-        t = tables[kind]  # (draws, nR, nC)
-        i = np.clip(np.searchsorted(grid, r, side="right") - 1, 0, len(grid) - 1)
-        j = np.minimum(i + 1, len(grid) - 1)
-        w = np.where(j > i, (r - grid[i]) / np.where(j > i, grid[j] - grid[i], 1.0), 0.0)
-
-        def along(lines: np.ndarray) -> np.ndarray:  # (draws, F, nC) -> (draws, F)
-            if len(cgrid) == 1:
-                return lines[..., 0]
-            k = np.clip(np.searchsorted(cgrid, c, side="right") - 1, 0, len(cgrid) - 2)
-            a = np.clip((c - cgrid[k]) / (cgrid[k + 1] - cgrid[k]), 0.0, 1.0)
-            f = np.arange(len(c))
-            inside = (1 - a) * lines[:, f, k] + a * lines[:, f, k + 1]
-            slope = np.maximum(0.0, (lines[..., -1] - lines[..., -2]) / (cgrid[-1] - cgrid[-2]))
-            above = lines[..., -1] + slope * (c - cgrid[-1])
-            return np.where(c > cgrid[-1], above, inside)
-
-        lo, hi = along(t[:, i, :]), along(t[:, j, :])
-        out[:, sel] = lo + w * (hi - lo)
+        out[:, sel] = interpolate(grid, cgrid, tables[kind], r, c)
     return out
 
 
@@ -551,6 +545,7 @@ def load_cost_model(path: str | Path) -> CostModel:
 
 __all__ = [
     "bootstrap_tables",
+    "interpolate",
     "predict_tables",
     "sample_quantile",
     "DRAFT_PLACE_OF",

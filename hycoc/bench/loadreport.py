@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hycoc.numerics import percentile
+
 if TYPE_CHECKING:
     from hycoc.bench.tables import TextTable
 
@@ -92,14 +94,6 @@ RUN_KEYS = (
     "loadavg",
     "projection",
 )
-
-
-def percentile(values, q: float) -> float:
-    """The q-th percentile (0 <= q <= 100) of ``values`` by linear interpolation between closest ranks (numpy's
-    default ``method="linear"``, Hyndman & Fan type 7): of 1..100, p50 = 50.5, p90 = 90.1, p99 = 99.01.
-    NaN for no values."""
-    a = np.asarray(values, dtype=np.float64)
-    return float(np.percentile(a, q)) if a.size else math.nan
 
 
 def _hist_mean(before: dict, after: dict, name: str, scale: float = 1.0) -> float | None:

@@ -44,9 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hycoc.bench.datasets import LONG_SUMMARY_CATEGORY, Question
+from hycoc.table5 import TABLE5_ORDER
 
 #: Table 5 order.
-CONFIGS = ("cloud-mtp", "specedge", "specedge-eps", "hyco", "hyco-2p", "hyco-exact", "server-head", "slm-alone")
+CONFIGS = TABLE5_ORDER
 RECORDS = "records.jsonl"
 SETTINGS = "settings.json"
 RESULTS = "results.json"

@@ -35,10 +35,9 @@ from typing import Any
 
 import numpy as np
 
-#: Table 5 order of the configurations; configurations not listed follow, sorted by name.
-TABLE5_ORDER = ("cloud-mtp", "specedge", "specedge-eps", "hyco", "hyco-2p", "hyco-exact", "server-head", "slm-alone")
-#: Configurations without a verifier: no g, no forwards, no bytes.
-NO_VERIFIER = frozenset({"slm-alone"})
+from hycoc.table5 import TABLE5_ORDER
+
+#: Table 5 order of the configurations (`hycoc.table5`); configurations not listed follow, sorted by name.
 DEFAULT_BASELINE = "cloud-mtp"
 #: Family-wise error rate of the quality flags (Holm over a run's metrics and configurations).
 FLAG_ALPHA = 0.05
@@ -89,12 +88,6 @@ def pooled(recs: Sequence[Record], num: Callable[[Record], float], den: Callable
         acc[1] += den(r)
     ratios = [n / d for n, d in by_run.values() if d]
     return _num(float(np.mean(ratios))) if ratios else None
-
-
-def percentile(values: Iterable[Any], q: float) -> float | None:
-    """The q-th percentile (numpy's linear interpolation) of the finite values, None when there are none."""
-    v = [float(x) for x in values if _num(x) is not None]
-    return _num(float(np.percentile(v, q))) if v else None
 
 
 def mean(values: Iterable[Any]) -> float | None:

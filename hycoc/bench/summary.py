@@ -91,7 +91,6 @@ from hycoc.bench.stats import (
     DEFAULT_BASELINE,
     FLAG_ALPHA,
     FLAG_METHOD,
-    NO_VERIFIER,
     Record,
     _num,
     _seed_for,
@@ -101,10 +100,11 @@ from hycoc.bench.stats import (
     paired_mean_difference,
     paired_p_value,
     paired_ratio_delta,
-    percentile,
     pooled,
     table5_order,
 )
+from hycoc.numerics import percentile
+from hycoc.table5 import NO_VERIFIER
 
 #: What the verifier's mean log-prob of an answer measures (docs/benchmarks.md, "Benchmark"): repetition raises it, so
 #: it is reported under this label and never as the quality figure on its own.
@@ -462,8 +462,8 @@ def _delivery(s: ConfigSummary, recs: Sequence[Record], verifier: bool) -> None:
     s.mat = pooled(recs, _tokens, _rounds)
     s.tok_per_s = pooled(recs, _tokens, lambda r: float(r.get("seconds") or 0.0))
     s.draft_ms_per_token = pooled(recs, lambda r: float(r.get("draft_ms") or 0.0), _tokens)
-    s.first_token_ms_p50 = percentile((r.get("first_token_ms") for r in recs), 50)
-    s.first_token_ms_p90 = percentile((r.get("first_token_ms") for r in recs), 90)
+    s.first_token_ms_p50 = percentile((r.get("first_token_ms") for r in recs), 50, empty=None)
+    s.first_token_ms_p90 = percentile((r.get("first_token_ms") for r in recs), 90, empty=None)
     if not verifier:
         return
     s.verifier_forwards_per_token = pooled(recs, _rounds, _tokens)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import typer
 
+from hycoc.table5 import RUN_MODES
+
 
 def _flags_show_no_type() -> None:
     """typer 0.29 prints a ``<bool>`` type after every flag in --help (``--help`` itself included), as if a flag took a
@@ -123,13 +125,8 @@ def utf8_stdio(streams=None, windows: bool | None = None) -> None:
             stream.reconfigure(encoding="utf-8", errors="backslashreplace")
 
 
-class RunMode(str, Enum):
-    hyco = "hyco"
-    hyco_exact = "hyco-exact"
-    hyco_2p = "hyco-2p"
-    specedge = "specedge"
-    server_head = "server-head"
-    slm_alone = "slm-alone"
+#: `hycoc run --mode` (`hycoc.table5.RUN_MODES`): members hyco, hyco_exact, hyco_2p, specedge, server_head, slm_alone.
+RunMode = Enum("RunMode", {m.replace("-", "_"): m for m in RUN_MODES}, type=str)
 
 
 class Backend(str, Enum):

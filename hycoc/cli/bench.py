@@ -20,9 +20,10 @@ from hycoc.cli._common import (
     _need_full,
     _recipe,
 )
+from hycoc.table5 import TABLE5_ORDER, WITH_VERIFIER
 
-#: Configurations of `hycoc bench` (paper Table 5).
-BENCH_CONFIGS = ("cloud-mtp", "specedge", "specedge-eps", "hyco", "hyco-2p", "hyco-exact", "server-head", "slm-alone")
+#: Configurations of `hycoc bench` (paper Table 5, `hycoc.table5`).
+BENCH_CONFIGS = TABLE5_ORDER
 
 
 #: Options bench and tune-epsilon share (typer's Annotated form, as huggingface_hub's cli/_cli_utils.py does).
@@ -191,9 +192,7 @@ def _say(line: str) -> None:
     Console(stderr=True).print(line, markup=False, highlight=False)
 
 
-def _bench_questions(
-    cfg, recipe: Path, bundle: Path | None, dataset: str | None, max_prompt_tokens: int | None
-):
+def _bench_questions(cfg, recipe: Path, bundle: Path | None, dataset: str | None, max_prompt_tokens: int | None):
     """`hycoc.bench.inputs.bench_questions`, its errors as one line (exit 1)."""
     from hycoc.bench.datasets import DatasetError
     from hycoc.bench.inputs import BenchInputError, bench_questions
@@ -351,7 +350,7 @@ def profile(
 
 
 #: Configurations `hycoc loadtest` can record and replay (a verifier in every round: not slm-alone).
-LOADTEST_CONFIGS = tuple(c for c in BENCH_CONFIGS if c != "slm-alone")
+LOADTEST_CONFIGS = WITH_VERIFIER
 #: `hycoc loadtest --batching` values: serial = one session per forward, batched = sessions' trees in one forward,
 #: budgeted = batched with the rows chosen across the trees (`hycoc.bench.loadtest.MODE_ARGS`).
 LOADTEST_BATCHING = ("serial", "batched", "budgeted")

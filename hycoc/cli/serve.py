@@ -3,12 +3,14 @@ Serve deployment). The verifier, aiohttp and Ray are imported inside the command
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 from pathlib import Path
 
 import typer
 
+from hycoc import serving_limits
 from hycoc.cli._common import AUTH_TOKEN_HELP, RECIPE_ARG, Device, _auth_token, _fail, _need_full, _port_error, _recipe
 
 
@@ -55,8 +57,8 @@ def verify_server(
     max_batch_rows: int | None = typer.Option(
         None,
         min=1,
-        help="most tree rows per batched forward (default: the recipe's verifier.max_batch_rows, 528 = "
-        "16 trees of 33 rows)",
+        help="most tree rows per batched forward (default: the recipe's verifier.max_batch_rows, "
+        f"{serving_limits.DEFAULT_MAX_BATCH_ROWS})",
         show_default=False,
     ),
     max_batch_wait_ms: float | None = typer.Option(
@@ -64,7 +66,7 @@ def verify_server(
         min=0.0,
         max=10_000.0,
         help="ms a round waits for other sessions' rounds to join its forward "
-        "(default: the recipe's verifier.max_batch_wait_ms, 2.0)",
+        f"(default: the recipe's verifier.max_batch_wait_ms, {serving_limits.DEFAULT_MAX_BATCH_WAIT_MS:g})",
         show_default=False,
     ),
     tree_budget: str | None = typer.Option(
@@ -294,3 +296,8 @@ def serve_ray(
         )
     except RuntimeError as e:  # a deployment that failed: Serve's message carries the replica's traceback
         raise _fail("serve-ray", f"the deployment failed: {e}") from None
+
+
+# Both commands' --help end with the server limits and their defaults, from the one table of them.
+for _command in (verify_server, serve_ray):
+    _command.__doc__ = f"{inspect.cleandoc(_command.__doc__ or '')}\n\n{serving_limits.help_text()}\n"

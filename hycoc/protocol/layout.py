@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from hycoc import serving_limits
 from hycoc.protocol.errors import UnsupportedVersion
 
 if TYPE_CHECKING:
@@ -40,8 +41,9 @@ MAGIC = b"HYCO"
 HEADER = struct.Struct("<4sHBBII")
 #: parents travel as int16: row 32767 is the last one that can be a parent, so R <= 32768 (B <= 32767).
 MAX_TREE_ROWS = 32768
-#: Large enough for a first reply of Gemma 4 26B-A4B (6.3 MB); servers may lower it for what they receive.
-DEFAULT_MAX_FRAME_BYTES = 16 * 2**20
+#: Large enough for a first reply of Gemma 4 26B-A4B (6.3 MB); the value is the serving limits table's
+#: (`hycoc/serving_limits.py`); servers may lower it for what they receive.
+DEFAULT_MAX_FRAME_BYTES = serving_limits.DEFAULT_MAX_FRAME_BYTES
 #: fp16's lowest finite value: ROUND scores below it travel as it (never as -inf).
 FP16_SCORE_FLOOR = -65504.0
 #: The hand-off block's six dequantization scales, in wire order.

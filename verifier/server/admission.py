@@ -34,6 +34,7 @@ class KvReservation:
     def __init__(self, budget: KvBudget, nbytes: int):
         self._budget = budget
         self.nbytes = int(nbytes)
+        budget._live.add(self)
 
     def grow(self, extra: int, request: str) -> int:
         """Reserve ``extra`` more bytes (<= 0: nothing). Returns the bytes added. Raises KvBudgetExhausted (counted
@@ -42,6 +43,8 @@ class KvReservation:
             return 0
         self._budget._take(int(extra), request)
         self.nbytes += int(extra)
+        self._budget._live.add(self)
+        self._budget.check()
         return int(extra)
 
     def shrink(self, nbytes: int) -> None:
@@ -50,23 +53,42 @@ class KvReservation:
         if nbytes > 0:
             self.nbytes -= nbytes
             self._budget.reserved -= nbytes
+            if not self.nbytes:
+                self._budget._live.discard(self)
+            self._budget.check()
 
     def release(self) -> None:
         """Return the whole reservation to the budget (the session ended); a second call does nothing."""
         self.shrink(self.nbytes)
+        self._budget._live.discard(self)
 
 
 class KvBudget:
     """The ``max_kv_bytes`` ledger: ``reserved`` bytes (always <= ``capacity``) over every open or opening session.
 
     capacity: max_kv_bytes. retry_after_s: the hint in a refusal's message. refused: called with "max_kv_bytes" on
-    each refusal (the metrics' counter)."""
+    each refusal (the metrics' counter). peak: the most bytes ever reserved at once (<= capacity).
+
+    Invariant, checked (`check`) each time a reservation is made, grown, shrunk or released:
+    0 <= reserved <= capacity, and reserved is the sum of the live `KvReservation`s' bytes."""
 
     def __init__(self, capacity: int, retry_after_s: float, refused: Callable[[str], None]):
         self.capacity = int(capacity)
         self.retry_after_s = float(retry_after_s)
         self.reserved = 0
+        self.peak = 0
+        self._live: set[KvReservation] = set()
         self._refused = refused
+
+    def check(self) -> None:
+        """Raise AssertionError (a bug in the server, never the client's doing) unless 0 <= reserved <= capacity
+        and reserved equals the sum of the live reservations. Explicit, so ``python -O`` keeps it."""
+        held = sum(r.nbytes for r in self._live)
+        if not 0 <= self.reserved <= self.capacity or self.reserved != held:
+            raise AssertionError(
+                f"KV ledger broken: reserved = {self.reserved}, capacity (max_kv_bytes) = {self.capacity}, "
+                f"live reservations hold {held}"
+            )
 
     def _take(self, nbytes: int, request: str) -> None:
         if self.reserved + nbytes > self.capacity:
@@ -76,12 +98,16 @@ class KvBudget:
                 f"retry after {self.retry_after_s:g} s, or ask for fewer max_new_tokens"
             )
         self.reserved += nbytes
+        self.peak = max(self.peak, self.reserved)
 
     def reserve(self, nbytes: int, positions: int) -> KvReservation:
         """A new session's reservation of ``nbytes`` (its ``positions`` KV positions). Raises KvBudgetExhausted
-        (counted) when it does not fit; nothing is reserved then."""
+        (counted) when it does not fit; nothing is reserved then. The ledger's invariant is checked on the way
+        out (`check`)."""
         self._take(int(nbytes), f"this request needs {int(nbytes)} KV bytes ({positions} positions)")
-        return KvReservation(self, nbytes)
+        reservation = KvReservation(self, nbytes)
+        self.check()
+        return reservation
 
 
 class SessionSlot:
@@ -113,6 +139,8 @@ class SessionSlots:
                 f"{self.in_use} sessions are open, max_sessions = {self.capacity}; retry after {self.retry_after_s:g} s"
             )
         self.in_use += 1
+        if not 0 < self.in_use <= self.capacity:
+            raise AssertionError(f"session ledger broken: in_use = {self.in_use}, max_sessions = {self.capacity}")
         return SessionSlot(self)
 
 

@@ -17,6 +17,7 @@ import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from hycoc import serving_limits
 from hycoc.protocol.messages import DraftTree
 
 from ..batch import RowBudget
@@ -27,8 +28,8 @@ from .errors import ShuttingDown
 #: Verification modes (recipe verifier.batching) and the batching defaults: 16 trees of 33 rows per forward, and
 #: 2 ms of waiting for others (a toy round is ~10-25 ms; a GPU round ~20 ms).
 BATCHING_MODES = ("batched", "serial")
-DEFAULT_MAX_BATCH_ROWS = 528
-DEFAULT_MAX_BATCH_WAIT_MS = 2.0
+DEFAULT_MAX_BATCH_ROWS = serving_limits.DEFAULT_MAX_BATCH_ROWS
+DEFAULT_MAX_BATCH_WAIT_MS = serving_limits.DEFAULT_MAX_BATCH_WAIT_MS
 
 
 class EngineWorker:
