@@ -234,7 +234,7 @@ class MtpDrafter:
             z[: self.hidden] = self.bundle.embed_keep(i) if self._embed is None else self._embed[i]
             z[self.hidden :] = res["h_next"].reshape(-1)
 
-        steps = head_chain(step, feed, K, D)  # lines 7-12 (`hycoc.mtp_chain.head_chain`)
+        picks = head_chain(step, feed, K, D)  # lines 7-12 (`hycoc.mtp_chain.head_chain`)
         return MtpDraft(
-            [keep[i] for i in steps.chain], [keep[i] for i in steps.runner_ups], steps.chain, steps.runner_ups
+            [keep[i] for i in picks.chain], [keep[i] for i in picks.runner_ups], picks.chain, picks.runner_ups
         )
