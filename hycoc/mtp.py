@@ -4,7 +4,8 @@ transformers' own entry point (``Gemma4AssistantForCausalLM.forward``) builds it
 and can only place every query over the same keys. HyCo needs each query to see its own window of the
 verifier's KV (training many anchors at once, the ring of Alg. 2), so `head_step` calls the head's submodules
 (``pre_projection`` -> ``model`` -> ``post_projection`` / ``lm_head``) with explicit 4-D masks. Nothing of
-Gemma is re-implemented: the decoder layers, rotary tables and attention are transformers'.
+Gemma is re-implemented: the decoder layers, rotary tables and attention are transformers'. The chain of K steps
+around `head_step` is `hycoc.mtp_chain.head_chain` (torch-free: the device's MTP Drafter runs it too).
 
 Shapes: N queries, H verifier hidden, Hh head hidden, V vocabulary.
 """

@@ -13,6 +13,9 @@
    ring), streams the new text;
 3. the reply's hand-off feeds the MTP Drafter (Alg. 2), whose chain and runner-ups seed the next tree (Alg. 3).
 
+What a mode drafts is its `hycoc.runtime.drafters.Drafter` (`hycoc.runtime.drafters.DRAFTERS`, one class per Table 5
+drafter); the loop here is the same for all of them.
+
 Modes (Table 5; constants from the bundle's round section):
 
 ==============  ===========  ==========  =====================================  =============================
@@ -31,30 +34,25 @@ slm-alone       (none)       --          greedy SLM decoding on the device      
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+from hycoc.runtime.drafters import Drafter, RuntimeProtocolError, SlmTreeDrafter, drafter_class
 from hycoc.runtime.mtp_drafter import MtpDrafter
 from hycoc.runtime.slm_drafter import SlmDrafter
-from hycoc.runtime.transport import BadReply
-from hycoc.runtime.tree_builder import BuiltTree, TreeBuilder, check_verified, walk_reply
+from hycoc.runtime.tree_builder import BuiltTree, TreeBuilder
 
 from hycoc.chat import ChatMismatch, common_prefix, ids_crc32
-from hycoc.protocol.messages import AppendTurn, DraftTree, OpenRequest, Sampling, commit_cut
+from hycoc.protocol.messages import AppendTurn, OpenRequest, Sampling, commit_cut
 from hycoc.table5 import BY_NAME, RUN_MODES, Configuration
 
 #: One configuration of Table 5 as the device runs it (`hycoc.table5`, the one list of them).
 Mode = Configuration
 #: name -> `Mode`, every Table 5 configuration (`hycoc.table5.BY_NAME`).
 MODES = BY_NAME
-
-
-class RuntimeProtocolError(RuntimeError):
-    """The verifier's reply contradicts the tree it answers (e.g. its path does not follow its samples)."""
 
 
 @dataclass
@@ -190,25 +188,18 @@ class DeviceRuntime:
             graph_s += sec - s0
         setattr(res, f"{kind}_graph_s", getattr(res, f"{kind}_graph_s") + graph_s)
 
+    def drafter(self, mode: str) -> Drafter:
+        """A new drafter of configuration ``mode`` (`hycoc.runtime.drafters.DRAFTERS`) over this runtime's graphs.
+        Raises ValueError for a name outside `MODES`."""
+        return drafter_class(mode, tuple(MODES))(self, MODES[mode])
+
     def builder(self, mode: Mode, tree_rows: int) -> TreeBuilder:
-        """The tree builder of ``mode`` for trees of ``tree_rows`` rows (the verifier's B + 1)."""
-        r = self.bundle.round
-        budget = r.specedge_nodes if mode.passes == "specedge" else r.node_budget
-        passes = {"slm": r.slm_passes, "two": 2, "specedge": r.specedge_passes, "none": 0}[mode.passes]
-        if budget + 1 > tree_rows:
-            raise ValueError(
-                f"mode {mode.name} drafts {budget} nodes, the verifier takes {tree_rows} rows per tree "
-                "(node_budget + 1); use matching recipes for the bundle and the server"
-            )
-        return TreeBuilder(
-            ln_lambda=math.log(r.depth_cost),
-            budget=budget,
-            rows=tree_rows,
-            candidates=r.slm_candidates,
-            passes=passes,
-            keep_set=self.bundle.keep_set,
-            stop_ids=self.stop_ids,
-        )
+        """The tree builder of ``mode`` for trees of ``tree_rows`` rows (the verifier's B + 1). Raises ValueError
+        when its node budget does not fit them, or the mode drafts no tree on the device."""
+        drafter = self.drafter(mode.name)
+        if not isinstance(drafter, SlmTreeDrafter):
+            raise ValueError(f"mode {mode.name} drafts no tree on the device")
+        return drafter.builder(tree_rows)
 
     def open_request(
         self,
@@ -309,8 +300,7 @@ class DeviceRuntime:
         turn = AppendTurn(
             np.asarray(ids[keep:], np.int32), 0, keep, ids_crc32(held[:keep]), int(anchor) if int(anchor) >= keep else 0
         )
-        if MODES[mode].passes != "none":
-            self.slm.rollback(keep)
+        self.drafter(mode).rollback(keep)
         return self._request(client, ids, turn, mode, max_new_tokens, None, None, None, on_text, keep_open, on_tokens)
 
     def _request(
@@ -328,9 +318,7 @@ class DeviceRuntime:
         on_tokens=None,
         anchor: int = 0,
     ) -> RequestResult:
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-        m = MODES[mode]
+        drafter = self.drafter(mode)
         r = self.bundle.round
         max_new = r.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         seed = r.seed if seed is None else int(seed)
@@ -355,11 +343,11 @@ class DeviceRuntime:
                 on_text(piece)
 
         self._conversation = None
-        if m.draft_place is None:
-            self._slm_alone(prompt, max_new, res, emit)
+        if not drafter.verified:
+            self._slm_alone(drafter, prompt, max_new, res, emit)
         else:
             try:
-                self._verified(client, prompt, m, max_new, seed, sampling, epsilon, res, emit, appended, anchor)
+                self._verified(client, prompt, drafter, max_new, seed, sampling, epsilon, res, emit, appended, anchor)
             except BaseException:
                 client.close()
                 raise
@@ -378,17 +366,17 @@ class DeviceRuntime:
 
     # ---- the modes ---------------------------------------------------------------------------------------------
 
-    def _slm_alone(self, prompt, max_new, res: RequestResult, emit) -> None:
-        slm = self.slm
-        slm.start(prompt)
+    def _slm_alone(self, drafter: Drafter, prompt, max_new, res: RequestResult, emit) -> None:
+        """The loop of a drafter without a verifier (slm-alone): one drafted token a step, committed as drafted."""
+        drafter.start(prompt)
         t0, meter = time.perf_counter(), self.graph_meter()
-        slm.prefill(reserve=1)
+        drafter.prefill()
         res.slm_prefill_s = time.perf_counter() - t0
         self._metered(res, meter, "prefill")
         while len(res.tokens) < max_new:
             t0, meter = time.perf_counter(), self.graph_meter()
-            token = slm.greedy_next()
-            slm.commit([], [token])
+            token = int(drafter.draft(res.rounds, None, res.tokens[-1] if res.tokens else prompt[-1], 1).tokens[0])
+            drafter.accept([token])
             res.draft_s += time.perf_counter() - t0
             self._metered(res, meter, "draft")
             res.rounds += 1
@@ -403,6 +391,9 @@ class DeviceRuntime:
     def _tree(
         self, m: Mode, builder: TreeBuilder, chain: list[int], runner_ups: list[int], max_depth: int | None = None
     ) -> BuiltTree:
+        """Alg. 3 over ``chain`` / ``runner_ups`` under the SLM's last token (the root), with the SLM Drafter's
+        expansion when ``builder`` runs SLM passes: the one SLM-expansion step every tree drafter calls
+        (`hycoc.runtime.drafters.SlmTreeDrafter.draft`)."""
         expand = self.slm.expand if builder.passes > 0 else None
         return builder.build(self.slm.tokens[-1], chain, runner_ups, expand, max_depth=max_depth)
 
@@ -410,7 +401,7 @@ class DeviceRuntime:
         self,
         client,
         prompt,
-        m: Mode,
+        drafter: Drafter,
         max_new,
         seed,
         sampling,
@@ -420,24 +411,25 @@ class DeviceRuntime:
         appended: AppendTurn | None = None,
         anchor: int = 0,
     ) -> None:
-        uses_slm = m.passes != "none"
-        self.mtp.reset()
+        drafter.reset()
         with ThreadPoolExecutor(1, thread_name_prefix="hycoc-open") as pool:
             if appended is None:  # a new session: the server prefills the prompt
                 request = self.open_request(
-                    prompt, m, max_new_tokens=max_new, seed=seed, sampling=sampling, epsilon=epsilon, anchor=anchor
+                    prompt,
+                    drafter.mode,
+                    max_new_tokens=max_new,
+                    seed=seed,
+                    sampling=sampling,
+                    epsilon=epsilon,
+                    anchor=anchor,
                 )
                 opened_f = pool.submit(client.open, request)
             else:  # the next turn: the server rolls back and prefills the rest
                 opened_f = pool.submit(client.append, replace(appended, max_new_tokens=max_new))
-            built = None
-            if uses_slm:
-                if appended is None:
-                    self.slm.start(prompt)
-                else:  # the ring was rolled back to keep (`next_turn`)
-                    self.slm.commit([], prompt[appended.keep :])
+            if drafter.uses_slm:  # the SLM ring fills while the server prefills (App. C)
+                drafter.start(prompt, None if appended is None else appended.keep)
                 t0, meter = time.perf_counter(), self.graph_meter()
-                self.slm.prefill(reserve=self.bundle.round.chain_length + self.bundle.round.sibling_depth)
+                drafter.prefill()
                 res.slm_prefill_s = time.perf_counter() - t0
                 self._metered(res, meter, "prefill")
             opened = opened_f.result()
@@ -453,78 +445,43 @@ class DeviceRuntime:
             together hold opened.max_context positions)."""
             return max_new - len(res.tokens), opened.max_context - len(prompt) - len(res.tokens)
 
-        if m.draft_place == "cloud-mtp":
-            builder = None
-        else:
-            builder = self.builder(m, opened.tree_rows)
+        def draft(seq: int, reply, root: int):
+            """The drafter's next tree, its time and graph calls counted when the device drafts it."""
+            if not drafter.drafts:
+                return drafter.draft(seq, reply, root, min(room()))
             t0, meter = time.perf_counter(), self.graph_meter()
-            built = self._tree(m, builder, [], [], min(room()))  # the first tree: SLM alone, trimmed to the room
+            tree = drafter.draft(seq, reply, root, min(room()))  # the first: SLM alone, trimmed to the room
             res.draft_s += time.perf_counter() - t0
             self._metered(res, meter, "draft")
+            return tree
+
+        drafter.begin(opened.tree_rows)
         root = prompt[-1]
         seq = 0
+        tree = draft(seq, None, root)
         while True:
-            if built is None:  # cloud-mtp: the root alone, no scores (nothing to trim)
-                tokens, parents = np.asarray([root], np.int32), np.asarray([-1], np.int32)
-                scores = None
-            else:
-                tokens, parents, scores = built.tokens, built.parents, built.scores
             res.context.append(len(prompt) - 1 + len(res.tokens))
-            reply = client.round(DraftTree(seq, tokens, parents, scores))
+            reply = client.round(tree)
             verified = reply.verified
             # rows of the verifier's forward: those it verified (cloud-mtp: root + its chain)
             res.rows.append(len(reply.samples) if verified is None else int(np.count_nonzero(verified)))
             res.server_ms.append(reply.server_ms)
             res.round_bytes.append(client.round_bytes[-1])
             res.rounds += 1
-            if built is None:
-                n = len(reply.path_rows)
-                new = [int(x) for x in reply.samples[: n + 1]]
-                path_nodes: list[int] = []
-            else:
-                if verified is not None:
-                    try:
-                        check_verified(parents, verified, reply.path_rows)
-                    except ValueError as e:
-                        raise RuntimeProtocolError(f"round {seq}: the verifier's reply is inconsistent: {e}") from None
-                path = walk_reply(tokens, parents, reply.samples, verified)
-                if path != [int(x) for x in reply.path_rows]:
-                    raise RuntimeProtocolError(
-                        f"round {seq}: the verifier's path rows {reply.path_rows.tolist()} do "
-                        f"not follow its samples (walk gives {path})"
-                    )
-                if reply.samples[path[-1] if path else 0] != reply.bonus:
-                    raise RuntimeProtocolError(f"round {seq}: bonus {reply.bonus} is not the sample at the path's end")
-                new = [int(tokens[j]) for j in path] + [int(reply.bonus)]
-                path_nodes = [built.row_node[j] for j in path]
+            new = drafter.read(seq, reply)  # path + bonus (RuntimeProtocolError when they contradict the tree)
             keep_index = self.bundle.keep_index
             if reply.bonus >= len(keep_index) or keep_index[reply.bonus] < 0:
                 res.bonus_outside_keep += 1
             new, reason = commit_cut(new, self.stop_ids, *room())
             res.accepted.append(len(new) - 1)
-            if uses_slm:  # a stop id that ends the turn gets no SLM KV (a next turn's rendering decides its fate)
-                self.slm.commit(path_nodes[: len(new) - 1] if new[-1] in self.stop_ids else path_nodes, new)
+            drafter.accept(new)
             emit(new)
             if reply.finished or reason is not None:
                 res.finished, res.finish_reason = True, reply.finish_reason or reason
                 return
             root = new[-1]
             seq += 1
-            if built is None:
-                continue
-            t0, meter = time.perf_counter(), self.graph_meter()
-            chain, runner_ups = [], []
-            if m.chain == "device":
-                if reply.handoff is None:
-                    raise BadReply(f"round {seq - 1}: the verifier sent no hand-off to a device-drafting session")
-                self.mtp.ingest(reply.handoff)
-                d = self.mtp.draft()
-                chain, runner_ups = d.chain, d.runner_ups
-            elif m.chain == "server":
-                chain = [int(x) for x in reply.chain]
-            built = self._tree(m, builder, chain, runner_ups, min(room()))
-            res.draft_s += time.perf_counter() - t0
-            self._metered(res, meter, "draft")
+            tree = draft(seq, reply, root)
 
 
 def load_runtime(

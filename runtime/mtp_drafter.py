@@ -15,7 +15,8 @@ State (line 2): per verifier layer type (last sliding, last full-attention) a ri
 - line 6: the query's rotary rows fixed at position t + ``head_query_position_offset`` (the paper: t - 1; Gemma 4's
   head as transformers feeds it: t); keys arrive rotated.
 
-`MtpDrafter.draft` is lines 7-13: z = x̂; K calls of the head graph over the ring (which it does not extend);
+`MtpDrafter.draft` is lines 7-13 (the loop: `hycoc.mtp_chain.head_chain`, shared with the server's baselines):
+z = x̂; K calls of the head graph over the ring (which it does not extend);
 i, i' = the largest and second-largest logit, first among equals (the graph's ``top_index`` output where it has
 one, `top2` of its ``logits`` otherwise); y_k = V[i], y'_k = V[i'] for k <= D;
 z = [E[i]; h]. A hand-off with NaN/inf, a non-positive scale, or rows whose sizes do not match the graph is
@@ -32,6 +33,7 @@ from hycoc.runtime.graphs import input_buffer, input_encoding, quantize, zero_co
 from hycoc.runtime.tree_mask import HeadRingMask
 
 from hycoc.host import DENSE_LUT_BYTES, FULL, SLIDING, RotaryBlock, ring_runs
+from hycoc.mtp_chain import HeadStep, head_chain, top2
 from hycoc.protocol.messages import HandOff
 
 
@@ -80,16 +82,6 @@ class _Dequantized:
             np.multiply(view(self.raw), self.scale, out=out, dtype=np.float32)
         else:
             out[...] = view(self.value)
-
-
-def top2(logits: np.ndarray) -> tuple[int, int]:
-    """Indices of the largest and second-largest entry of a 1-D array, first among equals (Alg. 2 line 10):
-    ties go to the lower index, so [3, 5, 5] gives (1, 2) and [5, 5, 1] gives (0, 1)."""
-    x = np.asarray(logits, dtype=np.float64).reshape(-1)
-    i = int(np.argmax(x))  # numpy: first occurrence of the maximum
-    rest = x.copy()
-    rest[i] = -np.inf
-    return i, int(np.argmax(rest))
 
 
 @dataclass
@@ -230,21 +222,19 @@ class MtpDrafter:
         keep = self._keep
         feeds = self.feeds(self.x_hat)  # ring, masks and rotary rows stay fixed over the K steps (lines 6, 9)
         z = feeds["x_hat"][0, 0]  # the query buffer, rewritten in place each step: z = [E[i]; h]
-        out = MtpDraft([], [], [], [])
         again = getattr(self.runner, "run_again", None)  # steps 2..K: the same buffers, updated in place
-        for k in range(1, K + 1):
+
+        def step(k: int, runner_up: bool) -> HeadStep:
             res = self.runner.run(feeds) if k == 1 or again is None else again()
             # the graph's own top-2 (ONNX TopK: ties to the lower index) when it emits one, else the host's
-            if "top_index" in res:
-                i, i2 = res["top_index"].ravel().tolist()[:2]
-            else:
-                i, i2 = top2(res["logits"])
-            out.chain.append(keep[i])
-            out.chain_index.append(i)
-            if k <= D:
-                out.runner_ups.append(keep[i2])
-                out.runner_up_index.append(i2)
-            if k < K:
-                z[: self.hidden] = self.bundle.embed_keep(i) if self._embed is None else self._embed[i]
-                z[self.hidden :] = res["h_next"].reshape(-1)
-        return out
+            top = res["top_index"].ravel().tolist()[:2] if "top_index" in res else top2(res["logits"])
+            return HeadStep(tuple(top), res)
+
+        def feed(i: int, res) -> None:
+            z[: self.hidden] = self.bundle.embed_keep(i) if self._embed is None else self._embed[i]
+            z[self.hidden :] = res["h_next"].reshape(-1)
+
+        picks = head_chain(step, feed, K, D)  # lines 7-12 (`hycoc.mtp_chain.head_chain`)
+        return MtpDraft(
+            [keep[i] for i in picks.chain], [keep[i] for i in picks.runner_ups], picks.chain, picks.runner_ups
+        )

@@ -1,6 +1,7 @@
 """The server-side baselines' drafting (Table 5): Cloud+MTP's K-chain by the full-precision head, and the
 server-head chain over the keep set and a W window (paper Alg. 2 lines 7-12 run on the server; `hycoc.mtp.head_step`
-is the one home of a head step)."""
+is the one home of a head step in torch, `hycoc.mtp_chain.head_chain` the one home of the chain of steps, which the
+device's MTP Drafter runs too)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
+from hycoc.mtp_chain import HeadStep, head_chain
 
 from .kv_cache import first_position, kv_positions
 
@@ -42,17 +44,18 @@ def draft_cloud_chain(
         shared[kind] = (keys.to(head.dtype), values.to(head.dtype))
     pos = torch.tensor([[t + position_offset]], device=h.device)
     x = torch.cat([model.model.embed_tokens(torch.tensor([root], device=h.device))[0], h])
-    chain = []
-    for _ in range(k):
+
+    def step(_k: int, _runner_up: bool) -> HeadStep:
         out = head(
             inputs_embeds=x[None, None].to(head.dtype), position_ids=pos, shared_kv_states=shared, use_cache=False
         )
-        y = int(out.logits[0, -1].argmax())  # greedy, first among equals
-        chain.append(y)
-        x = torch.cat(
-            [model.model.embed_tokens(torch.tensor([y], device=h.device))[0], out.last_hidden_state[0, -1].to(h.dtype)]
-        )
-    return chain
+        return HeadStep((int(out.logits[0, -1].argmax()),), out.last_hidden_state[0, -1])  # greedy, first among equals
+
+    def feed(y: int, h_next: torch.Tensor) -> None:
+        nonlocal x
+        x = torch.cat([model.model.embed_tokens(torch.tensor([y], device=h.device))[0], h_next.to(h.dtype)])
+
+    return head_chain(step, feed, k).chain  # Alg. 2 lines 7-12 (`hycoc.mtp_chain.head_chain`), no siblings
 
 
 @torch.inference_mode()
@@ -88,14 +91,18 @@ def draft_server_chain(
     masks = {SLIDING: window_mask(q, n, sliding, dtype=head.dtype), FULL: window_mask(q, n, None, dtype=head.dtype)}
     pos = torch.tensor([[t + position_offset]], device=h.device)
     x = torch.cat([model.model.embed_tokens(torch.tensor([root], device=h.device))[0], h])
-    chain = []
-    for _ in range(k):
+
+    def step(_k: int, _runner_up: bool) -> HeadStep:
         logits, h_next = head_step(head, x[None, None].to(head.dtype), shared, masks, pos)
         logits = logits[0, 0]
         if keep_set is not None:
             y = int(keep_set[int(logits[keep_set].argmax())])  # Alg. 2 lines 10-11: o over V, y = V[i]
         else:
             y = int(logits.argmax())
-        chain.append(y)
-        x = torch.cat([model.model.embed_tokens(torch.tensor([y], device=h.device))[0], h_next[0, 0].to(h.dtype)])
-    return chain
+        return HeadStep((y,), h_next[0, 0])
+
+    def feed(y: int, h_next: torch.Tensor) -> None:
+        nonlocal x
+        x = torch.cat([model.model.embed_tokens(torch.tensor([y], device=h.device))[0], h_next.to(h.dtype)])
+
+    return head_chain(step, feed, k).chain  # Alg. 2 lines 7-12 (`hycoc.mtp_chain.head_chain`), no siblings

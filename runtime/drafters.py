@@ -1,0 +1,335 @@
+"""The device's drafters, one class per Table 5 drafter behind one interface (paper Alg. 1 lines 2-4, Algs. 2-3).
+
+`DeviceRuntime` (`hycoc.runtime.client`) runs the round loop (Alg. 1) and asks a `Drafter` for each tree; what
+differs between the configurations of Table 5 is the drafter, picked by the configuration's name in `DRAFTERS`:
+
+======================  ======================  ======================================================
+drafter                 configurations          tree (Alg. 3 over ...)
+======================  ======================  ======================================================
+`MtpChainDrafter`       hyco, hyco-exact        the device's MTP chain + runner-ups (Alg. 2), then
+                                                ``[tree] slm_passes`` SLM passes, B nodes
+`MtpChainTwoPass`       hyco-2p                 same, two SLM passes (Alg. 3 line 15)
+`ServerChainDrafter`    server-head             the chain the verifier's head sent in the reply, SLM
+`SpecEdgeDrafter`       specedge, specedge-eps  no chain: ``specedge_passes`` SLM passes,
+                                                ``specedge_nodes`` nodes
+`CloudMtpDrafter`       cloud-mtp               the root alone: the server drafts its K-chain itself
+`SlmAloneDrafter`       slm-alone               no tree, no verifier: greedy SLM decoding, a token a step
+======================  ======================  ======================================================
+
+The shape follows vLLM's speculative proposers (one class per method, ``propose()`` behind one interface) and
+transformers' ``CandidateGenerator`` (``get_candidates`` / ``update_candidate_strategy``): `Drafter.draft` gives the
+next tree, `Drafter.read` reads the verifier's reply against it, `Drafter.accept` takes the committed tokens, and
+`Drafter.reset` / `Drafter.start` / `Drafter.prefill` / `Drafter.rollback` are the request's and the conversation's
+state hooks. The drafters hold no graph of their own: the MTP Drafter, the SLM Drafter, the bundle and the stop ids
+are the `DeviceRuntime`'s, shared by every drafter a runtime makes (one per request), and the SLM expansion of a
+tree is the runtime's one step ``DeviceRuntime._tree`` (`hycoc.runtime.tree_builder.TreeBuilder.build` with the SLM
+Drafter's ``expand``).
+
+Acceptance and draft place are the configuration's (`hycoc.runtime.client.Mode`), sent in the OPEN; a drafter
+does not repeat them.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+from hycoc.runtime.transport import BadReply
+from hycoc.runtime.tree_builder import BuiltTree, TreeBuilder, check_verified, walk_reply
+
+from hycoc.protocol.messages import DraftTree, RoundReply
+
+if TYPE_CHECKING:
+    from hycoc.runtime.client import DeviceRuntime, Mode
+
+
+class RuntimeProtocolError(RuntimeError):
+    """The verifier's reply contradicts the tree it answers (e.g. its path does not follow its samples)."""
+
+
+class Drafter(ABC):
+    """One Table 5 drafter on the device (module docstring), made per request by `DeviceRuntime.drafter`.
+
+    device: the `DeviceRuntime` whose MTP Drafter (``mtp``), SLM Drafter (``slm``), bundle and ``stop_ids`` the
+    drafter uses; mode: its configuration (`hycoc.runtime.client.Mode`; ``name`` appears in errors).
+
+    A verified request calls, in order: `reset`; `start` and `prefill` (when `uses_slm`, while the verifier prefills);
+    `begin` with the verifier's tree rows; then per round `draft` (the first with ``reply=None``), the verifier's
+    reply, `read`, the commit cut, `accept`. A next turn calls `rollback` first. slm-alone (`verified` False) calls
+    `start`, `prefill`, then `draft` and `accept` per token.
+    """
+
+    #: False: the drafter decodes alone, with no verifier (slm-alone)
+    verified: ClassVar[bool] = True
+    #: the SLM Drafter's ring follows the conversation: filled at the request's start, committed each round, rolled
+    #: back for a next turn
+    uses_slm: ClassVar[bool] = True
+    #: the device drafts its trees (False: the server drafts, and the device's drafting time is not counted)
+    drafts: ClassVar[bool] = True
+
+    def __init__(self, device: DeviceRuntime, mode: Mode):
+        self.device, self.mode = device, mode
+
+    # ---- the request's state hooks -----------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """A new request or turn starts (before its OPEN / APPEND): forget per-request drafting state."""
+
+    def start(self, prompt: list[int], keep: int | None = None) -> None:
+        """Alg. 1's request start: the SLM ring takes the prompt (a next turn's: the ids after the ``keep`` it was
+        rolled back to). No-op without the SLM."""
+        if not self.uses_slm:
+            return
+        slm = self.device.slm
+        if keep is None:
+            slm.start(prompt)
+        else:  # the ring was rolled back to keep (`DeviceRuntime.next_turn`)
+            slm.commit([], prompt[keep:])
+
+    def prefill(self) -> None:
+        """Fill the SLM Drafter's cache with the prompt's last W tokens (App. C), reserving the rows the chain and
+        siblings plant. No-op without the SLM."""
+        if self.uses_slm:
+            r = self.device.bundle.round
+            self.device.slm.prefill(reserve=r.chain_length + r.sibling_depth)
+
+    def rollback(self, keep: int) -> None:
+        """A next turn keeps the first ``keep`` held ids: the SLM ring rolls back to them
+        (`hycoc.runtime.slm_drafter.SlmDrafter.rollback`). No-op without the SLM."""
+        if self.uses_slm:
+            self.device.slm.rollback(keep)
+
+    def begin(self, tree_rows: int) -> None:
+        """The verifier took the session and verifies trees of ``tree_rows`` rows (its B + 1). Raises ValueError
+        when this drafter's trees do not fit."""
+
+    # ---- a round -----------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def draft(self, seq: int, reply: RoundReply | None, root: int, room: int) -> DraftTree:
+        """Alg. 1 lines 3-4: the tree of round ``seq`` under ``root`` (x_{t+1}), from the last round's ``reply``
+        (None for a request's first tree, drafted while the server prefills), at most ``room`` nodes deep (the
+        tokens left under max_new_tokens and the context). Raises BadReply when the reply lacks what the drafter
+        needs (a hand-off, for the MTP chain)."""
+
+    @abstractmethod
+    def read(self, seq: int, reply: RoundReply) -> list[int]:
+        """Alg. 1 lines 8-9: the tokens ``reply`` commits for the tree of round ``seq`` (the path's tokens, then the
+        bonus), before the stop / max-new-tokens / context cut. Raises RuntimeProtocolError when the reply
+        contradicts the tree."""
+
+    def accept(self, new: list[int]) -> None:
+        """Alg. 1 line 10: ``new`` (the round's committed tokens after the cut) is committed; a drafter moves its
+        state past them."""
+
+
+# ---- Alg. 3 trees: the SLM expansion of a chain ------------------------------------------------------------------
+
+
+class SlmTreeDrafter(Drafter):
+    """The SLM expansion (Alg. 3): a chain and runner-ups planted under the root (`chain`), then SLM passes and the
+    trim to the node budget. Subclasses say where the chain comes from and how many passes / nodes a tree has."""
+
+    def __init__(self, device: DeviceRuntime, mode: Mode):
+        super().__init__(device, mode)
+        self.tree_builder: TreeBuilder | None = None
+        self.built: BuiltTree | None = None
+        self._path_nodes: list[int] = []
+
+    def passes(self) -> int:
+        """SLM passes per tree (Alg. 3 lines 7-15): the bundle's ``[tree] slm_passes``."""
+        return self.device.bundle.round.slm_passes
+
+    def budget(self) -> int:
+        """Draft nodes per tree, root excluded (B): the bundle's ``[tree] node_budget``."""
+        return self.device.bundle.round.node_budget
+
+    def chain(self, seq: int, reply: RoundReply) -> tuple[list[int], list[int]]:
+        """(chain y_{1:K}, runner-ups y'_{1:D}) as token ids for round ``seq``'s tree from the last reply; none by
+        default (the tree is the SLM's alone)."""
+        return [], []
+
+    def builder(self, tree_rows: int) -> TreeBuilder:
+        """The tree builder of this drafter for trees of ``tree_rows`` rows (the verifier's B + 1). Raises
+        ValueError when the node budget does not fit them."""
+        r, budget = self.device.bundle.round, self.budget()
+        if budget + 1 > tree_rows:
+            raise ValueError(
+                f"mode {self.mode.name} drafts {budget} nodes, the verifier takes {tree_rows} rows per tree "
+                "(node_budget + 1); use matching recipes for the bundle and the server"
+            )
+        return TreeBuilder(
+            ln_lambda=math.log(r.depth_cost),
+            budget=budget,
+            rows=tree_rows,
+            candidates=r.slm_candidates,
+            passes=self.passes(),
+            keep_set=self.device.bundle.keep_set,
+            stop_ids=self.device.stop_ids,
+        )
+
+    def begin(self, tree_rows: int) -> None:
+        self.tree_builder = self.builder(tree_rows)
+
+    def draft(self, seq: int, reply: RoundReply | None, root: int, room: int) -> DraftTree:
+        if self.tree_builder is None:
+            raise RuntimeError("Drafter.draft before begin: the verifier's tree rows are not known yet")
+        # the first tree: the SLM alone while the server prefills (App. C); the root is the SLM's last token
+        chain, runner_ups = ([], []) if reply is None else self.chain(seq, reply)
+        self.built = self.device._tree(self.mode, self.tree_builder, chain, runner_ups, room)
+        return DraftTree(seq, self.built.tokens, self.built.parents, self.built.scores)
+
+    def read(self, seq: int, reply: RoundReply) -> list[int]:
+        """Walk ``reply`` through the rows it verified (`hycoc.runtime.tree_builder.walk_reply`; ties to the lowest
+        row), check it against the verifier's own path and bonus, and remember the path's SLM nodes for
+        `accept`."""
+        built = self.built
+        if built is None:
+            raise RuntimeError("Drafter.read before draft")
+        tokens, parents, verified = built.tokens, built.parents, reply.verified
+        if verified is not None:
+            try:
+                check_verified(parents, verified, reply.path_rows)
+            except ValueError as e:
+                raise RuntimeProtocolError(f"round {seq}: the verifier's reply is inconsistent: {e}") from None
+        path = walk_reply(tokens, parents, reply.samples, verified)
+        if path != [int(x) for x in reply.path_rows]:
+            raise RuntimeProtocolError(
+                f"round {seq}: the verifier's path rows {reply.path_rows.tolist()} do "
+                f"not follow its samples (walk gives {path})"
+            )
+        if reply.samples[path[-1] if path else 0] != reply.bonus:
+            raise RuntimeProtocolError(f"round {seq}: bonus {reply.bonus} is not the sample at the path's end")
+        self._path_nodes = [built.row_node[j] for j in path]
+        return [int(tokens[j]) for j in path] + [int(reply.bonus)]
+
+    def accept(self, new: list[int]) -> None:
+        """Alg. 1 line 10: the SLM rows of the committed path move behind the root's (path nodes only: a row left
+        unverified never reaches the ring); a stop id that ends the turn gets no SLM KV (a next turn's rendering
+        decides its fate)."""
+        nodes = self._path_nodes
+        self.device.slm.commit(nodes[: len(new) - 1] if new[-1] in self.device.stop_ids else nodes, new)
+
+
+class MtpChainDrafter(SlmTreeDrafter):
+    """HyCo's hybrid tree (hyco, hyco-exact): the device's MTP Drafter (Alg. 2) drafts the chain and runner-ups from
+    each reply's hand-off, the SLM expands them (Alg. 3)."""
+
+    def reset(self) -> None:
+        """Forget the MTP Drafter's ring (`hycoc.runtime.mtp_drafter.MtpDrafter.reset`)."""
+        self.device.mtp.reset()
+
+    def chain(self, seq: int, reply: RoundReply) -> tuple[list[int], list[int]]:
+        """Alg. 2 on the reply's hand-off. Raises BadReply without one, HandoffError for a bad one."""
+        if reply.handoff is None:
+            raise BadReply(f"round {seq - 1}: the verifier sent no hand-off to a device-drafting session")
+        self.device.mtp.ingest(reply.handoff)
+        d = self.device.mtp.draft()
+        return d.chain, d.runner_ups
+
+
+class MtpChainTwoPass(MtpChainDrafter):
+    """HyCo-2P (hyco-2p): `MtpChainDrafter` with a second SLM pass over the nodes the first added (Alg. 3 line 15)."""
+
+    def passes(self) -> int:
+        return 2
+
+
+class ServerChainDrafter(SlmTreeDrafter):
+    """The server-head variant (server-head): the verifier's full-precision head drafts the chain on the server
+    (`hycoc.verifier.baselines.draft_server_chain`) and sends it in the reply; the device plants it without
+    runner-ups and expands it with the SLM."""
+
+    def chain(self, seq: int, reply: RoundReply) -> tuple[list[int], list[int]]:
+        return [int(x) for x in reply.chain], []
+
+
+class SpecEdgeDrafter(SlmTreeDrafter):
+    """The SpecEdge-style tree (specedge, specedge-eps): no chain; ``[tree] specedge_passes`` SLM passes grow a tree
+    of ``specedge_nodes`` nodes (Table 5)."""
+
+    def passes(self) -> int:
+        return self.device.bundle.round.specedge_passes
+
+    def budget(self) -> int:
+        return self.device.bundle.round.specedge_nodes
+
+
+# ---- no device tree ----------------------------------------------------------------------------------------------
+
+
+class CloudMtpDrafter(Drafter):
+    """Cloud+MTP (cloud-mtp): the device sends the root alone, without scores; the verifier drafts root + K-chain
+    with its own head (`hycoc.verifier.baselines.draft_cloud_chain`) and its reply's rows are that chain. No SLM."""
+
+    uses_slm = False
+    drafts = False
+
+    def draft(self, seq: int, reply: RoundReply | None, root: int, room: int) -> DraftTree:
+        return DraftTree(seq, np.asarray([root], np.int32), np.asarray([-1], np.int32), None)
+
+    def read(self, seq: int, reply: RoundReply) -> list[int]:
+        """The server's chain: its path rows are rows of root + chain, so the committed tokens are the first
+        |P| + 1 samples."""
+        return [int(x) for x in reply.samples[: len(reply.path_rows) + 1]]
+
+
+class SlmAloneDrafter(Drafter):
+    """The SLM alone (slm-alone, On-device 8K of Table 5): greedy decoding on the device, no verifier. Each `draft`
+    is the one next token (a one-row "tree" that nobody verifies), and `accept` commits it to the ring. Decodes
+    with the bundle's 1-row ``slm_decode`` graph when loaded (`hycoc.runtime.slm_decode`)."""
+
+    verified = False
+
+    def prefill(self) -> None:
+        self.device.slm.prefill(reserve=1)
+
+    def draft(self, seq: int, reply: RoundReply | None, root: int, room: int) -> DraftTree:
+        token = self.device.slm.greedy_next()
+        return DraftTree(seq, np.asarray([token], np.int32), np.asarray([-1], np.int32), None)
+
+    def read(self, seq: int, reply: RoundReply) -> list[int]:
+        raise RuntimeError("slm-alone has no verifier: nothing replies to its drafts")
+
+    def accept(self, new: list[int]) -> None:
+        self.device.slm.commit([], new)
+
+
+#: Table 5 configuration name -> its drafter (`hycoc.runtime.client.MODES` names the same configurations).
+DRAFTERS: dict[str, type[Drafter]] = {
+    "hyco": MtpChainDrafter,
+    "hyco-exact": MtpChainDrafter,
+    "hyco-2p": MtpChainTwoPass,
+    "specedge": SpecEdgeDrafter,
+    "specedge-eps": SpecEdgeDrafter,
+    "server-head": ServerChainDrafter,
+    "cloud-mtp": CloudMtpDrafter,
+    "slm-alone": SlmAloneDrafter,
+}
+
+
+def drafter_class(name: str, names: Sequence[str] | None = None) -> type[Drafter]:
+    """The drafter of configuration ``name``. Raises ValueError naming the choices (``names``, default every
+    registered one) for an unknown name."""
+    cls = DRAFTERS.get(name)
+    if cls is None or (names is not None and name not in names):
+        raise ValueError(f"unknown mode {name!r}; choose one of {', '.join(names or DRAFTERS)}")
+    return cls
+
+
+__all__ = [
+    "DRAFTERS",
+    "CloudMtpDrafter",
+    "Drafter",
+    "MtpChainDrafter",
+    "MtpChainTwoPass",
+    "RuntimeProtocolError",
+    "ServerChainDrafter",
+    "SlmAloneDrafter",
+    "SlmTreeDrafter",
+    "SpecEdgeDrafter",
+    "drafter_class",
+]
