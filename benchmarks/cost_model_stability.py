@@ -55,7 +55,8 @@ def main(argv=None) -> int:
             cost.save(args.out / f"cost_model_{k + 1}.json")
         print(
             f"measurement {k + 1}: {time.perf_counter() - t0:.0f} s, {cost.meta['statistic']} of {repeats} "
-            f"repetitions, clock {cost.meta['clock']}, load {cost.meta['loadavg_before']} -> {cost.meta['loadavg_after']}",
+            f"repetitions, clock {cost.meta['clock']}, "
+            f"load {cost.meta['loadavg_before']} -> {cost.meta['loadavg_after']}",
             flush=True,
         )
         summaries.append(summarize(records, cost_model=cost, server=server_work(recipe)))

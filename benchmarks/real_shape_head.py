@@ -177,7 +177,7 @@ class Steps:
         try:
             result, nbytes, details = fn()
             row.update(status="ok", output_bytes=int(nbytes), details=details)
-        except BaseException as e:  # noqa: BLE001 - a failed step is a measured result; KeyboardInterrupt re-raised
+        except BaseException as e:  # a failed step is a measured result; KeyboardInterrupt re-raised
             if isinstance(e, KeyboardInterrupt):
                 raise
             row.update(

@@ -317,15 +317,12 @@ def standin_runner(name: str, inputs, outputs, timer: StepTimer, seed: int, io_b
     so.intra_op_num_threads = 1
     so.log_severity_level = 3
     session = ort.InferenceSession(model.SerializeToString(), sess_options=so, providers=["CPUExecutionProvider"])
-    spec = lambda side: [
-        TensorSpec(
-            name=n,
-            shape=list(s),
-            dtype=t,  # noqa: E731
-            encoding=Encoding(**e[0]) if e else None,
-        )
-        for n, s, t, *e in side
-    ]
+
+    def spec(side):
+        return [
+            TensorSpec(name=n, shape=list(s), dtype=t, encoding=Encoding(**e[0]) if e else None) for n, s, t, *e in side
+        ]
+
     entry = GraphEntry(name=name, role=name, file=f"{name}.onnx", inputs=spec(inputs), outputs=spec(outputs))
     return GraphRunner.from_session(
         entry,

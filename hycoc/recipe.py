@@ -527,8 +527,8 @@ class Verifier(Section):
     max_frame_bytes: int = Field(
         8 * 1024 * 1024, ge=4096, le=1 << 30, description="largest accepted wire frame, in bytes (default 8 MiB)"
     )
-    # Server limits (docs/design.md "Limits"; the table in docs/serving.md "Limits"): each refusal has an error code and a /metrics counter
-    # (hycoc_refusals_total{kind=...}); see hycoc.verifier.server.ServerLimits.
+    # Server limits (docs/design.md "Limits"; the table in docs/serving.md "Limits"): each refusal has an error code and
+    # a /metrics counter (hycoc_refusals_total{kind=...}); see hycoc.verifier.server.ServerLimits.
     handshake_timeout_s: float = Field(
         10.0,
         gt=0,
@@ -576,7 +576,8 @@ class Verifier(Section):
         le=3600,
         description="the retry hint, in seconds, sent with refusals for max_connections, max_sessions and max_kv_bytes",
     )
-    # Cross-session batching (docs/serving.md "Many devices: batched verification"; hycoc.verifier.scheduler): rounds of sessions ready together share a forward.
+    # Cross-session batching (docs/serving.md "Many devices: batched verification"; hycoc.verifier.scheduler): rounds of
+    # sessions ready together share a forward.
     batching: Literal["batched", "serial"] = Field(
         "batched",
         description="batched: rounds of sessions ready at the same time are verified in one forward and "
@@ -771,7 +772,7 @@ class Recipe(Section):
                         None,
                         (
                             f"{where}: models.{role} = {spec!r}: {path} does not exist; "
-                            f"allowed: an existing local path (relative to the recipe's folder) or a hub id 'owner/name'"
+                            "allowed: an existing local path (relative to the recipe's folder) or a hub id 'owner/name'"
                         ),
                     )
                 ]

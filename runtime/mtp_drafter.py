@@ -107,8 +107,8 @@ class MtpDrafter:
     """Alg. 2 (module docstring) around a head graph runner.
 
     runner: a `hycoc.runtime.graphs.GraphRunner` (or anything with ``run(feeds) -> {"logits" or "top_index",
-    "h_next"}`` and ``shape(name)``) for the head graph; bundle: the `hycoc.runtime.device_bundle.DeviceBundle` (keep set, E
-    table, head rotary tables, hand-off scales, round constants K, D, W).
+    "h_next"}`` and ``shape(name)``) for the head graph; bundle: the `hycoc.runtime.device_bundle.DeviceBundle` (keep
+    set, E table, head rotary tables, hand-off scales, round constants K, D, W).
     """
 
     def __init__(self, runner, bundle):

@@ -13,12 +13,13 @@ chain of rows ending with r (Alg. 3 line 7 "committed tokens without SLM KV, end
 R-row chunks of committed tokens as needed to leave room for the tree (`prefill`, timed separately: it overlaps
 the server's prefill).
 
-`expand(tree, nodes)` is one SLM forward (line 8), returning each node's candidates (`hycoc.runtime.candidates`): rows = [committed rows without KV, in the first forward of a
-round] + r + for each node, in the order given, its not-yet-included ancestors and itself, while they fit the
-graph's R rows (the rest are left out and reported as not expanded). Rows are padded to R by repeating the last
-row (as a child of row 0 when the last row is row 0); padding rows' outputs are ignored. Committed rows are written into the ring at once; the KV of r and of tree nodes is kept for the commit.
-Row j attends to the ring and its ancestor rows (`tree_ring_mask`), so a node's KV equals what a causal forward
-over its path would give.
+`expand(tree, nodes)` is one SLM forward (line 8), returning each node's candidates (`hycoc.runtime.candidates`): rows =
+[committed rows without KV, in the first forward of a round] + r + for each node, in the order given, its
+not-yet-included ancestors and itself, while they fit the graph's R rows (the rest are left out and reported as not
+expanded). Rows are padded to R by repeating the last row (as a child of row 0 when the last row is row 0); padding
+rows' outputs are ignored. Committed rows are written into the ring at once; the KV of r and of tree nodes is kept for
+the commit. Row j attends to the ring and its ancestor rows (`tree_ring_mask`), so a node's KV equals what a causal
+forward over its path would give.
 
 `commit(path_nodes, new_tokens)` is Alg. 1 line 10: r's KV is written at t, then the path's nodes at t + 1, ...
 for as long as each has SLM KV from this round; n_kv moves past them; the bonus token and the path's nodes

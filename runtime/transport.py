@@ -1,9 +1,10 @@
-"""The device's connection to the verifier: wire frames over one WebSocket, and a link model (docs/design.md "Wire protocol"; docs/benchmarks.md "Benchmark": --link).
+"""The device's connection to the verifier: wire frames over one WebSocket, and a link model (docs/design.md "Wire
+protocol"; docs/benchmarks.md "Benchmark": --link).
 
-Ships on the phone: numpy + websockets + `hycoc.protocol.wire` / `hycoc.protocol.messages` only (no torch, no aiohttp, nothing of
-the verifier). `VerifierClient` speaks the protocol of docs/design.md "Wire protocol" with ``websockets.sync``:
-``open(OpenRequest) -> Opened``, ``round(DraftTree) -> RoundReply``, ``append(AppendTurn) -> Opened`` (the
-next turn of a conversation on the same session), ``close()``. Every reply is decoded and
+Ships on the phone: numpy + websockets + `hycoc.protocol.wire` / `hycoc.protocol.messages` only (no torch, no aiohttp,
+nothing of the verifier). `VerifierClient` speaks the protocol of docs/design.md "Wire protocol" with
+``websockets.sync``: ``open(OpenRequest) -> Opened``, ``round(DraftTree) -> RoundReply``, ``append(AppendTurn) ->
+Opened`` (the next turn of a conversation on the same session), ``close()``. Every reply is decoded and
 validated against the session's sizes (`hycoc.protocol.wire.Limits.from_opened`) before it is returned.
 
 Every failure ends in a `TransportError` subclass whose message is one line naming the cause:
@@ -23,9 +24,9 @@ OPEN's version; one that answers in another is a ProtocolMismatch).
 
 Link model. ``link`` delays each request and each reply as a phone's link would: RTT/2 plus the frame's
 serialization time (bytes x 8 / bandwidth) in each direction, slept on the device side around the real send and
-receive (so loopback delivery speed reflects a phone; the bench's ``--link``, docs/benchmarks.md "Benchmark"). Presets (ASSUMPTIONS, not
-measurements): ``lte`` = 58 ms RTT at 20 Mbit/s, ``5g`` = 40 ms RTT at 50 Mbit/s. The paper's recorded Spec-Bench
-summaries put network plus serialization at roughly 40-58 ms per round over LTE/5G (App. G; "not a standalone
+receive (so loopback delivery speed reflects a phone; the bench's ``--link``, docs/benchmarks.md "Benchmark"). Presets
+(ASSUMPTIONS, not measurements): ``lte`` = 58 ms RTT at 20 Mbit/s, ``5g`` = 40 ms RTT at 50 Mbit/s. The paper's recorded
+Spec-Bench summaries put network plus serialization at roughly 40-58 ms per round over LTE/5G (App. G; "not a standalone
 link-RTT measurement"); we take its ends as the RTTs and add serialization on top, so a round with a Gemma 4 sized
 hand-off (~30 KB down) costs a few ms more than that range. The bandwidths are typical uplink rates we assume,
 applied to both directions (conservative: downlinks are usually faster, and only the replies' hand-offs are large).

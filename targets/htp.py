@@ -353,7 +353,7 @@ def _log_reasons(log: str) -> dict[str, str]:
     reasons: dict[str, str] = {}
     for name, op in _UNSUPPORTED_RE.findall(log):
         reasons.setdefault(name, f"the QNN EP does not support this {op}")
-    for name, op, code in _VALIDATE_RE.findall(log):
+    for name, _op, code in _VALIDATE_RE.findall(log):
         reasons[name] = f"QNN backend rejected the op config (backendValidateOpConfig error {code})"
     return reasons
 

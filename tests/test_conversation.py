@@ -205,7 +205,7 @@ def test_an_append_that_fails_in_a_chunk_leaves_the_session_as_it_was(engine, la
         state = (
             list(session.tokens),
             session.t,
-            [(l.keys.clone(), l.values.clone()) for l in session.cache.layers if l.is_initialized and l.keys.numel()],
+            [(c.keys.clone(), c.values.clone()) for c in session.cache.layers if c.is_initialized and c.keys.numel()],
             session.snapshot,
         )
         if fail:
@@ -221,7 +221,7 @@ def test_an_append_that_fails_in_a_chunk_leaves_the_session_as_it_was(engine, la
             with pytest.raises(RuntimeError, match="injected"):
                 session.append(conv_ids[keep:], 6, keep=keep)
             monkeypatch.setattr(eng_mod, "prefill", real)
-            after = [(l.keys, l.values) for l in session.cache.layers if l.is_initialized and l.keys.numel()]
+            after = [(c.keys, c.values) for c in session.cache.layers if c.is_initialized and c.keys.numel()]
             assert (session.tokens, session.t, session.snapshot) == (state[0], state[1], state[3])
             assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(after, state[2]))
             assert session.finished

@@ -274,14 +274,11 @@ def test_htp_tie_order_puts_the_higher_index_first_where_topk_puts_the_lower():
     ordered = append_topk(_logits_model(6, 40), 8, with_logq=True)
     assert htp_tie_order(ordered) == 1
     assert [n.op_type for n in ordered.graph.node].count("Slice") == 1
-    run = lambda m: dict(
-        zip(
-            ["top_index", "top_logq"],
-            ort.InferenceSession(  # noqa: E731
-                m.SerializeToString(), providers=["CPUExecutionProvider"]
-            ).run(["top_index", "top_logq"], {"x": x}),
-        )
-    )
+
+    def run(m):
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return dict(zip(["top_index", "top_logq"], session.run(["top_index", "top_logq"], {"x": x})))
+
     a, b = run(plain), run(ordered)
     np.testing.assert_array_equal(a["top_index"][0], _stable_top_k(x[0], 8))
     higher_first = np.stack([39 - _stable_top_k(row[::-1][None], 8)[0] for row in x[0]])

@@ -22,7 +22,7 @@ from test_server import (
     Raw,
     http_get,
     make_engine,
-    open_request,  # noqa: F401 (models: fixture)
+    open_request,
     parse_metrics,
     wait_for,
 )

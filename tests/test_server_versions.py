@@ -25,7 +25,7 @@ from test_server import (
     frame,
     make_engine,
     open_request,
-    oracle_tree,  # noqa: F401
+    oracle_tree,
     reference_session,
     round_frame,
     wait_for,

@@ -27,9 +27,9 @@ and verifies root + chain exactly; ``server-head`` runs the head over the keep s
 (`draft_server_chain`) and returns that chain instead of a hand-off.
 
 Batched verification (docs/serving.md "Many devices: batched verification", `hycoc.verifier.batch`) runs the same
-round in three parts per session: `Session.begin_round` (checks, the rows that fit, cloud-mtp's chain), one forward shared by several sessions, then
-`Session.finish_round` (lines 5-14 and the commit, unchanged); `Session.verify` is those three for one session.
-Prefills run as `PrefillJob` chunks so a scheduler can interleave them with rounds.
+round in three parts per session: `Session.begin_round` (checks, the rows that fit, cloud-mtp's chain), one forward
+shared by several sessions, then `Session.finish_round` (lines 5-14 and the commit, unchanged); `Session.verify` is
+those three for one session. Prefills run as `PrefillJob` chunks so a scheduler can interleave them with rounds.
 
 Not thread-safe: run one call at a time per engine (one worker thread for all its sessions).
 """
@@ -322,10 +322,11 @@ class Session:
     tokens: prompt + committed output; its last entry is the next root x_{t+1}, at position t (len == t + 1
     until the request finishes: the final round's output is then cut after the EOS / at max_new_tokens / at
     max_context). anchor: where the prompt's model turn opens (OPEN's ``anchor``; 0: none): the prefill snapshots
-    the sliding layers there (``snapshot``), so a later APPEND can roll back to it without re-prefilling from 0. accepted: tokens committed per round minus one, i.e. |P| after that cut (MAT = mean(accepted)
-    + 1 = committed tokens / rounds). rounds: completed rounds. server_ms: per round. finish_reason: one of
-    FINISH_REASONS once finished. wire_version: the protocol version its replies are encoded in (the server sets
-    its client's OPEN version; docs/design.md "Wire protocol").
+    the sliding layers there (``snapshot``), so a later APPEND can roll back to it without re-prefilling from 0.
+    accepted: tokens committed per round minus one, i.e. |P| after that cut (MAT = mean(accepted) + 1 = committed tokens
+    / rounds). rounds: completed rounds. server_ms: per round. finish_reason: one of FINISH_REASONS once finished.
+    wire_version: the protocol version its replies are encoded in (the server sets its client's OPEN version;
+    docs/design.md "Wire protocol").
     """
 
     engine: VerifierEngine = field(repr=False)

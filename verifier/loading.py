@@ -54,7 +54,8 @@ def engine_from_recipe(recipe: Recipe, device: str | None = None, *, keep_set=No
     propose (None: no keep set yet; ``server-head`` sessions are then refused by the server).
 
     Raises ModelNotFoundError (verifier, head or tokenizer missing; the message names it and how to provide it),
-    ChatFormatError (no chat template, no stop ids: raised before any model is loaded), RecipeError (a ``[handoff].scale_*`` not set), DeviceUnavailable (cuda without CUDA).
+    ChatFormatError (no chat template, no stop ids: raised before any model is loaded), RecipeError (a
+    ``[handoff].scale_*`` not set), DeviceUnavailable (cuda without CUDA).
     """
     device = device or recipe.verifier.device
     check_device(device)

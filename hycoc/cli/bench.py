@@ -191,9 +191,7 @@ def _say(line: str) -> None:
     Console(stderr=True).print(line, markup=False, highlight=False)
 
 
-def _bench_questions(
-    cfg, recipe: Path, bundle: Path | None, dataset: str | None, max_prompt_tokens: int | None
-):
+def _bench_questions(cfg, recipe: Path, bundle: Path | None, dataset: str | None, max_prompt_tokens: int | None):
     """`hycoc.bench.inputs.bench_questions`, its errors as one line (exit 1)."""
     from hycoc.bench.datasets import DatasetError
     from hycoc.bench.inputs import BenchInputError, bench_questions

@@ -1,5 +1,6 @@
-"""The verifier server's limits as data (docs/design.md "Limits"; the table in docs/serving.md "Limits"): each has a documented default, a knob (the recipe's
-``[verifier]`` key of the same name), an error code and a ``hycoc_refusals_total{kind=...}`` series on /metrics.
+"""The verifier server's limits as data (docs/design.md "Limits"; the table in docs/serving.md "Limits"): each has a
+documented default, a knob (the recipe's ``[verifier]`` key of the same name), an error code and a
+``hycoc_refusals_total{kind=...}`` series on /metrics.
 
     handshake_timeout   10 s   TCP connect -> the WebSocket's first frame (OPEN); silent TCP, trickled headers and a
                                silent upgraded socket are closed (ERROR handshake_timeout when a WebSocket is up)
@@ -76,8 +77,8 @@ REFUSAL_KINDS = (
 
 
 def open_frame_bytes(max_context: int) -> int:
-    """Bytes of the largest OPEN frame a server with ``max_context`` positions accepts (`hycoc.protocol.wire.open_nbytes`,
-    the codec's own layout): a prompt of max_context - 1 int32 ids, a 65,535-byte auth token and a 65,535-byte chat
-    contract. No frame a client sends is larger (an APPEND holds at most max_context - 1 ids with a 20-byte fixed
-    part, a ROUND at most max_tree_rows rows)."""
+    """Bytes of the largest OPEN frame a server with ``max_context`` positions accepts
+    (`hycoc.protocol.wire.open_nbytes`, the codec's own layout): a prompt of max_context - 1 int32 ids, a 65,535-byte
+    auth token and a 65,535-byte chat contract. No frame a client sends is larger (an APPEND holds at most
+    max_context - 1 ids with a 20-byte fixed part, a ROUND at most max_tree_rows rows)."""
     return wire.open_nbytes(max(max_context - 1, 1), 65535, 65535)

@@ -17,9 +17,9 @@ Auth. With ``auth_token`` set, an OPEN must present it, in the frame's ``auth_to
 gets ``auth_required``, a wrong one ``auth_refused``; both close the connection (WebSocket code 1008).
 
 Admission (`hycoc.verifier.server.admission`). An OPEN takes a ``max_sessions`` slot and reserves its KV, (prompt +
-max_new_tokens + B + 1, up to max_context) positions as the engine holds them (`session_kv_bytes`), before its prefill is queued; an
-APPEND grows the reservation to the conversation plus the new turn's cap before its prefill is queued, and gives
-the growth back if the turn fails. Both are released when the session ends, whatever ends it.
+max_new_tokens + B + 1, up to max_context) positions as the engine holds them (`session_kv_bytes`), before its prefill
+is queued; an APPEND grows the reservation to the conversation plus the new turn's cap before its prefill is queued, and
+gives the growth back if the turn fails. Both are released when the session ends, whatever ends it.
 
 Versions. A connection speaks the protocol version of its OPEN frame (`hycoc.protocol.wire.SUPPORTED_VERSIONS`:
 5): every answer on it (OPENED, REPLY, ERROR) goes out in that version, the engine session carries it as
