@@ -901,13 +901,13 @@ def _versions() -> dict[str, str]:
     for mod in ("torch", "transformers", "onnx", "onnxscript", "onnx_ir", "onnxruntime"):
         try:
             out[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 -- a version is a label: a missing or broken package prints ?
             out[mod] = "?"
     try:
         from importlib.metadata import version
 
         out["onnxruntime-qnn"] = version("onnxruntime-qnn")
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 -- a version is a label: a missing package prints ?
         out["onnxruntime-qnn"] = "?"
     return out
 

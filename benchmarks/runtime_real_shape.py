@@ -414,7 +414,10 @@ def handoff(rng, t_prime: int, a: int) -> HandOff:
     """A synthetic reply's hand-off for positions [a, t_prime) (26B-A4B widths)."""
     n = t_prime - a
     kv = {kind: HEAD_KV[kind][0] * HEAD_KV[kind][1] for kind in HEAD_KV}
-    r8 = lambda *s: rng.integers(-127, 128, s, dtype=np.int8)  # noqa: E731
+
+    def r8(*s):
+        return rng.integers(-127, 128, s, dtype=np.int8)
+
     return HandOff(
         t_prime=t_prime,
         a=a,

@@ -422,7 +422,7 @@ class GraphRunner:
                 if self._binding is not None
                 else self.session.run(self.output_names, ort_feeds)
             )
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 -- onnxruntime raises its own types; one GraphRunError for all
             raise GraphRunError(f"graph {self.name} failed to run: {str(e).splitlines()[0]}") from None
         self.seconds += time.perf_counter() - t0
         self.calls += 1

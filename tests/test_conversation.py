@@ -13,6 +13,7 @@ from gemma4_fixture import STOP_IDS, write_tokenizer_folder
 
 from hycoc.chat import Conversation, common_prefix, ids_crc32
 from hycoc.chat_template import apply_chat_template_ids, load_chat
+from hycoc.protocol.messages import Sampling
 
 USERS = [" w1 w2 ", "w3\n", "w4 <turn|> <|turn>model w5 <bos>"]
 #: answers as decoded text: a thought, trailing whitespace, a plain one
@@ -155,9 +156,6 @@ def _converse(engine, chat, users, answer_len, thinking=False):
             and torch.allclose(_next_logits(engine, session), _cold_logits(engine, rendered.ids), atol=1e-4)
         )
     return session, checks
-
-
-from hycoc.protocol.messages import Sampling  # noqa: E402  (after the fixtures that do not need it)
 
 
 @pytest.mark.parametrize("answer_len", [5, 30])

@@ -150,7 +150,10 @@ def test_trees_from_graph_top_k_equal_the_host_path_on_the_tiny_bundle(tiny_bund
     t = len(prompt) - 1
     a = max(0, t - bundle.round.head_window)
     for _ in range(6):
-        r8 = lambda *s: rng.integers(-60, 60, s).astype(np.int8)  # noqa: E731
+
+        def r8(*s):
+            return rng.integers(-60, 60, s).astype(np.int8)
+
         h = HandOff(
             t_prime=t,
             a=a,

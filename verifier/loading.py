@@ -23,9 +23,8 @@ and the server then answers ``server-head`` OPENs with the ``no_keep_set`` error
 
 from __future__ import annotations
 
-from hycoc.chat import ChatFormatError  # noqa: F401
 from hycoc.chat_template import chat_from_recipe
-from hycoc.models import ModelNotFoundError, load_head, load_verifier, model_dir  # noqa: F401
+from hycoc.models import load_head, load_verifier, model_dir
 from hycoc.recipe import Recipe
 
 from .engine import VerifierEngine
