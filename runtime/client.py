@@ -244,7 +244,10 @@ class DeviceRuntime:
         epsilon: float,
         anchor: int = 0,
     ) -> OpenRequest:
-        """The OPEN of a request (anchor: the prompt's `hycoc.chat.Rendered.anchor`, 0 for raw ids)."""
+        """The OPEN of a request (anchor: the prompt's `hycoc.chat.Rendered.anchor`, 0 for raw ids). Raises
+        ValueError for a mode without a verifier (slm-alone)."""
+        if mode.acceptance is None or mode.draft_place is None:
+            raise ValueError(f"mode {mode.name} drafts without a verifier: it opens no session")
         return OpenRequest(
             prompt_ids=np.asarray(prompt_ids, np.int32),
             sampling=sampling,
@@ -533,7 +536,7 @@ class DeviceRuntime:
                 return
             root = new[-1]
             seq += 1
-            if built is None:
+            if built is None or builder is None:  # cloud-mtp: the root alone again
                 continue
             t0, meter = time.perf_counter(), self.graph_meter()
             chain, runner_ups = [], []

@@ -56,7 +56,7 @@ class _Dequantized:
     def __init__(self, raw: np.ndarray, scale: float):
         self.raw, self.scale = raw, np.float32(scale)
         self.integer = raw.dtype.kind in "iu"
-        self.value = None if self.integer else raw.astype(np.float32) * self.scale
+        self.value: np.ndarray = raw if self.integer else raw.astype(np.float32) * self.scale  # float rows only
 
     def finite(self) -> bool:
         if self.integer:

@@ -231,6 +231,7 @@ class SlmDrafter:
             k_new, v_new = out[f"k_new_{i}"][0][:, row_sel, :], out[f"v_new_{i}"][0][:, row_sel, :]
             if k_new.dtype != k_ring.dtype:  # float rows into a ring of codes (quantized IO)
                 k_enc, v_enc = self.ring_encodings[i]
+                assert k_enc is not None and v_enc is not None  # a ring of codes has its encodings (__init__)
                 k_new, v_new = quantize(k_new, k_enc), quantize(v_new, v_enc)
             if consecutive and n <= ring:
                 if ring not in runs:

@@ -41,6 +41,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.sync.client import ClientConnection, connect
@@ -141,7 +142,9 @@ _AUTH_CODES = ("auth_required", "auth_refused")
 
 # proxy=None: the verifier is addressed directly (no HTTP(S)_PROXY detour); legacy=True: a plain connection object,
 # not a context manager. Both exist in websockets >= 15 only; older versions connect directly anyway.
-_CONNECT_EXTRAS = {k: v for k, v in (("proxy", None), ("legacy", True)) if k in inspect.signature(connect).parameters}
+_CONNECT_EXTRAS: dict[str, Any] = {
+    k: v for k, v in (("proxy", None), ("legacy", True)) if k in inspect.signature(connect).parameters
+}
 
 
 # --------------------------------------------------------------------------------------------------- client
@@ -306,6 +309,8 @@ class VerifierClient:
     def _request(self, frame: bytes, expected: type, what: str):
         """Send one frame, wait for one frame; link delays on both sides; map every failure."""
         ws = self._ws
+        if ws is None:
+            raise ConnectionDropped(f"the {what} needs an open connection to {self.url}: open a session first")
         self._delay(len(frame))
         try:
             ws.send(frame)
@@ -350,8 +355,11 @@ class VerifierClient:
 
     def _last_words(self) -> ErrorReply | None:
         """An ERROR frame the server sent before closing the connection (still buffered here), else None."""
+        if self._ws is None:
+            return None
         try:
-            msg = wire.decode(self._ws.recv(timeout=0), self._limits)
+            data = self._ws.recv(timeout=0)
+            msg = wire.decode(data, self._limits) if isinstance(data, bytes) else None
         except Exception:  # noqa: BLE001 -- nothing buffered, or not a frame: there were no last words
             return None
         return msg if isinstance(msg, ErrorReply) else None

@@ -66,6 +66,22 @@ def test_row_cost_refuses_bad_points(points, field):
         RowCost(points)
 
 
+def test_recipe_row_cost_without_a_line_is_a_recipe_error():
+    """[verifier].row_cost points that pass the recipe's schema but make no cost line (rows not increasing) are a
+    RecipeError naming the key, as every bad recipe value is (it was an AttributeError: the error got a str where
+    it takes its list of problems)."""
+    from types import SimpleNamespace
+
+    from hycoc.verifier.loading import row_cost_of
+
+    from hycoc.recipe import RecipeError
+
+    recipe = SimpleNamespace(verifier=SimpleNamespace(row_cost=[[10.0, 1.0], [10.0, 2.0]]))
+    with pytest.raises(RecipeError, match="verifier.row_cost: .*increasing") as e:
+        row_cost_of(recipe)
+    assert e.value.key == "verifier.row_cost"
+
+
 # ---------------------------------------------------------------------------------------------- the allocation
 
 

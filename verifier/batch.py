@@ -48,6 +48,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -271,7 +272,7 @@ def verify_batch(
             accepted,
             (stats.expected_tokens - stats.sessions) / budget.state.value_scale,
         )
-    return results
+    return cast(list[RoundReply | BaseException], results)  # every slot was filled above
 
 
 def _apply_budget(pending: list, scores_of: dict, budget: RowBudget, stats: BatchStats) -> bool:
@@ -279,7 +280,7 @@ def _apply_budget(pending: list, scores_of: dict, budget: RowBudget, stats: Batc
     kept rows. A round's scores are those of the rows as sent; after `begin_round` left rows out for the context
     they follow those rows (``pending.kept``). Returns whether every round was scored (so the step can teach the
     budget how accepted tokens compare with expected ones)."""
-    trees = []
+    trees: list[tuple[np.ndarray | None, np.ndarray, np.ndarray]] = []
     for k, session, p in pending:
         scores = scores_of.get(k)
         if scores is None or session.draft_place == "cloud-mtp":

@@ -196,7 +196,7 @@ def measure_grid(
     times: dict[tuple[str, int, int], list[float]] = {key: [] for key in grid}
     walls: dict[tuple[str, int, int], list[float]] = {key: [] for key in grid}
     busy = clock == "busy" and dev.type != "cuda"
-    layers = producer_layers(model.config) if head is not None else None
+    layers = producer_layers(model.config) if head is not None else {}  # read by head steps only
     h = torch.zeros(model.config.hidden_size, device=dev, dtype=model.dtype)  # h_{t-1}: its values cost nothing
     tap = NormTap(model)
     caches = {}

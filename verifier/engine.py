@@ -199,12 +199,11 @@ class VerifierEngine:
             layer.self_attn.k_proj.out_features for layer, mode in zip(attn, cfg.kv_sharing_modes) if mode != "reuse"
         ]
         self.kv_bytes_per_position = 2 * int(sum(stored)) * torch.finfo(self.dtype).bits // 8
-        self._head_sliding_window = self.head.config.get_text_config().sliding_window if self.head is not None else None
-        self.head_sliding = (
-            None
-            if self.head is None
-            else head_sliding_positions(self._head_sliding_window, head_sliding_window_inclusive)
-        )
+        self._head_sliding_window = None
+        self.head_sliding: int | None = None
+        if self.head is not None:
+            self._head_sliding_window = self.head.config.get_text_config().sliding_window
+            self.head_sliding = head_sliding_positions(self._head_sliding_window, head_sliding_window_inclusive)
         self.kv_retain = retained_positions(cfg, self.head_window, self._head_sliding_window)
         self.kv_layout = KVLayout.from_config(cfg, torch.finfo(self.dtype).bits // 8, self.kv_retain)
         self.tap = NormTap(model)
@@ -500,8 +499,10 @@ class Session:
             cache = self.cache = eng.new_cache()
         else:
             cache = self.cache
+            assert cache is not None  # a session that takes an APPEND holds its cache
             checkpoint = CacheCheckpoint(cache, plan.start)
             if plan.kind == "snapshot":
+                assert self.snapshot is not None  # plan_append chose "snapshot" because one is held
                 restore_snapshot(cache, plan_snapshot := self.snapshot)
                 for layer in cache.layers:  # full layers back to the snapshot's position
                     if stores_kv(layer) and not isinstance(layer, SlidingWindowLayer):
@@ -711,7 +712,8 @@ class Session:
         """Set the finished round's server_ms (in the reply, the retry record and ``server_ms``)."""
         reply = replace(reply, server_ms=ms)
         self.server_ms.append(ms)
-        self._last.reply = reply
+        if self._last is not None:  # always: set by the round this stamps
+            self._last.reply = reply
         return reply
 
     def _round(
@@ -732,12 +734,12 @@ class Session:
         h_rows = h_pre if eng.hidden == "pre_norm" else h_post
         # Line 5: p~ per row and y^_j ~ p~(.|j) from the session's generator.
         probs = sampling_probs(logits, self.sampling)
-        samples = sample_rows(probs, self.generator)
+        drawn = sample_rows(probs, self.generator)
         # Lines 6-12: choose v*, rewrite samples along the path, b = y^_v*.
         if self.acceptance == "exact" or self.draft_place == "cloud-mtp":
-            v_star, path, samples = select_exact(tokens, parents, samples)
+            v_star, path, samples = select_exact(tokens, parents, drawn)
         else:
-            v_star, path, samples = select_path(tokens, parents, samples, probs, self.epsilon)
+            v_star, path, samples = select_path(tokens, parents, drawn, probs, self.epsilon)
         bonus = int(samples[v_star])
         # Line 13: keep the root and the path at t .. t + |P|.
         compact_kv(self.cache, t, path)

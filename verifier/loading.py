@@ -176,7 +176,7 @@ def server_options(
         ("max_batch_wait_ms", max_batch_wait_ms),
     ):
         if value is not None:
-            options[key] = check_batching(value) if key == "batching" else value
+            options[key] = check_batching(str(value)) if key == "batching" else value
     if tree_budget is not None:
         if tree_budget not in TREE_BUDGETS:
             raise ValueError(f"--tree-budget {tree_budget!r}: allowed: {', '.join(TREE_BUDGETS)}")
@@ -213,7 +213,7 @@ def row_cost_of(recipe: Recipe):
     Raises RecipeError naming the key when its points cannot make a cost line."""
     from hycoc.verifier.row_budget import RowCost, RowCostError
 
-    from hycoc.recipe import RecipeError
+    from hycoc.recipe import Problem, RecipeError
 
     points = recipe.verifier.row_cost
     if not points:
@@ -221,4 +221,4 @@ def row_cost_of(recipe: Recipe):
     try:
         return RowCost(tuple((int(r), float(ms)) for r, ms in points), source="recipe verifier.row_cost")
     except RowCostError as e:
-        raise RecipeError(f"verifier.row_cost: {e}") from None
+        raise RecipeError([Problem("verifier.row_cost", None, f"verifier.row_cost: {e}")]) from None

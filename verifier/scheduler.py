@@ -191,7 +191,7 @@ class BatchScheduler:
                 if not prefill.future.done():
                     if prefill.error is not None:
                         prefill.future.set_exception(prefill.error)
-                    else:
+                    elif prefill.job is not None:  # always, past the check above
                         prefill.future.set_result(prefill.job.result)
             self._on_step(report)
 
@@ -217,7 +217,8 @@ class BatchScheduler:
     def _take(self) -> list[_Round]:
         """The rounds of the next step: oldest first, up to max_batch_rows rows (at least one), one per session;
         rounds whose client went away are dropped."""
-        batch, rows, seen, rest = [], 0, set(), deque()
+        batch: list[_Round] = []
+        rows, seen, rest = 0, set(), deque[_Round]()
         while self._rounds:
             r = self._rounds.popleft()
             if r.future.done():

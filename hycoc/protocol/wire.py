@@ -85,8 +85,9 @@ import math
 import re
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -292,7 +293,7 @@ def _kinds(cls):
 
 
 #: code -> exception class, for turning a received ErrorReply back into an exception.
-ERROR_CLASSES: dict[str, type[WireError]] = {cls.code: cls for cls in _kinds(_Kind)}
+ERROR_CLASSES: dict[str, type[_Kind]] = {cls.code: cls for cls in _kinds(_Kind)}
 
 
 def error_reply(exc: BaseException) -> ErrorReply:
@@ -718,7 +719,7 @@ def _check_error(m: ErrorReply, limits: Limits) -> None:
         raise BadText("ErrorReply.message: must be a string of at most 65,535 utf-8 bytes")
 
 
-_CHECKS = {
+_CHECKS: dict[type, Callable[[Any, Limits], None]] = {
     OpenRequest: _check_open,
     Opened: _check_opened,
     DraftTree: _check_tree,
@@ -827,7 +828,7 @@ def _pack_append(m: AppendTurn, version: int) -> bytes:
     return _APPEND.pack(m.max_new_tokens, m.keep, m.keep_crc, m.anchor, tokens.size) + tokens.tobytes()
 
 
-_PACKERS = {
+_PACKERS: dict[type, tuple[MessageType, Callable[[Any, int], bytes]]] = {
     OpenRequest: (MessageType.OPEN, _pack_open),
     Opened: (MessageType.OPENED, _pack_opened),
     DraftTree: (MessageType.ROUND, _pack_tree),
@@ -979,7 +980,7 @@ def _unpack_open(r: _Reader, limits: Limits, version: int) -> OpenRequest:
 def _unpack_opened(r: _Reader, limits: Limits, version: int) -> Opened:
     *fixed, n_stops = r.fields(_OPENED, "fixed part")
     stops = r.array("<i4", n_stops, "stop_ids")
-    return Opened(*fixed, stop_ids=tuple(int(i) for i in stops))
+    return Opened(*fixed, stop_ids=tuple(int(i) for i in stops))  # type: ignore[misc]  # fixed: the fields before
 
 
 def _unpack_tree(r: _Reader, limits: Limits, version: int) -> DraftTree:
