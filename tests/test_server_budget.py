@@ -22,6 +22,7 @@ from test_server import (
     Raw,
     http_get,
     make_engine,
+    models,  # noqa: F401  (a pytest fixture: requested by name)
     open_request,
     parse_metrics,
     wait_for,

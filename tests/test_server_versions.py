@@ -24,8 +24,10 @@ from test_server import (
     assert_same_reply,
     frame,
     make_engine,
+    models,  # noqa: F401  (a pytest fixture: requested by name)
     open_request,
     oracle_tree,
+    reference,  # noqa: F401  (a pytest fixture: requested by name)
     reference_session,
     round_frame,
     wait_for,
