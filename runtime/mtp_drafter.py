@@ -204,7 +204,9 @@ class MtpDrafter:
 
     def feeds(self, z: np.ndarray) -> dict[str, np.ndarray]:
         """The head graph's inputs for query z (float32 (2H,)) at the current ring (lines 5-6, 9). ``x_hat`` and
-        the rings are the drafter's own buffers (valid until the next call)."""
+        the rings are the drafter's own buffers (valid until the next call). Raises NoHandoff before the first."""
+        if self.t0 is None or self.live is None:
+            raise NoHandoff("the head's inputs come from a hand-off: ingest one first (the first tree is SLM-only)")
         t = self.t0
         masks = self._masks.update(t, self.live)  # in place: only the columns the last hand-off changed
         q = t + self.offset

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from hycoc.runtime.candidates import Candidates, graph_candidate_rows, logits_candidates
@@ -38,6 +39,9 @@ from hycoc.runtime.tree_builder import DraftTreeNodes
 from hycoc.runtime.tree_mask import TreeRingMask
 
 from hycoc.host import MASK_VALUE, RotaryBlock, ring_runs, tree_rows
+
+if TYPE_CHECKING:
+    from hycoc.runtime.slm_decode import SlmDecoder
 
 
 def _short(layer_type: str) -> str:
@@ -101,7 +105,7 @@ class SlmDrafter:
         self.round_forwards = 0
         self.forwards = 0
         self.prefill_seconds = 0.0
-        self.decoder = None  # a `hycoc.runtime.slm_decode.SlmDecoder` when the bundle has the 1-row decode graph
+        self.decoder: SlmDecoder | None = None  # set when the bundle has the 1-row decode graph
 
     # ---- request start -----------------------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ an ancestor-closed part of the tree; its reply names the rows it verified, and `
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -120,7 +120,7 @@ class BuiltTree:
 #: expand(tree, nodes) -> {node: its candidates} for the nodes it could fit in one SLM forward (in the order
 #: given, which is descending score): a `hycoc.runtime.candidates.Candidates` (the SLM Drafter's: the graph's top-k),
 #: or log q over the whole keep set, float (|V|,), of which the builder takes the top-k itself.
-Expand = Callable[[DraftTreeNodes, list[int]], dict[int, "Candidates | np.ndarray"]]
+Expand = Callable[[DraftTreeNodes, list[int]], Mapping[int, "Candidates | np.ndarray"]]
 
 
 class TreeBuilder:

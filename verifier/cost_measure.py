@@ -262,9 +262,8 @@ def count_forwards(engine):
         def on_verifier(module, args, kwargs):
             ids = kwargs["input_ids"]
             rows = int(ids.shape[-1])
-            context = int(kwargs["position_ids"].min()) if kwargs.get("logits_to_keep") == 1 else None
             if kwargs.get("logits_to_keep") == 1:
-                seen.append(Forward("prefill", rows, context))
+                seen.append(Forward("prefill", rows, int(kwargs["position_ids"].min())))
             else:
                 cache = kwargs["cache"]
                 seen.append(Forward("verify", rows, int(cache.get_seq_length())))
