@@ -11,8 +11,8 @@ The requirements are read from pyproject.toml (``[project] dependencies`` plus a
 resolves without building hycoc (a build environment costs more time than the resolve).
 
 - ``win_arm64``, Python 3.12, dependencies + ``qnn``: numpy + onnxruntime + onnxruntime-qnn (QnnHtp.dll, the
-  NPU). Python 3.11 does not resolve there: PyYAML (tokenizers -> huggingface-hub -> pyyaml) ships win_arm64 wheels for cp312 and
-  newer only.
+  NPU). Python 3.11 does not resolve there: PyYAML (tokenizers -> huggingface-hub -> pyyaml) ships win_arm64 wheels for
+  cp312 and newer only.
 - ``manylinux aarch64`` (tags 2_28, 2_17 = 2014), Python 3.11, dependencies: the CPU EP only; onnxruntime-qnn has
   no Linux aarch64 wheel, which the check reports rather than requires.
 

@@ -433,7 +433,10 @@ def long_prefill(args, recipe, engine, sampling, long, short) -> None:
     async def scenario(with_short: bool, with_long: bool):
         worker = ThreadPoolExecutor(max_workers=1)
         loop = asyncio.get_running_loop()
-        run = lambda fn, *a: loop.run_in_executor(worker, fn, *a)  # noqa: E731
+
+        def run(fn, *a):
+            return loop.run_in_executor(worker, fn, *a)
+
         sessions = [await run(_open, engine, recipe, sampling, p, i) for i, p in enumerate(short)] if with_short else []
         sched = BatchScheduler(
             run,

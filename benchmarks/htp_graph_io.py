@@ -375,11 +375,7 @@ def quantized_io(args) -> int:
             same = np.array_equal(a[name], b[name])
         print(
             f"  {name}: {'equal' if same else 'DIFFERENT'}"
-            + (
-                ""
-                if same
-                else f" (max |diff| {np.max(np.abs(np.asarray(a[name], np.float64) - np.asarray(b[name], np.float64))):.3g})"
-            )
+            + ("" if same else f" (max |diff| {np.max(np.abs(np.subtract(a[name], b[name], dtype=np.float64))):.3g})")
         )
     return 0
 

@@ -94,7 +94,10 @@ def main(argv=None) -> int:
         if len(rows) == args.documents:
             break
     docs = [LongDocument(r["id"], r["context"], tuple(r["answer"])) for r in rows]
-    count = lambda text: len(chat.prompt(text))  # noqa: E731
+
+    def count(text):
+        return len(chat.prompt(text))
+
     for i, row in enumerate(rows):
         row["context"] = fit_context(docs, i, count, args.max_prompt_tokens)
         n = count(long_summary_text(docs, i, row["context"]))

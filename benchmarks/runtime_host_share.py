@@ -5,12 +5,12 @@ the target is a host share of drafting time <= 10% on the toy bundle).
     python benchmarks/runtime_host_share.py bundles/toy-cpu --questions 8 --json runs/host-share.json
 
 Runs `DeviceRuntime.generate` (mode ``hyco`` by default, the recipe's sampling and seed) on the first Spec-Bench
-questions against the recipe's verifier in a child process (`hycoc.bench.runner.VerifierProcess`: ``hycoc verify-server``
-on loopback, as ``hycoc bench`` runs it, so the verifier never competes with the runtime for this process), the
-bundle's graphs on onnxruntime's CPU EP with one intra-op thread, and splits the drafting time (``draft_s``: the
-MTP Drafter, the tree and the SLM forwards of every round; the SLM's request-start fill excluded) into the time
-inside ``InferenceSession.run`` of the two graphs and the rest, the host share. Two variants of the same bundle,
-interleaved per question:
+questions against the recipe's verifier in a child process (`hycoc.bench.runner.VerifierProcess`: ``hycoc
+verify-server`` on loopback, as ``hycoc bench`` runs it, so the verifier never competes with the runtime for this
+process), the bundle's graphs on onnxruntime's CPU EP with one intra-op thread, and splits the drafting time
+(``draft_s``: the MTP Drafter, the tree and the SLM forwards of every round; the SLM's request-start fill excluded) into
+the time inside ``InferenceSession.run`` of the two graphs and the rest, the host share. Two variants of the same
+bundle, interleaved per question:
 
     graph top-k   the runtime as shipped: the graphs' ``top_index`` / ``top_logq`` outputs, no logits fetched
     host top-k    the same graphs asked for ``logits`` instead; the host ranks the keep set

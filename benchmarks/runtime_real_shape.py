@@ -195,15 +195,12 @@ def standin_runner(name: str, inputs, outputs, timer: StepTimer, seed: int, io_b
     so.intra_op_num_threads = 1
     so.log_severity_level = 3
     session = ort.InferenceSession(model.SerializeToString(), sess_options=so, providers=["CPUExecutionProvider"])
-    spec = lambda side: [
-        TensorSpec(
-            name=n,
-            shape=list(s),
-            dtype=t,  # noqa: E731
-            encoding=Encoding(**e[0]) if e else None,
-        )
-        for n, s, t, *e in side
-    ]
+
+    def spec(side):
+        return [
+            TensorSpec(name=n, shape=list(s), dtype=t, encoding=Encoding(**e[0]) if e else None) for n, s, t, *e in side
+        ]
+
     entry = GraphEntry(name=name, role=name, file=f"{name}.onnx", inputs=spec(inputs), outputs=spec(outputs))
     return GraphRunner.from_session(
         entry,
@@ -295,7 +292,10 @@ def handoff(rng, t_prime: int, a: int) -> HandOff:
     """A synthetic reply's hand-off for positions [a, t_prime) (26B-A4B widths)."""
     n = t_prime - a
     kv = {kind: HEAD_KV[kind][0] * HEAD_KV[kind][1] for kind in HEAD_KV}
-    r8 = lambda *s: rng.integers(-127, 128, s, dtype=np.int8)  # noqa: E731
+
+    def r8(*s):
+        return rng.integers(-127, 128, s, dtype=np.int8)
+
     return HandOff(
         t_prime=t_prime,
         a=a,

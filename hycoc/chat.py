@@ -251,7 +251,7 @@ def render_template(
         return _compiled(template).render(
             messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **kwargs
         )
-    except Exception as e:  # jinja2 errors and the template's own raise_exception
+    except Exception as e:  # noqa: BLE001 -- jinja2's errors and the template's raise_exception: a ChatFormatError
         roles = "/".join(str(m.get("role")) for m in messages)
         raise ChatFormatError(
             f"{source}: the chat template fails to render a {roles} conversation "

@@ -193,7 +193,7 @@ def _reasoning(folder: Path, model_type: str | None) -> tuple[list[str] | None, 
     try:  # transformers' built-in response templates (the serving CLI's parser), by model type
         import transformers
         from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS
-    except Exception:
+    except Exception:  # noqa: BLE001 -- a transformers without that table (or whose CLI fails to import): no fallback
         return None, None
     for name in (model_type, model_type.removesuffix("_text")):
         for types, tmpl in _RESPONSE_TEMPLATE_FALLBACKS.items():

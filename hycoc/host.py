@@ -216,7 +216,7 @@ def ring_masks(t: int, live_start: int, window: int, sliding_window: int) -> dic
 # ---- the SLM tree graph's rows and masks (Alg. 3 line 8) ------------------------------------------------------
 
 
-def tree_depths(parents: Sequence[int]) -> np.ndarray:
+def tree_depths(parents: Sequence[int] | np.ndarray) -> np.ndarray:
     """depth(j) of every row (0 for row 0). int64 (R,). Raises TreeShapeError unless parents[0] == -1 and
     0 <= parents[j] < j."""
     p = _parent_list(parents)
@@ -226,7 +226,7 @@ def tree_depths(parents: Sequence[int]) -> np.ndarray:
     return np.asarray(depth, dtype=np.int64)
 
 
-def _parent_list(parents: Sequence[int]) -> list[int]:
+def _parent_list(parents: Sequence[int] | np.ndarray) -> list[int]:
     """``parents`` as a list of ints, validated (`tree_depths`' rules)."""
     p = [int(x) for x in parents] if isinstance(parents, list) else np.asarray(parents, np.int64).reshape(-1).tolist()
     if not p or p[0] != -1:
@@ -258,7 +258,7 @@ def _bit_rows(bits: list[int], n: int) -> np.ndarray:
     return np.ascontiguousarray(np.unpackbits(words.view(np.uint8), bitorder="little").reshape(n, 64)[:, :n].view(bool))
 
 
-def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
+def ancestor_matrix(parents: Sequence[int] | np.ndarray) -> np.ndarray:
     """bool (R, R): [j, i] iff row i is row j or one of its ancestors. Raises TreeShapeError as `tree_depths`."""
     p = _parent_list(parents)
     n = len(p)

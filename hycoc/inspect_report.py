@@ -397,7 +397,7 @@ def render_plan(plan: dict, console: Any = None) -> None:
             f"context budget ({where}{budget['profile']} {budget.get('soc_model') or ''}, "
             f"{budget['limit_bytes']:,} bytes): "
             + ", ".join(
-                f"{n} {g['bytes'] / 1e6:.1f} MB {'fits' if g['fits'] else 'OVER: ' + str(g['shards_needed']) + ' shards'}"
+                f"{n} {g['bytes'] / 1e6:.1f} MB " + ("fits" if g["fits"] else f"OVER: {g['shards_needed']} shards")
                 for n, g in budget["graphs"].items()
             )
         )

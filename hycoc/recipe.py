@@ -38,7 +38,9 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+from pydantic.config import JsonDict
 from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 
 from hycoc import serving_limits
 
@@ -89,7 +91,7 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=True)
 
 
-def _allowed(text: str) -> dict[str, str]:
+def _allowed(text: str) -> JsonDict:
     """Field extra that spells out the allowed values where the type and bounds do not say it all."""
     return {"allowed": text}
 
@@ -544,7 +546,8 @@ class Verifier(Section):
     max_kv_bytes: int = _limit("max_kv_bytes")
     auth_failures_per_minute: int = _limit("auth_failures_per_minute")
     retry_after_s: float = _limit("retry_after_s")
-    # Cross-session batching (docs/serving.md "Many devices: batched verification"; hycoc.verifier.scheduler): rounds of sessions ready together share a forward.
+    # Cross-session batching (docs/serving.md "Many devices: batched verification"; hycoc.verifier.scheduler): rounds of
+    # sessions ready together share a forward.
     batching: Literal["batched", "serial"] = Field(
         "batched",
         description="batched: rounds of sessions ready at the same time are verified in one forward and "
@@ -726,7 +729,7 @@ class Recipe(Section):
                         None,
                         (
                             f"{where}: models.{role} = {spec!r}: {path} does not exist; "
-                            f"allowed: an existing local path (relative to the recipe's folder) or a hub id 'owner/name'"
+                            "allowed: an existing local path (relative to the recipe's folder) or a hub id 'owner/name'"
                         ),
                     )
                 ]
@@ -734,8 +737,16 @@ class Recipe(Section):
         return path
 
     def model_source(self, role: str) -> Path | str:
-        """What ``from_pretrained`` takes for ``[models].<role>``: the resolved local Path, or the hub id string."""
-        return getattr(self.models, role) if self.is_hub_id(role) else self.resolve_path(getattr(self.models, role))
+        """What ``from_pretrained`` takes for ``[models].<role>``: the resolved local Path, or the hub id string.
+        Raises RecipeError when that key is empty."""
+        value = getattr(self.models, role)
+        if self.is_hub_id(role):
+            return value
+        path = self.resolve_path(value)
+        if path is None:
+            message = f"models.{role} is empty: give a local folder or a hub id 'owner/name'"
+            raise RecipeError([Problem(f"models.{role}", None, message)])
+        return path
 
     def content_hash(self) -> str:
         """sha256 (hex) of the canonical JSON of every field, as written (paths unresolved), for caching."""
@@ -791,7 +802,7 @@ def parse_recipe(text: str, path: str | Path) -> Recipe:
     return recipe
 
 
-def _problem(err: dict, text: str, path: Path) -> Problem:
+def _problem(err: ErrorDetails, text: str, path: Path) -> Problem:
     """Turn one pydantic error into a Problem naming key, file, line, value and what is allowed."""
     loc = tuple(err["loc"])
     cross = (err.get("ctx") or {}).get("error")
@@ -870,7 +881,8 @@ def describe_allowed(field: FieldInfo) -> str:
         return "one of " + ", ".join(_show(a) for a in args)
     optional = type(None) in args
     base = next((a for a in args if a is not type(None)), annotation) if optional else annotation
-    noun = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(base, str(base))
+    nouns: dict[object, str] = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    noun = nouns.get(base, str(base))
     bounds = []
     for m in field.metadata:
         if isinstance(m, annotated_types.Gt):

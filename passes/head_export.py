@@ -221,10 +221,11 @@ class HeadQdq(Pass):
     (`hycoc.passes.head_calibration.real_head_calibration`: the verifier engine follows the build's greedy
     calibration answers (`hycoc.passes.calibration_answers`), the runtime's `MtpDrafter` ingests every hand-off
     and drafts K steps over the float head graph); ranges at the ``input_range_percentile`` percentile, x 1. SQNR
-    and top-1 against the float graph are reported on those and on held-out prompts' feeds. Fallback, only when no tokenizer is given (unit
-    tests of the pass alone): `CALIBRATION_SAMPLES` first-step queries from one verifier pass over keep-set tokens
-    (`comparison_inputs`), held-out with another seed. The QDQ graph then gets the output ``top_index`` (its two
-    best keep-set indices, `hycoc.passes.topk_outputs.append_topk`), which the device runtime reads.
+    and top-1 against the float graph are reported on those and on held-out prompts' feeds. Fallback, only when no
+    tokenizer is given (unit tests of the pass alone): `CALIBRATION_SAMPLES` first-step queries from one verifier pass
+    over keep-set tokens (`comparison_inputs`), held-out with another seed. The QDQ graph then gets the output
+    ``top_index`` (its two best keep-set indices, `hycoc.passes.topk_outputs.append_topk`), which the device runtime
+    reads.
     """
 
     name = "qdq_head"

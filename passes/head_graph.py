@@ -124,9 +124,10 @@ def _text_config(config):
 
 def rotary_rows(config, position: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{SLIDING: (cos, sin), FULL: (cos, sin)}, each float32 [1, 1, head_dim of that layer type], of the query at
-    ``position`` (Alg. 2 line 6: t - 1; t + ``window.head_query_position_offset`` in hycoc), computed by transformers' ``Gemma4TextRotaryEmbedding`` for the head's
-    config (``Gemma4AssistantConfig`` or its text config): default rotary on sliding layers, Gemma 4's
-    proportional partial rotary on full layers (zero frequencies on the unrotated dims: cos 1, sin 0)."""
+    ``position`` (Alg. 2 line 6: t - 1; t + ``window.head_query_position_offset`` in hycoc), computed by transformers'
+    ``Gemma4TextRotaryEmbedding`` for the head's config (``Gemma4AssistantConfig`` or its text config): default rotary
+    on sliding layers, Gemma 4's proportional partial rotary on full layers (zero frequencies on the unrotated
+    dims: cos 1, sin 0)."""
     from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
     rotary = Gemma4TextRotaryEmbedding(_text_config(config))

@@ -46,7 +46,7 @@ import copy
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -211,7 +211,7 @@ class Capture:
 
 
 @torch.no_grad()
-def greedy_answer(verifier, prompt: Sequence[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+def greedy_answer(verifier, prompt: Sequence[int], max_new_tokens: int, stop_ids: Collection[int]) -> list[int]:
     """The verifier's greedy answer (arg-max, first among equals) to ``prompt``, cut after the first stop id;
     at most ``max_new_tokens`` ids."""
     device = verifier.device

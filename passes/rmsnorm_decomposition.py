@@ -5,9 +5,9 @@ Two layers, as onnx-ir and onnxscript split them:
 
 * `RmsNormDecompositionPass`, an onnx-ir in-place pass: infers shapes, applies the rule sets of
   `hycoc.passes.rewrite.rms_norm` (the rules, their conditions and the emitted form are documented there), removes
-  the nodes left unused, and fails loudly (`RmsNormDecompositionError`) when it rewrote nothing while ``require_match`` is set, or when an
-  ``RMSNormalization`` op is left in the graph; the message gives each candidate's failed condition (from
-  onnxscript's `MatchingTracer`), so a surgery never silently does nothing.
+  the nodes left unused, and fails loudly (`RmsNormDecompositionError`) when it rewrote nothing while ``require_match``
+  is set, or when an ``RMSNormalization`` op is left in the graph; the message gives each candidate's failed condition
+  (from onnxscript's `MatchingTracer`), so a surgery never silently does nothing.
 * `RmsNormDecomposition`, the pipeline pass: ONNX artifact of one kind (``"onnx_head"``, ``"onnx_slm"``) in, the
   same kind out, reporting how many norms it rewrote, how many it reshaped from rank 4 and the eps values read.
 """

@@ -154,8 +154,8 @@ def drive_sequence(
 ) -> SequenceDrive:
     """One request through the runtime's SLM side, teacher-forced on ``answer`` (module docstring).
 
-    targets: returns the root positions where samples are still to be taken (sorted), or None to run every round. With targets,
-    stretches more than ``warmup`` rounds before the next target are committed in one go and filled by the
+    targets: returns the root positions where samples are still to be taken (sorted), or None to run every round. With
+    targets, stretches more than ``warmup`` rounds before the next target are committed in one go and filled by the
     drafter's own ``prefill`` chunks (as a request start does), and the drive ends after the last target: the
     rings still hold the SLM's own K/V of every committed position, at a fraction of the forwards."""
     calls0 = slm.forwards

@@ -66,9 +66,10 @@ class RequestResult:
     round_bytes: (up, down) frame bytes per round. rows: rows the verifier verified per round (its forward's rows:
     the reply's verified rows when it names them, else every row it answered); context: root position per round.
     bonus_outside_keep: bonus tokens outside the keep set. link_s: link-model time of the request (slept, or only
-    counted when the client's sleep is a no-op); first_token_link_s: its part before the first token. accepted: tokens committed per round minus one (after the stop / cap / context cut), so MAT =
-    tokens / rounds. finish_reason: "stop", "max_new_tokens" or "length" (`hycoc.protocol.messages.FINISH_REASONS`).
-    kept: for a next turn, the held ids its APPEND kept (the rest of the rendering was prefilled); None otherwise.
+    counted when the client's sleep is a no-op); first_token_link_s: its part before the first token. accepted: tokens
+    committed per round minus one (after the stop / cap / context cut), so MAT = tokens / rounds. finish_reason: "stop",
+    "max_new_tokens" or "length" (`hycoc.protocol.messages.FINISH_REASONS`). kept: for a next turn, the held ids its
+    APPEND kept (the rest of the rendering was prefilled); None otherwise.
     """
 
     mode: str
@@ -212,7 +213,10 @@ class DeviceRuntime:
         epsilon: float,
         anchor: int = 0,
     ) -> OpenRequest:
-        """The OPEN of a request (anchor: the prompt's `hycoc.chat.Rendered.anchor`, 0 for raw ids)."""
+        """The OPEN of a request (anchor: the prompt's `hycoc.chat.Rendered.anchor`, 0 for raw ids). Raises
+        ValueError for a mode without a verifier (slm-alone)."""
+        if mode.acceptance is None or mode.draft_place is None:
+            raise ValueError(f"mode {mode.name} drafts without a verifier: it opens no session")
         return OpenRequest(
             prompt_ids=np.asarray(prompt_ids, np.int32),
             sampling=sampling,
@@ -247,8 +251,8 @@ class DeviceRuntime:
         client: an unopened `VerifierClient` (None for ``slm-alone``); it is closed at the end unless
         ``keep_open`` (then `next_turn` continues the conversation on it, and the caller closes it). on_text:
         called with each new piece of text as it is committed; on_tokens: with each round's committed ids (for a
-        caller that splits the thought from the answer, `hycoc.chat.AnswerStream`). Raises TransportError subclasses (server
-        unreachable, auth refused, connection dropped, protocol mismatch), HandoffError, RuntimeProtocolError;
+        caller that splits the thought from the answer, `hycoc.chat.AnswerStream`). Raises TransportError subclasses
+        (server unreachable, auth refused, connection dropped, protocol mismatch), HandoffError, RuntimeProtocolError;
         text already passed to ``on_text`` stays delivered.
         """
         return self._request(

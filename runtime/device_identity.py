@@ -29,9 +29,12 @@ from __future__ import annotations
 import os
 import platform
 import re
+import sys
 import sysconfig
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ENV_DEVICE = "HYCOC_DEVICE"
 
@@ -102,11 +105,13 @@ def python_machine(plat: str | None = None) -> str:
 def windows_native_machine() -> str | None:
     """The host's native architecture on Windows from ``kernel32.IsWow64Process2`` (Windows 10 1709+); None where
     the call is not available (not Windows, an older Windows)."""
+    if sys.platform != "win32":
+        return None
     try:
         import ctypes
         from ctypes import wintypes
 
-        kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)  # AttributeError off Windows
+        kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)
         fn = kernel32.IsWow64Process2
     except (AttributeError, OSError):
         return None
@@ -118,6 +123,8 @@ def windows_native_machine() -> str | None:
 
 def windows_processor_name() -> str | None:
     """``ProcessorNameString`` of CPU 0 from the Windows registry; None off Windows or when it cannot be read."""
+    if sys.platform != "win32":
+        return None
     try:
         import winreg
     except ImportError:
@@ -168,7 +175,7 @@ def soc_from_linux(root: str | os.PathLike = "/") -> tuple[str | None, str]:
 
 
 def detect_device(
-    env: dict | None = None,
+    env: Mapping[str, str] | None = None,
     *,
     system: str | None = None,
     machine: str | None = None,
@@ -191,7 +198,7 @@ def detect_device(
         native = machine or _norm_machine(platform.machine())
     native = _norm_machine(native)
     py = python_machine(py_machine) if py_machine else python_machine()
-    base = {"os": system, "machine": native, "python_machine": py}
+    base: dict[str, Any] = {"os": system, "machine": native, "python_machine": py}
     if env.get(ENV_DEVICE):
         d = resolve_device(env[ENV_DEVICE])
         return DeviceIdentity(
@@ -212,12 +219,14 @@ def detect_device(
         )
     if system in ("linux", "android"):
         soc, source = soc_from_linux(linux_root)
-        d = device_for_soc(soc) if soc else None
-        if d is None:
+        entry = device_for_soc(soc) if soc else None
+        if entry is None:
             return DeviceIdentity(
                 **base, soc_model=soc, source=source if soc is None else f"{source}: {soc} is in no profile"
             )
-        return DeviceIdentity(**base, soc_model=d.soc_model, htp_arch=d.htp_arch, name=d.name, source=source)
+        return DeviceIdentity(
+            **base, soc_model=entry.soc_model, htp_arch=entry.htp_arch, name=entry.name, source=source
+        )
     return DeviceIdentity(**base, source=f"no SoC detection on {system}")
 
 

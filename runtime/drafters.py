@@ -75,7 +75,7 @@ class Drafter(ABC):
 
     # ---- the request's state hooks -----------------------------------------------------------------------------
 
-    def reset(self) -> None:
+    def reset(self) -> None:  # noqa: B027  (an optional hook: a no-op unless a drafter needs it)
         """A new request or turn starts (before its OPEN / APPEND): forget per-request drafting state."""
 
     def start(self, prompt: list[int], keep: int | None = None) -> None:
@@ -102,7 +102,7 @@ class Drafter(ABC):
         if self.uses_slm:
             self.device.slm.rollback(keep)
 
-    def begin(self, tree_rows: int) -> None:
+    def begin(self, tree_rows: int) -> None:  # noqa: B027  (an optional hook)
         """The verifier took the session and verifies trees of ``tree_rows`` rows (its B + 1). Raises ValueError
         when this drafter's trees do not fit."""
 
@@ -121,7 +121,7 @@ class Drafter(ABC):
         bonus), before the stop / max-new-tokens / context cut. Raises RuntimeProtocolError when the reply
         contradicts the tree."""
 
-    def accept(self, new: list[int]) -> None:
+    def accept(self, new: list[int]) -> None:  # noqa: B027  (an optional hook)
         """Alg. 1 line 10: ``new`` (the round's committed tokens after the cut) is committed; a drafter moves its
         state past them."""
 

@@ -28,6 +28,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +38,7 @@ from hycoc.bundle import (
     GraphIOMismatch,
     Manifest,
     ShardFeedMissing,
+    TargetMismatch,
     TensorSpec,
     check_graph_io,
     shard_feeds,
@@ -134,6 +136,10 @@ def _session(
     from hycoc.targets.qnn_ep import session_options
 
     t = manifest.target
+    if t.htp_arch is None or t.soc_model is None:
+        raise TargetMismatch(
+            f"backend {backend} needs a bundle built for an HTP target; this one names no HTP arch/SoC"
+        )
     profile = profile_for(t.htp_arch, t.soc_model, None)
     options = profile.provider_options()
     if shared_memory:  # RPCMem buffers the HTP reads in place (`htp_shared_memory_info`)
@@ -326,8 +332,9 @@ class GraphRunner:
         self._last_feeds: dict[str, np.ndarray] = {}  # input -> the array the last run took (validated then)
         self._last_ort_feeds: dict[str, np.ndarray] | None = None  # the last run's session feeds (`run_again`)
         self.calls, self.seconds = 0, 0.0
-        self._shared: dict[int, object] = {}  # id(numpy view) -> its OrtValue in HTP shared memory
-        self._binding = None
+        self._shared: dict[int, tuple[Any, np.ndarray]] = {}  # id(view) -> (its OrtValue in HTP shared memory, view)
+        # per output set: (IOBinding, its output buffers, the inputs bound last); None without io_binding
+        self._binding: list[tuple[Any, dict[str, np.ndarray], dict[str, Any]]] | None = None
         if self._binding_sets:
             if self._binding_sets < 1:
                 raise ValueError(f"graph {self.name}: output_sets must be >= 1, got {self._binding_sets}")
@@ -345,6 +352,7 @@ class GraphRunner:
     def _run_bound(self, ort_feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """One run through the next IOBinding (class docstring): re-bind only inputs that are new objects; the
         outputs land in that binding's preallocated buffers."""
+        assert self._binding is not None  # run() takes this path only with a binding
         b, bufs, bound = self._binding[self._next_set]
         self._next_set = (self._next_set + 1) % len(self._binding)
         for name, x in ort_feeds.items():
@@ -431,7 +439,7 @@ class GraphRunner:
                 if self._binding is not None
                 else self.session.run(self.output_names, ort_feeds)
             )
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 -- onnxruntime raises its own types; one GraphRunError for all
             raise GraphRunError(f"graph {self.name} failed to run: {str(e).splitlines()[0]}") from None
         self.seconds += time.perf_counter() - t0
         self.calls += 1

@@ -58,7 +58,7 @@ class _Dequantized:
     def __init__(self, raw: np.ndarray, scale: float):
         self.raw, self.scale = raw, np.float32(scale)
         self.integer = raw.dtype.kind in "iu"
-        self.value = None if self.integer else raw.astype(np.float32) * self.scale
+        self.value: np.ndarray = raw if self.integer else raw.astype(np.float32) * self.scale  # float rows only
 
     def finite(self) -> bool:
         if self.integer:
@@ -99,8 +99,8 @@ class MtpDrafter:
     """Alg. 2 (module docstring) around a head graph runner.
 
     runner: a `hycoc.runtime.graphs.GraphRunner` (or anything with ``run(feeds) -> {"logits" or "top_index",
-    "h_next"}`` and ``shape(name)``) for the head graph; bundle: the `hycoc.runtime.device_bundle.DeviceBundle` (keep set, E
-    table, head rotary tables, hand-off scales, round constants K, D, W).
+    "h_next"}`` and ``shape(name)``) for the head graph; bundle: the `hycoc.runtime.device_bundle.DeviceBundle` (keep
+    set, E table, head rotary tables, hand-off scales, round constants K, D, W).
     """
 
     def __init__(self, runner, bundle):
@@ -196,7 +196,9 @@ class MtpDrafter:
 
     def feeds(self, z: np.ndarray) -> dict[str, np.ndarray]:
         """The head graph's inputs for query z (float32 (2H,)) at the current ring (lines 5-6, 9). ``x_hat`` and
-        the rings are the drafter's own buffers (valid until the next call)."""
+        the rings are the drafter's own buffers (valid until the next call). Raises NoHandoff before the first."""
+        if self.t0 is None or self.live is None:
+            raise NoHandoff("the head's inputs come from a hand-off: ingest one first (the first tree is SLM-only)")
         t = self.t0
         masks = self._masks.update(t, self.live)  # in place: only the columns the last hand-off changed
         q = t + self.offset

@@ -13,12 +13,13 @@ chain of rows ending with r (Alg. 3 line 7 "committed tokens without SLM KV, end
 R-row chunks of committed tokens as needed to leave room for the tree (`prefill`, timed separately: it overlaps
 the server's prefill).
 
-`expand(tree, nodes)` is one SLM forward (line 8), returning each node's candidates (`hycoc.runtime.candidates`): rows = [committed rows without KV, in the first forward of a
-round] + r + for each node, in the order given, its not-yet-included ancestors and itself, while they fit the
-graph's R rows (the rest are left out and reported as not expanded). Rows are padded to R by repeating the last
-row (as a child of row 0 when the last row is row 0); padding rows' outputs are ignored. Committed rows are written into the ring at once; the KV of r and of tree nodes is kept for the commit.
-Row j attends to the ring and its ancestor rows (`tree_ring_mask`), so a node's KV equals what a causal forward
-over its path would give.
+`expand(tree, nodes)` is one SLM forward (line 8), returning each node's candidates (`hycoc.runtime.candidates`): rows =
+[committed rows without KV, in the first forward of a round] + r + for each node, in the order given, its
+not-yet-included ancestors and itself, while they fit the graph's R rows (the rest are left out and reported as not
+expanded). Rows are padded to R by repeating the last row (as a child of row 0 when the last row is row 0); padding
+rows' outputs are ignored. Committed rows are written into the ring at once; the KV of r and of tree nodes is kept for
+the commit. Row j attends to the ring and its ancestor rows (`tree_ring_mask`), so a node's KV equals what a causal
+forward over its path would give.
 
 `commit(path_nodes, new_tokens)` is Alg. 1 line 10: r's KV is written at t, then the path's nodes at t + 1, ...
 for as long as each has SLM KV from this round; n_kv moves past them; the bonus token and the path's nodes
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from hycoc.runtime.candidates import Candidates, graph_candidate_rows, logits_candidates
@@ -37,6 +39,9 @@ from hycoc.runtime.tree_builder import DraftTreeNodes
 from hycoc.runtime.tree_mask import TreeRingMask
 
 from hycoc.host import MASK_VALUE, RotaryBlock, ring_runs, tree_rows
+
+if TYPE_CHECKING:
+    from hycoc.runtime.slm_decode import SlmDecoder
 
 
 def _short(layer_type: str) -> str:
@@ -100,7 +105,7 @@ class SlmDrafter:
         self.round_forwards = 0
         self.forwards = 0
         self.prefill_seconds = 0.0
-        self.decoder = None  # a `hycoc.runtime.slm_decode.SlmDecoder` when the bundle has the 1-row decode graph
+        self.decoder: SlmDecoder | None = None  # set when the bundle has the 1-row decode graph
 
     # ---- request start -----------------------------------------------------------------------------------------
 
@@ -230,6 +235,7 @@ class SlmDrafter:
             k_new, v_new = out[f"k_new_{i}"][0][:, row_sel, :], out[f"v_new_{i}"][0][:, row_sel, :]
             if k_new.dtype != k_ring.dtype:  # float rows into a ring of codes (quantized IO)
                 k_enc, v_enc = self.ring_encodings[i]
+                assert k_enc is not None and v_enc is not None  # a ring of codes has its encodings (__init__)
                 k_new, v_new = quantize(k_new, k_enc), quantize(v_new, v_enc)
             if consecutive and n <= ring:
                 if ring not in runs:

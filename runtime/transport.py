@@ -1,9 +1,10 @@
-"""The device's connection to the verifier: wire frames over one WebSocket, and a link model (docs/design.md "Wire protocol"; docs/benchmarks.md "Benchmark": --link).
+"""The device's connection to the verifier: wire frames over one WebSocket, and a link model (docs/design.md "Wire
+protocol"; docs/benchmarks.md "Benchmark": --link).
 
-Ships on the phone: numpy + websockets + `hycoc.protocol.wire` / `hycoc.protocol.messages` only (no torch, no aiohttp, nothing of
-the verifier). `VerifierClient` speaks the protocol of docs/design.md "Wire protocol" with ``websockets.sync``:
-``open(OpenRequest) -> Opened``, ``round(DraftTree) -> RoundReply``, ``append(AppendTurn) -> Opened`` (the
-next turn of a conversation on the same session), ``close()``. Every reply is decoded and
+Ships on the phone: numpy + websockets + `hycoc.protocol.wire` / `hycoc.protocol.messages` only (no torch, no aiohttp,
+nothing of the verifier). `VerifierClient` speaks the protocol of docs/design.md "Wire protocol" with
+``websockets.sync``: ``open(OpenRequest) -> Opened``, ``round(DraftTree) -> RoundReply``, ``append(AppendTurn) ->
+Opened`` (the next turn of a conversation on the same session), ``close()``. Every reply is decoded and
 validated against the session's sizes (`hycoc.protocol.wire.Limits.from_opened`) before it is returned.
 
 Every failure ends in a `TransportError` subclass whose message is one line naming the cause:
@@ -23,9 +24,9 @@ OPEN's version; one that answers in another is a ProtocolMismatch).
 
 Link model. ``link`` delays each request and each reply as a phone's link would: RTT/2 plus the frame's
 serialization time (bytes x 8 / bandwidth) in each direction, slept on the device side around the real send and
-receive (so loopback delivery speed reflects a phone; the bench's ``--link``, docs/benchmarks.md "Benchmark"). Presets (ASSUMPTIONS, not
-measurements): ``lte`` = 58 ms RTT at 20 Mbit/s, ``5g`` = 40 ms RTT at 50 Mbit/s. The paper's recorded Spec-Bench
-summaries put network plus serialization at roughly 40-58 ms per round over LTE/5G (App. G; "not a standalone
+receive (so loopback delivery speed reflects a phone; the bench's ``--link``, docs/benchmarks.md "Benchmark"). Presets
+(ASSUMPTIONS, not measurements): ``lte`` = 58 ms RTT at 20 Mbit/s, ``5g`` = 40 ms RTT at 50 Mbit/s. The paper's recorded
+Spec-Bench summaries put network plus serialization at roughly 40-58 ms per round over LTE/5G (App. G; "not a standalone
 link-RTT measurement"); we take its ends as the RTTs and add serialization on top, so a round with a Gemma 4 sized
 hand-off (~30 KB down) costs a few ms more than that range. The bandwidths are typical uplink rates we assume,
 applied to both directions (conservative: downlinks are usually faster, and only the replies' hand-offs are large).
@@ -40,6 +41,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.sync.client import ClientConnection, connect
@@ -140,7 +142,9 @@ _AUTH_CODES = ("auth_required", "auth_refused")
 
 # proxy=None: the verifier is addressed directly (no HTTP(S)_PROXY detour); legacy=True: a plain connection object,
 # not a context manager. Both exist in websockets >= 15 only; older versions connect directly anyway.
-_CONNECT_EXTRAS = {k: v for k, v in (("proxy", None), ("legacy", True)) if k in inspect.signature(connect).parameters}
+_CONNECT_EXTRAS: dict[str, Any] = {
+    k: v for k, v in (("proxy", None), ("legacy", True)) if k in inspect.signature(connect).parameters
+}
 
 
 # --------------------------------------------------------------------------------------------------- client
@@ -305,6 +309,8 @@ class VerifierClient:
     def _request(self, frame: bytes, expected: type, what: str):
         """Send one frame, wait for one frame; link delays on both sides; map every failure."""
         ws = self._ws
+        if ws is None:
+            raise ConnectionDropped(f"the {what} needs an open connection to {self.url}: open a session first")
         self._delay(len(frame))
         try:
             ws.send(frame)
@@ -349,8 +355,11 @@ class VerifierClient:
 
     def _last_words(self) -> ErrorReply | None:
         """An ERROR frame the server sent before closing the connection (still buffered here), else None."""
+        if self._ws is None:
+            return None
         try:
-            msg = wire.decode(self._ws.recv(timeout=0), self._limits)
+            data = self._ws.recv(timeout=0)
+            msg = wire.decode(data, self._limits) if isinstance(data, bytes) else None
         except Exception:  # noqa: BLE001 -- nothing buffered, or not a frame: there were no last words
             return None
         return msg if isinstance(msg, ErrorReply) else None

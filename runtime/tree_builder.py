@@ -26,11 +26,12 @@ an ancestor-closed part of the tree; its reply names the rows it verified, and `
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 from hycoc.runtime.candidates import CandidateRows, Candidates, logq_candidates
+from numpy.typing import ArrayLike
 
 from hycoc.protocol.wire import FP16_SCORE_FLOOR
 
@@ -119,7 +120,7 @@ class BuiltTree:
 #: expand(tree, nodes) -> {node: its candidates} for the nodes it could fit in one SLM forward (in the order
 #: given, which is descending score): a `hycoc.runtime.candidates.Candidates` (the SLM Drafter's: the graph's top-k),
 #: or log q over the whole keep set, float (|V|,), of which the builder takes the top-k itself.
-Expand = Callable[[DraftTreeNodes, list[int]], dict[int, "Candidates | np.ndarray"]]
+Expand = Callable[[DraftTreeNodes, list[int]], Mapping[int, "Candidates | np.ndarray"]]
 
 
 class TreeBuilder:
@@ -245,7 +246,7 @@ class TreeBuilder:
     ) -> list[int]:
         """Line 14: θ = the B-th highest score over the tree's nodes and the candidates; the candidates with
         s >= θ join the tree in candidate order. Returns the nodes added."""
-        if cand_v is None or not len(cand_s):
+        if cand_v is None or cand_tok is None or not len(cand_s):
             return []
         scores = np.concatenate([np.array([n.score for n in tree.nodes[1:]], np.float64), cand_s])
         if len(scores) >= self.budget:
@@ -307,6 +308,7 @@ class TreeBuilder:
         frontier = list(range(len(tree.nodes)))
         done = 0
         for _ in range(passes if expand is not None else 0):
+            assert expand is not None  # for mypy: no passes run without it
             added = self.slm_pass(tree, frontier, expand)
             done += 1
             if not added:
@@ -318,7 +320,7 @@ class TreeBuilder:
 
 
 def walk_reply(
-    tokens: Sequence[int], parents: Sequence[int], samples: Sequence[int], verified: Sequence[bool] | None = None
+    tokens: ArrayLike, parents: ArrayLike, samples: ArrayLike, verified: ArrayLike | None = None
 ) -> list[int]:
     """Alg. 1 line 8: the deepest path below the root whose every row c with parent v has token c == ŷ_v,
     ties to the lowest row. Returns the path's rows (root excluded), root to leaf; [] when nothing matches.
@@ -341,7 +343,7 @@ def walk_reply(
         path.append(v)
 
 
-def check_verified(parents: Sequence[int], verified: Sequence[bool], path_rows: Sequence[int]) -> None:
+def check_verified(parents: ArrayLike, verified: ArrayLike, path_rows: Sequence[int] | np.ndarray) -> None:
     """Check a reply's verified rows against the tree sent: bool (R,) over its R rows, row 0 verified, every
     verified row's parent verified (ancestor-closed: the verifier verifies a subtree, `RoundReply.verified`), and
     every path row verified. Raises ValueError naming the first fault."""

@@ -143,8 +143,6 @@ def initializer_bytes(t) -> int:
     return n * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
 
 
-
-
 @dataclass(frozen=True)
 class SizePlan:
     """The size planner's answer for one context: weight bytes (shared names counted once) vs the limit."""
@@ -356,7 +354,7 @@ def _log_reasons(log: str) -> dict[str, str]:
     reasons: dict[str, str] = {}
     for name, op in _UNSUPPORTED_RE.findall(log):
         reasons.setdefault(name, f"the QNN EP does not support this {op}")
-    for name, op, code in _VALIDATE_RE.findall(log):
+    for name, _op, code in _VALIDATE_RE.findall(log):
         reasons[name] = f"QNN backend rejected the op config (backendValidateOpConfig error {code})"
     return reasons
 

@@ -28,9 +28,9 @@ options="--qnn_options context_enable_graphs=NAME")`` and ``job.download_profile
 deprecated in the 0.56 client).
 
 Setup: without the ``qai-hub`` package, or without an API token (``~/.qai_hub/client.ini``, written by ``qai-hub
-configure``, the ini ``QAIHUB_CLIENT_INI`` names, or ``QAI_HUB_API_TOKEN``), `check_setup` fails at once with the exact steps (`QaiHubSetupError`),
-before anything is uploaded. Every job that ends FAILED, or succeeds without a model, raises `QaiHubJobError`
-naming the job id and AI Hub's failure reason.
+configure``, the ini ``QAIHUB_CLIENT_INI`` names, or ``QAI_HUB_API_TOKEN``), `check_setup` fails at once with the exact
+steps (`QaiHubSetupError`), before anything is uploaded. Every job that ends FAILED, or succeeds without a model, raises
+`QaiHubJobError` naming the job id and AI Hub's failure reason.
 
 Tested offline only: the tests import the installed qai-hub 0.56.0 client, check each call here against its
 signatures, and run this flow through the client's own job objects with its REST layer

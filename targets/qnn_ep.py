@@ -49,7 +49,7 @@ class QnnUnavailableError(RuntimeError):
 def qnn_installed() -> bool:
     """Whether ``onnxruntime_qnn`` can be imported (nothing is registered)."""
     try:
-        import onnxruntime_qnn  # noqa: F401
+        import onnxruntime_qnn  # noqa: F401  (only whether it imports)
     except ImportError:
         return False
     return True

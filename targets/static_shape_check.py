@@ -148,7 +148,8 @@ def find_static_graph_faults(model) -> list[StaticGraphFinding]:
                         node.name or "",
                         node.op_type,
                         domain,
-                        "fused attention op; the HTP graph needs the static mask form (MatMul/Add(mask)/Softmax/MatMul)",
+                        "fused attention op; the HTP graph needs the static mask form "
+                        "(MatMul/Add(mask)/Softmax/MatMul)",
                     )
                 )
             if domain == "" and node.op_type in _SHAPE_ONLY and node.inputs and node.inputs[0] is not None:

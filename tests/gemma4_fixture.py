@@ -5,7 +5,8 @@ generation_config.json lists ([1, 106, 50], as transformers 5.24 writes for gemm
 ``<bos><|turn>user\\n{text}<turn|>\\n<|turn>model\\n`` and the reasoning channel ``<|channel>thought\\n ... <channel|>``
 (transformers' serving parser for gemma4). Assumed (marked ASSUMED_IDS): where <|channel>, <channel|>, <|think|>,
 <|tool_call>, <tool_call|>, <tool_response|> sit; the other ids below 107 are reserved ``<unusedN>`` added tokens (not
-flagged special, so the keep set's special class holds the 14 named ones). Text is a word-level vocabulary (role words, then w0, w1, ...), so tiny models can use it.
+flagged special, so the keep set's special class holds the 14 named ones). Text is a word-level vocabulary (role words,
+then w0, w1, ...), so tiny models can use it.
 """
 
 from __future__ import annotations

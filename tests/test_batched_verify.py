@@ -154,7 +154,7 @@ def test_a_ragged_batch_gives_each_session_the_logits_and_kv_it_gets_alone(model
     caches = [copy.deepcopy(s.cache) for s in sessions]
     batched = batch_forward(engine, caches, [s.t for s in sessions], [t[0] for t in trees], [t[1] for t in trees])
     worst = 0.0
-    for want, got, mine, theirs, (tk, _) in zip(alone, batched, caches, alone_caches, trees):
+    for want, got, mine, theirs, (_tk, _) in zip(alone, batched, caches, alone_caches, trees):
         for w, g in zip(want, got):
             assert g.shape == w.shape
             torch.testing.assert_close(g, w, atol=LOGIT_ATOL, rtol=0)

@@ -29,7 +29,10 @@ def test_an_existing_bundle_is_used_and_a_given_one_must_have_a_manifest(tmp_pat
     cfg = load_recipe(TOY)
     (tmp_path / "bundles" / "toy-cpu").mkdir(parents=True)
     (tmp_path / "bundles" / "toy-cpu" / "manifest.json").write_text("{}")
-    never = lambda *a: pytest.fail("built")  # noqa: E731
+
+    def never(*a):
+        return pytest.fail("built")
+
     assert bench_bundle(cfg, TOY, None, tmp_path, say=never, build=never) == tmp_path / "bundles" / "toy-cpu"
     with pytest.raises(BenchInputError) as e:
         bench_bundle(cfg, TOY, tmp_path / "nope", tmp_path, command="tune-epsilon", say=never, build=never)

@@ -338,7 +338,9 @@ def test_results_json_follows_the_typed_summary():
 
     from hycoc.bench.summary import CategorySummary, ConfigSummary, MetricQuality, QualitySummary
 
-    names = lambda cls: [f.name for f in dataclasses.fields(cls)]  # noqa: E731
+    def names(cls):
+        return [f.name for f in dataclasses.fields(cls)]
+
     s = summarize(records(), bootstrap=0)
     for entry in s.values():
         assert list(entry) == names(ConfigSummary)

@@ -191,7 +191,10 @@ def test_projected_interval_covers_the_cost_models_uncertainty():
     assert noisy["delta_g_projected_ci_covers_cost_model"] is True
     assert bare["delta_g_projected_ci_covers_cost_model"] is False
     assert bare["delta_g_projected_pct"] == noisy["delta_g_projected_pct"]  # same medians, same point
-    width = lambda s: s["delta_g_projected_ci95"][1] - s["delta_g_projected_ci95"][0]  # noqa: E731
+
+    def width(s):
+        return s["delta_g_projected_ci95"][1] - s["delta_g_projected_ci95"][0]
+
     assert width(noisy) > 1.5 * width(bare)
     # no spread: questions only; the joint resampling's percentile interval and the BCa one of the questions
     # alone (hycoc.bench.stats.paired_ratio_delta) then agree up to the two methods' bootstrap noise

@@ -406,8 +406,8 @@ def test_cli_qai_hub_without_setup_fails_at_once(recipe_path, tmp_path, monkeypa
 
 @pytest.mark.qnn
 def test_htp_target_compiles_both_graphs_into_a_bundle(built, tmp_path):
-    """The htp-v81 target step on both QDQ graphs (CPU fallback disabled): EPContext model + context binary in the bundle, IO taken
-    from the EPContext model with encodings from its QDQ source."""
+    """The htp-v81 target step on both QDQ graphs (CPU fallback disabled): EPContext model + context binary in the
+    bundle, IO taken from the EPContext model with encodings from its QDQ source."""
     from hycoc.passes.pipeline import PipelineResult
     from hycoc.targets.qnn_ep import versions
 

@@ -13,6 +13,7 @@ from gemma4_fixture import STOP_IDS, write_tokenizer_folder
 
 from hycoc.chat import Conversation, common_prefix, ids_crc32
 from hycoc.chat_template import apply_chat_template_ids, load_chat
+from hycoc.protocol.messages import Sampling
 
 USERS = [" w1 w2 ", "w3\n", "w4 <turn|> <|turn>model w5 <bos>"]
 #: answers as decoded text: a thought, trailing whitespace, a plain one
@@ -157,9 +158,6 @@ def _converse(engine, chat, users, answer_len, thinking=False):
     return session, checks
 
 
-from hycoc.protocol.messages import Sampling  # noqa: E402  (after the fixtures that do not need it)
-
-
 @pytest.mark.parametrize("answer_len", [5, 30])
 def test_three_turns_hold_the_rendering_and_a_cold_prefills_logits(engine, large_chat, answer_len):
     """5-token answers: the sliding layers still hold the window (crop); 30 > retain 16: the snapshot at the model
@@ -205,7 +203,7 @@ def test_an_append_that_fails_in_a_chunk_leaves_the_session_as_it_was(engine, la
         state = (
             list(session.tokens),
             session.t,
-            [(l.keys.clone(), l.values.clone()) for l in session.cache.layers if l.is_initialized and l.keys.numel()],
+            [(c.keys.clone(), c.values.clone()) for c in session.cache.layers if c.is_initialized and c.keys.numel()],
             session.snapshot,
         )
         if fail:
@@ -221,7 +219,7 @@ def test_an_append_that_fails_in_a_chunk_leaves_the_session_as_it_was(engine, la
             with pytest.raises(RuntimeError, match="injected"):
                 session.append(conv_ids[keep:], 6, keep=keep)
             monkeypatch.setattr(eng_mod, "prefill", real)
-            after = [(l.keys, l.values) for l in session.cache.layers if l.is_initialized and l.keys.numel()]
+            after = [(c.keys, c.values) for c in session.cache.layers if c.is_initialized and c.keys.numel()]
             assert (session.tokens, session.t, session.snapshot) == (state[0], state[1], state[3])
             assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(after, state[2]))
             assert session.finished

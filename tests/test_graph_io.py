@@ -146,7 +146,10 @@ def test_quantized_io_drafts_the_float_bundles_trees_and_rings_code_for_code(qua
     t = len(prompt) - 1
     a = max(0, t - bundle.round.head_window)
     for _ in range(4):
-        r8 = lambda *s: rng.integers(-60, 60, s).astype(np.int8)  # noqa: E731
+
+        def r8(*s):
+            return rng.integers(-60, 60, s).astype(np.int8)
+
         hand = HandOff(
             t_prime=t,
             a=a,

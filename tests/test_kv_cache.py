@@ -169,14 +169,14 @@ def test_bfloat16_batched_rounds_commit_the_alone_runs_tokens():
     ref = VerifierEngine(model, head_window=6, handoff_scales=SCALES, max_context=256)
     prompts = [list(range(10 + 9 * i, 14 + 11 * i)) for i in range(4)]
     pairs = []
-    for i, p in enumerate(prompts):
+    for p in prompts:
         a, b = (e.open(p, Sampling(0.0, 64, 0.95), max_new_tokens=60, acceptance="exact") for e in (engine, ref))
         a.prefill()
         b.prefill()
         pairs.append((a, b))
     for seq in range(6):
         batch = [(a, *oracle_tree(model, a.tokens), seq) for a, _ in pairs]
-        for (a, b), (_, tk, pa, _), reply in zip(pairs, batch, verify_batch(engine, batch)):
+        for (_a, b), (_, tk, pa, _), reply in zip(pairs, batch, verify_batch(engine, batch)):
             assert reply.path_rows.tolist() == b.verify(tk, pa, seq).path_rows.tolist()
     assert all(a.output == b.output and len(a.output) >= 6 for a, b in pairs)
 

@@ -70,7 +70,11 @@ def test_the_papers_selection_and_2_shot_prompt_on_a_small_file(tmp_path):
 
 def test_documents_are_cut_at_a_line_end_to_fit_the_budget(tmp_path):
     docs = read_long_documents(infbench_file(tmp_path))
-    words = lambda text: len(text.split())  # noqa: E731 -- a stand-in tokenizer: one token per word
+
+    # a stand-in tokenizer: one token per word
+    def words(text):
+        return len(text.split())
+
     full = words(load_long_summary(infbench_file(tmp_path), count=1)[0].turns[0])
     assert fit_context(docs, 4, words, full) == docs[4].context  # fits whole
     # each line is 4 words: one word less drops the second line, five drop both, nine leave no room for the rest

@@ -19,6 +19,7 @@ import pytest
 pytestmark = pytest.mark.hub
 qai_hub = pytest.importorskip("qai_hub", reason="install the hub extra: pip install -e '.[hub]'")
 
+# E402 below: after the importorskip above, so a run without qai-hub skips the module instead of failing
 from hub_canned import QAIRT, S25, CannedHub, RecordingClient  # noqa: E402
 from hycoc.targets import qai_hub as target  # noqa: E402
 

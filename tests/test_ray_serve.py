@@ -27,6 +27,7 @@ pytestmark = pytest.mark.serve
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install -e '.[serve]' (ray[serve])")
 ray_serve = pytest.importorskip("hycoc.verifier.ray_serve")
 
+# E402 below: these imports follow the importorskip above, so a run without ray skips the module instead of failing
 from hycoc.runtime.transport import AuthRefused, ConnectionDropped, VerifierClient  # noqa: E402
 from hycoc.verifier.engine import VerifierEngine  # noqa: E402
 from hycoc.verifier.server import ServerLimits  # noqa: E402

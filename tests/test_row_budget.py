@@ -66,6 +66,22 @@ def test_row_cost_refuses_bad_points(points, field):
         RowCost(points)
 
 
+def test_recipe_row_cost_without_a_line_is_a_recipe_error():
+    """[verifier].row_cost points that pass the recipe's schema but make no cost line (rows not increasing) are a
+    RecipeError naming the key, as every bad recipe value is (it was an AttributeError: the error got a str where
+    it takes its list of problems)."""
+    from types import SimpleNamespace
+
+    from hycoc.verifier.loading import row_cost_of
+
+    from hycoc.recipe import RecipeError
+
+    recipe = SimpleNamespace(verifier=SimpleNamespace(row_cost=[[10.0, 1.0], [10.0, 2.0]]))
+    with pytest.raises(RecipeError, match="verifier.row_cost: .*increasing") as e:
+        row_cost_of(recipe)
+    assert e.value.key == "verifier.row_cost"
+
+
 # ---------------------------------------------------------------------------------------------- the allocation
 
 
@@ -163,7 +179,7 @@ def test_allocation_is_ancestor_closed_and_optimal_on_random_trees():
         free = int(rng.integers(1, 8))
         got = allocate(trees, cost, free_rows=free, min_rows=min_rows)
         ratio = got.expected_tokens / float(cost.ms(got.rows_after))
-        for (scores, tokens, parents), kept in zip(trees, got.kept):
+        for (_scores, tokens, parents), kept in zip(trees, got.kept):
             rows = np.arange(len(tokens)) if kept is None else kept
             assert is_ancestor_closed(parents, rows) and len(rows) >= min(min_rows, len(tokens)), (trial, rows)
         assert got.rows_after >= min(free, got.rows_before)
@@ -229,7 +245,7 @@ def test_a_trimmed_round_equals_the_subtree_sent_alone(model):
         replies = verify_batch(eng, [(s, t, p, seq, sc) for s, (t, p, sc) in zip(sessions, trees)], stats, STEEP)
         assert stats.rows_sent == sum(len(t) for t, _, _ in trees) and stats.rows == sum(stats.rows_kept)
         trimmed_rows += stats.rows_sent - stats.rows
-        for s, a, (t, p, sc), reply in zip(sessions, alone, trees, replies):
+        for s, a, (t, p, _sc), reply in zip(sessions, alone, trees, replies):
             assert not isinstance(reply, BaseException), reply
             kept = np.nonzero(reply.verified)[0] if reply.verified is not None else np.arange(len(t))
             assert is_ancestor_closed(p, kept) and set(reply.path_rows.tolist()) <= set(kept.tolist())

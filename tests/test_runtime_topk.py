@@ -150,7 +150,10 @@ def test_trees_from_graph_top_k_equal_the_host_path_on_the_tiny_bundle(tiny_bund
     t = len(prompt) - 1
     a = max(0, t - bundle.round.head_window)
     for _ in range(6):
-        r8 = lambda *s: rng.integers(-60, 60, s).astype(np.int8)  # noqa: E731
+
+        def r8(*s):
+            return rng.integers(-60, 60, s).astype(np.int8)
+
         h = HandOff(
             t_prime=t,
             a=a,
@@ -274,14 +277,11 @@ def test_htp_tie_order_puts_the_higher_index_first_where_topk_puts_the_lower():
     ordered = append_topk(_logits_model(6, 40), 8, with_logq=True)
     assert htp_tie_order(ordered) == 1
     assert [n.op_type for n in ordered.graph.node].count("Slice") == 1
-    run = lambda m: dict(
-        zip(
-            ["top_index", "top_logq"],
-            ort.InferenceSession(  # noqa: E731
-                m.SerializeToString(), providers=["CPUExecutionProvider"]
-            ).run(["top_index", "top_logq"], {"x": x}),
-        )
-    )
+
+    def run(m):
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return dict(zip(["top_index", "top_logq"], session.run(["top_index", "top_logq"], {"x": x})))
+
     a, b = run(plain), run(ordered)
     np.testing.assert_array_equal(a["top_index"][0], _stable_top_k(x[0], 8))
     higher_first = np.stack([39 - _stable_top_k(row[::-1][None], 8)[0] for row in x[0]])

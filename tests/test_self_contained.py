@@ -49,7 +49,7 @@ def no_toy_corpus(monkeypatch):
     """hycoc.toy.corpus unimportable: anything that reaches for the docs corpus fails loudly."""
     monkeypatch.setitem(sys.modules, "hycoc.toy.corpus", None)
     with pytest.raises(ImportError):
-        import hycoc.toy.corpus  # noqa: F401
+        import hycoc.toy.corpus  # noqa: F401  (the import itself must fail)
 
 
 def test_toy_recipe_inputs_come_from_the_repository(no_toy_corpus):

@@ -600,8 +600,9 @@ def test_appends_roll_back_each_way_and_a_wrong_conversation_changes_nothing(mod
             assert srv.server.metrics.kv_bytes_reserved == engine.session_kv_bytes(10 + 12 + ROWS, ROWS)
 
             kinds, positions, expected = [], 10 + 12 + ROWS, []
+            first_turn = turn
             for keep, turn, anchor, max_new in (
-                (9, turn, 10, 6),
+                (9, first_turn, 10, 6),
                 (None, np.array([50, 51], np.int32), 0, 4),
                 (3, np.arange(60, 63, dtype=np.int32), 4, 3),
             ):

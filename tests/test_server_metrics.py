@@ -67,7 +67,10 @@ def test_exposition_parses_with_every_family_and_refusal_kind_and_no_created_ser
     fams = parsed(m)
     assert {name: kind for name, (kind, _) in fams.items()} == FAMILIES
     assert not any(name.endswith("_created") for _, samples in fams.values() for name, _ in samples)
-    value = lambda fam, name, **labels: fams[fam][1][(name, tuple(sorted(labels.items())))]  # noqa: E731
+
+    def value(fam, name, **labels):
+        return fams[fam][1][(name, tuple(sorted(labels.items())))]
+
     assert value("hycoc_rounds", "hycoc_rounds_total") == 4
     assert value("hycoc_mat", "hycoc_mat") == 2.5
     assert value("hycoc_g_ms_per_token", "hycoc_g_ms_per_token") == (30.0 + 12.5 + 7.5 + 20.0) / 10

@@ -72,8 +72,11 @@ def test_chained_shards_equal_the_monolithic_graph(slm, mono, bounds):
         for name in mono.output_names:
             assert got[name].shape == want[name].shape
             assert np.array_equal(got[name], want[name]), name  # bit-exact: the same ops on the same floats
+
     # the weights are split, not copied: the shards' parameters add up to the monolithic graph's
-    count = lambda g: sum(t.numel() for t in [*g.parameters(), *g.buffers()])  # noqa: E731
+    def count(g):
+        return sum(t.numel() for t in [*g.parameters(), *g.buffers()])
+
     assert sum(count(g) for g in shards) == count(mono)
 
 

@@ -282,7 +282,9 @@ def test_http_status_refusals():
 
 @pytest.mark.parametrize("code", ["auth_required", "auth_refused"])
 def test_auth_error_frames_become_auth_refused(code):
-    answer = lambda frame: wire.encode(ErrorReply(code, "the auth token does not match"))  # noqa: E731
+    def answer(frame):
+        return wire.encode(ErrorReply(code, "the auth token does not match"))
+
     with FakeVerifier(answer) as peer:
         c = VerifierClient(peer.url, auth_token="wrong")
         with pytest.raises(AuthRefused) as e:

@@ -1,5 +1,5 @@
-"""`hycoc tune-epsilon` (hycoc/bench/tune_epsilon.py): the selection rule on a hand-made sweep table, the validation set's
-checks, and one small sweep end to end on the tiny recipe (verifier child process, device runtime here), whose
+"""`hycoc tune-epsilon` (hycoc/bench/tune_epsilon.py): the selection rule on a hand-made sweep table, the validation
+set's checks, and one small sweep end to end on the tiny recipe (verifier child process, device runtime here), whose
 choice is recomputed by hand from its records."""
 
 from __future__ import annotations

@@ -43,7 +43,10 @@ def chain_tree(rows: int, seq: int = 0) -> DraftTree:
 
 def handoff(t_prime: int, a: int, bonus: int, h=H, ds=DS, df=DF) -> HandOff:
     n = t_prime - a
-    i8 = lambda *shape: rng.integers(-128, 128, shape, dtype=np.int8)  # noqa: E731
+
+    def i8(*shape):
+        return rng.integers(-128, 128, shape, dtype=np.int8)
+
     return HandOff(t_prime, a, bonus, i8(2 * h), i8(n, ds), i8(n, ds), i8(n, df), i8(n, df), SCALES)
 
 

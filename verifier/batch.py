@@ -48,6 +48,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -160,7 +161,7 @@ def batch_forward(
     spans = list(zip(bounds[:-1], bounds[1:]))
     ids = torch.as_tensor(np.concatenate(tokens), dtype=torch.long, device=dev)
     pos, masks = [], {"full_attention": _PerSession(), "sliding_attention": _PerSession()}
-    for cache, t, tk, pa in zip(caches, ts, tokens, parents):
+    for cache, t, pa in zip(caches, ts, parents):
         p = torch.as_tensor(t + tree_depths(pa), device=dev)
         m = additive_masks(
             p,
@@ -196,10 +197,10 @@ def verify_batch(
     and more than one round shares the forward, the rows verified are chosen across the rounds
     (`hycoc.verifier.row_budget.allocate`; rounds without scores and cloud-mtp rounds are kept whole) and each
     round runs on its kept rows (`Session.restrict_round`). Returns, in order, each round's reply or the exception
-    its session raised: a session's bad round (`hycoc.verifier.errors`) is answered alone and never enters the forward; a failure of the shared forward is
-    every batched session's (each session restored as `Session.verify` restores it). Each reply's server_ms counts
-    from the call's start to its own reply (the shared forward included: what its round cost in worker time);
-    stats.total_ms is the last reply's (the whole call when no round ran). stats: filled if given.
+    its session raised: a session's bad round (`hycoc.verifier.errors`) is answered alone and never enters the forward;
+    a failure of the shared forward is every batched session's (each session restored as `Session.verify` restores it).
+    Each reply's server_ms counts from the call's start to its own reply (the shared forward included: what its round
+    cost in worker time); stats.total_ms is the last reply's (the whole call when no round ran). stats: filled if given.
 
     Raises ValueError when a session appears twice.
     """
@@ -271,7 +272,7 @@ def verify_batch(
             accepted,
             (stats.expected_tokens - stats.sessions) / budget.state.value_scale,
         )
-    return results
+    return cast(list[RoundReply | BaseException], results)  # every slot was filled above
 
 
 def _apply_budget(pending: list, scores_of: dict, budget: RowBudget, stats: BatchStats) -> bool:
@@ -279,7 +280,7 @@ def _apply_budget(pending: list, scores_of: dict, budget: RowBudget, stats: Batc
     kept rows. A round's scores are those of the rows as sent; after `begin_round` left rows out for the context
     they follow those rows (``pending.kept``). Returns whether every round was scored (so the step can teach the
     budget how accepted tokens compare with expected ones)."""
-    trees = []
+    trees: list[tuple[np.ndarray | None, np.ndarray, np.ndarray]] = []
     for k, session, p in pending:
         scores = scores_of.get(k)
         if scores is None or session.draft_place == "cloud-mtp":
@@ -298,7 +299,7 @@ def _apply_budget(pending: list, scores_of: dict, budget: RowBudget, stats: Batc
         extra_ms=budget.state.overhead_ms * len(pending),
         value_scale=budget.state.value_scale,
     )
-    for (k, session, p), rows in zip(pending, alloc.kept):
+    for (_k, session, p), rows in zip(pending, alloc.kept):
         if rows is not None:
             session.restrict_round(p, rows)
     stats.expected_tokens = alloc.expected_tokens

@@ -27,9 +27,9 @@ and verifies root + chain exactly; ``server-head`` runs the head over the keep s
 (`draft_server_chain`) and returns that chain instead of a hand-off.
 
 Batched verification (docs/serving.md "Many devices: batched verification", `hycoc.verifier.batch`) runs the same
-round in three parts per session: `Session.begin_round` (checks, the rows that fit, cloud-mtp's chain), one forward shared by several sessions, then
-`Session.finish_round` (lines 5-14 and the commit, unchanged); `Session.verify` is those three for one session.
-Prefills run as `PrefillJob` chunks so a scheduler can interleave them with rounds.
+round in three parts per session: `Session.begin_round` (checks, the rows that fit, cloud-mtp's chain), one forward
+shared by several sessions, then `Session.finish_round` (lines 5-14 and the commit, unchanged); `Session.verify` is
+those three for one session. Prefills run as `PrefillJob` chunks so a scheduler can interleave them with rounds.
 
 Not thread-safe: run one call at a time per engine (one worker thread for all its sessions).
 """
@@ -199,12 +199,11 @@ class VerifierEngine:
             layer.self_attn.k_proj.out_features for layer, mode in zip(attn, cfg.kv_sharing_modes) if mode != "reuse"
         ]
         self.kv_bytes_per_position = 2 * int(sum(stored)) * torch.finfo(self.dtype).bits // 8
-        self._head_sliding_window = self.head.config.get_text_config().sliding_window if self.head is not None else None
-        self.head_sliding = (
-            None
-            if self.head is None
-            else head_sliding_positions(self._head_sliding_window, head_sliding_window_inclusive)
-        )
+        self._head_sliding_window = None
+        self.head_sliding: int | None = None
+        if self.head is not None:
+            self._head_sliding_window = self.head.config.get_text_config().sliding_window
+            self.head_sliding = head_sliding_positions(self._head_sliding_window, head_sliding_window_inclusive)
         self.kv_retain = retained_positions(cfg, self.head_window, self._head_sliding_window)
         self.kv_layout = KVLayout.from_config(cfg, torch.finfo(self.dtype).bits // 8, self.kv_retain)
         self.tap = NormTap(model)
@@ -322,10 +321,11 @@ class Session:
     tokens: prompt + committed output; its last entry is the next root x_{t+1}, at position t (len == t + 1
     until the request finishes: the final round's output is then cut after the EOS / at max_new_tokens / at
     max_context). anchor: where the prompt's model turn opens (OPEN's ``anchor``; 0: none): the prefill snapshots
-    the sliding layers there (``snapshot``), so a later APPEND can roll back to it without re-prefilling from 0. accepted: tokens committed per round minus one, i.e. |P| after that cut (MAT = mean(accepted)
-    + 1 = committed tokens / rounds). rounds: completed rounds. server_ms: per round. finish_reason: one of
-    FINISH_REASONS once finished. wire_version: the protocol version its replies are encoded in (the server sets
-    its client's OPEN version; docs/design.md "Wire protocol").
+    the sliding layers there (``snapshot``), so a later APPEND can roll back to it without re-prefilling from 0.
+    accepted: tokens committed per round minus one, i.e. |P| after that cut (MAT = mean(accepted) + 1 = committed tokens
+    / rounds). rounds: completed rounds. server_ms: per round. finish_reason: one of FINISH_REASONS once finished.
+    wire_version: the protocol version its replies are encoded in (the server sets its client's OPEN version;
+    docs/design.md "Wire protocol").
     """
 
     engine: VerifierEngine = field(repr=False)
@@ -499,8 +499,10 @@ class Session:
             cache = self.cache = eng.new_cache()
         else:
             cache = self.cache
+            assert cache is not None  # a session that takes an APPEND holds its cache
             checkpoint = CacheCheckpoint(cache, plan.start)
             if plan.kind == "snapshot":
+                assert self.snapshot is not None  # plan_append chose "snapshot" because one is held
                 restore_snapshot(cache, plan_snapshot := self.snapshot)
                 for layer in cache.layers:  # full layers back to the snapshot's position
                     if stores_kv(layer) and not isinstance(layer, SlidingWindowLayer):
@@ -710,7 +712,8 @@ class Session:
         """Set the finished round's server_ms (in the reply, the retry record and ``server_ms``)."""
         reply = replace(reply, server_ms=ms)
         self.server_ms.append(ms)
-        self._last.reply = reply
+        if self._last is not None:  # always: set by the round this stamps
+            self._last.reply = reply
         return reply
 
     def _round(
@@ -731,12 +734,12 @@ class Session:
         h_rows = h_pre if eng.hidden == "pre_norm" else h_post
         # Line 5: p~ per row and y^_j ~ p~(.|j) from the session's generator.
         probs = sampling_probs(logits, self.sampling)
-        samples = sample_rows(probs, self.generator)
+        drawn = sample_rows(probs, self.generator)
         # Lines 6-12: choose v*, rewrite samples along the path, b = y^_v*.
         if self.acceptance == "exact" or self.draft_place == "cloud-mtp":
-            v_star, path, samples = select_exact(tokens, parents, samples)
+            v_star, path, samples = select_exact(tokens, parents, drawn)
         else:
-            v_star, path, samples = select_path(tokens, parents, samples, probs, self.epsilon)
+            v_star, path, samples = select_path(tokens, parents, drawn, probs, self.epsilon)
         bonus = int(samples[v_star])
         # Line 13: keep the root and the path at t .. t + |P|.
         compact_kv(self.cache, t, path)

@@ -22,8 +22,8 @@ class NormTap:
     """
 
     def __init__(self, model):
-        self.pre: torch.Tensor | None = None
-        self.post: torch.Tensor | None = None
+        self.pre: torch.Tensor  # set by the hook at each forward, read after one
+        self.post: torch.Tensor
         self._handle = model.model.norm.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):

@@ -49,6 +49,9 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
     keys, values: (batch, kv_heads, held, head_dim); column c is position ``start + c``.
     """
 
+    keys: torch.Tensor
+    values: torch.Tensor
+
     def __init__(self, sliding_window: int, retain: int):
         super().__init__(sliding_window)
         if retain < sliding_window - 1:

@@ -103,5 +103,12 @@ def pack_handoff(
         v_sliding=quantize_int8(v_s, scales[3]),
         k_full=quantize_int8(k_f, scales[4]),
         v_full=quantize_int8(v_f, scales[5]),
-        scales=tuple(float(s) for s in scales),
+        scales=(
+            float(scales[0]),
+            float(scales[1]),
+            float(scales[2]),
+            float(scales[3]),
+            float(scales[4]),
+            float(scales[5]),
+        ),
     )

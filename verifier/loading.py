@@ -23,9 +23,8 @@ and the server then answers ``server-head`` OPENs with the ``no_keep_set`` error
 
 from __future__ import annotations
 
-from hycoc.chat import ChatFormatError  # noqa: F401
 from hycoc.chat_template import chat_from_recipe
-from hycoc.models import ModelNotFoundError, load_head, load_verifier, model_dir  # noqa: F401
+from hycoc.models import load_head, load_verifier, model_dir
 from hycoc.recipe import Recipe
 
 from .engine import VerifierEngine
@@ -54,7 +53,8 @@ def engine_from_recipe(recipe: Recipe, device: str | None = None, *, keep_set=No
     propose (None: no keep set yet; ``server-head`` sessions are then refused by the server).
 
     Raises ModelNotFoundError (verifier, head or tokenizer missing; the message names it and how to provide it),
-    ChatFormatError (no chat template, no stop ids: raised before any model is loaded), RecipeError (a ``[handoff].scale_*`` not set), DeviceUnavailable (cuda without CUDA).
+    ChatFormatError (no chat template, no stop ids: raised before any model is loaded), RecipeError (a
+    ``[handoff].scale_*`` not set), DeviceUnavailable (cuda without CUDA).
     """
     device = device or recipe.verifier.device
     check_device(device)
@@ -176,7 +176,7 @@ def server_options(
         ("max_batch_wait_ms", max_batch_wait_ms),
     ):
         if value is not None:
-            options[key] = check_batching(value) if key == "batching" else value
+            options[key] = check_batching(str(value)) if key == "batching" else value
     if tree_budget is not None:
         if tree_budget not in TREE_BUDGETS:
             raise ValueError(f"--tree-budget {tree_budget!r}: allowed: {', '.join(TREE_BUDGETS)}")
@@ -213,7 +213,7 @@ def row_cost_of(recipe: Recipe):
     Raises RecipeError naming the key when its points cannot make a cost line."""
     from hycoc.verifier.row_budget import RowCost, RowCostError
 
-    from hycoc.recipe import RecipeError
+    from hycoc.recipe import Problem, RecipeError
 
     points = recipe.verifier.row_cost
     if not points:
@@ -221,4 +221,4 @@ def row_cost_of(recipe: Recipe):
     try:
         return RowCost(tuple((int(r), float(ms)) for r, ms in points), source="recipe verifier.row_cost")
     except RowCostError as e:
-        raise RecipeError(f"verifier.row_cost: {e}") from None
+        raise RecipeError([Problem("verifier.row_cost", None, f"verifier.row_cost: {e}")]) from None

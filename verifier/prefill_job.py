@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -118,9 +118,9 @@ class PrefillJob:
 
     def run(self) -> tuple[float, int]:
         """Every remaining chunk; returns (prefill_ms, t)."""
-        while self.step() is None:
+        while (result := self.step()) is None:
             pass
-        return self.result
+        return result
 
 
 @dataclass
@@ -149,7 +149,7 @@ class CacheCheckpoint:
 
     def __init__(self, cache: DynamicCache, start: int):
         self.cache, self.start = cache, int(start)
-        self.layers = []
+        self.layers: list[tuple[Any, ...]] = []  # (i, keys, values, start, cumulative) or (i, (k, v) tail, n)
         for i, layer in enumerate(cache.layers):
             if not stores_kv(layer):
                 continue

@@ -199,7 +199,7 @@ def health_summary(snapshots: list[dict | BaseException], static: dict) -> tuple
     ...; a replica's own /healthz keys). status is "ok" when every replica answered, "degraded" when some did,
     "down" (HTTP 503) when none did; ``sessions`` is the sum over the replicas that answered.
     """
-    replicas = []
+    replicas: list[dict[str, Any]] = []
     for snap in snapshots:
         if isinstance(snap, BaseException):
             replicas.append({"replica": None, "status": "unreachable", "error": f"{type(snap).__name__}: {snap}"})
@@ -279,7 +279,7 @@ class VerifierReplica:
     max_frame_bytes, model_name, limits: `hycoc.verifier.loading.server_options`).
     """
 
-    async def __init__(self, engine_factory: Callable[[], Any], server_kwargs: dict):
+    async def __init__(self, engine_factory: Callable[[], Any], server_kwargs: dict):  # type: ignore[misc]  # Serve awaits it
         self.server = VerifierServer(engine_factory(), **server_kwargs)
         # The engine's worker (and, batched, its scheduler) on this replica's event loop; the sockets are Ray's.
         await self.server.start_engine()
@@ -290,7 +290,7 @@ class VerifierReplica:
         import ray
 
         self.node = ray.util.get_node_ip_address()
-        self._peers = None
+        self._peers: Any = None  # Serve's DeploymentHandle to every replica, made on first use
 
     async def __del__(self) -> None:
         """Graceful replica shutdown (Ray awaits it): stop the server's worker and scheduler."""
@@ -404,7 +404,7 @@ def build_app(
     if replicas < 1:
         raise ValueError(f"replicas = {replicas}: must be >= 1")
     limits: ServerLimits = server_kwargs.get("limits", ServerLimits())
-    return VerifierReplica.options(
+    return VerifierReplica.options(  # type: ignore[attr-defined]  # a Deployment: mypy skips class decorators
         num_replicas=replicas,
         max_ongoing_requests=limits.max_connections + HEALTH_HEADROOM,
         ray_actor_options={"num_cpus": cpus_per_replica, "num_gpus": gpus_per_replica},

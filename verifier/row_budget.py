@@ -68,7 +68,7 @@ class RowCost:
                 "verifier.row_cost as [[rows, ms], [rows, ms], ...] or leave it empty to measure"
             )
         rows = [int(r) for r, _ in self.points]
-        for (r, ms), prev in zip(self.points, [None] + rows[:-1]):
+        for (r, ms), prev in zip(self.points, [None, *rows[:-1]]):
             if not (math.isfinite(float(ms)) and float(ms) >= 0):
                 raise RowCostError(f"row cost point ({r}, {ms}): ms must be finite and >= 0")
             if int(r) < 1 or (prev is not None and int(r) <= prev):

@@ -5,8 +5,9 @@ the paper), cut to the top-p nucleus (p = 0.95) and renormalized. Temperature 0 
 arg-max, and so is every temperature below ``GREEDY_BELOW`` = 1e-4 (logits / T would overflow float32 near
 T = 1e-37, and any T below 1e-4 already puts all of float32's mass on the arg-max for the soft-capped logits of
 Gemma, whose gaps are >= ~1e-3 between distinct values). The top-k softmax and the nucleus's cumulative sum run in
-float64, so a row whose nucleus mass lands within float32 rounding (~1e-7) of top_p is cut exactly. Ties are broken toward the lowest token id everywhere (top-k membership, nucleus order, greedy arg-max),
-so p~ is a deterministic function of the logits.
+float64, so a row whose nucleus mass lands within float32 rounding (~1e-7) of top_p is cut exactly. Ties are broken
+toward the lowest token id everywhere (top-k membership, nucleus order, greedy arg-max), so p~ is a deterministic
+function of the logits.
 
 Samples are drawn by inverse CDF from uniforms of a per-session CPU ``torch.Generator``: the same seed gives the
 same samples whatever device the logits live on.

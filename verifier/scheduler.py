@@ -1,4 +1,5 @@
-"""Continuous batching of verification rounds and chunked prefills on the server's one worker thread (docs/serving.md "Many devices: batched verification"; docs/design.md "Serving many devices").
+"""Continuous batching of verification rounds and chunked prefills on the server's one worker thread (docs/serving.md
+"Many devices: batched verification"; docs/design.md "Serving many devices").
 
 The server's event loop hands every ROUND (and every prefill: an OPEN's prompt, an APPEND's turn) to a
 `BatchScheduler` and awaits its answer. One scheduler task forms steps from what is queued and runs each on the
@@ -171,7 +172,7 @@ class BatchScheduler:
                 continue
             try:
                 report, results = await self._run(_step, batch, prefills, self.prefill_budget, self.row_budget)
-            except BaseException as e:  # noqa: BLE001 -- cancelled, or a failure outside the engine's own handling
+            except BaseException as e:  # a failure outside the engine's handling, or cancelled (then re-raised)
                 for item in batch + prefills:
                     if not item.future.done():
                         item.future.set_exception(e if isinstance(e, Exception) else ConnectionAbortedError(str(e)))
@@ -190,7 +191,7 @@ class BatchScheduler:
                 if not prefill.future.done():
                     if prefill.error is not None:
                         prefill.future.set_exception(prefill.error)
-                    else:
+                    elif prefill.job is not None:  # always, past the check above
                         prefill.future.set_result(prefill.job.result)
             self._on_step(report)
 
@@ -216,7 +217,8 @@ class BatchScheduler:
     def _take(self) -> list[_Round]:
         """The rounds of the next step: oldest first, up to max_batch_rows rows (at least one), one per session;
         rounds whose client went away are dropped."""
-        batch, rows, seen, rest = [], 0, set(), deque()
+        batch: list[_Round] = []
+        rows, seen, rest = 0, set(), deque[_Round]()
         while self._rounds:
             r = self._rounds.popleft()
             if r.future.done():
@@ -232,11 +234,11 @@ class BatchScheduler:
 
 
 def _step(batch: list[_Round], prefills: list[_Prefill], prefill_budget: int, row_budget: RowBudget | None = None):
-    """Worker thread: the rounds of ``batch`` in one forward (rows chosen by ``row_budget`` when given), then prefill chunks of ``prefills`` (oldest first)
-    until ``prefill_budget`` positions ran (the first chunk always runs; a prefill whose next chunk would pass the
-    budget waits for the next step, and so do the ones after it, keeping arrival order). A prefill that fails gets
-    ``error`` set and the others go on. Returns (StepReport, per round (reply, frame, committed, verified) or the
-    exception)."""
+    """Worker thread: the rounds of ``batch`` in one forward (rows chosen by ``row_budget`` when given), then prefill
+    chunks of ``prefills`` (oldest first) until ``prefill_budget`` positions ran (the first chunk always runs; a prefill
+    whose next chunk would pass the budget waits for the next step, and so do the ones after it, keeping arrival order).
+    A prefill that fails gets ``error`` set and the others go on. Returns (StepReport, per round (reply, frame,
+    committed, verified) or the exception)."""
     start = time.monotonic()
     stats = BatchStats()
     report = StepReport(stats)

@@ -10,9 +10,10 @@ it (p~, sampling, acceptance, compaction, hand-off, the reply frame) and prefill
   thread_time`). A step of n device rounds with N rows in all is read off that grid (bilinear in n and N / n,
   linear beyond), each other draft place adding its own measured ms per session; the forward alone the same way
   (the budget's `BudgetState` learns host ms from step - forward, as the server's does). A least-squares line
-  a + b n + c N is kept beside the grid for a file without one. Prefill: Session.prefill's ms at two prompt lengths, linear. The row budget's line is
-  `hycoc.verifier.row_cost_measure.measure_row_cost` with the server's own plan (`row_cost_plan`): the same
-  function and points the server measures before it serves. The toy's own cost "on this machine".
+  a + b n + c N is kept beside the grid for a file without one. Prefill: Session.prefill's ms at two prompt lengths,
+  linear. The row budget's line is `hycoc.verifier.row_cost_measure.measure_row_cost` with the server's own plan
+  (`row_cost_plan`): the same function and points the server measures before it serves. The toy's own cost "on this
+  machine".
 * `ModelStepCost`: a cost-model file (`hycoc.bench.cost_model`, e.g. the one ``hycoc bench`` stores or
   ``benchmarks/gpu_check.sh`` writes): forward ms = predict(rows, context) inside its measured rows; a batched
   forward beyond them scales linearly on a CPU and, on a GPU, as max(1, rows / GPU_FLAT_ROWS) x the largest

@@ -198,7 +198,7 @@ def measure_grid(
     times: dict[tuple[str, int, int], list[float]] = {key: [] for key in grid}
     walls: dict[tuple[str, int, int], list[float]] = {key: [] for key in grid}
     busy = clock == "busy" and dev.type != "cuda"
-    layers = producer_layers(model.config) if head is not None else None
+    layers = producer_layers(model.config) if head is not None else {}  # read by head steps only
     h = torch.zeros(model.config.hidden_size, device=dev, dtype=model.dtype)  # h_{t-1}: its values cost nothing
     tap = NormTap(model)
     caches = {}
@@ -264,9 +264,8 @@ def count_forwards(engine):
         def on_verifier(module, args, kwargs):
             ids = kwargs["input_ids"]
             rows = int(ids.shape[-1])
-            context = int(kwargs["position_ids"].min()) if kwargs.get("logits_to_keep") == 1 else None
             if kwargs.get("logits_to_keep") == 1:
-                seen.append(Forward("prefill", rows, context))
+                seen.append(Forward("prefill", rows, int(kwargs["position_ids"].min())))
             else:
                 cache = kwargs["cache"]
                 seen.append(Forward("verify", rows, int(cache.get_seq_length())))

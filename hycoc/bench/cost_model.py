@@ -28,9 +28,9 @@ The three kinds of forward (`KINDS`), what a point's ``rows`` and ``context`` me
 
 ``ms``: milliseconds of that forward as the reference engine runs it (explicit 4-D masks, a ``DynamicCache`` that
 keeps every position), median of repeated runs after warm-up (a model whose ``meta.statistic`` is a percentile, e.g.
-"p25", keeps that percentile instead: `hycoc bench` times busy CPU time and keeps its 25th percentile). The rest of a round (sampling, acceptance, KV
-compaction, hand-off packing; Alg. 4 lines 5-14) is NOT in it: on a GPU it is a small, context-independent part of
-a round, and the bench measures it on its own machine if it wants it.
+"p25", keeps that percentile instead: `hycoc bench` times busy CPU time and keeps its 25th percentile). The rest of a
+round (sampling, acceptance, KV compaction, hand-off packing; Alg. 4 lines 5-14) is NOT in it: on a GPU it is a small,
+context-independent part of a round, and the bench measures it on its own machine if it wants it.
 
 Prediction (`CostModel.predict`): each kind's points must form a full rectangular grid (every measured rows value
 at every measured context). Between grid lines the model is bilinear in (rows, context). Beyond the largest
@@ -403,8 +403,9 @@ def bootstrap_tables(model: CostModel, draws: int, seed: int = 0) -> dict[str, n
     """The cost model's own uncertainty as ``draws`` resampled grids: per kind a float64 (draws, nR, nC) array
     whose [d] is `CostModel.table` with every point's ms replaced by the model's statistic (``meta.statistic``:
     "median", or "pNN" for that percentile) of a resample (with replacement, same size) of that point's
-    ``samples_ms`` -- the bootstrap of a quantile (Efron & Tibshirani 1993, ch. 6), each point independently. None when any point lacks samples (a file made before they were kept): the
-    projection's interval then covers the questions only."""
+    ``samples_ms`` -- the bootstrap of a quantile (Efron & Tibshirani 1993, ch. 6), each point independently. None when
+    any point lacks samples (a file made before they were kept): the projection's interval then covers the questions
+    only."""
     if any(not p.samples_ms for p in model.points):
         return None
     rng = np.random.default_rng(seed)

@@ -177,7 +177,7 @@ def tree_at(req: RequestTrace, produced: list[int], seq: int = 0):
         rt = req.rounds[seq]
         return rt, np.asarray(rt.tokens, np.int32), np.asarray(rt.parents, np.int32), rt.score_array()
     start = 0
-    for k, rt in enumerate(req.rounds):
+    for rt in req.rounds:
         n = len(rt.committed)
         if start + n > len(produced):
             d = len(produced) - start

@@ -56,7 +56,8 @@ def main_table(
         f"g: measured verifier ms per output token incl. prefill (App. G, pooled). g busy: the verifier "
         f"process's CPU ms per token over the same requests (other processes do not stretch it). "
         f"g proj.: cost-model ms per token over every server forward (prefill, verification, server-side "
-        f"head steps). Δg: paired vs {baseline}, 95% CI by paired BCa bootstrap over questions (Δg proj.: percentile, and over the "
+        f"head steps). Δg: paired vs {baseline}, 95% CI by paired BCa bootstrap over questions (Δg proj.: "
+        f"percentile, and over the "
         f"cost model's repeated timings); lower is better. Answer quality, and the metrics worse than "
         f"{baseline}: the answer quality table."
     )

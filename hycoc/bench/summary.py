@@ -49,7 +49,8 @@ runs the pooled ratio is taken per run and the runs' ratios are averaged, as App
   request replayed through a cost model measured on another device (`hycoc.bench.cost_model.request_forwards`):
   the prefill chunks, each round's verification forward, and the server-side head steps of cloud-mtp (K before each
   verification) and server-head (K after it). Prefill included, as in g, when the cost model has prefill points
-  (``g_projected_includes_prefill``; a schema 1 file has none). None without a cost model and for slm-alone. g_projected_parts splits it by kind of forward (verify, head_step, prefill), ms per output token.
+  (``g_projected_includes_prefill``; a schema 1 file has none). None without a cost model and for slm-alone.
+  g_projected_parts splits it by kind of forward (verify, head_step, prefill), ms per output token.
 * server ms per round p50 = median over rounds of server_ms (measured; prefill excluded); its projected twin is the
   median over rounds of the round's projected forwards (verification + head steps), the figure the paper quotes
   per round (§3.1: 21.7 ms HyCo, 26.8 ms Cloud+MTP, `hycoc.bench.cost_model.PAPER_ROUND_MS`).
@@ -73,8 +74,9 @@ answers and its paired difference vs the baseline (mean over matched requests of
 BCa bootstrap 95% CI over questions, as for Δg) with a one-sided p-value that the configuration is worse (sign-flip
 permutation test, `hycoc.bench.stats.paired_p_value`). A configuration is flagged for a metric when that p-value
 survives Holm's correction over every (configuration, metric) test of the run (`flag_quality`): where no
-configuration differs from the baseline, a run flags anything at most 5% of the time (`hycoc.bench.stats.FLAG_ALPHA`). The verifier's mean log-prob is kept under its own label (what it
-measures is `LOGPROB_NOTE`), and the reference-match rate over answers that have a reference. No judge runs here.
+configuration differs from the baseline, a run flags anything at most 5% of the time (`hycoc.bench.stats.FLAG_ALPHA`).
+The verifier's mean log-prob is kept under its own label (what it measures is `LOGPROB_NOTE`), and the reference-match
+rate over answers that have a reference. No judge runs here.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ from __future__ import annotations
 import typer
 
 from hycoc.cli import bench, build, capacity, run, serve, tools
-from hycoc.cli._common import DEFAULT_DATASET, REPO_ROOT, _auth_token, utf8_stdio  # noqa: F401
-from hycoc.cli.bench import BENCH_CONFIGS, LOADTEST_BATCHING, LOADTEST_CONFIGS  # noqa: F401
+from hycoc.cli._common import DEFAULT_DATASET, REPO_ROOT, _auth_token, utf8_stdio  # noqa: F401  (imported from hycoc.cli)
+from hycoc.cli.bench import BENCH_CONFIGS, LOADTEST_BATCHING, LOADTEST_CONFIGS  # noqa: F401  (imported from hycoc.cli)
 from hycoc.doctor import package_versions  # noqa: F401  (imported from hycoc.cli)
 
 app = typer.Typer(

@@ -154,8 +154,8 @@ AUTH_TOKEN_HELP = (
 def _auth_token(command: str, ctx: typer.Context, token: str | None, token_file: Path | None) -> str | None:
     """The auth token from --auth-token-file, HYCOC_AUTH_TOKEN or --auth-token (in that order of preference).
 
-    A token typed as --auth-token gets a warning on stderr (docs/serving.md "Limits": /proc/PID/cmdline shows it to every
-    local user). Raises typer.Exit (code 2) for an empty token, an unreadable or empty file, or both a file and
+    A token typed as --auth-token gets a warning on stderr (docs/serving.md "Limits": /proc/PID/cmdline shows it to
+    every local user). Raises typer.Exit (code 2) for an empty token, an unreadable or empty file, or both a file and
     a command-line token."""
     source = ctx.get_parameter_source("auth_token")  # typer's own click: compare by name, not identity
     on_command_line = token is not None and getattr(source, "name", None) == "COMMANDLINE"

@@ -150,7 +150,10 @@ def run(
         re-rendered: the APPEND keeps what both sides hold of it); prints its metrics."""
         nonlocal answer, rendered
         answer = AnswerStream(chat_format)
-        on_tokens = lambda new: printer.show(answer.push(new))  # noqa: E731
+
+        def on_tokens(new):
+            return printer.show(answer.push(new))
+
         try:
             if first:
                 res = rt.generate(

@@ -8,6 +8,8 @@ one, and what is allowed (the rules are the module docstring of `hycoc.protocol.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -347,7 +349,7 @@ def _check_error(m: ErrorReply, limits: Limits) -> None:
         raise BadText("ErrorReply.message: must be a string of at most 65,535 utf-8 bytes")
 
 
-_CHECKS = {
+_CHECKS: dict[type, Callable[[Any, Limits], None]] = {
     OpenRequest: _check_open,
     Opened: _check_opened,
     DraftTree: _check_tree,

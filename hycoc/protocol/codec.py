@@ -9,7 +9,8 @@ The byte layout is the module docstring of `hycoc.protocol.wire`. numpy + stdlib
 from __future__ import annotations
 
 import zlib
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -164,7 +165,7 @@ def _pack_append(m: AppendTurn, layout: Layout) -> bytes:
     return fixed + tokens.tobytes()
 
 
-_PACKERS = {
+_PACKERS: dict[type, tuple[MessageType, Callable[[Any, Layout], bytes]]] = {
     OpenRequest: (MessageType.OPEN, _pack_open),
     Opened: (MessageType.OPENED, _pack_opened),
     DraftTree: (MessageType.ROUND, _pack_tree),
@@ -273,7 +274,7 @@ class _Reader:
         self.pos += n
         return self.buf[self.pos - n : self.pos]
 
-    def fields(self, part: FixedPart, field: str) -> tuple:
+    def fields(self, part: FixedPart, field: str) -> Any:
         return part.unpack(self.take(part.size, field))
 
     def array(self, wire_dtype: str, count: int, field: str, dtype=np.int32) -> np.ndarray:
@@ -337,7 +338,8 @@ def _unpack_open(r: _Reader, limits: Limits, layout: Layout) -> OpenRequest:
 def _unpack_opened(r: _Reader, limits: Limits, layout: Layout) -> Opened:
     *fixed, n_stops = r.fields(layout.fixed[MessageType.OPENED], "fixed part")
     stops = r.array("<i4", n_stops, "stop_ids")
-    return Opened(*fixed, stop_ids=tuple(int(i) for i in stops))
+    # the fixed fields are the ones before stop_ids, in order (the table's OPENED layout); mypy cannot see that
+    return Opened(*fixed, stop_ids=tuple(int(i) for i in stops))  # type: ignore[misc]
 
 
 def _unpack_tree(r: _Reader, limits: Limits, layout: Layout) -> DraftTree:

@@ -147,7 +147,7 @@ def _kinds(cls):
 
 
 #: code -> exception class, for turning a received ErrorReply back into an exception.
-ERROR_CLASSES: dict[str, type[WireError]] = {cls.code: cls for cls in _kinds(_Kind)}
+ERROR_CLASSES: dict[str, type[_Kind]] = {cls.code: cls for cls in _kinds(_Kind)}
 
 
 def error_reply(exc: BaseException) -> ErrorReply:

@@ -14,7 +14,7 @@ import struct
 from collections import namedtuple
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hycoc import serving_limits
 from hycoc.protocol.errors import UnsupportedVersion
@@ -91,9 +91,11 @@ class FixedPart:
         """The fixed part's bytes, from one keyword per field."""
         return self.struct.pack(*self.record(**values))
 
-    def unpack(self, raw) -> tuple:
-        """The fields of ``raw`` (exactly ``size`` bytes) as a namedtuple of `fields`."""
-        return self.record._make(self.struct.unpack(raw))
+    def unpack(self, raw) -> Any:
+        """The fields of ``raw`` (exactly ``size`` bytes) as a namedtuple of `fields` (a class made at run time from
+        the table, so typed ``Any``: its attributes are the field names)."""
+        record: Any = self.record
+        return record._make(self.struct.unpack(raw))
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ def commit_cut(new: list[int], stop_ids, new_room: int, context_room: int) -> tu
     """The commit rule of a round (Alg. 1 line 9 / Alg. 4 with the request's limits): cut ``new`` (path tokens,
     then the bonus) after its first stop token, then at ``new_room`` (tokens left under max_new_tokens), then at
     ``context_room`` (positions left under max_context). Returns (tokens committed, finish reason or None), the
-    reason being "stop", "max_new_tokens" or "length" (`hycoc.protocol.messages.FINISH_REASONS`), the first that applies.
+    reason being "stop", "max_new_tokens" or "length" (`hycoc.protocol.messages.FINISH_REASONS`), the first that
+    applies.
 
     Hand-worked: commit_cut([7, 1, 9], {1}, 10, 10) == ([7, 1], "stop");
     commit_cut([7, 8, 9], set(), 2, 10) == ([7, 8], "max_new_tokens"); commit_cut([7, 8, 9], set(), 5, 3) ==

@@ -1,10 +1,12 @@
 """Architectures of the toy family: the same transformers classes as the paper's deployment, scaled down.
 
-| model    | class                          | shape (toy)                                   | real counterpart            |
-|----------|--------------------------------|-----------------------------------------------|-----------------------------|
-| verifier | Gemma4ForCausalLM              | 4 layers (3 sliding w=128, 1 full), hidden 256, MoE 4 experts top-2 + dense MLP, global layer 1 KV head x 128 (k=v, 25% rotary, theta 1e6) vs sliding 2 x 64 | Gemma 4 26B-A4B |
-| head     | Gemma4AssistantForCausalLM     | 2 KV-shared layers (sliding + full), hidden 128, backbone 256 | 26B-A4B assistant |
-| slm      | Gemma4ForCausalLM, pre-quantized | 4 layers (2 KV-shared, double-wide MLP), hidden 128, per-layer inputs 16/layer | Gemma 4 E2B QAT mobile |
+Per model: transformers class; toy shape; real counterpart.
+
+* verifier: Gemma4ForCausalLM; 4 layers (3 sliding w=128, 1 full), hidden 256, MoE 4 experts top-2 + dense MLP,
+  global layer 1 KV head x 128 (k=v, 25% rotary, theta 1e6) vs sliding 2 x 64; Gemma 4 26B-A4B.
+* head: Gemma4AssistantForCausalLM; 2 KV-shared layers (sliding + full), hidden 128, backbone 256; 26B-A4B assistant.
+* slm: Gemma4ForCausalLM, pre-quantized; 4 layers (2 KV-shared, double-wide MLP), hidden 128, per-layer inputs
+  16/layer; Gemma 4 E2B QAT mobile.
 """
 
 from __future__ import annotations

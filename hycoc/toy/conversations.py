@@ -124,7 +124,8 @@ def make_conversation_files(
 ) -> dict[str, int]:
     """Write ``conversations.jsonl`` (`TRAIN_CONVERSATIONS` training prompts) and ``validation.jsonl``
     (`VALIDATION_CONVERSATIONS` held-out prompts) into ``out_dir`` (module docstring). train/held: lists of
-    `hycoc.toy.corpus.Conversation`; chat: the toy checkpoint's `hycoc.chat.Chat`. Returns file name -> bytes. Raises ValueError when the corpus is too small."""
+    `hycoc.toy.corpus.Conversation`; chat: the toy checkpoint's `hycoc.chat.Chat`. Returns file name -> bytes. Raises
+    ValueError when the corpus is too small."""
     if len(train) < TRAIN_CONVERSATIONS or len(held) < VALIDATION_CONVERSATIONS:
         raise ValueError(
             f"the toy corpus has {len(train)} train / {len(held)} held-out conversations; "

@@ -23,7 +23,8 @@ from hycoc.passes.bit_map import qmax
 
 
 def quantize_per_channel(w: torch.Tensor, bits: int, ratios=(1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)):
-    """Symmetric per-row quantization of w (out, in) with an MSE clip search. Returns (int8 q, float32 scale (out,1))."""
+    """Symmetric per-row quantization of w (out, in) with an MSE clip search. Returns (int8 q, float32 scale
+    (out,1))."""
     w = w.detach().float()
     amax = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-8)
     best_q, best_s, best_err = None, None, None

@@ -1,7 +1,7 @@
 """Byte-level BPE tokenizer of the toy family (HF ``tokenizers``), with Gemma 4's special and turn tokens.
 
-Ids 0..11 are `hycoc.toy.chat_files.SPECIAL_TOKENS` (Gemma 4's names), then the 256 byte tokens of the byte-level alphabet (any string,
-Hangul or emoji included, encodes through them), then the learned merges, up to ``vocab_size``.
+Ids 0..11 are `hycoc.toy.chat_files.SPECIAL_TOKENS` (Gemma 4's names), then the 256 byte tokens of the byte-level
+alphabet (any string, Hangul or emoji included, encodes through them), then the learned merges, up to ``vocab_size``.
 """
 
 from __future__ import annotations

@@ -22,6 +22,10 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 from .errors import AuthRateLimited, KvBudgetExhausted, TooManySessions
 from .limits import ServerLimits
@@ -153,7 +157,7 @@ class Link:
         self.opened = False  # an OPEN frame arrived: the handshake timeout no longer applies
         self.upgraded = False  # a WebSocket: bytes arriving now belong to a frame
         self.frame_since: float | None = None  # when the bytes of a frame not yet delivered began to arrive
-        self.ws = None  # the aiohttp WebSocketResponse once upgraded
+        self.ws: web.WebSocketResponse | None = None  # the aiohttp WebSocketResponse once upgraded
         self.kicked = False
 
 

@@ -320,7 +320,7 @@ class VerifierServer:
         # the frame timeout's watch) and keeps doing both while the engine works (channels module "Keepalive").
         ws = web.WebSocketResponse(max_msg_size=2 * self.in_frame_bytes, compress=False, autoping=False)
         await ws.prepare(request)
-        link = self.admission.connections.links.get(request.transport)
+        link = self.admission.connections.links.get(request.transport) if request.transport else None
         conn = Connection(header_token=bearer_token(request.headers), peer=peer, link=link)
         if link is not None:
             link.ws, link.upgraded = ws, True

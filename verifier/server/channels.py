@@ -154,8 +154,10 @@ class GuardedProtocol(asyncio.Protocol):
     `Link` for the handshake and frame timeouts (the server's sweeper closes them)."""
 
     def __init__(self, server: VerifierServer, handler: asyncio.Protocol):
-        self.server, self.handler, self.link = server, handler, None
-        self.transport, self.answered = None, False
+        self.server, self.handler = server, handler
+        self.link: Link | None = None
+        self.transport: asyncio.Transport | None = None
+        self.answered = False
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -165,7 +167,7 @@ class GuardedProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.link is None:  # refused: answer 503 once, discard the rest
-            if not self.answered:
+            if not self.answered and self.transport is not None:
                 self.answered = True
                 self.server.answer_busy(self.transport)
             return

@@ -73,8 +73,8 @@ REFUSAL_KINDS = serving_limits.REFUSAL_KINDS
 
 
 def open_frame_bytes(max_context: int) -> int:
-    """Bytes of the largest OPEN frame a server with ``max_context`` positions accepts (`hycoc.protocol.wire.open_nbytes`,
-    the codec's own layout): a prompt of max_context - 1 int32 ids, a 65,535-byte auth token and a 65,535-byte chat
-    contract. No frame a client sends is larger (an APPEND holds at most max_context - 1 ids with a 20-byte fixed
-    part, a ROUND at most max_tree_rows rows)."""
+    """Bytes of the largest OPEN frame a server with ``max_context`` positions accepts
+    (`hycoc.protocol.wire.open_nbytes`, the codec's own layout): a prompt of max_context - 1 int32 ids, a 65,535-byte
+    auth token and a 65,535-byte chat contract. No frame a client sends is larger (an APPEND holds at most
+    max_context - 1 ids with a 20-byte fixed part, a ROUND at most max_tree_rows rows)."""
     return wire.open_nbytes(max(max_context - 1, 1), 65535, 65535)

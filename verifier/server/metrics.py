@@ -45,7 +45,7 @@ from .limits import REFUSAL_KINDS
 #: Prometheus text exposition format served at /metrics (0.0.4).
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-#: How an APPEND rolls a conversation back (`hycoc.verifier.prefill_job.AppendPlan.kind`); every kind exposed from the start.
+#: How an APPEND rolls a conversation back (`hycoc.verifier.prefill_job.AppendPlan.kind`); all exposed from the start.
 APPEND_KINDS = ("crop", "snapshot", "full")
 #: Bucket bounds of the batching histograms (rows per forward, sessions per forward, queue wait in seconds).
 ROWS_BUCKETS = (1, 2, 4, 8, 16, 33, 66, 132, 264, 528, 1056, 2112)

@@ -88,6 +88,8 @@ class ServerThread:
 
     @property
     def http_url(self) -> str:
+        if self.url is None:
+            raise RuntimeError("the server is not listening yet: start() it first")
         return "http" + self.url.removeprefix("ws")
 
     def start(self) -> ServerThread:
@@ -102,22 +104,24 @@ class ServerThread:
         return self
 
     def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
+        loop = self._loop
+        assert loop is not None  # set by start() before this thread begins
+        asyncio.set_event_loop(loop)
         try:
-            self.url = self._loop.run_until_complete(self.server.start(self._host, self._port))
+            self.url = loop.run_until_complete(self.server.start(self._host, self._port))
         except BaseException as e:  # noqa: BLE001 -- handed to the starting thread
             self._failure = e
             self._ready.set()
-            self._loop.close()
+            loop.close()
             return
         self._ready.set()
-        self._loop.run_forever()
-        self._loop.run_until_complete(self.server.stop())
-        self._loop.close()
+        loop.run_forever()
+        loop.run_until_complete(self.server.stop())
+        loop.close()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Close every connection, stop listening and join the thread."""
-        if self._thread is None or not self._thread.is_alive():
+        if self._thread is None or self._loop is None or not self._thread.is_alive():
             return
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout_s)

@@ -17,9 +17,9 @@ Auth. With ``auth_token`` set, an OPEN must present it, in the frame's ``auth_to
 gets ``auth_required``, a wrong one ``auth_refused``; both close the connection (WebSocket code 1008).
 
 Admission (`hycoc.verifier.server.admission`). An OPEN takes a ``max_sessions`` slot and reserves its KV, (prompt +
-max_new_tokens + B + 1, up to max_context) positions as the engine holds them (`session_kv_bytes`), before its prefill is queued; an
-APPEND grows the reservation to the conversation plus the new turn's cap before its prefill is queued, and gives
-the growth back if the turn fails. Both are released when the session ends, whatever ends it.
+max_new_tokens + B + 1, up to max_context) positions as the engine holds them (`session_kv_bytes`), before its prefill
+is queued; an APPEND grows the reservation to the conversation plus the new turn's cap before its prefill is queued, and
+gives the growth back if the turn fails. Both are released when the session ends, whatever ends it.
 
 Versions. A connection speaks the protocol version of its OPEN frame (`hycoc.protocol.wire.SUPPORTED_VERSIONS`:
 5): every answer on it (OPENED, REPLY, ERROR) goes out in that version, the engine session carries it as
@@ -137,6 +137,7 @@ class SessionLoop:
                 try:
                     msg = await channel.receive(timeout)
                 except TimeoutError:
+                    assert kind is not None  # receive(None) waits with no timeout
                     frame = self.time_out(conn, kind)
                     try:
                         await channel.send(frame)
@@ -146,6 +147,7 @@ class SessionLoop:
                     return
                 if msg is None:
                     return
+                reply: bytes | None
                 if isinstance(msg, str):
                     reply, keep_open = (
                         self.error_frame(
@@ -263,6 +265,7 @@ class SessionLoop:
         return min(self.engine.max_context, int(context) + int(max_new_tokens) + self.tree_rows)
 
     async def _open(self, conn: Connection, req: OpenRequest) -> bytes:
+        assert conn.wire_version is not None  # set from this OPEN's frame before it is dispatched
         conn.open_seen = True  # an OPEN arrived: the handshake is over, whatever its answer
         if conn.link is not None:
             conn.link.opened = True
@@ -341,6 +344,8 @@ class SessionLoop:
         (refused with kv_budget_exhausted when that does not fit); the copy's share is released when the turn is
         prefilled, everything added when it fails."""
         session = conn.session
+        # an APPEND is dispatched on an open session only, which holds all four
+        assert session is not None and conn.kv is not None and conn.opened is not None and conn.wire_version is not None
         plan = session.plan_append(msg.tokens, int(msg.keep), int(msg.keep_crc))  # ConversationMismatch ...
         positions = self.session_positions(len(plan.conversation), msg.max_new_tokens)
         transient = self.rollback_copy_bytes(session, plan)
@@ -404,6 +409,7 @@ class SessionLoop:
         if tree.seq == conn.last_seq and data == conn.last_request:
             self.metrics.retries += 1
             return conn.last_reply  # idempotent retry: the same bytes, the engine untouched
+        assert conn.session is not None  # a ROUND is dispatched on an open session only
         if self.worker.batching == "batched":
             reply, frame, committed, verified = await self.worker.round(conn.session, tree)
         else:

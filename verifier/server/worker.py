@@ -111,6 +111,8 @@ class EngineWorker:
         """One round (batched mode, `BatchScheduler.round`). Raises ShuttingDown once `stop` began (also for a
         round still queued then)."""
         self._check_open()
+        if self.scheduler is None:
+            raise RuntimeError("round() is batched mode's: this worker runs serial")
         try:
             return await self.scheduler.round(session, tree)
         except ConnectionAbortedError:
@@ -121,6 +123,8 @@ class EngineWorker:
         """A chunked prefill (batched mode, `BatchScheduler.prefill`). Raises ShuttingDown once `stop` began (also
         for a prefill still queued then)."""
         self._check_open()
+        if self.scheduler is None:
+            raise RuntimeError("prefill() is batched mode's: this worker runs serial")
         try:
             return await self.scheduler.prefill(make)
         except ConnectionAbortedError:
