@@ -10,7 +10,7 @@ What :func:`compile_context` does, in order, before the EP sees the model:
 3. host-only patterns (``profile.host_only``): an embedding lookup (Gather on a constant table indexed by an
    integer graph input) is refused with :class:`HostOnlyError` naming the nodes — hycoc keeps embeddings as host
    LUTs (docs/design.md "SLM Drafter");
-4. static-graph check (:func:`hycoc.passes.static_shape_check.check_static_graph`): data-dependent KV slicing
+4. static-graph check (:func:`hycoc.targets.static_shape_check.check_static_graph`): data-dependent KV slicing
    (a Slice/Gather whose starts/indices come from a graph input) or a fused attention op (ONNX ``Attention``,
    ``com.microsoft`` ``MultiHeadAttention``/``GroupQueryAttention``...) → ``StaticGraphError`` listing the nodes;
 5. size planner (:func:`plan_context_size`): weight bytes vs ``profile.max_context_bytes`` →
@@ -401,7 +401,7 @@ def _ctx_paths(out_dir: Path, graph_name: str) -> tuple[Path, Path]:
 
 
 def _precheck(model_path: Path, profile: TargetProfile) -> None:
-    from hycoc.passes.static_shape_check import check_static_graph
+    from hycoc.targets.static_shape_check import check_static_graph
 
     model = _load(model_path)
     check_capabilities(model, profile)

@@ -945,6 +945,6 @@ def test_verify_server_help_documents_units_and_defaults():
         "/metrics",
         "verifier.batching, batched",
         "verifier.max_batch_rows, 528",
-        "verifier.max_batch_wait_ms, 2.0",
+        "verifier.max_batch_wait_ms, 2)",
     ):
         assert text in " ".join(result.stdout.replace("│", " ").split()), text  # rich wraps inside a box
