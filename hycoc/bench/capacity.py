@@ -240,8 +240,12 @@ class SimConfig:
     (`hycoc.verifier.scheduler.BatchScheduler`); link: a `LinkModel` or None (no delay: loopback); frames: the
     byte counts the link delays; tree_rows / min_rows: the budget's free rows (max(tree_rows, cost line's flat
     rows)) and rows kept per tree; chain_length: K, the rows a cloud-mtp round grows by at the verifier;
-    client_ms: time per round inside the round latency but outside the verifier's queue and step (frame
-    handling, the threads' wake-ups), ms; wake_ms: the device's delay after its drafting before it sends, ms;
+    client_ms: time per round inside the round latency, outside the verifier's queue and step, that runs in
+    parallel (each device's own frame encode and decode, the socket, the threads' wake-ups), ms, half before the
+    send and half after the reply; loop_ms: the server's event-loop work per round (frame in and decode, the
+    hand-off to the worker, the reply out: `hycoc.bench.capacity_host.HostOverhead`), ms, SERIALISED on the
+    replica's one loop (a SimPy ``Resource`` of capacity 1), half before the round is queued and half after its
+    step; wake_ms: the device's delay after its drafting before it sends, ms;
     slowdown: the verifier's CPU ms are stretched by it (machine load: `cpu_slowdown`); slowdown_samples: instead,
     the measured sequence of (slowdown, CPU ns) intervals of the run, each step replayed through it from a seeded
     random point (`_Replica._wall_ms`): the machine's bursts, so the latency tail is the measured one;
@@ -261,6 +265,7 @@ class SimConfig:
     min_rows: int = DEFAULT_MIN_ROWS
     chain_length: int = 4
     client_ms: float = 0.0
+    loop_ms: float = 0.0
     wake_ms: float = 0.0
     slowdown: float = 1.0
     slowdown_samples: tuple | None = None
@@ -282,7 +287,8 @@ class SimResult:
     """A simulated run: ``stats`` as the load test's client would have measured (`RunStats`), ``busy_s`` per
     replica (seconds its worker ran steps within the run), ``server_ms``: per answered round, arrival at the
     verifier -> reply leaving it, ms (queue + batch wait + step), ``forwards``: steps run, ``rows``: rows
-    verified in all, ``trimmed``: rows the budget left out."""
+    verified in all, ``trimmed``: rows the budget left out, ``cpu_ms``: the workers' step ms before any
+    stretch for machine load (the cost's CPU ms)."""
 
     stats: RunStats
     busy_s: list[float]
@@ -291,6 +297,7 @@ class SimResult:
     rows: int = 0
     trimmed: int = 0
     round_sessions: int = 0
+    cpu_ms: float = 0.0
 
 
 @dataclass
@@ -315,7 +322,10 @@ class _Replica:
     """One verifier: its queues, its `BudgetState`, its worker process (module docstring)."""
 
     def __init__(self, env, index: int, cfg: SimConfig, cost, result: SimResult):
+        import simpy
+
         self.env, self.index, self.cfg, self.cost, self.result = env, index, cfg, cost, result
+        self.loop = simpy.Resource(env, capacity=1)  # the server's one event loop
         self.rounds: deque[_Job] = deque()
         self.prefills: deque[_Job] = deque()
         self.open_sessions = 0
@@ -334,6 +344,13 @@ class _Replica:
             self.wall = self.cpu * self.stretch  # ms those took on the wall
             self.weights = self.cpu / self.cpu.sum()
         env.process(self.worker())
+
+    def on_loop(self, ms: float) -> Iterator:
+        """``ms`` of the replica's event loop, after the frames queued on it before (FIFO)."""
+        if ms > 0:
+            with self.loop.request() as turn:
+                yield turn
+                yield self.env.timeout(ms / 1e3)
 
     def submit(self, job: _Job) -> None:
         (self.prefills if job.rnd is None else self.rounds).append(job)
@@ -401,6 +418,7 @@ class _Replica:
 
     def _run(self, ms: float) -> Iterator:
         start = self.env.now
+        self.result.cpu_ms += ms
         yield self.env.timeout(self._wall_ms(ms) / 1e3)
         end = min(self.env.now, self.cfg.duration_s)
         self.result.busy_s[self.index] += max(0.0, end - max(start, 0.0)) if start < self.cfg.duration_s else 0.0
@@ -528,10 +546,12 @@ def simulate(workload: Workload, cfg: SimConfig, cost, *, progress: Callable[[fl
             replica.open_sessions += 1
             sent = env.now
             yield env.timeout(one_way(frames.open_fixed + 4 * req.prompt_len))
+            yield from replica.on_loop(cfg.loop_ms / 2)
             done = env.event()
             replica.submit(_Job(session, None, 0, env.now, done, prefill_left=max(0, req.prompt_len - 1)))
             yield done
             session.context = max(0, req.prompt_len - 1)
+            yield from replica.on_loop(cfg.loop_ms / 2)
             yield env.timeout(one_way(frames.open_down))
             stats.opens_ms.append(1e3 * (env.now - sent))
             finished = True
@@ -548,10 +568,12 @@ def simulate(workload: Workload, cfg: SimConfig, cost, *, progress: Callable[[fl
                 stats.device_waits_ms.append((rnd.device_ms, rnd.device_ms + cfg.wake_ms))
                 sent = env.now
                 yield env.timeout(one_way(frames.up(rnd.rows)) + cfg.client_ms / 2e3)
+                yield from replica.on_loop(cfg.loop_ms / 2)  # the frame in, decoded, handed to the worker
                 done = env.event()
                 rows = rnd.rows + (cfg.chain_length if req.draft_place == "cloud-mtp" else 0)
                 replica.submit(_Job(session, rnd, rows, env.now, done))
                 committed, server_ms = yield done
+                yield from replica.on_loop(cfg.loop_ms / 2)  # the result back on the loop, the reply out
                 yield env.timeout(one_way(frames.down(rows, len(committed))) + cfg.client_ms / 2e3)
                 t = env.now
                 stats.rounds.append(
@@ -594,6 +616,7 @@ def summarize(mode: str, cfg: SimConfig, result: SimResult) -> dict:
     row["rows_per_forward"] = result.rows / result.forwards if result.forwards else None
     row["sessions_per_forward"] = result.round_sessions / result.forwards if result.forwards else None
     row["rows_trimmed"] = result.trimmed
+    row["cpu_ms_per_round"] = result.cpu_ms / len(result.stats.rounds) if result.stats.rounds else None
     row["tok_per_s_per_device"] = row["tok_per_s"] / cfg.devices
     row["replicas"] = cfg.replicas
     return row

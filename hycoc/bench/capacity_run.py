@@ -178,7 +178,9 @@ class SchedSampler:
         return out
 
     @staticmethod
-    def _threads(pid: int) -> dict:
+    def thread_stats(pid: int) -> dict:
+        """{(pid, tid): (ns on a CPU, ns runnable but waiting, timeslices)} of every thread of ``pid`` now
+        (/proc/PID/task/TID/schedstat); {} where there is none."""
         got = {}
         try:
             tasks = os.listdir(f"/proc/{pid}/task")
@@ -197,9 +199,9 @@ class SchedSampler:
         me = os.getpid()
         while not self._stop.is_set():
             try:
-                snap = self._threads(me)
+                snap = self.thread_stats(me)
                 for child in self.pids if self.pids is not None else self._children(me):
-                    snap.update(self._threads(child))
+                    snap.update(self.thread_stats(child))
             except OSError:
                 return
             if not snap:
@@ -249,11 +251,34 @@ class SchedSampler:
                 if r > 1e6:
                     per.append(((r + w) / r, r))
         return {
+            "worker_cpu_ms": servers[key][0] / 1e6,
             "slowdown": (run + wait) / run,
             "server_wake_ms": wake((pid, pid)),
             "client_wake_ms": wake((me, me)),
             "intervals": [[round(a, 3), int(b)] for a, b in per],
         }
+
+
+def host_terms(cost, contention: dict | None = None, slowdown: float = 1.0) -> dict:
+    """The `SimConfig` fields of the per-round host work outside the step (`hycoc.bench.capacity_host`), from
+    ``cost.overhead()`` (the profile's measurement): ``loop_ms`` (the server's event loop, serialised) and
+    ``client_ms`` (in parallel), both x ``slowdown`` (their CPU stretched as the step's), and ``wake_ms``.
+
+    Without ``contention`` the parallel part is the profile's client CPU plus its ``wire_ms`` (the wall time of
+    the stubbed round trip beyond both processes' CPU: socket and wake-ups at the profile's load). With a run's
+    ``contention`` (`SchedSampler.contention`) the wake-ups are that run's instead: two of the server's event loop
+    per round (the frame in; the worker's result back through ``call_soon_threadsafe``) and one of the client's
+    (the reply) inside the round latency, one of the client's (after the drafting sleep) outside it (``wake_ms``);
+    the worker thread's own waits are in the step's stretch."""
+    h = cost.overhead()
+    if not contention:
+        return {"loop_ms": h.loop_ms * slowdown, "client_ms": h.client_ms * slowdown + h.wire_ms, "wake_ms": 0.0}
+    server_wake, client_wake = contention["server_wake_ms"], contention["client_wake_ms"]
+    return {
+        "loop_ms": h.loop_ms * slowdown,
+        "client_ms": h.client_ms * slowdown + 2 * server_wake + client_wake,
+        "wake_ms": client_wake,
+    }
 
 
 def predicted_for(
@@ -271,20 +296,18 @@ def predicted_for(
     sessions and duration; the server's own batching settings and (budgeted) row-cost line from its /healthz
     (``meta["servers"][mode]``); the CPU stretched by the run's load (`cpu_slowdown` of the mean of its load
     averages before and after); with ``contention`` (`SchedSampler.contention` of the run's window) the
-    server's measured slowdown instead, and per round the wake-up delays it saw: one of the server's main thread
-    (the frame in) and one of the client's (the reply read) inside the round latency, one of the client's
-    (after the drafting sleep) outside it."""
+    server's measured slowdown instead; the per-round host work outside the step from the cost's profile, with
+    that run's wake-ups (`host_terms`). client_ms: more parallel ms per round (none by default)."""
     mode = measured["mode"]
     server = (meta.get("servers") or {}).get(mode) or {}
     load = measured.get("loadavg") or [0.0] * 6
     load1 = 0.5 * (load[0] + load[3])
     slowdown = cpu_slowdown(load1, cores or os.cpu_count() or 1)
-    server_wake = client_wake = 0.0
     samples = None
     if contention:
         slowdown = contention["slowdown"]
-        server_wake, client_wake = contention["server_wake_ms"], contention["client_wake_ms"]
         samples = tuple((float(a), float(b)) for a, b in contention.get("intervals") or ()) or None
+    host = host_terms(cost, contention, slowdown)
     row_cost, free = None, None
     if server.get("row_cost"):
         from hycoc.verifier.row_budget import RowCost
@@ -298,8 +321,9 @@ def predicted_for(
         replicas=replicas,
         max_batch_rows=int(server.get("max_batch_rows", 528)),
         max_batch_wait_ms=float(server.get("max_batch_wait_ms", 2.0)),
-        client_ms=client_ms + client_wake + server_wake,
-        wake_ms=client_wake,
+        client_ms=client_ms + host["client_ms"],
+        loop_ms=host["loop_ms"],
+        wake_ms=host["wake_ms"],
         slowdown=slowdown,
         slowdown_samples=samples,
         row_cost=row_cost,
@@ -309,6 +333,7 @@ def predicted_for(
     row = run_point(workload, cfg, cost)
     row["slowdown"] = cfg.slowdown
     row["contention"] = contention
+    row["host_terms"] = host
     return row
 
 
@@ -341,6 +366,13 @@ def validation_rows(measured_rows: list[dict], predicted_rows: list[dict], tol: 
                 "slowdown": p.get("slowdown"),
                 "measured_rows_per_forward": m.get("rows_per_forward"),
                 "predicted_rows_per_forward": p.get("rows_per_forward"),
+                # the busiest server thread's CPU (schedstat) per round the server answered vs the step cost's
+                "measured_cpu_ms_per_round": (
+                    (p.get("contention") or {}).get("worker_cpu_ms") / m["server_rounds"]
+                    if (p.get("contention") or {}).get("worker_cpu_ms") and m.get("server_rounds")
+                    else None
+                ),
+                "predicted_cpu_ms_per_round": p.get("cpu_ms_per_round"),
             }
         )
     return out
@@ -371,6 +403,7 @@ def validation_table(rows: list[dict], tol: float):
                 pct(r["p90_err"]),
                 num(r["measured_rows_per_forward"]),
                 num(r["predicted_rows_per_forward"]),
+                num(r.get("measured_cpu_ms_per_round")) + " / " + num(r.get("predicted_cpu_ms_per_round")),
                 (f"{load[0]:.1f}->{load[3]:.1f}" if len(load) >= 4 else "n/a")
                 + ("" if r.get("slowdown") is None else f" (x{r['slowdown']:.1f})"),
                 "yes" if r["ok"] else "NO",
@@ -387,6 +420,7 @@ def validation_table(rows: list[dict], tol: float):
         "p90 err",
         "rows/fwd meas.",
         "rows/fwd pred.",
+        "worker CPU ms/round meas. / pred.",
         "load (CPU x)",
         f"both within {100 * tol:.0f}%",
     ]
@@ -395,7 +429,7 @@ def validation_table(rows: list[dict], tol: float):
         headers,
         body,
         keys=2,
-        justify=["left"] + ["right"] * 10 + ["left"],
+        justify=["left"] + ["right"] * 11 + ["left"],
     )
 
 
@@ -551,6 +585,7 @@ __all__ = [
     "SERVER_DRAFT_FRAMES",
     "add_ratios",
     "capacity_table",
+    "host_terms",
     "device_ms_of",
     "predicted_for",
     "run_point",
