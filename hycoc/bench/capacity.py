@@ -12,11 +12,12 @@ replica is one worker that runs steps, as `hycoc.verifier.scheduler.BatchSchedul
 * batched: once a round is queued, wait at most ``max_batch_wait_ms`` from its arrival for more (dispatch at once
   when the rows reach ``max_batch_rows`` or every open session of the replica has a round queued); take the queued
   rounds oldest first up to ``max_batch_rows`` rows (at least one); one forward; then prefill chunks of the queued
-  prefills up to ``prefill_chunk`` positions in all (at least one chunk);
-* budgeted: batched, and the rows of a step with more than one round are chosen by
-  `hycoc.verifier.row_budget.allocate` (the server's own function, with the server's `BudgetState` learning host
-  ms per session and accepted per expected token from the simulated steps, as `hycoc.verifier.batch.verify_batch`
-  does).
+  prefills up to ``prefill_chunk`` positions in all (at least one chunk). The waiting and taking rules are the
+  scheduler's own functions (`hycoc.verifier.batch_policy.batch_ready`, `take_rounds`), not a copy;
+* budgeted: batched, and the rows of a step with more than one round are chosen by the server's own
+  `hycoc.verifier.row_budget.RowBudget` (``choose``: `allocate` with what its `BudgetState` learned; ``observe_step``:
+  host ms per session and accepted per expected token from the simulated steps, as
+  `hycoc.verifier.batch.verify_batch` does).
 
 What a step costs comes from a `StepCost` (`hycoc.bench.capacity_cost`: measured on this machine, a cost-model file,
 or labelled GPU assumptions). What a round commits is replayed: a recorded round's accepted path, cut where the
@@ -40,7 +41,8 @@ import numpy as np
 
 from hycoc.bench.loadtest import RoundSample, RunStats
 from hycoc.bench.loadtrace import RequestTrace, tree_at
-from hycoc.verifier.row_budget import DEFAULT_MIN_ROWS, BudgetState, RowCost, allocate
+from hycoc.verifier.batch_policy import batch_ready, take_rounds
+from hycoc.verifier.row_budget import DEFAULT_MIN_ROWS, RowBudget, RowCost
 
 #: Simulated batching modes (`hycoc.bench.loadtest.MODE_ARGS`).
 MODES = ("serial", "batched", "budgeted")
@@ -319,7 +321,7 @@ class _Session:
 
 
 class _Replica:
-    """One verifier: its queues, its `BudgetState`, its worker process (module docstring)."""
+    """One verifier: its queues, its event loop, its `RowBudget` (budgeted), its worker process (module docstring)."""
 
     def __init__(self, env, index: int, cfg: SimConfig, cost, result: SimResult):
         import simpy
@@ -330,11 +332,10 @@ class _Replica:
         self.prefills: deque[_Job] = deque()
         self.open_sessions = 0
         self.wake = env.event()
-        self.state = BudgetState()
-        self.row_cost: RowCost | None = None
+        self.budget: RowBudget | None = None  # the server's own budget object: its choice and its learning
         if cfg.mode == "budgeted":
-            self.row_cost = cfg.row_cost if cfg.row_cost is not None else cost.row_cost()
-        self.free_rows = (cfg.free_rows or max(cfg.tree_rows, self.row_cost.flat_rows())) if self.row_cost else 0
+            line = cfg.row_cost if cfg.row_cost is not None else cost.row_cost()
+            self.budget = RowBudget(line, cfg.free_rows or max(cfg.tree_rows, line.flat_rows()), cfg.min_rows)
         self.rng = np.random.default_rng([cfg.seed, index])
         self.stretch = None
         if cfg.slowdown_samples:
@@ -392,10 +393,7 @@ class _Replica:
         cfg = self.cfg
         deadline = self.rounds[0].arrived + cfg.max_batch_wait_ms / 1e3
         while True:
-            if (
-                sum(j.rows for j in self.rounds) >= cfg.max_batch_rows
-                or len({id(j.session) for j in self.rounds}) >= self.open_sessions
-            ):
+            if batch_ready(self.rounds, cfg.max_batch_rows, self.open_sessions):  # the scheduler's own rule
                 return
             left = deadline - self.env.now
             if left <= 0:
@@ -404,16 +402,7 @@ class _Replica:
             yield wake | self.env.timeout(left)
 
     def _take(self) -> list[_Job]:
-        batch, rows, seen, rest = [], 0, set(), deque()
-        while self.rounds:
-            j = self.rounds.popleft()
-            if id(j.session) in seen or (batch and rows + j.rows > self.cfg.max_batch_rows):
-                rest.append(j)
-                continue
-            batch.append(j)
-            rows += j.rows
-            seen.add(id(j.session))
-        self.rounds = rest
+        batch, self.rounds = take_rounds(self.rounds, self.cfg.max_batch_rows)  # the scheduler's own rule
         return batch
 
     def _run(self, ms: float) -> Iterator:
@@ -447,21 +436,14 @@ class _Replica:
         if batch:
             kept: list = [None] * len(batch)
             alloc = None
-            if self.row_cost is not None and len(batch) > 1:
+            if self.budget is not None and len(batch) > 1:
                 trees = [
                     j.rnd.tree
                     if j.session.request.draft_place != "cloud-mtp"  # kept whole, as the server
                     else (None, np.zeros(j.rows, np.int32), np.arange(-1, j.rows - 1))
                     for j in batch
                 ]
-                alloc = allocate(
-                    trees,
-                    self.row_cost,
-                    free_rows=self.free_rows,
-                    min_rows=cfg.min_rows,
-                    extra_ms=self.state.overhead_ms * len(batch),
-                    value_scale=self.state.value_scale,
-                )
+                alloc = self.budget.choose(trees)
                 kept = alloc.kept
             rows_kept = []
             for j, k in zip(batch, kept):
@@ -483,13 +465,7 @@ class _Replica:
                 self.result.trimmed += alloc.trimmed
                 scored = all(t[0] is not None for t in trees)
                 accepted = float(sum(len(c) - 1 for c in results)) if scored else None
-                self.state.observe(
-                    step_ms,
-                    forward_ms,
-                    len(batch),
-                    accepted,
-                    (alloc.expected_tokens - len(batch)) / self.state.value_scale,
-                )
+                self.budget.observe_step(step_ms, forward_ms, len(batch), accepted, alloc.expected_tokens)
         done_prefills = []
         used = 0
         for p in prefills:

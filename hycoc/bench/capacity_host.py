@@ -28,8 +28,8 @@ runs, the split the simulation uses (`hycoc.bench.capacity.SimConfig`):
 Not in a repeat: the reply's `wire.encode` (on the worker thread after the forward, `verifier/scheduler.py`
 ``_step`` and ``SessionLoop._verify``) -- `hycoc.bench.capacity_cost.measure_step_cost` times it inside the step,
 where it runs -- and the hand-off of the round to the worker thread and back (``run_in_executor``), timed here as
-``handoff_ms`` on a one-thread executor (`concurrent.futures.ThreadPoolExecutor`, as `EngineWorker`) and added to
-``loop_ms``'s reply half.
+``handoff_ms`` on a one-thread executor (`concurrent.futures.ThreadPoolExecutor`, as `EngineWorker`) left idle
+for the same gap between calls, and added to ``loop_ms``.
 """
 
 from __future__ import annotations
@@ -81,19 +81,23 @@ def _server_cpu_ns(pid: int) -> int | None:
     return sum(run for run, _, _ in got.values()) if got else None
 
 
-def handoff_ms(repeats: int = 2000) -> float:
-    """Mean wall ms of ``await loop.run_in_executor(one-thread executor, no-op)`` on a fresh asyncio loop: the
-    event loop handing a round to the worker thread and getting its result back (`EngineWorker.run`)."""
+def handoff_ms(repeats: int = 200, gap_s: float = 0.0) -> float:
+    """Mean wall ms of ``await loop.run_in_executor(one-thread executor, no-op)`` on a fresh asyncio loop, ``gap_s``
+    idle between calls: the event loop handing a round to a parked worker thread and getting its result back
+    (`EngineWorker.run`), wake-ups included."""
     from concurrent.futures import ThreadPoolExecutor
 
     async def main() -> float:
         loop = asyncio.get_running_loop()
         with ThreadPoolExecutor(max_workers=1) as ex:
             await loop.run_in_executor(ex, int)
-            t0 = time.perf_counter()
+            total = 0.0
             for _ in range(repeats):
+                await asyncio.sleep(gap_s)
+                t0 = time.perf_counter()
                 await loop.run_in_executor(ex, int)
-            return (time.perf_counter() - t0) * 1e3 / repeats
+                total += time.perf_counter() - t0
+            return total * 1e3 / repeats
 
     return asyncio.run(main())
 
@@ -173,7 +177,7 @@ def measure_host_overhead(
         got = asyncio.run(_round_trips(server.url, request, repeats, server.proc.pid, gap_ms / 1e3))
     finally:
         server.stop()
-    hop = handoff_ms()
+    hop = handoff_ms(gap_s=gap_ms / 1e3)
     wall = statistics.fmean(got["walls_ms"])  # a mean, as the CPU figures (a queue follows mean times)
     client = got["client_ms"]
     loop_cpu = got["server_ms"] if got["server_ms"] is not None else max(0.0, wall - client)

@@ -262,21 +262,23 @@ class SchedSampler:
 def host_terms(cost, contention: dict | None = None, slowdown: float = 1.0) -> dict:
     """The `SimConfig` fields of the per-round host work outside the step (`hycoc.bench.capacity_host`), from
     ``cost.overhead()`` (the profile's measurement): ``loop_ms`` (the server's event loop, serialised) and
-    ``client_ms`` (in parallel), both x ``slowdown`` (their CPU stretched as the step's), and ``wake_ms``.
+    ``client_ms`` (in parallel), and ``wake_ms``.
 
     Without ``contention`` the parallel part is the profile's client CPU plus its ``wire_ms`` (the wall time of
-    the stubbed round trip beyond both processes' CPU: socket and wake-ups at the profile's load). With a run's
+    the stubbed round trip beyond both processes' CPU: socket and wake-ups at the profile's load), the CPU parts
+    x ``slowdown`` (a machine-load stretch given without a measured run). With a run's
     ``contention`` (`SchedSampler.contention`) the wake-ups are that run's instead: two of the server's event loop
     per round (the frame in; the worker's result back through ``call_soon_threadsafe``) and one of the client's
     (the reply) inside the round latency, one of the client's (after the drafting sleep) outside it (``wake_ms``);
-    the worker thread's own waits are in the step's stretch."""
+    the worker thread's own waits are in the step's stretch. The CPU parts are then the profile's, unstretched: a
+    thread's waits for a CPU are its wake-ups' delays, already counted."""
     h = cost.overhead()
     if not contention:
         return {"loop_ms": h.loop_ms * slowdown, "client_ms": h.client_ms * slowdown + h.wire_ms, "wake_ms": 0.0}
     server_wake, client_wake = contention["server_wake_ms"], contention["client_wake_ms"]
-    return {
-        "loop_ms": h.loop_ms * slowdown,
-        "client_ms": h.client_ms * slowdown + 2 * server_wake + client_wake,
+    return {  # the loop's and client's waits are their wake-ups, counted here: their CPU is not stretched again
+        "loop_ms": h.loop_ms,
+        "client_ms": h.client_ms + 2 * server_wake + client_wake,
         "wake_ms": client_wake,
     }
 
