@@ -382,13 +382,11 @@ def validation_rows(measured_rows: list[dict], predicted_rows: list[dict], tol: 
 
 def validation_table(rows: list[dict], tol: float):
     """`hycoc.bench.tables.TextTable` of `validation_rows`."""
+    from hycoc.bench.loadreport import fmt_num as num
     from hycoc.bench.tables import TextTable
 
     def pct(x):
         return "n/a" if x is None else f"{100 * x:+.0f}%"
-
-    def num(x, d=1):
-        return "n/a" if x is None or not math.isfinite(x) else f"{x:,.{d}f}"
 
     body = []
     for r in rows:
@@ -441,10 +439,8 @@ def validation_table(rows: list[dict], tol: float):
 def sweep_table(rows: list[dict], title: str):
     """Per (config, mode, devices): committed tok/s per device and in all, round latency p50/p90/p99 (client
     side, link included), verifier p90, the verifier's busy share and rows per forward."""
+    from hycoc.bench.loadreport import fmt_num as num
     from hycoc.bench.tables import TextTable
-
-    def num(x, d=1):
-        return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:,.{d}f}"
 
     body = [
         [
@@ -481,10 +477,8 @@ def sweep_table(rows: list[dict], title: str):
 def capacity_table(rows: list[dict], title: str):
     """Per (config, mode): the largest device count meeting the target, tok/s per device and in all there, and the
     ratio against cloud-mtp's device count in the same mode."""
+    from hycoc.bench.loadreport import fmt_num as num
     from hycoc.bench.tables import TextTable
-
-    def num(x, d=1):
-        return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:,.{d}f}"
 
     body = [
         [
