@@ -320,6 +320,10 @@ def test_host_work_from_the_profile_moves_the_one_device_prediction(tmp_path):
     assert len(res.stats.rounds) == k
     want = [round(opened + (j + 1) * period, 6) for j in range(k)]
     assert [round(r.t_done * 1e3, 6) for r in res.stats.rounds] == want
+    # what --validate compares at one session: latency - the reply's server_ms is the host work, L + C + W
+    from hycoc.bench.capacity_run import outside_ms
+
+    assert outside_ms(summarize("serial", cfg, res)) == pytest.approx(extra)
     # an older profile (no host work) and a cost-model file give none
     assert MeasuredStepCost().overhead().round_ms == 0.0 and host_terms(MeasuredStepCost())["loop_ms"] == 0.0
 

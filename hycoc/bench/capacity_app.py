@@ -364,6 +364,13 @@ def validate_here(
     rows = validation_rows(measured["runs"], predicted, TOLERANCE)
     print_tables([validation_table(rows, TOLERANCE)], console)
     ok = sum(r["ok"] for r in rows)
+    for r in rows:
+        if r["measured_outside_ms"] is not None and r["predicted_outside_ms"] is not None:
+            console.print(
+                f"{r['mode']}, 1 session: {r['measured_outside_ms']:.1f} ms per round outside the verifier measured "
+                f"(latency - the reply's server_ms), {r['predicted_outside_ms']:.1f} ms simulated (host work)",
+                markup=False,
+            )
     console.print(
         f"machine load (1/5/15-minute load averages, {os.cpu_count()} CPUs): "
         + " ".join(f"{x:.2f}" for x in load0)

@@ -346,6 +346,15 @@ def within(pred: float | None, meas: float | None, tol: float) -> bool:
     return bool(abs(pred - meas) <= tol * meas)
 
 
+def outside_ms(row: dict) -> float | None:
+    """A one-session run's mean ms per round outside the verifier: round latency mean - the replies' server_ms
+    per round (``reply_ms_per_token`` x MAT): the frames, the event loops, the wake-ups. None for more sessions
+    (a batched reply's server_ms is not its own round's) or without rounds."""
+    if row.get("sessions") != 1 or not row.get("mat") or row.get("reply_ms_per_token") is None:
+        return None
+    return row["latency_ms"]["mean"] - row["reply_ms_per_token"] * row["mat"]
+
+
 def validation_rows(measured_rows: list[dict], predicted_rows: list[dict], tol: float) -> list[dict]:
     """Per cell: mode, sessions, measured and predicted tok/s and p90 (client round latency, ms), their errors
     (predicted / measured - 1), whether both are within ``tol``, and the load averages."""
@@ -375,6 +384,9 @@ def validation_rows(measured_rows: list[dict], predicted_rows: list[dict], tol: 
                     else None
                 ),
                 "predicted_cpu_ms_per_round": p.get("cpu_ms_per_round"),
+                # one session: ms per round outside the verifier (latency - the reply's server_ms), the host work
+                "measuredoutside_ms": outside_ms(m),
+                "predictedoutside_ms": outside_ms(p),
             }
         )
     return out
@@ -582,6 +594,7 @@ __all__ = [
     "add_ratios",
     "capacity_table",
     "host_terms",
+    "outside_ms",
     "device_ms_of",
     "predicted_for",
     "run_point",
