@@ -339,3 +339,17 @@ def test_event_loop_work_is_serialised_and_client_work_is_not():
     assert {round(r.latency_ms, 9) for r in free.stats.rounds} == {h}
     loop = simulate(synthetic(1, 0.0), SimConfig(mode="serial", devices=n, duration_s=t, loop_ms=h), FixedCost(a=0))
     assert abs(len([r for r in loop.stats.rounds if r.t_done <= t]) - (t * 1e3 - n * h) / h) <= 1
+
+
+def test_validation_rows_carry_what_validate_prints():
+    """`validation_rows` of a one-session cell (a simulated run standing in for the measured one) has every key
+    `validate_here` prints, the one-session host-work check included, and its table renders."""
+    from hycoc.bench.capacity_run import outside_ms, validation_rows, validation_table
+
+    cfg = SimConfig(mode="serial", devices=1, duration_s=1.0, client_ms=3.0)
+    row = summarize("serial", cfg, simulate(synthetic(2, 30.0), cfg, FixedCost(a=10.0)))
+    row["loadavg"] = [1.0, 1.0, 1.0, 1.2, 1.0, 1.0]
+    (cell,) = validation_rows([row], [dict(row, slowdown=1.0)], 0.2)
+    assert cell["measured_outside_ms"] == cell["predicted_outside_ms"] == pytest.approx(outside_ms(row))
+    assert cell["measured_outside_ms"] == pytest.approx(3.0) and cell["ok"]
+    assert "1.0->1.2" in validation_table([cell], 0.2).rows[0][-2]

@@ -583,7 +583,8 @@ def summarize(mode: str, cfg: SimConfig, result: SimResult) -> dict:
     """One predicted row: `hycoc.bench.loadreport.summarize_run` of the simulated client's stats (the load test's
     own columns and window) plus ``busy_share`` (the busiest replica's worker share of the run), ``server_p90_ms``
     (p90 of arrival at the verifier -> reply, ms), ``rows_per_forward`` and ``sessions_per_forward``, and
-    ``tok_per_s_per_device``."""
+    ``tok_per_s_per_device``, ``cpu_ms_per_round`` (the steps' CPU ms, before any load stretch, per answered
+    round, prefills included)."""
     from hycoc.bench.loadreport import percentile, summarize_run
 
     row = summarize_run(mode, cfg.devices, cfg.duration_s, result.stats)

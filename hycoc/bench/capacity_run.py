@@ -385,8 +385,8 @@ def validation_rows(measured_rows: list[dict], predicted_rows: list[dict], tol: 
                 ),
                 "predicted_cpu_ms_per_round": p.get("cpu_ms_per_round"),
                 # one session: ms per round outside the verifier (latency - the reply's server_ms), the host work
-                "measuredoutside_ms": outside_ms(m),
-                "predictedoutside_ms": outside_ms(p),
+                "measured_outside_ms": outside_ms(m),
+                "predicted_outside_ms": outside_ms(p),
             }
         )
     return out
