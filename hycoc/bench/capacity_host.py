@@ -1,5 +1,5 @@
-"""The per-round host work outside the verifier's step, measured for `hycoc capacity` (docs/capacity.md "What is
-measured"): a `HostOverhead`.
+"""The per-round host work outside the verifier's step, measured for `hycoc capacity` (docs/capacity.md "Inputs:
+measured or assumed"): a `HostOverhead`.
 
 A round costs more than its step on the worker (`hycoc.bench.capacity_cost`): the device encodes its tree and sends
 it; the server's event loop receives the WebSocket frame, decodes and checks it (`hycoc.protocol.wire.decode`
