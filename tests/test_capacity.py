@@ -124,10 +124,15 @@ def _tree_trace() -> Trace:
 
 
 def test_budget_is_the_servers_function_and_first_step_matches_it():
-    """The simulator calls verifier/row_budget.py's `allocate` itself (the same object, not a copy), and its first
-    budgeted forward keeps exactly the rows `allocate` keeps for those trees with the server's priors."""
-    assert cap.allocate is row_budget.allocate
-    assert cap.BudgetState is row_budget.BudgetState
+    """The simulator forms steps with the server's own objects, not copies: verifier/row_budget.py's `RowBudget`
+    (its ``choose`` calls `allocate`) and verifier/batch_policy.py's `batch_ready` / `take_rounds`, which
+    verifier/scheduler.py's `BatchScheduler` runs too; and its first budgeted forward keeps exactly the rows
+    `allocate` keeps for those trees with the server's priors."""
+    from hycoc.verifier import batch_policy, scheduler
+
+    assert cap.RowBudget is row_budget.RowBudget
+    assert cap.take_rounds is batch_policy.take_rounds is scheduler.take_rounds
+    assert cap.batch_ready is batch_policy.batch_ready is scheduler.batch_ready
     trace = _tree_trace()
     line = RowCost(((2, 10.0), (9, 20.0), (18, 40.0)), source="test")
     cost = FixedCost(a=10.0, c=1.0, line=line)
@@ -279,3 +284,72 @@ def test_sched_sampler_sees_a_busy_child():
         got = s.contention(t0, time.time())
     assert got is not None and got["slowdown"] >= 1.0
     assert got["intervals"] and all(a >= 1.0 for a, _ in got["intervals"])
+
+
+def test_host_work_from_the_profile_moves_the_one_device_prediction(tmp_path):
+    """The per-round host work outside the step is read from the saved profile (`MeasuredStepCost.host`, as
+    `cached_step_cost` stores what `measure_host_overhead` measured) and turned into simulation terms by
+    `host_terms`: with no run contention, one device's every round latency is the step S plus the loop's, the
+    client's and the wire's ms of the FILE (L + C + W), and its rounds come every D + S + L + C + W ms instead of
+    D + S (after an OPEN that passes the event loop too). Without the host work (an older profile) the latency is
+    S alone."""
+    from hycoc.bench.capacity_cost import MeasuredStepCost
+    from hycoc.bench.capacity_run import host_terms
+
+    s, d, m, t = 12.0, 30.0, 2, 3.0
+    prof = MeasuredStepCost(step=(s, 0.0, 0.0), forward=(s, 0.0, 0.0), prefill=(0.0, 0.0))
+    prof.host = {"loop_ms": 0.75, "client_ms": 1.25, "wire_ms": 3.5, "handoff_ms": 0.1, "wall_ms": 5.5}
+    path = prof.save(tmp_path / "step-cost.json")
+    loaded = MeasuredStepCost.load(path)
+    raw = json.loads(path.read_text())["host"]
+    extra = raw["loop_ms"] + raw["client_ms"] + raw["wire_ms"]
+    assert loaded.overhead().round_ms == pytest.approx(extra)
+
+    def one(cost, **host):
+        cfg = SimConfig(mode="serial", devices=1, duration_s=t, **host)
+        return cfg, simulate(synthetic(m, d), cfg, cost)
+
+    _, bare = one(MeasuredStepCost(step=(s, 0.0, 0.0), forward=(s, 0.0, 0.0), prefill=(0.0, 0.0)))
+    cfg, res = one(loaded, **host_terms(loaded))
+    assert {round(r.latency_ms, 9) for r in bare.stats.rounds} == {s}
+    assert {round(r.latency_ms, 9) for r in res.stats.rounds} == {round(s + extra, 9)}
+    period, opened = d + s + extra, raw["loop_ms"]  # the OPEN passes the event loop too (prefill 0 ms)
+    k = 0
+    while (opened + d + k * period) / 1e3 < t:  # round k + 1 starts after the OPEN, k periods, one drafting
+        k += 1
+    assert len(res.stats.rounds) == k
+    want = [round(opened + (j + 1) * period, 6) for j in range(k)]
+    assert [round(r.t_done * 1e3, 6) for r in res.stats.rounds] == want
+    # what --validate compares at one session: latency - the reply's server_ms is the host work, L + C + W
+    from hycoc.bench.capacity_run import outside_ms
+
+    assert outside_ms(summarize("serial", cfg, res)) == pytest.approx(extra)
+    # an older profile (no host work) and a cost-model file give none
+    assert MeasuredStepCost().overhead().round_ms == 0.0 and host_terms(MeasuredStepCost())["loop_ms"] == 0.0
+
+
+def test_event_loop_work_is_serialised_and_client_work_is_not():
+    """N devices that draft in 0 ms against steps of 0 ms, for T: the host work per round is all there is. In
+    parallel (client_ms = H): each device completes a round every H, N T / H rounds. On the server's one event loop
+    (loop_ms = H, FIFO): the loop does one round's H at a time, so after the N OPENs (H each) the rounds share it,
+    (T - N H) / H in all."""
+    h, n, t = 5.0, 4, 1.0
+    free = simulate(synthetic(1, 0.0), SimConfig(mode="serial", devices=n, duration_s=t, client_ms=h), FixedCost(a=0))
+    assert abs(len([r for r in free.stats.rounds if r.t_done <= t]) - n * t * 1e3 / h) <= n
+    assert {round(r.latency_ms, 9) for r in free.stats.rounds} == {h}
+    loop = simulate(synthetic(1, 0.0), SimConfig(mode="serial", devices=n, duration_s=t, loop_ms=h), FixedCost(a=0))
+    assert abs(len([r for r in loop.stats.rounds if r.t_done <= t]) - (t * 1e3 - n * h) / h) <= 1
+
+
+def test_validation_rows_carry_what_validate_prints():
+    """`validation_rows` of a one-session cell (a simulated run standing in for the measured one) has every key
+    `validate_here` prints, the one-session host-work check included, and its table renders."""
+    from hycoc.bench.capacity_run import outside_ms, validation_rows, validation_table
+
+    cfg = SimConfig(mode="serial", devices=1, duration_s=1.0, client_ms=3.0)
+    row = summarize("serial", cfg, simulate(synthetic(2, 30.0), cfg, FixedCost(a=10.0)))
+    row["loadavg"] = [1.0, 1.0, 1.0, 1.2, 1.0, 1.0]
+    (cell,) = validation_rows([row], [dict(row, slowdown=1.0)], 0.2)
+    assert cell["measured_outside_ms"] == cell["predicted_outside_ms"] == pytest.approx(outside_ms(row))
+    assert cell["measured_outside_ms"] == pytest.approx(3.0) and cell["ok"]
+    assert "1.0->1.2" in validation_table([cell], 0.2).rows[0][-2]

@@ -59,7 +59,7 @@ from hycoc.protocol.messages import RoundReply
 
 from .engine import PendingRound, Session, VerifierEngine, verify_tree
 from .kv_cache import window_start
-from .row_budget import DEFAULT_MIN_ROWS, BudgetState, RowCost, allocate
+from .row_budget import RowBudget
 from .tree import additive_masks, ancestor_matrix, tree_depths
 
 RAGGED_ATTENTION = "hycoc_ragged"
@@ -80,20 +80,6 @@ class BatchStats:
     rows_sent: int = 0
     rows_kept: list = field(default_factory=list)
     expected_tokens: float | None = None
-
-
-@dataclass
-class RowBudget:
-    """A batch-level row budget (`hycoc.verifier.row_budget.allocate`'s arguments): cost, the forward's
-    `RowCost`; free_rows, rows a forward keeps without trimming; min_rows, rows each scored tree keeps; state, what
-    the steps so far taught it (`BudgetState`: host ms per session, accepted per expected token), updated by
-    every budgeted `verify_batch`; learn=False keeps it at its priors (tests)."""
-
-    cost: RowCost
-    free_rows: int
-    min_rows: int = DEFAULT_MIN_ROWS
-    state: BudgetState = field(default_factory=BudgetState)
-    learn: bool = True
 
 
 class _PerSession(list):
@@ -196,11 +182,12 @@ def verify_batch(
     at most once (as `Session.verify`'s arguments; scores: float (R,) tree scores s(v) or None). budget: when given
     and more than one round shares the forward, the rows verified are chosen across the rounds
     (`hycoc.verifier.row_budget.allocate`; rounds without scores and cloud-mtp rounds are kept whole) and each
-    round runs on its kept rows (`Session.restrict_round`). Returns, in order, each round's reply or the exception
-    its session raised: a session's bad round (`hycoc.verifier.errors`) is answered alone and never enters the forward;
-    a failure of the shared forward is every batched session's (each session restored as `Session.verify` restores it).
-    Each reply's server_ms counts from the call's start to its own reply (the shared forward included: what its round
-    cost in worker time); stats.total_ms is the last reply's (the whole call when no round ran). stats: filled if given.
+    round runs on its kept rows (`Session.restrict_round`). Returns, in order, each round's reply or the exception its
+    session raised: a session's bad round (`hycoc.verifier.errors`) is answered alone and never enters the forward;
+    a failure of the shared forward is every batched session's (each session restored as `Session.verify` restores
+    it). Each reply's server_ms counts from the call's start to its own reply (the shared forward included: what its
+    round cost in worker time); stats.total_ms is the last reply's (the whole call when no round ran). stats: filled
+    if given.
 
     Raises ValueError when a session appears twice.
     """
@@ -264,14 +251,7 @@ def verify_batch(
     elif budget is not None and budget.learn and stats.expected_tokens is not None:
         done = [s for (k, s, _) in pending if isinstance(results[k], RoundReply)]
         accepted = float(sum(s.accepted[-1] for s in done)) if all_scored and len(done) == len(pending) else None
-        # the allocation's expected tokens were scaled by value_scale: compare accepted with the scores' own
-        budget.state.observe(
-            stats.total_ms,
-            stats.forward_ms,
-            stats.sessions,
-            accepted,
-            (stats.expected_tokens - stats.sessions) / budget.state.value_scale,
-        )
+        budget.observe_step(stats.total_ms, stats.forward_ms, stats.sessions, accepted, stats.expected_tokens)
     return cast(list[RoundReply | BaseException], results)  # every slot was filled above
 
 
@@ -291,14 +271,7 @@ def _apply_budget(pending: list, scores_of: dict, budget: RowBudget, stats: Batc
             trees.append((None, p.tokens, p.parents))  # the wire checks this; an engine caller's slip keeps it whole
             continue
         trees.append((scores if p.kept is None else scores[p.kept], p.tokens, p.parents))
-    alloc = allocate(
-        trees,
-        budget.cost,
-        free_rows=budget.free_rows,
-        min_rows=budget.min_rows,
-        extra_ms=budget.state.overhead_ms * len(pending),
-        value_scale=budget.state.value_scale,
-    )
+    alloc = budget.choose(trees)
     for (_k, session, p), rows in zip(pending, alloc.kept):
         if rows is not None:
             session.restrict_round(p, rows)

@@ -33,7 +33,7 @@ Core module: numpy only.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -242,6 +242,44 @@ class BudgetState:
         self.steps += 1
 
 
+@dataclass
+class RowBudget:
+    """A batch-level row budget (`allocate`'s arguments): cost, the forward's `RowCost`; free_rows, rows a forward
+    keeps without trimming; min_rows, rows each scored tree keeps; state, what the steps so far taught it
+    (`BudgetState`: host ms per session, accepted per expected token), updated by every budgeted step
+    (`observe_step`);
+    learn=False keeps it at its priors (tests). The server's batched step (`hycoc.verifier.batch.verify_batch`) and
+    `hycoc capacity`'s simulated one (hycoc/bench/capacity.py) both choose and learn through it."""
+
+    cost: RowCost
+    free_rows: int
+    min_rows: int = DEFAULT_MIN_ROWS
+    state: BudgetState = field(default_factory=BudgetState)
+    learn: bool = True
+
+    def choose(self, trees: list) -> Allocation:
+        """`allocate` of one step's ``trees`` with this budget's cost, free and minimum rows, and what the state
+        learned: the step's host ms outside the forward (``overhead_ms`` per tree) and ``value_scale``."""
+        return allocate(
+            trees,
+            self.cost,
+            free_rows=self.free_rows,
+            min_rows=self.min_rows,
+            extra_ms=self.state.overhead_ms * len(trees),
+            value_scale=self.state.value_scale,
+        )
+
+    def observe_step(
+        self, step_ms: float, forward_ms: float, sessions: int, accepted: float | None, expected_tokens: float
+    ) -> None:
+        """Teach the state one budgeted step (`BudgetState.observe`): its whole and forward ms, its sessions, the
+        path tokens accepted over its scored sessions (None: not known) and the `Allocation`'s expected tokens,
+        which `choose` scaled by value_scale (so they are compared unscaled, as the scores' own)."""
+        self.state.observe(
+            step_ms, forward_ms, sessions, accepted, (expected_tokens - sessions) / self.state.value_scale
+        )
+
+
 def is_ancestor_closed(parents: np.ndarray, rows: np.ndarray) -> bool:
     """Whether ``rows`` (indices into a tree with ``parents``) contain row 0 and every kept row's parent."""
     keep = np.zeros(len(parents), bool)
@@ -259,6 +297,7 @@ __all__ = [
     "TREE_BUDGETS",
     "Allocation",
     "BudgetState",
+    "RowBudget",
     "RowCost",
     "RowCostError",
     "allocate",

@@ -1,5 +1,5 @@
-"""Continuous batching of verification rounds and chunked prefills on the server's one worker thread (docs/serving.md
-"Many devices: batched verification"; docs/design.md "Serving many devices").
+"""Continuous batching of verification rounds and chunked prefills on the server's one worker thread
+(docs/serving.md "Many devices: batched verification"; docs/design.md "Serving many devices").
 
 The server's event loop hands every ROUND (and every prefill: an OPEN's prompt, an APPEND's turn) to a
 `BatchScheduler` and awaits its answer. One scheduler task forms steps from what is queued and runs each on the
@@ -37,6 +37,7 @@ from hycoc.protocol import wire
 from hycoc.protocol.messages import DraftTree
 
 from .batch import BatchStats, RowBudget, verify_batch
+from .batch_policy import batch_ready, take_rounds
 from .engine import Session
 from .prefill_job import PrefillJob
 
@@ -154,9 +155,6 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------------------------------------ the loop
 
-    def _queued_rows(self) -> int:
-        return sum(r.rows for r in self._rounds)
-
     async def _loop(self) -> None:
         while True:
             if not self._rounds and not self._prefills:
@@ -200,10 +198,7 @@ class BatchScheduler:
         or every open session has a round queued."""
         deadline = self._rounds[0].arrived + self.max_batch_wait_s
         while True:
-            if (
-                self._queued_rows() >= self.max_batch_rows
-                or len({id(r.session) for r in self._rounds}) >= self._open_sessions()
-            ):
+            if batch_ready(self._rounds, self.max_batch_rows, self._open_sessions()):
                 return
             left = deadline - time.monotonic()
             if left <= 0:
@@ -215,30 +210,18 @@ class BatchScheduler:
                 return
 
     def _take(self) -> list[_Round]:
-        """The rounds of the next step: oldest first, up to max_batch_rows rows (at least one), one per session;
-        rounds whose client went away are dropped."""
-        batch: list[_Round] = []
-        rows, seen, rest = 0, set(), deque[_Round]()
-        while self._rounds:
-            r = self._rounds.popleft()
-            if r.future.done():
-                continue
-            if id(r.session) in seen or (batch and rows + r.rows > self.max_batch_rows):
-                rest.append(r)
-                continue
-            batch.append(r)
-            rows += r.rows
-            seen.add(id(r.session))
-        self._rounds = rest
+        """The rounds of the next step (`hycoc.verifier.batch_policy.take_rounds`): oldest first, up to
+        max_batch_rows rows (at least one), one per session; rounds whose client went away are dropped."""
+        batch, self._rounds = take_rounds(self._rounds, self.max_batch_rows, gone=lambda r: r.future.done())
         return batch
 
 
 def _step(batch: list[_Round], prefills: list[_Prefill], prefill_budget: int, row_budget: RowBudget | None = None):
-    """Worker thread: the rounds of ``batch`` in one forward (rows chosen by ``row_budget`` when given), then prefill
-    chunks of ``prefills`` (oldest first) until ``prefill_budget`` positions ran (the first chunk always runs; a prefill
-    whose next chunk would pass the budget waits for the next step, and so do the ones after it, keeping arrival order).
-    A prefill that fails gets ``error`` set and the others go on. Returns (StepReport, per round (reply, frame,
-    committed, verified) or the exception)."""
+    """Worker thread: the rounds of ``batch`` in one forward (rows chosen by ``row_budget`` when given), then
+    prefill chunks of ``prefills`` (oldest first) until ``prefill_budget`` positions ran (the first chunk always runs; a
+    prefill whose next chunk would pass the budget waits for the next step, and so do the ones after it, keeping
+    arrival order). A prefill that fails gets ``error`` set and the others go on. Returns (StepReport, per round
+    (reply, frame, committed, verified) or the exception)."""
     start = time.monotonic()
     stats = BatchStats()
     report = StepReport(stats)

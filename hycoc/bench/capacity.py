@@ -12,11 +12,12 @@ replica is one worker that runs steps, as `hycoc.verifier.scheduler.BatchSchedul
 * batched: once a round is queued, wait at most ``max_batch_wait_ms`` from its arrival for more (dispatch at once
   when the rows reach ``max_batch_rows`` or every open session of the replica has a round queued); take the queued
   rounds oldest first up to ``max_batch_rows`` rows (at least one); one forward; then prefill chunks of the queued
-  prefills up to ``prefill_chunk`` positions in all (at least one chunk);
-* budgeted: batched, and the rows of a step with more than one round are chosen by
-  `hycoc.verifier.row_budget.allocate` (the server's own function, with the server's `BudgetState` learning host
-  ms per session and accepted per expected token from the simulated steps, as `hycoc.verifier.batch.verify_batch`
-  does).
+  prefills up to ``prefill_chunk`` positions in all (at least one chunk). The waiting and taking rules are the
+  scheduler's own functions (`hycoc.verifier.batch_policy.batch_ready`, `take_rounds`), not a copy;
+* budgeted: batched, and the rows of a step with more than one round are chosen by the server's own
+  `hycoc.verifier.row_budget.RowBudget` (``choose``: `allocate` with what its `BudgetState` learned; ``observe_step``:
+  host ms per session and accepted per expected token from the simulated steps, as
+  `hycoc.verifier.batch.verify_batch` does).
 
 What a step costs comes from a `StepCost` (`hycoc.bench.capacity_cost`: measured on this machine, a cost-model file,
 or labelled GPU assumptions). What a round commits is replayed: a recorded round's accepted path, cut where the
@@ -40,7 +41,9 @@ import numpy as np
 
 from hycoc.bench.loadtest import RoundSample, RunStats
 from hycoc.bench.loadtrace import RequestTrace, tree_at
-from hycoc.verifier.row_budget import DEFAULT_MIN_ROWS, BudgetState, RowCost, allocate
+from hycoc.serving_limits import DEFAULT_MAX_BATCH_ROWS, DEFAULT_MAX_BATCH_WAIT_MS
+from hycoc.verifier.batch_policy import batch_ready, take_rounds
+from hycoc.verifier.row_budget import DEFAULT_MIN_ROWS, RowBudget, RowCost
 
 #: Simulated batching modes (`hycoc.bench.loadtest.MODE_ARGS`).
 MODES = ("serial", "batched", "budgeted")
@@ -240,8 +243,12 @@ class SimConfig:
     (`hycoc.verifier.scheduler.BatchScheduler`); link: a `LinkModel` or None (no delay: loopback); frames: the
     byte counts the link delays; tree_rows / min_rows: the budget's free rows (max(tree_rows, cost line's flat
     rows)) and rows kept per tree; chain_length: K, the rows a cloud-mtp round grows by at the verifier;
-    client_ms: time per round inside the round latency but outside the verifier's queue and step (frame
-    handling, the threads' wake-ups), ms; wake_ms: the device's delay after its drafting before it sends, ms;
+    client_ms: time per round inside the round latency, outside the verifier's queue and step, that runs in
+    parallel (each device's own frame encode and decode, the socket, the threads' wake-ups), ms, half before the
+    send and half after the reply; loop_ms: the server's event-loop work per round (frame in and decode, the
+    hand-off to the worker, the reply out: `hycoc.bench.capacity_host.HostOverhead`), ms, SERIALISED on the
+    replica's one loop (a SimPy ``Resource`` of capacity 1), half before the round is queued and half after its
+    step; wake_ms: the device's delay after its drafting before it sends, ms;
     slowdown: the verifier's CPU ms are stretched by it (machine load: `cpu_slowdown`); slowdown_samples: instead,
     the measured sequence of (slowdown, CPU ns) intervals of the run, each step replayed through it from a seeded
     random point (`_Replica._wall_ms`): the machine's bursts, so the latency tail is the measured one;
@@ -252,8 +259,8 @@ class SimConfig:
     devices: int
     duration_s: float
     replicas: int = 1
-    max_batch_rows: int = 528
-    max_batch_wait_ms: float = 2.0
+    max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS
+    max_batch_wait_ms: float = DEFAULT_MAX_BATCH_WAIT_MS
     prefill_chunk: int = 512
     link: object | None = None
     frames: FrameBytes = field(default_factory=FrameBytes)
@@ -261,6 +268,7 @@ class SimConfig:
     min_rows: int = DEFAULT_MIN_ROWS
     chain_length: int = 4
     client_ms: float = 0.0
+    loop_ms: float = 0.0
     wake_ms: float = 0.0
     slowdown: float = 1.0
     slowdown_samples: tuple | None = None
@@ -282,7 +290,8 @@ class SimResult:
     """A simulated run: ``stats`` as the load test's client would have measured (`RunStats`), ``busy_s`` per
     replica (seconds its worker ran steps within the run), ``server_ms``: per answered round, arrival at the
     verifier -> reply leaving it, ms (queue + batch wait + step), ``forwards``: steps run, ``rows``: rows
-    verified in all, ``trimmed``: rows the budget left out."""
+    verified in all, ``trimmed``: rows the budget left out, ``cpu_ms``: the workers' step ms before any
+    stretch for machine load (the cost's CPU ms)."""
 
     stats: RunStats
     busy_s: list[float]
@@ -291,6 +300,7 @@ class SimResult:
     rows: int = 0
     trimmed: int = 0
     round_sessions: int = 0
+    cpu_ms: float = 0.0
 
 
 @dataclass
@@ -312,19 +322,21 @@ class _Session:
 
 
 class _Replica:
-    """One verifier: its queues, its `BudgetState`, its worker process (module docstring)."""
+    """One verifier: its queues, its event loop, its `RowBudget` (budgeted), its worker process (module docstring)."""
 
     def __init__(self, env, index: int, cfg: SimConfig, cost, result: SimResult):
+        import simpy
+
         self.env, self.index, self.cfg, self.cost, self.result = env, index, cfg, cost, result
+        self.loop = simpy.Resource(env, capacity=1)  # the server's one event loop
         self.rounds: deque[_Job] = deque()
         self.prefills: deque[_Job] = deque()
         self.open_sessions = 0
         self.wake = env.event()
-        self.state = BudgetState()
-        self.row_cost: RowCost | None = None
+        self.budget: RowBudget | None = None  # the server's own budget object: its choice and its learning
         if cfg.mode == "budgeted":
-            self.row_cost = cfg.row_cost if cfg.row_cost is not None else cost.row_cost()
-        self.free_rows = (cfg.free_rows or max(cfg.tree_rows, self.row_cost.flat_rows())) if self.row_cost else 0
+            line = cfg.row_cost if cfg.row_cost is not None else cost.row_cost()
+            self.budget = RowBudget(line, cfg.free_rows or max(cfg.tree_rows, line.flat_rows()), cfg.min_rows)
         self.rng = np.random.default_rng([cfg.seed, index])
         self.stretch = None
         if cfg.slowdown_samples:
@@ -334,6 +346,13 @@ class _Replica:
             self.wall = self.cpu * self.stretch  # ms those took on the wall
             self.weights = self.cpu / self.cpu.sum()
         env.process(self.worker())
+
+    def on_loop(self, ms: float) -> Iterator:
+        """``ms`` of the replica's event loop, after the frames queued on it before (FIFO)."""
+        if ms > 0:
+            with self.loop.request() as turn:
+                yield turn
+                yield self.env.timeout(ms / 1e3)
 
     def submit(self, job: _Job) -> None:
         (self.prefills if job.rnd is None else self.rounds).append(job)
@@ -375,10 +394,7 @@ class _Replica:
         cfg = self.cfg
         deadline = self.rounds[0].arrived + cfg.max_batch_wait_ms / 1e3
         while True:
-            if (
-                sum(j.rows for j in self.rounds) >= cfg.max_batch_rows
-                or len({id(j.session) for j in self.rounds}) >= self.open_sessions
-            ):
+            if batch_ready(self.rounds, cfg.max_batch_rows, self.open_sessions):  # the scheduler's own rule
                 return
             left = deadline - self.env.now
             if left <= 0:
@@ -387,20 +403,12 @@ class _Replica:
             yield wake | self.env.timeout(left)
 
     def _take(self) -> list[_Job]:
-        batch, rows, seen, rest = [], 0, set(), deque()
-        while self.rounds:
-            j = self.rounds.popleft()
-            if id(j.session) in seen or (batch and rows + j.rows > self.cfg.max_batch_rows):
-                rest.append(j)
-                continue
-            batch.append(j)
-            rows += j.rows
-            seen.add(id(j.session))
-        self.rounds = rest
+        batch, self.rounds = take_rounds(self.rounds, self.cfg.max_batch_rows)  # the scheduler's own rule
         return batch
 
     def _run(self, ms: float) -> Iterator:
         start = self.env.now
+        self.result.cpu_ms += ms
         yield self.env.timeout(self._wall_ms(ms) / 1e3)
         end = min(self.env.now, self.cfg.duration_s)
         self.result.busy_s[self.index] += max(0.0, end - max(start, 0.0)) if start < self.cfg.duration_s else 0.0
@@ -429,21 +437,14 @@ class _Replica:
         if batch:
             kept: list = [None] * len(batch)
             alloc = None
-            if self.row_cost is not None and len(batch) > 1:
+            if self.budget is not None and len(batch) > 1:
                 trees = [
                     j.rnd.tree
                     if j.session.request.draft_place != "cloud-mtp"  # kept whole, as the server
                     else (None, np.zeros(j.rows, np.int32), np.arange(-1, j.rows - 1))
                     for j in batch
                 ]
-                alloc = allocate(
-                    trees,
-                    self.row_cost,
-                    free_rows=self.free_rows,
-                    min_rows=cfg.min_rows,
-                    extra_ms=self.state.overhead_ms * len(batch),
-                    value_scale=self.state.value_scale,
-                )
+                alloc = self.budget.choose(trees)
                 kept = alloc.kept
             rows_kept = []
             for j, k in zip(batch, kept):
@@ -465,13 +466,7 @@ class _Replica:
                 self.result.trimmed += alloc.trimmed
                 scored = all(t[0] is not None for t in trees)
                 accepted = float(sum(len(c) - 1 for c in results)) if scored else None
-                self.state.observe(
-                    step_ms,
-                    forward_ms,
-                    len(batch),
-                    accepted,
-                    (alloc.expected_tokens - len(batch)) / self.state.value_scale,
-                )
+                self.budget.observe_step(step_ms, forward_ms, len(batch), accepted, alloc.expected_tokens)
         done_prefills = []
         used = 0
         for p in prefills:
@@ -528,10 +523,12 @@ def simulate(workload: Workload, cfg: SimConfig, cost, *, progress: Callable[[fl
             replica.open_sessions += 1
             sent = env.now
             yield env.timeout(one_way(frames.open_fixed + 4 * req.prompt_len))
+            yield from replica.on_loop(cfg.loop_ms / 2)
             done = env.event()
             replica.submit(_Job(session, None, 0, env.now, done, prefill_left=max(0, req.prompt_len - 1)))
             yield done
             session.context = max(0, req.prompt_len - 1)
+            yield from replica.on_loop(cfg.loop_ms / 2)
             yield env.timeout(one_way(frames.open_down))
             stats.opens_ms.append(1e3 * (env.now - sent))
             finished = True
@@ -548,10 +545,12 @@ def simulate(workload: Workload, cfg: SimConfig, cost, *, progress: Callable[[fl
                 stats.device_waits_ms.append((rnd.device_ms, rnd.device_ms + cfg.wake_ms))
                 sent = env.now
                 yield env.timeout(one_way(frames.up(rnd.rows)) + cfg.client_ms / 2e3)
+                yield from replica.on_loop(cfg.loop_ms / 2)  # the frame in, decoded, handed to the worker
                 done = env.event()
                 rows = rnd.rows + (cfg.chain_length if req.draft_place == "cloud-mtp" else 0)
                 replica.submit(_Job(session, rnd, rows, env.now, done))
                 committed, server_ms = yield done
+                yield from replica.on_loop(cfg.loop_ms / 2)  # the result back on the loop, the reply out
                 yield env.timeout(one_way(frames.down(rows, len(committed))) + cfg.client_ms / 2e3)
                 t = env.now
                 stats.rounds.append(
@@ -585,7 +584,8 @@ def summarize(mode: str, cfg: SimConfig, result: SimResult) -> dict:
     """One predicted row: `hycoc.bench.loadreport.summarize_run` of the simulated client's stats (the load test's
     own columns and window) plus ``busy_share`` (the busiest replica's worker share of the run), ``server_p90_ms``
     (p90 of arrival at the verifier -> reply, ms), ``rows_per_forward`` and ``sessions_per_forward``, and
-    ``tok_per_s_per_device``."""
+    ``tok_per_s_per_device``, ``cpu_ms_per_round`` (the steps' CPU ms, before any load stretch, per answered
+    round, prefills included)."""
     from hycoc.bench.loadreport import percentile, summarize_run
 
     row = summarize_run(mode, cfg.devices, cfg.duration_s, result.stats)
@@ -594,6 +594,7 @@ def summarize(mode: str, cfg: SimConfig, result: SimResult) -> dict:
     row["rows_per_forward"] = result.rows / result.forwards if result.forwards else None
     row["sessions_per_forward"] = result.round_sessions / result.forwards if result.forwards else None
     row["rows_trimmed"] = result.trimmed
+    row["cpu_ms_per_round"] = result.cpu_ms / len(result.stats.rounds) if result.stats.rounds else None
     row["tok_per_s_per_device"] = row["tok_per_s"] / cfg.devices
     row["replicas"] = cfg.replicas
     return row

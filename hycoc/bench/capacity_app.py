@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from hycoc.bench.capacity_run import (
     SERVER_DRAFT_FRAMES,
     add_ratios,
     capacity_table,
+    host_terms,
     run_point,
     search_devices,
     stamp,
@@ -28,6 +30,7 @@ from hycoc.bench.capacity_run import (
     validation_table,
     write_plot,
 )
+from hycoc.table5 import configuration
 
 #: Within this of the measured tok/s and p90 a validation cell counts as reproduced (the issue's +-20%).
 TOLERANCE = 0.20
@@ -173,9 +176,13 @@ def run_local(
     remeasure,
     repo_root: Path,
     dataset: Path,
+    validate_sessions=VALIDATE_SESSIONS,
+    validate_modes=VALIDATE_MODES,
+    validate_only: bool = False,
 ) -> dict:
     """The toy flow (module docstring). Prints the tables, writes OUT/capacity.json and OUT/p90_vs_devices.png;
-    returns the document."""
+    returns the document. validate_sessions / validate_modes: the measured cells of ``validate`` (default the
+    issue's 12); validate_only: stop after the check (no sweep, no plot)."""
     from hycoc.bench.capacity_cost import cached_step_cost, model_step_cost
     from hycoc.bench.cost_model import load_cost_model
     from hycoc.bench.datasets import load_spec_bench
@@ -207,8 +214,18 @@ def run_local(
             remeasure=remeasure or validate,
             replay=list(hyco.requests),
             log=lambda s: None,
+            recipe_path=recipe_path,
+            keep_set=bundle_dir / "keep_set.npy",
         )
     console.print(f"step cost: {cost.label}")
+    h = cost.overhead()
+    if cost.host:
+        console.print(
+            f"host work per round outside the step (stubbed round trip, {h.meta.get('repeats')} repeats, load "
+            f"{(h.meta.get('loadavg_before') or [0])[0]:.1f}): server event loop {h.loop_ms:.2f} ms (serialised), "
+            f"client {h.client_ms:.2f} ms, socket and wake-ups {h.wire_ms:.2f} ms (in parallel)",
+            markup=False,
+        )
     doc: dict = {
         "schema": 1,
         "recipe": str(recipe_path),
@@ -223,8 +240,22 @@ def run_local(
     }
     if validate:
         doc["validation"] = validate_here(
-            cfg, recipe_path, bundle_dir, questions, cost, validate_duration, out, repo_root, console
+            cfg,
+            recipe_path,
+            bundle_dir,
+            questions,
+            cost,
+            validate_duration,
+            out,
+            repo_root,
+            console,
+            sessions=validate_sessions,
+            modes=validate_modes,
         )
+        if validate_only:
+            path = write_document(out, doc)
+            console.print(f"wrote {path}")
+            return doc
     if trace_path is not None:
         trace = load_trace(trace_path)
         check_trace(trace, cfg, bundle_dir, trace_path)
@@ -235,6 +266,7 @@ def run_local(
         devices=1,
         duration_s=duration,
         replicas=replicas,
+        **host_terms(cost),
         link=link,
         max_batch_rows=cfg.verifier.max_batch_rows,
         max_batch_wait_ms=cfg.verifier.max_batch_wait_ms,
@@ -278,11 +310,22 @@ def run_local(
 
 
 def validate_here(
-    cfg, recipe_path: Path, bundle_dir: Path, questions, cost, duration: float, out: Path, repo_root: Path, console
+    cfg,
+    recipe_path: Path,
+    bundle_dir: Path,
+    questions,
+    cost,
+    duration: float,
+    out: Path,
+    repo_root: Path,
+    console,
+    *,
+    sessions=VALIDATE_SESSIONS,
+    modes=VALIDATE_MODES,
 ) -> dict:
-    """Run `hycoc loadtest` (hyco; sessions 1, 4, 16, 64 x serial, batched, budgeted; ``duration`` s each) here,
-    simulate every measured cell with its own load and server settings (`predicted_for`), print and return the
-    comparison."""
+    """Run `hycoc loadtest` (hyco; ``sessions`` x ``modes``, by default 1, 4, 16, 64 x serial, batched, budgeted;
+    ``duration`` s each) here, simulate every measured cell with its own load and server settings
+    (`predicted_for`), print and return the comparison with the machine's load beside it."""
     from hycoc.bench.capacity_run import SchedSampler, predicted_for
     from hycoc.bench.loadtest import devices_for, run_loadtest
     from hycoc.bench.tables import print_tables
@@ -290,13 +333,14 @@ def validate_here(
     configs = ["hyco"]
     temperature = 0.0 if cfg.sampling.temperature > 0 else None
     trace, path = trace_for(cfg, bundle_dir, configs, questions, temperature, repo_root, console)
+    load0 = os.getloadavg()
     with SchedSampler() as sampler:
         measured = run_loadtest(
             trace,
             configs,
-            list(VALIDATE_SESSIONS),
+            list(sessions),
             duration,
-            list(VALIDATE_MODES),
+            list(modes),
             Path(out) / "loadtest",
             recipe_path=recipe_path,
             keep_set=bundle_dir / "keep_set.npy",
@@ -317,16 +361,36 @@ def validate_here(
                 contention=contention,
             )
         )
+    load1 = os.getloadavg()
     rows = validation_rows(measured["runs"], predicted, TOLERANCE)
     print_tables([validation_table(rows, TOLERANCE)], console)
     ok = sum(r["ok"] for r in rows)
+    for r in rows:
+        if r["measured_outside_ms"] is not None and r["predicted_outside_ms"] is not None:
+            console.print(
+                f"{r['mode']}, 1 session: {r['measured_outside_ms']:.1f} ms per round outside the verifier measured "
+                f"(latency - the reply's server_ms), {r['predicted_outside_ms']:.1f} ms simulated (host work)",
+                markup=False,
+            )
+    console.print(
+        f"machine load (1/5/15-minute load averages, {os.cpu_count()} CPUs): "
+        + " ".join(f"{x:.2f}" for x in load0)
+        + " before the runs, "
+        + " ".join(f"{x:.2f}" for x in load1)
+        + " after; the check is meant for a quiet machine (1-minute load <= CPUs)",
+        markup=False,
+    )
     console.print(
         f"{ok} of {len(rows)} cells within {100 * TOLERANCE:.0f}% for both tok/s and p90 (p90: client "
         "round latency send -> reply, as hycoc loadtest measures it; load: 1-minute load average before "
         "-> after the run; (CPU x): how much longer a CPU ms of the verifier took in that run, from its threads' "
-        "/proc schedstat (on-CPU + waiting) / on-CPU, by which the simulation stretches the step cost)"
+        "/proc schedstat (on-CPU + waiting) / on-CPU, by which the simulation stretches the step cost; worker "
+        "CPU ms/round: the busiest server thread's on-CPU ms (schedstat) per round the server answered, prefills "
+        "included, against the simulated steps' CPU ms per round)"
     )
     return {
+        "loadavg_before": list(load0),
+        "loadavg_after": list(load1),
         "cells": rows,
         "within": ok,
         "tolerance": TOLERANCE,
@@ -364,7 +428,7 @@ def run_projection(
     capacity, tried_all = [], []
     for variant, link, scale in variants:
         for config in configs:
-            place = {"cloud-mtp": "cloud-mtp", "server-head": "server-head"}.get(config, "device")
+            place = configuration(config).draft_place
             base = SimConfig(
                 mode="batched",
                 devices=1,

@@ -6,14 +6,17 @@ it (p~, sampling, acceptance, compaction, hand-off, the reply frame) and prefill
 * `MeasuredStepCost` (``measure_step_cost``): timed on this machine on the recipe's own verifier, the way the
   server runs it: `hycoc.verifier.batch.verify_batch` over n scratch sessions (`VerifierEngine.open`, prefilled),
   every session sending an r-row tree, for n in 1, 2, 4, 8, 16 and r in 2, 9, 17, 33 (device-drafted), and n
-  cloud-mtp / server-head sessions; each point the mean CPU ms of the worker thread over a few calls (`time.
-  thread_time`). A step of n device rounds with N rows in all is read off that grid (bilinear in n and N / n,
-  linear beyond), each other draft place adding its own measured ms per session; the forward alone the same way
-  (the budget's `BudgetState` learns host ms from step - forward, as the server's does). A least-squares line
-  a + b n + c N is kept beside the grid for a file without one. Prefill: Session.prefill's ms at two prompt lengths,
-  linear. The row budget's line is `hycoc.verifier.row_cost_measure.measure_row_cost` with the server's own plan
-  (`row_cost_plan`): the same function and points the server measures before it serves. The toy's own cost "on this
-  machine".
+  cloud-mtp / server-head sessions, then each reply's `hycoc.protocol.wire.encode` (the worker encodes the reply
+  frames inside its step: `verifier/scheduler.py` ``_step``); each point the mean CPU ms of the worker thread
+  over a few calls (`time.thread_time`). A step of n device rounds with N rows in all is read off that grid
+  (bilinear in n and N / n, linear beyond), each other draft place adding its own measured ms per session; the
+  forward alone the same way (the budget's `BudgetState` learns host ms from step - forward, as the server's
+  does). A least-squares line a + b n + c N is kept beside the grid for a file without one. Prefill:
+  Session.prefill's ms at two prompt lengths, linear. The row budget's line is
+  `hycoc.verifier.row_cost_measure.measure_row_cost` with the server's own plan (`row_cost_plan`): the same
+  function and points the server measures before it serves. With it (`cached_step_cost`) the per-round host work
+  outside the step, measured on the recipe's own server (`hycoc.bench.capacity_host`): ``StepCost.host``. The
+  toy's own cost "on this machine".
 * `ModelStepCost`: a cost-model file (`hycoc.bench.cost_model`, e.g. the one ``hycoc bench`` stores or
   ``benchmarks/gpu_check.sh`` writes): forward ms = predict(rows, context) inside its measured rows; a batched
   forward beyond them scales linearly on a CPU and, on a GPU, as max(1, rows / GPU_FLAT_ROWS) x the largest
@@ -60,6 +63,16 @@ class StepCost:
 
     label: str = ""
     chain_length: int = 4
+    #: The per-round host work outside the step (`hycoc.bench.capacity_host.HostOverhead`'s dict): measured with
+    #: the toy's profile (`cached_step_cost`), empty (none) for a cost-model file or the GPU assumptions.
+    host: dict = field(default_factory=dict)
+
+    def overhead(self):
+        """The per-round host work outside the step: a `hycoc.bench.capacity_host.HostOverhead` (zeros when
+        this cost has none)."""
+        from hycoc.bench.capacity_host import HostOverhead
+
+        return HostOverhead.from_dict(self.host)
 
     def forward_ms(self, rows: int, sessions: int, context: float) -> float:
         raise NotImplementedError
@@ -100,7 +113,6 @@ class MeasuredStepCost(StepCost):
     row_points: tuple = ()
     points: list = field(default_factory=list)
     meta: dict = field(default_factory=dict)
-    loop_ms: float = 0.0
 
     def _grid(self, key: str, sessions: int, rows: int) -> float | None:
         """``key`` ("step_ms" or "forward_ms") of device rounds at ``sessions`` trees of rows / sessions rows each:
@@ -140,7 +152,7 @@ class MeasuredStepCost(StepCost):
         if step is None:
             a, b, c = self.step
             step = a + b * n + c * total
-        return max(0.0, step - self.forward_ms(total, n, 0.0)) + extra + self.loop_ms * n
+        return max(0.0, step - self.forward_ms(total, n, 0.0)) + extra
 
     def prefill_ms(self, positions: int, context: int) -> float:
         return self.prefill[0] + self.prefill[1] * positions if positions > 0 else 0.0
@@ -158,7 +170,7 @@ class MeasuredStepCost(StepCost):
             "place_ms": self.place_ms,
             "prefill": self.prefill,
             "row_points": self.row_points,
-            "loop_ms": self.loop_ms,
+            "host": self.overhead().describe(),
             "meta": self.meta,
         }
 
@@ -178,6 +190,7 @@ class MeasuredStepCost(StepCost):
             d = json.loads(Path(path).read_text(encoding="utf-8"))
             d["step"], d["forward"], d["prefill"] = tuple(d["step"]), tuple(d["forward"]), tuple(d["prefill"])
             d["row_points"] = tuple(tuple(p) for p in d["row_points"])
+            d.pop("loop_ms", None)  # files before the host work was measured (always 0 there)
             return cls(**d)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise StepCostError(
@@ -211,6 +224,7 @@ def measure_step_cost(
     from hycoc.bench.capacity import TraceRequest
     from hycoc.bench.loadtrace import patch_root
     from hycoc.models import set_threads
+    from hycoc.protocol import wire
     from hycoc.protocol.messages import Sampling
     from hycoc.verifier.batch import BatchStats, verify_batch
     from hycoc.verifier.loading import engine_from_recipe
@@ -278,6 +292,9 @@ def measure_step_cost(
             stats = BatchStats()
             w0, c0 = time.perf_counter(), time.thread_time()
             out = verify_batch(engine, rounds, stats)
+            for reply, rd in zip(out, rounds):  # the reply frames, on the worker as the server's step encodes them
+                if not isinstance(reply, BaseException):
+                    wire.encode(reply, version=rd[0].wire_version)
             wall, busy = (time.perf_counter() - w0) * 1e3, (time.thread_time() - c0) * 1e3
             for entry, reply, rd in zip(group, out, rounds):
                 if isinstance(reply, BaseException):
@@ -366,14 +383,31 @@ def measure_step_cost(
 
 
 def cached_step_cost(
-    recipe, cache_dir: Path, *, remeasure: bool = False, replay=None, log=lambda s: None
+    recipe,
+    cache_dir: Path,
+    *,
+    remeasure: bool = False,
+    replay=None,
+    log=lambda s: None,
+    recipe_path: Path | None = None,
+    keep_set: Path | None = None,
 ) -> MeasuredStepCost:
     """`measure_step_cost` of ``recipe``, kept in ``cache_dir/step-cost-<recipe hash>.json`` (reused unless
-    ``remeasure``; the recipe's hash names it, so another recipe never reads it)."""
+    ``remeasure``; the recipe's hash names it, so another recipe never reads it). With ``recipe_path`` and
+    ``replay`` the profile also holds the per-round host work outside the step
+    (`hycoc.bench.capacity_host.measure_host_overhead` on the recipe's own verify-server with the first recorded
+    request, ``keep_set`` passed to it); a cached file without it is measured again."""
     path = Path(cache_dir) / f"step-cost-{recipe.content_hash()[:16]}.json"
+    want_host = recipe_path is not None and bool(replay)
     if path.is_file() and not remeasure:
-        return MeasuredStepCost.load(path)
+        cost = MeasuredStepCost.load(path)
+        if cost.host or not want_host:
+            return cost
     cost = measure_step_cost(recipe, replay=replay, log=log)
+    if want_host:
+        from hycoc.bench.capacity_host import measure_host_overhead
+
+        cost.host = measure_host_overhead(recipe_path, replay[0], keep_set=keep_set, log=log).describe()
     cost.save(path)
     return cost
 

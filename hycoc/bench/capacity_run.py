@@ -30,9 +30,11 @@ from hycoc.bench.capacity import (
     summarize,
     trace_workload,
 )
+from hycoc.serving_limits import DEFAULT_MAX_BATCH_ROWS, DEFAULT_MAX_BATCH_WAIT_MS
+from hycoc.table5 import WITH_VERIFIER, configuration
 
 #: Table 5's configurations that have a verifier (slm-alone has none).
-CONFIGS = ("cloud-mtp", "specedge", "specedge-eps", "hyco", "hyco-2p", "hyco-exact", "server-head")
+CONFIGS = WITH_VERIFIER  # every Table 5 configuration with a verifier, in Table 5 order (hycoc.table5)
 #: The projection's configurations (issue: hyco, hyco-exact, specedge against cloud-mtp).
 PROJECTION_CONFIGS = ("hyco", "hyco-exact", "specedge", "cloud-mtp")
 #: Paper Table 2 (SB-480) MAT per configuration: the projection's acceptance (assumed for Gemma 4 on this tool).
@@ -88,7 +90,7 @@ def device_ms_of(config: str) -> float:
 def synthetic_workload(config: str, *, device_scale: float = 1.0, seed: int = 0) -> Workload:
     """The projection's devices (`hycoc.bench.capacity.SyntheticRequest`): paper MAT, 33-row trees (cloud-mtp:
     the root), drafting `device_ms_of` x device_scale per round, PROJECTION_PROMPT / PROJECTION_OUTPUT tokens."""
-    place = {"cloud-mtp": "cloud-mtp", "server-head": "server-head"}.get(config, "device")
+    place = configuration(config).draft_place
     ms = device_ms_of(config) * device_scale
     return Workload(
         lambda i, k: SyntheticRequest(
@@ -178,7 +180,9 @@ class SchedSampler:
         return out
 
     @staticmethod
-    def _threads(pid: int) -> dict:
+    def thread_stats(pid: int) -> dict:
+        """{(pid, tid): (ns on a CPU, ns runnable but waiting, timeslices)} of every thread of ``pid`` now
+        (/proc/PID/task/TID/schedstat); {} where there is none."""
         got = {}
         try:
             tasks = os.listdir(f"/proc/{pid}/task")
@@ -197,9 +201,9 @@ class SchedSampler:
         me = os.getpid()
         while not self._stop.is_set():
             try:
-                snap = self._threads(me)
+                snap = self.thread_stats(me)
                 for child in self.pids if self.pids is not None else self._children(me):
-                    snap.update(self._threads(child))
+                    snap.update(self.thread_stats(child))
             except OSError:
                 return
             if not snap:
@@ -249,11 +253,36 @@ class SchedSampler:
                 if r > 1e6:
                     per.append(((r + w) / r, r))
         return {
+            "worker_cpu_ms": servers[key][0] / 1e6,
             "slowdown": (run + wait) / run,
             "server_wake_ms": wake((pid, pid)),
             "client_wake_ms": wake((me, me)),
             "intervals": [[round(a, 3), int(b)] for a, b in per],
         }
+
+
+def host_terms(cost, contention: dict | None = None, slowdown: float = 1.0) -> dict:
+    """The `SimConfig` fields of the per-round host work outside the step (`hycoc.bench.capacity_host`), from
+    ``cost.overhead()`` (the profile's measurement): ``loop_ms`` (the server's event loop, serialised) and
+    ``client_ms`` (in parallel), and ``wake_ms``.
+
+    Without ``contention`` the parallel part is the profile's client CPU plus its ``wire_ms`` (the wall time of
+    the stubbed round trip beyond both processes' CPU: socket and wake-ups at the profile's load), the CPU parts
+    x ``slowdown`` (a machine-load stretch given without a measured run). With a run's
+    ``contention`` (`SchedSampler.contention`) the wake-ups are that run's instead: two of the server's event loop
+    per round (the frame in; the worker's result back through ``call_soon_threadsafe``) and one of the client's
+    (the reply) inside the round latency, one of the client's (after the drafting sleep) outside it (``wake_ms``);
+    the worker thread's own waits are in the step's stretch. The CPU parts are then the profile's, unstretched: a
+    thread's waits for a CPU are its wake-ups' delays, already counted."""
+    h = cost.overhead()
+    if not contention:
+        return {"loop_ms": h.loop_ms * slowdown, "client_ms": h.client_ms * slowdown + h.wire_ms, "wake_ms": 0.0}
+    server_wake, client_wake = contention["server_wake_ms"], contention["client_wake_ms"]
+    return {  # the loop's and client's waits are their wake-ups, counted here: their CPU is not stretched again
+        "loop_ms": h.loop_ms,
+        "client_ms": h.client_ms + 2 * server_wake + client_wake,
+        "wake_ms": client_wake,
+    }
 
 
 def predicted_for(
@@ -271,20 +300,18 @@ def predicted_for(
     sessions and duration; the server's own batching settings and (budgeted) row-cost line from its /healthz
     (``meta["servers"][mode]``); the CPU stretched by the run's load (`cpu_slowdown` of the mean of its load
     averages before and after); with ``contention`` (`SchedSampler.contention` of the run's window) the
-    server's measured slowdown instead, and per round the wake-up delays it saw: one of the server's main thread
-    (the frame in) and one of the client's (the reply read) inside the round latency, one of the client's
-    (after the drafting sleep) outside it."""
+    server's measured slowdown instead; the per-round host work outside the step from the cost's profile, with
+    that run's wake-ups (`host_terms`). client_ms: more parallel ms per round (none by default)."""
     mode = measured["mode"]
     server = (meta.get("servers") or {}).get(mode) or {}
     load = measured.get("loadavg") or [0.0] * 6
     load1 = 0.5 * (load[0] + load[3])
     slowdown = cpu_slowdown(load1, cores or os.cpu_count() or 1)
-    server_wake = client_wake = 0.0
     samples = None
     if contention:
         slowdown = contention["slowdown"]
-        server_wake, client_wake = contention["server_wake_ms"], contention["client_wake_ms"]
         samples = tuple((float(a), float(b)) for a, b in contention.get("intervals") or ()) or None
+    host = host_terms(cost, contention, slowdown)
     row_cost, free = None, None
     if server.get("row_cost"):
         from hycoc.verifier.row_budget import RowCost
@@ -296,10 +323,11 @@ def predicted_for(
         devices=int(measured["sessions"]),
         duration_s=float(measured["duration_s"]),
         replicas=replicas,
-        max_batch_rows=int(server.get("max_batch_rows", 528)),
-        max_batch_wait_ms=float(server.get("max_batch_wait_ms", 2.0)),
-        client_ms=client_ms + client_wake + server_wake,
-        wake_ms=client_wake,
+        max_batch_rows=int(server.get("max_batch_rows", DEFAULT_MAX_BATCH_ROWS)),
+        max_batch_wait_ms=float(server.get("max_batch_wait_ms", DEFAULT_MAX_BATCH_WAIT_MS)),
+        client_ms=client_ms + host["client_ms"],
+        loop_ms=host["loop_ms"],
+        wake_ms=host["wake_ms"],
         slowdown=slowdown,
         slowdown_samples=samples,
         row_cost=row_cost,
@@ -309,6 +337,7 @@ def predicted_for(
     row = run_point(workload, cfg, cost)
     row["slowdown"] = cfg.slowdown
     row["contention"] = contention
+    row["host_terms"] = host
     return row
 
 
@@ -317,6 +346,15 @@ def within(pred: float | None, meas: float | None, tol: float) -> bool:
     if pred is None or meas is None or not (math.isfinite(pred) and math.isfinite(meas)) or meas <= 0:
         return False
     return bool(abs(pred - meas) <= tol * meas)
+
+
+def outside_ms(row: dict) -> float | None:
+    """A one-session run's mean ms per round outside the verifier: round latency mean - the replies' server_ms
+    per round (``reply_ms_per_token`` x MAT): the frames, the event loops, the wake-ups. None for more sessions
+    (a batched reply's server_ms is not its own round's) or without rounds."""
+    if row.get("sessions") != 1 or not row.get("mat") or row.get("reply_ms_per_token") is None:
+        return None
+    return row["latency_ms"]["mean"] - row["reply_ms_per_token"] * row["mat"]
 
 
 def validation_rows(measured_rows: list[dict], predicted_rows: list[dict], tol: float) -> list[dict]:
@@ -341,6 +379,16 @@ def validation_rows(measured_rows: list[dict], predicted_rows: list[dict], tol: 
                 "slowdown": p.get("slowdown"),
                 "measured_rows_per_forward": m.get("rows_per_forward"),
                 "predicted_rows_per_forward": p.get("rows_per_forward"),
+                # the busiest server thread's CPU (schedstat) per round the server answered vs the step cost's
+                "measured_cpu_ms_per_round": (
+                    (p.get("contention") or {}).get("worker_cpu_ms") / m["server_rounds"]
+                    if (p.get("contention") or {}).get("worker_cpu_ms") and m.get("server_rounds")
+                    else None
+                ),
+                "predicted_cpu_ms_per_round": p.get("cpu_ms_per_round"),
+                # one session: ms per round outside the verifier (latency - the reply's server_ms), the host work
+                "measured_outside_ms": outside_ms(m),
+                "predicted_outside_ms": outside_ms(p),
             }
         )
     return out
@@ -348,13 +396,11 @@ def validation_rows(measured_rows: list[dict], predicted_rows: list[dict], tol: 
 
 def validation_table(rows: list[dict], tol: float):
     """`hycoc.bench.tables.TextTable` of `validation_rows`."""
+    from hycoc.bench.loadreport import fmt_num as num
     from hycoc.bench.tables import TextTable
 
     def pct(x):
         return "n/a" if x is None else f"{100 * x:+.0f}%"
-
-    def num(x, d=1):
-        return "n/a" if x is None or not math.isfinite(x) else f"{x:,.{d}f}"
 
     body = []
     for r in rows:
@@ -371,6 +417,7 @@ def validation_table(rows: list[dict], tol: float):
                 pct(r["p90_err"]),
                 num(r["measured_rows_per_forward"]),
                 num(r["predicted_rows_per_forward"]),
+                num(r.get("measured_cpu_ms_per_round")) + " / " + num(r.get("predicted_cpu_ms_per_round")),
                 (f"{load[0]:.1f}->{load[3]:.1f}" if len(load) >= 4 else "n/a")
                 + ("" if r.get("slowdown") is None else f" (x{r['slowdown']:.1f})"),
                 "yes" if r["ok"] else "NO",
@@ -387,6 +434,7 @@ def validation_table(rows: list[dict], tol: float):
         "p90 err",
         "rows/fwd meas.",
         "rows/fwd pred.",
+        "worker CPU ms/round meas. / pred.",
         "load (CPU x)",
         f"both within {100 * tol:.0f}%",
     ]
@@ -395,7 +443,7 @@ def validation_table(rows: list[dict], tol: float):
         headers,
         body,
         keys=2,
-        justify=["left"] + ["right"] * 10 + ["left"],
+        justify=["left"] + ["right"] * 11 + ["left"],
     )
 
 
@@ -405,10 +453,8 @@ def validation_table(rows: list[dict], tol: float):
 def sweep_table(rows: list[dict], title: str):
     """Per (config, mode, devices): committed tok/s per device and in all, round latency p50/p90/p99 (client
     side, link included), verifier p90, the verifier's busy share and rows per forward."""
+    from hycoc.bench.loadreport import fmt_num as num
     from hycoc.bench.tables import TextTable
-
-    def num(x, d=1):
-        return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:,.{d}f}"
 
     body = [
         [
@@ -445,10 +491,8 @@ def sweep_table(rows: list[dict], title: str):
 def capacity_table(rows: list[dict], title: str):
     """Per (config, mode): the largest device count meeting the target, tok/s per device and in all there, and the
     ratio against cloud-mtp's device count in the same mode."""
+    from hycoc.bench.loadreport import fmt_num as num
     from hycoc.bench.tables import TextTable
-
-    def num(x, d=1):
-        return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:,.{d}f}"
 
     body = [
         [
@@ -551,6 +595,8 @@ __all__ = [
     "SERVER_DRAFT_FRAMES",
     "add_ratios",
     "capacity_table",
+    "host_terms",
+    "outside_ms",
     "device_ms_of",
     "predicted_for",
     "run_point",

@@ -386,10 +386,15 @@ def write_plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def _num(x, digits: int = 1) -> str:
+def fmt_num(x, digits: int = 1) -> str:
+    """A table cell: ``x`` with thousands separators and ``digits`` decimals; "n/a" for None, NaN or infinity.
+    The load test's and `hycoc capacity`'s tables share it."""
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "n/a"
     return f"{x:,.{digits}f}"
+
+
+_num = fmt_num
 
 
 def load_table(rows: list[dict], title: str) -> TextTable:
@@ -452,6 +457,7 @@ def render_table(rows: list[dict], console, title: str, fmt: str = "table") -> N
 
 
 __all__ = [
+    "fmt_num",
     "GPU_FLAT_ROWS",
     "RESULTS_SCHEMA",
     "RUN_KEYS",

@@ -9,12 +9,6 @@ import typer
 
 from hycoc.cli._common import DEFAULT_DATASET, RECIPE_ARG, REPO_ROOT, _fail, _recipe
 
-#: Session counts and modes of ``--validate`` (the issue's 12 cells).
-VALIDATE_SESSIONS = (1, 4, 16, 64)
-VALIDATE_MODES = ("serial", "batched", "budgeted")
-#: Within this of the measured tok/s and p90 a cell counts as reproduced.
-VALIDATE_TOLERANCE = 0.20
-
 
 def _counts(text: str, option: str) -> list[int]:
     try:
@@ -68,6 +62,15 @@ def capacity(
         "batched, budgeted) here and print predicted vs measured",
     ),
     validate_duration: float = typer.Option(25.0, min=2.0, help="seconds per measured --validate run"),
+    validate_sessions: str = typer.Option(
+        "1,4,16,64", help="session counts of the --validate cells (to re-run the cells that missed)"
+    ),
+    validate_modes: str = typer.Option(
+        "serial,batched,budgeted", help="batching modes of the --validate cells (comma-separated)"
+    ),
+    validate_only: bool = typer.Option(
+        False, "--validate-only", help="with --validate: stop after the check (no sweep, no capacity search)"
+    ),
     prompts: int = typer.Option(4, min=1, help="Spec-Bench questions recorded per configuration (as loadtest)"),
     bundle: Path | None = typer.Option(
         None, help="device bundle whose rounds are recorded (default: bundles/<recipe name>-cpu)", show_default=False
@@ -94,6 +97,12 @@ def capacity(
     if any(m not in MODES for m in modes):
         raise _fail("capacity", f"--batching {batching!r}: allowed: {', '.join(MODES)} (comma-separated)", code=2)
     counts = _counts(devices, "--devices")
+    check_sessions = _counts(validate_sessions, "--validate-sessions")
+    check_modes = validate_modes.split(",")
+    if any(m not in MODES for m in check_modes):
+        raise _fail(
+            "capacity", f"--validate-modes {validate_modes!r}: allowed: {', '.join(MODES)} (comma-separated)", code=2
+        )
     from hycoc.bench.capacity_run import CONFIGS, PROJECTION_CONFIGS
 
     local = not cfg.is_hub_id("verifier") and (cfg.resolve_path(cfg.models.verifier) or Path("/nonexistent")).is_dir()
@@ -153,6 +162,9 @@ def capacity(
                 remeasure=remeasure,
                 repo_root=REPO_ROOT,
                 dataset=DEFAULT_DATASET,
+                validate_sessions=tuple(check_sessions),
+                validate_modes=tuple(check_modes),
+                validate_only=validate_only,
             )
         else:
             run_projection(cfg, recipe, chosen, p90_ms, duration, replicas, cost_model, device_scale, out)
