@@ -31,6 +31,9 @@ round in three parts per session: `Session.begin_round` (checks, the rows that f
 shared by several sessions, then `Session.finish_round` (lines 5-14 and the commit, unchanged); `Session.verify` is
 those three for one session. Prefills run as `PrefillJob` chunks so a scheduler can interleave them with rounds.
 
+The model's settings, KV geometry and per-session KV bytes are `hycoc.verifier.model.VerifierModel` (the engine's
+base); how an APPEND checks the next turn and rolls the KV back is `hycoc.verifier.append`.
+
 Not thread-safe: run one call at a time per engine (one worker thread for all its sessions).
 """
 
@@ -43,19 +46,16 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from hycoc.chat import common_prefix, ids_crc32
-from hycoc.host import head_sliding_positions
-from hycoc.host import producer_layers as host_producer_layers
-from hycoc.mtp import FULL, SLIDING
+from hycoc.chat import common_prefix
 from hycoc.protocol.messages import ACCEPTANCE_MODES, DRAFT_PLACES, RoundReply, Sampling, commit_cut
 from hycoc.protocol.wire import PROTOCOL_VERSION
 
+from . import append as append_turn
 from .acceptance import select_exact, select_path
 from .baselines import draft_cloud_chain, draft_server_chain
 from .errors import (
     BadRequest,
     ContextOverflow,
-    ConversationMismatch,
     NotPrefilled,
     RootMismatch,
     SequenceError,
@@ -63,39 +63,14 @@ from .errors import (
     TreeError,
 )
 from .forward import NormTap, Timer
-from .kv_cache import (
-    DEFAULT_PREFILL_CHUNK,
-    KVLayout,
-    SlidingWindowLayer,
-    WindowSnapshot,
-    kv_bytes_per_session,
-    restore_snapshot,
-    retained_positions,
-    session_cache,
-    sliding_start,
-    stores_kv,
-    window_start,
-)
+from .kv_cache import WindowSnapshot, window_start
 from .kv_surgery import compact_kv, crop_cache, pack_handoff
-from .prefill_job import AppendPlan, CacheCheckpoint, PrefillJob
+from .model import VerifierModel
+from .model import producer_layers as producer_layers  # re-exported: callers import it from here
+from .prefill_job import AppendPlan, PrefillJob
 from .sampling import sample_rows, sampling_probs
 from .tree import additive_masks, ancestor_matrix, tree_depths, validate_tree
 from .tree_rows import fitting_rows, remap_parents, widen_reply
-
-HIDDEN_CHOICES = ("pre_norm", "post_norm")
-
-
-# --------------------------------------------------------------------------------------------------- helpers
-
-
-def producer_layers(config) -> dict[str, int]:
-    """`hycoc.host.producer_layers` with the engine's error: raises BadRequest if the model lacks one of the two
-    attention types."""
-    try:
-        return host_producer_layers(config)
-    except ValueError as err:
-        raise BadRequest(str(err)) from None
-
 
 # --------------------------------------------------------------------------------------- the round, step by step
 
@@ -122,111 +97,10 @@ def verify_tree(
 # -------------------------------------------------------------------------------------------- engine, session
 
 
-class VerifierEngine:
-    """One verifier model (and optionally its MTP head) serving many sessions.
-
-    model: transformers ``Gemma4ForCausalLM`` (eval mode; its dtype and device are used as they are).
-    head: ``Gemma4AssistantForCausalLM`` for the ``cloud-mtp`` and ``server-head`` baselines, else None.
-    keep_set: int64 (|V|,) token ids the server head may propose (None: full vocabulary).
-    head_window: W, positions of hand-off windows and of the server head's window (paper: 1,024).
-    chain_length: K of the server-side chains (paper: 4).
-    handoff_scales: 6 fixed int8 scales (e, h, k_sliding, v_sliding, k_full, v_full) of the hand-off.
-    hidden: "pre_norm" (paper, Alg. 4 line 3) or "post_norm" (transformers' MTP generator) -- which h the
-        hand-off and the server-side heads read. head_query_position_offset: the head's query position is the
-        root position plus this (paper Alg. 2 line 6: -1; transformers' generator: 0).
-        head_sliding_window_inclusive: the server head's sliding layer reads the last sliding_window + 1 positions
-        (transformers' masks) instead of sliding_window (`hycoc.host.head_sliding_positions`; recipe ``[window]``).
-    eos_token_ids: committing any of them finishes the request. chat_format: the checkpoint's
-        `hycoc.chat.ChatFormat` (the server checks each OPEN's chat contract against it; None: unchecked).
-        max_context: positions the verifier holds
-        (default: config.max_position_embeddings). prefill_chunk: prompt positions per prefill forward.
-    device: where token tensors are created (the model's device).
-
-    Attributes for the server's Opened reply: max_context, vocab_size, hidden_size, kv_dim_sliding, kv_dim_full.
-    KV: kv_retain, the committed positions a sliding layer keeps (`hycoc.verifier.kv_cache.retained_positions`);
-    kv_layout, its `KVLayout`; kv_bytes_per_position, bytes of K and V one position would hold over all layers
-    that store KV if every layer kept every position (the layout before sliding windows). `session_kv_bytes` is
-    what the server's KV budget reserves per session.
-    """
-
-    def __init__(
-        self,
-        model,
-        *,
-        head=None,
-        keep_set: torch.Tensor | None = None,
-        head_window: int,
-        chain_length: int = 4,
-        handoff_scales: tuple[float, ...],
-        hidden: str = "pre_norm",
-        head_query_position_offset: int = -1,
-        eos_token_ids=(),
-        max_context: int | None = None,
-        device: torch.device | str = "cpu",
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-        chat_format=None,
-        head_sliding_window_inclusive: bool = False,
-    ):
-        if hidden not in HIDDEN_CHOICES:
-            raise BadRequest(f"hidden must be one of {HIDDEN_CHOICES}, got {hidden!r}")
-        if len(handoff_scales) != 6 or any(s <= 0 for s in handoff_scales):
-            raise BadRequest(f"handoff_scales needs 6 positive floats (e, h, k_s, v_s, k_f, v_f), got {handoff_scales}")
-        if head_window < 1 or chain_length < 0 or prefill_chunk < 1:
-            raise BadRequest("head_window and prefill_chunk must be >= 1, chain_length >= 0")
-        self.model = model.eval()
-        self.head = head.eval() if head is not None else None
-        self.device = torch.device(device)
-        self.keep_set = None if keep_set is None else torch.as_tensor(keep_set, dtype=torch.long, device=self.device)
-        self.head_window = int(head_window)
-        self.chain_length = int(chain_length)
-        self.handoff_scales = tuple(float(s) for s in handoff_scales)
-        self.hidden = hidden
-        self.head_query_position_offset = int(head_query_position_offset)
-        self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
-        self.chat_format = chat_format
-        self.prefill_chunk = int(prefill_chunk)
-        cfg = model.config
-        self.max_context = int(max_context or cfg.max_position_embeddings)
-        self.vocab_size = int(cfg.vocab_size)
-        self.hidden_size = int(cfg.hidden_size)
-        self.dtype = model.dtype
-        self.layers = producer_layers(cfg)
-        attn = model.model.layers
-        self.kv_dim_sliding = int(attn[self.layers[SLIDING]].self_attn.k_proj.out_features)
-        self.kv_dim_full = int(attn[self.layers[FULL]].self_attn.k_proj.out_features)
-        # K and V of every layer that stores its own KV (KV-shared layers store nothing), in the model's dtype.
-        stored = [
-            layer.self_attn.k_proj.out_features for layer, mode in zip(attn, cfg.kv_sharing_modes) if mode != "reuse"
-        ]
-        self.kv_bytes_per_position = 2 * int(sum(stored)) * torch.finfo(self.dtype).bits // 8
-        self._head_sliding_window = None
-        self.head_sliding: int | None = None
-        if self.head is not None:
-            self._head_sliding_window = self.head.config.get_text_config().sliding_window
-            self.head_sliding = head_sliding_positions(self._head_sliding_window, head_sliding_window_inclusive)
-        self.kv_retain = retained_positions(cfg, self.head_window, self._head_sliding_window)
-        self.kv_layout = KVLayout.from_config(cfg, torch.finfo(self.dtype).bits // 8, self.kv_retain)
-        self.tap = NormTap(model)
-
-    def new_cache(self):
-        """An empty session cache (`hycoc.verifier.kv_cache.session_cache`)."""
-        return session_cache(self.model.config, self.kv_retain)
-
-    def session_kv_bytes(self, positions: int, tree_rows: int) -> int:
-        """KV bytes a session holds at its largest when its positions (committed plus a round's rows) reach
-        ``positions`` and a round adds at most ``tree_rows`` rows (`hycoc.verifier.kv_cache.kv_bytes_per_session`
-        for this engine's model, dtype, W and head); Cloud+MTP's root + K-chain is counted too, and so are a
-        prefill chunk's rows (the prefill peak) and the conversation's sliding-window snapshot."""
-        return kv_bytes_per_session(
-            self.model.config,
-            int(positions),
-            tree_rows=max(int(tree_rows), self.chain_length + 1),
-            handoff_window=self.head_window,
-            dtype_bytes=torch.finfo(self.dtype).bits // 8,
-            head_sliding_window=self._head_sliding_window,
-            prefill_chunk=self.prefill_chunk,
-            snapshot=True,
-        )
+class VerifierEngine(VerifierModel):
+    """One verifier model (and optionally its MTP head) serving many sessions: a `VerifierModel` (its arguments and
+    attributes: model, head, keep set, W, K, hand-off scales, which h, EOS ids, chat format, max_context, prefill
+    chunk, device; the KV geometry and `session_kv_bytes`) that opens `Session`s."""
 
     def open(
         self,
@@ -279,10 +153,6 @@ class VerifierEngine:
             int(max_new_tokens),
             anchor=int(anchor),
         )
-
-    def close(self) -> None:
-        """Remove the engine's hook from the model."""
-        self.tap.remove()
 
 
 @dataclass
@@ -401,64 +271,13 @@ class Session:
     # ---------------------------------------------------------------------------------- the next turn (APPEND)
 
     def kv_held(self) -> int:
-        """Positions [0, n) whose KV the cache holds for the committed ids (a finished round may hold KV of path
-        rows after a cut EOS, and the bonus token has none yet)."""
-        return min(len(self.tokens), self.t)
+        """Positions [0, n) whose KV the cache holds for the committed ids (`hycoc.verifier.append.kv_held`)."""
+        return append_turn.kv_held(self)
 
     def plan_append(self, turn_ids, keep: int, keep_crc: int | None = None) -> AppendPlan:
-        """Check an APPEND and decide its rollback (`AppendPlan`) without changing anything.
-
-        turn_ids: int (T,), T >= 1, the conversation's rendering after the ``keep`` held ids it keeps (the
-        device's `hycoc.chat.common_prefix` of what both hold and the whole conversation re-rendered; the last id
-        is the next root). keep_crc: crc32 of the held ids [0, keep) (`hycoc.chat.ids_crc32`), or None (not
-        checked: a caller on this side of the wire). The rollback start is ``keep`` -- at most the positions with
-        KV, and at least one id is prefilled so the new root has its h -- if the sliding layers still hold its
-        window (kind "crop"); else the snapshot's position when it lies at or before it ("snapshot"); else 0
-        ("full": the whole conversation again). Raises SessionFinished (closed, or the turn has not finished),
-        ConversationMismatch (keep past the held ids, or another crc), BadRequest (empty turn, an id outside the
-        vocabulary), ContextOverflow (no room for one output token).
-        """
-        turn = np.asarray(turn_ids, dtype=np.int64).reshape(-1)
-        eng = self.engine
-        if self.cache is None or self.prefill_ms is None:
-            raise SessionFinished("this session is closed (or was never prefilled): open a new one")
-        if not self.finished:
-            raise SessionFinished(
-                "the current turn has not finished: send rounds until a reply says finished, then append the next turn"
-            )
-        if len(turn) == 0:
-            raise BadRequest("the appended turn is empty; it needs at least the next root token")
-        if turn.min() < 0 or turn.max() >= eng.vocab_size:
-            raise BadRequest(f"appended token ids must be in [0, {eng.vocab_size})")
-        keep = int(keep)
-        if not 1 <= keep <= len(self.tokens):
-            raise ConversationMismatch(
-                f"APPEND keeps {keep} ids but the session holds {len(self.tokens)} (prompt "
-                "and committed output); the device and the verifier disagree about the "
-                "conversation: open a new session"
-            )
-        if keep_crc is not None and ids_crc32(self.tokens[:keep]) != int(keep_crc):
-            raise ConversationMismatch(
-                f"the kept {keep} ids differ from the session's (crc32 "
-                f"{ids_crc32(self.tokens[:keep]):#010x} here, {int(keep_crc):#010x} sent); "
-                "the device and the verifier disagree about the conversation: open a new "
-                "session"
-            )
-        conversation = np.concatenate([np.asarray(self.tokens[:keep], np.int64), turn])
-        if len(conversation) >= eng.max_context:
-            raise ContextOverflow(
-                f"the conversation ({len(conversation)} tokens with the new turn) leaves no room "
-                f"for output in the verifier's context of {eng.max_context} positions"
-            )
-        start = min(keep, self.kv_held(), len(conversation) - 2)
-        retain = eng.kv_retain
-        if sliding_start(self.cache) <= max(0, start - retain):
-            kind = "crop"
-        elif self.snapshot is not None and self.snapshot.position <= start:
-            kind, start = "snapshot", self.snapshot.position
-        else:
-            kind, start = "full", 0
-        return AppendPlan(keep=keep, start=start, kind=kind, conversation=conversation, reprefilled=keep - start)
+        """Check an APPEND and decide its rollback without changing anything (`hycoc.verifier.append.plan_append`:
+        its arguments, the rollback kinds and what it raises)."""
+        return append_turn.plan_append(self, turn_ids, keep, keep_crc)
 
     def append(
         self, turn_ids, max_new_tokens: int, *, keep: int, keep_crc: int | None = None, anchor: int = 0
@@ -483,56 +302,9 @@ class Session:
     def append_job(
         self, turn_ids, max_new_tokens: int, *, keep: int, keep_crc: int | None = None, anchor: int = 0
     ) -> PrefillJob:
-        """`append` as a `PrefillJob` (every check runs here, before any state changes; the turn is committed
-        when the job's last chunk has run, and a chunk that fails puts the cache, the snapshot and every field
-        back)."""
-        eng = self.engine
-        plan = self.plan_append(turn_ids, keep, keep_crc)
-        if max_new_tokens < 1:
-            raise BadRequest(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        n = len(plan.conversation)
-        if anchor and not plan.keep <= anchor < n:
-            raise BadRequest(f"anchor {anchor} lies outside the new turn's positions [{plan.keep}, {n})")
-        old_cache, old_snapshot = self.cache, self.snapshot
-        if plan.kind == "full":
-            checkpoint = None
-            cache = self.cache = eng.new_cache()
-        else:
-            cache = self.cache
-            assert cache is not None  # a session that takes an APPEND holds its cache
-            checkpoint = CacheCheckpoint(cache, plan.start)
-            if plan.kind == "snapshot":
-                assert self.snapshot is not None  # plan_append chose "snapshot" because one is held
-                restore_snapshot(cache, plan_snapshot := self.snapshot)
-                for layer in cache.layers:  # full layers back to the snapshot's position
-                    if stores_kv(layer) and not isinstance(layer, SlidingWindowLayer):
-                        layer.keys = layer.keys[..., : plan_snapshot.position, :]
-                        layer.values = layer.values[..., : plan_snapshot.position, :]
-            else:
-                crop_cache(cache, plan.start)
-        ids = torch.as_tensor(plan.conversation[plan.start : -1], device=eng.device)
-        new_snapshot: list[WindowSnapshot] = []
-
-        def done(last, ms: float) -> tuple[float, int]:
-            self.tokens = [int(x) for x in plan.conversation]
-            self.t = len(self.tokens) - 1
-            self._h = last[0 if eng.hidden == "pre_norm" else 1]
-            self.turn_start, self.max_new_tokens = len(self.tokens), int(max_new_tokens)
-            self.finished, self.finish_reason, self._last = False, None, None
-            if new_snapshot:
-                self.snapshot = new_snapshot[-1]
-            self.turns_prefill_ms.append(ms)
-            self.appends.append(plan)
-            return ms, self.t
-
-        def abort() -> None:
-            if checkpoint is not None:
-                checkpoint.restore()
-            self.cache, self.snapshot = old_cache, old_snapshot
-
-        return PrefillJob(
-            eng, cache, ids, plan.start, done, snapshot_at=anchor or None, on_snapshot=new_snapshot.append, abort=abort
-        )
+        """`append` as a `PrefillJob` (`hycoc.verifier.append.append_job`: every check runs before any state
+        changes; a chunk that fails puts the cache, the snapshot and every field back)."""
+        return append_turn.append_job(self, turn_ids, max_new_tokens, keep=keep, keep_crc=keep_crc, anchor=anchor)
 
     def close(self) -> None:
         """Free the KV cache."""
