@@ -53,7 +53,6 @@ Prints a table and writes the same as JSON to ``--out`` (default runs/real-shape
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import shutil
 import sys
@@ -67,8 +66,10 @@ import numpy as np
 
 from hycoc.bench.harness import (
     Steps,
+    compiled_details,
     cpu_run,
     du,
+    htp_simulate,
     human_bytes,
     initializer_bits,
     machine,
@@ -79,145 +80,18 @@ from hycoc.bench.harness import (
     synthetic_keep_set,
     write_report,
 )
+from hycoc.bench.head_shapes import (
+    BLOCK_INPUTS,
+    attention_block_class,
+    block_feeds,
+    head_config,
+    report_shapes,
+    sub_head,
+    synthetic_feeds,
+)
 from hycoc.doctor import package_versions
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-# ---- the model -------------------------------------------------------------------------------------------------
-
-
-#: ``--toy-dims`` (tests only): the same structure at toy widths, so the whole chain runs in seconds. NOT real shapes.
-TOY_DIMS = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "num_global_key_value_heads": 1,
-    "global_head_dim": 64,
-    "vocab_size": 4096,
-}
-TOY_BACKBONE = 96
-
-
-def head_config(layers: int | None, toy_dims: bool = False):
-    """The ASSUMED real-shape head config (`hycoc.passes.plan.HEAD_ASSUMED`), cut to the first ``layers``.
-
-    transformers' Gemma 4 config forces the last layer to full attention, so ``layers`` 1 gives [full] and 2 gives
-    [sliding, full]. ``toy_dims``: `TOY_DIMS` widths (tests only)."""
-    from hycoc.passes.plan import HEAD_ASSUMED
-    from transformers import Gemma4AssistantConfig
-
-    d = copy.deepcopy(HEAD_ASSUMED)
-    text = d["text_config"]
-    if toy_dims:
-        text.update(TOY_DIMS)
-        d["backbone_hidden_size"] = TOY_BACKBONE
-    n = len(text["layer_types"]) if layers is None else int(layers)
-    if not 1 <= n <= len(text["layer_types"]):
-        raise ValueError(f"--layers {n}: the assumed head has {len(text['layer_types'])} layers")
-    text["layer_types"] = text["layer_types"][: n - 1] + [text["layer_types"][-1]]
-    text["num_hidden_layers"] = n
-    text["num_kv_shared_layers"] = n
-    return Gemma4AssistantConfig.from_dict(d), text
-
-
-def synthetic_feeds(config, text: dict, window: int, count: int, seed: int) -> list[dict[str, np.ndarray]]:
-    """``count`` head graph inputs (INPUT_NAMES) from random-but-plausible values (module docstring)."""
-    from hycoc.passes.head_graph import INPUT_NAMES, ring_masks, rotary_rows
-
-    from hycoc.mtp import FULL, SLIDING
-
-    H = int(config.backbone_hidden_size)
-    kv_s, d_s = int(text["num_key_value_heads"]), int(text["head_dim"])
-    kv_f, d_f = int(text["num_global_key_value_heads"]), int(text["global_head_dim"])
-    sliding_window = int(text["sliding_window"])
-    # rotary rows from the 4-layer config: `rotary_rows` needs both layer types in the config (with --layers 1 the
-    # head is [full] only); the rows depend only on the rope parameters and head dims, which are the same
-    rotary_config = config
-    if len(set(text["layer_types"])) < 2:
-        rotary_config = head_config(None, int(text["hidden_size"]) == TOY_DIMS["hidden_size"])[0]
-    rng = np.random.default_rng(seed)
-    outliers = rng.choice(H, size=max(1, H // 512), replace=False)
-    out = []
-    for i in range(count):
-        # ring fill from a quarter ring to a full, wrapped ring
-        fill = window // 4 + (i * (window - window // 4)) // max(1, count - 1) if count > 1 else window
-        t = fill if fill < window else window + 37 + i
-        masks = ring_masks(t, 0, window, sliding_window)
-        rot = rotary_rows(rotary_config, t - 1)
-        e = rng.standard_normal(H).astype(np.float32)
-        h = 2.0 * rng.standard_normal(H).astype(np.float32)
-        h[outliers] *= 40.0
-        x_hat = np.concatenate([e, h])[None, None]
-        values = {
-            "x_hat": x_hat,
-            "k_sliding": rng.standard_normal((1, kv_s, window, d_s), dtype=np.float32),
-            "v_sliding": rng.standard_normal((1, kv_s, window, d_s), dtype=np.float32),
-            "k_full": rng.standard_normal((1, kv_f, window, d_f), dtype=np.float32),
-            "v_full": rng.standard_normal((1, kv_f, window, d_f), dtype=np.float32),
-            "mask_sliding": masks[SLIDING],
-            "mask_full": masks[FULL],
-            "cos_sliding": rot[SLIDING][0].numpy(),
-            "sin_sliding": rot[SLIDING][1].numpy(),
-            "cos_full": rot[FULL][0].numpy(),
-            "sin_full": rot[FULL][1].numpy(),
-        }
-        out.append({n: np.ascontiguousarray(values[n], dtype=np.float32) for n in INPUT_NAMES})
-    return out
-
-
-def _block_class():
-    import torch
-    from torch import nn
-
-    class AttentionBlock(nn.Module):
-        """Pre-projection + one decoder layer of the head reading the W-column ring of one layer kind (the head
-        graph cut to its first layer of that kind): inputs x_hat, k, v, mask, cos, sin; output ``h_block``."""
-
-        def __init__(self, graph, index: int):
-            super().__init__()
-            self.pre_projection = graph.pre_projection
-            self.layer = graph.layers[index]
-            self.kind = graph.layer_types[index]
-            self.requires_grad_(False)
-
-        def forward(self, x_hat, k, v, mask, cos, sin):
-            x = self.pre_projection(x_hat)
-            return self.layer(
-                x, None, shared_kv_states={self.kind: (k, v)}, position_embeddings=(cos, sin), attention_mask=mask
-            )
-
-    return AttentionBlock, torch
-
-
-def block_feeds(feeds: list[dict[str, np.ndarray]], suffix: str) -> list[dict[str, np.ndarray]]:
-    return [
-        {
-            "x_hat": f["x_hat"],
-            "k": f[f"k_{suffix}"],
-            "v": f[f"v_{suffix}"],
-            "mask": f[f"mask_{suffix}"],
-            "cos": f[f"cos_{suffix}"],
-            "sin": f[f"sin_{suffix}"],
-        }
-        for f in feeds
-    ]
-
-
-BLOCK_INPUTS = ("x_hat", "k", "v", "mask", "cos", "sin")
-
-
-# ---- helpers --------------------------------------------------------------------------------------------------
-
-
-def _sub_head(qhead, prefixes: tuple[str, ...]):
-    """The QuantizedHead restricted to the linears under ``prefixes`` (for a block's `head_weight_arrays`)."""
-    keep = [n for n in qhead.qweight if n.startswith(prefixes)]
-    return dataclasses.replace(
-        qhead, qweight={n: qhead.qweight[n] for n in keep}, scale={n: qhead.scale[n] for n in keep}
-    )
 
 
 # ---- the check ---------------------------------------------------------------------------------------------------
@@ -431,31 +305,6 @@ def qdq(c: Check):
     return result, du(*qdq_files), numbers
 
 
-def compiled_details(cg, profile, **extra) -> dict[str, Any]:
-    """The details of a compile step (`hycoc.targets.htp.CompiledGraph`)."""
-    d = {
-        "profile": profile.name,
-        "htp_arch": cg.htp_arch,
-        "soc_type": cg.soc_type,
-        "binary_bytes": cg.binary_bytes,
-        "weight_bytes": cg.weight_bytes,
-        "compile_seconds": round(cg.compile_seconds, 2),
-        "cpu_fallback": "disabled",
-    }
-    return {**d, **extra}
-
-
-def simulate(ctx_model: Path, profile, feed: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-    """One run of a compiled graph on the HTP simulator: (outputs, {load_seconds, run_seconds})."""
-    from hycoc.targets.htp import HtpSession
-
-    t0 = time.perf_counter()
-    sess = HtpSession(ctx_model, profile)
-    t1 = time.perf_counter()
-    out = sess.run(feed)
-    return out, {"load_seconds": round(t1 - t0, 2), "run_seconds": round(time.perf_counter() - t1, 2)}
-
-
 def block_chain(c: Check, suffix: str, AttentionBlock, profile) -> None:
     """6. One attention block of kind ``suffix``: export, QDQ, compile and simulate, each a step; stops at the first
     failed one (a block whose kind is not among the kept layers is recorded as skipped)."""
@@ -492,7 +341,7 @@ def block_chain(c: Check, suffix: str, AttentionBlock, profile) -> None:
         from hycoc.passes.head_export import head_weight_arrays
         from hycoc.passes.qdq import quantize_graph
 
-        sub = _sub_head(c.qhead, ("pre_projection", f"model.layers.{index}."))
+        sub = sub_head(c.qhead, ("pre_projection", f"model.layers.{index}."))
         arrays = head_weight_arrays(onnx.load(str(bpath)), sub)
         result = quantize_graph(bpath, bfeeds, bdir / "qdq", percentile=c.percentile, weight_arrays=arrays)
         onnx.checker.check_model(str(result.path), full_check=True)
@@ -511,7 +360,7 @@ def block_chain(c: Check, suffix: str, AttentionBlock, profile) -> None:
 
     def bsim():
         feed = bfeeds[0]
-        out, times = simulate(holder["compiled"].ctx_model, profile, feed)
+        out, times = htp_simulate(holder["compiled"].ctx_model, profile, feed)
         got_htp = out["h_block"]
         cpu = cpu_run(holder["qdq"].path, feed)["h_block"]
         flt = cpu_run(bpath, feed)["h_block"]
@@ -560,7 +409,7 @@ def full_chain(c: Check, profile) -> None:
 
     def fsim():
         feed = c.feeds[0]
-        got_htp, out = simulate(compiled.ctx_model, profile, feed)
+        got_htp, out = htp_simulate(compiled.ctx_model, profile, feed)
         cpu = cpu_run(c.qres.path, feed)
         flt = cpu_run(c.qres.float_path, feed)
         for name in OUTPUT_NAMES:
@@ -596,7 +445,7 @@ def run_chain(c: Check) -> None:
     what = "quantize_graph: W4 bit-exact QAT integers, A16, fixed encodings; ONNX checker on the QDQ file"
     c.qres = steps.run("qdq", lambda: qdq(c), what=what)
     profile = PROFILES["htp-v81"]
-    AttentionBlock, _ = _block_class()
+    AttentionBlock = attention_block_class()
     for suffix in c.blocks:
         block_chain(c, suffix, AttentionBlock, profile)
     if c.qres is not None and not c.args.skip_compile and not c.args.no_full_compile:
@@ -612,7 +461,7 @@ def report_of(c: Check, started: str, total_s: float) -> dict[str, Any]:
         "started": started,
         "total_seconds": round(total_s, 1),
         "args": dict(vars(c.args)),
-        "shapes": _shapes(c.args, c.text),
+        "shapes": report_shapes(c.args, c.text),
         "assumptions": [
             "head config ASSUMED (hycoc.passes.plan.HEAD_ASSUMED) until the assistant's config.json is given",
             "random weights (transformers' initializer): timing and memory are the real shapes', numerics are not",
@@ -652,28 +501,6 @@ def main(argv=None) -> dict[str, Any]:
         if not args.work and not args.keep_work:
             shutil.rmtree(c.work, ignore_errors=True)
     return report
-
-
-def _shapes(args, text: dict | None) -> dict[str, Any]:
-    from hycoc.passes.plan import HEAD_ASSUMED
-
-    t = text or HEAD_ASSUMED["text_config"]
-    backbone = TOY_BACKBONE if args.toy_dims else int(HEAD_ASSUMED["backbone_hidden_size"])
-    return {
-        "real_shapes": not args.toy_dims,
-        "keep_set": args.keep_set,
-        "window": args.window,
-        "layers": int(t["num_hidden_layers"]) if text else (args.layers or 4),
-        "layer_types": t["layer_types"],
-        "head_hidden": t["hidden_size"],
-        "intermediate": t["intermediate_size"],
-        "query_heads": t["num_attention_heads"],
-        "vocab": t["vocab_size"],
-        "backbone_hidden": backbone,
-        "x_hat": 2 * backbone,
-        "kv_sliding": [t["num_key_value_heads"], t["head_dim"]],
-        "kv_full": [t["num_global_key_value_heads"], t["global_head_dim"]],
-    }
 
 
 def print_table(report: dict) -> None:

@@ -46,12 +46,8 @@ Prints a table and writes JSON to ``--out`` (default runs/real-shape-slm.json).
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import gc
-import json
-import math
-import os
 import shutil
 import sys
 import tempfile
@@ -71,187 +67,22 @@ from hycoc.bench.harness import (
     machine,
     needs,
     onnx_files,
-    qnn_worker_timeout,
     sqnr_rounded,
     synthetic_keep_set,
     write_report,
 )
+from hycoc.bench.random_checkpoint import slm_config, write_random_checkpoint
+from hycoc.bench.real_shape_shards import (
+    TWO_GB,
+    compile_slm,
+    qdq_peak_estimate_gib,
+    refused_row,
+    run_sharded,
+    top1_agreement,
+)
 from hycoc.doctor import package_versions
 
 REPO = Path(__file__).resolve().parents[1]
-GIB = 1024**3
-TWO_GB = 2**31
-
-#: ``--toy-dims`` (tests only): E2B's structure at toy widths. NOT real shapes.
-TOY_DIMS = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 32,
-    "global_head_dim": 64,
-    "vocab_size": 4096,
-    "vocab_size_per_layer_input": 4096,
-    "hidden_size_per_layer_input": 16,
-}
-
-
-def slm_config(layers: int | None, toy_dims: bool = False) -> dict[str, Any]:
-    """E2B's text config (`hycoc.passes.plan.SLM_E2B`), output layer untied, cut to the first ``layers`` layers
-    (KV sharing scaled to 20/35 of them, at least the last producer of each type kept). Raises ValueError for a
-    layer count outside [2, 35]."""
-    from hycoc.passes.plan import SLM_E2B
-
-    d = copy.deepcopy(SLM_E2B)
-    d["tie_word_embeddings"] = False
-    if toy_dims:
-        d.update(TOY_DIMS)
-    n = len(d["layer_types"]) if layers is None else int(layers)
-    if not 2 <= n <= len(d["layer_types"]):
-        raise ValueError(f"--layers {n}: must lie in [2, {len(d['layer_types'])}]")
-    if n < len(d["layer_types"]):
-        types = d["layer_types"][:n]
-        if "full_attention" not in types:
-            types[-1] = "full_attention"
-        d["layer_types"] = types
-        d["num_hidden_layers"] = n
-        shared = (n * d["num_kv_shared_layers"]) // 35
-        # the shared layers need a producer of each type among the non-shared ones
-        while shared and {*d["layer_types"][: n - shared]} != {*types}:
-            shared -= 1
-        d["num_kv_shared_layers"] = shared
-    return d
-
-
-def _meta_model(cfg: dict[str, Any]):
-    import torch
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
-
-    with torch.device("meta"):
-        return Gemma4ForCausalLM(Gemma4TextConfig.from_dict(cfg))
-
-
-def write_random_checkpoint(
-    cfg: dict[str, Any], quant_config: dict[str, Any], path: Path, *, seed: int = 0, shard_bytes: int = 1 << 30
-) -> dict[str, Any]:
-    """Random integer weights in transformers' pre-quantized Gemma format under ``path`` (module docstring, step 1).
-
-    cfg: Gemma 4 text config dict; quant_config: a validated ``quantization_config`` (`hycoc.passes.bit_map`).
-    Writes ``config.json`` (with ``quantization_config``), ``model-XXXXX.safetensors`` shards of about
-    ``shard_bytes`` and ``model.safetensors.index.json``, each to a temporary name renamed when complete.
-    Returns {"tensors", "bytes", "by_bits": {bits: {"modules", "values", "bytes"}}, "embeddings": {...}}.
-    """
-    import torch
-    from hycoc.passes.bit_map import resolve_bits, validate
-    from safetensors.torch import save_file
-
-    from hycoc.toy.gemma_format import pack, qmax
-
-    qcfg = validate(quant_config)
-    path.mkdir(parents=True, exist_ok=True)
-    meta = _meta_model(cfg)
-    rng = np.random.default_rng(seed)
-    owned: set[str] = set()
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    sizes = [0]
-    by_bits: dict[str, dict[str, int]] = {}
-    embeddings: dict[str, dict[str, int]] = {}
-
-    def put(name: str, t: torch.Tensor) -> None:
-        nbytes = t.numel() * t.element_size()
-        if sizes[-1] and sizes[-1] + nbytes > shard_bytes:
-            flush()
-        shards[-1][name] = t.contiguous()
-        sizes[-1] += nbytes
-
-    files: list[tuple[str, list[str]]] = []
-
-    def flush() -> None:
-        if not shards[-1]:
-            return
-        name = f"model-{len(files) + 1:05d}.safetensors"
-        tmp = path / (name + ".tmp")
-        save_file(shards[-1], str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, path / name)
-        files.append((name, list(shards[-1])))
-        shards[-1] = {}
-        sizes[-1] = 0
-
-    for name, module in meta.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            bits = resolve_bits(name, qcfg)
-            qm = qmax(bits)
-            q = torch.from_numpy(
-                rng.integers(-qm, qm + 1, size=(module.out_features, module.in_features), dtype=np.int8)
-            )
-            scale = torch.full((module.out_features, 1), math.sqrt(3) / (qm * math.sqrt(module.in_features)))
-            scale *= torch.from_numpy(rng.uniform(0.8, 1.2, (module.out_features, 1)).astype(np.float32))
-            packed = pack(q, bits)
-            del q
-            put(f"{name}.weight", packed)
-            put(f"{name}.weight_scale", scale.float())
-            put(f"{name}.input_activation_scale", torch.tensor(0.0))
-            put(f"{name}.output_activation_scale", torch.tensor(0.0))
-            e = by_bits.setdefault(str(bits), {"modules": 0, "values": 0, "bytes": 0})
-            e["modules"] += 1
-            e["values"] += module.out_features * module.in_features
-            e["bytes"] += packed.numel() * packed.element_size() + 4 * module.out_features
-            owned.add(name)
-        elif isinstance(module, torch.nn.Embedding):
-            bits = resolve_bits(name, qcfg)
-            qm = qmax(bits)
-            rows, dim = module.num_embeddings, module.embedding_dim
-            packed_rows = []
-            for start in range(0, rows, 16384):  # in slices: the int8 rows of a 2.3 G-value table = 2.3 GB
-                stop = min(rows, start + 16384)
-                q = torch.from_numpy(rng.integers(-qm, qm + 1, size=(stop - start, dim), dtype=np.int8))
-                packed_rows.append(pack(q, bits))
-            packed = torch.cat(packed_rows)
-            del packed_rows
-            scale = torch.full((rows, 1), math.sqrt(3) / (qm * math.sqrt(dim)))
-            put(f"{name}.embedding_quantized", packed)
-            put(f"{name}.embedding_scale", scale.float())
-            embeddings[name] = {
-                "rows": rows,
-                "cols": dim,
-                "bits": bits,
-                "bytes": packed.numel() * packed.element_size() + 4 * rows,
-            }
-            del packed
-            owned.add(name)
-    for key, t in meta.state_dict().items():
-        if key.rsplit(".", 1)[0] in owned:
-            continue
-        put(key, torch.ones(tuple(t.shape), dtype=torch.float32))
-    flush()
-    index = {
-        "metadata": {"total_size": int(sum((path / f).stat().st_size for f, _ in files))},
-        "weight_map": {k: f for f, keys in files for k in keys},
-    }
-    tmp = path / "model.safetensors.index.json.tmp"
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, path / "model.safetensors.index.json")
-    config = dict(cfg)
-    config["quantization_config"] = qcfg
-    config["architectures"] = ["Gemma4ForCausalLM"]
-    tmp = path / "config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=1))
-    os.replace(tmp, path / "config.json")
-    return {
-        "tensors": len(index["weight_map"]),
-        "files": len(files),
-        "bytes": du(path),
-        "by_bits": by_bits,
-        "embeddings": embeddings,
-    }
-
-
-def qdq_peak_estimate_gib(linear_values: int, lut_bytes: int) -> float:
-    """Estimated peak of `quantize_graph` on the whole graph: the float32 fold of every weight held about three
-    times (folded model, preprocessed copy, quantizer's copy + the CPU EP session of the calibration), plus the
-    int8 graph and the host LUTs. A planning figure, not a measurement."""
-    return (3 * 4 * linear_values + linear_values + lut_bytes) / GIB
-
 
 # ---- the check -------------------------------------------------------------------------------------------------
 
@@ -432,20 +263,6 @@ def export(c: Check):
     return True, du(*onnx_files(c.export_path)), d
 
 
-def refused_row(name: str, estimate: float, limit: float, note: str = "", details: dict | None = None) -> dict:
-    """The report row of a QDQ step refused up front: its estimated peak is over ``--max-qdq-gib``."""
-    row = {
-        "step": name,
-        "status": "refused",
-        "seconds": 0,
-        "output_bytes": 0,
-        "peak_rss_gib": 0,
-        "peak_tree_rss_gib": 0,
-        "what": f"estimated peak {estimate:.1f} GiB > --max-qdq-gib {limit}{note}",
-    }
-    return row if details is None else {**row, "details": details}
-
-
 def qdq(c: Check, estimate: float):
     """6. `quantize_graph` on the whole graph (bit-exact integer weights, A16 on synthetic samples), checker."""
     import onnx
@@ -495,14 +312,6 @@ def budget_refusal(c: Check, qdq_path: Path):
     raise AssertionError("a context over the lowered limit was not refused")
 
 
-def compile_slm(c: Check, qdq_path: Path, name: str):
-    """`compile_context` of ``qdq_path`` for the profile (CPU fallback disabled) within ``--compile-timeout``."""
-    from hycoc.targets.htp import compile_context
-
-    with qnn_worker_timeout(c.args.compile_timeout):
-        return compile_context(qdq_path, c.work / "htp", c.profile, graph_name=name)
-
-
 def compile_step(c: Check, qdq_path: Path):
     """8. The whole graph's context binary."""
     cg = compile_slm(c, qdq_path, "slm")
@@ -517,12 +326,6 @@ def compile_step(c: Check, qdq_path: Path):
         "cpu_fallback": "disabled",
     }
     return cg, cg.binary_bytes + cg.ctx_model.stat().st_size, details
-
-
-def top1_agreement(a: np.ndarray, b: np.ndarray) -> float:
-    """Share of rows whose argmax over the last axis agrees."""
-    a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
-    return float(np.mean(a.argmax(-1) == b.argmax(-1)))
 
 
 def simulate(c: Check, cg, qdq_path: Path):
@@ -545,7 +348,7 @@ def simulate(c: Check, cg, qdq_path: Path):
 
 
 def run_chain(c: Check) -> None:
-    """Steps 1-8 in order (``--shards``: steps 4-8 per shard, `_sharded`); each runs only when what it needs
+    """Steps 1-8 in order (``--shards``: steps 4-8 per shard, `run_sharded`); each runs only when what it needs
     succeeded."""
     a, steps = c.args, c.steps
     c.say(f"checkpoint: {c.cfg['num_hidden_layers']} layers, hidden {c.cfg['hidden_size']}, bit map {a.bit_map}")
@@ -560,7 +363,7 @@ def run_chain(c: Check) -> None:
     what = "token + per-layer embedding LUTs looked up on the host (32 rows)"
     steps.run("host_luts", lambda: host_luts(c), what=what)
     if a.shards != "1" or a.bounds:
-        _sharded(c)
+        run_sharded(c)
         return
     what = "SlmTreeGraph: B rows over the ring, keep-set output layer"
     graph = steps.run("graph", lambda: tree_graph(c), what=what)
@@ -615,259 +418,6 @@ def main(argv=None) -> dict[str, Any]:
         if not args.work and not args.keep_work:
             shutil.rmtree(c.work, ignore_errors=True)
     return report
-
-
-# ---- --shards: the graph split by layers, each shard through steps 4-8, then the chain end to end ----------------
-
-
-@dataclasses.dataclass
-class Shards:
-    """The sharded path's state: the shard bounds, the keep set and rings, the host's calibration feeds, and what
-    each chain (float, QDQ on the CPU EP, HTP simulator) has produced so far (output name -> array; the float chain
-    per sample), plus the QDQ file of each shard done."""
-
-    bounds: tuple[int, ...]
-    keep: np.ndarray
-    ring: dict[str, int]
-    host_samples: list[dict[str, np.ndarray]] | None = None
-    produced_float: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
-    produced_sim: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
-    produced_cpu: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
-    qdq_paths: list[Path] = dataclasses.field(default_factory=list)
-
-    @property
-    def count(self) -> int:
-        return len(self.bounds) - 1
-
-
-def shard_plan(c: Check):
-    """The shard bounds: ``--bounds``, else `plan_shards` on the profile's context budget (``--shards``)."""
-    from hycoc.passes.slm_shards import layer_weight_bytes, plan_shards
-
-    args, budget = c.args, c.profile.max_context_bytes
-    per_layer, first, last = layer_weight_bytes(c.state["slm"], c.keep_n)
-    if args.bounds:
-        bounds, source = tuple(int(x) for x in args.bounds.split(",")), "--bounds"
-    else:
-        shards = args.shards if args.shards == "auto" else int(args.shards)
-        plan = plan_shards(per_layer, budget=budget, first_extra=first, last_extra=last, shards=shards)
-        bounds, source = plan.bounds, f"plan_shards({args.shards})"
-    seg = [
-        sum(per_layer[a:b]) + (first if a == 0 else 0) + (last if b == len(per_layer) else 0)
-        for a, b in zip(bounds, bounds[1:])
-    ]
-    details = {
-        "bounds": list(bounds),
-        "per_layer_bytes": per_layer,
-        "first_extra_bytes": first,
-        "last_extra_bytes": last,
-        "estimated_shard_bytes": seg,
-        "budget_bytes": budget,
-        "from": source,
-    }
-    return bounds, 0, details
-
-
-def shard_graph(c: Check, s: Shards, k: int):
-    """``graph.sK``: the torch shard, and the float chain on the calibration samples (shard k's samples are the host
-    feeds and the earlier shards' float outputs). Returns ((graph, samples), 0, details)."""
-    import torch
-    from hycoc.passes.qdq import slm_calibration_samples
-    from hycoc.passes.slm_graph import SlmTreeGraph, chain_feeds
-
-    slm, a = c.state["slm"], c.args
-    g = SlmTreeGraph(slm, s.keep, rows=a.rows, ring=s.ring, bounds=s.bounds, shard=k)
-    if s.host_samples is None:
-        s.host_samples = slm_calibration_samples(g, slm, a.samples, a.seed)
-        s.produced_float.extend({} for _ in s.host_samples)
-    samples = []
-    for host, made in zip(s.host_samples, s.produced_float):
-        x = chain_feeds(g, host, made)
-        samples.append(x)
-        with torch.no_grad():
-            outs = g(*[torch.from_numpy(x[nm]) for nm in g.input_names])
-        made.update({nm: o.numpy() for nm, o in zip(g.output_names, outs)})
-    details = {
-        "layers": list(g.layer_range),
-        "kv_layers": g.kv_layers,
-        "borrowed_producers": g.borrowed,
-        "inputs": {nm: list(v) for nm, v in g.input_shapes.items()},
-        "outputs": {nm: list(v) for nm, v in g.output_shapes.items()},
-        "linear_values": sum(int(m.q.numel()) for m in g.modules() if hasattr(m, "bits")),
-    }
-    return (g, samples), 0, details
-
-
-def shard_export(c: Check, g, samples: list[dict[str, np.ndarray]], path: Path):
-    """``export.sK``: `export_slm_graph` of the shard on its first sample, and its host-only nodes."""
-    import onnx
-    import torch
-    from hycoc.passes.slm_graph import export_slm_graph
-    from hycoc.targets.htp import find_host_only_nodes
-
-    _, rep = export_slm_graph(g, [torch.from_numpy(samples[0][nm]) for nm in g.input_names], path)
-    m = onnx.load(str(path), load_external_data=False)
-    d = rep.numbers()
-    d.update(
-        data_bytes=rep.data_bytes,
-        over_2gb=rep.data_bytes > TWO_GB,
-        host_only_nodes=[str(x) for x in find_host_only_nodes(m, c.profile)],
-    )
-    return True, du(*onnx_files(path)), d
-
-
-def shard_qdq(c: Check, path: Path, samples: list[dict[str, np.ndarray]], tag: str, estimate: float):
-    """``qdq.sK``: `quantize_graph` of the shard, calibrated on the float chain; the ONNX checker."""
-    import onnx
-    from hycoc.passes.qdq import quantize_graph
-
-    out = c.work / f"qdq-{tag}"
-    res = quantize_graph(path, samples, out, percentile=c.cal.percentile, range_scale=c.cal.range_scale)
-    onnx.checker.check_model(str(res.path), full_check=True)
-    d = res.numbers()
-    d.pop("io_encodings", None)
-    d.update(checker="ok", estimate_gib=round(estimate, 2), data_bytes=du(*onnx_files(res.path)))
-    return res, du(out), d
-
-
-def shard_budget_refusal(c: Check, s: Shards):
-    """``budget_refusal``: the limit lowered one byte below the largest shard's weights must refuse it first."""
-    from hycoc.targets.htp import ContextTooLargeError, compile_context, plan_context_size
-
-    plans = [plan_context_size([p], c.profile) for p in s.qdq_paths]
-    biggest = max(range(len(plans)), key=lambda i: plans[i].weight_bytes)
-    small = c.profile.with_limit(plans[biggest].weight_bytes - 1)
-    out = c.work / "refused"
-    try:
-        compile_context(s.qdq_paths[biggest], out, small, graph_name=f"slm_s{biggest}")
-    except ContextTooLargeError as e:
-        written = sorted(p.name for p in out.rglob("*") if p.is_file()) if out.exists() else []
-        details = {
-            "refused": True,
-            "shard": biggest,
-            "message": str(e)[:600],
-            "shard_weight_bytes": [p.weight_bytes for p in plans],
-            "files_written": written,
-            "limit_bytes": c.profile.max_context_bytes,
-            "every_shard_fits": all(p.weight_bytes <= c.profile.max_context_bytes for p in plans),
-        }
-        return True, 0, details
-    raise AssertionError("a shard over the lowered limit was not refused")
-
-
-def shard_compile(c: Check, qdq_path: Path, tag: str):
-    """``compile.sK``: the shard's own context binary."""
-    cg = compile_slm(c, qdq_path, f"slm_{tag}")
-    details = {
-        "binary": cg.context_binary.name,
-        "binary_bytes": cg.binary_bytes,
-        "weight_bytes": cg.weight_bytes,
-        "htp_arch": cg.htp_arch,
-        "soc_type": cg.soc_type,
-        "cpu_fallback": "disabled",
-        "under_budget": cg.binary_bytes <= c.profile.max_context_bytes,
-    }
-    return cg, cg.binary_bytes + cg.ctx_model.stat().st_size, details
-
-
-def shard_sim(c: Check, s: Shards, cg, qdq_path: Path):
-    """``sim.sK``: the shard on the HTP simulator fed by the simulator chain, against the CPU EP chain of the QDQ
-    shards (SQNR per output)."""
-    from hycoc.passes.slm_graph import chain_feeds
-    from hycoc.targets.htp import HtpSession
-
-    host = s.host_samples[0]
-    t0 = time.perf_counter()
-    sess = HtpSession(cg.ctx_model, c.profile)
-    load_s = time.perf_counter() - t0
-    x_sim = chain_feeds(_io_names(sess.input_names), host, s.produced_sim)
-    t1 = time.perf_counter()
-    got = sess.run(x_sim)
-    run_s = time.perf_counter() - t1
-    cpu = cpu_run(qdq_path, chain_feeds(_io_names(sess.input_names), host, s.produced_cpu))
-    s.produced_sim.update(got)
-    s.produced_cpu.update(cpu)
-    out = {"load_seconds": round(load_s, 2), "run_seconds": round(run_s, 2)}
-    for name in cpu:
-        out[f"sqnr_htp_vs_cpu_qdq_db.{name}"] = sqnr_rounded(cpu[name], got[name])
-    return True, 0, out
-
-
-def chain_end_to_end(s: Shards):
-    """``chain``: SQNR of the simulator chain vs the CPU EP chain, and of the CPU EP chain vs float (logits, new KV),
-    and the top-1 agreement of the two chains' logits."""
-    ref, cpu, sim = s.produced_float[0], s.produced_cpu, s.produced_sim
-    names = ["logits"] + sorted(x for x in cpu if x.startswith(("k_new_", "v_new_")))
-    out: dict[str, Any] = {"bounds": list(s.bounds)}
-    for name in names:
-        out[f"sqnr_htp_chain_vs_cpu_qdq_chain_db.{name}"] = sqnr_rounded(cpu[name], sim[name])
-        out[f"sqnr_cpu_qdq_chain_vs_float_db.{name}"] = sqnr_rounded(ref[name], cpu[name])
-    out["top1_htp_chain_eq_cpu_qdq_chain"] = top1_agreement(sim["logits"], cpu["logits"])
-    return True, 0, out
-
-
-def _sharded(c: Check) -> None:
-    """``--shards``: the plan, then per shard k in chain order ``graph.sK``, ``export.sK``, ``qdq.sK``, ``compile.sK``,
-    ``sim.sK`` (`shard_graph` .. `shard_sim`); ``budget_refusal`` on the largest shard once all are quantized;
-    ``chain`` end to end. Stops at the first step that fails or is refused."""
-    from hycoc.passes.slm_graph import FULL, SLIDING
-
-    args, steps = c.args, c.steps
-    what = "layer_weight_bytes + plan_shards on the profile's budget"
-    bounds = steps.run("shard_plan", lambda: shard_plan(c), what=what)
-    if bounds is None:
-        return
-    c.state["bounds"] = bounds
-    keep = synthetic_keep_set(c.keep_n, c.vocab, args.seed)
-    s = Shards(bounds, keep, {FULL: args.ring, SLIDING: args.sliding_ring})
-    c.say(f"shards: {s.count}, bounds {list(bounds)}")
-    lut_bytes = sum(int(v.packed.nbytes) for v in c.state["slm"].luts.values())
-    for k in range(s.count):
-        tag = f"s{k}"
-        c.say(f"shard {k}: layers [{bounds[k]}, {bounds[k + 1]})")
-        what = f"SlmTreeGraph shard {k} + the float chain on the samples"
-        got = steps.run(f"graph.{tag}", lambda: shard_graph(c, s, k), what=what)
-        if got is None:
-            return
-        g, samples = got
-        linear_values = steps.rows[-1]["details"]["linear_values"]
-        path = c.work / f"export-{tag}" / f"slm_{tag}.onnx"
-        what = f"export_slm_graph shard {k}"
-        if steps.run(f"export.{tag}", lambda: shard_export(c, g, samples, path), what=what) is None:
-            return
-        g = got = None  # the torch shard is not needed past export and calibration
-        estimate = qdq_peak_estimate_gib(linear_values, lut_bytes)
-        if estimate > args.max_qdq_gib:
-            steps.rows.append(refused_row(f"qdq.{tag}", estimate, args.max_qdq_gib))
-            return
-        what = f"quantize_graph shard {k} (calibrated on the float chain)"
-        qres = steps.run(f"qdq.{tag}", lambda: shard_qdq(c, path, samples, tag, estimate), what=what)
-        if qres is None:
-            return
-        s.qdq_paths.append(qres.path)
-        if k == s.count - 1:
-            what = "limit lowered below the largest shard: refused first"
-            steps.run("budget_refusal", lambda: shard_budget_refusal(c, s), what=what)
-        if args.skip_compile:
-            continue
-        what = f"compile_context shard {k}: its own context binary"
-        cg = steps.run(f"compile.{tag}", lambda: shard_compile(c, qres.path, tag), what=what)
-        if cg is None:
-            return
-        what = f"shard {k} on the HTP simulator, fed by the simulator chain"
-        if steps.run(f"sim.{tag}", lambda: shard_sim(c, s, cg, qres.path), what=what) is None:
-            return
-    if args.skip_compile:
-        return
-    what = "end to end: the simulator chain vs the CPU EP chain (and vs float)"
-    steps.run("chain", lambda: chain_end_to_end(s), what=what)
-
-
-def _io_names(names):
-    """A stand-in graph with ``input_names`` and ``shard`` for `chain_feeds`."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(input_names=list(names), shard="-")
 
 
 def report_of(c: Check, started: str, total_s: float) -> dict[str, Any]:

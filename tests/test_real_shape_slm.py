@@ -177,8 +177,9 @@ def test_a_context_over_the_budget_is_refused_before_compiling(tiny_run):
 
 
 def _tiny_text_config(layers: int = 4) -> dict:
-    bench = _bench()
-    return bench.slm_config(layers, toy_dims=True)
+    from hycoc.bench.random_checkpoint import slm_config
+
+    return slm_config(layers, toy_dims=True)
 
 
 @pytest.mark.parametrize("which", ["assumed", "paper-fit"])
@@ -223,9 +224,9 @@ def test_the_checkpoints_own_quantization_config_wins(tmp_path):
     from hycoc.passes.plan import real_shape_plan
     from hycoc.passes.slm_surgery import operate
 
+    from hycoc.bench.random_checkpoint import write_random_checkpoint
     from hycoc.recipe import load_recipe
 
-    bench = _bench()
     own = {
         "quant_method": "gemma",
         "num_bits": 8,
@@ -234,7 +235,7 @@ def test_the_checkpoints_own_quantization_config_wins(tmp_path):
         "modules_to_not_convert": [],
     }
     ckpt = tmp_path / "slm"
-    bench.write_random_checkpoint(_tiny_text_config(2), own, ckpt)
+    write_random_checkpoint(_tiny_text_config(2), own, ckpt)
     slm, numbers = operate(ckpt)
     widths = {n: w.bits for n, w in slm.weights.items()}
     assert {b for n, b in widths.items() if ".mlp." in n} == {2}

@@ -8,9 +8,10 @@ peak), and the peak RSS of this process plus all its descendants (psutil ``child
 measured result (its error and traceback go into the row); KeyboardInterrupt still stops the run.
 
 Around the steps: file sizes (`du`, `onnx_files`, `initializer_bits`), the CPU EP run the simulators are compared
-with (`cpu_run`), SQNR for a report (`sqnr_rounded`), the synthetic keep set both checks draw
-(`synthetic_keep_set`), a shorter timeout for the QNN worker (`qnn_worker_timeout`), and the report's common parts
-(`machine`, `needs`, `write_report`, `human_bytes`; package versions come from `hycoc.doctor.package_versions`).
+with (`cpu_run`), one run on the HTP simulator (`htp_simulate`) and a compile step's details (`compiled_details`),
+SQNR for a report (`sqnr_rounded`), the synthetic keep set both checks draw (`synthetic_keep_set`), a shorter
+timeout for the QNN worker (`qnn_worker_timeout`), and the report's common parts (`machine`, `needs`,
+`write_report`, `human_bytes`; package versions come from `hycoc.doctor.package_versions`).
 """
 
 from __future__ import annotations
@@ -340,3 +341,31 @@ def human_bytes(n: int | float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} GB"
+
+
+def compiled_details(cg, profile, **extra) -> dict[str, Any]:
+    """The details of a compile step: ``cg`` a `hycoc.targets.htp.CompiledGraph`, ``profile`` the
+    `hycoc.targets.profiles.TargetProfile` it was compiled for, ``extra`` more keys."""
+    d = {
+        "profile": profile.name,
+        "htp_arch": cg.htp_arch,
+        "soc_type": cg.soc_type,
+        "binary_bytes": cg.binary_bytes,
+        "weight_bytes": cg.weight_bytes,
+        "compile_seconds": round(cg.compile_seconds, 2),
+        "cpu_fallback": "disabled",
+    }
+    return {**d, **extra}
+
+
+def htp_simulate(
+    ctx_model: Path, profile, feed: dict[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """One run of a compiled graph on the HTP simulator: (outputs, {load_seconds, run_seconds})."""
+    from hycoc.targets.htp import HtpSession
+
+    t0 = time.perf_counter()
+    sess = HtpSession(ctx_model, profile)
+    t1 = time.perf_counter()
+    out = sess.run(feed)
+    return out, {"load_seconds": round(t1 - t0, 2), "run_seconds": round(time.perf_counter() - t1, 2)}
