@@ -15,8 +15,11 @@ it (p~, sampling, acceptance, compaction, hand-off, the reply frame) and prefill
   Session.prefill's ms at two prompt lengths, linear. The row budget's line is
   `hycoc.verifier.row_cost_measure.measure_row_cost` with the server's own plan (`row_cost_plan`): the same
   function and points the server measures before it serves. With it (`cached_step_cost`) the per-round host work
-  outside the step, measured on the recipe's own server (`hycoc.bench.capacity_host`): ``StepCost.host``. The
-  toy's own cost "on this machine".
+  outside the step, measured on the recipe's own server (`hycoc.bench.capacity_host`): ``StepCost.host``. Beside
+  the means: ``spread``, every timed device step's CPU ms / its point's mean (the simulation draws each step's
+  ratio from it: the steps' tail), and ``budget_ms``, the row budget's own work per session (budgeted
+  ``verify_batch`` steps of recorded scored trees with the server's `RowBudget` on the measured line, against the
+  grid's step of the rows they kept). The toy's own cost "on this machine".
 * `ModelStepCost`: a cost-model file (`hycoc.bench.cost_model`, e.g. the one ``hycoc bench`` stores or
   ``benchmarks/gpu_check.sh`` writes): forward ms = predict(rows, context) inside its measured rows; a batched
   forward beyond them scales linearly on a CPU and, on a GPU, as max(1, rows / GPU_FLAT_ROWS) x the largest
