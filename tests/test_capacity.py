@@ -353,3 +353,53 @@ def test_validation_rows_carry_what_validate_prints():
     assert cell["measured_outside_ms"] == cell["predicted_outside_ms"] == pytest.approx(outside_ms(row))
     assert cell["measured_outside_ms"] == pytest.approx(3.0) and cell["ok"]
     assert "1.0->1.2" in validation_table([cell], 0.2).rows[0][-2]
+
+
+def test_step_spread_sets_the_tail():
+    """A step cost whose measured spread is {0.5, 1.5} x its point's mean (mean 1): one device's rounds take 0.5 S
+    or 1.5 S, about half each (a seeded draw per step), so p90 is 1.5 S where a mean-cost step gives S; the mean
+    step stays S (throughput follows it)."""
+    s = 10.0
+    cfg = SimConfig(mode="serial", devices=1, duration_s=20.0)
+    res = simulate(synthetic(1, 30.0), cfg, FixedCost(a=s, spread=(0.5, 1.5)))
+    lat = np.round([r.latency_ms for r in res.stats.rounds], 6)
+    assert set(lat.tolist()) == {0.5 * s, 1.5 * s}
+    assert np.mean(lat == 1.5 * s) == pytest.approx(0.5, abs=0.08)
+    assert summarize("serial", cfg, res)["latency_ms"]["p90"] == pytest.approx(1.5 * s)
+    flat = simulate(synthetic(1, 30.0), cfg, FixedCost(a=s))  # no spread measured: every step its mean
+    assert {round(r.latency_ms, 6) for r in flat.stats.rounds} == {s}
+
+
+def test_budget_work_is_in_the_budgeted_step():
+    """A measured ``budget_ms`` per session lengthens a budgeted step of n > 1 rounds by n x budget_ms (the
+    budget's choose and restrict_round run on the worker inside the step); a one-round step has no budget work.
+    Two devices send at once: their first step is the budget's, 2 x 3 ms longer than without it."""
+    trace = _tree_trace()
+    line = RowCost(((2, 10.0), (9, 20.0), (18, 40.0)), source="test")
+    cfg = SimConfig(mode="budgeted", devices=2, duration_s=0.5, tree_rows=9)
+    work = trace_workload([list(trace.requests)] * 2)
+    base = simulate(work, cfg, FixedCost(a=10.0, c=1.0, line=line))
+    work = trace_workload([list(trace.requests)] * 2)
+    more = simulate(work, cfg, FixedCost(a=10.0, c=1.0, line=line, budget_ms=3.0))
+    assert more.server_ms[0] - base.server_ms[0] == pytest.approx(2 * 3.0)
+    assert more.cpu_ms > base.cpu_ms
+    one = SimConfig(mode="budgeted", devices=1, duration_s=0.5, tree_rows=9)
+    a = simulate(trace_workload([list(trace.requests)]), one, FixedCost(a=10.0, c=1.0, line=line))
+    b = simulate(trace_workload([list(trace.requests)]), one, FixedCost(a=10.0, c=1.0, line=line, budget_ms=3.0))
+    assert a.server_ms == b.server_ms
+
+
+def test_event_loop_work_holds_up_a_running_step_through_the_gil():
+    """The server's event loop and its worker thread share one GIL: loop work that runs during a step lengthens
+    that step by gil_share x its ms. Device 0 drafts 30 ms, device 1 35 ms; loop work L = 2 ms per round (1 ms in,
+    1 ms out); step S = 10 ms. Device 0's frame is in at 31 ms and its step runs from 31; device 1's frame comes in
+    on the loop at 35-36 ms, inside that step, so the step ends at 41 + 1 = 42 ms: server_ms 11 with the GIL
+    shared, 10 without (gil_share 0: the loop runs beside the worker)."""
+
+    def work(i, k):
+        return SyntheticRequest(8, 10**9, 1, 33, 30.0 + 5.0 * i, "device", np.random.default_rng([7, i, k]))
+
+    for share, want in ((1.0, 11.0), (0.0, 10.0), (0.5, 10.5)):
+        cfg = SimConfig(mode="serial", devices=2, duration_s=0.2, loop_ms=2.0, gil_share=share)
+        res = simulate(Workload(work), cfg, FixedCost(a=10.0))
+        assert res.server_ms[0] == pytest.approx(want)

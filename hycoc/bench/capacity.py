@@ -248,7 +248,10 @@ class SimConfig:
     send and half after the reply; loop_ms: the server's event-loop work per round (frame in and decode, the
     hand-off to the worker, the reply out: `hycoc.bench.capacity_host.HostOverhead`), ms, SERIALISED on the
     replica's one loop (a SimPy ``Resource`` of capacity 1), half before the round is queued and half after its
-    step; wake_ms: the device's delay after its drafting before it sends, ms;
+    step; gil_share: the share of that loop work that holds the server process's one GIL (Python's global
+    interpreter lock, shared by the event loop and the worker thread): loop work that runs while the worker is in a
+    step lengthens the step by gil_share x its ms (the worker waits for the lock; 0: none, the loop runs beside
+    the worker); wake_ms: the device's delay after its drafting before it sends, ms;
     slowdown: the verifier's CPU ms are stretched by it (machine load: `cpu_slowdown`); slowdown_samples: instead,
     the measured sequence of (slowdown, CPU ns) intervals of the run, each step replayed through it from a seeded
     random point (`_Replica._wall_ms`): the machine's bursts, so the latency tail is the measured one;
@@ -270,6 +273,7 @@ class SimConfig:
     client_ms: float = 0.0
     loop_ms: float = 0.0
     wake_ms: float = 0.0
+    gil_share: float = 0.0
     slowdown: float = 1.0
     slowdown_samples: tuple | None = None
     row_cost: RowCost | None = None
@@ -333,6 +337,8 @@ class _Replica:
         self.prefills: deque[_Job] = deque()
         self.open_sessions = 0
         self.wake = env.event()
+        self.in_step = False  # the worker is running a step (the loop's work then holds it up: gil_share)
+        self.held_ms = 0.0  # loop ms that held the GIL during the running step, not yet added to it
         self.budget: RowBudget | None = None  # the server's own budget object: its choice and its learning
         if cfg.mode == "budgeted":
             line = cfg.row_cost if cfg.row_cost is not None else cost.row_cost()
@@ -352,6 +358,8 @@ class _Replica:
         if ms > 0:
             with self.loop.request() as turn:
                 yield turn
+                if self.in_step:  # the worker waits for the GIL while the loop holds it
+                    self.held_ms += self.cfg.gil_share * ms
                 yield self.env.timeout(ms / 1e3)
 
     def submit(self, job: _Job) -> None:
@@ -409,7 +417,12 @@ class _Replica:
     def _run(self, ms: float) -> Iterator:
         start = self.env.now
         self.result.cpu_ms += ms
+        self.in_step, self.held_ms = True, 0.0
         yield self.env.timeout(self._wall_ms(ms) / 1e3)
+        while self.held_ms > 0:  # the event loop held the GIL meanwhile: the step is that much longer
+            held, self.held_ms = self.held_ms, 0.0
+            yield self.env.timeout(held / 1e3)
+        self.in_step = False
         end = min(self.env.now, self.cfg.duration_s)
         self.result.busy_s[self.index] += max(0.0, end - max(start, 0.0)) if start < self.cfg.duration_s else 0.0
 
@@ -458,6 +471,10 @@ class _Replica:
                 results.append(j.rnd.committed[: len(path) + 1])
             places = [j.session.request.draft_place for j in batch]
             forward_ms, step_ms = cost.step_ms(places, rows_kept, [j.session.context for j in batch])
+            if alloc is not None:  # the budget's own choosing and restricting, on the worker inside the step
+                step_ms += cost.budget_step_ms(len(batch))
+            spread = cost.spread_factor(self.rng)  # this step's cost / its point's mean, as measured
+            forward_ms, step_ms = forward_ms * spread, step_ms * spread
             ms += step_ms
             self.result.forwards += 1
             self.result.rows += sum(rows_kept)

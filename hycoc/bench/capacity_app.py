@@ -226,6 +226,13 @@ def run_local(
             f"client {h.client_ms:.2f} ms, socket and wake-ups {h.wire_ms:.2f} ms (in parallel)",
             markup=False,
         )
+    if cost.spread:
+        q = [float(x) for x in np.quantile(cost.spread, (0.1, 0.5, 0.9))]
+        console.print(
+            f"step spread (step ms / its point's mean, {len(cost.spread)} steps): p10 {q[0]:.2f}, p50 {q[1]:.2f}, "
+            f"p90 {q[2]:.2f}; row budget's own work {cost.budget_ms:.2f} ms per session and budgeted step",
+            markup=False,
+        )
     doc: dict = {
         "schema": 1,
         "recipe": str(recipe_path),

@@ -15,8 +15,11 @@ it (p~, sampling, acceptance, compaction, hand-off, the reply frame) and prefill
   Session.prefill's ms at two prompt lengths, linear. The row budget's line is
   `hycoc.verifier.row_cost_measure.measure_row_cost` with the server's own plan (`row_cost_plan`): the same
   function and points the server measures before it serves. With it (`cached_step_cost`) the per-round host work
-  outside the step, measured on the recipe's own server (`hycoc.bench.capacity_host`): ``StepCost.host``. The
-  toy's own cost "on this machine".
+  outside the step, measured on the recipe's own server (`hycoc.bench.capacity_host`): ``StepCost.host``. Beside
+  the means: ``spread``, every timed device step's CPU ms / its point's mean (the simulation draws each step's
+  ratio from it: the steps' tail), and ``budget_ms``, the row budget's own work per session (budgeted
+  ``verify_batch`` steps of recorded scored trees with the server's `RowBudget` on the measured line, against the
+  grid's step of the rows they kept). The toy's own cost "on this machine".
 * `ModelStepCost`: a cost-model file (`hycoc.bench.cost_model`, e.g. the one ``hycoc bench`` stores or
   ``benchmarks/gpu_check.sh`` writes): forward ms = predict(rows, context) inside its measured rows; a batched
   forward beyond them scales linearly on a CPU and, on a GPU, as max(1, rows / GPU_FLAT_ROWS) x the largest
@@ -38,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hycoc.verifier.row_budget import RowCost
+from hycoc.verifier.row_budget import DEFAULT_MIN_ROWS, RowBudget, RowCost
 
 #: Session counts and rows per tree of the step measurement (device-drafted rounds).
 MEASURE_SESSIONS = (1, 2, 4, 8, 16)
@@ -66,6 +69,11 @@ class StepCost:
     #: The per-round host work outside the step (`hycoc.bench.capacity_host.HostOverhead`'s dict): measured with
     #: the toy's profile (`cached_step_cost`), empty (none) for a cost-model file or the GPU assumptions.
     host: dict = field(default_factory=dict)
+    #: Each timed step's CPU ms / its point's mean, over every measured device point (sorted; mean 1):
+    #: `spread_factor` draws from it. Empty (no spread) for a cost-model file or the GPU assumptions.
+    spread: tuple = ()
+    #: Ms per session a budgeted step spends beyond a plain step of the rows it kept (`budget_step_ms`).
+    budget_ms: float = 0.0
 
     def overhead(self):
         """The per-round host work outside the step: a `hycoc.bench.capacity_host.HostOverhead` (zeros when
@@ -82,6 +90,18 @@ class StepCost:
 
     def prefill_ms(self, positions: int, context: int) -> float:
         raise NotImplementedError
+
+    def spread_factor(self, rng: np.random.Generator) -> float:
+        """One step's cost / the mean cost of its (sessions, rows) point: a draw from the measured ratios
+        (``spread``, a sample of repeat ms / point mean ms, mean 1); 1.0 without them (a cost model, the GPU
+        assumptions). A queue's throughput follows the mean step, its latency tail the steps' spread."""
+        return float(self.spread[int(rng.integers(len(self.spread)))]) if self.spread else 1.0
+
+    def budget_step_ms(self, sessions: int) -> float:
+        """Ms a budgeted step of ``sessions`` rounds spends choosing and restricting its rows
+        (`hycoc.verifier.row_budget.RowBudget.choose`, ``Session.restrict_round``) beyond a step of the kept rows:
+        ``budget_ms`` per session where measured, else 0."""
+        return float(self.budget_ms) * sessions if sessions > 1 else 0.0
 
     def step_ms(self, places: list[str], rows: list[int], contexts: list[int]) -> tuple[float, float]:
         """(forward ms, whole step ms) of one step whose rounds come from sessions of ``places`` (draft places:
@@ -171,6 +191,10 @@ class MeasuredStepCost(StepCost):
             "prefill": self.prefill,
             "row_points": self.row_points,
             "host": self.overhead().describe(),
+            "spread_p10_p50_p90": [float(np.quantile(self.spread, q)) for q in (0.1, 0.5, 0.9)]
+            if self.spread
+            else None,
+            "budget_ms": self.budget_ms,
             "meta": self.meta,
         }
 
@@ -190,6 +214,7 @@ class MeasuredStepCost(StepCost):
             d = json.loads(Path(path).read_text(encoding="utf-8"))
             d["step"], d["forward"], d["prefill"] = tuple(d["step"]), tuple(d["forward"]), tuple(d["prefill"])
             d["row_points"] = tuple(tuple(p) for p in d["row_points"])
+            d["spread"] = tuple(d.get("spread", ()))
             d.pop("loop_ms", None)  # files before the host work was measured (always 0 there)
             return cls(**d)
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -277,21 +302,24 @@ def measure_step_cost(
             if rnd is None:  # the recording is over: the next request, a new session
                 entry[:] = open_one(i + len(replay), "device")
                 return tree_of(entry, k)
-            return patch_root(rnd.tree[1], s.root)[:k].astype(np.int64), np.asarray(rnd.tree[2][:k], np.int64)
+            scores = None if rnd.tree[0] is None else np.asarray(rnd.tree[0][:k], np.float64)
+            toks = patch_root(rnd.tree[1], s.root)[:k].astype(np.int64)
+            return toks, np.asarray(rnd.tree[2][:k], np.int64), scores
         toks = np.concatenate([[s.root], rng.integers(2, vocab, k - 1)]).astype(np.int64)
-        return toks, np.arange(-1, k - 1, dtype=np.int64)
+        return toks, np.arange(-1, k - 1, dtype=np.int64), None
 
-    def time_step(group, r: int) -> tuple[float, float]:
-        walls, fwds = [], []
+    def time_step(group, r: int, budget=None) -> tuple[float, float, list[float], list[int]]:
+        """Mean CPU ms, mean forward ms, each repeat's CPU ms and rows verified (kept, with ``budget``)."""
+        walls, fwds, kept = [], [], []
         for rep in range(repeats + 1):
             rounds = []
             for entry in group:
                 k = 1 if entry[0].draft_place == "cloud-mtp" else r
-                toks, parents = tree_of(entry, k)
-                rounds.append((entry[0], toks, parents, entry[1], None))
+                toks, parents, scores = tree_of(entry, k)
+                rounds.append((entry[0], toks, parents, entry[1], scores if budget is not None else None))
             stats = BatchStats()
             w0, c0 = time.perf_counter(), time.thread_time()
-            out = verify_batch(engine, rounds, stats)
+            out = verify_batch(engine, rounds, stats, budget)
             for reply, rd in zip(out, rounds):  # the reply frames, on the worker as the server's step encodes them
                 if not isinstance(reply, BaseException):
                     wire.encode(reply, version=rd[0].wire_version)
@@ -305,13 +333,15 @@ def measure_step_cost(
             if rep:  # the first call is a warm-up
                 walls.append(busy)
                 fwds.append(stats.forward_ms * busy / max(wall, 1e-9))  # the forward's share of the busy time
-        return float(np.mean(walls)), float(np.mean(fwds))
+                kept.append(int(stats.rows))
+        return float(np.mean(walls)), float(np.mean(fwds)), walls, kept
 
-    points = []
+    points, spread = [], []
     for n in sessions:
         group = open_sessions(n, "device")
         for r in rows:
-            wall, fwd = time_step(group, r)
+            wall, fwd, each, _ = time_step(group, r)
+            spread += [w / wall for w in each if wall > 0]
             points.append({"place": "device", "sessions": n, "rows": n * r, "step_ms": wall, "forward_ms": fwd})
             log(f"device {n} x {r} rows: {wall:.1f} ms")
     for place in ("cloud-mtp", "server-head"):
@@ -322,7 +352,7 @@ def measure_step_cost(
                 log(f"{place}: not measured ({e})")
                 break
             r = 1 + engine.chain_length if place == "cloud-mtp" else rows[-1]
-            wall, fwd = time_step(group, rows[-1])
+            wall, fwd, _, _ = time_step(group, rows[-1])
             points.append({"place": place, "sessions": n, "rows": n * r, "step_ms": wall, "forward_ms": fwd})
             log(f"{place} {n}: {wall:.1f} ms")
     dev = [p for p in points if p["place"] == "device"]
@@ -356,6 +386,17 @@ def measure_step_cost(
     prefill = (max(0.0, pre[0][1] - p1 * pre[0][0]), max(0.0, p1))
     n_rc, rows_rc = row_cost_plan(recipe.tree.node_budget + 1, recipe.verifier.max_batch_rows, engine.max_context)
     line = measure_row_cost(engine, sessions=n_rc, rows_per_tree=rows_rc)
+    # the row budget's own work (choose, restrict_round): budgeted steps of recorded scored trees against a plain
+    # step of the rows they kept (the grid), per session; the server's budget, free rows = one tree
+    budget_extra = []
+    if replay:
+        for n in [m for m in sessions if m > 1]:
+            budget = RowBudget(line, max(rows), DEFAULT_MIN_ROWS)
+            _, _, each, kept = time_step(open_sessions(n, "device"), rows[-1], budget)
+            for w, k in zip(each, kept):
+                budget_extra.append((w - device_only.step_ms(["device"] * n, [max(1, k // n)] * n, [context])[1]) / n)
+    budget_ms = max(0.0, float(np.mean(budget_extra))) if budget_extra else 0.0
+    log(f"row budget: {budget_ms:.2f} ms per session and budgeted step")
     engine.close()
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -379,6 +420,8 @@ def measure_step_cost(
         row_points=tuple(line.points),
         points=points,
         meta=meta,
+        spread=tuple(sorted(float(x) for x in spread)),
+        budget_ms=budget_ms,
     )
 
 
@@ -401,7 +444,7 @@ def cached_step_cost(
     want_host = recipe_path is not None and bool(replay)
     if path.is_file() and not remeasure:
         cost = MeasuredStepCost.load(path)
-        if cost.host or not want_host:
+        if (cost.host or not want_host) and cost.spread:  # files before the spread was measured: again
             return cost
     cost = measure_step_cost(recipe, replay=replay, log=log)
     if want_host:

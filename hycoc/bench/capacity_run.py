@@ -261,10 +261,18 @@ class SchedSampler:
         }
 
 
+#: The share of the server event loop's measured work per round that holds the process's GIL, so that the worker
+#: thread's step waits for it when they overlap (`hycoc.bench.capacity.SimConfig.gil_share`). ASSUMED: all of it
+#: (the loop's frame decode, checks and hand-off are Python; its socket calls, which release the lock, are a small
+#: part of its CPU on loopback). Only where the host work was measured (the toy's profile), else 0.
+LOOP_GIL_SHARE = 1.0
+
+
 def host_terms(cost, contention: dict | None = None, slowdown: float = 1.0) -> dict:
     """The `SimConfig` fields of the per-round host work outside the step (`hycoc.bench.capacity_host`), from
     ``cost.overhead()`` (the profile's measurement): ``loop_ms`` (the server's event loop, serialised) and
-    ``client_ms`` (in parallel), and ``wake_ms``.
+    ``client_ms`` (in parallel), ``wake_ms``, and ``gil_share`` (`LOOP_GIL_SHARE` where the host work was
+    measured, else 0).
 
     Without ``contention`` the parallel part is the profile's client CPU plus its ``wire_ms`` (the wall time of
     the stubbed round trip beyond both processes' CPU: socket and wake-ups at the profile's load), the CPU parts
@@ -275,13 +283,20 @@ def host_terms(cost, contention: dict | None = None, slowdown: float = 1.0) -> d
     the worker thread's own waits are in the step's stretch. The CPU parts are then the profile's, unstretched: a
     thread's waits for a CPU are its wake-ups' delays, already counted."""
     h = cost.overhead()
+    gil = LOOP_GIL_SHARE if h.loop_ms > 0 else 0.0
     if not contention:
-        return {"loop_ms": h.loop_ms * slowdown, "client_ms": h.client_ms * slowdown + h.wire_ms, "wake_ms": 0.0}
+        return {
+            "loop_ms": h.loop_ms * slowdown,
+            "client_ms": h.client_ms * slowdown + h.wire_ms,
+            "wake_ms": 0.0,
+            "gil_share": gil,
+        }
     server_wake, client_wake = contention["server_wake_ms"], contention["client_wake_ms"]
     return {  # the loop's and client's waits are their wake-ups, counted here: their CPU is not stretched again
         "loop_ms": h.loop_ms,
         "client_ms": h.client_ms + 2 * server_wake + client_wake,
         "wake_ms": client_wake,
+        "gil_share": gil,
     }
 
 
@@ -328,6 +343,7 @@ def predicted_for(
         client_ms=client_ms + host["client_ms"],
         loop_ms=host["loop_ms"],
         wake_ms=host["wake_ms"],
+        gil_share=host["gil_share"],
         slowdown=slowdown,
         slowdown_samples=samples,
         row_cost=row_cost,
