@@ -267,8 +267,36 @@ def test_cli_bad_options_are_one_line():
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="needs Linux sched-stats")
 def test_sched_sampler_sees_a_busy_child():
-    """A child process spinning for 0.8 s: the sampler finds its thread, on-CPU most of the window, slowdown >= 1,
-    and intervals whose CPU ns add up to about its run time."""
+    """A child process that spins from before the window's first sample to after its last: the sampler finds its
+    thread on-CPU, slowdown >= 1, and per-interval slowdowns. Each wait is for a sample the sampler has taken, not a
+    sleep, so a loaded machine only makes it slower."""
+    import subprocess
+    import sys
+    import time
+
+    from hycoc.bench.capacity_run import SchedSampler
+
+    with SchedSampler(interval_s=0.05) as s:
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 60: pass"]
+        )
+        try:
+            t0 = _sample_time(s, lambda snap: _cpu_ns(snap, child.pid) > 0)
+            ran = _cpu_ns(s.samples[-1][1], child.pid)
+            _sample_time(s, lambda snap: _cpu_ns(snap, child.pid) > ran + 20e6)  # 20 ms more CPU
+            got = s.contention(t0, time.time())
+        finally:
+            child.kill()
+            child.wait()
+    assert got is not None and got["slowdown"] >= 1.0 and got["worker_cpu_ms"] >= 20.0
+    assert got["intervals"] and all(a >= 1.0 for a, _ in got["intervals"])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="needs Linux sched-stats")
+def test_sched_sampler_counts_a_child_that_lives_inside_the_window():
+    """The CI failure of stop 34: the window opens before the child exists and closes after it is reaped, so the
+    window's first and last samples both lack it. Each thread is counted from its own first to last sample, so the
+    child is still found (the old first-vs-last delta returned None)."""
     import subprocess
     import sys
     import time
@@ -277,13 +305,43 @@ def test_sched_sampler_sees_a_busy_child():
 
     with SchedSampler(interval_s=0.05) as s:
         t0 = time.time()
+        _sample_time(s, lambda snap: True)  # a sample before the child: it lacks it
         child = subprocess.Popen(
-            [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.8: pass"]
+            [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 60: pass"]
         )
-        child.wait()
+        try:
+            _sample_time(s, lambda snap: _cpu_ns(snap, child.pid) > 0)
+            ran = _cpu_ns(s.samples[-1][1], child.pid)
+            _sample_time(s, lambda snap: _cpu_ns(snap, child.pid) > ran + 20e6)
+        finally:
+            child.kill()
+            child.wait()
+        gone = time.time()
+        _sample_time(s, lambda snap: True, after=gone)  # a sample after it was reaped: it lacks it too
         got = s.contention(t0, time.time())
-    assert got is not None and got["slowdown"] >= 1.0
-    assert got["intervals"] and all(a >= 1.0 for a, _ in got["intervals"])
+    window = [snap for t, snap in s.samples if t >= t0]
+    assert _cpu_ns(window[0], child.pid) == 0 and _cpu_ns(window[-1], child.pid) == 0
+    assert got is not None and got["worker_cpu_ms"] >= 20.0
+
+
+def _cpu_ns(snap: dict, pid: int) -> int:
+    """The CPU ns of ``pid``'s threads in one sampler snapshot (0 where it is absent)."""
+    return sum(v[0] for k, v in snap.items() if k[0] == pid)
+
+
+def _sample_time(sampler, pred, after: float | None = None, timeout_s: float = 30.0) -> float:
+    """Wait for the sampler's first new sample (taken after ``after``, default now) whose snapshot meets ``pred``;
+    return its time. Fails the test after ``timeout_s``."""
+    import time
+
+    since = time.time() if after is None else after
+    deadline = since + timeout_s
+    while time.time() < deadline:
+        for t, snap in list(sampler.samples):
+            if t > since and pred(snap):
+                return t
+        time.sleep(0.01)
+    raise AssertionError(f"the sampler took no matching sample in {timeout_s} s")
 
 
 def test_host_work_from_the_profile_moves_the_one_device_prediction(tmp_path):

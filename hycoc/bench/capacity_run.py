@@ -220,15 +220,22 @@ class SchedSampler:
         self._thread.join(timeout=2)
 
     def contention(self, t0: float, t1: float) -> dict | None:
-        """Over [t0, t1] (epoch seconds): {"slowdown": busiest server thread's (run + wait) / run, "server_wake_ms":
+        """Over [t0, t1] (epoch seconds), each thread from its first to its last sample in the window (a server
+        that starts or exits inside it counts over the part it lived in): {"slowdown": busiest server thread's
+        (run + wait) / run, "server_wake_ms":
         the busiest server's main thread's wait per timeslice, "client_wake_ms": this process's main thread's,
         "intervals": [[slowdown, CPU ns], ...] of that thread per sampling interval it ran > 1 ms in};
         None without two samples in the window or any server thread running in it."""
         inside = [snap for t, snap in self.samples if t0 <= t <= t1]
         if len(inside) < 2:
             return None
-        a, b = inside[0], inside[-1]
-        delta = {k: tuple(y - x for x, y in zip(a[k], b[k])) for k in b if k in a}
+        first: dict = {}  # each thread's first and last sample in the window: a server that starts or
+        last: dict = {}  # exits inside it is counted over the part of the window it lived in
+        for snap in inside:
+            for k, v in snap.items():
+                first.setdefault(k, v)
+                last[k] = v
+        delta = {k: tuple(y - x for x, y in zip(first[k], last[k])) for k in last}
         me = os.getpid()
         servers = {k: v for k, v in delta.items() if k[0] != me and v[0] > 0}
         if not servers:
