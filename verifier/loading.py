@@ -24,6 +24,7 @@ and the server then answers ``server-head`` OPENs with the ``no_keep_set`` error
 from __future__ import annotations
 
 from hycoc.chat_template import chat_from_recipe
+from hycoc.keep_set import load_keep_set  # the one reader of --keep-set files (torch-free; re-exported here)
 from hycoc.models import load_head, load_verifier, model_dir
 from hycoc.recipe import Recipe
 
@@ -91,26 +92,6 @@ def check_batching(mode: str) -> str:
     if mode not in BATCHING_MODES:
         raise ValueError(f"--batching {mode!r}: allowed: {', '.join(BATCHING_MODES)}")
     return mode
-
-
-def load_keep_set(path):
-    """The keep set of ``server-head`` sessions from ``path`` (``--keep-set``): the bundle's keep_set.npy, a
-    non-empty 1-D .npy array of int token ids (what the keep-set pass writes). Returns it as numpy int64 (|V|,).
-    Raises ValueError naming ``--keep-set PATH`` and the fix."""
-    import numpy as np
-
-    try:
-        ids = np.load(path, allow_pickle=False)
-    except (OSError, ValueError):
-        raise ValueError(
-            f"--keep-set {path}: not a .npy array file; give the bundle's keep_set.npy (written by hycoc build)"
-        ) from None
-    if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) == 0:
-        raise ValueError(
-            f"--keep-set {path}: expected a non-empty 1-D array of int token ids, got shape "
-            f"{ids.shape} dtype {ids.dtype}"
-        )
-    return ids.astype(np.int64)
 
 
 def check_keep_set_vocab(ids, vocab_size: int, path) -> None:

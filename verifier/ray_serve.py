@@ -113,9 +113,9 @@ class RecipeEngine:
     keep_set: str | None = None
 
     def __call__(self):
-        import numpy as np
         import torch
 
+        from hycoc.keep_set import load_keep_set
         from hycoc.models import set_threads
         from hycoc.recipe import load_recipe
 
@@ -125,15 +125,15 @@ class RecipeEngine:
         set_threads(cfg.verifier.threads)
         ids = None
         if self.keep_set is not None:
-            ids = torch.as_tensor(np.load(self.keep_set, allow_pickle=False), dtype=torch.long)
+            ids = torch.as_tensor(load_keep_set(self.keep_set), dtype=torch.long)
         return engine_from_recipe(cfg, self.device, keep_set=ids)
 
 
 def check_keep_set(path) -> None:
     """Raise ValueError naming ``--keep-set PATH`` unless it is a non-empty 1-D .npy of int token ids (what the
-    keep-set pass writes as ``keep_set.npy``; `hycoc.verifier.loading.load_keep_set`); checked once before the
+    keep-set pass writes as ``keep_set.npy``; `hycoc.keep_set.load_keep_set`); checked once before the
     replicas load it."""
-    from hycoc.verifier.loading import load_keep_set
+    from hycoc.keep_set import load_keep_set
 
     load_keep_set(path)
 

@@ -1,5 +1,6 @@
 """``hycoc verify-server`` (the verifier's WebSocket server) and ``hycoc serve-ray`` (the same verifier as a Ray
-Serve deployment). The verifier, aiohttp and Ray are imported inside the command bodies."""
+Serve deployment). The verifier, aiohttp and Ray are imported inside the command bodies, after what can be checked
+without them (`_preflight`: the address, the keep-set file), so a busy port or a missing file is named at once."""
 
 from __future__ import annotations
 
@@ -7,45 +8,105 @@ import inspect
 import sys
 import time
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
 from hycoc import serving_limits
 from hycoc.cli._common import AUTH_TOKEN_HELP, RECIPE_ARG, Device, _auth_token, _fail, _need_full, _port_error, _recipe
 
+# ---- the options both commands take: each defined once (typer docs, "Arguments with Annotated"); where the two
+# commands word one differently (the proxy's address, every replica's device), the wording is the alias's argument.
 
-def verify_server(
-    ctx: typer.Context,
-    recipe: Path = RECIPE_ARG,
-    host: str | None = typer.Option(
-        None, help="listen address (default: the recipe's verifier.host, 127.0.0.1)", show_default=False
-    ),
-    port: int | None = typer.Option(
-        None,
-        min=0,
-        max=65535,
-        help="TCP port; 0 = any free port, named in the printed URL (default: the recipe's verifier.port, 8765)",
-        show_default=False,
-    ),
-    device: Device | None = typer.Option(
-        None, help="torch device (default: the recipe's verifier.device)", show_default=False
-    ),
-    auth_token: str | None = typer.Option(
-        None,
+
+def _host_option(of: str = ""):
+    """``--host``: the listen address ``of`` something (a phrase, e.g. " of Ray Serve's proxy")."""
+    return Annotated[
+        str | None,
+        typer.Option(help=f"listen address{of} (default: the recipe's verifier.host, 127.0.0.1)", show_default=False),
+    ]
+
+
+def _port_option(of: str = ""):
+    """``--port``: the TCP port ``of`` something; 0 = any free port."""
+    return Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            max=65535,
+            help=f"TCP port{of}; 0 = any free port, named in the printed URL (default: the recipe's verifier.port, "
+            "8765)",
+            show_default=False,
+        ),
+    ]
+
+
+def _device_option(of: str = ""):
+    """``--device``: the torch device ``of`` something."""
+    return Annotated[
+        Device | None,
+        typer.Option(help=f"torch device{of} (default: the recipe's verifier.device)", show_default=False),
+    ]
+
+
+def _keep_set_option(about: str):
+    """``--keep-set``: a bundle's keep_set.npy (`hycoc.keep_set.load_keep_set`); ``about`` completes the help."""
+    return Annotated[Path | None, typer.Option(help=f"keep set for server-head sessions{about}", show_default=False)]
+
+
+AuthToken = Annotated[
+    str | None,
+    typer.Option(
         envvar="HYCOC_AUTH_TOKEN",
         help="require this token from clients, in OPEN or as 'Authorization: "
         f"Bearer TOKEN' (default: none, an open server); {AUTH_TOKEN_HELP}",
         show_default=False,
     ),
-    auth_token_file: Path | None = typer.Option(
-        None, help="read the token clients must present from this file (one line)", show_default=False
-    ),
-    keep_set: Path | None = typer.Option(
-        None,
-        help="keep set for server-head sessions: a .npy of int token ids (the keep-set pass writes "
-        "keep_set.npy); without it server-head sessions are refused with error no_keep_set",
-        show_default=False,
-    ),
+]
+AuthTokenFile = Annotated[
+    Path | None,
+    typer.Option(help="read the token clients must present from this file (one line)", show_default=False),
+]
+Host, ProxyHost = _host_option(), _host_option(" of Ray Serve's proxy")
+Port, ProxyPort = _port_option(), _port_option(" of the proxy")
+TorchDevice, ReplicaDevice = _device_option(), _device_option(" of every replica")
+KeepSet = _keep_set_option(
+    ": a .npy of int token ids (the keep-set pass writes keep_set.npy); without it server-head sessions are refused "
+    "with error no_keep_set"
+)
+ReplicaKeepSet = _keep_set_option(" (the bundle's keep_set.npy); without it they are refused")
+
+
+def _preflight(command: str, cfg, host, port, keep_set, *, busy_hint: str, reuse_address: bool):
+    """What a server command checks before it imports torch or loads anything, each failure one line naming the
+    fix: the listen address (`hycoc.ports.check_port`: a busy port, a host not on this machine) and the keep-set
+    file (`hycoc.keep_set.load_keep_set`: missing, a folder, not a .npy of int ids). Returns (host, the port checked:
+    for port 0 the free port the OS picked, the keep set's ids or None). Raises typer.Exit (code 1)."""
+    from hycoc.keep_set import load_keep_set
+    from hycoc.ports import check_port
+
+    host = host or cfg.verifier.host
+    port = cfg.verifier.port if port is None else port
+    try:
+        bound = check_port(host, port, reuse_address=reuse_address)
+    except OSError as e:
+        raise _fail(command, _port_error(host, port, e, busy_hint)) from None
+    try:
+        ids = load_keep_set(keep_set) if keep_set is not None else None
+    except ValueError as e:
+        raise _fail(command, str(e)) from None
+    return host, bound, ids
+
+
+def verify_server(
+    ctx: typer.Context,
+    recipe: Path = RECIPE_ARG,
+    host: Host = None,
+    port: Port = None,
+    device: TorchDevice = None,
+    auth_token: AuthToken = None,
+    auth_token_file: AuthTokenFile = None,
+    keep_set: KeepSet = None,
     batching: str | None = typer.Option(
         None,
         metavar="batched|serial",
@@ -89,55 +150,60 @@ def verify_server(
     cfg = _recipe("verify-server", recipe)
     _need_full("verify-server")
     auth_token = _auth_token("verify-server", ctx, auth_token, auth_token_file)
-    from hycoc.chat import ChatFormatError
-    from hycoc.models import ModelNotFoundError
-    from hycoc.ports import check_port
-    from hycoc.recipe import RecipeError
-    from hycoc.verifier.loading import check_batching, check_keep_set, check_recipe_models, server_options
+    host, _, ids = _preflight(
+        "verify-server", cfg, host, port, keep_set, busy_hint="another server on this port?", reuse_address=True
+    )
+    port = cfg.verifier.port if port is None else port  # 0 stays 0: the server picks its own free port
+    dev = device.value if device is not None else cfg.verifier.device
+    from hycoc.progress import step
 
-    try:  # the batching options (and the recipe's row cost) before anything loads
-        if batching is not None:
-            check_batching(batching)
-        options = server_options(
-            cfg,
-            batching=batching,
-            max_batch_rows=max_batch_rows,
-            max_batch_wait_ms=max_batch_wait_ms,
-            tree_budget=tree_budget,
+    # torch, transformers and the weights take tens of seconds on a first run: a progress line says so meanwhile
+    with step(f"verify-server: loading the verifier {cfg.models.verifier} ({dev})"):
+        from hycoc.chat import ChatFormatError
+        from hycoc.models import ModelNotFoundError, set_threads
+        from hycoc.recipe import RecipeError
+        from hycoc.verifier.loading import (
+            DeviceUnavailable,
+            check_batching,
+            check_keep_set_vocab,
+            check_recipe_models,
+            engine_from_recipe,
+            server_options,
+            verifier_vocab_size,
         )
-    except ValueError as e:
-        raise _fail("verify-server", str(e), code=2) from None
-    except RecipeError as e:
-        raise _fail("verify-server", f"bad recipe\n{e}") from None
-    try:  # the models' folders and chat files, the keep set's ids, then the port: each named before the model loads
-        check_recipe_models(cfg)
-        ids = check_keep_set(keep_set, cfg) if keep_set is not None else None
-    except (ValueError, ModelNotFoundError, ChatFormatError) as e:
-        raise _fail("verify-server", str(e)) from None
-    host = host or cfg.verifier.host
-    port = cfg.verifier.port if port is None else port
-    try:
-        check_port(host, port)
-    except OSError as e:
-        raise _fail("verify-server", _port_error(host, port, e, "another server on this port?")) from None
-    from hycoc.models import set_threads
-    from hycoc.recipe import RecipeError
-    from hycoc.verifier.loading import DeviceUnavailable, engine_from_recipe, server_options
-    from hycoc.verifier.server import serve
+        from hycoc.verifier.server import serve
 
-    set_threads(cfg.verifier.threads)
-    try:
-        import torch
+        try:  # the batching options (and the recipe's row cost)
+            if batching is not None:
+                check_batching(batching)
+            options = server_options(
+                cfg,
+                batching=batching,
+                max_batch_rows=max_batch_rows,
+                max_batch_wait_ms=max_batch_wait_ms,
+                tree_budget=tree_budget,
+            )
+        except ValueError as e:
+            raise _fail("verify-server", str(e), code=2) from None
+        except RecipeError as e:
+            raise _fail("verify-server", f"bad recipe\n{e}") from None
+        try:  # the models' folders and chat files, the keep set's ids against the vocabulary: before any weights
+            check_recipe_models(cfg)
+            if ids is not None:
+                check_keep_set_vocab(ids, verifier_vocab_size(cfg), keep_set)
+        except (ValueError, ModelNotFoundError, ChatFormatError) as e:
+            raise _fail("verify-server", str(e)) from None
+        set_threads(cfg.verifier.threads)
+        try:
+            import torch
 
-        engine = engine_from_recipe(
-            cfg,
-            device.value if device is not None else None,
-            keep_set=None if ids is None else torch.as_tensor(ids, dtype=torch.long),
-        )
-    except RecipeError as e:
-        raise _fail("verify-server", f"bad recipe\n{e}") from None
-    except (ModelNotFoundError, DeviceUnavailable, ChatFormatError, ValueError) as e:
-        raise _fail("verify-server", str(e)) from None
+            engine = engine_from_recipe(
+                cfg, dev, keep_set=None if ids is None else torch.as_tensor(ids, dtype=torch.long)
+            )
+        except RecipeError as e:
+            raise _fail("verify-server", f"bad recipe\n{e}") from None
+        except (ModelNotFoundError, DeviceUnavailable, ChatFormatError, ValueError) as e:
+            raise _fail("verify-server", str(e)) from None
 
     def listening(url: str) -> None:
         from hycoc.models import tokenizer_load_seconds
@@ -168,37 +234,12 @@ def serve_ray(
         help="verifier replicas (each loads the recipe's verifier and takes "
         "verifier.threads CPUs, or 1 GPU with --device cuda, from Ray)",
     ),
-    host: str | None = typer.Option(
-        None,
-        help="listen address of Ray Serve's proxy (default: the recipe's verifier.host, 127.0.0.1)",
-        show_default=False,
-    ),
-    port: int | None = typer.Option(
-        None,
-        min=0,
-        max=65535,
-        help="TCP port of the proxy; 0 = any free port, "
-        "named in the printed URL (default: the recipe's verifier.port, 8765)",
-        show_default=False,
-    ),
-    device: Device | None = typer.Option(
-        None, help="torch device of every replica (default: the recipe's verifier.device)", show_default=False
-    ),
-    auth_token: str | None = typer.Option(
-        None,
-        envvar="HYCOC_AUTH_TOKEN",
-        help="require this token from clients, in OPEN or as 'Authorization: "
-        f"Bearer TOKEN' (default: none, an open server); {AUTH_TOKEN_HELP}",
-        show_default=False,
-    ),
-    auth_token_file: Path | None = typer.Option(
-        None, help="read the token clients must present from this file (one line)", show_default=False
-    ),
-    keep_set: Path | None = typer.Option(
-        None,
-        help="keep set for server-head sessions (the bundle's keep_set.npy); without it they are refused",
-        show_default=False,
-    ),
+    host: ProxyHost = None,
+    port: ProxyPort = None,
+    device: ReplicaDevice = None,
+    auth_token: AuthToken = None,
+    auth_token_file: AuthTokenFile = None,
+    keep_set: ReplicaKeepSet = None,
     ray_address: str | None = typer.Option(
         None,
         help="Ray cluster to join ('auto': the one `ray start` began on this node; ray://HOST:10001); "
@@ -228,37 +269,37 @@ def serve_ray(
     if importlib.util.find_spec("ray") is None:
         raise _fail("serve-ray", "needs Ray Serve (the serve extra): pip install -e '.[serve]'")
     auth_token = _auth_token("serve-ray", ctx, auth_token, auth_token_file)
-    from hycoc.chat import ChatFormatError
-    from hycoc.models import ModelNotFoundError
-    from hycoc.ports import check_port
-    from hycoc.verifier.loading import (
-        DeviceUnavailable,
-        check_device,
-        check_keep_set,
-        check_recipe_models,
-        server_options,
-    )
-    from hycoc.verifier.ray_serve import RecipeEngine, build_app, check_log_level, replica_cpus, run
+    from hycoc.verifier.ray_serve import check_log_level  # a usage error (code 2) before anything is bound
 
     try:
         log_level = check_log_level(log_level)
     except ValueError as e:
         raise _fail("serve-ray", str(e), code=2) from None
+    # before Ray starts: a busy port would fail only after ~20 s, in a Ray traceback; port 0: the free port picked
+    # here is given to Ray (its proxy does not set SO_REUSEADDR)
+    host, port, ids = _preflight(
+        "serve-ray", cfg, host, port, keep_set, busy_hint="a verify-server on the default port?", reuse_address=False
+    )
+    from hycoc.chat import ChatFormatError
+    from hycoc.models import ModelNotFoundError
+    from hycoc.verifier.loading import (
+        DeviceUnavailable,
+        check_device,
+        check_keep_set_vocab,
+        check_recipe_models,
+        server_options,
+        verifier_vocab_size,
+    )
+    from hycoc.verifier.ray_serve import RecipeEngine, build_app, replica_cpus, run
 
     dev = device.value if device is not None else cfg.verifier.device
     try:  # what each replica will load, checked here once (a replica that fails is retried by Ray)
         check_device(dev)
         check_recipe_models(cfg)
-        if keep_set is not None:
-            check_keep_set(keep_set, cfg)
+        if ids is not None:
+            check_keep_set_vocab(ids, verifier_vocab_size(cfg), keep_set)
     except (ModelNotFoundError, DeviceUnavailable, ChatFormatError, ValueError) as e:
         raise _fail("serve-ray", str(e)) from None
-    host = host or cfg.verifier.host
-    port = cfg.verifier.port if port is None else port
-    try:  # before Ray starts: a busy port would fail only after ~20 s, in a Ray traceback
-        port = check_port(host, port, reuse_address=False)  # port 0: the free port picked here, given to Ray
-    except OSError as e:
-        raise _fail("serve-ray", _port_error(host, port, e, "a verify-server on the default port?")) from None
     options = server_options(cfg) | {"auth_token": auth_token}
     app = build_app(
         RecipeEngine(str(recipe.resolve()), dev, None if keep_set is None else str(keep_set.resolve())),
