@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -142,11 +143,40 @@ def test_cli_profile_without_a_token_and_bench_with_a_bad_profile_fail_in_one_li
 
     monkeypatch.delenv("QAI_HUB_API_TOKEN", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
+    r = CliRunner().invoke(app, ["profile", str(tmp_path)])  # not a bundle: said before any token lookup
+    assert r.exit_code == 1 and r.stderr.startswith(f"hycoc profile: bundle {tmp_path}: not a bundle (no manifest")
+    htp = SimpleNamespace(target=SimpleNamespace(backend="htp", name="htp-v81", htp_arch=81), graphs=[])
+    monkeypatch.setattr("hycoc.bundle.load_manifest", lambda path: htp)  # an htp bundle: then the token
     r = CliRunner().invoke(app, ["profile", str(tmp_path)])
     assert r.exit_code == 1
     assert r.stderr.startswith("hycoc profile: target qai-hub: ") and "qai-hub configure --api_token" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+    monkeypatch.undo()
     (tmp_path / "bad.json").write_text("[]")
     toy = Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"
     r = CliRunner().invoke(app, ["bench", str(toy), "--device-profile", str(tmp_path / "bad.json")])
     assert r.exit_code == 1 and "not a device_profile.json written by `hycoc profile`" in r.stderr
+
+
+def test_cli_profile_refuses_a_cpu_bundle_before_asking_for_a_token(tiny_bundle, tmp_path, monkeypatch):
+    """A bundle built for the cpu target has no context binaries: `hycoc profile` says so in one line naming the
+    target and the fix, and never looks for an AI Hub token (it used to ask for one first)."""
+    from hycoc.targets import qai_hub
+    from typer.testing import CliRunner
+
+    from hycoc.bundle import load_manifest
+    from hycoc.cli import app
+
+    def no_token_lookup(*args, **kwargs):
+        raise AssertionError("the AI Hub token was looked up for a cpu bundle")
+
+    monkeypatch.setattr(qai_hub, "check_setup", no_token_lookup)
+    monkeypatch.delenv("QAI_HUB_API_TOKEN", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.qai_hub/client.ini
+    target = load_manifest(tiny_bundle.bundle).target.name
+    assert target == "cpu"
+    r = CliRunner().invoke(app, ["profile", str(tiny_bundle.bundle)])
+    assert r.exit_code == 1, r.output
+    assert r.stderr.count("\n") == 1 and "token" not in r.stderr
+    assert r.stderr.startswith(f"hycoc profile: {tiny_bundle.bundle}: built for target {target}, ")
+    assert "profile needs an htp-* or qai-hub bundle" in r.stderr and "--target htp-v81" in r.stderr

@@ -150,8 +150,9 @@ def profile_bundle(
     manifest = load_manifest(bundle_dir)
     if manifest.target.backend != "htp":
         raise DeviceProfileError(
-            f"{bundle_dir}: a {manifest.target.name} bundle has no context binaries to profile; "
-            "build it with --target htp-vNN (or --device NAME) or --target qai-hub"
+            f"{bundle_dir}: built for target {manifest.target.name}, which has no context binaries to profile: "
+            "profile needs an htp-* or qai-hub bundle; build one with `hycoc build RECIPE --target htp-v81` "
+            "(or --device NAME, or --target qai-hub)"
         )
     hub = check_setup() if hub is None else hub
     dev = resolve_device(hub, device, manifest.target.htp_arch)

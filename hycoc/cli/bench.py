@@ -325,16 +325,14 @@ def profile(
     token; without them it fails at once, before anything is uploaded."""
     from hycoc.bench.device_profile import DeviceProfileError, profile_bundle
     from hycoc.bundle import BundleError
-    from hycoc.targets.qai_hub import QaiHubDeviceError, QaiHubSetupError, check_setup
+    from hycoc.targets.qai_hub import QaiHubDeviceError, QaiHubSetupError
 
     if not bundle.is_dir():
         raise _fail("profile", f"{bundle}: not a bundle folder")
-    try:
-        hub = check_setup()
+    try:  # profile_bundle refuses a bundle of another target before it looks for the AI Hub token
         result = profile_bundle(
             bundle,
             device,
-            hub=hub,
             out=out,
             graphs=graph,
             on_job=lambda g, j: typer.echo(f"profile: graph {g}: AI Hub inference job {j}"),
