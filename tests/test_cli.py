@@ -398,8 +398,9 @@ def test_generate_on_the_toy_family_answers_question_81():
 
 
 def test_verify_server_refuses_a_bad_keep_set_before_listening(tmp_path):
-    """Every keep-set mistake is named before the port is even tried: the test holds the recipe's own port (as a
-    verify-server started from the README would) and the refusals are still about the keep set."""
+    """Every mistake in the keep-set file is named before the port is even tried: the test holds the recipe's own port
+    (as a verify-server started from the README would) and the refusals are still about the keep set. Its ids are
+    checked against the verifier's vocabulary after the port (that needs the checkpoint's config), before the load."""
     import errno
     import socket
 
@@ -433,9 +434,57 @@ def _refuses_bad_keep_sets(tmp_path):
     assert "expected a non-empty 1-D array of int token ids, got shape (2, 2) dtype int64" in result.stderr
     too_big = tmp_path / "keep_big.npy"
     np.save(too_big, np.array([0, 5, 4096], np.int64))
-    result = invoke("verify-server", TOY, "--keep-set", too_big)
+    result = invoke("verify-server", TOY, "--keep-set", too_big, "--port", 0)
     assert result.exit_code == 1
     assert "token id 4096 is outside the verifier's vocabulary of 4096" in result.stderr
+
+
+_PREFLIGHT = """
+import json, sys
+from typer.testing import CliRunner
+from hycoc.cli import app
+out = [CliRunner().invoke(app, ["verify-server", *args]) for args in json.loads(sys.argv[1])]
+print(json.dumps({"results": [(r.exit_code, r.stderr) for r in out],
+                  "loaded": sorted(m for m in ("torch", "transformers", "hycoc.verifier") if m in sys.modules)}))
+"""
+
+
+def test_verify_server_names_a_busy_port_a_bad_host_and_a_missing_keep_set_before_importing_torch(tmp_path):
+    """What needs no model is checked before torch is even imported (it used to come after the imports and the
+    tokenizer's parse, tens of seconds on a first run): each a one-line refusal, with the fix. Run in a fresh
+    interpreter, so "not imported" is what the command did."""
+    import errno
+    import json
+    import os
+    import socket
+
+    missing = tmp_path / "bundle" / "keep_set.npy"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cases = [
+            [str(TOY), "--port", str(port)],
+            [str(TOY), "--host", "192.0.2.1", "--port", "0"],  # TEST-NET-1 (RFC 5737): no machine's own address
+            [str(TOY), "--port", "0", "--keep-set", str(missing)],
+        ]
+        done = subprocess.run(
+            [sys.executable, "-c", _PREFLIGHT, json.dumps(cases)], capture_output=True, text=True, timeout=120
+        )
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["loaded"] == []
+    (busy_code, busy_err), (host_code, host_err), (keep_code, keep_err) = got["results"]
+    assert busy_code == host_code == keep_code == 1
+    assert all(err.count("\n") == 1 for err in (busy_err, host_err, keep_err))
+    assert busy_err.startswith(
+        f"hycoc verify-server: cannot listen on 127.0.0.1:{port}: {os.strerror(errno.EADDRINUSE)}"
+    )
+    assert busy_err.rstrip().endswith("pass --port N, or --port 0 for any free port")
+    assert host_err.startswith(f"hycoc verify-server: cannot listen on 192.0.2.1:0: {os.strerror(errno.EADDRNOTAVAIL)}")
+    assert "pass --host with an address of this machine" in host_err
+    assert keep_err.startswith(f"hycoc verify-server: --keep-set {missing}: no such file; ")
+    assert "`hycoc build RECIPE` writes" in keep_err and "not a .npy" not in keep_err
 
 
 # ---- the auth token (docs/serving.md "Limits": best from a file or HYCOC_AUTH_TOKEN; --auth-token warns) -------

@@ -62,8 +62,7 @@ def test_package_versions_names_every_package_without_importing_it():
 
 
 def test_load_keep_set_reads_int_ids_and_names_a_bad_file(tmp_path):
-    pytest.importorskip("torch")
-    from hycoc.verifier.loading import check_keep_set_vocab, load_keep_set
+    from hycoc.keep_set import load_keep_set
 
     good = tmp_path / "keep_set.npy"
     np.save(good, np.array([3, 1, 7], dtype=np.int32))
@@ -77,8 +76,43 @@ def test_load_keep_set_reads_int_ids_and_names_a_bad_file(tmp_path):
         "ids, got shape (3,) dtype float64"
     )
     (tmp_path / "text.npy").write_text("not numpy")
-    with pytest.raises(ValueError, match="not a .npy array file; give the bundle's keep_set.npy"):
+    with pytest.raises(
+        ValueError, match=r"not a \.npy array file; give a bundle's keep_set\.npy: `hycoc build RECIPE`"
+    ):
         load_keep_set(tmp_path / "text.npy")
+
+
+def test_a_missing_keep_set_is_named_as_missing_with_the_command_that_writes_it(tmp_path):
+    """A path that does not exist is not "not a .npy array file" (what numpy's FileNotFoundError used to become):
+    the one line says the file does not exist, names --keep-set and how to make one; a bundle folder given instead
+    of its file points at the file in it. The verifier's loader is this same function (one message everywhere)."""
+    from hycoc.keep_set import KEEP_SET_FILE, load_keep_set
+
+    missing = tmp_path / "bundles" / "toy-cpu" / KEEP_SET_FILE
+    with pytest.raises(ValueError) as e:
+        load_keep_set(missing)
+    message = str(e.value)
+    assert message.startswith(f"--keep-set {missing}: no such file; ") and "\n" not in message
+    assert "`hycoc build RECIPE` writes bundles/<recipe name>-<target>/keep_set.npy" in message
+    assert "not a .npy" not in message
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    with pytest.raises(ValueError, match=r"is a folder, not a keep_set\.npy file; give a bundle's keep_set\.npy"):
+        load_keep_set(bundle)
+    np.save(bundle / KEEP_SET_FILE, np.arange(3))
+    with pytest.raises(ValueError, match=rf"is a folder.*give the one in it, --keep-set {bundle / KEEP_SET_FILE}$"):
+        load_keep_set(bundle)
+    pytest.importorskip("torch")
+    from hycoc.verifier import loading
+
+    assert loading.load_keep_set is load_keep_set
+
+
+def test_keep_set_ids_outside_the_vocabulary_are_named():
+    pytest.importorskip("torch")
+    from hycoc.verifier.loading import check_keep_set_vocab
+
+    good, ids = "keep_set.npy", np.array([3, 1, 7], np.int64)
     check_keep_set_vocab(ids, 8, good)
     with pytest.raises(ValueError, match="token id 7 is outside the verifier's vocabulary of 7"):
         check_keep_set_vocab(ids, 7, good)

@@ -912,6 +912,11 @@ def test_verify_server_command_serves_until_sigterm(tmp_path, saved_models):
         assert re.fullmatch(
             r"hycoc verify-server: stopped \(SIGINT or SIGTERM\) after \d+ s; sessions closed\n", proc.stdout.read()
         )
+        # the load is a progress step on stderr (plain lines, stderr being a pipe: hycoc/progress.py), start and end
+        err = " ".join(proc.stderr.read().split())  # a line wider than the console wraps
+        loading = re.escape(f"verify-server: loading the verifier {saved_models}") + r".*?"
+        assert re.search(rf"\[hycoc \d\d:\d\d:\d\d\] {loading}: started", err), err
+        assert re.search(rf"\[hycoc \d\d:\d\d:\d\d\] {loading}: done in \d+(\.\d)? s", err), err
     finally:
         if proc.poll() is None:
             proc.kill()

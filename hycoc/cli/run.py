@@ -9,6 +9,12 @@ from pathlib import Path
 import typer
 
 from hycoc.cli._common import AUTH_TOKEN_HELP, Backend, RunMode, _auth_token, _bundle_backend, _fail
+from hycoc.runtime.result import JSON_KEYS  # standard library only: the keys the --json object has
+
+#: What ends each answer on stdout in a --chat conversation: an empty line after the answer (and its --json
+#: object), as transformers' `transformers chat` and llama.cpp's llama-cli leave one before the next turn; the
+#: first answer of a one-shot run ends with its newline alone.
+TURN_END = "\n"
 
 
 def run(
@@ -55,7 +61,8 @@ def run(
         "--chat",
         help="a conversation on one session: after the first answer, every line on stdin is the "
         "next user turn (the verifier keeps the KV, the SLM ring continues); an empty line or end of input ends "
-        "it. Without --prompt / --prompt-file the first turn is read from stdin too",
+        "it. Without --prompt / --prompt-file the first turn is read from stdin too. On stdout each answer (and "
+        "its --json object) ends with an empty line",
     ),
     thinking: bool = typer.Option(
         False,
@@ -81,8 +88,7 @@ def run(
     """Device runtime: draft hybrid trees against a verifier server and stream the answer (Alg. 1-3).
 
     The text streams to stdout as it is committed; a one-line summary goes to stderr (--json: the metrics as one
-    JSON object on stdout after the text: text, tokens, rounds, mat, tok_per_s, draft_ms_per_token,
-    server_ms_per_token, first_token_ms, bytes_up_per_round, bytes_down_per_round).
+    JSON object on stdout after the text: {keys}).
     """
     from hycoc.run_options import AnswerPrinter, RunOptionError, check_run_options, run_error, summary_line
 
@@ -195,6 +201,8 @@ def run(
         m = res.to_json()
         if json_out:
             sys.stdout.write(json.dumps(m) + "\n")
+        if chat:
+            sys.stdout.write(TURN_END)
         sys.stdout.flush()
         typer.echo(summary_line(mode.value, m, res.prefill_ms, res.finish_reason), err=True)
         return res
@@ -207,3 +215,7 @@ def run(
         turn(False, text)
     if chat:
         client.close()
+
+
+# --help lists the --json keys from the code that writes the object (`hycoc.runtime.result.RequestResult.to_json`).
+run.__doc__ = (run.__doc__ or "").replace("{keys}", ", ".join(JSON_KEYS))

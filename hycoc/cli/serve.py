@@ -79,22 +79,26 @@ ReplicaKeepSet = _keep_set_option(" (the bundle's keep_set.npy); without it they
 
 def _preflight(command: str, cfg, host, port, keep_set, *, busy_hint: str, reuse_address: bool):
     """What a server command checks before it imports torch or loads anything, each failure one line naming the
-    fix: the listen address (`hycoc.ports.check_port`: a busy port, a host not on this machine) and the keep-set
-    file (`hycoc.keep_set.load_keep_set`: missing, a folder, not a .npy of int ids). Returns (host, the port checked:
+    fix: the recipe's model folders (`hycoc.models.model_dir`), the keep-set file (`hycoc.keep_set.load_keep_set`:
+    missing, a folder, not a .npy of int ids), then the listen address (`hycoc.ports.check_port`: a busy port, a
+    host not on this machine). Returns (host, the port checked:
     for port 0 the free port the OS picked, the keep set's ids or None). Raises typer.Exit (code 1)."""
     from hycoc.keep_set import load_keep_set
+    from hycoc.models import ModelNotFoundError, model_dir
     from hycoc.ports import check_port
 
+    try:
+        for role in ("verifier", "head", "tokenizer"):  # the folders; their files are checked after the imports
+            model_dir(cfg, role)
+        ids = load_keep_set(keep_set) if keep_set is not None else None
+    except (ModelNotFoundError, ValueError) as e:
+        raise _fail(command, str(e)) from None
     host = host or cfg.verifier.host
     port = cfg.verifier.port if port is None else port
     try:
         bound = check_port(host, port, reuse_address=reuse_address)
     except OSError as e:
         raise _fail(command, _port_error(host, port, e, busy_hint)) from None
-    try:
-        ids = load_keep_set(keep_set) if keep_set is not None else None
-    except ValueError as e:
-        raise _fail(command, str(e)) from None
     return host, bound, ids
 
 
