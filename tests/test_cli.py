@@ -439,6 +439,19 @@ def _refuses_bad_keep_sets(tmp_path):
     assert "token id 4096 is outside the verifier's vocabulary of 4096" in result.stderr
 
 
+def test_run_help_lists_the_json_keys_the_runtime_writes():
+    """`run --help` names every key of the --json object, in order, from the code that writes it (finish_reason was
+    missing from a hand-written list)."""
+    import re
+
+    from hycoc.runtime.client import RequestResult
+
+    written = RequestResult(mode="hyco", text="a", tokens=[5, 6], rounds=1, seconds=0.5, finish_reason="stop")
+    shown = " ".join(invoke("run", "--help").stdout.split())
+    listed = re.search(r"JSON object on stdout after the text: ([a-z_, ]+)\)", shown).group(1).split(", ")
+    assert listed == list(written.to_json()) and "finish_reason" in listed
+
+
 _PREFLIGHT = """
 import json, sys
 from typer.testing import CliRunner

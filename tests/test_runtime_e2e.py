@@ -264,6 +264,14 @@ def test_three_turns_hold_the_templates_rendering_on_both_sides(server, runtime,
     assert int(torch.argmax(cold)) == final[-1] or session.finish_reason == "stop"
 
 
+def run_help_json_keys() -> list[str]:
+    """The --json keys `hycoc run --help` lists, in order."""
+    import re
+
+    shown = " ".join(CliRunner().invoke(app, ["run", "--help"], terminal_width=200).stdout.split())
+    return re.search(r"JSON object on stdout after the text: ([a-z_, ]+)\)", shown).group(1).split(", ")
+
+
 def test_cli_run_chat_answers_every_turn_on_one_session(server, built):
     srv, _ = server
     before = srv.server.metrics.sessions_total
@@ -292,6 +300,11 @@ def test_cli_run_chat_answers_every_turn_on_one_session(server, built):
     assert result.exit_code == 0, result.stderr
     turns = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert len(turns) == 3 and all(1 <= t["tokens"] <= 8 for t in turns)
+    # each answer ends on stdout: its text, its JSON object, then an empty line before the next turn's text
+    lines = result.stdout.split("\n")
+    ends = [i for i, line in enumerate(lines) if line.startswith("{")]
+    assert [lines[i + 1] for i in ends] == ["", "", ""] and result.stdout.endswith("}\n\n")
+    assert list(turns[0]) == run_help_json_keys()  # what --json writes is what run --help lists
     assert srv.server.metrics.sessions_total == before + 1  # one session for the whole conversation
     assert result.stderr.count("[hyco-exact: ") == 3 and result.stderr.count("> ") == 3
     result = CliRunner().invoke(app, ["run", str(built[1]), "--server", srv.url, "--mode", "slm-alone", "--chat"])
