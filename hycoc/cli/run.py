@@ -12,8 +12,8 @@ from hycoc.cli._common import AUTH_TOKEN_HELP, Backend, RunMode, _auth_token, _b
 from hycoc.runtime.result import JSON_KEYS  # standard library only: the keys the --json object has
 
 #: What ends each answer on stdout in a --chat conversation: an empty line after the answer (and its --json
-#: object), as transformers' `transformers chat` and llama.cpp's llama-cli leave one before the next turn; the
-#: first answer of a one-shot run ends with its newline alone.
+#: object), as `transformers chat` prints one after each reply (transformers/cli/chat.py); a one-shot run's
+#: answer ends with its newline alone, as before.
 TURN_END = "\n"
 
 
