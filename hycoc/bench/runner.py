@@ -30,260 +30,41 @@ table says which. The projected Δg's interval resamples the cost model's repeti
 
 Output: the tables at the console's width (`hycoc.bench.tables`; ``fmt`` markdown or csv for files), third-party
 warnings in ``OUT/bench.log`` (`hycoc.quiet`).
+
+This module runs the bench (`run_bench`) and prints its tables; the work is split by job: `hycoc.bench.request_loop`
+(the requests one after another, second turns), `hycoc.bench.verifier_process` (the verify-server child process and
+its CPU time), `hycoc.bench.records` (records.jsonl, settings.json, the output folder, `BenchError`),
+`hycoc.bench.scoring` (quality and the verifier's log-prob of each answer) and `hycoc.bench.turns` (the per-turn
+numbers and table). Their public names are importable from here as before.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from hycoc.bench.datasets import LONG_SUMMARY_CATEGORY, Question
+from hycoc.bench.records import (
+    RECORDS,
+    RESULTS,
+    SETTINGS,
+    BenchError,
+    atomic_write,
+    open_out,
+    read_records,
+    record_of,
+)
+from hycoc.bench.request_loop import Request, requests_of, run_requests, second_turn
+from hycoc.bench.scoring import score_answers, score_quality
+from hycoc.bench.turns import render_turns, turn_summary, turns_table
+from hycoc.bench.verifier_process import VerifierProcess, busy_since, process_cpu_ms
 from hycoc.table5 import TABLE5_ORDER
 
 #: Table 5 order.
 CONFIGS = TABLE5_ORDER
-RECORDS = "records.jsonl"
-SETTINGS = "settings.json"
-RESULTS = "results.json"
-
-
-class BenchError(RuntimeError):
-    """The bench cannot start or go on: the server did not start, the bundle does not match the recipe, ...
-    The message says what to do."""
-
-
-# ---- the verifier process ---------------------------------------------------------------------------------------
-
-
-class VerifierProcess:
-    """``hycoc verify-server`` in a child process on a free loopback port; ``url`` once listening.
-
-    extra_args: more verify-server options (e.g. ``["--batching", "serial"]``). error: the exception class raised
-    (with the server's stderr) when it exits or does not listen within ``timeout_s`` (default BenchError)."""
-
-    def __init__(
-        self,
-        recipe_path: Path,
-        keep_set: Path | None,
-        timeout_s: float = 300.0,
-        extra_args: list[str] = (),
-        error: type[Exception] | None = None,
-    ):
-        error = error or BenchError
-        cmd = [
-            sys.executable,
-            "-m",
-            "hycoc.cli",
-            "verify-server",
-            str(recipe_path),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            *extra_args,
-        ]
-        if keep_set is not None:
-            cmd += ["--keep-set", str(keep_set)]
-        self._err = tempfile.TemporaryFile(mode="w+")
-        self._stderr = ""
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._err, text=True, env=env)
-        self.url = None
-        deadline = time.monotonic() + timeout_s
-        while self.url is None:
-            line = self.proc.stdout.readline()
-            if not line:
-                self.stop()
-                raise error(f"the verifier server exited before listening: {self.stderr_tail()}")
-            if "listening on " in line:
-                self.url = line.split("listening on ", 1)[1].split()[0]
-            if time.monotonic() > deadline:
-                self.stop()
-                raise error(f"the verifier server did not listen within {timeout_s:g} s")
-        self.deadline = deadline
-
-    def stderr_tail(self, lines: int = 5) -> str:
-        if not self._err.closed:
-            self._err.seek(0)
-            self._stderr = self._err.read()
-        return " | ".join(self._stderr.strip().splitlines()[-lines:]) or "(no output)"
-
-    def stop(self) -> None:
-        """Terminate the server (SIGTERM, then SIGKILL after 20 s) and close its stderr file (its text is kept
-        for `stderr_tail`)."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if not self._err.closed:
-            self.stderr_tail()
-            self._err.close()
-        if self.proc.stdout is not None and not self.proc.stdout.closed:
-            self.proc.stdout.close()
-
-    def __enter__(self) -> VerifierProcess:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-# ---- busy time of the verifier process ----------------------------------------------------------------------
-
-
-def process_cpu_ms(pid: int) -> float | None:
-    """CPU time (user + system, every thread, exited ones included) the process ``pid`` has used, in ms: fields 14
-    and 15 of ``/proc/PID/stat`` (proc(5)) over ``SC_CLK_TCK`` (resolution 1 / SC_CLK_TCK s, 10 ms on Linux). None
-    where there is no /proc (not Linux) or the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # after "(comm)", which may hold spaces
-        return 1000.0 * (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def busy_since(pid: int | None, start: float | None) -> float | None:
-    """`process_cpu_ms` of ``pid`` now minus ``start`` (ms), None when either is unknown."""
-    now = process_cpu_ms(pid) if pid is not None else None
-    return None if now is None or start is None else max(0.0, now - start)
-
-
-# ---- records -----------------------------------------------------------------------------------------------------
-
-
-def record_of(
-    config: str,
-    run: int,
-    q: Question,
-    prompt_tokens: int,
-    res,
-    virtual_link: bool,
-    turn: int = 1,
-    chat=None,
-    server_busy_ms: float | None = None,
-) -> dict:
-    """One request as a `hycoc.bench.summary` record (its module docstring lists the keys and units); ``turn``:
-    1 for a question's first turn, 2 for its second (same session, `run_requests`). chat: the bundle's
-    `hycoc.chat.Chat`: ``text`` is then the final answer, without the reasoning channel (kept as ``thought``), so
-    quality scores what the user reads. server_busy_ms: CPU ms the verifier process used while the request ran
-    (`process_cpu_ms`), None when unknown."""
-    from hycoc.bench.quality import reference_match
-
-    thought, text = None, res.text
-    if chat is not None:
-        thought, answer = chat.split_thought(list(res.tokens))
-        text = chat.tokenizer.decode(answer, skip_special_tokens=True) if thought is not None else res.text
-    link = res.link_s if virtual_link else 0.0
-    first_link = res.first_token_link_s if virtual_link else 0.0
-    return {
-        "config": config,
-        "run": run,
-        "question_id": q.question_id,
-        "category": q.category,
-        "turn": turn,
-        "prompt_tokens": prompt_tokens,
-        "tokens": len(res.tokens),
-        "rounds": res.rounds,
-        "accepted": list(res.accepted),
-        "prefill_ms": float(res.prefill_ms),
-        "server_ms": [float(x) for x in res.server_ms],
-        "rows": list(res.rows),
-        "context": list(res.context),
-        "seconds": res.seconds + link,
-        "first_token_ms": None if res.first_token_s is None else 1000 * (res.first_token_s + first_link),
-        "draft_ms": 1000 * res.draft_s,
-        "slm_prefill_ms": 1000 * res.slm_prefill_s,
-        "bytes_up": [u for u, _ in res.round_bytes],
-        "bytes_down": [d for _, d in res.round_bytes],
-        "bonus_outside_keep": res.bonus_outside_keep,
-        "link_ms": 1000 * res.link_s,
-        "text": text,
-        "thought": thought,
-        "draft_calls": dict(res.draft_calls),
-        "draft_graph_ms": 1000 * res.draft_graph_s,
-        "prefill_calls": dict(res.prefill_calls),
-        "slm_prefill_graph_ms": 1000 * res.prefill_graph_s,
-        "output_ids": list(res.tokens),
-        "finished": res.finished,
-        "finish_reason": res.finish_reason,
-        "verifier_logprob": None,
-        "reference_match": reference_match(q.category, text, q.reference),
-        "server_busy_ms": server_busy_ms,
-    }
-
-
-def read_records(path: Path) -> list[dict]:
-    """The records of ``records.jsonl`` (a torn last line from an interrupted write is dropped)."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return out
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` through a temporary name in the same folder and a rename."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-# ---- quality ------------------------------------------------------------------------------------------------------
-
-
-def score_quality(records: list[dict], questions: dict[int, Question]) -> None:
-    """Fill every record's ``quality`` that is missing (records of an older bench lack it): the answer's
-    repetition metrics (`hycoc.bench.quality.answer_metrics` over its text and output ids) and its reference metrics
-    against the reference of the record's turn (`Question.reference_for_turn`: an MT-bench second answer against the
-    second reference, `hycoc.bench.quality.reference_metrics`). questions: question_id -> Question."""
-    from hycoc.bench.quality import answer_metrics, reference_metrics
-
-    for rec in records:
-        if rec.get("quality") is not None:
-            continue
-        q = questions[rec["question_id"]]
-        text = rec.get("text") or ""
-        rec["quality"] = {
-            **answer_metrics(text, rec.get("output_ids")),
-            **reference_metrics(q.category, text, q.reference_for_turn(int(rec.get("turn", 1)))),
-        }
-
-
-def score_answers(recipe, records: list[dict], prompts: dict[int, list[int]], console=None) -> None:
-    """Fill every record's ``verifier_logprob``: the verifier's mean log-probability (natural log, temperature 1,
-    full vocabulary) of the answer's tokens given the prompt. It measures how likely the verifier finds the text,
-    which repetition raises (docs/benchmarks.md), so it is reported under that label beside `score_quality`'s metrics,
-    never as the quality figure on its own. Runs the recipe's verifier in this process."""
-    import torch
-
-    from hycoc.models import load_verifier, set_threads
-
-    set_threads(recipe.verifier.threads)
-    model = load_verifier(recipe.model_path("verifier"), dtype=recipe.verifier.dtype, device=recipe.verifier.device)
-    with torch.inference_mode():
-        for rec in records:
-            out = rec.get("output_ids") or []
-            if rec.get("verifier_logprob") is not None or not out:
-                continue
-            prompt = prompts[rec["question_id"]]
-            ids = torch.tensor([prompt + out], device=recipe.verifier.device)
-            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-            lp = torch.log_softmax(logits, dim=-1).gather(1, ids[0, len(prompt) :, None])
-            rec["verifier_logprob"] = float(lp.mean())
 
 
 # ---- the run -----------------------------------------------------------------------------------------------------
@@ -566,301 +347,6 @@ def make_console(console=None):
     return console
 
 
-def open_out(out: Path, settings: dict, resume: bool) -> set[tuple[str, int, int]]:
-    """Make the output folder ready: refuse an existing ``records.jsonl`` without ``resume``, and with it refuse
-    records made with other ``settings`` (`run_settings`); write ``settings.json``. Returns the (config, run,
-    question_id) of the requests already recorded. Raises BenchError saying which flag or setting to change."""
-    out.mkdir(parents=True, exist_ok=True)
-    records_path = out / RECORDS
-    if records_path.exists() and not resume:
-        raise BenchError(f"{records_path} exists: pass --resume to continue that run, or choose another --out")
-    settings_path = out / SETTINGS
-    if records_path.exists() and settings_path.is_file():
-        saved = json.loads(settings_path.read_text(encoding="utf-8"))
-        changed = [k for k in settings if saved.get(k) != settings[k]]
-        if changed:
-            raise BenchError(
-                f"--resume: {out} was run with other settings ("
-                + ", ".join(f"{k}: {saved.get(k)!r} there, {settings[k]!r} now" for k in changed)
-                + "); use the same ones, or another --out"
-            )
-    atomic_write(settings_path, json.dumps(settings, indent=1))
-    return {(r["config"], r["run"], r["question_id"]) for r in read_records(records_path)}
-
-
-@dataclass(frozen=True)
-class Request:
-    """One request of a run: the record's ``config`` label, the runtime ``mode`` (`hycoc.runtime.client.MODES`),
-    the acceptance threshold ``epsilon`` sent to the verifier (used by the ε modes), the run index (seed = recipe
-    seed + run) and the question (its first turn is the prompt)."""
-
-    config: str
-    mode: str
-    epsilon: float
-    run: int
-    question: Question
-
-
-def requests_of(todo: list[Request], turns: int) -> int:
-    """Requests (one per turn) that ``todo`` makes: one per item, two for a question with a second turn when
-    ``turns`` is 2 (slm-alone answers first turns only). A first turn that fills the context makes one fewer."""
-    return sum(1 + (turns > 1 and len(req.question.turns) > 1 and req.mode != "slm-alone") for req in todo)
-
-
-def run_requests(
-    rt,
-    recipe_path: Path,
-    bundle_dir: Path,
-    todo: list[Request],
-    prompts: dict[int, list[int]],
-    records_path: Path,
-    *,
-    link: str,
-    output_cap: int,
-    sampling,
-    seed: int,
-    console,
-    turns: int = 1,
-    thinking: bool = False,
-    anchors: dict[int, int] | None = None,
-) -> None:
-    """Run ``todo`` in order on the device runtime ``rt``, each against a ``hycoc verify-server`` child process
-    (`VerifierProcess`, started only when a request needs a verifier), and append each finished request's record
-    (`record_of`) to ``records_path`` at once. ``prompts``: question_id -> prompt token ids. ``link``: link model
-    name, counted, not slept. turns: 2 continues every question that has a second turn on the same session
-    (`second_turn`; slm-alone answers first turns only); thinking: the second turn's template setting (the
-    prompts' is the caller's); anchors: question_id -> the prompt's model-turn opening (`hycoc.chat.Rendered.anchor`,
-    sent in OPEN so that a second turn can roll back to it). Ctrl-C keeps the records written and re-raises
-    KeyboardInterrupt. Raises BenchError (server), TransportError from a request that fails."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    from hycoc.runtime.transport import VerifierClient, parse_link
-
-    if not todo:
-        return
-    link_model = parse_link(link)
-    needs_server = any(req.mode != "slm-alone" for req in todo)
-    server = VerifierProcess(recipe_path, bundle_dir / "keep_set.npy") if needs_server else None
-    try:
-        columns = (
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
-        )
-        # off the terminal the plain progress lines say it all: no leftover bar in a redirected file
-        with (
-            Progress(*columns, console=console, transient=False, disable=not console.is_terminal) as progress,
-            open(records_path, "a", encoding="utf-8") as sink,
-        ):
-            total = requests_of(todo, turns)
-            task = progress.add_task("requests", total=total)
-            t_start, n = time.perf_counter(), 0
-            for req in todo:
-                q = req.question
-                progress.update(task, description=f"q{q.question_id} {req.config:12s}")
-                client = None
-                if req.mode != "slm-alone":
-                    client = VerifierClient(server.url, timeout_s=600, link=link_model, sleep=lambda s: None)
-                two = turns > 1 and len(q.turns) > 1 and client is not None
-                pid = server.proc.pid if client is not None else None
-                cpu0 = process_cpu_ms(pid) if pid is not None else None
-                res = rt.generate(
-                    client,
-                    prompts[q.question_id],
-                    mode=req.mode,
-                    max_new_tokens=output_cap,
-                    seed=seed + req.run,
-                    sampling=sampling,
-                    epsilon=req.epsilon,
-                    keep_open=two,
-                    anchor=(anchors or {}).get(q.question_id, 0),
-                )
-                recs = [
-                    record_of(
-                        req.config,
-                        req.run,
-                        q,
-                        len(prompts[q.question_id]),
-                        res,
-                        virtual_link=True,
-                        chat=rt.bundle.chat,
-                        server_busy_ms=busy_since(pid, cpu0),
-                    )
-                ]
-                if two and res.finish_reason == "length":  # the context is full: no room for a second turn
-                    client.close()
-                    total -= 1
-                    progress.update(task, total=total)
-                elif two:
-                    recs.append(
-                        second_turn(
-                            rt,
-                            client,
-                            server.url,
-                            req,
-                            prompts[q.question_id],
-                            res,
-                            output_cap,
-                            sampling,
-                            thinking,
-                            server_pid=pid,
-                        )
-                    )
-                sink.write("".join(json.dumps(rec) + "\n" for rec in recs))  # both turns, or neither
-                sink.flush()
-                progress.advance(task, len(recs))
-                before, n = n, n + len(recs)
-                if not console.is_terminal and (n // 10 > before // 10 or n == total):  # logs get plain lines
-                    spent = time.perf_counter() - t_start
-                    console.print(
-                        f"  {n}/{total} requests, {spent / 60:.1f} min, eta {spent / n * (total - n) / 60:.1f} min"
-                    )
-    except KeyboardInterrupt:
-        console.print(
-            f"[yellow]interrupted: {len(read_records(records_path))} requests kept in {records_path}; "
-            "rerun with --resume to continue[/]"
-        )
-        raise
-    finally:
-        if server is not None:
-            server.stop()
-
-
-def second_turn(
-    rt,
-    client,
-    url: str,
-    req: Request,
-    prompt: list[int],
-    first,
-    output_cap: int,
-    sampling,
-    thinking: bool = False,
-    server_pid: int | None = None,
-) -> dict:
-    """A question's second turn on the session its first turn left open (paper §4.1: MT-bench's second turns;
-    the prompt is the whole conversation -- first question, this configuration's own first answer, second question
-    -- as the checkpoint's chat template renders it, `hycoc.chat.Chat.conversation`). The verifier keeps the KV of
-    what both sides hold of it and prefills the rest (docs/serving.md "Conversations"); to show what that saves,
-    the same conversation is also prefilled cold on a new session (opened and closed at once, no rounds).
-    Returns the turn's record (``turn`` 2, ``prefill_ms`` the append's, ``prefill_ms_cold`` the cold one's).
-    The client is closed. server_pid: the verifier process, whose CPU time over the turn is the record's
-    ``server_busy_ms``."""
-    import numpy as np
-
-    from hycoc.protocol.messages import OpenRequest
-    from hycoc.runtime.transport import VerifierClient
-
-    q = req.question
-    chat = rt.bundle.chat
-    messages = [
-        {"role": "user", "content": q.turns[0]},
-        {"role": "assistant", "content": chat.answer_text(first.tokens)},
-        {"role": "user", "content": q.turns[1]},
-    ]
-    rendered = chat.conversation(messages, thinking)
-    cpu0 = process_cpu_ms(server_pid) if server_pid is not None else None
-    try:
-        res = rt.next_turn(client, rendered.ids, anchor=rendered.anchor, max_new_tokens=output_cap)
-        busy = busy_since(server_pid, cpu0)  # the turn's own work, not the cold prefill below
-    finally:
-        client.close()
-    conversation = rendered.ids
-    cold = VerifierClient(url, timeout_s=600)
-    try:
-        cold_ms = cold.open(
-            OpenRequest(prompt_ids=np.asarray(conversation, np.int32), sampling=sampling, max_new_tokens=1)
-        ).prefill_ms
-    finally:
-        cold.close()
-    rec = record_of(
-        req.config, req.run, q, len(conversation), res, virtual_link=True, turn=2, chat=chat, server_busy_ms=busy
-    )
-    rec["prefill_ms_cold"] = float(cold_ms)
-    rec["prefill_start"] = int(res.kept)  # the APPEND kept this many ids (the verifier may roll back to its snapshot)
-    return rec
-
-
-def turn_summary(records: list[dict]) -> dict:
-    """Per configuration and turn: requests, mean prefill ms (the second turn's: the appended tokens only), mean
-    prefill ms saved by keeping the KV (cold prefill of the whole conversation minus the append's; second turns),
-    g = (prefill + server ms) / committed tokens pooled, MAT = committed tokens / rounds pooled.
-    Records without ``turn`` are first turns; slm-alone records (no verifier) are left out."""
-    from hycoc.bench.stats import table5_order as _order
-
-    out: dict[str, dict[str, dict]] = {}
-    groups = _groups(records)
-    rank = {c: i for i, c in enumerate(_order({c for c, _ in groups}))}  # the main table's order
-    for (config, turn), rs in sorted(groups.items(), key=lambda kv: (rank[kv[0][0]], kv[0][1])):
-        tokens, rounds = sum(r["tokens"] for r in rs), sum(r["rounds"] for r in rs)
-        verifier_ms = sum(r["prefill_ms"] + sum(r["server_ms"]) for r in rs)
-        saved = [r["prefill_ms_cold"] - r["prefill_ms"] for r in rs if "prefill_ms_cold" in r]
-        out.setdefault(config, {})[str(turn)] = {
-            "requests": len(rs),
-            "prefill_ms": sum(r["prefill_ms"] for r in rs) / len(rs),
-            "prefill_ms_saved": sum(saved) / len(saved) if saved else None,
-            "g_ms_per_token": verifier_ms / tokens if tokens else None,
-            "mat": tokens / rounds if rounds else None,
-        }
-    return out
-
-
-def _groups(records: list[dict]) -> dict[tuple[str, int], list[dict]]:
-    groups: dict[tuple[str, int], list[dict]] = {}
-    for r in records:
-        if r["config"] != "slm-alone":
-            groups.setdefault((r["config"], r.get("turn", 1)), []).append(r)
-    return dict(sorted(groups.items()))
-
-
-def turns_table(turns: dict):
-    """The per-turn table of `turn_summary` as a `hycoc.bench.tables.TextTable` (key columns: config, turn), the
-    configurations in the main table's order (paper Table 5, `hycoc.bench.stats.TABLE5_ORDER`), turns in order."""
-    from hycoc.bench.tables import TextTable
-
-    def num(x, digits=2):
-        return "–" if x is None else f"{x:.{digits}f}"
-
-    from hycoc.bench.stats import table5_order as _order
-
-    rows = [
-        [
-            config,
-            turn,
-            str(t["requests"]),
-            num(t["prefill_ms"], 1),
-            num(t["prefill_ms_saved"], 1),
-            num(t["g_ms_per_token"]),
-            num(t["mat"]),
-        ]
-        for config in _order(turns)
-        for turn, t in sorted(turns[config].items(), key=lambda kv: int(kv[0]))
-    ]
-    return TextTable(
-        title="per turn (second turns continue the session: KV kept, only the new tokens prefilled)",
-        headers=["config", "turn", "requests", "prefill ms", "prefill ms saved", "g ms/tok", "MAT"],
-        rows=rows,
-        keys=2,
-    )
-
-
-def render_turns(turns: dict, console, fmt: str = "table") -> None:
-    """Print `turns_table` (``fmt``: `hycoc.bench.tables.FORMATS`)."""
-    from hycoc.bench.tables import print_tables
-
-    print_tables([turns_table(turns)], console, fmt)
-
-
 #: The cost model a bench measured, in its output folder; `cost_model_for` reuses it on --resume.
 COST_MODEL = "cost_model.json"
 
@@ -954,4 +440,15 @@ __all__ = [
     "score_answers",
     "score_quality",
     "server_work",
+    "COST_MODEL",
+    "RECORDS",
+    "RESULTS",
+    "SETTINGS",
+    "device_time_for",
+    "render_turns",
+    "requests_of",
+    "run_settings",
+    "second_turn",
+    "turn_summary",
+    "turns_table",
 ]
