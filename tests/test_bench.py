@@ -170,8 +170,18 @@ def test_turn_summary_hand_worked():
     }
 
 
-def test_bench_second_turns_continue_the_session(built, tmp_path):
+def test_bench_second_turns_continue_the_session(built, tmp_path, monkeypatch):
+    """A second turn is an APPEND on the first turn's session; the cold prefill it is compared with is a new
+    session's OPEN of the whole conversation with the SLM ring filled meanwhile (hyco-exact uses the SLM), as
+    `DeviceRuntime.generate` opens one, so both prefills compete with the same device work."""
+    from hycoc.runtime.slm_drafter import SlmDrafter
+
     recipe, path, root = built
+    started: list[int] = []  # the lengths of the prompts the SLM ring started on (a new request each)
+    real_start = SlmDrafter.start
+    monkeypatch.setattr(
+        SlmDrafter, "start", lambda self, ids, *a, **k: (started.append(len(ids)), real_start(self, ids, *a, **k))[1]
+    )
     questions = [q for q in load_spec_bench(DEFAULT_DATASET) if len(q.turns) == 2][:1]
     plan = BenchPlan(
         questions=questions,
@@ -198,6 +208,10 @@ def test_bench_second_turns_continue_the_session(built, tmp_path):
     t = results["turns"]["hyco-exact"]
     assert t["2"]["prefill_ms_saved"] == pytest.approx(second["prefill_ms_cold"] - second["prefill_ms"])
     assert t["1"]["mat"] == pytest.approx(first["tokens"] / first["rounds"])
+    # turn 1 and slm-alone each start the ring on their prompt; the cold OPEN on the whole conversation
+    assert sorted(started) == sorted(
+        [first["prompt_tokens"], recs["slm-alone", 1]["prompt_tokens"], second["prompt_tokens"]]
+    )
 
 
 def test_measure_handoff_scales_is_the_max_over_the_answers_at_percentile_100(built):

@@ -180,10 +180,14 @@ def second_turn(
     the prompt is the whole conversation -- first question, this configuration's own first answer, second question
     -- as the checkpoint's chat template renders it, `hycoc.chat.Chat.conversation`). The verifier keeps the KV of
     what both sides hold of it and prefills the rest (docs/serving.md "Conversations"); to show what that saves,
-    the same conversation is also prefilled cold on a new session (opened and closed at once, no rounds).
+    the same conversation is also prefilled cold on a new session (opened and closed at once, no rounds), with the
+    device's SLM ring filling meanwhile where the configuration uses the SLM, as a new session's OPEN would have it
+    (the APPEND's prefill also runs beside the ring's: on one machine both compete for the same cores).
     Returns the turn's record (``turn`` 2, ``prefill_ms`` the append's, ``prefill_ms_cold`` the cold one's).
     The client is closed. server_pid: the verifier process, whose CPU time over the turn is the record's
     ``server_busy_ms``."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import numpy as np
 
     from hycoc.protocol.messages import OpenRequest
@@ -205,10 +209,18 @@ def second_turn(
         client.close()
     conversation = rendered.ids
     cold = VerifierClient(url, timeout_s=600)
-    try:
-        cold_ms = cold.open(
-            OpenRequest(prompt_ids=np.asarray(conversation, np.int32), sampling=sampling, max_new_tokens=1)
-        ).prefill_ms
+    drafter = rt.drafter(req.mode)
+    try:  # a new session's OPEN of the same conversation, as `DeviceRuntime.generate` sends it: where the drafter
+        # uses the SLM its ring fills meanwhile (App. C), so on a shared machine both prefills see the same load
+        with ThreadPoolExecutor(1, thread_name_prefix="hycoc-cold") as pool:
+            opened = pool.submit(
+                cold.open,
+                OpenRequest(prompt_ids=np.asarray(conversation, np.int32), sampling=sampling, max_new_tokens=1),
+            )
+            if drafter.uses_slm:
+                drafter.start(list(conversation))
+                drafter.prefill()
+            cold_ms = opened.result().prefill_ms
     finally:
         cold.close()
     rec = record_of(
