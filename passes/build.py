@@ -58,7 +58,7 @@ from hycoc.passes.pipeline import Pass, PassReport, Pipeline, PipelineError, Pip
 from hycoc.targets.profiles import HTP_TARGETS, DeviceEntry, get_profile
 from rich.console import Console
 
-from hycoc.chat_template import chat_from_recipe
+from hycoc.chat_template import bundle_chat_format, chat_from_recipe
 from hycoc.recipe import Recipe
 
 TARGETS = (*HTP_TARGETS, "cpu", "qai-hub")
@@ -565,7 +565,7 @@ def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: s
         return w.commit(
             **manifest_sections(recipe, profile, keep_set_size=len(keep), qnn_sdk=qnn_sdk, hub=hub),
             host=host_info(a["quantized_head"].payload.config, slm, recipe.window.head_sliding_window_inclusive),
-            chat=chat_from_recipe(recipe).format,
+            chat=bundle_chat_format(recipe),  # the template whole; its sources without this machine's paths
         )
 
 
