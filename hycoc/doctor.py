@@ -45,9 +45,9 @@ def doctor_rows(
     then "QNN EP loads" and "HTP targets" (`htp_targets`) from ``status`` (default:
     `hycoc.targets.qnn_ep.qnn_status()`: keys loads, versions, archs {arch: {"ok"}}, compilable_archs, error),
     "this device" (``device``: a `hycoc.runtime.device_identity.DeviceIdentity`, default detected; red for x64
-    Python under emulation on ARM64), and one row per `hycoc.targets.profiles.DEVICES` entry (what ``--device NAME`` builds: profile, SoC, whether this
-    install compiles its arch, whether device time is fitted). style: "" (plain), "yellow" (missing) or "red"
-    (an arch that fails, or none compiles)."""
+    Python under emulation on ARM64), and one row per `hycoc.targets.profiles.DEVICES` entry (what ``--device
+    NAME`` builds: profile, SoC, whether this install compiles its arch, whether device time is fitted). style: ""
+    (plain), "yellow" (missing) or "red" (a target whose arch fails, or none compiles)."""
     rows = [
         (name, ver, "yellow" if ver == "not installed" else "")
         for name, ver in (versions if versions is not None else package_versions()).items()
