@@ -1,7 +1,8 @@
 """A bundle is relocatable (docs/design.md "Bundle"): built in one folder, moved to another (another machine), it
-loads, and nothing it records names the folder it was built in or the build machine's checkpoint folders. The chat
-format's ``sources`` (where the template and stop ids were read) name each file by the recipe key of its folder
-(`hycoc.chat_template.bundle_chat_format`); bundles that recorded the build path still load."""
+loads, and none of its files names the folder it was built in, the recipe's folder or the checkpoint folders. The
+chat format's ``sources`` (where the template and stop ids were read) name each file by the recipe key of its folder
+(`hycoc.chat_template.bundle_chat_format`), report.json the passes' inputs relative to the recipe
+(`hycoc.passes.build.recipe_relative`); bundles that recorded the build path still load."""
 
 from __future__ import annotations
 
@@ -45,9 +46,11 @@ def test_a_moved_bundle_loads_and_names_no_path_of_where_it_was_built(tiny_bundl
     old = [*build_paths(tiny_bundle.recipe), str(tiny_bundle.bundle), str(built)]
     opened = open_bundle(now, "cpu")  # every file's sha256, graph IO, the chat template: all from the new folder
     manifest = load_manifest(now)
-    text = (now / "manifest.json").read_text(encoding="utf-8")
     loaded = json.dumps(manifest.model_dump(mode="json")) + json.dumps(opened.chat.format.model_dump(mode="json"))
-    assert [p for p in old if p in text or p in loaded] == []
+    assert [p for p in old if p in loaded] == []
+    files = sorted(f for f in now.rglob("*") if f.is_file())  # manifest.json, report.json, graphs, tables
+    assert len(files) == len(manifest.files) + 1
+    assert [(f.name, p) for f in files for p in old if p.encode() in f.read_bytes()] == []
     # what the sources name instead: the file inside the recipe's [models] folder it was read from
     tokenizer = tiny_bundle.recipe.model_path("tokenizer")
     template = (
@@ -106,3 +109,17 @@ def test_the_toy_recipe_names_each_source_by_the_role_it_was_read_for():
 def test_portable_source(source, expected):
     folders = [("[models].tokenizer", Path("/m/tok")), ("[models].verifier", Path("/m/ver"))]
     assert portable_source(source, folders) == expected
+
+
+def test_the_report_names_the_passes_inputs_as_the_recipe_does(tmp_path):
+    from hycoc.passes.build import recipe_relative
+
+    base = tmp_path / "recipes"
+    report = {
+        "passes": [{"numbers": {"prompts": f"{base}/toy/data/c.jsonl after line 2000", "n": 3}}],
+        "x": [f"{base}"],
+    }
+    assert recipe_relative(report, base) == {
+        "passes": [{"numbers": {"prompts": "toy/data/c.jsonl after line 2000", "n": 3}}],
+        "x": [str(base)],  # the folder itself is not a path under it
+    }
