@@ -21,7 +21,7 @@ transformers sets it up) and the tests compare it with transformers' own ``apply
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from hycoc.chat import (
     Chat,
@@ -277,6 +277,60 @@ def chat_from_recipe(recipe) -> Chat:
     return load_chat(folder, verifier if verifier is not None and Path(verifier).is_dir() else None)
 
 
+#: Per ``ChatFormat.sources`` key: the recipe's ``[models]`` folders it is read from, in the order
+#: `load_chat_format` looks (the template and reasoning channel from the tokenizer folder; the stop ids from the
+#: verifier's folder, else the tokenizer's), so a file both folders hold is named by the role it was read for.
+_SOURCE_ROLES = {"template": ("tokenizer", "verifier"), "reasoning": ("tokenizer", "verifier")}
+_SOURCE_ROLES_DEFAULT = ("verifier", "tokenizer")
+
+
+def _is_machine_path(text: str) -> bool:
+    return PurePosixPath(text).is_absolute() or PureWindowsPath(text).is_absolute()
+
+
+def portable_source(source: str, folders: list[tuple[str, Path]]) -> str:
+    """``source`` (a `ChatFormat.sources` value: a file path, optionally with a ``:json_key`` suffix, or a library
+    name) without this machine's folders, for a bundle that is copied to another machine (docs/design.md "Bundle").
+
+    folders: (label, folder) pairs tried in order, e.g. ``("[models].tokenizer", Path("/.../verifier"))``. A file
+    inside one of them becomes ``"FILE of LABEL"`` (FILE relative to that folder, posix separators, the ``:key``
+    suffix kept: ``"tokenizer_config.json:chat_template of [models].tokenizer"``); any other absolute path its file
+    name; anything else (a relative path, ``"transformers 5.24.0 response template for 'gemma4'"``) unchanged."""
+    path, sep, key = source.rpartition(":")
+    if not (sep and path and key.isidentifier() and _is_machine_path(path)):
+        path, key = source, ""
+    if not _is_machine_path(path):
+        return source
+    suffix = f":{key}" if key else ""
+    for label, folder in folders:
+        try:
+            rel = Path(path).resolve().relative_to(Path(folder).resolve())
+        except ValueError:
+            continue
+        return f"{rel.as_posix()}{suffix} of {label}"
+    return f"{PureWindowsPath(path).name}{suffix}"  # PureWindowsPath splits at / and at backslashes
+
+
+def bundle_chat_format(recipe) -> ChatFormat:
+    """The `ChatFormat` a bundle records (`chat_from_recipe`'s): the template travels whole in the manifest with
+    its sha256, and ``sources`` names each file by the recipe key of its folder (`portable_source`) instead of this
+    machine's path, so a bundle copied elsewhere names nothing that exists only where it was built. Raises as
+    `chat_from_recipe`."""
+    from hycoc.models import ModelNotFoundError, model_dir
+
+    fmt = chat_from_recipe(recipe).format
+    found: dict[str, Path] = {"tokenizer": tokenizer_folder(model_dir(recipe, "tokenizer"))}
+    try:
+        found["verifier"] = Path(model_dir(recipe, "verifier"))
+    except ModelNotFoundError:
+        pass
+    sources = {}
+    for key, source in fmt.sources.items():
+        roles = _SOURCE_ROLES.get(key, _SOURCE_ROLES_DEFAULT)
+        sources[key] = portable_source(source, [(f"[models].{r}", found[r]) for r in roles if r in found])
+    return fmt.model_copy(update={"sources": sources})
+
+
 def sources_to_read(recipe) -> dict[str, str]:
     """What `chat_from_recipe` will read for a recipe whose folders are not here yet (for ``hycoc inspect``)."""
     t, v = recipe.models.tokenizer, recipe.models.verifier
@@ -355,11 +409,13 @@ def apply_chat_template_ids(
 
 __all__ = [
     "apply_chat_template_ids",
+    "bundle_chat_format",
     "chat_from_recipe",
     "chat_summary",
     "check_history",
     "load_chat",
     "load_chat_format",
+    "portable_source",
     "read_stop_ids",
     "read_template",
     "render",

@@ -1,4 +1,4 @@
-"""`hycoc doctor`: what is installed and whether the QNN EP compiles for the HTP, as rows of a table.
+"""`hycoc doctor`: what is installed and which ``--target htp-vNN`` the QNN EP compiles here, as rows of a table.
 
 `package_versions` reads installed versions without importing anything (importlib.metadata); `doctor_rows` adds the
 QNN EP's status (`hycoc.targets.qnn_ep.qnn_status`: loads the plugin EP and compiles a trivial 16-bit graph per HTP
@@ -42,12 +42,12 @@ def doctor_rows(
     status: dict | None = None, versions: dict[str, str] | None = None, device=None
 ) -> list[tuple[str, str, str]]:
     """(item, value, style) rows of `hycoc doctor`: every `package_versions` entry ("yellow" when not installed),
-    then "QNN EP loads" and "HTP archs" from ``status`` (default: `hycoc.targets.qnn_ep.qnn_status()`: keys
-    loads, versions, archs {arch: {"ok"}}, compilable_archs, error), "this device" (``device``: a
-    `hycoc.runtime.device_identity.DeviceIdentity`, default detected; red for x64 Python under emulation on ARM64),
-    and one row per `hycoc.targets.profiles.DEVICES` entry (what ``--device NAME`` builds: profile, SoC, whether this
-    install compiles its arch, whether device time is fitted). style: "" (plain), "yellow" (missing) or "red"
-    (an arch that fails, or none compiles)."""
+    then "QNN EP loads" and "HTP targets" (`htp_targets`) from ``status`` (default:
+    `hycoc.targets.qnn_ep.qnn_status()`: keys loads, versions, archs {arch: {"ok"}}, compilable_archs, error),
+    "this device" (``device``: a `hycoc.runtime.device_identity.DeviceIdentity`, default detected; red for x64
+    Python under emulation on ARM64), and one row per `hycoc.targets.profiles.DEVICES` entry (what ``--device
+    NAME`` builds: profile, SoC, whether this install compiles its arch, whether device time is fitted). style: ""
+    (plain), "yellow" (missing) or "red" (a target whose arch fails, or none compiles)."""
     rows = [
         (name, ver, "yellow" if ver == "not installed" else "")
         for name, ver in (versions if versions is not None else package_versions()).items()
@@ -59,16 +59,28 @@ def doctor_rows(
     if status["loads"]:
         sdk = status["versions"].get("qnn_sdk")
         rows.append(("QNN EP loads", f"yes (QNN SDK {sdk})" if sdk else "yes", ""))
-        archs = status.get("archs") or {}
-        ok = [f"v{a}" for a in status.get("compilable_archs", [])]
-        bad = [f"v{a}" for a, r in archs.items() if not r["ok"]]
+        ok, bad = htp_targets(status)
         text = (", ".join(ok) or "none") + (f" (fail: {', '.join(bad)})" if bad else "")
-        rows.append(("HTP archs", text, "red" if bad or not ok else ""))
+        rows.append(("HTP targets", text, "red" if bad or not ok else ""))
     else:
         rows.append(("QNN EP loads", f"no: {status['error']}", "yellow"))
-        rows.append(("HTP archs", "none (no QNN EP)", "yellow"))
+        rows.append(("HTP targets", "none (no QNN EP)", "yellow"))
     rows += device_rows(status, device)
     return rows
+
+
+def htp_targets(status: dict) -> tuple[list[str], list[str]]:
+    """(the ``hycoc build --target`` names whose arch compiled here, those whose arch failed), newest arch first,
+    from `hycoc.targets.qnn_ep.qnn_status`'s ``archs`` / ``compilable_archs``. Only the targets registry's HTP
+    profiles (`hycoc.targets.profiles.HTP_TARGETS`) are named: an arch the probe tries (QNN knows more archs) that
+    has no profile is left out, since ``--target`` would refuse it."""
+    from hycoc.targets.profiles import HTP_TARGETS, get_profile
+
+    compiled = set(status.get("compilable_archs") or [])
+    tried = {int(a) for a in status.get("archs") or {}} | compiled
+    ok = [t for t in HTP_TARGETS if get_profile(t).htp_arch in compiled]
+    bad = [t for t in HTP_TARGETS if get_profile(t).htp_arch in tried - compiled]
+    return ok, bad
 
 
 def device_rows(status: dict, device=None) -> list[tuple[str, str, str]]:
@@ -117,4 +129,4 @@ def render_doctor(rows: list[tuple[str, str, str]], console: Any = None) -> None
     (console or Console()).print(table)
 
 
-__all__ = ["PACKAGES", "doctor_rows", "package_versions", "render_doctor"]
+__all__ = ["PACKAGES", "doctor_rows", "htp_targets", "package_versions", "render_doctor"]

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -58,7 +59,7 @@ from hycoc.passes.pipeline import Pass, PassReport, Pipeline, PipelineError, Pip
 from hycoc.targets.profiles import HTP_TARGETS, DeviceEntry, get_profile
 from rich.console import Console
 
-from hycoc.chat_template import chat_from_recipe
+from hycoc.chat_template import bundle_chat_format, chat_from_recipe
 from hycoc.recipe import Recipe
 
 TARGETS = (*HTP_TARGETS, "cpu", "qai-hub")
@@ -489,6 +490,22 @@ def host_info(head_config: dict, slm, inclusive: bool = True) -> Any:
     )
 
 
+def recipe_relative(value: Any, base_dir: Path) -> Any:
+    """``value`` (JSON: dicts, lists, strings, numbers) with every path under the recipe's folder ``base_dir`` written
+    relative to it, as the recipe writes it (``"/home/u/hycoc/recipes/toy/data/conversations.jsonl after line 2000"``
+    -> ``"toy/data/conversations.jsonl after line 2000"``), so the bundle's report names no folder of the machine
+    that built it (docs/design.md "Bundle")."""
+    if isinstance(value, dict):
+        return {k: recipe_relative(v, base_dir) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [recipe_relative(v, base_dir) for v in value]
+    if isinstance(value, str):
+        for folder in dict.fromkeys((str(base_dir), str(Path(base_dir).resolve()))):
+            value = value.replace(folder.rstrip(os.sep) + os.sep, "")
+        return value
+    return value
+
+
 def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: str | Path):
     """Write the bundle of a finished pipeline run to ``out_dir`` (atomically); returns the manifest."""
     from hycoc.passes.bundle_io import graph_io_from_onnx, manifest_sections
@@ -561,11 +578,12 @@ def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: s
                 io=io_,
                 context_binary=Path(binary).name if binary else None,
             )
+        report = recipe_relative(report, recipe.base_dir)  # the passes' inputs as the recipe names them
         w.add_file(json.dumps(report, indent=1).encode(), "report.json", "report")
         return w.commit(
             **manifest_sections(recipe, profile, keep_set_size=len(keep), qnn_sdk=qnn_sdk, hub=hub),
             host=host_info(a["quantized_head"].payload.config, slm, recipe.window.head_sliding_window_inclusive),
-            chat=chat_from_recipe(recipe).format,
+            chat=bundle_chat_format(recipe),  # the template whole; its sources without this machine's paths
         )
 
 

@@ -35,7 +35,7 @@ def test_doctor_rows_from_versions_and_the_qnn_status():
         ("python", "3.11.7", ""),
         ("torch", "not installed", "yellow"),
         ("QNN EP loads", "yes (QNN SDK 2.51.0)", ""),
-        ("HTP archs", "v81 (fail: v68)", "red"),
+        ("HTP targets", "htp-v81 (fail: htp-v68)", "red"),
     ]
     assert rows[4][0] == "this device" and rows[4][2] == "red" and "x64 Python under emulation" in rows[4][1]
     assert [r[0] for r in rows[5:]] == [f"--device {d.name}" for d in DEVICES]
@@ -44,11 +44,11 @@ def test_doctor_rows_from_versions_and_the_qnn_status():
     none = doctor_rows({"loads": False, "error": "libQnnHtp.so not found"}, versions={}, device=laptop)
     assert none[:2] == [
         ("QNN EP loads", "no: libQnnHtp.so not found", "yellow"),
-        ("HTP archs", "none (no QNN EP)", "yellow"),
+        ("HTP targets", "none (no QNN EP)", "yellow"),
     ]
     console = Console(file=io.StringIO(), width=80)
     render_doctor(rows, console)
-    assert "v81 (fail: v68)" in console.file.getvalue() and "hycoc doctor" in console.file.getvalue()
+    assert "htp-v81 (fail: htp-v68)" in console.file.getvalue() and "hycoc doctor" in console.file.getvalue()
 
 
 def test_package_versions_names_every_package_without_importing_it():

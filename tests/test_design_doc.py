@@ -91,6 +91,49 @@ def test_every_local_link_in_readme_and_docs_exists():
     assert missing == []
 
 
+def slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, every character but letters, digits, ``_``, ``-`` and
+    spaces dropped, spaces as ``-`` (github/cmark-gfm's anchor filter; a repeated slug gets ``-1``, ``-2``)."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """Every anchor a page's headings make (outside code blocks), repeats numbered as GitHub numbers them."""
+    out: set[str] = set()
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", line):
+            s = slug(line.lstrip("#"))
+            out.add(f"{s}-{seen[s]}" if s in seen else s)
+            seen[s] = seen.get(s, 0) + 1
+    return out
+
+
+def dangling_anchors(page: Path) -> list[str]:
+    """The ``[text](page.md#anchor)`` / ``[text](#anchor)`` links of ``page`` whose anchor is no heading there."""
+    missing = []
+    for target in re.findall(r"\]\(([^)\s]*#[^)\s]*)\)", page.read_text(encoding="utf-8")):
+        if "://" in target:
+            continue
+        name, _, anchor = target.partition("#")
+        linked = (page.parent / name) if name else page
+        if linked.is_file() and anchor not in anchors(linked):
+            missing.append(f"{page.name} -> {target}")
+    return missing
+
+
+def test_every_local_link_anchor_is_a_heading_of_its_page(tmp_path):
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    assert sum(len(re.findall(r"\]\([^)\s]*#", p.read_text(encoding="utf-8"))) for p in pages) >= 20
+    assert [m for p in pages for m in dangling_anchors(p)] == []
+    # negative control: a link to a heading that is not there, and one to a heading that is
+    (tmp_path / "a.md").write_text("# A page\n\n## Choosing ε: `x`\n\n[ok](#choosing-ε-x) [bad](#choosing-epsilon)\n")
+    assert dangling_anchors(tmp_path / "a.md") == ["a.md -> #choosing-epsilon"]
+
+
 CITED = re.compile(r'(?<![\w/.-])(docs/[\w.-]+\.md),? "([^"]+)"')
 
 

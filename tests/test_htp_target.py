@@ -403,4 +403,4 @@ def test_doctor_shows_qnn_rows():
         if line.count("│") == 3
     }
     assert rows["QNN EP loads"].startswith("yes")
-    assert "v81" in rows["HTP archs"]
+    assert "htp-v81" in rows["HTP targets"]
