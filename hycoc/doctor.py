@@ -22,6 +22,8 @@ PACKAGES = (
     "onnx-ir",
     "onnxruntime",
     "onnxruntime-qnn",
+    "qai-hub",  # the hub extra (hycoc build --target qai-hub, hycoc profile)
+    "ray",  # the serve extra (hycoc serve-ray)
 )
 
 
@@ -103,6 +105,9 @@ def device_rows(status: dict, device=None) -> list[tuple[str, str, str]]:
     compiles = set(status.get("compilable_archs") or [])
     for d in DEVICES:
         here = "compiles here" if d.htp_arch in compiles else "not compiled here"
+        lacks = _lacks(d.htp_arch)
+        if lacks:  # the arch compiles, but the head's graphs need what its profile does not allow
+            here += f", but {lacks}: no recipe's head builds for it (docs/compiler.md)"
         fitted = "device time fitted" if npu_key(d.htp_arch) in NPU_PROFILES else "device time not fitted"
         aka = ", ".join(a for a in d.aliases if not a.upper().startswith(("SM", "SC", "X1")))
         rows.append(
@@ -113,6 +118,17 @@ def device_rows(status: dict, device=None) -> list[tuple[str, str, str]]:
             )
         )
     return rows
+
+
+def _lacks(arch: int) -> str:
+    """What the ``htp-v{arch}`` profile cannot compile that every recipe's head needs (its graphs are always A16,
+    `hycoc.passes.build.check_recipe_capabilities`), as words; "" where it can or there is no such profile."""
+    from hycoc.targets.profiles import HTP_TARGETS, get_profile
+
+    name = f"htp-v{arch}"
+    if name not in HTP_TARGETS:
+        return ""
+    return "" if get_profile(name).supports_16bit_ops else "no 16-bit activations"
 
 
 def render_doctor(rows: list[tuple[str, str, str]], console: Any = None) -> None:

@@ -17,6 +17,34 @@ TOY = ROOT / "recipes" / "toy.toml"
 # ---- hycoc doctor ------------------------------------------------------------------------------------------------
 
 
+def test_doctor_says_which_compiling_archs_the_builder_refuses():
+    """A device whose arch compiles here but whose profile the builder refuses for every recipe's head (A16 graphs):
+    its row says so, exactly where `check_recipe_capabilities` refuses the toy recipe (the builder's own check)."""
+    from hycoc.targets.profiles import DEVICES, HTP_TARGETS, get_profile
+
+    from hycoc.doctor import device_rows
+    from hycoc.recipe import load_recipe
+    from passes.build import BuildError, check_recipe_capabilities
+
+    recipe = load_recipe(ROOT / "recipes" / "toy.toml")
+    rows = [
+        r for r in device_rows({"compilable_archs": sorted({d.htp_arch for d in DEVICES})}) if r[0] != "this device"
+    ]
+    seen = 0
+    for d, (_, text, _) in zip(DEVICES, rows, strict=True):
+        name = f"htp-v{d.htp_arch}"
+        if name not in HTP_TARGETS:
+            continue
+        try:
+            check_recipe_capabilities(recipe, get_profile(name), d)
+            refused = False
+        except BuildError:
+            refused = True
+        assert ("no recipe's head builds" in text) == refused, (d.name, text)
+        seen += refused
+    assert seen >= 1  # htp-v68 (Snapdragon 888) is one
+
+
 def test_doctor_rows_from_versions_and_the_qnn_status():
     from hycoc.doctor import doctor_rows, render_doctor
 
