@@ -19,7 +19,10 @@ it (p~, sampling, acceptance, compaction, hand-off, the reply frame) and prefill
   the means: ``spread``, every timed device step's CPU ms / its point's mean (the simulation draws each step's
   ratio from it: the steps' tail), and ``budget_ms``, the row budget's own work per session (budgeted
   ``verify_batch`` steps of recorded scored trees with the server's `RowBudget` on the measured line, against the
-  grid's step of the rows they kept). The toy's own cost "on this machine".
+  grid's step of the rows they kept). The toy's own cost "on this machine". Where `cached_step_cost` has the
+  recipe's path and recorded rounds, the grid is then moved onto the running verify-server's steps
+  (`hycoc.bench.capacity_profile`: the server's worker CPU per step from its /metrics, full trees at every n,
+  one factor per n; the spread, the budget's work and the row cost line then the server's own).
 * `ModelStepCost`: a cost-model file (`hycoc.bench.cost_model`, e.g. the one ``hycoc bench`` stores or
   ``benchmarks/gpu_check.sh`` writes): forward ms = predict(rows, context) inside its measured rows; a batched
   forward beyond them scales linearly on a CPU and, on a GPU, as max(1, rows / GPU_FLAT_ROWS) x the largest
