@@ -201,7 +201,10 @@ async def _steps(url: str, http_url: str, replay, sessions, repeats: int, tree_r
         finally:
             for d in devices:
                 await d.close()
+        ended = time.monotonic() + 30.0
         while read_counters(http_url)["hycoc_sessions_active"] > 0:  # the next group's "every session queued"
+            if time.monotonic() > ended:
+                raise StepCostError("profiling the verify-server: its sessions did not end within 30 s of closing")
             await asyncio.sleep(0.01)
     return out
 
