@@ -104,7 +104,9 @@ def test_profile_read_from_the_server_is_what_its_worker_spent(monkeypatch):
             }
             for n in SESSIONS
             for r in (3, ROWS)
-        ],
+        ]
+        + [{"place": "cloud-mtp", "sessions": 1, "rows": 5, "step_ms": 10.0, "forward_ms": 0.5}],
+        place_ms={"cloud-mtp": 7.5},
         prefill=(1.0, 0.01),
         meta={"threads": 1},
         version=PROFILE_VERSION,
@@ -115,7 +117,10 @@ def test_profile_read_from_the_server_is_what_its_worker_spent(monkeypatch):
         assert cal.step_ms(["device"] * n, [ROWS] * n, [0])[1] == pytest.approx(mean, rel=0.02, abs=0.05)
         f = cal.meta["server"]["factors"][str(n)]
         assert cal.step_ms(["device"] * n, [3] * n, [0])[1] == pytest.approx(f * (2.0 * n + 0.3 * n), rel=1e-9)
-    assert cal.prefill[1] == pytest.approx(0.01 * cal.meta["server"]["factors"]["1"])
+    f1 = cal.meta["server"]["factors"]["1"]
+    assert cal.prefill[1] == pytest.approx(0.01 * f1)
+    # cloud-mtp: its point over the device step of its rows (2 + 0.1 x 5 ms in-process), both x the factor at n = 1
+    assert cal.place_ms["cloud-mtp"] == pytest.approx(f1 * (10.0 - 2.5), rel=1e-9)
     assert np.mean(cal.spread) == pytest.approx(1.0)
 
 

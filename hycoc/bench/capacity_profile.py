@@ -277,7 +277,8 @@ def _factor(ns: list[int], fs: list[float], n: float) -> float:
 def calibrate(local, server: dict):
     """``local`` (a `hycoc.bench.capacity_cost.MeasuredStepCost` of the in-process grid) moved onto the server's
     steps (module docstring): device points of n sessions x the server's / the local mean at n x tree_rows rows
-    (step and forward separately), place points and ``place_ms`` by the step factor at their n, prefill by the
+    (step and forward separately), the places' points by the step factor at their n (``place_ms`` then as
+    `measure_step_cost` derives it, over the calibrated device grid), prefill by the
     one-session factor; ``spread`` the server's steps' (CPU ms / their point's mean), ``row_points`` the server's
     line where it has one, ``budget_ms`` from the server's scored steps against the calibrated grid. The factors and
     the server's means are kept in ``meta["server"]``. Returns a new MeasuredStepCost; raises StepCostError when the
@@ -319,13 +320,25 @@ def calibrate(local, server: dict):
         points=points,
         step=fit("step_ms"),
         forward=fit("forward_ms"),
-        place_ms={k: v * mean_f for k, v in local.place_ms.items()},
+        place_ms={},
         prefill=(local.prefill[0] * fs[0], local.prefill[1] * fs[0]),
         spread=tuple(float(x) for x in spread) or local.spread,
         row_points=tuple(tuple(p) for p in server.get("row_points") or ()) or local.row_points,
         meta=dict(local.meta, server=dict(server.get("meta", {}), factors=dict(zip(map(str, ns), fs)), points=means)),
         label=local.label.replace("measured here", "measured here in the verify-server", 1),
     )
+    device = replace(out, place_ms={})
+    for place in local.place_ms:  # as measure_step_cost: the place's points over the device grid's, per session
+        pts = [p for p in points if p["place"] == place]
+        if pts:
+            over = [
+                p["step_ms"]
+                - device.step_ms(["device"] * p["sessions"], [p["rows"] // p["sessions"]] * p["sessions"], [0])[1]
+                for p in pts
+            ]
+            out.place_ms[place] = max(0.0, sum(over) / sum(p["sessions"] for p in pts))
+        else:
+            out.place_ms[place] = local.place_ms[place] * mean_f
     extra = []
     for n, steps in server.get("scored", {}).items():
         n = int(n)
