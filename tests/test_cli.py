@@ -11,6 +11,7 @@ import typer
 from typer.testing import CliRunner
 
 from hycoc.cli import BENCH_CONFIGS, app
+from hycoc.table5 import RUN_MODES
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "recipes" / "toy.toml"
@@ -242,7 +243,40 @@ def test_run_checks_its_arguments(tmp_path):
     assert err(tmp_path, "--server", "http://h:1", "--prompt", "a") == (
         "hycoc run: --server 'http://h:1': expected ws://HOST:PORT"
     )
-    assert "Invalid value for '--mode'" in err(tmp_path, "--server", "ws://h:1", "--prompt", "a", "--mode", "fast")
+    assert err(tmp_path, "--server", "ws://h:1", "--prompt", "a", "--mode", "fast").endswith(
+        "Error: Invalid value for '--mode': 'fast' is not one of " + ", ".join(repr(m) for m in RUN_MODES) + "."
+    )  # the option, the bad value and the allowed values; no pydantic "Value error," in between
+
+
+def test_run_reports_a_bad_command_line_before_a_missing_bundle_or_file(tmp_path):
+    """A usage error (exit 2, docs/commands.md) comes before what the filesystem says (exit 1)."""
+    wrong_url = "hycoc run: --server 'http://127.0.0.1:8765': expected ws://HOST:PORT"
+    for args in (
+        ("--prompt", "hi"),
+        ("--prompt-file", tmp_path / "no-such-file"),
+    ):
+        result = invoke("run", tmp_path / "no-bundle", "--server", "http://127.0.0.1:8765", *args)
+        assert (result.exit_code, result.stderr.strip()) == (2, wrong_url)
+    result = invoke("run", tmp_path / "no-bundle", "--prompt", "hi")
+    assert (result.exit_code, result.stderr.strip()) == (
+        2,
+        "hycoc run: --server ws://HOST:PORT is required (except with --mode slm-alone)",
+    )
+
+
+@pytest.mark.parametrize(
+    "args, option, value",
+    [
+        (["build", str(TOY), "--target", "foo"], "--target", "foo"),
+        (["bench", str(TOY), "--format", "xml"], "--format", "xml"),
+    ],
+)
+def test_a_bad_choice_names_the_option_the_value_and_the_choices(args, option, value):
+    result = invoke(*args)
+    assert result.exit_code == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"Error: Invalid value for '{option}': '{value}' is not one of '"), last
+    assert "Value error" not in result.stderr
 
 
 def test_doctor_reports_versions():
