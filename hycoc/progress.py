@@ -125,10 +125,11 @@ def _fmt(seconds: float) -> str:
 
 class Step:
     """A running step: call ``advance(n=1, note=None)`` as work completes; ``note`` replaces the step's trailing
-    text (for example the current QAT loss). Made by `step`."""
+    text (for example the current QAT loss). ``unit``: what one unit of work is, after its counts ("s" for
+    seconds; "" for items). Made by `step`."""
 
-    def __init__(self, label: str, total: int | None, c: Console, live):
-        self.label, self.total, self.console, self._live = label, total, c, live
+    def __init__(self, label: str, total: int | None, c: Console, live, unit: str = ""):
+        self.label, self.total, self.console, self._live, self.unit = label, total, c, live, unit
         self.done = 0
         self.note = ""
         self.start = time.perf_counter()
@@ -150,17 +151,21 @@ class Step:
 
     def _status(self, now: float) -> str:
         elapsed = now - self.start
-        count = f"{self.done}/{self.total}" if self.total else f"{self.done}"
+        count = (f"{self.done}/{self.total}" if self.total else f"{self.done}") + self._unit()
         eta = ""
         if self.total and 0 < self.done < self.total:
             eta = f", ETA {_fmt(elapsed / self.done * (self.total - self.done))}"
         note = f" {self.note}" if self.note else ""
         return f"{self.label} {count}, elapsed {_fmt(elapsed)}{eta}{note}"
 
+    def _unit(self) -> str:
+        return f" {self.unit}" if self.unit else ""
+
 
 @contextlib.contextmanager
-def step(description: str, total: int | None = None, c: Console | None = None) -> Iterator[Step]:
-    """Report the progress of one step (module docstring). ``total``: units of work, None when unknown.
+def step(description: str, total: int | None = None, c: Console | None = None, unit: str = "") -> Iterator[Step]:
+    """Report the progress of one step (module docstring). ``total``: units of work, None when unknown; ``unit``:
+    their unit, printed after every count (``"s"``: ``started (20 s to do)``, ``3/20 s``); "" for items.
 
     Yields a `Step`; its plain-line form prints a start line, periodic lines and an end line with the elapsed time.
     """
@@ -169,7 +174,7 @@ def step(description: str, total: int | None = None, c: Console | None = None) -
     label = f"{name}: {description}" if name else description
     live = _pass_live.get()
     if live is not None:  # a task of the pass manager's display, removed when the step ends
-        s = Step(label, total, c, live)
+        s = Step(label, total, c, live, unit)
         try:
             yield s
         finally:
@@ -177,12 +182,13 @@ def step(description: str, total: int | None = None, c: Console | None = None) -
         return
     if c.is_terminal:
         with live_progress(c) as own:
-            yield Step(label, total, c, own)
+            yield Step(label, total, c, own, unit)
         return
-    plain_line(f"{label}: started" + (f" ({total} to do)" if total else ""), c)
-    s = Step(label, total, c, None)
+    s = Step(label, total, c, None, unit)
+    plain_line(f"{label}: started" + (f" ({total}{s._unit()} to do)" if total else ""), c)
     yield s
     count = f" {s.done}/{total}" if total else (f" {s.done}" if s.done else "")  # a step that counts nothing: no "0"
+    count += s._unit() if count else ""
     plain_line(f"{label}: done{count} in {_fmt(time.perf_counter() - s.start)}" + (f" ({s.note})" if s.note else ""), c)
 
 

@@ -106,3 +106,16 @@ def test_the_progress_bars_fit_80_columns_without_cutting_the_description_or_cou
     assert "12/60" in out and "ETA" in out and "0:00:00" in out
     words = " ".join(out.split())
     assert "calibration_answers: verifier answers" in words and "prompts loss 0.123" in words
+
+
+def test_a_step_counted_in_seconds_says_so_in_every_line(monkeypatch):
+    """`hycoc loadtest --duration 5` counts seconds: "started (5 s to do)", not "(5 to do)"."""
+    monkeypatch.setattr(progress, "LINE_EVERY", 0.0)
+    out = io.StringIO()
+    with progress.step("serial: 4 sessions", total=5, c=Console(file=out, width=200), unit="s") as s:
+        s.advance(2)
+        s.advance(3)
+    lines = [re.sub(r"^\[hycoc \d\d:\d\d:\d\d\] ", "", x) for x in out.getvalue().splitlines()]
+    assert lines[0] == "serial: 4 sessions: started (5 s to do)"
+    assert re.fullmatch(r"serial: 4 sessions 2/5 s, elapsed [\d.]+ s, ETA [\d.]+ s", lines[1]), lines[1]
+    assert re.fullmatch(r"serial: 4 sessions: done 5/5 s in [\d.]+ s", lines[-1]), lines[-1]
