@@ -29,24 +29,38 @@ _pass_live: contextvars.ContextVar[object | None] = contextvars.ContextVar("hyco
 _console: Console | None = None
 
 
+def stderr_console() -> Console:
+    """A rich Console on stderr for hycoc's log and error lines: on a terminal it wraps at the terminal's width;
+    redirected (``2> build.log``, a pipe) it does not wrap at all (rich ``soft_wrap``; rich would otherwise break
+    every line at 80 columns), so a line such as ``third-party messages ...: 42 lines in /path/build.log`` stays one
+    line that grep finds. Tables keep their own layout (rich docs, "Console API": soft_wrap)."""
+    c = Console(stderr=True)
+    c.soft_wrap = not c.is_terminal
+    return c
+
+
 def console() -> Console:
-    """The console progress writes to: the running pass's (`current_pass`), else one on stderr."""
+    """The console progress writes to: the running pass's (`current_pass`), else `stderr_console`."""
     global _console
     c = _pass_console.get()
     if c is not None:
         return c
     if _console is None:
-        _console = Console(stderr=True)
+        _console = stderr_console()
     return _console
 
 
 def plain_line(text: str, c: Console | None = None) -> None:
     """One timestamped progress line (``[hycoc HH:MM:SS] text``) on the progress console, no markup; a line wider
-    than the console is wrapped at spaces, its continuation indented under the text."""
+    than the console is wrapped at spaces, its continuation indented under the text, unless the console does not
+    wrap (``soft_wrap``: `stderr_console` redirected), where it stays one line."""
     import textwrap
 
     c = c or console()
     prefix = f"[hycoc {time.strftime('%H:%M:%S')}] "
+    if c.soft_wrap:
+        c.print(prefix + text, markup=False, highlight=False, soft_wrap=True)
+        return
     wrapped = textwrap.fill(
         text,
         width=max(40, c.width),
