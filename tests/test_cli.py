@@ -482,7 +482,7 @@ def test_run_help_lists_the_json_keys_the_runtime_writes():
 
     written = RequestResult(mode="hyco", text="a", tokens=[5, 6], rounds=1, seconds=0.5, finish_reason="stop")
     shown = " ".join(invoke("run", "--help").stdout.split())
-    listed = re.search(r"JSON object on stdout after the text: ([a-z_, ]+)\)", shown).group(1).split(", ")
+    listed = re.search(r"one JSON object per answer and nothing else \(([a-z_, ]+)\)", shown).group(1).split(", ")
     assert listed == list(written.to_json()) and "finish_reason" in listed
 
 
