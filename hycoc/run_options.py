@@ -74,6 +74,20 @@ class AnswerPrinter:
             self.out.flush()
 
 
+def simulator_note(backend: str, device) -> str | None:
+    """The line `hycoc run` prints before an htp run on the QNN HTP simulator, else None: ``device`` is the
+    `hycoc.runtime.device_identity.DeviceIdentity` seen; on an x86 host (``device.simulator``) the HTP backend
+    runs the context binaries on onnxruntime-qnn's HTP simulator, a functional emulator on the CPU, so the run is
+    slow and its timings are not device time (docs/device-runtime.md). An x64 Python on ARM64 is refused by the
+    bundle loader instead."""
+    if backend != "htp" or not device.simulator:
+        return None
+    return (
+        "note: --backend htp runs on the QNN HTP simulator here (this is an x86 host), a functional emulator on the "
+        "CPU: slow, and its timings are not device time (a Snapdragon device runs the same bundle on its NPU)"
+    )
+
+
 def run_error(message: str) -> str:
     """The one line for a failed turn: the error's own message, with the fix for a server that wants a token."""
     if "auth_required" in message or "auth_refused" in message:
@@ -92,4 +106,4 @@ def summary_line(mode: str, metrics: dict, prefill_ms: float, finish_reason: str
     )
 
 
-__all__ = ["AnswerPrinter", "RunOptionError", "check_run_options", "run_error", "summary_line"]
+__all__ = ["AnswerPrinter", "RunOptionError", "check_run_options", "run_error", "simulator_note", "summary_line"]

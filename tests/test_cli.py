@@ -264,6 +264,26 @@ def test_run_reports_a_bad_command_line_before_a_missing_bundle_or_file(tmp_path
     )
 
 
+def test_run_on_the_htp_simulator_says_it_is_an_emulator_on_the_cpu(tmp_path):
+    """--backend htp on an x86 host runs the QNN HTP simulator: one line says it is slow and not device time; a
+    device (a Snapdragon SoC, ARM64 Python) or the cpu backend gets no such line."""
+    from hycoc.runtime.device_identity import DeviceIdentity, detect_device
+
+    from hycoc.run_options import simulator_note
+
+    x86 = DeviceIdentity(os="linux", machine="x86_64", python_machine="x86_64")
+    phone = DeviceIdentity(os="android", machine="arm64", python_machine="arm64", soc_model="SM8750", htp_arch=79)
+    note = simulator_note("htp", x86)
+    assert "QNN HTP simulator" in note and "functional emulator on the CPU" in note and "not device time" in note
+    assert simulator_note("cpu", x86) is None and simulator_note("htp", phone) is None
+    result = invoke("run", tmp_path, "--server", "ws://h:1", "--prompt", "a", "--backend", "htp")
+    assert result.exit_code == 1  # no manifest: the loader's error after the note
+    first = result.stderr.splitlines()[0]
+    assert (first == f"hycoc run: {note}") == detect_device().simulator, first
+    result = invoke("run", tmp_path, "--server", "ws://h:1", "--prompt", "a", "--backend", "cpu")
+    assert "HTP simulator" not in result.stderr
+
+
 @pytest.mark.parametrize(
     "args, option, value",
     [

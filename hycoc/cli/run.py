@@ -41,7 +41,8 @@ def run(
     ),
     backend: Backend | None = typer.Option(
         None,
-        help="htp = QNN EP context binaries (simulator on x86), cpu = CPU EP (default: the bundle's target)",
+        help="htp = QNN EP context binaries (on x86: the QNN HTP simulator, slow, not device time; a note says "
+        "so), cpu = CPU EP (default: the bundle's target)",
         show_default=False,
     ),
     seed: int | None = typer.Option(None, min=0, help="sampling seed (default: the bundle's)", show_default=False),
@@ -96,7 +97,14 @@ def run(
     The text streams to stdout as it is committed; a one-line summary goes to stderr. --json: stdout has one JSON
     object per answer and nothing else ({keys}); the text streams to stderr if that is a terminal, else not at all.
     """
-    from hycoc.run_options import AnswerPrinter, RunOptionError, check_run_options, run_error, summary_line
+    from hycoc.run_options import (
+        AnswerPrinter,
+        RunOptionError,
+        check_run_options,
+        run_error,
+        simulator_note,
+        summary_line,
+    )
 
     try:
         check_run_options(
@@ -130,8 +138,18 @@ def run(
     text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8") if prompt_file else None
     if text is None and (text := ask()) is None:
         raise _fail("run", "no user message on stdin")
+    backend_name = _bundle_backend(bundle, backend)
+    if backend_name == "htp":
+        from hycoc.runtime.device_identity import detect_device
+
+        try:
+            note = simulator_note(backend_name, detect_device())
+        except ValueError:  # a bad HYCOC_DEVICE: the bundle loader names it
+            note = None
+        if note:
+            typer.echo(f"hycoc run: {note}", err=True)
     try:
-        rt = load_runtime(bundle, _bundle_backend(bundle, backend), threads=threads)
+        rt = load_runtime(bundle, backend_name, threads=threads)
     except (BundleError, GraphRunError, QnnUnavailableError, ValueError) as e:
         raise _fail("run", str(e)) from None
     from hycoc.chat import AnswerStream, ChatFormatError, ChatMismatch, Conversation
