@@ -9,7 +9,8 @@ prints predicted vs measured. Ray's proxy (one more hop per frame, on the same t
 
     python benchmarks/capacity_ray_check.py recipes/toy.toml --sessions 16 --duration 25
 
-Needs the serve extra (``pip install -e ".[serve]"``), the loadtest trace and the step-cost cache.
+Needs the serve extra (installed with the other extras in one command:
+``pip install -e ".[full,dev,qnn,hub,serve]"``), the loadtest trace and the step-cost cache.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ server), so the cost per token can be read apart from the machine's load (the lo
 
     python benchmarks/ray_serve_scaling.py recipes/toy.toml --sessions 16 --duration 20 --repeats 2
 
-Needs the serve extra (``pip install -e ".[serve]"``) and the loadtest trace (``hycoc loadtest`` records it once).
+Needs the serve extra (installed with the other extras in one command:
+``pip install -e ".[full,dev,qnn,hub,serve]"``) and the loadtest trace (``hycoc loadtest`` records it once).
 """
 
 from __future__ import annotations

@@ -29,24 +29,38 @@ _pass_live: contextvars.ContextVar[object | None] = contextvars.ContextVar("hyco
 _console: Console | None = None
 
 
+def stderr_console() -> Console:
+    """A rich Console on stderr for hycoc's log and error lines: on a terminal it wraps at the terminal's width;
+    redirected (``2> build.log``, a pipe) it does not wrap at all (rich ``soft_wrap``; rich would otherwise break
+    every line at 80 columns), so a line such as ``third-party messages ...: 42 lines in /path/build.log`` stays one
+    line that grep finds. Tables keep their own layout (rich docs, "Console API": soft_wrap)."""
+    c = Console(stderr=True)
+    c.soft_wrap = not c.is_terminal
+    return c
+
+
 def console() -> Console:
-    """The console progress writes to: the running pass's (`current_pass`), else one on stderr."""
+    """The console progress writes to: the running pass's (`current_pass`), else `stderr_console`."""
     global _console
     c = _pass_console.get()
     if c is not None:
         return c
     if _console is None:
-        _console = Console(stderr=True)
+        _console = stderr_console()
     return _console
 
 
 def plain_line(text: str, c: Console | None = None) -> None:
     """One timestamped progress line (``[hycoc HH:MM:SS] text``) on the progress console, no markup; a line wider
-    than the console is wrapped at spaces, its continuation indented under the text."""
+    than the console is wrapped at spaces, its continuation indented under the text, unless the console does not
+    wrap (``soft_wrap``: `stderr_console` redirected), where it stays one line."""
     import textwrap
 
     c = c or console()
     prefix = f"[hycoc {time.strftime('%H:%M:%S')}] "
+    if c.soft_wrap:
+        c.print(prefix + text, markup=False, highlight=False, soft_wrap=True)
+        return
     wrapped = textwrap.fill(
         text,
         width=max(40, c.width),
@@ -125,10 +139,11 @@ def _fmt(seconds: float) -> str:
 
 class Step:
     """A running step: call ``advance(n=1, note=None)`` as work completes; ``note`` replaces the step's trailing
-    text (for example the current QAT loss). Made by `step`."""
+    text (for example the current QAT loss). ``unit``: what one unit of work is, after its counts ("s" for
+    seconds; "" for items). Made by `step`."""
 
-    def __init__(self, label: str, total: int | None, c: Console, live):
-        self.label, self.total, self.console, self._live = label, total, c, live
+    def __init__(self, label: str, total: int | None, c: Console, live, unit: str = ""):
+        self.label, self.total, self.console, self._live, self.unit = label, total, c, live, unit
         self.done = 0
         self.note = ""
         self.start = time.perf_counter()
@@ -150,17 +165,21 @@ class Step:
 
     def _status(self, now: float) -> str:
         elapsed = now - self.start
-        count = f"{self.done}/{self.total}" if self.total else f"{self.done}"
+        count = (f"{self.done}/{self.total}" if self.total else f"{self.done}") + self._unit()
         eta = ""
         if self.total and 0 < self.done < self.total:
             eta = f", ETA {_fmt(elapsed / self.done * (self.total - self.done))}"
         note = f" {self.note}" if self.note else ""
         return f"{self.label} {count}, elapsed {_fmt(elapsed)}{eta}{note}"
 
+    def _unit(self) -> str:
+        return f" {self.unit}" if self.unit else ""
+
 
 @contextlib.contextmanager
-def step(description: str, total: int | None = None, c: Console | None = None) -> Iterator[Step]:
-    """Report the progress of one step (module docstring). ``total``: units of work, None when unknown.
+def step(description: str, total: int | None = None, c: Console | None = None, unit: str = "") -> Iterator[Step]:
+    """Report the progress of one step (module docstring). ``total``: units of work, None when unknown; ``unit``:
+    their unit, printed after every count (``"s"``: ``started (20 s to do)``, ``3/20 s``); "" for items.
 
     Yields a `Step`; its plain-line form prints a start line, periodic lines and an end line with the elapsed time.
     """
@@ -169,7 +188,7 @@ def step(description: str, total: int | None = None, c: Console | None = None) -
     label = f"{name}: {description}" if name else description
     live = _pass_live.get()
     if live is not None:  # a task of the pass manager's display, removed when the step ends
-        s = Step(label, total, c, live)
+        s = Step(label, total, c, live, unit)
         try:
             yield s
         finally:
@@ -177,12 +196,13 @@ def step(description: str, total: int | None = None, c: Console | None = None) -
         return
     if c.is_terminal:
         with live_progress(c) as own:
-            yield Step(label, total, c, own)
+            yield Step(label, total, c, own, unit)
         return
-    plain_line(f"{label}: started" + (f" ({total} to do)" if total else ""), c)
-    s = Step(label, total, c, None)
+    s = Step(label, total, c, None, unit)
+    plain_line(f"{label}: started" + (f" ({total}{s._unit()} to do)" if total else ""), c)
     yield s
     count = f" {s.done}/{total}" if total else (f" {s.done}" if s.done else "")  # a step that counts nothing: no "0"
+    count += s._unit() if count else ""
     plain_line(f"{label}: done{count} in {_fmt(time.perf_counter() - s.start)}" + (f" ({s.note})" if s.note else ""), c)
 
 

@@ -26,16 +26,21 @@ def check_run_options(
     slm_alone: bool,
 ) -> None:
     """Raise `RunOptionError` for options that cannot go together or point nowhere, in the order a user fixes
-    them: exactly one of ``prompt`` / ``prompt_file`` (neither is fine with ``chat``: the first turn is read from
-    stdin); ``chat`` needs a verifier and the chat template (not ``slm_alone``, not ``raw``); ``prompt_file`` must
-    be a file (code 1); ``bundle`` a folder (code 1); ``server`` a ws:// or wss:// URL unless ``slm_alone``; a
-    ``prompt`` given must hold more than white space."""
+    them, every usage error (code 2, the command line alone) before the filesystem is looked at: exactly one of
+    ``prompt`` / ``prompt_file`` (neither is fine with ``chat``: the first turn is read from stdin); a ``prompt``
+    given must hold more than white space; ``chat`` needs a verifier and the chat template (not ``slm_alone``, not
+    ``raw``); ``server`` a ws:// or wss:// URL unless ``slm_alone``; then ``prompt_file`` must be a file (code 1)
+    and ``bundle`` a folder (code 1)."""
     if (prompt is not None and prompt_file is not None) or (not chat and prompt is None and prompt_file is None):
         raise RunOptionError("give exactly one of --prompt and --prompt-file")
     if prompt is not None and not prompt.strip():
         raise RunOptionError("--prompt is empty: give the text to answer (or --prompt-file FILE)")
     if chat and (slm_alone or raw):
         raise RunOptionError("--chat needs a verifier and the chat template: not with --mode slm-alone or --raw")
+    if not slm_alone and server is None:
+        raise RunOptionError("--server ws://HOST:PORT is required (except with --mode slm-alone)")
+    if not slm_alone and not server.startswith(("ws://", "wss://")):
+        raise RunOptionError(f"--server {server!r}: expected ws://HOST:PORT")
     if prompt_file is not None and not prompt_file.is_file():
         raise RunOptionError(f"--prompt-file {prompt_file}: no such file", code=1)
     if not bundle.is_dir():
@@ -43,10 +48,6 @@ def check_run_options(
         raise RunOptionError(
             f"bundle {bundle}: {what} (make one with `hycoc build RECIPE --target cpu --out DIR`)", code=1
         )
-    if not slm_alone and server is None:
-        raise RunOptionError("--server ws://HOST:PORT is required (except with --mode slm-alone)")
-    if not slm_alone and not server.startswith(("ws://", "wss://")):
-        raise RunOptionError(f"--server {server!r}: expected ws://HOST:PORT")
 
 
 class AnswerPrinter:
@@ -73,6 +74,20 @@ class AnswerPrinter:
             self.out.flush()
 
 
+def simulator_note(backend: str, device) -> str | None:
+    """The line `hycoc run` prints before an htp run on the QNN HTP simulator, else None: ``device`` is the
+    `hycoc.runtime.device_identity.DeviceIdentity` seen; on an x86 host (``device.simulator``) the HTP backend
+    runs the context binaries on onnxruntime-qnn's HTP simulator, a functional emulator on the CPU, so the run is
+    slow and its timings are not device time (docs/device-runtime.md). An x64 Python on ARM64 is refused by the
+    bundle loader instead."""
+    if backend != "htp" or not device.simulator:
+        return None
+    return (
+        "note: --backend htp runs on the QNN HTP simulator here (this is an x86 host), a functional emulator on the "
+        "CPU: slow, and its timings are not device time (a Snapdragon device runs the same bundle on its NPU)"
+    )
+
+
 def run_error(message: str) -> str:
     """The one line for a failed turn: the error's own message, with the fix for a server that wants a token."""
     if "auth_required" in message or "auth_refused" in message:
@@ -91,4 +106,4 @@ def summary_line(mode: str, metrics: dict, prefill_ms: float, finish_reason: str
     )
 
 
-__all__ = ["AnswerPrinter", "RunOptionError", "check_run_options", "run_error", "summary_line"]
+__all__ = ["AnswerPrinter", "RunOptionError", "check_run_options", "run_error", "simulator_note", "summary_line"]

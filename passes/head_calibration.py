@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -215,9 +215,11 @@ def record_requests(
     answers: Sequence[Sequence[int]] | None = None,
     per_prompt: int = DRAFTS_PER_PROMPT,
     seed: int = 0,
+    progress: Callable[[], None] | None = None,
 ) -> HeadCalibration:
     """Drive every prompt through `drive_request` with a fresh `MtpDrafter` over a recording `TorchHeadRunner`:
-    ``per_prompt`` drafts at answer offsets spread over the answer (``cap`` tokens when ``answers`` is None)."""
+    ``per_prompt`` drafts at answer offsets spread over the answer (``cap`` tokens when ``answers`` is None).
+    ``progress``: called once per prompt driven (`hycoc.progress.ticker`)."""
     runner = TorchHeadRunner(graph, shapes)
     drafter = MtpDrafter(runner, bundle)
     golden = (math.sqrt(5) - 1) / 2
@@ -232,6 +234,8 @@ def record_requests(
         drives.append(
             drive_request(engine, drafter, prompt, cap, answer, targets, bundle.round.chain_length, seed=seed + i)
         )
+        if progress is not None:
+            progress()
     w = bundle.round.head_window
     live = [int((s["mask_full"].reshape(-1) == 0).sum()) for s in runner.records]
     stats = {
@@ -271,7 +275,7 @@ def real_head_calibration(
     from hycoc.verifier.engine import VerifierEngine
 
     from hycoc.chat_template import chat_from_recipe
-    from hycoc.progress import step
+    from hycoc.progress import step, ticker
 
     rebuilt = dequantized_head(quantized)
     graph = HeadGraph(rebuilt).eval()
@@ -302,12 +306,21 @@ def real_head_calibration(
     )
     try:
         with step("hand-offs through the MTP Drafter: requests", total=len(cal_prompts) + len(held_prompts)) as s:
-            cal = record_requests(engine, graph, onnx_inputs, bundle, cal_prompts, cap, answers=cal_answers, seed=seed)
-            s.advance(len(cal_prompts))
-            held = record_requests(
-                engine, graph, onnx_inputs, bundle, held_prompts, cap, answers=held_answers, seed=seed + 1000
+            tick = ticker(s)  # one advance per prompt: a count and ETA every progress.LINE_EVERY s
+            cal = record_requests(
+                engine, graph, onnx_inputs, bundle, cal_prompts, cap, answers=cal_answers, seed=seed, progress=tick
             )
-            s.advance(len(held_prompts))
+            held = record_requests(
+                engine,
+                graph,
+                onnx_inputs,
+                bundle,
+                held_prompts,
+                cap,
+                answers=held_answers,
+                seed=seed + 1000,
+                progress=tick,
+            )
     finally:
         engine.close()  # removes the engine's hook from the shared verifier
     numbers = {

@@ -45,7 +45,7 @@ from hycoc.passes.artifacts import Artifact
 from rich.console import Console
 from rich.table import Table
 
-from hycoc.progress import current_pass, live_progress, plain_line
+from hycoc.progress import current_pass, live_progress, plain_line, stderr_console
 from hycoc.recipe import Recipe
 
 #: Packages whose versions enter every cache key: a new exporter, optimizer or runtime can change an artifact.
@@ -177,7 +177,7 @@ class Pipeline:
         self.passes = list(passes)
         self.device = str(device)
         self.cache_dir = Path(cache_dir)
-        self.console = console if console is not None else Console(stderr=True)
+        self.console = console if console is not None else stderr_console()
         self._versions = tool_versions()
         names = [p.name for p in self.passes]
         duplicates = sorted({n for n in names if names.count(n) > 1})

@@ -227,9 +227,11 @@ def record_sequences(
     seed: int = 0,
     keep_all: bool = False,
     keep_outputs: bool = False,
+    progress: Callable[[], None] | None = None,
 ) -> RealCalibration:
     """Drive every (prompt, answer) through `drive_sequence` and keep ``per_prompt`` graph calls of each (all of
-    them with ``keep_all``; their outputs too with ``keep_outputs``). Module docstring for the choice."""
+    them with ``keep_all``; their outputs too with ``keep_outputs``). Module docstring for the choice.
+    ``progress``: called once per (prompt, answer) driven (`hycoc.progress.ticker`)."""
     keep = np.asarray(keep_set, dtype=np.int64)
     rng = np.random.default_rng(seed)
     state: dict[str, Any] = {}
@@ -294,6 +296,8 @@ def record_sequences(
                 targets=None if keep_all else (lambda: state["targets"][state["next"] :]),
             )
         )
+        if progress is not None:
+            progress()
     seconds = time.perf_counter() - start
     ring = graph.ring[max(graph.ring, key=graph.ring.get)]
     full = f"mask_{max(graph.ring, key=graph.ring.get).removesuffix('_attention')}"
@@ -359,7 +363,7 @@ def real_calibration(
     from hycoc.passes.calibration_answers import make_answers
 
     from hycoc.chat_template import chat_from_recipe
-    from hycoc.progress import step
+    from hycoc.progress import step, ticker
 
     stops = chat_from_recipe(recipe).stop_ids
     cap = answer_cap(recipe)
@@ -378,9 +382,10 @@ def real_calibration(
         passes=tree.slm_passes,
         stop_ids=stops,
     )
-    with step("answers through the SLM Drafter", total=None):
-        cal = record_sequences(graph, slm, keep_set, cal_prompts, cal_answers, seed=seed, **kw)
-        held = record_sequences(graph, slm, keep_set, held_prompts, held_answers, seed=seed + 1, **kw)
+    with step("answers through the SLM Drafter", total=len(cal_prompts) + len(held_prompts)) as s:
+        tick = ticker(s)  # one advance per answer: a count and ETA every progress.LINE_EVERY s
+        cal = record_sequences(graph, slm, keep_set, cal_prompts, cal_answers, seed=seed, progress=tick, **kw)
+        held = record_sequences(graph, slm, keep_set, held_prompts, held_answers, seed=seed + 1, progress=tick, **kw)
     numbers = {
         "source": answers.source,
         "answer_cap": cap,

@@ -11,6 +11,7 @@ import typer
 from typer.testing import CliRunner
 
 from hycoc.cli import BENCH_CONFIGS, app
+from hycoc.table5 import RUN_MODES
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "recipes" / "toy.toml"
@@ -242,7 +243,60 @@ def test_run_checks_its_arguments(tmp_path):
     assert err(tmp_path, "--server", "http://h:1", "--prompt", "a") == (
         "hycoc run: --server 'http://h:1': expected ws://HOST:PORT"
     )
-    assert "Invalid value for '--mode'" in err(tmp_path, "--server", "ws://h:1", "--prompt", "a", "--mode", "fast")
+    assert err(tmp_path, "--server", "ws://h:1", "--prompt", "a", "--mode", "fast").endswith(
+        "Error: Invalid value for '--mode': 'fast' is not one of " + ", ".join(repr(m) for m in RUN_MODES) + "."
+    )  # the option, the bad value and the allowed values; no pydantic "Value error," in between
+
+
+def test_run_reports_a_bad_command_line_before_a_missing_bundle_or_file(tmp_path):
+    """A usage error (exit 2, docs/commands.md) comes before what the filesystem says (exit 1)."""
+    wrong_url = "hycoc run: --server 'http://127.0.0.1:8765': expected ws://HOST:PORT"
+    for args in (
+        ("--prompt", "hi"),
+        ("--prompt-file", tmp_path / "no-such-file"),
+    ):
+        result = invoke("run", tmp_path / "no-bundle", "--server", "http://127.0.0.1:8765", *args)
+        assert (result.exit_code, result.stderr.strip()) == (2, wrong_url)
+    result = invoke("run", tmp_path / "no-bundle", "--prompt", "hi")
+    assert (result.exit_code, result.stderr.strip()) == (
+        2,
+        "hycoc run: --server ws://HOST:PORT is required (except with --mode slm-alone)",
+    )
+
+
+def test_run_on_the_htp_simulator_says_it_is_an_emulator_on_the_cpu(tmp_path):
+    """--backend htp on an x86 host runs the QNN HTP simulator: one line says it is slow and not device time; a
+    device (a Snapdragon SoC, ARM64 Python) or the cpu backend gets no such line."""
+    from hycoc.runtime.device_identity import DeviceIdentity, detect_device
+
+    from hycoc.run_options import simulator_note
+
+    x86 = DeviceIdentity(os="linux", machine="x86_64", python_machine="x86_64")
+    phone = DeviceIdentity(os="android", machine="arm64", python_machine="arm64", soc_model="SM8750", htp_arch=79)
+    note = simulator_note("htp", x86)
+    assert "QNN HTP simulator" in note and "functional emulator on the CPU" in note and "not device time" in note
+    assert simulator_note("cpu", x86) is None and simulator_note("htp", phone) is None
+    result = invoke("run", tmp_path, "--server", "ws://h:1", "--prompt", "a", "--backend", "htp")
+    assert result.exit_code == 1  # no manifest: the loader's error after the note
+    first = result.stderr.splitlines()[0]
+    assert (first == f"hycoc run: {note}") == detect_device().simulator, first
+    result = invoke("run", tmp_path, "--server", "ws://h:1", "--prompt", "a", "--backend", "cpu")
+    assert "HTP simulator" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, option, value",
+    [
+        (["build", str(TOY), "--target", "foo"], "--target", "foo"),
+        (["bench", str(TOY), "--format", "xml"], "--format", "xml"),
+    ],
+)
+def test_a_bad_choice_names_the_option_the_value_and_the_choices(args, option, value):
+    result = invoke(*args)
+    assert result.exit_code == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"Error: Invalid value for '{option}': '{value}' is not one of '"), last
+    assert "Value error" not in result.stderr
 
 
 def test_doctor_reports_versions():
@@ -448,7 +502,7 @@ def test_run_help_lists_the_json_keys_the_runtime_writes():
 
     written = RequestResult(mode="hyco", text="a", tokens=[5, 6], rounds=1, seconds=0.5, finish_reason="stop")
     shown = " ".join(invoke("run", "--help").stdout.split())
-    listed = re.search(r"JSON object on stdout after the text: ([a-z_, ]+)\)", shown).group(1).split(", ")
+    listed = re.search(r"one JSON object per answer and nothing else \(([a-z_, ]+)\)", shown).group(1).split(", ")
     assert listed == list(written.to_json()) and "finish_reason" in listed
 
 

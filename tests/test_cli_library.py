@@ -89,6 +89,42 @@ def test_package_versions_names_every_package_without_importing_it():
 # ---- verify-server / serve-ray -----------------------------------------------------------------------------------
 
 
+def test_serve_ray_without_ray_gives_the_one_command_install(monkeypatch):
+    """README "Extras": `.[serve]` installed on its own pushes protobuf past qai-hub's cap, so the hint is the
+    one-command install of every extra, the same string the README recommends."""
+    import importlib.util
+
+    from typer.testing import CliRunner
+
+    from hycoc.cli import app
+    from hycoc.cli._common import REPO_ROOT, SERVE_INSTALL
+
+    assert f"`{SERVE_INSTALL}`" in (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    res = CliRunner().invoke(app, ["serve-ray", str(REPO_ROOT / "recipes" / "toy.toml")])
+    assert res.exit_code == 1
+    assert SERVE_INSTALL in res.output and "'.[serve]'" not in res.output
+
+
+def test_no_hint_installs_the_serve_extra_on_its_own():
+    """Every `[serve]` install hint in code, tests, benchmarks and docs is the one-command install."""
+    from hycoc.cli._common import REPO_ROOT
+
+    alone = ("install -e '.[serve]'", 'install -e ".[serve]"', "install -e '.\\\\[serve]'")
+    found = [
+        f"{path.relative_to(REPO_ROOT)}: {hint}"
+        for folder in ("hycoc", "passes", "runtime", "targets", "verifier", "tests", "benchmarks", "docs")
+        for path in (REPO_ROOT / folder).rglob("*")
+        if path.suffix in (".py", ".md") and path.is_file() and path != Path(__file__).resolve()
+        for hint in alone
+        if hint in path.read_text(encoding="utf-8")
+    ]
+    assert found == []
+
+
 def test_load_keep_set_reads_int_ids_and_names_a_bad_file(tmp_path):
     from hycoc.keep_set import load_keep_set
 

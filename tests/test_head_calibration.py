@@ -148,14 +148,24 @@ def test_record_requests_drafts_on_the_chosen_rounds(tiny):
     assert hc.draft_rounds(12, 0.0, 4) == {0, 3, 6, 9} and hc.draft_rounds(3, 0.5, 8) == {0, 1, 2}
 
 
-def test_qdq_pass_calibrates_on_real_handoffs(tiny):
+def test_qdq_pass_calibrates_on_real_handoffs(tiny, monkeypatch):
     from hycoc.passes.head_export import HeadQdq
+
+    from hycoc import progress
 
     recipe, artifacts = tiny
     step = HeadQdq()
     assert step.version == 6 and {"tokenizer", "calibration_answers"} <= set(step.consumes)
     inputs = {k: artifacts[k] for k in step.consumes}
-    _, report = step.run(inputs, recipe)
+    log = Console(file=io.StringIO(), width=200)  # not a terminal: the plain progress lines of a log
+    with monkeypatch.context() as m, progress.current_pass("qdq_head", log):
+        m.setattr(progress, "LINE_EVERY", 0.0)  # every advance prints its line
+        _, report = step.run(inputs, recipe)
+    # a count and ETA after every request, not one line after all the calibration prompts
+    lines = [x for x in log.file.getvalue().splitlines() if "hand-offs through the MTP Drafter: requests" in x]
+    total = int(lines[0].rsplit("(", 1)[1].split()[0])
+    counts = [int(x.split("requests ")[1].split("/")[0]) for x in lines if "requests 1/" in x or ", ETA " in x]
+    assert counts[:2] == [1, 2] and total > 2
     n = report.numbers
     cal = n["calibration_inputs"]
     assert cal["source"].endswith("prompts.jsonl") and cal["calibration"]["samples"] == n["samples"] > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import re
+import sys
 
 from hycoc.passes.artifacts import KeepSetArtifact
 from hycoc.passes.pipeline import Pass, PassReport, Pipeline
@@ -106,3 +107,38 @@ def test_the_progress_bars_fit_80_columns_without_cutting_the_description_or_cou
     assert "12/60" in out and "ETA" in out and "0:00:00" in out
     words = " ".join(out.split())
     assert "calibration_answers: verifier answers" in words and "prompts loss 0.123" in words
+
+
+def test_a_step_counted_in_seconds_says_so_in_every_line(monkeypatch):
+    """`hycoc loadtest --duration 5` counts seconds: "started (5 s to do)", not "(5 to do)"."""
+    monkeypatch.setattr(progress, "LINE_EVERY", 0.0)
+    out = io.StringIO()
+    with progress.step("serial: 4 sessions", total=5, c=Console(file=out, width=200), unit="s") as s:
+        s.advance(2)
+        s.advance(3)
+    lines = [re.sub(r"^\[hycoc \d\d:\d\d:\d\d\] ", "", x) for x in out.getvalue().splitlines()]
+    assert lines[0] == "serial: 4 sessions: started (5 s to do)"
+    assert re.fullmatch(r"serial: 4 sessions 2/5 s, elapsed [\d.]+ s, ETA [\d.]+ s", lines[1]), lines[1]
+    assert re.fullmatch(r"serial: 4 sessions: done 5/5 s in [\d.]+ s", lines[-1]), lines[-1]
+
+
+def test_log_lines_on_a_redirected_stderr_are_not_wrapped(monkeypatch, tmp_path):
+    """``hycoc build ... 2> build.err``: rich wraps a non-terminal console at 80 columns by default, which split
+    "third-party messages ...: N lines in PATH" so grep for PATH failed; the stderr console keeps each line whole."""
+    import logging
+
+    from hycoc.quiet import third_party_output
+
+    err = io.StringIO()  # not a terminal
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    c = progress.stderr_console()
+    assert not c.is_terminal and c.width == 80  # rich's default width when redirected
+    log = tmp_path / ("a-folder-name-long-enough-to-pass-80-columns-" * 2) / "build-toy-cpu.log"
+    with third_party_output(log, console=c):
+        logging.getLogger("somebody.else").warning("a third-party warning")
+    progress.plain_line("calibration_answers: verifier greedy answers, decoding steps " + "x" * 80, c)
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("third-party messages") and lines[0].endswith(f"1 lines in {log}")
+    assert lines[1].endswith("decoding steps " + "x" * 80)

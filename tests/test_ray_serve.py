@@ -24,7 +24,9 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.serve
-ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install -e '.[serve]' (ray[serve])")
+from hycoc.cli._common import SERVE_INSTALL  # noqa: E402  (the one install command every hint gives)
+
+ray = pytest.importorskip("ray", reason=f"Ray Serve is not installed: {SERVE_INSTALL}")
 ray_serve = pytest.importorskip("hycoc.verifier.ray_serve")
 
 # E402 below: these imports follow the importorskip above, so a run without ray skips the module instead of failing

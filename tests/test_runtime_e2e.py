@@ -182,9 +182,8 @@ def test_cli_run_at_the_context_limit_exits_0_with_the_text(short_server, built,
         ],
     )
     assert result.exit_code == 0, result.stderr
-    last = json.loads(result.stdout.strip().splitlines()[-1])
+    (last,) = [json.loads(line) for line in result.stdout.splitlines()]  # --json: stdout is the object alone
     assert last["tokens"] <= 6 and last["finish_reason"] in ("length", "stop")
-    assert result.stdout.startswith(last["text"])
 
 
 @pytest.mark.parametrize("mode", ["hyco-exact", "specedge", "cloud-mtp"])
@@ -269,7 +268,7 @@ def run_help_json_keys() -> list[str]:
     import re
 
     shown = " ".join(CliRunner().invoke(app, ["run", "--help"], terminal_width=200).stdout.split())
-    return re.search(r"JSON object on stdout after the text: ([a-z_, ]+)\)", shown).group(1).split(", ")
+    return re.search(r"one JSON object per answer and nothing else \(([a-z_, ]+)\)", shown).group(1).split(", ")
 
 
 def test_cli_run_chat_answers_every_turn_on_one_session(server, built):
@@ -298,15 +297,18 @@ def test_cli_run_chat_answers_every_turn_on_one_session(server, built):
         input="w4 w5\nw6\n\n",
     )
     assert result.exit_code == 0, result.stderr
-    turns = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    # --json: stdout is JSON lines alone, one object per answer (no text, no empty line between turns)
+    turns = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(turns) == 3 and all(1 <= t["tokens"] <= 8 for t in turns)
-    # each answer ends on stdout: its text, its JSON object, then an empty line before the next turn's text
-    lines = result.stdout.split("\n")
-    ends = [i for i, line in enumerate(lines) if line.startswith("{")]
-    assert [lines[i + 1] for i in ends] == ["", "", ""] and result.stdout.endswith("}\n\n")
     assert list(turns[0]) == run_help_json_keys()  # what --json writes is what run --help lists
     assert srv.server.metrics.sessions_total == before + 1  # one session for the whole conversation
     assert result.stderr.count("[hyco-exact: ") == 3 and result.stderr.count("> ") == 3
+    # without --json: each answer's text, then an empty line before the next turn's
+    args = ["run", str(built[1]), "--server", srv.url, "--prompt", "w1 w2 w3", "--backend", "cpu"]
+    args += ["--mode", "hyco-exact", "--temperature", "0", "--max-new-tokens", "8", "--chat"]
+    plain = CliRunner().invoke(app, args, input="w4 w5\nw6\n\n")
+    assert plain.exit_code == 0, plain.stderr
+    assert plain.stdout == "".join(t["text"] + "\n\n" for t in turns)
     result = CliRunner().invoke(app, ["run", str(built[1]), "--server", srv.url, "--mode", "slm-alone", "--chat"])
     assert result.exit_code == 2 and "--chat needs a verifier" in result.stderr
 
@@ -318,31 +320,20 @@ def test_slm_alone_needs_no_server(runtime):
 
 
 def test_cli_run_streams_text_and_prints_json(server, built):
+    """Without --json stdout is the answer text; with --json every stdout line is a JSON object (`| jq` works),
+    the text is the object's, and a stderr that is no terminal gets the summary only."""
     srv, _ = server
-    result = CliRunner().invoke(
-        app,
-        [
-            "run",
-            str(built[1]),
-            "--server",
-            srv.url,
-            "--prompt",
-            "w1 w2 w3",
-            "--backend",
-            "cpu",
-            "--mode",
-            "hyco-exact",
-            "--temperature",
-            "0",
-            "--max-new-tokens",
-            "16",
-            "--json",
-        ],
-    )
+    args = ["run", str(built[1]), "--server", srv.url, "--prompt", "w1 w2 w3", "--backend", "cpu"]
+    args += ["--mode", "hyco-exact", "--temperature", "0", "--max-new-tokens", "16"]
+    plain = CliRunner().invoke(app, args)
+    assert plain.exit_code == 0, plain.stderr
+    result = CliRunner().invoke(app, [*args, "--json"])
     assert result.exit_code == 0, result.stderr
-    last = json.loads(result.stdout.strip().splitlines()[-1])
-    assert last["tokens"] <= 16 and result.stdout.startswith(last["text"])
-    assert result.stderr.startswith("[hyco-exact: ")
+    objects = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(objects) == 1 and result.stdout.endswith("}\n")
+    (last,) = objects
+    assert last["tokens"] <= 16 and plain.stdout == last["text"] + "\n"  # greedy: the same answer both times
+    assert result.stderr.startswith("[hyco-exact: ") and result.stderr.count("\n") == 1
 
 
 def test_cli_run_errors_are_one_line_with_a_nonzero_exit(built, tmp_path):

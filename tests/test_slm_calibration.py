@@ -185,15 +185,25 @@ def test_live_columns_vary(tiny):
         assert ts == sorted(ts) and len(set(ts)) == len(ts)
 
 
-def test_qdq_pass_calibrates_on_real_inputs(tiny):
+def test_qdq_pass_calibrates_on_real_inputs(tiny, monkeypatch):
+    from hycoc import progress
+
+    monkeypatch.setattr(progress, "LINE_EVERY", 0.0)  # every advance prints its line
     recipe, root = tiny["recipe"], tiny["root"]
     qdq = QdqQuantize("onnx_slm", "qdq_slm")
+    log = Console(file=io.StringIO(), width=200)  # not a terminal: the plain progress lines of a log
     pipeline = Pipeline(
         [KeepSetPass(), CalibrationAnswersPass(), SlmGraphSurgery(), SlmTreeGraphExport(), qdq],
         root / "cache",
-        console=quiet(),
+        console=log,
     )
     result = pipeline.run(recipe, tiny["inputs"])
+    # the SLM drive counts its answers (calibration + held-out) with an ETA, like every other long step
+    total = recipe.slm_calibration.prompts + len(tiny["held"])
+    lines = log.file.getvalue().splitlines()
+    assert any(x.endswith(f"qdq_slm: answers through the SLM Drafter: started ({total} to do)") for x in lines)
+    assert any(f"qdq_slm: answers through the SLM Drafter 1/{total}, elapsed " in x and ", ETA " in x for x in lines)
+    assert any(f"qdq_slm: answers through the SLM Drafter: done {total}/{total} in " in x for x in lines)
     report = result.reports[-1]
     n = report.numbers
     cal = n["calibration_inputs"]

@@ -1,6 +1,6 @@
 """The verifier as a Ray Serve deployment: N replicas behind one WebSocket endpoint (docs/design.md "Serving
-many devices"; docs/serving.md "Scale out with Ray Serve"). Needs the ``serve`` extra (``pip install -e ".[serve]"``:
-``ray[serve]``).
+many devices"; docs/serving.md "Scale out with Ray Serve"). Needs the ``serve`` extra (``ray[serve]``), installed
+with the other extras in one command: ``pip install -e ".[full,dev,qnn,hub,serve]"``.
 
 One Ray Serve application, ``hycoc``, with one deployment, `VerifierReplica`, whose FastAPI ingress answers on the
 proxy's port (Ray Serve docs, "Set Up FastAPI and HTTP": WebSockets):

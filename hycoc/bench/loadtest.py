@@ -566,7 +566,7 @@ def run_loadtest(
         for n in sessions:
             for mode, url in urls.items():
                 before, load, started = scrape_metrics(url), os.getloadavg(), time.time()
-                with progress.step(f"{mode}: {n} sessions", total=int(math.ceil(duration_s))) as s:
+                with progress.step(f"{mode}: {n} sessions", total=int(math.ceil(duration_s)), unit="s") as s:
 
                     def tick(st: RunStats) -> None:
                         s.advance(note=f"{len(st.rounds):,} rounds, {sum(st.errors.values())} errors")

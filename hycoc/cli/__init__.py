@@ -32,8 +32,25 @@ from hycoc.cli._common import DEFAULT_DATASET, REPO_ROOT, _auth_token, utf8_stdi
 from hycoc.cli.bench import BENCH_CONFIGS, LOADTEST_BATCHING, LOADTEST_CONFIGS  # noqa: F401  (imported from hycoc.cli)
 from hycoc.doctor import package_versions  # noqa: F401  (imported from hycoc.cli)
 
+
+class _Commands(typer.core.TyperGroup):
+    """hycoc's command group: a bad option value reads like the other usage errors.
+
+    typer 0.29 checks choices through pydantic, whose ValueError text starts with "Value error, "
+    (``Invalid value for '--mode': Value error, 'fast' is not one of ...``); the prefix is dropped so the line
+    names the option, the bad value and the allowed values only."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except typer.BadParameter as e:
+            e.message = e.message.removeprefix("Value error, ")
+            raise
+
+
 app = typer.Typer(
     name="hycoc",
+    cls=_Commands,
     help="HyCo hybrid drafting: compile drafters into bundles, run the device runtime, serve the verifier.",
     no_args_is_help=True,
     add_completion=False,

@@ -92,6 +92,11 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATASET = REPO_ROOT / "benchmarks" / "data" / "spec_bench_question.jsonl"
 
 
+#: The one pip command that installs Ray Serve (``hycoc serve-ray``) beside every other extra (README "Extras"):
+#: ``.[serve]`` added on its own to an environment with ``.[hub]`` upgrades protobuf past qai-hub's cap.
+SERVE_INSTALL = 'pip install -e ".[full,dev,qnn,hub,serve]"'
+
+
 #: Commands that may not be available in this install: command -> what they need.
 PENDING = {
     "build": "The compiler: hycoc build RECIPE --target htp-v81|htp-v79|htp-v75|htp-v73|cpu|qai-hub",

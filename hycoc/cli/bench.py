@@ -186,10 +186,10 @@ def bench(
 
 
 def _say(line: str) -> None:
-    """A note on stderr, wrapped at the terminal's width (80 when redirected)."""
-    from rich.console import Console
+    """A note on stderr, wrapped at the terminal's width (one unwrapped line when redirected)."""
+    from hycoc.progress import stderr_console
 
-    Console(stderr=True).print(line, markup=False, highlight=False)
+    stderr_console().print(line, markup=False, highlight=False)
 
 
 def _bench_questions(cfg, recipe: Path, bundle: Path | None, dataset: str | None, max_prompt_tokens: int | None):

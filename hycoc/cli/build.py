@@ -61,8 +61,6 @@ def build(
     ),
 ) -> None:
     """Compile the recipe's MTP head and SLM into a bundle of static, quantized graphs (paper §3.2-3.4)."""
-    from rich.console import Console
-
     from hycoc.models import HeadConfigError, ModelNotFoundError
     from hycoc.passes.build import BuildError, BuildNotReady, build_bundle, build_pipeline, recipe_for_target
     from hycoc.passes.calibration import CalibrationError
@@ -73,6 +71,7 @@ def build(
     from hycoc.passes.qdq import QdqError
     from hycoc.passes.slm_graph import SlmGraphError
     from hycoc.passes.slm_surgery import SurgeryError
+    from hycoc.progress import stderr_console
     from hycoc.recipe import RecipeError
     from hycoc.targets.cpu import CpuTargetError
     from hycoc.targets.htp import HtpTargetError
@@ -111,7 +110,7 @@ def build(
     except BuildError as e:
         raise _fail("build", str(e)) from None
     cache = cache_dir if cache_dir is not None else Path(".hycoc-cache")
-    console = Console(stderr=True)
+    console = stderr_console()  # redirected: one unwrapped line per message (grep finds the log path)
     if list_passes:
         typer.echo(build_pipeline(config, name, cache_dir=cache, console=console, device=compute).describe())
         return

@@ -3,6 +3,7 @@ device-runtime install has neither); the runtime is imported inside the command 
 
 from __future__ import annotations
 
+import io
 import sys
 from pathlib import Path
 
@@ -11,9 +12,9 @@ import typer
 from hycoc.cli._common import AUTH_TOKEN_HELP, Backend, RunMode, _auth_token, _bundle_backend, _fail
 from hycoc.runtime.result import JSON_KEYS  # standard library only: the keys the --json object has
 
-#: What ends each answer on stdout in a --chat conversation: an empty line after the answer (and its --json
-#: object), as `transformers chat` prints one after each reply (transformers/cli/chat.py); a one-shot run's
-#: answer ends with its newline alone, as before.
+#: What ends each answer on stdout in a --chat conversation without --json: an empty line after the answer, as
+#: `transformers chat` prints one after each reply (transformers/cli/chat.py); a one-shot run's answer ends with
+#: its newline alone. With --json stdout holds one JSON object per line and nothing else.
 TURN_END = "\n"
 
 
@@ -40,7 +41,8 @@ def run(
     ),
     backend: Backend | None = typer.Option(
         None,
-        help="htp = QNN EP context binaries (simulator on x86), cpu = CPU EP (default: the bundle's target)",
+        help="htp = QNN EP context binaries (on x86: the QNN HTP simulator, slow, not device time; a note says "
+        "so), cpu = CPU EP (default: the bundle's target)",
         show_default=False,
     ),
     seed: int | None = typer.Option(None, min=0, help="sampling seed (default: the bundle's)", show_default=False),
@@ -54,15 +56,20 @@ def run(
         help="epsilon of epsilon-threshold acceptance (default: the bundle's)",
         show_default=False,
     ),
-    json_out: bool = typer.Option(False, "--json", help="print the metrics as one JSON object after the text"),
+    json_out: bool = typer.Option(
+        False,
+        "--json",
+        help="stdout holds JSON lines only, one object per answer (its text and metrics), for jq and scripts; "
+        "the answer text then streams to stderr when stderr is a terminal, else it is not streamed",
+    ),
     raw: bool = typer.Option(False, "--raw", help="send the prompt as is, without the chat template"),
     chat: bool = typer.Option(
         False,
         "--chat",
         help="a conversation on one session: after the first answer, every line on stdin is the "
         "next user turn (the verifier keeps the KV, the SLM ring continues); an empty line or end of input ends "
-        "it. Without --prompt / --prompt-file the first turn is read from stdin too. On stdout each answer (and "
-        "its --json object) ends with an empty line",
+        "it. Without --prompt / --prompt-file the first turn is read from stdin too. On stdout each answer ends "
+        "with an empty line (with --json: one JSON line per answer, no empty line)",
     ),
     thinking: bool = typer.Option(
         False,
@@ -87,10 +94,17 @@ def run(
 ) -> None:
     """Device runtime: draft hybrid trees against a verifier server and stream the answer (Alg. 1-3).
 
-    The text streams to stdout as it is committed; a one-line summary goes to stderr (--json: the metrics as one
-    JSON object on stdout after the text: {keys}).
+    The text streams to stdout as it is committed; a one-line summary goes to stderr. --json: stdout has one JSON
+    object per answer and nothing else ({keys}); the text streams to stderr if that is a terminal, else not at all.
     """
-    from hycoc.run_options import AnswerPrinter, RunOptionError, check_run_options, run_error, summary_line
+    from hycoc.run_options import (
+        AnswerPrinter,
+        RunOptionError,
+        check_run_options,
+        run_error,
+        simulator_note,
+        summary_line,
+    )
 
     try:
         check_run_options(
@@ -124,8 +138,18 @@ def run(
     text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8") if prompt_file else None
     if text is None and (text := ask()) is None:
         raise _fail("run", "no user message on stdin")
+    backend_name = _bundle_backend(bundle, backend)
+    if backend_name == "htp":
+        from hycoc.runtime.device_identity import detect_device
+
+        try:
+            note = simulator_note(backend_name, detect_device())
+        except ValueError:  # a bad HYCOC_DEVICE: the bundle loader names it
+            note = None
+        if note:
+            typer.echo(f"hycoc run: {note}", err=True)
     try:
-        rt = load_runtime(bundle, _bundle_backend(bundle, backend), threads=threads)
+        rt = load_runtime(bundle, backend_name, threads=threads)
     except (BundleError, GraphRunError, QnnUnavailableError, ValueError) as e:
         raise _fail("run", str(e)) from None
     from hycoc.chat import AnswerStream, ChatFormatError, ChatMismatch, Conversation
@@ -148,7 +172,9 @@ def run(
     auth_token = _auth_token("run", ctx, auth_token, auth_token_file)
     client = None if mode == RunMode.slm_alone else VerifierClient(server, auth_token, timeout_s=timeout)
 
-    printer = AnswerPrinter()
+    # --json: stdout carries JSON lines alone; the text streams to a terminal's stderr or nowhere
+    text_out = sys.stdout if not json_out else sys.stderr if sys.stderr.isatty() else io.StringIO()
+    printer = AnswerPrinter(out=text_out)
     answer = AnswerStream(chat_format)
 
     def turn(first: bool, text: str | None = None):
@@ -192,16 +218,17 @@ def run(
             ChatFormatError,
         ) as e:
             if printer.streamed:
-                sys.stdout.write("\n")
-                sys.stdout.flush()
+                text_out.write("\n")
+                text_out.flush()
             if client is not None:
                 client.close()
             raise _fail("run", run_error(str(e))) from None
-        sys.stdout.write("\n")
+        text_out.write("\n")
+        text_out.flush()
         m = res.to_json()
         if json_out:
             sys.stdout.write(json.dumps(m) + "\n")
-        if chat:
+        elif chat:
             sys.stdout.write(TURN_END)
         sys.stdout.flush()
         typer.echo(summary_line(mode.value, m, res.prefill_ms, res.finish_reason), err=True)

@@ -13,7 +13,17 @@ from typing import Annotated
 import typer
 
 from hycoc import serving_limits
-from hycoc.cli._common import AUTH_TOKEN_HELP, RECIPE_ARG, Device, _auth_token, _fail, _need_full, _port_error, _recipe
+from hycoc.cli._common import (
+    AUTH_TOKEN_HELP,
+    RECIPE_ARG,
+    SERVE_INSTALL,
+    Device,
+    _auth_token,
+    _fail,
+    _need_full,
+    _port_error,
+    _recipe,
+)
 
 # ---- the options both commands take: each defined once (typer docs, "Arguments with Annotated"); where the two
 # commands word one differently (the proxy's address, every replica's device), the wording is the alias's argument.
@@ -261,7 +271,8 @@ def serve_ray(
 
     Same wire protocol, /healthz and /metrics as verify-server, at ws://HOST:PORT/; a session stays on the replica
     that accepted it; new sessions go to the less loaded replica; /healthz and /metrics cover every replica (samples
-    labelled replica="ID"). Server limits apply per replica. Needs the serve extra: pip install -e '.\\[serve]'.
+    labelled replica="ID"). Server limits apply per replica. Needs the serve extra, installed with the others
+    in one command: pip install -e ".\\[full,dev,qnn,hub,serve]".
 
     Prints one line with the URL once every replica is up (stdout has hycoc's lines only; Ray's go to stderr);
     stops on Ctrl-C or SIGTERM.
@@ -271,7 +282,11 @@ def serve_ray(
     cfg = _recipe("serve-ray", recipe)
     _need_full("serve-ray")
     if importlib.util.find_spec("ray") is None:
-        raise _fail("serve-ray", "needs Ray Serve (the serve extra): pip install -e '.[serve]'")
+        raise _fail(
+            "serve-ray",
+            f"needs Ray Serve (the serve extra); install it with the other extras in one command: {SERVE_INSTALL} "
+            '(added on its own it upgrades protobuf past qai-hub\'s cap; README "Extras")',
+        )
     auth_token = _auth_token("serve-ray", ctx, auth_token, auth_token_file)
     from hycoc.verifier.ray_serve import check_log_level  # a usage error (code 2) before anything is bound
 
