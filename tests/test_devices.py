@@ -283,6 +283,24 @@ def test_open_bundle_refuses_a_v81_bundle_when_told_it_runs_on_a_v73_before_any_
     assert "bundle built for Hexagon v81 (SM8850), this device is Hexagon v73 (SM8550, Snapdragon 8 Gen 2" in r.stderr
 
 
+def test_run_on_the_simulator_notes_it_once_the_bundle_is_accepted(arch_bundles, monkeypatch):
+    """On an x86 host a real htp-v81 bundle runs on the QNN HTP simulator: the run works and its first stderr line
+    is `simulator_note`'s (the same bundle refused for a v73 gets no note: the test above)."""
+    from hycoc.runtime.device_identity import detect_device
+
+    from hycoc.cli import app
+    from hycoc.run_options import simulator_note
+
+    monkeypatch.delenv("HYCOC_DEVICE", raising=False)
+    if not detect_device().simulator:
+        pytest.skip("not an x86 host: the HTP backend is the device's NPU here")
+    out = arch_bundles["Snapdragon 8 Elite Gen 5"]
+    args = ["run", str(out), "--mode", "slm-alone", "--prompt", "w1", "--backend", "htp", "--max-new-tokens", "2"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert r.stderr.splitlines()[0] == f"hycoc run: {simulator_note('htp', detect_device())}"
+
+
 # ---- device time per generation ------------------------------------------------------------------------------------
 
 

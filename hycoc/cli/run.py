@@ -139,7 +139,11 @@ def run(
     if text is None and (text := ask()) is None:
         raise _fail("run", "no user message on stdin")
     backend_name = _bundle_backend(bundle, backend)
-    if backend_name == "htp":
+    try:
+        rt = load_runtime(bundle, backend_name, threads=threads)
+    except (BundleError, GraphRunError, QnnUnavailableError, ValueError) as e:
+        raise _fail("run", str(e)) from None
+    if backend_name == "htp":  # after the bundle loader's checks: a refused bundle gets its one line alone
         from hycoc.runtime.device_identity import detect_device
 
         try:
@@ -148,10 +152,6 @@ def run(
             note = None
         if note:
             typer.echo(f"hycoc run: {note}", err=True)
-    try:
-        rt = load_runtime(bundle, backend_name, threads=threads)
-    except (BundleError, GraphRunError, QnnUnavailableError, ValueError) as e:
-        raise _fail("run", str(e)) from None
     from hycoc.chat import AnswerStream, ChatFormatError, ChatMismatch, Conversation
 
     tok, chat_format = rt.bundle.tokenizer, rt.bundle.chat
