@@ -31,8 +31,6 @@ FAMILIES = {
     "hycoc_mat": "gauge",
     "hycoc_server_ms": "counter",
     "hycoc_prefill_ms": "counter",
-    "hycoc_forward_ms": "counter",
-    "hycoc_worker_cpu_seconds": "counter",
     "hycoc_g_ms_per_token": "gauge",
     "hycoc_errors": "counter",
     "hycoc_refusals": "counter",

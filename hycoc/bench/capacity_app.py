@@ -218,17 +218,6 @@ def run_local(
             keep_set=bundle_dir / "keep_set.npy",
         )
     console.print(f"step cost: {cost.label}")
-    served = getattr(cost, "meta", {}).get("server")
-    if served:
-        console.print(
-            "steps in the running verify-server (worker CPU ms, full trees; in this process): "
-            + ", ".join(
-                f"{n} x {p['step_ms']:.1f} ({p['in_process_step_ms']:.1f})"
-                for n, p in sorted(served["points"].items(), key=lambda kv: int(kv[0]))
-            )
-            + f"; load {(served.get('loadavg_before') or [0])[0]:.1f}",
-            markup=False,
-        )
     h = cost.overhead()
     if cost.host:
         console.print(

@@ -19,10 +19,7 @@ it (p~, sampling, acceptance, compaction, hand-off, the reply frame) and prefill
   the means: ``spread``, every timed device step's CPU ms / its point's mean (the simulation draws each step's
   ratio from it: the steps' tail), and ``budget_ms``, the row budget's own work per session (budgeted
   ``verify_batch`` steps of recorded scored trees with the server's `RowBudget` on the measured line, against the
-  grid's step of the rows they kept). The toy's own cost "on this machine". Where `cached_step_cost` has the
-  recipe's path and recorded rounds, the grid is then moved onto the running verify-server's steps
-  (`hycoc.bench.capacity_profile`: the server's worker CPU per step from its /metrics, full trees at every n,
-  one factor per n; the spread, the budget's work and the row cost line then the server's own).
+  grid's step of the rows they kept). The toy's own cost "on this machine".
 * `ModelStepCost`: a cost-model file (`hycoc.bench.cost_model`, e.g. the one ``hycoc bench`` stores or
   ``benchmarks/gpu_check.sh`` writes): forward ms = predict(rows, context) inside its measured rows; a batched
   forward beyond them scales linearly on a CPU and, on a GPU, as max(1, rows / GPU_FLAT_ROWS) x the largest
@@ -54,10 +51,6 @@ MEASURE_ROWS = (2, 9, 17, 33)
 #: the simulation's input; `hycoc.bench.cost_measure.BUSY_STATISTIC`'s 25th percentile is a steadier per-forward
 #: figure but understated the load test's steps (toy, one 33-row round: p25 13.9 ms against ~19 ms rounds on a
 #: quiet machine). CPU time leaves out the waiting for a CPU: machine load is the simulation's input (slowdown).
-#: The step-cost file's format (``MeasuredStepCost.version``; a file of another version is measured again, never
-#: read): 2 = the points moved onto the running verify-server's steps (`hycoc.bench.capacity_profile`); files
-#: before it have none (0).
-PROFILE_VERSION = 2
 #: Assumed host ms per session and step on a GPU (sampling, acceptance, KV compaction, reply): not measured here.
 ASSUMED_GPU_HOST_MS = 1.0
 
@@ -140,7 +133,6 @@ class MeasuredStepCost(StepCost):
     row_points: tuple = ()
     points: list = field(default_factory=list)
     meta: dict = field(default_factory=dict)
-    version: int = 0
 
     def _grid(self, key: str, sessions: int, rows: int) -> float | None:
         """``key`` ("step_ms" or "forward_ms") of device rounds at ``sessions`` trees of rows / sessions rows each:
@@ -246,14 +238,12 @@ def measure_step_cost(
     repeats: int = 7,
     replay=None,
     log=lambda s: None,
-    budget: bool = True,
 ) -> MeasuredStepCost:
     """Time verifier steps of ``recipe``'s own verifier on this machine (module docstring): about 20-40 s for the
     toy on a 2-core CPU. replay: recorded requests (`hycoc.bench.loadtrace.RequestTrace`) whose prompts and trees
     the device sessions replay (their rounds then accept what the recording accepted, so the host work of the
     accepted path -- KV compaction, the hand-off of every committed position -- is in the points); None: random
-    chains, which the verifier rejects at the first row. budget: also time budgeted steps (``budget_ms``; False
-    where the running server's are timed instead). Returns the fitted `MeasuredStepCost`."""
+    chains, which the verifier rejects at the first row. Returns the fitted `MeasuredStepCost`."""
     import torch
 
     from hycoc.bench.capacity import TraceRequest
@@ -399,7 +389,7 @@ def measure_step_cost(
     # the row budget's own work (choose, restrict_round): budgeted steps of recorded scored trees against a plain
     # step of the rows they kept (the grid), per session; the server's budget, free rows = one tree
     budget_extra = []
-    if replay and budget:
+    if replay:
         for n in [m for m in sessions if m > 1]:
             budget = RowBudget(line, max(rows), DEFAULT_MIN_ROWS)
             _, _, each, kept = time_step(open_sessions(n, "device"), rows[-1], budget)
@@ -432,7 +422,6 @@ def measure_step_cost(
         meta=meta,
         spread=tuple(sorted(float(x) for x in spread)),
         budget_ms=budget_ms,
-        version=PROFILE_VERSION,
     )
 
 
@@ -450,22 +439,17 @@ def cached_step_cost(
     ``remeasure``; the recipe's hash names it, so another recipe never reads it). With ``recipe_path`` and
     ``replay`` the profile also holds the per-round host work outside the step
     (`hycoc.bench.capacity_host.measure_host_overhead` on the recipe's own verify-server with the first recorded
-    request, ``keep_set`` passed to it) and its points are moved onto the running verify-server's steps
-    (`hycoc.bench.capacity_profile.calibrate` of `measure_server_steps`); a cached file without them, or of another
-    ``PROFILE_VERSION``, is measured again."""
+    request, ``keep_set`` passed to it); a cached file without it is measured again."""
     path = Path(cache_dir) / f"step-cost-{recipe.content_hash()[:16]}.json"
     want_host = recipe_path is not None and bool(replay)
     if path.is_file() and not remeasure:
         cost = MeasuredStepCost.load(path)
-        if cost.version == PROFILE_VERSION and ((cost.host and "server" in cost.meta) or not want_host):
+        if (cost.host or not want_host) and cost.spread:  # files before the spread was measured: again
             return cost
-    cost = measure_step_cost(recipe, replay=replay, log=log, budget=not want_host)
+    cost = measure_step_cost(recipe, replay=replay, log=log)
     if want_host:
         from hycoc.bench.capacity_host import measure_host_overhead
-        from hycoc.bench.capacity_profile import calibrate, measure_server_steps
 
-        served = measure_server_steps(recipe_path, replay, keep_set=keep_set, sessions=MEASURE_SESSIONS, log=log)
-        cost = calibrate(cost, served)
         cost.host = measure_host_overhead(recipe_path, replay[0], keep_set=keep_set, log=log).describe()
     cost.save(path)
     return cost
@@ -595,7 +579,6 @@ def model_step_cost(
 
 __all__ = [
     "ASSUMED_GPU_HOST_MS",
-    "PROFILE_VERSION",
     "GpuStepCost",
     "MeasuredStepCost",
     "StepCost",

@@ -114,7 +114,6 @@ class VerifierServer:
             on_step=self.metrics.observe_step,
             row_budget=self.row_budget() if row_cost is not None else None,
         )
-        self.metrics.worker_cpu_s = lambda: self.worker.cpu_s
         self.loop = SessionLoop(
             engine,
             self.worker,

@@ -15,8 +15,6 @@ Families (names and labels are the contract; docs/serving.md "Verifier server an
 
     hycoc_rounds_total, hycoc_retries_total, hycoc_sessions_total, hycoc_tokens_committed_total,
     hycoc_server_ms_total, hycoc_prefill_ms_total                          counters
-    hycoc_forward_ms_total                milliseconds in the verification forwards of batched steps (counter)
-    hycoc_worker_cpu_seconds_total        CPU seconds of the engine's worker thread in every engine call (counter)
     hycoc_errors_total{kind=CODE}         ERROR frames sent, by wire code (a code appears once sent)
     hycoc_refusals_total{kind=LIMIT}      refusals by limit name; every kind of `REFUSAL_KINDS` from the start
     hycoc_sessions_active, hycoc_connections_active, hycoc_kv_bytes_reserved   gauges read from the ledgers
@@ -65,9 +63,7 @@ class ServerMetrics:
     server_ms, prefill_ms (float ms), errors (Counter: wire code -> ERROR frames), refusals (Counter: limit name ->
     refusals; `refused` adds one). Histograms (prometheus_client ``Histogram``, ``observe(value)``): batch_rows,
     batch_sessions, queue_wait (seconds). Gauges read at each scrape: sessions_active (``live_sessions()``),
-    connections_active and kv_bytes_reserved (the `Admission` ledgers). forward_ms: ms of batched steps' forwards
-    (`hycoc.verifier.batch.BatchStats.forward_ms`; serial rounds have no separate forward figure). worker_cpu_s: a
-    callable giving the worker thread's CPU seconds so far (`EngineWorker.cpu_s`; the server sets it).
+    connections_active and kv_bytes_reserved (the `Admission` ledgers).
 
     MAT = tokens_committed / rounds counts the bonus token (paper App. G, as vLLM / SGLang / Spec-Bench).
     g = (server_ms + prefill_ms) / tokens_committed, the verifier's milliseconds per output token incl. prefill.
@@ -80,8 +76,6 @@ class ServerMetrics:
         self.tokens_committed = 0
         self.server_ms = 0.0
         self.prefill_ms = 0.0
-        self.forward_ms = 0.0
-        self.worker_cpu_s: Callable[[], float] = lambda: 0.0
         self.errors: Counter = Counter()
         self.refusals: Counter = Counter()
         self.admission = admission
@@ -128,7 +122,6 @@ class ServerMetrics:
             self.batch_rows.observe(stats.rows)
             self.batch_sessions.observe(stats.sessions)
             self.server_ms += stats.total_ms
-            self.forward_ms += stats.forward_ms
             for kept in stats.rows_kept:
                 self.rows_kept.observe(kept)
             self.rows_trimmed += max(0, stats.rows_sent - stats.rows)
@@ -209,16 +202,6 @@ class _Collector(Collector):
         yield CounterMetricFamily("hycoc_server_ms_total", "verifier milliseconds spent in rounds", value=m.server_ms)
         yield CounterMetricFamily(
             "hycoc_prefill_ms_total", "verifier milliseconds spent in prefills", value=m.prefill_ms
-        )
-        yield CounterMetricFamily(
-            "hycoc_forward_ms_total",
-            "verifier milliseconds in the verification forwards of batched steps",
-            value=m.forward_ms,
-        )
-        yield CounterMetricFamily(
-            "hycoc_worker_cpu_seconds_total",
-            "CPU seconds of the engine's worker thread in engine calls (steps, prefills, frees)",
-            value=float(m.worker_cpu_s()),
         )
         yield GaugeMetricFamily(
             "hycoc_g_ms_per_token",

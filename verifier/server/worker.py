@@ -14,7 +14,6 @@ the scheduler (its queued requests get ShuttingDown), then lets the worker finis
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -40,11 +39,6 @@ class EngineWorker:
     open_sessions: how many sessions are open now (the scheduler stops waiting once each has a round queued).
     on_step: called on the event loop with each batched step's `StepReport` (metrics).
     row_budget: the batched scheduler's `RowBudget` (None: trees verified as sent); `set_row_budget` changes it.
-
-    ``cpu_s``: CPU seconds the worker thread spent in the calls it ran so far (`time.thread_time` around each:
-    steps, prefills, frees, the row cost's measurement), added on the worker before the call's result is handed
-    back, so a client that got every reply of a step reads a total that holds that step (/metrics
-    ``hycoc_worker_cpu_seconds_total``).
     """
 
     def __init__(
@@ -70,15 +64,6 @@ class EngineWorker:
         self.stopping = False
         self._closing = False  # the executor takes no more work; its thread may still run one
         self._late: list[Callable] = []  # frees queued while it finishes: run once its thread has ended
-        self.cpu_s = 0.0
-
-    def _timed(self, fn: Callable, *args):
-        """Worker thread: ``fn(*args)``, its thread CPU seconds added to ``cpu_s`` (also when it raises)."""
-        c0 = time.thread_time()
-        try:
-            return fn(*args)
-        finally:
-            self.cpu_s += time.thread_time() - c0
 
     @property
     def started(self) -> bool:
@@ -120,7 +105,7 @@ class EngineWorker:
         """``fn(*args)`` on the worker thread (one at a time, in submission order). Raises ShuttingDown once
         `stop` began (fn never runs then)."""
         self._check_open()
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._timed, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def round(self, session: Session, tree: DraftTree):
         """One round (batched mode, `BatchScheduler.round`). Raises ShuttingDown once `stop` began (also for a
@@ -151,7 +136,7 @@ class EngineWorker:
         it is kept for after the thread ended; with no worker at all it runs here (nothing else can touch the
         engine then)."""
         if self._executor is not None and not self._closing:
-            self._executor.submit(self._timed, fn)
+            self._executor.submit(fn)
         elif self._executor is not None:
             self._late.append(fn)
         else:
