@@ -268,7 +268,7 @@ def test_run_on_the_htp_simulator_says_it_is_an_emulator_on_the_cpu(tmp_path):
     """--backend htp on an x86 host runs the QNN HTP simulator: one line says it is slow and not device time; a
     device (a Snapdragon SoC, ARM64 Python) or the cpu backend gets no such line. It comes after the bundle
     loader's checks, so a refused bundle gets its one-line error alone (tests/test_devices.py too)."""
-    from hycoc.runtime.device_identity import DeviceIdentity, detect_device
+    from hycoc.runtime.device_identity import DeviceIdentity
 
     from hycoc.run_options import simulator_note
 
@@ -280,7 +280,6 @@ def test_run_on_the_htp_simulator_says_it_is_an_emulator_on_the_cpu(tmp_path):
     result = invoke("run", tmp_path, "--server", "ws://h:1", "--prompt", "a", "--backend", "htp")
     assert result.exit_code == 1  # no manifest: the loader's one-line error alone (the note comes after its checks)
     assert len(result.stderr.strip().splitlines()) == 1 and "HTP simulator" not in result.stderr
-    assert isinstance(detect_device().simulator, bool)
     result = invoke("run", tmp_path, "--server", "ws://h:1", "--prompt", "a", "--backend", "cpu")
     assert "HTP simulator" not in result.stderr
 
