@@ -407,10 +407,11 @@ def test_validation_rows_carry_what_validate_prints():
     cfg = SimConfig(mode="serial", devices=1, duration_s=1.0, client_ms=3.0)
     row = summarize("serial", cfg, simulate(synthetic(2, 30.0), cfg, FixedCost(a=10.0)))
     row["loadavg"] = [1.0, 1.0, 1.0, 1.2, 1.0, 1.0]
-    (cell,) = validation_rows([row], [dict(row, slowdown=1.0)], 0.2)
+    (cell,) = validation_rows([row], [dict(row, slowdown=1.0, cpu_scale=0.85)], 0.2)
     assert cell["measured_outside_ms"] == cell["predicted_outside_ms"] == pytest.approx(outside_ms(row))
     assert cell["measured_outside_ms"] == pytest.approx(3.0) and cell["ok"]
-    assert "1.0->1.2" in validation_table([cell], 0.2).rows[0][-2]
+    printed = validation_table([cell], 0.2).rows[0]
+    assert "1.0->1.2" in printed[-3] and printed[-2] == "x0.85" and printed[-1] == "yes"
 
 
 def test_step_spread_sets_the_tail():
@@ -426,6 +427,34 @@ def test_step_spread_sets_the_tail():
     assert summarize("serial", cfg, res)["latency_ms"]["p90"] == pytest.approx(1.5 * s)
     flat = simulate(synthetic(1, 30.0), cfg, FixedCost(a=s))  # no spread measured: every step its mean
     assert {round(r.latency_ms, 6) for r in flat.stats.rounds} == {s}
+
+
+def test_cpu_scale_multiplies_every_step_and_prefill():
+    """``cpu_scale`` (the run's CPU speed against the profile's, `hycoc.bench.speed_probe`) multiplies each step's
+    CPU ms and each prefill's: one device with 10 ms steps, 4 ms prefills and 30 ms drafting answers every round
+    in 13 ms at x1.3 (10 ms at x1), and the workers' CPU ms are 1.3 x (10 ms per step + 4 ms per prefill), a whole
+    number of prefills (requests of 8 tokens, 2 a round: several)."""
+    for scale in (1.0, 1.3):
+        cfg = SimConfig(mode="serial", devices=1, duration_s=5.0, cpu_scale=scale)
+        res = simulate(synthetic(2, 30.0, output=8), cfg, FixedCost(a=10.0, prefill=4.0))
+        assert {round(r.latency_ms, 9) for r in res.stats.rounds} == {round(10.0 * scale, 9)}
+        prefills = (res.cpu_ms / scale - 10.0 * res.forwards) / 4.0  # CPU ms = scale x (steps + prefills)
+        assert prefills >= 2 and prefills == pytest.approx(round(prefills), abs=1e-6)
+    with pytest.raises(CapacityError, match=r"cpu_scale = 0: must be > 0 \(1: the profile's CPU speed\)"):
+        SimConfig(mode="serial", devices=1, duration_s=1.0, cpu_scale=0)
+
+
+def test_a_step_after_an_idle_worker_costs_the_idle_factor():
+    """A cost with ``idle_factor`` 1.2: one device drafting 30 ms leaves the worker idle before every step (>=
+    IDLE_GAP_MS), so every round takes 12 ms for a 10 ms step; drafting 0 ms, each round arrives as the last step
+    (the OPEN's prefill first) ends, so none is cold: every round 10 ms."""
+    assert cap.IDLE_GAP_MS < 30.0
+    cfg = SimConfig(mode="serial", devices=1, duration_s=2.0)
+    idle = simulate(synthetic(2, 30.0), cfg, FixedCost(a=10.0, idle_factor=1.2))
+    assert {round(r.latency_ms, 9) for r in idle.stats.rounds} == {12.0}
+    busy = simulate(synthetic(2, 0.0), cfg, FixedCost(a=10.0, idle_factor=1.2))
+    lat = [round(r.latency_ms, 9) for r in busy.stats.rounds]
+    assert set(lat) == {10.0} and len(lat) > 100
 
 
 def test_budget_work_is_in_the_budgeted_step():

@@ -13,6 +13,7 @@ import asyncio
 import inspect
 import json
 import math
+import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -194,6 +195,23 @@ def test_replay_sends_the_recorded_scores(engine, recorded, monkeypatch):
         assert tree.scores.tolist() == SCORES.tolist()
 
 
+def test_speed_probe_replays_a_fixed_workload(engine, recorded):
+    """`SpeedProbe` replays the first rounds of one recorded request on a fresh session and closes it: one CPU ms
+    per round; a request without rounds is refused."""
+    from hycoc.bench.speed_probe import SpeedProbe
+
+    req, per_round = recorded[0]
+    n = min(3, len(per_round))
+    probe = SpeedProbe(engine, req, rounds=n, repeats=2)
+    times = probe._one()
+    assert len(times) == n and all(t > 0 for t in times)
+    ms = probe.measure()
+    assert math.isfinite(ms) and ms > 0
+    empty = replace(req, rounds=())
+    with pytest.raises(ValueError, match="the speed probe's request has no recorded rounds"):
+        SpeedProbe(engine, empty)
+
+
 def test_patch_root_keeps_the_tree_valid():
     tokens = np.array([5, 9, 11, 12, 13, 14, 15], np.int32)
     patched = patch_root(tokens, 250)
@@ -333,6 +351,12 @@ def test_run_loadtest_writes_results_and_plot(tmp_path, engine, recorded):
             "'serial' in /healthz; use --batching serial",
         ):
             run_loadtest(trace, ["hyco"], [2], 1.0, ["batched"], tmp_path, server_url=srv.url, warmup_s=0.0)
+        probed: list[float] = []  # when the probe ran (epoch s); it returns how many times it has run
+
+        def probe() -> float:
+            probed.append(time.time())
+            return float(len(probed))
+
         doc = run_loadtest(
             trace,
             ["hyco"],
@@ -344,8 +368,14 @@ def test_run_loadtest_writes_results_and_plot(tmp_path, engine, recorded):
             device_ms=5.0,
             warmup_s=0.0,
             meta={"recipe": "tiny"},
+            probe=probe,
         )
     saved = json.loads((tmp_path / "results.json").read_text())
+    # the probe ran once right before the run's window and once right after it, never inside
+    (window,) = saved["meta"]["run_windows"]
+    assert saved["runs"][0].pop("speed_probe_ms") == [1.0, 2.0] and len(probed) == 2
+    assert probed[0] <= window["epoch_s"][0] and probed[1] >= window["epoch_s"][1]
+    doc["runs"][0].pop("speed_probe_ms")
     assert saved == doc and saved["schema"] == 1 and saved["meta"]["recipe"] == "tiny"
     (row,) = saved["runs"]
     assert set(row) == set(RUN_KEYS) and (row["mode"], row["sessions"], row["errors_total"]) == ("serial", 2, 0)

@@ -47,6 +47,10 @@ from hycoc.verifier.row_budget import DEFAULT_MIN_ROWS, RowBudget, RowCost
 
 #: Simulated batching modes (`hycoc.bench.loadtest.MODE_ARGS`).
 MODES = ("serial", "batched", "budgeted")
+#: ASSUMED: a step counts as cold (the cost's ``idle_factor``) when its worker had waited at least this many ms
+#: since its last step ended (a device drafting, a batch wait): the factor is measured after the recorded drafting
+#: time (~10 ms for the toy), and a wait of a millisecond or more is taken to cool the caches the same way.
+IDLE_GAP_MS = 1.0
 
 
 class CapacityError(ValueError):
@@ -255,6 +259,8 @@ class SimConfig:
     slowdown: the verifier's CPU ms are stretched by it (machine load: `cpu_slowdown`); slowdown_samples: instead,
     the measured sequence of (slowdown, CPU ns) intervals of the run, each step replayed through it from a seeded
     random point (`_Replica._wall_ms`): the machine's bursts, so the latency tail is the measured one;
+    cpu_scale: every step's CPU ms (forward, host work, prefill) x this: the machine's CPU speed in the run against
+    the profile's, a `hycoc.bench.speed_probe.SpeedProbe` timed then and now (1: the profile's speed);
     row_cost / free_rows:
     the budget's line and free rows when known from the server (its /healthz), else the cost's own line."""
 
@@ -276,6 +282,7 @@ class SimConfig:
     gil_share: float = 0.0
     slowdown: float = 1.0
     slowdown_samples: tuple | None = None
+    cpu_scale: float = 1.0
     row_cost: RowCost | None = None
     free_rows: int | None = None
     seed: int = 0
@@ -287,6 +294,8 @@ class SimConfig:
             raise CapacityError(f"devices = {self.devices}, replicas = {self.replicas}: both must be >= 1")
         if not self.duration_s > 0:
             raise CapacityError(f"duration_s = {self.duration_s}: must be > 0 seconds")
+        if not self.cpu_scale > 0:
+            raise CapacityError(f"cpu_scale = {self.cpu_scale}: must be > 0 (1: the profile's CPU speed)")
 
 
 @dataclass
@@ -338,6 +347,7 @@ class _Replica:
         self.open_sessions = 0
         self.wake = env.event()
         self.in_step = False  # the worker is running a step (the loop's work then holds it up: gil_share)
+        self.last_end = -math.inf  # when the worker's last step ended (s): a later start after IDLE_GAP_MS is cold
         self.held_ms = 0.0  # loop ms that held the GIL during the running step, not yet added to it
         self.budget: RowBudget | None = None  # the server's own budget object: its choice and its learning
         if cfg.mode == "budgeted":
@@ -384,7 +394,7 @@ class _Replica:
                 first_prefill = self.prefills[0].arrived if self.prefills else math.inf
                 if first_prefill < first_round:
                     job = self.prefills.popleft()
-                    ms = self.cost.prefill_ms(job.prefill_left, 0)
+                    ms = self.cost.prefill_ms(job.prefill_left, 0) * cfg.cpu_scale
                     yield from self._run(ms)
                     job.done.succeed(((), ms))
                     continue
@@ -416,6 +426,8 @@ class _Replica:
 
     def _run(self, ms: float) -> Iterator:
         start = self.env.now
+        if start - self.last_end >= IDLE_GAP_MS / 1e3:  # the worker waited for this job: its caches went cold
+            ms *= self.cost.idle_factor
         self.result.cpu_ms += ms
         self.in_step, self.held_ms = True, 0.0
         yield self.env.timeout(self._wall_ms(ms) / 1e3)
@@ -423,6 +435,7 @@ class _Replica:
             held, self.held_ms = self.held_ms, 0.0
             yield self.env.timeout(held / 1e3)
         self.in_step = False
+        self.last_end = self.env.now
         end = min(self.env.now, self.cfg.duration_s)
         self.result.busy_s[self.index] += max(0.0, end - max(start, 0.0)) if start < self.cfg.duration_s else 0.0
 
@@ -474,6 +487,7 @@ class _Replica:
             if alloc is not None:  # the budget's own choosing and restricting, on the worker inside the step
                 step_ms += cost.budget_step_ms(len(batch))
             spread = cost.spread_factor(self.rng)  # this step's cost / its point's mean, as measured
+            spread *= cfg.cpu_scale  # the machine's speed in this run against the profile's (measured)
             forward_ms, step_ms = forward_ms * spread, step_ms * spread
             ms += step_ms
             self.result.forwards += 1
@@ -491,7 +505,7 @@ class _Replica:
             if done_prefills or used:
                 if used + n > cfg.prefill_chunk:
                     break
-            ms += cost.prefill_ms(n, p.context)
+            ms += cost.prefill_ms(n, p.context) * cfg.cpu_scale
             p.context += n
             p.prefill_left -= n
             used += n
@@ -618,6 +632,7 @@ def summarize(mode: str, cfg: SimConfig, result: SimResult) -> dict:
 
 
 __all__ = [
+    "IDLE_GAP_MS",
     "MODES",
     "CapacityError",
     "cpu_slowdown",

@@ -218,6 +218,14 @@ def run_local(
             keep_set=bundle_dir / "keep_set.npy",
         )
     console.print(f"step cost: {cost.label}")
+    meta = getattr(cost, "meta", None) or {}
+    if meta.get("probe_ms"):
+        console.print(
+            f"speed probe (a fixed replay, hycoc.bench.speed_probe): {meta['probe_ms']:.1f} ms a step while the "
+            f"grid was timed ({', '.join(f'{x:.1f}' for x in meta.get('probe_each_ms', []))}); a step after the "
+            f"worker idled {meta.get('idle_pause_ms', 0):.0f} ms: x{cost.idle_factor:.3f} (measured)",
+            markup=False,
+        )
     h = cost.overhead()
     if cost.host:
         console.print(
@@ -340,20 +348,33 @@ def validate_here(
     configs = ["hyco"]
     temperature = 0.0 if cfg.sampling.temperature > 0 else None
     trace, path = trace_for(cfg, bundle_dir, configs, questions, temperature, repo_root, console)
+    probe_ref = (getattr(cost, "meta", None) or {}).get("probe_ms")
+    probe = None
+    if probe_ref:  # the machine's speed around each run against the profile's (hycoc.bench.speed_probe)
+        from hycoc.bench.speed_probe import open_probe
+
+        want = cost.meta.get("probe_request")
+        hyco = trace.for_config("hyco")
+        probe = open_probe(cfg, next((r for r in hyco if r.question_id == want), hyco[0]))
     load0 = os.getloadavg()
-    with SchedSampler() as sampler:
-        measured = run_loadtest(
-            trace,
-            configs,
-            list(sessions),
-            duration,
-            list(modes),
-            Path(out) / "loadtest",
-            recipe_path=recipe_path,
-            keep_set=bundle_dir / "keep_set.npy",
-            console=console,
-            meta={"recipe": str(recipe_path), "trace": str(path)},
-        )
+    try:
+        with SchedSampler() as sampler:
+            measured = run_loadtest(
+                trace,
+                configs,
+                list(sessions),
+                duration,
+                list(modes),
+                Path(out) / "loadtest",
+                recipe_path=recipe_path,
+                keep_set=bundle_dir / "keep_set.npy",
+                console=console,
+                meta={"recipe": str(recipe_path), "trace": str(path)},
+                probe=probe.measure if probe is not None else None,
+            )
+    finally:
+        if probe is not None:
+            probe.engine.close()
     windows = {(w["mode"], w["sessions"]): w["epoch_s"] for w in measured["meta"].get("run_windows", [])}
     predicted = []
     for m in measured["runs"]:
@@ -366,6 +387,7 @@ def validate_here(
                 cost,
                 measured["meta"],
                 contention=contention,
+                cpu_scale=float(np.mean(m["speed_probe_ms"])) / probe_ref if m.get("speed_probe_ms") else 1.0,
             )
         )
     load1 = os.getloadavg()

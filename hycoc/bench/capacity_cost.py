@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hycoc.bench.speed_probe import SpeedProbe
 from hycoc.verifier.row_budget import DEFAULT_MIN_ROWS, RowBudget, RowCost
 
 #: Session counts and rows per tree of the step measurement (device-drafted rounds).
@@ -74,6 +75,9 @@ class StepCost:
     spread: tuple = ()
     #: Ms per session a budgeted step spends beyond a plain step of the rows it kept (`budget_step_ms`).
     budget_ms: float = 0.0
+    #: A step that starts after the worker idled (`hycoc.bench.capacity.IDLE_GAP_MS` or more) costs this many
+    #: times its back-to-back CPU ms (measured: `measure_step_cost`'s ``idle_pairs``); 1 where not measured.
+    idle_factor: float = 1.0
 
     def overhead(self):
         """The per-round host work outside the step: a `hycoc.bench.capacity_host.HostOverhead` (zeros when
@@ -195,6 +199,7 @@ class MeasuredStepCost(StepCost):
             if self.spread
             else None,
             "budget_ms": self.budget_ms,
+            "idle_factor": self.idle_factor,
             "meta": self.meta,
         }
 
@@ -235,7 +240,10 @@ def measure_step_cost(
     sessions=MEASURE_SESSIONS,
     rows=MEASURE_ROWS,
     context: int = 96,
-    repeats: int = 7,
+    repeats: int = 4,
+    passes: int = 4,
+    spread_steps: int = 240,
+    idle_pairs: int = 8,
     replay=None,
     log=lambda s: None,
 ) -> MeasuredStepCost:
@@ -243,7 +251,16 @@ def measure_step_cost(
     toy on a 2-core CPU. replay: recorded requests (`hycoc.bench.loadtrace.RequestTrace`) whose prompts and trees
     the device sessions replay (their rounds then accept what the recording accepted, so the host work of the
     accepted path -- KV compaction, the hand-off of every committed position -- is in the points); None: random
-    chains, which the verifier rejects at the first row. Returns the fitted `MeasuredStepCost`."""
+    chains, which the verifier rejects at the first row. passes x repeats: timed steps per grid point, the grid
+    walked ``passes`` times in turn so that each point's mean spans the whole measurement (this machine's speed
+    drifts by ~10% from one half-minute to the next; one burst of consecutive steps per point put that drift into
+    the points). spread_steps: with ``replay``, one device session replaying whole recorded requests (prefill, every
+    round, the next request) for that many steps; each step's CPU ms / their mean is the spread (what a live
+    session's steps vary by across a request and over seconds: p90 / mean 1.25-1.30 here, where repeats of one
+    point in a row gave 1.03-1.15). idle_pairs: with ``replay``, pairs of `hycoc.bench.speed_probe.SpeedProbe`
+    replays back to back and with the recorded drafting time idle before each step, in A B / B A order; the ratio
+    of their means is ``idle_factor`` (a step after the worker waited costs more CPU: its caches went cold; 1.08 -
+    1.09 here). Returns the fitted `MeasuredStepCost`. Raises StepCostError when a scratch round fails."""
     import torch
 
     from hycoc.bench.capacity import TraceRequest
@@ -299,8 +316,9 @@ def measure_step_cost(
         s, seq, tr, i = entry
         if tr is not None:
             rnd = tr.next_round()
-            if rnd is None:  # the recording is over: the next request, a new session
-                entry[:] = open_one(i + len(replay), "device")
+            if rnd is None:  # the recording is over: the next recorded request, a new session (as a load test's
+                entry[0].close()  # device i replays requests i, i + 1, ...: hycoc.bench.loadtest)
+                entry[:] = open_one(i + 1, "device")
                 return tree_of(entry, k)
             scores = None if rnd.tree[0] is None else np.asarray(rnd.tree[0][:k], np.float64)
             toks = patch_root(rnd.tree[1], s.root)[:k].astype(np.int64)
@@ -308,10 +326,11 @@ def measure_step_cost(
         toks = np.concatenate([[s.root], rng.integers(2, vocab, k - 1)]).astype(np.int64)
         return toks, np.arange(-1, k - 1, dtype=np.int64), None
 
-    def time_step(group, r: int, budget=None) -> tuple[float, float, list[float], list[int]]:
-        """Mean CPU ms, mean forward ms, each repeat's CPU ms and rows verified (kept, with ``budget``)."""
+    def time_step(group, r: int, budget=None, warmup: bool = True) -> tuple[float, float, list[float], list[int]]:
+        """Mean CPU ms, mean forward ms, each repeat's CPU ms and rows verified (kept, with ``budget``); the first
+        call a warm-up when ``warmup``."""
         walls, fwds, kept = [], [], []
-        for rep in range(repeats + 1):
+        for rep in range(repeats + 1 if warmup else repeats):
             rounds = []
             for entry in group:
                 k = 1 if entry[0].draft_place == "cloud-mtp" else r
@@ -330,20 +349,54 @@ def measure_step_cost(
                 entry[1] += 1
                 if entry[2] is not None:  # the replay follows the text it commits
                     entry[2].commit([int(rd[1][j]) for j in reply.path_rows] + [int(reply.bonus)])
-            if rep:  # the first call is a warm-up
+            if rep or not warmup:  # the first call is a warm-up
                 walls.append(busy)
                 fwds.append(stats.forward_ms * busy / max(wall, 1e-9))  # the forward's share of the busy time
                 kept.append(int(stats.rows))
         return float(np.mean(walls)), float(np.mean(fwds)), walls, kept
 
     points, spread = [], []
+    groups = {n: open_sessions(n, "device") for n in sessions}
+    timed: dict[tuple[int, int], list[tuple[float, float, list[float]]]] = {(n, r): [] for n in sessions for r in rows}
+    probe = SpeedProbe(engine, replay[0]) if replay else None
+    probe_ms: list[float] = []
+    if probe is not None:
+        probe.measure()  # a warm-up: the first replay on a fresh engine costs more
+    for k in range(passes):  # the grid walked in turn: each point's steps spread over the whole measurement
+        for n in sessions:
+            for r in rows:
+                timed[(n, r)].append(time_step(groups[n], r, warmup=k == 0))
+        if probe is not None:  # the machine's speed while the grid was timed (hycoc.bench.speed_probe)
+            probe_ms.append(probe.measure())
     for n in sessions:
-        group = open_sessions(n, "device")
         for r in rows:
-            wall, fwd, each, _ = time_step(group, r)
+            each = [w for _, _, ws, _ in timed[(n, r)] for w in ws]
+            wall = float(np.mean(each))
+            fwd = float(np.mean([f for _, f, _, _ in timed[(n, r)]]))
             spread += [w / wall for w in each if wall > 0]
             points.append({"place": "device", "sessions": n, "rows": n * r, "step_ms": wall, "forward_ms": fwd})
             log(f"device {n} x {r} rows: {wall:.1f} ms")
+    pause_ab: list[tuple[float, float]] = []
+    gap = 0.0
+    if probe is not None and idle_pairs:  # a step after the worker idled (a device drafting) against back to back
+        gap = float(np.mean([r.device_ms for r in replay[0].rounds if r.device_ms] or [0.0]))
+        for k in range(idle_pairs):  # A B, B A, ...: the machine's drift falls on both sides alike
+            if k % 2 == 0:
+                b2b = probe.measure()
+                pause_ab.append((b2b, probe.measure(pause_ms=gap)))
+            else:
+                paused = probe.measure(pause_ms=gap)
+                pause_ab.append((probe.measure(), paused))
+    idle_factor = float(np.mean([b for _, b in pause_ab]) / np.mean([a for a, _ in pause_ab])) if pause_ab else 1.0
+    log(f"a step after the worker idled {gap:.1f} ms: x{idle_factor:.3f} its back-to-back CPU ms")
+    replay_ms: list[float] = []
+    if replay and spread_steps:  # one live-like session: whole requests in turn, every round as recorded
+        one = open_sessions(1, "device")
+        for _ in range(max(1, spread_steps // max(1, repeats))):
+            replay_ms += time_step(one, rows[-1], warmup=False)[2]
+        mean = float(np.mean(replay_ms))
+        spread = [w / mean for w in replay_ms]
+        log(f"one session replaying whole requests: {mean:.1f} ms a step over {len(replay_ms)} steps")
     for place in ("cloud-mtp", "server-head"):
         for n in (1, 4, 16):
             try:
@@ -406,6 +459,16 @@ def measure_step_cost(
         "threads": recipe.verifier.threads,
         "context": context,
         "repeats": repeats,
+        "passes": passes,
+        "spread_source": f"one session replaying whole requests, {len(replay_ms)} steps"
+        if replay_ms
+        else "repeats of each grid point",
+        "replay_step_ms": round(float(np.mean(replay_ms)), 3) if replay_ms else None,
+        "probe_ms": round(float(np.mean(probe_ms)), 3) if probe_ms else None,
+        "probe_each_ms": [round(x, 3) for x in probe_ms],
+        "probe_request": replay[0].question_id if replay else None,
+        "idle_pause_ms": round(gap, 3),
+        "probe_back_to_back_vs_paused_ms": [[round(a, 3), round(b, 3)] for a, b in pause_ab],
         "recipe_sha256": recipe.content_hash(),
         "cpus": os.cpu_count(),
     }
@@ -422,6 +485,7 @@ def measure_step_cost(
         meta=meta,
         spread=tuple(sorted(float(x) for x in spread)),
         budget_ms=budget_ms,
+        idle_factor=idle_factor,
     )
 
 
@@ -444,7 +508,9 @@ def cached_step_cost(
     want_host = recipe_path is not None and bool(replay)
     if path.is_file() and not remeasure:
         cost = MeasuredStepCost.load(path)
-        if (cost.host or not want_host) and cost.spread:  # files before the spread was measured: again
+        fresh = cost.spread and cost.meta.get("passes")  # files before the spread or the interleaved grid: again
+        fresh = fresh and (cost.meta.get("probe_ms") or not replay)  # ... or the speed probe and idle factor
+        if (cost.host or not want_host) and fresh:
             return cost
     cost = measure_step_cost(recipe, replay=replay, log=log)
     if want_host:

@@ -317,13 +317,16 @@ def predicted_for(
     cores: int | None = None,
     contention: dict | None = None,
     replicas: int = 1,
+    cpu_scale: float = 1.0,
 ) -> dict:
     """The simulator's row for one measured load-test row (`hycoc.bench.loadreport.summarize_run`'s): same mode,
     sessions and duration; the server's own batching settings and (budgeted) row-cost line from its /healthz
     (``meta["servers"][mode]``); the CPU stretched by the run's load (`cpu_slowdown` of the mean of its load
     averages before and after); with ``contention`` (`SchedSampler.contention` of the run's window) the
     server's measured slowdown instead; the per-round host work outside the step from the cost's profile, with
-    that run's wake-ups (`host_terms`). client_ms: more parallel ms per round (none by default)."""
+    that run's wake-ups (`host_terms`). client_ms: more parallel ms per round (none by default). cpu_scale: the
+    run's CPU speed against the profile's (`hycoc.bench.speed_probe`): the steps' CPU ms and the host work's CPU
+    parts x it (`SimConfig.cpu_scale`)."""
     mode = measured["mode"]
     server = (meta.get("servers") or {}).get(mode) or {}
     load = measured.get("loadavg") or [0.0] * 6
@@ -347,18 +350,20 @@ def predicted_for(
         replicas=replicas,
         max_batch_rows=int(server.get("max_batch_rows", DEFAULT_MAX_BATCH_ROWS)),
         max_batch_wait_ms=float(server.get("max_batch_wait_ms", DEFAULT_MAX_BATCH_WAIT_MS)),
-        client_ms=client_ms + host["client_ms"],
-        loop_ms=host["loop_ms"],
+        client_ms=client_ms + host["client_ms"] + (cpu_scale - 1.0) * cost.overhead().client_ms,
+        loop_ms=host["loop_ms"] * cpu_scale,
         wake_ms=host["wake_ms"],
         gil_share=host["gil_share"],
         slowdown=slowdown,
         slowdown_samples=samples,
+        cpu_scale=cpu_scale,
         row_cost=row_cost,
         free_rows=free,
         chain_length=cost.chain_length,
     )
     row = run_point(workload, cfg, cost)
     row["slowdown"] = cfg.slowdown
+    row["cpu_scale"] = cfg.cpu_scale
     row["contention"] = contention
     row["host_terms"] = host
     return row
@@ -400,6 +405,7 @@ def validation_rows(measured_rows: list[dict], predicted_rows: list[dict], tol: 
                 "ok": within(pt, mt, tol) and within(pl, ml, tol),
                 "loadavg": m.get("loadavg"),
                 "slowdown": p.get("slowdown"),
+                "cpu_scale": p.get("cpu_scale"),
                 "measured_rows_per_forward": m.get("rows_per_forward"),
                 "predicted_rows_per_forward": p.get("rows_per_forward"),
                 # the busiest server thread's CPU (schedstat) per round the server answered vs the step cost's
@@ -443,6 +449,7 @@ def validation_table(rows: list[dict], tol: float):
                 num(r.get("measured_cpu_ms_per_round")) + " / " + num(r.get("predicted_cpu_ms_per_round")),
                 (f"{load[0]:.1f}->{load[3]:.1f}" if len(load) >= 4 else "n/a")
                 + ("" if r.get("slowdown") is None else f" (x{r['slowdown']:.1f})"),
+                "n/a" if r.get("cpu_scale") is None else f"x{r['cpu_scale']:.2f}",
                 "yes" if r["ok"] else "NO",
             ]
         )
@@ -459,6 +466,7 @@ def validation_table(rows: list[dict], tol: float):
         "rows/fwd pred.",
         "worker CPU ms/round meas. / pred.",
         "load (CPU x)",
+        "CPU speed (probe)",
         f"both within {100 * tol:.0f}%",
     ]
     return TextTable(
@@ -466,7 +474,7 @@ def validation_table(rows: list[dict], tol: float):
         headers,
         body,
         keys=2,
-        justify=["left"] + ["right"] * 11 + ["left"],
+        justify=["left"] + ["right"] * 12 + ["left"],
     )
 
 
