@@ -220,9 +220,11 @@ def run_local(
     console.print(f"step cost: {cost.label}")
     meta = getattr(cost, "meta", None) or {}
     if meta.get("probe_ms"):
+        each = meta.get("probe_each_ms") or [0.0]
         console.print(
-            f"speed probe (a fixed replay, hycoc.bench.speed_probe): {meta['probe_ms']:.1f} ms a step while the "
-            f"grid was timed ({', '.join(f'{x:.1f}' for x in meta.get('probe_each_ms', []))}); a step after the "
+            f"speed probe (a fixed replay, hycoc.bench.speed_probe): median {meta['probe_ms']:.1f} ms a step of "
+            f"{len(each)} probes while the grid was timed "
+            f"({min(each):.1f}-{max(each):.1f}); a step after the "
             f"worker idled {meta.get('idle_pause_ms', 0):.0f} ms: x{cost.idle_factor:.3f} (measured)",
             markup=False,
         )
@@ -350,7 +352,7 @@ def validate_here(
     trace, path = trace_for(cfg, bundle_dir, configs, questions, temperature, repo_root, console)
     probe_ref = (getattr(cost, "meta", None) or {}).get("probe_ms")
     probe = None
-    if probe_ref:  # the machine's speed around each run against the profile's (hycoc.bench.speed_probe)
+    if probe_ref:  # the machine's speed around each run against the profile's (hycoc.bench.speed_probe): shown
         from hycoc.bench.speed_probe import open_probe
 
         want = cost.meta.get("probe_request")
@@ -387,8 +389,12 @@ def validate_here(
                 cost,
                 measured["meta"],
                 contention=contention,
-                cpu_scale=float(np.mean(m["speed_probe_ms"])) / probe_ref if m.get("speed_probe_ms") else 1.0,
             )
+        )
+        # the machine's speed around the run against the profile's: printed, not applied (docs/capacity.md: a few
+        # seconds of probing around a 25 s run on this machine were noise as often as signal)
+        predicted[-1]["speed_probe"] = (
+            float(np.median(m["speed_probe_ms"])) / probe_ref if m.get("speed_probe_ms") and probe_ref else None
         )
     load1 = os.getloadavg()
     rows = validation_rows(measured["runs"], predicted, TOLERANCE)
@@ -415,7 +421,9 @@ def validate_here(
         "-> after the run; (CPU x): how much longer a CPU ms of the verifier took in that run, from its threads' "
         "/proc schedstat (on-CPU + waiting) / on-CPU, by which the simulation stretches the step cost; worker "
         "CPU ms/round: the busiest server thread's on-CPU ms (schedstat) per round the server answered, prefills "
-        "included, against the simulated steps' CPU ms per round)"
+        "included, against the simulated steps' CPU ms per round; CPU speed (probe; shown): a fixed replay's CPU "
+        "ms twice before and twice after the run against the profile's, printed beside the cell and not applied: "
+        "where the worker CPU column differs, it says whether the machine's speed moved)"
     )
     return {
         "loadavg_before": list(load0),

@@ -366,8 +366,8 @@ def measure_step_cost(
         for n in sessions:
             for r in rows:
                 timed[(n, r)].append(time_step(groups[n], r, warmup=k == 0))
-        if probe is not None:  # the machine's speed while the grid was timed (hycoc.bench.speed_probe)
-            probe_ms.append(probe.measure())
+            if probe is not None:  # the machine's speed while the grid was timed (hycoc.bench.speed_probe)
+                probe_ms.append(probe.measure())
     for n in sessions:
         for r in rows:
             each = [w for _, _, ws, _ in timed[(n, r)] for w in ws]
@@ -464,7 +464,7 @@ def measure_step_cost(
         if replay_ms
         else "repeats of each grid point",
         "replay_step_ms": round(float(np.mean(replay_ms)), 3) if replay_ms else None,
-        "probe_ms": round(float(np.mean(probe_ms)), 3) if probe_ms else None,
+        "probe_ms": round(float(np.median(probe_ms)), 3) if probe_ms else None,
         "probe_each_ms": [round(x, 3) for x in probe_ms],
         "probe_request": replay[0].question_id if replay else None,
         "idle_pause_ms": round(gap, 3),

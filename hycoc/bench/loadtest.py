@@ -505,9 +505,9 @@ def run_loadtest(
     server there is used. Either way the mode a row is
     labelled with is the one the server reports in /healthz (`server_mode`), and a server that reports another
     mode than asked is an error (modes None with ``server_url``: whatever it reports). Each server first serves
-    one device for ``warmup_s`` seconds, not measured. probe: called right before and right after every run (with
-    no run going); its two values go in the row as ``speed_probe_ms`` (`hycoc capacity --validate` times its
-    `hycoc.bench.speed_probe.SpeedProbe` there). Raises LoadTestError (server, mode), TraceError (config)."""
+    one device for ``warmup_s`` seconds, not measured. probe: called twice right before and twice right after every
+    run (with no run going); its four values go in the row as ``speed_probe_ms`` (`hycoc capacity --validate`
+    times its `hycoc.bench.speed_probe.SpeedProbe` there). Raises LoadTestError (server, mode), TraceError (config)."""
     from hycoc import progress
     from hycoc.bench.loadreport import (
         GPU_FLAT_ROWS,
@@ -568,7 +568,7 @@ def run_loadtest(
         # Per session count every mode in turn, so on a shared machine the modes compared see the same load.
         for n in sessions:
             for mode, url in urls.items():
-                speed = [probe()] if probe is not None else None
+                speed = [probe(), probe()] if probe is not None else None
                 before, load, started = scrape_metrics(url), os.getloadavg(), time.time()
                 with progress.step(f"{mode}: {n} sessions", total=int(math.ceil(duration_s)), unit="s") as s:
 
@@ -594,7 +594,7 @@ def run_loadtest(
                 windows.append({"mode": mode, "sessions": n, "epoch_s": [started, time.time()]})
                 row = summarize_run(mode, n, duration_s, stats, before, after, load)
                 if speed is not None:
-                    row["speed_probe_ms"] = [*speed, probe()]
+                    row["speed_probe_ms"] = [*speed, probe(), probe()]
                 row["projection"] = project(row, cost_model)
                 rows.append(row)
                 console.print(run_summary_lines(mode, n, row, load), soft_wrap=True)
