@@ -555,3 +555,19 @@ def test_loadtest_names_a_server_that_is_down_before_recording(monkeypatch):
     assert result.stderr.startswith(
         f"hycoc loadtest: --server {url}: no hycoc verify-server answered {url.replace('ws', 'http', 1)}/healthz"
     )
+
+
+def test_speed_sampler_reads_its_samples_by_window(tmp_path):
+    """`SpeedSampler.mean_between` averages the CPU ms of the probe steps whose time falls in the window (ends
+    included), and says None with fewer than ``least``; a half-written last line is skipped. No process is
+    started here: the file is what the sampler process writes ("epoch_s cpu_ms" per line)."""
+    from hycoc.bench.speed_probe import SpeedSampler
+
+    out = tmp_path / "speed.txt"
+    out.write_text("".join(f"{100 + t} {10 + t % 3}\n" for t in range(30)) + "130", encoding="utf-8")
+    req = RequestTrace("hyco", 1, (1,), 0.0, 0, 1.0, 0, "exact", 1.0, "device", 8, ())
+    s = SpeedSampler("recipe.toml", "trace.json", req, out)
+    assert len(s.samples()) == 30  # the last line, its CPU ms not yet written, is left out
+    # t = 100..109: ms 10, 11, 12, 10, 11, 12, 10, 11, 12, 10 -> mean 10.9
+    assert s.mean_between(100, 109) == pytest.approx(10.9)
+    assert s.mean_between(100, 105) is None and s.mean_between(100, 105, least=6) == pytest.approx(11.0)

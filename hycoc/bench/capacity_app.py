@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -193,6 +194,7 @@ def run_local(
     from hycoc.bench.tables import print_tables
 
     console = make_console()
+    sampler, profile_window = None, None
     bundle_dir = bench_bundle(cfg, recipe_path, bundle, repo_root, command="capacity", say=console.print)
     questions = load_spec_bench(cfg.resolve_path(cfg.bench.dataset) or dataset)[:prompts]
     temperature = 0.0 if "budgeted" in modes and cfg.sampling.temperature > 0 else None
@@ -205,9 +207,18 @@ def run_local(
             "capacity: timing the verifier's steps on this machine, replaying recorded hyco rounds"
             + (" (again: --validate compares with runs made now)" if validate else " (cached per recipe)")
         )
-        hyco, _ = trace_for(
+        hyco, hyco_path = trace_for(
             cfg, bundle_dir, ["hyco"], questions, 0.0 if cfg.sampling.temperature > 0 else None, repo_root, console
         )
+        if validate:  # the machine's speed sampled through the profile and every run (hycoc.bench.speed_probe)
+            import tempfile
+
+            from hycoc.bench.speed_probe import SpeedSampler
+
+            sampler = SpeedSampler(
+                recipe_path, hyco_path, hyco.requests[0], Path(tempfile.mkdtemp(prefix="hycoc-speed-")) / "speed.txt"
+            ).__enter__()
+        profile_t0 = time.time()
         cost = cached_step_cost(
             cfg,
             repo_root / ".hycoc-cache" / "capacity",
@@ -217,6 +228,7 @@ def run_local(
             recipe_path=recipe_path,
             keep_set=bundle_dir / "keep_set.npy",
         )
+        profile_window = (profile_t0, time.time())
     console.print(f"step cost: {cost.label}")
     meta = getattr(cost, "meta", None) or {}
     if meta.get("probe_ms"):
@@ -268,7 +280,11 @@ def run_local(
             console,
             sessions=validate_sessions,
             modes=validate_modes,
+            sampler=sampler,
+            profile_window=profile_window,
         )
+        if sampler is not None:
+            sampler.__exit__(None, None, None)
         if validate_only:
             path = write_document(out, doc)
             console.print(f"wrote {path}")
@@ -339,6 +355,8 @@ def validate_here(
     *,
     sessions=VALIDATE_SESSIONS,
     modes=VALIDATE_MODES,
+    sampler=None,
+    profile_window=None,
 ) -> dict:
     """Run `hycoc loadtest` (hyco; ``sessions`` x ``modes``, by default 1, 4, 16, 64 x serial, batched, budgeted;
     ``duration`` s each) here, simulate every measured cell with its own load and server settings
@@ -378,6 +396,12 @@ def validate_here(
         if probe is not None:
             probe.engine.close()
     windows = {(w["mode"], w["sessions"]): w["epoch_s"] for w in measured["meta"].get("run_windows", [])}
+    sampled_ref = sampler.mean_between(*profile_window) if sampler is not None and profile_window else None
+    if sampler is not None:
+        for m in measured["runs"]:
+            w = windows.get((m["mode"], m["sessions"]))
+            m["speed_sampled_ms"] = sampler.mean_between(*w) if w else None
+        measured["meta"]["speed_sampled_profile_ms"] = sampled_ref
     predicted = []
     for m in measured["runs"]:
         window = windows.get((m["mode"], m["sessions"]))
@@ -393,6 +417,9 @@ def validate_here(
         )
         # the machine's speed around the run against the profile's: printed, not applied (docs/capacity.md: a few
         # seconds of probing around a 25 s run on this machine were noise as often as signal)
+        predicted[-1]["speed_sampled"] = (
+            m["speed_sampled_ms"] / sampled_ref if m.get("speed_sampled_ms") and sampled_ref else None
+        )
         predicted[-1]["speed_probe"] = (
             float(np.median(m["speed_probe_ms"])) / probe_ref if m.get("speed_probe_ms") and probe_ref else None
         )
@@ -431,6 +458,7 @@ def validate_here(
         "cells": rows,
         "within": ok,
         "tolerance": TOLERANCE,
+        "speed_sampled_profile_ms": sampled_ref,
         "predicted": predicted,
         "measured": measured["runs"],
         "trace": str(path),

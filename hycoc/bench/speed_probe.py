@@ -18,6 +18,7 @@ Vidur (MLSys 2024) profiles once on a dedicated GPU, where this term is 1; here 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -40,9 +41,10 @@ class SpeedProbe:
         self.engine, self.request = engine, request
         self.rounds, self.repeats = max(1, rounds), max(1, repeats)
 
-    def _one(self, pause_ms: float = 0.0) -> list[float]:
+    def _one(self, pause_ms: float = 0.0, on_step=None) -> list[float]:
         """One replay: open, prefill, the first rounds (each committing what it accepted), close; CPU ms each.
-        pause_ms: a sleep before each round (a device drafting while the worker idles)."""
+        pause_ms: a sleep before each round (a device drafting while the worker idles); on_step: called with each
+        step's CPU ms as it ends."""
         from hycoc.bench.capacity import TraceRequest
         from hycoc.bench.loadtrace import patch_root
         from hycoc.protocol import wire
@@ -76,6 +78,8 @@ class SpeedProbe:
                     raise RuntimeError(f"the speed probe's round {seq} failed: {reply}")
                 wire.encode(reply, version=s.wire_version)
                 out.append((time.thread_time() - c0) * 1e3)
+                if on_step is not None:
+                    on_step(out[-1])
                 replay.commit([int(toks[j]) for j in reply.path_rows] + [int(reply.bonus)])
             return out
         finally:
@@ -102,4 +106,93 @@ def open_probe(recipe, request) -> SpeedProbe:
     return probe
 
 
-__all__ = ["PROBE_REPEATS", "PROBE_ROUNDS", "SpeedProbe", "open_probe"]
+#: Seconds between a `SpeedSampler`'s probe steps: a ~15 ms step every 0.25 s, ~6% of one core.
+SAMPLE_INTERVAL_S = 0.25
+
+
+def _sample_main(recipe_path: str, trace_path: str, config: str, question_id: int, out: str, interval_s: float):
+    """The sampler process: the probe's steps, one every ``interval_s``, forever; each as a line "epoch_s cpu_ms"
+    appended to ``out`` (flushed)."""
+    from hycoc.bench.loadtrace import load_trace
+    from hycoc.recipe import load_recipe
+
+    trace = load_trace(trace_path)
+    req = next(r for r in trace.requests if r.config == config and r.question_id == question_id)
+    probe = open_probe(load_recipe(recipe_path), req)
+    with open(out, "a", encoding="utf-8") as f:
+
+        def write(ms: float) -> None:
+            f.write(f"{time.time():.4f} {ms:.4f}\n")
+            f.flush()
+
+        while True:
+            probe._one(interval_s * 1e3, write)
+
+
+class SpeedSampler:
+    """The speed probe's steps sampled through a stretch of time by a separate process (``python -m
+    hycoc.bench.speed_probe``: no GIL shared with the caller), one step every ``interval_s`` (`SAMPLE_INTERVAL_S`),
+    each written with its time: `mean_between` then gives the machine's speed over any window (a profile, a
+    load-test run) as the mean CPU ms of the probe's steps inside it. Steps follow an idle pause, so they are cold
+    steps (the idle factor's kind) in every window alike. Use as a context manager; raises RuntimeError when the
+    process dies before its first sample."""
+
+    def __init__(self, recipe_path, trace_path, request, out: Path, *, interval_s: float = SAMPLE_INTERVAL_S):
+        self.args = (str(recipe_path), str(trace_path), request.config, int(request.question_id), str(out))
+        self.out, self.interval_s, self.proc = Path(out), interval_s, None
+
+    def __enter__(self) -> SpeedSampler:
+        import subprocess
+        import sys
+
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text("", encoding="utf-8")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hycoc.bench.speed_probe", *map(str, self.args), str(self.interval_s)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+        deadline = time.time() + 120.0
+        while not self.samples():
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.__exit__(None, None, None)
+                raise RuntimeError("the speed sampler process gave no sample (hycoc.bench.speed_probe); report this")
+            time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except Exception:  # noqa: BLE001 -- a sampler that will not stop is killed, never left behind
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+    def samples(self) -> list[tuple[float, float]]:
+        """(epoch s, CPU ms) of every probe step so far."""
+        try:
+            lines = self.out.read_text(encoding="utf-8").splitlines()
+        except OSError:
+            return []
+        out = []
+        for line in lines:
+            parts = line.split()
+            if len(parts) == 2:
+                out.append((float(parts[0]), float(parts[1])))
+        return out
+
+    def mean_between(self, t0: float, t1: float, least: int = 10) -> float | None:
+        """Mean CPU ms of the probe steps that ended in [t0, t1] (epoch s); None with fewer than ``least``."""
+        got = [ms for t, ms in self.samples() if t0 <= t <= t1]
+        return float(np.mean(got)) if len(got) >= least else None
+
+
+__all__ = ["PROBE_REPEATS", "PROBE_ROUNDS", "SAMPLE_INTERVAL_S", "SpeedProbe", "SpeedSampler", "open_probe"]
+
+
+if __name__ == "__main__":  # the sampler process (SpeedSampler): RECIPE TRACE CONFIG QUESTION_ID OUT INTERVAL_S
+    import sys
+
+    _sample_main(*sys.argv[1:4], int(sys.argv[4]), sys.argv[5], float(sys.argv[6]))
