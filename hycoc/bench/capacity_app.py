@@ -5,6 +5,7 @@ paper's figures, paper MAT and device figures, over LTE and 5G and drafting x0.7
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -155,7 +156,16 @@ def _capacity_rows(make, base: SimConfig, cost, target: float, config: str, mode
     }, [dict(r, config=config, variant=variant) for r in tried]
 
 
-def run_local(
+def run_local(*args, **kwargs) -> dict:
+    """The toy flow (module docstring). Prints the tables, writes OUT/capacity.json and OUT/p90_vs_devices.png;
+    returns the document. validate_sessions / validate_modes: the measured cells of ``validate`` (default the
+    issue's 12); validate_only: stop after the check (no sweep, no plot)."""
+    with contextlib.ExitStack() as stack:  # the speed sampler's process stops however the run ends
+        return _run_local(stack, *args, **kwargs)
+
+
+def _run_local(
+    stack,
     cfg,
     recipe_path: Path,
     configs,
@@ -181,9 +191,7 @@ def run_local(
     validate_modes=VALIDATE_MODES,
     validate_only: bool = False,
 ) -> dict:
-    """The toy flow (module docstring). Prints the tables, writes OUT/capacity.json and OUT/p90_vs_devices.png;
-    returns the document. validate_sessions / validate_modes: the measured cells of ``validate`` (default the
-    issue's 12); validate_only: stop after the check (no sweep, no plot)."""
+    """`run_local` with ``stack`` (a `contextlib.ExitStack`) holding what must stop at its end."""
     from hycoc.bench.capacity_cost import cached_step_cost, model_step_cost
     from hycoc.bench.cost_model import load_cost_model
     from hycoc.bench.datasets import load_spec_bench
@@ -194,7 +202,7 @@ def run_local(
     from hycoc.bench.tables import print_tables
 
     console = make_console()
-    sampler, profile_window = None, None
+    speed, profile_window = None, None
     bundle_dir = bench_bundle(cfg, recipe_path, bundle, repo_root, command="capacity", say=console.print)
     questions = load_spec_bench(cfg.resolve_path(cfg.bench.dataset) or dataset)[:prompts]
     temperature = 0.0 if "budgeted" in modes and cfg.sampling.temperature > 0 else None
@@ -215,9 +223,14 @@ def run_local(
 
             from hycoc.bench.speed_probe import SpeedSampler
 
-            sampler = SpeedSampler(
-                recipe_path, hyco_path, hyco.requests[0], Path(tempfile.mkdtemp(prefix="hycoc-speed-")) / "speed.txt"
-            ).__enter__()
+            speed = stack.enter_context(
+                SpeedSampler(
+                    recipe_path,
+                    hyco_path,
+                    hyco.requests[0],
+                    Path(tempfile.mkdtemp(prefix="hycoc-speed-")) / "speed.txt",
+                )
+            )
         profile_t0 = time.time()
         cost = cached_step_cost(
             cfg,
@@ -280,11 +293,9 @@ def run_local(
             console,
             sessions=validate_sessions,
             modes=validate_modes,
-            sampler=sampler,
+            speed=speed,
             profile_window=profile_window,
         )
-        if sampler is not None:
-            sampler.__exit__(None, None, None)
         if validate_only:
             path = write_document(out, doc)
             console.print(f"wrote {path}")
@@ -355,7 +366,7 @@ def validate_here(
     *,
     sessions=VALIDATE_SESSIONS,
     modes=VALIDATE_MODES,
-    sampler=None,
+    speed=None,
     profile_window=None,
 ) -> dict:
     """Run `hycoc loadtest` (hyco; ``sessions`` x ``modes``, by default 1, 4, 16, 64 x serial, batched, budgeted;
@@ -396,11 +407,11 @@ def validate_here(
         if probe is not None:
             probe.engine.close()
     windows = {(w["mode"], w["sessions"]): w["epoch_s"] for w in measured["meta"].get("run_windows", [])}
-    sampled_ref = sampler.mean_between(*profile_window) if sampler is not None and profile_window else None
-    if sampler is not None:
+    sampled_ref = speed.mean_between(*profile_window) if speed is not None and profile_window else None
+    if speed is not None:
         for m in measured["runs"]:
             w = windows.get((m["mode"], m["sessions"]))
-            m["speed_sampled_ms"] = sampler.mean_between(*w) if w else None
+            m["speed_sampled_ms"] = speed.mean_between(*w) if w else None
         measured["meta"]["speed_sampled_profile_ms"] = sampled_ref
     predicted = []
     for m in measured["runs"]:

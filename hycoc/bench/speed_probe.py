@@ -111,21 +111,24 @@ SAMPLE_INTERVAL_S = 0.25
 
 
 def _sample_main(recipe_path: str, trace_path: str, config: str, question_id: int, out: str, interval_s: float):
-    """The sampler process: the probe's steps, one every ``interval_s``, forever; each as a line "epoch_s cpu_ms"
-    appended to ``out`` (flushed)."""
+    """The sampler process: the probe's steps, one every ``interval_s``, until stopped or its parent process ends;
+    each as a line "epoch_s cpu_ms" appended to ``out`` (flushed)."""
     from hycoc.bench.loadtrace import load_trace
     from hycoc.recipe import load_recipe
 
     trace = load_trace(trace_path)
     req = next(r for r in trace.requests if r.config == config and r.question_id == question_id)
     probe = open_probe(load_recipe(recipe_path), req)
+    import os
+
+    parent = os.getppid()
     with open(out, "a", encoding="utf-8") as f:
 
         def write(ms: float) -> None:
             f.write(f"{time.time():.4f} {ms:.4f}\n")
             f.flush()
 
-        while True:
+        while os.getppid() == parent:  # the caller gone (its process ended without stopping us): stop
             probe._one(interval_s * 1e3, write)
 
 
