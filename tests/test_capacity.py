@@ -407,7 +407,7 @@ def test_validation_rows_carry_what_validate_prints():
     cfg = SimConfig(mode="serial", devices=1, duration_s=1.0, client_ms=3.0)
     row = summarize("serial", cfg, simulate(synthetic(2, 30.0), cfg, FixedCost(a=10.0)))
     row["loadavg"] = [1.0, 1.0, 1.0, 1.2, 1.0, 1.0]
-    (cell,) = validation_rows([row], [dict(row, slowdown=1.0, speed_probe=0.85)], 0.2)
+    (cell,) = validation_rows([row], [dict(row, slowdown=1.0, cpu_scale=0.85)], 0.2)
     assert cell["measured_outside_ms"] == cell["predicted_outside_ms"] == pytest.approx(outside_ms(row))
     assert cell["measured_outside_ms"] == pytest.approx(3.0) and cell["ok"]
     printed = validation_table([cell], 0.2).rows[0]

@@ -260,7 +260,8 @@ class SimConfig:
     the measured sequence of (slowdown, CPU ns) intervals of the run, each step replayed through it from a seeded
     random point (`_Replica._wall_ms`): the machine's bursts, so the latency tail is the measured one;
     cpu_scale: every step's CPU ms (forward, host work, prefill) x this: the machine's CPU speed in the run against
-    the profile's, a `hycoc.bench.speed_probe.SpeedProbe` timed then and now (1: the profile's speed);
+    the profile's: a `hycoc.bench.speed_probe.SpeedSampler`'s mean probe step in the run / in the profile (1: the
+    profile's speed);
     row_cost / free_rows:
     the budget's line and free rows when known from the server (its /healthz), else the cost's own line."""
 

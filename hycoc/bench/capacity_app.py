@@ -243,16 +243,20 @@ def _run_local(
         )
         profile_window = (profile_t0, time.time())
     console.print(f"step cost: {cost.label}")
-    meta = getattr(cost, "meta", None) or {}
-    if meta.get("probe_ms"):
-        each = meta.get("probe_each_ms") or [0.0]
+    if getattr(cost, "idle_factor", 1.0) != 1.0:
+        meta = getattr(cost, "meta", None) or {}
         console.print(
-            f"speed probe (a fixed replay, hycoc.bench.speed_probe): median {meta['probe_ms']:.1f} ms a step of "
-            f"{len(each)} probes while the grid was timed "
-            f"({min(each):.1f}-{max(each):.1f}); a step after the "
-            f"worker idled {meta.get('idle_pause_ms', 0):.0f} ms: x{cost.idle_factor:.3f} (measured)",
+            f"a step after the worker idled {meta.get('idle_pause_ms', 0):.0f} ms: x{cost.idle_factor:.3f} its "
+            "back-to-back CPU ms (measured, hycoc.bench.speed_probe)",
             markup=False,
         )
+    if profile_window is not None and speed is not None:
+        ref = speed.mean_between(*profile_window)
+        if ref is not None:
+            console.print(
+                f"machine speed while the profile was timed: the speed sampler's probe steps {ref:.1f} ms on average",
+                markup=False,
+            )
     h = cost.overhead()
     if cost.host:
         console.print(
@@ -379,33 +383,20 @@ def validate_here(
     configs = ["hyco"]
     temperature = 0.0 if cfg.sampling.temperature > 0 else None
     trace, path = trace_for(cfg, bundle_dir, configs, questions, temperature, repo_root, console)
-    probe_ref = (getattr(cost, "meta", None) or {}).get("probe_ms")
-    probe = None
-    if probe_ref:  # the machine's speed around each run against the profile's (hycoc.bench.speed_probe): shown
-        from hycoc.bench.speed_probe import open_probe
-
-        want = cost.meta.get("probe_request")
-        hyco = trace.for_config("hyco")
-        probe = open_probe(cfg, next((r for r in hyco if r.question_id == want), hyco[0]))
     load0 = os.getloadavg()
-    try:
-        with SchedSampler() as sampler:
-            measured = run_loadtest(
-                trace,
-                configs,
-                list(sessions),
-                duration,
-                list(modes),
-                Path(out) / "loadtest",
-                recipe_path=recipe_path,
-                keep_set=bundle_dir / "keep_set.npy",
-                console=console,
-                meta={"recipe": str(recipe_path), "trace": str(path)},
-                probe=probe.measure if probe is not None else None,
-            )
-    finally:
-        if probe is not None:
-            probe.engine.close()
+    with SchedSampler() as sampler:
+        measured = run_loadtest(
+            trace,
+            configs,
+            list(sessions),
+            duration,
+            list(modes),
+            Path(out) / "loadtest",
+            recipe_path=recipe_path,
+            keep_set=bundle_dir / "keep_set.npy",
+            console=console,
+            meta={"recipe": str(recipe_path), "trace": str(path)},
+        )
     windows = {(w["mode"], w["sessions"]): w["epoch_s"] for w in measured["meta"].get("run_windows", [])}
     sampled_ref = speed.mean_between(*profile_window) if speed is not None and profile_window else None
     if speed is not None:
@@ -417,6 +408,9 @@ def validate_here(
     for m in measured["runs"]:
         window = windows.get((m["mode"], m["sessions"]))
         contention = sampler.contention(*window) if window else None
+        # the machine's CPU speed through the run against the profile's (the speed sampler's mean probe step in
+        # each window): the run's steps are simulated at that ratio (docs/capacity.md "What is simulated")
+        scale = m["speed_sampled_ms"] / sampled_ref if m.get("speed_sampled_ms") and sampled_ref else 1.0
         predicted.append(
             predicted_for(
                 m,
@@ -424,15 +418,8 @@ def validate_here(
                 cost,
                 measured["meta"],
                 contention=contention,
+                cpu_scale=scale,
             )
-        )
-        # the machine's speed around the run against the profile's: printed, not applied (docs/capacity.md: a few
-        # seconds of probing around a 25 s run on this machine were noise as often as signal)
-        predicted[-1]["speed_sampled"] = (
-            m["speed_sampled_ms"] / sampled_ref if m.get("speed_sampled_ms") and sampled_ref else None
-        )
-        predicted[-1]["speed_probe"] = (
-            float(np.median(m["speed_probe_ms"])) / probe_ref if m.get("speed_probe_ms") and probe_ref else None
         )
     load1 = os.getloadavg()
     rows = validation_rows(measured["runs"], predicted, TOLERANCE)
@@ -459,9 +446,8 @@ def validate_here(
         "-> after the run; (CPU x): how much longer a CPU ms of the verifier took in that run, from its threads' "
         "/proc schedstat (on-CPU + waiting) / on-CPU, by which the simulation stretches the step cost; worker "
         "CPU ms/round: the busiest server thread's on-CPU ms (schedstat) per round the server answered, prefills "
-        "included, against the simulated steps' CPU ms per round; CPU speed (probe; shown): a fixed replay's CPU "
-        "ms twice before and twice after the run against the profile's, printed beside the cell and not applied: "
-        "where the worker CPU column differs, it says whether the machine's speed moved)"
+        "included, against the simulated steps' CPU ms per round; CPU speed (sampled): the speed sampler's mean "
+        "probe step during the run / during the profile, by which the run's steps are simulated)"
     )
     return {
         "loadavg_before": list(load0),
@@ -469,7 +455,7 @@ def validate_here(
         "cells": rows,
         "within": ok,
         "tolerance": TOLERANCE,
-        "speed_sampled_profile_ms": sampled_ref,
+        "speed_sampled_profile_ms": sampled_ref,  # the profile's mean probe step (the cpu_scale reference)
         "predicted": predicted,
         "measured": measured["runs"],
         "trace": str(path),

@@ -359,15 +359,12 @@ def measure_step_cost(
     groups = {n: open_sessions(n, "device") for n in sessions}
     timed: dict[tuple[int, int], list[tuple[float, float, list[float]]]] = {(n, r): [] for n in sessions for r in rows}
     probe = SpeedProbe(engine, replay[0]) if replay else None
-    probe_ms: list[float] = []
     if probe is not None:
         probe.measure()  # a warm-up: the first replay on a fresh engine costs more
     for k in range(passes):  # the grid walked in turn: each point's steps spread over the whole measurement
         for n in sessions:
             for r in rows:
                 timed[(n, r)].append(time_step(groups[n], r, warmup=k == 0))
-            if probe is not None:  # the machine's speed while the grid was timed (hycoc.bench.speed_probe)
-                probe_ms.append(probe.measure())
     for n in sessions:
         for r in rows:
             each = [w for _, _, ws, _ in timed[(n, r)] for w in ws]
@@ -464,8 +461,6 @@ def measure_step_cost(
         if replay_ms
         else "repeats of each grid point",
         "replay_step_ms": round(float(np.mean(replay_ms)), 3) if replay_ms else None,
-        "probe_ms": round(float(np.median(probe_ms)), 3) if probe_ms else None,
-        "probe_each_ms": [round(x, 3) for x in probe_ms],
         "probe_request": replay[0].question_id if replay else None,
         "idle_pause_ms": round(gap, 3),
         "probe_back_to_back_vs_paused_ms": [[round(a, 3), round(b, 3)] for a, b in pause_ab],
@@ -509,7 +504,7 @@ def cached_step_cost(
     if path.is_file() and not remeasure:
         cost = MeasuredStepCost.load(path)
         fresh = cost.spread and cost.meta.get("passes")  # files before the spread or the interleaved grid: again
-        fresh = fresh and (cost.meta.get("probe_ms") or not replay)  # ... or the speed probe and idle factor
+        fresh = fresh and (cost.meta.get("idle_pause_ms") is not None or not replay)  # ... or the idle factor
         if (cost.host or not want_host) and fresh:
             return cost
     cost = measure_step_cost(recipe, replay=replay, log=log)

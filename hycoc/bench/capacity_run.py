@@ -405,7 +405,7 @@ def validation_rows(measured_rows: list[dict], predicted_rows: list[dict], tol: 
                 "ok": within(pt, mt, tol) and within(pl, ml, tol),
                 "loadavg": m.get("loadavg"),
                 "slowdown": p.get("slowdown"),
-                "speed_probe": p.get("speed_probe"),  # printed beside the cell, not applied (cpu_scale 1)
+                "cpu_scale": p.get("cpu_scale"),  # the run's sampled CPU speed against the profile's (applied)
                 "measured_rows_per_forward": m.get("rows_per_forward"),
                 "predicted_rows_per_forward": p.get("rows_per_forward"),
                 # the busiest server thread's CPU (schedstat) per round the server answered vs the step cost's
@@ -449,7 +449,7 @@ def validation_table(rows: list[dict], tol: float):
                 num(r.get("measured_cpu_ms_per_round")) + " / " + num(r.get("predicted_cpu_ms_per_round")),
                 (f"{load[0]:.1f}->{load[3]:.1f}" if len(load) >= 4 else "n/a")
                 + ("" if r.get("slowdown") is None else f" (x{r['slowdown']:.1f})"),
-                "n/a" if r.get("speed_probe") is None else f"x{r['speed_probe']:.2f}",
+                "n/a" if r.get("cpu_scale") is None else f"x{r['cpu_scale']:.2f}",
                 "yes" if r["ok"] else "NO",
             ]
         )
@@ -466,7 +466,7 @@ def validation_table(rows: list[dict], tol: float):
         "rows/fwd pred.",
         "worker CPU ms/round meas. / pred.",
         "load (CPU x)",
-        "CPU speed (probe; shown)",
+        "CPU speed (sampled)",
         f"both within {100 * tol:.0f}%",
     ]
     return TextTable(

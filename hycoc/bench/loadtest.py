@@ -506,8 +506,9 @@ def run_loadtest(
     labelled with is the one the server reports in /healthz (`server_mode`), and a server that reports another
     mode than asked is an error (modes None with ``server_url``: whatever it reports). Each server first serves
     one device for ``warmup_s`` seconds, not measured. probe: called twice right before and twice right after every
-    run (with no run going); its four values go in the row as ``speed_probe_ms`` (`hycoc capacity --validate`
-    times its `hycoc.bench.speed_probe.SpeedProbe` there). Raises LoadTestError (server, mode), TraceError (config)."""
+    run (with no run going); its four values go in the row as ``speed_probe_ms`` (e.g. a
+    `hycoc.bench.speed_probe.SpeedProbe`'s ``measure``: the machine's speed on either side of the run). Raises
+    LoadTestError (server, mode), TraceError (config)."""
     from hycoc import progress
     from hycoc.bench.loadreport import (
         GPU_FLAT_ROWS,
