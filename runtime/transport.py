@@ -14,8 +14,9 @@ Every failure ends in a `TransportError` subclass whose message is one line nami
     ConnectionDropped   the connection closed while a request was waiting for its answer
     ProtocolMismatch    the server speaks another protocol version (its frames, or its ``unsupported_version`` error)
 
-The client speaks protocol version 5 (`hycoc.protocol.wire.PROTOCOL_VERSION`: ROUND carries the rows' scores,
-REPLY may name the verified rows, APPEND keeps a prefix of the re-rendered conversation) and takes only answers in
+The client speaks protocol version 6 (`hycoc.protocol.wire.PROTOCOL_VERSION`: ROUND carries the rows' scores,
+REPLY may name the verified rows and carries the next round's allowance, APPEND keeps a prefix of the re-rendered
+conversation) and takes only answers in
 that version (a server answers a session in its
 OPEN's version; one that answers in another is a ProtocolMismatch).
     RequestTimeout      no answer within ``timeout_s`` (the connection is closed: its session is gone)

@@ -64,6 +64,7 @@ def reply(rows: int = 5, path=(1, 3), with_handoff: bool = True, chain=(), n_pos
         finished=False,
         handoff=ho,
         chain=np.array(chain, np.int32),
+        allowance=rows,
     )
 
 
@@ -172,7 +173,8 @@ REPLY_AT = dict(
     n_path=16,
     n_chain=18,
     has_verified=20,
-    samples=21,
+    allowance=21,
+    samples=23,
 )
 
 
@@ -349,7 +351,7 @@ def test_gemma4_first_reply_frame():
     m = RoundReply(0, samples, np.zeros(0, np.int32), 0, 850.0, handoff=ho)
     data = wire.encode(m)
     ho_bytes = wire.handoff_nbytes(GEMMA_H, GEMMA_DS, GEMMA_DF, 1024)
-    assert len(data) == wire.reply_nbytes(33, 0, 0, ho_bytes) == 16 + 21 + 132 + 12 + 6_297_132
+    assert len(data) == wire.reply_nbytes(33, 0, 0, ho_bytes) == 16 + 23 + 132 + 12 + 6_297_132
     limits = wire.Limits(
         vocab_size=262_144,
         tree_rows=33,
@@ -376,12 +378,12 @@ def test_handoff_block_layout_is_exact():
 
 def test_reply_bytes_without_handoff():
     m = reply(rows=33, path=(1, 2, 3), with_handoff=False, chain=(1, 2, 3, 4))
-    assert len(wire.encode(m)) == wire.reply_nbytes(33, 3, 4) == 16 + 21 + 132 + 6 + 16
+    assert len(wire.encode(m)) == wire.reply_nbytes(33, 3, 4) == 16 + 23 + 132 + 6 + 16
     kept = np.ones(33, bool)
     kept[20:] = False  # 33 rows: a mask of 5 bytes
     m = replace(m, verified=kept)
-    assert len(wire.encode(m)) == wire.reply_nbytes(33, 3, 4, verified=True) == 16 + 21 + 132 + 6 + 16 + 5
-    assert (wire.reply_nbytes(33, 0), wire.reply_nbytes(33, 0, verified=True)) == (169, 174)
+    assert len(wire.encode(m)) == wire.reply_nbytes(33, 3, 4, verified=True) == 16 + 23 + 132 + 6 + 16 + 5
+    assert (wire.reply_nbytes(33, 0), wire.reply_nbytes(33, 0, verified=True)) == (171, 176)
 
 
 # ------------------------------------------------------------------------------------------------ header checks
@@ -392,26 +394,26 @@ def test_bad_magic():
 
 
 def test_unsupported_version_names_the_supported_one_and_the_fix():
-    assert wire.PROTOCOL_VERSION == 5  # conversations re-rendered by the template: APPEND keep/keep_crc/anchor
-    assert wire.SUPPORTED_VERSIONS == (5,)
-    for other in (0, 2, 3, 4, 6, 65535):
+    assert wire.PROTOCOL_VERSION == 6  # the REPLY's allowance (5: conversations re-rendered by the template)
+    assert wire.SUPPORTED_VERSIONS == (6,)
+    for other in (0, 2, 3, 4, 5, 7, 65535):
         data = frame(wire.MessageType.CLOSE, bytes(8), version=other)
         err = fails(
             "unsupported_version",
             data,
             None,
             f"frame speaks protocol version {other}: ",
-            "this side speaks version(s) 5; ",
+            "this side speaks version(s) 6; ",
         )
         assert err.message.endswith(wire.OLD_VERSION_FIX)
-        with pytest.raises(wire.UnsupportedVersion, match="version\\(s\\) 5"):
+        with pytest.raises(wire.UnsupportedVersion, match="version\\(s\\) 6"):
             wire.frame_version(data)
     assert "hycoc build RECIPE" in wire.OLD_VERSION_FIX  # the fix names the command that rebuilds a bundle
-    for other in (2, 3, 4):
+    for other in (2, 3, 4, 5):
         with pytest.raises(wire.UnsupportedVersion) as info:
             wire.encode(Close(1), version=other)
         assert info.value.message == (
-            f"protocol version {other}: this side speaks version(s) 5; " + wire.OLD_VERSION_FIX
+            f"protocol version {other}: this side speaks version(s) 6; " + wire.OLD_VERSION_FIX
         )
         with pytest.raises(wire.UnsupportedVersion):
             wire.tree_nbytes(33, version=other)
@@ -492,7 +494,28 @@ def test_negative_token_id():
 
 
 def test_wrong_row_count_names_expected_and_got():
-    fails("wrong_row_count", wire.encode(chain_tree(4)), LIMITS, "4 rows", "expected 5")
+    fails("wrong_row_count", wire.encode(chain_tree(6)), LIMITS, "6 rows", "at most 5")
+
+
+def test_a_tree_under_an_allowance_may_hold_fewer_rows_than_tree_rows():
+    """Protocol 6: a ROUND drafted under a smaller allowance has fewer rows than OPENED's tree_rows (B + 1); the
+    wire takes any 1 <= R <= tree_rows (the session's allowance is the verifier's check: over_allowance)."""
+    for rows in (1, 2, 4):
+        got = wire.decode(wire.encode(chain_tree(rows)), LIMITS)
+        assert len(got.tokens) == rows
+
+
+def test_reply_allowance_round_trip_and_offset():
+    m = replace(reply(rows=5, path=(1,), with_handoff=False), allowance=3)
+    data = wire.encode(m)
+    assert struct.unpack_from("<H", data, wire.HEADER.size + REPLY_AT["allowance"]) == (3,)
+    assert wire.decode(data, LIMITS).allowance == 3
+    assert wire.decode(wire.encode(replace(m, allowance=5)), LIMITS).allowance == 5
+    fails("out_of_range", wire.encode(replace(m, allowance=6)), LIMITS, "allowance = 6", "[1, 5]")
+    with pytest.raises(wire.OutOfRange, match="allowance = 0"):  # below the root: refused by encode too
+        wire.encode(replace(m, allowance=0))
+    finished = replace(m, allowance=0, finished=True, finish_reason="stop")
+    assert wire.decode(wire.encode(finished), LIMITS).allowance == 0  # a finished reply grants nothing
 
 
 def test_empty_tree():
@@ -648,7 +671,7 @@ def test_reply_finish_reason_without_finished_is_refused():
 
 
 def test_reply_wrong_sample_rows():
-    fails("wrong_row_count", wire.encode(reply(rows=6)), LIMITS, "6 rows", "expected 5")
+    fails("wrong_row_count", wire.encode(reply(rows=6)), LIMITS, "6 rows", "at most 5")
 
 
 def test_reply_sample_outside_vocabulary():
@@ -952,7 +975,7 @@ def test_round_without_scores_and_its_layout():
     assert wire.encode(TREE5) == raw_tree(
         TREE5.tokens, TREE5.parents, seq=9, scores=np.maximum(TREE5.scores, wire.FP16_SCORE_FLOOR)
     )
-    assert wire.frame_version(wire.encode(TREE5)) == 5
+    assert wire.frame_version(wire.encode(TREE5)) == 6
 
 
 def test_fp16_rounding_keeps_scores_monotone():
@@ -965,8 +988,9 @@ def test_fp16_rounding_keeps_scores_monotone():
 
 
 def old_frames() -> dict[str, tuple[int, bytes]]:
-    """Frames of version-3 and -4 peers, written by hand in their own layouts (docs of those versions: OPEN's fixed
-    part of 38 B without anchor, APPEND's of 8 B (u32 max_new_tokens, u32 T), version 3's ROUND without has_scores)."""
+    """Frames of version-3, -4 and -5 peers, written by hand in their own layouts (docs of those versions: OPEN's
+    fixed part of 38 B without anchor, APPEND's of 8 B (u32 max_new_tokens, u32 T), version 3's ROUND without
+    has_scores; version 5's ROUND as version 6's, its REPLY 2 B shorter)."""
     prompt = struct.pack("<4i", 2, 10, 999, 0)
     open4 = struct.pack("<fIfQfBBHHII", 0.5, 64, 0.75, 5, 0.25, 1, 0, 0, 0, 256, 4) + prompt
     append4 = struct.pack("<II", 64, 2) + struct.pack("<2i", 5, 6)
@@ -979,11 +1003,13 @@ def old_frames() -> dict[str, tuple[int, bytes]]:
         "ROUND v3": (3, frame(wire.MessageType.ROUND, round3, version=3)),
         "ROUND v4": (4, frame(wire.MessageType.ROUND, round4, version=4)),
         "CLOSE v4": (4, frame(wire.MessageType.CLOSE, struct.pack("<Q", 5), version=4)),
+        "ROUND v5": (5, frame(wire.MessageType.ROUND, round4, version=5)),
+        "CLOSE v5": (5, frame(wire.MessageType.CLOSE, struct.pack("<Q", 5), version=5)),
     }
 
 
 @pytest.mark.parametrize("name", list(old_frames()))
-def test_version_3_and_4_frames_are_refused_naming_the_fix(name):
+def test_version_3_4_and_5_frames_are_refused_naming_the_fix(name):
     """An old peer's frame is refused from its header alone (before its payload is read) with unsupported_version,
     whose message names the fix (`wire.OLD_VERSION_FIX`), both by `decode` and by `frame_version`."""
     version, data = old_frames()[name]
@@ -991,25 +1017,25 @@ def test_version_3_and_4_frames_are_refused_naming_the_fix(name):
         "unsupported_version",
         data,
         None,
-        f"frame speaks protocol version {version}: this side speaks version(s) 5; {wire.OLD_VERSION_FIX}",
+        f"frame speaks protocol version {version}: this side speaks version(s) 6; {wire.OLD_VERSION_FIX}",
     )
     assert (
         err.message
-        == f"frame speaks protocol version {version}: this side speaks version(s) 5; " + wire.OLD_VERSION_FIX
+        == f"frame speaks protocol version {version}: this side speaks version(s) 6; " + wire.OLD_VERSION_FIX
     )
     fails("unsupported_version", data[: wire.HEADER.size], None, wire.OLD_VERSION_FIX)  # the header alone suffices
     with pytest.raises(wire.UnsupportedVersion):
         wire.frame_version(data[: wire.HEADER.size])
 
 
-def test_the_same_payload_under_a_version_5_header_is_read_in_the_version_5_layout():
-    """Only the header says which layout a payload has: the v4 OPEN's 38-byte fixed part under a v5 header is read
-    as a v5 OPEN (anchor = the first prompt id, the prompt one id short) and refused for its length."""
+def test_the_same_payload_under_a_version_6_header_is_read_in_the_version_6_layout():
+    """Only the header says which layout a payload has: the v4 OPEN's 38-byte fixed part under a v6 header is read
+    as a v6 OPEN (anchor = the first prompt id, the prompt one id short) and refused for its length."""
     _, data = old_frames()["OPEN v4"]
-    v5 = refresh_crc(data[:4] + struct.pack("<H", 5) + data[6:])
-    fails("length_mismatch", v5, None, "prompt_ids")
-    _, data = old_frames()["APPEND v4"]  # 8 + 8 bytes: shorter than v5's 20-byte fixed part
-    fails("length_mismatch", refresh_crc(data[:4] + struct.pack("<H", 5) + data[6:]), None, "APPEND", "fixed part")
+    v6 = refresh_crc(data[:4] + struct.pack("<H", 6) + data[6:])
+    fails("length_mismatch", v6, None, "prompt_ids")
+    _, data = old_frames()["APPEND v4"]  # 8 + 8 bytes: shorter than v6's 20-byte fixed part
+    fails("length_mismatch", refresh_crc(data[:4] + struct.pack("<H", 6) + data[6:]), None, "APPEND", "fixed part")
 
 
 def test_reply_verified_round_trip_and_mask_layout():
@@ -1079,13 +1105,13 @@ def test_reply_verified_errors():
 
 
 def test_frame_version_reads_the_header_only():
-    assert wire.frame_version(wire.encode(Close(1))[:16]) == 5  # no payload needed
-    assert wire.frame_version(wire.encode(Close(1), version=5)) == 5
+    assert wire.frame_version(wire.encode(Close(1))[:16]) == 6  # no payload needed
+    assert wire.frame_version(wire.encode(Close(1), version=6)) == 6
     with pytest.raises(wire.Truncated):
         wire.frame_version(b"HYCO")
     with pytest.raises(wire.BadMagic):
         wire.frame_version(frame(wire.MessageType.CLOSE, bytes(8), magic=b"HTTP"))
     with pytest.raises(wire.BadFlags):
         wire.frame_version(frame(wire.MessageType.CLOSE, bytes(8), flags=2))
-    assert wire.decode(wire.error_frame(wire.BadScores("x"), version=5)).code == "bad_scores"
-    assert wire.frame_version(wire.error_frame(wire.BadScores("x"))) == 5
+    assert wire.decode(wire.error_frame(wire.BadScores("x"), version=6)).code == "bad_scores"
+    assert wire.frame_version(wire.error_frame(wire.BadScores("x"))) == 6

@@ -98,11 +98,12 @@ def _check_tokens(ids: np.ndarray, field: str, vocab_size: int | None) -> None:
 
 def check_rows(rows: int, field: str, limits: Limits) -> None:
     """A tree's row count ``rows`` (ROUND rows, REPLY samples, OPENED tree_rows): 1 to MAX_TREE_ROWS (parents are
-    int16), and ``limits.tree_rows`` (B + 1 of the session) where known; raises WrongRowCount naming ``field``."""
+    int16), and at most ``limits.tree_rows`` (B + 1 of the session) where known (protocol 6: a tree drafted under
+    a smaller allowance has fewer rows); raises WrongRowCount naming ``field``."""
     if not 1 <= rows <= MAX_TREE_ROWS:
         raise WrongRowCount(f"{field} has {rows} rows: a tree has 1 to {MAX_TREE_ROWS} rows (B <= 32767)")
-    if limits.tree_rows is not None and rows != limits.tree_rows:
-        raise WrongRowCount(f"{field} has {rows} rows, expected {limits.tree_rows} (B + 1 of this session)")
+    if limits.tree_rows is not None and rows > limits.tree_rows:
+        raise WrongRowCount(f"{field} has {rows} rows, at most {limits.tree_rows} (B + 1 of this session)")
 
 
 def _check_open(m: OpenRequest, limits: Limits) -> None:
@@ -306,8 +307,25 @@ def _check_reply(m: RoundReply, limits: Limits) -> None:
             f"RoundReply.finish_reason = {m.finish_reason!r}: must be None, or one of "
             f"{', '.join(FINISH_REASONS)} on a finished reply"
         )
+    _check_allowance(m, limits)
     if m.handoff is not None:
         _check_handoff(m.handoff, limits, int(m.bonus))
+
+
+def _check_allowance(m: RoundReply, limits: Limits) -> None:
+    """REPLY's allowance (protocol 6): the rows the next ROUND may hold, from the root (1) to the session's tree_rows
+    where known; 0 (none) only on a finished reply, which has no next round."""
+    allowance = _uint(m.allowance, "RoundReply.allowance", 16)
+    if allowance == 0 and not m.finished:
+        raise OutOfRange(
+            "RoundReply.allowance = 0: an unfinished reply grants the next round at least its root (1 row); the "
+            "verifier sets it (hycoc.verifier.allowance)"
+        )
+    if limits.tree_rows is not None and allowance > limits.tree_rows:
+        raise OutOfRange(
+            f"RoundReply.allowance = {allowance}: must lie in [1, {limits.tree_rows}] (this session's tree_rows, "
+            "B + 1)"
+        )
 
 
 def _check_close(m: Close, limits: Limits) -> None:

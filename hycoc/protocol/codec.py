@@ -136,6 +136,7 @@ def _pack_reply(m: RoundReply, layout: Layout) -> bytes:
         n_path=path.size,
         n_chain=chain.size,
         has_verified=m.verified is not None,
+        allowance=m.allowance,
     )
     mask = b""
     if m.verified is not None:  # row j at byte j // 8, bit j % 8, LSB first; pad bits 0
@@ -389,7 +390,9 @@ def _unpack_reply(r: _Reader, limits: Limits, layout: Layout) -> RoundReply:
     chain = r.array("<i4", f.n_chain, "chain")
     verified = _unpack_mask(r, f.rows) if has_verified else None
     handoff = _unpack_handoff(r, limits, layout) if has_handoff else None
-    return RoundReply(f.seq, samples, path, f.bonus, f.server_ms, reason is not None, handoff, chain, reason, verified)
+    return RoundReply(
+        f.seq, samples, path, f.bonus, f.server_ms, reason is not None, handoff, chain, reason, verified, f.allowance
+    )
 
 
 def _unpack_mask(r: _Reader, rows: int) -> np.ndarray:

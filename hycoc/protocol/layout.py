@@ -29,12 +29,16 @@ if TYPE_CHECKING:
 #: what the session holds it keeps (keep, keep_crc) and where the new model turn opens (anchor, also in OPEN), and
 #: the chat contract names the template's sha256. A version-4 peer would append a turn to a conversation the
 #: template does not render, so older versions are refused (`OLD_VERSION_FIX`).
-PROTOCOL_VERSION = 5
+#: 6: REPLY carries the allowance (u16): the rows the session's next ROUND may hold, which the verifier sizes from
+#: its load (`hycoc.verifier.allowance`); a ROUND may hold fewer rows than OPENED's tree_rows. A version-5 device
+#: would draft whole trees past the allowance, so version 5 is refused.
+PROTOCOL_VERSION = 6
 #: What an older peer is told (the ``unsupported_version`` message's fix).
 OLD_VERSION_FIX = (
     "update hycoc on both sides and rebuild the device bundle with it (`hycoc build RECIPE`): "
-    "protocol 5 re-renders each conversation with the checkpoint's template (see the section "
-    "Conversations of docs/serving.md)"
+    "protocol 6 sizes each round's tree by the verifier's load (the allowance, docs/serving.md \"Tree "
+    "allowance\") and re-renders each conversation with the checkpoint's template (docs/serving.md "
+    "\"Conversations\")"
 )
 MAGIC = b"HYCO"
 #: magic, version u16, message type u8, flags u8, payload length u32, payload crc32 u32 (the same in every version).
@@ -116,8 +120,8 @@ _ERROR_V3 = FixedPart("<BH", ("code_len", "message_len"))
 
 #: version -> its layout: every version a receiver accepts (a session answers in its OPEN's version).
 LAYOUTS: dict[int, Layout] = {
-    5: Layout(
-        version=5,
+    6: Layout(
+        version=6,
         fixed={
             MessageType.OPEN: FixedPart(
                 "<fIfQfBBHHIII",
@@ -153,8 +157,19 @@ LAYOUTS: dict[int, Layout] = {
             ),
             MessageType.ROUND: FixedPart("<IHB", ("seq", "rows", "has_scores")),
             MessageType.REPLY: FixedPart(
-                "<IifBBHHHB",
-                ("seq", "bonus", "server_ms", "finished", "has_handoff", "rows", "n_path", "n_chain", "has_verified"),
+                "<IifBBHHHBH",
+                (
+                    "seq",
+                    "bonus",
+                    "server_ms",
+                    "finished",
+                    "has_handoff",
+                    "rows",
+                    "n_path",
+                    "n_chain",
+                    "has_verified",
+                    "allowance",
+                ),
             ),
             MessageType.CLOSE: FixedPart("<Q", ("session_id",)),
             MessageType.ERROR: _ERROR_V3,
@@ -172,7 +187,7 @@ SUPPORTED_VERSIONS = tuple(sorted(LAYOUTS))
 #: Older versions whose ERROR payload a current sender can still write: version -> that ERROR's fixed part. An
 #: older peer's refusal is answered in its own version (`hycoc.protocol.codec.error_frame`), so it reads the code
 #: and `OLD_VERSION_FIX` instead of failing on the header.
-LEGACY_ERROR_LAYOUTS: dict[int, FixedPart] = {3: _ERROR_V3, 4: _ERROR_V3}
+LEGACY_ERROR_LAYOUTS: dict[int, FixedPart] = {3: _ERROR_V3, 4: _ERROR_V3, 5: _ERROR_V3}
 #: Older versions whose ERROR frame has this version's layout (the keys of `LEGACY_ERROR_LAYOUTS`).
 LEGACY_ERROR_VERSIONS = tuple(sorted(LEGACY_ERROR_LAYOUTS))
 #: The hand-off block's fixed part (44 B) in the current version.
@@ -199,8 +214,8 @@ class Limits:
     """What the receiver knows; `decode` checks every field it can against it. None leaves a check out.
 
     max_frame_bytes: header + payload, checked from the header before the payload is read.
-    vocab_size: token ids must lie in [0, vocab_size). tree_rows: rows of every ROUND and samples of every
-    REPLY (B + 1). max_context: positions the verifier holds (prompt length, t', hand-off rows).
+    vocab_size: token ids must lie in [0, vocab_size). tree_rows: the most rows of any ROUND and samples of any
+    REPLY of the session (B + 1), and the most a REPLY's allowance may grant. max_context: positions the verifier holds (prompt length, t', hand-off rows).
     hidden_size, kv_dim_sliding, kv_dim_full: the hand-off sizes (and, on OPENED, the server's config).
     """
 

@@ -185,6 +185,10 @@ class RoundReply:
     not verified is never on the path, and its sample echoes its own token (so "child == sample" alone could
     walk into it: the device walks verified rows only, `hycoc.runtime.tree_builder.walk_reply`). The wire carries
     it as a bitmask (`hycoc.protocol.wire`).
+    allowance: the rows (root included) the session's next DraftTree may hold, set by the verifier from its load
+    (protocol 6; `hycoc.verifier.allowance`): in [1, Opened.tree_rows]; 0 in memory only, meaning no allowance
+    was set (every row up to tree_rows allowed). The device drafts at most this many rows (docs/serving.md
+    "Tree allowance").
     """
 
     seq: int
@@ -197,6 +201,7 @@ class RoundReply:
     chain: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     finish_reason: str | None = None
     verified: np.ndarray | None = None
+    allowance: int = 0
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,15 @@ Frame = 16-byte header + payload, every integer and float little-endian::
 
     offset size  field
     0      4     magic b"HYCO"
-    4      2     protocol version, u16 (PROTOCOL_VERSION = 5, the only one accepted: SUPPORTED_VERSIONS)
+    4      2     protocol version, u16 (PROTOCOL_VERSION = 6, the only one accepted: SUPPORTED_VERSIONS)
     6      1     message type, u8 (MessageType)
     7      1     flags, u8: reserved, must be 0 (the crc does not cover the header, so no meaning rides here)
     8      4     payload length in bytes, u32
     12     4     crc32 (zlib) of the payload, u32
 
-Versions. A receiver accepts every version of SUPPORTED_VERSIONS (5 only: version 5 changed what a conversation
-is, so an older peer is refused at its first frame with ``unsupported_version`` naming the fix); a session speaks
+Versions. A receiver accepts every version of SUPPORTED_VERSIONS (6 only: version 6 lets the verifier size each
+round's tree (the REPLY's allowance) and version 5 changed what a conversation is, so an older peer is refused at
+its first frame with ``unsupported_version`` naming the fix); a session speaks
 the version of its OPEN frame and its peer answers every frame of it in that version (`frame_version` reads it,
 `encode(msg, version=v)` writes it).
 
@@ -34,19 +35,21 @@ Payloads (R = tree rows = B + 1, P = accepted path length, K = chain length, T =
             device's chat contract, utf-8 JSON (chat_len 0 = none). Total frame: `open_nbytes`.
     OPENED  42 B: u64 session_id, u32 t, f32 prefill_ms, u32 max_context, u32 tree_rows, u32 vocab_size,
             u32 hidden_size, u32 kv_dim_sliding, u32 kv_dim_full, u16 S; then i32[S] stop_ids (S >= 1).
-    ROUND   7 B: u32 seq, u16 R, u8 has_scores (0/1); then i32[R] tokens, i16[R] parents; then, when
+    ROUND   7 B: u32 seq, u16 R (1 to OPENED's tree_rows, and at most the last REPLY's allowance), u8 has_scores
+            (0/1); then i32[R] tokens, i16[R] parents; then, when
             has_scores, f16[R] scores (each row's tree score s(v) of Alg. 3, natural log; scores[0] == 0, every
             row <= its parent; the sender clamps below -65,504, fp16's lowest finite value).
             Total frame: `tree_nbytes(R)` = 23 + 8 R bytes with scores (287 B at B = 32; SpecEdge: ~135 KB per
             round), 23 + 6 R without.
-    REPLY   21 B: u32 seq, i32 bonus, f32 server_ms, u8 finished (0 = no, else 1 + index into FINISH_REASONS:
+    REPLY   23 B: u32 seq, i32 bonus, f32 server_ms, u8 finished (0 = no, else 1 + index into FINISH_REASONS:
             1 stop, 2 max_new_tokens, 3 length), u8 has_handoff (0/1), u16 R, u16 P, u16 K, u8 has_verified
-            (0/1); then i32[R] samples, i16[P] path_rows, i32[K] chain; then, when has_verified, the verified rows
+            (0/1), u16 allowance (the rows, root included, the session's next ROUND may hold: 1 to OPENED's
+            tree_rows; a ROUND over it gets over_allowance); then i32[R] samples, i16[P] path_rows, i32[K] chain; then, when has_verified, the verified rows
             as a bitmask of ceil(R / 8) bytes (row j at byte j // 8, bit j % 8, least significant bit first; the
             pad bits after row R - 1 are 0); then, when has_handoff, 12 B of sizes (u32 hidden_size,
             u32 kv_dim_sliding, u32 kv_dim_full) and the hand-off block below. No mask: every row was verified.
-            Total frame: `reply_nbytes(R, P, K, handoff, verified=...)` = 37 + 4 R + 2 P + 4 K
-            (+ ceil(R / 8) with the mask, + hand-off); 169 B at R = 33, P = 0, no hand-off, 174 B with the mask.
+            Total frame: `reply_nbytes(R, P, K, handoff, verified=...)` = 39 + 4 R + 2 P + 4 K
+            (+ ceil(R / 8) with the mask, + hand-off); 171 B at R = 33, P = 0, no hand-off, 176 B with the mask.
     CLOSE   8 B: u64 session_id.
     APPEND  20 B: u32 max_new_tokens, u32 keep, u32 keep_crc, u32 anchor, u32 T; then i32[T] tokens (after a
             finished reply: the whole conversation re-rendered by the template keeps its first ``keep`` ids of
