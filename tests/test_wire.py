@@ -348,7 +348,7 @@ def test_gemma4_handoff_bytes():
 def test_gemma4_first_reply_frame():
     samples = np.arange(33, dtype=np.int32)
     ho = handoff(t_prime=2000, a=2000 - 1024, bonus=0, h=GEMMA_H, ds=GEMMA_DS, df=GEMMA_DF)
-    m = RoundReply(0, samples, np.zeros(0, np.int32), 0, 850.0, handoff=ho)
+    m = RoundReply(0, samples, np.zeros(0, np.int32), 0, 850.0, handoff=ho, allowance=33)
     data = wire.encode(m)
     ho_bytes = wire.handoff_nbytes(GEMMA_H, GEMMA_DS, GEMMA_DF, 1024)
     assert len(data) == wire.reply_nbytes(33, 0, 0, ho_bytes) == 16 + 23 + 132 + 12 + 6_297_132
@@ -791,7 +791,7 @@ def test_encode_refuses_mismatched_handoff_arrays():
         SCALES,
     )
     with pytest.raises(wire.HandoffSizeMismatch, match="k_sliding has 2 rows"):
-        wire.encode(RoundReply(m.seq, m.samples, m.path_rows, m.bonus, 1.0, handoff=bad))
+        wire.encode(RoundReply(m.seq, m.samples, m.path_rows, m.bonus, 1.0, handoff=bad, allowance=m.allowance))
 
 
 # ------------------------------------------------------------------------------------------------ error frames
