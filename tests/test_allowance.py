@@ -1,0 +1,116 @@
+"""The verifier's allowance rule (hycoc.verifier.allowance): hand-worked cases on a GPU-like cost line (flat to 206
+rows, then linear) and a chain tree whose row values are 0.5 ** depth."""
+
+import math
+
+import numpy as np
+import pytest
+
+from hycoc.verifier.allowance import AllowanceRule
+from hycoc.verifier.row_budget import BudgetState, RowCost
+
+#: flat 10 ms up to 206 rows, then +10 ms per 206 rows (an H200-like ridge, hand-made).
+COST = RowCost(((1, 10.0), (206, 10.0), (412, 20.0)))
+CEILING, FLOOR = 33, 5
+
+
+def chain_tree(rows: int = CEILING):
+    """Root + a chain of rows - 1 tokens, s(depth d) = d ln 0.5: row values exp(s) = 0.5 ** d."""
+    tokens = np.arange(100, 100 + rows)
+    parents = np.arange(-1, rows - 1)
+    scores = np.arange(rows) * math.log(0.5)
+    return scores, tokens, parents
+
+
+def rule(**kw) -> AllowanceRule:
+    args = dict(cost=COST, free_rows=206, floor=FLOOR, ceiling=CEILING)
+    args.update(kw)
+    return AllowanceRule(**args)
+
+
+def test_before_any_tree_and_at_low_load_the_whole_tree():
+    r = rule()
+    assert r.allowance(sessions=50) == CEILING  # nothing learned to rank yet
+    r.observe_tree(*chain_tree())
+    assert r.allowance(sessions=1) == CEILING
+    assert r.allowance(sessions=6) == CEILING  # 6 x 33 = 198 rows fit the flat 206
+
+
+def test_under_load_the_rows_that_maximise_tokens_per_ms():
+    r = rule()
+    r.observe_tree(*chain_tree())
+    # V(r) = sum_{d=1}^{r-1} 0.5^d = 1 - 0.5^(r-1). At 10 sessions every r <= 20 keeps 10 r <= 206 rows in the flat
+    # 10 ms, so the ratio 10 (2 - 0.5^(r-1)) / 10 rises to r = 20; r = 21 pays 10 + 4 x 10 / 206 ms for 0.5^20.
+    assert r.allowance(sessions=10) == 20
+    np.testing.assert_allclose(r.expected_tokens(np.array([1, 2, 20])), [0.0, 0.5, 1 - 0.5**19])
+    # 40 sessions: past the flat part from r = 6 (240 rows); the ratio 40 (2 - 0.5^(r-1)) / cost(40 r) peaks at
+    # the floor's 5 (200 rows, flat: 40 x 1.9375 / 10 = 7.75 tokens per ms): r = 6 adds 0.5^5 x 40 = 1.25 tokens
+    # for 34 x 10 / 206 = 1.65 ms more, 78.75 / 11.65 = 6.76.
+    assert r.allowance(sessions=40) == FLOOR
+
+
+def test_a_target_bounds_the_step_and_falls_to_the_floor():
+    r = rule(target_ms=5.0)
+    r.observe_tree(*chain_tree())
+    assert r.allowance(sessions=10) == FLOOR  # no r fits 5 ms: the floor
+    r = rule(cost=RowCost(((1, 1.0), (100, 100.0))), free_rows=33, target_ms=50.0)
+    r.observe_tree(*chain_tree())
+    # cost = rows ms (slope 1 from (1, 1)); 4 sessions: the ratio 4 (2 - 0.5^(r-1)) / (4 r) falls with r, so the
+    # floor wins with or without the target; the target keeps 4 r <= 50: r <= 12 (checked on a flat ratio below).
+    assert r.allowance(sessions=4) == FLOOR
+    flat = rule(cost=RowCost(((1, 1.0), (1000, 1.0))), free_rows=33, target_ms=50.0)
+    flat.observe_tree(*chain_tree())
+    assert flat.allowance(sessions=4) == CEILING  # no cost to rows: the whole tree, the target never binds
+
+
+def test_value_scale_and_overhead_come_from_the_shared_budget_state():
+    state = BudgetState()
+    r = rule(budget=state)
+    r.observe_tree(*chain_tree())
+    state.value_scale = 0.0  # accepted tokens say rows are worth nothing: the floor
+    assert r.allowance(sessions=10) == FLOOR
+    np.testing.assert_allclose(r.expected_tokens(np.array([20])), [0.0])
+
+
+def test_learning_ranks_and_sessions():
+    r = rule(weight=0.5)
+    r.observe_tree(*chain_tree(5))  # a tree sent under a 5-row allowance teaches ranks 1-4 only
+    np.testing.assert_allclose(r.state.rank_values[:4], [0.5, 0.25, 0.125, 0.0625])
+    assert np.isnan(r.state.rank_values[4:]).all()
+    # unseen ranks count the last seen one's value
+    np.testing.assert_allclose(r.expected_tokens(np.array([7])), [0.5 + 0.25 + 0.125 + 0.0625 * 3])
+    scores, tokens, parents = chain_tree(5)
+    r.observe_tree(scores * 2, tokens, parents)  # values 0.25^d, EMA weight 0.5
+    np.testing.assert_allclose(r.state.rank_values[:2], [(0.5 + 0.25) / 2, (0.25 + 0.0625) / 2])
+    r.observe_step(8)
+    assert r.state.sessions == 8  # the first step sets the average
+    r.observe_step(4)
+    assert r.state.sessions == 6
+    r.observe_step(0)  # ignored
+    assert (r.state.sessions, r.state.steps) == (6, 2)
+
+
+def test_padding_rows_are_worth_nothing():
+    scores, tokens, parents = chain_tree(5)
+    tokens = np.concatenate([tokens, [tokens[-1]] * 3])  # padded to 8 rows by repeating the last
+    parents = np.concatenate([parents, [parents[-1]] * 3])
+    scores = np.concatenate([scores, [scores[-1]] * 3])
+    r = rule()
+    r.observe_tree(scores, tokens, parents)
+    np.testing.assert_allclose(r.state.rank_values[:7], [0.5, 0.25, 0.125, 0.0625, 0, 0, 0])
+
+
+@pytest.mark.parametrize(
+    "kw, needle",
+    [
+        (dict(floor=0), "floor = 0"),
+        (dict(floor=6, ceiling=5), "ceiling = 5"),
+        (dict(free_rows=0), "free_rows = 0"),
+        (dict(weight=0.0), "weight = 0.0"),
+        (dict(target_ms=-1.0), "target_ms = -1.0"),
+        (dict(target_ms=math.inf), "target_ms = inf"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_field(kw, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
+        rule(**kw)
