@@ -5,7 +5,6 @@ import math
 
 import numpy as np
 import pytest
-
 from hycoc.verifier.allowance import AllowanceRule
 from hycoc.verifier.row_budget import BudgetState, RowCost
 
