@@ -512,6 +512,29 @@ class Verifier(Section):
         le=32_768,
         description="rows each tree keeps under tree_budget = auto (2 = the root and the first chain token)",
     )
+    # The tree allowance (hycoc.verifier.allowance; docs/serving.md "Tree allowance"): each REPLY says how many rows
+    # the session's next ROUND may hold, sized from the verifier's load.
+    allowance: Literal["fixed", "auto"] = Field(
+        "auto",
+        description="auto: each reply allows the session's next tree the rows that maximise committed tokens per "
+        "verifier millisecond at the current load (the whole tree at low load, down to the MTP chain plus the root "
+        "under load; the device drafts no more; needs batching = batched, and serial turns it off); fixed: every "
+        "reply allows the whole tree (B + 1 rows)",
+    )
+    allowance_target_ms: float = Field(
+        0.0,
+        ge=0,
+        le=60_000,
+        description="step-latency target of allowance = auto in ms: only allowances whose batched forward fits it "
+        "are chosen, the floor when none does (0 = no target: tokens per verifier ms alone)",
+    )
+    allowance_floor: int = Field(
+        0,
+        ge=0,
+        le=32_768,
+        description="the fewest rows, root included, allowance = auto grants (0 = K + 1: the root and the MTP "
+        "chain, so a HyCo round at its floor costs the verifier no more than a Cloud+MTP round)",
+    )
     row_cost: list[Annotated[list[Annotated[float, Field(ge=0)]], Field(min_length=2, max_length=2)]] = Field(
         default_factory=list,
         description="the batched forward's cost for tree_budget = auto as [[rows, ms], ...] "

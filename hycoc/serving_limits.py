@@ -258,3 +258,19 @@ __all__ = [
     "docs_rows",
     "help_text",
 ]
+
+
+#: The verifier's batching modes as a load test and `hycoc capacity` name them, with the ``hycoc verify-server``
+#: arguments of each: the one list (`hycoc.bench.loadtest.MODE_ARGS`, `hycoc loadtest --batching`, `hycoc capacity
+#: --batching` derive from it). serial: one session per forward; batched: sessions' trees in one forward, every tree
+#: verified as sent; budgeted: batched, rows chosen across the trees by their scores (`hycoc.verifier.row_budget`);
+#: allowance: budgeted, and each reply sizes the session's next tree from the load (`hycoc.verifier.allowance`).
+SERVER_MODES: dict[str, tuple[str, ...]] = {
+    "serial": ("--batching", "serial"),
+    "batched": ("--batching", "batched", "--tree-budget", "fixed", "--allowance", "fixed"),
+    "budgeted": ("--batching", "batched", "--tree-budget", "auto", "--allowance", "fixed"),
+    "allowance": ("--batching", "batched", "--tree-budget", "auto", "--allowance", "auto"),
+}
+#: Modes whose server trims or sizes trees by their scores: their replays run at temperature 0 (only greedy text
+#: stays the recording's, so the recorded trees still fit).
+SCORED_MODES = ("budgeted", "allowance")

@@ -25,7 +25,9 @@ rejected with `HandoffError` before anything is written; drafting before any han
 
 from __future__ import annotations
 
+import functools
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,12 +97,28 @@ class MtpDraft:
     runner_up_index: list[int]
 
 
+def _thread_cpu(method):
+    """Add the calling thread's CPU milliseconds spent in ``method`` to ``self.cpu_ms`` (the MTP Drafter's share of
+    a round's drafting time, which a load test's replay needs when the SLM pass is skipped)."""
+
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        start = time.thread_time()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.cpu_ms += 1e3 * (time.thread_time() - start)
+
+    return timed
+
+
 class MtpDrafter:
     """Alg. 2 (module docstring) around a head graph runner.
 
     runner: a `hycoc.runtime.graphs.GraphRunner` (or anything with ``run(feeds) -> {"logits" or "top_index",
     "h_next"}`` and ``shape(name)``) for the head graph; bundle: the `hycoc.runtime.device_bundle.DeviceBundle` (keep
-    set, E table, head rotary tables, hand-off scales, round constants K, D, W).
+    set, E table, head rotary tables, hand-off scales, round constants K, D, W). ``cpu_ms``: the calling thread's
+    CPU milliseconds spent in `ingest` and `draft` so far (float, never reset).
     """
 
     def __init__(self, runner, bundle):
@@ -133,6 +151,7 @@ class MtpDrafter:
         self.t0: int | None = None  # root position of the last hand-off (line 4)
         self.live: int | None = None  # ℓ (lines 3, 5)
         self.x_hat: np.ndarray | None = None
+        self.cpu_ms = 0.0
 
     def reset(self) -> None:
         """Forget the ring (the next hand-off starts a request)."""
@@ -143,6 +162,7 @@ class MtpDrafter:
             k[:] = zero_code(k_enc)
             v[:] = zero_code(v_enc)
 
+    @_thread_cpu
     def ingest(self, h: HandOff) -> None:
         """Alg. 2 lines 1-5 for one hand-off (module docstring). Raises HandoffError (nothing written then)."""
         try:
@@ -215,6 +235,7 @@ class MtpDrafter:
             out[f"cos_{short}"], out[f"sin_{short}"] = cos, sin
         return out
 
+    @_thread_cpu
     def draft(self, steps: int | None = None, siblings: int | None = None) -> MtpDraft:
         """Alg. 2 lines 7-13 (module docstring). steps: K (default the bundle's), siblings: D. Raises NoHandoff."""
         if self.x_hat is None:

@@ -383,7 +383,11 @@ def test_each_bad_round_gets_its_error_and_the_session_alongside_keeps_going(ser
             round_frame(0, [root, 11, VOCAB, 13, 14, 15, 16], chain),
             f"DraftTree.tokens[2] = {VOCAB}: token ids must lie in [0, {VOCAB})",
         ),
-        ("wrong_row_count", round_frame(0, tokens[:5], chain[:5]), f"has 5 rows, expected {ROWS}"),
+        (
+            "wrong_row_count",
+            round_frame(0, [*tokens, 17], [*chain, ROWS - 1]),
+            f"has {ROWS + 1} rows, at most {ROWS}",
+        ),
         (
             "frame_too_large",
             round_frame(0, np.full(700, 11), np.arange(-1, 699)),
@@ -670,10 +674,11 @@ def test_healthz(server):
     assert json.loads(body) == {
         "status": "ok",
         "model": "tiny-gemma4",
-        "protocol_version": 5,
-        "protocol_versions": [5],
+        "protocol_version": 6,
+        "protocol_versions": [6],
         "sessions": 0,
         "tree_rows": ROWS,
+        "chain_length": 4,
         "max_context": MAX_CONTEXT,
         "vocab_size": VOCAB,
         "max_frame_bytes": MAX_FRAME,
@@ -688,7 +693,13 @@ def test_healthz(server):
             "auth_failures_per_minute": 10,
             "retry_after_s": 5.0,
         },
-        "batching": {"mode": "batched", "max_batch_rows": 528, "max_batch_wait_ms": 2.0, "tree_budget": "fixed"},
+        "batching": {
+            "mode": "batched",
+            "max_batch_rows": 528,
+            "max_batch_wait_ms": 2.0,
+            "tree_budget": "fixed",
+            "allowance": "fixed",
+        },
     }
     with VerifierClient(server.url, auth_token=TOKEN) as c:
         c.open(open_request([3, 4, 5]))
@@ -719,6 +730,8 @@ def test_metrics_count_exactly(server, reference):
         "hycoc_rows_kept_per_session": "histogram",
         "hycoc_expected_tokens_per_forward": "histogram",
         "hycoc_rows_trimmed_total": "counter",
+        "hycoc_rows_not_drafted_total": "counter",
+        "hycoc_allowance_rows": "histogram",
         "hycoc_appends_total": "counter",
         "hycoc_append_reprefilled_tokens_total": "counter",
     }
@@ -844,6 +857,9 @@ def test_engine_from_recipe_takes_every_setting_from_the_recipe(tmp_path, saved_
         "tree_budget": "auto",
         "row_cost": RowCost(((7, 1.5), (64, 4.0)), source="recipe verifier.row_cost"),
         "min_rows_per_session": 2,
+        "allowance": "auto",
+        "allowance_target_ms": None,
+        "allowance_floor": 0,
     }
     engine.close()
 
@@ -900,6 +916,7 @@ def test_verify_server_command_serves_until_sigterm(tmp_path, saved_models):
             "max_batch_rows": 32,
             "max_batch_wait_ms": 0.5,
             "tree_budget": "fixed",
+            "allowance": "fixed",
         }
         with VerifierClient(url, auth_token=TOKEN) as c:
             opened = c.open(open_request([3, 4, 5, 6]))

@@ -263,7 +263,7 @@ def _apply_budget(pending: list, scores_of: dict, budget: RowBudget, stats: Batc
     trees: list[tuple[np.ndarray | None, np.ndarray, np.ndarray]] = []
     for k, session, p in pending:
         scores = scores_of.get(k)
-        if scores is None or session.draft_place == "cloud-mtp":
+        if scores is None or not session.place.trimmable:
             trees.append((None, p.tokens, p.parents))
             continue
         scores = np.asarray(scores, np.float64).reshape(-1)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -53,10 +54,15 @@ from hycoc.protocol.wire import PROTOCOL_VERSION
 from . import append as append_turn
 from .acceptance import select_exact, select_path
 from .baselines import draft_cloud_chain, draft_server_chain
+from .draft_place import PLACES, DraftPlace
+
+if TYPE_CHECKING:
+    from .allowance import AllowanceRule
 from .errors import (
     BadRequest,
     ContextOverflow,
     NotPrefilled,
+    OverAllowance,
     RootMismatch,
     SequenceError,
     SessionFinished,
@@ -138,7 +144,7 @@ class VerifierEngine(VerifierModel):
             raise BadRequest(f"invalid sampling {sampling}: need temperature >= 0, top_k >= 1, 0 < top_p <= 1")
         if max_new_tokens < 1:
             raise BadRequest(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if draft_place != "device" and self.head is None:
+        if PLACES[draft_place].needs_head and self.head is None:
             raise BadRequest(f"draft_place {draft_place!r} needs the verifier's MTP head, and none is loaded")
         if not 0 <= int(anchor) < len(prompt):
             raise BadRequest(f"anchor must be in [0, {len(prompt)}) (a prompt position), got {anchor}")
@@ -195,7 +201,9 @@ class Session:
     accepted: tokens committed per round minus one, i.e. |P| after that cut (MAT = mean(accepted) + 1 = committed tokens
     / rounds). rounds: completed rounds. server_ms: per round. finish_reason: one of FINISH_REASONS once finished.
     wire_version: the protocol version its replies are encoded in (the server sets its client's OPEN version;
-    docs/design.md "Wire protocol").
+    docs/design.md "Wire protocol"). tree_rows: the most rows a round may hold (OPENED's; 0: not checked, an
+    engine used without a server). allowance: the rows the next round may hold, the last reply's grant (`grant`;
+    the server resets it to tree_rows at OPEN and APPEND; 0: not checked).
     """
 
     engine: VerifierEngine = field(repr=False)
@@ -216,6 +224,8 @@ class Session:
     finish_reason: str | None = None
     wire_version: int = PROTOCOL_VERSION
     anchor: int = 0
+    tree_rows: int = 0
+    allowance: int = 0
 
     def __post_init__(self):
         self.tokens = [int(x) for x in self.prompt]
@@ -227,6 +237,25 @@ class Session:
         self.cache: DynamicCache | None = None
         self._h: torch.Tensor | None = None  # h of position t - 1 (pre- or post-norm per engine.hidden)
         self._last: _Retry | None = None
+
+    @property
+    def place(self) -> DraftPlace:
+        """The session's draft place (`hycoc.verifier.draft_place`): what its rounds hold and what follows them."""
+        return PLACES[self.draft_place]
+
+    def grant(self, reply: RoundReply, rule: AllowanceRule | None = None) -> RoundReply:
+        """The reply of the round just finished with the next round's allowance (protocol 6: the rows it may hold,
+        in [1, tree_rows], `DraftPlace.allowance` with the server's ``rule``, None for the whole tree; a finished
+        reply grants 0), recorded here so the next round is checked against it (`OverAllowance`) and in the retry
+        record so a resent round gets the same reply. A session without tree_rows (no server) is not granted."""
+        if not self.tree_rows:
+            return reply
+        allowance = 0 if reply.finished else self.place.allowance(rule, self.tree_rows)
+        self.allowance = allowance
+        reply = replace(reply, allowance=allowance)
+        if self._last is not None and self._last.seq == reply.seq:
+            self._last.reply = reply
+        return reply
 
     @property
     def output(self) -> list[int]:
@@ -372,8 +401,14 @@ class Session:
             raise SequenceError(f"round seq {seq} out of order; expected {expected}")
         eng = self.engine
         validate_tree(tokens, parents, eng.vocab_size)
-        if self.draft_place == "cloud-mtp" and len(tokens) != 1:
-            raise TreeError(f"cloud-mtp rounds carry only the root, got {len(tokens)} rows")
+        place = self.place
+        if not place.device_rows and len(tokens) != 1:
+            raise TreeError(f"{place.name} rounds carry only the root, got {len(tokens)} rows")
+        if self.allowance and len(tokens) > self.allowance:
+            raise OverAllowance(
+                f"round {seq} has {len(tokens)} rows; the last reply allowed at most {self.allowance} (its "
+                "allowance): draft at most that many rows, root included, and send the round again"
+            )
         if tokens[0] != self.root:
             raise RootMismatch(f"tree root {tokens[0]} is not the session's root {self.root} at position {self.t}")
         # Rows deeper than the room left would commit tokens past the context: they are not verified (their
@@ -392,7 +427,7 @@ class Session:
         )
         if len(kept) != len(tokens):
             pending.tokens, pending.parents, pending.kept = tokens[kept], remap_parents(parents, kept), kept
-        if self.draft_place == "cloud-mtp":
+        if place.server_chain_before:
             t = self.t
             room = min(eng.chain_length, eng.max_context - 1 - t)
             chain = (
@@ -426,8 +461,10 @@ class Session:
         rows = np.unique(np.asarray(rows, dtype=np.int64))
         if len(rows) == len(pending.tokens):
             return
-        if self.draft_place == "cloud-mtp":
-            raise ValueError("restrict_round: a cloud-mtp round's rows are the server's own chain; keep it whole")
+        if not self.place.trimmable:
+            raise ValueError(
+                f"restrict_round: a {self.draft_place} round's rows are the server's own chain; keep it whole"
+            )
         if (
             len(rows) == 0
             or rows[0] != 0
@@ -508,7 +545,7 @@ class Session:
         probs = sampling_probs(logits, self.sampling)
         drawn = sample_rows(probs, self.generator)
         # Lines 6-12: choose v*, rewrite samples along the path, b = y^_v*.
-        if self.acceptance == "exact" or self.draft_place == "cloud-mtp":
+        if self.place.acceptance(self.acceptance) == "exact":
             v_star, path, samples = select_exact(tokens, parents, drawn)
         else:
             v_star, path, samples = select_path(tokens, parents, drawn, probs, self.epsilon)
@@ -528,12 +565,12 @@ class Session:
 
         h = h_rows[v_star]
         handoff, chain = None, np.zeros(0, np.int32)
-        if not finished and self.draft_place == "device":
+        if not finished and self.place.hand_off:
             # Line 14: the hand-off for the device's MTP Drafter.
             handoff = pack_handoff(
                 eng.model, self.cache, eng.layers, bonus, h, t, t_prime, eng.head_window, seq == 0, eng.handoff_scales
             )
-        elif not finished and self.draft_place == "server-head":
+        elif not finished and self.place.server_chain_after:
             room = min(eng.chain_length, eng.max_context - 1 - t_prime)
             chain = np.asarray(
                 draft_server_chain(

@@ -31,6 +31,13 @@ class RootMismatch(VerifierError):
     code = "bad_root"
 
 
+class OverAllowance(VerifierError):
+    """A ROUND with more rows than the allowance of the session's last REPLY (protocol 6; the first round after
+    OPEN or APPEND may hold OPENED's tree_rows). The session is unchanged: draft at most the allowance and resend."""
+
+    code = "over_allowance"
+
+
 class SequenceError(VerifierError):
     """A round whose sequence number is neither the next one nor a retry of the last one."""
 

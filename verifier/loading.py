@@ -28,6 +28,7 @@ from hycoc.keep_set import load_keep_set  # the one reader of --keep-set files (
 from hycoc.models import load_head, load_verifier, model_dir
 from hycoc.recipe import Recipe
 
+from .allowance import ALLOWANCE_MODES
 from .engine import VerifierEngine
 from .row_budget import TREE_BUDGETS
 
@@ -140,16 +141,18 @@ def server_options(
     max_batch_rows: int | None = None,
     max_batch_wait_ms: float | None = None,
     tree_budget: str | None = None,
+    allowance: str | None = None,
 ) -> dict:
     """Keyword arguments of `hycoc.verifier.server.serve` / `VerifierServer` that come from the recipe:
     ``tree_rows`` = B + 1 ([tree].node_budget + 1; the device pads smaller trees to it), ``max_frame_bytes``
     ([verifier].max_frame_bytes), ``model_name`` ([models].verifier as written), ``limits`` (the server limits
     of [verifier], `hycoc.verifier.server.ServerLimits`), the batching keys ``batching``, ``max_batch_rows``,
     ``max_batch_wait_ms`` and the row budget's ``tree_budget``, ``row_cost`` (`row_cost_of`),
-    ``min_rows_per_session`` ([verifier] keys of the same names). The keyword arguments, when not None, replace
-    them (the command-line options of the same names). Serial verification has no shared forward for a budget to
-    act on: the recipe's tree_budget then becomes "fixed", and tree_budget = "auto" asked with it is a ValueError.
-    Raises ValueError for a bad --batching / --tree-budget, RecipeError for a bad verifier.row_cost."""
+    ``min_rows_per_session`` and the tree allowance's ``allowance``, ``allowance_target_ms``, ``allowance_floor``
+    ([verifier] keys of the same names). The keyword arguments, when not None, replace them (the command-line
+    options of the same names). Serial verification has no shared forward for a budget or an allowance to act on:
+    the recipe's tree_budget and allowance then become "fixed", and "auto" asked with it is a ValueError. Raises
+    ValueError for a bad --batching / --tree-budget / --allowance, RecipeError for a bad verifier.row_cost."""
     options = _recipe_server_options(recipe)
     for key, value in (
         ("batching", batching),
@@ -169,6 +172,17 @@ def server_options(
         options["tree_budget"] = tree_budget
     elif options["batching"] != "batched":
         options["tree_budget"] = "fixed"
+    if allowance is not None:
+        if allowance not in ALLOWANCE_MODES:
+            raise ValueError(f"--allowance {allowance!r}: allowed: {', '.join(ALLOWANCE_MODES)}")
+        if allowance == "auto" and options["batching"] != "batched":
+            raise ValueError(
+                "--allowance auto sizes trees by the load of batched forwards: use it with --batching batched (or "
+                'verifier.batching = "batched")'
+            )
+        options["allowance"] = allowance
+    elif options["batching"] != "batched":
+        options["allowance"] = "fixed"
     return options
 
 
@@ -186,6 +200,9 @@ def _recipe_server_options(recipe: Recipe) -> dict:
         "tree_budget": recipe.verifier.tree_budget,
         "row_cost": row_cost_of(recipe),
         "min_rows_per_session": recipe.verifier.min_rows_per_session,
+        "allowance": recipe.verifier.allowance,
+        "allowance_target_ms": recipe.verifier.allowance_target_ms or None,
+        "allowance_floor": recipe.verifier.allowance_floor,
     }
 
 

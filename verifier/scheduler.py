@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from hycoc.protocol import wire
 from hycoc.protocol.messages import DraftTree
 
+from .allowance import AllowanceRule
 from .batch import BatchStats, RowBudget, verify_batch
 from .batch_policy import batch_ready, take_rounds
 from .engine import Session
@@ -84,6 +85,9 @@ class BatchScheduler:
     row_budget: a `RowBudget`: the rows of a step's forward are chosen across its rounds by their tree scores
         (`hycoc.verifier.row_budget`); None (``tree_budget = "fixed"``): every tree verified as sent. Settable
         until the first step (the server measures its row cost on the worker before serving).
+    allowance: an `AllowanceRule` (``allowance = "auto"``): each reply grants the session's next round the rows
+        the rule sets from the load (`hycoc.verifier.allowance`), and every step teaches it; None: every reply
+        grants the whole tree (tree_rows). Settable like row_budget.
     """
 
     def __init__(
@@ -97,6 +101,7 @@ class BatchScheduler:
         chain_length: int = 0,
         prefill_budget: int = 512,
         row_budget: RowBudget | None = None,
+        allowance: AllowanceRule | None = None,
     ):
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows = {max_batch_rows}: must be >= 1")
@@ -112,6 +117,7 @@ class BatchScheduler:
             raise ValueError(f"prefill_budget = {prefill_budget}: must be >= 1")
         self.prefill_budget = int(prefill_budget)
         self.row_budget = row_budget
+        self.allowance = allowance
         self._rounds: deque[_Round] = deque()
         self._prefills: deque[_Prefill] = deque()
         self._wake = asyncio.Event()
@@ -139,7 +145,7 @@ class BatchScheduler:
     async def round(self, session: Session, tree: DraftTree):
         """Verify one round in the next step. Returns (reply, reply frame bytes, tokens committed, whether a round
         ran) as the serial server's `_verify`; raises the session's error."""
-        rows = len(tree.tokens) + (self._chain_length if session.draft_place == "cloud-mtp" else 0)
+        rows = session.place.forward_rows(len(tree.tokens), self._chain_length)
         fut = asyncio.get_running_loop().create_future()
         self._rounds.append(_Round(session, tree, rows, time.monotonic(), fut))
         self._wake.set()
@@ -169,7 +175,9 @@ class BatchScheduler:
             if not batch and not prefills:
                 continue
             try:
-                report, results = await self._run(_step, batch, prefills, self.prefill_budget, self.row_budget)
+                report, results = await self._run(
+                    _step, batch, prefills, self.prefill_budget, self.row_budget, self.allowance
+                )
             except BaseException as e:  # a failure outside the engine's handling, or cancelled (then re-raised)
                 for item in batch + prefills:
                     if not item.future.done():
@@ -216,8 +224,15 @@ class BatchScheduler:
         return batch
 
 
-def _step(batch: list[_Round], prefills: list[_Prefill], prefill_budget: int, row_budget: RowBudget | None = None):
-    """Worker thread: the rounds of ``batch`` in one forward (rows chosen by ``row_budget`` when given), then
+def _step(
+    batch: list[_Round],
+    prefills: list[_Prefill],
+    prefill_budget: int,
+    row_budget: RowBudget | None = None,
+    allowance: AllowanceRule | None = None,
+):
+    """Worker thread: the rounds of ``batch`` in one forward (rows chosen by ``row_budget`` when given; each reply
+    granting its session's next round the rows ``allowance`` sets, the whole tree without one), then
     prefill chunks of ``prefills`` (oldest first) until ``prefill_budget`` positions ran (the first chunk always runs; a
     prefill whose next chunk would pass the budget waits for the next step, and so do the ones after it, keeping
     arrival order). A prefill that fails gets ``error`` set and the others go on. Returns (StepReport, per round
@@ -235,16 +250,20 @@ def _step(batch: list[_Round], prefills: list[_Prefill], prefill_budget: int, ro
             stats,
             row_budget,
         )
+        if allowance is not None:
+            _teach_allowance(allowance, batch, stats)
         for r, reply, (n_tokens, n_rounds) in zip(batch, replies, before):
             if isinstance(reply, BaseException):
                 results.append(reply)
                 continue
+            verified = r.session.rounds > n_rounds
+            if verified:  # a new round (not a retry): grant the next one its rows
+                reply = r.session.grant(reply, allowance)
             try:
                 frame = wire.encode(reply, version=r.session.wire_version)  # the client's OPEN version
             except Exception as e:  # noqa: BLE001 -- that session's failure only
                 results.append(e)
                 continue
-            verified = r.session.rounds > n_rounds
             if verified:
                 report.waits.append(start - r.arrived)
             results.append((reply, frame, len(r.session.tokens) - n_tokens, verified))
@@ -262,3 +281,13 @@ def _step(batch: list[_Round], prefills: list[_Prefill], prefill_budget: int, ro
         except Exception as e:  # noqa: BLE001 -- that prefill's own error, reported to its OPEN / APPEND
             prefill.job, prefill.error = None, e
     return report, results
+
+
+def _teach_allowance(allowance: AllowanceRule, batch: list[_Round], stats: BatchStats) -> None:
+    """The step's lessons for the allowance rule: the scored device-drafted trees as sent (their per-rank values)
+    and the step's sessions (the load)."""
+    for r in batch:
+        scores = getattr(r.tree, "scores", None)
+        if scores is not None and r.session.place.trimmable and len(scores) == len(r.tree.tokens):
+            allowance.observe_tree(scores, r.tree.tokens, r.tree.parents)
+    allowance.observe_step(stats.sessions)

@@ -48,10 +48,11 @@ from pathlib import Path
 
 import numpy as np
 
-from hycoc.bench.loadtrace import RequestTrace, patch_root, tree_at
+from hycoc.bench.loadtrace import RequestTrace, patch_root, tree_at, trim_to_allowance
 from hycoc.bench.runner import VerifierProcess
 from hycoc.protocol import wire
 from hycoc.protocol.messages import Close, DraftTree, ErrorReply, Opened, commit_cut
+from hycoc.serving_limits import SCORED_MODES, SERVER_MODES
 
 #: Seconds a device waits after an OPEN refused for capacity (too_many_sessions, kv_budget_exhausted) before its
 #: next request: the server's retry hint is 5 s by default, but a load test wants the pressure to stay on.
@@ -150,10 +151,14 @@ async def replay_request(
     device_ms: float | None = None,
     max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
     device: int = 0,
+    chain_rows: int = 0,
 ) -> None:
     """One simulated device request on its own connection (module docstring): OPEN, rounds until the reply says
     finished, the recording runs out or ``deadline`` (loop time, s) has passed, then CLOSE. Results go to
-    ``stats`` (times relative to ``t0``, loop time; ``device``: the simulated device's index). Never raises for a
+    ``stats`` (times relative to ``t0``, loop time; ``device``: the simulated device's index). Each round holds at
+    most the last reply's allowance (protocol 6): the recorded tree trimmed to it (`trim_to_allowance`), and a round
+    of at most ``chain_rows`` rows (K + 1, the server's chain_length + 1; 0: never) waits only the recorded MTP
+    Drafter's share of the drafting time (``head_ms``: the device skips the SLM pass there). Never raises for a
     server or network failure: it is counted."""
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
@@ -191,7 +196,7 @@ async def replay_request(
                 limits = replace(limits, tree_rows=None)
             root, produced, prompt_len = req.prompt[-1], 0, len(req.prompt)
             text: list[int] = []
-            seq = 0
+            seq, allowance = 0, opened.tree_rows
             while True:
                 found = tree_at(req, text, seq)
                 if found is None:
@@ -200,7 +205,12 @@ async def replay_request(
                     stats.requests_truncated += 1
                     break
                 rt, tree_tokens, tree_parents, tree_scores = found
-                wait = rt.device_ms / 1000.0 if device_ms is None else device_ms / 1000.0
+                tree_tokens, tree_parents, tree_scores = trim_to_allowance(
+                    tree_tokens, tree_parents, tree_scores, allowance
+                )
+                no_slm = len(tree_tokens) <= chain_rows and rt.head_ms > 0 and not cloud_mtp
+                wait = (rt.head_ms if no_slm else rt.device_ms) if device_ms is None else device_ms
+                wait /= 1000.0
                 if loop.time() + wait >= deadline:
                     break
                 slept = loop.time()
@@ -244,6 +254,7 @@ async def replay_request(
                     break
                 root = new[-1]
                 seq += 1
+                allowance = reply.allowance or opened.tree_rows
             await ws.send(wire.encode(Close(opened.session_id)))
     except wire.WireError as e:
         stats.errors[f"invalid_reply:{e.code}"] += 1
@@ -269,6 +280,7 @@ async def _device(
     deadline: float,
     start_delay: float,
     device_ms: float | None,
+    chain_rows: int = 0,
 ) -> None:
     """One simulated device: after ``start_delay`` s, its config's recorded requests in turn (device ``index``
     starts at request ``index``, so devices of one config do not all replay the same prompt) until the deadline."""
@@ -277,7 +289,15 @@ async def _device(
     k = index
     while loop.time() < deadline:
         await replay_request(
-            url, requests[k % len(requests)], stop_ids, stats, t0, deadline, device_ms=device_ms, device=index
+            url,
+            requests[k % len(requests)],
+            stop_ids,
+            stats,
+            t0,
+            deadline,
+            device_ms=device_ms,
+            device=index,
+            chain_rows=chain_rows,
         )
         k += 1
 
@@ -298,13 +318,15 @@ def run_sessions(
     device_ms: float | None = None,
     seed: int = 0,
     tick: Callable[[RunStats], None] | None = None,
+    chain_rows: int = 0,
 ) -> RunStats:
     """Run ``len(per_device)`` simulated devices against the verifier at ``url`` for ``duration_s`` seconds
     (module docstring) and return what they measured.
 
     per_device: for each device, the recorded requests it loops over (its config's). stop_ids: the trace's stop
     ids. rate: device arrivals per second (None: all at once). device_ms: fixed device time per round instead of
-    the recorded one, ms. tick: called about once a second with the stats so far (progress). Raises ValueError
+    the recorded one, ms. tick: called about once a second with the stats so far (progress). chain_rows: K + 1
+    (`replay_request`: rounds that small skip the SLM pass's time). Raises ValueError
     for an empty device list or request list, or duration_s <= 0."""
     if not per_device or any(not reqs for reqs in per_device):
         raise ValueError("per_device: every simulated device needs at least one recorded request")
@@ -320,7 +342,7 @@ def run_sessions(
         ticker = asyncio.create_task(_ticker(t0, deadline, stats, tick))
         await asyncio.gather(
             *(
-                _device(i, url, reqs, stop_ids, stats, t0, deadline, float(delays[i]), device_ms)
+                _device(i, url, reqs, stop_ids, stats, t0, deadline, float(delays[i]), device_ms, chain_rows)
                 for i, reqs in enumerate(per_device)
             )
         )
@@ -360,17 +382,11 @@ def server_batching_support() -> bool:
         env=dict(os.environ, COLUMNS="200"),
         timeout=120,
     )
-    return "--batching" in out.stdout and "--tree-budget" in out.stdout
+    return all(arg in out.stdout for args in MODE_ARGS.values() for arg in args if arg.startswith("--"))
 
 
-#: `hycoc verify-server` arguments of each load-test mode: serial (one session per forward), batched (sessions'
-#: trees in one forward, every tree verified as sent), budgeted (batched, rows chosen across the trees by their
-#: scores: `hycoc.verifier.row_budget`).
-MODE_ARGS = {
-    "serial": ["--batching", "serial"],
-    "batched": ["--batching", "batched", "--tree-budget", "fixed"],
-    "budgeted": ["--batching", "batched", "--tree-budget", "auto"],
-}
+#: `hycoc verify-server` arguments of each load-test mode (`hycoc.serving_limits.SERVER_MODES`, the one list).
+MODE_ARGS = {mode: list(args) for mode, args in SERVER_MODES.items()}
 
 
 class ServerProcess(VerifierProcess):
@@ -407,13 +423,16 @@ class ServerProcess(VerifierProcess):
 
 
 def server_mode(health: dict) -> str:
-    """The load-test mode a server reports in /healthz (``"batching": {"mode": ..., "tree_budget": ...}``):
-    "budgeted" for a batched server with tree_budget auto, else its mode; "serial" for a server without that field
-    (servers before cross-session batching verified one session per forward)."""
+    """The load-test mode a server reports in /healthz (``"batching": {"mode": ..., "tree_budget": ...,
+    "allowance": ...}``): "allowance" for a batched server with the allowance auto, "budgeted" for one with
+    tree_budget auto, else its mode; "serial" for a server without that field (servers before cross-session
+    batching verified one session per forward)."""
     batching = health.get("batching")
     if not isinstance(batching, dict):
         return "serial"
     mode = str(batching.get("mode", "serial"))
+    if mode == "batched" and batching.get("allowance") == "auto":
+        return "allowance"
     return "budgeted" if mode == "batched" and batching.get("tree_budget") == "auto" else mode
 
 
@@ -536,6 +555,7 @@ def run_loadtest(
         modes = ["serial"]
     pass_flag = server_url is None and server_batching_support()
     rows, servers, procs, urls, windows = [], {}, [], {}, []
+    chain_rows: dict[str, int] = {}  # K + 1 per mode's server (/healthz chain_length; 0 for an older server)
     try:
         for asked in modes or [None]:  # every server up first: the runs then alternate between them
             if server_url is None:
@@ -564,8 +584,16 @@ def run_loadtest(
                 )
             servers[mode] = health.get("batching") or {"mode": "serial", "note": "no batching field in /healthz"}
             urls[mode] = url
+            chain_rows[mode] = int(health.get("chain_length", -1)) + 1
             if warmup_s > 0:
-                run_sessions(url, devices_for(trace, configs, 1), trace.stop_ids, warmup_s, device_ms=device_ms)
+                run_sessions(
+                    url,
+                    devices_for(trace, configs, 1),
+                    trace.stop_ids,
+                    warmup_s,
+                    device_ms=device_ms,
+                    chain_rows=chain_rows[mode],
+                )
         # Per session count every mode in turn, so on a shared machine the modes compared see the same load.
         for n in sessions:
             for mode, url in urls.items():
@@ -584,6 +612,7 @@ def run_loadtest(
                         rate=rate,
                         device_ms=device_ms,
                         tick=tick,
+                        chain_rows=chain_rows[mode],
                     )
                     # the end line: every second done, the run's final counts (the last tick's are a second old)
                     s.advance(
@@ -627,7 +656,7 @@ def run_loadtest(
         for rt in r.rounds
         if rt.scores is not None and len(rt.tokens) > 1
     ]
-    if trees and any(m == "budgeted" for m in urls):
+    if trees and any(m in SCORED_MODES for m in urls):
         first = next(iter(servers.values()))
         tree_rows = max(len(t) for _, t, _ in trees)
         projection = budget_projection(

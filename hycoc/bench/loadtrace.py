@@ -49,7 +49,9 @@ from hycoc.protocol.messages import DraftTree, OpenRequest, RoundReply, Sampling
 #: 2: device_ms is the drafting thread's CPU time (was wall time), device_wall_ms added.
 #: 3: each round records the rows' scores (protocol version 4's ROUND), which a budgeted verifier ranks rows by.
 #: 4: each round records what it committed (path rows, tokens), so a replay can follow the text by position.
-TRACE_SCHEMA = 4
+#: 5: each round records head_ms, the MTP Drafter's share of device_ms (a replay under a small allowance skips the
+#: SLM pass and waits that long only).
+TRACE_SCHEMA = 5
 
 
 class TraceError(ValueError):
@@ -63,7 +65,9 @@ class RoundTrace:
     device_ms: the device's time before sending it (drafting thread CPU), milliseconds >= 0; device_wall_ms: the
     same in wall-clock milliseconds; scores: len R, the rows' scores s(v) as sent, or None (none sent);
     path_rows: the reply's accepted path rows (root excluded); committed: the tokens the round committed (the path's
-    tokens and the bonus, before any cut; cloud-mtp: the reply's first |P| + 1 samples)."""
+    tokens and the bonus, before any cut; cloud-mtp: the reply's first |P| + 1 samples); head_ms: the part of
+    device_ms the MTP Drafter took (hand-off ingest and its K head steps, drafting thread CPU ms; 0 when none ran or
+    it was not recorded): what a round drafted without the SLM pass costs the device (the allowance's floor)."""
 
     tokens: tuple[int, ...]
     parents: tuple[int, ...]
@@ -72,6 +76,7 @@ class RoundTrace:
     scores: tuple[float, ...] | None = None
     path_rows: tuple[int, ...] = ()
     committed: tuple[int, ...] = ()
+    head_ms: float = 0.0
 
     def score_array(self) -> np.ndarray | None:
         """The scores as the DraftTree that replays this round carries them: float32 (R,), or None."""
@@ -215,6 +220,35 @@ def tree_at(req: RequestTrace, produced: list[int], seq: int = 0):
     return None
 
 
+def trim_to_allowance(tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray | None, rows: int):
+    """A recorded tree as a device under an allowance of ``rows`` rows drafts it (Alg. 3 line 16 with rows - 1
+    nodes in place of B): the root and the rows - 1 best-scored rows (scores made non-increasing from parent to
+    child, ties to the earlier row, so the kept rows are ancestor-closed), in their recorded order, parents
+    renumbered. Trees of at most ``rows`` rows come back as they are; trees without scores are cut to their first
+    ``rows`` rows (Alg. 3's insertion order makes them ancestor-closed). Returns (tokens int32, parents int32,
+    scores float32 or None), each of min(R, rows) rows.
+
+    Hand-worked: tokens [5, 6, 7, 8], parents [-1, 0, 0, 1], scores [0, -0.4, -1.0, -0.9], rows 3 -> rows 0, 1, 3
+    (scores 0, -0.4, -0.9): tokens [5, 6, 8], parents [-1, 0, 1]."""
+    tokens = np.asarray(tokens, np.int32)
+    parents = np.asarray(parents, np.int64)
+    if rows >= len(tokens):
+        return tokens, parents.astype(np.int32), scores
+    if scores is None:
+        keep = np.arange(rows)
+    else:
+        s = np.asarray(scores, np.float64).copy()
+        for j in range(1, len(s)):
+            s[j] = min(s[j], s[parents[j]])
+        order = np.lexsort((np.arange(1, len(s)), -s[1:])) + 1  # non-root rows, best first, ties to the earlier
+        keep = np.sort(np.concatenate([[0], order[: rows - 1]]))
+    index = np.full(len(tokens), -1, np.int64)
+    index[keep] = np.arange(len(keep))
+    new_parents = np.where(parents[keep] < 0, -1, index[np.maximum(parents[keep], 0)])
+    kept_scores = None if scores is None else np.asarray(scores, np.float32)[keep]
+    return tokens[keep], new_parents.astype(np.int32), kept_scores
+
+
 def trace_key(
     recipe_hash: str, bundle_hash: str, configs, question_ids, output_cap: int, temperature: float | None = None
 ) -> str:
@@ -266,6 +300,7 @@ def load_trace(path: str | Path) -> Trace:
                     None if rt["scores"] is None else tuple(float(x) for x in rt["scores"]),
                     tuple(int(x) for x in rt["path_rows"]),
                     tuple(int(x) for x in rt["committed"]),
+                    float(rt["head_ms"]),
                 )
                 for rt in r["rounds"]
             )
@@ -303,11 +338,15 @@ class RecordingClient:
     device time before it (module docstring: CPU time of the thread calling `round`, which must be the drafting
     thread, as in `DeviceRuntime.generate`). Everything else is the wrapped client's.
 
-    client: an unopened VerifierClient. After a request, ``request`` is its OpenRequest and ``rounds`` its
-    `RoundTrace` list; ``replies`` are the RoundReplies received (to count what was committed)."""
+    client: an unopened VerifierClient. head_cpu_ms: a callable giving the MTP Drafter's cumulative CPU ms
+    (`hycoc.runtime.mtp_drafter.MtpDrafter.cpu_ms`), whose change over each round is its ``head_ms`` (None: 0).
+    After a request, ``request`` is its OpenRequest and ``rounds`` its `RoundTrace` list; ``replies`` are the
+    RoundReplies received (to count what was committed)."""
 
-    def __init__(self, client):
+    def __init__(self, client, head_cpu_ms=None):
         self._client = client
+        self._head_cpu_ms = head_cpu_ms
+        self._head_since = head_cpu_ms() if head_cpu_ms is not None else 0.0
         self.request: OpenRequest | None = None
         self.rounds: list[RoundTrace] = []
         self.replies: list[RoundReply] = []
@@ -327,6 +366,8 @@ class RecordingClient:
         wall_ms = 1000.0 * (time.perf_counter() - self._since)
         # round 0: the wall time the first tree's drafting outlasted the OPEN (which ran on another thread)
         device_ms = wall_ms if self._cpu_since is None else 1000.0 * (time.thread_time() - self._cpu_since)
+        head_now = self._head_cpu_ms() if self._head_cpu_ms is not None else 0.0
+        head_ms, self._head_since = head_now - self._head_since, head_now
         reply = self._client.round(tree)
         self._since, self._cpu_since = time.perf_counter(), time.thread_time()
         scores = None if tree.scores is None else tuple(float(x) for x in np.asarray(tree.scores, np.float32))
@@ -344,6 +385,7 @@ class RecordingClient:
                 scores,
                 path,
                 committed,
+                head_ms,
             )
         )
         self.replies.append(reply)
@@ -421,10 +463,11 @@ def record_trace(
     )
     requests = []
     try:
-        with ServerThread(engine, **server_options(recipe)) as srv:
+        # whole trees every round (a recording holds what the device drafts unconstrained; replays trim them)
+        with ServerThread(engine, **server_options(recipe, allowance="fixed")) as srv:
             for config in configs:
                 for q in questions:
-                    client = RecordingClient(VerifierClient(srv.url, timeout_s=600))
+                    client = RecordingClient(VerifierClient(srv.url, timeout_s=600), lambda: rt.mtp.cpu_ms)
                     prompt = rt.bundle.chat.prompt(q.turns[0])
                     res = rt.generate(
                         client,
@@ -468,4 +511,5 @@ __all__ = [
     "save_trace",
     "trace_key",
     "tree_at",
+    "trim_to_allowance",
 ]

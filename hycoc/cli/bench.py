@@ -20,6 +20,7 @@ from hycoc.cli._common import (
     _need_full,
     _recipe,
 )
+from hycoc.serving_limits import SCORED_MODES, SERVER_MODES
 from hycoc.table5 import TABLE5_ORDER, WITH_VERIFIER
 
 #: Configurations of `hycoc bench` (paper Table 5, `hycoc.table5`).
@@ -349,9 +350,8 @@ def profile(
 
 #: Configurations `hycoc loadtest` can record and replay (a verifier in every round: not slm-alone).
 LOADTEST_CONFIGS = WITH_VERIFIER
-#: `hycoc loadtest --batching` values: serial = one session per forward, batched = sessions' trees in one forward,
-#: budgeted = batched with the rows chosen across the trees (`hycoc.bench.loadtest.MODE_ARGS`).
-LOADTEST_BATCHING = ("serial", "batched", "budgeted")
+#: `hycoc loadtest --batching` values (`hycoc.serving_limits.SERVER_MODES`: serial, batched, budgeted, allowance).
+LOADTEST_BATCHING = tuple(SERVER_MODES)
 
 
 def loadtest(
@@ -481,7 +481,7 @@ def loadtest(
         raise _fail("loadtest", str(e)) from None
     bundle_dir = _bench_bundle("loadtest", cfg, recipe, bundle)
     cap = max_new_tokens or cfg.bench.output_cap
-    if temperature is None and modes is not None and "budgeted" in modes and cfg.sampling.temperature > 0:
+    if temperature is None and modes is not None and set(modes) & set(SCORED_MODES) and cfg.sampling.temperature > 0:
         temperature = 0.0
         typer.echo(
             f"hycoc loadtest: every mode runs at temperature 0 (the recipe's: {cfg.sampling.temperature:g}):"

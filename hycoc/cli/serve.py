@@ -152,6 +152,14 @@ def verify_server(
         "verifier.tree_budget, auto; fixed with --batching serial)",
         show_default=False,
     ),
+    allowance: str | None = typer.Option(
+        None,
+        metavar="fixed|auto",
+        help="auto: each reply allows the session's next tree the rows that maximise committed tokens per "
+        "verifier ms at the current load (whole tree at low load, MTP chain + root at the floor); fixed: the whole "
+        "tree every round (default: the recipe's verifier.allowance, auto; fixed with --batching serial)",
+        show_default=False,
+    ),
 ) -> None:
     """Serve the verifier: prefill, one-forward tree verification, acceptance, KV compaction, hand-off (Alg. 4).
 
@@ -196,6 +204,7 @@ def verify_server(
                 max_batch_rows=max_batch_rows,
                 max_batch_wait_ms=max_batch_wait_ms,
                 tree_budget=tree_budget,
+                allowance=allowance,
             )
         except ValueError as e:
             raise _fail("verify-server", str(e), code=2) from None
@@ -226,6 +235,7 @@ def verify_server(
         typer.echo(
             f"hycoc verify-server: listening on {url} (model {cfg.models.verifier}, "
             f"{engine.device.type}, {options['batching']}, tree budget {options['tree_budget']}, "
+            f"allowance {options['allowance']}, "
             f"tokenizer parsed once in {parsed:.2f} s, health {url.replace('ws://', 'http://', 1)}/healthz)"
         )
         sys.stdout.flush()

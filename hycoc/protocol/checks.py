@@ -323,8 +323,7 @@ def _check_allowance(m: RoundReply, limits: Limits) -> None:
         )
     if limits.tree_rows is not None and allowance > limits.tree_rows:
         raise OutOfRange(
-            f"RoundReply.allowance = {allowance}: must lie in [1, {limits.tree_rows}] (this session's tree_rows, "
-            "B + 1)"
+            f"RoundReply.allowance = {allowance}: must lie in [1, {limits.tree_rows}] (this session's tree_rows, B + 1)"
         )
 
 

@@ -38,7 +38,7 @@ OLD_VERSION_FIX = (
     "update hycoc on both sides and rebuild the device bundle with it (`hycoc build RECIPE`): "
     "protocol 6 sizes each round's tree by the verifier's load (the allowance, docs/serving.md \"Tree "
     "allowance\") and re-renders each conversation with the checkpoint's template (docs/serving.md "
-    "\"Conversations\")"
+    '"Conversations")'
 )
 MAGIC = b"HYCO"
 #: magic, version u16, message type u8, flags u8, payload length u32, payload crc32 u32 (the same in every version).
@@ -215,7 +215,8 @@ class Limits:
 
     max_frame_bytes: header + payload, checked from the header before the payload is read.
     vocab_size: token ids must lie in [0, vocab_size). tree_rows: the most rows of any ROUND and samples of any
-    REPLY of the session (B + 1), and the most a REPLY's allowance may grant. max_context: positions the verifier holds (prompt length, t', hand-off rows).
+    REPLY of the session (B + 1), and the most a REPLY's allowance may grant. max_context: positions the verifier
+    holds (prompt length, t', hand-off rows).
     hidden_size, kv_dim_sliding, kv_dim_full: the hand-off sizes (and, on OPENED, the server's config).
     """
 

@@ -44,8 +44,8 @@ Payloads (R = tree rows = B + 1, P = accepted path length, K = chain length, T =
     REPLY   23 B: u32 seq, i32 bonus, f32 server_ms, u8 finished (0 = no, else 1 + index into FINISH_REASONS:
             1 stop, 2 max_new_tokens, 3 length), u8 has_handoff (0/1), u16 R, u16 P, u16 K, u8 has_verified
             (0/1), u16 allowance (the rows, root included, the session's next ROUND may hold: 1 to OPENED's
-            tree_rows; a ROUND over it gets over_allowance); then i32[R] samples, i16[P] path_rows, i32[K] chain; then, when has_verified, the verified rows
-            as a bitmask of ceil(R / 8) bytes (row j at byte j // 8, bit j % 8, least significant bit first; the
+            tree_rows; a ROUND over it gets over_allowance; 0 only when finished); then i32[R] samples,
+            i16[P] path_rows, i32[K] chain; then, when has_verified, the verified rows as a bitmask of ceil(R / 8) bytes (row j at byte j // 8, bit j % 8, least significant bit first; the
             pad bits after row R - 1 are 0); then, when has_handoff, 12 B of sizes (u32 hidden_size,
             u32 kv_dim_sliding, u32 kv_dim_full) and the hand-off block below. No mask: every row was verified.
             Total frame: `reply_nbytes(R, P, K, handoff, verified=...)` = 39 + 4 R + 2 P + 4 K

@@ -11,6 +11,7 @@ from aiohttp import WSCloseCode, web
 
 from hycoc.protocol import wire
 
+from ..allowance import ALLOWANCE_MODES, AllowanceRule
 from ..batch import RowBudget
 from ..engine import Session, VerifierEngine
 from ..row_budget import DEFAULT_MIN_ROWS, TREE_BUDGETS, RowCost
@@ -46,6 +47,13 @@ class VerifierServer:
     row_cost: the forward's `RowCost` for "auto" (recipe verifier.row_cost); None: measured on the engine when the
         engine starts (`hycoc.verifier.row_cost_measure`, ~1 s on the toy).
     min_rows_per_session: rows each scored tree keeps under "auto" (>= 1; default 2: root and first chain token).
+    allowance: "fixed" (default): every reply lets the next round hold the whole tree (tree_rows); "auto": each
+        reply's allowance is sized from the load (`hycoc.verifier.allowance.AllowanceRule`, sharing the row
+        budget's learned state when tree_budget is "auto"; batched mode only). Recipe: verifier.allowance.
+    allowance_target_ms: the step-latency target the allowance keeps a forward under, in ms (None or 0: none).
+        Recipe: verifier.allowance_target_ms.
+    allowance_floor: the fewest rows an allowance grants (0, the default: K + 1, the root and the MTP chain).
+        Recipe: verifier.allowance_floor.
 
     ``metrics`` (`ServerMetrics`), ``admission`` (`Admission`) and ``sessions`` (live sessions by id) may be read
     from other threads between requests.
@@ -66,6 +74,9 @@ class VerifierServer:
         tree_budget: str = "fixed",
         row_cost: RowCost | None = None,
         min_rows_per_session: int = DEFAULT_MIN_ROWS,
+        allowance: str = "fixed",
+        allowance_target_ms: float | None = None,
+        allowance_floor: int = 0,
     ):
         if not 1 <= tree_rows <= wire.MAX_TREE_ROWS:
             raise ValueError(f"tree_rows = {tree_rows}: must lie in [1, {wire.MAX_TREE_ROWS}] (B + 1)")
@@ -80,6 +91,22 @@ class VerifierServer:
                 f"tree_budget = 'auto' allocates rows across a batched forward: it needs batching = "
                 f"'batched', not {batching!r}"
             )
+        if allowance not in ALLOWANCE_MODES:
+            raise ValueError(f"allowance = {allowance!r}: must be one of {ALLOWANCE_MODES}")
+        if allowance == "auto" and batching != "batched":
+            raise ValueError(
+                f"allowance = 'auto' sizes trees by the load of batched forwards: it needs batching = 'batched', "
+                f"not {batching!r}"
+            )
+        if not (isinstance(allowance_floor, int) and 0 <= allowance_floor <= tree_rows):
+            raise ValueError(
+                f"allowance_floor = {allowance_floor!r}: must be an integer in [0, {tree_rows}] (0: K + 1, the root "
+                "and the MTP chain; at most tree_rows, B + 1)"
+            )
+        if allowance_target_ms is not None and not (
+            isinstance(allowance_target_ms, (int, float)) and 0 <= allowance_target_ms < math.inf
+        ):
+            raise ValueError(f"allowance_target_ms = {allowance_target_ms!r}: must be a number of ms >= 0 (0: none)")
         if not (isinstance(min_rows_per_session, int) and min_rows_per_session >= 1):
             raise ValueError(f"min_rows_per_session = {min_rows_per_session!r}: must be an integer >= 1")
         if not (isinstance(max_batch_rows, int) and max_batch_rows >= 1):
@@ -102,6 +129,9 @@ class VerifierServer:
         self.tree_budget = tree_budget
         self.row_cost = row_cost
         self.min_rows_per_session = int(min_rows_per_session)
+        self.allowance = allowance
+        self.allowance_target_ms = float(allowance_target_ms) if allowance_target_ms else None
+        self.allowance_floor = int(allowance_floor)
         self.metrics = ServerMetrics(live_sessions=lambda: len(self.sessions))
         self.admission = Admission(limits, self.metrics.refused)
         self.metrics.admission = self.admission
@@ -150,7 +180,7 @@ class VerifierServer:
         replicas, `hycoc.verifier.ray_serve`). `start` calls it; `stop` ends both. Raises RuntimeError if already
         started."""
         self.worker.start()
-        if self.tree_budget == "auto":
+        if self.tree_budget == "auto" or self.allowance == "auto":
             if self.row_cost is None:
                 sessions, rows = row_cost_plan(self.tree_rows, self.max_batch_rows, self.engine.max_context)
                 self.row_cost = await self.worker.run(
@@ -161,7 +191,28 @@ class VerifierServer:
                         context=min(64, self.engine.max_context - rows[-1] - 1),
                     )
                 )
-            self.worker.set_row_budget(self.row_budget())
+            budget = self.row_budget()
+            self.worker.set_row_budget(budget)
+            self.worker.set_allowance(self.allowance_rule(budget))
+
+    def allowance_rule(self, budget: RowBudget | None = None) -> AllowanceRule | None:
+        """The replies' `AllowanceRule` ("auto", once the row cost is known), else None (the whole tree). Its free
+        rows are the row budget's (one full tree or the cost line's flat part); its floor allowance_floor (0: K + 1),
+        its ceiling tree_rows; it shares ``budget``'s learned state (host ms per session, accepted per expected
+        token) when one is given."""
+        if self.allowance != "auto" or self.row_cost is None:
+            return None
+        floor = self.allowance_floor or min(self.tree_rows, self.engine.chain_length + 1)
+        rule = AllowanceRule(
+            self.row_cost,
+            free_rows=max(self.tree_rows, self.row_cost.flat_rows()),
+            floor=floor,
+            ceiling=self.tree_rows,
+            target_ms=self.allowance_target_ms,
+        )
+        if budget is not None:
+            rule.budget = budget.state
+        return rule
 
     def row_budget(self) -> RowBudget | None:
         """The batched steps' `RowBudget` ("auto", once the row cost is known), else None. Its free rows: one full
@@ -273,6 +324,7 @@ class VerifierServer:
             "protocol_versions": list(wire.SUPPORTED_VERSIONS),
             "sessions": self.metrics.sessions_active,
             "tree_rows": self.tree_rows,
+            "chain_length": eng.chain_length,
             "max_context": eng.max_context,
             "vocab_size": eng.vocab_size,
             "max_frame_bytes": self.max_frame_bytes,
@@ -282,7 +334,9 @@ class VerifierServer:
                 "max_batch_rows": self.max_batch_rows,
                 "max_batch_wait_ms": self.max_batch_wait_ms,
                 "tree_budget": self.tree_budget,
+                "allowance": self.allowance,
                 **self._budget_health(),
+                **self._allowance_health(),
             },
             "limits": self.limits.as_dict(),
         }
@@ -295,6 +349,17 @@ class VerifierServer:
             "min_rows_per_session": budget.min_rows,
             "free_rows": budget.free_rows,
             "row_cost": {"points": [list(p) for p in budget.cost.points], "source": budget.cost.source},
+        }
+
+    def _allowance_health(self) -> dict:
+        rule = self.worker.allowance
+        if rule is None:
+            return {}
+        return {
+            "allowance_floor": rule.floor,
+            "allowance_target_ms": rule.target_ms,
+            "allowance_now": rule.allowance(),
+            "sessions_per_step": round(rule.state.sessions, 3),
         }
 
     async def _healthz(self, request: web.Request) -> web.Response:

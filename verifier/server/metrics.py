@@ -22,6 +22,10 @@ Families (names and labels are the contract; docs/serving.md "Verifier server an
     hycoc_batch_rows, hycoc_batch_sessions, hycoc_queue_wait_seconds           histograms
     hycoc_rows_kept_per_session, hycoc_expected_tokens_per_forward             histograms (row budget)
     hycoc_rows_trimmed_total              tree rows a row budget left out of batched forwards (counter)
+    hycoc_allowance_rows                  rows granted to the next round by each unfinished reply (histogram;
+                                          verifier.allowance)
+    hycoc_rows_not_drafted_total          tree rows device-drafted rounds left out under their allowance
+                                          (tree_rows - rows sent; counter): rows the device never drafted
     hycoc_appends_total{kind=crop|snapshot|full}   APPENDs by how the conversation rolled back (docs/serving.md
                                           "Conversations"); "full": nothing held could be kept (a template that
                                           renders earlier turns differently, or a rollback before the snapshot)
@@ -103,6 +107,13 @@ class ServerMetrics:
             registry=None,
         )
         self.rows_trimmed = 0
+        self.rows_not_drafted = 0
+        self.allowance = Histogram(
+            "hycoc_allowance_rows",
+            "rows (root included) each unfinished reply allowed the session's next round (verifier.allowance)",
+            buckets=KEPT_BUCKETS,
+            registry=None,
+        )
         self.appends: Counter = Counter()  # APPEND kind -> count
         self.append_reprefilled = 0
         self.queue_wait = Histogram(
@@ -138,6 +149,15 @@ class ServerMetrics:
         self.batch_sessions.observe(1)
         self.batch_rows.observe(rows)
         self.rows_kept.observe(rows)
+
+    def observe_allowance(self, session, rows_sent: int, granted: int) -> None:
+        """One verified round of ``session`` (a `hycoc.verifier.engine.Session`): the rows its device did not draft
+        under the allowance it was given (tree_rows - rows_sent, device-drafted places only) and the allowance its
+        reply ``granted`` the next round (0: finished, not observed)."""
+        if session.place.device_rows and session.tree_rows:
+            self.rows_not_drafted += max(0, int(session.tree_rows) - int(rows_sent))
+        if granted:
+            self.allowance.observe(granted)
 
     def observe_append(self, plan) -> None:
         """One APPEND done (`hycoc.verifier.prefill_job.AppendPlan`): counted by its kind, and the held positions it
@@ -246,7 +266,12 @@ class _Collector(Collector):
             "tree rows a row budget left out of batched forwards (verifier.tree_budget = auto)",
             value=m.rows_trimmed,
         )
-        for hist in (m.batch_rows, m.batch_sessions, m.queue_wait, m.rows_kept, m.expected_tokens):
+        yield CounterMetricFamily(
+            "hycoc_rows_not_drafted_total",
+            "tree rows device-drafted rounds left out under their allowance (tree_rows - rows sent)",
+            value=m.rows_not_drafted,
+        )
+        for hist in (m.batch_rows, m.batch_sessions, m.queue_wait, m.rows_kept, m.expected_tokens, m.allowance):
             for family in hist.collect():
                 family.samples = [s for s in family.samples if not s.name.endswith("_created")]
                 yield family

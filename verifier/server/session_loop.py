@@ -309,7 +309,7 @@ class SessionLoop:
             raise
         conn.slot, conn.kv = slot, kv
         session_id, self._next_id = self._next_id, self._next_id + 1
-        tree_rows = 1 if req.draft_place == "cloud-mtp" else self.tree_rows
+        tree_rows = session.place.tree_rows(self.tree_rows)
         opened = Opened(
             session_id=session_id,
             t=t,
@@ -323,6 +323,7 @@ class SessionLoop:
             stop_ids=_stop_ids(eng),
         )
         session.wire_version = conn.wire_version  # the session's replies go out in its OPEN's version
+        session.tree_rows = session.allowance = tree_rows  # the first round may hold the whole tree
         conn.session, conn.session_id, conn.opened = session, session_id, opened
         conn.limits = wire.Limits(
             max_frame_bytes=self.max_frame_bytes,
@@ -366,6 +367,7 @@ class SessionLoop:
             raise
         conn.kv.shrink(min(transient, added))
         conn.last_seq, conn.last_request, conn.last_reply = None, b"", b""
+        session.allowance = session.tree_rows  # a new turn's first round may hold the whole tree again
         self.metrics.prefill_ms += prefill_ms
         plan = session.appends[-1]
         self.metrics.observe_append(plan)
@@ -422,6 +424,7 @@ class SessionLoop:
             conn.last_seq, conn.last_request, conn.last_reply = tree.seq, data, frame
             self.metrics.rounds += 1
             self.metrics.tokens_committed += committed
+            self.metrics.observe_allowance(conn.session, len(tree.tokens), reply.allowance)
         return frame
 
     @staticmethod
@@ -431,6 +434,8 @@ class SessionLoop:
         wait = time.monotonic() - arrived
         rounds, before = session.rounds, len(session.tokens)
         reply = session.verify(tree.tokens, tree.parents, tree.seq)
+        if session.rounds > rounds:  # a new round: serial mode grants the whole tree (no load to size it by)
+            reply = session.grant(reply)
         frame = wire.encode(reply, version=session.wire_version)
         return reply, frame, len(session.tokens) - before, session.rounds > rounds, wait
 

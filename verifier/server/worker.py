@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from hycoc import serving_limits
 from hycoc.protocol.messages import DraftTree
 
+from ..allowance import AllowanceRule
 from ..batch import RowBudget
 from ..engine import PrefillJob, Session, VerifierEngine
 from ..scheduler import BatchScheduler, StepReport
@@ -39,6 +40,7 @@ class EngineWorker:
     open_sessions: how many sessions are open now (the scheduler stops waiting once each has a round queued).
     on_step: called on the event loop with each batched step's `StepReport` (metrics).
     row_budget: the batched scheduler's `RowBudget` (None: trees verified as sent); `set_row_budget` changes it.
+    allowance: the batched scheduler's `AllowanceRule` (None: every reply grants the whole tree); `set_allowance`.
     """
 
     def __init__(
@@ -51,9 +53,11 @@ class EngineWorker:
         open_sessions: Callable[[], int],
         on_step: Callable[[StepReport], None],
         row_budget: RowBudget | None = None,
+        allowance: AllowanceRule | None = None,
     ):
         self.engine = engine
         self.row_budget = row_budget
+        self.allowance = allowance
         self.batching = batching
         self.max_batch_rows = max_batch_rows
         self.max_batch_wait_ms = max_batch_wait_ms
@@ -85,6 +89,7 @@ class EngineWorker:
                 chain_length=self.engine.chain_length,
                 prefill_budget=self.engine.prefill_chunk,
                 row_budget=self.row_budget,
+                allowance=self.allowance,
             )
             self.scheduler.start()
 
@@ -93,6 +98,12 @@ class EngineWorker:
         self.row_budget = budget
         if self.scheduler is not None:
             self.scheduler.row_budget = budget
+
+    def set_allowance(self, rule: AllowanceRule | None) -> None:
+        """Use ``rule`` to grant each reply's allowance from now on (None: the whole tree)."""
+        self.allowance = rule
+        if self.scheduler is not None:
+            self.scheduler.allowance = rule
 
     def _check_open(self) -> None:
         if self.stopping or self._executor is None:
