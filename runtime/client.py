@@ -11,7 +11,9 @@
    commits it plus the bonus token (cut after an end-of-turn token and at the output cap, as the verifier does),
    moves the SLM rows of the path behind the root's (path nodes only: a row left unverified never reaches the
    ring), streams the new text;
-3. the reply's hand-off feeds the MTP Drafter (Alg. 2), whose chain and runner-ups seed the next tree (Alg. 3).
+3. the reply's hand-off feeds the MTP Drafter (Alg. 2), whose chain and runner-ups seed the next tree (Alg. 3),
+   of at most the reply's allowance of rows (protocol 6: the verifier's bound from its load, checked on arrival,
+   `hycoc.runtime.drafters.allowed_rows`); at the floor (the root and the chain) the tree runs no SLM pass.
 
 What a mode drafts is its `hycoc.runtime.drafters.Drafter` (`hycoc.runtime.drafters.DRAFTERS`, one class per Table 5
 drafter); the loop here is the same for all of them.
@@ -40,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import numpy as np
-from hycoc.runtime.drafters import Drafter, RuntimeProtocolError, SlmTreeDrafter, drafter_class
+from hycoc.runtime.drafters import Drafter, RuntimeProtocolError, SlmTreeDrafter, allowed_rows, drafter_class
 from hycoc.runtime.mtp_drafter import MtpDrafter
 from hycoc.runtime.result import RequestResult
 from hycoc.runtime.slm_drafter import SlmDrafter
@@ -327,13 +329,22 @@ class DeviceRuntime:
         res.finish_reason = res.finish_reason or "max_new_tokens"
 
     def _tree(
-        self, m: Mode, builder: TreeBuilder, chain: list[int], runner_ups: list[int], max_depth: int | None = None
+        self,
+        m: Mode,
+        builder: TreeBuilder,
+        chain: list[int],
+        runner_ups: list[int],
+        max_depth: int | None = None,
+        rows: int | None = None,
     ) -> BuiltTree:
         """Alg. 3 over ``chain`` / ``runner_ups`` under the SLM's last token (the root), with the SLM Drafter's
-        expansion when ``builder`` runs SLM passes: the one SLM-expansion step every tree drafter calls
+        expansion when ``builder`` runs SLM passes at ``rows`` rows (the allowance; None = the verifier's tree rows;
+        none at the floor, `TreeBuilder.at_floor`): the one SLM-expansion step every tree drafter calls
         (`hycoc.runtime.drafters.SlmTreeDrafter.draft`)."""
-        expand = self.slm.expand if builder.passes > 0 else None
-        return builder.build(self.slm.tokens[-1], chain, runner_ups, expand, max_depth=max_depth)
+        rows = builder.rows if rows is None else rows
+        slm = builder.passes > 0 and not builder.at_floor(rows, len(chain))
+        expand = self.slm.expand if slm else None
+        return builder.build(self.slm.tokens[-1], chain, runner_ups, expand, max_depth=max_depth, rows=rows)
 
     def _verified(
         self,
@@ -399,7 +410,9 @@ class DeviceRuntime:
         tree = draft(seq, None, root)
         while True:
             res.context.append(len(prompt) - 1 + len(res.tokens))
+            res.sent_rows.append(len(tree.tokens))
             reply = client.round(tree)
+            allowed_rows(seq, reply, opened.tree_rows)  # on arrival, whatever drafts next (RuntimeProtocolError)
             verified = reply.verified
             # rows of the verifier's forward: those it verified (cloud-mtp: root + its chain)
             res.rows.append(len(reply.samples) if verified is None else int(np.count_nonzero(verified)))

@@ -50,6 +50,22 @@ class RuntimeProtocolError(RuntimeError):
     """The verifier's reply contradicts the tree it answers (e.g. its path does not follow its samples)."""
 
 
+def allowed_rows(seq: int, reply: RoundReply | None, tree_rows: int) -> int:
+    """The rows the tree after ``reply`` (the reply to round ``seq``; None before the first) may hold: the reply's
+    ``allowance`` (protocol 6, the verifier's load-based bound, root included), ``tree_rows`` (the session's
+    `hycoc.protocol.messages.Opened.tree_rows`) when none is set (0) or before the first reply. Raises
+    RuntimeProtocolError naming the field for an allowance outside [1, tree_rows]."""
+    allowance = 0 if reply is None else int(reply.allowance)
+    if allowance == 0:
+        return int(tree_rows)
+    if not 1 <= allowance <= tree_rows:
+        raise RuntimeProtocolError(
+            f"round {seq}: the verifier's reply sets allowance = {allowance} (RoundReply.allowance), outside "
+            f"[1, {tree_rows}]: a tree holds at least its root and at most the session's tree rows"
+        )
+    return allowance
+
+
 class Drafter(ABC):
     """One Table 5 drafter on the device (module docstring), made per request by `DeviceRuntime.drafter`.
 
@@ -72,6 +88,7 @@ class Drafter(ABC):
 
     def __init__(self, device: DeviceRuntime, mode: Mode):
         self.device, self.mode = device, mode
+        self.tree_rows = 0  # the session's tree rows (`begin`)
 
     # ---- the request's state hooks -----------------------------------------------------------------------------
 
@@ -102,9 +119,11 @@ class Drafter(ABC):
         if self.uses_slm:
             self.device.slm.rollback(keep)
 
-    def begin(self, tree_rows: int) -> None:  # noqa: B027  (an optional hook)
-        """The verifier took the session and verifies trees of ``tree_rows`` rows (its B + 1). Raises ValueError
-        when this drafter's trees do not fit."""
+    def begin(self, tree_rows: int) -> None:
+        """The verifier took the session and verifies trees of ``tree_rows`` rows (its B + 1; each reply's allowance
+        may bound the next tree below it, `allowed_rows`). Raises ValueError when this drafter's trees do not
+        fit."""
+        self.tree_rows = int(tree_rows)
 
     # ---- a round -----------------------------------------------------------------------------------------------
 
@@ -112,8 +131,9 @@ class Drafter(ABC):
     def draft(self, seq: int, reply: RoundReply | None, root: int, room: int) -> DraftTree:
         """Alg. 1 lines 3-4: the tree of round ``seq`` under ``root`` (x_{t+1}), from the last round's ``reply``
         (None for a request's first tree, drafted while the server prefills), at most ``room`` nodes deep (the
-        tokens left under max_new_tokens and the context). Raises BadReply when the reply lacks what the drafter
-        needs (a hand-off, for the MTP chain)."""
+        tokens left under max_new_tokens and the context) and at most the reply's allowance of rows
+        (`allowed_rows`). Raises BadReply when the reply lacks what the drafter needs (a hand-off, for the MTP
+        chain), RuntimeProtocolError for an allowance out of range."""
 
     @abstractmethod
     def read(self, seq: int, reply: RoundReply) -> list[int]:
@@ -138,6 +158,9 @@ class SlmTreeDrafter(Drafter):
         self.tree_builder: TreeBuilder | None = None
         self.built: BuiltTree | None = None
         self._path_nodes: list[int] = []
+        #: rounds since the last SLM pass whose trees ran none (drafted at the allowance's floor): the committed
+        #: tokens they added lack SLM KV until the next pass catches up (`SlmDrafter.catch_up`)
+        self.slm_skipped = 0
 
     def passes(self) -> int:
         """SLM passes per tree (Alg. 3 lines 7-15): the bundle's ``[tree] slm_passes``."""
@@ -172,14 +195,27 @@ class SlmTreeDrafter(Drafter):
         )
 
     def begin(self, tree_rows: int) -> None:
+        super().begin(tree_rows)
         self.tree_builder = self.builder(tree_rows)
 
     def draft(self, seq: int, reply: RoundReply | None, root: int, room: int) -> DraftTree:
-        if self.tree_builder is None:
+        """Alg. 1 lines 3-4 (`Drafter.draft`). A tree of rows at the floor (the root and the chain, no SLM pass:
+        `hycoc.runtime.tree_builder.TreeBuilder.at_floor`) leaves the SLM out, so its committed tokens wait
+        without SLM KV; the next tree with an SLM pass first catches them up (`SlmDrafter.catch_up`, reserving the
+        rows the chain and runner-ups plant)."""
+        builder = self.tree_builder
+        if builder is None:
             raise RuntimeError("Drafter.draft before begin: the verifier's tree rows are not known yet")
+        rows = allowed_rows(seq - 1, reply, self.tree_rows)
         # the first tree: the SLM alone while the server prefills (App. C); the root is the SLM's last token
         chain, runner_ups = ([], []) if reply is None else self.chain(seq, reply)
-        self.built = self.device._tree(self.mode, self.tree_builder, chain, runner_ups, room)
+        if builder.at_floor(rows, len(chain)):
+            self.slm_skipped += 1
+        elif self.slm_skipped and builder.passes > 0:
+            r = self.device.bundle.round
+            self.device.slm.catch_up(reserve=r.chain_length + r.sibling_depth)
+            self.slm_skipped = 0
+        self.built = self.device._tree(self.mode, builder, chain, runner_ups, room, rows)
         return DraftTree(seq, self.built.tokens, self.built.parents, self.built.scores)
 
     def read(self, seq: int, reply: RoundReply) -> list[int]:
@@ -269,6 +305,9 @@ class CloudMtpDrafter(Drafter):
     drafts = False
 
     def draft(self, seq: int, reply: RoundReply | None, root: int, room: int) -> DraftTree:
+        """The root alone (one row, whatever the allowance: the floor of a chain the server drafts). Raises
+        RuntimeProtocolError for an allowance out of range."""
+        allowed_rows(seq - 1, reply, self.tree_rows or 1)
         return DraftTree(seq, np.asarray([root], np.int32), np.asarray([-1], np.int32), None)
 
     def read(self, seq: int, reply: RoundReply) -> list[int]:
@@ -331,5 +370,6 @@ __all__ = [
     "SlmAloneDrafter",
     "SlmTreeDrafter",
     "SpecEdgeDrafter",
+    "allowed_rows",
     "drafter_class",
 ]

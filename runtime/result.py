@@ -16,7 +16,8 @@ class RequestResult:
     draft_s: device drafting time in rounds (MTP Drafter + tree + SLM forwards; waits and the SLM's request-start
     fill excluded). slm_prefill_s: that fill. prefill_ms / server_ms: the verifier's times (from its replies).
     round_bytes: (up, down) frame bytes per round. rows: rows the verifier verified per round (its forward's rows:
-    the reply's verified rows when it names them, else every row it answered); context: root position per round.
+    the reply's verified rows when it names them, else every row it answered). sent_rows: rows of the tree sent per
+    round (at most the last reply's allowance; 1 for cloud-mtp). context: root position per round.
     bonus_outside_keep: bonus tokens outside the keep set. link_s: link-model time of the request (slept, or only
     counted when the client's sleep is a no-op); first_token_link_s: its part before the first token. accepted: tokens
     committed per round minus one (after the stop / cap / context cut), so MAT = tokens / rounds. finish_reason: "stop",
@@ -38,6 +39,7 @@ class RequestResult:
     server_ms: list[float] = field(default_factory=list)
     round_bytes: list[tuple[int, int]] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
+    sent_rows: list[int] = field(default_factory=list)
     context: list[int] = field(default_factory=list)
     bonus_outside_keep: int = 0
     link_s: float = 0.0

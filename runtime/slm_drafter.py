@@ -143,6 +143,25 @@ class SlmDrafter:
         self.prefill_seconds += time.perf_counter() - t0
         return n
 
+    def catch_up(self, reserve: int) -> str:
+        """Before an SLM pass that follows rounds drafted without one (a tree at the allowance's floor, Alg. 3 line
+        7's F grew by every token they committed): give the committed tokens their SLM KV, leaving at most
+        max(1, R - ``reserve``) rows, r included, for the pass to run (as `prefill` does at a request's start).
+
+        Up to W tokens behind (W = the longest ring): `prefill`'s chunks of R rows from the first position without
+        KV, in order, so every position's KV is computed over the same ring positions a drafter that never skipped
+        computed it over (equal up to the forward's own rounding: a row's KV does not depend on the other rows of
+        its forward). More than W behind: the ring is refilled cold from the last W committed positions, as `start`
+        fills a new request's (App. C), which costs at most W / (R - reserve) forwards however long the SLM sat
+        out. Returns "none" (nothing to run), "chunks" or "refill"; the forwards' time goes to
+        ``prefill_seconds``."""
+        behind = self.t - self.n_kv
+        kind = "chunks"
+        if behind > self.window:
+            self.start(self.tokens)
+            kind = "refill"
+        return kind if self.prefill(reserve) or kind == "refill" else "none"
+
     def _new_round(self) -> None:
         self.pending, self.outputs, self.round_forwards = {}, [], 0
 

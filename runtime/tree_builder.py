@@ -16,6 +16,15 @@ passes (Table 5). Line 16 keeps the B highest-scoring nodes, ties to the earlier
 line 17 returns the root and the kept nodes in insertion order as (token, parent row), padded to the verifier's
 row count by repeating the last row.
 
+The allowance (protocol 6: `hycoc.protocol.messages.RoundReply.allowance`, the rows the verifier lets the next tree
+hold) bounds a tree's rows: ``build(..., rows=R)`` with R = min(allowance, tree rows). R <= 1 + len(chain) (the
+floor: the root and the chain) runs no SLM pass (`TreeBuilder.at_floor`): the tree is the root and chain[:R - 1] as
+lines 3-4 plant them, runner-ups only where the chain stopped short (an end-of-turn token) and rows are left
+(`TreeBuilder.floor_kept`). A tree without a chain (SpecEdge-style) has its floor at the root alone. Above the
+floor the tree is built as at full size and line 16 keeps the R - 1 best nodes instead of B. Either way the rows
+are padded to R by repeating the last, so a tree has exactly R rows. At R = the verifier's tree rows (the default)
+the tree is the one Alg. 3 builds without an allowance, byte for byte.
+
 A node whose token ends the turn (EOS) is never expanded and ends the chain: nothing after it can be committed.
 
 The rows go out with their scores (`BuiltTree.scores`, protocol version 4), so a loaded verifier may verify only
@@ -260,36 +269,62 @@ class TreeBuilder:
 
     # ---- lines 16-17 -------------------------------------------------------------------------------------------
 
-    def trim(self, tree: DraftTreeNodes, max_depth: int | None = None) -> list[int]:
+    def trim(self, tree: DraftTreeNodes, max_depth: int | None = None, keep: int | None = None) -> list[int]:
         """Line 16: the root and the B highest-scoring nodes (ties to the earlier one) with their ancestors,
         in insertion order. max_depth: nodes deeper than this are left out first (the room the verifier's
-        context has left: a node at depth d sits at position t + d); None = no limit."""
+        context has left: a node at depth d sits at position t + d); None = no limit. keep: nodes kept instead of B
+        (a tree under an allowance of keep + 1 rows); None = B."""
         nodes = tree.nodes
+        n = self.budget if keep is None else int(keep)
         fits = [i for i in range(1, len(nodes)) if max_depth is None or nodes[i].depth <= max_depth]
-        best = [i for _, i in heapq.nsmallest(self.budget, [(-nodes[i].score, i) for i in fits])]  # = sorted[:B]
-        keep = set(best)
+        best = [i for _, i in heapq.nsmallest(n, [(-nodes[i].score, i) for i in fits])]  # = sorted[:n]
+        kept = set(best)
         for i in best:  # ancestors, up to the first one already kept
             p = nodes[i].parent
-            while p > 0 and p not in keep:
-                keep.add(p)
+            while p > 0 and p not in kept:
+                kept.add(p)
                 p = nodes[p].parent
-        return [0, *sorted(keep)]
+        return [0, *sorted(kept)]
 
-    def rows_of(self, tree: DraftTreeNodes, kept: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Line 17: (tokens, parents) int32 (rows,), padded by repeating the last row."""
+    def floor_kept(self, tree: DraftTreeNodes, keep: int, max_depth: int | None = None) -> list[int]:
+        """The tree at or below the floor (no SLM pass): the root, then the planted chain's first ``keep`` nodes
+        (lines 3-4, depth order); where the chain stopped short of ``keep`` (an end-of-turn token), the runner-up
+        siblings fill the rest by line 16's order (highest score, ties to the earlier). Every sibling's parent is a
+        chain node, kept by then, so the result is ancestor-closed. max_depth: as `trim`. Returns node indices in
+        insertion order, root first."""
+        nodes = tree.nodes
+        fits = [i for i in range(1, len(nodes)) if max_depth is None or nodes[i].depth <= max_depth]
+        chain = [i for i in fits if nodes[i].source == CHAIN][:keep]
+        if len(chain) < keep:
+            rest = [(-nodes[i].score, i) for i in fits if nodes[i].source == SIBLING]
+            chain += [i for _, i in heapq.nsmallest(keep - len(chain), rest)]
+        return [0, *sorted(chain)]
+
+    def at_floor(self, rows: int, chain: int) -> bool:
+        """Whether a tree of ``rows`` rows over a chain of ``chain`` tokens is at or below the floor (module
+        docstring): rows <= 1 + chain, and fewer than the verifier's tree rows (a full-size tree is Alg. 3's
+        whatever the chain). Such a tree runs no SLM pass (`floor_kept`)."""
+        return rows < self.rows and rows <= 1 + chain
+
+    def rows_of(self, tree: DraftTreeNodes, kept: list[int], rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Line 17: (tokens, parents) int32 (rows,), padded by repeating the last row; rows: the tree's rows
+        (None: the verifier's tree rows)."""
+        rows = self.rows if rows is None else int(rows)
         row = {node: j for j, node in enumerate(kept)}
         tokens = [tree.nodes[n].token for n in kept]
         parents = [-1] + [row[tree.nodes[n].parent] for n in kept[1:]]
-        while len(tokens) < self.rows:
+        while len(tokens) < rows:
             tokens.append(tokens[-1])
             parents.append(parents[-1])
         return np.asarray(tokens, np.int32), np.asarray(parents, np.int32)
 
-    def scores_of(self, tree: DraftTreeNodes, kept: list[int]) -> np.ndarray:
+    def scores_of(self, tree: DraftTreeNodes, kept: list[int], rows: int | None = None) -> np.ndarray:
         """The rows' scores s(v), float32 (rows,), aligned with `rows_of` (padding repeats the last row's),
-        clamped to [FP16_SCORE_FLOOR, 0]: a score of -inf (q underflowed to 0) travels as the floor."""
+        clamped to [FP16_SCORE_FLOOR, 0]: a score of -inf (q underflowed to 0) travels as the floor. rows: as
+        `rows_of`."""
+        rows = self.rows if rows is None else int(rows)
         scores = [tree.nodes[n].score for n in kept]
-        scores += [scores[-1]] * (self.rows - len(scores))
+        scores += [scores[-1]] * (rows - len(scores))
         return np.clip(np.asarray(scores, np.float64), FP16_SCORE_FLOOR, 0.0).astype(np.float32)
 
     def build(
@@ -300,11 +335,21 @@ class TreeBuilder:
         expand: Expand | None,
         passes: int | None = None,
         max_depth: int | None = None,
+        rows: int | None = None,
     ) -> BuiltTree:
         """Alg. 3, entire. expand: the SLM forward (None or passes == 0: the tree is the planted nodes only).
-        max_depth: deepest node sent (the tokens the request has room for; `trim`), None = no limit."""
+        max_depth: deepest node sent (the tokens the request has room for; `trim`), None = no limit. rows: the rows
+        this tree may hold (the allowance, module docstring), in [1, the verifier's tree rows]; None = those. At
+        the floor (`at_floor`) ``expand`` is not called. Raises ValueError for rows out of range."""
+        rows = self.rows if rows is None else int(rows)
+        if not 1 <= rows <= self.rows:
+            raise ValueError(f"a tree holds 1 to {self.rows} rows (the verifier's tree rows), not {rows}")
+        keep = min(self.budget, rows - 1)
         passes = self.passes if passes is None else passes
         tree = self.plant(root, chain, runner_ups)
+        if self.at_floor(rows, len(chain)):  # the floor: the root and the chain, no SLM pass
+            kept = self.floor_kept(tree, keep, max_depth)
+            return BuiltTree(*self.rows_of(tree, kept, rows), kept, tree, kept, 0, self.scores_of(tree, kept, rows))
         frontier = list(range(len(tree.nodes)))
         done = 0
         for _ in range(passes if expand is not None else 0):
@@ -314,9 +359,9 @@ class TreeBuilder:
             if not added:
                 break
             frontier = added  # line 15: F = the nodes just added
-        kept = self.trim(tree, max_depth)
-        tokens, parents = self.rows_of(tree, kept)
-        return BuiltTree(tokens, parents, kept, tree, kept, done, self.scores_of(tree, kept))
+        kept = self.trim(tree, max_depth, keep)
+        tokens, parents = self.rows_of(tree, kept, rows)
+        return BuiltTree(tokens, parents, kept, tree, kept, done, self.scores_of(tree, kept, rows))
 
 
 def walk_reply(
