@@ -163,9 +163,9 @@ def test_trace_round_trip_and_bad_files(tmp_path, recorded):
     path.write_text(json.dumps(data))
     with pytest.raises(TraceError, match=r"requests\[0\]\.rounds\[1\]: tokens, parents and scores"):
         load_trace(path)
-    for schema in (2, 99):  # a trace recorded before the rounds carried scores is re-recorded, never misread
+    for schema in (2, 4, 99):  # a trace recorded before the rounds carried head_ms is re-recorded, never misread
         path.write_text(json.dumps({**data, "schema": schema}))
-        with pytest.raises(TraceError, match=f"schema {schema}, this hycoc reads 4; delete it to re-record"):
+        with pytest.raises(TraceError, match=f"schema {schema}, this hycoc reads 5; delete it to re-record"):
             load_trace(path)
 
 
@@ -396,7 +396,7 @@ def test_run_loadtest_writes_results_and_plot(tmp_path, engine, recorded):
     [
         (["--sessions", "4,0"], "--sessions '4,0': give comma-separated positive integers such as 1,4,16,64"),
         (["--configs", "hyco,slm-alone"], "--configs: unknown or without a verifier: slm-alone; allowed: cloud-mtp,"),
-        (["--batching", "fast"], "--batching 'fast': allowed: serial, batched, budgeted (comma-separated)"),
+        (["--batching", "fast"], "--batching 'fast': allowed: serial, batched, budgeted, allowance (comma-separated)"),
         (
             ["--batching", "serial,batched", "--server", "ws://127.0.0.1:1"],
             "--batching 'serial,batched' with --server: a running server has one mode",

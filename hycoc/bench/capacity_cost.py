@@ -28,6 +28,12 @@ it (p~, sampling, acceptance, compaction, hand-off, the reply frame) and prefill
 * `assumed_gpu_cost`: no measurement at all (labelled ASSUMED): the paper's median server round, 21.7 ms for a
   33-row HyCo verification and 26.8 ms for Cloud+MTP's 4 head steps + 5-row verification (§3.1,
   `hycoc.bench.cost_model.PAPER_ROUND_MS`), flat up to GPU_FLAT_ROWS rows per forward and linear beyond.
+* `RooflineStepCost` (`roofline_step_cost`): the real-shape projection's line from the verifier's own config
+  (`hycoc.bench.gpu_cost`: the bytes and FLOPs of a batched forward, the MoE experts its rows touch, the sessions'
+  KV reads, against a GPU's bandwidth and compute, fitted to the paper's two measured rounds); cloud-mtp and
+  server-head sessions add K batched head steps; host ms per session assumed.
+* `LineStepCost` (`line_step_cost`): a cost-model file with a MEASURED batched line (``batch_points``, written by
+  ``benchmarks/gpu_check.sh`` on a GPU): the forward read off it, head steps and prefill off its grids.
 """
 
 from __future__ import annotations
@@ -294,6 +300,7 @@ def measure_step_cost(
                 draft_place=place,
                 max_new_tokens=10**6,
             )
+            s.tree_rows = s.place.tree_rows(recipe.tree.node_budget + 1)  # what a server's OPENED says
             s.prefill()
             return [s, 0, TraceRequest(req), i]
         s = engine.open(
@@ -304,6 +311,7 @@ def measure_step_cost(
             draft_place=place,
             max_new_tokens=10**6,
         )
+        s.tree_rows = s.place.tree_rows(recipe.tree.node_budget + 1)
         s.prefill()
         return [s, 0, None, i]
 
@@ -340,8 +348,8 @@ def measure_step_cost(
             w0, c0 = time.perf_counter(), time.thread_time()
             out = verify_batch(engine, rounds, stats, budget)
             for reply, rd in zip(out, rounds):  # the reply frames, on the worker as the server's step encodes them
-                if not isinstance(reply, BaseException):
-                    wire.encode(reply, version=rd[0].wire_version)
+                if not isinstance(reply, BaseException):  # granting the whole tree, as a server would
+                    wire.encode(rd[0].grant(reply), version=rd[0].wire_version)
             wall, busy = (time.perf_counter() - w0) * 1e3, (time.thread_time() - c0) * 1e3
             for entry, reply, rd in zip(group, out, rounds):
                 if isinstance(reply, BaseException):
@@ -649,8 +657,214 @@ def model_step_cost(
     )
 
 
+def _head_steps(places: list[str], chain_length: int) -> int:
+    """Head steps a step of these places runs on the server (`hycoc.verifier.draft_place.DraftPlace.head_steps`):
+    K when any session needs the head (its steps are batched across those sessions), else 0."""
+    from hycoc.verifier.draft_place import draft_place
+
+    return max((draft_place(p).head_steps(chain_length) for p in places), default=0)
+
+
+def _plan_line(ms, tree_rows: int, max_batch_rows: int, label: str) -> RowCost:
+    """The row budget's line as a live server would measure it (`hycoc.verifier.row_cost_measure.row_cost_plan`:
+    n sessions x 2 .. B + 1 rows each), each point ``ms(rows, sessions)``."""
+    from hycoc.verifier.row_cost_measure import row_cost_plan
+
+    n, per = row_cost_plan(tree_rows, max_batch_rows, 1 << 20)
+    return RowCost(tuple((n * r, float(ms(n * r, n))) for r in per), source=label)
+
+
+@dataclass
+class RooflineStepCost(StepCost):
+    """The projection's GPU step from the model (module docstring): ``roof`` a `hycoc.bench.gpu_cost.GpuRoofline`;
+    a step's forward is ``roof.forward_ms`` of its rows over its sessions' contexts, plus K batched head steps when
+    a session's place needs the server head, plus ``host_ms_per_session`` per round; a prefill chunk is a forward
+    of its positions. ``tree_rows`` / ``max_batch_rows``: the row budget's line plan (`_plan_line`)."""
+
+    roof: object = None
+    host_ms_per_session: float = ASSUMED_GPU_HOST_MS
+    prefill_chunk: int = 512
+    tree_rows: int = 33
+    max_batch_rows: int = 528
+    line_context: int = 512
+    assumptions: list = field(default_factory=list)
+
+    def forward_ms(self, rows: int, sessions: int, context: float) -> float:
+        return float(self.roof.forward_ms(rows, [context] * max(1, sessions)))
+
+    def host_ms(self, places: list[str], rows: list[int]) -> float:
+        head = _head_steps(places, self.chain_length)
+        ctx = [self.line_context] * len(places)
+        return head * self.roof.head_step_ms(ctx) + self.host_ms_per_session * len(rows)
+
+    def step_ms(self, places: list[str], rows: list[int], contexts: list[int]) -> tuple[float, float]:
+        from hycoc.verifier.draft_place import draft_place
+
+        fwd = float(self.roof.forward_ms(int(sum(rows)), list(contexts) or [0]))
+        heads = [c for p, c in zip(places, contexts) if draft_place(p).needs_head]
+        head = _head_steps(places, self.chain_length) * self.roof.head_step_ms(heads) if heads else 0.0
+        return fwd, fwd + head + self.host_ms_per_session * len(rows)
+
+    def prefill_ms(self, positions: int, context: int) -> float:
+        total, done = 0.0, 0
+        while done < positions:
+            n = min(self.prefill_chunk, positions - done)
+            total += self.roof.forward_ms(n, [context + done])
+            done += n
+        return total
+
+    def row_cost(self) -> RowCost:
+        return _plan_line(
+            lambda r, n: self.forward_ms(r, n, self.line_context), self.tree_rows, self.max_batch_rows, self.label
+        )
+
+    def describe(self) -> dict:
+        return {"label": self.label, "assumptions": self.assumptions, "host_ms_per_session": self.host_ms_per_session}
+
+
+def roofline_step_cost(
+    verifier_config: dict,
+    head_config: dict | None,
+    *,
+    gpu: str,
+    chain_length: int,
+    tree_rows: int,
+    max_batch_rows: int,
+    verifier_source: str,
+    head_source: str,
+    context: int = 512,
+    host_ms: float = ASSUMED_GPU_HOST_MS,
+) -> RooflineStepCost:
+    """The projection's line (`RooflineStepCost`) for a verifier config.json dict and its head's: eta and the
+    per-layer ms fitted on the paper's GPU to its two rounds (`hycoc.bench.gpu_cost.fit_paper`, at ``context``),
+    then priced on ``gpu`` (`hycoc.bench.gpu_cost.GPU_SPECS`). The assumptions list says every input's source."""
+    from hycoc.bench.cost_model import PAPER_ROUND_MS
+    from hycoc.bench.gpu_cost import (
+        BF16_WEIGHTS,
+        DEFAULT_GPU,
+        PAPER_WEIGHTS,
+        GpuRoofline,
+        ModelShape,
+        describe_line,
+        fit_paper,
+        gpu_spec,
+    )
+
+    shape = ModelShape.from_config(verifier_config, verifier_source)
+    head = ModelShape.from_config(head_config, head_source) if head_config else None
+    if head is None:
+        raise StepCostError("the projection's cost line needs the MTP head's config (Cloud+MTP's head steps)")
+    eff = fit_paper(
+        shape,
+        head,
+        gpu_spec(DEFAULT_GPU),
+        PAPER_WEIGHTS,
+        tree_rows=tree_rows,
+        chain_length=chain_length,
+        hyco_ms=PAPER_ROUND_MS["hyco"],
+        cloud_ms=PAPER_ROUND_MS["cloud-mtp"],
+        host_ms=host_ms,
+        context=context,
+    )
+    roof = GpuRoofline(shape, gpu_spec(gpu), PAPER_WEIGHTS, eff, head, BF16_WEIGHTS)
+    assumptions = describe_line(roof, (context,)) + [
+        f"verifier config: {verifier_source}; head config: {head_source} (Cloud+MTP's BF16 head, App. B)",
+        f"host work {host_ms:g} ms per session and step (ASSUMED, not in the line); the paper's rounds include one",
+        f"the fit's eta and per-layer ms are the paper GPU's; on {gpu} they are kept (ASSUMED) and the peak rates "
+        "change"
+        if gpu != DEFAULT_GPU
+        else "the paper's GPU",
+        "MoE routing: every expert equally likely per row, rows independent (E(1 - (1 - k/E)^n) distinct experts); "
+        "a trained router concentrates, so fewer (an upper bound)",
+        "head steps: K per step with a cloud-mtp session, batched over those sessions (each reads its verifier KV)",
+    ]
+    return RooflineStepCost(
+        label=f"MODEL: {shape.name} on {gpu_spec(gpu).name}, roofline fitted to the paper's rounds",
+        chain_length=chain_length,
+        roof=roof,
+        host_ms_per_session=host_ms,
+        tree_rows=tree_rows,
+        max_batch_rows=max_batch_rows,
+        line_context=context,
+        assumptions=assumptions,
+    )
+
+
+@dataclass
+class LineStepCost(StepCost):
+    """A MEASURED batched line (`hycoc.bench.cost_model.CostModel.batch_points`, module docstring): a step's forward
+    is ``model.batch_ms(rows, sessions)`` (at the file's one context), K batched head steps from its head_step
+    grid (one session's step: batching head rows is ASSUMED free), ``host_ms_per_session`` per round; prefill chunks
+    from its prefill grid."""
+
+    model: object = None
+    host_ms_per_session: float = ASSUMED_GPU_HOST_MS
+    tree_rows: int = 33
+    max_batch_rows: int = 528
+    assumptions: list = field(default_factory=list)
+
+    def forward_ms(self, rows: int, sessions: int, context: float) -> float:
+        return self.model.batch_ms(float(rows), float(max(1, sessions)))
+
+    def _head_ms(self) -> float:
+        m = self.model
+        return m.predict(1, m.batch_context or int(m.contexts_of("head_step")[0]), "head_step")
+
+    def host_ms(self, places: list[str], rows: list[int]) -> float:
+        head = _head_steps(places, self.chain_length)
+        return (head * self._head_ms() if head else 0.0) + self.host_ms_per_session * len(rows)
+
+    def prefill_ms(self, positions: int, context: int) -> float:
+        m = self.model
+        top = int(m.rows_of("prefill")[-1])
+        total, done = 0.0, 0
+        while done < positions:
+            n = min(top, positions - done)
+            total += m.predict(max(int(m.rows_of("prefill")[0]), n), context + done, "prefill")
+            done += n
+        return total
+
+    def row_cost(self) -> RowCost:
+        return _plan_line(lambda r, n: self.forward_ms(r, n, 0.0), self.tree_rows, self.max_batch_rows, self.label)
+
+    def describe(self) -> dict:
+        return {"label": self.label, "assumptions": self.assumptions}
+
+
+def line_step_cost(
+    model, recipe_shape: dict | None, chain_length: int, *, tree_rows: int, max_batch_rows: int, path: str = ""
+) -> StepCost:
+    """The step cost of a cost-model FILE for the projection: its measured batched line when it has one
+    (`LineStepCost`), else the older single-session grid (`model_step_cost`). Refuses (StepCostError, one line) a
+    file measured on another model than the recipe's verifier (``recipe_shape``: its config's shape keys), or
+    without head steps (Cloud+MTP cannot be priced)."""
+    base = model_step_cost(model, recipe_shape, chain_length, path=path)
+    if not model.batch_points:
+        return base
+    if "head_step" not in model.kinds:
+        raise StepCostError(f"--cost-model {path}: no head_step points, so Cloud+MTP rounds cannot be priced")
+    return LineStepCost(
+        label=f"MEASURED batched line {path} ({model.model}, {model.device}, context {model.batch_context})",
+        chain_length=chain_length,
+        model=model,
+        tree_rows=tree_rows,
+        max_batch_rows=max_batch_rows,
+        assumptions=[
+            f"forward: the measured batched line of {path} ({len(model.batch_points)} points: sessions "
+            f"{sorted({p.sessions for p in model.batch_points})}, rows {min(p.rows for p in model.batch_points)}-"
+            f"{max(p.rows for p in model.batch_points)}), at context {model.batch_context}; linear beyond",
+            "head steps: the file's one-session head step, K per step with a cloud-mtp session (batching ASSUMED free)",
+            f"host work {ASSUMED_GPU_HOST_MS:g} ms per session and step (ASSUMED, not in a cost model)",
+        ],
+    )
+
+
 __all__ = [
     "ASSUMED_GPU_HOST_MS",
+    "LineStepCost",
+    "RooflineStepCost",
+    "line_step_cost",
+    "roofline_step_cost",
     "GpuStepCost",
     "MeasuredStepCost",
     "StepCost",

@@ -61,6 +61,7 @@ class SpeedProbe:
             draft_place=req.draft_place,
             max_new_tokens=10**6,
         )
+        s.tree_rows = s.place.tree_rows(max(len(rt.tokens) for rt in req.rounds))  # what a server's OPENED says
         try:
             s.prefill()
             replay, out = TraceRequest(req), []
@@ -76,7 +77,7 @@ class SpeedProbe:
                 reply = verify_batch(self.engine, rounds, BatchStats(), None)[0]
                 if isinstance(reply, BaseException):
                     raise RuntimeError(f"the speed probe's round {seq} failed: {reply}")
-                wire.encode(reply, version=s.wire_version)
+                wire.encode(s.grant(reply), version=s.wire_version)  # the whole tree granted, as a server would
                 out.append((time.thread_time() - c0) * 1e3)
                 if on_step is not None:
                     on_step(out[-1])
