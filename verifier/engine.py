@@ -247,10 +247,10 @@ class Session:
         """The reply of the round just finished with the next round's allowance (protocol 6: the rows it may hold,
         in [1, tree_rows], `DraftPlace.allowance` with the server's ``rule``, None for the whole tree; a finished
         reply grants 0), recorded here so the next round is checked against it (`OverAllowance`) and in the retry
-        record so a resent round gets the same reply. A session without tree_rows (no server) is not granted."""
-        if not self.tree_rows:
-            return reply
-        allowance = 0 if reply.finished else self.place.allowance(rule, self.tree_rows)
+        record so a resent round gets the same reply. A session without tree_rows (an engine used without a server)
+        grants as many rows as the round just verified held."""
+        limit = self.tree_rows or (len(self._last.tokens) if self._last is not None else 1)
+        allowance = 0 if reply.finished else self.place.allowance(rule, limit)
         self.allowance = allowance
         reply = replace(reply, allowance=allowance)
         if self._last is not None and self._last.seq == reply.seq:

@@ -36,9 +36,8 @@ PROTOCOL_VERSION = 6
 #: What an older peer is told (the ``unsupported_version`` message's fix).
 OLD_VERSION_FIX = (
     "update hycoc on both sides and rebuild the device bundle with it (`hycoc build RECIPE`): "
-    "protocol 6 sizes each round's tree by the verifier's load (the allowance, docs/serving.md \"Tree "
-    "allowance\") and re-renders each conversation with the checkpoint's template (docs/serving.md "
-    '"Conversations")'
+    "protocol 6 sizes each round's tree by the verifier's load and re-renders each conversation with the "
+    "checkpoint's template (docs/serving.md, sections Tree allowance and Conversations)"
 )
 MAGIC = b"HYCO"
 #: magic, version u16, message type u8, flags u8, payload length u32, payload crc32 u32 (the same in every version).
