@@ -355,18 +355,90 @@ def bundle_graph_costs(bundle_dir: str | os.PathLike) -> dict[str, GraphCost]:
     return out
 
 
-def plan_estimate(plan: Mapping, npu: int | str = "v81") -> dict:
+def allowance_round_ms(
+    head_ms: float,
+    slm_ms: float,
+    *,
+    chain_length: int,
+    sibling_depth: int,
+    tree_rows: int,
+    slm_rows: int,
+    slm_passes: int = 1,
+    host_ms_per_slm_pass: float = 0.0,
+) -> list[dict]:
+    """The phone's drafting ms of one HyCo round at each allowance A = 1 .. ``tree_rows`` (B + 1; protocol 6's
+    `hycoc.protocol.messages.RoundReply.allowance`, drafted as `hycoc.runtime.tree_builder.TreeBuilder.build` does):
+    K = ``chain_length`` head steps (Alg. 2) always, and, above the floor (A > K + 1), ``slm_passes`` SLM tree passes
+    plus ``host_ms_per_slm_pass`` of host work each; at the floor (A <= K + 1) no SLM pass.
+
+    head_ms / slm_ms: ms of one head step / one SLM tree pass (an estimate, `NpuProfile.call_ms`, or a profile's
+    median). slm_rows: the SLM tree graph's rows R; sibling_depth: D. A round at the floor leaves its committed
+    tokens (at most K + 1) without SLM KV; the next pass runs them first in chunks of up to R - K - D rows
+    (`hycoc.runtime.slm_drafter.SlmDrafter.catch_up`), so each floor round defers at most (K + 1) / (R - K - D) SLM
+    calls (``deferred_slm_ms_max``: their ms at that bound, paid once the allowance rises; less when fewer tokens
+    are accepted, and at most a ring's refill however long the floor lasts). Returns one dict per allowance:
+    ``allowance``, ``head_calls``, ``slm_calls``, ``ms`` (round ms, deferred part excluded), ``deferred_slm_ms_max``.
+    Raises ValueError for a tree or graph too small for the chain (tree_rows < 1, slm_rows <= K + D)."""
+    k, d = int(chain_length), int(sibling_depth)
+    if tree_rows < 1 or slm_rows <= k + d:
+        raise ValueError(
+            f"allowance_round_ms: needs tree_rows >= 1 and slm_rows > K + D ({k} + {d}); got {tree_rows}, {slm_rows}"
+        )
+    deferred = (k + 1) / (slm_rows - k - d) * slm_ms
+    out = []
+    for a in range(1, int(tree_rows) + 1):
+        slm_calls = int(slm_passes) if a > k + 1 else 0
+        ms = k * head_ms + slm_calls * (slm_ms + host_ms_per_slm_pass)
+        out.append(
+            {
+                "allowance": a,
+                "head_calls": k,
+                "slm_calls": slm_calls,
+                "ms": round(ms, 3),
+                "deferred_slm_ms_max": round(deferred if slm_calls == 0 else 0.0, 3),
+            }
+        )
+    return out
+
+
+def plan_allowance_rounds(plan: Mapping, profile: NpuProfile, sibling_depth: int, slm_passes: int = 1) -> list[dict]:
+    """`allowance_round_ms` at the plan's real shapes (`hycoc.passes.plan.real_shape_plan`'s ``round``: K, B + 1 tree
+    rows, the SLM graph's rows) with ``profile``'s estimated call ms and host term (`ESTIMATE_LABEL`)."""
+    r = plan["round"]
+    costs = plan_costs(plan)
+    return allowance_round_ms(
+        profile.call_ms(costs["head"]),
+        profile.call_ms(costs["slm"]),
+        chain_length=int(r["chain_length"]),
+        sibling_depth=int(sibling_depth),
+        tree_rows=int(r["tree_rows"]),
+        slm_rows=int(r["slm_rows"]),
+        slm_passes=slm_passes,
+        host_ms_per_slm_pass=profile.host_ms_per_slm_pass,
+    )
+
+
+def plan_estimate(plan: Mapping, npu: int | str = "v81", sibling_depth: int | None = None) -> dict:
     """The plan's ``device_time_estimate`` section (`hycoc inspect RECIPE`): the label, the NPU profile, per graph
-    bytes / MACs / estimated ms per call at the real shape, and every anchor's residual (`anchor_table`).
-    ``npu``: the Hexagon arch (81, "v81"); one without fitted constants gives ``{"label", "npu_profile": None,
-    "not_fitted": sentence}`` (`npu_profile`)."""
+    bytes / MACs / estimated ms per call at the real shape, every anchor's residual (`anchor_table`), and, given
+    the recipe's ``sibling_depth`` (D), HyCo's round ms at each allowance (``allowance_rounds``:
+    `plan_allowance_rounds`; empty without it). ``npu``: the Hexagon arch (81, "v81"); one without fitted constants
+    gives ``{"label", "npu_profile": None, "not_fitted": sentence}`` (`npu_profile`)."""
     try:
         profile = npu_profile(npu)
     except NotFittedError as e:
-        return {"label": ESTIMATE_LABEL, "npu_profile": None, "not_fitted": str(e), "graphs": {}, "anchors": []}
+        return {
+            "label": ESTIMATE_LABEL,
+            "npu_profile": None,
+            "not_fitted": str(e),
+            "graphs": {},
+            "anchors": [],
+            "allowance_rounds": [],
+        }
     return {
         "label": ESTIMATE_LABEL,
         "npu_profile": asdict(profile),
         "graphs": estimate_graphs(plan, profile),
         "anchors": anchor_table(plan, profile),
+        "allowance_rounds": [] if sibling_depth is None else plan_allowance_rounds(plan, profile, sibling_depth),
     }

@@ -115,7 +115,7 @@ def recipe_report(config, device=None) -> dict:
         plan["context_budget"]["device"] = device.name
         check_context_budget(plan["context_budget"], config)
     plan["chat"] = chat_summary(config)
-    plan["device_time_estimate"] = plan_estimate(plan, config.target.htp_arch)
+    plan["device_time_estimate"] = plan_estimate(plan, config.target.htp_arch, sibling_depth=config.tree.sibling_depth)
     return plan
 
 
@@ -173,6 +173,42 @@ def render_device_estimate(est: dict, console: Any = None) -> None:
         ],
         right=tuple(cols[2:6]),
         text=("anchor", "source"),
+    )
+    render_allowance_rounds(est.get("allowance_rounds") or [], console)
+
+
+def allowance_ranges(rounds: list[dict]) -> list[dict]:
+    """`hycoc.device_time.allowance_round_ms`'s rows grouped into runs of consecutive allowances with the same
+    calls and ms: ``{"from", "to", "head_calls", "slm_calls", "ms", "deferred_slm_ms_max"}`` each, in order."""
+    out: list[dict] = []
+    for r in rounds:
+        same = ("head_calls", "slm_calls", "ms", "deferred_slm_ms_max")
+        if out and all(out[-1][k] == r[k] for k in same) and out[-1]["to"] == r["allowance"] - 1:
+            out[-1]["to"] = r["allowance"]
+        else:
+            out.append({"from": r["allowance"], "to": r["allowance"], **{k: r[k] for k in same}})
+    return out
+
+
+def render_allowance_rounds(rounds: list[dict], console: Any = None) -> None:
+    """`hycoc inspect RECIPE`: HyCo's phone ms per round at each allowance (the rows the verifier lets the next
+    tree hold), as runs of allowances with the same cost (`allowance_ranges`). Prints nothing without rows."""
+    if not rounds:
+        return
+    console = inspect_console(console)
+    cols = ["allowance (rows)", "head steps", "SLM passes", "phone ms / round", "deferred SLM ms / round, at most"]
+    rows = []
+    for g in allowance_ranges(rounds):
+        span = str(g["from"]) if g["from"] == g["to"] else f"{g['from']}-{g['to']}"
+        deferred = f"{g['deferred_slm_ms_max']:.2f}" if g["slm_calls"] == 0 else "-"
+        rows.append([span, str(g["head_calls"]), str(g["slm_calls"]), f"{g['ms']:.2f}", deferred])
+    _print_table(
+        console,
+        "HyCo's phone ms per round at each allowance (estimate; at the floor, root + chain, no SLM pass: its "
+        "committed tokens get their SLM KV in the next pass's catch-up, the deferred column)",
+        cols,
+        rows,
+        right=tuple(cols[1:]),
     )
 
 
@@ -554,6 +590,8 @@ __all__ = [
     "recipe_report",
     "render_chat",
     "render_device_estimate",
+    "render_allowance_rounds",
+    "allowance_ranges",
     "render_manifest",
     "render_plan",
     "render_recipe_report",

@@ -306,6 +306,33 @@ def project_records(records: Sequence[Mapping], costs: Mapping[str, float]) -> d
     return out
 
 
+def bundle_allowance_rounds(
+    bundle_dir: str | os.PathLike, costs: Mapping[str, float], host_ms_per_slm_pass: float = 0.0
+) -> list[dict]:
+    """The phone's drafting ms of one HyCo round at each allowance (1 .. B + 1 rows) for a bundle:
+    `hycoc.device_time.allowance_round_ms` with the bundle's round constants (K, D, B, ``slm_passes``), its SLM tree
+    graph's rows, and ``costs`` (graph -> device ms per call: `load_device_costs` or `estimated_device_costs`; a
+    sharded SLM's shards summed, `call_ms`). host_ms_per_slm_pass: host work per SLM pass (the fitted estimate's
+    `hycoc.device_time.NpuProfile.host_ms_per_slm_pass`, or 0 for graph time alone). Raises DeviceProfileError when a
+    graph is not priced."""
+    from hycoc.bundle import load_manifest
+    from hycoc.device_time import allowance_round_ms
+
+    m = load_manifest(Path(bundle_dir))
+    r = m.round
+    slm_rows = int(next(t.shape[1] for t in m.chain_entry("slm").inputs if t.name == "inputs_embeds"))
+    return allowance_round_ms(
+        call_ms("head", costs),
+        call_ms("slm", costs),
+        chain_length=r.chain_length,
+        sibling_depth=r.sibling_depth,
+        tree_rows=r.node_budget + 1,
+        slm_rows=slm_rows,
+        slm_passes=r.slm_passes,
+        host_ms_per_slm_pass=host_ms_per_slm_pass,
+    )
+
+
 def profile_table(result: Mapping[str, Any]):
     """`profile_bundle`'s result as a `hycoc.bench.tables.TextTable`: per graph its AI Hub job, median and p90
     execute ms, runs, peak MB and its three costliest op types."""
