@@ -88,6 +88,7 @@ class AllowanceRule:
         if self.target_ms is not None and not (math.isfinite(self.target_ms) and self.target_ms > 0):
             raise ValueError(f"allowance target_ms = {self.target_ms}: must be a positive number of ms, or None")
         self.state = AllowanceState(np.full(max(0, self.ceiling - 1), np.nan))
+        self._memo: tuple[tuple, int] | None = None  # (the state it was computed for, the allowance)
 
     # ------------------------------------------------------------------------------------------------ learning
 
@@ -134,6 +135,14 @@ class AllowanceRule:
         load to size for (rounds per batched step; None: the learned average). Before any tree was seen, the
         ceiling (nothing to rank yet)."""
         n = self.state.sessions if sessions is None else float(sessions)
+        key = (n, self.state.trees, self.state.steps, self.budget.value_scale, self.budget.overhead_ms)
+        if self._memo is not None and self._memo[0] == key:
+            return self._memo[1]  # every session of a step is granted at once: one computation per step
+        rows = self._best_rows(n)
+        self._memo = (key, rows)
+        return rows
+
+    def _best_rows(self, n: float) -> int:
         if n <= 1 or n * self.ceiling <= self.free_rows or self.state.trees == 0:
             return self.ceiling
         rows = np.arange(self.floor, self.ceiling + 1)

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hycoc.numerics import percentile
+from hycoc.protocol import wire
 
 if TYPE_CHECKING:
     from hycoc.bench.tables import TextTable
@@ -76,6 +77,9 @@ RUN_KEYS = (
     "latency_ms",
     "open_ms_p50",
     "rows_per_tree",
+    "round_bytes_up",
+    "allowance_mean",
+    "rows_not_drafted",
     "rows_per_forward",
     "sessions_per_forward",
     "queue_wait_ms",
@@ -162,6 +166,10 @@ def summarize_run(
         },
         "open_ms_p50": percentile(stats.opens_ms, 50),
         "rows_per_tree": float(np.mean([r.rows for r in rounds])) if rounds else None,
+        # the ROUND frames' bytes, device -> verifier (scores included, as the device sends them)
+        "round_bytes_up": float(np.mean([wire.tree_nbytes(r.rows) for r in rounds])) if rounds else None,
+        "allowance_mean": _hist_mean(before, after, "hycoc_allowance_rows"),
+        "rows_not_drafted": diff("hycoc_rows_not_drafted_total"),
         "rows_per_forward": _hist_mean(before, after, "hycoc_batch_rows"),
         "sessions_per_forward": _hist_mean(before, after, "hycoc_batch_sessions"),
         "queue_wait_ms": _hist_mean(before, after, "hycoc_queue_wait_seconds", 1000.0),
@@ -416,6 +424,8 @@ def load_table(rows: list[dict], title: str) -> TextTable:
         "p99 ms",
         "rows/fwd",
         "rows kept/session",
+        "device ms/round",
+        "ROUND B",
         "errors",
         "proj.: trees/fwd",
         "proj.: GPU speed-up",
@@ -440,12 +450,14 @@ def load_table(rows: list[dict], title: str) -> TextTable:
                 _num(lat["p99"]),
                 _num(r["rows_per_forward"]),
                 _num(r.get("rows_kept_per_session")),
+                _num((r.get("device_wait_ms") or {}).get("asked"), 1),
+                _num(r.get("round_bytes_up")),
                 errors,
                 _num(p.get("trees_per_forward"), 2),
                 "n/a" if speedup is None else f"{speedup:.2f}x",
             ]
         )
-    justify = ["left", "right"] + ["right"] * 10 + ["left", "right", "right"]
+    justify = ["left", "right"] + ["right"] * 12 + ["left", "right", "right"]
     return TextTable(title, headers, out, keys=2, justify=justify)
 
 

@@ -379,9 +379,10 @@ def loadtest(
     batching: str | None = typer.Option(
         None,
         help="comma-separated modes, one server each: serial (one session per forward), batched (sessions' "
-        "trees in one forward, as sent: verify-server --batching batched --tree-budget fixed), budgeted (batched, "
-        "rows chosen across the trees by their scores: --tree-budget auto, the recipe default) (default: serial; "
-        "with --server: the mode it reports in /healthz, checked when given)",
+        "trees in one forward, as sent: verify-server --batching batched --tree-budget fixed --allowance fixed), "
+        "budgeted (batched, rows chosen across the trees by their scores: --tree-budget auto --allowance fixed), "
+        "allowance (budgeted, and each reply sizes the session's next tree from the load: --allowance auto, the "
+        "recipe default) (default: serial; with --server: the mode it reports in /healthz, checked when given)",
         show_default=False,
     ),
     device_ms: float | None = typer.Option(
@@ -485,7 +486,7 @@ def loadtest(
         temperature = 0.0
         typer.echo(
             f"hycoc loadtest: every mode runs at temperature 0 (the recipe's: {cfg.sampling.temperature:g}):"
-            "\n  budgeted rounds commit less than the recorded ones, and only greedy text"
+            "\n  budgeted and allowance rounds commit less than the recorded ones, and only greedy text"
             "\n  stays the recording's, so its trees still fit (--temperature to choose)",
             err=True,
         )
