@@ -53,6 +53,7 @@ from hycoc.bench.runner import VerifierProcess
 from hycoc.protocol import wire
 from hycoc.protocol.messages import Close, DraftTree, ErrorReply, Opened, commit_cut
 from hycoc.serving_limits import SCORED_MODES, SERVER_MODES
+from hycoc.verifier.draft_place import PLACES
 
 #: Seconds a device waits after an OPEN refused for capacity (too_many_sessions, kv_budget_exhausted) before its
 #: next request: the server's retry hint is 5 s by default, but a load test wants the pressure to stay on.
@@ -191,7 +192,7 @@ async def replay_request(
                 return
             stats.opens_ms.append(1000.0 * (loop.time() - sent))
             limits = wire.Limits.from_opened(opened, max_frame_bytes)
-            cloud_mtp = req.draft_place == "cloud-mtp"
+            cloud_mtp = not PLACES[req.draft_place].device_rows  # the root alone; the server drafts the chain
             if cloud_mtp:  # root-only trees; the verifier's own chain makes its replies 1 + K rows
                 limits = replace(limits, tree_rows=None)
             root, produced, prompt_len = req.prompt[-1], 0, len(req.prompt)
