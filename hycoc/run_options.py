@@ -74,6 +74,44 @@ class AnswerPrinter:
             self.out.flush()
 
 
+def htp_settings(
+    backend: str,
+    *,
+    performance_mode: str | None = None,
+    context_priority: str | None = None,
+    finalization: str | None = None,
+    rpc_latency_us: int | None = None,
+):
+    """The QNN session settings of ``hycoc run`` (`hycoc.runtime.htp_session.HtpSessionSettings`; docs/device-runtime.md
+    "QNN session settings"): None (the defaults) for an htp run that names none of them and for any cpu run that
+    names none; each option given replaces its default. Raises `RunOptionError` (code 2) for a value outside its
+    choices (naming the option and the choices) and for an option given with a backend other than htp."""
+    from hycoc.runtime.htp_session import HtpSessionSettings, HtpSettingError
+
+    given = {
+        "--htp-performance-mode": performance_mode,
+        "--htp-context-priority": context_priority,
+        "--htp-finalization": finalization,
+        "--htp-rpc-latency-us": rpc_latency_us,
+    }
+    named = [k for k, v in given.items() if v is not None]
+    if not named:
+        return None
+    if backend != "htp":
+        raise RunOptionError(f"{', '.join(named)}: QNN session settings apply to --backend htp, not {backend}")
+    fields = {
+        "performance_mode": performance_mode,
+        "context_priority": context_priority,
+        "finalization_mode": finalization,
+        "rpc_control_latency_us": rpc_latency_us,
+    }
+    option = dict(zip(fields, given))
+    try:
+        return HtpSessionSettings(**{k: v for k, v in fields.items() if v is not None})
+    except HtpSettingError as e:
+        raise RunOptionError(f"{option[e.field]} {e.value!r}: {e.detail}") from None
+
+
 def simulator_note(backend: str, device) -> str | None:
     """The line `hycoc run` prints before an htp run on the QNN HTP simulator, else None: ``device`` is the
     `hycoc.runtime.device_identity.DeviceIdentity` seen; on an x86 host (``device.simulator``) the HTP backend
@@ -106,4 +144,12 @@ def summary_line(mode: str, metrics: dict, prefill_ms: float, finish_reason: str
     )
 
 
-__all__ = ["AnswerPrinter", "RunOptionError", "check_run_options", "run_error", "simulator_note", "summary_line"]
+__all__ = [
+    "AnswerPrinter",
+    "RunOptionError",
+    "check_run_options",
+    "htp_settings",
+    "run_error",
+    "simulator_note",
+    "summary_line",
+]

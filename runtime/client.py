@@ -43,6 +43,7 @@ from dataclasses import replace
 
 import numpy as np
 from hycoc.runtime.drafters import Drafter, RuntimeProtocolError, SlmTreeDrafter, allowed_rows, drafter_class
+from hycoc.runtime.htp_session import HtpSessionSettings
 from hycoc.runtime.mtp_drafter import MtpDrafter
 from hycoc.runtime.result import RequestResult
 from hycoc.runtime.slm_drafter import SlmDrafter
@@ -442,6 +443,7 @@ def load_runtime(
     threads: int | None = None,
     io_binding: bool = False,
     htp_shared_memory: bool = False,
+    htp: HtpSessionSettings | None = None,
 ) -> DeviceRuntime:
     """Open a bundle (hash- and target-checked, `open_bundle`) and its graphs on ``backend`` (head, slm, and
     slm_decode when the bundle has it: slm-alone's 1-row graph). io_binding: run
@@ -450,7 +452,9 @@ def load_runtime(
     htp_shared_memory: the drafters' rings in the QNN EP's HTP shared memory (RPCMem), bound once through
     IOBindings, so no call copies them (`GraphRunner` ``shared_memory``); htp backend only (ValueError otherwise),
     and only where the platform has the allocator (a Snapdragon device's libcdsprpc.so): SharedMemoryUnavailable
-    (`hycoc.targets.qnn_ep`) on the x86 HTP simulator, before the bundle is opened."""
+    (`hycoc.targets.qnn_ep`) on the x86 HTP simulator, before the bundle is opened. htp: the QNN session settings of
+    every graph (`hycoc.runtime.htp_session.HtpSessionSettings`; None = its defaults: burst, normal priority, 100 µs
+    RPC latency); htp backend only (ValueError for settings given with another backend)."""
     from hycoc.runtime.device_bundle import open_bundle
     from hycoc.runtime.graphs import GraphRunner, code_outputs, open_graph, runtime_outputs
 
@@ -464,6 +468,8 @@ def load_runtime(
 
         htp_shared_memory_info()  # SharedMemoryUnavailable here, with what a device needs
         io_binding = True
+    if htp is not None and backend != "htp":
+        raise ValueError(f"the QNN session settings are the htp backend's: not with backend {backend!r}")
     bundle = open_bundle(bundle_dir, backend)
     m = bundle.manifest
     sets = max(2, bundle.round.specedge_passes, bundle.round.slm_passes)
@@ -476,6 +482,7 @@ def load_runtime(
         outputs=runtime_outputs(m.graph("head")),
         io_binding=io_binding,
         shared_memory=htp_shared_memory,
+        htp=htp,
     )
     # open_graph: the SLM as layer shards (slm.s0, slm.s1, ...) runs as one chained graph (ShardChainRunner)
     slm = open_graph(
@@ -489,6 +496,7 @@ def load_runtime(
         output_sets=sets,
         shared_memory=htp_shared_memory,
         codes=code_outputs(m.chain_entry("slm")),
+        htp=htp,
     )
     decode = None
     if any(g.name == "slm_decode" for g in m.graphs):  # bundles built before the slm_decode graph existed have none
@@ -501,6 +509,7 @@ def load_runtime(
             outputs=runtime_outputs(m.graph("slm_decode")),
             io_binding=io_binding,
             codes=code_outputs(m.graph("slm_decode")),
+            htp=htp,
         )
     return DeviceRuntime(bundle, head, slm, decode)
 

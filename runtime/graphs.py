@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from hycoc.runtime.htp_session import HtpSessionSettings
 
 from hycoc.bundle import (
     Encoding,
@@ -118,6 +119,26 @@ def cpu_session_options(threads: int | None = None):
     return so
 
 
+def htp_provider_options(
+    manifest: Manifest, settings: HtpSessionSettings | None = None, shared_memory: bool = False
+) -> dict[str, str]:
+    """The QNN EP provider options of a bundle's graph on the htp backend: the manifest target's profile
+    (``backend_type``, ``htp_arch``, ``soc_model``, its finalization mode; `hycoc.targets.profiles.profile_for`),
+    then ``settings`` (`hycoc.runtime.htp_session.HtpSessionSettings`: performance mode, context priority, RPC
+    latency, a finalization mode when set; None = its defaults), then the shared-memory allocator when asked.
+    Raises TargetMismatch for a bundle that names no HTP arch / SoC."""
+    from hycoc.targets.profiles import profile_for
+
+    t = manifest.target
+    if t.htp_arch is None or t.soc_model is None:
+        raise TargetMismatch("backend htp needs a bundle built for an HTP target; this one names no HTP arch/SoC")
+    options = profile_for(t.htp_arch, t.soc_model, None).provider_options()
+    options.update((settings or HtpSessionSettings()).provider_options())
+    if shared_memory:  # RPCMem buffers the HTP reads in place (`htp_shared_memory_info`)
+        options["enable_htp_shared_memory_allocator"] = "1"
+    return options
+
+
 def _session(
     path: Path,
     backend: str,
@@ -125,6 +146,7 @@ def _session(
     threads: int | None,
     shared_memory: bool = False,
     context_group: bool = False,
+    htp: HtpSessionSettings | None = None,
 ):
     import onnxruntime as ort
 
@@ -132,18 +154,9 @@ def _session(
         return ort.InferenceSession(
             str(path), sess_options=cpu_session_options(threads), providers=["CPUExecutionProvider"]
         )
-    from hycoc.targets.profiles import profile_for
     from hycoc.targets.qnn_ep import session_options
 
-    t = manifest.target
-    if t.htp_arch is None or t.soc_model is None:
-        raise TargetMismatch(
-            f"backend {backend} needs a bundle built for an HTP target; this one names no HTP arch/SoC"
-        )
-    profile = profile_for(t.htp_arch, t.soc_model, None)
-    options = profile.provider_options()
-    if shared_memory:  # RPCMem buffers the HTP reads in place (`htp_shared_memory_info`)
-        options = {**options, "enable_htp_shared_memory_allocator": "1"}
+    options = htp_provider_options(manifest, htp, shared_memory)
     with _native_stdout_to_stderr():
         config = {"session.disable_cpu_ep_fallback": "1"}
         if context_group:  # layer shards: one EP context group (`ShardChainRunner`)
@@ -226,6 +239,9 @@ class GraphRunner:
     libcdsprpc.so), else SharedMemoryUnavailable.
     ``context_group`` (htp): the session joins the process's EP context group (``ep.share_ep_contexts=1``), as
     `ShardChainRunner`'s shards do.
+    ``htp`` (htp): the QNN session settings (`hycoc.runtime.htp_session.HtpSessionSettings`: performance mode,
+    context priority, RPC latency, finalization mode; None = its defaults), merged into the provider options by
+    `htp_provider_options`.
     ``calls`` / ``seconds`` count the runs and their wall time.
     ``codes``: outputs given back as the graph's integer codes (not dequantized): the KV rows of a graph with
     quantized IO, which the drafters copy into their integer rings as they are. An integer input fed in its own
@@ -252,6 +268,7 @@ class GraphRunner:
         shared_memory: bool = False,
         context_group: bool = False,
         codes: Sequence[str] = (),
+        htp: HtpSessionSettings | None = None,
     ):
         self.entry: GraphEntry = manifest.graph(name)
         self._codes = frozenset(codes)
@@ -273,7 +290,7 @@ class GraphRunner:
             _refuse_shared_binary_on_simulator(manifest, self.entry)
         t0 = time.perf_counter()
         try:
-            self.session = _session(path, backend, manifest, threads, shared_memory, context_group)
+            self.session = _session(path, backend, manifest, threads, shared_memory, context_group, htp)
         except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
             raise GraphRunError(
                 f"graph {name} ({self.entry.file}) did not load on the {backend} backend: "
@@ -487,6 +504,7 @@ class ShardChainRunner:
         io_binding: bool = False,
         output_sets: int = 1,
         codes: Sequence[str] = (),
+        htp: HtpSessionSettings | None = None,
     ):
         chain = manifest.graph_chain(name)
         self.name = name
@@ -522,6 +540,7 @@ class ShardChainRunner:
                     output_sets=output_sets,
                     context_group=True,
                     codes=sorted(set(inner) | (set(codes) & set(wanted))),
+                    htp=htp,
                 )
             )
         self.load_seconds = sum(r.load_seconds for r in self.shards)
@@ -558,6 +577,7 @@ def open_graph(
     output_sets: int = 1,
     shared_memory: bool = False,
     codes: Sequence[str] = (),
+    htp: HtpSessionSettings | None = None,
 ):
     """Graph ``name`` of a bundle as one runner: a `GraphRunner`, or a `ShardChainRunner` when the bundle holds it
     as layer shards (`Manifest.graph_chain`). Arguments and errors as `GraphRunner`; shared_memory (HTP shared
@@ -575,6 +595,7 @@ def open_graph(
             output_sets=output_sets,
             shared_memory=shared_memory,
             codes=codes,
+            htp=htp,
         )
     return ShardChainRunner(
         bundle_dir,
@@ -586,4 +607,5 @@ def open_graph(
         io_binding=io_binding,
         output_sets=output_sets,
         codes=codes,
+        htp=htp,
     )

@@ -84,6 +84,33 @@ def run(
         "default 1, no spinning; 0 = onnxruntime's default pool)",
         show_default=False,
     ),
+    htp_performance_mode: str | None = typer.Option(
+        None,
+        metavar="MODE",
+        help="htp: the QNN HTP performance mode (burst, sustained_high_performance, high_performance, balanced, "
+        "default, low_balanced, high_power_saver, power_saver, low_power_saver, extreme_power_saver; default burst, "
+        "as Qualcomm's Genie runs)",
+        show_default=False,
+    ),
+    htp_context_priority: str | None = typer.Option(
+        None,
+        metavar="PRIORITY",
+        help="htp: the QNN context priority (low, normal, normal_high, high; default normal)",
+        show_default=False,
+    ),
+    htp_finalization: str | None = typer.Option(
+        None,
+        metavar="0-3",
+        help="htp: the QNN graph finalization optimization mode (0-3; default the bundle's target profile; a "
+        "bundle's graphs were finalized at build, so it affects only graphs the EP prepares itself)",
+        show_default=False,
+    ),
+    htp_rpc_latency_us: int | None = typer.Option(
+        None,
+        metavar="US",
+        help="htp: the QNN RPC control latency in microseconds (0 = not set; default 100, as Genie's configs)",
+        show_default=False,
+    ),
     auth_token: str | None = typer.Option(
         None, envvar="HYCOC_AUTH_TOKEN", help=f"token the server requires; {AUTH_TOKEN_HELP}", show_default=False
     ),
@@ -101,6 +128,7 @@ def run(
         AnswerPrinter,
         RunOptionError,
         check_run_options,
+        htp_settings,
         run_error,
         simulator_note,
         summary_line,
@@ -140,7 +168,17 @@ def run(
         raise _fail("run", "no user message on stdin")
     backend_name = _bundle_backend(bundle, backend)
     try:
-        rt = load_runtime(bundle, backend_name, threads=threads)
+        htp = htp_settings(
+            backend_name,
+            performance_mode=htp_performance_mode,
+            context_priority=htp_context_priority,
+            finalization=htp_finalization,
+            rpc_latency_us=htp_rpc_latency_us,
+        )
+    except RunOptionError as e:
+        raise _fail("run", str(e), code=e.code) from None
+    try:
+        rt = load_runtime(bundle, backend_name, threads=threads, htp=htp)
     except (BundleError, GraphRunError, QnnUnavailableError, ValueError) as e:
         raise _fail("run", str(e)) from None
     if backend_name == "htp":  # after the bundle loader's checks: a refused bundle gets its one line alone
