@@ -149,9 +149,10 @@ class SlmDrafter:
         max(1, R - ``reserve``) rows, r included, for the pass to run (as `prefill` does at a request's start).
 
         Up to W tokens behind (W = the longest ring): `prefill`'s chunks of R rows from the first position without
-        KV, in order, so every position's KV is computed over the same ring positions a drafter that never skipped
-        computed it over (equal up to the forward's own rounding: a row's KV does not depend on the other rows of
-        its forward). More than W behind: the ring is refilled cold from the last W committed positions, as `start`
+        KV, in order, so every position's KV is computed from its token, its position and the KV of the same
+        positions before it as on a drafter that never skipped (equal up to rounding: those keys sit in other
+        columns of the forward, ring or chunk rows, than in the tree forward that computed them there). More than W
+        behind: the ring is refilled cold from the last W committed positions, as `start`
         fills a new request's (App. C), which costs at most W / (R - reserve) forwards however long the SLM sat
         out. Returns "none" (nothing to run), "chunks" or "refill"; the forwards' time goes to
         ``prefill_seconds``."""
