@@ -152,6 +152,7 @@ class PartialVerifier:
             reason is not None,
             finish_reason=reason,
             verified=verified,
+            allowance=0 if reason is not None else ROWS,  # protocol 6: the whole tree, as an unloaded server
         )
         if self.tamper is not None:
             reply = self.tamper(reply)
