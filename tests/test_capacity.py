@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -19,6 +19,7 @@ from hycoc.bench.capacity import (
     SimConfig,
     SimRound,
     SyntheticRequest,
+    TreeRequest,
     Workload,
     cpu_slowdown,
     simulate,
@@ -26,6 +27,7 @@ from hycoc.bench.capacity import (
 )
 from hycoc.bench.capacity_cost import StepCost, StepCostError, model_step_cost
 from hycoc.bench.capacity_run import search_devices, trace_workload
+from hycoc.bench.capacity_trees import TreeModel, TreePool, phone_ms, tree_pool
 from hycoc.bench.loadtrace import RequestTrace, RoundTrace, Trace
 
 
@@ -490,3 +492,128 @@ def test_event_loop_work_holds_up_a_running_step_through_the_gil():
         cfg = SimConfig(mode="serial", devices=2, duration_s=0.2, loop_ms=2.0, gil_share=share)
         res = simulate(Workload(work), cfg, FixedCost(a=10.0))
         assert res.server_ms[0] == pytest.approx(want)
+
+
+def _pool() -> TreePool:
+    """A small fitted pool of HyCo-shaped trees (ε, MAT 4.71)."""
+    return tree_pool(TreeModel(), 4.71, trees=40, seed=0)
+
+
+def _tree_devices(pool, ceiling: int = 33, head_ms: float = 20.0, full_ms: float = 50.0) -> Workload:
+    return Workload(
+        lambda i, k: TreeRequest(
+            8, 10**9, pool, ceiling, lambda r: phone_ms(full_ms, head_ms, r, 4), "device", np.random.default_rng([i, k])
+        )
+    )
+
+
+def test_allowance_is_the_servers_rule_and_devices_draft_to_it(monkeypatch):
+    """Mode allowance builds the server's own `AllowanceRule` (sharing the budget's `BudgetState`), teaches it every
+    step's sessions and every scored tree verified, and each reply's allowance (its place's
+    `DraftPlace.allowance`) is what the device drafts next: with the rule pinned at 5 rows, every round after a
+    device's first holds 5 rows and is drafted without the SLM pass (the head's 20 ms); one device alone gets the
+    ceiling from the real rule."""
+    from hycoc.verifier import allowance as allowance_mod
+
+    seen = {"trees": 0, "steps": []}
+    real = allowance_mod.AllowanceRule
+
+    class Pinned(real):
+        def observe_tree(self, scores, tokens, parents):
+            seen["trees"] += 1
+            super().observe_tree(scores, tokens, parents)
+
+        def observe_step(self, sessions, step_ms=None, forward_ms=None):
+            seen["steps"].append(sessions)
+            super().observe_step(sessions, step_ms, forward_ms)
+
+        def allowance(self, sessions=None):
+            return 5
+
+    monkeypatch.setattr(allowance_mod, "AllowanceRule", Pinned)
+    line = RowCost(((2, 10.0), (33, 20.0), (66, 40.0)), source="test")
+    cfg = SimConfig(mode="allowance", devices=3, duration_s=1.0, tree_rows=33, chain_length=4)
+    res = simulate(_tree_devices(_pool()), cfg, FixedCost(a=10.0, line=line))
+    rounds = res.stats.rounds
+    assert [r.rows for r in rounds[:3]] == [33, 33, 33] and {r.rows for r in rounds[3:]} == {5}
+    assert {round(d) for d, _ in res.stats.device_waits_ms[3:]} == {20}
+    assert seen["trees"] == len(rounds) and sum(seen["steps"]) == len(rounds)
+    assert set(res.allowances) == {5}
+    monkeypatch.setattr(allowance_mod, "AllowanceRule", real)
+    one = simulate(_tree_devices(_pool()), replace(cfg, devices=1), FixedCost(a=10.0, line=line))
+    assert {r.rows for r in one.stats.rounds} == {33} and set(one.allowances) == {33}
+
+
+def test_allowance_shrinks_trees_under_load():
+    """With a steep line (every row costs) and many devices, the real rule's allowance falls below the ceiling,
+    the devices send fewer rows than 33, and a ROUND's bytes follow its rows (23 + 8 R)."""
+    from hycoc.bench.capacity_run import GEMMA4_FRAMES
+
+    line = RowCost(((1, 5.0), (33, 20.0), (330, 200.0)), source="test")
+    cfg = SimConfig(mode="allowance", devices=24, duration_s=3.0, tree_rows=33, chain_length=4, frames=GEMMA4_FRAMES)
+    res = simulate(_tree_devices(_pool()), cfg, FixedCost(a=5.0, c=0.5, line=line))
+    row = summarize("allowance", cfg, res)
+    assert row["allowance"]["p50"] < 33 and row["rows_sent_per_round"] < 33
+    assert row["bytes_up_per_round"] == pytest.approx(23 + 8 * row["rows_sent_per_round"])
+
+
+def test_cli_refuses_what_it_cannot_simulate():
+    """--batching allowance on a recipe whose recorded trees are replayed (the toy) and an unknown --gpu are one
+    line each, exit 2."""
+    from typer.testing import CliRunner
+
+    from hycoc.cli import app
+
+    runner = CliRunner()
+    got = runner.invoke(app, ["capacity", "recipes/toy.toml", "--batching", "batched,allowance"])
+    assert got.exit_code == 2 and "--batching allowance: recipes/toy.toml replays recorded trees" in got.output
+    got = runner.invoke(app, ["capacity", "recipes/gemma4.toml", "--gpu", "a100"])
+    assert got.exit_code == 2 and "--gpu 'a100': allowed: rtx-pro-6000, h100, h200" in got.output
+    got = runner.invoke(app, ["capacity", "recipes/toy.toml", "--validate", "--validate-modes", "allowance"])
+    assert got.exit_code == 2 and "allowed: serial, batched, budgeted" in got.output
+
+
+def test_projection_runs_every_mode_and_lists_its_inputs(tmp_path):
+    """A short projection of recipes/gemma4.toml: hyco with the allowance and cloud-mtp over LTE; the table's rows
+    carry the allowance, the drafting and the ratios against cloud-mtp; the assumptions name the GPU's source, the
+    fitted trees and the device-time estimate per allowance; a cost-model file of another model is refused in one
+    line."""
+    from pathlib import Path
+
+    from hycoc.bench.capacity_cost import StepCostError
+    from hycoc.bench.capacity_projection import projection_cost, run_projection
+    from hycoc.bench.cost_model import CostModel, CostPoint
+    from hycoc.recipe import load_recipe
+
+    cfg = load_recipe(Path("recipes/gemma4.toml"))
+    plan = (("hyco", "allowance"), ("cloud-mtp", "batched"))
+    doc = run_projection(
+        cfg,
+        Path("recipes/gemma4.toml"),
+        ["hyco", "cloud-mtp"],
+        ["allowance"],
+        60.0,
+        3.0,
+        1,
+        None,
+        1.0,
+        tmp_path,
+        gpu="h200",
+        variants=(("LTE", "lte", 1.0, plan),),
+    )
+    rows = {r["config"]: r for r in doc["capacity"]}
+    assert rows["hyco"]["mode"] == "allowance" and rows["hyco"]["allowance"] is not None
+    assert rows["cloud-mtp"]["vs_cloud_mtp"] == 1.0 and rows["hyco"]["tok_vs_cloud_mtp"] is not None
+    text = "\n".join(doc["assumptions"])
+    assert "H200 Tensor Core GPU datasheet" in text and "FITTED" in text and "allowance_round_ms" in text
+    assert (tmp_path / "capacity.json").is_file()
+    toy = CostModel(
+        device="NVIDIA H100",
+        dtype="bfloat16",
+        model="toy",
+        shape={"hidden_size": 256},
+        points=[CostPoint(kind="verify", rows=r, context=c, ms=1.0) for r in (1, 33) for c in (64, 128)],
+    )
+    toy.save(tmp_path / "toy.json")
+    with pytest.raises(StepCostError, match="measured on another model .*hidden_size = 256.*has 2816"):
+        projection_cost(cfg, tmp_path / "toy.json", "h200")

@@ -17,7 +17,14 @@ replica is one worker that runs steps, as `hycoc.verifier.scheduler.BatchSchedul
 * budgeted: batched, and the rows of a step with more than one round are chosen by the server's own
   `hycoc.verifier.row_budget.RowBudget` (``choose``: `allocate` with what its `BudgetState` learned; ``observe_step``:
   host ms per session and accepted per expected token from the simulated steps, as
-  `hycoc.verifier.batch.verify_batch` does).
+  `hycoc.verifier.batch.verify_batch` does);
+* allowance: budgeted, and after every step the server's own `hycoc.verifier.allowance.AllowanceRule` (sharing the
+  budget's `BudgetState`) learns the step's sessions and the scored trees it verified, and each reply carries the
+  rows the session's next tree may hold (`hycoc.verifier.draft_place.DraftPlace.allowance`); the device drafts
+  ``min(allowance, B + 1)`` rows (`SimRequest.allow`), and its drafting time and ROUND bytes follow the rows.
+
+What differs per draft place (rows a round sends, rows it adds to the forward, whether a budget may trim it) is
+asked of the server's `hycoc.verifier.draft_place.DraftPlace` objects, not branched on names.
 
 What a step costs comes from a `StepCost` (`hycoc.bench.capacity_cost`: measured on this machine, a cost-model file,
 or labelled GPU assumptions). What a round commits is replayed: a recorded round's accepted path, cut where the
@@ -43,10 +50,12 @@ from hycoc.bench.loadtest import RoundSample, RunStats
 from hycoc.bench.loadtrace import RequestTrace, tree_at
 from hycoc.serving_limits import DEFAULT_MAX_BATCH_ROWS, DEFAULT_MAX_BATCH_WAIT_MS
 from hycoc.verifier.batch_policy import batch_ready, take_rounds
+from hycoc.verifier.draft_place import draft_place
 from hycoc.verifier.row_budget import DEFAULT_MIN_ROWS, RowBudget, RowCost
 
-#: Simulated batching modes (`hycoc.bench.loadtest.MODE_ARGS`).
-MODES = ("serial", "batched", "budgeted")
+#: Simulated batching modes (`hycoc.bench.loadtest.MODE_ARGS`): allowance is budgeted plus the verifier's tree
+#: allowance (`hycoc.verifier.allowance.AllowanceRule`: each reply sizes the session's next tree from the load).
+MODES = ("serial", "batched", "budgeted", "allowance")
 #: ASSUMED: a step counts as cold (the cost's ``idle_factor``) when its worker had waited at least this many ms
 #: since its last step ended (a device drafting, a batch wait): the factor is measured after the recorded drafting
 #: time (~10 ms for the toy), and a wait of a millisecond or more is taken to cool the caches the same way.
@@ -91,6 +100,10 @@ class SimRequest:
     def finished(self) -> bool:
         """Whether the request has no round left (the verifier's reply would say finished)."""
         raise NotImplementedError
+
+    def allow(self, rows: int) -> None:
+        """The last reply's allowance: the rows the next round may hold (protocol 6). Requests that do not draft
+        to an allowance (recorded trees, fixed-size synthetic ones) ignore it."""
 
 
 def _sub_path(tokens: np.ndarray, parents: np.ndarray, path_rows: tuple[int, ...], d: int) -> tuple[int, ...]:
@@ -141,7 +154,7 @@ class TraceRequest(SimRequest):
         else:
             path, committed = tuple(rt.path_rows), tuple(rt.committed) or (0,) * (len(rt.path_rows) + 1)
         ms = self.fixed_ms if self.fixed_ms is not None else rt.device_ms * self.scale
-        rows = 1 if self.draft_place == "cloud-mtp" else len(tokens)
+        rows = draft_place(self.draft_place).tree_rows(len(tokens))
         return SimRound((scores, tokens, parents), rows, float(ms), path, committed)
 
     def commit(self, tokens) -> None:
@@ -180,10 +193,59 @@ class SyntheticRequest(SimRequest):
             return None
         base = int(math.floor(self.mat))
         n = min(self.left, base + int(self.rng.random() < self.mat - base))
-        rows = 1 if self.draft_place == "cloud-mtp" else self.rows
+        rows = draft_place(self.draft_place).tree_rows(self.rows)
         tree = (None, np.zeros(self.rows, np.int32), np.arange(-1, self.rows - 1))
         ms = self.rng.exponential(self.device_ms) if self.exponential else self.device_ms
         return SimRound(tree, rows, float(ms), tuple(range(1, n)), (0,) * n)
+
+    def commit(self, tokens) -> None:
+        self.left -= len(tokens)
+
+    def finished(self) -> bool:
+        return self.left <= 0
+
+
+class TreeRequest(SimRequest):
+    """A request of ``output_tokens`` tokens whose rounds are drawn from a `hycoc.bench.capacity_trees.TreePool`
+    (scored trees, their acceptance fitted to a MAT) and drafted to the last reply's allowance: rows =
+    min(allowance, ``ceiling``) (`allow`; the ceiling before any reply), the drafting time
+    ``phone_ms(rows)`` (ms; the SLM pass skipped at or below ``floor`` rows, each such round leaving ``deferred_ms``
+    of SLM catch-up that the next round above the floor pays), the accepted path the pool's walk over the rows
+    sent.
+    The real-shape projection's device with scores (`hycoc.bench.capacity_run.tree_workload`)."""
+
+    def __init__(
+        self,
+        prompt_len: int,
+        output_tokens: int,
+        pool,
+        ceiling: int,
+        phone_ms: Callable[[int], float],
+        draft_place: str,
+        rng: np.random.Generator,
+        *,
+        floor: int = 0,
+        deferred_ms: float = 0.0,
+    ):
+        self.prompt_len, self.left, self.pool = int(prompt_len), int(output_tokens), pool
+        self.ceiling = self.rows = int(ceiling)
+        self.phone_ms, self.draft_place, self.rng = phone_ms, draft_place, rng
+        self.floor, self.deferred_ms, self.owed_ms = int(floor), float(deferred_ms), 0.0
+
+    def allow(self, rows: int) -> None:
+        self.rows = max(1, min(self.ceiling, int(rows)))
+
+    def next_round(self) -> SimRound | None:
+        if self.left <= 0:
+            return None
+        tree, path = self.pool.sample(self.rng, self.rows)
+        n = min(self.left, len(path) + 1)
+        ms = float(self.phone_ms(self.rows))
+        if self.rows <= self.floor:  # no SLM pass: its catch-up of this round's tokens is owed to the next one
+            self.owed_ms += self.deferred_ms
+        else:
+            ms, self.owed_ms = ms + self.owed_ms, 0.0
+        return SimRound(tree, self.rows, ms, path[: n - 1], (0,) * n)
 
     def commit(self, tokens) -> None:
         self.left -= len(tokens)
@@ -263,7 +325,9 @@ class SimConfig:
     the profile's: a `hycoc.bench.speed_probe.SpeedSampler`'s mean probe step in the run / in the profile (1: the
     profile's speed);
     row_cost / free_rows:
-    the budget's line and free rows when known from the server (its /healthz), else the cost's own line."""
+    the budget's line and free rows when known from the server (its /healthz), else the cost's own line;
+    allowance_floor / allowance_target_ms: the allowance rule's floor (None: K + 1, the root and the chain) and
+    step-latency target in ms (None: none), mode allowance only."""
 
     mode: str
     devices: int
@@ -286,6 +350,8 @@ class SimConfig:
     cpu_scale: float = 1.0
     row_cost: RowCost | None = None
     free_rows: int | None = None
+    allowance_floor: int | None = None
+    allowance_target_ms: float | None = None
     seed: int = 0
 
     def __post_init__(self):
@@ -305,7 +371,8 @@ class SimResult:
     replica (seconds its worker ran steps within the run), ``server_ms``: per answered round, arrival at the
     verifier -> reply leaving it, ms (queue + batch wait + step), ``forwards``: steps run, ``rows``: rows
     verified in all, ``trimmed``: rows the budget left out, ``cpu_ms``: the workers' step ms before any
-    stretch for machine load (the cost's CPU ms)."""
+    stretch for machine load (the cost's CPU ms), ``allowances``: per answered round of mode allowance, the
+    allowance its reply carried (None for a place whose rounds are the root alone)."""
 
     stats: RunStats
     busy_s: list[float]
@@ -315,6 +382,7 @@ class SimResult:
     trimmed: int = 0
     round_sessions: int = 0
     cpu_ms: float = 0.0
+    allowances: list = field(default_factory=list)
 
 
 @dataclass
@@ -333,6 +401,17 @@ class _Session:
     replica: int
     request: SimRequest
     context: int
+    allowance: int | None = None  # the last reply's (mode allowance)
+
+
+@dataclass(frozen=True)
+class _StepAllowance:
+    """The rule's allowance of one step, asked once and handed to every `DraftPlace.allowance` of its replies."""
+
+    rows: int
+
+    def allowance(self, sessions: float | None = None) -> int:
+        return self.rows
 
 
 class _Replica:
@@ -351,9 +430,23 @@ class _Replica:
         self.last_end = -math.inf  # when the worker's last step ended (s): a later start after IDLE_GAP_MS is cold
         self.held_ms = 0.0  # loop ms that held the GIL during the running step, not yet added to it
         self.budget: RowBudget | None = None  # the server's own budget object: its choice and its learning
-        if cfg.mode == "budgeted":
+        self.rule = None  # the server's own allowance rule (mode allowance)
+        if cfg.mode in ("budgeted", "allowance"):
             line = cfg.row_cost if cfg.row_cost is not None else cost.row_cost()
-            self.budget = RowBudget(line, cfg.free_rows or max(cfg.tree_rows, line.flat_rows()), cfg.min_rows)
+            free = cfg.free_rows or max(cfg.tree_rows, line.flat_rows())
+            self.budget = RowBudget(line, free, cfg.min_rows)
+            if cfg.mode == "allowance":
+                from hycoc.verifier.allowance import AllowanceRule
+
+                floor = cfg.allowance_floor or cfg.chain_length + 1
+                self.rule = AllowanceRule(
+                    line,
+                    free,
+                    floor=min(floor, cfg.tree_rows),
+                    ceiling=cfg.tree_rows,
+                    target_ms=cfg.allowance_target_ms,
+                    budget=self.budget.state,  # one learned state, as the server shares it
+                )
         self.rng = np.random.default_rng([cfg.seed, index])
         self.stretch = None
         if cfg.slowdown_samples:
@@ -440,6 +533,21 @@ class _Replica:
         end = min(self.env.now, self.cfg.duration_s)
         self.result.busy_s[self.index] += max(0.0, end - max(start, 0.0)) if start < self.cfg.duration_s else 0.0
 
+    def _allow(self, batch: list[_Job]) -> None:
+        """The allowance rule learns the step (its sessions; the budget's shared state learned its ms) and the
+        scored device trees it verified, then each round's reply carries its place's allowance."""
+        self.rule.observe_step(len(batch))
+        for j in batch:
+            place = draft_place(j.session.request.draft_place)
+            scores, tokens, parents = j.rnd.tree
+            if place.trimmable and scores is not None:
+                self.rule.observe_tree(scores, tokens, parents)
+        step = _StepAllowance(self.rule.allowance())  # the rule once per step: every reply of it carries it
+        for j in batch:
+            place = draft_place(j.session.request.draft_place)
+            j.session.allowance = place.allowance(step, self.cfg.tree_rows)
+            self.result.allowances.append(j.session.allowance if place.device_rows else None)
+
     def _wall_ms(self, ms: float) -> float:
         """Wall ms of ``ms`` CPU ms: x slowdown; with measured intervals, replayed from a random point of the
         measured sequence (chosen in proportion to CPU, so each CPU ms is equally likely to start there) until
@@ -467,7 +575,7 @@ class _Replica:
             if self.budget is not None and len(batch) > 1:
                 trees = [
                     j.rnd.tree
-                    if j.session.request.draft_place != "cloud-mtp"  # kept whole, as the server
+                    if draft_place(j.session.request.draft_place).trimmable  # cloud-mtp: kept whole, as the server
                     else (None, np.zeros(j.rows, np.int32), np.arange(-1, j.rows - 1))
                     for j in batch
                 ]
@@ -499,6 +607,8 @@ class _Replica:
                 scored = all(t[0] is not None for t in trees)
                 accepted = float(sum(len(c) - 1 for c in results)) if scored else None
                 self.budget.observe_step(step_ms, forward_ms, len(batch), accepted, alloc.expected_tokens)
+            if self.rule is not None:
+                self._allow(batch)
         done_prefills = []
         used = 0
         for p in prefills:
@@ -579,7 +689,7 @@ def simulate(workload: Workload, cfg: SimConfig, cost, *, progress: Callable[[fl
                 yield env.timeout(one_way(frames.up(rnd.rows)) + cfg.client_ms / 2e3)
                 yield from replica.on_loop(cfg.loop_ms / 2)  # the frame in, decoded, handed to the worker
                 done = env.event()
-                rows = rnd.rows + (cfg.chain_length if req.draft_place == "cloud-mtp" else 0)
+                rows = draft_place(req.draft_place).forward_rows(rnd.rows, cfg.chain_length)
                 replica.submit(_Job(session, rnd, rows, env.now, done))
                 committed, server_ms = yield done
                 yield from replica.on_loop(cfg.loop_ms / 2)  # the result back on the loop, the reply out
@@ -592,6 +702,8 @@ def simulate(workload: Workload, cfg: SimConfig, cost, *, progress: Callable[[fl
                 stats.first_round_s.setdefault(i, t)
                 session.context += len(committed)
                 req.commit(committed)
+                if session.allowance is not None:
+                    req.allow(session.allowance)
                 if req.finished():
                     break
             replica.open_sessions -= 1
@@ -617,7 +729,9 @@ def summarize(mode: str, cfg: SimConfig, result: SimResult) -> dict:
     own columns and window) plus ``busy_share`` (the busiest replica's worker share of the run), ``server_p90_ms``
     (p90 of arrival at the verifier -> reply, ms), ``rows_per_forward`` and ``sessions_per_forward``, and
     ``tok_per_s_per_device``, ``cpu_ms_per_round`` (the steps' CPU ms, before any load stretch, per answered
-    round, prefills included)."""
+    round, prefills included), ``rows_sent_per_round``, ``bytes_up_per_round`` (the ROUND frames, `FrameBytes.up`),
+    ``device_ms_per_round`` (the drafting before each round), ``allowance`` (mean, p10/p50/p90 of the allowances
+    the replies carried to device sessions; None outside mode allowance)."""
     from hycoc.bench.loadreport import percentile, summarize_run
 
     row = summarize_run(mode, cfg.devices, cfg.duration_s, result.stats)
@@ -629,6 +743,17 @@ def summarize(mode: str, cfg: SimConfig, result: SimResult) -> dict:
     row["cpu_ms_per_round"] = result.cpu_ms / len(result.stats.rounds) if result.stats.rounds else None
     row["tok_per_s_per_device"] = row["tok_per_s"] / cfg.devices
     row["replicas"] = cfg.replicas
+    sent = [r.rows for r in result.stats.rounds]
+    drafting = [d for d, _ in result.stats.device_waits_ms]
+    row["rows_sent_per_round"] = float(np.mean(sent)) if sent else None
+    row["bytes_up_per_round"] = float(np.mean([cfg.frames.up(r) for r in sent])) if sent else None
+    row["device_ms_per_round"] = float(np.mean(drafting)) if drafting else None
+    given = [a for a in result.allowances if a is not None]
+    row["allowance"] = (
+        {"mean": float(np.mean(given)), **{f"p{q}": float(np.percentile(given, q)) for q in (10, 50, 90)}}
+        if given
+        else None
+    )
     return row
 
 
@@ -644,6 +769,7 @@ __all__ = [
     "SimRound",
     "SyntheticRequest",
     "TraceRequest",
+    "TreeRequest",
     "Workload",
     "simulate",
     "summarize",

@@ -1,7 +1,7 @@
 """`hycoc capacity`'s two flows (docs/capacity.md): `run_local` for a recipe whose verifier is on this machine
 (the toy: its own step cost timed here, recorded rounds replayed, ``--validate`` against `hycoc loadtest`), and
-`run_projection` for one that is not (recipes/gemma4.toml: a labelled projection from a GPU cost line or the
-paper's figures, paper MAT and device figures, over LTE and 5G and drafting x0.7 / x1.3)."""
+`hycoc.bench.capacity_projection.run_projection` for one that is not (recipes/gemma4.toml: a labelled projection
+from the verifier config's cost line or a measured GPU line, fitted trees, over LTE and 5G and drafting x0.7 / x1.3)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ import numpy as np
 
 from hycoc.bench.capacity import CapacityError, SimConfig
 from hycoc.bench.capacity_run import (
-    GEMMA4_FRAMES,
-    SERVER_DRAFT_FRAMES,
     add_ratios,
     capacity_table,
     host_terms,
@@ -26,13 +24,11 @@ from hycoc.bench.capacity_run import (
     search_devices,
     stamp,
     sweep_table,
-    synthetic_workload,
     trace_workload,
     validation_rows,
     validation_table,
     write_plot,
 )
-from hycoc.table5 import configuration
 
 #: Within this of the measured tok/s and p90 a validation cell counts as reproduced (the issue's +-20%).
 TOLERANCE = 0.20
@@ -462,107 +458,11 @@ def validate_here(
     }
 
 
-def run_projection(
-    cfg, recipe_path: Path, configs, target, duration, replicas, cost_model_path, device_scale, out
-) -> dict:
-    """The real-shape projection (module docstring), labelled. Prints its tables and assumptions, writes
-    OUT/capacity.json and OUT/p90_vs_devices.png; returns the document."""
-    from hycoc.bench.capacity_cost import assumed_gpu_cost, model_step_cost
-    from hycoc.bench.capacity_run import PAPER_MAT, PROJECTION_OUTPUT, PROJECTION_PROMPT, device_ms_of
-    from hycoc.bench.cost_model import load_cost_model
-    from hycoc.bench.runner import make_console
-    from hycoc.bench.tables import print_tables
-    from hycoc.runtime.transport import LINK_PRESETS
-
-    console = make_console()
-    if cost_model_path is not None:
-        cost = model_step_cost(load_cost_model(cost_model_path), None, cfg.tree.chain_length, path=str(cost_model_path))
-        measured = f"GPU cost line measured: {cost_model_path}"
-    else:
-        cost = assumed_gpu_cost(cfg.tree.chain_length)
-        measured = "no GPU cost line measured here (benchmarks/gpu_check.sh output absent): paper figures ASSUMED"
-    variants = [
-        ("LTE", "lte", 1.0),
-        ("5G", "5g", 1.0),
-        ("LTE, drafting x0.7", "lte", 0.7),
-        ("LTE, drafting x1.3", "lte", 1.3),
-    ]
-    capacity, tried_all = [], []
-    for variant, link, scale in variants:
-        for config in configs:
-            place = configuration(config).draft_place
-            base = SimConfig(
-                mode="batched",
-                devices=1,
-                duration_s=duration,
-                replicas=replicas,
-                link=LINK_PRESETS[link],
-                frames=GEMMA4_FRAMES if place == "device" else SERVER_DRAFT_FRAMES,
-                max_batch_rows=cfg.verifier.max_batch_rows,
-                max_batch_wait_ms=cfg.verifier.max_batch_wait_ms,
-                tree_rows=cfg.tree.node_budget + 1,
-                chain_length=cfg.tree.chain_length,
-            )
-            row, tried = _capacity_rows(
-                lambda n, c=config, s=scale: synthetic_workload(c, device_scale=s * device_scale),
-                base,
-                cost,
-                target,
-                config,
-                "batched",
-                variant,
-            )
-            capacity.append(row)
-            tried_all += tried
-    add_ratios(capacity)
-    title = (
-        f"PROJECTION, not a measurement: devices per GPU at verifier p90 <= {target:g} ms, {recipe_path} "
-        f"({replicas} replica(s))"
-    )
-    print_tables([capacity_table(capacity, title)], console)
-    assumptions = list(getattr(cost, "assumptions", [])) + [
-        measured,
-        "acceptance: paper Table 2 SB-480 MAT per configuration ("
-        + ", ".join(f"{c} {PAPER_MAT[c]}" for c in configs)
-        + ")",
-        "device drafting per round: paper App. G ms/token x MAT (the device-time estimate's anchors, "
-        "hycoc/device_time.py): " + ", ".join(f"{c} {device_ms_of(c):.1f} ms" for c in configs),
-        f"links: lte {LINK_PRESETS['lte'].rtt_ms:g} ms RTT / {LINK_PRESETS['lte'].mbps:g} Mbit/s, 5g "
-        f"{LINK_PRESETS['5g'].rtt_ms:g} ms / {LINK_PRESETS['5g'].mbps:g} Mbit/s (runtime/transport.py presets)",
-        f"requests: {PROJECTION_PROMPT}-token prompts, {PROJECTION_OUTPUT} output tokens; hand-off 5,632 B per round "
-        "+ 6,144 B per committed token down",
-        "batching: the recipe's scheduler (batched, trees verified as sent); the target is the verifier's p90 "
-        "(arrival -> reply), not the phone's round",
-    ]
-    for a in assumptions:
-        console.print(f"  assumed/input: {a}", markup=False)
-    for r in capacity:
-        if r.get("note"):
-            console.print(r["note"], markup=False)
-    doc = {
-        "schema": 1,
-        "recipe": str(recipe_path),
-        "kind": "PROJECTION (not a measurement)",
-        "cost": cost.describe(),
-        "target_p90_ms": target,
-        "replicas": replicas,
-        "assumptions": assumptions,
-        "capacity": capacity,
-        "tried": tried_all,
-        "machine": stamp(),
-    }
-    path = write_document(out, doc)
-    plot = write_plot([r for r in tried_all if r["variant"] == "LTE"], Path(out) / "p90_vs_devices.png", target)
-    console.print(f"wrote {path}, {plot}")
-    return doc
-
-
 __all__ = [
     "TOLERANCE",
     "check_trace",
     "recipe_shape",
     "run_local",
-    "run_projection",
     "trace_for",
     "validate_here",
     "write_document",

@@ -25,9 +25,6 @@ it (p~, sampling, acceptance, compaction, hand-off, the reply frame) and prefill
   forward beyond them scales linearly on a CPU and, on a GPU, as max(1, rows / GPU_FLAT_ROWS) x the largest
   measured forward (the H200 ridge point, `hycoc.bench.loadreport.GPU_FLAT_ROWS`); cloud-mtp rounds add K head
   steps; host ms per session is not in a cost model (an assumption, given).
-* `assumed_gpu_cost`: no measurement at all (labelled ASSUMED): the paper's median server round, 21.7 ms for a
-  33-row HyCo verification and 26.8 ms for Cloud+MTP's 4 head steps + 5-row verification (§3.1,
-  `hycoc.bench.cost_model.PAPER_ROUND_MS`), flat up to GPU_FLAT_ROWS rows per forward and linear beyond.
 * `RooflineStepCost` (`roofline_step_cost`): the real-shape projection's line from the verifier's own config
   (`hycoc.bench.gpu_cost`: the bytes and FLOPs of a batched forward, the MoE experts its rows touch, the sessions'
   KV reads, against a GPU's bandwidth and compute, fitted to the paper's two measured rounds); cloud-mtp and
@@ -578,37 +575,6 @@ class GpuStepCost(StepCost):
         }
 
 
-def assumed_gpu_cost(chain_length: int = 4) -> GpuStepCost:
-    """The labelled assumption (module docstring): 21.7 ms per 33-row verification, (26.8 - 21.7) / K ms per
-    head step, flat to GPU_FLAT_ROWS rows, ASSUMED_GPU_HOST_MS per session, a 512-position prefill chunk as one
-    verification."""
-    from hycoc.bench.cost_model import PAPER_ROUND_MS
-    from hycoc.bench.loadreport import GPU_FLAT_ROWS
-
-    hyco, mtp = PAPER_ROUND_MS["hyco"], PAPER_ROUND_MS["cloud-mtp"]
-    host = ASSUMED_GPU_HOST_MS
-    verify = hyco - host  # the paper's 21.7 ms round includes one session's host work
-    return GpuStepCost(
-        label=f"ASSUMED GPU (paper §3.1 rounds {hyco} / {mtp} ms, flat to {GPU_FLAT_ROWS} rows)",
-        chain_length=chain_length,
-        verify=lambda rows, ctx: verify,
-        max_rows=33,
-        flat_rows=GPU_FLAT_ROWS,
-        head_step_ms=(mtp - hyco) / chain_length,
-        host_ms_per_session=host,
-        prefill_chunk_ms=verify,
-        assumptions=[
-            f"verification forward {verify:.1f} ms up to {GPU_FLAT_ROWS} rows (paper §3.1 median HyCo "
-            f"round {hyco} ms on an RTX PRO 6000, minus the host ms; {GPU_FLAT_ROWS} rows: the H200 bf16 "
-            "ridge point), linear beyond",
-            f"head step {(mtp - hyco) / chain_length:.2f} ms (Cloud+MTP round {mtp} ms - {hyco} ms, "
-            f"over K = {chain_length}), batched across sessions",
-            f"host work {host} ms per session and step (not measured)",
-            "prefill: one verification's ms per 512-position chunk",
-        ],
-    )
-
-
 def model_step_cost(
     model, recipe_shape: dict | None, chain_length: int, *, host_ms: float = ASSUMED_GPU_HOST_MS, path: str = ""
 ) -> GpuStepCost:
@@ -869,7 +835,6 @@ __all__ = [
     "MeasuredStepCost",
     "StepCost",
     "StepCostError",
-    "assumed_gpu_cost",
     "cached_step_cost",
     "measure_step_cost",
     "model_step_cost",

@@ -17,13 +17,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-
 from hycoc.bench.capacity import (
     CapacityError,
     FrameBytes,
     SimConfig,
-    SyntheticRequest,
     Workload,
     cpu_slowdown,
     simulate,
@@ -31,7 +28,7 @@ from hycoc.bench.capacity import (
     trace_workload,
 )
 from hycoc.serving_limits import DEFAULT_MAX_BATCH_ROWS, DEFAULT_MAX_BATCH_WAIT_MS
-from hycoc.table5 import WITH_VERIFIER, configuration
+from hycoc.table5 import WITH_VERIFIER
 
 #: Table 5's configurations that have a verifier (slm-alone has none).
 CONFIGS = WITH_VERIFIER  # every Table 5 configuration with a verifier, in Table 5 order (hycoc.table5)
@@ -70,8 +67,6 @@ GEMMA4_FRAMES = FrameBytes(
 SERVER_DRAFT_FRAMES = FrameBytes(
     up_fixed=31, up_per_row=8, down_fixed=46, down_per_row=4, down_per_token=0, open_fixed=64, open_down=64
 )
-#: The projection's request shape (assumed): Spec-Bench-like prompts and answers.
-PROJECTION_PROMPT, PROJECTION_OUTPUT = 128, 512
 
 
 def device_ms_of(config: str) -> float:
@@ -85,19 +80,6 @@ def device_ms_of(config: str) -> float:
         config = "specedge"
     name = DEVICE_ANCHOR[config]
     return next(a.ms for a in PAPER_ANCHORS + CHECK_ANCHORS if a.name.startswith(name))
-
-
-def synthetic_workload(config: str, *, device_scale: float = 1.0, seed: int = 0) -> Workload:
-    """The projection's devices (`hycoc.bench.capacity.SyntheticRequest`): paper MAT, 33-row trees (cloud-mtp:
-    the root), drafting `device_ms_of` x device_scale per round, PROJECTION_PROMPT / PROJECTION_OUTPUT tokens."""
-    place = configuration(config).draft_place
-    ms = device_ms_of(config) * device_scale
-    return Workload(
-        lambda i, k: SyntheticRequest(
-            PROJECTION_PROMPT, PROJECTION_OUTPUT, PAPER_MAT[config], 33, ms, place, np.random.default_rng([seed, i, k])
-        ),
-        f"paper MAT {PAPER_MAT[config]}, drafting {ms:.1f} ms/round",
-    )
 
 
 def run_point(workload: Workload, cfg: SimConfig, cost) -> dict:
@@ -634,7 +616,6 @@ __all__ = [
     "search_devices",
     "stamp",
     "sweep_table",
-    "synthetic_workload",
     "trace_workload",
     "validation_rows",
     "validation_table",

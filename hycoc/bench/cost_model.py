@@ -46,6 +46,12 @@ Replay (`round_forwards`, `prefill_forwards`, `request_forwards`): the forwards 
 draft place, or for one bench record (`hycoc.bench.summary` record), in the engine's order; `forwards_ms` sums their
 predictions. `tests/test_device_path.py` holds the account against the forwards the real engine runs.
 
+The batched line (``batch_points``, optional; ``benchmarks/verifier_cost_model.py --batch-sessions``, which
+``benchmarks/gpu_check.sh`` runs): ms of ONE batched verification forward (`hycoc.verifier.batch.batch_forward`, the
+server's) of ``sessions`` sessions whose rows add up to ``rows``, each session at ``batch_context`` cached positions:
+what `hycoc capacity`'s projection reads (`batch_ms`), bilinear in (sessions, rows) between measured points and
+linear beyond them (`hycoc.bench.capacity_cost.line_step_cost`).
+
 Files: schema_version 2 (points carry ``kind``). A schema 1 file (verification points only, from an older hycoc)
 still loads; its points are ``verify`` points, and replaying head steps or prefill through it is an error naming
 the fix (remeasure).
@@ -115,6 +121,24 @@ class CostPoint(BaseModel):
     )
 
 
+class BatchPoint(BaseModel):
+    """One measured batched forward: ``ms`` for ``sessions`` sessions with ``rows`` rows in all (module docstring's
+    batched line)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sessions: int = Field(ge=1, description="sessions whose rounds share the forward")
+    rows: int = Field(ge=1, description="rows of the forward, all sessions together")
+    ms: float = Field(gt=0, allow_inf_nan=False, description="median ms of the forward")
+    samples_ms: list[float] | None = Field(None, description="every timed repetition behind ms")
+
+    @model_validator(mode="after")
+    def _rows_cover_sessions(self) -> BatchPoint:
+        if self.rows < self.sessions:
+            raise ValueError(f"batch point: {self.rows} rows for {self.sessions} sessions (each sends >= 1 row)")
+        return self
+
+
 class CostModel(BaseModel):
     """A measured grid of verification-forward costs on one device (see the module docstring for units).
 
@@ -125,6 +149,7 @@ class CostModel(BaseModel):
       model: what was timed (e.g. "Gemma 4 26B-A4B shape, random weights").
       shape: the model's shape (layers, hidden size, heads, experts, vocabulary, ...), free-form numbers.
       points: the grids, one per kind; per kind every rows value at every context, no duplicates (validated).
+      batch_points: the batched line (module docstring; optional), at ``batch_context`` cached positions each.
       source: "measured" (timed in this process) or "file" (read by `load_cost_model`).
       meta: how it was measured (warm-up, repeats, torch/transformers versions, date, ...), free-form.
     """
@@ -137,6 +162,8 @@ class CostModel(BaseModel):
     model: str = Field(min_length=1)
     shape: dict[str, Any] = Field(default_factory=dict)
     points: list[CostPoint] = Field(min_length=1)
+    batch_points: list[BatchPoint] = Field(default_factory=list)
+    batch_context: int = Field(0, ge=0, description="cached positions per session of every batch point")
     source: Literal["measured", "file"] = "measured"
     meta: dict[str, Any] = Field(default_factory=dict)
 
@@ -162,6 +189,40 @@ class CostModel(BaseModel):
         if not any(p.kind == "verify" for p in self.points):
             raise ValueError("points: no verify points; every cost model times the verification forward")
         return self
+
+    def batch_ms(self, rows: float, sessions: float) -> float:
+        """Ms of one batched forward of ``sessions`` sessions with ``rows`` rows in all, from ``batch_points``:
+        along each measured sessions value linear in rows (np.interp inside; beyond, the nearest segment's slope,
+        >= 0), then linear in sessions between the two nearest measured values (held beyond them). Raises
+        CostModelError when the file has no batched line."""
+        if not self.batch_points:
+            raise CostModelError(
+                f"the cost model ({self.model}, {self.device}) has no batched line (batch_points); measure one "
+                "with benchmarks/verifier_cost_model.py --batch-sessions 1,4,16,64"
+            )
+        lines: dict[int, list[tuple[int, float]]] = {}
+        for p in self.batch_points:
+            lines.setdefault(p.sessions, []).append((p.rows, p.ms))
+
+        def along(pts: list[tuple[int, float]]) -> float:
+            pts = sorted(pts)
+            r, m = np.array([x for x, _ in pts], float), np.array([y for _, y in pts], float)
+            if len(r) == 1:
+                return float(m[0])
+            if rows > r[-1]:
+                return float(m[-1] + max(0.0, (m[-1] - m[-2]) / (r[-1] - r[-2])) * (rows - r[-1]))
+            if rows < r[0]:
+                return float(max(0.0, m[0] - max(0.0, (m[1] - m[0]) / (r[1] - r[0])) * (r[0] - rows)))
+            return float(np.interp(rows, r, m))
+
+        ns = sorted(lines)
+        s = float(np.clip(sessions, ns[0], ns[-1]))
+        i = int(np.clip(np.searchsorted(ns, s, side="right") - 1, 0, max(0, len(ns) - 2)))
+        if len(ns) == 1:
+            return along(lines[ns[0]])
+        lo, hi = along(lines[ns[i]]), along(lines[ns[i + 1]])
+        w = (s - ns[i]) / (ns[i + 1] - ns[i])
+        return float(lo + w * (hi - lo))
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -545,6 +606,7 @@ def load_cost_model(path: str | Path) -> CostModel:
 
 
 __all__ = [
+    "BatchPoint",
     "bootstrap_tables",
     "interpolate",
     "predict_tables",

@@ -35,7 +35,12 @@ def capacity(
         "for a recipe whose models are not on this machine: hyco, hyco-exact, specedge, cloud-mtp)",
         show_default=False,
     ),
-    batching: str = typer.Option("serial,batched,budgeted", help="comma-separated scheduler modes simulated"),
+    batching: str | None = typer.Option(
+        None,
+        help="comma-separated scheduler modes simulated: serial, batched, budgeted, allowance (default: serial,"
+        "batched,budgeted here; for a recipe whose models are not on this machine batched,budgeted,allowance)",
+        show_default=False,
+    ),
     devices: str = typer.Option("1,4,16,64", help="device counts of the sweep table"),
     duration: float = typer.Option(30.0, min=1.0, help="simulated seconds per run"),
     link: str = typer.Option(
@@ -55,6 +60,17 @@ def capacity(
         show_default=False,
     ),
     device_scale: float = typer.Option(1.0, min=0.01, help="multiply every round's drafting time"),
+    allowance_sweep: str | None = typer.Option(
+        None,
+        help="projection only: also simulate every device drafting a FIXED row count, e.g. 5,6,9,13,17,25,33 (the "
+        "check of what any allowance rule can reach; docs/capacity.md)",
+        show_default=False,
+    ),
+    gpu: str = typer.Option(
+        "rtx-pro-6000",
+        help="the projection's GPU (hycoc/bench/gpu_cost.py GPU_SPECS: rtx-pro-6000, the paper's; h100; h200); "
+        "ignored with --cost-model",
+    ),
     validate: bool = typer.Option(
         False,
         "--validate",
@@ -89,23 +105,43 @@ def capacity(
     with a verifier: committed tok/s per device and in all, round latency p50/p90/p99, the verifier's busy share,
     and the largest N whose verifier p90 meets --p90-ms, against cloud-mtp. Writes OUT/capacity.json and
     OUT/p90_vs_devices.png. For a recipe whose models are not on this machine (recipes/gemma4.toml) it prints the
-    real-shape projection, labelled, over LTE and 5G and drafting time x0.7 / x1.3."""
+    real-shape projection, labelled, over LTE and 5G and drafting time x0.7 / x1.3: the verifier's forward priced
+    from its config (MoE experts touched, KV, the GPU's bandwidth and compute) or a --cost-model file, trees fitted
+    to the paper's MAT, batched / budgeted / the allowance as the server runs them (docs/capacity.md)."""
     from hycoc.bench.capacity import MODES, CapacityError
+    from hycoc.bench.capacity_app import VALIDATE_MODES
+    from hycoc.bench.gpu_cost import GPU_SPECS
 
     cfg = _recipe("capacity", recipe)
-    modes = batching.split(",")
+    local = not cfg.is_hub_id("verifier") and (cfg.resolve_path(cfg.models.verifier) or Path("/nonexistent")).is_dir()
+    modes = (batching or ("serial,batched,budgeted" if local else "batched,budgeted,allowance")).split(",")
     if any(m not in MODES for m in modes):
         raise _fail("capacity", f"--batching {batching!r}: allowed: {', '.join(MODES)} (comma-separated)", code=2)
+    if local and "allowance" in modes:
+        raise _fail(
+            "capacity",
+            f"--batching allowance: {recipe} replays recorded trees, which cannot be redrafted to an allowance; "
+            "measure it with `hycoc loadtest --batching allowance`, or project it on recipes/gemma4.toml",
+            code=2,
+        )
+    if gpu not in GPU_SPECS:
+        raise _fail("capacity", f"--gpu {gpu!r}: allowed: {', '.join(GPU_SPECS)}", code=2)
     counts = _counts(devices, "--devices")
+    sweep_rows = _counts(allowance_sweep, "--allowance-sweep") if allowance_sweep else []
+    if sweep_rows and local:
+        raise _fail(
+            "capacity", "--allowance-sweep: the projection's check (recipes/gemma4.toml), not the toy's", code=2
+        )
     check_sessions = _counts(validate_sessions, "--validate-sessions")
     check_modes = validate_modes.split(",")
-    if any(m not in MODES for m in check_modes):
+    if any(m not in VALIDATE_MODES for m in check_modes):
         raise _fail(
-            "capacity", f"--validate-modes {validate_modes!r}: allowed: {', '.join(MODES)} (comma-separated)", code=2
+            "capacity",
+            f"--validate-modes {validate_modes!r}: allowed: {', '.join(VALIDATE_MODES)} (comma-separated)",
+            code=2,
         )
     from hycoc.bench.capacity_run import CONFIGS, PROJECTION_CONFIGS
 
-    local = not cfg.is_hub_id("verifier") and (cfg.resolve_path(cfg.models.verifier) or Path("/nonexistent")).is_dir()
     chosen = configs.split(",") if configs else list(CONFIGS if local else PROJECTION_CONFIGS)
     unknown = [c for c in chosen if c not in CONFIGS]
     if unknown:
@@ -133,9 +169,11 @@ def capacity(
             f"({cfg.models.verifier}) is not here: validate with recipes/toy.toml",
             code=2,
         )
-    from hycoc.bench.capacity_app import run_local, run_projection
+    from hycoc.bench.capacity_app import run_local
     from hycoc.bench.capacity_cost import StepCostError
+    from hycoc.bench.capacity_projection import run_projection
     from hycoc.bench.cost_model import CostModelError
+    from hycoc.bench.gpu_cost import GpuCostError
     from hycoc.bench.loadtest import LoadTestError
     from hycoc.bench.loadtrace import TraceError
 
@@ -167,8 +205,21 @@ def capacity(
                 validate_only=validate_only,
             )
         else:
-            run_projection(cfg, recipe, chosen, p90_ms, duration, replicas, cost_model, device_scale, out)
+            run_projection(
+                cfg,
+                recipe,
+                chosen,
+                modes,
+                p90_ms,
+                duration,
+                replicas,
+                cost_model,
+                device_scale,
+                out,
+                gpu=gpu,
+                sweep_rows=tuple(sweep_rows),
+            )
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
-    except (CapacityError, StepCostError, CostModelError, LoadTestError, TraceError) as e:
+    except (CapacityError, StepCostError, CostModelError, LoadTestError, TraceError, GpuCostError) as e:
         raise _fail("capacity", str(e)) from None
