@@ -15,7 +15,10 @@
 #              the start: it needs no GPU); W4 QAT top-1 agreement at depth 1 within 1 point of each other.
 #   3. cost    benchmarks/verifier_cost_model.py --device cuda: Gemma 4 26B-A4B shape, random bf16 weights (50.5
 #              GB), verification rows 1/5/33, the head step and prefill chunks at contexts 1,024 and 4,096: the
-#              33-row (HyCo) vs 5-row + 4 head steps (Cloud+MTP) round ms beside the paper's 21.7 / 26.8 ms.
+#              33-row (HyCo) vs 5-row + 4 head steps (Cloud+MTP) round ms beside the paper's 21.7 / 26.8 ms; and the
+#              BATCHED line (--batch-sessions 1,4,16,64 x rows 1..512, each session at 1,024 cached positions: the
+#              server's batch_forward, ~30 points, well under a minute), which
+#              `hycoc capacity recipes/gemma4.toml --cost-model $OUT/cost-model-26b-a4b.json` projects with.
 #
 # Needs: python3 with torch (CUDA build for the cuda mode), numpy, onnx, onnxruntime, onnxscript, tokenizers, typer,
 # rich, safetensors, aiohttp; the rest travels as wheels in .whl/ (`wheels` makes them: transformers 5.24, pydantic,
@@ -25,7 +28,8 @@
 #
 # Environment: PY (default python3), STEPS (default "serve qat cost"), OUT, SKIP_WHEELS=1 (use PY's packages as they
 # are, e.g. a venv that has hycoc's dependencies), QAT_CPU_THREADS (8), QAT_STEPS (40), QAT_EVAL_PROMPTS (30),
-# QAT_TIMEOUT (420 s per build), COST_TIMEOUT (360 s), KEEP_WORK=1 (keep the /tmp work folder). On a busy 2-core machine the qat step's two toy builds take far longer than on the GPU host's 16 cores.
+# QAT_TIMEOUT (420 s per build), COST_TIMEOUT (360 s), BATCH_SESSIONS (1,4,16,64: the batched line's session counts),
+# KEEP_WORK=1 (keep the /tmp work folder). On a busy 2-core machine the qat step's two toy builds take far longer than on the GPU host's 16 cores.
 #
 # Output: a summary table on stdout and $OUT/gpu_check.json (OUT defaults to runs/gpu-check), every step's log in
 # $OUT/gpu_check.log. Exit code: 0 when every step passed, 1 otherwise, 2 on a usage error.
@@ -231,12 +235,13 @@ EOF
 cost() {
   if [ "$MODE" = cuda ]; then
     timeout "${COST_TIMEOUT:-360}" "$PY" benchmarks/verifier_cost_model.py --device cuda --contexts 1024,4096 \
-      --warmup 2 --repeats 5 \
+      --warmup 2 --repeats 5 --batch-sessions "${BATCH_SESSIONS:-1,4,16,64}" --batch-context 1024 \
       --out "$OUT/cost-model-26b-a4b.json" 2>&1 | tee -a "$LOG"
     [ -f "$OUT/cost-model-26b-a4b.json" ] || { echo "gpu_check: no cost model written" >&2; return 1; }
   else  # the toy verifier and head with real weights: the same code, not the 26B-A4B shape
     "$PY" benchmarks/verifier_cost_model.py --device cpu --recipe recipes/toy.toml --contexts 64,256 --warmup 1 \
-      --repeats 3 --out "$OUT/cost-model-toy-cpu.json" 2>&1 | tee -a "$LOG"
+      --repeats 3 --batch-sessions 1,4 --batch-rows 1,4,33,132 --batch-context 64 \
+      --out "$OUT/cost-model-toy-cpu.json" 2>&1 | tee -a "$LOG"
   fi
 }
 

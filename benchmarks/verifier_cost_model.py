@@ -32,6 +32,12 @@ median of ``--repeats`` timed passes, each pass visiting every grid point once (
 machine spreads over the whole grid). What is timed is Alg. 4 lines 1-3 (mask build, forward, logits of all R
 rows); sampling, acceptance, compaction and the hand-off are not (see `hycoc.bench.cost_model`).
 
+``--batch-sessions 1,4,16,64`` also measures the BATCHED line (`hycoc.bench.batch_line`): one batched forward of n
+sessions (the server's `hycoc.verifier.batch.batch_forward`) whose rows add up to R, for every R in ``--batch-rows``
+(default 1..512) with R >= n, each session at ``--batch-context`` cached positions; the file's ``batch_points`` are
+what `hycoc capacity recipes/gemma4.toml --cost-model FILE` projects with (the MoE experts a batch touches measured,
+not modelled). With random weights the router spreads rows nearly uniformly over the experts (as above).
+
 Writes the cost model JSON atomically (`hycoc.bench.cost_model.CostModel.save`) and prints a table per kind, then
 the per-round server ms it projects at each context beside the paper's (§3.1, one RTX PRO 6000): a HyCo round (one
 33-row verification; paper 21.7 ms) and a Cloud+MTP round (K head steps, then a (K + 1)-row verification; paper
@@ -176,6 +182,22 @@ def main(argv=None) -> int:
         "perf_counter, the clock of the server's server_ms; a GPU always uses CUDA events "
         "(default %(default)s)",
     )
+    ap.add_argument(
+        "--batch-sessions",
+        default="",
+        help="also measure the batched line at these session counts, comma-separated, e.g. 1,4,16,64 (default: none)",
+    )
+    ap.add_argument(
+        "--batch-rows",
+        default="1,2,4,8,16,33,64,128,256,512",
+        help="rows per batched forward (all sessions together) of the batched line (default %(default)s)",
+    )
+    ap.add_argument(
+        "--batch-context",
+        type=int,
+        default=1024,
+        help="cached positions per session of the batched line (default %(default)s)",
+    )
     ap.add_argument("--warmup", type=int, default=3, help="untimed forwards per point (default %(default)s)")
     ap.add_argument(
         "--repeats", type=int, default=10, help="timed forwards per point; the median is kept (default %(default)s)"
@@ -198,6 +220,10 @@ def main(argv=None) -> int:
     rows_list = _ints(args.rows, "--rows", 1)
     prefill_rows = _ints(args.prefill_rows, "--prefill-rows", 1)
     contexts = _ints(args.contexts or DEFAULTS[args.device]["contexts"], "--contexts", 1)
+    batch_sessions = _ints(args.batch_sessions, "--batch-sessions", 1) if args.batch_sessions else []
+    batch_rows = _ints(args.batch_rows, "--batch-rows", 1)
+    if batch_sessions and args.batch_context < 1:
+        return _usage(f"--batch-context {args.batch_context}: need >= 1 cached position")
 
     import torch
 
@@ -328,6 +354,29 @@ def main(argv=None) -> int:
             clock=args.clock,
             new_cache=engine.new_cache,
         )
+        batch_points = []
+        if batch_sessions:
+            from hycoc.bench.batch_line import measure_batch_line
+
+            def log_batch(n, r, ms, times):
+                console.print(
+                    f"  batch     sessions {n:>3}  rows {r:>4}  context {args.batch_context:>6}  {ms:9.2f} ms  (min "
+                    f"{min(times):.2f}, max {max(times):.2f})  [{time.perf_counter() - t_start:.0f} s]"
+                )
+
+            batch_points = measure_batch_line(
+                engine,
+                batch_sessions,
+                batch_rows,
+                args.batch_context,
+                warmup=args.warmup,
+                repeats=args.repeats,
+                log=log_batch,
+            )
+            meta["batch_line"] = (
+                "hycoc.bench.batch_line: one batched forward (verifier/batch.py batch_forward; one session "
+                "verify_tree) per (sessions, rows), random caches of batch_context positions, median"
+            )
         meta["clock"] = args.clock if args.device == "cpu" else "wall (CUDA events)"
         if args.device == "cuda":
             meta["max_memory_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
@@ -347,6 +396,8 @@ def main(argv=None) -> int:
         model=name,
         shape=shape_of(model.config),
         points=points,
+        batch_points=batch_points,
+        batch_context=args.batch_context if batch_points else 0,
         source="measured",
         meta=meta,
     )
@@ -365,6 +416,16 @@ def main(argv=None) -> int:
         grid = cm.table(kind)
         for i, rows in enumerate(cm.rows_of(kind)):
             table.add_row(str(rows), *(f"{ms:.2f} ({ms / rows:.2f}/row)" for ms in grid[i]))
+        console.print(table)
+    if cm.batch_points:
+        table = Table(title=f"batched forward, ms (median of {args.repeats}), context {cm.batch_context:,}")
+        table.add_column("rows", justify="right")
+        ns = sorted({p.sessions for p in cm.batch_points})
+        for n in ns:
+            table.add_column(f"{n} session(s)", justify="right")
+        got = {(p.sessions, p.rows): p.ms for p in cm.batch_points}
+        for r in sorted({p.rows for p in cm.batch_points}):
+            table.add_row(str(r), *(f"{got[(n, r)]:.2f}" if (n, r) in got else "" for n in ns))
         console.print(table)
     console.print(round_table(cm, chain_length))
     console.print(f"wrote {out} in {meta['total_s']} s")

@@ -492,3 +492,22 @@ def test_schema_1_files_still_load_as_verify_points(tmp_path):
     path.write_text(json.dumps(d))
     cm = load_cost_model(path)
     assert cm.kinds == ("verify",) and cm.predict(3, 150) == pytest.approx(13.5)
+
+
+def test_the_batched_line_is_measured_and_read_back(tmp_path):
+    """``--batch-sessions``: the batched line (hycoc/bench/batch_line.py, the server's batch_forward) lands in the
+    file as ``batch_points`` at every (sessions, rows) with rows >= sessions, loads back and is read by
+    `CostModel.batch_ms`; rows spread over the sessions as evenly as they go."""
+    pytest.importorskip("torch")
+    from hycoc.bench.batch_line import batch_grid, split_rows
+
+    assert batch_grid([2, 1], [4, 1]) == [(1, 1), (1, 4), (2, 4)]
+    assert split_rows(7, 3) == [3, 2, 2] and split_rows(4, 4) == [1, 1, 1, 1]
+    out = tmp_path / "line.json"
+    args = ["--device", "cpu", "--recipe", "recipes/toy.toml", "--contexts", "8", "--rows", "1,5", "--prefill-rows"]
+    args += ["1,4", "--warmup", "0", "--repeats", "1", "--batch-sessions", "1,2", "--batch-rows", "1,4"]
+    assert _cost_script().main(args + ["--batch-context", "8", "--out", str(out)]) == 0
+    cm = load_cost_model(out)
+    assert [(p.sessions, p.rows) for p in cm.batch_points] == [(1, 1), (1, 4), (2, 4)]
+    assert cm.batch_context == 8 and all(p.ms > 0 and len(p.samples_ms) == 1 for p in cm.batch_points)
+    assert cm.batch_ms(4, 2) == pytest.approx(cm.batch_points[2].ms)
