@@ -397,6 +397,7 @@ def test_run_loadtest_writes_results_and_plot(tmp_path, engine, recorded):
         (["--sessions", "4,0"], "--sessions '4,0': give comma-separated positive integers such as 1,4,16,64"),
         (["--configs", "hyco,slm-alone"], "--configs: unknown or without a verifier: slm-alone; allowed: cloud-mtp,"),
         (["--batching", "fast"], "--batching 'fast': allowed: serial, batched, budgeted, allowance (comma-separated)"),
+        (["--batching", "batched:slm-alone"], "each optionally as MODE:CONFIG with CONFIG one of cloud-mtp,"),
         (
             ["--batching", "serial,batched", "--server", "ws://127.0.0.1:1"],
             "--batching 'serial,batched' with --server: a running server has one mode",
@@ -571,3 +572,11 @@ def test_speed_sampler_reads_its_samples_by_window(tmp_path):
     # t = 100..109: ms 10, 11, 12, 10, 11, 12, 10, 11, 12, 10 -> mean 10.9
     assert s.mean_between(100, 109) == pytest.approx(10.9)
     assert s.mean_between(100, 105) is None and s.mean_between(100, 105, least=6) == pytest.approx(11.0)
+
+
+def test_split_mode_reads_a_baseline_entry():
+    from hycoc.bench.loadtest import split_mode
+
+    assert split_mode("batched") == ("batched", None)
+    assert split_mode("batched:cloud-mtp") == ("batched", "cloud-mtp")
+    assert split_mode(None) == (None, None)

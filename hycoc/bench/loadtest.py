@@ -490,6 +490,16 @@ def parse_metrics(text: str) -> dict[str, float]:
 # ---- the whole load test --------------------------------------------------------------------------------------
 
 
+def split_mode(entry: str | None) -> tuple[str | None, str | None]:
+    """A ``--batching`` entry as (mode, config): "batched" -> ("batched", None) (its devices replay every
+    ``--configs`` configuration); "batched:cloud-mtp" -> ("batched", "cloud-mtp") (a server of that mode whose
+    devices replay that configuration alone: a baseline beside the others in one run). None -> (None, None)."""
+    if entry is None:
+        return None, None
+    mode, _, config = entry.partition(":")
+    return mode, (config or None)
+
+
 def devices_for(trace, configs: list[str], sessions: int) -> list[list[RequestTrace]]:
     """The recorded requests of each of ``sessions`` devices: device i replays config configs[i % len(configs)]
     (mixed configs share the server, as phones would). Raises TraceError for a config the trace lacks."""
@@ -557,8 +567,10 @@ def run_loadtest(
     pass_flag = server_url is None and server_batching_support()
     rows, servers, procs, urls, windows = [], {}, [], {}, []
     chain_rows: dict[str, int] = {}  # K + 1 per mode's server (/healthz chain_length; 0 for an older server)
+    replays: dict[str, list[str]] = {}  # what each mode's devices replay: ``configs``, or a MODE:CONFIG entry's own
     try:
-        for asked in modes or [None]:  # every server up first: the runs then alternate between them
+        for entry in modes or [None]:  # every server up first: the runs then alternate between them
+            asked, own = split_mode(entry)
             if server_url is None:
                 console.print(
                     f"loadtest: starting hycoc verify-server {recipe_path}"
@@ -583,13 +595,15 @@ def run_loadtest(
                     + ("" if pass_flag or server_url else " and has no --batching option to change it")
                     + f"; use --batching {mode}"
                 )
+            mode = mode if own is None else f"{mode}:{own}"
             servers[mode] = health.get("batching") or {"mode": "serial", "note": "no batching field in /healthz"}
             urls[mode] = url
             chain_rows[mode] = int(health.get("chain_length", -1)) + 1
+            replays[mode] = list(configs) if own is None else [own]
             if warmup_s > 0:
                 run_sessions(
                     url,
-                    devices_for(trace, configs, 1),
+                    devices_for(trace, replays[mode], 1),
                     trace.stop_ids,
                     warmup_s,
                     device_ms=device_ms,
@@ -607,7 +621,7 @@ def run_loadtest(
 
                     stats = run_sessions(
                         url,
-                        devices_for(trace, configs, n),
+                        devices_for(trace, replays[mode], n),
                         trace.stop_ids,
                         duration_s,
                         rate=rate,
@@ -709,6 +723,7 @@ __all__ = [
     "ANSWER_TIMEOUT_S",
     "CAPACITY_CODES",
     "MODE_ARGS",
+    "split_mode",
     "LoadTestError",
     "run_summary_lines",
     "REFUSED_BACKOFF_S",

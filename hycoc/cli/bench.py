@@ -382,7 +382,9 @@ def loadtest(
         "trees in one forward, as sent: verify-server --batching batched --tree-budget fixed --allowance fixed), "
         "budgeted (batched, rows chosen across the trees by their scores: --tree-budget auto --allowance fixed), "
         "allowance (budgeted, and each reply sizes the session's next tree from the load: --allowance auto, the "
-        "recipe default) (default: serial; with --server: the mode it reports in /healthz, checked when given)",
+        "recipe default); MODE:CONFIG runs a server of MODE whose devices replay CONFIG alone (a baseline in the "
+        "same run, e.g. batched:cloud-mtp) (default: serial; with --server: the mode it reports in /healthz, "
+        "checked when given)",
         show_default=False,
     ),
     device_ms: float | None = typer.Option(
@@ -448,10 +450,15 @@ def loadtest(
             code=2,
         )
     modes = batching.split(",") if batching else None
-    if modes is not None and any(m not in LOADTEST_BATCHING for m in modes):
+    parts = [m.partition(":") for m in modes or []]  # MODE or MODE:CONFIG (that server's devices replay CONFIG)
+    if any(m not in LOADTEST_BATCHING or (sep and c not in LOADTEST_CONFIGS) for m, sep, c in parts):
         raise _fail(
-            "loadtest", f"--batching {batching!r}: allowed: {', '.join(LOADTEST_BATCHING)} (comma-separated)", code=2
+            "loadtest",
+            f"--batching {batching!r}: allowed: {', '.join(LOADTEST_BATCHING)} (comma-separated), each optionally "
+            f"as MODE:CONFIG with CONFIG one of {', '.join(LOADTEST_CONFIGS)}",
+            code=2,
         )
+    recorded = chosen + [c for _, sep, c in parts if sep and c not in chosen]  # MODE:CONFIG's configs recorded too
     if server is not None and modes is not None and len(modes) != 1:
         raise _fail(
             "loadtest",
@@ -482,7 +489,7 @@ def loadtest(
         raise _fail("loadtest", str(e)) from None
     bundle_dir = _bench_bundle("loadtest", cfg, recipe, bundle)
     cap = max_new_tokens or cfg.bench.output_cap
-    if temperature is None and modes is not None and set(modes) & set(SCORED_MODES) and cfg.sampling.temperature > 0:
+    if temperature is None and {m for m, _, _ in parts} & set(SCORED_MODES) and cfg.sampling.temperature > 0:
         temperature = 0.0
         typer.echo(
             f"hycoc loadtest: every mode runs at temperature 0 (the recipe's: {cfg.sampling.temperature:g}):"
@@ -493,7 +500,7 @@ def loadtest(
     key = trace_key(
         cfg.content_hash(),
         sha256_file(bundle_dir / "manifest.json"),
-        chosen,
+        recorded,
         [q.question_id for q in questions],
         cap,
         None if temperature is None or temperature == cfg.sampling.temperature else temperature,
@@ -504,11 +511,11 @@ def loadtest(
             trace = load_trace(trace_path)
             typer.echo(f"hycoc loadtest: recorded rounds from\n  {display_path(trace_path)}", err=True)
         else:
-            with progress.step("recording device rounds", total=len(chosen) * len(questions)) as s:
+            with progress.step("recording device rounds", total=len(recorded) * len(questions)) as s:
                 trace = record_trace(
                     cfg,
                     bundle_dir,
-                    chosen,
+                    recorded,
                     questions,
                     cap,
                     key=key,
