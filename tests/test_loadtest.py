@@ -397,7 +397,11 @@ def test_run_loadtest_writes_results_and_plot(tmp_path, engine, recorded):
         (["--sessions", "4,0"], "--sessions '4,0': give comma-separated positive integers such as 1,4,16,64"),
         (["--configs", "hyco,slm-alone"], "--configs: unknown or without a verifier: slm-alone; allowed: cloud-mtp,"),
         (["--batching", "fast"], "--batching 'fast': allowed: serial, batched, budgeted, allowance (comma-separated)"),
-        (["--batching", "batched:slm-alone"], "each optionally as MODE:CONFIG with CONFIG one of cloud-mtp,"),
+        (
+            ["--batching", "batched:slm-alone"],
+            "--batching 'batched:slm-alone': allowed: serial, batched, budgeted, allowance (comma-separated), each "
+            "optionally as MODE:CONFIG with CONFIG one of cloud-mtp,",
+        ),
         (
             ["--batching", "serial,batched", "--server", "ws://127.0.0.1:1"],
             "--batching 'serial,batched' with --server: a running server has one mode",
