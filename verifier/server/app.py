@@ -84,20 +84,14 @@ class VerifierServer:
             raise ValueError("auth_token is empty: give a non-empty token, or None for an open server")
         if batching not in BATCHING_MODES:
             raise ValueError(f"batching = {batching!r}: must be one of {BATCHING_MODES}")
-        if tree_budget not in TREE_BUDGETS:
-            raise ValueError(f"tree_budget = {tree_budget!r}: must be one of {TREE_BUDGETS}")
-        if tree_budget == "auto" and batching != "batched":
-            raise ValueError(
-                f"tree_budget = 'auto' allocates rows across a batched forward: it needs batching = "
-                f"'batched', not {batching!r}"
-            )
-        if allowance not in ALLOWANCE_MODES:
-            raise ValueError(f"allowance = {allowance!r}: must be one of {ALLOWANCE_MODES}")
-        if allowance == "auto" and batching != "batched":
-            raise ValueError(
-                f"allowance = 'auto' sizes trees by the load of batched forwards: it needs batching = 'batched', "
-                f"not {batching!r}"
-            )
+        for key, value, allowed, what in (
+            ("tree_budget", tree_budget, TREE_BUDGETS, "allocates rows across a batched forward"),
+            ("allowance", allowance, ALLOWANCE_MODES, "sizes trees by the load of batched forwards"),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{key} = {value!r}: must be one of {allowed}")
+            if value == "auto" and batching != "batched":
+                raise ValueError(f"{key} = 'auto' {what}: it needs batching = 'batched', not {batching!r}")
         if not (isinstance(allowance_floor, int) and 0 <= allowance_floor <= tree_rows):
             raise ValueError(
                 f"allowance_floor = {allowance_floor!r}: must be an integer in [0, {tree_rows}] (0: K + 1, the root "
