@@ -1,6 +1,7 @@
 """The device's request loop (paper Alg. 1; App. C; App. G metric definitions) and its modes (Table 5).
 
-`DeviceRuntime` holds a bundle's two graph sessions, the MTP Drafter, the SLM Drafter and the tree builders;
+`DeviceRuntime` holds a bundle and what its drafters use (`hycoc.runtime.draft_context.DraftContext`: the MTP
+Drafter and the SLM Drafter over the bundle's two graph sessions, the round constants, the tree builder factory);
 `DeviceRuntime.generate` runs one request against a verifier (`hycoc.runtime.transport.VerifierClient`):
 
 1. request start: the SLM ring is filled with the prompt's last W tokens and the first tree is drafted by the
@@ -42,12 +43,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import numpy as np
+from hycoc.runtime.draft_context import DraftContext
 from hycoc.runtime.drafters import Drafter, RuntimeProtocolError, SlmTreeDrafter, allowed_rows, drafter_class
 from hycoc.runtime.htp_session import HtpSessionSettings
 from hycoc.runtime.mtp_drafter import MtpDrafter
 from hycoc.runtime.result import RequestResult
 from hycoc.runtime.slm_drafter import SlmDrafter
-from hycoc.runtime.tree_builder import BuiltTree, TreeBuilder
+from hycoc.runtime.tree_builder import TreeBuilder
 
 from hycoc.chat import ChatMismatch, common_prefix, ids_crc32
 from hycoc.protocol.messages import AppendTurn, OpenRequest, Sampling, commit_cut
@@ -89,23 +91,42 @@ class TextStream:
 class DeviceRuntime:
     """A bundle loaded for drafting (module docstring).
 
-    bundle: `hycoc.runtime.device_bundle.DeviceBundle`; head / slm: graph runners (`GraphRunner`); slm_decode: the
-    runner of the bundle's 1-row ``slm_decode`` graph, which slm-alone then decodes with (None: a bundle without it
-    decodes on the tree graph, one token per R-row forward).
+    bundle: `hycoc.runtime.device_bundle.DeviceBundle` (the runtime reads its round constants' request defaults,
+    tokenizer, chat contract and keep index); head / slm: graph runners (`GraphRunner`); slm_decode: the runner of
+    the bundle's 1-row ``slm_decode`` graph, which slm-alone then decodes with (None: a bundle without it decodes on
+    the tree graph, one token per R-row forward). drafting: instead of the runners, a ready
+    `hycoc.runtime.draft_context.DraftContext` (stand-in drafters in tests: `DraftContext.make_dummy`). Raises
+    TypeError for both or neither.
     """
 
-    def __init__(self, bundle, head, slm, slm_decode=None):
+    def __init__(self, bundle, head=None, slm=None, slm_decode=None, *, drafting: DraftContext | None = None):
+        both_or_neither = "DeviceRuntime takes the head and slm graph runners, or drafting=DraftContext, not both"
+        if drafting is None:
+            if head is None or slm is None:
+                raise TypeError(both_or_neither)
+            drafting = DraftContext.load(bundle, head, slm, slm_decode)
+        elif any(x is not None for x in (head, slm, slm_decode)):
+            raise TypeError(both_or_neither)
         self.bundle = bundle
-        self.mtp = MtpDrafter(head, bundle)
-        self.slm = SlmDrafter(slm, bundle, candidates=bundle.round.slm_candidates)
-        if slm_decode is not None:  # slm-alone's 1-row graph (`hycoc.runtime.slm_decode`)
-            from hycoc.runtime.slm_decode import SlmDecoder
-
-            self.slm.decoder = SlmDecoder(slm_decode)
-            self.slm.decoder.check(self.slm)
-        self.stop_ids = bundle.stop_token_ids()
+        #: what the drafters use (one per runtime, shared by the drafter of each request)
+        self.drafting = drafting
         #: (committed conversation tokens, mode) after generate(..., keep_open=True); None otherwise.
         self._conversation: tuple[list[int], str] | None = None
+
+    @property
+    def mtp(self) -> MtpDrafter:
+        """The MTP Drafter (Alg. 2) the drafters share (`DraftContext.mtp`)."""
+        return self.drafting.mtp
+
+    @property
+    def slm(self) -> SlmDrafter:
+        """The SLM Drafter (its ring follows the conversation) the drafters share (`DraftContext.slm`)."""
+        return self.drafting.slm
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """The ids that end a model turn (the bundle's chat stop ids, `DraftContext.stop_ids`)."""
+        return self.drafting.stop_ids
 
     def graph_meter(self) -> dict[str, tuple[int, float]]:
         """(calls, wall seconds) so far of each graph runner: ``head``, ``slm`` and ``slm_decode`` when loaded."""
@@ -129,7 +150,7 @@ class DeviceRuntime:
     def drafter(self, mode: str) -> Drafter:
         """A new drafter of configuration ``mode`` (`hycoc.runtime.drafters.DRAFTERS`) over this runtime's graphs.
         Raises ValueError for a name outside `MODES`."""
-        return drafter_class(mode, tuple(MODES))(self, MODES[mode])
+        return drafter_class(mode, tuple(MODES))(self.drafting, MODES[mode])
 
     def builder(self, mode: Mode, tree_rows: int) -> TreeBuilder:
         """The tree builder of ``mode`` for trees of ``tree_rows`` rows (the verifier's B + 1). Raises ValueError
@@ -328,24 +349,6 @@ class DeviceRuntime:
                 break
         res.finished = True
         res.finish_reason = res.finish_reason or "max_new_tokens"
-
-    def _tree(
-        self,
-        m: Mode,
-        builder: TreeBuilder,
-        chain: list[int],
-        runner_ups: list[int],
-        max_depth: int | None = None,
-        rows: int | None = None,
-    ) -> BuiltTree:
-        """Alg. 3 over ``chain`` / ``runner_ups`` under the SLM's last token (the root), with the SLM Drafter's
-        expansion when ``builder`` runs SLM passes at ``rows`` rows (the allowance; None = the verifier's tree rows;
-        none at the floor, `TreeBuilder.at_floor`): the one SLM-expansion step every tree drafter calls
-        (`hycoc.runtime.drafters.SlmTreeDrafter.draft`)."""
-        rows = builder.rows if rows is None else rows
-        slm = builder.passes > 0 and not builder.at_floor(rows, len(chain))
-        expand = self.slm.expand if slm else None
-        return builder.build(self.slm.tokens[-1], chain, runner_ups, expand, max_depth=max_depth, rows=rows)
 
     def _verified(
         self,

@@ -20,10 +20,12 @@ The shape follows vLLM's speculative proposers (one class per method, ``propose(
 transformers' ``CandidateGenerator`` (``get_candidates`` / ``update_candidate_strategy``): `Drafter.draft` gives the
 next tree, `Drafter.read` reads the verifier's reply against it, `Drafter.accept` takes the committed tokens, and
 `Drafter.reset` / `Drafter.start` / `Drafter.prefill` / `Drafter.rollback` are the request's and the conversation's
-state hooks. The drafters hold no graph of their own: the MTP Drafter, the SLM Drafter, the bundle and the stop ids
-are the `DeviceRuntime`'s, shared by every drafter a runtime makes (one per request), and the SLM expansion of a
-tree is the runtime's one step ``DeviceRuntime._tree`` (`hycoc.runtime.tree_builder.TreeBuilder.build` with the SLM
-Drafter's ``expand``).
+state hooks. A drafter gets what it uses, not the runtime: a `hycoc.runtime.draft_context.DraftContext` (the MTP
+Drafter, the SLM Drafter, the bundle's round constants, the keep set, the stop ids and the tree builder factory),
+one per `DeviceRuntime`, shared by every drafter the runtime makes (one per request). What a drafter drafts from is
+its own: the tree builder, the last tree (`SlmTreeDrafter.built`), its path's SLM nodes and the rounds drafted without
+an SLM pass; the SLM expansion of a tree is `SlmTreeDrafter.build_tree`
+(`hycoc.runtime.tree_builder.TreeBuilder.build` with the SLM Drafter's ``expand``).
 
 Acceptance and draft place are the configuration's (`hycoc.runtime.client.Mode`), sent in the OPEN; a drafter
 does not repeat them.
@@ -31,7 +33,6 @@ does not repeat them.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
@@ -43,7 +44,8 @@ from hycoc.runtime.tree_builder import BuiltTree, TreeBuilder, check_verified, w
 from hycoc.protocol.messages import DraftTree, RoundReply
 
 if TYPE_CHECKING:
-    from hycoc.runtime.client import DeviceRuntime, Mode
+    from hycoc.runtime.client import Mode
+    from hycoc.runtime.draft_context import DraftContext
 
 
 class RuntimeProtocolError(RuntimeError):
@@ -69,8 +71,9 @@ def allowed_rows(seq: int, reply: RoundReply | None, tree_rows: int) -> int:
 class Drafter(ABC):
     """One Table 5 drafter on the device (module docstring), made per request by `DeviceRuntime.drafter`.
 
-    device: the `DeviceRuntime` whose MTP Drafter (``mtp``), SLM Drafter (``slm``), bundle and ``stop_ids`` the
-    drafter uses; mode: its configuration (`hycoc.runtime.client.Mode`; ``name`` appears in errors).
+    context: what the drafter uses (`hycoc.runtime.draft_context.DraftContext`: the MTP and SLM Drafters, the round
+    constants, the keep set, the stop ids, the tree builder factory); mode: its configuration
+    (`hycoc.runtime.client.Mode`; ``name`` appears in errors).
 
     A verified request calls, in order: `reset`; `start` and `prefill` (when `uses_slm`, while the verifier prefills);
     `begin` with the verifier's tree rows; then per round `draft` (the first with ``reply=None``), the verifier's
@@ -86,8 +89,8 @@ class Drafter(ABC):
     #: the device drafts its trees (False: the server drafts, and the device's drafting time is not counted)
     drafts: ClassVar[bool] = True
 
-    def __init__(self, device: DeviceRuntime, mode: Mode):
-        self.device, self.mode = device, mode
+    def __init__(self, context: DraftContext, mode: Mode):
+        self.context, self.mode = context, mode
         self.tree_rows = 0  # the session's tree rows (`begin`)
 
     # ---- the request's state hooks -----------------------------------------------------------------------------
@@ -100,7 +103,7 @@ class Drafter(ABC):
         rolled back to). No-op without the SLM."""
         if not self.uses_slm:
             return
-        slm = self.device.slm
+        slm = self.context.slm
         if keep is None:
             slm.start(prompt)
         else:  # the ring was rolled back to keep (`DeviceRuntime.next_turn`)
@@ -110,14 +113,14 @@ class Drafter(ABC):
         """Fill the SLM Drafter's cache with the prompt's last W tokens (App. C), reserving the rows the chain and
         siblings plant. No-op without the SLM."""
         if self.uses_slm:
-            r = self.device.bundle.round
-            self.device.slm.prefill(reserve=r.chain_length + r.sibling_depth)
+            r = self.context.round
+            self.context.slm.prefill(reserve=r.chain_length + r.sibling_depth)
 
     def rollback(self, keep: int) -> None:
         """A next turn keeps the first ``keep`` held ids: the SLM ring rolls back to them
         (`hycoc.runtime.slm_drafter.SlmDrafter.rollback`). No-op without the SLM."""
         if self.uses_slm:
-            self.device.slm.rollback(keep)
+            self.context.slm.rollback(keep)
 
     def begin(self, tree_rows: int) -> None:
         """The verifier took the session and verifies trees of ``tree_rows`` rows (its B + 1; each reply's allowance
@@ -153,8 +156,8 @@ class SlmTreeDrafter(Drafter):
     """The SLM expansion (Alg. 3): a chain and runner-ups planted under the root (`chain`), then SLM passes and the
     trim to the node budget. Subclasses say where the chain comes from and how many passes / nodes a tree has."""
 
-    def __init__(self, device: DeviceRuntime, mode: Mode):
-        super().__init__(device, mode)
+    def __init__(self, context: DraftContext, mode: Mode):
+        super().__init__(context, mode)
         self.tree_builder: TreeBuilder | None = None
         self.built: BuiltTree | None = None
         self._path_nodes: list[int] = []
@@ -164,11 +167,11 @@ class SlmTreeDrafter(Drafter):
 
     def passes(self) -> int:
         """SLM passes per tree (Alg. 3 lines 7-15): the bundle's ``[tree] slm_passes``."""
-        return self.device.bundle.round.slm_passes
+        return self.context.round.slm_passes
 
     def budget(self) -> int:
         """Draft nodes per tree, root excluded (B): the bundle's ``[tree] node_budget``."""
-        return self.device.bundle.round.node_budget
+        return self.context.round.node_budget
 
     def chain(self, seq: int, reply: RoundReply) -> tuple[list[int], list[int]]:
         """(chain y_{1:K}, runner-ups y'_{1:D}) as token ids for round ``seq``'s tree from the last reply; none by
@@ -178,21 +181,13 @@ class SlmTreeDrafter(Drafter):
     def builder(self, tree_rows: int) -> TreeBuilder:
         """The tree builder of this drafter for trees of ``tree_rows`` rows (the verifier's B + 1). Raises
         ValueError when the node budget does not fit them."""
-        r, budget = self.device.bundle.round, self.budget()
+        budget = self.budget()
         if budget + 1 > tree_rows:
             raise ValueError(
                 f"mode {self.mode.name} drafts {budget} nodes, the verifier takes {tree_rows} rows per tree "
                 "(node_budget + 1); use matching recipes for the bundle and the server"
             )
-        return TreeBuilder(
-            ln_lambda=math.log(r.depth_cost),
-            budget=budget,
-            rows=tree_rows,
-            candidates=r.slm_candidates,
-            passes=self.passes(),
-            keep_set=self.device.bundle.keep_set,
-            stop_ids=self.device.stop_ids,
-        )
+        return self.context.tree_builder(budget, self.passes(), tree_rows)
 
     def begin(self, tree_rows: int) -> None:
         super().begin(tree_rows)
@@ -212,11 +207,21 @@ class SlmTreeDrafter(Drafter):
         if builder.at_floor(rows, len(chain)):
             self.slm_skipped += 1
         elif self.slm_skipped and builder.passes > 0:
-            r = self.device.bundle.round
-            self.device.slm.catch_up(reserve=r.chain_length + r.sibling_depth)
+            r = self.context.round
+            self.context.slm.catch_up(reserve=r.chain_length + r.sibling_depth)
             self.slm_skipped = 0
-        self.built = self.device._tree(self.mode, builder, chain, runner_ups, room, rows)
+        self.built = self.build_tree(builder, chain, runner_ups, room, rows)
         return DraftTree(seq, self.built.tokens, self.built.parents, self.built.scores)
+
+    def build_tree(
+        self, builder: TreeBuilder, chain: list[int], runner_ups: list[int], max_depth: int | None, rows: int
+    ) -> BuiltTree:
+        """Alg. 3 over ``chain`` / ``runner_ups`` under the SLM's last token (the root), at most ``max_depth`` nodes
+        deep and ``rows`` rows (the allowance), with the SLM Drafter's expansion when ``builder`` runs SLM passes
+        at ``rows`` rows (none at the floor, `hycoc.runtime.tree_builder.TreeBuilder.at_floor`)."""
+        slm = self.context.slm
+        expand = slm.expand if builder.passes > 0 and not builder.at_floor(rows, len(chain)) else None
+        return builder.build(slm.tokens[-1], chain, runner_ups, expand, max_depth=max_depth, rows=rows)
 
     def read(self, seq: int, reply: RoundReply) -> list[int]:
         """Walk ``reply`` through the rows it verified (`hycoc.runtime.tree_builder.walk_reply`; ties to the lowest
@@ -247,7 +252,7 @@ class SlmTreeDrafter(Drafter):
         unverified never reaches the ring); a stop id that ends the turn gets no SLM KV (a next turn's rendering
         decides its fate)."""
         nodes = self._path_nodes
-        self.device.slm.commit(nodes[: len(new) - 1] if new[-1] in self.device.stop_ids else nodes, new)
+        self.context.slm.commit(nodes[: len(new) - 1] if new[-1] in self.context.stop_ids else nodes, new)
 
 
 class MtpChainDrafter(SlmTreeDrafter):
@@ -256,14 +261,14 @@ class MtpChainDrafter(SlmTreeDrafter):
 
     def reset(self) -> None:
         """Forget the MTP Drafter's ring (`hycoc.runtime.mtp_drafter.MtpDrafter.reset`)."""
-        self.device.mtp.reset()
+        self.context.mtp.reset()
 
     def chain(self, seq: int, reply: RoundReply) -> tuple[list[int], list[int]]:
         """Alg. 2 on the reply's hand-off. Raises BadReply without one, HandoffError for a bad one."""
         if reply.handoff is None:
             raise BadReply(f"round {seq - 1}: the verifier sent no hand-off to a device-drafting session")
-        self.device.mtp.ingest(reply.handoff)
-        d = self.device.mtp.draft()
+        self.context.mtp.ingest(reply.handoff)
+        d = self.context.mtp.draft()
         return d.chain, d.runner_ups
 
 
@@ -288,10 +293,10 @@ class SpecEdgeDrafter(SlmTreeDrafter):
     of ``specedge_nodes`` nodes (Table 5)."""
 
     def passes(self) -> int:
-        return self.device.bundle.round.specedge_passes
+        return self.context.round.specedge_passes
 
     def budget(self) -> int:
-        return self.device.bundle.round.specedge_nodes
+        return self.context.round.specedge_nodes
 
 
 # ---- no device tree ----------------------------------------------------------------------------------------------
@@ -324,17 +329,17 @@ class SlmAloneDrafter(Drafter):
     verified = False
 
     def prefill(self) -> None:
-        self.device.slm.prefill(reserve=1)
+        self.context.slm.prefill(reserve=1)
 
     def draft(self, seq: int, reply: RoundReply | None, root: int, room: int) -> DraftTree:
-        token = self.device.slm.greedy_next()
+        token = self.context.slm.greedy_next()
         return DraftTree(seq, np.asarray([token], np.int32), np.asarray([-1], np.int32), None)
 
     def read(self, seq: int, reply: RoundReply) -> list[int]:
         raise RuntimeError("slm-alone has no verifier: nothing replies to its drafts")
 
     def accept(self, new: list[int]) -> None:
-        self.device.slm.commit([], new)
+        self.context.slm.commit([], new)
 
 
 #: Table 5 configuration name -> its drafter (`hycoc.runtime.client.MODES` names the same configurations).

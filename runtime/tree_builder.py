@@ -35,7 +35,7 @@ an ancestor-closed part of the tree; its reply names the rows it verified, and `
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -150,7 +150,7 @@ class TreeBuilder:
         candidates: int,
         passes: int,
         keep_set: np.ndarray,
-        stop_ids: Sequence[int] = (),
+        stop_ids: Iterable[int] = (),
     ):
         if not ln_lambda < 0:
             raise ValueError(f"ln λ must be < 0 (0 < λ < 1), got {ln_lambda}")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hycoc.runtime import drafters as d
 from hycoc.runtime.client import MODES, DeviceRuntime
+from hycoc.runtime.draft_context import DraftContext
 from hycoc.runtime.transport import BadReply
 
 from hycoc.mtp_chain import HeadStep, head_chain
@@ -29,15 +30,11 @@ def test_every_configuration_has_one_drafter_and_the_drafter_agrees_with_its_dra
         assert issubclass(cls, d.SlmTreeDrafter) == (mode.draft_place in ("device", "server-head")), name
 
 
-def rounds(**kw):
-    base = dict(node_budget=32, specedge_nodes=20, slm_passes=1, specedge_passes=4, depth_cost=0.66, slm_candidates=32)
-    return SimpleNamespace(**{**base, **kw})
-
-
-def device(r):
-    rt = DeviceRuntime.__new__(DeviceRuntime)
-    rt.bundle, rt.stop_ids = SimpleNamespace(round=r, keep_set=np.arange(10)), {1}
-    return rt
+def device(mtp=None, **round_constants):
+    """A runtime whose drafters get stand-ins (`DraftContext.make_dummy`: Table 5's round constants unless given,
+    B = 32, 20 SpecEdge nodes, 1 SLM pass, 4 SpecEdge passes, λ = 0.66, 32 candidates; keep set 0..9; stop id 1)."""
+    drafting = DraftContext.make_dummy(mtp=mtp, **round_constants)
+    return DeviceRuntime(SimpleNamespace(round=drafting.round), drafting=drafting)
 
 
 @pytest.mark.parametrize(
@@ -52,7 +49,7 @@ def device(r):
     ],
 )
 def test_tree_drafters_build_their_table5_tree(name, passes, budget):
-    rt = device(rounds())
+    rt = device()
     b = rt.builder(MODES[name], 33)
     assert (b.passes, b.budget, b.rows) == (passes, budget, 33)
     with pytest.raises(ValueError, match=f"mode {name} drafts {budget} nodes"):
@@ -60,13 +57,13 @@ def test_tree_drafters_build_their_table5_tree(name, passes, budget):
 
 
 def test_the_recipes_slm_passes_reach_the_hyco_drafter_but_not_hyco_2p():
-    rt = device(rounds(slm_passes=3))
+    rt = device(slm_passes=3)
     assert rt.builder(MODES["hyco"], 33).passes == 3
     assert rt.builder(MODES["hyco-2p"], 33).passes == 2
 
 
 def test_unknown_modes_and_treeless_drafters_are_refused():
-    rt = device(rounds())
+    rt = device()
     with pytest.raises(ValueError, match="unknown mode 'nope'; choose one of " + ", ".join(MODES) + "$"):
         rt.drafter("nope")
     for name in ("cloud-mtp", "slm-alone"):
@@ -75,7 +72,7 @@ def test_unknown_modes_and_treeless_drafters_are_refused():
 
 
 def test_cloud_mtp_sends_the_root_alone_and_commits_the_servers_chain():
-    drafter = device(rounds()).drafter("cloud-mtp")
+    drafter = device().drafter("cloud-mtp")
     tree = drafter.draft(3, None, 42, 10)
     assert (tree.seq, tree.tokens.tolist(), tree.parents.tolist(), tree.scores) == (3, [42], [-1], None)
     reply = RoundReply(3, np.array([7, 8, 9, 5, 6], np.int32), np.array([1, 2], np.int32), 9, 1.0, False)
@@ -83,12 +80,44 @@ def test_cloud_mtp_sends_the_root_alone_and_commits_the_servers_chain():
 
 
 def test_the_mtp_drafter_needs_a_handoff():
-    rt = device(rounds())
-    rt.mtp = SimpleNamespace(reset=lambda: None)
+    rt = device(mtp=SimpleNamespace(reset=lambda: None))
     reply = RoundReply(0, np.zeros(1, np.int32), np.zeros(0, np.int32), 0, 1.0, False)
     with pytest.raises(BadReply, match="round 0: the verifier sent no hand-off"):
         rt.drafter("hyco").chain(1, reply)
     assert rt.drafter("server-head").chain(1, RoundReply(0, reply.samples, reply.path_rows, 0, 1.0, False)) == ([], [])
+
+
+# ---- what a drafter gets: the context, not the runtime ---------------------------------------------------------
+
+
+def test_a_drafter_gets_the_runtimes_one_context_and_keeps_its_tree_state_to_itself():
+    rt = device()
+    a, b = rt.drafter("hyco"), rt.drafter("specedge")
+    assert a.context is b.context is rt.drafting and not hasattr(a, "device")
+    a.begin(33)
+    b.begin(21)
+    assert (a.tree_builder.budget, b.tree_builder.budget) == (32, 20) and a.built is b.built is None
+    with pytest.raises(RuntimeError, match="before begin"):
+        rt.drafter("hyco").draft(0, None, 5, 10)  # a new request's drafter: no builder of the last one's
+
+
+def test_make_dummy_fills_table5_and_the_tree_builder_factory_uses_the_contexts_constants():
+    ctx = DraftContext.make_dummy(keep_set=[3, 4, 9], stop_ids=[9], node_budget=6, max_new_tokens=7)
+    r = ctx.round
+    assert (r.chain_length, r.sibling_depth, r.node_budget, r.depth_cost, r.slm_candidates) == (4, 2, 6, 0.66, 32)
+    assert (r.slm_passes, r.specedge_passes, r.specedge_nodes, r.max_new_tokens) == (1, 4, 20, 7)
+    assert ctx.mtp is None and ctx.slm is None and ctx.stop_ids == frozenset({9})
+    b = ctx.tree_builder(budget=5, passes=2, rows=8)
+    assert (b.budget, b.passes, b.rows, b.candidates, b.stop_ids) == (5, 2, 8, 32, frozenset({9}))
+    assert b.ln_lambda == np.log(0.66) and b.keep_set.tolist() == [3, 4, 9]
+
+
+def test_a_runtime_takes_graph_runners_or_a_context_not_both():
+    ctx = DraftContext.make_dummy()
+    with pytest.raises(TypeError, match="or drafting=DraftContext"):
+        DeviceRuntime(SimpleNamespace(round=ctx.round))
+    with pytest.raises(TypeError, match="or drafting=DraftContext"):
+        DeviceRuntime(SimpleNamespace(round=ctx.round), object(), object(), drafting=ctx)
 
 
 # ---- the loop of head steps (Alg. 2 lines 7-13) ----------------------------------------------------------------

@@ -18,7 +18,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from hycoc.runtime.client import DeviceRuntime, RuntimeProtocolError
-from hycoc.runtime.tree_builder import walk_reply
+from hycoc.runtime.draft_context import DraftContext
+from hycoc.runtime.tree_builder import TreeBuilder, walk_reply
 from test_runtime_drafters import WF, WS, V, k_value, ring, slm_drafter
 
 from hycoc.protocol import wire
@@ -170,10 +171,28 @@ class PartialVerifier:
 
 
 def runtime():
-    """A DeviceRuntime of stand-ins (module docstring), with a spy on the SLM ring's commits."""
+    """A DeviceRuntime of stand-ins (module docstring), its drafters given them through `DraftContext.make_dummy`,
+    with a spy on the SLM ring's commits (``rt.commits``) and on the trees the drafters build (``rt.built``, and
+    ``rt.forwards``: the SLM forwards each build ran)."""
     slm = slm_drafter()
-    rt = DeviceRuntime.__new__(DeviceRuntime)
-    rnd = SimpleNamespace(
+    commits, built, forwards = [], [], []
+
+    class SpyBuilder(TreeBuilder):
+        """The tree builder, recording each tree it builds and the SLM forwards building it ran."""
+
+        def build(self, *args, **kw):
+            before = slm.forwards
+            tree = super().build(*args, **kw)
+            built.append(tree)
+            forwards.append(slm.forwards - before)
+            return tree
+
+    drafting = DraftContext.make_dummy(
+        mtp=PerfectMtp(slm),
+        slm=slm,
+        keep_set=np.arange(V),
+        stop_ids={STOP},
+        builder_class=SpyBuilder,
         node_budget=ROWS - 1,
         specedge_nodes=ROWS - 1,
         slm_passes=1,
@@ -189,32 +208,27 @@ def runtime():
         chain_length=3,
         sibling_depth=2,
     )
-    rt.bundle = SimpleNamespace(
-        round=rnd,
+    bundle = SimpleNamespace(
+        round=drafting.round,
         keep_set=np.arange(V),
         keep_index=np.arange(V),
         tokenizer=SimpleNamespace(decode=lambda ids, **kw: " ".join(map(str, ids))),
         chat=SimpleNamespace(format=SimpleNamespace(contract=lambda: None)),
     )
-    rt.slm, rt.mtp, rt.stop_ids, rt._conversation = slm, PerfectMtp(slm), {STOP}, None
-    rt.commits, rt.built = [], []
-    commit, tree = slm.commit, rt._tree
+    rt = DeviceRuntime(bundle, drafting=drafting)
+    rt.commits, rt.built, rt.forwards = commits, built, forwards
+    commit = slm.commit
 
     def spy_commit(path_nodes, new):
         moved = commit(path_nodes, new)
-        rt.commits.append(list(path_nodes))
+        commits.append(list(path_nodes))
         for p in range(max(0, slm.n_kv - WS), slm.n_kv):  # every ring column holds its committed token's KV
             assert ring(slm, 0, p) == k_value(slm.tokens[p], p), (p, slm.tokens)
         for p in range(max(0, slm.n_kv - WF), slm.n_kv):
             assert ring(slm, 1, p, 1) == k_value(slm.tokens[p], p, 1, 1), (p, slm.tokens)
         return moved
 
-    def spy_tree(*args, **kw):
-        built = tree(*args, **kw)
-        rt.built.append(built)
-        return built
-
-    slm.commit, rt._tree = spy_commit, spy_tree
+    slm.commit = spy_commit
     return rt
 
 

@@ -138,17 +138,17 @@ class TimedSession:
 
 class CpuClock:
     """This thread's CPU time (``time.thread_time``) in the drafting region -- `MtpDrafter.ingest`,
-    `MtpDrafter.draft`, `DeviceRuntime._tree` (the client's ``draft_s`` region) -- and in the graphs'
+    `MtpDrafter.draft`, `SlmTreeDrafter.build_tree` (the client's ``draft_s`` region) -- and in the graphs'
     ``InferenceSession.run`` inside it (onnxruntime with one intra-op thread runs the graph on the calling thread).
     Unlike wall time, other jobs on the machine do not inflate it."""
 
     def __init__(self):
-        from hycoc.runtime.client import DeviceRuntime
+        from hycoc.runtime.drafters import SlmTreeDrafter
         from hycoc.runtime.mtp_drafter import MtpDrafter
 
         self.draft_s = self.graph_s = 0.0
         self._depth = 0
-        for owner, attr in ((MtpDrafter, "ingest"), (MtpDrafter, "draft"), (DeviceRuntime, "_tree")):
+        for owner, attr in ((MtpDrafter, "ingest"), (MtpDrafter, "draft"), (SlmTreeDrafter, "build_tree")):
             setattr(owner, attr, self._region(getattr(owner, attr)))
 
     def _region(self, fn):
