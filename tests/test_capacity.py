@@ -576,8 +576,8 @@ def test_cli_refuses_what_it_cannot_simulate():
 def test_projection_runs_every_mode_and_lists_its_inputs(tmp_path):
     """A short projection of recipes/gemma4.toml: hyco with the allowance and cloud-mtp over LTE; the table's rows
     carry the allowance, the drafting and the ratios against cloud-mtp; the assumptions name the GPU's source, the
-    fitted trees and the device-time estimate per allowance; a cost-model file of another model is refused in one
-    line."""
+    fitted trees and the device-time estimate per allowance; the fixed-row check runs at the floor over LTE and 5G;
+    a cost-model file of another model is refused in one line."""
     from pathlib import Path
 
     from hycoc.bench.capacity_cost import StepCostError
@@ -600,6 +600,7 @@ def test_projection_runs_every_mode_and_lists_its_inputs(tmp_path):
         tmp_path,
         gpu="h200",
         variants=(("LTE", "lte", 1.0, plan),),
+        sweep_rows=(5,),
     )
     rows = {r["config"]: r for r in doc["capacity"]}
     assert rows["hyco"]["mode"] == "allowance" and rows["hyco"]["allowance"] is not None
@@ -607,6 +608,8 @@ def test_projection_runs_every_mode_and_lists_its_inputs(tmp_path):
     text = "\n".join(doc["assumptions"])
     assert "H200 Tensor Core GPU datasheet" in text and "FITTED" in text and "allowance_round_ms" in text
     assert (tmp_path / "capacity.json").is_file()
+    floor = [r for r in doc["fixed_rows_sweep"] if r["fixed_rows"] == 5]
+    assert {r["variant"] for r in floor} == {"LTE", "5G"} and all(r["rows_sent_per_round"] == 5 for r in floor)
     toy = CostModel(
         device="NVIDIA H100",
         dtype="bfloat16",
