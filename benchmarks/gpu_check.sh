@@ -17,7 +17,7 @@
 #              GB), verification rows 1/5/33, the head step and prefill chunks at contexts 1,024 and 4,096: the
 #              33-row (HyCo) vs 5-row + 4 head steps (Cloud+MTP) round ms beside the paper's 21.7 / 26.8 ms; and the
 #              BATCHED line (--batch-sessions 1,4,16,64 x rows 1..512, each session at 1,024 cached positions: the
-#              server's batch_forward, ~30 points, well under a minute), which
+#              server's batch_forward, 28 points; checked on the CPU with the toy, not yet timed on a GPU), which
 #              `hycoc capacity recipes/gemma4.toml --cost-model $OUT/cost-model-26b-a4b.json` projects with.
 #
 # Needs: python3 with torch (CUDA build for the cuda mode), numpy, onnx, onnxruntime, onnxscript, tokenizers, typer,
