@@ -45,6 +45,7 @@ from dataclasses import replace
 import numpy as np
 from hycoc.runtime.draft_context import DraftContext
 from hycoc.runtime.drafters import Drafter, RuntimeProtocolError, SlmTreeDrafter, allowed_rows, drafter_class
+from hycoc.runtime.drafting_times import DraftingTimes
 from hycoc.runtime.htp_session import HtpSessionSettings
 from hycoc.runtime.mtp_drafter import MtpDrafter
 from hycoc.runtime.result import RequestResult
@@ -112,6 +113,8 @@ class DeviceRuntime:
         self.drafting = drafting
         #: (committed conversation tokens, mode) after generate(..., keep_open=True); None otherwise.
         self._conversation: tuple[list[int], str] | None = None
+        #: this device's measured drafting ms per round, without and with the SLM pass (sent in every OPEN)
+        self.drafting_ms = DraftingTimes(chain_rows=drafting.round.chain_length + 1)
 
     @property
     def mtp(self) -> MtpDrafter:
@@ -185,6 +188,8 @@ class DeviceRuntime:
             max_new_tokens=max_new_tokens,
             chat=self.bundle.chat.format.contract(),
             anchor=int(anchor),
+            draft_ms_floor=self.drafting_ms.floor_ms,
+            draft_ms_tree=self.drafting_ms.tree_ms,
         )
 
     def generate(
@@ -405,6 +410,8 @@ class DeviceRuntime:
             t0, meter = time.perf_counter(), self.graph_meter()
             tree = drafter.draft(seq, reply, root, min(room()))  # the first: SLM alone, trimmed to the room
             res.draft_s += time.perf_counter() - t0
+            if seq > 0:  # the first tree is SLM-only while the server prefills (App. C): not a round's drafting
+                self.drafting_ms.observe(len(tree.tokens), 1e3 * (time.perf_counter() - t0))
             self._metered(res, meter, "draft")
             return tree
 

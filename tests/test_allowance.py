@@ -113,3 +113,40 @@ def test_padding_rows_are_worth_nothing():
 def test_bad_settings_are_refused_naming_the_field(kw, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
         rule(**kw)
+
+
+def test_the_round_trip_the_device_is_away_weighs_rows_against_its_drafting():
+    """A session away 58 ms of link plus its drafting (19.5 ms at the floor, 57.7 with the SLM pass: the paper-shape
+    phone) at 10 sessions on the flat line: the floor's (1 + 0.9375) / (58 + 19.5 + 10) = 0.0221 tokens per ms of
+    round beats every larger tree's at most 2 / (58 + 57.7 + 10) = 0.0159; with the same link and no drafting
+    reported, the rows are worth their 10 ms flat step again: r = 20 as on the verifier alone."""
+    r = rule()
+    r.observe_tree(*chain_tree())
+    r.observe_drafting(19.5, 57.7)
+    r.observe_away(115.7, CEILING)  # a 33-row round: 57.7 ms of drafting, the rest the link
+    assert r.state.link_ms == pytest.approx(58.0)
+    np.testing.assert_allclose(r.drafting_ms(np.array([1, 5, 6, 33])), [19.5, 19.5, 57.7, 57.7])
+    assert r.allowance(sessions=10) == FLOOR
+    assert r.allowance(sessions=1) == CEILING  # one session alone: the whole tree whatever the link
+    link_only = rule()
+    link_only.observe_tree(*chain_tree())
+    link_only.observe_away(58.0, CEILING)
+    assert link_only.allowance(sessions=10) == 20
+    r.observe_away(float("nan"), 5)  # ignored, as a negative gap is
+    r.observe_away(-1.0, 5)
+    assert (r.state.aways, r.state.link_ms) == (1, pytest.approx(58.0))
+    r.observe_drafting(0.0, 40.0)  # 0: unknown, left out; 40 moves the EMA by its weight 0.1
+    assert (r.state.draft_floor_ms, r.state.draft_tree_ms) == (19.5, pytest.approx(57.7 + 0.1 * (40 - 57.7)))
+
+
+def test_the_device_measures_its_drafting_per_kind_of_round():
+    from hycoc.runtime.drafting_times import DraftingTimes
+
+    t = DraftingTimes(chain_rows=5, weight=0.5)
+    assert (t.floor_ms, t.tree_ms) == (0.0, 0.0)  # nothing drafted yet: the OPEN says unknown
+    t.observe(5, 2.0)
+    t.observe(5, 4.0)  # 2 + 0.5 x (4 - 2)
+    t.observe(33, 10.0)
+    t.observe(6, float("nan"))  # ignored
+    t.observe(33, 1e9)  # clamped to what an OPEN carries: 10 + 0.5 x (60,000 - 10)
+    assert (t.floor_ms, t.tree_ms) == (3.0, 10.0 + 0.5 * (60_000 - 10.0))

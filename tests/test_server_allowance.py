@@ -50,12 +50,13 @@ def chain(root: int, rows: int, seq: int) -> DraftTree:
     return DraftTree(seq, tokens, np.arange(-1, rows - 1, dtype=np.int32), np.arange(rows) * np.float32(math.log(0.5)))
 
 
-def request(i: int = 0) -> OpenRequest:
+def request(i: int = 0, **kw) -> OpenRequest:
     return OpenRequest(
         prompt_ids=np.arange(20 + i, 30 + i, dtype=np.int32),
         sampling=Sampling(0.0, 64, 1.0),
         seed=i,
         max_new_tokens=200,
+        **kw,
     )
 
 
@@ -72,6 +73,12 @@ class FixedRule:
         pass
 
     def observe_step(self, *args, **kwargs) -> None:
+        pass
+
+    def observe_drafting(self, *args) -> None:
+        pass
+
+    def observe_away(self, *args) -> None:
         pass
 
 
@@ -137,7 +144,7 @@ def test_the_engine_checks_the_allowance_before_touching_the_session(models):
 def _client(url, i, barrier, record, failures):
     try:
         with VerifierClient(url, timeout_s=60) as c:
-            c.open(request(i))
+            c.open(request(i, draft_ms_floor=2.0, draft_ms_tree=9.0))
             root, allowance = 20 + i + 9, ROWS
             barrier.wait(30)
             for seq in range(6):
@@ -166,6 +173,10 @@ def test_a_loaded_server_grants_the_floor_when_rows_cost_more_than_they_add(mode
         assert not failures, failures
         health = srv.server.health()["batching"]
         assert health["allowance"] == "auto" and health["allowance_floor"] == K + 1
+        state = srv.server.worker.allowance.state
+        assert (state.draft_floor_ms, state.draft_tree_ms) == (2.0, 9.0)  # the OPENs' reports
+        assert state.aways == 4 * 5  # every round after a REPLY: rounds 2-6 of each session
+        assert health["allowance_link_ms"] == round(state.link_ms, 3) >= 0
         got = metrics(srv)
     engine.close()
     assert len(record) == 24

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 from dataclasses import replace
@@ -160,7 +161,9 @@ OPEN_AT = dict(
     max_new_tokens=30,
     n_prompt=34,
     anchor=38,
-    prompt=42,
+    draft_ms_floor=42,
+    draft_ms_tree=46,
+    prompt=50,
 )
 APPEND_AT = dict(max_new_tokens=0, keep=4, keep_crc=8, anchor=12, n_tokens=16, tokens=20)
 REPLY_AT = dict(
@@ -202,7 +205,7 @@ def test_open_round_trip(auth, chat, anchor):
     m = open_request(auth_token=auth, chat=chat, anchor=anchor)
     data = wire.encode(m)
     n_auth, n_chat = len((auth or "").encode()), len((chat or "").encode())
-    assert len(data) == 16 + 42 + 4 * 4 + n_auth + n_chat == wire.open_nbytes(4, n_auth, n_chat)
+    assert len(data) == 16 + 50 + 4 * 4 + n_auth + n_chat == wire.open_nbytes(4, n_auth, n_chat)
     got = wire.decode(data, wire.Limits(vocab_size=VOCAB, max_context=16))
     assert_same_array(got.prompt_ids, m.prompt_ids, np.int32)
     assert got.sampling == m.sampling  # values exact in float32
@@ -219,8 +222,8 @@ def test_open_round_trip(auth, chat, anchor):
 
 
 def test_open_byte_layout_is_exact():
-    """OPEN built field by field with struct (module docstring: 42 B fixed part, then i32[T], auth, chat)."""
-    m = open_request(auth_token="clé", chat=CONTRACT, anchor=2)
+    """OPEN built field by field with struct (module docstring: 50 B fixed part, then i32[T], auth, chat)."""
+    m = replace(open_request(auth_token="clé", chat=CONTRACT, anchor=2), draft_ms_floor=19.5, draft_ms_tree=57.75)
     auth, chat = "clé".encode(), CONTRACT.encode()
     fixed = (
         struct.pack("<f", 0.5)
@@ -231,11 +234,20 @@ def test_open_byte_layout_is_exact():
         + bytes([1, 0])
         + struct.pack("<HH", len(auth), len(chat))
         + struct.pack("<III", 256, 4, 2)
-    )  # max_new_tokens, T, anchor
-    assert len(fixed) == 42
+        + struct.pack("<ff", 19.5, 57.75)
+    )  # max_new_tokens, T, anchor, the device's drafting ms per round without / with the SLM pass
+    assert len(fixed) == 50
     payload = fixed + struct.pack("<4i", 2, 10, 999, 0) + auth + chat
     assert wire.encode(m) == frame(wire.MessageType.OPEN, payload)
-    assert wire.decode(frame(wire.MessageType.OPEN, payload)).anchor == 2
+    got = wire.decode(frame(wire.MessageType.OPEN, payload))
+    assert (got.anchor, got.draft_ms_floor, got.draft_ms_tree) == (2, 19.5, 57.75)
+
+
+@pytest.mark.parametrize("field", ["draft_ms_floor", "draft_ms_tree"])
+@pytest.mark.parametrize("value, code", [(-1.0, "out_of_range"), (60_001.0, "out_of_range"), (math.inf, "not_finite")])
+def test_open_drafting_ms_out_of_range(field, value, code):
+    data = patch(wire.encode(open_request()), OPEN_AT[field], "f", value)
+    fails(code, data, None, f"OpenRequest.{field}")
 
 
 @pytest.mark.parametrize("acceptance", ["exact", "epsilon"])

@@ -11,12 +11,19 @@ an exponential moving average over steps):
 
 1. Low load: when ``sessions x ceiling`` rows fit the forward's free rows (one full tree, or the cost line's flat
    part), the allowance is the ceiling (B + 1): one session alone always drafts the recipe's whole tree.
-2. Otherwise the allowance is the r in [floor, ceiling] that maximises committed tokens per verifier millisecond
-   if every one of those sessions sent r rows: sessions x (1 + V(r)) / (cost(sessions x r) + overhead x
-   sessions), the row budget's own objective (`hycoc.verifier.row_budget.allocate`'s step 3) with V(r) the
-   expected tokens of a tree's r - 1 best non-root rows. V is learned from the scored trees sessions send: the
-   mean of exp(s) of each rank (rows sorted by score, padding worth 0; §3.1: exp(s(v)) is about the chance the
-   path to v is accepted), times the budget's accepted-per-expected correction (`BudgetState.value_scale`).
+2. Otherwise the allowance is the r in [floor, ceiling] that maximises the committed tokens per millisecond of a
+   session's whole round if every one of those sessions sent r rows: (1 + V(r)) / (away(r) + step(r)), with
+   step(r) = cost(sessions x r) + overhead x sessions the batched step (the row budget's cost,
+   `hycoc.verifier.row_budget.allocate`'s step 3) and away(r) = link + drafting(r) the time the session is away
+   between a reply and its next round: the link (and the device's host work), learned from the measured gaps
+   (`observe_away`), plus the device's drafting per round, which the device reports in its OPEN (protocol 6:
+   without the SLM pass at or below K + 1 rows, with it above; `observe_drafting`). V(r) is the expected tokens
+   of a tree's r - 1 best non-root rows, learned from the scored trees sessions send: the mean of exp(s) of each
+   rank (rows sorted by score, padding worth 0; §3.1: exp(s(v)) is about the chance the path to v is accepted),
+   times the budget's accepted-per-expected correction (`BudgetState.value_scale`). With nothing measured away
+   (a device on the same machine) this is the row budget's own tokens per verifier millisecond; with a slow link
+   and an SLM pass that costs the phone more than its rows add, the floor wins: a round then costs the device
+   less time than the tokens it loses.
 3. With a target (``target_ms``, the server's step-latency target in the spirit of `hycoc capacity --p90-ms`),
    only the r whose step fits it are candidates; if none fits, the floor.
 
@@ -33,23 +40,28 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .row_budget import BudgetState, RowCost, monotone_scores, row_values
+from hycoc.serving_limits import ALLOWANCE_MODES  # the one list, torch-free: verify-server checks it first
 
-#: Allowance modes (recipe ``verifier.allowance``): "fixed" grants every session the whole tree (B + 1 rows) each
-#: round; "auto" sizes it from the load (`AllowanceRule`; needs batching = "batched").
-ALLOWANCE_MODES = ("fixed", "auto")
+from .row_budget import BudgetState, RowCost, monotone_scores, row_values
 
 
 @dataclass
 class AllowanceState:
     """What the rule learned: ``rank_values[i]`` the mean expected tokens of the (i + 1)-th best non-root row of
     the scored trees seen (EMA, float64 (ceiling - 1,); NaN until a tree with that many rows was seen), and
-    ``sessions`` the sessions per batched step (EMA; 0 before the first step)."""
+    ``sessions`` the sessions per batched step (EMA; 0 before the first step). ``link_ms``: ms a session is away
+    between a reply and its next round beyond its drafting (EMA of `observe_away`'s gaps; 0 before one).
+    ``draft_floor_ms`` / ``draft_tree_ms``: the devices' drafting ms per round without / with the SLM pass (EMA of
+    what OPENs report; 0: none reported)."""
 
     rank_values: np.ndarray
     sessions: float = 0.0
     trees: int = 0
     steps: int = 0
+    link_ms: float = 0.0
+    aways: int = 0
+    draft_floor_ms: float = 0.0
+    draft_tree_ms: float = 0.0
 
 
 @dataclass
@@ -61,7 +73,7 @@ class AllowanceRule:
     chain), >= 1. ceiling: the most (B + 1), >= floor. target_ms: a step-latency target in ms (None: none).
     weight: the EMAs' weight of a new observation, in (0, 1]. budget: the row budget's `BudgetState` when the
     server runs one (its learned host ms per session and accepted-per-expected ratio are shared), else the rule's
-    own.
+    own. chain_rows: the rows at or below which the device drafts without the SLM pass (K + 1; 0: the floor).
 
     Raises ValueError for a floor below 1, a ceiling below the floor, free_rows < 1, a weight outside (0, 1] or a
     target that is not a positive finite number.
@@ -74,6 +86,7 @@ class AllowanceRule:
     target_ms: float | None = None
     weight: float = 0.1
     budget: BudgetState = field(default_factory=BudgetState)
+    chain_rows: int = 0
     state: AllowanceState = field(init=False)
 
     def __post_init__(self) -> None:
@@ -88,6 +101,7 @@ class AllowanceRule:
         if self.target_ms is not None and not (math.isfinite(self.target_ms) and self.target_ms > 0):
             raise ValueError(f"allowance target_ms = {self.target_ms}: must be a positive number of ms, or None")
         self.state = AllowanceState(np.full(max(0, self.ceiling - 1), np.nan))
+        self.chain_rows = int(self.chain_rows or self.floor)
         self._memo: tuple[tuple, int] | None = None  # (the state it was computed for, the allowance)
 
     # ------------------------------------------------------------------------------------------------ learning
@@ -118,7 +132,32 @@ class AllowanceRule:
         self.state.sessions += w * (sessions - self.state.sessions)
         self.state.steps += 1
 
+    def observe_drafting(self, floor_ms: float, tree_ms: float) -> None:
+        """A device's drafting ms per round (its OPEN's report) at the floor (no SLM pass) and with the SLM pass;
+        each value 0 (unknown) or not finite is left out, the others averaged over devices (EMA)."""
+        for name, value in (("draft_floor_ms", floor_ms), ("draft_tree_ms", tree_ms)):
+            if value > 0 and math.isfinite(value):
+                old = getattr(self.state, name)
+                setattr(self.state, name, value if old == 0 else old + self.weight * (value - old))
+
+    def observe_away(self, away_ms: float, rows: int) -> None:
+        """A round of ``rows`` rows arrived ``away_ms`` after its session's previous reply was sent: the link's
+        (and the device's host work's) share, the gap minus the drafting that many rows cost, updates ``link_ms``."""
+        if not (away_ms >= 0 and math.isfinite(away_ms)):
+            return
+        sample = max(0.0, float(away_ms) - float(self.drafting_ms(np.asarray([rows]))[0]))
+        w = self.weight if self.state.aways else 1.0
+        self.state.link_ms += w * (sample - self.state.link_ms)
+        self.state.aways += 1
+
     # ------------------------------------------------------------------------------------------------ the rule
+
+    def drafting_ms(self, rows: np.ndarray) -> np.ndarray:
+        """The devices' drafting ms per round for trees of ``rows`` rows (int array): the floor's report at or below
+        chain_rows (when reported), else the SLM pass's; 0 when nothing was reported."""
+        s = self.state
+        floor = s.draft_floor_ms if s.draft_floor_ms > 0 else s.draft_tree_ms
+        return np.where(np.asarray(rows) <= self.chain_rows, floor, s.draft_tree_ms)
 
     def expected_tokens(self, rows: np.ndarray) -> np.ndarray:
         """V(r) for each r in ``rows`` (int array, each in [1, ceiling]): the learned expected tokens of a tree's
@@ -135,7 +174,9 @@ class AllowanceRule:
         load to size for (rounds per batched step; None: the learned average). Before any tree was seen, the
         ceiling (nothing to rank yet)."""
         n = self.state.sessions if sessions is None else float(sessions)
-        key = (n, self.state.trees, self.state.steps, self.budget.value_scale, self.budget.overhead_ms)
+        s = self.state
+        key = (n, s.trees, s.steps, s.aways, s.draft_floor_ms, s.draft_tree_ms)
+        key += (self.budget.value_scale, self.budget.overhead_ms)
         if self._memo is not None and self._memo[0] == key:
             return self._memo[1]  # every session of a step is granted at once: one computation per step
         rows = self._best_rows(n)
@@ -147,7 +188,8 @@ class AllowanceRule:
             return self.ceiling
         rows = np.arange(self.floor, self.ceiling + 1)
         step_ms = self.cost.ms(n * rows) + self.budget.overhead_ms * n
-        ratio = n * (1.0 + self.expected_tokens(rows)) / np.maximum(step_ms, 1e-9)
+        away_ms = self.state.link_ms + self.drafting_ms(rows)
+        ratio = (1.0 + self.expected_tokens(rows)) / np.maximum(away_ms + step_ms, 1e-9)
         if self.target_ms is not None:
             fits = step_ms <= self.target_ms
             if not fits.any():

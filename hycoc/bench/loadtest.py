@@ -181,7 +181,10 @@ async def replay_request(
                 return wire.decode(await asyncio.wait_for(ws.recv(), ANSWER_TIMEOUT_S), limits)
 
             sent = loop.time()
-            opened = await ask(wire.encode(req.open_request()))
+            request = req.open_request()  # with the recorded drafting ms per round (protocol 6)
+            if device_ms is not None:  # a fixed drafting time: the same with and without the SLM pass
+                request = replace(request, draft_ms_floor=float(device_ms), draft_ms_tree=float(device_ms))
+            opened = await ask(wire.encode(request))
             if isinstance(opened, ErrorReply):
                 stats.errors[opened.code] += 1
                 if opened.code in CAPACITY_CODES:

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hycoc.protocol.messages import DraftTree, OpenRequest, RoundReply, Sampling
+from hycoc.protocol.messages import MAX_DRAFT_MS, DraftTree, OpenRequest, RoundReply, Sampling
 
 #: Bumped when the file layout or a field's meaning changes; an older file is re-recorded, never misread.
 #: 2: device_ms is the drafting thread's CPU time (was wall time), device_wall_ms added.
@@ -118,7 +118,19 @@ class RequestTrace:
             epsilon=self.epsilon,
             draft_place=self.draft_place,
             max_new_tokens=self.max_new_tokens,
+            draft_ms_floor=self.drafting_ms()[0],
+            draft_ms_tree=self.drafting_ms()[1],
         )
+
+    def drafting_ms(self) -> tuple[float, float]:
+        """What a replaying device reports in its OPEN (protocol 6): the recorded drafting ms per round without
+        the SLM pass (the mean head_ms) and with it (the mean device_ms), over the rounds after the first (the
+        first tree is SLM-only while the server prefills); 0.0 where none was recorded (cloud-mtp: both 0)."""
+        later = [rt for rt in self.rounds[1:] if len(rt.tokens) > 1]
+        heads = [rt.head_ms for rt in later if rt.head_ms > 0]
+        floor = float(np.mean(heads)) if heads else 0.0
+        tree = float(np.mean([rt.device_ms for rt in later])) if later else 0.0
+        return min(floor, MAX_DRAFT_MS), min(tree, MAX_DRAFT_MS)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from hycoc.protocol.messages import (
     ACCEPTANCE_MODES,
     DRAFT_PLACES,
     FINISH_REASONS,
+    MAX_DRAFT_MS,
     AppendTurn,
     Close,
     DraftTree,
@@ -144,6 +145,13 @@ def _check_open(m: OpenRequest, limits: Limits) -> None:
             f"OpenRequest.anchor = {m.anchor}: must lie in [0, T = {prompt.size}) (the prompt's model-turn "
             "opening; 0 = none)"
         )
+    for name in ("draft_ms_floor", "draft_ms_tree"):
+        value = _f32(getattr(m, name), f"OpenRequest.{name}")
+        if not 0 <= value <= MAX_DRAFT_MS:
+            raise OutOfRange(
+                f"OpenRequest.{name} = {value}: must lie in [0, {MAX_DRAFT_MS:g}] ms (the device's drafting time "
+                "per round; 0 = unknown)"
+            )
 
 
 def _check_opened(m: Opened, limits: Limits) -> None:

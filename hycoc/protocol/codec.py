@@ -81,6 +81,8 @@ def _pack_open(m: OpenRequest, layout: Layout) -> bytes:
         max_new_tokens=m.max_new_tokens,
         n_prompt=prompt.size,
         anchor=m.anchor,
+        draft_ms_floor=m.draft_ms_floor,
+        draft_ms_tree=m.draft_ms_tree,
     )
     return fixed + prompt.tobytes() + auth + chat
 
@@ -333,6 +335,8 @@ def _unpack_open(r: _Reader, limits: Limits, layout: Layout) -> OpenRequest:
         auth_token=auth,
         chat=chat,
         anchor=f.anchor,
+        draft_ms_floor=f.draft_ms_floor,
+        draft_ms_tree=f.draft_ms_tree,
     )
 
 

@@ -123,7 +123,7 @@ LAYOUTS: dict[int, Layout] = {
         version=6,
         fixed={
             MessageType.OPEN: FixedPart(
-                "<fIfQfBBHHIII",
+                "<fIfQfBBHHIIIff",
                 (
                     "temperature",
                     "top_k",
@@ -137,6 +137,8 @@ LAYOUTS: dict[int, Layout] = {
                     "max_new_tokens",
                     "n_prompt",
                     "anchor",
+                    "draft_ms_floor",
+                    "draft_ms_tree",
                 ),
             ),
             MessageType.OPENED: FixedPart(
@@ -252,7 +254,7 @@ def tree_nbytes(rows: int, *, version: int = PROTOCOL_VERSION, scores: bool = Tr
 
 
 def open_nbytes(prompt_len: int, auth_bytes: int = 0, chat_bytes: int = 0) -> int:
-    """Bytes of an OPEN frame: 16 header + 42 fixed + 4 per prompt id + the auth token's and the chat contract's
+    """Bytes of an OPEN frame: 16 header + 50 fixed + 4 per prompt id + the auth token's and the chat contract's
     utf-8 bytes (each at most 65,535)."""
     fixed = LAYOUTS[PROTOCOL_VERSION].fixed[MessageType.OPEN]
     return HEADER.size + fixed.size + 4 * int(prompt_len) + int(auth_bytes) + int(chat_bytes)

@@ -80,6 +80,10 @@ class OpenRequest:
     (raw ids). anchor: the position where the prompt's model turn opens (`hycoc.chat.Rendered.anchor`), in
     [0, T); the verifier snapshots its sliding-window KV there, so a later APPEND that rolls the conversation back
     to at least it re-prefills only what follows (docs/serving.md "Conversations"); 0: no snapshot.
+    draft_ms_floor, draft_ms_tree: the device's drafting milliseconds per round at the allowance's floor (the MTP
+    chain alone, no SLM pass) and with the SLM pass (protocol 6), measured or estimated by the device, in
+    [0, MAX_DRAFT_MS]; 0: unknown. The verifier's allowance rule weighs a tree's rows against them
+    (`hycoc.verifier.allowance`).
     """
 
     prompt_ids: np.ndarray
@@ -92,6 +96,12 @@ class OpenRequest:
     auth_token: str | None = None
     chat: str | None = None
     anchor: int = 0
+    draft_ms_floor: float = 0.0
+    draft_ms_tree: float = 0.0
+
+
+#: The largest drafting time per round an OPEN may report (ms): a minute.
+MAX_DRAFT_MS = 60_000.0
 
 
 @dataclass(frozen=True)

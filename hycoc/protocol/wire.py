@@ -28,9 +28,11 @@ the version of its OPEN frame and its peer answers every frame of it in that ver
 
 Payloads (R = tree rows = B + 1, P = accepted path length, K = chain length, T = prompt length)::
 
-    OPEN    42 B: f32 temperature, u32 top_k, f32 top_p, u64 seed, f32 epsilon, u8 acceptance (index into
+    OPEN    50 B: f32 temperature, u32 top_k, f32 top_p, u64 seed, f32 epsilon, u8 acceptance (index into
             ACCEPTANCE_MODES), u8 draft_place (index into DRAFT_PLACES), u16 auth_len, u16 chat_len,
-            u32 max_new_tokens, u32 T, u32 anchor (the prompt's model-turn opening, < T; 0 = none); then i32[T]
+            u32 max_new_tokens, u32 T, u32 anchor (the prompt's model-turn opening, < T; 0 = none),
+            f32 draft_ms_floor, f32 draft_ms_tree (the device's drafting ms per round without and with the SLM
+            pass, in [0, 60,000]; 0 = unknown); then i32[T]
             prompt_ids; then auth_len bytes of utf-8 auth token (auth_len 0 = no token); then chat_len bytes of the
             device's chat contract, utf-8 JSON (chat_len 0 = none). Total frame: `open_nbytes`.
     OPENED  42 B: u64 session_id, u32 t, f32 prefill_ms, u32 max_context, u32 tree_rows, u32 vocab_size,
@@ -45,8 +47,9 @@ Payloads (R = tree rows = B + 1, P = accepted path length, K = chain length, T =
             1 stop, 2 max_new_tokens, 3 length), u8 has_handoff (0/1), u16 R, u16 P, u16 K, u8 has_verified
             (0/1), u16 allowance (the rows, root included, the session's next ROUND may hold: 1 to OPENED's
             tree_rows; a ROUND over it gets over_allowance; 0 only when finished); then i32[R] samples,
-            i16[P] path_rows, i32[K] chain; then, when has_verified, the verified rows as a bitmask of ceil(R / 8) bytes (row j at byte j // 8, bit j % 8, least significant bit first; the
-            pad bits after row R - 1 are 0); then, when has_handoff, 12 B of sizes (u32 hidden_size,
+            i16[P] path_rows, i32[K] chain; then, when has_verified, the verified rows as a bitmask of
+            ceil(R / 8) bytes (row j at byte j // 8, bit j % 8, least significant bit first; the pad bits after
+            row R - 1 are 0); then, when has_handoff, 12 B of sizes (u32 hidden_size,
             u32 kv_dim_sliding, u32 kv_dim_full) and the hand-off block below. No mask: every row was verified.
             Total frame: `reply_nbytes(R, P, K, handoff, verified=...)` = 39 + 4 R + 2 P + 4 K
             (+ ceil(R / 8) with the mask, + hand-off); 171 B at R = 33, P = 0, no hand-off, 176 B with the mask.

@@ -203,6 +203,7 @@ class VerifierServer:
             floor=floor,
             ceiling=self.tree_rows,
             target_ms=self.allowance_target_ms,
+            chain_rows=min(self.tree_rows, self.engine.chain_length + 1),
         )
         if budget is not None:
             rule.budget = budget.state
@@ -354,6 +355,8 @@ class VerifierServer:
             "allowance_target_ms": rule.target_ms,
             "allowance_now": rule.allowance(),
             "sessions_per_step": round(rule.state.sessions, 3),
+            "allowance_link_ms": round(rule.state.link_ms, 3),
+            "allowance_drafting_ms": [rule.state.draft_floor_ms, rule.state.draft_tree_ms],
         }
 
     async def _healthz(self, request: web.Request) -> web.Response:

@@ -64,6 +64,8 @@ class Connection:
     session_id: int = 0
     limits: wire.Limits | None = None
     last_seq: int | None = None
+    replied_at: float | None = None  # time.monotonic() when the last REPLY went out (the device's away time starts)
+    reply_pending: bool = False  # the frame being answered is a round's REPLY (serve_connection stamps replied_at)
     last_request: bytes = b""
     last_reply: bytes = b""
 

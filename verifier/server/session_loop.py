@@ -163,6 +163,8 @@ class SessionLoop:
                         await channel.send(reply)
                     except ConnectionError:  # the client left mid-round: drop the reply
                         return
+                    conn.replied_at = time.monotonic() if conn.reply_pending else None
+                    conn.reply_pending = False
                 if not keep_open:
                     await channel.close(WSCloseCode.OK if reply is None else WSCloseCode.POLICY_VIOLATION)
                     return
@@ -332,6 +334,9 @@ class SessionLoop:
             max_context=eng.max_context,
         )
         self.sessions[session_id] = session
+        rule = self.worker.allowance
+        if rule is not None and session.place.device_rows:  # what this device's drafting costs it per round
+            rule.observe_drafting(float(req.draft_ms_floor), float(req.draft_ms_tree))
         self.metrics.sessions_total += 1
         self.metrics.prefill_ms += prefill_ms
         return wire.encode(opened, version=conn.wire_version)
@@ -412,6 +417,7 @@ class SessionLoop:
             self.metrics.retries += 1
             return conn.last_reply  # idempotent retry: the same bytes, the engine untouched
         assert conn.session is not None  # a ROUND is dispatched on an open session only
+        self._observe_away(conn, len(tree.tokens))
         if self.worker.batching == "batched":
             reply, frame, committed, verified = await self.worker.round(conn.session, tree)
         else:
@@ -425,7 +431,16 @@ class SessionLoop:
             self.metrics.rounds += 1
             self.metrics.tokens_committed += committed
             self.metrics.observe_allowance(conn.session, len(tree.tokens), reply.allowance)
+            conn.reply_pending = not reply.finished
         return frame
+
+    def _observe_away(self, conn: Connection, rows: int) -> None:
+        """Teach the allowance rule how long the device was away between its last REPLY and this ROUND of
+        ``rows`` rows (device-drafted places only: a cloud-mtp device drafts nothing)."""
+        rule = self.worker.allowance
+        if conn.replied_at is not None and rule is not None and conn.session.place.device_rows:
+            rule.observe_away(1e3 * (time.monotonic() - conn.replied_at), rows)
+        conn.replied_at = None
 
     @staticmethod
     def _verify(session: Session, tree: DraftTree, arrived: float):
