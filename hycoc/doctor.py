@@ -61,9 +61,7 @@ def doctor_rows(
     if status["loads"]:
         sdk = status["versions"].get("qnn_sdk")
         rows.append(("QNN EP loads", f"yes (QNN SDK {sdk})" if sdk else "yes", ""))
-        ok, bad = htp_targets(status)
-        text = (", ".join(ok) or "none") + (f" (fail: {', '.join(bad)})" if bad else "")
-        rows.append(("HTP targets", text, "red" if bad or not ok else ""))
+        rows.append(targets_row(status))
     else:
         rows.append(("QNN EP loads", f"no: {status['error']}", "yellow"))
         rows.append(("HTP targets", "none (no QNN EP)", "yellow"))
@@ -83,6 +81,23 @@ def htp_targets(status: dict) -> tuple[list[str], list[str]]:
     ok = [t for t in HTP_TARGETS if get_profile(t).htp_arch in compiled]
     bad = [t for t in HTP_TARGETS if get_profile(t).htp_arch in tried - compiled]
     return ok, bad
+
+
+def targets_row(status: dict) -> tuple[str, str, str]:
+    """The "HTP targets" row: the `htp_targets` that compile here and that recipes build for, then each that
+    compiles but that the builder refuses for every recipe, with why (`hycoc.targets.profiles.recipe_refusal`, the
+    profile's own fields), then those whose arch failed ("htp-v81, htp-v79; htp-v68 compiles, but no recipe's head
+    builds for it: no 16-bit activations"). Red when an arch failed or no target builds."""
+    from hycoc.targets.profiles import get_profile, recipe_refusal
+
+    ok, bad = htp_targets(status)
+    builds = [t for t in ok if not recipe_refusal(get_profile(t))]
+    text = ", ".join(builds) or "none"
+    for t in ok:
+        if why := recipe_refusal(get_profile(t)):
+            text += f"; {t} compiles, but no recipe's head builds for it: {why} (docs/compiler.md)"
+    text += f" (fail: {', '.join(bad)})" if bad else ""
+    return "HTP targets", text, "red" if bad or not builds else ""
 
 
 def device_rows(status: dict, device=None) -> list[tuple[str, str, str]]:
@@ -109,7 +124,7 @@ def device_rows(status: dict, device=None) -> list[tuple[str, str, str]]:
         if lacks:  # the arch compiles, but the head's graphs need what its profile does not allow
             here += f", but {lacks}: no recipe's head builds for it (docs/compiler.md)"
         fitted = "device time fitted" if npu_key(d.htp_arch) in NPU_PROFILES else "device time not fitted"
-        aka = ", ".join(a for a in d.aliases if not a.upper().startswith(("SM", "SC", "X1")))
+        aka = ", ".join(d.aliases)  # every name `resolve_device` takes for it: phones, part numbers, the SoC
         rows.append(
             (
                 f"--device {d.name}",
@@ -123,12 +138,10 @@ def device_rows(status: dict, device=None) -> list[tuple[str, str, str]]:
 def _lacks(arch: int) -> str:
     """What the ``htp-v{arch}`` profile cannot compile that every recipe's head needs (its graphs are always A16,
     `hycoc.passes.build.check_recipe_capabilities`), as words; "" where it can or there is no such profile."""
-    from hycoc.targets.profiles import HTP_TARGETS, get_profile
+    from hycoc.targets.profiles import HTP_TARGETS, get_profile, recipe_refusal
 
     name = f"htp-v{arch}"
-    if name not in HTP_TARGETS:
-        return ""
-    return "" if get_profile(name).supports_16bit_ops else "no 16-bit activations"
+    return recipe_refusal(get_profile(name)) if name in HTP_TARGETS else ""
 
 
 def render_doctor(rows: list[tuple[str, str, str]], console: Any = None) -> None:
@@ -145,4 +158,4 @@ def render_doctor(rows: list[tuple[str, str, str]], console: Any = None) -> None
     (console or Console()).print(table)
 
 
-__all__ = ["PACKAGES", "doctor_rows", "htp_targets", "package_versions", "render_doctor"]
+__all__ = ["PACKAGES", "doctor_rows", "htp_targets", "package_versions", "render_doctor", "targets_row"]

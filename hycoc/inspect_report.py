@@ -2,7 +2,8 @@
 (`render_manifest`), as rich tables that fit the console they are printed on.
 
 Width: `inspect_console` lays out at the terminal's width (at least 80 columns), or when stdout is redirected at
-``COLUMNS`` if set, else 120 (`hycoc.bench.tables.console_width`, the bench tables' rule). Every table is made by
+``COLUMNS`` if set, else 120, where a line of text is not wrapped (`hycoc.bench.tables.report_console`, the bench
+tables' rule). Every table is made by
 `_table`: identifier and number columns never wrap nor cut (a graph name, a shape such as 1x8x1024x256), free-text
 columns (sources, notes, rules) wrap at spaces and take the room that is left (rich docs, "Tables": ``no_wrap``,
 ``overflow``, ``ratio``). Core module: rich and the planner are imported inside the functions.
@@ -14,16 +15,11 @@ from typing import Any
 
 
 def inspect_console(console: Any = None):
-    """The given rich Console, else one on stdout as wide as `hycoc.bench.tables.console_width` says (the
-    terminal's width, at least 80; redirected: ``COLUMNS`` if set, else 120)."""
-    from rich.console import Console
+    """The given rich Console, else `hycoc.bench.tables.report_console`'s: as wide as the terminal (at least 80),
+    or when stdout is redirected ``COLUMNS`` if set, else 120, and then with no line of text wrapped."""
+    from hycoc.bench.tables import report_console
 
-    from hycoc.bench.tables import console_width
-
-    if console is None:
-        probe = Console()
-        console = Console(width=console_width(probe.is_terminal, probe.width))
-    return console
+    return report_console(console)
 
 
 #: The narrowest a free-text column is laid out at before a table is split into parts.

@@ -192,9 +192,9 @@ def third_party_output(log_path: str | Path, console=None) -> Iterator[Path]:
         if log.file is not None:
             log.file.close()
         if log.lines:
-            from rich.console import Console
+            from hycoc.progress import stderr_console  # redirected: the line is not wrapped (grep finds the path)
 
-            (console or Console(stderr=True)).print(
+            (console or stderr_console()).print(
                 f"third-party messages (warnings of torch, transformers, onnxruntime, ...): {log.lines} lines in "
                 f"{log.path}",
                 markup=False,

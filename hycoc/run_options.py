@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hycoc.ports import ws_url_problem
+
 
 class RunOptionError(ValueError):
     """Options `hycoc run` cannot start with; ``code`` is the exit status (docs/commands.md "Exit codes": 2, the
@@ -29,7 +31,8 @@ def check_run_options(
     them, every usage error (code 2, the command line alone) before the filesystem is looked at: exactly one of
     ``prompt`` / ``prompt_file`` (neither is fine with ``chat``: the first turn is read from stdin); a ``prompt``
     given must hold more than white space; ``chat`` needs a verifier and the chat template (not ``slm_alone``, not
-    ``raw``); ``server`` a ws:// or wss:// URL unless ``slm_alone``; then ``prompt_file`` must be a file (code 1)
+    ``raw``); ``server`` a ws:// or wss:// URL with a host and a port in 1-65535 unless ``slm_alone``
+    (`hycoc.ports.ws_url_problem`); then ``prompt_file`` must be a file (code 1)
     and ``bundle`` a folder (code 1)."""
     if (prompt is not None and prompt_file is not None) or (not chat and prompt is None and prompt_file is None):
         raise RunOptionError("give exactly one of --prompt and --prompt-file")
@@ -39,8 +42,9 @@ def check_run_options(
         raise RunOptionError("--chat needs a verifier and the chat template: not with --mode slm-alone or --raw")
     if not slm_alone and server is None:
         raise RunOptionError("--server ws://HOST:PORT is required (except with --mode slm-alone)")
-    if not slm_alone and not server.startswith(("ws://", "wss://")):
-        raise RunOptionError(f"--server {server!r}: expected ws://HOST:PORT")
+    problem = None if slm_alone else ws_url_problem(server)
+    if problem is not None:
+        raise RunOptionError(f"--server {server!r}: {problem}")
     if prompt_file is not None and not prompt_file.is_file():
         raise RunOptionError(f"--prompt-file {prompt_file}: no such file", code=1)
     if not bundle.is_dir():

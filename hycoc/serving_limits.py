@@ -245,7 +245,58 @@ def docs_rows() -> list[str]:
     return rows
 
 
+#: The verification modes (recipe ``verifier.batching``, ``hycoc verify-server --batching``): batched, rounds of
+#: sessions ready together share one forward; serial, one engine call at a time.
+BATCHING_MODES: tuple[str, ...] = ("batched", "serial")
+#: The row budget's modes (recipe ``verifier.tree_budget``, ``--tree-budget``; `hycoc.verifier.row_budget`): fixed
+#: verifies every tree as sent, auto allocates a batched forward's rows across its trees by their scores.
+TREE_BUDGETS: tuple[str, ...] = ("fixed", "auto")
+#: The tree allowance's modes (recipe ``verifier.allowance``, ``--allowance``; `hycoc.verifier.allowance`): fixed
+#: grants every session the whole tree (B + 1 rows) each round, auto sizes it from the load.
+ALLOWANCE_MODES: tuple[str, ...] = ("fixed", "auto")
+
+
+def server_modes(
+    recipe_modes: tuple[str, str, str],
+    *,
+    batching: str | None = None,
+    tree_budget: str | None = None,
+    allowance: str | None = None,
+) -> dict[str, str]:
+    """The server's ``batching``, ``tree_budget`` and ``allowance`` from the recipe's (``recipe_modes``: its
+    ``[verifier]`` batching, tree_budget, allowance) and the command line's (each, when not None, replaces the
+    recipe's). Serial verification has no shared forward for a budget or an allowance to act on: the recipe's
+    tree_budget and allowance then become "fixed", and "auto" asked for with it is an error.
+
+    The one check of these options: ``hycoc verify-server`` runs it before it imports torch, and
+    `hycoc.verifier.loading.server_options` runs it for the library. Raises ValueError naming the option, the
+    value and what is allowed (``--batching 'fast': allowed: batched, serial``)."""
+    given = {"--batching": batching, "--tree-budget": tree_budget, "--allowance": allowance}
+    for (option, value), allowed in zip(given.items(), (BATCHING_MODES, TREE_BUDGETS, ALLOWANCE_MODES)):
+        if value is not None and value not in allowed:
+            raise ValueError(f"{option} {value!r}: allowed: {', '.join(allowed)}")
+    mode = batching if batching is not None else recipe_modes[0]
+    if mode != "batched" and tree_budget == "auto":
+        raise ValueError(
+            "--tree-budget auto allocates rows across a batched forward: use it with --batching "
+            'batched (or verifier.batching = "batched")'
+        )
+    if mode != "batched" and allowance == "auto":
+        raise ValueError(
+            "--allowance auto sizes trees by the load of batched forwards: use it with --batching batched (or "
+            'verifier.batching = "batched")'
+        )
+    recipe_budget, recipe_allowance = recipe_modes[1:] if mode == "batched" else ("fixed", "fixed")
+    return {
+        "batching": mode,
+        "tree_budget": tree_budget if tree_budget is not None else recipe_budget,
+        "allowance": allowance if allowance is not None else recipe_allowance,
+    }
+
+
 __all__ = [
+    "ALLOWANCE_MODES",
+    "BATCHING_MODES",
     "BY_KNOB",
     "DEFAULT_MAX_BATCH_ROWS",
     "DEFAULT_MAX_BATCH_WAIT_MS",
@@ -253,10 +304,12 @@ __all__ = [
     "LIMITS",
     "REFUSAL_KINDS",
     "SERVER_LIMIT_KNOBS",
+    "TREE_BUDGETS",
     "Limit",
     "default",
     "docs_rows",
     "help_text",
+    "server_modes",
 ]
 
 

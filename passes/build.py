@@ -55,8 +55,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 from hycoc.passes.artifacts import Artifact, OnnxArtifact, TokenizerArtifact, TorchModelArtifact, hash_folder
-from hycoc.passes.pipeline import Pass, PassReport, Pipeline, PipelineError, PipelineResult
-from hycoc.targets.profiles import HTP_TARGETS, DeviceEntry, get_profile
+from hycoc.passes.pipeline import Pass, PassReport, Pipeline, PipelineResult, check_until
+from hycoc.targets.profiles import HTP_TARGETS, DeviceEntry, device_target_conflict, get_profile
 from rich.console import Console
 
 from hycoc.chat_template import bundle_chat_format, chat_from_recipe
@@ -111,11 +111,9 @@ def recipe_for_target(recipe: Recipe, target: str | None, device: DeviceEntry | 
     name = target if target is not None else (f"htp-v{device.htp_arch}" if device else recipe.target.name)
     if name.startswith("htp-v") and name in TARGETS:
         check_recipe_capabilities(recipe, get_profile(name), device)
-    if device is not None and name != f"htp-v{device.htp_arch}":
-        raise BuildError(
-            f"--device {device.name!r} is Hexagon v{device.htp_arch} ({device.soc_model}) and --target "
-            f"is {name}: drop --target, or pass --target htp-v{device.htp_arch}"
-        )
+    conflict = device_target_conflict(device, name) if device is not None else None
+    if conflict is not None:
+        raise BuildError(conflict)
     if not name.startswith("htp-v"):
         return recipe, name
     if name not in TARGETS:
@@ -606,9 +604,7 @@ def run_pipeline(
         check_setup()  # fail at once, not after QAT
     chat_from_recipe(recipe)  # the chat template and stop ids the bundle will carry: refused before any model loads
     pipeline = build_pipeline(recipe, target, cache_dir=cache_dir, console=console, seed=seed, device=device)
-    names = [p.name for p in pipeline.passes]
-    if until is not None and until not in names:  # before loading any model
-        raise PipelineError(f"--until {until}: no such pass; passes: {', '.join(names)}")
+    check_until(until, [p.name for p in pipeline.passes])  # before loading any model
     result = pipeline.run(recipe, build_inputs(recipe, device), until=until)
     if "target_files" in result.artifacts:
         entry = result.reports[-1].location
@@ -637,8 +633,8 @@ def build_bundle(
     raises BuildLocked at once. Ctrl-C (KeyboardInterrupt) prints what the build kept (`interrupted_note`: the
     finished passes stay cached for the next build) and propagates.
     Raises BuildNotReady when a pass the bundle needs is not implemented yet, BuildError for a bad target or a
-    missing ``out_dir`` (BuildLocked for a held cache or bundle folder), PipelineError for an unknown ``until``,
-    and whatever a pass raises (RecipeError, ModelNotFoundError, CapabilityError, FallbackError,
+    missing ``out_dir`` (BuildLocked for a held cache or bundle folder), UnknownPassError (a PipelineError) for an
+    unknown ``until``, and whatever a pass raises (RecipeError, ModelNotFoundError, CapabilityError, FallbackError,
     ContextTooLargeError, QaiHubSetupError, ...).
     """
     if target not in TARGETS:
@@ -657,7 +653,9 @@ def build_bundle(
     except BuildLocked as e:
         raise BuildError(str(e)) from None
     except KeyboardInterrupt:
-        (console or Console(stderr=True)).print(f"[yellow]{interrupted_note(cache_dir, bundle_dir, started)}[/]")
+        from hycoc.progress import stderr_console  # redirected: the note stays one line
+
+        (console or stderr_console()).print(f"[yellow]{interrupted_note(cache_dir, bundle_dir, started)}[/]")
         raise
 
 

@@ -67,6 +67,17 @@ class PipelineError(ValueError):
     its contract (returned other kinds than it declared). The message names the pass and the kind."""
 
 
+class UnknownPassError(PipelineError):
+    """``until`` (``hycoc build --until PASS``) names no pass of the pipeline: a usage error (exit 2). The message
+    names the pass and lists the pipeline's."""
+
+
+def check_until(until: str | None, names: list[str]) -> None:
+    """Raise `UnknownPassError` when ``until`` is given and is not one of the pass ``names``."""
+    if until is not None and until not in names:
+        raise UnknownPassError(f"--until {until}: no such pass; passes: {', '.join(names)}")
+
+
 @dataclass
 class PassReport:
     """What one pass did, in numbers.
@@ -257,8 +268,7 @@ class Pipeline:
                 raise PipelineError(f"input '{kind}' holds an artifact of kind '{artifact.kind}'")
         self.validate({k: type(a) for k, a in given.items()})
         names = [p.name for p in self.passes]
-        if until is not None and until not in names:
-            raise PipelineError(f"--until {until}: no such pass; passes: {', '.join(names)}")
+        check_until(until, names)
         todo = self.passes[: names.index(until) + 1] if until is not None else self.passes
 
         artifacts = dict(given)

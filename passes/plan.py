@@ -314,6 +314,18 @@ def _io(name: str, shape, dtype: str = "float32", note: str = "") -> dict:
 # ---- the plan ---------------------------------------------------------------------------------------------
 
 
+def round_frame_note() -> str:
+    """The plan's note on the tree bytes per round, from the wire's own layout (`hycoc.protocol.wire`): the ROUND
+    frame's header, fixed part and bytes per row, and the protocol version the device speaks."""
+    fixed = wire.tree_nbytes(0)
+    per_row = wire.tree_nbytes(1) - fixed
+    return (
+        f"hycoc's ROUND frame is {wire.HEADER.size} + {fixed - wire.HEADER.size} + {per_row} R bytes (int32 ids, "
+        f"int16 parents, fp16 row scores, no mask: the server rebuilds it; protocol v{wire.PROTOCOL_VERSION}); the "
+        "paper's 2.2 KB is its own encoding"
+    )
+
+
 def real_shape_plan(recipe: Recipe) -> dict:
     """The real-shape plan of ``recipe`` as a JSON-ready dict (module docstring). No weights are read."""
     import torch
@@ -625,10 +637,7 @@ def real_shape_plan(recipe: Recipe) -> dict:
             "diff_pct": round(100 * diff / value, 2),
             "source": where,
         }
-    paper["tree_bytes_per_round"]["note"] = (
-        "hycoc's ROUND frame is 16 + 7 + 8 R bytes (int32 ids, int16 parents, fp16 row scores, no mask: the server "
-        "rebuilds it; protocol v4); the paper's 2.2 KB is its own encoding"
-    )
+    paper["tree_bytes_per_round"]["note"] = round_frame_note()
     paper["handoff_bytes_per_round"]["note"] = "44 B fixed part + 5,632 B of [e; h] at 8 bits"
     if bits != 4:
         paper["head_graph_bytes"]["note"] = f"the recipe's head_qat.weight_bits is {bits}, the paper's figure is W4"
@@ -842,6 +851,7 @@ __all__ = [
     "PlanError",
     "check_context_budget",
     "real_shape_plan",
+    "round_frame_note",
     "plan_json",
     "PAPER",
     "VERIFIER_26B_A4B",

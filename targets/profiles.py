@@ -188,6 +188,14 @@ HTP_TARGETS: tuple[str, ...] = tuple(
 )
 
 
+def recipe_refusal(profile: TargetProfile) -> str:
+    """What keeps every recipe off ``profile``, as words ("no 16-bit activations"), or "" when recipes build for
+    it: the MTP head's graphs are always A16 (`hycoc.passes.head_export`), so a profile without
+    ``supports_16bit_ops`` refuses them all before any pass (`hycoc.passes.build.check_recipe_capabilities`).
+    ``hycoc doctor`` says so beside each target and device it lists."""
+    return "" if profile.supports_16bit_ops else "no 16-bit activations"
+
+
 @dataclass(frozen=True)
 class DeviceEntry:
     """A phone or laptop a user names (``hycoc build --device NAME``), resolved to a SoC and an HTP profile.
@@ -333,6 +341,19 @@ def resolve_device(name: str) -> DeviceEntry:
                 return d
     known = "; ".join(f"{d.name} = {', '.join(d.aliases)}" for d in DEVICES)
     raise UnknownTargetError(f"unknown device {name!r} (known: {known})")
+
+
+def device_target_conflict(device: DeviceEntry, target: str) -> str | None:
+    """Why ``hycoc build --device`` ``device`` and ``--target`` ``target`` cannot go together, with the fix, or
+    None when ``target`` is the device's own ``htp-v{arch}``: the one rule `hycoc.passes.build.recipe_for_target`
+    applies and the command line checks before loading anything (a usage error, exit 2)."""
+    own = f"htp-v{device.htp_arch}"
+    if target == own:
+        return None
+    return (
+        f"--device {device.name!r} is Hexagon v{device.htp_arch} ({device.soc_model}) and --target is {target}: "
+        f"drop --target, or pass --target {own}"
+    )
 
 
 def device_for_soc(soc_model: str) -> DeviceEntry | None:

@@ -163,6 +163,27 @@ def test_console_width_honours_columns_when_redirected():
     assert console_width(True, 96, {"COLUMNS": "150"}) == 96
 
 
+def test_redirected_report_lines_are_not_wrapped_and_tables_still_fit(monkeypatch, capsys):
+    """Redirected (stdout is not a terminal under pytest), the bench's and inspect's console lays tables out at
+    ``COLUMNS`` or 120 but prints a line of text whole: a note such as "bundle ... was built from another version
+    of recipe 'toy'; its round constants are the bundle's ..." used to break at column 120, so grep missed it."""
+    from hycoc.bench.runner import make_console
+    from hycoc.inspect_report import inspect_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    note = "note: " + " ".join(f"word{i}" for i in range(60))  # ~ 400 columns
+    for make in (make_console, inspect_console):  # both `hycoc.bench.tables.report_console`
+        console = make()
+        assert console.width == 120 and console.soft_wrap
+        console.print(note)
+        console.print(f"[yellow]{note}[/]")
+        wide = TextTable("t", ["config", "text"], [["hyco", " ".join(["x"] * 150)]])
+        print_tables([wide], console)
+        out = capsys.readouterr().out.splitlines()
+        assert out[:2] == [note, note]
+        assert all(len(line) <= 120 for line in out[2:]) and len(out) > 5  # the table wrapped its cell, within 120
+
+
 def test_predict_tables_equals_predict_on_every_kind_inside_and_outside_the_grid():
     m = model()
     forwards = [

@@ -356,7 +356,7 @@ def test_cli_list_passes_until_and_full_build(tiny_pipeline, tmp_path, monkeypat
     assert not (tmp_path / "c" / "head_qat").exists()  # --until stops before the next pass
 
     result = runner.invoke(app, ["build", str(recipe_path), "--until", "nope", "--cache-dir", "c"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # a usage error (docs/commands.md "Exit codes")
     assert result.stderr.strip().startswith(
         "hycoc build: --until nope: no such pass; passes: keep_set, calibration_answers, head_qat"
     )

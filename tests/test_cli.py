@@ -141,7 +141,7 @@ def test_inspect_recipe_emits_the_real_shape_plan_without_checkpoints():
     plan = json.loads(result.stdout)
     assert plan["handoff"]["handoff_bytes_per_round"] == 44 + 5632
     assert plan["handoff"]["handoff_bytes_per_position"] == 6144
-    assert plan["handoff"]["tree_bytes_per_round"] == 287  # protocol v4: 16 + 7 + 33 * (4 + 2 + 2)
+    assert plan["handoff"]["tree_bytes_per_round"] == 287  # 16 + 7 + 33 * (4 + 2 + 2)
 
 
 def test_build_without_the_models_exits_1_in_one_line(tmp_path):
@@ -262,6 +262,37 @@ def test_run_reports_a_bad_command_line_before_a_missing_bundle_or_file(tmp_path
         2,
         "hycoc run: --server ws://HOST:PORT is required (except with --mode slm-alone)",
     )
+
+
+@pytest.mark.parametrize(
+    "url, problem",
+    [
+        ("ws://127.0.0.1:99999", "port 99999 is out of range 1-65535"),
+        ("ws://127.0.0.1:abc", "port 'abc' is not a number"),
+        ("ws://127.0.0.1:0", "port 0 is out of range 1-65535"),
+        ("ws://:8765", "no host"),
+        ("ws://[::1:8765", "the host is not a valid address"),
+    ],
+)
+def test_run_refuses_a_server_url_it_cannot_connect_to_in_one_line(tmp_path, url, problem):
+    """A port out of range or not a number used to surface as a 71-line traceback from urllib inside the WebSocket
+    client's connect (``ValueError: Port out of range 0-65535``): now one line naming the URL, what is wrong and
+    the form to give, exit 2 (a value of the wrong form, docs/commands.md "Exit codes"), before the bundle is
+    looked at (``hycoc loadtest --server`` says the same)."""
+    for command in (("run", tmp_path / "no-bundle", "--prompt", "hi"), ("loadtest", TOY)):
+        result = invoke(*command, "--server", url)
+        assert result.exit_code == 2, result.stderr
+        assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+        fix = "expected ws://HOST:PORT with a port in 1-65535"
+        assert result.stderr.startswith(f"hycoc {command[0]}: --server {url!r}: {problem}: {fix}")
+
+
+def test_ws_url_problem_accepts_what_a_client_can_connect_to():
+    from hycoc.ports import ws_url_problem
+
+    for url in ("ws://127.0.0.1:8765", "wss://verifier.example:443/", "ws://[::1]:8765", "ws://localhost"):
+        assert ws_url_problem(url) is None, url
+    assert ws_url_problem("http://h:1") == "expected ws://HOST:PORT"
 
 
 def test_run_on_the_htp_simulator_says_it_is_an_emulator_on_the_cpu(tmp_path):
@@ -552,6 +583,71 @@ def test_verify_server_names_a_busy_port_a_bad_host_and_a_missing_keep_set_befor
     assert "pass --host with an address of this machine" in host_err
     assert keep_err.startswith(f"hycoc verify-server: --keep-set {missing}: no such file; ")
     assert "`hycoc build RECIPE` writes" in keep_err and "not a .npy" not in keep_err
+
+
+def test_verify_server_refuses_bad_or_contradictory_modes_before_importing_torch():
+    """--batching / --tree-budget / --allowance values outside their lists (`hycoc.serving_limits`, the one source
+    the verifier reads too) and "auto" with --batching serial are usage errors (exit 2) named in one line before
+    torch, transformers or the verifier are imported (they used to be refused after the verifier loaded, 6.7 s).
+    Run in a fresh interpreter, so "not imported" is what the command did."""
+    import json
+
+    cases = [
+        [str(TOY), "--batching", "fast"],
+        [str(TOY), "--tree-budget", "maybe"],
+        [str(TOY), "--allowance", "always"],
+        [str(TOY), "--batching", "serial", "--tree-budget", "auto"],
+        [str(TOY), "--batching", "serial", "--allowance", "auto"],
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", _PREFLIGHT, json.dumps(cases)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["loaded"] == []
+    errors = [err for code, err in got["results"] if code == 2 and err.count("\n") == 1]
+    assert errors == [
+        "hycoc verify-server: --batching 'fast': allowed: batched, serial\n",
+        "hycoc verify-server: --tree-budget 'maybe': allowed: fixed, auto\n",
+        "hycoc verify-server: --allowance 'always': allowed: fixed, auto\n",
+        "hycoc verify-server: --tree-budget auto allocates rows across a batched forward: use it with --batching "
+        'batched (or verifier.batching = "batched")\n',
+        "hycoc verify-server: --allowance auto sizes trees by the load of batched forwards: use it with --batching "
+        'batched (or verifier.batching = "batched")\n',
+    ]
+
+
+def test_server_modes_are_one_list_for_the_recipe_the_cli_and_the_verifier():
+    """The batching, row-budget and allowance modes: `hycoc.serving_limits` holds them; the recipe's fields accept
+    exactly them, the verifier's modules re-export the same objects, and `server_modes` resolves the recipe's and
+    the command line's as the library's `server_options` does."""
+    from typing import get_args
+
+    from hycoc import serving_limits as sl
+    from hycoc.recipe_sections import Verifier
+
+    for field, modes in (
+        ("batching", sl.BATCHING_MODES),
+        ("tree_budget", sl.TREE_BUDGETS),
+        ("allowance", sl.ALLOWANCE_MODES),
+    ):
+        assert set(get_args(Verifier.model_fields[field].annotation)) == set(modes), field
+    assert sl.server_modes(("batched", "auto", "auto")) == {
+        "batching": "batched",
+        "tree_budget": "auto",
+        "allowance": "auto",
+    }
+    serial = sl.server_modes(("batched", "auto", "auto"), batching="serial")
+    assert serial == {"batching": "serial", "tree_budget": "fixed", "allowance": "fixed"}  # serial turns both off
+    assert sl.server_modes(("serial", "fixed", "fixed"), batching="batched", allowance="auto")["allowance"] == "auto"
+    with pytest.raises(ValueError, match="--allowance auto sizes trees"):
+        sl.server_modes(("serial", "auto", "auto"), allowance="auto")  # the recipe's serial, asked for auto
+    pytest.importorskip("torch")
+    from hycoc.verifier import allowance, loading, row_budget
+    from hycoc.verifier.server import worker
+
+    assert row_budget.TREE_BUDGETS is sl.TREE_BUDGETS and allowance.ALLOWANCE_MODES is sl.ALLOWANCE_MODES
+    assert loading.BATCHING_MODES is worker.BATCHING_MODES is sl.BATCHING_MODES
 
 
 # ---- the auth token (docs/serving.md "Limits": best from a file or HYCOC_AUTH_TOKEN; --auth-token warns) -------

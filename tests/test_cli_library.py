@@ -45,6 +45,43 @@ def test_doctor_says_which_compiling_archs_the_builder_refuses():
     assert seen >= 1  # htp-v68 (Snapdragon 888) is one
 
 
+def test_doctor_lists_the_targets_and_device_names_the_builder_takes():
+    """The "HTP targets" row sets apart each target the builder refuses for every recipe (htp-v68 was listed as a
+    target like the others), exactly where `check_recipe_capabilities` refuses the toy recipe; each device row
+    names every alias `resolve_device` takes (only "X Elite" was shown for the X Elite, while X1E80100 and
+    X1E78100 work too)."""
+    from hycoc.targets.profiles import DEVICES, HTP_TARGETS, get_profile, resolve_device
+
+    from hycoc.doctor import device_rows, doctor_rows
+    from hycoc.recipe import load_recipe
+    from passes.build import BuildError, check_recipe_capabilities
+
+    recipe = load_recipe(ROOT / "recipes" / "toy.toml")
+    every = {"compilable_archs": [get_profile(t).htp_arch for t in HTP_TARGETS]}
+    (item, text, style), *_ = [
+        r for r in doctor_rows({"loads": True, "versions": {}, **every}, {}) if r[0] == "HTP targets"
+    ]
+    builds, _, refusals = text.partition("; ")
+    for t in HTP_TARGETS:
+        try:
+            check_recipe_capabilities(recipe, get_profile(t))
+            refused = False
+        except BuildError:
+            refused = True
+        assert (t in builds.split(", ")) != refused and (
+            f"{t} compiles, but no recipe's head builds" in refusals
+        ) == refused
+    assert "htp-v68 compiles, but no recipe's head builds for it: no 16-bit activations" in refusals
+    assert (item, style) == ("HTP targets", "")
+    rows = {r[0]: r[1] for r in device_rows(every) if r[0] != "this device"}
+    for d in DEVICES:
+        also = rows[f"--device {d.name}"].rsplit("(also: ", 1)[1].rstrip(")").split(", ")
+        assert also == list(d.aliases) and all(resolve_device(a) == d for a in also)
+    assert {"X1E80100", "X1E78100", "SC8380XP"} <= set(
+        rows["--device Snapdragon X Elite"].split("(also: ")[1][:-1].split(", ")
+    )
+
+
 def test_doctor_rows_from_versions_and_the_qnn_status():
     from hycoc.doctor import doctor_rows, render_doctor
 
@@ -193,10 +230,14 @@ def test_server_options_take_the_command_line_over_the_recipe():
     assert (base["batching"], base["max_batch_rows"]) == (recipe.verifier.batching, recipe.verifier.max_batch_rows)
     over = server_options(recipe, batching="serial", max_batch_rows=7, max_batch_wait_ms=0.5)
     assert (over["batching"], over["max_batch_rows"], over["max_batch_wait_ms"]) == ("serial", 7, 0.5)
-    skip = ("batching", "max_batch_rows", "max_batch_wait_ms", "limits", "tree_budget")
+    skip = ("batching", "max_batch_rows", "max_batch_wait_ms", "limits", "tree_budget", "allowance")
     assert {k: v for k, v in over.items() if k not in skip} == {k: v for k, v in base.items() if k not in skip}
-    # the recipe's row budget (auto) has no shared forward under serial: it turns off; asked for, it is an error
+    # the recipe's row budget and allowance (auto) have no shared forward under serial: they turn off; asked for,
+    # each is an error
     assert (base["tree_budget"], over["tree_budget"]) == ("auto", "fixed")
+    assert (base["allowance"], over["allowance"]) == ("auto", "fixed")
+    with pytest.raises(ValueError, match="--allowance auto sizes trees by the load of batched forwards"):
+        server_options(recipe, batching="serial", allowance="auto")
     assert server_options(recipe, tree_budget="fixed")["tree_budget"] == "fixed"
     with pytest.raises(ValueError, match="--tree-budget auto allocates rows across a batched forward"):
         server_options(recipe, batching="serial", tree_budget="auto")

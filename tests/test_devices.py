@@ -133,18 +133,55 @@ def test_recipe_for_target_changes_the_target_table_only():
         recipe_for_target(toy, "htp-v68")  # refused before any pass, not after the QAT
 
 
-def test_cli_build_refuses_an_unknown_device_and_a_disagreeing_target_in_one_line(tmp_path):
+_BUILD_PREFLIGHT = """
+import json, sys
+from typer.testing import CliRunner
+from hycoc.cli import app
+out = [CliRunner().invoke(app, ["build", *args]) for args in json.loads(sys.argv[1])]
+print(json.dumps({"results": [(r.exit_code, r.stderr) for r in out],
+                  "loaded": sorted(m for m in ("torch", "transformers", "hycoc.passes.build") if m in sys.modules)}))
+"""
+
+
+def test_cli_build_refuses_an_unknown_device_and_a_disagreeing_target_in_one_line_before_importing_torch(tmp_path):
+    """An unknown --device and a --device that contradicts --target are usage errors (exit 2, docs/commands.md
+    "Exit codes"; they exited 1, after 6-7 s of imports), named in one line before torch or the compiler is
+    imported. Run in a fresh interpreter, so "not imported" is what the command did."""
+    toy, out = str(ROOT / "recipes" / "toy.toml"), str(tmp_path / "b")
+    cases = [
+        [toy, "--device", "Nokia 3310", "--out", out],
+        [toy, "--device", "Galaxy S25", "--target", "htp-v75", "--out", out],
+        [toy, "--device", "Snapdragon 8 Elite", "--target", "cpu", "--out", out],
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", _BUILD_PREFLIGHT, json.dumps(cases)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["loaded"] == []
+    (unknown_code, unknown), (v75_code, v75), (cpu_code, cpu) = got["results"]
+    assert unknown_code == v75_code == cpu_code == 2
+    assert all(err.count("\n") == 1 for err in (unknown, v75, cpu))
+    assert unknown.startswith("hycoc build: --device: unknown device 'Nokia 3310' (known: ")
+    assert "Snapdragon X Elite" in unknown and "X1E80100" in unknown
+    assert v75 == (
+        "hycoc build: --device 'Snapdragon 8 Elite' is Hexagon v79 (SM8750) and --target is htp-v75: drop --target, "
+        "or pass --target htp-v79\n"
+    )
+    assert "and --target is cpu: drop --target, or pass --target htp-v79" in cpu
+    assert not (tmp_path / "b").exists()
+
+
+def test_cli_build_until_an_unknown_pass_is_a_usage_error(tmp_path):
+    """``--until nope`` names the pipeline's passes in one line and exits 2 (it exited 1), before any model loads."""
+    pytest.importorskip("torch")
     from hycoc.cli import app
 
     toy = str(ROOT / "recipes" / "toy.toml")
-    r = CliRunner().invoke(app, ["build", toy, "--device", "Nokia 3310", "--out", str(tmp_path / "b")])
-    assert r.exit_code == 1 and r.stderr.startswith("hycoc build: --device: unknown device 'Nokia 3310' (known: ")
-    assert "Snapdragon X Elite" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    r = CliRunner().invoke(
-        app, ["build", toy, "--device", "Galaxy S25", "--target", "htp-v75", "--out", str(tmp_path / "b")]
-    )
-    assert r.exit_code == 1 and "is Hexagon v79 (SM8750) and --target is htp-v75" in r.stderr
-    assert not (tmp_path / "b").exists()
+    r = CliRunner().invoke(app, ["build", toy, "--until", "nope", "--cache-dir", str(tmp_path / "c")])
+    assert r.exit_code == 2, r.stderr
+    assert r.stderr.startswith("hycoc build: --until nope: no such pass; passes: keep_set, calibration_answers, ")
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "c" / "keep_set").exists()
 
 
 @pytest.fixture(scope="module")

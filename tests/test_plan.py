@@ -49,9 +49,12 @@ def test_gemma4_handoff_bytes(gemma4):
 
 def test_gemma4_tree_bytes_at_b32(gemma4):
     assert gemma4["handoff"]["tree_rows"] == 33
-    assert gemma4["handoff"]["tree_bytes_per_round"] == 287  # protocol v4: 16 + 7 + 33 * (4 + 2 + 2)
+    assert gemma4["handoff"]["tree_bytes_per_round"] == 287  # 16 + 7 + 33 * (4 + 2 + 2)
     p = gemma4["paper"]["tree_bytes_per_round"]
     assert (p["paper"], p["plan"], p["diff"]) == (2200, 287, -1913)
+    # the note `hycoc inspect` prints names the protocol the wire speaks (it said v4 while /healthz said 6)
+    assert "16 + 7 + 8 R bytes" in p["note"] and f"protocol v{wire.PROTOCOL_VERSION})" in p["note"]
+    assert 16 + 7 + 8 * 33 == wire.tree_nbytes(33)
 
 
 def test_gemma4_head_lut_is_keep_set_times_verifier_hidden(gemma4):

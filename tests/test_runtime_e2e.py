@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -303,6 +304,9 @@ def test_cli_run_chat_answers_every_turn_on_one_session(server, built):
     assert list(turns[0]) == run_help_json_keys()  # what --json writes is what run --help lists
     assert srv.server.metrics.sessions_total == before + 1  # one session for the whole conversation
     assert result.stderr.count("[hyco-exact: ") == 3 and result.stderr.count("> ") == 3
+    # every turn labelled on stderr, the first one too, each before its answer's summary line
+    assert re.findall(r"-- turn (\d+) --", result.stderr) == ["1", "2", "3"]
+    assert result.stderr.index("-- turn 1 --") < result.stderr.index("[hyco-exact: ")
     # without --json: each answer's text, then an empty line before the next turn's
     args = ["run", str(built[1]), "--server", srv.url, "--prompt", "w1 w2 w3", "--backend", "cpu"]
     args += ["--mode", "hyco-exact", "--temperature", "0", "--max-new-tokens", "8", "--chat"]

@@ -27,10 +27,9 @@ from hycoc.chat_template import chat_from_recipe
 from hycoc.keep_set import load_keep_set  # the one reader of --keep-set files (torch-free; re-exported here)
 from hycoc.models import load_head, load_verifier, model_dir
 from hycoc.recipe import Recipe
+from hycoc.serving_limits import BATCHING_MODES, server_modes
 
-from .allowance import ALLOWANCE_MODES
 from .engine import VerifierEngine
-from .row_budget import TREE_BUDGETS
 
 
 class DeviceUnavailable(RuntimeError):
@@ -84,12 +83,9 @@ def engine_from_recipe(recipe: Recipe, device: str | None = None, *, keep_set=No
     )
 
 
-#: The server's batching modes (``[verifier].batching``, ``--batching``).
-BATCHING_MODES = ("batched", "serial")
-
-
 def check_batching(mode: str) -> str:
-    """``mode`` if it is one of `BATCHING_MODES`, else ValueError naming ``--batching`` and the allowed values."""
+    """``mode`` if it is one of `BATCHING_MODES` (`hycoc.serving_limits.BATCHING_MODES`, the one list), else
+    ValueError naming ``--batching`` and the allowed values."""
     if mode not in BATCHING_MODES:
         raise ValueError(f"--batching {mode!r}: allowed: {', '.join(BATCHING_MODES)}")
     return mode
@@ -151,38 +147,19 @@ def server_options(
     ``min_rows_per_session`` and the tree allowance's ``allowance``, ``allowance_target_ms``, ``allowance_floor``
     ([verifier] keys of the same names). The keyword arguments, when not None, replace them (the command-line
     options of the same names). Serial verification has no shared forward for a budget or an allowance to act on:
-    the recipe's tree_budget and allowance then become "fixed", and "auto" asked with it is a ValueError. Raises
+    the recipe's tree_budget and allowance then become "fixed", and "auto" asked with it is a ValueError
+    (`hycoc.serving_limits.server_modes`, which ``hycoc verify-server`` runs before importing torch). Raises
     ValueError for a bad --batching / --tree-budget / --allowance, RecipeError for a bad verifier.row_cost."""
     options = _recipe_server_options(recipe)
-    for key, value in (
-        ("batching", batching),
-        ("max_batch_rows", max_batch_rows),
-        ("max_batch_wait_ms", max_batch_wait_ms),
-    ):
+    options |= server_modes(
+        (options["batching"], options["tree_budget"], options["allowance"]),
+        batching=batching,
+        tree_budget=tree_budget,
+        allowance=allowance,
+    )
+    for key, value in (("max_batch_rows", max_batch_rows), ("max_batch_wait_ms", max_batch_wait_ms)):
         if value is not None:
-            options[key] = check_batching(str(value)) if key == "batching" else value
-    if tree_budget is not None:
-        if tree_budget not in TREE_BUDGETS:
-            raise ValueError(f"--tree-budget {tree_budget!r}: allowed: {', '.join(TREE_BUDGETS)}")
-        if tree_budget == "auto" and options["batching"] != "batched":
-            raise ValueError(
-                "--tree-budget auto allocates rows across a batched forward: use it with --batching "
-                'batched (or verifier.batching = "batched")'
-            )
-        options["tree_budget"] = tree_budget
-    elif options["batching"] != "batched":
-        options["tree_budget"] = "fixed"
-    if allowance is not None:
-        if allowance not in ALLOWANCE_MODES:
-            raise ValueError(f"--allowance {allowance!r}: allowed: {', '.join(ALLOWANCE_MODES)}")
-        if allowance == "auto" and options["batching"] != "batched":
-            raise ValueError(
-                "--allowance auto sizes trees by the load of batched forwards: use it with --batching batched (or "
-                'verifier.batching = "batched")'
-            )
-        options["allowance"] = allowance
-    elif options["batching"] != "batched":
-        options["allowance"] = "fixed"
+            options[key] = value
     return options
 
 

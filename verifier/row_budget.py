@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-#: Budget modes (recipe ``verifier.tree_budget``): "fixed" verifies every tree as sent, "auto" allocates rows.
-TREE_BUDGETS = ("fixed", "auto")
+from hycoc.serving_limits import TREE_BUDGETS  # the one list, torch-free: verify-server checks it first
+
 #: Rows every scored tree keeps: the root and its first chain token.
 DEFAULT_MIN_ROWS = 2
 

@@ -335,16 +335,11 @@ def device_time_for(records: list[dict], bundle_dir: Path, device_profile_path: 
 
 
 def make_console(console=None):
-    """The given rich Console, else one on stdout as wide as `hycoc.bench.tables.console_width` says: the
-    terminal's width (at least 80), or when stdout is redirected ``COLUMNS`` if set, else 120."""
-    from rich.console import Console
+    """The given rich Console, else `hycoc.bench.tables.report_console`'s: as wide as the terminal (at least 80),
+    or when stdout is redirected ``COLUMNS`` if set, else 120, and then with no line of text wrapped."""
+    from hycoc.bench.tables import report_console
 
-    from hycoc.bench.tables import console_width
-
-    if console is None:
-        console = Console()
-        console = Console(width=console_width(console.is_terminal, console.width))
-    return console
+    return report_console(console)
 
 
 #: The cost model a bench measured, in its output folder; `cost_model_for` reuses it on --resume.

@@ -150,6 +150,22 @@ def console_width(is_terminal: bool, terminal_width: int | None = None, environ=
         return REDIRECTED_WIDTH
 
 
+def report_console(console: Any = None):
+    """The given rich Console, else one on stdout for a report's tables and lines: tables laid out at
+    `console_width` (the terminal's width, at least 80; redirected: ``COLUMNS`` if set, else 120), and, when
+    stdout is redirected, a line of text never wrapped (rich ``soft_wrap``, as `hycoc.progress.stderr_console`
+    does on stderr), so ``hycoc bench ... > run.log`` keeps each note on one line that grep finds. Tables keep
+    their own layout (rich docs, "Console API": soft_wrap)."""
+    if console is not None:
+        return console
+    from rich.console import Console
+
+    probe = Console()
+    console = Console(width=console_width(probe.is_terminal, probe.width))
+    console.soft_wrap = not probe.is_terminal
+    return console
+
+
 def to_markdown(table: TextTable) -> str:
     """GitHub-flavoured Markdown: ``**title**``, the pipe table (``|`` in cells escaped), the caption."""
 

@@ -20,6 +20,7 @@ from hycoc.cli._common import (
     _need_full,
     _recipe,
 )
+from hycoc.ports import ws_url_problem
 from hycoc.serving_limits import SCORED_MODES, SERVER_MODES
 from hycoc.table5 import TABLE5_ORDER, WITH_VERIFIER
 
@@ -466,6 +467,8 @@ def loadtest(
             "one, or leave --server out so each mode gets its own server",
             code=2,
         )
+    if server is not None and (problem := ws_url_problem(server)) is not None:
+        raise _fail("loadtest", f"--server {server!r}: {problem}", code=2)
     if cost_model is not None and not cost_model.is_file():
         raise _fail("loadtest", f"--cost-model {cost_model}: no such file")
     try:

@@ -15,7 +15,7 @@ COMPUTE_DEVICES = ("cpu", "cuda")
 
 def _target_device(command: str, device: str | None):
     """``--device NAME`` resolved through `hycoc.targets.profiles.resolve_device` (None for none, cpu or cuda);
-    an unknown name exits 1 listing the known ones."""
+    an unknown name exits 2 (a usage error: docs/commands.md "Exit codes") listing the known ones."""
     from hycoc.targets.profiles import UnknownTargetError, resolve_device
 
     if device is None or device in COMPUTE_DEVICES:
@@ -23,7 +23,7 @@ def _target_device(command: str, device: str | None):
     try:
         return resolve_device(device)
     except UnknownTargetError as e:
-        raise _fail(command, f"--device: {e}") from None
+        raise _fail(command, f"--device: {e}", code=2) from None
 
 
 def build(
@@ -61,13 +61,23 @@ def build(
     ),
 ) -> None:
     """Compile the recipe's MTP head and SLM into a bundle of static, quantized graphs (paper §3.2-3.4)."""
+    config = _recipe("build", recipe)
+    named = _target_device("build", device)
+    compute = "cpu" if named is not None else device
+    if named is not None and target is not None:  # a contradiction is a usage error, named before any import
+        from hycoc.targets.profiles import device_target_conflict
+
+        conflict = device_target_conflict(named, target.value)
+        if conflict is not None:
+            raise _fail("build", conflict, code=2)
+    _need_full("build")
     from hycoc.models import HeadConfigError, ModelNotFoundError
     from hycoc.passes.build import BuildError, BuildNotReady, build_bundle, build_pipeline, recipe_for_target
     from hycoc.passes.calibration import CalibrationError
     from hycoc.passes.export import ExportError
     from hycoc.passes.head_qat import HeadQatError
     from hycoc.passes.keep_set import KeepSetError
-    from hycoc.passes.pipeline import PipelineError
+    from hycoc.passes.pipeline import PipelineError, UnknownPassError
     from hycoc.passes.qdq import QdqError
     from hycoc.passes.slm_graph import SlmGraphError
     from hycoc.passes.slm_surgery import SurgeryError
@@ -101,10 +111,6 @@ def build(
         DeviceUnavailable,
     )
 
-    config = _recipe("build", recipe)
-    named = _target_device("build", device)
-    compute = "cpu" if named is not None else device
-    _need_full("build")
     try:
         config, name = recipe_for_target(config, target.value if target is not None else None, named)
     except BuildError as e:
@@ -124,6 +130,8 @@ def build(
     except BuildNotReady as e:
         title = PENDING["build"]
         raise _fail("build", f"not available yet ({title}): {e}", code=2) from None
+    except UnknownPassError as e:  # --until names no pass: a usage error
+        raise _fail("build", str(e), code=2) from None
     except errors as e:  # each names what is wrong and what to do; the CLI says it in one line
         raise _fail("build", "; ".join(line.strip() for line in str(e).splitlines() if line.strip())) from None
     if until is not None:

@@ -272,11 +272,13 @@ def run(
         typer.echo(summary_line(mode.value, m, res.prefill_ms, res.finish_reason), err=True)
         return res
 
-    turn(True)
     n = 1
+    if chat:  # every turn labelled on stderr, the first too; the answers on stdout stay plain text
+        typer.echo(f"-- turn {n} --", err=True)
+    turn(True)
     while chat and (text := ask()) is not None:
         n += 1
-        typer.echo(f"-- turn {n} --", err=True)  # the answers on stdout stay plain text
+        typer.echo(f"-- turn {n} --", err=True)
         turn(False, text)
     if chat:
         client.close()

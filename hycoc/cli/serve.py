@@ -123,7 +123,7 @@ def verify_server(
     keep_set: KeepSet = None,
     batching: str | None = typer.Option(
         None,
-        metavar="batched|serial",
+        metavar="|".join(serving_limits.BATCHING_MODES),
         help="batched: rounds of sessions ready together share one forward, prompts "
         "are prefilled chunk by chunk between them; serial: one engine call at a time (default: the recipe's "
         "verifier.batching, batched)",
@@ -146,7 +146,7 @@ def verify_server(
     ),
     tree_budget: str | None = typer.Option(
         None,
-        metavar="fixed|auto",
+        metavar="|".join(serving_limits.TREE_BUDGETS),
         help="auto: rows of the trees sharing a batched forward are chosen by their "
         "scores (most expected tokens per forward ms); fixed: trees verified as sent (default: the recipe's "
         "verifier.tree_budget, auto; fixed with --batching serial)",
@@ -154,7 +154,7 @@ def verify_server(
     ),
     allowance: str | None = typer.Option(
         None,
-        metavar="fixed|auto",
+        metavar="|".join(serving_limits.ALLOWANCE_MODES),
         help="auto: each reply allows the session's next tree the rows that maximise committed tokens per "
         "verifier ms at the current load (whole tree at low load, MTP chain + root at the floor); fixed: the whole "
         "tree every round (default: the recipe's verifier.allowance, auto; fixed with --batching serial)",
@@ -170,6 +170,13 @@ def verify_server(
     Trees have the recipe's tree.node_budget + 1 rows; frames above its verifier.max_frame_bytes (bytes) are refused.
     """
     cfg = _recipe("verify-server", recipe)
+    try:  # the modes' values and how they combine, before torch is imported (tens of seconds on a first run)
+        v = cfg.verifier
+        serving_limits.server_modes(
+            (v.batching, v.tree_budget, v.allowance), batching=batching, tree_budget=tree_budget, allowance=allowance
+        )
+    except ValueError as e:
+        raise _fail("verify-server", str(e), code=2) from None
     _need_full("verify-server")
     auth_token = _auth_token("verify-server", ctx, auth_token, auth_token_file)
     host, _, ids = _preflight(
@@ -186,7 +193,6 @@ def verify_server(
         from hycoc.recipe import RecipeError
         from hycoc.verifier.loading import (
             DeviceUnavailable,
-            check_batching,
             check_keep_set_vocab,
             check_recipe_models,
             engine_from_recipe,
@@ -195,9 +201,7 @@ def verify_server(
         )
         from hycoc.verifier.server import serve
 
-        try:  # the batching options (and the recipe's row cost)
-            if batching is not None:
-                check_batching(batching)
+        try:  # the batching options (checked above) and the recipe's row cost
             options = server_options(
                 cfg,
                 batching=batching,

@@ -26,9 +26,10 @@ from ..engine import PrefillJob, Session, VerifierEngine
 from ..scheduler import BatchScheduler, StepReport
 from .errors import ShuttingDown
 
-#: Verification modes (recipe verifier.batching) and the batching defaults: 16 trees of 33 rows per forward, and
-#: 2 ms of waiting for others (a toy round is ~10-25 ms; a GPU round ~20 ms).
-BATCHING_MODES = ("batched", "serial")
+#: Verification modes (recipe verifier.batching; `hycoc.serving_limits.BATCHING_MODES`, the one list) and the
+#: batching defaults: 16 trees of 33 rows per forward, and 2 ms of waiting for others (a toy round is ~10-25 ms; a
+#: GPU round ~20 ms).
+BATCHING_MODES = serving_limits.BATCHING_MODES
 DEFAULT_MAX_BATCH_ROWS = serving_limits.DEFAULT_MAX_BATCH_ROWS
 DEFAULT_MAX_BATCH_WAIT_MS = serving_limits.DEFAULT_MAX_BATCH_WAIT_MS
 
