@@ -104,6 +104,38 @@ class AllowanceRule:
         self.chain_rows = int(self.chain_rows or self.floor)
         self._memo: tuple[tuple, int] | None = None  # (the state it was computed for, the allowance)
 
+    @classmethod
+    def for_server(
+        cls,
+        cost: RowCost,
+        tree_rows: int,
+        chain_length: int,
+        *,
+        floor: int = 0,
+        target_ms: float | None = None,
+        budget: BudgetState | None = None,
+        free_rows: int | None = None,
+    ) -> AllowanceRule:
+        """The rule a verifier runs (`hycoc.verifier.server.app.VerifierServer.allowance_rule`, and `hycoc
+        capacity`'s simulated server through the same call): ceiling ``tree_rows`` (B + 1); floor ``floor``
+        (the recipe's allowance_floor; 0: K + 1 = min(tree_rows, ``chain_length`` + 1), the root and the MTP
+        chain); chain_rows min(tree_rows, K + 1) (at or below it the device drafts without the SLM pass); free
+        rows ``free_rows`` or the row budget's (one full tree or the cost line's flat part, whichever is larger);
+        the row budget's learned ``budget`` state shared when one is given (host ms per session, accepted per
+        expected token). Raises ValueError as the constructor does."""
+        chain_rows = min(int(tree_rows), int(chain_length) + 1)
+        rule = cls(
+            cost,
+            free_rows=int(free_rows or max(int(tree_rows), cost.flat_rows())),
+            floor=int(floor or chain_rows),
+            ceiling=int(tree_rows),
+            target_ms=target_ms,
+            chain_rows=chain_rows,
+        )
+        if budget is not None:
+            rule.budget = budget
+        return rule
+
     # ------------------------------------------------------------------------------------------------ learning
 
     def observe_tree(self, scores, tokens, parents) -> None:
@@ -175,27 +207,58 @@ class AllowanceRule:
         ceiling (nothing to rank yet)."""
         n = self.state.sessions if sessions is None else float(sessions)
         s = self.state
-        key = (n, s.trees, s.steps, s.aways, s.draft_floor_ms, s.draft_tree_ms)
-        key += (self.budget.value_scale, self.budget.overhead_ms)
+        key = (n, s.trees, s.steps, s.aways, s.draft_floor_ms, s.draft_tree_ms, *self._budget_key())
         if self._memo is not None and self._memo[0] == key:
             return self._memo[1]  # every session of a step is granted at once: one computation per step
         rows = self._best_rows(n)
         self._memo = (key, rows)
         return rows
 
-    def _best_rows(self, n: float) -> int:
-        if n <= 1 or n * self.ceiling <= self.free_rows or self.state.trees == 0:
-            return self.ceiling
+    def _candidates(self, n: float) -> tuple[np.ndarray, ...]:
+        """(rows, tokens 1 + V(r), away ms, step ms, ratio) of every candidate r in [floor, ceiling] at ``n``
+        sessions per step; a ratio is -inf where the step misses the target."""
         rows = np.arange(self.floor, self.ceiling + 1)
         step_ms = self.cost.ms(n * rows) + self.budget.overhead_ms * n
         away_ms = self.state.link_ms + self.drafting_ms(rows)
-        ratio = (1.0 + self.expected_tokens(rows)) / np.maximum(away_ms + step_ms, 1e-9)
+        tokens = 1.0 + self.expected_tokens(rows)
+        ratio = tokens / np.maximum(away_ms + step_ms, 1e-9)
         if self.target_ms is not None:
-            fits = step_ms <= self.target_ms
-            if not fits.any():
-                return self.floor
-            ratio = np.where(fits, ratio, -np.inf)
+            ratio = np.where(step_ms <= self.target_ms, ratio, -np.inf)
+        return rows, tokens, away_ms, step_ms, ratio
+
+    def _budget_key(self) -> tuple[float, float]:
+        return self.budget.value_scale, self.budget.overhead_ms
+
+    def _best_rows(self, n: float) -> int:
+        if n <= 1 or n * self.ceiling <= self.free_rows or self.state.trees == 0:
+            return self.ceiling
+        rows, _, _, _, ratio = self._candidates(n)
+        if not np.isfinite(ratio).any():  # no candidate's step fits the target
+            return self.floor
         return int(rows[int(np.argmax(ratio))])  # first maximum: the fewest rows for the best ratio
+
+    def explain(self, sessions: float | None = None) -> dict:
+        """What the rule weighs at ``sessions`` per step (None: the learned average), for a report (`hycoc
+        capacity`'s projection, /healthz-style): the load, the learned link and drafting ms, the value scale,
+        and per candidate r its expected tokens 1 + V(r), away ms, step ms and tokens per second of the round
+        (None where the step misses the target); ``allowance``: what `allowance` grants there."""
+        n = self.state.sessions if sessions is None else float(sessions)
+        s = self.state
+        out = {
+            "sessions": n,
+            "link_ms": s.link_ms,
+            "drafting_ms": [s.draft_floor_ms, s.draft_tree_ms],
+            "value_scale": self.budget.value_scale,
+            "allowance": self.allowance(sessions),
+        }
+        if s.trees:
+            rows, tokens, away, step, ratio = self._candidates(n)
+            out["rows"] = [int(r) for r in rows]
+            out["tokens"] = [float(x) for x in tokens]
+            out["away_ms"] = [float(x) for x in away]
+            out["step_ms"] = [float(x) for x in step]
+            out["tokens_per_s"] = [float(1e3 * x) if np.isfinite(x) else None for x in ratio]
+        return out
 
 
 __all__ = ["ALLOWANCE_MODES", "AllowanceRule", "AllowanceState"]

@@ -437,8 +437,8 @@ class SessionLoop:
     def _observe_away(self, conn: Connection, rows: int) -> None:
         """Teach the allowance rule how long the device was away between its last REPLY and this ROUND of
         ``rows`` rows (device-drafted places only: a cloud-mtp device drafts nothing)."""
-        rule = self.worker.allowance
-        if conn.replied_at is not None and rule is not None and conn.session.place.device_rows:
+        rule, session = self.worker.allowance, conn.session
+        if conn.replied_at is not None and rule is not None and session is not None and session.place.device_rows:
             rule.observe_away(1e3 * (time.monotonic() - conn.replied_at), rows)
         conn.replied_at = None
 
