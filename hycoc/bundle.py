@@ -8,8 +8,9 @@ QNN SDK versions), the round constants (K, D, B, W, λ, ε, sampling; Alg. 1-4),
 and six scales, every file's size and sha256, and every graph's inputs and outputs with shapes, dtypes and
 quantization encodings.
 
-This module is core: stdlib + pydantic only (no numpy needed, no torch, no onnx), because the phone's runtime
-imports it. The build side that reads ONNX graphs is ``passes/bundle_io.py``.
+This module is core: stdlib, pydantic, the recipe's tables (`hycoc.recipe_sections`, whose ranges the round
+constants take) and the protocol's messages (numpy); no torch, no onnx, because the phone's runtime imports it.
+The build side that reads ONNX graphs is ``passes/bundle_io.py``.
 
 Writing (`BundleWriter`): files go into a hidden temporary sibling of the output folder
 (``.NAME.partial-XXXX``); `BundleWriter.commit` hashes them, writes ``manifest.json`` last and renames the
@@ -34,11 +35,14 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
-from typing import Literal
+from typing import Any, Literal, cast
 
+import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
+from hycoc import recipe_sections
 from hycoc.chat import ChatFormat
+from hycoc.protocol.messages import Sampling
 
 #: 2: the manifest carries ``digest``, the sha256 of its own canonical content (docs/design.md "Bundle": an edited
 #: manifest value is refused like an edited file).
@@ -154,28 +158,87 @@ class TargetInfo(_Model):
         return data
 
 
-class RoundConstants(_Model):
-    """The round's constants, named as in the recipe (Alg. 1-4, Table 5)."""
+#: The recipe's tables that hold round constants, by ``[section]`` name (`hycoc.recipe_document.Recipe`'s fields).
+ROUND_TABLES: dict[str, type[BaseModel]] = {
+    "tree": recipe_sections.Tree,
+    "window": recipe_sections.Window,
+    "acceptance": recipe_sections.Acceptance,
+    "sampling": recipe_sections.Sampling,
+}
 
-    chain_length: int = Field(ge=1, description="K, MTP chain tokens per round")
-    sibling_depth: int = Field(ge=0, description="D, runner-up siblings at chain depths 1..D")
-    node_budget: int = Field(ge=1, description="B, draft nodes after the trim; the verifier sees B+1 rows")
-    head_window: int = Field(ge=1, description="W, verifier KV positions the head reads, tokens")
-    slm_window: int = Field(ge=1, description="SLM ring KV length, tokens")
-    slm_sliding_window: int = Field(ge=1, description="ring length of the SLM's sliding-window layers, tokens")
-    head_query_position_offset: Literal[-1, 0] = Field(description="head query rotary position relative to t")
-    depth_cost: float = Field(gt=0, lt=1, description="λ; each tree edge adds ln λ to a node's score")
-    epsilon: float = Field(gt=0, le=1, description="ε of ε-threshold acceptance")
-    acceptance_mode: Literal["epsilon", "exact"]
-    slm_candidates: int = Field(ge=1, description="SLM candidates per expanded row")
-    slm_passes: Literal[1, 2] = Field(description="SLM forwards per round (2 = HyCo-2P)")
-    specedge_passes: int = Field(ge=1, description="SLM passes of the SpecEdge-style tree")
-    specedge_nodes: int = Field(ge=1, description="draft nodes of the SpecEdge-style tree")
-    temperature: float = Field(ge=0, description="T of p~; 0 = greedy")
-    top_k: int = Field(ge=1)
-    top_p: float = Field(gt=0, le=1)
-    max_new_tokens: int = Field(ge=1, description="default output cap per request, tokens")
-    seed: int = Field(ge=0, description="default sampling seed")
+_BOUNDS = (
+    ("gt", annotated_types.Gt),
+    ("ge", annotated_types.Ge),
+    ("lt", annotated_types.Lt),
+    ("le", annotated_types.Le),
+)
+
+
+def _from_recipe(key: str) -> Any:
+    """The field of a round constant read from the recipe key ``key`` (``"tree.chain_length"``): that key's range
+    and description (`ROUND_TABLES`), no default (a manifest names every constant); the key itself is the field's
+    ``recipe`` JSON-schema extra, which `ROUND_SOURCES` reads back. Raises TypeError for a constraint other than a
+    bound, so a new kind of range cannot be dropped on the way."""
+    section, name = key.split(".")
+    source = ROUND_TABLES[section].model_fields[name]
+    bounds = {}
+    for meta in source.metadata:
+        kind = next((k for k, cls in _BOUNDS if isinstance(meta, cls)), None)
+        if kind is None:
+            raise TypeError(f"recipe key {key}: constraint {meta!r} has no round-constant counterpart")
+        bounds[kind] = getattr(meta, kind)
+    return Field(description=source.description, json_schema_extra={"recipe": key}, **bounds)
+
+
+class RoundConstants(_Model):
+    """The round's constants (Alg. 1-4, Table 5): the recipe's device-visible keys, named as in the recipe.
+
+    Each field is derived from its recipe key (`_from_recipe`: same range, same description; the type is restated
+    for readers and type checkers, and tests/test_round_constants.py holds it to the recipe's), and
+    `RoundConstants.from_recipe` fills every field from that key; `ROUND_SOURCES` maps each field to its key."""
+
+    chain_length: int = _from_recipe("tree.chain_length")
+    sibling_depth: int = _from_recipe("tree.sibling_depth")
+    node_budget: int = _from_recipe("tree.node_budget")
+    head_window: int = _from_recipe("window.head_window")
+    slm_window: int = _from_recipe("window.slm_window")
+    slm_sliding_window: int = _from_recipe("window.slm_sliding_window")
+    head_query_position_offset: Literal[-1, 0] = _from_recipe("window.head_query_position_offset")
+    depth_cost: float = _from_recipe("tree.depth_cost")
+    epsilon: float = _from_recipe("acceptance.epsilon")
+    acceptance_mode: Literal["epsilon", "exact"] = _from_recipe("acceptance.mode")
+    slm_candidates: int = _from_recipe("tree.slm_candidates")
+    slm_passes: Literal[1, 2] = _from_recipe("tree.slm_passes")
+    specedge_passes: int = _from_recipe("tree.specedge_passes")
+    specedge_nodes: int = _from_recipe("tree.specedge_nodes")
+    temperature: float = _from_recipe("sampling.temperature")
+    top_k: int = _from_recipe("sampling.top_k")
+    top_p: float = _from_recipe("sampling.top_p")
+    max_new_tokens: int = _from_recipe("sampling.max_new_tokens")
+    seed: int = _from_recipe("sampling.seed")
+
+    @classmethod
+    def from_recipe(cls, recipe: Any) -> RoundConstants:
+        """The round constants of ``recipe`` (a `hycoc.recipe.Recipe`): each field the value of its recipe key.
+
+        Hand-worked: the default recipe gives chain_length 4 (``tree.chain_length``), acceptance_mode "epsilon"
+        (``acceptance.mode``), epsilon 0.005 (``acceptance.epsilon``)."""
+        values = {}
+        for name, key in ROUND_SOURCES.items():
+            section, field = key.split(".")
+            values[name] = getattr(getattr(recipe, section), field)
+        return cls(**values)
+
+    @property
+    def sampling(self) -> Sampling:
+        """The protocol's p~ with the bundle's temperature, top-k and top-p (a request's default distribution)."""
+        return Sampling(self.temperature, self.top_k, self.top_p)
+
+
+#: Each round constant's recipe key, ``"section.key"``, in the manifest's field order.
+ROUND_SOURCES: dict[str, str] = {
+    name: str(cast(dict, info.json_schema_extra)["recipe"]) for name, info in RoundConstants.model_fields.items()
+}
 
 
 class Quantization(_Model):

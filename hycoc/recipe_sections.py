@@ -25,6 +25,7 @@ from pydantic import (
 from pydantic.config import JsonDict
 
 from hycoc import serving_limits
+from hycoc.protocol import messages
 from hycoc.recipe_errors import CrossFieldError, Problem, RecipeError
 
 
@@ -234,10 +235,14 @@ class Acceptance(Section):
     """``[acceptance]``: the verifier's acceptance rule (§3.5, Alg. 4 line 6)."""
 
     epsilon: float = Field(
-        0.005, gt=0, le=1, description="accept a drafted child c of v when p~(c|v) >= epsilon; 1 = exact"
+        messages.DEFAULT_EPSILON,
+        gt=0,
+        le=1,
+        description="accept a drafted child c of v when p~(c|v) >= epsilon; 1 = exact",
     )
     mode: Literal["epsilon", "exact"] = Field(
-        "epsilon", description="'epsilon' = epsilon-threshold acceptance; 'exact' = lossless (epsilon taken as 1)"
+        messages.DEFAULT_ACCEPTANCE,
+        description="'epsilon' = epsilon-threshold acceptance; 'exact' = lossless (epsilon taken as 1)",
     )
 
     @property
@@ -247,19 +252,41 @@ class Acceptance(Section):
 
 
 class Sampling(Section):
-    """``[sampling]``: the verifier's sampling distribution p~ (Alg. 4 line 5) and the output cap."""
+    """``[sampling]``: the verifier's sampling distribution p~ (Alg. 4 line 5) and the output cap.
+
+    The table of a recipe, not a second distribution: its defaults are the protocol's
+    (`hycoc.protocol.messages.DEFAULT_SAMPLING`, ``DEFAULT_MAX_NEW_TOKENS``, ``DEFAULT_SEED``) and `distribution`
+    is the `hycoc.protocol.messages.Sampling` a request carries."""
 
     temperature: float = Field(
-        1.0, ge=0, le=100, description="softmax temperature; 0 = greedy (arg-max, ties to lowest id)"
+        messages.DEFAULT_SAMPLING.temperature,
+        ge=0,
+        le=100,
+        description="softmax temperature; 0 = greedy (arg-max, ties to lowest id)",
     )
-    top_k: int = Field(64, ge=1, le=1_048_576, description="largest logits kept before the nucleus cut")
-    top_p: float = Field(0.95, gt=0, le=1, description="nucleus mass kept after top-k, then renormalized")
+    top_k: int = Field(
+        messages.DEFAULT_SAMPLING.top_k, ge=1, le=1_048_576, description="largest logits kept before the nucleus cut"
+    )
+    top_p: float = Field(
+        messages.DEFAULT_SAMPLING.top_p, gt=0, le=1, description="nucleus mass kept after top-k, then renormalized"
+    )
     max_new_tokens: int = Field(
-        1024, ge=1, le=1_048_576, description="output cap per request, in tokens (paper: 1,024 on SB)"
+        messages.DEFAULT_MAX_NEW_TOKENS,
+        ge=1,
+        le=1_048_576,
+        description="output cap per request, in tokens (paper: 1,024 on SB)",
     )
     seed: int = Field(
-        0, ge=0, le=2**63 - 1, description="seed of the verifier's per-session sampler and of the device runtime"
+        messages.DEFAULT_SEED,
+        ge=0,
+        le=2**63 - 1,
+        description="seed of the verifier's per-session sampler and of the device runtime",
     )
+
+    @property
+    def distribution(self) -> messages.Sampling:
+        """The protocol's p~ with this table's temperature, top-k and top-p (what an OPEN carries)."""
+        return messages.Sampling(self.temperature, self.top_k, self.top_p)
 
 
 class HeadQat(Section):

@@ -188,29 +188,9 @@ def recipe_ref(recipe: Recipe) -> RecipeRef:
 
 
 def round_constants(recipe: Recipe) -> RoundConstants:
-    """The recipe's tree, window, acceptance and sampling knobs the runtime needs each round."""
-    t, w, a, s = recipe.tree, recipe.window, recipe.acceptance, recipe.sampling
-    return RoundConstants(
-        chain_length=t.chain_length,
-        sibling_depth=t.sibling_depth,
-        node_budget=t.node_budget,
-        head_window=w.head_window,
-        slm_window=w.slm_window,
-        slm_sliding_window=w.slm_sliding_window,
-        head_query_position_offset=w.head_query_position_offset,
-        depth_cost=t.depth_cost,
-        epsilon=a.epsilon,
-        acceptance_mode=a.mode,
-        slm_candidates=t.slm_candidates,
-        slm_passes=t.slm_passes,
-        specedge_passes=t.specedge_passes,
-        specedge_nodes=t.specedge_nodes,
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        max_new_tokens=s.max_new_tokens,
-        seed=s.seed,
-    )
+    """The recipe's tree, window, acceptance and sampling knobs the runtime needs each round
+    (`hycoc.bundle.RoundConstants.from_recipe`: every field from the recipe key it is derived from)."""
+    return RoundConstants.from_recipe(recipe)
 
 
 def quantization(recipe: Recipe) -> Quantization:

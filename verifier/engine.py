@@ -48,7 +48,19 @@ import torch
 from transformers import DynamicCache
 
 from hycoc.chat import common_prefix
-from hycoc.protocol.messages import ACCEPTANCE_MODES, DRAFT_PLACES, RoundReply, Sampling, commit_cut
+from hycoc.protocol.messages import (
+    ACCEPTANCE_MODES,
+    DEFAULT_ACCEPTANCE,
+    DEFAULT_DRAFT_PLACE,
+    DEFAULT_EPSILON,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_SAMPLING,
+    DEFAULT_SEED,
+    DRAFT_PLACES,
+    RoundReply,
+    Sampling,
+    commit_cut,
+)
 from hycoc.protocol.wire import PROTOCOL_VERSION
 
 from . import append as append_turn
@@ -111,12 +123,12 @@ class VerifierEngine(VerifierModel):
     def open(
         self,
         prompt_ids,
-        sampling: Sampling = Sampling(),
-        seed: int = 0,
-        acceptance: str = "epsilon",
-        epsilon: float = 0.005,
-        draft_place: str = "device",
-        max_new_tokens: int = 1024,
+        sampling: Sampling = DEFAULT_SAMPLING,
+        seed: int = DEFAULT_SEED,
+        acceptance: str = DEFAULT_ACCEPTANCE,
+        epsilon: float = DEFAULT_EPSILON,
+        draft_place: str = DEFAULT_DRAFT_PLACE,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         anchor: int = 0,
     ) -> Session:
         """A new request (nothing runs yet: call ``Session.prefill``). anchor: where the prompt's model turn opens

@@ -38,7 +38,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -468,11 +468,9 @@ def record_trace(
     keep = np.load(Path(bundle_dir) / "keep_set.npy", allow_pickle=False)
     engine = engine_from_recipe(recipe, keep_set=torch.as_tensor(keep, dtype=torch.long))
     rt = load_runtime(bundle_dir, "cpu", threads=threads)
-    sampling = Sampling(
-        recipe.sampling.temperature if temperature is None else float(temperature),
-        recipe.sampling.top_k,
-        recipe.sampling.top_p,
-    )
+    sampling = recipe.sampling.distribution
+    if temperature is not None:
+        sampling = replace(sampling, temperature=float(temperature))
     requests = []
     try:
         # whole trees every round (a recording holds what the device drafts unconstrained; replays trim them)

@@ -147,7 +147,6 @@ def _run_bench(
 ) -> dict:
     from hycoc.bench.plots import write_plots
     from hycoc.bench.summary import summarize
-    from hycoc.protocol.messages import Sampling
     from hycoc.runtime.client import load_runtime
 
     console = make_console(console)
@@ -169,7 +168,7 @@ def _run_bench(
     prompts = {qid: r.ids for qid, r in rendered.items()}
     anchors = {qid: r.anchor for qid, r in rendered.items()}
     r = rt.bundle.round
-    sampling = Sampling(recipe.sampling.temperature, recipe.sampling.top_k, recipe.sampling.top_p)
+    sampling = recipe.sampling.distribution
     epsilon = recipe.acceptance.epsilon  # the recipe's, like its sampling: `hycoc tune-epsilon` writes it there
     todo = [
         Request(c, c, epsilon, run, q)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -302,7 +302,6 @@ def run_tune(
     )
     from hycoc.bench.summary import summarize
     from hycoc.bundle import sha256_file
-    from hycoc.protocol.messages import Sampling
     from hycoc.runtime.client import load_runtime
 
     if plan.mode not in EXACT_MODE:
@@ -326,7 +325,7 @@ def run_tune(
     done = open_out(plan.out, settings, resume)
     rt = load_runtime(bundle_dir, backend, threads=threads)
     prompts = {q.question_id: rt.bundle.chat.prompt(q.turns[0]) for q in plan.questions}
-    sampling = Sampling(plan.temperature, s.top_k, s.top_p)
+    sampling = replace(s.distribution, temperature=plan.temperature)
     todo = []
     for q in plan.questions:
         for eps in epsilons:

@@ -147,9 +147,9 @@ def run(
     except RunOptionError as e:
         raise _fail("run", str(e), code=e.code) from None
     import json
+    from dataclasses import replace
 
     from hycoc.bundle import BundleError
-    from hycoc.protocol.messages import Sampling
     from hycoc.runtime.client import RuntimeProtocolError, load_runtime
     from hycoc.runtime.graphs import GraphRunError
     from hycoc.runtime.mtp_drafter import HandoffError
@@ -206,7 +206,7 @@ def run(
     if not ids:
         raise _fail("run", "the prompt encodes to no tokens")
     r = rt.bundle.round
-    sampling = Sampling(r.temperature if temperature is None else temperature, r.top_k, r.top_p)
+    sampling = r.sampling if temperature is None else replace(r.sampling, temperature=temperature)
     auth_token = _auth_token("run", ctx, auth_token, auth_token_file)
     client = None if mode == RunMode.slm_alone else VerifierClient(server, auth_token, timeout_s=timeout)
 

@@ -10,6 +10,7 @@ x_{t+1} at position t.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
 
 import numpy as np
 
@@ -66,6 +67,25 @@ class Sampling:
     top_p: float = 0.95
 
 
+# The request defaults, one place each (paper App. C: T = 1, top-k 64, top-p 0.95, epsilon = 0.005, 1,024 new tokens
+# on SB): `OpenRequest`'s fields, the recipe's ``[sampling]`` and ``[acceptance]`` tables
+# (`hycoc.recipe_sections.Sampling`, `hycoc.recipe_sections.Acceptance`) and `hycoc.verifier.engine.VerifierEngine.open`
+# all take theirs from these names (tests/test_defaults_identity.py).
+
+#: The sampling distribution p~ a request gets when it names none.
+DEFAULT_SAMPLING: Final = Sampling()
+#: The acceptance mode a request gets when it names none (one of ACCEPTANCE_MODES).
+DEFAULT_ACCEPTANCE: Final = "epsilon"
+#: The epsilon of epsilon-threshold acceptance a request gets when it names none (§3.5).
+DEFAULT_EPSILON: Final = 0.005
+#: Who drafts when a request says nothing (one of DRAFT_PLACES).
+DEFAULT_DRAFT_PLACE: Final = "device"
+#: The output cap of a request that names none, in tokens.
+DEFAULT_MAX_NEW_TOKENS: Final = 1024
+#: The sampling seed of a request that names none.
+DEFAULT_SEED: Final = 0
+
+
 @dataclass(frozen=True)
 class OpenRequest:
     """Start a request: the verifier prefills ``prompt_ids[:-1]``; ``prompt_ids[-1]`` is the first tree's root.
@@ -87,12 +107,12 @@ class OpenRequest:
     """
 
     prompt_ids: np.ndarray
-    sampling: Sampling = Sampling()
-    seed: int = 0
-    acceptance: str = "epsilon"
-    epsilon: float = 0.005
-    draft_place: str = "device"
-    max_new_tokens: int = 1024
+    sampling: Sampling = DEFAULT_SAMPLING
+    seed: int = DEFAULT_SEED
+    acceptance: str = DEFAULT_ACCEPTANCE
+    epsilon: float = DEFAULT_EPSILON
+    draft_place: str = DEFAULT_DRAFT_PLACE
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     auth_token: str | None = None
     chat: str | None = None
     anchor: int = 0
