@@ -30,7 +30,9 @@ i8 = np.int8
 def messages() -> dict[str, tuple[object, bytes]]:
     """name -> (message, the fixed part of its payload written from the module docstring's table)."""
     prompt = np.array([2, 10, 999, 0], np.int32)
-    open_ = OpenRequest(prompt, Sampling(0.5, 64, 0.75), 2**63 + 5, "epsilon", 0.25, "cloud-mtp", 9, "tok", "{}", 2)
+    open_ = OpenRequest(
+        prompt, Sampling(0.5, 64, 0.75), 2**63 + 5, "epsilon", 0.25, "cloud-mtp", 9, "tok", "{}", 2, 19.5, 57.75
+    )
     opened = Opened(2**40 + 3, 3, 12.5, 4096, 5, 1000, 4, 6, 2, (1, 106))
     tree = DraftTree(9, np.array([5, 7, 7, 999, 0], np.int32), np.array([-1, 0, 0, 1, 3], np.int32))
     scored = DraftTree(tree.seq, tree.tokens, tree.parents, np.array([0.0, -0.5, -1.0, -2.0, -2.5], np.float32))
@@ -47,16 +49,19 @@ def messages() -> dict[str, tuple[object, bytes]]:
     reply = RoundReply(7, samples, np.array([1, 3], np.int32), 7, 21.5, True, ho, np.array([11], np.int32), "length")
     verified = RoundReply(
         7, samples, np.array([1, 3], np.int32), 7, 1.0, False, None, np.array([], np.int32), None,
-        np.array([1, 1, 0, 1, 0], np.bool_),
+        np.array([1, 1, 0, 1, 0], np.bool_), 5,
     )  # fmt: skip
     append = AppendTurn(np.array([5, 6, 7], np.int32), 64, 10, 2**32 - 3, 11)
     return {
-        "OPEN": (open_, struct.pack("<fIfQfBBHHIII", 0.5, 64, 0.75, 2**63 + 5, 0.25, 1, 2, 3, 2, 9, 4, 2)),
+        "OPEN": (
+            open_,
+            struct.pack("<fIfQfBBHHIIIff", 0.5, 64, 0.75, 2**63 + 5, 0.25, 1, 2, 3, 2, 9, 4, 2, 19.5, 57.75),
+        ),
         "OPENED": (opened, struct.pack("<QIfIIIIIIH", 2**40 + 3, 3, 12.5, 4096, 5, 1000, 4, 6, 2, 2)),
         "ROUND": (tree, struct.pack("<IHB", 9, 5, 0)),
         "ROUND scored": (scored, struct.pack("<IHB", 9, 5, 1)),
-        "REPLY hand-off": (reply, struct.pack("<IifBBHHHB", 7, 7, 21.5, 3, 1, 5, 2, 1, 0)),
-        "REPLY verified": (verified, struct.pack("<IifBBHHHB", 7, 7, 1.0, 0, 0, 5, 2, 0, 1)),
+        "REPLY hand-off": (reply, struct.pack("<IifBBHHHBH", 7, 7, 21.5, 3, 1, 5, 2, 1, 0, 0)),  # finished: 0
+        "REPLY verified": (verified, struct.pack("<IifBBHHHBH", 7, 7, 1.0, 0, 0, 5, 2, 0, 1, 5)),
         "CLOSE": (Close(2**40 + 3), struct.pack("<Q", 2**40 + 3)),
         "ERROR": (ErrorReply("bad_top_k", "k ✓"), struct.pack("<BH", 9, 5)),
         "APPEND": (append, struct.pack("<IIIII", 64, 10, 2**32 - 3, 11, 3)),
