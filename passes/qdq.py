@@ -5,13 +5,14 @@
 (``qnn_preprocess_model``, ``get_qnn_qdq_config``, ``quantize``), in this order:
 
 1. integer weights: the SLM graph writes every weight as ``Cast(int8 initializer) -> Mul(scale (out, 1))``
-   (``IntegerLinear``), usually followed by ``Transpose`` into the MatMul. `fold_integer_weights` replaces each
-   pattern by one float initializer (q * scale in float32, exactly what the graph computed, transposed when the
-   Transpose is folded too) and records the integers and scales (`IntegerWeightSpec`). The head's QAT output gives
-   them as arrays instead (`weights_from_arrays`, which checks that the graph's float weight is q * scale bit for
-   bit). Each becomes a per-channel ``init_overrides`` entry with the source's own scale per channel, zero point
-   0, int8 (8-bit source) or int4 (2- and 4-bit sources: HTP has no int2; the integers are unchanged), and the
-   channel axis -- ``get_qnn_qdq_config(per_channel=True)`` only touches Conv, so MatMul weights need the axis.
+   (``IntegerLinear``), usually followed by ``Transpose`` into the MatMul. `fold_integer_weights` (the rewrite
+   rule `hycoc.passes.rewrite.integer_weights`) replaces each pattern by one float initializer (q * scale in
+   float32, exactly what the graph computed, transposed when the Transpose is folded too) and records the integers
+   and scales (`IntegerWeightSpec`). The head's QAT output gives them as arrays instead (`weights_from_arrays`,
+   which checks that the graph's float weight is q * scale bit for bit). Each becomes a per-channel
+   ``init_overrides`` entry with the source's own scale per channel, zero point 0, int8 (8-bit source) or int4 (2-
+   and 4-bit sources: HTP has no int2; the integers are unchanged), and the channel axis --
+   ``get_qnn_qdq_config(per_channel=True)`` only touches Conv, so MatMul weights need the axis.
 2. activations: uint16 (A16) with ranges from `hycoc.passes.calibration.activation_ranges` (SLM: 99.9th
    percentile x 1.2 of |x|), given as ``rmin``/``rmax`` overrides.
 3. fixed encodings, whatever the calibration saw:
@@ -28,8 +29,8 @@
      onnxruntime-qnn's own quantizer stopped emitting for the HTP (microsoft/onnxruntime-qnn PR #558);
    - the ring: ``k_ring_i``, ``k_new_i`` and their Concat get one range, the union of both calibrated ranges,
      so input and output KV share scale and zero point and the runtime copies KV bytes without requantizing.
-4. HTP rewrite: ``Reciprocal(x)`` -> ``Div(1, x)`` (`reciprocal_to_div`: the v81 simulator's uint16 Reciprocal
-   was wrong on one RMSNorm's range).
+4. HTP rewrite: ``Reciprocal(x)`` -> ``Div(1, x)`` (`reciprocal_to_div`, the rule
+   `hycoc.passes.rewrite.reciprocal_to_div`: the v81 simulator's uint16 Reciprocal was wrong on one RMSNorm's range).
 5. checks on the saved QDQ graph: every weight's DequantizeLinear holds the source integers, scales, zero point 0
    and axis exactly (`verify_weights`, raises `QdqError`), and the fixed encodings hold (`check_fixed_encodings`).
 
@@ -47,7 +48,8 @@ output (on copies) and reports the SQNR (dB) per graph output and per layer, and
 This module runs the step (`quantize_graph`) and the pipeline pass (`QdqQuantize`); the work is split by job:
 `hycoc.passes.qdq_weights` (step 1 and the weights' check), `hycoc.passes.qdq_encodings` (steps 2-3, the encodings'
 checks and `QdqError`) and `hycoc.passes.qdq_sqnr` (the SQNR report). Their public names are importable from here as
-before.
+before. Steps 1 and 4 change the float graph as an onnx-ir model, with onnxscript rewrite rules
+(passes/rewrite/); onnxruntime's tools read and write the files in between.
 """
 
 from __future__ import annotations
@@ -92,33 +94,10 @@ from hycoc.passes.qdq_weights import (
     weight_overrides,
     weights_from_arrays,
 )
+from hycoc.passes.rewrite.reciprocal_to_div import reciprocal_to_div
 
 from hycoc.numerics import sqnr_db  # re-exported: benchmarks/real_shape_head.py imports it from here
 from hycoc.recipe import Recipe
-
-
-def reciprocal_to_div(model) -> int:
-    """Rewrite every ``Reciprocal(x)`` as ``Div(1, x)`` (equal in float32), in place; returns the count.
-
-    Why: measured with onnxruntime-qnn 2.7.0 / QNN 2.51 on the x86 HTP v81 simulator, the uint16 Reciprocal of an
-    RMSNorm over small values (input range [0, 0.45], output [0, 13.7]; the tiny SLM's per-layer projection norm)
-    came out at 5 dB SQNR against the same QDQ graph on the CPU EP, and the logits at 8.8 dB; as Div the logits
-    reach 23 dB and the KV outputs 32-45 dB. The other RMSNorms' Reciprocals were exact (90 dB) -- the failure
-    depends on the range. The RMSNorm decomposition (passes/rmsnorm_decomposition.py) is the better home.
-    """
-    from onnx import helper, numpy_helper
-
-    g = model.graph
-    count = 0
-    for index, n in enumerate(list(g.node)):
-        if n.op_type != "Reciprocal":
-            continue
-        one = f"{n.output[0]}_one"
-        g.initializer.append(numpy_helper.from_array(np.array(1.0, np.float32), one))
-        g.node[index].CopyFrom(helper.make_node("Div", [one, n.input[0]], list(n.output), name=n.name))
-        count += 1
-    return count
-
 
 # ---- the whole step ------------------------------------------------------------------------------------------
 
@@ -180,20 +159,21 @@ def quantize_graph(
     (a check failed).
     """
     import onnx
+    import onnx_ir as ir
     from onnxruntime.quantization import QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config, qnn_preprocess_model
 
     start = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model = onnx.load(str(model_path))
-    if weight_arrays:
-        specs = weights_from_arrays(model, weight_arrays)
-    else:
-        model, specs = fold_integer_weights(model)
+    model = ir.from_proto(onnx.load(str(model_path)))
+    specs = weights_from_arrays(model, weight_arrays) if weight_arrays else fold_integer_weights(model)
     reciprocals = reciprocal_to_div(model) if htp_rewrites else 0
     folded, float_path = out_dir / "model_folded.onnx", out_dir / "model_float.onnx"
-    onnx.save(model, str(folded), save_as_external_data=True, location=folded.name + ".data")
+    proto = ir.to_proto(model)
+    del model  # the folded weights: one copy in memory, the proto's
+    onnx.save(proto, str(folded), save_as_external_data=True, location=folded.name + ".data")
+    del proto
     if not qnn_preprocess_model(
         str(folded), str(float_path), save_as_external_data=True, external_data_location=float_path.name + ".data"
     ):

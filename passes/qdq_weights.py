@@ -1,8 +1,10 @@
 """The integer weights of hycoc's QDQ graphs, bit-exact (`hycoc.passes.qdq`, its module docstring steps 1 and 5):
 `fold_integer_weights` turns the SLM graph's ``Cast(int8) -> Mul(scale)`` patterns into float initializers and
-records the integers (`IntegerWeightSpec`), `weights_from_arrays` takes them as arrays (the head's QAT output),
-`weight_overrides` gives onnxruntime each one's per-channel encoding, and `verify_weights` checks that the saved QDQ
-graph holds the source integers, scales, zero point and axis exactly.
+records the integers (`IntegerWeightSpec`; the rewrite rule is `hycoc.passes.rewrite.integer_weights`),
+`weights_from_arrays` takes them as arrays (the head's QAT output), `weight_overrides` gives onnxruntime each
+one's per-channel encoding, and `verify_weights` checks that the saved QDQ graph holds the source integers, scales,
+zero point and axis exactly. The first two read and change an onnx-ir model; `verify_weights` reads the
+onnx.ModelProto onnxruntime's quantizer wrote.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import onnx_ir as ir
 from hycoc.passes.qdq_encodings import QdqError, initializer_arrays
+from hycoc.passes.rewrite import integer_weights
+from hycoc.passes.rewrite.integer_weights import FoldedWeight
 
 
 @dataclass
@@ -40,73 +45,33 @@ def _bits_of(q: np.ndarray) -> int:
     return 4 if q.size and q.min() >= -8 and q.max() <= 7 else 8
 
 
-def fold_integer_weights(model) -> tuple[Any, list[IntegerWeightSpec]]:
-    """Replace each ``Cast(int8 init) -> Mul(scale init) [-> Transpose]`` by one float initializer (module
-    docstring, step 1). Works on an onnx.ModelProto (external data loaded) in place; returns it and the specs."""
-    import onnx
-    from onnx import numpy_helper
-
-    g = model.graph
-    inits = {t.name: t for t in g.initializer}
-    consumers: dict[str, list] = {}
-    for n in g.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
-    specs, drop, new_inits = [], [], []
-    for cast in list(g.node):
-        if cast.op_type != "Cast" or cast.input[0] not in inits:
-            continue
-        t = inits[cast.input[0]]
-        if t.data_type != onnx.TensorProto.INT8:
-            continue
-        users = consumers.get(cast.output[0], [])
-        if len(users) != 1 or users[0].op_type != "Mul":
-            continue
-        mul = users[0]
-        other = mul.input[1] if mul.input[0] == cast.output[0] else mul.input[0]
-        if other not in inits:
-            continue
-        q = numpy_helper.to_array(t)
-        s = numpy_helper.to_array(inits[other]).astype(np.float32)
-        if q.ndim != 2 or s.shape not in ((q.shape[0], 1), (q.shape[0],)):
-            continue
-        w = q.astype(np.float32) * s.reshape(-1, 1)
-        out, axis, nodes = mul.output[0], 0, [cast, mul]
-        after = consumers.get(mul.output[0], [])
-        perm = next((list(a.ints) for a in after[0].attribute if a.name == "perm"), None) if len(after) == 1 else None
-        if len(after) == 1 and after[0].op_type == "Transpose" and perm == [1, 0]:
-            w, q, axis, out = w.T, q.T, 1, after[0].output[0]
-            nodes.append(after[0])
-        base = cast.input[0].removesuffix(".q")
-        name = f"{base}.weight" if axis == 0 else f"{base}.weight_t"
-        new_inits.append(numpy_helper.from_array(np.ascontiguousarray(w), name))
-        for n in g.node:
-            n.input[:] = [name if i == out else i for i in n.input]
-        drop += nodes
-        specs.append(IntegerWeightSpec(name, np.ascontiguousarray(q), s.reshape(-1), axis, _bits_of(q)))
-    dropped = {id(n) for n in drop}
-    keep = [n for n in g.node if id(n) not in dropped]
-    del g.node[:]
-    g.node.extend(keep)
-    used = {i for n in g.node for i in n.input}
-    remaining = [t for t in g.initializer if t.name in used]
-    del g.initializer[:]
-    g.initializer.extend(remaining + new_inits)
-    return model, specs
+def fold_integer_weights(model: ir.Model) -> list[IntegerWeightSpec]:
+    """Replace each ``Cast(int8 init) -> Mul(scale init) [-> Transpose]`` of ``model`` by one float initializer (module
+    docstring, step 1; the rule: `hycoc.passes.rewrite.integer_weights`), in place, then drop every initializer no
+    node reads (the integers and scales folded away, and any other, as the ModelProto loop before it did). Returns
+    the specs, in graph order."""
+    folded: list[FoldedWeight] = []
+    integer_weights.rules(folded).apply_to_model(model)
+    graph = model.graph
+    for name, value in list(graph.initializers.items()):
+        if not value.uses() and not value.is_graph_output():
+            graph.initializers.pop(name)
+    return [IntegerWeightSpec(f.name, f.q, f.scale, f.axis, _bits_of(f.q)) for f in folded]
 
 
-def weights_from_arrays(model, arrays: Mapping[str, tuple[np.ndarray, np.ndarray, int]]) -> list[IntegerWeightSpec]:
-    """Specs for float weight initializers given as (q int8 [out, in], scale float32 [out, 1] or [out], bits), by
-    initializer name (the head's QAT output). The initializer must equal q * scale (axis 0) or its transpose
-    (axis 1) bit for bit; QdqError otherwise."""
-    from onnx import numpy_helper
-
-    inits = {t.name: t for t in model.graph.initializer}
+def weights_from_arrays(
+    model: ir.Model, arrays: Mapping[str, tuple[np.ndarray, np.ndarray, int]]
+) -> list[IntegerWeightSpec]:
+    """Specs for float weight initializers of ``model`` given as (q int8 [out, in], scale float32 [out, 1] or [out],
+    bits), by initializer name (the head's QAT output). The initializer must equal q * scale (axis 0) or its
+    transpose (axis 1) bit for bit; QdqError otherwise."""
+    inits = model.graph.initializers
     specs = []
     for name, (q, s, bits) in arrays.items():
-        if name not in inits:
+        tensor = inits[name].const_value if name in inits else None
+        if tensor is None:
             raise QdqError(f"no initializer '{name}' in the graph for the given integer weight")
-        w = numpy_helper.to_array(inits[name])
+        w = tensor.numpy()
         q, s = np.asarray(q, dtype=np.int8), np.asarray(s, dtype=np.float32).reshape(-1)
         want = q.astype(np.float32) * s[:, None]
         if w.shape == want.shape and np.array_equal(w.view(np.uint32), want.view(np.uint32)):

@@ -14,6 +14,7 @@ import io
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 import torch
 from hycoc.passes.calibration import CalibrationError, check_fixed_inputs, check_samples
@@ -237,7 +238,7 @@ def test_weights_given_as_arrays(tmp_path):
     assert res.weights[0].axis == 1 and res.numbers()["weight_bits"] == {"4": 1}
     assert res.sqnr["outputs"]["y"] > 30
     with pytest.raises(QdqError, match="not q \\* scale"):
-        weights_from_arrays(onnx.load(str(tmp_path / "mm.onnx")), {"w": (q, s * 1.001, 4)})
+        weights_from_arrays(ir.load(tmp_path / "mm.onnx"), {"w": (q, s * 1.001, 4)})
 
 
 def test_pipeline_pass(tmp_path):
