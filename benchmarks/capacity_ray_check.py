@@ -37,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from hycoc.bench.capacity_app import trace_for
-    from hycoc.bench.capacity_cost import cached_step_cost
+    from hycoc.bench.capacity_measure import cached_step_cost
     from hycoc.bench.capacity_run import SchedSampler, predicted_for, trace_workload, validation_rows
     from hycoc.bench.datasets import load_spec_bench
     from hycoc.bench.loadtest import devices_for, run_loadtest

@@ -139,6 +139,29 @@ def test_the_round_trip_the_device_is_away_weighs_rows_against_its_drafting():
     assert (r.state.draft_floor_ms, r.state.draft_tree_ms) == (19.5, pytest.approx(57.7 + 0.1 * (40 - 57.7)))
 
 
+def test_explain_shows_what_the_rule_weighs_and_for_server_builds_the_servers_rule():
+    """`explain` lists per candidate r the tokens 1 + V(r), away ms, step ms and tokens per second of round that
+    `allowance` maximises (the same numbers as the hand-worked case above: the floor's 1.9375 / (58 + 19.5 + 10)
+    ms); `for_server` builds the rule `VerifierServer.allowance_rule` runs: floor and chain_rows K + 1, the
+    budget's free rows and its shared state."""
+    r = rule()
+    r.observe_tree(*chain_tree())
+    r.observe_drafting(19.5, 57.7)
+    r.observe_away(115.7, CEILING)
+    why = r.explain(sessions=10)
+    assert why["allowance"] == r.allowance(sessions=10) == FLOOR and why["rows"][0] == FLOOR
+    assert why["link_ms"] == pytest.approx(58.0) and why["drafting_ms"] == [19.5, 57.7]
+    assert why["tokens"][0] == pytest.approx(1.9375) and why["away_ms"][:2] == pytest.approx([77.5, 115.7])
+    assert why["tokens_per_s"][0] == pytest.approx(1e3 * 1.9375 / 87.5)
+    assert max(why["tokens_per_s"]) == why["tokens_per_s"][0]
+    assert "rows" not in rule().explain(sessions=10)  # nothing learned: no candidates to weigh
+    state = BudgetState()
+    built = AllowanceRule.for_server(COST, CEILING, 4, target_ms=60.0, budget=state)
+    assert (built.floor, built.chain_rows, built.ceiling, built.free_rows) == (5, 5, CEILING, 206)
+    assert built.budget is state and built.target_ms == 60.0
+    assert AllowanceRule.for_server(COST, 3, 4, floor=2).chain_rows == 3  # K + 1 above the tree: the tree's rows
+
+
 def test_the_device_measures_its_drafting_per_kind_of_round():
     from hycoc.runtime.drafting_times import DraftingTimes
 

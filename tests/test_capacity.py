@@ -544,6 +544,85 @@ def test_allowance_is_the_servers_rule_and_devices_draft_to_it(monkeypatch):
     assert {r.rows for r in one.stats.rounds} == {33} and set(one.allowances) == {33}
 
 
+def test_allowance_rule_is_built_and_fed_as_the_server_builds_and_feeds_it(monkeypatch):
+    """The simulated server builds its rule with the server's own constructor (`AllowanceRule.for_server`, which
+    `VerifierServer.allowance_rule` calls: floor and chain_rows K + 1) and feeds it what `SessionLoop` does: at each
+    OPEN the drafting ms the device reports without / with the SLM pass (as the OPEN's f32 fields), at each ROUND
+    after a session's first the gap since its last reply left the server (downlink, the client's work, the wake-up,
+    the drafting, uplink, the event loop's frame in: hand-computed here from the run's own rounds); a cloud-mtp
+    session feeds it nothing."""
+    from types import SimpleNamespace
+
+    from hycoc.runtime.transport import LINK_PRESETS
+    from hycoc.verifier.allowance import AllowanceRule
+    from hycoc.verifier.server.app import VerifierServer
+
+    from hycoc.bench.capacity_run import GEMMA4_FRAMES
+
+    built, drafting, away = [], [], []
+    make = AllowanceRule.for_server.__func__
+
+    def for_server(cls, *a, **k):
+        built.append(make(cls, *a, **k))
+        return built[-1]
+
+    real_drafting, real_away = AllowanceRule.observe_drafting, AllowanceRule.observe_away
+
+    def observe_drafting(rule, floor_ms, tree_ms):
+        drafting.append((floor_ms, tree_ms))
+        real_drafting(rule, floor_ms, tree_ms)
+
+    def observe_away(rule, away_ms, rows):
+        away.append((away_ms, rows))
+        real_away(rule, away_ms, rows)
+
+    monkeypatch.setattr(AllowanceRule, "for_server", classmethod(for_server))
+    monkeypatch.setattr(AllowanceRule, "observe_drafting", observe_drafting)
+    monkeypatch.setattr(AllowanceRule, "observe_away", observe_away)
+    line = RowCost(((2, 10.0), (33, 20.0), (66, 40.0)), source="test")
+    link, frames = LINK_PRESETS["lte"], replace(GEMMA4_FRAMES, open_down=64)  # no 6.3 MB first hand-off: rounds at once
+    cfg = SimConfig(
+        mode="allowance", devices=1, duration_s=2.0, tree_rows=33, chain_length=4, link=link, frames=frames,
+        loop_ms=2.0, client_ms=0.4, wake_ms=0.2, allowance_target_ms=60.0,
+    )  # fmt: skip
+    head_ms, full_ms = 19.3, 57.7  # not exact in f32: the rule hears what the OPEN's f32 fields decode to
+
+    def devices(i, k):
+        ms = lambda r: phone_ms(full_ms, head_ms, r, 4)  # noqa: E731
+        return TreeRequest(8, 10**9, _pool(), 33, ms, "device", np.random.default_rng([i, k]), floor=5)
+
+    res = simulate(Workload(devices), cfg, FixedCost(a=10.0, line=line))
+    server = SimpleNamespace(
+        allowance="auto", row_cost=line, tree_rows=33, engine=SimpleNamespace(chain_length=4), allowance_floor=0,
+        allowance_target_ms=60.0,
+    )  # fmt: skip
+    served = VerifierServer.allowance_rule(server)
+    assert len(built) == 2 and built[-1] is served
+    sim = built[0]
+    for rule in (sim, served):
+        assert (rule.floor, rule.chain_rows, rule.ceiling, rule.free_rows, rule.target_ms) == (5, 5, 33, 33, 60.0)
+    assert drafting == [(float(np.float32(head_ms)), float(np.float32(full_ms)))]
+    rounds, waits = res.stats.rounds, res.stats.device_waits_ms
+    assert len(away) == len(rounds) - 1 > 5  # every round but the session's first
+    for j, (ms, rows) in enumerate(away):
+        down = link.one_way_s(frames.down(rounds[j].rows, rounds[j].committed))
+        up = link.one_way_s(frames.up(rounds[j + 1].rows))
+        gap = 1e3 * (down + up) + waits[j + 1][1] + cfg.client_ms + cfg.loop_ms / 2
+        assert rows == rounds[j + 1].rows and ms == pytest.approx(gap, abs=1e-6)
+    assert res.rule["drafting_ms"] == list(drafting[0]) and res.rule["link_ms"] > link.rtt_ms
+    drafting.clear(), away.clear()
+    mixed = Workload(
+        lambda i, k: (
+            devices(i, k)
+            if i == 0
+            else SyntheticRequest(8, 10**9, 3.05, 1, 0.0, "cloud-mtp", np.random.default_rng([i, k]))
+        )
+    )
+    res = simulate(mixed, replace(cfg, devices=2), FixedCost(a=10.0, line=line))
+    device_rounds = sum(r.rows > 1 for r in res.stats.rounds)
+    assert len(drafting) == 1 and len(away) == device_rounds - 1
+
+
 def test_allowance_shrinks_trees_under_load():
     """With a steep line (every row costs) and many devices, the real rule's allowance falls below the ceiling,
     the devices send fewer rows than 33, and a ROUND's bytes follow its rows (23 + 8 R)."""

@@ -18,13 +18,18 @@ replica is one worker that runs steps, as `hycoc.verifier.scheduler.BatchSchedul
   `hycoc.verifier.row_budget.RowBudget` (``choose``: `allocate` with what its `BudgetState` learned; ``observe_step``:
   host ms per session and accepted per expected token from the simulated steps, as
   `hycoc.verifier.batch.verify_batch` does);
-* allowance: budgeted, and after every step the server's own `hycoc.verifier.allowance.AllowanceRule` (sharing the
-  budget's `BudgetState`) learns the step's sessions and the scored trees it verified, and each reply carries the
-  rows the session's next tree may hold (`hycoc.verifier.draft_place.DraftPlace.allowance`); the device drafts
-  ``min(allowance, B + 1)`` rows (`SimRequest.allow`), and its drafting time and ROUND bytes follow the rows.
+* allowance: budgeted, with the server's own `hycoc.verifier.allowance.AllowanceRule`, built by the server's own
+  constructor (`AllowanceRule.for_server`: floor and chain_rows K + 1, sharing the budget's `BudgetState`) and fed
+  what the server feeds it: at each OPEN the drafting ms its device reports without and with the SLM pass
+  (`observe_drafting`, `SimRequest.drafting_ms`), at each ROUND the gap since that session's last reply left the
+  server (`observe_away`: downlink, the device's work and drafting, uplink, the event loop's frame in), after
+  every step the step's sessions and the scored trees it verified; each reply carries the rows the session's next
+  tree may hold (`hycoc.verifier.draft_place.DraftPlace.allowance`); the device drafts ``min(allowance, B + 1)``
+  rows (`SimRequest.allow`), and its drafting time and ROUND bytes follow the rows.
 
-What differs per draft place (rows a round sends, rows it adds to the forward, whether a budget may trim it) is
-asked of the server's `hycoc.verifier.draft_place.DraftPlace` objects, not branched on names.
+What differs per draft place (rows a round sends, rows it adds to the forward, whether a budget may trim it,
+whether the rule hears from its device) is asked of the server's `hycoc.verifier.draft_place.PLACES` objects, not
+branched on names. The devices' side (requests, rounds, frame bytes) is `hycoc.bench.capacity_requests`.
 
 What a step costs comes from a `StepCost` (`hycoc.bench.capacity_cost`: measured on this machine, a cost-model file,
 or labelled GPU assumptions). What a round commits is replayed: a recorded round's accepted path, cut where the
@@ -46,255 +51,42 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hycoc.bench.capacity_requests import (  # re-exported: the devices' side of the simulation
+    CapacityError,
+    FrameBytes,
+    SimRequest,
+    SimRound,
+    SyntheticRequest,
+    TraceRequest,
+    TreeRequest,
+    Workload,
+    trace_workload,
+)
 from hycoc.bench.loadtest import RoundSample, RunStats
-from hycoc.bench.loadtrace import RequestTrace, tree_at
-from hycoc.serving_limits import DEFAULT_MAX_BATCH_ROWS, DEFAULT_MAX_BATCH_WAIT_MS
+from hycoc.protocol.messages import MAX_DRAFT_MS
+from hycoc.serving_limits import DEFAULT_MAX_BATCH_ROWS, DEFAULT_MAX_BATCH_WAIT_MS, SERVER_MODES
 from hycoc.verifier.batch_policy import batch_ready, take_rounds
-from hycoc.verifier.draft_place import draft_place
+from hycoc.verifier.draft_place import PLACES
 from hycoc.verifier.row_budget import DEFAULT_MIN_ROWS, RowBudget, RowCost
 
-#: Simulated batching modes (`hycoc.bench.loadtest.MODE_ARGS`): allowance is budgeted plus the verifier's tree
-#: allowance (`hycoc.verifier.allowance.AllowanceRule`: each reply sizes the session's next tree from the load).
-MODES = ("serial", "batched", "budgeted", "allowance")
+
+def _sizes_trees(args: tuple[str, ...]) -> bool:
+    """Whether a server started with ``args`` (a `SERVER_MODES` entry) sizes each session's next tree
+    (``--allowance auto``): its devices then draft to the replies, which recorded trees cannot replay."""
+    return any(a == "--allowance" and b == "auto" for a, b in zip(args, args[1:]))
+
+
+#: Simulated batching modes: the load test's (`hycoc.serving_limits.SERVER_MODES`, the one list); allowance is
+#: budgeted plus the verifier's tree allowance (`hycoc.verifier.allowance.AllowanceRule`: each reply sizes the
+#: session's next tree from the load).
+MODES = tuple(SERVER_MODES)
+#: The modes a replay of recorded trees can simulate (and a measured load test compare with): those whose server
+#: does not size the next tree (`hycoc.bench.capacity_app.VALIDATE_MODES`).
+REPLAY_MODES = tuple(m for m, args in SERVER_MODES.items() if not _sizes_trees(args))
 #: ASSUMED: a step counts as cold (the cost's ``idle_factor``) when its worker had waited at least this many ms
 #: since its last step ended (a device drafting, a batch wait): the factor is measured after the recorded drafting
 #: time (~10 ms for the toy), and a wait of a millisecond or more is taken to cool the caches the same way.
 IDLE_GAP_MS = 1.0
-
-
-class CapacityError(ValueError):
-    """A simulation or capacity search that cannot run as asked (a bad input, an unreachable target). The message
-    is one line naming the input and the fix."""
-
-
-# ---- what a device sends ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SimRound:
-    """One round a device sends. tree: (scores float (R,) or None, tokens int (R,), parents int (R,)) as the
-    budget sees it; rows: R as sent (cloud-mtp: 1); device_ms: the drafting before it, ms; path: the recorded
-    accepted path as row indices of this tree (root excluded, root-to-leaf order); committed: the tokens that
-    path and its bonus commit (len(path) + 1)."""
-
-    tree: tuple
-    rows: int
-    device_ms: float
-    path: tuple[int, ...]
-    committed: tuple[int, ...]
-
-
-class SimRequest:
-    """One request of a device: ``prompt_len`` tokens, ``draft_place``, and its rounds (`next_round`), which depend
-    on what was committed so far (`commit`). Subclasses: `TraceRequest`, `SyntheticRequest`."""
-
-    prompt_len: int = 1
-    draft_place: str = "device"
-
-    def next_round(self) -> SimRound | None:
-        raise NotImplementedError
-
-    def commit(self, tokens) -> None:
-        raise NotImplementedError
-
-    def finished(self) -> bool:
-        """Whether the request has no round left (the verifier's reply would say finished)."""
-        raise NotImplementedError
-
-    def allow(self, rows: int) -> None:
-        """The last reply's allowance: the rows the next round may hold (protocol 6). Requests that do not draft
-        to an allowance (recorded trees, fixed-size synthetic ones) ignore it."""
-
-
-def _sub_path(tokens: np.ndarray, parents: np.ndarray, path_rows: tuple[int, ...], d: int) -> tuple[int, ...]:
-    """The recorded path below depth ``d`` as row indices of the sub-tree `tree_at` re-roots at path row d - 1
-    (its rows in order, the node first): the rows path_rows[d:] renumbered."""
-    if d == 0:
-        return tuple(int(r) for r in path_rows)
-    node = path_rows[d - 1]
-    inside = np.zeros(len(tokens), bool)
-    inside[node] = True
-    for j in range(node + 1, len(tokens)):
-        inside[j] = inside[parents[j]]
-    index = np.full(len(tokens), -1, np.int64)
-    rows = np.nonzero(inside)[0]
-    index[rows] = np.arange(len(rows))
-    return tuple(int(index[r]) for r in path_rows[d:])
-
-
-class TraceRequest(SimRequest):
-    """A recorded request replayed as `hycoc loadtest` replays it: the tree at the committed text's position
-    (`hycoc.bench.loadtrace.tree_at`), the recorded drafting time (or ``device_ms``, or scaled by
-    ``device_scale``). Requests whose rounds lack the committed tokens (hand-made traces) replay by round."""
-
-    def __init__(self, req: RequestTrace, device_ms: float | None = None, device_scale: float = 1.0):
-        self.req, self.fixed_ms, self.scale = req, device_ms, float(device_scale)
-        self.prompt_len = len(req.prompt)
-        self.draft_place = req.draft_place
-        self.produced: list[int] = []
-        self.seq = 0
-        self.total = sum(len(r.committed) for r in req.rounds)
-
-    def next_round(self) -> SimRound | None:
-        if self.total and len(self.produced) >= self.total:
-            return None
-        found = tree_at(self.req, self.produced, self.seq)
-        if found is None:
-            return None
-        rt, tokens, parents, scores = found
-        if rt.committed:
-            start = 0
-            for r in self.req.rounds:  # where round rt starts in the output
-                if r is rt:
-                    break
-                start += len(r.committed)
-            d = len(self.produced) - start
-            path = _sub_path(np.asarray(rt.tokens), np.asarray(rt.parents), rt.path_rows, d)
-            committed = tuple(rt.committed[d:])
-        else:
-            path, committed = tuple(rt.path_rows), tuple(rt.committed) or (0,) * (len(rt.path_rows) + 1)
-        ms = self.fixed_ms if self.fixed_ms is not None else rt.device_ms * self.scale
-        rows = draft_place(self.draft_place).tree_rows(len(tokens))
-        return SimRound((scores, tokens, parents), rows, float(ms), path, committed)
-
-    def commit(self, tokens) -> None:
-        self.produced.extend(int(t) for t in tokens)
-        self.seq += 1
-
-    def finished(self) -> bool:
-        return self.next_round() is None
-
-
-class SyntheticRequest(SimRequest):
-    """A request of ``output_tokens`` tokens whose rounds each commit ``mat`` tokens on average (a seeded draw of
-    floor(mat) or floor(mat) + 1, mean ``mat``), trees of ``rows`` rows without scores (verified as sent), the
-    device drafting ``device_ms`` per round (``exponential``: an exponential draw of that mean, seeded): the
-    real-shape projection's workload, where no recording exists."""
-
-    def __init__(
-        self,
-        prompt_len: int,
-        output_tokens: int,
-        mat: float,
-        rows: int,
-        device_ms: float,
-        draft_place: str,
-        rng: np.random.Generator,
-        exponential: bool = False,
-    ):
-        if not mat >= 1:
-            raise CapacityError(f"MAT = {mat}: a round commits at least its bonus token (>= 1)")
-        self.prompt_len, self.left, self.mat, self.rows = int(prompt_len), int(output_tokens), float(mat), int(rows)
-        self.device_ms, self.draft_place, self.rng = float(device_ms), draft_place, rng
-        self.exponential = exponential
-
-    def next_round(self) -> SimRound | None:
-        if self.left <= 0:
-            return None
-        base = int(math.floor(self.mat))
-        n = min(self.left, base + int(self.rng.random() < self.mat - base))
-        rows = draft_place(self.draft_place).tree_rows(self.rows)
-        tree = (None, np.zeros(self.rows, np.int32), np.arange(-1, self.rows - 1))
-        ms = self.rng.exponential(self.device_ms) if self.exponential else self.device_ms
-        return SimRound(tree, rows, float(ms), tuple(range(1, n)), (0,) * n)
-
-    def commit(self, tokens) -> None:
-        self.left -= len(tokens)
-
-    def finished(self) -> bool:
-        return self.left <= 0
-
-
-class TreeRequest(SimRequest):
-    """A request of ``output_tokens`` tokens whose rounds are drawn from a `hycoc.bench.capacity_trees.TreePool`
-    (scored trees, their acceptance fitted to a MAT) and drafted to the last reply's allowance: rows =
-    min(allowance, ``ceiling``) (`allow`; the ceiling before any reply), the drafting time
-    ``phone_ms(rows)`` (ms; the SLM pass skipped at or below ``floor`` rows, each such round leaving ``deferred_ms``
-    of SLM catch-up that the next round above the floor pays), the accepted path the pool's walk over the rows
-    sent.
-    The real-shape projection's device with scores (`hycoc.bench.capacity_run.tree_workload`)."""
-
-    def __init__(
-        self,
-        prompt_len: int,
-        output_tokens: int,
-        pool,
-        ceiling: int,
-        phone_ms: Callable[[int], float],
-        draft_place: str,
-        rng: np.random.Generator,
-        *,
-        floor: int = 0,
-        deferred_ms: float = 0.0,
-    ):
-        self.prompt_len, self.left, self.pool = int(prompt_len), int(output_tokens), pool
-        self.ceiling = self.rows = int(ceiling)
-        self.phone_ms, self.draft_place, self.rng = phone_ms, draft_place, rng
-        self.floor, self.deferred_ms, self.owed_ms = int(floor), float(deferred_ms), 0.0
-
-    def allow(self, rows: int) -> None:
-        self.rows = max(1, min(self.ceiling, int(rows)))
-
-    def next_round(self) -> SimRound | None:
-        if self.left <= 0:
-            return None
-        tree, path = self.pool.sample(self.rng, self.rows)
-        n = min(self.left, len(path) + 1)
-        ms = float(self.phone_ms(self.rows))
-        if self.rows <= self.floor:  # no SLM pass: its catch-up of this round's tokens is owed to the next one
-            self.owed_ms += self.deferred_ms
-        else:
-            ms, self.owed_ms = ms + self.owed_ms, 0.0
-        return SimRound(tree, self.rows, ms, path[: n - 1], (0,) * n)
-
-    def commit(self, tokens) -> None:
-        self.left -= len(tokens)
-
-    def finished(self) -> bool:
-        return self.left <= 0
-
-
-@dataclass
-class Workload:
-    """What devices do: ``requests(device, k)`` gives device ``device``'s k-th request (a fresh `SimRequest`)."""
-
-    requests: Callable[[int, int], SimRequest]
-    label: str = ""
-
-
-def trace_workload(
-    per_device: list[list[RequestTrace]], device_ms: float | None = None, device_scale: float = 1.0
-) -> Workload:
-    """Devices replaying recorded requests as `hycoc.bench.loadtest._device` does: device i plays its list from
-    index i onward, cyclically."""
-    return Workload(
-        lambda i, k: TraceRequest(per_device[i][(i + k) % len(per_device[i])], device_ms, device_scale),
-        "recorded rounds",
-    )
-
-
-# ---- the link and the frames ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FrameBytes:
-    """Wire bytes of a round (whole frames, `hycoc.protocol.wire`): up = up_fixed + up_per_row x rows; down =
-    down_fixed + down_per_row x rows + down_per_token x committed. ``open_up`` / ``open_down``: the OPEN and
-    OPENED frames (prompt ids ride in OPEN: 4 bytes each)."""
-
-    up_fixed: int = 16 + 15
-    up_per_row: int = 8
-    down_fixed: int = 16 + 30
-    down_per_row: int = 4
-    down_per_token: int = 0
-    open_fixed: int = 64
-    open_down: int = 64
-
-    def up(self, rows: int) -> int:
-        return self.up_fixed + self.up_per_row * rows
-
-    def down(self, rows: int, committed: int) -> int:
-        return self.down_fixed + self.down_per_row * rows + self.down_per_token * committed
 
 
 # ---- the simulation ----------------------------------------------------------------------------------------------
@@ -372,7 +164,9 @@ class SimResult:
     verifier -> reply leaving it, ms (queue + batch wait + step), ``forwards``: steps run, ``rows``: rows
     verified in all, ``trimmed``: rows the budget left out, ``cpu_ms``: the workers' step ms before any
     stretch for machine load (the cost's CPU ms), ``allowances``: per answered round of mode allowance, the
-    allowance its reply carried (None for a place whose rounds are the root alone)."""
+    allowance its reply carried (None for a place whose rounds are the root alone), ``rule``: the first replica's
+    allowance rule as the run's window left it, `AllowanceRule.explain` at the run's mean sessions per step (None
+    outside mode allowance)."""
 
     stats: RunStats
     busy_s: list[float]
@@ -383,6 +177,7 @@ class SimResult:
     round_sessions: int = 0
     cpu_ms: float = 0.0
     allowances: list = field(default_factory=list)
+    rule: dict | None = None
 
 
 @dataclass
@@ -402,6 +197,7 @@ class _Session:
     request: SimRequest
     context: int
     allowance: int | None = None  # the last reply's (mode allowance)
+    replied_at: float | None = None  # when its last round's REPLY left the server (s): the device's away time starts
 
 
 @dataclass(frozen=True)
@@ -436,16 +232,16 @@ class _Replica:
             free = cfg.free_rows or max(cfg.tree_rows, line.flat_rows())
             self.budget = RowBudget(line, free, cfg.min_rows)
             if cfg.mode == "allowance":
-                from hycoc.verifier.allowance import AllowanceRule
+                from hycoc.verifier import allowance
 
-                floor = cfg.allowance_floor or cfg.chain_length + 1
-                self.rule = AllowanceRule(
+                self.rule = allowance.AllowanceRule.for_server(  # the server's own constructor (app.py's)
                     line,
-                    free,
-                    floor=min(floor, cfg.tree_rows),
-                    ceiling=cfg.tree_rows,
+                    cfg.tree_rows,
+                    cfg.chain_length,
+                    floor=cfg.allowance_floor or 0,
                     target_ms=cfg.allowance_target_ms,
                     budget=self.budget.state,  # one learned state, as the server shares it
+                    free_rows=free,
                 )
         self.rng = np.random.default_rng([cfg.seed, index])
         self.stretch = None
@@ -465,6 +261,21 @@ class _Replica:
                 if self.in_step:  # the worker waits for the GIL while the loop holds it
                     self.held_ms += self.cfg.gil_share * ms
                 yield self.env.timeout(ms / 1e3)
+
+    def opened(self, session: _Session) -> None:
+        """A session's OPEN was answered: the rule learns the drafting ms its device reported, as the server's
+        ``SessionLoop._open`` does (device-drafted places; the OPEN's f32 fields as the server decodes them)."""
+        if self.rule is not None and PLACES[session.request.draft_place].device_rows:
+            floor, tree = (float(np.float32(min(max(0.0, x), MAX_DRAFT_MS))) for x in session.request.drafting_ms())
+            self.rule.observe_drafting(floor, tree)
+
+    def arrived(self, session: _Session, rows: int) -> None:
+        """A ROUND of ``rows`` rows was decoded on the event loop: the rule learns the gap since the session's last
+        reply left the server, as ``SessionLoop._observe_away`` does (device-drafted places; none after an OPEN)."""
+        if session.replied_at is not None and self.rule is not None:
+            if PLACES[session.request.draft_place].device_rows:
+                self.rule.observe_away(1e3 * (self.env.now - session.replied_at), rows)
+        session.replied_at = None
 
     def submit(self, job: _Job) -> None:
         (self.prefills if job.rnd is None else self.rounds).append(job)
@@ -538,13 +349,13 @@ class _Replica:
         scored device trees it verified, then each round's reply carries its place's allowance."""
         self.rule.observe_step(len(batch))
         for j in batch:
-            place = draft_place(j.session.request.draft_place)
+            place = PLACES[j.session.request.draft_place]
             scores, tokens, parents = j.rnd.tree
             if place.trimmable and scores is not None:
                 self.rule.observe_tree(scores, tokens, parents)
         step = _StepAllowance(self.rule.allowance())  # the rule once per step: every reply of it carries it
         for j in batch:
-            place = draft_place(j.session.request.draft_place)
+            place = PLACES[j.session.request.draft_place]
             j.session.allowance = place.allowance(step, self.cfg.tree_rows)
             self.result.allowances.append(j.session.allowance if place.device_rows else None)
 
@@ -575,7 +386,7 @@ class _Replica:
             if self.budget is not None and len(batch) > 1:
                 trees = [
                     j.rnd.tree
-                    if draft_place(j.session.request.draft_place).trimmable  # cloud-mtp: kept whole, as the server
+                    if PLACES[j.session.request.draft_place].trimmable  # cloud-mtp: kept whole, as the server
                     else (None, np.zeros(j.rows, np.int32), np.arange(-1, j.rows - 1))
                     for j in batch
                 ]
@@ -670,6 +481,7 @@ def simulate(workload: Workload, cfg: SimConfig, cost, *, progress: Callable[[fl
             replica.submit(_Job(session, None, 0, env.now, done, prefill_left=max(0, req.prompt_len - 1)))
             yield done
             session.context = max(0, req.prompt_len - 1)
+            replica.opened(session)
             yield from replica.on_loop(cfg.loop_ms / 2)
             yield env.timeout(one_way(frames.open_down))
             stats.opens_ms.append(1e3 * (env.now - sent))
@@ -688,11 +500,13 @@ def simulate(workload: Workload, cfg: SimConfig, cost, *, progress: Callable[[fl
                 sent = env.now
                 yield env.timeout(one_way(frames.up(rnd.rows)) + cfg.client_ms / 2e3)
                 yield from replica.on_loop(cfg.loop_ms / 2)  # the frame in, decoded, handed to the worker
+                replica.arrived(session, rnd.rows)
                 done = env.event()
-                rows = draft_place(req.draft_place).forward_rows(rnd.rows, cfg.chain_length)
+                rows = PLACES[req.draft_place].forward_rows(rnd.rows, cfg.chain_length)
                 replica.submit(_Job(session, rnd, rows, env.now, done))
                 committed, server_ms = yield done
                 yield from replica.on_loop(cfg.loop_ms / 2)  # the result back on the loop, the reply out
+                session.replied_at = env.now
                 yield env.timeout(one_way(frames.down(rows, len(committed))) + cfg.client_ms / 2e3)
                 t = env.now
                 stats.rounds.append(
@@ -714,10 +528,16 @@ def simulate(workload: Workload, cfg: SimConfig, cost, *, progress: Callable[[fl
 
     procs = [env.process(device(i)) for i in range(cfg.devices)]
     end = cfg.duration_s + 120.0  # rounds in flight at the end complete, as in the load test
-    t = 0.0
+    t, rule = 0.0, replicas[0].rule
     while t < end and not all(p.triggered for p in procs):
         t = min(end, t + 1.0)
-        env.run(until=t)
+        if rule is not None and result.rule is None and t >= cfg.duration_s:
+            if cfg.duration_s > env.now:
+                env.run(until=cfg.duration_s)
+            mean = result.round_sessions / result.forwards if result.forwards else None
+            result.rule = rule.explain(mean)  # as the window left it, at the run's mean load (not the drain's)
+        if t > env.now:
+            env.run(until=t)
         if progress is not None and t <= cfg.duration_s:
             progress(t)
     stats.wall_s = cfg.duration_s
@@ -731,7 +551,7 @@ def summarize(mode: str, cfg: SimConfig, result: SimResult) -> dict:
     ``tok_per_s_per_device``, ``cpu_ms_per_round`` (the steps' CPU ms, before any load stretch, per answered
     round, prefills included), ``rows_sent_per_round``, ``bytes_up_per_round`` (the ROUND frames, `FrameBytes.up`),
     ``device_ms_per_round`` (the drafting before each round), ``allowance`` (mean, p10/p50/p90 of the allowances
-    the replies carried to device sessions; None outside mode allowance)."""
+    the replies carried to device sessions; None outside mode allowance), ``rule`` (`SimResult.rule`)."""
     from hycoc.bench.loadreport import percentile, summarize_run
 
     row = summarize_run(mode, cfg.devices, cfg.duration_s, result.stats)
@@ -749,6 +569,7 @@ def summarize(mode: str, cfg: SimConfig, result: SimResult) -> dict:
     row["bytes_up_per_round"] = float(np.mean([cfg.frames.up(r) for r in sent])) if sent else None
     row["device_ms_per_round"] = float(np.mean(drafting)) if drafting else None
     given = [a for a in result.allowances if a is not None]
+    row["rule"] = result.rule
     row["allowance"] = (
         {"mean": float(np.mean(given)), **{f"p{q}": float(np.percentile(given, q)) for q in (10, 50, 90)}}
         if given
@@ -760,6 +581,7 @@ def summarize(mode: str, cfg: SimConfig, result: SimResult) -> dict:
 __all__ = [
     "IDLE_GAP_MS",
     "MODES",
+    "REPLAY_MODES",
     "CapacityError",
     "cpu_slowdown",
     "FrameBytes",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hycoc.bench.capacity import CapacityError, SimConfig
+from hycoc.bench.capacity import REPLAY_MODES, CapacityError, SimConfig
 from hycoc.bench.capacity_run import (
     add_ratios,
     capacity_table,
@@ -33,7 +33,9 @@ from hycoc.bench.capacity_run import (
 #: Within this of the measured tok/s and p90 a validation cell counts as reproduced (the issue's +-20%).
 TOLERANCE = 0.20
 VALIDATE_SESSIONS = (1, 4, 16, 64)
-VALIDATE_MODES = ("serial", "batched", "budgeted")
+#: The modes the check runs: the load test's (`hycoc.serving_limits.SERVER_MODES`, the one list) whose recorded
+#: trees replay as recorded (`hycoc.bench.capacity.REPLAY_MODES`: not allowance, whose devices redraft).
+VALIDATE_MODES = REPLAY_MODES
 #: Shape keys compared between a cost model and the recipe's verifier (`hycoc.bench.cost_measure.shape_of`).
 SHAPE_KEYS = (
     "num_hidden_layers",
@@ -188,7 +190,8 @@ def _run_local(
     validate_only: bool = False,
 ) -> dict:
     """`run_local` with ``stack`` (a `contextlib.ExitStack`) holding what must stop at its end."""
-    from hycoc.bench.capacity_cost import cached_step_cost, model_step_cost
+    from hycoc.bench.capacity_cost import model_step_cost
+    from hycoc.bench.capacity_measure import cached_step_cost
     from hycoc.bench.cost_model import load_cost_model
     from hycoc.bench.datasets import load_spec_bench
     from hycoc.bench.inputs import bench_bundle

@@ -3,23 +3,24 @@
 A step (`hycoc.verifier.scheduler`'s) is one forward over the rounds it takes plus the host work per round around
 it (p~, sampling, acceptance, compaction, hand-off, the reply frame) and prefill chunks. Three sources:
 
-* `MeasuredStepCost` (``measure_step_cost``): timed on this machine on the recipe's own verifier, the way the
-  server runs it: `hycoc.verifier.batch.verify_batch` over n scratch sessions (`VerifierEngine.open`, prefilled),
-  every session sending an r-row tree, for n in 1, 2, 4, 8, 16 and r in 2, 9, 17, 33 (device-drafted), and n
-  cloud-mtp / server-head sessions, then each reply's `hycoc.protocol.wire.encode` (the worker encodes the reply
-  frames inside its step: `verifier/scheduler.py` ``_step``); each point the mean CPU ms of the worker thread
-  over a few calls (`time.thread_time`). A step of n device rounds with N rows in all is read off that grid
-  (bilinear in n and N / n, linear beyond), each other draft place adding its own measured ms per session; the
-  forward alone the same way (the budget's `BudgetState` learns host ms from step - forward, as the server's
-  does). A least-squares line a + b n + c N is kept beside the grid for a file without one. Prefill:
-  Session.prefill's ms at two prompt lengths, linear. The row budget's line is
-  `hycoc.verifier.row_cost_measure.measure_row_cost` with the server's own plan (`row_cost_plan`): the same
-  function and points the server measures before it serves. With it (`cached_step_cost`) the per-round host work
-  outside the step, measured on the recipe's own server (`hycoc.bench.capacity_host`): ``StepCost.host``. Beside
-  the means: ``spread``, every timed device step's CPU ms / its point's mean (the simulation draws each step's
-  ratio from it: the steps' tail), and ``budget_ms``, the row budget's own work per session (budgeted
-  ``verify_batch`` steps of recorded scored trees with the server's `RowBudget` on the measured line, against the
-  grid's step of the rows they kept). The toy's own cost "on this machine".
+* `MeasuredStepCost` (`hycoc.bench.capacity_measure.measure_step_cost`): timed on this machine on the recipe's
+  own verifier, the way the server runs it: `hycoc.verifier.batch.verify_batch` over n scratch sessions
+  (`VerifierEngine.open`, prefilled), every session sending an r-row tree, for n in 1, 2, 4, 8, 16 and r in 2, 9,
+  17, 33 (device-drafted), and n sessions of each place whose server runs the head (cloud-mtp, server-head), then
+  each reply's `hycoc.protocol.wire.encode` (the worker encodes the reply frames inside its step:
+  `verifier/scheduler.py` ``_step``); each point the mean CPU ms of the worker thread over a few calls
+  (`time.thread_time`). A step of n device rounds with N rows in all is read off that grid (bilinear in n and
+  N / n, linear beyond), each other draft place adding its own measured ms per session; the forward alone the same
+  way (the budget's `BudgetState` learns host ms from step - forward, as the server's does). A least-squares line
+  a + b n + c N is kept beside the grid for a file without one. Prefill: Session.prefill's ms at two prompt
+  lengths, linear. The row budget's line is `hycoc.verifier.row_cost_measure.measure_row_cost` with the server's
+  own plan (`row_cost_plan`): the same function and points the server measures before it serves. With it
+  (`hycoc.bench.capacity_measure.cached_step_cost`) the per-round host work outside the step, measured on the
+  recipe's own server (`hycoc.bench.capacity_host`): ``StepCost.host``. Beside the means: ``spread``, every timed
+  device step's CPU ms / its point's mean (the simulation draws each step's ratio from it: the steps' tail), and
+  ``budget_ms``, the row budget's own work per session (budgeted ``verify_batch`` steps of recorded scored trees
+  with the server's `RowBudget` on the measured line, against the grid's step of the rows they kept). The toy's
+  own cost "on this machine".
 * `ModelStepCost`: a cost-model file (`hycoc.bench.cost_model`, e.g. the one ``hycoc bench`` stores or
   ``benchmarks/gpu_check.sh`` writes): forward ms = predict(rows, context) inside its measured rows; a batched
   forward beyond them scales linearly on a CPU and, on a GPU, as max(1, rows / GPU_FLAT_ROWS) x the largest
@@ -38,18 +39,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from hycoc.bench.speed_probe import SpeedProbe
-from hycoc.verifier.row_budget import DEFAULT_MIN_ROWS, RowBudget, RowCost
+from hycoc.verifier.row_budget import RowCost
 
-#: Session counts and rows per tree of the step measurement (device-drafted rounds).
-MEASURE_SESSIONS = (1, 2, 4, 8, 16)
-MEASURE_ROWS = (2, 9, 17, 33)
 #: The statistic of a measured point: the MEAN of the worker thread's CPU ms (time.thread_time) over the repeats.
 #: A queue's throughput and waits follow the mean service time (utilization = arrival rate x E[S]), so the mean is
 #: the simulation's input; `hycoc.bench.cost_measure.BUSY_STATISTIC`'s 25th percentile is a steadier per-forward
@@ -71,7 +67,8 @@ class StepCost:
     label: str = ""
     chain_length: int = 4
     #: The per-round host work outside the step (`hycoc.bench.capacity_host.HostOverhead`'s dict): measured with
-    #: the toy's profile (`cached_step_cost`), empty (none) for a cost-model file or the GPU assumptions.
+    #: the toy's profile (`hycoc.bench.capacity_measure.cached_step_cost`), empty (none) for a cost-model file or
+    #: the GPU assumptions.
     host: dict = field(default_factory=dict)
     #: Each timed step's CPU ms / its point's mean, over every measured device point (sorted; mean 1):
     #: `spread_factor` draws from it. Empty (no spread) for a cost-model file or the GPU assumptions.
@@ -79,7 +76,8 @@ class StepCost:
     #: Ms per session a budgeted step spends beyond a plain step of the rows it kept (`budget_step_ms`).
     budget_ms: float = 0.0
     #: A step that starts after the worker idled (`hycoc.bench.capacity.IDLE_GAP_MS` or more) costs this many
-    #: times its back-to-back CPU ms (measured: `measure_step_cost`'s ``idle_pairs``); 1 where not measured.
+    #: times its back-to-back CPU ms (measured: `hycoc.bench.capacity_measure.measure_step_cost`'s
+    #: ``idle_pairs``); 1 where not measured.
     idle_factor: float = 1.0
 
     def overhead(self):
@@ -231,307 +229,6 @@ class MeasuredStepCost(StepCost):
             ) from None
 
 
-def _fit(xs: list[list[float]], ys: list[float]) -> np.ndarray:
-    """Least squares of ys on xs (numpy.linalg.lstsq)."""
-    coef, *_ = np.linalg.lstsq(np.asarray(xs, np.float64), np.asarray(ys, np.float64), rcond=None)
-    return coef
-
-
-def measure_step_cost(
-    recipe,
-    *,
-    sessions=MEASURE_SESSIONS,
-    rows=MEASURE_ROWS,
-    context: int = 96,
-    repeats: int = 4,
-    passes: int = 4,
-    spread_steps: int = 240,
-    idle_pairs: int = 8,
-    replay=None,
-    log=lambda s: None,
-) -> MeasuredStepCost:
-    """Time verifier steps of ``recipe``'s own verifier on this machine (module docstring): about 20-40 s for the
-    toy on a 2-core CPU. replay: recorded requests (`hycoc.bench.loadtrace.RequestTrace`) whose prompts and trees
-    the device sessions replay (their rounds then accept what the recording accepted, so the host work of the
-    accepted path -- KV compaction, the hand-off of every committed position -- is in the points); None: random
-    chains, which the verifier rejects at the first row. passes x repeats: timed steps per grid point, the grid
-    walked ``passes`` times in turn so that each point's mean spans the whole measurement (this machine's speed
-    drifts by ~10% from one half-minute to the next; one burst of consecutive steps per point put that drift into
-    the points). spread_steps: with ``replay``, one device session replaying whole recorded requests (prefill, every
-    round, the next request) for that many steps; each step's CPU ms / their mean is the spread (what a live
-    session's steps vary by across a request and over seconds: p90 / mean 1.25-1.30 here, where repeats of one
-    point in a row gave 1.03-1.15). idle_pairs: with ``replay``, pairs of `hycoc.bench.speed_probe.SpeedProbe`
-    replays back to back and with the recorded drafting time idle before each step, in A B / B A order; the ratio
-    of their means is ``idle_factor`` (a step after the worker waited costs more CPU: its caches went cold; 1.08 -
-    1.09 here). Returns the fitted `MeasuredStepCost`. Raises StepCostError when a scratch round fails."""
-    import torch
-
-    from hycoc.bench.capacity import TraceRequest
-    from hycoc.bench.loadtrace import patch_root
-    from hycoc.models import set_threads
-    from hycoc.protocol import wire
-    from hycoc.protocol.messages import Sampling
-    from hycoc.verifier.batch import BatchStats, verify_batch
-    from hycoc.verifier.loading import engine_from_recipe
-    from hycoc.verifier.row_cost_measure import measure_row_cost, row_cost_plan
-
-    set_threads(recipe.verifier.threads)
-    torch.manual_seed(0)
-    load0 = os.getloadavg()
-    t0 = time.perf_counter()
-    engine = engine_from_recipe(recipe, device="cpu")
-    engine.eos_token_ids = frozenset()  # scratch sessions never finish on a sampled stop id
-    rng = np.random.default_rng(0)
-    vocab = engine.vocab_size
-    sampling = Sampling(recipe.sampling.temperature, recipe.sampling.top_k, recipe.sampling.top_p)
-
-    def open_one(i: int, place: str, prompt: int = context):
-        if place == "device" and replay:
-            req = replay[i % len(replay)]
-            s = engine.open(
-                np.asarray(req.prompt),
-                Sampling(req.temperature, req.top_k, req.top_p),
-                seed=req.seed,
-                acceptance=req.acceptance,
-                epsilon=req.epsilon,
-                draft_place=place,
-                max_new_tokens=10**6,
-            )
-            s.tree_rows = s.place.tree_rows(recipe.tree.node_budget + 1)  # what a server's OPENED says
-            s.prefill()
-            return [s, 0, TraceRequest(req), i]
-        s = engine.open(
-            rng.integers(2, vocab, prompt),
-            sampling,
-            seed=i,
-            acceptance="exact",
-            draft_place=place,
-            max_new_tokens=10**6,
-        )
-        s.tree_rows = s.place.tree_rows(recipe.tree.node_budget + 1)
-        s.prefill()
-        return [s, 0, None, i]
-
-    def open_sessions(n: int, place: str, prompt: int = context):
-        return [open_one(i, place, prompt) for i in range(n)]
-
-    def tree_of(entry, k: int):
-        """The round a session sends: the recorded tree at its text (its first k rows: an ancestor-closed
-        subtree, as a budget keeps), or a random chain without a recording."""
-        s, seq, tr, i = entry
-        if tr is not None:
-            rnd = tr.next_round()
-            if rnd is None:  # the recording is over: the next recorded request, a new session (as a load test's
-                entry[0].close()  # device i replays requests i, i + 1, ...: hycoc.bench.loadtest)
-                entry[:] = open_one(i + 1, "device")
-                return tree_of(entry, k)
-            scores = None if rnd.tree[0] is None else np.asarray(rnd.tree[0][:k], np.float64)
-            toks = patch_root(rnd.tree[1], s.root)[:k].astype(np.int64)
-            return toks, np.asarray(rnd.tree[2][:k], np.int64), scores
-        toks = np.concatenate([[s.root], rng.integers(2, vocab, k - 1)]).astype(np.int64)
-        return toks, np.arange(-1, k - 1, dtype=np.int64), None
-
-    def time_step(group, r: int, budget=None, warmup: bool = True) -> tuple[float, float, list[float], list[int]]:
-        """Mean CPU ms, mean forward ms, each repeat's CPU ms and rows verified (kept, with ``budget``); the first
-        call a warm-up when ``warmup``."""
-        walls, fwds, kept = [], [], []
-        for rep in range(repeats + 1 if warmup else repeats):
-            rounds = []
-            for entry in group:
-                k = 1 if entry[0].draft_place == "cloud-mtp" else r
-                toks, parents, scores = tree_of(entry, k)
-                rounds.append((entry[0], toks, parents, entry[1], scores if budget is not None else None))
-            stats = BatchStats()
-            w0, c0 = time.perf_counter(), time.thread_time()
-            out = verify_batch(engine, rounds, stats, budget)
-            for reply, rd in zip(out, rounds):  # the reply frames, on the worker as the server's step encodes them
-                if not isinstance(reply, BaseException):  # granting the whole tree, as a server would
-                    wire.encode(rd[0].grant(reply), version=rd[0].wire_version)
-            wall, busy = (time.perf_counter() - w0) * 1e3, (time.thread_time() - c0) * 1e3
-            for entry, reply, rd in zip(group, out, rounds):
-                if isinstance(reply, BaseException):
-                    raise StepCostError(f"measuring the step cost: a scratch round failed ({reply}); report this")
-                entry[1] += 1
-                if entry[2] is not None:  # the replay follows the text it commits
-                    entry[2].commit([int(rd[1][j]) for j in reply.path_rows] + [int(reply.bonus)])
-            if rep or not warmup:  # the first call is a warm-up
-                walls.append(busy)
-                fwds.append(stats.forward_ms * busy / max(wall, 1e-9))  # the forward's share of the busy time
-                kept.append(int(stats.rows))
-        return float(np.mean(walls)), float(np.mean(fwds)), walls, kept
-
-    points, spread = [], []
-    groups = {n: open_sessions(n, "device") for n in sessions}
-    timed: dict[tuple[int, int], list[tuple[float, float, list[float]]]] = {(n, r): [] for n in sessions for r in rows}
-    probe = SpeedProbe(engine, replay[0]) if replay else None
-    if probe is not None:
-        probe.measure()  # a warm-up: the first replay on a fresh engine costs more
-    for k in range(passes):  # the grid walked in turn: each point's steps spread over the whole measurement
-        for n in sessions:
-            for r in rows:
-                timed[(n, r)].append(time_step(groups[n], r, warmup=k == 0))
-    for n in sessions:
-        for r in rows:
-            each = [w for _, _, ws, _ in timed[(n, r)] for w in ws]
-            wall = float(np.mean(each))
-            fwd = float(np.mean([f for _, f, _, _ in timed[(n, r)]]))
-            spread += [w / wall for w in each if wall > 0]
-            points.append({"place": "device", "sessions": n, "rows": n * r, "step_ms": wall, "forward_ms": fwd})
-            log(f"device {n} x {r} rows: {wall:.1f} ms")
-    pause_ab: list[tuple[float, float]] = []
-    gap = 0.0
-    if probe is not None and idle_pairs:  # a step after the worker idled (a device drafting) against back to back
-        gap = float(np.mean([r.device_ms for r in replay[0].rounds if r.device_ms] or [0.0]))
-        for k in range(idle_pairs):  # A B, B A, ...: the machine's drift falls on both sides alike
-            if k % 2 == 0:
-                b2b = probe.measure()
-                pause_ab.append((b2b, probe.measure(pause_ms=gap)))
-            else:
-                paused = probe.measure(pause_ms=gap)
-                pause_ab.append((probe.measure(), paused))
-    idle_factor = float(np.mean([b for _, b in pause_ab]) / np.mean([a for a, _ in pause_ab])) if pause_ab else 1.0
-    log(f"a step after the worker idled {gap:.1f} ms: x{idle_factor:.3f} its back-to-back CPU ms")
-    replay_ms: list[float] = []
-    if replay and spread_steps:  # one live-like session: whole requests in turn, every round as recorded
-        one = open_sessions(1, "device")
-        for _ in range(max(1, spread_steps // max(1, repeats))):
-            replay_ms += time_step(one, rows[-1], warmup=False)[2]
-        mean = float(np.mean(replay_ms))
-        spread = [w / mean for w in replay_ms]
-        log(f"one session replaying whole requests: {mean:.1f} ms a step over {len(replay_ms)} steps")
-    for place in ("cloud-mtp", "server-head"):
-        for n in (1, 4, 16):
-            try:
-                group = open_sessions(n, place)
-            except Exception as e:  # noqa: BLE001 -- no head: the place cannot be measured, say so
-                log(f"{place}: not measured ({e})")
-                break
-            r = 1 + engine.chain_length if place == "cloud-mtp" else rows[-1]
-            wall, fwd, _, _ = time_step(group, rows[-1])
-            points.append({"place": place, "sessions": n, "rows": n * r, "step_ms": wall, "forward_ms": fwd})
-            log(f"{place} {n}: {wall:.1f} ms")
-    dev = [p for p in points if p["place"] == "device"]
-    xs = [[1.0, p["sessions"], p["rows"]] for p in dev]
-    step = _fit(xs, [p["step_ms"] for p in dev])
-    fwd = _fit(xs, [p["forward_ms"] for p in dev])
-    place_ms = {}
-    device_only = MeasuredStepCost(points=points, step=tuple(step), forward=tuple(fwd))
-    for place in ("cloud-mtp", "server-head"):
-        pts = [p for p in points if p["place"] == place]
-        if pts:
-            resid = [
-                p["step_ms"]
-                - device_only.step_ms(
-                    ["device"] * p["sessions"], [p["rows"] // p["sessions"]] * p["sessions"], [context]
-                )[1]
-                for p in pts
-            ]
-            place_ms[place] = max(0.0, float(np.sum(resid) / np.sum([p["sessions"] for p in pts])))
-    pre = []
-    for n in (32, 256):
-        times = []
-        for _ in range(repeats):
-            s = engine.open(rng.integers(2, vocab, n + 1), sampling, draft_place="device", max_new_tokens=8)
-            c0 = time.thread_time()
-            s.prefill()
-            times.append((time.thread_time() - c0) * 1e3)
-            s.close()
-        pre.append((n, float(np.mean(times))))
-    p1 = (pre[1][1] - pre[0][1]) / (pre[1][0] - pre[0][0])
-    prefill = (max(0.0, pre[0][1] - p1 * pre[0][0]), max(0.0, p1))
-    n_rc, rows_rc = row_cost_plan(recipe.tree.node_budget + 1, recipe.verifier.max_batch_rows, engine.max_context)
-    line = measure_row_cost(engine, sessions=n_rc, rows_per_tree=rows_rc)
-    # the row budget's own work: the server's RowBudget.choose on n recorded scored trees, timed on its own (CPU ms
-    # per session); restrict_round (slicing the pending round to the kept rows) is left out. Timed directly: the
-    # difference of a budgeted step and the grid's plain step of its rows was two noisy numbers' difference (it read
-    # 0.00-0.38 ms per session in five profiles and 2.30 in a sixth)
-    budget_extra = []
-    pool = [
-        (rt.score_array(), np.asarray(rt.tokens), np.asarray(rt.parents))
-        for req in replay or ()
-        for rt in req.rounds
-        if rt.score_array() is not None
-    ]
-    if pool:
-        for n in [m for m in sessions if m > 1]:
-            budget = RowBudget(line, max(rows), DEFAULT_MIN_ROWS)
-            for rep in range(4 * repeats + 1):
-                trees = [pool[(rep * n + j) % len(pool)] for j in range(n)]
-                c0 = time.thread_time()
-                budget.choose(trees)
-                if rep:  # the first call is a warm-up
-                    budget_extra.append((time.thread_time() - c0) * 1e3 / n)
-    budget_ms = max(0.0, float(np.mean(budget_extra))) if budget_extra else 0.0
-    log(f"row budget: {budget_ms:.2f} ms per session and budgeted step")
-    engine.close()
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "seconds": round(time.perf_counter() - t0, 1),
-        "loadavg_before": [round(x, 2) for x in load0],
-        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-        "threads": recipe.verifier.threads,
-        "context": context,
-        "repeats": repeats,
-        "passes": passes,
-        "spread_source": f"one session replaying whole requests, {len(replay_ms)} steps"
-        if replay_ms
-        else "repeats of each grid point",
-        "replay_step_ms": round(float(np.mean(replay_ms)), 3) if replay_ms else None,
-        "probe_request": replay[0].question_id if replay else None,
-        "idle_pause_ms": round(gap, 3),
-        "probe_back_to_back_vs_paused_ms": [[round(a, 3), round(b, 3)] for a, b in pause_ab],
-        "recipe_sha256": recipe.content_hash(),
-        "cpus": os.cpu_count(),
-    }
-    return MeasuredStepCost(
-        label=f"measured here ({recipe.recipe.name} verifier, cpu, {recipe.verifier.threads} "
-        f"thread(s), load {load0[0]:.1f})",
-        chain_length=engine.chain_length,
-        step=tuple(float(x) for x in step),
-        forward=tuple(float(x) for x in fwd),
-        place_ms=place_ms,
-        prefill=prefill,
-        row_points=tuple(line.points),
-        points=points,
-        meta=meta,
-        spread=tuple(sorted(float(x) for x in spread)),
-        budget_ms=budget_ms,
-        idle_factor=idle_factor,
-    )
-
-
-def cached_step_cost(
-    recipe,
-    cache_dir: Path,
-    *,
-    remeasure: bool = False,
-    replay=None,
-    log=lambda s: None,
-    recipe_path: Path | None = None,
-    keep_set: Path | None = None,
-) -> MeasuredStepCost:
-    """`measure_step_cost` of ``recipe``, kept in ``cache_dir/step-cost-<recipe hash>.json`` (reused unless
-    ``remeasure``; the recipe's hash names it, so another recipe never reads it). With ``recipe_path`` and
-    ``replay`` the profile also holds the per-round host work outside the step
-    (`hycoc.bench.capacity_host.measure_host_overhead` on the recipe's own verify-server with the first recorded
-    request, ``keep_set`` passed to it); a cached file without it is measured again."""
-    path = Path(cache_dir) / f"step-cost-{recipe.content_hash()[:16]}.json"
-    want_host = recipe_path is not None and bool(replay)
-    if path.is_file() and not remeasure:
-        cost = MeasuredStepCost.load(path)
-        fresh = cost.spread and cost.meta.get("passes")  # files before the spread or the interleaved grid: again
-        fresh = fresh and (cost.meta.get("idle_pause_ms") is not None or not replay)  # ... or the idle factor
-        if (cost.host or not want_host) and fresh:
-            return cost
-    cost = measure_step_cost(recipe, replay=replay, log=log)
-    if want_host:
-        from hycoc.bench.capacity_host import measure_host_overhead
-
-        cost.host = measure_host_overhead(recipe_path, replay[0], keep_set=keep_set, log=log).describe()
-    cost.save(path)
-    return cost
-
-
 @dataclass
 class GpuStepCost(StepCost):
     """A GPU step (module docstring): ``verify_ms(rows, context)`` of one forward within the measured rows,
@@ -554,7 +251,10 @@ class GpuStepCost(StepCost):
         return top * max(1.0, rows / self.flat_rows)
 
     def host_ms(self, places: list[str], rows: list[int]) -> float:
-        head = self.chain_length * self.head_step_ms if "cloud-mtp" in places else 0.0
+        from hycoc.verifier.draft_place import PLACES
+
+        before = any(PLACES[p].server_chain_before for p in places)  # the chain drafted before the forward
+        head = self.chain_length * self.head_step_ms if before else 0.0
         return head + self.host_ms_per_session * len(rows)
 
     def prefill_ms(self, positions: int, context: int) -> float:
@@ -626,9 +326,9 @@ def model_step_cost(
 def _head_steps(places: list[str], chain_length: int) -> int:
     """Head steps a step of these places runs on the server (`hycoc.verifier.draft_place.DraftPlace.head_steps`):
     K when any session needs the head (its steps are batched across those sessions), else 0."""
-    from hycoc.verifier.draft_place import draft_place
+    from hycoc.verifier.draft_place import PLACES
 
-    return max((draft_place(p).head_steps(chain_length) for p in places), default=0)
+    return max((PLACES[p].head_steps(chain_length) for p in places), default=0)
 
 
 def _plan_line(ms, tree_rows: int, max_batch_rows: int, label: str) -> RowCost:
@@ -664,10 +364,10 @@ class RooflineStepCost(StepCost):
         return head * self.roof.head_step_ms(ctx) + self.host_ms_per_session * len(rows)
 
     def step_ms(self, places: list[str], rows: list[int], contexts: list[int]) -> tuple[float, float]:
-        from hycoc.verifier.draft_place import draft_place
+        from hycoc.verifier.draft_place import PLACES
 
         fwd = float(self.roof.forward_ms(int(sum(rows)), list(contexts) or [0]))
-        heads = [c for p, c in zip(places, contexts) if draft_place(p).needs_head]
+        heads = [c for p, c in zip(places, contexts) if PLACES[p].needs_head]
         head = _head_steps(places, self.chain_length) * self.roof.head_step_ms(heads) if heads else 0.0
         return fwd, fwd + head + self.host_ms_per_session * len(rows)
 
@@ -835,7 +535,5 @@ __all__ = [
     "MeasuredStepCost",
     "StepCost",
     "StepCostError",
-    "cached_step_cost",
-    "measure_step_cost",
     "model_step_cost",
 ]

@@ -26,7 +26,7 @@ runs, the split the simulation uses (`hycoc.bench.capacity.SimConfig`):
 * ``wire_ms``: the rest of the wall time (the loopback socket, the two processes' wake-ups), a delay in parallel.
 
 Not in a repeat: the reply's `wire.encode` (on the worker thread after the forward, `verifier/scheduler.py`
-``_step`` and ``SessionLoop._verify``) -- `hycoc.bench.capacity_cost.measure_step_cost` times it inside the step,
+``_step`` and ``SessionLoop._verify``) -- `hycoc.bench.capacity_measure.measure_step_cost` times it inside the step,
 where it runs -- and the hand-off of the round to the worker thread and back (``run_in_executor``), timed here as
 ``handoff_ms`` on a one-thread executor (`concurrent.futures.ThreadPoolExecutor`, as `EngineWorker`) left idle
 for the same gap between calls, and added to ``loop_ms``.
@@ -109,6 +109,7 @@ async def _round_trips(url: str, req, repeats: int, pid: int, gap_s: float) -> d
     from hycoc.bench.loadtrace import patch_root, tree_at
     from hycoc.protocol import wire
     from hycoc.protocol.messages import Close, DraftTree, ErrorReply, Opened
+    from hycoc.verifier.draft_place import PLACES
 
     limits = wire.Limits()
     loop = asyncio.get_running_loop()
@@ -122,7 +123,7 @@ async def _round_trips(url: str, req, repeats: int, pid: int, gap_s: float) -> d
         limits = wire.Limits.from_opened(opened, limits.max_frame_bytes)
         _, tokens, parents, scores = tree_at(req, [], 0)
         tokens = patch_root(tokens, req.prompt[-1])
-        cloud_mtp = req.draft_place == "cloud-mtp"
+        cloud_mtp = not PLACES[req.draft_place].device_rows  # the root alone: the reply's samples are the commit
 
         async def one() -> tuple[object, float]:
             t = loop.time()

@@ -32,6 +32,7 @@ from hycoc.bench.capacity_run import (
 )
 from hycoc.bench.capacity_trees import TreeModel, TreePool, chain_only_acceptance, phone_ms, tree_pool
 from hycoc.table5 import configuration
+from hycoc.verifier.draft_place import PLACES
 
 #: The projection's batching modes by default: what a GPU deployment would run (serial is simulable too).
 PROJECTION_MODES = ("batched", "budgeted", "allowance")
@@ -102,7 +103,7 @@ def drafting(cfg, configs, *, plan: dict | None = None) -> dict[str, Drafting]:
     out: dict[str, Drafting] = {}
     for config in configs:
         c = configuration(config)
-        if c.draft_place != "device":
+        if PLACES[c.draft_place].needs_head:  # the server drafts (part of) its tree: not the phone's estimate
             continue
         if c.chain != "device":
             ms = device_ms_of(config)
@@ -127,10 +128,11 @@ def drafting(cfg, configs, *, plan: dict | None = None) -> dict[str, Drafting]:
 
 
 def pools(cfg, configs, *, trees: int = POOL_TREES, seed: int = 0) -> dict[str, TreePool]:
-    """A fitted `TreePool` per device-drafted configuration of ``configs`` (cloud-mtp has none)."""
+    """A fitted `TreePool` per configuration of ``configs`` whose device drafts the whole tree (its place needs no
+    server head: cloud-mtp and server-head have none)."""
     out = {}
     for config in configs:
-        if configuration(config).draft_place == "device":
+        if not PLACES[configuration(config).draft_place].needs_head:
             out[config] = tree_pool(tree_model(cfg, config), PAPER_MAT[config], trees=trees, seed=seed, label=config)
     return out
 
@@ -280,6 +282,7 @@ def capacity_row(make, base: SimConfig, cost, target: float, config: str, mode: 
         "bytes_up_per_round",
         "device_ms_per_round",
         "allowance",
+        "rule",
     )
     out = {"config": config, "mode": mode, "variant": variant, "devices": n, **{k: row.get(k) for k in keys}}
     out["round_p90_ms"] = row["latency_ms"]["p90"]
@@ -347,6 +350,33 @@ def projection_table(rows: list[dict], title: str):
     return TextTable(title, headers, body, keys=3, justify=["left"] * 3 + ["right"] * 12)
 
 
+def _weighed(why: dict, i: int) -> str:
+    """Candidate i of an `AllowanceRule.explain` in words: its expected tokens and tokens per second of round."""
+    rate = why["tokens_per_s"][i]
+    return f"{why['tokens'][i]:.2f} tokens per round ({'-' if rate is None else f'{rate:.1f}'} tok/s of round)"
+
+
+def rule_lines(rows: list[dict], fitted: dict[str, TreePool]) -> list[str]:
+    """Per allowance row, what the server's rule weighed at its device count (`AllowanceRule.explain` at the end of
+    that run): the load, the link it learned from the gaps, the drafting the devices reported, and the tokens per
+    round it expects at the floor and at the rows it granted, beside what the fitted trees commit there."""
+    out = []
+    for r in rows:
+        why, pool = r.get("rule"), fitted.get(r["config"])
+        if not why or not why.get("rows") or pool is None:
+            continue
+        k = why["rows"].index(why["allowance"]) if why["allowance"] in why["rows"] else len(why["rows"]) - 1
+        floor, chosen = why["rows"][0], why["rows"][k]
+        out.append(
+            f"allowance rule, {r['config']} {r['variant']} at {r['devices']} devices: {why['sessions']:.1f} sessions "
+            f"per step, link {why['link_ms']:.1f} ms (learned from the gaps), drafting {why['drafting_ms'][0]:.1f} / "
+            f"{why['drafting_ms'][1]:.1f} ms (the OPENs' reports), value scale {why['value_scale']:.2f}; it expects "
+            f"{_weighed(why, 0)} at {floor} rows and {_weighed(why, k)} at {chosen} -> {why['allowance']} rows; the "
+            f"fitted trees commit {pool.mat(floor):.2f} at {floor} rows and {pool.mat(chosen):.2f} at {chosen}"
+        )
+    return out
+
+
 def tree_assumptions(fitted: dict[str, TreePool], chain_length: int) -> list[str]:
     """The fitted trees in words: per configuration θ, the chain's per-depth acceptance, the floor's MAT."""
     out = [
@@ -408,10 +438,10 @@ def run_projection(
     rows, tried_all = [], []
     for variant, link, scale, plan in variants:
         for config, mode in plan:
-            if config not in configs or (mode not in modes and config != "cloud-mtp"):
+            place = PLACES[configuration(config).draft_place]
+            if config not in configs or (mode not in modes and place.trimmable):  # a root-only round: any mode
                 continue
-            place = configuration(config).draft_place
-            frames = GEMMA4_FRAMES if place == "device" else SERVER_DRAFT_FRAMES
+            frames = GEMMA4_FRAMES if place.hand_off else SERVER_DRAFT_FRAMES
             base = base_config(cfg, LINK_PRESETS[link], frames, duration, replicas, target)
 
             def make(n, c=config, s=scale):
@@ -429,9 +459,8 @@ def run_projection(
     assumptions = projection_assumptions(cfg, cost, measured, fitted, drafts, target, modes)
     for a in assumptions:
         console.print(f"  assumed/input: {a}", markup=False)
-    for r in rows:
-        if r.get("note"):
-            console.print(r["note"], markup=False)
+    for line in rule_lines(rows, fitted) + [r["note"] for r in rows if r.get("note")]:
+        console.print(line, markup=False)
     sweep = []
     for variant, link in (("LTE", "lte"), ("5G", "5g")):
         for config, pool in fitted.items() if sweep_rows else ():
@@ -545,6 +574,7 @@ __all__ = [
     "projection_cost",
     "projection_table",
     "projection_workload",
+    "rule_lines",
     "run_projection",
     "tree_model",
     "verifier_configs",

@@ -42,9 +42,11 @@ a kind the model has no points of, are errors (`CostModelError`): measure them (
 device pads HyCo trees to B + 1 rows, so the default grid 1, 5, 33 covers every Table 5 configuration at the
 paper's K and B.
 
-Replay (`round_forwards`, `prefill_forwards`, `request_forwards`): the forwards the engine runs for one round of a
-draft place, or for one bench record (`hycoc.bench.summary` record), in the engine's order; `forwards_ms` sums their
-predictions. `tests/test_device_path.py` holds the account against the forwards the real engine runs.
+Replay (`round_forwards`, `prefill_forwards`: `hycoc.bench.cost_forwards`, re-exported here; `request_forwards`):
+the forwards the engine runs for one round of a draft place (what the place does asked of its
+`hycoc.verifier.draft_place.DraftPlace`), or for one bench record (`hycoc.bench.summary` record), in the engine's
+order; `forwards_ms` sums their predictions. `tests/test_device_path.py` holds the account against the forwards
+the real engine runs.
 
 The batched line (``batch_points``, optional; ``benchmarks/verifier_cost_model.py --batch-sessions``, which
 ``benchmarks/gpu_check.sh`` runs): ms of ONE batched verification forward (`hycoc.verifier.batch.batch_forward`, the
@@ -66,12 +68,20 @@ import os
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hycoc.table5 import CONFIGURATIONS
+from hycoc.bench.cost_forwards import (  # re-exported: the forwards a round runs, replayed through a model
+    DRAFT_PLACE_OF,
+    PREFILL_CHUNK,
+    CostModelError,
+    Forward,
+    prefill_forwards,
+    round_forwards,
+    round_place,
+)
 
 SCHEMA_VERSION = 2
 #: Schema versions `load_cost_model` reads (1: verification points only, no ``kind``).
@@ -79,10 +89,6 @@ READABLE_SCHEMAS = (1, 2)
 
 #: The kinds of forward a cost model times (module docstring).
 KINDS = ("verify", "head_step", "prefill")
-
-#: Prompt positions per prefill forward: `hycoc.verifier.engine.VerifierEngine`'s ``prefill_chunk`` default, which
-#: `hycoc verify-server` uses (one value: `hycoc.verifier.kv_cache.DEFAULT_PREFILL_CHUNK`).
-PREFILL_CHUNK = 512
 
 #: The paper's median server ms per round on one RTX PRO 6000 (§3.1): HyCo's (verification only, the head on the
 #: device) and Cloud+MTP's (K head steps + verification on the server).
@@ -93,11 +99,6 @@ MAKE_HINT = (
     "make one with `python benchmarks/verifier_cost_model.py --device cuda --out PATH` (GPU, Gemma 4 "
     "26B-A4B shape) or `--device cpu --recipe recipes/toy.toml --out PATH` (the toy verifier)"
 )
-
-
-class CostModelError(ValueError):
-    """A cost model file that cannot be used (missing, not JSON, a bad or missing field, an incomplete grid), or a
-    prediction asked outside what the model can answer. The message names the file and field and how to fix it."""
 
 
 class CostPoint(BaseModel):
@@ -325,65 +326,6 @@ class CostModel(BaseModel):
         return path
 
 
-class Forward(NamedTuple):
-    """One forward the server runs: ``kind`` (`KINDS`), ``rows`` and ``context`` as the module docstring defines
-    them per kind."""
-
-    kind: str
-    rows: int
-    context: int
-
-
-#: bench configuration (Table 5) -> the draft place its sessions use (`hycoc.table5`), those with a verifier.
-DRAFT_PLACE_OF = {c.name: c.draft_place for c in CONFIGURATIONS if c.verifier}
-
-
-def round_forwards(
-    draft_place: str, rows: int, context: int, *, head_steps: int = 0, head_context: int = 0
-) -> list[Forward]:
-    """The forwards of one round (Alg. 4; Table 5's server-side baselines), in the order the engine runs them.
-
-    draft_place: "device" (HyCo, SpecEdge: verification only), "cloud-mtp" (``head_steps`` head steps reading
-    ``context`` positions, then verification of root + chain: rows = head_steps + 1) or "server-head"
-    (verification, then ``head_steps`` head steps reading ``head_context`` = min(W, t') positions). rows, context:
-    the verification forward's R and t. Raises CostModelError for an unknown place, rows < 1, negative counts, or
-    a cloud-mtp round whose rows are not head_steps + 1.
-    Example: round_forwards("cloud-mtp", 5, 300, head_steps=4) is four Forward("head_step", 1, 300), then
-    Forward("verify", 5, 300).
-    """
-    if rows < 1 or context < 0 or head_steps < 0 or head_context < 0:
-        raise CostModelError(
-            f"round rows = {rows}, context = {context}, head_steps = {head_steps}, head_context = "
-            f"{head_context}: need rows >= 1 and the rest >= 0"
-        )
-    verify = Forward("verify", int(rows), int(context))
-    if draft_place == "device":
-        if head_steps:
-            raise CostModelError(
-                f"a device-drafted round runs no head step on the server, got head_steps = {head_steps}"
-            )
-        return [verify]
-    if draft_place == "cloud-mtp":
-        if rows != head_steps + 1:
-            raise CostModelError(
-                f"a cloud-mtp round verifies the root and its {head_steps}-token chain: rows must "
-                f"be {head_steps + 1}, got {rows}"
-            )
-        return [Forward("head_step", 1, int(context))] * head_steps + [verify]
-    if draft_place == "server-head":
-        return [verify] + [Forward("head_step", 1, int(head_context))] * head_steps
-    raise CostModelError(f"draft_place = {draft_place!r}: one of device, cloud-mtp, server-head")
-
-
-def prefill_forwards(start: int, stop: int, chunk: int = PREFILL_CHUNK) -> list[Forward]:
-    """The prefill chunks that fill positions [start, stop) (`hycoc.verifier.forward.prefill`): Forward("prefill",
-    n, t) for t = start, start + chunk, ... with n = min(chunk, stop - t). Empty when stop <= start. Raises
-    CostModelError for chunk < 1 or start < 0."""
-    if chunk < 1 or start < 0:
-        raise CostModelError(f"prefill start = {start}, chunk = {chunk}: need start >= 0 and chunk >= 1")
-    return [Forward("prefill", min(chunk, stop - t), t) for t in range(start, stop, chunk)]
-
-
 def request_forwards(
     record: dict,
     *,
@@ -410,32 +352,28 @@ def request_forwards(
             f"record {record.get('config')}/{record.get('question_id')}: {len(rows)} rows entries "
             f"but {len(ctx)} context entries"
         )
-    place = DRAFT_PLACE_OF.get(str(record.get("config")), "device")
-    if place == "server-head" and (chain_length is None or head_window is None):
+    name = DRAFT_PLACE_OF.get(str(record.get("config")), "device")
+    place = round_place(name)
+    if place.server_chain_after and (chain_length is None or head_window is None):
         raise CostModelError(
-            "server-head rounds run the head on the server: replaying them needs the recipe's "
+            f"{name} rounds run the head on the server: replaying them needs the recipe's "
             "chain_length (K) and head_window (W)"
         )
     groups: list[list[Forward]] = [[]]
     if prefill and ctx:
         groups[0] = prefill_forwards(int(record.get("prefill_start") or 0), int(ctx[0]), prefill_chunk)
     for i, (r, t) in enumerate(zip(rows, ctx)):
-        if place == "cloud-mtp":
-            groups.append(round_forwards(place, int(r), int(t), head_steps=int(r) - 1))
-        elif place == "server-head":
+        if place.server_chain_before:  # the recorded rows are the root and the server's chain
+            groups.append(round_forwards(name, int(r), int(t), head_steps=int(r) - 1))
+        elif place.server_chain_after:  # the next chain after every round but the request's last
             last = i == len(rows) - 1
             t_next = int(ctx[i + 1]) if not last else int(t)
+            steps = 0 if last else place.head_steps(int(chain_length))
             groups.append(
-                round_forwards(
-                    place,
-                    int(r),
-                    int(t),
-                    head_steps=0 if last else int(chain_length),
-                    head_context=min(int(head_window), t_next),
-                )
+                round_forwards(name, int(r), int(t), head_steps=steps, head_context=min(int(head_window), t_next))
             )
         else:
-            groups.append(round_forwards(place, int(r), int(t)))
+            groups.append(round_forwards(name, int(r), int(t)))
     return groups
 
 

@@ -1,7 +1,7 @@
 """The machine's CPU speed now, against when the step cost was profiled: a fixed verifier workload timed on demand.
 
 `hycoc capacity --validate` compares its simulation with load tests run minutes after the step cost was timed
-(`hycoc.bench.capacity_cost.measure_step_cost`). On this 2-vCPU KVM machine the same fixed torch workload takes
+(`hycoc.bench.capacity_measure.measure_step_cost`). On this 2-vCPU KVM machine the same fixed torch workload takes
 10-20% more CPU time from one half-minute to the next with nothing else running (/proc/stat shows no steal time:
 the guest cannot see it), so a profile timed once is off by that much for a run made later, whatever the
 simulation does. A `SpeedProbe` is the yardstick: the same recorded rounds of one recorded request, replayed on a

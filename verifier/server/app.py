@@ -196,18 +196,14 @@ class VerifierServer:
         token) when one is given."""
         if self.allowance != "auto" or self.row_cost is None:
             return None
-        floor = self.allowance_floor or min(self.tree_rows, self.engine.chain_length + 1)
-        rule = AllowanceRule(
+        return AllowanceRule.for_server(
             self.row_cost,
-            free_rows=max(self.tree_rows, self.row_cost.flat_rows()),
-            floor=floor,
-            ceiling=self.tree_rows,
+            self.tree_rows,
+            self.engine.chain_length,
+            floor=self.allowance_floor,
             target_ms=self.allowance_target_ms,
-            chain_rows=min(self.tree_rows, self.engine.chain_length + 1),
+            budget=None if budget is None else budget.state,
         )
-        if budget is not None:
-            rule.budget = budget.state
-        return rule
 
     def row_budget(self) -> RowBudget | None:
         """The batched steps' `RowBudget` ("auto", once the row cost is known), else None. Its free rows: one full
