@@ -289,7 +289,7 @@ class DeviceRuntime:
         r = self.bundle.round
         max_new = r.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         seed = r.seed if seed is None else int(seed)
-        sampling = sampling or r.sampling
+        sampling = sampling or Sampling(r.temperature, r.top_k, r.top_p)  # works on a bare round too (tests)
         epsilon = r.epsilon if epsilon is None else float(epsilon)
         res = RequestResult(mode=mode)
         if appended is not None:

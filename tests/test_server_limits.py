@@ -155,7 +155,7 @@ def test_limits_are_checked_and_the_frame_bound_counts_the_chat_contract():
         ServerLimits(max_sessions=0)
     # 16 header + 42 fixed + 127 ids + 65,535 auth + 65,535 chat: the bound of issue 30 (36-byte OPEN, no contract)
     # was 16 + 36 + 508 + 65,535 = 66,095 bytes, which refused the largest valid OPEN as frame_too_large
-    assert open_frame_bytes(128) == 16 + 42 + 4 * 127 + 65535 + 65535 == 131636
+    assert open_frame_bytes(128) == 16 + 50 + 4 * 127 + 65535 + 65535 == 131644
 
 
 def test_the_largest_open_reaches_the_engine_and_one_byte_more_is_frame_too_large(engine):

@@ -42,6 +42,8 @@ FAMILIES = {
     "hycoc_rows_kept_per_session": "histogram",
     "hycoc_expected_tokens_per_forward": "histogram",
     "hycoc_rows_trimmed": "counter",
+    "hycoc_rows_not_drafted": "counter",
+    "hycoc_allowance_rows": "histogram",
     "hycoc_appends": "counter",
     "hycoc_append_reprefilled_tokens": "counter",
 }

@@ -55,15 +55,16 @@ def depth_scores(parents) -> np.ndarray:
     return s
 
 
-def answer(raw: Raw, frame: bytes, version: int = 5):
+def answer(raw: Raw, frame: bytes, version: int = wire.PROTOCOL_VERSION):
     """Send a frame, decode the answer. A refusal of an older frame comes in that frame's version (an old device
-    can read it): its header is checked, then it is decoded as version 5 (ERROR's layout is the same)."""
+    can read it): its header is checked, then it is decoded as the current version (ERROR's layout is the same)."""
     data = raw.send(frame)
     sent = struct.unpack_from("<H", frame, 4)[0]
     if sent in wire.LEGACY_ERROR_VERSIONS and version == sent:
-        assert wire.frame_version(bytes(data[:4]) + struct.pack("<H", 5) + bytes(data[6:])) == 5
+        current = struct.pack("<H", wire.PROTOCOL_VERSION)
+        assert wire.frame_version(bytes(data[:4]) + current + bytes(data[6:])) == wire.PROTOCOL_VERSION
         assert struct.unpack_from("<H", data, 4)[0] == sent
-        data = bytes(data[:4]) + struct.pack("<H", 5) + bytes(data[6:])
+        data = bytes(data[:4]) + current + bytes(data[6:])
     else:
         assert wire.frame_version(data) == version
     return wire.decode(data, wire.Limits(max_frame_bytes=MAX_FRAME)), data
@@ -88,16 +89,16 @@ def old_append(tokens, version: int) -> bytes:
 def refused_as_old(err: ErrorReply, version: int) -> None:
     assert isinstance(err, ErrorReply) and err.code == "unsupported_version", err
     assert err.message == (
-        f"frame speaks protocol version {version}: this side speaks version(s) 5; " + wire.OLD_VERSION_FIX
+        f"frame speaks protocol version {version}: this side speaks version(s) 6; " + wire.OLD_VERSION_FIX
     )
 
 
-def test_a_version_5_client_gets_every_answer_in_version_5(server, reference):
+def test_a_version_6_client_gets_every_answer_in_version_6(server, reference):
     raw = Raw(server.url, token=None)
     req = open_request(range(20, 30), seed=11)
     opened, _ = answer(raw, wire.encode(req))
     assert isinstance(opened, Opened)
-    assert server.server.sessions[opened.session_id].wire_version == 5  # the engine session carries it
+    assert server.server.sessions[opened.session_id].wire_version == 6  # the engine session carries it
     ref = reference_session(reference, req)
     for seq in range(3):
         tokens, parents = oracle_tree(reference.model, ref.tokens)
@@ -106,14 +107,16 @@ def test_a_version_5_client_gets_every_answer_in_version_5(server, reference):
         want = ref.verify(tokens, parents, seq)
         assert_same_reply(got, want)
         assert got.verified is None  # nothing trimmed (fixed tree budget)
-        assert data == wire.encode(replace(want, server_ms=got.server_ms))  # byte for byte
+        assert got.allowance == ROWS  # one session: the whole tree (the reference engine grants nothing)
+        assert data == wire.encode(replace(want, server_ms=got.server_ms, allowance=ROWS))  # byte for byte
         h = want.handoff
         handoff = wire.handoff_nbytes(h.x_hat.size // 2, h.k_sliding.shape[1], h.k_full.shape[1], h.n_positions)
         assert len(data) == wire.reply_nbytes(ROWS, len(want.path_rows), 0, handoff)
-    # the same round in a version-4 header (its ROUND layout is version 5's): refused, and the session goes on
+    # the same round in a version-4 or -5 header (their ROUND layout is version 6's): refused, the session goes on
     tokens, parents = oracle_tree(reference.model, ref.tokens)
-    err, _ = answer(raw, round_frame(3, tokens, parents, version=4))
-    refused_as_old(err, 4)
+    for old in (4, 5):
+        err, _ = answer(raw, round_frame(3, tokens, parents, version=old))  # answered in the session's version
+        refused_as_old(err, old)
     got, _ = answer(raw, round_frame(3, tokens, parents))
     assert_same_reply(got, ref.verify(tokens, parents, 3))
     raw.ws.send(wire.encode(Close(opened.session_id)))
@@ -121,7 +124,7 @@ def test_a_version_5_client_gets_every_answer_in_version_5(server, reference):
     raw.close()
 
 
-@pytest.mark.parametrize("version", [3, 4])
+@pytest.mark.parametrize("version", [3, 4, 5])
 def test_a_version_3_or_4_client_is_refused_at_its_open_naming_the_fix(server, version):
     """An old device's OPEN, byte for byte as it writes it, opens nothing: ERROR unsupported_version naming the fix;
     its rounds and appends get the same answer (never not_opened: the header is read first); the connection stays
@@ -149,16 +152,16 @@ def test_an_old_client_can_read_its_refusal(server):
     assert struct.unpack_from("<H", data, 4) == (4,)  # a header the version-4 device accepts
 
 
-def test_errors_before_an_open_answer_in_version_5(server):
+def test_errors_before_an_open_answer_in_version_6(server):
     raw = Raw(server.url, token=None)
     tokens, chain = np.arange(10, 10 + ROWS), np.arange(-1, ROWS - 1)
     err, _ = answer(raw, round_frame(0, tokens, chain))
     assert err.code == "not_opened"
     err, _ = answer(raw, round_frame(0, tokens, chain, version=2))  # not one it speaks
     refused_as_old(err, 2)
-    err, _ = answer(raw, round_frame(0, tokens, chain, version=6))  # nor a newer one
-    assert err.code == "unsupported_version" and "protocol version 6: this side speaks version(s) 5" in err.message
-    # a refused OPEN (prompt outside the vocabulary) answers in version 5; a later OPEN opens
+    err, _ = answer(raw, round_frame(0, tokens, chain, version=7))  # nor a newer one
+    assert err.code == "unsupported_version" and "protocol version 7: this side speaks version(s) 6" in err.message
+    # a refused OPEN (prompt outside the vocabulary) answers in version 6; a later OPEN opens
     err, _ = answer(raw, wire.encode(open_request([10, 10**6])))
     assert err.code == "token_out_of_vocab"
     opened, _ = answer(raw, wire.encode(open_request(range(20, 30))))

@@ -76,6 +76,7 @@ REPLY = RoundReply(
     bonus=12,
     server_ms=2.25,
     handoff=handoff(6, 0, 12),
+    allowance=3,
 )
 
 
@@ -148,12 +149,12 @@ def test_link_model_sleeps_half_the_rtt_plus_serialization_each_way():
     with FakeVerifier() as peer, VerifierClient(peer.url, auth_token="tok", link=link, sleep=sleeps.append) as c:
         c.open(OpenRequest(prompt_ids=PROMPT))
         reply = c.round(TREE)
-    up_open = len(wire.encode(request))  # 16 + 42 + 4 * 5 + 3 = 81
+    up_open = len(wire.encode(request))  # 16 + 50 + 4 * 5 + 3 = 89
     assert up_open == wire.open_nbytes(len(PROMPT), len("tok"))
     down_open = 16 + 42 + 4 * len(OPENED.stop_ids)
     up_round = wire.tree_nbytes(3, scores=False)  # 23 + 6 * 3 = 41 (TREE has no scores)
-    down_round = wire.reply_nbytes(3, 1, 0, wire.handoff_nbytes(4, 2, 2, 6))  # 37 + 14 + 12 + 44 + 8 + 48
-    assert (up_open, down_open, up_round, down_round) == (81, 62, 41, 163)
+    down_round = wire.reply_nbytes(3, 1, 0, wire.handoff_nbytes(4, 2, 2, 6))  # 39 + 14 + 12 + 44 + 8 + 48
+    assert (up_open, down_open, up_round, down_round) == (89, 62, 41, 165)
     assert sleeps == pytest.approx([0.020 + n * 1e-6 for n in (up_open, down_open, up_round, down_round)], abs=1e-12)
     assert c.link_s == pytest.approx(sum(sleeps))
     assert (c.last_up, c.last_down) == (up_round, down_round)
@@ -192,7 +193,7 @@ def test_open_round_close_frames_and_auth_travel_as_specified():
         assert sent[2].session_id == 7
 
 
-def test_rounds_travel_in_version_5_with_scores_and_verified_rows():
+def test_rounds_travel_in_version_6_with_scores_and_verified_rows():
     kept = np.array([True, True, False])  # the verifier verified rows 0 and 1 (row 2 trimmed)
 
     def answer(frame):
@@ -206,8 +207,8 @@ def test_rounds_travel_in_version_5_with_scores_and_verified_rows():
         c.open(OpenRequest(prompt_ids=PROMPT))
         reply = c.round(scored)
         assert c.last_up == wire.tree_nbytes(3) == 23 + 8 * 3
-        assert c.last_down == wire.reply_nbytes(3, 1, 0, wire.handoff_nbytes(4, 2, 2, 6), verified=True) == 164
-    assert [wire.frame_version(f) for f in peer.frames[:2]] == [5, 5]
+        assert c.last_down == wire.reply_nbytes(3, 1, 0, wire.handoff_nbytes(4, 2, 2, 6), verified=True) == 166
+    assert [wire.frame_version(f) for f in peer.frames[:2]] == [6, 6]
     sent = wire.decode(peer.frames[1])
     assert sent.scores.tolist() == [0.0, -0.5, -1.25]
     assert reply.verified.tolist() == [True, True, False]
@@ -241,7 +242,7 @@ def test_an_appended_turn_travels_with_keep_crc_and_anchor():
         assert (opened.session_id, opened.t, opened.prefill_ms) == (OPENED.session_id, 8, 0.5)
         assert c.last_up == wire.append_nbytes(3) == 16 + 20 + 12
     want = struct.pack("<IIIII", 16, keep, crc, anchor, 3) + struct.pack("<3i", 30, 31, 32)
-    assert peer.frames[3] == struct.pack("<4sHBBII", b"HYCO", 5, 7, 0, len(want), zlib.crc32(want)) + want
+    assert peer.frames[3] == struct.pack("<4sHBBII", b"HYCO", 6, 7, 0, len(want), zlib.crc32(want)) + want
 
 
 def test_no_token_sends_no_header():
@@ -304,7 +305,12 @@ def test_server_error_frame_keeps_its_code_and_the_session():
             )
         return wire.encode(
             RoundReply(
-                seq=1, samples=np.array([9, 1, 2], np.int32), path_rows=np.zeros(0, np.int32), bonus=9, server_ms=1.0
+                seq=1,
+                samples=np.array([9, 1, 2], np.int32),
+                path_rows=np.zeros(0, np.int32),
+                bonus=9,
+                server_ms=1.0,
+                allowance=3,
             )
         )
 
@@ -328,14 +334,14 @@ def test_protocol_version_mismatch():
 
         return answer
 
-    # a newer server, and an old one (version 4: OPENED's layout is the same, the header says 4)
-    for version in (6, 4):
+    # a newer server, and an old one (version 5: OPENED's layout is the same, the header says 5)
+    for version in (7, 5):
         with FakeVerifier(header(version)) as peer:
             with pytest.raises(ProtocolMismatch) as e:
                 VerifierClient(peer.url).open(OpenRequest(prompt_ids=PROMPT))
         assert str(e.value) == (
             f"the verifier at {peer.url} speaks another protocol: frame speaks protocol version "
-            f"{version}: this side speaks version(s) 5; {wire.OLD_VERSION_FIX}"
+            f"{version}: this side speaks version(s) 6; {wire.OLD_VERSION_FIX}"
         )
     # a server that refuses this client's version says so in an ERROR frame: its message is passed on
     told = f"frame speaks protocol version 5: this side speaks version(s) 6; {wire.OLD_VERSION_FIX}"
@@ -369,19 +375,34 @@ def test_timeout_waiting_for_an_answer():
     [
         (
             RoundReply(
-                seq=5, samples=np.array([9, 1, 2], np.int32), path_rows=np.zeros(0, np.int32), bonus=9, server_ms=1.0
+                seq=5,
+                samples=np.array([9, 1, 2], np.int32),
+                path_rows=np.zeros(0, np.int32),
+                bonus=9,
+                server_ms=1.0,
+                allowance=3,
             ),
             "answered round 5 to round 0",
         ),
         (
             RoundReply(
-                seq=0, samples=np.array([9, 1, 200], np.int32), path_rows=np.zeros(0, np.int32), bonus=9, server_ms=1.0
+                seq=0,
+                samples=np.array([9, 1, 200], np.int32),
+                path_rows=np.zeros(0, np.int32),
+                bonus=9,
+                server_ms=1.0,
+                allowance=3,
             ),
             r"invalid: token_out_of_vocab: RoundReply.samples\[2\] = 200",
         ),
         (
             RoundReply(
-                seq=0, samples=np.array([9, 1], np.int32), path_rows=np.zeros(0, np.int32), bonus=9, server_ms=1.0
+                seq=0,
+                samples=np.array([9, 1, 2, 3], np.int32),
+                path_rows=np.zeros(0, np.int32),
+                bonus=9,
+                server_ms=1.0,
+                allowance=3,
             ),
             "invalid: wrong_row_count",
         ),
