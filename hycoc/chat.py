@@ -97,12 +97,14 @@ class ChatFormat(_Model):
 
     def check_contract(self, device: str) -> None:
         """Compare a device's `contract` JSON with this (the verifier's) format. Raises ChatMismatch naming what
-        differs with both values, or that the contract is of an older hycoc (turn strings instead of the template)."""
+        differs with both values, or that the contract is of an older hycoc (turn strings instead of the template).
+        Hostile JSON is a ChatMismatch too, never another exception: a number out of range (``[1e999]``: int() of
+        inf raises OverflowError) or nesting past Python's recursion limit (json raises RecursionError)."""
         try:
             theirs = json.loads(device)
             their_stops = sorted(int(i) for i in theirs["stop_ids"])
             their_template = str(theirs["template_sha256"])
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:
             raise ChatMismatch(
                 f"the device's chat contract is not this hycoc's ({e}: a bundle built before "
                 "conversations were re-rendered by the template); rebuild the bundle with this "
