@@ -36,3 +36,70 @@ def test_a_hostile_chat_contract_is_a_chat_mismatch(chat_format, contract):
     with pytest.raises(ChatMismatch, match="the device's chat contract is not this hycoc's"):
         chat_format.check_contract(contract)
     json.loads(chat_format.contract())  # the format itself is intact
+
+
+# ---- the in-session frame bound ------------------------------------------------------------------------------------
+
+MAX_CONTEXT = 128
+ROWS = 7
+
+
+@pytest.fixture(scope="module")
+def engine():
+    import torch
+    from hycoc.verifier import VerifierEngine
+    from tiny_models import tiny_verifier
+
+    torch.set_num_threads(1)
+    eng = VerifierEngine(
+        tiny_verifier(), head_window=6, handoff_scales=(0.1, 0.1, 0.05, 0.05, 0.05, 0.05), max_context=MAX_CONTEXT
+    )
+    yield eng
+    eng.close()
+
+
+def raw_frame(mtype, payload: bytes, length: int | None = None) -> bytes:
+    """A frame with a right crc; ``length``: the payload length its header announces (default: the real one)."""
+    import zlib
+
+    from hycoc.protocol import wire
+
+    n = len(payload) if length is None else length
+    return wire.HEADER.pack(wire.MAGIC, wire.PROTOCOL_VERSION, mtype, 0, n, zlib.crc32(payload)) + payload
+
+
+def test_in_session_frames_are_bounded_by_the_largest_open(engine):
+    """Inside a session the bound is the documented one (docs/serving.md "Limits": incoming frames are at most the
+    largest OPEN, `open_frame_bytes`), not max_frame_bytes (8 MiB): one byte over gets frame_too_large, whether the
+    header announces it or the frame is longer than its header says. Before the fix these got length_mismatch /
+    truncated (the session's limits were 8 MiB)."""
+    import numpy as np
+    from hycoc.verifier.server import ServerThread, open_frame_bytes
+    from websockets.sync.client import connect
+
+    from hycoc.protocol import wire
+    from hycoc.protocol.messages import ErrorReply, Opened, OpenRequest, Sampling
+
+    bound = open_frame_bytes(MAX_CONTEXT)
+    assert bound == 131_636
+    with ServerThread(engine, tree_rows=ROWS) as srv:
+        assert srv.server.in_frame_bytes == bound
+        ws = connect(srv.url, compression=None, proxy=None, legacy=True, max_size=2**24)
+        req = OpenRequest(prompt_ids=np.arange(3, 13, dtype=np.int32), sampling=Sampling(0.0, 64, 0.95))
+        ws.send(wire.encode(req))
+        assert isinstance(wire.decode(ws.recv(timeout=30)), Opened)
+        over = raw_frame(wire.MessageType.ROUND, bytes(bound + 1 - wire.HEADER.size))
+        lying = raw_frame(wire.MessageType.ROUND, bytes(bound + 1 - wire.HEADER.size), length=30)
+        at_bound = raw_frame(wire.MessageType.ROUND, bytes(bound - wire.HEADER.size))
+        codes = []
+        for frame in (over, lying, at_bound):
+            ws.send(frame)
+            err = wire.decode(ws.recv(timeout=30))
+            assert isinstance(err, ErrorReply)
+            codes.append(err.code)
+        assert codes == ["frame_too_large", "frame_too_large", "wrong_row_count"]
+        ws.send(over)
+        assert f"ROUND frame of {bound + 1} bytes: this receiver accepts at most max_frame_bytes = {bound}" in (
+            wire.decode(ws.recv(timeout=30)).message
+        )
+        ws.close()

@@ -85,8 +85,9 @@ class SessionLoop:
 
     engine, worker: the shared `VerifierEngine` and its `EngineWorker`. admission, metrics: the server's ledgers
     and counters. limits: `ServerLimits`. tree_rows: B + 1 rows of device and server-head rounds (cloud-mtp: 1).
-    auth_token: the shared secret (None: open). max_frame_bytes: largest reply frame; incoming frames are bounded
-    by `open_frame_bytes` as well. ``sessions``: live sessions by id.
+    auth_token: the shared secret (None: open). max_frame_bytes: largest reply frame; incoming frames, before and
+    inside a session, are bounded by `open_frame_bytes` as well (``in_frame_bytes``: 147,508 B for the toy's 4,096
+    positions). ``sessions``: live sessions by id.
     """
 
     def __init__(
@@ -324,8 +325,8 @@ class SessionLoop:
         )
         session.wire_version = conn.wire_version  # the session's replies go out in its OPEN's version
         conn.session, conn.session_id, conn.opened = session, session_id, opened
-        conn.limits = wire.Limits(
-            max_frame_bytes=self.max_frame_bytes,
+        conn.limits = wire.Limits(  # in-session frames too are at most the largest OPEN (docs/serving.md "Limits")
+            max_frame_bytes=self.in_frame_bytes,
             vocab_size=eng.vocab_size,
             tree_rows=tree_rows,
             max_context=eng.max_context,
