@@ -103,3 +103,30 @@ def test_in_session_frames_are_bounded_by_the_largest_open(engine):
             wire.decode(ws.recv(timeout=30)).message
         )
         ws.close()
+
+
+def test_a_few_hundred_fuzzed_frames_get_their_documented_codes(engine, caplog):
+    """`hycoc.bench.protocol_fuzz` (benchmarks/protocol_fuzz.py's cases) against the tiny engine: 400 malformed or
+    mutated frames before OPEN, inside sessions and after finished turns; every answer is one of its case's documented
+    codes, never internal_error, and nothing is logged at ERROR."""
+    import asyncio
+    import logging
+
+    from hycoc.verifier.server import ServerThread, open_frame_bytes
+
+    from hycoc.bench.loadtest import healthz
+    from hycoc.bench.protocol_fuzz import error_counts, fuzz, target_of
+
+    caplog.set_level(logging.ERROR, logger="hycoc.verifier.server")
+    with ServerThread(engine, tree_rows=ROWS) as srv:
+        target = target_of(healthz(srv.url), ROWS)
+        assert target.in_frame_bytes == open_frame_bytes(MAX_CONTEXT)
+        stats = asyncio.run(fuzz(srv.url, target, frames=400, connections=2, seed=3))
+        codes = error_counts(srv.url)
+        assert healthz(srv.url)["status"] == "ok"
+    assert stats.frames >= 400 and stats.findings == []
+    assert "internal_error" not in codes and "internal_error" not in stats.codes()
+    seen = set(stats.codes()) - {"answered", "closed"}
+    assert len(seen) >= 25  # the cases reach most documented codes: header, sizes, fields, session state
+    assert {"frame_too_large", "not_finite", "token_out_of_vocab", "bad_parent", "conversation_mismatch"} <= seen
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
