@@ -73,7 +73,9 @@ class ChatFormat(_Model):
     added tokens plus the added tokens the template's text contains, as transformers' ``_get_control_tokens``).
     reasoning: (open, close) strings of the answer's thought channel (transformers' response template for the model
     type), or None. template_sha256: sha256 of ``template``. sources: what each part came from (``template``,
-    ``stop_ids``, ``reasoning`` -> a file path or a library name).
+    ``stop_ids``, ``reasoning`` -> a file path or a library name). files: sha256 of every file the format was read
+    from, by ``ROLE/FILE`` (``"tokenizer/chat_template.jinja"``, `hycoc.chat_template.CHAT_FILES`), so a file that
+    changes between the build and the server is named (`check_contract`); {} in a bundle of an older hycoc.
     """
 
     template: str = Field(min_length=1)
@@ -85,6 +87,7 @@ class ChatFormat(_Model):
     reasoning: list[str] | None = Field(None, min_length=2, max_length=2)
     template_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     sources: dict[str, str]
+    files: dict[str, str] = Field(default_factory=dict)
 
     def check_thinking(self, thinking: bool) -> None:
         """Raise ChatFormatError when thinking is asked of a template that has no thinking switch."""
@@ -97,8 +100,11 @@ class ChatFormat(_Model):
 
     def contract(self) -> str:
         """What the device and the verifier must agree on, as canonical JSON (the OPEN frame's ``chat``): the stop
-        ids (sorted) and the template's sha256 (both sides render the same template)."""
+        ids (sorted), the template's sha256 (both sides render the same template) and, when known, the sha256 of
+        each file the format was read from (``files``)."""
         body = {"stop_ids": sorted(self.stop_ids), "template_sha256": self.template_sha256}
+        if self.files:
+            body["files"] = dict(self.files)
         return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
     def check_contract(self, device: str) -> None:
@@ -129,6 +135,27 @@ class ChatFormat(_Model):
                 f"({self.sources.get('template', '?')}); build the bundle from the verifier's "
                 "tokenizer folder (same chat template)"
             )
+        self._check_files(theirs.get("files") if isinstance(theirs, dict) else None)
+
+    def _check_files(self, theirs) -> None:
+        """Raise ChatMismatch naming the first file (``ROLE/FILE``) whose sha256 differs between the device's
+        contract and this format, among those both name; a contract without ``files`` (an older bundle) passes."""
+        if theirs is None or not self.files:
+            return
+        if not isinstance(theirs, dict) or not all(isinstance(v, str) for v in theirs.values()):
+            raise ChatMismatch(
+                "the device's chat contract's files are not a map of file to sha256; rebuild the bundle with "
+                "this hycoc (`hycoc build RECIPE`)"
+            )
+        for label in sorted(set(theirs) & set(self.files)):
+            if theirs[label] != self.files[label]:
+                role, _, name = label.partition("/")
+                raise ChatMismatch(
+                    f"{name} of [models].{role} changed since the device's bundle was built (sha256 "
+                    f"{str(theirs[label])[:12]}... in the bundle, {self.files[label][:12]}... here): rebuild the "
+                    "bundle from these files (`hycoc build RECIPE`) or give the server the files the bundle was "
+                    "built from"
+                )
 
 
 # ---- encoding, as transformers' apply_chat_template(..., sanitize_control_tokens=True) ----------------------------
