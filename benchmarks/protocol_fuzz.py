@@ -54,24 +54,26 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipe", type=Path)
     ap.add_argument("--server", help="fuzz this running server (ws://HOST:PORT) instead of starting one")
+    ap.add_argument("--pid", type=int, help="with --server: the server's process id, for its RSS")
     ap.add_argument("--in-process", action="store_true", help="serve in this process (for --tracemalloc)")
     ap.add_argument("--tracemalloc", action="store_true", help="print the heap's growth per phase (in-process)")
     ap.add_argument("--phases", type=int, default=4)
     ap.add_argument("--phase-s", type=float, default=60.0)
     ap.add_argument("--connections", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--big-share", type=float, default=0.0, help="share of frames replaced by 64 KiB-295 KB ones")
     args = ap.parse_args()
     if args.tracemalloc and not args.in_process:
         ap.error("--tracemalloc needs --in-process (it reads this process's heap)")
     proc = thread = None
     if args.server:
-        url, pid = args.server, None
+        url, pid = args.server, args.pid
     elif args.in_process:
-        if args.tracemalloc:
+        thread = _in_process(args.recipe)
+        if args.tracemalloc:  # after loading (tracing every import and the model's load takes minutes)
             import tracemalloc
 
-            tracemalloc.start(25)
-        thread = _in_process(args.recipe)
+            tracemalloc.start(10)
         url, pid = thread.url, None
         import os
 
@@ -88,7 +90,7 @@ def main() -> int:
         for phase in range(args.phases):
             t0 = time.monotonic()
             asyncio.run(fuzz(url, target, seconds=args.phase_s, connections=args.connections,
-                             seed=args.seed * 100 + phase, stats=stats))  # fmt: skip
+                             seed=args.seed * 100 + phase, stats=stats, big_share=args.big_share))  # fmt: skip
             rss = f"{rss_mb(pid):.1f} MB" if pid is not None else "-"
             print(f"phase {phase + 1}: {time.monotonic() - t0:.0f} s, frames {stats.frames}, connections "
                   f"{stats.connections}, sessions {stats.sessions}, findings {len(stats.findings)}, RSS {rss}",

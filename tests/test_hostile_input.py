@@ -130,3 +130,43 @@ def test_a_few_hundred_fuzzed_frames_get_their_documented_codes(engine, caplog):
     assert len(seen) >= 25  # the cases reach most documented codes: header, sizes, fields, session state
     assert {"frame_too_large", "not_finite", "token_out_of_vocab", "bad_parent", "conversation_mismatch"} <= seen
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_freed_allocator_pages_go_back_to_the_os():
+    """What grows RSS under fuzzing is the C allocator's free pages, not Python objects (tracemalloc across fuzz
+    phases: < 0.1 MB): a freed buffer above the mmap threshold raises it, later buffers of that size come from the
+    heap, and freeing every other one leaves pages malloc keeps. `release_memory` (glibc ``malloc_trim(0)``) gives
+    them back."""
+    from hycoc.verifier.server import memory
+
+    if memory._malloc_trim() is None:
+        pytest.skip("no glibc malloc_trim here")
+    block = 200 * 1024
+    del bytearray(block)[:]  # a freed mmapped block of this size raises glibc's mmap threshold above it
+    blocks = [bytearray(block) for _ in range(500)]  # ~100 MB, now from the heap
+    for b in blocks:
+        b[::4096] = b"x" * len(b[::4096])  # touch every page
+    del blocks[::2]  # ~50 MB free, spread between the blocks still held: not at the heap's top
+    before, after = memory.release_memory()
+    assert before - after > 30e6  # most of the 50 MB freed comes back
+    del blocks
+
+
+def test_the_server_releases_memory_periodically(engine):
+    from hycoc.verifier.server import ServerThread
+
+    with ServerThread(engine, tree_rows=ROWS, memory_release_s=0.05) as srv:
+        m = srv.server.metrics
+        for _ in range(400):
+            if m.rss_bytes:
+                break
+            threading_wait(0.01)
+        assert m.rss_bytes > 10e6 and m.memory_released >= 0
+        text = m.exposition()
+        assert "# TYPE hycoc_rss_bytes gauge" in text and "# TYPE hycoc_memory_released_bytes_total counter" in text
+
+
+def threading_wait(seconds: float) -> None:
+    import threading
+
+    threading.Event().wait(seconds)

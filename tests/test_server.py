@@ -740,6 +740,8 @@ def test_metrics_count_exactly(server, reference):
         "hycoc_kv_bytes_snapshots": "gauge",
         "hycoc_snapshots_evicted_total": "counter",
         "hycoc_prefills_active": "gauge",
+        "hycoc_rss_bytes": "gauge",
+        "hycoc_memory_released_bytes_total": "counter",
     }
     assert values["hycoc_rounds_total"] == 0 and np.isnan(values["hycoc_mat"])
     assert {k: v for k, v in values.items() if k.startswith("hycoc_append")} == {  # every kind from the start

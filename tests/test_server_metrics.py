@@ -51,6 +51,8 @@ FAMILIES = {
     "hycoc_kv_bytes_snapshots": "gauge",
     "hycoc_snapshots_evicted": "counter",
     "hycoc_prefills_active": "gauge",
+    "hycoc_rss_bytes": "gauge",
+    "hycoc_memory_released_bytes": "counter",
 }
 
 

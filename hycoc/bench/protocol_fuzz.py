@@ -258,6 +258,16 @@ def _bad_utf8(rng: random.Random, t: Target, what: str) -> bytes:
     return refill(bytes(frame))
 
 
+def big_case(rng: random.Random, t: Target, phase: str) -> Case:
+    """A large frame: a ROUND (in a session) or OPEN (before one) header announcing what follows, of a random size
+    between 64 KiB and twice the incoming bound (past the bound: frame_too_large; past twice it, the WebSocket layer
+    closes the connection). What a fuzzer sending big frames makes the server buffer."""
+    size = rng.randrange(64 * 1024, 2 * t.in_frame_bytes + 4096)
+    payload = rng.randbytes(size - wire.HEADER.size)
+    allowed = {"frame_too_large", CLOSED} if size > t.in_frame_bytes else set(ANY_CODE)
+    return Case(f"big_{phase}", phase, raw(3 if phase == "session" else 1, payload), frozenset(allowed))
+
+
 def session_cases(rng: random.Random, t: Target, root: int, seq: int) -> list[Case]:
     """Frames inside an open session whose next round is ``seq`` with root ``root``: every ROUND field, APPEND
     before the turn finished, OPEN again, CLOSE of another session, the in-session frame bound."""
@@ -380,14 +390,22 @@ async def _ask(ws, frame: bytes | str) -> tuple[str, object]:
     return (msg.code, msg) if isinstance(msg, ErrorReply) else (ANSWERED, msg)
 
 
-async def _connection(url: str, t: Target, rng: random.Random, stats: FuzzStats, frames: int) -> None:
+def _with_big(cases: list[Case], rng: random.Random, t: Target, phase: str, big_share: float) -> list[Case]:
+    """``cases`` with each replaced by a `big_case` with probability ``big_share``."""
+    return [big_case(rng, t, phase) if rng.random() < big_share else c for c in cases]
+
+
+async def _connection(
+    url: str, t: Target, rng: random.Random, stats: FuzzStats, frames: int, big_share: float = 0.0
+) -> None:
     """One connection: a few bare cases, then (most times) a session: its cases, a round to finish the turn, the
     finished cases, CLOSE (or a dropped socket)."""
     from websockets.asyncio.client import connect
 
     async with connect(url, compression=None, max_size=2**25, proxy=None, ping_interval=None) as ws:
         stats.connections += 1
-        for case in rng.sample(bare_cases(rng, t), k=min(frames, rng.randint(1, 6))):
+        for case in _with_big(rng.sample(bare_cases(rng, t), k=min(frames, rng.randint(1, 6))), rng, t, "bare",
+                              big_share):  # fmt: skip
             outcome, _ = await _ask(ws, case.frame)
             stats.record(case, outcome)
             if outcome in (CLOSED, ANSWERED):
@@ -404,7 +422,8 @@ async def _connection(url: str, t: Target, rng: random.Random, stats: FuzzStats,
             return
         stats.sessions += 1
         root = int(wire.decode(open_case.frame).prompt_ids[-1])
-        for case in rng.sample(session_cases(rng, t, root, 0), k=rng.randint(1, 8)):
+        for case in _with_big(rng.sample(session_cases(rng, t, root, 0), k=rng.randint(1, 8)), rng, t, "session",
+                              big_share):  # fmt: skip
             outcome, _ = await _ask(ws, case.frame)
             stats.record(case, outcome)
             if outcome == CLOSED:
@@ -441,12 +460,14 @@ async def fuzz(
     frames: int | None = None,
     seconds: float | None = None,
     connections: int = 4,
+    big_share: float = 0.0,
     seed: int = 0,
     stats: FuzzStats | None = None,
     on_tick: Callable[[FuzzStats], None] | None = None,
 ) -> FuzzStats:
     """Fuzz the server at ``url`` with ``connections`` concurrent connections until ``frames`` frames were sent or
-    ``seconds`` passed (module docstring). Returns the `FuzzStats` (``stats`` when given, updated in place)."""
+    ``seconds`` passed (module docstring); ``big_share`` of the frames are `big_case`s instead.
+    Returns the `FuzzStats` (``stats`` when given, updated in place)."""
     stats = stats or FuzzStats()
     deadline = None if seconds is None else time.monotonic() + seconds
 
@@ -457,7 +478,7 @@ async def fuzz(
         rng = random.Random(seed * 1000 + k)
         while more():
             try:
-                await _connection(url, target, rng, stats, (frames or 10**9) - stats.frames)
+                await _connection(url, target, rng, stats, (frames or 10**9) - stats.frames, big_share)
             except (OSError, TimeoutError) as e:
                 stats.findings.append(("connection", type(e).__name__, str(e)[:200]))
                 await asyncio.sleep(0.5)

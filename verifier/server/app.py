@@ -17,7 +17,9 @@ from ..row_budget import DEFAULT_MIN_ROWS, TREE_BUDGETS, RowCost
 from ..row_cost_measure import measure_row_cost, row_cost_plan
 from .admission import Admission, Link
 from .channels import AiohttpChannel, Channel, Connection, GuardedRunner, bearer_token
+from .errors import ShuttingDown
 from .limits import ServerLimits
+from .memory import DEFAULT_MEMORY_RELEASE_S, release_memory
 from .metrics import METRICS_CONTENT_TYPE, ServerMetrics
 from .session_loop import SessionLoop
 from .worker import (
@@ -52,6 +54,8 @@ class VerifierServer:
     row_cost: the forward's `RowCost` for "auto" (recipe verifier.row_cost); None: measured on the engine when the
         engine starts (`hycoc.verifier.row_cost_measure`, ~1 s on the toy).
     min_rows_per_session: rows each scored tree keeps under "auto" (>= 1; default 2: root and first chain token).
+    memory_release_s: seconds between two releases of the C allocator's free pages to the OS on the worker
+        (`hycoc.verifier.server.memory`: RSS stays flat under fuzzing); 0 turns them off.
     max_prefills: most sessions prefilling at once (batched; serial runs one); the KV budget reserves a
         prefilling session's transient (`VerifierEngine.prefill_transient_bytes`) once per such slot at start
         (recipe verifier.max_prefills). ValueError when max_kv_bytes cannot hold that pool.
@@ -76,6 +80,7 @@ class VerifierServer:
         row_cost: RowCost | None = None,
         min_rows_per_session: int = DEFAULT_MIN_ROWS,
         max_prefills: int = DEFAULT_MAX_PREFILLS,
+        memory_release_s: float = DEFAULT_MEMORY_RELEASE_S,
     ):
         if not 1 <= tree_rows <= wire.MAX_TREE_ROWS:
             raise ValueError(f"tree_rows = {tree_rows}: must lie in [1, {wire.MAX_TREE_ROWS}] (B + 1)")
@@ -115,6 +120,8 @@ class VerifierServer:
         self.row_cost = row_cost
         self.min_rows_per_session = int(min_rows_per_session)
         self.max_prefills = int(max_prefills)
+        self.memory_release_s = float(memory_release_s)
+        self._releaser: asyncio.Task | None = None
         self.metrics = ServerMetrics(live_sessions=lambda: len(self.sessions))
         self.admission = Admission(limits, self.metrics.refused)
         self.metrics.admission = self.admission
@@ -175,6 +182,17 @@ class VerifierServer:
             held, reserved = int(held_of()), budget.reserved
         self.metrics.observe_kv_held(held, reserved)
 
+    async def _release_memory(self) -> None:
+        """Every memory_release_s: the allocator's free pages back to the OS, on the worker between its steps
+        (`hycoc.verifier.server.memory.release_memory`); RSS and the bytes released go to the metrics."""
+        while True:
+            await asyncio.sleep(self.memory_release_s)
+            try:
+                before, after = await self.worker.run(release_memory)
+            except ShuttingDown:
+                return
+            self.metrics.observe_memory_release(before, after)
+
     # ----------------------------------------------------------------------------------------- lifecycle
 
     def app(self) -> web.Application:
@@ -192,6 +210,8 @@ class VerifierServer:
         replicas, `hycoc.verifier.ray_serve`). `start` calls it; `stop` ends both. Raises RuntimeError if already
         started."""
         self.worker.start()
+        if self.memory_release_s > 0:
+            self._releaser = asyncio.get_running_loop().create_task(self._release_memory())
         if self.prefill_pool_bytes and self.prefill_pool is None:
             self.prefill_pool = self.admission.kv.reserve(self.prefill_pool_bytes, 0)
             self.metrics.prefill_pool_bytes = self.prefill_pool_bytes
@@ -238,6 +258,9 @@ class VerifierServer:
         prefills get it too); close every connection (their sessions are freed), stop listening, let the worker
         finish what it runs. Front doors that own their sockets (Ray Serve) call it when their replica stops."""
         self.worker.stopping = True
+        if self._releaser is not None:
+            self._releaser.cancel()
+            self._releaser = None
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None

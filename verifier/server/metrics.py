@@ -33,6 +33,9 @@ Families (names and labels are the contract; docs/serving.md "Verifier server an
                                           slots) and the conversation snapshots' (spare room, given up when needed)
     hycoc_snapshots_evicted_total         snapshots given up for a reservation that needed their room
     hycoc_prefills_active                 prefills under way after the last batched step (<= max_prefills)
+    hycoc_rss_bytes, hycoc_memory_released_bytes_total   the process's RSS at the last periodic release of the C
+                                          allocator's free pages, and what those releases gave back
+                                          (`hycoc.verifier.server.memory`)
 """
 
 from __future__ import annotations
@@ -121,11 +124,18 @@ class ServerMetrics:
         self.kv_bytes_held = 0
         self.kv_bytes_held_peak = 0
         self.prefill_pool_bytes = 0  # set by the server once it reserved the pool
+        self.rss_bytes = 0  # at the last memory release
+        self.memory_released = 0
         self.kv_held_over_reserved = 0
         self.prefills_active = 0
         self.prefills_active_peak = 0  # the most after any step (<= max_prefills)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
+
+    def observe_memory_release(self, before: int, after: int) -> None:
+        """One periodic release of the allocator's free pages: RSS ``before`` and ``after`` it, in bytes."""
+        self.rss_bytes = int(after)
+        self.memory_released += max(0, int(before) - int(after))
 
     def observe_kv_held(self, held: int, reserved: int) -> None:
         """One sample of the KV the sessions hold (``held`` bytes) against the ledger's ``reserved``; a sample
@@ -303,5 +313,13 @@ class _Collector(Collector):
                                 "sessions' transient rows", value=m.prefill_pool_bytes)  # fmt: skip
         yield GaugeMetricFamily("hycoc_kv_bytes_snapshots", "KV bytes reserved by conversation snapshots",
                                 value=kv.spare_bytes if kv is not None else 0)  # fmt: skip
-        yield CounterMetricFamily("hycoc_snapshots_evicted", "snapshots given up for a reservation that needed "
-                                  "their room", value=kv.evicted if kv is not None else 0)  # fmt: skip
+        yield CounterMetricFamily(
+            "hycoc_snapshots_evicted",
+            "snapshots given up for a reservation that needed their room",
+            value=kv.evicted if kv is not None else 0,
+        )
+        yield GaugeMetricFamily(
+            "hycoc_rss_bytes", "the process's RSS at the last periodic memory release", value=m.rss_bytes
+        )
+        yield CounterMetricFamily("hycoc_memory_released_bytes", "RSS the periodic releases of the allocator's "
+                                  "free pages gave back", value=m.memory_released)  # fmt: skip
