@@ -325,7 +325,7 @@ def test_hycoc_cache_lists_and_prunes(tmp_path):
     assert dry.exit_code == 0 and "would remove head_qat/bbbbbbbbbbbb" in dry.stdout
     assert (tmp_path / "head_qat").exists()
     done = runner.invoke(app, ["cache", "prune", "--cache-dir", str(tmp_path), "--older-than", "30m"])
-    assert done.exit_code == 0 and "removed 1 entries" in done.stdout and not (tmp_path / "head_qat").exists()
+    assert done.exit_code == 0 and "removed 1 entry," in done.stdout and not (tmp_path / "head_qat").exists()
     bad = runner.invoke(app, ["cache", "prune", "--cache-dir", str(tmp_path), "--max-size", "big"])
     assert bad.exit_code == 2 and "e.g. 20GB" in bad.output
     assert runner.invoke(app, ["cache", "--cache-dir", str(tmp_path), "--dry-run"]).exit_code == 2

@@ -167,7 +167,8 @@ def build(
         from hycoc.passes.cache import format_size
 
         freed = format_size(sum(e.bytes for e in result.pruned))
-        typer.echo(f"cache {cache}: pruned {len(result.pruned)} entries ({freed}) to --cache-max-size", err=True)
+        n = len(result.pruned)
+        typer.echo(f"cache {cache}: pruned {n} entr{'y' if n == 1 else 'ies'} ({freed}) to --cache-max-size", err=True)
     if until is not None:
         typer.echo(f"stopped after {until}; its artifacts are in {result.stopped_at}")
         return

@@ -56,6 +56,10 @@ def cache(
     _prune(cache_dir, size, age, dry_run)
 
 
+def _entries(n: int) -> str:
+    return f"{n} entry" if n == 1 else f"{n} entries"
+
+
 def _print_entries(found, cache_dir: Path) -> None:
     from hycoc.passes.cache import DEFAULT_MAX_BYTES, format_age, format_size
 
@@ -72,7 +76,7 @@ def _print_entries(found, cache_dir: Path) -> None:
         )
     total = sum(e.bytes for e in found)
     typer.echo(
-        f"{len(found)} entries, {format_size(total)} in {cache_dir} (hycoc build keeps it under "
+        f"{_entries(len(found))}, {format_size(total)} in {cache_dir} (hycoc build keeps it under "
         f"{format_size(DEFAULT_MAX_BYTES)}: --cache-max-size)"
     )
 
@@ -91,6 +95,6 @@ def _prune(cache_dir: Path, size: int | None, age: float | None, dry_run: bool) 
         typer.echo(f"{verb} {e.pass_name}/{e.key[:12]} ({format_size(e.bytes)})")
     left = sum(e.bytes for e in entries(cache_dir)) - (sum(e.bytes for e in removed) if dry_run else 0)
     typer.echo(
-        f"{verb} {len(removed)} entries, {format_size(sum(e.bytes for e in removed))}; "
+        f"{verb} {_entries(len(removed))}, {format_size(sum(e.bytes for e in removed))}; "
         f"{format_size(left)} left in {cache_dir}"
     )
