@@ -87,9 +87,9 @@ async def answer_turn(ws, opened: Opened, root: int, held: int, max_new: int, rn
     """Rounds until the turn finishes. Returns the committed ids, or a str: "cancel", "disconnect" or an error
     code (the conversation ends)."""
     out: list[int] = []
-    seq = 0
+    seq, allowance = 0, opened.tree_rows  # protocol 6: each later round holds at most the last reply's allowance
     while True:
-        tree = chain(root, seq, opened.tree_rows, opened.vocab_size, rng)
+        tree = chain(root, seq, allowance, opened.vocab_size, rng)
         if rng.random() < faults["disconnect"]:
             await ws.send(wire.encode(tree))
             ws.transport.abort()  # gone mid-round: the server finishes the round, drops the reply, frees the KV
@@ -111,7 +111,7 @@ async def answer_turn(ws, opened: Opened, root: int, held: int, max_new: int, rn
         seq += 1
         if reply.finished or reason is not None:
             return out
-        root = new[-1]
+        root, allowance = new[-1], reply.allowance or opened.tree_rows
 
 
 async def conversation(url: str, chat, contract: str, rng: random.Random, stats: ChatStats, faults: dict) -> None:

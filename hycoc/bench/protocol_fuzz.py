@@ -148,8 +148,8 @@ def _open_field(rng: random.Random, t: Target, offset: int, fmt: str, value) -> 
     return refill(bytes(frame))
 
 
-#: OPEN's fixed part, v5 (`hycoc.protocol.layout`): "<fIfQfBBHHIII" = temperature, top_k, top_p, seed, epsilon,
-#: acceptance, draft_place, auth_len, chat_len, max_new_tokens, n_prompt, anchor.
+#: OPEN's fixed part, v6 (`hycoc.protocol.layout`): "<fIfQfBBHHIIIff" = temperature, top_k, top_p, seed, epsilon,
+#: acceptance, draft_place, auth_len, chat_len, max_new_tokens, n_prompt, anchor, draft_ms_floor, draft_ms_tree.
 _OPEN_FIELDS = {
     "temperature": (0, "<f"),
     "top_k": (4, "<I"),
@@ -162,6 +162,8 @@ _OPEN_FIELDS = {
     "max_new_tokens": (30, "<I"),
     "n_prompt": (34, "<I"),
     "anchor": (38, "<I"),
+    "draft_ms_floor": (42, "<f"),
+    "draft_ms_tree": (46, "<f"),
 }
 NAN, INF = float("nan"), float("inf")
 #: Hostile chat contracts: every one is chat_mismatch (or answered where the server has no chat format to check).
@@ -220,6 +222,8 @@ def bare_cases(rng: random.Random, t: Target) -> list[Case]:
         ("n_prompt", 2**32 - 1, {"length_mismatch", "context_overflow"}),
         ("auth_len", 65535, {"length_mismatch"}), ("chat_len", 9, {"length_mismatch"}),
         ("anchor", 2**32 - 1, {"out_of_range", "bad_request"}),
+        ("draft_ms_floor", -1.0, {"out_of_range"}), ("draft_ms_tree", 1e9, {"out_of_range"}),
+        ("draft_ms_tree", NAN, {"not_finite"}),
     ]  # fmt: skip
     for name, value, allowed in fields:
         off, fmt = _OPEN_FIELDS[name]
@@ -281,8 +285,8 @@ def session_cases(rng: random.Random, t: Target, root: int, seq: int) -> list[Ca
         cases.append(Case(name, "session", _tree_frame(**d), f(allowed)))
 
     r = t.tree_rows
-    tree("round_rows_short", {"wrong_row_count"}, tokens=good.tokens[:-1], parents=good.parents[:-1],
-         scores=good.scores[:-1])  # fmt: skip
+    tree("round_rows_over", {"wrong_row_count"}, tokens=np.append(good.tokens, good.tokens[-1]),
+         parents=np.append(good.parents, good.parents[-1]), scores=np.append(good.scores, good.scores[-1]))  # fmt: skip
     bad_parents = good.parents.copy()
     bad_parents[rng.randrange(1, r)] = rng.choice([r, 2**15 - 1, -2])
     tree("round_bad_parent", {"bad_parent"}, parents=bad_parents)
