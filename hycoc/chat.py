@@ -17,10 +17,15 @@ user text and answers -- holds by construction.
 
 User text stays text: a control-token string typed in a user (or system) message is spelled with ordinary tokens,
 never turned into the control token (transformers' ``mark_control_tokens`` / ``encode_marked_chat``,
-``utils/chat_template_utils.py``, reproduced with `tokenizers` only). An answer the model wrote is the model's own
-text: it goes into the template as decoded, control tokens included (its thought channel), and is not marked --
-transformers' ``sanitize_control_tokens`` marks every message, which would spell a kept thought's ``<|channel>``
-as plain text; for templates that strip thoughts (Gemma 4's large form) both give the same ids.
+``utils/chat_template_utils.py``, reproduced with `tokenizers` only). The model's answer is held as the model's
+ids: `Chat.answer_text` decodes it run by run, marks every control-token string inside the runs of ordinary ids
+(what the model *wrote*, e.g. ``<``, ``|turn``, ``>`` spelling ``<|turn>``) as user text is marked, and leaves
+each control id the model *emitted* (its thought channel's ``<|channel>`` ... ``<channel|>``) as its bare string,
+so the template still sees, keeps or strips a real channel. An assistant message's content is therefore already
+marked and `mark_messages` leaves it as it is; give history from elsewhere through `mark_answer` (all of it as
+text). The ids equal transformers' ``apply_chat_template(..., sanitize_control_tokens=True)`` with the model's
+control ids spliced back in place (tests/test_answer_ids.py); a model can no longer forge a turn by echoing
+``<turn|>\n<|turn>system`` in text.
 
 numpy-free and torch-free: the device runtime imports this module.
 """
@@ -38,7 +43,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 #: transformers' private-use markers around a control token found in user text (chat_template_utils.py).
 _MARK_START, _MARK_END = "\U000f0000", "\U000f0001"
-#: Message roles whose strings a user writes (marked, `mark_control_tokens`); an assistant's are the model's own.
+#: Message roles whose strings a user writes (marked by `mark_messages`); an assistant's content comes marked
+#: already (`Chat.answer_text`, `mark_answer`).
 USER_ROLES = ("user", "system", "developer")
 
 
@@ -67,7 +73,9 @@ class ChatFormat(_Model):
     added tokens plus the added tokens the template's text contains, as transformers' ``_get_control_tokens``).
     reasoning: (open, close) strings of the answer's thought channel (transformers' response template for the model
     type), or None. template_sha256: sha256 of ``template``. sources: what each part came from (``template``,
-    ``stop_ids``, ``reasoning`` -> a file path or a library name).
+    ``stop_ids``, ``reasoning`` -> a file path or a library name). files: sha256 of every file the format was read
+    from, by ``ROLE/FILE`` (``"tokenizer/chat_template.jinja"``, `hycoc.chat_template.CHAT_FILES`), so a file that
+    changes between the build and the server is named (`check_contract`); {} in a bundle of an older hycoc.
     """
 
     template: str = Field(min_length=1)
@@ -79,6 +87,7 @@ class ChatFormat(_Model):
     reasoning: list[str] | None = Field(None, min_length=2, max_length=2)
     template_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     sources: dict[str, str]
+    files: dict[str, str] = Field(default_factory=dict)
 
     def check_thinking(self, thinking: bool) -> None:
         """Raise ChatFormatError when thinking is asked of a template that has no thinking switch."""
@@ -91,18 +100,23 @@ class ChatFormat(_Model):
 
     def contract(self) -> str:
         """What the device and the verifier must agree on, as canonical JSON (the OPEN frame's ``chat``): the stop
-        ids (sorted) and the template's sha256 (both sides render the same template)."""
+        ids (sorted), the template's sha256 (both sides render the same template) and, when known, the sha256 of
+        each file the format was read from (``files``)."""
         body = {"stop_ids": sorted(self.stop_ids), "template_sha256": self.template_sha256}
+        if self.files:
+            body["files"] = dict(self.files)
         return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
     def check_contract(self, device: str) -> None:
         """Compare a device's `contract` JSON with this (the verifier's) format. Raises ChatMismatch naming what
-        differs with both values, or that the contract is of an older hycoc (turn strings instead of the template)."""
+        differs with both values, or that the contract is of an older hycoc (turn strings instead of the template).
+        Hostile JSON is a ChatMismatch too, never another exception: a number out of range (``[1e999]``: int() of
+        inf raises OverflowError) or nesting past Python's recursion limit (json raises RecursionError)."""
         try:
             theirs = json.loads(device)
             their_stops = sorted(int(i) for i in theirs["stop_ids"])
             their_template = str(theirs["template_sha256"])
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:
             raise ChatMismatch(
                 f"the device's chat contract is not this hycoc's ({e}: a bundle built before "
                 "conversations were re-rendered by the template); rebuild the bundle with this "
@@ -121,6 +135,27 @@ class ChatFormat(_Model):
                 f"({self.sources.get('template', '?')}); build the bundle from the verifier's "
                 "tokenizer folder (same chat template)"
             )
+        self._check_files(theirs.get("files") if isinstance(theirs, dict) else None)
+
+    def _check_files(self, theirs) -> None:
+        """Raise ChatMismatch naming the first file (``ROLE/FILE``) whose sha256 differs between the device's
+        contract and this format, among those both name; a contract without ``files`` (an older bundle) passes."""
+        if theirs is None or not self.files:
+            return
+        if not isinstance(theirs, dict) or not all(isinstance(v, str) for v in theirs.values()):
+            raise ChatMismatch(
+                "the device's chat contract's files are not a map of file to sha256; rebuild the bundle with "
+                "this hycoc (`hycoc build RECIPE`)"
+            )
+        for label in sorted(set(theirs) & set(self.files)):
+            if theirs[label] != self.files[label]:
+                role, _, name = label.partition("/")
+                raise ChatMismatch(
+                    f"{name} of [models].{role} changed since the device's bundle was built (sha256 "
+                    f"{str(theirs[label])[:12]}... in the bundle, {self.files[label][:12]}... here): rebuild the "
+                    "bundle from these files (`hycoc build RECIPE`) or give the server the files the bundle was "
+                    "built from"
+                )
 
 
 # ---- encoding, as transformers' apply_chat_template(..., sanitize_control_tokens=True) ----------------------------
@@ -273,7 +308,8 @@ def template_literals(template: str) -> str:
 
 def mark_messages(messages: list[dict], control_tokens) -> list[dict]:
     """``messages`` with every string of a user-written message (`USER_ROLES`) passed through
-    `mark_control_tokens`; the model's own answers are left as they are (module docstring)."""
+    `mark_control_tokens`; an assistant's content is left as it is: `Chat.answer_text` (or `mark_answer`) marked
+    it already, keeping the model's own control ids bare (module docstring)."""
     out = []
     for m in messages:
         if m.get("role") in USER_ROLES:
@@ -283,6 +319,13 @@ def mark_messages(messages: list[dict], control_tokens) -> list[dict]:
             }
         out.append(dict(m))
     return out
+
+
+def mark_answer(text: str, control_tokens) -> str:
+    """An assistant message's content from plain text (history that did not come from the model's ids): every
+    control-token string in it is marked as text, as `mark_control_tokens` marks user text. Use
+    `Chat.answer_text` for an answer the model emitted (its control ids stay control ids)."""
+    return mark_control_tokens(text, control_tokens)
 
 
 def common_prefix(a, b) -> int:
@@ -323,6 +366,11 @@ class Chat:
     def __init__(self, fmt: ChatFormat, tokenizer):
         self.format, self.tokenizer = fmt, tokenizer
         self.stop_ids = frozenset(int(i) for i in fmt.stop_ids)
+        control = set(fmt.control_tokens)
+        #: id -> string of every added token that is a control token: what the model emits as a control id
+        self.control_ids = {
+            int(i): t.content for i, t in tokenizer.get_added_tokens_decoder().items() if t.content in control
+        }
         self._reasoning_ids = None
         if fmt.reasoning is not None:
             opening, closing = fmt.reasoning
@@ -366,12 +414,40 @@ class Chat:
         return self.encode_rendered(self.render_text([{"role": "user", "content": user_text}], thinking=thinking))
 
     def answer_text(self, output_ids) -> str:
-        """An answer as its assistant message: the committed ids decoded with their control tokens (a thought
-        channel stays for the template to keep or strip), a trailing stop id dropped (the template closes the turn)."""
+        """An answer as its assistant message's content, held as the model's ids (module docstring): the committed
+        ids decoded (a trailing stop id dropped: the template closes the turn), each run of ordinary ids marked
+        with `mark_control_tokens` (a control-token string the model wrote with ordinary tokens stays text) and
+        each control id (`control_ids`: a thought channel's ``<|channel>`` ...) left as its bare string, for the
+        template to keep or strip. output_ids: ints. Returns the marked string `Chat.conversation` renders."""
         ids = [int(i) for i in output_ids]
         if ids and ids[-1] in self.stop_ids:
             ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        pieces = []
+        for control, text in self._answer_pieces(ids):
+            pieces.append(text if control else mark_control_tokens(text, self.format.control_tokens))
+        return "".join(pieces)
+
+    def _answer_pieces(self, ids: list[int]) -> list[tuple[bool, str]]:
+        """(is a control id, text) pieces of ``ids`` in order: each control id alone, the ids between them as one
+        piece. A run's text is the whole answer's decoding cut at the control ids (prefixes decoded), so the
+        pieces join to ``decode(ids)``; a tokenizer whose prefix decodings are not prefixes of it (an unfinished
+        UTF-8 character before a control id) gets each run decoded alone."""
+
+        def decode(part):
+            return self.tokenizer.decode(part, skip_special_tokens=False)
+
+        cuts = [i for i, t in enumerate(ids) if t in self.control_ids]
+        if not cuts:
+            return [(False, decode(ids))] if ids else []
+        out, start, before = [], 0, ""
+        for end in [*cuts, len(ids)]:
+            if end > start:
+                upto = decode(ids[:end])
+                out.append((False, upto[len(before) :] if upto.startswith(before) else decode(ids[start:end])))
+            if end < len(ids):
+                out.append((True, self.control_ids[ids[end]]))
+                before, start = decode(ids[: end + 1]), end + 1
+        return out
 
     def split_thought(self, answer_ids: list[int]) -> tuple[str | None, list[int]]:
         """(thought text or None, the final answer's ids) of an answer that may open with the reasoning channel
@@ -469,6 +545,7 @@ __all__ = [
     "encode_marked",
     "encode_text",
     "ids_crc32",
+    "mark_answer",
     "mark_control_tokens",
     "mark_messages",
     "render_template",

@@ -9,6 +9,9 @@ What is read, in order (a real Gemma 4 folder and the toy's hold the same files)
                  folder's generation_config.json
     reasoning    tokenizer_config.json "response_template" fields.reasoning_content {open, close}, else
                  transformers' response template for the verifier's model type (``cli/serving/utils.py``)
+    files        the sha256 of each of those files (`CHAT_FILES`, present ones): the bundle records them, the
+                 server names one that changed since (`hycoc.chat.ChatFormat.check_contract`), and the pass cache
+                 keys of the passes that read the chat format hash the same files (`recipe_chat_files`)
 
 The template is checked at load, before any model: it must render a first user turn (default and, when it has
 one, the thinking switch) and a two-turn conversation whose rendering keeps the first turn's history as the first
@@ -255,7 +258,68 @@ def load_chat_format(tokenizer_path: str | Path, verifier_path: str | Path | Non
         reasoning=reasoning,
         template_sha256=template_digest(template),
         sources=sources,
+        files=files_sha256(chat_files(folder, verifier)),
     )
+
+
+#: Every file `load_chat_format` may read, by the folder it reads it from ("tokenizer": the tokenizer folder,
+#: "verifier": the verifier's folder), in the module docstring's order. The pass cache keys of the passes that read
+#: the chat format hash them (`chat_files`; `hycoc.passes.pipeline.Pass.files_read`).
+CHAT_FILES = (
+    ("tokenizer", "chat_template.jinja"),
+    ("tokenizer", "tokenizer_config.json"),
+    ("tokenizer", "tokenizer.json"),
+    ("tokenizer", "generation_config.json"),
+    ("verifier", "generation_config.json"),
+    ("verifier", "config.json"),
+)
+
+
+def chat_files(tokenizer_path: str | Path, verifier_path: str | Path | None = None) -> dict[str, Path]:
+    """``"ROLE/FILE"`` -> path of every `CHAT_FILES` entry `load_chat_format` may read for these folders, present
+    or not (a file that appears, e.g. a chat_template.jinja beside tokenizer_config.json, changes what is read).
+    The verifier's entries only when ``verifier_path`` is given."""
+    folders = {"tokenizer": tokenizer_folder(tokenizer_path)}
+    if verifier_path is not None:
+        folders["verifier"] = Path(verifier_path)
+    return {f"{role}/{name}": folders[role] / name for role, name in CHAT_FILES if role in folders}
+
+
+#: (path, size, mtime_ns) -> sha256: each file is hashed once per process while it is unchanged.
+_FILE_SHA256: dict[tuple[str, int, int], str] = {}
+
+
+def files_sha256(files: dict[str, Path]) -> dict[str, str]:
+    """label -> sha256 hex of each file of ``files`` that exists (what `ChatFormat.files` holds)."""
+    import hashlib
+
+    out = {}
+    for label, path in files.items():
+        try:
+            st = Path(path).stat()
+        except OSError:
+            continue
+        mark = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+        if mark not in _FILE_SHA256:
+            _FILE_SHA256[mark] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        out[label] = _FILE_SHA256[mark]
+    return out
+
+
+def recipe_chat_files(recipe) -> dict[str, Path]:
+    """`chat_files` of the folders `chat_from_recipe` reads for ``recipe`` (the verifier's when it is a folder
+    here); {} when the tokenizer folder is not on this machine (the pass that reads it fails with that error)."""
+    from hycoc.models import ModelNotFoundError, model_dir
+
+    try:
+        folder = model_dir(recipe, "tokenizer")
+    except ModelNotFoundError:
+        return {}
+    try:
+        verifier = model_dir(recipe, "verifier")
+    except ModelNotFoundError:
+        verifier = None
+    return chat_files(folder, verifier if verifier is not None and Path(verifier).is_dir() else None)
 
 
 def load_chat(tokenizer_path: str | Path, verifier_path: str | Path | None = None) -> Chat:
@@ -408,16 +472,20 @@ def apply_chat_template_ids(
 
 
 __all__ = [
+    "CHAT_FILES",
     "apply_chat_template_ids",
     "bundle_chat_format",
     "chat_from_recipe",
     "chat_summary",
+    "chat_files",
+    "files_sha256",
     "check_history",
     "load_chat",
     "load_chat_format",
     "portable_source",
     "read_stop_ids",
     "read_template",
+    "recipe_chat_files",
     "render",
     "sources_to_read",
     "special_tokens",

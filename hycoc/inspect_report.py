@@ -269,13 +269,31 @@ def render_verifier_kv(console: Any, kv: dict) -> None:
     _print_table(
         console,
         f"verifier KV per session ({kv['kv_dtype']}; sliding layers keep "
-        f"{kv['sliding_retained_positions']:,} positions + max({kv['tree_rows']} tree rows, a "
-        f"{kv.get('prefill_chunk', 0):,}-position prefill chunk) + a {kv['sliding_retained_positions']:,}-"
-        "position snapshot at the model turn's opening; full layers the context)",
+        f"{kv['sliding_retained_positions']:,} positions + {kv['tree_rows']} tree rows, full layers the context; "
+        "every byte is reserved: below)",
         cols,
         rows,
         right=tuple(cols),
     )
+    if "prefill_transient_bytes" in kv:
+        _print_table(
+            console,
+            "verifier KV reserved besides the sessions' (the prefill pool: once per session prefilling at once, "
+            f"max_prefills = {kv['max_prefills']}; a {kv['prefill_chunk']:,}-position chunk's rows and an APPEND's "
+            "undo copy of its sliding layers; a conversation snapshot: from spare room only, given up when a "
+            "session needs it, then that conversation's next turn re-prefills)",
+            ["context", "per prefilling session GB", "prefill pool GB", "snapshot GB"],
+            [
+                [
+                    f"{int(n):,}",
+                    f"{kv['prefill_transient_bytes'][n] / 1e9:.3f}",
+                    f"{kv['prefill_pool_bytes'][n] / 1e9:.3f}",
+                    f"{kv['snapshot_bytes'][n] / 1e9:.3f}",
+                ]
+                for n in kv["kv_bytes_per_session"]
+            ],
+            right=("context", "per prefilling session GB", "prefill pool GB", "snapshot GB"),
+        )
 
 
 def render_plan(plan: dict, console: Any = None) -> None:

@@ -525,6 +525,7 @@ class Verifier(Section):
     )
     max_batch_rows: int = _limit("max_batch_rows")
     max_batch_wait_ms: float = _limit("max_batch_wait_ms")
+    max_prefills: int = _limit("max_prefills")
     # Budgeted verification rows (hycoc.verifier.row_budget): which rows of the trees sharing a forward are checked.
     tree_budget: Literal["fixed", "auto"] = Field(
         "auto",

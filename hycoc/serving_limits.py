@@ -192,6 +192,18 @@ LIMITS: tuple[Limit, ...] = (
         description="milliseconds a round waits for other sessions' rounds to join its forward (never when every "
         "open session has one queued)",
     ),
+    Limit(
+        "max_prefills",
+        1,
+        "count",
+        ge=1,
+        le=4096,
+        bounds="sessions prefilling at once (OPEN, APPEND)",
+        refusal="(a prefill waits for one to finish)",
+        metric="gauge `hycoc_prefills_active`",
+        description="sessions whose prefill (OPEN's prompt, APPEND's turn) is under way at once; the KV budget "
+        "reserves a prefilling session's chunk rows and undo copy once per such slot",
+    ),
 )
 #: The ``kind`` labels of ``hycoc_refusals_total`` (`Limit.refusal_kind`), in table order.
 REFUSAL_KINDS: tuple[str, ...] = tuple(lim.refusal_kind for lim in LIMITS if lim.refusal_kind)
@@ -223,6 +235,8 @@ DEFAULT_MAX_FRAME_BYTES: int = int(default("max_frame_bytes"))
 #: The batching defaults (`hycoc.verifier.server.worker`).
 DEFAULT_MAX_BATCH_ROWS: int = int(default("max_batch_rows"))
 DEFAULT_MAX_BATCH_WAIT_MS: float = float(default("max_batch_wait_ms"))
+#: The bound on concurrent prefills (`hycoc.verifier.scheduler.BatchScheduler`).
+DEFAULT_MAX_PREFILLS: int = int(default("max_prefills"))
 
 
 def help_text() -> str:
@@ -301,6 +315,7 @@ __all__ = [
     "DEFAULT_MAX_BATCH_ROWS",
     "DEFAULT_MAX_BATCH_WAIT_MS",
     "DEFAULT_MAX_FRAME_BYTES",
+    "DEFAULT_MAX_PREFILLS",
     "LIMITS",
     "REFUSAL_KINDS",
     "SERVER_LIMIT_KNOBS",

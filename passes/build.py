@@ -49,7 +49,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -363,9 +363,10 @@ def build_pipeline(
     console: Console | None = None,
     seed: int = 0,
     device: str = "cpu",
+    use_cache: bool = True,
 ) -> Pipeline:
-    """The pipeline of `hycoc build` for ``target`` (module docstring); ``device``: where its torch-model passes run
-    (`Pipeline`). Raises BuildError for an unknown target."""
+    """The pipeline of `hycoc build` for ``target`` (module docstring); ``device``: where its torch-model passes run,
+    ``use_cache`` False: no cache entry is read (`Pipeline`). Raises BuildError for an unknown target."""
     from hycoc.passes.calibration_answers import CalibrationAnswersPass
     from hycoc.passes.head_export import HeadExport
     from hycoc.passes.head_qat import HeadQatPass
@@ -390,7 +391,7 @@ def build_pipeline(
 
         passes += [SlmGraphSurgery(), SlmShardsPass(seed=seed, work_dir=Path(cache_dir) / "work")]
         passes.append(TargetPass(target, graphs | {"slm": KIND}, Path(cache_dir) / "work"))
-        return Pipeline(passes, cache_dir, console=console, device=device)
+        return Pipeline(passes, cache_dir, console=console, device=device, use_cache=use_cache)
     passes += [
         SlmGraphSurgery(),
         SlmTreeGraphExport(),
@@ -399,7 +400,7 @@ def build_pipeline(
     ]
     graphs |= {"slm": "qdq_slm", DECODE_GRAPH: DECODE_KIND}
     passes.append(TargetPass(target, graphs, Path(cache_dir) / "work"))
-    return Pipeline(passes, cache_dir, console=console, device=device)
+    return Pipeline(passes, cache_dir, console=console, device=device, use_cache=use_cache)
 
 
 #: The verifier's dtype when the build runs it on a GPU: bf16, as the paper serves it (App. A: the verifier and the
@@ -455,6 +456,7 @@ class BuildResult:
     out_dir: Path | None
     manifest: Any = None
     stopped_at: Path | None = None  # the cache entry of the ``until`` pass
+    pruned: list = field(default_factory=list)  # cache entries the size cap removed (`hycoc.passes.cache.CacheEntry`)
 
 
 def _npy(array: np.ndarray) -> bytes:
@@ -594,16 +596,20 @@ def run_pipeline(
     console: Console | None = None,
     seed: int = 0,
     device: str = "cpu",
+    use_cache: bool = True,
 ) -> PipelineResult:
-    """Run `build_pipeline` on `build_inputs` (up to ``until``; torch-model passes on ``device``). The target's files
-    are then read from the pipeline's cache entry, and the pass's work folder is removed."""
+    """Run `build_pipeline` on `build_inputs` (up to ``until``; torch-model passes on ``device``; ``use_cache``
+    False: every pass runs). The target's files are then read from the pipeline's cache entry, and the pass's work
+    folder is removed."""
     recipe, target = recipe_for_target(recipe, target)  # an htp-vNN target: [target] at that arch
     if target == "qai-hub":
         from hycoc.targets.qai_hub import check_setup
 
         check_setup()  # fail at once, not after QAT
     chat_from_recipe(recipe)  # the chat template and stop ids the bundle will carry: refused before any model loads
-    pipeline = build_pipeline(recipe, target, cache_dir=cache_dir, console=console, seed=seed, device=device)
+    pipeline = build_pipeline(
+        recipe, target, cache_dir=cache_dir, console=console, seed=seed, device=device, use_cache=use_cache
+    )
     check_until(until, [p.name for p in pipeline.passes])  # before loading any model
     result = pipeline.run(recipe, build_inputs(recipe, device), until=until)
     if "target_files" in result.artifacts:
@@ -623,12 +629,18 @@ def build_bundle(
     console: Console | None = None,
     seed: int = 0,
     device: str = "cpu",
+    use_cache: bool = True,
+    cache_max_bytes: int | None = None,
 ) -> BuildResult:
     """Run the pipeline (`run_pipeline`, torch-model passes on ``device``) and write the bundle to ``out_dir``
     (module docstring). Third-party warnings and prints go to ``CACHE_DIR/logs/build-<recipe>-<target>.log``
     (`hycoc.quiet.third_party_output`; one line at the end says where).
 
     ``until``: stop after that pass and write no bundle (`BuildResult.stopped_at` is its cache entry).
+    ``use_cache`` False (``--no-cache``): every pass runs and replaces its entry. ``cache_max_bytes``: after the
+    build, the cache is pruned to that total, least recently used entries first, this build's never
+    (`hycoc.passes.cache.prune`; None: not pruned; the CLI's default is `hycoc.passes.cache.DEFAULT_MAX_BYTES`);
+    `BuildResult.pruned` lists what went.
     One build at a time per cache and bundle folder (`hycoc.build_lock.build_lock`): another build holding either
     raises BuildLocked at once. Ctrl-C (KeyboardInterrupt) prints what the build kept (`interrupted_note`: the
     finished passes stay cached for the next build) and propagates.
@@ -647,9 +659,23 @@ def build_bundle(
     bundle_dir = None if until is not None else out_dir
     try:
         with build_lock(cache_dir, bundle_dir):
-            return _build_locked(
-                recipe, target, out_dir, cache_dir, until=until, console=console, seed=seed, device=device
+            result = _build_locked(
+                recipe,
+                target,
+                out_dir,
+                cache_dir,
+                until=until,
+                console=console,
+                seed=seed,
+                device=device,
+                use_cache=use_cache,
             )
+            if cache_max_bytes is not None:
+                from hycoc.passes.cache import prune
+
+                keep = [r.location for r in result.pipeline.reports if r.location is not None]
+                result.pruned = prune(cache_dir, max_bytes=cache_max_bytes, keep=keep)
+            return result
     except BuildLocked as e:
         raise BuildError(str(e)) from None
     except KeyboardInterrupt:
@@ -659,7 +685,9 @@ def build_bundle(
         raise
 
 
-def _build_locked(recipe: Recipe, target: str, out_dir, cache_dir, *, until, console, seed, device) -> BuildResult:
+def _build_locked(
+    recipe: Recipe, target: str, out_dir, cache_dir, *, until, console, seed, device, use_cache=True
+) -> BuildResult:
     """`build_bundle`'s work, its locks held."""
     recipe, target = recipe_for_target(recipe, target)  # an htp-vNN target: [target] at that arch
     import torch.onnx  # noqa: F401  (imported before the log context: its own loggers then go to the log too)
@@ -669,7 +697,9 @@ def _build_locked(recipe: Recipe, target: str, out_dir, cache_dir, *, until, con
     # torch.onnx's progress prints, torchvision/transformers warnings, onnxruntime's quantizer advice: to a log
     log = Path(cache_dir) / "logs" / f"build-{recipe.recipe.name}-{target}.log"
     with third_party_output(log, console=console):
-        result = run_pipeline(recipe, target, cache_dir, until=until, console=console, seed=seed, device=device)
+        result = run_pipeline(
+            recipe, target, cache_dir, until=until, console=console, seed=seed, device=device, use_cache=use_cache
+        )
         if until is not None:
             return BuildResult(result, None, stopped_at=result.reports[-1].location)
         manifest = write_bundle(result, recipe, target, out_dir)

@@ -256,6 +256,12 @@ class CalibrationAnswersPass(Pass):
 
         return {"prompt_source": prompt_source_key(recipe), "needs": reader_needs(recipe), "batch": BATCH}
 
+    def files_read(self, recipe: Recipe) -> dict[str, Path]:
+        # the chat template formats the prompts; generation_config.json gives the stop ids and generate()'s defaults
+        from hycoc.chat_template import recipe_chat_files
+
+        return recipe_chat_files(recipe)
+
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, Artifact], PassReport]:
         from hycoc.progress import step
 

@@ -256,6 +256,12 @@ class HeadQdq(Pass):
             "calibration": [hc.CALIBRATION_PROMPTS, hc.HELD_OUT_PROMPTS, hc.DRAFTS_PER_PROMPT],
         }
 
+    def files_read(self, recipe: Recipe) -> dict[str, Path]:
+        # the verifier engine of the calibration stops on the chat format's stop ids
+        from hycoc.chat_template import recipe_chat_files
+
+        return recipe_chat_files(recipe)
+
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, Artifact], PassReport]:
         import onnx
         import onnx_ir as ir

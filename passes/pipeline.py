@@ -8,12 +8,22 @@ produces (each with its `Artifact` class), and a ``run(inputs, recipe)`` that re
   earlier pass, with the class the consumer expects; pass names are unique; sections exist in the recipe.
 * ``run`` runs the passes in order and caches each pass's outputs under ``cache_dir/<pass>/<key>``, where the key
   is the sha256 of the pass's name and version, the canonical JSON of the recipe tables it reads, its own
-  parameters and outside inputs (`Pass.key_material`, e.g. a corpus file's hash), the content hashes of the
-  artifacts it consumes, and the versions of the tools that shape artifacts (torch, transformers, onnx,
-  onnxruntime, onnxruntime-qnn, ...; those installed). A rebuild after a recipe edit reruns only the passes whose
-  key changed, and a pass whose inputs come out bit-identical stays cached after it.
+  parameters and outside inputs (`Pass.key_material`, e.g. a corpus file's hash), the sha256 of every file it
+  reads from a model or tokenizer folder (`Pass.files_read`: the chat template, tokenizer_config.json,
+  generation_config.json, config.json, tokenizer.json; absent ones as absent), the content hashes of the
+  artifacts it consumes, the versions of the libraries that shape artifacts (`KEYED_PACKAGES`: torch,
+  transformers, tokenizers, jinja2, onnx, onnxruntime, ...; those installed) and the environment that changes
+  numbers (`environment`: Python's version, the machine, torch's CPU kernels, `KEYED_ENVIRONMENT` variables that
+  are set). A rebuild after a recipe or folder edit reruns only the passes whose key changed, and a pass whose
+  inputs come out bit-identical stays cached after it.
 * Outputs are written to ``cache_dir/<pass>/.tmp-<key>-*`` and renamed to ``<key>`` when complete: a pass that
-  raises (or a build that is killed) leaves no half entry, only a ``.tmp-`` folder a later run ignores.
+  raises (or a build that is killed) leaves no half entry, only a ``.tmp-`` folder a later run ignores (and
+  `hycoc.passes.cache.prune` removes). An entry is loaded whole or not at all: its ``meta.json`` (written last)
+  must name this pass, version, library versions and environment, and every output must load and match its
+  recorded content hash; anything else (another library version's entry, a truncated or edited file) is
+  removed and the pass runs again. ``use_cache=False`` (``hycoc build --no-cache``) reads no entry and replaces
+  the entries it writes. A hit touches the entry's ``meta.json`` (its mtime is when it was last used, what
+  `hycoc.passes.cache.prune` evicts by).
 * ``device``: where the passes that run a torch model (those consuming ``torch_verifier`` or ``torch_head``,
   `TORCH_INPUTS`) run it ("cpu", the default, or "cuda": `hycoc.passes.build.build_inputs` places the verifier).
   A device other than "cpu" enters those passes' keys; the default adds nothing, so CPU keys stay as they were.
@@ -53,12 +63,25 @@ KEYED_PACKAGES = (
     "torch",
     "transformers",
     "tokenizers",
+    "jinja2",  # renders the chat template into the calibration prompts
+    "safetensors",
     "numpy",
     "onnx",
     "onnxscript",
     "onnx-ir",
     "onnxruntime",
     "onnxruntime-qnn",
+)
+#: Environment variables that change the numbers a pass makes, when set: the vector kernels torch dispatches to,
+#: oneDNN's and MKL's floating-point modes, TF32 and cuBLAS's reduction order on a GPU. Their values enter every key.
+KEYED_ENVIRONMENT = (
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_DEFAULT_FPMATH_MODE",
+    "DNNL_DEFAULT_FPMATH_MODE",
+    "MKL_CBWR",
+    "NVIDIA_TF32_OVERRIDE",
+    "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
+    "CUBLAS_WORKSPACE_CONFIG",
 )
 
 
@@ -140,6 +163,12 @@ class Pass:
         constructor parameters and anything read from outside the pipeline (e.g. a corpus file's sha256)."""
         return {}
 
+    def files_read(self, recipe: Recipe) -> dict[str, Path]:
+        """The files this pass reads from a model or tokenizer folder besides the artifacts it consumes, as label
+        (``"tokenizer/chat_template.jinja"``: the folder's role, not this machine's path) -> path; each one's
+        sha256 enters the key (a file that is absent, as absent). Default: none."""
+        return {}
+
     def run(self, inputs: dict[str, Artifact], recipe: Recipe) -> tuple[dict[str, Artifact], PassReport]:
         """Make the ``produces`` artifacts from the ``consumes`` ones. Must not mutate the inputs."""
         raise NotImplementedError
@@ -158,6 +187,44 @@ def tool_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             continue
     return out
+
+
+def environment() -> dict[str, Any]:
+    """What the machine and process add to every key: Python's major.minor, the machine (``x86_64``, ``arm64``),
+    the CPU kernels torch dispatches to (``AVX2``, ``AVX512``; absent without torch) and the `KEYED_ENVIRONMENT`
+    variables that are set. torch's thread count is not in it (the passes' results do not depend on it)."""
+    import platform
+    import sys
+    from importlib.util import find_spec
+
+    out: dict[str, Any] = {"python": f"{sys.version_info[0]}.{sys.version_info[1]}", "machine": platform.machine()}
+    if find_spec("torch") is not None:
+        import torch
+
+        out["torch_cpu"] = torch.backends.cpu.get_cpu_capability()
+    variables = {name: os.environ[name] for name in KEYED_ENVIRONMENT if name in os.environ}
+    if variables:
+        out["variables"] = variables
+    return out
+
+
+def file_sha256(path: Path, memo: dict | None = None) -> str | None:
+    """sha256 hex of a file's bytes, None when it does not exist. memo: a dict reused across calls, keyed by
+    (path, size, mtime_ns), so a file is read once per build."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    mark = (str(path), st.st_size, st.st_mtime_ns)
+    if memo is not None and mark in memo:
+        return memo[mark]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    if memo is not None:
+        memo[mark] = h.hexdigest()
+    return h.hexdigest()
 
 
 def canonical_json(value: Any) -> str:
@@ -180,16 +247,26 @@ TORCH_INPUTS = frozenset({"torch_verifier", "torch_head"})
 
 class Pipeline:
     """An ordered chain of passes with a content-addressed cache (see the module docstring). ``device``: where the
-    torch-model passes run ("cpu" default, "cuda"); it keys those passes when it is not "cpu"."""
+    torch-model passes run ("cpu" default, "cuda"); it keys those passes when it is not "cpu". ``use_cache``:
+    False reads no cache entry (every pass runs) and replaces the entries it writes."""
 
     def __init__(
-        self, passes: Sequence[Pass], cache_dir: str | Path, *, console: Console | None = None, device: str = "cpu"
+        self,
+        passes: Sequence[Pass],
+        cache_dir: str | Path,
+        *,
+        console: Console | None = None,
+        device: str = "cpu",
+        use_cache: bool = True,
     ):
         self.passes = list(passes)
         self.device = str(device)
         self.cache_dir = Path(cache_dir)
         self.console = console if console is not None else stderr_console()
+        self.use_cache = bool(use_cache)
         self._versions = tool_versions()
+        self._environment = environment()
+        self._file_memo: dict = {}
         names = [p.name for p in self.passes]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -237,6 +314,11 @@ class Pipeline:
             lines.append(f"{index}. {p.name} (v{p.version}): reads {reads}; consumes {consumes}; produces {produces}")
         return "\n".join(lines)
 
+    def files_key(self, p: Pass, recipe: Recipe) -> dict[str, str | None]:
+        """label -> sha256 (None: absent) of every file ``p`` reads from a model or tokenizer folder
+        (`Pass.files_read`)."""
+        return {label: file_sha256(Path(path), self._file_memo) for label, path in p.files_read(recipe).items()}
+
     def cache_key(self, p: Pass, inputs: Mapping[str, Artifact], recipe: Recipe) -> str:
         """sha256 hex of everything that determines the pass's outputs (module docstring)."""
         material = {
@@ -244,8 +326,10 @@ class Pipeline:
             "version": p.version,
             "sections": {t: getattr(recipe, t).model_dump(mode="json") for t in p.reads()},
             "params": p.key_material(recipe),
+            "files": self.files_key(p, recipe),
             "inputs": {kind: inputs[kind].content_hash() for kind in sorted(p.consumes)},
             "tools": self._versions,
+            "environment": self._environment,
         }
         if self.device != "cpu" and TORCH_INPUTS & set(p.consumes):
             material["device"] = self.device  # absent on the CPU: the default keys are unchanged
@@ -306,12 +390,13 @@ class Pipeline:
         key = self.cache_key(p, inputs, recipe)
         entry = self.cache_dir / p.name / key
         start, cpu = time.perf_counter(), time.process_time()
-        cached = self._load(p, entry)
-        if cached is None and entry.exists():
-            shutil.rmtree(entry)  # incomplete or damaged: replaced below
+        cached = self._load(p, entry) if self.use_cache else None
+        if cached is None and entry.exists() and self.use_cache:
+            shutil.rmtree(entry)  # incomplete, damaged or another library version's: replaced below
         if cached is not None:
             outputs, report = cached
             report.cached = True
+            _touch(entry / "meta.json")  # last used: what `hycoc cache prune` evicts by
         else:
             with current_pass(p.name, self.console, live):
                 outputs, report = p.run(inputs, recipe)
@@ -337,12 +422,19 @@ class Pipeline:
                     f"'{artifact.kind}' as '{kind}'; it declares {p.produces[kind].__name__}"
                 )
 
+    def _meta(self, p: Pass) -> dict[str, Any]:
+        """What an entry's meta.json must say for `_load` to read it: this pass and version, the library versions
+        and the environment (the key holds them too; an entry copied from elsewhere or of an older formula is
+        refused here)."""
+        return {"pass": p.name, "version": p.version, "tools": self._versions, "environment": self._environment}
+
     def _store(self, p: Pass, entry: Path, outputs: Mapping[str, Artifact], report: PassReport) -> None:
-        """Write the outputs to a temporary folder beside ``entry`` and rename it to ``entry`` when complete."""
+        """Write the outputs to a temporary folder beside ``entry`` and rename it to ``entry`` when complete (with
+        ``use_cache`` False an existing entry is replaced)."""
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=entry.parent))
         try:
-            meta = {"pass": p.name, "version": p.version, "outputs": {}}
+            meta = {**self._meta(p), "created": time.time(), "outputs": {}}
             for kind, artifact in outputs.items():
                 (tmp / kind).mkdir()
                 artifact.save(tmp / kind)
@@ -350,6 +442,10 @@ class Pipeline:
             (tmp / "report.json").write_text(json.dumps(report.to_json(), indent=1), encoding="utf-8")
             # meta.json last: an entry without it is never read.
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+            if not self.use_cache and entry.exists():  # --no-cache: the old entry goes, the new one takes its place
+                old = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-old-", dir=entry.parent))
+                os.replace(entry, old / "entry")
+                shutil.rmtree(old, ignore_errors=True)
             try:
                 os.rename(tmp, entry)
             except OSError:
@@ -360,13 +456,15 @@ class Pipeline:
                 shutil.rmtree(tmp, ignore_errors=True)
 
     def _load(self, p: Pass, entry: Path) -> tuple[dict[str, Artifact], PassReport] | None:
-        """The cached outputs and report, or None when there is no complete entry or it fails its hashes."""
+        """The cached outputs and report, all of them or None: None when there is no complete entry, when its
+        meta.json names another pass, version, library versions or environment, or when any output fails to load
+        or to match its recorded hash (module docstring)."""
         meta_path = entry / "meta.json"
         if not meta_path.exists():
             return None
         try:
             meta = json.loads(meta_path.read_text(encoding="utf-8"))
-            if set(meta["outputs"]) != set(p.produces):
+            if {k: meta.get(k) for k in self._meta(p)} != self._meta(p) or set(meta["outputs"]) != set(p.produces):
                 return None
             outputs = {}
             for kind, info in meta["outputs"].items():
@@ -375,9 +473,17 @@ class Pipeline:
                     return None  # edited on disk: rerun the pass
                 outputs[kind] = artifact
             report = PassReport.from_json(json.loads((entry / "report.json").read_text(encoding="utf-8")))
-        except (OSError, ValueError, KeyError, TypeError):
+        except Exception:  # noqa: BLE001 -- any loader's error (protobuf, safetensors, numpy, torch): rerun the pass
             return None  # damaged on disk: rerun the pass
         return outputs, report
+
+
+def _touch(path: Path) -> None:
+    """Set ``path``'s mtime to now (a read-only cache is left as it is)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
 
 
 def summary_table(reports: Sequence[PassReport]):

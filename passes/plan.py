@@ -716,11 +716,12 @@ def _verifier_kv(config, recipe: Recipe, tree_rows: int, window: int, head_slidi
             handoff_window=window,
             dtype_bytes=dtype_bytes,
             head_sliding_window=head_sliding_window,
-            prefill_chunk=DEFAULT_PREFILL_CHUNK,
-            snapshot=True,
         )
         for n in KV_CONTEXTS
     }
+    max_prefills = int(recipe.verifier.max_prefills)
+    transient = {str(n): layout.prefill_transient_bytes(n, DEFAULT_PREFILL_CHUNK) for n in KV_CONTEXTS}
+    prefill_pool = {n: max_prefills * b for n, b in transient.items()}
     before = {str(n): layout.bytes_per_position * n for n in KV_CONTEXTS}
     return {
         "kv_dtype": recipe.verifier.dtype,
@@ -732,13 +733,24 @@ def _verifier_kv(config, recipe: Recipe, tree_rows: int, window: int, head_slidi
         "tree_rows": tree_rows,
         "prefill_chunk": DEFAULT_PREFILL_CHUNK,
         "kv_bytes_per_session": after,
+        "prefill_transient_bytes": transient,
+        "max_prefills": max_prefills,
+        "prefill_pool_bytes": prefill_pool,
+        "snapshot_bytes": {str(n): layout.snapshot_bytes(n) for n in KV_CONTEXTS},
         "full_length_bytes": before,
         "pool_bytes": KV_POOL_BYTES,
         "sessions_per_pool": {
-            n: {"full_length": KV_POOL_BYTES // before[n], "windowed": KV_POOL_BYTES // after[n]} for n in after
+            n: {
+                "full_length": KV_POOL_BYTES // before[n],
+                "windowed": (KV_POOL_BYTES - prefill_pool[n]) // after[n],
+            }
+            for n in after
         },
-        "note": "full layers hold every position, sliding layers their retained window + one round's rows "
-        "(hycoc.verifier.kv_cache); KV only (weights, activations and the allocator's slack are not counted)",
+        "note": "per session: full layers every position, sliding layers their retained window + one round's "
+        "rows; once per prefilling session (max_prefills, the prefill pool): a chunk's rows and an APPEND's undo "
+        "copy of the sliding layers; an APPEND also reserves its full layers' undo copy while it runs; a "
+        "conversation snapshot only from spare room, given up when a session needs it (hycoc.verifier.kv_cache); "
+        "KV only (weights, activations and the allocator's slack are not counted)",
     }
 
 

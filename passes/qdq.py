@@ -353,6 +353,14 @@ class QdqQuantize(Pass):
         # real calibration: the prompts and answers arrive as the calibration_answers artifact (hash in the key)
         return {"seed": self.seed, "kind_out": self.kind_out, "calibration": self.calibration}
 
+    def files_read(self, recipe: Recipe) -> dict[str, Path]:
+        # real calibration: the verifier engine stops on the chat format's stop ids (slm_calibration)
+        if self.calibration != "real":
+            return {}
+        from hycoc.chat_template import recipe_chat_files
+
+        return recipe_chat_files(recipe)
+
     def _samples(self, graph, slm, keep, inputs, recipe):
         cal = recipe.slm_calibration
         if self.calibration == "synthetic":

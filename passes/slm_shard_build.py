@@ -113,6 +113,9 @@ class SlmShardsPass(Pass):
         # slm_shards is in the [target] dump only when != 1 (hycoc.recipe.Target._dump); named here as well
         return {"seed": self.seed, "calibration": self.calibration, "slm_shards": recipe.target.slm_shards}
 
+    def files_read(self, recipe: Recipe) -> dict[str, Path]:
+        return self.qdq.files_read(recipe)  # its calibration reads what QdqQuantize's does
+
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, Artifact], PassReport]:
         import numpy as np
         import onnx

@@ -239,34 +239,45 @@ def test_a_rollback_before_the_snapshot_prefills_from_0(engine, large_chat):
 
 
 def test_held_bytes_never_pass_the_reservation(engine, large_chat):
-    """Sampled after every forward of the model (a hook, not a polling thread): the cache's tensors plus the
-    snapshot stay within the engine's per-session reservation for the conversation so far."""
-    from hycoc.verifier.kv_cache import held_bytes
+    """Sampled after every forward of the model (a hook, not a polling thread): the cache's tensors, the snapshots
+    and an APPEND's undo copy (`Session.kv_tensors`, each storage once) stay within what the server reserves for
+    the conversation so far: the session's `session_kv_bytes`, one prefilling session's transient, the snapshots'
+    bytes and, while the APPEND runs, its full layers' undo copy (docs/serving.md "Metrics, admission")."""
+    from hycoc.verifier.kv_cache import full_positions, held_storage_bytes
 
-    seen, sessions = [], []
+    seen, sessions, cap = [], [], [0]
 
     def hook(module, args, out):
         for s in sessions:
-            if s.cache is not None:
-                n = held_bytes(s.cache) + (s.snapshot.nbytes if s.snapshot is not None else 0)
-                seen.append((n, engine.session_kv_bytes(len(s.tokens) + s.max_new_tokens + 1, 1)))
+            seen.append((held_storage_bytes(s.kv_tensors()), cap[0]))
+
+    def base(s):
+        return engine.session_kv_bytes(len(s.tokens) + s.max_new_tokens + 1, 1)
 
     handle = engine.model.register_forward_hook(hook)
+    transient = engine.prefill_transient_bytes()
     try:
         conv = Conversation(large_chat)
         r = conv.ask("w1 " * 40)
         s = engine.open(r.ids, Sampling(temperature=0.0), max_new_tokens=30, anchor=r.anchor)
         sessions.append(s)
+        first = engine.snapshot_bytes(r.anchor)
+        cap[0] = engine.session_kv_bytes(len(r.ids) + 30 + 1, 1) + transient + first
         s.prefill()
         conv.answered(r, _answer(s, 30))
         r = conv.ask("w2 " * 20)
         keep = common_prefix(conv.held, r.ids)
+        plan = s.plan_append(r.ids[keep:], keep)
+        undo = engine.kv_layout.full_bytes * (full_positions(s.cache) - plan.start)
+        new_base = engine.session_kv_bytes(len(r.ids) + 30 + 1, 1)
+        cap[0] = max(base(s), new_base) + undo + transient + first + engine.snapshot_bytes(r.anchor)
         s.append(r.ids[keep:], 30, keep=keep, anchor=r.anchor)
         _answer(s, 30)
     finally:
         handle.remove()
-    assert len(seen) > 40 and all(n <= cap for n, cap in seen)
-    assert max(n / cap for n, cap in seen) > 0.5  # the bound is not vacuous
+    assert plan.kind == "snapshot" and undo > 0
+    assert len(seen) > 40 and all(n <= c for n, c in seen)
+    assert max(n / c for n, c in seen) > 0.5  # the bound is not vacuous
 
 
 def test_a_snapshot_inside_a_chunk_equals_one_taken_at_a_chunk_boundary(engine):

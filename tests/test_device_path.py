@@ -224,7 +224,7 @@ def test_a_round_copies_nothing_vocabulary_wide_to_the_host(models, place):
 # ---- hycoc build --device -----------------------------------------------------------------------------------------
 
 
-def test_cpu_cache_keys_are_unchanged_and_a_gpu_keys_the_torch_passes(tmp_path):
+def test_cpu_cache_keys_have_no_device_and_a_gpu_keys_the_torch_passes(tmp_path):
     from hycoc.passes.artifacts import Artifact
     from hycoc.passes.build import build_pipeline
     from hycoc.passes.pipeline import canonical_json
@@ -242,14 +242,16 @@ def test_cpu_cache_keys_are_unchanged_and_a_gpu_keys_the_torch_passes(tmp_path):
     for a, b, c in zip(default.passes, cpu.passes, cuda.passes):
         inputs = {kind: Fixed(kind, None) for kind in a.consumes}
         key = default.cache_key(a, inputs, recipe)
-        # the formula as it was before the device setting existed: CPU builds keep their cache entries
+        # the formula without the device setting: a CPU build's keys hold no "device"
         legacy = {
             "pass": a.name,
             "version": a.version,
             "sections": {t: getattr(recipe, t).model_dump(mode="json") for t in a.reads()},
             "params": a.key_material(recipe),
+            "files": default.files_key(a, recipe),
             "inputs": {k: "f" * 64 for k in sorted(a.consumes)},
             "tools": default._versions,
+            "environment": default._environment,
         }
         assert key == hashlib.sha256(canonical_json(legacy).encode()).hexdigest()
         assert cpu.cache_key(b, inputs, recipe) == key

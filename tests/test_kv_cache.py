@@ -57,7 +57,13 @@ def test_held_bytes_are_the_formula_after_prefill_and_after_every_round(models):
     assert (layout.full_bytes, layout.sliding_bytes, layout.retain) == (512, 512, 9)
     prompt, max_new, rows = list(range(20, 60)), 60, 7
     reserved = engine.session_kv_bytes(min(engine.max_context, len(prompt) + max_new + rows), rows)
-    assert reserved == 512 * 107 + 512 * (9 + max(rows, 5)) + 512 * 9  # window + rows or a chunk of 5, snapshot
+    assert reserved == 512 * 107 + 512 * (9 + rows)  # full layers the context, sliding ones the window + a round
+    # reserved apart: a prefilling session's window + a chunk of 5 (the prefill pool), a snapshot's window
+    assert (engine.prefill_transient_bytes(), engine.snapshot_bytes(30), engine.snapshot_bytes(4)) == (
+        512 * (9 + 5),
+        512 * 9,
+        512 * 4,
+    )
     session = engine.open(prompt, Sampling(0.0, 64, 0.95), max_new_tokens=max_new, acceptance="exact")
     _, t = session.prefill()
     assert t == 39 and held_bytes(session.cache) == layout.session_bytes(39, 0) == 512 * 39 + 512 * 9
@@ -197,9 +203,10 @@ def test_the_toy_verifiers_held_bytes_against_its_reservation():
     assert (layout.full_bytes, layout.sliding_bytes, layout.retain) == (1024, 3 * 1024, 256)
     rows, prompt = 33, np.random.default_rng(3).integers(10, 4000, 400)
     reserved = engine.session_kv_bytes(len(prompt) + 256 + rows, rows)
-    # sliding: the window + the larger of a tree and a 512-position prefill chunk (capped at the context), + the
-    # 256-position snapshot a conversation keeps
-    assert reserved == 1024 * 689 + 3 * 1024 * min(689, 256 + 512) + 3 * 1024 * 256
+    # sliding: the window + a tree; a prefilling session's window + a 512-position chunk and a conversation's
+    # 256-position snapshot are reserved apart (the prefill pool, spare room)
+    assert reserved == 1024 * 689 + 3 * 1024 * (256 + 33)
+    assert (engine.prefill_transient_bytes(), engine.snapshot_bytes(300)) == (3 * 1024 * (256 + 512), 3 * 1024 * 256)
     session = engine.open(prompt, Sampling(0.0, 64, 0.95), max_new_tokens=256, acceptance="exact")
     session.prefill()
     assert held_bytes(session.cache) == storage_bytes(session.cache) == 1024 * 399 + 3 * 1024 * 256

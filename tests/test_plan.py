@@ -128,7 +128,10 @@ def test_inspect_recipe_tables_run():
         "the estimate against device figures",
         "residual",
         "verifier KV per session",
-        "1.196",
+        "0.888",
+        "reserved besides the sessions",
+        "0.315",
+        "0.210",
         "7.382",
     ):
         assert text in result.stdout
@@ -136,21 +139,26 @@ def test_inspect_recipe_tables_run():
 
 def test_gemma4_verifier_kv_per_session(gemma4):
     """26B-A4B in bfloat16: 225,280 B per position at full length (25 sliding layers x 8 x 256 + 5 global x 2 x 512,
-    K and V, 2 B); windowed, the 25 sliding layers hold 1,025 positions (the head's window of 1,024 + 1) + the
-    larger of 33 tree rows and a 512-position prefill chunk, + a 1,025-position snapshot for conversations."""
+    K and V, 2 B); windowed, a session's 25 sliding layers hold 1,025 positions (the head's window of 1,024 + 1) +
+    33 tree rows: 0.888 GB at 32K (1.196 GB before issue 38, when each session also reserved a 512-position chunk's
+    rows and a 1,025-position snapshot). A prefilling session's window + chunk is reserved once per prefill slot
+    (max_prefills 1: the prefill pool), a conversation's snapshot (1,025 positions) from spare room only."""
     kv = gemma4["verifier"]
     assert (kv["kv_bytes_per_position_sliding"], kv["kv_bytes_per_position_full"]) == (204_800, 20_480)
     assert (kv["sliding_retained_positions"], kv["tree_rows"], kv["kv_dtype"]) == (1025, 33, "bfloat16")
-    assert kv["prefill_chunk"] == 512
+    assert (kv["prefill_chunk"], kv["max_prefills"]) == (512, 1)
     assert kv["full_length_bytes"]["32768"] == 225_280 * 32_768 == 7_381_975_040
-    sliding = 1025 + max(33, 512) + 1025
     assert kv["kv_bytes_per_session"] == {
-        "2048": 20_480 * 2048 + 204_800 * sliding,
-        "8192": 20_480 * 8192 + 204_800 * sliding,
-        "32768": 20_480 * 32_768 + 204_800 * sliding,
+        "2048": 20_480 * 2048 + 204_800 * (1025 + 33),
+        "8192": 20_480 * 8192 + 204_800 * (1025 + 33),
+        "32768": 20_480 * 32_768 + 204_800 * (1025 + 33),
     }
-    assert kv["kv_bytes_per_session"]["32768"] == 1_195_786_240
-    assert kv["sessions_per_pool"]["32768"] == {"full_length": 10, "windowed": 80 * 10**9 // 1_195_786_240}
+    assert kv["kv_bytes_per_session"]["32768"] == 887_767_040 <= 0.95e9
+    assert kv["prefill_transient_bytes"]["32768"] == 204_800 * (1025 + 512) == 314_777_600
+    assert kv["prefill_pool_bytes"]["32768"] == 314_777_600
+    assert kv["snapshot_bytes"] == {"2048": 209_920_000, "8192": 209_920_000, "32768": 204_800 * 1025}
+    fit = (80 * 10**9 - 314_777_600) // 887_767_040
+    assert kv["sessions_per_pool"]["32768"] == {"full_length": 10, "windowed": fit} and fit == 89
 
 
 def test_toy_plan_counts_the_real_toy_models(toy):

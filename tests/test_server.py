@@ -601,9 +601,12 @@ def test_appends_roll_back_each_way_and_a_wrong_conversation_changes_nothing(mod
             assert e.value.code == "conversation_mismatch"
             assert f"keeps {len(held) + 1} ids but the session holds {len(held)}" in e.value.server_message
             assert live.tokens == held and live.finished and live.appends == []
-            assert srv.server.metrics.kv_bytes_reserved == engine.session_kv_bytes(10 + 12 + ROWS, ROWS)
+            # the session's KV, the snapshot at OPEN's anchor 8 (spare room) and the prefill pool (one session)
+            pool = engine.prefill_transient_bytes()
+            reserved = engine.session_kv_bytes(10 + 12 + ROWS, ROWS) + engine.snapshot_bytes(8) + pool
+            assert srv.server.metrics.kv_bytes_reserved == reserved
 
-            kinds, positions, expected = [], 10 + 12 + ROWS, []
+            kinds, snapshot_at, expected = [], 8, []
             first_turn = turn
             for keep, turn, anchor, max_new in (
                 (9, first_turn, 10, 6),
@@ -624,10 +627,13 @@ def test_appends_roll_back_each_way_and_a_wrong_conversation_changes_nothing(mod
                 conversation = held[:keep] + turn.tolist()
                 assert (got.session_id, got.t, t) == (opened.session_id, len(conversation) - 1, len(conversation) - 1)
                 assert got.prefill_ms > 0 and live.tokens == conversation
-                # the reservation grows (never shrinks) to the conversation, the turn's cap and one tree; the
-                # rollback copy it held during the prefill is given back
-                positions = max(positions, len(conversation) + max_new + ROWS)
-                assert srv.server.metrics.kv_bytes_reserved == engine.session_kv_bytes(positions, ROWS)
+                # the reservation follows the conversation, the turn's cap and one tree; the undo copy it held
+                # during the prefill is given back, and a new anchor's snapshot replaces the old one
+                snapshot_at = anchor or snapshot_at
+                positions = len(conversation) + max_new + ROWS
+                assert srv.server.metrics.kv_bytes_reserved == (
+                    engine.session_kv_bytes(positions, ROWS) + engine.snapshot_bytes(snapshot_at) + pool
+                )
                 output, bonus_last = finish_turn(c, ref, reference.model, max_new)
                 held = conversation + output
                 kinds.append((live.appends[-1].kind, live.appends[-1].reprefilled))
@@ -697,6 +703,7 @@ def test_healthz(server):
             "mode": "batched",
             "max_batch_rows": 528,
             "max_batch_wait_ms": 2.0,
+            "max_prefills": 1,
             "tree_budget": "fixed",
             "allowance": "fixed",
         },
@@ -734,6 +741,15 @@ def test_metrics_count_exactly(server, reference):
         "hycoc_allowance_rows": "histogram",
         "hycoc_appends_total": "counter",
         "hycoc_append_reprefilled_tokens_total": "counter",
+        "hycoc_kv_bytes_held": "gauge",
+        "hycoc_kv_bytes_held_peak": "gauge",
+        "hycoc_kv_held_over_reserved_total": "counter",
+        "hycoc_kv_bytes_prefill_pool": "gauge",
+        "hycoc_kv_bytes_snapshots": "gauge",
+        "hycoc_snapshots_evicted_total": "counter",
+        "hycoc_prefills_active": "gauge",
+        "hycoc_rss_bytes": "gauge",
+        "hycoc_memory_released_bytes_total": "counter",
     }
     assert values["hycoc_rounds_total"] == 0 and np.isnan(values["hycoc_mat"])
     assert {k: v for k, v in values.items() if k.startswith("hycoc_append")} == {  # every kind from the start
@@ -854,6 +870,7 @@ def test_engine_from_recipe_takes_every_setting_from_the_recipe(tmp_path, saved_
         "batching": "batched",
         "max_batch_rows": 64,
         "max_batch_wait_ms": 0.5,
+        "max_prefills": 1,
         "tree_budget": "auto",
         "row_cost": RowCost(((7, 1.5), (64, 4.0)), source="recipe verifier.row_cost"),
         "min_rows_per_session": 2,
@@ -915,6 +932,7 @@ def test_verify_server_command_serves_until_sigterm(tmp_path, saved_models):
             "mode": "serial",
             "max_batch_rows": 32,
             "max_batch_wait_ms": 0.5,
+            "max_prefills": 1,
             "tree_budget": "fixed",
             "allowance": "fixed",
         }

@@ -239,15 +239,17 @@ def test_an_idle_session_is_freed_and_told_why(engine):
     with serving(engine, **QUICK) as srv:
         client = VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10)
         opened = client.open(request())
-        # 217 positions capped at max_context; sliding layers at their window plus the larger of a round's 7 rows
-        # and a prefill chunk's 8, plus the conversation's snapshot of the window: 512 B x 128 + 512 B x (7 + 8 + 7)
-        assert srv.server.metrics.kv_bytes_reserved == engine.session_kv_bytes(MAX_CONTEXT, ROWS) == 76800
+        # 217 positions capped at max_context; sliding layers at their window plus a round's 7 rows: 512 B x 128 +
+        # 512 B x (7 + 7); beside it the prefill pool: 1 prefilling session x 512 B x (7 + a chunk of 8)
+        pool = 512 * (7 + 8)
+        assert engine.session_kv_bytes(MAX_CONTEXT, ROWS) == 72_704 and engine.prefill_transient_bytes() == pool
+        assert srv.server.metrics.kv_bytes_reserved == 72_704 + pool == 80_384
         cache = srv.server.sessions[opened.session_id].cache  # 9 prefilled positions; sliding layers keep 7 of them
         assert held_bytes(cache) == storage_bytes(cache) == engine.kv_layout.session_bytes(9, 0) == 512 * (9 + 7)
         t0 = time.monotonic()
         wait_for(lambda: not srv.server.sessions, what="the idle session's release")
         assert time.monotonic() - t0 > 0.5  # not before idle_timeout_s = 0.6 s (the OPEN's reply came first)
-        wait_for(lambda: srv.server.metrics.kv_bytes_reserved == 0, what="the idle session's KV release")
+        wait_for(lambda: srv.server.metrics.kv_bytes_reserved == pool, what="the idle session's KV release")
         with pytest.raises(ServerError) as info:
             client.round(DraftTree(0, np.full(ROWS, 29, np.int32), np.arange(-1, ROWS - 1, dtype=np.int32)))
         assert info.value.code == "idle_timeout" and opened.session_id == 1
@@ -285,19 +287,20 @@ def test_sessions_over_the_limit_get_too_many_sessions(engine):
 
 def test_the_kv_budget_refuses_an_open_that_would_pass_it(engine):
     # 2 full + 2 sliding layers x (32 K + 32 V) x 4 B: 512 B per position each; sliding layers keep 7 positions
-    # (window 8 - 1) + the larger of the round's 7 rows and a prefill chunk's 8, + a snapshot of 7 (conversations)
+    # (window 8 - 1) + the round's 7 rows; the prefill pool: 1 session x 512 B x (7 + a chunk of 8) = 7,680 B
     layout = engine.kv_layout
     assert (layout.full_bytes, layout.sliding_bytes, layout.retain, engine.kv_bytes_per_position) == (512, 512, 7, 1024)
     assert engine.prefill_chunk == CHUNK == 8
-    with serving(engine, **{**QUICK, "idle_timeout_s": 30.0, "max_kv_bytes": 125_000}) as srv:
+    with serving(engine, **{**QUICK, "idle_timeout_s": 30.0, "max_kv_bytes": 130_000}) as srv:
+        assert srv.server.metrics.kv_bytes_reserved == 7_680
         a = VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10)
-        a.open(request())  # min(10 + 200 + 7, max_context 128): 512 x 128 + 512 x 22 = 76,800 B
+        a.open(request())  # min(10 + 200 + 7, max_context 128): 512 x 128 + 512 x 14 = 72,704 B
         with pytest.raises(ServerError) as info:
             VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10).open(request())
         assert info.value.code == "kv_budget_exhausted"
-        assert "needs 76800 KV bytes (128 positions), 76800 of max_kv_bytes = 125000" in str(info.value)
-        VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10).open(request(max_new=50))  # 67: 512 x (67 + 22) fits
-        assert srv.server.metrics.kv_bytes_reserved == 76800 + 45568 == 512 * (128 + 22) + 512 * (67 + 22)
+        assert "needs 72704 KV bytes (128 positions), 80384 of max_kv_bytes = 130000" in str(info.value)
+        VerifierClient(srv.url, auth_token=TOKEN, timeout_s=10).open(request(max_new=50))  # 67: 512 x (67 + 14) fits
+        assert srv.server.metrics.kv_bytes_reserved == 7_680 + 72_704 + 41_472 == 512 * (15 + 128 + 14 + 67 + 14)
         assert refusals(srv)["max_kv_bytes"] == 1
 
 

@@ -135,39 +135,42 @@ def test_pings_are_answered_while_the_engine_prefills(engine, gate):
 def test_append_reserves_its_kv_before_its_prefill_and_the_budget_holds_under_concurrent_opens(engine, gate):
     first = engine.session_kv_bytes(19, ROWS)  # min(128, 10 + 2 + 7) positions, windowed layers
     grown = engine.session_kv_bytes(128, ROWS)  # 12 committed + 10 + 100 + 7 > 128: capped
-    budget = grown + first - 1  # room for B's OPEN only while A's growth is not counted
+    pool = engine.prefill_transient_bytes()  # one prefilling session's window + chunk, reserved at start
+    # room for B's OPEN only while A's growth is not counted (A keeps every held id: a crop with no undo copy
+    # of its full layers, which hold exactly the held positions)
+    budget = pool + grown + first - 1
     with serving(engine, max_kv_bytes=budget, idle_timeout_s=30.0) as srv:
         kv = srv.server.admission.kv  # checks its invariant (reserved <= max_kv_bytes) at every reservation
         a = VerifierClient(srv.url, timeout_s=30)
         a.open(request())
         finish_turn(a)
-        assert kv.reserved == first
+        assert kv.reserved == pool + first
         gate.hold()
         result = {}
         turn = next_turn(srv, np.arange(30, 40), 100)
         appender = threading.Thread(target=lambda: result.setdefault("opened", a.append(turn)))
         appender.start()
         assert gate.entered.wait(10)  # A's APPEND prefill is running (held) ...
-        assert kv.reserved == grown  # ... and its growth is already reserved
+        assert kv.reserved == pool + grown  # ... and its growth is already reserved
         with pytest.raises(ServerError) as info:
             VerifierClient(srv.url, timeout_s=30).open(request())
         assert info.value.code == "kv_budget_exhausted"
-        assert f"this request needs {first} KV bytes (19 positions), {grown} of max_kv_bytes = {budget}" in str(
-            info.value
+        assert f"this request needs {first} KV bytes (19 positions), {pool + grown} of max_kv_bytes = {budget}" in (
+            str(info.value)
         )
         gate.release()
         appender.join(30)
-        assert isinstance(result["opened"], Opened) and kv.reserved == grown
+        assert isinstance(result["opened"], Opened) and kv.reserved == pool + grown
         a.close()
         deadline = time.monotonic() + 10
-        while kv.reserved and time.monotonic() < deadline:
+        while kv.reserved > pool and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert kv.reserved == 0 and srv.server.admission.sessions.in_use == 0
-        assert kv.peak == grown <= budget  # the most ever reserved: A's growth; B's OPEN never joined it
+        assert kv.reserved == pool and srv.server.admission.sessions.in_use == 0
+        assert kv.peak == pool + grown <= budget  # the most ever reserved: A's growth; B's OPEN never joined it
 
 
 def test_every_failed_append_gives_its_kv_back(engine, gate):
-    first = engine.session_kv_bytes(19, ROWS)
+    first = engine.session_kv_bytes(19, ROWS) + engine.prefill_transient_bytes()  # the session's and the pool
     with serving(engine, idle_timeout_s=30.0) as srv:
         kv = srv.server.admission.kv
         a = VerifierClient(srv.url, timeout_s=30)
@@ -187,12 +190,13 @@ def test_every_failed_append_gives_its_kv_back(engine, gate):
         gate.hold()
         b._ws.send(wire.encode(next_turn(srv, np.arange(30, 40), 100)))
         assert gate.entered.wait(10)
-        assert kv.reserved == engine.session_kv_bytes(128, ROWS)
+        pool = engine.prefill_transient_bytes()
+        assert kv.reserved == engine.session_kv_bytes(128, ROWS) + pool
         connections = srv.server.metrics.connections_active
         b._ws.close()
         wait_until(lambda: srv.server.metrics.connections_active < connections, "the server's seeing B leave")
         gate.release()
-        wait_until(lambda: not kv.reserved and not srv.server.sessions, "B's KV and session given back")
+        wait_until(lambda: kv.reserved == pool and not srv.server.sessions, "B's KV and session given back")
 
 
 class Script:

@@ -117,6 +117,10 @@ def append_job(
             crop_cache(cache, plan.start)
     ids = torch.as_tensor(plan.conversation[plan.start : -1], device=eng.device)
     new_snapshot: list[WindowSnapshot] = []
+    # what undoes the APPEND, held until its last chunk ran (then dropped at once: the server gives its
+    # reservation back right after) and counted in the session's KV meanwhile (`Session.kv_tensors`)
+    undo = {"checkpoint": checkpoint, "cache": old_cache, "snapshot": old_snapshot}
+    session.undo = (checkpoint, old_cache if plan.kind == "full" else None, old_snapshot)
 
     def done(last, ms: float) -> tuple[float, int]:
         session.tokens = [int(x) for x in plan.conversation]
@@ -128,13 +132,24 @@ def append_job(
             session.snapshot = new_snapshot[-1]
         session.turns_prefill_ms.append(ms)
         session.appends.append(plan)
+        session.undo = None
+        undo.clear()
         return ms, session.t
 
     def abort() -> None:
-        if checkpoint is not None:
-            checkpoint.restore()
-        session.cache, session.snapshot = old_cache, old_snapshot
+        if undo["checkpoint"] is not None:
+            undo["checkpoint"].restore()
+        session.cache, session.snapshot, session.undo = undo["cache"], undo["snapshot"], None
+        undo.clear()
 
     return PrefillJob(
-        eng, cache, ids, plan.start, done, snapshot_at=anchor or None, on_snapshot=new_snapshot.append, abort=abort
+        eng,
+        cache,
+        ids,
+        plan.start,
+        done,
+        snapshot_at=anchor or None,
+        on_snapshot=new_snapshot.append,
+        abort=abort,
+        kind="append",
     )

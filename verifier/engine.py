@@ -39,7 +39,9 @@ Not thread-safe: run one call at a time per engine (one worker thread for all it
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -81,7 +83,7 @@ from .errors import (
     TreeError,
 )
 from .forward import NormTap, Timer
-from .kv_cache import WindowSnapshot, window_start
+from .kv_cache import WindowSnapshot, cache_tensors, held_storage_bytes, snapshot_tensors, window_start
 from .kv_surgery import compact_kv, crop_cache, pack_handoff
 from .model import VerifierModel
 from .model import producer_layers as producer_layers  # re-exported: callers import it from here
@@ -118,7 +120,27 @@ def verify_tree(
 class VerifierEngine(VerifierModel):
     """One verifier model (and optionally its MTP head) serving many sessions: a `VerifierModel` (its arguments and
     attributes: model, head, keep set, W, K, hand-off scales, which h, EOS ids, chat format, max_context, prefill
-    chunk, device; the KV geometry and `session_kv_bytes`) that opens `Session`s."""
+    chunk, device; the KV geometry and `session_kv_bytes`) that opens `Session`s and measures the KV they hold
+    (`kv_bytes_held`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._sessions: dict[int, weakref.ref] = {}  # every session opened and not yet garbage, by id
+        self._sessions_lock = threading.Lock()  # open() runs on the event loop, kv_bytes_held() on the worker
+
+    def live_sessions(self) -> list[Session]:
+        """The sessions opened on this engine that still exist (closed ones included until they are garbage)."""
+        with self._sessions_lock:
+            alive = {k: r() for k, r in self._sessions.items()}
+            for k in [k for k, s in alive.items() if s is None]:
+                del self._sessions[k]
+        return [s for s in alive.values() if s is not None]
+
+    def kv_bytes_held(self) -> int:
+        """Bytes of KV memory every session of this engine keeps alive now: caches, conversation snapshots and
+        an APPEND's undo copy (`Session.kv_tensors`), each storage counted once. What the server's
+        ``hycoc_kv_bytes_held`` reports and its KV reservation must cover."""
+        return held_storage_bytes([x for s in self.live_sessions() for x in s.kv_tensors()])
 
     def open(
         self,
@@ -160,7 +182,7 @@ class VerifierEngine(VerifierModel):
             raise BadRequest(f"draft_place {draft_place!r} needs the verifier's MTP head, and none is loaded")
         if not 0 <= int(anchor) < len(prompt):
             raise BadRequest(f"anchor must be in [0, {len(prompt)}) (a prompt position), got {anchor}")
-        return Session(
+        session = Session(
             self,
             prompt,
             sampling,
@@ -171,6 +193,9 @@ class VerifierEngine(VerifierModel):
             int(max_new_tokens),
             anchor=int(anchor),
         )
+        with self._sessions_lock:
+            self._sessions[id(session)] = weakref.ref(session)
+        return session
 
 
 @dataclass
@@ -245,6 +270,7 @@ class Session:
         self.turns_prefill_ms: list[float] = []  # prefill ms of each appended turn (`append`)
         self.appends: list[AppendPlan] = []  # how each APPEND rolled the conversation back
         self.snapshot: WindowSnapshot | None = None  # sliding layers at the last model turn's opening
+        self.undo: tuple | None = None  # what an APPEND in flight keeps to undo itself (`kv_tensors`)
         self.generator = torch.Generator().manual_seed(self.seed)
         self.cache: DynamicCache | None = None
         self._h: torch.Tensor | None = None  # h of position t - 1 (pre- or post-norm per engine.hidden)
@@ -306,8 +332,23 @@ class Session:
         def keep(snap: WindowSnapshot) -> None:
             self.snapshot = snap
 
+        def abort() -> None:  # a failed prefill holds nothing: the session may be prefilled again
+            self.cache, self.snapshot = None, None
+
         anchor = self.anchor if 0 < self.anchor <= len(ids) else None
-        return PrefillJob(eng, self.cache, ids, 0, done, snapshot_at=anchor, on_snapshot=keep)
+        return PrefillJob(eng, self.cache, ids, 0, done, snapshot_at=anchor, on_snapshot=keep, abort=abort)
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """Every KV tensor the session keeps alive: its cache's, its snapshot's and, while an APPEND runs, the
+        undo copy's (the checkpoint, the old cache of a full re-prefill, the old snapshot). The worker thread reads
+        them between its own steps."""
+        out = cache_tensors(self.cache) + snapshot_tensors(self.snapshot)
+        undo = self.undo
+        if undo is not None:
+            checkpoint, old_cache, old_snapshot = undo
+            out += (checkpoint.tensors() if checkpoint is not None else []) + cache_tensors(old_cache)
+            out += snapshot_tensors(old_snapshot)
+        return out
 
     # ---------------------------------------------------------------------------------- the next turn (APPEND)
 
@@ -348,8 +389,8 @@ class Session:
         return append_turn.append_job(self, turn_ids, max_new_tokens, keep=keep, keep_crc=keep_crc, anchor=anchor)
 
     def close(self) -> None:
-        """Free the KV cache."""
-        self.cache = None
+        """Free the KV cache and the conversation snapshot."""
+        self.cache, self.snapshot, self.undo = None, None, None
         self.finished = True
 
     # ------------------------------------------------------------------------------------------------ a round

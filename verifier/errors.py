@@ -67,3 +67,9 @@ class NotPrefilled(VerifierError):
     """A round sent before ``Session.prefill``."""
 
     code = "not_prefilled"
+
+
+class InjectedFault(VerifierError):
+    """A fault injected on purpose (`hycoc.verifier.faults`, soak runs only); the request changed nothing."""
+
+    code = "injected_fault"

@@ -22,8 +22,11 @@ A layer's column c holds position ``start + c`` (``start`` is 0 for full layers)
 compaction, crop and hand-off read through it. Between two forwards a sliding layer holds at most
 ``retain + R`` positions (R: the last round's rows); a full layer holds [0, t).
 
-`kv_bytes_per_session` is the one formula for what a session holds at its largest: the server's KV reservation
-(``max_kv_bytes``) and ``hycoc inspect RECIPE`` both use it, and tests check it against the tensors' own bytes.
+`kv_bytes_per_session` is the one formula for what a session holds at its largest between prefills (the server's
+per-session KV reservation, ``max_kv_bytes``); `KVLayout.prefill_transient_bytes` what a session holds more while it
+prefills (a chunk's rows and the undo copy of its sliding layers: reserved once per concurrently prefilling session,
+``max_prefills``), `KVLayout.snapshot_bytes` a conversation's `WindowSnapshot`. ``hycoc inspect RECIPE`` prints all
+three, and tests check them against the tensors' own bytes (`held_storage_bytes`).
 """
 
 from __future__ import annotations
@@ -235,13 +238,35 @@ def held_bytes(cache: DynamicCache) -> int:
 def storage_bytes(cache: DynamicCache) -> int:
     """Bytes of the memory the cache's tensors keep alive (their storages, each counted once): >= `held_bytes`
     when a layer is a slice of a larger tensor."""
-    seen = {}
-    for layer in cache.layers:
-        if stores_kv(layer):
-            for x in (layer.keys, layer.values):
-                s = x.untyped_storage()
-                seen[s.data_ptr()] = s.nbytes()
+    return held_storage_bytes(cache_tensors(cache))
+
+
+def cache_tensors(cache: DynamicCache | None) -> list[torch.Tensor]:
+    """The keys and values of every layer of ``cache`` that stores KV (none for None)."""
+    if cache is None:
+        return []
+    return [x for layer in cache.layers if stores_kv(layer) for x in (layer.keys, layer.values)]
+
+
+def snapshot_tensors(snap: WindowSnapshot | None) -> list[torch.Tensor]:
+    """The keys and values a `WindowSnapshot` holds (none for None)."""
+    return [] if snap is None else [x for k, v, _ in snap.layers.values() for x in (k, v)]
+
+
+def held_storage_bytes(tensors) -> int:
+    """Bytes of the memory ``tensors`` keep alive: their storages, each counted once (a snapshot restored into a
+    cache shares its storage with it; a cropped layer is a view that keeps its whole storage)."""
+    seen: dict[int, int] = {}
+    for x in tensors:
+        s = x.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
+
+
+def full_positions(cache: DynamicCache) -> int:
+    """Positions the cache's full-attention layers hold now (0 without any)."""
+    return max([layer.keys.shape[-2] for layer in cache.layers if stores_kv(layer) and not isinstance(
+        layer, SlidingWindowLayer)], default=0)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -278,13 +303,25 @@ class KVLayout:
     def session_bytes(self, context: int, tree_rows: int, prefill_chunk: int = 0, snapshot: bool = False) -> int:
         """Bytes a session holds at its largest when its positions (committed plus a forward's rows) reach
         ``context``: full layers ``context`` positions; sliding layers min(context, retain + rows) where rows is
-        the larger of a round's ``tree_rows`` and a prefill chunk's ``prefill_chunk`` (a chunk's rows are held until
-        the chunk's forward ends: the prefill peak); with ``snapshot``, one more min(context, retain) positions of the
-        sliding layers (the `WindowSnapshot` a conversation keeps at its model turn's opening)."""
+        the larger of a round's ``tree_rows`` and ``prefill_chunk`` (0: the server's per-session reservation, whose
+        prefill peak is `prefill_transient_bytes`, reserved per prefilling session); with ``snapshot``, one more
+        min(context, retain) positions of the sliding layers (`snapshot_bytes` at an anchor past the window)."""
         rows = max(int(tree_rows), int(prefill_chunk))
         window = min(context, self.retain + rows)
         kept = min(context, self.retain) if snapshot else 0
         return self.full_bytes * context + self.sliding_bytes * (window + kept)
+
+    def prefill_transient_bytes(self, max_context: int, prefill_chunk: int) -> int:
+        """Bytes a prefilling session holds beyond `session_bytes` (whatever its rows) and an APPEND's full-layer
+        copy: its sliding layers' ``retain`` positions plus a chunk's rows while a chunk runs, min(max_context,
+        retain + prefill_chunk) positions, which also covers the copy of its sliding layers an APPEND keeps to undo
+        itself (at most retain + a round's rows). Reserved once per concurrently prefilling session."""
+        return self.sliding_bytes * min(int(max_context), self.retain + int(prefill_chunk))
+
+    def snapshot_bytes(self, anchor: int) -> int:
+        """Bytes of the `WindowSnapshot` taken at position ``anchor``: the sliding layers' last min(anchor, retain)
+        positions (exactly what `take_snapshot` / `snapshot_inside` clone); 0 without an anchor."""
+        return self.sliding_bytes * min(max(int(anchor), 0), self.retain)
 
 
 def kv_bytes_per_session(

@@ -143,7 +143,7 @@ def server_options(
     ``tree_rows`` = B + 1 ([tree].node_budget + 1; the device pads smaller trees to it), ``max_frame_bytes``
     ([verifier].max_frame_bytes), ``model_name`` ([models].verifier as written), ``limits`` (the server limits
     of [verifier], `hycoc.verifier.server.ServerLimits`), the batching keys ``batching``, ``max_batch_rows``,
-    ``max_batch_wait_ms`` and the row budget's ``tree_budget``, ``row_cost`` (`row_cost_of`),
+    ``max_batch_wait_ms``, ``max_prefills`` and the row budget's ``tree_budget``, ``row_cost`` (`row_cost_of`),
     ``min_rows_per_session`` and the tree allowance's ``allowance``, ``allowance_target_ms``, ``allowance_floor``
     ([verifier] keys of the same names). The keyword arguments, when not None, replace them (the command-line
     options of the same names). Serial verification has no shared forward for a budget or an allowance to act on:
@@ -174,6 +174,7 @@ def _recipe_server_options(recipe: Recipe) -> dict:
         "batching": recipe.verifier.batching,
         "max_batch_rows": recipe.verifier.max_batch_rows,
         "max_batch_wait_ms": recipe.verifier.max_batch_wait_ms,
+        "max_prefills": recipe.verifier.max_prefills,
         "tree_budget": recipe.verifier.tree_budget,
         "row_cost": row_cost_of(recipe),
         "min_rows_per_session": recipe.verifier.min_rows_per_session,

@@ -54,7 +54,8 @@ class VerifierModel:
     KV: kv_retain, the committed positions a sliding layer keeps (`hycoc.verifier.kv_cache.retained_positions`);
     kv_layout, its `KVLayout`; kv_bytes_per_position, bytes of K and V one position would hold over all layers
     that store KV if every layer kept every position (the layout before sliding windows). `session_kv_bytes` is
-    what the server's KV budget reserves per session.
+    what the server's KV budget reserves per session, `prefill_transient_bytes` per prefilling session and
+    `snapshot_bytes` per conversation snapshot; `kv_bytes_held` measures what the open sessions hold.
     """
 
     def __init__(
@@ -121,10 +122,11 @@ class VerifierModel:
         return session_cache(self.model.config, self.kv_retain)
 
     def session_kv_bytes(self, positions: int, tree_rows: int) -> int:
-        """KV bytes a session holds at its largest when its positions (committed plus a round's rows) reach
-        ``positions`` and a round adds at most ``tree_rows`` rows (`hycoc.verifier.kv_cache.kv_bytes_per_session`
-        for this engine's model, dtype, W and head); Cloud+MTP's root + K-chain is counted too, and so are a
-        prefill chunk's rows (the prefill peak) and the conversation's sliding-window snapshot."""
+        """KV bytes a session holds at its largest between prefills when its positions (committed plus a round's
+        rows) reach ``positions`` and a round adds at most ``tree_rows`` rows
+        (`hycoc.verifier.kv_cache.kv_bytes_per_session` for this engine's model, dtype, W and head); Cloud+MTP's
+        root + K-chain is counted too. A prefill's chunk rows are `prefill_transient_bytes`, a conversation's
+        snapshot `snapshot_bytes`."""
         return kv_bytes_per_session(
             self.model.config,
             int(positions),
@@ -132,9 +134,16 @@ class VerifierModel:
             handoff_window=self.head_window,
             dtype_bytes=torch.finfo(self.dtype).bits // 8,
             head_sliding_window=self._head_sliding_window,
-            prefill_chunk=self.prefill_chunk,
-            snapshot=True,
         )
+
+    def prefill_transient_bytes(self) -> int:
+        """KV bytes one prefilling session holds beyond `session_kv_bytes` and an APPEND's full-layer copy
+        (`hycoc.verifier.kv_cache.KVLayout.prefill_transient_bytes` at this engine's max_context and chunk)."""
+        return self.kv_layout.prefill_transient_bytes(self.max_context, self.prefill_chunk)
+
+    def snapshot_bytes(self, anchor: int) -> int:
+        """KV bytes of the conversation snapshot taken at position ``anchor`` (`KVLayout.snapshot_bytes`)."""
+        return self.kv_layout.snapshot_bytes(anchor)
 
     def close(self) -> None:
         """Remove the engine's hook from the model."""

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import sys
+import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -10,7 +12,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from . import forward
+from . import faults, forward
 from .forward import Timer
 from .kv_cache import SlidingWindowLayer, snapshot_inside, stores_kv, take_snapshot
 
@@ -30,8 +32,10 @@ class PrefillJob:
     ``on_snapshot``): at a chunk's start or end by `hycoc.verifier.kv_cache.take_snapshot`, inside a chunk by
     `hycoc.verifier.kv_cache.snapshot_inside` after its forward (chunks are never split for it), or None. abort:
     called when a chunk raises
-    (the session's state is put back as before the job: an APPEND is all or nothing); the job is then failed and
-    every later `step` raises RuntimeError.
+    (the session's state is put back as before the job: an APPEND is all or nothing); the job is then failed,
+    holds no KV (its cache and the failed chunk's frames are dropped before the error propagates, so a caller can
+    give the reservation back at once) and every later `step` raises RuntimeError. kind: "prefill" or "append"
+    (an APPEND's chunks are the ``append_chunk`` fault point of `hycoc.verifier.faults`).
     """
 
     def __init__(
@@ -44,8 +48,9 @@ class PrefillJob:
         snapshot_at: int | None = None,
         on_snapshot=None,
         abort=None,
+        kind: str = "prefill",
     ):
-        self.engine, self.cache, self.ids, self.start = engine, cache, ids, start
+        self.engine, self.cache, self.ids, self.start, self.kind = engine, cache, ids, start, kind
         self.next = 0  # ids consumed so far
         self.ms = 0.0
         self.result: tuple[float, int] | None = None
@@ -91,6 +96,8 @@ class PrefillJob:
             self._snapshot_if_due()
             n = min(eng.prefill_chunk, len(self.ids) - self.next)
             last = None
+            if n > 0 and self.kind == "append":
+                faults.maybe_fail("append_chunk")
             if n > 0:
                 with Timer(eng.device) as timer:
                     last = forward.prefill(
@@ -113,6 +120,8 @@ class PrefillJob:
             self.failed = True
             if self._abort is not None:
                 self._abort()
+            self.cache, self._last, self._abort, self._done = None, None, None, None
+            traceback.clear_frames(sys.exc_info()[2])  # the failed forward's frames hold the cache and activations
             raise
         return self.result
 
@@ -159,6 +168,13 @@ class CacheCheckpoint:
                 n = layer.keys.shape[-2]
                 tail = (layer.keys[..., self.start :, :].clone(), layer.values[..., self.start :, :].clone())
                 self.layers.append((i, tail, n))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors the checkpoint keeps (the sliding layers' and the full layers' cloned tails)."""
+        out: list[torch.Tensor] = []
+        for entry in self.layers:
+            out += list(entry[1:3]) if len(entry) == 5 else list(entry[1])
+        return out
 
     def restore(self) -> None:
         for entry in self.layers:

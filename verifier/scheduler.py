@@ -8,7 +8,10 @@ worker thread, where the model lives:
     a step = the queued rounds, oldest first, up to max_batch_rows tree rows (at least one round, one per
              session), verified in ONE forward (`hycoc.verifier.batch.verify_batch`)
            + prefill chunks of the queued prefills, oldest first, up to engine.prefill_chunk positions in all
-             (at least one chunk): several short prompts per step, a long one chunk by chunk
+             (at least one chunk): several short prompts per step, a long one chunk by chunk; at most
+             ``max_prefills`` prefills are under way at once (begun and not finished: each holds a chunk's rows
+             and an APPEND's undo copy of its sliding layers, which the server reserves once per such slot), the
+             others wait in arrival order
 
 Waiting: once a round is queued the scheduler waits at most ``max_batch_wait_ms`` from its arrival for more, and
 dispatches at once when the rows reach ``max_batch_rows`` or every open session has a round queued (nobody else
@@ -47,11 +50,13 @@ from .prefill_job import PrefillJob
 class StepReport:
     """One step: ``stats`` of its batched forward (rows, sessions, ms; rows == 0 without rounds), ``waits``: seconds
     each round of the forward waited (arrival -> the step starting on the worker; rounds refused before the forward
-    and retries are not counted), ``prefill_chunks``: prefill chunks run (of one or more sessions)."""
+    and retries are not counted), ``prefill_chunks``: prefill chunks run (of one or more sessions),
+    ``prefills_active``: prefills begun and not finished after the step (<= max_prefills)."""
 
     stats: BatchStats
     waits: list[float] = field(default_factory=list)
     prefill_chunks: int = 0
+    prefills_active: int = 0
 
 
 @dataclass
@@ -88,6 +93,7 @@ class BatchScheduler:
     allowance: an `AllowanceRule` (``allowance = "auto"``): each reply grants the session's next round the rows
         the rule sets from the load (`hycoc.verifier.allowance`), and every step teaches it; None: every reply
         grants the whole tree (tree_rows). Settable like row_budget.
+    max_prefills: most prefills under way at once (>= 1; module docstring).
     """
 
     def __init__(
@@ -102,6 +108,7 @@ class BatchScheduler:
         prefill_budget: int = 512,
         row_budget: RowBudget | None = None,
         allowance: AllowanceRule | None = None,
+        max_prefills: int = 1,
     ):
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows = {max_batch_rows}: must be >= 1")
@@ -116,6 +123,9 @@ class BatchScheduler:
         if prefill_budget < 1:
             raise ValueError(f"prefill_budget = {prefill_budget}: must be >= 1")
         self.prefill_budget = int(prefill_budget)
+        if max_prefills < 1:
+            raise ValueError(f"max_prefills = {max_prefills}: must be >= 1")
+        self.max_prefills = int(max_prefills)
         self.row_budget = row_budget
         self.allowance = allowance
         self._rounds: deque[_Round] = deque()
@@ -176,7 +186,7 @@ class BatchScheduler:
                 continue
             try:
                 report, results = await self._run(
-                    _step, batch, prefills, self.prefill_budget, self.row_budget, self.allowance
+                    _step, batch, prefills, self.prefill_budget, self.row_budget, self.allowance, self.max_prefills
                 )
             except BaseException as e:  # a failure outside the engine's handling, or cancelled (then re-raised)
                 for item in batch + prefills:
@@ -230,13 +240,15 @@ def _step(
     prefill_budget: int,
     row_budget: RowBudget | None = None,
     allowance: AllowanceRule | None = None,
+    max_prefills: int = 1,
 ):
     """Worker thread: the rounds of ``batch`` in one forward (rows chosen by ``row_budget`` when given; each reply
     granting its session's next round the rows ``allowance`` sets, the whole tree without one), then
     prefill chunks of ``prefills`` (oldest first) until ``prefill_budget`` positions ran (the first chunk always runs; a
     prefill whose next chunk would pass the budget waits for the next step, and so do the ones after it, keeping
-    arrival order). A prefill that fails gets ``error`` set and the others go on. Returns (StepReport, per round
-    (reply, frame, committed, verified) or the exception)."""
+    arrival order); a prefill begins (its job is made) only while fewer than ``max_prefills`` are under way. A prefill
+    that fails gets ``error`` set and the others go on. Returns (StepReport, per round (reply, frame, committed,
+    verified) or the exception)."""
     start = time.monotonic()
     stats = BatchStats()
     report = StepReport(stats)
@@ -268,18 +280,25 @@ def _step(
                 report.waits.append(start - r.arrived)
             results.append((reply, frame, len(r.session.tokens) - n_tokens, verified))
     used = 0
+    active = sum(1 for p in prefills if p.job is not None and not p.job.done)
     for prefill in prefills:
         try:
             if prefill.job is None:
+                if active >= max_prefills or (report.prefill_chunks and used >= prefill_budget):
+                    break
                 prefill.job = prefill.make()
+                active += 1
             n = min(prefill.job.engine.prefill_chunk, prefill.job.remaining)
             if report.prefill_chunks and used + n > prefill_budget:
                 break
             prefill.job.step()
             used += n
             report.prefill_chunks += 1
+            active -= prefill.job.done
         except Exception as e:  # noqa: BLE001 -- that prefill's own error, reported to its OPEN / APPEND
+            active -= prefill.job is not None
             prefill.job, prefill.error = None, e
+    report.prefills_active = active
     return report, results
 
 

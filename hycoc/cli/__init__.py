@@ -7,6 +7,7 @@ One module per command group, each command an undecorated function registered he
 
 - ``_common``: shared helpers (one-line failures, recipe loading, the auth token, port errors, option enums);
 - ``build``: build, inspect;
+- ``cache``: cache (the build cache's entries, pruning);
 - ``run``: run (imports neither torch nor aiohttp);
 - ``serve``: verify-server, serve-ray;
 - ``bench``: bench, tune-epsilon, loadtest, profile;
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import typer
 
-from hycoc.cli import bench, build, capacity, run, serve, tools
+from hycoc.cli import bench, build, cache, capacity, run, serve, tools
 from hycoc.cli._common import DEFAULT_DATASET, REPO_ROOT, _auth_token, utf8_stdio  # noqa: F401  (imported from hycoc.cli)
 from hycoc.cli.bench import BENCH_CONFIGS, LOADTEST_BATCHING, LOADTEST_CONFIGS  # noqa: F401  (imported from hycoc.cli)
 from hycoc.doctor import package_versions  # noqa: F401  (imported from hycoc.cli)
@@ -95,3 +96,4 @@ app.command("profile", short_help="Profile a bundle's graphs on a phone (AI Hub)
 app.command("tune-epsilon", short_help="Choose epsilon of epsilon-threshold acceptance.")(bench.tune_epsilon)
 app.command("calibrate-handoff", short_help="Measure the hand-off's int8 scales.")(tools.calibrate_handoff)
 app.command("inspect", short_help="A bundle's manifest or a recipe's plan.")(build.inspect)
+app.command("cache", short_help="List or prune the build cache.")(cache.cache)

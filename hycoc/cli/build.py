@@ -26,6 +26,60 @@ def _target_device(command: str, device: str | None):
         raise _fail(command, f"--device: {e}", code=2) from None
 
 
+def _cache_cap(text: str) -> int | None:
+    """``--cache-max-size`` as bytes (None for ``none``); a bad size exits 2."""
+    from hycoc.passes.cache import CacheError, parse_size
+
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return parse_size(text)
+    except CacheError as e:
+        raise _fail("build", f"--cache-max-size: {e}", code=2) from None
+
+
+def _build_errors() -> tuple[type[Exception], ...]:
+    """The errors `hycoc build` reports in one line (each names what is wrong and what to do)."""
+    from hycoc.models import HeadConfigError, ModelNotFoundError
+    from hycoc.passes.build import BuildError
+    from hycoc.passes.calibration import CalibrationError
+    from hycoc.passes.export import ExportError
+    from hycoc.passes.head_qat import HeadQatError
+    from hycoc.passes.keep_set import KeepSetError
+    from hycoc.passes.pipeline import PipelineError
+    from hycoc.passes.qdq import QdqError
+    from hycoc.passes.slm_graph import SlmGraphError
+    from hycoc.passes.slm_surgery import SurgeryError
+    from hycoc.recipe import RecipeError
+    from hycoc.targets.cpu import CpuTargetError
+    from hycoc.targets.htp import HtpTargetError
+    from hycoc.targets.profiles import UnknownTargetError
+    from hycoc.targets.qai_hub import QaiHubDeviceError, QaiHubJobError, QaiHubSetupError
+    from hycoc.verifier.loading import DeviceUnavailable
+
+    return (
+        BuildError,
+        PipelineError,
+        RecipeError,
+        ModelNotFoundError,
+        HeadConfigError,
+        KeepSetError,
+        HeadQatError,
+        ExportError,
+        SurgeryError,
+        SlmGraphError,
+        CalibrationError,
+        QdqError,
+        CpuTargetError,
+        HtpTargetError,
+        UnknownTargetError,
+        QaiHubSetupError,
+        QaiHubJobError,
+        QaiHubDeviceError,
+        DeviceUnavailable,
+    )
+
+
 def build(
     recipe: Path = RECIPE_ARG,
     target: TargetName | None = typer.Option(
@@ -50,6 +104,16 @@ def build(
         help="cache of intermediate artifacts, keyed by content hash (default: .hycoc-cache in the cwd)",
         show_default=False,
     ),
+    no_cache: bool = typer.Option(
+        False, "--no-cache", help="run every pass, reading no cache entry (the new outputs replace the entries)"
+    ),
+    cache_max_size: str = typer.Option(
+        "20GB",
+        metavar="SIZE",
+        envvar="HYCOC_CACHE_MAX_SIZE",
+        help="after the build, remove the least recently used cache entries until the cache holds at most SIZE "
+        "(20GB, 500MB; this build's entries are always kept; none: never prune)",
+    ),
     device: str = typer.Option(
         "cpu",
         metavar="cpu|cuda|NAME",
@@ -62,6 +126,7 @@ def build(
 ) -> None:
     """Compile the recipe's MTP head and SLM into a bundle of static, quantized graphs (paper §3.2-3.4)."""
     config = _recipe("build", recipe)
+    max_bytes = _cache_cap(cache_max_size)
     named = _target_device("build", device)
     compute = "cpu" if named is not None else device
     if named is not None and target is not None:  # a contradiction is a usage error, named before any import
@@ -71,46 +136,11 @@ def build(
         if conflict is not None:
             raise _fail("build", conflict, code=2)
     _need_full("build")
-    from hycoc.models import HeadConfigError, ModelNotFoundError
     from hycoc.passes.build import BuildError, BuildNotReady, build_bundle, build_pipeline, recipe_for_target
-    from hycoc.passes.calibration import CalibrationError
-    from hycoc.passes.export import ExportError
-    from hycoc.passes.head_qat import HeadQatError
-    from hycoc.passes.keep_set import KeepSetError
-    from hycoc.passes.pipeline import PipelineError, UnknownPassError
-    from hycoc.passes.qdq import QdqError
-    from hycoc.passes.slm_graph import SlmGraphError
-    from hycoc.passes.slm_surgery import SurgeryError
+    from hycoc.passes.pipeline import UnknownPassError
     from hycoc.progress import stderr_console
-    from hycoc.recipe import RecipeError
-    from hycoc.targets.cpu import CpuTargetError
-    from hycoc.targets.htp import HtpTargetError
-    from hycoc.targets.profiles import UnknownTargetError
-    from hycoc.targets.qai_hub import QaiHubDeviceError, QaiHubJobError, QaiHubSetupError
-    from hycoc.verifier.loading import DeviceUnavailable
 
-    errors = (
-        BuildError,
-        PipelineError,
-        RecipeError,
-        ModelNotFoundError,
-        HeadConfigError,
-        KeepSetError,
-        HeadQatError,
-        ExportError,
-        SurgeryError,
-        SlmGraphError,
-        CalibrationError,
-        QdqError,
-        CpuTargetError,
-        HtpTargetError,
-        UnknownTargetError,
-        QaiHubSetupError,
-        QaiHubJobError,
-        QaiHubDeviceError,
-        DeviceUnavailable,
-    )
-
+    errors = _build_errors()
     try:
         config, name = recipe_for_target(config, target.value if target is not None else None, named)
     except BuildError as e:
@@ -123,7 +153,15 @@ def build(
     out_dir = out if out is not None else Path("bundles") / f"{config.recipe.name}-{name}"
     try:
         result = build_bundle(
-            config, name, None if until else out_dir, cache, until=until, console=console, device=compute
+            config,
+            name,
+            None if until else out_dir,
+            cache,
+            until=until,
+            console=console,
+            device=compute,
+            use_cache=not no_cache,
+            cache_max_bytes=max_bytes,
         )
     except KeyboardInterrupt:  # build_bundle said what it kept
         raise typer.Exit(130) from None
@@ -134,6 +172,12 @@ def build(
         raise _fail("build", str(e), code=2) from None
     except errors as e:  # each names what is wrong and what to do; the CLI says it in one line
         raise _fail("build", "; ".join(line.strip() for line in str(e).splitlines() if line.strip())) from None
+    if result.pruned:
+        from hycoc.passes.cache import format_size
+
+        freed = format_size(sum(e.bytes for e in result.pruned))
+        n = len(result.pruned)
+        typer.echo(f"cache {cache}: pruned {n} entr{'y' if n == 1 else 'ies'} ({freed}) to --cache-max-size", err=True)
     if until is not None:
         typer.echo(f"stopped after {until}; its artifacts are in {result.stopped_at}")
         return

@@ -228,7 +228,8 @@ class FrameHeader(NamedTuple):
 def decode_header(data, limits: Limits | None = None) -> FrameHeader:
     """Parse and check the 16-byte header at the start of ``data`` (a stream reader can call it before reading
     the payload). Raises Truncated, BadMagic, UnsupportedVersion (a version outside SUPPORTED_VERSIONS),
-    UnknownMessageType, BadFlags, FrameTooLarge."""
+    UnknownMessageType, BadFlags, FrameTooLarge (the header's length, or the bytes given when more, over
+    ``limits.max_frame_bytes``)."""
     limits = limits or Limits()
     if len(data) < HEADER.size:
         raise Truncated(f"frame has {len(data)} bytes: the header alone is {HEADER.size}")
@@ -247,9 +248,10 @@ def decode_header(data, limits: Limits | None = None) -> FrameHeader:
         raise UnknownMessageType(f"message type = {mtype}: must be one of {allowed}") from None
     if flags:
         raise BadFlags(f"header flags = {flags:#04x}: protocol version {version} defines none, must be 0")
-    if HEADER.size + length > limits.max_frame_bytes:
+    size = max(HEADER.size + length, len(data))  # what the header announces or what arrived, the larger
+    if size > limits.max_frame_bytes:
         raise FrameTooLarge(
-            f"{mtype.name} frame of {HEADER.size + length} bytes: this receiver accepts at most "
+            f"{mtype.name} frame of {size} bytes: this receiver accepts at most "
             f"max_frame_bytes = {limits.max_frame_bytes}"
         )
     return FrameHeader(mtype, flags, length, crc, version)

@@ -6,8 +6,11 @@ returned when it ends; the counter only records it). A refusal raises the limit'
 the retry hint) and is counted through ``refused(kind)`` (``hycoc_refusals_total{kind}`` on /metrics); /metrics reads
 the ledgers' totals, it never keeps its own copy.
 
-    KvBudget         max_kv_bytes: KV bytes reserved by sessions; a `KvReservation` per session, grown by APPEND
-                     before its prefill runs and released on every path that ends the session or fails the turn
+    KvBudget         max_kv_bytes: KV bytes reserved; the prefill pool (max_prefills x a prefilling session's
+                     transient, reserved at start), a `KvReservation` per session (grown by APPEND before its
+                     prefill runs, by its undo copy too, and released on every path that ends the session or fails
+                     the turn, after its memory is freed) and one per conversation snapshot: evictable, taken only
+                     where there is room and given up (the snapshot dropped) when a session needs the room
     SessionSlots     max_sessions: a `SessionSlot` per OPEN from admission until the session ends
     ConnectionSlots  max_connections: one `Link` per TCP connection (the handshake and frame timeouts watch it)
     AuthFailures     auth_failures_per_minute: refused auth attempts per peer in a sliding 60 s window
@@ -19,8 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -38,6 +42,7 @@ class KvReservation:
     def __init__(self, budget: KvBudget, nbytes: int):
         self._budget = budget
         self.nbytes = int(nbytes)
+        self.spare = False  # made by `KvBudget.reserve_spare`
         budget._live.add(self)
 
     def grow(self, extra: int, request: str) -> int:
@@ -65,6 +70,7 @@ class KvReservation:
         """Return the whole reservation to the budget (the session ended); a second call does nothing."""
         self.shrink(self.nbytes)
         self._budget._live.discard(self)
+        self._budget._evictable.pop(self, None)
 
 
 class KvBudget:
@@ -72,6 +78,12 @@ class KvBudget:
 
     capacity: max_kv_bytes. retry_after_s: the hint in a refusal's message. refused: called with "max_kv_bytes" on
     each refusal (the metrics' counter). peak: the most bytes ever reserved at once (<= capacity).
+
+    Evictable reservations (conversation snapshots, `make_evictable`) hold spare room only: a reservation that does
+    not fit gives up the least recently made evictable ones first (their ``drop`` frees the memory, then the bytes
+    come back; ``evicted`` counts them); `pin` keeps one while its session's APPEND runs. ``lock`` is held while
+    memory is dropped and its bytes given back, and by whoever samples held bytes against ``reserved`` (the
+    server's worker thread), so a sample never sees bytes given back before they were freed.
 
     Invariant, checked (`check`) each time a reservation is made, grown, shrunk or released:
     0 <= reserved <= capacity, and reserved is the sum of the live `KvReservation`s' bytes."""
@@ -81,8 +93,38 @@ class KvBudget:
         self.retry_after_s = float(retry_after_s)
         self.reserved = 0
         self.peak = 0
+        self.evicted = 0
+        self.lock = threading.Lock()
         self._live: set[KvReservation] = set()
+        self._evictable: OrderedDict[KvReservation, Callable[[], None]] = OrderedDict()
         self._refused = refused
+
+    @property
+    def evictable_bytes(self) -> int:
+        """Bytes held by evictable reservations now (pinned ones not counted)."""
+        return sum(r.nbytes for r in self._evictable)
+
+    def make_evictable(self, reservation: KvReservation, drop: Callable[[], None]) -> None:
+        """Let ``reservation`` be given up when room is needed: ``drop()`` frees its memory first (called with
+        ``lock`` held). The most recently made evictable is given up last."""
+        self._evictable.pop(reservation, None)
+        self._evictable[reservation] = drop
+
+    def pin(self, reservation: KvReservation | None) -> None:
+        """Keep ``reservation`` from being given up (until `make_evictable` again); None: nothing."""
+        if reservation is not None:
+            self._evictable.pop(reservation, None)
+
+    def _make_room(self, nbytes: int) -> None:
+        """Give up evictable reservations, oldest first, until ``nbytes`` more fit (none when they cannot)."""
+        if self.reserved + nbytes <= self.capacity or self.reserved - self.evictable_bytes + nbytes > self.capacity:
+            return
+        while self.reserved + nbytes > self.capacity and self._evictable:
+            reservation, drop = self._evictable.popitem(last=False)
+            with self.lock:
+                drop()
+                reservation.release()
+            self.evicted += 1
 
     def check(self) -> None:
         """Raise AssertionError (a bug in the server, never the client's doing) unless 0 <= reserved <= capacity
@@ -95,6 +137,7 @@ class KvBudget:
             )
 
     def _take(self, nbytes: int, request: str) -> None:
+        self._make_room(nbytes)
         if self.reserved + nbytes > self.capacity:
             self._refused("max_kv_bytes")
             raise KvBudgetExhausted(
@@ -112,6 +155,23 @@ class KvBudget:
         reservation = KvReservation(self, nbytes)
         self.check()
         return reservation
+
+    def reserve_spare(self, nbytes: int) -> KvReservation | None:
+        """A reservation of ``nbytes`` from room no one else holds (it gives up nothing, refuses nothing: None when
+        it does not fit). For what a session may do without (a conversation snapshot)."""
+        if nbytes <= 0 or self.reserved + int(nbytes) > self.capacity:
+            return None
+        self.reserved += int(nbytes)
+        self.peak = max(self.peak, self.reserved)
+        reservation = KvReservation(self, nbytes)
+        reservation.spare = True
+        self.check()
+        return reservation
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes reserved from spare room now (`reserve_spare`: conversation snapshots)."""
+        return sum(r.nbytes for r in self._live if r.spare)
 
 
 class SessionSlot:

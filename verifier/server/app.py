@@ -18,10 +18,18 @@ from ..row_budget import DEFAULT_MIN_ROWS, TREE_BUDGETS, RowCost
 from ..row_cost_measure import measure_row_cost, row_cost_plan
 from .admission import Admission, Link
 from .channels import AiohttpChannel, Channel, Connection, GuardedRunner, bearer_token
+from .errors import ShuttingDown
 from .limits import ServerLimits
+from .memory import DEFAULT_MEMORY_RELEASE_S, release_memory
 from .metrics import METRICS_CONTENT_TYPE, ServerMetrics
 from .session_loop import SessionLoop
-from .worker import BATCHING_MODES, DEFAULT_MAX_BATCH_ROWS, DEFAULT_MAX_BATCH_WAIT_MS, EngineWorker
+from .worker import (
+    BATCHING_MODES,
+    DEFAULT_MAX_BATCH_ROWS,
+    DEFAULT_MAX_BATCH_WAIT_MS,
+    DEFAULT_MAX_PREFILLS,
+    EngineWorker,
+)
 
 
 class VerifierServer:
@@ -54,6 +62,11 @@ class VerifierServer:
         Recipe: verifier.allowance_target_ms.
     allowance_floor: the fewest rows an allowance grants (0, the default: K + 1, the root and the MTP chain).
         Recipe: verifier.allowance_floor.
+    memory_release_s: seconds between two releases of the C allocator's free pages to the OS on the worker
+        (`hycoc.verifier.server.memory`: RSS stays flat under fuzzing); 0 turns them off.
+    max_prefills: most sessions prefilling at once (batched; serial runs one); the KV budget reserves a
+        prefilling session's transient (`VerifierEngine.prefill_transient_bytes`) once per such slot at start
+        (recipe verifier.max_prefills). ValueError when max_kv_bytes cannot hold that pool.
 
     ``metrics`` (`ServerMetrics`), ``admission`` (`Admission`) and ``sessions`` (live sessions by id) may be read
     from other threads between requests.
@@ -77,6 +90,8 @@ class VerifierServer:
         allowance: str = "fixed",
         allowance_target_ms: float | None = None,
         allowance_floor: int = 0,
+        max_prefills: int = DEFAULT_MAX_PREFILLS,
+        memory_release_s: float = DEFAULT_MEMORY_RELEASE_S,
     ):
         if not 1 <= tree_rows <= wire.MAX_TREE_ROWS:
             raise ValueError(f"tree_rows = {tree_rows}: must lie in [1, {wire.MAX_TREE_ROWS}] (B + 1)")
@@ -107,6 +122,8 @@ class VerifierServer:
             raise ValueError(f"max_batch_rows = {max_batch_rows!r}: must be an integer >= 1")
         if not (isinstance(max_batch_wait_ms, (int, float)) and 0 <= max_batch_wait_ms <= 10_000):
             raise ValueError(f"max_batch_wait_ms = {max_batch_wait_ms!r}: must lie in [0, 10000] ms")
+        if not (isinstance(max_prefills, int) and max_prefills >= 1):
+            raise ValueError(f"max_prefills = {max_prefills!r}: must be an integer >= 1")
         if max_frame_bytes < wire.HEADER.size:
             raise ValueError(
                 f"max_frame_bytes = {max_frame_bytes}: must hold at least the {wire.HEADER.size}-byte header"
@@ -126,9 +143,14 @@ class VerifierServer:
         self.allowance = allowance
         self.allowance_target_ms = float(allowance_target_ms) if allowance_target_ms else None
         self.allowance_floor = int(allowance_floor)
+        self.max_prefills = int(max_prefills)
+        self.memory_release_s = float(memory_release_s)
+        self._releaser: asyncio.Task | None = None
         self.metrics = ServerMetrics(live_sessions=lambda: len(self.sessions))
         self.admission = Admission(limits, self.metrics.refused)
         self.metrics.admission = self.admission
+        self.prefill_pool_bytes = self._prefill_pool_bytes()
+        self.prefill_pool = None  # its reservation, from `start_engine` to `stop`
         self.worker = EngineWorker(
             engine,
             batching=batching,
@@ -137,7 +159,9 @@ class VerifierServer:
             open_sessions=lambda: len(self.sessions),
             on_step=self.metrics.observe_step,
             row_budget=self.row_budget() if row_cost is not None else None,
+            max_prefills=self.max_prefills,
         )
+        self.worker.after_call = self._sample_kv
         self.loop = SessionLoop(
             engine,
             self.worker,
@@ -157,6 +181,42 @@ class VerifierServer:
         self._sweeper: asyncio.Task | None = None
         self.url: str | None = None
 
+    def _prefill_pool_bytes(self) -> int:
+        """The prefill pool: a prefilling session's transient KV (its chunk's rows and an APPEND's undo copy of
+        its sliding layers) once per session that may prefill at once (max_prefills; 1 serial). ValueError when
+        max_kv_bytes cannot hold it."""
+        per = getattr(self.engine, "prefill_transient_bytes", None)
+        nbytes = (self.max_prefills if self.batching == "batched" else 1) * (int(per()) if per is not None else 0)
+        if nbytes > self.admission.kv.capacity:
+            raise ValueError(
+                f"max_kv_bytes = {self.admission.kv.capacity} cannot hold the prefill pool: {nbytes} B for "
+                f"max_prefills = {self.max_prefills} sessions prefilling at once; raise max_kv_bytes or lower "
+                "max_prefills"
+            )
+        return nbytes
+
+    def _sample_kv(self) -> None:
+        """Worker thread, after each engine call: the KV the sessions hold against what is reserved (metrics
+        ``hycoc_kv_bytes_held``, ``hycoc_kv_bytes_held_peak``, ``hycoc_kv_held_over_reserved_total``)."""
+        held_of = getattr(self.engine, "kv_bytes_held", None)
+        if held_of is None:
+            return
+        budget = self.admission.kv
+        with budget.lock:
+            held, reserved = int(held_of()), budget.reserved
+        self.metrics.observe_kv_held(held, reserved)
+
+    async def _release_memory(self) -> None:
+        """Every memory_release_s: the allocator's free pages back to the OS, on the worker between its steps
+        (`hycoc.verifier.server.memory.release_memory`); RSS and the bytes released go to the metrics."""
+        while True:
+            await asyncio.sleep(self.memory_release_s)
+            try:
+                before, after = await self.worker.run(release_memory)
+            except ShuttingDown:
+                return
+            self.metrics.observe_memory_release(before, after)
+
     # ----------------------------------------------------------------------------------------- lifecycle
 
     def app(self) -> web.Application:
@@ -174,6 +234,11 @@ class VerifierServer:
         replicas, `hycoc.verifier.ray_serve`). `start` calls it; `stop` ends both. Raises RuntimeError if already
         started."""
         self.worker.start()
+        if self.memory_release_s > 0:
+            self._releaser = asyncio.get_running_loop().create_task(self._release_memory())
+        if self.prefill_pool_bytes and self.prefill_pool is None:
+            self.prefill_pool = self.admission.kv.reserve(self.prefill_pool_bytes, 0)
+            self.metrics.prefill_pool_bytes = self.prefill_pool_bytes
         if self.tree_budget == "auto" or self.allowance == "auto":
             if self.row_cost is None:
                 sessions, rows = row_cost_plan(self.tree_rows, self.max_batch_rows, self.engine.max_context)
@@ -235,6 +300,9 @@ class VerifierServer:
         prefills get it too); close every connection (their sessions are freed), stop listening, let the worker
         finish what it runs. Front doors that own their sockets (Ray Serve) call it when their replica stops."""
         self.worker.stopping = True
+        if self._releaser is not None:
+            self._releaser.cancel()
+            self._releaser = None
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
@@ -242,6 +310,11 @@ class VerifierServer:
             await self._runner.cleanup()
             self._runner = None
         await self.worker.stop()
+        for _ in range(3):  # the sessions' reservations come back in callbacks the worker's frees scheduled
+            await asyncio.sleep(0)
+        if self.prefill_pool is not None:
+            self.prefill_pool.release()
+            self.prefill_pool = None
 
     async def _close_sockets(self, app) -> None:
         for ws in list(self._sockets):
@@ -324,6 +397,7 @@ class VerifierServer:
                 "mode": self.batching,
                 "max_batch_rows": self.max_batch_rows,
                 "max_batch_wait_ms": self.max_batch_wait_ms,
+                "max_prefills": self.max_prefills,
                 "tree_budget": self.tree_budget,
                 "allowance": self.allowance,
                 **self._budget_health(),

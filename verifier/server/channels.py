@@ -48,7 +48,8 @@ class Connection:
     wire_version: the protocol version of the connection's OPEN frame (None before one): every answer goes out in
     it, and the session's frames must speak it.
     slot, kv: the session's admission (a ``max_sessions`` slot and its ``max_kv_bytes`` reservation), held from
-    the OPEN's admission until the session ends.
+    the OPEN's admission until the session ends. snap: the evictable reservation of its conversation snapshot
+    (None: it holds none).
     """
 
     header_token: str | None
@@ -59,6 +60,7 @@ class Connection:
     wire_version: int | None = None
     slot: SessionSlot | None = None
     kv: KvReservation | None = None
+    snap: KvReservation | None = None
     opened: Opened | None = None
     session: Session | None = None
     session_id: int = 0
@@ -72,7 +74,7 @@ class Connection:
     @property
     def kv_bytes(self) -> int:
         """KV bytes this connection's session holds reserved (0 without a session)."""
-        return self.kv.nbytes if self.kv is not None else 0
+        return sum(r.nbytes for r in (self.kv, self.snap) if r is not None)
 
 
 def bearer_token(headers) -> str | None:

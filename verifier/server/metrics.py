@@ -30,6 +30,16 @@ Families (names and labels are the contract; docs/serving.md "Verifier server an
                                           "Conversations"); "full": nothing held could be kept (a template that
                                           renders earlier turns differently, or a rollback before the snapshot)
     hycoc_append_reprefilled_tokens_total positions an APPEND prefilled again that the session held already
+    hycoc_kv_bytes_held, hycoc_kv_bytes_held_peak   KV the sessions hold (caches, snapshots, undo copies), sampled
+                                          on the worker after each engine call, and its largest sample
+    hycoc_kv_held_over_reserved_total     samples where that passed hycoc_kv_bytes_reserved (a bug: must stay 0)
+    hycoc_kv_bytes_prefill_pool, hycoc_kv_bytes_snapshots   gauges: the prefill pool's reservation (max_prefills
+                                          slots) and the conversation snapshots' (spare room, given up when needed)
+    hycoc_snapshots_evicted_total         snapshots given up for a reservation that needed their room
+    hycoc_prefills_active                 prefills under way after the last batched step (<= max_prefills)
+    hycoc_rss_bytes, hycoc_memory_released_bytes_total   the process's RSS at the last periodic release of the C
+                                          allocator's free pages, and what those releases gave back
+                                          (`hycoc.verifier.server.memory`)
 """
 
 from __future__ import annotations
@@ -122,8 +132,35 @@ class ServerMetrics:
             buckets=WAIT_BUCKETS,
             registry=None,
         )
+        self.kv_bytes_held = 0
+        self.kv_bytes_held_peak = 0
+        self.prefill_pool_bytes = 0  # set by the server once it reserved the pool
+        self.rss_bytes = 0  # at the last memory release
+        self.memory_released = 0
+        self.kv_held_over_reserved = 0
+        self.prefills_active = 0
+        self.prefills_active_peak = 0  # the most after any step (<= max_prefills)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
+
+    def observe_memory_release(self, before: int, after: int) -> None:
+        """One periodic release of the allocator's free pages: RSS ``before`` and ``after`` it, in bytes."""
+        self.rss_bytes = int(after)
+        self.memory_released += max(0, int(before) - int(after))
+
+    def observe_kv_held(self, held: int, reserved: int) -> None:
+        """One sample of the KV the sessions hold (``held`` bytes) against the ledger's ``reserved``; a sample
+        above it is counted (and logged once: every byte held must be reserved)."""
+        self.kv_bytes_held = int(held)
+        self.kv_bytes_held_peak = max(self.kv_bytes_held_peak, int(held))
+        if held > reserved:
+            if not self.kv_held_over_reserved:
+                import logging
+
+                logging.getLogger("hycoc.verifier.server").error(
+                    "KV held %d B > reserved %d B: a reservation misses some bytes", held, reserved
+                )
+            self.kv_held_over_reserved += 1
 
     def observe_step(self, report: StepReport) -> None:
         """One batched scheduler step (`hycoc.verifier.scheduler.StepReport`): its forward's rows, sessions and
@@ -140,6 +177,8 @@ class ServerMetrics:
                 self.expected_tokens.observe(stats.expected_tokens)
         for wait in report.waits:
             self.queue_wait.observe(wait)
+        self.prefills_active = report.prefills_active
+        self.prefills_active_peak = max(self.prefills_active_peak, report.prefills_active)
 
     def observe_serial_round(self, server_ms: float, rows: int, wait_s: float) -> None:
         """One serial-mode round: a forward of one session's ``rows`` rows that took ``server_ms`` after waiting
@@ -248,6 +287,7 @@ class _Collector(Collector):
             "KV bytes reserved by the open sessions (max_kv_bytes budget)",
             value=m.kv_bytes_reserved,
         )
+        yield from self._kv_families()
         appends = CounterMetricFamily(
             "hycoc_appends_total",
             "APPENDs by how the conversation's KV rolled back (crop, snapshot, full re-prefill)",
@@ -271,7 +311,40 @@ class _Collector(Collector):
             "tree rows device-drafted rounds left out under their allowance (tree_rows - rows sent)",
             value=m.rows_not_drafted,
         )
+        yield GaugeMetricFamily(
+            "hycoc_prefills_active", "prefills under way after the last batched step (max_prefills)",
+            value=m.prefills_active,
+        )  # fmt: skip
         for hist in (m.batch_rows, m.batch_sessions, m.queue_wait, m.rows_kept, m.expected_tokens, m.allowance):
             for family in hist.collect():
                 family.samples = [s for s in family.samples if not s.name.endswith("_created")]
                 yield family
+
+    def _kv_families(self) -> Iterator[Metric]:
+        """The KV held against the ledger: held now and at most, over-reserved samples, pool and snapshots."""
+        m = self.m
+        kv = m.admission.kv if m.admission is not None else None
+        yield GaugeMetricFamily(
+            "hycoc_kv_bytes_held", "KV bytes the sessions hold (caches, snapshots, undo copies), last sample",
+            value=m.kv_bytes_held,
+        )  # fmt: skip
+        yield GaugeMetricFamily("hycoc_kv_bytes_held_peak", "largest hycoc_kv_bytes_held sample",
+                                value=m.kv_bytes_held_peak)  # fmt: skip
+        yield CounterMetricFamily(
+            "hycoc_kv_held_over_reserved", "samples where the KV held passed the KV reserved (must stay 0)",
+            value=m.kv_held_over_reserved,
+        )  # fmt: skip
+        yield GaugeMetricFamily("hycoc_kv_bytes_prefill_pool", "KV bytes reserved for max_prefills prefilling "
+                                "sessions' transient rows", value=m.prefill_pool_bytes)  # fmt: skip
+        yield GaugeMetricFamily("hycoc_kv_bytes_snapshots", "KV bytes reserved by conversation snapshots",
+                                value=kv.spare_bytes if kv is not None else 0)  # fmt: skip
+        yield CounterMetricFamily(
+            "hycoc_snapshots_evicted",
+            "snapshots given up for a reservation that needed their room",
+            value=kv.evicted if kv is not None else 0,
+        )
+        yield GaugeMetricFamily(
+            "hycoc_rss_bytes", "the process's RSS at the last periodic memory release", value=m.rss_bytes
+        )
+        yield CounterMetricFamily("hycoc_memory_released_bytes", "RSS the periodic releases of the allocator's "
+                                  "free pages gave back", value=m.memory_released)  # fmt: skip

@@ -13,6 +13,7 @@ from hycoc.protocol import wire
 from ..engine import VerifierEngine
 from .app import VerifierServer
 from .limits import ServerLimits
+from .memory import freeze_startup_objects
 from .worker import DEFAULT_MAX_BATCH_ROWS, DEFAULT_MAX_BATCH_WAIT_MS
 
 
@@ -33,6 +34,8 @@ def serve(
     **budget,
 ) -> None:
     """Run the server until SIGINT or SIGTERM (blocking). ``on_listening(url)`` is called once the port is bound.
+    One server per process: the objects loaded so far are frozen out of garbage collection first
+    (`hycoc.verifier.server.memory.freeze_startup_objects`), so the periodic memory release can collect cycles.
     The other keywords are `VerifierServer`'s.
 
     port 0 picks a free port (the URL names it). Raises OSError when the address cannot be bound.
@@ -49,6 +52,8 @@ def serve(
         max_batch_wait_ms=max_batch_wait_ms,
         **budget,
     )
+
+    freeze_startup_objects()  # one server per process: later collections skip the model (memory module)
 
     async def main() -> None:
         stop = asyncio.Event()

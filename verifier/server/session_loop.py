@@ -18,8 +18,12 @@ gets ``auth_required``, a wrong one ``auth_refused``; both close the connection 
 
 Admission (`hycoc.verifier.server.admission`). An OPEN takes a ``max_sessions`` slot and reserves its KV, (prompt +
 max_new_tokens + B + 1, up to max_context) positions as the engine holds them (`session_kv_bytes`), before its prefill
-is queued; an APPEND grows the reservation to the conversation plus the new turn's cap before its prefill is queued, and
-gives the growth back if the turn fails. Both are released when the session ends, whatever ends it.
+is queued; an APPEND grows the reservation to the conversation plus the new turn's cap, plus the undo copy it keeps
+until its last chunk (`rollback_copy_bytes`), before its prefill is queued, gives the copy back when the turn is
+prefilled and all it added if the turn fails. A prefill's chunk rows are the server's prefill pool's (reserved at start
+for ``max_prefills`` sessions). A conversation snapshot (OPEN's or APPEND's anchor) is reserved apart, from spare room
+only, and given up (the snapshot dropped: that session's next turn re-prefills in full) when a session needs the room.
+Reservations are given back after the worker freed what they cover, so the KV held never passes what is reserved.
 
 Versions. A connection speaks the protocol version of its OPEN frame (`hycoc.protocol.wire.SUPPORTED_VERSIONS`:
 5): every answer on it (OPENED, REPLY, ERROR) goes out in that version, the engine session carries it as
@@ -37,6 +41,7 @@ freed right after (the free is queued on the same worker, so it runs after the r
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -48,6 +53,7 @@ from hycoc.protocol import wire
 from hycoc.protocol.messages import AppendTurn, Close, DraftTree, Opened, OpenRequest
 
 from ..engine import Session, VerifierEngine
+from ..kv_cache import full_positions
 from .admission import Admission
 from .channels import Channel, Connection
 from .errors import (
@@ -85,8 +91,9 @@ class SessionLoop:
 
     engine, worker: the shared `VerifierEngine` and its `EngineWorker`. admission, metrics: the server's ledgers
     and counters. limits: `ServerLimits`. tree_rows: B + 1 rows of device and server-head rounds (cloud-mtp: 1).
-    auth_token: the shared secret (None: open). max_frame_bytes: largest reply frame; incoming frames are bounded
-    by `open_frame_bytes` as well. ``sessions``: live sessions by id.
+    auth_token: the shared secret (None: open). max_frame_bytes: largest reply frame; incoming frames, before and
+    inside a session, are bounded by `open_frame_bytes` as well (``in_frame_bytes``: 147,508 B for the toy's 4,096
+    positions). ``sessions``: live sessions by id.
     """
 
     def __init__(
@@ -290,6 +297,9 @@ class SessionLoop:
         except BaseException:
             slot.release()
             raise
+        snap = self._reserve_snapshot(req.anchor, len(req.prompt_ids) - 1)
+        if snap is None and req.anchor:
+            req = replace(req, anchor=0)  # no room for a snapshot: this conversation's next turn re-prefills
         try:
             if self.worker.batching == "batched":
                 session = eng.open(
@@ -306,10 +316,12 @@ class SessionLoop:
             else:
                 session, prefill_ms, t = await self.worker.run(self._open_session, req)
         except BaseException:
-            kv.release()
-            slot.release()
+            for held in (kv, snap, slot):  # the failed prefill dropped its cache (`PrefillJob`)
+                if held is not None:
+                    held.release()
             raise
-        conn.slot, conn.kv = slot, kv
+        conn.slot, conn.kv, conn.snap = slot, kv, snap
+        self._evictable(conn, session)
         session_id, self._next_id = self._next_id, self._next_id + 1
         tree_rows = session.place.tree_rows(self.tree_rows)
         opened = Opened(
@@ -327,8 +339,8 @@ class SessionLoop:
         session.wire_version = conn.wire_version  # the session's replies go out in its OPEN's version
         session.tree_rows = session.allowance = tree_rows  # the first round may hold the whole tree
         conn.session, conn.session_id, conn.opened = session, session_id, opened
-        conn.limits = wire.Limits(
-            max_frame_bytes=self.max_frame_bytes,
+        conn.limits = wire.Limits(  # in-session frames too are at most the largest OPEN (docs/serving.md "Limits")
+            max_frame_bytes=self.in_frame_bytes,
             vocab_size=eng.vocab_size,
             tree_rows=tree_rows,
             max_context=eng.max_context,
@@ -352,12 +364,21 @@ class SessionLoop:
         session = conn.session
         # an APPEND is dispatched on an open session only, which holds all four
         assert session is not None and conn.kv is not None and conn.opened is not None and conn.wire_version is not None
-        plan = session.plan_append(msg.tokens, int(msg.keep), int(msg.keep_crc))  # ConversationMismatch ...
-        positions = self.session_positions(len(plan.conversation), msg.max_new_tokens)
-        transient = self.rollback_copy_bytes(session, plan)
-        need = self.session_kv_bytes(positions) + transient - conn.kv.nbytes
-        added = conn.kv.grow(need, f"the next turn needs {need} more KV bytes")
-        kwargs = dict(keep=int(msg.keep), keep_crc=int(msg.keep_crc), anchor=int(msg.anchor))
+        budget = self.admission.kv
+        budget.pin(conn.snap)  # the snapshot this APPEND may restore stays until it ends
+        try:
+            plan = session.plan_append(msg.tokens, int(msg.keep), int(msg.keep_crc))  # ConversationMismatch ...
+            positions = self.session_positions(len(plan.conversation), msg.max_new_tokens)
+            base = self.session_kv_bytes(positions)
+            # the old cache stays whole until the first chunk replaces its tensors, beside the undo copy
+            need = max(conn.kv.nbytes, base) + self.rollback_copy_bytes(session, plan) - conn.kv.nbytes
+            added = conn.kv.grow(need, f"the next turn needs {need} more KV bytes")
+        except BaseException:
+            self._evictable(conn, session)
+            raise
+        new_snap = self._reserve_snapshot(int(msg.anchor), len(plan.conversation) - 1)
+        anchor = int(msg.anchor) if new_snap is not None else 0  # no room: the old snapshot (if any) stays
+        kwargs = dict(keep=int(msg.keep), keep_crc=int(msg.keep_crc), anchor=anchor)
         try:
             if self.worker.batching == "batched":
                 prefill_ms, t = await self.worker.prefill(
@@ -368,9 +389,17 @@ class SessionLoop:
                     lambda: session.append(msg.tokens, int(msg.max_new_tokens), **kwargs)
                 )
         except BaseException:
-            conn.kv.shrink(added)
+            conn.kv.shrink(added)  # the failed turn put the session back and dropped what it made (`PrefillJob`)
+            if new_snap is not None:
+                new_snap.release()
+            self._evictable(conn, session)
             raise
-        conn.kv.shrink(min(transient, added))
+        conn.kv.shrink(conn.kv.nbytes - base)  # the turn's cache is prefilled: the undo copy is gone
+        if new_snap is not None:
+            if conn.snap is not None:
+                conn.snap.release()  # the new snapshot replaced the old one
+            conn.snap = new_snap
+        self._evictable(conn, session)
         conn.last_seq, conn.last_request, conn.last_reply = None, b"", b""
         session.allowance = session.tree_rows  # a new turn's first round may hold the whole tree again
         self.metrics.prefill_ms += prefill_ms
@@ -388,12 +417,39 @@ class SessionLoop:
         return wire.encode(replace(conn.opened, t=t, prefill_ms=prefill_ms), version=conn.wire_version)
 
     def rollback_copy_bytes(self, session: Session, plan) -> int:
-        """Bytes an APPEND keeps as a copy while it runs: the full-attention layers' positions after the rollback
-        point (`Session.append` restores them if a chunk fails). 0 for an engine without a KV layout."""
+        """Bytes of full-attention KV an APPEND keeps to undo itself while it runs: the positions the full layers
+        hold after the rollback point (crop, snapshot: a clone of them; full: the whole old cache, from 0). Its
+        sliding layers' copy is the prefill pool's (`VerifierEngine.prefill_transient_bytes`). 0 for an engine
+        without a KV layout."""
         layout = getattr(self.engine, "kv_layout", None)
-        if layout is None or plan.kind == "full":
+        if layout is None or session.cache is None:
             return 0
-        return layout.full_bytes * max(0, session.kv_held() - plan.start)
+        return layout.full_bytes * max(0, full_positions(session.cache) - plan.start)
+
+    def _reserve_snapshot(self, anchor: int, prefilled: int):
+        """The spare-room reservation of the snapshot a prefill of ``prefilled`` positions takes at ``anchor``
+        (`VerifierEngine.snapshot_bytes`), or None: no anchor, no room, or an engine without snapshots."""
+        if not 0 < anchor <= prefilled or not hasattr(self.engine, "snapshot_bytes"):
+            return None
+        return self.admission.kv.reserve_spare(self.engine.snapshot_bytes(anchor))
+
+    def _evictable(self, conn: Connection, session: Session) -> None:
+        """Let the connection's snapshot reservation be given up when room is needed (module docstring): the
+        snapshot is dropped first. A session without a snapshot gives its reservation back now."""
+        snap = conn.snap
+        if snap is None:
+            return
+        if session.snapshot is None:  # none was taken (an anchor past the prompt) or it is gone
+            snap.release()
+            conn.snap = None
+            return
+
+        def drop() -> None:
+            session.snapshot = None
+            if conn.snap is snap:
+                conn.snap = None
+
+        self.admission.kv.make_evictable(snap, drop)
 
     def _open_session(self, req: OpenRequest) -> tuple[Session, float, int]:
         """Worker thread (serial mode): a new engine session, prefilled."""
@@ -457,17 +513,34 @@ class SessionLoop:
     # ----------------------------------------------------------------------------------------- ends
 
     def end_session(self, conn: Connection) -> None:
-        """Free the connection's session (nothing without one): drop it now, release its admission (slot and KV
-        reservation), free its KV on the worker after any round in flight. Every front door calls it when a
-        connection ends."""
+        """Free the connection's session (nothing without one): drop it now, release its session slot, free its KV
+        on the worker after any round in flight and give its KV reservations (session and snapshot) back once freed.
+        Every front door calls it when a connection ends."""
         if conn.session is None:
             return
         session, conn.session = conn.session, None
         self.sessions.pop(conn.session_id, None)
-        for held in (conn.kv, conn.slot):
-            if held is not None:
-                held.release()
-        self.worker.submit(session.close)
+        if conn.slot is not None:
+            conn.slot.release()
+        held = [r for r in (conn.kv, conn.snap) if r is not None]
+        self.admission.kv.pin(conn.snap)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+
+        def release() -> None:
+            for r in held:
+                r.release()
+
+        def free() -> None:  # on the worker, after any round in flight: the bytes come back once freed
+            session.close()
+            if loop is None or loop.is_closed():
+                release()
+            else:
+                loop.call_soon_threadsafe(release)
+
+        self.worker.submit(free)
 
     def timeout_error(self, kind: str) -> ServerError:
         """The error a timeout of this server's limits sends: kind "handshake_timeout" (HandshakeTimeout),

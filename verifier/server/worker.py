@@ -32,6 +32,7 @@ from .errors import ShuttingDown
 BATCHING_MODES = serving_limits.BATCHING_MODES
 DEFAULT_MAX_BATCH_ROWS = serving_limits.DEFAULT_MAX_BATCH_ROWS
 DEFAULT_MAX_BATCH_WAIT_MS = serving_limits.DEFAULT_MAX_BATCH_WAIT_MS
+DEFAULT_MAX_PREFILLS = serving_limits.DEFAULT_MAX_PREFILLS
 
 
 class EngineWorker:
@@ -42,6 +43,8 @@ class EngineWorker:
     on_step: called on the event loop with each batched step's `StepReport` (metrics).
     row_budget: the batched scheduler's `RowBudget` (None: trees verified as sent); `set_row_budget` changes it.
     allowance: the batched scheduler's `AllowanceRule` (None: every reply grants the whole tree); `set_allowance`.
+    max_prefills: most prefills under way at once (batched). after_call: called on the worker thread after each
+    engine call `run` made (the server samples the KV held there), or None.
     """
 
     def __init__(
@@ -55,8 +58,11 @@ class EngineWorker:
         on_step: Callable[[StepReport], None],
         row_budget: RowBudget | None = None,
         allowance: AllowanceRule | None = None,
+        max_prefills: int = DEFAULT_MAX_PREFILLS,
     ):
         self.engine = engine
+        self.max_prefills = int(max_prefills)
+        self.after_call: Callable[[], None] | None = None
         self.row_budget = row_budget
         self.allowance = allowance
         self.batching = batching
@@ -91,6 +97,7 @@ class EngineWorker:
                 prefill_budget=self.engine.prefill_chunk,
                 row_budget=self.row_budget,
                 allowance=self.allowance,
+                max_prefills=self.max_prefills,
             )
             self.scheduler.start()
 
@@ -117,7 +124,15 @@ class EngineWorker:
         """``fn(*args)`` on the worker thread (one at a time, in submission order). Raises ShuttingDown once
         `stop` began (fn never runs then)."""
         self._check_open()
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._call, fn, args)
+
+    def _call(self, fn: Callable, args: tuple):
+        """Worker thread: ``fn(*args)``, then `after_call` (whatever fn did)."""
+        try:
+            return fn(*args)
+        finally:
+            if self.after_call is not None:
+                self.after_call()
 
     async def round(self, session: Session, tree: DraftTree):
         """One round (batched mode, `BatchScheduler.round`). Raises ShuttingDown once `stop` began (also for a
