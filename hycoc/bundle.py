@@ -382,11 +382,9 @@ class Manifest(_Model):
     )
 
     def content_digest(self) -> str:
-        """sha256 hex of the manifest's canonical JSON without ``digest``: keys sorted, no whitespace, UTF-8."""
-        body = json.dumps(
-            self.model_dump(mode="json", exclude={"digest"}), sort_keys=True, separators=(",", ":"), ensure_ascii=False
-        )
-        return hashlib.sha256(body.encode("utf-8")).hexdigest()
+        """sha256 hex of the manifest's canonical JSON without ``digest``: keys sorted, no whitespace, UTF-8
+        (`json_digest` of what `BundleWriter` writes)."""
+        return json_digest(self.model_dump(mode="json", exclude={"digest"}))
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
@@ -674,7 +672,9 @@ def load_manifest(bundle_dir: str | os.PathLike, verify: bool = True) -> Manifes
         manifest = Manifest.model_validate_json(path.read_bytes())
     except ValidationError as e:
         raise ManifestInvalid(f"{where}: {MANIFEST}: {_first_error(e)}; {_REBUILD}") from None
-    actual = manifest.content_digest()
+    # the digest of what the file says (not of the model re-dumped: a field added to the schema since the build, with
+    # its default, is not in an older bundle's file nor in its digest)
+    actual = json_digest({k: v for k, v in data.items() if k != "digest"})
     if actual != manifest.digest:
         raise ManifestInvalid(
             f"{where}: {MANIFEST} was edited after the build: its content has sha256 {actual}, "
@@ -683,6 +683,12 @@ def load_manifest(bundle_dir: str | os.PathLike, verify: bool = True) -> Manifes
     if verify:
         verify_files(folder, manifest)
     return manifest
+
+
+def json_digest(body: dict) -> str:
+    """sha256 hex of ``body``'s canonical JSON: keys sorted, no whitespace, UTF-8 (the manifest's ``digest``)."""
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def verify_files(folder: str | os.PathLike, manifest: Manifest) -> None:
