@@ -403,9 +403,9 @@ def test_prefill_forwards_are_the_engines_chunks():
     assert prefill_forwards(50, 50) == []
     import inspect
 
-    from hycoc.verifier.engine import VerifierEngine
+    from hycoc.verifier.model import VerifierModel  # the engine's base holds its keyword arguments
 
-    assert inspect.signature(VerifierEngine).parameters["prefill_chunk"].default == PREFILL_CHUNK
+    assert inspect.signature(VerifierModel).parameters["prefill_chunk"].default == PREFILL_CHUNK
 
 
 def test_request_replay_counts_head_steps_and_prefill_exactly():

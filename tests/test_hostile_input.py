@@ -81,7 +81,7 @@ def test_in_session_frames_are_bounded_by_the_largest_open(engine):
     from hycoc.protocol.messages import ErrorReply, Opened, OpenRequest, Sampling
 
     bound = open_frame_bytes(MAX_CONTEXT)
-    assert bound == 131_636
+    assert bound == 131_644  # 16 + 50 + 4 x 127 + 65,535 + 65,535: the largest OPEN (protocol 6)
     with ServerThread(engine, tree_rows=ROWS) as srv:
         assert srv.server.in_frame_bytes == bound
         ws = connect(srv.url, compression=None, proxy=None, legacy=True, max_size=2**24)

@@ -205,7 +205,7 @@ def bare_cases(rng: random.Random, t: Target) -> list[Case]:
         Case("append_before_open", "bare", wire.encode(AppendTurn(np.asarray([5, 6], np.int32), 4, keep=1)),
              f({"not_opened"})),
         Case("reply_from_client", "bare",
-             wire.encode(RoundReply(0, np.full(1, 5, np.int32), np.zeros(0, np.int16), 5, 1.0)),
+             wire.encode(RoundReply(0, np.full(1, 5, np.int32), np.zeros(0, np.int16), 5, 1.0, allowance=1)),
              f({"unexpected_message"})),
         Case("opened_from_client", "bare",
              wire.encode(Opened(1, 3, 1.0, 64, 1, t.vocab_size, 8, 8, 8, (1,))), f({"unexpected_message"})),
