@@ -137,9 +137,11 @@ def append_job(
         return ms, session.t
 
     def abort() -> None:
-        if undo["checkpoint"] is not None:
-            undo["checkpoint"].restore()
-        session.cache, session.snapshot, session.undo = undo["cache"], undo["snapshot"], None
+        if checkpoint is not None and undo:  # not after done(): it cleared the undo record
+            checkpoint.restore()
+        if undo:
+            session.cache, session.snapshot = old_cache, old_snapshot
+        session.undo = None
         undo.clear()
 
     return PrefillJob(

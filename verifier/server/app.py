@@ -16,7 +16,7 @@ from ..batch import RowBudget
 from ..engine import Session, VerifierEngine
 from ..row_budget import DEFAULT_MIN_ROWS, TREE_BUDGETS, RowCost
 from ..row_cost_measure import measure_row_cost, row_cost_plan
-from .admission import Admission, Link
+from .admission import Admission, KvReservation, Link
 from .channels import AiohttpChannel, Channel, Connection, GuardedRunner, bearer_token
 from .errors import ShuttingDown
 from .limits import ServerLimits
@@ -150,7 +150,7 @@ class VerifierServer:
         self.admission = Admission(limits, self.metrics.refused)
         self.metrics.admission = self.admission
         self.prefill_pool_bytes = self._prefill_pool_bytes()
-        self.prefill_pool = None  # its reservation, from `start_engine` to `stop`
+        self.prefill_pool: KvReservation | None = None  # its reservation, from `start_engine` to `stop`
         self.worker = EngineWorker(
             engine,
             batching=batching,
