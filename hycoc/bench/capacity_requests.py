@@ -12,6 +12,7 @@ gives each device its k-th request; `FrameBytes` the wire bytes its frames take 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,24 +44,26 @@ class SimRound:
     committed: tuple[int, ...]
 
 
-class SimRequest:
+class SimRequest(ABC):
     """One request of a device: ``prompt_len`` tokens, ``draft_place``, and its rounds (`next_round`), which depend
-    on what was committed so far (`commit`). Subclasses: `TraceRequest`, `SyntheticRequest`."""
+    on what was committed so far (`commit`). Subclasses: `TraceRequest`, `SyntheticRequest`, `TreeRequest`."""
 
     prompt_len: int = 1
     draft_place: str = "device"
 
+    @abstractmethod
     def next_round(self) -> SimRound | None:
-        raise NotImplementedError
+        """The next round to send, or None when the request has none left."""
 
+    @abstractmethod
     def commit(self, tokens) -> None:
-        raise NotImplementedError
+        """What the round just answered committed (its path tokens and bonus)."""
 
+    @abstractmethod
     def finished(self) -> bool:
         """Whether the request has no round left (the verifier's reply would say finished)."""
-        raise NotImplementedError
 
-    def allow(self, rows: int) -> None:
+    def allow(self, rows: int) -> None:  # noqa: B027  (an optional hook: most requests ignore the allowance)
         """The last reply's allowance: the rows the next round may hold (protocol 6). Requests that do not draft
         to an allowance (recorded trees, fixed-size synthetic ones) ignore it."""
 
