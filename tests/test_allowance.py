@@ -106,6 +106,7 @@ def test_padding_rows_are_worth_nothing():
         (dict(floor=6, ceiling=5), "ceiling = 5"),
         (dict(free_rows=0), "free_rows = 0"),
         (dict(weight=0.0), "weight = 0.0"),
+        (dict(yield_weight=1.5), "yield_weight = 1.5"),
         (dict(target_ms=-1.0), "target_ms = -1.0"),
         (dict(target_ms=math.inf), "target_ms = inf"),
     ],
@@ -173,3 +174,47 @@ def test_the_device_measures_its_drafting_per_kind_of_round():
     t.observe(6, float("nan"))  # ignored
     t.observe(33, 1e9)  # clamped to what an OPEN carries: 10 + 0.5 x (60,000 - 10)
     assert (t.floor_ms, t.tree_ms) == (3.0, 10.0 + 0.5 * (60_000 - 10.0))
+
+
+def test_each_size_class_learns_what_its_rounds_commit_against_what_its_scores_expect():
+    """The chain class (rows <= K + 1 = 5) and the tree class learn committed-beyond-the-bonus per token the rank
+    values predict for their size. The rank values predict 0.5 + 0.25 + 0.125 + 0.0625 = 0.9375 tokens for 5 rows;
+    rounds that commit 3 (2 beyond the bonus) give the chain a yield 2 / 0.9375; a 33-row tree (predicted 1 - 0.5^32)
+    that commits 1 (0 beyond) a yield of 0.05, the clamp. V(r) is then the rank values' sum times r's class's yield;
+    the budget's value_scale stands in for a class with no round yet. Under load the tree class, with 1 round of
+    learn_rounds 16, is explored with the whole tree every 4th grant."""
+    r = rule(weight=0.5)
+    assert r.yields().tolist() == [1.0, 1.0]  # nothing committed yet: the budget's value_scale
+    r.observe_tree(*chain_tree(FLOOR), committed=3)
+    r.observe_tree(*chain_tree(FLOOR), committed=3)
+    assert r.state.rounds.tolist() == [2, 0]
+    np.testing.assert_allclose(r.yields(), [2 / 0.9375, 1.0])
+    r.observe_tree(*chain_tree(), committed=1)
+    np.testing.assert_allclose(r.yields(), [2 / 0.9375, 0.05])
+    # ranks: the 33-row tree's values (EMA 0.5 over the ranks the 5-row trees taught equal values: unchanged)
+    np.testing.assert_allclose(r.expected_tokens(np.array([FLOOR, 20])), [2.0, 0.05 * (1 - 0.5**19)])
+    # under load the chain's 3 tokens beat every tree: with the scores alone r = 20 won at 10 sessions
+    assert r.allowance(sessions=10) == FLOOR
+    assert [r.grant(sessions=10) for _ in range(8)] == [FLOOR, FLOOR, FLOOR, CEILING] * 2
+    r.observe_tree(*chain_tree(), committed=0)  # a round that committed nothing (none: < 1) teaches no yield
+    assert r.state.rounds.tolist() == [2, 1]
+    r.observe_tree(*chain_tree(FLOOR), committed=5)  # the third chain round: the running mean of 2, 2, 4
+    np.testing.assert_allclose(r.yields()[0], (8 / 3) / 0.9375)
+
+
+def test_under_load_the_other_class_is_explored_until_it_has_learned():
+    """Every explore_every-th grant under load goes to the other class's best r while it has fewer than
+    learn_rounds rounds, then every refresh_every-th; at low load every grant is the ceiling and counts nothing."""
+    r = rule(learn_rounds=2, explore_every=3, refresh_every=5)
+    r.observe_tree(*chain_tree())
+    assert [r.grant(sessions=1) for _ in range(4)] == [CEILING] * 4 and r.state.grants == 0
+    assert r.allowance(sessions=10) == 20  # the tree class's best; the chain class (floor 5) has no round
+    assert [r.grant(sessions=10) for _ in range(6)] == [20, 20, FLOOR, 20, 20, FLOOR]
+    r.observe_tree(*chain_tree(FLOOR), committed=1)  # the bonus alone: the chain's yield is the clamp's 0.05
+    r.observe_tree(*chain_tree(FLOOR), committed=1)  # 2 rounds: learned; r = 20 still wins; every 5th grant now
+    assert [r.grant(sessions=10) for _ in range(9)] == [20, 20, 20, FLOOR, 20, 20, 20, 20, FLOOR]
+    off = rule(explore_every=0, refresh_every=0)
+    off.observe_tree(*chain_tree())
+    assert {off.grant(sessions=10) for _ in range(20)} == {20}
+    with pytest.raises(ValueError, match="explore_every = -1"):
+        rule(explore_every=-1)

@@ -510,24 +510,25 @@ def _tree_devices(pool, ceiling: int = 33, head_ms: float = 20.0, full_ms: float
 def test_allowance_is_the_servers_rule_and_devices_draft_to_it(monkeypatch):
     """Mode allowance builds the server's own `AllowanceRule` (sharing the budget's `BudgetState`), teaches it every
     step's sessions and every scored tree verified, and each reply's allowance (its place's
-    `DraftPlace.allowance`) is what the device drafts next: with the rule pinned at 5 rows, every round after a
-    device's first holds 5 rows and is drafted without the SLM pass (the head's 20 ms); one device alone gets the
-    ceiling from the real rule."""
+    `DraftPlace.allowance`, the rule's `grant`) is what the device drafts next: with the rule pinned at 5 rows, every
+    round after a device's first holds 5 rows and is drafted without the SLM pass (the head's 20 ms); one device
+    alone gets the ceiling from the real rule."""
     from hycoc.verifier import allowance as allowance_mod
 
-    seen = {"trees": 0, "steps": []}
+    seen = {"trees": 0, "steps": [], "committed": []}
     real = allowance_mod.AllowanceRule
 
     class Pinned(real):
-        def observe_tree(self, scores, tokens, parents):
+        def observe_tree(self, scores, tokens, parents, committed=None):
             seen["trees"] += 1
-            super().observe_tree(scores, tokens, parents)
+            seen["committed"].append(committed)
+            super().observe_tree(scores, tokens, parents, committed)
 
         def observe_step(self, sessions, step_ms=None, forward_ms=None):
             seen["steps"].append(sessions)
             super().observe_step(sessions, step_ms, forward_ms)
 
-        def allowance(self, sessions=None):
+        def grant(self, sessions=None):
             return 5
 
     monkeypatch.setattr(allowance_mod, "AllowanceRule", Pinned)
@@ -538,6 +539,7 @@ def test_allowance_is_the_servers_rule_and_devices_draft_to_it(monkeypatch):
     assert [r.rows for r in rounds[:3]] == [33, 33, 33] and {r.rows for r in rounds[3:]} == {5}
     assert {round(d) for d, _ in res.stats.device_waits_ms[3:]} == {20}
     assert seen["trees"] == len(rounds) and sum(seen["steps"]) == len(rounds)
+    assert sorted(seen["committed"]) == sorted(r.committed for r in rounds)  # each tree with its round's commit
     assert set(res.allowances) == {5}
     monkeypatch.setattr(allowance_mod, "AllowanceRule", real)
     one = simulate(_tree_devices(_pool()), replace(cfg, devices=1), FixedCost(a=10.0, line=line))

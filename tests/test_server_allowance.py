@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -66,7 +67,7 @@ class FixedRule:
     def __init__(self, rows: int):
         self.rows = rows
 
-    def allowance(self, sessions=None) -> int:
+    def grant(self, sessions=None) -> int:
         return self.rows
 
     def observe_tree(self, *args) -> None:
@@ -149,7 +150,7 @@ def _client(url, i, barrier, record, failures):
             barrier.wait(30)
             for seq in range(6):
                 reply = c.round(chain(root, allowance, seq))
-                record.append(reply.allowance)
+                record.append((i, reply.allowance))
                 root, allowance = int(reply.bonus), reply.allowance
     except Exception as e:  # noqa: BLE001 -- reported by the test
         failures.append(e)
@@ -158,7 +159,9 @@ def _client(url, i, barrier, record, failures):
 def test_a_loaded_server_grants_the_floor_when_rows_cost_more_than_they_add(models):
     """Four sessions sharing each forward on a cost line that rises from the first row (1 ms per row) with trees
     whose rank r is worth 0.5^r: sessions x (1 + V(r)) / (sessions x r ms) falls with r, so the real rule grants
-    the floor, K + 1 = 5 rows, from the first batched step on; the clients then send 5-row trees."""
+    the floor, K + 1 = 5 rows, from the first batched step on; the clients then send 5-row trees. Every 4th grant
+    goes to the tree class (the whole tree, 7 rows) while that class has under 16 rounds (the yield's
+    exploration): 24 grants under load, so 6 of them."""
     engine = make_engine(models)
     cost = RowCost(((1, 1.0), (100, 100.0)))
     with ServerThread(
@@ -180,5 +183,8 @@ def test_a_loaded_server_grants_the_floor_when_rows_cost_more_than_they_add(mode
         got = metrics(srv)
     engine.close()
     assert len(record) == 24
-    assert set(record) == {K + 1}  # every step held 4 sessions (they wait for each other): 4 x 7 > 7 free rows
-    assert got["hycoc_rows_not_drafted_total"] == 4 * 5 * (ROWS - (K + 1))  # rounds 2-6 of each session
+    # every step held 4 sessions (they wait for each other): 4 x 7 > 7 free rows; the tree class has 4 + at most 5
+    # rounds (< 16), so grants 4, 8, ..., 24 explore it
+    assert Counter(a for _, a in record) == {K + 1: 18, ROWS: 6}
+    sent = [a for i in range(4) for a in [a for j, a in record if j == i][:-1]]  # rounds 2-6 of each session
+    assert got["hycoc_rows_not_drafted_total"] == sum(ROWS - a for a in sent)

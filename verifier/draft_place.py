@@ -82,13 +82,13 @@ class DraftPlace:
 
     def allowance(self, rule: AllowanceRule | None, tree_rows: int, sessions: float | None = None) -> int:
         """Rows the session's next ROUND may hold (protocol 6's REPLY allowance), in [1, tree_rows]: the rule's
-        (`AllowanceRule.allowance`) for device-drafted trees, clamped to the session's tree_rows; the whole tree
-        without a rule (allowance = "fixed"); 1 (the root) when the device sends the root alone."""
+        (`AllowanceRule.grant`, once per reply) for device-drafted trees, clamped to the session's tree_rows; the
+        whole tree without a rule (allowance = "fixed"); 1 (the root) when the device sends the root alone."""
         if not self.device_rows:
             return 1
         if rule is None:
             return int(tree_rows)
-        return max(1, min(int(tree_rows), rule.allowance(sessions)))
+        return max(1, min(int(tree_rows), rule.grant(sessions)))
 
 
 #: The places, by wire name (one per `hycoc.protocol.messages.DRAFT_PLACES` entry, in its order).

@@ -263,7 +263,7 @@ def _step(
             row_budget,
         )
         if allowance is not None:
-            _teach_allowance(allowance, batch, stats)
+            _teach_allowance(allowance, batch, stats, before, replies)
         for r, reply, (n_tokens, n_rounds) in zip(batch, replies, before):
             if isinstance(reply, BaseException):
                 results.append(reply)
@@ -302,11 +302,16 @@ def _step(
     return report, results
 
 
-def _teach_allowance(allowance: AllowanceRule, batch: list[_Round], stats: BatchStats) -> None:
-    """The step's lessons for the allowance rule: the scored device-drafted trees as sent (their per-rank values)
-    and the step's sessions (the load)."""
-    for r in batch:
+def _teach_allowance(
+    allowance: AllowanceRule, batch: list[_Round], stats: BatchStats, before: list[tuple[int, int]], replies: list
+) -> None:
+    """The step's lessons for the allowance rule: the scored device-drafted trees as sent (their per-rank values),
+    with the tokens each new round committed (``before``: each session's (tokens, rounds) before the step; a
+    retry or a failed round commits nothing to learn from), and the step's sessions (the load)."""
+    for r, reply, (n_tokens, n_rounds) in zip(batch, replies, before):
         scores = getattr(r.tree, "scores", None)
         if scores is not None and r.session.place.trimmable and len(scores) == len(r.tree.tokens):
-            allowance.observe_tree(scores, r.tree.tokens, r.tree.parents)
+            verified = not isinstance(reply, BaseException) and r.session.rounds > n_rounds
+            committed = len(r.session.tokens) - n_tokens if verified else None
+            allowance.observe_tree(scores, r.tree.tokens, r.tree.parents, committed)
     allowance.observe_step(stats.sessions)

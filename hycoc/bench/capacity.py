@@ -200,16 +200,6 @@ class _Session:
     replied_at: float | None = None  # when its last round's REPLY left the server (s): the device's away time starts
 
 
-@dataclass(frozen=True)
-class _StepAllowance:
-    """The rule's allowance of one step, asked once and handed to every `DraftPlace.allowance` of its replies."""
-
-    rows: int
-
-    def allowance(self, sessions: float | None = None) -> int:
-        return self.rows
-
-
 class _Replica:
     """One verifier: its queues, its event loop, its `RowBudget` (budgeted), its worker process (module docstring)."""
 
@@ -344,19 +334,19 @@ class _Replica:
         end = min(self.env.now, self.cfg.duration_s)
         self.result.busy_s[self.index] += max(0.0, end - max(start, 0.0)) if start < self.cfg.duration_s else 0.0
 
-    def _allow(self, batch: list[_Job]) -> None:
+    def _allow(self, batch: list[_Job], committed: list[int]) -> None:
         """The allowance rule learns the step (its sessions; the budget's shared state learned its ms) and the
-        scored device trees it verified, then each round's reply carries its place's allowance."""
-        self.rule.observe_step(len(batch))
-        for j in batch:
+        scored device trees it verified with the tokens each committed, then each round's reply carries its place's
+        allowance (`AllowanceRule.grant`, once per reply, as the scheduler's `Session.grant`)."""
+        for j, n in zip(batch, committed):
             place = PLACES[j.session.request.draft_place]
             scores, tokens, parents = j.rnd.tree
             if place.trimmable and scores is not None:
-                self.rule.observe_tree(scores, tokens, parents)
-        step = _StepAllowance(self.rule.allowance())  # the rule once per step: every reply of it carries it
+                self.rule.observe_tree(scores, tokens, parents, n)
+        self.rule.observe_step(len(batch))
         for j in batch:
             place = PLACES[j.session.request.draft_place]
-            j.session.allowance = place.allowance(step, self.cfg.tree_rows)
+            j.session.allowance = place.allowance(self.rule, self.cfg.tree_rows)
             self.result.allowances.append(j.session.allowance if place.device_rows else None)
 
     def _wall_ms(self, ms: float) -> float:
@@ -419,7 +409,7 @@ class _Replica:
                 accepted = float(sum(len(c) - 1 for c in results)) if scored else None
                 self.budget.observe_step(step_ms, forward_ms, len(batch), accepted, alloc.expected_tokens)
             if self.rule is not None:
-                self._allow(batch)
+                self._allow(batch, [len(c) for c in results])
         done_prefills = []
         used = 0
         for p in prefills:
