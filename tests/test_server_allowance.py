@@ -180,6 +180,9 @@ def test_a_loaded_server_grants_the_floor_when_rows_cost_more_than_they_add(mode
         assert (state.draft_floor_ms, state.draft_tree_ms) == (2.0, 9.0)  # the OPENs' reports
         assert state.aways == 4 * 5  # every round after a REPLY: rounds 2-6 of each session
         assert health["allowance_link_ms"] == round(state.link_ms, 3) >= 0
+        # the chain class learned from every floor round, the tree class from the first rounds and the explored ones
+        assert health["allowance_yield_rounds"] == {"chain": state.rounds[0], "tree": state.rounds[1]}
+        assert sum(health["allowance_yield_rounds"].values()) == 24  # every verified round taught its class
         got = metrics(srv)
     engine.close()
     assert len(record) == 24

@@ -11,7 +11,7 @@ from aiohttp import WSCloseCode, web
 
 from hycoc.protocol import wire
 
-from ..allowance import ALLOWANCE_MODES, AllowanceRule
+from ..allowance import ALLOWANCE_MODES, CLASSES, AllowanceRule
 from ..batch import RowBudget
 from ..engine import Session, VerifierEngine
 from ..row_budget import DEFAULT_MIN_ROWS, TREE_BUDGETS, RowCost
@@ -427,6 +427,8 @@ class VerifierServer:
             "sessions_per_step": round(rule.state.sessions, 3),
             "allowance_link_ms": round(rule.state.link_ms, 3),
             "allowance_drafting_ms": [rule.state.draft_floor_ms, rule.state.draft_tree_ms],
+            "allowance_yields": {c: round(float(y), 4) for c, y in zip(CLASSES, rule.yields())},
+            "allowance_yield_rounds": {c: int(n) for c, n in zip(CLASSES, rule.state.rounds)},
         }
 
     async def _healthz(self, request: web.Request) -> web.Response:
