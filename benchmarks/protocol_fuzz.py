@@ -40,7 +40,7 @@ def _in_process(recipe_path: Path):
     from hycoc.verifier.loading import engine_from_recipe, server_options
     from hycoc.verifier.server import ServerThread
 
-    from hycoc.recipe_loading import load_recipe
+    from hycoc.recipe.loading import load_recipe
 
     recipe = load_recipe(recipe_path)
     return ServerThread(engine_from_recipe(recipe), **server_options(recipe)).start()

@@ -288,7 +288,7 @@ def run(args) -> int:
     from hycoc.bench.loadtest import LoadTestError
     from hycoc.chat import ChatFormat
     from hycoc.chat_template import chat_from_recipe
-    from hycoc.recipe_loading import load_recipe
+    from hycoc.recipe.loading import load_recipe
 
     recipe = load_recipe(args.recipe)
     bundle = args.bundle or Path("bundles") / f"{recipe.recipe.name}-cpu"

@@ -1,5 +1,5 @@
 """Reading a recipe (`hycoc.recipe`): `load_recipe` / `parse_recipe` turn a TOML file into a validated
-`hycoc.recipe_document.Recipe`, and every problem into one `hycoc.recipe_errors.RecipeError` whose message names the
+`hycoc.recipe.document.Recipe`, and every problem into one `hycoc.recipe.errors.RecipeError` whose message names the
 dotted key, the file, the line (found by scanning the TOML text for the key inside its table, best effort), the bad
 value and what is allowed (`describe_allowed`, from the field's type, bounds and ``allowed`` note).
 """
@@ -17,8 +17,8 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
-from hycoc.recipe_document import Recipe
-from hycoc.recipe_errors import CrossFieldError, Problem, RecipeError
+from hycoc.recipe.document import Recipe
+from hycoc.recipe.errors import CrossFieldError, Problem, RecipeError
 
 
 def load_recipe(path: str | Path) -> Recipe:

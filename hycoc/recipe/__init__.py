@@ -1,6 +1,6 @@
 """Recipes: one TOML file holds every knob of a HyCo deployment, loaded into strict, typed config objects.
 
-A recipe is read with ``tomllib`` and validated by pydantic models (`hycoc.recipe_sections`). Each section is one
+A recipe is read with ``tomllib`` and validated by pydantic models (`hycoc.recipe.sections`). Each section is one
 model with ``extra="forbid"`` and strict types: an unknown key, a wrong type (``"4"`` for ``4``, ``1`` for ``true``)
 or an out-of-range value is an error, never a warning and never a silent coercion. Every field carries the paper's
 default and a one-line description with its unit; the paper is "HyCo: Hybrid Drafting for Cost-Efficient
@@ -15,18 +15,18 @@ Model paths (``[models]``) are either local paths, resolved against the recipe f
 names nothing on disk and has the form ``owner/name`` is taken as a hub id (write ``./owner/name`` to force a
 local path).
 
-This module is the recipe's public face; the work is split by job: `hycoc.recipe_sections` (the tables, one model
-per ``[section]``, with their value formats), `hycoc.recipe_document` (`Recipe`: the whole, the check across tables,
-model paths and hub ids, the content hash), `hycoc.recipe_loading` (`load_recipe`, `parse_recipe` and the error
-messages) and `hycoc.recipe_errors` (`RecipeError`, `Problem`, `CrossFieldError`).
+This module is the recipe's public face; the work is split by job: `hycoc.recipe.sections` (the tables, one model
+per ``[section]``, with their value formats), `hycoc.recipe.document` (`Recipe`: the whole, the check across tables,
+model paths and hub ids, the content hash), `hycoc.recipe.loading` (`load_recipe`, `parse_recipe` and the error
+messages) and `hycoc.recipe.errors` (`RecipeError`, `Problem`, `CrossFieldError`).
 """
 
 from __future__ import annotations
 
-from hycoc.recipe_document import Recipe
-from hycoc.recipe_errors import CrossFieldError, Problem, RecipeError
-from hycoc.recipe_loading import describe_allowed, find_line, load_recipe, parse_recipe
-from hycoc.recipe_sections import (
+from hycoc.recipe.document import Recipe
+from hycoc.recipe.errors import CrossFieldError, Problem, RecipeError
+from hycoc.recipe.loading import describe_allowed, find_line, load_recipe, parse_recipe
+from hycoc.recipe.sections import (
     HANGUL_RANGES,
     Acceptance,
     Bench,

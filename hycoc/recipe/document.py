@@ -1,4 +1,4 @@
-"""The whole recipe (`hycoc.recipe`): `Recipe`, its tables (`hycoc.recipe_sections`), the check across them,
+"""The whole recipe (`hycoc.recipe`): `Recipe`, its tables (`hycoc.recipe.sections`), the check across them,
 where its model paths point and its content hash.
 
 Model paths (``[models]``) are either local paths, resolved against the recipe file's folder, or hub ids such as
@@ -16,8 +16,8 @@ from pathlib import Path
 
 from pydantic import Field, PrivateAttr, model_validator
 
-from hycoc.recipe_errors import CrossFieldError, Problem, RecipeError
-from hycoc.recipe_sections import (
+from hycoc.recipe.errors import CrossFieldError, Problem, RecipeError
+from hycoc.recipe.sections import (
     Acceptance,
     Bench,
     Handoff,

@@ -1,6 +1,6 @@
 """The errors of a recipe (`hycoc.recipe`): `RecipeError`, the one exception `load_recipe` raises, made of one
 `Problem` per thing wrong, and `CrossFieldError`, which a section's validator raises when two of its fields disagree
-(`hycoc.recipe_loading` turns it into a `Problem` naming the field to blame).
+(`hycoc.recipe.loading` turns it into a `Problem` naming the field to blame).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Each section is a `Section`: ``extra="forbid"`` and strict types, so an unknown 
 carries the paper's default and a one-line description with its unit; the paper is "HyCo: Hybrid Drafting for
 Cost-Efficient Mobile-Cloud Speculative Decoding" (App. C Algorithms 1-4 and Table 5 for the round, Table 4 for the
 head's QAT, Table 3 and App. A for the integer formats). A validator that finds two fields in disagreement raises
-`hycoc.recipe_errors.CrossFieldError`; the whole recipe that holds these tables is `hycoc.recipe_document.Recipe`.
+`hycoc.recipe.errors.CrossFieldError`; the whole recipe that holds these tables is `hycoc.recipe.document.Recipe`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pydantic.config import JsonDict
 
 from hycoc import serving_limits
 from hycoc.protocol import messages
-from hycoc.recipe_errors import CrossFieldError, Problem, RecipeError
+from hycoc.recipe.errors import CrossFieldError, Problem, RecipeError
 
 
 class Section(BaseModel):
