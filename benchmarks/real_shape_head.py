@@ -38,9 +38,9 @@ project's own head passes, timing each step and measuring its peak memory:
 7. ``full_compile`` / ``full_sim``: the whole QDQ head graph compiled the same way (``--full-compile-timeout``)
    and, when that worked, run once on the simulator against the CPU EP.
 
-Memory and CPU (`hycoc.bench.harness.Steps`): each step's ``peak_rss_gib`` is this process's own high-water mark
-(VmHWM, reset before the step through ``/proc/self/clear_refs``); ``peak_tree_rss_gib`` samples this process plus its
-children (the QNN compile runs in a child process) every 0.2 s with psutil; ``cpu_seconds`` is the CPU time of this
+Memory and CPU (`hycoc.bench.real_shape.harness.Steps`): each step's ``peak_rss_gib`` is this process's own high-water
+mark (VmHWM, reset before the step through ``/proc/self/clear_refs``); ``peak_tree_rss_gib`` samples this process plus
+its children (the QNN compile runs in a child process) every 0.2 s with psutil; ``cpu_seconds`` is the CPU time of this
 process and its children over the step, the figure to quote on a loaded machine. ``output_bytes`` is what the step
 wrote to disk (or holds, for in-memory steps).
 
@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from hycoc.bench.harness import (
+from hycoc.bench.real_shape.harness import (
     Steps,
     compiled_details,
     cpu_run,
@@ -80,7 +80,7 @@ from hycoc.bench.harness import (
     synthetic_keep_set,
     write_report,
 )
-from hycoc.bench.head_shapes import (
+from hycoc.bench.real_shape.head_shapes import (
     BLOCK_INPUTS,
     attention_block_class,
     block_feeds,

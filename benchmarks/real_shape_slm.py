@@ -6,7 +6,7 @@ SLM at real shape").
     python benchmarks/real_shape_slm.py --skip-compile --max-qdq-gib 11
 
 Steps, each timed, with its peak memory and the bytes it wrote (the head's equivalent is
-`benchmarks/real_shape_head.py`; both measure through `hycoc.bench.harness`):
+`benchmarks/real_shape_head.py`; both measure through `hycoc.bench.real_shape.harness`):
 
 1. ``checkpoint``: random integer weights written straight into transformers' pre-quantized Gemma format
    (``quant_method: gemma``: packed int2/int4/int8 + per-channel float32 ``weight_scale``, embeddings as
@@ -38,7 +38,7 @@ Steps, each timed, with its peak memory and the bytes it wrote (the head's equiv
 
 Memory: ``peak_rss_gib`` (VmHWM, reset per step) and ``peak_tree_rss_gib`` (this process + children, sampled with
 psutil); ``cpu_seconds``: CPU time of the step (this process + its children, psutil), the figure to quote on a loaded
-machine (`hycoc.bench.harness.Steps`).
+machine (`hycoc.bench.real_shape.harness.Steps`).
 ``--toy-dims`` (tests only): the same chain at toy widths; the report says ``"real_shapes": false``.
 Prints a table and writes JSON to ``--out`` (default runs/real-shape-slm.json).
 """
@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from hycoc.bench.harness import (
+from hycoc.bench.real_shape.harness import (
     Steps,
     cpu_run,
     du,
@@ -71,8 +71,8 @@ from hycoc.bench.harness import (
     synthetic_keep_set,
     write_report,
 )
-from hycoc.bench.random_checkpoint import slm_config, write_random_checkpoint
-from hycoc.bench.real_shape_shards import (
+from hycoc.bench.real_shape.random_checkpoint import slm_config, write_random_checkpoint
+from hycoc.bench.real_shape.shards import (
     TWO_GB,
     compile_slm,
     qdq_peak_estimate_gib,

@@ -177,7 +177,7 @@ def test_a_context_over_the_budget_is_refused_before_compiling(tiny_run):
 
 
 def _tiny_text_config(layers: int = 4) -> dict:
-    from hycoc.bench.random_checkpoint import slm_config
+    from hycoc.bench.real_shape.random_checkpoint import slm_config
 
     return slm_config(layers, toy_dims=True)
 
@@ -224,7 +224,7 @@ def test_the_checkpoints_own_quantization_config_wins(tmp_path):
     from hycoc.passes.plan import real_shape_plan
     from hycoc.passes.slm_surgery import operate
 
-    from hycoc.bench.random_checkpoint import write_random_checkpoint
+    from hycoc.bench.real_shape.random_checkpoint import write_random_checkpoint
     from hycoc.recipe import load_recipe
 
     own = {

@@ -1,5 +1,5 @@
 """Modules split by job keep their old import path (docs/design.md "Layout"): `hycoc/recipe/__init__.py`,
-`hycoc/bench/runner.py` and `passes/qdq.py` re-export every public name they defined before the split, as
+`hycoc/bench/paper/runner.py` and `passes/qdq.py` re-export every public name they defined before the split, as
 `hycoc/protocol/wire.py` does. The lists below are those modules' own public names read from the last commit before
 each split, so a caller's ``from hycoc.recipe import X`` keeps working. Each re-exported object is the one its new
 home defines (one definition, not a copy).
@@ -42,7 +42,7 @@ FACADES = {
         "parse_code_point_range",
         "parse_recipe",
     ],
-    "hycoc.bench.runner": [
+    "hycoc.bench.paper.runner": [
         "BenchError",
         "BenchPlan",
         "CONFIGS",

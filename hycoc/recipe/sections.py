@@ -592,7 +592,7 @@ _Epsilon = Annotated[float, Field(gt=0, lt=1)]
 class Tune(Section):
     """``[tune]``: `hycoc tune-epsilon`, which chooses ε on a validation set as the paper did on UC-val (§3,
     App. D), with quality guards measured against exact acceptance (docs/benchmarks.md "Choosing ε"; the rule is in
-    `hycoc.bench.tune_epsilon.choose_epsilon`)."""
+    `hycoc.bench.paper.tune_epsilon.choose_epsilon`)."""
 
     validation_data: str = Field(
         "",
