@@ -752,7 +752,7 @@ def check_target(
             )
 
 
-#: Name prefixes of the tensors layer shards pass to later shards only (`hycoc.passes.slm_graph` "Shards").
+#: Name prefixes of the tensors layer shards pass to later shards only (`hycoc.passes.slm.graph` "Shards").
 SHARD_PASSING = ("hidden_", "per_layer_")
 
 

@@ -221,7 +221,7 @@ def test_measure_handoff_scales_is_the_max_over_the_answers_at_percentile_100(bu
     embedding table rows of the ids, the producer layers' K/V from a plain transformers forward."""
     import torch
     from hycoc.passes.handoff_scales import measure_handoff_scales
-    from hycoc.passes.head_qat import greedy_answer, prompt_sources
+    from hycoc.passes.head.qat import greedy_answer, prompt_sources
     from hycoc.verifier.engine import producer_layers
     from transformers import DynamicCache
 

@@ -282,7 +282,7 @@ def test_qat_runs_under_bf16_autocast_on_cuda_only():
     import contextlib
     import warnings
 
-    from hycoc.passes.head_qat import qat_autocast
+    from hycoc.passes.head.qat import qat_autocast
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "CUDA is not available": the object still says what it would do

@@ -222,7 +222,7 @@ def test_bad_bit_maps_name_the_field():
 def test_the_checkpoints_own_quantization_config_wins(tmp_path):
     """A tiny checkpoint with its own map (everything 8-bit, MLP 2-bit): the surgery and the planner follow it."""
     from hycoc.passes.plan import real_shape_plan
-    from hycoc.passes.slm_surgery import operate
+    from hycoc.passes.slm.surgery import operate
 
     from hycoc.bench.real_shape.random_checkpoint import write_random_checkpoint
     from hycoc.recipe import load_recipe

@@ -6,7 +6,7 @@ calibration inputs (`synthetic_feeds`), one attention block per layer kind (`att
 Calibration inputs are SYNTHETIC but plausible (no verifier): x_hat = [e; h] with e ~ N(0, 1) and h ~ N(0, 2) plus a
 few large outlier channels (x40; Gemma's residual stream), keys/values ~ N(0, 1) (k_norm/v_norm outputs), ring masks
 from `hycoc.host.ring_masks` for ring fills from a quarter ring to a full wrapped ring, rotary rows from
-`hycoc.passes.head_graph.rotary_rows` at t - 1.
+`hycoc.passes.head.graph.rotary_rows` at t - 1.
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ def head_config(layers: int | None, toy_dims: bool = False):
 
 
 def synthetic_feeds(config, text: dict, window: int, count: int, seed: int) -> list[dict[str, np.ndarray]]:
-    """``count`` head graph inputs (`hycoc.passes.head_graph.INPUT_NAMES`, float32) from random-but-plausible values
+    """``count`` head graph inputs (`hycoc.passes.head.graph.INPUT_NAMES`, float32) from random-but-plausible values
     (module docstring): config, the assistant config; text, its text config as a dict (`head_config`); window, W."""
     from hycoc.mtp import FULL, SLIDING
-    from hycoc.passes.head_graph import INPUT_NAMES, ring_masks, rotary_rows
+    from hycoc.passes.head.graph import INPUT_NAMES, ring_masks, rotary_rows
 
     H = int(config.backbone_hidden_size)
     kv_s, d_s = int(text["num_key_value_heads"]), int(text["head_dim"])

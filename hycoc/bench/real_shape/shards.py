@@ -1,7 +1,7 @@
 """The E2B SLM build check's ``--shards`` path (benchmarks/real_shape_slm.py; docs/real-shapes.md "The E2B SLM at real
 shape"), and the helpers it shares with the whole-graph path.
 
-``--shards N|auto`` / ``--bounds``: the SLM graph split by layers (`hycoc.passes.slm_shards.plan_shards` on the
+``--shards N|auto`` / ``--bounds``: the SLM graph split by layers (`hycoc.passes.slm.shards.plan_shards` on the
 target profile's context budget, or the bounds given), each shard through steps 4-8 of the whole graph in chain
 order -- ``graph.sK`` (the torch shard and the float chain on the calibration samples), ``export.sK``, ``qdq.sK``
 (calibrated on the float chain), ``compile.sK``, ``sim.sK`` (fed by the simulator chain, against the CPU EP chain
@@ -96,7 +96,7 @@ class Shards:
 
 def shard_plan(c):
     """The shard bounds: ``--bounds``, else `plan_shards` on the profile's context budget (``--shards``)."""
-    from hycoc.passes.slm_shards import layer_weight_bytes, plan_shards
+    from hycoc.passes.slm.shards import layer_weight_bytes, plan_shards
 
     args, budget = c.args, c.profile.max_context_bytes
     per_layer, first, last = layer_weight_bytes(c.state["slm"], c.keep_n)
@@ -127,8 +127,8 @@ def shard_graph(c, s: Shards, k: int):
     feeds and the earlier shards' float outputs). Returns ((graph, samples), 0, details)."""
     import torch
 
-    from hycoc.passes.qdq import slm_calibration_samples
-    from hycoc.passes.slm_graph import SlmTreeGraph, chain_feeds
+    from hycoc.passes.qdq.quantize import slm_calibration_samples
+    from hycoc.passes.slm.graph import SlmTreeGraph, chain_feeds
 
     slm, a = c.state["slm"], c.args
     g = SlmTreeGraph(slm, s.keep, rows=a.rows, ring=s.ring, bounds=s.bounds, shard=k)
@@ -158,7 +158,7 @@ def shard_export(c, g, samples: list[dict[str, np.ndarray]], path: Path):
     import onnx
     import torch
 
-    from hycoc.passes.slm_graph import export_slm_graph
+    from hycoc.passes.slm.graph import export_slm_graph
     from hycoc.targets.htp import find_host_only_nodes
 
     _, rep = export_slm_graph(g, [torch.from_numpy(samples[0][nm]) for nm in g.input_names], path)
@@ -176,7 +176,7 @@ def shard_qdq(c, path: Path, samples: list[dict[str, np.ndarray]], tag: str, est
     """``qdq.sK``: `quantize_graph` of the shard, calibrated on the float chain; the ONNX checker."""
     import onnx
 
-    from hycoc.passes.qdq import quantize_graph
+    from hycoc.passes.qdq.quantize import quantize_graph
 
     out = c.work / f"qdq-{tag}"
     res = quantize_graph(path, samples, out, percentile=c.cal.percentile, range_scale=c.cal.range_scale)
@@ -230,7 +230,7 @@ def shard_compile(c, qdq_path: Path, tag: str):
 def shard_sim(c, s: Shards, cg, qdq_path: Path):
     """``sim.sK``: the shard on the HTP simulator fed by the simulator chain, against the CPU EP chain of the QDQ
     shards (SQNR per output)."""
-    from hycoc.passes.slm_graph import chain_feeds
+    from hycoc.passes.slm.graph import chain_feeds
     from hycoc.targets.htp import HtpSession
 
     host = s.host_samples[0]
@@ -267,7 +267,7 @@ def run_sharded(c) -> None:
     """``--shards``: the plan, then per shard k in chain order ``graph.sK``, ``export.sK``, ``qdq.sK``, ``compile.sK``,
     ``sim.sK`` (`shard_graph` .. `shard_sim`); ``budget_refusal`` on the largest shard once all are quantized;
     ``chain`` end to end. Stops at the first step that fails or is refused."""
-    from hycoc.passes.slm_graph import FULL, SLIDING
+    from hycoc.passes.slm.graph import FULL, SLIDING
 
     args, steps = c.args, c.steps
     what = "layer_weight_bytes + plan_shards on the profile's budget"

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from hycoc.passes.artifacts import Artifact, OnnxArtifact, QuantizedHeadArtifact, TokenizerArtifact, TorchModelArtifact
 from hycoc.passes.calibration_answers import CalibrationAnswersArtifact
-from hycoc.passes.head_graph import INPUT_NAMES, OUTPUT_NAMES, HeadGraph, embedding_table, ring_masks, rotary_rows
-from hycoc.passes.head_graph import rotary_tables as head_rotary_tables
+from hycoc.passes.head.graph import INPUT_NAMES, OUTPUT_NAMES, HeadGraph, embedding_table, ring_masks, rotary_rows
+from hycoc.passes.head.graph import rotary_tables as head_rotary_tables
 from hycoc.passes.pipeline import Pass, PassReport
 
 from hycoc.host import head_sliding_positions
@@ -107,7 +107,7 @@ def comparison_inputs(
 ) -> list[list[torch.Tensor]]:
     """``samples`` query inputs from one verifier pass over random keep-set tokens (length W + 2: the last roots
     see a full ring, the first a partly filled one)."""
-    from hycoc.passes.head_qat import verifier_capture
+    from hycoc.passes.head.qat import verifier_capture
 
     rng = np.random.default_rng(seed)
     length = window + 2
@@ -135,7 +135,7 @@ class HeadExport(Pass):
 
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, Artifact], PassReport]:
         from hycoc.passes.export import compare_with_torch, export_static
-        from hycoc.passes.head_qat import dequantized_head
+        from hycoc.passes.head.qat import dequantized_head
 
         quantized = inputs["quantized_head"].payload
         verifier = inputs["torch_verifier"].payload
@@ -214,11 +214,11 @@ def head_weight_arrays(model, quantized) -> dict[str, tuple[np.ndarray, np.ndarr
 
 class HeadQdq(Pass):
     """onnx_head + quantized_head + torch_verifier -> qdq_head: the head's graph with A16 activations and its QAT
-    integers as bit-exact per-channel int4 weights (`hycoc.passes.qdq.quantize_graph`, weights via
+    integers as bit-exact per-channel int4 weights (`hycoc.passes.qdq.quantize.quantize_graph`, weights via
     `head_weight_arrays`), reading ``[head_qat]`` (``input_range_percentile``) and ``[window]``.
 
     Calibration (v2): the head graph's feeds as the device runtime makes them from real hand-offs
-    (`hycoc.passes.head_calibration.real_head_calibration`: the verifier engine follows the build's greedy
+    (`hycoc.passes.head.calibration.real_head_calibration`: the verifier engine follows the build's greedy
     calibration answers (`hycoc.passes.calibration_answers`), the runtime's `MtpDrafter` ingests every hand-off
     and drafts K steps over the float head graph); ranges at the ``input_range_percentile`` percentile, x 1. SQNR
     and top-1 against the float graph are reported on those and on held-out prompts' feeds. Fallback, only when no
@@ -231,7 +231,7 @@ class HeadQdq(Pass):
     name = "qdq_head"
     version = 6  # v2: calibrated on the runtime's feeds from real hand-offs (head_calibration); v3: top_index output;
     # v4: prompts and answers from the calibration_answers pass; v5: skip-ahead rounds between drafts; v6: Softmax
-    # outputs encoded [0, 1] (`hycoc.passes.qdq.softmax_overrides`)
+    # outputs encoded [0, 1] (`hycoc.passes.qdq.encodings.softmax_overrides`)
     section = "head_qat"
     also_reads = ("window", "tree", "handoff")
     consumes = {
@@ -247,7 +247,7 @@ class HeadQdq(Pass):
         self.seed, self.samples = seed, samples
 
     def key_material(self, recipe: Recipe) -> dict[str, Any]:
-        from hycoc.passes import head_calibration as hc
+        from hycoc.passes.head import calibration as hc
 
         # the prompts and answers arrive as the calibration_answers artifact (its hash is in the key)
         return {
@@ -265,8 +265,9 @@ class HeadQdq(Pass):
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, Artifact], PassReport]:
         import onnx
         import onnx_ir as ir
-        from hycoc.passes.head_qat import dequantized_head
-        from hycoc.passes.qdq import layer_outputs, quantize_graph, sqnr_report
+        from hycoc.passes.head.qat import dequantized_head
+        from hycoc.passes.qdq.quantize import quantize_graph
+        from hycoc.passes.qdq.sqnr import layer_outputs, sqnr_report
         from hycoc.passes.topk_outputs import append_topk
 
         quantized = inputs["quantized_head"].payload
@@ -287,7 +288,7 @@ class HeadQdq(Pass):
 
         tokenizer = inputs.get("tokenizer")
         if tokenizer is not None:
-            from hycoc.passes.head_calibration import real_head_calibration
+            from hycoc.passes.head.calibration import real_head_calibration
 
             shapes = {v.name: tuple(int(d) for d in v.shape) for v in inputs["onnx_head"].payload.graph.inputs}
             answers = inputs.get("calibration_answers")

@@ -21,7 +21,7 @@ on the host. This pass does exactly that, reading the checkpoint through transfo
 A linear layer left in floating point (``modules_to_not_convert``) or a float embedding table breaks the
 contract and raises `SurgeryError`, naming the module: the surgery never silently keeps a float weight.
 RMSNorm decomposition runs on the exported graph (`hycoc.passes.rmsnorm_decomposition`), the keep-set output
-layer and the ring KV are built by `hycoc.passes.slm_graph`.
+layer and the ring KV are built by `hycoc.passes.slm.graph`.
 """
 
 from __future__ import annotations

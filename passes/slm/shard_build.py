@@ -2,9 +2,9 @@
 SLM"; docs/real-shapes.md).
 
 With ``[target] slm_shards`` set (N, or ``"auto"``: the fewest shards whose weights fit the target profile's
-context budget, `hycoc.passes.slm_shards.plan_shards`), this pass stands where ``slm_tree_graph`` and ``qdq_slm``
-stand in the unsharded build: it splits the SLM into N shards of contiguous layers (`hycoc.passes.slm_graph`
-"Shards"), exports each (`export_slm_graph`), quantizes each with `hycoc.passes.qdq.quantize_graph` on **the
+context budget, `hycoc.passes.slm.shards.plan_shards`), this pass stands where ``slm_tree_graph`` and ``qdq_slm``
+stand in the unsharded build: it splits the SLM into N shards of contiguous layers (`hycoc.passes.slm.graph`
+"Shards"), exports each (`export_slm_graph`), quantizes each with `hycoc.passes.qdq.quantize.quantize_graph` on **the
 float chain's tensors**: the build's calibration inputs (`QdqQuantize`'s, real or synthetic) are run through
 the torch shards in order (`run_shard_chain`), and shard k calibrates on its inputs there (host feeds and the
 earlier shards' float outputs), and adds the top-k outputs to the last shard (`append_topk`). The target step
@@ -72,7 +72,7 @@ class ShardedOnnxArtifact(Artifact):
 def resolve_bounds(slm, keep_size: int, recipe: Recipe) -> tuple[tuple[int, ...], dict[str, Any]]:
     """The shard bounds for ``recipe.target.slm_shards`` on the recipe target's context budget
     (`plan_shards`); returns (bounds, numbers). Raises ShardPlanError (no split fits / a bad count)."""
-    from hycoc.passes.slm_shards import layer_weight_bytes, plan_shards
+    from hycoc.passes.slm.shards import layer_weight_bytes, plan_shards
     from hycoc.targets.profiles import UnknownTargetError, profile_for
 
     t = recipe.target
@@ -96,12 +96,12 @@ class SlmShardsPass(Pass):
     docstring). Reads ``[target]`` (``slm_shards``, the budget), ``[window]``, ``[tree]``, ``[slm_calibration]``."""
 
     name = "slm_shards"
-    version = 2  # v2: Softmax outputs encoded [0, 1] (`hycoc.passes.qdq.softmax_overrides`)
+    version = 2  # v2: Softmax outputs encoded [0, 1] (`hycoc.passes.qdq.encodings.softmax_overrides`)
     section = "target"
     produces = {KIND: ShardedOnnxArtifact}
 
     def __init__(self, *, seed: int = 0, calibration: str = "real", work_dir: Path | None = None):
-        from hycoc.passes.qdq import QdqQuantize
+        from hycoc.passes.qdq.quantize import QdqQuantize
 
         self.qdq = QdqQuantize(seed=seed, calibration=calibration)  # its calibration inputs and their source
         self.consumes = {k: v for k, v in self.qdq.consumes.items() if k != "onnx_slm"}
@@ -120,8 +120,9 @@ class SlmShardsPass(Pass):
         import numpy as np
         import onnx
         import torch
-        from hycoc.passes.qdq import QdqError, quantize_graph
-        from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph, export_slm_graph, run_shard_chain
+        from hycoc.passes.qdq.encodings import QdqError
+        from hycoc.passes.qdq.quantize import quantize_graph
+        from hycoc.passes.slm.graph import FULL, SLIDING, SlmTreeGraph, export_slm_graph, run_shard_chain
         from hycoc.passes.topk_outputs import append_topk
 
         from hycoc.bundle import shard_graph_name

@@ -3,7 +3,7 @@
 One SLM forward per round runs over R rows (R = 32 in the paper's deployment): the committed tokens without SLM
 KV, ending with the root, and the planted tree nodes (Alg. 3 line 7). Row v "attends to the last W committed
 positions and to v's ancestors" (line 8). `SlmTreeGraph` is that forward as a static-shape torch module built on
-the graph surgery's output (`hycoc.passes.slm_surgery`), ready for `export_slm_graph`.
+the graph surgery's output (`hycoc.passes.slm.surgery`), ready for `export_slm_graph`.
 
 Rows. R rows in topological order: ``parents[0] == -1`` and ``0 <= parents[j] < j``. Row 0 sits at position
 ``first_position`` (the first position without SLM KV), row j at ``first_position + depth(j)``.

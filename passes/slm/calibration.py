@@ -2,7 +2,7 @@
 App. A: A16 ranges from the calibration prompts and the verifier's greedy answers).
 
 The text: the verifier's greedy answers to chat-formatted prompts, made once per build by
-`hycoc.passes.calibration_answers` from the head QAT's prompt source (`hycoc.passes.head_qat.prompt_sources`:
+`hycoc.passes.calibration_answers` from the head QAT's prompt source (`hycoc.passes.head.qat.prompt_sources`:
 ``head_qat.calibration_data``, else the keep-set corpus after the conversations the keep set counted, else the toy
 corpus). The first ``slm_calibration.prompts`` training prompts calibrate; the first ``max(2, prompts // 4)``
 evaluation prompts (other prompts) give the held-out samples for the SQNR report. Answers are capped at
@@ -10,7 +10,7 @@ evaluation prompts (other prompts) give the held-out samples for the SQNR report
 
 The inputs: the device runtime's own SLM side (`hycoc.runtime.slm_drafter.SlmDrafter` and
 `hycoc.runtime.tree_builder.TreeBuilder`, numpy only) drives `TorchSlmRunner`, which makes the FLOAT torch
-`hycoc.passes.slm_graph.SlmTreeGraph` look like a device graph runner (``shape``, ``run``) and records the feeds
+`hycoc.passes.slm.graph.SlmTreeGraph` look like a device graph runner (``shape``, ``run``) and records the feeds
 it is given. Per sequence, as `hycoc.runtime.client.DeviceRuntime` runs a request (`drive_sequence`):
 
 * ``start(prompt)``, ``prefill(reserve=K + D)``; the first tree is the SLM's alone (no hand-off yet);

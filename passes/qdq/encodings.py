@@ -1,9 +1,9 @@
-"""The fixed encodings of hycoc's QDQ graphs (`hycoc.passes.qdq`, its module docstring steps 2-3 and 5): the
+"""The fixed encodings of hycoc's QDQ graphs (`hycoc.passes.qdq.quantize`, its module docstring steps 2-3 and 5): the
 activation overrides `quantize_graph` hands onnxruntime (every calibrated range, then masks, rotary inputs, the
 (scores + mask) sums' floor, ring ties in `fixed_overrides`; every Softmax output at [0, 1] in `softmax_overrides`),
 the encodings the saved QDQ graph holds (`qdq_io_encodings`, `tensor_encoding`, the KV wire form
 `kv_wire_encoding`) and the check that the fixed ones held (`check_fixed_encodings`). `QdqError` is what a failed
-check raises, here and in `hycoc.passes.qdq_weights`.
+check raises, here and in `hycoc.passes.qdq.weights`.
 """
 
 from __future__ import annotations

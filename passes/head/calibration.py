@@ -13,7 +13,7 @@ The feeds are the runtime's: each hand-off goes to the device runtime's own `hyc
 (``ingest``: ring columns p mod W, live range, dequantized x_hat), and after the hand-offs that reach the answer offsets
 `draft_rounds` picks (`DRAFTS_PER_PROMPT`, spread over the answer) the drafter runs ``draft()`` -- K head calls,
 the first on the hand-off's x_hat, the next on [E[i]; h_next] -- through
-`TorchHeadRunner`, which makes the FLOAT torch `hycoc.passes.head_graph.HeadGraph` look like a device graph
+`TorchHeadRunner`, which makes the FLOAT torch `hycoc.passes.head.graph.HeadGraph` look like a device graph
 runner and records every feeds dict. So the samples hold what the device gives the head: the int8 hand-off's
 values (outliers included), partly and fully filled rings, masks from `hycoc.host.ring_masks`, rotary rows at the
 fixed query position, and the later drafting steps' queries.
@@ -57,7 +57,7 @@ class TorchHeadRunner:
     drafter's rings change in place) in ``records``; ``calls``: graph calls so far."""
 
     def __init__(self, graph, shapes: Mapping[str, Sequence[int]]):
-        from hycoc.passes.head_graph import INPUT_NAMES, OUTPUT_NAMES
+        from hycoc.passes.head.graph import INPUT_NAMES, OUTPUT_NAMES
 
         self.graph, self.input_names, self.output_names = graph, INPUT_NAMES, OUTPUT_NAMES
         self.shapes = {k: tuple(int(d) for d in v) for k, v in shapes.items()}
@@ -84,8 +84,8 @@ def runtime_bundle(
     """What `MtpDrafter` reads from a `DeviceBundle`, made from the compiler's objects: the round constants K, D, W
     and the query offset (recipe), ``host.head.sliding_window`` (the positions the head's sliding layers read,
     `hycoc.host.head_sliding_positions`), the keep set, E (``embedding``:
-    int8 q [|V|, H], float32 scale [|V|, 1], `hycoc.passes.head_graph.embedding_table`) with ``embed_keep``, and
-    the head's rotary tables (`hycoc.passes.head_graph.rotary_tables`)."""
+    int8 q [|V|, H], float32 scale [|V|, 1], `hycoc.passes.head.graph.embedding_table`) with ``embed_keep``, and
+    the head's rotary tables (`hycoc.passes.head.graph.rotary_tables`)."""
     q, scale = (np.asarray(embedding[0]), np.asarray(embedding[1], dtype=np.float32))
     rnd = SimpleNamespace(
         chain_length=recipe.tree.chain_length,
@@ -270,8 +270,8 @@ def real_head_calibration(
     `answer_cap`); None makes them here (`make_answers`). Raises RecipeError (hand-off scales unset), HeadQatError
     (prompts)."""
     from hycoc.passes.calibration_answers import make_answers
-    from hycoc.passes.head_graph import HeadGraph, embedding_table, rotary_tables
-    from hycoc.passes.head_qat import dequantized_head
+    from hycoc.passes.head.graph import HeadGraph, embedding_table, rotary_tables
+    from hycoc.passes.head.qat import dequantized_head
     from hycoc.verifier.engine import VerifierEngine
 
     from hycoc.chat_template import chat_from_recipe

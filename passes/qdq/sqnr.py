@@ -1,4 +1,4 @@
-"""How far a QDQ graph is from its float graph (`hycoc.passes.qdq`): `sqnr_report` runs both on the CPU EP with
+"""How far a QDQ graph is from its float graph (`hycoc.passes.qdq.quantize`): `sqnr_report` runs both on the CPU EP with
 every decoder layer's output (`layer_outputs`) added as a graph output (on copies) and reports the SQNR (dB) per
 graph output and per layer, and the top-1 agreement of the logits; `sqnr_table` prints it, `write_sqnr_json` saves
 it.

@@ -1,5 +1,5 @@
-"""The integer weights of hycoc's QDQ graphs, bit-exact (`hycoc.passes.qdq`, its module docstring steps 1 and 5):
-`fold_integer_weights` turns the SLM graph's ``Cast(int8) -> Mul(scale)`` patterns into float initializers and
+"""The integer weights of hycoc's QDQ graphs, bit-exact (`hycoc.passes.qdq.quantize`, its module docstring steps 1 and
+5): `fold_integer_weights` turns the SLM graph's ``Cast(int8) -> Mul(scale)`` patterns into float initializers and
 records the integers (`IntegerWeightSpec`; the rewrite rule is `hycoc.passes.rewrite.integer_weights`),
 `weights_from_arrays` takes them as arrays (the head's QAT output), `weight_overrides` gives onnxruntime each
 one's per-channel encoding, and `verify_weights` checks that the saved QDQ graph holds the source integers, scales,
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-from hycoc.passes.qdq_encodings import QdqError, initializer_arrays
+from hycoc.passes.qdq.encodings import QdqError, initializer_arrays
 from hycoc.passes.rewrite import integer_weights
 from hycoc.passes.rewrite.integer_weights import FoldedWeight
 

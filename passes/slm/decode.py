@@ -2,14 +2,14 @@
 instead of the R-row tree graph with R - 1 padding rows (docs/device-runtime.md "slm-alone
 decodes on a 1-row graph").
 
-`SlmDecodeGraph` (pass ``slm_decode_graph``) builds `hycoc.passes.slm_graph.SlmTreeGraph` with ``rows = 1``: the
+`SlmDecodeGraph` (pass ``slm_decode_graph``) builds `hycoc.passes.slm.graph.SlmTreeGraph` with ``rows = 1``: the
 same weights, the same ring inputs (W_T columns, column p mod W_T), 1-row masks (1, 1, 1, W_T + 1), and outputs
 ``logits`` (1, 1, |keep set|) and ``k_new_i``/``v_new_i`` (1, KV_i, 1, D_T), which the runtime writes into the
 rings as the tree path does. The exporter gives it the tree graph's node and tensor names (same modules, same
 ops; only the shapes differ).
 
 Quantization: **no calibration of its own**. Every activation tensor gets the tree graph's encoding (scale and
-zero point read from the tree's QDQ graph, `activation_encodings`; `hycoc.passes.qdq.quantize_graph`
+zero point read from the tree's QDQ graph, `activation_encodings`; `hycoc.passes.qdq.quantize.quantize_graph`
 ``encodings=``), and the integer weights are folded as for the tree graph, so the decode graph is the tree graph's
 row 0 on the same quantization grid: ring inputs and KV outputs keep the tree graph's encodings (the runtime
 copies ring codes between the two graphs unchanged), the mask, rotary and soft-cap encodings stay fixed. The pass
@@ -128,7 +128,7 @@ class SlmDecodeGraph(Pass):
     the export, SlmGraphError from the graph."""
 
     name = "slm_decode_graph"
-    version = 2  # v2: Softmax outputs encoded [0, 1] even where copied (`hycoc.passes.qdq.softmax_overrides`)
+    version = 2  # v2: Softmax outputs encoded [0, 1] even where copied (`hycoc.passes.qdq.encodings.softmax_overrides`)
     section = "window"
     also_reads = ("slm_calibration",)
     consumes = {"slm_integer": SlmIntegerArtifact, "keep_set": KeepSetArtifact, "qdq_slm": OnnxArtifact}
@@ -143,8 +143,9 @@ class SlmDecodeGraph(Pass):
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, OnnxArtifact], PassReport]:
         import onnx
         import onnx_ir as ir
-        from hycoc.passes.qdq import QdqError, quantize_graph, slm_calibration_samples
-        from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph, example_inputs, export_slm_graph
+        from hycoc.passes.qdq.encodings import QdqError
+        from hycoc.passes.qdq.quantize import quantize_graph, slm_calibration_samples
+        from hycoc.passes.slm.graph import FULL, SLIDING, SlmTreeGraph, example_inputs, export_slm_graph
         from hycoc.passes.topk_outputs import append_topk
 
         if recipe.slm_calibration.activation_bits != 16:

@@ -3,7 +3,7 @@
 
 A graph whose weights exceed one context's budget (the target profile's ``max_context_bytes``, 3.5 GiB on
 htp-v81, lowered by ``[target] context_size_limit_mb``) is split by layers into shards, one context binary each,
-loaded into one EP context group at run time and chained by the runtime (`hycoc.passes.slm_graph` "Shards",
+loaded into one EP context group at run time and chained by the runtime (`hycoc.passes.slm.graph` "Shards",
 `hycoc.runtime.graphs.ShardChainRunner`), as ExecuTorch's and Qualcomm Genie's multi-part Llama/Gemma exports
 ship E2B-class models (qai-hub-models splits its LLMs into parts of a few layers each, every part its own
 context binary).

@@ -46,8 +46,8 @@ the CPU).
 output (on copies) and reports the SQNR (dB) per graph output and per layer, and the top-1 agreement of logits.
 
 This module runs the step (`quantize_graph`) and the pipeline pass (`QdqQuantize`); the work is split by job:
-`hycoc.passes.qdq_weights` (step 1 and the weights' check), `hycoc.passes.qdq_encodings` (steps 2-3, the encodings'
-checks and `QdqError`) and `hycoc.passes.qdq_sqnr` (the SQNR report). Their public names are importable from here as
+`hycoc.passes.qdq.weights` (step 1 and the weights' check), `hycoc.passes.qdq.encodings` (steps 2-3, the encodings'
+checks and `QdqError`) and `hycoc.passes.qdq.sqnr` (the SQNR report). Their public names are importable from here as
 before. Steps 1 and 4 change the float graph as an onnx-ir model, with onnxscript rewrite rules
 (passes/rewrite/); onnxruntime's tools read and write the files in between.
 """
@@ -71,7 +71,7 @@ from hycoc.passes.calibration import (
     list_reader,
 )
 from hycoc.passes.pipeline import Pass, PassReport
-from hycoc.passes.qdq_encodings import (
+from hycoc.passes.qdq.encodings import (
     SCORE_FLOOR,
     SOFTMAX_SCALE,
     SOFTMAX_ZERO_POINT,
@@ -86,8 +86,8 @@ from hycoc.passes.qdq_encodings import (
     softmax_overrides,
     tensor_encoding,
 )
-from hycoc.passes.qdq_sqnr import layer_outputs, sqnr_report, sqnr_table, write_sqnr_json
-from hycoc.passes.qdq_weights import (
+from hycoc.passes.qdq.sqnr import layer_outputs, sqnr_report, sqnr_table, write_sqnr_json
+from hycoc.passes.qdq.weights import (
     IntegerWeightSpec,
     fold_integer_weights,
     verify_weights,
@@ -154,7 +154,7 @@ def quantize_graph(
     (head QAT output), by float initializer name; without them the Cast(int8) -> Mul(scale) patterns are folded.
     htp_rewrites: rewrite Reciprocal as Div first (`reciprocal_to_div`). encodings: activation tensor name ->
     (scale float32, zero point uint16) scalars to give those tensors instead of calibrated ranges (steps 2-3
-    skipped; another graph's, `hycoc.passes.slm_decode.activation_encodings`); ``samples`` then only feed
+    skipped; another graph's, `hycoc.passes.slm.decode.activation_encodings`); ``samples`` then only feed
     onnxruntime's calibration run. Raises CalibrationError (bad samples, e.g. a mask holding -inf) or QdqError
     (a check failed).
     """
@@ -271,7 +271,7 @@ def slm_calibration_samples(graph, slm, count: int, seed: int = 0) -> list[dict[
     tables, ring fills from a single live column to a full wrapped ring (targets/htp.py's lesson: calibrate small
     fills too), ring K/V drawn like normed keys/values (RMS 1). Stand-in for the verifier's greedy answers to
     ``slm_calibration.prompts`` prompts, which are not wired in yet."""
-    from hycoc.passes.slm_graph import host_inputs
+    from hycoc.passes.slm.graph import host_inputs
 
     rng = np.random.default_rng(seed)
     r, ring = graph.rows, max(graph.ring.values())
@@ -298,13 +298,13 @@ class QdqQuantize(Pass):
 
     Only the SLM is wired: it consumes ``onnx_slm`` + ``slm_integer`` + ``keep_set`` + ``torch_verifier`` +
     ``tokenizer`` + ``calibration_answers`` and reads ``[slm_calibration]`` (percentile x range_scale; ``prompts``
-    calibration prompts, `hycoc.passes.slm_calibration.SAMPLES_PER_PROMPT` graph calls kept from each),
+    calibration prompts, `hycoc.passes.slm.calibration.SAMPLES_PER_PROMPT` graph calls kept from each),
     ``[window]``, ``[tree]`` and, for the answer cap, ``[head_qat]``. The QDQ graph then gets the
     outputs ``top_index`` / ``top_logq`` of its ``tree.slm_candidates`` best tokens per row
     (`hycoc.passes.topk_outputs.append_topk`), which the device runtime reads instead of the logits. Calibration inputs
     (``calibration="real"``, the build's): the verifier's greedy answers to the calibration prompts driven
     through the device runtime's SLM drafter and tree builder on the float torch graph
-    (`hycoc.passes.slm_calibration`); the held-out SQNR report uses ``max(2, prompts // 4)`` other prompts.
+    (`hycoc.passes.slm.calibration`); the held-out SQNR report uses ``max(2, prompts // 4)`` other prompts.
     ``calibration="synthetic"``: `slm_calibration_samples` (``prompts`` random samples, held-out ``prompts // 4``),
     for unit tests without a verifier; it consumes neither the verifier nor the tokenizer. The head
     (``onnx_head`` + ``quantized_head``, ranges at ``head_qat.input_range_percentile``, integers via
@@ -330,7 +330,7 @@ class QdqQuantize(Pass):
         if kind_in != "onnx_slm":
             raise ValueError(
                 f"QdqQuantize({kind_in!r}): only 'onnx_slm' is wired; the head's QDQ pass needs its "
-                f"calibration captures (passes/head_qat.py) and is not done yet"
+                f"calibration captures (passes/head/qat.py) and is not done yet"
             )
         if calibration not in ("real", "synthetic"):
             raise ValueError(f"QdqQuantize(calibration={calibration!r}): choose 'real' or 'synthetic'")
@@ -369,7 +369,7 @@ class QdqQuantize(Pass):
                 slm_calibration_samples(graph, slm, max(2, cal.prompts // 4), self.seed + 1),
                 {"source": "synthetic (random trees, tokens and rings)"},
             )
-        from hycoc.passes.slm_calibration import real_calibration
+        from hycoc.passes.slm.calibration import real_calibration
 
         real, held, numbers = real_calibration(
             graph,
@@ -389,7 +389,7 @@ class QdqQuantize(Pass):
         import onnx
         import onnx_ir as ir
         from hycoc.passes.artifacts import OnnxArtifact
-        from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph
+        from hycoc.passes.slm.graph import FULL, SLIDING, SlmTreeGraph
         from hycoc.passes.topk_outputs import append_topk
 
         cal = recipe.slm_calibration
