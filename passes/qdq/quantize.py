@@ -47,9 +47,9 @@ output (on copies) and reports the SQNR (dB) per graph output and per layer, and
 
 This module runs the step (`quantize_graph`) and the pipeline pass (`QdqQuantize`); the work is split by job:
 `hycoc.passes.qdq.weights` (step 1 and the weights' check), `hycoc.passes.qdq.encodings` (steps 2-3, the encodings'
-checks and `QdqError`) and `hycoc.passes.qdq.sqnr` (the SQNR report). Their public names are importable from here as
-before. Steps 1 and 4 change the float graph as an onnx-ir model, with onnxscript rewrite rules
-(passes/rewrite/); onnxruntime's tools read and write the files in between.
+checks and `QdqError`) and `hycoc.passes.qdq.sqnr` (the SQNR report). Steps 1 and 4 change the float graph as an
+onnx-ir model, with onnxscript rewrite rules (passes/rewrite/); onnxruntime's tools read and write the files in
+between.
 """
 
 from __future__ import annotations
@@ -72,21 +72,14 @@ from hycoc.passes.calibration import (
 )
 from hycoc.passes.pipeline import Pass, PassReport
 from hycoc.passes.qdq.encodings import (
-    SCORE_FLOOR,
-    SOFTMAX_SCALE,
-    SOFTMAX_ZERO_POINT,
-    TANH_SCALE,
-    TANH_ZERO_POINT,
     QdqError,
     check_fixed_encodings,
     fixed_overrides,
-    kv_wire_encoding,
     qdq_io_encodings,
     softmax_outputs,
     softmax_overrides,
-    tensor_encoding,
 )
-from hycoc.passes.qdq.sqnr import layer_outputs, sqnr_report, sqnr_table, write_sqnr_json
+from hycoc.passes.qdq.sqnr import layer_outputs, sqnr_report
 from hycoc.passes.qdq.weights import (
     IntegerWeightSpec,
     fold_integer_weights,
@@ -96,7 +89,6 @@ from hycoc.passes.qdq.weights import (
 )
 from hycoc.passes.rewrite.reciprocal_to_div import reciprocal_to_div
 
-from hycoc.numerics import sqnr_db  # re-exported: benchmarks/real_shape_head.py imports it from here
 from hycoc.recipe import Recipe
 
 # ---- the whole step ------------------------------------------------------------------------------------------
@@ -231,35 +223,10 @@ def quantize_graph(
 
 
 __all__ = [
-    "CalibrationError",
-    "IntegerWeightSpec",
-    "QdqError",
     "QdqResult",
-    "check_fixed_encodings",
-    "fold_integer_weights",
-    "kv_wire_encoding",
-    "layer_outputs",
-    "qdq_io_encodings",
     "quantize_graph",
-    "sqnr_db",
-    "sqnr_report",
-    "sqnr_table",
-    "tensor_encoding",
-    "verify_weights",
-    "weights_from_arrays",
-    "write_sqnr_json",
     "QdqQuantize",
     "slm_calibration_samples",
-    "softmax_outputs",
-    "softmax_overrides",
-    "SOFTMAX_SCALE",
-    "SOFTMAX_ZERO_POINT",
-    "SCORE_FLOOR",
-    "TANH_SCALE",
-    "TANH_ZERO_POINT",
-    "fixed_overrides",
-    "reciprocal_to_div",
-    "weight_overrides",
 ]
 
 

@@ -35,7 +35,7 @@ This module runs the bench (`run_bench`) and prints its tables; the work is spli
 `hycoc.bench.paper.request_loop` (the requests one after another, second turns), `hycoc.bench.verifier_process` (the
 verify-server child process and its CPU time), `hycoc.bench.paper.records` (records.jsonl, settings.json, the output
 folder, `BenchError`), `hycoc.bench.paper.scoring` (quality and the verifier's log-prob of each answer) and
-`hycoc.bench.paper.turns` (the per-turn numbers and table). Their public names are importable from here as before.
+`hycoc.bench.paper.turns` (the per-turn numbers and table).
 """
 
 from __future__ import annotations
@@ -50,17 +50,13 @@ from hycoc.bench.datasets import LONG_SUMMARY_CATEGORY, Question
 from hycoc.bench.paper.records import (
     RECORDS,
     RESULTS,
-    SETTINGS,
-    BenchError,
     atomic_write,
     open_out,
     read_records,
-    record_of,
 )
-from hycoc.bench.paper.request_loop import Request, requests_of, run_requests, second_turn
+from hycoc.bench.paper.request_loop import Request, requests_of, run_requests
 from hycoc.bench.paper.scoring import score_answers, score_quality
-from hycoc.bench.paper.turns import render_turns, turn_summary, turns_table
-from hycoc.bench.verifier_process import VerifierProcess, busy_since, process_cpu_ms
+from hycoc.bench.paper.turns import turn_summary, turns_table
 from hycoc.table5 import TABLE5_ORDER
 
 #: Table 5 order.
@@ -414,35 +410,15 @@ def default_bundle_dir(recipe, repo_root: Path) -> Path:
 
 __all__ = [
     "CONFIGS",
-    "BenchError",
     "BenchPlan",
-    "Request",
-    "VerifierProcess",
-    "atomic_write",
     "cost_model_for",
-    "busy_since",
     "default_bundle_dir",
     "make_console",
-    "process_cpu_ms",
     "print_results",
     "result_tables",
-    "open_out",
-    "read_records",
-    "record_of",
     "run_bench",
-    "run_requests",
-    "score_answers",
-    "score_quality",
     "server_work",
     "COST_MODEL",
-    "RECORDS",
-    "RESULTS",
-    "SETTINGS",
     "device_time_for",
-    "render_turns",
-    "requests_of",
     "run_settings",
-    "second_turn",
-    "turn_summary",
-    "turns_table",
 ]
