@@ -194,7 +194,7 @@ def checkpoint(c: Check):
 
 
 def surgery(c: Check):
-    """2. `slm_surgery.operate`: integer weights checked bit-exact, embeddings to host LUTs."""
+    """2. `slm.surgery.operate`: integer weights checked bit-exact, embeddings to host LUTs."""
     from hycoc.passes.slm.surgery import operate
 
     slm, numbers = operate(c.work / "checkpoint")
@@ -356,7 +356,7 @@ def run_chain(c: Check) -> None:
     if steps.run("checkpoint", lambda: checkpoint(c), what=what) is None:
         return
     c.say("surgery: transformers loads the checkpoint, integers checked bit-exact")
-    what = "slm_surgery.operate: bit-exact integer weights, host LUTs"
+    what = "slm.surgery.operate: bit-exact integer weights, host LUTs"
     slm = steps.run("surgery", lambda: surgery(c), what=what)
     if slm is None:
         return
