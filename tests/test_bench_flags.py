@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hycoc.bench.paper.stats import summarize
+from hycoc.bench.paper.summary import summarize
 
 QUESTIONS = 12
 CONFIGS = ("hyco", "specedge", "server-head")

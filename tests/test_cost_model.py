@@ -439,7 +439,7 @@ def test_request_replay_counts_head_steps_and_prefill_exactly():
 
 
 def test_bench_summary_projects_every_server_forward():
-    """stats.summarize through the hand-built model: g projected and its parts, per-round medians beside the
+    """summary.summarize through the hand-built model: g projected and its parts, per-round medians beside the
     paper's 21.7 / 26.8 ms."""
     from hycoc.bench.paper.summary import summarize
 

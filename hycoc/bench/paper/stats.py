@@ -327,34 +327,3 @@ def holm(pvalues: Sequence[float], alpha: float = FLAG_ALPHA) -> tuple[list[floa
     adjusted = np.empty(m)
     adjusted[order] = adj_sorted
     return [float(x) for x in adjusted], [bool(x <= alpha) for x in adjusted]
-
-
-# ---- the names the summary, tables and plots moved to (imported from here before the split) -----------------
-
-_MOVED = {
-    "summarize": "hycoc.bench.paper.summary",
-    "quality_metrics": "hycoc.bench.paper.summary",
-    "LOGPROB_NOTE": "hycoc.bench.paper.summary",
-    "ConfigSummary": "hycoc.bench.paper.summary",
-    "reference_match": "hycoc.bench.paper.quality",
-    "main_table": "hycoc.bench.paper.report_tables",
-    "quality_table": "hycoc.bench.paper.report_tables",
-    "rounds_table": "hycoc.bench.paper.report_tables",
-    "categories_table": "hycoc.bench.paper.report_tables",
-    "render_table": "hycoc.bench.paper.report_tables",
-    "render_quality": "hycoc.bench.paper.report_tables",
-    "render_rounds": "hycoc.bench.paper.report_tables",
-    "render_categories": "hycoc.bench.paper.report_tables",
-    "write_plots": "hycoc.bench.paper.plots",
-    "_label_offsets": "hycoc.bench.paper.plots",
-}
-
-
-def __getattr__(name: str) -> Any:
-    """The summary, table and plot functions live in their own modules now; importing them from here still works
-    (PEP 562 lazy forward, so this module does not import matplotlib or rich)."""
-    if name in _MOVED:
-        import importlib
-
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
