@@ -3,7 +3,7 @@
 
 Starts ``hycoc serve-ray RECIPE --replicas 2 --port 0``, reads the replicas' pids from its /healthz, runs one
 `hycoc loadtest` cell against it (``--sessions`` devices, ``--duration`` s, the mode the replicas report) while
-sampling the replicas' threads' /proc schedstat (`hycoc.bench.capacity_run.SchedSampler`), then simulates the same
+sampling the replicas' threads' /proc schedstat (`hycoc.bench.capacity.run.SchedSampler`), then simulates the same
 cell with two replicas, the measured contention and the step cost cached by `hycoc capacity` (run that first), and
 prints predicted vs measured. Ray's proxy (one more hop per frame, on the same two cores) is not in the model.
 
@@ -36,12 +36,12 @@ def main() -> None:
     ap.add_argument("--out", default="runs/capacity-ray")
     args = ap.parse_args()
 
-    from hycoc.bench.capacity_app import trace_for
-    from hycoc.bench.capacity_measure import cached_step_cost
-    from hycoc.bench.capacity_run import SchedSampler, predicted_for, trace_workload, validation_rows
+    from hycoc.bench.capacity.app import trace_for
+    from hycoc.bench.capacity.measure import cached_step_cost
+    from hycoc.bench.capacity.run import SchedSampler, predicted_for, trace_workload, validation_rows
     from hycoc.bench.datasets import load_spec_bench
-    from hycoc.bench.loadtest import devices_for, run_loadtest
-    from hycoc.bench.runner import default_bundle_dir, make_console
+    from hycoc.bench.loadtest.run import devices_for, run_loadtest
+    from hycoc.bench.paper.runner import default_bundle_dir, make_console
     from hycoc.recipe import load_recipe
 
     cfg = load_recipe(args.recipe)

@@ -3,11 +3,11 @@ records through each measurement: projected g and Δg per configuration, side by
 
     python benchmarks/cost_model_stability.py runs/bench/results.json --recipe recipes/toy.toml --times 2
 
-Each measurement is `hycoc.bench.cost_measure.measure_recipe_verifier` as `hycoc bench` calls it (the recipe's
+Each measurement is `hycoc.bench.cost_model.measure.measure_recipe_verifier` as `hycoc bench` calls it (the recipe's
 verifier and MTP head with their real weights, busy CPU time of every forward, ``--repeats`` interleaved
 repetitions per point, contexts covering the records'), one after the other in this process. The records are
-projected with `hycoc.bench.summary.summarize` (the bench's own replay: prefill chunks, verification, server-side head
-steps). Printed: per measurement its seconds and load average, then per configuration projected g (ms per token)
+projected with `hycoc.bench.paper.summary.summarize` (the bench's own replay: prefill chunks, verification, server-side
+head steps). Printed: per measurement its seconds and load average, then per configuration projected g (ms per token)
 and projected Δg % [95% CI] for every measurement, and the largest move of projected Δg between two measurements.
 ``--clock wall`` measures wall time instead (what `hycoc bench` did before it timed busy time), for comparison.
 The stability target: two measurements move projected Δg by at most 2 points.
@@ -34,9 +34,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="folder for the measured cost models (JSON)")
     args = ap.parse_args(argv)
 
-    from hycoc.bench.cost_measure import BENCH_REPEATS, measure_recipe_verifier
-    from hycoc.bench.runner import server_work
-    from hycoc.bench.summary import summarize
+    from hycoc.bench.cost_model.measure import BENCH_REPEATS, measure_recipe_verifier
+    from hycoc.bench.paper.runner import server_work
+    from hycoc.bench.paper.summary import summarize
     from hycoc.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)

@@ -7,7 +7,7 @@ context binaries (onnxruntime-qnn; the simulator is a functional emulator: its t
 
 ``unrequested``: does an output the caller does not ask for cost anything? The toy is a drafter tail as the build
 makes it: ``x`` (1, R, 64) float -> MatMul (64 x V, int8 weights) -> ``logits`` (1, R, V), A16 QDQ
-(`hycoc.passes.qdq.quantize_graph`), then `hycoc.passes.topk_outputs.append_topk` (k = 8, with log q). Two
+(`hycoc.passes.qdq.quantize.quantize_graph`), then `hycoc.passes.topk_outputs.append_topk` (k = 8, with log q). Two
 compiles of it for htp-v81: one that keeps ``logits`` as a graph output (what the bundles shipped), one without it.
 It prints the EPContext node's outputs (an EPContext node computes all of them on every call) and the time per call
 of (a) the graph with ``logits`` asked only for ``top_index``/``top_logq``, (b) the same asked for ``logits`` too,
@@ -82,7 +82,7 @@ def _timed(session, names, feeds, reps):
 def unrequested(args) -> int:
     import onnx
     import onnxruntime as ort
-    from hycoc.passes.qdq import quantize_graph
+    from hycoc.passes.qdq.quantize import quantize_graph
     from hycoc.passes.topk_outputs import append_topk
     from hycoc.targets.htp import compile_context
     from hycoc.targets.profiles import get_profile

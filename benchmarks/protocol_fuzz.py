@@ -5,8 +5,8 @@ and fuzz").
     python benchmarks/protocol_fuzz.py recipes/toy.toml --server ws://127.0.0.1:8765 --phases 2
     python benchmarks/protocol_fuzz.py recipes/toy.toml --in-process --tracemalloc --phases 4
 
-Each phase runs `hycoc.bench.protocol_fuzz.fuzz` (malformed frames of every kind, before OPEN and inside sessions)
-for ``--phase-s`` seconds, then prints the frames sent, the codes received, findings (a code outside a case's
+Each phase runs `hycoc.bench.loadtest.protocol_fuzz.fuzz` (malformed frames of every kind, before OPEN and inside
+sessions) for ``--phase-s`` seconds, then prints the frames sent, the codes received, findings (a code outside a case's
 documented set, ``internal_error``, a connection failure) and the server's RSS (``/proc/PID/status`` VmRSS of the
 child ``hycoc verify-server``, or of this process with ``--in-process``). ``--tracemalloc`` (in-process only) takes a
 tracemalloc snapshot after each phase and prints the 10 largest growths since the first phase, by line: what grows
@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from hycoc.bench.loadtest import ServerProcess, healthz
-from hycoc.bench.protocol_fuzz import FuzzStats, error_counts, fuzz, target_of
+from hycoc.bench.loadtest.protocol_fuzz import FuzzStats, error_counts, fuzz, target_of
+from hycoc.bench.loadtest.run import ServerProcess, healthz
 
 
 def rss_mb(pid: int) -> float:
@@ -40,7 +40,7 @@ def _in_process(recipe_path: Path):
     from hycoc.verifier.loading import engine_from_recipe, server_options
     from hycoc.verifier.server import ServerThread
 
-    from hycoc.recipe_loading import load_recipe
+    from hycoc.recipe.loading import load_recipe
 
     recipe = load_recipe(recipe_path)
     return ServerThread(engine_from_recipe(recipe), **server_options(recipe)).start()

@@ -14,17 +14,17 @@ project's own head passes, timing each step and measuring its peak memory:
    full-attention last one (transformers' Gemma 4 config forces the last layer to full attention anyway).
 2. ``keep_set_restrict``: a SYNTHETIC keep set -- N sorted distinct ids drawn uniformly from [0, 262,144) with a
    fixed seed; no corpus is read (the real one counts 20,000 UltraChat conversations, `hycoc.passes.keep_set`).
-   Its size is what matters for the shapes. `hycoc.passes.head_qat.restrict_output_layer` unties the output layer.
+   Its size is what matters for the shapes. `hycoc.passes.head.qat.restrict_output_layer` unties the output layer.
 3. ``w4_clip_search``: every drafting Linear W4 per-channel symmetric with the per-channel MSE clip search
    (`quantize_head` -> `search_clip`, the recipe's 9 ratios 1.0 .. 0.6), then `export_head` (integers + scales)
    and `dequantized_head` (the float model the graph is exported from, exactly as `HeadExport` does). The QAT
    TRAINING steps are skipped: with random weights there is no teacher worth distilling, and a step's cost is a
    GPU matter (Table 4: bf16 autocast on CUDA); the integers written are the PTQ ones.
-4. ``export``: `hycoc.passes.head_graph.HeadGraph` (one query over the W-column ring, additive masks, rotary rows
+4. ``export``: `hycoc.passes.head.graph.HeadGraph` (one query over the W-column ring, additive masks, rotary rows
    as inputs) through `hycoc.passes.export.export_static` (torch.onnx dynamo exporter, RMSNorms decomposed,
    external data, ONNX checker), then `compare_with_torch` on one query (onnxruntime CPU EP vs torch).
-5. ``qdq``: `hycoc.passes.qdq.quantize_graph` with the QAT integers as bit-exact int4 weights
-   (`hycoc.passes.head_export.head_weight_arrays`, as `HeadQdq` does), A16 activations at the head's 99.99th
+5. ``qdq``: `hycoc.passes.qdq.quantize.quantize_graph` with the QAT integers as bit-exact int4 weights
+   (`hycoc.passes.head.export.head_weight_arrays`, as `HeadQdq` does), A16 activations at the head's 99.99th
    percentile ranges, fixed mask/rotary encodings. Calibration inputs are SYNTHETIC but plausible (no verifier):
    x_hat = [e; h] with e ~ N(0, 1) and h ~ N(0, 2) plus a few large outlier channels (Gemma's residual stream),
    keys/values ~ N(0, 1) (k_norm/v_norm outputs), ring masks from `hycoc.host.ring_masks` for ring fills from a
@@ -38,9 +38,9 @@ project's own head passes, timing each step and measuring its peak memory:
 7. ``full_compile`` / ``full_sim``: the whole QDQ head graph compiled the same way (``--full-compile-timeout``)
    and, when that worked, run once on the simulator against the CPU EP.
 
-Memory and CPU (`hycoc.bench.harness.Steps`): each step's ``peak_rss_gib`` is this process's own high-water mark
-(VmHWM, reset before the step through ``/proc/self/clear_refs``); ``peak_tree_rss_gib`` samples this process plus its
-children (the QNN compile runs in a child process) every 0.2 s with psutil; ``cpu_seconds`` is the CPU time of this
+Memory and CPU (`hycoc.bench.real_shape.harness.Steps`): each step's ``peak_rss_gib`` is this process's own high-water
+mark (VmHWM, reset before the step through ``/proc/self/clear_refs``); ``peak_tree_rss_gib`` samples this process plus
+its children (the QNN compile runs in a child process) every 0.2 s with psutil; ``cpu_seconds`` is the CPU time of this
 process and its children over the step, the figure to quote on a loaded machine. ``output_bytes`` is what the step
 wrote to disk (or holds, for in-memory steps).
 
@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from hycoc.bench.harness import (
+from hycoc.bench.real_shape.harness import (
     Steps,
     compiled_details,
     cpu_run,
@@ -80,7 +80,7 @@ from hycoc.bench.harness import (
     synthetic_keep_set,
     write_report,
 )
-from hycoc.bench.head_shapes import (
+from hycoc.bench.real_shape.head_shapes import (
     BLOCK_INPUTS,
     attention_block_class,
     block_feeds,
@@ -218,7 +218,7 @@ def build_head(c: Check):
 
 def restrict(c: Check):
     """2. Keep set + the untied output layer restricted to it."""
-    from hycoc.passes.head_qat import restrict_output_layer
+    from hycoc.passes.head.qat import restrict_output_layer
 
     keep = synthetic_keep_set(c.args.keep_set, int(c.head.config.get_text_config().vocab_size), c.args.seed)
     restricted = restrict_output_layer(c.head, keep)
@@ -231,7 +231,7 @@ def restrict(c: Check):
 def quantize(c: Check):
     """3. W4 per-channel symmetric with the clip search (no QAT training: random weights)."""
     import torch
-    from hycoc.passes.head_qat import clip_ratios, dequantized_head, export_head, quantize_head
+    from hycoc.passes.head.qat import clip_ratios, dequantized_head, export_head, quantize_head
 
     ratios = clip_ratios(c.qat)
     student, chosen = quantize_head(c.restricted, c.qat.weight_bits, ratios)
@@ -260,7 +260,7 @@ def export(c: Check):
     """4. The static ring graph -> ONNX, then onnxruntime CPU vs torch on one query."""
     import torch
     from hycoc.passes.export import compare_with_torch, export_static
-    from hycoc.passes.head_graph import INPUT_NAMES, OUTPUT_NAMES, HeadGraph
+    from hycoc.passes.head.graph import INPUT_NAMES, OUTPUT_NAMES, HeadGraph
 
     a = c.args
     graph = HeadGraph(c.rebuilt).eval()
@@ -278,8 +278,8 @@ def export(c: Check):
 def qdq(c: Check):
     """5. QDQ with the QAT integers bit-exact, then the ONNX checker on the QDQ file."""
     import onnx
-    from hycoc.passes.head_export import head_weight_arrays
-    from hycoc.passes.qdq import quantize_graph
+    from hycoc.passes.head.export import head_weight_arrays
+    from hycoc.passes.qdq.quantize import quantize_graph
 
     qdq_dir = c.work / "qdq"
     t0 = time.perf_counter()
@@ -338,8 +338,8 @@ def block_chain(c: Check, suffix: str, AttentionBlock, profile) -> None:
 
     def bqdq():
         import onnx
-        from hycoc.passes.head_export import head_weight_arrays
-        from hycoc.passes.qdq import quantize_graph
+        from hycoc.passes.head.export import head_weight_arrays
+        from hycoc.passes.qdq.quantize import quantize_graph
 
         sub = sub_head(c.qhead, ("pre_projection", f"model.layers.{index}."))
         arrays = head_weight_arrays(onnx.load(str(bpath)), sub)
@@ -393,7 +393,7 @@ def block_chain(c: Check, suffix: str, AttentionBlock, profile) -> None:
 def full_chain(c: Check, profile) -> None:
     """7. The whole QDQ head graph compiled (within ``--full-compile-timeout``) and, unless ``--no-full-sim``, run
     once on the simulator against the CPU EP."""
-    from hycoc.passes.head_graph import OUTPUT_NAMES
+    from hycoc.passes.head.graph import OUTPUT_NAMES
 
     def fcompile():
         from hycoc.targets.htp import compile_context

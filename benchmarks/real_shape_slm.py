@@ -6,7 +6,7 @@ SLM at real shape").
     python benchmarks/real_shape_slm.py --skip-compile --max-qdq-gib 11
 
 Steps, each timed, with its peak memory and the bytes it wrote (the head's equivalent is
-`benchmarks/real_shape_head.py`; both measure through `hycoc.bench.harness`):
+`benchmarks/real_shape_head.py`; both measure through `hycoc.bench.real_shape.harness`):
 
 1. ``checkpoint``: random integer weights written straight into transformers' pre-quantized Gemma format
    (``quant_method: gemma``: packed int2/int4/int8 + per-channel float32 ``weight_scale``, embeddings as
@@ -18,16 +18,16 @@ Steps, each timed, with its peak memory and the bytes it wrote (the head's equiv
    range, scales sqrt(3) / (qmax sqrt(in)) so each weight has RMS 1/sqrt(in). Shapes: ``hycoc.passes.plan.SLM_E2B``
    with the output layer untied (the keep-set rows are cut from it, App. A); ``--layers N`` keeps the first N
    layers of the E2B pattern (KV sharing scaled: the last 20/35 of them share).
-2. ``surgery``: `hycoc.passes.slm_surgery.operate` (transformers loads the checkpoint; every weight becomes an
+2. ``surgery``: `hycoc.passes.slm.surgery.operate` (transformers loads the checkpoint; every weight becomes an
    `IntegerWeight` checked bit-exact against transformers' own dequantization; the embedding tables become host
    LUTs). Details: bytes per width, LUT bytes.
 3. ``host_luts``: the per-layer-embedding and token LUTs stay on the host: looked up for 32 rows, and (after
    export) no Gather on a constant table in the device graph (`hycoc.targets.htp.find_host_only_nodes`).
-4. ``graph``: `hycoc.passes.slm_graph.SlmTreeGraph` with B = 32 rows, rings 1,024 (full) / 512 (sliding) and a
+4. ``graph``: `hycoc.passes.slm.graph.SlmTreeGraph` with B = 32 rows, rings 1,024 (full) / 512 (sliding) and a
    SYNTHETIC keep set of ``--keep-set`` sorted ids (uniform, fixed seed): the output layer keeps those rows only.
 5. ``export``: `export_slm_graph` (torch.onnx dynamo, RMSNorms decomposed, external data, checker, onnxruntime CPU
    vs torch on one input). Graph bytes on disk; whether the external data file is over 2 GB (protobuf's limit).
-6. ``qdq``: `hycoc.passes.qdq.quantize_graph` (bit-exact integer weights, A16 activations at the recipe's
+6. ``qdq``: `hycoc.passes.qdq.quantize.quantize_graph` (bit-exact integer weights, A16 activations at the recipe's
    ``slm_calibration`` percentile x range scale on ``--samples`` synthetic inputs, fixed encodings, SQNR on the
    CPU EP). Refused up front, with the estimate in the message, when its estimated peak (the float fold of every
    weight, about 3 x 4 bytes per weight, + the model) exceeds ``--max-qdq-gib``.
@@ -38,7 +38,7 @@ Steps, each timed, with its peak memory and the bytes it wrote (the head's equiv
 
 Memory: ``peak_rss_gib`` (VmHWM, reset per step) and ``peak_tree_rss_gib`` (this process + children, sampled with
 psutil); ``cpu_seconds``: CPU time of the step (this process + its children, psutil), the figure to quote on a loaded
-machine (`hycoc.bench.harness.Steps`).
+machine (`hycoc.bench.real_shape.harness.Steps`).
 ``--toy-dims`` (tests only): the same chain at toy widths; the report says ``"real_shapes": false``.
 Prints a table and writes JSON to ``--out`` (default runs/real-shape-slm.json).
 """
@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from hycoc.bench.harness import (
+from hycoc.bench.real_shape.harness import (
     Steps,
     cpu_run,
     du,
@@ -71,8 +71,8 @@ from hycoc.bench.harness import (
     synthetic_keep_set,
     write_report,
 )
-from hycoc.bench.random_checkpoint import slm_config, write_random_checkpoint
-from hycoc.bench.real_shape_shards import (
+from hycoc.bench.real_shape.random_checkpoint import slm_config, write_random_checkpoint
+from hycoc.bench.real_shape.shards import (
     TWO_GB,
     compile_slm,
     qdq_peak_estimate_gib,
@@ -194,8 +194,8 @@ def checkpoint(c: Check):
 
 
 def surgery(c: Check):
-    """2. `slm_surgery.operate`: integer weights checked bit-exact, embeddings to host LUTs."""
-    from hycoc.passes.slm_surgery import operate
+    """2. `slm.surgery.operate`: integer weights checked bit-exact, embeddings to host LUTs."""
+    from hycoc.passes.slm.surgery import operate
 
     slm, numbers = operate(c.work / "checkpoint")
     c.state["slm"] = slm
@@ -222,7 +222,7 @@ def host_luts(c: Check):
 
 def tree_graph(c: Check):
     """4. `SlmTreeGraph` with B rows over the rings and the keep-set output layer."""
-    from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph, example_inputs
+    from hycoc.passes.slm.graph import FULL, SLIDING, SlmTreeGraph, example_inputs
 
     a, slm = c.args, c.state["slm"]
     keep = synthetic_keep_set(c.keep_n, c.vocab, a.seed)
@@ -246,7 +246,7 @@ def tree_graph(c: Check):
 def export(c: Check):
     """5. `export_slm_graph`, then the host-only nodes left in the device graph."""
     import onnx
-    from hycoc.passes.slm_graph import export_slm_graph
+    from hycoc.passes.slm.graph import export_slm_graph
     from hycoc.targets.htp import find_host_only_nodes
 
     _, rep = export_slm_graph(c.state["graph"], c.state["example"], c.export_path)
@@ -266,7 +266,7 @@ def export(c: Check):
 def qdq(c: Check, estimate: float):
     """6. `quantize_graph` on the whole graph (bit-exact integer weights, A16 on synthetic samples), checker."""
     import onnx
-    from hycoc.passes.qdq import quantize_graph, slm_calibration_samples
+    from hycoc.passes.qdq.quantize import quantize_graph, slm_calibration_samples
 
     graph, slm, cal = c.state["graph"], c.state["slm"], c.cal
     samples = slm_calibration_samples(graph, slm, c.args.samples, c.args.seed)
@@ -356,7 +356,7 @@ def run_chain(c: Check) -> None:
     if steps.run("checkpoint", lambda: checkpoint(c), what=what) is None:
         return
     c.say("surgery: transformers loads the checkpoint, integers checked bit-exact")
-    what = "slm_surgery.operate: bit-exact integer weights, host LUTs"
+    what = "slm.surgery.operate: bit-exact integer weights, host LUTs"
     slm = steps.run("surgery", lambda: surgery(c), what=what)
     if slm is None:
         return

@@ -5,7 +5,7 @@ the target is a host share of drafting time <= 10% on the toy bundle).
     python benchmarks/runtime_host_share.py bundles/toy-cpu --questions 8 --json runs/host-share.json
 
 Runs `DeviceRuntime.generate` (mode ``hyco`` by default, the recipe's sampling and seed) on the first Spec-Bench
-questions against the recipe's verifier in a child process (`hycoc.bench.runner.VerifierProcess`: ``hycoc
+questions against the recipe's verifier in a child process (`hycoc.bench.verifier_process.VerifierProcess`: ``hycoc
 verify-server`` on loopback, as ``hycoc bench`` runs it, so the verifier never competes with the runtime for this
 process), the bundle's graphs on onnxruntime's CPU EP with one intra-op thread, and splits the drafting time
 (``draft_s``: the MTP Drafter, the tree and the SLM forwards of every round; the SLM's request-start fill excluded) into
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     from hycoc.runtime import transport
 
     from hycoc.bench.datasets import load_spec_bench
-    from hycoc.bench.runner import VerifierProcess
+    from hycoc.bench.verifier_process import VerifierProcess
     from hycoc.cli import DEFAULT_DATASET
     from hycoc.recipe import load_recipe
 

@@ -96,7 +96,7 @@ def slm_layout():
     return types, kv_layers, ring, dims
 
 
-#: The stand-in rings' encoding with ``quantized_io`` (uint16, as `hycoc.passes.qdq` ties ring and new rows).
+#: The stand-in rings' encoding with ``quantized_io`` (uint16, as `hycoc.passes.qdq.quantize` ties ring and new rows).
 RING_ENCODING = {"scale": 8.0 / 65535, "zero_point": 32768, "dtype": "uint16", "bits": 16}
 
 

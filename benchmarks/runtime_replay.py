@@ -7,9 +7,9 @@ work per round").
 
 ``record`` runs `DeviceRuntime.generate` (mode ``hyco`` by default, 4 Spec-Bench questions x 128 tokens, the
 bundle's graphs on onnxruntime's CPU EP with one thread) against ``hycoc verify-server`` in a child process
-(`hycoc.bench.runner.VerifierProcess`) and keeps, per question, the opened session, every round's tree (tokens,
-parents) and the verifier's reply, and the text (a pickle: trusted, local files only; written to a temporary name
-and renamed when complete). ``replay`` runs the same requests with a stand-in client that answers each round with
+(`hycoc.bench.verifier_process.VerifierProcess`) and keeps, per question, the opened session, every round's tree
+(tokens, parents) and the verifier's reply, and the text (a pickle: trusted, local files only; written to a temporary
+name and renamed when complete). ``replay`` runs the same requests with a stand-in client that answers each round with
 the recorded reply and raises when the runtime's tree differs from the recorded one, checks the texts, and prints
 the drafting region's host time per round and the host share (thread CPU time, as
 ``benchmarks/runtime_host_share.py`` counts it: `hycoc.bench.runtime_timing.CpuClock`), without the verifier's
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
         from hycoc.runtime import transport
 
         from hycoc.bench.datasets import load_spec_bench
-        from hycoc.bench.runner import VerifierProcess
+        from hycoc.bench.verifier_process import VerifierProcess
         from hycoc.cli import DEFAULT_DATASET
         from hycoc.recipe import load_recipe
 

@@ -13,7 +13,7 @@ that share of APPEND prefill chunks fails, `hycoc.verifier.faults`) and runs, fo
   user turn as an APPEND (keep the common prefix, its crc32, the new anchor), 2-4 turns; at random a device cancels
   (CLOSE mid-turn) or disconnects (drops the socket right after sending a ROUND), and an APPEND whose chunk failed
   (ERROR injected_fault) is sent again;
-- the protocol fuzzer (`hycoc.bench.protocol_fuzz.fuzz`, ``--fuzz-connections``) for the same time.
+- the protocol fuzzer (`hycoc.bench.loadtest.protocol_fuzz.fuzz`, ``--fuzz-connections``) for the same time.
 
 Every ``--sample-s`` seconds it reads the server's /metrics (tokens, KV held and reserved, the samples of held over
 reserved) and RSS (/proc/PID/status). It prints, per minute, tokens served, rounds, APPENDs, errors, the peak of KV
@@ -39,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hycoc.bench.loadtest import ServerProcess, committed_tokens, healthz, parse_metrics
-from hycoc.bench.protocol_fuzz import FuzzStats, error_counts, fuzz, target_of
+from hycoc.bench.loadtest.protocol_fuzz import FuzzStats, error_counts, fuzz, target_of
+from hycoc.bench.loadtest.run import ServerProcess, committed_tokens, healthz, parse_metrics
 from hycoc.chat import Conversation, common_prefix, ids_crc32
 from hycoc.protocol import wire
 from hycoc.protocol.messages import AppendTurn, Close, DraftTree, ErrorReply, Opened, OpenRequest, Sampling
@@ -285,10 +285,10 @@ def print_report(rows, chat: ChatStats, fz: FuzzStats, server_errors: dict, summ
 
 def run(args) -> int:
     """The soak (module docstring); returns the exit status."""
-    from hycoc.bench.loadtest import LoadTestError
+    from hycoc.bench.loadtest.run import LoadTestError
     from hycoc.chat import ChatFormat
     from hycoc.chat_template import chat_from_recipe
-    from hycoc.recipe_loading import load_recipe
+    from hycoc.recipe.loading import load_recipe
 
     recipe = load_recipe(args.recipe)
     bundle = args.bundle or Path("bundles") / f"{recipe.recipe.name}-cpu"

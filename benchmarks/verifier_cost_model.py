@@ -1,6 +1,6 @@
 """Measure a verifier cost model: ms of every forward the server runs per (rows, context) (docs/benchmarks.md
 "Benchmark": g projected): the tree verification (kind ``verify``), one step of the server-side MTP head (``head_step``)
-and one prefill chunk (``prefill``); see `hycoc.bench.cost_model` for the kinds.
+and one prefill chunk (``prefill``); see `hycoc.bench.cost_model.model` for the kinds.
 
     python benchmarks/verifier_cost_model.py --device cuda --out runs/cost-h200.json
     python benchmarks/verifier_cost_model.py --device cpu --recipe recipes/toy.toml --out runs/cost-toy-cpu.json
@@ -30,15 +30,16 @@ of the forward (process CPU time; ``--clock wall``: perf_counter, `hycoc.verifie
 server's server_ms uses); ``--warmup`` untimed passes, then the
 median of ``--repeats`` timed passes, each pass visiting every grid point once (interleaved, so load drift on a busy
 machine spreads over the whole grid). What is timed is Alg. 4 lines 1-3 (mask build, forward, logits of all R
-rows); sampling, acceptance, compaction and the hand-off are not (see `hycoc.bench.cost_model`).
+rows); sampling, acceptance, compaction and the hand-off are not (see `hycoc.bench.cost_model.model`).
 
-``--batch-sessions 1,4,16,64`` also measures the BATCHED line (`hycoc.bench.batch_line`): one batched forward of n
-sessions (the server's `hycoc.verifier.batch.batch_forward`) whose rows add up to R, for every R in ``--batch-rows``
-(default 1..512) with R >= n, each session at ``--batch-context`` cached positions; the file's ``batch_points`` are
-what `hycoc capacity recipes/gemma4.toml --cost-model FILE` projects with (the MoE experts a batch touches measured,
-not modelled). With random weights the router spreads rows nearly uniformly over the experts (as above).
+``--batch-sessions 1,4,16,64`` also measures the BATCHED line (`hycoc.bench.cost_model.batch_line`): one batched forward
+of n sessions (the server's `hycoc.verifier.batch.batch_forward`) whose rows add up to R, for every R in
+``--batch-rows`` (default 1..512) with R >= n, each session at ``--batch-context`` cached positions; the file's
+``batch_points`` are what `hycoc capacity recipes/gemma4.toml --cost-model FILE` projects with (the MoE experts a batch
+touches measured, not modelled). With random weights the router spreads rows nearly uniformly over the experts (as
+above).
 
-Writes the cost model JSON atomically (`hycoc.bench.cost_model.CostModel.save`) and prints a table per kind, then
+Writes the cost model JSON atomically (`hycoc.bench.cost_model.model.CostModel.save`) and prints a table per kind, then
 the per-round server ms it projects at each context beside the paper's (§3.1, one RTX PRO 6000): a HyCo round (one
 33-row verification; paper 21.7 ms) and a Cloud+MTP round (K head steps, then a (K + 1)-row verification; paper
 26.8 ms).
@@ -54,7 +55,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from hycoc.bench.cost_measure import (
+from hycoc.bench.cost_model.measure import (
     PREFILL_ROWS,
     build_random_head,
     build_random_verifier,
@@ -62,7 +63,7 @@ from hycoc.bench.cost_measure import (
     measuring_engine,
     shape_of,
 )
-from hycoc.bench.cost_model import (  # numpy + pydantic only
+from hycoc.bench.cost_model.model import (  # numpy + pydantic only
     PAPER_ROUND_MS,
     CostModel,
     CostModelError,
@@ -94,8 +95,8 @@ def _usage(msg: str) -> int:
 
 def round_table(cm: CostModel, chain_length: int = 4):
     """A rich Table of the per-round server ms ``cm`` projects at each of its contexts
-    (`hycoc.bench.cost_model.round_forwards`): a HyCo round (the largest measured rows, B + 1 = 33 by default) and a
-    Cloud+MTP round (``chain_length`` head steps + a (K + 1)-row verification), beside the paper's 21.7 / 26.8 ms
+    (`hycoc.bench.cost_model.model.round_forwards`): a HyCo round (the largest measured rows, B + 1 = 33 by default) and
+    a Cloud+MTP round (``chain_length`` head steps + a (K + 1)-row verification), beside the paper's 21.7 / 26.8 ms
     (§3.1). Rounds the model cannot replay (rows outside its grid, no head points) show their error."""
     from rich.table import Table
 
@@ -356,7 +357,7 @@ def main(argv=None) -> int:
         )
         batch_points = []
         if batch_sessions:
-            from hycoc.bench.batch_line import measure_batch_line
+            from hycoc.bench.cost_model.batch_line import measure_batch_line
 
             def log_batch(n, r, ms, times):
                 console.print(
@@ -374,7 +375,7 @@ def main(argv=None) -> int:
                 log=log_batch,
             )
             meta["batch_line"] = (
-                "hycoc.bench.batch_line: one batched forward (verifier/batch.py batch_forward; one session "
+                "hycoc.bench.cost_model.batch_line: one batched forward (verifier/batch.py batch_forward; one session "
                 "verify_tree) per (sessions, rows), random caches of batch_context positions, median"
             )
         meta["clock"] = args.clock if args.device == "cpu" else "wall (CUDA events)"

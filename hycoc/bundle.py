@@ -8,7 +8,7 @@ QNN SDK versions), the round constants (K, D, B, W, λ, ε, sampling; Alg. 1-4),
 and six scales, every file's size and sha256, and every graph's inputs and outputs with shapes, dtypes and
 quantization encodings.
 
-This module is core: stdlib, pydantic, the recipe's tables (`hycoc.recipe_sections`, whose ranges the round
+This module is core: stdlib, pydantic, the recipe's tables (`hycoc.recipe.sections`, whose ranges the round
 constants take) and the protocol's messages (numpy); no torch, no onnx, because the phone's runtime imports it.
 The build side that reads ONNX graphs is ``passes/bundle_io.py``.
 
@@ -40,9 +40,9 @@ from typing import Any, Literal, cast
 import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
-from hycoc import recipe_sections
 from hycoc.chat import ChatFormat
 from hycoc.protocol.messages import Sampling
+from hycoc.recipe import sections as recipe_sections
 
 #: 2: the manifest carries ``digest``, the sha256 of its own canonical content (docs/design.md "Bundle": an edited
 #: manifest value is refused like an edited file).
@@ -158,7 +158,7 @@ class TargetInfo(_Model):
         return data
 
 
-#: The recipe's tables that hold round constants, by ``[section]`` name (`hycoc.recipe_document.Recipe`'s fields).
+#: The recipe's tables that hold round constants, by ``[section]`` name (`hycoc.recipe.document.Recipe`'s fields).
 ROUND_TABLES: dict[str, type[BaseModel]] = {
     "tree": recipe_sections.Tree,
     "window": recipe_sections.Window,
@@ -752,7 +752,7 @@ def check_target(
             )
 
 
-#: Name prefixes of the tensors layer shards pass to later shards only (`hycoc.passes.slm_graph` "Shards").
+#: Name prefixes of the tensors layer shards pass to later shards only (`hycoc.passes.slm.graph` "Shards").
 SHARD_PASSING = ("hidden_", "per_layer_")
 
 

@@ -329,7 +329,7 @@ __all__ = [
 
 
 #: The verifier's batching modes as a load test and `hycoc capacity` name them, with the ``hycoc verify-server``
-#: arguments of each: the one list (`hycoc.bench.loadtest.MODE_ARGS`, `hycoc loadtest --batching`, `hycoc capacity
+#: arguments of each: the one list (`hycoc.bench.loadtest.run.MODE_ARGS`, `hycoc loadtest --batching`, `hycoc capacity
 #: --batching` derive from it). serial: one session per forward; batched: sessions' trees in one forward, every tree
 #: verified as sent; budgeted: batched, rows chosen across the trees by their scores (`hycoc.verifier.row_budget`);
 #: allowance: budgeted, and each reply sizes the session's next tree from the load (`hycoc.verifier.allowance`).

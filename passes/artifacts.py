@@ -5,7 +5,7 @@ An artifact is a dataclass with a ``kind`` (the role it plays in a pipeline: ``"
 pipeline's cache uses, and a ``content_hash()`` (sha256 hex) that keys every downstream pass's cache entry.
 One class may serve several kinds: an `OnnxArtifact` is the head's graph as ``"onnx_head"`` and the SLM's as
 ``"onnx_slm"``. The SLM after graph surgery is an `SlmIntegerArtifact` (``"slm_integer"``: integer weights, host
-LUTs, rotary tables; passes/slm_surgery.py).
+LUTs, rotary tables; passes/slm/surgery.py).
 
 Contract of every class (tests rely on it): ``load(kind, folder)`` after ``save(folder)`` gives an artifact
 with the same ``content_hash()``; the hash depends only on the content, not on where or when it was made.
@@ -179,7 +179,7 @@ class OnnxArtifact(Artifact):
             return hash_folder(folder)
 
 
-# ---- torch models and the quantized MTP head (added with passes/head_qat.py) ----------------------------------
+# ---- torch models and the quantized MTP head (added with passes/head/qat.py) ----------------------------------
 
 #: Config keys that say where or how a model was loaded, not what it computes; left out of the content hash so
 #: that ``load(save(m))`` hashes like ``m`` (``save_pretrained`` adds ``architectures`` and ``dtype``).
@@ -345,7 +345,7 @@ class QuantizedHeadArtifact(Artifact):
         return h.hexdigest()
 
 
-# ---- the SLM after graph surgery (passes/slm_surgery.py; paper App. A) --------------------------------------
+# ---- the SLM after graph surgery (passes/slm/surgery.py; paper App. A) --------------------------------------
 
 
 @dataclass

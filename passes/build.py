@@ -7,20 +7,20 @@ from the recipe's ``[models]``, loaded by `build_inputs`):
     keep_set -> calibration_answers -> head_qat -> head_export -> qdq_head -> slm_surgery -> slm_tree_graph
              -> qdq_slm -> slm_decode_graph -> target_<name>
 
-``slm_decode_graph`` is the SLM's 1-row decode graph for SLM-alone decoding (`hycoc.passes.slm_decode`), the bundle's
+``slm_decode_graph`` is the SLM's 1-row decode graph for SLM-alone decoding (`hycoc.passes.slm.decode`), the bundle's
 graph ``slm_decode`` (role "slm"); on htp targets it shares one context binary with ``slm`` (`SHARED_CONTEXTS`,
 ``target.share_weights``).
 
 With ``[target] slm_shards`` != 1 the SLM is split by layers: ``slm_surgery -> slm_shards -> target_<name>``
-(`hycoc.passes.slm_shard_build`: per-shard export and QDQ calibrated on the float chain), the bundle's graphs
+(`hycoc.passes.slm.shard_build`: per-shard export and QDQ calibrated on the float chain), the bundle's graphs
 ``slm.s0``, ``slm.s1``, ... (on htp one context binary per shard), chained by the runtime
 (`hycoc.runtime.graphs.ShardChainRunner`); no ``slm_decode`` graph then.
 
 ``calibration_answers`` has the verifier answer the calibration prompts once, in batches; the head QAT, the head's
 QDQ calibration and the SLM's read its answers (App. A: both calibrations use the same prompts and greedy answers).
 
-``qdq_head`` is `hycoc.passes.qdq.QdqQuantize("onnx_head", "qdq_head")` once that pass takes the head; until
-then `hycoc.passes.head_export.HeadQdq` (`head_qdq_pass`).
+``qdq_head`` is `hycoc.passes.qdq.quantize.QdqQuantize("onnx_head", "qdq_head")` once that pass takes the head; until
+then `hycoc.passes.head.export.HeadQdq` (`head_qdq_pass`).
 
 The target step (`TargetPass`) turns the QDQ graphs into what the bundle holds: ``cpu`` the QDQ ONNX itself
 (`hycoc.targets.cpu.package_cpu`), ``htp-v81`` (and every ``htp-vNN`` of `hycoc.targets.profiles.HTP_TARGETS`)
@@ -75,7 +75,7 @@ class BuildNotReady(BuildError):
 
 def check_recipe_capabilities(recipe: Recipe, profile, device: DeviceEntry | None = None) -> None:
     """Refuse, before any pass runs, a recipe whose graphs need what ``profile`` cannot do (docs/compiler.md
-    "Targets by device"): 16-bit activations (the head's graphs are always A16, `hycoc.passes.head_export`; the
+    "Targets by device"): 16-bit activations (the head's graphs are always A16, `hycoc.passes.head.export`; the
     SLM's when ``slm_calibration.activation_bits`` = 16) on a profile with ``supports_16bit_ops`` False, and 4-bit
     weight storage (``head_qat.weight_bits`` 4, or 2 stored as int4) on one without ``supports_int4_weights``.
     The compile step checks each graph again (`hycoc.targets.htp.check_capabilities`); this check only fails
@@ -163,7 +163,7 @@ class TargetFilesArtifact(Artifact):
 
 
 #: Graphs compiled into one weight-shared QNN context binary on htp targets (``target.share_weights``): the SLM's
-#: decode graph holds the tree graph's weights under the same names (`hycoc.passes.slm_decode`).
+#: decode graph holds the tree graph's weights under the same names (`hycoc.passes.slm.decode`).
 SHARED_CONTEXTS = (("slm", "slm_decode"),)
 
 
@@ -205,8 +205,8 @@ class TargetPass(Pass):
     def __init__(self, target: str, graphs: dict[str, str], work_dir: Path):
         if target not in TARGETS:
             raise BuildError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
-        from hycoc.passes.slm_shard_build import KIND as SHARDS
-        from hycoc.passes.slm_shard_build import ShardedOnnxArtifact
+        from hycoc.passes.slm.shard_build import KIND as SHARDS
+        from hycoc.passes.slm.shard_build import ShardedOnnxArtifact
 
         self.target, self.graphs, self.work_dir = target, dict(graphs), Path(work_dir)
         self.name = f"target_{target.replace('-', '_')}"
@@ -230,7 +230,7 @@ class TargetPass(Pass):
         start = time.perf_counter()
         qdq_paths = {}
         for graph, kind in self.graphs.items():
-            if hasattr(inputs[kind], "models"):  # layer shards (`hycoc.passes.slm_shard_build`): slm.s0, ...
+            if hasattr(inputs[kind], "models"):  # layer shards (`hycoc.passes.slm.shard_build`): slm.s0, ...
                 for name, model in inputs[kind].models():
                     shutil.copytree(model.parent, src / name)
                     qdq_paths[name] = src / name / model.name
@@ -332,10 +332,10 @@ class TargetPass(Pass):
 
 
 def head_qdq_pass(seed: int = 0) -> Pass:
-    """The head's QDQ pass: `hycoc.passes.qdq.QdqQuantize("onnx_head", "qdq_head")` once it takes the head,
-    until then `hycoc.passes.head_export.HeadQdq` (the same `quantize_graph` with the QAT integers)."""
-    from hycoc.passes.head_export import HeadQdq
-    from hycoc.passes.qdq import QdqQuantize
+    """The head's QDQ pass: `hycoc.passes.qdq.quantize.QdqQuantize("onnx_head", "qdq_head")` once it takes the head,
+    until then `hycoc.passes.head.export.HeadQdq` (the same `quantize_graph` with the QAT integers)."""
+    from hycoc.passes.head.export import HeadQdq
+    from hycoc.passes.qdq.quantize import QdqQuantize
 
     try:
         shared = QdqQuantize("onnx_head", "qdq_head", seed=seed)
@@ -368,13 +368,13 @@ def build_pipeline(
     """The pipeline of `hycoc build` for ``target`` (module docstring); ``device``: where its torch-model passes run,
     ``use_cache`` False: no cache entry is read (`Pipeline`). Raises BuildError for an unknown target."""
     from hycoc.passes.calibration_answers import CalibrationAnswersPass
-    from hycoc.passes.head_export import HeadExport
-    from hycoc.passes.head_qat import HeadQatPass
+    from hycoc.passes.head.export import HeadExport
+    from hycoc.passes.head.qat import HeadQatPass
     from hycoc.passes.keep_set import KeepSetPass
-    from hycoc.passes.qdq import QdqQuantize
-    from hycoc.passes.slm_decode import DECODE_GRAPH, DECODE_KIND, SlmDecodeGraph
-    from hycoc.passes.slm_graph import SlmTreeGraphExport
-    from hycoc.passes.slm_surgery import SlmGraphSurgery
+    from hycoc.passes.qdq.quantize import QdqQuantize
+    from hycoc.passes.slm.decode import DECODE_GRAPH, DECODE_KIND, SlmDecodeGraph
+    from hycoc.passes.slm.graph import SlmTreeGraphExport
+    from hycoc.passes.slm.surgery import SlmGraphSurgery
 
     if target not in TARGETS:
         raise BuildError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
@@ -386,8 +386,8 @@ def build_pipeline(
         head_qdq_pass(seed),
     ]
     graphs = {"head": "qdq_head"}
-    if recipe.target.slm_shards != 1:  # the SLM split by layers (`hycoc.passes.slm_shard_build`)
-        from hycoc.passes.slm_shard_build import KIND, SlmShardsPass
+    if recipe.target.slm_shards != 1:  # the SLM split by layers (`hycoc.passes.slm.shard_build`)
+        from hycoc.passes.slm.shard_build import KIND, SlmShardsPass
 
         passes += [SlmGraphSurgery(), SlmShardsPass(seed=seed, work_dir=Path(cache_dir) / "work")]
         passes.append(TargetPass(target, graphs | {"slm": KIND}, Path(cache_dir) / "work"))
@@ -404,7 +404,7 @@ def build_pipeline(
 
 
 #: The verifier's dtype when the build runs it on a GPU: bf16, as the paper serves it (App. A: the verifier and the
-#: head's QAT in bf16; `hycoc.passes.head_qat.qat_autocast` keeps float32 master weights under bf16 autocast).
+#: head's QAT in bf16; `hycoc.passes.head.qat.qat_autocast` keeps float32 master weights under bf16 autocast).
 GPU_VERIFIER_DTYPE = "bfloat16"
 
 
@@ -413,7 +413,7 @@ def build_inputs(recipe: Recipe, device: str = "cpu") -> dict[str, Artifact]:
 
     device: "cpu" (the default: models as saved, float32 for the toy) or an accelerator ("cuda"): the verifier is
     moved there in `GPU_VERIFIER_DTYPE` (its content hash is then the bf16 weights', so every pass reading it gets
-    a new key); the head stays on the CPU as saved and the passes move what they train (`hycoc.passes.head_qat`).
+    a new key); the head stays on the CPU as saved and the passes move what they train (`hycoc.passes.head.qat`).
     Raises ModelNotFoundError naming the recipe key when one is missing, HeadConfigError
     (`hycoc.models.check_head_config`) for a head with ordered embeddings, DeviceUnavailable (from
     `hycoc.verifier.loading.check_device`) when CUDA is asked for and torch sees none."""
@@ -468,7 +468,7 @@ def _npy(array: np.ndarray) -> bytes:
 def host_info(head_config: dict, slm, inclusive: bool = True) -> Any:
     """The manifest's ``host`` section from the head's config dict and the SLM surgery output. ``inclusive``: recipe
     ``[window] head_sliding_window_inclusive`` (the head's sliding positions, `hycoc.host.head_sliding_positions`)."""
-    from hycoc.passes.slm_graph import text_config
+    from hycoc.passes.slm.graph import text_config
 
     from hycoc.bundle import HeadHostInfo, HostInfo, LutInfo, SlmHostInfo
     from hycoc.host import head_sliding_positions

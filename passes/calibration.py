@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-#: The additive mask's fixed range: 0 (visible) and -1e4 (hidden, `hycoc.passes.slm_graph.MASK_NEG`), both exact
+#: The additive mask's fixed range: 0 (visible) and -1e4 (hidden, `hycoc.passes.slm.graph.MASK_NEG`), both exact
 #: in the 16-bit encoding; the graph must never see -inf or a min-float stand-in.
 MASK_MIN, MASK_MAX = -1e4, 0.0
 #: Rotary cos/sin rows lie in [-1, 1] (Gemma's attention_scaling is 1).

@@ -7,16 +7,16 @@ evaluate it. Before this pass, the head QAT, the head's QDQ calibration and the 
 verifier answer their prompts one at a time (about 170 answers per toy build, most of them the same prompts); now
 this pass answers each prompt once, in batches, and the three passes read prefixes of its answers.
 
-Prompts (`select_prompts`): the head QAT's prompt source (`hycoc.passes.head_qat.prompt_sources`), chat-formatted.
+Prompts (`select_prompts`): the head QAT's prompt source (`hycoc.passes.head.qat.prompt_sources`), chat-formatted.
 ``train``: the first `train_count` prompts that fit ``head_qat.max_seq_len - head_qat.calibration_max_new_tokens``
 tokens; ``eval``: the first `eval_count` of the evaluation candidates (after the training ones when both come from
 one list) that fit ``max_seq_len - eval_cap``. The counts and caps cover every reader:
 
 * head QAT: ``head_qat.calibration_prompts`` / ``eval_prompts`` answers at ``calibration_max_new_tokens`` /
   ``eval_max_new_tokens`` tokens;
-* head QDQ calibration (`hycoc.passes.head_calibration`): its first `CALIBRATION_PROMPTS` train and
+* head QDQ calibration (`hycoc.passes.head.calibration`): its first `CALIBRATION_PROMPTS` train and
   `HELD_OUT_PROMPTS` eval prompts (fewer when there are fewer), answers cut at its ``answer_cap``;
-* SLM QDQ calibration (`hycoc.passes.slm_calibration`): ``slm_calibration.prompts`` train and
+* SLM QDQ calibration (`hycoc.passes.slm.calibration`): ``slm_calibration.prompts`` train and
   ``max(2, prompts // 4)`` eval prompts, answers cut at its ``answer_cap``.
 
 Greedy (`greedy_answers`): arg-max decoding with transformers ``generate`` (``do_sample=False``) over left-padded
@@ -188,8 +188,8 @@ def greedy_answers(
 
 def reader_needs(recipe: Recipe) -> dict[str, int]:
     """How many train / eval answers, and how long, the three reading passes need (module docstring)."""
-    from hycoc.passes import head_calibration as hc
-    from hycoc.passes import slm_calibration as sc
+    from hycoc.passes.head import calibration as hc
+    from hycoc.passes.slm import calibration as sc
 
     q = recipe.head_qat
     slm_cap, head_cap = sc.answer_cap(recipe), hc.answer_cap(recipe)
@@ -204,7 +204,7 @@ def reader_needs(recipe: Recipe) -> dict[str, int]:
 def select_prompts(recipe: Recipe, tokenizer) -> tuple[list[list[int]], list[list[int]], str]:
     """(train prompts, eval prompts, source) as chat-formatted ids (module docstring). Raises HeadQatError naming
     the recipe key when the source has too few prompts that fit."""
-    from hycoc.passes.head_qat import pick_prompts, prompt_sources
+    from hycoc.passes.head.qat import pick_prompts, prompt_sources
 
     from hycoc.chat_template import chat_from_recipe
 
@@ -252,7 +252,7 @@ class CalibrationAnswersPass(Pass):
     produces = {"calibration_answers": CalibrationAnswersArtifact}
 
     def key_material(self, recipe: Recipe) -> dict[str, Any]:
-        from hycoc.passes.head_qat import prompt_source_key
+        from hycoc.passes.head.qat import prompt_source_key
 
         return {"prompt_source": prompt_source_key(recipe), "needs": reader_needs(recipe), "batch": BATCH}
 

@@ -6,7 +6,7 @@ every shape static, no ``dynamic_shapes`` -- optionally rewrites each RMSNorm in
 limit) and runs the ONNX checker on the saved file. Before saving, `hycoc.targets.static_shape_check` refuses a
 graph with data-dependent KV slicing or a fused attention op. `compare_with_torch` runs the saved graph on onnxruntime's
 CPU EP and measures it against the torch module on the same inputs (max absolute error per output, top-1
-agreement of a logits output). Both are used by the SLM's tree graph (`hycoc.passes.slm_graph`); the head's graph
+agreement of a logits output). Both are used by the SLM's tree graph (`hycoc.passes.slm.graph`); the head's graph
 can use them the same way.
 """
 

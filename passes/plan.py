@@ -6,8 +6,8 @@ reports what the compiler will make of them and what the wire will carry:
 * the configs: read from ``config.json`` when ``[models].<role>`` is a local folder that has one, else the
   reference shapes below (docs/design.md "Reference shapes"). Every number that is not from a config.json or
   docs/design.md is listed in ``assumptions``.
-* each drafter graph's inputs and outputs (names, shapes and dtypes exactly as `hycoc.passes.head_graph.HeadGraph`
-  and `hycoc.passes.slm_graph.SlmTreeGraph` declare them), parameter counts, weight bytes at the recipe's bit maps,
+* each drafter graph's inputs and outputs (names, shapes and dtypes exactly as `hycoc.passes.head.graph.HeadGraph`
+  and `hycoc.passes.slm.graph.SlmTreeGraph` declare them), parameter counts, weight bytes at the recipe's bit maps,
   LUT sizes, ring-KV bytes on the device;
 * hand-off and tree bytes from `hycoc.protocol.wire` (the same functions the frames are sized with);
 * a ``paper`` block: the paper's numbers (App. A Table 3, §3.1) beside ours, with the difference;
@@ -773,7 +773,7 @@ def _bit_maps(slm_lin, slm_other: int, slm_cfg, in_use: dict, source: str, head_
                 "map": name,
                 "slm_graph_bytes": sizes["total_bytes"],
                 "paper_bytes": paper,
-                # hycoc's QDQ stores 2-bit sources as int4 (the HTP has no int2; passes/qdq.py)
+                # hycoc's QDQ stores 2-bit sources as int4 (the HTP has no int2; passes/qdq/quantize.py)
                 "htp_graph_bytes": sizes["total_bytes"] - int2["bytes"] + math.ceil(int2["weights"] / 2),
                 "diff_pct": round(100 * (sizes["total_bytes"] - paper) / paper, 2),
                 "by_bits": {k: v["bytes"] for k, v in sizes["by_bits"].items()},

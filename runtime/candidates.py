@@ -7,7 +7,7 @@ Two sources, one result (`Candidates`, best first, ties to the lower keep-set in
   (1, R, k): ONNX TopK, which puts the lower index first among equal values, and log-softmax in the graph; built
   by `hycoc.passes.topk_outputs`). Nothing vocabulary-wide leaves the graph, the host reads k values per row.
 - `logits_candidates`: the host path for graphs that emit only ``logits`` (the compiler's float torch runners,
-  `hycoc.passes.slm_calibration.TorchSlmRunner`): float64 log-softmax of the row, then `top_k_indices`. It costs
+  `hycoc.passes.slm.calibration.TorchSlmRunner`): float64 log-softmax of the row, then `top_k_indices`. It costs
   O(|V|) per row: at the paper's 86,089-token keep set that is milliseconds per row (benchmarks/
   runtime_real_shape.py), which is why the bundle's graph does it.
 

@@ -480,7 +480,7 @@ class ShardChainRunner:
     unchanged.
 
     Each shard is a `GraphRunner` of its own (on htp: its own context binary); ``run(feeds)`` runs them in order,
-    each shard's inputs taken by name from ``feeds`` or from an earlier shard's outputs (`hycoc.passes.slm_graph`
+    each shard's inputs taken by name from ``feeds`` or from an earlier shard's outputs (`hycoc.passes.slm.graph`
     "Shards"), and returns the chain's outputs (`hycoc.bundle.chain_io`: the last shard's, e.g. ``top_index`` /
     ``top_logq`` / ``logits``, and every shard's ``k_new_i`` / ``v_new_i``). ``entry``: the chain as one stand-in
     `GraphEntry`; ``outputs``: the chain outputs to return (default all); ``io_binding`` / ``output_sets`` as

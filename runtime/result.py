@@ -47,7 +47,7 @@ class RequestResult:
     finished: bool = False
     finish_reason: str | None = None
     #: graph calls and graph seconds inside ``draft_s`` / ``slm_prefill_s`` (`DeviceRuntime.graph_meter`): what the
-    #: rounds ran, so a device profile can price them (`hycoc.bench.device_profile.project_records`)
+    #: rounds ran, so a device profile can price them (`hycoc.bench.paper.device_profile.project_records`)
     draft_calls: dict[str, int] = field(default_factory=dict)
     draft_graph_s: float = 0.0
     prefill_calls: dict[str, int] = field(default_factory=dict)

@@ -1,6 +1,6 @@
 """SLM-alone decoding on the bundle's 1-row decode graph (docs/device-runtime.md; paper Table 5's SLM-alone baseline).
 
-`SlmDecoder.step(drafter)` is one greedy token: one forward of the ``slm_decode`` graph (`hycoc.passes.slm_decode`:
+`SlmDecoder.step(drafter)` is one greedy token: one forward of the ``slm_decode`` graph (`hycoc.passes.slm.decode`:
 the SLM tree graph at 1 row, on the tree graph's quantization grid) for the root r at position t, over the
 drafter's own rings (`hycoc.runtime.slm_drafter.SlmDrafter`: position p in column p mod W_i, live from
 ``live_start``). r's new K/V is written into column t mod W_i of every ring at once, as the tree path writes a

@@ -171,7 +171,7 @@ class SlmDrafter:
     def feeds(
         self, tokens: Sequence[int], parents: Sequence[int], first_position: int, real_rows: int | None = None
     ) -> dict[str, np.ndarray]:
-        """The graph's inputs for R rows at ``first_position`` (`hycoc.passes.slm_graph.host_inputs`'s rules). The
+        """The graph's inputs for R rows at ``first_position`` (`hycoc.passes.slm.graph.host_inputs`'s rules). The
         masks and rings are the drafter's own buffers (updated in place: valid until the next forward).
         real_rows: rows before the padding (which repeats row real_rows - 1's token): only they are looked up."""
         ids = [int(x) for x in tokens]

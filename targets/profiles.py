@@ -190,7 +190,7 @@ HTP_TARGETS: tuple[str, ...] = tuple(
 
 def recipe_refusal(profile: TargetProfile) -> str:
     """What keeps every recipe off ``profile``, as words ("no 16-bit activations"), or "" when recipes build for
-    it: the MTP head's graphs are always A16 (`hycoc.passes.head_export`), so a profile without
+    it: the MTP head's graphs are always A16 (`hycoc.passes.head.export`), so a profile without
     ``supports_16bit_ops`` refuses them all before any pass (`hycoc.passes.build.check_recipe_capabilities`).
     ``hycoc doctor`` says so beside each target and device it lists."""
     return "" if profile.supports_16bit_ops else "no 16-bit activations"

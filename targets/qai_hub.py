@@ -23,7 +23,7 @@ The flow, on AI Hub's current API (qai-hub 0.56 client; AI Hub release notes of 
    same attributes onnxruntime-qnn writes for the ``htp-v81`` target (checked in tests against an EP-written one),
    so ``hycoc run --backend htp`` opens the bundle the same way.
 
-Profiles (`hycoc.bench.device_profile`) go through ``hub.submit_inference_job(model, device, inputs, profile=True,
+Profiles (`hycoc.bench.paper.device_profile`) go through ``hub.submit_inference_job(model, device, inputs, profile=True,
 options="--qnn_options context_enable_graphs=NAME")`` and ``job.download_profile()`` (``submit_profile_job`` is
 deprecated in the 0.56 client).
 

@@ -16,8 +16,8 @@ One job: find, in an ONNX model, the two constructs the HTP graphs must not cont
   ``SparseAttention``, ...): the QNN EP does not place them on the HTP as one static op, and their KV/past-length
   inputs are what the static mask form replaces.
 
-The fix, in both cases, is the static mask form hycoc's own graphs use (``passes/head_graph.py``,
-``passes/slm_graph.py``): the K/V ring arrives as a fixed-shape graph input (W columns), which positions are
+The fix, in both cases, is the static mask form hycoc's own graphs use (``passes/head/graph.py``,
+``passes/slm/graph.py``): the K/V ring arrives as a fixed-shape graph input (W columns), which positions are
 visible is an additive mask input (0 or the finite ``-1e4``), and attention is ``MatMul -> Add(mask) -> Softmax ->
 MatMul``; export at opset 21, where torch's ``scaled_dot_product_attention`` decomposes into those ops.
 
@@ -73,7 +73,7 @@ _SHAPE_ONLY = {"Shape", "Size"}
 FIX = (
     "Fix: use the static mask form -- feed the K/V ring as a fixed-shape graph input, say which columns are "
     "visible with the additive mask input (0 or the finite -1e4), and compute attention as MatMul -> Add(mask) "
-    "-> Softmax -> MatMul (as passes/head_graph.py and passes/slm_graph.py do); export at opset 21, where torch's "
+    "-> Softmax -> MatMul (as passes/head/graph.py and passes/slm/graph.py do); export at opset 21, where torch's "
     "scaled_dot_product_attention decomposes into those ops, and keep positions on the host."
 )
 

@@ -1,5 +1,6 @@
 """The benchmark scripts (benchmarks/*.py) as modules, loaded from their files: they are scripts, not a package, and
-they import only installed packages (`hycoc.bench.harness` for what they share), so no ``sys.path`` entry is needed."""
+they import only installed packages (`hycoc.bench.real_shape.harness` for what they share), so no ``sys.path`` entry is
+needed."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hycoc import device_time as dt
-from hycoc.bench import device_profile as dp
+from hycoc.bench.paper import device_profile as dp
 from hycoc.cli import app
 from hycoc.inspect_report import allowance_ranges
 

@@ -70,7 +70,7 @@ def random_tree(tokens, rows=9):
     return np.concatenate([[tokens[-1]], rng.integers(3, VOCAB, rows - 1)]), parents
 
 
-#: (mode, open kwargs, tree maker): the configurations of hycoc.bench.runner, as the verifier sees them.
+#: (mode, open kwargs, tree maker): the configurations of hycoc.bench.paper.runner, as the verifier sees them.
 MODES = {
     "hyco": (dict(acceptance="epsilon", epsilon=0.02), "oracle"),
     "hyco-exact": (dict(acceptance="exact"), "oracle"),

@@ -1,5 +1,5 @@
-"""`hycoc bench` end to end on the tiny recipe (hycoc/bench/runner.py): a real `hycoc verify-server` child process, the
-device runtime in this process, records appended per request, --resume, results.json and plots."""
+"""`hycoc bench` end to end on the tiny recipe (hycoc/bench/paper/runner.py): a real `hycoc verify-server` child
+process, the device runtime in this process, records appended per request, --resume, results.json and plots."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from hycoc.bench.cost_model import CostModel, CostPoint
+from hycoc.bench.cost_model.model import CostModel, CostPoint
 from hycoc.bench.datasets import load_spec_bench
-from hycoc.bench.runner import BenchError, BenchPlan, read_records, run_bench
+from hycoc.bench.paper.records import BenchError, read_records
+from hycoc.bench.paper.runner import BenchPlan, run_bench
 from hycoc.cli import DEFAULT_DATASET, app
 
 TOY = Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"  # not the working directory's
@@ -71,7 +72,7 @@ def test_bench_runs_every_config_and_resumes(built, tmp_path):
             assert rec["seconds"] * 1000 >= 58 * (rec["rounds"] + 1)
         if rec["config"] in ("specedge", "hyco", "hyco-exact"):
             assert set(rec["rows"]) == {5}  # B + 1 rows of the tiny recipe
-        q = rec["quality"]  # hycoc.bench.quality: repetition of every answer, reference metrics by category
+        q = rec["quality"]  # hycoc.bench.paper.quality: repetition of every answer, reference metrics by category
         assert q["words"] >= 0 and q["longest_run"] >= 1 and q["rouge_l"] is None
         assert rec["category"] == "translation"  # the first two of the two categories are translations
         assert 0 <= q["chrf"] <= 100 and 0 <= q["bleu"] <= 100 and q["final_number_match"] is None
@@ -138,7 +139,7 @@ def test_resume_refuses_records_made_with_other_settings(built, tmp_path):
 
 
 def test_turn_summary_hand_worked():
-    from hycoc.bench.runner import turn_summary
+    from hycoc.bench.paper.turns import turn_summary
 
     recs = [
         {"config": "hyco", "turn": 1, "tokens": 10, "rounds": 4, "prefill_ms": 20.0, "server_ms": [5.0] * 4},
@@ -220,7 +221,7 @@ def test_measure_handoff_scales_is_the_max_over_the_answers_at_percentile_100(bu
     embedding table rows of the ids, the producer layers' K/V from a plain transformers forward."""
     import torch
     from hycoc.passes.handoff_scales import measure_handoff_scales
-    from hycoc.passes.head_qat import greedy_answer, prompt_sources
+    from hycoc.passes.head.qat import greedy_answer, prompt_sources
     from hycoc.verifier.engine import producer_layers
     from transformers import DynamicCache
 

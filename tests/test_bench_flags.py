@@ -1,5 +1,5 @@
-"""The bench's quality flags control the family-wise error (hycoc/bench/stats.py: Holm over a run's configurations x
-metrics, one-sided sign-flip p-values; intervals from scipy's BCa bootstrap), checked by simulation: where nothing
+"""The bench's quality flags control the family-wise error (hycoc/bench/paper/stats.py: Holm over a run's configurations
+x metrics, one-sided sign-flip p-values; intervals from scipy's BCa bootstrap), checked by simulation: where nothing
 differs, fewer than 5% of runs flag anything; a real degradation is flagged."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hycoc.bench.stats import summarize
+from hycoc.bench.paper.summary import summarize
 
 QUESTIONS = 12
 CONFIGS = ("hyco", "specedge", "server-head")
@@ -82,7 +82,7 @@ def test_a_real_degradation_is_flagged():
 def test_holm_adjusts_as_the_step_down_definition():
     """Holm 1979 by hand: sorted p (0.005, 0.01, 0.03, 0.04) x (4, 3, 2, 1) = (0.02, 0.03, 0.06, 0.04), made
     monotone: (0.02, 0.03, 0.06, 0.06)."""
-    from hycoc.bench.stats import holm
+    from hycoc.bench.paper.stats import holm
 
     adjusted, rejected = holm([0.01, 0.04, 0.03, 0.005], alpha=0.05)
     assert adjusted == pytest.approx([0.03, 0.06, 0.06, 0.02])
@@ -95,7 +95,7 @@ def test_the_paired_interval_is_scipys_bca_over_questions():
     (one pair per question here), same resamples and seed."""
     from scipy.stats import bootstrap
 
-    from hycoc.bench.stats import paired_mean_difference
+    from hycoc.bench.paper.stats import paired_mean_difference
 
     rng = np.random.default_rng(3)
     a, b = rng.normal(size=15), rng.normal(size=15)
@@ -110,7 +110,7 @@ def test_the_p_value_is_the_exact_sign_flip_test():
     """8 questions: every 2^8 sign pattern enumerated; differences (1, 2, ..., 8), all on the worse side: only
     the observed pattern reaches the observed sum, p = 1/256; one difference of -1 instead of +1: the patterns
     with a sum >= 34 of 36 are those flipping nothing or flipping the 1 alone, p = 2/256."""
-    from hycoc.bench.stats import paired_p_value
+    from hycoc.bench.paper.stats import paired_p_value
 
     def pairs(diffs):
         return [({"question_id": q, "v": d}, {"question_id": q, "v": 0.0}) for q, d in enumerate(diffs)]
@@ -126,7 +126,7 @@ def test_the_sign_flip_test_is_scipys_permutation_test(n):
     test on the same differences."""
     from scipy.stats import permutation_test
 
-    from hycoc.bench.stats import sign_flip_p_value
+    from hycoc.bench.paper.stats import sign_flip_p_value
 
     rng = np.random.default_rng(n)
     for d in (rng.normal(0.3, 1.0, size=n), np.round(rng.normal(size=n)), np.ones(n)):

@@ -1,5 +1,6 @@
-"""The build checks' measuring harness (`hycoc.bench.harness`) and `hycoc.numerics.sqnr_db`: CPU seconds and memory
-are checked against work whose size the test fixes (a child that burns a known CPU time, arrays of known bytes)."""
+"""The build checks' measuring harness (`hycoc.bench.real_shape.harness`) and `hycoc.numerics.sqnr_db`: CPU seconds and
+memory are checked against work whose size the test fixes (a child that burns a known CPU time, arrays of known
+bytes)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from hycoc.bench import harness
+from hycoc.bench.real_shape import harness
 from hycoc.numerics import sqnr_db
 
 MIB = 2**20

@@ -1,5 +1,5 @@
-"""hycoc.bench.stats: App. G metrics on hand-built records, paired bootstrap, cost-model projection, tables, plots,
-reference matching on Spec-Bench's real reference formats."""
+"""hycoc.bench.paper.stats: App. G metrics on hand-built records, paired bootstrap, cost-model projection, tables,
+plots, reference matching on Spec-Bench's real reference formats."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import json
 import pytest
 from rich.console import Console
 
-from hycoc.bench.plots import write_plots
-from hycoc.bench.quality import reference_match
-from hycoc.bench.report_tables import render_categories, render_table
-from hycoc.bench.summary import summarize
+from hycoc.bench.paper.plots import write_plots
+from hycoc.bench.paper.quality import reference_match
+from hycoc.bench.paper.report_tables import render_categories, render_table
+from hycoc.bench.paper.summary import summarize
 
 
 def rec(
@@ -336,7 +336,7 @@ def test_results_json_follows_the_typed_summary():
     follows is declared once."""
     import dataclasses
 
-    from hycoc.bench.summary import CategorySummary, ConfigSummary, MetricQuality, QualitySummary
+    from hycoc.bench.paper.summary import CategorySummary, ConfigSummary, MetricQuality, QualitySummary
 
     def names(cls):
         return [f.name for f in dataclasses.fields(cls)]

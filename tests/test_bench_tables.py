@@ -14,9 +14,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from hycoc.bench.cost_model import CostModel, CostPoint, Forward, bootstrap_tables, predict_tables
-from hycoc.bench.report_tables import categories_table, main_table, quality_table, render_table
-from hycoc.bench.summary import summarize
+from hycoc.bench.cost_model.model import CostModel, CostPoint, Forward, bootstrap_tables, predict_tables
+from hycoc.bench.paper.report_tables import categories_table, main_table, quality_table, render_table
+from hycoc.bench.paper.summary import summarize
 from hycoc.bench.tables import TextTable, console_width, fit_columns, print_tables, table_width, to_csv
 
 CONFIGS = ("cloud-mtp", "specedge", "specedge-eps", "hyco", "hyco-2p", "hyco-exact", "server-head")
@@ -167,7 +167,7 @@ def test_redirected_report_lines_are_not_wrapped_and_tables_still_fit(monkeypatc
     """Redirected (stdout is not a terminal under pytest), the bench's and inspect's console lays tables out at
     ``COLUMNS`` or 120 but prints a line of text whole: a note such as "bundle ... was built from another version
     of recipe 'toy'; its round constants are the bundle's ..." used to break at column 120, so grep missed it."""
-    from hycoc.bench.runner import make_console
+    from hycoc.bench.paper.runner import make_console
     from hycoc.inspect_report import inspect_console
 
     monkeypatch.delenv("COLUMNS", raising=False)
@@ -218,7 +218,7 @@ def test_projected_interval_covers_the_cost_models_uncertainty():
 
     assert width(noisy) > 1.5 * width(bare)
     # no spread: questions only; the joint resampling's percentile interval and the BCa one of the questions
-    # alone (hycoc.bench.stats.paired_ratio_delta) then agree up to the two methods' bootstrap noise
+    # alone (hycoc.bench.paper.stats.paired_ratio_delta) then agree up to the two methods' bootstrap noise
     assert width(exact) == pytest.approx(
         width(summarize(recs, cost_model=model(samples=False), bootstrap=400, server=server)["hyco"]), rel=0.1
     )
@@ -228,12 +228,12 @@ def test_resume_reuses_the_saved_cost_model_and_the_summary_is_unchanged(tmp_pat
     import sys
     import types
 
-    from hycoc.bench import runner
+    from hycoc.bench.paper import runner
 
     measured = model(noise=0.2)
     calls = []
     fake = types.SimpleNamespace(measure_recipe_verifier=lambda recipe, contexts: calls.append(contexts) or measured)
-    monkeypatch.setitem(sys.modules, "hycoc.bench.cost_measure", fake)  # no torch: the measurement is faked
+    monkeypatch.setitem(sys.modules, "hycoc.bench.cost_model.measure", fake)  # no torch: the measurement is faked
     recs = fixed_records(("cloud-mtp", "hyco", "hyco-exact"))
     server = {"chain_length": 4, "head_window": 64}
     console = Console(file=io.StringIO())
@@ -299,14 +299,14 @@ def test_help_fits_80_columns_with_defaults_whole(command):
 
 
 def test_labels_of_close_points_stack_instead_of_overlapping():
-    from hycoc.bench.plots import _label_offsets
+    from hycoc.bench.paper.plots import _label_offsets
 
     # hyco and hyco-exact a hair apart, specedge far away: the second close label goes one line up
     assert _label_offsets([(4.0, 3.1), (4.01, 3.1), (9.0, 1.0)], 5.0, 2.1) == [(6.0, 4.0), (6.0, 15.0), (6.0, 4.0)]
 
 
 def test_a_percentile_statistic_is_what_the_draws_resample():
-    from hycoc.bench.cost_model import CostModelError, sample_quantile
+    from hycoc.bench.cost_model.model import CostModelError, sample_quantile
 
     assert (sample_quantile("median"), sample_quantile("p25"), sample_quantile("p0")) == (50.0, 25.0, 0.0)
     with pytest.raises(CostModelError, match="'median' or 'pNN'"):
@@ -344,7 +344,7 @@ def test_process_cpu_ms_counts_this_process_busy_time_not_its_sleep():
     import os
     import time
 
-    from hycoc.bench.runner import busy_since, process_cpu_ms
+    from hycoc.bench.verifier_process import busy_since, process_cpu_ms
 
     start = process_cpu_ms(os.getpid())
     time.sleep(0.2)
@@ -360,7 +360,7 @@ def test_process_cpu_ms_counts_this_process_busy_time_not_its_sleep():
 
 def bench_results(configs=CONFIGS):
     """A results.json's printed parts: summary, per-turn (half the questions have a second turn) and device time."""
-    from hycoc.bench.runner import turn_summary
+    from hycoc.bench.paper.turns import turn_summary
 
     recs = fixed_records(configs)
     recs += [dict(r, turn=2) for r in recs if r["question_id"] % 2 == 0]
@@ -386,7 +386,7 @@ def bench_results(configs=CONFIGS):
 
 
 def test_every_bench_table_fits_80_columns_with_configuration_names_whole():
-    from hycoc.bench.runner import print_results
+    from hycoc.bench.paper.runner import print_results
 
     console = Console(file=io.StringIO(), width=80)
     print_results(bench_results(), console)
@@ -408,8 +408,8 @@ def test_the_main_table_leaves_answer_quality_to_the_quality_table():
 
 
 def test_per_turn_and_device_tables_order_configurations_as_the_main_table():
-    from hycoc.bench.device_profile import device_table
-    from hycoc.bench.runner import turns_table
+    from hycoc.bench.paper.device_profile import device_table
+    from hycoc.bench.paper.turns import turns_table
 
     results = bench_results()
     main = [r[0] for r in main_table(results["summary"]).rows]

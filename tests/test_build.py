@@ -1,4 +1,4 @@
-"""`hycoc build` on a tiny recipe (passes/build.py, passes/head_export.py, targets/qai_hub.py).
+"""`hycoc build` on a tiny recipe (passes/build.py, passes/head/export.py, targets/qai_hub.py).
 
 The recipe is written to tmp_path and points at tiny random models saved there: the verifier and head of
 tests/tiny_models.py, a 300-id word tokenizer, and a tiny SLM in the pre-quantized Gemma format (the shape of
@@ -17,7 +17,7 @@ import pytest
 import torch
 from gemma4_fixture import write_generation_config
 from hycoc.passes import build as b
-from hycoc.passes.head_export import HeadExport, HostTablesArtifact
+from hycoc.passes.head.export import HeadExport, HostTablesArtifact
 from hycoc.targets import qai_hub
 from rich.console import Console
 from test_head_qat import word_tokenizer_folder
@@ -215,8 +215,8 @@ def test_build_bundle_cpu_end_to_end(tiny_pipeline, tmp_path):
     Written from the session's pipeline cache (`tiny_pipeline`: the passes ran there once; a cold build through
     the command is `test_cli_list_passes_until_and_full_build`)."""
     import onnxruntime as ort
-    from hycoc.passes.head_graph import INPUT_NAMES, HeadGraph
-    from hycoc.passes.head_qat import dequantized_head
+    from hycoc.passes.head.graph import INPUT_NAMES, HeadGraph
+    from hycoc.passes.head.qat import dequantized_head
 
     from hycoc.bundle import load_manifest, sha256_file
 
@@ -249,7 +249,7 @@ def test_build_bundle_cpu_end_to_end(tiny_pipeline, tmp_path):
     )
     shipped = ort.InferenceSession(str(out / head.file), providers=["CPUExecutionProvider"])
     # held-out queries as the device feeds them: real hand-offs through the runtime's MTP Drafter
-    from hycoc.passes.head_calibration import real_head_calibration
+    from hycoc.passes.head.calibration import real_head_calibration
 
     shapes = {t.name: tuple(t.shape) for t in head.inputs}
     _, held, _ = real_head_calibration(
@@ -430,8 +430,8 @@ def test_htp_target_compiles_both_graphs_into_a_bundle(built, tmp_path):
 
     # the compiled graph on the x86 HTP simulator against the QDQ graph on the CPU EP
     import onnxruntime as ort
-    from hycoc.passes.qdq import slm_calibration_samples
-    from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph
+    from hycoc.passes.qdq.quantize import slm_calibration_samples
+    from hycoc.passes.slm.graph import FULL, SLIDING, SlmTreeGraph
     from hycoc.targets.htp import run_compiled
 
     slm_model = first.pipeline.artifacts["slm_integer"].payload
@@ -459,9 +459,9 @@ def test_htp_target_compiles_both_graphs_into_a_bundle(built, tmp_path):
     # row may flip (one would be 2 of 4), and 2.8 dB under the worst K/V output.
     assert agree >= 0.75 and min(sqnr.values()) > 33.0
 
-    from hycoc.passes.head_export import comparison_inputs
-    from hycoc.passes.head_graph import INPUT_NAMES
-    from hycoc.passes.head_qat import dequantized_head
+    from hycoc.passes.head.export import comparison_inputs
+    from hycoc.passes.head.graph import INPUT_NAMES
+    from hycoc.passes.head.qat import dequantized_head
 
     quantized = first.pipeline.artifacts["quantized_head"].payload
     config = dequantized_head(quantized).config

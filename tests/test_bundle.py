@@ -430,9 +430,11 @@ def test_inspect_a_corrupt_bundle_exits_1_with_the_reason(bundle):
 
 
 def test_the_runtime_side_imports_neither_torch_nor_onnx():
+    # hycoc.recipe is not banned: the bundle takes its round constants' ranges from the recipe's tables
+    # (hycoc.recipe.sections), and importing a module of the package runs the package's __init__ (the public face)
     code = (
-        "import sys, hycoc.bundle; print(sorted(m for m in ('torch', 'onnx', 'onnxruntime', 'transformers', "
-        "'hycoc.recipe') if m in sys.modules))"
+        "import sys, hycoc.bundle; print(sorted(m for m in ('torch', 'onnx', 'onnxruntime', 'transformers') "
+        "if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

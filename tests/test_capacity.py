@@ -1,5 +1,5 @@
-"""`hycoc capacity`'s simulator (hycoc/bench/capacity.py) against results derived by hand or in closed form, the
-row budget it shares with the server, and its bad-input errors. Deterministic and fast: no model, no server."""
+"""`hycoc capacity`'s simulator (hycoc/bench/capacity/simulation.py) against results derived by hand or in closed form,
+the row budget it shares with the server, and its bad-input errors. Deterministic and fast: no model, no server."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import pytest
 from hycoc.verifier import row_budget
 from hycoc.verifier.row_budget import BudgetState, RowCost
 
-from hycoc.bench import capacity as cap
-from hycoc.bench.capacity import (
+from hycoc.bench.capacity import simulation as cap
+from hycoc.bench.capacity.cost import StepCost, StepCostError, model_step_cost
+from hycoc.bench.capacity.run import search_devices, trace_workload
+from hycoc.bench.capacity.simulation import (
     CapacityError,
     SimConfig,
     SimRound,
@@ -25,10 +27,8 @@ from hycoc.bench.capacity import (
     simulate,
     summarize,
 )
-from hycoc.bench.capacity_cost import StepCost, StepCostError, model_step_cost
-from hycoc.bench.capacity_run import search_devices, trace_workload
-from hycoc.bench.capacity_trees import TreeModel, TreePool, phone_ms, tree_pool
-from hycoc.bench.loadtrace import RequestTrace, RoundTrace, Trace
+from hycoc.bench.capacity.trees import TreeModel, TreePool, phone_ms, tree_pool
+from hycoc.bench.loadtest.trace import RequestTrace, RoundTrace, Trace
 
 
 @dataclass
@@ -179,7 +179,7 @@ def test_unreachable_target_is_one_line():
 
 
 def test_cost_model_of_another_shape_is_refused():
-    from hycoc.bench.cost_model import CostModel, CostPoint
+    from hycoc.bench.cost_model.model import CostModel, CostPoint
 
     model = CostModel(
         device="cpu",
@@ -200,7 +200,7 @@ def test_cost_model_of_another_shape_is_refused():
 
 
 def test_trace_of_another_bundle_is_refused(tmp_path):
-    from hycoc.bench.capacity_app import check_trace
+    from hycoc.bench.capacity.app import check_trace
 
     (tmp_path / "manifest.json").write_text("{}")
 
@@ -213,8 +213,8 @@ def test_trace_of_another_bundle_is_refused(tmp_path):
 
 
 def test_results_are_written_whole(tmp_path):
-    from hycoc.bench.capacity_app import write_document
-    from hycoc.bench.capacity_run import write_plot
+    from hycoc.bench.capacity.app import write_document
+    from hycoc.bench.capacity.run import write_plot
 
     cfg = SimConfig(mode="batched", devices=2, duration_s=1.0)
     row = dict(summarize("batched", cfg, simulate(synthetic(2, 30.0), cfg, FixedCost())), config="hyco")
@@ -228,7 +228,7 @@ def test_results_are_written_whole(tmp_path):
 
 def test_sim_round_replays_the_loadtest_tree():
     """A replayed round is the tree `hycoc loadtest` sends (`tree_at`), its path the recorded one."""
-    from hycoc.bench.loadtrace import tree_at
+    from hycoc.bench.loadtest.trace import tree_at
 
     req = _tree_trace().requests[0]
     tr = cap.TraceRequest(req)
@@ -276,7 +276,7 @@ def test_sched_sampler_sees_a_busy_child():
     import sys
     import time
 
-    from hycoc.bench.capacity_run import SchedSampler
+    from hycoc.bench.capacity.run import SchedSampler
 
     with SchedSampler(interval_s=0.05) as s:
         child = subprocess.Popen(
@@ -303,7 +303,7 @@ def test_sched_sampler_counts_a_child_that_lives_inside_the_window():
     import sys
     import time
 
-    from hycoc.bench.capacity_run import SchedSampler
+    from hycoc.bench.capacity.run import SchedSampler
 
     with SchedSampler(interval_s=0.05) as s:
         t0 = time.time()
@@ -353,8 +353,8 @@ def test_host_work_from_the_profile_moves_the_one_device_prediction(tmp_path):
     client's and the wire's ms of the FILE (L + C + W), and its rounds come every D + S + L + C + W ms instead of
     D + S (after an OPEN that passes the event loop too). Without the host work (an older profile) the latency is
     S alone."""
-    from hycoc.bench.capacity_cost import MeasuredStepCost
-    from hycoc.bench.capacity_run import host_terms
+    from hycoc.bench.capacity.cost import MeasuredStepCost
+    from hycoc.bench.capacity.run import host_terms
 
     s, d, m, t = 12.0, 30.0, 2, 3.0
     prof = MeasuredStepCost(step=(s, 0.0, 0.0), forward=(s, 0.0, 0.0), prefill=(0.0, 0.0))
@@ -381,7 +381,7 @@ def test_host_work_from_the_profile_moves_the_one_device_prediction(tmp_path):
     want = [round(opened + (j + 1) * period, 6) for j in range(k)]
     assert [round(r.t_done * 1e3, 6) for r in res.stats.rounds] == want
     # what --validate compares at one session: latency - the reply's server_ms is the host work, L + C + W
-    from hycoc.bench.capacity_run import outside_ms
+    from hycoc.bench.capacity.run import outside_ms
 
     assert outside_ms(summarize("serial", cfg, res)) == pytest.approx(extra)
     # an older profile (no host work) and a cost-model file give none
@@ -404,7 +404,7 @@ def test_event_loop_work_is_serialised_and_client_work_is_not():
 def test_validation_rows_carry_what_validate_prints():
     """`validation_rows` of a one-session cell (a simulated run standing in for the measured one) has every key
     `validate_here` prints, the one-session host-work check included, and its table renders."""
-    from hycoc.bench.capacity_run import outside_ms, validation_rows, validation_table
+    from hycoc.bench.capacity.run import outside_ms, validation_rows, validation_table
 
     cfg = SimConfig(mode="serial", devices=1, duration_s=1.0, client_ms=3.0)
     row = summarize("serial", cfg, simulate(synthetic(2, 30.0), cfg, FixedCost(a=10.0)))
@@ -432,8 +432,8 @@ def test_step_spread_sets_the_tail():
 
 
 def test_cpu_scale_multiplies_every_step_and_prefill():
-    """``cpu_scale`` (the run's CPU speed against the profile's, `hycoc.bench.speed_probe`) multiplies each step's
-    CPU ms and each prefill's: one device with 10 ms steps, 4 ms prefills and 30 ms drafting answers every round
+    """``cpu_scale`` (the run's CPU speed against the profile's, `hycoc.bench.capacity.speed_probe`) multiplies each
+    step's CPU ms and each prefill's: one device with 10 ms steps, 4 ms prefills and 30 ms drafting answers every round
     in 13 ms at x1.3 (10 ms at x1), and the workers' CPU ms are 1.3 x (10 ms per step + 4 ms per prefill), a whole
     number of prefills (requests of 8 tokens, 2 a round: several)."""
     for scale in (1.0, 1.3):
@@ -559,7 +559,7 @@ def test_allowance_rule_is_built_and_fed_as_the_server_builds_and_feeds_it(monke
     from hycoc.verifier.allowance import AllowanceRule
     from hycoc.verifier.server.app import VerifierServer
 
-    from hycoc.bench.capacity_run import GEMMA4_FRAMES
+    from hycoc.bench.capacity.run import GEMMA4_FRAMES
 
     built, drafting, away = [], [], []
     make = AllowanceRule.for_server.__func__
@@ -628,7 +628,7 @@ def test_allowance_rule_is_built_and_fed_as_the_server_builds_and_feeds_it(monke
 def test_allowance_shrinks_trees_under_load():
     """With a steep line (every row costs) and many devices, the real rule's allowance falls below the ceiling,
     the devices send fewer rows than 33, and a ROUND's bytes follow its rows (23 + 8 R)."""
-    from hycoc.bench.capacity_run import GEMMA4_FRAMES
+    from hycoc.bench.capacity.run import GEMMA4_FRAMES
 
     line = RowCost(((1, 5.0), (33, 20.0), (330, 200.0)), source="test")
     cfg = SimConfig(mode="allowance", devices=24, duration_s=3.0, tree_rows=33, chain_length=4, frames=GEMMA4_FRAMES)
@@ -661,9 +661,9 @@ def test_projection_runs_every_mode_and_lists_its_inputs(tmp_path):
     a cost-model file of another model is refused in one line."""
     from pathlib import Path
 
-    from hycoc.bench.capacity_cost import StepCostError
-    from hycoc.bench.capacity_projection import projection_cost, run_projection
-    from hycoc.bench.cost_model import CostModel, CostPoint
+    from hycoc.bench.capacity.cost import StepCostError
+    from hycoc.bench.capacity.projection import projection_cost, run_projection
+    from hycoc.bench.cost_model.model import CostModel, CostPoint
     from hycoc.recipe import load_recipe
 
     cfg = load_recipe(Path("recipes/gemma4.toml"))

@@ -1,4 +1,4 @@
-"""The projection's synthesized scored trees (hycoc/bench/capacity_trees.py): Alg. 3's shape, the expected MAT of
+"""The projection's synthesized scored trees (hycoc/bench/capacity/trees.py): Alg. 3's shape, the expected MAT of
 hand-built trees under both acceptance rules worked by hand, the sampled rounds against the expectation, the fit,
 drafting to an allowance and the phone's ms per row count. Fast: numpy only."""
 
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from hycoc.bench.capacity_trees import (
+from hycoc.bench.capacity.trees import (
     DrawnTree,
     TreeModel,
     TreePool,

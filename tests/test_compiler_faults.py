@@ -54,8 +54,8 @@ def test_mask_constant_is_one_finite_value_everywhere():
     """The head graph, the SLM graph and calibration must agree on the hidden-column value: a head mask at -1e9
     would be clipped by a [-1e4, 0] encoding, a calibration range at -1e9 would wreck the 16-bit step."""
     from hycoc.passes.calibration import MASK_MAX, MASK_MIN
-    from hycoc.passes.head_graph import MASK_VALUE
-    from hycoc.passes.slm_graph import MASK_NEG
+    from hycoc.passes.head.graph import MASK_VALUE
+    from hycoc.passes.slm.graph import MASK_NEG
 
     assert MASK_VALUE == MASK_NEG == MASK_MIN == -1e4 and MASK_MAX == 0.0
     step = (MASK_MAX - MASK_MIN) / 65535
@@ -102,7 +102,7 @@ def _mask_qdq(scale: float) -> onnx.ModelProto:
 
 
 def test_qdq_mask_encoding_spanning_min_float_is_refused():
-    from hycoc.passes.qdq import QdqError, check_fixed_encodings
+    from hycoc.passes.qdq.encodings import QdqError, check_fixed_encodings
 
     assert "mask_full" in check_fixed_encodings(_mask_qdq(1e4 / 65535))["mask"]
     with pytest.raises(QdqError, match=r"mask input 'mask_full' encoding .* does not span \[-10000, 0\]"):
@@ -114,8 +114,8 @@ def test_qdq_mask_encoding_spanning_min_float_is_refused():
 
 @pytest.fixture(scope="module")
 def slm_export(tmp_path_factory):
-    from hycoc.passes.slm_graph import SlmTreeGraph, export_slm_graph
-    from hycoc.passes.slm_surgery import operate
+    from hycoc.passes.slm.graph import SlmTreeGraph, export_slm_graph
+    from hycoc.passes.slm.surgery import operate
     from test_slm_graph import CASES, KEEP, PARENTS, RING, ROWS, case_inputs
     from test_slm_surgery import make_tiny_slm
 
@@ -140,7 +140,7 @@ def slm_export(tmp_path_factory):
 
 def test_onnx_rows_past_the_sliding_boundary_equal_transformers(slm_export):
     import onnxruntime as ort
-    from hycoc.passes.slm_graph import MASK_NEG, SLIDING, ancestor_matrix, tree_depths
+    from hycoc.passes.slm.graph import MASK_NEG, SLIDING, ancestor_matrix, tree_depths
     from test_slm_surgery import SLIDING_WINDOW
 
     graph, keep = slm_export["graph"], slm_export["keep"]
@@ -451,8 +451,8 @@ def test_static_check_does_not_match_static_slices():
 def test_static_check_passes_the_projects_head_graph(tmp_path):
     """The head graph as the build exports it (static Slices of rotate_half, MatMul/Softmax attention) is clean."""
     from hycoc.passes.export import export_static
-    from hycoc.passes.head_graph import INPUT_NAMES, OUTPUT_NAMES, HeadGraph, rotary_rows
-    from hycoc.passes.head_qat import restrict_output_layer
+    from hycoc.passes.head.graph import INPUT_NAMES, OUTPUT_NAMES, HeadGraph, rotary_rows
+    from hycoc.passes.head.qat import restrict_output_layer
     from hycoc.targets.static_shape_check import find_static_graph_faults
     from test_head_graph import W
     from tiny_models import tiny_head, tiny_verifier

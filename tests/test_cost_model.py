@@ -1,4 +1,4 @@
-"""Verifier cost model (hycoc.bench.cost_model) and its measuring script (benchmarks/verifier_cost_model.py)."""
+"""Verifier cost model (hycoc.bench.cost_model.model) and its measuring script (benchmarks/verifier_cost_model.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from bench_scripts import load_script
 
-from hycoc.bench.cost_model import (
+from hycoc.bench.cost_model.model import (
     PAPER_ROUND_MS,
     PREFILL_CHUNK,
     CostModel,
@@ -67,7 +67,7 @@ def test_inside_the_grid_it_is_scipys_linear_grid_interpolation():
     interpolate = pytest.importorskip("scipy.interpolate")
     import numpy as np
 
-    from hycoc.bench.cost_model import interpolate as ours
+    from hycoc.bench.cost_model.model import interpolate as ours
 
     rng = np.random.default_rng(0)
     rows, ctxs = np.array([1, 3, 17, 33]), np.array([0, 64, 100, 512, 4096])
@@ -164,7 +164,7 @@ def test_missing_and_non_json_files(tmp_path):
 
 
 def test_cost_model_module_does_not_import_torch():
-    code = "import sys, hycoc.bench.cost_model; print('torch' in sys.modules)"
+    code = "import sys, hycoc.bench.cost_model.model; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -187,7 +187,7 @@ def test_gpu_script_skips_cleanly_without_cuda(tmp_path):
 def test_measure_grid_on_a_tiny_random_verifier():
     """The GPU mode's code path (random weights, random KV cache, verify_tree) on the toy shape, on the CPU."""
     torch = pytest.importorskip("torch")
-    from hycoc.bench.cost_measure import demo_parents
+    from hycoc.bench.cost_model.measure import demo_parents
 
     vcm = _cost_script()
     model, head = _tiny_random()  # the random-weight mode's verifier and head
@@ -246,7 +246,7 @@ def test_the_cost_measurement_runs_on_the_engines_windowed_session_cache():
     from hycoc.verifier.kv_cache import SlidingWindowLayer, stores_kv
     from hycoc.verifier.kv_surgery import crop_cache
 
-    from hycoc.bench.cost_measure import measure_grid, measuring_engine, random_cache
+    from hycoc.bench.cost_model.measure import measure_grid, measuring_engine, random_cache
 
     model, head = _tiny_random(sliding_window=8)
     engine = measuring_engine(model, head, head_window=6)
@@ -272,7 +272,7 @@ def test_the_cost_measurement_runs_on_the_engines_windowed_session_cache():
     # a prefill chunk trims the sliding layers past the old positions: the measurement restores the cache instead
     from hycoc.verifier.forward import prefill
 
-    from hycoc.bench.cost_measure import restore_cache, snapshot_cache
+    from hycoc.bench.cost_model.measure import restore_cache, snapshot_cache
 
     before = [(layer.held, layer.start) for layer in sliding]
     saved = snapshot_cache(cache)
@@ -311,7 +311,7 @@ def test_the_bench_cost_model_measures_with_the_engines_cache(monkeypatch):
     """`measure_recipe_verifier` (what hycoc bench measures) hands `measure_grid` the engine's ``new_cache``."""
     pytest.importorskip("torch")
     import hycoc.models
-    from hycoc.bench import cost_measure
+    from hycoc.bench.cost_model import measure as cost_measure
     from hycoc.recipe import load_recipe
 
     model, head = _tiny_random()
@@ -439,9 +439,9 @@ def test_request_replay_counts_head_steps_and_prefill_exactly():
 
 
 def test_bench_summary_projects_every_server_forward():
-    """stats.summarize through the hand-built model: g projected and its parts, per-round medians beside the
+    """summary.summarize through the hand-built model: g projected and its parts, per-round medians beside the
     paper's 21.7 / 26.8 ms."""
-    from hycoc.bench.summary import summarize
+    from hycoc.bench.paper.summary import summarize
 
     common = dict(run=0, question_id=1, category="writing", prompt_tokens=101, prefill_ms=5.0)
     recs = [
@@ -495,11 +495,11 @@ def test_schema_1_files_still_load_as_verify_points(tmp_path):
 
 
 def test_the_batched_line_is_measured_and_read_back(tmp_path):
-    """``--batch-sessions``: the batched line (hycoc/bench/batch_line.py, the server's batch_forward) lands in the
-    file as ``batch_points`` at every (sessions, rows) with rows >= sessions, loads back and is read by
+    """``--batch-sessions``: the batched line (hycoc/bench/cost_model/batch_line.py, the server's batch_forward) lands
+    in the file as ``batch_points`` at every (sessions, rows) with rows >= sessions, loads back and is read by
     `CostModel.batch_ms`; rows spread over the sessions as evenly as they go."""
     pytest.importorskip("torch")
-    from hycoc.bench.batch_line import batch_grid, split_rows
+    from hycoc.bench.cost_model.batch_line import batch_grid, split_rows
 
     assert batch_grid([2, 1], [4, 1]) == [(1, 1), (1, 4), (2, 4)]
     assert split_rows(7, 3) == [3, 2, 2] and split_rows(4, 4) == [1, 1, 1, 1]

@@ -3,8 +3,8 @@
 * The verifier's round loop creates its tensors on the model's device and copies nothing vocabulary-wide to the host
   (torch's meta device: any host copy of a meta tensor fails, every op's output device is watched with a
   ``TorchDispatchMode``; and a ``TorchFunctionMode`` audit of every host transfer of a real round on the CPU).
-* The cost model's replay (`hycoc.bench.cost_model.request_forwards`) lists exactly the forwards the engine runs
-  (`hycoc.bench.cost_measure.count_forwards`), for device drafting, Cloud+MTP and server-head.
+* The cost model's replay (`hycoc.bench.cost_model.model.request_forwards`) lists exactly the forwards the engine runs
+  (`hycoc.bench.cost_model.measure.count_forwards`), for device drafting, Cloud+MTP and server-head.
 * `hycoc build --device`: the CPU cache keys are unchanged, a GPU device keys the torch-model passes, the verifier is
   placed on the device in bf16, QAT runs under bf16 autocast on CUDA; asking for CUDA without one is a clear error.
 """
@@ -27,8 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import DynamicCache
 
-from hycoc.bench.cost_measure import count_forwards
-from hycoc.bench.cost_model import Forward, request_forwards
+from hycoc.bench.cost_model.measure import count_forwards
+from hycoc.bench.cost_model.model import Forward, request_forwards
 from hycoc.protocol.messages import Sampling
 
 TOY = Path(__file__).resolve().parents[1] / "recipes" / "toy.toml"  # not the working directory's
@@ -282,7 +282,7 @@ def test_qat_runs_under_bf16_autocast_on_cuda_only():
     import contextlib
     import warnings
 
-    from hycoc.passes.head_qat import qat_autocast
+    from hycoc.passes.head.qat import qat_autocast
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "CUDA is not available": the object still says what it would do

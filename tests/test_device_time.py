@@ -1,6 +1,6 @@
 """Device time when no on-device profile exists (hycoc/device_time.py) and its pricing of bench rounds
-(hycoc/bench/device_profile.py). The fit against the paper's anchors at the Gemma 4 shapes is in tests/test_plan.py
-(it reuses that module's plan)."""
+(hycoc/bench/paper/device_profile.py). The fit against the paper's anchors at the Gemma 4 shapes is in
+tests/test_plan.py (it reuses that module's plan)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hycoc import device_time as dt
-from hycoc.bench import device_profile as dp
+from hycoc.bench.paper import device_profile as dp
 
 
 def _matmul_graph(path, rows: int = 32, k: int = 16, n: int = 24):

@@ -208,7 +208,7 @@ def test_each_arch_builds_the_tiny_bundle_and_its_binaries_say_that_arch(arch_bu
     from hycoc.targets.htp import run_compiled
     from hycoc.targets.qnn_ep import read_binary_target
 
-    from hycoc.bench.device_profile import profile_inputs
+    from hycoc.bench.paper.device_profile import profile_inputs
     from hycoc.bundle import load_manifest
 
     for device, out in arch_bundles.items():
@@ -343,7 +343,7 @@ def test_run_on_the_simulator_notes_it_once_the_bundle_is_accepted(arch_bundles,
 
 def test_device_time_is_fitted_for_v81_only_and_says_so_for_the_others(tiny_bundle, tmp_path):
     from hycoc import device_time as dt
-    from hycoc.bench import device_profile as dp
+    from hycoc.bench.paper import device_profile as dp
 
     assert dt.npu_profile(81) is dt.NPU_PROFILES["v81"] and dt.npu_profile("v81") is dt.NPU_PROFILES["v81"]
     status = dt.fit_status()
@@ -363,7 +363,7 @@ def test_device_time_is_fitted_for_v81_only_and_says_so_for_the_others(tiny_bund
         dp.estimated_device_costs(bundle)
     from rich.console import Console
 
-    from hycoc.bench.runner import device_time_for
+    from hycoc.bench.paper.runner import device_time_for
 
     console = Console(file=io.StringIO(), width=300)
     got = device_time_for([], bundle, None, console)

@@ -1,5 +1,5 @@
-"""The projection's GPU cost line from a model's config (hycoc/bench/gpu_cost.py): the expected distinct experts a
-forward touches (an exact enumeration and a simulation of random top-k routing), the config's counts worked by
+"""The projection's GPU cost line from a model's config (hycoc/bench/capacity/gpu_cost.py): the expected distinct
+experts a forward touches (an exact enumeration and a simulation of random top-k routing), the config's counts worked by
 hand on a small made-up config, the roofline on a hand-sized GPU, the fit to two rounds recovering known terms, and
 the measured batched line of a cost-model file. Fast: numpy only."""
 
@@ -10,7 +10,7 @@ import itertools
 import numpy as np
 import pytest
 
-from hycoc.bench.gpu_cost import (
+from hycoc.bench.capacity.gpu_cost import (
     BF16_WEIGHTS,
     GPU_SPECS,
     Efficiency,
@@ -167,8 +167,8 @@ def test_measured_batched_line_reads_and_refuses():
     """A cost-model file's batched line: linear in rows along a sessions value, linear in sessions between two,
     held beyond the sessions measured, extended with the last slope beyond the rows; a file of another model is
     refused in one line; a file without a batched line falls back to its one-session grid."""
-    from hycoc.bench.capacity_cost import LineStepCost, StepCostError, line_step_cost
-    from hycoc.bench.cost_model import BatchPoint, CostModel, CostPoint
+    from hycoc.bench.capacity.cost import LineStepCost, StepCostError, line_step_cost
+    from hycoc.bench.cost_model.model import BatchPoint, CostModel, CostPoint
 
     pts = [
         CostPoint(kind=k, rows=r, context=c, ms=2.0)

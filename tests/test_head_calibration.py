@@ -1,4 +1,4 @@
-"""The head's QDQ calibration from real hand-offs (passes/head_calibration.py, passes/head_export.py `HeadQdq`).
+"""The head's QDQ calibration from real hand-offs (passes/head/calibration.py, passes/head/export.py `HeadQdq`).
 
 The tiny recipe of tests/test_build.py is built up to ``head_export`` once (2 QAT steps); the tests drive its
 verifier engine and the runtime's `MtpDrafter` over the float head graph and run the QDQ pass."""
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 from hycoc.passes import build as b
-from hycoc.passes import head_calibration as hc
 from hycoc.passes.calibration_answers import select_prompts
+from hycoc.passes.head import calibration as hc
 from hycoc.runtime.mtp_drafter import MtpDrafter
 from rich.console import Console
 from test_build import write_tiny_recipe
@@ -36,8 +36,8 @@ def tiny(tmp_path_factory):
 
 def parts(recipe, artifacts):
     """(engine, graph, shapes, bundle, tokenizer) for the tiny build."""
-    from hycoc.passes.head_graph import HeadGraph, embedding_table, rotary_tables
-    from hycoc.passes.head_qat import dequantized_head
+    from hycoc.passes.head.graph import HeadGraph, embedding_table, rotary_tables
+    from hycoc.passes.head.qat import dequantized_head
     from hycoc.verifier.engine import VerifierEngine
 
     from hycoc.chat_template import chat_from_recipe
@@ -149,7 +149,7 @@ def test_record_requests_drafts_on_the_chosen_rounds(tiny):
 
 
 def test_qdq_pass_calibrates_on_real_handoffs(tiny, monkeypatch):
-    from hycoc.passes.head_export import HeadQdq
+    from hycoc.passes.head.export import HeadQdq
 
     from hycoc import progress
 
@@ -186,7 +186,7 @@ def test_skip_ahead_reaches_the_same_ring_in_fewer_rounds(tiny):
     """Far from a draft target, one round commits a long stretch of the answer; the request still follows the greedy
     answer, the ring holds the same rows (int8 hand-off rows computed in other forwards: within one step of the
     fixed scale) and the draft sees the same live columns."""
-    from hycoc.passes.head_qat import greedy_answer
+    from hycoc.passes.head.qat import greedy_answer
 
     recipe, artifacts = tiny
     engine, graph, shapes, bundle, tokenizer = parts(recipe, artifacts)

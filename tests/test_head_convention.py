@@ -10,7 +10,7 @@ chains hycoc proposes for the same root position t:
 
 * ``cloud-mtp``: the engine's own K-chain (`hycoc.verifier.baselines.draft_cloud_chain`);
 * ``server-head``: the engine's server chain (`hycoc.verifier.baselines.draft_server_chain`, full vocabulary);
-* ``device``: the float head graph (`hycoc.passes.head_graph.HeadGraph`) run by the device's MTP Drafter
+* ``device``: the float head graph (`hycoc.passes.head.graph.HeadGraph`) run by the device's MTP Drafter
   (`hycoc.runtime.mtp_drafter.MtpDrafter`) from the engine's hand-offs.
 
 Models: tiny random ``Gemma4ForCausalLM`` + ``Gemma4AssistantForCausalLM`` (tests/tiny_models.py), final-logit
@@ -40,8 +40,8 @@ import hycoc.verifier.engine as engine_mod
 import numpy as np
 import pytest
 import torch
-from hycoc.passes.head_graph import HeadGraph, rotary_tables
-from hycoc.passes.head_qat import restrict_output_layer
+from hycoc.passes.head.graph import HeadGraph, rotary_tables
+from hycoc.passes.head.qat import restrict_output_layer
 from hycoc.runtime.mtp_drafter import MtpDrafter
 from hycoc.verifier import VerifierEngine
 from tiny_models import tiny_head, tiny_verifier

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hycoc.passes import head_qat as hq
 from hycoc.passes.artifacts import KeepSetArtifact, QuantizedHeadArtifact, TokenizerArtifact, TorchModelArtifact
 from hycoc.passes.calibration_answers import CalibrationAnswersPass
-from hycoc.passes.head_graph import HeadGraph, ring_masks, rotary_rows
+from hycoc.passes.head import qat as hq
+from hycoc.passes.head.graph import HeadGraph, ring_masks, rotary_rows
 from hycoc.passes.pipeline import Pipeline
 from rich.console import Console
 from tiny_models import tiny_head, tiny_verifier

@@ -106,16 +106,16 @@ def test_in_session_frames_are_bounded_by_the_largest_open(engine):
 
 
 def test_a_few_hundred_fuzzed_frames_get_their_documented_codes(engine, caplog):
-    """`hycoc.bench.protocol_fuzz` (benchmarks/protocol_fuzz.py's cases) against the tiny engine: 400 malformed or
-    mutated frames before OPEN, inside sessions and after finished turns; every answer is one of its case's documented
-    codes, never internal_error, and nothing is logged at ERROR."""
+    """`hycoc.bench.loadtest.protocol_fuzz` (benchmarks/protocol_fuzz.py's cases) against the tiny engine: 400 malformed
+    or mutated frames before OPEN, inside sessions and after finished turns; every answer is one of its case's
+    documented codes, never internal_error, and nothing is logged at ERROR."""
     import asyncio
     import logging
 
     from hycoc.verifier.server import ServerThread, open_frame_bytes
 
-    from hycoc.bench.loadtest import healthz
-    from hycoc.bench.protocol_fuzz import error_counts, fuzz, target_of
+    from hycoc.bench.loadtest.protocol_fuzz import error_counts, fuzz, target_of
+    from hycoc.bench.loadtest.run import healthz
 
     caplog.set_level(logging.ERROR, logger="hycoc.verifier.server")
     with ServerThread(engine, tree_rows=ROWS) as srv:

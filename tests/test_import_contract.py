@@ -7,8 +7,8 @@ Two checks over every module of the five source folders (``hycoc/``, ``passes/``
   contract types): applications -> compiler -> verifier | device runtime -> targets -> model helpers -> core, and
   the device runtime imports no torch, transformers, compiler or verifier, directly or through another module;
 - no import of a private name (``_x``, or a module ``_x``) across packages, by an ``ast`` walk: a package here is
-  ``hycoc.<sub>`` for each subpackage (``cli``, ``bench``, ``protocol``, ``toy``, ``passes``, ``targets``,
-  ``runtime``, ``verifier``) and ``hycoc`` itself for the top-level modules.
+  ``hycoc.<sub>`` for each subpackage (``cli``, ``bench``, ``protocol``, ``recipe``, ``toy``, ``passes``,
+  ``targets``, ``runtime``, ``verifier``) and ``hycoc`` itself for the top-level modules.
 
 The four other folders install as subpackages of ``hycoc`` (pyproject ``[tool.setuptools] package-dir``), which
 import-linter's graph builder (grimp) cannot follow, so the check runs on a copy of the sources laid out as
@@ -130,12 +130,12 @@ def test_the_layer_check_fails_on_one_import_against_the_order(tmp_path):
     pytest.importorskip("importlinter", reason="the dev extra (pip install -e '.[dev]') installs import-linter")
     staged = stage(tmp_path)
     graphs = staged / "hycoc" / "runtime" / "graphs.py"
-    graphs.write_text(graphs.read_text(encoding="utf-8") + "\nfrom hycoc.passes import qdq  # noqa\n")
+    graphs.write_text(graphs.read_text(encoding="utf-8") + "\nfrom hycoc.passes.qdq import quantize  # noqa\n")
     transport = staged / "hycoc" / "runtime" / "transport.py"  # torch at one remove: hycoc.mtp imports it
     transport.write_text(transport.read_text(encoding="utf-8") + "\nfrom hycoc.mtp import FULL  # noqa\n")
     result = lint_imports(staged)
     assert result.returncode != 0
-    assert "hycoc.runtime.graphs -> hycoc.passes.qdq" in result.stdout  # the layers
+    assert "hycoc.runtime.graphs -> hycoc.passes.qdq.quantize" in result.stdout  # the layers
     assert "hycoc.runtime is not allowed to import torch" in result.stdout  # the device runtime's contract
     assert "hycoc.runtime.transport -> hycoc.mtp" in result.stdout
 

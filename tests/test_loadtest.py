@@ -26,8 +26,8 @@ from hycoc.verifier import VerifierEngine
 from hycoc.verifier.server import ServerThread, VerifierServer
 from tiny_models import VOCAB, tiny_head, tiny_verifier
 
-from hycoc.bench.cost_model import CostModel, CostPoint
-from hycoc.bench.loadreport import (
+from hycoc.bench.cost_model.model import CostModel, CostPoint
+from hycoc.bench.loadtest.report import (
     GPU_FLAT_ROWS,
     RUN_KEYS,
     percentile,
@@ -36,7 +36,7 @@ from hycoc.bench.loadreport import (
     summarize_run,
     write_results,
 )
-from hycoc.bench.loadtest import (
+from hycoc.bench.loadtest.run import (
     LoadTestError,
     RoundSample,
     RunStats,
@@ -47,7 +47,7 @@ from hycoc.bench.loadtest import (
     run_loadtest,
     run_sessions,
 )
-from hycoc.bench.loadtrace import (
+from hycoc.bench.loadtest.trace import (
     RecordingClient,
     RequestTrace,
     RoundTrace,
@@ -198,7 +198,7 @@ def test_replay_sends_the_recorded_scores(engine, recorded, monkeypatch):
 def test_speed_probe_replays_a_fixed_workload(engine, recorded):
     """`SpeedProbe` replays the first rounds of one recorded request on a fresh session and closes it: one CPU ms
     per round; a request without rounds is refused."""
-    from hycoc.bench.speed_probe import SpeedProbe
+    from hycoc.bench.capacity.speed_probe import SpeedProbe
 
     req, per_round = recorded[0]
     n = min(3, len(per_round))
@@ -425,7 +425,7 @@ def test_tree_at_follows_the_text_by_position():
     at depth 1 of round 0: it gets the sub-tree under row 1 (rows 1, 2, 3, 5), re-rooted, scores re-based,
     padded to 6 rows; one that committed 10, 11 gets row 2's sub-tree (rows 2, 3, 5); after round 0's three
     tokens, round 1's own tree; off the recorded text: None; past its end: None."""
-    from hycoc.bench.loadtrace import tree_at
+    from hycoc.bench.loadtest.trace import tree_at
 
     r0 = RoundTrace(
         tokens=(5, 10, 11, 12, 20, 13),
@@ -483,7 +483,7 @@ def test_the_load_table_fits_80_columns_with_every_mode_in_full():
 
     from rich.console import Console
 
-    from hycoc.bench.loadreport import render_budget_projection, render_table
+    from hycoc.bench.loadtest.report import render_budget_projection, render_table
 
     st = RunStats()
     st.first_round_s = {0: 0.1}
@@ -517,7 +517,7 @@ def test_the_load_table_fits_80_columns_with_every_mode_in_full():
 
 
 def test_the_run_summary_is_two_lines_under_80_columns():
-    from hycoc.bench.loadtest import run_summary_lines
+    from hycoc.bench.loadtest.run import run_summary_lines
 
     st = RunStats()
     st.first_round_s = {i: 0.4 for i in range(64)}
@@ -537,7 +537,7 @@ def test_loadtest_names_a_server_that_is_down_before_recording(monkeypatch):
     from conftest import free_port
     from typer.testing import CliRunner
 
-    from hycoc.bench import loadtrace
+    from hycoc.bench.loadtest import trace as loadtrace
     from hycoc.cli import app
 
     def never(*args, **kw):
@@ -566,7 +566,7 @@ def test_speed_sampler_reads_its_samples_by_window(tmp_path):
     """`SpeedSampler.mean_between` averages the CPU ms of the probe steps whose time falls in the window (ends
     included), and says None with fewer than ``least``; a half-written last line is skipped. No process is
     started here: the file is what the sampler process writes ("epoch_s cpu_ms" per line)."""
-    from hycoc.bench.speed_probe import SpeedSampler
+    from hycoc.bench.capacity.speed_probe import SpeedSampler
 
     out = tmp_path / "speed.txt"
     out.write_text("".join(f"{100 + t} {10 + t % 3}\n" for t in range(30)) + "130", encoding="utf-8")
@@ -579,7 +579,7 @@ def test_speed_sampler_reads_its_samples_by_window(tmp_path):
 
 
 def test_split_mode_reads_a_baseline_entry():
-    from hycoc.bench.loadtest import split_mode
+    from hycoc.bench.loadtest.run import split_mode
 
     assert split_mode("batched") == ("batched", None)
     assert split_mode("batched:cloud-mtp") == ("batched", "cloud-mtp")

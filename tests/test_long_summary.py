@@ -142,7 +142,7 @@ def test_the_long_document_row_from_records():
 
     from rich.console import Console
 
-    from hycoc.bench.long_context import long_context_rows, render_long_context
+    from hycoc.bench.paper.long_context import long_context_rows, render_long_context
 
     def rec(config, prompt, prefill, rounds, down, slm, first):
         return {

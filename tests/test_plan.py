@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from hycoc.passes.head_graph import INPUT_NAMES as HEAD_INPUTS
-from hycoc.passes.head_graph import OUTPUT_NAMES as HEAD_OUTPUTS
+from hycoc.passes.head.graph import INPUT_NAMES as HEAD_INPUTS
+from hycoc.passes.head.graph import OUTPUT_NAMES as HEAD_OUTPUTS
 from hycoc.passes.plan import real_shape_plan
 from typer.testing import CliRunner
 
@@ -191,7 +191,7 @@ def test_toy_plan_kv_per_session_is_what_the_engine_reserves(toy):
 
 def test_toy_plan_matches_the_head_graph_the_compiler_builds(toy):
     import torch
-    from hycoc.passes.head_graph import HeadGraph
+    from hycoc.passes.head.graph import HeadGraph
     from transformers import Gemma4AssistantForCausalLM
 
     head = Gemma4AssistantForCausalLM.from_pretrained(ROOT / "recipes" / "toy" / "models" / "head")

@@ -1,5 +1,5 @@
 """The ``qai-hub`` target and `hycoc profile` against the installed qai-hub 0.56.0 client, offline
-(targets/qai_hub.py, hycoc/bench/device_profile.py).
+(targets/qai_hub.py, hycoc/bench/paper/device_profile.py).
 
 Every call hycoc makes is checked against the client's real signatures (`hub_canned.RecordingClient`), and the
 whole job flow -- compile to QNN DLC, link, download, EPContext wrapping, profiling inference jobs, the failure of
@@ -236,7 +236,7 @@ def test_profile_flow_through_inference_jobs(monkeypatch, tmp_path):
     profile summarized; then a failed inference job."""
     import json
 
-    from hycoc.bench import device_profile as dp
+    from hycoc.bench.paper import device_profile as dp
     from hycoc.bundle import Encoding, GraphEntry, TensorSpec
 
     bundle = tmp_path / "bundle"
@@ -312,7 +312,7 @@ def test_profile_flow_through_inference_jobs(monkeypatch, tmp_path):
 
 
 def test_profile_inputs_stay_inside_the_calibrated_encodings():
-    from hycoc.bench.device_profile import profile_inputs
+    from hycoc.bench.paper.device_profile import profile_inputs
     from hycoc.bundle import Encoding, GraphEntry, TensorSpec
 
     enc = Encoding(scale=0.001, zero_point=32768, dtype="uint16", bits=16)

@@ -1,4 +1,4 @@
-"""QDQ insertion (passes/qdq.py, passes/calibration.py; docs/design.md "Numerics by construction"; paper App. A
+"""QDQ insertion (passes/qdq/quantize.py, passes/calibration.py; docs/design.md "Numerics by construction"; paper App. A
 "Activation calibration", "QDQ insertion").
 
 The tiny SLM of test_slm_surgery (int2/int4/int8 weights, per-layer inputs, KV-shared layers, soft-capped logits)
@@ -18,22 +18,19 @@ import onnx_ir as ir
 import pytest
 import torch
 from hycoc.passes.calibration import CalibrationError, check_fixed_inputs, check_samples
-from hycoc.passes.qdq import (
+from hycoc.passes.qdq.encodings import (
     SOFTMAX_SCALE,
     TANH_SCALE,
     TANH_ZERO_POINT,
     QdqError,
-    QdqQuantize,
     check_fixed_encodings,
     kv_wire_encoding,
-    quantize_graph,
-    slm_calibration_samples,
-    sqnr_table,
-    verify_weights,
-    weights_from_arrays,
 )
-from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph, export_slm_graph
-from hycoc.passes.slm_surgery import operate
+from hycoc.passes.qdq.quantize import QdqQuantize, quantize_graph, slm_calibration_samples
+from hycoc.passes.qdq.sqnr import sqnr_table
+from hycoc.passes.qdq.weights import verify_weights, weights_from_arrays
+from hycoc.passes.slm.graph import FULL, SLIDING, SlmTreeGraph, export_slm_graph
+from hycoc.passes.slm.surgery import operate
 from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper as nh
@@ -244,8 +241,8 @@ def test_weights_given_as_arrays(tmp_path):
 def test_pipeline_pass(tmp_path):
     from hycoc.passes.artifacts import KeepSetArtifact
     from hycoc.passes.pipeline import Pipeline
-    from hycoc.passes.slm_graph import SlmTreeGraphExport
-    from hycoc.passes.slm_surgery import SlmGraphSurgery
+    from hycoc.passes.slm.graph import SlmTreeGraphExport
+    from hycoc.passes.slm.surgery import SlmGraphSurgery
 
     from hycoc.recipe import Recipe
 

@@ -1,5 +1,5 @@
-"""Text quality metrics (hycoc/bench/quality.py) on hand-made texts with hand-worked values, and their pairing and flag
-in the bench summary (hycoc/bench/stats.py)."""
+"""Text quality metrics (hycoc/bench/paper/quality.py) on hand-made texts with hand-worked values, and their pairing and
+flag in the bench summary (hycoc/bench/paper/stats.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import io
 import pytest
 from rich.console import Console
 
-from hycoc.bench.quality import (
+from hycoc.bench.paper.quality import (
     answer_metrics,
     distinct_n,
     final_number_match,
@@ -19,8 +19,8 @@ from hycoc.bench.quality import (
     rouge_l,
     words,
 )
-from hycoc.bench.report_tables import render_quality, render_table
-from hycoc.bench.summary import summarize
+from hycoc.bench.paper.report_tables import render_quality, render_table
+from hycoc.bench.paper.summary import summarize
 
 
 def test_a_pure_repeat_is_all_repetition():
@@ -145,7 +145,7 @@ def test_summary_flags_a_config_worse_than_the_baseline_after_holm():
 
 
 def test_second_turns_pair_with_the_baselines_second_turns():
-    from hycoc.bench.stats import pair_records
+    from hycoc.bench.paper.stats import pair_records
 
     base = [{"question_id": 1, "run": 0, "turn": t, "tag": f"b{t}"} for t in (1, 2)]
     recs = [{"question_id": 1, "run": 0, "turn": t, "tag": f"c{t}"} for t in (1, 2)] + [{"question_id": 1, "run": 0}]
@@ -160,7 +160,7 @@ def test_a_second_turn_is_scored_against_the_second_reference():
     """MT-bench math rows carry one reference per turn: turn 2's answer is scored against reference[1] (it was
     scored against turn 1's answer), single-turn rows keep their whole reference list."""
     from hycoc.bench.datasets import Question
-    from hycoc.bench.runner import score_quality
+    from hycoc.bench.paper.scoring import score_quality
 
     q = Question(111, "math", ("Area of the triangle?", "Area of the circle?"), ("Area is 3", "5pi"))
     assert q.reference_for_turn(1) == ("Area is 3",) and q.reference_for_turn(2) == ("5pi",)

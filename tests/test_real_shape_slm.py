@@ -177,7 +177,7 @@ def test_a_context_over_the_budget_is_refused_before_compiling(tiny_run):
 
 
 def _tiny_text_config(layers: int = 4) -> dict:
-    from hycoc.bench.random_checkpoint import slm_config
+    from hycoc.bench.real_shape.random_checkpoint import slm_config
 
     return slm_config(layers, toy_dims=True)
 
@@ -222,9 +222,9 @@ def test_bad_bit_maps_name_the_field():
 def test_the_checkpoints_own_quantization_config_wins(tmp_path):
     """A tiny checkpoint with its own map (everything 8-bit, MLP 2-bit): the surgery and the planner follow it."""
     from hycoc.passes.plan import real_shape_plan
-    from hycoc.passes.slm_surgery import operate
+    from hycoc.passes.slm.surgery import operate
 
-    from hycoc.bench.random_checkpoint import write_random_checkpoint
+    from hycoc.bench.real_shape.random_checkpoint import write_random_checkpoint
     from hycoc.recipe import load_recipe
 
     own = {

@@ -418,9 +418,9 @@ def test_an_empty_recipe_is_refused_naming_a_starting_point(tmp_path, text):
 
 
 def test_every_numeric_knob_has_an_upper_bound():
-    """Every int / float key of every table is bounded above (hycoc/recipe.py: every key with its allowed range,
-    docs/recipes.md), so no value can outgrow the wire, the graphs or memory; Literal / bool / str keys are bounded by
-    their type."""
+    """Every int / float key of every table is bounded above (hycoc/recipe/sections.py: every key with its allowed
+    range, docs/recipes.md), so no value can outgrow the wire, the graphs or memory; Literal / bool / str keys are
+    bounded by their type."""
     import annotated_types
 
     from hycoc.recipe import Recipe

@@ -1,4 +1,4 @@
-"""Integer weight rule (passes/rewrite/integer_weights.py) and its driver (passes/qdq_weights.py:
+"""Integer weight rule (passes/rewrite/integer_weights.py) and its driver (passes/qdq/weights.py:
 fold_integer_weights): graphs that must match (with and without the Transpose, the scale on either side of the
 Mul, a Mul read twice), graphs that must not (float q, q or scale from an input, a scale per column, a Cast to
 float16, a weight that is a graph output), the folded float32 weight bit for bit q * scale, onnxruntime before
@@ -12,7 +12,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from hycoc.passes.qdq_weights import fold_integer_weights
+from hycoc.passes.qdq.weights import fold_integer_weights
 from hycoc.passes.rewrite.integer_weights import FoldedWeight, rules
 from onnxscript.rewriter import pattern
 
@@ -30,7 +30,7 @@ def declare(name: str, array: np.ndarray) -> str:
 
 def graph(body: str, *, q=Q, scale=SCALE, x: str = "float[2, 3] x", y: str = "float[2, 4] y", **more) -> ir.Model:
     """``body`` (ONNX text) over initializers ``wq`` (int8 unless ``q`` says otherwise) and ``ws``, plus ``more``;
-    each ``<a>q`` / ``<a>s`` is renamed ``<a>.q`` / ``<a>.scale`` afterwards, as passes/slm_graph.py names them
+    each ``<a>q`` / ``<a>s`` is renamed ``<a>.q`` / ``<a>.scale`` afterwards, as passes/slm/graph.py names them
     (the text format has no dots in names)."""
     inits = {"wq": q, "ws": scale, **more}
     declared = ", ".join(declare(name, a) for name, a in inits.items() if a is not None)
@@ -66,7 +66,7 @@ def apply(model: ir.Model) -> tuple[int, list[FoldedWeight]]:
 # ---- graphs that must match ---------------------------------------------------------------------------------
 
 MATCHING = {
-    # IntegerLinear as exported: Cast -> Mul -> Transpose into the MatMul (passes/slm_graph.py)
+    # IntegerLinear as exported: Cast -> Mul -> Transpose into the MatMul (passes/slm/graph.py)
     "transposed": ("t = Cast<to=1>(wq)\n w = Mul(t, ws)\n wt = Transpose<perm=[1, 0]>(w)\n y = MatMul(x, wt)", 1),
     "scale_first": ("t = Cast<to=1>(wq)\n w = Mul(ws, t)\n wt = Transpose<perm=[1, 0]>(w)\n y = MatMul(x, wt)", 1),
     # no Transpose: the weight is read as (out, in), here by Gemm(transB=1)

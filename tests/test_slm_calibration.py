@@ -1,4 +1,4 @@
-"""Real SLM calibration inputs (passes/slm_calibration.py; paper App. A: ranges from the calibration prompts' greedy
+"""Real SLM calibration inputs (passes/slm/calibration.py; paper App. A: ranges from the calibration prompts' greedy
 answers).
 
 On the tiny recipe of tests/test_build.py (node_budget 4, chain 2, siblings 1, rings 16/8, prompts.jsonl): the
@@ -21,10 +21,10 @@ from hycoc.passes import build as b
 from hycoc.passes.calibration_answers import CalibrationAnswersPass, make_answers
 from hycoc.passes.keep_set import KeepSetPass
 from hycoc.passes.pipeline import Pipeline
-from hycoc.passes.qdq import QdqQuantize
-from hycoc.passes.slm_calibration import SAMPLES_PER_PROMPT, TorchSlmRunner, answer_cap, record_sequences
-from hycoc.passes.slm_graph import FULL, SLIDING, SlmTreeGraph, SlmTreeGraphExport, host_inputs, short
-from hycoc.passes.slm_surgery import SlmGraphSurgery
+from hycoc.passes.qdq.quantize import QdqQuantize
+from hycoc.passes.slm.calibration import SAMPLES_PER_PROMPT, TorchSlmRunner, answer_cap, record_sequences
+from hycoc.passes.slm.graph import FULL, SLIDING, SlmTreeGraph, SlmTreeGraphExport, host_inputs, short
+from hycoc.passes.slm.surgery import SlmGraphSurgery
 from rich.console import Console
 from test_build import write_tiny_recipe
 

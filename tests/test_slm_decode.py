@@ -1,4 +1,4 @@
-"""The SLM's 1-row decode graph (passes/slm_decode.py) and slm-alone decoding on it (runtime/slm_decode.py), on the
+"""The SLM's 1-row decode graph (passes/slm/decode.py) and slm-alone decoding on it (runtime/slm_decode.py), on the
 session's tiny bundle (tests/conftest.py `tiny_bundle`): the graph in the bundle, its encodings equal to the tree
 graph's, and slm-alone's greedy text equal to the tree graph's one token per R-row forward."""
 
@@ -8,7 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
-from hycoc.passes.slm_decode import activation_encodings, tree_feeds
+from hycoc.passes.slm.decode import activation_encodings, tree_feeds
 
 from hycoc.host import MASK_VALUE
 

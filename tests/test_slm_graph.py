@@ -1,4 +1,4 @@
-"""The SLM's static tree graph (passes/slm_graph.py; Alg. 3 line 8, §3.4) against transformers.
+"""The SLM's static tree graph (passes/slm/graph.py; Alg. 3 line 8, §3.4) against transformers.
 
 Reference: for every tree row, transformers' pre-quantized SLM runs the full sequence "committed tokens + the
 row's root-to-node path" with its own causal (and sliding-window) masks, the path rows additionally limited to
@@ -20,7 +20,7 @@ import torch
 from hycoc.passes.artifacts import KeepSetArtifact
 from hycoc.passes.export import compare_with_torch
 from hycoc.passes.pipeline import Pipeline
-from hycoc.passes.slm_graph import (
+from hycoc.passes.slm.graph import (
     FULL,
     MASK_NEG,
     SLIDING,
@@ -34,7 +34,7 @@ from hycoc.passes.slm_graph import (
     tree_depths,
     tree_ring_mask,
 )
-from hycoc.passes.slm_surgery import SlmGraphSurgery, operate
+from hycoc.passes.slm.surgery import SlmGraphSurgery, operate
 from rich.console import Console
 from test_slm_surgery import SLIDING_WINDOW, VOCAB, make_tiny_slm
 from transformers import DynamicCache

@@ -1,5 +1,5 @@
 """The SLM as layer shards end to end on the tiny recipe (docs/compiler.md "Layer-sharded SLM"): ``[target] slm_shards =
-2`` builds ``slm.s0`` + ``slm.s1`` (passes/slm_shard_build.py, the unsharded build's cache reused up to the surgery: its
+2`` builds ``slm.s0`` + ``slm.s1`` (passes/slm/shard_build.py, the unsharded build's cache reused up to the surgery: its
 keys are unchanged), the runtime chains them (`ShardChainRunner`) behind the `GraphRunner` contract, and SLM-alone
 decoding at T = 0 writes the unsharded bundle's text, token for token, on the cpu backend.
 """
@@ -117,7 +117,7 @@ def test_shards_with_quantized_io_decode_the_float_shards_text(sharded, tmp_path
     and shard 1 shard 0's new KV rows, as uint16 codes; SLM-alone decoding through the chain (rows between shards
     passed as codes) writes the float-IO shards' text, token for token, with rings holding their codes exactly."""
     from hycoc.passes.pipeline import PipelineResult
-    from hycoc.passes.slm_shard_build import KIND
+    from hycoc.passes.slm.shard_build import KIND
     from hycoc.runtime.client import load_runtime
     from hycoc.runtime.graphs import quantize
 

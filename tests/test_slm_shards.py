@@ -1,4 +1,4 @@
-"""The SLM tree graph sharded by layers (passes/slm_graph.py "Shards", passes/slm_shards.py; docs/compiler.md
+"""The SLM tree graph sharded by layers (passes/slm/graph.py "Shards", passes/slm/shards.py; docs/compiler.md
 "Layer-sharded SLM").
 
 The shards chained by name on the tiny SLM (4 layers: producers 0 (sliding) and 1 (full), KV-shared consumers 2
@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hycoc.passes.slm_graph import SlmGraphError, SlmTreeGraph, example_feeds, run_shard_chain, shard_graphs
-from hycoc.passes.slm_shards import ShardPlanError, layer_weight_bytes, plan_shards
-from hycoc.passes.slm_surgery import operate
+from hycoc.passes.slm.graph import SlmGraphError, SlmTreeGraph, example_feeds, run_shard_chain, shard_graphs
+from hycoc.passes.slm.shards import ShardPlanError, layer_weight_bytes, plan_shards
+from hycoc.passes.slm.surgery import operate
 from test_slm_graph import KEEP, RING, ROWS
 from test_slm_surgery import make_tiny_slm
 

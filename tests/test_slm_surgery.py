@@ -1,4 +1,4 @@
-"""SLM graph surgery (passes/slm_surgery.py, App. A) on tiny pre-quantized checkpoints written with the toy
+"""SLM graph surgery (passes/slm/surgery.py, App. A) on tiny pre-quantized checkpoints written with the toy
 family's own Gemma-format writer: integers, scales and bit widths bit-exact against the checkpoint's bytes and
 against transformers' QuantizedLinear; LUT rows equal QuantizedEmbedding's; rotary rows equal transformers';
 the artifact round-trips; float weights are refused; the pipeline pass runs and caches."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 from hycoc.passes.artifacts import SlmIntegerArtifact, unpack_signed
 from hycoc.passes.pipeline import Pipeline
-from hycoc.passes.slm_surgery import SlmGraphSurgery, SurgeryError, byte_report, operate, slm_surgery
+from hycoc.passes.slm.surgery import SlmGraphSurgery, SurgeryError, byte_report, operate, slm_surgery
 from rich.console import Console
 from safetensors.numpy import load_file
 
@@ -110,7 +110,7 @@ def test_integers_and_scales_equal_the_checkpoint_bytes(loaded, checkpoint):
 
 
 def test_integer_weights_compute_as_quantized_linear(loaded):
-    from hycoc.passes.slm_graph import IntegerLinear
+    from hycoc.passes.slm.graph import IntegerLinear
     from transformers.integrations.gemma_quant import QuantizedLinear
 
     model, result, _, _ = loaded

@@ -34,7 +34,8 @@ def test_the_settings_are_paper_table_5s():
 def test_every_list_of_configurations_is_derived_from_the_one_table():
     from hycoc.runtime import client
 
-    from hycoc.bench import cost_model, runner, stats, summary
+    from hycoc.bench.cost_model import model as cost_model
+    from hycoc.bench.paper import runner, stats, summary
     from hycoc.cli import bench as cli_bench
     from hycoc.cli._common import RunMode
 

@@ -1,6 +1,6 @@
-"""`hycoc tune-epsilon` (hycoc/bench/tune_epsilon.py): the selection rule on a hand-made sweep table, the validation
-set's checks, and one small sweep end to end on the tiny recipe (verifier child process, device runtime here), whose
-choice is recomputed by hand from its records."""
+"""`hycoc tune-epsilon` (hycoc/bench/paper/tune_epsilon.py): the selection rule on a hand-made sweep table, the
+validation set's checks, and one small sweep end to end on the tiny recipe (verifier child process, device runtime
+here), whose choice is recomputed by hand from its records."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from hycoc.bench.cost_model import CostModel, CostPoint
-from hycoc.bench.quality import answer_metrics
-from hycoc.bench.tune_epsilon import (
+from hycoc.bench.cost_model.model import CostModel, CostPoint
+from hycoc.bench.paper.quality import answer_metrics
+from hycoc.bench.paper.tune_epsilon import (
     SweepRow,
     Tolerance,
     TuneError,
@@ -57,7 +57,7 @@ def test_choice_on_a_hand_made_sweep():
     ]
     with pytest.raises(TuneError, match="exact-acceptance row"):
         choose_epsilon([row(0.01, 1.0, comp=-1)], TOL)
-    from hycoc.bench.tune_epsilon import render_sweep, sweep_table
+    from hycoc.bench.paper.tune_epsilon import render_sweep, sweep_table
 
     table = sweep_table(rows, chosen, TOL)
     assert [r[0] for r in table.rows] == ["0.001", "0.005", "0.01", "0.02", "0.1", "1 (exact)"]
@@ -109,7 +109,7 @@ def test_validation_set_is_checked(tmp_path):
 def test_validation_questions_come_from_the_option_or_the_recipe_and_skip_the_benchmark(tmp_path):
     from pathlib import Path
 
-    from hycoc.bench.tune_epsilon import validation_questions
+    from hycoc.bench.paper.tune_epsilon import validation_questions
     from hycoc.recipe import load_recipe
 
     root = Path(__file__).resolve().parents[1]

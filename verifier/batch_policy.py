@@ -1,7 +1,7 @@
 """How the server's scheduler forms a batched step from its queue of rounds (docs/serving.md "Many devices: batched
 verification"), as functions of the queue alone, with no clock, engine or torch: `verifier/scheduler.py`'s
-`BatchScheduler` runs them on its asyncio queue, and `hycoc capacity`'s simulator (hycoc/bench/capacity.py) on its
-simulated one, so the simulated steps are formed by the server's own rule.
+`BatchScheduler` runs them on its asyncio queue, and `hycoc capacity`'s simulator (hycoc/bench/capacity/simulation.py)
+on its simulated one, so the simulated steps are formed by the server's own rule.
 
 A queued round is any object with ``session`` (compared by identity) and ``rows`` (the rows it adds to the forward:
 its tree's, or root + K chain for a cloud-mtp session).

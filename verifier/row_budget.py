@@ -249,7 +249,7 @@ class RowBudget:
     (`BudgetState`: host ms per session, accepted per expected token), updated by every budgeted step
     (`observe_step`);
     learn=False keeps it at its priors (tests). The server's batched step (`hycoc.verifier.batch.verify_batch`) and
-    `hycoc capacity`'s simulated one (hycoc/bench/capacity.py) both choose and learn through it."""
+    `hycoc capacity`'s simulated one (hycoc/bench/capacity/simulation.py) both choose and learn through it."""
 
     cost: RowCost
     free_rows: int

@@ -79,11 +79,11 @@ def bench_bundle(
     build: Callable | None = None,
 ) -> Path:
     """The bundle a bench-like command runs: ``bundle`` (``--bundle``) if given, which must hold a manifest.json;
-    else ``bundles/<recipe name>-cpu`` under ``repo_root`` (`hycoc.bench.runner.default_bundle_dir`), built
+    else ``bundles/<recipe name>-cpu`` under ``repo_root`` (`hycoc.bench.paper.runner.default_bundle_dir`), built
     there first with `hycoc.passes.build.build_bundle` (cache ``repo_root/.hycoc-cache``) when it has no manifest,
     ``say`` telling the user in one short line. ``build``: the builder (tests pass a fake). Raises
     `BenchInputError` for a ``--bundle`` without a manifest."""
-    from hycoc.bench.runner import default_bundle_dir
+    from hycoc.bench.paper.runner import default_bundle_dir
 
     bundle_dir = bundle or default_bundle_dir(cfg, repo_root)
     if (bundle_dir / "manifest.json").is_file():

@@ -1,4 +1,4 @@
-"""The verifier a bench talks to (`hycoc.bench.runner`): ``hycoc verify-server`` in a child process
+"""The verifier a bench talks to (`hycoc.bench.paper.runner`): ``hycoc verify-server`` in a child process
 (`VerifierProcess`), and the CPU time that process spends while a request runs (`process_cpu_ms`, `busy_since`),
 which the records keep as ``server_busy_ms``.
 """
@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hycoc.bench.records import BenchError
+from hycoc.bench.paper.records import BenchError
 
 
 class VerifierProcess:

@@ -16,7 +16,7 @@ One module per command group, each command an undecorated function registered he
 
 What a command checks, computes and prints lives in library modules the tests call directly: ``hycoc.inspect_report``
 (inspect's and build's tables), ``hycoc.bench.inputs`` (bench's bundle, questions and option checks),
-``hycoc.bench.tune_epsilon.validation_questions``, ``hycoc.run_options`` (run's checks and summary line),
+``hycoc.bench.paper.tune_epsilon.validation_questions``, ``hycoc.run_options`` (run's checks and summary line),
 ``hycoc.generate`` (generate), ``hycoc.doctor`` (doctor), ``hycoc.verifier.loading`` (the servers' keep set, model
 checks and options).
 

@@ -143,15 +143,16 @@ def bench(
     if cost_model is not None and not cost_model.is_file():
         raise _fail("bench", f"--cost-model {cost_model}: no such file")
     if device_profile is not None:
-        from hycoc.bench.device_profile import DeviceProfileError, load_device_costs
+        from hycoc.bench.paper.device_profile import DeviceProfileError, load_device_costs
 
         try:
             load_device_costs(device_profile)  # a bad file fails before anything runs
         except DeviceProfileError as e:
             raise _fail("bench", str(e)) from None
     _need_full("bench")
-    from hycoc.bench.cost_model import CostModelError
-    from hycoc.bench.runner import BenchError, BenchPlan, run_bench
+    from hycoc.bench.cost_model.model import CostModelError
+    from hycoc.bench.paper.records import BenchError
+    from hycoc.bench.paper.runner import BenchPlan, run_bench
     from hycoc.bundle import BundleError
     from hycoc.chat import ChatFormatError
     from hycoc.runtime.transport import TransportError
@@ -270,15 +271,15 @@ def tune_epsilon(
         raise _fail("tune-epsilon", str(e), code=2) from None
     if cost_model is not None and not cost_model.is_file():
         raise _fail("tune-epsilon", f"--cost-model {cost_model}: no such file")
-    from hycoc.bench.tune_epsilon import Tolerance, TuneError, TunePlan, run_tune, validation_questions
+    from hycoc.bench.paper.tune_epsilon import Tolerance, TuneError, TunePlan, run_tune, validation_questions
 
     try:
         questions = validation_questions(cfg, recipe, validation_data, prompts, DEFAULT_DATASET)
     except (TuneError, DatasetError) as e:
         raise _fail("tune-epsilon", str(e)) from None
     _need_full("tune-epsilon")
-    from hycoc.bench.cost_model import CostModelError
-    from hycoc.bench.runner import BenchError
+    from hycoc.bench.cost_model.model import CostModelError
+    from hycoc.bench.paper.records import BenchError
     from hycoc.bundle import BundleError
     from hycoc.runtime.transport import TransportError
 
@@ -325,7 +326,7 @@ def profile(
     """Profile each graph of a bundle on a phone through Qualcomm AI Hub (one inference job with profile=True per
     graph) and write device_profile.json for `hycoc bench --device-profile`. Needs the qai-hub package and an API
     token; without them it fails at once, before anything is uploaded."""
-    from hycoc.bench.device_profile import DeviceProfileError, profile_bundle
+    from hycoc.bench.paper.device_profile import DeviceProfileError, profile_bundle
     from hycoc.bundle import BundleError
     from hycoc.targets.qai_hub import QaiHubDeviceError, QaiHubSetupError
 
@@ -341,8 +342,8 @@ def profile(
         )
     except (QaiHubSetupError, QaiHubDeviceError, DeviceProfileError, BundleError) as e:
         raise _fail("profile", str(e)) from None
-    from hycoc.bench.device_profile import profile_table
-    from hycoc.bench.runner import make_console
+    from hycoc.bench.paper.device_profile import profile_table
+    from hycoc.bench.paper.runner import make_console
     from hycoc.bench.tables import print_tables
 
     print_tables([profile_table(result)], make_console())  # the terminal's width; COLUMNS or 120 redirected
@@ -477,10 +478,10 @@ def loadtest(
         raise _fail("loadtest", str(e)) from None
     _need_full("loadtest")
     from hycoc import progress
-    from hycoc.bench.cost_model import CostModelError, load_cost_model
+    from hycoc.bench.cost_model.model import CostModelError, load_cost_model
     from hycoc.bench.inputs import display_path
-    from hycoc.bench.loadtest import LoadTestError, check_server, run_loadtest
-    from hycoc.bench.loadtrace import TraceError, load_trace, record_trace, save_trace, trace_key
+    from hycoc.bench.loadtest.run import LoadTestError, check_server, run_loadtest
+    from hycoc.bench.loadtest.trace import TraceError, load_trace, record_trace, save_trace, trace_key
     from hycoc.bundle import BundleError, sha256_file
     from hycoc.runtime.transport import TransportError
 

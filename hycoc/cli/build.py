@@ -44,12 +44,12 @@ def _build_errors() -> tuple[type[Exception], ...]:
     from hycoc.passes.build import BuildError
     from hycoc.passes.calibration import CalibrationError
     from hycoc.passes.export import ExportError
-    from hycoc.passes.head_qat import HeadQatError
+    from hycoc.passes.head.qat import HeadQatError
     from hycoc.passes.keep_set import KeepSetError
     from hycoc.passes.pipeline import PipelineError
-    from hycoc.passes.qdq import QdqError
-    from hycoc.passes.slm_graph import SlmGraphError
-    from hycoc.passes.slm_surgery import SurgeryError
+    from hycoc.passes.qdq.encodings import QdqError
+    from hycoc.passes.slm.graph import SlmGraphError
+    from hycoc.passes.slm.surgery import SurgeryError
     from hycoc.recipe import RecipeError
     from hycoc.targets.cpu import CpuTargetError
     from hycoc.targets.htp import HtpTargetError

@@ -68,8 +68,8 @@ def capacity(
     ),
     gpu: str = typer.Option(
         "rtx-pro-6000",
-        help="the projection's GPU (hycoc/bench/gpu_cost.py GPU_SPECS: rtx-pro-6000, the paper's; h100; h200); "
-        "ignored with --cost-model",
+        help="the projection's GPU (hycoc/bench/capacity/gpu_cost.py GPU_SPECS: rtx-pro-6000, the paper's; h100; "
+        "h200); ignored with --cost-model",
     ),
     validate: bool = typer.Option(
         False,
@@ -108,9 +108,9 @@ def capacity(
     real-shape projection, labelled, over LTE and 5G and drafting time x0.7 / x1.3: the verifier's forward priced
     from its config (MoE experts touched, KV, the GPU's bandwidth and compute) or a --cost-model file, trees fitted
     to the paper's MAT, batched / budgeted / the allowance as the server runs them (docs/capacity.md)."""
-    from hycoc.bench.capacity import MODES, CapacityError
-    from hycoc.bench.capacity_app import VALIDATE_MODES
-    from hycoc.bench.gpu_cost import GPU_SPECS
+    from hycoc.bench.capacity.app import VALIDATE_MODES
+    from hycoc.bench.capacity.gpu_cost import GPU_SPECS
+    from hycoc.bench.capacity.simulation import MODES, CapacityError
 
     cfg = _recipe("capacity", recipe)
     local = not cfg.is_hub_id("verifier") and (cfg.resolve_path(cfg.models.verifier) or Path("/nonexistent")).is_dir()
@@ -140,7 +140,7 @@ def capacity(
             f"--validate-modes {validate_modes!r}: allowed: {', '.join(VALIDATE_MODES)} (comma-separated)",
             code=2,
         )
-    from hycoc.bench.capacity_run import CONFIGS, PROJECTION_CONFIGS
+    from hycoc.bench.capacity.run import CONFIGS, PROJECTION_CONFIGS
 
     chosen = configs.split(",") if configs else list(CONFIGS if local else PROJECTION_CONFIGS)
     unknown = [c for c in chosen if c not in CONFIGS]
@@ -169,13 +169,13 @@ def capacity(
             f"({cfg.models.verifier}) is not here: validate with recipes/toy.toml",
             code=2,
         )
-    from hycoc.bench.capacity_app import run_local
-    from hycoc.bench.capacity_cost import StepCostError
-    from hycoc.bench.capacity_projection import run_projection
-    from hycoc.bench.cost_model import CostModelError
-    from hycoc.bench.gpu_cost import GpuCostError
-    from hycoc.bench.loadtest import LoadTestError
-    from hycoc.bench.loadtrace import TraceError
+    from hycoc.bench.capacity.app import run_local
+    from hycoc.bench.capacity.cost import StepCostError
+    from hycoc.bench.capacity.gpu_cost import GpuCostError
+    from hycoc.bench.capacity.projection import run_projection
+    from hycoc.bench.cost_model.model import CostModelError
+    from hycoc.bench.loadtest.run import LoadTestError
+    from hycoc.bench.loadtest.trace import TraceError
 
     try:
         if local:

@@ -69,7 +69,7 @@ class Sampling:
 
 # The request defaults, one place each (paper App. C: T = 1, top-k 64, top-p 0.95, epsilon = 0.005, 1,024 new tokens
 # on SB): `OpenRequest`'s fields, the recipe's ``[sampling]`` and ``[acceptance]`` tables
-# (`hycoc.recipe_sections.Sampling`, `hycoc.recipe_sections.Acceptance`) and `hycoc.verifier.engine.VerifierEngine.open`
+# (`hycoc.recipe.sections.Sampling`, `hycoc.recipe.sections.Acceptance`) and `hycoc.verifier.engine.VerifierEngine.open`
 # all take theirs from these names (tests/test_defaults_identity.py).
 
 #: The sampling distribution p~ a request gets when it names none.

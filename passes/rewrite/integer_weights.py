@@ -1,12 +1,12 @@
 """Integer weight -> one float32 initializer, its integers and scales kept for the QDQ step (docs/design.md
-"Numerics by construction"; `hycoc.passes.qdq` step 1; paper App. A: the SLM's weights keep their bits).
+"Numerics by construction"; `hycoc.passes.qdq.quantize` step 1; paper App. A: the SLM's weights keep their bits).
 
-The SLM graph writes each weight of an ``IntegerLinear`` (passes/slm_graph.py) as ``q.to(float32) * scale``:
+The SLM graph writes each weight of an ``IntegerLinear`` (passes/slm/graph.py) as ``q.to(float32) * scale``:
 ``Cast(q, to=FLOAT) -> Mul(scale)``, usually followed by ``Transpose(perm=[1, 0])`` into the MatMul
 (ONNX Cast, Mul, Transpose: https://onnx.ai/onnx/operators/). The rule replaces the two or three nodes by one
 initializer ``w = q.astype(float32) * scale`` -- what the graph computed, bit for bit -- transposed (``w.T``) when
 the Transpose is folded too, and records the integers and scales (`FoldedWeight`) so that the QDQ graph can give
-onnxruntime each weight's own per-channel encoding and `hycoc.passes.qdq_weights.verify_weights` can check them.
+onnxruntime each weight's own per-channel encoding and `hycoc.passes.qdq.weights.verify_weights` can check them.
 
 Matched: ``Mul(Cast(q), scale)``, Mul's operands in either order, and the same under ``Transpose(perm=[1, 0])``.
 
@@ -22,7 +22,7 @@ Names: q's name without its ``.q`` suffix, plus ``.weight`` (axis 0: [out, in], 
 replaces; `cleanup` gives each folded initializer its own name back once the graph is done.
 
 The rules are applied as one set, `rules`, sharing one list: the folds in graph order. The integers and scales it
-reads are dropped by the driver (`hycoc.passes.qdq_weights.fold_integer_weights`) once nothing reads them.
+reads are dropped by the driver (`hycoc.passes.qdq.weights.fold_integer_weights`) once nothing reads them.
 Style: onnxscript ``rewriter/rules/common/_min_max_to_clip.py``.
 """
 

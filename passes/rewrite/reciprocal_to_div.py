@@ -1,13 +1,13 @@
 """``Reciprocal(x)`` -> ``Div(1, x)`` (the same real number; on onnxruntime's CPU EP within 1 ulp in float32, whose
 Reciprocal is not always correctly rounded) for the Qualcomm HTP (docs/design.md "The pass pipeline";
-`hycoc.passes.qdq` step 4). ONNX Reciprocal and Div: https://onnx.ai/onnx/operators/.
+`hycoc.passes.qdq.quantize` step 4). ONNX Reciprocal and Div: https://onnx.ai/onnx/operators/.
 
 Why: measured with onnxruntime-qnn 2.7.0 / QNN 2.51 on the x86 HTP v81 simulator, the uint16 Reciprocal of an
 RMSNorm over small values (input range [0, 0.45], output [0, 13.7]; the tiny SLM's per-layer projection norm) came
 out at 5 dB SQNR against the same QDQ graph on the CPU EP, and the logits at 8.8 dB; as Div the logits reach 23 dB
 and the KV outputs 32-45 dB. The other RMSNorms' Reciprocals were exact (90 dB): the failure depends on the range.
 The RMSNorm rule (passes/rewrite/rms_norm.py) emits the Reciprocal and would be the better home; this rule runs
-on the float graph just before quantization (`hycoc.passes.qdq.quantize_graph`, ``htp_rewrites``).
+on the float graph just before quantization (`hycoc.passes.qdq.quantize.quantize_graph`, ``htp_rewrites``).
 
 Matched: every ``Reciprocal`` of the default domain. `check` fails when x's dtype is known and is not float32 (the
 constant 1 is float32).

@@ -1,0 +1,148 @@
+"""The whole recipe (`hycoc.recipe`): `Recipe`, its tables (`hycoc.recipe.sections`), the check across them,
+where its model paths point and its content hash.
+
+Model paths (``[models]``) are either local paths, resolved against the recipe file's folder, or hub ids such as
+``google/gemma-4-26B-A4B-it``: a string that does not start with ``.``, ``/`` or ``~``, does not end in ``.json``,
+names nothing on disk and has the form ``owner/name`` is taken as a hub id (write ``./owner/name`` to force a
+local path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from pydantic import Field, PrivateAttr, model_validator
+
+from hycoc.recipe.errors import CrossFieldError, Problem, RecipeError
+from hycoc.recipe.sections import (
+    Acceptance,
+    Bench,
+    Handoff,
+    HeadQat,
+    KeepSet,
+    Models,
+    RecipeInfo,
+    Sampling,
+    Section,
+    SlmCalibration,
+    Target,
+    Tree,
+    Tune,
+    Verifier,
+    Window,
+)
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class Recipe(Section):
+    """A whole recipe. Build it with `load_recipe`; ``source_path`` is the file it came from."""
+
+    recipe: RecipeInfo = Field(default_factory=RecipeInfo, description="[recipe]")
+    models: Models = Field(default_factory=Models, description="[models]")
+    keep_set: KeepSet = Field(default_factory=KeepSet, description="[keep_set]")
+    tree: Tree = Field(default_factory=Tree, description="[tree]")
+    window: Window = Field(default_factory=Window, description="[window]")
+    acceptance: Acceptance = Field(default_factory=Acceptance, description="[acceptance]")
+    sampling: Sampling = Field(default_factory=Sampling, description="[sampling]")
+    head_qat: HeadQat = Field(default_factory=HeadQat, description="[head_qat]")
+    slm_calibration: SlmCalibration = Field(default_factory=SlmCalibration, description="[slm_calibration]")
+    handoff: Handoff = Field(default_factory=Handoff, description="[handoff]")
+    target: Target = Field(default_factory=Target, description="[target]")
+    verifier: Verifier = Field(default_factory=Verifier, description="[verifier]")
+    bench: Bench = Field(default_factory=Bench, description="[bench]")
+    tune: Tune = Field(default_factory=Tune, description="[tune]")
+
+    _source_path: Path | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _across_sections(self) -> Recipe:
+        if self.tree.slm_candidates > self.keep_set.size:
+            raise CrossFieldError(
+                "tree.slm_candidates",
+                self.tree.slm_candidates,
+                f"exceeds keep_set.size = {self.keep_set.size}",
+                f"an integer in [1, keep_set.size = {self.keep_set.size}]",
+            )
+        return self
+
+    @property
+    def source_path(self) -> Path | None:
+        """Absolute path of the recipe file, None for a recipe built in memory."""
+        return self._source_path
+
+    @property
+    def base_dir(self) -> Path:
+        """Folder that relative paths in the recipe are resolved against (the recipe's folder, else the cwd)."""
+        return self._source_path.parent if self._source_path is not None else Path.cwd()
+
+    def resolve_path(self, value: str) -> Path | None:
+        """A path written in the recipe, made absolute against `base_dir`; None for the empty string."""
+        if not value:
+            return None
+        path = Path(value).expanduser()
+        return path if path.is_absolute() else (self.base_dir / path).resolve()
+
+    def is_hub_id(self, role: str) -> bool:
+        """True when ``[models].<role>`` names a hub repository rather than a local path (see module docstring)."""
+        spec = getattr(self.models, role)
+        if spec.startswith((".", "/", "~")) or spec.endswith(".json") or (self.base_dir / spec).exists():
+            return False
+        return _HUB_ID.match(spec) is not None
+
+    def model_path(self, role: str) -> Path:
+        """The resolved local path of ``[models].<role>`` (role: verifier, head, slm, tokenizer).
+
+        Raises RecipeError when the entry is a hub id or the path does not exist, saying how to provide it.
+        """
+        spec = getattr(self.models, role)
+        where = f"{self._source_path}" if self._source_path else "recipe"
+        if self.is_hub_id(role):
+            raise RecipeError(
+                [
+                    Problem(
+                        f"models.{role}",
+                        None,
+                        (
+                            f"{where}: models.{role} = {spec!r} is a hub id, not a local path; download it "
+                            f"(hf download {spec} --local-dir DIR) and set models.{role} to DIR"
+                        ),
+                    )
+                ]
+            )
+        path = self.resolve_path(spec)
+        assert path is not None  # min_length=1
+        if not path.exists():
+            raise RecipeError(
+                [
+                    Problem(
+                        f"models.{role}",
+                        None,
+                        (
+                            f"{where}: models.{role} = {spec!r}: {path} does not exist; "
+                            "allowed: an existing local path (relative to the recipe's folder) or a hub id 'owner/name'"
+                        ),
+                    )
+                ]
+            )
+        return path
+
+    def model_source(self, role: str) -> Path | str:
+        """What ``from_pretrained`` takes for ``[models].<role>``: the resolved local Path, or the hub id string.
+        Raises RecipeError when that key is empty."""
+        value = getattr(self.models, role)
+        if self.is_hub_id(role):
+            return value
+        path = self.resolve_path(value)
+        if path is None:
+            message = f"models.{role} is empty: give a local folder or a hub id 'owner/name'"
+            raise RecipeError([Problem(f"models.{role}", None, message)])
+        return path
+
+    def content_hash(self) -> str:
+        """sha256 (hex) of the canonical JSON of every field, as written (paths unresolved), for caching."""
+        text = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()

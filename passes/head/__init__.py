@@ -1,0 +1,2 @@
+"""The MTP head's passes (paper Alg. 2, §3.2, App. A Tables 3-4): its static graph (`graph`), the 4-bit QAT (`qat`),
+the export with its host tables (`export`) and its calibration inputs (`calibration`)."""
