@@ -138,7 +138,7 @@ def run_error(message: str) -> str:
     return message
 
 
-def summary_line(mode: str, metrics: dict, prefill_ms: float, finish_reason: str) -> str:
+def summary_line(mode: str, metrics: dict, prefill_ms: float, finish_reason: str | None) -> str:
     """The one line `hycoc run` prints on stderr after an answer: ``metrics`` is `RunResult.to_json()`'s object
     (tokens, rounds, mat, tok_per_s, draft_ms_per_token, server_ms_per_token, first_token_ms)."""
     m = metrics
