@@ -223,7 +223,7 @@ class SlmTreeGraph(nn.Module):
     def __init__(
         self,
         slm: SlmIntegerModel,
-        keep_ids: Sequence[int],
+        keep_ids: Sequence[int] | np.ndarray,
         *,
         rows: int,
         ring: Mapping[str, int],
