@@ -35,7 +35,7 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal, cast
+from typing import Any, Literal, cast, get_args
 
 import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
@@ -533,8 +533,8 @@ class BundleWriter:
         """Copy file ``src`` (or write ``bytes``) to ``rel_path`` inside the bundle; returns where it lies now."""
         self._check_open()
         check_rel_path(rel_path)
-        if role not in FileRole.__args__:
-            raise ValueError(f"role {role!r}: allowed: {', '.join(FileRole.__args__)}")
+        if role not in get_args(FileRole):
+            raise ValueError(f"role {role!r}: allowed: {', '.join(get_args(FileRole))}")
         if rel_path in self._roles:
             raise ValueError(f"{rel_path} was already added to the bundle")
         dst = self.tmp / rel_path
@@ -559,8 +559,8 @@ class BundleWriter:
         """Add a graph file (role "graph") and its manifest entry. ``io`` comes from
         ``hycoc.passes.bundle_io.graph_io_from_onnx``; ``context_binary`` is the bundle path of the QNN context
         binary the graph points at (add it with ``add_file(..., role="context_binary")``)."""
-        if role not in GraphRole.__args__:
-            raise ValueError(f"graph role {role!r}: allowed: {', '.join(GraphRole.__args__)}")
+        if role not in get_args(GraphRole):
+            raise ValueError(f"graph role {role!r}: allowed: {', '.join(get_args(GraphRole))}")
         if any(g[0] == name for g in self._graphs):
             raise ValueError(f"a graph named {name!r} was already added")
         dst = self.add_file(src, rel_path, "graph")

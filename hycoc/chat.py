@@ -102,7 +102,7 @@ class ChatFormat(_Model):
         """What the device and the verifier must agree on, as canonical JSON (the OPEN frame's ``chat``): the stop
         ids (sorted), the template's sha256 (both sides render the same template) and, when known, the sha256 of
         each file the format was read from (``files``)."""
-        body = {"stop_ids": sorted(self.stop_ids), "template_sha256": self.template_sha256}
+        body: dict[str, object] = {"stop_ids": sorted(self.stop_ids), "template_sha256": self.template_sha256}
         if self.files:
             body["files"] = dict(self.files)
         return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -279,7 +279,7 @@ def render_template(
     strings first with `mark_messages` to sanitize them). thinking: ``enable_thinking`` (None leaves it unset: the
     template's default). specials: ``bos_token`` ... Raises ChatFormatError naming ``source`` when the template
     fails to render (a jinja2 error or its own ``raise_exception``)."""
-    kwargs = dict(specials or {})
+    kwargs: dict[str, object] = dict(specials or {})
     if thinking is not None:
         kwargs["enable_thinking"] = thinking
     try:
@@ -498,6 +498,8 @@ class AnswerStream:
     committed ids and returns (new thought text, new answer text), holding back a trailing partial UTF-8 character
     and an unfinished channel opening; `flush` returns what is held at the end. The thought never reaches the
     answer text (`Chat.split_thought`)."""
+
+    ids: list[int]
 
     def __init__(self, chat: Chat):
         self.chat, self.ids, self.sent = chat, [], ["", ""]

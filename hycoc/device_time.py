@@ -111,8 +111,9 @@ def fit_status() -> dict[str, str]:
     from hycoc.targets.profiles import PROFILES
 
     out = {}
-    for p in sorted((p for p in PROFILES.values() if p.backend == "htp"), key=lambda p: -p.htp_arch):
-        key = npu_key(p.htp_arch)
+    arches = (p.htp_arch for p in PROFILES.values() if p.backend == "htp" and p.htp_arch is not None)  # all have one
+    for arch in sorted(arches, reverse=True):
+        key = npu_key(arch)
         out[key] = f"fitted: {NPU_PROFILES[key].source}" if key in NPU_PROFILES else f"not fitted for {key}"
     return out
 
@@ -337,7 +338,7 @@ def bundle_graph_costs(bundle_dir: str | os.PathLike) -> dict[str, GraphCost]:
     bundle_dir = Path(bundle_dir)
     manifest = json.loads((bundle_dir / "manifest.json").read_text(encoding="utf-8"))
     report_path = bundle_dir / "report.json"
-    recorded = {}
+    recorded: dict[str, dict] = {}
     if report_path.is_file():
         recorded = json.loads(report_path.read_text(encoding="utf-8")).get("graph_costs") or {}
     out = {}

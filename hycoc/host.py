@@ -163,7 +163,8 @@ class RotaryBlock:
             raise ValueError(f"a rotary block needs at least 1 row, got {block}")
         self.table, self.block = table, int(block)
         self._start = 0
-        self._cos = self._sin = None
+        self._cos: np.ndarray | None = None
+        self._sin: np.ndarray | None = None
         self.computed = 0  # blocks computed so far
 
     def rows(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -173,7 +174,7 @@ class RotaryBlock:
         if count < 1 or first < 0:
             raise ValueError(f"rotary rows of {count} positions from {first}: need count >= 1 and first >= 0")
         lo = first - self._start
-        if self._cos is None or lo < 0 or lo + count > len(self._cos):
+        if self._cos is None or self._sin is None or lo < 0 or lo + count > len(self._cos):  # both set together
             self._start, lo = first, 0
             self._cos, self._sin = self.table.rows(np.arange(first, first + max(self.block, count)))
             self.computed += 1

@@ -58,6 +58,7 @@ def _print_table(
     lead = list(range(keys))
     parts = [list(range(keys, len(headers)))]
     if table_width(need) > console.width and len(headers) > keys + 1:
+        current: list[int]
         parts, current = [], []
         for i in range(keys, len(headers)):
             if current and table_width([need[j] for j in lead + current + [i]]) > console.width:

@@ -17,15 +17,19 @@ import contextlib
 import contextvars
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from rich.console import Console
+
+if TYPE_CHECKING:  # imported where a display starts (live_progress)
+    from rich.progress import Progress
 
 #: Seconds between two plain progress lines of one step (non-terminal stderr).
 LINE_EVERY = 10.0
 
 _pass_name: contextvars.ContextVar[str | None] = contextvars.ContextVar("hycoc_pass", default=None)
 _pass_console: contextvars.ContextVar[Console | None] = contextvars.ContextVar("hycoc_console", default=None)
-_pass_live: contextvars.ContextVar[object | None] = contextvars.ContextVar("hycoc_live", default=None)
+_pass_live: contextvars.ContextVar[Progress | None] = contextvars.ContextVar("hycoc_live", default=None)
 _console: Console | None = None
 
 
@@ -107,7 +111,7 @@ def bar_columns() -> tuple:
 
 
 @contextlib.contextmanager
-def live_progress(c: Console) -> Iterator[object]:
+def live_progress(c: Console) -> Iterator[Progress]:
     """A transient ``rich.progress.Progress`` on ``c`` with `bar_columns`, yielded while it runs. Once it has
     started (and replaced ``sys.stdout`` with rich's proxy on a terminal), `hycoc.quiet.refilter_stdout` puts the
     third-party filter back outside the proxy, so ``[torch.onnx]`` lines still go to the log."""
@@ -121,7 +125,7 @@ def live_progress(c: Console) -> Iterator[object]:
 
 
 @contextlib.contextmanager
-def current_pass(name: str, c: Console | None = None, live=None) -> Iterator[None]:
+def current_pass(name: str, c: Console | None = None, live: Progress | None = None) -> Iterator[None]:
     """Label the steps reported inside the block with the pass ``name``, send them to ``c`` if given, and show
     them as tasks of ``live`` (a running ``rich.progress.Progress``: rich allows one live display per console)."""
     tokens = (_pass_name.set(name), _pass_console.set(c), _pass_live.set(live))
@@ -192,7 +196,8 @@ def step(description: str, total: int | None = None, c: Console | None = None, u
         try:
             yield s
         finally:
-            live.remove_task(s._task)
+            if s._task is not None:  # always, with a live display (Step.__init__ added it)
+                live.remove_task(s._task)
         return
     if c.is_terminal:
         with live_progress(c) as own:

@@ -29,6 +29,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 #: Folders whose warnings are hycoc's own (shown as usual).
 _OWN = tuple(
@@ -42,6 +43,8 @@ STDOUT_PREFIXES = ("[torch.onnx]",)
 
 class _Log:
     """The log file, created (with its folder) at the first line written to it, and how many lines went there."""
+
+    file: TextIO | None
 
     def __init__(self, path: Path):
         self.path, self.file, self.lines = path, None, 0
@@ -99,8 +102,9 @@ class _StdoutFilter(io.TextIOBase):
     def fileno(self) -> int:
         return self.target.fileno()
 
+    # typeshed declares TextIOBase.encoding a writable attribute; in CPython it is a read-only property, as here
     @property
-    def encoding(self):
+    def encoding(self):  # type: ignore[override]
         return getattr(self.target, "encoding", "utf-8")
 
 
@@ -155,7 +159,7 @@ def third_party_output(log_path: str | Path, console=None) -> Iterator[Path]:
         with warnings.catch_warnings():
             warnings.simplefilter("default")  # each distinct warning once per place, as Python's default
             warnings.showwarning = showwarning
-            handlers = [handler]
+            handlers: list[logging.Handler] = [handler]
             if not root.handlers:  # hycoc's own records still reach stderr, as logging.lastResort sent them
                 own = logging.StreamHandler()
                 own.setLevel(logging.WARNING)

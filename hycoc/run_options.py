@@ -4,6 +4,7 @@ nor aiohttp (the device-runtime install has neither)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from hycoc.ports import ws_url_problem
 
@@ -42,7 +43,7 @@ def check_run_options(
         raise RunOptionError("--chat needs a verifier and the chat template: not with --mode slm-alone or --raw")
     if not slm_alone and server is None:
         raise RunOptionError("--server ws://HOST:PORT is required (except with --mode slm-alone)")
-    problem = None if slm_alone else ws_url_problem(server)
+    problem = None if slm_alone or server is None else ws_url_problem(server)
     if problem is not None:
         raise RunOptionError(f"--server {server!r}: {problem}")
     if prompt_file is not None and not prompt_file.is_file():
@@ -103,7 +104,7 @@ def htp_settings(
         return None
     if backend != "htp":
         raise RunOptionError(f"{', '.join(named)}: QNN session settings apply to --backend htp, not {backend}")
-    fields = {
+    fields: dict[str, Any] = {  # HtpSessionSettings' keyword arguments (a str or an int each)
         "performance_mode": performance_mode,
         "context_priority": context_priority,
         "finalization_mode": finalization,
@@ -137,7 +138,7 @@ def run_error(message: str) -> str:
     return message
 
 
-def summary_line(mode: str, metrics: dict, prefill_ms: float, finish_reason: str) -> str:
+def summary_line(mode: str, metrics: dict, prefill_ms: float, finish_reason: str | None) -> str:
     """The one line `hycoc run` prints on stderr after an answer: ``metrics`` is `RunResult.to_json()`'s object
     (tokens, rounds, mat, tok_per_s, draft_ms_per_token, server_ms_per_token, first_token_ms)."""
     m = metrics

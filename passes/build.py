@@ -119,6 +119,7 @@ def recipe_for_target(recipe: Recipe, target: str | None, device: DeviceEntry | 
     if name not in TARGETS:
         raise BuildError(f"unknown target {name!r} (known: {', '.join(TARGETS)})")
     arch = get_profile(name).htp_arch
+    soc: str | None  # None (a profile without a SoC) fails the [target] validation below
     if device is not None:
         soc = device.soc_model
     elif recipe.target.htp_arch == arch:
@@ -519,6 +520,8 @@ def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: s
     host = a["head_host"].payload
     slm = a["slm_integer"].payload
     files = a["target_files"]
+    if not isinstance(files, TargetFilesArtifact):  # run_pipeline's (the target pass's folder in its cache entry)
+        raise BuildError(f"target_files is a {type(files).__name__}, not a TargetFilesArtifact: run run_pipeline")
     root, index = Path(files.payload), files.index()
     if target == "cpu":
         profile = get_profile("cpu")
@@ -528,7 +531,7 @@ def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: s
     qnn_sdk = next((g.get("qnn_sdk") for g in index.values() if g.get("qnn_sdk")), None)
     hub = next((g["hub"] for g in index.values() if g.get("hub")), None)  # qai-hub: jobs, device, QAIRT
     numbers = {r.pass_name: r.numbers for r in result.reports}
-    report = {
+    report: dict[str, Any] = {
         "target": target,
         "qat_agreement": numbers.get("head_qat", {}).get("agreement"),
         "sqnr": {
@@ -570,9 +573,11 @@ def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: s
             io_ = graph_io_from_onnx(model, qdq_source=qdq if binary else None)
             cost = onnx_graph_cost(qdq)  # the device-time estimate's inputs (`hycoc.device_time`)
             report["graph_costs"][graph] = {"bytes": int(cost.bytes), "macs": int(cost.macs)}
+            if graph != "head" and not graph.startswith("slm"):  # add_graph's own refusal, before the role is typed
+                raise ValueError(f"graph role {graph!r}: allowed: head, slm")
             w.add_graph(
                 graph,
-                "slm" if graph.startswith("slm") else graph,
+                "slm" if graph.startswith("slm") else "head",
                 model,
                 model.name,
                 io=io_,
@@ -614,6 +619,8 @@ def run_pipeline(
     result = pipeline.run(recipe, build_inputs(recipe, device), until=until)
     if "target_files" in result.artifacts:
         entry = result.reports[-1].location
+        if entry is None:  # the pipeline sets every report's cache entry
+            raise BuildError(f"the {result.reports[-1].pass_name} pass's report names no cache entry")
         result.artifacts["target_files"] = TargetFilesArtifact("target_files", entry / "target_files")
     shutil.rmtree(Path(cache_dir) / "work", ignore_errors=True)
     return result

@@ -39,6 +39,7 @@ from hycoc.bundle import (
     RoundConstants,
     TargetInfo,
     TensorSpec,
+    WeightCount,
 )
 from hycoc.recipe import Recipe
 
@@ -156,8 +157,9 @@ def graph_io_from_onnx(path: str | os.PathLike, *, qdq_source: str | os.PathLike
         src_names = [v.name for v in src_values if v.name not in g.init]
         if [v.name for v in values] != src_names:
             kind = "inputs" if is_input else "outputs"
+            source = qdq_source if qdq_source is not None else path  # given: a graph's own names match
             raise ValueError(
-                f"{where}: {kind} {[v.name for v in values]} differ from {Path(qdq_source).name}'s {src_names}"
+                f"{where}: {kind} {[v.name for v in values]} differ from {Path(source).name}'s {src_names}"
             )
         specs = []
         for v in values:
@@ -175,7 +177,7 @@ def graph_io_from_onnx(path: str | os.PathLike, *, qdq_source: str | os.PathLike
     return GraphIO(
         inputs=sides[0],
         outputs=sides[1],
-        weight_bits={k: {"tensors": a, "elements": b} for k, (a, b) in sorted(weights.items())},
+        weight_bits={k: WeightCount(tensors=a, elements=b) for k, (a, b) in sorted(weights.items())},
         op_counts=dict(sorted(Counter(n.op_type for n in src_model.graph.node).items())),
     )
 

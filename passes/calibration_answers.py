@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -135,7 +135,7 @@ def greedy_answers(
     verifier,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
-    stop_ids: set[int],
+    stop_ids: Collection[int],
     *,
     batch: int = BATCH,
     progress: Callable[[int], None] | None = None,
@@ -178,7 +178,7 @@ def greedy_answers(
                 if token in stop_ids:
                     break
             out[i] = answer
-        if steps is not None:
+        if progress is not None and steps is not None:  # steps counts when progress is given
             progress(max(0, max_new_tokens - (steps.calls - 1)))
     return out
 

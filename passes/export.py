@@ -120,6 +120,8 @@ def export_static(
             )
     except Exception as e:  # the exporter raises many types; say which graph failed and keep the cause
         raise ExportError(f"torch.onnx.export (dynamo) failed for {type(module).__name__}: {e}") from e
+    if program is None:  # torch returns None only for the TorchScript exporter (dynamo=False)
+        raise ExportError(f"torch.onnx.export (dynamo) returned no ONNX program for {type(module).__name__}")
     model = program.model
     # The exporter's own optimize=True folds Cast(int8) * scale into a float weight whenever the weight is small
     # enough (onnxscript's size limits), so a graph's form would depend on its size. The same optimizer runs here

@@ -113,7 +113,8 @@ def quantize_kv_io(model) -> tuple[dict[str, str], dict[str, str]]:
             continue
         users = consumers.get(v.name, [])
         params = [_scalar_qparams(model, n) if n.op_type == "QuantizeLinear" else None for n in users]
-        if not users or any(p is None for p in params) or len({p[1] for p in params}) != 1:
+        found = [p for p in params if p is not None]
+        if not users or len(found) != len(params) or len({p[1] for p in found}) != 1:
             raise GraphIoError(
                 f"input {v.name}: read by {[n.op_type for n in users]}, not by per-tensor "
                 "QuantizeLinear nodes of one encoding; it cannot become an integer input"
@@ -122,14 +123,14 @@ def quantize_kv_io(model) -> tuple[dict[str, str], dict[str, str]]:
             for n in consumers.get(q.output[0], []):
                 n.input[:] = [v.name if i == q.output[0] else i for i in n.input]
             drop.add(id(q))
-        v.type.tensor_type.elem_type = params[0][0]
-        ins[v.name] = helper.tensor_dtype_to_np_dtype(params[0][0]).name
+        v.type.tensor_type.elem_type = found[0][0]
+        ins[v.name] = helper.tensor_dtype_to_np_dtype(found[0][0]).name
     for v in g.output:
         if not is_kv_output(v.name):
             continue
         dq = producer.get(v.name)
         p = _scalar_qparams(model, dq) if dq is not None and dq.op_type == "DequantizeLinear" else None
-        if p is None:
+        if dq is None or p is None:
             raise GraphIoError(
                 f"output {v.name}: not written by a per-tensor DequantizeLinear; it cannot become an integer output"
             )

@@ -164,8 +164,8 @@ def select_keep_set(tok, turns: Sequence[str], config: KeepSet, *, conversations
         ("byte", byte_token_ids(tok) if config.always_bytes else []),
         ("forced", forced_range_ids(tok, config.code_point_ranges())),
     ]
-    for name, ids in classes:
-        new = np.asarray(ids, dtype=np.int64)
+    for name, class_ids in classes:
+        new = np.asarray(class_ids, dtype=np.int64)
         new = new[~kept[new]]
         kept[new] = True
         added[name] = len(new)

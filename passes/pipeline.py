@@ -169,7 +169,7 @@ class Pass:
         sha256 enters the key (a file that is absent, as absent). Default: none."""
         return {}
 
-    def run(self, inputs: dict[str, Artifact], recipe: Recipe) -> tuple[dict[str, Artifact], PassReport]:
+    def run(self, inputs: dict[str, Artifact], recipe: Recipe) -> tuple[Mapping[str, Artifact], PassReport]:
         """Make the ``produces`` artifacts from the ``consumes`` ones. Must not mutate the inputs."""
         raise NotImplementedError
 
@@ -385,7 +385,8 @@ class Pipeline:
 
     def _run_one(
         self, p: Pass, artifacts: Mapping[str, Artifact], recipe: Recipe, live=None
-    ) -> tuple[dict[str, Artifact], PassReport]:
+    ) -> tuple[Mapping[str, Artifact], PassReport]:
+        outputs: Mapping[str, Artifact]
         inputs = {kind: artifacts[kind] for kind in p.consumes}
         key = self.cache_key(p, inputs, recipe)
         entry = self.cache_dir / p.name / key

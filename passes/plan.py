@@ -589,7 +589,7 @@ def real_shape_plan(recipe: Recipe) -> dict:
     slm_lm_bits = _bits_for("lm_head", slm_map, slm_default)
     slm_lm_bytes = math.ceil(keep * slm_hidden * slm_lm_bits / 8) + 4 * keep
     slm_linear = sum(o * i for _, o, i in slm_lin)
-    slm_graph = {
+    slm_graph: dict[str, Any] = {
         "inputs": slm_inputs,
         "outputs": slm_outputs,
         "rows": slm_rows,

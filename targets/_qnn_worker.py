@@ -29,7 +29,7 @@ def _compile(job: dict) -> dict:
     from hycoc.targets.qnn_ep import session_options
 
     graphs, share = job["graphs"], bool(job.get("share"))
-    out = []
+    out: list[dict[str, object]] = []  # per graph: ok, seconds, error (JSON to the parent)
     for i, g in enumerate(graphs):
         cfg = {
             "ep.context_enable": "1",

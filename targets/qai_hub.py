@@ -353,7 +353,7 @@ def write_epcontext(
     src = onnx.load(str(qdq_model), load_external_data=False)
     inits = {t.name for t in src.graph.initializer}
     inputs = [v for v in src.graph.input if v.name not in inits]
-    attrs = dict(
+    attrs: dict[str, Any] = dict(  # the EPContext node's attributes (ints and strings)
         main_context=1,
         ep_cache_context=context_binary,
         embed_mode=0,

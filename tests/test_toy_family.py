@@ -58,6 +58,15 @@ def test_tokenizer_vocabulary_layout(tok):
     assert SPECIAL_TOKENS[5:7] == ["<|turn>", "<turn|>"] and SPECIAL_TOKENS[10] == "<|tool_response>"
 
 
+def test_byte_token_ids_refuses_a_tokenizer_without_the_byte_alphabet():
+    """A tokenizer missing byte-level characters is named as such (it raised TypeError sorting None ids before)."""
+    from tokenizers import Tokenizer, models
+
+    word_level = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    with pytest.raises(ValueError, match=r"no token for the byte-level characters .*not a byte-level BPE"):
+        byte_token_ids(word_level)
+
+
 def test_chat_format_is_read_from_the_checkpoint_files(tok, ref):
     """The toy folder holds what a Gemma 4 folder holds; the format read from it is Gemma 4's, and the renamed
     special tokens keep the ids the weights were trained on: the reference prompt (recorded before the rename)

@@ -75,6 +75,20 @@ def test_choice_on_a_hand_made_sweep():
     assert max(map(len, out.splitlines())) <= 80 and "…" not in out and "1 (exact)" in out
 
 
+def test_the_rule_recorded_without_docstrings():
+    """tune.json records the rule from `choose_epsilon`'s docstring; under python -OO (docstrings stripped) it
+    records none instead of failing after the sweep (it raised AttributeError on None.split)."""
+    import subprocess
+    import sys
+
+    from hycoc.bench.paper.tune_epsilon import _rule_text
+
+    assert _rule_text().startswith("1. An ε is admissible")
+    code = "from hycoc.bench.paper.tune_epsilon import _rule_text; print(repr(_rule_text()))"
+    run = subprocess.run([sys.executable, "-OO", "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "None"
+
+
 def test_tune_table_in_the_recipe():
     r = parse_recipe(
         '[tune]\nvalidation_data = "v.jsonl"\nepsilons = [0.01, 0.1]\nmax_compression_drop = 0.1\n', "r.toml"

@@ -25,12 +25,16 @@ server drafts its chain), and the row budget never trims it (`DraftPlace.trimmab
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from hycoc.protocol.messages import DRAFT_PLACES
 
-if TYPE_CHECKING:
-    from .allowance import AllowanceRule
+
+class Allowing(Protocol):
+    """What `DraftPlace.allowance` asks of its rule: `hycoc.verifier.allowance.AllowanceRule`'s ``grant`` (one
+    reply's rows; the capacity simulation's server asks the same rule)."""
+
+    def grant(self, sessions: float | None = None) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,7 @@ class DraftPlace:
         """The acceptance a round runs with: "exact" for an exact-only place, else the session's ``requested``."""
         return "exact" if self.exact_only else requested
 
-    def allowance(self, rule: AllowanceRule | None, tree_rows: int, sessions: float | None = None) -> int:
+    def allowance(self, rule: Allowing | None, tree_rows: int, sessions: float | None = None) -> int:
         """Rows the session's next ROUND may hold (protocol 6's REPLY allowance), in [1, tree_rows]: the rule's
         (`AllowanceRule.grant`, once per reply) for device-drafted trees, clamped to the session's tree_rows; the
         whole tree without a rule (allowance = "fixed"); 1 (the root) when the device sends the root alone."""

@@ -93,7 +93,9 @@ def bench_bundle(
         raise BenchInputError(f"--bundle {bundle}: {what}; build one with hycoc build")
     say(f"hycoc {command}: no bundle yet; building {display_path(bundle_dir)} (hycoc build, target cpu)")
     if build is None:
-        from hycoc.passes.build import build_bundle as build
+        from hycoc.passes.build import build_bundle
+
+        build = build_bundle
     build(cfg, "cpu", bundle_dir, repo_root / ".hycoc-cache")
     return bundle_dir
 

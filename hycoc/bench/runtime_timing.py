@@ -49,7 +49,7 @@ class StepTimer:
                 if timer._stack:
                     timer._stack[-1] += elapsed
 
-        timed.__wrapped__ = orig
+        timed.__wrapped__ = orig  # type: ignore[attr-defined]  # as functools.wraps marks it (mypy: no such attribute)
         setattr(owner, attr, timed)
 
     def reset(self) -> None:

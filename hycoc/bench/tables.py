@@ -132,6 +132,8 @@ def balanced_parts(cols: list[int], k: int, cost) -> list[list[int]] | None:
                 c = max(cost(cols[start:stop]), rest_cost)
                 if out is None or c < out[0]:
                     out = (c, [cols[start:stop]] + rest)
+        if out is None:  # never: solve is asked only for parts that each get a column (start + parts <= n)
+            raise ValueError(f"{n - start} columns cannot make {parts} non-empty parts")
         best[(start, parts)] = out
         return out
 
@@ -208,7 +210,7 @@ def print_tables(tables: Sequence[TextTable], console: Any, fmt: str = "table") 
             for i, (h, j) in enumerate(zip(t.headers, t.justify)):
                 w = column_width(h, [r[i] for r in t.rows])
                 rt.add_column(
-                    Text(h), justify=j, width=w, style="bold" if i < t.keys else None
+                    Text(h), justify="right" if j == "right" else "left", width=w, style="bold" if i < t.keys else None
                 )  # header wraps, cells fit
             for r in t.rows:
                 rt.add_row(*(Text(c, no_wrap=True) for c in r))

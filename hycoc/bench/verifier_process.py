@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from hycoc.bench.paper.records import BenchError
@@ -26,7 +27,7 @@ class VerifierProcess:
         recipe_path: Path,
         keep_set: Path | None,
         timeout_s: float = 300.0,
-        extra_args: list[str] = (),
+        extra_args: Sequence[str] = (),
         error: type[Exception] | None = None,
     ):
         error = error or BenchError
@@ -48,18 +49,22 @@ class VerifierProcess:
         self._stderr = ""
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._err, text=True, env=env)
-        self.url = None
+        stdout = self.proc.stdout  # a pipe (stdout=PIPE)
+        if stdout is None:
+            raise error("the verifier server was started without a pipe for its output")
+        url: str | None = None
         deadline = time.monotonic() + timeout_s
-        while self.url is None:
-            line = self.proc.stdout.readline()
+        while url is None:
+            line = stdout.readline()
             if not line:
                 self.stop()
                 raise error(f"the verifier server exited before listening: {self.stderr_tail()}")
             if "listening on " in line:
-                self.url = line.split("listening on ", 1)[1].split()[0]
+                url = line.split("listening on ", 1)[1].split()[0]
             if time.monotonic() > deadline:
                 self.stop()
                 raise error(f"the verifier server did not listen within {timeout_s:g} s")
+        self.url: str = url
         self.deadline = deadline
 
     def stderr_tail(self, lines: int = 5) -> str:

@@ -25,8 +25,9 @@ def _flags_show_no_type() -> None:
     def display_type_rich(self, ctx):
         return None if self.is_flag and self.metavar is None else shown(self, ctx)
 
-    display_type_rich.hycoc_flags_untyped = True
-    TyperOption.display_type_rich = display_type_rich
+    # a mark on the function (mypy knows no function attributes) and a patch of typer's method: both as meant
+    display_type_rich.hycoc_flags_untyped = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
 
 
 _flags_show_no_type()
@@ -49,8 +50,9 @@ def _usage_names_plain() -> None:
             name = name[1:].replace("}", "", 1)
         return name
 
-    _usage_display_name.hycoc_plain = True
-    TyperArgument._usage_display_name = _usage_display_name
+    # a mark on the function (mypy knows no function attributes) and a patch of typer's method: both as meant
+    _usage_display_name.hycoc_plain = True  # type: ignore[attr-defined]
+    TyperArgument._usage_display_name = _usage_display_name  # type: ignore[method-assign]
 
 
 _usage_names_plain()
@@ -73,14 +75,16 @@ def _wrap_help_at_spaces() -> None:
         if getattr(base, "hycoc_spaces_only", False):
             continue
 
-        class TextWrapper(base):
+        # a subclass of click's class found at run time (mypy takes only static base classes), put back into the
+        # module imported by name (a ModuleType to mypy, without the attribute)
+        class TextWrapper(base):  # type: ignore[valid-type, misc]
             hycoc_spaces_only = True
 
             def __init__(self, *args, **kwargs):
                 kwargs["break_on_hyphens"] = False
                 super().__init__(*args, **kwargs)
 
-        module.TextWrapper = TextWrapper
+        module.TextWrapper = TextWrapper  # type: ignore[attr-defined]
 
 
 _wrap_help_at_spaces()
@@ -110,8 +114,9 @@ def _target_names() -> dict[str, str]:
     return {n.replace("-", "_"): n for n in (*HTP_TARGETS, "cpu", "qai-hub")}
 
 
-#: ``hycoc build --target``: every HTP profile (`hycoc.targets.profiles.HTP_TARGETS`), cpu and qai-hub.
-TargetName = Enum("TargetName", _target_names(), type=str)
+#: ``hycoc build --target``: every HTP profile (`hycoc.targets.profiles.HTP_TARGETS`), cpu and qai-hub. Members
+#: made from that list (mypy reads only literal members: name them as values, ``TargetName("cpu")``).
+TargetName = Enum("TargetName", _target_names(), type=str)  # type: ignore[misc]
 
 
 def utf8_stdio(streams=None, windows: bool | None = None) -> None:
@@ -131,7 +136,8 @@ def utf8_stdio(streams=None, windows: bool | None = None) -> None:
 
 
 #: `hycoc run --mode` (`hycoc.table5.RUN_MODES`): members hyco, hyco_exact, hyco_2p, specedge, server_head, slm_alone.
-RunMode = Enum("RunMode", {m.replace("-", "_"): m for m in RUN_MODES}, type=str)
+#: Made from that tuple (mypy reads only literal members: name them as values, ``RunMode("slm-alone")``).
+RunMode = Enum("RunMode", {m.replace("-", "_"): m for m in RUN_MODES}, type=str)  # type: ignore[misc]
 
 
 class Backend(str, Enum):

@@ -91,8 +91,8 @@ def _prune(cache_dir: Path, size: int | None, age: float | None, dry_run: bool) 
     except BuildLocked as e:
         raise _fail("cache", str(e)) from None
     verb = "would remove" if dry_run else "removed"
-    for e in removed:
-        typer.echo(f"{verb} {e.pass_name}/{e.key[:12]} ({format_size(e.bytes)})")
+    for entry in removed:  # not `e`: the except clause above unbinds that name
+        typer.echo(f"{verb} {entry.pass_name}/{entry.key[:12]} ({format_size(entry.bytes)})")
     left = sum(e.bytes for e in entries(cache_dir)) - (sum(e.bytes for e in removed) if dry_run else 0)
     typer.echo(
         f"{verb} {_entries(len(removed))}, {format_size(sum(e.bytes for e in removed))}; "

@@ -35,7 +35,7 @@ def run(
         None, min=1, help="output cap in tokens (default: the bundle's sampling.max_new_tokens)", show_default=False
     ),
     mode: RunMode = typer.Option(
-        RunMode.hyco,
+        RunMode("hyco"),
         help="drafting and acceptance: hyco (epsilon), hyco-exact, hyco-2p (two SLM passes), "
         "specedge (SLM-only tree), server-head, slm-alone (paper Table 5)",
     ),
@@ -142,7 +142,7 @@ def run(
             prompt_file=prompt_file,
             chat=chat,
             raw=raw,
-            slm_alone=mode == RunMode.slm_alone,
+            slm_alone=mode == RunMode("slm-alone"),
         )
     except RunOptionError as e:
         raise _fail("run", str(e), code=e.code) from None
@@ -208,7 +208,9 @@ def run(
     r = rt.bundle.round
     sampling = r.sampling if temperature is None else replace(r.sampling, temperature=temperature)
     auth_token = _auth_token("run", ctx, auth_token, auth_token_file)
-    client = None if mode == RunMode.slm_alone else VerifierClient(server, auth_token, timeout_s=timeout)
+    client: VerifierClient | None = None
+    if mode != RunMode("slm-alone") and server is not None:  # check_run_options: only slm-alone has no --server
+        client = VerifierClient(server, auth_token, timeout_s=timeout)
 
     # --json: stdout carries JSON lines alone; the text streams to a terminal's stderr or nowhere
     text_out = sys.stdout if not json_out else sys.stderr if sys.stderr.isatty() else io.StringIO()
@@ -239,12 +241,14 @@ def run(
                     anchor=rendered.anchor if rendered is not None else 0,
                 )
             else:
+                if conversation is None or text is None:  # never: --chat refuses --raw; turn(False, text) has text
+                    raise RuntimeError("a next turn needs the conversation of --chat and its text")
                 rendered = conversation.ask(text)
                 res = rt.next_turn(
                     client, rendered.ids, anchor=rendered.anchor, max_new_tokens=max_new_tokens, on_tokens=on_tokens
                 )
             printer.show(answer.flush())
-            if conversation is not None:
+            if conversation is not None and rendered is not None:  # rendered: by the conversation, each turn
                 conversation.answered(rendered, res.tokens)
         except (
             TransportError,
@@ -280,7 +284,7 @@ def run(
         n += 1
         typer.echo(f"-- turn {n} --", err=True)
         turn(False, text)
-    if chat:
+    if chat and client is not None:  # --chat has a verifier (check_run_options)
         client.close()
 
 

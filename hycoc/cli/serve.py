@@ -31,37 +31,27 @@ from hycoc.cli._common import (
 
 def _host_option(of: str = ""):
     """``--host``: the listen address ``of`` something (a phrase, e.g. " of Ray Serve's proxy")."""
-    return Annotated[
-        str | None,
-        typer.Option(help=f"listen address{of} (default: the recipe's verifier.host, 127.0.0.1)", show_default=False),
-    ]
+    return typer.Option(help=f"listen address{of} (default: the recipe's verifier.host, 127.0.0.1)", show_default=False)
 
 
 def _port_option(of: str = ""):
     """``--port``: the TCP port ``of`` something; 0 = any free port."""
-    return Annotated[
-        int | None,
-        typer.Option(
-            min=0,
-            max=65535,
-            help=f"TCP port{of}; 0 = any free port, named in the printed URL (default: the recipe's verifier.port, "
-            "8765)",
-            show_default=False,
-        ),
-    ]
+    return typer.Option(
+        min=0,
+        max=65535,
+        help=f"TCP port{of}; 0 = any free port, named in the printed URL (default: the recipe's verifier.port, 8765)",
+        show_default=False,
+    )
 
 
 def _device_option(of: str = ""):
     """``--device``: the torch device ``of`` something."""
-    return Annotated[
-        Device | None,
-        typer.Option(help=f"torch device{of} (default: the recipe's verifier.device)", show_default=False),
-    ]
+    return typer.Option(help=f"torch device{of} (default: the recipe's verifier.device)", show_default=False)
 
 
 def _keep_set_option(about: str):
     """``--keep-set``: a bundle's keep_set.npy (`hycoc.keep_set.load_keep_set`); ``about`` completes the help."""
-    return Annotated[Path | None, typer.Option(help=f"keep set for server-head sessions{about}", show_default=False)]
+    return typer.Option(help=f"keep set for server-head sessions{about}", show_default=False)
 
 
 AuthToken = Annotated[
@@ -77,14 +67,21 @@ AuthTokenFile = Annotated[
     Path | None,
     typer.Option(help="read the token clients must present from this file (one line)", show_default=False),
 ]
-Host, ProxyHost = _host_option(), _host_option(" of Ray Serve's proxy")
-Port, ProxyPort = _port_option(), _port_option(" of the proxy")
-TorchDevice, ReplicaDevice = _device_option(), _device_option(" of every replica")
-KeepSet = _keep_set_option(
-    ": a .npy of int token ids (the keep-set pass writes keep_set.npy); without it server-head sessions are refused "
-    "with error no_keep_set"
-)
-ReplicaKeepSet = _keep_set_option(" (the bundle's keep_set.npy); without it they are refused")
+# the aliases are written out (Annotated at module level) so that mypy reads them as types
+Host = Annotated[str | None, _host_option()]
+ProxyHost = Annotated[str | None, _host_option(" of Ray Serve's proxy")]
+Port = Annotated[int | None, _port_option()]
+ProxyPort = Annotated[int | None, _port_option(" of the proxy")]
+TorchDevice = Annotated[Device | None, _device_option()]
+ReplicaDevice = Annotated[Device | None, _device_option(" of every replica")]
+KeepSet = Annotated[
+    Path | None,
+    _keep_set_option(
+        ": a .npy of int token ids (the keep-set pass writes keep_set.npy); without it server-head sessions are "
+        "refused with error no_keep_set"
+    ),
+]
+ReplicaKeepSet = Annotated[Path | None, _keep_set_option(" (the bundle's keep_set.npy); without it they are refused")]
 
 
 def _preflight(command: str, cfg, host, port, keep_set, *, busy_hint: str, reuse_address: bool):

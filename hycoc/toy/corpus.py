@@ -122,6 +122,8 @@ def code_conversations(stdlib: Path | None = None, max_chars: int = 6000) -> lis
             if len(code) < 120:
                 continue
             m = _DEF.match(lines[s])
+            if m is None:  # never: starts are the lines _DEF matches
+                continue
             kind = "class" if m.group(1) == "class" else "function"
             ask = _pick(_CODE_ASKS, mod + m.group(2)).format(kind=kind, name=m.group(2), mod=mod)
             out.append(Conversation("code", ask, code[:max_chars]))

@@ -39,7 +39,7 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
 
 
 def _states(verifier, ids):
-    cap = {}
+    cap: dict[str, torch.Tensor] = {}
     hnd = verifier.model.norm.register_forward_pre_hook(lambda m, a: cap.__setitem__("h", a[0]))
     with torch.no_grad():
         out = verifier(input_ids=ids, return_shared_kv_states=True, use_cache=False)
@@ -127,9 +127,9 @@ def evaluate_family(
         seqs.append((ids.shape[1], g[0]))
     temps = (1.0, 0.7, 0.5)
     agree = torch.zeros(4)
-    mat = {T: [] for T in temps}
+    mat: dict[float, list[float]] = {T: [] for T in temps}
     slm_hits, slm_n, n_anchor = 0, 0, 0
-    absmax = {k: [] for k in ("e", "h", "k_sliding", "v_sliding", "k_full", "v_full")}
+    absmax: dict[str, list[torch.Tensor]] = {k: [] for k in ("e", "h", "k_sliding", "v_sliding", "k_full", "v_full")}
     for plen, s in seqs:
         L = len(s)
         if L - plen < 8:

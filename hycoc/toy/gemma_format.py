@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,18 +28,22 @@ def quantize_per_channel(w: torch.Tensor, bits: int, ratios=(1.0, 0.95, 0.9, 0.8
     (out,1))."""
     w = w.detach().float()
     amax = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-8)
-    best_q, best_s, best_err = None, None, None
+    best_q: torch.Tensor | None = None
+    best_s: torch.Tensor | None = None
+    best_err: torch.Tensor | None = None
     for r in ratios:
         s = amax * r / qmax(bits)
         q = torch.clamp(torch.round(w / s), -qmax(bits), qmax(bits))
         err = ((q * s - w) ** 2).sum(dim=1, keepdim=True)
-        if best_err is None:
+        if best_q is None or best_s is None or best_err is None:  # the first ratio (all three are set together)
             best_q, best_s, best_err = q, s, err
         else:
             better = err < best_err
             best_q = torch.where(better, q, best_q)
             best_s = torch.where(better, s, best_s)
             best_err = torch.minimum(err, best_err)
+    if best_q is None or best_s is None:
+        raise ValueError("quantize_per_channel: the clip search needs at least one ratio, got none")
     return best_q.to(torch.int8), best_s.float()
 
 
@@ -92,7 +97,7 @@ def to_gemma_format(model, bit_map: dict[str, dict], default_bits: int, embeddin
     for name, p in model.state_dict().items():
         if name.rsplit(".", 1)[0] not in handled and name not in sd:
             sd[name] = p.detach().clone()
-    qcfg = {
+    qcfg: dict[str, Any] = {
         "quant_method": "gemma",
         "num_bits": default_bits,
         "quantize_embeddings": True,

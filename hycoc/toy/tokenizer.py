@@ -33,4 +33,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> Tokenizer:
 
 def byte_token_ids(tok: Tokenizer) -> list[int]:
     """Ids of the 256 single-byte tokens (sorted), the keep set's always-kept byte class (paper App. A)."""
-    return sorted(tok.token_to_id(ch) for ch in pre_tokenizers.ByteLevel.alphabet())
+    ids = {ch: tok.token_to_id(ch) for ch in pre_tokenizers.ByteLevel.alphabet()}
+    missing = sorted(ch for ch, i in ids.items() if i is None)
+    if missing:
+        raise ValueError(f"the tokenizer has no token for the byte-level characters {missing}: not a byte-level BPE")
+    return sorted(i for i in ids.values() if i is not None)

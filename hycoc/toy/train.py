@@ -274,7 +274,10 @@ def fake_quantize_linears(model, bit_map, default_bits):
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear):
             bits = bits_for(name, bit_map, default_bits)
-            mod.forward = (lambda m, b: lambda x: F.linear(x, FakeQuant.apply(m.weight, b), m.bias))(mod, bits)
+            forward = (lambda m, b: lambda x: F.linear(x, FakeQuant.apply(m.weight, b), m.bias))(mod, bits)
+            # the instance's own forward (nn.Module.__call__ calls self.forward), as torch's Module declares forward
+            # a Callable attribute; Linear's is a method, which mypy refuses to reassign
+            mod.forward = forward  # type: ignore[method-assign]
 
 
 def train_slm(verifier, data: torch.Tensor, steps: int, qat_steps: int, seed: int, batch: int = 16):

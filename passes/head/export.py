@@ -91,7 +91,13 @@ def ring_from_sequence(k: torch.Tensor, v: torch.Tensor, t: int, window: int) ->
     return ring_k, ring_v
 
 
-def graph_inputs(cap: tuple, t: int, window: int, sliding_window: int, config) -> list[torch.Tensor]:
+def graph_inputs(
+    cap: tuple[torch.Tensor, torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]],
+    t: int,
+    window: int,
+    sliding_window: int,
+    config,
+) -> list[torch.Tensor]:
     """The graph's inputs (`INPUT_NAMES` order) for one query at root t of a verifier capture (e, h, kv):
     x_hat = [e(x_t); h_{t-1}] (Alg. 2 line 7), rings and masks of [0, t), rotary rows at t - 1."""
     e, h, kv = cap
@@ -134,7 +140,7 @@ class HeadExport(Pass):
         return {"seed": self.seed, "samples": self.samples}
 
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, Artifact], PassReport]:
-        from hycoc.passes.export import compare_with_torch, export_static
+        from hycoc.passes.export import ExportError, compare_with_torch, export_static
         from hycoc.passes.head.qat import dequantized_head
 
         quantized = inputs["quantized_head"].payload
@@ -156,6 +162,8 @@ class HeadExport(Pass):
             for sample in samples:
                 err, top1 = compare_with_torch(path, graph, sample, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES)
                 errors = {k: max(errors.get(k, 0.0), v) for k, v in err.items()}
+                if top1 is None:  # None only for a graph without a logits output
+                    raise ExportError(f"the head graph's outputs {OUTPUT_NAMES} have no logits to compare")
                 agree.append(top1)
         report.max_abs_error, report.top1_agreement = errors, float(np.mean(agree))
         host = host_tables(verifier, rebuilt.config, quantized.keep_set)

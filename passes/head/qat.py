@@ -49,7 +49,7 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +62,9 @@ from torch import nn
 from hycoc.host import head_sliding_positions
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 from hycoc.recipe import HeadQat, Recipe
+
+if TYPE_CHECKING:  # transformers is imported where a model is made
+    from transformers import Gemma4AssistantForCausalLM
 
 
 class HeadQatError(ValueError):
@@ -88,7 +91,7 @@ def search_clip(w: torch.Tensor, bits: int, ratios: Sequence[float]) -> tuple[to
     w = w.detach().float()
     amax = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-8)
     m = qmax(bits)
-    best = None
+    best: list[torch.Tensor] | None = None
     for r in ratios:
         s = amax * r / m
         q = torch.clamp(torch.round(w / s), -m, m)
@@ -99,6 +102,8 @@ def search_clip(w: torch.Tensor, bits: int, ratios: Sequence[float]) -> tuple[to
             continue
         better = err < best[2]
         best = [torch.where(better, new, old) for new, old in zip((q, s, err, ratio), best)]
+    if best is None:
+        raise HeadQatError("the clip search needs at least one clip ratio (head_qat.clip_search_points >= 1)")
     q, s, _, ratio = best
     return q.to(torch.int8), s.float(), ratio[:, 0]
 
@@ -123,6 +128,8 @@ class QuantLinear(nn.Module):
     search; ``bits``: the integer width. ``integers()`` is the int8 tensor the export writes: ``integers() *
     scale`` equals the weight the forward uses, bit for bit.
     """
+
+    scale: torch.Tensor  # a buffer (register_buffer)
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bits: int):
         super().__init__()
@@ -240,7 +247,7 @@ def verifier_capture(verifier, ids: torch.Tensor, hidden: str = "pre_norm") -> t
     """One verifier pass over ids int64 [L] (no output layer). Returns e [1, L, H] (scaled input embedding), h
     [1, L, H] (the final norm's input for ``hidden="pre_norm"``, its output for ``"post_norm"``) and the shared KV
     {SLIDING: (k, v), FULL: (k, v)} of the last sliding and last full layer, each [1, kv_heads, L, head_dim]."""
-    tap = {}
+    tap: dict[str, torch.Tensor] = {}
     handle = verifier.model.norm.register_forward_hook(lambda m, a, o: tap.update(pre=a[0], post=o))
     try:
         x = ids[None].to(verifier.device)
@@ -328,10 +335,12 @@ def unroll(head, cap: Capture, plan: Unroll, dtype=torch.float32) -> list[torch.
 
 def kl_to_teacher(student: Sequence[torch.Tensor], teacher: Sequence[torch.Tensor]) -> torch.Tensor:
     """Mean over depths and anchors of KL(teacher || student) over the keep set (Table 4 "Loss: KL")."""
-    total = 0.0
+    total: torch.Tensor | float = 0.0
     for s, t in zip(student, teacher):
         log_t = F.log_softmax(t.float(), -1)
         total = total + (log_t.exp() * (log_t - F.log_softmax(s.float(), -1))).sum(-1).mean()
+    if not isinstance(total, torch.Tensor):
+        raise HeadQatError("the KL loss needs at least one depth of logits, got none")
     return total / len(student)
 
 
@@ -345,7 +354,7 @@ def top1_agreement(student, teacher, plans: Sequence[tuple[Capture, Unroll]]) ->
         h = torch.stack([(s.argmax(-1) == t.argmax(-1)).sum() for s, t in zip(s_out, t_out)]).cpu()
         hits = h if hits is None else hits + h
         n += len(plan.anchors)
-    if not n:
+    if hits is None or not n:
         raise HeadQatError("no response anchors to measure agreement on: every answer is shorter than K tokens")
     return [round(float(x) / n, 6) for x in hits], n
 
@@ -443,7 +452,7 @@ def train_qat(
     The teacher is frozen, so its unroll of a sequence is the same every time the loop comes back to it: up to
     ``cache_bytes`` of those logits are kept and reused (the same tensors, so the result is bit-identical)."""
     params = [p for p in student.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+    opt = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     autocast = qat_autocast(params[0].device)
     targets: dict[int, list[torch.Tensor]] = {}
     kept = 0
@@ -515,7 +524,7 @@ def export_head(student, keep_set, input_ranges: dict[str, float]) -> QuantizedH
     )
 
 
-def dequantized_head(head: QuantizedHead) -> nn.Module:
+def dequantized_head(head: QuantizedHead) -> Gemma4AssistantForCausalLM:
     """A float32 ``Gemma4AssistantForCausalLM`` (eval, sdpa) computing exactly what the QAT head computed: every
     drafting Linear holds ``qweight * scale``, ``lm_head`` has |V| rows over ``head.keep_set``. Its token embedding
     table is left at its initialization (the head never reads it). Raises HeadQatError when a tensor of the
@@ -635,7 +644,8 @@ def pick_prompts(
     """The first ``count`` of ``candidates[exclude:]`` whose chat-formatted ids (``chat``: the checkpoint's
     `hycoc.chat.Chat`) fit ``budget`` tokens, as id lists, and how many were skipped as too long. Raises
     HeadQatError naming ``key`` when fewer fit."""
-    picked, skipped = [], 0
+    picked: list[list[int]] = []
+    skipped = 0
     for text in candidates[exclude:]:
         if len(picked) == count:
             break

@@ -85,7 +85,7 @@ def sqnr_report(
         "outputs": {o: round(sqnr_db(cat(f_runs, o), cat(q_runs, o)), 3) for o in outputs},
         "layers": {label: round(sqnr_db(cat(f_runs, t), cat(q_runs, qnames[label])), 3) for label, t in layers.items()},
     }
-    if logits in outputs:
+    if logits is not None and logits in outputs:
         agree = [
             np.mean(
                 f[logits].reshape(-1, f[logits].shape[-1]).argmax(-1)

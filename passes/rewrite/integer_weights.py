@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
+from onnxscript.rewriter.pattern import MatchResult
 
 TRANSPOSE = [1, 0]
 
@@ -70,7 +71,9 @@ class FoldIntegerWeight(pattern.RewriteRuleClassBase):
         weight = op.Mul(op.Cast(q, _outputs=["ints"]), scale, _outputs=["weight"])
         return op.Transpose(weight, perm=TRANSPOSE, _outputs=["out"]) if self._transposed else weight
 
-    def check(self, context, q, scale, ints, weight, out=None, **_) -> pattern.MatchResult:
+    # onnxscript's RewriteRuleClassBase.check is (op, *args, **kwargs); a rule's check names the pattern's values, as
+    # onnxscript's rule classes do (it calls check(context, **bindings))
+    def check(self, context, q, scale, ints, weight, out=None, **_) -> MatchResult:  # type: ignore[override]
         result = pattern.MatchResult()
         if not q.is_initializer() or q.const_value is None:
             return result.fail("q is not an initializer", q)

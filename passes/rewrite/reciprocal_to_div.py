@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
+from onnxscript.rewriter.pattern import MatchResult
 
 
 class ReciprocalToDiv(pattern.RewriteRuleClassBase):
@@ -32,7 +33,9 @@ class ReciprocalToDiv(pattern.RewriteRuleClassBase):
     def pattern(self, op, x):
         return op.Reciprocal(x, _outputs=["inverse"])
 
-    def check(self, context, x, **_) -> pattern.MatchResult:
+    # onnxscript's RewriteRuleClassBase.check is (op, *args, **kwargs); a rule's check names the pattern's values, as
+    # onnxscript's rule classes do (it calls check(context, **bindings))
+    def check(self, context, x, **_) -> MatchResult:  # type: ignore[override]
         result = pattern.MatchResult()
         if x.dtype is not None and x.dtype != ir.DataType.FLOAT:
             return result.fail(f"x has dtype {x.dtype}, not FLOAT: the constant 1 is float32", x)

@@ -42,6 +42,7 @@ import json
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import _ir_utils, pattern
+from onnxscript.rewriter.pattern import MatchResult
 
 #: metadata key on the last node of every rewrite (JSON).
 TAG = "hycoc.rewrite.rms_norm"
@@ -98,7 +99,9 @@ class RmsNormToElementwise(pattern.RewriteRuleClassBase):
             normed = op.Div(x, op.Sqrt(var))
         return op.Mul(normed, scale) if self._scaled else normed
 
-    def check(self, context, x, eps=None, scale=None, mean=None, normed=None, **_) -> pattern.MatchResult:
+    # onnxscript's RewriteRuleClassBase.check is (op, *args, **kwargs); a rule's check names the pattern's values, as
+    # onnxscript's rule classes do (it calls check(context, **bindings))
+    def check(self, context, x, eps=None, scale=None, mean=None, normed=None, **_) -> MatchResult:  # type: ignore[override]
         result = pattern.MatchResult()
         self._opset = context.model.opset_imports.get("", 18)  # ReduceMean takes axes as an input from 18 on
         if x.dtype not in FLOAT_TYPES:
@@ -148,13 +151,13 @@ class RmsNormToElementwise(pattern.RewriteRuleClassBase):
         if node.attributes.get_int("keepdims", 1) != 1:
             return "ReduceMean drops the reduced axis (keepdims = 0)"
         if len(node.inputs) > 1 and node.inputs[1] is not None:
-            axes = _ir_utils.get_numpy_value(node.inputs[1])
-            if axes is None:
+            value = _ir_utils.get_numpy_value(node.inputs[1])
+            if value is None:
                 return "ReduceMean's axes are not a constant"
-            axes = [int(a) for a in np.ravel(axes)]
+            axes = [int(a) for a in np.ravel(value)]
         else:
-            axes = node.attributes.get_ints("axes", None)
-            axes = list(axes) if axes is not None else list(range(rank))
+            given = node.attributes.get_ints("axes", None)
+            axes = list(given) if given is not None else list(range(rank))
         if [a % rank for a in axes] != [rank - 1]:
             return f"ReduceMean reduces axes {axes}, not the last axis only"
         return None

@@ -90,7 +90,7 @@ class TorchSlmRunner:
         return result
 
 
-def runtime_bundle(graph, slm, keep_set: Sequence[int]) -> SimpleNamespace:
+def runtime_bundle(graph, slm, keep_set: Sequence[int] | np.ndarray) -> SimpleNamespace:
     """What `SlmDrafter` reads from a `DeviceBundle`, made from the compiler's objects: the host section (layer
     types, ring layers, sliding window, per-layer dim), the SLM's LUTs and rotary tables, the keep set."""
     host = SimpleNamespace(
@@ -127,7 +127,8 @@ def accepted_path(built, answer: Sequence[int], start: int, cap: int) -> list[in
     at each step, as `walk_reply`), at most ``cap`` rows."""
     tokens, parents = np.asarray(built.tokens), np.asarray(built.parents)
     n = len(built.row_node)  # unpadded rows
-    path, v = [], 0
+    path: list[int] = []
+    v = 0
     while len(path) < cap and start + len(path) < len(answer):
         want = answer[start + len(path)]
         kids = [j for j in range(1, n) if parents[j] == v and tokens[j] == want]

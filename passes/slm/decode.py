@@ -57,13 +57,14 @@ def activation_encodings(qdq_model) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     outputs = {o.name for o in g.output}
     # a graph output X is quantized as X_QuantizeLinear_Input -> Q -> DQ -> X: its encoding goes by X
     dq_of = {n.input[0]: n.output[0] for n in g.node if n.op_type == "DequantizeLinear"}
-    out = {}
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for n in g.node:
         if n.op_type != "QuantizeLinear" or n.input[1] not in small or len(n.input) < 3 or n.input[2] not in small:
             continue
         scale, zp = numpy_helper.to_array(small[n.input[1]]), numpy_helper.to_array(small[n.input[2]])
         if scale.size == 1:
-            name = dq_of.get(n.output[0]) if dq_of.get(n.output[0]) in outputs else n.input[0]
+            dq = dq_of.get(n.output[0])
+            name = dq if dq is not None and dq in outputs else n.input[0]
             out[name] = (scale.reshape(()).astype(np.float32), zp.reshape(()))
     return out
 
@@ -156,8 +157,8 @@ class SlmDecodeGraph(Pass):
         slm = inputs["slm_integer"].payload
         ring = {FULL: recipe.window.slm_window, SLIDING: recipe.window.slm_sliding_window}
         graph = SlmTreeGraph(slm, inputs["keep_set"].payload, rows=1, ring=ring)
-        with tempfile.TemporaryDirectory(prefix="hycoc-slm-decode-") as tmp:
-            tmp = Path(tmp)
+        with tempfile.TemporaryDirectory(prefix="hycoc-slm-decode-") as tmp_dir:
+            tmp = Path(tmp_dir)
             tree_path = tmp / "tree" / "slm.onnx"
             tree_path.parent.mkdir()
             ir.save(inputs["qdq_slm"].payload, tree_path, external_data="slm.onnx.data")

@@ -136,6 +136,9 @@ class IntegerLinear(nn.Module):
     nonzero activation scale. ``rows`` keeps only those output channels (the keep-set output layer).
     """
 
+    q: torch.Tensor  # buffers (register_buffer)
+    scale: torch.Tensor
+
     def __init__(self, weight: IntegerWeight, rows: np.ndarray | None = None):
         super().__init__()
         q, scale = weight.q, weight.scale
@@ -212,10 +215,15 @@ class SlmTreeGraph(nn.Module):
     vocabulary, a ring length < 1, or a surgery output that does not fill every parameter of the graph.
     """
 
+    input_names: list[str]
+    input_shapes: dict[str, tuple[int, ...]]
+    output_names: list[str]
+    output_shapes: dict[str, tuple[int, ...]]
+
     def __init__(
         self,
         slm: SlmIntegerModel,
-        keep_ids: Sequence[int],
+        keep_ids: Sequence[int] | np.ndarray,
         *,
         rows: int,
         ring: Mapping[str, int],
@@ -324,7 +332,7 @@ class SlmTreeGraph(nn.Module):
 
         # the host's feeds of the whole chain: the monolithic graph's inputs (`host_inputs`)
         self.all_kv_layers = [i for i, m in enumerate(modes) if m != "reuse"]
-        self.host_shapes = {"inputs_embeds": (1, r, h)}
+        self.host_shapes: dict[str, tuple[int, ...]] = {"inputs_embeds": (1, r, h)}
         if self.ple:
             self.host_shapes["per_layer_inputs"] = (1, r, n_layers, self.ple)
         for t in self.types:
@@ -390,7 +398,7 @@ class SlmTreeGraph(nn.Module):
                 attention_mask=x[f"mask_{t}"],
                 cache=cache,
             )
-        if self.last:
+        if self.lm_head is not None:  # the last shard (self.last)
             h = self.model.norm(h)
             logits = self.lm_head(h)
             if self.softcap is not None:  # as Gemma4ForCausalLM.forward
@@ -461,7 +469,7 @@ def run_shard_chain(
 def host_inputs(
     graph: SlmTreeGraph,
     slm: SlmIntegerModel,
-    tokens: Sequence[int],
+    tokens: Sequence[int] | np.ndarray,
     parents: Sequence[int],
     first_position: int,
     live_start: int,
@@ -571,6 +579,8 @@ class SlmTreeGraphExport(Pass):
         example = example_inputs(graph, slm)
         with tempfile.TemporaryDirectory(prefix="hycoc-slm-export-") as tmp:
             model, report = export_slm_graph(graph, example, Path(tmp) / "slm.onnx")
+        if graph.lm_head is None:  # the whole graph is its own last shard
+            raise SlmGraphError("the SLM tree graph has no output layer (lm_head): it is not the chain's last shard")
         head = slm.weights["lm_head"]
         numbers = report.numbers() | {
             "rows": graph.rows,

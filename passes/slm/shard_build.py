@@ -150,7 +150,7 @@ class SlmShardsPass(Pass):
         if self.work_dir is not None:
             Path(self.work_dir).mkdir(parents=True, exist_ok=True)
         out = Path(tempfile.mkdtemp(prefix="slm-shards-", dir=self.work_dir))
-        index = {"bounds": list(bounds), "graphs": []}
+        index: dict[str, list] = {"bounds": list(bounds), "graphs": []}
         numbers |= {"shards": [], "calibration_inputs": source, "samples": len(samples)}
         with tempfile.TemporaryDirectory(prefix="hycoc-slm-shards-") as tmp:
             for k, g in enumerate(shards):

@@ -106,11 +106,11 @@ def _best_split(n: int, k: int, seg) -> tuple[int, tuple[int, ...]]:
             dp[m][j] = min(max(dp[m - 1][i], seg(i, j)) for i in range(m - 1, j))
     cap = dp[k][n]
     # 2) among splits with every segment <= cap: the smallest sum of squares (then the earliest bounds)
-    sq = [[(inf, ())] * (n + 1) for _ in range(k + 1)]
+    sq: list[list[tuple[float, tuple[int, ...]]]] = [[(inf, ())] * (n + 1) for _ in range(k + 1)]
     sq[0][0] = (0, (0,))
     for m in range(1, k + 1):
         for j in range(m, n + 1):
-            best = (inf, ())
+            best: tuple[float, tuple[int, ...]] = (inf, ())
             for i in range(m - 1, j):
                 s = seg(i, j)
                 if s <= cap and sq[m - 1][i][0] < inf:

@@ -190,7 +190,7 @@ def _run_local(
     validate_only: bool = False,
 ) -> dict:
     """`run_local` with ``stack`` (a `contextlib.ExitStack`) holding what must stop at its end."""
-    from hycoc.bench.capacity.cost import model_step_cost
+    from hycoc.bench.capacity.cost import StepCost, model_step_cost
     from hycoc.bench.capacity.measure import cached_step_cost
     from hycoc.bench.cost_model.model import load_cost_model
     from hycoc.bench.datasets import load_spec_bench
@@ -205,6 +205,7 @@ def _run_local(
     bundle_dir = bench_bundle(cfg, recipe_path, bundle, repo_root, command="capacity", say=console.print)
     questions = load_spec_bench(cfg.resolve_path(cfg.bench.dataset) or dataset)[:prompts]
     temperature = 0.0 if "budgeted" in modes and cfg.sampling.temperature > 0 else None
+    cost: StepCost
     if cost_model_path is not None:
         cost = model_step_cost(
             load_cost_model(cost_model_path), recipe_shape(cfg), cfg.tree.chain_length, path=str(cost_model_path)

@@ -39,12 +39,18 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hycoc.verifier.row_budget import RowCost
+
+if TYPE_CHECKING:  # imported where a cost is made
+    from hycoc.bench.cost_model.model import CostModel
+    from hycoc.bench.capacity.gpu_cost import GpuRoofline
 
 #: The statistic of a measured point: the MEAN of the worker thread's CPU ms (time.thread_time) over the repeats.
 #: A queue's throughput and waits follow the mean service time (utilization = arrival rate x E[S]), so the mean is
@@ -235,7 +241,7 @@ class GpuStepCost(StepCost):
     ``flat_rows`` rows per forward at that cost, linear beyond; ``head_ms``: one head step (cloud-mtp runs K per
     round, batched across sessions); ``host_ms_per_session``; ``prefill_ms_per_chunk`` of 512 positions."""
 
-    verify: object = None
+    verify: Callable[[int, float], float] = field(kw_only=True)  # (rows, context) -> ms
     max_rows: int = 33
     flat_rows: int = 206
     head_step_ms: float = 0.0
@@ -348,7 +354,7 @@ class RooflineStepCost(StepCost):
     round; a prefill chunk is a forward of its positions. ``tree_rows`` / ``max_batch_rows``: the row budget's line plan
     (`_plan_line`)."""
 
-    roof: object = None
+    roof: GpuRoofline = field(kw_only=True)
     host_ms_per_session: float = ASSUMED_GPU_HOST_MS
     prefill_chunk: int = 512
     tree_rows: int = 33
@@ -465,7 +471,7 @@ class LineStepCost(StepCost):
     grid (one session's step: batching head rows is ASSUMED free), ``host_ms_per_session`` per round; prefill chunks
     from its prefill grid."""
 
-    model: object = None
+    model: CostModel = field(kw_only=True)
     host_ms_per_session: float = ASSUMED_GPU_HOST_MS
     tree_rows: int = 33
     max_batch_rows: int = 528

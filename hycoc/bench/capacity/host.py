@@ -117,7 +117,7 @@ async def _round_trips(url: str, req, repeats: int, pid: int, gap_s: float) -> d
         url, compression=None, max_size=2 * limits.max_frame_bytes, proxy=None, ping_interval=None
     ) as ws:
         await ws.send(wire.encode(req.open_request()))
-        opened = wire.decode(await ws.recv(), limits)
+        opened = wire.decode(await ws.recv(decode=False), limits)  # the protocol is binary
         if not isinstance(opened, Opened):
             raise RuntimeError(f"the verifier refused the OPEN: {getattr(opened, 'message', opened)}")
         limits = wire.Limits.from_opened(opened, limits.max_frame_bytes)
@@ -125,10 +125,10 @@ async def _round_trips(url: str, req, repeats: int, pid: int, gap_s: float) -> d
         tokens = patch_root(tokens, req.prompt[-1])
         cloud_mtp = not PLACES[req.draft_place].device_rows  # the root alone: the reply's samples are the commit
 
-        async def one() -> tuple[object, float]:
+        async def one() -> tuple[bytes, float]:
             t = loop.time()
             await ws.send(wire.encode(DraftTree(0, tokens, parents, scores)))
-            data = await ws.recv()
+            data = await ws.recv(decode=False)
             reply = wire.decode(data, limits)
             if isinstance(reply, ErrorReply):
                 raise RuntimeError(f"the verifier answered {reply.code}: {reply.message}")

@@ -354,8 +354,8 @@ def measure_step_cost(
         label=f"measured here ({recipe.recipe.name} verifier, cpu, {recipe.verifier.threads} "
         f"thread(s), load {load0[0]:.1f})",
         chain_length=engine.chain_length,
-        step=tuple(float(x) for x in step),
-        forward=tuple(float(x) for x in fwd),
+        step=(float(step[0]), float(step[1]), float(step[2])),  # a + b n + c rows
+        forward=(float(fwd[0]), float(fwd[1]), float(fwd[2])),
         place_ms=place_ms,
         prefill=prefill,
         row_points=tuple(line.points),
@@ -391,7 +391,7 @@ def cached_step_cost(
         if (cost.host or not want_host) and fresh:
             return cost
     cost = measure_step_cost(recipe, replay=replay, log=log)
-    if want_host:
+    if want_host and recipe_path is not None:  # want_host: a recipe_path
         from hycoc.bench.capacity.host import measure_host_overhead
 
         cost.host = measure_host_overhead(recipe_path, replay[0], keep_set=keep_set, log=log).describe()

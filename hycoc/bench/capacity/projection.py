@@ -25,6 +25,7 @@ from hycoc.bench.capacity.run import (
     PAPER_MAT,
     SERVER_DRAFT_FRAMES,
     device_ms_of,
+    place_of,
     search_devices,
     stamp,
     write_plot,
@@ -32,7 +33,6 @@ from hycoc.bench.capacity.run import (
 from hycoc.bench.capacity.simulation import MODES, CapacityError, SimConfig, SyntheticRequest, TreeRequest, Workload
 from hycoc.bench.capacity.trees import TreeModel, TreePool, chain_only_acceptance, phone_ms, tree_pool
 from hycoc.table5 import configuration
-from hycoc.verifier.draft_place import PLACES
 
 #: The projection's batching modes by default: what a GPU deployment would run (serial is simulable too).
 PROJECTION_MODES = ("batched", "budgeted", "allowance")
@@ -103,7 +103,7 @@ def drafting(cfg, configs, *, plan: dict | None = None) -> dict[str, Drafting]:
     out: dict[str, Drafting] = {}
     for config in configs:
         c = configuration(config)
-        if PLACES[c.draft_place].needs_head:  # the server drafts (part of) its tree: not the phone's estimate
+        if place_of(config).needs_head:  # the server drafts (part of) its tree: not the phone's estimate
             continue
         if c.chain != "device":
             ms = device_ms_of(config)
@@ -132,7 +132,7 @@ def pools(cfg, configs, *, trees: int = POOL_TREES, seed: int = 0) -> dict[str, 
     server head: cloud-mtp and server-head have none)."""
     out = {}
     for config in configs:
-        if not PLACES[configuration(config).draft_place].needs_head:
+        if not place_of(config).needs_head:
             out[config] = tree_pool(tree_model(cfg, config), PAPER_MAT[config], trees=trees, seed=seed, label=config)
     return out
 
@@ -149,7 +149,7 @@ def projection_workload(
     """The devices of ``config``: a `TreeRequest` per request drafting to the allowance (``rows``: a FIXED row
     count instead, the allowance sweep), its phone ms x ``device_scale`` per ``draft`` (`drafting`); cloud-mtp: the
     root alone at Table 2's MAT."""
-    place = configuration(config).draft_place
+    place = place_of(config).name
     if pool is None:
         mat = PAPER_MAT[config]
         return Workload(
@@ -158,6 +158,8 @@ def projection_workload(
             ),
             f"paper MAT {mat}",
         )
+    if draft is None:
+        raise CapacityError(f"{config}: a device-drafted workload needs its drafting ms (`drafting`), got none")
     full, head, deferred = (x * device_scale for x in (draft.full, draft.head, draft.deferred))
     k = pool.model.chain_length
     ceiling = rows or pool.model.node_budget + 1
@@ -296,8 +298,8 @@ def add_cloud_ratios(rows: list[dict]) -> None:
     for r in rows:
         b = base.get(r["variant"])
         ok = b is not None and b.get("devices") and r.get("devices") is not None
-        r["vs_cloud_mtp"] = r["devices"] / b["devices"] if ok else None
-        t = b.get("tok_per_s_per_device") if ok else None
+        r["vs_cloud_mtp"] = r["devices"] / b["devices"] if ok and b is not None else None  # ok: b is not None
+        t = b.get("tok_per_s_per_device") if ok and b is not None else None
         r["tok_vs_cloud_mtp"] = r["tok_per_s_per_device"] / t if t else None
 
 
@@ -438,7 +440,7 @@ def run_projection(
     rows, tried_all = [], []
     for variant, link, scale, plan in variants:
         for config, mode in plan:
-            place = PLACES[configuration(config).draft_place]
+            place = place_of(config)
             if config not in configs or (mode not in modes and place.trimmable):  # a root-only round: any mode
                 continue
             frames = GEMMA4_FRAMES if place.hand_off else SERVER_DRAFT_FRAMES

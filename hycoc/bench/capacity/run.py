@@ -32,7 +32,7 @@ from hycoc.bench.capacity.simulation import (
 )
 from hycoc.serving_limits import DEFAULT_MAX_BATCH_ROWS, DEFAULT_MAX_BATCH_WAIT_MS
 from hycoc.table5 import WITH_VERIFIER, configuration
-from hycoc.verifier.draft_place import PLACES
+from hycoc.verifier.draft_place import PLACES, DraftPlace
 
 #: Table 5's configurations that have a verifier (slm-alone has none).
 CONFIGS = WITH_VERIFIER  # every Table 5 configuration with a verifier, in Table 5 order (hycoc.table5)
@@ -73,12 +73,21 @@ SERVER_DRAFT_FRAMES = FrameBytes(
 )
 
 
+def place_of(config: str) -> DraftPlace:
+    """The `DraftPlace` of Table 5's ``config`` (`hycoc.table5.configuration`: ValueError for an unknown name);
+    CapacityError for one without a verifier (slm-alone), which sends no rounds."""
+    name = configuration(config).draft_place
+    if name is None:
+        raise CapacityError(f"{config} has no verifier: it sends no rounds to simulate")
+    return PLACES[name]
+
+
 def device_ms_of(config: str) -> float:
     """Phone drafting ms per round of ``config`` at Gemma 4's shapes: the `hycoc.device_time` anchor (the paper's
     App. G figure that the device-time estimate is fitted to or checked against); 0 for cloud-mtp."""
     from hycoc.device_time import CHECK_ANCHORS, PAPER_ANCHORS
 
-    if not PLACES[configuration(config).draft_place].device_rows:  # the root alone: the phone drafts nothing
+    if not place_of(config).device_rows:  # the root alone: the phone drafts nothing
         return 0.0
     if config == "specedge-eps":
         config = "specedge"
@@ -99,7 +108,7 @@ def search_devices(
     *,
     max_devices: int = 4096,
     label: str = "",
-) -> tuple[int, dict | None, list[dict]]:
+) -> tuple[int, dict, list[dict]]:
     """The largest device count whose verifier p90 (``server_p90_ms``) is <= ``target_ms``: doubling from 1, then
     bisection (p90 grows with devices in a closed loop). make_workload(n): the workload of n devices. Returns
     (devices, that run's row, every run tried). Raises CapacityError (one line: the target and the fix) when one
@@ -495,6 +504,7 @@ __all__ = [
     "host_terms",
     "outside_ms",
     "device_ms_of",
+    "place_of",
     "predicted_for",
     "run_point",
     "search_devices",

@@ -45,7 +45,7 @@ class SchedSampler:
     def thread_stats(pid: int) -> dict:
         """{(pid, tid): (ns on a CPU, ns runnable but waiting, timeslices)} of every thread of ``pid`` now
         (/proc/PID/task/TID/schedstat); {} where there is none."""
-        got = {}
+        got: dict[tuple[int, int], tuple[int, ...]] = {}
         try:
             tasks = os.listdir(f"/proc/{pid}/task")
         except OSError:
@@ -104,10 +104,10 @@ class SchedSampler:
             return None
         (pid, _), (run, wait, _) = max(servers.items(), key=lambda kv: kv[1][0])
         if self.pids is not None and len(self.pids) > 1:  # several replicas: every replica's busiest thread
-            busiest = [
+            each = [
                 max((v for k, v in servers.items() if k[0] == p), key=lambda v: v[0], default=None) for p in self.pids
             ]
-            busiest = [b for b in busiest if b]
+            busiest = [b for b in each if b]
             run, wait = sum(b[0] for b in busiest), sum(b[1] for b in busiest)
 
         def wake(key) -> float:

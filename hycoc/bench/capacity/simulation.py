@@ -46,8 +46,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -68,6 +69,12 @@ from hycoc.serving_limits import DEFAULT_MAX_BATCH_ROWS, DEFAULT_MAX_BATCH_WAIT_
 from hycoc.verifier.batch_policy import batch_ready, take_rounds
 from hycoc.verifier.draft_place import PLACES
 from hycoc.verifier.row_budget import DEFAULT_MIN_ROWS, RowBudget, RowCost
+
+if TYPE_CHECKING:  # simpy is imported where a simulation runs
+    from simpy.events import Event, ProcessGenerator
+
+    from hycoc.runtime.transport import LinkModel
+    from hycoc.verifier.allowance import AllowanceRule
 
 
 def _sizes_trees(args: tuple[str, ...]) -> bool:
@@ -128,7 +135,7 @@ class SimConfig:
     max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS
     max_batch_wait_ms: float = DEFAULT_MAX_BATCH_WAIT_MS
     prefill_chunk: int = 512
-    link: object | None = None
+    link: LinkModel | None = None
     frames: FrameBytes = field(default_factory=FrameBytes)
     tree_rows: int = 33
     min_rows: int = DEFAULT_MIN_ROWS
@@ -186,9 +193,15 @@ class _Job:
     rnd: SimRound | None
     rows: int
     arrived: float
-    done: object  # simpy event; value: (committed tokens, server ms)
+    done: Event  # value: (committed tokens, server ms)
     prefill_left: int = 0
     context: int = 0
+
+    def sim_round(self) -> SimRound:
+        """The round of a ROUND job (a prefill job has none)."""
+        if self.rnd is None:
+            raise CapacityError("a prefill job among a step's rounds")
+        return self.rnd
 
 
 @dataclass(eq=False)
@@ -216,7 +229,7 @@ class _Replica:
         self.last_end = -math.inf  # when the worker's last step ended (s): a later start after IDLE_GAP_MS is cold
         self.held_ms = 0.0  # loop ms that held the GIL during the running step, not yet added to it
         self.budget: RowBudget | None = None  # the server's own budget object: its choice and its learning
-        self.rule = None  # the server's own allowance rule (mode allowance)
+        self.rule: AllowanceRule | None = None  # the server's own allowance rule (mode allowance)
         if cfg.mode in ("budgeted", "allowance"):
             line = cfg.row_cost if cfg.row_cost is not None else cost.row_cost()
             free = cfg.free_rows or max(cfg.tree_rows, line.flat_rows())
@@ -243,7 +256,7 @@ class _Replica:
             self.weights = self.cpu / self.cpu.sum()
         env.process(self.worker())
 
-    def on_loop(self, ms: float) -> Iterator:
+    def on_loop(self, ms: float) -> ProcessGenerator:
         """``ms`` of the replica's event loop, after the frames queued on it before (FIFO)."""
         if ms > 0:
             with self.loop.request() as turn:
@@ -277,7 +290,7 @@ class _Replica:
             self.wake = self.env.event()
         return self.wake
 
-    def worker(self) -> Iterator:
+    def worker(self) -> ProcessGenerator:
         cfg = self.cfg
         while True:
             if not self.rounds and not self.prefills:
@@ -303,7 +316,7 @@ class _Replica:
             if batch or prefills:
                 yield from self._step(batch, prefills)
 
-    def _gather(self) -> Iterator:
+    def _gather(self) -> ProcessGenerator:
         cfg = self.cfg
         deadline = self.rounds[0].arrived + cfg.max_batch_wait_ms / 1e3
         while True:
@@ -319,7 +332,7 @@ class _Replica:
         batch, self.rounds = take_rounds(self.rounds, self.cfg.max_batch_rows)  # the scheduler's own rule
         return batch
 
-    def _run(self, ms: float) -> Iterator:
+    def _run(self, ms: float) -> ProcessGenerator:
         start = self.env.now
         if start - self.last_end >= IDLE_GAP_MS / 1e3:  # the worker waited for this job: its caches went cold
             ms *= self.cost.idle_factor
@@ -338,12 +351,15 @@ class _Replica:
         """The allowance rule learns the step (its sessions; the budget's shared state learned its ms) and the
         scored device trees it verified with the tokens each committed, then each round's reply carries its place's
         allowance (`AllowanceRule.grant`, once per reply, as the scheduler's `Session.grant`)."""
+        rule = self.rule
+        if rule is None:  # mode allowance only: _step asks with a rule
+            return
         for j, n in zip(batch, committed):
             place = PLACES[j.session.request.draft_place]
-            scores, tokens, parents = j.rnd.tree
+            scores, tokens, parents = j.sim_round().tree
             if place.trimmable and scores is not None:
-                self.rule.observe_tree(scores, tokens, parents, n)
-        self.rule.observe_step(len(batch))
+                rule.observe_tree(scores, tokens, parents, n)
+        rule.observe_step(len(batch))
         for j in batch:
             place = PLACES[j.session.request.draft_place]
             j.session.allowance = place.allowance(self.rule, self.cfg.tree_rows)
@@ -366,7 +382,7 @@ class _Replica:
             k = (k + 1) % len(self.cpu)
         return wall + need * self.cfg.slowdown
 
-    def _step(self, batch: list[_Job], prefills: list[_Job]) -> Iterator:
+    def _step(self, batch: list[_Job], prefills: list[_Job]) -> ProcessGenerator:
         cfg, cost = self.cfg, self.cost
         results: list[tuple] = []
         ms = 0.0
@@ -375,7 +391,7 @@ class _Replica:
             alloc = None
             if self.budget is not None and len(batch) > 1:
                 trees = [
-                    j.rnd.tree
+                    j.sim_round().tree
                     if PLACES[j.session.request.draft_place].trimmable  # cloud-mtp: kept whole, as the server
                     else (None, np.zeros(j.rows, np.int32), np.arange(-1, j.rows - 1))
                     for j in batch
@@ -386,12 +402,12 @@ class _Replica:
             for j, k in zip(batch, kept):
                 r = j.rows if k is None else len(k)
                 rows_kept.append(r)
-                path = j.rnd.path
+                path = j.sim_round().path
                 if k is not None:
                     keep = set(int(x) for x in k)
                     cut = next((i for i, row in enumerate(path) if row not in keep), len(path))
                     path = path[:cut]
-                results.append(j.rnd.committed[: len(path) + 1])
+                results.append(j.sim_round().committed[: len(path) + 1])
             places = [j.session.request.draft_place for j in batch]
             forward_ms, step_ms = cost.step_ms(places, rows_kept, [j.session.context for j in batch])
             if alloc is not None:  # the budget's own choosing and restricting, on the worker inside the step
@@ -403,14 +419,14 @@ class _Replica:
             self.result.forwards += 1
             self.result.rows += sum(rows_kept)
             self.result.round_sessions += len(batch)
-            if alloc is not None:
+            if alloc is not None and self.budget is not None:  # alloc: the budget's choice
                 self.result.trimmed += alloc.trimmed
                 scored = all(t[0] is not None for t in trees)
                 accepted = float(sum(len(c) - 1 for c in results)) if scored else None
                 self.budget.observe_step(step_ms, forward_ms, len(batch), accepted, alloc.expected_tokens)
             if self.rule is not None:
                 self._allow(batch, [len(c) for c in results])
-        done_prefills = []
+        done_prefills: list[_Job] = []
         used = 0
         for p in prefills:
             n = min(cfg.prefill_chunk, p.prefill_left)
@@ -456,7 +472,7 @@ def simulate(workload: Workload, cfg: SimConfig, cost, *, progress: Callable[[fl
     def one_way(nbytes: int) -> float:
         return 0.0 if link is None else link.one_way_s(nbytes)
 
-    def device(i: int) -> Iterator:
+    def device(i: int) -> ProcessGenerator:
         k = 0
         while env.now < cfg.duration_s:
             req = workload.requests(i, k)

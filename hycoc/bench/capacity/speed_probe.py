@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # imported where the sampler process starts
+    import subprocess
 
 #: Recorded rounds replayed per probe repeat (the first ones of the request), and repeats per `SpeedProbe.measure`:
 #: ~3 x 24 steps of the toy's 33-row rounds, ~1.2 s on a 2-core CPU.
@@ -141,6 +145,8 @@ class SpeedSampler:
     cold steps (the idle factor's kind) in every window alike. Use as a context manager; raises RuntimeError when the
     process dies before its first sample."""
 
+    proc: subprocess.Popen | None
+
     def __init__(self, recipe_path, trace_path, request, out: Path, *, interval_s: float = SAMPLE_INTERVAL_S):
         self.args = (str(recipe_path), str(trace_path), request.config, int(request.question_id), str(out))
         self.out, self.interval_s, self.proc = Path(out), interval_s, None
@@ -151,14 +157,14 @@ class SpeedSampler:
 
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.out.write_text("", encoding="utf-8")
-        self.proc = subprocess.Popen(
+        self.proc = proc = subprocess.Popen(
             [sys.executable, "-m", "hycoc.bench.capacity.speed_probe", *map(str, self.args), str(self.interval_s)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
         )
         deadline = time.time() + 120.0
         while not self.samples():
-            if self.proc.poll() is not None or time.time() > deadline:
+            if proc.poll() is not None or time.time() > deadline:
                 self.__exit__(None, None, None)
                 raise RuntimeError(
                     "the speed sampler process gave no sample (hycoc.bench.capacity.speed_probe); report this"
@@ -201,4 +207,4 @@ __all__ = ["PROBE_REPEATS", "PROBE_ROUNDS", "SAMPLE_INTERVAL_S", "SpeedProbe", "
 if __name__ == "__main__":  # the sampler process (SpeedSampler): RECIPE TRACE CONFIG QUESTION_ID OUT INTERVAL_S
     import sys
 
-    _sample_main(*sys.argv[1:4], int(sys.argv[4]), sys.argv[5], float(sys.argv[6]))
+    _sample_main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], float(sys.argv[6]))

@@ -19,8 +19,9 @@ from hycoc.table5 import CONFIGURATIONS
 #: `hycoc verify-server` uses (one value: `hycoc.verifier.kv_cache.DEFAULT_PREFILL_CHUNK`).
 PREFILL_CHUNK = 512
 
-#: bench configuration (Table 5) -> the draft place its sessions use (`hycoc.table5`), those with a verifier.
-DRAFT_PLACE_OF = {c.name: c.draft_place for c in CONFIGURATIONS if c.verifier}
+#: bench configuration (Table 5) -> the draft place its sessions use (`hycoc.table5`), those with a verifier (a
+#: draft place: `Configuration.verifier`).
+DRAFT_PLACE_OF = {c.name: c.draft_place for c in CONFIGURATIONS if c.draft_place is not None}
 
 
 class CostModelError(ValueError):

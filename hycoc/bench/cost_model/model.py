@@ -66,9 +66,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -83,7 +83,7 @@ from hycoc.bench.cost_model.forwards import (  # re-exported: the forwards a rou
     round_place,
 )
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION: Final = 2
 #: Schema versions `load_cost_model` reads (1: verification points only, no ``kind``).
 READABLE_SCHEMAS = (1, 2)
 
@@ -327,7 +327,7 @@ class CostModel(BaseModel):
 
 
 def request_forwards(
-    record: dict,
+    record: Mapping[str, Any],
     *,
     chain_length: int | None = None,
     head_window: int | None = None,
@@ -365,7 +365,8 @@ def request_forwards(
     for i, (r, t) in enumerate(zip(rows, ctx)):
         if place.server_chain_before:  # the recorded rows are the root and the server's chain
             groups.append(round_forwards(name, int(r), int(t), head_steps=int(r) - 1))
-        elif place.server_chain_after:  # the next chain after every round but the request's last
+        elif place.server_chain_after and chain_length is not None and head_window is not None:  # both: checked above
+            # the next chain after every round but the request's last
             last = i == len(rows) - 1
             t_next = int(ctx[i + 1]) if not last else int(t)
             steps = 0 if last else place.head_steps(int(chain_length))
@@ -377,7 +378,7 @@ def request_forwards(
     return groups
 
 
-def projected_server_ms(model: CostModel, rounds: Iterable[tuple[int, int]] | Iterable[Sequence[Forward]]) -> float:
+def projected_server_ms(model: CostModel, rounds: Iterable[Sequence[Any]]) -> float:
     """Projected server ms on the cost model's device. ``rounds``: either (rows, context) pairs, one per
     verification round (the verify forwards alone), or groups of `Forward` (`round_forwards`, `request_forwards`:
     every forward the server ran). Raises CostModelError as `CostModel.predict`."""
@@ -437,7 +438,11 @@ def sample_quantile(statistic: str) -> float:
 
 
 def interpolate(
-    rows_grid: Sequence[float], context_grid: Sequence[float], tables: np.ndarray, rows, context
+    rows_grid: Sequence[float] | np.ndarray,
+    context_grid: Sequence[float] | np.ndarray,
+    tables: np.ndarray,
+    rows,
+    context,
 ) -> np.ndarray:
     """The cost model's interpolation (module docstring): ms of forwards with ``rows`` rows after ``context`` cached
     positions, read off each grid of ``tables``. Bilinear inside the grid; along context held below its smallest

@@ -22,6 +22,7 @@ import zlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -254,7 +255,8 @@ def _unchecked(req: OpenRequest) -> bytes:
 
 def _bad_utf8(rng: random.Random, t: Target, what: str) -> bytes:
     """An OPEN whose auth token or chat contract is not utf-8 (its last byte a lone continuation byte)."""
-    frame = bytearray(wire.encode(valid_open(rng, t, **{what: "abcd"})))
+    given: dict[str, Any] = {what: "abcd"}  # auth_token or chat
+    frame = bytearray(wire.encode(valid_open(rng, t, **given)))
     if what == "auth_token":  # the token lies before the chat (absent here): the last 4 bytes
         frame[-1] = 0xBF
     else:
@@ -277,29 +279,32 @@ def session_cases(rng: random.Random, t: Target, root: int, seq: int) -> list[Ca
     before the turn finished, OPEN again, CLOSE of another session, the in-session frame bound."""
     f = frozenset
     good = chain(t, root, seq, rng)
+    scores = good.scores
+    if scores is None:  # never: chain scores every row
+        raise ValueError("session_cases needs a scored chain")
     cases = []
 
     def tree(name: str, allowed, **change) -> None:
-        d = dict(seq=good.seq, tokens=good.tokens.copy(), parents=good.parents.copy(), scores=good.scores.copy())
+        d = dict(seq=good.seq, tokens=good.tokens.copy(), parents=good.parents.copy(), scores=scores.copy())
         d.update(change)
         cases.append(Case(name, "session", _tree_frame(**d), f(allowed)))
 
     r = t.tree_rows
     tree("round_rows_over", {"wrong_row_count"}, tokens=np.append(good.tokens, good.tokens[-1]),
-         parents=np.append(good.parents, good.parents[-1]), scores=np.append(good.scores, good.scores[-1]))  # fmt: skip
+         parents=np.append(good.parents, good.parents[-1]), scores=np.append(scores, scores[-1]))  # fmt: skip
     bad_parents = good.parents.copy()
     bad_parents[rng.randrange(1, r)] = rng.choice([r, 2**15 - 1, -2])
     tree("round_bad_parent", {"bad_parent"}, parents=bad_parents)
     oov = good.tokens.copy()
     oov[rng.randrange(r)] = rng.choice([t.vocab_size, 2**31 - 1, -5])
     tree("round_token_out_of_vocab", {"token_out_of_vocab"}, tokens=oov)
-    s = good.scores.copy()
+    s = scores.copy()
     s[0] = 1.0
     tree("round_root_score", {"bad_scores"}, scores=s)
-    s = good.scores.copy()
+    s = scores.copy()
     s[rng.randrange(1, r)] = rng.choice([NAN, INF])
     tree("round_score_not_finite", {"not_finite", "bad_scores"}, scores=s)
-    s = good.scores.copy()
+    s = scores.copy()
     s[r - 1] = 5.0
     tree("round_score_above_parent", {"bad_scores"}, scores=s)
     tree("round_future_seq", {"bad_seq"}, seq=seq + rng.randint(2, 2**31))
@@ -382,7 +387,7 @@ async def _ask(ws, frame: bytes | str) -> tuple[str, object]:
 
     try:
         await ws.send(frame)
-        data = await asyncio.wait_for(ws.recv(), ANSWER_TIMEOUT_S)
+        data = await asyncio.wait_for(ws.recv(decode=False), ANSWER_TIMEOUT_S)  # the protocol is binary
     except ConnectionClosed:
         return CLOSED, None
     if isinstance(data, bytes) and len(data) >= wire.HEADER.size:
@@ -419,13 +424,14 @@ async def _connection(
             outcome, _ = await _ask(ws, case.frame)
             stats.record(case, outcome)
             return
-        open_case = Case("valid_open", "bare", wire.encode(valid_open(rng, t, max_new_tokens=1)), frozenset({ANSWERED}))
+        open_frame = wire.encode(valid_open(rng, t, max_new_tokens=1))
+        open_case = Case("valid_open", "bare", open_frame, frozenset({ANSWERED}))
         outcome, opened = await _ask(ws, open_case.frame)
         stats.record(open_case, outcome, getattr(opened, "message", ""))
         if not isinstance(opened, Opened):
             return
         stats.sessions += 1
-        root = int(wire.decode(open_case.frame).prompt_ids[-1])
+        root = int(wire.decode(open_frame).prompt_ids[-1])
         for case in _with_big(rng.sample(session_cases(rng, t, root, 0), k=rng.randint(1, 8)), rng, t, "session",
                               big_share):  # fmt: skip
             outcome, _ = await _ask(ws, case.frame)
@@ -435,11 +441,12 @@ async def _connection(
         if rng.random() < 0.1:  # a client that goes away mid-session
             ws.transport.abort()
             return
-        round_case = Case("valid_round", "session", wire.encode(chain(t, root, 0, rng)), frozenset({ANSWERED}))
+        round_frame = wire.encode(chain(t, root, 0, rng))
+        round_case = Case("valid_round", "session", round_frame, frozenset({ANSWERED}))
         outcome, reply = await _ask(ws, round_case.frame)
         stats.record(round_case, outcome, getattr(reply, "message", ""))
         if isinstance(reply, RoundReply) and reply.finished:
-            held = _held_ids(open_case.frame, round_case.frame, reply, opened.stop_ids)
+            held = _held_ids(open_frame, round_frame, reply, opened.stop_ids)
             for case in rng.sample(finished_cases(rng, t, len(held), zlib.crc32(np.asarray(held, "<i4").tobytes())),
                                    k=rng.randint(1, 5)):  # fmt: skip
                 outcome, _ = await _ask(ws, case.frame)

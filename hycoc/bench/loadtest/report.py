@@ -125,7 +125,7 @@ def summarize_run(
     before, after = metrics_before or {}, metrics_after or {}
     ramp = max(stats.first_round_s.values()) if len(stats.first_round_s) >= sessions else None
     steady = ramp is not None and ramp < duration_s
-    start = ramp if steady else 0.0
+    start = ramp if ramp is not None and steady else 0.0
     rounds = [r for r in stats.rounds if start < r.t_done <= duration_s]
     tokens = sum(r.committed for r in rounds)
     whole = sum(r.committed for r in stats.rounds if r.t_done <= duration_s)

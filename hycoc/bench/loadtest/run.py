@@ -178,7 +178,7 @@ async def replay_request(
 
             async def ask(frame: bytes):
                 await ws.send(frame)
-                return wire.decode(await asyncio.wait_for(ws.recv(), ANSWER_TIMEOUT_S), limits)
+                return wire.decode(await asyncio.wait_for(ws.recv(decode=False), ANSWER_TIMEOUT_S), limits)  # binary
 
             sent = loop.time()
             request = req.open_request()  # with the recorded drafting ms per round (protocol 6)
@@ -572,7 +572,7 @@ def run_loadtest(
     chain_rows: dict[str, int] = {}  # K + 1 per mode's server (/healthz chain_length; 0 for an older server)
     replays: dict[str, list[str]] = {}  # what each mode's devices replay: ``configs``, or a MODE:CONFIG entry's own
     try:
-        for entry in modes or [None]:  # every server up first: the runs then alternate between them
+        for entry in modes if modes else [None]:  # every server up first: the runs then alternate between them
             asked, own = split_mode(entry)
             if server_url is None:
                 console.print(
@@ -585,6 +585,8 @@ def run_loadtest(
                         else " (this verify-server has no --batching)"
                     )
                 )
+                if recipe_path is None:
+                    raise LoadTestError("without --server the load test starts hycoc verify-server: give its recipe")
                 procs.append(ServerProcess(recipe_path, batching=asked if pass_flag else None, keep_set=keep_set))
                 url, health = procs[-1].url, procs[-1].health
             else:
@@ -638,14 +640,14 @@ def run_loadtest(
                         note=f"{len(stats.rounds):,} rounds, {sum(stats.errors.values())} errors",
                     )
                 after = scrape_metrics(url)
-                load = tuple(round(x, 2) for x in load + os.getloadavg())
+                loads = tuple(round(x, 2) for x in load + os.getloadavg())
                 windows.append({"mode": mode, "sessions": n, "epoch_s": [started, time.time()]})
-                row = summarize_run(mode, n, duration_s, stats, before, after, load)
-                if speed is not None:
+                row = summarize_run(mode, n, duration_s, stats, before, after, loads)
+                if speed is not None and probe is not None:  # speed: measured by probe
                     row["speed_probe_ms"] = [*speed, probe(), probe()]
                 row["projection"] = project(row, cost_model)
                 rows.append(row)
-                console.print(run_summary_lines(mode, n, row, load), soft_wrap=True)
+                console.print(run_summary_lines(mode, n, row, loads), soft_wrap=True)
     finally:
         for proc in procs:
             proc.stop()

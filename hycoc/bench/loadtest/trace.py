@@ -475,9 +475,12 @@ def record_trace(
     try:
         # whole trees every round (a recording holds what the device drafts unconstrained; replays trim them)
         with ServerThread(engine, **server_options(recipe, allowance="fixed")) as srv:
+            url = srv.url
+            if url is None:  # never: entering the block started it listening
+                raise RuntimeError("the verifier server thread is not listening")
             for config in configs:
                 for q in questions:
-                    client = RecordingClient(VerifierClient(srv.url, timeout_s=600), lambda: rt.mtp.cpu_ms)
+                    client = RecordingClient(VerifierClient(url, timeout_s=600), lambda: rt.mtp.cpu_ms)
                     prompt = rt.bundle.chat.prompt(q.turns[0])
                     res = rt.generate(
                         client,
@@ -487,6 +490,8 @@ def record_trace(
                         sampling=sampling,
                         epsilon=recipe.acceptance.epsilon,
                     )
+                    if client.request is None:  # never: generate opens the session first
+                        raise RuntimeError(f"{config} question {q.question_id}: the request opened no session")
                     requests.append(
                         request_trace(
                             config, q.question_id, client.request, client.rounds, len(res.tokens), res.finish_reason

@@ -157,7 +157,7 @@ def profile_bundle(
     hub = check_setup() if hub is None else hub
     dev = resolve_device(hub, device, manifest.target.htp_arch)
     uploaded: dict[str, Any] = {}
-    result = {
+    result: dict[str, Any] = {
         "kind": "profile",
         "device": dev.name,
         "device_validated": dev.validated,

@@ -56,7 +56,7 @@ def long_context_rows(records: list[dict], summary: dict[str, dict[str, Any]], s
             "first_reply_bytes_p50": _p50([float(r["bytes_down"][0]) for r in recs if r.get("bytes_down")]),
             "slm_prefill_ms_p50": _p50([float(r["slm_prefill_ms"]) for r in recs]) if uses_slm else None,
             "slm_prefill_positions": (
-                min(int(_p50([float(r["prompt_tokens"]) for r in recs])) - 1, slm_window) if uses_slm else None
+                min(int(np.median([float(r["prompt_tokens"]) for r in recs])) - 1, slm_window) if uses_slm else None
             ),
             "unfinished_by_length": sum(1 for r in recs if r.get("finished") is False),
         }

@@ -69,11 +69,12 @@ def write_plots(
 
     fig = Figure(figsize=(7.5, 5.5))
     ax = fig.add_subplot()
-    shown = []
+    shown: list[tuple[str, float, float, str]] = []
     for i, n in enumerate(names):
         s = summary[n]
         mat, g, gp = _num(s.get("mat")), _num(s.get("g_ms_per_token")), _num(s.get("g_projected_ms_per_token"))
-        if mat is None or (g is None and gp is None):
+        at = g if g is not None else gp
+        if mat is None or at is None:  # no MAT, or neither g
             continue
         color = f"C{i % 10}"
         if g is not None:
@@ -91,7 +92,7 @@ def write_plots(
             )
             if g is not None:
                 ax.plot([g, gp], [mat, mat], color=color, lw=0.8, ls=":")
-        shown.append((n, g if g is not None else gp, mat, color))
+        shown.append((n, at, mat, color))
     if shown:
         xs = [x for _, x, _, _ in shown] + [
             _num(summary[n].get("g_projected_ms_per_token")) or x for n, x, _, _ in shown
@@ -131,7 +132,7 @@ def write_plots(
     ax = fig.add_subplot()
     if cfgs and cats:
         width = 0.8 / len(cfgs)
-        x = np.arange(len(cats))
+        ticks = np.arange(len(cats))
         for j, n in enumerate(cfgs):
             pcs = summary[n]["per_category"]
             vals = [_num((pcs.get(c) or {}).get("delta_g_pct")) for c in cats]
@@ -139,7 +140,7 @@ def write_plots(
             lo = [v - ci[0] if v is not None and ci else 0.0 for v, ci in zip(vals, cis)]
             hi = [ci[1] - v if v is not None and ci else 0.0 for v, ci in zip(vals, cis)]
             bars = ax.bar(
-                x + (j - (len(cfgs) - 1) / 2) * width,
+                ticks + (j - (len(cfgs) - 1) / 2) * width,
                 [np.nan if v is None else v for v in vals],
                 width,
                 label=n,
@@ -149,7 +150,7 @@ def write_plots(
                 error_kw={"elinewidth": 0.8, "ecolor": "black"},
             )
             ax.bar_label(bars, labels=["" if v is None else f"{v:+.0f}" for v in vals], fontsize=6, padding=2)
-        ax.set_xticks(x)
+        ax.set_xticks(ticks)
         ax.set_xticklabels(cats, rotation=30, ha="right")
         ax.axhline(0.0, color="black", lw=0.8)
         ax.legend(fontsize=7)

@@ -107,7 +107,7 @@ def main_table(
             _fmt(s.get("draft_ms_per_token"), ".1f"),
             _fmt(s.get("first_token_ms_p50"), ".0f"),
             "–" if _num(up) is None and _num(down) is None else f"{_fmt(up, ',.0f')} / {_fmt(down, ',.0f')}",
-            _fmt(None if _num(share) is None else 100.0 * float(share), ".1f"),
+            _fmt(None if (pct := _num(share)) is None else 100.0 * pct, ".1f"),
         ]
         rows.append(row)
     return TextTable(title=title, headers=headers, rows=rows, caption=legend)
@@ -185,7 +185,7 @@ def quality_table(
             cell = _quality_cell(s, m.key, n == baseline)
             row.append(cell + ("!" if ((q.get("metrics") or {}).get(m.key) or {}).get("worse_than_baseline") else ""))
         lp, lpd = q.get("verifier_logprob"), q.get("verifier_logprob_delta")
-        row.append(_fmt(lp, ".3f") + ("" if n == baseline or _num(lpd) is None else f" ({float(lpd):+.3f})"))
+        row.append(_fmt(lp, ".3f") + ("" if n == baseline or (delta := _num(lpd)) is None else f" ({delta:+.3f})"))
         row.append(_quality_flags(s))
         rows.append(row)
     return TextTable(title=title, headers=headers, rows=rows, caption=caption)

@@ -97,10 +97,10 @@ def run_requests(
                 q = req.question
                 progress.update(task, description=f"q{q.question_id} {req.config:12s}")
                 client = None
-                if req.mode != "slm-alone":
+                if req.mode != "slm-alone" and server is not None:  # started: a request needs it (needs_server)
                     client = VerifierClient(server.url, timeout_s=600, link=link_model, sleep=lambda s: None)
                 two = turns > 1 and len(q.turns) > 1 and client is not None
-                pid = server.proc.pid if client is not None else None
+                pid = server.proc.pid if client is not None and server is not None else None
                 cpu0 = process_cpu_ms(pid) if pid is not None else None
                 res = rt.generate(
                     client,
@@ -125,11 +125,12 @@ def run_requests(
                         server_busy_ms=busy_since(pid, cpu0),
                     )
                 ]
-                if two and res.finish_reason == "length":  # the context is full: no room for a second turn
+                # two implies a client, so a server: the `is not None` tests below say so to the type checker
+                if two and client is not None and res.finish_reason == "length":  # context full: no second turn
                     client.close()
                     total -= 1
                     progress.update(task, total=total)
-                elif two:
+                elif two and client is not None and server is not None:
                     recs.append(
                         second_turn(
                             rt,

@@ -45,6 +45,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hycoc.bench.datasets import LONG_SUMMARY_CATEGORY, Question
 from hycoc.bench.paper.records import (
@@ -216,7 +217,7 @@ def _run_bench(
     score_answers(recipe, records, prompts)
     cost, cost_note = cost_model_for(recipe, records, cost_model_path, out, console, remeasure=remeasure_cost_model)
     summary = summarize(records, cost_model=cost, server=server_work(recipe))
-    results = {
+    results: dict[str, Any] = {
         "meta": {
             "recipe": str(recipe_path),
             "bundle": str(bundle_dir),

@@ -109,8 +109,8 @@ def pair_records(recs: Sequence[Record], base: Sequence[Record]) -> list[tuple[R
     """
     by_key = {(b.get("question_id"), b.get("turn", 1), b.get("run", 0)): b for b in base}
     by_q: dict[Any, list[Record]] = defaultdict(list)
-    for b in base:
-        by_q[(b.get("question_id"), b.get("turn", 1))].append(b)
+    for rec in base:
+        by_q[(rec.get("question_id"), rec.get("turn", 1))].append(rec)
     pairs = []
     for r in recs:
         q = (r.get("question_id"), r.get("turn", 1))

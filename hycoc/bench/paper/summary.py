@@ -276,6 +276,9 @@ class _Projection:
     """A record's forwards (`hycoc.bench.cost_model.model.request_forwards`) through ``cost_model``: ``total(r)`` ms of
     every forward, ``parts(r)`` {kind: ms}, ``rounds(r)`` [ms per round]. Predictions are cached per forward."""
 
+    server: dict[str, Any]  # request_forwards' keyword arguments (ints, prefill a bool)
+    _ms: dict[Any, float]  # Forward -> ms
+
     def __init__(self, cost_model: Any, server: dict[str, int] | None):
         self.model, self.server, self._ms = cost_model, dict(server or {}), {}
         # a model without prefill points (schema 1, or a hand-made stand-in) projects the rounds alone
@@ -366,7 +369,8 @@ def flag_quality(summary: dict[str, ConfigSummary], alpha: float = FLAG_ALPHA) -
     family = [
         (name, key) for name, s in summary.items() for key, m in s.quality.metrics.items() if m.p_worse is not None
     ]
-    adjusted, rejected = holm([summary[n].quality.metrics[k].p_worse for n, k in family], alpha)
+    pvalues = [summary[n].quality.metrics[k].p_worse for n, k in family]
+    adjusted, rejected = holm([p for p in pvalues if p is not None], alpha)  # every one: family has a p_worse
     for (name, key), p, flag in zip(family, adjusted, rejected):
         m = summary[name].quality.metrics[key]
         m.p_holm, m.worse_than_baseline = p, flag

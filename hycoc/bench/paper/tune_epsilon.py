@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -61,7 +61,7 @@ def _content(message: Any) -> str | None:
 
 
 def load_validation(
-    path: Path, count: int, *, benchmark_turns: set[str] = frozenset(), keep_set_corpus: Path | None = None
+    path: Path, count: int, *, benchmark_turns: Collection[str] = frozenset(), keep_set_corpus: Path | None = None
 ) -> list[Question]:
     """The first ``count`` conversations of the validation JSONL at ``path`` as Questions: question_id = the
     line number, category ``"validation"``, turns = (first user turn,), reference = (first assistant turn,) or None.
@@ -218,9 +218,15 @@ def choose_epsilon(rows: Sequence[SweepRow], tol: Tolerance) -> SweepRow:
     ok = [r for r in rows if r.admissible and r.g is not None and math.isfinite(r.g)]
     if not ok:
         raise TuneError("no admissible epsilon with a g: the sweep needs its exact-acceptance row")
-    best = min(r.g for r in ok)
-    tied = [r for r in ok if r.g <= best * (1.0 + tol.g_tie_pct / 100.0)]
+    best = min(r.g for r in ok if r.g is not None)  # every one (ok)
+    tied = [r for r in ok if r.g is not None and r.g <= best * (1.0 + tol.g_tie_pct / 100.0)]
     return max(tied, key=lambda r: r.epsilon)
+
+
+def _rule_text() -> str | None:
+    """The rule of `choose_epsilon`'s docstring, recorded with the result; None under ``python -OO`` (no docstrings)."""
+    doc = choose_epsilon.__doc__
+    return None if doc is None else doc.split("Rule:", 1)[1].split("Sets each row", 1)[0].strip()
 
 
 def rows_from_summary(summary: dict[str, dict[str, Any]], labels: dict[str, float]) -> list[SweepRow]:
@@ -352,7 +358,7 @@ def run_tune(
     score_quality(records, by_id)
     for r in records:  # informational: overlap with the validation set's own answer (a sample, not a gold answer)
         ref = by_id[r["question_id"]].reference
-        r["quality"]["rouge_l"] = rouge_l(r.get("text") or "", ref[0]) if ref else None
+        r["quality"]["rouge_l"] = rouge_l(r.get("text") or "", ref[0]) if ref and isinstance(ref[0], str) else None
     cost, cost_note = cost_model_for(recipe, records, cost_model_path, plan.out, console)
     summary = summarize(records, baseline=EXACT, cost_model=cost)
     rows = rows_from_summary(summary, labels)
@@ -368,7 +374,7 @@ def run_tune(
             "temperature": plan.temperature,
             "cost_model": cost_note,
         },
-        "rule": choose_epsilon.__doc__.split("Rule:", 1)[1].split("Sets each row", 1)[0].strip(),
+        "rule": _rule_text(),
         "tolerance": asdict(plan.tolerance),
         "rows": [asdict(r) for r in rows],
         "chosen_epsilon": chosen.epsilon,

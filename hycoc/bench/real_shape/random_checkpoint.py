@@ -166,7 +166,7 @@ def write_random_checkpoint(
             continue
         put(key, torch.ones(tuple(t.shape), dtype=torch.float32))
     flush()
-    index = {
+    index: dict[str, Any] = {
         "metadata": {"total_size": int(sum((path / f).stat().st_size for f, _ in files))},
         "weight_map": {k: f for f, keys in files for k in keys},
     }

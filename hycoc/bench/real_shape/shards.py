@@ -128,7 +128,7 @@ def shard_graph(c, s: Shards, k: int):
     import torch
 
     from hycoc.passes.qdq.quantize import slm_calibration_samples
-    from hycoc.passes.slm.graph import SlmTreeGraph, chain_feeds
+    from hycoc.passes.slm.graph import IntegerLinear, SlmTreeGraph, chain_feeds
 
     slm, a = c.state["slm"], c.args
     g = SlmTreeGraph(slm, s.keep, rows=a.rows, ring=s.ring, bounds=s.bounds, shard=k)
@@ -148,7 +148,7 @@ def shard_graph(c, s: Shards, k: int):
         "borrowed_producers": g.borrowed,
         "inputs": {nm: list(v) for nm, v in g.input_shapes.items()},
         "outputs": {nm: list(v) for nm, v in g.output_shapes.items()},
-        "linear_values": sum(int(m.q.numel()) for m in g.modules() if hasattr(m, "bits")),
+        "linear_values": sum(int(m.q.numel()) for m in g.modules() if isinstance(m, IntegerLinear)),
     }
     return (g, samples), 0, details
 
@@ -233,6 +233,8 @@ def shard_sim(c, s: Shards, cg, qdq_path: Path):
     from hycoc.passes.slm.graph import chain_feeds
     from hycoc.targets.htp import HtpSession
 
+    if s.host_samples is None:  # made by shard_graph (graph.s0), which runs first
+        raise RuntimeError("sim.sK needs the host samples of graph.s0: run shard_graph first")
     host = s.host_samples[0]
     t0 = time.perf_counter()
     sess = HtpSession(cg.ctx_model, c.profile)
