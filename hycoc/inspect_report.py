@@ -95,12 +95,13 @@ def recipe_report(config, device=None) -> dict:
 
     ``device``: a `hycoc.targets.profiles.DeviceEntry` (``hycoc inspect RECIPE --device NAME``): the plan is made for
     that device's arch, SoC and context limit (`hycoc.passes.build.recipe_for_target`), and graphs over its limit are
-    refused (`hycoc.passes.plan.check_context_budget`). Raises `hycoc.passes.plan.PlanError` (a missing or wrong
+    refused (`hycoc.passes.plan_budgets.check_context_budget`). Raises `hycoc.passes.plan.PlanError` (a missing or wrong
     model folder, named before any shape is compared; a graph over the device's limit, with the sizes) and
     `hycoc.passes.build.BuildError` (a recipe the device cannot run: 16-bit activations on v68)."""
     from hycoc.chat_template import chat_summary
     from hycoc.device_time import plan_estimate
-    from hycoc.passes.plan import check_context_budget, real_shape_plan
+    from hycoc.passes.plan import real_shape_plan
+    from hycoc.passes.plan_budgets import check_context_budget
 
     if device is not None:
         from hycoc.passes.build import recipe_for_target
