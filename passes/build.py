@@ -470,7 +470,7 @@ def host_info(head_config: dict, slm, inclusive: bool = True) -> Any:
     ``[window] head_sliding_window_inclusive`` (the head's sliding positions, `hycoc.host.head_sliding_positions`)."""
     from hycoc.passes.slm_graph import text_config
 
-    from hycoc.bundle import HeadHostInfo, HostInfo, LutInfo, SlmHostInfo
+    from hycoc.bundle_constants import HeadHostInfo, HostInfo, LutInfo, SlmHostInfo
     from hycoc.host import head_sliding_positions
 
     text = head_config.get("text_config") or head_config
@@ -511,7 +511,7 @@ def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: s
     from hycoc.passes.bundle_io import graph_io_from_onnx, manifest_sections
     from hycoc.targets.profiles import get_profile, profile_for
 
-    from hycoc.bundle import BundleWriter
+    from hycoc.bundle_writer import BundleWriter
     from hycoc.device_time import onnx_graph_cost
 
     a = result.artifacts
