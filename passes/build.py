@@ -66,7 +66,7 @@ def check_recipe_capabilities(recipe: Recipe, profile, device: DeviceEntry | Non
     "Targets by device"): 16-bit activations (the head's graphs are always A16, `hycoc.passes.head_export`; the
     SLM's when ``slm_calibration.activation_bits`` = 16) on a profile with ``supports_16bit_ops`` False, and 4-bit
     weight storage (``head_qat.weight_bits`` 4, or 2 stored as int4) on one without ``supports_int4_weights``.
-    The compile step checks each graph again (`hycoc.targets.htp.check_capabilities`); this check only fails
+    The compile step checks each graph again (`hycoc.targets.htp_checks.check_capabilities`); this check only fails
     earlier. Raises BuildError naming the profile, the recipe fields and a target that can."""
     what = f"{profile.name} ({device.name if device else profile.description.split(' — ')[0]})"
     needs = []
