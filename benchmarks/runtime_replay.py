@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         type=int,
         default=1,
         help="intra-op threads per graph session (default 1; 0 = onnxruntime's default pool, one "
-        "thread per core: `hycoc.runtime.graphs.cpu_session_options`)",
+        "thread per core: `hycoc.runtime.graph_sessions.cpu_session_options`)",
     )
     args = ap.parse_args(argv)
 

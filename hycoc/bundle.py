@@ -8,15 +8,13 @@ QNN SDK versions), the round constants (K, D, B, W, λ, ε, sampling; Alg. 1-4),
 and six scales, every file's size and sha256, and every graph's inputs and outputs with shapes, dtypes and
 quantization encodings.
 
-This module is core: stdlib, pydantic, the recipe's tables (`hycoc.recipe.sections`, whose ranges the round
-constants take) and the protocol's messages (numpy); no torch, no onnx, because the phone's runtime imports it.
-The build side that reads ONNX graphs is ``passes/bundle_io.py``.
+This module is core: stdlib, pydantic, the manifest's constants (`hycoc.bundle_constants`: the round constants,
+whose ranges are the recipe's, integer widths, hand-off scales, host constants) and the chat format; no torch, no
+onnx, because the phone's runtime imports it. The build side that reads ONNX graphs is ``passes/bundle_io.py``.
 
-Writing (`BundleWriter`): files go into a hidden temporary sibling of the output folder
-(``.NAME.partial-XXXX``); `BundleWriter.commit` hashes them, writes ``manifest.json`` last and renames the
-folder into place. An exception before `commit` (or `abort`) removes the temporary folder, so the output folder
-is either the old bundle, or absent, or complete. A process killed outright can leave a ``.NAME.partial-*``
-sibling behind (never the bundle itself); delete it by hand.
+Writing (`hycoc.bundle_writer.BundleWriter`): files go into a hidden temporary sibling of the output folder,
+``manifest.json`` is written last and the folder renamed into place, so the output folder is either the old bundle,
+or absent, or complete.
 
 Loading (`load_manifest`): every refusal is a `BundleError` subclass with a one-line message naming the bundle,
 the file or key, both values where two disagree, and what to do. The manifest covers itself: ``digest`` is the
@@ -30,19 +28,14 @@ import hashlib
 import json
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterable, Mapping
-from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal, cast, get_args
+from typing import Literal
 
-import annotated_types
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
+from pydantic import Field, ValidationError, field_validator, model_serializer, model_validator
 
+from hycoc.bundle_constants import HandoffInfo, HostInfo, ManifestModel, Quantization, RoundConstants
 from hycoc.chat import ChatFormat
-from hycoc.protocol.messages import Sampling
-from hycoc.recipe import sections as recipe_sections
 
 #: 2: the manifest carries ``digest``, the sha256 of its own canonical content (docs/design.md "Bundle": an edited
 #: manifest value is refused like an edited file).
@@ -110,18 +103,14 @@ class GraphIOMismatch(BundleError):
 # ---- the manifest -------------------------------------------------------------------------------------------
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
-class RecipeRef(_Model):
+class RecipeRef(ManifestModel):
     """The recipe a bundle was built from."""
 
     name: str = Field(min_length=1, description="recipe.name")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Recipe.content_hash(): sha256 of its canonical JSON")
 
 
-class HubInfo(_Model):
+class HubInfo(ManifestModel):
     """How Qualcomm AI Hub made a ``--target qai-hub`` bundle (`hycoc.targets.qai_hub`): the device as AI Hub names
     it, whether ``get_devices`` confirmed it, the job ids, the QAIRT version AI Hub reported for the linked context
     binary, and each graph's name inside that binary."""
@@ -134,7 +123,7 @@ class HubInfo(_Model):
     graph_names: dict[str, str] = Field(default_factory=dict, description="graph -> its QNN graph name in the binary")
 
 
-class TargetInfo(_Model):
+class TargetInfo(ManifestModel):
     """What the bundle was compiled for, and the tool versions that compiled it (None where not known).
 
     ``hub``: present only in bundles AI Hub compiled (``--target qai-hub``); absent from the JSON otherwise, so
@@ -158,142 +147,7 @@ class TargetInfo(_Model):
         return data
 
 
-#: The recipe's tables that hold round constants, by ``[section]`` name (`hycoc.recipe.document.Recipe`'s fields).
-ROUND_TABLES: dict[str, type[BaseModel]] = {
-    "tree": recipe_sections.Tree,
-    "window": recipe_sections.Window,
-    "acceptance": recipe_sections.Acceptance,
-    "sampling": recipe_sections.Sampling,
-}
-
-_BOUNDS = (
-    ("gt", annotated_types.Gt),
-    ("ge", annotated_types.Ge),
-    ("lt", annotated_types.Lt),
-    ("le", annotated_types.Le),
-)
-
-
-def _from_recipe(key: str) -> Any:
-    """The field of a round constant read from the recipe key ``key`` (``"tree.chain_length"``): that key's range
-    and description (`ROUND_TABLES`), no default (a manifest names every constant); the key itself is the field's
-    ``recipe`` JSON-schema extra, which `ROUND_SOURCES` reads back. Raises TypeError for a constraint other than a
-    bound, so a new kind of range cannot be dropped on the way."""
-    section, name = key.split(".")
-    source = ROUND_TABLES[section].model_fields[name]
-    bounds = {}
-    for meta in source.metadata:
-        kind = next((k for k, cls in _BOUNDS if isinstance(meta, cls)), None)
-        if kind is None:
-            raise TypeError(f"recipe key {key}: constraint {meta!r} has no round-constant counterpart")
-        bounds[kind] = getattr(meta, kind)
-    return Field(description=source.description, json_schema_extra={"recipe": key}, **bounds)
-
-
-class RoundConstants(_Model):
-    """The round's constants (Alg. 1-4, Table 5): the recipe's device-visible keys, named as in the recipe.
-
-    Each field is derived from its recipe key (`_from_recipe`: same range, same description; the type is restated
-    for readers and type checkers, and tests/test_round_constants.py holds it to the recipe's), and
-    `RoundConstants.from_recipe` fills every field from that key; `ROUND_SOURCES` maps each field to its key."""
-
-    chain_length: int = _from_recipe("tree.chain_length")
-    sibling_depth: int = _from_recipe("tree.sibling_depth")
-    node_budget: int = _from_recipe("tree.node_budget")
-    head_window: int = _from_recipe("window.head_window")
-    slm_window: int = _from_recipe("window.slm_window")
-    slm_sliding_window: int = _from_recipe("window.slm_sliding_window")
-    head_query_position_offset: Literal[-1, 0] = _from_recipe("window.head_query_position_offset")
-    depth_cost: float = _from_recipe("tree.depth_cost")
-    epsilon: float = _from_recipe("acceptance.epsilon")
-    acceptance_mode: Literal["epsilon", "exact"] = _from_recipe("acceptance.mode")
-    slm_candidates: int = _from_recipe("tree.slm_candidates")
-    slm_passes: Literal[1, 2] = _from_recipe("tree.slm_passes")
-    specedge_passes: int = _from_recipe("tree.specedge_passes")
-    specedge_nodes: int = _from_recipe("tree.specedge_nodes")
-    temperature: float = _from_recipe("sampling.temperature")
-    top_k: int = _from_recipe("sampling.top_k")
-    top_p: float = _from_recipe("sampling.top_p")
-    max_new_tokens: int = _from_recipe("sampling.max_new_tokens")
-    seed: int = _from_recipe("sampling.seed")
-
-    @classmethod
-    def from_recipe(cls, recipe: Any) -> RoundConstants:
-        """The round constants of ``recipe`` (a `hycoc.recipe.Recipe`): each field the value of its recipe key.
-
-        Hand-worked: the default recipe gives chain_length 4 (``tree.chain_length``), acceptance_mode "epsilon"
-        (``acceptance.mode``), epsilon 0.005 (``acceptance.epsilon``)."""
-        values = {}
-        for name, key in ROUND_SOURCES.items():
-            section, field = key.split(".")
-            values[name] = getattr(getattr(recipe, section), field)
-        return cls(**values)
-
-    @property
-    def sampling(self) -> Sampling:
-        """The protocol's p~ with the bundle's temperature, top-k and top-p (a request's default distribution)."""
-        return Sampling(self.temperature, self.top_k, self.top_p)
-
-
-#: Each round constant's recipe key, ``"section.key"``, in the manifest's field order.
-ROUND_SOURCES: dict[str, str] = {
-    name: str(cast(dict, info.json_schema_extra)["recipe"]) for name, info in RoundConstants.model_fields.items()
-}
-
-
-class Quantization(_Model):
-    """Integer widths the graphs were built with."""
-
-    head_weight_bits: int = Field(ge=2, le=16, description="bits of the head's linear weights")
-    slm_activation_bits: int = Field(ge=8, le=16, description="bits of the SLM graph's activations")
-    kv_bits: int = Field(ge=8, le=16, description="bits of the SLM's KV ring inputs")
-
-
-class HandoffInfo(_Model):
-    """The hand-off H as it arrives on the wire: ``bits``-wide integers, real value = scale x integer."""
-
-    bits: int = Field(ge=2, le=16)
-    hidden: Literal["pre_norm", "post_norm"]
-    scale_embedding: float = Field(gt=0)
-    scale_hidden: float = Field(gt=0)
-    scale_k_sliding: float = Field(gt=0)
-    scale_v_sliding: float = Field(gt=0)
-    scale_k_full: float = Field(gt=0)
-    scale_v_full: float = Field(gt=0)
-
-
-class LutInfo(_Model):
-    """How to read one host embedding LUT (``hycoc.host.EmbeddingLut``): storage width, row width, multiplier."""
-
-    bits: int = Field(description="storage bits per value: 2, 4 or 8")
-    dim: int = Field(ge=1, description="values per row")
-    embed_scale: float = Field(gt=0, description="Gemma's multiplier applied after dequantization")
-
-
-class HeadHostInfo(_Model):
-    """What the device runtime needs beside the head graph (Alg. 2)."""
-
-    sliding_window: int = Field(ge=1, description="the head's sliding layer reads min(W, this) ring positions")
-
-
-class SlmHostInfo(_Model):
-    """What the device runtime needs beside the SLM tree graph (Alg. 3 line 8)."""
-
-    layer_types: list[str] = Field(description="per decoder layer: sliding_attention or full_attention")
-    kv_layers: list[int] = Field(description="layers with a ring (the others share their producer's KV)")
-    sliding_window: int = Field(ge=1, description="transformers' sliding_window of the SLM, tokens")
-    per_layer_dim: int = Field(ge=0, description="per-layer input width P (0: no per-layer inputs)")
-    luts: dict[str, LutInfo] = Field(description="embed_tokens and (with P > 0) embed_tokens_per_layer")
-
-
-class HostInfo(_Model):
-    """The host-side constants of both drafters (model config values the graphs' shapes do not carry)."""
-
-    head: HeadHostInfo
-    slm: SlmHostInfo
-
-
-class FileEntry(_Model):
+class FileEntry(ManifestModel):
     """One file of the bundle: path relative to the bundle folder (posix), size in bytes, sha256 hex, role."""
 
     path: str
@@ -308,7 +162,7 @@ class FileEntry(_Model):
         return value
 
 
-class Encoding(_Model):
+class Encoding(ManifestModel):
     """A per-tensor linear quantization: real = scale x (q - zero_point), q of ``dtype`` (``bits`` wide)."""
 
     scale: float = Field(gt=0)
@@ -317,7 +171,7 @@ class Encoding(_Model):
     bits: int = Field(ge=2, le=32)
 
 
-class TensorSpec(_Model):
+class TensorSpec(ManifestModel):
     """A graph input or output: static shape, numpy dtype name, and its encoding where the graph quantizes it."""
 
     name: str = Field(min_length=1)
@@ -326,14 +180,14 @@ class TensorSpec(_Model):
     encoding: Encoding | None = None
 
 
-class WeightCount(_Model):
+class WeightCount(ManifestModel):
     """Quantized weights of one integer dtype: how many tensors, how many elements."""
 
     tensors: int = Field(ge=0)
     elements: int = Field(ge=0)
 
 
-class GraphIO(_Model):
+class GraphIO(ManifestModel):
     """What a graph declares: inputs, outputs, weights per integer dtype, node counts per op type."""
 
     inputs: list[TensorSpec]
@@ -342,7 +196,7 @@ class GraphIO(_Model):
     op_counts: dict[str, int] = Field(default_factory=dict, description="op type -> nodes")
 
 
-class GraphEntry(_Model):
+class GraphEntry(ManifestModel):
     """One graph of the bundle: its name, role, ONNX file, (htp) the context binary that file points at, and
     what it declares (`GraphIO`'s fields)."""
 
@@ -356,7 +210,7 @@ class GraphEntry(_Model):
     op_counts: dict[str, int] = Field(default_factory=dict, description="op type -> nodes")
 
 
-class Manifest(_Model):
+class Manifest(ManifestModel):
     """The content of ``manifest.json``. Unknown keys are errors (extra="forbid"), types are strict."""
 
     schema_version: int
@@ -486,157 +340,6 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-# ---- writing ------------------------------------------------------------------------------------------------
-
-
-class BundleWriter:
-    """Write a bundle atomically. Use it as a context manager::
-
-        with BundleWriter(out_dir, overwrite=True) as w:
-            w.add_file(tokenizer_json, "tokenizer.json", "tokenizer")
-            w.add_graph("head", "head", head_onnx, "head.onnx", io=graph_io_from_onnx(head_onnx))
-            manifest = w.commit(recipe=..., target=..., round=..., quantization=..., keep_set_size=...,
-                                handoff=...)
-
-    Leaving the block without `commit` (an exception, Ctrl-C) removes the temporary folder. ``overwrite=True``
-    replaces an existing ``out_dir`` at commit: the old folder is renamed aside, the new one renamed in, the old
-    one deleted, so ``out_dir`` is never a mix of the two.
-    """
-
-    def __init__(self, out_dir: str | os.PathLike, *, overwrite: bool = False):
-        self.out_dir = Path(out_dir).absolute()
-        self.overwrite = overwrite
-        if self.out_dir.exists() and not overwrite:
-            raise BundleExists(
-                f"{self.out_dir} already exists; choose another --out or pass overwrite=True "
-                "(the old bundle is replaced only once the new one is complete)"
-            )
-        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.partial-", dir=self.out_dir.parent))
-        self._roles: dict[str, FileRole] = {}
-        self._graphs: list[tuple[str, GraphRole, str, str | None, GraphIO]] = []
-        self._done = False
-
-    def __enter__(self) -> BundleWriter:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if not self._done:
-            self.abort()
-
-    def abort(self) -> None:
-        """Drop everything added so far; ``out_dir`` is left as it was."""
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self._done = True
-
-    def add_file(self, src: str | os.PathLike | bytes, rel_path: str, role: FileRole) -> Path:
-        """Copy file ``src`` (or write ``bytes``) to ``rel_path`` inside the bundle; returns where it lies now."""
-        self._check_open()
-        check_rel_path(rel_path)
-        if role not in get_args(FileRole):
-            raise ValueError(f"role {role!r}: allowed: {', '.join(get_args(FileRole))}")
-        if rel_path in self._roles:
-            raise ValueError(f"{rel_path} was already added to the bundle")
-        dst = self.tmp / rel_path
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(src, (bytes, bytearray, memoryview)):
-            dst.write_bytes(bytes(src))
-        else:
-            shutil.copyfile(src, dst)
-        self._roles[rel_path] = role
-        return dst
-
-    def add_graph(
-        self,
-        name: str,
-        role: GraphRole,
-        src: str | os.PathLike | bytes,
-        rel_path: str,
-        *,
-        io: GraphIO,
-        context_binary: str | None = None,
-    ) -> Path:
-        """Add a graph file (role "graph") and its manifest entry. ``io`` comes from
-        ``hycoc.passes.bundle_io.graph_io_from_onnx``; ``context_binary`` is the bundle path of the QNN context
-        binary the graph points at (add it with ``add_file(..., role="context_binary")``)."""
-        if role not in get_args(GraphRole):
-            raise ValueError(f"graph role {role!r}: allowed: {', '.join(get_args(GraphRole))}")
-        if any(g[0] == name for g in self._graphs):
-            raise ValueError(f"a graph named {name!r} was already added")
-        dst = self.add_file(src, rel_path, "graph")
-        self._graphs.append((name, role, rel_path, context_binary, io))
-        return dst
-
-    def commit(
-        self,
-        *,
-        recipe: RecipeRef,
-        target: TargetInfo,
-        round: RoundConstants,
-        quantization: Quantization,
-        keep_set_size: int,
-        handoff: HandoffInfo,
-        host: HostInfo | None = None,
-        chat: ChatFormat | None = None,
-    ) -> Manifest:
-        """Hash every file, write ``manifest.json`` last and rename the folder to ``out_dir``; returns the manifest.
-
-        Raises ManifestInvalid when the entries disagree (a graph's context binary not added, ...); the temporary
-        folder is then removed like on any other error inside the ``with`` block.
-        """
-        self._check_open()
-        files = [
-            FileEntry(path=p, bytes=(self.tmp / p).stat().st_size, sha256=sha256_file(self.tmp / p), role=r)
-            for p, r in sorted(self._roles.items())
-        ]
-        graphs = [GraphEntry(name=n, role=r, file=f, context_binary=c, **dict(io)) for n, r, f, c, io in self._graphs]
-        try:
-            manifest = Manifest(
-                schema_version=SCHEMA_VERSION,
-                created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-                recipe=recipe,
-                target=target,
-                round=round,
-                quantization=quantization,
-                keep_set_size=keep_set_size,
-                handoff=handoff,
-                host=host,
-                chat=chat,
-                files=files,
-                graphs=graphs,
-                digest="0" * 64,
-            )
-        except ValidationError as e:
-            raise ManifestInvalid(f"bundle {self.out_dir}: cannot write the manifest: {_first_error(e)}") from None
-        manifest = manifest.model_copy(update={"digest": manifest.content_digest()})
-        with open(self.tmp / MANIFEST, "w", encoding="utf-8") as f:
-            f.write(manifest.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(self.tmp, 0o755)  # mkdtemp makes it 0700
-        old = None
-        if self.out_dir.exists():
-            if not self.overwrite:
-                raise BundleExists(f"{self.out_dir} appeared while the bundle was written; nothing was replaced")
-            old = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.old-", dir=self.out_dir.parent))
-            os.replace(self.out_dir, old / "bundle")
-        try:
-            os.replace(self.tmp, self.out_dir)
-        except BaseException:
-            if old is not None:
-                os.replace(old / "bundle", self.out_dir)
-                shutil.rmtree(old, ignore_errors=True)
-            raise
-        self._done = True
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        return manifest
-
-    def _check_open(self) -> None:
-        if self._done:
-            raise BundleError(f"bundle {self.out_dir}: this writer was already committed or aborted")
-
-
 # ---- loading ------------------------------------------------------------------------------------------------
 
 
@@ -671,7 +374,7 @@ def load_manifest(bundle_dir: str | os.PathLike, verify: bool = True) -> Manifes
     try:
         manifest = Manifest.model_validate_json(path.read_bytes())
     except ValidationError as e:
-        raise ManifestInvalid(f"{where}: {MANIFEST}: {_first_error(e)}; {_REBUILD}") from None
+        raise ManifestInvalid(f"{where}: {MANIFEST}: {first_error(e)}; {_REBUILD}") from None
     # the digest of what the file says (not of the model re-dumped: a field added to the schema since the build, with
     # its default, is not in an older bundle's file nor in its digest)
     actual = json_digest({k: v for k, v in data.items() if k != "digest"})
@@ -824,7 +527,7 @@ def check_graph_io(
                 )
 
 
-def _first_error(e: ValidationError) -> str:
+def first_error(e: ValidationError) -> str:
     """One line for the first pydantic error: dotted location, what is wrong."""
     err = e.errors()[0]
     loc = ""

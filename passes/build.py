@@ -22,51 +22,39 @@ QDQ calibration and the SLM's read its answers (App. A: both calibrations use th
 ``qdq_head`` is `hycoc.passes.qdq.quantize.QdqQuantize("onnx_head", "qdq_head")` once that pass takes the head; until
 then `hycoc.passes.head.export.HeadQdq` (`head_qdq_pass`).
 
-The target step (`TargetPass`) turns the QDQ graphs into what the bundle holds: ``cpu`` the QDQ ONNX itself
-(`hycoc.targets.cpu.package_cpu`), ``htp-v81`` (and every ``htp-vNN`` of `hycoc.targets.profiles.HTP_TARGETS`)
-EPContext models + QNN context binaries (`hycoc.targets.htp.compile_context`, CPU fallback disabled, size planner
-on, the recipe's ``[target]`` profile; `recipe_for_target` points ``[target]`` at another arch or a named device),
-``qai-hub`` QNN DLCs compiled on Qualcomm AI Hub and linked into one weight-shared context binary, wrapped as
-EPContext models like htp-v81's (`hycoc.targets.qai_hub`; the manifest's ``target.hub`` keeps the job ids, device
-and QAIRT version). Its output is cached like any pass.
-Before any of that each graph takes its
-shipped form (`hycoc.passes.graph_io.ship_graph`: no ``logits`` output beside the graph's own top-k; with ``[target]
+The target step (`hycoc.passes.target_step.TargetPass`) turns the QDQ graphs into what the bundle holds: ``cpu``
+the QDQ ONNX itself, ``htp-v81`` (and every ``htp-vNN`` of `hycoc.targets.profiles.HTP_TARGETS`) EPContext models +
+QNN context binaries (CPU fallback disabled, size planner on, the recipe's ``[target]`` profile; `recipe_for_target`
+points ``[target]`` at another arch or a named device), ``qai-hub`` QNN DLCs compiled on Qualcomm AI Hub and linked
+into one weight-shared context binary, wrapped as EPContext models like htp-v81's (the manifest's ``target.hub``
+keeps the job ids, device and QAIRT version). Before any of that each graph takes its shipped form
+(`hycoc.passes.target_step.ship_file`: no ``logits`` output beside the graph's own top-k; with ``[target]
 quantized_io`` the KV rings as uint16 inputs and the new KV rows as uint16 outputs; on HTP targets TopK's order among
-equal values made the CPU EP's, `hycoc.passes.topk_outputs.htp_tie_order`); the QDQ graph with every output stays
-beside it (``check_source``) for the checks.
+equal values made the CPU EP's); the QDQ graph with every output stays beside it (``check_source``) for the checks.
+Its output is cached like any pass.
 
-`build_bundle` runs the pipeline and writes the bundle with `BundleWriter` (a temporary folder renamed when
-complete): tokenizer.json, keep_set.npy, the host LUTs (head E table; SLM token and per-layer embeddings in the
-checkpoint's packed storage), rotary tables, the graphs, and report.json (every pass's numbers: QAT agreement,
-SQNR, export errors).
+`build_bundle` runs the pipeline and writes the bundle (`hycoc.passes.bundle_write.write_bundle`, a temporary folder
+renamed when complete): tokenizer.json, keep_set.npy, the host LUTs, rotary tables, the graphs, and report.json
+(every pass's numbers: QAT agreement, SQNR, export errors).
 """
 
 from __future__ import annotations
 
-import io
-import json
-import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-import numpy as np
-from hycoc.passes.artifacts import Artifact, OnnxArtifact, TokenizerArtifact, TorchModelArtifact, hash_folder
-from hycoc.passes.pipeline import Pass, PassReport, Pipeline, PipelineResult, check_until
+from hycoc.passes.artifacts import Artifact, TokenizerArtifact, TorchModelArtifact
+from hycoc.passes.bundle_write import write_bundle
+from hycoc.passes.pipeline import Pass, Pipeline, PipelineResult, check_until
+from hycoc.passes.target_step import TARGETS, BuildError, TargetFilesArtifact, TargetPass
 from hycoc.targets.profiles import HTP_TARGETS, DeviceEntry, device_target_conflict, get_profile
 from rich.console import Console
 
-from hycoc.chat_template import bundle_chat_format, chat_from_recipe
+from hycoc.chat_template import chat_from_recipe
 from hycoc.recipe import Recipe
-
-TARGETS = (*HTP_TARGETS, "cpu", "qai-hub")
-
-
-class BuildError(RuntimeError):
-    """A build that cannot go on: an unknown target, a missing artifact. The message says what to do."""
 
 
 class BuildNotReady(BuildError):
@@ -78,7 +66,7 @@ def check_recipe_capabilities(recipe: Recipe, profile, device: DeviceEntry | Non
     "Targets by device"): 16-bit activations (the head's graphs are always A16, `hycoc.passes.head.export`; the
     SLM's when ``slm_calibration.activation_bits`` = 16) on a profile with ``supports_16bit_ops`` False, and 4-bit
     weight storage (``head_qat.weight_bits`` 4, or 2 stored as int4) on one without ``supports_int4_weights``.
-    The compile step checks each graph again (`hycoc.targets.htp.check_capabilities`); this check only fails
+    The compile step checks each graph again (`hycoc.targets.htp_checks.check_capabilities`); this check only fails
     earlier. Raises BuildError naming the profile, the recipe fields and a target that can."""
     what = f"{profile.name} ({device.name if device else profile.description.split(' — ')[0]})"
     needs = []
@@ -135,198 +123,6 @@ def recipe_for_target(recipe: Recipe, target: str | None, device: DeviceEntry | 
     except ValueError as e:  # pydantic's ValidationError
         raise BuildError(f"[target] for {name} ({soc}) does not validate: {e}") from None
     return recipe.model_copy(update={"target": target_table}), name
-
-
-# ---- the target step --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class TargetFilesArtifact(Artifact):
-    """kind ``"target_files"``: a folder (payload: its Path) holding what the target made for each graph, plus
-    ``graphs.json``: graph name -> {"model": file, "context_binary": file or null, "extra": [files]}.
-    Saved by copying the folder; hashed over its files (`hash_folder`)."""
-
-    type_name: ClassVar[str] = "target_files"
-    INDEX: ClassVar[str] = "graphs.json"
-
-    def index(self) -> dict[str, dict[str, Any]]:
-        return json.loads((Path(self.payload) / self.INDEX).read_text(encoding="utf-8"))
-
-    def save(self, folder: Path) -> None:
-        shutil.copytree(self.payload, folder, dirs_exist_ok=True)
-
-    @classmethod
-    def load(cls, kind: str, folder: Path) -> TargetFilesArtifact:
-        return cls(kind, Path(folder))
-
-    def _compute_hash(self) -> str:
-        return hash_folder(Path(self.payload))
-
-
-#: Graphs compiled into one weight-shared QNN context binary on htp targets (``target.share_weights``): the SLM's
-#: decode graph holds the tree graph's weights under the same names (`hycoc.passes.slm.decode`).
-SHARED_CONTEXTS = (("slm", "slm_decode"),)
-
-
-def ship_file(path: Path, checks: Path, *, quantized_io: bool, htp: bool) -> dict[str, Any]:
-    """Keep the QDQ graph at ``path`` as ``checks`` (same folder, same external data) and write its shipped form
-    (`hycoc.passes.graph_io.ship_graph`) at ``path``; for an HTP target (``htp``) its TopK nodes also get the
-    CPU EP's order among equal values (`hycoc.passes.topk_outputs.htp_tie_order`). Returns what changed."""
-    import onnx
-    from hycoc.passes.graph_io import ship_graph
-    from hycoc.passes.topk_outputs import htp_tie_order
-
-    shutil.copy2(path, checks)
-    model = onnx.load(str(path), load_external_data=False)
-    changed = ship_graph(model, quantized_io=quantized_io).numbers()
-    if htp:
-        changed["topk_tie_order"] = htp_tie_order(model)
-    tmp = path.with_name(path.name + ".tmp")
-    onnx.save(model, str(tmp))
-    tmp.replace(path)
-    return changed
-
-
-def _context_groups(graphs: list[str], share: bool) -> list[list[str]]:
-    """``graphs`` split into compile groups: each `SHARED_CONTEXTS` group present (with ``share``), the rest alone."""
-    groups = [[g for g in group if g in graphs] for group in SHARED_CONTEXTS] if share else []
-    groups = [g for g in groups if len(g) > 1]
-    taken = {g for group in groups for g in group}
-    return groups + [[g] for g in graphs if g not in taken]
-
-
-class TargetPass(Pass):
-    """qdq_head + qdq_slm -> target_files for one target (module docstring), reading ``[target]``.
-
-    ``work_dir``: where the made files wait until the pipeline copies them into its cache (under the cache
-    folder, so a finished build leaves nothing in /tmp)."""
-
-    section = "target"
-
-    def __init__(self, target: str, graphs: dict[str, str], work_dir: Path):
-        if target not in TARGETS:
-            raise BuildError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
-        from hycoc.passes.slm.shard_build import KIND as SHARDS
-        from hycoc.passes.slm.shard_build import ShardedOnnxArtifact
-
-        self.target, self.graphs, self.work_dir = target, dict(graphs), Path(work_dir)
-        self.name = f"target_{target.replace('-', '_')}"
-        # the SLM as layer shards: one artifact, one graph (and on htp one context binary) per shard
-        self.consumes = {kind: ShardedOnnxArtifact if kind == SHARDS else OnnxArtifact for kind in self.graphs.values()}
-        self.produces = {"target_files": TargetFilesArtifact}
-
-    version = 2  # v2: shipped graphs without check outputs, optional quantized KV IO (`hycoc.passes.graph_io`)
-
-    def key_material(self, recipe: Recipe) -> dict[str, Any]:
-        return {"target": self.target, "graphs": self.graphs}
-
-    def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, Artifact], PassReport]:
-        import onnx_ir as ir
-
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        out = Path(tempfile.mkdtemp(prefix=f"{self.name}-", dir=self.work_dir))
-        src = out / "qdq"
-        index: dict[str, dict[str, Any]] = {}
-        numbers: dict[str, Any] = {"target": self.target, "graphs": {}}
-        start = time.perf_counter()
-        qdq_paths = {}
-        for graph, kind in self.graphs.items():
-            if hasattr(inputs[kind], "models"):  # layer shards (`hycoc.passes.slm.shard_build`): slm.s0, ...
-                for name, model in inputs[kind].models():
-                    shutil.copytree(model.parent, src / name)
-                    qdq_paths[name] = src / name / model.name
-                continue
-            path = src / graph / f"{graph}.onnx"  # data file named after the graph: graphs share one folder
-            path.parent.mkdir(parents=True)
-            ir.save(inputs[kind].payload, path, external_data=f"{graph}.onnx.data")
-            qdq_paths[graph] = path
-        # the shipped graphs' IO (`hycoc.passes.graph_io`): the QDQ graph as the passes made it stays beside the
-        # shipped one as NAME.checks.onnx (same weights file) for the compiler's checks
-        checks = {}
-        for graph, path in qdq_paths.items():
-            checks[graph] = path.with_name(f"{path.stem}.checks.onnx")
-            numbers["graphs"].setdefault(graph, {})["io"] = ship_file(
-                path, checks[graph], quantized_io=recipe.target.quantized_io, htp=self.target != "cpu"
-            )
-        if self.target == "cpu":
-            from hycoc.targets.cpu import package_cpu
-
-            for graph, path in qdq_paths.items():
-                g = package_cpu(path, out / "graphs", graph_name=graph)
-                index[graph] = {
-                    "model": f"graphs/{g.model.name}",
-                    "context_binary": None,
-                    "extra": [f"graphs/{p.name}" for p in g.extra_files],
-                }
-                numbers["graphs"][graph]["bytes"] = g.bytes + sum(p.stat().st_size for p in g.extra_files)
-        elif self.target in HTP_TARGETS:
-            from hycoc.targets.htp import compile_shared
-            from hycoc.targets.profiles import profile_for
-
-            t = recipe.target
-            if not t.disable_cpu_fallback:
-                raise BuildError(
-                    f"target.disable_cpu_fallback = false: {self.target} bundles are compiled with CPU "
-                    "fallback disabled (every node on the HTP); set it to true"
-                )
-            profile = profile_for(t.htp_arch, t.soc_model, t.context_size_limit_mb)
-            groups = _context_groups(list(qdq_paths), t.share_weights)
-            for group in groups:
-                for cg in compile_shared([(qdq_paths[g], g) for g in group], out / "graphs", profile):
-                    index[cg.name] = {
-                        "model": f"graphs/{cg.ctx_model.name}",
-                        "context_binary": f"graphs/{cg.context_binary.name}",
-                        "extra": [],
-                        "qnn_sdk": cg.qnn_sdk,
-                    }
-                    numbers["graphs"][cg.name].update(
-                        {
-                            "binary_bytes": cg.binary_bytes if cg.name == group[0] else 0,
-                            "weight_bytes": cg.weight_bytes,
-                            "compile_seconds": round(cg.compile_seconds, 2),
-                            "shared_with": list(cg.shared_with),
-                        }
-                    )
-        else:
-            from hycoc.targets.qai_hub import check_setup, compile_and_link, resolve_device
-
-            t = recipe.target
-            hub = check_setup()
-            device = resolve_device(hub, t.hub_device, t.htp_arch)
-            linked = compile_and_link(
-                hub, [(p, g) for g, p in qdq_paths.items()], out / "graphs", device, htp_arch=t.htp_arch
-            )
-            info = linked.manifest_info()
-            for graph, ctx in linked.ctx_models.items():
-                index[graph] = {
-                    "model": f"graphs/{ctx.name}",
-                    "context_binary": f"graphs/{linked.context_binary.name}",
-                    "extra": [],
-                    "qnn_sdk": linked.qairt,
-                    "hub": info,
-                }
-                numbers["graphs"].setdefault(graph, {}).update(
-                    {
-                        "compile_job": linked.compile_jobs[graph],
-                        "link_job": linked.link_job,
-                        "binary_bytes": linked.context_binary.stat().st_size
-                        if graph == next(iter(linked.ctx_models))
-                        else 0,
-                    }
-                )
-        # the QDQ sources stay beside the compiled graphs: graph_io_from_onnx reads encodings from the shipped one,
-        # the checks read the one with every output
-        for graph in index:
-            index[graph]["qdq_source"] = qdq_paths[graph].relative_to(out).as_posix()
-            index[graph]["check_source"] = checks[graph].relative_to(out).as_posix()
-        (out / TargetFilesArtifact.INDEX).write_text(json.dumps(index, indent=1, sort_keys=True), encoding="utf-8")
-        seconds = time.perf_counter() - start
-        sizes = ", ".join(
-            f"{g} {sum(v for k, v in n.items() if k.endswith('bytes')) / 1e6:.2f} MB"
-            for g, n in numbers["graphs"].items()
-        )
-        summary = f"{self.target}: {len(index)} graphs ({sizes}) in {seconds:.1f} s"
-        return {"target_files": TargetFilesArtifact("target_files", out)}, PassReport(summary, numbers)
 
 
 # ---- the pipeline ----------------------------------------------------------------------------------------------
@@ -458,138 +254,6 @@ class BuildResult:
     manifest: Any = None
     stopped_at: Path | None = None  # the cache entry of the ``until`` pass
     pruned: list = field(default_factory=list)  # cache entries the size cap removed (`hycoc.passes.cache.CacheEntry`)
-
-
-def _npy(array: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
-    return buf.getvalue()
-
-
-def host_info(head_config: dict, slm, inclusive: bool = True) -> Any:
-    """The manifest's ``host`` section from the head's config dict and the SLM surgery output. ``inclusive``: recipe
-    ``[window] head_sliding_window_inclusive`` (the head's sliding positions, `hycoc.host.head_sliding_positions`)."""
-    from hycoc.passes.slm.graph import text_config
-
-    from hycoc.bundle import HeadHostInfo, HostInfo, LutInfo, SlmHostInfo
-    from hycoc.host import head_sliding_positions
-
-    text = head_config.get("text_config") or head_config
-    c = text_config(slm)  # transformers' Gemma4TextConfig: kv_sharing_modes is derived, not stored
-    return HostInfo(
-        head=HeadHostInfo(sliding_window=head_sliding_positions(int(text["sliding_window"]), inclusive)),
-        slm=SlmHostInfo(
-            layer_types=list(c.layer_types),
-            kv_layers=[i for i, m in enumerate(c.kv_sharing_modes) if m != "reuse"],
-            sliding_window=int(c.sliding_window),
-            per_layer_dim=int(c.hidden_size_per_layer_input or 0),
-            luts={
-                name: LutInfo(bits=int(lut.bits), dim=int(lut.dim), embed_scale=float(lut.embed_scale))
-                for name, lut in slm.luts.items()
-            },
-        ),
-    )
-
-
-def recipe_relative(value: Any, base_dir: Path) -> Any:
-    """``value`` (JSON: dicts, lists, strings, numbers) with every path under the recipe's folder ``base_dir`` written
-    relative to it, as the recipe writes it (``"/home/u/hycoc/recipes/toy/data/conversations.jsonl after line 2000"``
-    -> ``"toy/data/conversations.jsonl after line 2000"``), so the bundle's report names no folder of the machine
-    that built it (docs/design.md "Bundle")."""
-    if isinstance(value, dict):
-        return {k: recipe_relative(v, base_dir) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [recipe_relative(v, base_dir) for v in value]
-    if isinstance(value, str):
-        for folder in dict.fromkeys((str(base_dir), str(Path(base_dir).resolve()))):
-            value = value.replace(folder.rstrip(os.sep) + os.sep, "")
-        return value
-    return value
-
-
-def write_bundle(result: PipelineResult, recipe: Recipe, target: str, out_dir: str | Path):
-    """Write the bundle of a finished pipeline run to ``out_dir`` (atomically); returns the manifest."""
-    from hycoc.passes.bundle_io import graph_io_from_onnx, manifest_sections
-    from hycoc.targets.profiles import get_profile, profile_for
-
-    from hycoc.bundle import BundleWriter
-    from hycoc.device_time import onnx_graph_cost
-
-    a = result.artifacts
-    keep = np.asarray(a["keep_set"].payload, dtype=np.int64)
-    host = a["head_host"].payload
-    slm = a["slm_integer"].payload
-    files = a["target_files"]
-    if not isinstance(files, TargetFilesArtifact):  # run_pipeline's (the target pass's folder in its cache entry)
-        raise BuildError(f"target_files is a {type(files).__name__}, not a TargetFilesArtifact: run run_pipeline")
-    root, index = Path(files.payload), files.index()
-    if target == "cpu":
-        profile = get_profile("cpu")
-    else:
-        t = recipe.target
-        profile = profile_for(t.htp_arch, t.soc_model, t.context_size_limit_mb)
-    qnn_sdk = next((g.get("qnn_sdk") for g in index.values() if g.get("qnn_sdk")), None)
-    hub = next((g["hub"] for g in index.values() if g.get("hub")), None)  # qai-hub: jobs, device, QAIRT
-    numbers = {r.pass_name: r.numbers for r in result.reports}
-    report: dict[str, Any] = {
-        "target": target,
-        "qat_agreement": numbers.get("head_qat", {}).get("agreement"),
-        "sqnr": {
-            g: {
-                "calibration": numbers.get(f"qdq_{g}", {}).get("sqnr"),
-                "held_out": numbers.get(f"qdq_{g}", {}).get("sqnr_held_out"),
-            }
-            for g in ("head", "slm")
-        },
-        "passes": [r.to_json() | {"cached": r.cached} for r in result.reports],
-        "graph_costs": {},
-    }
-    with BundleWriter(out_dir, overwrite=True) as w:
-        w.add_file(a["tokenizer"].payload.to_str().encode(), "tokenizer.json", "tokenizer")
-        w.add_file(_npy(keep), "keep_set.npy", "keep_set")
-        w.add_file(_npy(host["embedding_q"]), "luts/head_embedding_q.npy", "lut")
-        w.add_file(_npy(host["embedding_scale"]), "luts/head_embedding_scale.npy", "lut")
-        for name, lut in slm.luts.items():
-            w.add_file(_npy(lut.packed), f"luts/slm_{name}_packed.npy", "lut")
-            w.add_file(_npy(lut.scale), f"luts/slm_{name}_scale.npy", "lut")
-        for stem in sorted(host):
-            if stem.startswith("rotary_"):
-                w.add_file(_npy(host[stem]), f"rotary/head_{stem.removeprefix('rotary_')}.npy", "rotary")
-        for layer_type, table in slm.rotary.items():
-            w.add_file(_npy(table.inv_freq), f"rotary/slm_{layer_type}_inv_freq.npy", "rotary")
-            w.add_file(
-                _npy(np.asarray(table.attention_scaling, np.float32)), f"rotary/slm_{layer_type}_scaling.npy", "rotary"
-            )
-        binaries = set()
-        for graph, entry in sorted(index.items()):
-            model = root / entry["model"]
-            qdq = root / entry["qdq_source"]
-            binary = entry.get("context_binary")
-            if binary and binary not in binaries:  # a weight-shared binary is one file for its graphs
-                w.add_file(root / binary, Path(binary).name, "context_binary")
-                binaries.add(binary)
-            for extra in entry.get("extra", []):
-                w.add_file(root / extra, Path(extra).name, "external_data")
-            io_ = graph_io_from_onnx(model, qdq_source=qdq if binary else None)
-            cost = onnx_graph_cost(qdq)  # the device-time estimate's inputs (`hycoc.device_time`)
-            report["graph_costs"][graph] = {"bytes": int(cost.bytes), "macs": int(cost.macs)}
-            if graph != "head" and not graph.startswith("slm"):  # add_graph's own refusal, before the role is typed
-                raise ValueError(f"graph role {graph!r}: allowed: head, slm")
-            w.add_graph(
-                graph,
-                "slm" if graph.startswith("slm") else "head",
-                model,
-                model.name,
-                io=io_,
-                context_binary=Path(binary).name if binary else None,
-            )
-        report = recipe_relative(report, recipe.base_dir)  # the passes' inputs as the recipe names them
-        w.add_file(json.dumps(report, indent=1).encode(), "report.json", "report")
-        return w.commit(
-            **manifest_sections(recipe, profile, keep_set_size=len(keep), qnn_sdk=qnn_sdk, hub=hub),
-            host=host_info(a["quantized_head"].payload.config, slm, recipe.window.head_sliding_window_inclusive),
-            chat=bundle_chat_format(recipe),  # the template whole; its sources without this machine's paths
-        )
 
 
 def run_pipeline(

@@ -1,12 +1,13 @@
 """The ``htp-*`` targets: QDQ ONNX → EPContext ONNX + QNN HTP context binary, via onnxruntime-qnn
 (docs/design.md "Targets").
 
-What :func:`compile_context` does, in order, before the EP sees the model:
+What :func:`compile_context` does, in order, before the EP sees the model (steps 1-3: `hycoc.targets.htp_checks`):
 
 1. static shapes: every graph input needs fixed dims (the QNN EP does not take dynamic shapes);
 2. capability check against the :class:`~hycoc.targets.profiles.TargetProfile`: 16-bit activations on a profile
    with ``supports_16bit_ops=False``, 4-bit weights on one without int4, op types outside
-   ``supported_op_types`` → :class:`CapabilityError` (a compile-time refusal, never a silent precision change);
+   ``supported_op_types`` → :class:`~hycoc.targets.htp_checks.CapabilityError` (a compile-time refusal, never a
+   silent precision change);
 3. host-only patterns (``profile.host_only``): an embedding lookup (Gather on a constant table indexed by an
    integer graph input) is refused with :class:`HostOnlyError` naming the nodes — hycoc keeps embeddings as host
    LUTs (docs/design.md "SLM Drafter");
@@ -56,49 +57,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from hycoc.targets.htp_checks import (
+    QDQ_OPS,
+    HostOnlyError,
+    HtpTargetError,
+    NodeIssue,
+    PlacementError,
+    check_capabilities,
+    find_host_only_nodes,
+    load_model,
+)
 from hycoc.targets.profiles import PROFILES, TargetProfile
 
 _FALLBACK_MSG = "fallback to CPU EP has been explicitly disabled"
-_QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
 _UNSUPPORTED_RE = re.compile(r"Unsupported nodes in QNN EP: \{ name: (.*?), type: (\w+) \}")
 _VALIDATE_RE = re.compile(r"failed for node `(.*?)` of type `(\w+)` with error code (\d+)")
 
 
-class HtpTargetError(RuntimeError):
-    """Base of the HTP target's errors."""
-
-
-class CapabilityError(HtpTargetError):
-    """The graph needs something the target profile cannot do (16-bit ops, int4, an op type, dynamic shapes)."""
-
-
-@dataclass(frozen=True)
-class NodeIssue:
-    """One node that would not run on the HTP: its name, op type and why."""
-
-    name: str
-    op_type: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.name or '<unnamed>'} ({self.op_type}): {self.reason}"
-
-
-class PlacementError(HtpTargetError):
-    """Nodes that would not be placed on the HTP; ``.nodes`` lists them (:class:`NodeIssue`)."""
-
-    def __init__(self, message: str, nodes: Sequence[NodeIssue]):
-        self.nodes = list(nodes)
-        lines = "\n".join(f"  - {n}" for n in self.nodes)
-        super().__init__(f"{message}\n{lines}" if lines else message)
-
-
 class FallbackError(PlacementError):
     """The QNN EP would leave these nodes to the CPU EP (compiled with CPU fallback disabled)."""
-
-
-class HostOnlyError(PlacementError):
-    """Nodes that hycoc keeps on the host by design (e.g. embedding lookups) found in a device graph."""
 
 
 class ContextTooLargeError(HtpTargetError):
@@ -114,15 +91,7 @@ class ArchMismatchError(HtpCompileError):
     """The context binary was compiled for another arch/SoC than the profile asked for."""
 
 
-# --------------------------------------------------------------------------------------------- model inspection
-
-
-def _load(model_or_path):
-    import onnx
-
-    if isinstance(model_or_path, (str, os.PathLike)):
-        return onnx.load(str(model_or_path), load_external_data=False)
-    return model_or_path
+# -------------------------------------------------------------------------------------------------- context size
 
 
 def initializer_bytes(t) -> int:
@@ -166,7 +135,7 @@ def plan_context_size(models: Sequence[str | os.PathLike], profile: TargetProfil
     """
     sizes: dict[str, int] = {}
     for m in models:
-        for t in _load(m).graph.initializer:
+        for t in load_model(m).graph.initializer:
             sizes.setdefault(t.name, initializer_bytes(t))
     largest = tuple(sorted(sizes.items(), key=lambda kv: -kv[1])[:5])
     return SizePlan(tuple(str(m) for m in models), sum(sizes.values()), profile.max_context_bytes, largest)
@@ -180,128 +149,6 @@ def _check_size(plan: SizePlan, profile: TargetProfile) -> None:
             f"{profile.name}'s limit of {plan.max_context_bytes:,} bytes; largest: {top}. Split the graphs "
             f"across several contexts or quantize the weights harder."
         )
-
-
-def _is_16bit(elem_type: int) -> bool:
-    import onnx
-
-    return elem_type in (onnx.TensorProto.UINT16, onnx.TensorProto.INT16)
-
-
-def check_capabilities(model, profile: TargetProfile) -> None:
-    """Refuse, with :class:`CapabilityError`, a graph the profile cannot run: dynamic input shapes, 16-bit
-    tensors on a profile without ``supports_16bit_ops`` (a Q/DQ with a uint16/int16 zero point or
-    ``output_dtype``, a DequantizeLinear of a 16-bit constant without a zero point, 16-bit graph inputs,
-    float16 initializers or Casts; constants from initializers or Constant nodes alike), 4-bit weights without
-    ``supports_int4_weights``, op types outside ``supported_op_types``. The message names every 16-bit
-    node or tensor (up to 8) and the fix."""
-    import onnx
-
-    model = _load(model)
-    g = model.graph
-    dynamic = [
-        i.name
-        for i in g.input
-        if any(not d.HasField("dim_value") or d.dim_value <= 0 for d in i.type.tensor_type.shape.dim)
-    ]
-    if dynamic:
-        raise CapabilityError(
-            f"{profile.name}: graph inputs with dynamic shapes: {', '.join(dynamic)} "
-            f"(HTP graphs are static; export at fixed shapes)"
-        )
-    inits = {t.name: t for t in g.initializer}
-    if not profile.supports_16bit_ops:
-        # dtype of every constant: initializers and Constant nodes' value tensors
-        const_type = {name: t.data_type for name, t in inits.items()}
-        for n in g.node:
-            if n.op_type == "Constant":
-                for a in n.attribute:
-                    if a.name == "value":
-                        const_type[n.output[0]] = a.t.data_type
-        fp16 = onnx.TensorProto.FLOAT16
-        found = []
-        for n in g.node:
-            label = f"{n.name or n.output[0]} ({n.op_type})"
-            if n.op_type in _QDQ_OPS:
-                zp16 = len(n.input) > 2 and _is_16bit(const_type.get(n.input[2], 0))
-                out16 = any(a.name == "output_dtype" and _is_16bit(a.i) for a in n.attribute)
-                x16 = n.op_type == "DequantizeLinear" and _is_16bit(const_type.get(n.input[0], 0))
-                if zp16 or out16 or x16:
-                    found.append(label)
-            elif n.op_type == "Cast" and any(a.name == "to" and (_is_16bit(a.i) or a.i == fp16) for a in n.attribute):
-                found.append(label)
-        found += [
-            f"{i.name} (graph input)"
-            for i in g.input
-            if _is_16bit(i.type.tensor_type.elem_type) or i.type.tensor_type.elem_type == fp16
-        ]
-        found += [f"{t.name} (float16 initializer)" for t in g.initializer if t.data_type == fp16]
-        if found:
-            more = f" and {len(found) - 8} more" if len(found) > 8 else ""
-            raise CapabilityError(
-                f"{profile.name} (HTP v{profile.htp_arch}) cannot run 16-bit ops, and this graph has {len(found)} "
-                f"16-bit tensors or ops: {', '.join(found[:8])}{more}. Quantize activations to 8 bits for this "
-                f"target, or compile for a profile with 16-bit support (e.g. htp-v81)."
-            )
-    if not profile.supports_int4_weights:
-        int4 = [t.name for t in g.initializer if t.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4)]
-        if int4:
-            raise CapabilityError(f"{profile.name} cannot run 4-bit weights: {', '.join(int4[:8])}")
-    if profile.supported_op_types is not None:
-        bad = sorted({n.op_type for n in g.node if n.op_type not in profile.supported_op_types | _QDQ_OPS})
-        if bad:
-            raise CapabilityError(f"{profile.name} does not list these op types as supported: {', '.join(bad)}")
-
-
-_PASS_THROUGH = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Identity", "Flatten"}
-
-
-def find_host_only_nodes(model, profile: TargetProfile) -> list[NodeIssue]:
-    """Nodes matching the profile's ``host_only`` patterns. ``"embedding_lookup"``: a Gather whose data is a
-    constant table (an initializer, or a DequantizeLinear of one) and whose indices come from an integer graph
-    input (directly or through Cast/Reshape/(Un)Squeeze/Identity/Flatten)."""
-    import onnx
-
-    model = _load(model)
-    g = model.graph
-    if "embedding_lookup" not in profile.host_only:
-        return []
-    inits = {t.name for t in g.initializer}
-    producer = {o: n for n in g.node for o in n.output}
-    int_types = {
-        onnx.TensorProto.INT64,
-        onnx.TensorProto.INT32,
-        onnx.TensorProto.INT16,
-        onnx.TensorProto.UINT16,
-        onnx.TensorProto.INT8,
-        onnx.TensorProto.UINT8,
-        onnx.TensorProto.UINT32,
-        onnx.TensorProto.UINT64,
-    }
-    int_inputs = {i.name for i in g.input if i.type.tensor_type.elem_type in int_types}
-
-    def from_int_input(name: str, depth: int = 0) -> bool:
-        if name in int_inputs:
-            return True
-        p = producer.get(name)
-        return bool(p and depth < 8 and p.op_type in _PASS_THROUGH and from_int_input(p.input[0], depth + 1))
-
-    def constant_table(name: str) -> bool:
-        if name in inits:
-            return True
-        p = producer.get(name)
-        return bool(p and p.op_type == "DequantizeLinear" and p.input[0] in inits)
-
-    return [
-        NodeIssue(
-            n.name,
-            n.op_type,
-            "embedding lookup (constant table indexed by integer graph input "
-            f"{n.input[1]!r}): hycoc keeps embeddings on the host as LUTs",
-        )
-        for n in g.node
-        if n.op_type == "Gather" and constant_table(n.input[0]) and from_int_input(n.input[1])
-    ]
 
 
 # ----------------------------------------------------------------------------------------------------- compiling
@@ -382,12 +229,12 @@ def _diagnose_fallback(model_path: Path, profile: TargetProfile, compile_log: st
     for name, op in cpu:
         if name in reasons:
             issues.append(NodeIssue(name, op, reasons[name]))
-        elif op in _QDQ_OPS:
+        elif op in QDQ_OPS:
             issues.append(NodeIssue(name, op, "Q/DQ next to a node that falls back"))
         else:
             issues.append(NodeIssue(name, op, "assigned to the CPU EP"))
-    issues.sort(key=lambda i: i.op_type in _QDQ_OPS)
-    main = [i for i in issues if i.op_type not in _QDQ_OPS]
+    issues.sort(key=lambda i: i.op_type in QDQ_OPS)
+    main = [i for i in issues if i.op_type not in QDQ_OPS]
     return FallbackError(
         f"{model_path.name}: {len(main)} node(s) would fall back to the CPU EP on {profile.name} "
         f"({len(issues)} with their Q/DQ); CPU fallback is disabled for HTP targets",
@@ -403,7 +250,7 @@ def _ctx_paths(out_dir: Path, graph_name: str) -> tuple[Path, Path]:
 def _precheck(model_path: Path, profile: TargetProfile) -> None:
     from hycoc.targets.static_shape_check import check_static_graph
 
-    model = _load(model_path)
+    model = load_model(model_path)
     check_capabilities(model, profile)
     host = find_host_only_nodes(model, profile)
     if host:
@@ -428,19 +275,13 @@ def compile_shared(
     Raises CapabilityError, HostOnlyError, StaticGraphError, ContextTooLargeError (before compiling), FallbackError,
     HtpCompileError, ArchMismatchError (after). Compile time is in ``CompiledGraph.compile_seconds``.
     """
-    import onnx
-    from hycoc.targets.qnn_ep import read_binary_target, run_worker
-
     if profile.backend != "htp":
         raise ValueError(f"profile {profile.name!r} is not an HTP target")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [Path(p).resolve() for p, _ in graphs]
     names = [n for _, n in graphs]
-    if len(set(names)) != len(names) or any(not re.fullmatch(r"[A-Za-z0-9_.-]+", n) for n in names):
-        raise ValueError(f"graph names must be unique and [A-Za-z0-9_.-]+: {names}")
-    if share and len(set(paths)) != len(paths):
-        raise ValueError("the same model twice in one shared context fails in QNN (error 7003); give distinct graphs")
+    check_graph_names(names, paths, share)
     for p in paths:
         _precheck(p, profile)
     share = share and len(graphs) > 1
@@ -452,68 +293,20 @@ def compile_shared(
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        job = {
-            "op": "compile",
-            "share": share,
-            "provider_options": profile.provider_options(),
-            "graphs": [{"model": str(p), "ctx_path": str(_ctx_paths(staging, n)[0])} for p, n in zip(paths, names)],
-        }
-        res, log = run_worker(job)
-        if not res.get("ok"):
-            i = res.get("failed_index", 0) or 0
-            err = res.get("error", "")
-            if _FALLBACK_MSG in err:
-                raise _diagnose_fallback(paths[i], profile, log)
-            raise HtpCompileError(
-                f"{paths[i].name}: QNN EP compile for {profile.name} failed: {err}\nEP log:\n{_error_lines(log)}"
+        seconds = _run_compile(staging, paths, names, profile, share)
+        results = [
+            _compiled_graph(
+                staging,
+                p,
+                n,
+                profile,
+                binary=_ctx_paths(staging, names[0] if share else n)[1],
+                weight_bytes=(plans[0] if share else plans[k]).weight_bytes,
+                compile_seconds=seconds[k],
+                shared_with=tuple(x for x in names if x != n) if share else (),
             )
-        per_graph = [g["seconds"] for g in res["graphs"]]
-        bin_path = _ctx_paths(staging, names[0])[1]
-        results = []
-        for k, (p, n) in enumerate(zip(paths, names)):
-            ctx, own_bin = _ctx_paths(staging, n)
-            binary = bin_path if share else own_bin
-            if not ctx.exists() or not binary.exists():
-                raise HtpCompileError(
-                    f"{p.name}: the EP wrote no {ctx.name} / {binary.name} (files: "
-                    f"{sorted(x.name for x in staging.iterdir())})"
-                )
-            tgt = read_binary_target(binary)
-            if (
-                tgt is None
-                or tgt.arch != profile.htp_arch
-                or (profile.soc_id is not None and tgt.soc_type.upper() != (profile.soc_model or "").upper())
-            ):
-                got = "unknown" if tgt is None else f"{tgt.soc_type} v{tgt.arch}"
-                raise ArchMismatchError(
-                    f"{p.name}: asked for {profile.soc_model} v{profile.htp_arch}, the context binary says {got}"
-                )
-            m = onnx.load(str(ctx), load_external_data=False)
-            attrs = {
-                a.name: onnx.helper.get_attribute_value(a)
-                for nd in m.graph.node
-                if nd.op_type == "EPContext"
-                for a in nd.attribute
-            }
-            sdk = attrs.get("ep_sdk_version")
-            ins, outs = _io(m)
-            results.append(
-                CompiledGraph(
-                    name=n,
-                    profile=profile.name,
-                    ctx_model=ctx,
-                    context_binary=binary,
-                    binary_bytes=binary.stat().st_size,
-                    weight_bytes=(plans[0] if share else plans[k]).weight_bytes,
-                    htp_arch=tgt.arch,
-                    soc_type=tgt.soc_type,
-                    qnn_sdk=sdk.decode() if isinstance(sdk, bytes) else sdk,
-                    compile_seconds=per_graph[k],
-                    inputs=ins,
-                    outputs=outs,
-                    shared_with=tuple(x for x in names if x != n) if share else (),
-                )
-            )
+            for k, (p, n) in enumerate(zip(paths, names))
+        ]
         if profile.max_context_bytes is not None:
             for r in results:
                 if r.binary_bytes > profile.max_context_bytes:
@@ -530,6 +323,105 @@ def compile_shared(
         return results
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def check_graph_names(names: Sequence[str], paths: Sequence[Path], share: bool) -> None:
+    """Raise ValueError unless the graph names are unique and made of ``[A-Za-z0-9_.-]`` (they name the context
+    files), and, for a shared context, no model is given twice (QNN fails on that with error 7003)."""
+    if len(set(names)) != len(names) or any(not re.fullmatch(r"[A-Za-z0-9_.-]+", n) for n in names):
+        raise ValueError(f"graph names must be unique and [A-Za-z0-9_.-]+: {list(names)}")
+    if share and len(set(paths)) != len(paths):
+        raise ValueError("the same model twice in one shared context fails in QNN (error 7003); give distinct graphs")
+
+
+def _run_compile(staging: Path, paths: list[Path], names: list[str], profile: TargetProfile, share: bool):
+    """Compile the graphs in one child process (`hycoc.targets.qnn_ep.run_worker`: one process per group, see the
+    module docstring) into ``staging``. Returns each graph's compile seconds. Raises FallbackError (the nodes the
+    CPU EP would get, `_diagnose_fallback`) or HtpCompileError (the EP's error and its log's error lines)."""
+    from hycoc.targets.qnn_ep import run_worker
+
+    job = {
+        "op": "compile",
+        "share": share,
+        "provider_options": profile.provider_options(),
+        "graphs": [{"model": str(p), "ctx_path": str(_ctx_paths(staging, n)[0])} for p, n in zip(paths, names)],
+    }
+    res, log = run_worker(job)
+    if not res.get("ok"):
+        i = res.get("failed_index", 0) or 0
+        err = res.get("error", "")
+        if _FALLBACK_MSG in err:
+            raise _diagnose_fallback(paths[i], profile, log)
+        raise HtpCompileError(
+            f"{paths[i].name}: QNN EP compile for {profile.name} failed: {err}\nEP log:\n{_error_lines(log)}"
+        )
+    return [g["seconds"] for g in res["graphs"]]
+
+
+def binary_target_matches(tgt, profile: TargetProfile) -> bool:
+    """Whether the arch and SoC a context binary records (``tgt``: `hycoc.targets.qnn_ep.read_binary_target`'s
+    ``arch`` and ``soc_type``, None when unreadable) are the profile's: the arch always, the SoC (case-insensitive)
+    when the profile names a QNN SoC id."""
+    return not (
+        tgt is None
+        or tgt.arch != profile.htp_arch
+        or (profile.soc_id is not None and tgt.soc_type.upper() != (profile.soc_model or "").upper())
+    )
+
+
+def _compiled_graph(
+    staging: Path,
+    model: Path,
+    name: str,
+    profile: TargetProfile,
+    *,
+    binary: Path,
+    weight_bytes: int,
+    compile_seconds: float,
+    shared_with: tuple[str, ...],
+) -> CompiledGraph:
+    """What the EP wrote for graph ``name`` in ``staging``: its EPContext model and ``binary`` (its own or the
+    group's), checked for the profile's arch and SoC, with the QNN SDK version and IO the EPContext model records.
+    Raises HtpCompileError when a file is missing, ArchMismatchError when the binary is for another target."""
+    import onnx
+    from hycoc.targets.qnn_ep import read_binary_target
+
+    ctx = _ctx_paths(staging, name)[0]
+    if not ctx.exists() or not binary.exists():
+        raise HtpCompileError(
+            f"{model.name}: the EP wrote no {ctx.name} / {binary.name} (files: "
+            f"{sorted(x.name for x in staging.iterdir())})"
+        )
+    tgt = read_binary_target(binary)
+    if tgt is None or not binary_target_matches(tgt, profile):
+        got = "unknown" if tgt is None else f"{tgt.soc_type} v{tgt.arch}"
+        raise ArchMismatchError(
+            f"{model.name}: asked for {profile.soc_model} v{profile.htp_arch}, the context binary says {got}"
+        )
+    m = onnx.load(str(ctx), load_external_data=False)
+    attrs = {
+        a.name: onnx.helper.get_attribute_value(a)
+        for nd in m.graph.node
+        if nd.op_type == "EPContext"
+        for a in nd.attribute
+    }
+    sdk = attrs.get("ep_sdk_version")
+    ins, outs = _io(m)
+    return CompiledGraph(
+        name=name,
+        profile=profile.name,
+        ctx_model=ctx,
+        context_binary=binary,
+        binary_bytes=binary.stat().st_size,
+        weight_bytes=weight_bytes,
+        htp_arch=tgt.arch,
+        soc_type=tgt.soc_type,
+        qnn_sdk=sdk.decode() if isinstance(sdk, bytes) else sdk,
+        compile_seconds=compile_seconds,
+        inputs=ins,
+        outputs=outs,
+        shared_with=shared_with,
+    )
 
 
 def compile_context(

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from hycoc import device_time as dt
 from hycoc.bench.paper import device_profile as dp
 from hycoc.cli import app
-from hycoc.inspect_report import allowance_ranges
+from hycoc.inspect_plan import allowance_ranges
 
 ROOT = Path(__file__).resolve().parents[1]
 

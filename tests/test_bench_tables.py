@@ -168,7 +168,7 @@ def test_redirected_report_lines_are_not_wrapped_and_tables_still_fit(monkeypatc
     ``COLUMNS`` or 120 but prints a line of text whole: a note such as "bundle ... was built from another version
     of recipe 'toy'; its round constants are the bundle's ..." used to break at column 120, so grep missed it."""
     from hycoc.bench.paper.runner import make_console
-    from hycoc.inspect_report import inspect_console
+    from hycoc.inspect_tables import inspect_console
 
     monkeypatch.delenv("COLUMNS", raising=False)
     note = "note: " + " ".join(f"word{i}" for i in range(60))  # ~ 400 columns

@@ -21,7 +21,6 @@ from hycoc.bundle import (
     SCHEMA_VERSION,
     BundleExists,
     BundleNotFound,
-    BundleWriter,
     FileMissing,
     FileSizeMismatch,
     GraphIO,
@@ -36,6 +35,7 @@ from hycoc.bundle import (
     check_target,
     load_manifest,
 )
+from hycoc.bundle_writer import BundleWriter
 from hycoc.cli import app
 from hycoc.recipe import load_recipe
 

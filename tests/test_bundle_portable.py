@@ -2,7 +2,7 @@
 loads, and none of its files names the folder it was built in, the recipe's folder or the checkpoint folders. The
 chat format's ``sources`` (where the template and stop ids were read) name each file by the recipe key of its folder
 (`hycoc.chat_template.bundle_chat_format`), report.json the passes' inputs relative to the recipe
-(`hycoc.passes.build.recipe_relative`); bundles that recorded the build path still load."""
+(`hycoc.passes.bundle_write.recipe_relative`); bundles that recorded the build path still load."""
 
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def test_portable_source(source, expected):
 
 
 def test_the_report_names_the_passes_inputs_as_the_recipe_does(tmp_path):
-    from hycoc.passes.build import recipe_relative
+    from hycoc.passes.bundle_write import recipe_relative
 
     base = tmp_path / "recipes"
     report = {

@@ -283,7 +283,7 @@ def _dq_matmul(*, w_dtype, zp_from: str | None, extra=()):
 
 @pytest.mark.parametrize("zp_from", [None, "constant", "initializer"])
 def test_v68_refuses_int16_weights_however_the_zero_point_is_given(zp_from):
-    from hycoc.targets.htp import CapabilityError, check_capabilities
+    from hycoc.targets.htp_checks import CapabilityError, check_capabilities
 
     model = _dq_matmul(w_dtype=T.INT16, zp_from=zp_from)
     with pytest.raises(
@@ -296,7 +296,8 @@ def test_v68_refuses_int16_weights_however_the_zero_point_is_given(zp_from):
 
 
 def test_v68_refuses_a_float16_cast_and_accepts_an_8bit_graph(tmp_path):
-    from hycoc.targets.htp import CapabilityError, check_capabilities, compile_context
+    from hycoc.targets.htp import compile_context
+    from hycoc.targets.htp_checks import CapabilityError, check_capabilities
 
     check_capabilities(_dq_matmul(w_dtype=T.INT8, zp_from="constant"), get_profile("htp-v68"))
     g = _dq_matmul(w_dtype=T.INT8, zp_from="initializer")

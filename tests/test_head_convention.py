@@ -219,7 +219,7 @@ class TorchRunner:
 def device_drafter(verifier, engine, head, convention):
     """An MTP Drafter over the float head graph with the full vocabulary as keep set (so its arg-max is the
     head's), the engine's producer layers' KV shapes, a W-column ring and the bundle's head sliding positions as
-    `hycoc.passes.build.host_info` writes them."""
+    `hycoc.passes.bundle_write.host_info` writes them."""
     _, offset, inclusive = convention
     W = engine.head_window
     keep = np.arange(VOCAB)

@@ -1,14 +1,14 @@
 """The device's QNN HTP session settings (runtime/htp_session.py; docs/device-runtime.md "QNN session settings"):
 performance mode, context priority, graph finalization mode and RPC latency, each a `hycoc run` option, checked
 before anything loads, and merged into the QNN EP's provider options of every graph the runtime opens
-(`hycoc.runtime.graphs.htp_provider_options`). No NPU here: a ``qnn`` test loads a small EPContext graph on
+(`hycoc.runtime.graph_sessions.htp_provider_options`). No NPU here: a ``qnn`` test loads a small EPContext graph on
 onnxruntime-qnn's x86 HTP simulator under every setting."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hycoc.runtime import graphs
+from hycoc.runtime import graph_sessions, graphs
 from hycoc.runtime.client import load_runtime
 from hycoc.runtime.htp_session import (
     HTP_FINALIZATION_MODES,
@@ -71,10 +71,10 @@ def test_a_value_outside_its_choices_is_refused_naming_the_field(kw, field):
 def test_the_settings_join_the_target_profiles_options(tiny_bundle):
     m = htp_manifest(tiny_bundle)
     profile = get_profile("htp-v81").provider_options()
-    default = graphs.htp_provider_options(m)
+    default = graph_sessions.htp_provider_options(m)
     assert default == {**profile, **HtpSessionSettings().provider_options()}
     assert default["htp_graph_finalization_optimization_mode"] == profile["htp_graph_finalization_optimization_mode"]
-    mine = graphs.htp_provider_options(m, HtpSessionSettings("balanced", "low", "2", 0), shared_memory=True)
+    mine = graph_sessions.htp_provider_options(m, HtpSessionSettings("balanced", "low", "2", 0), shared_memory=True)
     assert mine == {
         **profile,
         "htp_performance_mode": "balanced",
@@ -82,8 +82,8 @@ def test_the_settings_join_the_target_profiles_options(tiny_bundle):
         "htp_graph_finalization_optimization_mode": "2",
         "enable_htp_shared_memory_allocator": "1",
     }
-    with pytest.raises(graphs.TargetMismatch, match="names no HTP arch"):
-        graphs.htp_provider_options(load_manifest(tiny_bundle.bundle))
+    with pytest.raises(graph_sessions.TargetMismatch, match="names no HTP arch"):
+        graph_sessions.htp_provider_options(load_manifest(tiny_bundle.bundle))
 
 
 def test_every_graph_the_runtime_opens_gets_the_settings(tiny_bundle, monkeypatch):
@@ -210,7 +210,7 @@ def test_every_setting_loads_on_the_simulator_and_gives_the_same_output(tmp_path
     settings += [HtpSessionSettings(performance_mode=m) for m in ("sustained_high_performance", "balanced")]
     settings += [HtpSessionSettings(context_priority=p, finalization_mode="3") for p in QNN_CONTEXT_PRIORITIES]
     for s in settings:
-        np.testing.assert_array_equal(run(graphs.htp_provider_options(manifest, s)), want)
+        np.testing.assert_array_equal(run(graph_sessions.htp_provider_options(manifest, s)), want)
     # why hycoc checks the values itself: this EP (onnxruntime-qnn 2.7.0) loads an unknown performance mode
     # silently and refuses an unknown priority only at load
     base = get_profile("htp-v81").provider_options()

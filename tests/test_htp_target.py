@@ -319,7 +319,8 @@ def test_weight_shared_context_holds_weights_once(tmp_path):
 
 
 def test_v68_profile_refuses_the_16bit_graph_before_compiling(attention, tmp_path):
-    from hycoc.targets.htp import CapabilityError, compile_context
+    from hycoc.targets.htp import compile_context
+    from hycoc.targets.htp_checks import CapabilityError
 
     with pytest.raises(CapabilityError, match=r"htp-v68 \(HTP v68\) cannot run 16-bit ops") as e:
         compile_context(attention["qdq"], tmp_path, get_profile("htp-v68"), graph_name="head_attn")

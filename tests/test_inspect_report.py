@@ -68,7 +68,7 @@ def test_a_table_too_wide_for_80_columns_is_split_with_its_key_column_in_every_p
 @pytest.mark.parametrize("environ, width", [({}, 120), ({"COLUMNS": "97"}, 97), ({"COLUMNS": "60"}, 80)])
 def test_redirected_inspect_lays_out_at_COLUMNS_else_120(monkeypatch, environ, width):
     """stdout is not a terminal under pytest: the bench tables' rule (`hycoc.bench.tables.console_width`)."""
-    from hycoc.inspect_report import inspect_console
+    from hycoc.inspect_tables import inspect_console
 
     monkeypatch.delenv("COLUMNS", raising=False)
     for k, v in environ.items():

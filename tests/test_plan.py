@@ -273,7 +273,7 @@ def test_inspect_shows_the_bit_maps_side_by_side():
 
 
 def test_gemma4_plan_counts_the_drafters_macs(gemma4):
-    """MACs per call at the real shape (`hycoc.passes.plan._macs`): the head's one row over its linear layers and
+    """MACs per call at the real shape (`hycoc.passes.plan_graphs.macs`): the head's one row over its linear layers and
     its 4 layers' attention over the W=1024 ring (3 sliding layers of head dim 256, 1 full of 512, 16 query heads);
     the SLM's 32 rows."""
     head = gemma4["graphs"]["head"]["macs"]

@@ -261,7 +261,7 @@ def test_the_checkpoints_own_quantization_config_wins(tmp_path):
 
 
 def test_context_budget_counts_shards():
-    from hycoc.passes.plan import context_budget
+    from hycoc.passes.plan_budgets import context_budget
 
     from hycoc.recipe import load_recipe
 

@@ -1,6 +1,6 @@
 """The bundle's round constants are derived from the recipe (issue 39 item 3): every device-visible recipe key
-reaches `hycoc.bundle.RoundConstants` under its name with the recipe's type and range, the build fills them from the
-recipe by that mapping, and a manifest written before the derivation still loads with the same bytes."""
+reaches `hycoc.bundle_constants.RoundConstants` under its name with the recipe's type and range, the build fills them
+from the recipe by that mapping, and a manifest written before the derivation still loads with the same bytes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from hycoc.passes.bundle_io import round_constants
 from pydantic import ValidationError
 
-from hycoc.bundle import ROUND_SOURCES, ROUND_TABLES, RoundConstants
+from hycoc.bundle_constants import ROUND_SOURCES, ROUND_TABLES, RoundConstants
 from hycoc.recipe import Recipe, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -195,7 +195,7 @@ def test_decode_masks_in_place_equal_tree_ring_mask_across_requests(tiny_bundle)
 
 
 def test_context_groups_put_the_decode_graph_with_the_tree_graph():
-    from hycoc.passes.build import _context_groups
+    from hycoc.passes.target_step import _context_groups
 
     assert _context_groups(["head", "slm", "slm_decode"], True) == [["slm", "slm_decode"], ["head"]]
     assert _context_groups(["head", "slm", "slm_decode"], False) == [["head"], ["slm"], ["slm_decode"]]

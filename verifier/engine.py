@@ -66,7 +66,6 @@ from hycoc.protocol.messages import (
 from hycoc.protocol.wire import PROTOCOL_VERSION
 
 from . import append as append_turn
-from .acceptance import select_exact, select_path
 from .baselines import draft_cloud_chain, draft_server_chain
 from .draft_place import PLACES, DraftPlace
 
@@ -76,43 +75,17 @@ from .errors import (
     BadRequest,
     ContextOverflow,
     NotPrefilled,
-    OverAllowance,
-    RootMismatch,
     SequenceError,
     SessionFinished,
-    TreeError,
 )
-from .forward import NormTap, Timer
-from .kv_cache import WindowSnapshot, cache_tensors, held_storage_bytes, snapshot_tensors, window_start
+from .forward import Timer
+from .kv_cache import WindowSnapshot, cache_tensors, held_storage_bytes, snapshot_tensors
 from .kv_surgery import compact_kv, crop_cache, pack_handoff
 from .model import VerifierModel
 from .model import producer_layers as producer_layers  # re-exported: callers import it from here
 from .prefill_job import AppendPlan, PrefillJob
-from .sampling import sample_rows, sampling_probs
-from .tree import additive_masks, ancestor_matrix, tree_depths, validate_tree
+from .round_steps import PendingRound, accept, ancestor_closed, check_round_tree, verify_tree
 from .tree_rows import fitting_rows, remap_parents, widen_reply
-
-# --------------------------------------------------------------------------------------- the round, step by step
-
-
-@torch.inference_mode()
-def verify_tree(
-    model, cache: DynamicCache, tap: NormTap, tokens: torch.Tensor, parents: np.ndarray, t: int, dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Alg. 4 lines 1-3: one forward over the R tree rows after the t cached positions.
-
-    tokens: int64 (R,) on the model's device; parents: int (R,), a valid tree. Row j takes position
-    t + depth(j) and attends to [0, t), its ancestor rows and itself (sliding layers: within their window).
-    Appends the R rows' KV to every cache layer (positions t .. t+R-1 in storage order). Returns float32 logits
-    (R, V) (soft-capped, as transformers computes them) and the final norm's input and output rows, each (R, H).
-    """
-    device = tokens.device
-    pos = torch.as_tensor(t + tree_depths(parents), device=device)
-    visible = torch.as_tensor(ancestor_matrix(parents), device=device)
-    masks = additive_masks(pos, visible, t, model.config.sliding_window, dtype, window_start(cache, t))
-    out = model(input_ids=tokens[None], position_ids=pos[None], attention_mask=masks, cache=cache, use_cache=True)
-    return out.logits[0].float(), tap.pre[0], tap.post[0]
-
 
 # -------------------------------------------------------------------------------------------- engine, session
 
@@ -196,27 +169,6 @@ class VerifierEngine(VerifierModel):
         with self._sessions_lock:
             self._sessions[id(session)] = weakref.ref(session)
         return session
-
-
-@dataclass
-class PendingRound:
-    """A round between `Session.begin_round` and `Session.finish_round` (what the forward and the finish need).
-
-    sent_tokens, sent_parents: int64 (R,), the tree as sent (the retry record). tokens, parents: the rows to
-    verify (the rows that fit the context, renumbered; for cloud-mtp root + K-chain). kept: the sent rows kept
-    (None: all). t: cached positions before the round. rng_state: the session generator's state before it.
-    started: time.perf_counter() at `begin_round` (server_ms of a batched round counts from here).
-    """
-
-    seq: int
-    sent_tokens: np.ndarray
-    sent_parents: np.ndarray
-    tokens: np.ndarray
-    parents: np.ndarray
-    kept: np.ndarray | None
-    t: int
-    rng_state: torch.Tensor
-    started: float
 
 
 @dataclass
@@ -452,18 +404,8 @@ class Session:
         expected = 0 if last is None else last.seq + 1
         if seq != expected:
             raise SequenceError(f"round seq {seq} out of order; expected {expected}")
-        eng = self.engine
-        validate_tree(tokens, parents, eng.vocab_size)
-        place = self.place
-        if not place.device_rows and len(tokens) != 1:
-            raise TreeError(f"{place.name} rounds carry only the root, got {len(tokens)} rows")
-        if self.allowance and len(tokens) > self.allowance:
-            raise OverAllowance(
-                f"round {seq} has {len(tokens)} rows; the last reply allowed at most {self.allowance} (its "
-                "allowance): draft at most that many rows, root included, and send the round again"
-            )
-        if tokens[0] != self.root:
-            raise RootMismatch(f"tree root {tokens[0]} is not the session's root {self.root} at position {self.t}")
+        eng, place = self.engine, self.place
+        check_round_tree(tokens, parents, seq, eng.vocab_size, place, self.allowance, self.root, self.t)
         # Rows deeper than the room left would commit tokens past the context: they are not verified (their
         # samples echo their own tokens), and the path stays among the rows that fit (see `fitting_rows`).
         kept = fitting_rows(parents, eng.max_context - len(self.tokens))
@@ -518,13 +460,7 @@ class Session:
             raise ValueError(
                 f"restrict_round: a {self.draft_place} round's rows are the server's own chain; keep it whole"
             )
-        if (
-            len(rows) == 0
-            or rows[0] != 0
-            or rows[-1] >= len(pending.tokens)
-            or not (rows[1:] > pending.parents[rows[1:]]).all()
-            or not np.isin(pending.parents[rows[1:]], rows).all()
-        ):
+        if not ancestor_closed(rows, pending.parents):
             raise ValueError(
                 f"restrict_round: rows {rows.tolist()} are not an ancestor-closed subset of the "
                 f"round's {len(pending.tokens)} rows containing row 0"
@@ -594,15 +530,10 @@ class Session:
         """
         eng, t = self.engine, self.t
         h_rows = h_pre if eng.hidden == "pre_norm" else h_post
-        # Line 5: p~ per row and y^_j ~ p~(.|j) from the session's generator.
-        probs = sampling_probs(logits, self.sampling)
-        drawn = sample_rows(probs, self.generator)
-        # Lines 6-12: choose v*, rewrite samples along the path, b = y^_v*.
-        if self.place.acceptance(self.acceptance) == "exact":
-            v_star, path, samples = select_exact(tokens, parents, drawn)
-        else:
-            v_star, path, samples = select_path(tokens, parents, drawn, probs, self.epsilon)
-        bonus = int(samples[v_star])
+        # Lines 5-12: p~ per row, y^_j ~ p~(.|j) from the session's generator; v*, samples rewritten along the path.
+        mode = self.place.acceptance(self.acceptance)
+        v_star, path, samples = accept(tokens, parents, logits, self.sampling, self.generator, mode, self.epsilon)
+        bonus = int(samples[v_star])  # b = y^_v*
         # Line 13: keep the root and the path at t .. t + |P|.
         compact_kv(self.cache, t, path)
         t_prime = t + 1 + len(path)

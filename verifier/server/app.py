@@ -32,6 +32,59 @@ from .worker import (
 )
 
 
+def check_server_settings(
+    *,
+    tree_rows: int,
+    auth_token: str | None,
+    max_frame_bytes: int,
+    batching: str,
+    max_batch_rows: int,
+    max_batch_wait_ms: float,
+    tree_budget: str,
+    min_rows_per_session: int,
+    allowance: str,
+    allowance_target_ms: float | None,
+    allowance_floor: int,
+    max_prefills: int,
+) -> None:
+    """Refuse `VerifierServer`'s settings (its arguments of the same names) before anything starts: each out of its
+    range, or a mode that is not one of its allowed values; "auto" row budgets and allowances need batched mode.
+    Raises ValueError naming the setting, its value and what it must be."""
+    if not 1 <= tree_rows <= wire.MAX_TREE_ROWS:
+        raise ValueError(f"tree_rows = {tree_rows}: must lie in [1, {wire.MAX_TREE_ROWS}] (B + 1)")
+    if auth_token is not None and not auth_token:
+        raise ValueError("auth_token is empty: give a non-empty token, or None for an open server")
+    if batching not in BATCHING_MODES:
+        raise ValueError(f"batching = {batching!r}: must be one of {BATCHING_MODES}")
+    for key, value, allowed, what in (
+        ("tree_budget", tree_budget, TREE_BUDGETS, "allocates rows across a batched forward"),
+        ("allowance", allowance, ALLOWANCE_MODES, "sizes trees by the load of batched forwards"),
+    ):
+        if value not in allowed:
+            raise ValueError(f"{key} = {value!r}: must be one of {allowed}")
+        if value == "auto" and batching != "batched":
+            raise ValueError(f"{key} = 'auto' {what}: it needs batching = 'batched', not {batching!r}")
+    if not (isinstance(allowance_floor, int) and 0 <= allowance_floor <= tree_rows):
+        raise ValueError(
+            f"allowance_floor = {allowance_floor!r}: must be an integer in [0, {tree_rows}] (0: K + 1, the root "
+            "and the MTP chain; at most tree_rows, B + 1)"
+        )
+    if allowance_target_ms is not None and not (
+        isinstance(allowance_target_ms, (int, float)) and 0 <= allowance_target_ms < math.inf
+    ):
+        raise ValueError(f"allowance_target_ms = {allowance_target_ms!r}: must be a number of ms >= 0 (0: none)")
+    if not (isinstance(min_rows_per_session, int) and min_rows_per_session >= 1):
+        raise ValueError(f"min_rows_per_session = {min_rows_per_session!r}: must be an integer >= 1")
+    if not (isinstance(max_batch_rows, int) and max_batch_rows >= 1):
+        raise ValueError(f"max_batch_rows = {max_batch_rows!r}: must be an integer >= 1")
+    if not (isinstance(max_batch_wait_ms, (int, float)) and 0 <= max_batch_wait_ms <= 10_000):
+        raise ValueError(f"max_batch_wait_ms = {max_batch_wait_ms!r}: must lie in [0, 10000] ms")
+    if not (isinstance(max_prefills, int) and max_prefills >= 1):
+        raise ValueError(f"max_prefills = {max_prefills!r}: must be an integer >= 1")
+    if max_frame_bytes < wire.HEADER.size:
+        raise ValueError(f"max_frame_bytes = {max_frame_bytes}: must hold at least the {wire.HEADER.size}-byte header")
+
+
 class VerifierServer:
     """The verifier engine behind the wire protocol (see the package docstring for the routes and the rules).
 
@@ -93,41 +146,20 @@ class VerifierServer:
         max_prefills: int = DEFAULT_MAX_PREFILLS,
         memory_release_s: float = DEFAULT_MEMORY_RELEASE_S,
     ):
-        if not 1 <= tree_rows <= wire.MAX_TREE_ROWS:
-            raise ValueError(f"tree_rows = {tree_rows}: must lie in [1, {wire.MAX_TREE_ROWS}] (B + 1)")
-        if auth_token is not None and not auth_token:
-            raise ValueError("auth_token is empty: give a non-empty token, or None for an open server")
-        if batching not in BATCHING_MODES:
-            raise ValueError(f"batching = {batching!r}: must be one of {BATCHING_MODES}")
-        for key, value, allowed, what in (
-            ("tree_budget", tree_budget, TREE_BUDGETS, "allocates rows across a batched forward"),
-            ("allowance", allowance, ALLOWANCE_MODES, "sizes trees by the load of batched forwards"),
-        ):
-            if value not in allowed:
-                raise ValueError(f"{key} = {value!r}: must be one of {allowed}")
-            if value == "auto" and batching != "batched":
-                raise ValueError(f"{key} = 'auto' {what}: it needs batching = 'batched', not {batching!r}")
-        if not (isinstance(allowance_floor, int) and 0 <= allowance_floor <= tree_rows):
-            raise ValueError(
-                f"allowance_floor = {allowance_floor!r}: must be an integer in [0, {tree_rows}] (0: K + 1, the root "
-                "and the MTP chain; at most tree_rows, B + 1)"
-            )
-        if allowance_target_ms is not None and not (
-            isinstance(allowance_target_ms, (int, float)) and 0 <= allowance_target_ms < math.inf
-        ):
-            raise ValueError(f"allowance_target_ms = {allowance_target_ms!r}: must be a number of ms >= 0 (0: none)")
-        if not (isinstance(min_rows_per_session, int) and min_rows_per_session >= 1):
-            raise ValueError(f"min_rows_per_session = {min_rows_per_session!r}: must be an integer >= 1")
-        if not (isinstance(max_batch_rows, int) and max_batch_rows >= 1):
-            raise ValueError(f"max_batch_rows = {max_batch_rows!r}: must be an integer >= 1")
-        if not (isinstance(max_batch_wait_ms, (int, float)) and 0 <= max_batch_wait_ms <= 10_000):
-            raise ValueError(f"max_batch_wait_ms = {max_batch_wait_ms!r}: must lie in [0, 10000] ms")
-        if not (isinstance(max_prefills, int) and max_prefills >= 1):
-            raise ValueError(f"max_prefills = {max_prefills!r}: must be an integer >= 1")
-        if max_frame_bytes < wire.HEADER.size:
-            raise ValueError(
-                f"max_frame_bytes = {max_frame_bytes}: must hold at least the {wire.HEADER.size}-byte header"
-            )
+        check_server_settings(
+            tree_rows=tree_rows,
+            auth_token=auth_token,
+            max_frame_bytes=max_frame_bytes,
+            batching=batching,
+            max_batch_rows=max_batch_rows,
+            max_batch_wait_ms=max_batch_wait_ms,
+            tree_budget=tree_budget,
+            min_rows_per_session=min_rows_per_session,
+            allowance=allowance,
+            allowance_target_ms=allowance_target_ms,
+            allowance_floor=allowance_floor,
+            max_prefills=max_prefills,
+        )
         self.engine = engine
         self.tree_rows = int(tree_rows)
         self.auth_token = auth_token

@@ -49,8 +49,8 @@ import numpy as np
 from hycoc.verifier.row_budget import RowCost
 
 if TYPE_CHECKING:  # imported where a cost is made
-    from hycoc.bench.cost_model.model import CostModel
     from hycoc.bench.capacity.gpu_cost import GpuRoofline
+    from hycoc.bench.cost_model.model import CostModel
 
 #: The statistic of a measured point: the MEAN of the worker thread's CPU ms (time.thread_time) over the repeats.
 #: A queue's throughput and waits follow the mean service time (utilization = arrival rate x E[S]), so the mean is
