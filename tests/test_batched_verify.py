@@ -23,7 +23,7 @@ from hycoc.verifier import SequenceError, VerifierEngine
 from hycoc.verifier.batch import BatchStats, batch_forward, verify_batch
 from hycoc.verifier.engine import verify_tree
 from hycoc.verifier.server import ServerThread
-from tiny_models import VOCAB, tiny_head, tiny_verifier
+from tiny_models import VOCAB, oracle_tree, tiny_head, tiny_verifier
 
 from hycoc.protocol.messages import DraftTree, OpenRequest, Sampling
 
@@ -46,21 +46,6 @@ def make_engine(models, **kw) -> VerifierEngine:
     )
     args.update(kw)
     return VerifierEngine(models[0], **args)
-
-
-@torch.inference_mode()
-def oracle_tree(model, tokens, width=2, depth=3):
-    """Root = tokens[-1]; the verifier's top-`width` children at each of `depth` levels along its greedy chain."""
-    tokens = list(tokens)
-    tree, parents, parent = [tokens[-1]], [-1], 0
-    for _ in range(depth):
-        top = model(input_ids=torch.tensor([tokens])).logits[0, -1].topk(width).indices.tolist()
-        first = len(tree)
-        tree += top
-        parents += [parent] * width
-        parent = first
-        tokens.append(top[0])
-    return np.array(tree, np.int64), np.array(parents, np.int64)
 
 
 def random_tree(tokens, rows=9):

@@ -10,6 +10,7 @@ KV-shared, reading the verifier's last sliding and last full-attention layer).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
 
@@ -93,3 +94,19 @@ def tiny_head(
     with torch.no_grad():
         head.lm_head.weight.normal_(0.0, 0.5)
     return head
+
+
+@torch.inference_mode()
+def oracle_tree(model, tokens, width=2, depth=3, dtype=np.int64):
+    """Root = tokens[-1]; the verifier's top-`width` children at each of `depth` levels along its greedy chain.
+    Returns (tokens, parents) as ``dtype`` arrays (int32 for a wire `DraftTree`)."""
+    tokens = list(tokens)
+    tree, parents, parent = [tokens[-1]], [-1], 0
+    for _ in range(depth):
+        top = model(input_ids=torch.tensor([tokens])).logits[0, -1].topk(width).indices.tolist()
+        first = len(tree)
+        tree += top
+        parents += [parent] * width
+        parent = first
+        tokens.append(top[0])
+    return np.array(tree, dtype), np.array(parents, dtype)
