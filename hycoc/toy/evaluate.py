@@ -79,7 +79,7 @@ def evaluate_family(
     window: int = 256,
 ) -> dict:
     from hycoc.models import load_head, load_slm, load_tokenizer, load_verifier
-    from hycoc.toy.train import SEQ_LEN, encode_corpus, log, pack_sequences
+    from hycoc.toy.train import SELFGEN_SAMPLING, SEQ_LEN, encode_corpus, log, pack_sequences
 
     models_dir = Path(models_dir)
     tok = load_tokenizer(models_dir / "verifier" / "tokenizer.json")
@@ -116,13 +116,7 @@ def evaluate_family(
         ids = torch.tensor([tok.encode(prompt_text(p), add_special_tokens=False).ids])
         with torch.no_grad():
             g = verifier.generate(
-                input_ids=ids,
-                do_sample=True,
-                temperature=1.0,
-                top_k=64,
-                top_p=0.95,
-                max_new_tokens=max_new,
-                pad_token_id=0,
+                input_ids=ids, do_sample=True, max_new_tokens=max_new, pad_token_id=0, **SELFGEN_SAMPLING
             )
         seqs.append((ids.shape[1], g[0]))
     temps = (1.0, 0.7, 0.5)
