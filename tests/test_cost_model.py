@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from bench_scripts import load_script
+from conftest import modules_loaded_by_import
 
 from hycoc.bench.cost_model.model import (
     PAPER_ROUND_MS,
@@ -164,9 +165,7 @@ def test_missing_and_non_json_files(tmp_path):
 
 
 def test_cost_model_module_does_not_import_torch():
-    code = "import sys, hycoc.bench.cost_model.model; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert modules_loaded_by_import("hycoc.bench.cost_model.model", ("torch",)) == []
 
 
 def test_gpu_script_skips_cleanly_without_cuda(tmp_path):
