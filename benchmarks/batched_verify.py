@@ -58,6 +58,20 @@ def trees_for(model, torch, tokens, rng_seed: int, width: int = 8, below: int = 
     return np.array(tree, np.int64), np.array(parents, np.int64)
 
 
+def memo_trees(model, torch):
+    """tree(i, session): `trees_for` session i's committed tokens, seeded by i and its length, each computed once per
+    (i, length, last 8 tokens)."""
+    memo: dict = {}
+
+    def tree(i, session):
+        key = (i, len(session.tokens), tuple(session.tokens[-8:]))
+        if key not in memo:
+            memo[key] = trees_for(model, torch, session.tokens, rng_seed=1000 * i + len(session.tokens))
+        return memo[key]
+
+    return tree
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipe", type=Path)
@@ -112,13 +126,7 @@ def main(argv=None) -> None:
     counts = [int(x) for x in args.sessions.split(",")]
     questions = load_spec_bench(args.dataset)[: max(counts)]
     prompts = [np.array(chat.prompt(q.turns[0]), dtype=np.int64) for q in questions]
-    memo: dict = {}
-
-    def tree(i, session):
-        key = (i, len(session.tokens), tuple(session.tokens[-8:]))
-        if key not in memo:
-            memo[key] = trees_for(engine.model, torch, session.tokens, rng_seed=1000 * i + len(session.tokens))
-        return memo[key]
+    tree = memo_trees(engine.model, torch)
 
     def open_all(n):
         out = []
@@ -377,13 +385,7 @@ def mixed_lengths(args, recipe, engine, sampling, long, short) -> None:
 
     prompts = [long] + short
     twins = [[_open(engine, recipe, sampling, p, i) for i, p in enumerate(prompts)] for _ in range(2)]
-    memo: dict = {}
-
-    def tree(i, sess):
-        key = (i, len(sess.tokens), tuple(sess.tokens[-8:]))
-        if key not in memo:
-            memo[key] = trees_for(engine.model, torch, sess.tokens, rng_seed=1000 * i + len(sess.tokens))
-        return memo[key]
+    tree = memo_trees(engine.model, torch)
 
     def check(results):
         bad = [r for r in results if isinstance(r, BaseException)]
