@@ -228,6 +228,14 @@ class ServerMetrics:
         return generate_latest(self.registry).decode("utf-8")
 
 
+def _by_kind(name: str, documentation: str, counts) -> CounterMetricFamily:
+    """A counter family labelled ``kind``: one series per (kind, count) of ``counts``, in that order."""
+    family = CounterMetricFamily(name, documentation, labels=["kind"])
+    for kind, n in counts:
+        family.add_metric([kind], n)
+    return family
+
+
 class _Collector(Collector):
     """Turns a `ServerMetrics` into metric families at each scrape (prometheus_client's custom-collector API)."""
 
@@ -267,18 +275,12 @@ class _Collector(Collector):
             "verifier milliseconds per committed token, prefill included (NaN before the first token)",
             value=g,
         )
-        errors = CounterMetricFamily("hycoc_errors_total", "ERROR frames sent, by code", labels=["kind"])
-        for kind, n in sorted(m.errors.items()):
-            errors.add_metric([kind], n)
-        yield errors
-        refusals = CounterMetricFamily(
+        yield _by_kind("hycoc_errors_total", "ERROR frames sent, by code", sorted(m.errors.items()))
+        yield _by_kind(
             "hycoc_refusals_total",
             "connections, sessions or frames refused by a server limit, by limit",
-            labels=["kind"],
+            ((kind, m.refusals[kind]) for kind in REFUSAL_KINDS),
         )
-        for kind in REFUSAL_KINDS:
-            refusals.add_metric([kind], m.refusals[kind])
-        yield refusals
         yield GaugeMetricFamily(
             "hycoc_connections_active", "TCP connections open now (HTTP and WebSocket)", value=m.connections_active
         )
@@ -288,14 +290,11 @@ class _Collector(Collector):
             value=m.kv_bytes_reserved,
         )
         yield from self._kv_families()
-        appends = CounterMetricFamily(
+        yield _by_kind(
             "hycoc_appends_total",
             "APPENDs by how the conversation's KV rolled back (crop, snapshot, full re-prefill)",
-            labels=["kind"],
+            ((kind, m.appends[kind]) for kind in APPEND_KINDS),
         )
-        for kind in APPEND_KINDS:
-            appends.add_metric([kind], m.appends[kind])
-        yield appends
         yield CounterMetricFamily(
             "hycoc_append_reprefilled_tokens_total",
             "positions APPENDs prefilled again that the session held already",
