@@ -221,6 +221,13 @@ _SAMSUNG = (
     "Xiaomi phones: their makers' specification pages"
 )
 
+
+def _samsung_source(soc: str, arch: int, phones: str, chip: str) -> str:
+    """The source of a phone chip's entry: QNN's SoC table for ``soc`` and ``arch``, Samsung's launch of
+    ``phones`` for the chip they carry."""
+    return _QNN_SOCS.format(soc=soc, arch=arch) + "; " + _SAMSUNG.format(phones=phones, chip=chip)
+
+
 DEVICES: tuple[DeviceEntry, ...] = (
     DeviceEntry(
         "Snapdragon 8 Elite Gen 5",
@@ -246,9 +253,7 @@ DEVICES: tuple[DeviceEntry, ...] = (
             "OnePlus 13",
             "Xiaomi 15",
         ),
-        _QNN_SOCS.format(soc="SM8750", arch=79)
-        + "; "
-        + _SAMSUNG.format(phones="Galaxy S25 series (Jan 2025)", chip="Snapdragon 8 Elite"),
+        _samsung_source("SM8750", 79, "Galaxy S25 series (Jan 2025)", "Snapdragon 8 Elite"),
     ),
     DeviceEntry(
         "Snapdragon 8 Gen 3",
@@ -256,9 +261,7 @@ DEVICES: tuple[DeviceEntry, ...] = (
         75,
         57,
         ("8 Gen 3", "SM8650", "Galaxy S24 Ultra", "Galaxy S24", "Galaxy S24+", "OnePlus 12", "Xiaomi 14"),
-        _QNN_SOCS.format(soc="SM8650", arch=75)
-        + "; "
-        + _SAMSUNG.format(phones="Galaxy S24 series (Jan 2024)", chip="Snapdragon 8 Gen 3"),
+        _samsung_source("SM8650", 75, "Galaxy S24 series (Jan 2024)", "Snapdragon 8 Gen 3"),
         note="Galaxy S24 / S24+ have Snapdragon 8 Gen 3 only in the US, Canada, China and Japan (Exynos 2400 "
         "elsewhere, no Hexagon NPU); the S24 Ultra has it everywhere",
     ),
@@ -268,9 +271,7 @@ DEVICES: tuple[DeviceEntry, ...] = (
         73,
         43,
         ("8 Gen 2", "SM8550", "Galaxy S23", "Galaxy S23+", "Galaxy S23 Ultra", "OnePlus 11", "Xiaomi 13"),
-        _QNN_SOCS.format(soc="SM8550", arch=73)
-        + "; "
-        + _SAMSUNG.format(phones="Galaxy S23 series (Feb 2023)", chip="Snapdragon 8 Gen 2"),
+        _samsung_source("SM8550", 73, "Galaxy S23 series (Feb 2023)", "Snapdragon 8 Gen 2"),
     ),
     DeviceEntry(
         "Snapdragon X Elite",
