@@ -129,20 +129,7 @@ def main(argv=None) -> None:
     tree = memo_trees(engine.model, torch)
 
     def open_all(n):
-        out = []
-        for i in range(n):
-            sess = engine.open(
-                prompts[i],
-                sampling,
-                seed=s.seed + i,
-                acceptance=recipe.acceptance.mode,
-                epsilon=recipe.acceptance.epsilon,
-                draft_place="device",
-                max_new_tokens=10_000,
-            )
-            sess.prefill()
-            out.append(sess)
-        return out
+        return [_open(engine, recipe, sampling, prompts[i], i) for i in range(n)]
 
     def run(n, mode, progress):
         sessions = open_all(n)
@@ -242,15 +229,7 @@ def print_round_steps(engine, prompt, sampling, recipe, tree, rounds: int) -> No
     from rich.console import Console
     from rich.table import Table
 
-    sess = engine.open(
-        prompt,
-        sampling,
-        seed=0,
-        acceptance=recipe.acceptance.mode,
-        epsilon=recipe.acceptance.epsilon,
-        draft_place="device",
-        max_new_tokens=10_000,
-    )
+    sess = _device_session(engine, recipe, sampling, prompt, seed=0)
     sess.prefill()
     names = (
         "forward",
@@ -366,17 +345,22 @@ def long_context(args) -> None:
 
 
 def _open(engine, recipe, sampling, prompt, i):
-    sess = engine.open(
+    sess = _device_session(engine, recipe, sampling, prompt, seed=recipe.sampling.seed + i)
+    sess.prefill()
+    return sess
+
+
+def _device_session(engine, recipe, sampling, prompt, seed: int, max_new_tokens: int = 10_000):
+    """A new session on ``prompt`` (not prefilled): device drafting, the recipe's acceptance."""
+    return engine.open(
         prompt,
         sampling,
-        seed=recipe.sampling.seed + i,
+        seed=seed,
         acceptance=recipe.acceptance.mode,
         epsilon=recipe.acceptance.epsilon,
         draft_place="device",
-        max_new_tokens=10_000,
+        max_new_tokens=max_new_tokens,
     )
-    sess.prefill()
-    return sess
 
 
 def mixed_lengths(args, recipe, engine, sampling, long, short) -> None:
@@ -460,15 +444,7 @@ def long_prefill(args, recipe, engine, sampling, long, short) -> None:
                 latencies.append((time.perf_counter() - t0) * 1e3)
 
         async def long_client():
-            sess = engine.open(
-                long,
-                sampling,
-                seed=7,
-                acceptance=recipe.acceptance.mode,
-                epsilon=recipe.acceptance.epsilon,
-                draft_place="device",
-                max_new_tokens=64,
-            )
+            sess = _device_session(engine, recipe, sampling, long, seed=7, max_new_tokens=64)
             t0 = time.perf_counter()
             await sched.prefill(sess.prefill_job)
             times["opened"] = (time.perf_counter() - t0) * 1e3
