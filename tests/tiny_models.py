@@ -110,3 +110,18 @@ def oracle_tree(model, tokens, width=2, depth=3, dtype=np.int64):
         parent = first
         tokens.append(top[0])
     return np.array(tree, dtype), np.array(parents, dtype)
+
+
+def greedy_session(engine, prompt, draft_place: str, max_new_tokens: int):
+    """A session of ``engine`` (a `VerifierEngine`) on ``prompt``, not prefilled: T = 0 (top-1) and exact
+    acceptance, so every sample and the committed text are the verifier's argmax."""
+    from hycoc.protocol.messages import Sampling
+
+    return engine.open(
+        prompt,
+        Sampling(temperature=0.0, top_k=1, top_p=1.0),
+        acceptance="exact",
+        epsilon=1.0,
+        draft_place=draft_place,
+        max_new_tokens=max_new_tokens,
+    )
