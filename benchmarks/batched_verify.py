@@ -58,6 +58,20 @@ def trees_for(model, torch, tokens, rng_seed: int, width: int = 8, below: int = 
     return np.array(tree, np.int64), np.array(parents, np.int64)
 
 
+def memo_trees(model, torch):
+    """tree(i, session): `trees_for` session i's committed tokens, seeded by i and its length, each computed once per
+    (i, length, last 8 tokens)."""
+    memo: dict = {}
+
+    def tree(i, session):
+        key = (i, len(session.tokens), tuple(session.tokens[-8:]))
+        if key not in memo:
+            memo[key] = trees_for(model, torch, session.tokens, rng_seed=1000 * i + len(session.tokens))
+        return memo[key]
+
+    return tree
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipe", type=Path)
@@ -112,29 +126,10 @@ def main(argv=None) -> None:
     counts = [int(x) for x in args.sessions.split(",")]
     questions = load_spec_bench(args.dataset)[: max(counts)]
     prompts = [np.array(chat.prompt(q.turns[0]), dtype=np.int64) for q in questions]
-    memo: dict = {}
-
-    def tree(i, session):
-        key = (i, len(session.tokens), tuple(session.tokens[-8:]))
-        if key not in memo:
-            memo[key] = trees_for(engine.model, torch, session.tokens, rng_seed=1000 * i + len(session.tokens))
-        return memo[key]
+    tree = memo_trees(engine.model, torch)
 
     def open_all(n):
-        out = []
-        for i in range(n):
-            sess = engine.open(
-                prompts[i],
-                sampling,
-                seed=s.seed + i,
-                acceptance=recipe.acceptance.mode,
-                epsilon=recipe.acceptance.epsilon,
-                draft_place="device",
-                max_new_tokens=10_000,
-            )
-            sess.prefill()
-            out.append(sess)
-        return out
+        return [_open(engine, recipe, sampling, prompts[i], i) for i in range(n)]
 
     def run(n, mode, progress):
         sessions = open_all(n)
@@ -234,15 +229,7 @@ def print_round_steps(engine, prompt, sampling, recipe, tree, rounds: int) -> No
     from rich.console import Console
     from rich.table import Table
 
-    sess = engine.open(
-        prompt,
-        sampling,
-        seed=0,
-        acceptance=recipe.acceptance.mode,
-        epsilon=recipe.acceptance.epsilon,
-        draft_place="device",
-        max_new_tokens=10_000,
-    )
+    sess = _device_session(engine, recipe, sampling, prompt, seed=0)
     sess.prefill()
     names = (
         "forward",
@@ -358,17 +345,22 @@ def long_context(args) -> None:
 
 
 def _open(engine, recipe, sampling, prompt, i):
-    sess = engine.open(
+    sess = _device_session(engine, recipe, sampling, prompt, seed=recipe.sampling.seed + i)
+    sess.prefill()
+    return sess
+
+
+def _device_session(engine, recipe, sampling, prompt, seed: int, max_new_tokens: int = 10_000):
+    """A new session on ``prompt`` (not prefilled): device drafting, the recipe's acceptance."""
+    return engine.open(
         prompt,
         sampling,
-        seed=recipe.sampling.seed + i,
+        seed=seed,
         acceptance=recipe.acceptance.mode,
         epsilon=recipe.acceptance.epsilon,
         draft_place="device",
-        max_new_tokens=10_000,
+        max_new_tokens=max_new_tokens,
     )
-    sess.prefill()
-    return sess
 
 
 def mixed_lengths(args, recipe, engine, sampling, long, short) -> None:
@@ -377,13 +369,7 @@ def mixed_lengths(args, recipe, engine, sampling, long, short) -> None:
 
     prompts = [long] + short
     twins = [[_open(engine, recipe, sampling, p, i) for i, p in enumerate(prompts)] for _ in range(2)]
-    memo: dict = {}
-
-    def tree(i, sess):
-        key = (i, len(sess.tokens), tuple(sess.tokens[-8:]))
-        if key not in memo:
-            memo[key] = trees_for(engine.model, torch, sess.tokens, rng_seed=1000 * i + len(sess.tokens))
-        return memo[key]
+    tree = memo_trees(engine.model, torch)
 
     def check(results):
         bad = [r for r in results if isinstance(r, BaseException)]
@@ -458,15 +444,7 @@ def long_prefill(args, recipe, engine, sampling, long, short) -> None:
                 latencies.append((time.perf_counter() - t0) * 1e3)
 
         async def long_client():
-            sess = engine.open(
-                long,
-                sampling,
-                seed=7,
-                acceptance=recipe.acceptance.mode,
-                epsilon=recipe.acceptance.epsilon,
-                draft_place="device",
-                max_new_tokens=64,
-            )
+            sess = _device_session(engine, recipe, sampling, long, seed=7, max_new_tokens=64)
             t0 = time.perf_counter()
             await sched.prefill(sess.prefill_job)
             times["opened"] = (time.perf_counter() - t0) * 1e3

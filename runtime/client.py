@@ -483,44 +483,22 @@ def load_runtime(
     bundle = open_bundle(bundle_dir, backend)
     m = bundle.manifest
     sets = max(2, bundle.round.specedge_passes, bundle.round.slm_passes)
-    head = GraphRunner(
-        bundle.path,
-        m,
-        "head",
-        backend,
-        threads,
-        outputs=runtime_outputs(m.graph("head")),
-        io_binding=io_binding,
-        shared_memory=htp_shared_memory,
-        htp=htp,
-    )
+
+    def runner(make, name: str, entry, **options):
+        # `make`: GraphRunner, or open_graph for a graph the bundle may hold as layer shards
+        outputs = runtime_outputs(entry)
+        return make(bundle.path, m, name, backend, threads, outputs=outputs, io_binding=io_binding, htp=htp, **options)
+
+    head = runner(GraphRunner, "head", m.graph("head"), shared_memory=htp_shared_memory)
     # open_graph: the SLM as layer shards (slm.s0, slm.s1, ...) runs as one chained graph (ShardChainRunner)
-    slm = open_graph(
-        bundle.path,
-        m,
-        "slm",
-        backend,
-        threads,
-        outputs=runtime_outputs(m.chain_entry("slm")),
-        io_binding=io_binding,
-        output_sets=sets,
-        shared_memory=htp_shared_memory,
-        codes=code_outputs(m.chain_entry("slm")),
-        htp=htp,
+    slm_entry = m.chain_entry("slm")
+    slm = runner(
+        open_graph, "slm", slm_entry, output_sets=sets, shared_memory=htp_shared_memory, codes=code_outputs(slm_entry)
     )
     decode = None
     if any(g.name == "slm_decode" for g in m.graphs):  # bundles built before the slm_decode graph existed have none
-        decode = GraphRunner(
-            bundle.path,
-            m,
-            "slm_decode",
-            backend,
-            threads,
-            outputs=runtime_outputs(m.graph("slm_decode")),
-            io_binding=io_binding,
-            codes=code_outputs(m.graph("slm_decode")),
-            htp=htp,
-        )
+        decode_entry = m.graph("slm_decode")
+        decode = runner(GraphRunner, "slm_decode", decode_entry, codes=code_outputs(decode_entry))
     return DeviceRuntime(bundle, head, slm, decode)
 
 

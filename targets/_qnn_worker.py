@@ -73,34 +73,10 @@ def _tiny_qdq_model(path: Path) -> None:
     """x[1,8] → Q/DQ (uint16) → MatMul with an int8 weight → Q/DQ (uint16); every HTP arch compiles it."""
     import numpy as np
     import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from hycoc.targets.qdq_matmul import qdq_matmul
 
     w = np.random.RandomState(0).randint(-127, 128, (8, 8)).astype(np.int8)
-    inits = [
-        numpy_helper.from_array(np.array(1 / 32768, np.float32), "s"),
-        helper.make_tensor("z", TensorProto.UINT16, [], [32768]),
-        numpy_helper.from_array(w, "w"),
-        numpy_helper.from_array(np.array(0.01, np.float32), "ws"),
-        numpy_helper.from_array(np.array(0, np.int8), "wz"),
-    ]
-    nodes = [
-        helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"], name="x_q"),
-        helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"], name="x_dq"),
-        helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"], name="w_dq"),
-        helper.make_node("MatMul", ["xd", "wd"], ["y0"], name="matmul"),
-        helper.make_node("QuantizeLinear", ["y0", "s", "z"], ["yq"], name="y_q"),
-        helper.make_node("DequantizeLinear", ["yq", "s", "z"], ["y"], name="y_dq"),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "probe",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])],
-        inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    model.ir_version = 10
-    onnx.save(model, path)
+    onnx.save(qdq_matmul(w, 1, "probe", w_scale=0.01, node_names=True), path)
 
 
 def _probe(job: dict) -> dict:

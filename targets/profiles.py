@@ -101,72 +101,51 @@ _LIMIT_SOURCE = (
     "memory_alloc_limit the QNN 2.51 HTP backend writes into a context binary for this arch (read back here)"
 )
 
+
+def _htp_profile(arch: int, soc_model: str, soc_id: int, chip: str, **fields) -> TargetProfile:
+    """The profile ``htp-v{arch}`` of a Hexagon HTP generation: its SoC (part name, QNN's number, the chip's
+    marketing name for the description), a 3,584 MiB context limit, the embedding lookup kept on the host, and the
+    sources of its numbers; ``fields`` override any of it."""
+    return TargetProfile(
+        **{
+            "name": f"htp-v{arch}",
+            "backend": "htp",
+            "htp_arch": arch,
+            "soc_model": soc_model,
+            "soc_id": soc_id,
+            "soc_id_note": _SOC_NOTE,
+            "max_context_bytes": 3584 * MIB,
+            "host_only": ("embedding_lookup",),
+            "description": f"{chip} ({soc_model}), Hexagon HTP v{arch}",
+            "source": f"arch/SoC: QNN HTP backend's supported-SoC table ({soc_model} = V{arch}); soc_id: "
+            f"{_SOC_NOTE}; limit: {_LIMIT_SOURCE}",
+            **fields,
+        }
+    )
+
+
 PROFILES: dict[str, TargetProfile] = {
     p.name: p
     for p in (
-        TargetProfile(
-            name="htp-v81",
-            backend="htp",
-            htp_arch=81,
-            soc_model="SM8850",
-            soc_id=87,
-            soc_id_note=_SOC_NOTE,
-            max_context_bytes=3584 * MIB,
-            supports_16bit_ops=True,
-            host_only=("embedding_lookup",),
+        _htp_profile(
+            81,
+            "SM8850",
+            87,
+            "Snapdragon 8 Elite Gen 5",
             description="Snapdragon 8 Elite Gen 5 (SM8850), Hexagon HTP v81 — the paper's phone",
             source=f"arch/SoC: paper (Galaxy S26 Ultra, SM8850); soc_id: {_SOC_NOTE}; limit: {_LIMIT_SOURCE}",
         ),
-        TargetProfile(
-            name="htp-v79",
-            backend="htp",
-            htp_arch=79,
-            soc_model="SM8750",
-            soc_id=69,
-            soc_id_note=_SOC_NOTE,
-            max_context_bytes=3584 * MIB,
-            host_only=("embedding_lookup",),
-            description="Snapdragon 8 Elite (SM8750), Hexagon HTP v79",
-            source=f"arch/SoC: QNN HTP backend's supported-SoC table (SM8750 = V79); soc_id: {_SOC_NOTE}; "
-            f"limit: {_LIMIT_SOURCE}",
-        ),
-        TargetProfile(
-            name="htp-v75",
-            backend="htp",
-            htp_arch=75,
-            soc_model="SM8650",
-            soc_id=57,
-            soc_id_note=_SOC_NOTE,
-            max_context_bytes=3584 * MIB,
-            host_only=("embedding_lookup",),
-            description="Snapdragon 8 Gen 3 (SM8650), Hexagon HTP v75",
-            source=f"arch/SoC: QNN HTP backend's supported-SoC table (SM8650 = V75); soc_id: {_SOC_NOTE}; "
-            f"limit: {_LIMIT_SOURCE}",
-        ),
-        TargetProfile(
-            name="htp-v73",
-            backend="htp",
-            htp_arch=73,
-            soc_model="SM8550",
-            soc_id=43,
-            soc_id_note=_SOC_NOTE,
-            max_context_bytes=3584 * MIB,
-            host_only=("embedding_lookup",),
-            description="Snapdragon 8 Gen 2 (SM8550), Hexagon HTP v73",
-            source=f"arch/SoC: QNN HTP backend's supported-SoC table (SM8550 = V73); soc_id: {_SOC_NOTE}; "
-            f"limit: {_LIMIT_SOURCE}",
-        ),
-        TargetProfile(
-            name="htp-v68",
-            backend="htp",
-            htp_arch=68,
-            soc_model="SM8350",
-            soc_id=30,
-            soc_id_note=_SOC_NOTE,
+        _htp_profile(79, "SM8750", 69, "Snapdragon 8 Elite"),
+        _htp_profile(75, "SM8650", 57, "Snapdragon 8 Gen 3"),
+        _htp_profile(73, "SM8550", 43, "Snapdragon 8 Gen 2"),
+        _htp_profile(
+            68,
+            "SM8350",
+            30,
+            "Snapdragon 888",
             max_context_bytes=2048 * MIB,
             supports_16bit_ops=False,
             supports_int4_weights=False,
-            host_only=("embedding_lookup",),
             description="Snapdragon 888 (SM8350), Hexagon HTP v68 — 8-bit activations only in hycoc",
             source=f"arch/SoC: QNN HTP backend's supported-SoC table (SM8350 = V68); soc_id: {_SOC_NOTE}; "
             f"limit: {_LIMIT_SOURCE}; no 16-bit activations / int4 weights: FIELD-NOTES (older archs reject "
@@ -242,6 +221,13 @@ _SAMSUNG = (
     "Xiaomi phones: their makers' specification pages"
 )
 
+
+def _samsung_source(soc: str, arch: int, phones: str, chip: str) -> str:
+    """The source of a phone chip's entry: QNN's SoC table for ``soc`` and ``arch``, Samsung's launch of
+    ``phones`` for the chip they carry."""
+    return _QNN_SOCS.format(soc=soc, arch=arch) + "; " + _SAMSUNG.format(phones=phones, chip=chip)
+
+
 DEVICES: tuple[DeviceEntry, ...] = (
     DeviceEntry(
         "Snapdragon 8 Elite Gen 5",
@@ -267,9 +253,7 @@ DEVICES: tuple[DeviceEntry, ...] = (
             "OnePlus 13",
             "Xiaomi 15",
         ),
-        _QNN_SOCS.format(soc="SM8750", arch=79)
-        + "; "
-        + _SAMSUNG.format(phones="Galaxy S25 series (Jan 2025)", chip="Snapdragon 8 Elite"),
+        _samsung_source("SM8750", 79, "Galaxy S25 series (Jan 2025)", "Snapdragon 8 Elite"),
     ),
     DeviceEntry(
         "Snapdragon 8 Gen 3",
@@ -277,9 +261,7 @@ DEVICES: tuple[DeviceEntry, ...] = (
         75,
         57,
         ("8 Gen 3", "SM8650", "Galaxy S24 Ultra", "Galaxy S24", "Galaxy S24+", "OnePlus 12", "Xiaomi 14"),
-        _QNN_SOCS.format(soc="SM8650", arch=75)
-        + "; "
-        + _SAMSUNG.format(phones="Galaxy S24 series (Jan 2024)", chip="Snapdragon 8 Gen 3"),
+        _samsung_source("SM8650", 75, "Galaxy S24 series (Jan 2024)", "Snapdragon 8 Gen 3"),
         note="Galaxy S24 / S24+ have Snapdragon 8 Gen 3 only in the US, Canada, China and Japan (Exynos 2400 "
         "elsewhere, no Hexagon NPU); the S24 Ultra has it everywhere",
     ),
@@ -289,9 +271,7 @@ DEVICES: tuple[DeviceEntry, ...] = (
         73,
         43,
         ("8 Gen 2", "SM8550", "Galaxy S23", "Galaxy S23+", "Galaxy S23 Ultra", "OnePlus 11", "Xiaomi 13"),
-        _QNN_SOCS.format(soc="SM8550", arch=73)
-        + "; "
-        + _SAMSUNG.format(phones="Galaxy S23 series (Feb 2023)", chip="Snapdragon 8 Gen 2"),
+        _samsung_source("SM8550", 73, "Galaxy S23 series (Feb 2023)", "Snapdragon 8 Gen 2"),
     ),
     DeviceEntry(
         "Snapdragon X Elite",

@@ -4,6 +4,9 @@ run's closing summary of what did not run (skipped tests by marker and reason, d
 from __future__ import annotations
 
 import io
+import json
+import subprocess
+import sys
 from collections import Counter
 from types import SimpleNamespace
 
@@ -16,6 +19,35 @@ def free_port(host: str = "127.0.0.1") -> int:
     from hycoc.ports import check_port
 
     return check_port(host, 0)
+
+
+def modules_loaded_by_import(module: str, watched) -> list[str]:
+    """The names of ``watched`` (module names) in ``sys.modules`` after ``import module`` in a fresh interpreter,
+    sorted: what importing it loads, whatever this test process imported before."""
+    code = f"import json, sys, {module}; print(json.dumps(sorted(m for m in {tuple(watched)!r} if m in sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+_FRESH_CLI = """
+import json, sys
+from typer.testing import CliRunner
+from hycoc.cli import app
+command, cases, watched = json.loads(sys.argv[1])
+out = [CliRunner().invoke(app, [command, *args]) for args in cases]
+print(json.dumps({"results": [(r.exit_code, r.stderr) for r in out],
+                  "loaded": sorted(m for m in watched if m in sys.modules)}))
+"""
+
+
+def cli_in_fresh_interpreter(command: str, cases: list[list[str]], watched) -> tuple[list[list], list[str]]:
+    """``hycoc COMMAND *case`` for each case, through typer's CliRunner in one fresh interpreter (so "not imported"
+    is what the commands did): ([exit code, stderr] per case, the names of ``watched`` loaded after the last)."""
+    arg = json.dumps([command, cases, list(watched)])
+    done = subprocess.run([sys.executable, "-c", _FRESH_CLI, arg], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.splitlines()[-1])
+    return got["results"], got["loaded"]
 
 
 #: The markers pyproject.toml registers for what a test costs or needs.

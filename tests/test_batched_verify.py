@@ -12,8 +12,10 @@ rounding boundary; its positions and every other field must be equal.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -23,7 +25,7 @@ from hycoc.verifier import SequenceError, VerifierEngine
 from hycoc.verifier.batch import BatchStats, batch_forward, verify_batch
 from hycoc.verifier.engine import verify_tree
 from hycoc.verifier.server import ServerThread
-from tiny_models import VOCAB, tiny_head, tiny_verifier
+from tiny_models import VOCAB, oracle_tree, tiny_head, tiny_verifier
 
 from hycoc.protocol.messages import DraftTree, OpenRequest, Sampling
 
@@ -46,21 +48,6 @@ def make_engine(models, **kw) -> VerifierEngine:
     )
     args.update(kw)
     return VerifierEngine(models[0], **args)
-
-
-@torch.inference_mode()
-def oracle_tree(model, tokens, width=2, depth=3):
-    """Root = tokens[-1]; the verifier's top-`width` children at each of `depth` levels along its greedy chain."""
-    tokens = list(tokens)
-    tree, parents, parent = [tokens[-1]], [-1], 0
-    for _ in range(depth):
-        top = model(input_ids=torch.tensor([tokens])).logits[0, -1].topk(width).indices.tolist()
-        first = len(tree)
-        tree += top
-        parents += [parent] * width
-        parent = first
-        tokens.append(top[0])
-    return np.array(tree, np.int64), np.array(parents, np.int64)
 
 
 def random_tree(tokens, rows=9):
@@ -375,14 +362,30 @@ def test_concurrent_clients_are_batched_and_get_the_serial_servers_replies(model
             assert_replies_match(got, want)
 
 
+def scheduled(body, **options):
+    """``await body(sched)`` with a started `BatchScheduler` (``max_batch_rows=64`` and ``options``) whose steps run
+    on one worker thread; the scheduler stopped after, the body's result returned."""
+    from hycoc.verifier.scheduler import BatchScheduler
+
+    worker = ThreadPoolExecutor(max_workers=1)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        sched = BatchScheduler(lambda fn, *a: loop.run_in_executor(worker, fn, *a), max_batch_rows=64, **options)
+        sched.start()
+        result = await body(sched)
+        await sched.stop()
+        return result
+
+    try:
+        return asyncio.run(main())
+    finally:
+        worker.shutdown()
+
+
 def test_a_long_prefill_runs_chunk_by_chunk_between_rounds(models):
     """The scheduler's steps: a 61-token prompt (15 chunks of 4) queued with another session's round; the round is
     answered in the first step, beside the prompt's first chunk, not after the whole prompt."""
-    import asyncio
-    from concurrent.futures import ThreadPoolExecutor
-
-    from hycoc.verifier.scheduler import BatchScheduler
-
     engine = make_engine(models, prefill_chunk=4)
     ref = make_engine(models, prefill_chunk=4)
     busy = open_session(engine, 0, "hyco", 6, 1.0)
@@ -390,29 +393,17 @@ def test_a_long_prefill_runs_chunk_by_chunk_between_rounds(models):
     want = open_session(ref, 0, "hyco", 6, 1.0).verify(*tree, 0)
     long = engine.open(list(range(10, 71)), Sampling(1.0, 64, 0.95), seed=3)
     reports, done_at = [], {}
-    worker = ThreadPoolExecutor(max_workers=1)
 
-    async def main():
-        loop = asyncio.get_running_loop()
-        sched = BatchScheduler(
-            lambda fn, *a: loop.run_in_executor(worker, fn, *a),
-            max_batch_rows=64,
-            max_batch_wait_ms=1000.0,
-            open_sessions=lambda: 1,
-            on_step=reports.append,
-        )
-        sched.start()
+    async def body(sched):
         prefill = asyncio.ensure_future(sched.prefill(long.prefill_job))
         answer = asyncio.ensure_future(sched.round(busy, DraftTree(0, tree[0], tree[1])))
         answer.add_done_callback(lambda _: done_at.setdefault("round", len(reports)))
         prefill.add_done_callback(lambda _: done_at.setdefault("prefill", len(reports)))
-        got = await answer
-        result = await prefill
-        await sched.stop()
-        return got, result
+        return await answer, await prefill
 
-    (reply, _, committed, verified), (prefill_ms, t) = asyncio.run(main())
-    worker.shutdown()
+    (reply, _, committed, verified), (prefill_ms, t) = scheduled(
+        body, max_batch_wait_ms=1000.0, open_sessions=lambda: 1, on_step=reports.append
+    )
     assert verified and committed == len(reply.path_rows) + 1 and t == 60 and prefill_ms > 0
     assert_replies_match(reply, want)
     assert [(r.stats.sessions, r.prefill_chunks) for r in reports] == [(1, 1)] + [(0, 1)] * 14
@@ -442,9 +433,6 @@ def test_short_prefills_share_a_step_up_to_the_prefill_budget(models):
     """Four 5-token prompts (4 positions each) with a budget of 8 positions per step: two prefills per step, in
     arrival order, each session's KV equal to its prefill run alone (64 sessions opening together were prefilled
     one per step before the budget)."""
-    import asyncio
-    from concurrent.futures import ThreadPoolExecutor
-
     from hycoc.verifier.scheduler import BatchScheduler
 
     engine = make_engine(models, prefill_chunk=4)
@@ -452,28 +440,14 @@ def test_short_prefills_share_a_step_up_to_the_prefill_budget(models):
     prompts = [list(range(10 + 7 * i, 15 + 7 * i)) for i in range(4)]
     sessions = [engine.open(p, Sampling(1.0, 64, 0.95), seed=i) for i, p in enumerate(prompts)]
     reports, order = [], []
-    worker = ThreadPoolExecutor(max_workers=1)
 
-    async def main():
-        loop = asyncio.get_running_loop()
-        sched = BatchScheduler(
-            lambda fn, *a: loop.run_in_executor(worker, fn, *a),
-            max_batch_rows=64,
-            max_batch_wait_ms=0.0,
-            open_sessions=lambda: 4,
-            on_step=reports.append,
-            prefill_budget=8,
-        )
-        sched.start()
+    async def body(sched):
         futures = [asyncio.ensure_future(sched.prefill(s.prefill_job)) for s in sessions]
         for i, f in enumerate(futures):
             f.add_done_callback(lambda _, i=i: order.append((i, len(reports))))
-        results = await asyncio.gather(*futures)
-        await sched.stop()
-        return results
+        return await asyncio.gather(*futures)
 
-    results = asyncio.run(main())
-    worker.shutdown()
+    results = scheduled(body, max_batch_wait_ms=0.0, open_sessions=lambda: 4, on_step=reports.append, prefill_budget=8)
     assert [t for _, t in results] == [4, 4, 4, 4]
     assert [r.prefill_chunks for r in reports] == [2, 2]
     assert sorted(order) == [(0, 1), (1, 1), (2, 2), (3, 2)]

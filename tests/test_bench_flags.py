@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_quality import record
 
 from hycoc.bench.paper.summary import summarize
 
@@ -34,22 +35,7 @@ def _run(rng: np.random.Generator, shift: dict[str, float] | None = None) -> lis
     for q in range(QUESTIONS):
         difficulty = rng.normal()
         for config in ("cloud-mtp", *CONFIGS):
-            records.append(
-                {
-                    "config": config,
-                    "run": 0,
-                    "question_id": q,
-                    "category": "writing",
-                    "tokens": 10,
-                    "rounds": 5,
-                    "server_ms": [1.0] * 5,
-                    "prefill_ms": 1.0,
-                    "rows": [5] * 5,
-                    "context": [10] * 5,
-                    "seconds": 1.0,
-                    "quality": _answer(rng, difficulty, shift.get(config, 0.0)),
-                }
-            )
+            records.append(record(config, q, quality=_answer(rng, difficulty, shift.get(config, 0.0))))
     return records
 
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
+from conftest import modules_loaded_by_import
 from hycoc.passes.bundle_io import graph_io_from_onnx, manifest_sections
 from hycoc.targets.profiles import get_profile
 from onnx import TensorProto, helper, numpy_helper
@@ -432,12 +431,7 @@ def test_inspect_a_corrupt_bundle_exits_1_with_the_reason(bundle):
 def test_the_runtime_side_imports_neither_torch_nor_onnx():
     # hycoc.recipe is not banned: the bundle takes its round constants' ranges from the recipe's tables
     # (hycoc.recipe.sections), and importing a module of the package runs the package's __init__ (the public face)
-    code = (
-        "import sys, hycoc.bundle; print(sorted(m for m in ('torch', 'onnx', 'onnxruntime', 'transformers') "
-        "if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert modules_loaded_by_import("hycoc.bundle", ("torch", "onnx", "onnxruntime", "transformers")) == []
 
 
 def test_shard_feeds_resolve_every_shard_input_from_the_chains_host_inputs_and_earlier_outputs():

@@ -8,7 +8,6 @@ read it and, where their outputs change, the passes after them."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -17,26 +16,21 @@ import time
 from pathlib import Path
 
 import pytest
-from hycoc.passes.artifacts import Artifact
 from hycoc.passes.pipeline import Pass, PassReport, Pipeline
 from rich.console import Console
+from test_pipeline import Text  # a string artifact, saved as text.txt
 
 from hycoc.chat_template import CHAT_FILES, chat_files, load_chat_format
 from hycoc.recipe import Recipe
 
-
-class Text(Artifact):
-    """A string artifact, saved as text.txt."""
-
-    def save(self, folder: Path) -> None:
-        (folder / "text.txt").write_text(self.payload)
-
-    @classmethod
-    def load(cls, kind: str, folder: Path) -> Text:
-        return cls(kind, (folder / "text.txt").read_text())
-
-    def _compute_hash(self) -> str:
-        return hashlib.sha256(self.payload.encode()).hexdigest()
+#: The chat format's JSON files (every one but the template), by label: each test edits them one by one.
+JSON_CHAT_FILES = (
+    "tokenizer/tokenizer_config.json",
+    "tokenizer/tokenizer.json",
+    "tokenizer/generation_config.json",
+    "verifier/generation_config.json",
+    "verifier/config.json",
+)
 
 
 class Reader(Pass):
@@ -171,13 +165,7 @@ def test_a_folder_file_changed_after_the_build_is_named_by_the_chat_contract_che
     built = load_chat_format(tok, ver)
     assert sorted(built.files) == sorted(chat_files(tok, ver))
     built.check_contract(built.contract())  # unchanged: passes
-    for label in [
-        "tokenizer/tokenizer_config.json",
-        "tokenizer/tokenizer.json",
-        "tokenizer/generation_config.json",
-        "verifier/generation_config.json",
-        "verifier/config.json",
-    ]:
+    for label in JSON_CHAT_FILES:
         path = tmp_path / label.replace("tokenizer/", "tok/").replace("verifier/", "ver/")
         before = path.read_bytes()
         data = json.loads(before)
@@ -386,12 +374,6 @@ def test_the_tiny_recipe_reruns_exactly_what_each_folder_file_reaches(tiny_pipel
     result = b.run_pipeline(recipe, "cpu", root / "cache", console=quiet())
     assert ran(result) == AFTER_ANSWERS + ["target_cpu"]  # keep_set, slm_surgery, slm_tree_graph stay cached
 
-    for label in [
-        "tokenizer/tokenizer_config.json",
-        "tokenizer/tokenizer.json",
-        "tokenizer/generation_config.json",
-        "verifier/generation_config.json",
-        "verifier/config.json",
-    ]:
+    for label in JSON_CHAT_FILES:
         _edit(root, label)
         assert ran(b.run_pipeline(recipe, "cpu", root / "cache", console=quiet())) == CHAT_READERS, label

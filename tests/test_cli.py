@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import typer
+from conftest import cli_in_fresh_interpreter, modules_loaded_by_import
 from typer.testing import CliRunner
 
 from hycoc.cli import BENCH_CONFIGS, app
@@ -75,9 +75,7 @@ def test_version_prints_the_installed_package_version():
     ],
 )
 def test_importing_a_cli_module_loads_neither_torch_nor_transformers(module, banned):
-    code = f"import sys, {module}; print(sorted(m for m in {banned!r} if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert modules_loaded_by_import(module, banned) == []
 
 
 def test_help_lists_the_commands_in_the_readme_order():
@@ -537,22 +535,11 @@ def test_run_help_lists_the_json_keys_the_runtime_writes():
     assert listed == list(written.to_json()) and "finish_reason" in listed
 
 
-_PREFLIGHT = """
-import json, sys
-from typer.testing import CliRunner
-from hycoc.cli import app
-out = [CliRunner().invoke(app, ["verify-server", *args]) for args in json.loads(sys.argv[1])]
-print(json.dumps({"results": [(r.exit_code, r.stderr) for r in out],
-                  "loaded": sorted(m for m in ("torch", "transformers", "hycoc.verifier") if m in sys.modules)}))
-"""
-
-
 def test_verify_server_names_a_busy_port_a_bad_host_and_a_missing_keep_set_before_importing_torch(tmp_path):
     """What needs no model is checked before torch is even imported (it used to come after the imports and the
     tokenizer's parse, tens of seconds on a first run): each a one-line refusal, with the fix. Run in a fresh
     interpreter, so "not imported" is what the command did."""
     import errno
-    import json
     import os
     import socket
 
@@ -566,13 +553,9 @@ def test_verify_server_names_a_busy_port_a_bad_host_and_a_missing_keep_set_befor
             [str(TOY), "--host", "192.0.2.1", "--port", "0"],  # TEST-NET-1 (RFC 5737): no machine's own address
             [str(TOY), "--port", "0", "--keep-set", str(missing)],
         ]
-        done = subprocess.run(
-            [sys.executable, "-c", _PREFLIGHT, json.dumps(cases)], capture_output=True, text=True, timeout=120
-        )
-    assert done.returncode == 0, done.stderr
-    got = json.loads(done.stdout.splitlines()[-1])
-    assert got["loaded"] == []
-    (busy_code, busy_err), (host_code, host_err), (keep_code, keep_err) = got["results"]
+        results, loaded = cli_in_fresh_interpreter("verify-server", cases, ("torch", "transformers", "hycoc.verifier"))
+    assert loaded == []
+    (busy_code, busy_err), (host_code, host_err), (keep_code, keep_err) = results
     assert busy_code == host_code == keep_code == 1
     assert all(err.count("\n") == 1 for err in (busy_err, host_err, keep_err))
     assert busy_err.startswith(
@@ -590,8 +573,6 @@ def test_verify_server_refuses_bad_or_contradictory_modes_before_importing_torch
     the verifier reads too) and "auto" with --batching serial are usage errors (exit 2) named in one line before
     torch, transformers or the verifier are imported (they used to be refused after the verifier loaded, 6.7 s).
     Run in a fresh interpreter, so "not imported" is what the command did."""
-    import json
-
     cases = [
         [str(TOY), "--batching", "fast"],
         [str(TOY), "--tree-budget", "maybe"],
@@ -599,13 +580,9 @@ def test_verify_server_refuses_bad_or_contradictory_modes_before_importing_torch
         [str(TOY), "--batching", "serial", "--tree-budget", "auto"],
         [str(TOY), "--batching", "serial", "--allowance", "auto"],
     ]
-    done = subprocess.run(
-        [sys.executable, "-c", _PREFLIGHT, json.dumps(cases)], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    got = json.loads(done.stdout.splitlines()[-1])
-    assert got["loaded"] == []
-    errors = [err for code, err in got["results"] if code == 2 and err.count("\n") == 1]
+    results, loaded = cli_in_fresh_interpreter("verify-server", cases, ("torch", "transformers", "hycoc.verifier"))
+    assert loaded == []
+    errors = [err for code, err in results if code == 2 and err.count("\n") == 1]
     assert errors == [
         "hycoc verify-server: --batching 'fast': allowed: batched, serial\n",
         "hycoc verify-server: --tree-budget 'maybe': allowed: fixed, auto\n",

@@ -452,28 +452,15 @@ def test_static_check_does_not_match_static_slices():
 def test_static_check_passes_the_projects_head_graph(tmp_path):
     """The head graph as the build exports it (static Slices of rotate_half, MatMul/Softmax attention) is clean."""
     from hycoc.passes.export import export_static
-    from hycoc.passes.head.graph import INPUT_NAMES, OUTPUT_NAMES, HeadGraph, rotary_rows
+    from hycoc.passes.head.graph import INPUT_NAMES, OUTPUT_NAMES, HeadGraph
     from hycoc.passes.head.qat import restrict_output_layer
     from hycoc.targets.static_shape_check import find_static_graph_faults
-    from test_head_graph import W
+    from test_head_graph import export_args
     from tiny_models import tiny_head, tiny_verifier
-
-    from hycoc.mtp import FULL, SLIDING
 
     head = tiny_head(tiny_verifier())
     graph = HeadGraph(restrict_output_layer(head, torch.arange(0, 300, 3))).eval()
-    rot = rotary_rows(head.config, 5)
-    args = (
-        torch.randn(1, 1, 128),
-        torch.randn(1, 2, W, 16),
-        torch.randn(1, 2, W, 16),
-        torch.randn(1, 1, W, 32),
-        torch.randn(1, 1, W, 32),
-        torch.zeros(1, 1, 1, W),
-        torch.zeros(1, 1, 1, W),
-        *rot[SLIDING],
-        *rot[FULL],
-    )
+    args = export_args(head)
     model, report = export_static(
         graph, args, tmp_path / "head.onnx", input_names=INPUT_NAMES, output_names=OUTPUT_NAMES
     )  # export_static runs the check itself

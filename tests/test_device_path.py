@@ -21,7 +21,7 @@ import torch
 from hycoc.verifier.engine import VerifierEngine, verify_tree
 from hycoc.verifier.forward import NormTap, prefill
 from hycoc.verifier.kv_surgery import compact_kv
-from tiny_models import tiny_head, tiny_verifier
+from tiny_models import greedy_session, tiny_head, tiny_verifier
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -78,14 +78,7 @@ def device_tree(session) -> tuple[list[int], list[int]]:
 )
 def test_replay_lists_exactly_the_forwards_the_engine_runs(models, config, place):
     engine = make_engine(*models)
-    session = engine.open(
-        PROMPT,
-        Sampling(temperature=0.0, top_k=1, top_p=1.0),
-        acceptance="exact",
-        epsilon=1.0,
-        draft_place=place,
-        max_new_tokens=10,
-    )
+    session = greedy_session(engine, PROMPT, place, 10)
     record = {"config": config, "rows": [], "context": []}
     with count_forwards(engine) as seen:
         session.prefill()

@@ -19,6 +19,7 @@ import typing
 from pathlib import Path
 
 import pytest
+from conftest import cli_in_fresh_interpreter
 from hycoc.targets.profiles import (
     DEVICES,
     HTP_TARGETS,
@@ -133,16 +134,6 @@ def test_recipe_for_target_changes_the_target_table_only():
         recipe_for_target(toy, "htp-v68")  # refused before any pass, not after the QAT
 
 
-_BUILD_PREFLIGHT = """
-import json, sys
-from typer.testing import CliRunner
-from hycoc.cli import app
-out = [CliRunner().invoke(app, ["build", *args]) for args in json.loads(sys.argv[1])]
-print(json.dumps({"results": [(r.exit_code, r.stderr) for r in out],
-                  "loaded": sorted(m for m in ("torch", "transformers", "hycoc.passes.build") if m in sys.modules)}))
-"""
-
-
 def test_cli_build_refuses_an_unknown_device_and_a_disagreeing_target_in_one_line_before_importing_torch(tmp_path):
     """An unknown --device and a --device that contradicts --target are usage errors (exit 2, docs/commands.md
     "Exit codes"; they exited 1, after 6-7 s of imports), named in one line before torch or the compiler is
@@ -153,13 +144,9 @@ def test_cli_build_refuses_an_unknown_device_and_a_disagreeing_target_in_one_lin
         [toy, "--device", "Galaxy S25", "--target", "htp-v75", "--out", out],
         [toy, "--device", "Snapdragon 8 Elite", "--target", "cpu", "--out", out],
     ]
-    done = subprocess.run(
-        [sys.executable, "-c", _BUILD_PREFLIGHT, json.dumps(cases)], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    got = json.loads(done.stdout.splitlines()[-1])
-    assert got["loaded"] == []
-    (unknown_code, unknown), (v75_code, v75), (cpu_code, cpu) = got["results"]
+    results, loaded = cli_in_fresh_interpreter("build", cases, ("torch", "transformers", "hycoc.passes.build"))
+    assert loaded == []
+    (unknown_code, unknown), (v75_code, v75), (cpu_code, cpu) = results
     assert unknown_code == v75_code == cpu_code == 2
     assert all(err.count("\n") == 1 for err in (unknown, v75, cpu))
     assert unknown.startswith("hycoc build: --device: unknown device 'Nokia 3310' (known: ")

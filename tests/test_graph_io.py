@@ -127,62 +127,19 @@ def test_quantized_io_manifest_declares_uint16_rings_with_the_float_bundles_enco
 def test_quantized_io_drafts_the_float_bundles_trees_and_rings_code_for_code(quantized):
     """Hand-offs, hybrid trees, commits and greedy decode steps on both bundles (CPU EP): the same trees, and every
     ring of the quantized bundle holds the codes of the float bundle's ring."""
-    from hycoc.runtime.client import MODES, load_runtime
+    from hycoc.runtime.client import load_runtime
     from hycoc.runtime.graphs import quantize
-
-    from hycoc.protocol.messages import HandOff
+    from lockstep import hyco_rounds
 
     rts = [load_runtime(quantized["float"], "cpu", threads=1), load_runtime(quantized["bundle"], "cpu", threads=1)]
     fl, qu = rts
     assert qu.slm.rings[qu.slm.kv_layers[0]][0].dtype == np.uint16 and fl.slm.rings[0][0].dtype == np.float32
-    bundle = fl.bundle
-    prompt = bundle.tokenizer.encode("How do I read a file line by line in Python?").ids
-    hidden = fl.mtp.hidden
+    prompt = fl.bundle.tokenizer.encode("How do I read a file line by line in Python?").ids
     kv = {s: int(np.prod(fl.mtp.runner.shape(f"k_{s}")[1::2])) for s in ("sliding", "full")}
-    rng = np.random.default_rng(3)
-    for rt in rts:
-        rt.slm.start(prompt)
-        rt.mtp.reset()
-    t = len(prompt) - 1
-    a = max(0, t - bundle.round.head_window)
-    for _ in range(4):
-
-        def r8(*s):
-            return rng.integers(-60, 60, s).astype(np.int8)
-
-        hand = HandOff(
-            t_prime=t,
-            a=a,
-            bonus=int(prompt[-1]),
-            x_hat=r8(2 * hidden),
-            k_sliding=r8(t - a, kv["sliding"]),
-            v_sliding=r8(t - a, kv["sliding"]),
-            k_full=r8(t - a, kv["full"]),
-            v_full=r8(t - a, kv["full"]),
-            scales=(0.05,) * 6,
-        )
-        built = []
-        for rt in rts:
-            rt.mtp.ingest(hand)
-            d = rt.mtp.draft()
-            built.append(
-                (
-                    d.chain,
-                    d.runner_ups,
-                    rt.builder(MODES["hyco"], bundle.round.node_budget + 1).build(
-                        rt.slm.tokens[-1], d.chain, d.runner_ups, rt.slm.expand
-                    ),
-                )
-            )
-        (c0, r0, b0), (c1, r1, b1) = built
-        assert (c0, r0) == (c1, r1)
+    for (d0, b0), (d1, b1) in hyco_rounds(rts, prompt, 4, np.random.default_rng(3), fl.mtp.hidden, kv):
+        assert (d0.chain, d0.runner_ups) == (d1.chain, d1.runner_ups)
         np.testing.assert_array_equal(b0.tokens, b1.tokens)
         np.testing.assert_array_equal(b0.parents, b1.parents)
-        path = [j for j in range(1, 3) if b0.parents[j] == j - 1]
-        commit = [int(b0.tokens[j]) for j in path] + [int(bundle.keep_set[rng.integers(len(bundle.keep_set))])]
-        for rt, bt in ((fl, b0), (qu, b1)):
-            rt.slm.commit([bt.row_node[j] for j in path], commit)
-        a, t = t, t + len(commit)
     assert fl.slm.greedy_next() == qu.slm.greedy_next()  # the 1-row decode graph's step too
     for i in fl.slm.kv_layers:
         for x, (codes, enc) in zip(fl.slm.rings[i], zip(qu.slm.rings[i], qu.slm.ring_encodings[i])):

@@ -40,16 +40,15 @@ import hycoc.verifier.engine as engine_mod
 import numpy as np
 import pytest
 import torch
-from hycoc.passes.head.graph import HeadGraph, rotary_tables
+from hycoc.passes.head.graph import INPUT_NAMES, HeadGraph, rotary_tables
 from hycoc.passes.head.qat import restrict_output_layer
 from hycoc.runtime.mtp_drafter import MtpDrafter
 from hycoc.verifier import VerifierEngine
-from tiny_models import tiny_head, tiny_verifier
+from tiny_models import greedy_session, tiny_head, tiny_verifier
 from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
 
 from hycoc.host import head_sliding_positions
 from hycoc.mtp import FULL, SLIDING
-from hycoc.protocol.messages import Sampling
 from hycoc.recipe import load_recipe
 
 torch.set_num_threads(1)
@@ -167,14 +166,7 @@ def server_rounds(engine, prompt, place, monkeypatch):
         return chain
 
     monkeypatch.setattr(engine_mod, "draft_cloud_chain", spy)
-    session = engine.open(
-        prompt,
-        Sampling(temperature=0.0, top_k=1, top_p=1.0),
-        acceptance="exact",
-        epsilon=1.0,
-        draft_place=place,
-        max_new_tokens=NEW - (place == "cloud-mtp"),
-    )
+    session = greedy_session(engine, prompt, place, NEW - (place == "cloud-mtp"))
     session.prefill()
     chain, seq = [], 0
     while not session.finished:
@@ -197,21 +189,9 @@ class TorchRunner:
 
     @torch.inference_mode()
     def run(self, feeds):
-        names = (
-            "x_hat",
-            "k_sliding",
-            "v_sliding",
-            "k_full",
-            "v_full",
-            "mask_sliding",
-            "mask_full",
-            "cos_sliding",
-            "sin_sliding",
-            "cos_full",
-            "sin_full",
-        )
+        # the graph's inputs by name, in the order the export binds them (INPUT_NAMES), as the device feeds them
         logits, h_next = self.graph(
-            *(torch.as_tensor(np.ascontiguousarray(feeds[n]), dtype=torch.float32) for n in names)
+            *(torch.as_tensor(np.ascontiguousarray(feeds[n]), dtype=torch.float32) for n in INPUT_NAMES)
         )
         return {"logits": logits.numpy(), "h_next": h_next.numpy()}
 
@@ -258,14 +238,7 @@ def float_handoff(monkeypatch):
 def device_rounds(engine, drafter, prompt):
     """The device path: round 1 verifies the root alone (no hand-off yet); then each round ingests the reply's
     hand-off and sends root + the MTP chain. Returns ({t: chain}, output ids)."""
-    session = engine.open(
-        prompt,
-        Sampling(temperature=0.0, top_k=1, top_p=1.0),
-        acceptance="exact",
-        epsilon=1.0,
-        draft_place="device",
-        max_new_tokens=NEW,
-    )
+    session = greedy_session(engine, prompt, "device", NEW)
     session.prefill()
     rounds, chain, seq = {}, [], 0
     while not session.finished:

@@ -147,11 +147,11 @@ def test_embedding_table_is_per_row_int8(models):
     assert torch.all((q.float() * scale - e).abs() <= scale / 2 + 1e-6)
 
 
-def test_graph_exports_statically_without_fused_attention(models):
-    _, head, keep = models
-    graph = HeadGraph(restrict_output_layer(head, keep))
+def export_args(head) -> tuple:
+    """Example inputs of a tiny head's `HeadGraph` in INPUT_NAMES' order, at position 5: random x_hat (1, 1, 2 *
+    hidden 64) and ring K/V (2 sliding KV heads x 16, 1 full x 32, W columns), zero masks, the rotary rows."""
     rot = rotary_rows(head.config, 5)
-    args = (
+    return (
         torch.randn(1, 1, 128),
         torch.randn(1, 2, W, 16),
         torch.randn(1, 2, W, 16),
@@ -162,6 +162,12 @@ def test_graph_exports_statically_without_fused_attention(models):
         *rot[SLIDING],
         *rot[FULL],
     )
+
+
+def test_graph_exports_statically_without_fused_attention(models):
+    _, head, keep = models
+    graph = HeadGraph(restrict_output_layer(head, keep))
+    args = export_args(head)
     assert len(args) == len(INPUT_NAMES)
     exported = torch.export.export(graph, args)
     ops = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}

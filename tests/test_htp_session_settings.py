@@ -161,29 +161,10 @@ def test_hycoc_run_refuses_a_bad_setting_in_one_line_before_loading(tiny_bundle)
 def _qdq_matmul(path):
     """y = x @ W, x (1, 8) and y (1, 4) at uint16, W uint8: the smallest graph the HTP compiles without fallback."""
     import onnx
-    from onnx import TensorProto as T
-    from onnx import helper as h
-    from onnx import numpy_helper as nh
+    from hycoc.targets.qdq_matmul import qdq_matmul
 
-    step = 8 / 65535
-    inits = [
-        nh.from_array(np.arange(32, dtype=np.uint8).reshape(8, 4), "w"),
-        nh.from_array(np.array(0.01, np.float32), "ws"),
-        nh.from_array(np.array(128, np.uint8), "wz"),
-        nh.from_array(np.array(step, np.float32), "s"),
-        nh.from_array(np.array(32768, np.uint16), "z"),
-    ]
-    nodes = [
-        h.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
-        h.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
-        h.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"]),
-        h.make_node("MatMul", ["xd", "wd"], ["y0"]),
-        h.make_node("QuantizeLinear", ["y0", "s", "z"], ["yq"]),
-        h.make_node("DequantizeLinear", ["yq", "s", "z"], ["y"]),
-    ]
-    io = [h.make_tensor_value_info("x", T.FLOAT, [1, 8]), h.make_tensor_value_info("y", T.FLOAT, [1, 4])]
-    m = h.make_model(h.make_graph(nodes, "g", io[:1], io[1:], inits), opset_imports=[h.make_opsetid("", 21)])
-    m.ir_version = 10
+    w = np.arange(32, dtype=np.uint8).reshape(8, 4)
+    m = qdq_matmul(w, 1, "g", w_scale=0.01, w_zero=128, x_scale=8 / 65535)
     onnx.save(m, str(path))
     return path
 

@@ -258,37 +258,12 @@ def test_attention_block_compiles_for_v81_and_runs_on_the_simulator(attention, t
 def test_weight_shared_context_holds_weights_once(tmp_path):
     import onnx
     from hycoc.targets.htp import HtpCompileError, HtpSession, compile_context
-    from onnx import TensorProto as T
-    from onnx import helper as h
-    from onnx import numpy_helper as nh
+    from hycoc.targets.qdq_matmul import qdq_matmul
 
     w = np.random.RandomState(1).randint(-127, 128, (256, 256)).astype(np.int8)
 
     def rows_model(rows: int):
-        inits = [
-            nh.from_array(np.array(1 / 32768, np.float32), "s"),
-            h.make_tensor("z", T.UINT16, [], [32768]),
-            nh.from_array(w, "w"),
-            nh.from_array(np.array(0.001, np.float32), "ws"),
-            nh.from_array(np.array(0, np.int8), "wz"),
-        ]
-        nodes = [
-            h.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
-            h.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
-            h.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"]),
-            h.make_node("MatMul", ["xd", "wd"], ["y0"]),
-            h.make_node("QuantizeLinear", ["y0", "s", "z"], ["yq"]),
-            h.make_node("DequantizeLinear", ["yq", "s", "z"], ["y"]),
-        ]
-        g = h.make_graph(
-            nodes,
-            f"rows{rows}",
-            [h.make_tensor_value_info("x", T.FLOAT, [rows, 256])],
-            [h.make_tensor_value_info("y", T.FLOAT, [rows, 256])],
-            inits,
-        )
-        m = h.make_model(g, opset_imports=[h.make_opsetid("", 21)])
-        m.ir_version = 10
+        m = qdq_matmul(w, rows, f"rows{rows}", w_scale=0.001)
         p = tmp_path / f"rows{rows}.onnx"
         onnx.save(m, str(p))
         return p

@@ -16,8 +16,7 @@ from hycoc.verifier import VerifierEngine
 from hycoc.verifier.batch import batch_forward, verify_batch
 from hycoc.verifier.engine import verify_tree
 from hycoc.verifier.kv_cache import SlidingWindowLayer, first_position, held_bytes, storage_bytes
-from test_batched_verify import oracle_tree  # the verifier's own top-k chain tree (same helper)
-from tiny_models import tiny_head, tiny_verifier
+from tiny_models import oracle_tree, tiny_head, tiny_verifier  # oracle_tree: the verifier's own top-k chain tree
 from transformers import DynamicCache
 
 from hycoc.protocol.messages import Sampling

@@ -115,10 +115,16 @@ def test_gemma4_plan_marks_what_is_assumed(gemma4):
     assert gemma4["models"]["head"]["params"] == 419_711_232  # the paper: 420M
 
 
-def test_inspect_recipe_tables_run():
-    result = runner.invoke(app, ["inspect", str(GEMMA4)], terminal_width=160)
+def inspect_shows(width: int, texts) -> None:
+    """`hycoc inspect` of the Gemma 4 recipe at a terminal ``width`` wide exits 0 and prints each of ``texts``."""
+    result = runner.invoke(app, ["inspect", str(GEMMA4)], terminal_width=width)
     assert result.exit_code == 0, result.stderr
-    for text in (
+    for text in texts:
+        assert text in result.stdout, text
+
+
+def test_inspect_recipe_tables_run():
+    texts = (
         "plan vs paper",
         "head_lut_bytes",
         "assumed:",
@@ -133,8 +139,8 @@ def test_inspect_recipe_tables_run():
         "0.315",
         "0.210",
         "7.382",
-    ):
-        assert text in result.stdout
+    )
+    inspect_shows(160, texts)
 
 
 def test_gemma4_verifier_kv_per_session(gemma4):
@@ -257,9 +263,7 @@ def test_gemma4_bit_maps_beside_the_paper(gemma4):
 
 
 def test_inspect_shows_the_bit_maps_side_by_side():
-    result = runner.invoke(app, ["inspect", str(GEMMA4)], terminal_width=200)
-    assert result.exit_code == 0, result.stderr
-    for text in (
+    texts = (
         "SLM bit map (in use: ASSUMED)",
         "paper fit",
         "752.8",
@@ -268,8 +272,8 @@ def test_inspect_shows_the_bit_maps_side_by_side():
         "1149.0",
         "20 of 2187 group-wise maps",
         "context budget (htp-v81",
-    ):
-        assert text in result.stdout, text
+    )
+    inspect_shows(200, texts)
 
 
 def test_gemma4_plan_counts_the_drafters_macs(gemma4):

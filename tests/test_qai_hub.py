@@ -34,35 +34,10 @@ def _qdq_graph(folder: Path, name: str, rows: int, *, extra_file: bool = False) 
     """A tiny QDQ graph (x [rows, 16] -> MatMul int8 weight -> y) saved with external data as NAME.onnx +
     NAME.onnx.data, AI Hub's folder form."""
     import onnx
-    from onnx import TensorProto as T
-    from onnx import helper as h
-    from onnx import numpy_helper as nh
+    from hycoc.targets.qdq_matmul import qdq_matmul
 
     w = np.random.RandomState(rows).randint(-127, 128, (16, 16)).astype(np.int8)
-    inits = [
-        nh.from_array(np.array(1 / 32768, np.float32), "s"),
-        h.make_tensor("z", T.UINT16, [], [32768]),
-        nh.from_array(w, "w"),
-        nh.from_array(np.array(0.01, np.float32), "ws"),
-        nh.from_array(np.array(0, np.int8), "wz"),
-    ]
-    nodes = [
-        h.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
-        h.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
-        h.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"]),
-        h.make_node("MatMul", ["xd", "wd"], ["y0"]),
-        h.make_node("QuantizeLinear", ["y0", "s", "z"], ["yq"]),
-        h.make_node("DequantizeLinear", ["yq", "s", "z"], ["y"]),
-    ]
-    g = h.make_graph(
-        nodes,
-        name,
-        [h.make_tensor_value_info("x", T.FLOAT, [rows, 16])],
-        [h.make_tensor_value_info("y", T.FLOAT, [rows, 16])],
-        inits,
-    )
-    m = h.make_model(g, opset_imports=[h.make_opsetid("", 21)])
-    m.ir_version = 10
+    m = qdq_matmul(w, rows, name, w_scale=0.01)
     d = folder / name
     d.mkdir(parents=True)
     path = d / f"{name}.onnx"

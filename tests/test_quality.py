@@ -86,7 +86,9 @@ def test_final_number_match_and_containment(category, text, reference, final, co
     assert reference_match(category, text, reference) is contains
 
 
-def _rec(config, qid, ratio, rep, logprob):
+def record(config, qid, **fields) -> dict:
+    """A bench record (records.jsonl) of a 10-token, 5-round writing answer at 1 ms a forward; ``fields`` added
+    after (quality, verifier_logprob, ...)."""
     return {
         "config": config,
         "run": 0,
@@ -99,10 +101,13 @@ def _rec(config, qid, ratio, rep, logprob):
         "rows": [5] * 5,
         "context": [10] * 5,
         "seconds": 1.0,
-        "verifier_logprob": logprob,
-        "reference_match": None,
-        "quality": {"compression_ratio": ratio, "repeated_4gram_share": rep, "longest_run": 2, "rouge_l": None},
+        **fields,
     }
+
+
+def _rec(config, qid, ratio, rep, logprob):
+    quality = {"compression_ratio": ratio, "repeated_4gram_share": rep, "longest_run": 2, "rouge_l": None}
+    return record(config, qid, verifier_logprob=logprob, reference_match=None, quality=quality)
 
 
 def test_summary_flags_a_config_worse_than_the_baseline_after_holm():

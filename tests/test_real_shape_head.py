@@ -26,26 +26,8 @@ def tiny_report(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real-shape-head")
     out, work = tmp / "report.json", tmp / "work"
     report = real_shape_head.main(
-        [
-            "--keep-set",
-            "512",
-            "--window",
-            "16",
-            "--layers",
-            "1",
-            "--skip-compile",
-            "--toy-dims",
-            "--samples",
-            "2",
-            "--blocks",
-            "none",
-            "--out",
-            str(out),
-            "--work",
-            str(work),
-            "--keep-work",
-            "--quiet",
-        ]
+        "--keep-set 512 --window 16 --layers 1 --skip-compile --toy-dims --samples 2 --blocks none".split()
+        + ["--out", str(out), "--work", str(work), "--keep-work", "--quiet"]
     )
     return report, out, work
 

@@ -50,28 +50,8 @@ def tiny_run(tmp_path_factory):
     ort.InferenceSession = LimitedSession
     try:
         report = bench.main(
-            [
-                "--toy-dims",
-                "--layers",
-                "2",
-                "--keep-set",
-                "256",
-                "--rows",
-                "4",
-                "--ring",
-                "8",
-                "--sliding-ring",
-                "4",
-                "--samples",
-                "2",
-                "--skip-compile",
-                "--out",
-                str(out),
-                "--work",
-                str(work),
-                "--keep-work",
-                "--quiet",
-            ]
+            "--toy-dims --layers 2 --keep-set 256 --rows 4 --ring 8 --sliding-ring 4 --samples 2 --skip-compile".split()
+            + ["--out", str(out), "--work", str(work), "--keep-work", "--quiet"]
         )
     finally:
         ort.InferenceSession = real_session

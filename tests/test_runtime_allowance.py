@@ -22,10 +22,9 @@ from hycoc.runtime.drafters import RuntimeProtocolError, allowed_rows
 from hycoc.runtime.tree_builder import CHAIN, SIBLING, TreeBuilder
 from test_runtime_drafters import WF, WS, chain_tree, k_value, ring, slm_drafter
 from test_runtime_tree import EOS, KEEP, FakeSlm, L, builder
-from test_runtime_trimmed import MAX_NEW, PROMPT, ROWS, STOP, V, f, greedy, runtime
+from test_runtime_trimmed import MAX_NEW, PROMPT, ROWS, PartialVerifier, greedy, runtime
 
-from hycoc.protocol import wire
-from hycoc.protocol.messages import Opened, RoundReply, commit_cut
+from hycoc.protocol.messages import RoundReply
 
 
 def same_tree(a, b) -> bool:
@@ -136,57 +135,11 @@ def test_the_allowance_bounds_the_next_trees_rows_and_a_bad_one_is_a_protocol_er
             allowed_rows(4, reply(bad), 33)
 
 
-class AllowanceVerifier:
-    """A `VerifierClient` stand-in (tests/test_runtime_trimmed.py's verifier f, every row verified) whose reply to
-    round k grants ``allowance(k)`` rows; frames pass through the real codec unless ``codec`` is False."""
-
-    def __init__(self, allowance, codec: bool = True):
-        self.allowance, self.codec = allowance, codec
-        self.round_bytes, self.link_s, self.opened, self.trees = [], 0.0, None, []
-
-    def open(self, request):
-        self.ctx, self.max_new, self.produced = [int(x) for x in request.prompt_ids], request.max_new_tokens, 0
-        self.opened = Opened(1, len(self.ctx) - 1, 1.0, 1000, ROWS, V, 1, 1, 1, stop_ids=(STOP,))
-        return self.opened
-
-    def round(self, tree):
-        limits = wire.Limits(tree_rows=ROWS, vocab_size=V)
-        tree = wire.decode(wire.encode(tree), limits)
-        tokens, parents = tree.tokens, tree.parents
-        samples = tokens.copy()
-        for v in range(len(tokens)):
-            up, a = [], v
-            while a > 0:
-                up.append(int(tokens[a]))
-                a = int(parents[a])
-            samples[v] = f(self.ctx + up[::-1])
-        path, v = [], 0
-        while kids := [c for c in range(1, len(tokens)) if parents[c] == v and tokens[c] == samples[v]]:
-            v = kids[0]
-            path.append(v)
-        new, reason = commit_cut(
-            [int(tokens[j]) for j in path] + [int(samples[v])], {STOP}, self.max_new - self.produced, 10**6
-        )
-        out = RoundReply(
-            tree.seq,
-            samples,
-            np.array(path, np.int32),
-            int(samples[v]),
-            1.0,
-            reason is not None,
-            finish_reason=reason,
-            allowance=self.allowance(len(self.trees)),
-        )
-        if self.codec:
-            out = wire.decode(wire.encode(out), limits)
-        self.produced += len(new)
-        self.ctx += new
-        self.trees.append(tree)
-        self.round_bytes.append((0, 0))
-        return replace(out, handoff=object())  # the stand-in MTP Drafter ignores it
-
-    def close(self):
-        pass
+def allowance_verifier(allowance, codec: bool = True) -> PartialVerifier:
+    """tests/test_runtime_trimmed.py's `PartialVerifier` (its verifier f) verifying every row, whose reply to round k
+    grants ``allowance(k)`` rows; frames pass through the real codec unless ``codec`` is False."""
+    as_is = None if codec else (lambda reply: reply)
+    return PartialVerifier(lambda tokens, parents: None, tamper=as_is, allowance=allowance)
 
 
 FLOOR = 4  # the stand-in MTP's chain is 3 tokens: root + chain
@@ -204,7 +157,7 @@ def test_every_tree_holds_its_allowance_and_the_text_is_the_verifiers(mode):
     caught = []
     catch_up = rt.slm.catch_up
     rt.slm.catch_up = lambda reserve: caught.append((len(rt.built), catch_up(reserve)))
-    verifier = AllowanceVerifier(schedule)
+    verifier = allowance_verifier(schedule)
     res = rt.generate(verifier, PROMPT, mode=mode, max_new_tokens=40)  # rounds past the schedule's last floor
     assert res.tokens == greedy(PROMPT, 40)
     granted = [ROWS] + [schedule(k) for k in range(len(verifier.trees) - 1)]
@@ -229,7 +182,7 @@ def test_a_verifier_that_never_lowers_the_allowance_gets_the_trees_of_one_that_s
     trees = []
     for allowance in (ROWS, 0):
         rt = runtime()
-        verifier = AllowanceVerifier(lambda k, a=allowance: a, codec=allowance > 0)  # 0: the codec refuses it
+        verifier = allowance_verifier(lambda k, a=allowance: a, codec=allowance > 0)  # 0: the codec refuses it
         rt.generate(verifier, PROMPT, mode="hyco", max_new_tokens=MAX_NEW)
         trees.append([(t.tokens.tobytes(), t.parents.tobytes(), t.scores.tobytes()) for t in verifier.trees])
     assert trees[0] == trees[1]
@@ -238,7 +191,7 @@ def test_a_verifier_that_never_lowers_the_allowance_gets_the_trees_of_one_that_s
 @pytest.mark.parametrize("mode, bad", [("hyco", ROWS + 1), ("hyco", -2), ("cloud-mtp", 2)])
 def test_an_allowance_outside_the_sessions_rows_stops_the_request(mode, bad):
     rt = runtime()
-    verifier = AllowanceVerifier(lambda k: bad, codec=False)
+    verifier = allowance_verifier(lambda k: bad, codec=False)
     if mode == "cloud-mtp":  # the server drafts: a one-row session
         verifier.open = lambda request, o=verifier.open: replace(o(request), tree_rows=1)
     with pytest.raises(RuntimeProtocolError, match=rf"round 0: .*allowance = {bad} \(RoundReply.allowance\)"):

@@ -162,26 +162,7 @@ def test_the_context_limit_ends_the_request_with_every_committed_token(short_ser
 
 def test_cli_run_at_the_context_limit_exits_0_with_the_text(short_server, built, runtime):
     srv, _ = short_server
-    result = CliRunner().invoke(
-        app,
-        [
-            "run",
-            str(built[1]),
-            "--server",
-            srv.url,
-            "--prompt",
-            LONG,
-            "--backend",
-            "cpu",
-            "--mode",
-            "hyco-exact",
-            "--temperature",
-            "0",
-            "--max-new-tokens",
-            "40",
-            "--json",
-        ],
-    )
+    result = CliRunner().invoke(app, [*greedy_run(built[1], srv.url, LONG, 40), "--json"])
     assert result.exit_code == 0, result.stderr
     (last,) = [json.loads(line) for line in result.stdout.splitlines()]  # --json: stdout is the object alone
     assert last["tokens"] <= 6 and last["finish_reason"] in ("length", "stop")
@@ -264,6 +245,12 @@ def test_three_turns_hold_the_templates_rendering_on_both_sides(server, runtime,
     assert int(torch.argmax(cold)) == final[-1] or session.finish_reason == "stop"
 
 
+def greedy_run(bundle, url: str, prompt: str, max_new_tokens: int) -> list[str]:
+    """`hycoc run`'s arguments for one greedy hyco-exact answer to ``prompt`` on the CPU backend."""
+    args = ["run", str(bundle), "--server", url, "--prompt", prompt, "--backend", "cpu", "--mode", "hyco-exact"]
+    return args + ["--temperature", "0", "--max-new-tokens", str(max_new_tokens)]
+
+
 def run_help_json_keys() -> list[str]:
     """The --json keys `hycoc run --help` lists, in order."""
     import re
@@ -276,26 +263,7 @@ def test_cli_run_chat_answers_every_turn_on_one_session(server, built):
     srv, _ = server
     before = srv.server.metrics.sessions_total
     result = CliRunner().invoke(
-        app,
-        [
-            "run",
-            str(built[1]),
-            "--server",
-            srv.url,
-            "--prompt",
-            "w1 w2 w3",
-            "--backend",
-            "cpu",
-            "--mode",
-            "hyco-exact",
-            "--temperature",
-            "0",
-            "--max-new-tokens",
-            "8",
-            "--json",
-            "--chat",
-        ],
-        input="w4 w5\nw6\n\n",
+        app, [*greedy_run(built[1], srv.url, "w1 w2 w3", 8), "--json", "--chat"], input="w4 w5\nw6\n\n"
     )
     assert result.exit_code == 0, result.stderr
     # --json: stdout is JSON lines alone, one object per answer (no text, no empty line between turns)
@@ -308,8 +276,7 @@ def test_cli_run_chat_answers_every_turn_on_one_session(server, built):
     assert re.findall(r"-- turn (\d+) --", result.stderr) == ["1", "2", "3"]
     assert result.stderr.index("-- turn 1 --") < result.stderr.index("[hyco-exact: ")
     # without --json: each answer's text, then an empty line before the next turn's
-    args = ["run", str(built[1]), "--server", srv.url, "--prompt", "w1 w2 w3", "--backend", "cpu"]
-    args += ["--mode", "hyco-exact", "--temperature", "0", "--max-new-tokens", "8", "--chat"]
+    args = [*greedy_run(built[1], srv.url, "w1 w2 w3", 8), "--chat"]
     plain = CliRunner().invoke(app, args, input="w4 w5\nw6\n\n")
     assert plain.exit_code == 0, plain.stderr
     assert plain.stdout == "".join(t["text"] + "\n\n" for t in turns)
@@ -327,8 +294,7 @@ def test_cli_run_streams_text_and_prints_json(server, built):
     """Without --json stdout is the answer text; with --json every stdout line is a JSON object (`| jq` works),
     the text is the object's, and a stderr that is no terminal gets the summary only."""
     srv, _ = server
-    args = ["run", str(built[1]), "--server", srv.url, "--prompt", "w1 w2 w3", "--backend", "cpu"]
-    args += ["--mode", "hyco-exact", "--temperature", "0", "--max-new-tokens", "16"]
+    args = greedy_run(built[1], srv.url, "w1 w2 w3", 16)
     plain = CliRunner().invoke(app, args)
     assert plain.exit_code == 0, plain.stderr
     result = CliRunner().invoke(app, [*args, "--json"])

@@ -132,63 +132,23 @@ def test_shipped_graphs_have_no_keep_set_wide_output(tiny_bundle):
 
 
 def test_trees_from_graph_top_k_equal_the_host_path_on_the_tiny_bundle(tiny_bundle, tiny_pipeline):
-    from hycoc.runtime.client import MODES, DeviceRuntime
-
-    from hycoc.protocol.messages import HandOff
+    from hycoc.runtime.client import DeviceRuntime
+    from lockstep import hyco_rounds
 
     bundle, runners = _runners(tiny_bundle, tiny_pipeline)
     new = DeviceRuntime(bundle, runners["head"][0], runners["slm"][0])
     old = DeviceRuntime(bundle, runners["head"][1], runners["slm"][1])
-    rng = np.random.default_rng(3)
     prompt = bundle.tokenizer.encode("How do I read a file line by line in Python?").ids
     hidden = runners["head"][0].shape("x_hat")[-1] // 2
     kv = {s: int(np.prod(runners["head"][0].shape(f"k_{s}")[1::2])) for s in ("sliding", "full")}
     trees = 0
-    for rt in (new, old):
-        rt.slm.start(prompt)
-        rt.mtp.reset()
-    t = len(prompt) - 1
-    a = max(0, t - bundle.round.head_window)
-    for _ in range(6):
-
-        def r8(*s):
-            return rng.integers(-60, 60, s).astype(np.int8)
-
-        h = HandOff(
-            t_prime=t,
-            a=a,
-            bonus=int(prompt[-1]),
-            x_hat=r8(2 * hidden),
-            k_sliding=r8(t - a, kv["sliding"]),
-            v_sliding=r8(t - a, kv["sliding"]),
-            k_full=r8(t - a, kv["full"]),
-            v_full=r8(t - a, kv["full"]),
-            scales=(0.05, 0.05, 0.05, 0.05, 0.05, 0.05),
-        )
-        built = []
-        for rt in (new, old):
-            rt.mtp.ingest(h)
-            d = rt.mtp.draft()
-            built.append(
-                (
-                    d,
-                    rt.builder(MODES["hyco"], bundle.round.node_budget + 1).build(
-                        rt.slm.tokens[-1], d.chain, d.runner_ups, rt.slm.expand
-                    ),
-                )
-            )
-        (d_new, b_new), (d_old, b_old) = built
+    for (d_new, b_new), (d_old, b_old) in hyco_rounds([new, old], prompt, 6, np.random.default_rng(3), hidden, kv):
         assert (d_new.chain, d_new.runner_ups) == (d_old.chain, d_old.runner_ups)  # the head's top-2
         np.testing.assert_array_equal(b_new.tokens, b_old.tokens)
         np.testing.assert_array_equal(b_new.parents, b_old.parents)
         scores_new = [n.score for n in b_new.tree.nodes]
         np.testing.assert_allclose(scores_new, [n.score for n in b_old.tree.nodes], rtol=0, atol=1e-5)
         trees += sum(n.source == "slm" for n in b_new.tree.nodes) > 0  # trees with SLM candidates in them
-        path = [j for j in range(1, 3) if b_new.parents[j] == j - 1]  # accept up to 2 chain rows + a bonus
-        commit = [int(b_new.tokens[j]) for j in path] + [int(bundle.keep_set[rng.integers(len(bundle.keep_set))])]
-        for rt, b in ((new, b_new), (old, b_old)):
-            rt.slm.commit([b.row_node[j] for j in path], commit)
-        a, t = t, t + len(commit)
     assert trees == 6 and new.slm.tokens == old.slm.tokens
 
 

@@ -106,10 +106,11 @@ class PerfectMtp:
 
 class PartialVerifier:
     """A `VerifierClient` stand-in that verifies the rows ``policy(tokens, parents)`` picks (bool (R,), or None
-    for every row). Frames pass through the real codec unless ``tamper`` rewrites the reply first."""
+    for every row). Frames pass through the real codec unless ``tamper`` rewrites the reply first. Its reply to
+    round k grants ``allowance(k)`` rows (None: the whole tree, 0 once the request is finished)."""
 
-    def __init__(self, policy, tamper=None):
-        self.policy, self.tamper = policy, tamper
+    def __init__(self, policy, tamper=None, allowance=None):
+        self.policy, self.tamper, self.allowance = policy, tamper, allowance
         self.round_bytes, self.link_s, self.opened = [], 0.0, None
         self.trees, self.replies, self.echo_matches = [], [], 0
 
@@ -121,10 +122,11 @@ class PartialVerifier:
     def round(self, tree):
         tree = wire.decode(wire.encode(tree), wire.Limits(tree_rows=ROWS, vocab_size=V))  # fp16 scores, checked
         tokens, parents = tree.tokens, tree.parents
+        rows = len(tokens)
         verified = self.policy(tokens, parents)
-        on = np.ones(ROWS, bool) if verified is None else verified
+        on = np.ones(rows, bool) if verified is None else verified
         samples = tokens.copy()  # rows left out echo their own tokens
-        for v in range(ROWS):
+        for v in range(rows):
             if on[v]:
                 up, a = [], v
                 while a > 0:
@@ -133,17 +135,21 @@ class PartialVerifier:
                 samples[v] = f(self.ctx + up[::-1])
         path, v = [], 0  # the walk, written out again: verified rows only
         while True:
-            kids = [c for c in range(1, ROWS) if parents[c] == v and on[c] and tokens[c] == samples[v]]
+            kids = [c for c in range(1, rows) if parents[c] == v and on[c] and tokens[c] == samples[v]]
             if not kids:
                 break
             v = kids[0]
             path.append(v)
         self.echo_matches += sum(
-            1 for c in range(1, ROWS) if not on[c] and on[parents[c]] and tokens[c] == samples[parents[c]]
+            1 for c in range(1, rows) if not on[c] and on[parents[c]] and tokens[c] == samples[parents[c]]
         )
         new, reason = commit_cut(
             [int(tokens[j]) for j in path] + [int(samples[v])], {STOP}, self.max_new - self.produced, 10**6
         )
+        if self.allowance is not None:
+            allowance = self.allowance(len(self.trees))
+        else:  # protocol 6: the whole tree, as an unloaded server
+            allowance = 0 if reason is not None else ROWS
         reply = RoundReply(
             tree.seq,
             samples,
@@ -153,7 +159,7 @@ class PartialVerifier:
             reason is not None,
             finish_reason=reason,
             verified=verified,
-            allowance=0 if reason is not None else ROWS,  # protocol 6: the whole tree, as an unloaded server
+            allowance=allowance,
         )
         if self.tamper is not None:
             reply = self.tamper(reply)

@@ -31,7 +31,9 @@ from hycoc.verifier import VerifierEngine
 from hycoc.verifier.loading import DeviceUnavailable, engine_from_recipe, server_options
 from hycoc.verifier.row_budget import RowCost
 from hycoc.verifier.server import METRICS_CONTENT_TYPE, ServerLimits, ServerThread
+from test_server_metrics import FAMILIES
 from tiny_models import VOCAB, tiny_head, tiny_verifier
+from tiny_models import oracle_tree as tiny_oracle_tree
 from typer.testing import CliRunner
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
@@ -85,19 +87,9 @@ def server(models):
     engine.close()
 
 
-@torch.inference_mode()
-def oracle_tree(model, tokens, width=2, depth=3):
-    """Root = tokens[-1]; the verifier's top-`width` children at each of `depth` levels along its greedy chain."""
-    tokens = list(tokens)
-    tree, parents, parent = [tokens[-1]], [-1], 0
-    for _ in range(depth):
-        top = model(input_ids=torch.tensor([tokens])).logits[0, -1].topk(width).indices.tolist()
-        first = len(tree)
-        tree += top
-        parents += [parent] * width
-        parent = first
-        tokens.append(top[0])
-    return np.array(tree, np.int32), np.array(parents, np.int32)
+def oracle_tree(model, tokens):
+    """`tiny_models.oracle_tree` as the wire's int32 arrays."""
+    return tiny_oracle_tree(model, tokens, dtype=np.int32)
 
 
 def open_request(prompt, **kw) -> OpenRequest:
@@ -717,40 +709,8 @@ def test_metrics_count_exactly(server, reference):
     content_type, text = http_get(server.http_url + "/metrics")
     assert content_type == METRICS_CONTENT_TYPE
     values, types = parse_metrics(text)
-    assert types == {
-        "hycoc_rounds_total": "counter",
-        "hycoc_retries_total": "counter",
-        "hycoc_sessions_active": "gauge",
-        "hycoc_sessions_total": "counter",
-        "hycoc_tokens_committed_total": "counter",
-        "hycoc_mat": "gauge",
-        "hycoc_server_ms_total": "counter",
-        "hycoc_prefill_ms_total": "counter",
-        "hycoc_g_ms_per_token": "gauge",
-        "hycoc_errors_total": "counter",
-        "hycoc_refusals_total": "counter",
-        "hycoc_connections_active": "gauge",
-        "hycoc_kv_bytes_reserved": "gauge",
-        "hycoc_batch_rows": "histogram",
-        "hycoc_batch_sessions": "histogram",
-        "hycoc_queue_wait_seconds": "histogram",
-        "hycoc_rows_kept_per_session": "histogram",
-        "hycoc_expected_tokens_per_forward": "histogram",
-        "hycoc_rows_trimmed_total": "counter",
-        "hycoc_rows_not_drafted_total": "counter",
-        "hycoc_allowance_rows": "histogram",
-        "hycoc_appends_total": "counter",
-        "hycoc_append_reprefilled_tokens_total": "counter",
-        "hycoc_kv_bytes_held": "gauge",
-        "hycoc_kv_bytes_held_peak": "gauge",
-        "hycoc_kv_held_over_reserved_total": "counter",
-        "hycoc_kv_bytes_prefill_pool": "gauge",
-        "hycoc_kv_bytes_snapshots": "gauge",
-        "hycoc_snapshots_evicted_total": "counter",
-        "hycoc_prefills_active": "gauge",
-        "hycoc_rss_bytes": "gauge",
-        "hycoc_memory_released_bytes_total": "counter",
-    }
+    # the TYPE lines name a counter by its samples (_total)
+    assert types == {f"{name}_total" if kind == "counter" else name: kind for name, kind in FAMILIES.items()}
     assert values["hycoc_rounds_total"] == 0 and np.isnan(values["hycoc_mat"])
     assert {k: v for k, v in values.items() if k.startswith("hycoc_append")} == {  # every kind from the start
         'hycoc_appends_total{kind="crop"}': 0,

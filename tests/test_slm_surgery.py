@@ -30,29 +30,18 @@ SLIDING_WINDOW = 5
 def tiny_slm_config(sliding_window: int = SLIDING_WINDOW):
     """`hycoc.toy.configs.slm_config` scaled down: 4 layers (2 KV-shared, double-wide MLP), per-layer inputs 8,
     sliding head dim 16 vs global 32 (25% proportional RoPE), untied output layer, soft-cap 30."""
-    from transformers import Gemma4TextConfig
+    from hycoc.toy.configs import slm_config
 
-    return Gemma4TextConfig(
+    return slm_config(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=48,
-        num_hidden_layers=4,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        num_kv_shared_layers=2,
-        use_double_wide_mlp=True,
-        num_attention_heads=2,
-        num_key_value_heads=1,
         head_dim=16,
         global_head_dim=32,
         hidden_size_per_layer_input=8,
         vocab_size_per_layer_input=VOCAB,
-        tie_word_embeddings=False,
         sliding_window=sliding_window,
         max_position_embeddings=256,
-        final_logit_softcapping=30.0,
-        rms_norm_eps=1e-6,
-        pad_token_id=0,
-        bos_token_id=2,
         eos_token_id=1,
     )
 

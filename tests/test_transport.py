@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 import zlib
@@ -18,6 +16,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from conftest import modules_loaded_by_import
 from hycoc.runtime.transport import (
     LINK_PRESETS,
     AuthRefused,
@@ -370,42 +369,17 @@ def test_timeout_waiting_for_an_answer():
             c.open(OpenRequest(prompt_ids=PROMPT))
 
 
+def round_reply(seq: int, samples: list[int]) -> RoundReply:
+    """A REPLY to round ``seq`` with these samples, no path, bonus 9, allowance 3."""
+    return RoundReply(seq, np.array(samples, np.int32), np.zeros(0, np.int32), 9, 1.0, allowance=3)
+
+
 @pytest.mark.parametrize(
     "reply,match",
     [
-        (
-            RoundReply(
-                seq=5,
-                samples=np.array([9, 1, 2], np.int32),
-                path_rows=np.zeros(0, np.int32),
-                bonus=9,
-                server_ms=1.0,
-                allowance=3,
-            ),
-            "answered round 5 to round 0",
-        ),
-        (
-            RoundReply(
-                seq=0,
-                samples=np.array([9, 1, 200], np.int32),
-                path_rows=np.zeros(0, np.int32),
-                bonus=9,
-                server_ms=1.0,
-                allowance=3,
-            ),
-            r"invalid: token_out_of_vocab: RoundReply.samples\[2\] = 200",
-        ),
-        (
-            RoundReply(
-                seq=0,
-                samples=np.array([9, 1, 2, 3], np.int32),
-                path_rows=np.zeros(0, np.int32),
-                bonus=9,
-                server_ms=1.0,
-                allowance=3,
-            ),
-            "invalid: wrong_row_count",
-        ),
+        (round_reply(5, [9, 1, 2]), "answered round 5 to round 0"),
+        (round_reply(0, [9, 1, 200]), r"invalid: token_out_of_vocab: RoundReply.samples\[2\] = 200"),
+        (round_reply(0, [9, 1, 2, 3]), "invalid: wrong_row_count"),
         (OPENED, "answered the round 0 with Opened, expected RoundReply"),
     ],
 )
@@ -420,9 +394,5 @@ def test_replies_are_validated_against_the_session(reply, match):
 
 
 def test_the_transport_imports_no_torch_aiohttp_or_verifier():
-    code = (
-        "import sys, hycoc.runtime.transport; print(sorted(m for m in ('torch', 'transformers', 'aiohttp', "
-        "'hycoc.verifier', 'hycoc.recipe', 'pydantic') if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    banned = ("torch", "transformers", "aiohttp", "hycoc.verifier", "hycoc.recipe", "pydantic")
+    assert modules_loaded_by_import("hycoc.runtime.transport", banned) == []

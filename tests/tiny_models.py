@@ -10,6 +10,7 @@ KV-shared, reading the verifier's last sliding and last full-attention layer).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
 
@@ -93,3 +94,34 @@ def tiny_head(
     with torch.no_grad():
         head.lm_head.weight.normal_(0.0, 0.5)
     return head
+
+
+@torch.inference_mode()
+def oracle_tree(model, tokens, width=2, depth=3, dtype=np.int64):
+    """Root = tokens[-1]; the verifier's top-`width` children at each of `depth` levels along its greedy chain.
+    Returns (tokens, parents) as ``dtype`` arrays (int32 for a wire `DraftTree`)."""
+    tokens = list(tokens)
+    tree, parents, parent = [tokens[-1]], [-1], 0
+    for _ in range(depth):
+        top = model(input_ids=torch.tensor([tokens])).logits[0, -1].topk(width).indices.tolist()
+        first = len(tree)
+        tree += top
+        parents += [parent] * width
+        parent = first
+        tokens.append(top[0])
+    return np.array(tree, dtype), np.array(parents, dtype)
+
+
+def greedy_session(engine, prompt, draft_place: str, max_new_tokens: int):
+    """A session of ``engine`` (a `VerifierEngine`) on ``prompt``, not prefilled: T = 0 (top-1) and exact
+    acceptance, so every sample and the committed text are the verifier's argmax."""
+    from hycoc.protocol.messages import Sampling
+
+    return engine.open(
+        prompt,
+        Sampling(temperature=0.0, top_k=1, top_p=1.0),
+        acceptance="exact",
+        epsilon=1.0,
+        draft_place=draft_place,
+        max_new_tokens=max_new_tokens,
+    )

@@ -107,18 +107,31 @@ def check_rows(rows: int, field: str, limits: Limits) -> None:
         raise WrongRowCount(f"{field} has {rows} rows, at most {limits.tree_rows} (B + 1 of this session)")
 
 
-def _check_open(m: OpenRequest, limits: Limits) -> None:
-    prompt = _int_array(m.prompt_ids, "OpenRequest.prompt_ids")
-    if prompt.size == 0:
-        raise OutOfRange("OpenRequest.prompt_ids is empty: a request needs at least one token (the first root)")
-    if limits.max_context is not None and prompt.size >= limits.max_context:
+def _check_token_run(ids, field: str, limits: Limits, needs: str, room: str = "") -> np.ndarray:
+    """The ids of a prompt or a turn, checked and returned as an int array: at least one (``needs`` says why),
+    fewer than the verifier's max_context (``room`` ends that message; ``{most}`` in it: max_context - 1), a u32
+    count, each in the vocabulary."""
+    tokens = _int_array(ids, field)
+    if tokens.size == 0:
+        raise OutOfRange(f"{field} is empty: {needs}")
+    if limits.max_context is not None and tokens.size >= limits.max_context:
         raise ContextOverflow(
-            f"OpenRequest.prompt_ids has {prompt.size} tokens: the verifier holds max_context = "
-            f"{limits.max_context} positions, prompt and output together, so a prompt may have at most "
-            f"{limits.max_context - 1} tokens"
+            f"{field} has {tokens.size} tokens: the verifier holds max_context = {limits.max_context} positions"
+            + room.format(most=limits.max_context - 1)
         )
-    _uint(prompt.size, "OpenRequest.prompt_ids length", 32)
-    _check_tokens(prompt, "OpenRequest.prompt_ids", limits.vocab_size)
+    _uint(tokens.size, f"{field} length", 32)
+    _check_tokens(tokens, field, limits.vocab_size)
+    return tokens
+
+
+def _check_open(m: OpenRequest, limits: Limits) -> None:
+    prompt = _check_token_run(
+        m.prompt_ids,
+        "OpenRequest.prompt_ids",
+        limits,
+        "a request needs at least one token (the first root)",
+        ", prompt and output together, so a prompt may have at most {most} tokens",
+    )
     s = m.sampling
     if _f32(s.temperature, "Sampling.temperature") < 0:
         raise BadTemperature(f"Sampling.temperature = {s.temperature}: must be >= 0 (0 means greedy)")
@@ -340,16 +353,7 @@ def _check_close(m: Close, limits: Limits) -> None:
 
 
 def _check_append(m: AppendTurn, limits: Limits) -> None:
-    tokens = _int_array(m.tokens, "AppendTurn.tokens")
-    if tokens.size == 0:
-        raise OutOfRange("AppendTurn.tokens is empty: a turn needs at least one token (the next root)")
-    if limits.max_context is not None and tokens.size >= limits.max_context:
-        raise ContextOverflow(
-            f"AppendTurn.tokens has {tokens.size} tokens: the verifier holds max_context = "
-            f"{limits.max_context} positions"
-        )
-    _uint(tokens.size, "AppendTurn.tokens length", 32)
-    _check_tokens(tokens, "AppendTurn.tokens", limits.vocab_size)
+    tokens = _check_token_run(m.tokens, "AppendTurn.tokens", limits, "a turn needs at least one token (the next root)")
     if not 1 <= int(m.max_new_tokens) <= 2**32 - 1:
         raise OutOfRange(f"AppendTurn.max_new_tokens = {m.max_new_tokens}: must be >= 1 (u32)")
     keep = _uint(m.keep, "AppendTurn.keep", 32, lo=1)

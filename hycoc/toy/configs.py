@@ -26,6 +26,16 @@ _COMMON = dict(
     bos_token_id=2,
     hidden_activation="gelu_pytorch_tanh",
 )
+#: The verifier's attention geometry, which the head shares: it reads the verifier's KV (sliding layers 2 KV heads
+#: x 64, the global layer 1 x 128 with k = v).
+_VERIFIER_ATTENTION = dict(
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    global_head_dim=128,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+)
 
 
 def verifier_config():
@@ -34,16 +44,11 @@ def verifier_config():
 
     return Gemma4TextConfig(
         **_COMMON,
+        **_VERIFIER_ATTENTION,
         hidden_size=256,
         intermediate_size=384,
         num_hidden_layers=4,
         layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        global_head_dim=128,
-        num_global_key_value_heads=1,
-        attention_k_eq_v=True,
         enable_moe_block=True,
         num_experts=4,
         top_k_experts=2,
@@ -60,16 +65,11 @@ def head_config():
 
     text = Gemma4TextConfig(
         **_COMMON,
+        **_VERIFIER_ATTENTION,
         hidden_size=128,
         intermediate_size=512,
         num_hidden_layers=2,
         layer_types=["sliding_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        global_head_dim=128,
-        num_global_key_value_heads=1,
-        attention_k_eq_v=True,
         hidden_size_per_layer_input=0,
         vocab_size_per_layer_input=0,
         tie_word_embeddings=True,
@@ -77,16 +77,17 @@ def head_config():
     return Gemma4AssistantConfig(text_config=text, backbone_hidden_size=256, tie_word_embeddings=True)
 
 
-def slm_config():
+def slm_config(**overrides):
     """Gemma4TextConfig of the toy SLM (E2B-like: per-layer inputs, KV-shared layers, double-wide MLP).
 
     Untied output layer, because the pre-quantized format stores the embedding tables and the output layer as
-    separate quantized tensors.
+    separate quantized tensors. overrides: other values of Gemma4TextConfig's fields (the tests' scaled-down SLM:
+    widths, vocabulary, window); none for the toy family.
     """
     from transformers import Gemma4TextConfig
 
-    return Gemma4TextConfig(
-        **_COMMON,
+    fields = dict(
+        _COMMON,
         hidden_size=128,
         intermediate_size=320,
         num_hidden_layers=4,
@@ -101,6 +102,7 @@ def slm_config():
         vocab_size_per_layer_input=VOCAB_SIZE,
         tie_word_embeddings=False,
     )
+    return Gemma4TextConfig(**(fields | overrides))
 
 
 #: The SLM's bit map in transformers' GemmaQuantizationConfig form (regex -> options, first match wins).

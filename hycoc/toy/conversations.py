@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from hycoc.toy.generation import sample_answers
+
 #: Where the toy recipe expects the files (relative to the repository).
 DATA_DIR = Path(__file__).resolve().parents[2] / "recipes" / "toy" / "data"
 #: Training-split conversations: keep-set counts (first lines) and calibration prompts (the rest).
@@ -52,30 +54,11 @@ def answer_batch(verifier, chat, prompts: Sequence[str], max_new_tokens: int) ->
     (the checkpoint's eos_token_id), stop id included.
     """
     stops = chat.stop_ids
-    ids = [chat.prompt(p) for p in prompts]
-    width = max(map(len, ids))
     pad = verifier.config.pad_token_id or 0
-    x = torch.tensor([[pad] * (width - len(p)) + p for p in ids])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
-    with torch.no_grad():
-        out = verifier.generate(
-            input_ids=x,
-            attention_mask=mask,
-            do_sample=True,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=pad,
-            eos_token_id=sorted(stops),
-            **ANSWER_SAMPLING,
-        )
-    answers = []
-    for row in out[:, width:].tolist():
-        answer = []
-        for token in row:
-            answer.append(token)
-            if token in stops:
-                break
-        answers.append(answer)
-    return answers
+    ids = [chat.prompt(p) for p in prompts]
+    return sample_answers(
+        verifier, ids, max_new_tokens, pad=pad, stops=stops, eos_token_id=sorted(stops), **ANSWER_SAMPLING
+    )
 
 
 def conversation_line(tokenizer, user: str, answer: Sequence[int]) -> str:

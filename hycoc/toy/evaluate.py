@@ -136,19 +136,15 @@ def heldout_perplexity(verifier, tok, held) -> tuple[float, int]:
 def sample_answers(verifier, tok, held, rng: random.Random, n_prompts: int, max_new: int) -> list:
     """The verifier's own sampled answers (T 1.0, top-k 64, top-p 0.95, at most ``max_new`` tokens; torch's global
     generator) to ``n_prompts`` held-out user turns drawn with ``rng``: [(prompt tokens, prompt + answer ids)]."""
+    from hycoc.toy.train import SELFGEN_SAMPLING
+
     prompts = [c.user for c in rng.sample(held, min(n_prompts, len(held)))]
     seqs = []
     for p in prompts:
         ids = torch.tensor([tok.encode(prompt_text(p), add_special_tokens=False).ids])
         with torch.no_grad():
             g = verifier.generate(
-                input_ids=ids,
-                do_sample=True,
-                temperature=1.0,
-                top_k=64,
-                top_p=0.95,
-                max_new_tokens=max_new,
-                pad_token_id=0,
+                input_ids=ids, do_sample=True, max_new_tokens=max_new, pad_token_id=0, **SELFGEN_SAMPLING
             )
         seqs.append((ids.shape[1], g[0]))
     return seqs

@@ -40,6 +40,7 @@ from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 from hycoc.toy import configs
 from hycoc.toy.chat_files import conversation_text, prompt_text, write_tokenizer_folder
 from hycoc.toy.corpus import build_corpus
+from hycoc.toy.generation import sample_answers
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "recipes" / "toy" / "models"
 SEQ_LEN = 512
@@ -79,6 +80,16 @@ class Schedule:
             f = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p))
         for g in self.opt.param_groups:
             g["lr"] = self.lr * f
+
+
+def update(loss: torch.Tensor, model, opt) -> float:
+    """One optimizer step on ``loss`` (a scalar): backward, gradients clipped to norm 1.0, step, gradients cleared.
+    Returns the loss as a float."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
 
 
 def run_steps(step_fn, total: int, lr: float, opt, warmup: int, name: str):
@@ -138,18 +149,17 @@ def train_verifier(data: torch.Tensor, steps: int, seed: int, batch: int = 16):
     def step(i):
         idx = perm[(torch.arange(batch) + i * batch) % len(data)]
         x = data[idx]
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return update(model(input_ids=x, labels=x).loss, model, opt)
 
     run_steps(step, steps, 2e-3, opt, 100, "verifier")
     return model.eval()
 
 
 # --------------------------------------------------------------------------------------------- selfgen
+#: The selfgen stage's sampling (T=1, top-k 64, top-p 0.95), also `hycoc.toy.evaluate`'s.
+SELFGEN_SAMPLING = {"temperature": 1.0, "top_k": 64, "top_p": 0.95}
+
+
 def self_generate(verifier, tok, convs, n_prompts: int, max_new: int, seed: int, batch: int = 48):
     """The verifier's own answers (T=1, top-k 64, top-p 0.95) to the first n_prompts user turns.
 
@@ -162,27 +172,8 @@ def self_generate(verifier, tok, convs, n_prompts: int, max_new: int, seed: int,
     t0 = time.time()
     for b in range(0, len(chosen), batch):
         prompts = [tok.encode(prompt_text(c.user), add_special_tokens=False).ids[-200:] for c in chosen[b : b + batch]]
-        width = max(map(len, prompts))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-        att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        with torch.no_grad():
-            gen = verifier.generate(
-                input_ids=ids,
-                attention_mask=att,
-                do_sample=True,
-                temperature=1.0,
-                top_k=64,
-                top_p=0.95,
-                max_new_tokens=max_new,
-                pad_token_id=0,
-            )
-        for p, row in zip(prompts, gen[:, width:].tolist()):
-            ans = []
-            for t in row:
-                ans.append(t)
-                if t in (1, 6):
-                    break
-            out.append(p + ans)
+        answers = sample_answers(verifier, prompts, max_new, pad=0, stops=(1, 6), **SELFGEN_SAMPLING)
+        out += [p + ans for p, ans in zip(prompts, answers)]
         log(f"selfgen: {len(out)}/{len(chosen)} answers ({time.time() - t0:.0f} s)")
     return out
 
@@ -239,12 +230,7 @@ def train_head(verifier, data: torch.Tensor, steps: int, seed: int, batch: int =
         logits, h, kv, e = verifier_states(verifier, cap, x)
         outs = head_unroll(head, x, h, kv, e, masks)
         n = seq - K
-        loss = sum(kl_loss(o, logits[:, k : n + k]) for k, o in enumerate(outs, start=1)) / K
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return update(sum(kl_loss(o, logits[:, k : n + k]) for k, o in enumerate(outs, start=1)) / K, head, opt)
 
     run_steps(step, steps, 2e-3, opt, 50, "head")
     cap.handle.remove()
@@ -294,12 +280,7 @@ def train_slm(verifier, data: torch.Tensor, steps: int, qat_steps: int, seed: in
             x = data[perm[(torch.arange(batch) + i * batch) % len(data)]]
             with torch.no_grad():
                 t = verifier(input_ids=x, use_cache=False).logits.float()
-            loss = kl_loss(slm(input_ids=x, use_cache=False).logits, t)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(slm.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.item()
+            return update(kl_loss(slm(input_ids=x, use_cache=False).logits, t), slm, opt)
 
         return step
 

@@ -95,42 +95,35 @@ class ServerMetrics:
         self.admission = admission
         self._live_sessions = live_sessions
         # Unregistered: `_Collector` publishes them (without their _created samples) in this server's registry.
-        self.batch_rows = Histogram(
+        self.batch_rows = _histogram(
             "hycoc_batch_rows",
             "tree rows per verification forward (all its sessions' rows, cloud-mtp chains included)",
-            buckets=ROWS_BUCKETS,
-            registry=None,
+            ROWS_BUCKETS,
         )
-        self.batch_sessions = Histogram(
-            "hycoc_batch_sessions", "sessions per verification forward", buckets=SESSIONS_BUCKETS, registry=None
-        )
-        self.rows_kept = Histogram(
+        self.batch_sessions = _histogram("hycoc_batch_sessions", "sessions per verification forward", SESSIONS_BUCKETS)
+        self.rows_kept = _histogram(
             "hycoc_rows_kept_per_session",
             "tree rows verified per session and batched forward (after the row budget, when one is on)",
-            buckets=KEPT_BUCKETS,
-            registry=None,
+            KEPT_BUCKETS,
         )
-        self.expected_tokens = Histogram(
+        self.expected_tokens = _histogram(
             "hycoc_expected_tokens_per_forward",
             "expected committed tokens of a budgeted forward's kept rows (sessions + sum of exp(tree score))",
-            buckets=EXPECTED_BUCKETS,
-            registry=None,
+            EXPECTED_BUCKETS,
         )
         self.rows_trimmed = 0
         self.rows_not_drafted = 0
-        self.allowance = Histogram(
+        self.allowance = _histogram(
             "hycoc_allowance_rows",
             "rows (root included) each unfinished reply allowed the session's next round (verifier.allowance)",
-            buckets=KEPT_BUCKETS,
-            registry=None,
+            KEPT_BUCKETS,
         )
         self.appends: Counter = Counter()  # APPEND kind -> count
         self.append_reprefilled = 0
-        self.queue_wait = Histogram(
+        self.queue_wait = _histogram(
             "hycoc_queue_wait_seconds",
             "seconds from a round's arrival to the start of its forward's step",
-            buckets=WAIT_BUCKETS,
-            registry=None,
+            WAIT_BUCKETS,
         )
         self.kv_bytes_held = 0
         self.kv_bytes_held_peak = 0
@@ -228,6 +221,19 @@ class ServerMetrics:
         return generate_latest(self.registry).decode("utf-8")
 
 
+def _histogram(name: str, documentation: str, buckets) -> Histogram:
+    """A histogram in no registry (`_Collector` publishes it in the server's, without its _created sample)."""
+    return Histogram(name, documentation, buckets=buckets, registry=None)
+
+
+def _by_kind(name: str, documentation: str, counts) -> CounterMetricFamily:
+    """A counter family labelled ``kind``: one series per (kind, count) of ``counts``, in that order."""
+    family = CounterMetricFamily(name, documentation, labels=["kind"])
+    for kind, n in counts:
+        family.add_metric([kind], n)
+    return family
+
+
 class _Collector(Collector):
     """Turns a `ServerMetrics` into metric families at each scrape (prometheus_client's custom-collector API)."""
 
@@ -267,18 +273,12 @@ class _Collector(Collector):
             "verifier milliseconds per committed token, prefill included (NaN before the first token)",
             value=g,
         )
-        errors = CounterMetricFamily("hycoc_errors_total", "ERROR frames sent, by code", labels=["kind"])
-        for kind, n in sorted(m.errors.items()):
-            errors.add_metric([kind], n)
-        yield errors
-        refusals = CounterMetricFamily(
+        yield _by_kind("hycoc_errors_total", "ERROR frames sent, by code", sorted(m.errors.items()))
+        yield _by_kind(
             "hycoc_refusals_total",
             "connections, sessions or frames refused by a server limit, by limit",
-            labels=["kind"],
+            ((kind, m.refusals[kind]) for kind in REFUSAL_KINDS),
         )
-        for kind in REFUSAL_KINDS:
-            refusals.add_metric([kind], m.refusals[kind])
-        yield refusals
         yield GaugeMetricFamily(
             "hycoc_connections_active", "TCP connections open now (HTTP and WebSocket)", value=m.connections_active
         )
@@ -288,14 +288,11 @@ class _Collector(Collector):
             value=m.kv_bytes_reserved,
         )
         yield from self._kv_families()
-        appends = CounterMetricFamily(
+        yield _by_kind(
             "hycoc_appends_total",
             "APPENDs by how the conversation's KV rolled back (crop, snapshot, full re-prefill)",
-            labels=["kind"],
+            ((kind, m.appends[kind]) for kind in APPEND_KINDS),
         )
-        for kind in APPEND_KINDS:
-            appends.add_metric([kind], m.appends[kind])
-        yield appends
         yield CounterMetricFamily(
             "hycoc_append_reprefilled_tokens_total",
             "positions APPENDs prefilled again that the session held already",

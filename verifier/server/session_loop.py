@@ -86,6 +86,21 @@ def _stop_ids(engine) -> tuple[int, ...]:
     return tuple(sorted(engine.eos_token_ids)) or (1,)
 
 
+def _open_engine_session(engine: VerifierEngine, req: OpenRequest) -> Session:
+    """`VerifierEngine.open` with an OPEN's fields: the new session, not prefilled yet (its `prefill_job` for the
+    batch scheduler, or `Session.prefill`). Raises what `open` raises for a request it refuses."""
+    return engine.open(
+        req.prompt_ids,
+        req.sampling,
+        req.seed,
+        req.acceptance,
+        req.epsilon,
+        req.draft_place,
+        req.max_new_tokens,
+        anchor=req.anchor,
+    )
+
+
 class SessionLoop:
     """The wire protocol's per-connection logic (module docstring) over one engine.
 
@@ -302,16 +317,7 @@ class SessionLoop:
             req = replace(req, anchor=0)  # no room for a snapshot: this conversation's next turn re-prefills
         try:
             if self.worker.batching == "batched":
-                session = eng.open(
-                    req.prompt_ids,
-                    req.sampling,
-                    req.seed,
-                    req.acceptance,
-                    req.epsilon,
-                    req.draft_place,
-                    req.max_new_tokens,
-                    anchor=req.anchor,
-                )  # checks only
+                session = _open_engine_session(eng, req)  # checks only
                 prefill_ms, t = await self.worker.prefill(session.prefill_job)
             else:
                 session, prefill_ms, t = await self.worker.run(self._open_session, req)
@@ -453,16 +459,7 @@ class SessionLoop:
 
     def _open_session(self, req: OpenRequest) -> tuple[Session, float, int]:
         """Worker thread (serial mode): a new engine session, prefilled."""
-        session = self.engine.open(
-            req.prompt_ids,
-            req.sampling,
-            req.seed,
-            req.acceptance,
-            req.epsilon,
-            req.draft_place,
-            req.max_new_tokens,
-            anchor=req.anchor,
-        )
+        session = _open_engine_session(self.engine, req)
         prefill_ms, t = session.prefill()
         return session, prefill_ms, t
 
