@@ -1,5 +1,5 @@
-"""The whole recipe (`hycoc.recipe`): `Recipe`, its tables (`hycoc.recipe.sections`), the check across them,
-where its model paths point and its content hash.
+"""The whole recipe (`hycoc.recipe`): `Recipe`, its tables (`hycoc.recipe.sections`, `hycoc.recipe.deployment`), the
+check across them, where its model paths point and its content hash.
 
 Model paths (``[models]``) are either local paths, resolved against the recipe file's folder, or hub ids such as
 ``google/gemma-4-26B-A4B-it``: a string that does not start with ``.``, ``/`` or ``~``, does not end in ``.json``,
@@ -16,10 +16,10 @@ from pathlib import Path
 
 from pydantic import Field, PrivateAttr, model_validator
 
+from hycoc.recipe.deployment import Bench, Target, Tune, Verifier
 from hycoc.recipe.errors import CrossFieldError, Problem, RecipeError
 from hycoc.recipe.sections import (
     Acceptance,
-    Bench,
     Handoff,
     HeadQat,
     KeepSet,
@@ -28,10 +28,7 @@ from hycoc.recipe.sections import (
     Sampling,
     Section,
     SlmCalibration,
-    Target,
     Tree,
-    Tune,
-    Verifier,
     Window,
 )
 
