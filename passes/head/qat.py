@@ -16,10 +16,10 @@
     export_head              the trained integers and per-channel scales (`QuantizedHead`), bit-exact what the QDQ
                              export must use: weight == qweight * scale in float32, exactly as trained
 
-This module is the QAT's public face: the unroll, the agreement, the training loop and `HeadQatPass` are here; the
-work around them is split by job: `hycoc.passes.head.quantize` (the integer format, the clip search, the export),
-`hycoc.passes.head.captures` (the verifier's answers and states), `hycoc.passes.head.prompts` (where the prompts come
-from) and `hycoc.passes.head.errors` (`HeadQatError`), whose names it re-exports.
+This module holds the unroll, the agreement, the training loop and `HeadQatPass`; the work around them is split by
+job: `hycoc.passes.head.quantize` (the integer format, the clip search, the export), `hycoc.passes.head.captures`
+(the verifier's answers and states), `hycoc.passes.head.prompts` (where the prompts come from) and
+`hycoc.passes.head.errors` (`HeadQatError`); import each name from its home.
 
 The unroll (as `hycoc.toy.train.head_unroll`, which trained the head): for root position t (the root token x_t
 sits at t, its KV does not exist yet), step k = 1..K reads [e(x_{t+k-1}); z] with z = h_{t-1} at k = 1 and the
@@ -55,21 +55,9 @@ import torch
 import torch.nn.functional as F
 from hycoc.passes.artifacts import KeepSetArtifact, QuantizedHeadArtifact, TorchModelArtifact
 from hycoc.passes.calibration_answers import CalibrationAnswersArtifact
-from hycoc.passes.head.captures import Capture, capture_answers, capture_sequences, greedy_answer, verifier_capture
+from hycoc.passes.head.captures import Capture, capture_answers
 from hycoc.passes.head.errors import HeadQatError
-from hycoc.passes.head.prompts import pick_prompts, prompt_source_key, prompt_sources, read_prompts
-from hycoc.passes.head.quantize import (
-    FakeQuantSTE,
-    QuantLinear,
-    clip_ratios,
-    dequantized_head,
-    drafting_linears,
-    export_head,
-    percentile_abs,
-    quantize_head,
-    restrict_output_layer,
-    search_clip,
-)
+from hycoc.passes.head.quantize import clip_ratios, export_head, percentile_abs, quantize_head, restrict_output_layer
 from hycoc.passes.pipeline import Pass, PassReport
 from torch import nn
 
@@ -426,40 +414,3 @@ class HeadQatPass(Pass):
                 _, z = head_step(teacher, torch.cat([cap.e[:, t + k].float(), z], -1), kv, plan.masks, plan.pos)
                 parts["h_head"].append(z)
         return {k: round(percentile_abs(v, percentile), 6) for k, v in parts.items() if v}
-
-
-__all__ = [
-    "TEACHER_CACHE_BYTES",
-    "Capture",
-    "FakeQuantSTE",
-    "HeadQatError",
-    "HeadQatPass",
-    "QuantLinear",
-    "TrainResult",
-    "Unroll",
-    "capture_answers",
-    "capture_sequences",
-    "clip_ratios",
-    "dequantized_head",
-    "drafting_linears",
-    "evaluate_students",
-    "export_head",
-    "greedy_answer",
-    "kl_to_teacher",
-    "lr_factor",
-    "mean_kl",
-    "percentile_abs",
-    "pick_prompts",
-    "plan_unroll",
-    "prompt_source_key",
-    "prompt_sources",
-    "qat_autocast",
-    "quantize_head",
-    "read_prompts",
-    "restrict_output_layer",
-    "search_clip",
-    "top1_agreement",
-    "train_qat",
-    "unroll",
-    "verifier_capture",
-]

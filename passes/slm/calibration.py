@@ -2,7 +2,7 @@
 App. A: A16 ranges from the calibration prompts and the verifier's greedy answers).
 
 The text: the verifier's greedy answers to chat-formatted prompts, made once per build by
-`hycoc.passes.calibration_answers` from the head QAT's prompt source (`hycoc.passes.head.qat.prompt_sources`:
+`hycoc.passes.calibration_answers` from the head QAT's prompt source (`hycoc.passes.head.prompts.prompt_sources`:
 ``head_qat.calibration_data``, else the keep-set corpus after the conversations the keep set counted, else the toy
 corpus). The first ``slm_calibration.prompts`` training prompts calibrate; the first ``max(2, prompts // 4)``
 evaluation prompts (other prompts) give the held-out samples for the SQNR report. Answers are capped at
