@@ -80,7 +80,8 @@ permutation test, `hycoc.bench.paper.stats.paired_p_value`). A configuration is 
 survives Holm's correction over every (configuration, metric) test of the run (`flag_quality`): where no
 configuration differs from the baseline, a run flags anything at most 5% of the time
 (`hycoc.bench.paper.stats.FLAG_ALPHA`). The verifier's mean log-prob is kept under its own label (what it measures is
-`LOGPROB_NOTE`), and the reference-match rate over answers that have a reference. No judge runs here.
+`hycoc.bench.paper.summary_schema.LOGPROB_NOTE`), and the reference-match rate over answers that have a reference.
+No judge runs here.
 """
 
 from __future__ import annotations
@@ -107,13 +108,7 @@ from hycoc.bench.paper.stats import (
     pooled,
     table5_order,
 )
-from hycoc.bench.paper.summary_schema import (
-    LOGPROB_NOTE,
-    CategorySummary,
-    ConfigSummary,
-    MetricQuality,
-    QualitySummary,
-)
+from hycoc.bench.paper.summary_schema import CategorySummary, ConfigSummary, MetricQuality, QualitySummary
 from hycoc.numerics import percentile
 from hycoc.table5 import NO_VERIFIER
 
@@ -468,11 +463,6 @@ def summarize(records: Iterable[Record], **options: Any) -> dict[str, dict[str, 
 
 
 __all__ = [
-    "CategorySummary",
-    "ConfigSummary",
-    "LOGPROB_NOTE",
-    "MetricQuality",
-    "QualitySummary",
     "build_summary",
     "flag_quality",
     "quality_metrics",
