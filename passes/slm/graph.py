@@ -50,8 +50,8 @@ new rows -- under the same mask; they own no ring.
 
 Reuse. The decoder layers, RMSNorms, MLPs, attention (``eager_attention_forward``) and per-layer-input projection
 are transformers' own (``Gemma4TextDecoderLayer``, ``Gemma4TextModel.project_per_layer_inputs``). Two pieces are
-ours (`hycoc.passes.slm.layers`): `IntegerLinear` (weight = int8 * scale, written in the graph so the exporter sees
-the integers; transformers' ``apply_srq`` when the checkpoint has activation scales) and `RingCache`, the stand-in
+ours: `IntegerLinear` (weight = int8 * scale, written in the graph so the exporter sees the integers; transformers'
+``apply_srq`` when the checkpoint has activation scales) and `RingCache` (`hycoc.passes.slm.layers`), the stand-in
 for transformers' cache whose ``update`` appends the new rows to the ring input (the attention calls
 ``cache.update`` exactly as with a DynamicCache) and records them as outputs. Rotary cos/sin arrive as inputs
 (transformers' layers take them as ``position_embeddings``).
@@ -66,10 +66,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from hycoc.passes.artifacts import KeepSetArtifact, OnnxArtifact, SlmIntegerArtifact, SlmIntegerModel
+from hycoc.passes.artifacts import IntegerWeight, KeepSetArtifact, OnnxArtifact, SlmIntegerArtifact, SlmIntegerModel
 from hycoc.passes.export import compare_with_torch, export_static
 from hycoc.passes.pipeline import Pass, PassReport
-from hycoc.passes.slm.layers import IntegerLinear, RingCache, text_stack_class
+from hycoc.passes.slm.layers import RingCache, text_stack_class
 from torch import nn
 
 from hycoc import host
@@ -126,6 +126,43 @@ tree_ring_mask = _host(host.tree_ring_mask)
 
 
 # ---- the module ------------------------------------------------------------------------------------------------
+
+
+class IntegerLinear(nn.Module):
+    """A linear layer whose weight is written in the graph as int8 values times per-channel float32 scales.
+
+    q: int8 (out, in) buffer, values within the checkpoint's bit width; scale: float32 (out, 1). Forward:
+    ``F.linear(x, q.float() * scale)``, bit-identical to transformers' ``QuantizedLinear`` (which dequantizes the
+    same way), with its SRQ rounding (``apply_srq``, 8-bit) on the input/output when the checkpoint gives a
+    nonzero activation scale. ``rows`` keeps only those output channels (the keep-set output layer).
+    """
+
+    def __init__(self, weight: IntegerWeight, rows: np.ndarray | None = None):
+        super().__init__()
+        q, scale = weight.q, weight.scale
+        if rows is not None:
+            q, scale = q[rows], scale[rows]
+        self.register_buffer("q", torch.from_numpy(np.ascontiguousarray(q, dtype=np.int8)))
+        self.register_buffer("scale", torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)))
+        self.bits = weight.bits
+        self.in_features, self.out_features = int(q.shape[1]), int(q.shape[0])
+        self.srq = {"input": weight.input_scale, "output": weight.output_scale}
+        for where, value in self.srq.items():
+            if value:
+                self.register_buffer(f"{where}_scale", torch.tensor(value, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.integrations.gemma_quant import apply_srq
+
+        if self.srq["input"]:
+            x = apply_srq(x, self.input_scale)
+        y = nn.functional.linear(x, self.q.to(x.dtype) * self.scale.to(x.dtype))
+        if self.srq["output"]:
+            y = apply_srq(y, self.output_scale)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
 
 
 def _assign(root: nn.Module, name: str, value: np.ndarray) -> None:
