@@ -83,6 +83,17 @@ def tiny(tmp_path_factory):
     }
 
 
+def test_drive_settings_of_a_tree_table():
+    """`DriveSettings.from_tree`: K, D, candidates and passes as the table has them; ln_lambda = ln(0.5) =
+    -0.693147... (a tree edge halves a node's score); the stop ids as a set."""
+    from types import SimpleNamespace
+
+    tree = SimpleNamespace(chain_length=4, sibling_depth=2, depth_cost=0.5, slm_candidates=32, slm_passes=2)
+    s = DriveSettings.from_tree(tree, [6, 1, 6])
+    assert (s.chain_length, s.sibling_depth, s.candidates, s.passes) == (4, 2, 32, 2)
+    assert s.ln_lambda == pytest.approx(-0.6931471805599453) and s.stop_ids == frozenset({1, 6})
+
+
 def test_prompts_and_answers(tiny):
     recipe = tiny["recipe"]
     assert len(tiny["prompts"]) == recipe.slm_calibration.prompts == 4

@@ -379,6 +379,16 @@ def server_work(recipe) -> dict[str, int]:
 
 def run_settings(recipe, plan: BenchPlan, bundle_dir: Path, backend: str) -> dict:
     """What makes two benches' records comparable; ``--resume`` refuses to mix records made with other values."""
+    before, after = {"link": plan.link}, {"turns": plan.turns, "thinking": plan.thinking}
+    return comparable_settings(recipe, bundle_dir, backend, plan.output_cap, recipe.sampling.temperature, before, after)
+
+
+def comparable_settings(
+    recipe, bundle_dir: Path, backend: str, output_cap: int, temperature: float, before: dict, after: dict
+) -> dict:
+    """The ``settings.json`` of a bench or an ε sweep (`run_settings`, `hycoc.bench.paper.tune_epsilon.tune_settings`):
+    the recipe's and the bundle manifest's sha256, the backend, the output cap, ``before``, the temperature, the
+    recipe's top-k, top-p and seed, then ``after`` (the keys in this order, as ``settings.json`` writes them)."""
     from hycoc.bundle import sha256_file
 
     s = recipe.sampling
@@ -386,14 +396,13 @@ def run_settings(recipe, plan: BenchPlan, bundle_dir: Path, backend: str) -> dic
         "recipe_sha256": recipe.content_hash(),
         "bundle_manifest_sha256": sha256_file(bundle_dir / "manifest.json"),
         "backend": backend,
-        "output_cap": plan.output_cap,
-        "link": plan.link,
-        "temperature": s.temperature,
+        "output_cap": output_cap,
+        **before,
+        "temperature": temperature,
         "top_k": s.top_k,
         "top_p": s.top_p,
         "seed": s.seed,
-        "turns": plan.turns,
-        "thinking": plan.thinking,
+        **after,
     }
 
 
@@ -415,4 +424,5 @@ __all__ = [
     "COST_MODEL",
     "device_time_for",
     "run_settings",
+    "comparable_settings",
 ]

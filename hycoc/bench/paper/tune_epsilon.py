@@ -349,24 +349,12 @@ def run_tune(
 
 
 def tune_settings(recipe, plan: TunePlan, bundle_dir: Path, backend: str) -> dict:
-    """What makes two sweeps' records comparable (``settings.json``); ``--resume`` refuses to mix records made
-    with other values: the recipe's and the bundle's hashes, the backend, the plan's output cap, temperature, mode
-    and link, the recipe's top-k, top-p and seed."""
-    from hycoc.bundle import sha256_file
+    """What makes two sweeps' records comparable (``settings.json``, `hycoc.bench.paper.runner.comparable_settings`
+    with the plan's temperature, mode and link); ``--resume`` refuses to mix records made with other values."""
+    from hycoc.bench.paper.runner import comparable_settings
 
-    s = recipe.sampling
-    return {
-        "recipe_sha256": recipe.content_hash(),
-        "bundle_manifest_sha256": sha256_file(bundle_dir / "manifest.json"),
-        "backend": backend,
-        "output_cap": plan.output_cap,
-        "temperature": plan.temperature,
-        "top_k": s.top_k,
-        "top_p": s.top_p,
-        "seed": s.seed,
-        "mode": plan.mode,
-        "link": plan.link,
-    }
+    after = {"mode": plan.mode, "link": plan.link}
+    return comparable_settings(recipe, bundle_dir, backend, plan.output_cap, plan.temperature, {}, after)
 
 
 def _sweep_requests(plan: TunePlan, epsilons: Sequence[float], done) -> list:
