@@ -14,7 +14,7 @@ project's own head passes, timing each step and measuring its peak memory:
    full-attention last one (transformers' Gemma 4 config forces the last layer to full attention anyway).
 2. ``keep_set_restrict``: a SYNTHETIC keep set -- N sorted distinct ids drawn uniformly from [0, 262,144) with a
    fixed seed; no corpus is read (the real one counts 20,000 UltraChat conversations, `hycoc.passes.keep_set`).
-   Its size is what matters for the shapes. `hycoc.passes.head.qat.restrict_output_layer` unties the output layer.
+   Its size is what matters for the shapes. `hycoc.passes.head.quantize.restrict_output_layer` unties the output layer.
 3. ``w4_clip_search``: every drafting Linear W4 per-channel symmetric with the per-channel MSE clip search
    (`quantize_head` -> `search_clip`, the recipe's 9 ratios 1.0 .. 0.6), then `export_head` (integers + scales)
    and `dequantized_head` (the float model the graph is exported from, exactly as `HeadExport` does). The QAT
@@ -218,7 +218,7 @@ def build_head(c: Check):
 
 def restrict(c: Check):
     """2. Keep set + the untied output layer restricted to it."""
-    from hycoc.passes.head.qat import restrict_output_layer
+    from hycoc.passes.head.quantize import restrict_output_layer
 
     keep = synthetic_keep_set(c.args.keep_set, int(c.head.config.get_text_config().vocab_size), c.args.seed)
     restricted = restrict_output_layer(c.head, keep)
@@ -231,7 +231,7 @@ def restrict(c: Check):
 def quantize(c: Check):
     """3. W4 per-channel symmetric with the clip search (no QAT training: random weights)."""
     import torch
-    from hycoc.passes.head.qat import clip_ratios, dequantized_head, export_head, quantize_head
+    from hycoc.passes.head.quantize import clip_ratios, dequantized_head, export_head, quantize_head
 
     ratios = clip_ratios(c.qat)
     student, chosen = quantize_head(c.restricted, c.qat.weight_bits, ratios)

@@ -68,7 +68,8 @@ def head_step(
     )
     last = out.last_hidden_state
     # As Gemma4AssistantForCausalLM.forward: no soft-cap; the centroid-masked output when the head has ordered
-    # embeddings (``use_ordered_embeddings``; `hycoc.passes.head.qat.restrict_output_layer` drops it), else lm_head.
+    # embeddings (``use_ordered_embeddings``; `hycoc.passes.head.quantize.restrict_output_layer` drops it), else
+    # lm_head.
     masked = getattr(head, "masked_embedding", None)
     logits = masked(last, head.lm_head.weight) if masked is not None else head.lm_head(last)
     return logits, head.post_projection(last)

@@ -7,7 +7,7 @@ evaluate it. Before this pass, the head QAT, the head's QDQ calibration and the 
 verifier answer their prompts one at a time (about 170 answers per toy build, most of them the same prompts); now
 this pass answers each prompt once, in batches, and the three passes read prefixes of its answers.
 
-Prompts (`select_prompts`): the head QAT's prompt source (`hycoc.passes.head.qat.prompt_sources`), chat-formatted.
+Prompts (`select_prompts`): the head QAT's prompt source (`hycoc.passes.head.prompts.prompt_sources`), chat-formatted.
 ``train``: the first `train_count` prompts that fit ``head_qat.max_seq_len - head_qat.calibration_max_new_tokens``
 tokens; ``eval``: the first `eval_count` of the evaluation candidates (after the training ones when both come from
 one list) that fit ``max_seq_len - eval_cap``. The counts and caps cover every reader:
@@ -204,7 +204,7 @@ def reader_needs(recipe: Recipe) -> dict[str, int]:
 def select_prompts(recipe: Recipe, tokenizer) -> tuple[list[list[int]], list[list[int]], str]:
     """(train prompts, eval prompts, source) as chat-formatted ids (module docstring). Raises HeadQatError naming
     the recipe key when the source has too few prompts that fit."""
-    from hycoc.passes.head.qat import pick_prompts, prompt_sources
+    from hycoc.passes.head.prompts import pick_prompts, prompt_sources
 
     from hycoc.chat_template import chat_from_recipe
 
@@ -252,7 +252,7 @@ class CalibrationAnswersPass(Pass):
     produces = {"calibration_answers": CalibrationAnswersArtifact}
 
     def key_material(self, recipe: Recipe) -> dict[str, Any]:
-        from hycoc.passes.head.qat import prompt_source_key
+        from hycoc.passes.head.prompts import prompt_source_key
 
         return {"prompt_source": prompt_source_key(recipe), "needs": reader_needs(recipe), "batch": BATCH}
 

@@ -3,7 +3,7 @@ fixed scales"; recipe ``[handoff]``).
 
 H carries [e(b); h] and the last sliding and last full-attention layers' K/V rows as int8 with one fixed scale per
 tensor kind. `measure_handoff_scales` runs the verifier greedily on calibration prompts (the head QAT's prompt
-source, `hycoc.passes.head.qat.prompt_sources`, chat-formatted), takes every position of prompt + answer, and sets
+source, `hycoc.passes.head.prompts.prompt_sources`, chat-formatted), takes every position of prompt + answer, and sets
 each scale to the ``percentile`` of |x| over those values divided by 127 (values beyond it saturate). Keys arrive
 rotated, as the engine sends them. `hycoc calibrate-handoff RECIPE` prints the ``[handoff]`` lines to paste.
 """
@@ -27,7 +27,8 @@ def measure_handoff_scales(
     """``{kind: scale}`` for the six hand-off tensors (module docstring). Raises ModelNotFoundError (missing
     verifier / tokenizer), HeadQatError (bad prompt source), ValueError for a percentile outside (0, 100]."""
     import torch
-    from hycoc.passes.head.qat import greedy_answer, prompt_sources
+    from hycoc.passes.head.captures import greedy_answer
+    from hycoc.passes.head.prompts import prompt_sources
     from hycoc.verifier.engine import producer_layers
     from hycoc.verifier.forward import NormTap
     from transformers import DynamicCache

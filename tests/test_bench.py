@@ -138,6 +138,65 @@ def test_resume_refuses_records_made_with_other_settings(built, tmp_path):
         run_bench(recipe, path, other, bundle_dir=root / "bundle", resume=True, console=console)
 
 
+def test_a_request_run_takes_the_plans_records_link_and_cap(tmp_path):
+    """`RequestRun.for_plan`: records in OUT/records.jsonl, the plan's link and output cap; the rest as given;
+    frozen."""
+    import dataclasses
+
+    from hycoc.bench.paper.request_loop import RequestRun
+
+    plan = BenchPlan(questions=[], configs=["hyco"], runs=1, link="5g", output_cap=7, out=tmp_path)
+    run = RequestRun.for_plan(plan, Path("r.toml"), Path("b"), {1: [5, 6]}, sampling=None, seed=3, turns=2)
+    assert (run.recipe_path, run.bundle_dir, run.records_path) == (
+        Path("r.toml"),
+        Path("b"),
+        tmp_path / "records.jsonl",
+    )
+    assert (run.prompts, run.link, run.output_cap, run.seed, run.turns) == ({1: [5, 6]}, "5g", 7, 3, 2)
+    assert run.anchors == {} and run.thinking is False  # no anchors: every OPEN anchors at 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.seed = 4  # type: ignore[misc]
+
+
+def test_settings_json_keys_come_in_their_written_order(tmp_path):
+    """A bench's and a sweep's settings.json (`comparable_settings`): the same hashes and sampling keys, in the order
+    the files have always had (written out here by hand), with each one's own keys where they stood."""
+    import hashlib
+    from types import SimpleNamespace
+
+    from hycoc.bench.paper.runner import run_settings
+    from hycoc.bench.paper.tune_epsilon import Tolerance, TunePlan, tune_settings
+
+    (tmp_path / "manifest.json").write_text("{}")
+    recipe = SimpleNamespace(
+        content_hash=lambda: "abc", sampling=SimpleNamespace(temperature=0.5, top_k=64, top_p=0.95, seed=7)
+    )
+    bench = BenchPlan(questions=[], configs=[], runs=1, link="lte", output_cap=9, out=tmp_path, turns=2)
+    tune = TunePlan([], [0.1], "hyco", 5, 1.0, Tolerance(), tmp_path, link="none")
+    common = {"recipe_sha256": "abc", "bundle_manifest_sha256": hashlib.sha256(b"{}").hexdigest(), "backend": "cpu"}
+    assert list(run_settings(recipe, bench, tmp_path, "cpu").items()) == [
+        *common.items(),
+        ("output_cap", 9),
+        ("link", "lte"),
+        ("temperature", 0.5),
+        ("top_k", 64),
+        ("top_p", 0.95),
+        ("seed", 7),
+        ("turns", 2),
+        ("thinking", False),
+    ]
+    assert list(tune_settings(recipe, tune, tmp_path, "cpu").items()) == [
+        *common.items(),
+        ("output_cap", 5),
+        ("temperature", 1.0),  # the sweep's own temperature, not the recipe's
+        ("top_k", 64),
+        ("top_p", 0.95),
+        ("seed", 7),
+        ("mode", "hyco"),
+        ("link", "none"),
+    ]
+
+
 def test_turn_summary_hand_worked():
     from hycoc.bench.paper.turns import turn_summary
 
@@ -221,7 +280,8 @@ def test_measure_handoff_scales_is_the_max_over_the_answers_at_percentile_100(bu
     embedding table rows of the ids, the producer layers' K/V from a plain transformers forward."""
     import torch
     from hycoc.passes.handoff_scales import measure_handoff_scales
-    from hycoc.passes.head.qat import greedy_answer, prompt_sources
+    from hycoc.passes.head.captures import greedy_answer
+    from hycoc.passes.head.prompts import prompt_sources
     from hycoc.verifier.engine import producer_layers
     from transformers import DynamicCache
 

@@ -336,7 +336,7 @@ def test_results_json_follows_the_typed_summary():
     follows is declared once."""
     import dataclasses
 
-    from hycoc.bench.paper.summary import CategorySummary, ConfigSummary, MetricQuality, QualitySummary
+    from hycoc.bench.paper.summary_schema import CategorySummary, ConfigSummary, MetricQuality, QualitySummary
 
     def names(cls):
         return [f.name for f in dataclasses.fields(cls)]

@@ -216,7 +216,7 @@ def test_build_bundle_cpu_end_to_end(tiny_pipeline, tmp_path):
     the command is `test_cli_list_passes_until_and_full_build`)."""
     import onnxruntime as ort
     from hycoc.passes.head.graph import INPUT_NAMES, HeadGraph
-    from hycoc.passes.head.qat import dequantized_head
+    from hycoc.passes.head.quantize import dequantized_head
 
     from hycoc.bundle import load_manifest, sha256_file
 
@@ -461,7 +461,7 @@ def test_htp_target_compiles_both_graphs_into_a_bundle(built, tmp_path):
 
     from hycoc.passes.head.export import comparison_inputs
     from hycoc.passes.head.graph import INPUT_NAMES
-    from hycoc.passes.head.qat import dequantized_head
+    from hycoc.passes.head.quantize import dequantized_head
 
     quantized = first.pipeline.artifacts["quantized_head"].payload
     config = dequantized_head(quantized).config

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from hycoc.passes import calibration_answers as ca
-from hycoc.passes.head.qat import greedy_answer
+from hycoc.passes.head.captures import greedy_answer
 from tiny_models import tiny_verifier
 
 from hycoc.recipe import Recipe

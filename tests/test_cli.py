@@ -601,7 +601,7 @@ def test_server_modes_are_one_list_for_the_recipe_the_cli_and_the_verifier():
     from typing import get_args
 
     from hycoc import serving_limits as sl
-    from hycoc.recipe.sections import Verifier
+    from hycoc.recipe.deployment import Verifier
 
     for field, modes in (
         ("batching", sl.BATCHING_MODES),

@@ -453,7 +453,7 @@ def test_static_check_passes_the_projects_head_graph(tmp_path):
     """The head graph as the build exports it (static Slices of rotate_half, MatMul/Softmax attention) is clean."""
     from hycoc.passes.export import export_static
     from hycoc.passes.head.graph import INPUT_NAMES, OUTPUT_NAMES, HeadGraph
-    from hycoc.passes.head.qat import restrict_output_layer
+    from hycoc.passes.head.quantize import restrict_output_layer
     from hycoc.targets.static_shape_check import find_static_graph_faults
     from test_head_graph import export_args
     from tiny_models import tiny_head, tiny_verifier

@@ -37,7 +37,7 @@ def tiny(tmp_path_factory):
 def parts(recipe, artifacts):
     """(engine, graph, shapes, bundle, tokenizer) for the tiny build."""
     from hycoc.passes.head.graph import HeadGraph, embedding_table, rotary_tables
-    from hycoc.passes.head.qat import dequantized_head
+    from hycoc.passes.head.quantize import dequantized_head
     from hycoc.verifier.engine import VerifierEngine
 
     from hycoc.chat_template import chat_from_recipe
@@ -186,7 +186,7 @@ def test_skip_ahead_reaches_the_same_ring_in_fewer_rounds(tiny):
     """Far from a draft target, one round commits a long stretch of the answer; the request still follows the greedy
     answer, the ring holds the same rows (int8 hand-off rows computed in other forwards: within one step of the
     fixed scale) and the draft sees the same live columns."""
-    from hycoc.passes.head.qat import greedy_answer
+    from hycoc.passes.head.captures import greedy_answer
 
     recipe, artifacts = tiny
     engine, graph, shapes, bundle, tokenizer = parts(recipe, artifacts)

@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 import torch
 from hycoc.passes.head.graph import INPUT_NAMES, HeadGraph, rotary_tables
-from hycoc.passes.head.qat import restrict_output_layer
+from hycoc.passes.head.quantize import restrict_output_layer
 from hycoc.runtime.mtp_drafter import MtpDrafter
 from hycoc.verifier import VerifierEngine
 from tiny_models import greedy_session, tiny_head, tiny_verifier

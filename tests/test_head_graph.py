@@ -14,6 +14,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from hycoc.passes.head.captures import verifier_capture
 from hycoc.passes.head.graph import (
     INPUT_NAMES,
     MASK_VALUE,
@@ -23,7 +24,7 @@ from hycoc.passes.head.graph import (
     rotary_rows,
     rotary_tables,
 )
-from hycoc.passes.head.qat import restrict_output_layer, verifier_capture
+from hycoc.passes.head.quantize import restrict_output_layer
 from tiny_models import SLIDING_WINDOW, tiny_head, tiny_verifier
 
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask

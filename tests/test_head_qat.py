@@ -23,7 +23,22 @@ import torch
 from hycoc.passes.artifacts import KeepSetArtifact, QuantizedHeadArtifact, TokenizerArtifact, TorchModelArtifact
 from hycoc.passes.calibration_answers import CalibrationAnswersPass
 from hycoc.passes.head import qat as hq
+from hycoc.passes.head.captures import capture_sequences
+from hycoc.passes.head.errors import HeadQatError
 from hycoc.passes.head.graph import HeadGraph, ring_masks, rotary_rows
+from hycoc.passes.head.prompts import read_prompts
+from hycoc.passes.head.quantize import (
+    FakeQuantSTE,
+    QuantLinear,
+    clip_ratios,
+    dequantized_head,
+    drafting_linears,
+    export_head,
+    percentile_abs,
+    quantize_head,
+    restrict_output_layer,
+    search_clip,
+)
 from hycoc.passes.pipeline import Pipeline
 from rich.console import Console
 from tiny_models import tiny_head, tiny_verifier
@@ -43,8 +58,8 @@ K, W, SW = 4, 16, 8
 
 
 def test_clip_ratios_follow_the_recipe():
-    assert hq.clip_ratios(HeadQat()) == pytest.approx([1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6])
-    assert hq.clip_ratios(HeadQat(clip_search_points=1)) == [1.0]
+    assert clip_ratios(HeadQat()) == pytest.approx([1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6])
+    assert clip_ratios(HeadQat(clip_search_points=1)) == [1.0]
 
 
 def test_clip_search_picks_the_ratio_with_the_lowest_mse():
@@ -55,8 +70,8 @@ def test_clip_search_picks_the_ratio_with_the_lowest_mse():
     row0[0] = 1.0
     row1 = torch.arange(-7, 8).float().repeat(67)[:1000] / 7 * 2.0
     w = torch.stack([row0, row1])
-    ratios = hq.clip_ratios(HeadQat())
-    q, scale, chosen = hq.search_clip(w, 4, ratios)
+    ratios = clip_ratios(HeadQat())
+    q, scale, chosen = search_clip(w, 4, ratios)
 
     # Brute force in float64, independent of the implementation.
     errors = np.zeros((2, len(ratios)))
@@ -77,13 +92,13 @@ def test_ste_gradient_is_the_identity():
     torch.manual_seed(0)
     w = (torch.randn(6, 10) * 0.5).requires_grad_()
     scale = torch.full((6, 1), 0.05)  # clips most entries at 7 * 0.05
-    y = hq.FakeQuantSTE.apply(w, scale, 7)
+    y = FakeQuantSTE.apply(w, scale, 7)
     assert torch.equal(y, torch.clamp(torch.round(w.detach() / scale), -7, 7) * scale)
     g = torch.randn(6, 10)
     y.backward(g)
     assert torch.equal(w.grad, g)  # clipped entries included
 
-    layer = hq.QuantLinear(w.detach(), scale, 4)
+    layer = QuantLinear(w.detach(), scale, 4)
     x = torch.randn(3, 10)
     layer(x).sum().backward()
     assert torch.equal(layer.weight.grad, torch.ones(3, 6).T @ x)  # d/dW of F.linear(x, W), straight through
@@ -99,8 +114,8 @@ def test_lr_schedule_warmup_then_cosine():
 
 def test_percentile_is_exact():
     x = torch.arange(1, 10001).float()
-    assert hq.percentile_abs([-x[:5000], x[5000:]], 99.99) == 9999.0
-    assert hq.percentile_abs([x], 100) == 10000.0
+    assert percentile_abs([-x[:5000], x[5000:]], 99.99) == 9999.0
+    assert percentile_abs([x], 100) == 10000.0
 
 
 # ---- QAT on a tiny head ---------------------------------------------------------------------------------------
@@ -113,7 +128,7 @@ def setup():
     keep = torch.arange(0, 300, 2)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 300, (6,), generator=g).tolist() for _ in range(20)]
-    caps = hq.capture_sequences(verifier, prompts, 30, {1}, "pre_norm")
+    caps = capture_sequences(verifier, prompts, 30, {1}, "pre_norm")
     plans = [(c, hq.plan_unroll(c, K, W, SW, -1)) for c in caps]
     return verifier, head, keep, plans[:16], plans[16:]
 
@@ -135,10 +150,10 @@ def test_one_teacher_pass_evaluates_every_student_as_alone(setup):
     """The pass evaluates W8 PTQ, W4 PTQ (and later W4 QAT) against one teacher unroll per sequence: each result
     equals `top1_agreement` and `mean_kl` of that student alone."""
     _, head, keep, _, held = setup
-    teacher = hq.restrict_output_layer(head, keep)
-    ratios = hq.clip_ratios(HeadQat())
-    w8, _ = hq.quantize_head(teacher, 8, ratios)
-    w4, _ = hq.quantize_head(teacher, 4, ratios)
+    teacher = restrict_output_layer(head, keep)
+    ratios = clip_ratios(HeadQat())
+    w8, _ = quantize_head(teacher, 8, ratios)
+    w4, _ = quantize_head(teacher, 4, ratios)
     ticks = []
     agreement, kl, n = hq.evaluate_students({"w8": w8, "w4": w4}, teacher, held, lambda: ticks.append(1))
     assert len(ticks) == len(held) == 4
@@ -154,11 +169,11 @@ def test_teacher_cache_leaves_training_bit_identical(setup):
     bit for bit, as recomputing them (cache_bytes=0)."""
     _, head, keep, train, _ = setup
     config = HeadQat(steps=6, warmup_steps=2, lr=1e-4)
-    teacher = hq.restrict_output_layer(head, keep)
+    teacher = restrict_output_layer(head, keep)
     runs = []
     for cache_bytes in (hq.TEACHER_CACHE_BYTES, 0):
         torch.manual_seed(0)
-        student, _ = hq.quantize_head(teacher, 4, hq.clip_ratios(config))
+        student, _ = quantize_head(teacher, 4, clip_ratios(config))
         result = hq.train_qat(student, teacher, train[:3], config, cache_bytes=cache_bytes)  # 12 visits of 3
         runs.append((result.losses, {k: v.clone() for k, v in student.state_dict().items()}))
     (losses_a, state_a), (losses_b, state_b) = runs
@@ -170,18 +185,18 @@ def test_qat_lowers_kl_and_exports_bit_exact(setup):
     _, head, keep, train, held = setup
     torch.manual_seed(0)
     config = HeadQat(steps=30, warmup_steps=3, lr=1e-4)
-    teacher = hq.restrict_output_layer(head, keep)
-    ratios = hq.clip_ratios(config)
+    teacher = restrict_output_layer(head, keep)
+    ratios = clip_ratios(config)
 
-    w8, _ = hq.quantize_head(teacher, 8, ratios)
-    student, chosen = hq.quantize_head(teacher, 4, ratios)
+    w8, _ = quantize_head(teacher, 8, ratios)
+    student, chosen = quantize_head(teacher, 4, ratios)
     agree_w8, n = hq.top1_agreement(w8, teacher, held)
     agree_w4, _ = hq.top1_agreement(student, teacher, held)
     assert n == 4 * 27 and min(agree_w8) > 0.9 and max(agree_w4) < 0.75
-    assert set(chosen) == set(hq.drafting_linears(teacher)) and "lm_head" in chosen and len(chosen) == 13
+    assert set(chosen) == set(drafting_linears(teacher)) and "lm_head" in chosen and len(chosen) == 13
 
     norms_before = {k: v.clone() for k, v in student.state_dict().items() if "norm" in k}
-    scales_before = {k: v.scale.clone() for k, v in student.named_modules() if isinstance(v, hq.QuantLinear)}
+    scales_before = {k: v.scale.clone() for k, v in student.named_modules() if isinstance(v, QuantLinear)}
     kl_train, kl_held = hq.mean_kl(student, teacher, train), hq.mean_kl(student, teacher, held)
     result = hq.train_qat(student, teacher, train, config)
     assert len(result.losses) == 30 and result.seconds_per_step > 0
@@ -195,7 +210,7 @@ def test_qat_lowers_kl_and_exports_bit_exact(setup):
     assert all(torch.equal(state[k], v) for k, v in norms_before.items())
     assert all(torch.equal(student.get_submodule(k).scale, v) for k, v in scales_before.items())
 
-    exported = hq.export_head(student, keep, {"e": 1.0})
+    exported = export_head(student, keep, {"e": 1.0})
     assert exported.bits == 4 and set(exported.qweight) == set(chosen)
     for name, q in exported.qweight.items():
         layer = student.get_submodule(name)
@@ -205,7 +220,7 @@ def test_qat_lowers_kl_and_exports_bit_exact(setup):
     assert not any(k.startswith("model.embed_tokens") for k in exported.floats)
 
     # A head rebuilt from the integers computes exactly what the trained head computed.
-    rebuilt = hq.dequantized_head(exported)
+    rebuilt = dequantized_head(exported)
     cap, plan = held[0]
     with torch.no_grad():
         a = hq.unroll(student, cap, plan)
@@ -317,7 +332,7 @@ def test_pass_in_a_pipeline_reports_and_caches(tmp_path, setup):
     loaded = again.artifacts["quantized_head"].payload
     assert all(torch.equal(loaded.qweight[n], head_out.payload.qweight[n]) for n in loaded.qweight)
     assert loaded.input_ranges == head_out.payload.input_ranges
-    rebuilt = hq.dequantized_head(loaded)  # from the saved config, without its provenance keys
+    rebuilt = dequantized_head(loaded)  # from the saved config, without its provenance keys
     assert rebuilt.lm_head.weight.shape == (len(keep), 48)
     assert torch.equal(rebuilt.lm_head.weight, loaded.qweight["lm_head"].float() * loaded.scale["lm_head"])
 
@@ -325,5 +340,5 @@ def test_pass_in_a_pipeline_reports_and_caches(tmp_path, setup):
 def test_spec_bench_prompts_are_refused(tmp_path):
     path = tmp_path / "sb.jsonl"
     path.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["Compose a blog post"]}) + "\n")
-    with pytest.raises(hq.HeadQatError, match=r"sb.jsonl:1: this is a Spec-Bench question"):
-        hq.read_prompts(path)
+    with pytest.raises(HeadQatError, match=r"sb.jsonl:1: this is a Spec-Bench question"):
+        read_prompts(path)

@@ -12,7 +12,6 @@ them inside a pipeline fed by `build_inputs`.
 from __future__ import annotations
 
 import io
-import math
 
 import numpy as np
 import pytest
@@ -22,7 +21,13 @@ from hycoc.passes.calibration_answers import CalibrationAnswersPass, make_answer
 from hycoc.passes.keep_set import KeepSetPass
 from hycoc.passes.pipeline import Pipeline
 from hycoc.passes.qdq.quantize import QdqQuantize
-from hycoc.passes.slm.calibration import SAMPLES_PER_PROMPT, TorchSlmRunner, answer_cap, record_sequences
+from hycoc.passes.slm.calibration import (
+    SAMPLES_PER_PROMPT,
+    DriveSettings,
+    TorchSlmRunner,
+    answer_cap,
+    record_sequences,
+)
 from hycoc.passes.slm.graph import FULL, SLIDING, SlmTreeGraph, SlmTreeGraphExport, host_inputs, short
 from hycoc.passes.slm.surgery import SlmGraphSurgery
 from rich.console import Console
@@ -56,19 +61,11 @@ def tiny(tmp_path_factory):
     # the tiny random verifier answers mostly outside the 64-id keep set, where the head drafts no chain: one
     # more sequence answered in keep-set tokens plants chains and siblings (for the "every call" checks only)
     extra = [int(x) for x in np.random.default_rng(3).choice(keep, answer_cap(recipe))]
-    t = recipe.tree
-    kw = dict(
-        chain_length=t.chain_length,
-        sibling_depth=t.sibling_depth,
-        ln_lambda=math.log(t.depth_cost),
-        candidates=t.slm_candidates,
-        passes=t.slm_passes,
-        stop_ids=stops,
-    )
+    settings = DriveSettings.from_tree(recipe.tree, stops)
     every = record_sequences(
-        graph, slm, keep, [*prompts, prompts[0]], [*answers, extra], keep_all=True, keep_outputs=True, **kw
+        graph, slm, keep, [*prompts, prompts[0]], [*answers, extra], settings, keep_all=True, keep_outputs=True
     )
-    kept = record_sequences(graph, slm, keep, prompts, answers, **kw)
+    kept = record_sequences(graph, slm, keep, prompts, answers, settings)
     return {
         "root": root,
         "recipe": recipe,
@@ -84,6 +81,17 @@ def tiny(tmp_path_factory):
         "kept": kept,
         "every_sequences": [p + a for p, a in zip([*prompts, prompts[0]], [*answers, extra])],
     }
+
+
+def test_drive_settings_of_a_tree_table():
+    """`DriveSettings.from_tree`: K, D, candidates and passes as the table has them; ln_lambda = ln(0.5) =
+    -0.693147... (a tree edge halves a node's score); the stop ids as a set."""
+    from types import SimpleNamespace
+
+    tree = SimpleNamespace(chain_length=4, sibling_depth=2, depth_cost=0.5, slm_candidates=32, slm_passes=2)
+    s = DriveSettings.from_tree(tree, [6, 1, 6])
+    assert (s.chain_length, s.sibling_depth, s.candidates, s.passes) == (4, 2, 32, 2)
+    assert s.ln_lambda == pytest.approx(-0.6931471805599453) and s.stop_ids == frozenset({1, 6})
 
 
 def test_prompts_and_answers(tiny):

@@ -44,7 +44,7 @@ def _build_errors() -> tuple[type[Exception], ...]:
     from hycoc.passes.build import BuildError
     from hycoc.passes.calibration import CalibrationError
     from hycoc.passes.export import ExportError
-    from hycoc.passes.head.qat import HeadQatError
+    from hycoc.passes.head.errors import HeadQatError
     from hycoc.passes.keep_set import KeepSetError
     from hycoc.passes.pipeline import PipelineError
     from hycoc.passes.qdq.encodings import QdqError

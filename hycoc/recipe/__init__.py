@@ -15,21 +15,23 @@ Model paths (``[models]``) are either local paths, resolved against the recipe f
 names nothing on disk and has the form ``owner/name`` is taken as a hub id (write ``./owner/name`` to force a
 local path).
 
-This module is the recipe's public face; the work is split by job: `hycoc.recipe.sections` (the tables, one model
-per ``[section]``, with their value formats), `hycoc.recipe.document` (`Recipe`: the whole, the check across tables,
-model paths and hub ids, the content hash), `hycoc.recipe.loading` (`load_recipe`, `parse_recipe` and the error
-messages) and `hycoc.recipe.errors` (`RecipeError`, `Problem`, `CrossFieldError`).
+This module is the recipe's public face; the work is split by job: `hycoc.recipe.sections` (the tables of the model
+and the round, one model per ``[section]``, with their value formats), `hycoc.recipe.deployment` (the tables of
+where it runs and how it is measured: ``[target]``, ``[verifier]``, ``[bench]``, ``[tune]``),
+`hycoc.recipe.document` (`Recipe`: the whole, the check across tables, model paths and hub ids, the content hash),
+`hycoc.recipe.loading` (`load_recipe`, `parse_recipe` and the error messages) and `hycoc.recipe.errors`
+(`RecipeError`, `Problem`, `CrossFieldError`).
 """
 
 from __future__ import annotations
 
+from hycoc.recipe.deployment import Bench, Target, Tune, Verifier
 from hycoc.recipe.document import Recipe
 from hycoc.recipe.errors import CrossFieldError, Problem, RecipeError
 from hycoc.recipe.loading import describe_allowed, find_line, load_recipe, parse_recipe
 from hycoc.recipe.sections import (
     HANGUL_RANGES,
     Acceptance,
-    Bench,
     CodePointRange,
     Handoff,
     HeadQat,
@@ -40,10 +42,7 @@ from hycoc.recipe.sections import (
     Sampling,
     Section,
     SlmCalibration,
-    Target,
     Tree,
-    Tune,
-    Verifier,
     Window,
     check_link,
     parse_code_point_range,

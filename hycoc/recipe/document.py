@@ -1,5 +1,5 @@
-"""The whole recipe (`hycoc.recipe`): `Recipe`, its tables (`hycoc.recipe.sections`), the check across them,
-where its model paths point and its content hash.
+"""The whole recipe (`hycoc.recipe`): `Recipe`, its tables (`hycoc.recipe.sections`, `hycoc.recipe.deployment`), the
+check across them, where its model paths point and its content hash.
 
 Model paths (``[models]``) are either local paths, resolved against the recipe file's folder, or hub ids such as
 ``google/gemma-4-26B-A4B-it``: a string that does not start with ``.``, ``/`` or ``~``, does not end in ``.json``,
@@ -16,45 +16,31 @@ from pathlib import Path
 
 from pydantic import Field, PrivateAttr, model_validator
 
+from hycoc.recipe import deployment, sections
 from hycoc.recipe.errors import CrossFieldError, Problem, RecipeError
-from hycoc.recipe.sections import (
-    Acceptance,
-    Bench,
-    Handoff,
-    HeadQat,
-    KeepSet,
-    Models,
-    RecipeInfo,
-    Sampling,
-    Section,
-    SlmCalibration,
-    Target,
-    Tree,
-    Tune,
-    Verifier,
-    Window,
-)
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-class Recipe(Section):
+class Recipe(sections.Section):
     """A whole recipe. Build it with `load_recipe`; ``source_path`` is the file it came from."""
 
-    recipe: RecipeInfo = Field(default_factory=RecipeInfo, description="[recipe]")
-    models: Models = Field(default_factory=Models, description="[models]")
-    keep_set: KeepSet = Field(default_factory=KeepSet, description="[keep_set]")
-    tree: Tree = Field(default_factory=Tree, description="[tree]")
-    window: Window = Field(default_factory=Window, description="[window]")
-    acceptance: Acceptance = Field(default_factory=Acceptance, description="[acceptance]")
-    sampling: Sampling = Field(default_factory=Sampling, description="[sampling]")
-    head_qat: HeadQat = Field(default_factory=HeadQat, description="[head_qat]")
-    slm_calibration: SlmCalibration = Field(default_factory=SlmCalibration, description="[slm_calibration]")
-    handoff: Handoff = Field(default_factory=Handoff, description="[handoff]")
-    target: Target = Field(default_factory=Target, description="[target]")
-    verifier: Verifier = Field(default_factory=Verifier, description="[verifier]")
-    bench: Bench = Field(default_factory=Bench, description="[bench]")
-    tune: Tune = Field(default_factory=Tune, description="[tune]")
+    recipe: sections.RecipeInfo = Field(default_factory=sections.RecipeInfo, description="[recipe]")
+    models: sections.Models = Field(default_factory=sections.Models, description="[models]")
+    keep_set: sections.KeepSet = Field(default_factory=sections.KeepSet, description="[keep_set]")
+    tree: sections.Tree = Field(default_factory=sections.Tree, description="[tree]")
+    window: sections.Window = Field(default_factory=sections.Window, description="[window]")
+    acceptance: sections.Acceptance = Field(default_factory=sections.Acceptance, description="[acceptance]")
+    sampling: sections.Sampling = Field(default_factory=sections.Sampling, description="[sampling]")
+    head_qat: sections.HeadQat = Field(default_factory=sections.HeadQat, description="[head_qat]")
+    slm_calibration: sections.SlmCalibration = Field(
+        default_factory=sections.SlmCalibration, description="[slm_calibration]"
+    )
+    handoff: sections.Handoff = Field(default_factory=sections.Handoff, description="[handoff]")
+    target: deployment.Target = Field(default_factory=deployment.Target, description="[target]")
+    verifier: deployment.Verifier = Field(default_factory=deployment.Verifier, description="[verifier]")
+    bench: deployment.Bench = Field(default_factory=deployment.Bench, description="[bench]")
+    tune: deployment.Tune = Field(default_factory=deployment.Tune, description="[tune]")
 
     _source_path: Path | None = PrivateAttr(None)
 

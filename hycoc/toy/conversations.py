@@ -7,7 +7,7 @@ the repository, so that `hycoc build` and `hycoc bench` read nothing outside it 
 * ``recipes/toy/data/conversations.jsonl`` (UC-tr's role): training-split user turns of `hycoc.toy.corpus`, each
   answered by the toy verifier. The toy recipe's ``keep_set.corpus`` points here; the keep set counts the first
   ``keep_set.corpus_conversations`` lines, and the calibration prompts of the head QAT and of both activation
-  calibrations come from the lines after them (`hycoc.passes.head.qat.prompt_sources`), which the counts never read.
+  calibrations come from the lines after them (`hycoc.passes.head.prompts.prompt_sources`), which the counts never read.
 * ``recipes/toy/data/validation.jsonl`` (UC-val's role): held-out user turns, answered the same way; neither the
   keep set nor any calibration reads it (for choosing ε and other settings).
 

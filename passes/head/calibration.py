@@ -271,7 +271,7 @@ def real_head_calibration(
     (prompts)."""
     from hycoc.passes.calibration_answers import make_answers
     from hycoc.passes.head.graph import HeadGraph, embedding_table, rotary_tables
-    from hycoc.passes.head.qat import dequantized_head
+    from hycoc.passes.head.quantize import dequantized_head
     from hycoc.verifier.engine import VerifierEngine
 
     from hycoc.chat_template import chat_from_recipe

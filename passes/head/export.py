@@ -113,7 +113,7 @@ def comparison_inputs(
 ) -> list[list[torch.Tensor]]:
     """``samples`` query inputs from one verifier pass over random keep-set tokens (length W + 2: the last roots
     see a full ring, the first a partly filled one)."""
-    from hycoc.passes.head.qat import verifier_capture
+    from hycoc.passes.head.captures import verifier_capture
 
     rng = np.random.default_rng(seed)
     length = window + 2
@@ -141,7 +141,7 @@ class HeadExport(Pass):
 
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, Artifact], PassReport]:
         from hycoc.passes.export import ExportError, compare_with_torch, export_static
-        from hycoc.passes.head.qat import dequantized_head
+        from hycoc.passes.head.quantize import dequantized_head
 
         quantized = inputs["quantized_head"].payload
         verifier = inputs["torch_verifier"].payload
@@ -273,7 +273,7 @@ class HeadQdq(Pass):
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, Artifact], PassReport]:
         import onnx
         import onnx_ir as ir
-        from hycoc.passes.head.qat import dequantized_head
+        from hycoc.passes.head.quantize import dequantized_head
         from hycoc.passes.qdq.quantize import quantize_graph
         from hycoc.passes.qdq.sqnr import layer_outputs, sqnr_report
         from hycoc.passes.topk_outputs import append_topk

@@ -62,7 +62,7 @@ class HeadGraph(nn.Module):
     """Alg. 2 line 9 as a static module (module docstring for inputs and outputs).
 
     head: a ``Gemma4AssistantForCausalLM`` whose ``lm_head`` already holds the keep-set rows in keep-set order
-    (`hycoc.passes.head.qat.restrict_output_layer`, or `hycoc.passes.head.qat.dequantized_head` for the QAT
+    (`hycoc.passes.head.quantize.restrict_output_layer`, or `hycoc.passes.head.quantize.dequantized_head` for the QAT
     integers); it is copied (float32, eval, eager attention), never modified. Raises ValueError when a decoder
     layer of the head computes its own KV: the graph only reads the verifier's.
     """
@@ -87,7 +87,7 @@ class HeadGraph(nn.Module):
     @classmethod
     def from_quantized(cls, head) -> HeadGraph:
         """The graph of a QAT head (`hycoc.passes.artifacts.QuantizedHead`): every Linear holds integer * scale."""
-        from hycoc.passes.head.qat import dequantized_head
+        from hycoc.passes.head.quantize import dequantized_head
 
         return cls(dequantized_head(head))
 

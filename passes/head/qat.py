@@ -1,10 +1,13 @@
 """KL-based 4-bit QAT of the MTP head (paper §3.2, App. A Table 4; docs/design.md "Table 4: the head's 4-bit QAT").
 
-    restrict_output_layer    the head with an untied output layer over the keep set (§3.3, App. A)
-    capture_sequences        the verifier answers the calibration prompts greedily; one verifier pass per answer
-                             captures the head's inputs: e (input embedding), h (last hidden state, before the final
-                             norm as the hand-off carries it), K/V of the last sliding and last full layer (App. A)
-    search_clip              per-output-channel MSE clip-ratio search (Table 4 "Weight clipping", ratio 1.0-0.6)
+    restrict_output_layer    the head with an untied output layer over the keep set (§3.3, App. A;
+                             `hycoc.passes.head.quantize`)
+    capture_answers          over each calibration prompt + the verifier's greedy answer, one verifier pass captures
+                             the head's inputs: e (input embedding), h (last hidden state, before the final norm as
+                             the hand-off carries it), K/V of the last sliding and last full layer (App. A;
+                             `hycoc.passes.head.captures`)
+    search_clip              per-output-channel MSE clip-ratio search (Table 4 "Weight clipping", ratio 1.0-0.6;
+                             `hycoc.passes.head.quantize`, which says how the head is quantized)
     quantize_head            every Linear fake-quantized at its scale with a straight-through estimator (`QuantLinear`)
     unroll                   the K drafting steps (Alg. 2 lines 7-12) at every response anchor of a sequence
     train_qat                KL to the full-precision head on response tokens; AdamW beta (0.9, 0.95), no weight
@@ -13,10 +16,10 @@
     export_head              the trained integers and per-channel scales (`QuantizedHead`), bit-exact what the QDQ
                              export must use: weight == qweight * scale in float32, exactly as trained
 
-Quantization: symmetric, per output channel, zero point 0: q = clamp(round(w / s), -qmax, qmax), qmax = 2**(b-1) - 1
-(7 at 4 bits, so q lies in [-7, 7], inside int4's [-8, 7]); s = ratio * max|w_row| / qmax with the ratio of the
-search. The scales are fixed after the search (Table 4: search, then fake-quantize); the float32 master weights
-train under them. Biases: Gemma has none, and a Linear with one is refused.
+This module holds the unroll, the agreement, the training loop and `HeadQatPass`; the work around them is split by
+job: `hycoc.passes.head.quantize` (the integer format, the clip search, the export), `hycoc.passes.head.captures`
+(the verifier's answers and states), `hycoc.passes.head.prompts` (where the prompts come from) and
+`hycoc.passes.head.errors` (`HeadQatError`); import each name from its home.
 
 The unroll (as `hycoc.toy.train.head_unroll`, which trained the head): for root position t (the root token x_t
 sits at t, its KV does not exist yet), step k = 1..K reads [e(x_{t+k-1}); z] with z = h_{t-1} at k = 1 and the
@@ -42,254 +45,25 @@ dtype and the student trains there).
 from __future__ import annotations
 
 import contextlib
-import copy
-import json
 import math
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from hycoc.passes.artifacts import KeepSetArtifact, QuantizedHead, QuantizedHeadArtifact, TorchModelArtifact
-from hycoc.passes.bit_map import qmax
+from hycoc.passes.artifacts import KeepSetArtifact, QuantizedHeadArtifact, TorchModelArtifact
 from hycoc.passes.calibration_answers import CalibrationAnswersArtifact
+from hycoc.passes.head.captures import Capture, capture_answers
+from hycoc.passes.head.errors import HeadQatError
+from hycoc.passes.head.quantize import clip_ratios, export_head, percentile_abs, quantize_head, restrict_output_layer
 from hycoc.passes.pipeline import Pass, PassReport
 from torch import nn
 
 from hycoc.host import head_sliding_positions
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 from hycoc.recipe import HeadQat, Recipe
-
-if TYPE_CHECKING:  # transformers is imported where a model is made
-    from transformers import Gemma4AssistantForCausalLM
-
-
-class HeadQatError(ValueError):
-    """QAT that cannot run: too few calibration or evaluation prompts, a prompt file that is Spec-Bench or
-    malformed, a head with a biased Linear, no response anchors. The message names the recipe key involved."""
-
-
-# ---- quantization -------------------------------------------------------------------------------------------
-
-
-def clip_ratios(config: HeadQat) -> list[float]:
-    """The ``clip_search_points`` ratios evenly spaced from ``clip_search_max`` down to ``clip_search_min``."""
-    hi, lo, n = config.clip_search_max, config.clip_search_min, config.clip_search_points
-    return [hi] if n == 1 else [hi - i * (hi - lo) / (n - 1) for i in range(n)]
-
-
-def search_clip(w: torch.Tensor, bits: int, ratios: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-output-channel MSE clip search (Table 4): for each row of ``w`` [out, in], the ratio r of ``ratios``
-    whose scale s = r * max|row| / qmax gives the lowest sum of (clamp(round(row / s)) * s - row)**2; ties go to
-    the earlier ratio. Returns (q int8 [out, in], scale float32 [out, 1], ratio float32 [out]).
-
-    The same rule as `hycoc.toy.gemma_format.quantize_per_channel`, which quantized the toy SLM.
-    """
-    w = w.detach().float()
-    amax = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-8)
-    m = qmax(bits)
-    best: list[torch.Tensor] | None = None
-    for r in ratios:
-        s = amax * r / m
-        q = torch.clamp(torch.round(w / s), -m, m)
-        err = ((q * s - w) ** 2).sum(dim=1, keepdim=True)
-        ratio = torch.full_like(err, float(r))
-        if best is None:
-            best = [q, s, err, ratio]
-            continue
-        better = err < best[2]
-        best = [torch.where(better, new, old) for new, old in zip((q, s, err, ratio), best)]
-    if best is None:
-        raise HeadQatError("the clip search needs at least one clip ratio (head_qat.clip_search_points >= 1)")
-    q, s, _, ratio = best
-    return q.to(torch.int8), s.float(), ratio[:, 0]
-
-
-class FakeQuantSTE(torch.autograd.Function):
-    """w -> clamp(round(w / s), -m, m) * s, with the straight-through estimator (Bengio et al., 2013): the
-    gradient passes to w unchanged, clipped entries included. w float32 [out, in], s float32 [out, 1]."""
-
-    @staticmethod
-    def forward(ctx, w, scale, m):
-        return torch.clamp(torch.round(w / scale), -m, m) * scale
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
-
-
-class QuantLinear(nn.Module):
-    """A bias-free Linear computing with its fake-quantized weight (Table 4: "every linear layer").
-
-    ``weight``: float32 master weight [out, in] (trainable); ``scale``: float32 [out, 1] buffer, fixed by the clip
-    search; ``bits``: the integer width. ``integers()`` is the int8 tensor the export writes: ``integers() *
-    scale`` equals the weight the forward uses, bit for bit.
-    """
-
-    scale: torch.Tensor  # a buffer (register_buffer)
-
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bits: int):
-        super().__init__()
-        self.weight = nn.Parameter(weight.detach().float().clone())
-        self.register_buffer("scale", scale.detach().float().clone())
-        self.bits = bits
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-
-    def quantized_weight(self) -> torch.Tensor:
-        return FakeQuantSTE.apply(self.weight, self.scale, qmax(self.bits))
-
-    def integers(self) -> torch.Tensor:
-        m = qmax(self.bits)
-        return torch.clamp(torch.round(self.weight.detach() / self.scale), -m, m).to(torch.int8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.quantized_weight())
-
-
-def restrict_output_layer(head, keep_set) -> nn.Module:
-    """A float32 copy of ``head`` (``Gemma4AssistantForCausalLM``) whose ``lm_head`` is untied from the embedding
-    and holds only the keep-set rows: row i scores token ``keep_set[i]`` (§3.3, App. A "output layer untied and
-    restricted to the keep set"). keep_set: int ids [|V|]. `hycoc.mtp.head_step` on the copy returns logits
-    [.., |V|]. The copy has no ordered-embedding output (``masked_embedding``): the drafter scores the whole keep
-    set densely; a head with ordered embeddings is refused before the build (`hycoc.models.check_head_config`)."""
-    ids = torch.as_tensor(keep_set, dtype=torch.long)
-    out = copy.deepcopy(head).float().eval()
-    out.masked_embedding = None
-    out.config.use_ordered_embeddings = False
-    weight = out.lm_head.weight.detach()[ids.to(out.lm_head.weight.device)].clone()
-    out.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
-    out.lm_head.weight = nn.Parameter(weight)
-    return out
-
-
-def drafting_linears(head) -> list[str]:
-    """Names of the Linear layers the drafting path computes with (all of them but the unused ordered-embedding
-    centroids), in module order. Raises HeadQatError for a Linear with a bias."""
-    names = []
-    for name, module in head.named_modules():
-        if isinstance(module, (nn.Linear, QuantLinear)) and not name.startswith("masked_embedding"):
-            if getattr(module, "bias", None) is not None:
-                raise HeadQatError(f"head layer {name} has a bias; the integer export covers bias-free Linear layers")
-            names.append(name)
-    return names
-
-
-def quantize_head(head, bits: int, ratios: Sequence[float]) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """A copy of ``head`` (output layer already restricted) with every drafting Linear replaced by a `QuantLinear`
-    at ``bits``, scales from `search_clip`. Only the QuantLinear weights require grad (norms, embeddings frozen).
-    Returns (quantized head, chosen clip ratio per layer: float32 [out])."""
-    out = copy.deepcopy(head).float().eval()
-    out.requires_grad_(False)
-    chosen = {}
-    for name in drafting_linears(out):
-        parent_name, _, attr = name.rpartition(".")
-        parent = out.get_submodule(parent_name) if parent_name else out
-        linear = getattr(parent, attr)
-        _, scale, ratio = search_clip(linear.weight, bits, ratios)
-        setattr(parent, attr, QuantLinear(linear.weight, scale, bits))
-        chosen[name] = ratio
-    return out, chosen
-
-
-# ---- calibration data ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class Capture:
-    """One calibration sequence and the verifier's states over it (what the hand-off carries, App. A).
-
-    ids: int64 [L] prompt + greedy answer; prompt_len: its prompt's length. e: [1, L, H] the verifier's scaled input
-    embeddings; h: [1, L, H] its last hidden state (pre- or post-norm, as ``handoff.hidden``); kv: {SLIDING: (k, v),
-    FULL: (k, v)}, each [1, kv_heads, L, head_dim], keys rotated. Tensors in the verifier's dtype and device.
-    """
-
-    ids: torch.Tensor
-    prompt_len: int
-    e: torch.Tensor
-    h: torch.Tensor
-    kv: dict[str, tuple[torch.Tensor, torch.Tensor]]
-
-    @property
-    def length(self) -> int:
-        return len(self.ids)
-
-
-@torch.no_grad()
-def greedy_answer(verifier, prompt: Sequence[int], max_new_tokens: int, stop_ids: Collection[int]) -> list[int]:
-    """The verifier's greedy answer (arg-max, first among equals) to ``prompt``, cut after the first stop id;
-    at most ``max_new_tokens`` ids."""
-    device = verifier.device
-    ids = torch.tensor([list(prompt)], device=device)
-    out = verifier.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=verifier.config.pad_token_id or 0,
-        eos_token_id=sorted(stop_ids) or None,
-        top_k=None,
-        top_p=None,
-        temperature=None,
-    )
-    answer = []
-    for token in out[0, ids.shape[1] :].tolist():
-        answer.append(token)
-        if token in stop_ids:
-            break
-    return answer
-
-
-@torch.no_grad()
-def verifier_capture(verifier, ids: torch.Tensor, hidden: str = "pre_norm") -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """One verifier pass over ids int64 [L] (no output layer). Returns e [1, L, H] (scaled input embedding), h
-    [1, L, H] (the final norm's input for ``hidden="pre_norm"``, its output for ``"post_norm"``) and the shared KV
-    {SLIDING: (k, v), FULL: (k, v)} of the last sliding and last full layer, each [1, kv_heads, L, head_dim]."""
-    tap: dict[str, torch.Tensor] = {}
-    handle = verifier.model.norm.register_forward_hook(lambda m, a, o: tap.update(pre=a[0], post=o))
-    try:
-        x = ids[None].to(verifier.device)
-        out = verifier.model(input_ids=x, return_shared_kv_states=True, use_cache=False)
-        e = verifier.model.embed_tokens(x)
-    finally:
-        handle.remove()
-    kv = {kind: (k, v) for kind, (k, v) in out.shared_kv_states.items()}
-    return e, tap["pre" if hidden == "pre_norm" else "post"], kv
-
-
-def capture_answers(
-    verifier,
-    prompts: Sequence[Sequence[int]],
-    answers: Sequence[Sequence[int]],
-    hidden: str = "pre_norm",
-    progress=None,
-) -> list[Capture]:
-    """Capture the head's inputs over each prompt + its answer (token ids; App. A), one verifier pass each."""
-    caps = []
-    for prompt, answer in zip(prompts, answers, strict=True):
-        ids = torch.tensor(list(prompt) + list(answer), dtype=torch.long)
-        e, h, kv = verifier_capture(verifier, ids, hidden)
-        caps.append(Capture(ids, len(prompt), e, h, kv))
-        if progress is not None:
-            progress()
-    return caps
-
-
-def capture_sequences(
-    verifier,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    stop_ids: set[int],
-    hidden: str = "pre_norm",
-    progress=None,
-) -> list[Capture]:
-    """Answer each prompt (token ids) greedily, one at a time (`greedy_answer`), and capture the head's inputs over
-    prompt + answer (App. A). The build answers in batches instead (`hycoc.passes.calibration_answers`)."""
-    answers = [greedy_answer(verifier, prompt, max_new_tokens, stop_ids) for prompt in prompts]
-    return capture_answers(verifier, prompts, answers, hidden, progress)
-
 
 # ---- the unrolled drafting steps ----------------------------------------------------------------------------
 
@@ -484,182 +258,6 @@ def train_qat(
             on_step(step, total)
     seconds = (time.perf_counter() - start) / max(1, config.steps)
     return TrainResult(losses, seconds)
-
-
-# ---- export -------------------------------------------------------------------------------------------------
-
-
-def percentile_abs(tensors: Sequence[torch.Tensor], percentile: float) -> float:
-    """The ``percentile`` of |x| over all entries of ``tensors``: the value of rank ceil(p/100 * n) (1-based) in
-    ascending order, exact (no sampling)."""
-    x = torch.cat([t.detach().float().abs().reshape(-1).cpu() for t in tensors])
-    rank = min(len(x), max(1, math.ceil(percentile / 100 * len(x))))
-    return float(torch.kthvalue(x, rank).values)
-
-
-def export_head(student, keep_set, input_ranges: dict[str, float]) -> QuantizedHead:
-    """The integers and scales of every `QuantLinear` of ``student`` plus the float tensors the graph reads
-    (norm weights, ``layer_scalar``; not the embedding table, which the head never reads: its inputs arrive
-    embedded). Each ``qweight * scale`` equals the weight the student computes with, bit for bit."""
-    qweight, scale, bits = {}, {}, set()
-    for name, module in student.named_modules():
-        if isinstance(module, QuantLinear):
-            qweight[name], scale[name] = module.integers().cpu(), module.scale.detach().float().cpu().clone()
-            bits.add(module.bits)
-    if len(bits) != 1:
-        raise HeadQatError(f"the head's linear layers have mixed widths {sorted(bits)}; expected one weight_bits")
-    skip = tuple(f"{n}." for n in qweight) + ("model.embed_tokens.", "masked_embedding.")
-    floats = {
-        name: t.detach().float().cpu().clone() for name, t in student.state_dict().items() if not name.startswith(skip)
-    }
-    config = student.config.to_dict()
-    return QuantizedHead(
-        config=config,
-        keep_set=torch.as_tensor(keep_set, dtype=torch.long).cpu().numpy(),
-        bits=bits.pop(),
-        qweight=qweight,
-        scale=scale,
-        floats=floats,
-        input_ranges=input_ranges,
-    )
-
-
-def dequantized_head(head: QuantizedHead) -> Gemma4AssistantForCausalLM:
-    """A float32 ``Gemma4AssistantForCausalLM`` (eval, sdpa) computing exactly what the QAT head computed: every
-    drafting Linear holds ``qweight * scale``, ``lm_head`` has |V| rows over ``head.keep_set``. Its token embedding
-    table is left at its initialization (the head never reads it). Raises HeadQatError when a tensor of the
-    artifact has no place in the model."""
-    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
-
-    config = Gemma4AssistantConfig.from_dict(head.config)
-    config._attn_implementation = "sdpa"
-    config.get_text_config()._attn_implementation = "sdpa"
-    model = Gemma4AssistantForCausalLM(config).float().eval()
-    hidden = model.lm_head.in_features
-    model.lm_head = nn.Linear(hidden, len(head.keep_set), bias=False)
-    state = dict(head.floats)
-    for name in head.qweight:
-        state[f"{name}.weight"] = head.qweight[name].float() * head.scale[name]
-    result = model.load_state_dict(state, strict=False)
-    if result.unexpected_keys:
-        raise HeadQatError(f"the quantized head holds tensors the model has no place for: {result.unexpected_keys}")
-    missing = [k for k in result.missing_keys if not k.startswith(("model.embed_tokens.", "masked_embedding."))]
-    if missing:
-        raise HeadQatError(f"the quantized head lacks tensors the model needs: {missing}")
-    return model
-
-
-# ---- prompts ------------------------------------------------------------------------------------------------
-
-
-def _first_user_turn(record: Any, where: str) -> str:
-    if not isinstance(record, dict):
-        raise HeadQatError(f"{where}: a prompt line must be a JSON object")
-    if "question_id" in record and "turns" in record:
-        raise HeadQatError(
-            f"{where}: this is a Spec-Bench question; head_qat.calibration_data must never hold "
-            "benchmark prompts (paper App. A: no SB prompt is used in calibration or QAT)"
-        )
-    if isinstance(record.get("messages"), list):
-        for message in record["messages"]:
-            if isinstance(message, dict) and message.get("role") == "user":
-                content = message.get("content")
-                if isinstance(content, list):
-                    content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-                if isinstance(content, str):
-                    return content
-    for key in ("prompt", "user"):
-        if isinstance(record.get(key), str):
-            return record[key]
-    raise HeadQatError(f"{where}: no user turn: give 'prompt', 'user' or 'messages' with a user message")
-
-
-def read_prompts(path: Path, skip: int = 0) -> list[str]:
-    """First user turns of a JSONL file, one conversation or prompt per line, after the first ``skip`` lines.
-
-    Raises HeadQatError for a missing file, a line that is not JSON or has no user turn, or a Spec-Bench line.
-    """
-    if not path.is_file():
-        raise HeadQatError(f"head_qat.calibration_data: {path} does not exist")
-    out = []
-    with path.open(encoding="utf-8") as f:
-        lines = [(n, line) for n, line in enumerate(f, start=1) if line.strip()]
-    for number, line in lines[skip:]:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise HeadQatError(f"{path}:{number}: not JSON ({e.msg})") from None
-        out.append(_first_user_turn(record, f"{path}:{number}"))
-    return out
-
-
-def prompt_sources(recipe: Recipe) -> tuple[list[str], list[str], str]:
-    """(training candidates, evaluation candidates, description), both in the order they are taken.
-
-    * ``head_qat.calibration_data`` set: its lines in order; training takes from the front, evaluation from the
-      lines after the training ones (give a shuffled file; the paper: 60 UC-tr + 60 UC-val first turns).
-    * empty, ``keep_set.corpus`` set: that corpus's lines after the ``keep_set.corpus_conversations`` the keep set
-      counted (App. A: prompts from conversations the keep set's counts never read), split the same way.
-
-    Both lists are the same object (callers test ``train is eval``); the files fix the order. Raises HeadQatError
-    when both keys are empty or a file is missing.
-    """
-    path = recipe.resolve_path(recipe.head_qat.calibration_data)
-    if path is not None:
-        texts = read_prompts(path)
-        return texts, texts, str(path)
-    corpus = recipe.resolve_path(recipe.keep_set.corpus)
-    if corpus is not None:
-        texts = read_prompts(corpus, skip=recipe.keep_set.corpus_conversations)
-        return texts, texts, f"{corpus} after line {recipe.keep_set.corpus_conversations}"
-    raise HeadQatError(
-        "head_qat.calibration_data and keep_set.corpus are both empty: the calibration prompts come "
-        "from one of them (the paper: UltraChat 200k train_sft first turns)"
-    )
-
-
-def prompt_source_key(recipe: Recipe) -> dict[str, Any]:
-    """What identifies `prompt_sources`'s text for cache keys: the sha256 of ``head_qat.calibration_data`` or of
-    ``keep_set.corpus`` (the first one set). Raises HeadQatError for a missing file or when both are empty."""
-    from hycoc.passes.keep_set import _sha256_file
-
-    for key, value in (
-        ("head_qat.calibration_data", recipe.head_qat.calibration_data),
-        ("keep_set.corpus", recipe.keep_set.corpus),
-    ):
-        path = recipe.resolve_path(value)
-        if path is not None:
-            if not path.is_file():
-                raise HeadQatError(f"{key}: {path} does not exist")
-            return {key: _sha256_file(path)}
-    raise HeadQatError(
-        "head_qat.calibration_data and keep_set.corpus are both empty: the calibration prompts come "
-        "from one of them (the paper: UltraChat 200k train_sft first turns)"
-    )
-
-
-def pick_prompts(
-    chat, candidates: Sequence[str], count: int, budget: int, key: str, exclude: int = 0
-) -> tuple[list[list[int]], int]:
-    """The first ``count`` of ``candidates[exclude:]`` whose chat-formatted ids (``chat``: the checkpoint's
-    `hycoc.chat.Chat`) fit ``budget`` tokens, as id lists, and how many were skipped as too long. Raises
-    HeadQatError naming ``key`` when fewer fit."""
-    picked: list[list[int]] = []
-    skipped = 0
-    for text in candidates[exclude:]:
-        if len(picked) == count:
-            break
-        ids = chat.prompt(text)
-        if len(ids) > budget:
-            skipped += 1
-            continue
-        picked.append(ids)
-    if len(picked) < count:
-        raise HeadQatError(
-            f"{key} = {count}, but only {len(picked)} prompts of the source fit "
-            f"head_qat.max_seq_len minus the answer cap ({budget} tokens; {skipped} longer skipped)"
-        )
-    return picked, skipped
 
 
 # ---- the pass -----------------------------------------------------------------------------------------------

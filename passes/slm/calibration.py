@@ -2,7 +2,7 @@
 App. A: A16 ranges from the calibration prompts and the verifier's greedy answers).
 
 The text: the verifier's greedy answers to chat-formatted prompts, made once per build by
-`hycoc.passes.calibration_answers` from the head QAT's prompt source (`hycoc.passes.head.qat.prompt_sources`:
+`hycoc.passes.calibration_answers` from the head QAT's prompt source (`hycoc.passes.head.prompts.prompt_sources`:
 ``head_qat.calibration_data``, else the keep-set corpus after the conversations the keep set counted, else the toy
 corpus). The first ``slm_calibration.prompts`` training prompts calibrate; the first ``max(2, prompts // 4)``
 evaluation prompts (other prompts) give the held-out samples for the SQNR report. Answers are capped at
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -139,26 +139,54 @@ def accepted_path(built, answer: Sequence[int], start: int, cap: int) -> list[in
     return path
 
 
+@dataclass(frozen=True)
+class DriveSettings:
+    """The rounds `drive_sequence` drives, as the recipe's ``[tree]`` table sets them: chain_length K (answer tokens
+    the MTP head's chain plants per round), sibling_depth D (runner-up siblings at depths 1..D), ln_lambda (ln of
+    the depth cost λ, `TreeBuilder`'s), candidates (SLM candidates per expanded row), passes (SLM forwards per
+    round), stop_ids (the chat's end-of-turn ids: a round committing one ends the sequence)."""
+
+    chain_length: int
+    sibling_depth: int
+    ln_lambda: float
+    candidates: int
+    passes: int
+    stop_ids: frozenset[int] = frozenset()
+
+    @classmethod
+    def from_tree(cls, tree, stop_ids: Collection[int] = ()) -> DriveSettings:
+        """The settings of a recipe's ``[tree]`` (`hycoc.recipe.Tree`) with ``stop_ids``: ln_lambda = ln(depth_cost),
+        candidates = slm_candidates, passes = slm_passes."""
+        return cls(
+            tree.chain_length,
+            tree.sibling_depth,
+            math.log(tree.depth_cost),
+            tree.slm_candidates,
+            tree.slm_passes,
+            frozenset(stop_ids),
+        )
+
+
 def drive_sequence(
     slm: SlmDrafter,
     builder: TreeBuilder,
     prompt: Sequence[int],
     answer: Sequence[int],
+    settings: DriveSettings,
     *,
-    chain_length: int,
-    sibling_depth: int,
     rng: np.random.Generator,
     keep_set: np.ndarray,
-    stop_ids: set[int] | frozenset[int] = frozenset(),
     targets: Callable[[], Sequence[float]] | None = None,
     warmup: int = 2,
 ) -> SequenceDrive:
-    """One request through the runtime's SLM side, teacher-forced on ``answer`` (module docstring).
+    """One request through the runtime's SLM side, teacher-forced on ``answer`` (module docstring), its rounds as
+    ``settings`` says (K, D, the stop ids).
 
     targets: returns the root positions where samples are still to be taken (sorted), or None to run every round. With
     targets, stretches more than ``warmup`` rounds before the next target are committed in one go and filled by the
     drafter's own ``prefill`` chunks (as a request start does), and the drive ends after the last target: the
     rings still hold the SLM's own K/V of every committed position, at a fraction of the forwards."""
+    chain_length, sibling_depth, stop_ids = settings.chain_length, settings.sibling_depth, settings.stop_ids
     calls0 = slm.forwards
     in_keep = set(np.asarray(keep_set).tolist())
     out = SequenceDrive()
@@ -217,62 +245,30 @@ def record_sequences(
     keep_set: Sequence[int],
     prompts: Sequence[Sequence[int]],
     answers: Sequence[Sequence[int]],
+    settings: DriveSettings,
     *,
-    chain_length: int,
-    sibling_depth: int,
-    ln_lambda: float,
-    candidates: int,
-    passes: int,
-    stop_ids: set[int] | frozenset[int] = frozenset(),
     per_prompt: int = SAMPLES_PER_PROMPT,
     seed: int = 0,
     keep_all: bool = False,
     keep_outputs: bool = False,
     progress: Callable[[], None] | None = None,
 ) -> RealCalibration:
-    """Drive every (prompt, answer) through `drive_sequence` and keep ``per_prompt`` graph calls of each (all of
-    them with ``keep_all``; their outputs too with ``keep_outputs``). Module docstring for the choice.
-    ``progress``: called once per (prompt, answer) driven (`hycoc.progress.ticker`)."""
+    """Drive every (prompt, answer) through `drive_sequence` (rounds as ``settings`` says) and keep ``per_prompt``
+    graph calls of each (all of them with ``keep_all``; their outputs too with ``keep_outputs``). Module docstring
+    for the choice. ``progress``: called once per (prompt, answer) driven (`hycoc.progress.ticker`)."""
     keep = np.asarray(keep_set, dtype=np.int64)
     rng = np.random.default_rng(seed)
-    state: dict[str, Any] = {}
-    slm_box: list[SlmDrafter] = []
-
-    def keep_call(index, feeds):
-        if keep_all:
-            return True
-        targets = state["targets"]
-        if state["next"] < len(targets) and slm_box[0].t >= targets[state["next"]]:
-            state["next"] += 1
-            return True
-        return False
-
-    def context():
-        return dict(state["call"], prompt=state["prompt"], t=slm_box[0].t)
-
-    runner = TorchSlmRunner(graph, keep=keep_call, context=context, keep_outputs=keep_outputs)
-    slm = SlmDrafter(runner, runtime_bundle(graph, slm, keep))
-    slm_box.append(slm)
-    feeds_of = slm.feeds
-
-    def feeds(tokens, parents, first_position, *rest):  # note the rows of each call for `meta`
-        state["call"] = {
-            "tokens": [int(x) for x in tokens],
-            "parents": [int(x) for x in parents],
-            "first_position": int(first_position),
-            "live_start": int(slm.live_start),
-        }
-        return feeds_of(tokens, parents, first_position, *rest)  # rest: SlmDrafter.feeds' optional arguments
-
-    slm.feeds = feeds
+    choice = _SampleChoice(keep_all)
+    runner = TorchSlmRunner(graph, keep=choice.keep, context=choice.context, keep_outputs=keep_outputs)
+    drafter = choice.watch(SlmDrafter(runner, runtime_bundle(graph, slm, keep)))
     builder = TreeBuilder(
-        ln_lambda=ln_lambda,
+        ln_lambda=settings.ln_lambda,
         budget=graph.rows,
         rows=graph.rows + 1,
-        candidates=candidates,
-        passes=passes,
+        candidates=settings.candidates,
+        passes=settings.passes,
         keep_set=keep,
-        stop_ids=sorted(stop_ids),
+        stop_ids=sorted(settings.stop_ids),
     )
     drives = []
     start = time.perf_counter()
@@ -280,22 +276,10 @@ def record_sequences(
     for i, (prompt, answer) in enumerate(zip(prompts, answers)):
         u = (i * golden) % 1.0
         t0 = len(prompt) - 1
-        state.update(
-            prompt=i, next=0, targets=[t0 + (j + u) / per_prompt * max(1, len(answer)) for j in range(per_prompt)]
-        )
+        choice.begin(i, [t0 + (j + u) / per_prompt * max(1, len(answer)) for j in range(per_prompt)])
+        targets = None if keep_all else choice.ahead
         drives.append(
-            drive_sequence(
-                slm,
-                builder,
-                prompt,
-                answer,
-                chain_length=chain_length,
-                sibling_depth=sibling_depth,
-                rng=rng,
-                keep_set=keep,
-                stop_ids=stop_ids,
-                targets=None if keep_all else (lambda: state["targets"][state["next"] :]),
-            )
+            drive_sequence(drafter, builder, prompt, answer, settings, rng=rng, keep_set=keep, targets=targets)
         )
         if progress is not None:
             progress()
@@ -321,6 +305,57 @@ def record_sequences(
         "coverage": coverage(meta, ring),
     }
     return RealCalibration(samples, meta, stats)
+
+
+class _SampleChoice:
+    """Which graph calls `record_sequences` keeps, and what it notes of each: ``keep(index, feeds)`` takes every
+    call with ``keep_all``, else the first call at or past each of the sequence's target root positions (`begin`
+    sets them, `ahead` lists those still to come); ``context()`` is the call's rows (tokens, parents, first
+    position, live_start, noted by the drafter `watch` wraps), the prompt index and the root position t."""
+
+    def __init__(self, keep_all: bool):
+        self.keep_all = keep_all
+        self.slm: SlmDrafter | None = None
+        self.call: dict[str, Any] = {}
+        self.prompt, self.next = 0, 0
+        self.targets: list[float] = []
+
+    def watch(self, slm: SlmDrafter) -> SlmDrafter:
+        """``slm`` with its ``feeds`` wrapped to note the rows of each call."""
+        self.slm, feeds_of = slm, slm.feeds
+
+        def feeds(tokens, parents, first_position, *rest):  # note the rows of each call for `meta`
+            self.call = {
+                "tokens": [int(x) for x in tokens],
+                "parents": [int(x) for x in parents],
+                "first_position": int(first_position),
+                "live_start": int(slm.live_start),
+            }
+            return feeds_of(tokens, parents, first_position, *rest)  # rest: SlmDrafter.feeds' optional arguments
+
+        slm.feeds = feeds  # type: ignore[method-assign]  # a per-instance wrapper, to note each call's rows
+        return slm
+
+    def begin(self, prompt: int, targets: list[float]) -> None:
+        self.prompt, self.next, self.targets = prompt, 0, targets
+
+    def ahead(self) -> list[float]:
+        return self.targets[self.next :]
+
+    def keep(self, index: int, feeds) -> bool:
+        if self.keep_all:
+            return True
+        if self.slm is None:
+            raise RuntimeError("the sample choice needs watch(slm) before keep")
+        if self.next < len(self.targets) and self.slm.t >= self.targets[self.next]:
+            self.next += 1
+            return True
+        return False
+
+    def context(self) -> dict[str, Any]:
+        if self.slm is None:
+            raise RuntimeError("the sample choice needs watch(slm) before context")
+        return dict(self.call, prompt=self.prompt, t=self.slm.t)
 
 
 def coverage(meta: Sequence[Mapping[str, Any]], ring: int) -> dict[str, Any]:
@@ -374,19 +409,13 @@ def real_calibration(
     answer_s = time.perf_counter() - t0
     cal_prompts, cal_answers = answers.take("train", recipe.slm_calibration.prompts, cap)
     held_prompts, held_answers = answers.take("eval", held_out_count(recipe), cap)
-    tree = recipe.tree
-    kw = dict(
-        chain_length=tree.chain_length,
-        sibling_depth=tree.sibling_depth,
-        ln_lambda=math.log(tree.depth_cost),
-        candidates=tree.slm_candidates,
-        passes=tree.slm_passes,
-        stop_ids=stops,
-    )
+    settings = DriveSettings.from_tree(recipe.tree, stops)
     with step("answers through the SLM Drafter", total=len(cal_prompts) + len(held_prompts)) as s:
         tick = ticker(s)  # one advance per answer: a count and ETA every progress.LINE_EVERY s
-        cal = record_sequences(graph, slm, keep_set, cal_prompts, cal_answers, seed=seed, progress=tick, **kw)
-        held = record_sequences(graph, slm, keep_set, held_prompts, held_answers, seed=seed + 1, progress=tick, **kw)
+        cal = record_sequences(graph, slm, keep_set, cal_prompts, cal_answers, settings, seed=seed, progress=tick)
+        held = record_sequences(
+            graph, slm, keep_set, held_prompts, held_answers, settings, seed=seed + 1, progress=tick
+        )
     numbers = {
         "source": answers.source,
         "answer_cap": cap,
@@ -400,6 +429,7 @@ def real_calibration(
 
 __all__ = [
     "SAMPLES_PER_PROMPT",
+    "DriveSettings",
     "RealCalibration",
     "SequenceDrive",
     "TorchSlmRunner",

@@ -51,10 +51,10 @@ new rows -- under the same mask; they own no ring.
 Reuse. The decoder layers, RMSNorms, MLPs, attention (``eager_attention_forward``) and per-layer-input projection
 are transformers' own (``Gemma4TextDecoderLayer``, ``Gemma4TextModel.project_per_layer_inputs``). Two pieces are
 ours: `IntegerLinear` (weight = int8 * scale, written in the graph so the exporter sees the integers; transformers'
-``apply_srq`` when the checkpoint has activation scales) and `_RingCache`, the stand-in for transformers' cache
-whose ``update`` appends the new rows to the ring input (the attention calls ``cache.update`` exactly as with a
-DynamicCache) and records them as outputs. Rotary cos/sin arrive as inputs (transformers' layers take them as
-``position_embeddings``).
+``apply_srq`` when the checkpoint has activation scales) and `RingCache` (`hycoc.passes.slm.layers`), the stand-in
+for transformers' cache whose ``update`` appends the new rows to the ring input (the attention calls
+``cache.update`` exactly as with a DynamicCache) and records them as outputs. Rotary cos/sin arrive as inputs
+(transformers' layers take them as ``position_embeddings``).
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ import torch
 from hycoc.passes.artifacts import IntegerWeight, KeepSetArtifact, OnnxArtifact, SlmIntegerArtifact, SlmIntegerModel
 from hycoc.passes.export import compare_with_torch, export_static
 from hycoc.passes.pipeline import Pass, PassReport
+from hycoc.passes.slm.layers import RingCache, text_stack_class
 from torch import nn
 
 from hycoc import host
@@ -167,32 +168,6 @@ class IntegerLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
 
 
-class _RingCache:
-    """The cache object transformers' attention writes to, for one forward: ``update`` returns ring + new rows
-    (ring columns first, the mask's column order) and keeps the new rows for the graph's outputs."""
-
-    def __init__(self, rings: Mapping[int, tuple[torch.Tensor, torch.Tensor]]):
-        self.rings = rings
-        self.new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.new[layer_idx] = (key_states, value_states)
-        k_ring, v_ring = self.rings[layer_idx]
-        return torch.cat([k_ring, key_states], dim=2), torch.cat([v_ring, value_states], dim=2)
-
-
-def _text_stack_class():
-    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextModel
-
-    class _TextStack(nn.Module):
-        """Holds the decoder under transformers' attribute names (``model.layers.0...``) and borrows
-        ``Gemma4TextModel.project_per_layer_inputs``, which only reads these attributes."""
-
-        project_per_layer_inputs = Gemma4TextModel.project_per_layer_inputs
-
-    return _TextStack
-
-
 def _assign(root: nn.Module, name: str, value: np.ndarray) -> None:
     """Set parameter or buffer ``name`` (dotted, relative to root) to ``value``; SlmGraphError if it has none."""
     path, _, attr = name.rpartition(".")
@@ -231,10 +206,23 @@ class SlmTreeGraph(nn.Module):
         shard: int = 0,
     ):
         super().__init__()
-        from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, Gemma4TextDecoderLayer
+        self.config = text_config(slm)
+        self._lay_out(keep_ids, rows, ring, bounds, shard)
+        self._load(slm)
+        self._declare_io()
+        self._declare_host_feeds()
 
-        config = text_config(slm)
-        self.config = config
+    def _lay_out(
+        self,
+        keep_ids: Sequence[int] | np.ndarray,
+        rows: int,
+        ring: Mapping[str, int],
+        bounds: Sequence[int] | None,
+        shard: int,
+    ) -> None:
+        """The shard's layers, the keep set, the rows and rings, the KV layers it owns and borrows (constructor's
+        arguments; raises SlmGraphError as the class says)."""
+        config = self.config
         n_layers = config.num_hidden_layers
         self.bounds = check_bounds(bounds, n_layers)
         if not 0 <= shard < len(self.bounds) - 1:
@@ -264,11 +252,20 @@ class SlmTreeGraph(nn.Module):
         )
         self.shard_types = sorted({self.layer_types[i] for i in range(a, b)})
 
-        stack = _text_stack_class()()
+    def _load(self, slm: SlmIntegerModel) -> None:
+        """transformers' decoder layers of this shard (and the norm, per-layer projection and keep-set output layer
+        where it has them) with the surgery's integer weights and float tensors; raises SlmGraphError when the
+        surgery output lacks a weight or leaves a tensor unfilled."""
+        from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, Gemma4TextDecoderLayer
+
+        config = self.config
+        a, b = self.layer_range
+        stack = text_stack_class()()
         stack.config = config
         with torch.device("meta"):
             stack.layers = nn.ModuleList(
-                Gemma4TextDecoderLayer(config, i) if a <= i < b else nn.Identity() for i in range(n_layers)
+                Gemma4TextDecoderLayer(config, i) if a <= i < b else nn.Identity()
+                for i in range(config.num_hidden_layers)
             )
             if self.last:
                 stack.norm = Gemma4RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -290,31 +287,32 @@ class SlmTreeGraph(nn.Module):
         for name, value in slm.floats.items():
             if self._owns(name):
                 _assign(self, name, value)
-        self.lm_head = IntegerLinear(slm.weights["lm_head"], rows=keep) if self.last else None
+        self.lm_head = IntegerLinear(slm.weights["lm_head"], rows=self.keep_ids) if self.last else None
         self.softcap = config.final_logit_softcapping
         empty = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t.is_meta]
         if empty:
             raise SlmGraphError(f"the surgery output does not fill {', '.join(empty)}")
         self.eval()
 
+    def _declare_io(self) -> None:
+        """`input_names` / `input_shapes` and `output_names` / `output_shapes` of this shard (module docstring)."""
+        config, (a, b) = self.config, self.layer_range
         self.input_names, self.input_shapes = [], {}
         self.output_names, self.output_shapes = [], {}
         h, r = config.hidden_size, self.rows
         if self.first:
             self._add_input("inputs_embeds", (1, r, h))
             if self.ple:
-                self._add_input("per_layer_inputs", (1, r, n_layers, self.ple))
+                self._add_input("per_layer_inputs", (1, r, config.num_hidden_layers, self.ple))
         else:
             self._add_input(f"hidden_{a}", (1, r, h))
             if self.ple:
                 self._add_input(per_layer_name(a, b), (1, r, b - a, self.ple))
         for t in self.shard_types:
-            d = config.per_layer_config[self.layer_types.index(t)].head_dim
-            self._add_input(f"cos_{short(t)}", (1, r, d))
-            self._add_input(f"sin_{short(t)}", (1, r, d))
-            self._add_input(f"mask_{short(t)}", (1, 1, r, self.ring[t] + r))
+            for name, shape in self._type_inputs(t).items():
+                self._add_input(name, shape)
         if self.last:
-            self._add_output("logits", (1, r, len(keep)))
+            self._add_output("logits", (1, r, len(self.keep_ids)))
         else:
             self._add_output(f"hidden_{b}", (1, r, h))
             if self.ple and self.first:
@@ -322,29 +320,39 @@ class SlmTreeGraph(nn.Module):
                     self._add_output(per_layer_name(lo, hi), (1, r, hi - lo, self.ple))
         for i in self.kv_layers:
             for kv in ("k", "v"):
-                self._add_input(f"{kv}_ring_{i}", self._kv_shape(i, self.ring[self.layer_types[i]]))
+                self._add_input(f"{kv}_ring_{i}", self._ring_shape(i))
             for kv in ("k", "v"):
                 self._add_output(f"{kv}_new_{i}", self._kv_shape(i, r))
         for p in self.borrowed:
-            for kind, width in (("ring", self.ring[self.layer_types[p]]), ("new", r)):
+            for kind, shape in (("ring", self._ring_shape(p)), ("new", self._kv_shape(p, r))):
                 for kv in ("k", "v"):
-                    self._add_input(f"{kv}_{kind}_{p}", self._kv_shape(p, width))
+                    self._add_input(f"{kv}_{kind}_{p}", shape)
 
-        # the host's feeds of the whole chain: the monolithic graph's inputs (`host_inputs`)
-        self.all_kv_layers = [i for i, m in enumerate(modes) if m != "reuse"]
-        self.host_shapes: dict[str, tuple[int, ...]] = {"inputs_embeds": (1, r, h)}
+    def _declare_host_feeds(self) -> None:
+        """``all_kv_layers`` and ``host_shapes``: the host's feeds of the whole chain, the monolithic graph's inputs
+        (`host_inputs`)."""
+        config, r = self.config, self.rows
+        self.all_kv_layers = [i for i, m in enumerate(config.kv_sharing_modes) if m != "reuse"]
+        self.host_shapes: dict[str, tuple[int, ...]] = {"inputs_embeds": (1, r, config.hidden_size)}
         if self.ple:
-            self.host_shapes["per_layer_inputs"] = (1, r, n_layers, self.ple)
+            self.host_shapes["per_layer_inputs"] = (1, r, config.num_hidden_layers, self.ple)
         for t in self.types:
-            d = config.per_layer_config[self.layer_types.index(t)].head_dim
-            self.host_shapes |= {
-                f"cos_{short(t)}": (1, r, d),
-                f"sin_{short(t)}": (1, r, d),
-                f"mask_{short(t)}": (1, 1, r, self.ring[t] + r),
-            }
+            self.host_shapes |= self._type_inputs(t)
         for i in self.all_kv_layers:
             for kv in ("k", "v"):
-                self.host_shapes[f"{kv}_ring_{i}"] = self._kv_shape(i, self.ring[self.layer_types[i]])
+                self.host_shapes[f"{kv}_ring_{i}"] = self._ring_shape(i)
+
+    def _type_inputs(self, t: str) -> dict[str, tuple[int, ...]]:
+        """The inputs of layer type ``t``: ``cos_T``, ``sin_T`` (1, R, D_T) and ``mask_T`` (1, 1, R, W_T + R)."""
+        r, d = self.rows, self.config.per_layer_config[self.layer_types.index(t)].head_dim
+        return {
+            f"cos_{short(t)}": (1, r, d),
+            f"sin_{short(t)}": (1, r, d),
+            f"mask_{short(t)}": (1, 1, r, self.ring[t] + r),
+        }
+
+    def _ring_shape(self, layer: int) -> tuple[int, ...]:
+        return self._kv_shape(layer, self.ring[self.layer_types[layer]])
 
     def _kv_shape(self, layer: int, width: int) -> tuple[int, ...]:
         lc = self.config.per_layer_config[layer]
@@ -381,7 +389,7 @@ class SlmTreeGraph(nn.Module):
             h = x[f"hidden_{a}"]
             ple = x[per_layer_name(a, b)] if self.ple else None
             offset = a
-        cache = _RingCache({i: (x[f"k_ring_{i}"], x[f"v_ring_{i}"]) for i in self.kv_layers})
+        cache = RingCache({i: (x[f"k_ring_{i}"], x[f"v_ring_{i}"]) for i in self.kv_layers})
         shared: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # producer layer type -> (ring + new) K, V
         for p in self.borrowed:  # producers in earlier shards
             shared[self.layer_types[p]] = (

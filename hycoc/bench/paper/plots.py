@@ -1,6 +1,7 @@
 """The bench's plots (`hycoc bench`; docs/benchmarks.md): MAT vs g per configuration and the paired Δg per category,
 drawn from a summary (`hycoc.bench.paper.summary.summarize`) with matplotlib's Agg canvas (no pyplot state), written
-atomically, mode 0644 like the bench's other outputs. Core module: matplotlib is imported inside `write_plots`.
+atomically, mode 0644 like the bench's other outputs. Core module: matplotlib is imported inside the functions that
+draw.
 """
 
 from __future__ import annotations
@@ -61,11 +62,18 @@ def write_plots(
     g projected over every server forward, a dotted line joining the two. category_delta_g.png: grouped bars of
     paired Δg % per category per configuration, each with its 95% CI as an error bar and its value written on it.
     Uses matplotlib's Agg canvas, no pyplot state; each file is written to a temporary name and renamed."""
-    from matplotlib.figure import Figure
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = _order(summary)
+    return [
+        _save(_mat_vs_g(summary, names), out / "mat_vs_g.png"),
+        _save(_category_delta_g(summary, names, baseline), out / "category_delta_g.png"),
+    ]
+
+
+def _mat_vs_g(summary: Mapping[str, Mapping[str, Any]], names: Sequence[str]) -> Any:
+    """The MAT vs g figure of `write_plots` (configurations in ``names``' order, colour C{index})."""
+    from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7.5, 5.5))
     ax = fig.add_subplot()
@@ -94,21 +102,7 @@ def write_plots(
                 ax.plot([g, gp], [mat, mat], color=color, lw=0.8, ls=":")
         shown.append((n, at, mat, color))
     if shown:
-        xs = [x for _, x, _, _ in shown] + [
-            _num(summary[n].get("g_projected_ms_per_token")) or x for n, x, _, _ in shown
-        ]
-        ys = [y for _, _, y, _ in shown]
-        offsets = _label_offsets([(x, y) for _, x, y, _ in shown], max(xs) - min(xs), max(ys) - min(ys))
-        for (n, x, y, color), off in zip(shown, offsets):
-            ax.annotate(
-                n,
-                (x, y),
-                textcoords="offset points",
-                xytext=off,
-                fontsize=8,
-                color=color,
-                bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8},
-            )
+        _name_points(ax, summary, shown)
     else:
         ax.text(0.5, 0.5, "no configuration with a verifier", ha="center", va="center", transform=ax.transAxes)
     ax.scatter([], [], color="gray", marker="o", label="g measured (incl. prefill)")
@@ -119,7 +113,31 @@ def write_plots(
     ax.set_ylabel("MAT: tokens per verification round")
     ax.set_title("MAT vs g per configuration")
     ax.grid(True, alpha=0.3)
-    paths = [_save(fig, out / "mat_vs_g.png")]
+    return fig
+
+
+def _name_points(ax: Any, summary: Mapping[str, Mapping[str, Any]], shown: Sequence[tuple]) -> None:
+    """Each shown point's configuration beside it (``shown``: (name, g, MAT, colour)), labels of points close
+    together stacked (`_label_offsets`, spans over both g markers)."""
+    xs = [x for _, x, _, _ in shown] + [_num(summary[n].get("g_projected_ms_per_token")) or x for n, x, _, _ in shown]
+    ys = [y for _, _, y, _ in shown]
+    offsets = _label_offsets([(x, y) for _, x, y, _ in shown], max(xs) - min(xs), max(ys) - min(ys))
+    for (n, x, y, color), off in zip(shown, offsets):
+        ax.annotate(
+            n,
+            (x, y),
+            textcoords="offset points",
+            xytext=off,
+            fontsize=8,
+            color=color,
+            bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8},
+        )
+
+
+def _category_delta_g(summary: Mapping[str, Mapping[str, Any]], names: Sequence[str], baseline: str) -> Any:
+    """The paired Δg per category figure of `write_plots`: one bar group per category, one bar per configuration
+    other than ``baseline`` that has a paired Δg (colour C{its index in ``names``})."""
+    from matplotlib.figure import Figure
 
     cfgs = [
         n
@@ -161,5 +179,4 @@ def write_plots(
     ax.set_ylabel(f"Δg % vs {baseline} (lower is better)")
     ax.set_title("Paired Δg per category (value on each bar; error bar: 95% CI over the category's questions)")
     ax.grid(True, axis="y", alpha=0.3)
-    paths.append(_save(fig, out / "category_delta_g.png"))
-    return paths
+    return fig

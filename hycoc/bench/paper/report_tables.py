@@ -12,7 +12,7 @@ from typing import Any
 from hycoc.bench.paper.quality import METRIC_BY_KEY, METRICS
 from hycoc.bench.paper.stats import DEFAULT_BASELINE, FLAG_METHOD, _num
 from hycoc.bench.paper.stats import table5_order as _order
-from hycoc.bench.paper.summary import LOGPROB_NOTE
+from hycoc.bench.paper.summary_schema import LOGPROB_NOTE
 
 # ---- terminal tables --------------------------------------------------------------------------------------
 # Each table is built as a `hycoc.bench.tables.TextTable` (formatted strings) and printed by

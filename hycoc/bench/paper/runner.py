@@ -49,13 +49,12 @@ from typing import Any
 
 from hycoc.bench.datasets import LONG_SUMMARY_CATEGORY, Question
 from hycoc.bench.paper.records import (
-    RECORDS,
     RESULTS,
     atomic_write,
     open_out,
     read_records,
 )
-from hycoc.bench.paper.request_loop import Request, requests_of, run_requests
+from hycoc.bench.paper.request_loop import Request, RequestRun, requests_of, run_requests
 from hycoc.bench.paper.scoring import score_answers, score_quality
 from hycoc.bench.paper.turns import turn_summary, turns_table
 from hycoc.table5 import TABLE5_ORDER
@@ -148,7 +147,6 @@ def _run_bench(
 
     console = make_console(console)
     out = plan.out
-    records_path = out / RECORDS
     done = open_out(out, run_settings(recipe, plan, bundle_dir, backend), resume)
     rt = load_runtime(bundle_dir, backend, threads=threads)
     if rt.bundle.manifest.recipe.sha256 != recipe.content_hash():
@@ -163,52 +161,17 @@ def _run_bench(
         for q in plan.questions
     }
     prompts = {qid: r.ids for qid, r in rendered.items()}
-    anchors = {qid: r.anchor for qid, r in rendered.items()}
     r = rt.bundle.round
     sampling = recipe.sampling.distribution
     epsilon = recipe.acceptance.epsilon  # the recipe's, like its sampling: `hycoc tune-epsilon` writes it there
-    todo = [
-        Request(c, c, epsilon, run, q)
-        for run in range(plan.runs)
-        for q in plan.questions
-        for c in plan.configs
-        if (c, run, q.question_id) not in done
-    ]
-    every = [Request(c, c, epsilon, run, q) for run in range(plan.runs) for q in plan.questions for c in plan.configs]
-    turns_note = (
-        "turns: 2 per question, slm-alone first turns only"
-        if plan.turns > 1 and "slm-alone" in plan.configs
-        else "turns"
-        if plan.turns > 1
-        else "first turns"
-    )
-    console.print(
-        f"bench: {len(plan.questions)} questions x {len(plan.configs)} configurations x {plan.runs} run(s) "
-        f"= {requests_of(every, plan.turns)} requests ({turns_note}; {requests_of(todo, plan.turns)} to "
-        "run), "
-        f"output cap {plan.output_cap}, T={sampling.temperature}, ε={epsilon:g}, link {plan.link} (counted, "
-        f"not slept), backend {backend}"
-    )
-    run_requests(
-        rt,
-        recipe_path,
-        bundle_dir,
-        todo,
-        prompts,
-        records_path,
-        link=plan.link,
-        output_cap=plan.output_cap,
-        sampling=sampling,
-        seed=r.seed,
-        console=console,
-        turns=plan.turns,
-        thinking=plan.thinking,
-        anchors=anchors,
-    )
+    todo = _announce(plan, done, epsilon, sampling.temperature, backend, console)
+    how = {"turns": plan.turns, "thinking": plan.thinking, "anchors": {q: x.anchor for q, x in rendered.items()}}
+    run = RequestRun.for_plan(plan, recipe_path, bundle_dir, prompts, sampling=sampling, seed=r.seed, **how)
+    run_requests(rt, todo, run, console)
 
     records = [
         rec
-        for rec in read_records(records_path)
+        for rec in read_records(run.records_path)
         if rec["config"] in plan.configs and rec["question_id"] in prompts and rec["run"] < plan.runs
     ]
     turns = turn_summary(records)
@@ -218,23 +181,7 @@ def _run_bench(
     cost, cost_note = cost_model_for(recipe, records, cost_model_path, out, console, remeasure=remeasure_cost_model)
     summary = summarize(records, cost_model=cost, server=server_work(recipe))
     results: dict[str, Any] = {
-        "meta": {
-            "recipe": str(recipe_path),
-            "bundle": str(bundle_dir),
-            "backend": backend,
-            "questions": len(plan.questions),
-            "dataset": plan.dataset,
-            "configs": plan.configs,
-            "runs": plan.runs,
-            "link": plan.link,
-            "link_applied": "counted, not slept",
-            "output_cap": plan.output_cap,
-            "temperature": sampling.temperature,
-            "cost_model": cost_note,
-            "cost_model_points": [p.model_dump() for p in cost.points],
-            "machine": f"{os.cpu_count()} CPUs",
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        },
+        "meta": _results_meta(recipe_path, plan, bundle_dir, backend, sampling, cost, cost_note),
         "summary": summary,
         "turns": turns,
         "device_time": device_time_for(records, bundle_dir, device_profile_path, console),
@@ -259,6 +206,53 @@ def _run_bench(
             fmt=fmt,
         )
     return results
+
+
+def _announce(plan: BenchPlan, done, epsilon: float, temperature: float, backend: str, console) -> list[Request]:
+    """The requests of ``plan`` still to run (every run x question x configuration, in that order, less the
+    (config, run, question_id) of ``done``), each at ``epsilon``, after printing what the bench runs: the counts,
+    the output cap, the temperature and ε, the link and the backend."""
+    every = [Request(c, c, epsilon, run, q) for run in range(plan.runs) for q in plan.questions for c in plan.configs]
+    todo = [req for req in every if (req.config, req.run, req.question.question_id) not in done]
+    turns_note = (
+        "turns: 2 per question, slm-alone first turns only"
+        if plan.turns > 1 and "slm-alone" in plan.configs
+        else "turns"
+        if plan.turns > 1
+        else "first turns"
+    )
+    console.print(
+        f"bench: {len(plan.questions)} questions x {len(plan.configs)} configurations x {plan.runs} run(s) "
+        f"= {requests_of(every, plan.turns)} requests ({turns_note}; {requests_of(todo, plan.turns)} to "
+        "run), "
+        f"output cap {plan.output_cap}, T={temperature}, ε={epsilon:g}, link {plan.link} (counted, "
+        f"not slept), backend {backend}"
+    )
+    return todo
+
+
+def _results_meta(
+    recipe_path: Path, plan: BenchPlan, bundle_dir: Path, backend: str, sampling, cost, cost_note: str
+) -> dict:
+    """``results.json``'s ``meta``: what ran (recipe, bundle, backend, questions, configurations, runs, link, output
+    cap, temperature), the cost model (its note and points), the machine and the date."""
+    return {
+        "recipe": str(recipe_path),
+        "bundle": str(bundle_dir),
+        "backend": backend,
+        "questions": len(plan.questions),
+        "dataset": plan.dataset,
+        "configs": plan.configs,
+        "runs": plan.runs,
+        "link": plan.link,
+        "link_applied": "counted, not slept",
+        "output_cap": plan.output_cap,
+        "temperature": sampling.temperature,
+        "cost_model": cost_note,
+        "cost_model_points": [p.model_dump() for p in cost.points],
+        "machine": f"{os.cpu_count()} CPUs",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 def result_tables(results: dict) -> list:
@@ -386,6 +380,16 @@ def server_work(recipe) -> dict[str, int]:
 
 def run_settings(recipe, plan: BenchPlan, bundle_dir: Path, backend: str) -> dict:
     """What makes two benches' records comparable; ``--resume`` refuses to mix records made with other values."""
+    before, after = {"link": plan.link}, {"turns": plan.turns, "thinking": plan.thinking}
+    return comparable_settings(recipe, bundle_dir, backend, plan.output_cap, recipe.sampling.temperature, before, after)
+
+
+def comparable_settings(
+    recipe, bundle_dir: Path, backend: str, output_cap: int, temperature: float, before: dict, after: dict
+) -> dict:
+    """The ``settings.json`` of a bench or an ε sweep (`run_settings`, `hycoc.bench.paper.tune_epsilon.tune_settings`):
+    the recipe's and the bundle manifest's sha256, the backend, the output cap, ``before``, the temperature, the
+    recipe's top-k, top-p and seed, then ``after`` (the keys in this order, as ``settings.json`` writes them)."""
     from hycoc.bundle import sha256_file
 
     s = recipe.sampling
@@ -393,14 +397,13 @@ def run_settings(recipe, plan: BenchPlan, bundle_dir: Path, backend: str) -> dic
         "recipe_sha256": recipe.content_hash(),
         "bundle_manifest_sha256": sha256_file(bundle_dir / "manifest.json"),
         "backend": backend,
-        "output_cap": plan.output_cap,
-        "link": plan.link,
-        "temperature": s.temperature,
+        "output_cap": output_cap,
+        **before,
+        "temperature": temperature,
         "top_k": s.top_k,
         "top_p": s.top_p,
         "seed": s.seed,
-        "turns": plan.turns,
-        "thinking": plan.thinking,
+        **after,
     }
 
 
@@ -422,4 +425,5 @@ __all__ = [
     "COST_MODEL",
     "device_time_for",
     "run_settings",
+    "comparable_settings",
 ]

@@ -295,13 +295,10 @@ def run_tune(
 
     Raises TuneError (bad plan, nothing admissible), BenchError (server, output folder), BundleError,
     TransportError, CostModelError; KeyboardInterrupt keeps ``records.jsonl`` for ``resume``."""
-    from hycoc.bench.paper.quality import rouge_l
     from hycoc.bench.paper.records import atomic_write, open_out, read_records
-    from hycoc.bench.paper.request_loop import Request, run_requests
+    from hycoc.bench.paper.request_loop import RequestRun, run_requests
     from hycoc.bench.paper.runner import cost_model_for, make_console
-    from hycoc.bench.paper.scoring import score_quality
     from hycoc.bench.paper.summary import summarize
-    from hycoc.bundle import sha256_file
     from hycoc.runtime.client import load_runtime
 
     if plan.mode not in EXACT_MODE:
@@ -309,56 +306,21 @@ def run_tune(
     console = make_console(console)
     epsilons = sorted({float(e) for e in plan.epsilons if 0 < e < 1}) + [1.0]
     labels = {label_of(e): e for e in epsilons}
-    s = recipe.sampling
-    settings = {
-        "recipe_sha256": recipe.content_hash(),
-        "bundle_manifest_sha256": sha256_file(bundle_dir / "manifest.json"),
-        "backend": backend,
-        "output_cap": plan.output_cap,
-        "temperature": plan.temperature,
-        "top_k": s.top_k,
-        "top_p": s.top_p,
-        "seed": s.seed,
-        "mode": plan.mode,
-        "link": plan.link,
-    }
-    done = open_out(plan.out, settings, resume)
+    done = open_out(plan.out, tune_settings(recipe, plan, bundle_dir, backend), resume)
     rt = load_runtime(bundle_dir, backend, threads=threads)
     prompts = {q.question_id: rt.bundle.chat.prompt(q.turns[0]) for q in plan.questions}
-    sampling = replace(s.distribution, temperature=plan.temperature)
-    todo = []
-    for q in plan.questions:
-        for eps in epsilons:
-            label = label_of(eps)
-            if (label, 0, q.question_id) not in done:
-                mode = EXACT_MODE[plan.mode] if eps >= 1.0 else plan.mode
-                todo.append(Request(label, mode, eps, 0, q))
+    sampling = replace(recipe.sampling.distribution, temperature=plan.temperature)
+    todo = _sweep_requests(plan, epsilons, done)
     console.print(
         f"tune-epsilon: {len(plan.questions)} validation prompts x {len(epsilons)} thresholds "
         f"({', '.join(labels)}) = {len(plan.questions) * len(epsilons)} requests ({len(todo)} to run), "
         f"mode {plan.mode}, output cap {plan.output_cap}, T={plan.temperature}, backend {backend}"
     )
-    records_path = plan.out / "records.jsonl"
-    run_requests(
-        rt,
-        recipe_path,
-        bundle_dir,
-        todo,
-        prompts,
-        records_path,
-        link=plan.link,
-        output_cap=plan.output_cap,
-        sampling=sampling,
-        seed=s.seed,
-        console=console,
-    )
+    run = RequestRun.for_plan(plan, recipe_path, bundle_dir, prompts, sampling=sampling, seed=recipe.sampling.seed)
+    run_requests(rt, todo, run, console)
 
-    records = [r for r in read_records(records_path) if r["config"] in labels and r["question_id"] in prompts]
-    by_id = {q.question_id: q for q in plan.questions}
-    score_quality(records, by_id)
-    for r in records:  # informational: overlap with the validation set's own answer (a sample, not a gold answer)
-        ref = by_id[r["question_id"]].reference
-        r["quality"]["rouge_l"] = rouge_l(r.get("text") or "", ref[0]) if ref and isinstance(ref[0], str) else None
+    records = [r for r in read_records(run.records_path) if r["config"] in labels and r["question_id"] in prompts]
+    _score(records, plan.questions)
     cost, cost_note = cost_model_for(recipe, records, cost_model_path, plan.out, console)
     summary = summarize(records, baseline=EXACT, cost_model=cost)
     rows = rows_from_summary(summary, labels)
@@ -390,6 +352,43 @@ def run_tune(
         markup=False,
     )
     return result
+
+
+def tune_settings(recipe, plan: TunePlan, bundle_dir: Path, backend: str) -> dict:
+    """What makes two sweeps' records comparable (``settings.json``, `hycoc.bench.paper.runner.comparable_settings`
+    with the plan's temperature, mode and link); ``--resume`` refuses to mix records made with other values."""
+    from hycoc.bench.paper.runner import comparable_settings
+
+    after = {"mode": plan.mode, "link": plan.link}
+    return comparable_settings(recipe, bundle_dir, backend, plan.output_cap, plan.temperature, {}, after)
+
+
+def _sweep_requests(plan: TunePlan, epsilons: Sequence[float], done) -> list:
+    """The sweep's requests still to run: per validation question, every ε in turn (interleaved; exact acceptance
+    runs the mode's exact counterpart, `EXACT_MODE`), run 0, less the (label, 0, question_id) of ``done``."""
+    from hycoc.bench.paper.request_loop import Request
+
+    todo = []
+    for q in plan.questions:
+        for eps in epsilons:
+            label = label_of(eps)
+            if (label, 0, q.question_id) not in done:
+                mode = EXACT_MODE[plan.mode] if eps >= 1.0 else plan.mode
+                todo.append(Request(label, mode, eps, 0, q))
+    return todo
+
+
+def _score(records: list[dict], questions: Sequence[Question]) -> None:
+    """Every answer's text metrics (`hycoc.bench.paper.scoring.score_quality`), and its ROUGE-L against the
+    validation set's own answer (informational: a sample, not a gold answer; None without one), in place."""
+    from hycoc.bench.paper.quality import rouge_l
+    from hycoc.bench.paper.scoring import score_quality
+
+    by_id = {q.question_id: q for q in questions}
+    score_quality(records, by_id)
+    for r in records:  # informational: overlap with the validation set's own answer (a sample, not a gold answer)
+        ref = by_id[r["question_id"]].reference
+        r["quality"]["rouge_l"] = rouge_l(r.get("text") or "", ref[0]) if ref and isinstance(ref[0], str) else None
 
 
 def sweep_table(rows: Sequence[SweepRow], chosen: SweepRow, tol: Tolerance):
@@ -477,4 +476,5 @@ __all__ = [
     "sweep_table",
     "rows_from_summary",
     "run_tune",
+    "tune_settings",
 ]

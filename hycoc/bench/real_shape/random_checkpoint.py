@@ -84,101 +84,48 @@ def write_random_checkpoint(
     Returns {"tensors", "bytes", "by_bits": {bits: {"modules", "values", "bytes"}}, "embeddings": {...}}.
     """
     import torch
-    from safetensors.torch import save_file
 
     from hycoc.passes.bit_map import resolve_bits, validate
-    from hycoc.toy.gemma_format import pack, qmax
 
     qcfg = validate(quant_config)
     path.mkdir(parents=True, exist_ok=True)
     meta = meta_model(cfg)
     rng = np.random.default_rng(seed)
     owned: set[str] = set()
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    sizes = [0]
+    shards = _ShardWriter(path, shard_bytes)
     by_bits: dict[str, dict[str, int]] = {}
     embeddings: dict[str, dict[str, int]] = {}
-
-    def put(name: str, t: torch.Tensor) -> None:
-        nbytes = t.numel() * t.element_size()
-        if sizes[-1] and sizes[-1] + nbytes > shard_bytes:
-            flush()
-        shards[-1][name] = t.contiguous()
-        sizes[-1] += nbytes
-
-    files: list[tuple[str, list[str]]] = []
-
-    def flush() -> None:
-        if not shards[-1]:
-            return
-        name = f"model-{len(files) + 1:05d}.safetensors"
-        tmp = path / (name + ".tmp")
-        save_file(shards[-1], str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, path / name)
-        files.append((name, list(shards[-1])))
-        shards[-1] = {}
-        sizes[-1] = 0
-
     for name, module in meta.named_modules():
         if isinstance(module, torch.nn.Linear):
             bits = resolve_bits(name, qcfg)
-            qm = qmax(bits)
-            q = torch.from_numpy(
-                rng.integers(-qm, qm + 1, size=(module.out_features, module.in_features), dtype=np.int8)
-            )
-            scale = torch.full((module.out_features, 1), math.sqrt(3) / (qm * math.sqrt(module.in_features)))
-            scale *= torch.from_numpy(rng.uniform(0.8, 1.2, (module.out_features, 1)).astype(np.float32))
-            packed = pack(q, bits)
-            del q
-            put(f"{name}.weight", packed)
-            put(f"{name}.weight_scale", scale.float())
-            put(f"{name}.input_activation_scale", torch.tensor(0.0))
-            put(f"{name}.output_activation_scale", torch.tensor(0.0))
+            nbytes = _random_linear(shards, rng, name, module, bits)
             e = by_bits.setdefault(str(bits), {"modules": 0, "values": 0, "bytes": 0})
             e["modules"] += 1
             e["values"] += module.out_features * module.in_features
-            e["bytes"] += packed.numel() * packed.element_size() + 4 * module.out_features
+            e["bytes"] += nbytes
             owned.add(name)
         elif isinstance(module, torch.nn.Embedding):
             bits = resolve_bits(name, qcfg)
-            qm = qmax(bits)
-            rows, dim = module.num_embeddings, module.embedding_dim
-            packed_rows = []
-            for start in range(0, rows, 16384):  # in slices: the int8 rows of a 2.3 G-value table = 2.3 GB
-                stop = min(rows, start + 16384)
-                q = torch.from_numpy(rng.integers(-qm, qm + 1, size=(stop - start, dim), dtype=np.int8))
-                packed_rows.append(pack(q, bits))
-            packed = torch.cat(packed_rows)
-            del packed_rows
-            scale = torch.full((rows, 1), math.sqrt(3) / (qm * math.sqrt(dim)))
-            put(f"{name}.embedding_quantized", packed)
-            put(f"{name}.embedding_scale", scale.float())
+            nbytes = _random_embedding(shards, rng, name, module, bits)
             embeddings[name] = {
-                "rows": rows,
-                "cols": dim,
+                "rows": module.num_embeddings,
+                "cols": module.embedding_dim,
                 "bits": bits,
-                "bytes": packed.numel() * packed.element_size() + 4 * rows,
+                "bytes": nbytes,
             }
-            del packed
             owned.add(name)
     for key, t in meta.state_dict().items():
         if key.rsplit(".", 1)[0] in owned:
             continue
-        put(key, torch.ones(tuple(t.shape), dtype=torch.float32))
-    flush()
+        shards.put(key, torch.ones(tuple(t.shape), dtype=torch.float32))
+    shards.flush()
+    files = shards.files
     index: dict[str, Any] = {
         "metadata": {"total_size": int(sum((path / f).stat().st_size for f, _ in files))},
         "weight_map": {k: f for f, keys in files for k in keys},
     }
-    tmp = path / "model.safetensors.index.json.tmp"
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, path / "model.safetensors.index.json")
-    config = dict(cfg)
-    config["quantization_config"] = qcfg
-    config["architectures"] = ["Gemma4ForCausalLM"]
-    tmp = path / "config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=1))
-    os.replace(tmp, path / "config.json")
+    _write_json(path / "model.safetensors.index.json", index)
+    _write_json(path / "config.json", dict(cfg, quantization_config=qcfg, architectures=["Gemma4ForCausalLM"]))
     return {
         "tensors": len(index["weight_map"]),
         "files": len(files),
@@ -186,3 +133,84 @@ def write_random_checkpoint(
         "by_bits": by_bits,
         "embeddings": embeddings,
     }
+
+
+class _ShardWriter:
+    """Tensors put in order into ``model-XXXXX.safetensors`` files under ``path``: a file is flushed when the next
+    tensor would take it past ``shard_bytes`` (a tensor larger than that gets a file of its own), each written to a
+    temporary name and renamed. ``files``: [(file name, [tensor names])] in order."""
+
+    def __init__(self, path: Path, shard_bytes: int):
+        self.path, self.shard_bytes = path, shard_bytes
+        self.tensors: dict[str, Any] = {}
+        self.size = 0
+        self.files: list[tuple[str, list[str]]] = []
+
+    def put(self, name: str, t) -> None:
+        nbytes = t.numel() * t.element_size()
+        if self.size and self.size + nbytes > self.shard_bytes:
+            self.flush()
+        self.tensors[name] = t.contiguous()
+        self.size += nbytes
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.tensors:
+            return
+        name = f"model-{len(self.files) + 1:05d}.safetensors"
+        tmp = self.path / (name + ".tmp")
+        save_file(self.tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, self.path / name)
+        self.files.append((name, list(self.tensors)))
+        self.tensors, self.size = {}, 0
+
+
+def _random_linear(shards: _ShardWriter, rng: np.random.Generator, name: str, module, bits: int) -> int:
+    """A Linear's random integers at ``bits`` (packed), per-channel scales (RMS 1/sqrt(in), module docstring, each
+    row's drawn in [0.8, 1.2] of that) and zero activation scales put into ``shards``; returns its weight bytes
+    (packed integers + float32 scales)."""
+    import torch
+
+    from hycoc.toy.gemma_format import pack, qmax
+
+    qm = qmax(bits)
+    q = torch.from_numpy(rng.integers(-qm, qm + 1, size=(module.out_features, module.in_features), dtype=np.int8))
+    scale = torch.full((module.out_features, 1), math.sqrt(3) / (qm * math.sqrt(module.in_features)))
+    scale *= torch.from_numpy(rng.uniform(0.8, 1.2, (module.out_features, 1)).astype(np.float32))
+    packed = pack(q, bits)
+    del q
+    shards.put(f"{name}.weight", packed)
+    shards.put(f"{name}.weight_scale", scale.float())
+    shards.put(f"{name}.input_activation_scale", torch.tensor(0.0))
+    shards.put(f"{name}.output_activation_scale", torch.tensor(0.0))
+    return packed.numel() * packed.element_size() + 4 * module.out_features
+
+
+def _random_embedding(shards: _ShardWriter, rng: np.random.Generator, name: str, module, bits: int) -> int:
+    """An Embedding's random integers at ``bits`` (packed, drawn 16,384 rows at a time) and per-row scales put into
+    ``shards``; returns its bytes (packed integers + float32 scales)."""
+    import torch
+
+    from hycoc.toy.gemma_format import pack, qmax
+
+    qm = qmax(bits)
+    rows, dim = module.num_embeddings, module.embedding_dim
+    packed_rows = []
+    for start in range(0, rows, 16384):  # in slices: the int8 rows of a 2.3 G-value table = 2.3 GB
+        stop = min(rows, start + 16384)
+        q = torch.from_numpy(rng.integers(-qm, qm + 1, size=(stop - start, dim), dtype=np.int8))
+        packed_rows.append(pack(q, bits))
+    packed = torch.cat(packed_rows)
+    del packed_rows
+    scale = torch.full((rows, 1), math.sqrt(3) / (qm * math.sqrt(dim)))
+    shards.put(f"{name}.embedding_quantized", packed)
+    shards.put(f"{name}.embedding_scale", scale.float())
+    return packed.numel() * packed.element_size() + 4 * rows
+
+
+def _write_json(path: Path, data: Any) -> None:
+    """``data`` as indented JSON at ``path``, written to ``path.tmp`` and renamed."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
