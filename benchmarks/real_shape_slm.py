@@ -22,7 +22,7 @@ Steps, each timed, with its peak memory and the bytes it wrote (the head's equiv
    `IntegerWeight` checked bit-exact against transformers' own dequantization; the embedding tables become host
    LUTs). Details: bytes per width, LUT bytes.
 3. ``host_luts``: the per-layer-embedding and token LUTs stay on the host: looked up for 32 rows, and (after
-   export) no Gather on a constant table in the device graph (`hycoc.targets.htp.find_host_only_nodes`).
+   export) no Gather on a constant table in the device graph (`hycoc.targets.htp_checks.find_host_only_nodes`).
 4. ``graph``: `hycoc.passes.slm.graph.SlmTreeGraph` with B = 32 rows, rings 1,024 (full) / 512 (sliding) and a
    SYNTHETIC keep set of ``--keep-set`` sorted ids (uniform, fixed seed): the output layer keeps those rows only.
 5. ``export``: `export_slm_graph` (torch.onnx dynamo, RMSNorms decomposed, external data, checker, onnxruntime CPU

@@ -9,7 +9,7 @@ One job: find, in an ONNX model, the two constructs the HTP graphs must not cont
   data is an activation (computed from the graph inputs) and whose index operand is computed from a graph input's
   *values* -- e.g. ``k[:, :, pos - W : pos]`` or transformers' ``StaticCache`` ``index_copy_(cache_position)``.
   A Gather on a constant table indexed by an input (an embedding lookup) is not a KV slice and is left to the HTP
-  target's host-only check (`hycoc.targets.htp.find_host_only_nodes`); a Slice whose starts come from
+  target's host-only check (`hycoc.targets.htp_checks.find_host_only_nodes`); a Slice whose starts come from
   ``Shape`` of a static-shape tensor is static and is not matched.
 * **fused attention ops**: ONNX ``Attention`` (opset 23) and onnxruntime's ``com.microsoft`` attention contrib ops
   (``Attention``, ``MultiHeadAttention``, ``GroupQueryAttention``, ``PackedMultiHeadAttention``,

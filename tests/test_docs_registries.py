@@ -4,7 +4,7 @@ them (the pattern of tests/test_docs_commands.py: the reference is the code, nev
 * docs/compiler.md's pass table and the README's pass count: the passes `hycoc.passes.build.build_pipeline` lays
   out for recipes/toy.toml (the quick start's build); docs/design.md's pass table: the same, plus the sharded
   pipeline's pass, each with the class the pipeline runs;
-* every ``--target a|b|...`` list in the README and docs/commands.md: `hycoc.passes.build.TARGETS` (what ``hycoc
+* every ``--target a|b|...`` list in the README and docs/commands.md: `hycoc.passes.target_step.TARGETS` (what ``hycoc
   build --target`` accepts); docs/compiler.md's HTP list and every ``htp-vNN`` any page names:
   `hycoc.targets.profiles.HTP_TARGETS`;
 * ``hycoc doctor``'s "HTP targets" row: only the HTP targets of the registry, whatever archs the QNN probe tries
