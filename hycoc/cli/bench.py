@@ -174,12 +174,8 @@ def bench(
         except DeviceProfileError as e:
             raise _fail("bench", str(e)) from None
     _need_full("bench")
-    from hycoc.bench.cost_model.model import CostModelError
-    from hycoc.bench.paper.records import BenchError
     from hycoc.bench.paper.runner import BenchPlan, run_bench
-    from hycoc.bundle import BundleError
     from hycoc.chat import ChatFormatError
-    from hycoc.runtime.transport import TransportError
 
     questions, dataset_name, bundle_dir = _bench_questions(cfg, recipe, bundle, dataset, max_prompt_tokens)
     plan = BenchPlan(
@@ -193,8 +189,28 @@ def bench(
         thinking=thinking,
         dataset=dataset_name,
     )
+    own = {
+        "device_profile_path": device_profile,
+        "remeasure_cost_model": remeasure_cost_model,
+        "fmt": table_format.value,
+    }
+    _paper_job("bench", run_bench, cfg, recipe, plan, bundle_dir, backend, resume, cost_model, (ChatFormatError,), own)
+
+
+def _paper_job(
+    command: str, job, cfg, recipe: Path, plan, bundle_dir: Path, backend, resume: bool, cost_model, errors, own=None
+) -> None:
+    """``job`` (`hycoc.bench.paper.runner.run_bench`, `hycoc.bench.paper.tune_epsilon.run_tune`) on ``plan`` with
+    the bundle's backend unless ``backend`` (``--backend``) names one, ``resume`` (``--resume``) and ``cost_model``
+    (``--cost-model``); ``own``: the job's own keyword arguments. Ctrl-C exits 130; a bench, bundle, transport or
+    cost-model error, or one of ``errors``, exits 1 in one line."""
+    from hycoc.bench.cost_model.model import CostModelError
+    from hycoc.bench.paper.records import BenchError
+    from hycoc.bundle import BundleError
+    from hycoc.runtime.transport import TransportError
+
     try:
-        run_bench(
+        job(
             cfg,
             recipe,
             plan,
@@ -202,14 +218,12 @@ def bench(
             backend=_bundle_backend(bundle_dir, backend),
             resume=resume,
             cost_model_path=cost_model,
-            device_profile_path=device_profile,
-            remeasure_cost_model=remeasure_cost_model,
-            fmt=table_format.value,
+            **(own or {}),
         )
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
-    except (BenchError, BundleError, TransportError, CostModelError, ChatFormatError) as e:
-        raise _fail("bench", str(e)) from None
+    except (*errors, BenchError, BundleError, TransportError, CostModelError) as e:
+        raise _fail(command, str(e)) from None
 
 
 def _say(line: str) -> None:
@@ -302,11 +316,6 @@ def tune_epsilon(
     except (TuneError, DatasetError) as e:
         raise _fail("tune-epsilon", str(e)) from None
     _need_full("tune-epsilon")
-    from hycoc.bench.cost_model.model import CostModelError
-    from hycoc.bench.paper.records import BenchError
-    from hycoc.bundle import BundleError
-    from hycoc.runtime.transport import TransportError
-
     bundle_dir = _bench_bundle("tune-epsilon", cfg, recipe, bundle)
     plan = TunePlan(
         questions=questions,
@@ -317,20 +326,7 @@ def tune_epsilon(
         tolerance=Tolerance.from_recipe(cfg.tune),
         out=out,
     )
-    try:
-        run_tune(
-            cfg,
-            recipe,
-            plan,
-            bundle_dir=bundle_dir,
-            backend=_bundle_backend(bundle_dir, backend),
-            resume=resume,
-            cost_model_path=cost_model,
-        )
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
-    except (TuneError, BenchError, BundleError, TransportError, CostModelError) as e:
-        raise _fail("tune-epsilon", str(e)) from None
+    _paper_job("tune-epsilon", run_tune, cfg, recipe, plan, bundle_dir, backend, resume, cost_model, (TuneError,))
 
 
 def profile(
