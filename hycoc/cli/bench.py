@@ -20,8 +20,8 @@ from hycoc.cli._common import (
     _need_full,
     _recipe,
 )
-from hycoc.ports import ws_url_problem
-from hycoc.serving_limits import SCORED_MODES, SERVER_MODES
+from hycoc.cli.options import unset
+from hycoc.serving_limits import SERVER_MODES
 from hycoc.table5 import TABLE5_ORDER, WITH_VERIFIER
 
 #: Configurations of `hycoc bench` (paper Table 5, `hycoc.table5`).
@@ -48,82 +48,106 @@ CostModelOption = Annotated[
 ]
 
 
-def bench(
-    recipe: Path = RECIPE_ARG,
-    dataset: str | None = typer.Option(
-        None,
-        help="spec-bench, long-summary (long documents filling the verifier's context, in the paper's "
+#: bench's own long options (`hycoc.cli.options`), in the order of its parameters.
+Dataset = Annotated[
+    str | None,
+    unset(
+        "spec-bench, long-summary (long documents filling the verifier's context, in the paper's "
         "2-shot summarization prompt), or a path: a Spec-Bench question JSONL or an InfiniteBench "
         "longbook_sum_eng.jsonl (the paper's first 50 in HELMET's order) (default: the recipe's bench.dataset, else "
-        "spec-bench)",
-        show_default=False,
+        "spec-bench)"
     ),
-    limit: int | None = typer.Option(
-        None, min=1, help="use the first N questions (default: all 480)", show_default=False
-    ),
-    max_prompt_tokens: int | None = typer.Option(
-        None,
-        min=16,
-        help="long documents: cut each document at a line end so its prompt has at most N tokens, as "
+]
+Limit = Annotated[int | None, unset("use the first N questions (default: all 480)", min=1)]
+MaxPromptTokens = Annotated[
+    int | None,
+    unset(
+        "long documents: cut each document at a line end so its prompt has at most N tokens, as "
         "the paper cut the novels to 32K (default: uncut; a prompt the verifier cannot hold is refused at OPEN "
         "with context_overflow)",
-        show_default=False,
+        min=16,
     ),
-    configs: str = typer.Option(
-        ",".join(BENCH_CONFIGS),
-        help="comma-separated configurations (paper Table 5) "
-        f"(default: all {len(BENCH_CONFIGS)}: {', '.join(BENCH_CONFIGS)})",
-        show_default=False,
+]
+BenchConfigs = Annotated[
+    str,
+    unset(
+        "comma-separated configurations (paper Table 5) "
+        f"(default: all {len(BENCH_CONFIGS)}: {', '.join(BENCH_CONFIGS)})"
     ),
-    link: str | None = typer.Option(
-        None,
-        help="link model per frame: lte, 5g, none or RTT_MS:MBPS (round trip ms : megabit/s) "
-        "(default: the recipe's bench.link)",
-        show_default=False,
+]
+Link = Annotated[
+    str | None,
+    unset(
+        "link model per frame: lte, 5g, none or RTT_MS:MBPS (round trip ms : megabit/s) "
+        "(default: the recipe's bench.link)"
     ),
-    runs: int | None = typer.Option(
-        None, min=1, help="repetitions per configuration (default: the recipe's)", show_default=False
-    ),
-    out: Path = typer.Option(Path("runs/bench"), help="folder for records.jsonl, results.json and plots"),
-    resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
-    bundle: BundleOption = None,
-    backend: BackendOption = None,
-    cost_model: CostModelOption = None,
-    max_new_tokens: int | None = typer.Option(
-        None, min=1, help="output cap per request (default: the recipe's bench.output_cap)", show_default=False
-    ),
-    turns: int = typer.Option(
-        2,
+]
+Runs = Annotated[int | None, unset("repetitions per configuration (default: the recipe's)", min=1)]
+BenchMaxNewTokens = Annotated[
+    int | None, unset("output cap per request (default: the recipe's bench.output_cap)", min=1)
+]
+Turns = Annotated[
+    int,
+    typer.Option(
         min=1,
         max=2,
         help="2: questions with a second turn (MT-bench) continue on the same session with the "
         "configuration's own first answer in the conversation, as the paper's SB-480 (KV kept; per-turn table of "
         "prefill ms saved, g, MAT); 1: first turns only",
     ),
-    thinking: bool = typer.Option(
-        False,
+]
+Thinking = Annotated[
+    bool,
+    typer.Option(
         "--thinking",
         help="prompts with the chat template's thinking switch on; quality scores the final "
         'answer, not the thought (default off, as the recipe runs: docs/recipes.md "Chat format")',
     ),
-    device_profile: Path | None = typer.Option(
-        None,
-        help="device_profile.json from `hycoc profile`: phone draft ms per round and delivery tok/s per "
-        "configuration from its profiled graph times (default: the labelled estimate, hycoc/device_time.py)",
-        show_default=False,
+]
+DeviceProfile = Annotated[
+    Path | None,
+    unset(
+        "device_profile.json from `hycoc profile`: phone draft ms per round and delivery tok/s per "
+        "configuration from its profiled graph times (default: the labelled estimate, hycoc/device_time.py)"
     ),
-    remeasure_cost_model: bool = typer.Option(
-        False,
+]
+RemeasureCostModel = Annotated[
+    bool,
+    typer.Option(
         "--remeasure-cost-model",
         help="measure the cost model again even when OUT/cost_model.json exists "
         "(--resume reuses it, so the summary stays as it was)",
     ),
-    table_format: TableFormat = typer.Option(
-        TableFormat.table,
+]
+Format = Annotated[
+    TableFormat,
+    typer.Option(
         "--format",
         help="how the results are printed: table (fit to the terminal's width, or "
         "COLUMNS, 120 when redirected), markdown or csv",
     ),
+]
+
+
+def bench(
+    recipe: Path = RECIPE_ARG,
+    dataset: Dataset = None,
+    limit: Limit = None,
+    max_prompt_tokens: MaxPromptTokens = None,
+    configs: BenchConfigs = ",".join(BENCH_CONFIGS),
+    link: Link = None,
+    runs: Runs = None,
+    out: Path = typer.Option(Path("runs/bench"), help="folder for records.jsonl, results.json and plots"),
+    resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
+    bundle: BundleOption = None,
+    backend: BackendOption = None,
+    cost_model: CostModelOption = None,
+    max_new_tokens: BenchMaxNewTokens = None,
+    turns: Turns = 2,
+    thinking: Thinking = False,
+    device_profile: DeviceProfile = None,
+    remeasure_cost_model: RemeasureCostModel = False,
+    table_format: Format = TableFormat.table,
 ) -> None:
     """Benchmark every configuration on the same prompts, verifier and seed (paper Table 2, App. G).
 
@@ -150,12 +174,8 @@ def bench(
         except DeviceProfileError as e:
             raise _fail("bench", str(e)) from None
     _need_full("bench")
-    from hycoc.bench.cost_model.model import CostModelError
-    from hycoc.bench.paper.records import BenchError
     from hycoc.bench.paper.runner import BenchPlan, run_bench
-    from hycoc.bundle import BundleError
     from hycoc.chat import ChatFormatError
-    from hycoc.runtime.transport import TransportError
 
     questions, dataset_name, bundle_dir = _bench_questions(cfg, recipe, bundle, dataset, max_prompt_tokens)
     plan = BenchPlan(
@@ -169,8 +189,28 @@ def bench(
         thinking=thinking,
         dataset=dataset_name,
     )
+    own = {
+        "device_profile_path": device_profile,
+        "remeasure_cost_model": remeasure_cost_model,
+        "fmt": table_format.value,
+    }
+    _paper_job("bench", run_bench, cfg, recipe, plan, bundle_dir, backend, resume, cost_model, (ChatFormatError,), own)
+
+
+def _paper_job(
+    command: str, job, cfg, recipe: Path, plan, bundle_dir: Path, backend, resume: bool, cost_model, errors, own=None
+) -> None:
+    """``job`` (`hycoc.bench.paper.runner.run_bench`, `hycoc.bench.paper.tune_epsilon.run_tune`) on ``plan`` with
+    the bundle's backend unless ``backend`` (``--backend``) names one, ``resume`` (``--resume``) and ``cost_model``
+    (``--cost-model``); ``own``: the job's own keyword arguments. Ctrl-C exits 130; a bench, bundle, transport or
+    cost-model error, or one of ``errors``, exits 1 in one line."""
+    from hycoc.bench.cost_model.model import CostModelError
+    from hycoc.bench.paper.records import BenchError
+    from hycoc.bundle import BundleError
+    from hycoc.runtime.transport import TransportError
+
     try:
-        run_bench(
+        job(
             cfg,
             recipe,
             plan,
@@ -178,14 +218,12 @@ def bench(
             backend=_bundle_backend(bundle_dir, backend),
             resume=resume,
             cost_model_path=cost_model,
-            device_profile_path=device_profile,
-            remeasure_cost_model=remeasure_cost_model,
-            fmt=table_format.value,
+            **(own or {}),
         )
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
-    except (BenchError, BundleError, TransportError, CostModelError, ChatFormatError) as e:
-        raise _fail("bench", str(e)) from None
+    except (*errors, BenchError, BundleError, TransportError, CostModelError) as e:
+        raise _fail(command, str(e)) from None
 
 
 def _say(line: str) -> None:
@@ -278,11 +316,6 @@ def tune_epsilon(
     except (TuneError, DatasetError) as e:
         raise _fail("tune-epsilon", str(e)) from None
     _need_full("tune-epsilon")
-    from hycoc.bench.cost_model.model import CostModelError
-    from hycoc.bench.paper.records import BenchError
-    from hycoc.bundle import BundleError
-    from hycoc.runtime.transport import TransportError
-
     bundle_dir = _bench_bundle("tune-epsilon", cfg, recipe, bundle)
     plan = TunePlan(
         questions=questions,
@@ -293,20 +326,7 @@ def tune_epsilon(
         tolerance=Tolerance.from_recipe(cfg.tune),
         out=out,
     )
-    try:
-        run_tune(
-            cfg,
-            recipe,
-            plan,
-            bundle_dir=bundle_dir,
-            backend=_bundle_backend(bundle_dir, backend),
-            resume=resume,
-            cost_model_path=cost_model,
-        )
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
-    except (TuneError, BenchError, BundleError, TransportError, CostModelError) as e:
-        raise _fail("tune-epsilon", str(e)) from None
+    _paper_job("tune-epsilon", run_tune, cfg, recipe, plan, bundle_dir, backend, resume, cost_model, (TuneError,))
 
 
 def profile(
@@ -355,74 +375,87 @@ LOADTEST_CONFIGS = WITH_VERIFIER
 #: `hycoc loadtest --batching` values (`hycoc.serving_limits.SERVER_MODES`: serial, batched, budgeted, allowance).
 LOADTEST_BATCHING = tuple(SERVER_MODES)
 
-
-def loadtest(
-    recipe: Path = RECIPE_ARG,
-    sessions: str = typer.Option("1,4,16,64", help="comma-separated concurrent session counts, one run each"),
-    duration: float = typer.Option(20.0, min=0.5, help="seconds per run (per batching mode and session count)"),
-    rate: float | None = typer.Option(
-        None,
+#: loadtest's long options (`hycoc.cli.options`), in the order of its parameters.
+Rate = Annotated[
+    float | None,
+    unset(
+        "session arrivals per second, a seeded Poisson process (open loop); default: all sessions start at once",
         min=0.001,
-        help="session arrivals per second, a seeded Poisson process (open loop); default: all sessions start at once",
-        show_default=False,
     ),
-    configs: str = typer.Option(
-        "hyco",
+]
+LoadTestConfigs = Annotated[
+    str,
+    typer.Option(
         help="comma-separated configurations (paper Table 5) the devices replay; "
         "device i replays the i-th modulo their number",
     ),
-    server: str | None = typer.Option(
-        None,
-        metavar="URL",
-        help="a running verifier, ws://HOST:PORT (default: start `hycoc verify-server RECIPE` "
+]
+Server = Annotated[
+    str | None,
+    unset(
+        "a running verifier, ws://HOST:PORT (default: start `hycoc verify-server RECIPE` "
         "in a child process per --batching mode)",
-        show_default=False,
+        metavar="URL",
     ),
-    batching: str | None = typer.Option(
-        None,
-        help="comma-separated modes, one server each: serial (one session per forward), batched (sessions' "
+]
+Batching = Annotated[
+    str | None,
+    unset(
+        "comma-separated modes, one server each: serial (one session per forward), batched (sessions' "
         "trees in one forward, as sent: verify-server --batching batched --tree-budget fixed --allowance fixed), "
         "budgeted (batched, rows chosen across the trees by their scores: --tree-budget auto --allowance fixed), "
         "allowance (budgeted, and each reply sizes the session's next tree from the load: --allowance auto, the "
         "recipe default); MODE:CONFIG runs a server of MODE whose devices replay CONFIG alone (a baseline in the "
         "same run, e.g. batched:cloud-mtp) (default: serial; with --server: the mode it reports in /healthz, "
-        "checked when given)",
-        show_default=False,
+        "checked when given)"
     ),
-    device_ms: float | None = typer.Option(
-        None,
-        min=0.0,
-        help="device drafting time between rounds, ms (default: each round's recorded time)",
-        show_default=False,
+]
+DeviceMs = Annotated[
+    float | None,
+    unset("device drafting time between rounds, ms (default: each round's recorded time)", min=0.0),
+]
+RecordedBundle = Annotated[
+    Path | None,
+    unset(
+        "device bundle whose runtime records the rounds (default: bundles/<recipe name>-cpu, built first when missing)"
     ),
-    prompts: int = typer.Option(4, min=1, help="Spec-Bench questions (first turns) recorded per configuration"),
-    out: Path = typer.Option(Path("runs/loadtest"), help="folder for results.json and latency_vs_sessions.png"),
-    bundle: Path | None = typer.Option(
-        None,
-        help="device bundle whose runtime records the rounds (default: bundles/<recipe name>-cpu, built "
-        "first when missing)",
-        show_default=False,
+]
+GpuCostModel = Annotated[
+    Path | None,
+    unset(
+        "cost-model JSON for the GPU projection (its rows must cover the batches); default: an "
+        "assumed H200-like GPU, flat up to 206 rows per forward"
     ),
-    cost_model: Path | None = typer.Option(
-        None,
-        help="cost-model JSON for the GPU projection (its rows must cover the batches); default: an "
-        "assumed H200-like GPU, flat up to 206 rows per forward",
-        show_default=False,
-    ),
-    max_new_tokens: int | None = typer.Option(
-        None,
-        min=1,
-        help="output cap of each recorded request (default: the recipe's bench.output_cap)",
-        show_default=False,
-    ),
-    temperature: float | None = typer.Option(
-        None,
-        min=0.0,
-        help="sampling temperature of the recorded and replayed requests (default: the recipe's; 0 "
+]
+RecordedMaxNewTokens = Annotated[
+    int | None, unset("output cap of each recorded request (default: the recipe's bench.output_cap)", min=1)
+]
+RecordedTemperature = Annotated[
+    float | None,
+    unset(
+        "sampling temperature of the recorded and replayed requests (default: the recipe's; 0 "
         "when --batching has budgeted, whose trimmed rounds commit differently from the recording: only greedy text "
         "stays the recording's, so its trees still fit)",
-        show_default=False,
+        min=0.0,
     ),
+]
+
+
+def loadtest(
+    recipe: Path = RECIPE_ARG,
+    sessions: str = typer.Option("1,4,16,64", help="comma-separated concurrent session counts, one run each"),
+    duration: float = typer.Option(20.0, min=0.5, help="seconds per run (per batching mode and session count)"),
+    rate: Rate = None,
+    configs: LoadTestConfigs = "hyco",
+    server: Server = None,
+    batching: Batching = None,
+    device_ms: DeviceMs = None,
+    prompts: int = typer.Option(4, min=1, help="Spec-Bench questions (first turns) recorded per configuration"),
+    out: Path = typer.Option(Path("runs/loadtest"), help="folder for results.json and latency_vs_sessions.png"),
+    bundle: RecordedBundle = None,
+    cost_model: GpuCostModel = None,
+    max_new_tokens: RecordedMaxNewTokens = None,
+    temperature: RecordedTemperature = None,
 ) -> None:
     """Load-test a verifier with many simulated devices: total tok/s, verifier ms per token, round latency
     p50/p90/p99, rows per forward and errors per session count.
@@ -433,43 +466,25 @@ def loadtest(
     OUT/results.json and OUT/latency_vs_sessions.png and prints the table; the GPU columns are a projection.
     """
     from hycoc.bench.datasets import DatasetError, load_spec_bench
+    from hycoc.bench.inputs import OptionError
+    from hycoc.bench.loadtest.app import plan_loadtest
 
     cfg = _recipe("loadtest", recipe)
     try:
-        counts = [int(x) for x in sessions.split(",")]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 1:
-        raise _fail(
-            "loadtest", f"--sessions {sessions!r}: give comma-separated positive integers such as 1,4,16,64", code=2
+        plan = plan_loadtest(
+            sessions=sessions,
+            configs=configs,
+            batching=batching,
+            server=server,
+            duration_s=duration,
+            out=out,
+            rate=rate,
+            device_ms=device_ms,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
         )
-    chosen = configs.split(",")
-    unknown = [c for c in chosen if c not in LOADTEST_CONFIGS]
-    if unknown:
-        raise _fail(
-            "loadtest",
-            f"--configs: unknown or without a verifier: {', '.join(unknown)}; allowed: {', '.join(LOADTEST_CONFIGS)}",
-            code=2,
-        )
-    modes = batching.split(",") if batching else None
-    parts = [m.partition(":") for m in modes or []]  # MODE or MODE:CONFIG (that server's devices replay CONFIG)
-    if any(m not in LOADTEST_BATCHING or (sep and c not in LOADTEST_CONFIGS) for m, sep, c in parts):
-        raise _fail(
-            "loadtest",
-            f"--batching {batching!r}: allowed: {', '.join(LOADTEST_BATCHING)} (comma-separated), each optionally "
-            f"as MODE:CONFIG with CONFIG one of {', '.join(LOADTEST_CONFIGS)}",
-            code=2,
-        )
-    recorded = chosen + [c for _, sep, c in parts if sep and c not in chosen]  # MODE:CONFIG's configs recorded too
-    if server is not None and modes is not None and len(modes) != 1:
-        raise _fail(
-            "loadtest",
-            f"--batching {batching!r} with --server: a running server has one mode; give that "
-            "one, or leave --server out so each mode gets its own server",
-            code=2,
-        )
-    if server is not None and (problem := ws_url_problem(server)) is not None:
-        raise _fail("loadtest", f"--server {server!r}: {problem}", code=2)
+    except OptionError as e:
+        raise _fail("loadtest", str(e), code=2) from None
     if cost_model is not None and not cost_model.is_file():
         raise _fail("loadtest", f"--cost-model {cost_model}: no such file")
     try:
@@ -477,12 +492,11 @@ def loadtest(
     except DatasetError as e:
         raise _fail("loadtest", str(e)) from None
     _need_full("loadtest")
-    from hycoc import progress
     from hycoc.bench.cost_model.model import CostModelError, load_cost_model
-    from hycoc.bench.inputs import display_path
-    from hycoc.bench.loadtest.run import LoadTestError, check_server, run_loadtest
-    from hycoc.bench.loadtest.trace import TraceError, load_trace, record_trace, save_trace, trace_key
-    from hycoc.bundle import BundleError, sha256_file
+    from hycoc.bench.loadtest.app import run_recipe
+    from hycoc.bench.loadtest.run import LoadTestError, check_server
+    from hycoc.bench.loadtest.trace import TraceError
+    from hycoc.bundle import BundleError
     from hycoc.runtime.transport import TransportError
 
     try:
@@ -492,66 +506,8 @@ def loadtest(
     except (CostModelError, LoadTestError) as e:
         raise _fail("loadtest", str(e)) from None
     bundle_dir = _bench_bundle("loadtest", cfg, recipe, bundle)
-    cap = max_new_tokens or cfg.bench.output_cap
-    if temperature is None and {m for m, _, _ in parts} & set(SCORED_MODES) and cfg.sampling.temperature > 0:
-        temperature = 0.0
-        typer.echo(
-            f"hycoc loadtest: every mode runs at temperature 0 (the recipe's: {cfg.sampling.temperature:g}):"
-            "\n  budgeted and allowance rounds commit less than the recorded ones, and only greedy text"
-            "\n  stays the recording's, so its trees still fit (--temperature to choose)",
-            err=True,
-        )
-    key = trace_key(
-        cfg.content_hash(),
-        sha256_file(bundle_dir / "manifest.json"),
-        recorded,
-        [q.question_id for q in questions],
-        cap,
-        None if temperature is None or temperature == cfg.sampling.temperature else temperature,
-    )
-    trace_path = REPO_ROOT / ".hycoc-cache" / "loadtest" / f"trace-{key}.json"
     try:
-        if trace_path.is_file():
-            trace = load_trace(trace_path)
-            typer.echo(f"hycoc loadtest: recorded rounds from\n  {display_path(trace_path)}", err=True)
-        else:
-            with progress.step("recording device rounds", total=len(recorded) * len(questions)) as s:
-                trace = record_trace(
-                    cfg,
-                    bundle_dir,
-                    recorded,
-                    questions,
-                    cap,
-                    key=key,
-                    progress=lambda note: s.advance(note=note),
-                    temperature=temperature,
-                )
-            save_trace(trace, trace_path)
-            typer.echo(
-                f"hycoc loadtest: recorded {len(trace.requests)} requests, "
-                f"{sum(len(r.rounds) for r in trace.requests)} rounds ->\n  {display_path(trace_path)}",
-                err=True,
-            )
-        run_loadtest(
-            trace,
-            chosen,
-            counts,
-            duration,
-            modes,
-            out,
-            recipe_path=recipe,
-            keep_set=bundle_dir / "keep_set.npy",
-            server_url=server,
-            rate=rate,
-            device_ms=device_ms,
-            cost_model=cost,
-            meta={
-                "recipe": str(recipe),
-                "bundle": str(bundle_dir),
-                "trace": str(trace_path),
-                "temperature": cfg.sampling.temperature if temperature is None else temperature,
-            },
-        )
+        run_recipe(cfg, recipe, bundle_dir, questions, plan, cost, REPO_ROOT)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     except (LoadTestError, TraceError, BundleError, TransportError) as e:

@@ -4,10 +4,12 @@ real-shape plan), with inspect's printers. The compiler is imported inside the c
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
 from hycoc.cli._common import PENDING, RECIPE_ARG, TargetName, _fail, _need_full, _recipe
+from hycoc.cli.options import unset
 
 #: ``--device`` values that name where the build's torch passes run rather than a phone or laptop.
 COMPUTE_DEVICES = ("cpu", "cuda")
@@ -80,42 +82,42 @@ def _build_errors() -> tuple[type[Exception], ...]:
     )
 
 
-def build(
-    recipe: Path = RECIPE_ARG,
-    target: TargetName | None = typer.Option(
-        None,
-        help="compile target: htp-v81|htp-v79|htp-v75|htp-v73|htp-v68 = QNN HTP context binaries for that "
+#: build's long options (`hycoc.cli.options`), in the order of its parameters.
+Target = Annotated[
+    TargetName | None,
+    unset(
+        "compile target: htp-v81|htp-v79|htp-v75|htp-v73|htp-v68 = QNN HTP context binaries for that "
         "Hexagon arch, cpu = QDQ ONNX for onnxruntime's CPU EP, qai-hub = Qualcomm AI Hub compile job (default: "
-        "the recipe's target.name, or the --device's arch)",
-        show_default=False,
+        "the recipe's target.name, or the --device's arch)"
     ),
-    out: Path | None = typer.Option(
-        None,
-        help="bundle folder to write (written to a temporary folder, renamed when complete) "
-        "(default: bundles/<recipe name>-<target>)",
-        show_default=False,
+]
+Out = Annotated[
+    Path | None,
+    unset(
+        "bundle folder to write (written to a temporary folder, renamed when complete) "
+        "(default: bundles/<recipe name>-<target>)"
     ),
-    list_passes: bool = typer.Option(False, "--list-passes", help="print the pass pipeline for the recipe and exit"),
-    until: str | None = typer.Option(
-        None, metavar="PASS", help="stop after this pass and keep its artifact for inspection", show_default=False
-    ),
-    cache_dir: Path | None = typer.Option(
-        None,
-        help="cache of intermediate artifacts, keyed by content hash (default: .hycoc-cache in the cwd)",
-        show_default=False,
-    ),
-    no_cache: bool = typer.Option(
-        False, "--no-cache", help="run every pass, reading no cache entry (the new outputs replace the entries)"
-    ),
-    cache_max_size: str = typer.Option(
-        "20GB",
+]
+Until = Annotated[str | None, unset("stop after this pass and keep its artifact for inspection", metavar="PASS")]
+CacheDir = Annotated[
+    Path | None, unset("cache of intermediate artifacts, keyed by content hash (default: .hycoc-cache in the cwd)")
+]
+NoCache = Annotated[
+    bool,
+    typer.Option("--no-cache", help="run every pass, reading no cache entry (the new outputs replace the entries)"),
+]
+CacheMaxSize = Annotated[
+    str,
+    typer.Option(
         metavar="SIZE",
         envvar="HYCOC_CACHE_MAX_SIZE",
         help="after the build, remove the least recently used cache entries until the cache holds at most SIZE "
         "(20GB, 500MB; this build's entries are always kept; none: never prune)",
     ),
-    device: str = typer.Option(
-        "cpu",
+]
+BuildDevice = Annotated[
+    str,
+    typer.Option(
         metavar="cpu|cuda|NAME",
         help="cpu or cuda: where the verifier captures and the head's QAT run: cpu "
         "(models as saved) or cuda (the verifier in bfloat16, QAT under bfloat16 autocast, paper Table 4; cached "
@@ -123,6 +125,19 @@ def build(
         '"Galaxy S24 Ultra", "Snapdragon X Elite"; list: hycoc doctor): its Hexagon arch, SoC and limits '
         "(targets/profiles.py DEVICES), torch passes on cpu",
     ),
+]
+
+
+def build(
+    recipe: Path = RECIPE_ARG,
+    target: Target = None,
+    out: Out = None,
+    list_passes: bool = typer.Option(False, "--list-passes", help="print the pass pipeline for the recipe and exit"),
+    until: Until = None,
+    cache_dir: CacheDir = None,
+    no_cache: NoCache = False,
+    cache_max_size: CacheMaxSize = "20GB",
+    device: BuildDevice = "cpu",
 ) -> None:
     """Compile the recipe's MTP head and SLM into a bundle of static, quantized graphs (paper §3.2-3.4)."""
     config = _recipe("build", recipe)

@@ -24,6 +24,7 @@ from hycoc.cli._common import (
     _port_error,
     _recipe,
 )
+from hycoc.cli.options import unset
 
 # ---- the options both commands take: each defined once (typer docs, "Arguments with Annotated"); where the two
 # commands word one differently (the proxy's address, every replica's device), the wording is the alias's argument.
@@ -109,6 +110,53 @@ def _preflight(command: str, cfg, host, port, keep_set, *, busy_hint: str, reuse
     return host, bound, ids
 
 
+#: verify-server's batching options (`hycoc.cli.options`): each default is the recipe's verifier table's.
+Batching = Annotated[
+    str | None,
+    unset(
+        "batched: rounds of sessions ready together share one forward, prompts "
+        "are prefilled chunk by chunk between them; serial: one engine call at a time (default: the recipe's "
+        "verifier.batching, batched)",
+        metavar="|".join(serving_limits.BATCHING_MODES),
+    ),
+]
+MaxBatchRows = Annotated[
+    int | None,
+    unset(
+        "most tree rows per batched forward (default: the recipe's verifier.max_batch_rows, "
+        f"{serving_limits.DEFAULT_MAX_BATCH_ROWS})",
+        min=1,
+    ),
+]
+MaxBatchWaitMs = Annotated[
+    float | None,
+    unset(
+        "ms a round waits for other sessions' rounds to join its forward "
+        f"(default: the recipe's verifier.max_batch_wait_ms, {serving_limits.DEFAULT_MAX_BATCH_WAIT_MS:g})",
+        min=0.0,
+        max=10_000.0,
+    ),
+]
+TreeBudget = Annotated[
+    str | None,
+    unset(
+        "auto: rows of the trees sharing a batched forward are chosen by their "
+        "scores (most expected tokens per forward ms); fixed: trees verified as sent (default: the recipe's "
+        "verifier.tree_budget, auto; fixed with --batching serial)",
+        metavar="|".join(serving_limits.TREE_BUDGETS),
+    ),
+]
+Allowance = Annotated[
+    str | None,
+    unset(
+        "auto: each reply allows the session's next tree the rows that maximise committed tokens per "
+        "verifier ms at the current load (whole tree at low load, MTP chain + root at the floor); fixed: the whole "
+        "tree every round (default: the recipe's verifier.allowance, auto; fixed with --batching serial)",
+        metavar="|".join(serving_limits.ALLOWANCE_MODES),
+    ),
+]
+
+
 def verify_server(
     ctx: typer.Context,
     recipe: Path = RECIPE_ARG,
@@ -118,45 +166,11 @@ def verify_server(
     auth_token: AuthToken = None,
     auth_token_file: AuthTokenFile = None,
     keep_set: KeepSet = None,
-    batching: str | None = typer.Option(
-        None,
-        metavar="|".join(serving_limits.BATCHING_MODES),
-        help="batched: rounds of sessions ready together share one forward, prompts "
-        "are prefilled chunk by chunk between them; serial: one engine call at a time (default: the recipe's "
-        "verifier.batching, batched)",
-        show_default=False,
-    ),
-    max_batch_rows: int | None = typer.Option(
-        None,
-        min=1,
-        help="most tree rows per batched forward (default: the recipe's verifier.max_batch_rows, "
-        f"{serving_limits.DEFAULT_MAX_BATCH_ROWS})",
-        show_default=False,
-    ),
-    max_batch_wait_ms: float | None = typer.Option(
-        None,
-        min=0.0,
-        max=10_000.0,
-        help="ms a round waits for other sessions' rounds to join its forward "
-        f"(default: the recipe's verifier.max_batch_wait_ms, {serving_limits.DEFAULT_MAX_BATCH_WAIT_MS:g})",
-        show_default=False,
-    ),
-    tree_budget: str | None = typer.Option(
-        None,
-        metavar="|".join(serving_limits.TREE_BUDGETS),
-        help="auto: rows of the trees sharing a batched forward are chosen by their "
-        "scores (most expected tokens per forward ms); fixed: trees verified as sent (default: the recipe's "
-        "verifier.tree_budget, auto; fixed with --batching serial)",
-        show_default=False,
-    ),
-    allowance: str | None = typer.Option(
-        None,
-        metavar="|".join(serving_limits.ALLOWANCE_MODES),
-        help="auto: each reply allows the session's next tree the rows that maximise committed tokens per "
-        "verifier ms at the current load (whole tree at low load, MTP chain + root at the floor); fixed: the whole "
-        "tree every round (default: the recipe's verifier.allowance, auto; fixed with --batching serial)",
-        show_default=False,
-    ),
+    batching: Batching = None,
+    max_batch_rows: MaxBatchRows = None,
+    max_batch_wait_ms: MaxBatchWaitMs = None,
+    tree_budget: TreeBudget = None,
+    allowance: Allowance = None,
 ) -> None:
     """Serve the verifier: prefill, one-forward tree verification, acceptance, KV compaction, hand-off (Alg. 4).
 
@@ -185,49 +199,23 @@ def verify_server(
 
     # torch, transformers and the weights take tens of seconds on a first run: a progress line says so meanwhile
     with step(f"verify-server: loading the verifier {cfg.models.verifier} ({dev})"):
-        from hycoc.chat import ChatFormatError
-        from hycoc.models import ModelNotFoundError, set_threads
-        from hycoc.recipe import RecipeError
-        from hycoc.verifier.loading import (
-            DeviceUnavailable,
-            check_keep_set_vocab,
-            check_recipe_models,
-            engine_from_recipe,
-            server_options,
-            verifier_vocab_size,
-        )
+        from hycoc.verifier.launch import LaunchError, load_engine
         from hycoc.verifier.server import serve
 
-        try:  # the batching options (checked above) and the recipe's row cost
-            options = server_options(
+        try:
+            engine, options = load_engine(
                 cfg,
+                dev,
+                ids,
+                keep_set,
                 batching=batching,
                 max_batch_rows=max_batch_rows,
                 max_batch_wait_ms=max_batch_wait_ms,
                 tree_budget=tree_budget,
                 allowance=allowance,
             )
-        except ValueError as e:
-            raise _fail("verify-server", str(e), code=2) from None
-        except RecipeError as e:
-            raise _fail("verify-server", f"bad recipe\n{e}") from None
-        try:  # the models' folders and chat files, the keep set's ids against the vocabulary: before any weights
-            check_recipe_models(cfg)
-            if ids is not None:
-                check_keep_set_vocab(ids, verifier_vocab_size(cfg), keep_set)
-        except (ValueError, ModelNotFoundError, ChatFormatError) as e:
-            raise _fail("verify-server", str(e)) from None
-        set_threads(cfg.verifier.threads)
-        try:
-            import torch
-
-            engine = engine_from_recipe(
-                cfg, dev, keep_set=None if ids is None else torch.as_tensor(ids, dtype=torch.long)
-            )
-        except RecipeError as e:
-            raise _fail("verify-server", f"bad recipe\n{e}") from None
-        except (ModelNotFoundError, DeviceUnavailable, ChatFormatError, ValueError) as e:
-            raise _fail("verify-server", str(e)) from None
+        except LaunchError as e:
+            raise _fail("verify-server", str(e), code=e.code) from None
 
     def listening(url: str) -> None:
         from hycoc.models import tokenizer_load_seconds
@@ -250,6 +238,23 @@ def verify_server(
     typer.echo(f"hycoc verify-server: stopped (SIGINT or SIGTERM) after {up:.0f} s; sessions closed")
 
 
+RayAddress = Annotated[
+    str | None,
+    unset(
+        "Ray cluster to join ('auto': the one `ray start` began on this node; ray://HOST:10001); "
+        "default: start a local Ray instance with one CPU per replica thread"
+    ),
+]
+LogLevel = Annotated[
+    str,
+    typer.Option(
+        metavar="DEBUG|INFO|WARNING|ERROR",
+        help="least level of Ray's own log lines on stderr (INFO adds "
+        "Serve's per-request access log); Ray's full logs stay under /tmp/ray/session_latest/logs",
+    ),
+]
+
+
 def serve_ray(
     ctx: typer.Context,
     recipe: Path = RECIPE_ARG,
@@ -265,18 +270,8 @@ def serve_ray(
     auth_token: AuthToken = None,
     auth_token_file: AuthTokenFile = None,
     keep_set: ReplicaKeepSet = None,
-    ray_address: str | None = typer.Option(
-        None,
-        help="Ray cluster to join ('auto': the one `ray start` began on this node; ray://HOST:10001); "
-        "default: start a local Ray instance with one CPU per replica thread",
-        show_default=False,
-    ),
-    log_level: str = typer.Option(
-        "WARNING",
-        metavar="DEBUG|INFO|WARNING|ERROR",
-        help="least level of Ray's own log lines on stderr (INFO adds "
-        "Serve's per-request access log); Ray's full logs stay under /tmp/ray/session_latest/logs",
-    ),
+    ray_address: RayAddress = None,
+    log_level: LogLevel = "WARNING",
 ) -> None:
     """Serve the verifier as a Ray Serve deployment: N replicas behind one WebSocket endpoint.
 
@@ -310,35 +305,14 @@ def serve_ray(
     host, port, ids = _preflight(
         "serve-ray", cfg, host, port, keep_set, busy_hint="a verify-server on the default port?", reuse_address=False
     )
-    from hycoc.chat import ChatFormatError
-    from hycoc.models import ModelNotFoundError
-    from hycoc.verifier.loading import (
-        DeviceUnavailable,
-        check_device,
-        check_keep_set_vocab,
-        check_recipe_models,
-        server_options,
-        verifier_vocab_size,
-    )
-    from hycoc.verifier.ray_serve import RecipeEngine, build_app, replica_cpus, run
+    from hycoc.verifier.launch import LaunchError, ray_app
+    from hycoc.verifier.ray_serve import replica_cpus, run
 
     dev = device.value if device is not None else cfg.verifier.device
     try:  # what each replica will load, checked here once (a replica that fails is retried by Ray)
-        check_device(dev)
-        check_recipe_models(cfg)
-        if ids is not None:
-            check_keep_set_vocab(ids, verifier_vocab_size(cfg), keep_set)
-    except (ModelNotFoundError, DeviceUnavailable, ChatFormatError, ValueError) as e:
-        raise _fail("serve-ray", str(e)) from None
-    options = server_options(cfg) | {"auth_token": auth_token}
-    app = build_app(
-        RecipeEngine(str(recipe.resolve()), dev, None if keep_set is None else str(keep_set.resolve())),
-        replicas=replicas,
-        server_kwargs=options,
-        cpus_per_replica=replica_cpus(cfg.verifier.threads),
-        gpus_per_replica=1 if dev == "cuda" else 0,
-        log_level=log_level,
-    )
+        app = ray_app(cfg, recipe, dev, ids, keep_set, replicas=replicas, auth_token=auth_token, log_level=log_level)
+    except LaunchError as e:
+        raise _fail("serve-ray", str(e), code=e.code) from None
     typer.echo(
         f"hycoc serve-ray: starting Ray and {replicas} replica(s) of {cfg.models.verifier} "
         "(each loads the verifier; about half a minute)",

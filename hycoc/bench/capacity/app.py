@@ -8,13 +8,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
+from hycoc.bench.capacity.options import CapacityPlan
 from hycoc.bench.capacity.run import (
     add_ratios,
     capacity_table,
@@ -24,8 +24,6 @@ from hycoc.bench.capacity.run import (
     stamp,
     sweep_table,
     trace_workload,
-    validation_rows,
-    validation_table,
     write_plot,
 )
 from hycoc.bench.capacity.simulation import REPLAY_MODES, CapacityError, SimConfig
@@ -81,36 +79,14 @@ def check_trace(trace, cfg, bundle_dir: Path, path: Path) -> None:
 
 def trace_for(cfg, bundle_dir: Path, configs: list[str], questions, temperature, repo_root: Path, console):
     """The recorded rounds `hycoc loadtest` would replay for these configs, questions and temperature: its cache
-    file (same key, `hycoc.bench.loadtest.trace.trace_key`) or a new recording saved there."""
-    from hycoc import progress
-    from hycoc.bench.loadtest.trace import load_trace, record_trace, save_trace, trace_key
-    from hycoc.bundle import sha256_file
+    file (`hycoc.bench.loadtest.app.cached_trace`, the same key) or a new recording saved there."""
+    from hycoc.bench.loadtest.app import cached_trace
 
-    cap = cfg.bench.output_cap
-    key = trace_key(
-        cfg.content_hash(),
-        sha256_file(bundle_dir / "manifest.json"),
-        configs,
-        [q.question_id for q in questions],
-        cap,
-        None if temperature is None or temperature == cfg.sampling.temperature else temperature,
+    trace, path, recorded = cached_trace(
+        cfg, bundle_dir, configs, questions, cfg.bench.output_cap, temperature, repo_root
     )
-    path = repo_root / ".hycoc-cache" / "loadtest" / f"trace-{key}.json"
-    if path.is_file():
-        return load_trace(path), path
-    with progress.step("recording device rounds", total=len(configs) * len(questions)) as s:
-        trace = record_trace(
-            cfg,
-            bundle_dir,
-            configs,
-            questions,
-            cap,
-            key=key,
-            progress=lambda note: s.advance(note=note),
-            temperature=temperature,
-        )
-    save_trace(trace, path)
-    console.print(f"recorded {len(trace.requests)} requests -> {path}")
+    if recorded:
+        console.print(f"recorded {len(trace.requests)} requests -> {path}")
     return trace, path
 
 
@@ -154,94 +130,155 @@ def _capacity_rows(make, base: SimConfig, cost, target: float, config: str, mode
     }, [dict(r, config=config, variant=variant) for r in tried]
 
 
-def run_local(*args, **kwargs) -> dict:
-    """The toy flow (module docstring). Prints the tables, writes OUT/capacity.json and OUT/p90_vs_devices.png;
-    returns the document. validate_sessions / validate_modes: the measured cells of ``validate`` (default the
-    issue's 12); validate_only: stop after the check (no sweep, no plot)."""
+def run_capacity(cfg, recipe_path: Path, plan: CapacityPlan, *, repo_root: Path, dataset: Path) -> dict:
+    """`hycoc capacity`'s run of a checked plan (`hycoc.bench.capacity.options.plan_capacity`): `run_local` for a
+    recipe whose verifier is here, else `hycoc.bench.capacity.projection.run_projection`. Returns the document.
+    Raises CapacityError, StepCostError, CostModelError, LoadTestError, TraceError, GpuCostError."""
+    if plan.local:
+        return run_local(cfg, recipe_path, plan, repo_root=repo_root, dataset=dataset)
+    from hycoc.bench.capacity.projection import run_projection
+
+    return run_projection(
+        cfg,
+        recipe_path,
+        plan.configs,
+        plan.modes,
+        plan.target_p90_ms,
+        plan.duration_s,
+        plan.replicas,
+        plan.cost_model,
+        plan.device_scale,
+        plan.out,
+        gpu=plan.gpu,
+        sweep_rows=plan.sweep_rows,
+    )
+
+
+def run_local(cfg, recipe_path: Path, plan: CapacityPlan, *, repo_root: Path, dataset: Path) -> dict:
+    """The toy flow (module docstring) of ``plan``. Prints the tables, writes OUT/capacity.json and
+    OUT/p90_vs_devices.png; returns the document. ``plan.validate_sessions`` / ``plan.validate_modes``: the
+    measured cells of ``plan.validate`` (the issue's 12 by default); ``plan.validate_only``: stop after the check
+    (no sweep, no plot). ``dataset``: the Spec-Bench questions when the recipe names none."""
+    from hycoc.bench.datasets import load_spec_bench
+    from hycoc.bench.inputs import bench_bundle
+    from hycoc.bench.loadtest.trace import load_trace
+    from hycoc.bench.paper.runner import make_console
+
+    console = make_console()
+    bundle_dir = bench_bundle(cfg, recipe_path, plan.bundle, repo_root, command="capacity", say=console.print)
+    questions = load_spec_bench(cfg.resolve_path(cfg.bench.dataset) or dataset)[: plan.prompts]
     with contextlib.ExitStack() as stack:  # the speed sampler's process stops however the run ends
-        return _run_local(stack, *args, **kwargs)
+        cost, speed, profile_window = _step_cost(
+            stack, cfg, recipe_path, plan, bundle_dir, questions, repo_root, console
+        )
+        _print_cost(cost, speed, profile_window, console)
+        doc: dict = {
+            "schema": 1,
+            "recipe": str(recipe_path),
+            "kind": "simulation of this machine's verifier",
+            "cost": cost.describe(),
+            "target_p90_ms": plan.target_p90_ms,
+            "link": None if plan.link is None else vars(plan.link),
+            "replicas": plan.replicas,
+            "device_scale": plan.device_scale,
+            "duration_s": plan.duration_s,
+            "machine": stamp(),
+        }
+        if plan.validate:
+            from hycoc.bench.capacity.validate import validate_here
+
+            doc["validation"] = validate_here(
+                cfg,
+                recipe_path,
+                bundle_dir,
+                questions,
+                cost,
+                plan.validate_duration_s,
+                plan.out,
+                repo_root,
+                console,
+                sessions=plan.validate_sessions,
+                modes=plan.validate_modes,
+                speed=speed,
+                profile_window=profile_window,
+            )
+            if plan.validate_only:
+                path = write_document(plan.out, doc)
+                console.print(f"wrote {path}")
+                return doc
+        if plan.trace is not None:
+            trace, trace_path = load_trace(plan.trace), plan.trace
+            check_trace(trace, cfg, bundle_dir, trace_path)
+        else:
+            temperature = 0.0 if "budgeted" in plan.modes and cfg.sampling.temperature > 0 else None
+            trace, trace_path = trace_for(
+                cfg, bundle_dir, list(plan.configs), questions, temperature, repo_root, console
+            )
+        sweep, capacity, tried_all = _simulate(cfg, plan, cost, trace)
+        _print_capacity(recipe_path, plan, cost, sweep, capacity, console)
+        doc.update(trace=str(trace_path), sweep=sweep, capacity=capacity)
+        path = write_document(plan.out, doc)
+        plot = write_plot(sweep + tried_all, Path(plan.out) / "p90_vs_devices.png", plan.target_p90_ms)
+        console.print(f"wrote {path}, {plot}")
+        return doc
 
 
-def _run_local(
-    stack,
-    cfg,
-    recipe_path: Path,
-    configs,
-    modes,
-    counts,
-    target,
-    duration,
-    link,
-    replicas,
-    cost_model_path,
-    device_scale,
-    out,
-    *,
-    validate,
-    validate_duration,
-    prompts,
-    bundle,
-    trace_path,
-    remeasure,
-    repo_root: Path,
-    dataset: Path,
-    validate_sessions=VALIDATE_SESSIONS,
-    validate_modes=VALIDATE_MODES,
-    validate_only: bool = False,
-) -> dict:
-    """`run_local` with ``stack`` (a `contextlib.ExitStack`) holding what must stop at its end."""
+def _step_cost(
+    stack, cfg, recipe_path: Path, plan: CapacityPlan, bundle_dir: Path, questions, repo_root: Path, console
+):
+    """What a verifier step costs: the ``plan.cost_model`` file's line, else the recipe's own verifier timed here
+    replaying recorded hyco rounds (`hycoc.bench.capacity.measure.cached_step_cost`; again with --remeasure or
+    --validate, whose speed sampler then runs in ``stack`` through the profile and every run). Returns (cost, the
+    `SpeedSampler` or None, the profile's (start, end) epoch seconds or None)."""
     from hycoc.bench.capacity.cost import StepCost, model_step_cost
     from hycoc.bench.capacity.measure import cached_step_cost
     from hycoc.bench.cost_model.model import load_cost_model
-    from hycoc.bench.datasets import load_spec_bench
-    from hycoc.bench.inputs import bench_bundle
-    from hycoc.bench.loadtest.run import devices_for
-    from hycoc.bench.loadtest.trace import load_trace
-    from hycoc.bench.paper.runner import make_console
-    from hycoc.bench.tables import print_tables
 
-    console = make_console()
-    speed, profile_window = None, None
-    bundle_dir = bench_bundle(cfg, recipe_path, bundle, repo_root, command="capacity", say=console.print)
-    questions = load_spec_bench(cfg.resolve_path(cfg.bench.dataset) or dataset)[:prompts]
-    temperature = 0.0 if "budgeted" in modes and cfg.sampling.temperature > 0 else None
     cost: StepCost
-    if cost_model_path is not None:
+    if plan.cost_model is not None:
         cost = model_step_cost(
-            load_cost_model(cost_model_path), recipe_shape(cfg), cfg.tree.chain_length, path=str(cost_model_path)
+            load_cost_model(plan.cost_model), recipe_shape(cfg), cfg.tree.chain_length, path=str(plan.cost_model)
         )
-    else:
-        console.print(
-            "capacity: timing the verifier's steps on this machine, replaying recorded hyco rounds"
-            + (" (again: --validate compares with runs made now)" if validate else " (cached per recipe)")
-        )
-        hyco, hyco_path = trace_for(
-            cfg, bundle_dir, ["hyco"], questions, 0.0 if cfg.sampling.temperature > 0 else None, repo_root, console
-        )
-        if validate:  # the machine's speed sampled through the profile and every run (hycoc.bench.capacity.speed_probe)
-            import tempfile
+        return cost, None, None
+    console.print(
+        "capacity: timing the verifier's steps on this machine, replaying recorded hyco rounds"
+        + (" (again: --validate compares with runs made now)" if plan.validate else " (cached per recipe)")
+    )
+    hyco, hyco_path = trace_for(
+        cfg, bundle_dir, ["hyco"], questions, 0.0 if cfg.sampling.temperature > 0 else None, repo_root, console
+    )
+    speed = None
+    if (
+        plan.validate
+    ):  # the machine's speed sampled through the profile and every run (hycoc.bench.capacity.speed_probe)
+        import tempfile
 
-            from hycoc.bench.capacity.speed_probe import SpeedSampler
+        from hycoc.bench.capacity.speed_probe import SpeedSampler
 
-            speed = stack.enter_context(
-                SpeedSampler(
-                    recipe_path,
-                    hyco_path,
-                    hyco.requests[0],
-                    Path(tempfile.mkdtemp(prefix="hycoc-speed-")) / "speed.txt",
-                )
+        speed = stack.enter_context(
+            SpeedSampler(
+                recipe_path,
+                hyco_path,
+                hyco.requests[0],
+                Path(tempfile.mkdtemp(prefix="hycoc-speed-")) / "speed.txt",
             )
-        profile_t0 = time.time()
-        cost = cached_step_cost(
-            cfg,
-            repo_root / ".hycoc-cache" / "capacity",
-            remeasure=remeasure or validate,
-            replay=list(hyco.requests),
-            log=lambda s: None,
-            recipe_path=recipe_path,
-            keep_set=bundle_dir / "keep_set.npy",
         )
-        profile_window = (profile_t0, time.time())
+    profile_t0 = time.time()
+    cost = cached_step_cost(
+        cfg,
+        repo_root / ".hycoc-cache" / "capacity",
+        remeasure=plan.remeasure or plan.validate,
+        replay=list(hyco.requests),
+        log=lambda s: None,
+        recipe_path=recipe_path,
+        keep_set=bundle_dir / "keep_set.npy",
+    )
+    return cost, speed, (profile_t0, time.time())
+
+
+def _print_cost(cost, speed, profile_window, console) -> None:
+    """The step cost's label, its idle factor, the machine's speed while it was timed, the host work per round and
+    the steps' spread."""
     console.print(f"step cost: {cost.label}")
     if getattr(cost, "idle_factor", 1.0) != 1.0:
         meta = getattr(cost, "meta", None) or {}
@@ -272,202 +309,78 @@ def _run_local(
             f"p90 {q[2]:.2f}; row budget's own work {cost.budget_ms:.2f} ms per session and budgeted step",
             markup=False,
         )
-    doc: dict = {
-        "schema": 1,
-        "recipe": str(recipe_path),
-        "kind": "simulation of this machine's verifier",
-        "cost": cost.describe(),
-        "target_p90_ms": target,
-        "link": None if link is None else vars(link),
-        "replicas": replicas,
-        "device_scale": device_scale,
-        "duration_s": duration,
-        "machine": stamp(),
-    }
-    if validate:
-        doc["validation"] = validate_here(
-            cfg,
-            recipe_path,
-            bundle_dir,
-            questions,
-            cost,
-            validate_duration,
-            out,
-            repo_root,
-            console,
-            sessions=validate_sessions,
-            modes=validate_modes,
-            speed=speed,
-            profile_window=profile_window,
-        )
-        if validate_only:
-            path = write_document(out, doc)
-            console.print(f"wrote {path}")
-            return doc
-    if trace_path is not None:
-        trace = load_trace(trace_path)
-        check_trace(trace, cfg, bundle_dir, trace_path)
-    else:
-        trace, trace_path = trace_for(cfg, bundle_dir, list(configs), questions, temperature, repo_root, console)
+
+
+def _simulate(cfg, plan: CapacityPlan, cost, trace):
+    """Every configuration x mode: the sweep over ``plan.counts`` devices and the capacity search. Returns (the
+    sweep's rows, the capacity rows with their ratios to cloud-mtp, every run the searches tried)."""
+    from hycoc.bench.loadtest.run import devices_for
+
     base = SimConfig(
-        mode=modes[0],
+        mode=plan.modes[0],
         devices=1,
-        duration_s=duration,
-        replicas=replicas,
+        duration_s=plan.duration_s,
+        replicas=plan.replicas,
         **host_terms(cost),
-        link=link,
+        link=plan.link,
         max_batch_rows=cfg.verifier.max_batch_rows,
         max_batch_wait_ms=cfg.verifier.max_batch_wait_ms,
         tree_rows=cfg.tree.node_budget + 1,
         chain_length=cfg.tree.chain_length,
     )
     sweep, capacity, tried_all = [], [], []
-    for config in configs:
+    for config in plan.configs:
 
         def make(n, config=config):
-            return trace_workload(devices_for(trace, [config], n), device_scale=device_scale)
+            return trace_workload(devices_for(trace, [config], n), device_scale=plan.device_scale)
 
-        for mode in modes:
-            for n in counts:
+        for mode in plan.modes:
+            for n in plan.counts:
                 row = run_point(make(n), replace(base, mode=mode, devices=n), cost)
                 sweep.append(dict(row, config=config))
-            row, tried = _capacity_rows(make, replace(base, mode=mode), cost, target, config, mode)
+            row, tried = _capacity_rows(make, replace(base, mode=mode), cost, plan.target_p90_ms, config, mode)
             capacity.append(row)
             tried_all += tried
     add_ratios(capacity)
+    return sweep, capacity, tried_all
+
+
+def _print_capacity(recipe_path: Path, plan: CapacityPlan, cost, sweep: list, capacity: list, console) -> None:
+    """The sweep's table, the capacity table and each capacity row's note (an unreachable target's reason)."""
+    from hycoc.bench.tables import print_tables
+
     print_tables(
         [
             sweep_table(
-                sweep, f"hycoc capacity {recipe_path}: simulated ({cost.label}), {duration:g} s, {replicas} replica(s)"
+                sweep,
+                f"hycoc capacity {recipe_path}: simulated ({cost.label}), {plan.duration_s:g} s, "
+                f"{plan.replicas} replica(s)",
             )
         ],
         console,
     )
     print_tables(
-        [capacity_table(capacity, f"devices per verifier at verifier p90 <= {target:g} ms ({replicas} replica(s))")],
+        [
+            capacity_table(
+                capacity,
+                f"devices per verifier at verifier p90 <= {plan.target_p90_ms:g} ms ({plan.replicas} replica(s))",
+            )
+        ],
         console,
     )
     for r in capacity:
         if r.get("note"):
             console.print(r["note"], markup=False)
-    doc.update(trace=str(trace_path), sweep=sweep, capacity=capacity)
-    path = write_document(out, doc)
-    plot = write_plot(sweep + tried_all, Path(out) / "p90_vs_devices.png", target)
-    console.print(f"wrote {path}, {plot}")
-    return doc
-
-
-def validate_here(
-    cfg,
-    recipe_path: Path,
-    bundle_dir: Path,
-    questions,
-    cost,
-    duration: float,
-    out: Path,
-    repo_root: Path,
-    console,
-    *,
-    sessions=VALIDATE_SESSIONS,
-    modes=VALIDATE_MODES,
-    speed=None,
-    profile_window=None,
-) -> dict:
-    """Run `hycoc loadtest` (hyco; ``sessions`` x ``modes``, by default 1, 4, 16, 64 x serial, batched, budgeted;
-    ``duration`` s each) here, simulate every measured cell with its own load and server settings
-    (`predicted_for`), print and return the comparison with the machine's load beside it."""
-    from hycoc.bench.capacity.run import SchedSampler, predicted_for
-    from hycoc.bench.loadtest.run import devices_for, run_loadtest
-    from hycoc.bench.tables import print_tables
-
-    configs = ["hyco"]
-    temperature = 0.0 if cfg.sampling.temperature > 0 else None
-    trace, path = trace_for(cfg, bundle_dir, configs, questions, temperature, repo_root, console)
-    load0 = os.getloadavg()
-    with SchedSampler() as sampler:
-        measured = run_loadtest(
-            trace,
-            configs,
-            list(sessions),
-            duration,
-            list(modes),
-            Path(out) / "loadtest",
-            recipe_path=recipe_path,
-            keep_set=bundle_dir / "keep_set.npy",
-            console=console,
-            meta={"recipe": str(recipe_path), "trace": str(path)},
-        )
-    windows = {(w["mode"], w["sessions"]): w["epoch_s"] for w in measured["meta"].get("run_windows", [])}
-    sampled_ref = speed.mean_between(*profile_window) if speed is not None and profile_window else None
-    if speed is not None:
-        for m in measured["runs"]:
-            w = windows.get((m["mode"], m["sessions"]))
-            m["speed_sampled_ms"] = speed.mean_between(*w) if w else None
-        measured["meta"]["speed_sampled_profile_ms"] = sampled_ref
-    predicted = []
-    for m in measured["runs"]:
-        window = windows.get((m["mode"], m["sessions"]))
-        contention = sampler.contention(*window) if window else None
-        # the machine's CPU speed through the run against the profile's (the speed sampler's mean probe step in
-        # each window): the run's steps are simulated at that ratio (docs/capacity.md "What is simulated")
-        scale = m["speed_sampled_ms"] / sampled_ref if m.get("speed_sampled_ms") and sampled_ref else 1.0
-        predicted.append(
-            predicted_for(
-                m,
-                trace_workload(devices_for(trace, configs, m["sessions"])),
-                cost,
-                measured["meta"],
-                contention=contention,
-                cpu_scale=scale,
-            )
-        )
-    load1 = os.getloadavg()
-    rows = validation_rows(measured["runs"], predicted, TOLERANCE)
-    print_tables([validation_table(rows, TOLERANCE)], console)
-    ok = sum(r["ok"] for r in rows)
-    for r in rows:
-        if r["measured_outside_ms"] is not None and r["predicted_outside_ms"] is not None:
-            console.print(
-                f"{r['mode']}, 1 session: {r['measured_outside_ms']:.1f} ms per round outside the verifier measured "
-                f"(latency - the reply's server_ms), {r['predicted_outside_ms']:.1f} ms simulated (host work)",
-                markup=False,
-            )
-    console.print(
-        f"machine load (1/5/15-minute load averages, {os.cpu_count()} CPUs): "
-        + " ".join(f"{x:.2f}" for x in load0)
-        + " before the runs, "
-        + " ".join(f"{x:.2f}" for x in load1)
-        + " after; the check is meant for a quiet machine (1-minute load <= CPUs)",
-        markup=False,
-    )
-    console.print(
-        f"{ok} of {len(rows)} cells within {100 * TOLERANCE:.0f}% for both tok/s and p90 (p90: client "
-        "round latency send -> reply, as hycoc loadtest measures it; load: 1-minute load average before "
-        "-> after the run; (CPU x): how much longer a CPU ms of the verifier took in that run, from its threads' "
-        "/proc schedstat (on-CPU + waiting) / on-CPU, by which the simulation stretches the step cost; worker "
-        "CPU ms/round: the busiest server thread's on-CPU ms (schedstat) per round the server answered, prefills "
-        "included, against the simulated steps' CPU ms per round; CPU speed (sampled): the speed sampler's mean "
-        "probe step during the run / during the profile, by which the run's steps are simulated)"
-    )
-    return {
-        "loadavg_before": list(load0),
-        "loadavg_after": list(load1),
-        "cells": rows,
-        "within": ok,
-        "tolerance": TOLERANCE,
-        "speed_sampled_profile_ms": sampled_ref,  # the profile's mean probe step (the cpu_scale reference)
-        "predicted": predicted,
-        "measured": measured["runs"],
-        "trace": str(path),
-    }
 
 
 __all__ = [
     "TOLERANCE",
+    "VALIDATE_MODES",
+    "VALIDATE_SESSIONS",
     "check_trace",
     "recipe_shape",
+    "run_capacity",
     "run_local",
     "trace_for",
-    "validate_here",
     "write_document",
 ]
