@@ -15,18 +15,9 @@ from hycoc.verifier.row_budget import BudgetState, RowCost
 
 from hycoc.bench.capacity import simulation as cap
 from hycoc.bench.capacity.cost import StepCost, StepCostError, model_step_cost
+from hycoc.bench.capacity.requests import CapacityError, SimRound, SyntheticRequest, TraceRequest, TreeRequest, Workload
 from hycoc.bench.capacity.run import search_devices, trace_workload
-from hycoc.bench.capacity.simulation import (
-    CapacityError,
-    SimConfig,
-    SimRound,
-    SyntheticRequest,
-    TreeRequest,
-    Workload,
-    cpu_slowdown,
-    simulate,
-    summarize,
-)
+from hycoc.bench.capacity.simulation import SimConfig, cpu_slowdown, simulate, summarize
 from hycoc.bench.capacity.trees import TreeModel, TreePool, phone_ms, tree_pool
 from hycoc.bench.loadtest.trace import RequestTrace, RoundTrace, Trace
 
@@ -231,7 +222,7 @@ def test_sim_round_replays_the_loadtest_tree():
     from hycoc.bench.loadtest.trace import tree_at
 
     req = _tree_trace().requests[0]
-    tr = cap.TraceRequest(req)
+    tr = TraceRequest(req)
     rnd = tr.next_round()
     assert isinstance(rnd, SimRound)
     _, tokens, parents, _ = tree_at(req, [], 0)

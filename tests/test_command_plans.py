@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from hycoc.bench.capacity.options import plan_capacity
+from hycoc.bench.capacity.requests import CapacityError
 from hycoc.bench.capacity.run import CONFIGS, PROJECTION_CONFIGS
-from hycoc.bench.capacity.simulation import CapacityError
 from hycoc.bench.inputs import OptionError
 from hycoc.bench.loadtest.app import check_configs, parse_counts, plan_loadtest
 from hycoc.recipe import load_recipe

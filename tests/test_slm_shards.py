@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hycoc.passes.slm.graph import SlmGraphError, SlmTreeGraph, example_feeds, run_shard_chain, shard_graphs
+from hycoc.passes.slm.graph import SlmGraphError, SlmTreeGraph, example_feeds
+from hycoc.passes.slm.shard_chain import run_shard_chain, shard_graphs
 from hycoc.passes.slm.shards import ShardPlanError, layer_weight_bytes, plan_shards
 from hycoc.passes.slm.surgery import operate
 from test_slm_graph import KEEP, RING, ROWS

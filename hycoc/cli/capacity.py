@@ -130,7 +130,7 @@ def capacity(
     from its config (MoE experts touched, KV, the GPU's bandwidth and compute) or a --cost-model file, trees fitted
     to the paper's MAT, batched / budgeted / the allowance as the server runs them (docs/capacity.md)."""
     from hycoc.bench.capacity.options import plan_capacity
-    from hycoc.bench.capacity.simulation import CapacityError
+    from hycoc.bench.capacity.requests import CapacityError
     from hycoc.bench.inputs import OptionError
 
     cfg = _recipe("capacity", recipe)

@@ -122,7 +122,8 @@ class SlmShardsPass(Pass):
         import torch
         from hycoc.passes.qdq.encodings import QdqError
         from hycoc.passes.qdq.quantize import quantize_graph
-        from hycoc.passes.slm.graph import FULL, SLIDING, SlmTreeGraph, export_slm_graph, run_shard_chain
+        from hycoc.passes.slm.graph import FULL, SLIDING, SlmTreeGraph, export_slm_graph
+        from hycoc.passes.slm.shard_chain import run_shard_chain
         from hycoc.passes.topk_outputs import append_topk
 
         from hycoc.bundle import shard_graph_name

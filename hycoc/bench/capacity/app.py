@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from hycoc.bench.capacity.options import CapacityPlan
+from hycoc.bench.capacity.requests import CapacityError
 from hycoc.bench.capacity.run import (
     add_ratios,
     capacity_table,
@@ -26,7 +27,7 @@ from hycoc.bench.capacity.run import (
     trace_workload,
     write_plot,
 )
-from hycoc.bench.capacity.simulation import REPLAY_MODES, CapacityError, SimConfig
+from hycoc.bench.capacity.simulation import REPLAY_MODES, SimConfig
 
 #: Within this of the measured tok/s and p90 a validation cell counts as reproduced (the issue's +-20%).
 TOLERANCE = 0.20

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hycoc.bench.capacity.simulation import MODES, CapacityError
+from hycoc.bench.capacity.requests import CapacityError
+from hycoc.bench.capacity.simulation import MODES
 from hycoc.bench.inputs import OptionError
 from hycoc.bench.loadtest.app import check_configs, parse_counts
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hycoc.bench.capacity.requests import CapacityError, SyntheticRequest, TreeRequest, Workload
 from hycoc.bench.capacity.run import (
     GEMMA4_FRAMES,
     PAPER_MAT,
@@ -30,7 +31,7 @@ from hycoc.bench.capacity.run import (
     stamp,
     write_plot,
 )
-from hycoc.bench.capacity.simulation import MODES, CapacityError, SimConfig, SyntheticRequest, TreeRequest, Workload
+from hycoc.bench.capacity.simulation import MODES, SimConfig
 from hycoc.bench.capacity.trees import TreeModel, TreePool, chain_only_acceptance, phone_ms, tree_pool
 from hycoc.table5 import configuration
 

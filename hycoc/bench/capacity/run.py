@@ -17,19 +17,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from hycoc.bench.capacity.requests import CapacityError, FrameBytes, Workload, trace_workload
 from hycoc.bench.capacity.sched_sampler import (
     SchedSampler,  # re-exported: the check's reading of the machine's scheduler
 )
-from hycoc.bench.capacity.simulation import (
-    CapacityError,
-    FrameBytes,
-    SimConfig,
-    Workload,
-    cpu_slowdown,
-    simulate,
-    summarize,
-    trace_workload,
-)
+from hycoc.bench.capacity.simulation import SimConfig, cpu_slowdown, simulate, summarize
 from hycoc.serving_limits import DEFAULT_MAX_BATCH_ROWS, DEFAULT_MAX_BATCH_WAIT_MS
 from hycoc.table5 import WITH_VERIFIER, configuration
 from hycoc.verifier.draft_place import PLACES, DraftPlace

@@ -52,17 +52,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hycoc.bench.capacity.requests import (  # re-exported: the devices' side of the simulation
-    CapacityError,
-    FrameBytes,
-    SimRequest,
-    SimRound,
-    SyntheticRequest,
-    TraceRequest,
-    TreeRequest,
-    Workload,
-    trace_workload,
-)
+from hycoc.bench.capacity.requests import CapacityError, FrameBytes, SimRequest, SimRound, Workload
 from hycoc.bench.loadtest.run import RoundSample, RunStats
 from hycoc.protocol.messages import MAX_DRAFT_MS
 from hycoc.serving_limits import DEFAULT_MAX_BATCH_ROWS, DEFAULT_MAX_BATCH_WAIT_MS, SERVER_MODES
@@ -588,18 +578,9 @@ __all__ = [
     "IDLE_GAP_MS",
     "MODES",
     "REPLAY_MODES",
-    "CapacityError",
     "cpu_slowdown",
-    "FrameBytes",
     "SimConfig",
-    "SimRequest",
     "SimResult",
-    "SimRound",
-    "SyntheticRequest",
-    "TraceRequest",
-    "TreeRequest",
-    "Workload",
     "simulate",
     "summarize",
-    "trace_workload",
 ]

@@ -49,7 +49,7 @@ class SpeedProbe:
         """One replay: open, prefill, the first rounds (each committing what it accepted), close; CPU ms each.
         pause_ms: a sleep before each round (a device drafting while the worker idles); on_step: called with each
         step's CPU ms as it ends."""
-        from hycoc.bench.capacity.simulation import TraceRequest
+        from hycoc.bench.capacity.requests import TraceRequest
         from hycoc.bench.loadtest.trace import patch_root
         from hycoc.protocol import wire
         from hycoc.protocol.messages import Sampling

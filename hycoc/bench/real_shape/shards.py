@@ -128,7 +128,8 @@ def shard_graph(c, s: Shards, k: int):
     import torch
 
     from hycoc.passes.qdq.quantize import slm_calibration_samples
-    from hycoc.passes.slm.graph import IntegerLinear, SlmTreeGraph, chain_feeds
+    from hycoc.passes.slm.graph import IntegerLinear, SlmTreeGraph
+    from hycoc.passes.slm.shard_chain import chain_feeds
 
     slm, a = c.state["slm"], c.args
     g = SlmTreeGraph(slm, s.keep, rows=a.rows, ring=s.ring, bounds=s.bounds, shard=k)
@@ -230,7 +231,7 @@ def shard_compile(c, qdq_path: Path, tag: str):
 def shard_sim(c, s: Shards, cg, qdq_path: Path):
     """``sim.sK``: the shard on the HTP simulator fed by the simulator chain, against the CPU EP chain of the QDQ
     shards (SQNR per output)."""
-    from hycoc.passes.slm.graph import chain_feeds
+    from hycoc.passes.slm.shard_chain import chain_feeds
     from hycoc.targets.htp import HtpSession
 
     if s.host_samples is None:  # made by shard_graph (graph.s0), which runs first
