@@ -63,6 +63,7 @@ for ``hycoc serve-ray``), `merge_expositions` and `health_summary` (what /metric
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import re
 import signal
@@ -449,7 +450,8 @@ def run(
     with contextlib.redirect_stdout(sys.stderr):
         ray.init(
             address=ray_address,
-            num_cpus=num_cpus if ray_address is None else None,
+            # Ray's init takes whole CPUs (its stubs say int); replica_cpus gives whole numbers, so ceil keeps them
+            num_cpus=math.ceil(num_cpus) if ray_address is None and num_cpus is not None else None,
             include_dashboard=False,
             log_to_driver=True,
             logging_level=getattr(logging, level),
