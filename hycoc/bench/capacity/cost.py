@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -67,8 +68,9 @@ class StepCostError(ValueError):
 
 
 @dataclass
-class StepCost:
-    """Milliseconds of verifier steps (module docstring). Subclasses give `forward_ms` and `host_ms`."""
+class StepCost(ABC):
+    """Milliseconds of verifier steps (module docstring). Subclasses give `forward_ms`, `host_ms` and
+    `prefill_ms` (abstract: a cost without one cannot be made)."""
 
     label: str = ""
     chain_length: int = 4
@@ -93,14 +95,17 @@ class StepCost:
 
         return HostOverhead.from_dict(self.host)
 
+    @abstractmethod
     def forward_ms(self, rows: int, sessions: int, context: float) -> float:
-        raise NotImplementedError
+        """Ms of one batched forward of ``rows`` rows over ``sessions`` sessions at mean ``context`` positions."""
 
+    @abstractmethod
     def host_ms(self, places: list[str], rows: list[int]) -> float:
-        raise NotImplementedError
+        """Ms of a step's work outside the forward for rounds of draft places ``places`` holding ``rows`` rows."""
 
+    @abstractmethod
     def prefill_ms(self, positions: int, context: int) -> float:
-        raise NotImplementedError
+        """Ms of a prefill chunk of ``positions`` positions after ``context`` positions already in the KV."""
 
     def spread_factor(self, rng: np.random.Generator) -> float:
         """One step's cost / the mean cost of its (sessions, rows) point: a draw from the measured ratios
