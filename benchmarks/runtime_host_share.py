@@ -38,7 +38,7 @@ def runtimes(bundle_dir: Path, cpu: CpuClock):
     """{variant: DeviceRuntime} over one opened bundle (module docstring), sessions timed by ``cpu``."""
     from hycoc.runtime.client import DeviceRuntime
     from hycoc.runtime.device_bundle import open_bundle
-    from hycoc.runtime.graphs import GraphRunner, runtime_outputs
+    from hycoc.runtime.graphs import GraphRunner, RunnerSettings, runtime_outputs
 
     bundle = open_bundle(bundle_dir, "cpu")
     m = bundle.manifest
@@ -52,7 +52,7 @@ def runtimes(bundle_dir: Path, cpu: CpuClock):
                 if variant == "graph top-k"
                 else [n for n in names if not n.startswith("top_")]
             )
-            runner = GraphRunner(bundle.path, m, name, "cpu", 1, outputs=wanted)
+            runner = GraphRunner(bundle.path, m, name, "cpu", wanted, RunnerSettings(threads=1))
             runner.session = cpu.session(runner.session)
             runners.append(runner)
         out[variant] = DeviceRuntime(bundle, *runners)

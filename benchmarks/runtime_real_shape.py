@@ -186,7 +186,7 @@ def standin_model(inputs, outputs, seed: int):
 def standin_runner(name: str, inputs, outputs, timer: StepTimer, seed: int, io_binding: bool = False):
     """A `GraphRunner` over the stand-in session of graph ``name`` (one intra-op thread)."""
     import onnxruntime as ort
-    from hycoc.runtime.graphs import GraphRunner, code_outputs, runtime_outputs
+    from hycoc.runtime.graphs import GraphRunner, RunnerSettings, code_outputs, runtime_outputs
 
     from hycoc.bundle import Encoding
 
@@ -206,9 +206,7 @@ def standin_runner(name: str, inputs, outputs, timer: StepTimer, seed: int, io_b
         entry,
         TimedSession(session, timer),
         outputs=runtime_outputs(entry),
-        io_binding=io_binding,
-        output_sets=4,
-        codes=code_outputs(entry),
+        settings=RunnerSettings(io_binding=io_binding, output_sets=4, codes=code_outputs(entry)),
     )
 
 

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
 
     from hycoc.runtime.client import DeviceRuntime
     from hycoc.runtime.device_bundle import open_bundle
-    from hycoc.runtime.graphs import GraphRunner, code_outputs, runtime_outputs
+    from hycoc.runtime.graphs import GraphRunner, RunnerSettings, code_outputs, runtime_outputs
 
     cpu = CpuClock()
     timer = None
@@ -132,9 +132,8 @@ def main(argv=None) -> int:
             bundle.manifest,
             name,
             "cpu",
-            args.threads,
-            outputs=runtime_outputs(entry),
-            codes=code_outputs(entry),
+            runtime_outputs(entry),
+            RunnerSettings(threads=args.threads, codes=code_outputs(entry)),
         )
         if args.ort_default:
             import onnxruntime as ort

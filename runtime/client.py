@@ -466,7 +466,7 @@ def load_runtime(
     every graph (`hycoc.runtime.htp_session.HtpSessionSettings`; None = its defaults: burst, normal priority, 100 µs
     RPC latency); htp backend only (ValueError for settings given with another backend)."""
     from hycoc.runtime.device_bundle import open_bundle
-    from hycoc.runtime.graphs import GraphRunner, code_outputs, open_graph, runtime_outputs
+    from hycoc.runtime.graphs import GraphRunner, RunnerSettings, code_outputs, open_graph, runtime_outputs
 
     if htp_shared_memory:
         if backend != "htp":
@@ -486,8 +486,8 @@ def load_runtime(
 
     def runner(make, name: str, entry, **options):
         # `make`: GraphRunner, or open_graph for a graph the bundle may hold as layer shards
-        outputs = runtime_outputs(entry)
-        return make(bundle.path, m, name, backend, threads, outputs=outputs, io_binding=io_binding, htp=htp, **options)
+        settings = RunnerSettings(threads=threads, io_binding=io_binding, htp=htp, **options)
+        return make(bundle.path, m, name, backend, runtime_outputs(entry), settings)
 
     head = runner(GraphRunner, "head", m.graph("head"), shared_memory=htp_shared_memory)
     # open_graph: the SLM as layer shards (slm.s0, slm.s1, ...) runs as one chained graph (ShardChainRunner)

@@ -23,8 +23,10 @@ spinning) and provider options (htp backend) are `hycoc.runtime.graph_sessions`'
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +131,24 @@ def _refuse_shared_binary_on_simulator(manifest: Manifest, entry: GraphEntry) ->
         )
 
 
+@dataclass(frozen=True)
+class RunnerSettings:
+    """How a graph's session is opened and run: the settings `GraphRunner`, `ShardChainRunner` and `open_graph` share
+    (what each does: `GraphRunner`'s docstring). ``threads``: intra-op threads of a cpu session (None: one, as
+    `hycoc.runtime.graph_sessions` sets); ``io_binding`` / ``output_sets``: onnxruntime IOBindings and the output
+    buffer sets used in turn; ``shared_memory``: HTP shared memory (htp only; implies io_binding); ``context_group``:
+    join the EP context group (htp); ``codes``: outputs given back as integer codes; ``htp``: the QNN session
+    settings (None: their defaults)."""
+
+    threads: int | None = None
+    io_binding: bool = False
+    output_sets: int = 1
+    shared_memory: bool = False
+    context_group: bool = False
+    codes: Sequence[str] = ()
+    htp: HtpSessionSettings | None = None
+
+
 class GraphRunner:
     """One graph of a bundle, loaded on ``backend`` (module docstring).
 
@@ -167,20 +187,14 @@ class GraphRunner:
         manifest: Manifest,
         name: str,
         backend: str,
-        threads: int | None = None,
         outputs: Sequence[str] | None = None,
-        *,
-        io_binding: bool = False,
-        output_sets: int = 1,
-        shared_memory: bool = False,
-        context_group: bool = False,
-        codes: Sequence[str] = (),
-        htp: HtpSessionSettings | None = None,
+        settings: RunnerSettings = RunnerSettings(),
     ):
         self.entry: GraphEntry = manifest.graph(name)
-        self._codes = frozenset(codes)
+        self._codes = frozenset(settings.codes)
         self._shared_info = None
-        if shared_memory:
+        io_binding = settings.io_binding
+        if settings.shared_memory:
             if backend != "htp":
                 raise ValueError(
                     f"graph {name}: shared_memory is the QNN EP's HTP allocator, it needs the htp "
@@ -190,14 +204,22 @@ class GraphRunner:
 
             self._shared_info = htp_shared_memory_info()  # raises SharedMemoryUnavailable
             io_binding = True
-        self._wanted, self._binding_sets = outputs, (output_sets if io_binding else 0)
+        self._wanted, self._binding_sets = outputs, (settings.output_sets if io_binding else 0)
         self.name = name
         path = Path(bundle_dir) / self.entry.file
         if backend == "htp":
             _refuse_shared_binary_on_simulator(manifest, self.entry)
         t0 = time.perf_counter()
         try:
-            self.session = open_session(path, backend, manifest, threads, shared_memory, context_group, htp)
+            self.session = open_session(
+                path,
+                backend,
+                manifest,
+                settings.threads,
+                settings.shared_memory,
+                settings.context_group,
+                settings.htp,
+            )
         except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
             raise GraphRunError(
                 f"graph {name} ({self.entry.file}) did not load on the {backend} backend: "
@@ -212,18 +234,17 @@ class GraphRunner:
         entry: GraphEntry,
         session,
         outputs: Sequence[str] | None = None,
-        *,
-        io_binding: bool = False,
-        output_sets: int = 1,
-        codes: Sequence[str] = (),
+        settings: RunnerSettings = RunnerSettings(),
     ) -> GraphRunner:
         """A runner around an already open onnxruntime ``session`` whose IO is ``entry``'s (benchmarks and tests
-        with stand-in graphs). Raises GraphIOMismatch as the constructor."""
+        with stand-in graphs); of ``settings`` only io_binding, output_sets and codes apply (the session is open).
+        Raises GraphIOMismatch as the constructor."""
         runner = cls.__new__(cls)
-        runner._codes = frozenset(codes)
+        runner._codes = frozenset(settings.codes)
         runner.entry, runner.name, runner.session, runner.load_seconds = entry, entry.name, session, 0.0
         runner._shared_info = None
-        runner._wanted, runner._binding_sets = outputs, (output_sets if io_binding else 0)
+        runner._wanted = outputs
+        runner._binding_sets = settings.output_sets if settings.io_binding else 0
         runner._attach()
         return runner
 
@@ -405,13 +426,8 @@ class ShardChainRunner:
         manifest: Manifest,
         name: str,
         backend: str,
-        threads: int | None = None,
         outputs: Sequence[str] | None = None,
-        *,
-        io_binding: bool = False,
-        output_sets: int = 1,
-        codes: Sequence[str] = (),
-        htp: HtpSessionSettings | None = None,
+        settings: RunnerSettings = RunnerSettings(),
     ):
         chain = manifest.graph_chain(name)
         self.name = name
@@ -441,13 +457,13 @@ class ShardChainRunner:
                     manifest,
                     g.name,
                     backend,
-                    threads,
-                    outputs=wanted,
-                    io_binding=io_binding,
-                    output_sets=output_sets,
-                    context_group=True,
-                    codes=sorted(set(inner) | (set(codes) & set(wanted))),
-                    htp=htp,
+                    wanted,
+                    dataclasses.replace(
+                        settings,
+                        shared_memory=False,
+                        context_group=True,
+                        codes=sorted(set(inner) | (set(settings.codes) & set(wanted))),
+                    ),
                 )
             )
         self.load_seconds = sum(r.load_seconds for r in self.shards)
@@ -477,42 +493,13 @@ def open_graph(
     manifest: Manifest,
     name: str,
     backend: str,
-    threads: int | None = None,
     outputs: Sequence[str] | None = None,
-    *,
-    io_binding: bool = False,
-    output_sets: int = 1,
-    shared_memory: bool = False,
-    codes: Sequence[str] = (),
-    htp: HtpSessionSettings | None = None,
-):
+    settings: RunnerSettings = RunnerSettings(),
+) -> GraphRunner | ShardChainRunner:
     """Graph ``name`` of a bundle as one runner: a `GraphRunner`, or a `ShardChainRunner` when the bundle holds it
     as layer shards (`Manifest.graph_chain`). Arguments and errors as `GraphRunner`; shared_memory (HTP shared
     memory) is the single graph's only: a sharded graph's buffers stay in host memory."""
     chain = manifest.graph_chain(name)
     if len(chain) == 1 and chain[0].name == name:
-        return GraphRunner(
-            bundle_dir,
-            manifest,
-            name,
-            backend,
-            threads,
-            outputs,
-            io_binding=io_binding,
-            output_sets=output_sets,
-            shared_memory=shared_memory,
-            codes=codes,
-            htp=htp,
-        )
-    return ShardChainRunner(
-        bundle_dir,
-        manifest,
-        name,
-        backend,
-        threads,
-        outputs,
-        io_binding=io_binding,
-        output_sets=output_sets,
-        codes=codes,
-        htp=htp,
-    )
+        return GraphRunner(bundle_dir, manifest, name, backend, outputs, settings)
+    return ShardChainRunner(bundle_dir, manifest, name, backend, outputs, settings)

@@ -10,7 +10,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from hycoc.runtime.client import load_runtime
-from hycoc.runtime.graphs import GraphRunner, input_buffer
+from hycoc.runtime.graphs import GraphRunner, RunnerSettings, input_buffer
 from hycoc.targets import qnn_ep
 from onnx import TensorProto, helper
 
@@ -46,7 +46,7 @@ def add_runner(io_binding: bool) -> GraphRunner:
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     spec = [TensorSpec(name=n, shape=[1, 4], dtype="float32") for n in ("ring", "x", "y")]
     entry = GraphEntry(name="head", role="head", file="head.onnx", inputs=spec[:2], outputs=spec[2:])
-    return GraphRunner.from_session(entry, session, io_binding=io_binding)
+    return GraphRunner.from_session(entry, session, settings=RunnerSettings(io_binding=io_binding))
 
 
 def test_input_buffers_are_host_zeros_without_shared_memory():

@@ -101,7 +101,7 @@ def _check_runner(tiny_pipeline, name):
 
 def _runners(tiny_bundle, tiny_pipeline):
     from hycoc.runtime.device_bundle import open_bundle
-    from hycoc.runtime.graphs import GraphRunner, runtime_outputs
+    from hycoc.runtime.graphs import GraphRunner, RunnerSettings, runtime_outputs
 
     bundle = open_bundle(tiny_bundle.bundle, "cpu")
     m = bundle.manifest
@@ -111,7 +111,7 @@ def _runners(tiny_bundle, tiny_pipeline):
         # the shipped graph outputs only what the runtime reads: no keep-set-wide logits beside the top-k
         assert "top_index" in names and "logits" not in names and runtime_outputs(m.graph(name)) == names
         out[name] = (
-            GraphRunner(bundle.path, m, name, "cpu", 1, outputs=runtime_outputs(m.graph(name))),
+            GraphRunner(bundle.path, m, name, "cpu", runtime_outputs(m.graph(name)), RunnerSettings(threads=1)),
             _check_runner(tiny_pipeline, name),
         )
     return bundle, out

@@ -33,12 +33,12 @@ def sharded(tiny_pipeline):
 def _runtime(folder, sharded_slm: bool):
     from hycoc.runtime.client import DeviceRuntime
     from hycoc.runtime.device_bundle import open_bundle
-    from hycoc.runtime.graphs import GraphRunner, ShardChainRunner, open_graph, runtime_outputs
+    from hycoc.runtime.graphs import GraphRunner, RunnerSettings, ShardChainRunner, open_graph, runtime_outputs
 
     bundle = open_bundle(folder, "cpu")
     m = bundle.manifest
-    head = GraphRunner(bundle.path, m, "head", "cpu", 1, outputs=runtime_outputs(m.graph("head")))
-    slm = open_graph(bundle.path, m, "slm", "cpu", 1, outputs=runtime_outputs(m.chain_entry("slm")))
+    head = GraphRunner(bundle.path, m, "head", "cpu", runtime_outputs(m.graph("head")), RunnerSettings(threads=1))
+    slm = open_graph(bundle.path, m, "slm", "cpu", runtime_outputs(m.chain_entry("slm")), RunnerSettings(threads=1))
     assert isinstance(slm, ShardChainRunner) is sharded_slm
     return DeviceRuntime(bundle, head, slm)  # no slm_decode runner: both decode on the tree graph
 
