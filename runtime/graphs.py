@@ -131,6 +131,18 @@ def _refuse_shared_binary_on_simulator(manifest: Manifest, entry: GraphEntry) ->
         )
 
 
+def _wanted_outputs(name: str, entry: GraphEntry, wanted: Sequence[str] | None) -> list[str]:
+    """The outputs of graph ``name`` a runner returns, in ``entry``'s order: all (``wanted`` None) or ``wanted``.
+    Raises GraphIOMismatch for a wanted output the graph does not have."""
+    names = [t.name for t in entry.outputs]
+    if wanted is None:
+        return names
+    unknown = sorted(set(wanted) - set(names))
+    if unknown:
+        raise GraphIOMismatch(f"graph {name} has no output {', '.join(unknown)}; it has {', '.join(names)}")
+    return [n for n in names if n in wanted]
+
+
 @dataclass(frozen=True)
 class RunnerSettings:
     """How a graph's session is opened and run: the settings `GraphRunner`, `ShardChainRunner` and `open_graph` share
@@ -258,14 +270,7 @@ class GraphRunner:
         self.outputs: dict[str, TensorSpec] = {t.name: t for t in self.entry.outputs}
         # per input: (name, spec, shape, float32 as is?); per output: its encoding (the run's conversions)
         self._input_specs = [(t.name, t, tuple(t.shape), t.dtype == "float32") for t in self.entry.inputs]
-        self.output_names = [t.name for t in self.entry.outputs]
-        if self._wanted is not None:
-            unknown = sorted(set(self._wanted) - set(self.output_names))
-            if unknown:
-                raise GraphIOMismatch(
-                    f"graph {self.name} has no output {', '.join(unknown)}; it has {', '.join(self.output_names)}"
-                )
-            self.output_names = [n for n in self.output_names if n in self._wanted]
+        self.output_names = _wanted_outputs(self.name, self.entry, self._wanted)
         self._output_encodings = [None if n in self._codes else self.outputs[n].encoding for n in self.output_names]
         # outputs the session gives as float32, or as integers without an encoding (top-k indices), come back as
         # they are: when all do, `run` converts nothing
@@ -434,13 +439,7 @@ class ShardChainRunner:
         self.entry: GraphEntry = manifest.chain_entry(name)
         self.inputs: dict[str, TensorSpec] = {t.name: t for t in self.entry.inputs}
         self.outputs: dict[str, TensorSpec] = {t.name: t for t in self.entry.outputs}
-        names = [t.name for t in self.entry.outputs]
-        if outputs is not None:
-            unknown = sorted(set(outputs) - set(names))
-            if unknown:
-                raise GraphIOMismatch(f"graph {name} has no output {', '.join(unknown)}; it has {', '.join(names)}")
-            names = [n for n in names if n in outputs]
-        self.output_names = names
+        self.output_names = names = _wanted_outputs(name, self.entry, outputs)
         self.shards: list[GraphRunner] = []
         for k, g in enumerate(chain):
             later = {t.name for h in chain[k + 1 :] for t in h.inputs}
