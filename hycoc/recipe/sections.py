@@ -15,8 +15,9 @@ where it runs and how it is measured (``[target]``, ``[verifier]``, ``[bench]``,
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
+import annotated_types
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -31,10 +32,41 @@ from hycoc.protocol import messages
 from hycoc.recipe.errors import CrossFieldError, Problem, RecipeError
 
 
+class Bound(NamedTuple):
+    """An order constraint between two fields of one section: ``key`` stays at or below ``limit`` (``strict``: below).
+    ``problem`` says why, with ``{limit}`` standing for ``"table.limit = value"``."""
+
+    key: str
+    limit: str
+    problem: str
+    strict: bool = False
+
+
 class Section(BaseModel):
-    """Base of every recipe table: unknown keys are errors, types are strict, defaults are validated too."""
+    """Base of every recipe table: unknown keys are errors, types are strict, defaults are validated too.
+
+    ``table`` is the section's TOML table name; ``bounds`` its order constraints (`Bound`), checked after its fields:
+    a value past its limit raises `CrossFieldError` on ``key``, whose allowed range is derived from the field (its
+    type and lower bound) and the limit's value, e.g. ``"an integer in [0, tree.chain_length = 4]"``."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=True)
+    table: ClassVar[str] = ""
+    bounds: ClassVar[tuple[Bound, ...]] = ()
+
+    @model_validator(mode="after")
+    def _within_bounds(self) -> Section:
+        for b in self.bounds:
+            value, limit = getattr(self, b.key), getattr(self, b.limit)
+            if value > limit or (b.strict and value == limit):
+                named = f"{self.table}.{b.limit} = {limit}"
+                info = type(self).model_fields[b.key]
+                low = next(m for m in info.metadata if isinstance(m, (annotated_types.Ge, annotated_types.Gt)))
+                opening = "(" if isinstance(low, annotated_types.Gt) else "["
+                lowest = low.gt if isinstance(low, annotated_types.Gt) else low.ge
+                kind = "an integer" if info.annotation is int else "a number"
+                allowed = f"{kind} in {opening}{lowest:g}, {named}{')' if b.strict else ']'}"
+                raise CrossFieldError(b.key, value, b.problem.format(limit=named), allowed)
+        return self
 
 
 def _allowed(text: str) -> JsonDict:
@@ -187,16 +219,8 @@ class Tree(Section):
     )
     specedge_nodes: int = Field(32, ge=1, le=1024, description="draft nodes of the SpecEdge-style tree (Table 5)")
 
-    @model_validator(mode="after")
-    def _siblings_on_chain(self) -> Tree:
-        if self.sibling_depth > self.chain_length:
-            raise CrossFieldError(
-                "sibling_depth",
-                self.sibling_depth,
-                f"siblings can only be planted beside chain tokens, and tree.chain_length = {self.chain_length}",
-                f"an integer in [0, tree.chain_length = {self.chain_length}]",
-            )
-        return self
+    table: ClassVar[str] = "tree"
+    bounds = (Bound("sibling_depth", "chain_length", "siblings can only be planted beside chain tokens, and {limit}"),)
 
 
 class Window(Section):
@@ -221,16 +245,12 @@ class Window(Section):
         "false: the last sliding_window (the toy head's training). At most W either way",
     )
 
-    @model_validator(mode="after")
-    def _sliding_inside_ring(self) -> Window:
-        if self.slm_sliding_window > self.slm_window:
-            raise CrossFieldError(
-                "slm_sliding_window",
-                self.slm_sliding_window,
-                f"the sliding layers' ring cannot be longer than the SLM ring (window.slm_window = {self.slm_window})",
-                f"an integer in [1, window.slm_window = {self.slm_window}]",
-            )
-        return self
+    table: ClassVar[str] = "window"
+    bounds = (
+        Bound(
+            "slm_sliding_window", "slm_window", "the sliding layers' ring cannot be longer than the SLM ring ({limit})"
+        ),
+    )
 
 
 class Acceptance(Section):
@@ -330,31 +350,13 @@ class HeadQat(Section):
         "", description="JSONL of prompts for training and evaluation (path; empty = the keep-set corpus)"
     )
 
-    @model_validator(mode="after")
-    def _consistent(self) -> HeadQat:
-        if self.clip_search_min >= self.clip_search_max:
-            raise CrossFieldError(
-                "clip_search_min",
-                self.clip_search_min,
-                f"must be below head_qat.clip_search_max = {self.clip_search_max}",
-                f"a number in (0, head_qat.clip_search_max = {self.clip_search_max})",
-            )
-        if self.warmup_steps > self.steps:
-            raise CrossFieldError(
-                "warmup_steps",
-                self.warmup_steps,
-                f"exceeds head_qat.steps = {self.steps}",
-                f"an integer in [0, head_qat.steps = {self.steps}]",
-            )
-        for key in ("calibration_max_new_tokens", "eval_max_new_tokens"):
-            if getattr(self, key) >= self.max_seq_len:
-                raise CrossFieldError(
-                    key,
-                    getattr(self, key),
-                    f"leaves no room for the prompt in head_qat.max_seq_len = {self.max_seq_len}",
-                    f"an integer in [1, head_qat.max_seq_len = {self.max_seq_len})",
-                )
-        return self
+    table: ClassVar[str] = "head_qat"
+    bounds = (
+        Bound("clip_search_min", "clip_search_max", "must be below {limit}", strict=True),
+        Bound("warmup_steps", "steps", "exceeds {limit}"),
+        Bound("calibration_max_new_tokens", "max_seq_len", "leaves no room for the prompt in {limit}", strict=True),
+        Bound("eval_max_new_tokens", "max_seq_len", "leaves no room for the prompt in {limit}", strict=True),
+    )
 
 
 class SlmCalibration(Section):
