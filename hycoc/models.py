@@ -7,6 +7,7 @@ device runtime can import hycoc without them.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 
@@ -190,3 +191,32 @@ def load_slm(path: str | Path, *, device: str = "cpu"):
     quiet_transformers()
     model = Gemma4ForCausalLM.from_pretrained(p, attn_implementation="sdpa")
     return model.to(device).eval()
+
+
+def cut_at_stop(row: Sequence[int], stops: Collection[int]) -> list[int]:
+    """``row`` up to and including its first id in ``stops`` (all of it when none is)."""
+    out = []
+    for token in row:
+        out.append(token)
+        if token in stops:
+            break
+    return out
+
+
+def generate_answers(
+    model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, pad: int, stops: Collection[int], **generate
+) -> list[list[int]]:
+    """One transformers ``generate`` call over ``prompts`` (non-empty token id lists), each right-aligned after
+    ``pad`` ids under an attention mask (0 over the padding), on ``model.device``; ``generate``: the call's other
+    arguments (``do_sample``, temperature, top_k, top_p, eos_token_id, streamer, ...). Returns each prompt's at most
+    ``max_new_tokens`` new ids, cut after the first id in ``stops`` (`cut_at_stop`)."""
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad, **generate
+        )
+    return [cut_at_stop(row, stops) for row in out[:, width:].tolist()]

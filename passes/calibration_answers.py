@@ -41,6 +41,7 @@ import torch
 from hycoc.passes.artifacts import Artifact, TokenizerArtifact, TorchModelArtifact
 from hycoc.passes.pipeline import Pass, PassReport
 
+from hycoc.models import generate_answers
 from hycoc.recipe import Recipe
 
 #: Prompts per ``generate`` call. Larger batches amortise transformers' per-step overhead (toy verifier, one CPU
@@ -149,34 +150,26 @@ def greedy_answers(
     """
     if any(len(p) == 0 for p in prompts):
         raise ValueError("greedy_answers: an empty prompt")
-    device = verifier.device
     pad = verifier.config.pad_token_id or 0
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
     out: list[list[int]] = [[] for _ in prompts]
     for start in range(0, len(order), batch):
         rows = order[start : start + batch]
-        width = max(len(prompts[i]) for i in rows)
-        ids = torch.tensor([[pad] * (width - len(prompts[i])) + list(prompts[i]) for i in rows], device=device)
-        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in rows], device=device)
         steps = _DecodeSteps(progress) if progress is not None else None
-        gen = verifier.generate(
-            input_ids=ids,
-            attention_mask=mask,
+        answers = generate_answers(
+            verifier,
+            [prompts[i] for i in rows],
+            max_new_tokens,
+            pad=pad,
+            stops=stop_ids,
             do_sample=False,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=pad,
             eos_token_id=sorted(stop_ids) or None,
             top_k=None,
             top_p=None,
             temperature=None,
             streamer=steps,
         )
-        for i, row in zip(rows, gen[:, width:].tolist()):
-            answer = []
-            for token in row:
-                answer.append(token)
-                if token in stop_ids:
-                    break
+        for i, answer in zip(rows, answers):
             out[i] = answer
         if progress is not None and steps is not None:  # steps counts when progress is given
             progress(max(0, max_new_tokens - (steps.calls - 1)))
