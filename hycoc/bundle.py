@@ -332,12 +332,9 @@ def check_rel_path(path: str) -> None:
 
 
 def sha256_file(path: str | os.PathLike) -> str:
-    """sha256 hex of a file, read in 1 MiB blocks."""
-    h = hashlib.sha256()
+    """sha256 hex of a file's bytes (`hashlib.file_digest`). Raises OSError (FileNotFoundError, ...) as `open`."""
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 # ---- loading ------------------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ else, and an empty ``keep_set.corpus`` is an error.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ import numpy as np
 from hycoc.passes.artifacts import KeepSetArtifact, KeepSetStats, TokenizerArtifact
 from hycoc.passes.pipeline import Pass, PassReport
 
+from hycoc.bundle import sha256_file
 from hycoc.jsonl import iter_jsonl
 from hycoc.recipe import KeepSet, Recipe
 
@@ -197,14 +197,6 @@ def select_keep_set(tok, turns: Sequence[str], config: KeepSet, *, conversations
     return KeepSetArtifact("keep_set", ids, stats)
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def corpus_path(recipe: Recipe) -> Path:
     """The recipe's ``keep_set.corpus`` as a path. Raises KeepSetError when it is empty or missing."""
     path = recipe.resolve_path(recipe.keep_set.corpus)
@@ -229,7 +221,7 @@ class KeepSetPass(Pass):
 
     def key_material(self, recipe: Recipe) -> dict[str, Any]:
         # The corpus is read from outside the pipeline: its bytes enter the key.
-        return {"corpus_sha256": _sha256_file(corpus_path(recipe))}
+        return {"corpus_sha256": sha256_file(corpus_path(recipe))}
 
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, KeepSetArtifact], PassReport]:
         config = recipe.keep_set

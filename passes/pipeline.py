@@ -55,6 +55,7 @@ from hycoc.passes.artifacts import Artifact
 from rich.console import Console
 from rich.table import Table
 
+from hycoc.bundle import sha256_file
 from hycoc.progress import current_pass, live_progress, plain_line, stderr_console
 from hycoc.recipe import Recipe
 
@@ -218,13 +219,10 @@ def file_sha256(path: Path, memo: dict | None = None) -> str | None:
     mark = (str(path), st.st_size, st.st_mtime_ns)
     if memo is not None and mark in memo:
         return memo[mark]
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    digest = sha256_file(path)
     if memo is not None:
-        memo[mark] = h.hexdigest()
-    return h.hexdigest()
+        memo[mark] = digest
+    return digest
 
 
 def canonical_json(value: Any) -> str:

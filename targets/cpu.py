@@ -6,11 +6,12 @@ into the bundle folder as ``GRAPH.onnx``.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from hycoc.bundle import sha256_file
 
 
 class CpuTargetError(RuntimeError):
@@ -28,14 +29,6 @@ class CpuGraph:
     extra_files: list[Path] = field(default_factory=list)
     inputs: list[dict] = field(default_factory=list)
     outputs: list[dict] = field(default_factory=list)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def package_cpu(qdq_model_path: str | os.PathLike, out_dir: str | os.PathLike, *, graph_name: str) -> CpuGraph:
@@ -81,4 +74,4 @@ def package_cpu(qdq_model_path: str | os.PathLike, out_dir: str | os.PathLike, *
         extra.append(d)
     if src.resolve() != dst.resolve():
         shutil.copy2(src, dst)
-    return CpuGraph(graph_name, dst, _sha256(dst), dst.stat().st_size, extra, ins, outs)
+    return CpuGraph(graph_name, dst, sha256_file(dst), dst.stat().st_size, extra, ins, outs)

@@ -304,3 +304,11 @@ def test_qdq_slm_compiles_for_v81_and_matches_the_cpu_ep(tiny, tmp_path):
         got[name] = sqnr_db(b, a)
     print(f"\nhtp-v81 simulator vs CPU-EP QDQ SQNR (dB): { {k: round(v, 1) for k, v in got.items()} }")
     assert min(got.values()) > HTP_VS_CPU_FLOOR_DB, got
+
+
+def test_only_a16_activations_are_built():
+    from hycoc.passes.qdq.encodings import QdqError, require_a16
+
+    require_a16(16)
+    with pytest.raises(QdqError, match=r"slm_calibration.activation_bits = 8: only 16-bit \(A16\)"):
+        require_a16(8)

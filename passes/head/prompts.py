@@ -87,7 +87,7 @@ def prompt_sources(recipe: Recipe) -> tuple[list[str], list[str], str]:
 def prompt_source_key(recipe: Recipe) -> dict[str, Any]:
     """What identifies `prompt_sources`'s text for cache keys: the sha256 of ``head_qat.calibration_data`` or of
     ``keep_set.corpus`` (the first one set). Raises HeadQatError for a missing file or when both are empty."""
-    from hycoc.passes.keep_set import _sha256_file
+    from hycoc.bundle import sha256_file
 
     for key, value in (
         ("head_qat.calibration_data", recipe.head_qat.calibration_data),
@@ -97,7 +97,7 @@ def prompt_source_key(recipe: Recipe) -> dict[str, Any]:
         if path is not None:
             if not path.is_file():
                 raise HeadQatError(f"{key}: {path} does not exist")
-            return {key: _sha256_file(path)}
+            return {key: sha256_file(path)}
     raise HeadQatError(
         "head_qat.calibration_data and keep_set.corpus are both empty: the calibration prompts come "
         "from one of them (the paper: UltraChat 200k train_sft first turns)"

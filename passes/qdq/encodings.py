@@ -37,6 +37,16 @@ class QdqError(RuntimeError):
     differ, a float weight that is not q * scale. The message names the tensor."""
 
 
+def require_a16(activation_bits: int) -> None:
+    """Refuse a recipe's ``slm_calibration.activation_bits`` other than 16: the SLM's graphs are A16 (16-bit
+    activations, paper App. A); the recipe also admits 8, which no pass implements. Raises QdqError naming the
+    key."""
+    if activation_bits != 16:
+        raise QdqError(
+            f"slm_calibration.activation_bits = {activation_bits}: only 16-bit (A16) activations are implemented"
+        )
+
+
 def initializer_arrays(model) -> dict[str, np.ndarray]:
     """Every initializer of an onnx.ModelProto as a numpy array, by name."""
     from onnx import numpy_helper

@@ -72,10 +72,10 @@ from hycoc.passes.calibration import (
 )
 from hycoc.passes.pipeline import Pass, PassReport
 from hycoc.passes.qdq.encodings import (
-    QdqError,
     check_fixed_encodings,
     fixed_overrides,
     qdq_io_encodings,
+    require_a16,
     softmax_outputs,
     softmax_overrides,
 )
@@ -360,11 +360,7 @@ class QdqQuantize(Pass):
         from hycoc.passes.topk_outputs import append_topk
 
         cal = recipe.slm_calibration
-        if cal.activation_bits != 16:
-            raise QdqError(
-                f"slm_calibration.activation_bits = {cal.activation_bits}: only 16-bit (A16) activations "
-                f"are implemented"
-            )
+        require_a16(cal.activation_bits)
         slm = inputs["slm_integer"].payload
         keep = inputs["keep_set"].payload
         ring = {FULL: recipe.window.slm_window, SLIDING: recipe.window.slm_sliding_window}

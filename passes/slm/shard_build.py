@@ -120,7 +120,7 @@ class SlmShardsPass(Pass):
         import numpy as np
         import onnx
         import torch
-        from hycoc.passes.qdq.encodings import QdqError
+        from hycoc.passes.qdq.encodings import require_a16
         from hycoc.passes.qdq.quantize import quantize_graph
         from hycoc.passes.slm.graph import FULL, SLIDING, SlmTreeGraph, export_slm_graph
         from hycoc.passes.slm.shard_chain import run_shard_chain
@@ -129,11 +129,7 @@ class SlmShardsPass(Pass):
         from hycoc.bundle import shard_graph_name
 
         cal = recipe.slm_calibration
-        if cal.activation_bits != 16:
-            raise QdqError(
-                f"slm_calibration.activation_bits = {cal.activation_bits}: only 16-bit (A16) activations "
-                f"are implemented"
-            )
+        require_a16(cal.activation_bits)
         start = time.perf_counter()
         slm, keep = inputs["slm_integer"].payload, inputs["keep_set"].payload
         bounds, numbers = resolve_bounds(slm, len(keep), recipe)

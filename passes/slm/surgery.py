@@ -26,7 +26,6 @@ layer and the ring KV are built by `hycoc.passes.slm.graph`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -43,6 +42,7 @@ from hycoc.passes.artifacts import (
 )
 from hycoc.passes.pipeline import Pass, PassReport
 
+from hycoc.bundle import sha256_file
 from hycoc.recipe import Recipe
 
 #: LUT names, by the transformers module they come from.
@@ -241,21 +241,13 @@ def byte_report(m: SlmIntegerModel, checkpoint: dict[str, int] | None = None) ->
     return out
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def operate(path: str | Path) -> tuple[SlmIntegerModel, dict[str, Any]]:
     """Load the checkpoint folder ``path`` through transformers and run the surgery -> (model, byte report)."""
     from hycoc.models import load_slm
 
     path = Path(path)
     # content only (no absolute path): the same checkpoint anywhere gives the same artifact hash
-    source = {"sha256": {p.name: _sha256(p) for p in checkpoint_files(path)}}
+    source = {"sha256": {p.name: sha256_file(p) for p in checkpoint_files(path)}}
     model = load_slm(path)
     result = slm_surgery(model, source)
     return result, byte_report(result, checkpoint_tensor_bytes(path))
@@ -271,7 +263,7 @@ class SlmGraphSurgery(Pass):
 
     def key_material(self, recipe: Recipe) -> dict[str, Any]:
         path = recipe.model_path("slm")
-        return {"checkpoint": {p.name: _sha256(p) for p in checkpoint_files(path) if p.exists()}}
+        return {"checkpoint": {p.name: sha256_file(p) for p in checkpoint_files(path) if p.exists()}}
 
     def run(self, inputs: dict[str, Any], recipe: Recipe) -> tuple[dict[str, SlmIntegerArtifact], PassReport]:
         result, numbers = operate(recipe.model_path("slm"))
