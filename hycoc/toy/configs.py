@@ -11,6 +11,8 @@ Per model: transformers class; toy shape; real counterpart.
 
 from __future__ import annotations
 
+from hycoc.passes.bit_map import E2B_ASSUMED_DEFAULT_BITS, E2B_ASSUMED_MODULES
+
 VOCAB_SIZE = 4096
 SLIDING_WINDOW = 128
 MAX_POSITIONS = 4096
@@ -105,15 +107,10 @@ def slm_config(**overrides):
     return Gemma4TextConfig(**(fields | overrides))
 
 
-#: The SLM's bit map in transformers' GemmaQuantizationConfig form (regex -> options, first match wins).
-#: Mixed like the E2B QAT checkpoint: 8-bit attention and output layer, 4-bit MLPs, 2-bit per-layer projections.
-SLM_BIT_MAP = {
-    r"self_attn\.(q|k|v|o)_proj": {"num_bits": 8},
-    r"lm_head": {"num_bits": 8},
-    r"per_layer_projection$|per_layer_input_gate": {"num_bits": 2},
-    r"per_layer_model_projection": {"num_bits": 8},
-    r"mlp\.(gate|up|down)_proj": {"num_bits": 4},
-}
-SLM_DEFAULT_BITS = 4
+#: The SLM's bit map in transformers' GemmaQuantizationConfig form (regex -> options, first match wins): the assumed
+#: E2B QAT checkpoint's linear layers (`hycoc.passes.bit_map.E2B_ASSUMED_MODULES` less its embedding entries): 8-bit
+#: attention and output layer, 4-bit MLPs, 2-bit per-layer projections.
+SLM_BIT_MAP = {k: v for k, v in E2B_ASSUMED_MODULES.items() if not k.startswith("embed_tokens")}
+SLM_DEFAULT_BITS = E2B_ASSUMED_DEFAULT_BITS
 #: Embedding tables (token and per-layer) are quantized 8-bit per row (LUTs on the host, paper App. A).
 SLM_EMBEDDING_BITS = 8
