@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -63,6 +64,28 @@ class Artifact:
         if self._hash is None:
             self._hash = self._compute_hash()
         return self._hash
+
+
+@dataclass
+class FolderArtifact(Artifact):
+    """An artifact that is a folder (payload: its Path) with a JSON index file ``INDEX`` naming what it holds.
+    Saved by copying the folder; hashed over its files (`hash_folder`). Subclasses set ``type_name`` and ``INDEX``."""
+
+    INDEX: ClassVar[str] = "index.json"
+
+    def index(self) -> dict[str, Any]:
+        """The folder's ``INDEX`` file, parsed. Raises OSError / ValueError when it is missing or not JSON."""
+        return json.loads((Path(self.payload) / self.INDEX).read_text(encoding="utf-8"))
+
+    def save(self, folder: Path) -> None:
+        shutil.copytree(self.payload, folder, dirs_exist_ok=True)
+
+    @classmethod
+    def load(cls, kind: str, folder: Path) -> FolderArtifact:
+        return cls(kind, Path(folder))
+
+    def _compute_hash(self) -> str:
+        return hash_folder(Path(self.payload))
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from hycoc.passes.artifacts import Artifact, OnnxArtifact, hash_folder
+from hycoc.passes.artifacts import Artifact, FolderArtifact, OnnxArtifact
 from hycoc.passes.pipeline import Pass, PassReport
 from hycoc.targets.profiles import HTP_TARGETS
 
@@ -38,26 +38,13 @@ class BuildError(RuntimeError):
 
 
 @dataclass
-class TargetFilesArtifact(Artifact):
+class TargetFilesArtifact(FolderArtifact):
     """kind ``"target_files"``: a folder (payload: its Path) holding what the target made for each graph, plus
     ``graphs.json``: graph name -> {"model": file, "context_binary": file or null, "extra": [files]}.
     Saved by copying the folder; hashed over its files (`hash_folder`)."""
 
     type_name: ClassVar[str] = "target_files"
     INDEX: ClassVar[str] = "graphs.json"
-
-    def index(self) -> dict[str, dict[str, Any]]:
-        return json.loads((Path(self.payload) / self.INDEX).read_text(encoding="utf-8"))
-
-    def save(self, folder: Path) -> None:
-        shutil.copytree(self.payload, folder, dirs_exist_ok=True)
-
-    @classmethod
-    def load(cls, kind: str, folder: Path) -> TargetFilesArtifact:
-        return cls(kind, Path(folder))
-
-    def _compute_hash(self) -> str:
-        return hash_folder(Path(self.payload))
 
 
 #: Graphs compiled into one weight-shared QNN context binary on htp targets (``target.share_weights``): the SLM's

@@ -27,13 +27,12 @@ Artifact ``qdq_slm_shards`` (`ShardedOnnxArtifact`): a folder with one QDQ ONNX 
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from hycoc.passes.artifacts import Artifact, KeepSetArtifact, SlmIntegerArtifact, hash_folder
+from hycoc.passes.artifacts import Artifact, FolderArtifact, KeepSetArtifact, SlmIntegerArtifact
 from hycoc.passes.pipeline import Pass, PassReport
 
 from hycoc.recipe import Recipe
@@ -43,7 +42,7 @@ GRAPH = "slm"
 KIND = "qdq_slm_shards"
 
 
-class ShardedOnnxArtifact(Artifact):
+class ShardedOnnxArtifact(FolderArtifact):
     """kind ``qdq_slm_shards``: a folder (payload: its Path) with one QDQ ONNX per shard and ``shards.json``:
     {"bounds": [0, b_1, ..., L], "graphs": [{"name": "slm.s0", "model": "slm.s0/slm.s0.onnx"}, ...]}.
     Saved by copying the folder; hashed over its files (`hash_folder`)."""
@@ -51,22 +50,9 @@ class ShardedOnnxArtifact(Artifact):
     type_name: ClassVar[str] = "sharded_onnx"
     INDEX: ClassVar[str] = "shards.json"
 
-    def index(self) -> dict[str, Any]:
-        return json.loads((Path(self.payload) / self.INDEX).read_text(encoding="utf-8"))
-
     def models(self) -> list[tuple[str, Path]]:
         """[(graph name, QDQ ONNX path)] in chain order."""
         return [(g["name"], Path(self.payload) / g["model"]) for g in self.index()["graphs"]]
-
-    def save(self, folder: Path) -> None:
-        shutil.copytree(self.payload, folder, dirs_exist_ok=True)
-
-    @classmethod
-    def load(cls, kind: str, folder: Path) -> ShardedOnnxArtifact:
-        return cls(kind, Path(folder))
-
-    def _compute_hash(self) -> str:
-        return hash_folder(Path(self.payload))
 
 
 def resolve_bounds(slm, keep_size: int, recipe: Recipe) -> tuple[tuple[int, ...], dict[str, Any]]:
