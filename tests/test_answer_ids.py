@@ -14,12 +14,14 @@ from __future__ import annotations
 import random
 from functools import lru_cache
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from chat_templates import LARGE, LARGE_THINK_NL, SMALL, with_template
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from hycoc.chat import Conversation, common_prefix, encode_text, ids_crc32
-from hycoc.chat_template import load_chat, read_template, special_tokens
+from hycoc.chat_template import apply_chat_template_ids, load_chat, read_template, special_tokens
 from hycoc.toy.chat_files import CHAT_TEMPLATE
 
 TOY = Path(__file__).resolve().parents[1] / "recipes" / "toy" / "models" / "verifier"
@@ -47,9 +49,10 @@ def _reference_tokenizer(folder: str):
 
 
 def reference_ids(folder, messages, *, thinking=None, add_generation_prompt=True) -> list[int]:
-    """transformers 5.24's ``apply_chat_template(..., sanitize_control_tokens=True)`` of ``messages`` (user and
-    system ones: {"role", "content"}; assistant ones: {"role": "assistant", "ids": the model's output ids, stop id
-    dropped}) with the answers' control ids spliced back (module docstring)."""
+    """transformers 5.24's ``apply_chat_template(..., sanitize_control_tokens=True)`` (as the conformance tests call
+    it: `hycoc.chat_template.apply_chat_template_ids`) of ``messages`` (user and system ones: {"role", "content"};
+    assistant ones: {"role": "assistant", "ids": the model's output ids, stop id dropped}) with the answers' control
+    ids spliced back (module docstring)."""
     tok, template = _reference_tokenizer(str(folder))
     control = {tok.convert_tokens_to_ids(t): t for t in tok._get_control_tokens(template)}
     spliced = {}
@@ -70,31 +73,18 @@ def reference_ids(folder, messages, *, thinking=None, add_generation_prompt=True
         return "".join(out)
 
     msgs = [{"role": "assistant", "content": content(m["ids"])} if "ids" in m else m for m in messages]
-    marked = tok._mark_chat_inputs
+    marked = PreTrainedTokenizerBase._mark_chat_inputs
 
-    def splice_back(*args, **kwargs):
-        conversations, tools, documents, template_kwargs = marked(*args, **kwargs)
+    def splice_back(self, *args, **kwargs):
+        conversations, tools, documents, template_kwargs = marked(self, *args, **kwargs)
         for conversation in conversations:
             for m in conversation:
                 for placeholder, token in spliced.items():
                     m["content"] = m["content"].replace(placeholder, token)
         return conversations, tools, documents, template_kwargs
 
-    tok._mark_chat_inputs = splice_back
-    try:
-        kwargs = {} if thinking is None else {"enable_thinking": thinking}
-        return list(
-            tok.apply_chat_template(
-                msgs,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                return_dict=False,
-                sanitize_control_tokens=True,
-                **kwargs,
-            )
-        )
-    finally:
-        del tok._mark_chat_inputs
+    with mock.patch.object(PreTrainedTokenizerBase, "_mark_chat_inputs", splice_back):
+        return apply_chat_template_ids(folder, msgs, thinking=thinking, add_generation_prompt=add_generation_prompt)
 
 
 def _ours(chat, turns, thinking=False):

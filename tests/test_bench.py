@@ -3,15 +3,13 @@ process, the device runtime in this process, records appended per request, --res
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 import pytest
-from rich.console import Console
+from tiny_bench import quiet_console, run_on_bundle, save_flat_cost_model
 from typer.testing import CliRunner
 
-from hycoc.bench.cost_model.model import CostModel, CostPoint
 from hycoc.bench.datasets import load_spec_bench
 from hycoc.bench.paper.records import BenchError, read_records
 from hycoc.bench.paper.runner import BenchPlan, run_bench
@@ -25,14 +23,7 @@ CONFIGS = ["cloud-mtp", "specedge", "hyco", "hyco-exact", "slm-alone"]
 @pytest.fixture(scope="module")
 def built(tiny_bundle):
     recipe, path, root = tiny_bundle.recipe, tiny_bundle.path, tiny_bundle.root
-    cost = CostModel(
-        device="fake",
-        dtype="float32",
-        model="tiny",
-        shape={},
-        points=[CostPoint(rows=r, context=c, ms=ms) for r, ms in ((1, 10.0), (5, 10.0), (33, 11.0)) for c in (0, 1000)],
-    )
-    cost.save(root / "cost.json")
+    save_flat_cost_model(root / "cost.json", {1: 10.0, 5: 10.0, 33: 11.0})
     return recipe, path, root
 
 
@@ -41,18 +32,18 @@ def test_bench_runs_every_config_and_resumes(built, tmp_path):
     recipe, path, root = built
     questions = [q for q in load_spec_bench(DEFAULT_DATASET) if q.category in ("math_reasoning", "translation")][:2]
     plan = BenchPlan(questions=questions, configs=CONFIGS, runs=1, link="lte", output_cap=6, out=tmp_path / "out")
-    console = Console(file=io.StringIO(), width=200)
+    console = quiet_console()
     first = BenchPlan(**{**plan.__dict__, "configs": CONFIGS[:2]})
-    run_bench(recipe, path, first, bundle_dir=root / "bundle", cost_model_path=root / "cost.json", console=console)
+    run_on_bundle(run_bench, recipe, path, root, first, cost_model_path=root / "cost.json", console=console)
     assert len(read_records(plan.out / "records.jsonl")) == 4
     with pytest.raises(BenchError, match="pass --resume"):
-        run_bench(recipe, path, plan, bundle_dir=root / "bundle", console=console)
-    results = run_bench(recipe, path, plan, bundle_dir=root / "bundle", resume=True, console=console)  # measures
+        run_on_bundle(run_bench, recipe, path, root, plan, console=console)
+    results = run_on_bundle(run_bench, recipe, path, root, plan, resume=True, console=console)  # measures
     assert len(read_records(plan.out / "records.jsonl")) == 10
     # a resume with nothing left reuses OUT/cost_model.json: results.json's summary stays as it was
     model_text = (plan.out / "cost_model.json").read_text(encoding="utf-8")
     before = json.loads((plan.out / "results.json").read_text(encoding="utf-8"))["summary"]
-    again = run_bench(recipe, path, plan, bundle_dir=root / "bundle", resume=True, console=console)
+    again = run_on_bundle(run_bench, recipe, path, root, plan, resume=True, console=console)
     assert (plan.out / "cost_model.json").read_text(encoding="utf-8") == model_text
     assert json.loads((plan.out / "results.json").read_text(encoding="utf-8"))["summary"] == before
     assert "reused from" in again["meta"]["cost_model"]
@@ -130,12 +121,11 @@ def test_calibrate_handoff_prints_six_scales_for_the_recipe(built):
 def test_resume_refuses_records_made_with_other_settings(built, tmp_path):
     recipe, path, root = built
     questions = load_spec_bench(DEFAULT_DATASET)[:1]
-    console = Console(file=io.StringIO(), width=200)
     plan = BenchPlan(questions=questions, configs=["slm-alone"], runs=1, link="none", output_cap=4, out=tmp_path / "o")
-    run_bench(recipe, path, plan, bundle_dir=root / "bundle", cost_model_path=root / "cost.json", console=console)
+    run_on_bundle(run_bench, recipe, path, root, plan, cost_model_path=root / "cost.json")
     other = BenchPlan(**{**plan.__dict__, "output_cap": 8, "link": "lte"})
     with pytest.raises(BenchError, match="output_cap: 4 there, 8 now, link: 'none' there, 'lte' now"):
-        run_bench(recipe, path, other, bundle_dir=root / "bundle", resume=True, console=console)
+        run_on_bundle(run_bench, recipe, path, root, other, resume=True)
 
 
 def test_a_request_run_takes_the_plans_records_link_and_cap(tmp_path):
@@ -252,14 +242,7 @@ def test_bench_second_turns_continue_the_session(built, tmp_path, monkeypatch):
         out=tmp_path / "two",
         turns=2,
     )
-    results = run_bench(
-        recipe,
-        path,
-        plan,
-        bundle_dir=root / "bundle",
-        cost_model_path=root / "cost.json",
-        console=Console(file=io.StringIO(), width=200),
-    )
+    results = run_on_bundle(run_bench, recipe, path, root, plan, cost_model_path=root / "cost.json")
     recs = {(r["config"], r["turn"]): r for r in results["records"]}
     assert sorted(recs) == [("hyco-exact", 1), ("hyco-exact", 2), ("slm-alone", 1)]
     first, second = recs["hyco-exact", 1], recs["hyco-exact", 2]

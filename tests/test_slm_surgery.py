@@ -15,6 +15,7 @@ from hycoc.passes.pipeline import Pipeline
 from hycoc.passes.slm.surgery import SlmGraphSurgery, SurgeryError, byte_report, operate, slm_surgery
 from rich.console import Console
 from safetensors.numpy import load_file
+from tiny_models import HEAD_DIMS
 
 from hycoc.models import load_slm
 from hycoc.recipe import Recipe
@@ -29,15 +30,15 @@ SLIDING_WINDOW = 5
 
 def tiny_slm_config(sliding_window: int = SLIDING_WINDOW):
     """`hycoc.toy.configs.slm_config` scaled down: 4 layers (2 KV-shared, double-wide MLP), per-layer inputs 8,
-    sliding head dim 16 vs global 32 (25% proportional RoPE), untied output layer, soft-cap 30."""
+    head dims `tiny_models.HEAD_DIMS` (sliding 16 vs global 32, 25% proportional RoPE), untied output layer, soft-cap
+    30."""
     from hycoc.toy.configs import slm_config
 
     return slm_config(
+        **HEAD_DIMS,
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=48,
-        head_dim=16,
-        global_head_dim=32,
         hidden_size_per_layer_input=8,
         vocab_size_per_layer_input=VOCAB,
         sliding_window=sliding_window,

@@ -9,9 +9,9 @@ import json
 
 import pytest
 from rich.console import Console
+from tiny_bench import run_on_bundle, save_flat_cost_model
 from typer.testing import CliRunner
 
-from hycoc.bench.cost_model.model import CostModel, CostPoint
 from hycoc.bench.paper.quality import answer_metrics
 from hycoc.bench.paper.tune_epsilon import (
     SweepRow,
@@ -155,14 +155,7 @@ def test_sweep_end_to_end_matches_a_hand_computation(tiny_bundle, tmp_path):
     val = tmp_path / "val.jsonl"
     val.write_text("\n".join(conversation(f"w{i} w{i + 7} w{i + 3}", f"w{i + 1} w{i + 2}") for i in range(3)) + "\n")
     # every tree of the tiny recipe has B + 1 = 5 rows: 10 ms a forward at any context, so g projected = 10 / MAT
-    cost = CostModel(
-        device="fake",
-        dtype="float32",
-        model="tiny",
-        shape={},
-        points=[CostPoint(rows=r, context=c, ms=10.0) for r in (1, 5) for c in (0, 1000)],
-    )
-    cost.save(tmp_path / "cost.json")
+    save_flat_cost_model(tmp_path / "cost.json", {1: 10.0, 5: 10.0})
     tol = Tolerance(compression_drop=0.05, repetition_rise=0.1, distinct2_drop=0.1, g_tie_pct=2.0)
     plan = TunePlan(
         questions=load_validation(val, 3),
@@ -173,14 +166,7 @@ def test_sweep_end_to_end_matches_a_hand_computation(tiny_bundle, tmp_path):
         tolerance=tol,
         out=tmp_path / "out",
     )
-    result = run_tune(
-        recipe,
-        path,
-        plan,
-        bundle_dir=root / "bundle",
-        cost_model_path=tmp_path / "cost.json",
-        console=Console(file=io.StringIO(), width=200),
-    )
+    result = run_on_bundle(run_tune, recipe, path, root, plan, cost_model_path=tmp_path / "cost.json")
     assert json.loads((plan.out / "tune.json").read_text()) == json.loads(json.dumps(result))
     records = [json.loads(line) for line in (plan.out / "records.jsonl").read_text().splitlines()]
     assert sorted({r["config"] for r in records}) == ["eps=0.01", "eps=0.5", "exact"] and len(records) == 9

@@ -13,6 +13,7 @@ import hycoc.verifier.engine as engine_mod
 import numpy as np
 import pytest
 import torch
+from hycoc.passes.plan import VERIFIER_26B_A4B
 from hycoc.verifier import (
     BadRequest,
     ContextOverflow,
@@ -446,28 +447,9 @@ def assert_int8(q, ref, scale):
 
 def test_gemma4_26b_a4b_handoff_sizes_match_design():
     """docs/design.md "Reference shapes": [e; h] = 2 x 2816 = 5,632 values per round; KV 8*256*2 + 2*512*2 = 6,144
-    values per position. The published config is built on the meta device (no weights) to read the engine's layer choice
-    and sizes."""
-    config = Gemma4TextConfig(
-        vocab_size=262144,
-        hidden_size=2816,
-        intermediate_size=2112,
-        num_hidden_layers=30,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=256,
-        global_head_dim=512,
-        num_global_key_value_heads=2,
-        attention_k_eq_v=True,
-        sliding_window=1024,
-        final_logit_softcapping=30.0,
-        enable_moe_block=True,
-        num_experts=128,
-        top_k_experts=8,
-        moe_intermediate_size=704,
-        hidden_size_per_layer_input=0,
-        vocab_size_per_layer_input=0,
-    )
+    values per position. The published config (`hycoc.passes.plan.VERIFIER_26B_A4B`, the plan's reference shapes) is
+    built on the meta device (no weights) to read the engine's layer choice and sizes."""
+    config = Gemma4TextConfig.from_dict(VERIFIER_26B_A4B)
     with torch.device("meta"):
         model = Gemma4ForCausalLM(config)
     engine = VerifierEngine(model, head_window=1024, handoff_scales=(1.0,) * 6, device="meta")

@@ -3,7 +3,8 @@
 The verifier has every feature the engine must handle: sliding and full-attention layers, global layers with a
 different head dim and KV-head count (``global_head_dim``, ``num_global_key_value_heads``, ``attention_k_eq_v``),
 the MoE block and the final logit soft-cap. The head is a matching ``Gemma4AssistantForCausalLM`` (all its layers
-KV-shared, reading the verifier's last sliding and last full-attention layer).
+KV-shared, reading the verifier's last sliding and last full-attention layer). Both are the toy family's
+(`hycoc.toy.configs`) with smaller widths, vocabulary and window.
 
 ``sharpen`` scales the verifier's output layer so that p~ has few tokens of mass (fast chi-square tests).
 """
@@ -12,44 +13,35 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
+from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM
+
+from hycoc.toy import configs
 
 VOCAB = 300
 HIDDEN = 64
 SLIDING_WINDOW = 8
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
-
-_HEADS = dict(
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    global_head_dim=32,
-    num_global_key_value_heads=1,
-    attention_k_eq_v=True,
-)
+#: The tests' head dims: the toy family's 64 / 128 scaled down (global layers twice the sliding ones, as in Gemma 4).
+HEAD_DIMS = dict(head_dim=16, global_head_dim=32)
 
 
 def verifier_config(*, vocab_size: int = VOCAB, sliding_window: int = SLIDING_WINDOW, layer_types=None):
-    return Gemma4TextConfig(
+    """`hycoc.toy.configs.verifier_config` scaled down: hidden 64, MLP 128, MoE experts of 32, head dims
+    `HEAD_DIMS`, ``layer_types`` (default `LAYER_TYPES`: 2 sliding + 2 full), no per-layer inputs, an untied
+    output layer and one stop id (1) for the 300-id fixture tokenizer."""
+    layer_types = list(layer_types or LAYER_TYPES)
+    return configs.verifier_config(
+        **HEAD_DIMS,
         vocab_size=vocab_size,
+        vocab_size_per_layer_input=0,
+        eos_token_id=1,
         hidden_size=HIDDEN,
         intermediate_size=128,
-        num_hidden_layers=len(layer_types or LAYER_TYPES),
-        layer_types=list(layer_types or LAYER_TYPES),
-        sliding_window=sliding_window,
-        final_logit_softcapping=30.0,
-        enable_moe_block=True,
-        num_experts=4,
-        top_k_experts=2,
         moe_intermediate_size=32,
-        hidden_size_per_layer_input=0,
-        vocab_size_per_layer_input=0,
-        max_position_embeddings=4096,
+        num_hidden_layers=len(layer_types),
+        layer_types=layer_types,
+        sliding_window=sliding_window,
         tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_id=1,
-        **_HEADS,
     )
 
 
@@ -74,20 +66,15 @@ def tiny_head(
     ``Gemma4AssistantConfig`` fields (e.g. use_ordered_embeddings, num_centroids, centroid_intermediate_top_k)."""
     torch.manual_seed(seed)
     vc = verifier.config
-    text = Gemma4TextConfig(
-        vocab_size=vc.vocab_size,
+    config = configs.head_config(
+        vc,
+        assistant=assistant,
+        **HEAD_DIMS,
         hidden_size=48,
         intermediate_size=96,
-        num_hidden_layers=2,
-        layer_types=["sliding_attention", "full_attention"],
         sliding_window=sliding_window or vc.sliding_window,
-        rope_parameters=vc.rope_parameters,
-        hidden_size_per_layer_input=0,
-        vocab_size_per_layer_input=0,
-        max_position_embeddings=vc.max_position_embeddings,
-        **_HEADS,
+        final_logit_softcapping=None,  # the assistant applies none
     )
-    config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=vc.hidden_size, **assistant)
     config._attn_implementation = attn
     config.text_config._attn_implementation = attn
     head = Gemma4AssistantForCausalLM(config).eval()

@@ -11,6 +11,9 @@ Per model: transformers class; toy shape; real counterpart.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from hycoc.passes.bit_map import E2B_ASSUMED_DEFAULT_BITS, E2B_ASSUMED_MODULES
 
 VOCAB_SIZE = 4096
@@ -28,24 +31,36 @@ _COMMON = dict(
     bos_token_id=2,
     hidden_activation="gelu_pytorch_tanh",
 )
+#: Head dims of every model of the family: sliding layers 64, global layers twice that (Gemma 4: 256 and 512).
+_HEAD_DIMS = dict(head_dim=64, global_head_dim=128)
 #: The verifier's attention geometry, which the head shares: it reads the verifier's KV (sliding layers 2 KV heads
 #: x 64, the global layer 1 x 128 with k = v).
 _VERIFIER_ATTENTION = dict(
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    global_head_dim=128,
-    num_global_key_value_heads=1,
-    attention_k_eq_v=True,
+    _HEAD_DIMS, num_attention_heads=4, num_key_value_heads=2, num_global_key_value_heads=1, attention_k_eq_v=True
+)
+#: The head's text config fields that are the verifier's (`head_config`): besides the attention geometry it reads
+#: the verifier's KV with (window, rotary), it shares the verifier's vocabulary, special ids and context.
+HEAD_FROM_VERIFIER = (
+    "vocab_size",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "max_position_embeddings",
+    "sliding_window",
+    "rope_parameters",
 )
 
 
-def verifier_config():
-    """Gemma4TextConfig of the toy verifier (26B-A4B-like: sliding + global layers, MoE + dense MLP)."""
+def verifier_config(**overrides):
+    """Gemma4TextConfig of the toy verifier (26B-A4B-like: sliding + global layers, MoE + dense MLP).
+
+    overrides: other values of Gemma4TextConfig's fields (the tests' smaller verifier: widths, vocabulary, layers,
+    window); none for the toy family.
+    """
     from transformers import Gemma4TextConfig
 
-    return Gemma4TextConfig(
-        **_COMMON,
+    fields = dict(
+        _COMMON,
         **_VERIFIER_ATTENTION,
         hidden_size=256,
         intermediate_size=384,
@@ -59,14 +74,23 @@ def verifier_config():
         vocab_size_per_layer_input=VOCAB_SIZE,
         tie_word_embeddings=True,
     )
+    return Gemma4TextConfig(**(fields | overrides))
 
 
-def head_config():
-    """Gemma4AssistantConfig of the toy MTP head; its attention shapes match the verifier's KV exactly."""
+def head_config(verifier=None, *, assistant: Mapping[str, Any] | None = None, **overrides):
+    """Gemma4AssistantConfig of the toy MTP head on ``verifier`` (a Gemma4TextConfig; None: `verifier_config()`).
+
+    Its attention shapes match the verifier's KV exactly: the text config has the verifier's attention geometry,
+    takes the `HEAD_FROM_VERIFIER` fields from ``verifier``, and the backbone width is the verifier's hidden size.
+    overrides: other values of the text config's fields (the tests' smaller head: widths, head dims as their
+    verifier's, window, soft-cap); assistant: other Gemma4AssistantConfig fields (ordered embeddings, centroids).
+    Neither for the toy family.
+    """
     from transformers import Gemma4AssistantConfig, Gemma4TextConfig
 
-    text = Gemma4TextConfig(
-        **_COMMON,
+    verifier = verifier_config() if verifier is None else verifier
+    fields = dict(
+        _COMMON,
         **_VERIFIER_ATTENTION,
         hidden_size=128,
         intermediate_size=512,
@@ -76,7 +100,11 @@ def head_config():
         vocab_size_per_layer_input=0,
         tie_word_embeddings=True,
     )
-    return Gemma4AssistantConfig(text_config=text, backbone_hidden_size=256, tie_word_embeddings=True)
+    fields |= {name: getattr(verifier, name) for name in HEAD_FROM_VERIFIER}
+    text = Gemma4TextConfig(**(fields | overrides))
+    return Gemma4AssistantConfig(
+        text_config=text, backbone_hidden_size=verifier.hidden_size, tie_word_embeddings=True, **(assistant or {})
+    )
 
 
 def slm_config(**overrides):
@@ -98,8 +126,7 @@ def slm_config(**overrides):
         use_double_wide_mlp=True,
         num_attention_heads=2,
         num_key_value_heads=1,
-        head_dim=64,
-        global_head_dim=128,
+        **_HEAD_DIMS,
         hidden_size_per_layer_input=16,
         vocab_size_per_layer_input=VOCAB_SIZE,
         tie_word_embeddings=False,
@@ -107,10 +134,10 @@ def slm_config(**overrides):
     return Gemma4TextConfig(**(fields | overrides))
 
 
-#: The SLM's bit map in transformers' GemmaQuantizationConfig form (regex -> options, first match wins): the assumed
-#: E2B QAT checkpoint's linear layers (`hycoc.passes.bit_map.E2B_ASSUMED_MODULES` less its embedding entries): 8-bit
-#: attention and output layer, 4-bit MLPs, 2-bit per-layer projections.
-SLM_BIT_MAP = {k: v for k, v in E2B_ASSUMED_MODULES.items() if not k.startswith("embed_tokens")}
+#: The SLM's bit map in transformers' GemmaQuantizationConfig form (regex -> options, first match wins): the
+#: assumed E2B QAT map's (`hycoc.passes.bit_map.E2B_ASSUMED_MODULES`) linear layers, in its order: 8-bit attention
+#: and output layer, 4-bit MLPs, 2-bit per-layer projections. The embedding tables are `SLM_EMBEDDING_BITS`.
+SLM_BIT_MAP = {pattern: dict(o) for pattern, o in E2B_ASSUMED_MODULES.items() if not pattern.startswith("embed_tokens")}
 SLM_DEFAULT_BITS = E2B_ASSUMED_DEFAULT_BITS
 #: Embedding tables (token and per-layer) are quantized 8-bit per row (LUTs on the host, paper App. A).
 SLM_EMBEDDING_BITS = 8
