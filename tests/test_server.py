@@ -9,6 +9,7 @@ weights), so the server's replies must match bit for bit: same sampled tokens, s
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -31,6 +32,7 @@ from hycoc.verifier import VerifierEngine
 from hycoc.verifier.loading import DeviceUnavailable, engine_from_recipe, server_options
 from hycoc.verifier.row_budget import RowCost
 from hycoc.verifier.server import METRICS_CONTENT_TYPE, ServerLimits, ServerThread
+from hycoc.verifier.server.session_loop import open_engine_session
 from test_server_metrics import FAMILIES
 from tiny_models import VOCAB, tiny_head, tiny_verifier
 from tiny_models import oracle_tree as tiny_oracle_tree
@@ -106,16 +108,7 @@ def open_request(prompt, **kw) -> OpenRequest:
 
 
 def reference_session(reference, req: OpenRequest):
-    session = reference.open(
-        req.prompt_ids,
-        req.sampling,
-        req.seed,
-        req.acceptance,
-        req.epsilon,
-        req.draft_place,
-        req.max_new_tokens,
-        anchor=req.anchor,
-    )
+    session = open_engine_session(reference, req)  # the server's own mapping of an OPEN onto the engine
     session.prefill()
     return session
 
@@ -230,6 +223,27 @@ def wait_for(predicate, timeout_s=20.0):
 
 
 # ---------------------------------------------------------------------------------------------- sessions
+
+
+def test_an_open_reaches_the_engine_field_by_field():
+    """`open_engine_session` (the server's and `reference_session`'s mapping of an OPEN onto `VerifierEngine.open`)
+    gives each of the engine's parameters the OPEN field of the same name."""
+    calls = []
+
+    class Spy:
+        def open(self, *args, **kw):
+            calls.append(inspect.signature(VerifierEngine.open).bind(self, *args, **kw).arguments)
+            return "session"
+
+    req = open_request(
+        [3, 4, 5], seed=9, acceptance="exact", epsilon=0.5, draft_place="server-head", max_new_tokens=7, anchor=1
+    )
+    assert open_engine_session(Spy(), req) == "session"
+    (got,) = calls
+    assert set(got) == set(inspect.signature(VerifierEngine.open).parameters)  # every parameter given
+    for name, value in got.items():
+        if name != "self":
+            assert value is getattr(req, name), name
 
 
 def test_full_session_matches_the_engine(server, reference):

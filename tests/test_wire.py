@@ -29,6 +29,9 @@ VOCAB = 1000
 GEMMA_H, GEMMA_DS, GEMMA_DF = 2816, 8 * 256, 2 * 512
 # A small verifier for the hand-off tests.
 H, DS, DF = 4, 6, 2
+# Each verifier's hand-off sizes as the fields of the same names in Opened and Limits.
+SIZES = dict(hidden_size=H, kv_dim_sliding=DS, kv_dim_full=DF)
+GEMMA_SIZES = dict(hidden_size=GEMMA_H, kv_dim_sliding=GEMMA_DS, kv_dim_full=GEMMA_DF)
 SCALES = (0.5, 0.25, 0.125, 1.0, 2.0, 0.0625)
 rng = np.random.default_rng(0)
 
@@ -90,12 +93,10 @@ OPENED = Opened(
     max_context=4096,
     tree_rows=33,
     vocab_size=VOCAB,
-    hidden_size=H,
-    kv_dim_sliding=DS,
-    kv_dim_full=DF,
+    **SIZES,
     stop_ids=(1, 106, 50),
 )
-LIMITS = wire.Limits(vocab_size=VOCAB, tree_rows=5, max_context=4096, hidden_size=H, kv_dim_sliding=DS, kv_dim_full=DF)
+LIMITS = wire.Limits(vocab_size=VOCAB, tree_rows=5, max_context=4096, **SIZES)
 
 
 def frame(
@@ -364,14 +365,7 @@ def test_gemma4_first_reply_frame():
     data = wire.encode(m)
     ho_bytes = wire.handoff_nbytes(GEMMA_H, GEMMA_DS, GEMMA_DF, 1024)
     assert len(data) == wire.reply_nbytes(33, 0, 0, ho_bytes) == 16 + 23 + 132 + 12 + 6_297_132
-    limits = wire.Limits(
-        vocab_size=262_144,
-        tree_rows=33,
-        max_context=262_144,
-        hidden_size=GEMMA_H,
-        kv_dim_sliding=GEMMA_DS,
-        kv_dim_full=GEMMA_DF,
-    )
+    limits = wire.Limits(vocab_size=262_144, tree_rows=33, max_context=262_144, **GEMMA_SIZES)
     got = wire.decode(data, limits)
     assert_same_array(got.handoff.v_full, ho.v_full, np.int8)
 

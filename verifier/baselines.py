@@ -5,6 +5,9 @@ device's MTP Drafter runs too)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from transformers import DynamicCache
 
@@ -35,27 +38,18 @@ def draft_cloud_chain(
     """
     if t == 0 or k == 0:
         return []
-    shared = {}
-    for kind, i in layers.items():
-        # [0, t) of the full layer; of the sliding one its retained window [t - retain, t), which holds the head's
-        # own sliding window (the head's masks count keys from the end: position invariant)
-        layer = cache.layers[i]
-        keys, values = kv_positions(layer, max(first_position(layer), t - getattr(layer, "retain", t)), t)
-        shared[kind] = (keys.to(head.dtype), values.to(head.dtype))
+    # [0, t) of the full layer; of the sliding one its retained window [t - retain, t), which holds the head's own
+    # sliding window (the head's masks count keys from the end: position invariant)
+    shared = _shared_kv(
+        head, cache, layers, lambda layer: max(first_position(layer), t - getattr(layer, "retain", t)), t
+    )
     pos = torch.tensor([[t + position_offset]], device=h.device)
-    x = torch.cat([model.model.embed_tokens(torch.tensor([root], device=h.device))[0], h])
 
-    def step(_k: int, _runner_up: bool) -> HeadStep:
-        out = head(
-            inputs_embeds=x[None, None].to(head.dtype), position_ids=pos, shared_kv_states=shared, use_cache=False
-        )
-        return HeadStep((int(out.logits[0, -1].argmax()),), out.last_hidden_state[0, -1])  # greedy, first among equals
+    def pick(x: torch.Tensor) -> tuple[int, torch.Tensor]:
+        out = head(inputs_embeds=x, position_ids=pos, shared_kv_states=shared, use_cache=False)
+        return int(out.logits[0, -1].argmax()), out.last_hidden_state[0, -1]  # greedy, first among equals
 
-    def feed(y: int, h_next: torch.Tensor) -> None:
-        nonlocal x
-        x = torch.cat([model.model.embed_tokens(torch.tensor([y], device=h.device))[0], h_next.to(h.dtype)])
-
-    return head_chain(step, feed, k).chain  # Alg. 2 lines 7-12 (`hycoc.mtp_chain.head_chain`), no siblings
+    return _greedy_chain(model, head, root, h, k, pick)
 
 
 @torch.inference_mode()
@@ -81,28 +75,52 @@ def draft_server_chain(
     keep_set: int64 (|V|,) token ids, or None for the full vocabulary. sliding: the positions the head's sliding
     layers read (`hycoc.host.head_sliding_positions`; None: the head's sliding_window). Returns K token ids."""
     lo = max(0, t - window)
-    shared = {}
-    for kind, i in layers.items():
-        keys, values = kv_positions(cache.layers[i], lo, t)
-        shared[kind] = (keys.to(head.dtype), values.to(head.dtype))
+    shared = _shared_kv(head, cache, layers, lambda layer: lo, t)
     n = t - lo  # column c holds position lo + c; the query sits just after the last one
     q = torch.tensor([[n]], device=h.device)
     sliding = min(window, head.config.get_text_config().sliding_window if sliding is None else sliding)
     masks = {SLIDING: window_mask(q, n, sliding, dtype=head.dtype), FULL: window_mask(q, n, None, dtype=head.dtype)}
     pos = torch.tensor([[t + position_offset]], device=h.device)
-    x = torch.cat([model.model.embed_tokens(torch.tensor([root], device=h.device))[0], h])
 
-    def step(_k: int, _runner_up: bool) -> HeadStep:
-        logits, h_next = head_step(head, x[None, None].to(head.dtype), shared, masks, pos)
+    def pick(x: torch.Tensor) -> tuple[int, torch.Tensor]:
+        logits, h_next = head_step(head, x, shared, masks, pos)
         logits = logits[0, 0]
         if keep_set is not None:
-            y = int(keep_set[int(logits[keep_set].argmax())])  # Alg. 2 lines 10-11: o over V, y = V[i]
-        else:
-            y = int(logits.argmax())
-        return HeadStep((y,), h_next[0, 0])
+            return int(keep_set[int(logits[keep_set].argmax())]), h_next[0, 0]  # Alg. 2 lines 10-11: o over V, y = V[i]
+        return int(logits.argmax()), h_next[0, 0]
+
+    return _greedy_chain(model, head, root, h, k, pick)
+
+
+def _shared_kv(head, cache: DynamicCache, layers: dict[str, int], start: Callable[[Any], int], t: int) -> dict:
+    """The head's shared KV: for each (kind, cache layer index) of ``layers``, that layer's keys and values of
+    positions [start(layer), t), in the head's dtype."""
+    shared = {}
+    for kind, i in layers.items():
+        layer = cache.layers[i]
+        keys, values = kv_positions(layer, start(layer), t)
+        shared[kind] = (keys.to(head.dtype), values.to(head.dtype))
+    return shared
+
+
+def _greedy_chain(
+    model, head, root: int, h: torch.Tensor, k: int, pick: Callable[[torch.Tensor], tuple[int, torch.Tensor]]
+) -> list[int]:
+    """The K-chain of both baselines (Alg. 2 lines 7-12, `hycoc.mtp_chain.head_chain`, no siblings): the head's
+    input starts as [e(root); h]; each step ``pick`` maps it, shaped (1, 1, 2H) in the head's dtype, to the next
+    token and the head's hidden state h', and [e(y); h'] is fed back."""
+
+    def embed(y: int, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([model.model.embed_tokens(torch.tensor([y], device=h.device))[0], hidden.to(h.dtype)])
+
+    x = embed(root, h)
+
+    def step(_k: int, _runner_up: bool) -> HeadStep:
+        y, h_next = pick(x[None, None].to(head.dtype))
+        return HeadStep((y,), h_next)
 
     def feed(y: int, h_next: torch.Tensor) -> None:
         nonlocal x
-        x = torch.cat([model.model.embed_tokens(torch.tensor([y], device=h.device))[0], h_next.to(h.dtype)])
+        x = embed(y, h_next)
 
-    return head_chain(step, feed, k).chain  # Alg. 2 lines 7-12 (`hycoc.mtp_chain.head_chain`), no siblings
+    return head_chain(step, feed, k).chain

@@ -67,40 +67,21 @@ def _pack_open(m: OpenRequest, layout: Layout) -> bytes:
     prompt = np.asarray(m.prompt_ids).astype("<i4")
     auth = b"" if m.auth_token is None else m.auth_token.encode("utf-8")
     chat = b"" if m.chat is None else m.chat.encode("utf-8")
-    s = m.sampling
-    fixed = layout.fixed[MessageType.OPEN].pack(
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        seed=m.seed,
-        epsilon=m.epsilon,
+    fixed = layout.fixed[MessageType.OPEN].pack_from(
+        m,
+        m.sampling,
         acceptance=ACCEPTANCE_MODES.index(m.acceptance),
         draft_place=DRAFT_PLACES.index(m.draft_place),
         auth_len=len(auth),
         chat_len=len(chat),
-        max_new_tokens=m.max_new_tokens,
         n_prompt=prompt.size,
-        anchor=m.anchor,
-        draft_ms_floor=m.draft_ms_floor,
-        draft_ms_tree=m.draft_ms_tree,
     )
     return fixed + prompt.tobytes() + auth + chat
 
 
 def _pack_opened(m: Opened, layout: Layout) -> bytes:
     stops = np.asarray(m.stop_ids).astype("<i4")
-    fixed = layout.fixed[MessageType.OPENED].pack(
-        session_id=m.session_id,
-        t=m.t,
-        prefill_ms=m.prefill_ms,
-        max_context=m.max_context,
-        tree_rows=m.tree_rows,
-        vocab_size=m.vocab_size,
-        hidden_size=m.hidden_size,
-        kv_dim_sliding=m.kv_dim_sliding,
-        kv_dim_full=m.kv_dim_full,
-        n_stops=stops.size,
-    )
+    fixed = layout.fixed[MessageType.OPENED].pack_from(m, n_stops=stops.size)
     return fixed + stops.tobytes()
 
 
@@ -110,7 +91,7 @@ def _pack_tree(m: DraftTree, layout: Layout) -> bytes:
     scores = b""
     if m.scores is not None:  # clamp first: below -65,504 fp16 would round to -inf
         scores = np.maximum(np.asarray(m.scores, np.float32), np.float32(FP16_SCORE_FLOOR)).astype("<f2").tobytes()
-    fixed = layout.fixed[MessageType.ROUND].pack(seq=m.seq, rows=tokens.size, has_scores=m.scores is not None)
+    fixed = layout.fixed[MessageType.ROUND].pack_from(m, rows=tokens.size, has_scores=m.scores is not None)
     return fixed + tokens.tobytes() + parents.tobytes() + scores
 
 
@@ -128,17 +109,14 @@ def _pack_reply(m: RoundReply, layout: Layout) -> bytes:
     samples = np.asarray(m.samples).astype("<i4")
     path = np.asarray(m.path_rows).astype("<i2")
     chain = np.asarray(m.chain).astype("<i4")
-    fixed = layout.fixed[MessageType.REPLY].pack(
-        seq=m.seq,
-        bonus=m.bonus,
-        server_ms=m.server_ms,
+    fixed = layout.fixed[MessageType.REPLY].pack_from(
+        m,
         finished=_finish_code(m),
         has_handoff=m.handoff is not None,
         rows=samples.size,
         n_path=path.size,
         n_chain=chain.size,
         has_verified=m.verified is not None,
-        allowance=m.allowance,
     )
     mask = b""
     if m.verified is not None:  # row j at byte j // 8, bit j % 8, LSB first; pad bits 0
@@ -148,7 +126,7 @@ def _pack_reply(m: RoundReply, layout: Layout) -> bytes:
 
 
 def _pack_close(m: Close, layout: Layout) -> bytes:
-    return layout.fixed[MessageType.CLOSE].pack(session_id=m.session_id)
+    return layout.fixed[MessageType.CLOSE].pack_from(m)
 
 
 def _pack_error_payload(m: ErrorReply, fixed: FixedPart) -> bytes:
@@ -162,9 +140,7 @@ def _pack_error(m: ErrorReply, layout: Layout) -> bytes:
 
 def _pack_append(m: AppendTurn, layout: Layout) -> bytes:
     tokens = np.asarray(m.tokens).astype("<i4")
-    fixed = layout.fixed[MessageType.APPEND].pack(
-        max_new_tokens=m.max_new_tokens, keep=m.keep, keep_crc=m.keep_crc, anchor=m.anchor, n_tokens=tokens.size
-    )
+    fixed = layout.fixed[MessageType.APPEND].pack_from(m, n_tokens=tokens.size)
     return fixed + tokens.tobytes()
 
 

@@ -13,7 +13,7 @@ import enum
 import struct
 from collections import namedtuple
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from hycoc import serving_limits
@@ -93,6 +93,19 @@ class FixedPart:
     def pack(self, **values) -> bytes:
         """The fixed part's bytes, from one keyword per field."""
         return self.struct.pack(*self.record(**values))
+
+    def pack_from(self, *sources: object, **values) -> bytes:
+        """The fixed part's bytes: each field from ``values`` where given (counts, lengths, codes the payload
+        derives), else the same-named attribute of the first of ``sources`` that has it (a message's own fields);
+        a field in neither raises AttributeError (a codec bug, never the peer's)."""
+        for name in self.fields:
+            if name not in values:
+                owner = next((s for s in sources if hasattr(s, name)), None)
+                if owner is None:
+                    names = [type(s).__name__ for s in sources]
+                    raise AttributeError(f"FixedPart field {name!r}: not given and not an attribute of {names}")
+                values[name] = getattr(owner, name)
+        return self.pack(**values)
 
     def unpack(self, raw) -> Any:
         """The fields of ``raw`` (exactly ``size`` bytes) as a namedtuple of `fields` (a class made at run time from
@@ -231,16 +244,10 @@ class Limits:
 
     @classmethod
     def from_opened(cls, opened: Opened, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Limits:
-        """The device's limits for a session's replies, from the server's OPENED."""
-        return cls(
-            max_frame_bytes=max_frame_bytes,
-            vocab_size=opened.vocab_size,
-            tree_rows=opened.tree_rows,
-            max_context=opened.max_context,
-            hidden_size=opened.hidden_size,
-            kv_dim_sliding=opened.kv_dim_sliding,
-            kv_dim_full=opened.kv_dim_full,
-        )
+        """The device's limits for a session's replies, from the server's OPENED: every limit but
+        ``max_frame_bytes`` is the OPENED field of the same name."""
+        known = {f.name: getattr(opened, f.name) for f in fields(cls) if f.name != "max_frame_bytes"}
+        return cls(max_frame_bytes=max_frame_bytes, **known)
 
 
 # --------------------------------------------------------------------------------------------------- sizes

@@ -86,7 +86,7 @@ def _stop_ids(engine) -> tuple[int, ...]:
     return tuple(sorted(engine.eos_token_ids)) or (1,)
 
 
-def _open_engine_session(engine: VerifierEngine, req: OpenRequest) -> Session:
+def open_engine_session(engine: VerifierEngine, req: OpenRequest) -> Session:
     """`VerifierEngine.open` with an OPEN's fields: the new session, not prefilled yet (its `prefill_job` for the
     batch scheduler, or `Session.prefill`). Raises what `open` raises for a request it refuses."""
     return engine.open(
@@ -317,7 +317,7 @@ class SessionLoop:
             req = replace(req, anchor=0)  # no room for a snapshot: this conversation's next turn re-prefills
         try:
             if self.worker.batching == "batched":
-                session = _open_engine_session(eng, req)  # checks only
+                session = open_engine_session(eng, req)  # checks only
                 prefill_ms, t = await self.worker.prefill(session.prefill_job)
             else:
                 session, prefill_ms, t = await self.worker.run(self._open_session, req)
@@ -459,7 +459,7 @@ class SessionLoop:
 
     def _open_session(self, req: OpenRequest) -> tuple[Session, float, int]:
         """Worker thread (serial mode): a new engine session, prefilled."""
-        session = _open_engine_session(self.engine, req)
+        session = open_engine_session(self.engine, req)
         prefill_ms, t = session.prefill()
         return session, prefill_ms, t
 
