@@ -256,20 +256,29 @@ class BuildResult:
     pruned: list = field(default_factory=list)  # cache entries the size cap removed (`hycoc.passes.cache.CacheEntry`)
 
 
+@dataclass(frozen=True)
+class BuildSettings:
+    """How a build runs (`run_pipeline`, `build_bundle`; `hycoc build`'s options).
+
+    ``until``: stop after that pass (no bundle); ``console``: where progress goes (None: stderr); ``seed``: seeds
+    torch in the passes that train or sample; ``device``: where the torch-model passes run ("cpu", "cuda", ...);
+    ``use_cache`` False (``--no-cache``): every pass runs and replaces its entry; ``cache_max_bytes``: after a
+    build, prune the cache to that total (None: not pruned)."""
+
+    until: str | None = None
+    console: Console | None = None
+    seed: int = 0
+    device: str = "cpu"
+    use_cache: bool = True
+    cache_max_bytes: int | None = None
+
+
 def run_pipeline(
-    recipe: Recipe,
-    target: str,
-    cache_dir: str | Path,
-    *,
-    until: str | None = None,
-    console: Console | None = None,
-    seed: int = 0,
-    device: str = "cpu",
-    use_cache: bool = True,
+    recipe: Recipe, target: str, cache_dir: str | Path, settings: BuildSettings = BuildSettings()
 ) -> PipelineResult:
-    """Run `build_pipeline` on `build_inputs` (up to ``until``; torch-model passes on ``device``; ``use_cache``
-    False: every pass runs). The target's files are then read from the pipeline's cache entry, and the pass's work
-    folder is removed."""
+    """Run `build_pipeline` on `build_inputs` (up to ``settings.until``; torch-model passes on ``settings.device``;
+    ``settings.use_cache`` False: every pass runs). The target's files are then read from the pipeline's cache
+    entry, and the pass's work folder is removed."""
     recipe, target = recipe_for_target(recipe, target)  # an htp-vNN target: [target] at that arch
     if target == "qai-hub":
         from hycoc.targets.qai_hub import check_setup
@@ -277,10 +286,16 @@ def run_pipeline(
         check_setup()  # fail at once, not after QAT
     chat_from_recipe(recipe)  # the chat template and stop ids the bundle will carry: refused before any model loads
     pipeline = build_pipeline(
-        recipe, target, cache_dir=cache_dir, console=console, seed=seed, device=device, use_cache=use_cache
+        recipe,
+        target,
+        cache_dir=cache_dir,
+        console=settings.console,
+        seed=settings.seed,
+        device=settings.device,
+        use_cache=settings.use_cache,
     )
-    check_until(until, [p.name for p in pipeline.passes])  # before loading any model
-    result = pipeline.run(recipe, build_inputs(recipe, device), until=until)
+    check_until(settings.until, [p.name for p in pipeline.passes])  # before loading any model
+    result = pipeline.run(recipe, build_inputs(recipe, settings.device), until=settings.until)
     if "target_files" in result.artifacts:
         entry = result.reports[-1].location
         if entry is None:  # the pipeline sets every report's cache entry
@@ -295,21 +310,16 @@ def build_bundle(
     target: str,
     out_dir: str | Path | None,
     cache_dir: str | Path,
-    *,
-    until: str | None = None,
-    console: Console | None = None,
-    seed: int = 0,
-    device: str = "cpu",
-    use_cache: bool = True,
-    cache_max_bytes: int | None = None,
+    settings: BuildSettings = BuildSettings(),
 ) -> BuildResult:
-    """Run the pipeline (`run_pipeline`, torch-model passes on ``device``) and write the bundle to ``out_dir``
-    (module docstring). Third-party warnings and prints go to ``CACHE_DIR/logs/build-<recipe>-<target>.log``
-    (`hycoc.quiet.third_party_output`; one line at the end says where).
+    """Run the pipeline (`run_pipeline`, torch-model passes on ``settings.device``) and write the bundle to
+    ``out_dir`` (module docstring). Third-party warnings and prints go to
+    ``CACHE_DIR/logs/build-<recipe>-<target>.log`` (`hycoc.quiet.third_party_output`; one line at the end says where).
 
-    ``until``: stop after that pass and write no bundle (`BuildResult.stopped_at` is its cache entry).
-    ``use_cache`` False (``--no-cache``): every pass runs and replaces its entry. ``cache_max_bytes``: after the
-    build, the cache is pruned to that total, least recently used entries first, this build's never
+    ``settings`` (`BuildSettings`): ``until``: stop after that pass and write no bundle (`BuildResult.stopped_at` is
+    its cache entry). ``use_cache`` False (``--no-cache``): every pass runs and replaces its entry.
+    ``cache_max_bytes``: after the build, the cache is pruned to that total, least recently used entries first,
+    this build's never
     (`hycoc.passes.cache.prune`; None: not pruned; the CLI's default is `hycoc.passes.cache.DEFAULT_MAX_BYTES`);
     `BuildResult.pruned` lists what went.
     One build at a time per cache and bundle folder (`hycoc.build_lock.build_lock`): another build holding either
@@ -322,43 +332,32 @@ def build_bundle(
     """
     if target not in TARGETS:
         raise BuildError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
-    if out_dir is None and until is None:
+    if out_dir is None and settings.until is None:
         raise BuildError("--out DIR is required for a full build")
     from hycoc.build_lock import BuildLocked, build_lock, interrupted_note
 
     started = time.time()
-    bundle_dir = None if until is not None else out_dir
+    bundle_dir = None if settings.until is not None else out_dir
     try:
         with build_lock(cache_dir, bundle_dir):
-            result = _build_locked(
-                recipe,
-                target,
-                out_dir,
-                cache_dir,
-                until=until,
-                console=console,
-                seed=seed,
-                device=device,
-                use_cache=use_cache,
-            )
-            if cache_max_bytes is not None:
+            result = _build_locked(recipe, target, out_dir, cache_dir, settings)
+            if settings.cache_max_bytes is not None:
                 from hycoc.passes.cache import prune
 
                 keep = [r.location for r in result.pipeline.reports if r.location is not None]
-                result.pruned = prune(cache_dir, max_bytes=cache_max_bytes, keep=keep)
+                result.pruned = prune(cache_dir, max_bytes=settings.cache_max_bytes, keep=keep)
             return result
     except BuildLocked as e:
         raise BuildError(str(e)) from None
     except KeyboardInterrupt:
         from hycoc.progress import stderr_console  # redirected: the note stays one line
 
-        (console or stderr_console()).print(f"[yellow]{interrupted_note(cache_dir, bundle_dir, started)}[/]")
+        console = settings.console or stderr_console()
+        console.print(f"[yellow]{interrupted_note(cache_dir, bundle_dir, started)}[/]")
         raise
 
 
-def _build_locked(
-    recipe: Recipe, target: str, out_dir, cache_dir, *, until, console, seed, device, use_cache=True
-) -> BuildResult:
+def _build_locked(recipe: Recipe, target: str, out_dir, cache_dir, settings: BuildSettings) -> BuildResult:
     """`build_bundle`'s work, its locks held."""
     recipe, target = recipe_for_target(recipe, target)  # an htp-vNN target: [target] at that arch
     import torch.onnx  # noqa: F401  (imported before the log context: its own loggers then go to the log too)
@@ -367,11 +366,9 @@ def _build_locked(
 
     # torch.onnx's progress prints, torchvision/transformers warnings, onnxruntime's quantizer advice: to a log
     log = Path(cache_dir) / "logs" / f"build-{recipe.recipe.name}-{target}.log"
-    with third_party_output(log, console=console):
-        result = run_pipeline(
-            recipe, target, cache_dir, until=until, console=console, seed=seed, device=device, use_cache=use_cache
-        )
-        if until is not None:
+    with third_party_output(log, console=settings.console):
+        result = run_pipeline(recipe, target, cache_dir, settings)
+        if settings.until is not None:
             return BuildResult(result, None, stopped_at=result.reports[-1].location)
         manifest = write_bundle(result, recipe, target, out_dir)
     return BuildResult(result, Path(out_dir).absolute(), manifest)

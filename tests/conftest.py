@@ -108,8 +108,8 @@ def tiny_pipeline(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_bundle")
     path = write_tiny_recipe(root)
     recipe = load_recipe(path)
-    first = b.run_pipeline(recipe, "cpu", root / "cache", console=Console(file=io.StringIO()))
-    second = b.run_pipeline(recipe, "cpu", root / "cache", console=Console(file=io.StringIO()))
+    first = b.run_pipeline(recipe, "cpu", root / "cache", b.BuildSettings(console=Console(file=io.StringIO())))
+    second = b.run_pipeline(recipe, "cpu", root / "cache", b.BuildSettings(console=Console(file=io.StringIO())))
     return SimpleNamespace(recipe=recipe, path=path, root=root, cache=root / "cache", first=first, second=second)
 
 
@@ -121,5 +121,5 @@ def tiny_bundle(tiny_pipeline):
     from rich.console import Console
 
     p = tiny_pipeline
-    b.build_bundle(p.recipe, "cpu", p.root / "bundle", p.cache, console=Console(file=io.StringIO()))
+    b.build_bundle(p.recipe, "cpu", p.root / "bundle", p.cache, b.BuildSettings(console=Console(file=io.StringIO())))
     return SimpleNamespace(recipe=p.recipe, path=p.path, root=p.root, bundle=p.root / "bundle", cache=p.cache)

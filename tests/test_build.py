@@ -150,7 +150,7 @@ def test_list_passes_describes_the_chain(recipe_path, tmp_path):
 
 def test_until_keep_set_stops_with_the_artifact(recipe_path, tmp_path):
     result = b.build_bundle(
-        load_recipe(recipe_path), "cpu", None, tmp_path / "cache", until="keep_set", console=quiet()
+        load_recipe(recipe_path), "cpu", None, tmp_path / "cache", b.BuildSettings(until="keep_set", console=quiet())
     )
     assert [r.pass_name for r in result.pipeline.reports] == ["keep_set"]
     assert result.out_dir is None and (result.stopped_at / "keep_set" / "keep_set.npy").is_file()
@@ -222,7 +222,7 @@ def test_build_bundle_cpu_end_to_end(tiny_pipeline, tmp_path):
 
     recipe = tiny_pipeline.recipe
     out, cache = tmp_path / "bundle", tiny_pipeline.cache
-    result = b.build_bundle(recipe, "cpu", out, cache, console=quiet())
+    result = b.build_bundle(recipe, "cpu", out, cache, b.BuildSettings(console=quiet()))
     manifest = result.manifest
     assert load_manifest(out).to_json() == manifest.to_json()
     on_disk = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
@@ -275,7 +275,7 @@ def test_build_bundle_cpu_end_to_end(tiny_pipeline, tmp_path):
     for r in result.pipeline.reports:
         print(f"{r.pass_name:16s} {r.seconds:7.2f} s  {r.summary}")
 
-    again = b.build_bundle(recipe, "cpu", out, cache, console=quiet())
+    again = b.build_bundle(recipe, "cpu", out, cache, b.BuildSettings(console=quiet()))
     assert all(r.cached for r in again.pipeline.reports)
     assert [f.sha256 for f in again.manifest.files if f.path != "report.json"] == [
         f.sha256 for f in manifest.files if f.path != "report.json"

@@ -330,7 +330,9 @@ def test_a_build_prunes_to_its_cap_and_keeps_its_own_entries(tiny_pipeline, tmp_
     shutil.copytree(tiny_pipeline.cache, cache)
     now = time.time()
     _fill(cache, {"head_qat/" + "0" * 64: 1000}, now - 86400)  # another recipe's entry, used yesterday
-    result = b.build_bundle(tiny_pipeline.recipe, "cpu", tmp_path / "bundle", cache, console=quiet(), cache_max_bytes=0)
+    result = b.build_bundle(
+        tiny_pipeline.recipe, "cpu", tmp_path / "bundle", cache, b.BuildSettings(console=quiet(), cache_max_bytes=0)
+    )
     assert all(r.cached for r in result.pipeline.reports)
     assert [e.key for e in result.pruned] == ["0" * 64]
     assert {e.path for e in entries(cache)} == {r.location for r in result.pipeline.reports}
@@ -368,12 +370,16 @@ def test_the_tiny_recipe_reruns_exactly_what_each_folder_file_reaches(tiny_pipel
     shutil.copytree(tiny_pipeline.root, root, ignore=shutil.ignore_patterns("bundle"))
     recipe = load_recipe(root / "recipe.toml")
     tok = root / "tokenizer"
-    assert all(r.cached for r in b.run_pipeline(recipe, "cpu", root / "cache", console=quiet()).reports)
+    assert all(
+        r.cached for r in b.run_pipeline(recipe, "cpu", root / "cache", b.BuildSettings(console=quiet())).reports
+    )
 
     (tok / "chat_template.jinja").write_text(LARGE, encoding="utf-8")
-    result = b.run_pipeline(recipe, "cpu", root / "cache", console=quiet())
+    result = b.run_pipeline(recipe, "cpu", root / "cache", b.BuildSettings(console=quiet()))
     assert ran(result) == AFTER_ANSWERS + ["target_cpu"]  # keep_set, slm_surgery, slm_tree_graph stay cached
 
     for label in JSON_CHAT_FILES:
         _edit(root, label)
-        assert ran(b.run_pipeline(recipe, "cpu", root / "cache", console=quiet())) == CHAT_READERS, label
+        assert ran(b.run_pipeline(recipe, "cpu", root / "cache", b.BuildSettings(console=quiet()))) == CHAT_READERS, (
+            label
+        )

@@ -184,7 +184,7 @@ def arch_bundles(tiny_pipeline, tmp_path_factory):
     for device in ("Snapdragon 8 Elite Gen 5", "Snapdragon 8 Elite", "Snapdragon 8 Gen 3", "Snapdragon X Elite"):
         recipe, name = b.recipe_for_target(p.recipe, None, resolve_device(device))
         out[device] = root / f"{name}-{recipe.target.soc_model}"
-        b.build_bundle(recipe, name, out[device], p.cache, console=Console(file=io.StringIO()))
+        b.build_bundle(recipe, name, out[device], p.cache, b.BuildSettings(console=Console(file=io.StringIO())))
     return out
 
 

@@ -29,7 +29,10 @@ def tiny(tmp_path_factory):
     recipe_path = write_tiny_recipe(tmp_path_factory.mktemp("tiny_recipe"))
     recipe = load_recipe(recipe_path)
     result = b.run_pipeline(
-        recipe, "cpu", tmp_path_factory.mktemp("cache"), until="head_export", console=Console(file=io.StringIO())
+        recipe,
+        "cpu",
+        tmp_path_factory.mktemp("cache"),
+        b.BuildSettings(until="head_export", console=Console(file=io.StringIO())),
     )
     return recipe, result.artifacts
 

@@ -361,7 +361,9 @@ def test_a_qai_hub_build_writes_an_htp_bundle_with_the_jobs_in_its_manifest(
     hub = CannedHub(monkeypatch)
     monkeypatch.setenv("QAI_HUB_API_TOKEN", "canned")
     p = tiny_pipeline
-    b.build_bundle(p.recipe, "qai-hub", tmp_path / "bundle", p.cache, console=Console(file=io.StringIO()))
+    b.build_bundle(
+        p.recipe, "qai-hub", tmp_path / "bundle", p.cache, b.BuildSettings(console=Console(file=io.StringIO()))
+    )
     m = load_manifest(tmp_path / "bundle")
     assert (m.target.name, m.target.backend, m.target.htp_arch) == ("htp-v81", "htp", 81)
     assert m.target.qnn_sdk == QAIRT and m.target.hub.qairt == QAIRT

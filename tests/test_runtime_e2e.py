@@ -347,7 +347,9 @@ def test_htp_bundle_on_the_simulator_gives_the_verifiers_greedy_text(built, serv
     recipe, out = built
     htp = out.parent / "bundle-htp"
     if not htp.exists():
-        b.build_bundle(recipe, "htp-v81", htp, out.parent / "cache", console=Console(file=io.StringIO()))
+        b.build_bundle(
+            recipe, "htp-v81", htp, out.parent / "cache", b.BuildSettings(console=Console(file=io.StringIO()))
+        )
     rt = load_runtime(htp, "htp")
     assert rt.bundle.manifest.target.htp_arch == 81 and rt.mtp.runner.entry.context_binary
     srv, engine = server

@@ -85,7 +85,7 @@ def test_toy_recipe_inputs_come_from_the_repository(no_toy_corpus):
 def test_a_whole_build_reads_only_the_repository_and_the_recipe_folder(tmp_path, no_toy_corpus):
     import io
 
-    from hycoc.passes.build import build_bundle
+    from hycoc.passes.build import BuildSettings, build_bundle
     from rich.console import Console
     from test_build import write_tiny_recipe
 
@@ -98,7 +98,7 @@ def test_a_whole_build_reads_only_the_repository_and_the_recipe_folder(tmp_path,
             "cpu",
             tmp_path / "bundle",
             cache_dir=tmp_path / "cache",
-            console=Console(file=io.StringIO()),
+            settings=BuildSettings(console=Console(file=io.StringIO())),
         )
     assert (tmp_path / "bundle" / "manifest.json").is_file()
     assert outside(opened, allowed_roots(tmp_path)) == []

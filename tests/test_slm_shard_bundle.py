@@ -26,7 +26,7 @@ def sharded(tiny_pipeline):
     path.write_text(text.replace("[target]\n", "[target]\nslm_shards = 2\n"))
     recipe = load_recipe(path)
     out = p.root / "bundle-shards"
-    res = b.build_bundle(recipe, "cpu", out, p.cache, console=Console(file=io.StringIO()))
+    res = b.build_bundle(recipe, "cpu", out, p.cache, b.BuildSettings(console=Console(file=io.StringIO())))
     return res, out
 
 
@@ -124,7 +124,7 @@ def test_shards_with_quantized_io_decode_the_float_shards_text(sharded, tmp_path
     _, out = sharded
     base = load_recipe(out.parent / "recipe-shards.toml")  # the `sharded` fixture's recipe
     # its artifacts as the cache holds them (every pass a cache hit)
-    res = b.run_pipeline(base, "cpu", out.parent / "cache", console=Console(file=io.StringIO()))
+    res = b.run_pipeline(base, "cpu", out.parent / "cache", b.BuildSettings(console=Console(file=io.StringIO())))
     q = base.model_copy(update={"target": base.target.model_copy(update={"quantized_io": True})})
     step = b.TargetPass("cpu", {"head": "qdq_head", "slm": KIND}, tmp_path / "work")
     outputs, _ = step.run({k: res.artifacts[k] for k in ("qdq_head", KIND)}, q)

@@ -151,7 +151,14 @@ def build(
         if conflict is not None:
             raise _fail("build", conflict, code=2)
     _need_full("build")
-    from hycoc.passes.build import BuildError, BuildNotReady, build_bundle, build_pipeline, recipe_for_target
+    from hycoc.passes.build import (
+        BuildError,
+        BuildNotReady,
+        BuildSettings,
+        build_bundle,
+        build_pipeline,
+        recipe_for_target,
+    )
     from hycoc.passes.pipeline import UnknownPassError
     from hycoc.progress import stderr_console
 
@@ -172,11 +179,9 @@ def build(
             name,
             None if until else out_dir,
             cache,
-            until=until,
-            console=console,
-            device=compute,
-            use_cache=not no_cache,
-            cache_max_bytes=max_bytes,
+            BuildSettings(
+                until=until, console=console, device=compute, use_cache=not no_cache, cache_max_bytes=max_bytes
+            ),
         )
     except KeyboardInterrupt:  # build_bundle said what it kept
         raise typer.Exit(130) from None
