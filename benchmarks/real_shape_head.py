@@ -100,6 +100,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (module docstring)."""
     p = check_parser(__doc__)
     p.add_argument("--keep-set", type=int, default=86_089, help="keep-set size |V| (default 86,089)")
     p.add_argument("--window", type=int, default=1024, help="ring columns W (default 1,024)")
@@ -483,6 +484,7 @@ def main(argv=None) -> dict[str, Any]:
 
 
 def print_table(report: dict) -> None:
+    """The summary table (one row per step) on stdout, then what the run needs of a machine."""
     from rich.console import Console
     from rich.table import Table
 

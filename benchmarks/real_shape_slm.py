@@ -88,6 +88,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (module docstring)."""
     p = check_parser(__doc__)
     p.add_argument("--layers", type=int, default=None, help="first N layers of E2B (default all 35)")
     p.add_argument("--keep-set", type=int, default=86_089, help="keep-set size (default 86,089)")
