@@ -72,7 +72,8 @@ def memo_trees(model, torch):
     return tree
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipe", type=Path)
     ap.add_argument("--dataset", type=Path, default=SPEC_BENCH, help="default: %(default)s")
@@ -101,19 +102,16 @@ def main(argv=None) -> None:
         default=None,
         help="prompt positions per prefill forward (default: the engine's, 512)",
     )
-    args = ap.parse_args(argv)
-    if args.mixed_lengths or args.long_prefill:
-        return long_context(args)
+    return ap.parse_args(argv)
 
+
+def _engine(args):
+    """(recipe, verifier engine on the CPU, sampling, chat template) of ``args.recipe``, torch on ``--threads`` (else
+    the recipe's verifier.threads, else 1)."""
     import torch
-    from hycoc.verifier.batch import BatchStats, verify_batch
     from hycoc.verifier.loading import engine_from_recipe
-    from rich.console import Console
-    from rich.table import Table
 
-    from hycoc.bench.datasets import load_spec_bench
     from hycoc.chat_template import chat_from_recipe
-    from hycoc.progress import step
     from hycoc.protocol.messages import Sampling
     from hycoc.recipe import load_recipe
 
@@ -122,68 +120,61 @@ def main(argv=None) -> None:
     chat = chat_from_recipe(recipe)
     engine = engine_from_recipe(recipe, "cpu")
     s = recipe.sampling
-    sampling = Sampling(s.temperature, s.top_k, s.top_p)
-    counts = [int(x) for x in args.sessions.split(",")]
-    questions = load_spec_bench(args.dataset)[: max(counts)]
-    prompts = [np.array(chat.prompt(q.turns[0]), dtype=np.int64) for q in questions]
-    tree = memo_trees(engine.model, torch)
+    return recipe, engine, Sampling(s.temperature, s.top_k, s.top_p), chat
 
-    def open_all(n):
-        return [_open(engine, recipe, sampling, prompts[i], i) for i in range(n)]
 
-    def run(n, mode, progress):
-        sessions = open_all(n)
-        wall = cpu = forward_ms = 0.0
-        forwards = rows = 0
-        steps = []
-        for seq in range(args.rounds):
-            batch = [(sess, *tree(i, sess), seq) for i, sess in enumerate(sessions)]  # untimed
-            w0, c0 = time.perf_counter(), time.process_time()
-            if mode == "serial":
-                for sess, tokens, parents, q in batch:
-                    sess.verify(tokens, parents, q)
-                forwards += n
-                rows += sum(len(b[1]) for b in batch)
-            else:
-                stats = BatchStats()
-                results = verify_batch(engine, batch, stats)
-                assert not any(isinstance(r, BaseException) for r in results), results
-                forwards += 1
-                rows += stats.rows
-                forward_ms += stats.forward_ms
-            dw, dc = time.perf_counter() - w0, time.process_time() - c0
-            wall, cpu = wall + dw, cpu + dc
-            steps.append(dw * 1e3)
-            progress.advance()
-        tokens = sum(len(sess.output) for sess in sessions)
-        outputs = [list(sess.output) for sess in sessions]
-        for sess in sessions:
-            sess.close()
-        return dict(
-            rows=rows / forwards,
-            step_ms=1e3 * wall / args.rounds,
-            step_cpu_ms=1e3 * cpu / args.rounds,
-            p90_ms=float(np.percentile(steps, 90)),
-            forward_ms=forward_ms / args.rounds,
-            tok_s=tokens / wall,
-            tok_cpu_s=tokens / cpu,
-            mat=tokens / (n * args.rounds),
-            outputs=outputs,
-        )
+def run_rounds(engine, recipe, sampling, prompts, tree, n: int, mode: str, rounds: int, progress) -> dict:
+    """``rounds`` rounds of ``n`` sessions (prompts[0..n)), each round's trees verified one session at a time
+    (``mode`` "serial") or in one batched forward ("batched"); returns rows per forward, step ms (wall, CPU, p90),
+    forward ms (batched), tok/s (wall, CPU), MAT and each session's output tokens."""
+    from hycoc.verifier.batch import BatchStats, verify_batch
 
-    results = {}
-    with step("batched vs serial rounds", total=2 * len(counts) * args.rounds) as progress:
-        for n in counts:
-            for mode in ("serial", "batched"):
-                results[n, mode] = run(n, mode, progress)
-            assert results[n, "serial"]["outputs"] == results[n, "batched"]["outputs"], (
-                f"{n} sessions: batched output differs from serial"
-            )
-
-    table = Table(
-        title=f"Verification rounds on {args.recipe.name}: {args.rounds} rounds x n sessions, 33-row "
-        f"trees, {torch.get_num_threads()} thread(s)"
+    sessions = [_open(engine, recipe, sampling, prompts[i], i) for i in range(n)]
+    wall = cpu = forward_ms = 0.0
+    forwards = rows = 0
+    steps = []
+    for seq in range(rounds):
+        batch = [(sess, *tree(i, sess), seq) for i, sess in enumerate(sessions)]  # untimed
+        w0, c0 = time.perf_counter(), time.process_time()
+        if mode == "serial":
+            for sess, tokens, parents, q in batch:
+                sess.verify(tokens, parents, q)
+            forwards += n
+            rows += sum(len(b[1]) for b in batch)
+        else:
+            stats = BatchStats()
+            results = verify_batch(engine, batch, stats)
+            assert not any(isinstance(r, BaseException) for r in results), results
+            forwards += 1
+            rows += stats.rows
+            forward_ms += stats.forward_ms
+        dw, dc = time.perf_counter() - w0, time.process_time() - c0
+        wall, cpu = wall + dw, cpu + dc
+        steps.append(dw * 1e3)
+        progress.advance()
+    tokens = sum(len(sess.output) for sess in sessions)
+    outputs = [list(sess.output) for sess in sessions]
+    for sess in sessions:
+        sess.close()
+    return dict(
+        rows=rows / forwards,
+        step_ms=1e3 * wall / rounds,
+        step_cpu_ms=1e3 * cpu / rounds,
+        p90_ms=float(np.percentile(steps, 90)),
+        forward_ms=forward_ms / rounds,
+        tok_s=tokens / wall,
+        tok_cpu_s=tokens / cpu,
+        mat=tokens / (n * rounds),
+        outputs=outputs,
     )
+
+
+def print_rounds_table(results: dict, counts: list[int], title: str) -> None:
+    """The serial vs batched table: one row per (session count, mode) of ``results`` (`run_rounds`'s dicts)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
     for col in (
         "sessions",
         "mode",
@@ -216,6 +207,38 @@ def main(argv=None) -> None:
                 f"{r['tok_cpu_s'] / base:.2f}x",
             )
     Console().print(table)
+
+
+def main(argv=None) -> None:
+    """Run the comparison the options ask for (module docstring) and print its tables."""
+    args = parse_args(argv)
+    if args.mixed_lengths or args.long_prefill:
+        return long_context(args)
+
+    import torch
+
+    from hycoc.bench.datasets import load_spec_bench
+    from hycoc.progress import step
+
+    recipe, engine, sampling, chat = _engine(args)
+    counts = [int(x) for x in args.sessions.split(",")]
+    questions = load_spec_bench(args.dataset)[: max(counts)]
+    prompts = [np.array(chat.prompt(q.turns[0]), dtype=np.int64) for q in questions]
+    tree = memo_trees(engine.model, torch)
+
+    results = {}
+    with step("batched vs serial rounds", total=2 * len(counts) * args.rounds) as progress:
+        for n in counts:
+            for mode in ("serial", "batched"):
+                results[n, mode] = run_rounds(engine, recipe, sampling, prompts, tree, n, mode, args.rounds, progress)
+            assert results[n, "serial"]["outputs"] == results[n, "batched"]["outputs"], (
+                f"{n} sessions: batched output differs from serial"
+            )
+    title = (
+        f"Verification rounds on {args.recipe.name}: {args.rounds} rounds x n sessions, 33-row "
+        f"trees, {torch.get_num_threads()} thread(s)"
+    )
+    print_rounds_table(results, counts, title)
     print_round_steps(engine, prompts[0], sampling, recipe, tree, args.rounds)
 
 
@@ -298,21 +321,11 @@ def _median(xs) -> float:
 
 def _setup(args):
     """(recipe, engine, sampling, long prompt ids (--long-tokens), 15 short prompt ids) for the long-context modes."""
-    import torch
-    from hycoc.verifier.loading import engine_from_recipe
-
     from hycoc.bench.datasets import load_spec_bench
-    from hycoc.chat_template import chat_from_recipe
-    from hycoc.protocol.messages import Sampling
-    from hycoc.recipe import load_recipe
 
-    recipe = load_recipe(args.recipe)
-    torch.set_num_threads(args.threads or recipe.verifier.threads or 1)
-    chat = chat_from_recipe(recipe)
-    engine = engine_from_recipe(recipe, "cpu")
+    recipe, engine, sampling, chat = _engine(args)
     if args.prefill_chunk:
         engine.prefill_chunk = int(args.prefill_chunk)
-    s = recipe.sampling
     questions = load_spec_bench(args.dataset)
     short = [np.array(chat.prompt(q.turns[0]), dtype=np.int64) for q in questions[:15]]
     text = "\n\n".join(turn for q in questions for turn in q.turns)
@@ -324,7 +337,7 @@ def _setup(args):
             f"--long-tokens {args.long_tokens} leaves < 64 positions of the verifier's context {engine.max_context}"
         )
     long = np.concatenate([long[: args.long_tokens - 1], long[-1:]])  # keep the template's last token as the root
-    return recipe, engine, Sampling(s.temperature, s.top_k, s.top_p), long, short
+    return recipe, engine, sampling, long, short
 
 
 def long_context(args) -> None:

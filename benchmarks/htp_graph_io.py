@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from hycoc.targets.float_graph import float_model
 
 
 def _save(model, path: Path) -> Path:
@@ -40,7 +41,6 @@ def _save(model, path: Path) -> Path:
 
 def tail_graph(rows: int, vocab: int, hidden: int, seed: int = 0):
     """Float graph x (1, R, hidden) -> MatMul(W hidden x vocab, int8 x per-channel scale) -> logits (1, R, V)."""
-    from onnx import TensorProto as T
     from onnx import helper as h
     from onnx import numpy_helper as nh
 
@@ -48,15 +48,13 @@ def tail_graph(rows: int, vocab: int, hidden: int, seed: int = 0):
     q = rng.integers(-127, 128, (hidden, vocab)).astype(np.int8)
     s = (rng.random(vocab) * 0.01 + 0.005).astype(np.float32)
     w = q.astype(np.float32) * s[None]
-    g = h.make_graph(
+    m = float_model(
         [h.make_node("MatMul", ["x", "w"], ["logits"], name="lm_head")],
         "tail",
-        [h.make_tensor_value_info("x", T.FLOAT, [1, rows, hidden])],
-        [h.make_tensor_value_info("logits", T.FLOAT, [1, rows, vocab])],
+        ("x", [1, rows, hidden]),
+        ("logits", [1, rows, vocab]),
         [nh.from_array(w, "w")],
     )
-    m = h.make_model(g, opset_imports=[h.make_opsetid("", 21)])
-    m.ir_version = 10
     return m, (q.T.copy(), s, 8)
 
 
@@ -194,7 +192,6 @@ def tie_rows(rows: int, vocab: int, k: int, scale: float, seed: int = 0) -> np.n
 
 def _tail(rows, vocab, k, quantized: bool, scale: float):
     from hycoc.passes.topk_outputs import append_topk
-    from onnx import TensorProto as T
     from onnx import helper as h
     from onnx import numpy_helper as nh
 
@@ -212,15 +209,7 @@ def _tail(rows, vocab, k, quantized: bool, scale: float):
             h.make_node("Sub", ["x1", "x2"], ["x3"]),
             h.make_node("Add", ["x2", "x3"], ["logits"]),
         ]
-    g = h.make_graph(
-        nodes,
-        "ties",
-        [h.make_tensor_value_info("x", T.FLOAT, [1, rows, vocab])],
-        [h.make_tensor_value_info("logits", T.FLOAT, [1, rows, vocab])],
-        inits,
-    )
-    m = h.make_model(g, opset_imports=[h.make_opsetid("", 21)])
-    m.ir_version = 10
+    m = float_model(nodes, "ties", ("x", [1, rows, vocab]), ("logits", [1, rows, vocab]), inits)
     return drop_output(append_topk(m, k, with_logq=False), "logits")
 
 

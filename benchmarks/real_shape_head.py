@@ -66,19 +66,21 @@ import numpy as np
 
 from hycoc.bench.real_shape.harness import (
     Steps,
+    add_run_options,
+    check_parser,
     compiled_details,
     cpu_run,
     du,
     htp_simulate,
     human_bytes,
     initializer_bits,
-    machine,
-    needs,
     onnx_files,
     qnn_worker_timeout,
+    report_end,
+    run_and_report,
     sqnr_rounded,
+    step_cells,
     synthetic_keep_set,
-    write_report,
 )
 from hycoc.bench.real_shape.head_shapes import (
     BLOCK_INPUTS,
@@ -98,9 +100,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    """The command line (module docstring)."""
+    p = check_parser(__doc__)
     p.add_argument("--keep-set", type=int, default=86_089, help="keep-set size |V| (default 86,089)")
     p.add_argument("--window", type=int, default=1024, help="ring columns W (default 1,024)")
     p.add_argument(
@@ -131,15 +132,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--out", default=str(REPO / "runs" / "real-shape-head.json"))
-    p.add_argument("--work", default=None, help="work folder (default: temporary, removed at the end)")
-    p.add_argument("--keep-work", action="store_true", help="keep the work folder")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.add_argument(
-        "--toy-dims",
-        action="store_true",
-        help="tests only: the same chain at toy widths (hidden 64, vocab 4,096); NOT real shapes",
-    )
+    add_run_options(p, REPO / "runs" / "real-shape-head.json", "the same chain at toy widths (hidden 64, vocab 4,096)")
     return p.parse_args(argv)
 
 
@@ -456,7 +449,7 @@ def report_of(c: Check, started: str, total_s: float) -> dict[str, Any]:
     """The JSON report (module docstring)."""
     import torch
 
-    report = {
+    return {
         "what": "real-shape MTP head build check: random weights, synthetic keep set and calibration",
         "started": started,
         "total_seconds": round(total_s, 1),
@@ -470,14 +463,8 @@ def report_of(c: Check, started: str, total_s: float) -> dict[str, Any]:
             "calibration inputs synthetic (no verifier): e ~ N(0,1), h ~ N(0,2) with outlier channels x40, "
             "K/V ~ N(0,1), ring_masks for fills W/4..wrapped, rotary_rows at t-1",
         ],
-        "machine": {**machine(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
-        "versions": package_versions(),
-        "steps": c.steps.rows,
-        "peak_rss_gib": c.steps.peak_rss_gib,
-        "failed": c.steps.failed,
+        **report_end(c.steps, package_versions(), torch=torch.__version__, torch_threads=torch.get_num_threads()),
     }
-    report["needs"] = needs(c.steps.rows)
-    return report
 
 
 def main(argv=None) -> dict[str, Any]:
@@ -491,19 +478,13 @@ def main(argv=None) -> dict[str, Any]:
     c = start(args, Console(stderr=True, quiet=args.quiet))
     started = datetime.now(UTC).isoformat(timespec="seconds")
     t_all = time.perf_counter()
-    try:
-        run_chain(c)
-        report = report_of(c, started, time.perf_counter() - t_all)
-        write_report(args.out, report)
-        if not args.quiet:
-            print_table(report)
-    finally:
-        if not args.work and not args.keep_work:
-            shutil.rmtree(c.work, ignore_errors=True)
-    return report
+    return run_and_report(
+        args, c.work, lambda: run_chain(c), lambda: report_of(c, started, time.perf_counter() - t_all), print_table
+    )
 
 
 def print_table(report: dict) -> None:
+    """The summary table (one row per step) on stdout, then what the run needs of a machine."""
     from rich.console import Console
     from rich.table import Table
 
@@ -546,19 +527,9 @@ def print_table(report: dict) -> None:
             note = f"bin {human_bytes(d.get('binary_bytes', 0))}, {d.get('soc_type')} v{d.get('htp_arch')}"
         elif r["step"].endswith("_sim"):
             note = ", ".join(f"{k.replace('sqnr_', '')} {v}" for k, v in d.items() if k.startswith("sqnr"))
-        if r.get("status") == "failed":
-            note = (r.get("error") or "")[:160]
-        elif r.get("status") == "skipped":
+        if r.get("status") == "skipped":
             note = r.get("what", "")
-        table.add_row(
-            r["step"],
-            r.get("status", ""),
-            f"{r.get('seconds', 0):.1f}",
-            f"{r.get('peak_rss_gib', 0):.2f}",
-            f"{r.get('peak_tree_rss_gib', 0):.2f}",
-            human_bytes(r.get("output_bytes", 0)),
-            note,
-        )
+        table.add_row(*step_cells(r, note, cpu=False))
     console = Console(width=max(160, Console().width))
     console.print(table)
     if report.get("needs"):

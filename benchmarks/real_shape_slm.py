@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import shutil
 import sys
 import tempfile
 import time
@@ -60,16 +59,17 @@ import numpy as np
 
 from hycoc.bench.real_shape.harness import (
     Steps,
+    add_run_options,
+    check_parser,
     cpu_run,
     du,
-    human_bytes,
     initializer_bits,
-    machine,
-    needs,
     onnx_files,
+    report_end,
+    run_and_report,
     sqnr_rounded,
+    step_cells,
     synthetic_keep_set,
-    write_report,
 )
 from hycoc.bench.real_shape.random_checkpoint import slm_config, write_random_checkpoint
 from hycoc.bench.real_shape.shards import (
@@ -88,9 +88,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    """The command line (module docstring)."""
+    p = check_parser(__doc__)
     p.add_argument("--layers", type=int, default=None, help="first N layers of E2B (default all 35)")
     p.add_argument("--keep-set", type=int, default=86_089, help="keep-set size (default 86,089)")
     p.add_argument("--rows", type=int, default=32, help="tree rows B (default 32)")
@@ -122,11 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-compile", action="store_true", help="stop after QDQ and the budget refusal")
     p.add_argument("--compile-timeout", type=float, default=2400.0, help="seconds for the HTP compile")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(REPO / "runs" / "real-shape-slm.json"))
-    p.add_argument("--work", default=None, help="work folder (default: temporary, removed unless --keep-work)")
-    p.add_argument("--keep-work", action="store_true")
-    p.add_argument("--quiet", action="store_true")
-    p.add_argument("--toy-dims", action="store_true", help="tests only: toy widths; NOT real shapes")
+    add_run_options(p, REPO / "runs" / "real-shape-slm.json", "toy widths")
     return p.parse_args(argv)
 
 
@@ -406,18 +401,19 @@ def main(argv=None) -> dict[str, Any]:
     started = datetime.now(UTC).isoformat(timespec="seconds")
     t_all = time.perf_counter()
     c = start(args)
-    try:
-        run_chain(c)
-        report = report_of(c, started, time.perf_counter() - t_all)
-        write_report(args.out, report)
-        if not args.quiet:
-            print_table(report)
-    finally:
+
+    def release() -> None:
         c.state.clear()
         gc.collect()
-        if not args.work and not args.keep_work:
-            shutil.rmtree(c.work, ignore_errors=True)
-    return report
+
+    return run_and_report(
+        args,
+        c.work,
+        lambda: run_chain(c),
+        lambda: report_of(c, started, time.perf_counter() - t_all),
+        print_table,
+        release,
+    )
 
 
 def report_of(c: Check, started: str, total_s: float) -> dict[str, Any]:
@@ -425,7 +421,7 @@ def report_of(c: Check, started: str, total_s: float) -> dict[str, Any]:
     import torch
 
     args, cfg = c.args, c.cfg
-    report = {
+    return {
         "what": "real-shape E2B SLM build check: random integer weights, synthetic keep set and calibration",
         "started": started,
         "total_seconds": round(total_s, 1),
@@ -451,14 +447,8 @@ def report_of(c: Check, started: str, total_s: float) -> dict[str, Any]:
             "keep set synthetic (sorted uniform ids); calibration synthetic (random trees, tokens, rings)",
             "graph without the TopK outputs the bundle's SLM graph adds (passes/topk_outputs.py)",
         ],
-        "machine": {**machine(), "torch_threads": torch.get_num_threads()},
-        "versions": package_versions(),
-        "steps": c.steps.rows,
-        "peak_rss_gib": c.steps.peak_rss_gib,
-        "failed": c.steps.failed,
+        **report_end(c.steps, package_versions(), torch_threads=torch.get_num_threads()),
     }
-    report["needs"] = needs(c.steps.rows)
-    return report
 
 
 def print_table(report: dict) -> None:
@@ -520,18 +510,7 @@ def print_table(report: dict) -> None:
                 )
                 + f", top-1 {d.get('top1_htp_chain_eq_cpu_qdq_chain')}"
             )
-        if r.get("status") == "failed":
-            note = (r.get("error") or "")[:160]
-        table.add_row(
-            r["step"],
-            r.get("status", ""),
-            f"{r.get('seconds', 0):.1f}",
-            f"{r.get('cpu_seconds', 0):.1f}",
-            f"{r.get('peak_rss_gib', 0):.2f}",
-            f"{r.get('peak_tree_rss_gib', 0):.2f}",
-            human_bytes(r.get("output_bytes", 0)),
-            note,
-        )
+        table.add_row(*step_cells(r, note, cpu=True))
     Console(width=180).print(table)
 
 

@@ -76,7 +76,8 @@ class Replayer:
         pass
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("cmd", choices=("record", "replay"))
     ap.add_argument("bundle", type=Path, help="a cpu bundle")
@@ -100,29 +101,37 @@ def main(argv=None) -> int:
         help="intra-op threads per graph session (default 1; 0 = onnxruntime's default pool, one "
         "thread per core: `hycoc.runtime.graph_sessions.cpu_session_options`)",
     )
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def step_timer():
+    """A `StepTimer` (thread CPU time) wrapped around the drafting steps of the device runtime (``--steps``)."""
+    from hycoc.runtime import graphs, mtp_drafter, slm_drafter, tree_builder
+    from hycoc.runtime.client import DeviceRuntime
+
+    timer = StepTimer(time.thread_time)
+    for owner, attr in [
+        (mtp_drafter.MtpDrafter, "ingest"),
+        (mtp_drafter.MtpDrafter, "draft"),
+        (slm_drafter.SlmDrafter, "feeds"),
+        (slm_drafter.SlmDrafter, "expand"),
+        (tree_builder.TreeBuilder, "slm_pass"),
+        (tree_builder.TreeBuilder, "build"),
+        (graphs.GraphRunner, "run"),
+        (DeviceRuntime, "_tree"),
+    ]:
+        timer.wrap(owner, attr, f"{owner.__name__}.{attr}")
+    return timer
+
+
+def device_runtime(args: argparse.Namespace, cpu: CpuClock, timer):
+    """The bundle (``args.bundle``, cpu) and a `DeviceRuntime` over it whose graph sessions ``cpu`` clocks (and
+    ``timer``, when given, as "ORT call"): ``--threads`` intra-op threads, or onnxruntime's defaults with
+    ``--ort-default``."""
     from hycoc.runtime.client import DeviceRuntime
     from hycoc.runtime.device_bundle import open_bundle
     from hycoc.runtime.graphs import GraphRunner, RunnerSettings, code_outputs, runtime_outputs
 
-    cpu = CpuClock()
-    timer = None
-    if args.steps:
-        from hycoc.runtime import graphs, mtp_drafter, slm_drafter, tree_builder
-
-        timer = StepTimer(time.thread_time)
-        for owner, attr in [
-            (mtp_drafter.MtpDrafter, "ingest"),
-            (mtp_drafter.MtpDrafter, "draft"),
-            (slm_drafter.SlmDrafter, "feeds"),
-            (slm_drafter.SlmDrafter, "expand"),
-            (tree_builder.TreeBuilder, "slm_pass"),
-            (tree_builder.TreeBuilder, "build"),
-            (graphs.GraphRunner, "run"),
-            (DeviceRuntime, "_tree"),
-        ]:
-            timer.wrap(owner, attr, f"{owner.__name__}.{attr}")
     bundle = open_bundle(args.bundle, "cpu")
     runners = []
     for name in ("head", "slm"):
@@ -143,37 +152,44 @@ def main(argv=None) -> int:
         if timer is not None:  # the graph's own time as "ORT call", out of GraphRunner.run's
             runner.session = TimedSession(runner.session, timer)
         runners.append(runner)
-    rt = DeviceRuntime(bundle, *runners)
+    return bundle, DeviceRuntime(bundle, *runners)
 
-    if args.cmd == "record":
-        from hycoc.runtime import transport
 
-        from hycoc.bench.datasets import load_spec_bench
-        from hycoc.bench.verifier_process import VerifierProcess
-        from hycoc.cli import DEFAULT_DATASET
-        from hycoc.recipe import load_recipe
+def record(args: argparse.Namespace, bundle, rt) -> int:
+    """Generate ``--questions`` answers against a child verify-server, recording every round, and write the
+    recording to ``args.file``."""
+    from hycoc.runtime import transport
 
-        recipe = load_recipe(args.recipe)
-        questions = load_spec_bench(recipe.resolve_path(recipe.bench.dataset) or DEFAULT_DATASET)[: args.questions]
-        logs, texts = [], []
-        with VerifierProcess(args.recipe, args.bundle / "keep_set.npy") as srv:
-            for q in questions:
-                ids = bundle.chat.prompt(q.turns[0])
-                rec = Recorder(transport.VerifierClient(srv.url))
-                res = rt.generate(rec, ids, mode=args.mode, max_new_tokens=args.tokens)
-                logs.append((ids, rec.log))
-                texts.append(res.tokens)
-        args.file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.file.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            pickle.dump({"logs": logs, "texts": texts, "mode": args.mode, "tokens": args.tokens}, f)
-        tmp.replace(args.file)
-        print(
-            f"recorded {len(texts)} requests, {sum(len(t) for t in texts)} tokens, "
-            f"{sum(len(log['rounds']) for _, log in logs)} rounds -> {args.file}"
-        )
-        return 0
+    from hycoc.bench.datasets import load_spec_bench
+    from hycoc.bench.verifier_process import VerifierProcess
+    from hycoc.cli import DEFAULT_DATASET
+    from hycoc.recipe import load_recipe
 
+    recipe = load_recipe(args.recipe)
+    questions = load_spec_bench(recipe.resolve_path(recipe.bench.dataset) or DEFAULT_DATASET)[: args.questions]
+    logs, texts = [], []
+    with VerifierProcess(args.recipe, args.bundle / "keep_set.npy") as srv:
+        for q in questions:
+            ids = bundle.chat.prompt(q.turns[0])
+            rec = Recorder(transport.VerifierClient(srv.url))
+            res = rt.generate(rec, ids, mode=args.mode, max_new_tokens=args.tokens)
+            logs.append((ids, rec.log))
+            texts.append(res.tokens)
+    args.file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.file.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump({"logs": logs, "texts": texts, "mode": args.mode, "tokens": args.tokens}, f)
+    tmp.replace(args.file)
+    print(
+        f"recorded {len(texts)} requests, {sum(len(t) for t in texts)} tokens, "
+        f"{sum(len(log['rounds']) for _, log in logs)} rounds -> {args.file}"
+    )
+    return 0
+
+
+def replay(args: argparse.Namespace, rt, cpu: CpuClock, timer) -> int:
+    """Replay the recording ``--reps`` times, printing each replay's drafting CPU split; raises TreeMismatch when a
+    tree or a text differs from the recording."""
     with open(args.file, "rb") as f:
         data = pickle.load(f)  # a recording this script wrote (trusted, local)
     for rep in range(args.reps):
@@ -205,6 +221,17 @@ def main(argv=None) -> int:
             timer.seconds.clear()
     print("trees and texts identical to the recording")
     return 0
+
+
+def main(argv=None) -> int:
+    """Record or replay (module docstring); returns the exit code."""
+    args = parse_args(argv)
+    cpu = CpuClock()
+    timer = step_timer() if args.steps else None
+    bundle, rt = device_runtime(args, cpu, timer)
+    if args.cmd == "record":
+        return record(args, bundle, rt)
+    return replay(args, rt, cpu, timer)
 
 
 if __name__ == "__main__":

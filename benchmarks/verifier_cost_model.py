@@ -49,11 +49,13 @@ Exit codes: 0 done or skipped (no CUDA), 1 bad input (recipe, model missing, out
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from hycoc.bench.cost_model.measure import (
     PREFILL_ROWS,
@@ -132,7 +134,8 @@ def round_table(cm: CostModel, chain_length: int = 4):
     return table
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (module docstring); argparse exits 2 on a malformed one."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), required=True, help="torch device to measure on")
     ap.add_argument(
@@ -215,19 +218,44 @@ def main(argv=None) -> int:
         default=None,
         help="torch CPU threads (default: the recipe's verifier.threads, else torch's)",
     )
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+class _UsageError(Exception):
+    """A usage error found after parsing: `main` prints it (`_usage`) and returns 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """What is measured: verify rows, prefill chunk widths and contexts (cached positions), and the batched line's
+    session counts (empty: no batched line) and rows per forward; each sorted, distinct."""
+
+    rows: list[int]
+    prefill_rows: list[int]
+    contexts: list[int]
+    batch_sessions: list[int]
+    batch_rows: list[int]
+
+
+def grid_of(args: argparse.Namespace) -> Grid:
+    """The measured grid of the command line; raises _UsageError (or SystemExit(2) from `_ints`) naming the option."""
     if args.warmup < 0 or args.repeats < 1:
-        return _usage("--warmup must be >= 0 and --repeats >= 1")
-    rows_list = _ints(args.rows, "--rows", 1)
-    prefill_rows = _ints(args.prefill_rows, "--prefill-rows", 1)
-    contexts = _ints(args.contexts or DEFAULTS[args.device]["contexts"], "--contexts", 1)
-    batch_sessions = _ints(args.batch_sessions, "--batch-sessions", 1) if args.batch_sessions else []
-    batch_rows = _ints(args.batch_rows, "--batch-rows", 1)
-    if batch_sessions and args.batch_context < 1:
-        return _usage(f"--batch-context {args.batch_context}: need >= 1 cached position")
+        raise _UsageError("--warmup must be >= 0 and --repeats >= 1")
+    grid = Grid(
+        rows=_ints(args.rows, "--rows", 1),
+        prefill_rows=_ints(args.prefill_rows, "--prefill-rows", 1),
+        contexts=_ints(args.contexts or DEFAULTS[args.device]["contexts"], "--contexts", 1),
+        batch_sessions=_ints(args.batch_sessions, "--batch-sessions", 1) if args.batch_sessions else [],
+        batch_rows=_ints(args.batch_rows, "--batch-rows", 1),
+    )
+    if grid.batch_sessions and args.batch_context < 1:
+        raise _UsageError(f"--batch-context {args.batch_context}: need >= 1 cached position")
+    return grid
 
-    import torch
 
+def refusal(args: argparse.Namespace, torch) -> int | None:
+    """The exit code when this machine or these options cannot measure (0: --device cuda without a CUDA device, said
+    on stdout; 2: a combination of options that does not apply), else None."""
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
             f"verifier_cost_model: skipped: --device cuda, but torch {torch.__version__} sees no CUDA device on "
@@ -241,9 +269,200 @@ def main(argv=None) -> int:
         )
     if args.recipe is not None and args.layers is not None:
         return _usage("--layers applies to the random-weight 26B-A4B shape only, not to --recipe")
+    return None
 
-    from rich.console import Console
+
+@dataclasses.dataclass
+class Measured:
+    """The verifier measured (torch modules: ``model``, and ``head`` or None without one), its label (``name``),
+    dtype, and the round constants of the per-round table: K (``chain_length``), the head's query position offset
+    and its window W (positions)."""
+
+    model: Any
+    head: Any
+    name: str
+    dtype: str
+    chain_length: int
+    offset: int
+    head_window: int
+
+
+def random_verifier(args: argparse.Namespace, meta: dict, console) -> Measured:
+    """The Gemma 4 26B-A4B shape with random weights (``--layers``: its first N layers), and the ASSUMED head unless
+    ``--no-head``; notes the weights and head in ``meta``. Raises _UsageError for --layers out of range."""
+    from hycoc.passes.plan import VERIFIER_26B_A4B
+
+    cfg = dict(VERIFIER_26B_A4B)
+    name = "Gemma 4 26B-A4B shape (hycoc.passes.plan.VERIFIER_26B_A4B), random weights"
+    if args.layers is not None:
+        if not 1 <= args.layers <= cfg["num_hidden_layers"]:
+            raise _UsageError(f"--layers {args.layers}: allowed 1..{cfg['num_hidden_layers']}")
+        cfg["num_hidden_layers"], cfg["layer_types"] = args.layers, cfg["layer_types"][: args.layers]
+        name += f", first {args.layers} of 30 layers only (smoke test, NOT the model's cost)"
+    dtype = args.dtype or DEFAULTS["cuda"]["dtype"]
+    console.print(f"building {name} in {dtype} on {args.device} ...")
+    model = build_random_verifier(cfg, args.device, dtype)
+    meta["weights"] = "random (transformers' initializer, seed 0)"
+    head = None
+    if not args.no_head:
+        from hycoc.passes.plan import HEAD_ASSUMED
+
+        head = build_random_head(HEAD_ASSUMED, cfg["hidden_size"], args.device, dtype)
+        meta["head"] = "ASSUMED shape (hycoc.passes.plan.HEAD_ASSUMED), random weights"
+    # head_window: recipes/gemma4.toml's window.head_window (W), as the server would run it
+    return Measured(model, head, name, dtype, args.chain_length or 4, -1, 1024)
+
+
+def recipe_verifier(args: argparse.Namespace, meta: dict, torch) -> Measured:
+    """``--recipe``'s verifier and (unless ``--no-head``) head with their real weights, in ``--dtype`` or the
+    recipe's, on the recipe's threads; notes them in ``meta``. Raises RecipeError, ModelNotFoundError, OSError."""
+    from hycoc.models import load_verifier
+    from hycoc.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe)
+    dtype = args.dtype or recipe.verifier.dtype
+    threads = args.threads or recipe.verifier.threads
+    if threads:
+        torch.set_num_threads(threads)
+    model = load_verifier(recipe.model_path("verifier"), dtype=dtype, device=args.device)
+    head = None
+    if not args.no_head:
+        from hycoc.models import load_head
+
+        head = load_head(recipe.model_path("head"), dtype=dtype, device=args.device)
+        meta["head"] = f"{recipe.models.head}, real weights"
+    name = f"{recipe.models.verifier} (recipe {args.recipe}), real weights"
+    meta["weights"] = "real"
+    meta["recipe"] = str(args.recipe)
+    return Measured(
+        model,
+        head,
+        name,
+        dtype,
+        args.chain_length or recipe.tree.chain_length,
+        recipe.window.head_query_position_offset,
+        recipe.window.head_window,
+    )
+
+
+def note_model(args: argparse.Namespace, v: Measured, meta: dict, t_start: float, torch) -> str:
+    """Note the model's implementations, parameter counts and build seconds in ``meta``; returns the device's name
+    (the GPU's, or the CPU's with its thread count)."""
+    meta["experts_implementation"] = getattr(v.model.config, "_experts_implementation", None)
+    meta["attn_implementation"] = getattr(v.model.config, "_attn_implementation", None)
+    meta["parameters"] = sum(p.numel() for p in v.model.parameters())
+    if v.head is not None:
+        meta["head_parameters"] = sum(p.numel() for p in v.head.parameters())
+    meta["build_s"] = round(time.perf_counter() - t_start, 1)
+    if args.device == "cuda":
+        return torch.cuda.get_device_name(0)
+    return f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s)"
+
+
+def measure(args: argparse.Namespace, grid: Grid, v: Measured, meta: dict, console, t_start: float):
+    """Time the grid (`measure_grid` on the engine's session cache) and, with ``--batch-sessions``, the batched line
+    (`measure_batch_line`), logging each point; notes the cache and the batched line in ``meta``. Returns (points,
+    batch_points)."""
+
+    def log(kind, rows, t, ms, times):
+        console.print(
+            f"  {kind:<9} rows {rows:>3}  context {t:>6}  {ms:9.2f} ms  (min {min(times):.2f}, "
+            f"max {max(times):.2f})  [{time.perf_counter() - t_start:.0f} s]"
+        )
+
+    engine = measuring_engine(
+        v.model,
+        v.head,
+        head_window=v.head_window,
+        chain_length=v.chain_length,
+        head_query_position_offset=v.offset,
+        device=args.device,
+    )
+    meta["kv_cache"] = (
+        f"the server's session cache (W = {v.head_window}): sliding layers keep "
+        f"{engine.kv_retain} positions + the forward's rows, full layers the context"
+    )
+    points = measure_grid(
+        v.model,
+        grid.rows,
+        grid.contexts,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        device=args.device,
+        log=log,
+        head=v.head,
+        prefill_rows=grid.prefill_rows,
+        chain_length=v.chain_length,
+        head_position_offset=v.offset,
+        clock=args.clock,
+        new_cache=engine.new_cache,
+    )
+    if not grid.batch_sessions:
+        return points, []
+    from hycoc.bench.cost_model.batch_line import measure_batch_line
+
+    def log_batch(n, r, ms, times):
+        console.print(
+            f"  batch     sessions {n:>3}  rows {r:>4}  context {args.batch_context:>6}  {ms:9.2f} ms  (min "
+            f"{min(times):.2f}, max {max(times):.2f})  [{time.perf_counter() - t_start:.0f} s]"
+        )
+
+    batch_points = measure_batch_line(
+        engine,
+        grid.batch_sessions,
+        grid.batch_rows,
+        args.batch_context,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        log=log_batch,
+    )
+    meta["batch_line"] = (
+        "hycoc.bench.cost_model.batch_line: one batched forward (verifier/batch.py batch_forward; one session "
+        "verify_tree) per (sessions, rows), random caches of batch_context positions, median"
+    )
+    return points, batch_points
+
+
+def print_tables(cm: CostModel, repeats: int, caption: str, console) -> None:
+    """One table per kind of forward (ms, and ms per row, per rows x context) and, when measured, the batched line
+    (ms per rows x sessions); ``caption``: the model, dtype and device."""
     from rich.table import Table
+
+    for kind in cm.kinds:
+        table = Table(title=f"{kind} forward, ms (median of {repeats})", caption=caption)
+        table.add_column("rows", justify="right")
+        for t in cm.contexts_of(kind):
+            table.add_column(f"t = {t:,}", justify="right")
+        grid = cm.table(kind)
+        for i, rows in enumerate(cm.rows_of(kind)):
+            table.add_row(str(rows), *(f"{ms:.2f} ({ms / rows:.2f}/row)" for ms in grid[i]))
+        console.print(table)
+    if cm.batch_points:
+        table = Table(title=f"batched forward, ms (median of {repeats}), context {cm.batch_context:,}")
+        table.add_column("rows", justify="right")
+        ns = sorted({p.sessions for p in cm.batch_points})
+        for n in ns:
+            table.add_column(f"{n} session(s)", justify="right")
+        got = {(p.sessions, p.rows): p.ms for p in cm.batch_points}
+        for r in sorted({p.rows for p in cm.batch_points}):
+            table.add_row(str(r), *(f"{got[(n, r)]:.2f}" if (n, r) in got else "" for n in ns))
+        console.print(table)
+
+
+def main(argv=None) -> int:
+    """Measure and write the cost model (module docstring); returns the exit code."""
+    args = parse_args(argv)
+    try:
+        grid = grid_of(args)
+    except _UsageError as e:
+        return _usage(str(e))
+
+    import torch
+
+    refused = refusal(args, torch)
+    if refused is not None:
+        return refused
+    from rich.console import Console
 
     console = Console()
     t_start = time.perf_counter()
@@ -261,126 +480,19 @@ def main(argv=None) -> int:
         import transformers
 
         meta["transformers"] = transformers.__version__
-        if args.recipe is None:
-            from hycoc.passes.plan import VERIFIER_26B_A4B
-
-            cfg = dict(VERIFIER_26B_A4B)
-            name = "Gemma 4 26B-A4B shape (hycoc.passes.plan.VERIFIER_26B_A4B), random weights"
-            if args.layers is not None:
-                if not 1 <= args.layers <= cfg["num_hidden_layers"]:
-                    return _usage(f"--layers {args.layers}: allowed 1..{cfg['num_hidden_layers']}")
-                cfg["num_hidden_layers"], cfg["layer_types"] = args.layers, cfg["layer_types"][: args.layers]
-                name += f", first {args.layers} of 30 layers only (smoke test, NOT the model's cost)"
-            dtype = args.dtype or DEFAULTS["cuda"]["dtype"]
-            console.print(f"building {name} in {dtype} on {args.device} ...")
-            model = build_random_verifier(cfg, args.device, dtype)
-            meta["weights"] = "random (transformers' initializer, seed 0)"
-            head = None
-            if not args.no_head:
-                from hycoc.passes.plan import HEAD_ASSUMED
-
-                head = build_random_head(HEAD_ASSUMED, cfg["hidden_size"], args.device, dtype)
-                meta["head"] = "ASSUMED shape (hycoc.passes.plan.HEAD_ASSUMED), random weights"
-            chain_length, offset = args.chain_length or 4, -1
-            head_window = 1024  # recipes/gemma4.toml's window.head_window (W), as the server would run it
-        else:
-            from hycoc.models import load_verifier
-            from hycoc.recipe import load_recipe
-
-            recipe = load_recipe(args.recipe)
-            dtype = args.dtype or recipe.verifier.dtype
-            threads = args.threads or recipe.verifier.threads
-            if threads:
-                torch.set_num_threads(threads)
-            model = load_verifier(recipe.model_path("verifier"), dtype=dtype, device=args.device)
-            head = None
-            if not args.no_head:
-                from hycoc.models import load_head
-
-                head = load_head(recipe.model_path("head"), dtype=dtype, device=args.device)
-                meta["head"] = f"{recipe.models.head}, real weights"
-            chain_length = args.chain_length or recipe.tree.chain_length
-            offset = recipe.window.head_query_position_offset
-            head_window = recipe.window.head_window
-            name = f"{recipe.models.verifier} (recipe {args.recipe}), real weights"
-            meta["weights"] = "real"
-            meta["recipe"] = str(args.recipe)
-        meta["experts_implementation"] = getattr(model.config, "_experts_implementation", None)
-        meta["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
-        params = sum(p.numel() for p in model.parameters())
-        meta["parameters"] = params
-        if head is not None:
-            meta["head_parameters"] = sum(p.numel() for p in head.parameters())
-        meta["build_s"] = round(time.perf_counter() - t_start, 1)
-        if args.device == "cuda":
-            device_name = torch.cuda.get_device_name(0)
-        else:
-            device_name = f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s)"
+        v = random_verifier(args, meta, console) if args.recipe is None else recipe_verifier(args, meta, torch)
+        device_name = note_model(args, v, meta, t_start, torch)
         console.print(
-            f"{params / 1e9:.3f}e9 parameters, built in {meta['build_s']} s; measuring verify rows "
-            f"{rows_list}, {'a head step, ' if head is not None else ''}prefill rows {prefill_rows} x "
-            f"contexts {contexts}, {args.warmup} warm-up + median of {args.repeats}"
+            f"{meta['parameters'] / 1e9:.3f}e9 parameters, built in {meta['build_s']} s; measuring verify rows "
+            f"{grid.rows}, {'a head step, ' if v.head is not None else ''}prefill rows {grid.prefill_rows} x "
+            f"contexts {grid.contexts}, {args.warmup} warm-up + median of {args.repeats}"
         )
-
-        def log(kind, rows, t, ms, times):
-            console.print(
-                f"  {kind:<9} rows {rows:>3}  context {t:>6}  {ms:9.2f} ms  (min {min(times):.2f}, "
-                f"max {max(times):.2f})  [{time.perf_counter() - t_start:.0f} s]"
-            )
-
-        engine = measuring_engine(
-            model,
-            head,
-            head_window=head_window,
-            chain_length=chain_length,
-            head_query_position_offset=offset,
-            device=args.device,
-        )
-        meta["kv_cache"] = (
-            f"the server's session cache (W = {head_window}): sliding layers keep "
-            f"{engine.kv_retain} positions + the forward's rows, full layers the context"
-        )
-        points = measure_grid(
-            model,
-            rows_list,
-            contexts,
-            warmup=args.warmup,
-            repeats=args.repeats,
-            device=args.device,
-            log=log,
-            head=head,
-            prefill_rows=prefill_rows,
-            chain_length=chain_length,
-            head_position_offset=offset,
-            clock=args.clock,
-            new_cache=engine.new_cache,
-        )
-        batch_points = []
-        if batch_sessions:
-            from hycoc.bench.cost_model.batch_line import measure_batch_line
-
-            def log_batch(n, r, ms, times):
-                console.print(
-                    f"  batch     sessions {n:>3}  rows {r:>4}  context {args.batch_context:>6}  {ms:9.2f} ms  (min "
-                    f"{min(times):.2f}, max {max(times):.2f})  [{time.perf_counter() - t_start:.0f} s]"
-                )
-
-            batch_points = measure_batch_line(
-                engine,
-                batch_sessions,
-                batch_rows,
-                args.batch_context,
-                warmup=args.warmup,
-                repeats=args.repeats,
-                log=log_batch,
-            )
-            meta["batch_line"] = (
-                "hycoc.bench.cost_model.batch_line: one batched forward (verifier/batch.py batch_forward; one session "
-                "verify_tree) per (sessions, rows), random caches of batch_context positions, median"
-            )
+        points, batch_points = measure(args, grid, v, meta, console, t_start)
         meta["clock"] = args.clock if args.device == "cpu" else "wall (CUDA events)"
         if args.device == "cuda":
             meta["max_memory_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    except _UsageError as e:
+        return _usage(str(e))
     except torch.OutOfMemoryError as e:
         print(
             f"verifier_cost_model: out of memory on {args.device}: {e}; use fewer/shorter --contexts", file=sys.stderr
@@ -393,9 +505,9 @@ def main(argv=None) -> int:
     meta["total_s"] = round(time.perf_counter() - t_start, 1)
     cm = CostModel(
         device=device_name,
-        dtype=dtype,
-        model=name,
-        shape=shape_of(model.config),
+        dtype=v.dtype,
+        model=v.name,
+        shape=shape_of(v.model.config),
         points=points,
         batch_points=batch_points,
         batch_context=args.batch_context if batch_points else 0,
@@ -409,26 +521,8 @@ def main(argv=None) -> int:
         print(f"verifier_cost_model: cannot write {out}: {e}", file=sys.stderr)
         return 1
 
-    for kind in cm.kinds:
-        table = Table(title=f"{kind} forward, ms (median of {args.repeats})", caption=f"{name}; {dtype}; {device_name}")
-        table.add_column("rows", justify="right")
-        for t in cm.contexts_of(kind):
-            table.add_column(f"t = {t:,}", justify="right")
-        grid = cm.table(kind)
-        for i, rows in enumerate(cm.rows_of(kind)):
-            table.add_row(str(rows), *(f"{ms:.2f} ({ms / rows:.2f}/row)" for ms in grid[i]))
-        console.print(table)
-    if cm.batch_points:
-        table = Table(title=f"batched forward, ms (median of {args.repeats}), context {cm.batch_context:,}")
-        table.add_column("rows", justify="right")
-        ns = sorted({p.sessions for p in cm.batch_points})
-        for n in ns:
-            table.add_column(f"{n} session(s)", justify="right")
-        got = {(p.sessions, p.rows): p.ms for p in cm.batch_points}
-        for r in sorted({p.rows for p in cm.batch_points}):
-            table.add_row(str(r), *(f"{got[(n, r)]:.2f}" if (n, r) in got else "" for n in ns))
-        console.print(table)
-    console.print(round_table(cm, chain_length))
+    print_tables(cm, args.repeats, f"{v.name}; {v.dtype}; {device_name}", console)
+    console.print(round_table(cm, v.chain_length))
     console.print(f"wrote {out} in {meta['total_s']} s")
     return 0
 

@@ -16,7 +16,7 @@ from hycoc.bench.paper import device_profile as dp
 
 def _matmul_graph(path, rows: int = 32, k: int = 16, n: int = 24):
     import onnx
-    from onnx import TensorProto as T
+    from hycoc.targets.float_graph import float_model
     from onnx import helper as h
     from onnx import numpy_helper as nh
 
@@ -27,16 +27,7 @@ def _matmul_graph(path, rows: int = 32, k: int = 16, n: int = 24):
         nh.from_array(np.array(0, np.int8), "wz"),
     ]
     nodes = [h.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"]), h.make_node("MatMul", ["x", "wd"], ["y"])]
-    g = h.make_graph(
-        nodes,
-        "g",
-        [h.make_tensor_value_info("x", T.FLOAT, [1, rows, k])],
-        [h.make_tensor_value_info("y", T.FLOAT, [1, rows, n])],
-        inits,
-    )
-    m = h.make_model(g, opset_imports=[h.make_opsetid("", 21)])
-    m.ir_version = 10
-    onnx.save(m, str(path))
+    onnx.save(float_model(nodes, "g", ("x", [1, rows, k]), ("y", [1, rows, n]), inits), str(path))
     return path
 
 

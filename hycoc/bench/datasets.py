@@ -8,6 +8,7 @@ No torch here: the device runtime and the bench client read this too.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,32 @@ class Question:
         return (self.reference[turn - 1],)
 
 
+def _object_rows(path: Path) -> Iterator[tuple[str, int, dict]]:
+    """``(FILE:LINE, line number, row)`` of each JSON object of the JSONL file ``path`` (`hycoc.jsonl.iter_jsonl`).
+    Raises DatasetError for a missing file, a line that is not JSON and a row that is not an object."""
+    if not path.is_file():
+        raise DatasetError(f"{path}: dataset file not found")
+    for where, number, row in iter_jsonl(path, DatasetError):
+        if not isinstance(row, dict):
+            raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        yield where, number, row
+
+
+def _integer_id(row: dict, key: str, where: str) -> int:
+    """``row[key]`` when it is an integer (a bool is not); else DatasetError naming ``where``."""
+    value = row.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise DatasetError(f"{where}: {key} must be an integer, got {value!r}")
+    return value
+
+
+def _first_time(seen: dict[int, int], value: int, key: str, where: str, number: int) -> None:
+    """Record that id ``value`` is on line ``number``; DatasetError naming both lines when ``seen`` has it already."""
+    if value in seen:
+        raise DatasetError(f"{where}: {key} {value} repeats line {seen[value]}")
+    seen[value] = number
+
+
 def load_spec_bench(path: str | Path) -> list[Question]:
     """Read a Spec-Bench JSONL file into Questions, in file order. Blank lines are skipped.
 
@@ -60,25 +87,18 @@ def load_spec_bench(path: str | Path) -> list[Question]:
     or a repeated question_id; each message names ``FILE:LINE``.
     """
     path = Path(path)
-    if not path.is_file():
-        raise DatasetError(f"{path}: dataset file not found")
     questions: list[Question] = []
     seen: dict[int, int] = {}
-    for where, number, row in iter_jsonl(path, DatasetError):
-        if not isinstance(row, dict):
-            raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
-        qid, category, turns, reference = (row.get(k) for k in ("question_id", "category", "turns", "reference"))
-        if not isinstance(qid, int) or isinstance(qid, bool):
-            raise DatasetError(f"{where}: question_id must be an integer, got {qid!r}")
+    for where, number, row in _object_rows(path):
+        qid = _integer_id(row, "question_id", where)
+        category, turns, reference = (row.get(k) for k in ("category", "turns", "reference"))
         if not isinstance(category, str) or not category:
             raise DatasetError(f"{where}: category must be a non-empty string, got {category!r}")
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
             raise DatasetError(f"{where}: turns must be a non-empty list of strings")
         if reference is not None and not (isinstance(reference, list) and all(_is_reference(r) for r in reference)):
             raise DatasetError(f"{where}: reference must be a list of strings or of lists of strings")
-        if qid in seen:
-            raise DatasetError(f"{where}: question_id {qid} repeats line {seen[qid]}")
-        seen[qid] = number
+        _first_time(seen, qid, "question_id", where, number)
         if reference is not None:
             reference = tuple(r if isinstance(r, str) else tuple(r) for r in reference)
         questions.append(Question(qid, category, tuple(turns), reference))
@@ -147,23 +167,16 @@ def read_long_documents(path: str | Path) -> list[LongDocument]:
     an empty ``context`` or an ``answer`` that is not a non-empty list of strings; each message names ``FILE:LINE``.
     """
     path = Path(path)
-    if not path.is_file():
-        raise DatasetError(f"{path}: dataset file not found")
     docs: list[LongDocument] = []
     seen: dict[int, int] = {}
-    for where, number, row in iter_jsonl(path, DatasetError):
-        if not isinstance(row, dict):
-            raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
-        rid, context, answer = row.get("id"), row.get("context"), row.get("answer")
-        if not isinstance(rid, int) or isinstance(rid, bool):
-            raise DatasetError(f"{where}: id must be an integer, got {rid!r}")
+    for where, number, row in _object_rows(path):
+        rid = _integer_id(row, "id", where)
+        context, answer = row.get("context"), row.get("answer")
         if not isinstance(context, str) or not context.strip():
             raise DatasetError(f"{where}: context must be a non-empty string (the document)")
         if not (isinstance(answer, list) and answer and all(isinstance(a, str) and a.strip() for a in answer)):
             raise DatasetError(f"{where}: answer must be a non-empty list of non-empty strings (reference summaries)")
-        if rid in seen:
-            raise DatasetError(f"{where}: id {rid} repeats line {seen[rid]}")
-        seen[rid] = number
+        _first_time(seen, rid, "id", where, number)
         docs.append(LongDocument(rid, context, tuple(answer), where))
     if len(docs) <= LONG_SUMMARY_SHOTS:
         raise DatasetError(

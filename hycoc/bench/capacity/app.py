@@ -9,8 +9,10 @@ import contextlib
 import json
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -28,6 +30,7 @@ from hycoc.bench.capacity.run import (
     write_plot,
 )
 from hycoc.bench.capacity.simulation import REPLAY_MODES, SimConfig
+from hycoc.bench.cost_model.measure import SHAPE_KEYS as COST_SHAPE_KEYS
 
 #: Within this of the measured tok/s and p90 a validation cell counts as reproduced (the issue's +-20%).
 TOLERANCE = 0.20
@@ -35,18 +38,26 @@ VALIDATE_SESSIONS = (1, 4, 16, 64)
 #: The modes the check runs: the load test's (`hycoc.serving_limits.SERVER_MODES`, the one list) whose recorded
 #: trees replay as recorded (`hycoc.bench.capacity.simulation.REPLAY_MODES`: not allowance, whose devices redraft).
 VALIDATE_MODES = REPLAY_MODES
-#: Shape keys compared between a cost model and the recipe's verifier (`hycoc.bench.cost_model.measure.shape_of`).
-SHAPE_KEYS = (
-    "num_hidden_layers",
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "num_experts",
-    "top_k_experts",
-    "vocab_size",
+#: Keys of a cost model's shape (`hycoc.bench.cost_model.measure.SHAPE_KEYS`) left out of the comparison with the
+#: recipe's verifier: the attention variants and MoE details.
+UNCOMPARED_SHAPE_KEYS = frozenset(
+    {
+        "global_head_dim",
+        "num_global_key_value_heads",
+        "sliding_window",
+        "enable_moe_block",
+        "moe_intermediate_size",
+        "num_kv_shared_layers",
+    }
 )
+#: Shape keys compared between a cost model and the recipe's verifier: the cost model's own, in their order, less
+#: `UNCOMPARED_SHAPE_KEYS`.
+SHAPE_KEYS = tuple(k for k in COST_SHAPE_KEYS if k not in UNCOMPARED_SHAPE_KEYS)
+
+
+def compared_shape(text_config: Mapping[str, Any]) -> dict:
+    """The `SHAPE_KEYS` that ``text_config`` (a config.json's text config, as a dict) sets, in that order."""
+    return {k: text_config[k] for k in SHAPE_KEYS if text_config.get(k) is not None}
 
 
 def recipe_shape(cfg) -> dict | None:
@@ -55,8 +66,7 @@ def recipe_shape(cfg) -> dict | None:
         d = json.loads((cfg.model_path("verifier") / "config.json").read_text(encoding="utf-8"))
     except Exception:  # noqa: BLE001 -- a hub id or a missing folder: nothing to compare against
         return None
-    d = d.get("text_config", d)
-    return {k: d[k] for k in SHAPE_KEYS if d.get(k) is not None}
+    return compared_shape(d.get("text_config", d))
 
 
 def check_trace(trace, cfg, bundle_dir: Path, path: Path) -> None:
@@ -378,7 +388,10 @@ __all__ = [
     "TOLERANCE",
     "VALIDATE_MODES",
     "VALIDATE_SESSIONS",
+    "SHAPE_KEYS",
+    "UNCOMPARED_SHAPE_KEYS",
     "check_trace",
+    "compared_shape",
     "recipe_shape",
     "run_capacity",
     "run_local",

@@ -219,12 +219,11 @@ def projection_cost(cfg, cost_model_path: Path | None, gpu: str):
     rows, batch = cfg.tree.node_budget + 1, cfg.verifier.max_batch_rows
     v, vsrc, h, hsrc = verifier_configs(cfg)
     if cost_model_path is not None:
-        from hycoc.bench.capacity.app import SHAPE_KEYS
+        from hycoc.bench.capacity.app import compared_shape
 
-        text = v.get("text_config") or v
         cost = line_step_cost(
             load_cost_model(cost_model_path),
-            {k: text[k] for k in SHAPE_KEYS if text.get(k) is not None},
+            compared_shape(v.get("text_config") or v),
             cfg.tree.chain_length,
             tree_rows=rows,
             max_batch_rows=batch,

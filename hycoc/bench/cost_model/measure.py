@@ -289,27 +289,32 @@ def count_forwards(engine):
     return watch()
 
 
+#: The keys of a Gemma 4 text config whose numbers set a forward's cost (`shape_of`), in the order a cost model's
+#: ``shape`` lists them.
+SHAPE_KEYS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "global_head_dim",
+    "num_global_key_value_heads",
+    "sliding_window",
+    "enable_moe_block",
+    "num_experts",
+    "top_k_experts",
+    "moe_intermediate_size",
+    "vocab_size",
+    "num_kv_shared_layers",
+)
+
+
 def shape_of(config) -> dict:
-    """The numbers of a Gemma 4 text config that set a forward's cost."""
-    keys = (
-        "num_hidden_layers",
-        "hidden_size",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "global_head_dim",
-        "num_global_key_value_heads",
-        "sliding_window",
-        "enable_moe_block",
-        "num_experts",
-        "top_k_experts",
-        "moe_intermediate_size",
-        "vocab_size",
-        "num_kv_shared_layers",
-    )
+    """The numbers of a Gemma 4 text config that set a forward's cost: its `SHAPE_KEYS` that are set, the count of
+    full-attention layers and, when the config has one, its ``per_layer_config``."""
     d = config.to_dict()  # plain values (per-layer attributes cannot be read from a heterogeneous config)
-    out = {k: d[k] for k in keys if d.get(k) is not None}
+    out = {k: d[k] for k in SHAPE_KEYS if d.get(k) is not None}
     out["full_attention_layers"] = sum(lt == "full_attention" for lt in d["layer_types"])
     if d.get("per_layer_config"):
         out["per_layer_config"] = d["per_layer_config"]

@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -82,6 +81,7 @@ from hycoc.bench.cost_model.forwards import (  # re-exported: the forwards a rou
     round_forwards,
     round_place,
 )
+from hycoc.bench.files import replacing
 
 SCHEMA_VERSION: Final = 2
 #: Schema versions `load_cost_model` reads (1: verification points only, no ``kind``).
@@ -312,17 +312,10 @@ class CostModel(BaseModel):
         the folder if needed, mode 0644. A reader never sees a half-written file. Returns the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            os.chmod(tmp, 0o644)  # mkstemp makes 0600; the bench's other outputs are 0644
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(self.to_json())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with replacing(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            f.write(self.to_json())
+            f.flush()
+            os.fsync(f.fileno())
         return path
 
 

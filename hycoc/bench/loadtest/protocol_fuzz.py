@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from hycoc.protocol import wire
+from hycoc.protocol.layout import LAYOUTS, PROTOCOL_VERSION, FixedPart, MessageType
 from hycoc.protocol.messages import (
     AppendTurn,
     Close,
@@ -149,23 +150,18 @@ def _open_field(rng: random.Random, t: Target, offset: int, fmt: str, value) -> 
     return refill(bytes(frame))
 
 
-#: OPEN's fixed part, v6 (`hycoc.protocol.layout`): "<fIfQfBBHHIIIff" = temperature, top_k, top_p, seed, epsilon,
-#: acceptance, draft_place, auth_len, chat_len, max_new_tokens, n_prompt, anchor, draft_ms_floor, draft_ms_tree.
-_OPEN_FIELDS = {
-    "temperature": (0, "<f"),
-    "top_k": (4, "<I"),
-    "top_p": (8, "<f"),
-    "epsilon": (20, "<f"),
-    "acceptance": (24, "<B"),
-    "draft_place": (25, "<B"),
-    "auth_len": (26, "<H"),
-    "chat_len": (28, "<H"),
-    "max_new_tokens": (30, "<I"),
-    "n_prompt": (34, "<I"),
-    "anchor": (38, "<I"),
-    "draft_ms_floor": (42, "<f"),
-    "draft_ms_tree": (46, "<f"),
-}
+def _field_places(part: FixedPart) -> dict[str, tuple[int, str]]:
+    """Each field of a fixed part (`hycoc.protocol.layout.FixedPart`) as (byte offset into the payload, its
+    little-endian struct format), from the part's own format: one type code per field, no padding ("<")."""
+    places, offset = {}, 0
+    for name, code in zip(part.fields, part.format.removeprefix("<"), strict=True):
+        places[name] = (offset, "<" + code)
+        offset += struct.calcsize("<" + code)
+    return places
+
+
+#: OPEN's fixed part in the version `wire.encode` writes (`hycoc.protocol.layout.LAYOUTS`): field -> (offset, format).
+_OPEN_FIELDS = _field_places(LAYOUTS[PROTOCOL_VERSION].fixed[MessageType.OPEN])
 NAN, INF = float("nan"), float("inf")
 #: Hostile chat contracts: every one is chat_mismatch (or answered where the server has no chat format to check).
 HOSTILE_CHATS = (

@@ -6,14 +6,13 @@ draw.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from hycoc.bench.files import replacing
 from hycoc.bench.paper.stats import DEFAULT_BASELINE, _num
 from hycoc.bench.paper.stats import table5_order as _order
 
@@ -21,19 +20,12 @@ from hycoc.bench.paper.stats import table5_order as _order
 
 
 def _save(fig: Any, path: Path) -> Path:
-    """Write a figure atomically: temporary name in the same folder, mode 0644 (mkstemp makes 0600), then rename."""
+    """Write a figure atomically, mode 0644 (`hycoc.bench.files.replacing`); returns ``path``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(fig)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        os.chmod(tmp, 0o644)
+    with replacing(path) as tmp:
         fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
 
 

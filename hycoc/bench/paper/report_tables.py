@@ -114,19 +114,19 @@ def main_table(
 
 
 def render_table(
-    summary: Mapping[str, Mapping[str, Any]],
-    console: Any,
-    *,
-    title: str = "hycoc bench",
-    baseline: str = DEFAULT_BASELINE,
-    caption: str | None = None,
-    fmt: str = "table",
+    summary: Mapping[str, Mapping[str, Any]], console: Any, *, fmt: str = "table", **table_options: Any
 ) -> None:
     """Print `main_table` on a rich Console (``fmt``: `hycoc.bench.tables.FORMATS`; "table" splits it to the
-    console's width, configuration names and CI cells whole)."""
+    console's width, configuration names and CI cells whole). ``table_options``: `main_table`'s keywords (title,
+    baseline, caption), its defaults where left out; an unknown one raises TypeError."""
+    _print_one(main_table(summary, **table_options), console, fmt)
+
+
+def _print_one(table: Any, console: Any, fmt: str) -> None:
+    """Print one `hycoc.bench.tables.TextTable` (the ``render_*`` functions' common end)."""
     from hycoc.bench.tables import print_tables
 
-    print_tables([main_table(summary, title=title, baseline=baseline, caption=caption)], console, fmt)
+    print_tables([table], console, fmt)
 
 
 def _quality_cell(s: Mapping[str, Any], key: str, is_baseline: bool) -> str:
@@ -192,17 +192,10 @@ def quality_table(
 
 
 def render_quality(
-    summary: Mapping[str, Mapping[str, Any]],
-    console: Any,
-    *,
-    baseline: str = DEFAULT_BASELINE,
-    title: str = "answer quality",
-    fmt: str = "table",
+    summary: Mapping[str, Mapping[str, Any]], console: Any, *, fmt: str = "table", **table_options: Any
 ) -> None:
-    """Print `quality_table` (``fmt`` as `render_table`)."""
-    from hycoc.bench.tables import print_tables
-
-    print_tables([quality_table(summary, baseline=baseline, title=title)], console, fmt)
+    """Print `quality_table` (``fmt`` as `render_table`; ``table_options``: its keywords, baseline and title)."""
+    _print_one(quality_table(summary, **table_options), console, fmt)
 
 
 def rounds_table(summary: Mapping[str, Mapping[str, Any]]):
@@ -254,11 +247,9 @@ def render_rounds(summary: Mapping[str, Mapping[str, Any]], console: Any = None,
     """Print `rounds_table` (``fmt`` as `render_table`); prints nothing without a projection."""
     from rich.console import Console
 
-    from hycoc.bench.tables import print_tables
-
     table = rounds_table(summary)
     if table is not None:
-        print_tables([table], console or Console(), fmt)
+        _print_one(table, console or Console(), fmt)
 
 
 def categories_table(
@@ -298,14 +289,7 @@ def categories_table(
 
 
 def render_categories(
-    summary: Mapping[str, Mapping[str, Any]],
-    console: Any,
-    *,
-    baseline: str = DEFAULT_BASELINE,
-    title: str = "per category: MAT · Δg %",
-    fmt: str = "table",
+    summary: Mapping[str, Mapping[str, Any]], console: Any, *, fmt: str = "table", **table_options: Any
 ) -> None:
-    """Print `categories_table` (``fmt`` as `render_table`)."""
-    from hycoc.bench.tables import print_tables
-
-    print_tables([categories_table(summary, baseline=baseline, title=title)], console, fmt)
+    """Print `categories_table` (``fmt`` as `render_table`; ``table_options``: its keywords, baseline and title)."""
+    _print_one(categories_table(summary, **table_options), console, fmt)

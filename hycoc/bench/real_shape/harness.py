@@ -11,16 +11,19 @@ Around the steps: file sizes (`du`, `onnx_files`, `initializer_bits`), the CPU E
 with (`cpu_run`), one run on the HTP simulator (`htp_simulate`) and a compile step's details (`compiled_details`),
 SQNR for a report (`sqnr_rounded`), the synthetic keep set both checks draw (`synthetic_keep_set`), a shorter
 timeout for the QNN worker (`qnn_worker_timeout`), and the report's common parts (`machine`, `needs`,
-`write_report`, `human_bytes`; package versions come from `hycoc.doctor.package_versions`).
+`report_end`, `write_report`, `human_bytes`, `step_cells`; package versions come from
+`hycoc.doctor.package_versions`) and the run around the steps (`run_and_report`).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import json
 import os
 import platform
+import shutil
 import threading
 import time
 import traceback
@@ -311,6 +314,81 @@ def needs(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "slowest_step": slow["step"],
         "slowest_seconds": slow["seconds"],
     }
+
+
+def check_parser(doc: str) -> argparse.ArgumentParser:
+    """A build check's argument parser, described by the first paragraph of ``doc`` (the script's docstring), shown
+    as written (``RawDescriptionHelpFormatter``)."""
+    return argparse.ArgumentParser(
+        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def add_run_options(p: argparse.ArgumentParser, out: Path, toy_help: str) -> None:
+    """The options a build check's parser ends with, in this order: ``--out`` (the report JSON, default ``out``),
+    ``--work``, ``--keep-work``, ``--quiet`` and ``--toy-dims`` (``toy_help``: the toy widths it runs at)."""
+    p.add_argument("--out", default=str(out), help="report JSON (default %(default)s)")
+    p.add_argument("--work", default=None, help="work folder (default: temporary, removed unless --keep-work)")
+    p.add_argument("--keep-work", action="store_true", help="keep the work folder")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--toy-dims", action="store_true", help=f"tests only: {toy_help}; NOT real shapes")
+
+
+def report_end(steps: Steps, versions: dict[str, Any], **machine_extra: Any) -> dict[str, Any]:
+    """The keys a build check's report ends with, in this order: ``machine`` (`machine`, then ``machine_extra``, e.g.
+    torch's thread count), ``versions`` (the caller's `hycoc.doctor.package_versions`), ``steps`` (`Steps.rows`),
+    ``peak_rss_gib`` (GiB), ``failed`` (step names) and ``needs`` (`needs`)."""
+    return {
+        "machine": {**machine(), **machine_extra},
+        "versions": versions,
+        "steps": steps.rows,
+        "peak_rss_gib": steps.peak_rss_gib,
+        "failed": steps.failed,
+        "needs": needs(steps.rows),
+    }
+
+
+def run_and_report(
+    args: Any,
+    work: Path,
+    chain: Callable[[], None],
+    report: Callable[[], dict[str, Any]],
+    print_table: Callable[[dict[str, Any]], None],
+    release: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """A build check's run: ``chain()`` (the steps), then ``report()`` written to ``args.out`` (`write_report`) and,
+    unless ``args.quiet``, printed (``print_table``). Whatever happens, ``release()`` (what the steps still hold)
+    runs and the work folder is removed unless it was given (``args.work``) or ``args.keep_work``. Returns the report;
+    exceptions other than a failed step's (`Steps.run` records those) propagate."""
+    try:
+        chain()
+        out = report()
+        write_report(args.out, out)
+        if not args.quiet:
+            print_table(out)
+    finally:
+        if release is not None:
+            release()
+        if not args.work and not args.keep_work:
+            shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def step_cells(r: dict[str, Any], note: str, *, cpu: bool) -> list[str]:
+    """One `Steps.rows` row as a build check's table cells: step, status, seconds, CPU seconds (when ``cpu``), peak
+    RSS GiB, tree peak GiB, output bytes (`human_bytes`), and ``note`` -- a failed step's error (160 characters)."""
+    if r.get("status") == "failed":
+        note = (r.get("error") or "")[:160]
+    return [
+        r["step"],
+        r.get("status", ""),
+        f"{r.get('seconds', 0):.1f}",
+        *([f"{r.get('cpu_seconds', 0):.1f}"] if cpu else []),
+        f"{r.get('peak_rss_gib', 0):.2f}",
+        f"{r.get('peak_tree_rss_gib', 0):.2f}",
+        human_bytes(r.get("output_bytes", 0)),
+        note,
+    ]
 
 
 def json_default(o):
