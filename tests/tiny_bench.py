@@ -28,7 +28,12 @@ def quiet_console() -> Console:
 
 def run_on_bundle(run: Callable[..., dict], recipe, path: Path, root: Path, plan, *, console=None, **kw) -> dict:
     """``run`` (run_bench or run_tune) of ``plan`` for ``recipe`` (read from ``path``) on its bundle
-    ``root``/bundle, printing into ``console`` (None: a new `quiet_console`); kw: the entry point's other keywords
-    (cost_model_path, resume, ...). Returns what ``run`` returns."""
+    ``root``/bundle, printing into ``console`` (None: a new `quiet_console`); kw: `JobSettings` fields
+    (cost_model_path, resume, ...) and the entry point's own keywords. Returns what ``run`` returns."""
+    from dataclasses import fields
+
+    from hycoc.bench.paper.runner import JobSettings
+
     console = quiet_console() if console is None else console
-    return run(recipe, path, plan, bundle_dir=root / "bundle", console=console, **kw)
+    settings = {f.name: kw.pop(f.name) for f in fields(JobSettings) if f.name in kw}
+    return run(recipe, path, plan, JobSettings(root / "bundle", console=console, **settings), **kw)

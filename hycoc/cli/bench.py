@@ -174,7 +174,7 @@ def bench(
         except DeviceProfileError as e:
             raise _fail("bench", str(e)) from None
     _need_full("bench")
-    from hycoc.bench.paper.runner import BenchPlan, run_bench
+    from hycoc.bench.paper.runner import BenchPlan, JobSettings, run_bench
     from hycoc.chat import ChatFormatError
 
     questions, dataset_name, bundle_dir = _bench_questions(cfg, recipe, bundle, dataset, max_prompt_tokens)
@@ -194,32 +194,21 @@ def bench(
         "remeasure_cost_model": remeasure_cost_model,
         "fmt": table_format.value,
     }
-    _paper_job("bench", run_bench, cfg, recipe, plan, bundle_dir, backend, resume, cost_model, (ChatFormatError,), own)
+    job = JobSettings(bundle_dir, _bundle_backend(bundle_dir, backend), resume, cost_model)
+    _paper_job("bench", run_bench, cfg, recipe, plan, job, (ChatFormatError,), own)
 
 
-def _paper_job(
-    command: str, job, cfg, recipe: Path, plan, bundle_dir: Path, backend, resume: bool, cost_model, errors, own=None
-) -> None:
-    """``job`` (`hycoc.bench.paper.runner.run_bench`, `hycoc.bench.paper.tune_epsilon.run_tune`) on ``plan`` with
-    the bundle's backend unless ``backend`` (``--backend``) names one, ``resume`` (``--resume``) and ``cost_model``
-    (``--cost-model``); ``own``: the job's own keyword arguments. Ctrl-C exits 130; a bench, bundle, transport or
-    cost-model error, or one of ``errors``, exits 1 in one line."""
+def _paper_job(command: str, entry, cfg, recipe: Path, plan, job, errors, own=None) -> None:
+    """``entry`` (`hycoc.bench.paper.runner.run_bench`, `hycoc.bench.paper.tune_epsilon.run_tune`) on ``plan`` where
+    and as ``job`` (`hycoc.bench.paper.runner.JobSettings`) says; ``own``: the entry point's own keyword arguments.
+    Ctrl-C exits 130; a bench, bundle, transport or cost-model error, or one of ``errors``, exits 1 in one line."""
     from hycoc.bench.cost_model.model import CostModelError
     from hycoc.bench.paper.records import BenchError
     from hycoc.bundle import BundleError
     from hycoc.runtime.transport import TransportError
 
     try:
-        job(
-            cfg,
-            recipe,
-            plan,
-            bundle_dir=bundle_dir,
-            backend=_bundle_backend(bundle_dir, backend),
-            resume=resume,
-            cost_model_path=cost_model,
-            **(own or {}),
-        )
+        entry(cfg, recipe, plan, job, **(own or {}))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     except (*errors, BenchError, BundleError, TransportError, CostModelError) as e:
@@ -309,6 +298,7 @@ def tune_epsilon(
         raise _fail("tune-epsilon", str(e), code=2) from None
     if cost_model is not None and not cost_model.is_file():
         raise _fail("tune-epsilon", f"--cost-model {cost_model}: no such file")
+    from hycoc.bench.paper.runner import JobSettings
     from hycoc.bench.paper.tune_epsilon import Tolerance, TuneError, TunePlan, run_tune, validation_questions
 
     try:
@@ -326,7 +316,8 @@ def tune_epsilon(
         tolerance=Tolerance.from_recipe(cfg.tune),
         out=out,
     )
-    _paper_job("tune-epsilon", run_tune, cfg, recipe, plan, bundle_dir, backend, resume, cost_model, (TuneError,))
+    job = JobSettings(bundle_dir, _bundle_backend(bundle_dir, backend), resume, cost_model)
+    _paper_job("tune-epsilon", run_tune, cfg, recipe, plan, job, (TuneError,))
 
 
 def profile(

@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -81,22 +81,34 @@ class BenchPlan:
     dataset: str = "Spec-Bench"  # what the questions are, for the table's title
 
 
+@dataclass(frozen=True)
+class JobSettings:
+    """Where and how a paper job runs (`run_bench`, `hycoc.bench.paper.tune_epsilon.run_tune`; `hycoc bench` and
+    `hycoc tune-epsilon`'s common options): ``bundle_dir`` the bundle folder, ``backend`` its backend ("cpu" or
+    "htp"), ``resume`` continue ``OUT/records.jsonl`` (``--resume``), ``cost_model_path`` a cost model JSON to project
+    g through (None: measure one, ``--cost-model``), ``console`` where the tables go (None: stdout's), ``threads``
+    onnxruntime threads per device graph."""
+
+    bundle_dir: Path
+    backend: str = "cpu"
+    resume: bool = False
+    cost_model_path: Path | None = None
+    console: Any = None
+    threads: int = 1
+
+
 def run_bench(
     recipe,
     recipe_path: Path,
     plan: BenchPlan,
+    job: JobSettings,
     *,
-    bundle_dir: Path,
-    backend: str = "cpu",
-    resume: bool = False,
-    cost_model_path: Path | None = None,
-    console=None,
-    threads: int = 1,
     device_profile_path: Path | None = None,
     remeasure_cost_model: bool = False,
     fmt: str = "table",
 ) -> dict:
-    """Run the bench (module docstring); returns the results dict written to ``OUT/results.json``.
+    """Run the bench (module docstring) where and as ``job`` says; returns the results dict written to
+    ``OUT/results.json``.
 
     remeasure_cost_model: measure the cost model again even when ``OUT/cost_model.json`` exists (`cost_model_for`).
     fmt: how the tables are printed (`hycoc.bench.tables.FORMATS`: table, markdown, csv). Third-party warnings
@@ -107,48 +119,29 @@ def run_bench(
     """
     from hycoc.quiet import third_party_output
 
-    console = make_console(console)
+    job = replace(job, console=make_console(job.console))
     plan.out.mkdir(parents=True, exist_ok=True)
-    with third_party_output(plan.out / "bench.log", console=console):
-        return _run_bench(
-            recipe,
-            recipe_path,
-            plan,
-            bundle_dir=bundle_dir,
-            backend=backend,
-            resume=resume,
-            cost_model_path=cost_model_path,
-            console=console,
-            threads=threads,
-            remeasure_cost_model=remeasure_cost_model,
-            fmt=fmt,
-            device_profile_path=device_profile_path,
-        )
+    with third_party_output(plan.out / "bench.log", console=job.console):
+        return _run_bench(recipe, recipe_path, plan, job, remeasure_cost_model, fmt, device_profile_path)
 
 
 def _run_bench(
     recipe,
     recipe_path: Path,
     plan: BenchPlan,
-    *,
-    bundle_dir: Path,
-    backend: str,
-    resume: bool,
-    cost_model_path: Path | None,
-    console,
-    threads: int,
+    job: JobSettings,
     remeasure_cost_model: bool,
     fmt: str,
-    device_profile_path: Path | None = None,
+    device_profile_path: Path | None,
 ) -> dict:
     from hycoc.bench.paper.plots import write_plots
     from hycoc.bench.paper.summary import summarize
     from hycoc.runtime.client import load_runtime
 
-    console = make_console(console)
+    console, bundle_dir, backend = job.console, job.bundle_dir, job.backend
     out = plan.out
-    done = open_out(out, run_settings(recipe, plan, bundle_dir, backend), resume)
-    rt = load_runtime(bundle_dir, backend, threads=threads)
+    done = open_out(out, run_settings(recipe, plan, bundle_dir, backend), job.resume)
+    rt = load_runtime(bundle_dir, backend, threads=job.threads)
     if rt.bundle.manifest.recipe.sha256 != recipe.content_hash():
         console.print(
             f"[yellow]note: bundle {bundle_dir} was built from another version of recipe "
@@ -178,7 +171,7 @@ def _run_bench(
     score_quality(records, {q.question_id: q for q in plan.questions})
     console.print("scoring answers with the verifier (its own log-prob of each answer) ...")
     score_answers(recipe, records, prompts)
-    cost, cost_note = cost_model_for(recipe, records, cost_model_path, out, console, remeasure=remeasure_cost_model)
+    cost, cost_note = cost_model_for(recipe, records, job.cost_model_path, out, console, remeasure=remeasure_cost_model)
     summary = summarize(records, cost_model=cost, server=server_work(recipe))
     results: dict[str, Any] = {
         "meta": _results_meta(recipe_path, plan, bundle_dir, backend, sampling, cost, cost_note),
@@ -413,6 +406,7 @@ def default_bundle_dir(recipe, repo_root: Path) -> Path:
 
 
 __all__ = [
+    "JobSettings",
     "CONFIGS",
     "BenchPlan",
     "cost_model_for",

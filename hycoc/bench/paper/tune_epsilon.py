@@ -29,10 +29,13 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hycoc.bench.datasets import Question
 from hycoc.jsonl import iter_jsonl
+
+if TYPE_CHECKING:
+    from hycoc.bench.paper.runner import JobSettings
 
 #: The ε mode swept -> its exact-acceptance counterpart (Table 5), the reference of every paired difference.
 EXACT_MODE = {"hyco": "hyco-exact", "specedge-eps": "specedge"}
@@ -281,13 +284,7 @@ def run_tune(
     recipe,
     recipe_path: Path,
     plan: TunePlan,
-    *,
-    bundle_dir: Path,
-    backend: str = "cpu",
-    resume: bool = False,
-    cost_model_path: Path | None = None,
-    console=None,
-    threads: int = 1,
+    job: JobSettings,
 ) -> dict:
     """Run the sweep (module docstring) and return what ``OUT/tune.json`` holds: ``{"meta", "rule", "tolerance",
     "rows": [SweepRow as dict], "chosen_epsilon", "recipe_line"}`` (``epsilon = 1`` when exact acceptance wins:
@@ -303,11 +300,11 @@ def run_tune(
 
     if plan.mode not in EXACT_MODE:
         raise TuneError(f"mode {plan.mode!r}: allowed {', '.join(EXACT_MODE)}")
-    console = make_console(console)
+    console, bundle_dir, backend = make_console(job.console), job.bundle_dir, job.backend
     epsilons = sorted({float(e) for e in plan.epsilons if 0 < e < 1}) + [1.0]
     labels = {label_of(e): e for e in epsilons}
-    done = open_out(plan.out, tune_settings(recipe, plan, bundle_dir, backend), resume)
-    rt = load_runtime(bundle_dir, backend, threads=threads)
+    done = open_out(plan.out, tune_settings(recipe, plan, bundle_dir, backend), job.resume)
+    rt = load_runtime(bundle_dir, backend, threads=job.threads)
     prompts = {q.question_id: rt.bundle.chat.prompt(q.turns[0]) for q in plan.questions}
     sampling = replace(recipe.sampling.distribution, temperature=plan.temperature)
     todo = _sweep_requests(plan, epsilons, done)
@@ -321,7 +318,7 @@ def run_tune(
 
     records = [r for r in read_records(run.records_path) if r["config"] in labels and r["question_id"] in prompts]
     _score(records, plan.questions)
-    cost, cost_note = cost_model_for(recipe, records, cost_model_path, plan.out, console)
+    cost, cost_note = cost_model_for(recipe, records, job.cost_model_path, plan.out, console)
     summary = summarize(records, baseline=EXACT, cost_model=cost)
     rows = rows_from_summary(summary, labels)
     chosen = choose_epsilon(rows, plan.tolerance)
