@@ -106,8 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def step_timer():
     """A `StepTimer` (thread CPU time) wrapped around the drafting steps of the device runtime (``--steps``)."""
-    from hycoc.runtime import graphs, mtp_drafter, slm_drafter, tree_builder
-    from hycoc.runtime.client import DeviceRuntime
+    from hycoc.runtime import drafters, graphs, mtp_drafter, slm_drafter, tree_builder
 
     timer = StepTimer(time.thread_time)
     for owner, attr in [
@@ -118,7 +117,7 @@ def step_timer():
         (tree_builder.TreeBuilder, "slm_pass"),
         (tree_builder.TreeBuilder, "build"),
         (graphs.GraphRunner, "run"),
-        (DeviceRuntime, "_tree"),
+        (drafters.SlmTreeDrafter, "build_tree"),
     ]:
         timer.wrap(owner, attr, f"{owner.__name__}.{attr}")
     return timer
