@@ -40,6 +40,7 @@ def main() -> None:
     from hycoc.bench.capacity.measure import cached_step_cost
     from hycoc.bench.capacity.run import SchedSampler, predicted_for, trace_workload, validation_rows
     from hycoc.bench.datasets import load_spec_bench
+    from hycoc.bench.loadtest.plan import LoadTestRun
     from hycoc.bench.loadtest.run import devices_for, run_loadtest
     from hycoc.bench.paper.runner import default_bundle_dir, make_console
     from hycoc.recipe import load_recipe
@@ -91,12 +92,7 @@ def main() -> None:
         with SchedSampler(pids=pids) as sampler:
             doc = run_loadtest(
                 trace,
-                ["hyco"],
-                [args.sessions],
-                args.duration,
-                None,
-                Path(args.out),
-                server_url=url,
+                LoadTestRun(["hyco"], [args.sessions], None, args.duration, Path(args.out), server=url),
                 console=console,
                 meta={"recipe": args.recipe},
             )

@@ -27,6 +27,7 @@ from hycoc.verifier.server import ServerThread, VerifierServer
 from tiny_models import VOCAB, tiny_head, tiny_verifier
 
 from hycoc.bench.cost_model.model import CostModel, CostPoint
+from hycoc.bench.loadtest.plan import LoadTestRun
 from hycoc.bench.loadtest.report import (
     GPU_FLAT_ROWS,
     RUN_KEYS,
@@ -350,7 +351,7 @@ def test_run_loadtest_writes_results_and_plot(tmp_path, engine, recorded):
             match="asked for batching 'batched', but the verify-server reports "
             "'serial' in /healthz; use --batching serial",
         ):
-            run_loadtest(trace, ["hyco"], [2], 1.0, ["batched"], tmp_path, server_url=srv.url, warmup_s=0.0)
+            run_loadtest(trace, LoadTestRun(["hyco"], [2], ["batched"], 1.0, tmp_path, server=srv.url, warmup_s=0.0))
         probed: list[float] = []  # when the probe ran (epoch s); it returns how many times it has run
 
         def probe() -> float:
@@ -359,14 +360,7 @@ def test_run_loadtest_writes_results_and_plot(tmp_path, engine, recorded):
 
         doc = run_loadtest(
             trace,
-            ["hyco"],
-            [2],
-            1.0,
-            None,
-            tmp_path,
-            server_url=srv.url,
-            device_ms=5.0,
-            warmup_s=0.0,
+            LoadTestRun(["hyco"], [2], None, 1.0, tmp_path, server=srv.url, device_ms=5.0, warmup_s=0.0),
             meta={"recipe": "tiny"},
             probe=probe,
         )

@@ -20,17 +20,14 @@ def _measure(trace, path: Path, recipe_path: Path, bundle_dir: Path, duration: f
     (recorded in ``path``), ``duration`` s each, with the servers' threads sampled (`SchedSampler`). Returns (the
     results document, the sampler)."""
     from hycoc.bench.capacity.run import SchedSampler
+    from hycoc.bench.loadtest.plan import LoadTestRun
     from hycoc.bench.loadtest.run import run_loadtest
 
     sessions, modes = cells
     with SchedSampler() as sampler:
         measured = run_loadtest(
             trace,
-            list(CONFIGS),
-            list(sessions),
-            duration,
-            list(modes),
-            Path(out) / "loadtest",
+            LoadTestRun(list(CONFIGS), list(sessions), list(modes), duration, Path(out) / "loadtest"),
             recipe_path=recipe_path,
             keep_set=bundle_dir / "keep_set.npy",
             console=console,

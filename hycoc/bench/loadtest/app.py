@@ -5,10 +5,10 @@ every run (`hycoc.bench.loadtest.run.run_loadtest`). Imports nothing heavy at mo
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from hycoc.bench.inputs import OptionError
+from hycoc.bench.loadtest.plan import LoadTestPlan
 from hycoc.ports import ws_url_problem
 from hycoc.serving_limits import SCORED_MODES, SERVER_MODES
 from hycoc.table5 import WITH_VERIFIER
@@ -17,29 +17,6 @@ from hycoc.table5 import WITH_VERIFIER
 CONFIGS = WITH_VERIFIER
 #: ``--batching`` values (`hycoc.serving_limits.SERVER_MODES`: serial, batched, budgeted, allowance).
 BATCHING = tuple(SERVER_MODES)
-
-
-@dataclass(frozen=True)
-class LoadTestPlan:
-    """What `hycoc loadtest` runs, its options checked. configs: the configurations the devices replay; sessions:
-    the session counts, one run each; modes: the --batching entries (MODE or MODE:CONFIG; None: the default);
-    recorded: every configuration recorded (configs, then each MODE:CONFIG's own); duration_s: seconds per run;
-    out: the results folder; server: a running verifier's URL (None: one started per mode); rate: session arrivals
-    per second (None: all at once); device_ms: a fixed drafting time per round, ms (None: the recorded);
-    max_new_tokens: the recorded requests' output cap (None: the recipe's bench.output_cap); temperature: theirs
-    (None: the recipe's)."""
-
-    configs: list[str]
-    sessions: list[int]
-    modes: list[str] | None
-    recorded: list[str]
-    duration_s: float
-    out: Path
-    server: str | None = None
-    rate: float | None = None
-    device_ms: float | None = None
-    max_new_tokens: int | None = None
-    temperature: float | None = None
 
 
 def parse_counts(text: str, option: str) -> list[int]:
@@ -99,7 +76,17 @@ def plan_loadtest(
     if server is not None and (problem := ws_url_problem(server)) is not None:
         raise OptionError(f"--server {server!r}: {problem}")
     return LoadTestPlan(
-        chosen, counts, modes, recorded, duration_s, out, server, rate, device_ms, max_new_tokens, temperature
+        configs=chosen,
+        sessions=counts,
+        modes=modes,
+        duration_s=duration_s,
+        out=out,
+        server=server,
+        rate=rate,
+        device_ms=device_ms,
+        recorded=recorded,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
     )
 
 
@@ -174,16 +161,9 @@ def run_recipe(cfg, recipe: Path, bundle_dir: Path, questions, plan: LoadTestPla
         _note(f"recorded rounds from\n  {display_path(trace_path)}")
     return run_loadtest(
         trace,
-        plan.configs,
-        plan.sessions,
-        plan.duration_s,
-        plan.modes,
-        plan.out,
+        plan,
         recipe_path=recipe,
         keep_set=bundle_dir / "keep_set.npy",
-        server_url=plan.server,
-        rate=plan.rate,
-        device_ms=plan.device_ms,
         cost_model=cost,
         meta={
             "recipe": str(recipe),

@@ -38,6 +38,7 @@ from hycoc.bench.loadtest.device import (
     replay_request,
     run_sessions,
 )
+from hycoc.bench.loadtest.plan import LoadTestRun
 from hycoc.bench.loadtest.server import (
     MODE_ARGS,
     LoadTestError,
@@ -96,11 +97,11 @@ class _LoadTest:
     the url, what its /healthz says of its batching, K + 1 and the configurations its devices replay) and the rows
     measured so far."""
 
-    def __init__(self, trace, configs: list[str], *, server_url, rate, device_ms, cost_model, console, warmup_s, probe):
-        self.trace, self.configs, self.server_url = trace, configs, server_url
-        self.rate, self.device_ms, self.cost_model, self.console = rate, device_ms, cost_model, console
-        self.warmup_s, self.probe = warmup_s, probe
-        self.pass_flag = server_url is None and server_batching_support()
+    def __init__(self, trace, run: LoadTestRun, *, cost_model, console, probe):
+        self.trace, self.configs, self.server_url = trace, run.configs, run.server
+        self.rate, self.device_ms, self.cost_model, self.console = run.rate, run.device_ms, cost_model, console
+        self.warmup_s, self.probe = run.warmup_s, probe
+        self.pass_flag = run.server is None and server_batching_support()
         self.rows: list[dict] = []
         self.windows: list[dict] = []
         self.procs: list[ServerProcess] = []
@@ -256,32 +257,25 @@ def _print_report(rows: list[dict], projection, title: str, console) -> None:
 
 def run_loadtest(
     trace,
-    configs: list[str],
-    sessions: list[int],
-    duration_s: float,
-    modes: list[str] | None,
-    out: Path,
+    run: LoadTestRun,
     *,
     recipe_path: Path | None = None,
     keep_set: Path | None = None,
-    server_url: str | None = None,
-    rate: float | None = None,
-    device_ms: float | None = None,
     cost_model=None,
     console=None,
     meta: dict | None = None,
-    warmup_s: float = 2.0,
     probe: Callable[[], float] | None = None,
 ) -> dict:
-    """Every (batching mode, sessions) run, then the report: the table, ``OUT/results.json`` and
-    ``OUT/latency_vs_sessions.png`` (`hycoc.bench.loadtest.report`). Returns the results document.
+    """Every (batching mode, sessions) run of ``run`` (`hycoc.bench.loadtest.plan.LoadTestRun`), then the report: the
+    table, ``OUT/results.json`` and ``OUT/latency_vs_sessions.png`` (`hycoc.bench.loadtest.report`). Returns the
+    results document.
 
-    Without ``server_url`` each mode gets its own `ServerProcess` of ``recipe_path``, started with ``--batching
+    Without ``run.server`` each mode gets its own `ServerProcess` of ``recipe_path``, started with ``--batching
     MODE`` when that server has the option, all of them up for the whole test, and for each session count the modes
     run one after the other (on a shared machine the modes compared then see the same load); with it, the one
     server there is used. Either way the mode a row is
     labelled with is the one the server reports in /healthz (`server_mode`), and a server that reports another
-    mode than asked is an error (modes None with ``server_url``: whatever it reports). Each server first serves
+    mode than asked is an error (modes None with ``run.server``: whatever it reports). Each server first serves
     one device for ``warmup_s`` seconds, not measured. probe: called twice right before and twice right after every
     run (with no run going); its four values go in the row as ``speed_probe_ms`` (e.g. a
     `hycoc.bench.capacity.speed_probe.SpeedProbe`'s ``measure``: the machine's speed on either side of the run). Raises
@@ -292,6 +286,8 @@ def run_loadtest(
         from hycoc.bench.paper.runner import make_console
 
         console = make_console()
+    configs, sessions, modes, duration_s, out = run.configs, run.sessions, run.modes, run.duration_s, run.out
+    server_url, rate, device_ms = run.server, run.rate, run.device_ms
     if server_url is not None and modes is not None and len(modes) != 1:
         raise LoadTestError(
             f"--batching {','.join(modes)} with --server: a running server has one mode; give that "
@@ -299,17 +295,7 @@ def run_loadtest(
         )
     if server_url is None and not modes:
         modes = ["serial"]
-    test = _LoadTest(
-        trace,
-        configs,
-        server_url=server_url,
-        rate=rate,
-        device_ms=device_ms,
-        cost_model=cost_model,
-        console=console,
-        warmup_s=warmup_s,
-        probe=probe,
-    )
+    test = _LoadTest(trace, run, cost_model=cost_model, console=console, probe=probe)
     try:
         for entry in modes if modes else [None]:  # every server up first: the runs then alternate between them
             test.start(entry, recipe_path, keep_set)
