@@ -77,7 +77,7 @@ def test_ctrl_c_in_a_build_exits_130_and_says_what_it_kept(tmp_path, monkeypatch
     (old / "meta.json").write_text("{}")
     os.utime(old / "meta.json", (0, 0))  # from an earlier build
 
-    def interrupted(recipe, target, cache_dir, **kw):
+    def interrupted(recipe, target, cache_dir, settings):
         for name in ("keep_set", "head_qat"):
             entry = Path(cache_dir) / name / "k1"
             entry.mkdir(parents=True)

@@ -959,6 +959,6 @@ def test_verify_server_help_documents_units_and_defaults():
         "/metrics",
         "verifier.batching, batched",
         "verifier.max_batch_rows, 528",
-        "verifier.max_batch_wait_ms, 2)",
+        "verifier.max_batch_wait_ms, 2 ms)",
     ):
         assert text in " ".join(result.stdout.replace("│", " ").split()), text  # rich wraps inside a box

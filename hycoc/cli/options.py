@@ -17,4 +17,19 @@ def unset(help: str, *param_decls: str, **settings: Any) -> Any:
     return typer.Option(*param_decls, help=help, show_default=False, **settings)
 
 
-__all__ = ["unset"]
+def limit_option(knob: str, what: str) -> Any:
+    """An `unset` option for the server limit ``knob`` (`hycoc.serving_limits.LIMITS`, the recipe's ``[verifier]``
+    key): its range (``min`` / ``max`` from the limit's ge / le) and its default in the help are the limit's own, so
+    the command line accepts what the recipe accepts. ``what``: the help's words before the default. Raises KeyError
+    for a knob that is not a limit."""
+    from hycoc import serving_limits
+
+    limit = serving_limits.BY_KNOB[knob]
+    return unset(
+        f"{what} (default: the recipe's verifier.{knob}, {limit.shown})",
+        min=limit.ge if limit.gt is None else None,
+        max=limit.le,
+    )
+
+
+__all__ = ["limit_option", "unset"]

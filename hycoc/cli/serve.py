@@ -24,7 +24,7 @@ from hycoc.cli._common import (
     _port_error,
     _recipe,
 )
-from hycoc.cli.options import unset
+from hycoc.cli.options import limit_option, unset
 
 # ---- the options both commands take: each defined once (typer docs, "Arguments with Annotated"); where the two
 # commands word one differently (the proxy's address, every replica's device), the wording is the alias's argument.
@@ -120,22 +120,9 @@ Batching = Annotated[
         metavar="|".join(serving_limits.BATCHING_MODES),
     ),
 ]
-MaxBatchRows = Annotated[
-    int | None,
-    unset(
-        "most tree rows per batched forward (default: the recipe's verifier.max_batch_rows, "
-        f"{serving_limits.DEFAULT_MAX_BATCH_ROWS})",
-        min=1,
-    ),
-]
+MaxBatchRows = Annotated[int | None, limit_option("max_batch_rows", "most tree rows per batched forward")]
 MaxBatchWaitMs = Annotated[
-    float | None,
-    unset(
-        "ms a round waits for other sessions' rounds to join its forward "
-        f"(default: the recipe's verifier.max_batch_wait_ms, {serving_limits.DEFAULT_MAX_BATCH_WAIT_MS:g})",
-        min=0.0,
-        max=10_000.0,
-    ),
+    float | None, limit_option("max_batch_wait_ms", "ms a round waits for other sessions' rounds to join its forward")
 ]
 TreeBudget = Annotated[
     str | None,
