@@ -6,17 +6,15 @@ Expected values from the rule and the graphs' own estimated call ms."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from paths import ROOT
 from typer.testing import CliRunner
 
 from hycoc import device_time as dt
 from hycoc.bench.paper import device_profile as dp
 from hycoc.cli import app
 from hycoc.inspect_plan import allowance_ranges
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_floor_costs_the_head_steps_and_above_it_one_slm_pass_more():

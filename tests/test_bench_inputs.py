@@ -6,12 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from paths import ROOT, TOY
 
 from hycoc.bench.inputs import BenchInputError, bench_bundle, bench_questions, display_path
 from hycoc.recipe import load_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
-TOY = ROOT / "recipes" / "toy.toml"
 DATASET = ROOT / "benchmarks" / "data" / "spec_bench_question.jsonl"
 
 

@@ -11,13 +11,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from paths import TOY
 from typer.testing import CliRunner
 
 from hycoc.build_lock import BuildLocked, build_lock, complete_entries, interrupted_note, lock_file
 from hycoc.cli import app
-
-ROOT = Path(__file__).resolve().parents[1]
-TOY = ROOT / "recipes" / "toy.toml"
 
 
 def hold_lock_in_another_process(lock_file: Path):

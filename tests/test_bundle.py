@@ -14,6 +14,7 @@ from conftest import modules_loaded_by_import
 from hycoc.passes.bundle_io import graph_io_from_onnx, manifest_sections
 from hycoc.targets.profiles import get_profile
 from onnx import TensorProto, helper, numpy_helper
+from paths import TOY
 from typer.testing import CliRunner
 
 from hycoc.bundle import (
@@ -38,8 +39,6 @@ from hycoc.bundle_writer import BundleWriter
 from hycoc.cli import app
 from hycoc.recipe import load_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
-TOY = ROOT / "recipes" / "toy.toml"
 VERSIONS = {"onnxruntime": "1.23.2", "onnxruntime-qnn": "2.7.0", "qnn_sdk": "2.51.0"}
 
 

@@ -11,12 +11,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 from hycoc.bundle import load_manifest
 from hycoc.chat_template import bundle_chat_format, chat_from_recipe, portable_source
 from hycoc.recipe import load_recipe
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def build_paths(recipe) -> list[str]:

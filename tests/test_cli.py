@@ -8,14 +8,12 @@ from pathlib import Path
 import pytest
 import typer
 from conftest import cli_in_fresh_interpreter, modules_loaded_by_import
+from paths import GEMMA4, ROOT, TOY
 from typer.testing import CliRunner
 
 from hycoc.cli import BENCH_CONFIGS, app
 from hycoc.table5 import RUN_MODES
 
-ROOT = Path(__file__).resolve().parents[1]
-TOY = ROOT / "recipes" / "toy.toml"
-GEMMA4 = ROOT / "recipes" / "gemma4.toml"
 runner = CliRunner()
 
 COMMANDS = ["build", "run", "verify-server", "bench", "inspect", "doctor", "generate"]

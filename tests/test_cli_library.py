@@ -8,11 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from paths import ROOT, TOY
 from rich.console import Console
-
-ROOT = Path(__file__).resolve().parents[1]
-TOY = ROOT / "recipes" / "toy.toml"
-
 
 # ---- hycoc doctor ------------------------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 from hycoc.bench.capacity.options import plan_capacity
 from hycoc.bench.capacity.requests import CapacityError
@@ -15,7 +16,6 @@ from hycoc.bench.inputs import OptionError
 from hycoc.bench.loadtest.app import check_configs, parse_counts, plan_loadtest
 from hycoc.recipe import load_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
 TOY, GEMMA4 = ROOT / "recipes" / "toy.toml", ROOT / "recipes" / "gemma4.toml"
 
 

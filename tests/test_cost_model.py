@@ -6,11 +6,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from bench_scripts import load_script
 from conftest import modules_loaded_by_import
+from paths import ROOT as REPO
 
 from hycoc.bench.cost_model.model import (
     PAPER_ROUND_MS,
@@ -27,7 +27,6 @@ from hycoc.bench.cost_model.model import (
     round_forwards,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "verifier_cost_model.py"
 
 # A hand-built grid: rows {1, 5, 33} x contexts {100, 200}.

@@ -14,8 +14,8 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DESIGN = ROOT / "docs" / "design.md"
 REF = re.compile(r"`?((?:[A-Za-z_][\w]*/)+[A-Za-z_]\w*\.py):([A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)?)")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")

@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import typing
-from pathlib import Path
 
 import pytest
 from conftest import cli_in_fresh_interpreter
@@ -30,10 +29,9 @@ from hycoc.targets.profiles import (
     resolve_device,
 )
 from hycoc.targets.qnn_ep import qnn_installed
+from paths import GEMMA4, ROOT
 from typer.testing import CliRunner
 
-ROOT = Path(__file__).resolve().parents[1]
-GEMMA4 = ROOT / "recipes" / "gemma4.toml"
 needs_qnn = pytest.mark.skipif(
     not qnn_installed(), reason="onnxruntime-qnn is not importable (pip install -e '.[qnn]')"
 )

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import typer.main
+from paths import ROOT
 from typer.testing import CliRunner
 
 from hycoc.cli import app
 
-ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 SPAN = re.compile(r"`(hycoc [^`]+)`")

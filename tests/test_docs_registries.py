@@ -17,16 +17,15 @@ from __future__ import annotations
 import re
 import tempfile
 from functools import cache
-from pathlib import Path
 
 import pytest
 from hycoc.passes.build import TARGETS, build_pipeline
 from hycoc.targets.profiles import HTP_TARGETS
 from hycoc.targets.qnn_ep import PROBE_ARCHS
+from paths import ROOT
 
 from hycoc.recipe import load_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 PAGES = [README, *sorted(DOCS.glob("*.md"))]

@@ -4,13 +4,10 @@ redirected, 120 by default) with every name and number whole."""
 from __future__ import annotations
 
 import io
-from pathlib import Path
 
 import pytest
+from paths import GEMMA4
 from rich.console import Console
-
-ROOT = Path(__file__).resolve().parents[1]
-GEMMA4 = ROOT / "recipes" / "gemma4.toml"
 
 
 @pytest.fixture(scope="module")

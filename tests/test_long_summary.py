@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 from typer.testing import CliRunner
 
 from hycoc.bench.datasets import (
@@ -24,7 +25,6 @@ from hycoc.bench.datasets import (
 from hycoc.chat_template import load_chat
 from hycoc.cli import app
 
-ROOT = Path(__file__).resolve().parents[1]
 INSTRUCTION = (
     "You are given a book and you are tasked to summarize it. Write a summary of about 1000 to 1200 "
     "words. Only write about the plot and characters of the story. Do not discuss the themes or "

@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from hycoc.passes.head.graph import INPUT_NAMES as HEAD_INPUTS
 from hycoc.passes.head.graph import OUTPUT_NAMES as HEAD_OUTPUTS
 from hycoc.passes.plan import real_shape_plan
+from paths import GEMMA4, ROOT, TOY
 from typer.testing import CliRunner
 
 from hycoc.cli import app
 from hycoc.protocol import wire
 from hycoc.recipe import load_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
-GEMMA4 = ROOT / "recipes" / "gemma4.toml"
-TOY = ROOT / "recipes" / "toy.toml"
 runner = CliRunner()
 
 

@@ -8,12 +8,9 @@ the chain takes minutes, not seconds. The real-shape numbers come from running t
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from bench_scripts import load_script
-
-REPO = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("torch")
 pytest.importorskip("onnx")

@@ -9,12 +9,10 @@ The real-shape numbers come from running the script itself (runs/real-shape-slm*
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from bench_scripts import load_script
-
-REPO = Path(__file__).resolve().parents[1]
+from paths import ROOT as REPO
 
 pytest.importorskip("torch")
 pytest.importorskip("onnx")

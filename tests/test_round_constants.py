@@ -5,16 +5,14 @@ from the recipe by that mapping, and a manifest written before the derivation st
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from hycoc.passes.bundle_io import round_constants
+from paths import ROOT
 from pydantic import ValidationError
 
 from hycoc.bundle_constants import ROUND_SOURCES, ROUND_TABLES, RoundConstants
 from hycoc.recipe import Recipe, load_recipe
-
-ROOT = Path(__file__).resolve().parents[1]
 
 #: The recipe keys the device reads each round (Alg. 1-4, Table 5): the contract this file holds the bundle to.
 DEVICE_VISIBLE = {

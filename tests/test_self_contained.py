@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import re
 import sys
-from pathlib import Path
 
 import pytest
 from opened_files import allowed_roots, outside, recording
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ["hycoc", "passes", "runtime", "verifier", "targets", "recipes", "benchmarks", ".ci"]
 TRAINER = {ROOT / "hycoc/toy/corpus.py", ROOT / "hycoc/toy/train.py"}
 OUTSIDE = re.compile(r"\.\./shared|\"shared\"\s*/\s*\"data\"|/usr/share/doc|parents\[2\]\s*/\s*\"shared\"")

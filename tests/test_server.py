@@ -33,6 +33,7 @@ from hycoc.verifier.loading import DeviceUnavailable, engine_from_recipe, server
 from hycoc.verifier.row_budget import RowCost
 from hycoc.verifier.server import METRICS_CONTENT_TYPE, ServerLimits, ServerThread
 from hycoc.verifier.server.session_loop import open_engine_session
+from paths import ROOT
 from test_server_metrics import FAMILIES
 from tiny_models import VOCAB, tiny_head, tiny_verifier
 from tiny_models import oracle_tree as tiny_oracle_tree
@@ -48,7 +49,6 @@ from hycoc.protocol.messages import AppendTurn, Close, DraftTree, ErrorReply, Op
 from hycoc.recipe import load_recipe
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parents[1]
 SCALES = (0.1, 0.1, 0.05, 0.05, 0.05, 0.05)
 W = 6
 ROWS = 7  # B + 1: oracle trees of width 2 and depth 3

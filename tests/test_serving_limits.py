@@ -10,16 +10,15 @@ import dataclasses
 import inspect
 import re
 import tomllib
-from pathlib import Path
 
 import annotated_types
 import pytest
+from paths import ROOT
 from typer.testing import CliRunner
 
 from hycoc import serving_limits
 from hycoc.serving_limits import LIMITS, SERVER_LIMIT_KNOBS
 
-ROOT = Path(__file__).resolve().parent.parent
 BOUNDS = ("Ge", "Gt", "Le", "Lt")
 
 

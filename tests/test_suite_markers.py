@@ -4,10 +4,10 @@ did not run, by marker and reason (tests/conftest.py `pytest_terminal_summary`).
 from __future__ import annotations
 
 import tomllib
-from pathlib import Path
+
+from paths import ROOT
 
 pytest_plugins = ["pytester"]
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_pyproject_registers_the_cost_markers():
