@@ -160,9 +160,9 @@ def server_rounds(engine, prompt, place, monkeypatch):
     rounds = {}
     real = engine_mod.draft_cloud_chain
 
-    def spy(model, head, cache, layers, root, h, t, k, offset):
-        chain = real(model, head, cache, layers, root, h, t, k, offset)
-        rounds[t] = chain
+    def spy(model, head, start, k, offset):
+        chain = real(model, head, start, k, offset)
+        rounds[start.t] = chain
         return chain
 
     monkeypatch.setattr(engine_mod, "draft_cloud_chain", spy)

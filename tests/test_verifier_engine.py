@@ -470,7 +470,7 @@ def test_cloud_mtp_chain_equals_transformers_generator_and_reads_only_committed_
 
     def spy_draft(*args, **kw):
         chain = real_draft(*args, **kw)
-        chains.append((args[6], chain))  # (t, chain)
+        chains.append((args[2].t, chain))  # (t, chain)
         return chain
 
     real_forward = head.forward

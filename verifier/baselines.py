@@ -6,6 +6,7 @@ device's MTP Drafter runs too)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,18 +18,22 @@ from hycoc.mtp_chain import HeadStep, head_chain
 from .kv_cache import first_position, kv_positions
 
 
+@dataclass(frozen=True)
+class ChainStart:
+    """Where a server-side K-chain starts: the session's KV ``cache`` (the head reads the layers ``layers`` names by
+    kind, `hycoc.mtp.FULL` / `hycoc.mtp.SLIDING` -> cache layer index), the ``root`` token at position ``t``
+    (committed positions are [0, t)) and ``h``, the verifier's hidden state (H,) of position t - 1 that the head
+    reads beside the root's embedding (Alg. 2 line 7)."""
+
+    cache: DynamicCache
+    layers: dict[str, int]
+    root: int
+    h: torch.Tensor
+    t: int
+
+
 @torch.inference_mode()
-def draft_cloud_chain(
-    model,
-    head,
-    cache: DynamicCache,
-    layers: dict[str, int],
-    root: int,
-    h: torch.Tensor,
-    t: int,
-    k: int,
-    position_offset: int,
-) -> list[int]:
+def draft_cloud_chain(model, head, start: ChainStart, k: int, position_offset: int) -> list[int]:
     """Cloud+MTP drafting (Table 5): a greedy K-chain by the full-precision head over the full vocabulary.
 
     As transformers' ``SinglePositionMultiTokenCandidateGenerator``: input [e(root); h_{t-1}], a constant query
@@ -36,6 +41,7 @@ def draft_cloud_chain(
     (full layer: every key given; sliding layer: its own window), then [e(y_k); h'_k] fed back. Unlike it, the
     shared KV is exactly committed positions before t -- never a rejected tree row. Returns K token ids.
     """
+    cache, layers, t, h = start.cache, start.layers, start.t, start.h
     if t == 0 or k == 0:
         return []
     # [0, t) of the full layer; of the sliding one its retained window [t - retain, t), which holds the head's own
@@ -49,18 +55,14 @@ def draft_cloud_chain(
         out = head(inputs_embeds=x, position_ids=pos, shared_kv_states=shared, use_cache=False)
         return int(out.logits[0, -1].argmax()), out.last_hidden_state[0, -1]  # greedy, first among equals
 
-    return _greedy_chain(model, head, root, h, k, pick)
+    return _greedy_chain(model, head, start.root, h, k, pick)
 
 
 @torch.inference_mode()
 def draft_server_chain(
     model,
     head,
-    cache: DynamicCache,
-    layers: dict[str, int],
-    root: int,
-    h: torch.Tensor,
-    t: int,
+    start: ChainStart,
     k: int,
     window: int,
     keep_set: torch.Tensor | None,
@@ -74,8 +76,9 @@ def draft_server_chain(
     equals).
     keep_set: int64 (|V|,) token ids, or None for the full vocabulary. sliding: the positions the head's sliding
     layers read (`hycoc.host.head_sliding_positions`; None: the head's sliding_window). Returns K token ids."""
+    t, h = start.t, start.h
     lo = max(0, t - window)
-    shared = _shared_kv(head, cache, layers, lambda layer: lo, t)
+    shared = _shared_kv(head, start.cache, start.layers, lambda layer: lo, t)
     n = t - lo  # column c holds position lo + c; the query sits just after the last one
     q = torch.tensor([[n]], device=h.device)
     sliding = min(window, head.config.get_text_config().sliding_window if sliding is None else sliding)
@@ -89,7 +92,7 @@ def draft_server_chain(
             return int(keep_set[int(logits[keep_set].argmax())]), h_next[0, 0]  # Alg. 2 lines 10-11: o over V, y = V[i]
         return int(logits.argmax()), h_next[0, 0]
 
-    return _greedy_chain(model, head, root, h, k, pick)
+    return _greedy_chain(model, head, start.root, h, k, pick)
 
 
 def _shared_kv(head, cache: DynamicCache, layers: dict[str, int], start: Callable[[Any], int], t: int) -> dict:

@@ -66,7 +66,7 @@ from hycoc.protocol.messages import (
 from hycoc.protocol.wire import PROTOCOL_VERSION
 
 from . import append as append_turn
-from .baselines import draft_cloud_chain, draft_server_chain
+from .baselines import ChainStart, draft_cloud_chain, draft_server_chain
 from .draft_place import PLACES, DraftPlace
 
 if TYPE_CHECKING:
@@ -429,11 +429,7 @@ class Session:
                 draft_cloud_chain(
                     eng.model,
                     eng.head,
-                    self.cache,
-                    eng.layers,
-                    self.root,
-                    self._h,
-                    t,
+                    ChainStart(self.cache, eng.layers, self.root, self._h, t),
                     room,
                     eng.head_query_position_offset,
                 )
@@ -560,11 +556,7 @@ class Session:
                 draft_server_chain(
                     eng.model,
                     eng.head,
-                    self.cache,
-                    eng.layers,
-                    bonus,
-                    h,
-                    t_prime,
+                    ChainStart(self.cache, eng.layers, bonus, h, t_prime),
                     room,
                     eng.head_window,
                     eng.keep_set,

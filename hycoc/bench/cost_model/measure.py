@@ -183,7 +183,7 @@ def measure_grid(
     """
     import torch
 
-    from hycoc.verifier.baselines import draft_cloud_chain
+    from hycoc.verifier.baselines import ChainStart, draft_cloud_chain
     from hycoc.verifier.engine import producer_layers, verify_tree
     from hycoc.verifier.forward import NormTap, Timer, prefill
 
@@ -213,7 +213,8 @@ def measure_grid(
                     if kind == "verify":
                         verify_tree(model, caches[t], tap, tokens, parents[rows], t, model.dtype)
                     elif kind == "head_step":  # one step of the Cloud+MTP chain, as the engine runs it
-                        draft_cloud_chain(model, head, caches[t], layers, int(tokens[0]), h, t, 1, head_position_offset)
+                        start = ChainStart(caches[t], layers, int(tokens[0]), h, t)
+                        draft_cloud_chain(model, head, start, 1, head_position_offset)
                     else:
                         prefill(model, caches[t], tap, tokens, rows, model.dtype, start=t)
                 cpu_ms = (time.process_time() - cpu0) * 1e3
