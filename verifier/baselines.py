@@ -6,7 +6,6 @@ device's MTP Drafter runs too)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,21 +14,7 @@ from transformers import DynamicCache
 from hycoc.mtp import FULL, SLIDING, head_step, window_mask
 from hycoc.mtp_chain import HeadStep, head_chain
 
-from .kv_cache import first_position, kv_positions
-
-
-@dataclass(frozen=True)
-class ChainStart:
-    """Where a server-side K-chain starts: the session's KV ``cache`` (the head reads the layers ``layers`` names by
-    kind, `hycoc.mtp.FULL` / `hycoc.mtp.SLIDING` -> cache layer index), the ``root`` token at position ``t``
-    (committed positions are [0, t)) and ``h``, the verifier's hidden state (H,) of position t - 1 that the head
-    reads beside the root's embedding (Alg. 2 line 7)."""
-
-    cache: DynamicCache
-    layers: dict[str, int]
-    root: int
-    h: torch.Tensor
-    t: int
+from .kv_cache import ChainStart, first_position, kv_positions
 
 
 @torch.inference_mode()

@@ -66,7 +66,7 @@ from hycoc.protocol.messages import (
 from hycoc.protocol.wire import PROTOCOL_VERSION
 
 from . import append as append_turn
-from .baselines import ChainStart, draft_cloud_chain, draft_server_chain
+from .baselines import draft_cloud_chain, draft_server_chain
 from .draft_place import PLACES, DraftPlace
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ from .errors import (
     SessionFinished,
 )
 from .forward import Timer
-from .kv_cache import WindowSnapshot, cache_tensors, held_storage_bytes, snapshot_tensors
+from .kv_cache import ChainStart, WindowSnapshot, cache_tensors, held_storage_bytes, snapshot_tensors
 from .kv_surgery import compact_kv, crop_cache, pack_handoff
 from .model import VerifierModel
 from .model import producer_layers as producer_layers  # re-exported: callers import it from here
@@ -547,9 +547,8 @@ class Session:
         handoff, chain = None, np.zeros(0, np.int32)
         if not finished and self.place.hand_off:
             # Line 14: the hand-off for the device's MTP Drafter.
-            handoff = pack_handoff(
-                eng.model, self.cache, eng.layers, bonus, h, t, t_prime, eng.head_window, seq == 0, eng.handoff_scales
-            )
+            start = ChainStart(self.cache, eng.layers, bonus, h, t_prime)
+            handoff = pack_handoff(eng.model, start, t, eng.head_window, seq == 0, eng.handoff_scales)
         elif not finished and self.place.server_chain_after:
             room = min(eng.chain_length, eng.max_context - 1 - t_prime)
             chain = np.asarray(

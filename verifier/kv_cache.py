@@ -44,6 +44,21 @@ FULL = "full_attention"
 DEFAULT_PREFILL_CHUNK = 512
 
 
+@dataclass(frozen=True)
+class ChainStart:
+    """Where the next round's K-chain starts (on the server: `hycoc.verifier.baselines`; on the device: the hand-off,
+    `hycoc.verifier.kv_surgery.pack_handoff`): the session's KV ``cache`` (the head reads the layers ``layers`` names by
+    kind, `hycoc.mtp.FULL` / `hycoc.mtp.SLIDING` -> cache layer index), the ``root`` token at position ``t``
+    (committed positions are [0, t)) and ``h``, the verifier's hidden state (H,) of position t - 1 that the head
+    reads beside the root's embedding (Alg. 2 line 7)."""
+
+    cache: DynamicCache
+    layers: dict[str, int]
+    root: int
+    h: torch.Tensor
+    t: int
+
+
 class SlidingWindowLayer(DynamicSlidingWindowLayer):
     """A sliding-window cache layer compactable by position (module docstring).
 

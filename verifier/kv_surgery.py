@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from hycoc.mtp import FULL, SLIDING
 from hycoc.protocol.messages import HandOff
 
-from .kv_cache import first_position, kv_positions, stores_kv
+from .kv_cache import ChainStart, first_position, kv_positions, stores_kv
 
 
 def quantize_int8(x: torch.Tensor, scale: float) -> np.ndarray:
@@ -70,25 +70,16 @@ def compact_kv(cache: DynamicCache, t: int, path_rows: np.ndarray) -> None:
 
 
 @torch.inference_mode()
-def pack_handoff(
-    model,
-    cache: DynamicCache,
-    layers: dict[str, int],
-    bonus: int,
-    h: torch.Tensor,
-    t: int,
-    t_prime: int,
-    window: int,
-    first_round: bool,
-    scales,
-) -> HandOff:
-    """Alg. 4 line 14: H = (t', a, [e(b); h_v*], R) at 8 bits with fixed scales.
+def pack_handoff(model, start: ChainStart, t: int, window: int, first_round: bool, scales) -> HandOff:
+    """Alg. 4 line 14: H = (t', a, [e(b); h_v*], R) at 8 bits with fixed scales, for the device's chain from
+    ``start``: the bonus b (``start.root``) at t' (``start.t``), h_v* (``start.h``); ``t``: the round's root position.
 
     a = max(t, t' - W), or max(0, t' - W) in the request's first round (its H carries up to W prompt rows).
     e is the verifier's scaled input embedding; h is the row of v* from `NormTap` (pre- or post-norm per the
     engine's ``hidden``). R: the KV rows [a, t') of the last sliding and last full-attention layer, heads
     flattened, keys rotated as cached. scales: (e, h, k_sliding, v_sliding, k_full, v_full).
     """
+    cache, layers, bonus, h, t_prime = start.cache, start.layers, start.root, start.h, start.t
     a = max(0 if first_round else t, t_prime - window)
     e = model.model.embed_tokens(torch.tensor([bonus], device=h.device))[0]
     k_s, v_s = layer_rows(cache, layers[SLIDING], a, t_prime)

@@ -183,9 +183,10 @@ def measure_grid(
     """
     import torch
 
-    from hycoc.verifier.baselines import ChainStart, draft_cloud_chain
+    from hycoc.verifier.baselines import draft_cloud_chain
     from hycoc.verifier.engine import producer_layers, verify_tree
     from hycoc.verifier.forward import NormTap, Timer, prefill
+    from hycoc.verifier.kv_cache import ChainStart
 
     dev = torch.device(device)
     vocab = model.config.vocab_size
