@@ -1,4 +1,4 @@
-"""`VerifierServer`'s settings are refused before anything starts (`hycoc.verifier.server.app.check_server_settings`):
+"""`VerifierServer`'s settings are refused before anything starts (`hycoc.verifier.server.ServerSettings`):
 each out of its range, or an "auto" mode without batching."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
-from hycoc.verifier.server.app import check_server_settings
+from hycoc.verifier.server import ServerSettings
 
 from hycoc.protocol import wire
 
@@ -28,8 +28,8 @@ GOOD = dict(
 
 
 def test_the_defaults_pass():
-    check_server_settings(**GOOD)
-    check_server_settings(**GOOD | {"tree_budget": "auto", "allowance": "auto", "allowance_floor": 33})
+    ServerSettings(**GOOD)
+    ServerSettings(**GOOD | {"tree_budget": "auto", "allowance": "auto", "allowance_floor": 33})
 
 
 @pytest.mark.parametrize(
@@ -52,4 +52,18 @@ def test_the_defaults_pass():
 )
 def test_each_setting_out_of_range_is_named(change, message):
     with pytest.raises(ValueError, match=message):
-        check_server_settings(**GOOD | change)
+        ServerSettings(**GOOD | change)
+
+
+def test_an_allowance_target_of_zero_means_none():
+    assert ServerSettings(**GOOD | {"allowance_target_ms": 0}).allowance_target_ms is None
+    assert ServerSettings(**GOOD | {"allowance_target_ms": 25}).allowance_target_ms == 25.0
+
+
+def test_the_server_takes_settings_or_keywords_not_both():
+    from hycoc.verifier.server import VerifierServer
+
+    with pytest.raises(TypeError, match=r"not both: \['tree_rows'\]"):
+        VerifierServer(None, ServerSettings(tree_rows=5), tree_rows=5)  # refused before the engine is read
+    with pytest.raises(TypeError, match="tree_rowz"):
+        VerifierServer(None, tree_rowz=5)

@@ -67,6 +67,7 @@ from .errors import (
 from .limits import REFUSAL_KINDS, ServerLimits, open_frame_bytes
 from .metrics import METRICS_CONTENT_TYPE, ServerMetrics
 from .running import ServerThread, serve
+from .settings import ServerSettings
 from .worker import BATCHING_MODES, DEFAULT_MAX_BATCH_ROWS, DEFAULT_MAX_BATCH_WAIT_MS
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "ServerThread",
     "serve",
     "ServerLimits",
+    "ServerSettings",
     "REFUSAL_KINDS",
     "open_frame_bytes",
     "Connection",

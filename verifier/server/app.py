@@ -6,120 +6,39 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from typing import Any
 
 from aiohttp import WSCloseCode, web
 
 from hycoc.protocol import wire
 
-from ..allowance import ALLOWANCE_MODES, CLASSES, AllowanceRule
+from ..allowance import CLASSES, AllowanceRule
 from ..batch import RowBudget
 from ..engine import Session, VerifierEngine
-from ..row_budget import DEFAULT_MIN_ROWS, TREE_BUDGETS, RowCost
+from ..row_budget import RowCost
 from ..row_cost_measure import measure_row_cost, row_cost_plan
 from .admission import Admission, KvReservation, Link
 from .channels import AiohttpChannel, Channel, Connection, GuardedRunner, bearer_token
 from .errors import ShuttingDown
 from .limits import ServerLimits
-from .memory import DEFAULT_MEMORY_RELEASE_S, release_memory
+from .memory import release_memory
 from .metrics import METRICS_CONTENT_TYPE, ServerMetrics
 from .session_loop import SessionLoop
+from .settings import ServerSettings
 from .worker import (
-    BATCHING_MODES,
-    DEFAULT_MAX_BATCH_ROWS,
-    DEFAULT_MAX_BATCH_WAIT_MS,
-    DEFAULT_MAX_PREFILLS,
     EngineWorker,
 )
-
-
-def check_server_settings(
-    *,
-    tree_rows: int,
-    auth_token: str | None,
-    max_frame_bytes: int,
-    batching: str,
-    max_batch_rows: int,
-    max_batch_wait_ms: float,
-    tree_budget: str,
-    min_rows_per_session: int,
-    allowance: str,
-    allowance_target_ms: float | None,
-    allowance_floor: int,
-    max_prefills: int,
-) -> None:
-    """Refuse `VerifierServer`'s settings (its arguments of the same names) before anything starts: each out of its
-    range, or a mode that is not one of its allowed values; "auto" row budgets and allowances need batched mode.
-    Raises ValueError naming the setting, its value and what it must be."""
-    if not 1 <= tree_rows <= wire.MAX_TREE_ROWS:
-        raise ValueError(f"tree_rows = {tree_rows}: must lie in [1, {wire.MAX_TREE_ROWS}] (B + 1)")
-    if auth_token is not None and not auth_token:
-        raise ValueError("auth_token is empty: give a non-empty token, or None for an open server")
-    if batching not in BATCHING_MODES:
-        raise ValueError(f"batching = {batching!r}: must be one of {BATCHING_MODES}")
-    for key, value, allowed, what in (
-        ("tree_budget", tree_budget, TREE_BUDGETS, "allocates rows across a batched forward"),
-        ("allowance", allowance, ALLOWANCE_MODES, "sizes trees by the load of batched forwards"),
-    ):
-        if value not in allowed:
-            raise ValueError(f"{key} = {value!r}: must be one of {allowed}")
-        if value == "auto" and batching != "batched":
-            raise ValueError(f"{key} = 'auto' {what}: it needs batching = 'batched', not {batching!r}")
-    if not (isinstance(allowance_floor, int) and 0 <= allowance_floor <= tree_rows):
-        raise ValueError(
-            f"allowance_floor = {allowance_floor!r}: must be an integer in [0, {tree_rows}] (0: K + 1, the root "
-            "and the MTP chain; at most tree_rows, B + 1)"
-        )
-    if allowance_target_ms is not None and not (
-        isinstance(allowance_target_ms, (int, float)) and 0 <= allowance_target_ms < math.inf
-    ):
-        raise ValueError(f"allowance_target_ms = {allowance_target_ms!r}: must be a number of ms >= 0 (0: none)")
-    if not (isinstance(min_rows_per_session, int) and min_rows_per_session >= 1):
-        raise ValueError(f"min_rows_per_session = {min_rows_per_session!r}: must be an integer >= 1")
-    if not (isinstance(max_batch_rows, int) and max_batch_rows >= 1):
-        raise ValueError(f"max_batch_rows = {max_batch_rows!r}: must be an integer >= 1")
-    if not (isinstance(max_batch_wait_ms, (int, float)) and 0 <= max_batch_wait_ms <= 10_000):
-        raise ValueError(f"max_batch_wait_ms = {max_batch_wait_ms!r}: must lie in [0, 10000] ms")
-    if not (isinstance(max_prefills, int) and max_prefills >= 1):
-        raise ValueError(f"max_prefills = {max_prefills!r}: must be an integer >= 1")
-    if max_frame_bytes < wire.HEADER.size:
-        raise ValueError(f"max_frame_bytes = {max_frame_bytes}: must hold at least the {wire.HEADER.size}-byte header")
 
 
 class VerifierServer:
     """The verifier engine behind the wire protocol (see the package docstring for the routes and the rules).
 
     engine: the shared `VerifierEngine` (its model, head, keep set, W, K and hand-off scales).
-    tree_rows: rows of every ROUND of ``device`` and ``server-head`` sessions, B + 1 (recipe: tree.node_budget + 1);
-        ``cloud-mtp`` sessions send the root alone (1 row). Sent in OPENED.
-    auth_token: shared secret clients must present (None: open server). Never empty.
-    max_frame_bytes: largest frame, header included, in bytes (recipe: verifier.max_frame_bytes); incoming frames
-        are further bounded by `open_frame_bytes` (package docstring "Frame size").
-    model_name: what /healthz reports as the model (recipe: models.verifier as written).
+    settings: the server's `ServerSettings` (tree rows, auth, frame bound, batching, row budget, allowance,
+        prefills; each documented there); or give them as keywords of the same names (``tree_rows=33``), not both.
     limits: `ServerLimits` (recipe: the [verifier] keys of the same names).
-    batching: "batched" (default): rounds of sessions ready together run in one forward and prefills run chunk
-        by chunk between them (`hycoc.verifier.scheduler`); "serial": one engine call at a time, in arrival order.
-        Recipe: verifier.batching.
-    max_batch_rows: most tree rows per batched forward (>= 1; recipe verifier.max_batch_rows).
-    max_batch_wait_ms: how long a round waits for others to join its forward, in ms (>= 0; recipe
-        verifier.max_batch_wait_ms); it never waits when every open session has a round queued.
-    tree_budget: "fixed" (default): every tree verified as sent; "auto": when several rounds share a batched
-        forward, the rows verified are chosen across them by the trees' scores (`hycoc.verifier.row_budget`;
-        batched mode only). Recipe: verifier.tree_budget.
-    row_cost: the forward's `RowCost` for "auto" (recipe verifier.row_cost); None: measured on the engine when the
-        engine starts (`hycoc.verifier.row_cost_measure`, ~1 s on the toy).
-    min_rows_per_session: rows each scored tree keeps under "auto" (>= 1; default 2: root and first chain token).
-    allowance: "fixed" (default): every reply lets the next round hold the whole tree (tree_rows); "auto": each
-        reply's allowance is sized from the load (`hycoc.verifier.allowance.AllowanceRule`, sharing the row
-        budget's learned state when tree_budget is "auto"; batched mode only). Recipe: verifier.allowance.
-    allowance_target_ms: the step-latency target the allowance keeps a forward under, in ms (None or 0: none).
-        Recipe: verifier.allowance_target_ms.
-    allowance_floor: the fewest rows an allowance grants (0, the default: K + 1, the root and the MTP chain).
-        Recipe: verifier.allowance_floor.
-    memory_release_s: seconds between two releases of the C allocator's free pages to the OS on the worker
-        (`hycoc.verifier.server.memory`: RSS stays flat under fuzzing); 0 turns them off.
-    max_prefills: most sessions prefilling at once (batched; serial runs one); the KV budget reserves a
-        prefilling session's transient (`VerifierEngine.prefill_transient_bytes`) once per such slot at start
-        (recipe verifier.max_prefills). ValueError when max_kv_bytes cannot hold that pool.
+    row_cost: the forward's `RowCost` for tree_budget / allowance "auto" (recipe verifier.row_cost); None: measured
+        on the engine when the engine starts (`hycoc.verifier.row_cost_measure`, ~1 s on the toy).
 
     ``metrics`` (`ServerMetrics`), ``admission`` (`Admission`) and ``sessions`` (live sessions by id) may be read
     from other threads between requests.
@@ -128,55 +47,20 @@ class VerifierServer:
     def __init__(
         self,
         engine: VerifierEngine,
+        settings: ServerSettings | None = None,
         *,
-        tree_rows: int,
-        auth_token: str | None = None,
-        max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
-        model_name: str = "verifier",
         limits: ServerLimits = ServerLimits(),
-        batching: str = "batched",
-        max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
-        max_batch_wait_ms: float = DEFAULT_MAX_BATCH_WAIT_MS,
-        tree_budget: str = "fixed",
         row_cost: RowCost | None = None,
-        min_rows_per_session: int = DEFAULT_MIN_ROWS,
-        allowance: str = "fixed",
-        allowance_target_ms: float | None = None,
-        allowance_floor: int = 0,
-        max_prefills: int = DEFAULT_MAX_PREFILLS,
-        memory_release_s: float = DEFAULT_MEMORY_RELEASE_S,
+        **setting: Any,
     ):
-        check_server_settings(
-            tree_rows=tree_rows,
-            auth_token=auth_token,
-            max_frame_bytes=max_frame_bytes,
-            batching=batching,
-            max_batch_rows=max_batch_rows,
-            max_batch_wait_ms=max_batch_wait_ms,
-            tree_budget=tree_budget,
-            min_rows_per_session=min_rows_per_session,
-            allowance=allowance,
-            allowance_target_ms=allowance_target_ms,
-            allowance_floor=allowance_floor,
-            max_prefills=max_prefills,
-        )
+        if settings is None:
+            settings = ServerSettings(**setting)  # ValueError / TypeError naming a bad or unknown setting
+        elif setting:
+            raise TypeError(f"give the server's settings as ServerSettings or as keywords, not both: {sorted(setting)}")
+        self.settings = settings
         self.engine = engine
-        self.tree_rows = int(tree_rows)
-        self.auth_token = auth_token
-        self.max_frame_bytes = int(max_frame_bytes)
-        self.model_name = model_name
-        self.batching = batching
-        self.max_batch_rows = int(max_batch_rows)
-        self.max_batch_wait_ms = float(max_batch_wait_ms)
         self.limits = limits
-        self.tree_budget = tree_budget
         self.row_cost = row_cost
-        self.min_rows_per_session = int(min_rows_per_session)
-        self.allowance = allowance
-        self.allowance_target_ms = float(allowance_target_ms) if allowance_target_ms else None
-        self.allowance_floor = int(allowance_floor)
-        self.max_prefills = int(max_prefills)
-        self.memory_release_s = float(memory_release_s)
         self._releaser: asyncio.Task | None = None
         self.metrics = ServerMetrics(live_sessions=lambda: len(self.sessions))
         self.admission = Admission(limits, self.metrics.refused)
@@ -185,13 +69,13 @@ class VerifierServer:
         self.prefill_pool: KvReservation | None = None  # its reservation, from `start_engine` to `stop`
         self.worker = EngineWorker(
             engine,
-            batching=batching,
-            max_batch_rows=self.max_batch_rows,
-            max_batch_wait_ms=self.max_batch_wait_ms,
+            batching=self.settings.batching,
+            max_batch_rows=self.settings.max_batch_rows,
+            max_batch_wait_ms=self.settings.max_batch_wait_ms,
             open_sessions=lambda: len(self.sessions),
             on_step=self.metrics.observe_step,
             row_budget=self.row_budget() if row_cost is not None else None,
-            max_prefills=self.max_prefills,
+            max_prefills=self.settings.max_prefills,
         )
         self.worker.after_call = self._sample_kv
         self.loop = SessionLoop(
@@ -200,9 +84,9 @@ class VerifierServer:
             self.admission,
             self.metrics,
             limits,
-            tree_rows=self.tree_rows,
-            auth_token=auth_token,
-            max_frame_bytes=self.max_frame_bytes,
+            tree_rows=self.settings.tree_rows,
+            auth_token=self.settings.auth_token,
+            max_frame_bytes=self.settings.max_frame_bytes,
         )
         #: Live sessions by id (each holds a KV cache until its connection ends).
         self.sessions: dict[int, Session] = self.loop.sessions
@@ -218,11 +102,13 @@ class VerifierServer:
         its sliding layers) once per session that may prefill at once (max_prefills; 1 serial). ValueError when
         max_kv_bytes cannot hold it."""
         per = getattr(self.engine, "prefill_transient_bytes", None)
-        nbytes = (self.max_prefills if self.batching == "batched" else 1) * (int(per()) if per is not None else 0)
+        nbytes = (self.settings.max_prefills if self.settings.batching == "batched" else 1) * (
+            int(per()) if per is not None else 0
+        )
         if nbytes > self.admission.kv.capacity:
             raise ValueError(
                 f"max_kv_bytes = {self.admission.kv.capacity} cannot hold the prefill pool: {nbytes} B for "
-                f"max_prefills = {self.max_prefills} sessions prefilling at once; raise max_kv_bytes or lower "
+                f"max_prefills = {self.settings.max_prefills} sessions prefilling at once; raise max_kv_bytes or lower "
                 "max_prefills"
             )
         return nbytes
@@ -242,7 +128,7 @@ class VerifierServer:
         """Every memory_release_s: the allocator's free pages back to the OS, on the worker between its steps
         (`hycoc.verifier.server.memory.release_memory`); RSS and the bytes released go to the metrics."""
         while True:
-            await asyncio.sleep(self.memory_release_s)
+            await asyncio.sleep(self.settings.memory_release_s)
             try:
                 before, after = await self.worker.run(release_memory)
             except ShuttingDown:
@@ -266,14 +152,16 @@ class VerifierServer:
         replicas, `hycoc.verifier.ray_serve`). `start` calls it; `stop` ends both. Raises RuntimeError if already
         started."""
         self.worker.start()
-        if self.memory_release_s > 0:
+        if self.settings.memory_release_s > 0:
             self._releaser = asyncio.get_running_loop().create_task(self._release_memory())
         if self.prefill_pool_bytes and self.prefill_pool is None:
             self.prefill_pool = self.admission.kv.reserve(self.prefill_pool_bytes, 0)
             self.metrics.prefill_pool_bytes = self.prefill_pool_bytes
-        if self.tree_budget == "auto" or self.allowance == "auto":
+        if self.settings.tree_budget == "auto" or self.settings.allowance == "auto":
             if self.row_cost is None:
-                sessions, rows = row_cost_plan(self.tree_rows, self.max_batch_rows, self.engine.max_context)
+                sessions, rows = row_cost_plan(
+                    self.settings.tree_rows, self.settings.max_batch_rows, self.engine.max_context
+                )
                 self.row_cost = await self.worker.run(
                     lambda: measure_row_cost(
                         self.engine,
@@ -291,23 +179,25 @@ class VerifierServer:
         rows are the row budget's (one full tree or the cost line's flat part); its floor allowance_floor (0: K + 1),
         its ceiling tree_rows; it shares ``budget``'s learned state (host ms per session, accepted per expected
         token) when one is given."""
-        if self.allowance != "auto" or self.row_cost is None:
+        if self.settings.allowance != "auto" or self.row_cost is None:
             return None
         return AllowanceRule.for_server(
             self.row_cost,
-            self.tree_rows,
+            self.settings.tree_rows,
             self.engine.chain_length,
-            floor=self.allowance_floor,
-            target_ms=self.allowance_target_ms,
+            floor=self.settings.allowance_floor,
+            target_ms=self.settings.allowance_target_ms,
             budget=None if budget is None else budget.state,
         )
 
     def row_budget(self) -> RowBudget | None:
         """The batched steps' `RowBudget` ("auto", once the row cost is known), else None. Its free rows: one full
         tree's (tree_rows) or the row cost's flat part, whichever is larger (so one session is never trimmed)."""
-        if self.tree_budget != "auto" or self.row_cost is None:
+        if self.settings.tree_budget != "auto" or self.row_cost is None:
             return None
-        return RowBudget(self.row_cost, max(self.tree_rows, self.row_cost.flat_rows()), self.min_rows_per_session)
+        return RowBudget(
+            self.row_cost, max(self.settings.tree_rows, self.row_cost.flat_rows()), self.settings.min_rows_per_session
+        )
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Start the engine (`start_engine`), listen on host:port (0 = a free port) and return the
@@ -415,23 +305,23 @@ class VerifierServer:
         eng = self.engine
         return {
             "status": "ok",
-            "model": self.model_name,
+            "model": self.settings.model_name,
             "protocol_version": wire.PROTOCOL_VERSION,
             "protocol_versions": list(wire.SUPPORTED_VERSIONS),
             "sessions": self.metrics.sessions_active,
-            "tree_rows": self.tree_rows,
+            "tree_rows": self.settings.tree_rows,
             "chain_length": eng.chain_length,
             "max_context": eng.max_context,
             "vocab_size": eng.vocab_size,
-            "max_frame_bytes": self.max_frame_bytes,
-            "auth": self.auth_token is not None,
+            "max_frame_bytes": self.settings.max_frame_bytes,
+            "auth": self.settings.auth_token is not None,
             "batching": {
-                "mode": self.batching,
-                "max_batch_rows": self.max_batch_rows,
-                "max_batch_wait_ms": self.max_batch_wait_ms,
-                "max_prefills": self.max_prefills,
-                "tree_budget": self.tree_budget,
-                "allowance": self.allowance,
+                "mode": self.settings.batching,
+                "max_batch_rows": self.settings.max_batch_rows,
+                "max_batch_wait_ms": self.settings.max_batch_wait_ms,
+                "max_prefills": self.settings.max_prefills,
+                "tree_budget": self.settings.tree_budget,
+                "allowance": self.settings.allowance,
                 **self._budget_health(),
                 **self._allowance_health(),
             },
@@ -475,7 +365,7 @@ class VerifierServer:
 
     async def _websocket(self, request: web.Request) -> web.StreamResponse:
         peer = request.remote or ""
-        wait = self.admission.auth.refuse_if_limited(peer) if self.auth_token is not None else 0.0
+        wait = self.admission.auth.refuse_if_limited(peer) if self.settings.auth_token is not None else 0.0
         if wait > 0:
             return web.Response(
                 status=429,

@@ -7,14 +7,11 @@ import asyncio
 import signal
 import threading
 from collections.abc import Callable
-
-from hycoc.protocol import wire
+from typing import Any
 
 from ..engine import VerifierEngine
 from .app import VerifierServer
-from .limits import ServerLimits
 from .memory import freeze_startup_objects
-from .worker import DEFAULT_MAX_BATCH_ROWS, DEFAULT_MAX_BATCH_WAIT_MS
 
 
 def serve(
@@ -22,36 +19,19 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8765,
     *,
-    auth_token: str | None = None,
-    tree_rows: int,
-    max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
-    model_name: str = "verifier",
-    limits: ServerLimits = ServerLimits(),
     on_listening: Callable[[str], None] | None = None,
-    batching: str = "batched",
-    max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
-    max_batch_wait_ms: float = DEFAULT_MAX_BATCH_WAIT_MS,
-    **budget,
+    **server_kwargs: Any,
 ) -> None:
     """Run the server until SIGINT or SIGTERM (blocking). ``on_listening(url)`` is called once the port is bound.
     One server per process: the objects loaded so far are frozen out of garbage collection first
     (`hycoc.verifier.server.memory.freeze_startup_objects`), so the periodic memory release can collect cycles.
-    The other keywords are `VerifierServer`'s.
+    ``server_kwargs``: `VerifierServer`'s keywords (``limits``, ``row_cost``, a `ServerSettings` as ``settings`` or its
+    fields by name, e.g. ``tree_rows=33``).
 
-    port 0 picks a free port (the URL names it). Raises OSError when the address cannot be bound.
+    port 0 picks a free port (the URL names it). Raises OSError when the address cannot be bound, ValueError /
+    TypeError for a bad or unknown setting (before anything starts).
     """
-    server = VerifierServer(
-        engine,
-        tree_rows=tree_rows,
-        auth_token=auth_token,
-        max_frame_bytes=max_frame_bytes,
-        model_name=model_name,
-        limits=limits,
-        batching=batching,
-        max_batch_rows=max_batch_rows,
-        max_batch_wait_ms=max_batch_wait_ms,
-        **budget,
-    )
+    server = VerifierServer(engine, **server_kwargs)
 
     freeze_startup_objects()  # one server per process: later collections skip the model (memory module)
 
