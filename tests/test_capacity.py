@@ -548,7 +548,7 @@ def test_allowance_rule_is_built_and_fed_as_the_server_builds_and_feeds_it(monke
 
     from hycoc.runtime.transport import LINK_PRESETS
     from hycoc.verifier.allowance import AllowanceRule
-    from hycoc.verifier.server.app import VerifierServer
+    from hycoc.verifier.server import ServerSettings, VerifierServer
 
     from hycoc.bench.capacity.run import GEMMA4_FRAMES
 
@@ -585,10 +585,8 @@ def test_allowance_rule_is_built_and_fed_as_the_server_builds_and_feeds_it(monke
         return TreeRequest(8, 10**9, _pool(), 33, ms, "device", np.random.default_rng([i, k]), floor=5)
 
     res = simulate(Workload(devices), cfg, FixedCost(a=10.0, line=line))
-    server = SimpleNamespace(
-        allowance="auto", row_cost=line, tree_rows=33, engine=SimpleNamespace(chain_length=4), allowance_floor=0,
-        allowance_target_ms=60.0,
-    )  # fmt: skip
+    settings = ServerSettings(tree_rows=33, allowance="auto", allowance_floor=0, allowance_target_ms=60.0)
+    server = SimpleNamespace(settings=settings, row_cost=line, engine=SimpleNamespace(chain_length=4))
     served = VerifierServer.allowance_rule(server)
     assert len(built) == 2 and built[-1] is served
     sim = built[0]

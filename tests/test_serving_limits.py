@@ -38,19 +38,18 @@ def test_recipe_verifier_fields_are_the_tables():
 
 
 def test_the_library_servers_defaults_are_the_tables():
-    from hycoc.verifier.server import REFUSAL_KINDS, ServerLimits, ServerThread, VerifierServer, serve
+    from hycoc.verifier.server import REFUSAL_KINDS, ServerLimits, ServerSettings, ServerThread, VerifierServer, serve
 
     from hycoc.protocol import wire
 
     assert tuple(f.name for f in dataclasses.fields(ServerLimits)) == SERVER_LIMIT_KNOBS
     assert ServerLimits().as_dict() == {k: serving_limits.default(k) for k in SERVER_LIMIT_KNOBS}
     assert wire.DEFAULT_MAX_FRAME_BYTES == wire.Limits().max_frame_bytes == serving_limits.default("max_frame_bytes")
-    for fn in (VerifierServer.__init__, serve, ServerThread.__init__):
-        params = inspect.signature(fn).parameters
-        for knob in ("max_frame_bytes", "max_batch_rows", "max_batch_wait_ms"):
-            if knob in params:
-                assert params[knob].default == serving_limits.default(knob), (fn.__qualname__, knob)
-    assert "max_frame_bytes" in inspect.signature(VerifierServer.__init__).parameters
+    settings = {f.name: f.default for f in dataclasses.fields(ServerSettings)}
+    for knob in ("max_frame_bytes", "max_batch_rows", "max_batch_wait_ms", "max_prefills"):
+        assert settings[knob] == serving_limits.default(knob), knob
+    for fn in (VerifierServer.__init__, serve, ServerThread.__init__):  # settings reach the server by name only
+        assert not {"max_frame_bytes", "max_batch_rows", "max_batch_wait_ms"} & set(inspect.signature(fn).parameters)
     assert REFUSAL_KINDS == tuple(lim.refusal_kind for lim in LIMITS if lim.refusal_kind)
     assert set(REFUSAL_KINDS) == {k.removesuffix("_s") for k in SERVER_LIMIT_KNOBS} - {"retry_after"}
 
