@@ -432,3 +432,29 @@ def test_every_numeric_knob_has_an_upper_bound():
                 if not any(isinstance(m, (annotated_types.Le, annotated_types.Lt)) for m in field.metadata):
                     unbounded.append(f"{table}.{key}")
     assert unbounded == []
+
+
+def test_an_order_bound_without_a_lower_bound_names_the_limit_alone():
+    """`Section.bounds` derives the allowed range from the field: with no ge/gt on it, only the limit is named."""
+    from typing import ClassVar
+
+    from pydantic import Field
+
+    from hycoc.recipe.errors import CrossFieldError
+    from hycoc.recipe.sections import Bound, Section
+
+    class Pair(Section):
+        table: ClassVar[str] = "pair"
+        bounds = (Bound("a", "b", "exceeds {limit}"), Bound("c", "b", "reaches {limit}", strict=True))
+        a: int = Field(0)
+        b: int = Field(3, ge=1)
+        c: float = Field(0.0)
+
+    for kw, key, allowed in [
+        ({"a": 5}, "a", "an integer at most pair.b = 3"),
+        ({"c": 3.0}, "c", "a number below pair.b = 3"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            Pair(**kw)
+        err = e.value.errors()[0]["ctx"]["error"]
+        assert isinstance(err, CrossFieldError) and (err.key, err.allowed) == (key, allowed)

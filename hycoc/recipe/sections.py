@@ -60,11 +60,14 @@ class Section(BaseModel):
             if value > limit or (b.strict and value == limit):
                 named = f"{self.table}.{b.limit} = {limit}"
                 info = type(self).model_fields[b.key]
-                low = next(m for m in info.metadata if isinstance(m, (annotated_types.Ge, annotated_types.Gt)))
-                opening = "(" if isinstance(low, annotated_types.Gt) else "["
-                lowest = low.gt if isinstance(low, annotated_types.Gt) else low.ge
+                low = next((m for m in info.metadata if isinstance(m, (annotated_types.Ge, annotated_types.Gt))), None)
                 kind = "an integer" if info.annotation is int else "a number"
-                allowed = f"{kind} in {opening}{lowest:g}, {named}{')' if b.strict else ']'}"
+                if low is None:  # no lower bound on the field: the limit alone
+                    allowed = f"{kind} {'below' if b.strict else 'at most'} {named}"
+                else:
+                    opening = "(" if isinstance(low, annotated_types.Gt) else "["
+                    lowest = low.gt if isinstance(low, annotated_types.Gt) else low.ge
+                    allowed = f"{kind} in {opening}{lowest:g}, {named}{')' if b.strict else ']'}"
                 raise CrossFieldError(b.key, value, b.problem.format(limit=named), allowed)
         return self
 
