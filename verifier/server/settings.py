@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hycoc import serving_limits
 from hycoc.protocol import wire
 
 from ..allowance import ALLOWANCE_MODES
@@ -105,8 +106,10 @@ class ServerSettings:
             raise ValueError(f"min_rows_per_session = {self.min_rows_per_session!r}: must be an integer >= 1")
         if not (isinstance(self.max_batch_rows, int) and self.max_batch_rows >= 1):
             raise ValueError(f"max_batch_rows = {self.max_batch_rows!r}: must be an integer >= 1")
-        if not (isinstance(self.max_batch_wait_ms, (int, float)) and 0 <= self.max_batch_wait_ms <= 10_000):
-            raise ValueError(f"max_batch_wait_ms = {self.max_batch_wait_ms!r}: must lie in [0, 10000] ms")
+        wait = serving_limits.BY_KNOB["max_batch_wait_ms"]  # the range the recipe and the CLI accept
+        low, high = wait.ge or 0, wait.le
+        if not (isinstance(self.max_batch_wait_ms, (int, float)) and low <= self.max_batch_wait_ms <= high):
+            raise ValueError(f"max_batch_wait_ms = {self.max_batch_wait_ms!r}: must lie in [{low}, {high}] ms")
         if not (isinstance(self.max_prefills, int) and self.max_prefills >= 1):
             raise ValueError(f"max_prefills = {self.max_prefills!r}: must be an integer >= 1")
         if self.max_frame_bytes < wire.HEADER.size:
